@@ -1,0 +1,253 @@
+#!/usr/bin/env python3
+"""Launch tritonserver on a model repository (tensorrtllm_backend-compatible flags).
+
+    python3 scripts/launch_triton_server.py --model_repo=/path/to/repo [--world_size=1]
+        [--http_port=8000 --grpc_port=8001 --metrics_port=8002] [--log --log-file=triton_log.txt]
+
+Finds the server binary (`--tritonserver`, else `tritonserver` on PATH, else the one bundled in the
+`nvidia-pytriton` wheel), gives the Python-backend stub this project's Python environment, and
+starts the server in the background (returns at once, like the reference launcher).
+
+Why the environment matters: the Python-backend stub embeds libpython and imports packages from the
+environment of the `python3` first on PATH (PYTHONPATH is ignored), so this script puts the
+interpreter's own bin directory first on PATH and the matching libpython on LD_LIBRARY_PATH.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_TRITONSERVER = "/opt/tritonserver/bin/tritonserver"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tritonllm"
+
+
+@dataclass
+class ServerInstall:
+    """Where a runnable tritonserver lives; backend_dir is None for an install that knows its own."""
+
+    binary: str
+    backend_dir: str | None = None
+    library_dirs: tuple[str, ...] = ()
+
+
+def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world_size", type=int, default=1, help="number of ranks (TP x PP)")
+    parser.add_argument("--tritonserver", type=str, default=DEFAULT_TRITONSERVER,
+                        help="server binary; when it does not exist, PATH and nvidia-pytriton are searched")
+    parser.add_argument("--grpc_port", type=str, default="8001")
+    parser.add_argument("--http_port", type=str, default="8000")
+    parser.add_argument("--metrics_port", type=str, default="8002")
+    parser.add_argument("--host", type=str, default=None,
+                        help="address for all three endpoints (default: tritonserver's, all interfaces)")
+    parser.add_argument("--force", "-f", action="store_true", help="launch even if tritonserver runs")
+    parser.add_argument("--log", action="store_true", help="rank 0 logs verbosely to --log-file")
+    parser.add_argument("--log-file", type=str, default="triton_log.txt")
+    parser.add_argument("--no-mpi", action="store_true", help="run tritonserver directly (world_size 1)")
+    parser.add_argument("--model_repo", type=str, default=str(REPO_ROOT / "all_models"))
+    parser.add_argument("--tensorrt_llm_model_name", type=str, default="tensorrt_llm",
+                        help="comma list of the models non-zero ranks load")
+    parser.add_argument("--multi-model", action="store_true", help="orchestrator mode (not supported)")
+    parser.add_argument("--disable-spawn-processes", action="store_true")
+    parser.add_argument("--multimodal_gpu0_cuda_mem_pool_bytes", type=int, default=0)
+    parser.add_argument("--oversubscribe", action="store_true", help="pass --oversubscribe to mpirun")
+    parser.add_argument("--cache_dir", type=str, default=str(DEFAULT_CACHE_DIR),
+                        help="where the nvidia-pytriton server bundle is prepared")
+    return parser.parse_args(argv)
+
+
+# ----------------------------------------------------------------------------- command shape
+
+def rank_arguments(rank: int, args: argparse.Namespace, install: ServerInstall) -> list[str]:
+    """The tritonserver command line of one rank (without mpirun separators)."""
+    ports = [f"--grpc-port={args.grpc_port}", f"--http-port={args.http_port}",
+             f"--metrics-port={args.metrics_port}"]
+    cmd = [install.binary, f"--model-repository={args.model_repo}", *ports]
+    if args.host:
+        cmd += [f"--http-address={args.host}", f"--grpc-address={args.host}",
+                f"--metrics-address={args.host}"]
+    if install.backend_dir:
+        cmd.append(f"--backend-directory={install.backend_dir}")
+    if rank == 0 and args.log:
+        cmd += ["--log-verbose=3", f"--log-file={args.log_file}"]
+    if rank != 0:
+        # Non-leader ranks load only the LLM model(s); they block inside its initialize.
+        cmd.append("--model-control-mode=explicit")
+        cmd += [f"--load-model={name}" for name in args.tensorrt_llm_model_name.split(",")]
+    if rank == 0 and args.multimodal_gpu0_cuda_mem_pool_bytes != 0:
+        cmd.append(f"--cuda-memory-pool-byte-size=0:{args.multimodal_gpu0_cuda_mem_pool_bytes}")
+    # A unique shared-memory prefix per rank keeps the ranks' Python-backend stubs apart.
+    cmd += ["--disable-auto-complete-config",
+            f"--backend-config=python,shm-region-prefix-name=prefix{rank}_"]
+    return cmd
+
+
+def build_command(args: argparse.Namespace, install: ServerInstall) -> list[str]:
+    """The full command: one tritonserver (no MPI) or an mpirun job with one app per rank."""
+    if args.no_mpi:
+        assert args.world_size == 1, "--no-mpi needs --world_size 1"
+        return rank_arguments(0, args, install)
+    cmd = ["mpirun", "--allow-run-as-root"]
+    if args.oversubscribe:
+        cmd.append("--oversubscribe")
+    for rank in range(args.world_size):
+        cmd += ["-n", "1", *rank_arguments(rank, args, install), ":"]
+    return cmd
+
+
+# ----------------------------------------------------------------------------- finding the server
+
+def pytriton_bundle_dir() -> Path | None:
+    """The `tritonserver` folder inside the installed nvidia-pytriton wheel, if any."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    bundle = Path(spec.submodule_search_locations[0]) / "tritonserver"
+    return bundle if (bundle / "bin" / "tritonserver").exists() else None
+
+
+def prepare_pytriton_backends(bundle: Path, cache_dir: Path) -> Path:
+    """Make `<cache_dir>/backends/python` = the bundle's python backend + the stub for this Python.
+
+    The wheel ships one stub per Python version outside the backend folder; the backend expects
+    `backends/python/triton_python_backend_stub`. Symlinks keep the bundle's RPATHs working.
+    """
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = bundle / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.exists():
+        raise RuntimeError(f"nvidia-pytriton has no Python-backend stub for Python {version} ({stub})")
+    python_dir = cache_dir / "backends" / "python"
+    python_dir.mkdir(parents=True, exist_ok=True)
+    links = {p.name: p for p in (bundle / "backends" / "python").iterdir() if p.is_file()}
+    links["triton_python_backend_stub"] = stub
+    for name, target in links.items():
+        link = python_dir / name
+        if link.is_symlink() and Path(os.readlink(link)) == target:
+            continue
+        if link.exists() or link.is_symlink():
+            link.unlink()
+        link.symlink_to(target)
+    return python_dir.parent
+
+
+def find_server(requested: str, cache_dir: Path) -> ServerInstall:
+    """Resolve the tritonserver binary: the requested one, PATH, then nvidia-pytriton."""
+    if requested and Path(requested).is_file():
+        return ServerInstall(binary=requested)
+    if requested != DEFAULT_TRITONSERVER:
+        raise RuntimeError(f"--tritonserver {requested} does not exist")
+    on_path = shutil.which("tritonserver")
+    if on_path:
+        return ServerInstall(binary=on_path)
+    bundle = pytriton_bundle_dir()
+    if bundle is None:
+        raise RuntimeError("No tritonserver found: not at --tritonserver, not on PATH, and "
+                           "nvidia-pytriton is not installed (pip install nvidia-pytriton)")
+    backend_dir = prepare_pytriton_backends(bundle, cache_dir)
+    libs = bundle.parent.parent / "nvidia_pytriton.libs"
+    return ServerInstall(binary=str(bundle / "bin" / "tritonserver"), backend_dir=str(backend_dir),
+                         library_dirs=(str(libs),) if libs.is_dir() else ())
+
+
+def libpython_dir() -> str | None:
+    """The folder holding this interpreter's shared libpython, which the stub must load."""
+    libdir = sysconfig.get_config_var("LIBDIR")
+    ldlibrary = sysconfig.get_config_var("LDLIBRARY") or ""
+    if libdir and ldlibrary.endswith(".so") and (Path(libdir) / ldlibrary).exists():
+        return libdir
+    return None
+
+
+def server_environment(install: ServerInstall, base: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for tritonserver: this Python's bin first on PATH, its libpython findable."""
+    env = dict(os.environ if base is None else base)
+    python_bin = str(Path(sys.executable).parent)
+    env["PATH"] = os.pathsep.join([python_bin, env.get("PATH", "")]).rstrip(os.pathsep)
+    lib_dirs = list(install.library_dirs)
+    if libpython_dir():
+        lib_dirs.insert(0, libpython_dir())
+    if env.get("LD_LIBRARY_PATH"):
+        lib_dirs.append(env["LD_LIBRARY_PATH"])
+    if lib_dirs:
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(lib_dirs)
+    env.pop("PYTHONHOME", None)
+    return env
+
+
+# ----------------------------------------------------------------------------- pre-flight checks
+
+def running_tritonserver_pids() -> list[int]:
+    """PIDs of tritonserver processes in the running state (as the reference launcher checks)."""
+    result = subprocess.run(["pgrep", "-r", "R", "tritonserver"], capture_output=True, text=True)
+    return [int(pid) for pid in result.stdout.split()]
+
+
+def busy_ports(args: argparse.Namespace) -> list[str]:
+    """The requested ports something already listens on, as 'flag=port' strings."""
+    busy = []
+    host = args.host or "0.0.0.0"
+    for flag in ("http_port", "grpc_port", "metrics_port"):
+        port = int(getattr(args, flag))
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((host, port))
+            except OSError:
+                busy.append(f"--{flag}={port}")
+    return busy
+
+
+def preflight(args: argparse.Namespace) -> None:
+    """Refuse to start a second server, or one whose ports are taken, with a message saying why."""
+    if args.multi_model:
+        raise RuntimeError("--multi-model (orchestrator mode) is not supported by this backend; "
+                           "give each model its own launch instead")
+    pids = running_tritonserver_pids()
+    if pids:
+        message = (f"tritonserver is already running (PIDs {pids}); stop it with `kill {pids[0]}` "
+                   "or pass --force to launch anyway")
+        if not args.force:
+            raise RuntimeError(message)
+        print(message, file=sys.stderr)
+    busy = busy_ports(args)
+    if busy:
+        raise RuntimeError(f"port(s) already in use: {', '.join(busy)}; is another server running? "
+                           "Choose other ports with --http_port/--grpc_port/--metrics_port")
+    if not Path(args.model_repo).is_dir():
+        raise RuntimeError(f"--model_repo {args.model_repo} is not a directory")
+
+
+def launch(args: argparse.Namespace, **popen_kwargs) -> subprocess.Popen:
+    """Check, build the command, and start it in the background; returns the process."""
+    preflight(args)
+    install = find_server(args.tritonserver, Path(args.cache_dir))
+    if not args.no_mpi and args.world_size == 1 and shutil.which("mpirun") is None:
+        args.no_mpi = True  # one rank needs no MPI; do not fail where OpenMPI is not installed
+    if not args.no_mpi and shutil.which("mpirun") is None:
+        raise RuntimeError("--world_size > 1 needs OpenMPI's mpirun on PATH")
+    cmd = build_command(args, install)
+    return subprocess.Popen(cmd, env=server_environment(install), **popen_kwargs)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_arguments(argv)
+    try:
+        process = launch(args)
+    except RuntimeError as error:
+        sys.exit(f"launch_triton_server: {error}")
+    print(f"tritonserver started (pid {process.pid}): HTTP {args.http_port}, gRPC {args.grpc_port}, "
+          f"metrics {args.metrics_port}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+import importlib.util
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "launch_triton_server.py"
+spec = importlib.util.spec_from_file_location("launch_triton_server", SCRIPT)
+launcher = importlib.util.module_from_spec(spec)
+sys.modules["launch_triton_server"] = launcher  # dataclasses look their module up
+spec.loader.exec_module(launcher)
+
+INSTALL = launcher.ServerInstall(binary="/opt/ts/bin/tritonserver")
+
+
+def args_for(*flags):
+    return launcher.parse_arguments(["--model_repo=/repo", *flags])
+
+
+def test_single_rank_without_mpi():
+    cmd = launcher.build_command(args_for("--no-mpi", "--http_port=9000"), INSTALL)
+    assert cmd[:2] == ["/opt/ts/bin/tritonserver", "--model-repository=/repo"]
+    assert "--http-port=9000" in cmd and "--grpc-port=8001" in cmd and "--metrics-port=8002" in cmd
+    assert cmd[-2:] == ["--disable-auto-complete-config",
+                        "--backend-config=python,shm-region-prefix-name=prefix0_"]
+    assert ":" not in cmd and "mpirun" not in cmd
+    assert not any(c.startswith("--load-model") or c.startswith("--log") for c in cmd)
+
+
+def test_no_mpi_requires_world_size_one():
+    with pytest.raises(AssertionError):
+        launcher.build_command(args_for("--no-mpi", "--world_size=2"), INSTALL)
+
+
+def test_mpirun_shape_for_three_ranks():
+    args = args_for("--world_size=3", "--log", "--log-file=x.log", "--oversubscribe",
+                    "--tensorrt_llm_model_name=tensorrt_llm,tensorrt_llm_2")
+    cmd = launcher.build_command(args, INSTALL)
+    assert cmd[:3] == ["mpirun", "--allow-run-as-root", "--oversubscribe"]
+    apps = " ".join(cmd[3:]).split(" : ")
+    apps[-1] = apps[-1].rstrip(" :")
+    assert len(apps) == 3 and cmd[-1] == ":"
+    for rank, app in enumerate(apps):
+        words = app.split()
+        assert words[:3] == ["-n", "1", "/opt/ts/bin/tritonserver"]
+        # Every rank gets the same ports and its own shared-memory prefix.
+        assert "--http-port=8000" in words and "--grpc-port=8001" in words
+        assert f"--backend-config=python,shm-region-prefix-name=prefix{rank}_" in words
+        assert ("--log-verbose=3" in words) == (rank == 0)
+        assert ("--log-file=x.log" in words) == (rank == 0)
+        explicit = ["--model-control-mode=explicit", "--load-model=tensorrt_llm",
+                    "--load-model=tensorrt_llm_2"]
+        assert all((w in words) == (rank != 0) for w in explicit)
+
+
+def test_backend_dir_host_and_mem_pool_are_passed():
+    install = launcher.ServerInstall(binary="ts", backend_dir="/cache/backends")
+    args = args_for("--no-mpi", "--host=127.0.0.1", "--multimodal_gpu0_cuda_mem_pool_bytes=5")
+    cmd = launcher.build_command(args, install)
+    for option in ["--backend-directory=/cache/backends", "--http-address=127.0.0.1",
+                   "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1",
+                   "--cuda-memory-pool-byte-size=0:5"]:
+        assert option in cmd
+
+
+def test_busy_port_is_a_clear_error(tmp_path):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        args = launcher.parse_arguments([f"--model_repo={tmp_path}", "--host=127.0.0.1",
+                                         f"--http_port={port}", "--grpc_port=0", "--metrics_port=0"])
+        with pytest.raises(RuntimeError, match=f"already in use: --http_port={port}"):
+            launcher.preflight(args)
+
+
+def test_missing_repo_and_multi_model_are_refused(tmp_path):
+    with pytest.raises(RuntimeError, match="not a directory"):
+        launcher.preflight(launcher.parse_arguments(
+            [f"--model_repo={tmp_path}/nope", "--http_port=0", "--grpc_port=0", "--metrics_port=0"]))
+    with pytest.raises(RuntimeError, match="not supported"):
+        launcher.preflight(launcher.parse_arguments([f"--model_repo={tmp_path}", "--multi-model"]))
+
+
+def test_pytriton_bundle_is_prepared_with_the_stub(tmp_path):
+    bundle = launcher.pytriton_bundle_dir()
+    if bundle is None:
+        pytest.skip("nvidia-pytriton is not installed")
+    backend_dir = launcher.prepare_pytriton_backends(bundle, tmp_path)
+    stub = backend_dir / "python" / "triton_python_backend_stub"
+    assert stub.resolve().is_file() and (backend_dir / "python" / "libtriton_python.so").exists()
+    assert launcher.prepare_pytriton_backends(bundle, tmp_path) == backend_dir  # idempotent
+
+
+def test_environment_puts_this_python_first():
+    env = launcher.server_environment(INSTALL, base={"PATH": "/usr/bin", "PYTHONHOME": "/x"})
+    assert env["PATH"].split(":")[0] == str(Path(sys.executable).parent)
+    assert "PYTHONHOME" not in env
+    libdir = launcher.libpython_dir()
+    if libdir:
+        assert env["LD_LIBRARY_PATH"].split(":")[0] == libdir
