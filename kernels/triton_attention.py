@@ -1,0 +1,276 @@
+"""OpenAI Triton kernels for the paged KV cache: the KV write and one attention kernel for all batches.
+
+The contract (shapes, causality, GQA, block tables) is ``kernels/attention.py``; its torch
+references are the oracle ``tests/kernels/test_attention.py`` compares these kernels against.
+
+One attention kernel serves prefill chunks, decode tokens and mixed batches. A program owns
+one sequence, one KV head and a tile of query *rows*, where a row is a (new token, query head
+of that KV head's group) pair::
+
+    row r  ->  token  m_tile * TOKENS_PER_TILE + r // GROUP,   head  kv_head * GROUP + r % GROUP
+
+so the K/V tiles a program loads from the pool serve every query head that shares them (GQA
+reads each KV byte once per tile, not once per query head). The program walks the keys
+``[0, last position of its tile]`` in tiles of BLOCK_N tokens that may span several pages
+(each key row is gathered through the block table), with an online softmax in fp32.
+
+Decode (one new token per sequence) uses a 16-row tile and, for long contexts or small
+batches, splits the keys of each (sequence, KV head) into NUM_SPLITS contiguous ranges run by
+separate programs ("split-K" / flash-decoding); a second kernel merges the partial results by
+their log-sum-exp. The grid depends only on the batch size and on ``meta.max_context_len``
+(never on device values), so a decode step can be captured in a CUDA graph: the runner captures
+with ``max_context_len`` set to the longest context the graph will serve.
+
+Cache slots < 0 in ``slot_mapping`` are skipped by the KV write: CUDA-graph padding rows use
+slot -1 so they write nothing.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.attention import AttentionMetadata
+
+_LOG2E = 1.4426950408889634
+_NUM_SMS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":  # Triton's CPU interpreter (debugging only): any plausible count
+        return 132
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _NUM_SMS:
+        _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _NUM_SMS[index]
+
+
+# ----------------------------------------------------------------------------------------------
+# KV write
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_cslot, stride_ch, stride_vcslot, stride_vch,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
+):
+    """One program per new token: copy its (kv_heads, head_dim) K and V rows to its slot."""
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    heads = tl.arange(0, HEADS_PAD)[:, None]
+    dims = tl.arange(0, DIM_PAD)[None, :]
+    mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM)
+    k = tl.load(k_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
+    v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
+    tl.store(k_cache_ptr + slot * stride_cslot + heads * stride_ch + dims, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + slot * stride_vcslot + heads * stride_vch + dims, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv_cache_triton(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """k, v: (num_tokens, kv_heads, head_dim), last dim contiguous (views of the fused qkv are fine)."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    assert k.stride(-1) == 1 and v.stride(-1) == 1, "K/V rows must be contiguous in head_dim"
+    assert k_cache.stride(-1) == 1 and k_cache.stride(0) == k_cache.shape[1] * k_cache.stride(1)
+    _write_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        HEADS_PAD=triton.next_power_of_2(num_kv_heads), DIM_PAD=triton.next_power_of_2(head_dim),
+        num_warps=4,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,
+    qk_scale,  # softmax scale * log2(e): scores live in base 2
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_bt, stride_ps, stride_pt, stride_ph,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    TOKENS_PER_TILE: tl.constexpr = BLOCK_M // GROUP
+    m_tile = tl.program_id(0)
+    seq = tl.program_id(1)
+    kv_head = tl.program_id(2) // NUM_SPLITS
+    split = tl.program_id(2) % NUM_SPLITS
+
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    first_token = m_tile * TOKENS_PER_TILE
+    if first_token >= q_len:
+        return
+    context_len = tl.load(context_lens_ptr + seq)
+    prefix_len = context_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    token_in_seq = first_token + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_valid = (rows < TOKENS_PER_TILE * GROUP) & (token_in_seq < q_len)
+    # Padding rows take the tile's last valid position, so they never see an all-masked row.
+    last_token = tl.minimum(first_token + TOKENS_PER_TILE, q_len) - 1
+    q_pos = prefix_len + tl.where(row_valid, token_in_seq, last_token)
+    dims = tl.arange(0, DIM_PAD)
+    dim_valid = dims < HEAD_DIM
+
+    token_rows = (q_start + token_in_seq).to(tl.int64)
+    q = tl.load(
+        q_ptr + token_rows[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+        mask=row_valid[:, None] & dim_valid[None, :], other=0.0,
+    )
+
+    # Keys this tile may see: [0, kv_end); this split takes one contiguous, BLOCK_N-aligned range.
+    kv_end = prefix_len + last_token + 1
+    tiles_per_split = tl.cdiv(tl.cdiv(kv_end, BLOCK_N), NUM_SPLITS)
+    kv_lo = split * tiles_per_split * BLOCK_N
+    kv_hi = tl.minimum(kv_end, kv_lo + tiles_per_split * BLOCK_N)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, DIM_PAD], dtype=tl.float32)
+    block_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    cols = tl.arange(0, BLOCK_N)
+    for start in range(kv_lo, kv_hi, BLOCK_N):
+        k_pos = start + cols
+        k_valid = k_pos < kv_hi
+        block_id = tl.load(block_row + k_pos // PAGE_SIZE, mask=k_valid, other=0).to(tl.int64)
+        offset = k_pos % PAGE_SIZE
+        kv_mask = k_valid[:, None] & dim_valid[None, :]
+        k = tl.load(
+            k_cache_ptr + block_id[:, None] * stride_kb + offset[:, None] * stride_ks
+            + kv_head * stride_kh + dims[None, :],
+            mask=kv_mask, other=0.0,
+        )
+        v = tl.load(
+            v_cache_ptr + block_id[:, None] * stride_vb + offset[:, None] * stride_vs
+            + kv_head * stride_vh + dims[None, :],
+            mask=kv_mask, other=0.0,
+        )
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        visible = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
+        p = tl.math.exp2(scores - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    out_mask = row_valid[:, None] & dim_valid[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(
+            out_ptr + token_rows[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+            out.to(out_ptr.dtype.element_ty), mask=out_mask,
+        )
+    else:
+        # Base-2 log-sum-exp of this split's scores; -inf when the split saw no key.
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
+        part = split * stride_ps + token_rows * stride_pt + head * stride_ph
+        tl.store(part_out_ptr + part[:, None] + dims[None, :], out, mask=out_mask)
+        # part_lse is part_out without its last axis, so its offsets are part's over DIM_PAD.
+        tl.store(part_lse_ptr + part // DIM_PAD, lse, mask=row_valid)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr,
+    stride_ps, stride_pt, stride_ph, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):
+    """One program per (token, head): softmax-weighted sum of the splits' normalized outputs."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, NUM_SPLITS)
+    dims = tl.arange(0, DIM_PAD)
+    base = splits * stride_ps + token * stride_pt + head * stride_ph
+    lse = tl.load(part_lse_ptr + base // DIM_PAD)
+    lse_max = tl.max(lse, 0)  # at least split 0 saw key 0, so this is finite
+    weights = tl.math.exp2(lse - lse_max)
+    weights = weights / tl.sum(weights, 0)
+    parts = tl.load(part_out_ptr + base[:, None] + dims[None, :], mask=weights[:, None] > 0, other=0.0)
+    out = tl.sum(parts * weights[:, None], 0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
+             mask=dims < HEAD_DIM)
+
+
+def _decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, num_sms: int, block_n: int) -> int:
+    """Enough programs to cover the GPU twice, but no split shorter than 2 key tiles."""
+    programs = num_seqs * num_kv_heads
+    wanted = max(1, (2 * num_sms + programs - 1) // programs)
+    useful = max(1, max_context_len // (2 * block_n))
+    return min(triton.next_power_of_2(wanted), triton.next_power_of_2(useful), 32)
+
+
+def paged_attention_triton(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    *, num_splits: int | None = None,
+) -> torch.Tensor:
+    """q: (num_tokens, num_heads, head_dim), last dim contiguous -> out: (num_tokens, num_heads, head_dim).
+
+    ``num_splits`` overrides the decode split count (a power of two; tests use it to force
+    the split path at short contexts); prefill batches never split.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    num_seqs = meta.context_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    dim_pad = triton.next_power_of_2(head_dim)
+    if meta.is_decode_only:
+        block_m, block_n, num_warps, num_stages = max(16, triton.next_power_of_2(group)), 64, 4, 3
+        if num_splits is None:
+            num_splits = _decode_num_splits(num_seqs, num_kv_heads, meta.max_context_len, _num_sms(q.device), block_n)
+    else:
+        block_m = 64 if group <= 64 else triton.next_power_of_2(group)
+        block_n, num_warps, num_stages, num_splits = 64, 4, 2, 1
+    tokens_per_tile = block_m // group
+    grid = (triton.cdiv(meta.max_seqlen_q, tokens_per_tile), num_seqs, num_kv_heads * num_splits)
+    if num_splits > 1:
+        part_out = torch.empty(num_splits, num_tokens, num_heads, dim_pad, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(num_splits, num_tokens, num_heads, dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out  # unused
+    ps, pt, ph = (part_out.stride(0), part_out.stride(1), part_out.stride(2)) if num_splits > 1 else (0, 0, 0)
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, out, part_out, part_lse,
+        meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
+        scale * _LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        meta.block_tables.stride(0), ps, pt, ph,
+        GROUP=group, HEAD_DIM=head_dim, DIM_PAD=dim_pad, PAGE_SIZE=page_size,
+        BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 engines get fp32 dots
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            part_out, part_lse, out, ps, pt, ph, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, DIM_PAD=dim_pad, NUM_SPLITS=num_splits, num_warps=1,
+        )
+    return out
