@@ -1,0 +1,152 @@
+"""``python -m engine.build``: a checkpoint (HF directory or GGUF file) -> an engine directory.
+
+    python -m engine.build --checkpoint SmolLM2-135M-Instruct.Q4_1.gguf --output engines/smollm2 \
+        --dtype float16 --tp_size 1 --max_batch_size 8 --max_input_len 1024 --max_seq_len 2048
+
+writes ``config.json`` (EngineConfig), ``rank{r}.safetensors`` for every tensor-parallel rank,
+and the tokenizer files (so ``AutoTokenizer.from_pretrained(engine_dir)`` works).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from engine.config import BuildConfig, ConfigError, EngineConfig, ModelConfig, check_tp_divides
+from engine.convert import (
+    CheckpointError,
+    TensorGetter,
+    getter_from_safetensors_dir,
+    getter_from_state_dict,
+    model_config_from_hf,
+    iter_rank_weights,
+)
+from engine.models import get_model_class
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def expected_tensor_names(model: ModelConfig, tp_size: int) -> list[str]:
+    """The state-dict names one rank's engine model declares (built on the meta device, no memory)."""
+    model_class = get_model_class(model.architecture)
+    return list(model_class(model, tp_size=tp_size, device="meta").state_dict())
+
+
+def write_engine(output_dir: str, model: ModelConfig, build: BuildConfig, get: TensorGetter, *,
+                 tokenizer=None, extra: dict | None = None, progress: bool = True) -> EngineConfig:
+    """Convert every rank's weights through ``get`` and write a complete engine directory."""
+    engine_config = EngineConfig(model=model, build=build, extra=dict(extra or {})).validate()
+    names = expected_tensor_names(model, build.tp_size)
+    os.makedirs(output_dir, exist_ok=True)
+    bar = tqdm(total=len(names) * build.tp_size, unit="tensor", desc="converting", disable=not progress)
+    for rank in range(build.tp_size):
+        weights = {}
+        for name, tensor in iter_rank_weights(get, model, rank, build.tp_size, TORCH_DTYPES[build.dtype]):
+            weights[name] = tensor
+            bar.update(1)
+        if sorted(weights) != sorted(names):  # a converter bug, never a user error
+            raise AssertionError(f"converter produced {sorted(set(weights) ^ set(names))[:5]} mismatching the model")
+        save_file(weights, os.path.join(output_dir, f"rank{rank}.safetensors"), metadata={"format": "pt"})
+    bar.close()
+    if tokenizer is not None:
+        tokenizer.save_pretrained(output_dir)
+    engine_config.save(output_dir)  # last: a directory with config.json is complete
+    return engine_config
+
+
+# ---- sources --------------------------------------------------------------------------------
+
+def load_gguf(path: str):
+    """(hf_model, tokenizer) of a GGUF file, dequantized to float32 by transformers (~18 s for 135M)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = os.path.split(os.path.abspath(path))
+    try:
+        hf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    except (OSError, ValueError, KeyError) as err:
+        raise CheckpointError(f"cannot load GGUF file {path}: {err}") from None
+    return hf_model, tokenizer
+
+
+def load_hf_dir(path: str):
+    """(hf_config, lazy tensor getter, tokenizer or None) of a HF safetensors directory."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise CheckpointError(
+            f"checkpoint directory {path!r} has no config.json; allowed inputs: a HF directory with "
+            "config.json + *.safetensors, or a .gguf file"
+        )
+    try:
+        hf_config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as err:
+        raise CheckpointError(f"cannot read {os.path.join(path, 'config.json')}: {err}") from None
+    get = getter_from_safetensors_dir(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, KeyError, TypeError):
+        tokenizer = None
+        print(f"warning: no tokenizer found in {path}; the engine directory will have none", file=sys.stderr)
+    return hf_config, get, tokenizer
+
+
+def build_engine(checkpoint: str, output_dir: str, build: BuildConfig, *, progress: bool = True) -> EngineConfig:
+    """Build ``output_dir`` from a HF directory or a ``.gguf`` file."""
+    build.validate()
+    if os.path.isfile(checkpoint) and checkpoint.endswith(".gguf"):
+        hf_model, tokenizer = load_gguf(checkpoint)
+        hf_config, get = hf_model.config, getter_from_state_dict(hf_model.state_dict(), checkpoint)
+    elif os.path.isdir(checkpoint):
+        hf_config, get, tokenizer = load_hf_dir(checkpoint)
+    else:
+        raise CheckpointError(
+            f"checkpoint {checkpoint!r} does not exist or is neither a directory nor a .gguf file; "
+            "allowed inputs: a HF directory with config.json + *.safetensors, or a .gguf file"
+        )
+    return build_from_hf(hf_config, get, tokenizer, output_dir, build, source=checkpoint, progress=progress)
+
+
+def build_from_hf(hf_config, get: TensorGetter, tokenizer, output_dir: str, build: BuildConfig, *,
+                  source: str = "", progress: bool = True) -> EngineConfig:
+    """Build from an already-loaded HF config + tensor getter (lets callers reuse a loaded model)."""
+    model = model_config_from_hf(hf_config)
+    check_tp_divides(model, build.tp_size)
+    extra = {"source": os.path.abspath(source) if source else "", "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    return write_engine(output_dir, model, build, get, tokenizer=tokenizer, extra=extra, progress=progress)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    defaults = BuildConfig()
+    p = argparse.ArgumentParser(prog="python -m engine.build", description=__doc__.split("\n")[0])
+    p.add_argument("--checkpoint", required=True, help="HF directory (config.json + safetensors) or .gguf file")
+    p.add_argument("--output", required=True, help="engine directory to write")
+    p.add_argument("--dtype", default=defaults.dtype, choices=sorted(TORCH_DTYPES))
+    for name in ("tp_size", "max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens", "tokens_per_block"):
+        p.add_argument(f"--{name}", type=int, default=getattr(defaults, name))
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    build = BuildConfig(
+        dtype=args.dtype, max_batch_size=args.max_batch_size, max_input_len=args.max_input_len,
+        max_seq_len=args.max_seq_len, max_num_tokens=args.max_num_tokens,
+        tokens_per_block=args.tokens_per_block, tp_size=args.tp_size,
+    )
+    try:
+        build_engine(args.checkpoint, args.output, build)
+    except (ConfigError, CheckpointError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"engine written to {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,220 @@
+"""Checkpoint conversion: Hugging Face weights -> fused, sharded, cast engine weights.
+
+Sources: a Hugging Face directory (``config.json`` + ``*.safetensors``) or a GGUF file, which
+transformers dequantizes to float32 on load. Per rank, the output holds exactly the tensors
+the engine model declares (names in docs/INTERFACES.md):
+
+- q/k/v are fused to ``qkv_proj`` with rows [q_r | k_r | v_r], each split by heads, so every
+  rank's slice is itself a fused projection;
+- gate/up are fused to ``gate_up_proj`` with rows [gate_r | up_r];
+- o_proj / down_proj (and GPT-2's c_proj's) are split along their input columns;
+- embeddings and lm_head are split by vocab rows.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Callable, Iterator
+
+import torch
+
+from engine.config import ConfigError, ModelConfig, check_tp_divides
+from engine.models import SUPPORTED_ARCHITECTURES, UnsupportedArchitectureError
+
+TensorGetter = Callable[[str], torch.Tensor]  # HF tensor name -> tensor (any dtype, on CPU)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, incomplete or unreadable; the message names the file."""
+
+
+# ---- config ---------------------------------------------------------------------------------
+
+def model_config_from_hf(hf_config) -> ModelConfig:
+    """Map a transformers config object (v4 or v5 layout) to a validated ModelConfig."""
+    architectures = getattr(hf_config, "architectures", None) or []
+    architecture = architectures[0] if architectures else _architecture_from_model_type(hf_config)
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedArchitectureError(
+            f"unsupported architecture {architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    if architecture == "GPT2LMHeadModel":
+        return _gpt2_config(hf_config)
+    return _llama_family_config(hf_config, architecture)
+
+
+def _architecture_from_model_type(hf_config) -> str:
+    by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+               "gpt2": "GPT2LMHeadModel"}
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in by_type:
+        raise UnsupportedArchitectureError(
+            f"unsupported model_type {model_type!r}; supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return by_type[model_type]
+
+
+def _rope(hf_config) -> tuple[float, dict | None]:
+    """(theta, scaling) from transformers 5's ``rope_parameters`` or 4's ``rope_theta``/``rope_scaling``."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    theta = params.pop("rope_theta", None) or getattr(hf_config, "rope_theta", None) or 10000.0
+    scaling = params or getattr(hf_config, "rope_scaling", None) or None
+    if scaling and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
+        scaling = None
+    return float(theta), scaling
+
+
+def _llama_family_config(c, architecture: str) -> ModelConfig:
+    if getattr(c, "mlp_bias", False) or (architecture != "Qwen2ForCausalLM" and getattr(c, "attention_bias", False)):
+        raise ConfigError(f"{architecture} with attention_bias/mlp_bias is not supported")
+    theta, scaling = _rope(c)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return ModelConfig(
+        architecture=architecture,
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        num_layers=c.num_hidden_layers,
+        num_heads=c.num_attention_heads,
+        num_kv_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+        head_dim=head_dim,
+        intermediate_size=c.intermediate_size,
+        norm_eps=float(c.rms_norm_eps),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=c.max_position_embeddings,
+        tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+        qkv_bias=architecture == "Qwen2ForCausalLM",
+        hidden_act=c.hidden_act,
+    ).validate()
+
+
+def _gpt2_config(c) -> ModelConfig:
+    return ModelConfig(
+        architecture="GPT2LMHeadModel",
+        vocab_size=c.vocab_size,
+        hidden_size=c.n_embd,
+        num_layers=c.n_layer,
+        num_heads=c.n_head,
+        num_kv_heads=c.n_head,
+        head_dim=c.n_embd // c.n_head,
+        intermediate_size=c.n_inner or 4 * c.n_embd,
+        norm_eps=float(c.layer_norm_epsilon),
+        max_position_embeddings=c.n_positions,
+        tie_word_embeddings=True,
+        qkv_bias=True,
+        hidden_act=c.activation_function,
+    ).validate()
+
+
+# ---- weights --------------------------------------------------------------------------------
+
+def _shard(t: torch.Tensor, dim: int, rank: int, tp_size: int) -> torch.Tensor:
+    return t.chunk(tp_size, dim=dim)[rank]
+
+
+def llama_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (engine name, tensor) for one rank of a Llama-family checkpoint, layer by layer."""
+    yield "embed_tokens.weight", _shard(get("model.embed_tokens.weight"), 0, rank, tp_size)
+    for i in range(cfg.num_layers):
+        hf = f"model.layers.{i}."
+        yield f"layers.{i}.input_norm.weight", get(hf + "input_layernorm.weight")
+        qkv = [_shard(get(hf + f"self_attn.{p}_proj.weight"), 0, rank, tp_size) for p in "qkv"]
+        yield f"layers.{i}.qkv_proj.weight", torch.cat(qkv, dim=0)
+        if cfg.qkv_bias:
+            bias = [_shard(get(hf + f"self_attn.{p}_proj.bias"), 0, rank, tp_size) for p in "qkv"]
+            yield f"layers.{i}.qkv_proj.bias", torch.cat(bias, dim=0)
+        yield f"layers.{i}.o_proj.weight", _shard(get(hf + "self_attn.o_proj.weight"), 1, rank, tp_size)
+        yield f"layers.{i}.post_attn_norm.weight", get(hf + "post_attention_layernorm.weight")
+        gate_up = [_shard(get(hf + f"mlp.{p}_proj.weight"), 0, rank, tp_size) for p in ("gate", "up")]
+        yield f"layers.{i}.gate_up_proj.weight", torch.cat(gate_up, dim=0)
+        yield f"layers.{i}.down_proj.weight", _shard(get(hf + "mlp.down_proj.weight"), 1, rank, tp_size)
+    yield "norm.weight", get("model.norm.weight")
+    if not cfg.tie_word_embeddings:
+        yield "lm_head.weight", _shard(get("lm_head.weight"), 0, rank, tp_size)
+
+
+def gpt2_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (engine name, tensor) for one rank of GPT-2; HF Conv1D weights are (in, out), so transposed."""
+    hidden = cfg.hidden_size
+    yield "wte.weight", _shard(get("transformer.wte.weight"), 0, rank, tp_size)
+    yield "wpe.weight", get("transformer.wpe.weight")
+    for i in range(cfg.num_layers):
+        hf, out = f"transformer.h.{i}.", f"layers.{i}."
+        for norm in ("ln_1", "ln_2"):
+            yield out + f"{norm}.weight", get(hf + f"{norm}.weight")
+            yield out + f"{norm}.bias", get(hf + f"{norm}.bias")
+        qkv_w = get(hf + "attn.c_attn.weight").t().split(hidden, dim=0)
+        qkv_b = get(hf + "attn.c_attn.bias").split(hidden, dim=0)
+        yield out + "qkv_proj.weight", torch.cat([_shard(w, 0, rank, tp_size) for w in qkv_w])
+        yield out + "qkv_proj.bias", torch.cat([_shard(b, 0, rank, tp_size) for b in qkv_b])
+        yield out + "o_proj.weight", _shard(get(hf + "attn.c_proj.weight").t(), 1, rank, tp_size)
+        yield out + "o_proj.bias", get(hf + "attn.c_proj.bias")
+        yield out + "fc_in.weight", _shard(get(hf + "mlp.c_fc.weight").t(), 0, rank, tp_size)
+        yield out + "fc_in.bias", _shard(get(hf + "mlp.c_fc.bias"), 0, rank, tp_size)
+        yield out + "fc_out.weight", _shard(get(hf + "mlp.c_proj.weight").t(), 1, rank, tp_size)
+        yield out + "fc_out.bias", get(hf + "mlp.c_proj.bias")
+    yield "ln_f.weight", get("transformer.ln_f.weight")
+    yield "ln_f.bias", get("transformer.ln_f.bias")
+
+
+def iter_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: int,
+                      dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield every engine tensor of ``rank``: fused, sharded, cast to ``dtype``, contiguous."""
+    check_tp_divides(cfg, tp_size)
+    convert = gpt2_rank_weights if cfg.architecture == "GPT2LMHeadModel" else llama_rank_weights
+    for name, tensor in convert(get, cfg, rank, tp_size):
+        yield name, tensor.to(dtype).contiguous()
+
+
+def rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    return dict(iter_rank_weights(get, cfg, rank, tp_size, dtype))
+
+
+def getter_from_state_dict(state_dict: dict[str, torch.Tensor], source: str) -> TensorGetter:
+    """A TensorGetter over an in-memory state dict; a missing tensor is a CheckpointError."""
+    # Some checkpoints (GGUF-loaded, or saved from a bare base model) lack the "model." prefix.
+    def get(name: str) -> torch.Tensor:
+        for candidate in (name, name.removeprefix("model.").removeprefix("transformer.")):
+            if candidate in state_dict:
+                return state_dict[candidate]
+        raise CheckpointError(f"checkpoint {source!r} lacks the tensor {name!r}")
+
+    return get
+
+
+def getter_from_safetensors_dir(checkpoint_dir: str) -> TensorGetter:
+    """A lazy TensorGetter over every ``*.safetensors`` file of a HF directory (sharded or not)."""
+    from safetensors import SafetensorError, safe_open
+
+    files = sorted(f for f in os.listdir(checkpoint_dir) if f.endswith(".safetensors"))
+    if not files:
+        raise CheckpointError(
+            f"checkpoint directory {checkpoint_dir!r} holds no *.safetensors files; "
+            "allowed inputs: a HF directory with config.json + safetensors weights, or a .gguf file"
+        )
+    index: dict[str, object] = {}
+    for name in files:
+        path = os.path.join(checkpoint_dir, name)
+        try:
+            handle = safe_open(path, framework="pt")
+        except (SafetensorError, OSError) as err:
+            raise CheckpointError(f"cannot read {path} (corrupt or truncated safetensors file): {err}") from None
+        index.update({key: handle for key in handle.keys()})
+    tensors = {key: handle for key, handle in index.items()}
+
+    class _Lazy(dict):
+        def __getitem__(self, key):
+            return tensors[key].get_tensor(key)
+
+    lazy = _Lazy.fromkeys(tensors)
+    return getter_from_state_dict(lazy, checkpoint_dir)
+
+
+def read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint file {path} is missing") from None
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"checkpoint file {path} is not valid JSON: {err}") from None

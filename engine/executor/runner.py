@@ -1,0 +1,192 @@
+"""ModelRunner: one rank's model, weights and KV pool, running one packed forward at a time.
+
+The runner is deliberately dumb: the scheduler decides which tokens run and which KV blocks
+they use; the runner turns a ``ForwardBatch`` (plain Python lists) into device tensors once,
+runs the model, and returns float32 logits for the requested rows. It never allocates or
+frees blocks and trusts the block tables it is given.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from itertools import accumulate
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from engine.config import EngineConfig, EngineFormatError
+from engine.models import get_model_class
+from kernels.attention import AttentionMetadata
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+CPU_KV_BUDGET_BYTES = 256 * 1024 * 1024  # a CPU pool never grows past this on its own
+
+
+@dataclass
+class ForwardBatch:
+    """The one typed hand-off from scheduler to runner (see docs/INTERFACES.md).
+
+    Invariants: ``len(token_ids) == len(positions) == sum(seq_lens_q)``; sequence i's new tokens
+    are ``token_ids[sum(seq_lens_q[:i]) : sum(seq_lens_q[:i+1])]`` at positions
+    ``context_lens[i] - seq_lens_q[i] ... context_lens[i] - 1``; ``block_tables[i]`` covers
+    ``ceil(context_lens[i] / tokens_per_block)`` blocks.
+    """
+
+    token_ids: list[int]
+    positions: list[int]
+    seq_lens_q: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+    logits_indices: list[int]
+
+
+class ModelRunner:
+    """Loads ``engine_dir`` for ``rank`` onto ``device`` and runs forwards through a paged KV pool."""
+
+    def __init__(self, engine_dir: str, *, rank: int = 0, device: str | torch.device = "cpu", tp_group=None):
+        self.engine_config = EngineConfig.load(engine_dir)
+        self.model_config = self.engine_config.model
+        self.build_config = self.engine_config.build
+        self.vocab_size = self.model_config.vocab_size
+        self.device = torch.device(device)
+        self.dtype = TORCH_DTYPES[self.build_config.dtype]
+        self.rank = rank
+        tp_size = self.build_config.tp_size
+        if not 0 <= rank < tp_size:
+            raise ValueError(f"rank {rank} is out of range for an engine built with tp_size {tp_size}")
+        if tp_size > 1 and tp_group is None:
+            raise ValueError(f"engine was built with tp_size {tp_size}; a tp_group is required to run it")
+        self.tokens_per_block = self.build_config.tokens_per_block
+        self.num_kv_heads_local = self.model_config.num_kv_heads // tp_size
+        self.model = self._load_model(engine_dir, tp_group)
+        self.kv_cache: torch.Tensor | None = None
+        self._pin = self.device.type == "cuda"
+
+    def _load_model(self, engine_dir: str, tp_group) -> torch.nn.Module:
+        cfg, build = self.model_config, self.build_config
+        model_class = get_model_class(cfg.architecture)
+        model = model_class(
+            cfg, tp_rank=self.rank, tp_size=build.tp_size, tp_group=tp_group, dtype=self.dtype,
+            device="meta", max_positions=max(build.max_seq_len, 1),
+        )
+        weights = load_rank_weights(engine_dir, self.rank, self.device)
+        expected = set(model.state_dict())
+        missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
+        if missing or unexpected:
+            raise EngineFormatError(
+                f"rank{self.rank}.safetensors in {engine_dir!r} does not match {cfg.architecture}: "
+                f"missing {missing[:5]}, unexpected {unexpected[:5]}"
+            )
+        try:
+            model.load_state_dict({k: v.to(self.dtype) for k, v in weights.items()}, assign=True)
+        except RuntimeError as err:
+            raise EngineFormatError(f"rank{self.rank}.safetensors has wrong tensor shapes: {err}") from None
+        return model.eval()
+
+    # ---- KV pool --------------------------------------------------------------------------
+
+    @property
+    def kv_block_bytes(self) -> int:
+        """Bytes one KV block takes in the pool across all layers (K and V)."""
+        cfg = self.model_config
+        elems = cfg.num_layers * 2 * self.tokens_per_block * self.num_kv_heads_local * cfg.head_dim
+        return elems * torch.empty((), dtype=self.dtype).element_size()
+
+    def num_kv_blocks_for(self, *, free_mem_fraction: float | None = None, max_tokens: int | None = None) -> int:
+        """How many KV blocks to allocate.
+
+        CUDA: ``free_mem_fraction`` (default 0.9) of the currently free device memory, capped by
+        ``max_tokens`` when given. CPU: ``max_tokens`` when given, else room for
+        ``max_batch_size * max_seq_len`` tokens within a 256 MiB budget (never less than one
+        full-length sequence).
+        """
+        per_block = self.kv_block_bytes
+        cap = None if max_tokens is None else -(-max_tokens // self.tokens_per_block)
+        if self.device.type == "cuda":
+            fraction = 0.9 if free_mem_fraction is None else free_mem_fraction
+            if not 0 < fraction <= 1:
+                raise ValueError(f"free_mem_fraction must be in (0, 1], got {fraction}")
+            free_bytes, _ = torch.cuda.mem_get_info(self.device)
+            blocks = int(free_bytes * fraction) // per_block
+            return max(1, blocks if cap is None else min(blocks, cap))
+        if cap is not None:
+            return max(1, cap)
+        build = self.build_config
+        one_seq = -(-build.max_seq_len // self.tokens_per_block)
+        wanted = build.max_batch_size * one_seq
+        return max(one_seq, min(wanted, CPU_KV_BUDGET_BYTES // per_block))
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the pool (num_layers, 2, num_blocks, tokens_per_block, kv_heads_local, head_dim)."""
+        cfg = self.model_config
+        shape = (cfg.num_layers, 2, num_blocks, self.tokens_per_block, self.num_kv_heads_local, cfg.head_dim)
+        self.kv_cache = None  # free the old pool before allocating the new one
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return 0 if self.kv_cache is None else self.kv_cache.shape[2]
+
+    # ---- forward --------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, *, all_logits: bool = False) -> torch.Tensor:
+        """Run one packed step; float32 logits (len(logits_indices), vocab), or (num_tokens, vocab)
+        for every new token when ``all_logits`` (context logits)."""
+        if self.kv_cache is None:
+            raise RuntimeError("allocate_kv_cache() must run before forward()")
+        input_ids, positions, meta = self._prepare(batch)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta)
+        if not all_logits:
+            hidden = hidden[self._to_device(batch.logits_indices, torch.int64)]
+        return self.model.compute_logits(hidden)
+
+    def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        host = torch.tensor(values, dtype=dtype)
+        if self._pin:
+            return host.pin_memory().to(self.device, non_blocking=True)
+        return host.to(self.device)
+
+    def _prepare(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        num_tokens = len(batch.token_ids)
+        if not (num_tokens == len(batch.positions) == sum(batch.seq_lens_q)):
+            raise ValueError(
+                f"ForwardBatch is inconsistent: {num_tokens} token_ids, {len(batch.positions)} positions, "
+                f"sum(seq_lens_q) = {sum(batch.seq_lens_q)}; all three must be equal"
+            )
+        cu_seqlens = [0, *accumulate(batch.seq_lens_q)]
+        width = max(len(table) for table in batch.block_tables)
+        padded_tables = [table + [0] * (width - len(table)) for table in batch.block_tables]
+        meta = AttentionMetadata(
+            slot_mapping=self._to_device(self._slot_mapping(batch, cu_seqlens), torch.int64),
+            block_tables=self._to_device(padded_tables, torch.int32),
+            cu_seqlens_q=self._to_device(cu_seqlens, torch.int32),
+            context_lens=self._to_device(batch.context_lens, torch.int32),
+            max_seqlen_q=max(batch.seq_lens_q),
+            max_context_len=max(batch.context_lens),
+            is_decode_only=all(n == 1 for n in batch.seq_lens_q),
+            cu_seqlens_q_host=cu_seqlens,
+            context_lens_host=list(batch.context_lens),
+        )
+        return self._to_device(batch.token_ids, torch.int64), self._to_device(batch.positions, torch.int64), meta
+
+    def _slot_mapping(self, batch: ForwardBatch, cu_seqlens: list[int]) -> list[int]:
+        """Flat cache slot of every new token: block_table[p // B] * B + p % B."""
+        size = self.tokens_per_block
+        slots = []
+        for i, table in enumerate(batch.block_tables):
+            for p in batch.positions[cu_seqlens[i]:cu_seqlens[i + 1]]:
+                slots.append(table[p // size] * size + p % size)
+        return slots
+
+
+def load_rank_weights(engine_dir: str, rank: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Memory-map ``rank{rank}.safetensors`` onto ``device``; clear errors when absent or corrupt."""
+    path = os.path.join(engine_dir, f"rank{rank}.safetensors")
+    if not os.path.isfile(path):
+        raise EngineFormatError(f"engine directory {engine_dir!r} has no weights for rank {rank}: {path} is missing")
+    try:
+        return load_file(path, device=str(device))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise EngineFormatError(f"cannot read {path} (corrupt or truncated safetensors file): {err}") from None

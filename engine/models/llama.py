@@ -1,0 +1,109 @@
+"""Llama-family decoder over a ragged, packed batch and a paged KV cache.
+
+One file covers every checkpoint with the Llama block (pre-norm RMSNorm, rotary attention with
+GQA, SwiGLU MLP): Llama 2/3 (incl. ``llama3`` / ``linear`` rope scaling), Mistral (sliding
+window not applied: engines must keep max_seq_len within it), Qwen2 (bias on q/k/v),
+SmolLM2 (tied embeddings).
+
+Batch layout: ``input_ids`` and ``positions`` are (num_tokens,) with the new tokens of every
+scheduled sequence back to back (prefill chunks and single decode tokens mixed, no padding);
+``attn_meta`` says which rows belong to which sequence and where their K/V go in the pool.
+
+Weights per rank (names = engine-directory names, see docs/INTERFACES.md): q/k/v fused into
+``qkv_proj`` with rows [q_local | k_local | v_local], gate/up fused into ``gate_up_proj`` with
+rows [gate_local | up_local]; ``o_proj`` and ``down_proj`` are row-parallel.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.models.layers import Linear, Norm, RowParallelLinear, VocabParallelEmbedding, vocab_parallel_logits
+from kernels.activation import silu_and_mul
+from kernels.attention import AttentionMetadata, paged_attention, write_kv_cache
+from kernels.rmsnorm import rms_norm
+from kernels.rotary import apply_rotary, build_cos_sin_cache
+
+
+class LlamaLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int, *, tp_size: int, tp_group, dtype, device):
+        super().__init__()
+        self.layer_index = layer_index
+        self.eps = config.norm_eps
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_heads // tp_size
+        self.num_kv_heads = config.num_kv_heads // tp_size
+        self.scale = config.head_dim**-0.5
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.split_sizes = [q_size, kv_size, kv_size]
+        hidden, inter_local = config.hidden_size, config.intermediate_size // tp_size
+        self.input_norm = Norm(hidden, bias=False, dtype=dtype, device=device)
+        self.qkv_proj = Linear(hidden, q_size + 2 * kv_size, bias=config.qkv_bias, dtype=dtype, device=device)
+        self.o_proj = RowParallelLinear(q_size, hidden, bias=False, tp_group=tp_group, dtype=dtype, device=device)
+        self.post_attn_norm = Norm(hidden, bias=False, dtype=dtype, device=device)
+        self.gate_up_proj = Linear(hidden, 2 * inter_local, bias=False, dtype=dtype, device=device)
+        self.down_proj = RowParallelLinear(inter_local, hidden, bias=False, tp_group=tp_group, dtype=dtype, device=device)
+
+    def attention(self, x, positions, cos_sin_cache, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, k, positions, cos_sin_cache, is_neox=True)
+        k_cache, v_cache = kv_cache[self.layer_index, 0], kv_cache[self.layer_index, 1]
+        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = paged_attention(q, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(out.shape[0], -1))
+
+    def forward(self, x, residual, positions, cos_sin_cache, kv_cache, meta):
+        """x, residual: (num_tokens, hidden); residual None on the first layer. Returns both, updated."""
+        h, residual = rms_norm(x, self.input_norm.weight, self.eps, residual)
+        h = self.attention(h, positions, cos_sin_cache, kv_cache, meta)
+        h, residual = rms_norm(h, self.post_attn_norm.weight, self.eps, residual)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(h))), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """The Llama-family model for one tensor-parallel rank."""
+
+    def __init__(self, config: ModelConfig, *, tp_rank: int = 0, tp_size: int = 1, tp_group=None,
+                 dtype: torch.dtype = torch.float32, device=None, max_positions: int | None = None):
+        super().__init__()
+        self.config = config
+        self.tp_group = tp_group
+        vocab_local = config.vocab_size // tp_size
+        self.embed_tokens = VocabParallelEmbedding(
+            vocab_local, config.hidden_size, tp_rank=tp_rank, tp_group=tp_group, dtype=dtype, device=device
+        )
+        self.layers = nn.ModuleList(
+            LlamaLayer(config, i, tp_size=tp_size, tp_group=tp_group, dtype=dtype, device=device)
+            for i in range(config.num_layers)
+        )
+        self.norm = Norm(config.hidden_size, bias=False, dtype=dtype, device=device)
+        if not config.tie_word_embeddings:
+            self.lm_head = Linear(config.hidden_size, vocab_local, bias=False, dtype=dtype, device=device)
+        self.max_positions = max_positions or config.max_position_embeddings
+        self.cos_sin_cache: torch.Tensor | None = None  # built lazily on the weights' device
+
+    def _rotary_table(self, device: torch.device) -> torch.Tensor:
+        if self.cos_sin_cache is None or self.cos_sin_cache.device != device:
+            c = self.config
+            self.cos_sin_cache = build_cos_sin_cache(
+                self.max_positions, c.head_dim, c.rope_theta, c.rope_scaling, device=device
+            )
+        return self.cos_sin_cache
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                attn_meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: (num_tokens,) -> final-normed hidden states (num_tokens, hidden)."""
+        cos_sin_cache = self._rotary_table(input_ids.device)
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(x, residual, positions, cos_sin_cache, kv_cache, attn_meta)
+        return rms_norm(x, self.norm.weight, self.config.norm_eps, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: (n, hidden) rows to score -> float32 logits (n, vocab)."""
+        weight = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        return vocab_parallel_logits(hidden, weight, self.tp_group)

@@ -1,0 +1,120 @@
+"""The engine's logits equal transformers' for every family, through the paged KV cache.
+
+CPU float32: max abs error <= 1e-4 (both sides run the same fp32 math in a different order;
+observed errors are ~1e-6). The same tests run on CUDA in bfloat16 when a GPU is present; see
+``TOLERANCES`` for why the bound there is looser.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.executor.runner import ModelRunner
+
+from conftest import PagedSession, hf_logits, make_engine, tiny_hf
+
+# bf16 keeps 8 mantissa bits (relative rounding 2^-9 ~ 0.2%): every matmul input, norm output
+# and cached K/V is rounded, so logits of magnitude ~1-3 differ from the fp32 reference by a
+# few 1e-2 after two layers. 0.1 absolute is well above that noise and far below the gaps a
+# wrong position, block or head mapping produces (errors of order 1).
+TOLERANCES = {("cpu", "float32"): 1e-4, ("cuda", "bfloat16"): 1e-1}
+DEVICES = [
+    pytest.param("cpu", "float32", id="cpu-fp32"),
+    pytest.param("cuda", "bfloat16", id="cuda-bf16",
+                 marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")),
+]
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(96) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def hf_models():
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            cache[family] = tiny_hf(family)
+        return cache[family]
+
+    return get
+
+
+@pytest.fixture
+def runner_for(hf_models, tmp_path):
+    def make(family, device, dtype, tokens_per_block=16):
+        engine_dir = make_engine(hf_models(family), tmp_path / f"{family}-{tokens_per_block}",
+                                 tokens_per_block=tokens_per_block, dtype=dtype)
+        return ModelRunner(engine_dir, device=device)
+
+    return make
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor, device: str, dtype: str) -> None:
+    error = (actual.cpu().float() - expected).abs().max().item()
+    assert error <= TOLERANCES[(device, dtype)], f"max abs error {error:.3g}"
+
+
+@pytest.mark.parametrize("device,dtype", DEVICES)
+@pytest.mark.parametrize("tokens_per_block", [1, 16, 64])
+def test_full_prompt(family, device, dtype, tokens_per_block, hf_models, runner_for):
+    prompt = _tokens(21, seed=1)
+    session = PagedSession(runner_for(family, device, dtype, tokens_per_block), num_blocks=64)
+    (logits,) = session.step([(0, prompt)])
+    _assert_close(logits, hf_logits(hf_models(family), prompt), device, dtype)
+
+
+@pytest.mark.parametrize("device,dtype", DEVICES)
+@pytest.mark.parametrize("tokens_per_block", [1, 16, 64])
+def test_prompt_then_16_decode_steps(family, device, dtype, tokens_per_block, hf_models, runner_for):
+    sequence = _tokens(11 + 16, seed=2)  # teacher-forced: decode inputs are fixed tokens
+    expected = hf_logits(hf_models(family), sequence)
+    session = PagedSession(runner_for(family, device, dtype, tokens_per_block), num_blocks=64)
+    (prefill,) = session.step([(0, sequence[:11])])
+    _assert_close(prefill, expected[:11], device, dtype)
+    for pos in range(11, 27):
+        (decode,) = session.step([(0, [sequence[pos]])])
+        _assert_close(decode, expected[pos:pos + 1], device, dtype)
+
+
+@pytest.mark.parametrize("device,dtype", DEVICES)
+@pytest.mark.parametrize("tokens_per_block", [1, 16, 64])
+def test_packed_batch_of_four_sequences(family, device, dtype, tokens_per_block, hf_models, runner_for):
+    """One forward mixes a fresh prefill, a decode token, a mid-sequence chunk and a 1-token prompt."""
+    hf = hf_models(family)
+    seqs = {0: _tokens(7, 3), 1: _tokens(13, 4), 2: _tokens(15, 5), 3: _tokens(1, 6)}
+    session = PagedSession(runner_for(family, device, dtype, tokens_per_block), num_blocks=96)
+    session.step([(1, seqs[1][:12]), (2, seqs[2][:10])])  # earlier step: cached prefixes of 1 and 2
+    outs = session.step([(0, seqs[0]), (1, seqs[1][12:]), (2, seqs[2][10:]), (3, seqs[3])])
+    expected_rows = [hf_logits(hf, seqs[0]), hf_logits(hf, seqs[1])[12:], hf_logits(hf, seqs[2])[10:],
+                     hf_logits(hf, seqs[3])]
+    for actual, expected in zip(outs, expected_rows):
+        _assert_close(actual, expected, device, dtype)
+
+
+@pytest.mark.parametrize("device,dtype", DEVICES)
+@pytest.mark.parametrize("tokens_per_block", [1, 16, 64])
+def test_prompt_prefilled_in_three_chunks(family, device, dtype, tokens_per_block, hf_models, runner_for):
+    prompt = _tokens(40, seed=7)
+    expected = hf_logits(hf_models(family), prompt)
+    session = PagedSession(runner_for(family, device, dtype, tokens_per_block), num_blocks=64)
+    for start, end in [(0, 17), (17, 33), (33, 40)]:  # chunk edges off block boundaries on purpose
+        (chunk,) = session.step([(0, prompt[start:end])])
+        _assert_close(chunk, expected[start:end], device, dtype)
+
+
+def test_logits_indices_select_rows(hf_models, runner_for):
+    """forward() without all_logits returns exactly the requested rows, float32."""
+    from engine.executor.runner import ForwardBatch
+
+    runner = runner_for("llama", "cpu", "float32")
+    runner.allocate_kv_cache(runner.num_kv_blocks_for(max_tokens=64))
+    prompt = _tokens(9, seed=8)
+    logits = runner.forward(ForwardBatch(prompt, list(range(9)), [9], [9], [[0]], [8, 3]))
+    assert logits.dtype == torch.float32 and logits.shape == (2, 96)
+    expected = hf_logits(hf_models("llama"), prompt)
+    _assert_close(logits, expected[[8, 3]], "cpu", "float32")
