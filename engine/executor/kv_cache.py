@@ -1,0 +1,198 @@
+"""Paged KV cache block manager: pure Python, speaks block ids, never touches a tensor.
+
+The pool holds ``num_blocks`` blocks of ``tokens_per_block`` token slots. A sequence owns an
+ordered block table; token position p lives in ``block_table[p // tokens_per_block]``.
+
+Reuse (``enable_reuse``): every *full* block of a sequence gets a chained hash
+
+    h0 = hash((None, tokens[0:T]))   h1 = hash((h0, tokens[T:2T]))   ...
+
+so equal hashes mean equal prefixes. A full, computed block is registered under its hash; a
+later sequence whose prompt starts with the same tokens takes a reference on it instead of
+recomputing it. When the last reference goes, a registered block is not wiped: it stays in the
+free queue with its hash, and is evicted (its hash dropped) only when allocation needs it.
+
+Invariants (checked by tests/executor/test_kv_cache.py and the hypothesis property test):
+- a block is in the free queue iff its ref_count is 0;
+- ``hash_to_block`` maps only to blocks whose ``block_hash`` is that hash;
+- num_free_blocks + blocks with ref_count > 0 == num_blocks.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Protocol
+
+
+def chain_block_hashes(token_ids: list[int], tokens_per_block: int, known: list[int]) -> list[int]:
+    """Extend ``known`` (hashes of the first len(known) full blocks) to every full block of token_ids."""
+    hashes = list(known)
+    prev = hashes[-1] if hashes else None
+    for start in range(len(hashes) * tokens_per_block, len(token_ids) - tokens_per_block + 1, tokens_per_block):
+        prev = hash((prev, tuple(token_ids[start:start + tokens_per_block])))
+        hashes.append(prev)
+    return hashes
+
+
+@dataclass
+class KVBlock:
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None
+    token_ids: tuple[int, ...] | None = None  # kept with the hash to rule out collisions
+
+
+class SequenceBlocks(Protocol):
+    """What the manager needs from a sequence (engine.executor.request.Sequence has it)."""
+
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_ids: list[int]
+    block_hashes: list[int]
+
+
+class BlockManager:
+    """Ref-counted blocks, a hash -> block map for prefix reuse, and an LRU free queue.
+
+    Why an ``OrderedDict`` for the free queue rather than a ``deque``: a prefix hit revives a
+    cached block from the *middle* of the queue, which must be O(1). Eviction order: unhashed
+    blocks first (they hold nothing reusable; freed ones go to the front), then hashed blocks
+    least recently freed first. A sequence frees its blocks tail first, so its last blocks
+    (least likely to be shared) are evicted before its first ones.
+    """
+
+    def __init__(self, num_blocks: int, tokens_per_block: int, enable_reuse: bool = True):
+        if num_blocks <= 0 or tokens_per_block <= 0:
+            raise ValueError(f"num_blocks ({num_blocks}) and tokens_per_block ({tokens_per_block}) must be > 0")
+        self.num_blocks = num_blocks
+        self.tokens_per_block = tokens_per_block
+        self.enable_reuse = enable_reuse
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.hash_to_block: dict[int, int] = {}
+        self.total_reused_blocks = 0  # cumulative prefix hits
+        self.total_new_blocks = 0  # cumulative fresh allocations
+
+    # ----- integer API -----
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_queue)
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.tokens_per_block)
+
+    def match_prefix(self, block_hashes: list[int], token_ids: list[int], max_blocks: int) -> list[int]:
+        """Cached block ids for the longest prefix of ``block_hashes`` (at most max_blocks). Takes no refs."""
+        if not self.enable_reuse:
+            return []
+        T = self.tokens_per_block
+        hits: list[int] = []
+        for i, block_hash in enumerate(block_hashes[:max_blocks]):
+            block_id = self.hash_to_block.get(block_hash)
+            if block_id is None or self.blocks[block_id].token_ids != tuple(token_ids[i * T:(i + 1) * T]):
+                break
+            hits.append(block_id)
+        return hits
+
+    def acquire(self, block_ids: list[int]) -> None:
+        """Take one more reference on each block (a prefix hit, or a beam sharing its parent's blocks)."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_queue[block_id]
+            block.ref_count += 1
+
+    def allocate(self, num_blocks: int) -> list[int]:
+        """Take ``num_blocks`` blocks off the front of the free queue, evicting their cached hashes."""
+        if num_blocks > len(self.free_queue):
+            raise ValueError(f"cannot allocate {num_blocks} blocks: only {len(self.free_queue)} are free")
+        block_ids = []
+        for _ in range(num_blocks):
+            block_id, _ = self.free_queue.popitem(last=False)
+            block = self.blocks[block_id]
+            assert block.ref_count == 0, f"block {block_id} in the free queue has refs"
+            self._evict_hash(block)
+            block.ref_count = 1
+            block_ids.append(block_id)
+        self.total_new_blocks += num_blocks
+        return block_ids
+
+    def free(self, block_ids: list[int]) -> None:
+        """Drop one reference on each block, tail first; a block with no refs joins the free queue."""
+        for block_id in reversed(block_ids):
+            block = self.blocks[block_id]
+            assert block.ref_count > 0, f"double free of block {block_id}"
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue[block_id] = None
+                if block.block_hash is None:
+                    self.free_queue.move_to_end(block_id, last=False)
+
+    def register(self, block_id: int, block_hash: int, token_ids: tuple[int, ...]) -> None:
+        """Make a full, computed block findable by its hash (first writer wins on duplicates)."""
+        block = self.blocks[block_id]
+        if not self.enable_reuse or block.block_hash is not None or block_hash in self.hash_to_block:
+            return
+        block.block_hash, block.token_ids = block_hash, token_ids
+        self.hash_to_block[block_hash] = block_id
+
+    def _evict_hash(self, block: KVBlock) -> None:
+        if block.block_hash is not None:
+            if self.hash_to_block.get(block.block_hash) == block.block_id:
+                del self.hash_to_block[block.block_hash]
+            block.block_hash = block.token_ids = None
+
+    # ----- sequence-level helpers (the scheduler's vocabulary) -----
+    def num_new_blocks_needed(self, seq: SequenceBlocks, num_new_tokens: int) -> int:
+        total = self.blocks_for_tokens(seq.num_computed_tokens + num_new_tokens)
+        return max(0, total - len(seq.block_ids))
+
+    def acquire_cached_prefix(self, seq: SequenceBlocks) -> int:
+        """For a sequence with no blocks yet: reuse cached blocks of its prefix; returns blocks reused.
+
+        At least one token is always left to compute (its logits give the next token), and the
+        block holding the last token is never shared, so a shared block is never written again.
+        """
+        assert not seq.block_ids and seq.num_computed_tokens == 0
+        seq.block_hashes = chain_block_hashes(seq.token_ids, self.tokens_per_block, seq.block_hashes)
+        max_blocks = (len(seq.token_ids) - 1) // self.tokens_per_block
+        hits = self.match_prefix(seq.block_hashes, seq.token_ids, max_blocks)
+        self.acquire(hits)
+        self.total_reused_blocks += len(hits)
+        seq.block_ids = hits
+        seq.num_computed_tokens = len(hits) * self.tokens_per_block
+        return len(hits)
+
+    def append_slots(self, seq: SequenceBlocks, num_new_tokens: int) -> int | None:
+        """Give ``seq`` blocks for ``num_new_tokens`` more tokens; None (nothing taken) if the pool is short."""
+        needed = self.num_new_blocks_needed(seq, num_new_tokens)
+        if needed > self.num_free_blocks:
+            return None
+        seq.block_ids.extend(self.allocate(needed))
+        return needed
+
+    def register_computed_blocks(self, seq: SequenceBlocks) -> None:
+        """Register every full block whose tokens all have KV now."""
+        if not self.enable_reuse:
+            return
+        T = self.tokens_per_block
+        seq.block_hashes = chain_block_hashes(seq.token_ids, T, seq.block_hashes)
+        for i in range(min(seq.num_computed_tokens // T, len(seq.block_hashes), len(seq.block_ids))):
+            self.register(seq.block_ids[i], seq.block_hashes[i], tuple(seq.token_ids[i * T:(i + 1) * T]))
+
+    def release(self, seq: SequenceBlocks) -> None:
+        """Free all of ``seq``'s blocks; it must recompute from scratch if it runs again."""
+        self.free(seq.block_ids)
+        seq.block_ids = []
+        seq.num_computed_tokens = 0
+
+    def check_invariants(self) -> None:
+        for block in self.blocks:
+            assert block.ref_count >= 0
+            assert (block.ref_count == 0) == (block.block_id in self.free_queue), block
+        for block_hash, block_id in self.hash_to_block.items():
+            assert self.blocks[block_id].block_hash == block_hash

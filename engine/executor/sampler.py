@@ -1,0 +1,181 @@
+"""Stateless sampler: (logits, SamplingMetadata) -> next token ids (+ their log-probs).
+
+Per-request settings become per-batch tensors once per step (``build_sampling_metadata``);
+``sample`` then runs a fixed pipeline on the (batch, vocab) float32 logits:
+
+    embedding bias -> penalties -> banned tokens (bad words, end_id before min_tokens)
+      -> log-probs -> greedy argmax | (temperature -> top-k -> top-p -> exponential-race draw)
+
+Definitions (what the tests pin):
+- repetition_penalty r over tokens seen in prompt or output: logit > 0 -> logit / r, else logit * r.
+- presence_penalty p over tokens seen in the output: logit -= p.
+- frequency_penalty f over tokens seen in the output: logit -= f * count.
+- log-probs are ``log_softmax`` of the processed logits (after bias, penalties, bans and, for
+  sampled rows, temperature), before top-k/top-p truncation.
+- Sampling draws ``argmax(probs / q)`` with ``q ~ Exp(1)`` from the row's own ``torch.Generator``
+  (seeded per request), which is an exact categorical draw with no host sync.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.executor.request import Sequence
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-batch sampling tensors; a field is None when no row in the batch needs it."""
+
+    all_greedy: bool
+    is_greedy: torch.Tensor  # (B,) bool
+    temperature: torch.Tensor | None  # (B,) float32, 1.0 on greedy rows
+    top_k: torch.Tensor | None  # (B,) int64, vocab_size where unset
+    top_p: torch.Tensor | None  # (B,) float32, 1.0 where unset
+    generators: list[torch.Generator | None]  # per row; None on greedy rows
+    repetition_penalty: torch.Tensor | None  # (B,) float32, 1.0 where unset
+    presence_penalty: torch.Tensor | None  # (B,) float32, 0.0 where unset
+    frequency_penalty: torch.Tensor | None  # (B,) float32, 0.0 where unset
+    prompt_token_ids: torch.Tensor | None  # (B, max_prompt) int64, padded with vocab_size
+    output_token_ids: torch.Tensor | None  # (B, max_output) int64, padded with vocab_size
+    banned: torch.Tensor | None  # (2, n) int64 (row, token) pairs forced to -inf
+    embedding_bias: torch.Tensor | None  # (B, vocab) float32, zeros where unset
+    return_log_probs: bool
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # (B,) int64
+    log_probs: torch.Tensor | None  # (B,) float32: log-prob of each chosen token
+
+
+def _column(values: list, dtype: torch.dtype, device) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+def _padded(rows: list[list[int]], pad: int, device) -> torch.Tensor:
+    width = max(1, max(len(r) for r in rows))
+    return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.int64, device=device)
+
+
+def banned_tokens(seq: Sequence) -> list[int]:
+    """Tokens seq may not produce next: end_id before min_tokens, and each bad word's last token
+    when the sequence already ends with the rest of that word."""
+    request = seq.state.request
+    banned = []
+    min_tokens = request.sampling.min_tokens or 0
+    if request.end_id is not None and seq.num_generated_tokens < min_tokens:
+        banned.append(request.end_id)
+    for word in request.bad_words or ():
+        prefix = word[:-1]
+        if not prefix or seq.token_ids[len(seq.token_ids) - len(prefix):] == prefix:
+            banned.append(word[-1])
+    return banned
+
+
+def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, device, return_log_probs: bool) -> SamplingMetadata:
+    """Gather per-sequence settings into batch tensors (one sequence per logits row)."""
+    configs = [s.state.request.sampling for s in seqs]
+    greedy = [c.is_greedy or s.state.is_beam_search for c, s in zip(configs, seqs)]
+    temperature = top_k = top_p = None
+    if not all(greedy):
+        temperature = _column([1.0 if g else c.temperature or 1.0 for c, g in zip(configs, greedy)], torch.float32, device)
+        top_k = _column([c.top_k if c.top_k and not g else vocab_size for c, g in zip(configs, greedy)], torch.int64, device)
+        top_p = _column([c.top_p if c.top_p is not None and not g else 1.0 for c, g in zip(configs, greedy)],
+                        torch.float32, device)
+    rep = [c.repetition_penalty if c.repetition_penalty is not None else 1.0 for c in configs]
+    pres = [c.presence_penalty or 0.0 for c in configs]
+    freq = [c.frequency_penalty or 0.0 for c in configs]
+    has_penalty = any(r != 1.0 for r in rep) or any(pres) or any(freq)
+    banned = [(row, tok) for row, s in enumerate(seqs) for tok in banned_tokens(s) if 0 <= tok < vocab_size]
+    return SamplingMetadata(
+        all_greedy=all(greedy),
+        is_greedy=_column(greedy, torch.bool, device),
+        temperature=temperature, top_k=top_k, top_p=top_p,
+        generators=[None if g else s.generator for s, g in zip(seqs, greedy)],
+        repetition_penalty=_column(rep, torch.float32, device) if has_penalty else None,
+        presence_penalty=_column(pres, torch.float32, device) if has_penalty else None,
+        frequency_penalty=_column(freq, torch.float32, device) if has_penalty else None,
+        prompt_token_ids=_padded([s.token_ids[:s.num_prompt_tokens] for s in seqs], vocab_size, device) if has_penalty else None,
+        output_token_ids=_padded([s.generated_token_ids for s in seqs], vocab_size, device) if has_penalty else None,
+        banned=torch.tensor(banned, dtype=torch.int64, device=device).T if banned else None,
+        embedding_bias=_embedding_bias(seqs, vocab_size, device),
+        return_log_probs=return_log_probs,
+    )
+
+
+def _embedding_bias(seqs: list[Sequence], vocab_size: int, device) -> torch.Tensor | None:
+    biases = [s.state.request.embedding_bias for s in seqs]
+    if all(b is None for b in biases):
+        return None
+    rows = [torch.zeros(vocab_size) if b is None else torch.as_tensor(b, dtype=torch.float32).reshape(vocab_size)
+            for b in biases]
+    return torch.stack(rows).to(device)
+
+
+def token_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(B, L) ids padded with vocab_size -> (B, vocab) occurrence counts (padding dropped)."""
+    counts = torch.zeros(token_ids.shape[0], vocab_size + 1, dtype=torch.float32, device=token_ids.device)
+    counts.scatter_add_(1, token_ids, torch.ones_like(token_ids, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    vocab_size = logits.shape[1]
+    output_counts = token_counts(md.output_token_ids, vocab_size)
+    seen = (token_counts(md.prompt_token_ids, vocab_size) + output_counts) > 0
+    rep = md.repetition_penalty.unsqueeze(1)
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalized, logits)
+    logits = logits - md.presence_penalty.unsqueeze(1) * (output_counts > 0)
+    return logits - md.frequency_penalty.unsqueeze(1) * output_counts
+
+
+def process_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Bias, penalties and bans: the logits every decoding mode (greedy, sampled, beams) starts from."""
+    logits = logits.float()
+    if md.embedding_bias is not None:
+        logits = logits + md.embedding_bias
+    if md.repetition_penalty is not None:
+        logits = apply_penalties(logits, md)
+    if md.banned is not None:
+        logits = logits.index_put((md.banned[0], md.banned[1]), torch.tensor(float("-inf"), device=logits.device))
+    return logits
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask to -inf every token outside the row's top-k and outside its top-p nucleus (the top token always stays)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0)
+    drop = ranks >= top_k.unsqueeze(1)
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop |= mass_before >= top_p.unsqueeze(1)
+    drop[:, 0] = False
+    return logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+
+
+def random_sample(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One categorical draw per row as argmax(probs / Exp(1) noise), each row from its own generator."""
+    noise = torch.empty_like(probs)
+    for row, generator in enumerate(generators):
+        noise[row].exponential_(generator=generator)
+    return probs.div_(noise).argmax(dim=-1)
+
+
+def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+    """Next token for every row of ``logits`` (B, vocab); see the module docstring for the pipeline."""
+    logits = process_logits(logits, md)
+    greedy_ids = logits.argmax(dim=-1)
+    if md.all_greedy:
+        token_ids = greedy_ids
+    else:
+        scaled = logits / torch.where(md.temperature > 0, md.temperature, 1.0).unsqueeze(1)
+        logits = torch.where(md.is_greedy.unsqueeze(1), logits, scaled)
+        probs = apply_top_k_top_p(logits, md.top_k, md.top_p).softmax(dim=-1)
+        token_ids = torch.where(md.is_greedy, greedy_ids, random_sample(probs, md.generators))
+    log_probs = None
+    if md.return_log_probs:
+        log_probs = logits.log_softmax(dim=-1).gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    return SamplerOutput(token_ids=token_ids, log_probs=log_probs)

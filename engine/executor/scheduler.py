@@ -1,0 +1,202 @@
+"""In-flight batching scheduler: which sequences run this iteration, and how many tokens each.
+
+NOTE: there is no "prefill phase" and no "decode phase". Every sequence has
+``num_computed_tokens`` (tokens with KV in the cache) and a target, ``len(token_ids)`` (every
+token it knows). Each iteration hands out tokens so the first catches up with the second,
+under two budgets: ``max_num_tokens`` tokens and ``max_batch_size`` sequences. A decoding
+sequence needs 1 token; a new one needs its prompt (or, with chunked context, as much of it as
+the budget allows); a preempted one needs prompt + output so far. Running sequences are served
+first (oldest first), then waiting ones are admitted in FIFO order.
+
+Policies:
+- ``guaranteed_no_evict``: admit only if the free blocks, minus what running sequences may
+  still claim to reach prompt + max_tokens, cover the newcomer's prompt + max_tokens. A running
+  sequence then never runs out of blocks.
+- ``max_utilization``: admit whenever the first chunk fits. When a running sequence cannot get
+  a block, preempt the newest running sequence (free its blocks, put it back at the head of
+  the queue); it recomputes its tokens later, so nothing is lost.
+
+The scheduler never sees a tensor; the executor turns ``SchedulerOutput`` into a ForwardBatch.
+"""
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.executor.kv_cache import BlockManager
+from engine.executor.request import Sequence, SequenceStatus
+
+POLICIES = ("guaranteed_no_evict", "max_utilization")
+
+
+@dataclass
+class ScheduledSequence:
+    seq: Sequence
+    num_new_tokens: int  # tokens computed this step: positions num_computed_tokens ... + num_new_tokens - 1
+    is_prefill: bool  # the chunk covers prompt tokens (context phase) rather than one decode token
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the end of the known tokens, so its last logits give the next token."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == len(self.seq.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence] = field(default_factory=list)  # in forward-batch order
+    preempted: list[Sequence] = field(default_factory=list)  # lost their blocks this step
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def num_context_sequences(self) -> int:
+        return sum(s.is_prefill for s in self.scheduled)
+
+    @property
+    def num_context_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled if s.is_prefill)
+
+
+@dataclass
+class _Budget:
+    tokens: int
+    seqs: int
+
+    def take(self, num_tokens: int) -> None:
+        self.tokens -= num_tokens
+        self.seqs -= 1
+
+
+class Scheduler:
+    """Owns the waiting queue and the running set; decides each iteration's batch."""
+
+    def __init__(self, block_manager: BlockManager, *, max_batch_size: int, max_num_tokens: int,
+                 policy: str = "guaranteed_no_evict", enable_chunked_context: bool = False):
+        if policy not in POLICIES:
+            raise ValueError(f"batch_scheduler_policy {policy!r} is not supported; allowed: {', '.join(POLICIES)}")
+        self.blocks = block_manager
+        self.max_batch_size = max_batch_size
+        self.max_num_tokens = max_num_tokens
+        self.policy = policy
+        self.enable_chunked_context = enable_chunked_context
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # sorted by arrival_order: the tail is the newest
+        self._arrivals = 0
+        self.num_preemptions = 0
+
+    # ----- queue membership -----
+    def add(self, seq: Sequence) -> None:
+        seq.arrival_order = self._arrivals
+        self._arrivals += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove ``seq`` wherever it is and free its blocks (finish, cancel, error)."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq.block_ids:
+            self.blocks.free(seq.block_ids)
+        seq.block_ids = []
+        seq.status = SequenceStatus.FINISHED
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ----- one iteration -----
+    def schedule(self) -> SchedulerOutput:
+        budget = _Budget(tokens=self.max_num_tokens, seqs=self.max_batch_size)
+        out = SchedulerOutput()
+        self._schedule_running(budget, out)
+        if not out.preempted:  # a pool that just forced a preemption has no room for newcomers
+            self._admit_waiting(budget, out)
+        return out
+
+    def _schedule_running(self, budget: _Budget, out: SchedulerOutput) -> None:
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            num_new = self._num_tokens_to_schedule(seq, budget)
+            if num_new and not self._append_or_preempt(seq, num_new, out):
+                return  # seq itself was preempted: it was the newest, nothing runs after it
+            if num_new:
+                out.scheduled.append(ScheduledSequence(seq, num_new, self._is_prefill(seq)))
+                budget.take(num_new)
+            i += 1
+
+    def _append_or_preempt(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
+        """Give seq its blocks, preempting the newest running sequences if needed; False if seq went."""
+        while (new_blocks := self.blocks.append_slots(seq, num_new)) is None:
+            victim = self.running[-1]
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is seq:
+                return False
+        self._count_allocation(seq, new_blocks, reused=0)
+        return True
+
+    def _admit_waiting(self, budget: _Budget, out: SchedulerOutput) -> None:
+        while self.waiting and budget.seqs > 0 and len(self.running) < self.max_batch_size:
+            seq = self.waiting[0]
+            if self.policy == "guaranteed_no_evict" and not self._can_reserve(seq):
+                return
+            reused = self.blocks.acquire_cached_prefix(seq)
+            num_new = self._num_tokens_to_schedule(seq, budget)
+            new_blocks = self.blocks.append_slots(seq, num_new) if num_new else None
+            if new_blocks is None:
+                self.blocks.release(seq)  # hand back the prefix hits; they stay cached
+                return
+            self.waiting.popleft()
+            self._count_allocation(seq, new_blocks, reused)
+            self._start_running(seq)
+            out.scheduled.append(ScheduledSequence(seq, num_new, True))
+            budget.take(num_new)
+
+    # ----- helpers -----
+    def _num_tokens_to_schedule(self, seq: Sequence, budget: _Budget) -> int:
+        """How many of seq's uncomputed tokens fit this iteration (0: skip it for now)."""
+        remaining = seq.num_uncomputed_tokens
+        if remaining == 0 or budget.seqs == 0 or budget.tokens == 0:
+            return 0
+        if remaining <= budget.tokens:
+            return remaining
+        # A recomputed stream longer than the whole budget could never run unchunked.
+        if self.enable_chunked_context or remaining > self.max_num_tokens:
+            return budget.tokens
+        return 0
+
+    def _is_prefill(self, seq: Sequence) -> bool:
+        return seq.num_computed_tokens < len(seq.token_ids) - 1
+
+    def _can_reserve(self, seq: Sequence) -> bool:
+        promised = sum(self.blocks.blocks_for_tokens(s.max_total_tokens) - len(s.block_ids) for s in self.running)
+        return self.blocks.num_free_blocks - promised >= self.blocks.blocks_for_tokens(seq.max_total_tokens)
+
+    def _start_running(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.RUNNING
+        keys = [s.arrival_order for s in self.running]
+        self.running.insert(bisect.bisect(keys, seq.arrival_order), seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.release(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _count_allocation(self, seq: Sequence, new_blocks: int, reused: int) -> None:
+        perf = seq.state.perf
+        perf.kv_cache_alloc_new_blocks += new_blocks
+        perf.kv_cache_reused_blocks += reused
+        perf.kv_cache_alloc_total_blocks += new_blocks + reused
+        self.blocks.total_reused_blocks += reused
