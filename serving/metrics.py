@@ -1,0 +1,139 @@
+"""Metric math for the `tensorrt_llm` model: gauge values from executor iteration stats, token
+counts and latencies for the histograms. Plain Python; model.py owns the Triton metric objects.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+# (family, description, category label, {label value: stat getter})
+GaugeSpec = tuple[str, str, str, dict[str, Callable[[Any], float]]]
+
+
+def _kv(name: str) -> Callable[[Any], float]:
+    return lambda stats: getattr(stats.kv_cache_stats, name)
+
+
+def _kv_fraction(stats) -> float:
+    kv = stats.kv_cache_stats
+    return kv.used_num_blocks / kv.max_num_blocks if kv.max_num_blocks > 0 else 0.0
+
+
+def _stat(name: str) -> Callable[[Any], float]:
+    return lambda stats: getattr(stats, name)
+
+
+def timestamp_seconds(value) -> float:
+    """Seconds since the epoch from a number (s, or ns when huge) or a
+    `%m-%d-%Y %H:%M:%S.%f` string (read as UTC)."""
+    if isinstance(value, str):
+        from datetime import datetime, timezone
+
+        parsed = datetime.strptime(value, "%m-%d-%Y %H:%M:%S.%f")
+        return parsed.replace(tzinfo=timezone.utc).timestamp()
+    value = float(value)
+    return value / 1e9 if value > 1e14 else value
+
+
+GAUGES: list[GaugeSpec] = [
+    ("nv_trt_llm_request_metrics", "TRT LLM request metrics", "request_type", {
+        "active": _stat("num_active_requests"), "max": _stat("max_num_active_requests"),
+        "scheduled": _stat("num_scheduled_requests"), "context": _stat("num_context_requests"),
+        "waiting": lambda s: s.num_active_requests - s.num_scheduled_requests,
+    }),
+    ("nv_trt_llm_runtime_memory_metrics", "TRT LLM runtime memory metrics", "memory_type", {
+        "cpu": _stat("cpu_mem_usage"), "gpu": _stat("gpu_mem_usage"),
+        "pinned": _stat("pinned_mem_usage"),
+    }),
+    ("nv_trt_llm_kv_cache_block_metrics", "TRT LLM KV cache block metrics", "kv_cache_block_type", {
+        "max": _kv("max_num_blocks"), "free": _kv("free_num_blocks"), "used": _kv("used_num_blocks"),
+        "tokens_per": _kv("tokens_per_block"), "fraction": _kv_fraction,
+    }),
+    ("nv_trt_llm_inflight_batcher_metrics", "TRT LLM inflight batcher metrics",
+     "inflight_batcher_specific_metric", {
+         "total_context_tokens": _stat("num_ctx_tokens"),
+         "generation_requests": _stat("num_gen_requests"),
+         "micro_batch_id": lambda s: getattr(s, "micro_batch_id", 0) or 0,
+         "paused_requests": _stat("num_paused_requests"),
+     }),
+    ("nv_trt_llm_general_metrics", "General TRT LLM metrics", "general_type", {
+        "timestamp": lambda s: timestamp_seconds(s.timestamp), "iteration_counter": _stat("iter"),
+    }),
+]
+
+TOKEN_LEN_BUCKETS = [10, 50, 100, 500, 1000]
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 30.0]
+ITL_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+               2.5]
+# (family, description, response_metric_type label value or None, buckets)
+HISTOGRAMS = [
+    ("nv_llm_input_token_len", "TRT LLM response metrics", "total_input_tokens", TOKEN_LEN_BUCKETS),
+    ("nv_llm_output_token_len", "TRT LLM response metrics", "total_output_tokens",
+     TOKEN_LEN_BUCKETS),
+    ("nv_llm_time_to_first_token_seconds",
+     "Time from a request's arrival at the executor to its first generated token", None,
+     TTFT_BUCKETS),
+    ("nv_llm_inter_token_latency_seconds",
+     "Mean time between consecutive generated tokens of a request", None, ITL_BUCKETS),
+]
+
+
+def gauge_values(stats: Any) -> dict[tuple[str, str], float]:
+    """{(family, label value): value} for every gauge; a missing stat is skipped, not fatal."""
+    values = {}
+    for family, _, _, getters in GAUGES:
+        for label_value, getter in getters.items():
+            try:
+                value = getter(stats)
+            except AttributeError:
+                continue
+            if value is not None:
+                values[(family, label_value)] = float(value)
+    return values
+
+
+def generated_token_count(sequence_lengths: list[int], prompt_len: int, prompt_included: bool) -> int:
+    """Tokens generated in one response: per-beam lengths summed, the echoed prompt removed."""
+    total = sum(sequence_lengths)
+    if prompt_included:
+        total -= prompt_len * len(sequence_lengths)
+    return max(total, 0)
+
+
+@dataclass
+class RequestLatency:
+    """Per executor request: timestamps (seconds, any common clock) of arrival, first and last
+    token, and the number of generated tokens, for the TTFT / inter-token histograms."""
+
+    arrival: float
+    first_token: float | None = None
+    last_token: float | None = None
+    num_tokens: int = 0
+
+    def on_tokens(self, now: float, count: int) -> None:
+        if count <= 0:
+            return
+        if self.first_token is None:
+            self.first_token = now
+        self.last_token = now
+        self.num_tokens += count
+
+    def use_perf(self, perf: Any) -> None:
+        """Prefer the executor's own timestamps (ns since epoch) when it reports them."""
+        arrival = getattr(perf, "arrival_time_ns", 0) or 0
+        first = getattr(perf, "first_token_time_ns", 0) or 0
+        last = getattr(perf, "last_token_time_ns", 0) or 0
+        if arrival and first and first >= arrival:
+            self.arrival, self.first_token = arrival / 1e9, first / 1e9
+            if last >= first:
+                self.last_token = last / 1e9
+
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token is None else max(self.first_token - self.arrival, 0.0)
+
+    def inter_token_latency(self) -> float | None:
+        """Mean gap between tokens; None with fewer than two tokens."""
+        if self.num_tokens < 2 or self.first_token is None or self.last_token is None:
+            return None
+        return max(self.last_token - self.first_token, 0.0) / (self.num_tokens - 1)

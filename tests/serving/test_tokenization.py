@@ -1,0 +1,58 @@
+import pytest
+
+from serving.tokenization import (REPLACEMENT_CHAR, TextDeltas, Utf8Holdback, decode_tokens,
+                                  first_token_id)
+
+TEXTS = ["中文 emoji 😀 ok", "Paris 🇫🇷 is the capital. 東京は日本の首都です。", "plain ascii, no surprises",
+         "👩‍👩‍👧 family; naïve café"]
+
+
+def stream_in_chunks(tokenizer, ids, chunk):
+    holdback = Utf8Holdback(lambda t: tokenizer.decode(t, skip_special_tokens=False))
+    pieces = []
+    for start in range(0, len(ids), chunk):
+        ready = holdback.push(ids[start:start + chunk])
+        if ready:
+            pieces.append(decode_tokens(tokenizer, ready))
+    pieces.append(decode_tokens(tokenizer, holdback.flush()))
+    return pieces
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("chunk", [1, 2, 3])
+def test_holdback_chunks_never_break_or_drop_characters(smollm2_tokenizer, text, chunk):
+    ids = smollm2_tokenizer.encode(text, add_special_tokens=False)
+    pieces = stream_in_chunks(smollm2_tokenizer, ids, chunk)
+    assert "".join(pieces) == decode_tokens(smollm2_tokenizer, ids) == text
+    assert not any(REPLACEMENT_CHAR in piece for piece in pieces)
+
+
+def test_plain_per_token_decoding_would_break_the_emoji(smollm2_tokenizer):
+    # The reason for the holdback: the emoji spans two byte-level tokens.
+    ids = smollm2_tokenizer.encode(" 😀", add_special_tokens=False)
+    assert len(ids) == 2
+    assert all(REPLACEMENT_CHAR in smollm2_tokenizer.decode([i]) for i in ids)
+
+
+def test_holdback_releases_invalid_bytes_instead_of_stalling():
+    holdback = Utf8Holdback(lambda ids: REPLACEMENT_CHAR)
+    assert holdback.push([1, 2]) == []
+    assert holdback.push(list(range(3, 12))) == list(range(1, 12))
+    assert holdback.flush() == []
+
+
+def test_text_deltas_hold_back_unfinished_characters():
+    deltas = TextDeltas()
+    assert deltas.update("Hi") == "Hi"
+    assert deltas.update("Hi " + REPLACEMENT_CHAR) == " "
+    assert deltas.update("Hi 😀!") == "😀!"
+    assert deltas.update("Hi 😀!" + REPLACEMENT_CHAR, is_final=True) == REPLACEMENT_CHAR
+    assert deltas.emitted == "Hi 😀!" + REPLACEMENT_CHAR
+
+
+def test_special_token_ids(smollm2_tokenizer):
+    assert first_token_id(smollm2_tokenizer, smollm2_tokenizer.eos_token) == 2
+    assert first_token_id(smollm2_tokenizer, smollm2_tokenizer.pad_token) is not None
+    ids = smollm2_tokenizer.encode("Paris", add_special_tokens=False) + [2]
+    assert decode_tokens(smollm2_tokenizer, ids) == "Paris"
+    assert decode_tokens(smollm2_tokenizer, ids, skip_special_tokens=False).endswith("<|im_end|>")
