@@ -16,8 +16,9 @@ before them, cached prefix included::
 Position p of sequence i lives in block ``block_tables[i, p // tokens_per_block]`` at offset
 ``p % tokens_per_block``; its flat slot is ``block_id * tokens_per_block + offset``.
 
-The public functions dispatch once per call on the device: OpenAI Triton kernels on CUDA
-(when available), the plain-torch references (``*_ref``) elsewhere. The references are also
+The public functions dispatch on the tensors' device: OpenAI Triton kernels on CUDA (when
+Triton is installed), the plain-torch references (``*_ref``) elsewhere. The test is two
+attribute reads; under a captured CUDA graph it costs nothing at all. The references are also
 the oracle the kernel tests compare against.
 """
 from __future__ import annotations
@@ -25,6 +26,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from kernels import triton_attention  # the GPU kernels; importable (as stubs) without Triton
+from kernels._triton import use_triton
 
 
 @dataclass
@@ -95,31 +99,17 @@ def paged_attention_ref(
     return out
 
 
-def _use_triton(t: torch.Tensor) -> bool:
-    if t.device.type != "cuda":
-        return False
-    try:
-        from kernels import triton_attention  # noqa: F401  (GPU kernels, added with the GPU work)
-    except ImportError:
-        return False
-    return True
-
-
 def write_kv_cache(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    if _use_triton(k):
-        from kernels.triton_attention import write_kv_cache_triton
-
-        return write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping)
+    if use_triton(k):
+        return triton_attention.write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping)
     return write_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping)
 
 
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
-    if _use_triton(q):
-        from kernels.triton_attention import paged_attention_triton
-
-        return paged_attention_triton(q, k_cache, v_cache, meta, scale)
+    if use_triton(q):
+        return triton_attention.paged_attention_triton(q, k_cache, v_cache, meta, scale)
     return paged_attention_ref(q, k_cache, v_cache, meta, scale)

@@ -8,12 +8,18 @@ q: (num_tokens, num_heads, head_dim), k: (num_tokens, num_kv_heads, head_dim), p
 (num_tokens,) int64. ``is_neox`` rotates the two halves of each head (Hugging Face's
 ``rotate_half``, used by Llama/Mistral/Qwen2 checkpoints in HF layout); otherwise adjacent
 pairs (GPT-J style) are rotated. Math in fp32, results cast back to the input dtype.
+
+On CUDA a Triton program per token rotates all of its q and k heads *in place* (q and k are
+usually column views of the fused qkv output) and returns the same q and k tensors; callers
+must not rely on the inputs staying unrotated.
 """
 from __future__ import annotations
 
 import math
 
 import torch
+
+from kernels._triton import jit, tl, triton, use_triton
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
@@ -72,7 +78,63 @@ def apply_rotary_ref(
     return _rotate(q, cos, sin, is_neox), _rotate(k, cos, sin, is_neox)
 
 
+@jit
+def _rotate_heads(x_ptr, token, stride_t, stride_h, num_heads, cos, sin, half_idx, half_mask,
+                  HEADS_PAD: tl.constexpr, HALF: tl.constexpr, IS_NEOX: tl.constexpr):
+    heads = tl.arange(0, HEADS_PAD)[:, None]
+    mask = (heads < num_heads) & half_mask[None, :]
+    if IS_NEOX:
+        first, second = half_idx[None, :], half_idx[None, :] + HALF
+    else:
+        first, second = 2 * half_idx[None, :], 2 * half_idx[None, :] + 1
+    base = x_ptr + token * stride_t + heads * stride_h
+    x1 = tl.load(base + first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(base + second, mask=mask, other=0.0).to(tl.float32)
+    tl.store(base + first, (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(base + second, (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+@jit
+def _rotary_kernel(
+    q_ptr, k_ptr, positions_ptr, cache_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_cache, num_q_heads, num_k_heads,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr, Q_HEADS_PAD: tl.constexpr, K_HEADS_PAD: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    position = tl.load(positions_ptr + token)
+    half_idx = tl.arange(0, HALF_PAD)
+    half_mask = half_idx < HALF
+    cos = tl.load(cache_ptr + position * stride_cache + half_idx, mask=half_mask, other=1.0)[None, :]
+    sin = tl.load(cache_ptr + position * stride_cache + HALF + half_idx, mask=half_mask, other=0.0)[None, :]
+    _rotate_heads(q_ptr, token, stride_qt, stride_qh, num_q_heads, cos, sin, half_idx, half_mask,
+                  Q_HEADS_PAD, HALF, IS_NEOX)
+    _rotate_heads(k_ptr, token, stride_kt, stride_kh, num_k_heads, cos, sin, half_idx, half_mask,
+                  K_HEADS_PAD, HALF, IS_NEOX)
+
+
+def apply_rotary_triton(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, is_neox: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotates q and k in place (see the module docstring) and returns them."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    assert cos_sin_cache.shape[1] == head_dim, "partial rotary is not supported"
+    assert q.stride(2) == 1 and k.stride(2) == 1 and cos_sin_cache.dtype == torch.float32
+    if num_tokens == 0:
+        return q, k
+    half = head_dim // 2
+    _rotary_kernel[(num_tokens,)](
+        q, k, positions, cos_sin_cache,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0), num_q_heads, k.shape[1],
+        HALF=half, HALF_PAD=triton.next_power_of_2(half), Q_HEADS_PAD=triton.next_power_of_2(num_q_heads),
+        K_HEADS_PAD=triton.next_power_of_2(k.shape[1]), IS_NEOX=is_neox, num_warps=4,
+    )
+    return q, k
+
+
 def apply_rotary(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, is_neox: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if use_triton(q):
+        return apply_rotary_triton(q, k, positions, cos_sin_cache, is_neox)
     return apply_rotary_ref(q, k, positions, cos_sin_cache, is_neox)

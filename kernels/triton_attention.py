@@ -26,11 +26,14 @@ slot -1 so they write nothing.
 """
 from __future__ import annotations
 
-import torch
-import triton
-import triton.language as tl
+from typing import TYPE_CHECKING
 
-from kernels.attention import AttentionMetadata
+import torch
+
+from kernels._triton import jit, tl, triton
+
+if TYPE_CHECKING:
+    from kernels.attention import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
 _NUM_SMS: dict[int, int] = {}
@@ -50,7 +53,7 @@ def _num_sms(device: torch.device) -> int:
 # ----------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@jit
 def _write_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
@@ -96,7 +99,7 @@ def write_kv_cache_triton(
 # ----------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@jit
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,
@@ -192,7 +195,7 @@ def _paged_attention_kernel(
         tl.store(part_lse_ptr + part // DIM_PAD, lse, mask=row_valid)
 
 
-@triton.jit
+@jit
 def _merge_splits_kernel(
     part_out_ptr, part_lse_ptr, out_ptr,
     stride_ps, stride_pt, stride_ph, stride_ot, stride_oh,

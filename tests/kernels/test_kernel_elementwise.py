@@ -1,0 +1,84 @@
+"""Fused residual RMSNorm, rotary embedding and SiLU-and-mul: Triton kernels vs the references.
+
+These kernels do the reference's arithmetic in the same order (fp32 math, roundings to the
+activation dtype at the same points), so the outputs agree to about one rounding of the output
+dtype: bounds are a few ulps, far under the attention tolerances. Sizes are awkward on purpose:
+odd token counts, hidden sizes that are not powers of two (SmolLM2's 576), 9 or 3 heads.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_testing import low_precision_dtypes, relative_error
+
+from kernels.activation import silu_and_mul_ref
+from kernels.rmsnorm import rms_norm_ref
+from kernels.rotary import apply_rotary_ref, build_cos_sin_cache
+
+# One output rounding: bf16 2^-8 relative at worst per element (RMS ~ 2^-9), fp16 8x tighter.
+ROUNDING = {torch.bfloat16: 4e-3, torch.float16: 5e-4, torch.float32: 1e-6}
+
+
+def randn(*shape, dtype, device, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype).to(device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens,hidden", [(1, 4096), (7, 576), (33, 2048)])
+def test_rms_norm_with_and_without_residual(device, num_tokens, hidden):
+    from kernels.rmsnorm import rms_norm_triton
+
+    for dtype in low_precision_dtypes(device):
+        x = randn(num_tokens, hidden, dtype=dtype, device=device, seed=1)
+        residual = randn(num_tokens, hidden, dtype=dtype, device=device, seed=2)
+        weight = (1 + 0.1 * randn(hidden, dtype=torch.float32, device=device, seed=3)).to(dtype)
+        out, new_residual = rms_norm_triton(x, weight, 1e-5, residual)
+        ref_out, ref_residual = rms_norm_ref(x, weight, 1e-5, residual)
+        assert torch.equal(new_residual, ref_residual)  # one rounded add, same on both sides
+        assert relative_error(out, ref_out) < ROUNDING[dtype]
+        out, passthrough = rms_norm_triton(x, weight, 1e-5)
+        assert passthrough is x
+        assert relative_error(out, rms_norm_ref(x, weight, 1e-5)[0]) < ROUNDING[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("heads,head_dim", [((32, 8), 128), ((9, 3), 64)])
+def test_rotary_in_place_on_qkv_views(device, is_neox, heads, head_dim):
+    from kernels.rotary import apply_rotary_triton
+
+    num_q, num_k = heads
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    cache = build_cos_sin_cache(20000, head_dim, 500000.0, scaling, device=device)
+    for dtype in low_precision_dtypes(device):
+        num_tokens = 13
+        qkv = randn(num_tokens, (num_q + 2 * num_k) * head_dim, dtype=dtype, device=device, seed=4)
+        q, k, _ = qkv.split([num_q * head_dim, num_k * head_dim, num_k * head_dim], dim=-1)
+        q, k = q.view(num_tokens, num_q, head_dim), k.view(num_tokens, num_k, head_dim)
+        positions = torch.tensor([0, 1, 2, 15, 16, 17, 100, 1023, 1024, 4097, 8191, 8192, 19999], device=device)
+        ref_q, ref_k = apply_rotary_ref(q, k, positions, cache, is_neox)
+        out_q, out_k = apply_rotary_triton(q, k, positions, cache, is_neox)
+        assert out_q.data_ptr() == q.data_ptr()  # rotated in place inside qkv
+        assert relative_error(out_q, ref_q) < ROUNDING[dtype]
+        assert relative_error(out_k, ref_k) < ROUNDING[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens,inter", [(1, 14336), (5, 1536), (17, 1000)])
+def test_silu_and_mul(device, num_tokens, inter):
+    from kernels.activation import silu_and_mul_triton
+
+    for dtype in low_precision_dtypes(device):
+        x = randn(num_tokens, 2 * inter, dtype=dtype, device=device, seed=5) * 3
+        assert relative_error(silu_and_mul_triton(x), silu_and_mul_ref(x)) < ROUNDING[dtype]
+
+
+def test_public_entries_use_the_reference_on_cpu():
+    """On CPU tensors the public entries are exactly the references (what CI exercises)."""
+    from kernels.activation import silu_and_mul
+    from kernels.rmsnorm import rms_norm
+
+    x = torch.randn(3, 64)
+    assert torch.equal(silu_and_mul(x), silu_and_mul_ref(x))
+    assert torch.equal(rms_norm(x, torch.ones(64), 1e-6, x)[0], rms_norm_ref(x, torch.ones(64), 1e-6, x)[0])
