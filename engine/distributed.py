@@ -1,0 +1,551 @@
+"""Leader mode across ranks: process groups, the step protocol, and the leader's runner.
+
+One rank per device. Rank 0 (the leader, inside ``tritonserver``) owns the queue, the scheduler
+and the KV block tables; ranks 1..N-1 (``python -m engine.worker``) own nothing but their weight
+shard and KV pool shard. Every step the leader broadcasts the step's plan and then every rank
+runs the same tensor-parallel forward, whose all-reduces and all-gathers keep them in lockstep:
+
+    leader (executor thread)                  worker r (main thread)
+    ------------------------                  ----------------------
+    send(FORWARD, batch)  --- control --->    recv() -> FORWARD, batch
+    runner.forward(batch) <== tp group ==>    runner.forward(batch)   (logits dropped)
+    -> logits to the sampler                  recv() ...
+
+Two process groups: the ``tp_group`` carries the model's collectives (NCCL on GPUs, gloo on
+CPU); the ``control`` group (always gloo, CPU tensors) carries the plans, so a worker reads
+its plan as plain integers without a device round trip, and a dead peer shows up as a TCP
+error on the next message rather than as a hung GPU kernel.
+
+A plan is two broadcasts: a fixed header ``[op, step, payload_len, arg]`` (int64) and, for
+FORWARD, a flat int32 payload that packs every ForwardBatch field (see ``encode_batch``).
+Rare calls (KV sizing, allocation) are broadcast as pickled objects.
+
+Faults. Nothing waits forever: every collective runs under the group timeout (``step_timeout_s``
+once the ranks are loaded, ``startup_timeout_s`` before). A rank that dies closes its sockets
+and the leader's next collective fails at once; a rank that hangs fails it after the timeout.
+While idle, the leader sends a HEARTBEAT every ``heartbeat_s`` (a broadcast plus an all-reduce
+that every rank must answer), which also keeps the workers' blocking ``recv`` from timing out.
+After the first fault the leader's runner is *failed* for good: every later call raises
+``RankFailureError`` with the first error, and ``failure`` says why (the model is not ready).
+
+Environment (the launcher sets these; torchrun's and Slurm's names work too):
+``OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE}`` (or PMI_*/PMIX_*, RANK/WORLD_SIZE/LOCAL_RANK,
+SLURM_*), ``TRITONLLM_DIST_ADDR``/``TRITONLLM_DIST_PORT`` (or MASTER_ADDR/MASTER_PORT),
+``TRITONLLM_DIST_TIMEOUT_S``, ``TRITONLLM_DIST_STARTUP_TIMEOUT_S``, ``TRITONLLM_DIST_HEARTBEAT_S``.
+"""
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import datetime
+import enum
+import logging
+import os
+import threading
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+
+from engine.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_STEP_TIMEOUT_S = 60.0
+DEFAULT_STARTUP_TIMEOUT_S = 900.0
+DEFAULT_HEARTBEAT_S = 2.0
+HEADER_LEN = 4  # [op, step, payload_len, arg]
+
+
+class RankFailureError(RuntimeError):
+    """A rank died, hung, or fell out of step; the multi-rank runner cannot run any more steps."""
+
+
+class Op(enum.IntEnum):
+    FORWARD = 1    # payload: encoded ForwardBatch; arg: all_logits flag
+    CALL = 2       # followed by one broadcast object: (method, args, kwargs, reduce)
+    HEARTBEAT = 3  # followed by an all-reduce every rank must answer
+    SHUTDOWN = 4
+
+
+# ---- who am I: rank and world from the launcher's environment ---------------------------------
+
+# (rank, size, local_rank, local_size) variable names, most specific launcher first.
+_RANK_ENV_SCHEMES = (
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("PMIX_RANK", "PMIX_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+    ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
+)
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    world_size: int
+    local_rank: int   # index among the ranks on this node: picks the GPU
+    local_size: int   # ranks on this node: equals world_size on a single node
+
+
+def rank_info_from_env(environ: Mapping[str, str] = os.environ) -> RankInfo:
+    """Read rank and world size from MPI (OpenMPI, PMI/PMIx), torchrun or Slurm variables.
+
+    No MPI library is initialized: ``tritonserver`` (rank 0) never calls MPI_Init and the Python
+    backend stub only inherits the launcher's environment, so the variables are the one source
+    that works in every process. Without any of them this is a single rank.
+    """
+    for rank_var, size_var, local_var, local_size_var in _RANK_ENV_SCHEMES:
+        if rank_var in environ and size_var in environ:
+            rank, size = int(environ[rank_var]), int(environ[size_var])
+            local_rank = int(environ.get(local_var, rank))
+            local_size = int(environ.get(local_size_var, size))
+            if not 0 <= rank < size:
+                raise ValueError(f"{rank_var}={rank} is out of range for {size_var}={size}")
+            return RankInfo(rank, size, local_rank, local_size)
+    return RankInfo(0, 1, 0, 1)
+
+
+@dataclass(frozen=True)
+class DistSettings:
+    """Rendezvous address and timeouts, read once from the environment."""
+
+    addr: str
+    port: int
+    step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S
+    startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
+    heartbeat_s: float = DEFAULT_HEARTBEAT_S
+
+    @classmethod
+    def from_env(cls, info: RankInfo, environ: Mapping[str, str] = os.environ) -> "DistSettings":
+        addr = environ.get("TRITONLLM_DIST_ADDR") or environ.get("MASTER_ADDR")
+        port = environ.get("TRITONLLM_DIST_PORT") or environ.get("MASTER_PORT")
+        if addr is None and info.local_size != info.world_size:
+            raise ValueError(
+                f"ranks span several nodes ({info.world_size} ranks, {info.local_size} on this node) but "
+                "TRITONLLM_DIST_ADDR is not set; set it to rank 0's host name "
+                "(scripts/launch_triton_server.py --dist_addr does)"
+            )
+        settings = cls(
+            addr=addr or "127.0.0.1",
+            port=int(port or 29511),
+            step_timeout_s=float(environ.get("TRITONLLM_DIST_TIMEOUT_S", DEFAULT_STEP_TIMEOUT_S)),
+            startup_timeout_s=float(environ.get("TRITONLLM_DIST_STARTUP_TIMEOUT_S", DEFAULT_STARTUP_TIMEOUT_S)),
+            heartbeat_s=float(environ.get("TRITONLLM_DIST_HEARTBEAT_S", DEFAULT_HEARTBEAT_S)),
+        )
+        if not 0 < settings.heartbeat_s < settings.step_timeout_s:
+            raise ValueError(
+                f"TRITONLLM_DIST_HEARTBEAT_S ({settings.heartbeat_s}) must be > 0 and below "
+                f"TRITONLLM_DIST_TIMEOUT_S ({settings.step_timeout_s}): idle workers time out otherwise"
+            )
+        return settings
+
+
+def resolve_device(device: str | torch.device | None, local_rank: int) -> torch.device:
+    """``None``/``"cuda"`` -> this rank's GPU (``cuda:<local_rank>``) when CUDA is there, else CPU."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    return device
+
+
+def check_world_matches_engine(engine_dir: str, world_size: int) -> EngineConfig:
+    """Load the engine header and insist that it was sharded for exactly ``world_size`` ranks."""
+    config = EngineConfig.load(engine_dir)
+    tp_size = config.build.tp_size
+    if tp_size != world_size:
+        raise ValueError(
+            f"engine {engine_dir!r} was built with tp_size {tp_size} but is running on world_size "
+            f"{world_size}; launch with --world_size {tp_size} or rebuild with "
+            f"python -m engine.build --tp_size {world_size}"
+        )
+    return config
+
+
+# ---- process groups -------------------------------------------------------------------------
+
+
+@dataclass
+class DistContext:
+    """This rank's place in the job and its two process groups (see the module docstring)."""
+
+    info: RankInfo
+    settings: DistSettings
+    device: torch.device
+    tp_group: Any        # the default (world) group: NCCL on GPUs, gloo on CPU
+    control: Any         # gloo group for plans and heartbeats
+
+    @property
+    def rank(self) -> int:
+        return self.info.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.info.world_size
+
+    def use_step_timeout(self) -> None:
+        """Switch both groups from the startup timeout (loading weights) to the step timeout."""
+        timeout = datetime.timedelta(seconds=self.settings.step_timeout_s)
+        for group in (self.tp_group, self.control):
+            group.set_timeout(timeout)
+
+
+def init_distributed(info: RankInfo, device: torch.device, settings: DistSettings) -> DistContext:
+    """Join the job's process groups; blocks until every rank has joined (startup timeout)."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    elif "OMP_NUM_THREADS" not in os.environ:
+        # Ranks on one node share its cores; torch's default (all cores each) thrashes.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.local_size))
+    timeout = datetime.timedelta(seconds=settings.startup_timeout_s)
+    logger.info("rank %d/%d joining %s group at %s:%d", info.rank, info.world_size, backend,
+                settings.addr, settings.port)
+    dist.init_process_group(
+        backend, init_method=f"tcp://{settings.addr}:{settings.port}",
+        rank=info.rank, world_size=info.world_size, timeout=timeout,
+    )
+    control = dist.new_group(backend="gloo", timeout=timeout)
+    return DistContext(info, settings, device, dist.group.WORLD, control)
+
+
+def agree_on_engine(ctx: DistContext, engine_config: EngineConfig) -> None:
+    """Every rank must have loaded the same engine; raise on all ranks if any differs."""
+    digest = zlib.crc32(repr(sorted(engine_config.to_dict().items())).encode())
+    mine = torch.tensor([digest], dtype=torch.int64)
+    everyone = [torch.empty_like(mine) for _ in range(ctx.world_size)]
+    dist.all_gather(everyone, mine, group=ctx.control)
+    differing = [r for r, d in enumerate(everyone) if int(d) != digest]
+    if differing:
+        raise RankFailureError(
+            f"ranks {differing} loaded an engine whose config.json differs from rank {ctx.rank}'s; "
+            "every rank must be given the same --engine_dir"
+        )
+
+
+# ---- the compact plan encoding ------------------------------------------------------------------
+
+
+def _field_kind(field: dataclasses.Field) -> str:
+    """'nested' (list[list[int]]), 'list' (list[int]) or 'scalar' (int/bool), from the annotation."""
+    text = field.type if isinstance(field.type, str) else repr(field.type)
+    text = text.replace(" ", "")
+    if text == "list[list[int]]":
+        return "nested"
+    if text == "list[int]":
+        return "list"
+    if text in ("int", "bool", "<class'int'>", "<class'bool'>"):
+        return "scalar"
+    raise TypeError(f"ForwardBatch field {field.name!r} has type {text}, which the step protocol cannot send")
+
+
+def encode_batch(batch) -> torch.Tensor:
+    """Pack a ForwardBatch into one flat int32 tensor, field by field in declaration order.
+
+    list[int] -> [len, v0, v1, ...]; list[list[int]] -> [rows, len_0, ..., len_{rows-1}, flat...];
+    int/bool -> [v]. Example: block_tables [[3, 4], [7]] -> [2, 2, 1, 3, 4, 7].
+    """
+    flat: list[int] = []
+    for field in dataclasses.fields(batch):
+        value = getattr(batch, field.name)
+        kind = _field_kind(field)
+        if kind == "scalar":
+            flat.append(int(value))
+        elif kind == "list":
+            flat.append(len(value))
+            flat.extend(value)
+        else:
+            flat.append(len(value))
+            flat.extend(len(row) for row in value)
+            for row in value:
+                flat.extend(row)
+    return torch.tensor(flat, dtype=torch.int32)
+
+
+def decode_batch(payload: torch.Tensor, batch_class):
+    """Inverse of ``encode_batch``: ``decode_batch(encode_batch(b), type(b)) == b``."""
+    values = payload.tolist()
+    cursor = 0
+    kwargs = {}
+    for field in dataclasses.fields(batch_class):
+        kind = _field_kind(field)
+        if kind == "scalar":
+            kwargs[field.name] = values[cursor]
+            cursor += 1
+            continue
+        count = values[cursor]
+        cursor += 1
+        if kind == "list":
+            kwargs[field.name] = values[cursor:cursor + count]
+            cursor += count
+            continue
+        lengths = values[cursor:cursor + count]
+        cursor += count
+        rows = []
+        for length in lengths:
+            rows.append(values[cursor:cursor + length])
+            cursor += length
+        kwargs[field.name] = rows
+    if cursor != len(values):
+        raise RankFailureError(f"plan payload has {len(values)} ints but the batch used {cursor}: protocol mismatch")
+    return batch_class(**kwargs)
+
+
+# ---- the channel: one leader sends, every worker receives -------------------------------------------
+
+
+@dataclass
+class Message:
+    op: Op
+    step: int
+    arg: int = 0
+    batch: Any = None    # FORWARD: the decoded ForwardBatch
+    call: Any = None     # CALL: (method, args, kwargs, reduce)
+
+
+class StepChannel:
+    """Plans from rank 0 to every rank over the gloo control group, in a strict step order."""
+
+    def __init__(self, control_group, *, batch_class=None):
+        self.group = control_group
+        self.batch_class = batch_class
+        self.step = 0
+
+    def send(self, op: Op, *, batch=None, arg: int = 0, call=None) -> None:
+        self.step += 1
+        payload = encode_batch(batch) if batch is not None else None
+        header = torch.tensor([int(op), self.step, 0 if payload is None else payload.numel(), arg], dtype=torch.int64)
+        dist.broadcast(header, 0, group=self.group)
+        if payload is not None:
+            dist.broadcast(payload, 0, group=self.group)
+        if call is not None:
+            dist.broadcast_object_list([call], 0, group=self.group)
+
+    def recv(self) -> Message:
+        header = torch.empty(HEADER_LEN, dtype=torch.int64)
+        dist.broadcast(header, 0, group=self.group)
+        op, step, payload_len, arg = header.tolist()
+        self.step += 1
+        if step != self.step:
+            raise RankFailureError(f"received plan step {step}, expected {self.step}: ranks are out of step")
+        message = Message(Op(op), step, arg)
+        if message.op == Op.FORWARD:
+            payload = torch.empty(payload_len, dtype=torch.int32)
+            dist.broadcast(payload, 0, group=self.group)
+            message.batch = decode_batch(payload, self.batch_class)
+        elif message.op == Op.CALL:
+            box = [None]
+            dist.broadcast_object_list(box, 0, group=self.group)
+            message.call = box[0]
+        return message
+
+    def all_reduce_min(self, value: int) -> int:
+        tensor = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group)
+        return int(tensor)
+
+
+def _apply_call(runner, call) -> Any:
+    method, args, kwargs, _ = call
+    return getattr(runner, method)(*args, **kwargs)
+
+
+def run_worker_loop(runner, channel: StepChannel) -> None:
+    """A worker's life after loading: follow the leader's plans until SHUTDOWN (or a fault raises)."""
+    while True:
+        message = channel.recv()
+        if message.op == Op.FORWARD:
+            runner.forward(message.batch, all_logits=bool(message.arg))
+        elif message.op == Op.CALL:
+            result = _apply_call(runner, message.call)
+            if message.call[3] == "min":
+                channel.all_reduce_min(int(result))
+        elif message.op == Op.HEARTBEAT:
+            channel.all_reduce_min(0)
+        elif message.op == Op.SHUTDOWN:
+            return
+
+
+# ---- the leader ----------------------------------------------------------------------------------
+
+
+class LeaderRunner:
+    """Rank 0's runner: the ModelRunner interface, with every step mirrored on all ranks.
+
+    ``forward`` broadcasts the plan, runs rank 0's shard and returns the full logits (the model
+    all-gathers the vocab shards). KV sizing is agreed by all ranks (the minimum of what fits on
+    each), then every rank allocates the same number of blocks. Other attributes (configs,
+    ``vocab_size``, ``device`` ...) come from the wrapped runner.
+
+    Thread safety: one lock orders plans, so the heartbeat thread never interleaves with a step.
+    After a fault every call raises ``RankFailureError``; ``failure`` holds the first error.
+    """
+
+    def __init__(self, runner, ctx: DistContext):
+        self.runner = runner
+        self.ctx = ctx
+        self.channel = StepChannel(ctx.control)
+        self.failure: str | None = None
+        self._lock = threading.Lock()
+        self._last_send = time.monotonic()
+        self._busy_since: float | None = None
+        self._stopped = threading.Event()
+        self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="tp-heartbeat", daemon=True)
+        self._heartbeat.start()
+        atexit.register(self.shutdown)
+
+    def __getattr__(self, name: str):
+        if name == "runner":  # not set yet: __init__ failed early
+            raise AttributeError(name)
+        return getattr(self.runner, name)
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.failure is None
+
+    # -- mirrored calls
+
+    def forward(self, batch, *, all_logits: bool = False) -> torch.Tensor:
+        return self._run(Op.FORWARD, lambda: self.runner.forward(batch, all_logits=all_logits),
+                         batch=batch, arg=int(all_logits))
+
+    def num_kv_blocks_for(self, **kwargs) -> int:
+        """The block count every rank can hold: the minimum over ranks of what fits on each."""
+        call = ("num_kv_blocks_for", (), kwargs, "min")
+
+        def local_then_agree() -> int:
+            return self.channel.all_reduce_min(int(_apply_call(self.runner, call)))
+
+        return self._run(Op.CALL, local_then_agree, call=call)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        call = ("allocate_kv_cache", (num_blocks,), {}, None)
+        return self._run(Op.CALL, lambda: _apply_call(self.runner, call), call=call)
+
+    def _run(self, op: Op, local_step, **message):
+        with self._lock:
+            self._raise_if_failed()
+            self._busy_since = time.monotonic()
+            try:
+                self.channel.send(op, **message)
+                return local_step()
+            except Exception as err:  # a gloo/NCCL error or timeout: some rank is gone
+                self._fail(f"{op.name.lower()} step failed: {err}")
+                raise RankFailureError(self.failure) from err
+            finally:
+                self._busy_since = None
+                self._last_send = time.monotonic()
+
+    def _raise_if_failed(self) -> None:
+        if self.failure is not None:
+            raise RankFailureError(self.failure)
+
+    def _fail(self, reason: str) -> None:
+        if self.failure is None:
+            self.failure = (f"tensor-parallel rank failure ({self.ctx.world_size} ranks): {reason}; "
+                            "the model cannot serve until the server is restarted")
+            logger.error(self.failure)
+
+    # -- liveness
+
+    def _heartbeat_loop(self) -> None:
+        interval = self.ctx.settings.heartbeat_s
+        while not self._stopped.wait(interval / 2):
+            self._check_stuck_step()
+            if not self._lock.acquire(blocking=False):
+                continue  # a step is running: it proves liveness itself
+            try:
+                if self.failure is None and time.monotonic() - self._last_send >= interval:
+                    self._send_heartbeat()
+            finally:
+                self._lock.release()
+
+    def _send_heartbeat(self) -> None:
+        try:
+            self.channel.send(Op.HEARTBEAT)
+            self.channel.all_reduce_min(0)
+        except Exception as err:
+            self._fail(f"heartbeat failed: {err}")
+        self._last_send = time.monotonic()
+
+    def _check_stuck_step(self) -> None:
+        """A step that outlives the timeout (e.g. stuck in an NCCL kernel) marks the runner failed."""
+        started = self._busy_since
+        limit = self.ctx.settings.step_timeout_s + self.ctx.settings.heartbeat_s
+        if started is not None and time.monotonic() - started > limit:
+            self._fail(f"a step has not finished after {limit:.0f} s (a rank is hung)")
+
+    # -- shutdown
+
+    def shutdown(self) -> None:
+        """Stop the heartbeat, tell the workers to exit, leave the process groups. Idempotent."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        if self._lock.acquire(timeout=self.ctx.settings.step_timeout_s):
+            try:
+                if self.failure is None:
+                    self.channel.send(Op.SHUTDOWN)
+            except Exception as err:
+                logger.warning("could not tell the workers to shut down: %s", err)
+            finally:
+                self._lock.release()
+        _destroy_groups()
+
+
+def _destroy_groups() -> None:
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as err:  # a broken group may refuse; the process is exiting anyway
+            logger.warning("destroy_process_group failed: %s", err)
+
+
+# ---- entry points --------------------------------------------------------------------------------
+
+
+def make_runner(engine_dir: str, *, device: str | torch.device | None = None, environ: Mapping[str, str] = os.environ):
+    """The executor's runner: a plain ModelRunner for one rank, a LeaderRunner on rank 0 of many.
+
+    Raises ValueError when the engine's tp_size differs from the world size, and when called on
+    a rank other than 0 (workers run ``python -m engine.worker``).
+    """
+    from engine.executor.runner import ModelRunner
+
+    info = rank_info_from_env(environ)
+    config = check_world_matches_engine(engine_dir, info.world_size)
+    resolved = resolve_device(device, info.local_rank)
+    if info.world_size == 1:
+        return ModelRunner(engine_dir, rank=0, device=resolved)
+    if info.rank != 0:
+        raise ValueError(f"make_runner runs on rank 0 only; rank {info.rank} must run python -m engine.worker")
+    ctx = init_distributed(info, resolved, DistSettings.from_env(info, environ))
+    runner = ModelRunner(engine_dir, rank=0, device=resolved, tp_group=ctx.tp_group)
+    agree_on_engine(ctx, config)
+    ctx.use_step_timeout()
+    return LeaderRunner(runner, ctx)
+
+
+def run_worker(engine_dir: str, *, device: str | torch.device | None = None,
+               environ: Mapping[str, str] = os.environ) -> None:
+    """A non-leader rank: join, load this rank's shard, follow plans until SHUTDOWN."""
+    from engine.executor.runner import ForwardBatch, ModelRunner
+
+    info = rank_info_from_env(environ)
+    if info.rank == 0:
+        raise ValueError("rank 0 is the leader (tritonserver); engine.worker runs on ranks 1..N-1")
+    config = check_world_matches_engine(engine_dir, info.world_size)
+    ctx = init_distributed(info, resolve_device(device, info.local_rank), DistSettings.from_env(info, environ))
+    try:
+        runner = ModelRunner(engine_dir, rank=info.rank, device=ctx.device, tp_group=ctx.tp_group)
+        agree_on_engine(ctx, config)
+        ctx.use_step_timeout()
+        logger.info("rank %d ready on %s", info.rank, ctx.device)
+        run_worker_loop(runner, StepChannel(ctx.control, batch_class=ForwardBatch))
+    finally:
+        _destroy_groups()

@@ -1,0 +1,144 @@
+"""Tensor parallelism at the engine level: real processes, gloo on CPU, no server.
+
+The leader runs ``tests/distributed/tp_driver.py`` (greedy decoding on ``make_runner``); workers
+are the real ``python -m engine.worker``. TP 2 must reproduce TP 1 (same random weights) token
+for token, and a killed worker must turn into a clear error within seconds.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from engine.config import EngineFormatError
+from engine.distributed import (
+    DistSettings, RankInfo, check_world_matches_engine, decode_batch, encode_batch, make_runner,
+    rank_info_from_env,
+)
+from engine.executor.runner import ForwardBatch, ModelRunner
+from tp_testing import PROMPTS, build_tiny_engine, start_ranks, stop, tiny_llama
+
+DRIVER = os.path.join(os.path.dirname(__file__), "tp_driver.py")
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    hf = tiny_llama()
+    root = tmp_path_factory.mktemp("tp_engines")
+    return {tp: build_tiny_engine(hf, str(root / f"tp{tp}"), tp_size=tp) for tp in (1, 2)}
+
+
+def run_driver(engine_dir: str, world_size: int, out: str, *extra: str, timeout: float = 120) -> dict:
+    cmd = [sys.executable, DRIVER, "--engine_dir", engine_dir, "--prompts", json.dumps(PROMPTS),
+           "--max_tokens", str(MAX_TOKENS), "--out", out, *extra]
+    leader, workers = start_ranks(cmd, engine_dir, world_size)
+    try:
+        leader_log, _ = leader.communicate(timeout=timeout)
+        assert leader.returncode == 0, leader_log
+        for worker in workers:
+            worker_log, _ = worker.communicate(timeout=30)
+            assert worker.returncode == 0, worker_log  # SHUTDOWN reached every worker
+    finally:
+        stop([leader, *workers])
+    with open(out) as f:
+        return json.load(f)
+
+
+# ---- the plan encoding and the environment ------------------------------------------------------
+
+
+def test_batch_encoding_round_trips():
+    batch = ForwardBatch(token_ids=[5, 6, 7, 8], positions=[0, 1, 2, 9], seq_lens_q=[3, 1], context_lens=[3, 10],
+                         block_tables=[[4], [0, 2]], logits_indices=[2, 3])
+    payload = encode_batch(batch)
+    assert payload.dtype == torch.int32
+    assert decode_batch(payload, ForwardBatch) == batch
+    empty_rows = ForwardBatch([1], [0], [1], [1], [[]], [])
+    assert decode_batch(encode_batch(empty_rows), ForwardBatch) == empty_rows
+
+
+@pytest.mark.parametrize("environ, expected", [
+    ({}, RankInfo(0, 1, 0, 1)),
+    ({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+      "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, RankInfo(2, 4, 0, 2)),
+    ({"PMI_RANK": "1", "PMI_SIZE": "2"}, RankInfo(1, 2, 1, 2)),
+    ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, RankInfo(1, 2, 1, 2)),
+])
+def test_rank_info_from_launcher_variables(environ, expected):
+    assert rank_info_from_env(environ) == expected
+
+
+def test_multi_node_without_rendezvous_address_is_a_clear_error():
+    with pytest.raises(ValueError, match="TRITONLLM_DIST_ADDR"):
+        DistSettings.from_env(RankInfo(0, 4, 0, 2), {})
+    with pytest.raises(ValueError, match="HEARTBEAT"):
+        DistSettings.from_env(RankInfo(0, 2, 0, 2), {"TRITONLLM_DIST_TIMEOUT_S": "1", "TRITONLLM_DIST_HEARTBEAT_S": "5"})
+
+
+def test_world_size_must_equal_tp_size(engines):
+    with pytest.raises(ValueError, match=r"tp_size 2 but is running on world_size 3.*--world_size 2"):
+        check_world_matches_engine(engines[2], 3)
+    with pytest.raises(ValueError, match="tp_size 2 but is running on world_size 1"):
+        make_runner(engines[2], device="cpu", environ={})
+    with pytest.raises(EngineFormatError):
+        check_world_matches_engine("/nonexistent/engine", 1)
+
+
+def test_single_rank_gets_a_plain_model_runner(engines):
+    assert type(make_runner(engines[1], device="cpu", environ={})) is ModelRunner
+
+
+# ---- real ranks ----------------------------------------------------------------------------------
+
+
+def test_tp2_greedy_equals_tp1(engines, tmp_path):
+    single = run_driver(engines[1], 1, str(tmp_path / "tp1.json"))
+    double = run_driver(engines[2], 2, str(tmp_path / "tp2.json"))
+    assert (single["runner"], double["runner"]) == ("ModelRunner", "LeaderRunner")
+    assert double["tokens"] == single["tokens"]
+    # fp32 partial sums are added in another order across ranks: equal to rounding.
+    torch.testing.assert_close(torch.tensor(double["first_logits"]), torch.tensor(single["first_logits"]),
+                               rtol=1e-4, atol=1e-4)
+    assert len({tuple(t) for t in single["tokens"]}) > 1  # the prompts really lead different ways
+
+
+def test_killed_worker_fails_the_leader_within_seconds(engines, tmp_path):
+    out = str(tmp_path / "fault.json")
+    cmd = [sys.executable, DRIVER, "--engine_dir", engines[2], "--prompts", json.dumps(PROMPTS),
+           "--max_tokens", "2", "--out", out, "--then_wait_for_failure", "20"]
+    leader, (worker,) = start_ranks(cmd, engines[2], 2, TRITONLLM_DIST_HEARTBEAT_S="0.5")
+    try:
+        assert leader.stdout.readline().strip() == "IDLE"  # generated once, now idle
+        killed_at = time.monotonic()
+        worker.send_signal(signal.SIGKILL)
+        leader_log, _ = leader.communicate(timeout=30)
+        elapsed = time.monotonic() - killed_at
+    finally:
+        stop([leader, worker])
+    assert leader.returncode == 0, leader_log
+    with open(out) as f:
+        result = json.load(f)
+    assert result["failure"] and "rank failure" in result["failure"]  # noticed while idle (heartbeat)
+    assert result["detected_after_s"] < 5
+    assert result["step_error"].startswith("RankFailureError") and result["step_error_after_s"] < 1
+    assert elapsed < 15
+
+
+def test_worker_exits_when_the_leader_dies(engines, tmp_path):
+    cmd = [sys.executable, DRIVER, "--engine_dir", engines[2], "--prompts", json.dumps(PROMPTS),
+           "--max_tokens", "2", "--out", str(tmp_path / "x.json"), "--then_wait_for_failure", "60"]
+    leader, (worker,) = start_ranks(cmd, engines[2], 2, TRITONLLM_DIST_HEARTBEAT_S="0.5")
+    try:
+        assert leader.stdout.readline().strip() == "IDLE"
+        leader.send_signal(signal.SIGKILL)
+        worker.wait(timeout=15)  # a lost leader closes the sockets: the worker leaves, non-zero
+        assert worker.returncode == 1
+    finally:
+        stop([leader, worker])

@@ -1,0 +1,112 @@
+"""Rank 0 of an engine-level tensor-parallel test: greedy decoding straight on ``make_runner``.
+
+    python tests/distributed/tp_driver.py --engine_dir DIR --prompts '[[1,2,3],[4,5]]' \
+        --max_tokens 8 --out result.json [--then_wait_for_failure 20]
+
+Runs on world size 1 (a plain ModelRunner) or as rank 0 of many (a LeaderRunner; the other
+ranks are ``python -m engine.worker``), so the test compares the two with the same code.
+Writes JSON: ``tokens`` (generated ids per prompt), ``first_logits`` (the prefill step's last-token
+logits per prompt). With ``--then_wait_for_failure S`` it then prints ``IDLE`` and waits up to S
+seconds for the leader to notice a lost rank on its own (heartbeat), then tries one more step,
+and records ``detected_after_s``, ``failure`` and ``step_error``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from engine.distributed import make_runner
+from engine.executor.runner import ForwardBatch
+
+
+class GreedyDecoder:
+    """Packs every prompt into one prefill, then decodes one token per sequence per step.
+
+    Sequence i owns blocks [i * blocks_per_seq, (i + 1) * blocks_per_seq) of the pool.
+    """
+
+    def __init__(self, runner, prompts: list[list[int]], max_tokens: int):
+        self.runner = runner
+        self.prompts = prompts
+        self.max_tokens = max_tokens
+        tpb = runner.tokens_per_block
+        longest = max(len(p) for p in prompts) + max_tokens
+        self.blocks_per_seq = -(-longest // tpb)
+        wanted = self.blocks_per_seq * len(prompts)
+        agreed = runner.num_kv_blocks_for(free_mem_fraction=None, max_tokens=wanted * tpb)
+        if agreed < wanted:
+            raise RuntimeError(f"the ranks agreed on {agreed} KV blocks; this run needs {wanted}")
+        runner.allocate_kv_cache(agreed)
+
+    def table(self, seq: int, length: int) -> list[int]:
+        first = seq * self.blocks_per_seq
+        return list(range(first, first + -(-length // self.runner.tokens_per_block)))
+
+    def prefill_batch(self) -> ForwardBatch:
+        tokens, positions, ends = [], [], []
+        for prompt in self.prompts:
+            tokens += prompt
+            positions += range(len(prompt))
+            ends.append(len(tokens) - 1)
+        lens = [len(p) for p in self.prompts]
+        return ForwardBatch(tokens, positions, lens, lens, [self.table(i, n) for i, n in enumerate(lens)], ends)
+
+    def decode_batch(self, last: list[int], lengths: list[int]) -> ForwardBatch:
+        n = len(last)
+        return ForwardBatch(list(last), [length - 1 for length in lengths], [1] * n, list(lengths),
+                            [self.table(i, length) for i, length in enumerate(lengths)], list(range(n)))
+
+    def run(self) -> tuple[list[list[int]], list[list[float]]]:
+        logits = self.runner.forward(self.prefill_batch())
+        first_logits = logits.tolist()
+        outputs = [[t] for t in logits.argmax(-1).tolist()]
+        lengths = [len(p) for p in self.prompts]
+        for _ in range(self.max_tokens - 1):
+            lengths = [n + 1 for n in lengths]
+            logits = self.runner.forward(self.decode_batch([o[-1] for o in outputs], lengths))
+            for out, token in zip(outputs, logits.argmax(-1).tolist()):
+                out.append(token)
+        return outputs, first_logits
+
+
+def wait_for_failure(runner, decoder: GreedyDecoder, limit_s: float) -> dict:
+    print("IDLE", flush=True)
+    started = time.monotonic()
+    while getattr(runner, "failure", None) is None and time.monotonic() - started < limit_s:
+        time.sleep(0.05)
+    result = {"detected_after_s": time.monotonic() - started, "failure": getattr(runner, "failure", None)}
+    step_started = time.monotonic()
+    try:
+        runner.forward(decoder.prefill_batch())
+        result["step_error"] = None
+    except Exception as err:
+        result["step_error"] = f"{type(err).__name__}: {err}"
+    result["step_error_after_s"] = time.monotonic() - step_started
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--engine_dir", required=True)
+    parser.add_argument("--prompts", required=True, help="JSON list of token-id lists")
+    parser.add_argument("--max_tokens", type=int, default=8)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--then_wait_for_failure", type=float, default=0.0)
+    args = parser.parse_args()
+    runner = make_runner(args.engine_dir, device="cpu")
+    decoder = GreedyDecoder(runner, json.loads(args.prompts), args.max_tokens)
+    tokens, first_logits = decoder.run()
+    result = {"tokens": tokens, "first_logits": first_logits, "runner": type(runner).__name__}
+    if args.then_wait_for_failure:
+        result.update(wait_for_failure(runner, decoder, args.then_wait_for_failure))
+    with open(args.out, "w") as f:
+        json.dump(result, f)
+    if hasattr(runner, "shutdown"):
+        runner.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

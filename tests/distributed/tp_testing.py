@@ -1,0 +1,82 @@
+"""Helpers for the tensor-parallel tests: tiny engines and multi-process rank launching.
+
+``start_ranks`` starts rank 0 (any command) and ranks 1..N-1 (``python -m engine.worker``) as
+plain subprocesses with OpenMPI's environment variables, the way ``mpirun`` would, so the
+engine-level tests need no MPI installation.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import torch
+import transformers
+
+from engine.build import build_from_hf
+from engine.config import BuildConfig
+from engine.convert import getter_from_state_dict
+
+# Every split is even for tp_size 2: 4 q heads, 2 kv heads, hidden 64, intermediate 96, vocab 96.
+TINY_LLAMA = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  rms_norm_eps=1e-5, rope_theta=10000.0)
+PROMPTS = [[5, 17, 33, 2, 90, 41], [7, 7, 7], [60, 1, 12, 88, 3, 3, 3, 45, 20, 11, 9]]
+
+
+def tiny_llama(seed: int = 0) -> transformers.LlamaForCausalLM:
+    """A random Llama whose weights all matter (norm weights near 1, the rest small noise)."""
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_LLAMA)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            base = 1.0 if "norm" in name else 0.0
+            p.copy_(base + 0.2 * torch.randn_like(p))
+    return model
+
+
+def build_tiny_engine(hf_model, out_dir: str, *, tp_size: int) -> str:
+    build = BuildConfig(dtype="float32", max_batch_size=4, max_input_len=64, max_seq_len=128,
+                        max_num_tokens=256, tokens_per_block=8, tp_size=tp_size)
+    build_from_hf(hf_model.config, getter_from_state_dict(hf_model.state_dict(), "tiny"), None, out_dir,
+                  build, progress=False)
+    return out_dir
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def rank_env(rank: int, world_size: int, port: int, **extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({
+        "OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_SIZE": str(world_size),
+        "OMPI_COMM_WORLD_LOCAL_RANK": str(rank), "OMPI_COMM_WORLD_LOCAL_SIZE": str(world_size),
+        "TRITONLLM_DIST_ADDR": "127.0.0.1", "TRITONLLM_DIST_PORT": str(port),
+        "OMP_NUM_THREADS": "1",
+    })
+    env.update(extra)
+    return env
+
+
+def start_ranks(leader_cmd: list[str], engine_dir: str, world_size: int, **extra_env: str):
+    """(leader Popen, [worker Popen]) of one job; stdout/stderr piped."""
+    port = free_port()
+    pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    leader = subprocess.Popen(leader_cmd, env=rank_env(0, world_size, port, **extra_env), **pipes)
+    workers = [
+        subprocess.Popen([sys.executable, "-m", "engine.worker", "--engine_dir", engine_dir, "--device", "cpu"],
+                         env=rank_env(rank, world_size, port, **extra_env), **pipes)
+        for rank in range(1, world_size)
+    ]
+    return leader, workers
+
+
+def stop(processes) -> None:
+    for proc in processes:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
