@@ -13,7 +13,7 @@ import torch
 
 from engine.executor.runner import ModelRunner
 
-from conftest import PagedSession, hf_logits, make_engine, tiny_hf
+from engine_testing import PagedSession, hf_logits, make_engine, tiny_hf
 
 # bf16 keeps 8 mantissa bits (relative rounding 2^-9 ~ 0.2%): every matmul input, norm output
 # and cached K/V is rounded, so logits of magnitude ~1-3 differ from the fp32 reference by a

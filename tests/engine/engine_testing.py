@@ -1,0 +1,107 @@
+"""Tiny random-weight Hugging Face models of every supported family, and a paged-cache driver.
+
+``tiny_hf(family)`` builds a transformers model (fp32, eager attention, every weight random
+including norms and biases, so no term of the math can hide behind an init of 0 or 1).
+``make_engine(hf, tmp, tokens_per_block=16, dtype="float32", tp_size=1)`` converts it to an
+engine directory through the real build path. ``PagedSession`` feeds a ModelRunner step by step
+from shuffled (non-contiguous) KV blocks, the way the executor does.
+"""
+from __future__ import annotations
+
+import random
+
+import torch
+import transformers
+
+from engine.build import build_from_hf
+from engine.config import BuildConfig
+from engine.convert import getter_from_state_dict
+from engine.executor.runner import ForwardBatch, ModelRunner
+
+VOCAB = 96
+_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
+
+FAMILIES = {
+    "llama": lambda: transformers.LlamaConfig(**_COMMON, rope_theta=10000.0),
+    "llama3_rope_scaling": lambda: transformers.LlamaConfig(
+        **_COMMON, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 32},
+    ),
+    "mistral": lambda: transformers.MistralConfig(**_COMMON, rope_theta=10000.0, sliding_window=None),
+    "qwen2_qkv_bias": lambda: transformers.Qwen2Config(**_COMMON, rope_theta=1000000.0),
+    "smollm2_tied": lambda: transformers.LlamaConfig(
+        **{**_COMMON, "hidden_size": 48, "num_attention_heads": 3, "num_key_value_heads": 1},
+        tie_word_embeddings=True,
+    ),
+    "gpt2": lambda: transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256),
+}
+ARCHITECTURES = {"gpt2": transformers.GPT2LMHeadModel, "mistral": transformers.MistralForCausalLM,
+                 "qwen2_qkv_bias": transformers.Qwen2ForCausalLM}
+
+
+def tiny_hf(family: str, seed: int = 0) -> torch.nn.Module:
+    config = FAMILIES[family]()
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = ARCHITECTURES.get(family, transformers.LlamaForCausalLM)(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            # Norm weights around 1, everything else small: random but well-conditioned logits.
+            base = 1.0 if ("norm" in name or "ln_" in name) and name.endswith("weight") else 0.0
+            p.copy_(base + 0.1 * torch.randn_like(p))
+    return model
+
+
+def make_engine(hf_model, out_dir, *, tokens_per_block=16, dtype="float32", tp_size=1, max_seq_len=256) -> str:
+    build = BuildConfig(dtype=dtype, max_batch_size=4, max_input_len=max_seq_len, max_seq_len=max_seq_len,
+                        max_num_tokens=1024, tokens_per_block=tokens_per_block, tp_size=tp_size)
+    get = getter_from_state_dict(hf_model.state_dict(), "tiny")
+    build_from_hf(hf_model.config, get, None, str(out_dir), build, progress=False)
+    return str(out_dir)
+
+
+@torch.no_grad()
+def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
+    """transformers' float32 logits (len(token_ids), vocab) for one sequence."""
+    return hf_model(torch.tensor([token_ids])).logits[0].float()
+
+
+class PagedSession:
+    """Drives a ModelRunner over several sequences with per-sequence block tables.
+
+    Blocks are handed out from a shuffled free list, so a sequence's blocks are scattered
+    across the pool and attention must really go through the block table.
+    """
+
+    def __init__(self, runner: ModelRunner, num_blocks: int = 64, seed: int = 0):
+        self.runner = runner
+        runner.allocate_kv_cache(num_blocks)
+        self.free = list(range(num_blocks))
+        random.Random(seed).shuffle(self.free)
+        self.tables: dict[int, list[int]] = {}
+        self.lengths: dict[int, int] = {}
+
+    def _reserve(self, seq: int, new_len: int) -> list[int]:
+        table = self.tables.setdefault(seq, [])
+        while len(table) * self.runner.tokens_per_block < new_len:
+            table.append(self.free.pop())
+        return table
+
+    def step(self, chunks: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
+        """Run one packed forward of (seq_id, new tokens) chunks; logits (len(tokens), vocab) per chunk."""
+        token_ids, positions, seq_lens, context_lens, tables = [], [], [], [], []
+        for seq, tokens in chunks:
+            start = self.lengths.get(seq, 0)
+            token_ids += tokens
+            positions += range(start, start + len(tokens))
+            seq_lens.append(len(tokens))
+            context_lens.append(start + len(tokens))
+            tables.append(list(self._reserve(seq, start + len(tokens))))
+            self.lengths[seq] = start + len(tokens)
+        batch = ForwardBatch(token_ids, positions, seq_lens, context_lens, tables, list(range(len(token_ids))))
+        logits = self.runner.forward(batch, all_logits=True)
+        return list(logits.split(seq_lens))
+
+
