@@ -160,6 +160,8 @@ class BlockManager:
         assert not seq.block_ids and seq.num_computed_tokens == 0
         seq.block_hashes = chain_block_hashes(seq.token_ids, self.tokens_per_block, seq.block_hashes)
         max_blocks = (len(seq.token_ids) - 1) // self.tokens_per_block
+        if not getattr(seq, "can_reuse_prefix", True):  # e.g. context logits need every prompt position
+            max_blocks = 0
         hits = self.match_prefix(seq.block_hashes, seq.token_ids, max_blocks)
         self.acquire(hits)
         self.total_reused_blocks += len(hits)

@@ -229,3 +229,71 @@ class RequestState:
     @property
     def num_streams(self) -> int:
         return 1 if self.is_beam_search else (self.request.sampling.num_return_sequences or 1)
+
+
+@dataclass
+class RequestLimits:
+    """What a request is checked against: the engine's build limits and the executor's pool."""
+
+    vocab_size: int
+    max_seq_len: int
+    max_beam_width: int
+    max_num_tokens: int
+    enable_chunked_context: bool
+    num_kv_blocks: int
+    tokens_per_block: int
+
+
+def _token_ids_in_vocab(name: str, token_ids, vocab_size: int) -> str | None:
+    bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
+    if bad:
+        return f"{name} contains token id {bad[0]!r} outside the vocabulary; allowed ids are 0..{vocab_size - 1}"
+    return None
+
+
+def _sampling_error(s: SamplingConfig, limits: RequestLimits) -> str | None:
+    checks = [
+        (s.beam_width is not None and not 1 <= s.beam_width <= limits.max_beam_width,
+         f"beam_width {s.beam_width} is not allowed; allowed: 1..{limits.max_beam_width} (max_beam_width of the executor)"),
+        (s.top_p is not None and not 0 < s.top_p <= 1, f"top_p must be in (0, 1], got {s.top_p}"),
+        (s.top_k is not None and s.top_k < 0, f"top_k must be >= 0, got {s.top_k}"),
+        (s.temperature is not None and s.temperature < 0, f"temperature must be >= 0, got {s.temperature}"),
+        (s.min_tokens is not None and s.min_tokens < 0, f"min_tokens must be >= 0, got {s.min_tokens}"),
+        (s.repetition_penalty is not None and s.repetition_penalty <= 0,
+         f"repetition_penalty must be > 0, got {s.repetition_penalty}"),
+        (s.num_return_sequences is not None and s.num_return_sequences < 1,
+         f"num_return_sequences must be >= 1, got {s.num_return_sequences}"),
+        ((s.beam_width or 1) > 1 and (s.num_return_sequences or 1) > s.beam_width,
+         f"num_return_sequences ({s.num_return_sequences}) must be <= beam_width ({s.beam_width}) with beam search"),
+    ]
+    return next((message for failed, message in checks if failed), None)
+
+
+def validate_request(request: Request, limits: RequestLimits) -> str | None:
+    """The reason ``request`` cannot run (naming field, value and what is allowed), or None."""
+    prompt = list(request.input_token_ids) if request.input_token_ids is not None else []
+    if not prompt:
+        return "input_token_ids is empty; a request needs at least one prompt token"
+    if not isinstance(request.max_tokens, int) or request.max_tokens <= 0:
+        return f"max_tokens must be a positive integer, got {request.max_tokens!r}"
+    total = len(prompt) + request.max_tokens
+    if total > limits.max_seq_len:
+        return (f"prompt length ({len(prompt)}) + max_tokens ({request.max_tokens}) = {total} exceeds "
+                f"max_seq_len ({limits.max_seq_len}) of the engine")
+    if not limits.enable_chunked_context and len(prompt) > limits.max_num_tokens:
+        return (f"prompt length ({len(prompt)}) exceeds max_num_tokens ({limits.max_num_tokens}); "
+                "enable_chunked_context or send a shorter prompt")
+    blocks = -(-total // limits.tokens_per_block)
+    if blocks > limits.num_kv_blocks:
+        return (f"prompt + max_tokens ({total} tokens) needs {blocks} KV cache blocks but the cache holds "
+                f"only {limits.num_kv_blocks}; allowed: at most {limits.num_kv_blocks * limits.tokens_per_block} tokens")
+    error = _token_ids_in_vocab("input_token_ids", prompt, limits.vocab_size)
+    for name, words in (("stop_words", request.stop_words), ("bad_words", request.bad_words)):
+        for word in words or ():
+            error = error or _token_ids_in_vocab(name, word, limits.vocab_size)
+    error = error or _sampling_error(request.sampling or SamplingConfig(), limits)
+    if error is None and request.embedding_bias is not None:
+        size = torch.as_tensor(request.embedding_bias).numel()
+        if size != limits.vocab_size:
+            error = f"embedding_bias has {size} values; it must have vocab_size ({limits.vocab_size})"
+    return error

@@ -1,0 +1,624 @@
+"""The in-flight batching executor: a background loop that admits, schedules, runs, samples, emits.
+
+    Executor(engine_dir, ExecutorConfig(...), response_callback=None)
+      enqueue_request(s) -> ids      await_responses(timeout) -> [Response]
+      cancel_request(id)             get_latest_iteration_stats()      shutdown()
+
+Every iteration (``_step``) reads like a sentence: admit new requests, apply cancellations,
+schedule a mixed batch of prefill chunks and decode tokens, run one forward, sample, update the
+sequences, emit responses. A finished request leaves at once; a new one joins at the next
+iteration. Nothing in the loop raises out of it: a failing forward fails the requests it carried
+with an error response, and the loop goes on.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+import traceback
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timezone
+from typing import Callable
+
+import torch
+
+from engine.executor import beam_search
+from engine.executor.kv_cache import BlockManager
+from engine.executor.request import (
+    FinishReason, Request, RequestLimits, RequestState, Response, Result, Sequence, SequenceStatus,
+    now_ns, validate_request,
+)
+from engine.executor.runner import ForwardBatch, ModelRunner
+from engine.executor.sampler import build_sampling_metadata, process_logits, sample
+from engine.executor.scheduler import POLICIES, Scheduler, SchedulerOutput
+
+STATS_TIME_FORMAT = "%m-%d-%Y %H:%M:%S.%f"
+
+
+class ExecutorConfigError(ValueError):
+    """An ExecutorConfig value is out of range; the message names field, value and rule."""
+
+
+@dataclass
+class ExecutorConfig:
+    """Runtime knobs of the executor (the Triton model maps its parameters onto these names).
+
+    ``max_batch_size``/``max_num_tokens`` default to (and may not exceed) the engine's build
+    limits. The KV pool holds ``max_tokens_in_paged_kv_cache`` tokens when set, else
+    ``kv_cache_free_gpu_mem_fraction`` of the free device memory (CPU: the runner's default).
+    """
+
+    max_batch_size: int | None = None
+    max_num_tokens: int | None = None
+    max_queue_size: int | None = None  # None or 0: unbounded
+    max_beam_width: int = 1
+    batch_scheduler_policy: str = "guaranteed_no_evict"
+    kv_cache_free_gpu_mem_fraction: float = 0.9
+    max_tokens_in_paged_kv_cache: int | None = None
+    enable_kv_cache_reuse: bool = True
+    enable_chunked_context: bool = False
+    exclude_input_from_output: bool = False
+    normalize_log_probs: bool = True
+    iter_stats_max_iterations: int = 1000
+    device: str | None = None
+
+    def validate(self) -> "ExecutorConfig":
+        def require(ok: bool, message: str) -> None:
+            if not ok:
+                raise ExecutorConfigError(message)
+
+        for name in ("max_batch_size", "max_num_tokens", "max_tokens_in_paged_kv_cache"):
+            value = getattr(self, name)
+            require(value is None or (isinstance(value, int) and value > 0),
+                    f"ExecutorConfig.{name} must be a positive integer or None, got {value!r}")
+        require(self.max_queue_size is None or self.max_queue_size >= 0,
+                f"ExecutorConfig.max_queue_size must be >= 0 (0 or None: unbounded), got {self.max_queue_size!r}")
+        require(isinstance(self.max_beam_width, int) and self.max_beam_width >= 1,
+                f"ExecutorConfig.max_beam_width must be an integer >= 1, got {self.max_beam_width!r}")
+        self.batch_scheduler_policy = str(self.batch_scheduler_policy).lower()
+        require(self.batch_scheduler_policy in POLICIES,
+                f"batch_scheduler_policy value of '{self.batch_scheduler_policy}' is not supported; "
+                f"allowed: {', '.join(POLICIES)}")
+        require(0 < self.kv_cache_free_gpu_mem_fraction <= 1,
+                f"ExecutorConfig.kv_cache_free_gpu_mem_fraction must be in (0, 1], got {self.kv_cache_free_gpu_mem_fraction!r}")
+        require(self.iter_stats_max_iterations >= 1,
+                f"ExecutorConfig.iter_stats_max_iterations must be >= 1, got {self.iter_stats_max_iterations!r}")
+        return self
+
+
+@dataclass
+class KvCacheStats:
+    max_num_blocks: int = 0
+    free_num_blocks: int = 0
+    used_num_blocks: int = 0
+    tokens_per_block: int = 0
+    reused_blocks: int = 0  # cumulative prefix-cache hits
+    alloc_new_blocks: int = 0  # cumulative fresh allocations
+    alloc_total_blocks: int = 0
+
+
+@dataclass
+class IterationStats:
+    timestamp: str = ""  # UTC, "%m-%d-%Y %H:%M:%S.%f" like TRT-LLM
+    timestamp_ns: int = 0
+    iter: int = 0
+    iter_latency_ms: float = 0.0
+    num_active_requests: int = 0
+    max_num_active_requests: int = 0
+    num_queued_requests: int = 0
+    num_scheduled_requests: int = 0
+    num_context_requests: int = 0
+    num_gen_requests: int = 0
+    num_ctx_tokens: int = 0
+    num_gen_tokens: int = 0
+    num_paused_requests: int = 0
+    num_preempted_requests: int = 0
+    cpu_mem_usage: int = 0
+    gpu_mem_usage: int = 0
+    pinned_mem_usage: int = 0
+    kv_cache_stats: KvCacheStats = field(default_factory=KvCacheStats)
+
+
+class _ResponseQueue:
+    """Responses waiting for ``await_responses``; streaming chunks of one stream coalesce.
+
+    A streaming client that polls slower than the loop runs gets one response carrying every
+    token produced since its last poll, instead of falling behind one response per token.
+    """
+
+    def __init__(self):
+        self._pending: OrderedDict[object, Response] = OrderedDict()
+        self._cv = threading.Condition()
+        self._unique = itertools.count()
+
+    def put(self, responses: list[Response]) -> None:
+        with self._cv:
+            for response in responses:
+                self._put_one(response)
+            self._cv.notify_all()
+
+    def _put_one(self, response: Response) -> None:
+        result = response.result
+        key = (response.request_id, result.sequence_index) if result is not None else next(self._unique)
+        queued = self._pending.get(key)
+        if queued is not None and _mergeable(queued.result, result):
+            self._pending[key] = Response(response.request_id, None, _merge(queued.result, result))
+            return
+        if queued is not None:  # keep order: the earlier response stays under a fresh key
+            self._pending[next(self._unique)] = self._pending.pop(key)
+        self._pending[key] = response
+
+    def take(self, timeout: float | None) -> list[Response]:
+        with self._cv:
+            if not self._pending:
+                self._cv.wait(timeout)
+            responses = list(self._pending.values())
+            self._pending.clear()
+            return responses
+
+
+def _mergeable(a: Result | None, b: Result | None) -> bool:
+    return a is not None and b is not None and not a.is_final and getattr(a, "_streaming_delta", False)
+
+
+def _merge(a: Result, b: Result) -> Result:
+    def cat(x, y):
+        return None if x is None or y is None else [p + q for p, q in zip(x, y)]
+
+    merged = replace(
+        b,
+        output_token_ids=[p + q for p, q in zip(a.output_token_ids, b.output_token_ids)],
+        log_probs=cat(a.log_probs, b.log_probs),
+        context_logits=a.context_logits if a.context_logits is not None else b.context_logits,
+        generation_logits=(torch.cat([a.generation_logits, b.generation_logits], dim=1)
+                           if a.generation_logits is not None and b.generation_logits is not None else b.generation_logits),
+    )
+    merged._streaming_delta = True
+    return merged
+
+
+class Executor:
+    """Runs requests against one engine with in-flight batching on a background thread."""
+
+    def __init__(self, engine_dir: str, config: ExecutorConfig | None = None, *, device: str | None = None,
+                 response_callback: Callable[[list[Response]], None] | None = None):
+        self.config = (config or ExecutorConfig()).validate()
+        self._init_runner(engine_dir, device or self.config.device)
+        self._init_scheduler()
+        self._init_queues(response_callback)
+        self._thread = threading.Thread(target=self._run, name="executor-loop", daemon=True)
+        self._thread.start()
+
+    # ----- construction -----
+    def _init_runner(self, engine_dir: str, device: str | None) -> None:
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.runner = ModelRunner(engine_dir, device=device)
+        build = self.runner.build_config
+        cfg = self.config
+        for name in ("max_batch_size", "max_num_tokens"):
+            value = getattr(cfg, name)
+            if value is not None and value > getattr(build, name):
+                raise ExecutorConfigError(f"ExecutorConfig.{name} ({value}) exceeds the engine's {name} "
+                                          f"({getattr(build, name)}); rebuild the engine or lower it")
+        self.max_batch_size = cfg.max_batch_size or build.max_batch_size
+        self.max_num_tokens = max(cfg.max_num_tokens or build.max_num_tokens, self.max_batch_size)
+        num_blocks = self.runner.num_kv_blocks_for(free_mem_fraction=cfg.kv_cache_free_gpu_mem_fraction,
+                                                   max_tokens=cfg.max_tokens_in_paged_kv_cache)
+        self.runner.allocate_kv_cache(num_blocks)
+
+    def _init_scheduler(self) -> None:
+        self.blocks = BlockManager(self.runner.num_kv_blocks, self.runner.tokens_per_block,
+                                   self.config.enable_kv_cache_reuse)
+        self.scheduler = Scheduler(self.blocks, max_batch_size=self.max_batch_size,
+                                   max_num_tokens=self.max_num_tokens, policy=self.config.batch_scheduler_policy,
+                                   enable_chunked_context=self.config.enable_chunked_context)
+        build = self.runner.build_config
+        self.limits = RequestLimits(
+            vocab_size=self.runner.vocab_size, max_seq_len=build.max_seq_len,
+            max_beam_width=self.config.max_beam_width, max_num_tokens=self.max_num_tokens,
+            enable_chunked_context=self.config.enable_chunked_context,
+            num_kv_blocks=self.blocks.num_blocks, tokens_per_block=self.blocks.tokens_per_block)
+
+    def _init_queues(self, response_callback) -> None:
+        self._cv = threading.Condition()
+        self._inbox: list[RequestState] = []
+        self._cancel_ids: set[int] = set()
+        self._stopping = False
+        self._ids = itertools.count(1)
+        self._seq_ids = itertools.count(1)
+        self._active: dict[int, RequestState] = {}
+        self._num_unscheduled = 0  # admitted requests not scheduled yet (they count as queued)
+        self._touched: dict[int, RequestState] = {}  # requests with news this iteration
+        self._responses = _ResponseQueue()
+        self._callback = response_callback
+        self._iteration = 0
+        self._max_active = 0
+        self._stats_history: deque[IterationStats] = deque(maxlen=self.config.iter_stats_max_iterations)
+        self._latest_stats = IterationStats(kv_cache_stats=self._kv_stats())
+
+    # ----- public API -----
+    def enqueue_request(self, request: Request) -> int:
+        return self.enqueue_requests([request])[0]
+
+    def enqueue_requests(self, requests: list[Request]) -> list[int]:
+        """Accept requests; invalid ones (and any beyond a full queue) get a final error Response."""
+        ids, errors = [], []
+        with self._cv:
+            for request in requests:
+                request_id = next(self._ids)
+                ids.append(request_id)
+                error = self._rejection(request)
+                if error is not None:
+                    errors.append(Response(request_id, error=error))
+                    continue
+                exclude = request.output.exclude_input_from_output
+                self._inbox.append(RequestState(request_id, request, self.config.exclude_input_from_output
+                                                if exclude is None else bool(exclude)))
+            self._cv.notify()
+        if errors:
+            self._deliver(errors)
+        return ids
+
+    def cancel_request(self, request_id: int) -> None:
+        """End the request within one iteration: its blocks are freed and a final response is sent."""
+        with self._cv:
+            self._cancel_ids.add(request_id)
+            self._cv.notify()
+
+    def await_responses(self, timeout: float | None = None) -> list[Response]:
+        return self._responses.take(timeout)
+
+    def get_latest_iteration_stats(self) -> IterationStats:
+        return self._latest_stats
+
+    def get_iteration_stats_history(self) -> list[IterationStats]:
+        return list(self._stats_history)
+
+    def can_enqueue_requests(self) -> bool:
+        return not self._stopping
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def _rejection(self, request: Request) -> str | None:
+        if self._stopping:
+            return "the executor is shut down and accepts no requests"
+        limit = self.config.max_queue_size
+        if limit and len(self._inbox) + self._num_unscheduled >= limit:
+            return f"Maximum queue size of {limit} has been reached, rejecting request"
+        try:
+            return validate_request(request, self.limits)
+        except (TypeError, ValueError) as err:
+            return f"invalid request: {err}"
+
+    # ----- the loop -----
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._inbox or self._cancel_ids or self.scheduler.has_unfinished or self._stopping):
+                    self._cv.wait()
+                if self._stopping:
+                    break
+                new, self._inbox = self._inbox, []
+                cancels, self._cancel_ids = self._cancel_ids, set()
+            try:
+                self._step(new, cancels)
+            except Exception:  # our own bug: fail everything in flight loudly, keep serving
+                self._fail_all(f"internal executor error: {traceback.format_exc()}")
+        self._fail_all("the executor was shut down")
+
+    def _step(self, new: list[RequestState], cancels: set[int]) -> None:
+        """One iteration: admit -> cancel -> schedule -> forward -> sample -> update -> emit."""
+        started = time.perf_counter()
+        self._admit(new)
+        self._cancel(cancels)
+        plan = self.scheduler.schedule()
+        if not plan.is_empty:
+            outputs = self._forward_and_sample(plan)
+            if outputs is not None:
+                self._update(plan, *outputs)
+        self._emit()
+        self._record_stats(plan, started)
+        if plan.is_empty and not new and not cancels:
+            time.sleep(0.001)  # nothing runnable right now; do not spin
+
+    def _admit(self, new: list[RequestState]) -> None:
+        for state in new:
+            self._active[state.request_id] = state
+            self._num_unscheduled += 1
+            beam_width = state.request.sampling.beam_width or 1
+            for index in range(state.num_streams if beam_width == 1 else beam_width):
+                seq = Sequence(next(self._seq_ids), state, sequence_index=0 if beam_width > 1 else index,
+                               beam_index=index if beam_width > 1 else 0)
+                seq.can_reuse_prefix = not state.request.output.return_context_logits
+                seq.generator = self._generator_for(state, index)
+                state.sequences.append(seq)
+                self.scheduler.add(seq)
+
+    def _generator_for(self, state: RequestState, index: int) -> torch.Generator | None:
+        if state.request.sampling.is_greedy or state.is_beam_search:
+            return None
+        generator = torch.Generator(device=self.runner.device)
+        seed = state.request.sampling.seed
+        if seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed((seed + index) % (1 << 63))  # each returned sequence draws its own stream
+        return generator
+
+    def _cancel(self, request_ids: set[int]) -> None:
+        for request_id in request_ids:
+            state = self._active.get(request_id)
+            if state is not None:
+                state.is_cancelled = True
+                for seq in state.sequences:
+                    self._finish(seq, FinishReason.CANCELLED)
+
+    # ----- forward + sample -----
+    def _forward_and_sample(self, plan: SchedulerOutput):
+        """Run the batch; on failure, fail exactly the requests it carried and return None."""
+        try:
+            batch, rows = self._forward_batch(plan)
+            logits = self.runner.forward(batch)
+            return logits, rows, self._sample(plan, logits, rows)
+        except Exception:
+            message = f"forward failed: {traceback.format_exc(limit=4)}"
+            for state in {s.seq.state.request_id: s.seq.state for s in plan.scheduled}.values():
+                self._fail(state, message)
+            return None
+
+    def _forward_batch(self, plan: SchedulerOutput) -> tuple[ForwardBatch, list[tuple[int, int]]]:
+        """Pack the plan; rows[i] = (first, end) logits rows of scheduled sequence i (end - first: 0 or more)."""
+        token_ids, positions, seq_lens, context_lens, tables, logits_indices, rows = [], [], [], [], [], [], []
+        for item in plan.scheduled:
+            seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
+            offset = len(token_ids)
+            token_ids += seq.token_ids[start:start + n]
+            positions += range(start, start + n)
+            seq_lens.append(n)
+            context_lens.append(start + n)
+            tables.append(seq.block_ids[:self.blocks.blocks_for_tokens(start + n)])
+            first = len(logits_indices)
+            logits_indices += [offset + i for i in self._logit_positions(item)]
+            rows.append((first, len(logits_indices)))
+        return ForwardBatch(token_ids, positions, seq_lens, context_lens, tables, logits_indices), rows
+
+    def _logit_positions(self, item) -> list[int]:
+        """Chunk-relative tokens whose logits are needed: new prompt positions for context logits, then the last."""
+        seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
+        wanted = []
+        state = seq.state
+        if state.request.output.return_context_logits and seq is state.sequences[0]:
+            have = sum(len(part) for part in state.context_logits_parts)
+            wanted = [p - start for p in range(max(start, have), min(start + n, seq.num_prompt_tokens))]
+        if item.samples and (not wanted or wanted[-1] != n - 1):
+            wanted.append(n - 1)
+        return wanted
+
+    def _sample(self, plan: SchedulerOutput, logits: torch.Tensor, rows) -> dict[int, tuple[int, float | None]]:
+        """Sampled (token, log-prob) per seq_id for non-beam sequences whose chunk reached the end."""
+        sampling = [(item.seq, end - 1) for item, (first, end) in zip(plan.scheduled, rows)
+                    if item.samples and not item.seq.state.is_beam_search]
+        if not sampling:
+            return {}
+        seqs = [seq for seq, _ in sampling]
+        want_log_probs = any(s.state.request.output.return_log_probs for s in seqs)
+        md = build_sampling_metadata(seqs, self.runner.vocab_size, logits.device, want_log_probs)
+        out = sample(logits[[row for _, row in sampling]], md)
+        if out.log_probs is None:
+            return {seq.seq_id: (token, None) for seq, token in zip(seqs, out.token_ids.tolist())}
+        # one host sync for ids and log-probs together (ids are exact in float64)
+        ids, log_probs = torch.stack([out.token_ids.double(), out.log_probs.double()]).tolist()
+        return {seq.seq_id: (int(t), lp) for seq, t, lp in zip(seqs, ids, log_probs)}
+
+    # ----- update -----
+    def _update(self, plan: SchedulerOutput, logits: torch.Tensor, rows, sampled) -> None:
+        now = now_ns()
+        beam_rows = []
+        for item, (first, end) in zip(plan.scheduled, rows):
+            seq = item.seq
+            if seq.is_finished:
+                continue
+            self._note_scheduled(seq.state, now)
+            self._collect_context_logits(item, logits[first:end])
+            seq.num_computed_tokens += item.num_new_tokens
+            self.blocks.register_computed_blocks(seq)
+            if seq.seq_id in sampled:
+                self._append_token(seq, *sampled[seq.seq_id], logits[end - 1], now)
+            elif item.samples and seq.state.is_beam_search:
+                beam_rows.append((seq, logits[end - 1]))
+        if beam_rows:
+            self._beam_step(beam_rows, now)
+
+    def _note_scheduled(self, state: RequestState, now: int) -> None:
+        if not state.perf.first_scheduled_time_ns:
+            state.perf.first_scheduled_time_ns = now
+            self._num_unscheduled -= 1
+
+    def _collect_context_logits(self, item, chunk_logits: torch.Tensor) -> None:
+        state = item.seq.state
+        if not state.request.output.return_context_logits or item.seq is not state.sequences[0]:
+            return
+        have = sum(len(part) for part in state.context_logits_parts)
+        new = max(0, min(item.seq.num_computed_tokens + item.num_new_tokens, item.seq.num_prompt_tokens) - have)
+        if new:
+            state.context_logits_parts.append(chunk_logits[:new].float().cpu())
+
+    def _append_token(self, seq: Sequence, token: int, log_prob: float | None, raw_logits: torch.Tensor,
+                      now: int) -> None:
+        request, perf = seq.state.request, seq.state.perf
+        perf.first_token_time_ns = perf.first_token_time_ns or now
+        perf.last_token_time_ns = now
+        self._touched[seq.request_id] = seq.state
+        if token == request.end_id:
+            self._finish(seq, FinishReason.END_ID)
+            return
+        seq.token_ids.append(token)
+        if log_prob is not None:
+            seq.log_probs.append(log_prob)
+            seq.cum_log_prob += log_prob
+        if request.output.return_generation_logits:
+            seq.generation_logits.append(raw_logits.float().cpu())
+        reason = self._stop_reason(seq)
+        if reason is not FinishReason.NOT_FINISHED:
+            self._finish(seq, reason)
+
+    def _stop_reason(self, seq: Sequence) -> FinishReason:
+        request = seq.state.request
+        generated = seq.num_generated_tokens
+        for word in request.stop_words or ():
+            if word and len(word) <= generated and seq.token_ids[-len(word):] == list(word):
+                return FinishReason.STOP_WORDS
+        if generated >= request.max_tokens:
+            return FinishReason.LENGTH
+        return FinishReason.NOT_FINISHED
+
+    def _beam_step(self, beam_rows: list[tuple[Sequence, torch.Tensor]], now: int) -> None:
+        for seq, raw in beam_rows:
+            md = build_sampling_metadata([seq], self.runner.vocab_size, raw.device, False)
+            seq.pending_logprobs = process_logits(raw.unsqueeze(0), md).log_softmax(dim=-1)[0]
+            if seq.state.request.output.return_generation_logits:
+                seq.pending_raw_logits = raw.float().cpu()
+        for state in {seq.state.request_id: seq.state for seq, _ in beam_rows}.values():
+            live = [s for s in state.sequences if not s.is_finished]
+            if live and all(s.pending_logprobs is not None for s in live):
+                state.perf.first_token_time_ns = state.perf.first_token_time_ns or now
+                state.perf.last_token_time_ns = now
+                self._touched[state.request_id] = state
+                beam_search.advance(state, live, self.blocks, self.scheduler)
+                if beam_search.is_done(state):
+                    for seq in state.sequences:
+                        self._finish(seq, seq.finish_reason if seq.finish_reason is not FinishReason.NOT_FINISHED
+                                     else FinishReason.LENGTH)
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq.is_finished:
+            return
+        self.scheduler.finish(seq)
+        seq.finish_reason = reason
+        self._touched[seq.request_id] = seq.state
+
+    def _fail(self, state: RequestState, message: str) -> None:
+        for seq in state.sequences:
+            if not seq.is_finished:
+                self.scheduler.finish(seq)
+                seq.finish_reason = FinishReason.ERROR
+        if not state.perf.first_scheduled_time_ns:
+            self._num_unscheduled -= 1
+            state.perf.first_scheduled_time_ns = now_ns()
+        self._active.pop(state.request_id, None)
+        self._touched.pop(state.request_id, None)
+        self._deliver([Response(state.request_id, error=message)])
+
+    def _fail_all(self, message: str) -> None:
+        for state in list(self._active.values()):
+            self._fail(state, message)
+        with self._cv:
+            pending, self._inbox = self._inbox, []
+        self._deliver([Response(state.request_id, error=message) for state in pending])
+
+    # ----- emit -----
+    def _emit(self) -> None:
+        responses = []
+        for state in self._touched.values():
+            responses += self._responses_for(state)
+            if all(s.is_finished for s in state.sequences):
+                if not state.perf.first_scheduled_time_ns:  # cancelled while still queued
+                    state.perf.first_scheduled_time_ns = now_ns()
+                    self._num_unscheduled -= 1
+                self._active.pop(state.request_id, None)
+        self._touched.clear()
+        if responses:
+            self._deliver(responses)
+
+    def _responses_for(self, state: RequestState) -> list[Response]:
+        if state.is_beam_search:
+            return beam_search.responses(state)
+        responses = []
+        for seq in state.sequences:
+            if seq.sequence_index in state.finished_streams:
+                continue
+            if state.request.streaming and (seq.num_generated_tokens > seq.num_emitted or seq.is_finished):
+                responses.append(Response(state.request_id, result=self._streaming_result(seq)))
+            elif seq.is_finished:
+                responses.append(Response(state.request_id, result=self._final_result(seq)))
+            if seq.is_finished:
+                state.finished_streams.add(seq.sequence_index)
+        return responses
+
+    def _streaming_result(self, seq: Sequence) -> Result:
+        start, seq.num_emitted = seq.num_emitted, seq.num_generated_tokens
+        result = self._result(seq, seq.generated_token_ids[start:], start,
+                              with_context_logits=start == 0)
+        result._streaming_delta = True
+        return result
+
+    def _final_result(self, seq: Sequence) -> Result:
+        seq.num_emitted = seq.num_generated_tokens
+        tokens = seq.generated_token_ids if seq.state.exclude_input else list(seq.token_ids)
+        return self._result(seq, tokens, 0, with_context_logits=True)
+
+    def _result(self, seq: Sequence, tokens: list[int], start: int, with_context_logits: bool) -> Result:
+        state, output = seq.state, seq.state.request.output
+        result = Result(output_token_ids=[tokens], is_final=seq.is_finished, finish_reasons=[seq.finish_reason],
+                        sequence_index=seq.sequence_index)
+        if output.return_log_probs:
+            result.log_probs = [seq.log_probs[start:]]
+            result.cum_log_probs = [seq.cum_log_prob]
+        if output.return_generation_logits and seq.generation_logits[start:]:
+            result.generation_logits = torch.stack(seq.generation_logits[start:]).unsqueeze(0)
+        if output.return_context_logits and with_context_logits and state.context_logits_parts:
+            result.context_logits = torch.cat(state.context_logits_parts)
+        if output.return_perf_metrics:
+            result.perf = replace(state.perf)
+        return result
+
+    def _deliver(self, responses: list[Response]) -> None:
+        if self._callback is None:
+            self._responses.put(responses)
+            return
+        try:
+            self._callback(responses)
+        except Exception:  # a broken callback must not stop the loop
+            traceback.print_exc()
+
+    # ----- stats -----
+    def _kv_stats(self) -> KvCacheStats:
+        return KvCacheStats(
+            max_num_blocks=self.blocks.num_blocks, free_num_blocks=self.blocks.num_free_blocks,
+            used_num_blocks=self.blocks.num_used_blocks, tokens_per_block=self.blocks.tokens_per_block,
+            reused_blocks=self.blocks.total_reused_blocks, alloc_new_blocks=self.blocks.total_new_blocks,
+            alloc_total_blocks=self.blocks.total_new_blocks + self.blocks.total_reused_blocks)
+
+    def _record_stats(self, plan: SchedulerOutput, started: float) -> None:
+        self._iteration += 1
+        self._max_active = max(self._max_active, len(self._active))
+        now = datetime.now(timezone.utc)
+        kv_bytes = self.runner.kv_cache.numel() * self.runner.kv_cache.element_size()
+        on_gpu = self.runner.device.type == "cuda"
+        stats = IterationStats(
+            timestamp=now.strftime(STATS_TIME_FORMAT), timestamp_ns=now_ns(), iter=self._iteration,
+            iter_latency_ms=(time.perf_counter() - started) * 1e3,
+            num_active_requests=len(self._active), max_num_active_requests=self.max_batch_size,
+            num_queued_requests=len(self._inbox) + self._num_unscheduled,
+            num_scheduled_requests=len({s.seq.request_id for s in plan.scheduled}),
+            num_context_requests=plan.num_context_sequences,
+            num_gen_requests=len(plan.scheduled) - plan.num_context_sequences,
+            num_ctx_tokens=plan.num_context_tokens, num_gen_tokens=plan.num_tokens - plan.num_context_tokens,
+            num_paused_requests=len(plan.preempted), num_preempted_requests=self.scheduler.num_preemptions,
+            cpu_mem_usage=0 if on_gpu else kv_bytes,
+            gpu_mem_usage=torch.cuda.memory_allocated(self.runner.device) if on_gpu else 0,
+            kv_cache_stats=self._kv_stats())
+        self._latest_stats = stats
+        self._stats_history.append(stats)
