@@ -15,7 +15,9 @@ interpreter's own bin directory first on PATH and the matching libpython on LD_L
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -61,6 +63,16 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--oversubscribe", action="store_true", help="pass --oversubscribe to mpirun")
     parser.add_argument("--cache_dir", type=str, default=str(DEFAULT_CACHE_DIR),
                         help="where the nvidia-pytriton server bundle is prepared")
+    # Leader mode (world_size > 1): rank 0 is tritonserver, ranks 1..N-1 are engine workers.
+    parser.add_argument("--engine_dir", type=str, default=None,
+                        help="engine the worker ranks load (default: gpt_model_path of the "
+                             "tensorrt_llm model's config.pbtxt)")
+    parser.add_argument("--hostfile", type=str, default=None,
+                        help="OpenMPI hostfile for several nodes (rank 0 runs on its first host)")
+    parser.add_argument("--dist_addr", type=str, default=None,
+                        help="rank 0's address for the ranks' rendezvous (default: first hostfile "
+                             "host, else 127.0.0.1)")
+    parser.add_argument("--dist_port", type=int, default=0, help="rendezvous port (default: a free one)")
     return parser.parse_args(argv)
 
 
@@ -98,9 +110,36 @@ def build_command(args: argparse.Namespace, install: ServerInstall) -> list[str]
     cmd = ["mpirun", "--allow-run-as-root"]
     if args.oversubscribe:
         cmd.append("--oversubscribe")
+    if args.world_size > 1:
+        return cmd + leader_mode_arguments(args, install)
     for rank in range(args.world_size):
         cmd += ["-n", "1", *rank_arguments(rank, args, install), ":"]
     return cmd
+
+
+# Variables every rank needs, exported by name to remote nodes (local ranks inherit them anyway).
+RANK_ENV_VARS = ("PATH", "LD_LIBRARY_PATH", "TRITONLLM_DIST_ADDR", "TRITONLLM_DIST_PORT",
+                 "TRITONLLM_DIST_TIMEOUT_S", "TRITONLLM_DIST_STARTUP_TIMEOUT_S", "TRITONLLM_DIST_HEARTBEAT_S")
+
+
+def leader_mode_arguments(args: argparse.Namespace, install: ServerInstall) -> list[str]:
+    """mpirun arguments after the launcher options for world_size > 1 (leader mode).
+
+    Rank 0 is tritonserver (its tensorrt_llm model is the leader); ranks 1..N-1 are one app,
+    ``python -m engine.worker``. ``--bind-to none`` because OpenMPI would otherwise pin each rank
+    to one core (tritonserver is multi-threaded); ``orte_enable_recovery`` keeps the job (and so
+    the server, which then answers with errors and reports not ready) alive when a worker dies.
+    """
+    if not args.engine_dir:
+        raise RuntimeError("--world_size > 1 needs the engine directory: pass --engine_dir or fill "
+                           "gpt_model_path in the tensorrt_llm model's config.pbtxt")
+    cmd = ["--bind-to", "none", "--mca", "orte_enable_recovery", "1"]
+    if args.hostfile:
+        cmd += ["--hostfile", args.hostfile]
+    for name in RANK_ENV_VARS:
+        cmd += ["-x", name]
+    worker = [sys.executable, "-m", "engine.worker", f"--engine_dir={args.engine_dir}"]
+    return cmd + ["-n", "1", *rank_arguments(0, args, install), ":", "-n", str(args.world_size - 1), *worker]
 
 
 # ----------------------------------------------------------------------------- finding the server
@@ -227,6 +266,65 @@ def preflight(args: argparse.Namespace) -> None:
         raise RuntimeError(f"--model_repo {args.model_repo} is not a directory")
 
 
+# ----------------------------------------------------------------------------- leader mode
+
+def engine_dir_from_repo(model_repo: str, model_name: str) -> str | None:
+    """``gpt_model_path`` of ``<repo>/<model>/config.pbtxt``; None when absent or unfilled."""
+    path = Path(model_repo) / model_name / "config.pbtxt"
+    if not path.is_file():
+        return None
+    match = re.search(r'key:\s*"gpt_model_path"\s*value:\s*\{\s*string_value:\s*"([^"]*)"', path.read_text())
+    if match is None or not match.group(1) or match.group(1).startswith("${"):
+        return None
+    return match.group(1)
+
+
+def check_engine_world_size(engine_dir: str, world_size: int) -> None:
+    """The engine must have been sharded for exactly ``world_size`` ranks (tp_size x pp_size)."""
+    config_path = Path(engine_dir) / "config.json"
+    try:
+        build = json.loads(config_path.read_text())["build"]
+    except (OSError, ValueError, KeyError) as error:
+        raise RuntimeError(f"cannot read the engine's {config_path}: {error}") from None
+    ranks = build.get("tp_size", 1) * build.get("pp_size", 1)
+    if ranks != world_size:
+        raise RuntimeError(
+            f"the engine {engine_dir} was built with tp_size {build.get('tp_size', 1)} "
+            f"(pp_size {build.get('pp_size', 1)}), which needs --world_size {ranks}, but --world_size is "
+            f"{world_size}; launch with --world_size {ranks} or rebuild with "
+            f"python -m engine.build --tp_size {world_size}")
+
+
+def first_hostfile_host(hostfile: str) -> str:
+    for line in Path(hostfile).read_text().splitlines():
+        words = line.split("#", 1)[0].split()
+        if words:
+            return words[0]
+    raise RuntimeError(f"hostfile {hostfile} lists no host")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def prepare_leader_mode(args: argparse.Namespace, env: dict[str, str]) -> None:
+    """Resolve the engine dir, check its tp_size, and put the rendezvous address into ``env``."""
+    names = args.tensorrt_llm_model_name.split(",")
+    args.engine_dir = args.engine_dir or engine_dir_from_repo(args.model_repo, names[0])
+    if args.engine_dir:
+        check_engine_world_size(args.engine_dir, args.world_size)
+    if args.world_size == 1:
+        return
+    if len(names) > 1:
+        raise RuntimeError("--world_size > 1 serves one tensorrt_llm model; got "
+                           f"--tensorrt_llm_model_name={args.tensorrt_llm_model_name}")
+    default_addr = first_hostfile_host(args.hostfile) if args.hostfile else "127.0.0.1"
+    env["TRITONLLM_DIST_ADDR"] = args.dist_addr or env.get("TRITONLLM_DIST_ADDR") or default_addr
+    env["TRITONLLM_DIST_PORT"] = str(args.dist_port or env.get("TRITONLLM_DIST_PORT") or free_port())
+
+
 def launch(args: argparse.Namespace, **popen_kwargs) -> subprocess.Popen:
     """Check, build the command, and start it in the background; returns the process."""
     preflight(args)
@@ -235,8 +333,10 @@ def launch(args: argparse.Namespace, **popen_kwargs) -> subprocess.Popen:
         args.no_mpi = True  # one rank needs no MPI; do not fail where OpenMPI is not installed
     if not args.no_mpi and shutil.which("mpirun") is None:
         raise RuntimeError("--world_size > 1 needs OpenMPI's mpirun on PATH")
+    env = server_environment(install)
+    prepare_leader_mode(args, env)
     cmd = build_command(args, install)
-    return subprocess.Popen(cmd, env=server_environment(install), **popen_kwargs)
+    return subprocess.Popen(cmd, env=env, **popen_kwargs)
 
 
 def main(argv: list[str] | None = None) -> None:

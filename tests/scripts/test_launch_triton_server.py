@@ -34,24 +34,25 @@ def test_no_mpi_requires_world_size_one():
 
 
 def test_mpirun_shape_for_three_ranks():
+    # Leader mode: rank 0 is tritonserver, ranks 1..2 are one engine-worker app.
     args = args_for("--world_size=3", "--log", "--log-file=x.log", "--oversubscribe",
-                    "--tensorrt_llm_model_name=tensorrt_llm,tensorrt_llm_2")
+                    "--engine_dir=/engines/tp3", "--hostfile=hosts.txt")
     cmd = launcher.build_command(args, INSTALL)
     assert cmd[:3] == ["mpirun", "--allow-run-as-root", "--oversubscribe"]
-    apps = " ".join(cmd[3:]).split(" : ")
-    apps[-1] = apps[-1].rstrip(" :")
-    assert len(apps) == 3 and cmd[-1] == ":"
-    for rank, app in enumerate(apps):
-        words = app.split()
-        assert words[:3] == ["-n", "1", "/opt/ts/bin/tritonserver"]
-        # Every rank gets the same ports and its own shared-memory prefix.
-        assert "--http-port=8000" in words and "--grpc-port=8001" in words
-        assert f"--backend-config=python,shm-region-prefix-name=prefix{rank}_" in words
-        assert ("--log-verbose=3" in words) == (rank == 0)
-        assert ("--log-file=x.log" in words) == (rank == 0)
-        explicit = ["--model-control-mode=explicit", "--load-model=tensorrt_llm",
-                    "--load-model=tensorrt_llm_2"]
-        assert all((w in words) == (rank != 0) for w in explicit)
+    assert "--bind-to none" in " ".join(cmd) and "--hostfile hosts.txt" in " ".join(cmd)
+    assert "-x TRITONLLM_DIST_ADDR" in " ".join(cmd) and "-x TRITONLLM_DIST_PORT" in " ".join(cmd)
+    leader, workers = " ".join(cmd).split(" -n ")[1:]
+    leader_words = leader.split()
+    assert leader_words[:2] == ["1", "/opt/ts/bin/tritonserver"] and leader_words[-1] == ":"
+    assert "--log-verbose=3" in leader_words and "--log-file=x.log" in leader_words
+    assert "--backend-config=python,shm-region-prefix-name=prefix0_" in leader_words
+    assert "--model-control-mode=explicit" not in leader_words
+    assert workers.split() == ["2", sys.executable, "-m", "engine.worker", "--engine_dir=/engines/tp3"]
+
+
+def test_leader_mode_needs_an_engine_dir():
+    with pytest.raises(RuntimeError, match="--engine_dir"):
+        launcher.build_command(args_for("--world_size=2"), INSTALL)
 
 
 def test_backend_dir_host_and_mem_pool_are_passed():
