@@ -82,6 +82,7 @@ class ModelRunner:
             model.load_state_dict({k: v.to(self.dtype) for k, v in weights.items()}, assign=True)
         except RuntimeError as err:
             raise EngineFormatError(f"rank{self.rank}.safetensors has wrong tensor shapes: {err}") from None
+        model.init_buffers(self.device)
         return model.eval()
 
     # ---- KV pool --------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Model registry: Hugging Face architecture name -> the engine's model class.
 
 Every model class has the same surface: ``__init__(config, *, tp_rank, tp_size, tp_group, dtype,
-device, max_positions)``, ``forward(input_ids, positions, kv_cache, attn_meta) -> hidden``
+device, max_positions)``, ``init_buffers(device)``, ``forward(input_ids, positions, kv_cache, attn_meta) -> hidden``
 and ``compute_logits(hidden_rows) -> float32 logits``.
 """
 from __future__ import annotations

@@ -80,6 +80,9 @@ class GPT2LMHeadModel(nn.Module):
         )
         self.ln_f = Norm(config.hidden_size, bias=True, **kw)
 
+    def init_buffers(self, device: torch.device) -> None:
+        """GPT-2 has no non-weight tensors (learned positions are weights)."""
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 attn_meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: (num_tokens,) -> final-normed hidden states (num_tokens, hidden)."""

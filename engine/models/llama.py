@@ -86,12 +86,15 @@ class LlamaForCausalLM(nn.Module):
         self.max_positions = max_positions or config.max_position_embeddings
         self.cos_sin_cache: torch.Tensor | None = None  # built lazily on the weights' device
 
+    def init_buffers(self, device: torch.device) -> None:
+        """Build non-weight tensors (the rotary table) on ``device``; once, before any forward
+        (CUDA-graph capture must never see an allocation here)."""
+        c = self.config
+        self.cos_sin_cache = build_cos_sin_cache(self.max_positions, c.head_dim, c.rope_theta, c.rope_scaling, device)
+
     def _rotary_table(self, device: torch.device) -> torch.Tensor:
         if self.cos_sin_cache is None or self.cos_sin_cache.device != device:
-            c = self.config
-            self.cos_sin_cache = build_cos_sin_cache(
-                self.max_positions, c.head_dim, c.rope_theta, c.rope_scaling, device=device
-            )
+            self.init_buffers(device)
         return self.cos_sin_cache
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,

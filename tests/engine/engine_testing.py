@@ -105,3 +105,28 @@ class PagedSession:
         return list(logits.split(seq_lens))
 
 
+
+
+def tp_worker(rank: int, world_size: int, init_file: str, engine_dirs: dict, out_dir: str) -> None:
+    """One rank of the gloo tensor-parallel test: runs a packed batch, saves its logits per family."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        for family, engine_dir in engine_dirs.items():
+            runner = ModelRunner(engine_dir, rank=rank, tp_group=dist.group.WORLD)
+            logits = tp_reference_steps(runner)
+            torch.save(logits, f"{out_dir}/{family}-rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def tp_reference_steps(runner: ModelRunner) -> torch.Tensor:
+    """A prefill of two sequences, then a mixed chunk + decode step; all new-token logits, stacked."""
+    rng = random.Random(11)
+    a, b = [rng.randrange(VOCAB) for _ in range(9)], [rng.randrange(VOCAB) for _ in range(14)]
+    session = PagedSession(runner, num_blocks=16)
+    first = session.step([(0, a[:6]), (1, b[:13])])
+    second = session.step([(0, a[6:]), (1, b[13:])])
+    return torch.cat(first + second)

@@ -1,0 +1,75 @@
+"""Tensor-parallel shards: they reassemble exactly, and two gloo ranks compute tp 1's logits."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from safetensors.torch import load_file
+
+from engine.config import ConfigError, EngineConfig
+from engine.executor.runner import ModelRunner
+from engine_testing import make_engine, tiny_hf, tp_reference_steps, tp_worker
+
+TP_FAMILIES = ["llama", "llama3_rope_scaling", "mistral", "qwen2_qkv_bias", "gpt2"]  # 4 heads, 2 kv heads
+ROW_PARALLEL = ("o_proj.weight", "down_proj.weight", "fc_out.weight")  # split along input columns
+VOCAB_OR_COLUMN = ("embed_tokens.weight", "lm_head.weight", "wte.weight", "fc_in.weight", "fc_in.bias")
+
+
+def _reassemble(name: str, shards: list[torch.Tensor], config: EngineConfig) -> torch.Tensor:
+    """Undo the tp split of one tensor, from the layout rules in docs/INTERFACES.md."""
+    model = config.model
+    if name.endswith(ROW_PARALLEL):
+        return torch.cat(shards, dim=1)
+    if name.endswith(VOCAB_OR_COLUMN):
+        return torch.cat(shards, dim=0)
+    if "qkv_proj" in name:  # each shard is [q_r | k_r | v_r]
+        tp = len(shards)
+        q, kv = model.num_heads * model.head_dim // tp, model.num_kv_heads * model.head_dim // tp
+        parts = [s.split([q, kv, kv]) for s in shards]
+        return torch.cat([torch.cat([p[i] for p in parts]) for i in range(3)])
+    if "gate_up_proj" in name:  # each shard is [gate_r | up_r]
+        parts = [s.chunk(2) for s in shards]
+        return torch.cat([torch.cat([p[i] for p in parts]) for i in range(2)])
+    assert all(torch.equal(s, shards[0]) for s in shards), f"{name} should be replicated"
+    return shards[0]
+
+
+@pytest.mark.parametrize("family", TP_FAMILIES)
+def test_tp2_shards_reassemble_exactly_to_tp1(family, tmp_path):
+    hf = tiny_hf(family)
+    tp1 = load_file(f"{make_engine(hf, tmp_path / 'tp1')}/rank0.safetensors")
+    tp2_dir = make_engine(hf, tmp_path / "tp2", tp_size=2)
+    config = EngineConfig.load(tp2_dir)
+    ranks = [load_file(f"{tp2_dir}/rank{r}.safetensors") for r in range(2)]
+    assert set(ranks[0]) == set(ranks[1]) == set(tp1)
+    for name, full in tp1.items():
+        shards = [rank[name] for rank in ranks]
+        assert torch.equal(_reassemble(name, shards, config), full), name
+
+
+def test_tp_size_must_divide_heads(tmp_path):
+    hf = tiny_hf("smollm2_tied")  # 3 heads, 1 kv head
+    with pytest.raises(ConfigError, match=r"tp_size 2 does not divide num_heads \(3\)"):
+        make_engine(hf, tmp_path / "bad", tp_size=2)
+
+
+def test_tp2_engine_needs_a_process_group(tmp_path):
+    engine_dir = make_engine(tiny_hf("llama"), tmp_path / "tp2", tp_size=2)
+    with pytest.raises(ValueError, match="tp_group is required"):
+        ModelRunner(engine_dir, rank=0)
+    with pytest.raises(ValueError, match="rank 2 is out of range"):
+        ModelRunner(engine_dir, rank=2)
+
+
+def test_two_gloo_ranks_compute_tp1_logits(tmp_path):
+    engine_dirs, expected = {}, {}
+    for family in ("llama", "qwen2_qkv_bias", "gpt2"):  # GQA, qkv bias, row-parallel bias + learned positions
+        hf = tiny_hf(family)
+        engine_dirs[family] = make_engine(hf, tmp_path / f"{family}-tp2", tp_size=2)
+        expected[family] = tp_reference_steps(ModelRunner(make_engine(hf, tmp_path / f"{family}-tp1")))
+    mp.spawn(tp_worker, args=(2, str(tmp_path / "init"), engine_dirs, str(tmp_path)), nprocs=2, join=True)
+    for family, reference in expected.items():
+        for rank in range(2):
+            logits = torch.load(tmp_path / f"{family}-rank{rank}.pt")
+            error = (logits - reference).abs().max().item()
+            assert error <= 1e-5, f"{family} rank {rank}: max abs error {error:.3g} vs tp 1"
