@@ -1,0 +1,136 @@
+"""CUDA graphs of the decode step, one per batch-size bucket, captured once at engine load.
+
+A decode step of an 8B model is ~300 small kernel launches; launched from Python they cost
+more than the GPU work at small batches. Captured once per bucket and replayed, a step is one
+graph launch plus a few small host-to-device copies.
+
+How a step runs (``run``): the batch's ids, positions, slots, context lengths and block tables
+are written into pinned host buffers, copied without blocking into static device buffers, and
+the graph of the smallest bucket >= batch size is replayed. Rows past the batch are padding:
+slot -1 (the KV write skips it), context length 1 over block 0 (a harmless read), and their
+outputs are ignored. The graph returns the final hidden states; logits are computed outside
+it, so the graphs hold no (batch, vocab) buffers.
+
+Invariants: the KV pool tensor is never reallocated after capture (the graphs hold its
+address); capture uses ``max_context_len = max_seq_len`` so the attention kernel's grid (its
+split count) is valid for every context the engine allows; block tables are at most
+``ceil(max_seq_len / tokens_per_block)`` wide.
+"""
+from __future__ import annotations
+
+import bisect
+
+import numpy as np
+import torch
+
+from kernels.attention import AttentionMetadata
+
+
+def default_buckets(max_batch_size: int) -> list[int]:
+    """1, 2, 4, 8, then steps of 8 to 64, of 16 to 256, of 32 beyond: padding stays under ~12%."""
+    sizes = [1, 2, 4] + list(range(8, 64, 8)) + list(range(64, 256, 16)) + list(range(256, 4097, 32))
+    return [s for s in sizes if s < max_batch_size] + [max_batch_size]
+
+
+class DecodeGraphs:
+    """Replays captured decode steps of ``model`` over ``kv_cache``.
+
+    model(input_ids, positions, kv_cache, meta) -> hidden (num_tokens, hidden) is the engine's
+    model forward; ``kv_cache`` is the runner's pool (num_layers, 2, blocks, block, kv_heads, dim).
+    """
+
+    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, *, tokens_per_block: int,
+                 max_seq_len: int, max_batch_size: int, buckets: list[int] | None = None):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = kv_cache.device
+        self.tokens_per_block = tokens_per_block
+        self.max_seq_len = max_seq_len
+        self.buckets = sorted(buckets or default_buckets(max_batch_size))
+        self.max_batch_size = self.buckets[-1]
+        self.max_blocks = -(-max_seq_len // tokens_per_block)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.hidden: dict[int, torch.Tensor] = {}
+        self._allocate_buffers()
+
+    def _allocate_buffers(self) -> None:
+        n, dev = self.max_batch_size, self.device
+        # Host staging (pinned) and their device twins: rows ids, positions, slots.
+        self.host_i64 = torch.zeros(3, n, dtype=torch.int64).pin_memory()
+        self.host_ctx = torch.ones(n, dtype=torch.int32).pin_memory()
+        self.host_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32).pin_memory()
+        self.dev_i64 = torch.zeros(3, n, dtype=torch.int64, device=dev)
+        self.dev_ctx = torch.ones(n, dtype=torch.int32, device=dev)
+        self.dev_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=dev)
+        self.cu_seqlens = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        self.host_i64[2].fill_(-1)
+        self.dev_i64[2].fill_(-1)
+        self._np_i64, self._np_ctx, self._np_tables = self.host_i64.numpy(), self.host_ctx.numpy(), self.host_tables.numpy()
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+
+    def _meta(self, bs: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.dev_i64[2, :bs], block_tables=self.dev_tables[:bs],
+            cu_seqlens_q=self.cu_seqlens[:bs + 1], context_lens=self.dev_ctx[:bs],
+            max_seqlen_q=1, max_context_len=self.max_seq_len, is_decode_only=True,
+        )
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket, largest first, sharing one memory pool (activations are reused)."""
+        pool = torch.cuda.graph_pool_handle()
+        for bs in reversed(self.buckets):
+            args = (self.dev_i64[0, :bs], self.dev_i64[1, :bs], self.kv_cache, self._meta(bs))
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # compile the Triton kernels for this shape, settle the allocator
+                    self.model(*args)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.hidden[bs] = self.model(*args)
+            self.graphs[bs] = graph
+        torch.cuda.synchronize()
+
+    def can_run(self, seq_lens_q: list[int], num_blocks_needed: int) -> bool:
+        return (len(seq_lens_q) <= self.max_batch_size and num_blocks_needed <= self.max_blocks
+                and all(n == 1 for n in seq_lens_q))
+
+    def bucket_for(self, num_seqs: int) -> int:
+        return self.buckets[bisect.bisect_left(self.buckets, num_seqs)]
+
+    def run(self, token_ids: list[int], positions: list[int], slots: list[int], context_lens: list[int],
+            block_tables: list[list[int]]) -> torch.Tensor:
+        """One decode step of len(token_ids) sequences -> hidden (num_seqs, hidden), a view that the
+        next ``run`` overwrites (consume it, e.g. compute logits, before the next step)."""
+        bs = len(token_ids)
+        bucket = self.bucket_for(bs)
+        self._copied.synchronize()  # the previous step's copies have left the pinned buffers
+        width = max(len(t) for t in block_tables)
+        self._np_i64[0, :bs] = token_ids
+        self._np_i64[1, :bs] = positions
+        self._np_i64[2, :bs] = slots
+        self._np_i64[2, bs:bucket] = -1
+        self._np_ctx[:bs] = context_lens
+        self._np_ctx[bs:bucket] = 1
+        self._np_tables[:bs, :width] = _rectangular(block_tables, width)
+        self._np_tables[bs:bucket, 0] = 0
+        # Contiguous spans only: a strided pinned source would make torch stage it synchronously.
+        self.dev_i64.copy_(self.host_i64, non_blocking=True)
+        self.dev_ctx[:bucket].copy_(self.host_ctx[:bucket], non_blocking=True)
+        self.dev_tables[:bucket].copy_(self.host_tables[:bucket], non_blocking=True)
+        self._copied.record()
+        self.graphs[bucket].replay()
+        return self.hidden[bucket][:bs]
+
+
+def _rectangular(tables: list[list[int]], width: int) -> np.ndarray:
+    """Ragged block tables -> (len(tables), width) int32, short rows padded with block 0."""
+    if all(len(t) == width for t in tables):
+        return np.asarray(tables, dtype=np.int32)
+    out = np.zeros((len(tables), width), dtype=np.int32)
+    for row, table in enumerate(tables):
+        out[row, :len(table)] = table
+    return out
