@@ -17,7 +17,7 @@ FORMAT_VERSION = 1
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "GPT2LMHeadModel")
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_new", "gelu_pytorch_tanh", "gelu")
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "dynamic")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 
 
 class ConfigError(ValueError):

@@ -54,6 +54,22 @@ def _architecture_from_model_type(hf_config) -> str:
     return by_type[model_type]
 
 
+def check_sliding_window(hf_config, max_seq_len: int) -> None:
+    """Refuse engines whose sequences would outgrow a sliding attention window.
+
+    The engine attends to the full context; that equals sliding-window attention (Mistral,
+    some Qwen2) only while every sequence fits in the window.
+    """
+    window = getattr(hf_config, "sliding_window", None)
+    if getattr(hf_config, "model_type", "") == "qwen2" and not getattr(hf_config, "use_sliding_window", False):
+        window = None
+    if window and max_seq_len > window:
+        raise ConfigError(
+            f"max_seq_len {max_seq_len} exceeds the checkpoint's sliding_window {window}; sliding-window "
+            f"attention is not implemented, so max_seq_len must be <= {window}"
+        )
+
+
 def _rope(hf_config) -> tuple[float, dict | None]:
     """(theta, scaling) from transformers 5's ``rope_parameters`` or 4's ``rope_theta``/``rope_scaling``."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})

@@ -1,8 +1,13 @@
 """Model registry: Hugging Face architecture name -> the engine's model class.
 
-Every model class has the same surface: ``__init__(config, *, tp_rank, tp_size, tp_group, dtype,
-device, max_positions)``, ``init_buffers(device)``, ``forward(input_ids, positions, kv_cache, attn_meta) -> hidden``
-and ``compute_logits(hidden_rows) -> float32 logits``.
+Every model class has the same surface:
+
+- ``__init__(config, *, tp_rank, tp_size, tp_group, dtype, device, max_positions)``: parameters
+  for one tensor-parallel rank, named as in the engine directory (build on ``device="meta"``
+  and load with ``load_state_dict(..., assign=True)``);
+- ``init_buffers(device)``: non-weight tensors (rotary tables), once after loading;
+- ``forward(input_ids, positions, kv_cache, attn_meta) -> hidden (num_tokens, hidden)``;
+- ``compute_logits(hidden_rows) -> float32 logits (rows, vocab)``, all-gathered over ranks.
 """
 from __future__ import annotations
 

@@ -193,3 +193,17 @@ def test_inconsistent_forward_batch(engine_dir):
     runner.allocate_kv_cache(4)
     with pytest.raises(ValueError, match="3 token_ids, 3 positions, sum\\(seq_lens_q\\) = 2"):
         runner.forward(ForwardBatch([1, 2, 3], [0, 1, 2], [2], [2], [[0]], [1]))
+
+
+def test_sliding_window_bounds_max_seq_len(tmp_path):
+    hf = tiny_hf("mistral")
+    hf.config.sliding_window = 64
+    with pytest.raises(ConfigError, match="max_seq_len 256 exceeds the checkpoint's sliding_window 64"):
+        make_engine(hf, tmp_path / "e", max_seq_len=256)
+    assert make_engine(hf, tmp_path / "ok", max_seq_len=64)
+
+
+def test_unsupported_rope_scaling_is_named():
+    config = ModelConfig("LlamaForCausalLM", 96, 64, 2, 4, 2, 16, 96, rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(ConfigError, match="unsupported rope_scaling type 'yarn'; supported: default, llama3, linear"):
+        config.validate()
