@@ -1,7 +1,7 @@
 """The engine's logits equal transformers' for every family, through the paged KV cache.
 
 CPU float32: max abs error <= 1e-4 (both sides run the same fp32 math in a different order;
-observed errors are ~1e-6). The same tests run on CUDA in bfloat16 when a GPU is present; see
+observed errors are ~1e-6). The same tests run in bfloat16 on CPU and, when a GPU is present, on CUDA; see
 ``TOLERANCES`` for why the bound there is looser.
 """
 from __future__ import annotations
@@ -16,12 +16,15 @@ from engine.executor.runner import ModelRunner
 from engine_testing import PagedSession, hf_logits, make_engine, tiny_hf
 
 # bf16 keeps 8 mantissa bits (relative rounding 2^-9 ~ 0.2%): every matmul input, norm output
-# and cached K/V is rounded, so logits of magnitude ~1-3 differ from the fp32 reference by a
-# few 1e-2 after two layers. 0.1 absolute is well above that noise and far below the gaps a
-# wrong position, block or head mapping produces (errors of order 1).
-TOLERANCES = {("cpu", "float32"): 1e-4, ("cuda", "bfloat16"): 1e-1}
+# and cached K/V is rounded, so the tiny models' logits (magnitude ~3) differ from the fp32
+# reference by up to ~0.055 after two layers (measured on CPU bf16, all families, 40 tokens).
+# 0.15 absolute leaves headroom for GPU kernels' different accumulation order, and stays far
+# below what a wrong position, block or head mapping produces (errors of order 1). The CPU
+# bf16 run keeps that bound honest in CI; the CUDA run is the one that matters for serving.
+TOLERANCES = {("cpu", "float32"): 1e-4, ("cpu", "bfloat16"): 0.15, ("cuda", "bfloat16"): 0.15}
 DEVICES = [
     pytest.param("cpu", "float32", id="cpu-fp32"),
+    pytest.param("cpu", "bfloat16", id="cpu-bf16"),
     pytest.param("cuda", "bfloat16", id="cuda-bf16",
                  marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")),
 ]
