@@ -23,9 +23,11 @@ def _stat(name: str) -> Callable[[Any], float]:
     return lambda stats: getattr(stats, name)
 
 
-def timestamp_seconds(value) -> float:
+def timestamp_seconds(value) -> float | None:
     """Seconds since the epoch from a number (s, or ns when huge) or a
-    `%m-%d-%Y %H:%M:%S.%f` string (read as UTC)."""
+    `%m-%d-%Y %H:%M:%S.%f` string (read as UTC); None for an empty value."""
+    if value is None or value == "":
+        return None
     if isinstance(value, str):
         from datetime import datetime, timezone
 
@@ -57,7 +59,7 @@ GAUGES: list[GaugeSpec] = [
          "paused_requests": _stat("num_paused_requests"),
      }),
     ("nv_trt_llm_general_metrics", "General TRT LLM metrics", "general_type", {
-        "timestamp": lambda s: timestamp_seconds(s.timestamp), "iteration_counter": _stat("iter"),
+        "timestamp": lambda s: timestamp_seconds(getattr(s, "timestamp_ns", 0) or s.timestamp), "iteration_counter": _stat("iter"),
     }),
 ]
 
@@ -86,7 +88,7 @@ def gauge_values(stats: Any) -> dict[tuple[str, str], float]:
         for label_value, getter in getters.items():
             try:
                 value = getter(stats)
-            except AttributeError:
+            except (AttributeError, ValueError):
                 continue
             if value is not None:
                 values[(family, label_value)] = float(value)

@@ -49,9 +49,13 @@ def perf_tensors(perf: Any) -> dict[str, np.ndarray]:
 
 
 def result_tensors(result: Any, *, batch_index: int, batch_size: int, num_return_sequences: int,
-                   want_perf: bool, logits_dtype=np.float32) -> dict[str, np.ndarray]:
-    """Output tensors of one executor `Result` (already holding only the tokens to send)."""
-    beams = [list(beam) for beam in result.output_token_ids]
+                   want_perf: bool, logits_dtype=np.float32,
+                   output_token_ids: list[list[int]] | None = None) -> dict[str, np.ndarray]:
+    """Output tensors of one executor `Result`; `output_token_ids` overrides the result's tokens
+    (a streamed chunk whose tail is held back)."""
+    if output_token_ids is None:
+        output_token_ids = result.output_token_ids
+    beams = [list(beam) for beam in output_token_ids]
     tensors = {
         "output_ids": pad_beams(beams, np.int32, -1)[None],
         "sequence_length": np.array([[len(beam) for beam in beams]], dtype=np.int32),
@@ -73,3 +77,26 @@ def result_tensors(result: Any, *, batch_index: int, batch_size: int, num_return
     if want_perf:
         tensors.update(perf_tensors(getattr(result, "perf", None)))
     return tensors
+
+
+def stack_responses(responses: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Several (1, ...) response tensor sets -> one (N, ...) set, padding ragged dims.
+
+    output_ids pads with -1, everything else with 0; a tensor missing from any response is
+    dropped. Used where Triton allows a single response (non-decoupled) for N result streams.
+    """
+    if len(responses) == 1:
+        return responses[0]
+    names = [name for name in responses[0] if all(name in r for r in responses)]
+    stacked = {}
+    for name in names:
+        arrays = [r[name] for r in responses]
+        shape = [max(a.shape[d] for a in arrays) for d in range(arrays[0].ndim)]
+        fill = -1 if name == "output_ids" else 0
+        padded = []
+        for a in arrays:
+            out = np.full([a.shape[0], *shape[1:]], fill, dtype=a.dtype)
+            out[tuple(slice(0, n) for n in a.shape)] = a
+            padded.append(out)
+        stacked[name] = np.concatenate(padded, axis=0)
+    return stacked

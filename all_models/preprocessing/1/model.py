@@ -1,0 +1,89 @@
+"""Triton `preprocessing` model: text -> token ids, word lists and ids for `tensorrt_llm`.
+
+Glue only; the tokenization rules live in serving/text.py and serving/tokenization.py.
+"""
+import json
+import os
+import sys
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+if os.environ.get("TRITONLLM_ROOT"):  # a source checkout not installed into the environment
+    sys.path.insert(0, os.environ["TRITONLLM_ROOT"])
+from serving.params import get_parameter, model_parameters  # noqa: E402
+from serving.text import (embedding_bias_tensor, encode_queries, per_item_ids,  # noqa: E402
+                          word_list_tensor)
+from serving.tokenization import first_token_id, load_tokenizer  # noqa: E402
+
+TEXT_OUTPUTS = ("INPUT_ID", "REQUEST_INPUT_LEN", "DECODER_INPUT_ID", "REQUEST_DECODER_INPUT_LEN",
+                "BAD_WORDS_IDS", "STOP_WORDS_IDS", "EMBEDDING_BIAS", "REQUEST_OUTPUT_LEN",
+                "OUT_END_ID", "OUT_PAD_ID", "OUT_PROMPT_TABLE_EXTRA_IDS")
+
+
+def _input(request, name):
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return None if tensor is None else tensor.as_numpy()
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        params = model_parameters(config)
+        tokenizer_dir = get_parameter(params, "tokenizer_dir", str)
+        if tokenizer_dir is None:
+            raise ValueError("preprocessing: the tokenizer_dir parameter must be set")
+        self.add_special_tokens = get_parameter(params, "add_special_tokens", bool)
+        if self.add_special_tokens is None:
+            pb_utils.Logger.log_warn("preprocessing: add_special_tokens is not set; using True")
+            self.add_special_tokens = True
+        self.tokenizer = load_tokenizer(tokenizer_dir)
+        self.end_id = first_token_id(self.tokenizer, self.tokenizer.eos_token)
+        self.pad_id = first_token_id(self.tokenizer, self.tokenizer.pad_token)
+        self.vocab_size = self.tokenizer.vocab_size
+        self.output_dtypes = {
+            name: pb_utils.triton_string_to_numpy(pb_utils.get_output_config_by_name(config, name)["data_type"])
+            for name in TEXT_OUTPUTS}
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            try:
+                outputs = self._preprocess(request)
+                tensors = [pb_utils.Tensor(name, value.astype(self.output_dtypes[name]))
+                           for name, value in outputs.items()]
+                responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
+            except Exception as error:  # every failure is this request's error, never the model's
+                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(error))))
+        return responses
+
+    def _preprocess(self, request):
+        query = _input(request, "QUERY")
+        batch_size = query.shape[0]
+        input_ids, lengths = encode_queries(self.tokenizer, query, self.add_special_tokens, self.pad_id)
+        decoder_query = _input(request, "DECODER_QUERY")
+        if decoder_query is not None:
+            decoder_ids, decoder_lengths = encode_queries(self.tokenizer, decoder_query,
+                                                          self.add_special_tokens, self.pad_id)
+        else:
+            decoder_ids = np.full((batch_size, 1), self.pad_id, dtype=np.int32)
+            decoder_lengths = np.ones((batch_size, 1), dtype=np.int32)
+        outputs = {
+            "INPUT_ID": input_ids, "REQUEST_INPUT_LEN": lengths,
+            "DECODER_INPUT_ID": decoder_ids, "REQUEST_DECODER_INPUT_LEN": decoder_lengths,
+            "BAD_WORDS_IDS": word_list_tensor(self.tokenizer, _input(request, "BAD_WORDS_DICT"), batch_size),
+            "STOP_WORDS_IDS": word_list_tensor(self.tokenizer, _input(request, "STOP_WORDS_DICT"), batch_size),
+            "EMBEDDING_BIAS": embedding_bias_tensor(self.tokenizer, _input(request, "EMBEDDING_BIAS_WORDS"),
+                                                    _input(request, "EMBEDDING_BIAS_WEIGHTS"), batch_size),
+            "REQUEST_OUTPUT_LEN": _input(request, "REQUEST_OUTPUT_LEN"),
+            "OUT_END_ID": per_item_ids(_input(request, "END_ID"), self.end_id, batch_size),
+            "OUT_PAD_ID": per_item_ids(_input(request, "PAD_ID"), self.pad_id, batch_size),
+        }
+        extra_id = _input(request, "PROMPT_TABLE_EXTRA_ID")
+        if extra_id is not None:
+            extra_id = np.asarray(extra_id).reshape(batch_size, 1)
+            outputs["OUT_PROMPT_TABLE_EXTRA_IDS"] = np.where(input_ids >= self.vocab_size, extra_id, 0)
+        return outputs
+
+    def finalize(self):
+        pass

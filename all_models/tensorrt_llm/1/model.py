@@ -1,0 +1,232 @@
+"""Triton `tensorrt_llm` model (Python backend): Triton tensors <-> engine.executor.Executor.
+
+Glue only. Parsing and validation: serving/requests.py; bookkeeping of in-flight requests and
+where the FINAL flag goes: serving/inflight.py; metric math: serving/metrics.py.
+
+Threads: `execute` converts and enqueues, then returns at once (responses always go through
+each request's response sender, decoupled or not). One thread forwards executor responses, one
+polls client cancellation every `cancellation_check_period_ms`, one publishes iteration stats
+every `stats_check_period_ms`. A lock guards the shared bookkeeping.
+"""
+import json
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+if os.environ.get("TRITONLLM_ROOT"):  # a source checkout not installed into the environment
+    sys.path.insert(0, os.environ["TRITONLLM_ROOT"])
+from serving.executor_config import executor_settings, to_executor_config  # noqa: E402
+from serving.inflight import InflightRequests  # noqa: E402
+from serving.metrics import GAUGES, HISTOGRAMS, gauge_values  # noqa: E402
+from serving.params import get_parameter, model_parameters  # noqa: E402
+from serving.requests import (MISSING_STOP_ID, conversion_error_message, convert_request,  # noqa: E402
+                              is_stop_request, to_executor_request)
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+def read_inputs(request, names):
+    """name -> numpy array for every input present in the request."""
+    tensors = {}
+    for name in names:
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        if tensor is None:
+            continue
+        if tensor.is_cpu():
+            tensors[name] = tensor.as_numpy()
+        else:
+            from torch.utils.dlpack import from_dlpack
+
+            tensors[name] = from_dlpack(tensor.to_dlpack()).cpu().numpy()
+    return tensors
+
+
+class TritonMetrics:
+    """The model's custom metric families: gauges from iteration stats, per-request histograms."""
+
+    def __init__(self, model_name, model_version):
+        labels = {"model": model_name, "version": model_version}
+        self.families = []  # kept alive: a family must outlive its metrics
+        self.gauges = {}
+        for family_name, description, category, getters in GAUGES:
+            family = pb_utils.MetricFamily(name=family_name, description=description,
+                                           kind=pb_utils.MetricFamily.GAUGE)
+            self.families.append(family)
+            for label_value in getters:
+                self.gauges[(family_name, label_value)] = family.Metric(
+                    labels={**labels, category: label_value})
+        self.histograms = {}
+        for family_name, description, response_type, buckets in HISTOGRAMS:
+            family = pb_utils.MetricFamily(name=family_name, description=description,
+                                           kind=pb_utils.MetricFamily.HISTOGRAM)
+            self.families.append(family)
+            extra = {"response_metric_type": response_type} if response_type else {}
+            self.histograms[family_name] = family.Metric(labels={**labels, **extra}, buckets=buckets)
+
+    def update_gauges(self, stats):
+        for key, value in gauge_values(stats).items():
+            self.gauges[key].set(value)
+
+    def observe_finished(self, finished):
+        self.histograms["nv_llm_input_token_len"].observe(finished.input_tokens)
+        self.histograms["nv_llm_output_token_len"].observe(finished.output_tokens)
+        ttft = finished.latency.time_to_first_token()
+        if ttft is not None:
+            self.histograms["nv_llm_time_to_first_token_seconds"].observe(ttft)
+        itl = finished.latency.inter_token_latency()
+        if itl is not None:
+            self.histograms["nv_llm_inter_token_latency_seconds"].observe(itl)
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        from engine.executor.executor import Executor, ExecutorConfig
+
+        self.model_config = json.loads(args["model_config"])
+        params = model_parameters(self.model_config)
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(self.model_config)
+        self.input_names = [tensor["name"] for tensor in self.model_config["input"]]
+        settings = executor_settings(params, self.model_config)
+        self.exclude_input_default = settings.get("exclude_input_from_output")
+        self.cancellation_period = (get_parameter(params, "cancellation_check_period_ms", int) or 100) / 1000
+        self.stats_period = (get_parameter(params, "stats_check_period_ms", int) or 100) / 1000
+        engine_dir = get_parameter(params, "gpt_model_path", str)
+        if engine_dir is None:
+            raise ValueError("tensorrt_llm: the gpt_model_path parameter (engine_dir) must be set")
+        config, ignored = to_executor_config(ExecutorConfig, settings)
+        if ignored:
+            pb_utils.Logger.log_info(f"tensorrt_llm: accepted but not used by this backend: {ignored}")
+        device_ids = settings.get("device_ids")
+        device = f"cuda:{device_ids[0]}" if device_ids else None
+        self.executor = Executor(engine_dir, config, device=device)
+        logits_config = pb_utils.get_output_config_by_name(self.model_config, "generation_logits")
+        logits_dtype = pb_utils.triton_string_to_numpy(logits_config["data_type"]) if logits_config else np.float32
+        self.inflight = InflightRequests(decoupled=self.decoupled, decode=self._stream_decoder(params, engine_dir),
+                                         logits_dtype=logits_dtype)
+        self.lock = threading.Lock()
+        self.metrics = TritonMetrics(args["model_name"], args["model_version"])
+        self.running = True
+        self.warned = set()
+        self.threads = [threading.Thread(target=loop, daemon=True, name=loop.__name__)
+                        for loop in (self._forward_responses, self._poll_cancellation, self._publish_stats)]
+        for thread in self.threads:
+            thread.start()
+
+    def _stream_decoder(self, params, engine_dir):
+        """A token decoder for the streaming UTF-8 holdback, from tokenizer_dir or the engine dir."""
+        from serving.tokenization import load_tokenizer
+
+        tokenizer_dir = get_parameter(params, "tokenizer_dir", str) or engine_dir
+        try:
+            tokenizer = load_tokenizer(tokenizer_dir)
+        except Exception as error:  # streams still work, only without the holdback
+            pb_utils.Logger.log_warn(f"tensorrt_llm: no tokenizer in {tokenizer_dir} ({error}); "
+                                     "streamed chunks may split multi-byte characters")
+            return None
+        return lambda ids: tokenizer.decode(ids, skip_special_tokens=False)
+
+    # ----------------------------------------------------------------------------- requests
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                tensors = read_inputs(request, self.input_names)
+                if is_stop_request(tensors):
+                    self._stop(request.request_id(), sender)
+                    continue
+                specs = convert_request(tensors, decoupled=self.decoupled,
+                                        exclude_input_default=self.exclude_input_default)
+                executor_requests = [self._executor_request(spec) for spec in specs]
+            except Exception as error:
+                self._send_error(sender, conversion_error_message(request.request_id(), error))
+                continue
+            # Enqueue and register under the lock, so no response can arrive unregistered.
+            with self.lock:
+                exec_ids = self.executor.enqueue_requests(executor_requests)
+                self.inflight.add(sender, request.request_id(), specs, exec_ids)
+        return None
+
+    @staticmethod
+    def _executor_request(spec):
+        request = to_executor_request(spec)
+        request.output.return_perf_metrics = True  # always: the latency histograms use it
+        return request
+
+    def _stop(self, user_id, sender):
+        """A stop request cancels every executor request of the live request with that id."""
+        if not user_id:
+            self._send_error(sender, MISSING_STOP_ID)
+            return
+        with self.lock:
+            exec_ids = self.inflight.exec_ids_for_user(user_id)
+        for exec_id in exec_ids:
+            self.executor.cancel_request(exec_id)
+        sender.send(pb_utils.InferenceResponse(output_tensors=[]), flags=FINAL)
+
+    @staticmethod
+    def _send_error(sender, message):
+        sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message)),
+                    flags=FINAL)
+
+    # ----------------------------------------------------------------------------- threads
+
+    def _forward_responses(self):
+        while self.running:
+            try:
+                responses = self.executor.await_responses(timeout=0.05)
+            except Exception as error:
+                pb_utils.Logger.log_error(f"tensorrt_llm: await_responses failed: {error}")
+                time.sleep(0.05)
+                continue
+            for response in responses:
+                with self.lock:
+                    sends, finished = self.inflight.on_response(response)
+                for send in sends:
+                    self._deliver(send)
+                for item in finished:
+                    self.metrics.observe_finished(item)
+
+    def _deliver(self, send):
+        if send.error is not None:
+            response = pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(send.error))
+        else:
+            response = pb_utils.InferenceResponse(
+                output_tensors=[pb_utils.Tensor(name, value) for name, value in send.tensors.items()])
+        try:
+            send.sender.send(response, flags=FINAL if send.final else 0)
+        except Exception as error:  # e.g. the client went away; the model keeps serving
+            pb_utils.Logger.log_warn(f"tensorrt_llm: could not send a response: {error}")
+
+    def _poll_cancellation(self):
+        while self.running:
+            time.sleep(self.cancellation_period)
+            with self.lock:
+                exec_ids = self.inflight.newly_cancelled()
+            for exec_id in exec_ids:
+                self.executor.cancel_request(exec_id)
+
+    def _publish_stats(self):
+        while self.running:
+            time.sleep(self.stats_period)
+            try:
+                stats = self.executor.get_latest_iteration_stats()
+                if stats is not None:
+                    self.metrics.update_gauges(stats)
+            except Exception as error:
+                self._warn_once(f"tensorrt_llm: could not publish stats: {error}")
+
+    def _warn_once(self, message):
+        if message not in self.warned:
+            self.warned.add(message)
+            pb_utils.Logger.log_warn(message)
+
+    def finalize(self):
+        self.running = False
+        for thread in self.threads:
+            thread.join(timeout=5)
+        self.executor.shutdown()

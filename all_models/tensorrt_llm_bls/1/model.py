@@ -1,0 +1,191 @@
+"""Triton `tensorrt_llm_bls` model: the ensemble's pipeline as Business Logic Scripting.
+
+preprocessing -> tensorrt_llm -> postprocessing, with the ensemble's inputs and outputs. A stream
+(decoupled model and `stream` true) re-decodes each sequence so far on every chunk and sends the
+new text, or the whole text so far with `accumulate_tokens`; string stop words cut the text and
+stop generation. Glue only: the rules live in serving/bls.py.
+"""
+import json
+import os
+import sys
+import uuid
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+if os.environ.get("TRITONLLM_ROOT"):  # a source checkout not installed into the environment
+    sys.path.insert(0, os.environ["TRITONLLM_ROOT"])
+from serving.bls import (LLM_INPUTS_FROM_PREPROCESSING, LLM_INPUTS_FROM_REQUEST,  # noqa: E402
+                         PASS_THROUGH_OUTPUTS, PREPROCESSING_INPUTS, StreamText, validate,
+                         with_batch_dim)
+from serving.params import get_parameter, model_parameters  # noqa: E402
+from serving.responses import pad_beams, stack_responses  # noqa: E402
+from serving.text import string_rows, to_str  # noqa: E402
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+def _numpy(tensor):
+    if tensor.is_cpu():
+        return tensor.as_numpy()
+    from torch.utils.dlpack import from_dlpack
+
+    return from_dlpack(tensor.to_dlpack()).cpu().numpy()
+
+
+def response_tensors(response):
+    """name -> numpy of a BLS call's response; a response error is raised."""
+    if response.has_error():
+        raise RuntimeError(response.error().message())
+    return {tensor.name(): _numpy(tensor) for tensor in response.output_tensors()}
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.model_config = json.loads(args["model_config"])
+        params = model_parameters(self.model_config)
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(self.model_config)
+        self.accumulate = bool(get_parameter(params, "accumulate_tokens", bool))
+        self.llm_name = get_parameter(params, "tensorrt_llm_model_name", str) or "tensorrt_llm"
+        if get_parameter(params, "tensorrt_llm_draft_model_name", str):
+            pb_utils.Logger.log_warn("tensorrt_llm_bls: speculative decoding is not supported; "
+                                     "tensorrt_llm_draft_model_name is ignored")
+        self.input_names = [tensor["name"] for tensor in self.model_config["input"]]
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                self._serve(request, sender)
+            except Exception as error:  # this request fails; the model keeps serving
+                sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(error))),
+                            flags=FINAL)
+        return None
+
+    # ----------------------------------------------------------------------------- pipeline
+
+    def _serve(self, request, sender):
+        tensors = {}
+        for name in self.input_names:
+            tensor = pb_utils.get_input_tensor_by_name(request, name)
+            if tensor is not None:
+                tensors[name] = _numpy(tensor)
+        validate(tensors)
+        batch_size = tensors["text_input"].shape[0]
+        stream = self.decoupled and bool(np.any(tensors.get("stream", np.array([False]))))
+        llm_request_id = str(uuid.uuid4())
+        llm_inputs = self._llm_inputs(tensors, batch_size, stream)
+        stop_words = string_rows(tensors.get("stop_words")) or [[] for _ in range(batch_size)]
+        queries = [row[0] for row in string_rows(tensors["text_input"])]
+        streams = {}
+        finals = []
+        stop_sent = False
+        for llm_out in self._call_llm(llm_inputs, llm_request_id):
+            if "output_ids" not in llm_out:
+                continue
+            out = self._postprocess(llm_out, streams, stop_words, queries, stream)
+            if out is None:
+                continue
+            if stream:
+                if not sender.is_cancelled():
+                    sender.send(pb_utils.InferenceResponse(output_tensors=self._tensors(out)))
+                if not stop_sent and (sender.is_cancelled() or self._all_stopped(streams, batch_size)):
+                    self._stop_llm(llm_request_id)  # nothing more will be sent for this request
+                    stop_sent = True
+            else:
+                finals.append(out)
+        if stream:
+            sender.send(flags=FINAL)
+        else:
+            sender.send(pb_utils.InferenceResponse(output_tensors=self._tensors(stack_responses(finals))),
+                        flags=FINAL)
+
+    def _llm_inputs(self, tensors, batch_size, stream):
+        pre_inputs = {PREPROCESSING_INPUTS[name]: value for name, value in tensors.items()
+                      if name in PREPROCESSING_INPUTS}
+        pre_inputs["REQUEST_OUTPUT_LEN"] = with_batch_dim(pre_inputs["REQUEST_OUTPUT_LEN"], batch_size)
+        pre_out = self._call("preprocessing", pre_inputs, list(LLM_INPUTS_FROM_PREPROCESSING))
+        llm_inputs = {llm: pre_out[name] for name, llm in LLM_INPUTS_FROM_PREPROCESSING.items()
+                      if name in pre_out}
+        for name, llm in LLM_INPUTS_FROM_REQUEST.items():
+            if name in tensors:
+                llm_inputs[llm] = with_batch_dim(tensors[name], batch_size)
+        llm_inputs["streaming"] = np.full((batch_size, 1), stream, dtype=np.bool_)
+        return llm_inputs
+
+    def _postprocess(self, llm_out, streams, stop_words, queries, stream):
+        """One tensorrt_llm response -> this BLS's outputs (text per row and beam), or None."""
+        rows = llm_out["output_ids"].shape[0]
+        batch_index = llm_out.get("batch_index", np.zeros((rows, 1), np.int32)).reshape(-1)
+        sequence_index = llm_out.get("sequence_index", np.zeros((rows, 1), np.int32)).reshape(-1)
+        lengths = llm_out["sequence_length"].reshape(rows, -1)
+        states = []
+        for row in range(rows):
+            for beam in range(lengths.shape[1]):
+                key = (int(batch_index[row]), int(sequence_index[row]), beam)
+                state = streams.setdefault(key, StreamText(stop_words=stop_words[key[0]],
+                                                           accumulate=self.accumulate and stream))
+                new = [int(t) for t in llm_out["output_ids"][row, beam, : lengths[row, beam]] if t >= 0]
+                # A beam stream resends the whole hypothesis; other streams send deltas.
+                grows = stream and lengths.shape[1] == 1
+                state.token_ids = state.token_ids + new if grows else new
+                states.append(state)
+        if all(state.stopped for state in states):
+            return None  # generation goes on only until the stop request lands
+        tokens = pad_beams([state.token_ids for state in states], np.int32, -1)[:, None, :]
+        seq_len = np.array([[len(state.token_ids)] for state in states], dtype=np.int32)
+        texts = self._call("postprocessing", {"TOKENS_BATCH": tokens, "SEQUENCE_LENGTH": seq_len},
+                           ["OUTPUT"])["OUTPUT"].reshape(-1)
+        pieces = []
+        for state, text in zip(states, texts):
+            text = to_str(text)
+            if not stream and not state.stopped:
+                query = queries[0] if len(queries) == 1 else ""
+                state.search_start = len(query) if query and text.startswith(query) else 0
+            pieces.append(state.update(text, is_final=not stream))
+        out = {"text_output": np.array(pieces, dtype=object).reshape(rows, -1)}
+        for name in PASS_THROUGH_OUTPUTS:
+            if name in llm_out:
+                out[name] = llm_out[name]
+        return out
+
+    @staticmethod
+    def _all_stopped(streams, batch_size):
+        stopped_rows = {key[0] for key, state in streams.items() if state.stopped}
+        return len(stopped_rows) == batch_size
+
+    # ----------------------------------------------------------------------------- calls
+
+    @staticmethod
+    def _tensors(out):
+        return [pb_utils.Tensor(name, value) for name, value in out.items()]
+
+    def _call(self, model_name, inputs, outputs):
+        request = pb_utils.InferenceRequest(
+            model_name=model_name, requested_output_names=outputs,
+            inputs=[pb_utils.Tensor(name, value) for name, value in inputs.items()])
+        return response_tensors(request.exec())
+
+    def _call_llm(self, inputs, request_id):
+        outputs = ["output_ids", "sequence_length", *PASS_THROUGH_OUTPUTS]
+        request = pb_utils.InferenceRequest(
+            model_name=self.llm_name, requested_output_names=outputs, request_id=request_id,
+            inputs=[pb_utils.Tensor(name, value) for name, value in inputs.items()])
+        if not self.decoupled:
+            yield response_tensors(request.exec())
+            return
+        for response in request.exec(decoupled=True):
+            yield response_tensors(response)
+
+    def _stop_llm(self, request_id):
+        inputs = {"input_ids": np.zeros((1, 1), np.int32), "input_lengths": np.zeros((1, 1), np.int32),
+                  "request_output_len": np.zeros((1, 1), np.int32), "stop": np.ones((1, 1), np.bool_)}
+        request = pb_utils.InferenceRequest(
+            model_name=self.llm_name, requested_output_names=["output_ids"], request_id=request_id,
+            inputs=[pb_utils.Tensor(name, value) for name, value in inputs.items()])
+        responses = request.exec(decoupled=True) if self.decoupled else [request.exec()]
+        for _ in responses:
+            pass
+
+    def finalize(self):
+        pass

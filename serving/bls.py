@@ -1,0 +1,100 @@
+"""Plain helpers of the `tensorrt_llm_bls` model: validation, stream text, string stop words.
+
+The BLS runs preprocessing -> tensorrt_llm -> postprocessing itself. For a stream it decodes the
+whole sequence so far on every chunk and sends the difference (or the whole text with
+`accumulate_tokens`), so every tokenizer streams exactly the text a unary call returns.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from serving.tokenization import TextDeltas
+
+# BLS input -> tensorrt_llm input (besides what preprocessing produces)
+LLM_INPUTS_FROM_REQUEST = {
+    "beam_width": "beam_width", "top_k": "runtime_top_k", "top_p": "runtime_top_p",
+    "temperature": "temperature", "length_penalty": "len_penalty",
+    "repetition_penalty": "repetition_penalty", "min_tokens": "min_tokens",
+    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+    "seed": "seed", "return_log_probs": "return_log_probs",
+    "return_context_logits": "return_context_logits",
+    "return_generation_logits": "return_generation_logits",
+    "return_perf_metrics": "return_perf_metrics", "exclude_input_in_output": "exclude_input_in_output",
+    "num_return_sequences": "num_return_sequences", "prompt_vocab_size": "prompt_vocab_size",
+    "lora_task_id": "lora_task_id", "lora_weights": "lora_weights", "lora_config": "lora_config",
+    "guided_decoding_guide_type": "guided_decoding_guide_type",
+    "guided_decoding_guide": "guided_decoding_guide",
+    "prompt_embedding_table": "prompt_embedding_table",
+}
+# preprocessing output -> tensorrt_llm input
+LLM_INPUTS_FROM_PREPROCESSING = {
+    "INPUT_ID": "input_ids", "REQUEST_INPUT_LEN": "input_lengths",
+    "REQUEST_OUTPUT_LEN": "request_output_len", "BAD_WORDS_IDS": "bad_words_list",
+    "STOP_WORDS_IDS": "stop_words_list", "EMBEDDING_BIAS": "embedding_bias",
+    "OUT_END_ID": "end_id", "OUT_PAD_ID": "pad_id",
+}
+# BLS input -> preprocessing input
+PREPROCESSING_INPUTS = {
+    "text_input": "QUERY", "decoder_text_input": "DECODER_QUERY", "max_tokens": "REQUEST_OUTPUT_LEN",
+    "bad_words": "BAD_WORDS_DICT", "stop_words": "STOP_WORDS_DICT",
+    "embedding_bias_words": "EMBEDDING_BIAS_WORDS", "embedding_bias_weights": "EMBEDDING_BIAS_WEIGHTS",
+    "end_id": "END_ID", "pad_id": "PAD_ID", "prompt_table_extra_id": "PROMPT_TABLE_EXTRA_ID",
+}
+PASS_THROUGH_OUTPUTS = (
+    "cum_log_probs", "output_log_probs", "context_logits", "generation_logits", "batch_index",
+    "sequence_index", "kv_cache_alloc_new_blocks", "kv_cache_reused_blocks",
+    "kv_cache_alloc_total_blocks", "arrival_time_ns", "first_scheduled_time_ns",
+    "first_token_time_ns", "last_token_time_ns", "acceptance_rate", "total_accepted_draft_tokens",
+    "total_draft_tokens",
+)
+
+
+def validate(tensors: dict[str, np.ndarray]) -> None:
+    """The reference BLS checks, with its texts."""
+    text = tensors.get("text_input")
+    if text is None or text.size == 0:
+        raise ValueError("text_input is required")
+    max_tokens = tensors.get("max_tokens")
+    if max_tokens is None or max_tokens.size != text.shape[0] or np.any(max_tokens <= 0):
+        raise ValueError("max_tokens must be a single value > 0")
+    draft = tensors.get("num_draft_tokens")
+    if draft is not None and np.any(draft > 0):
+        raise ValueError("speculative decoding (num_draft_tokens) is not supported by this backend")
+
+
+def with_batch_dim(array: np.ndarray, batch_size: int) -> np.ndarray:
+    """BLS inputs reshaped to (B,) go to tensorrt_llm as (B, 1)."""
+    return array.reshape(batch_size, 1) if array.ndim == 1 else array
+
+
+def first_stop(text: str, stop_words: list[str], start: int = 0) -> int | None:
+    """End index (exclusive) of the earliest stop word found in text[start:], or None."""
+    ends = [text.find(word, start) + len(word) for word in stop_words if word and word in text[start:]]
+    return min(ends) if ends else None
+
+
+@dataclass
+class StreamText:
+    """Text state of one (batch_index, sequence_index) stream of a BLS request.
+
+    update(full_text, is_final) -> the text to send: the delta (or the whole text so far with
+    accumulate), cut right after the first string stop word; after a stop, "".
+    """
+
+    stop_words: list[str] = field(default_factory=list)
+    accumulate: bool = False
+    search_start: int = 0  # stop words are searched after the prompt when it is echoed
+    token_ids: list[int] = field(default_factory=list)
+    deltas: TextDeltas = field(default_factory=TextDeltas)
+    stopped: bool = False
+
+    def update(self, full_text: str, is_final: bool) -> str:
+        if self.stopped:
+            return ""
+        end = first_stop(full_text, self.stop_words, self.search_start)
+        if end is not None:
+            full_text, is_final, self.stopped = full_text[:end], True, True
+        delta = self.deltas.update(full_text, is_final)
+        return self.deltas.emitted if self.accumulate else delta

@@ -1,0 +1,138 @@
+"""`tensorrt_llm` model parameters -> executor settings, with the reference's error texts.
+
+The result is a flat dict of setting name -> value with unset entries dropped, so executor
+defaults apply; `to_executor_config` then fills whichever of those settings the engine's
+`ExecutorConfig` has. Settings it does not have are features this backend accepts and
+ignores (LoRA cache, orchestrator, CUDA-graph knobs, ...): model.py logs them once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from serving.params import get_parameter, parse_int_list
+
+SCHEDULER_POLICIES = {"max_utilization": "max_utilization", "guaranteed_no_evict": "guaranteed_no_evict"}
+BATCHING_TYPES = {"inflight_fused_batching": "inflight", "inflight_batching": "inflight", "v1": "static"}
+DECODING_MODES = ("auto", "top_k", "top_p", "top_k_top_p", "beam_search", "medusa", "redrafter",
+                  "lookahead", "eagle")
+
+# parameter name -> (setting name, type)
+SIMPLE_SETTINGS = {
+    "max_beam_width": ("max_beam_width", int),
+    "enable_kv_cache_reuse": ("enable_block_reuse", bool),
+    "max_tokens_in_paged_kv_cache": ("kv_cache_max_tokens", int),
+    "sink_token_length": ("sink_token_length", int),
+    "kv_cache_free_gpu_mem_fraction": ("kv_cache_free_gpu_mem_fraction", float),
+    "cross_kv_cache_fraction": ("cross_kv_cache_fraction", float),
+    "kv_cache_host_memory_bytes": ("kv_cache_host_memory_bytes", int),
+    "kv_cache_onboard_blocks": ("kv_cache_onboard_blocks", bool),
+    "enable_chunked_context": ("enable_chunked_context", bool),
+    "normalize_log_probs": ("normalize_log_probs", bool),
+    "exclude_input_in_output": ("exclude_input_from_output", bool),
+    "lora_cache_optimal_adapter_size": ("lora_cache_optimal_adapter_size", int),
+    "lora_cache_max_adapter_size": ("lora_cache_max_adapter_size", int),
+    "lora_cache_gpu_memory_fraction": ("lora_cache_gpu_memory_fraction", float),
+    "lora_cache_host_memory_bytes": ("lora_cache_host_memory_bytes", int),
+    "lora_prefetch_dir": ("lora_prefetch_dir", str),
+    "enable_context_fmha_fp32_acc": ("enable_context_fmha_fp32_acc", bool),
+    "multi_block_mode": ("multi_block_mode", bool),
+    "cuda_graph_mode": ("cuda_graph_mode", bool),
+    "cuda_graph_cache_size": ("cuda_graph_cache_size", int),
+    "gpu_weights_percent": ("gpu_weights_percent", float),
+    "iter_stats_max_iterations": ("iter_stats_max_iterations", int),
+    "request_stats_max_iterations": ("request_stats_max_iterations", int),
+}
+
+
+def _choice(params, name: str, choices) -> str | None:
+    value = get_parameter(params, name, str)
+    if value is None:
+        return None
+    key = value.lower()
+    if key not in choices:
+        raise ValueError(f"{name} value of '{value}' is not supported.")
+    return choices[key] if isinstance(choices, dict) else key
+
+
+def parse_choices(text: str | None) -> list[list[int]] | None:
+    """`"{0, 0, 0}, {0, 1}"` -> [[0, 0, 0], [0, 1]] (medusa/eagle choices)."""
+    if text is None:
+        return None
+    text = text.strip()
+    if text.count("{") != text.count("}") or not text.startswith("{") or not text.endswith("}"):
+        raise ValueError("Invalid format for medusa_choices")
+    try:
+        return [[int(x) for x in group.strip(" {},").split(",") if x.strip()]
+                for group in text.split("}") if group.strip(" ,")]
+    except ValueError as error:
+        raise ValueError("Invalid format for medusa_choices") from error
+
+
+def executor_settings(params: dict[str, str], model_config: dict) -> dict[str, Any]:
+    """Every executor-level parameter of the contract, parsed; unset ones are left out."""
+    if get_parameter(params, "enable_trt_overlap", bool):
+        raise ValueError("enable_trt_overlap=true is not supported.")
+    if get_parameter(params, "worker_path", str):
+        raise ValueError("worker_path is not supported; use executor_worker_path")
+    settings: dict[str, Any] = {}
+    for name, (setting, kind) in SIMPLE_SETTINGS.items():
+        settings[setting] = get_parameter(params, name, kind)
+    settings["batch_scheduler_policy"] = _choice(params, "batch_scheduler_policy", SCHEDULER_POLICIES)
+    settings["batching_type"] = _choice(params, "gpt_model_type", BATCHING_TYPES)
+    settings["decoding_mode"] = _choice(params, "decoding_mode", DECODING_MODES)
+    window = parse_int_list(params.get("max_attention_window_size"))
+    settings["max_attention_window"] = window
+    settings["device_ids"] = parse_int_list(params.get("gpu_device_ids"))
+    settings["medusa_choices"] = parse_choices(get_parameter(params, "medusa_choices", str))
+    settings["eagle_choices"] = parse_choices(get_parameter(params, "eagle_choices", str))
+    queue_policy = model_config.get("dynamic_batching", {}).get("default_queue_policy", {})
+    max_queue_size = int(queue_policy.get("max_queue_size", 0) or 0)
+    settings["max_queue_size"] = max_queue_size if max_queue_size > 0 else None
+    if os.environ.get("TRTLLM_ORCHESTRATOR") == "1":
+        raise ValueError("Orchestrator mode is not supported by this backend; use leader mode "
+                         "(scripts/launch_triton_server.py --world_size N)")
+    return {key: value for key, value in settings.items() if value is not None}
+
+
+# Our setting names -> other spellings an ExecutorConfig may use for the same thing.
+ALIASES = {
+    "batch_scheduler_policy": ("scheduler_policy", "batch_scheduler_policy"),
+    "kv_cache_max_tokens": ("max_tokens_in_paged_kv_cache", "kv_cache_max_tokens", "max_kv_tokens"),
+    "kv_cache_free_gpu_mem_fraction": ("free_gpu_memory_fraction", "kv_cache_free_gpu_mem_fraction",
+                                       "free_mem_fraction"),
+    "enable_block_reuse": ("enable_block_reuse", "enable_kv_cache_reuse"),
+    "max_attention_window": ("max_attention_window", "max_attention_window_size"),
+}
+
+
+def to_executor_config(config_cls, settings: dict[str, Any]):
+    """Build `config_cls` (a dataclass) from the settings it has a field for.
+
+    Returns (config, ignored setting names). Nested dataclass fields (e.g. a kv-cache config)
+    are filled the same way from the same flat settings.
+    """
+    kwargs, used = _fill(config_cls, settings)
+    return config_cls(**kwargs), sorted(set(settings) - used)
+
+
+def _fill(config_cls, settings) -> tuple[dict[str, Any], set[str]]:
+    import typing
+
+    hints = typing.get_type_hints(config_cls)
+    kwargs, used = {}, set()
+    for field in dataclasses.fields(config_cls):
+        field_type = hints.get(field.name)
+        if dataclasses.is_dataclass(field_type):
+            nested, nested_used = _fill(field_type, settings)
+            if nested:
+                kwargs[field.name] = field_type(**nested)
+                used |= nested_used
+            continue
+        for setting, value in settings.items():
+            if field.name == setting or field.name in ALIASES.get(setting, ()):
+                kwargs[field.name] = value
+                used.add(setting)
+                break
+    return kwargs, used

@@ -1,0 +1,197 @@
+"""Bookkeeping between Triton requests and executor requests (no Triton import).
+
+One Triton request with B rows (and n return sequences each) becomes B executor requests and
+B x n result streams. `InflightRequests` turns each executor `Response` into what to send on the
+Triton response sender, decides where the FINAL flag goes (on the response that completes the
+last executor request of that Triton request), holds back unfinished UTF-8 characters in
+streams, and reports each finished executor request for the metrics.
+
+Not thread-safe on its own: the model calls it under one lock.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from serving.metrics import RequestLatency, generated_token_count
+from serving.requests import RequestSpec
+from serving.responses import result_tensors, stack_responses
+from serving.tokenization import Utf8Holdback
+
+
+@dataclass
+class Send:
+    """One thing to send: tensors or an error, with or without the FINAL flag."""
+
+    sender: Any
+    tensors: dict[str, np.ndarray] | None = None
+    error: str | None = None
+    final: bool = False
+
+
+@dataclass
+class Finished:
+    """One executor request that ended (for the token and latency histograms)."""
+
+    input_tokens: int
+    output_tokens: int
+    latency: RequestLatency
+    error: bool = False
+
+
+@dataclass
+class TritonRequest:
+    key: int
+    sender: Any
+    user_id: str
+    batch_size: int
+    live_exec_ids: set[int] = field(default_factory=set)
+    final_tensors: list[dict[str, np.ndarray]] = field(default_factory=list)  # non-decoupled
+    errors: list[str] = field(default_factory=list)  # non-decoupled
+    cancelled: bool = False
+
+
+@dataclass
+class ExecRequest:
+    triton: TritonRequest
+    spec: RequestSpec
+    streams_left: int
+    latency: RequestLatency
+    holdbacks: dict[int, Utf8Holdback] = field(default_factory=dict)
+    output_tokens: int = 0
+
+
+class InflightRequests:
+    def __init__(self, *, decoupled: bool, decode: Callable[[list[int]], str] | None = None,
+                 logits_dtype=np.float32, clock: Callable[[], float] = time.time):
+        self.decoupled = decoupled
+        self._decode = decode  # enables the UTF-8 holdback for streams
+        self._logits_dtype = logits_dtype
+        self._clock = clock
+        self._keys = itertools.count()
+        self.by_exec_id: dict[int, ExecRequest] = {}
+        self.by_user_id: dict[str, TritonRequest] = {}
+        self.triton_requests: dict[int, TritonRequest] = {}
+
+    def add(self, sender: Any, user_id: str, specs: list[RequestSpec], exec_ids: list[int]) -> None:
+        """Register one Triton request's executor requests (before any response is handled)."""
+        triton = TritonRequest(key=next(self._keys), sender=sender, user_id=user_id,
+                               batch_size=len(specs), live_exec_ids=set(exec_ids))
+        self.triton_requests[triton.key] = triton
+        if user_id:
+            self.by_user_id[user_id] = triton  # a later request with the same id replaces it
+        now = self._clock()
+        for spec, exec_id in zip(specs, exec_ids):
+            streams = 1 if spec.beam_width > 1 else spec.num_return_sequences
+            self.by_exec_id[exec_id] = ExecRequest(triton=triton, spec=spec, streams_left=streams,
+                                                   latency=RequestLatency(arrival=now))
+
+    def exec_ids_for_user(self, user_id: str) -> list[int]:
+        triton = self.by_user_id.get(user_id)
+        return sorted(triton.live_exec_ids) if triton else []
+
+    def newly_cancelled(self) -> list[int]:
+        """Executor ids of Triton requests whose client cancelled since the last call."""
+        ids = []
+        for triton in self.triton_requests.values():
+            if not triton.cancelled and _is_cancelled(triton.sender):
+                triton.cancelled = True
+                ids.extend(triton.live_exec_ids)
+        return ids
+
+    def on_response(self, response: Any) -> tuple[list[Send], list[Finished]]:
+        exec_request = self.by_exec_id.get(response.request_id)
+        if exec_request is None:
+            return [], []
+        if response.error is not None:
+            return self._on_error(exec_request, response)
+        return self._on_result(exec_request, response)
+
+    # ------------------------------------------------------------------------------------------
+
+    def _on_error(self, exec_request: ExecRequest, response) -> tuple[list[Send], list[Finished]]:
+        triton = exec_request.triton
+        finished = self._finish(response.request_id, exec_request, error=True)
+        done = not triton.live_exec_ids
+        if self.decoupled:
+            return [Send(triton.sender, error=response.error, final=done)], [finished]
+        triton.errors.append(response.error)
+        return ([Send(triton.sender, error="; ".join(triton.errors), final=True)] if done else []), [finished]
+
+    def _on_result(self, exec_request: ExecRequest, response) -> tuple[list[Send], list[Finished]]:
+        result, spec, triton = response.result, exec_request.spec, exec_request.triton
+        tokens = self._tokens_to_send(exec_request, result)
+        now = self._clock()
+        new_tokens = self._count_tokens(exec_request, result, tokens)
+        exec_request.latency.on_tokens(now, new_tokens)
+        exec_request.output_tokens += new_tokens
+        finished = []
+        if result.is_final:
+            exec_request.streams_left -= 1
+            if exec_request.streams_left == 0:
+                exec_request.latency.use_perf(getattr(result, "perf", None))
+                finished.append(self._finish(response.request_id, exec_request))
+        if tokens is None and not result.is_final:
+            return [], finished  # everything in this chunk is held back
+        tensors = result_tensors(
+            result, batch_index=spec.batch_index, batch_size=triton.batch_size,
+            num_return_sequences=spec.num_return_sequences,
+            want_perf=spec.output.get("return_perf_metrics", False),
+            logits_dtype=self._logits_dtype, output_token_ids=tokens)
+        done = not triton.live_exec_ids
+        if self.decoupled:
+            return [Send(triton.sender, tensors=tensors, final=done)], finished
+        if result.is_final:
+            triton.final_tensors.append(tensors)
+        if not done:
+            return [], finished
+        if triton.errors:
+            return [Send(triton.sender, error="; ".join(triton.errors), final=True)], finished
+        return [Send(triton.sender, tensors=stack_responses(triton.final_tensors), final=True)], finished
+
+    def _tokens_to_send(self, exec_request: ExecRequest, result) -> list[list[int]] | None:
+        """The beams' tokens to send now; None when a non-final chunk is entirely held back."""
+        spec = exec_request.spec
+        use_holdback = (self._decode is not None and spec.streaming and spec.beam_width == 1
+                        and not spec.output.get("return_log_probs")
+                        and not spec.output.get("return_generation_logits"))
+        if not use_holdback:
+            return [list(beam) for beam in result.output_token_ids]
+        index = getattr(result, "sequence_index", 0) or 0
+        holdback = exec_request.holdbacks.setdefault(index, Utf8Holdback(self._decode))
+        ready = holdback.push(result.output_token_ids[0] if result.output_token_ids else [])
+        if result.is_final:
+            ready += holdback.flush()
+        return [ready] if ready or result.is_final else None
+
+    def _count_tokens(self, exec_request: ExecRequest, result, tokens) -> int:
+        spec = exec_request.spec
+        beams = result.output_token_ids
+        if spec.beam_width > 1 and spec.streaming:
+            beams = beams if result.is_final else []  # beam streams resend the whole hypothesis
+        prompt_included = not spec.streaming and not spec.output.get("exclude_input_from_output")
+        return generated_token_count([len(b) for b in beams], len(spec.input_token_ids),
+                                     prompt_included)
+
+    def _finish(self, exec_id: int, exec_request: ExecRequest, error: bool = False) -> Finished:
+        triton = exec_request.triton
+        self.by_exec_id.pop(exec_id, None)
+        triton.live_exec_ids.discard(exec_id)
+        if not triton.live_exec_ids:
+            self.triton_requests.pop(triton.key, None)
+            if self.by_user_id.get(triton.user_id) is triton:
+                del self.by_user_id[triton.user_id]
+        return Finished(input_tokens=len(exec_request.spec.input_token_ids),
+                        output_tokens=exec_request.output_tokens, latency=exec_request.latency,
+                        error=error)
+
+
+def _is_cancelled(sender: Any) -> bool:
+    try:
+        return bool(sender.is_cancelled())
+    except Exception:  # a sender that is already closed counts as not cancellable
+        return False
