@@ -430,13 +430,14 @@ class Executor:
             seq = item.seq
             if seq.is_finished:
                 continue
+            samples = item.samples  # read before num_computed_tokens moves
             self._note_scheduled(seq.state, now)
             self._collect_context_logits(item, logits[first:end])
             seq.num_computed_tokens += item.num_new_tokens
             self.blocks.register_computed_blocks(seq)
             if seq.seq_id in sampled:
                 self._append_token(seq, *sampled[seq.seq_id], logits[end - 1], now)
-            elif item.samples and seq.state.is_beam_search:
+            elif samples and seq.state.is_beam_search:
                 beam_rows.append((seq, logits[end - 1]))
         if beam_rows:
             self._beam_step(beam_rows, now)

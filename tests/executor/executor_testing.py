@@ -29,3 +29,32 @@ def fake_update(scheduler: Scheduler, out: SchedulerOutput, next_token: int = 7)
                 scheduler.finish(seq)
                 finished.append(seq)
     return finished
+
+
+def collect(executor, request_ids: list[int], timeout: float = 60.0, streams: dict[int, int] | None = None) -> dict[int, list]:
+    """Every response of ``request_ids`` until each has its final one (final = error or last stream ended)."""
+    import time
+
+    responses: dict[int, list] = {i: [] for i in request_ids}
+    open_streams: dict[int, set] = {}
+    deadline = time.monotonic() + timeout
+    pending = set(request_ids)
+    while pending:
+        assert time.monotonic() < deadline, f"requests {sorted(pending)} got no final response in {timeout}s"
+        for response in executor.await_responses(timeout=0.5):
+            if response.request_id not in responses:
+                continue
+            responses[response.request_id].append(response)
+            if response.error is not None:
+                pending.discard(response.request_id)
+            elif response.result.is_final:
+                open_streams.setdefault(response.request_id, set()).add(response.result.sequence_index)
+                if len(open_streams[response.request_id]) >= (streams or {}).get(response.request_id, 1):
+                    pending.discard(response.request_id)
+    return responses
+
+
+def final_tokens(responses: list) -> list[int]:
+    """Generated tokens of a single-stream request: concatenated streaming deltas or the final result."""
+    assert responses and responses[-1].error is None, responses[-1].error if responses else "no response"
+    return [t for r in responses for t in r.result.output_token_ids[0]]

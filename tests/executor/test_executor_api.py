@@ -1,0 +1,216 @@
+"""Executor API on a tiny random-weight engine: sampling, stop/end handling, outputs, errors, cancellation."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from executor_testing import collect, final_tokens
+
+from engine.executor.executor import Executor, ExecutorConfig, ExecutorConfigError
+from engine.executor.request import FinishReason, OutputConfig, Request, SamplingConfig
+
+PROMPT = [3, 17, 5, 99, 42, 8, 1]
+EXCLUDE = OutputConfig(exclude_input_from_output=True)
+
+
+@pytest.fixture(scope="module")
+def executor(tiny_engine):
+    with Executor(tiny_engine, ExecutorConfig(max_beam_width=3, max_queue_size=0)) as ex:
+        yield ex
+
+
+def run(executor, *requests, streams=None):
+    ids = executor.enqueue_requests(list(requests))
+    responses = collect(executor, ids, streams=streams)
+    return [responses[i] for i in ids]
+
+
+def tokens(executor, **kwargs):
+    request = Request(PROMPT, kwargs.pop("max_tokens", 12), output=kwargs.pop("output", EXCLUDE), **kwargs)
+    return final_tokens(run(executor, request)[0])
+
+
+def sampled(executor, **sampling):
+    return tokens(executor, sampling=SamplingConfig(**sampling))
+
+
+def test_seed_reproducible_and_seeds_differ(executor):
+    a = sampled(executor, temperature=3.0, top_k=0, top_p=1.0, seed=11)
+    assert a == sampled(executor, temperature=3.0, top_k=0, top_p=1.0, seed=11)
+    assert a != sampled(executor, temperature=3.0, top_k=0, top_p=1.0, seed=12)
+    assert a != sampled(executor)  # and it is not greedy
+
+
+def test_top_k_1_and_tiny_top_p_equal_greedy(executor):
+    greedy = tokens(executor)
+    assert sampled(executor, top_k=1, temperature=2.0, seed=3) == greedy
+    assert sampled(executor, top_p=1e-6, temperature=2.0, seed=3) == greedy
+    assert sampled(executor, temperature=0.0, top_k=50, seed=3) == greedy
+
+
+def test_stop_word_stops_and_stays_in_the_output(executor):
+    greedy = tokens(executor)
+    stop = greedy[3:5]
+    [responses] = run(executor, Request(PROMPT, 12, output=EXCLUDE, stop_words=[[127, 126], stop]))
+    result = responses[-1].result
+    assert result.output_token_ids == [greedy[:5]]
+    assert result.finish_reasons == [FinishReason.STOP_WORDS]
+
+
+def test_end_id_ends_without_being_emitted_and_min_tokens_suppresses_it(executor):
+    greedy = tokens(executor)
+    end_id = greedy[2]
+    first = greedy.index(end_id)
+    [responses] = run(executor, Request(PROMPT, 12, end_id=end_id, output=EXCLUDE))
+    assert responses[-1].result.output_token_ids == [greedy[:first]]
+    assert responses[-1].result.finish_reasons == [FinishReason.END_ID]
+    out = tokens(executor, end_id=end_id, sampling=SamplingConfig(min_tokens=first + 2))
+    assert len(out) >= first + 2 and end_id not in out[:first + 2]
+
+
+def test_streaming_deltas_add_up_to_the_non_streaming_output(executor):
+    full = run(executor, Request(PROMPT, 10))[0]
+    assert len(full) == 1 and full[0].result.output_token_ids[0][:len(PROMPT)] == PROMPT  # prompt included
+    streamed = run(executor, Request(PROMPT, 10, streaming=True))[0]
+    assert [t for r in streamed for t in r.result.output_token_ids[0]] == full[0].result.output_token_ids[0][len(PROMPT):]
+    assert all(not r.result.is_final for r in streamed[:-1]) and streamed[-1].result.finish_reasons == [FinishReason.LENGTH]
+
+
+def test_log_probs_logits_and_perf_metrics(executor, tiny_hf):
+    out = OutputConfig(return_log_probs=True, return_context_logits=True, return_generation_logits=True,
+                       return_perf_metrics=True, exclude_input_from_output=True)
+    [responses] = run(executor, Request(PROMPT, 4, output=out))
+    result = responses[-1].result
+    generated = result.output_token_ids[0]
+    with torch.no_grad():
+        hf = tiny_hf(torch.tensor([PROMPT + generated])).logits[0]
+    torch.testing.assert_close(result.context_logits, hf[:len(PROMPT)], atol=1e-4, rtol=1e-4)
+    assert result.generation_logits.shape == (1, 4, 128)
+    torch.testing.assert_close(result.generation_logits[0], hf[len(PROMPT) - 1:-1], atol=1e-4, rtol=1e-4)
+    expected_lp = hf[len(PROMPT) - 1:-1].log_softmax(-1).gather(1, torch.tensor(generated).unsqueeze(1)).squeeze(1)
+    torch.testing.assert_close(torch.tensor(result.log_probs[0]), expected_lp, atol=1e-4, rtol=1e-4)
+    assert result.cum_log_probs[0] == pytest.approx(sum(result.log_probs[0]), abs=1e-5)
+    perf = result.perf
+    assert 0 < perf.arrival_time_ns <= perf.first_scheduled_time_ns <= perf.first_token_time_ns <= perf.last_token_time_ns
+    assert perf.kv_cache_alloc_total_blocks == perf.kv_cache_alloc_new_blocks + perf.kv_cache_reused_blocks == 3
+
+
+def test_num_return_sequences_gives_independent_streams(executor):
+    request = Request(PROMPT, 8, output=EXCLUDE, sampling=SamplingConfig(num_return_sequences=3, temperature=3.0,
+                                                                         top_p=1.0, seed=5))
+    ids = executor.enqueue_requests([request])
+    responses = collect(executor, ids, streams={ids[0]: 3})[ids[0]]
+    by_index = {r.result.sequence_index: r.result.output_token_ids[0] for r in responses}
+    assert sorted(by_index) == [0, 1, 2] and all(len(t) == 8 for t in by_index.values())
+    assert len({tuple(t) for t in by_index.values()}) == 3
+
+
+def test_beam_search_matches_transformers(executor, tiny_hf):
+    request = Request(PROMPT, 6, output=OutputConfig(exclude_input_from_output=True, return_log_probs=True),
+                      sampling=SamplingConfig(beam_width=3, length_penalty=1.0))
+    [responses] = run(executor, request)
+    result = responses[-1].result
+    assert len(result.output_token_ids) == 3 and result.cum_log_probs == sorted(result.cum_log_probs, reverse=True)
+    hf = tiny_hf.generate(torch.tensor([PROMPT]), max_new_tokens=6, num_beams=3, num_return_sequences=3,
+                          do_sample=False, early_stopping=True, length_penalty=1.0, output_scores=True,
+                          return_dict_in_generate=True)
+    assert result.output_token_ids == hf.sequences[:, len(PROMPT):].tolist()
+    torch.testing.assert_close(torch.tensor(result.cum_log_probs), hf.sequences_scores * 6, atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("request_kwargs, message", [
+    (dict(input_token_ids=[]), "input_token_ids is empty"),
+    (dict(max_tokens=0), "max_tokens must be a positive integer, got 0"),
+    (dict(max_tokens=200), "exceeds max_seq_len (128)"),
+    (dict(input_token_ids=[1, 128]), "token id 128 outside the vocabulary; allowed ids are 0..127"),
+    (dict(sampling=SamplingConfig(top_p=1.5)), "top_p must be in (0, 1], got 1.5"),
+    (dict(sampling=SamplingConfig(top_p=0.0)), "top_p must be in (0, 1], got 0.0"),
+    (dict(sampling=SamplingConfig(temperature=-0.5)), "temperature must be >= 0, got -0.5"),
+    (dict(sampling=SamplingConfig(top_k=-1)), "top_k must be >= 0, got -1"),
+    (dict(sampling=SamplingConfig(beam_width=4)), "beam_width 4 is not allowed; allowed: 1..3"),
+    (dict(embedding_bias=[0.0] * 5), "embedding_bias has 5 values; it must have vocab_size (128)"),
+])
+def test_bad_request_gets_a_clear_error_and_others_complete(executor, request_kwargs, message):
+    bad = Request(**{"input_token_ids": PROMPT, "max_tokens": 4, **request_kwargs})
+    good = Request(PROMPT, 4)
+    bad_responses, good_responses = run(executor, bad, good)
+    assert len(bad_responses) == 1 and message in bad_responses[0].error
+    assert good_responses[-1].error is None and len(good_responses[-1].result.output_token_ids[0]) == len(PROMPT) + 4
+
+
+def test_queue_full_rejects_with_the_reference_message(tiny_engine):
+    with Executor(tiny_engine, ExecutorConfig(max_queue_size=2)) as ex:
+        ids = ex.enqueue_requests([Request(PROMPT, 4) for _ in range(6)])
+        responses = collect(ex, ids)
+    errors = [responses[i][0].error for i in ids if responses[i][0].error]
+    assert errors and all("Maximum queue size of 2 has been reached, rejecting request" in e for e in errors)
+    assert sum(responses[i][-1].error is None for i in ids) >= 2
+
+
+def test_cancel_ends_within_an_iteration_and_frees_blocks(tiny_engine):
+    with Executor(tiny_engine, ExecutorConfig()) as ex:
+        [request_id] = ex.enqueue_requests([Request(PROMPT, 100, streaming=True)])
+        first = []
+        while not first:
+            first = ex.await_responses(timeout=1.0)
+        iteration = ex.get_latest_iteration_stats().iter
+        ex.cancel_request(request_id)
+        responses = collect(ex, [request_id])[request_id]
+        final = responses[-1].result
+        assert final.is_final and final.finish_reasons == [FinishReason.CANCELLED]
+        generated = sum(len(r.result.output_token_ids[0]) for r in first + responses)
+        assert generated < 100
+        time.sleep(0.05)
+        stats = ex.get_latest_iteration_stats()
+        assert stats.kv_cache_stats.free_num_blocks == stats.kv_cache_stats.max_num_blocks
+        assert stats.num_active_requests == 0
+        assert iteration > 0
+
+
+def test_forward_failure_fails_its_requests_and_the_loop_keeps_serving(tiny_engine):
+    with Executor(tiny_engine, ExecutorConfig()) as ex:
+        real_forward, calls = ex.runner.forward, []
+
+        def fail_once(batch, **kwargs):  # fault injection: the first forward raises
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("injected device fault")
+            return real_forward(batch, **kwargs)
+
+        ex.runner.forward = fail_once
+        [failed] = run(ex, Request(PROMPT, 4))
+        assert "injected device fault" in failed[-1].error
+        [ok] = run(ex, Request(PROMPT, 4))
+        assert ok[-1].error is None
+        assert ex.get_latest_iteration_stats().kv_cache_stats.used_num_blocks == 0
+
+
+def test_response_callback_receives_everything(tiny_engine):
+    got, done = [], threading.Event()
+
+    def callback(responses):
+        got.extend(responses)
+        if any(r.is_final for r in responses):
+            done.set()
+
+    with Executor(tiny_engine, ExecutorConfig(), response_callback=callback) as ex:
+        ex.enqueue_request(Request(PROMPT, 5, streaming=True))
+        assert done.wait(30)
+    assert sum(len(r.result.output_token_ids[0]) for r in got) == 5
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("batch_scheduler_policy", "fifo", "batch_scheduler_policy value of 'fifo' is not supported"),
+    ("max_batch_size", 0, "max_batch_size must be a positive integer"),
+    ("kv_cache_free_gpu_mem_fraction", 1.5, "kv_cache_free_gpu_mem_fraction must be in (0, 1]"),
+    ("max_beam_width", 0, "max_beam_width must be an integer >= 1"),
+])
+def test_config_errors_name_the_field(field, value, message):
+    with pytest.raises(ExecutorConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ExecutorConfig(**{field: value}).validate()
+
+
+def test_policy_names_are_case_insensitive():
+    assert ExecutorConfig(batch_scheduler_policy="MAX_UTILIZATION").validate().batch_scheduler_policy == "max_utilization"

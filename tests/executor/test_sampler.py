@@ -1,0 +1,100 @@
+"""Sampler on hand-made logits: penalties as defined, bans, top-k/top-p, seeded draws."""
+from __future__ import annotations
+
+import torch
+from executor_testing import make_seq
+
+from engine.executor.request import Request
+from engine.executor.sampler import apply_top_k_top_p, build_sampling_metadata, process_logits, sample
+
+VOCAB = 8
+
+
+def metadata(seqs, log_probs=False):
+    return build_sampling_metadata(seqs, VOCAB, "cpu", log_probs)
+
+
+def with_output(seq, tokens):
+    seq.token_ids += tokens
+    return seq
+
+
+def test_penalties_change_logits_as_defined():
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5, 0.0, 0.0, 3.0, -1.0]])
+    # prompt holds tokens 0 and 1; output holds 2 twice and 3 once.
+    seq = with_output(make_seq([0, 1], repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25), [2, 2, 3])
+    out = process_logits(logits, metadata([seq]))[0]
+    expected = logits[0].clone()
+    expected[0] = 2.0 / 2  # repetition over prompt: positive logit divided
+    expected[1] = -2.0 * 2  # negative logit multiplied
+    expected[2] = 1.0 / 2 - 0.5 - 0.25 * 2  # repetition, presence, frequency x count
+    expected[3] = 0.5 / 2 - 0.5 - 0.25
+    torch.testing.assert_close(out, expected)
+
+
+def test_no_penalty_leaves_logits_untouched():
+    logits = torch.randn(2, VOCAB)
+    seqs = [with_output(make_seq([0, 1]), [2]), make_seq([3])]
+    torch.testing.assert_close(process_logits(logits, metadata(seqs)), logits)
+
+
+def test_min_tokens_bans_end_id_until_reached_and_bad_words_ban_their_last_token():
+    seq = make_seq([5, 6], min_tokens=2)
+    seq.state.request.end_id = 4
+    seq.state.request.bad_words = [[1], [6, 2], [7, 3]]
+    out = process_logits(torch.zeros(1, VOCAB), metadata([seq]))[0]
+    # end_id 4 (min_tokens), 1 (single-token word), 2 (prompt ends with 6); 3 is allowed (no 7 before it)
+    assert torch.isinf(out).nonzero().flatten().tolist() == [1, 2, 4]
+    with_output(seq, [0, 0])
+    out = process_logits(torch.zeros(1, VOCAB), metadata([seq]))[0]
+    assert torch.isinf(out).nonzero().flatten().tolist() == [1]  # min_tokens reached, prompt no longer ends in 6
+
+
+def test_embedding_bias_is_added():
+    seq = make_seq([0])
+    seq.state.request.embedding_bias = [0.0] * 7 + [100.0]
+    assert sample(torch.zeros(1, VOCAB), metadata([seq])).token_ids.tolist() == [7]
+
+
+def test_top_k_top_p_masks():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05, 1e-9, 1e-9, 1e-9, 1e-9]]))
+    def kept(k, p):
+        masked = apply_top_k_top_p(logits, torch.tensor([k]), torch.tensor([p]))[0]
+        return (~torch.isinf(masked)).nonzero().flatten().tolist()
+
+    assert kept(2, 1.0) == [0, 1]
+    assert kept(8, 0.7) == [0, 1]  # 0.5 < 0.7, 0.8 >= 0.7: the nucleus is the first two
+    assert kept(8, 0.5) == [0]
+    assert kept(8, 1e-6) == [0]  # the top token always stays
+    assert kept(1, 1.0) == [0]
+
+
+def test_greedy_rows_take_the_argmax_and_log_probs_are_log_softmax():
+    logits = torch.randn(3, VOCAB)
+    seqs = [make_seq([0]), make_seq([1], top_k=1, temperature=0.5), make_seq([2], temperature=0.0, top_p=0.9)]
+    out = sample(logits, metadata(seqs, log_probs=True))
+    assert out.token_ids.tolist() == logits.argmax(-1).tolist()
+    torch.testing.assert_close(out.log_probs, logits.log_softmax(-1).max(-1).values)
+
+
+def test_seeded_draws_repeat_and_differ_by_seed():
+    logits = torch.zeros(1, 1000)  # uniform: any two different streams disagree quickly
+
+    def draws(seed):
+        seq = make_seq([0], top_k=0, top_p=1.0, temperature=1.0)
+        seq.generator = torch.Generator().manual_seed(seed)
+        md = build_sampling_metadata([seq], 1000, "cpu", False)
+        return [sample(logits, md).token_ids.item() for _ in range(8)]
+
+    assert draws(1) == draws(1)
+    assert draws(1) != draws(2)
+
+
+def test_sampling_follows_the_distribution():
+    probs = torch.tensor([0.6, 0.3, 0.1, 0, 0, 0, 0, 0])
+    seq = make_seq([0], top_p=1.0)
+    seq.generator = torch.Generator().manual_seed(0)
+    md = metadata([seq])
+    logits = probs.log().unsqueeze(0)
+    counts = torch.bincount(torch.tensor([sample(logits, md).token_ids.item() for _ in range(2000)]), minlength=VOCAB)
+    torch.testing.assert_close(counts.float() / 2000, probs, atol=0.04, rtol=0)
