@@ -39,6 +39,7 @@ import atexit
 import dataclasses
 import datetime
 import enum
+import functools
 import logging
 import os
 import threading
@@ -58,6 +59,8 @@ DEFAULT_STEP_TIMEOUT_S = 60.0
 DEFAULT_STARTUP_TIMEOUT_S = 900.0
 DEFAULT_HEARTBEAT_S = 2.0
 HEADER_LEN = 4  # [op, step, payload_len, arg]
+# ModelRunner methods that change or use every rank's state, so LeaderRunner mirrors them.
+MIRRORED_METHODS = frozenset({"allocate_kv_cache", "capture_cuda_graphs", "warmup"})
 
 
 class RankFailureError(RuntimeError):
@@ -379,8 +382,8 @@ class LeaderRunner:
 
     ``forward`` broadcasts the plan, runs rank 0's shard and returns the full logits (the model
     all-gathers the vocab shards). KV sizing is agreed by all ranks (the minimum of what fits on
-    each), then every rank allocates the same number of blocks. Other attributes (configs,
-    ``vocab_size``, ``device`` ...) come from the wrapped runner.
+    each); the methods in ``MIRRORED_METHODS`` (``allocate_kv_cache`` ...) run on every rank.
+    Other attributes (configs, ``vocab_size``, ``device`` ...) come from the wrapped runner.
 
     Thread safety: one lock orders plans, so the heartbeat thread never interleaves with a step.
     After a fault every call raises ``RankFailureError``; ``failure`` holds the first error.
@@ -402,7 +405,10 @@ class LeaderRunner:
     def __getattr__(self, name: str):
         if name == "runner":  # not set yet: __init__ failed early
             raise AttributeError(name)
-        return getattr(self.runner, name)
+        value = getattr(self.runner, name)
+        if name in MIRRORED_METHODS and callable(value):
+            return functools.partial(self.call_on_all_ranks, name)
+        return value
 
     @property
     def is_healthy(self) -> bool:
@@ -423,8 +429,13 @@ class LeaderRunner:
 
         return self._run(Op.CALL, local_then_agree, call=call)
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        call = ("allocate_kv_cache", (num_blocks,), {}, None)
+    def call_on_all_ranks(self, method: str, *args, **kwargs):
+        """Run ``runner.<method>(*args, **kwargs)`` on every rank; rank 0's result is returned.
+
+        For methods that run collectives (allocation that captures graphs, warm-up forwards):
+        the workers must make the same calls in the same order, or the collectives deadlock.
+        """
+        call = (method, args, kwargs, None)
         return self._run(Op.CALL, lambda: _apply_call(self.runner, call), call=call)
 
     def _run(self, op: Op, local_step, **message):
@@ -509,40 +520,44 @@ def _destroy_groups() -> None:
 # ---- entry points --------------------------------------------------------------------------------
 
 
-def make_runner(engine_dir: str, *, device: str | torch.device | None = None, environ: Mapping[str, str] = os.environ):
+def make_runner(engine_dir: str, *, device: str | torch.device | None = None, runner_class=None,
+                environ: Mapping[str, str] = os.environ):
     """The executor's runner: a plain ModelRunner for one rank, a LeaderRunner on rank 0 of many.
 
+    ``runner_class`` (default ModelRunner) builds the local runner, e.g. a benchmark's subclass.
     Raises ValueError when the engine's tp_size differs from the world size, and when called on
     a rank other than 0 (workers run ``python -m engine.worker``).
     """
     from engine.executor.runner import ModelRunner
 
+    runner_class = runner_class or ModelRunner
     info = rank_info_from_env(environ)
     config = check_world_matches_engine(engine_dir, info.world_size)
     resolved = resolve_device(device, info.local_rank)
     if info.world_size == 1:
-        return ModelRunner(engine_dir, rank=0, device=resolved)
+        return runner_class(engine_dir, rank=0, device=resolved)
     if info.rank != 0:
         raise ValueError(f"make_runner runs on rank 0 only; rank {info.rank} must run python -m engine.worker")
     ctx = init_distributed(info, resolved, DistSettings.from_env(info, environ))
-    runner = ModelRunner(engine_dir, rank=0, device=resolved, tp_group=ctx.tp_group)
+    runner = runner_class(engine_dir, rank=0, device=resolved, tp_group=ctx.tp_group)
     agree_on_engine(ctx, config)
     ctx.use_step_timeout()
     return LeaderRunner(runner, ctx)
 
 
-def run_worker(engine_dir: str, *, device: str | torch.device | None = None,
+def run_worker(engine_dir: str, *, device: str | torch.device | None = None, runner_class=None,
                environ: Mapping[str, str] = os.environ) -> None:
     """A non-leader rank: join, load this rank's shard, follow plans until SHUTDOWN."""
     from engine.executor.runner import ForwardBatch, ModelRunner
 
+    runner_class = runner_class or ModelRunner
     info = rank_info_from_env(environ)
     if info.rank == 0:
         raise ValueError("rank 0 is the leader (tritonserver); engine.worker runs on ranks 1..N-1")
     config = check_world_matches_engine(engine_dir, info.world_size)
     ctx = init_distributed(info, resolve_device(device, info.local_rank), DistSettings.from_env(info, environ))
     try:
-        runner = ModelRunner(engine_dir, rank=info.rank, device=ctx.device, tp_group=ctx.tp_group)
+        runner = runner_class(engine_dir, rank=info.rank, device=ctx.device, tp_group=ctx.tp_group)
         agree_on_engine(ctx, config)
         ctx.use_step_timeout()
         logger.info("rank %d ready on %s", info.rank, ctx.device)
