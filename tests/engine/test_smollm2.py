@@ -1,6 +1,7 @@
 """The embedded default model end to end: GGUF -> engine directory -> greedy tokens equal transformers'."""
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import AutoTokenizer, DynamicCache
 
@@ -58,3 +59,20 @@ def test_greedy_generation_matches_transformers(smollm2_engine_dir, smollm2_hf):
     engine_tokens = _engine_greedy(ModelRunner(smollm2_engine_dir), prompt, NUM_TOKENS)
     assert engine_tokens == _hf_greedy(hf_model, prompt, NUM_TOKENS)
     assert tokenizer.decode(engine_tokens).startswith("The capital of France is Paris.")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_bf16_engine_on_cuda_answers_the_question(smollm2_hf, smollm2_gguf, tmp_path):
+    """bf16 rounding may change late tokens vs fp32 transformers, so this checks the answer text."""
+    from engine.build import build_from_hf
+    from engine.config import BuildConfig
+    from engine.convert import getter_from_state_dict
+
+    hf_model, tokenizer = smollm2_hf
+    build = BuildConfig(dtype="bfloat16", max_seq_len=512, max_input_len=256, tokens_per_block=16)
+    get = getter_from_state_dict(hf_model.state_dict(), smollm2_gguf)
+    build_from_hf(hf_model.config, get, tokenizer, str(tmp_path), build, progress=False)
+    runner = ModelRunner(str(tmp_path), device="cuda")
+    prompt = _chat_ids(AutoTokenizer.from_pretrained(str(tmp_path)))
+    text = tokenizer.decode(_engine_greedy(runner, prompt, 8))
+    assert text.startswith("The capital of France is Paris"), text
