@@ -43,7 +43,7 @@ def write_engine(output_dir: str, model: ModelConfig, build: BuildConfig, get: T
     """Convert every rank's weights through ``get`` and write a complete engine directory."""
     engine_config = EngineConfig(model=model, build=build, extra=dict(extra or {})).validate()
     names = expected_tensor_names(model, build.tp_size)
-    os.makedirs(output_dir, exist_ok=True)
+    _clear_old_engine(output_dir)
     bar = tqdm(total=len(names) * build.tp_size, unit="tensor", desc="converting", disable=not progress)
     for rank in range(build.tp_size):
         weights = {}
@@ -58,6 +58,14 @@ def write_engine(output_dir: str, model: ModelConfig, build: BuildConfig, get: T
         tokenizer.save_pretrained(output_dir)
     engine_config.save(output_dir)  # last: a directory with config.json is complete
     return engine_config
+
+
+def _clear_old_engine(output_dir: str) -> None:
+    """Remove a previous build's config and rank files, so no stale rank of another tp_size survives."""
+    os.makedirs(output_dir, exist_ok=True)
+    for name in os.listdir(output_dir):
+        if name == "config.json" or (name.startswith("rank") and name.endswith(".safetensors")):
+            os.remove(os.path.join(output_dir, name))
 
 
 # ---- sources --------------------------------------------------------------------------------

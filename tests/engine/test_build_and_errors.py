@@ -207,3 +207,23 @@ def test_unsupported_rope_scaling_is_named():
     config = ModelConfig("LlamaForCausalLM", 96, 64, 2, 4, 2, 16, 96, rope_scaling={"rope_type": "yarn", "factor": 4.0})
     with pytest.raises(ConfigError, match="unsupported rope_scaling type 'yarn'; supported: default, llama3, linear"):
         config.validate()
+
+
+def test_rebuild_replaces_every_rank_file(tmp_path):
+    hf = tiny_hf("llama")
+    make_engine(hf, tmp_path / "e", tp_size=2)
+    make_engine(hf, tmp_path / "e", tp_size=1)
+    assert sorted(p.name for p in (tmp_path / "e").glob("rank*")) == ["rank0.safetensors"]
+
+
+def test_hf_directory_tokenizer_is_copied(smollm2_hf, hf_dir, tmp_path):
+    """A HF directory's tokenizer (here SmolLM2's, chat template included) lands in the engine."""
+    _, tokenizer = smollm2_hf
+    model, _ = hf_dir
+    ckpt = tmp_path / "ckpt"
+    model.save_pretrained(ckpt)
+    tokenizer.save_pretrained(ckpt)
+    assert main(_cli_args(ckpt, tmp_path / "engine")) == 0
+    copied = transformers.AutoTokenizer.from_pretrained(tmp_path / "engine")
+    messages = [{"role": "user", "content": "hi"}]
+    assert copied.apply_chat_template(messages, tokenize=False) == tokenizer.apply_chat_template(messages, tokenize=False)
