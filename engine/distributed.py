@@ -214,6 +214,11 @@ def init_distributed(info: RankInfo, device: torch.device, settings: DistSetting
         rank=info.rank, world_size=info.world_size, timeout=timeout,
     )
     control = dist.new_group(backend="gloo", timeout=timeout)
+    if backend == "nccl":
+        # NCCL sets up its communicator on the first collective; do it now, eagerly, and not
+        # later inside a CUDA-graph capture (where it is not allowed).
+        dist.all_reduce(torch.zeros(1, device=device))
+        torch.cuda.synchronize(device)
     return DistContext(info, settings, device, dist.group.WORLD, control)
 
 

@@ -1,0 +1,409 @@
+"""Tensor parallelism on 2 GPUs: TP 2 must equal TP 1 on greedy outputs; decode and offline speed of both.
+
+    python benchmarks/tp_bench.py --out benchmarks/tp_bench.json --results-md benchmarks/RESULTS.md
+
+One command on a machine with 2 GPUs (no mpirun or torchrun needed: it starts every rank itself,
+with the variables mpirun would set). Four phases, each a fresh set of processes:
+
+1. ``greedy_tp1`` / ``greedy_tp2`` (float32): 8 prompts of random token ids, 32 greedy tokens each,
+   straight through ``make_runner`` (rank 0) and ``engine.worker``'s loop (rank 1). The check
+   passes when every generated token is equal; the first step's logits are compared too.
+   float32 because bf16 greedy decoding of a random 32-layer model differs between *any* two
+   summation orders after a few tokens (near-ties); that says nothing about sharding.
+2. ``perf_tp1`` / ``perf_tp2`` (bfloat16): decode tokens/s through the runner at batch 1, 8, 32
+   (prompt 128, 128 steps, argmax synced every step as a sampler would), then offline
+   throughput through the in-flight-batching Executor (all requests enqueued at once).
+
+The model has Llama-3.1-8B's shape (32 layers, 32/8 heads, hidden 4096, vocab 128256) and
+random weights made on the GPUs: every rank generates the same full tensors from a fixed seed
+(one per tensor name) and keeps its shard, through the engine's own converter
+(``engine.convert.iter_rank_weights``), so TP 1 and TP 2 hold exactly the same model.
+``--model tiny --device cpu`` runs the whole flow on CPU (gloo) as a smoke test.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+from datetime import datetime, timezone
+
+import torch
+
+import engine.executor.runner as runner_module
+from engine.config import BuildConfig, EngineConfig, ModelConfig
+from engine.convert import iter_rank_weights
+from engine.distributed import make_runner, run_worker
+from engine.executor.runner import ForwardBatch, ModelRunner
+
+try:  # the engine benchmark's runner adds decode CUDA graphs (until the runner has them natively)
+    from engine_bench import BenchRunner as GraphRunner
+except ImportError:
+    GraphRunner = ModelRunner
+
+MODELS = {
+    "llama8b": dict(
+        architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32,
+        num_kv_heads=8, head_dim=128, intermediate_size=14336, norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192},
+        max_position_embeddings=131072,
+    ),
+    "tiny": dict(architecture="LlamaForCausalLM", vocab_size=512, hidden_size=64, num_layers=2, num_heads=4,
+                 num_kv_heads=2, head_dim=16, intermediate_size=128, max_position_embeddings=4096),
+}
+PHASES = ("greedy_tp1", "greedy_tp2", "perf_tp1", "perf_tp2")
+DECODE_BATCHES = (1, 8, 32)
+
+
+# ---- the model: identical random weights on every rank, sharded by the engine's converter ------
+
+
+def hf_llama_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Hugging Face tensor name -> shape for a Llama-family checkpoint of ``cfg`` (no biases)."""
+    h, q, kv, inter = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,), "lm_head.weight": (cfg.vocab_size, h)}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter),
+        })
+    return shapes
+
+
+def random_getter(cfg: ModelConfig, device: torch.device, seed: int):
+    """A TensorGetter of random full tensors: the same values on every device for the same name.
+
+    Scales keep a random 32-layer model numerically tame and its logits peaked: matrices
+    N(0, 1/fan_in), embeddings N(0, 1), norm weights 1 + N(0, 0.05^2), lm_head 4x a matrix.
+    """
+    shapes = hf_llama_shapes(cfg)
+
+    def get(name: str) -> torch.Tensor:
+        shape = shapes[name]
+        generator = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        values = torch.randn(shape, generator=generator, device=device, dtype=torch.float32)
+        if name.endswith("norm.weight"):
+            return 1.0 + 0.05 * values
+        if name == "model.embed_tokens.weight":
+            return values
+        scale = (4.0 if name == "lm_head.weight" else 1.0) / shape[1] ** 0.5
+        return values * scale
+
+    return get
+
+
+def random_rank_weights(engine_dir: str, rank: int, device, *, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Stands in for ``load_rank_weights``: the rank's shard of the seeded random model."""
+    config = EngineConfig.load(engine_dir)
+    dtype = getattr(torch, config.build.dtype)
+    get = random_getter(config.model, torch.device(device), seed)
+    return dict(iter_rank_weights(get, config.model, rank, config.build.tp_size, dtype))
+
+
+class TPBenchRunner(GraphRunner):
+    """The real runner's loading path (weights from ``random_rank_weights``), with decode graphs."""
+
+    _load_model = ModelRunner._load_model
+
+
+class EagerRunner(ModelRunner):
+    pass
+
+
+def use_random_weights() -> None:
+    runner_module.load_rank_weights = random_rank_weights
+
+
+def write_engine_config(root: str, model: str, dtype: str, tp_size: int) -> str:
+    engine_dir = os.path.join(root, f"{model}-{dtype}-tp{tp_size}")
+    build = BuildConfig(dtype=dtype, max_batch_size=64, max_input_len=2048, max_seq_len=4096, max_num_tokens=8192,
+                        tokens_per_block=32, tp_size=tp_size)
+    EngineConfig(model=ModelConfig(**MODELS[model]), build=build, extra={"random_weights_seed": 0}).validate().save(engine_dir)
+    return engine_dir
+
+
+# ---- rank 0's work -----------------------------------------------------------------------------------
+
+
+class SequenceBlocks:
+    """Sequence i owns the blocks [1 + i * per_seq, 1 + (i + 1) * per_seq) of the pool."""
+
+    def __init__(self, tokens_per_block: int, max_len: int):
+        self.page = tokens_per_block
+        self.per_seq = -(-max_len // tokens_per_block)
+
+    def table(self, seq: int, length: int) -> list[int]:
+        first = 1 + seq * self.per_seq
+        return list(range(first, first + -(-length // self.page)))
+
+    def blocks_needed(self, num_seqs: int) -> int:
+        return 1 + num_seqs * self.per_seq
+
+
+def prefill(runner, prompts: list[list[int]], blocks: SequenceBlocks) -> torch.Tensor:
+    """One packed prefill of every prompt -> last-token logits (len(prompts), vocab)."""
+    tokens, positions, ends = [], [], []
+    for prompt in prompts:
+        tokens += prompt
+        positions += range(len(prompt))
+        ends.append(len(tokens) - 1)
+    lens = [len(p) for p in prompts]
+    tables = [blocks.table(i, n) for i, n in enumerate(lens)]
+    return runner.forward(ForwardBatch(tokens, positions, lens, list(lens), tables, ends))
+
+
+def decode_step(runner, last: list[int], lengths: list[int], blocks: SequenceBlocks) -> torch.Tensor:
+    """One token per sequence; ``lengths`` are the sequences' lengths including ``last``."""
+    n = len(last)
+    tables = [blocks.table(i, length) for i, length in enumerate(lengths)]
+    return runner.forward(ForwardBatch(list(last), [x - 1 for x in lengths], [1] * n, list(lengths), tables,
+                                       list(range(n))))
+
+
+def greedy(runner, prompts: list[list[int]], steps: int) -> tuple[list[list[int]], torch.Tensor]:
+    blocks = SequenceBlocks(runner.tokens_per_block, max(map(len, prompts)) + steps)
+    runner.allocate_kv_cache(runner.num_kv_blocks_for(max_tokens=blocks.blocks_needed(len(prompts)) * blocks.page))
+    first_logits = prefill(runner, prompts, blocks).cpu()
+    outputs = [[t] for t in first_logits.argmax(-1).tolist()]
+    lengths = [len(p) + 1 for p in prompts]
+    for _ in range(steps - 1):
+        logits = decode_step(runner, [o[-1] for o in outputs], lengths, blocks)
+        for out, token in zip(outputs, logits.argmax(-1).tolist()):
+            out.append(token)
+        lengths = [x + 1 for x in lengths]
+    return outputs, first_logits
+
+
+def greedy_prompts(vocab: int) -> list[list[int]]:
+    rng = random.Random(1234)
+    return [[rng.randrange(vocab) for _ in range(length)] for length in (5, 17, 33, 64, 100, 128, 200, 250)]
+
+
+def bench_decode(runner, batch_size: int, prompt_len: int = 128, steps: int = 128) -> dict:
+    """Decode tokens/s of ``batch_size`` sequences through the runner, argmax synced every step."""
+    rng = random.Random(batch_size)
+    prompts = [[rng.randrange(runner.vocab_size) for _ in range(prompt_len)] for _ in range(batch_size)]
+    blocks = SequenceBlocks(runner.tokens_per_block, prompt_len + steps + 1)
+    last = prefill(runner, prompts, blocks).argmax(-1).tolist()
+    lengths = [prompt_len + 1] * batch_size
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        last = decode_step(runner, last, lengths, blocks).argmax(-1).tolist()
+        times.append(time.perf_counter() - started)
+        lengths = [x + 1 for x in lengths]
+    steady = sorted(times[8:])
+    return {"batch": batch_size, "tok_s": batch_size * len(steady) / sum(steady),
+            "step_ms_median": steady[len(steady) // 2] * 1e3}
+
+
+def bench_offline(executor, vocab: int, in_len: int, out_len: int, num_requests: int) -> dict:
+    from engine.executor.request import OutputConfig, Request
+
+    rng = random.Random(in_len * 31 + out_len)
+    requests = [Request(input_token_ids=[rng.randrange(vocab) for _ in range(in_len)], max_tokens=out_len,
+                        output=OutputConfig(exclude_input_from_output=True)) for _ in range(num_requests)]
+    started = time.perf_counter()
+    executor.enqueue_requests(requests)
+    finished = output_tokens = 0
+    while finished < num_requests:
+        for response in executor.await_responses(timeout=1.0):
+            if response.error:
+                raise RuntimeError(f"request {response.request_id} failed: {response.error}")
+            if response.result.is_final:
+                finished += 1
+                output_tokens += len(response.result.output_token_ids[0])
+    elapsed = time.perf_counter() - started
+    return {"input_len": in_len, "output_len": out_len, "requests": num_requests, "seconds": elapsed,
+            "output_tok_s": output_tokens / elapsed}
+
+
+def run_greedy_phase(args) -> dict:
+    runner = make_runner(args.engine_dir, device=args.device, runner_class=EagerRunner)
+    prompts = greedy_prompts(runner.vocab_size)
+    started = time.perf_counter()
+    tokens, first_logits = greedy(runner, prompts, args.greedy_steps)
+    torch.save(first_logits, args.out + ".logits.pt")
+    result = {"tokens": tokens, "seconds": time.perf_counter() - started}
+    if hasattr(runner, "shutdown"):
+        runner.shutdown()
+    return result
+
+
+def run_perf_phase(args) -> dict:
+    import engine.executor.executor as executor_module
+    from engine.executor.executor import Executor, ExecutorConfig
+
+    # The executor builds its runner through make_runner(..., runner_class=ModelRunner).
+    executor_module.ModelRunner = EagerRunner if args.no_graphs else TPBenchRunner
+    config = ExecutorConfig(kv_cache_free_gpu_mem_fraction=0.85, enable_kv_cache_reuse=False)
+    executor = Executor(args.engine_dir, config, device=args.device)
+    try:
+        vocab = executor.runner.vocab_size
+        bench_offline(executor, vocab, 64, 8, 8)  # warm-up: compile kernels for prefill and decode shapes
+        # Direct runner steps while the executor idles (no request in flight, prefix reuse off).
+        decode = [bench_decode(executor.runner, b) for b in DECODE_BATCHES]
+        offline = [bench_offline(executor, vocab, *shape) for shape in args.offline_shapes]
+    finally:
+        executor.shutdown()
+        if hasattr(executor.runner, "shutdown"):
+            executor.runner.shutdown()
+    graphs = args.device.startswith("cuda") and not args.no_graphs and GraphRunner is not ModelRunner
+    return {"decode": decode, "offline": offline, "graphs": graphs}
+
+
+# ---- the orchestrator: one process per rank, the environment mpirun would give ----------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_COMM_WORLD", "PMI_", "PMIX_"))}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        env.pop(name, None)
+    if world_size > 1:
+        env.update({"OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_SIZE": str(world_size),
+                    "OMPI_COMM_WORLD_LOCAL_RANK": str(rank), "OMPI_COMM_WORLD_LOCAL_SIZE": str(world_size),
+                    "TRITONLLM_DIST_ADDR": "127.0.0.1", "TRITONLLM_DIST_PORT": str(port)})
+    return env
+
+
+def run_phase(args, phase: str, engine_dir: str, workdir: str) -> dict:
+    tp = int(phase[-1])
+    out = os.path.join(workdir, f"{phase}.json")
+    common = [sys.executable, os.path.abspath(__file__), "--engine_dir", engine_dir, "--device", args.device]
+    # Every rank must use the same runner class: graph capture runs collectives.
+    flags = ["--no_graphs"] if args.no_graphs or phase.startswith("greedy") else []
+    leader_cmd = common + ["--role", "greedy" if phase.startswith("greedy") else "perf", "--out", out,
+                           "--greedy_steps", str(args.greedy_steps), "--offline", args.offline, *flags]
+    port = free_port()
+    procs = [subprocess.Popen(leader_cmd, env=rank_env(0, tp, port))]
+    procs += [subprocess.Popen(common + ["--role", "worker", *flags], env=rank_env(r, tp, port)) for r in range(1, tp)]
+    print(f"[tp_bench] {phase}: {tp} rank(s) ...", flush=True)
+    try:
+        codes = [p.wait(timeout=args.phase_timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    if any(codes):
+        raise SystemExit(f"[tp_bench] {phase} failed: exit codes {codes}")
+    with open(out) as f:
+        return json.load(f)
+
+
+def compare_greedy(workdir: str, tp1: dict, tp2: dict) -> dict:
+    logits1 = torch.load(os.path.join(workdir, "greedy_tp1.json.logits.pt"))
+    logits2 = torch.load(os.path.join(workdir, "greedy_tp2.json.logits.pt"))
+    equal = [a == b for a, b in zip(tp1["tokens"], tp2["tokens"])]
+    return {"prompts": len(equal), "prompts_equal": sum(equal), "tokens_per_prompt": len(tp1["tokens"][0]),
+            "passed": all(equal), "first_step_argmax_equal": bool((logits1.argmax(-1) == logits2.argmax(-1)).all()),
+            "first_step_logits_max_abs_diff": float((logits1 - logits2).abs().max()),
+            "first_step_logits_max_abs": float(logits1.abs().max())}
+
+
+def markdown(results: dict) -> str:
+    perf1, perf2 = results["perf_tp1"], results["perf_tp2"]
+    lines = [f"\n### Tensor parallelism: {results['model']} random weights, {results['date']}\n",
+             f"`{results['command']}` on {results['gpus']} (commit {results['commit']}, graphs: {perf1['graphs']}).",
+             f"Greedy check (float32, {results['greedy']['prompts']} prompts x {results['greedy']['tokens_per_prompt']} "
+             f"tokens): TP 2 == TP 1 on {results['greedy']['prompts_equal']}/{results['greedy']['prompts']} prompts, "
+             f"first-step logits max |diff| {results['greedy']['first_step_logits_max_abs_diff']:.2e} "
+             f"(max |logit| {results['greedy']['first_step_logits_max_abs']:.1f}).\n",
+             "| TP | " + " | ".join(f"decode B={d['batch']} tok/s" for d in perf1["decode"]) + " | "
+             + " | ".join(f"offline {o['input_len']}/{o['output_len']} x{o['requests']} out tok/s" for o in perf1["offline"]) + " |",
+             "|---" * (1 + len(perf1["decode"]) + len(perf1["offline"])) + "|"]
+    for tp, perf in ((1, perf1), (2, perf2)):
+        cells = [f"{d['tok_s']:.0f}" for d in perf["decode"]] + [f"{o['output_tok_s']:.0f}" for o in perf["offline"]]
+        lines.append(f"| {tp} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except OSError:
+        return "unknown"
+
+
+def orchestrate(args) -> dict:
+    if args.device == "cuda" and torch.cuda.device_count() < 2:
+        raise SystemExit(f"tp_bench needs 2 GPUs, found {torch.cuda.device_count()}")
+    workdir = tempfile.mkdtemp(prefix="tp_bench-")
+    results = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "model": args.model,
+               "commit": git_commit(), "command": "python benchmarks/tp_bench.py " + " ".join(sys.argv[1:]),
+               "gpus": (f"2x {torch.cuda.get_device_name(0)}" if args.device == "cuda" else "cpu (gloo)")}
+    for phase in PHASES:
+        if phase.startswith("perf") and args.skip_perf:
+            continue
+        dtype = "float32" if phase.startswith("greedy") else args.dtype
+        engine_dir = write_engine_config(workdir, args.model, dtype, int(phase[-1]))
+        results[phase] = run_phase(args, phase, engine_dir, workdir)
+    results["greedy"] = compare_greedy(workdir, results["greedy_tp1"], results["greedy_tp2"])
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=2)
+    print(json.dumps(results["greedy"], indent=2))
+    if not args.skip_perf:
+        table = markdown(results)
+        print(table)
+        if args.results_md:
+            with open(args.results_md, "a") as f:
+                f.write(table)
+    if not results["greedy"]["passed"]:
+        raise SystemExit("[tp_bench] FAILED: TP 2 greedy outputs differ from TP 1")
+    return results
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="llama8b")
+    parser.add_argument("--dtype", default="bfloat16", help="dtype of the perf phases (greedy runs float32)")
+    parser.add_argument("--device", default="cuda", help="cuda (rank r uses GPU r) or cpu (gloo smoke test)")
+    parser.add_argument("--greedy_steps", type=int, default=32)
+    parser.add_argument("--offline", default="128x128x256,512x256x128", help="input x output x requests, comma list")
+    parser.add_argument("--no_graphs", action="store_true",
+                        help="eager decode (no CUDA graphs) in the perf phases (the greedy check is always eager)")
+    parser.add_argument("--skip_perf", action="store_true", help="only the greedy check")
+    parser.add_argument("--phase_timeout", type=float, default=900)
+    parser.add_argument("--out", default="tp_bench.json")
+    parser.add_argument("--results-md", dest="results_md", default=None, help="append the markdown table here")
+    # internal: one rank of one phase
+    parser.add_argument("--role", choices=["orchestrate", "greedy", "perf", "worker"], default="orchestrate")
+    parser.add_argument("--engine_dir", default=None)
+    args = parser.parse_args(argv)
+    args.offline_shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.offline.split(",") if shape]
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.role == "orchestrate":
+        orchestrate(args)
+        return
+    use_random_weights()
+    if args.role == "worker":
+        run_worker(args.engine_dir, device=args.device, runner_class=EagerRunner if args.no_graphs else TPBenchRunner)
+        return
+    result = run_greedy_phase(args) if args.role == "greedy" else run_perf_phase(args)
+    with open(args.out, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()
