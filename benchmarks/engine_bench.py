@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from engine.config import BuildConfig, EngineConfig, ModelConfig  # noqa: E402
 from engine.executor.runner import ForwardBatch, ModelRunner  # noqa: E402
 
-SECTIONS = ["bandwidth", "kernels", "decode", "offline", "latency", "hf"]
+SECTIONS = ["bandwidth", "kernels", "gemm", "decode", "offline", "latency", "hf"]
 GOALS = {
     "decode_tok_s": 160.0,  # beat gpt-fast's 153.7 tok/s on the same H100
     "roofline_fraction": 0.85,
@@ -218,8 +218,10 @@ def bench_bandwidth(results: dict, model_cfg: ModelConfig, dtype_bytes: int) -> 
 
 
 def bench_kernels(results: dict, model_cfg: ModelConfig, dtype: torch.dtype) -> None:
-    """Paged attention alone: decode at several batch/context sizes and one prefill, as GB/s of K/V read."""
+    """Paged attention alone: decode at several batch/context sizes and one prefill, as GB/s of K/V read
+    (device time per call from CUDA-graph replays, so launch overhead is excluded)."""
     from kernels.attention import AttentionMetadata
+    from kernels.linear import graph_time_ms
     from kernels.triton_attention import paged_attention_triton
 
     c, page = model_cfg, 16
@@ -237,7 +239,7 @@ def bench_kernels(results: dict, model_cfg: ModelConfig, dtype: torch.dtype) -> 
             max_seqlen_q=1, max_context_len=context, is_decode_only=True,
         )
         q = torch.randn(batch, c.num_heads, c.head_dim, dtype=dtype, device="cuda")
-        ms = cuda_time_ms(lambda: paged_attention_triton(q, k_cache, v_cache, meta, c.head_dim**-0.5), repeat=50)
+        ms = graph_time_ms(lambda: paged_attention_triton(q, k_cache, v_cache, meta, c.head_dim**-0.5), repeat=10)
         kv_bytes = 2 * batch * context * c.num_kv_heads * c.head_dim * k_cache.element_size()
         rows.append({"kind": "decode", "batch": batch, "context": context, "us": ms * 1e3, "GBps": kv_bytes / ms / 1e6})
         del k_cache, v_cache
@@ -254,10 +256,53 @@ def bench_kernels(results: dict, model_cfg: ModelConfig, dtype: torch.dtype) -> 
         max_seqlen_q=q_len, max_context_len=q_len, is_decode_only=False,
     )
     q = torch.randn(batch * q_len, c.num_heads, c.head_dim, dtype=dtype, device="cuda")
-    ms = cuda_time_ms(lambda: paged_attention_triton(q, k_cache, v_cache, meta, c.head_dim**-0.5), repeat=20)
+    ms = graph_time_ms(lambda: paged_attention_triton(q, k_cache, v_cache, meta, c.head_dim**-0.5), repeat=5)
     flops = batch * 4 * c.num_heads * c.head_dim * q_len * q_len / 2
     rows.append({"kind": "prefill", "batch": batch, "context": q_len, "us": ms * 1e3, "TFLOPs": flops / ms / 1e9})
     results["kernels"] = rows
+
+
+GEMM_VARIANTS = [  # (block_n, block_k, num_warps, num_stages) of the skinny Triton kernel
+    (16, 512, 4, 4), (32, 256, 4, 4), (16, 256, 4, 6), (64, 128, 4, 4), (32, 512, 8, 3),
+]
+
+
+def bench_gemm(results: dict, model_cfg: ModelConfig, dtype: torch.dtype) -> None:
+    """Every decode-step weight shape at 1 and 8 rows: cuBLAS (F.linear) vs the skinny Triton kernel
+    variants, device time from graph replays, as TB/s of weight streamed."""
+    import torch.nn.functional as F
+
+    from kernels.linear import graph_time_ms, skinny_linear_triton
+
+    c = model_cfg
+    shapes = {"qkv_proj": ((c.num_heads + 2 * c.num_kv_heads) * c.head_dim, c.hidden_size),
+              "o_proj": (c.hidden_size, c.num_heads * c.head_dim),
+              "gate_up_proj": (2 * c.intermediate_size, c.hidden_size),
+              "down_proj": (c.hidden_size, c.intermediate_size), "lm_head": (c.vocab_size, c.hidden_size)}
+    rows = []
+    for name, (n, k) in shapes.items():
+        weights = [torch.randn(n, k, dtype=dtype, device="cuda") * 0.02 for _ in range(2)]  # 2: defeat L2 reuse
+        for m in (1, 8):
+            x = torch.randn(m, k, dtype=dtype, device="cuda")
+            flip = iter(range(1 << 30))
+
+            def pick():
+                return weights[next(flip) % 2]
+
+            row = {"name": name, "n": n, "k": k, "m": m,
+                   "cublas_us": graph_time_ms(lambda: F.linear(x, pick())) * 1e3}
+            for variant in GEMM_VARIANTS:
+                bn, bk, warps, stages = variant
+                row[f"triton_{bn}_{bk}_{warps}_{stages}_us"] = graph_time_ms(
+                    lambda: skinny_linear_triton(x, pick(), block_n=bn, block_k=bk, num_warps=warps,
+                                                 num_stages=stages)) * 1e3
+            best = min((v, key) for key, v in row.items() if key.startswith("triton_"))
+            row["best_triton"] = best[1]
+            row["weight_TBps_cublas"] = n * k * weights[0].element_size() / row["cublas_us"] / 1e6
+            row["weight_TBps_best_triton"] = n * k * weights[0].element_size() / best[0] / 1e6
+            rows.append(row)
+        del weights
+    results["gemm"] = rows
 
 
 def decode_batch(token: int, position: int, table: list[int], page: int) -> ForwardBatch:
@@ -312,7 +357,7 @@ def profile_eager_step(runner: ModelRunner, token: int, position: int, table: li
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60)
 
 
-def bench_offline(results: dict, executor, vocab: int, shapes: list[tuple[int, int, int]]) -> None:
+def bench_offline(results: dict, executor, vocab: int, shapes: list[tuple[int, int, int]], profile: bool = False) -> None:
     """All requests enqueued at once; output tokens / wall time until the last one finishes."""
     from engine.executor.request import OutputConfig, Request
 
@@ -321,6 +366,8 @@ def bench_offline(results: dict, executor, vocab: int, shapes: list[tuple[int, i
         rng = random.Random(in_len * 7919 + out_len)
         requests = [Request(input_token_ids=[rng.randrange(vocab) for _ in range(in_len)], max_tokens=out_len,
                             output=OutputConfig(exclude_input_from_output=True)) for _ in range(num_requests)]
+        history_before = len(executor.get_iteration_stats_history())
+        profiler = profile_executor_loop(executor) if profile else None
         started = time.perf_counter()
         executor.enqueue_requests(requests)
         output_tokens, finished = 0, 0
@@ -335,10 +382,61 @@ def bench_offline(results: dict, executor, vocab: int, shapes: list[tuple[int, i
                     bar.update(1)
         bar.close()
         elapsed = time.perf_counter() - started
-        rows.append({"input_len": in_len, "output_len": out_len, "requests": num_requests, "seconds": elapsed,
-                     "output_tok_s": output_tokens / elapsed,
-                     "total_tok_s": (output_tokens + in_len * num_requests) / elapsed})
+        row = {"input_len": in_len, "output_len": out_len, "requests": num_requests, "seconds": elapsed,
+               "output_tok_s": output_tokens / elapsed, "total_tok_s": (output_tokens + in_len * num_requests) / elapsed}
+        row.update(iteration_breakdown(executor, history_before))
+        if profiler is not None:
+            row["executor_profile"] = profiler()
+        rows.append(row)
     results["offline"] = rows
+
+
+def iteration_breakdown(executor, skip: int) -> dict:
+    """Where the wall time went, from the executor's own per-iteration stats: prefill-carrying
+    iterations vs decode-only ones, and the decode-only step time at the largest batch seen,
+    next to the replay time of its CUDA graph (the GPU floor of that step)."""
+    history = executor.get_iteration_stats_history()[skip:]
+    with_context = [h for h in history if h.num_context_requests > 0]
+    decode_only = [h for h in history if h.num_context_requests == 0 and h.num_gen_requests > 0]
+    out = {"iterations": len(history), "context_iterations": len(with_context),
+           "context_seconds": sum(h.iter_latency_ms for h in with_context) / 1e3,
+           "decode_iterations": len(decode_only),
+           "decode_seconds": sum(h.iter_latency_ms for h in decode_only) / 1e3}
+    if decode_only:
+        widest = max(h.num_gen_requests for h in decode_only)
+        steps = [h.iter_latency_ms for h in decode_only if h.num_gen_requests == widest]
+        out.update(decode_batch=widest, decode_step_ms_median=statistics.median(steps))
+        graphs = getattr(executor.runner, "decode_graphs", None)
+        if graphs is not None and widest <= graphs.max_batch_size:
+            out["decode_graph_replay_ms"] = cuda_time_ms(graphs.graphs[graphs.bucket_for(widest)].replay, repeat=10)
+    return out
+
+
+def profile_executor_loop(executor):
+    """cProfile the executor thread's iterations (wraps its ``_step``); call the result for a report."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    original = executor._step
+
+    def profiled_step(*args):
+        profiler.enable()
+        try:
+            return original(*args)
+        finally:
+            profiler.disable()
+
+    executor._step = profiled_step
+
+    def report() -> str:
+        executor._step = original
+        stream = io.StringIO()
+        pstats.Stats(profiler, stream=stream).sort_stats("cumulative").print_stats(30)
+        return stream.getvalue()
+
+    return report
 
 
 def bench_latency(results: dict, executor, vocab: int, rates: list[float], num_requests: int,
@@ -451,6 +549,11 @@ def markdown(results: dict) -> str:
             goal += f", >= {GOALS['vs_hf']:.0f}x transformers"
         lines.append(f"| offline {row['input_len']}/{row['output_len']} ({row['requests']} requests) | "
                      f"{row['output_tok_s']:,.0f} output tok/s{ratio} | {goal} |")
+        if "decode_step_ms_median" in row:
+            lines.append(f"| ... where the time went | {row['context_seconds']:.2f} s in {row['context_iterations']} "
+                         f"prefill-carrying steps, {row['decode_seconds']:.2f} s in {row['decode_iterations']} decode-only; "
+                         f"decode step at batch {row['decode_batch']}: {row['decode_step_ms_median']:.1f} ms "
+                         f"(graph alone {row.get('decode_graph_replay_ms', float('nan')):.1f} ms) | |")
     for row in results.get("latency", []):
         lines.append(f"| Poisson {row['rate']:g} req/s, 128/128 ({row['requests']} req): TTFT median / p99 | "
                      f"{row['ttft_ms_median']:.1f} / {row['ttft_ms_p99']:.1f} ms | median < {GOALS['ttft_ms']:.0f} ms |")
@@ -458,6 +561,9 @@ def markdown(results: dict) -> str:
                      f"{row['itl_ms_p99']:.2f} ms | median < {GOALS['itl_ms']:.0f} ms |")
     for row in results.get("hf", []):
         lines.append(f"| transformers generate, static batch {row['batch']}, 128/128 | {row['output_tok_s']:,.0f} output tok/s | baseline |")
+    for row in results.get("gemm", []):
+        lines.append(f"| {row['name']} {row['n']}x{row['k']}, {row['m']} row(s): cuBLAS vs best Triton "
+                     f"({row['best_triton']}) | {row['weight_TBps_cublas']:.2f} vs {row['weight_TBps_best_triton']:.2f} TB/s | |")
     for row in results.get("kernels", []):
         speed = f"{row['GBps']:.0f} GB/s of K/V" if "GBps" in row else f"{row['TFLOPs']:.0f} TFLOP/s"
         lines.append(f"| paged attention {row['kind']}, batch {row['batch']}, context {row['context']} | "
@@ -521,6 +627,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="input x output x requests, comma-separated")
     parser.add_argument("--rates", default="1,4,16", help="Poisson request rates (req/s)")
     parser.add_argument("--latency-requests", type=int, default=32)
+    parser.add_argument("--profile-executor", action="store_true", help="cProfile the executor loop in offline runs")
     parser.add_argument("--hf-batches", default="64,128,256")
     parser.add_argument("--out", default="engine_bench.json")
     parser.add_argument("--results-md", default=None, help="append the markdown table to this file")
@@ -552,6 +659,8 @@ def main(argv=None) -> dict:
             bench_bandwidth(results, model_cfg, dtype.itemsize)
         elif section == "kernels":
             bench_kernels(results, model_cfg, dtype)
+        elif section == "gemm":
+            bench_gemm(results, model_cfg, dtype)
         elif section == "decode":
             engine_dir = write_config_only_engine(args.model, args.dtype, 8, args.max_seq_len, args.max_num_tokens,
                                                   args.tokens_per_block)
@@ -566,7 +675,7 @@ def main(argv=None) -> dict:
                 executor = start_executor(args)
             if section == "offline":
                 shapes = [tuple(int(x) for x in s.split("x")) for s in args.offline.split(",") if s]
-                bench_offline(results, executor, model_cfg.vocab_size, shapes)
+                bench_offline(results, executor, model_cfg.vocab_size, shapes, args.profile_executor)
             else:
                 rates = [float(r) for r in args.rates.split(",") if r]
                 bench_latency(results, executor, model_cfg.vocab_size, rates, args.latency_requests)
