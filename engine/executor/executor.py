@@ -27,7 +27,7 @@ from engine.executor import beam_search
 from engine.executor.kv_cache import BlockManager
 from engine.executor.request import (
     FinishReason, Request, RequestLimits, RequestState, Response, Result, Sequence, SequenceStatus,
-    now_ns, validate_request,
+    normalize_request, now_ns, validate_request,
 )
 from engine.executor.runner import ForwardBatch, ModelRunner
 from engine.executor.sampler import build_sampling_metadata, process_logits, sample
@@ -192,8 +192,9 @@ class Executor:
 
     # ----- construction -----
     def _init_runner(self, engine_dir: str, device: str | None) -> None:
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        self.runner = ModelRunner(engine_dir, device=device)
+        from engine.distributed import make_runner  # one rank: a ModelRunner; rank 0 of N: a LeaderRunner
+
+        self.runner = make_runner(engine_dir, device=device, runner_class=ModelRunner)
         build = self.runner.build_config
         cfg = self.config
         for name in ("max_batch_size", "max_num_tokens"):
@@ -225,6 +226,7 @@ class Executor:
         self._inbox: list[RequestState] = []
         self._cancel_ids: set[int] = set()
         self._stopping = False
+        self._runner_released = False
         self._ids = itertools.count(1)
         self._seq_ids = itertools.count(1)
         self._active: dict[int, RequestState] = {}
@@ -248,7 +250,11 @@ class Executor:
             for request in requests:
                 request_id = next(self._ids)
                 ids.append(request_id)
-                error = self._rejection(request)
+                try:
+                    request = normalize_request(request)
+                    error = self._rejection(request)
+                except (TypeError, ValueError, AttributeError) as err:
+                    error = f"invalid request: {err}"
                 if error is not None:
                     errors.append(Response(request_id, error=error))
                     continue
@@ -284,6 +290,9 @@ class Executor:
             self._cv.notify()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join()
+        if hasattr(self.runner, "shutdown") and not self._runner_released:  # leader mode: release the workers
+            self._runner_released = True
+            self.runner.shutdown()
 
     def __enter__(self):
         return self
@@ -336,6 +345,7 @@ class Executor:
     def _admit(self, new: list[RequestState]) -> None:
         for state in new:
             self._active[state.request_id] = state
+            state.is_queued = True
             self._num_unscheduled += 1
             beam_width = state.request.sampling.beam_width or 1
             for index in range(state.num_streams if beam_width == 1 else beam_width):
@@ -445,6 +455,11 @@ class Executor:
     def _note_scheduled(self, state: RequestState, now: int) -> None:
         if not state.perf.first_scheduled_time_ns:
             state.perf.first_scheduled_time_ns = now
+        self._leave_queue(state)
+
+    def _leave_queue(self, state: RequestState) -> None:
+        if state.is_queued:
+            state.is_queued = False
             self._num_unscheduled -= 1
 
     def _collect_context_logits(self, item, chunk_logits: torch.Tensor) -> None:
@@ -515,9 +530,7 @@ class Executor:
             if not seq.is_finished:
                 self.scheduler.finish(seq)
                 seq.finish_reason = FinishReason.ERROR
-        if not state.perf.first_scheduled_time_ns:
-            self._num_unscheduled -= 1
-            state.perf.first_scheduled_time_ns = now_ns()
+        self._leave_queue(state)
         self._active.pop(state.request_id, None)
         self._touched.pop(state.request_id, None)
         self._deliver([Response(state.request_id, error=message)])
@@ -535,9 +548,7 @@ class Executor:
         for state in self._touched.values():
             responses += self._responses_for(state)
             if all(s.is_finished for s in state.sequences):
-                if not state.perf.first_scheduled_time_ns:  # cancelled while still queued
-                    state.perf.first_scheduled_time_ns = now_ns()
-                    self._num_unscheduled -= 1
+                self._leave_queue(state)  # e.g. cancelled while still queued
                 self._active.pop(state.request_id, None)
         self._touched.clear()
         if responses:

@@ -11,8 +11,9 @@ shares the request's prompt.
 from __future__ import annotations
 
 import enum
+import operator
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -218,6 +219,7 @@ class RequestState:
         self.sequences: list[Sequence] = []
         self.perf = RequestPerfMetrics(arrival_time_ns=now_ns())
         self.is_cancelled = False
+        self.is_queued = False  # admitted to the scheduler, never scheduled yet (counts toward max_queue_size)
         self.context_logits: torch.Tensor | None = None
         self.context_logits_parts: list[torch.Tensor] = []
         self.finished_streams: set[int] = set()  # sequence_index values whose final response went out
@@ -297,3 +299,29 @@ def validate_request(request: Request, limits: RequestLimits) -> str | None:
         if size != limits.vocab_size:
             error = f"embedding_bias has {size} values; it must have vocab_size ({limits.vocab_size})"
     return error
+
+
+def _int_list(name: str, values) -> list[int]:
+    try:
+        return [operator.index(v) for v in values]
+    except TypeError:
+        raise TypeError(f"{name} must hold integer token ids, got {list(values)[:8]!r}") from None
+
+
+def normalize_request(request: Request) -> Request:
+    """A copy with plain-int token lists and default configs filled in (numpy ids welcome)."""
+    sampling = replace(request.sampling or SamplingConfig())
+    sampling.beam_width = sampling.beam_width or 1  # Triton sends 0 or nothing for "no beams"
+    sampling.num_return_sequences = sampling.num_return_sequences or 1
+    end_id = None if request.end_id is None or request.end_id < 0 else operator.index(request.end_id)
+    words = lambda name, ws: None if ws is None else [_int_list(name, w) for w in ws]  # noqa: E731
+    return replace(
+        request,
+        input_token_ids=_int_list("input_token_ids", request.input_token_ids if request.input_token_ids is not None else []),
+        max_tokens=operator.index(request.max_tokens),
+        end_id=end_id,
+        sampling=sampling,
+        output=replace(request.output or OutputConfig()),
+        stop_words=words("stop_words", request.stop_words),
+        bad_words=words("bad_words", request.bad_words),
+    )

@@ -29,7 +29,7 @@ class SamplingMetadata:
     """Per-batch sampling tensors; a field is None when no row in the batch needs it."""
 
     all_greedy: bool
-    is_greedy: torch.Tensor  # (B,) bool
+    is_greedy: torch.Tensor | None  # (B,) bool; None when all_greedy
     temperature: torch.Tensor | None  # (B,) float32, 1.0 on greedy rows
     top_k: torch.Tensor | None  # (B,) int64, vocab_size where unset
     top_p: torch.Tensor | None  # (B,) float32, 1.0 where unset
@@ -91,7 +91,7 @@ def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, device, retur
     banned = [(row, tok) for row, s in enumerate(seqs) for tok in banned_tokens(s) if 0 <= tok < vocab_size]
     return SamplingMetadata(
         all_greedy=all(greedy),
-        is_greedy=_column(greedy, torch.bool, device),
+        is_greedy=None if all(greedy) else _column(greedy, torch.bool, device),
         temperature=temperature, top_k=top_k, top_p=top_p,
         generators=[None if g else s.generator for s, g in zip(seqs, greedy)],
         repetition_penalty=_column(rep, torch.float32, device) if has_penalty else None,

