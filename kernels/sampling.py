@@ -1,0 +1,105 @@
+"""Sampling a batch of next tokens on the device in one pass, with no host sync.
+
+``sample_tokens(logits, temperature, seeds, offsets)`` draws, for every row, token
+``argmax_v(logits[v] / T + G[v])`` where G is Gumbel noise: the Gumbel-max trick, an exact
+draw from ``softmax(logits / T)`` that needs no softmax, no sort and no normalisation: one read
+of the logits. Rows with ``T == 0`` take the plain argmax (greedy). Tokens whose logit is
+-inf (masked by top-k/top-p, bans, ...) are never drawn.
+
+Randomness is counter-based: the noise of (row, token v) is a function of ``seeds[row]``,
+``offsets[row]`` and v only (Philox on the GPU), so a request that passes its own seed and its
+step number as offset gets a reproducible stream that does not depend on which other requests
+share the batch or in which row it sits, and one launch serves every row: the alternative, one
+``torch.Generator`` per row, costs a kernel launch per row per step.
+
+The CPU path (and test oracle of the properties above) is ``sample_tokens_ref``: the same
+Gumbel-max draw with noise from a torch generator seeded from (seed, offset). It is reproducible
+on its own but does not reproduce the GPU's random stream.
+
+Shapes: logits (B, V) float32 (or bf16/fp16); temperature (B,) float32; seeds, offsets (B,)
+int64; returns (B,) int64 token ids on the logits' device.
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels._triton import jit, tl, use_triton
+
+_MIX = 0x5851F42D4C957F2D  # PCG's multiplier (odd, < 2**63): spreads (seed, offset) over the key space
+
+
+def _row_key(seed: int, offset: int) -> int:
+    return (seed * _MIX + offset) % (1 << 63)
+
+
+def gumbel_noise_ref(num_tokens: int, seed: int, offset: int, device) -> torch.Tensor:
+    """(num_tokens,) float32 standard Gumbel noise, reproducible from (seed, offset)."""
+    generator = torch.Generator().manual_seed(_row_key(seed, offset))
+    uniform = torch.rand(num_tokens, generator=generator, dtype=torch.float64).clamp_(1e-12, 1 - 1e-12)
+    return (-torch.log(-torch.log(uniform))).float().to(device)
+
+
+def sample_tokens_ref(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
+                      offsets: torch.Tensor) -> torch.Tensor:
+    temps, seed_list, offset_list = temperature.tolist(), seeds.tolist(), offsets.tolist()
+    out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+    for row, (t, seed, offset) in enumerate(zip(temps, seed_list, offset_list)):
+        scores = logits[row].float()
+        if t > 0:
+            scores = scores / t + gumbel_noise_ref(logits.shape[1], seed, offset, logits.device)
+        out[row] = scores.argmax()
+    return out
+
+
+@jit
+def _gumbel_argmax_kernel(
+    logits_ptr, temperature_ptr, seeds_ptr, offsets_ptr, out_ptr, vocab, stride_row,
+    BLOCK: tl.constexpr,
+):
+    """One program per row: running (max, argmax) of logits / T + Gumbel over the vocabulary."""
+    row = tl.program_id(0).to(tl.int64)
+    temperature = tl.load(temperature_ptr + row)
+    greedy = temperature <= 0.0
+    inv_t = tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, temperature))
+    key = (tl.load(seeds_ptr + row) * 0x5851F42D4C957F2D + tl.load(offsets_ptr + row)) & 0x7FFFFFFFFFFFFFFF
+    best_value = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
+    best_index = tl.zeros([BLOCK], dtype=tl.int32)
+    cols = tl.arange(0, BLOCK)
+    for start in range(0, vocab, BLOCK):
+        v = start + cols
+        valid = v < vocab
+        x = tl.load(logits_ptr + row * stride_row + v, mask=valid, other=float("-inf")).to(tl.float32)
+        uniform = tl.rand(key, v)  # in [0, 1): counter-based on (key, token)
+        uniform = tl.minimum(tl.maximum(uniform, 1e-12), 1.0 - 1e-7)
+        gumbel = -tl.log(-tl.log(uniform))
+        score = tl.where(greedy, x, x * inv_t + gumbel)
+        score = tl.where(valid & (x > float("-inf")), score, float("-inf"))
+        better = score > best_value  # strict: the earliest index wins ties, as torch.argmax
+        best_value = tl.where(better, score, best_value)
+        best_index = tl.where(better, v, best_index)
+    top = tl.max(best_value, 0)
+    # Among lanes holding the top score, the smallest token id.
+    winner = tl.min(tl.where(best_value == top, best_index, 2147483647), 0)
+    tl.store(out_ptr + row, winner.to(tl.int64))
+
+
+def sample_tokens_triton(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
+                         offsets: torch.Tensor) -> torch.Tensor:
+    batch, vocab = logits.shape
+    assert logits.stride(1) == 1
+    out = torch.empty(batch, dtype=torch.int64, device=logits.device)
+    if batch:
+        _gumbel_argmax_kernel[(batch,)](
+            logits, temperature.float().contiguous(), seeds.long().contiguous(), offsets.long().contiguous(), out,
+            vocab, logits.stride(0), BLOCK=2048, num_warps=8,
+        )
+    return out
+
+
+def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
+                  offsets: torch.Tensor) -> torch.Tensor:
+    """Gumbel-max draw per row (greedy where temperature <= 0); see the module docstring."""
+    if use_triton(logits):
+        return sample_tokens_triton(logits, temperature, seeds, offsets)
+    return sample_tokens_ref(logits, temperature, seeds, offsets)
+
