@@ -97,6 +97,11 @@ class ModelConfig:
             self.hidden_act in SUPPORTED_ACTIVATIONS,
             f"unsupported hidden_act {self.hidden_act!r}; supported: {', '.join(SUPPORTED_ACTIVATIONS)}",
         )
+        if self.architecture != "GPT2LMHeadModel":  # the Llama block is SwiGLU, nothing else
+            _require(
+                self.hidden_act == "silu",
+                f"{self.architecture} needs hidden_act 'silu' (gated SiLU MLP), got {self.hidden_act!r}",
+            )
         if self.rope_scaling is not None:
             rope_type = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
             _require(

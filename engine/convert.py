@@ -105,6 +105,11 @@ def _llama_family_config(c, architecture: str) -> ModelConfig:
 
 
 def _gpt2_config(c) -> ModelConfig:
+    for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
+        if getattr(c, flag, False):
+            raise ConfigError(f"GPT-2 checkpoints with {flag}=True are not supported")
+    if not getattr(c, "scale_attn_weights", True):
+        raise ConfigError("GPT-2 checkpoints with scale_attn_weights=False are not supported")
     return ModelConfig(
         architecture="GPT2LMHeadModel",
         vocab_size=c.vocab_size,

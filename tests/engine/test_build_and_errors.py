@@ -227,3 +227,11 @@ def test_hf_directory_tokenizer_is_copied(smollm2_hf, hf_dir, tmp_path):
     copied = transformers.AutoTokenizer.from_pretrained(tmp_path / "engine")
     messages = [{"role": "user", "content": "hi"}]
     assert copied.apply_chat_template(messages, tokenize=False) == tokenizer.apply_chat_template(messages, tokenize=False)
+
+
+def test_llama_family_needs_silu():
+    config = transformers.LlamaConfig(**{"hidden_act": "gelu", "vocab_size": 96, "hidden_size": 64,
+                                         "intermediate_size": 96, "num_hidden_layers": 1,
+                                         "num_attention_heads": 4, "num_key_value_heads": 2})
+    with pytest.raises(ConfigError, match="needs hidden_act 'silu'"):
+        model_config_from_hf(config)
