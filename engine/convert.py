@@ -12,9 +12,8 @@ the engine model declares (names in docs/INTERFACES.md):
 """
 from __future__ import annotations
 
-import json
 import os
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping
 
 import torch
 
@@ -191,7 +190,7 @@ def rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: int, d
     return dict(iter_rank_weights(get, cfg, rank, tp_size, dtype))
 
 
-def getter_from_state_dict(state_dict: dict[str, torch.Tensor], source: str) -> TensorGetter:
+def getter_from_state_dict(state_dict: Mapping[str, torch.Tensor], source: str) -> TensorGetter:
     """A TensorGetter over an in-memory state dict; a missing tensor is a CheckpointError."""
     # Some checkpoints (GGUF-loaded, or saved from a bare base model) lack the "model." prefix.
     def get(name: str) -> torch.Tensor:
@@ -203,39 +202,37 @@ def getter_from_state_dict(state_dict: dict[str, torch.Tensor], source: str) -> 
     return get
 
 
+class _SafetensorsIndex(Mapping):
+    """Read-only name -> tensor view over several safetensors files; tensors load on access."""
+
+    def __init__(self, paths: list[str]):
+        from safetensors import SafetensorError, safe_open
+
+        self._handles = {}
+        for path in paths:
+            try:
+                handle = safe_open(path, framework="pt")
+            except (SafetensorError, OSError) as err:
+                raise CheckpointError(f"cannot read {path} (corrupt or truncated safetensors file): {err}") from None
+            self._handles.update(dict.fromkeys(handle.keys(), handle))
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._handles[name].get_tensor(name)
+
+    def __iter__(self):
+        return iter(self._handles)
+
+    def __len__(self) -> int:
+        return len(self._handles)
+
+
 def getter_from_safetensors_dir(checkpoint_dir: str) -> TensorGetter:
     """A lazy TensorGetter over every ``*.safetensors`` file of a HF directory (sharded or not)."""
-    from safetensors import SafetensorError, safe_open
-
     files = sorted(f for f in os.listdir(checkpoint_dir) if f.endswith(".safetensors"))
     if not files:
         raise CheckpointError(
             f"checkpoint directory {checkpoint_dir!r} holds no *.safetensors files; "
             "allowed inputs: a HF directory with config.json + safetensors weights, or a .gguf file"
         )
-    index: dict[str, object] = {}
-    for name in files:
-        path = os.path.join(checkpoint_dir, name)
-        try:
-            handle = safe_open(path, framework="pt")
-        except (SafetensorError, OSError) as err:
-            raise CheckpointError(f"cannot read {path} (corrupt or truncated safetensors file): {err}") from None
-        index.update({key: handle for key in handle.keys()})
-    tensors = {key: handle for key, handle in index.items()}
-
-    class _Lazy(dict):
-        def __getitem__(self, key):
-            return tensors[key].get_tensor(key)
-
-    lazy = _Lazy.fromkeys(tensors)
-    return getter_from_state_dict(lazy, checkpoint_dir)
-
-
-def read_json(path: str) -> dict:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint file {path} is missing") from None
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"checkpoint file {path} is not valid JSON: {err}") from None
+    index = _SafetensorsIndex([os.path.join(checkpoint_dir, f) for f in files])
+    return getter_from_state_dict(index, checkpoint_dir)
