@@ -119,60 +119,18 @@ def write_config_only_engine(model: str, dtype: str, max_batch_size: int, max_se
     return engine_dir
 
 
-class BenchRunner(ModelRunner):
-    """The model runner with random weights (config-only engine dirs) and decode CUDA graphs.
-
-    Stand-in until engine/executor/runner.py does both natively; the executor is pointed at
-    it by ``use_bench_runner``.
-    """
-
-    def _load_model(self, engine_dir: str, tp_group) -> torch.nn.Module:
-        from engine.models import get_model_class
-
-        cfg, build = self.model_config, self.build_config
-        model = get_model_class(cfg.architecture)(cfg, dtype=self.dtype, device=self.device,
-                                                  max_positions=max(build.max_seq_len, 1))
-        generator = torch.Generator(device=self.device).manual_seed(0)
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.data.fill_(1.0)
-            else:  # std 0.02 keeps activations O(1) through 32 random layers
-                param.data.normal_(0.0, 0.02, generator=generator)
-        return model.eval()
-
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        super().allocate_kv_cache(num_blocks)
-        if self.device.type != "cuda":
-            return
-        from engine.executor.cuda_graphs import DecodeGraphs
-
-        build = self.build_config
-        self.decode_graphs = DecodeGraphs(self.model, self.kv_cache, tokens_per_block=self.tokens_per_block,
-                                          max_seq_len=build.max_seq_len, max_batch_size=build.max_batch_size)
-        self.decode_graphs.capture()
-
-    @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, *, all_logits: bool = False) -> torch.Tensor:
-        graphs = getattr(self, "decode_graphs", None)
-        if all_logits or graphs is None or not graphs.can_run(batch.seq_lens_q, max(map(len, batch.block_tables))):
-            return super().forward(batch, all_logits=all_logits)
-        page = self.tokens_per_block
-        slots = [table[p // page] * page + p % page for table, p in zip(batch.block_tables, batch.positions)]
-        hidden = graphs.run(batch.token_ids, batch.positions, slots, batch.context_lens, batch.block_tables)
-        if batch.logits_indices != list(range(len(batch.token_ids))):
-            hidden = hidden[torch.tensor(batch.logits_indices, device=hidden.device)]
-        return self.model.compute_logits(hidden)
-
-
-def make_runner(engine_dir: str, device: str) -> ModelRunner:
-    return BenchRunner(engine_dir, device=device)
+def make_runner(engine_dir: str, device: str, max_tokens: int) -> ModelRunner:
+    """The engine's own runner (random weights from the config-only dir), loaded as the executor
+    loads it: KV pool, then GEMM choice and decode graphs, then warm-up."""
+    runner = ModelRunner(engine_dir, device=device)
+    runner.allocate_kv_cache(runner.num_kv_blocks_for(max_tokens=max_tokens))
+    runner.capture_cuda_graphs()
+    runner.warmup()
+    return runner
 
 
 def use_bench_runner() -> None:
-    """Point the executor at BenchRunner (random weights + graphs) for this process."""
-    import engine.executor.executor as executor_module
-
-    executor_module.ModelRunner = BenchRunner
+    """Kept for benchmarks/executor_bench.py: the engine's runner now makes random weights itself."""
 
 
 def param_bytes(model: torch.nn.Module) -> tuple[int, int]:
@@ -340,6 +298,9 @@ def bench_decode(results: dict, runner: ModelRunner, prompt_len: int = 128, step
         entry["roofline_tok_s"] = roofline
         entry["roofline_fraction"] = tok_s / roofline
         entry["roofline_fraction_all_params"] = tok_s / roof["roofline_tok_s_all_params"]
+    skinny = sorted({tuple(m.weight.shape) for m in runner.model.modules()
+                     if getattr(getattr(m, "weight", None), "_use_skinny_gemm", False)})
+    entry["skinny_gemm_shapes"] = [list(shape) for shape in skinny]
     results["decode"] = entry
 
 
@@ -664,8 +625,7 @@ def main(argv=None) -> dict:
         elif section == "decode":
             engine_dir = write_config_only_engine(args.model, args.dtype, 8, args.max_seq_len, args.max_num_tokens,
                                                   args.tokens_per_block)
-            runner = make_runner(engine_dir, args.device)
-            runner.allocate_kv_cache(runner.num_kv_blocks_for(max_tokens=64 * args.max_seq_len))
+            runner = make_runner(engine_dir, args.device, max_tokens=64 * args.max_seq_len)
             results["param_bytes"] = param_bytes(runner.model)[0]
             bench_decode(results, runner)
             del runner
@@ -705,7 +665,6 @@ def main(argv=None) -> dict:
 def start_executor(args):
     from engine.executor.executor import Executor, ExecutorConfig
 
-    use_bench_runner()
     engine_dir = write_config_only_engine(args.model, args.dtype, args.max_batch_size, args.max_seq_len,
                                           args.max_num_tokens, args.tokens_per_block)
     executor = Executor(engine_dir, ExecutorConfig(kv_cache_free_gpu_mem_fraction=0.9, enable_kv_cache_reuse=False),

@@ -24,7 +24,7 @@ MAX_SKINNY_ROWS = 16
 _SKINNY_ATTR = "_use_skinny_gemm"
 
 
-@jit
+@jit(do_not_specialize=["M"])  # one compile for every row count
 def _skinny_gemm_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,

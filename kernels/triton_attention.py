@@ -99,7 +99,7 @@ def write_kv_cache_triton(
 # ----------------------------------------------------------------------------------------------
 
 
-@jit
+@jit(do_not_specialize=["stride_bt"])  # the block-table width changes every batch: one compile
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,

@@ -94,8 +94,21 @@ class DecodeGraphs:
             self.graphs[bs] = graph
         torch.cuda.synchronize()
 
+    def try_run(self, batch) -> torch.Tensor | None:
+        """A runner ForwardBatch -> hidden rows of its logits_indices, or None when the batch is not
+        decode-only or does not fit a bucket (the caller then runs it eagerly)."""
+        tables = batch.block_tables
+        if not self.can_run(batch.seq_lens_q, max(map(len, tables), default=0)):
+            return None
+        page = self.tokens_per_block
+        slots = [table[p // page] * page + p % page for table, p in zip(tables, batch.positions)]
+        hidden = self.run(batch.token_ids, batch.positions, slots, batch.context_lens, tables)
+        if len(batch.logits_indices) != len(batch.token_ids) or batch.logits_indices != list(range(len(batch.token_ids))):
+            hidden = hidden[torch.tensor(batch.logits_indices, device=hidden.device)]
+        return hidden
+
     def can_run(self, seq_lens_q: list[int], num_blocks_needed: int) -> bool:
-        return (len(seq_lens_q) <= self.max_batch_size and num_blocks_needed <= self.max_blocks
+        return (0 < len(seq_lens_q) <= self.max_batch_size and num_blocks_needed <= self.max_blocks
                 and all(n == 1 for n in seq_lens_q))
 
     def bucket_for(self, num_seqs: int) -> int:
@@ -124,6 +137,29 @@ class DecodeGraphs:
         self._copied.record()
         self.graphs[bucket].replay()
         return self.hidden[bucket][:bs]
+
+
+@torch.inference_mode()
+def run_warmup_batch(model: torch.nn.Module, kv_cache: torch.Tensor, tokens_per_block: int) -> None:
+    """One eager mixed batch through ``model`` so its prefill-path Triton kernels compile now:
+    a 37-token chunk over a 5-token cached prefix and one decode row; every KV write is skipped
+    (slot -1) and the reads stay in block 0, so the pool's contents do not matter."""
+    device = kv_cache.device
+    prefix, chunk = 5, 37
+    num_tokens = chunk + 1
+    width = -(-(prefix + chunk) // tokens_per_block)
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
+        block_tables=torch.zeros(2, width, dtype=torch.int32, device=device),
+        cu_seqlens_q=torch.tensor([0, chunk, num_tokens], dtype=torch.int32, device=device),
+        context_lens=torch.tensor([prefix + chunk, 9], dtype=torch.int32, device=device),
+        max_seqlen_q=chunk, max_context_len=prefix + chunk, is_decode_only=False,
+        cu_seqlens_q_host=[0, chunk, num_tokens], context_lens_host=[prefix + chunk, 9],
+    )
+    positions = torch.tensor(list(range(prefix, prefix + chunk)) + [8], dtype=torch.int64, device=device)
+    hidden = model(torch.zeros(num_tokens, dtype=torch.int64, device=device), positions, kv_cache, meta)
+    model.compute_logits(hidden[-2:])
+    torch.cuda.synchronize(device)
 
 
 def _rectangular(tables: list[list[int]], width: int) -> np.ndarray:

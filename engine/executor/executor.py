@@ -207,6 +207,8 @@ class Executor:
         num_blocks = self.runner.num_kv_blocks_for(free_mem_fraction=cfg.kv_cache_free_gpu_mem_fraction,
                                                    max_tokens=cfg.max_tokens_in_paged_kv_cache)
         self.runner.allocate_kv_cache(num_blocks)
+        self.runner.capture_cuda_graphs()  # CUDA: GEMM choice + decode graphs (the "compiled engine"); CPU: no-op
+        self.runner.warmup()  # CUDA: compile the prefill kernels before the first request; CPU: no-op
 
     def _init_scheduler(self) -> None:
         self.blocks = BlockManager(self.runner.num_kv_blocks, self.runner.tokens_per_block,

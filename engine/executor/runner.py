@@ -17,7 +17,11 @@ from safetensors.torch import load_file
 
 from engine.config import EngineConfig, EngineFormatError
 from engine.models import get_model_class
+from engine.executor.cuda_graphs import DecodeGraphs, run_warmup_batch
+from engine.executor.random_weights import has_random_weights, materialize_random_weights
+from engine.models.layers import Linear
 from kernels.attention import AttentionMetadata
+from kernels.linear import choose_skinny_weights
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 CPU_KV_BUDGET_BYTES = 256 * 1024 * 1024  # a CPU pool never grows past this on its own
@@ -62,6 +66,7 @@ class ModelRunner:
         self.model = self._load_model(engine_dir, tp_group)
         self.kv_cache: torch.Tensor | None = None
         self._pin = self.device.type == "cuda"
+        self.decode_graphs: DecodeGraphs | None = None  # captured by capture_cuda_graphs() on CUDA
 
     def _load_model(self, engine_dir: str, tp_group) -> torch.nn.Module:
         cfg, build = self.model_config, self.build_config
@@ -70,6 +75,10 @@ class ModelRunner:
             cfg, tp_rank=self.rank, tp_size=build.tp_size, tp_group=tp_group, dtype=self.dtype,
             device="meta", max_positions=max(build.max_seq_len, 1),
         )
+        if has_random_weights(self.engine_config.extra):  # a config-only benchmark engine
+            model = materialize_random_weights(model, self.device, self.engine_config.extra["random_weights_seed"] + self.rank)
+            model.init_buffers(self.device)
+            return model.eval()
         weights = load_rank_weights(engine_dir, self.rank, self.device)
         expected = set(model.state_dict())
         missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
@@ -123,7 +132,30 @@ class ModelRunner:
         cfg = self.model_config
         shape = (cfg.num_layers, 2, num_blocks, self.tokens_per_block, self.num_kv_heads_local, cfg.head_dim)
         self.kv_cache = None  # free the old pool before allocating the new one
+        self.decode_graphs = None  # graphs hold the old pool's address
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    # ---- engine load on CUDA: kernels chosen and compiled, decode graphs captured ----------
+
+    def capture_cuda_graphs(self) -> None:
+        """Choose the skinny-GEMM kernel per weight shape, then capture decode CUDA graphs for
+        every batch-size bucket up to max_batch_size (engine/executor/cuda_graphs.py). CPU: no-op.
+        Runs after allocate_kv_cache (on every rank in leader mode)."""
+        if self.device.type != "cuda" or self.kv_cache is None:
+            return
+        choose_skinny_weights([m.weight for m in self.model.modules() if isinstance(m, Linear)])
+        build = self.build_config
+        self.decode_graphs = DecodeGraphs(self.model, self.kv_cache, tokens_per_block=self.tokens_per_block,
+                                          max_seq_len=build.max_seq_len, max_batch_size=build.max_batch_size)
+        self.decode_graphs.capture()
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """Compile the prefill-path kernels now, not in the first request's time to first token:
+        one mixed batch (a prefill chunk and a decode row) whose KV writes are skipped (slot -1)."""
+        if self.device.type != "cuda" or self.kv_cache is None:
+            return
+        run_warmup_batch(self.model, self.kv_cache, self.tokens_per_block)
 
     @property
     def num_kv_blocks(self) -> int:
@@ -137,6 +169,10 @@ class ModelRunner:
         for every new token when ``all_logits`` (context logits)."""
         if self.kv_cache is None:
             raise RuntimeError("allocate_kv_cache() must run before forward()")
+        if self.decode_graphs is not None and not all_logits:
+            hidden = self.decode_graphs.try_run(batch)
+            if hidden is not None:  # a decode-only batch, replayed from its bucket's graph
+                return self.model.compute_logits(hidden)
         input_ids, positions, meta = self._prepare(batch)
         hidden = self.model(input_ids, positions, self.kv_cache, meta)
         if not all_logits:
