@@ -13,7 +13,7 @@ Both modes run the same requests through the same ``Executor`` (greedy, identica
 
 The workload mixes short and long prompts and outputs (seeded), which is where static batching
 loses: every batch lasts as long as its longest request. Results: a JSON line on stdout and
-the "Executor: in-flight vs static batching" section of ``--results-md`` (replaced in place).
+a dated block appended to the "Executor: in-flight vs static batching" section of ``--results-md``.
 """
 from __future__ import annotations
 
@@ -149,15 +149,15 @@ def machine(device: str) -> str:
 
 
 def markdown(report: dict) -> str:
+    """One dated run as a markdown block (appended to the section; earlier runs are never edited)."""
     rows = "\n".join(
         f"| {r['mode']} | {r['wall_s']:.2f} | {r['output_tok_s']:.1f} | {r['requests_s']:.2f} | "
         f"{r['latency_mean_s']:.2f} | {r['latency_p50_s']:.2f} | {r['latency_max_s']:.2f} |"
         for r in report["modes"])
     w = report["workload"]
     return (
-        f"{SECTION_START}\n## Executor: in-flight vs static batching\n\n"
-        f"`python benchmarks/executor_bench.py {report['argv']}` on {report['date']}, {report['machine']}, "
-        f"commit {report['commit']}.\n\n"
+        f"### {report['date']}, {report['machine']}, commit {report['commit']}\n\n"
+        f"`python benchmarks/executor_bench.py {report['argv']}`. "
         f"Model: {report['model']}; {w['num_requests']} requests, prompts {w['prompt_range']} tokens, outputs "
         f"{w['output_range']} tokens (3/4 short, 1/4 long), greedy, max_batch_size {report['max_batch_size']}; "
         f"all requests arrive at t=0. `static`: the same executor fed batches of max_batch_size, each run to "
@@ -171,18 +171,24 @@ def markdown(report: dict) -> str:
         "|---|---|---|---|---|---|---|\n"
         f"{rows}\n\n"
         "In-flight output throughput relative to: "
-        + ", ".join(f"{mode} **{x:.2f}x**" for mode, x in report["speedup"].items()) + f".\n{SECTION_END}\n"
+        + ", ".join(f"{mode} **{x:.2f}x**" for mode, x in report["speedup"].items()) + ".\n\n"
     )
 
 
-def write_section(path: str, section: str) -> None:
+SECTION_HEADER = (
+    "## Executor: in-flight vs static batching (`benchmarks/executor_bench.py`)\n\n"
+    "Same executor, same seeded mixed-length workload, all modes in one run. Runs are appended below.\n\n"
+)
+
+
+def write_section(path: str, block: str) -> None:
+    """Append ``block`` to this script's section of ``path`` (creating the section if needed)."""
     text = open(path).read() if os.path.exists(path) else "# Benchmark results\n\n"
     if SECTION_START in text and SECTION_END in text:
-        before, rest = text.split(SECTION_START, 1)
-        after = rest.split(SECTION_END, 1)[1].lstrip("\n")
-        text = before + section + ("\n" + after if after else "")
+        before, rest = text.split(SECTION_END, 1)
+        text = before.rstrip("\n") + "\n\n" + block + SECTION_END + rest
     else:
-        text = text.rstrip("\n") + "\n\n" + section
+        text = text.rstrip("\n") + "\n\n" + SECTION_START + "\n" + SECTION_HEADER + block + SECTION_END + "\n"
     with open(path, "w") as f:
         f.write(text)
 

@@ -427,6 +427,7 @@ class Executor:
         seqs = [seq for seq, _ in sampling]
         want_log_probs = any(s.state.request.output.return_log_probs for s in seqs)
         md = build_sampling_metadata(seqs, self.runner.vocab_size, logits.device, want_log_probs)
+        md.normalize_log_probs = self.config.normalize_log_probs
         out = sample(logits[[row for _, row in sampling]], md)
         if out.log_probs is None:
             return {seq.seq_id: (token, None) for seq, token in zip(seqs, out.token_ids.tolist())}

@@ -11,7 +11,8 @@ Definitions (what the tests pin):
 - presence_penalty p over tokens seen in the output: logit -= p.
 - frequency_penalty f over tokens seen in the output: logit -= f * count.
 - log-probs are ``log_softmax`` of the processed logits (after bias, penalties, bans and, for
-  sampled rows, temperature), before top-k/top-p truncation.
+  sampled rows, temperature), before top-k/top-p truncation (``normalize_log_probs=False``:
+  the processed logit itself).
 - Sampling draws ``argmax(probs / q)`` with ``q ~ Exp(1)`` from the row's own ``torch.Generator``
   (seeded per request), which is an exact categorical draw with no host sync.
 """
@@ -42,6 +43,7 @@ class SamplingMetadata:
     banned: torch.Tensor | None  # (2, n) int64 (row, token) pairs forced to -inf
     embedding_bias: torch.Tensor | None  # (B, vocab) float32, zeros where unset
     return_log_probs: bool
+    normalize_log_probs: bool = True  # False: report the processed logit of the chosen token instead
 
 
 @dataclass
@@ -177,5 +179,6 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         token_ids = torch.where(md.is_greedy, greedy_ids, random_sample(probs, md.generators))
     log_probs = None
     if md.return_log_probs:
-        log_probs = logits.log_softmax(dim=-1).gather(1, token_ids.unsqueeze(1)).squeeze(1)
+        scores = logits.log_softmax(dim=-1) if md.normalize_log_probs else logits
+        log_probs = scores.gather(1, token_ids.unsqueeze(1)).squeeze(1)
     return SamplerOutput(token_ids=token_ids, log_probs=log_probs)

@@ -214,3 +214,28 @@ def test_config_errors_name_the_field(field, value, message):
 
 def test_policy_names_are_case_insensitive():
     assert ExecutorConfig(batch_scheduler_policy="MAX_UTILIZATION").validate().batch_scheduler_policy == "max_utilization"
+
+
+def test_slow_streaming_consumer_gets_coalesced_responses(executor):
+    start = executor.get_latest_iteration_stats().iter
+    [request_id] = executor.enqueue_requests([Request(PROMPT, 10, streaming=True, output=OutputConfig(return_log_probs=True))])
+    deadline = time.monotonic() + 30
+    while True:  # do not poll responses until the request has run all its iterations
+        stats = executor.get_latest_iteration_stats()
+        if stats.iter >= start + 10 and stats.num_active_requests == 0:
+            break
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    responses = [r for r in executor.await_responses(timeout=1.0) if r.request_id == request_id]
+    assert len(responses) == 1  # ten iterations' worth of tokens in one response
+    result = responses[0].result
+    assert result.is_final and len(result.output_token_ids[0]) == 10 and len(result.log_probs[0]) == 10
+    assert result.output_token_ids[0] == tokens(executor, max_tokens=10)
+
+
+def test_numpy_ids_and_triton_style_defaults_are_accepted(executor):
+    import numpy as np
+
+    request = Request(np.array(PROMPT, dtype=np.int32), np.int64(6), end_id=-1, output=EXCLUDE,
+                      sampling=SamplingConfig(beam_width=0, num_return_sequences=None))
+    assert final_tokens(run(executor, request)[0]) == tokens(executor, max_tokens=6)

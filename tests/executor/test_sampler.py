@@ -98,3 +98,11 @@ def test_sampling_follows_the_distribution():
     logits = probs.log().unsqueeze(0)
     counts = torch.bincount(torch.tensor([sample(logits, md).token_ids.item() for _ in range(2000)]), minlength=VOCAB)
     torch.testing.assert_close(counts.float() / 2000, probs, atol=0.04, rtol=0)
+
+
+def test_unnormalized_log_probs_are_the_processed_logits():
+    logits = torch.randn(2, VOCAB)
+    md = metadata([make_seq([0]), make_seq([1])], log_probs=True)
+    md.normalize_log_probs = False
+    out = sample(logits, md)
+    torch.testing.assert_close(out.log_probs, logits.max(-1).values)
