@@ -400,13 +400,14 @@ def profile_executor_loop(executor):
     return report
 
 
-def bench_latency(results: dict, executor, vocab: int, rates: list[float], num_requests: int,
+def bench_latency(results: dict, executor, vocab: int, rates: list[float], seconds: float,
                   in_len: int = 128, out_len: int = 128) -> None:
     """Poisson arrivals at each rate; TTFT and inter-token gaps seen by a streaming client."""
     from engine.executor.request import OutputConfig, Request
 
     rows = []
     for rate in rates:
+        num_requests = max(12, int(rate * seconds))
         rng = random.Random(int(rate * 1000))
         sent, first, last, counts, gaps = {}, {}, {}, {}, []
         lock = threading.Lock()
@@ -448,7 +449,8 @@ def bench_latency(results: dict, executor, vocab: int, rates: list[float], num_r
     results["latency"] = rows
 
 
-def bench_hf(results: dict, model: str, batches: list[int], in_len: int = 128, out_len: int = 128) -> None:
+def bench_hf(results: dict, model: str, batches: list[int], in_len: int = 128, out_len: int = 128,
+             device: str = "cuda") -> None:
     """transformers' generate, static batches, random weights of the same shape, bf16, greedy."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -456,29 +458,30 @@ def bench_hf(results: dict, model: str, batches: list[int], in_len: int = 128, o
     config = LlamaConfig(
         vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], num_hidden_layers=c["num_layers"],
         num_attention_heads=c["num_heads"], num_key_value_heads=c["num_kv_heads"], head_dim=c["head_dim"],
-        intermediate_size=c["intermediate_size"], rms_norm_eps=c["norm_eps"], rope_theta=c["rope_theta"],
-        rope_scaling=c.get("rope_scaling"), max_position_embeddings=c["max_position_embeddings"],
-        tie_word_embeddings=c.get("tie_word_embeddings", False),
+        intermediate_size=c["intermediate_size"], rms_norm_eps=c.get("norm_eps", 1e-5),
+        max_position_embeddings=c["max_position_embeddings"], tie_word_embeddings=c.get("tie_word_embeddings", False),
+        # Speed does not depend on the rope variant; transformers 5 takes theta here.
+        rope_parameters={"rope_theta": c.get("rope_theta", 10000.0), "rope_type": "default"},
     )
-    with torch.device("cuda"):
-        hf = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    with torch.device(device):
+        hf = LlamaForCausalLM(config).to(torch.bfloat16 if device != "cpu" else torch.float32).eval()
     rows = []
     for batch in batches:
-        ids = torch.randint(0, c["vocab_size"], (batch, in_len), device="cuda")
+        ids = torch.randint(0, c["vocab_size"], (batch, in_len), device=device)
         kwargs = dict(max_new_tokens=out_len, min_new_tokens=out_len, do_sample=False, pad_token_id=0,
                       attention_mask=torch.ones_like(ids))
         hf.generate(ids[:, :16], **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
-        torch.cuda.synchronize()
+        sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
+        sync()
         started = time.perf_counter()
         out = hf.generate(ids, **kwargs)
-        torch.cuda.synchronize()
+        sync()
         elapsed = time.perf_counter() - started
         new_tokens = (out.shape[1] - in_len) * batch
         rows.append({"batch": batch, "seconds": elapsed, "output_tok_s": new_tokens / elapsed})
     results["hf"] = rows
     del hf
     gc.collect()
-    torch.cuda.empty_cache()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -580,14 +583,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     parser.add_argument("--device", default="cuda", help="cpu only for smoke tests of decode/offline/latency")
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
-    parser.add_argument("--max-batch-size", type=int, default=256)
+    parser.add_argument("--max-batch-size", type=int, default=512)
     parser.add_argument("--max-num-tokens", type=int, default=8192)
     parser.add_argument("--max-seq-len", type=int, default=4096)
     parser.add_argument("--tokens-per-block", type=int, default=32)
-    parser.add_argument("--offline", default="128x128x1024,128x2048x256,2048x128x256",
+    parser.add_argument("--offline", default="128x128x1024,128x2048x192,2048x128x256",
                         help="input x output x requests, comma-separated")
-    parser.add_argument("--rates", default="1,4,16", help="Poisson request rates (req/s)")
-    parser.add_argument("--latency-requests", type=int, default=32)
+    parser.add_argument("--rates", default="1,8", help="Poisson request rates (req/s)")
+    parser.add_argument("--latency-seconds", type=float, default=16.0,
+                        help="arrivals per rate: max(12, rate x this many seconds) requests")
     parser.add_argument("--profile-executor", action="store_true", help="cProfile the executor loop in offline runs")
     parser.add_argument("--hf-batches", default="64,128,256")
     parser.add_argument("--out", default="engine_bench.json")
@@ -638,14 +642,15 @@ def main(argv=None) -> dict:
                 bench_offline(results, executor, model_cfg.vocab_size, shapes, args.profile_executor)
             else:
                 rates = [float(r) for r in args.rates.split(",") if r]
-                bench_latency(results, executor, model_cfg.vocab_size, rates, args.latency_requests)
+                bench_latency(results, executor, model_cfg.vocab_size, rates, args.latency_seconds)
         elif section == "hf":
             if executor is not None:
                 executor.shutdown()
                 executor = None
             gc.collect()
-            torch.cuda.empty_cache()
-            bench_hf(results, args.model, [int(b) for b in args.hf_batches.split(",") if b])
+            if on_gpu:
+                torch.cuda.empty_cache()
+            bench_hf(results, args.model, [int(b) for b in args.hf_batches.split(",") if b], device=args.device)
         gc.collect()
         if on_gpu:
             torch.cuda.empty_cache()
