@@ -253,3 +253,9 @@ def test_cli_reports_tp_size_that_does_not_divide(hf_dir, tmp_path, capsys):
     _, path = hf_dir
     assert main(_cli_args(path, tmp_path / "f", tp_size=3)) == 2
     assert "error: tp_size 3 does not divide num_heads (4)" in capsys.readouterr().err
+
+
+def test_engine_weights_of_the_wrong_shape(engine_dir):
+    _edit_config(engine_dir, lambda d: d["model"].update(intermediate_size=128))
+    with pytest.raises(EngineFormatError, match="wrong tensor shapes: .*gate_up_proj"):
+        ModelRunner(engine_dir)
