@@ -13,6 +13,7 @@ with an error response, and the loop goes on.
 from __future__ import annotations
 
 import itertools
+import random
 import threading
 import time
 import traceback
@@ -354,20 +355,15 @@ class Executor:
                 seq = Sequence(next(self._seq_ids), state, sequence_index=0 if beam_width > 1 else index,
                                beam_index=index if beam_width > 1 else 0)
                 seq.can_reuse_prefix = not state.request.output.return_context_logits
-                seq.generator = self._generator_for(state, index)
+                seq.seed = self._seed_for(state, index)
                 state.sequences.append(seq)
                 self.scheduler.add(seq)
 
-    def _generator_for(self, state: RequestState, index: int) -> torch.Generator | None:
-        if state.request.sampling.is_greedy or state.is_beam_search:
-            return None
-        generator = torch.Generator(device=self.runner.device)
+    def _seed_for(self, state: RequestState, index: int) -> int:
         seed = state.request.sampling.seed
         if seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed((seed + index) % (1 << 63))  # each returned sequence draws its own stream
-        return generator
+            return random.getrandbits(62)
+        return (seed + index) % (1 << 62)  # each returned sequence draws its own stream
 
     def _cancel(self, request_ids: set[int]) -> None:
         for request_id in request_ids:

@@ -177,7 +177,7 @@ class Sequence:
         self.log_probs: list[float] = []
         self.cum_log_prob = 0.0
         self.generation_logits: list[torch.Tensor] = []
-        self.generator: torch.Generator | None = None
+        self.seed = 0  # sampling stream of this sequence (request seed + sequence_index, or random)
         self.pending_logprobs = None  # beam search: (vocab,) log-probs waiting for sibling beams
 
     @property

@@ -4,7 +4,7 @@ Per-request settings become per-batch tensors once per step (``build_sampling_me
 ``sample`` then runs a fixed pipeline on the (batch, vocab) float32 logits:
 
     embedding bias -> penalties -> banned tokens (bad words, end_id before min_tokens)
-      -> log-probs -> greedy argmax | (temperature -> top-k -> top-p -> exponential-race draw)
+      -> log-probs -> greedy argmax | (temperature -> top-k -> top-p -> Gumbel-max draw)
 
 Definitions (what the tests pin):
 - repetition_penalty r over tokens seen in prompt or output: logit > 0 -> logit / r, else logit * r.
@@ -13,8 +13,10 @@ Definitions (what the tests pin):
 - log-probs are ``log_softmax`` of the processed logits (after bias, penalties, bans and, for
   sampled rows, temperature), before top-k/top-p truncation (``normalize_log_probs=False``:
   the processed logit itself).
-- Sampling draws ``argmax(probs / q)`` with ``q ~ Exp(1)`` from the row's own ``torch.Generator``
-  (seeded per request), which is an exact categorical draw with no host sync.
+- Sampling is one Gumbel-max launch for the whole batch (``kernels.sampling.sample_tokens``): an
+  exact categorical draw with no host sync, whose noise depends only on the sequence's seed and
+  its step (number of tokens generated so far), so a seeded request reproduces its tokens
+  whatever else shares the batch, and two seeds give two streams.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.executor.request import Sequence
+from kernels.sampling import sample_tokens
 
 
 @dataclass
@@ -34,7 +37,10 @@ class SamplingMetadata:
     temperature: torch.Tensor | None  # (B,) float32, 1.0 on greedy rows
     top_k: torch.Tensor | None  # (B,) int64, vocab_size where unset
     top_p: torch.Tensor | None  # (B,) float32, 1.0 where unset
-    generators: list[torch.Generator | None]  # per row; None on greedy rows
+    draw_temperature: torch.Tensor | None  # (B,) float32: 1.0 on sampled rows, 0.0 (argmax) on greedy rows
+    needs_top_k_top_p: bool  # some sampled row has a top-k or top-p limit (else skip the sort)
+    seeds: torch.Tensor | None  # (B,) int64: the sequence's seed
+    offsets: torch.Tensor | None  # (B,) int64: the sequence's step (tokens generated so far)
     repetition_penalty: torch.Tensor | None  # (B,) float32, 1.0 where unset
     presence_penalty: torch.Tensor | None  # (B,) float32, 0.0 where unset
     frequency_penalty: torch.Tensor | None  # (B,) float32, 0.0 where unset
@@ -80,12 +86,17 @@ def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, device, retur
     """Gather per-sequence settings into batch tensors (one sequence per logits row)."""
     configs = [s.state.request.sampling for s in seqs]
     greedy = [c.is_greedy or s.state.is_beam_search for c, s in zip(configs, seqs)]
-    temperature = top_k = top_p = None
+    temperature = top_k = top_p = draw_temperature = seeds = offsets = None
+    limits = []
     if not all(greedy):
         temperature = _column([1.0 if g else c.temperature or 1.0 for c, g in zip(configs, greedy)], torch.float32, device)
-        top_k = _column([c.top_k if c.top_k and not g else vocab_size for c, g in zip(configs, greedy)], torch.int64, device)
-        top_p = _column([c.top_p if c.top_p is not None and not g else 1.0 for c, g in zip(configs, greedy)],
-                        torch.float32, device)
+        limits = [(vocab_size, 1.0) if g else (c.top_k or vocab_size, 1.0 if c.top_p is None else c.top_p)
+                  for c, g in zip(configs, greedy)]
+        top_k = _column([k for k, _ in limits], torch.int64, device)
+        top_p = _column([p for _, p in limits], torch.float32, device)
+        draw_temperature = _column([0.0 if g else 1.0 for g in greedy], torch.float32, device)
+        seeds = _column([s.seed for s in seqs], torch.int64, device)
+        offsets = _column([s.num_generated_tokens for s in seqs], torch.int64, device)
     rep = [c.repetition_penalty if c.repetition_penalty is not None else 1.0 for c in configs]
     pres = [c.presence_penalty or 0.0 for c in configs]
     freq = [c.frequency_penalty or 0.0 for c in configs]
@@ -95,7 +106,9 @@ def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, device, retur
         all_greedy=all(greedy),
         is_greedy=None if all(greedy) else _column(greedy, torch.bool, device),
         temperature=temperature, top_k=top_k, top_p=top_p,
-        generators=[None if g else s.generator for s, g in zip(seqs, greedy)],
+        draw_temperature=draw_temperature,
+        needs_top_k_top_p=any(k < vocab_size or p < 1.0 for k, p in limits),
+        seeds=seeds, offsets=offsets,
         repetition_penalty=_column(rep, torch.float32, device) if has_penalty else None,
         presence_penalty=_column(pres, torch.float32, device) if has_penalty else None,
         frequency_penalty=_column(freq, torch.float32, device) if has_penalty else None,
@@ -158,25 +171,16 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
 
-def random_sample(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """One categorical draw per row as argmax(probs / Exp(1) noise), each row from its own generator."""
-    noise = torch.empty_like(probs)
-    for row, generator in enumerate(generators):
-        noise[row].exponential_(generator=generator)
-    return probs.div_(noise).argmax(dim=-1)
-
-
 def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
     """Next token for every row of ``logits`` (B, vocab); see the module docstring for the pipeline."""
     logits = process_logits(logits, md)
-    greedy_ids = logits.argmax(dim=-1)
     if md.all_greedy:
-        token_ids = greedy_ids
+        token_ids = logits.argmax(dim=-1)
     else:
         scaled = logits / torch.where(md.temperature > 0, md.temperature, 1.0).unsqueeze(1)
         logits = torch.where(md.is_greedy.unsqueeze(1), logits, scaled)
-        probs = apply_top_k_top_p(logits, md.top_k, md.top_p).softmax(dim=-1)
-        token_ids = torch.where(md.is_greedy, greedy_ids, random_sample(probs, md.generators))
+        candidates = apply_top_k_top_p(logits, md.top_k, md.top_p) if md.needs_top_k_top_p else logits
+        token_ids = sample_tokens(candidates.contiguous(), md.draw_temperature, md.seeds, md.offsets)
     log_probs = None
     if md.return_log_probs:
         scores = logits.log_softmax(dim=-1) if md.normalize_log_probs else logits

@@ -82,21 +82,38 @@ def test_seeded_draws_repeat_and_differ_by_seed():
 
     def draws(seed):
         seq = make_seq([0], top_k=0, top_p=1.0, temperature=1.0)
-        seq.generator = torch.Generator().manual_seed(seed)
-        md = build_sampling_metadata([seq], 1000, "cpu", False)
-        return [sample(logits, md).token_ids.item() for _ in range(8)]
+        seq.seed = seed
+        out = []
+        for _ in range(8):  # each step draws fresh noise (the offset is the number of generated tokens)
+            out.append(sample(logits, build_sampling_metadata([seq], 1000, "cpu", False)).token_ids.item())
+            seq.token_ids.append(out[-1])
+        return out
 
     assert draws(1) == draws(1)
     assert draws(1) != draws(2)
+    assert len(set(draws(1))) > 1
+
+
+def test_a_row_draws_the_same_whatever_shares_its_batch():
+    logits = torch.randn(3, VOCAB)
+    seqs = [make_seq([0], top_p=1.0), make_seq([1], top_p=1.0), make_seq([2])]
+    for i, seq in enumerate(seqs):
+        seq.seed = 100 + i
+    together = sample(logits, metadata(seqs)).token_ids.tolist()
+    alone = [sample(logits[i:i + 1], metadata([seq])).token_ids.item() for i, seq in enumerate(seqs)]
+    assert together == alone
 
 
 def test_sampling_follows_the_distribution():
     probs = torch.tensor([0.6, 0.3, 0.1, 0, 0, 0, 0, 0])
     seq = make_seq([0], top_p=1.0)
-    seq.generator = torch.Generator().manual_seed(0)
     md = metadata([seq])
     logits = probs.log().unsqueeze(0)
-    counts = torch.bincount(torch.tensor([sample(logits, md).token_ids.item() for _ in range(2000)]), minlength=VOCAB)
+    draws = []
+    for step in range(2000):
+        md.offsets = torch.tensor([step])
+        draws.append(sample(logits, md).token_ids.item())
+    counts = torch.bincount(torch.tensor(draws), minlength=VOCAB)
     torch.testing.assert_close(counts.float() / 2000, probs, atol=0.04, rtol=0)
 
 
