@@ -107,13 +107,15 @@ def batch_size_of(tensors: Mapping[str, np.ndarray]) -> int:
     return input_ids.shape[0]
 
 
-def _input_token_ids(tensors, batch_size: int, row: int) -> list[int]:
+def _input_token_ids(tensors, batch_size: int, row: int, max_input_len: int | None) -> list[int]:
     ids = tensors["input_ids"][row]
     length = read_scalar(tensors, "input_lengths", batch_size, row)
     if length is not None:
         ids = ids[: int(length)]
     if ids.size == 0:
         raise ValueError("Invalid format for input_ids")
+    if max_input_len is not None and ids.size > max_input_len:
+        raise ValueError(f"input length {ids.size} exceeds the engine's max_input_len {max_input_len}")
     return [int(t) for t in ids]
 
 
@@ -142,7 +144,8 @@ def _output(tensors, batch_size: int, row: int, exclude_input_default: bool | No
 
 
 def convert_row(tensors: Mapping[str, np.ndarray], row: int, batch_size: int, *,
-                decoupled: bool, exclude_input_default: bool | None) -> RequestSpec:
+                decoupled: bool, exclude_input_default: bool | None,
+                max_input_len: int | None = None) -> RequestSpec:
     """Validate and convert batch row `row`; raises ValueError with the reference's text."""
     max_tokens = read_scalar(tensors, "request_output_len", batch_size, row)
     if max_tokens is None:
@@ -155,7 +158,7 @@ def convert_row(tensors: Mapping[str, np.ndarray], row: int, batch_size: int, *,
     pad_id = read_scalar(tensors, "pad_id", batch_size, row)
     return RequestSpec(
         batch_index=row,
-        input_token_ids=_input_token_ids(tensors, batch_size, row),
+        input_token_ids=_input_token_ids(tensors, batch_size, row, max_input_len),
         max_tokens=int(max_tokens),
         streaming=streaming,
         end_id=None if end_id is None else int(end_id),
@@ -169,11 +172,14 @@ def convert_row(tensors: Mapping[str, np.ndarray], row: int, batch_size: int, *,
 
 
 def convert_request(tensors: Mapping[str, np.ndarray], *, decoupled: bool,
-                    exclude_input_default: bool | None = None) -> list[RequestSpec]:
-    """All rows of one Triton request; raises ValueError on the first invalid input."""
+                    exclude_input_default: bool | None = None,
+                    max_input_len: int | None = None) -> list[RequestSpec]:
+    """All rows of one Triton request; raises ValueError on the first invalid input.
+
+    `max_input_len` is the engine's prompt limit (the executor checks the other limits)."""
     batch_size = batch_size_of(tensors)
     return [convert_row(tensors, row, batch_size, decoupled=decoupled,
-                        exclude_input_default=exclude_input_default)
+                        exclude_input_default=exclude_input_default, max_input_len=max_input_len)
             for row in range(batch_size)]
 
 

@@ -81,6 +81,12 @@ def test_invalid_requests_raise_reference_texts(tensors, message):
         convert_request(tensors, decoupled=False)
 
 
+def test_prompt_longer_than_max_input_len_is_rejected():
+    with pytest.raises(ValueError, match="input length 3 exceeds the engine's max_input_len 2"):
+        convert_request(minimal(), decoupled=False, max_input_len=2)
+    assert len(convert_request(minimal(), decoupled=False, max_input_len=3)) == 1
+
+
 def test_ignored_inputs_are_accepted():
     tensors = minimal(**{name: np.zeros((1, 1), np.int32) for name in IGNORED_INPUTS})
     assert len(convert_request(tensors, decoupled=False)) == 1

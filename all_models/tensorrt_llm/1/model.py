@@ -84,6 +84,7 @@ class TritonMetrics:
 
 class TritonPythonModel:
     def initialize(self, args):
+        from engine.config import EngineConfig
         from engine.executor.executor import Executor, ExecutorConfig
 
         self.model_config = json.loads(args["model_config"])
@@ -97,6 +98,7 @@ class TritonPythonModel:
         engine_dir = get_parameter(params, "gpt_model_path", str)
         if engine_dir is None:
             raise ValueError("tensorrt_llm: the gpt_model_path parameter (engine_dir) must be set")
+        self.max_input_len = EngineConfig.load(engine_dir).build.max_input_len
         config, ignored = to_executor_config(ExecutorConfig, settings)
         if ignored:
             pb_utils.Logger.log_info(f"tensorrt_llm: accepted but not used by this backend: {ignored}")
@@ -140,7 +142,8 @@ class TritonPythonModel:
                     self._stop(request.request_id(), sender)
                     continue
                 specs = convert_request(tensors, decoupled=self.decoupled,
-                                        exclude_input_default=self.exclude_input_default)
+                                        exclude_input_default=self.exclude_input_default,
+                                        max_input_len=self.max_input_len)
                 executor_requests = [self._executor_request(spec) for spec in specs]
             except Exception as error:
                 self._send_error(sender, conversion_error_message(request.request_id(), error))

@@ -1,0 +1,125 @@
+"""HTTP generate / generate_stream through the ensemble and the BLS, stop words, bad input."""
+import json
+
+import pytest
+import requests
+
+from conftest import chat
+
+pytestmark = pytest.mark.integration
+
+EXPECTED = "The capital of France is Paris."
+MODELS = ["ensemble", "tensorrt_llm_bls"]
+
+
+def france(**extra):
+    return {"text_input": chat("What is the capital of France?"), "max_tokens": 24,
+            "exclude_input_in_output": True, **extra}
+
+
+def stream_chunks(response) -> list[dict]:
+    assert response.status_code == 200, response.text
+    events = [json.loads(line[len(b"data: "):]) for line in response.iter_lines() if line.startswith(b"data: ")]
+    errors = [event for event in events if "error" in event]
+    assert not errors, errors
+    return events
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_unary_generate_answers_paris(triton_server, model):
+    response = triton_server.generate(model, france())
+    assert response.status_code == 200, response.text
+    assert response.json()["text_output"] == EXPECTED
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_stream_deltas_concatenate_to_the_unary_text(triton_server, model):
+    unary = triton_server.generate(model, france()).json()["text_output"]
+    chunks = stream_chunks(triton_server.generate(model, france(stream=True), stream=True))
+    texts = [chunk["text_output"] for chunk in chunks]
+    assert len([t for t in texts if t]) >= 5  # token by token, not one blob
+    assert "".join(texts) == unary == EXPECTED
+
+
+def test_prompt_is_echoed_unless_excluded(triton_server):
+    text = triton_server.generate("ensemble", france(exclude_input_in_output=False)).json()["text_output"]
+    assert "What is the capital of France?" in text and text.endswith(EXPECTED)
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_words_end_generation(triton_server, model, stream):
+    # " Paris" is the generated token (with its space): a token-level stop, kept in the output.
+    body = france(stop_words=[" Paris", "never said"], stream=stream)
+    if stream:
+        text = "".join(c["text_output"] for c in stream_chunks(triton_server.generate(model, body, stream=True)))
+    else:
+        response = triton_server.generate(model, body)
+        assert response.status_code == 200, response.text
+        text = response.json()["text_output"]
+    assert text == "The capital of France is Paris"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_bls_string_stop_words_cut_inside_tokens(triton_server, stream):
+    # "is Par" matches no token sequence; the BLS's string check still cuts right after it.
+    body = france(stop_words=["is Par"], stream=stream)
+    if stream:
+        chunks = stream_chunks(triton_server.generate("tensorrt_llm_bls", body, stream=True))
+        text = "".join(c["text_output"] for c in chunks)
+    else:
+        text = triton_server.generate("tensorrt_llm_bls", body).json()["text_output"]
+    assert text == "The capital of France is Par"
+
+
+def test_perf_metrics_are_returned_on_request(triton_server):
+    body = france(return_perf_metrics=True)
+    out = triton_server.generate("ensemble", body).json()
+    assert out["arrival_time_ns"] > 0 and out["first_token_time_ns"] >= out["first_scheduled_time_ns"] > 0
+    assert out["kv_cache_alloc_total_blocks"] >= 1 and out["acceptance_rate"] == 0.0
+
+
+BAD_BODIES = {
+    "missing text_input": {"max_tokens": 4},
+    "missing max_tokens": {"text_input": "hello"},
+    "max_tokens wrong dtype": {"text_input": "hello", "max_tokens": "many"},
+    "text_input wrong dtype": {"text_input": 5, "max_tokens": 4},
+    "max_tokens wrong shape": {"text_input": "hello", "max_tokens": [[1, 2], [3, 4]]},
+    "max_tokens zero": {"text_input": "hello", "max_tokens": 0},
+    "max_tokens negative": {"text_input": "hello", "max_tokens": -3},
+    "max_tokens too large": {"text_input": "hello", "max_tokens": 100000},
+    "prompt longer than max_input_len": {"text_input": "hello " * 1500, "max_tokens": 4},
+    "top_p wrong dtype": {"text_input": "hello", "max_tokens": 4, "top_p": "high"},
+}
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("case", sorted(BAD_BODIES))
+def test_bad_input_is_an_error_response(triton_server, model, case):
+    response = triton_server.generate(model, BAD_BODIES[case])
+    assert response.status_code >= 400, (case, response.text)
+    assert response.json()["error"], case
+
+
+def test_specific_error_texts(triton_server):
+    too_long = triton_server.generate("ensemble", BAD_BODIES["prompt longer than max_input_len"]).json()
+    assert "max_input_len" in too_long["error"]
+    zero = triton_server.generate("ensemble", BAD_BODIES["max_tokens zero"]).json()
+    assert "max_tokens" in zero["error"]
+    bls_zero = triton_server.generate("tensorrt_llm_bls", BAD_BODIES["max_tokens zero"]).json()
+    assert "max_tokens must be a single value > 0" in bls_zero["error"]
+
+
+def test_malformed_json_and_unknown_model(triton_server):
+    url = f"{triton_server.http}/v2/models/ensemble/generate"
+    response = requests.post(url, data=b'{"text_input": "hi", "max_tokens": ', timeout=30,
+                             headers={"Connection": "close"})
+    assert response.status_code >= 400 and response.json()["error"]
+    unknown = triton_server.generate("no_such_model", france())
+    assert unknown.status_code >= 400 and unknown.json()["error"]
+
+
+def test_server_keeps_serving_after_bad_input(triton_server):
+    for body in BAD_BODIES.values():
+        triton_server.generate("ensemble", body)
+    assert triton_server.generate("ensemble", france()).json()["text_output"] == EXPECTED

@@ -1,0 +1,103 @@
+"""Prometheus metrics consistent with the requests sent; 32 concurrent clients, no leaked blocks."""
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import chat, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+def scrape(server) -> dict[tuple[str, frozenset], float]:
+    """{(sample name, labels): value} of every sample on the metrics endpoint."""
+    samples = {}
+    for family in text_string_to_metric_families(server.metrics_text()):
+        for sample in family.samples:
+            labels = dict(sample.labels)
+            if "le" in labels:  # "10" and "10.0" name the same bucket
+                labels["le"] = str(float(labels["le"]))
+            samples[(sample.name, frozenset(labels.items()))] = sample.value
+    return samples
+
+
+def value(samples, name, **labels):
+    return samples.get((name, frozenset(labels.items())))
+
+
+LLM = {"model": "tensorrt_llm", "version": "1"}
+
+
+def kv_and_requests(samples):
+    """(used KV blocks, active requests) as the tensorrt_llm gauges report them."""
+    return (value(samples, "nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="used", **LLM),
+            value(samples, "nv_trt_llm_request_metrics", request_type="active", **LLM))
+
+
+def test_gauge_families_have_the_reference_labels(triton_server):
+    samples = wait_for(lambda: (s := scrape(triton_server)) and
+                       value(s, "nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="max", **LLM) and s)
+    assert value(samples, "nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="tokens_per", **LLM) == 16
+    for family, label, values in [
+        ("nv_trt_llm_request_metrics", "request_type", ["active", "max", "scheduled", "context", "waiting"]),
+        ("nv_trt_llm_runtime_memory_metrics", "memory_type", ["cpu", "gpu", "pinned"]),
+        ("nv_trt_llm_kv_cache_block_metrics", "kv_cache_block_type", ["max", "free", "used", "tokens_per", "fraction"]),
+        ("nv_trt_llm_inflight_batcher_metrics", "inflight_batcher_specific_metric",
+         ["total_context_tokens", "generation_requests", "micro_batch_id", "paused_requests"]),
+        ("nv_trt_llm_general_metrics", "general_type", ["timestamp", "iteration_counter"]),
+    ]:
+        for label_value in values:
+            assert value(samples, family, **{label: label_value}, **LLM) is not None, (family, label_value)
+
+
+def test_token_histograms_match_the_requests_sent(triton_server, smollm2_engine_dir):
+    from transformers import AutoTokenizer
+
+    prompt = chat("Name a colour.")
+    prompt_len = len(AutoTokenizer.from_pretrained(smollm2_engine_dir).encode(prompt))
+    before = scrape(triton_server)
+    n, max_tokens = 3, 5
+    for _ in range(n):  # end_id -1: never stops early, so exactly max_tokens come out
+        body = {"text_input": prompt, "max_tokens": max_tokens, "end_id": -1, "exclude_input_in_output": True}
+        assert triton_server.generate("ensemble", body).status_code == 200
+    after = scrape(triton_server)
+
+    def delta(name, **labels):
+        return (value(after, name, **labels) or 0) - (value(before, name, **labels) or 0)
+
+    inputs = {"response_metric_type": "total_input_tokens", **LLM}
+    outputs = {"response_metric_type": "total_output_tokens", **LLM}
+    assert delta("nv_llm_input_token_len_count", **inputs) == n
+    assert delta("nv_llm_input_token_len_sum", **inputs) == n * prompt_len
+    assert delta("nv_llm_output_token_len_count", **outputs) == n
+    assert delta("nv_llm_output_token_len_sum", **outputs) == n * max_tokens
+    assert delta("nv_llm_output_token_len_bucket", le="10.0", **outputs) == n
+    assert delta("nv_llm_time_to_first_token_seconds_count", **LLM) == n
+    assert delta("nv_llm_inter_token_latency_seconds_count", **LLM) == n
+    for model in ("ensemble", "preprocessing", "tensorrt_llm", "postprocessing"):
+        # Triton counts a request once its FINAL flag is processed, just after the reply.
+        def counted(model=model):
+            now = scrape(triton_server)
+            key = ("nv_inference_request_success_total", frozenset({"model": model, "version": "1"}.items()))
+            return now.get(key, 0) - before.get(key, 0) >= n
+        assert wait_for(counted), model
+    assert wait_for(lambda: kv_and_requests(scrape(triton_server)) == (0.0, 0.0))
+
+
+def test_32_concurrent_clients_all_answered_and_no_blocks_leaked(triton_server):
+    def ask(i):
+        body = {"text_input": chat(f"What is {i} plus {i}?"), "max_tokens": 8, "exclude_input_in_output": True}
+        return triton_server.generate("ensemble", body, timeout=300)
+
+    before = scrape(triton_server)
+    with ThreadPoolExecutor(32) as pool:
+        responses = list(pool.map(ask, range(32)))
+    assert [r.status_code for r in responses] == [200] * 32, [r.text for r in responses if r.status_code != 200]
+    assert all(r.json()["text_output"] for r in responses)
+    success = ("nv_inference_request_success_total", frozenset({"model": "ensemble", "version": "1"}.items()))
+    assert wait_for(lambda: scrape(triton_server)[success] - before.get(success, 0) == 32)
+    assert wait_for(lambda: kv_and_requests(scrape(triton_server)) == (0.0, 0.0))
+    samples = scrape(triton_server)
+    total = value(samples, "nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="max", **LLM)
+    free = value(samples, "nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="free", **LLM)
+    assert free == total
