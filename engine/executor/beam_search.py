@@ -97,6 +97,7 @@ def _rewire(beams: list[Sequence], chosen: list[tuple[int, int, float]], blocks:
             beam.block_ids = list(shared)
             beam.num_computed_tokens = len(shared) * T
             beam.block_hashes = hashes[:len(shared)]
+            beam.num_registered_blocks = len(shared)
         beam.token_ids = tokens + [token]
         beam.log_probs = log_probs + [token_lp]
         beam.cum_log_prob = cum + token_lp

@@ -445,7 +445,7 @@ class Executor:
             seq.num_computed_tokens += item.num_new_tokens
             self.blocks.register_computed_blocks(seq)
             if seq.seq_id in sampled:
-                self._append_token(seq, *sampled[seq.seq_id], logits[end - 1], now)
+                self._append_token(seq, *sampled[seq.seq_id], logits, end - 1, now)
             elif samples and seq.state.is_beam_search:
                 beam_rows.append((seq, logits[end - 1]))
         if beam_rows:
@@ -470,7 +470,7 @@ class Executor:
         if new:
             state.context_logits_parts.append(chunk_logits[:new].float().cpu())
 
-    def _append_token(self, seq: Sequence, token: int, log_prob: float | None, raw_logits: torch.Tensor,
+    def _append_token(self, seq: Sequence, token: int, log_prob: float | None, logits: torch.Tensor, row: int,
                       now: int) -> None:
         request, perf = seq.state.request, seq.state.perf
         perf.first_token_time_ns = perf.first_token_time_ns or now
@@ -484,7 +484,7 @@ class Executor:
             seq.log_probs.append(log_prob)
             seq.cum_log_prob += log_prob
         if request.output.return_generation_logits:
-            seq.generation_logits.append(raw_logits.float().cpu())
+            seq.generation_logits.append(logits[row].float().cpu())
         reason = self._stop_reason(seq)
         if reason is not FinishReason.NOT_FINISHED:
             self._finish(seq, reason)

@@ -26,6 +26,8 @@ from typing import Protocol
 
 def chain_block_hashes(token_ids: list[int], tokens_per_block: int, known: list[int]) -> list[int]:
     """Extend ``known`` (hashes of the first len(known) full blocks) to every full block of token_ids."""
+    if (len(known) + 1) * tokens_per_block > len(token_ids):
+        return known  # no new full block: the common decode step costs nothing
     hashes = list(known)
     prev = hashes[-1] if hashes else None
     for start in range(len(hashes) * tokens_per_block, len(token_ids) - tokens_per_block + 1, tokens_per_block):
@@ -49,6 +51,7 @@ class SequenceBlocks(Protocol):
     num_computed_tokens: int
     block_ids: list[int]
     block_hashes: list[int]
+    num_registered_blocks: int  # block_ids[:n] are registered (or were already cached): never revisited
 
 
 class BlockManager:
@@ -167,6 +170,7 @@ class BlockManager:
         self.total_reused_blocks += len(hits)
         seq.block_ids = hits
         seq.num_computed_tokens = len(hits) * self.tokens_per_block
+        seq.num_registered_blocks = len(hits)
         return len(hits)
 
     def append_slots(self, seq: SequenceBlocks, num_new_tokens: int) -> int | None:
@@ -182,15 +186,20 @@ class BlockManager:
         if not self.enable_reuse:
             return
         T = self.tokens_per_block
+        num_full = min(seq.num_computed_tokens // T, len(seq.block_ids))
+        if num_full <= seq.num_registered_blocks:
+            return
         seq.block_hashes = chain_block_hashes(seq.token_ids, T, seq.block_hashes)
-        for i in range(min(seq.num_computed_tokens // T, len(seq.block_hashes), len(seq.block_ids))):
+        for i in range(seq.num_registered_blocks, num_full):
             self.register(seq.block_ids[i], seq.block_hashes[i], tuple(seq.token_ids[i * T:(i + 1) * T]))
+        seq.num_registered_blocks = num_full
 
     def release(self, seq: SequenceBlocks) -> None:
         """Free all of ``seq``'s blocks; it must recompute from scratch if it runs again."""
         self.free(seq.block_ids)
         seq.block_ids = []
         seq.num_computed_tokens = 0
+        seq.num_registered_blocks = 0
 
     def check_invariants(self) -> None:
         for block in self.blocks:

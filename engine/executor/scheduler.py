@@ -107,6 +107,7 @@ class Scheduler:
         if seq.block_ids:
             self.blocks.free(seq.block_ids)
         seq.block_ids = []
+        seq.num_registered_blocks = 0
         seq.status = SequenceStatus.FINISHED
 
     @property

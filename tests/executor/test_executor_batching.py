@@ -89,3 +89,27 @@ def test_greedy_matches_transformers_generate(tiny_engine, tiny_hf):
     for prompt, request_id in zip(prompts, ids):
         expected = tiny_hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False)[0, len(prompt):]
         assert final_tokens(responses[request_id]) == expected.tolist()
+
+
+def test_beam_search_survives_preemption_beside_other_requests(tiny_engine):
+    from engine.executor.request import SamplingConfig
+
+    def beam_request(prompt):
+        return Request(prompt, 8, output=_exclude(), sampling=SamplingConfig(beam_width=3))
+
+    prompts = [[5, 9, 2, 7, 1, 3], [11, 12, 13], [40, 41, 42, 43, 44, 45, 46, 47, 48]]
+    with Executor(tiny_engine, ExecutorConfig(max_beam_width=3, enable_kv_cache_reuse=False)) as executor:
+        alone = []
+        for prompt in prompts:
+            [request_id] = executor.enqueue_requests([beam_request(prompt)])
+            alone.append(collect(executor, [request_id])[request_id][-1].result.output_token_ids)
+    # 12 blocks of 4 tokens: three 3-beam requests plus greedy ones cannot all fit; beams get preempted.
+    config = ExecutorConfig(max_beam_width=3, batch_scheduler_policy="max_utilization", max_tokens_in_paged_kv_cache=48)
+    with Executor(tiny_engine, config) as executor:
+        mixed = [beam_request(p) for p in prompts] + workload()[:4]
+        ids = executor.enqueue_requests(mixed)
+        responses = collect(executor, ids)
+        stats = executor.get_latest_iteration_stats()
+    assert [responses[i][-1].result.output_token_ids for i in ids[:3]] == alone
+    assert stats.num_preempted_requests > 0
+    assert stats.kv_cache_stats.free_num_blocks == 12
