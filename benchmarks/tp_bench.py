@@ -42,11 +42,6 @@ from engine.convert import iter_rank_weights
 from engine.distributed import make_runner, run_worker
 from engine.executor.runner import ForwardBatch, ModelRunner
 
-try:  # the engine benchmark's runner adds decode CUDA graphs (until the runner has them natively)
-    from engine_bench import BenchRunner as GraphRunner
-except ImportError:
-    GraphRunner = ModelRunner
-
 MODELS = {
     "llama8b": dict(
         architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32,
@@ -111,17 +106,24 @@ def random_rank_weights(engine_dir: str, rank: int, device, *, seed: int = 0) ->
     return dict(iter_rank_weights(get, config.model, rank, config.build.tp_size, dtype))
 
 
-class TPBenchRunner(GraphRunner):
-    """The real runner's loading path (weights from ``random_rank_weights``), with decode graphs."""
-
-    _load_model = ModelRunner._load_model
-
-
 class EagerRunner(ModelRunner):
-    pass
+    """The runner without decode CUDA graphs (``--no_graphs``)."""
+
+    def capture_cuda_graphs(self) -> None:
+        pass
+
+
+def runner_class(args) -> type:
+    """Every rank must use the same class: graph capture runs collectives."""
+    return EagerRunner if args.no_graphs else ModelRunner
 
 
 def use_random_weights() -> None:
+    """Every runner of this process loads its shard from ``random_rank_weights``.
+
+    (Not the runner's own ``extra.random_weights_seed`` engines: those draw each rank's shard
+    from its own seed, so TP 1 and TP 2 would be different models.)
+    """
     runner_module.load_rank_weights = random_rank_weights
 
 
@@ -129,7 +131,7 @@ def write_engine_config(root: str, model: str, dtype: str, tp_size: int) -> str:
     engine_dir = os.path.join(root, f"{model}-{dtype}-tp{tp_size}")
     build = BuildConfig(dtype=dtype, max_batch_size=64, max_input_len=2048, max_seq_len=4096, max_num_tokens=8192,
                         tokens_per_block=32, tp_size=tp_size)
-    EngineConfig(model=ModelConfig(**MODELS[model]), build=build, extra={"random_weights_seed": 0}).validate().save(engine_dir)
+    EngineConfig(model=ModelConfig(**MODELS[model]), build=build, extra={"tp_bench_seed": 0}).validate().save(engine_dir)
     return engine_dir
 
 
@@ -230,7 +232,7 @@ def bench_offline(executor, vocab: int, in_len: int, out_len: int, num_requests:
 
 
 def run_greedy_phase(args) -> dict:
-    runner = make_runner(args.engine_dir, device=args.device, runner_class=EagerRunner)
+    runner = make_runner(args.engine_dir, device=args.device)  # eager: no graphs are captured here
     prompts = greedy_prompts(runner.vocab_size)
     started = time.perf_counter()
     tokens, first_logits = greedy(runner, prompts, args.greedy_steps)
@@ -246,7 +248,7 @@ def run_perf_phase(args) -> dict:
     from engine.executor.executor import Executor, ExecutorConfig
 
     # The executor builds its runner through make_runner(..., runner_class=ModelRunner).
-    executor_module.ModelRunner = EagerRunner if args.no_graphs else TPBenchRunner
+    executor_module.ModelRunner = runner_class(args)
     config = ExecutorConfig(kv_cache_free_gpu_mem_fraction=0.85, enable_kv_cache_reuse=False)
     executor = Executor(args.engine_dir, config, device=args.device)
     try:
@@ -259,7 +261,7 @@ def run_perf_phase(args) -> dict:
         executor.shutdown()
         if hasattr(executor.runner, "shutdown"):
             executor.runner.shutdown()
-    graphs = args.device.startswith("cuda") and not args.no_graphs and GraphRunner is not ModelRunner
+    graphs = args.device.startswith("cuda") and not args.no_graphs
     return {"decode": decode, "offline": offline, "graphs": graphs}
 
 
@@ -287,8 +289,7 @@ def run_phase(args, phase: str, engine_dir: str, workdir: str) -> dict:
     tp = int(phase[-1])
     out = os.path.join(workdir, f"{phase}.json")
     common = [sys.executable, os.path.abspath(__file__), "--engine_dir", engine_dir, "--device", args.device]
-    # Every rank must use the same runner class: graph capture runs collectives.
-    flags = ["--no_graphs"] if args.no_graphs or phase.startswith("greedy") else []
+    flags = ["--no_graphs"] if args.no_graphs else []
     leader_cmd = common + ["--role", "greedy" if phase.startswith("greedy") else "perf", "--out", out,
                            "--greedy_steps", str(args.greedy_steps), "--offline", args.offline, *flags]
     port = free_port()
@@ -398,7 +399,7 @@ def main(argv=None) -> None:
         return
     use_random_weights()
     if args.role == "worker":
-        run_worker(args.engine_dir, device=args.device, runner_class=EagerRunner if args.no_graphs else TPBenchRunner)
+        run_worker(args.engine_dir, device=args.device, runner_class=runner_class(args))
         return
     result = run_greedy_phase(args) if args.role == "greedy" else run_perf_phase(args)
     with open(args.out, "w") as f:
