@@ -117,9 +117,11 @@ def build_command(args: argparse.Namespace, install: ServerInstall) -> list[str]
     return cmd
 
 
-# Variables every rank needs, exported by name to remote nodes (local ranks inherit them anyway).
-RANK_ENV_VARS = ("PATH", "LD_LIBRARY_PATH", "TRITONLLM_DIST_ADDR", "TRITONLLM_DIST_PORT",
-                 "TRITONLLM_DIST_TIMEOUT_S", "TRITONLLM_DIST_STARTUP_TIMEOUT_S", "TRITONLLM_DIST_HEARTBEAT_S")
+# Variables every rank needs, exported by name to remote nodes (local ranks inherit them anyway);
+# the optional ones only when set (mpirun warns about unset names).
+RANK_ENV_VARS = ("PATH", "LD_LIBRARY_PATH", "TRITONLLM_DIST_ADDR", "TRITONLLM_DIST_PORT")
+OPTIONAL_RANK_ENV_VARS = ("TRITONLLM_DIST_TIMEOUT_S", "TRITONLLM_DIST_STARTUP_TIMEOUT_S", "TRITONLLM_DIST_HEARTBEAT_S",
+                          "NCCL_SOCKET_IFNAME", "NCCL_DEBUG", "CUDA_VISIBLE_DEVICES")
 
 
 def leader_mode_arguments(args: argparse.Namespace, install: ServerInstall) -> list[str]:
@@ -136,7 +138,7 @@ def leader_mode_arguments(args: argparse.Namespace, install: ServerInstall) -> l
     cmd = ["--bind-to", "none", "--mca", "orte_enable_recovery", "1"]
     if args.hostfile:
         cmd += ["--hostfile", args.hostfile]
-    for name in RANK_ENV_VARS:
+    for name in RANK_ENV_VARS + tuple(n for n in OPTIONAL_RANK_ENV_VARS if n in os.environ):
         cmd += ["-x", name]
     worker = [sys.executable, "-m", "engine.worker", f"--engine_dir={args.engine_dir}"]
     return cmd + ["-n", "1", *rank_arguments(0, args, install), ":", "-n", str(args.world_size - 1), *worker]
