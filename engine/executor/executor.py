@@ -17,8 +17,8 @@ import random
 import threading
 import time
 import traceback
-from collections import OrderedDict, deque
-from dataclasses import dataclass, field, replace
+from collections import deque
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Callable
 
@@ -26,15 +26,16 @@ import torch
 
 from engine.executor import beam_search
 from engine.executor.kv_cache import BlockManager
+from engine.executor.output import ResponseQueue, responses_for
 from engine.executor.request import (
-    FinishReason, Request, RequestLimits, RequestState, Response, Result, Sequence, SequenceStatus,
-    normalize_request, now_ns, validate_request,
+    FinishReason, Request, RequestLimits, RequestState, Response, Sequence, normalize_request, now_ns,
+    validate_request,
 )
 from engine.executor.runner import ForwardBatch, ModelRunner
 from engine.executor.sampler import build_sampling_metadata, process_logits, sample
 from engine.executor.scheduler import POLICIES, Scheduler, SchedulerOutput
-
-STATS_TIME_FORMAT = "%m-%d-%Y %H:%M:%S.%f"
+# KvCacheStats and IterationStats are part of this module's public surface (re-exported).
+from engine.executor.stats import STATS_TIME_FORMAT, IterationStats, KvCacheStats, kv_cache_stats  # noqa: F401
 
 
 class ExecutorConfigError(ValueError):
@@ -86,97 +87,6 @@ class ExecutorConfig:
         require(self.iter_stats_max_iterations >= 1,
                 f"ExecutorConfig.iter_stats_max_iterations must be >= 1, got {self.iter_stats_max_iterations!r}")
         return self
-
-
-@dataclass
-class KvCacheStats:
-    max_num_blocks: int = 0
-    free_num_blocks: int = 0
-    used_num_blocks: int = 0
-    tokens_per_block: int = 0
-    reused_blocks: int = 0  # cumulative prefix-cache hits
-    alloc_new_blocks: int = 0  # cumulative fresh allocations
-    alloc_total_blocks: int = 0
-
-
-@dataclass
-class IterationStats:
-    timestamp: str = ""  # UTC, "%m-%d-%Y %H:%M:%S.%f" like TRT-LLM
-    timestamp_ns: int = 0
-    iter: int = 0
-    iter_latency_ms: float = 0.0
-    num_active_requests: int = 0
-    max_num_active_requests: int = 0
-    num_queued_requests: int = 0
-    num_scheduled_requests: int = 0
-    num_context_requests: int = 0
-    num_gen_requests: int = 0
-    num_ctx_tokens: int = 0
-    num_gen_tokens: int = 0
-    num_paused_requests: int = 0
-    num_preempted_requests: int = 0
-    cpu_mem_usage: int = 0
-    gpu_mem_usage: int = 0
-    pinned_mem_usage: int = 0
-    kv_cache_stats: KvCacheStats = field(default_factory=KvCacheStats)
-
-
-class _ResponseQueue:
-    """Responses waiting for ``await_responses``; streaming chunks of one stream coalesce.
-
-    A streaming client that polls slower than the loop runs gets one response carrying every
-    token produced since its last poll, instead of falling behind one response per token.
-    """
-
-    def __init__(self):
-        self._pending: OrderedDict[object, Response] = OrderedDict()
-        self._cv = threading.Condition()
-        self._unique = itertools.count()
-
-    def put(self, responses: list[Response]) -> None:
-        with self._cv:
-            for response in responses:
-                self._put_one(response)
-            self._cv.notify_all()
-
-    def _put_one(self, response: Response) -> None:
-        result = response.result
-        key = (response.request_id, result.sequence_index) if result is not None else next(self._unique)
-        queued = self._pending.get(key)
-        if queued is not None and _mergeable(queued.result, result):
-            self._pending[key] = Response(response.request_id, None, _merge(queued.result, result))
-            return
-        if queued is not None:  # keep order: the earlier response stays under a fresh key
-            self._pending[next(self._unique)] = self._pending.pop(key)
-        self._pending[key] = response
-
-    def take(self, timeout: float | None) -> list[Response]:
-        with self._cv:
-            if not self._pending:
-                self._cv.wait(timeout)
-            responses = list(self._pending.values())
-            self._pending.clear()
-            return responses
-
-
-def _mergeable(a: Result | None, b: Result | None) -> bool:
-    return a is not None and b is not None and not a.is_final and getattr(a, "_streaming_delta", False)
-
-
-def _merge(a: Result, b: Result) -> Result:
-    def cat(x, y):
-        return None if x is None or y is None else [p + q for p, q in zip(x, y)]
-
-    merged = replace(
-        b,
-        output_token_ids=[p + q for p, q in zip(a.output_token_ids, b.output_token_ids)],
-        log_probs=cat(a.log_probs, b.log_probs),
-        context_logits=a.context_logits if a.context_logits is not None else b.context_logits,
-        generation_logits=(torch.cat([a.generation_logits, b.generation_logits], dim=1)
-                           if a.generation_logits is not None and b.generation_logits is not None else b.generation_logits),
-    )
-    merged._streaming_delta = True
-    return merged
 
 
 class Executor:
@@ -235,12 +145,12 @@ class Executor:
         self._active: dict[int, RequestState] = {}
         self._num_unscheduled = 0  # admitted requests not scheduled yet (they count as queued)
         self._touched: dict[int, RequestState] = {}  # requests with news this iteration
-        self._responses = _ResponseQueue()
+        self._responses = ResponseQueue()
         self._callback = response_callback
         self._iteration = 0
         self._max_active = 0
         self._stats_history: deque[IterationStats] = deque(maxlen=self.config.iter_stats_max_iterations)
-        self._latest_stats = IterationStats(kv_cache_stats=self._kv_stats())
+        self._latest_stats = IterationStats(kv_cache_stats=kv_cache_stats(self.blocks))
 
     # ----- public API -----
     def enqueue_request(self, request: Request) -> int:
@@ -545,55 +455,13 @@ class Executor:
     def _emit(self) -> None:
         responses = []
         for state in self._touched.values():
-            responses += self._responses_for(state)
+            responses += responses_for(state)
             if all(s.is_finished for s in state.sequences):
                 self._leave_queue(state)  # e.g. cancelled while still queued
                 self._active.pop(state.request_id, None)
         self._touched.clear()
         if responses:
             self._deliver(responses)
-
-    def _responses_for(self, state: RequestState) -> list[Response]:
-        if state.is_beam_search:
-            return beam_search.responses(state)
-        responses = []
-        for seq in state.sequences:
-            if seq.sequence_index in state.finished_streams:
-                continue
-            if state.request.streaming and (seq.num_generated_tokens > seq.num_emitted or seq.is_finished):
-                responses.append(Response(state.request_id, result=self._streaming_result(seq)))
-            elif seq.is_finished:
-                responses.append(Response(state.request_id, result=self._final_result(seq)))
-            if seq.is_finished:
-                state.finished_streams.add(seq.sequence_index)
-        return responses
-
-    def _streaming_result(self, seq: Sequence) -> Result:
-        start, seq.num_emitted = seq.num_emitted, seq.num_generated_tokens
-        result = self._result(seq, seq.generated_token_ids[start:], start,
-                              with_context_logits=start == 0)
-        result._streaming_delta = True
-        return result
-
-    def _final_result(self, seq: Sequence) -> Result:
-        seq.num_emitted = seq.num_generated_tokens
-        tokens = seq.generated_token_ids if seq.state.exclude_input else list(seq.token_ids)
-        return self._result(seq, tokens, 0, with_context_logits=True)
-
-    def _result(self, seq: Sequence, tokens: list[int], start: int, with_context_logits: bool) -> Result:
-        state, output = seq.state, seq.state.request.output
-        result = Result(output_token_ids=[tokens], is_final=seq.is_finished, finish_reasons=[seq.finish_reason],
-                        sequence_index=seq.sequence_index)
-        if output.return_log_probs:
-            result.log_probs = [seq.log_probs[start:]]
-            result.cum_log_probs = [seq.cum_log_prob]
-        if output.return_generation_logits and seq.generation_logits[start:]:
-            result.generation_logits = torch.stack(seq.generation_logits[start:]).unsqueeze(0)
-        if output.return_context_logits and with_context_logits and state.context_logits_parts:
-            result.context_logits = torch.cat(state.context_logits_parts)
-        if output.return_perf_metrics:
-            result.perf = replace(state.perf)
-        return result
 
     def _deliver(self, responses: list[Response]) -> None:
         if self._callback is None:
@@ -605,13 +473,6 @@ class Executor:
             traceback.print_exc()
 
     # ----- stats -----
-    def _kv_stats(self) -> KvCacheStats:
-        return KvCacheStats(
-            max_num_blocks=self.blocks.num_blocks, free_num_blocks=self.blocks.num_free_blocks,
-            used_num_blocks=self.blocks.num_used_blocks, tokens_per_block=self.blocks.tokens_per_block,
-            reused_blocks=self.blocks.total_reused_blocks, alloc_new_blocks=self.blocks.total_new_blocks,
-            alloc_total_blocks=self.blocks.total_new_blocks + self.blocks.total_reused_blocks)
-
     def _record_stats(self, plan: SchedulerOutput, started: float) -> None:
         self._iteration += 1
         self._max_active = max(self._max_active, len(self._active))
@@ -630,6 +491,6 @@ class Executor:
             num_paused_requests=len(plan.preempted), num_preempted_requests=self.scheduler.num_preemptions,
             cpu_mem_usage=0 if on_gpu else kv_bytes,
             gpu_mem_usage=torch.cuda.memory_allocated(self.runner.device) if on_gpu else 0,
-            kv_cache_stats=self._kv_stats())
+            kv_cache_stats=kv_cache_stats(self.blocks))
         self._latest_stats = stats
         self._stats_history.append(stats)

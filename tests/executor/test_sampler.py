@@ -4,7 +4,6 @@ from __future__ import annotations
 import torch
 from executor_testing import make_seq
 
-from engine.executor.request import Request
 from engine.executor.sampler import apply_top_k_top_p, build_sampling_metadata, process_logits, sample
 
 VOCAB = 8

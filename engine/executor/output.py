@@ -1,0 +1,117 @@
+"""What the executor sends: Results built from sequences, and the queue that coalesces them.
+
+Streaming: each response carries the tokens produced since that stream's previous response.
+Non-streaming: one final response with prompt + output (unless exclude_input_from_output).
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import OrderedDict
+from dataclasses import replace
+
+import torch
+
+from engine.executor import beam_search
+from engine.executor.request import RequestState, Response, Result, Sequence
+
+
+class ResponseQueue:
+    """Responses waiting for ``await_responses``; streaming chunks of one stream coalesce.
+
+    A streaming client that polls slower than the loop runs gets one response carrying every
+    token produced since its last poll, instead of falling behind one response per token.
+    """
+
+    def __init__(self):
+        self._pending: OrderedDict[object, Response] = OrderedDict()
+        self._cv = threading.Condition()
+        self._unique = itertools.count()
+
+    def put(self, responses: list[Response]) -> None:
+        with self._cv:
+            for response in responses:
+                self._put_one(response)
+            self._cv.notify_all()
+
+    def _put_one(self, response: Response) -> None:
+        result = response.result
+        key = (response.request_id, result.sequence_index) if result is not None else next(self._unique)
+        queued = self._pending.get(key)
+        if queued is not None and _mergeable(queued.result, result):
+            self._pending[key] = Response(response.request_id, None, _merge(queued.result, result))
+            return
+        if queued is not None:  # keep order: the earlier response stays under a fresh key
+            self._pending[next(self._unique)] = self._pending.pop(key)
+        self._pending[key] = response
+
+    def take(self, timeout: float | None) -> list[Response]:
+        with self._cv:
+            if not self._pending:
+                self._cv.wait(timeout)
+            responses = list(self._pending.values())
+            self._pending.clear()
+            return responses
+
+
+def _mergeable(a: Result | None, b: Result | None) -> bool:
+    return a is not None and b is not None and not a.is_final and getattr(a, "_streaming_delta", False)
+
+
+def _merge(a: Result, b: Result) -> Result:
+    def cat(x, y):
+        return None if x is None or y is None else [p + q for p, q in zip(x, y)]
+
+    merged = replace(
+        b,
+        output_token_ids=[p + q for p, q in zip(a.output_token_ids, b.output_token_ids)],
+        log_probs=cat(a.log_probs, b.log_probs),
+        context_logits=a.context_logits if a.context_logits is not None else b.context_logits,
+        generation_logits=(torch.cat([a.generation_logits, b.generation_logits], dim=1)
+                           if a.generation_logits is not None and b.generation_logits is not None else b.generation_logits),
+    )
+    merged._streaming_delta = True
+    return merged
+
+
+def responses_for(state: RequestState) -> list[Response]:
+    if state.is_beam_search:
+        return beam_search.responses(state)
+    responses = []
+    for seq in state.sequences:
+        if seq.sequence_index in state.finished_streams:
+            continue
+        if state.request.streaming and (seq.num_generated_tokens > seq.num_emitted or seq.is_finished):
+            responses.append(Response(state.request_id, result=streaming_result(seq)))
+        elif seq.is_finished:
+            responses.append(Response(state.request_id, result=final_result(seq)))
+        if seq.is_finished:
+            state.finished_streams.add(seq.sequence_index)
+    return responses
+
+def streaming_result(seq: Sequence) -> Result:
+    start, seq.num_emitted = seq.num_emitted, seq.num_generated_tokens
+    result = build_result(seq, seq.generated_token_ids[start:], start,
+                          with_context_logits=start == 0)
+    result._streaming_delta = True
+    return result
+
+def final_result(seq: Sequence) -> Result:
+    seq.num_emitted = seq.num_generated_tokens
+    tokens = seq.generated_token_ids if seq.state.exclude_input else list(seq.token_ids)
+    return build_result(seq, tokens, 0, with_context_logits=True)
+
+def build_result(seq: Sequence, tokens: list[int], start: int, with_context_logits: bool) -> Result:
+    state, output = seq.state, seq.state.request.output
+    result = Result(output_token_ids=[tokens], is_final=seq.is_finished, finish_reasons=[seq.finish_reason],
+                    sequence_index=seq.sequence_index)
+    if output.return_log_probs:
+        result.log_probs = [seq.log_probs[start:]]
+        result.cum_log_probs = [seq.cum_log_prob]
+    if output.return_generation_logits and seq.generation_logits[start:]:
+        result.generation_logits = torch.stack(seq.generation_logits[start:]).unsqueeze(0)
+    if output.return_context_logits and with_context_logits and state.context_logits_parts:
+        result.context_logits = torch.cat(state.context_logits_parts)
+    if output.return_perf_metrics:
+        result.perf = replace(state.perf)
+    return result
