@@ -334,7 +334,9 @@ class Executor:
         want_log_probs = any(s.state.request.output.return_log_probs for s in seqs)
         md = build_sampling_metadata(seqs, self.runner.vocab_size, logits.device, want_log_probs)
         md.normalize_log_probs = self.config.normalize_log_probs
-        out = sample(logits[[row for _, row in sampling]], md)
+        sample_rows = [row for _, row in sampling]
+        all_rows = sample_rows == list(range(len(logits)))  # plain decode: no gather needed
+        out = sample(logits if all_rows else logits[sample_rows], md)
         if out.log_probs is None:
             return {seq.seq_id: (token, None) for seq, token in zip(seqs, out.token_ids.tolist())}
         # one host sync for ids and log-probs together (ids are exact in float64)
