@@ -56,3 +56,18 @@ def test_special_token_ids(smollm2_tokenizer):
     ids = smollm2_tokenizer.encode("Paris", add_special_tokens=False) + [2]
     assert decode_tokens(smollm2_tokenizer, ids) == "Paris"
     assert decode_tokens(smollm2_tokenizer, ids, skip_special_tokens=False).endswith("<|im_end|>")
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=40),
+       chunk=st.integers(min_value=1, max_value=4))
+def test_any_text_streams_back_exactly(smollm2_tokenizer, text, chunk):
+    ids = smollm2_tokenizer.encode(text, add_special_tokens=False)
+    pieces = stream_in_chunks(smollm2_tokenizer, ids, chunk)
+    whole = decode_tokens(smollm2_tokenizer, ids)
+    assert "".join(pieces) == whole
+    if REPLACEMENT_CHAR not in whole:
+        assert not any(REPLACEMENT_CHAR in piece for piece in pieces)
