@@ -7,6 +7,7 @@ import importlib.util
 import socket
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,12 +56,12 @@ def chat(question: str) -> str:
     return CHAT_PROMPT.format(question=question)
 
 
-@pytest.fixture(scope="session")
-def triton_server(smollm2_engine_dir, tmp_path_factory):
+@contextmanager
+def running_server(engine_dir: str, work: Path, decoupled: bool = True):
+    """Fill a repository for `engine_dir` under `work`, serve it, yield a Server, stop it."""
     serve = load_script("serve_default")
     launcher = load_script("launch_triton_server")
-    work = tmp_path_factory.mktemp("triton")
-    repo = serve.prepare_model_repo(smollm2_engine_dir, str(work / "repo"), bls_instances=2)
+    repo = serve.prepare_model_repo(engine_dir, str(work / "repo"), bls_instances=2, decoupled=decoupled)
     ports = [str(free_port()) for _ in range(3)]
     args = launcher.parse_arguments([f"--model_repo={repo}", "--no-mpi", "--host=127.0.0.1",
                                      f"--http_port={ports[0]}", f"--grpc_port={ports[1]}",
@@ -81,6 +82,13 @@ def triton_server(smollm2_engine_dir, tmp_path_factory):
         except Exception:
             process.kill()
             process.wait()
+
+
+@pytest.fixture(scope="session")
+def triton_server(smollm2_engine_dir, tmp_path_factory):
+    """The decoupled server most tests share (streaming and unary both work on it)."""
+    with running_server(smollm2_engine_dir, tmp_path_factory.mktemp("triton")) as server:
+        yield server
 
 
 def wait_for(predicate, timeout: float = 20.0, interval: float = 0.2):

@@ -1,0 +1,69 @@
+"""A non-decoupled repository (`decoupled_mode:false`): one response per request, as clients like
+end_to_end_test.py and benchmark_core_model.py use it. A second server, started for this module."""
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from conftest import chat, running_server
+from test_grpc_stream import tensor
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def unary_server(smollm2_engine_dir, tmp_path_factory):
+    with running_server(smollm2_engine_dir, tmp_path_factory.mktemp("unary"), decoupled=False) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_engine_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_engine_dir)
+
+
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_unary_generate(unary_server, model):
+    body = {"text_input": chat("What is the capital of France?"), "max_tokens": 24,
+            "exclude_input_in_output": True}
+    response = unary_server.generate(model, body)
+    assert response.status_code == 200, response.text
+    assert response.json()["text_output"] == "The capital of France is Paris."
+
+
+def infer(server, inputs, outputs):
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        return client.infer("tensorrt_llm", [tensor(n, a) for n, a in inputs.items()],
+                            outputs=[grpcclient.InferRequestedOutput(o) for o in outputs])
+    finally:
+        client.close()
+
+
+def test_batch_of_two_comes_back_as_one_stacked_response(unary_server, tokenizer):
+    prompts = [tokenizer.encode(chat(q)) for q in ("What is the capital of France?", "Say hello.")]
+    width = max(map(len, prompts))
+    input_ids = np.array([p + [0] * (width - len(p)) for p in prompts], np.int32)
+    inputs = {"input_ids": input_ids, "input_lengths": np.array([[len(p)] for p in prompts], np.int32),
+              "request_output_len": np.array([[12], [12]], np.int32), "end_id": np.array([[2], [2]], np.int32)}
+    result = infer(unary_server, inputs, ["output_ids", "sequence_length", "batch_index"])
+    output_ids, lengths = result.as_numpy("output_ids"), result.as_numpy("sequence_length")
+    index = result.as_numpy("batch_index").reshape(-1).tolist()
+    assert output_ids.shape[:2] == (2, 1) and sorted(index) == [0, 1]
+    first = output_ids[index.index(0), 0, : lengths[index.index(0), 0]].tolist()
+    assert first[: len(prompts[0])] == prompts[0]  # the prompt is echoed by default
+    assert tokenizer.decode(first[len(prompts[0]):]) == "The capital of France is Paris."
+
+
+def test_log_probs_and_streaming_rejection(unary_server, tokenizer):
+    prompt = tokenizer.encode(chat("What is the capital of France?"))
+    inputs = {"input_ids": np.array([prompt], np.int32), "input_lengths": np.array([[len(prompt)]], np.int32),
+              "request_output_len": np.array([[6]], np.int32), "return_log_probs": np.array([[True]]),
+              "exclude_input_in_output": np.array([[True]])}
+    result = infer(unary_server, inputs, ["output_ids", "cum_log_probs", "output_log_probs"])
+    log_probs = result.as_numpy("output_log_probs")
+    assert log_probs.shape == (1, 1, 6) and (log_probs <= 0).all()
+    assert np.isclose(result.as_numpy("cum_log_probs").item(), log_probs.sum(), atol=1e-3)
+    with pytest.raises(Exception, match="Streaming is only supported in decoupled mode."):
+        infer(unary_server, {**inputs, "streaming": np.array([[True]])}, ["output_ids"])
