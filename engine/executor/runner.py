@@ -143,7 +143,7 @@ class ModelRunner:
         Runs after allocate_kv_cache (on every rank in leader mode)."""
         if self.device.type != "cuda" or self.kv_cache is None:
             return
-        choose_skinny_weights([m.weight for m in self.model.modules() if isinstance(m, Linear)])
+        self.gemm_choices = choose_skinny_weights([m.weight for m in self.model.modules() if isinstance(m, Linear)])
         build = self.build_config
         self.decode_graphs = DecodeGraphs(self.model, self.kv_cache, tokens_per_block=self.tokens_per_block,
                                           max_seq_len=build.max_seq_len, max_batch_size=build.max_batch_size)

@@ -83,7 +83,7 @@ class VocabParallelEmbedding(nn.Module):
 
 def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, tp_group) -> torch.Tensor:
     """hidden: (n, hidden) -> float32 logits (n, vocab), gathering each rank's vocab slice."""
-    logits = F.linear(hidden, weight).float()
+    logits = linear(hidden, weight).float()
     if tp_group is None:
         return logits
     shards = [torch.empty_like(logits) for _ in range(dist.get_world_size(tp_group))]

@@ -32,6 +32,20 @@ def test_skinny_linear_matches_f_linear(device, m, n, k):
         assert relative_error(skinny_linear_triton(x, w), F.linear(x.double(), w.double())) < ROUNDING[dtype]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="every tiling compiled on the GPU")
+@pytest.mark.parametrize("m", [1, 5])
+def test_every_load_time_variant_is_correct(m):
+    """choose_skinny_weights may pick any SKINNY_VARIANTS tiling: each must compute the same product."""
+    from kernels.linear import SKINNY_VARIANTS, skinny_linear_triton
+
+    x = torch.randn(m, 1000, dtype=torch.bfloat16, device="cuda")
+    w = torch.randn(333, 1000, dtype=torch.bfloat16, device="cuda") * 0.05
+    precise = F.linear(x.double(), w.double())
+    for bn, bk, warps, stages in SKINNY_VARIANTS:
+        out = skinny_linear_triton(x, w, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+        assert relative_error(out, precise) < ROUNDING[torch.bfloat16], (bn, bk, warps, stages)
+
+
 def test_linear_without_a_marked_weight_is_f_linear():
     from kernels.linear import linear
 
@@ -45,6 +59,6 @@ def test_choose_skinny_weights_marks_by_measurement():
 
     w = torch.randn(4096, 4096, dtype=torch.bfloat16, device="cuda") * 0.02
     report = choose_skinny_weights([w])
-    assert getattr(w, "_use_skinny_gemm") == report[(4096, 4096)]["use_triton"]
+    assert getattr(w, "_use_skinny_gemm") == report[(4096, 4096)]["variant"]
     x = torch.randn(1, 4096, dtype=torch.bfloat16, device="cuda")
     assert relative_error(linear(x, w), F.linear(x.double(), w.double())) < ROUNDING[torch.bfloat16]
