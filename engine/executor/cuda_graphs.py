@@ -19,6 +19,7 @@ split count) is valid for every context the engine allows; block tables are at m
 from __future__ import annotations
 
 import bisect
+import itertools
 
 import numpy as np
 import torch
@@ -97,39 +98,34 @@ class DecodeGraphs:
     def try_run(self, batch) -> torch.Tensor | None:
         """A runner ForwardBatch -> hidden rows of its logits_indices, or None when the batch is not
         decode-only or does not fit a bucket (the caller then runs it eagerly)."""
-        tables = batch.block_tables
-        if not self.can_run(batch.seq_lens_q, max(map(len, tables), default=0)):
+        num_seqs = len(batch.seq_lens_q)
+        if not (0 < num_seqs <= self.max_batch_size and len(batch.token_ids) == num_seqs
+                and all(n == 1 for n in batch.seq_lens_q)):
             return None
-        page = self.tokens_per_block
-        slots = [table[p // page] * page + p % page for table, p in zip(tables, batch.positions)]
-        hidden = self.run(batch.token_ids, batch.positions, slots, batch.context_lens, tables)
-        if len(batch.logits_indices) != len(batch.token_ids) or batch.logits_indices != list(range(len(batch.token_ids))):
+        hidden = self.run(batch.token_ids, batch.positions, batch.context_lens, batch.block_tables)
+        if hidden is None:
+            return None
+        if len(batch.logits_indices) != num_seqs or batch.logits_indices != list(range(num_seqs)):
             hidden = hidden[torch.tensor(batch.logits_indices, device=hidden.device)]
         return hidden
-
-    def can_run(self, seq_lens_q: list[int], num_blocks_needed: int) -> bool:
-        return (0 < len(seq_lens_q) <= self.max_batch_size and num_blocks_needed <= self.max_blocks
-                and all(n == 1 for n in seq_lens_q))
 
     def bucket_for(self, num_seqs: int) -> int:
         return self.buckets[bisect.bisect_left(self.buckets, num_seqs)]
 
-    def run(self, token_ids: list[int], positions: list[int], slots: list[int], context_lens: list[int],
-            block_tables: list[list[int]]) -> torch.Tensor:
+    def run(self, token_ids: list[int], positions: list[int], context_lens: list[int],
+            block_tables: list[list[int]]) -> torch.Tensor | None:
         """One decode step of len(token_ids) sequences -> hidden (num_seqs, hidden), a view that the
-        next ``run`` overwrites (consume it, e.g. compute logits, before the next step)."""
+        next ``run`` overwrites (consume it, e.g. compute logits, before the next step); None when a
+        block table is wider than the graphs allow."""
         bs = len(token_ids)
+        lengths = np.fromiter(map(len, block_tables), dtype=np.int64, count=bs)
+        width = int(lengths.max())
+        if width > self.max_blocks:
+            return None
         bucket = self.bucket_for(bs)
         self._copied.synchronize()  # the previous step's copies have left the pinned buffers
-        width = max(len(t) for t in block_tables)
-        self._np_i64[0, :bs] = token_ids
-        self._np_i64[1, :bs] = positions
-        self._np_i64[2, :bs] = slots
-        self._np_i64[2, bs:bucket] = -1
-        self._np_ctx[:bs] = context_lens
-        self._np_ctx[bs:bucket] = 1
-        self._np_tables[:bs, :width] = _rectangular(block_tables, width)
-        self._np_tables[bs:bucket, 0] = 0
+        fill_decode_inputs(self._np_i64, self._np_ctx, self._np_tables, token_ids, positions, context_lens,
+                           block_tables, lengths, self.tokens_per_block, bucket)
         # Contiguous spans only: a strided pinned source would make torch stage it synchronously.
         self.dev_i64.copy_(self.host_i64, non_blocking=True)
         self.dev_ctx[:bucket].copy_(self.host_ctx[:bucket], non_blocking=True)
@@ -137,6 +133,29 @@ class DecodeGraphs:
         self._copied.record()
         self.graphs[bucket].replay()
         return self.hidden[bucket][:bs]
+
+
+def fill_decode_inputs(i64: np.ndarray, ctx: np.ndarray, tables: np.ndarray, token_ids: list[int],
+                       positions: list[int], context_lens: list[int], block_tables: list[list[int]],
+                       lengths: np.ndarray, page: int, bucket: int) -> None:
+    """Write one decode step into the graphs' host buffers: i64 rows (ids, positions, slots),
+    ctx (context lengths), tables (block tables, row i's first lengths[i] columns); rows
+    [bs, bucket) become padding (slot -1, context 1, block 0)."""
+    bs, width = len(token_ids), int(lengths.max())
+    # Columns past a row's length keep stale ids that the kernel never reads (it stops at the
+    # row's context length).
+    flat = np.fromiter(itertools.chain.from_iterable(block_tables), dtype=np.int32, count=int(lengths.sum()))
+    tables[:bs, :width][np.arange(width) < lengths[:, None]] = flat
+    tables[bs:bucket, 0] = 0
+    ids, pos, slots = i64[0], i64[1], i64[2]
+    ids[:bs] = token_ids
+    pos[:bs] = positions
+    # Slot of each new token: its block (row start + position // page) * page + offset.
+    row_starts = np.cumsum(lengths) - lengths
+    slots[:bs] = flat[row_starts + pos[:bs] // page].astype(np.int64) * page + pos[:bs] % page
+    slots[bs:bucket] = -1
+    ctx[:bs] = context_lens
+    ctx[bs:bucket] = 1
 
 
 @torch.inference_mode()
@@ -161,12 +180,3 @@ def run_warmup_batch(model: torch.nn.Module, kv_cache: torch.Tensor, tokens_per_
     model.compute_logits(hidden[-2:])
     torch.cuda.synchronize(device)
 
-
-def _rectangular(tables: list[list[int]], width: int) -> np.ndarray:
-    """Ragged block tables -> (len(tables), width) int32, short rows padded with block 0."""
-    if all(len(t) == width for t in tables):
-        return np.asarray(tables, dtype=np.int32)
-    out = np.zeros((len(tables), width), dtype=np.int32)
-    for row, table in enumerate(tables):
-        out[row, :len(table)] = table
-    return out

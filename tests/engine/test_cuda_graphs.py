@@ -88,3 +88,24 @@ def test_graph_decode_matches_eager_decode(tmp_path, num_seqs):
         assert err < 2e-2, f"step {step}: relative error {err:.2e}"
         same = (graphed.argmax(-1) == eager.argmax(-1)).float().mean().item()
         assert same >= 0.95, f"step {step}: only {same:.0%} of greedy tokens agree"
+
+
+def test_fill_decode_inputs_packs_ragged_tables_slots_and_padding():
+    """The graphs' host-side packing (pure numpy, so it runs in CI): slots, tables and padding rows."""
+    import numpy as np
+
+    from engine.executor.cuda_graphs import fill_decode_inputs
+
+    page, bucket = 16, 8
+    i64 = np.full((3, bucket), 99, dtype=np.int64)
+    ctx = np.full(bucket, 99, dtype=np.int32)
+    tables = np.full((bucket, 6), 77, dtype=np.int32)
+    block_tables = [[5], [9, 3], [4, 8, 2, 7]]
+    positions = [0, 16, 63]  # first slot of a block, first of the second block, last of the fourth
+    lengths = np.array([len(t) for t in block_tables])
+    fill_decode_inputs(i64, ctx, tables, [11, 12, 13], positions, [1, 17, 64], block_tables, lengths, page, bucket)
+    assert i64[0, :3].tolist() == [11, 12, 13] and i64[1, :3].tolist() == positions
+    assert i64[2].tolist() == [5 * 16 + 0, 3 * 16 + 0, 7 * 16 + 15] + [-1] * 5
+    assert ctx.tolist() == [1, 17, 64] + [1] * 5
+    assert tables[0, 0] == 5 and tables[1, :2].tolist() == [9, 3] and tables[2, :4].tolist() == [4, 8, 2, 7]
+    assert tables[3:, 0].tolist() == [0] * 5  # padding rows read block 0
