@@ -1,0 +1,34 @@
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "serve_default.py"
+spec = importlib.util.spec_from_file_location("serve_default", SCRIPT)
+serve = importlib.util.module_from_spec(spec)
+sys.modules["serve_default"] = serve
+spec.loader.exec_module(serve)
+
+
+def test_repo_is_filled_completely_outside_the_source_tree(tmp_path):
+    engine = tmp_path / "odd, name: dir"  # commas and colons survive fill_template's escaping
+    repo = Path(serve.prepare_model_repo(str(engine), str(tmp_path / "repo"), max_batch_size=4))
+    for model in serve.MODELS:
+        text = (repo / model / "config.pbtxt").read_text()
+        assert "max_batch_size: 4" in text
+        required = {"triton_max_batch_size", "logits_datatype", "decoupled_mode", "triton_backend",
+                    "engine_dir", "tokenizer_dir", "preprocessing_instance_count",
+                    "postprocessing_instance_count", "bls_instance_count", "max_queue_size",
+                    "max_queue_delay_microseconds", "encoder_input_features_data_type"}
+        assert not required & set(re.findall(r"\$\{(\w+)\}", text)), model
+    trt = (repo / "tensorrt_llm" / "config.pbtxt").read_text()
+    assert f'string_value: "{engine}"' in trt and 'backend: "python"' in trt
+    assert "decoupled: true" in trt
+    # Refilling replaces the old repository.
+    serve.prepare_model_repo(str(engine), str(repo), decoupled=False)
+    assert "decoupled: false" in (repo / "tensorrt_llm" / "config.pbtxt").read_text()
+
+
+def test_ready_line_has_a_working_curl_example():
+    message = serve.ready_message("8000", "8001", "8002")
+    assert message.startswith("READY:") and "curl -s -X POST http://127.0.0.1:8000/v2/models/ensemble/generate" in message
