@@ -100,8 +100,10 @@ class PagedSession:
             context_lens.append(start + len(tokens))
             tables.append(list(self._reserve(seq, start + len(tokens))))
             self.lengths[seq] = start + len(tokens)
+        # Every row requested through logits_indices (not all_logits), so decode-only steps may take
+        # the runner's CUDA-graph path when graphs were captured.
         batch = ForwardBatch(token_ids, positions, seq_lens, context_lens, tables, list(range(len(token_ids))))
-        logits = self.runner.forward(batch, all_logits=True)
+        logits = self.runner.forward(batch)
         return list(logits.split(seq_lens))
 
 

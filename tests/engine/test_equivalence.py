@@ -77,6 +77,7 @@ def test_prompt_then_16_decode_steps(family, device, dtype, tokens_per_block, hf
     sequence = _tokens(11 + 16, seed=2)  # teacher-forced: decode inputs are fixed tokens
     expected = hf_logits(hf_models(family), sequence)
     session = PagedSession(runner_for(family, device, dtype, tokens_per_block), num_blocks=64)
+    session.runner.capture_cuda_graphs()  # decode steps replay CUDA graphs on a GPU; no-op on CPU
     (prefill,) = session.step([(0, sequence[:11])])
     _assert_close(prefill, expected[:11], device, dtype)
     for pos in range(11, 27):
@@ -110,14 +111,17 @@ def test_prompt_prefilled_in_three_chunks(family, device, dtype, tokens_per_bloc
         _assert_close(chunk, expected[start:end], device, dtype)
 
 
-def test_logits_indices_select_rows(hf_models, runner_for):
-    """forward() without all_logits returns exactly the requested rows, float32."""
+def test_logits_indices_and_all_logits(hf_models, runner_for):
+    """forward() returns exactly the requested rows, or every new token's row with all_logits."""
     from engine.executor.runner import ForwardBatch
 
     runner = runner_for("llama", "cpu", "float32")
     runner.allocate_kv_cache(runner.num_kv_blocks_for(max_tokens=64))
     prompt = _tokens(9, seed=8)
+    expected = hf_logits(hf_models("llama"), prompt)
     logits = runner.forward(ForwardBatch(prompt, list(range(9)), [9], [9], [[0]], [8, 3]))
     assert logits.dtype == torch.float32 and logits.shape == (2, 96)
-    expected = hf_logits(hf_models("llama"), prompt)
     _assert_close(logits, expected[[8, 3]], "cpu", "float32")
+    context = runner.forward(ForwardBatch(prompt, list(range(9)), [9], [9], [[1]], [8]), all_logits=True)
+    assert context.shape == (9, 96)
+    _assert_close(context, expected, "cpu", "float32")
