@@ -129,7 +129,8 @@ def responses(state: RequestState) -> list[Response]:
         return []
     if not done and not request.streaming:
         return []
-    prompt = [] if state.exclude_input else list(request.input_token_ids)
+    # A stream never repeats the prompt, not even in its final response (TRT-LLM's rule).
+    prompt = [] if state.exclude_input or request.streaming else list(request.input_token_ids)
     if done:
         state.finished_streams.add(0)
         if any(s.finish_reason is FinishReason.CANCELLED for s in state.sequences) or not _hypotheses(state):
