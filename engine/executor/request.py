@@ -286,10 +286,12 @@ def validate_request(request: Request, limits: RequestLimits) -> str | None:
     if not limits.enable_chunked_context and len(prompt) > limits.max_num_tokens:
         return (f"prompt length ({len(prompt)}) exceeds max_num_tokens ({limits.max_num_tokens}); "
                 "enable_chunked_context or send a shorter prompt")
-    blocks = -(-total // limits.tokens_per_block)
+    beams = (request.sampling.beam_width or 1) if request.sampling is not None else 1
+    blocks = -(-total // limits.tokens_per_block) * beams  # beams must fit side by side
     if blocks > limits.num_kv_blocks:
-        return (f"prompt + max_tokens ({total} tokens) needs {blocks} KV cache blocks but the cache holds "
-                f"only {limits.num_kv_blocks}; allowed: at most {limits.num_kv_blocks * limits.tokens_per_block} tokens")
+        return (f"prompt + max_tokens ({total} tokens){f' x beam_width {beams}' if beams > 1 else ''} needs {blocks} "
+                f"KV cache blocks but the cache holds only {limits.num_kv_blocks}; allowed: at most "
+                f"{limits.num_kv_blocks * limits.tokens_per_block // beams} tokens per sequence")
     error = _token_ids_in_vocab("input_token_ids", prompt, limits.vocab_size)
     for name, words in (("stop_words", request.stop_words), ("bad_words", request.bad_words)):
         for word in words or ():

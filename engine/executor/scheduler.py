@@ -6,7 +6,8 @@ token it knows). Each iteration hands out tokens so the first catches up with th
 under two budgets: ``max_num_tokens`` tokens and ``max_batch_size`` sequences. A decoding
 sequence needs 1 token; a new one needs its prompt (or, with chunked context, as much of it as
 the budget allows); a preempted one needs prompt + output so far. Running sequences are served
-first (oldest first), then waiting ones are admitted in FIFO order.
+first (decodes before prefill chunks, oldest first within each), then waiting ones are admitted in
+FIFO order.
 
 Policies:
 - ``guaranteed_no_evict``: admit only if the free blocks, minus what running sequences may
@@ -124,23 +125,30 @@ class Scheduler:
         return out
 
     def _schedule_running(self, budget: _Budget, out: SchedulerOutput) -> None:
-        i = 0
-        while i < len(self.running):
-            seq = self.running[i]
+        """Decodes first (oldest first), then running prefill chunks and recomputes."""
+        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
+        for seq in decodes + [s for s in self.running if s.num_uncomputed_tokens > 1]:
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted above to make room for an older sequence
             num_new = self._num_tokens_to_schedule(seq, budget)
-            if num_new and not self._append_or_preempt(seq, num_new, out):
-                return  # seq itself was preempted: it was the newest, nothing runs after it
-            if num_new:
+            if num_new and self._append_or_preempt(seq, num_new, budget, out):
                 out.scheduled.append(ScheduledSequence(seq, num_new, self._is_prefill(seq)))
                 budget.take(num_new)
-            i += 1
 
-    def _append_or_preempt(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
-        """Give seq its blocks, preempting the newest running sequences if needed; False if seq went."""
+    def _append_or_preempt(self, seq: Sequence, num_new: int, budget: _Budget, out: SchedulerOutput) -> bool:
+        """Give seq its blocks, preempting the newest running sequences if needed; False if seq went.
+
+        A victim may already be in this step's plan (a decode scheduled before an older prefill
+        chunk): it is taken out of the plan and its budget given back.
+        """
         while (new_blocks := self.blocks.append_slots(seq, num_new)) is None:
             victim = self.running[-1]
             self._preempt(victim)
             out.preempted.append(victim)
+            for item in [item for item in out.scheduled if item.seq is victim]:
+                out.scheduled.remove(item)
+                budget.tokens += item.num_new_tokens
+                budget.seqs += 1
             if victim is seq:
                 return False
         self._count_allocation(seq, new_blocks, reused=0)

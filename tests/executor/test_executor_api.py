@@ -140,6 +140,15 @@ def test_bad_request_gets_a_clear_error_and_others_complete(executor, request_kw
     assert good_responses[-1].error is None and len(good_responses[-1].result.output_token_ids[0]) == len(PROMPT) + 4
 
 
+def test_requests_that_cannot_fit_the_kv_cache_are_refused(tiny_engine):
+    with Executor(tiny_engine, ExecutorConfig(max_beam_width=3, max_tokens_in_paged_kv_cache=40)) as ex:
+        too_long, beams_too_wide, fits = run(
+            ex, Request(PROMPT, 40), Request(PROMPT, 10, sampling=SamplingConfig(beam_width=3)), Request(PROMPT, 10))
+    assert "needs 12 KV cache blocks but the cache holds only 10" in too_long[0].error
+    assert "x beam_width 3 needs 15 KV cache blocks" in beams_too_wide[0].error
+    assert fits[-1].error is None
+
+
 def test_queue_full_rejects_with_the_reference_message(tiny_engine):
     with Executor(tiny_engine, ExecutorConfig(max_queue_size=2)) as ex:
         ids = ex.enqueue_requests([Request(PROMPT, 4) for _ in range(6)])

@@ -35,6 +35,21 @@ def test_decode_first_then_new_prefill_under_the_token_budget():
     assert a.block_ids == [0, 1] and b.block_ids == [2]
 
 
+def test_decodes_go_before_an_older_sequence_recomputing():
+    sched = make_scheduler(max_num_tokens=4, chunked=True)
+    a, b = make_seq([1, 2, 3], max_tokens=4), make_seq([4, 5, 6], max_tokens=4)
+    sched.add(a), sched.add(b)
+    out = sched.schedule()
+    assert plan(out) == [(a.seq_id, 3), (b.seq_id, 1)]  # chunked: b starts in the budget left
+    fake_update(sched, out)
+    out = sched.schedule()
+    assert plan(out) == [(a.seq_id, 1), (b.seq_id, 2)]
+    fake_update(sched, out)
+    sched.blocks.release(a)  # a (older) lost its KV and must recompute 4 tokens
+    out = sched.schedule()
+    assert plan(out) == [(b.seq_id, 1), (a.seq_id, 3)]  # b's decode is not starved by a's recompute
+
+
 def test_prompt_that_does_not_fit_waits_without_chunking():
     sched = make_scheduler(max_num_tokens=6)
     a, b = make_seq([1] * 4, max_tokens=2), make_seq([2] * 5, max_tokens=2)
