@@ -216,6 +216,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    commit, started = git_commit(), datetime.now(timezone.utc)  # what ran, not what HEAD is at the end
     if args.random_weights:
         engine_dir = random_weight_engine(args.random_weights, args)
         model = f"{args.random_weights} shape, random weights, {args.dtype}"
@@ -231,8 +232,8 @@ def main(argv=None) -> dict:
         modes = best_of(executor, requests, args.max_batch_size, args.repeats)
         model += f", {executor.runner.dtype}".replace("torch.", "") if not args.random_weights else ""
     report = {
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": machine(args.device),
-        "commit": git_commit(), "model": model, "max_batch_size": args.max_batch_size,
+        "date": started.strftime("%Y-%m-%d %H:%M UTC"), "machine": machine(args.device),
+        "commit": commit, "model": model, "max_batch_size": args.max_batch_size,
         "argv": " ".join(sys.argv[1:] if argv is None else argv),
         "workload": {"num_requests": args.num_requests, "prompt_range": f"8..{args.max_prompt}",
                      "output_range": f"4..{args.max_output}"},
