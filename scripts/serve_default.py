@@ -49,7 +49,7 @@ def default_substitutions(engine_dir: str, *, max_batch_size: int = 8, decoupled
                          "engine_dir": engine_dir, "batching_strategy": "inflight_fused_batching",
                          "logits_datatype": "TYPE_FP32", "encoder_input_features_data_type": "TYPE_FP16",
                          "batch_scheduler_policy": "guaranteed_no_evict", "enable_kv_cache_reuse": "True",
-                         "max_beam_width": "1", "cancellation_check_period_ms": "100",
+                         "max_beam_width": "2", "cancellation_check_period_ms": "100",
                          "stats_check_period_ms": "100", "tokenizer_dir": engine_dir},
         "postprocessing": {**common, "tokenizer_dir": engine_dir, "skip_special_tokens": "True",
                            "postprocessing_instance_count": "1"},

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from serving.tokenization import TextDeltas
+from serving.tokenization import REPLACEMENT_CHAR, TextDeltas
 
 # BLS input -> tensorrt_llm input (besides what preprocessing produces)
 LLM_INPUTS_FROM_REQUEST = {
@@ -97,4 +97,6 @@ class StreamText:
         if end is not None:
             full_text, is_final, self.stopped = full_text[:end], True, True
         delta = self.deltas.update(full_text, is_final)
-        return self.deltas.emitted if self.accumulate else delta
+        if self.accumulate:  # the whole text so far (a beam hypothesis may rewrite it)
+            return full_text if is_final else full_text.rstrip(REPLACEMENT_CHAR)
+        return delta

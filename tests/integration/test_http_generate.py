@@ -123,3 +123,18 @@ def test_server_keeps_serving_after_bad_input(triton_server):
     for body in BAD_BODIES.values():
         triton_server.generate("ensemble", body)
     assert triton_server.generate("ensemble", france()).json()["text_output"] == EXPECTED
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_beam_search_unary_and_streamed_agree(triton_server, model):
+    body = france(beam_width=2, max_tokens=12)
+    beams = triton_server.generate(model, body).json()["text_output"]
+    assert len(beams) == 2 and beams[0] == EXPECTED and beams[1] != beams[0]
+    chunks = stream_chunks(triton_server.generate(model, {**body, "stream": True}, stream=True))
+    assert chunks[-1]["text_output"] == beams  # beam streams carry whole hypotheses
+
+
+def test_two_return_sequences_through_the_bls(triton_server):
+    body = france(num_return_sequences=2, top_k=20, temperature=1.0, seed=3, max_tokens=8)
+    out = triton_server.generate("tensorrt_llm_bls", body).json()
+    assert sorted(out["sequence_index"]) == [0, 1] and len(out["text_output"]) == 2

@@ -79,5 +79,6 @@ def test_string_stop_words_in_streams_and_whole_texts():
     assert stream.update("The capital is Paris", False) == "ar"  # cut inside a chunk
     assert stream.stopped and stream.update("The capital is Paris.", True) == ""
     accumulating = StreamText(accumulate=True)
-    accumulating.update("Hello", False)
-    assert accumulating.update("Hello world", True) == "Hello world"
+    assert accumulating.update("Hello \ufffd", False) == "Hello "
+    assert accumulating.update("Hello world", False) == "Hello world"
+    assert accumulating.update("Hello there", True) == "Hello there"  # a rewritten beam

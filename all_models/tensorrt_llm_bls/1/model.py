@@ -123,11 +123,11 @@ class TritonPythonModel:
         for row in range(rows):
             for beam in range(lengths.shape[1]):
                 key = (int(batch_index[row]), int(sequence_index[row]), beam)
-                state = streams.setdefault(key, StreamText(stop_words=stop_words[key[0]],
-                                                           accumulate=self.accumulate and stream))
-                new = [int(t) for t in llm_out["output_ids"][row, beam, : lengths[row, beam]] if t >= 0]
-                # A beam stream resends the whole hypothesis; other streams send deltas.
+                # A beam stream resends whole hypotheses (they may change), so it sends whole texts.
                 grows = stream and lengths.shape[1] == 1
+                state = streams.setdefault(key, StreamText(stop_words=stop_words[key[0]],
+                                                           accumulate=stream and (self.accumulate or not grows)))
+                new = [int(t) for t in llm_out["output_ids"][row, beam, : lengths[row, beam]] if t >= 0]
                 state.token_ids = state.token_ids + new if grows else new
                 states.append(state)
         if all(state.stopped for state in states):
@@ -143,7 +143,8 @@ class TritonPythonModel:
                 query = queries[0] if len(queries) == 1 else ""
                 state.search_start = len(query) if query and text.startswith(query) else 0
             pieces.append(state.update(text, is_final=not stream))
-        out = {"text_output": np.array(pieces, dtype=object).reshape(rows, -1)}
+        # 1-D like postprocessing's OUTPUT (item-major, then beam): clients read text_output[0].
+        out = {"text_output": np.array([piece.encode("utf-8") for piece in pieces], dtype=object)}
         for name in PASS_THROUGH_OUTPUTS:
             if name in llm_out:
                 out[name] = llm_out[name]
