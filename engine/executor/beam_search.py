@@ -47,8 +47,9 @@ def advance(state: RequestState, beams: list[Sequence], blocks: BlockManager, sc
     """Extend every live beam by one token from the best candidates; park ended hypotheses."""
     request = state.request
     width = len(beams)
-    logprobs = torch.stack([b.pending_logprobs for b in beams]).float()  # (width, vocab)
-    cum = torch.tensor([b.cum_log_prob for b in beams], dtype=torch.float32, device=logprobs.device)
+    # (width, vocab) on the host: one copy, then every per-candidate read below is free
+    logprobs = torch.stack([b.pending_logprobs for b in beams]).float().cpu()
+    cum = torch.tensor([b.cum_log_prob for b in beams], dtype=torch.float32)
     if all(b.num_generated_tokens == 0 for b in beams):
         cum[1:] = float("-inf")  # every beam holds the same prompt: expand only the first
     scores = (cum.unsqueeze(1) + logprobs).flatten()
