@@ -132,7 +132,8 @@ class Executor:
             vocab_size=self.runner.vocab_size, max_seq_len=build.max_seq_len,
             max_beam_width=self.config.max_beam_width, max_num_tokens=self.max_num_tokens,
             enable_chunked_context=self.config.enable_chunked_context,
-            num_kv_blocks=self.blocks.num_blocks, tokens_per_block=self.blocks.tokens_per_block)
+            num_kv_blocks=self.blocks.num_blocks, tokens_per_block=self.blocks.tokens_per_block,
+            max_batch_size=self.max_batch_size)
 
     def _init_queues(self, response_callback) -> None:
         self._cv = threading.Condition()

@@ -245,6 +245,7 @@ class RequestLimits:
     enable_chunked_context: bool
     num_kv_blocks: int
     tokens_per_block: int
+    max_batch_size: int = 1 << 30
 
 
 def _token_ids_in_vocab(name: str, token_ids, vocab_size: int) -> str | None:
@@ -258,6 +259,8 @@ def _sampling_error(s: SamplingConfig, limits: RequestLimits) -> str | None:
     checks = [
         (s.beam_width is not None and not 1 <= s.beam_width <= limits.max_beam_width,
          f"beam_width {s.beam_width} is not allowed; allowed: 1..{limits.max_beam_width} (max_beam_width of the executor)"),
+        ((s.beam_width or 1) > limits.max_batch_size,
+         f"beam_width {s.beam_width} exceeds max_batch_size ({limits.max_batch_size}): all beams run together"),
         (s.top_p is not None and not 0 < s.top_p <= 1, f"top_p must be in (0, 1], got {s.top_p}"),
         (s.top_k is not None and s.top_k < 0, f"top_k must be >= 0, got {s.top_k}"),
         (s.temperature is not None and s.temperature < 0, f"temperature must be >= 0, got {s.temperature}"),

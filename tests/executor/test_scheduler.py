@@ -145,12 +145,13 @@ def test_unknown_policy_is_rejected():
         make_scheduler(policy="fifo")
 
 
-# --- property: no interleaving of enqueue / step / cancel / finish leaks or double-frees a block ---
+# --- property: no interleaving of enqueue / step / cancel / finish / preemption leaks or double-frees a block ---
 
 op = st.one_of(
     st.tuples(st.just("enqueue"), st.integers(1, 14), st.integers(1, 8), st.integers(0, 2)),
     st.tuples(st.just("step"), st.just(0), st.just(0), st.just(0)),
     st.tuples(st.just("cancel"), st.integers(0, 30), st.just(0), st.just(0)),
+    st.tuples(st.just("preempt"), st.just(0), st.just(0), st.just(0)),
 )
 
 
@@ -170,6 +171,9 @@ def test_random_interleavings_never_leak_blocks(ops, policy, chunked, reuse, num
                 live.append(seq)
         elif kind == "step":
             fake_update(sched, sched.schedule())
+        elif kind == "preempt":
+            if sched.running:  # forced, on top of the ones a short pool causes under max_utilization
+                sched._preempt(sched.running[-1])
         elif live:
             sched.finish(live.pop(x % len(live)))  # cancellation, wherever the sequence is
         sched.blocks.check_invariants()
