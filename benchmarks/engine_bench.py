@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from engine.config import BuildConfig, EngineConfig, ModelConfig  # noqa: E402
 from engine.executor.runner import ForwardBatch, ModelRunner  # noqa: E402
 
-SECTIONS = ["bandwidth", "kernels", "gemm", "decode", "offline", "latency", "hf"]
+SECTIONS = ["bandwidth", "kernels", "gemm", "decode", "engine_offline", "offline", "latency", "hf"]
 GOALS = {
     "decode_tok_s": 160.0,  # beat gpt-fast's 153.7 tok/s on the same H100
     "roofline_fraction": 0.85,
@@ -303,6 +303,41 @@ def bench_decode(results: dict, runner: ModelRunner, prompt_len: int = 128, step
     results["decode"] = entry
 
 
+def bench_engine_offline(results: dict, runner: ModelRunner, num_requests: int, in_len: int, out_len: int,
+                         batch: int, max_num_tokens: int) -> None:
+    """The runner alone, statically batched (no executor): waves of ``batch`` requests, prompts
+    prefilled in steps of at most max_num_tokens, then greedy decode through the graphs with one
+    host sync per step. The engine's capacity, to set against what the executor delivers."""
+    page = runner.tokens_per_block
+    blocks_per_seq = -(-(in_len + out_len) // page)
+    rng = random.Random(0)
+    started, output_tokens = time.perf_counter(), 0
+    for wave_start in range(0, num_requests, batch):
+        n = min(batch, num_requests - wave_start)
+        tables = [list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq)) for i in range(n)]
+        per_step = max(1, max_num_tokens // in_len)
+        tokens = []
+        for first in range(0, n, per_step):
+            rows = range(first, min(n, first + per_step))
+            prompt_blocks = -(-in_len // page)
+            logits = runner.forward(ForwardBatch(
+                [rng.randrange(runner.vocab_size) for _ in rows for _ in range(in_len)],
+                [p for _ in rows for p in range(in_len)], [in_len] * len(rows), [in_len] * len(rows),
+                [tables[i][:prompt_blocks] for i in rows], [(j + 1) * in_len - 1 for j in range(len(rows))]))
+            tokens += logits.argmax(-1).tolist()
+        output_tokens += n
+        for step in range(out_len - 1):
+            position = in_len + step
+            width = position // page + 1
+            logits = runner.forward(ForwardBatch(tokens, [position] * n, [1] * n, [position + 1] * n,
+                                                 [t[:width] for t in tables], list(range(n))))
+            tokens = logits.argmax(-1).tolist()
+            output_tokens += n
+    elapsed = time.perf_counter() - started
+    results["engine_offline"] = {"input_len": in_len, "output_len": out_len, "requests": num_requests, "batch": batch,
+                                 "seconds": elapsed, "output_tok_s": output_tokens / elapsed}
+
+
 def profile_eager_step(runner: ModelRunner, token: int, position: int, table: list[int], page: int) -> str:
     """Top GPU kernels of one decode step run eagerly (no graph): where the step's time goes."""
     from torch.profiler import ProfilerActivity, profile
@@ -507,6 +542,10 @@ def markdown(results: dict) -> str:
                      f"| >= {GOALS['decode_tok_s']:.0f} tok/s, "
                      f">= {GOALS['roofline_fraction']:.0%} |")
     hf_best = max((r["output_tok_s"] for r in results.get("hf", [])), default=None)
+    e = results.get("engine_offline")
+    if e:
+        lines.append(f"| runner alone, static batches of {e['batch']}, {e['input_len']}/{e['output_len']} "
+                     f"({e['requests']} requests, no executor) | {e['output_tok_s']:,.0f} output tok/s | (capacity) |")
     for row in results.get("offline", []):
         goal = f">= {GOALS['offline_128_128_tok_s']:,.0f}" if (row["input_len"], row["output_len"]) == (128, 128) else ""
         ratio = ""
@@ -634,6 +673,13 @@ def main(argv=None) -> dict:
             runner = make_runner(engine_dir, args.device, max_tokens=64 * args.max_seq_len)
             results["param_bytes"] = param_bytes(runner.model)[0]
             bench_decode(results, runner)
+            del runner
+            runner = None
+        elif section == "engine_offline":
+            engine_dir = write_config_only_engine(args.model, args.dtype, args.max_batch_size, args.max_seq_len,
+                                                  args.max_num_tokens, args.tokens_per_block)
+            runner = make_runner(engine_dir, args.device, max_tokens=args.max_batch_size * 320)
+            bench_engine_offline(results, runner, 1024, 128, 128, args.max_batch_size, args.max_num_tokens)
             del runner
             runner = None
         elif section in ("offline", "latency"):
