@@ -28,7 +28,7 @@ from engine.executor import beam_search
 from engine.executor.kv_cache import BlockManager
 from engine.executor.output import ResponseQueue, responses_for
 from engine.executor.request import (
-    FinishReason, Request, RequestLimits, RequestState, Response, Sequence, normalize_request, now_ns,
+    FinishReason, Request, RequestLimits, RequestState, Response, Sequence, SequenceStatus, normalize_request, now_ns,
     validate_request,
 )
 from engine.executor.runner import ForwardBatch, ModelRunner
@@ -268,7 +268,9 @@ class Executor:
                 seq.can_reuse_prefix = not state.request.output.return_context_logits
                 seq.seed = self._seed_for(state, index)
                 state.sequences.append(seq)
-                self.scheduler.add(seq)
+                if index == 0 or state.is_beam_search:
+                    self.scheduler.add(seq)
+                # other returned sequences wait for sequence 0's prompt KV and then share it (_fork_siblings)
 
     def _seed_for(self, state: RequestState, index: int) -> int:
         seed = state.request.sampling.seed
@@ -357,12 +359,29 @@ class Executor:
             self._collect_context_logits(item, logits[first:end])
             seq.num_computed_tokens += item.num_new_tokens
             self.blocks.register_computed_blocks(seq)
+            if samples and seq.num_generated_tokens == 0 and len(seq.state.sequences) > 1:
+                self._fork_siblings(seq)
             if seq.seq_id in sampled:
                 self._append_token(seq, *sampled[seq.seq_id], logits, end - 1, now)
             elif samples and seq.state.is_beam_search:
                 beam_rows.append((seq, logits[end - 1]))
         if beam_rows:
             self._beam_step(beam_rows, now)
+
+    def _fork_siblings(self, first: Sequence) -> None:
+        """num_return_sequences > 1: sequences 1..n-1 take references on sequence 0's full prompt
+        blocks (just computed) and join the queue; only the prompt's partial tail is recomputed."""
+        state = first.state
+        if state.is_beam_search:
+            return
+        T = self.blocks.tokens_per_block
+        shared = first.block_ids[:(first.num_prompt_tokens - 1) // T]  # never the block of the last token
+        for seq in state.sequences[1:]:
+            if seq.status is SequenceStatus.WAITING and not seq.block_ids and seq not in self.scheduler.waiting:
+                self.blocks.acquire(shared)
+                seq.block_ids, seq.num_computed_tokens = list(shared), len(shared) * T
+                seq.block_hashes, seq.num_registered_blocks = first.block_hashes[:len(shared)], len(shared)
+                self.scheduler.add(seq)
 
     def _note_scheduled(self, state: RequestState, now: int) -> None:
         if not state.perf.first_scheduled_time_ns:

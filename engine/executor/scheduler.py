@@ -159,7 +159,7 @@ class Scheduler:
             seq = self.waiting[0]
             if self.policy == "guaranteed_no_evict" and not self._can_reserve(seq):
                 return
-            reused = self.blocks.acquire_cached_prefix(seq)
+            reused = 0 if seq.block_ids else self.blocks.acquire_cached_prefix(seq)  # a fork holds its prefix
             num_new = self._num_tokens_to_schedule(seq, budget)
             new_blocks = self.blocks.append_slots(seq, num_new) if num_new else None
             if new_blocks is None:

@@ -107,6 +107,20 @@ def test_num_return_sequences_gives_independent_streams(executor):
     assert len({tuple(t) for t in by_index.values()}) == 3
 
 
+def test_returned_sequences_share_the_prompt_kv_and_stay_exact(executor):
+    prompt = list(range(60, 79))  # 19 tokens, new to the cache: four full blocks of 4 to share
+    out = OutputConfig(exclude_input_from_output=True, return_perf_metrics=True)
+    request = Request(prompt, 6, output=out, sampling=SamplingConfig(num_return_sequences=3))
+    [request_id] = executor.enqueue_requests([request])
+    responses = collect(executor, [request_id], streams={request_id: 3})[request_id]
+    perf = responses[-1].result.perf
+    single = final_tokens(run(executor, Request(prompt, 6, output=EXCLUDE))[0])
+    assert sorted(r.result.sequence_index for r in responses) == [0, 1, 2]
+    assert all(r.result.output_token_ids == [single] for r in responses)  # greedy: three exact copies
+    # KV for 24 tokens = 6 blocks per sequence, 18 unshared; the two forks take sequence 0's 4 prompt blocks
+    assert perf.kv_cache_alloc_new_blocks == 18 - 2 * 4 and perf.kv_cache_reused_blocks == 0
+
+
 def test_beam_search_matches_transformers(executor, tiny_hf):
     request = Request(PROMPT, 6, output=OutputConfig(exclude_input_from_output=True, return_log_probs=True),
                       sampling=SamplingConfig(beam_width=3, length_penalty=1.0))
