@@ -1,0 +1,666 @@
+#!/usr/bin/env python3
+"""End-to-end serving benchmark: what the Triton serving layer costs next to the in-process engine.
+
+    python benchmarks/serving_bench.py --engine_dir engines/smollm2 --clients 1,4 \\
+        --input_len 32 --output_len 16 --requests_per_client 2 --out serving.json --results_md benchmarks/RESULTS.md
+    python benchmarks/serving_bench.py --model llama8b --dtype bfloat16 --synthetic_tokenizer ...
+
+One engine, one executor configuration, one run; for each number of concurrent clients, three paths:
+
+- ``http``:   ``POST /v2/models/ensemble/generate_stream`` (server-sent events, aiohttp);
+- ``grpc``:   tritonclient.grpc ``start_stream``/``async_stream_infer`` into the ensemble;
+- ``engine``: ``engine.executor.Executor`` in this process, token ids in and out (the baseline).
+
+Both served paths go through a real tritonserver (started by scripts/launch_triton_server.py on
+127.0.0.1, free ports, decoupled repository filled by scripts/serve_default.py's
+``prepare_model_repo``): preprocessing (tokenize) -> tensorrt_llm (the same Executor, in the
+Python-backend stub) -> postprocessing (detokenize), one response per streamed token.
+
+The load is a closed loop: ``clients`` clients each send ``requests_per_client`` requests one
+after another, every prompt exactly ``input_len`` tokens, ``end_id`` -1 (never produced, so each
+request makes exactly ``output_len`` tokens), greedy. The baseline gets the very token ids the
+preprocessing model makes of the same prompts. All times are taken by the client:
+
+- output tokens/s: requests x output_len / (last final response - first send);
+- TTFT: first streamed response - send; ITL: gaps between a request's streamed responses;
+  TPOT: (last - first response) / (output_len - 1), which stays right if responses coalesce.
+
+Serving overhead = served tokens/s / engine tokens/s (goal: >= 0.90) and served TTFT - engine TTFT
+(medians; goal: a few ms). Engines: an engine directory (``--engine_dir``), or a config-only
+engine with random weights of a named shape (``--model``, weights made on the device at load).
+A random-weight model emits any id below its vocab size, so its tokenizer must cover the whole
+vocab: ``--tokenizer_dir`` (a real one of that size) or ``--synthetic_tokenizer`` (one word per id).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import platform
+import queue
+import random
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+
+GOALS = {"throughput_ratio": 0.90, "added_ttft_ms": 5.0}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+SERVED_PATHS = ("http", "grpc")
+
+
+def load_script(name: str, folder: str = "scripts"):
+    """Import scripts/<name>.py (not a package) as a module."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / folder / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+# ------------------------------------------------------------------------------------------------
+# measurements
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Timing:
+    """One request as its client saw it: send time and arrival time of each streamed response."""
+
+    sent: float
+    events: list[float] = field(default_factory=list)
+    tokens: int = 0  # counted where the path says (engine: token ids; served: output_len assumed)
+
+    @property
+    def ttft(self) -> float:
+        return self.events[0] - self.sent
+
+    @property
+    def gaps(self) -> list[float]:
+        return [b - a for a, b in zip(self.events, self.events[1:])]
+
+
+def percentile(values: list[float], q: float) -> float:
+    from engine_bench import percentile as engine_bench_percentile
+
+    return engine_bench_percentile(values, q)
+
+
+def summarize(timings: list[Timing], output_len: int, clients: int, path: str) -> dict:
+    """Aggregate one (path, clients) setting; times in ms, throughput in output tokens/s."""
+    if not timings or any(not t.events for t in timings):
+        raise RuntimeError(f"{path} with {clients} clients: a request got no streamed response")
+    start = min(t.sent for t in timings)
+    end = max(t.events[-1] for t in timings)
+    tokens = len(timings) * output_len
+    ttfts = [1e3 * t.ttft for t in timings]
+    gaps = [1e3 * g for t in timings for g in t.gaps]
+    tpots = [1e3 * (t.events[-1] - t.events[0]) / (output_len - 1) for t in timings] if output_len > 1 else [0.0]
+    return {
+        "path": path, "clients": clients, "requests": len(timings), "output_tokens": tokens,
+        "seconds": end - start, "tok_s": tokens / (end - start),
+        "ttft_ms_median": statistics.median(ttfts), "ttft_ms_p99": percentile(ttfts, 99),
+        "itl_ms_median": statistics.median(gaps) if gaps else 0.0, "itl_ms_p99": percentile(gaps, 99) if gaps else 0.0,
+        "tpot_ms_median": statistics.median(tpots),
+        "responses_per_request": sum(len(t.events) for t in timings) / len(timings),
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+# the engine and its prompts
+# ------------------------------------------------------------------------------------------------
+
+
+def write_random_engine(engine_dir: Path, model: str, dtype: str, max_batch_size: int, max_seq_len: int,
+                        max_num_tokens: int, tokens_per_block: int) -> None:
+    """A config-only engine directory (random weights made on the device at load, seed 0)."""
+    from engine.config import BuildConfig, EngineConfig, ModelConfig
+    from engine_bench import MODELS
+
+    build = BuildConfig(dtype=dtype, max_batch_size=max_batch_size, max_input_len=max_seq_len,
+                        max_seq_len=max_seq_len, max_num_tokens=max_num_tokens, tokens_per_block=tokens_per_block)
+    EngineConfig(model=ModelConfig(**MODELS[model]), build=build,
+                 extra={"random_weights_seed": 0}).validate().save(str(engine_dir))
+
+
+def write_synthetic_tokenizer(folder: Path, vocab_size: int) -> None:
+    """A word-level tokenizer with exactly one word per id (``<eos>``, ``<pad>``, ``<unk>``, w3 ...).
+
+    Why: a random-weight model emits any id below its vocab size; a tokenizer of another model
+    (SmolLM2: 49,152 ids) cannot decode Llama-3.1-8B's 128,256, while this one decodes every id,
+    so the whole ensemble (tokenize -> generate -> detokenize) runs unchanged. Words are split on
+    whitespace, so a prompt of n words is exactly n tokens.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<eos>", "<pad>", "<unk>"]
+    vocab = {word: i for i, word in enumerate(specials + [f"w{i}" for i in range(len(specials), vocab_size)])}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
+    tokenizer.save_pretrained(str(folder))
+
+
+def prepare_engine(args: argparse.Namespace, work: Path) -> str:
+    """The engine directory to serve, with tokenizer files that cover its vocabulary."""
+    if args.engine_dir:
+        return os.path.abspath(args.engine_dir)
+    engine_dir = work / "engine"
+    engine_dir.mkdir(parents=True, exist_ok=True)
+    max_clients = max(args.clients)
+    seq_len = args.input_len + args.output_len
+    write_random_engine(engine_dir, args.model, args.dtype, max_batch_size=max_clients, max_seq_len=seq_len,
+                        max_num_tokens=max(args.max_num_tokens, seq_len), tokens_per_block=args.tokens_per_block)
+    if args.synthetic_tokenizer:
+        from engine_bench import MODELS
+
+        write_synthetic_tokenizer(engine_dir, MODELS[args.model]["vocab_size"])
+    elif args.tokenizer_dir:
+        for name in TOKENIZER_FILES:
+            if (Path(args.tokenizer_dir) / name).exists():
+                shutil.copy(Path(args.tokenizer_dir) / name, engine_dir / name)
+    else:
+        raise SystemExit("--model needs --tokenizer_dir or --synthetic_tokenizer")
+    return str(engine_dir)
+
+
+def check_tokenizer_covers_vocab(tokenizer, vocab_size: int) -> None:
+    if len(tokenizer) < vocab_size:
+        raise SystemExit(f"the tokenizer has {len(tokenizer)} ids but the model emits ids up to {vocab_size - 1}; "
+                         "pass --synthetic_tokenizer (or a tokenizer of the model's vocab size)")
+
+
+def single_token_words(tokenizer, limit: int = 4000) -> list[str]:
+    """Alphabetic words that are one token both alone and after a space (so n words = n tokens)."""
+    words = []
+    for token_id in range(min(len(tokenizer), limit)):
+        word = tokenizer.decode([token_id]).strip()
+        if word.isalnum() and word.isascii() and len(word) > 1:
+            if (len(tokenizer.encode(word, add_special_tokens=False)) == 1
+                    and len(tokenizer.encode(" " + word, add_special_tokens=False)) == 1):
+                words.append(word)
+    return sorted(set(words))
+
+
+def make_prompts(tokenizer, count: int, input_len: int, seed: int = 0) -> tuple[list[str], list[list[int]]]:
+    """`count` distinct prompts of exactly `input_len` tokens, and their ids as preprocessing makes them."""
+    words = single_token_words(tokenizer)
+    if len(words) < 16:
+        raise SystemExit("could not find enough single-token words in the tokenizer to build prompts")
+    rng = random.Random(seed)
+    special = len(tokenizer.encode("", add_special_tokens=True))  # a BOS, if the tokenizer adds one
+    prompts, ids = [], []
+    for _ in range(count):
+        text = " ".join(rng.choice(words) for _ in range(input_len - special))
+        token_ids = tokenizer.encode(text, add_special_tokens=True)
+        if len(token_ids) != input_len:
+            raise RuntimeError(f"a prompt came out as {len(token_ids)} tokens, not {input_len}")
+        prompts.append(text)
+        ids.append(token_ids)
+    return prompts, ids
+
+
+# ------------------------------------------------------------------------------------------------
+# the repository and the server
+# ------------------------------------------------------------------------------------------------
+
+
+def repo_overrides(args: argparse.Namespace, kv_tokens: int) -> dict[str, dict[str, str]]:
+    """What this benchmark changes in serve_default's repository: a fixed KV pool (so both paths get
+    the same one whatever memory the other holds), no prefix reuse, beam width 1."""
+    return {
+        "tensorrt_llm": {"max_tokens_in_paged_kv_cache": str(kv_tokens), "enable_kv_cache_reuse": "False",
+                         "max_beam_width": "1", "exclude_input_in_output": "True"},
+        "postprocessing": {"postprocessing_instance_count": str(args.postprocessing_instances)},
+        "preprocessing": {"preprocessing_instance_count": str(args.preprocessing_instances)},
+    }
+
+
+def tensorrt_llm_parameters(repo: str) -> dict[str, str]:
+    """The filled ``parameters`` of the served tensorrt_llm model (as model.py reads them)."""
+    text = (Path(repo) / "tensorrt_llm" / "config.pbtxt").read_text()
+    pairs = re.findall(r'key:\s*"([^"]+)"\s*value:\s*\{\s*string_value:\s*"([^"]*)"', text)
+    return {key: value for key, value in pairs}
+
+
+def executor_config_of_repo(repo: str):
+    """The ExecutorConfig the served tensorrt_llm model builds, made the same way (serving's mapping)."""
+    from engine.executor import ExecutorConfig
+    from serving.executor_config import executor_settings, to_executor_config
+
+    settings = executor_settings(tensorrt_llm_parameters(repo), {})
+    config, _ = to_executor_config(ExecutorConfig, settings)
+    return config
+
+
+class ServedEnsemble:
+    """A tritonserver over a filled repository, started by the project's launcher; a context manager."""
+
+    def __init__(self, repo: str, work: Path, ready_timeout: float):
+        self.serve = load_script("serve_default")
+        self.launcher = load_script("launch_triton_server")
+        ports = [str(self.launcher.free_port()) for _ in range(3)]
+        self.http_port, self.grpc_port = ports[0], ports[1]
+        self.log_path = work / "tritonserver.log"
+        self.args = self.launcher.parse_arguments([
+            f"--model_repo={repo}", "--no-mpi", "--host=127.0.0.1", "--force", f"--http_port={ports[0]}",
+            f"--grpc_port={ports[1]}", f"--metrics_port={ports[2]}", f"--cache_dir={work / 'cache'}"])
+        self.ready_timeout = ready_timeout
+        self.process = None
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def log_tail(self, chars: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
+
+    def __enter__(self) -> "ServedEnsemble":
+        started = time.perf_counter()
+        with open(self.log_path, "w") as log:
+            self.process = self.launcher.launch(self.args, stdout=log, stderr=log)
+        if not self.serve.wait_until_ready(self.process, self.http_port, timeout=self.ready_timeout):
+            self.__exit__()
+            raise RuntimeError(f"tritonserver did not become ready; its log ends:\n{self.log_tail()}")
+        self.load_seconds = time.perf_counter() - started
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.terminate()
+        try:  # it waits up to 30 s for open connections by default; do not
+            self.process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+# ------------------------------------------------------------------------------------------------
+# the three paths: each runs the closed loop and returns one Timing per request
+# ------------------------------------------------------------------------------------------------
+
+
+class PromptFeed:
+    """Hands out prompts round-robin to every client (thread-safe)."""
+
+    def __init__(self, prompts: list, ids: list[list[int]]):
+        self.prompts, self.ids, self.next = prompts, ids, 0
+        self.lock = threading.Lock()
+
+    def take(self) -> tuple[str, list[int]]:
+        with self.lock:
+            index = self.next % len(self.prompts)
+            self.next += 1
+        return self.prompts[index], self.ids[index]
+
+
+async def http_client(session, url: str, feed: PromptFeed, requests: int, output_len: int) -> list[Timing]:
+    timings = []
+    for _ in range(requests):
+        prompt, _ = feed.take()
+        body = {"text_input": prompt, "max_tokens": output_len, "stream": True, "end_id": -1,
+                "exclude_input_in_output": True}
+        timing = Timing(sent=time.perf_counter())
+        async with session.post(url, json=body) as response:
+            if response.status != 200:
+                raise RuntimeError(f"HTTP {response.status}: {await response.text()}")
+            async for line in response.content:
+                if not line.startswith(b"data:"):
+                    continue
+                event = json.loads(line[5:])
+                if "error" in event:
+                    raise RuntimeError(f"generate_stream error: {event['error']}")
+                if "text_output" in event:
+                    timing.events.append(time.perf_counter())
+        timings.append(timing)
+    return timings
+
+
+def run_http(server_url: str, feed: PromptFeed, clients: int, requests: int, output_len: int) -> list[Timing]:
+    """`clients` concurrent SSE streams on one event loop (one connection each)."""
+    import aiohttp
+
+    async def main() -> list[Timing]:
+        connector = aiohttp.TCPConnector(limit=0)
+        timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+        url = f"{server_url}/v2/models/ensemble/generate_stream"
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+            per_client = await asyncio.gather(*[http_client(session, url, feed, requests, output_len)
+                                                for _ in range(clients)])
+        return [t for timings in per_client for t in timings]
+
+    return asyncio.run(main())
+
+
+def grpc_inputs(prompt: str, output_len: int) -> list:
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import np_to_triton_dtype
+
+    arrays = {"text_input": np.array([[prompt.encode()]], dtype=object),
+              "max_tokens": np.array([[output_len]], np.int32), "stream": np.array([[True]], np.bool_),
+              "exclude_input_in_output": np.array([[True]], np.bool_), "end_id": np.array([[-1]], np.int32)}
+    inputs = []
+    for name, array in arrays.items():
+        tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
+
+
+def grpc_client(url: str, feed: PromptFeed, requests: int, output_len: int, timings: list, errors: list) -> None:
+    """One client: one bidirectional stream, requests one after another, each until its final response."""
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(url)
+    arrivals: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: arrivals.put((time.perf_counter(), result, error)))
+    try:
+        for index in range(requests):
+            prompt, _ = feed.take()
+            inputs = grpc_inputs(prompt, output_len)
+            timing = Timing(sent=time.perf_counter())
+            client.async_stream_infer("ensemble", inputs, request_id=str(index), enable_empty_final_response=True)
+            while True:
+                when, result, error = arrivals.get(timeout=600)
+                if error is not None:
+                    raise RuntimeError(f"gRPC stream error: {error}")
+                if result.as_numpy("text_output") is not None:
+                    timing.events.append(when)
+                params = result.get_response().parameters
+                if "triton_final_response" in params and params["triton_final_response"].bool_param:
+                    break
+            timings.append(timing)
+    except Exception as error:  # noqa: BLE001 - reported by the caller after all threads end
+        errors.append(error)
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def run_grpc(grpc_url: str, feed: PromptFeed, clients: int, requests: int, output_len: int) -> list[Timing]:
+    """`clients` threads, each with its own gRPC stream (tritonclient delivers through callbacks)."""
+    timings: list[Timing] = []
+    errors: list[Exception] = []
+    threads = [threading.Thread(target=grpc_client, args=(grpc_url, feed, requests, output_len, timings, errors))
+               for _ in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return timings
+
+
+def run_engine(executor, feed: PromptFeed, clients: int, requests: int, output_len: int) -> list[Timing]:
+    """The same closed loop straight on the Executor: a finished request's client sends its next one."""
+    from engine.executor import OutputConfig, Request
+
+    pending: dict[int, tuple[int, Timing]] = {}
+    left = [requests] * clients
+    done: list[Timing] = []
+
+    def send(client: int) -> None:
+        left[client] -= 1
+        _, ids = feed.take()
+        timing = Timing(sent=time.perf_counter())
+        request = Request(input_token_ids=ids, max_tokens=output_len, end_id=-1, streaming=True,
+                          output=OutputConfig(exclude_input_from_output=True))
+        pending[executor.enqueue_request(request)] = (client, timing)
+
+    for client in range(clients):
+        send(client)
+    while pending:
+        responses = executor.await_responses(timeout=600)
+        if not responses:
+            raise RuntimeError("the executor sent nothing for 600 s")
+        now = time.perf_counter()
+        for response in responses:
+            if response.has_error:
+                raise RuntimeError(f"executor error: {response.error}")
+            client, timing = pending[response.request_id]
+            new_tokens = len(response.result.output_token_ids[0])
+            if new_tokens:
+                timing.events.append(now)
+                timing.tokens += new_tokens
+            if response.is_final:
+                del pending[response.request_id]
+                if timing.tokens != output_len:
+                    raise RuntimeError(f"a request made {timing.tokens} tokens, not {output_len}")
+                done.append(timing)
+                if left[client]:
+                    send(client)
+    return done
+
+
+# ------------------------------------------------------------------------------------------------
+# the run
+# ------------------------------------------------------------------------------------------------
+
+
+def measure(results: dict, path: str, run, args: argparse.Namespace, feed: PromptFeed) -> None:
+    """Warm up (every client once, a few tokens: compiles kernels for these batch shapes), then time."""
+    for clients in args.clients:
+        run(feed, clients, 1, min(args.output_len, 4))
+        timings = run(feed, clients, args.requests_per_client, args.output_len)
+        row = summarize(timings, args.output_len, clients, path)
+        results["rows"].append(row)
+        print(f"  {path:6s} clients {clients:3d}: {row['tok_s']:9.1f} tok/s  TTFT {row['ttft_ms_median']:8.2f} ms  "
+              f"ITL {row['itl_ms_median']:7.2f} ms", flush=True)
+
+
+def run_served(results: dict, args: argparse.Namespace, repo: str, work: Path, feed: PromptFeed) -> None:
+    with ServedEnsemble(repo, work, args.ready_timeout) as server:
+        results["server_load_s"] = server.load_seconds
+        print(f"tritonserver ready in {server.load_seconds:.1f} s (HTTP {server.http_port}, gRPC {server.grpc_port})",
+              flush=True)
+        try:
+            if "http" in args.paths:
+                measure(results, "http", lambda f, c, r, n: run_http(server.http_url, f, c, r, n), args, feed)
+            if "grpc" in args.paths:
+                measure(results, "grpc", lambda f, c, r, n: run_grpc(server.grpc_url, f, c, r, n), args, feed)
+        except Exception:
+            results["server_log_tail"] = server.log_tail()
+            raise
+
+
+def run_in_process(results: dict, args: argparse.Namespace, engine_dir: str, config, feed: PromptFeed) -> None:
+    from engine.executor import Executor
+
+    started = time.perf_counter()
+    executor = Executor(engine_dir, config)
+    results["engine_load_s"] = time.perf_counter() - started
+    print(f"in-process executor ready in {results['engine_load_s']:.1f} s", flush=True)
+    try:
+        measure(results, "engine", lambda f, c, r, n: run_engine(executor, f, c, r, n), args, feed)
+    finally:
+        executor.shutdown()
+        del executor
+        release_device_memory()
+
+
+def release_device_memory() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def overheads(rows: list[dict]) -> list[dict]:
+    """Per served path and concurrency: throughput ratio to the engine, TTFT added (medians)."""
+    engine = {row["clients"]: row for row in rows if row["path"] == "engine"}
+    out = []
+    for row in rows:
+        base = engine.get(row["clients"])
+        if row["path"] == "engine" or base is None:
+            continue
+        out.append({"path": row["path"], "clients": row["clients"], "throughput_ratio": row["tok_s"] / base["tok_s"],
+                    "added_ttft_ms": row["ttft_ms_median"] - base["ttft_ms_median"],
+                    "added_itl_ms": row["itl_ms_median"] - base["itl_ms_median"]})
+    return out
+
+
+def machine_description() -> dict:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return {"gpu": gpu, "cpu": f"{cpu} x{os.cpu_count()}", "device": gpu or f"CPU ({cpu}, {os.cpu_count()} cores)",
+            "torch": torch.__version__, "python": platform.python_version()}
+
+
+def git_commit() -> str:
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=REPO_ROOT).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def markdown(results: dict) -> str:
+    """The dated table for RESULTS.md: every row, its throughput ratio and added TTFT, the goals."""
+    ratios = {(o["path"], o["clients"]): o for o in results["overheads"]}
+    lines = [
+        f"\n### Serving overhead, {results['model']}: {results['date']}, {results['machine']['device']}, "
+        f"commit {results['commit']}\n",
+        f"`{results['command']}`  ",
+        f"Input {results['input_len']} / output {results['output_len']} tokens, {results['requests_per_client']} "
+        f"requests per client (closed loop), greedy, end_id -1; tokenizer: {results['tokenizer']}. "
+        f"Goals: served throughput >= {GOALS['throughput_ratio']:.0%} of the in-process engine's; "
+        f"added TTFT a few ms (<= {GOALS['added_ttft_ms']:.0f} ms).\n",
+        "| clients | path | output tok/s | vs engine (goal >= 0.90) | TTFT med ms | TTFT p99 ms | added TTFT ms "
+        "| ITL med ms | ITL p99 ms | TPOT med ms | responses/request |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in sorted(results["rows"], key=lambda r: (r["clients"], r["path"] != "engine", r["path"])):
+        extra = ratios.get((row["path"], row["clients"]))
+        ratio = f"{extra['throughput_ratio']:.3f}" if extra else "1 (baseline)"
+        added = f"{extra['added_ttft_ms']:+.2f}" if extra else "-"
+        lines.append(f"| {row['clients']} | {row['path']} | {row['tok_s']:.1f} | {ratio} | {row['ttft_ms_median']:.2f} "
+                     f"| {row['ttft_ms_p99']:.2f} | {added} | {row['itl_ms_median']:.2f} | {row['itl_ms_p99']:.2f} "
+                     f"| {row['tpot_ms_median']:.2f} | {row['responses_per_request']:.1f} |")
+    if results.get("error"):
+        lines.append(f"\nIncomplete run: {results['error']}")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    engine = parser.add_mutually_exclusive_group(required=True)
+    engine.add_argument("--engine_dir", help="an engine directory with its tokenizer files (e.g. engines/smollm2)")
+    engine.add_argument("--model", help="a shape from benchmarks/engine_bench.py MODELS (random weights)")
+    parser.add_argument("--dtype", default="bfloat16", help="--model only: engine dtype")
+    parser.add_argument("--tokenizer_dir", help="--model only: copy this tokenizer (must cover the vocab)")
+    parser.add_argument("--synthetic_tokenizer", action="store_true", help="--model only: one word per id")
+    parser.add_argument("--tokens_per_block", type=int, default=32)
+    parser.add_argument("--max_num_tokens", type=int, default=8192, help="--model only: engine max_num_tokens")
+    parser.add_argument("--clients", default="1,16,64", help="concurrent clients, comma-separated")
+    parser.add_argument("--input_len", type=int, default=128)
+    parser.add_argument("--output_len", type=int, default=128)
+    parser.add_argument("--requests_per_client", type=int, default=4)
+    parser.add_argument("--paths", default="http,grpc,engine", help="subset of http,grpc,engine")
+    parser.add_argument("--preprocessing_instances", type=int, default=1)
+    parser.add_argument("--postprocessing_instances", type=int, default=1)
+    parser.add_argument("--ready_timeout", type=float, default=600.0)
+    parser.add_argument("--work_dir", default=None, help="repository, engine and server log (default: a temp dir)")
+    parser.add_argument("--out", default="serving_bench.json")
+    parser.add_argument("--results_md", default=None, help="append the dated table to this file")
+    args = parser.parse_args(argv)
+    args.clients = [int(c) for c in args.clients.split(",") if c]
+    args.paths = [p for p in args.paths.split(",") if p]
+    if args.output_len < 2:
+        parser.error("--output_len must be >= 2 (inter-token latency needs two tokens)")
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="serving-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    from engine.config import EngineConfig
+    from serving.tokenization import load_tokenizer
+
+    engine_dir = prepare_engine(args, work)
+    engine_config = EngineConfig.load(engine_dir)
+    tokenizer = load_tokenizer(engine_dir)
+    check_tokenizer_covers_vocab(tokenizer, engine_config.model.vocab_size)
+    total_requests = max(args.clients) * (args.requests_per_client + 1)
+    feed = PromptFeed(*make_prompts(tokenizer, min(total_requests, 512), args.input_len))
+    tpb = engine_config.build.tokens_per_block
+    kv_tokens = max(args.clients) * (-(-(args.input_len + args.output_len) // tpb) + 1) * tpb
+    repo = load_script("serve_default").prepare_model_repo(
+        engine_dir, str(work / "repo"), overrides=repo_overrides(args, kv_tokens),
+        max_batch_size=min(max(args.clients), engine_config.build.max_batch_size), decoupled=True)
+    results = {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": git_commit(),
+        "machine": machine_description(), "command": "python benchmarks/serving_bench.py " + " ".join(argv or sys.argv[1:]),
+        "model": args.model or os.path.basename(engine_dir.rstrip("/")), "engine": engine_config.to_dict(),
+        "tokenizer": "synthetic (one word per id)" if args.synthetic_tokenizer else f"{type(tokenizer).__name__}, "
+                     f"{len(tokenizer)} ids", "input_len": args.input_len, "output_len": args.output_len,
+        "requests_per_client": args.requests_per_client, "kv_cache_tokens": kv_tokens, "goals": GOALS, "rows": [],
+    }
+    config = executor_config_of_repo(repo)
+    results["executor_config"] = dataclasses.asdict(config)
+    try:
+        if any(p in args.paths for p in SERVED_PATHS):
+            run_served(results, args, repo, work, feed)
+        write_json(results, args.out)
+        if "engine" in args.paths:
+            run_in_process(results, args, engine_dir, config, feed)
+    except Exception as error:  # keep what was measured; say what broke
+        results["error"] = f"{type(error).__name__}: {error}"
+        print(f"serving_bench: {results['error']}", file=sys.stderr)
+    results["overheads"] = overheads(results["rows"])
+    write_json(results, args.out)
+    table = markdown(results)
+    print(table)
+    if args.results_md and results["rows"]:
+        with open(args.results_md, "a") as f:
+            f.write(table)
+    if results.get("error"):
+        sys.exit(1)
+    return results
+
+
+def write_json(results: dict, path: str) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(results, f, indent=2, default=str)
+
+
+if __name__ == "__main__":
+    main()
