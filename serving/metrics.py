@@ -63,6 +63,21 @@ GAUGES: list[GaugeSpec] = [
     }),
 ]
 
+# With static batching (gpt_model_type v1) this family replaces the in-flight batcher one.
+V1_GAUGE: GaugeSpec = ("nv_trt_llm_v1_metrics", "TRT LLM v1-specific metrics", "v1_specific_metric", {
+    "total_context_tokens": _stat("num_ctx_tokens"),
+    "total_generation_tokens": _stat("num_gen_tokens"),
+    "empty_generation_slots": lambda s: getattr(s, "empty_gen_slots", None),
+})
+
+
+def gauge_specs(static_batching: bool = False) -> list[GaugeSpec]:
+    """The gauge families a model publishes: in-flight batcher metrics, or v1 ones when static."""
+    if not static_batching:
+        return GAUGES
+    return [V1_GAUGE if spec[0] == "nv_trt_llm_inflight_batcher_metrics" else spec for spec in GAUGES]
+
+
 TOKEN_LEN_BUCKETS = [10, 50, 100, 500, 1000]
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 30.0]
@@ -81,10 +96,10 @@ HISTOGRAMS = [
 ]
 
 
-def gauge_values(stats: Any) -> dict[tuple[str, str], float]:
+def gauge_values(stats: Any, static_batching: bool = False) -> dict[tuple[str, str], float]:
     """{(family, label value): value} for every gauge; a missing stat is skipped, not fatal."""
     values = {}
-    for family, _, _, getters in GAUGES:
+    for family, _, _, getters in gauge_specs(static_batching):
         for label_value, getter in getters.items():
             try:
                 value = getter(stats)

@@ -7,7 +7,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import np_to_triton_dtype
 
-from conftest import chat, wait_for
+from triton_helpers import chat, wait_for
 from test_metrics import kv_and_requests, scrape
 
 pytestmark = pytest.mark.integration

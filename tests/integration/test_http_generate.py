@@ -4,7 +4,7 @@ import json
 import pytest
 import requests
 
-from conftest import chat
+from triton_helpers import chat
 
 pytestmark = pytest.mark.integration
 

@@ -4,7 +4,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import chat, wait_for
+from triton_helpers import chat, wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from conftest import chat, running_server
+from triton_helpers import chat, running_server
 from test_grpc_stream import tensor
 
 pytestmark = pytest.mark.integration

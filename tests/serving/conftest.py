@@ -6,10 +6,11 @@ import pytest
 
 
 @pytest.fixture(scope="session")
-def smollm2_tokenizer_dir(request):
-    """The embedded SmolLM2 tokenizer saved as a plain HF tokenizer dir (cached across runs:
-    reading it out of the GGUF file takes ~10 s)."""
-    cache = request.config.cache.mkdir("smollm2_tokenizer")
+def smollm2_tokenizer_dir(request, tmp_path_factory):
+    """The embedded SmolLM2 tokenizer saved as a plain HF tokenizer dir (cached across runs
+    where pytest's cache is on: reading it out of the GGUF file takes ~10 s)."""
+    cache = getattr(request.config, "cache", None)
+    cache = cache.mkdir("smollm2_tokenizer") if cache else tmp_path_factory.mktemp("smollm2_tokenizer")
     if not os.path.exists(os.path.join(cache, "tokenizer.json")):
         from transformers import AutoTokenizer
 

@@ -61,3 +61,10 @@ def test_latency_from_wall_clock_and_from_executor_perf():
     assert latency.time_to_first_token() == pytest.approx(0.2)
     assert latency.inter_token_latency() == pytest.approx(0.2)
     assert RequestLatency(arrival=0.0).inter_token_latency() is None
+
+
+def test_static_batching_publishes_v1_metrics_instead():
+    values = gauge_values(stats(num_gen_tokens=7), static_batching=True)
+    assert values[("nv_trt_llm_v1_metrics", "total_generation_tokens")] == 7
+    assert values[("nv_trt_llm_v1_metrics", "total_context_tokens")] == 30
+    assert not any(family == "nv_trt_llm_inflight_batcher_metrics" for family, _ in values)

@@ -1,0 +1,92 @@
+"""Helpers of the integration tests: start a real tritonserver on a filled repository, talk to it."""
+from __future__ import annotations
+
+import importlib.util
+import socket
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import requests
+
+ROOT = Path(__file__).resolve().parents[2]
+CHAT_PROMPT = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+               "<|im_end|>\n<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n")
+
+
+def load_script(name: str, folder: str = "scripts"):
+    spec = importlib.util.spec_from_file_location(name, ROOT / folder / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Server:
+    http: str  # "http://127.0.0.1:PORT"
+    grpc_url: str  # "127.0.0.1:PORT"
+    metrics: str
+    log_path: Path
+
+    def generate(self, model: str, body: dict, stream: bool = False, timeout: float = 120):
+        endpoint = "generate_stream" if stream else "generate"
+        return requests.post(f"{self.http}/v2/models/{model}/{endpoint}", json=body, timeout=timeout,
+                             stream=stream)
+
+    def metrics_text(self) -> str:
+        return requests.get(f"{self.metrics}/metrics", timeout=10).text
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def chat(question: str) -> str:
+    return CHAT_PROMPT.format(question=question)
+
+
+@contextmanager
+def running_server(engine_dir: str, work: Path, decoupled: bool = True):
+    """Fill a repository for `engine_dir` under `work`, serve it, yield a Server, stop it."""
+    serve = load_script("serve_default")
+    launcher = load_script("launch_triton_server")
+    repo = serve.prepare_model_repo(engine_dir, str(work / "repo"), bls_instances=2, decoupled=decoupled)
+    ports = [str(free_port()) for _ in range(3)]
+    args = launcher.parse_arguments([f"--model_repo={repo}", "--no-mpi", "--host=127.0.0.1",
+                                     f"--http_port={ports[0]}", f"--grpc_port={ports[1]}",
+                                     f"--metrics_port={ports[2]}", "--force",
+                                     f"--cache_dir={work / 'cache'}"])
+    log_path = work / "server.log"
+    with open(log_path, "w") as log:
+        process = launcher.launch(args, stdout=log, stderr=log)
+    try:
+        if not serve.wait_until_ready(process, ports[0], timeout=300):
+            pytest.fail(f"tritonserver did not become ready:\n{log_path.read_text()[-5000:]}")
+        yield Server(http=f"http://127.0.0.1:{ports[0]}", grpc_url=f"127.0.0.1:{ports[1]}",
+                     metrics=f"http://127.0.0.1:{ports[2]}", log_path=log_path)
+    finally:
+        process.terminate()
+        try:  # tritonserver waits up to 30 s for open client connections; do not
+            process.wait(timeout=10)
+        except Exception:
+            process.kill()
+            process.wait()
+
+
+def wait_for(predicate, timeout: float = 20.0, interval: float = 0.2):
+    """Poll until predicate() is truthy; returns its last value."""
+    deadline = time.time() + timeout
+    value = predicate()
+    while not value and time.time() < deadline:
+        time.sleep(interval)
+        value = predicate()
+    return value
