@@ -11,7 +11,7 @@ Scores: ``cum_log_prob / generated_len ** length_penalty`` (length_penalty defau
 A hypothesis ends at ``end_id`` (the token is not kept) or at ``max_tokens``. With
 ``early_stopping`` (the default) the search stops once ``beam_width`` hypotheses ended;
 with ``early_stopping=0`` it also stops once no live beam scores above the worst ended one.
-Stop words are not checked inside beam search.
+Stop words are not checked inside beam search, and beams return no generation logits.
 """
 from __future__ import annotations
 

@@ -56,6 +56,7 @@ class ExecutorConfig:
     max_queue_size: int | None = None  # None or 0: unbounded
     max_beam_width: int = 1
     batch_scheduler_policy: str = "guaranteed_no_evict"
+    batching_type: str = "inflight"  # or "static" (TRT-LLM's gpt_model_type v1): batches run to completion
     kv_cache_free_gpu_mem_fraction: float = 0.9
     max_tokens_in_paged_kv_cache: int | None = None
     enable_kv_cache_reuse: bool = True
@@ -82,6 +83,10 @@ class ExecutorConfig:
         require(self.batch_scheduler_policy in POLICIES,
                 f"batch_scheduler_policy value of '{self.batch_scheduler_policy}' is not supported; "
                 f"allowed: {', '.join(POLICIES)}")
+        self.batching_type = {"inflight_fused_batching": "inflight", "inflight_batching": "inflight",
+                              "v1": "static"}.get(str(self.batching_type).lower(), str(self.batching_type).lower())
+        require(self.batching_type in ("inflight", "static"),
+                f"batching_type value of '{self.batching_type}' is not supported; allowed: inflight, static")
         require(0 < self.kv_cache_free_gpu_mem_fraction <= 1,
                 f"ExecutorConfig.kv_cache_free_gpu_mem_fraction must be in (0, 1], got {self.kv_cache_free_gpu_mem_fraction!r}")
         require(self.iter_stats_max_iterations >= 1,
@@ -126,7 +131,8 @@ class Executor:
                                    self.config.enable_kv_cache_reuse)
         self.scheduler = Scheduler(self.blocks, max_batch_size=self.max_batch_size,
                                    max_num_tokens=self.max_num_tokens, policy=self.config.batch_scheduler_policy,
-                                   enable_chunked_context=self.config.enable_chunked_context)
+                                   enable_chunked_context=self.config.enable_chunked_context,
+                                   static_batching=self.config.batching_type == "static")
         build = self.runner.build_config
         self.limits = RequestLimits(
             vocab_size=self.runner.vocab_size, max_seq_len=build.max_seq_len,
@@ -149,7 +155,6 @@ class Executor:
         self._responses = ResponseQueue()
         self._callback = response_callback
         self._iteration = 0
-        self._max_active = 0
         self._stats_history: deque[IterationStats] = deque(maxlen=self.config.iter_stats_max_iterations)
         self._latest_stats = IterationStats(kv_cache_stats=kv_cache_stats(self.blocks))
 
@@ -435,8 +440,6 @@ class Executor:
         for seq, raw in beam_rows:
             md = build_sampling_metadata([seq], self.runner.vocab_size, raw.device, False)
             seq.pending_logprobs = process_logits(raw.unsqueeze(0), md).log_softmax(dim=-1)[0]
-            if seq.state.request.output.return_generation_logits:
-                seq.pending_raw_logits = raw.float().cpu()
         for state in {seq.state.request_id: seq.state for seq, _ in beam_rows}.values():
             live = [s for s in state.sequences if not s.is_finished]
             if live and all(s.pending_logprobs is not None for s in live):
@@ -497,7 +500,6 @@ class Executor:
     # ----- stats -----
     def _record_stats(self, plan: SchedulerOutput, started: float) -> None:
         self._iteration += 1
-        self._max_active = max(self._max_active, len(self._active))
         now = datetime.now(timezone.utc)
         kv_bytes = self.runner.kv_cache.numel() * self.runner.kv_cache.element_size()
         on_gpu = self.runner.device.type == "cuda"

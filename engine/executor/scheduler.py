@@ -79,7 +79,8 @@ class Scheduler:
     """Owns the waiting queue and the running set; decides each iteration's batch."""
 
     def __init__(self, block_manager: BlockManager, *, max_batch_size: int, max_num_tokens: int,
-                 policy: str = "guaranteed_no_evict", enable_chunked_context: bool = False):
+                 policy: str = "guaranteed_no_evict", enable_chunked_context: bool = False,
+                 static_batching: bool = False):
         if policy not in POLICIES:
             raise ValueError(f"batch_scheduler_policy {policy!r} is not supported; allowed: {', '.join(POLICIES)}")
         self.blocks = block_manager
@@ -87,6 +88,7 @@ class Scheduler:
         self.max_num_tokens = max_num_tokens
         self.policy = policy
         self.enable_chunked_context = enable_chunked_context
+        self.static_batching = static_batching  # TRT-LLM "v1": a batch runs to completion before the next forms
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # sorted by arrival_order: the tail is the newest
         self._arrivals = 0
@@ -155,6 +157,8 @@ class Scheduler:
         return True
 
     def _admit_waiting(self, budget: _Budget, out: SchedulerOutput) -> None:
+        if self.static_batching and any(s.num_generated_tokens for s in self.running):
+            return  # the current static batch is decoding: nobody joins it
         while self.waiting and budget.seqs > 0 and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
             if self.policy == "guaranteed_no_evict" and not self._can_reserve(seq):

@@ -229,6 +229,7 @@ def test_response_callback_receives_everything(tiny_engine):
     ("max_batch_size", 0, "max_batch_size must be a positive integer"),
     ("kv_cache_free_gpu_mem_fraction", 1.5, "kv_cache_free_gpu_mem_fraction must be in (0, 1]"),
     ("max_beam_width", 0, "max_beam_width must be an integer >= 1"),
+    ("batching_type", "v2", "batching_type value of 'v2' is not supported"),
 ])
 def test_config_errors_name_the_field(field, value, message):
     with pytest.raises(ExecutorConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):

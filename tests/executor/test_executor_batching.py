@@ -113,3 +113,15 @@ def test_beam_search_survives_preemption_beside_other_requests(tiny_engine):
     assert [responses[i][-1].result.output_token_ids for i in ids[:3]] == alone
     assert stats.num_preempted_requests > 0
     assert stats.kv_cache_stats.free_num_blocks == 15
+
+
+def test_static_batching_runs_each_batch_to_completion(tiny_engine, alone):
+    config = ExecutorConfig(batching_type="v1", max_batch_size=4)
+    with Executor(tiny_engine, config) as executor:
+        ids = executor.enqueue_requests(workload())
+        responses = collect(executor, ids)
+        stats = executor.get_iteration_stats_history()
+    assert [final_tokens(responses[i]) for i in ids] == alone
+    # a new batch's prompts never run beside an older batch's decodes
+    assert not any(s.num_context_requests and s.num_gen_requests for s in stats)
+    assert max(s.num_scheduled_requests for s in stats) == 4
