@@ -525,7 +525,7 @@ def bench_hf(results: dict, model: str, batches: list[int], in_len: int = 128, o
 
 
 def markdown(results: dict) -> str:
-    lines = [f"\n## engine_bench: {results['model']} on {results['gpu']} ({results['date']}, commit {results['commit']})\n",
+    lines = [f"\n### engine_bench: {results['model']} on {results['gpu']} ({results['date']}, commit {results['commit']})\n",
              f"torch {results['torch']}, triton {results['triton']}, dtype {results['dtype']}, "
              f"command `{results['command']}`\n", "| measure | measured | goal |", "|---|---|---|"]
     bw = results.get("bandwidth")
@@ -574,6 +574,21 @@ def markdown(results: dict) -> str:
         lines.append(f"| paged attention {row['kind']}, batch {row['batch']}, context {row['context']} | "
                      f"{row['us']:.1f} us, {speed} | |")
     return "\n".join(lines) + "\n"
+
+
+RESULTS_MARKER = "<!-- engine_bench:end -->"
+
+
+def append_to_results(path: str, table: str) -> None:
+    """Insert the table at the end of this benchmark's section of RESULTS.md (just before its
+    end marker, so other benchmarks' sections stay whole), or append when there is no marker."""
+    text = open(path).read() if os.path.exists(path) else ""
+    if RESULTS_MARKER in text:
+        text = text.replace(RESULTS_MARKER, table.strip("\n") + "\n\n" + RESULTS_MARKER, 1)
+    else:
+        text += table
+    with open(path, "w") as f:
+        f.write(text)
 
 
 def plot_latency(results: dict, path: str) -> None:
@@ -709,8 +724,7 @@ def main(argv=None) -> dict:
     table = markdown(results)
     print(table)
     if args.results_md:
-        with open(args.results_md, "a") as f:
-            f.write(table)
+        append_to_results(args.results_md, table)
     plot_latency(results, os.path.splitext(args.out)[0] + "_latency.png")
     return results
 
