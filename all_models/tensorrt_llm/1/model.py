@@ -21,7 +21,7 @@ if os.environ.get("TRITONLLM_ROOT"):  # a source checkout not installed into the
     sys.path.insert(0, os.environ["TRITONLLM_ROOT"])
 from serving.executor_config import executor_settings, to_executor_config  # noqa: E402
 from serving.inflight import InflightRequests  # noqa: E402
-from serving.metrics import GAUGES, HISTOGRAMS, gauge_values  # noqa: E402
+from serving.metrics import HISTOGRAMS, gauge_specs, gauge_values  # noqa: E402
 from serving.params import get_parameter, model_parameters  # noqa: E402
 from serving.requests import (MISSING_STOP_ID, conversion_error_message, convert_request,  # noqa: E402
                               is_stop_request, to_executor_request)
@@ -48,11 +48,12 @@ def read_inputs(request, names):
 class TritonMetrics:
     """The model's custom metric families: gauges from iteration stats, per-request histograms."""
 
-    def __init__(self, model_name, model_version):
+    def __init__(self, model_name, model_version, static_batching=False):
         labels = {"model": model_name, "version": model_version}
+        self.static_batching = static_batching
         self.families = []  # kept alive: a family must outlive its metrics
         self.gauges = {}
-        for family_name, description, category, getters in GAUGES:
+        for family_name, description, category, getters in gauge_specs(static_batching):
             family = pb_utils.MetricFamily(name=family_name, description=description,
                                            kind=pb_utils.MetricFamily.GAUGE)
             self.families.append(family)
@@ -68,7 +69,7 @@ class TritonMetrics:
             self.histograms[family_name] = family.Metric(labels={**labels, **extra}, buckets=buckets)
 
     def update_gauges(self, stats):
-        for key, value in gauge_values(stats).items():
+        for key, value in gauge_values(stats, self.static_batching).items():
             self.gauges[key].set(value)
 
     def observe_finished(self, finished):
@@ -88,6 +89,7 @@ class TritonPythonModel:
         from engine.executor.executor import Executor, ExecutorConfig
 
         self.model_config = json.loads(args["model_config"])
+        self.model_name = args["model_name"]
         params = model_parameters(self.model_config)
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(self.model_config)
         self.input_names = [tensor["name"] for tensor in self.model_config["input"]]
@@ -110,7 +112,8 @@ class TritonPythonModel:
         self.inflight = InflightRequests(decoupled=self.decoupled, decode=self._stream_decoder(params, engine_dir),
                                          logits_dtype=logits_dtype)
         self.lock = threading.Lock()
-        self.metrics = TritonMetrics(args["model_name"], args["model_version"])
+        self.metrics = TritonMetrics(args["model_name"], args["model_version"],
+                                     static_batching=settings.get("batching_type") == "static")
         self.running = True
         self.warned = set()
         self.threads = [threading.Thread(target=loop, daemon=True, name=loop.__name__)
@@ -150,7 +153,11 @@ class TritonPythonModel:
                 continue
             # Enqueue and register under the lock, so no response can arrive unregistered.
             with self.lock:
-                exec_ids = self.executor.enqueue_requests(executor_requests)
+                try:
+                    exec_ids = self.executor.enqueue_requests(executor_requests)
+                except Exception as error:  # e.g. the executor is shut down
+                    self._send_error(sender, f"tensorrt_llm could not accept the request: {error}")
+                    continue
                 self.inflight.add(sender, request.request_id(), specs, exec_ids)
         return None
 
@@ -216,12 +223,30 @@ class TritonPythonModel:
     def _publish_stats(self):
         while self.running:
             time.sleep(self.stats_period)
+            self._unload_if_ranks_failed()
             try:
                 stats = self.executor.get_latest_iteration_stats()
                 if stats is not None:
                     self.metrics.update_gauges(stats)
             except Exception as error:
                 self._warn_once(f"tensorrt_llm: could not publish stats: {error}")
+
+    def _unload_if_ranks_failed(self):
+        """Leader mode: once a rank is lost (runner.failure set; every request now fails with that
+        error), unload this model so that it, and the ensemble using it, report not ready.
+        Needs --model-control-mode=explicit, which the launcher sets for --world_size > 1."""
+        failure = getattr(self.executor.runner, "failure", None)
+        if failure is None or getattr(self, "unload_requested", False):
+            return
+        self.unload_requested = True
+        pb_utils.Logger.log_error(f"tensorrt_llm: {failure}; unloading the model (not ready)")
+        threading.Thread(target=self._unload_self, daemon=True, name="unload-on-rank-failure").start()
+
+    def _unload_self(self):
+        try:
+            pb_utils.unload_model(self.model_name)
+        except Exception as error:  # e.g. not in explicit model-control mode
+            pb_utils.Logger.log_warn(f"tensorrt_llm: could not unload after the rank failure: {error}")
 
     def _warn_once(self, message):
         if message not in self.warned:
