@@ -451,7 +451,7 @@ class LeaderRunner:
                 self.channel.send(op, **message)
                 return local_step()
             except Exception as err:  # a gloo/NCCL error or timeout: some rank is gone
-                self._fail(f"{op.name.lower()} step failed: {err}")
+                self._fail(f"{op.name.lower()} step failed: {_first_sentence(err)}")
                 raise RankFailureError(self.failure) from err
             finally:
                 self._busy_since = None
@@ -486,7 +486,7 @@ class LeaderRunner:
             self.channel.send(Op.HEARTBEAT)
             self.channel.all_reduce_min(0)
         except Exception as err:
-            self._fail(f"heartbeat failed: {err}")
+            self._fail(f"heartbeat failed: {_first_sentence(err)}")
         self._last_send = time.monotonic()
 
     def _check_stuck_step(self) -> None:
@@ -512,6 +512,12 @@ class LeaderRunner:
             finally:
                 self._lock.release()
         _destroy_groups()
+
+
+def _first_sentence(err: Exception) -> str:
+    """gloo's errors append a paragraph of generic advice; the first sentence is the news."""
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return text.split(". This is typically")[0]
 
 
 def _destroy_groups() -> None:

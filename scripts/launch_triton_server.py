@@ -120,6 +120,7 @@ def build_command(args: argparse.Namespace, install: ServerInstall) -> list[str]
 # Variables every rank needs, exported by name to remote nodes (local ranks inherit them anyway);
 # the optional ones only when set (mpirun warns about unset names).
 RANK_ENV_VARS = ("PATH", "LD_LIBRARY_PATH", "TRITONLLM_DIST_ADDR", "TRITONLLM_DIST_PORT")
+MPIRUN_SIGKILL_TIMEOUT_S = 10
 OPTIONAL_RANK_ENV_VARS = ("TRITONLLM_DIST_TIMEOUT_S", "TRITONLLM_DIST_STARTUP_TIMEOUT_S", "TRITONLLM_DIST_HEARTBEAT_S",
                           "NCCL_SOCKET_IFNAME", "NCCL_DEBUG", "CUDA_VISIBLE_DEVICES")
 
@@ -131,17 +132,24 @@ def leader_mode_arguments(args: argparse.Namespace, install: ServerInstall) -> l
     ``python -m engine.worker``. ``--bind-to none`` because OpenMPI would otherwise pin each rank
     to one core (tritonserver is multi-threaded); ``orte_enable_recovery`` keeps the job (and so
     the server, which then answers with errors and reports not ready) alive when a worker dies.
+    On SIGTERM/SIGINT mpirun sends every rank SIGCONT, then SIGTERM after
+    ``odls_base_sigkill_timeout`` seconds, then SIGKILL as long again: the default (1 s) would
+    kill tritonserver in the middle of its graceful shutdown.
     """
     if not args.engine_dir:
         raise RuntimeError("--world_size > 1 needs the engine directory: pass --engine_dir or fill "
                            "gpt_model_path in the tensorrt_llm model's config.pbtxt")
-    cmd = ["--bind-to", "none", "--mca", "orte_enable_recovery", "1"]
+    cmd = ["--bind-to", "none", "--mca", "orte_enable_recovery", "1",
+           "--mca", "odls_base_sigkill_timeout", str(MPIRUN_SIGKILL_TIMEOUT_S)]
     if args.hostfile:
         cmd += ["--hostfile", args.hostfile]
     for name in RANK_ENV_VARS + tuple(n for n in OPTIONAL_RANK_ENV_VARS if n in os.environ):
         cmd += ["-x", name]
     worker = [sys.executable, "-m", "engine.worker", f"--engine_dir={args.engine_dir}"]
-    return cmd + ["-n", "1", *rank_arguments(0, args, install), ":", "-n", str(args.world_size - 1), *worker]
+    # Explicit model control (every model still loads at start) lets the tensorrt_llm model unload
+    # itself after a rank failure, so that it and the ensemble report not ready.
+    leader = [*rank_arguments(0, args, install), "--model-control-mode=explicit", "--load-model=*"]
+    return cmd + ["-n", "1", *leader, ":", "-n", str(args.world_size - 1), *worker]
 
 
 # ----------------------------------------------------------------------------- finding the server

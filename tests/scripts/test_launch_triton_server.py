@@ -46,7 +46,8 @@ def test_mpirun_shape_for_three_ranks():
     assert leader_words[:2] == ["1", "/opt/ts/bin/tritonserver"] and leader_words[-1] == ":"
     assert "--log-verbose=3" in leader_words and "--log-file=x.log" in leader_words
     assert "--backend-config=python,shm-region-prefix-name=prefix0_" in leader_words
-    assert "--model-control-mode=explicit" not in leader_words
+    # Explicit control with every model loaded: the leader may unload itself after a rank failure.
+    assert "--model-control-mode=explicit" in leader_words and "--load-model=*" in leader_words
     assert workers.split() == ["2", sys.executable, "-m", "engine.worker", "--engine_dir=/engines/tp3"]
 
 

@@ -1,0 +1,280 @@
+"""Leader mode through a real tritonserver: scripts/launch_triton_server.py --world_size N.
+
+SmolLM2 (9 q / 3 kv heads) built with tp_size 3 runs on 3 ranks (mpirun, oversubscribed on
+the 2-core CI machine; gloo) and must answer a set of prompts through the ensemble exactly as
+world size 1 does; a tiny random Llama built with tp_size 2 does the same on 2 ranks. Killing
+a worker rank turns in-flight and new requests into error responses within seconds, and
+the model and the ensemble then report not ready. SIGTERM to mpirun stops every rank.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+import transformers
+
+from engine.build import build_from_hf
+from engine.config import BuildConfig
+from engine.convert import getter_from_state_dict
+from tp_testing import free_port
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(shutil.which("mpirun") is None, reason="leader mode needs OpenMPI's mpirun"),
+]
+
+ROOT = Path(__file__).resolve().parents[2]
+QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "What is 12 times 12?",
+             "Write one sentence about the sea."]
+CHAT = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n")
+MAX_TOKENS = 20
+
+
+def load_script(name: str, folder: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / folder / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+serve_default = load_script("serve_default", "scripts")
+launcher = load_script("launch_triton_server", "scripts")
+
+
+def build_engine(hf_model, tokenizer, out_dir: Path, tp_size: int) -> str:
+    build = BuildConfig(dtype="float32", max_batch_size=4, max_input_len=256, max_seq_len=512,
+                        max_num_tokens=512, tokens_per_block=16, tp_size=tp_size)
+    build_from_hf(hf_model.config, getter_from_state_dict(hf_model.state_dict(), "test"), tokenizer, str(out_dir),
+                  build, progress=False)
+    return str(out_dir)
+
+
+def tiny_llama_with_smollm2_vocab() -> transformers.LlamaForCausalLM:
+    """A 2-layer random Llama over SmolLM2's vocabulary, so the ensemble's tokenizer fits it."""
+    config = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_((1.0 if "norm" in name else 0.0) + 0.3 * torch.randn_like(p))
+    return model
+
+
+ENSEMBLE_MODELS = ("ensemble", "preprocessing", "tensorrt_llm", "postprocessing")
+
+
+def prepare_repo(engines_by_suffix: dict[str, str], work: Path) -> str:
+    """One repository serving several engines: engine ``e`` under the model names ``<name><e>``.
+
+    Each engine's models are filled by serve_default.prepare_model_repo, then renamed (with the
+    ensemble's steps pointing at the renamed models). The BLS model is left out: not needed here,
+    and one Python stub less to start on a 2-core machine.
+    """
+    repo = work / "repo"
+    repo.mkdir(parents=True)
+    for suffix, engine_dir in engines_by_suffix.items():
+        filled = Path(serve_default.prepare_model_repo(engine_dir, str(work / f"filled{suffix}"), bls_instances=1))
+        for model in ENSEMBLE_MODELS:
+            shutil.copytree(filled / model, repo / f"{model}{suffix}")
+            config = repo / f"{model}{suffix}" / "config.pbtxt"
+            text = config.read_text().replace(f'name: "{model}"', f'name: "{model}{suffix}"', 1)
+            for step in ENSEMBLE_MODELS:
+                text = text.replace(f'model_name: "{step}"', f'model_name: "{step}{suffix}"')
+            config.write_text(text)
+    return str(repo)
+
+
+class LeaderModeServer:
+    """One launch of the launcher; ``stop()`` sends SIGTERM to mpirun (or tritonserver) and waits."""
+
+    def __init__(self, engines_by_suffix: dict[str, str], world_size: int, work: Path):
+        self.work = work
+        self.world_size = world_size
+        repo = prepare_repo(engines_by_suffix, work)
+        self.ports = [str(free_port()) for _ in range(3)]
+        flags = [f"--model_repo={repo}", "--host=127.0.0.1", f"--http_port={self.ports[0]}",
+                 f"--grpc_port={self.ports[1]}", f"--metrics_port={self.ports[2]}", "--force",
+                 f"--cache_dir={work / 'cache'}"]
+        flags += ["--no-mpi"] if world_size == 1 else [f"--world_size={world_size}", "--oversubscribe"]
+        self.log_path = work / "server.log"
+        with open(self.log_path, "w") as log:
+            self.process = launcher.launch(launcher.parse_arguments(flags), stdout=log, stderr=log)
+        if not serve_default.wait_until_ready(self.process, self.ports[0], timeout=300):
+            self.stop()
+            pytest.fail(f"world_size {world_size} server did not become ready:\n{self.log()[-6000:]}")
+
+    @property
+    def http(self) -> str:
+        return f"http://127.0.0.1:{self.ports[0]}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def worker_pids(self) -> list[int]:
+        found = subprocess.run(["pgrep", "-P", str(self.process.pid), "-f", "engine.worker"],
+                               capture_output=True, text=True).stdout.split()
+        return [int(pid) for pid in found]
+
+    def rank_pids(self) -> list[int]:
+        found = subprocess.run(["pgrep", "-P", str(self.process.pid)], capture_output=True, text=True).stdout.split()
+        return [int(pid) for pid in found]
+
+    def generate(self, text: str, *, stream: bool = False, max_tokens: int = MAX_TOKENS, timeout: float = 120,
+                 suffix: str = ""):
+        body = {"text_input": text, "max_tokens": max_tokens, "exclude_input_in_output": True, "stream": stream}
+        endpoint = "generate_stream" if stream else "generate"
+        return requests.post(f"{self.http}/v2/models/ensemble{suffix}/{endpoint}", json=body, timeout=timeout,
+                             stream=stream)
+
+    def answers(self, prompts: list[str], suffix: str = "") -> list[str]:
+        """All prompts at once (so the leader batches them), in prompt order."""
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            responses = list(pool.map(lambda p: self.generate(p, suffix=suffix), prompts))
+        for response in responses:
+            assert response.status_code == 200, f"{response.text}\n{self.log()[-4000:]}"
+        return [response.json()["text_output"] for response in responses]
+
+    def stop(self, timeout: float = 60, via_mpirun: bool = False) -> None:
+        """SIGTERM to tritonserver (rank 0 shuts down and releases the workers), or to mpirun
+        (which forwards it to every rank after the launcher's odls_base_sigkill_timeout)."""
+        if self.process.poll() is None:
+            servers = [] if self.world_size == 1 or via_mpirun else subprocess.run(
+                ["pgrep", "-P", str(self.process.pid), "tritonserver"], capture_output=True, text=True).stdout.split()
+            for pid in servers or [self.process.pid]:
+                os.kill(int(pid), signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+@pytest.fixture(scope="module")
+def short_timeouts():
+    """Faster fault detection for these servers (the launcher passes the environment on)."""
+    saved = {k: os.environ.get(k) for k in ("TRITONLLM_DIST_HEARTBEAT_S", "TRITONLLM_DIST_TIMEOUT_S")}
+    os.environ.update(TRITONLLM_DIST_HEARTBEAT_S="0.5", TRITONLLM_DIST_TIMEOUT_S="20")
+    yield
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@pytest.fixture(scope="module")
+def engines(smollm2_hf, smollm2_engine_dir, tmp_path_factory):
+    model, tokenizer = smollm2_hf
+    root = tmp_path_factory.mktemp("tp_serving_engines")
+    tiny = tiny_llama_with_smollm2_vocab()
+    return {
+        "smollm2_tp1": smollm2_engine_dir,  # the session's float32 engine: the same weights
+        "smollm2_tp3": build_engine(model, tokenizer, root / "smollm2_tp3", 3),
+        "tiny_tp1": build_engine(tiny, tokenizer, root / "tiny_tp1", 1),
+        "tiny_tp2": build_engine(tiny, tokenizer, root / "tiny_tp2", 2),
+    }
+
+
+SMOLLM2_PROMPTS = [CHAT.format(q) for q in QUESTIONS]
+TINY_PROMPTS = [CHAT.format(q) for q in QUESTIONS[:2]]
+
+
+@pytest.fixture(scope="module")
+def single_rank_answers(engines, tmp_path_factory, short_timeouts):
+    """World size 1: both tp-1 engines behind one server (tiny under the suffix _tiny)."""
+    server = LeaderModeServer({"": engines["smollm2_tp1"], "_tiny": engines["tiny_tp1"]}, 1,
+                              tmp_path_factory.mktemp("world1"))
+    try:
+        return {"smollm2": server.answers(SMOLLM2_PROMPTS), "tiny": server.answers(TINY_PROMPTS, suffix="_tiny")}
+    finally:
+        server.stop()
+
+
+def is_gone(pid: int) -> bool:
+    """Exited (a zombie counts: this container's init may not reap orphans)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_launcher_refuses_an_engine_built_for_another_world_size(engines, tmp_path):
+    repo = prepare_repo({"": engines["smollm2_tp3"]}, tmp_path)
+    args = launcher.parse_arguments([f"--model_repo={repo}", "--world_size=2", "--http_port=0", "--grpc_port=0",
+                                     "--metrics_port=0", "--force", f"--cache_dir={tmp_path / 'cache'}"])
+    with pytest.raises(RuntimeError, match=r"built with tp_size 3 .*needs --world_size 3.* --world_size is 2"):
+        launcher.launch(args)
+
+
+def test_tiny_llama_on_two_ranks_answers_like_one(engines, single_rank_answers, tmp_path, short_timeouts):
+    server = LeaderModeServer({"": engines["tiny_tp2"]}, 2, tmp_path)
+    try:
+        assert server.answers(TINY_PROMPTS) == single_rank_answers["tiny"]
+        ranks = server.rank_pids()
+        assert len(ranks) == 2 and len(server.worker_pids()) == 1
+    finally:
+        server.stop(via_mpirun=True)
+    # SIGTERM to mpirun stopped every rank.
+    assert server.process.returncode is not None
+    assert all(is_gone(pid) for pid in ranks), subprocess.run(["ps", "-ef"], capture_output=True, text=True).stdout
+
+
+def test_smollm2_on_three_ranks_answers_like_one_and_survives_a_dead_rank(engines, single_rank_answers, tmp_path,
+                                                                          short_timeouts):
+    assert "Paris" in single_rank_answers["smollm2"][0]
+    server = LeaderModeServer({"": engines["smollm2_tp3"]}, 3, tmp_path)
+    try:
+        assert server.answers(SMOLLM2_PROMPTS) == single_rank_answers["smollm2"]
+        assert_dead_rank_fails_requests_fast(server)
+    finally:
+        server.stop()
+
+
+def assert_dead_rank_fails_requests_fast(server: LeaderModeServer) -> None:
+    stream = server.generate(CHAT.format("Tell me a long story about a dragon."), stream=True, max_tokens=400)
+    lines = stream.iter_lines()
+    first = next(line for line in lines if line.startswith(b"data: "))
+    assert "error" not in json.loads(first[len(b"data: "):])  # generating, across 3 ranks
+    workers = server.worker_pids()
+    assert len(workers) == 2
+    killed_at = time.monotonic()
+    os.kill(workers[0], signal.SIGKILL)
+    # In flight: the stream ends with an error event, within seconds.
+    events = [json.loads(line[len(b"data: "):]) for line in lines if line.startswith(b"data: ")]
+    assert events and "error" in events[-1], events[-3:]
+    assert "rank failure" in events[-1]["error"], events[-1]
+    assert time.monotonic() - killed_at < 10
+    # New requests: an error response, also within seconds (the rank failure, or once the model
+    # has unloaded itself, "unknown model").
+    started = time.monotonic()
+    response = server.generate(CHAT.format("Are you there?"), timeout=30)
+    assert response.status_code >= 400 and ("rank failure" in response.text or "unknown model" in response.text)
+    assert time.monotonic() - started < 10
+    # The model, and the ensemble that uses it, report not ready.
+    for model in ("tensorrt_llm", "ensemble"):
+        assert wait_for(lambda: requests.get(f"{server.http}/v2/models/{model}/ready", timeout=5).status_code != 200,
+                        timeout=10), f"{model} still ready"
+    assert "rank failure" in server.log()
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.2) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())
