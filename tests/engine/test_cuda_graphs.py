@@ -90,22 +90,26 @@ def test_graph_decode_matches_eager_decode(tmp_path, num_seqs):
         assert same >= 0.95, f"step {step}: only {same:.0%} of greedy tokens agree"
 
 
-def test_fill_decode_inputs_packs_ragged_tables_slots_and_padding():
-    """The graphs' host-side packing (pure numpy, so it runs in CI): slots, tables and padding rows."""
+@pytest.mark.parametrize("repeat", [1, 15])  # 3 rows: the Python loop; 45 rows: the numpy path
+def test_fill_decode_inputs_packs_ragged_tables_slots_and_padding(repeat):
+    """The graphs' host-side packing (no GPU needed, so it runs in CI): slots, tables, padding rows."""
     import numpy as np
 
     from engine.executor.cuda_graphs import fill_decode_inputs
 
-    page, bucket = 16, 8
+    page, bs = 16, 3 * repeat
+    bucket = bs + 5
     i64 = np.full((3, bucket), 99, dtype=np.int64)
     ctx = np.full(bucket, 99, dtype=np.int32)
     tables = np.full((bucket, 6), 77, dtype=np.int32)
-    block_tables = [[5], [9, 3], [4, 8, 2, 7]]
-    positions = [0, 16, 63]  # first slot of a block, first of the second block, last of the fourth
-    lengths = np.array([len(t) for t in block_tables])
-    fill_decode_inputs(i64, ctx, tables, [11, 12, 13], positions, [1, 17, 64], block_tables, lengths, page, bucket)
-    assert i64[0, :3].tolist() == [11, 12, 13] and i64[1, :3].tolist() == positions
-    assert i64[2].tolist() == [5 * 16 + 0, 3 * 16 + 0, 7 * 16 + 15] + [-1] * 5
-    assert ctx.tolist() == [1, 17, 64] + [1] * 5
-    assert tables[0, 0] == 5 and tables[1, :2].tolist() == [9, 3] and tables[2, :4].tolist() == [4, 8, 2, 7]
-    assert tables[3:, 0].tolist() == [0] * 5  # padding rows read block 0
+    block_tables = [[5], [9, 3], [4, 8, 2, 7]] * repeat
+    positions = [0, 16, 63] * repeat  # first slot of a block, first of the second block, last of the fourth
+    fill_decode_inputs(i64, ctx, tables, [11, 12, 13] * repeat, positions, [1, 17, 64] * repeat, block_tables,
+                       page, bucket)
+    assert i64[0, :bs].tolist() == [11, 12, 13] * repeat and i64[1, :bs].tolist() == positions
+    assert i64[2].tolist() == [5 * 16 + 0, 3 * 16 + 0, 7 * 16 + 15] * repeat + [-1] * 5
+    assert ctx.tolist() == [1, 17, 64] * repeat + [1] * 5
+    for row in range(bs):
+        table = block_tables[row]
+        assert tables[row, :len(table)].tolist() == table
+    assert tables[bs:, 0].tolist() == [0] * 5  # padding rows read block 0
