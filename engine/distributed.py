@@ -195,7 +195,10 @@ class DistContext:
         """Switch both groups from the startup timeout (loading weights) to the step timeout."""
         timeout = datetime.timedelta(seconds=self.settings.step_timeout_s)
         for group in (self.tp_group, self.control):
-            group.set_timeout(timeout)
+            try:
+                group.set_timeout(timeout)
+            except (RuntimeError, AttributeError) as err:  # a backend without it keeps the startup timeout
+                logger.warning("could not shorten the %s group's timeout: %s", group, err)
 
 
 def init_distributed(info: RankInfo, device: torch.device, settings: DistSettings) -> DistContext:

@@ -142,3 +142,23 @@ def test_worker_exits_when_the_leader_dies(engines, tmp_path):
         assert worker.returncode == 1
     finally:
         stop([leader, worker])
+
+
+def test_hung_worker_fails_the_leader_after_the_step_timeout(engines, tmp_path):
+    out = str(tmp_path / "hang.json")
+    cmd = [sys.executable, DRIVER, "--engine_dir", engines[2], "--prompts", json.dumps(PROMPTS),
+           "--max_tokens", "2", "--out", out, "--then_wait_for_failure", "20"]
+    leader, (worker,) = start_ranks(cmd, engines[2], 2, TRITONLLM_DIST_HEARTBEAT_S="0.5", TRITONLLM_DIST_TIMEOUT_S="3")
+    try:
+        assert leader.stdout.readline().strip() == "IDLE"
+        worker.send_signal(signal.SIGSTOP)  # alive, sockets open, never answers
+        leader_log, _ = leader.communicate(timeout=40)
+    finally:
+        worker.send_signal(signal.SIGCONT)
+        stop([leader, worker])
+    assert leader.returncode == 0, leader_log
+    with open(out) as f:
+        result = json.load(f)
+    assert "rank failure" in result["failure"] and "heartbeat" in result["failure"]
+    assert 2.5 < result["detected_after_s"] < 10  # the 3 s timeout, not forever
+    assert result["step_error"].startswith("RankFailureError")
