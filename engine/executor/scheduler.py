@@ -13,7 +13,8 @@ Policies:
 - ``guaranteed_no_evict``: admit only if the free blocks, minus what running sequences may
   still claim to reach prompt + max_tokens, cover the newcomer's prompt + max_tokens. A running
   sequence then never runs out of blocks.
-- ``max_utilization``: admit whenever the first chunk fits. When a running sequence cannot get
+- ``max_utilization``: admit whenever the first chunk fits with a block per running sequence to
+  spare. When a running sequence cannot get
   a block, preempt the newest running sequence (free its blocks, put it back at the head of
   the queue); it recomputes its tokens later, so nothing is lost.
 
@@ -165,7 +166,7 @@ class Scheduler:
                 return
             reused = 0 if seq.block_ids else self.blocks.acquire_cached_prefix(seq)  # a fork holds its prefix
             num_new = self._num_tokens_to_schedule(seq, budget)
-            new_blocks = self.blocks.append_slots(seq, num_new) if num_new else None
+            new_blocks = self.blocks.append_slots(seq, num_new) if num_new and self._leaves_headroom(seq, num_new) else None
             if new_blocks is None:
                 self.blocks.release(seq)  # hand back the prefix hits; they stay cached
                 return
@@ -187,6 +188,14 @@ class Scheduler:
         if self.enable_chunked_context or remaining > self.max_num_tokens:
             return budget.tokens
         return 0
+
+    def _leaves_headroom(self, seq: Sequence, num_new: int) -> bool:
+        """max_utilization admits a newcomer only if a block per running sequence stays free, so the
+        next decode steps do not at once preempt it again (admit -> preempt -> recompute churn)."""
+        if self.policy != "max_utilization":
+            return True
+        left = self.blocks.num_free_blocks - self.blocks.num_new_blocks_needed(seq, num_new)
+        return left >= len(self.running)
 
     def _is_prefill(self, seq: Sequence) -> bool:
         return seq.num_computed_tokens < len(seq.token_ids) - 1

@@ -113,6 +113,16 @@ def test_max_utilization_preempts_the_newest_and_recomputes_it():
     assert b.generated_token_ids == generated_before
 
 
+def test_max_utilization_keeps_a_block_per_running_sequence_free_when_admitting():
+    sched = make_scheduler(num_blocks=4, policy="max_utilization", max_num_tokens=32)
+    a, b, c = make_seq([1] * 8, max_tokens=4), make_seq([2] * 4, max_tokens=4), make_seq([3] * 4, max_tokens=4)
+    for seq in (a, b, c):
+        sched.add(seq)
+    # a takes 2 blocks (nothing running: no headroom needed); b leaves 1 free for a; c would leave 0 for a and b.
+    assert plan(sched.schedule()) == [(a.seq_id, 8), (b.seq_id, 4)]
+    assert list(sched.waiting) == [c]
+
+
 def test_preempted_request_reuses_its_own_cached_blocks():
     sched = make_scheduler(num_blocks=4, policy="max_utilization", reuse=True)
     a, b = make_seq([1] * 4, max_tokens=6), make_seq([2] * 4, max_tokens=6)
