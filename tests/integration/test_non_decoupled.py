@@ -67,3 +67,26 @@ def test_log_probs_and_streaming_rejection(unary_server, tokenizer):
     assert np.isclose(result.as_numpy("cum_log_probs").item(), log_probs.sum(), atol=1e-3)
     with pytest.raises(Exception, match="Streaming is only supported in decoupled mode."):
         infer(unary_server, {**inputs, "streaming": np.array([[True]])}, ["output_ids"])
+
+
+def test_logits_have_the_reference_shapes(unary_server, tokenizer):
+    prompt = tokenizer.encode("The capital of France is")
+    inputs = {"input_ids": np.array([prompt], np.int32), "input_lengths": np.array([[len(prompt)]], np.int32),
+              "request_output_len": np.array([[3]], np.int32), "return_context_logits": np.array([[True]]),
+              "return_generation_logits": np.array([[True]]), "exclude_input_in_output": np.array([[True]])}
+    result = infer(unary_server, inputs, ["output_ids", "context_logits", "generation_logits"])
+    vocab = tokenizer.vocab_size
+    assert result.as_numpy("context_logits").shape == (1, len(prompt), vocab)
+    generation = result.as_numpy("generation_logits")
+    assert generation.shape == (1, 1, 3, vocab) and generation.dtype == np.float32
+    # The generated tokens are the argmax of their logits (greedy).
+    assert generation[0, 0].argmax(-1).tolist() == result.as_numpy("output_ids")[0, 0].tolist()
+
+
+def test_out_of_vocabulary_ids_are_an_error_and_serving_goes_on(unary_server, tokenizer):
+    bad = {"input_ids": np.array([[5, 2**31 - 1]], np.int32), "input_lengths": np.array([[2]], np.int32),
+           "request_output_len": np.array([[3]], np.int32)}
+    with pytest.raises(Exception, match="input_token_ids"):
+        infer(unary_server, bad, ["output_ids"])
+    good = {**bad, "input_ids": np.array([[5, 6]], np.int32)}
+    assert infer(unary_server, good, ["output_ids"]).as_numpy("output_ids").shape[-1] == 5
