@@ -191,11 +191,15 @@ class Scheduler:
 
     def _leaves_headroom(self, seq: Sequence, num_new: int) -> bool:
         """max_utilization admits a newcomer only if a block per running sequence stays free, so the
-        next decode steps do not at once preempt it again (admit -> preempt -> recompute churn)."""
+        next decode steps do not at once preempt it again (admit -> preempt -> recompute churn).
+
+        Only sequences with work count: a beam parked until its sibling beams catch up must not
+        keep those siblings out (that would wait forever).
+        """
         if self.policy != "max_utilization":
             return True
         left = self.blocks.num_free_blocks - self.blocks.num_new_blocks_needed(seq, num_new)
-        return left >= len(self.running)
+        return left >= sum(1 for s in self.running if s.num_uncomputed_tokens)
 
     def _is_prefill(self, seq: Sequence) -> bool:
         return seq.num_computed_tokens < len(seq.token_ids) - 1

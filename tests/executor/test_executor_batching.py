@@ -125,3 +125,16 @@ def test_static_batching_runs_each_batch_to_completion(tiny_engine, alone):
     # a new batch's prompts never run beside an older batch's decodes
     assert not any(s.num_context_requests and s.num_gen_requests for s in stats)
     assert max(s.num_scheduled_requests for s in stats) == 4
+
+
+def test_beams_that_exactly_fill_the_pool_still_run_under_max_utilization(tiny_engine):
+    from engine.executor.request import SamplingConfig
+
+    # 17 + 3 = 20 tokens = 5 blocks per beam, 3 beams = the whole 15-block pool.
+    request = Request(list(range(30, 47)), 3, output=_exclude(), sampling=SamplingConfig(beam_width=3))
+    config = ExecutorConfig(max_beam_width=3, batch_scheduler_policy="max_utilization", max_tokens_in_paged_kv_cache=60,
+                            enable_kv_cache_reuse=False)
+    with Executor(tiny_engine, config) as executor:
+        [request_id] = executor.enqueue_requests([request])
+        result = collect(executor, [request_id], timeout=20)[request_id][-1].result
+    assert len(result.output_token_ids) == 3 and all(len(beam) == 3 for beam in result.output_token_ids)
