@@ -103,7 +103,8 @@ def graph_time_ms(fn, repeat: int = 20) -> float:
 @torch.inference_mode()
 def choose_skinny_weights(weights: list[torch.Tensor], rows: tuple[int, ...] = (1, 8)) -> dict[tuple[int, int], dict]:
     """Per distinct (N, K) weight shape, time cuBLAS and every SKINNY_VARIANTS tiling at each row
-    count in ``rows``; a weight gets the best variant when it beats cuBLAS by 3% at every row count.
+    count in ``rows``; a weight gets the best variant when it beats cuBLAS by 1% at every row count
+    (both are timed the same way, from graph replays, so the margin only absorbs timing noise).
 
     Timed on two copies of the shape alternately, so a weight smaller than L2 is not timed from
     L2. Returns per shape the timings (microseconds) and the choice, for the load log. A no-op
@@ -137,5 +138,5 @@ def _time_shape(shape: tuple[int, int], dtype: torch.dtype, device, rows: tuple[
             variants[v][m] = graph_time_ms(lambda: skinny_linear_triton(
                 x, next_weight(), block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)) * 1e3
     best = min(SKINNY_VARIANTS, key=lambda v: sum(variants[v].values()))
-    wins = all(variants[best][m] < 0.97 * cublas[m] for m in rows)
+    wins = all(variants[best][m] < 0.99 * cublas[m] for m in rows)
     return {"cublas_us": cublas, "best_variant": best, "best_us": variants[best], "variant": best if wins else False}

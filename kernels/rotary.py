@@ -132,6 +132,90 @@ def apply_rotary_triton(
     return q, k
 
 
+@jit
+def _rotary_write_kv_kernel(
+    q_ptr, k_ptr, v_ptr, positions_ptr, cache_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cache,
+    stride_kc_slot, stride_kc_head, stride_vc_slot, stride_vc_head, num_q_heads, num_kv_heads,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr, DIM_PAD: tl.constexpr, Q_HEADS_PAD: tl.constexpr,
+    K_HEADS_PAD: tl.constexpr, IS_NEOX: tl.constexpr,
+):
+    """One program per token: rotate q in place; write rotated k and plain v to the token's cache slot."""
+    token = tl.program_id(0).to(tl.int64)
+    position = tl.load(positions_ptr + token)
+    half_idx = tl.arange(0, HALF_PAD)
+    half_mask = half_idx < HALF
+    cos = tl.load(cache_ptr + position * stride_cache + half_idx, mask=half_mask, other=1.0)[None, :]
+    sin = tl.load(cache_ptr + position * stride_cache + HALF + half_idx, mask=half_mask, other=0.0)[None, :]
+    _rotate_heads(q_ptr, token, stride_qt, stride_qh, num_q_heads, cos, sin, half_idx, half_mask,
+                  Q_HEADS_PAD, HALF, IS_NEOX)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot >= 0:  # slot -1: CUDA-graph padding row, writes nothing
+        heads = tl.arange(0, K_HEADS_PAD)[:, None]
+        mask = (heads < num_kv_heads) & half_mask[None, :]
+        if IS_NEOX:
+            first, second = half_idx[None, :], half_idx[None, :] + HALF
+        else:
+            first, second = 2 * half_idx[None, :], 2 * half_idx[None, :] + 1
+        k_row = k_ptr + token * stride_kt + heads * stride_kh
+        x1 = tl.load(k_row + first, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(k_row + second, mask=mask, other=0.0).to(tl.float32)
+        # Rounded to k's dtype first (the reference rotates k, then the KV write casts to the cache).
+        out1 = (x1 * cos - x2 * sin).to(k_ptr.dtype.element_ty).to(k_cache_ptr.dtype.element_ty)
+        out2 = (x2 * cos + x1 * sin).to(k_ptr.dtype.element_ty).to(k_cache_ptr.dtype.element_ty)
+        k_slot = k_cache_ptr + slot * stride_kc_slot + heads * stride_kc_head
+        tl.store(k_slot + first, out1, mask=mask)
+        tl.store(k_slot + second, out2, mask=mask)
+        dims = tl.arange(0, DIM_PAD)[None, :]
+        v_mask = (heads < num_kv_heads) & (dims < 2 * HALF)
+        v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims, mask=v_mask)
+        tl.store(v_cache_ptr + slot * stride_vc_slot + heads * stride_vc_head + dims,
+                 v.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
+
+
+def rotary_and_write_kv_ref(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, is_neox=True):
+    from kernels.attention import write_kv_cache_ref
+
+    q, k = apply_rotary_ref(q, k, positions, cos_sin_cache, is_neox)
+    write_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping)
+    return q
+
+
+def rotary_and_write_kv_triton(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, is_neox=True):
+    """Rotates q in place and returns it; k is read, never modified; slots < 0 are skipped."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    assert cos_sin_cache.shape[1] == head_dim, "partial rotary is not supported"
+    assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1 and k_cache.stride(-1) == 1
+    assert k_cache.stride(0) == k_cache.shape[1] * k_cache.stride(1), "cache blocks must be contiguous slots"
+    if num_tokens == 0:
+        return q
+    half = head_dim // 2
+    _rotary_write_kv_kernel[(num_tokens,)](
+        q, k, v, positions, cos_sin_cache, slot_mapping, k_cache, v_cache,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
+        k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2), num_q_heads, num_kv_heads,
+        HALF=half, HALF_PAD=triton.next_power_of_2(half), DIM_PAD=triton.next_power_of_2(head_dim),
+        Q_HEADS_PAD=triton.next_power_of_2(num_q_heads), K_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        IS_NEOX=is_neox, num_warps=4,
+    )
+    return q
+
+
+def rotary_and_write_kv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, is_neox: bool = True,
+) -> torch.Tensor:
+    """Rotary on q and k, then k and v into their cache slots: ``apply_rotary`` + ``write_kv_cache``
+    in one kernel on CUDA (one launch and one pass over k instead of three). Returns rotated q.
+
+    q: (num_tokens, heads, dim); k, v: (num_tokens, kv_heads, dim); caches as in kernels/attention.py.
+    """
+    if use_triton(q):
+        return rotary_and_write_kv_triton(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, is_neox)
+    return rotary_and_write_kv_ref(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, is_neox)
+
+
 def apply_rotary(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, is_neox: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,9 +21,9 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.models.layers import Linear, Norm, RowParallelLinear, VocabParallelEmbedding, vocab_parallel_logits
 from kernels.activation import silu_and_mul
-from kernels.attention import AttentionMetadata, paged_attention, write_kv_cache
+from kernels.attention import AttentionMetadata, paged_attention
 from kernels.rmsnorm import rms_norm
-from kernels.rotary import apply_rotary, build_cos_sin_cache
+from kernels.rotary import build_cos_sin_cache, rotary_and_write_kv
 
 
 class LlamaLayer(nn.Module):
@@ -50,9 +50,9 @@ class LlamaLayer(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, k, positions, cos_sin_cache, is_neox=True)
         k_cache, v_cache = kv_cache[self.layer_index, 0], kv_cache[self.layer_index, 1]
-        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        # apply_rotary + write_kv_cache, fused into one kernel on CUDA; returns the rotated q.
+        q = rotary_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping, is_neox=True)
         out = paged_attention(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(out.shape[0], -1))
 

@@ -82,3 +82,32 @@ def test_public_entries_use_the_reference_on_cpu():
     x = torch.randn(3, 64)
     assert torch.equal(silu_and_mul(x), silu_and_mul_ref(x))
     assert torch.equal(rms_norm(x, torch.ones(64), 1e-6, x)[0], rms_norm_ref(x, torch.ones(64), 1e-6, x)[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("heads,head_dim", [((32, 8), 128), ((9, 3), 64)])
+def test_fused_rotary_and_kv_write(device, is_neox, heads, head_dim):
+    """rotary_and_write_kv == apply_rotary + write_kv_cache: same q, same cache; slot -1 writes nothing."""
+    from kernels.rotary import rotary_and_write_kv_ref, rotary_and_write_kv_triton
+
+    num_q, num_k = heads
+    cache = build_cos_sin_cache(4096, head_dim, 10000.0, device=device)
+    for dtype in low_precision_dtypes(device):
+        num_tokens, num_blocks, page = 11, 6, 16
+        qkv = randn(num_tokens, (num_q + 2 * num_k) * head_dim, dtype=dtype, device=device, seed=7)
+        q, k, v = (t.view(num_tokens, -1, head_dim)
+                   for t in qkv.split([num_q * head_dim, num_k * head_dim, num_k * head_dim], dim=-1))
+        positions = torch.tensor([0, 1, 15, 16, 17, 31, 32, 33, 63, 64, 4095], device=device)
+        slots = torch.tensor([3, 4, 17, 18, 19, 33, -1, 50, 60, 70, 95], device=device)
+        k_cache = randn(num_blocks, page, num_k, head_dim, dtype=dtype, device=device, seed=8)
+        v_cache = randn(num_blocks, page, num_k, head_dim, dtype=dtype, device=device, seed=9)
+        k_ref, v_ref, q_ref_in = k_cache.clone(), v_cache.clone(), q.clone()
+        keep = slots >= 0
+        q_ref = rotary_and_write_kv_ref(q_ref_in[keep], k[keep], v[keep], positions[keep], cache, k_ref, v_ref,
+                                        slots[keep], is_neox)
+        k_before = k.clone()
+        q_out = rotary_and_write_kv_triton(q, k, v, positions, cache, k_cache, v_cache, slots, is_neox)
+        assert torch.equal(k, k_before)  # k itself is left alone
+        assert relative_error(q_out[keep], q_ref) < ROUNDING[dtype]
+        assert relative_error(k_cache, k_ref) < ROUNDING[dtype] and torch.equal(v_cache, v_ref)
