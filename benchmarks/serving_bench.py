@@ -43,6 +43,7 @@ import queue
 import random
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -276,6 +277,8 @@ class ServedEnsemble:
         return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
 
     def __enter__(self) -> "ServedEnsemble":
+        # The Python models import engine/ and serving/ from here where tritonllm is not installed.
+        os.environ.setdefault("TRITONLLM_ROOT", str(REPO_ROOT))
         started = time.perf_counter()
         with open(self.log_path, "w") as log:
             self.process = self.launcher.launch(self.args, stdout=log, stderr=log)
@@ -464,11 +467,15 @@ def measure(results: dict, path: str, run, args: argparse.Namespace, feed: Promp
     """Warm up (every client once, a few tokens: compiles kernels for these batch shapes), then time."""
     for clients in args.clients:
         run(feed, clients, 1, min(args.output_len, 4))
-        timings = run(feed, clients, args.requests_per_client, args.output_len)
+        timings = run(feed, clients, requests_per_client(args, clients), args.output_len)
         row = summarize(timings, args.output_len, clients, path)
         results["rows"].append(row)
         print(f"  {path:6s} clients {clients:3d}: {row['tok_s']:9.1f} tok/s  TTFT {row['ttft_ms_median']:8.2f} ms  "
               f"ITL {row['itl_ms_median']:7.2f} ms", flush=True)
+
+
+def requests_per_client(args: argparse.Namespace, clients: int) -> int:
+    return max(args.requests_per_client, -(-args.min_requests // clients))
 
 
 def run_served(results: dict, args: argparse.Namespace, repo: str, work: Path, feed: PromptFeed) -> None:
@@ -559,7 +566,7 @@ def markdown(results: dict) -> str:
         f"commit {results['commit']}\n",
         f"`{results['command']}`  ",
         f"Input {results['input_len']} / output {results['output_len']} tokens, {results['requests_per_client']} "
-        f"requests per client (closed loop), greedy, end_id -1; tokenizer: {results['tokenizer']}. "
+        f"requests per client, at least {results['min_requests']} per setting (closed loop), greedy, end_id -1; tokenizer: {results['tokenizer']}. "
         f"Goals: served throughput >= {GOALS['throughput_ratio']:.0%} of the in-process engine's; "
         f"added TTFT a few ms (<= {GOALS['added_ttft_ms']:.0f} ms).\n",
         "| clients | path | output tok/s | vs engine (goal >= 0.90) | TTFT med ms | TTFT p99 ms | added TTFT ms "
@@ -592,9 +599,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--input_len", type=int, default=128)
     parser.add_argument("--output_len", type=int, default=128)
     parser.add_argument("--requests_per_client", type=int, default=4)
+    parser.add_argument("--min_requests", type=int, default=1,
+                        help="at least this many requests per setting (few clients send more each)")
     parser.add_argument("--paths", default="http,grpc,engine", help="subset of http,grpc,engine")
     parser.add_argument("--preprocessing_instances", type=int, default=1)
     parser.add_argument("--postprocessing_instances", type=int, default=1)
+    parser.add_argument("--cpu_threads", type=int, default=None,
+                        help="torch threads of both engines (default: 1 on CPU, unchanged on a GPU)")
     parser.add_argument("--ready_timeout", type=float, default=600.0)
     parser.add_argument("--work_dir", default=None, help="repository, engine and server log (default: a temp dir)")
     parser.add_argument("--out", default="serving_bench.json")
@@ -618,7 +629,9 @@ def main(argv=None) -> dict:
     engine_config = EngineConfig.load(engine_dir)
     tokenizer = load_tokenizer(engine_dir)
     check_tokenizer_covers_vocab(tokenizer, engine_config.model.vocab_size)
-    total_requests = max(args.clients) * (args.requests_per_client + 1)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a time limit still stops the server
+    cpu_threads = limit_cpu_threads(args.cpu_threads)
+    total_requests = max(c * (requests_per_client(args, c) + 1) for c in args.clients)
     feed = PromptFeed(*make_prompts(tokenizer, min(total_requests, 512), args.input_len))
     tpb = engine_config.build.tokens_per_block
     kv_tokens = max(args.clients) * (-(-(args.input_len + args.output_len) // tpb) + 1) * tpb
@@ -631,7 +644,7 @@ def main(argv=None) -> dict:
         "model": args.model or os.path.basename(engine_dir.rstrip("/")), "engine": engine_config.to_dict(),
         "tokenizer": "synthetic (one word per id)" if args.synthetic_tokenizer else f"{type(tokenizer).__name__}, "
                      f"{len(tokenizer)} ids", "input_len": args.input_len, "output_len": args.output_len,
-        "requests_per_client": args.requests_per_client, "kv_cache_tokens": kv_tokens, "goals": GOALS, "rows": [],
+        "requests_per_client": args.requests_per_client, "min_requests": args.min_requests, "kv_cache_tokens": kv_tokens, "cpu_threads": cpu_threads, "goals": GOALS, "rows": [],
     }
     config = executor_config_of_repo(repo)
     results["executor_config"] = dataclasses.asdict(config)
@@ -654,6 +667,21 @@ def main(argv=None) -> dict:
     if results.get("error"):
         sys.exit(1)
     return results
+
+
+def limit_cpu_threads(requested: int | None) -> int | None:
+    """On CPU, give the in-process engine and the served one (through the inherited environment)
+    the same number of torch threads, 1 by default: with 2 spinning OpenMP threads per process on
+    a shared 2-core machine, a step waits for scheduler slices (measured here: 38 ms a tiny step
+    instead of 2 ms), which says nothing about the serving layer. On a GPU: left alone."""
+    import torch
+
+    if torch.cuda.is_available() and requested is None:
+        return None
+    threads = requested or 1
+    torch.set_num_threads(threads)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    return threads
 
 
 def write_json(results: dict, path: str) -> None:
