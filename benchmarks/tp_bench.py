@@ -296,14 +296,18 @@ def run_phase(args, phase: str, engine_dir: str, workdir: str) -> dict:
     procs = [subprocess.Popen(leader_cmd, env=rank_env(0, tp, port))]
     procs += [subprocess.Popen(common + ["--role", "worker", *flags], env=rank_env(r, tp, port)) for r in range(1, tp)]
     print(f"[tp_bench] {phase}: {tp} rank(s) ...", flush=True)
+    started = time.monotonic()
     try:
-        codes = [p.wait(timeout=args.phase_timeout) for p in procs]
+        codes = [p.wait(timeout=max(1.0, args.phase_timeout - (time.monotonic() - started))) for p in procs]
+    except subprocess.TimeoutExpired:
+        codes = ["timeout"]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
     if any(codes):
-        raise SystemExit(f"[tp_bench] {phase} failed: exit codes {codes}")
+        raise SystemExit(f"[tp_bench] {phase} failed: exit codes {codes} (after {time.monotonic() - started:.0f} s)")
+    print(f"[tp_bench] {phase}: done in {time.monotonic() - started:.0f} s", flush=True)
     with open(out) as f:
         return json.load(f)
 
@@ -355,11 +359,16 @@ def orchestrate(args) -> dict:
             continue
         dtype = "float32" if phase.startswith("greedy") else args.dtype
         engine_dir = write_engine_config(workdir, args.model, dtype, int(phase[-1]))
-        results[phase] = run_phase(args, phase, engine_dir, workdir)
-    results["greedy"] = compare_greedy(workdir, results["greedy_tp1"], results["greedy_tp2"])
+        try:
+            results[phase] = run_phase(args, phase, engine_dir, workdir)
+        finally:  # whatever ran is kept, even when a later phase fails or times out
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=2)
+        if phase == "greedy_tp2":
+            results["greedy"] = compare_greedy(workdir, results["greedy_tp1"], results["greedy_tp2"])
+            print(json.dumps(results["greedy"], indent=2), flush=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=2)
-    print(json.dumps(results["greedy"], indent=2))
     if not args.skip_perf:
         table = markdown(results)
         print(table)
@@ -381,7 +390,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no_graphs", action="store_true",
                         help="eager decode (no CUDA graphs) in the perf phases (the greedy check is always eager)")
     parser.add_argument("--skip_perf", action="store_true", help="only the greedy check")
-    parser.add_argument("--phase_timeout", type=float, default=900)
+    parser.add_argument("--phase_timeout", type=float, default=240, help="seconds per phase (4 phases)")
     parser.add_argument("--out", default="tp_bench.json")
     parser.add_argument("--results-md", dest="results_md", default=None, help="append the markdown table here")
     # internal: one rank of one phase
