@@ -22,6 +22,7 @@ from kernels._triton import jit, tl, triton, use_triton
 
 MAX_SKINNY_ROWS = 16
 _SKINNY_ATTR = "_use_skinny_gemm"  # on a weight: its chosen (block_n, block_k, num_warps, num_stages), or False
+_GATED_ATTR = "_use_gated_skinny_gemm"  # the same, for gate_up weights run fused with SiLU-and-mul
 # Tile shapes tried at load, (block_n, block_k, num_warps, num_stages): on an H100 (2026-11-22)
 # the best for Llama-8B's projections were (32, 256, 4, 4) for qkv/o_proj, (16, 256, 4, 6) for
 # down_proj and (16, 512, 4, 4) for the lm_head.
@@ -31,43 +32,77 @@ SKINNY_VARIANTS = ((16, 512, 4, 4), (32, 256, 4, 4), (16, 256, 4, 6), (32, 128, 
 @jit(do_not_specialize=["M"])  # one compile for every row count
 def _skinny_gemm_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-    HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
-    """One program: BLOCK_N output features for all M rows, streaming its (BLOCK_N, K) weight rows once."""
+    """One program: BLOCK_N output features for all M rows, streaming its (BLOCK_N, K) weight rows once.
+
+    GATED: the weight holds 2N rows [gate | up] and the output is silu(x @ gate.T) * (x @ up.T),
+    rounded as the unfused path rounds (each product to the output dtype, then silu, then the mul).
+    """
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, M_PAD)
     col_ok = cols < N
     row_ok = rows < M
     acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
     w_base = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
+    w_up_base = w_ptr + (cols + N).to(tl.int64)[:, None] * stride_wn
     x_base = x_ptr + rows[:, None] * stride_xm
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
-        w = tl.load(w_base + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         x = tl.load(x_base + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_base + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         acc = tl.dot(x, tl.trans(w), acc)
+        if GATED:
+            w_up = tl.load(w_up_base + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            acc_up = tl.dot(x, tl.trans(w_up), acc_up)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if GATED:
+        gate = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+        up = acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
+        acc = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32) * up
     tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
 
 
 def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                         *, block_n: int = 16, block_k: int = 512, num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
-    """x @ weight.T (+ bias) for M <= MAX_SKINNY_ROWS rows, fp32 accumulation."""
+                         *, block_n: int = 16, block_k: int = 512, num_warps: int = 4, num_stages: int = 4,
+                         gated: bool = False) -> torch.Tensor:
+    """x @ weight.T (+ bias) for M <= MAX_SKINNY_ROWS rows, fp32 accumulation; with ``gated``,
+    silu(x @ weight[:N].T) * (x @ weight[N:].T) for weight (2N, K) (bias not supported)."""
     m, k = x.shape
-    n = weight.shape[0]
-    assert m <= MAX_SKINNY_ROWS and x.stride(1) == 1 and weight.stride(1) == 1
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
+    assert m <= MAX_SKINNY_ROWS and x.stride(1) == 1 and weight.stride(1) == 1 and not (gated and bias is not None)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
     _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, M_PAD=16, BLOCK_N=block_n, BLOCK_K=block_k,
+        HAS_BIAS=bias is not None, GATED=gated, M_PAD=16, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
+
+
+def gated_linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    from kernels.activation import silu_and_mul
+
+    return silu_and_mul(linear(x, weight))
+
+
+def gated_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """silu(x @ gate.T) * (x @ up.T) for the fused gate_up weight (2 * inter, hidden) = [gate | up]:
+    one skinny Triton kernel when the weight was marked at load (decode-size batches), else the
+    product (cuBLAS or skinny) followed by kernels.activation.silu_and_mul."""
+    variant = getattr(weight, _GATED_ATTR, False)
+    if variant and x.shape[0] <= MAX_SKINNY_ROWS and x.is_contiguous():
+        block_n, block_k, num_warps, num_stages = variant
+        return skinny_linear_triton(x, weight, block_n=block_n, block_k=block_k, num_warps=num_warps,
+                                    num_stages=num_stages, gated=True)
+    return gated_linear_ref(x, weight)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -121,7 +156,23 @@ def choose_skinny_weights(weights: list[torch.Tensor], rows: tuple[int, ...] = (
     return report
 
 
-def _time_shape(shape: tuple[int, int], dtype: torch.dtype, device, rows: tuple[int, ...]) -> dict:
+@torch.inference_mode()
+def choose_gated_weights(weights: list[torch.Tensor], rows: tuple[int, ...] = (1, 8)) -> dict[tuple[int, int], dict]:
+    """Like choose_skinny_weights for gate_up weights: the fused gated kernel against the unfused
+    product + silu_and_mul; marks a weight with the best tiling when it wins by 1% at every size."""
+    report: dict[tuple[int, int], dict] = {}
+    for weight in weights:
+        if not use_triton(weight) or weight.dim() != 2 or weight.dtype not in (torch.float16, torch.bfloat16):
+            continue
+        shape = tuple(weight.shape)
+        if shape not in report:
+            report[shape] = _time_shape(shape, weight.dtype, weight.device, rows, gated=True)
+        setattr(weight, _GATED_ATTR, report[shape]["variant"])
+    return report
+
+
+def _time_shape(shape: tuple[int, int], dtype: torch.dtype, device, rows: tuple[int, ...],
+                gated: bool = False) -> dict:
     copies = [torch.randn(shape, dtype=dtype, device=device) * 0.02 for _ in range(2)]
     turn = [0]
 
@@ -132,11 +183,16 @@ def _time_shape(shape: tuple[int, int], dtype: torch.dtype, device, rows: tuple[
     cublas, variants = {}, {v: {} for v in SKINNY_VARIANTS}
     for m in rows:
         x = torch.randn(m, shape[1], dtype=dtype, device=device)
-        cublas[m] = graph_time_ms(lambda: F.linear(x, next_weight())) * 1e3
+        if gated:
+            from kernels.activation import silu_and_mul
+
+            cublas[m] = graph_time_ms(lambda: silu_and_mul(F.linear(x, next_weight()))) * 1e3
+        else:
+            cublas[m] = graph_time_ms(lambda: F.linear(x, next_weight())) * 1e3
         for v in SKINNY_VARIANTS:
             bn, bk, warps, stages = v
             variants[v][m] = graph_time_ms(lambda: skinny_linear_triton(
-                x, next_weight(), block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)) * 1e3
+                x, next_weight(), block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, gated=gated)) * 1e3
     best = min(SKINNY_VARIANTS, key=lambda v: sum(variants[v].values()))
     wins = all(variants[best][m] < 0.99 * cublas[m] for m in rows)
     return {"cublas_us": cublas, "best_variant": best, "best_us": variants[best], "variant": best if wins else False}

@@ -21,7 +21,7 @@ from engine.executor.cuda_graphs import DecodeGraphs, run_warmup_batch
 from engine.executor.random_weights import has_random_weights, materialize_random_weights
 from engine.models.layers import Linear
 from kernels.attention import AttentionMetadata
-from kernels.linear import choose_skinny_weights
+from kernels.linear import choose_gated_weights, choose_skinny_weights
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 CPU_KV_BUDGET_BYTES = 256 * 1024 * 1024  # a CPU pool never grows past this on its own
@@ -144,6 +144,8 @@ class ModelRunner:
         if self.device.type != "cuda" or self.kv_cache is None:
             return
         self.gemm_choices = choose_skinny_weights([m.weight for m in self.model.modules() if isinstance(m, Linear)])
+        gate_ups = [layer.gate_up_proj.weight for layer in getattr(self.model, "layers", []) if hasattr(layer, "gate_up_proj")]
+        self.gemm_choices.update({("gated",) + shape: choice for shape, choice in choose_gated_weights(gate_ups).items()})
         build = self.build_config
         self.decode_graphs = DecodeGraphs(self.model, self.kv_cache, tokens_per_block=self.tokens_per_block,
                                           max_seq_len=build.max_seq_len, max_batch_size=build.max_batch_size)

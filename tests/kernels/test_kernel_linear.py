@@ -62,3 +62,18 @@ def test_choose_skinny_weights_marks_by_measurement():
     assert getattr(w, "_use_skinny_gemm") == report[(4096, 4096)]["variant"]
     x = torch.randn(1, 4096, dtype=torch.bfloat16, device="cuda")
     assert relative_error(linear(x, w), F.linear(x.double(), w.double())) < ROUNDING[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_gated_skinny_matches_linear_then_silu_and_mul(device, m):
+    """The fused gate_up + SiLU-and-mul kernel rounds like the unfused path: one output rounding apart."""
+    from kernels.linear import gated_linear_ref, skinny_linear_triton
+
+    gen = torch.Generator().manual_seed(m)
+    for dtype in low_precision_dtypes(device):
+        x = torch.randn(m, 576, generator=gen).to(dtype).to(device)
+        w = (torch.randn(2 * 300, 576, generator=gen) * 0.08).to(dtype).to(device)  # inter 300: a partial tile
+        for bn, bk in [(16, 512), (32, 128)]:
+            out = skinny_linear_triton(x, w, block_n=bn, block_k=bk, gated=True)
+            assert relative_error(out, gated_linear_ref(x, w)) < 2 * ROUNDING[dtype], (bn, bk)
