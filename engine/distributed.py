@@ -328,8 +328,8 @@ class StepChannel:
         self.step = 0
 
     def send(self, op: Op, *, batch=None, arg: int = 0, call=None) -> None:
+        payload = encode_batch(batch) if batch is not None else None  # may raise: nothing sent yet
         self.step += 1
-        payload = encode_batch(batch) if batch is not None else None
         header = torch.tensor([int(op), self.step, 0 if payload is None else payload.numel(), arg], dtype=torch.int64)
         dist.broadcast(header, 0, group=self.group)
         if payload is not None:
@@ -366,20 +366,30 @@ def _apply_call(runner, call) -> Any:
     return getattr(runner, method)(*args, **kwargs)
 
 
+# A runner raising one of these has refused its input before any collective: every rank refuses
+# the same plan the same way, so the ranks stay in step and the leader's caller gets the error.
+REFUSALS = (ValueError, TypeError)
+
+
 def run_worker_loop(runner, channel: StepChannel) -> None:
     """A worker's life after loading: follow the leader's plans until SHUTDOWN (or a fault raises)."""
     while True:
         message = channel.recv()
-        if message.op == Op.FORWARD:
-            runner.forward(message.batch, all_logits=bool(message.arg))
-        elif message.op == Op.CALL:
-            result = _apply_call(runner, message.call)
-            if message.call[3] == "min":
-                channel.all_reduce_min(int(result))
-        elif message.op == Op.HEARTBEAT:
-            channel.all_reduce_min(0)
-        elif message.op == Op.SHUTDOWN:
+        if message.op == Op.SHUTDOWN:
             return
+        if message.op == Op.HEARTBEAT:
+            channel.all_reduce_min(0)
+            continue
+        try:
+            if message.op == Op.FORWARD:
+                runner.forward(message.batch, all_logits=bool(message.arg))
+                continue
+            result = _apply_call(runner, message.call)
+        except REFUSALS as err:  # the leader refused the same plan; wait for the next one
+            logger.warning("step %d refused on this rank as on the leader: %s", message.step, err)
+            continue
+        if message.call[3] == "min":
+            channel.all_reduce_min(int(result))
 
 
 # ---- the leader ----------------------------------------------------------------------------------
@@ -453,6 +463,8 @@ class LeaderRunner:
             try:
                 self.channel.send(op, **message)
                 return local_step()
+            except REFUSALS:  # a bad plan, refused alike on every rank: the ranks are still in step
+                raise
             except Exception as err:  # a gloo/NCCL error or timeout: some rank is gone
                 self._fail(f"{op.name.lower()} step failed: {_first_sentence(err)}")
                 raise RankFailureError(self.failure) from err

@@ -162,3 +162,12 @@ def test_hung_worker_fails_the_leader_after_the_step_timeout(engines, tmp_path):
     assert "rank failure" in result["failure"] and "heartbeat" in result["failure"]
     assert 2.5 < result["detected_after_s"] < 10  # the 3 s timeout, not forever
     assert result["step_error"].startswith("RankFailureError")
+
+
+def test_a_refused_batch_keeps_the_ranks_in_step(engines, tmp_path):
+    # An inconsistent batch is the caller's error, not a rank failure: every rank refuses it
+    # before any collective, and the next steps run normally.
+    result = run_driver(engines[2], 2, str(tmp_path / "refuse.json"), "--then_refuse_a_bad_batch")
+    assert result["refusal"].startswith("ValueError") and "inconsistent" in result["refusal"]
+    assert result["failure_after_refusal"] is None
+    assert result["tokens_after"] == result["tokens"]

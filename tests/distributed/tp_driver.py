@@ -87,6 +87,18 @@ def wait_for_failure(runner, decoder: GreedyDecoder, limit_s: float) -> dict:
     return result
 
 
+def refuse_bad_batch_then_generate(runner, decoder: GreedyDecoder) -> dict:
+    bad = ForwardBatch(token_ids=[1, 2], positions=[0], seq_lens_q=[2], context_lens=[2], block_tables=[[0]],
+                       logits_indices=[1])  # two tokens, one position
+    try:
+        runner.forward(bad)
+        refusal = None
+    except Exception as err:
+        refusal = f"{type(err).__name__}: {err}"
+    tokens, _ = decoder.run()
+    return {"refusal": refusal, "failure_after_refusal": getattr(runner, "failure", None), "tokens_after": tokens}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--engine_dir", required=True)
@@ -94,11 +106,15 @@ def main() -> int:
     parser.add_argument("--max_tokens", type=int, default=8)
     parser.add_argument("--out", required=True)
     parser.add_argument("--then_wait_for_failure", type=float, default=0.0)
+    parser.add_argument("--then_refuse_a_bad_batch", action="store_true",
+                        help="then send an inconsistent batch, and generate once more")
     args = parser.parse_args()
     runner = make_runner(args.engine_dir, device="cpu")
     decoder = GreedyDecoder(runner, json.loads(args.prompts), args.max_tokens)
     tokens, first_logits = decoder.run()
     result = {"tokens": tokens, "first_logits": first_logits, "runner": type(runner).__name__}
+    if args.then_refuse_a_bad_batch:
+        result.update(refuse_bad_batch_then_generate(runner, decoder))
     if args.then_wait_for_failure:
         result.update(wait_for_failure(runner, decoder, args.then_wait_for_failure))
     with open(args.out, "w") as f:
