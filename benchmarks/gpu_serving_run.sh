@@ -32,9 +32,9 @@
 # the tritonserver log of a model whose run failed.
 #
 # Knobs (environment; defaults are for the GPU machine, the small values were used on CPU):
-#   BASE_PYTHON=/usr/bin/python3.12  TORCH_PYTHON=/opt/torch/.venv/bin/python3 (or TORCH_SITE)  CARRY=.carry
+#   BASE_PYTHON=(the torch venv's base)  TORCH_PYTHON=/opt/torch/.venv/bin/python3 (or TORCH_SITE)  CARRY=.carry
 #   WORK=/tmp/serving_bench  MODELS="smollm2 llama8b"  CLIENTS=1,16,64  INPUT_LEN=128
-#   OUTPUT_LEN=128  RPC=2  MIN_REQUESTS=8  DTYPE=bfloat16  BUDGET_S="200 300" (per model)
+#   OUTPUT_LEN=128  RPC=2  MIN_REQUESTS=8  DTYPE=bfloat16  BUDGET_S="200 330" (seconds per model)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 CARRY=${CARRY:-.carry}
@@ -76,8 +76,9 @@ if [ "${1:-}" = "--make-carry" ]; then
   exit $?
 fi
 
-BASE_PYTHON=${BASE_PYTHON:-/usr/bin/python3.12}
 TORCH_PYTHON=${TORCH_PYTHON:-/opt/torch/.venv/bin/python3}
+# The torch venv's own interpreter (so Triton's JIT finds the same Python headers); else the system's.
+BASE_PYTHON=${BASE_PYTHON:-$("$TORCH_PYTHON" -c 'import sys; print(sys._base_executable)' 2>/dev/null || echo /usr/bin/python3.12)}
 WORK=${WORK:-/tmp/serving_bench}
 RESULTS=${OUT:-$WORK/out}
 MODELS=${MODELS:-smollm2 llama8b}
@@ -87,7 +88,7 @@ OUTPUT_LEN=${OUTPUT_LEN:-128}
 RPC=${RPC:-2}
 MIN_REQUESTS=${MIN_REQUESTS:-8}
 DTYPE=${DTYPE:-bfloat16}
-read -r -a BUDGETS <<< "${BUDGET_S:-200 300}"
+read -r -a BUDGETS <<< "${BUDGET_S:-200 330}"
 mkdir -p "$WORK" "$RESULTS"
 exec > >(tee -a "$RESULTS/console.log") 2>&1
 export TRITONLLM_ROOT=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -124,6 +125,20 @@ print(f"python {sys.version.split()[0]}, numpy {numpy.__version__} ({os.path.dir
       f"{torch.__version__} (cuda {torch.cuda.is_available()}), transformers {transformers.__version__}, "
       f"aiohttp {aiohttp.__version__}, tritonclient ok; tritonserver bundle {list(spec.submodule_search_locations)}; "
       f"tritonserver on PATH: {shutil.which('tritonserver')}")
+if torch.cuda.is_available():  # OpenAI Triton's JIT under this interpreter (the engine's kernels need it)
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def add_one(x_ptr, n, BLOCK: tl.constexpr):
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offsets < n
+        tl.store(x_ptr + offsets, tl.load(x_ptr + offsets, mask=mask) + 1, mask=mask)
+
+    x = torch.zeros(1000, device="cuda")
+    add_one[(4,)](x, 1000, BLOCK=256)
+    assert float(x.sum()) == 1000.0
+    print(f"{torch.cuda.get_device_name()}: a Triton {triton.__version__} kernel compiled and ran")
 EOF
 
 # 3. One bench per model, each under its own time limit (a stuck run must not eat the other's).
