@@ -1,5 +1,10 @@
 """A non-decoupled repository (`decoupled_mode:false`): one response per request, as clients like
 end_to_end_test.py and benchmark_core_model.py use it. A second server, started for this module."""
+import os
+import signal
+import time
+from pathlib import Path
+
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
@@ -90,3 +95,33 @@ def test_out_of_vocabulary_ids_are_an_error_and_serving_goes_on(unary_server, to
         infer(unary_server, bad, ["output_ids"])
     good = {**bad, "input_ids": np.array([[5, 6]], np.int32)}
     assert infer(unary_server, good, ["output_ids"]).as_numpy("output_ids").shape[-1] == 5
+
+
+def stub_pids(model_file: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if any(b"triton_python_backend_stub" in part for part in cmdline[:1]) and \
+                any(model_file.encode() in part for part in cmdline):
+            pids.append(int(entry.name))
+    return pids
+
+
+def test_zz_killed_server_leaves_no_generating_stub_behind(unary_server, tokenizer):
+    """Runs last in this module: it kills the module's server."""
+    repo_model = str(unary_server.log_path.parent / "repo" / "tensorrt_llm" / "1" / "model.py")
+    stubs = stub_pids(repo_model)
+    assert len(stubs) == 1
+    client = grpcclient.InferenceServerClient(unary_server.grpc_url)
+    inputs = {"input_ids": np.array([[5, 6, 7]], np.int32), "input_lengths": np.array([[3]], np.int32),
+              "request_output_len": np.array([[1500]], np.int32), "end_id": np.array([[-1]], np.int32)}
+    client.async_infer("tensorrt_llm", [tensor(n, a) for n, a in inputs.items()], callback=lambda *_: None)
+    time.sleep(2)  # generating now
+    os.kill(unary_server.pid, signal.SIGKILL)
+    deadline = time.time() + 15
+    while stub_pids(repo_model) and time.time() < deadline:
+        time.sleep(0.2)
+    assert stub_pids(repo_model) == []

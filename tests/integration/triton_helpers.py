@@ -37,6 +37,7 @@ class Server:
     grpc_url: str  # "127.0.0.1:PORT"
     metrics: str
     log_path: Path
+    pid: int = 0
 
     def generate(self, model: str, body: dict, stream: bool = False, timeout: float = 120):
         endpoint = "generate_stream" if stream else "generate"
@@ -72,7 +73,7 @@ def running_server(engine_dir: str, work: Path, decoupled: bool = True):
         if not serve.wait_until_ready(process, ports[0], timeout=300):
             pytest.fail(f"tritonserver did not become ready:\n{log_path.read_text()[-5000:]}")
         yield Server(http=f"http://127.0.0.1:{ports[0]}", grpc_url=f"127.0.0.1:{ports[1]}",
-                     metrics=f"http://127.0.0.1:{ports[2]}", log_path=log_path)
+                     metrics=f"http://127.0.0.1:{ports[2]}", log_path=log_path, pid=process.pid)
     finally:
         process.terminate()
         try:  # tritonserver waits up to 30 s for open client connections; do not

@@ -116,6 +116,7 @@ class TritonPythonModel:
                                      static_batching=settings.get("batching_type") == "static")
         self.running = True
         self.warned = set()
+        self.server_pid = os.getppid()
         self.threads = [threading.Thread(target=loop, daemon=True, name=loop.__name__)
                         for loop in (self._forward_responses, self._poll_cancellation, self._publish_stats)]
         for thread in self.threads:
@@ -223,6 +224,7 @@ class TritonPythonModel:
     def _publish_stats(self):
         while self.running:
             time.sleep(self.stats_period)
+            self._exit_if_server_died()
             self._unload_if_ranks_failed()
             try:
                 stats = self.executor.get_latest_iteration_stats()
@@ -247,6 +249,12 @@ class TritonPythonModel:
             pb_utils.unload_model(self.model_name)
         except Exception as error:  # e.g. not in explicit model-control mode
             pb_utils.Logger.log_warn(f"tensorrt_llm: could not unload after the rank failure: {error}")
+
+    def _exit_if_server_died(self):
+        """If tritonserver dies (killed, or its exit timeout expired with requests in flight), this
+        stub is not told; without this check it would keep generating for nobody, forever."""
+        if os.getppid() != self.server_pid:
+            os._exit(1)  # no logging: the log goes through the dead server
 
     def _warn_once(self, message):
         if message not in self.warned:
