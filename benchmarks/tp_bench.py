@@ -1,9 +1,10 @@
 """Tensor parallelism on 2 GPUs: TP 2 must equal TP 1 on greedy outputs; decode and offline speed of both.
 
-    python benchmarks/tp_bench.py --out benchmarks/tp_bench.json --results-md benchmarks/RESULTS.md
+    PYTHONPATH=$PWD python benchmarks/tp_bench.py --out benchmarks/tp_bench.json --results-md benchmarks/RESULTS.md
 
-One command on a machine with 2 GPUs (no mpirun or torchrun needed: it starts every rank itself,
-with the variables mpirun would set). Four phases, each a fresh set of processes:
+One command, from the checkout's root, on a machine with 2 GPUs (PYTHONPATH only where the
+project is not pip-installed; no mpirun or torchrun needed: it starts every rank itself, with the
+variables mpirun would set). Four phases, each a fresh set of processes (``--phase_timeout`` each):
 
 1. ``greedy_tp1`` / ``greedy_tp2`` (float32): 8 prompts of random token ids, 32 greedy tokens each,
    straight through ``make_runner`` (rank 0) and ``engine.worker``'s loop (rank 1). The check
