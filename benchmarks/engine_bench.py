@@ -6,14 +6,18 @@ Sections (``--sections``, all by default), in the order they run:
 
 1. ``bandwidth``: HBM bandwidth measured by a large device-to-device copy (bytes read + written),
    and the decode roofline of the model: bytes one decode step must read / bandwidth.
-2. ``kernels``: the paged-attention kernel alone (decode and prefill), as achieved bandwidth.
-3. ``decode``: batch-1 decode tokens/s through the model runner (CUDA graphs), as a fraction of
-   the roofline, plus the replay time of the graph alone (the GPU floor of our step).
-4. ``offline``: output tokens/s through the in-flight-batching executor with every request
-   enqueued at once, at input/output lengths 128/128, 128/2048 and 2048/128.
-5. ``latency``: Poisson arrivals at fixed rates; median and p99 time to first token and
+2. ``kernels``: the paged-attention kernel alone (decode and prefill), device time per call.
+3. ``gemm``: every decode-step weight shape at 1 and 8 rows, cuBLAS against the skinny Triton
+   kernel's tilings, as TB/s of weight streamed.
+4. ``decode``: batch-1 decode tokens/s through the model runner (CUDA graphs), as a fraction of
+   the roofline, the replay time of the graph alone, and a profile of one eager step.
+5. ``engine_offline``: the runner alone, static batches, 128/128: the engine's capacity.
+6. ``offline``: output tokens/s through the in-flight-batching executor with every request
+   enqueued at once, at input/output lengths 128/128, 128/2048 and 2048/128, with a breakdown
+   of the executor's iteration times (prefill-carrying vs decode-only steps vs graph replay).
+7. ``latency``: Poisson arrivals at fixed rates; median and p99 time to first token and
    inter-token latency, measured by the client (streaming responses).
-6. ``hf``: the same model through transformers' ``generate`` with static batches (64/128/256,
+8. ``hf``: the same model through transformers' ``generate`` with static batches (64/128/256,
    the best taken), the baseline a user would otherwise pick.
 
 The model has random weights of a real shape (``--model llama8b``: Llama-3.1-8B, bf16),
