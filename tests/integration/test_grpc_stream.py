@@ -81,14 +81,15 @@ def test_tokens_arrive_incrementally_with_final_last(triton_server, model):
     assert [final for _, _, final in items].count(True) == 1 and items[-1][2]
 
 
-def test_two_prompts_in_one_request_come_back_with_batch_index(triton_server):
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_two_prompts_in_one_request_come_back_with_batch_index(triton_server, model):
     questions = ["What is the capital of France?", "What is the capital of Germany?"]
     expected = [triton_server.generate("ensemble", {"text_input": chat(q), "max_tokens": 16,
                                                      "exclude_input_in_output": True}).json()["text_output"]
                 for q in questions]
     stream = Stream(triton_server)
     try:
-        stream.send("ensemble", text_inputs([chat(q) for q in questions], 16),
+        stream.send(model, text_inputs([chat(q) for q in questions], 16),
                     outputs=["text_output", "batch_index"])
         items = stream.until_final()
     finally:
