@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from triton_helpers import chat, running_server
+from triton_helpers import chat, running_server, wait_for
 from test_grpc_stream import tensor
 
 pytestmark = pytest.mark.integration
@@ -95,6 +95,20 @@ def test_out_of_vocabulary_ids_are_an_error_and_serving_goes_on(unary_server, to
         infer(unary_server, bad, ["output_ids"])
     good = {**bad, "input_ids": np.array([[5, 6]], np.int32)}
     assert infer(unary_server, good, ["output_ids"]).as_numpy("output_ids").shape[-1] == 5
+
+
+def test_cancelling_a_unary_call_ends_generation_and_frees_kv(unary_server):
+    from test_grpc_stream import assert_idle, long_llm_request
+    from test_metrics import kv_and_requests, scrape
+
+    inputs = {name: value for name, value in long_llm_request().items() if name != "streaming"}
+    client = grpcclient.InferenceServerClient(unary_server.grpc_url)
+    call = client.async_infer("tensorrt_llm", [tensor(n, a) for n, a in inputs.items()],
+                              callback=lambda *_: None)
+    assert wait_for(lambda: kv_and_requests(scrape(unary_server))[1] == 1)
+    call.cancel()
+    assert_idle(unary_server)  # 1500 tokens would take far longer on CPU
+    client.close()
 
 
 def stub_pids(model_file: str) -> list[int]:
