@@ -156,7 +156,10 @@ def main(argv: list[str] | None = None) -> None:
         process.wait()
     except KeyboardInterrupt:
         process.terminate()
-        process.wait(timeout=60)
+        try:  # tritonserver waits up to 30 s for requests still in flight; do not
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()  # its Python-backend stubs notice and exit on their own
 
 
 if __name__ == "__main__":
