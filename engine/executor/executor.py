@@ -31,6 +31,7 @@ from engine.executor.request import (
     FinishReason, Request, RequestLimits, RequestState, Response, Sequence, SequenceStatus, normalize_request, now_ns,
     validate_request,
 )
+from engine.distributed import RankFailureError
 from engine.executor.runner import ForwardBatch, ModelRunner
 from engine.executor.sampler import build_sampling_metadata, process_logits, sample
 from engine.executor.scheduler import POLICIES, Scheduler, SchedulerOutput
@@ -298,8 +299,9 @@ class Executor:
             batch, rows = self._forward_batch(plan)
             logits = self.runner.forward(batch)
             return logits, rows, self._sample(plan, logits, rows)
-        except Exception:
-            message = f"forward failed: {traceback.format_exc(limit=4)}"
+        except Exception as err:
+            # A lost rank (leader mode) is an operational fault whose message says it all; else a bug.
+            message = str(err) if isinstance(err, RankFailureError) else f"forward failed: {traceback.format_exc(limit=4)}"
             for state in {s.seq.state.request_id: s.seq.state for s in plan.scheduled}.values():
                 self._fail(state, message)
             return None
