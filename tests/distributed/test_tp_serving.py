@@ -105,6 +105,7 @@ class LeaderModeServer:
         self.work = work
         self.world_size = world_size
         repo = prepare_repo(engines_by_suffix, work)
+        self.repo, self.engine_dirs = repo, list(engines_by_suffix.values())
         self.ports = [str(free_port()) for _ in range(3)]
         flags = [f"--model_repo={repo}", "--host=127.0.0.1", f"--http_port={self.ports[0]}",
                  f"--grpc_port={self.ports[1]}", f"--metrics_port={self.ports[2]}", "--force",
@@ -125,13 +126,14 @@ class LeaderModeServer:
         return self.log_path.read_text(errors="replace")
 
     def worker_pids(self) -> list[int]:
-        found = subprocess.run(["pgrep", "-P", str(self.process.pid), "-f", "engine.worker"],
-                               capture_output=True, text=True).stdout.split()
-        return [int(pid) for pid in found]
+        """The engine.worker ranks, found by their command line (whichever process launched them)."""
+        return pids_matching(f"engine.worker --engine_dir={self.engine_dirs[0]}", name="python")
+
+    def server_pids(self) -> list[int]:
+        return pids_matching(f"--model-repository={self.repo}", name="tritonserver")
 
     def rank_pids(self) -> list[int]:
-        found = subprocess.run(["pgrep", "-P", str(self.process.pid)], capture_output=True, text=True).stdout.split()
-        return [int(pid) for pid in found]
+        return self.server_pids() + self.worker_pids()
 
     def generate(self, text: str, *, stream: bool = False, max_tokens: int = MAX_TOKENS, timeout: float = 120,
                  suffix: str = ""):
@@ -152,10 +154,9 @@ class LeaderModeServer:
         """SIGTERM to tritonserver (rank 0 shuts down and releases the workers), or to mpirun
         (which forwards it to every rank after the launcher's odls_base_sigkill_timeout)."""
         if self.process.poll() is None:
-            servers = [] if self.world_size == 1 or via_mpirun else subprocess.run(
-                ["pgrep", "-P", str(self.process.pid), "tritonserver"], capture_output=True, text=True).stdout.split()
+            servers = [] if self.world_size == 1 or via_mpirun else self.server_pids()
             for pid in servers or [self.process.pid]:
-                os.kill(int(pid), signal.SIGTERM)
+                os.kill(pid, signal.SIGTERM)
             try:
                 self.process.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
@@ -202,6 +203,23 @@ def single_rank_answers(engines, tmp_path_factory, short_timeouts):
         return {"smollm2": server.answers(SMOLLM2_PROMPTS), "tiny": server.answers(TINY_PROMPTS, suffix="_tiny")}
     finally:
         server.stop()
+
+
+def pids_matching(text: str, name: str | None = None) -> list[int]:
+    """Live processes whose command line contains ``text`` (and whose name starts with ``name``:
+    mpirun's own command line holds every rank's)."""
+    found = subprocess.run(["pgrep", "-f", "--", text], capture_output=True, text=True).stdout.split()
+    pids = [int(pid) for pid in found if int(pid) != os.getpid() and not is_gone(int(pid))]
+    if name is not None:
+        pids = [pid for pid in pids if (process_name(pid) or "").startswith(name)]
+    return pids
+
+
+def process_name(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return None
 
 
 def is_gone(pid: int) -> bool:
