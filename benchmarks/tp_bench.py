@@ -276,7 +276,8 @@ def free_port() -> int:
 
 
 def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_COMM_WORLD", "PMI_", "PMIX_"))}
+    # Only the variables set here may say which rank this is (engine.distributed reads several kinds).
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_COMM_WORLD", "PMI_", "PMIX_", "SLURM_"))}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         env.pop(name, None)
     if world_size > 1:
