@@ -34,7 +34,7 @@
 # Knobs (environment; defaults are for the GPU machine, the small values were used on CPU):
 #   BASE_PYTHON=(the torch venv's base)  TORCH_PYTHON=/opt/torch/.venv/bin/python3 (or TORCH_SITE)  CARRY=.carry
 #   WORK=/tmp/serving_bench  MODELS="smollm2 llama8b"  CLIENTS=1,16,64  INPUT_LEN=128
-#   OUTPUT_LEN=128  RPC=2  MIN_REQUESTS=8  DTYPE=bfloat16  BUDGET_S="200 330" (seconds per model)
+#   OUTPUT_LEN=128  RPC=2  MIN_REQUESTS=8  ROUNDS=1  DTYPE=bfloat16  BUDGET_S="200 330" (seconds per model)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 CARRY=${CARRY:-.carry}
@@ -87,6 +87,7 @@ INPUT_LEN=${INPUT_LEN:-128}
 OUTPUT_LEN=${OUTPUT_LEN:-128}
 RPC=${RPC:-2}
 MIN_REQUESTS=${MIN_REQUESTS:-8}
+ROUNDS=${ROUNDS:-1}
 DTYPE=${DTYPE:-bfloat16}
 read -r -a BUDGETS <<< "${BUDGET_S:-200 330}"
 mkdir -p "$WORK" "$RESULTS"
@@ -153,7 +154,7 @@ for model in $MODELS; do
   echo "=== $model (limit ${budget} s) ==="
   timeout -k 15 "$budget" "$PY" benchmarks/serving_bench.py --model "$model" --dtype "$DTYPE" "${tokenizer[@]}" \
     --clients "$CLIENTS" --input_len "$INPUT_LEN" --output_len "$OUTPUT_LEN" --requests_per_client "$RPC" \
-    --min_requests "$MIN_REQUESTS" --work_dir "$WORK/$model" --out "$RESULTS/serving_$model.json" \
+    --min_requests "$MIN_REQUESTS" --rounds "$ROUNDS" --work_dir "$WORK/$model" --out "$RESULTS/serving_$model.json" \
     --results_md "$RESULTS/serving_results.md"
   rc=$?
   if [ $rc -ne 0 ]; then
@@ -163,4 +164,5 @@ for model in $MODELS; do
   fi
 done
 echo "done in $(( $(date +%s) - t0 )) s; results in $RESULTS"
+sleep 1  # let tee flush console.log
 exit $status

@@ -282,7 +282,12 @@ class ServedEnsemble:
         started = time.perf_counter()
         with open(self.log_path, "w") as log:
             self.process = self.launcher.launch(self.args, stdout=log, stderr=log)
-        if not self.serve.wait_until_ready(self.process, self.http_port, timeout=self.ready_timeout):
+        try:
+            ready = self.serve.wait_until_ready(self.process, self.http_port, timeout=self.ready_timeout)
+        except BaseException:  # a time limit (SIGTERM -> SystemExit) during the load: stop it too
+            self.__exit__()
+            raise
+        if not ready:
             self.__exit__()
             raise RuntimeError(f"tritonserver did not become ready; its log ends:\n{self.log_tail()}")
         self.load_seconds = time.perf_counter() - started
