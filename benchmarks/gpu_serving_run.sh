@@ -152,7 +152,7 @@ for model in $MODELS; do
     *) tokenizer=(--tokenizer_dir "$WORK/smollm2_tokenizer") ;;
   esac
   echo "=== $model (limit ${budget} s) ==="
-  timeout -k 15 "$budget" "$PY" benchmarks/serving_bench.py --model "$model" --dtype "$DTYPE" "${tokenizer[@]}" \
+  timeout -k 30 "$budget" "$PY" benchmarks/serving_bench.py --model "$model" --dtype "$DTYPE" "${tokenizer[@]}" \
     --clients "$CLIENTS" --input_len "$INPUT_LEN" --output_len "$OUTPUT_LEN" --requests_per_client "$RPC" \
     --min_requests "$MIN_REQUESTS" --rounds "$ROUNDS" --work_dir "$WORK/$model" --out "$RESULTS/serving_$model.json" \
     --results_md "$RESULTS/serving_results.md"

@@ -298,7 +298,7 @@ class ServedEnsemble:
             return
         self.process.terminate()
         try:  # it waits up to 30 s for open connections by default; do not
-            self.process.wait(timeout=15)
+            self.process.wait(timeout=10)
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
@@ -476,6 +476,7 @@ def measure(results: dict, path: str, run, args: argparse.Namespace, feed: Promp
     row = summarize(timings, args.output_len, clients, path)
     row["round"] = round_index
     results["all_rows"].append(row)
+    write_json(results, args.out)  # a run stopped later keeps every setting measured so far
     print(f"  round {round_index} {path:6s} clients {clients:3d}: {row['tok_s']:9.1f} tok/s  "
           f"TTFT {row['ttft_ms_median']:8.2f} ms  ITL {row['itl_ms_median']:7.2f} ms", flush=True)
 
@@ -524,7 +525,6 @@ def run_all(results: dict, args: argparse.Namespace, repo: str, engine_dir: str,
                     order = paths[round_index % len(paths):] + paths[:round_index % len(paths)]
                     for path in order:
                         measure(results, path, runners[path], args, feed, clients, round_index)
-                write_json(results, args.out)
         except Exception:
             if "http" in runners:
                 results["server_log_tail"] = server.log_tail()
@@ -692,7 +692,7 @@ def main(argv=None) -> dict:
     results["executor_config"] = dataclasses.asdict(config)
     try:
         run_all(results, args, repo, engine_dir, config, work, feed)
-    except Exception as error:  # keep what was measured; say what broke
+    except (Exception, SystemExit, KeyboardInterrupt) as error:  # keep what was measured; say what broke
         results["error"] = f"{type(error).__name__}: {error}"
         print(f"serving_bench: {results['error']}", file=sys.stderr)
     results["rows"] = best_rows(results["all_rows"])
