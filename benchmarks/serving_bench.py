@@ -16,7 +16,11 @@ Both served paths go through a real tritonserver (started by scripts/launch_trit
 ``prepare_model_repo``): preprocessing (tokenize) -> tensorrt_llm (the same Executor, in the
 Python-backend stub) -> postprocessing (detokenize), one response per streamed token.
 
-The load is a closed loop: ``clients`` clients each send ``requests_per_client`` requests one
+The server and the in-process executor stay loaded side by side (fixed, equal KV pools; the one not
+being measured is idle) and the paths run interleaved per setting, ``--rounds`` times, the best
+round of each reported: slow drift (other load on a shared CPU) does not land on one path only.
+On CPU both engines get one torch thread (``--cpu_threads``). The GPU recipe is
+benchmarks/gpu_serving_run.sh. The load is a closed loop: ``clients`` clients each send ``requests_per_client`` requests one
 after another, every prompt exactly ``input_len`` tokens, ``end_id`` -1 (never produced, so each
 request makes exactly ``output_len`` tokens), greedy. The baseline gets the very token ids the
 preprocessing model makes of the same prompts. All times are taken by the client:
