@@ -659,6 +659,76 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+class SectionRunner:
+    """Runs the sections in order; the executor (offline, latency) is started once and shared,
+    and shut down before the transformers baseline needs the GPU memory."""
+
+    def __init__(self, args: argparse.Namespace, results: dict):
+        self.args, self.results = args, results
+        self.model_cfg = ModelConfig(**MODELS[args.model])
+        self.dtype = getattr(torch, args.dtype)
+        self.executor = None
+
+    def run(self, section: str) -> None:
+        getattr(self, f"section_{section}")()
+
+    def section_bandwidth(self) -> None:
+        bench_bandwidth(self.results, self.model_cfg, self.dtype.itemsize)
+
+    def section_kernels(self) -> None:
+        bench_kernels(self.results, self.model_cfg, self.dtype)
+
+    def section_gemm(self) -> None:
+        bench_gemm(self.results, self.model_cfg, self.dtype)
+
+    def _runner(self, max_batch_size: int, max_tokens: int) -> ModelRunner:
+        a = self.args
+        engine_dir = write_config_only_engine(a.model, a.dtype, max_batch_size, a.max_seq_len, a.max_num_tokens,
+                                              a.tokens_per_block)
+        return make_runner(engine_dir, a.device, max_tokens=max_tokens)
+
+    def section_decode(self) -> None:
+        runner = self._runner(8, 64 * self.args.max_seq_len)
+        self.results["param_bytes"] = param_bytes(runner.model)[0]
+        bench_decode(self.results, runner)
+
+    def section_engine_offline(self) -> None:
+        a = self.args
+        runner = self._runner(a.max_batch_size, a.max_batch_size * 320)
+        bench_engine_offline(self.results, runner, 1024, 128, 128, a.max_batch_size, a.max_num_tokens)
+
+    def _started_executor(self):
+        if self.executor is None:
+            self.executor = start_executor(self.args)
+        return self.executor
+
+    def section_offline(self) -> None:
+        shapes = [tuple(int(x) for x in s.split("x")) for s in self.args.offline.split(",") if s]
+        bench_offline(self.results, self._started_executor(), self.model_cfg.vocab_size, shapes,
+                      self.args.profile_executor)
+
+    def section_latency(self) -> None:
+        rates = [float(r) for r in self.args.rates.split(",") if r]
+        bench_latency(self.results, self._started_executor(), self.model_cfg.vocab_size, rates, self.args.latency_seconds)
+
+    def section_hf(self) -> None:
+        self.shutdown()
+        free_device_memory(self.args.device)
+        bench_hf(self.results, self.args.model, [int(b) for b in self.args.hf_batches.split(",") if b],
+                 device=self.args.device)
+
+    def shutdown(self) -> None:
+        if self.executor is not None:
+            self.executor.shutdown()
+            self.executor = None
+
+
+def free_device_memory(device: str) -> None:
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     sections = [s for s in args.sections.split(",") if s]
@@ -667,64 +737,21 @@ def main(argv=None) -> dict:
         raise SystemExit(f"unknown sections {unknown}; choose from {SECTIONS}")
     from kernels._triton import triton
 
-    dtype = getattr(torch, args.dtype)
-    on_gpu = args.device.startswith("cuda")
     results = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "gpu": torch.cuda.get_device_name() if on_gpu else "cpu", "commit": git_commit(), "torch": torch.__version__,
-        "triton": triton.__version__ if triton else "none", "model": args.model,
+        "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu", "commit": git_commit(),
+        "torch": torch.__version__, "triton": triton.__version__ if triton else "none", "model": args.model,
         "dtype": args.dtype, "command": "python benchmarks/engine_bench.py " + " ".join(argv or sys.argv[1:]),
     }
-    model_cfg = ModelConfig(**MODELS[args.model])
+    runner = SectionRunner(args, results)
     progress = tqdm(sections, desc="engine_bench")
-    runner = executor = None
     for section in progress:
         progress.set_postfix_str(section)
-        if section == "bandwidth":
-            bench_bandwidth(results, model_cfg, dtype.itemsize)
-        elif section == "kernels":
-            bench_kernels(results, model_cfg, dtype)
-        elif section == "gemm":
-            bench_gemm(results, model_cfg, dtype)
-        elif section == "decode":
-            engine_dir = write_config_only_engine(args.model, args.dtype, 8, args.max_seq_len, args.max_num_tokens,
-                                                  args.tokens_per_block)
-            runner = make_runner(engine_dir, args.device, max_tokens=64 * args.max_seq_len)
-            results["param_bytes"] = param_bytes(runner.model)[0]
-            bench_decode(results, runner)
-            del runner
-            runner = None
-        elif section == "engine_offline":
-            engine_dir = write_config_only_engine(args.model, args.dtype, args.max_batch_size, args.max_seq_len,
-                                                  args.max_num_tokens, args.tokens_per_block)
-            runner = make_runner(engine_dir, args.device, max_tokens=args.max_batch_size * 320)
-            bench_engine_offline(results, runner, 1024, 128, 128, args.max_batch_size, args.max_num_tokens)
-            del runner
-            runner = None
-        elif section in ("offline", "latency"):
-            if executor is None:
-                executor = start_executor(args)
-            if section == "offline":
-                shapes = [tuple(int(x) for x in s.split("x")) for s in args.offline.split(",") if s]
-                bench_offline(results, executor, model_cfg.vocab_size, shapes, args.profile_executor)
-            else:
-                rates = [float(r) for r in args.rates.split(",") if r]
-                bench_latency(results, executor, model_cfg.vocab_size, rates, args.latency_seconds)
-        elif section == "hf":
-            if executor is not None:
-                executor.shutdown()
-                executor = None
-            gc.collect()
-            if on_gpu:
-                torch.cuda.empty_cache()
-            bench_hf(results, args.model, [int(b) for b in args.hf_batches.split(",") if b], device=args.device)
-        gc.collect()
-        if on_gpu:
-            torch.cuda.empty_cache()
+        runner.run(section)
+        free_device_memory(args.device)
         with open(args.out, "w") as f:  # after every section: a crash later keeps what was measured
             json.dump(results, f, indent=2)
-    if executor is not None:
-        executor.shutdown()
+    runner.shutdown()
     table = markdown(results)
     print(table)
     if args.results_md:

@@ -225,6 +225,20 @@ def _decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, n
     return min(triton.next_power_of_2(wanted), triton.next_power_of_2(useful), 32)
 
 
+def _launch_config(meta: AttentionMetadata, group: int, num_kv_heads: int, device: torch.device,
+                   num_splits: int | None) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M rows, BLOCK_N keys, warps, stages, splits). Decode: the smallest row tile that holds
+    a GQA group (16, the tensor-core minimum) and key splits to fill the GPU; prefill: 64-row tiles
+    (64 // group tokens of every head of a group), never split."""
+    if meta.is_decode_only:
+        block_m = max(16, triton.next_power_of_2(group))
+        if num_splits is None:
+            num_splits = _decode_num_splits(meta.context_lens.shape[0], num_kv_heads, meta.max_context_len,
+                                            _num_sms(device), 64)
+        return block_m, 64, 4, 3, num_splits
+    return (64 if group <= 64 else triton.next_power_of_2(group)), 64, 4, 2, 1
+
+
 def paged_attention_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
     *, num_splits: int | None = None,
@@ -243,13 +257,7 @@ def paged_attention_triton(
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     dim_pad = triton.next_power_of_2(head_dim)
-    if meta.is_decode_only:
-        block_m, block_n, num_warps, num_stages = max(16, triton.next_power_of_2(group)), 64, 4, 3
-        if num_splits is None:
-            num_splits = _decode_num_splits(num_seqs, num_kv_heads, meta.max_context_len, _num_sms(q.device), block_n)
-    else:
-        block_m = 64 if group <= 64 else triton.next_power_of_2(group)
-        block_n, num_warps, num_stages, num_splits = 64, 4, 2, 1
+    block_m, block_n, num_warps, num_stages, num_splits = _launch_config(meta, group, num_kv_heads, q.device, num_splits)
     tokens_per_tile = block_m // group
     grid = (triton.cdiv(meta.max_seqlen_q, tokens_per_tile), num_seqs, num_kv_heads * num_splits)
     if num_splits > 1:
