@@ -113,7 +113,7 @@ tar xf "$CARRY/tritonserver.tar.xz" -C "$SSP" || fail "could not unpack tritonse
 TORCH_SITE=${TORCH_SITE:-$("$TORCH_PYTHON" -c 'import site; print(site.getsitepackages()[0])')} || fail "no $TORCH_PYTHON"
 echo "$TORCH_SITE" > "$SSP/zz_torch_venv.pth"
 mkdir -p "$WORK/smollm2_tokenizer" && tar xf "$CARRY/smollm2_tokenizer.tar.xz" -C "$WORK/smollm2_tokenizer"
-echo "stub venv ready in $(( $(date +%s) - t0 )) s: $SSP"
+echo "stub venv (base $BASE_PYTHON, torch site $TORCH_SITE) ready in $(( $(date +%s) - t0 )) s: $SSP"
 
 # 2. Check the environment before spending device time on engine loads.
 # (From a file: OpenAI Triton's @jit reads the kernel's source, which a script on stdin has not.)
