@@ -20,9 +20,12 @@ A plan is two broadcasts: a fixed header ``[op, step, payload_len, arg]`` (int64
 FORWARD, a flat int32 payload that packs every ForwardBatch field (see ``encode_batch``).
 Rare calls (KV sizing, allocation) are broadcast as pickled objects.
 
-Faults. Nothing waits forever: every collective runs under the group timeout (``step_timeout_s``
-once the ranks are loaded, ``startup_timeout_s`` before). A rank that dies closes its sockets
-and the leader's next collective fails at once; a rank that hangs fails it after the timeout.
+Faults. Nothing waits forever: every collective runs under the group timeout: ``step_timeout_s``
+for plans, forwards and heartbeats, ``startup_timeout_s`` while loading and inside CALLs (graph
+capture and kernel compilation are long, and not equally long on every rank). A rank that dies
+closes its sockets and the leader's next collective fails at once; a rank that hangs fails it
+after the timeout. (NCCL cannot raise in the middle of a GPU kernel: there the leader survives the
+watchdog's abort of a timed-out collective and treats a forward that outlived the timeout as lost.)
 While idle, the leader sends a HEARTBEAT every ``heartbeat_s`` (a broadcast plus an all-reduce
 that every rank must answer), which also keeps the workers' blocking ``recv`` from timing out.
 After the first fault the leader's runner is *failed* for good: every later call raises
@@ -36,6 +39,7 @@ SLURM_*), ``TRITONLLM_DIST_ADDR``/``TRITONLLM_DIST_PORT`` (or MASTER_ADDR/MASTER
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import datetime
 import enum
@@ -192,8 +196,22 @@ class DistContext:
         return self.info.world_size
 
     def use_step_timeout(self) -> None:
-        """Switch both groups from the startup timeout (loading weights) to the step timeout."""
-        timeout = datetime.timedelta(seconds=self.settings.step_timeout_s)
+        """Collectives wait at most ``step_timeout_s`` (serving: plans, forwards, heartbeats)."""
+        self._set_timeout(self.settings.step_timeout_s)
+
+    @contextlib.contextmanager
+    def long_call(self):
+        """Collectives wait up to ``startup_timeout_s`` inside: loading, graph capture and kernel
+        compilation take long, and not equally long on every rank. Every rank enters and leaves at
+        the same point of the plan sequence."""
+        self._set_timeout(self.settings.startup_timeout_s)
+        try:
+            yield
+        finally:
+            self.use_step_timeout()
+
+    def _set_timeout(self, seconds: float) -> None:
+        timeout = datetime.timedelta(seconds=seconds)
         for group in (self.tp_group, self.control):
             try:
                 group.set_timeout(timeout)
@@ -206,6 +224,10 @@ def init_distributed(info: RankInfo, device: torch.device, settings: DistSetting
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        if info.rank == 0:
+            # On an NCCL timeout, abort the communicators but keep the leader alive (torch's default
+            # tears the process down), so it can fail requests and report the model not ready.
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     elif "OMP_NUM_THREADS" not in os.environ:
         # Ranks on one node share its cores; torch's default (all cores each) thrashes.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.local_size))
@@ -322,8 +344,9 @@ class Message:
 class StepChannel:
     """Plans from rank 0 to every rank over the gloo control group, in a strict step order."""
 
-    def __init__(self, control_group, *, batch_class=None):
-        self.group = control_group
+    def __init__(self, ctx: "DistContext", *, batch_class=None):
+        self.ctx = ctx
+        self.group = ctx.control
         self.batch_class = batch_class
         self.step = 0
 
@@ -384,12 +407,12 @@ def run_worker_loop(runner, channel: StepChannel) -> None:
             if message.op == Op.FORWARD:
                 runner.forward(message.batch, all_logits=bool(message.arg))
                 continue
-            result = _apply_call(runner, message.call)
+            with channel.ctx.long_call():
+                result = _apply_call(runner, message.call)
+                if message.call[3] == "min":
+                    channel.all_reduce_min(int(result))
         except REFUSALS as err:  # the leader refused the same plan; wait for the next one
             logger.warning("step %d refused on this rank as on the leader: %s", message.step, err)
-            continue
-        if message.call[3] == "min":
-            channel.all_reduce_min(int(result))
 
 
 # ---- the leader ----------------------------------------------------------------------------------
@@ -410,11 +433,12 @@ class LeaderRunner:
     def __init__(self, runner, ctx: DistContext):
         self.runner = runner
         self.ctx = ctx
-        self.channel = StepChannel(ctx.control)
+        self.channel = StepChannel(ctx)
         self.failure: str | None = None
         self._lock = threading.Lock()
         self._last_send = time.monotonic()
-        self._busy_since: float | None = None
+        self._busy_since: float | None = None  # when the running step started (None: idle)
+        self._busy_op: Op | None = None
         self._stopped = threading.Event()
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="tp-heartbeat", daemon=True)
         self._heartbeat.start()
@@ -460,9 +484,15 @@ class LeaderRunner:
         with self._lock:
             self._raise_if_failed()
             self._busy_since = time.monotonic()
+            self._busy_op = op
             try:
                 self.channel.send(op, **message)
-                return local_step()
+                if op == Op.CALL:
+                    with self.ctx.long_call():
+                        return local_step()
+                result = local_step()
+                self._check_step_time(op)
+                return result
             except REFUSALS:  # a bad plan, refused alike on every rank: the ranks are still in step
                 raise
             except Exception as err:  # a gloo/NCCL error or timeout: some rank is gone
@@ -471,6 +501,14 @@ class LeaderRunner:
             finally:
                 self._busy_since = None
                 self._last_send = time.monotonic()
+
+    def _check_step_time(self, op: Op) -> None:
+        """A step that outlived the timeout ended only because NCCL's watchdog aborted a collective
+        on a lost rank: its result is garbage (gloo raises instead, so this is for GPUs)."""
+        elapsed = time.monotonic() - self._busy_since
+        if elapsed > self.ctx.settings.step_timeout_s:
+            raise RuntimeError(f"the {op.name.lower()} step took {elapsed:.0f} s, past the "
+                               f"{self.ctx.settings.step_timeout_s:.0f} s timeout (a rank is lost)")
 
     def _raise_if_failed(self) -> None:
         if self.failure is not None:
@@ -505,10 +543,10 @@ class LeaderRunner:
         self._last_send = time.monotonic()
 
     def _check_stuck_step(self) -> None:
-        """A step that outlives the timeout (e.g. stuck in an NCCL kernel) marks the runner failed."""
+        """A forward that outlives the timeout (e.g. stuck in an NCCL kernel) marks the runner failed."""
         started = self._busy_since
         limit = self.ctx.settings.step_timeout_s + self.ctx.settings.heartbeat_s
-        if started is not None and time.monotonic() - started > limit:
+        if started is not None and self._busy_op == Op.FORWARD and time.monotonic() - started > limit:
             self._fail(f"a step has not finished after {limit:.0f} s (a rank is hung)")
 
     # -- shutdown
@@ -587,6 +625,6 @@ def run_worker(engine_dir: str, *, device: str | torch.device | None = None, run
         agree_on_engine(ctx, config)
         ctx.use_step_timeout()
         logger.info("rank %d ready on %s", info.rank, ctx.device)
-        run_worker_loop(runner, StepChannel(ctx.control, batch_class=ForwardBatch))
+        run_worker_loop(runner, StepChannel(ctx, batch_class=ForwardBatch))
     finally:
         _destroy_groups()
