@@ -216,7 +216,7 @@ class DistContext:
             try:
                 group.set_timeout(timeout)
             except (RuntimeError, AttributeError) as err:  # a backend without it keeps the startup timeout
-                logger.warning("could not shorten the %s group's timeout: %s", group, err)
+                logger.warning("could not set the %s group's timeout to %.0f s: %s", group, seconds, err)
 
 
 def init_distributed(info: RankInfo, device: torch.device, settings: DistSettings) -> DistContext:
