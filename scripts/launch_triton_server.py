@@ -324,6 +324,7 @@ def prepare_leader_mode(args: argparse.Namespace, env: dict[str, str]) -> None:
     names = args.tensorrt_llm_model_name.split(",")
     args.engine_dir = args.engine_dir or engine_dir_from_repo(args.model_repo, names[0])
     if args.engine_dir:
+        args.engine_dir = os.path.abspath(args.engine_dir)  # the workers may start in another directory
         check_engine_world_size(args.engine_dir, args.world_size)
     if args.world_size == 1:
         return
