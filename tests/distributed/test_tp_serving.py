@@ -116,6 +116,7 @@ class LeaderModeServer:
             self.process = launcher.launch(launcher.parse_arguments(flags), stdout=log, stderr=log)
         if not serve_default.wait_until_ready(self.process, self.ports[0], timeout=300):
             self.stop()
+            self.kill_leftovers()
             pytest.fail(f"world_size {world_size} server did not become ready:\n{self.log()[-6000:]}")
 
     @property
@@ -163,6 +164,16 @@ class LeaderModeServer:
                 self.process.kill()
                 self.process.wait()
 
+    def kill_leftovers(self) -> None:
+        """After a failed shutdown, ranks and Python-backend stubs of this server (found by its
+        unique repository and engine paths) would outlive the test: kill them."""
+        time.sleep(1)
+        for pid in pids_matching(self.repo) + self.worker_pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
 
 @pytest.fixture(scope="module")
 def short_timeouts():
@@ -203,6 +214,7 @@ def single_rank_answers(engines, tmp_path_factory, short_timeouts):
         return {"smollm2": server.answers(SMOLLM2_PROMPTS), "tiny": server.answers(TINY_PROMPTS, suffix="_tiny")}
     finally:
         server.stop()
+        server.kill_leftovers()
 
 
 def pids_matching(text: str, name: str | None = None) -> list[int]:
@@ -240,15 +252,18 @@ def test_launcher_refuses_an_engine_built_for_another_world_size(engines, tmp_pa
 
 def test_tiny_llama_on_two_ranks_answers_like_one(engines, single_rank_answers, tmp_path, short_timeouts):
     server = LeaderModeServer({"": engines["tiny_tp2"]}, 2, tmp_path)
+    ranks = []
     try:
         assert server.answers(TINY_PROMPTS) == single_rank_answers["tiny"]
         ranks = server.rank_pids()
         assert len(ranks) == 2 and len(server.worker_pids()) == 1
     finally:
         server.stop(via_mpirun=True)
+        still_running = [pid for pid in ranks if not is_gone(pid)]
+        server.kill_leftovers()
     # SIGTERM to mpirun stopped every rank.
     assert server.process.returncode is not None
-    assert all(is_gone(pid) for pid in ranks), subprocess.run(["ps", "-ef"], capture_output=True, text=True).stdout
+    assert not still_running, subprocess.run(["ps", "-ef"], capture_output=True, text=True).stdout
 
 
 def test_smollm2_on_three_ranks_answers_like_one_and_survives_a_dead_rank(engines, single_rank_answers, tmp_path,
@@ -260,6 +275,7 @@ def test_smollm2_on_three_ranks_answers_like_one_and_survives_a_dead_rank(engine
         assert_dead_rank_fails_requests_fast(server)
     finally:
         server.stop()
+        server.kill_leftovers()
 
 
 def assert_dead_rank_fails_requests_fast(server: LeaderModeServer) -> None:
