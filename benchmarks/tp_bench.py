@@ -24,9 +24,11 @@ random weights made on the GPUs: every rank generates the same full tensors from
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -303,6 +305,12 @@ def run_phase(args, phase: str, engine_dir: str, workdir: str) -> dict:
         codes = [p.wait(timeout=max(1.0, args.phase_timeout - (time.monotonic() - started))) for p in procs]
     except subprocess.TimeoutExpired:
         codes = ["timeout"]
+        # Say where every rank is stuck before killing it: each rank dumps its threads' stacks
+        # on SIGUSR1 (faulthandler, registered in main), to the console.
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGUSR1)
+        time.sleep(3)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -408,6 +416,7 @@ def main(argv=None) -> None:
     if args.role == "orchestrate":
         orchestrate(args)
         return
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     use_random_weights()
     if args.role == "worker":
         run_worker(args.engine_dir, device=args.device, runner_class=runner_class(args))
