@@ -14,6 +14,12 @@ Both modes run the same requests through the same ``Executor`` (greedy, identica
 The workload mixes short and long prompts and outputs (seeded), which is where static batching
 loses: every batch lasts as long as its longest request. Results: a JSON line on stdout and
 a dated block appended to the "Executor: in-flight vs static batching" section of ``--results-md``.
+
+``--host-profile 256,512`` measures something else: the executor's host (Python) time per decode
+iteration, with a tiny random-weight model on CPU (1 torch thread) so the forward is cheap, and
+``step - forward`` per step isolates what the GPU would wait for (decode forwards are replaced
+by fixed random logits, as cheap as a GPU launch; the cProfile excludes the forward). Prompt 128, output 128,
+no end_id; only decode-only iterations at the full batch count. ``--cprofile`` adds the top entries.
 """
 from __future__ import annotations
 
@@ -193,6 +199,88 @@ def write_section(path: str, block: str) -> None:
         f.write(text)
 
 
+def host_profile(batch_sizes: list[int], args) -> dict:
+    """Median host ms per full-batch decode iteration (step wall time minus the forward's)."""
+    import torch
+
+    torch.set_num_threads(1)
+    report = {}
+    for batch in batch_sizes:
+        args.max_batch_size, args.max_num_tokens = batch, 8192
+        engine_dir = random_weight_engine("tiny", argparse.Namespace(**{**vars(args), "dtype": "float32"}))
+        config = ExecutorConfig(max_batch_size=batch, max_num_tokens=8192, enable_kv_cache_reuse=args.kv_reuse,
+                                max_tokens_in_paged_kv_cache=batch * 272)
+        with Executor(engine_dir, config, device="cpu") as executor:
+            report[batch] = _profile_decode(executor, batch, args.cprofile)
+        print(json.dumps({batch: {k: v for k, v in report[batch].items() if k != "profile"}}), flush=True)
+        if args.cprofile:
+            print(report[batch]["profile"])
+    return report
+
+
+def _profile_decode(executor: Executor, batch: int, with_cprofile: bool) -> dict:
+    """Wrap the loop's step and the runner's forward with timers; run batch x (128 in, 128 out)."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+
+    steps, forward_s = [], [0.0]
+    profiler = cProfile.Profile() if with_cprofile else None
+    step, forward = executor._step, executor.runner.forward
+
+    logits = torch.randn(batch, executor.runner.vocab_size, generator=torch.Generator().manual_seed(0))
+
+    def timed_forward(fwd_batch, **k):
+        """The GPU's stand-in: decode rows get fixed random logits at once (the tiny model's CPU
+        paged attention would take 100x the host time); prefill runs the real model."""
+        t = time.perf_counter()
+        if profiler is not None:
+            profiler.disable()
+        try:
+            if len(fwd_batch.token_ids) == len(fwd_batch.logits_indices) <= batch:
+                return logits[:len(fwd_batch.logits_indices)]
+            return forward(fwd_batch, **k)
+        finally:
+            if profiler is not None:
+                profiler.enable()
+            forward_s[0] += time.perf_counter() - t
+
+    def timed_step(*a):
+        forward_s[0] = 0.0
+        t = time.perf_counter()
+        if profiler is not None:
+            profiler.enable()
+        try:
+            return step(*a)
+        finally:
+            if profiler is not None:
+                profiler.disable()
+            stats = executor.get_latest_iteration_stats()
+            steps.append((time.perf_counter() - t, forward_s[0], stats.num_context_requests, stats.num_gen_requests))
+
+    executor.runner.forward, executor._step = timed_forward, timed_step
+    rng = random.Random(0)
+    vocab = executor.runner.vocab_size
+    requests = [Request([rng.randrange(vocab) for _ in range(128)], 128,
+                        output=OutputConfig(exclude_input_from_output=True)) for _ in range(batch)]
+    started = time.perf_counter()
+    run_batch(executor, requests, {}, {}, {}, {})
+    wall = time.perf_counter() - started
+    executor._step = step
+    full = [(s, f) for s, f, ctx, gen in steps if ctx == 0 and gen == batch]
+    out = {"batch": batch, "wall_s": wall, "decode_steps": len(full),
+           "step_ms": 1e3 * statistics.median(s for s, _ in full),
+           "forward_ms": 1e3 * statistics.median(f for _, f in full),
+           "host_ms": 1e3 * statistics.median(s - f for s, f in full)}
+    if profiler is not None:
+        stream = io.StringIO()
+        pstats.Stats(profiler, stream=stream).sort_stats("tottime").print_stats(25)
+        out["profile"] = stream.getvalue()
+    return out
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cpu")
@@ -211,11 +299,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2, help="runs per mode (interleaved); the fastest is reported")
     p.add_argument("--results-md", default=os.path.join(REPO_ROOT, "benchmarks", "RESULTS.md"))
     p.add_argument("--no-results-md", action="store_true")
+    p.add_argument("--host-profile", default=None, metavar="B1,B2",
+                   help="only measure host ms per decode iteration at these batch sizes (tiny model, CPU)")
+    p.add_argument("--cprofile", action="store_true", help="with --host-profile: cProfile the loop (slows it)")
+    p.add_argument("--kv-reuse", action="store_true", help="with --host-profile: enable_kv_cache_reuse")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.host_profile:
+        return host_profile([int(b) for b in args.host_profile.split(",")], args)
     commit, started = git_commit(), datetime.now(timezone.utc)  # what ran, not what HEAD is at the end
     if args.random_weights:
         engine_dir = random_weight_engine(args.random_weights, args)
