@@ -276,7 +276,8 @@ def _profile_decode(executor: Executor, batch: int, with_cprofile: bool) -> dict
            "host_ms": 1e3 * statistics.median(s - f for s, f in full)}
     if profiler is not None:
         stream = io.StringIO()
-        pstats.Stats(profiler, stream=stream).sort_stats("tottime").print_stats(25)
+        for order in ("cumulative", "tottime"):
+            pstats.Stats(profiler, stream=stream).sort_stats(order).print_stats(20)
         out["profile"] = stream.getvalue()
     return out
 

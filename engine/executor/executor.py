@@ -325,9 +325,11 @@ class Executor:
     def _logit_positions(self, item) -> list[int]:
         """Chunk-relative tokens whose logits are needed: new prompt positions for context logits, then the last."""
         seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
-        wanted = []
         state = seq.state
-        if state.request.output.return_context_logits and seq is state.sequences[0]:
+        if not state.request.output.return_context_logits:  # the common case, once per sequence per step
+            return [n - 1] if start + n == len(seq.token_ids) else []
+        wanted = []
+        if seq is state.sequences[0]:
             have = sum(len(part) for part in state.context_logits_parts)
             wanted = [p - start for p in range(max(start, have), min(start + n, seq.num_prompt_tokens))]
         if item.samples and (not wanted or wanted[-1] != n - 1):
@@ -363,7 +365,8 @@ class Executor:
                 continue
             samples = item.samples  # read before num_computed_tokens moves
             self._note_scheduled(seq.state, now)
-            self._collect_context_logits(item, logits[first:end])
+            if seq.state.request.output.return_context_logits:  # slicing a tensor per sequence costs ~2 us
+                self._collect_context_logits(item, logits[first:end])
             seq.num_computed_tokens += item.num_new_tokens
             self.blocks.register_computed_blocks(seq)
             if samples and seq.num_generated_tokens == 0 and len(seq.state.sequences) > 1:
@@ -414,7 +417,8 @@ class Executor:
         request, perf = seq.state.request, seq.state.perf
         perf.first_token_time_ns = perf.first_token_time_ns or now
         perf.last_token_time_ns = now
-        self._touched[seq.request_id] = seq.state
+        if request.streaming:  # a non-streaming request has news only when it finishes (_finish touches it)
+            self._touched[seq.request_id] = seq.state
         if token == request.end_id:
             self._finish(seq, FinishReason.END_ID)
             return
