@@ -129,14 +129,36 @@ class Scheduler:
 
     def _schedule_running(self, budget: _Budget, out: SchedulerOutput) -> None:
         """Decodes first (oldest first), then running prefill chunks and recomputes."""
-        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
-        for seq in decodes + [s for s in self.running if s.num_uncomputed_tokens > 1]:
+        decodes, chunks = [], []
+        for seq in self.running:
+            uncomputed = len(seq.token_ids) - seq.num_computed_tokens
+            if uncomputed == 1:
+                decodes.append(seq)
+            elif uncomputed > 1:
+                chunks.append(seq)
+        self._schedule_decodes(decodes, budget, out)
+        for seq in chunks:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted above to make room for an older sequence
             num_new = self._num_tokens_to_schedule(seq, budget)
             if num_new and self._append_or_preempt(seq, num_new, budget, out):
                 out.scheduled.append(ScheduledSequence(seq, num_new, self._is_prefill(seq)))
                 budget.take(num_new)
+
+    def _schedule_decodes(self, decodes: list[Sequence], budget: _Budget, out: SchedulerOutput) -> None:
+        """One token each, oldest first: the loop above for num_new == 1, inlined because it runs
+        once per sequence per step. A decode whose last block has a free slot needs no allocation."""
+        T = self.blocks.tokens_per_block
+        for seq in decodes:
+            if budget.seqs == 0 or budget.tokens == 0:
+                return  # the budget only shrinks: nobody after this one fits either
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted above to make room for an older sequence
+            if len(seq.block_ids) * T <= seq.num_computed_tokens and not self._append_or_preempt(seq, 1, budget, out):
+                continue
+            out.scheduled.append(ScheduledSequence(seq, 1, False))
+            budget.tokens -= 1
+            budget.seqs -= 1
 
     def _append_or_preempt(self, seq: Sequence, num_new: int, budget: _Budget, out: SchedulerOutput) -> bool:
         """Give seq its blocks, preempting the newest running sequences if needed; False if seq went.
@@ -160,9 +182,10 @@ class Scheduler:
     def _admit_waiting(self, budget: _Budget, out: SchedulerOutput) -> None:
         if self.static_batching and any(s.num_generated_tokens for s in self.running):
             return  # the current static batch is decoding: nobody joins it
+        promised = self._promised_blocks() if self.policy == "guaranteed_no_evict" else 0
         while self.waiting and budget.seqs > 0 and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
-            if self.policy == "guaranteed_no_evict" and not self._can_reserve(seq):
+            if self.policy == "guaranteed_no_evict" and not self._can_reserve(seq, promised):
                 return
             reused = 0 if seq.block_ids else self.blocks.acquire_cached_prefix(seq)  # a fork holds its prefix
             num_new = self._num_tokens_to_schedule(seq, budget)
@@ -173,6 +196,7 @@ class Scheduler:
             self.waiting.popleft()
             self._count_allocation(seq, new_blocks, reused)
             self._start_running(seq)
+            promised += self.blocks.blocks_for_tokens(seq.max_total_tokens) - len(seq.block_ids)
             out.scheduled.append(ScheduledSequence(seq, num_new, True))
             budget.take(num_new)
 
@@ -204,8 +228,12 @@ class Scheduler:
     def _is_prefill(self, seq: Sequence) -> bool:
         return seq.num_computed_tokens < len(seq.token_ids) - 1
 
-    def _can_reserve(self, seq: Sequence) -> bool:
-        promised = sum(self.blocks.blocks_for_tokens(s.max_total_tokens) - len(s.block_ids) for s in self.running)
+    def _promised_blocks(self) -> int:
+        """Blocks running sequences may still claim to reach prompt + max_tokens. Computed once per
+        step and kept up to date as newcomers start (no running sequence grows while admitting)."""
+        return sum(self.blocks.blocks_for_tokens(s.max_total_tokens) - len(s.block_ids) for s in self.running)
+
+    def _can_reserve(self, seq: Sequence, promised: int) -> bool:
         return self.blocks.num_free_blocks - promised >= self.blocks.blocks_for_tokens(seq.max_total_tokens)
 
     def _start_running(self, seq: Sequence) -> None:
