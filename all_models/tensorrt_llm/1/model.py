@@ -10,6 +10,7 @@ every `stats_check_period_ms`. A lock guards the shared bookkeeping.
 """
 import json
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -116,7 +117,7 @@ class TritonPythonModel:
                                      static_batching=settings.get("batching_type") == "static")
         self.running = True
         self.warned = set()
-        self.server_pid = os.getppid()
+        self._start_server_watchdog()
         self.threads = [threading.Thread(target=loop, daemon=True, name=loop.__name__)
                         for loop in (self._forward_responses, self._poll_cancellation, self._publish_stats)]
         for thread in self.threads:
@@ -224,7 +225,6 @@ class TritonPythonModel:
     def _publish_stats(self):
         while self.running:
             time.sleep(self.stats_period)
-            self._exit_if_server_died()
             self._unload_if_ranks_failed()
             try:
                 stats = self.executor.get_latest_iteration_stats()
@@ -250,11 +250,26 @@ class TritonPythonModel:
         except Exception as error:  # e.g. not in explicit model-control mode
             pb_utils.Logger.log_warn(f"tensorrt_llm: could not unload after the rank failure: {error}")
 
-    def _exit_if_server_died(self):
-        """If tritonserver dies (killed, or its exit timeout expired with requests in flight), this
-        stub is not told; without this check it would keep generating for nobody, forever."""
-        if os.getppid() != self.server_pid:
-            os._exit(1)  # no logging: the log goes through the dead server
+    def _start_server_watchdog(self):
+        """Kill this stub if tritonserver dies (killed, or its exit timeout expired with requests in
+        flight): the stub is not told, and would keep generating for nobody, forever.
+
+        The watchdog is a separate shell process, not a thread: once the server is gone, a thread
+        that calls into it (publishing a metric) blocks inside the backend's IPC while holding the
+        GIL, so no Python thread of this process runs again. The loop ends by itself when the stub
+        exits normally (its /proc entry disappears, or the pid now names another process) and kills
+        nothing then.
+        """
+        stub, server = os.getpid(), os.getppid()
+        with open("/proc/self/stat") as stat:
+            started = stat.read().rsplit(")", 1)[1].split()[19]  # field 22: start time, tells pid reuse apart
+        # /proc/<stub>/stat fields 4 and 22 (the stub's name has no spaces): "<parent> <start time>".
+        script = (f"while s=$(cut -d' ' -f4,22 /proc/{stub}/stat 2>/dev/null); do case \"$s\" in "
+                  f"'{server} {started}') sleep 1 ;; "
+                  f"*' {started}') kill -9 {stub}; exit 0 ;; "
+                  f"*) exit 0 ;; esac; done")
+        subprocess.Popen(["/bin/sh", "-c", script], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, start_new_session=True)
 
     def _warn_once(self, message):
         if message not in self.warned:
