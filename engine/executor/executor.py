@@ -309,16 +309,24 @@ class Executor:
     def _forward_batch(self, plan: SchedulerOutput) -> tuple[ForwardBatch, list[tuple[int, int]]]:
         """Pack the plan; rows[i] = (first, end) logits rows of scheduled sequence i (end - first: 0 or more)."""
         token_ids, positions, seq_lens, context_lens, tables, logits_indices, rows = [], [], [], [], [], [], []
-        for item in plan.scheduled:
+        T = self.blocks.tokens_per_block
+        for item in plan.scheduled:  # runs once per sequence per step: kept free of calls in the decode case
             seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
-            offset = len(token_ids)
-            token_ids += seq.token_ids[start:start + n]
-            positions += range(start, start + n)
+            offset, end = len(token_ids), start + n
+            if n == 1:
+                token_ids.append(seq.token_ids[start])
+                positions.append(start)
+            else:
+                token_ids += seq.token_ids[start:end]
+                positions += range(start, end)
             seq_lens.append(n)
-            context_lens.append(start + n)
-            tables.append(seq.block_ids[:self.blocks.blocks_for_tokens(start + n)])
+            context_lens.append(end)
+            tables.append(seq.block_ids[:-(-end // T)])
             first = len(logits_indices)
-            logits_indices += [offset + i for i in self._logit_positions(item)]
+            if seq.state.request.output.return_context_logits:
+                logits_indices += [offset + i for i in self._logit_positions(item)]
+            elif end == len(seq.token_ids):  # the chunk reaches the end: its last logits sample
+                logits_indices.append(offset + n - 1)
             rows.append((first, len(logits_indices)))
         return ForwardBatch(token_ids, positions, seq_lens, context_lens, tables, logits_indices), rows
 
@@ -359,17 +367,19 @@ class Executor:
     def _update(self, plan: SchedulerOutput, logits: torch.Tensor, rows, sampled) -> None:
         now = now_ns()
         beam_rows = []
-        for item, (first, end) in zip(plan.scheduled, rows):
+        for item, (first, end) in zip(plan.scheduled, rows):  # once per sequence per step: keep it lean
             seq = item.seq
-            if seq.is_finished:
+            if seq.status is SequenceStatus.FINISHED:
                 continue
-            samples = item.samples  # read before num_computed_tokens moves
-            self._note_scheduled(seq.state, now)
-            if seq.state.request.output.return_context_logits:  # slicing a tensor per sequence costs ~2 us
+            state = seq.state
+            samples = seq.num_computed_tokens + item.num_new_tokens == len(seq.token_ids)  # before it moves
+            if state.is_queued or not state.perf.first_scheduled_time_ns:
+                self._note_scheduled(state, now)
+            if state.request.output.return_context_logits:  # slicing a tensor per sequence costs ~2 us
                 self._collect_context_logits(item, logits[first:end])
             seq.num_computed_tokens += item.num_new_tokens
             self.blocks.register_computed_blocks(seq)
-            if samples and seq.num_generated_tokens == 0 and len(seq.state.sequences) > 1:
+            if samples and len(state.sequences) > 1 and seq.num_generated_tokens == 0:
                 self._fork_siblings(seq)
             if seq.seq_id in sampled:
                 self._append_token(seq, *sampled[seq.seq_id], logits, end - 1, now)

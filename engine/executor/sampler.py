@@ -82,6 +82,11 @@ def banned_tokens(seq: Sequence) -> list[int]:
     return banned
 
 
+def _may_ban(request) -> bool:
+    """Cheap pre-check of banned_tokens (which runs once per sequence per step otherwise)."""
+    return bool(request.bad_words) or (request.end_id is not None and bool(request.sampling.min_tokens))
+
+
 def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, device, return_log_probs: bool) -> SamplingMetadata:
     """Gather per-sequence settings into batch tensors (one sequence per logits row)."""
     configs = [s.state.request.sampling for s in seqs]
@@ -101,7 +106,8 @@ def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, device, retur
     pres = [c.presence_penalty or 0.0 for c in configs]
     freq = [c.frequency_penalty or 0.0 for c in configs]
     has_penalty = any(r != 1.0 for r in rep) or any(pres) or any(freq)
-    banned = [(row, tok) for row, s in enumerate(seqs) for tok in banned_tokens(s) if 0 <= tok < vocab_size]
+    banned = [(row, tok) for row, s in enumerate(seqs) if _may_ban(s.state.request)
+              for tok in banned_tokens(s) if 0 <= tok < vocab_size]
     return SamplingMetadata(
         all_greedy=all(greedy),
         is_greedy=None if all(greedy) else _column(greedy, torch.bool, device),

@@ -182,7 +182,7 @@ class Scheduler:
     def _admit_waiting(self, budget: _Budget, out: SchedulerOutput) -> None:
         if self.static_batching and any(s.num_generated_tokens for s in self.running):
             return  # the current static batch is decoding: nobody joins it
-        promised = self._promised_blocks() if self.policy == "guaranteed_no_evict" else 0
+        promised = self._promised_blocks() if self.waiting and self.policy == "guaranteed_no_evict" else 0
         while self.waiting and budget.seqs > 0 and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
             if self.policy == "guaranteed_no_evict" and not self._can_reserve(seq, promised):
