@@ -45,17 +45,8 @@ from engine.convert import iter_rank_weights
 from engine.distributed import make_runner, run_worker
 from engine.executor.runner import ForwardBatch, ModelRunner
 
-MODELS = {
-    "llama8b": dict(
-        architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32,
-        num_kv_heads=8, head_dim=128, intermediate_size=14336, norm_eps=1e-5, rope_theta=500000.0,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 8192},
-        max_position_embeddings=131072,
-    ),
-    "tiny": dict(architecture="LlamaForCausalLM", vocab_size=512, hidden_size=64, num_layers=2, num_heads=4,
-                 num_kv_heads=2, head_dim=16, intermediate_size=128, max_position_embeddings=4096),
-}
+from engine_bench import MODELS  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+
 PHASES = ("greedy_tp1", "greedy_tp2", "perf_tp1", "perf_tp2")
 DECODE_BATCHES = (1, 8, 32)
 
