@@ -347,7 +347,8 @@ class Executor:
     def _sample(self, plan: SchedulerOutput, logits: torch.Tensor, rows) -> dict[int, tuple[int, float | None]]:
         """Sampled (token, log-prob) per seq_id for non-beam sequences whose chunk reached the end."""
         sampling = [(item.seq, end - 1) for item, (first, end) in zip(plan.scheduled, rows)
-                    if item.samples and not item.seq.state.is_beam_search]
+                    if item.seq.num_computed_tokens + item.num_new_tokens == len(item.seq.token_ids)  # item.samples
+                    and item.seq.state.request.sampling.beam_width <= 1]  # not is_beam_search
         if not sampling:
             return {}
         seqs = [seq for seq, _ in sampling]
@@ -438,9 +439,10 @@ class Executor:
             seq.cum_log_prob += log_prob
         if request.output.return_generation_logits:
             seq.generation_logits.append(logits[row].float().cpu())
-        reason = self._stop_reason(seq)
-        if reason is not FinishReason.NOT_FINISHED:
-            self._finish(seq, reason)
+        if request.stop_words or len(seq.token_ids) - seq.num_prompt_tokens >= request.max_tokens:
+            reason = self._stop_reason(seq)  # (else NOT_FINISHED, known without the call)
+            if reason is not FinishReason.NOT_FINISHED:
+                self._finish(seq, reason)
 
     def _stop_reason(self, seq: Sequence) -> FinishReason:
         request = seq.state.request
