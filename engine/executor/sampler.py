@@ -102,10 +102,13 @@ def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, device, retur
         draw_temperature = _column([0.0 if g else 1.0 for g in greedy], torch.float32, device)
         seeds = _column([s.seed for s in seqs], torch.int64, device)
         offsets = _column([s.num_generated_tokens for s in seqs], torch.int64, device)
-    rep = [c.repetition_penalty if c.repetition_penalty is not None else 1.0 for c in configs]
-    pres = [c.presence_penalty or 0.0 for c in configs]
-    freq = [c.frequency_penalty or 0.0 for c in configs]
-    has_penalty = any(r != 1.0 for r in rep) or any(pres) or any(freq)
+    has_penalty = any((c.repetition_penalty is not None and c.repetition_penalty != 1.0) or c.presence_penalty
+                      or c.frequency_penalty for c in configs)
+    rep = pres = freq = None
+    if has_penalty:  # three more passes over the batch only when some row needs them
+        rep = [c.repetition_penalty if c.repetition_penalty is not None else 1.0 for c in configs]
+        pres = [c.presence_penalty or 0.0 for c in configs]
+        freq = [c.frequency_penalty or 0.0 for c in configs]
     banned = [(row, tok) for row, s in enumerate(seqs) if _may_ban(s.state.request)
               for tok in banned_tokens(s) if 0 <= tok < vocab_size]
     return SamplingMetadata(
