@@ -32,7 +32,7 @@ from engine.executor.request import Sequence, SequenceStatus
 POLICIES = ("guaranteed_no_evict", "max_utilization")
 
 
-@dataclass
+@dataclass(slots=True)  # made once per sequence per step
 class ScheduledSequence:
     seq: Sequence
     num_new_tokens: int  # tokens computed this step: positions num_computed_tokens ... + num_new_tokens - 1
