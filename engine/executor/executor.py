@@ -18,7 +18,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from typing import Callable
 
@@ -253,12 +253,13 @@ class Executor:
         self._admit(new)
         self._cancel(cancels)
         plan = self.scheduler.schedule()
+        num_active = len(self._active)  # in flight this iteration, those that finish in it included
         if not plan.is_empty:
             outputs = self._forward_and_sample(plan)
             if outputs is not None:
                 self._update(plan, *outputs)
         self._emit()
-        self._record_stats(plan, started)
+        self._record_stats(plan, started, num_active)
         if plan.is_empty and not new and not cancels:
             time.sleep(0.001)  # nothing runnable right now; do not spin
 
@@ -516,7 +517,7 @@ class Executor:
             traceback.print_exc()
 
     # ----- stats -----
-    def _record_stats(self, plan: SchedulerOutput, started: float) -> None:
+    def _record_stats(self, plan: SchedulerOutput, started: float, num_active: int) -> None:
         self._iteration += 1
         now = datetime.now(timezone.utc)
         kv_bytes = self.runner.kv_cache.numel() * self.runner.kv_cache.element_size()
@@ -524,7 +525,7 @@ class Executor:
         stats = IterationStats(
             timestamp=now.strftime(STATS_TIME_FORMAT), timestamp_ns=now_ns(), iter=self._iteration,
             iter_latency_ms=(time.perf_counter() - started) * 1e3,
-            num_active_requests=len(self._active), max_num_active_requests=self.max_batch_size,
+            num_active_requests=num_active, max_num_active_requests=self.max_batch_size,
             num_queued_requests=len(self._inbox) + self._num_unscheduled,
             num_scheduled_requests=len({s.seq.request_id for s in plan.scheduled}),
             num_context_requests=plan.num_context_sequences,
@@ -534,5 +535,10 @@ class Executor:
             cpu_mem_usage=0 if on_gpu else kv_bytes,
             gpu_mem_usage=torch.cuda.memory_allocated(self.runner.device) if on_gpu else 0,
             kv_cache_stats=kv_cache_stats(self.blocks))
-        self._latest_stats = stats
         self._stats_history.append(stats)
+        if not self._active:
+            # Idle from here on. Metrics read the latest stats, so they must not keep reporting this
+            # last iteration's requests as active and scheduled; not a new iteration, so not in history.
+            stats = replace(stats, num_active_requests=0, num_scheduled_requests=0, num_context_requests=0,
+                            num_gen_requests=0, num_ctx_tokens=0, num_gen_tokens=0, num_paused_requests=0)
+        self._latest_stats = stats

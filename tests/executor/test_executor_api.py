@@ -263,3 +263,18 @@ def test_numpy_ids_and_triton_style_defaults_are_accepted(executor):
     request = Request(np.array(PROMPT, dtype=np.int32), np.int64(6), end_id=-1, output=EXCLUDE,
                       sampling=SamplingConfig(beam_width=0, num_return_sequences=None))
     assert final_tokens(run(executor, request)[0]) == tokens(executor, max_tokens=6)
+
+
+def test_request_gauges_never_go_negative_and_read_zero_when_idle(tiny_engine):
+    """Metrics publish `waiting = active - scheduled` from the latest stats: every iteration counts
+    as active the requests in flight in it (those finishing in it too), and once the executor
+    drains, the latest stats say nothing is active or scheduled (the history keeps the iteration)."""
+    with Executor(tiny_engine, ExecutorConfig()) as ex:
+        run(ex, Request(PROMPT, 6, output=EXCLUDE), Request(PROMPT[:3], 2, output=EXCLUDE))
+        history = ex.get_iteration_stats_history()
+        assert history and all(s.num_active_requests >= s.num_scheduled_requests for s in history)
+        assert history[-1].num_scheduled_requests == 1 and history[-1].num_active_requests == 1
+        time.sleep(0.05)
+        latest = ex.get_latest_iteration_stats()
+        assert (latest.num_active_requests, latest.num_scheduled_requests, latest.num_gen_requests) == (0, 0, 0)
+        assert latest.iter == history[-1].iter
