@@ -356,6 +356,23 @@ def profile_eager_step(runner: ModelRunner, token: int, position: int, table: li
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60)
 
 
+def drain_offline(executor, num_requests: int, on_final=None) -> int:
+    """Collect responses until `num_requests` requests have finished; returns the output tokens of
+    their final responses (non-streaming requests: the final response holds every token).
+    An error response is a failed benchmark, not a data point."""
+    output_tokens = finished = 0
+    while finished < num_requests:
+        for response in executor.await_responses(timeout=1.0):
+            if response.error:
+                raise RuntimeError(f"request {response.request_id} failed: {response.error}")
+            if response.result.is_final:
+                finished += 1
+                output_tokens += len(response.result.output_token_ids[0])
+                if on_final is not None:
+                    on_final()
+    return output_tokens
+
+
 def bench_offline(results: dict, executor, vocab: int, shapes: list[tuple[int, int, int]], profile: bool = False) -> None:
     """All requests enqueued at once; output tokens / wall time until the last one finishes."""
     from engine.executor.request import OutputConfig, Request
@@ -369,16 +386,8 @@ def bench_offline(results: dict, executor, vocab: int, shapes: list[tuple[int, i
         profiler = profile_executor_loop(executor) if profile else None
         started = time.perf_counter()
         executor.enqueue_requests(requests)
-        output_tokens, finished = 0, 0
         bar = tqdm(total=num_requests, desc=f"offline {in_len}/{out_len}", leave=False)
-        while finished < num_requests:
-            for response in executor.await_responses(timeout=1.0):
-                if response.error:
-                    raise RuntimeError(f"request {response.request_id} failed: {response.error}")
-                if response.result.is_final:
-                    finished += 1
-                    output_tokens += len(response.result.output_token_ids[0])
-                    bar.update(1)
+        output_tokens = drain_offline(executor, num_requests, on_final=lambda: bar.update(1))
         bar.close()
         elapsed = time.perf_counter() - started
         row = {"input_len": in_len, "output_len": out_len, "requests": num_requests, "seconds": elapsed,

@@ -45,7 +45,7 @@ from engine.convert import iter_rank_weights
 from engine.distributed import make_runner, run_worker
 from engine.executor.runner import ForwardBatch, ModelRunner
 
-from engine_bench import MODELS  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from engine_bench import MODELS, drain_offline  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 PHASES = ("greedy_tp1", "greedy_tp2", "perf_tp1", "perf_tp2")
 DECODE_BATCHES = (1, 8, 32)
@@ -212,14 +212,7 @@ def bench_offline(executor, vocab: int, in_len: int, out_len: int, num_requests:
                         output=OutputConfig(exclude_input_from_output=True)) for _ in range(num_requests)]
     started = time.perf_counter()
     executor.enqueue_requests(requests)
-    finished = output_tokens = 0
-    while finished < num_requests:
-        for response in executor.await_responses(timeout=1.0):
-            if response.error:
-                raise RuntimeError(f"request {response.request_id} failed: {response.error}")
-            if response.result.is_final:
-                finished += 1
-                output_tokens += len(response.result.output_token_ids[0])
+    output_tokens = drain_offline(executor, num_requests)
     elapsed = time.perf_counter() - started
     return {"input_len": in_len, "output_len": out_len, "requests": num_requests, "seconds": elapsed,
             "output_tok_s": output_tokens / elapsed}
