@@ -238,18 +238,39 @@ def run_perf_phase(args) -> dict:
     executor_module.ModelRunner = runner_class(args)
     config = ExecutorConfig(kv_cache_free_gpu_mem_fraction=0.85, enable_kv_cache_reuse=False)
     executor = Executor(args.engine_dir, config, device=args.device)
+    progress("executor ready (weights, KV pool, graphs)")
     try:
         vocab = executor.runner.vocab_size
         bench_offline(executor, vocab, 64, 8, 8)  # warm-up: compile kernels for prefill and decode shapes
+        progress("warm-up done")
         # Direct runner steps while the executor idles (no request in flight, prefix reuse off).
-        decode = [bench_decode(executor.runner, b) for b in DECODE_BATCHES]
-        offline = [bench_offline(executor, vocab, *shape) for shape in args.offline_shapes]
+        decode = []
+        for batch in DECODE_BATCHES:
+            decode.append(bench_decode(executor.runner, batch))
+            progress(f"decode batch {batch}: {decode[-1]['tok_s']:.0f} tok/s")
+        offline = []
+        for shape in args.offline_shapes:
+            offline.append(bench_offline(executor, vocab, *shape))
+            progress(f"offline {shape}: {offline[-1]['output_tok_s']:.0f} tok/s")
+        graphs = args.device.startswith("cuda") and not args.no_graphs
+        result = {"decode": decode, "offline": offline, "graphs": graphs}
+        with open(args.out, "w") as f:  # kept even if the teardown below hangs
+            json.dump(result, f)
     finally:
         executor.shutdown()
         if hasattr(executor.runner, "shutdown"):
             executor.runner.shutdown()
-    graphs = args.device.startswith("cuda") and not args.no_graphs
-    return {"decode": decode, "offline": offline, "graphs": graphs}
+        progress("shut down")
+    return result
+
+
+def progress(message: str) -> None:
+    """A rank's timestamped progress line (a hung phase then says how far it got)."""
+    print(f"[tp_bench rank {os.environ.get('OMPI_COMM_WORLD_RANK', '0')} +{time.monotonic() - STARTED:.1f}s] {message}",
+          file=sys.stderr, flush=True)
+
+
+STARTED = time.monotonic()
 
 
 # ---- the orchestrator: one process per rank, the environment mpirun would give ----------------------
@@ -276,7 +297,8 @@ def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
 def run_phase(args, phase: str, engine_dir: str, workdir: str) -> dict:
     tp = int(phase[-1])
     out = os.path.join(workdir, f"{phase}.json")
-    common = [sys.executable, os.path.abspath(__file__), "--engine_dir", engine_dir, "--device", args.device]
+    common = [sys.executable, os.path.abspath(__file__), "--engine_dir", engine_dir, "--device", args.device,
+              "--phase_timeout", str(args.phase_timeout)]
     flags = ["--no_graphs"] if args.no_graphs else []
     leader_cmd = common + ["--role", "greedy" if phase.startswith("greedy") else "perf", "--out", out,
                            "--greedy_steps", str(args.greedy_steps), "--offline", args.offline, *flags]
@@ -348,9 +370,7 @@ def orchestrate(args) -> dict:
     results = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "model": args.model,
                "commit": git_commit(), "command": "python benchmarks/tp_bench.py " + " ".join(sys.argv[1:]),
                "gpus": (f"2x {torch.cuda.get_device_name(0)}" if args.device == "cuda" else "cpu (gloo)")}
-    for phase in PHASES:
-        if phase.startswith("perf") and args.skip_perf:
-            continue
+    for phase in args.phases:
         dtype = "float32" if phase.startswith("greedy") else args.dtype
         engine_dir = write_engine_config(workdir, args.model, dtype, int(phase[-1]))
         try:
@@ -358,18 +378,18 @@ def orchestrate(args) -> dict:
         finally:  # whatever ran is kept, even when a later phase fails or times out
             with open(args.out, "w") as f:
                 json.dump(results, f, indent=2)
-        if phase == "greedy_tp2":
+        if phase == "greedy_tp2" and "greedy_tp1" in results:
             results["greedy"] = compare_greedy(workdir, results["greedy_tp1"], results["greedy_tp2"])
             print(json.dumps(results["greedy"], indent=2), flush=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=2)
-    if not args.skip_perf:
+    if "perf_tp1" in results and "perf_tp2" in results:
         table = markdown(results)
         print(table)
         if args.results_md:
             with open(args.results_md, "a") as f:
                 f.write(table)
-    if not results["greedy"]["passed"]:
+    if "greedy" in results and not results["greedy"]["passed"]:
         raise SystemExit("[tp_bench] FAILED: TP 2 greedy outputs differ from TP 1")
     return results
 
@@ -384,6 +404,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no_graphs", action="store_true",
                         help="eager decode (no CUDA graphs) in the perf phases (the greedy check is always eager)")
     parser.add_argument("--skip_perf", action="store_true", help="only the greedy check")
+    parser.add_argument("--phases", default=",".join(PHASES),
+                        help=f"comma list of phases to run, in order (default: all of {','.join(PHASES)})")
     parser.add_argument("--phase_timeout", type=float, default=240, help="seconds per phase (4 phases)")
     parser.add_argument("--out", default="tp_bench.json")
     parser.add_argument("--results-md", dest="results_md", default=None, help="append the markdown table here")
@@ -391,6 +413,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--role", choices=["orchestrate", "greedy", "perf", "worker"], default="orchestrate")
     parser.add_argument("--engine_dir", default=None)
     args = parser.parse_args(argv)
+    args.phases = [p for p in args.phases.split(",") if p and not (args.skip_perf and p.startswith("perf"))]
+    unknown = sorted(set(args.phases) - set(PHASES))
+    if unknown:
+        parser.error(f"--phases: unknown phase(s) {unknown}; allowed: {', '.join(PHASES)}")
     args.offline_shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.offline.split(",") if shape]
     return args
 
@@ -401,10 +427,15 @@ def main(argv=None) -> None:
         orchestrate(args)
         return
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # And unconditionally before the orchestrator's deadline: a rank stuck inside the driver may
+    # never take the signal, while this timer thread dumps regardless.
+    faulthandler.dump_traceback_later(max(5.0, args.phase_timeout - 15), exit=False)
     use_random_weights()
     if args.role == "worker":
         run_worker(args.engine_dir, device=args.device, runner_class=runner_class(args))
-        return
+        progress("worker left the groups")
+        sys.stderr.flush()
+        os._exit(0)  # as engine.worker does: no interpreter teardown after a timed-out group teardown
     result = run_greedy_phase(args) if args.role == "greedy" else run_perf_phase(args)
     with open(args.out, "w") as f:
         json.dump(result, f)

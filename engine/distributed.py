@@ -564,7 +564,7 @@ class LeaderRunner:
                 logger.warning("could not tell the workers to shut down: %s", err)
             finally:
                 self._lock.release()
-        _destroy_groups()
+        _destroy_groups(self.runner)
 
 
 def _first_sentence(err: Exception) -> str:
@@ -573,12 +573,44 @@ def _first_sentence(err: Exception) -> str:
     return text.split(". This is typically")[0]
 
 
-def _destroy_groups() -> None:
-    if dist.is_initialized():
+# How long leaving the process groups may take before this rank gives up on it and exits anyway.
+DESTROY_TIMEOUT_S = 15.0
+
+
+def _destroy_groups(runner=None, timeout_s: float = DESTROY_TIMEOUT_S) -> bool:
+    """Leave the process groups, bounded in time; True when they were left cleanly.
+
+    ``runner``'s CUDA graphs are dropped first: they hold captured NCCL collectives, and tearing a
+    communicator down under them can block forever. The teardown runs in a daemon thread so a
+    communicator that still hangs (a dead peer, a driver fault) costs ``timeout_s``, not the
+    process: the caller is exiting, and the OS reclaims what NCCL did not.
+    """
+    if runner is not None and hasattr(runner, "release_cuda_graphs"):
+        try:
+            runner.release_cuda_graphs()
+        except Exception as err:  # a failed device: the teardown below may still succeed
+            logger.warning("could not release the CUDA graphs before leaving the groups: %s", err)
+    if not dist.is_initialized():
+        return True
+    outcome: list[BaseException | None] = []
+
+    def destroy() -> None:
         try:
             dist.destroy_process_group()
+            outcome.append(None)
         except Exception as err:  # a broken group may refuse; the process is exiting anyway
-            logger.warning("destroy_process_group failed: %s", err)
+            outcome.append(err)
+
+    thread = threading.Thread(target=destroy, name="tp-destroy-groups", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        logger.warning("leaving the process groups did not finish within %.0f s; exiting without it", timeout_s)
+        return False
+    if outcome and outcome[0] is not None:
+        logger.warning("destroy_process_group failed: %s", outcome[0])
+        return False
+    return True
 
 
 # ---- entry points --------------------------------------------------------------------------------
@@ -620,6 +652,7 @@ def run_worker(engine_dir: str, *, device: str | torch.device | None = None, run
         raise ValueError("rank 0 is the leader (tritonserver); engine.worker runs on ranks 1..N-1")
     config = check_world_matches_engine(engine_dir, info.world_size)
     ctx = init_distributed(info, resolve_device(device, info.local_rank), DistSettings.from_env(info, environ))
+    runner = None
     try:
         runner = runner_class(engine_dir, rank=info.rank, device=ctx.device, tp_group=ctx.tp_group)
         agree_on_engine(ctx, config)
@@ -627,4 +660,4 @@ def run_worker(engine_dir: str, *, device: str | torch.device | None = None, run
         logger.info("rank %d ready on %s", info.rank, ctx.device)
         run_worker_loop(runner, StepChannel(ctx, batch_class=ForwardBatch))
     finally:
-        _destroy_groups()
+        _destroy_groups(runner)

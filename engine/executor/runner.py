@@ -151,6 +151,16 @@ class ModelRunner:
                                           max_seq_len=build.max_seq_len, max_batch_size=build.max_batch_size)
         self.decode_graphs.capture()
 
+    def release_cuda_graphs(self) -> None:
+        """Drop the decode graphs (and, in leader mode, the NCCL work captured in them). Must run
+        before the process groups are destroyed: NCCL's communicator teardown can wait forever
+        on collectives still held by a live graph (pytorch/pytorch#115388)."""
+        if self.decode_graphs is None:
+            return
+        self.decode_graphs = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     @torch.inference_mode()
     def warmup(self) -> None:
         """Compile the prefill-path kernels now, not in the first request's time to first token:
