@@ -342,10 +342,7 @@ def markdown(results: dict) -> str:
     perf1, perf2 = results["perf_tp1"], results["perf_tp2"]
     lines = [f"\n### Tensor parallelism: {results['model']} random weights, {results['date']}\n",
              f"`{results['command']}` on {results['gpus']} (commit {results['commit']}, graphs: {perf1['graphs']}).",
-             f"Greedy check (float32, {results['greedy']['prompts']} prompts x {results['greedy']['tokens_per_prompt']} "
-             f"tokens): TP 2 == TP 1 on {results['greedy']['prompts_equal']}/{results['greedy']['prompts']} prompts, "
-             f"first-step logits max |diff| {results['greedy']['first_step_logits_max_abs_diff']:.2e} "
-             f"(max |logit| {results['greedy']['first_step_logits_max_abs']:.1f}).\n",
+             greedy_sentence(results.get("greedy")) + "\n",
              "| TP | " + " | ".join(f"decode B={d['batch']} tok/s" for d in perf1["decode"]) + " | "
              + " | ".join(f"offline {o['input_len']}/{o['output_len']} x{o['requests']} out tok/s" for o in perf1["offline"]) + " |",
              "|---" * (1 + len(perf1["decode"]) + len(perf1["offline"])) + "|"]
@@ -355,7 +352,17 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def greedy_sentence(greedy: dict | None) -> str:
+    if greedy is None:
+        return "Greedy check: not run (--phases without greedy_tp1,greedy_tp2)."
+    return (f"Greedy check (float32, {greedy['prompts']} prompts x {greedy['tokens_per_prompt']} tokens): TP 2 == TP 1 "
+            f"on {greedy['prompts_equal']}/{greedy['prompts']} prompts, first-step logits max |diff| "
+            f"{greedy['first_step_logits_max_abs_diff']:.2e} (max |logit| {greedy['first_step_logits_max_abs']:.1f}).")
+
+
 def git_commit() -> str:
+    if os.environ.get("BENCH_COMMIT"):  # a copied checkout (the GPU machine's) may carry a stale .git
+        return os.environ["BENCH_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()

@@ -1,0 +1,86 @@
+"""All-reduce latency between 2 GPUs through torch.distributed (NCCL), eager and inside a CUDA graph.
+
+    python benchmarks/allreduce_latency.py            # starts its 2 ranks itself; rank 0 prints
+
+Decode under tensor parallelism runs two all-reduces per layer on tiny messages (batch x hidden
+values), so their latency, not bandwidth, bounds how much TP saves per step. Sizes are bf16
+element counts: 4,096 (batch 1 of an 8B model), 32,768 (batch 8), 131,072 (batch 32).
+``NCCL_DEBUG=INFO`` shows the transport NCCL chose (P2P over NVLink, SHM, ...).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import time
+
+SIZES = (4096, 4096 * 8, 4096 * 32)
+
+
+def measure(rank: int, port: int, iters: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    for numel in SIZES:
+        x = torch.ones(numel, dtype=torch.bfloat16, device="cuda")
+        for _ in range(20):
+            dist.all_reduce(x)
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        for _ in range(iters):
+            dist.all_reduce(x)
+        torch.cuda.synchronize()
+        eager_us = (time.perf_counter() - started) / iters * 1e6
+
+        # 64 all-reduces in one graph, as a decode step's graph holds them.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            dist.all_reduce(x)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(64):
+                dist.all_reduce(x)
+        replays = max(1, iters // 64)
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+        graph_us = (time.perf_counter() - started) / (replays * 64) * 1e6
+        del graph
+        if rank == 0:
+            print(f"bf16 x {numel:>7}: eager {eager_us:6.1f} us, in a CUDA graph {graph_us:6.1f} us per all-reduce",
+                  flush=True)
+    torch.cuda.synchronize()
+    # No destroy_process_group: with collectives captured in a graph it can block forever
+    # (pytorch/pytorch#115388); the process is done.
+    os._exit(0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=640)
+    parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.rank is not None:
+        measure(args.rank, args.port, args.iters)
+        return
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ranks = [subprocess.Popen([sys.executable, __file__, "--rank", str(r), "--port", str(port), "--iters", str(args.iters)])
+             for r in (0, 1)]
+    codes = [p.wait(timeout=300) for p in ranks]
+    if any(codes):
+        raise SystemExit(f"ranks exited with {codes}")
+
+
+if __name__ == "__main__":
+    main()
