@@ -35,6 +35,7 @@
 #   BASE_PYTHON=(the torch venv's base)  TORCH_PYTHON=/opt/torch/.venv/bin/python3 (or TORCH_SITE)  CARRY=.carry
 #   WORK=/tmp/serving_bench  MODELS="smollm2 llama8b"  CLIENTS=1,16,64  INPUT_LEN=128
 #   OUTPUT_LEN=128  RPC=2  MIN_REQUESTS=8  ROUNDS=1  DTYPE=bfloat16  BUDGET_S="190 320" (seconds per model)
+#   ENGINE_PROCESS=true (the served model's engine_process parameter; false: the executor in the stub)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 CARRY=${CARRY:-.carry}
@@ -112,6 +113,11 @@ tar xf "$CARRY/stub_site.tar.xz" -C "$SSP" || fail "could not unpack stub_site.t
 tar xf "$CARRY/tritonserver.tar.xz" -C "$SSP" || fail "could not unpack tritonserver.tar.xz"
 TORCH_SITE=${TORCH_SITE:-$("$TORCH_PYTHON" -c 'import site; print(site.getsitepackages()[0])')} || fail "no $TORCH_PYTHON"
 echo "$TORCH_SITE" > "$SSP/zz_torch_venv.pth"
+# The torch venv's scipy and scikit-learn are built for numpy 2 and fail to import under the
+# stub's numpy 1; transformers imports scikit-learn (and it scipy) whenever it finds it, for
+# AutoTokenizer too. Marking both absent (None in sys.modules: find_spec answers None, import
+# raises ImportError) makes transformers skip them; nothing served here needs them.
+echo 'import sys; sys.modules.update(dict.fromkeys(("sklearn", "scipy")))' > "$SSP/aa_hide_numpy2_builds.pth"
 mkdir -p "$WORK/smollm2_tokenizer" && tar xf "$CARRY/smollm2_tokenizer.tar.xz" -C "$WORK/smollm2_tokenizer"
 echo "stub venv (base $BASE_PYTHON, torch site $TORCH_SITE) ready in $(( $(date +%s) - t0 )) s: $SSP"
 
@@ -120,6 +126,7 @@ echo "stub venv (base $BASE_PYTHON, torch site $TORCH_SITE) ready in $(( $(date 
 cat > "$WORK/check_env.py" <<'EOF'
 import importlib.util, os, shutil, sys
 import numpy, torch, transformers, aiohttp
+from transformers import AutoTokenizer, GenerationMixin  # noqa: F401  (pulls in what transformers finds)
 import tritonclient.grpc
 assert numpy.__version__.startswith("1."), f"numpy {numpy.__version__} first on sys.path; the stub needs numpy 1"
 spec = importlib.util.find_spec("pytriton")
@@ -157,7 +164,7 @@ for model in $MODELS; do
   timeout -k 30 "$budget" "$PY" benchmarks/serving_bench.py --model "$model" --dtype "$DTYPE" "${tokenizer[@]}" \
     --clients "$CLIENTS" --input_len "$INPUT_LEN" --output_len "$OUTPUT_LEN" --requests_per_client "$RPC" \
     --min_requests "$MIN_REQUESTS" --rounds "$ROUNDS" --work_dir "$WORK/$model" --out "$RESULTS/serving_$model.json" \
-    --results_md "$RESULTS/serving_results.md"
+    --results_md "$RESULTS/serving_results.md" --engine_process "${ENGINE_PROCESS:-true}"
   rc=$?
   if [ $rc -ne 0 ]; then
     status=$rc

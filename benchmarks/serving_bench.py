@@ -231,7 +231,8 @@ def repo_overrides(args: argparse.Namespace, kv_tokens: int) -> dict[str, dict[s
     the same one whatever memory the other holds), no prefix reuse, beam width 1."""
     return {
         "tensorrt_llm": {"max_tokens_in_paged_kv_cache": str(kv_tokens), "enable_kv_cache_reuse": "False",
-                         "max_beam_width": "1", "exclude_input_in_output": "True"},
+                         "max_beam_width": "1", "exclude_input_in_output": "True",
+                         "engine_process": args.engine_process},
         "postprocessing": {"postprocessing_instance_count": str(args.postprocessing_instances)},
         "preprocessing": {"preprocessing_instance_count": str(args.preprocessing_instances)},
     }
@@ -647,6 +648,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=1,
                         help="repeat every setting, paths interleaved; the best round of each is reported")
     parser.add_argument("--paths", default="http,grpc,engine", help="subset of http,grpc,engine")
+    parser.add_argument("--engine_process", default="true", choices=["true", "false"],
+                        help="the served model's engine_process parameter (false: the executor in the stub)")
     parser.add_argument("--preprocessing_instances", type=int, default=1)
     parser.add_argument("--postprocessing_instances", type=int, default=1)
     parser.add_argument("--cpu_threads", type=int, default=None,

@@ -163,12 +163,18 @@ class Executor:
     def enqueue_request(self, request: Request) -> int:
         return self.enqueue_requests([request])[0]
 
-    def enqueue_requests(self, requests: list[Request]) -> list[int]:
-        """Accept requests; invalid ones (and any beyond a full queue) get a final error Response."""
+    def enqueue_requests(self, requests: list[Request], request_ids: list[int] | None = None) -> list[int]:
+        """Accept requests; invalid ones (and any beyond a full queue) get a final error Response.
+
+        ``request_ids``: ids chosen by the caller (the engine process's client numbers them itself,
+        so it can answer without a round trip); they must be unique. Default: the executor's own.
+        """
+        if request_ids is not None and len(request_ids) != len(requests):
+            raise ValueError(f"{len(request_ids)} request_ids for {len(requests)} requests")
         ids, errors = [], []
         with self._cv:
-            for request in requests:
-                request_id = next(self._ids)
+            for index, request in enumerate(requests):
+                request_id = next(self._ids) if request_ids is None else request_ids[index]
                 ids.append(request_id)
                 try:
                     request = normalize_request(request)
@@ -203,6 +209,11 @@ class Executor:
 
     def can_enqueue_requests(self) -> bool:
         return not self._stopping
+
+    @property
+    def failure(self) -> str | None:
+        """Why this executor can no longer serve (leader mode: a lost rank), or None."""
+        return getattr(self.runner, "failure", None)
 
     def shutdown(self) -> None:
         with self._cv:

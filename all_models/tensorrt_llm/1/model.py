@@ -87,6 +87,7 @@ class TritonMetrics:
 class TritonPythonModel:
     def initialize(self, args):
         from engine.config import EngineConfig
+        from engine.executor.engine_process import EngineProcess
         from engine.executor.executor import Executor, ExecutorConfig
 
         self.model_config = json.loads(args["model_config"])
@@ -107,7 +108,12 @@ class TritonPythonModel:
             pb_utils.Logger.log_info(f"tensorrt_llm: accepted but not used by this backend: {ignored}")
         device_ids = settings.get("device_ids")
         device = f"cuda:{device_ids[0]}" if device_ids else None
-        self.executor = Executor(engine_dir, config, device=device)
+        # Default: the executor in its own process (engine/executor/engine_process.py), so its loop
+        # does not share this stub's GIL with the response threads; engine_process:false keeps it here.
+        if get_parameter(params, "engine_process", bool) is False:
+            self.executor = Executor(engine_dir, config, device=device)
+        else:
+            self.executor = EngineProcess(engine_dir, config, device=device)
         logits_config = pb_utils.get_output_config_by_name(self.model_config, "generation_logits")
         logits_dtype = pb_utils.triton_string_to_numpy(logits_config["data_type"]) if logits_config else np.float32
         self.inflight = InflightRequests(decoupled=self.decoupled, decode=self._stream_decoder(params, engine_dir),
@@ -118,6 +124,7 @@ class TritonPythonModel:
         self.running = True
         self.warned = set()
         self._start_server_watchdog()
+        self._profiles = self._start_profiling() if os.environ.get("TRITONLLM_PROFILE_DIR") else None
         self.threads = [threading.Thread(target=loop, daemon=True, name=loop.__name__)
                         for loop in (self._forward_responses, self._poll_cancellation, self._publish_stats)]
         for thread in self.threads:
@@ -187,8 +194,52 @@ class TritonPythonModel:
 
     # ----------------------------------------------------------------------------- threads
 
+    def _start_profiling(self):
+        """Diagnostics ($TRITONLLM_PROFILE_DIR): a cProfile of this stub's threads and a GIL probe,
+        rewritten every 3 s. They cost time themselves; not for measuring throughput.
+
+        One profiler: from Python 3.12 cProfile sees every thread (sys.monitoring is process-wide)
+        and refuses a second active one; before 3.12 it sees only the forwarding thread."""
+        import cProfile
+        self._gil_lateness = []
+
+        def probe():  # how late a 0.5 ms sleep wakes: long waits mean another thread holds the GIL
+            while self.running:
+                started = time.perf_counter()
+                time.sleep(0.0005)
+                self._gil_lateness.append(time.perf_counter() - started - 0.0005)
+                del self._gil_lateness[:-20000]
+
+        threading.Thread(target=probe, daemon=True, name="gil-probe").start()
+        return {"stub_threads": cProfile.Profile()}
+
+    def _dump_profiles(self):
+        import io
+        import pstats
+        late = sorted(self._gil_lateness)
+        if late:
+            with open(os.path.join(os.environ["TRITONLLM_PROFILE_DIR"], "gil_probe.txt"), "w") as f:
+                f.write(f"0.5 ms sleeps: {len(late)}, lateness ms p50 {late[len(late) // 2] * 1e3:.3f} "
+                        f"p90 {late[int(len(late) * 0.9)] * 1e3:.3f} p99 {late[int(len(late) * 0.99)] * 1e3:.3f} "
+                        f"max {late[-1] * 1e3:.3f}\n")
+        for name, profiler in self._profiles.items():
+            stream = io.StringIO()
+            try:
+                pstats.Stats(profiler, stream=stream).sort_stats("tottime").print_stats(60)
+            except TypeError:  # nothing recorded yet
+                continue
+            with open(os.path.join(os.environ["TRITONLLM_PROFILE_DIR"], f"{name}.txt"), "w") as f:
+                f.write(stream.getvalue())
+
     def _forward_responses(self):
+        last_dump = time.monotonic()
+        if self._profiles:
+            self._profiles["stub_threads"].enable()
         while self.running:
+            if self._profiles and time.monotonic() - last_dump > 3:
+                self._dump_profiles()
+                self._profiles["stub_threads"].enable()
+                last_dump = time.monotonic()
             try:
                 responses = self.executor.await_responses(timeout=0.05)
             except Exception as error:
@@ -234,10 +285,11 @@ class TritonPythonModel:
                 self._warn_once(f"tensorrt_llm: could not publish stats: {error}")
 
     def _unload_if_ranks_failed(self):
-        """Leader mode: once a rank is lost (runner.failure set; every request now fails with that
-        error), unload this model so that it, and the ensemble using it, report not ready.
+        """Once the executor cannot serve (a lost rank in leader mode, a dead engine process; every
+        request now fails with that error), unload this model so that it, and the ensemble using
+        it, report not ready.
         Needs --model-control-mode=explicit, which the launcher sets for --world_size > 1."""
-        failure = getattr(self.executor.runner, "failure", None)
+        failure = self.executor.failure
         if failure is None or getattr(self, "unload_requested", False):
             return
         self.unload_requested = True

@@ -1,0 +1,308 @@
+"""The executor in a process of its own, behind the Executor's API (``EngineProcess``).
+
+Why: inside Triton's Python-backend stub, the executor loop shares one GIL with the stub's own
+threads, which convert and send one response per streamed token. Measured on an H100 (SmolLM2
+shape, 64 streams): the loop got about half the interpreter, so the served throughput was half
+the engine's. Here the loop runs alone in its process and the stub only relays.
+
+Protocol: one duplex ``multiprocessing.connection.Connection`` over a socketpair carrying tuples
+pickled by the standard pickler (``send_bytes``; not ``Connection.send``, whose pickler lets torch
+pass tensors as shared file descriptors, which needs a multiprocessing-made peer).
+
+    client -> engine:  ("start", engine_dir, ExecutorConfig, device)   once, first
+                       ("enqueue", [request ids], [Request])           ids chosen by the client
+                       ("cancel", request_id)
+                       ("shutdown",)
+    engine -> client:  ("ready",) | ("failed", message)                 once, after "start"
+                       ("responses", [Response])                        one message per loop step
+                       ("stats", IterationStats, failure)               when the iteration moved
+
+Invariants: every request id the client hands out gets a final response, from the engine or, if
+the engine process dies, an error made by the client; after a death every call answers with an
+error response (``failure`` says why) and nothing waits forever. The engine process exits when
+the client's end of the socket closes (the stub died), so it never outlives its stub.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import pickle
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+from multiprocessing.connection import Connection
+
+from engine.executor.output import ResponseQueue
+from engine.executor.request import Request, Response
+from engine.executor.stats import IterationStats
+
+STATS_PERIOD_S = 0.05
+PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def engine_python() -> str:
+    """The interpreter for the engine process: $TRITONLLM_ENGINE_PYTHON, else this process's own
+    when it is a Python (not the Triton stub binary that embeds one), else ``python3`` on PATH,
+    which is the environment the Python backend's stub runs in."""
+    if os.environ.get("TRITONLLM_ENGINE_PYTHON"):
+        return os.environ["TRITONLLM_ENGINE_PYTHON"]
+    if sys.executable and os.path.basename(sys.executable).startswith("python"):
+        return sys.executable
+    found = shutil.which("python3")
+    if found is None:
+        raise RuntimeError("no python3 on PATH for the engine process; set TRITONLLM_ENGINE_PYTHON")
+    return found
+
+
+class EngineProcess:
+    """``engine.executor.Executor``'s API, served by an executor in a child process."""
+
+    def __init__(self, engine_dir: str, config=None, *, device: str | None = None, python: str | None = None):
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (PROJECT_ROOT, env.get("PYTHONPATH")) if p)
+        self._process = subprocess.Popen(
+            [python or engine_python(), "-m", "engine.executor.engine_process", "--fd", str(theirs.fileno())],
+            pass_fds=[theirs.fileno()], env=env)
+        theirs.close()
+        self._conn = Connection(ours.detach())
+        self._send_lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._open: dict[int, int] = {}  # request id -> final responses still expected
+        self._open_lock = threading.Lock()
+        self._responses = ResponseQueue()
+        self._latest_stats = IterationStats()
+        self._failure: str | None = None
+        self._stopping = False
+        try:
+            self._send(("start", engine_dir, config, device))
+            self._await_ready()
+        except BaseException:
+            self._kill()
+            raise
+        self._reader = threading.Thread(target=self._read_loop, name="engine-process-reader", daemon=True)
+        self._reader.start()
+
+    # ----- Executor API -----
+    def enqueue_request(self, request: Request) -> int:
+        return self.enqueue_requests([request])[0]
+
+    def enqueue_requests(self, requests: list[Request]) -> list[int]:
+        ids = [next(self._ids) for _ in requests]
+        with self._open_lock:
+            for request_id, request in zip(ids, requests):
+                self._open[request_id] = _finals_expected(request)
+        try:
+            payload = pickle.dumps(("enqueue", ids, list(requests)), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as err:  # e.g. an object that cannot be pickled inside a request
+            with self._open_lock:
+                failed = [Response(i, error=f"invalid request: it cannot be passed to the engine process "
+                                            f"({type(err).__name__}: {err})") for i in ids if self._open.pop(i, None)]
+            self._responses.put(failed)
+            return ids
+        try:
+            with self._send_lock:
+                self._conn.send_bytes(payload)
+        except (OSError, EOFError, ValueError) as err:  # the engine is gone: the reader fails them all
+            self._on_engine_lost(f"the engine process is unreachable ({err})")
+        if self._failure is not None or self._stopping:
+            self._fail_open(ids)
+        return ids
+
+    def cancel_request(self, request_id: int) -> None:
+        try:
+            self._send(("cancel", request_id))
+        except (OSError, EOFError, ValueError):
+            pass  # gone: its requests are failed by the reader
+
+    def await_responses(self, timeout: float | None = None) -> list[Response]:
+        return self._responses.take(timeout)
+
+    def get_latest_iteration_stats(self) -> IterationStats:
+        return self._latest_stats
+
+    def can_enqueue_requests(self) -> bool:
+        return not self._stopping and self._failure is None
+
+    @property
+    def failure(self) -> str | None:
+        return self._failure
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        try:
+            self._send(("shutdown",))
+            self._process.wait(timeout_s)
+        except (OSError, EOFError, ValueError, subprocess.TimeoutExpired):
+            pass
+        self._kill()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # ----- internals -----
+    def _send(self, message) -> None:
+        send_message(self._conn, self._send_lock, message)
+
+    def _await_ready(self) -> None:
+        """Block while the engine loads (minutes for a big model); fail if the process dies first."""
+        while not self._conn.poll(0.5):
+            if self._process.poll() is not None:
+                raise RuntimeError(f"the engine process exited with code {self._process.returncode} while "
+                                   "loading (its error is in this server's log)")
+        message = receive_message(self._conn)
+        if message[0] == "failed":
+            raise RuntimeError(message[1])
+        if message[0] != "ready":
+            raise RuntimeError(f"unexpected first message from the engine process: {message[0]!r}")
+
+    def _read_loop(self) -> None:
+        reason = "the engine process exited"
+        while True:
+            try:
+                message = receive_message(self._conn)
+            except (EOFError, OSError):
+                break
+            except Exception as err:  # an undecodable message: responses may be lost, so stop here
+                reason = f"a message from the engine process could not be read ({type(err).__name__}: {err})"
+                self._process.kill()
+                break
+            if message[0] == "responses":
+                self._track_finals(message[1])
+                self._responses.put(message[1])
+            elif message[0] == "stats":
+                self._latest_stats = message[1]
+                if message[2] is not None and self._failure is None:
+                    self._failure = message[2]
+        if not self._stopping:
+            code = self._process.poll()
+            self._on_engine_lost(reason + (f" with code {code}" if code is not None and reason.endswith("exited") else ""))
+
+    def _track_finals(self, responses: list[Response]) -> None:
+        with self._open_lock:
+            for response in responses:
+                remaining = self._open.get(response.request_id)
+                if remaining is None:
+                    continue
+                if response.error is not None or remaining <= 1 and response.is_final:
+                    del self._open[response.request_id]
+                elif response.is_final:
+                    self._open[response.request_id] = remaining - 1
+
+    def _on_engine_lost(self, reason: str) -> None:
+        if self._failure is None:
+            self._failure = f"{reason}; the model cannot serve until it is reloaded"
+        with self._open_lock:
+            ids = list(self._open)
+        self._fail_open(ids)
+
+    def _fail_open(self, ids: list[int]) -> None:
+        reason = self._failure or "the executor is shut down and accepts no requests"
+        with self._open_lock:
+            failed = [Response(i, error=reason) for i in ids if self._open.pop(i, None) is not None]
+        if failed:
+            self._responses.put(failed)
+
+    def _kill(self) -> None:
+        if self._process.poll() is None:
+            self._process.kill()
+            self._process.wait()
+        self._conn.close()
+
+
+def send_message(conn: Connection, lock: threading.Lock, message) -> None:
+    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    with lock:
+        conn.send_bytes(payload)
+
+
+def receive_message(conn: Connection):
+    return pickle.loads(conn.recv_bytes())
+
+
+def _finals_expected(request: Request) -> int:
+    """Final responses a request gets: one per returned sequence (beam search: one in all)."""
+    try:
+        if (request.sampling.beam_width or 1) > 1:
+            return 1
+        return max(1, int(request.sampling.num_return_sequences or 1))
+    except (AttributeError, TypeError, ValueError):
+        return 1  # a malformed request: the engine answers it with one error
+
+
+# ----- the engine process --------------------------------------------------------------------------
+
+
+def serve(conn: Connection) -> int:
+    from engine.executor.executor import Executor
+
+    send_lock = threading.Lock()
+
+    def send(message) -> None:
+        send_message(conn, send_lock, message)
+
+    _, engine_dir, config, device = receive_message(conn)
+    try:
+        executor = Executor(engine_dir, config, device=device,
+                            # Results hold host tensors only (the executor moves logits to the CPU),
+                            # so unpickling them never starts CUDA in the client.
+                            response_callback=lambda responses: send(("responses", responses)))
+    except Exception as err:
+        send(("failed", f"{type(err).__name__}: {err}"))
+        return 1
+    send(("ready",))
+    stopped = threading.Event()
+
+    def publish_stats() -> None:
+        last = -1
+        while True:  # at once (the client's metrics show the KV pool from the start), then periodically
+            stats = executor.get_latest_iteration_stats()
+            if stats.iter != last or executor.failure is not None:
+                last = stats.iter
+                try:
+                    send(("stats", stats, executor.failure))
+                except OSError:
+                    return
+            if stopped.wait(STATS_PERIOD_S):
+                return
+
+    threading.Thread(target=publish_stats, name="engine-process-stats", daemon=True).start()
+    try:
+        while True:
+            try:
+                message = receive_message(conn)
+            except (EOFError, OSError):
+                break  # the stub is gone
+            if message[0] == "enqueue":
+                executor.enqueue_requests(message[2], request_ids=message[1])
+            elif message[0] == "cancel":
+                executor.cancel_request(message[1])
+            elif message[0] == "shutdown":
+                break
+    finally:
+        stopped.set()
+        executor.shutdown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="the engine process of EngineProcess (started by it)")
+    parser.add_argument("--fd", type=int, required=True, help="this end of the client's socketpair")
+    args = parser.parse_args(argv)
+    code = serve(Connection(args.fd))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # No interpreter teardown: a leader's process groups were already left (bounded) by shutdown().
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()

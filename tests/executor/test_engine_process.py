@@ -1,0 +1,92 @@
+"""EngineProcess: the executor in a child process behind the Executor API (what the Triton model uses).
+
+The child is real (``python -m engine.executor.engine_process``), so these tests cover the
+protocol, id numbering, coalescing in the client, stats, and what happens when the child dies.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from engine.executor.engine_process import EngineProcess
+from engine.executor.executor import Executor, ExecutorConfig
+from engine.executor.request import FinishReason, OutputConfig, Request, SamplingConfig
+
+from executor_testing import collect, final_tokens
+
+
+def mixed_requests() -> list[Request]:
+    prompts = [[1, 2, 3], [5] * 17, list(range(10, 40)), [7, 9], [3, 1, 4, 1, 5, 9, 2, 6]]
+    return [Request(input_token_ids=prompt, max_tokens=6 + i, streaming=i % 2 == 0,
+                    output=OutputConfig(exclude_input_from_output=True))
+            for i, prompt in enumerate(prompts)]
+
+
+@pytest.fixture(scope="module")
+def engine_process(tiny_engine):
+    process = EngineProcess(tiny_engine, ExecutorConfig())
+    yield process
+    process.shutdown()
+
+
+def test_outputs_equal_the_in_process_executor(tiny_engine, engine_process):
+    with Executor(tiny_engine, ExecutorConfig()) as local:
+        expected = collect(local, local.enqueue_requests(mixed_requests()))
+    ids = engine_process.enqueue_requests(mixed_requests())
+    got = collect(engine_process, ids)
+    assert [final_tokens(got[i]) for i in ids] == [final_tokens(r) for r in expected.values()]
+    # Streams arrive as deltas with one final response each; finish reasons cross the process.
+    for i in ids:
+        assert [r.result.is_final for r in got[i]][-1] and sum(r.result.is_final for r in got[i]) == 1
+        assert got[i][-1].result.finish_reasons == [FinishReason.LENGTH]
+
+
+def test_bad_request_is_answered_with_an_error_and_others_are_served(engine_process):
+    good = Request(input_token_ids=[1, 2, 3], max_tokens=4)
+    bad = Request(input_token_ids=[], max_tokens=4)
+    ids = engine_process.enqueue_requests([bad, good])
+    got = collect(engine_process, ids)
+    assert "input" in got[ids[0]][-1].error.lower()
+    assert len(final_tokens(got[ids[1]])) == 4 + 3  # prompt + output (exclude_input_from_output off)
+
+
+def test_cancel_frees_the_blocks_and_stats_cross_the_process(engine_process):
+    request_id = engine_process.enqueue_request(
+        Request(input_token_ids=[1, 2, 3], max_tokens=100, streaming=True, sampling=SamplingConfig()))
+    deadline = time.monotonic() + 30
+    while engine_process.get_latest_iteration_stats().kv_cache_stats.used_num_blocks == 0:
+        assert time.monotonic() < deadline, "the running request never showed in the stats"
+        time.sleep(0.02)
+    engine_process.cancel_request(request_id)
+    responses = collect(engine_process, [request_id])[request_id]
+    assert responses[-1].result.finish_reasons == [FinishReason.CANCELLED]
+    while engine_process.get_latest_iteration_stats().kv_cache_stats.used_num_blocks != 0:
+        assert time.monotonic() < deadline, "the cancelled request's blocks were not freed"
+        time.sleep(0.02)
+    assert engine_process.get_latest_iteration_stats().kv_cache_stats.max_num_blocks > 0
+
+
+def test_a_dead_engine_process_fails_in_flight_and_new_requests(tiny_engine):
+    process = EngineProcess(tiny_engine, ExecutorConfig())
+    try:
+        in_flight = process.enqueue_request(Request(input_token_ids=[1, 2, 3], max_tokens=120, streaming=True))
+        collect_first = process.await_responses(timeout=30)
+        assert collect_first, "no response from the engine process"
+        os.kill(process._process.pid, signal.SIGKILL)
+        started = time.monotonic()
+        responses = collect(process, [in_flight], timeout=10)[in_flight]
+        assert "engine process exited" in responses[-1].error
+        assert time.monotonic() - started < 10
+        assert process.failure is not None and not process.can_enqueue_requests()
+        late = process.enqueue_request(Request(input_token_ids=[1, 2], max_tokens=2))
+        assert "engine process exited" in collect(process, [late], timeout=5)[late][-1].error
+    finally:
+        process.shutdown()
+
+
+def test_a_load_failure_is_raised_with_its_reason(tmp_path):
+    with pytest.raises(RuntimeError, match="config.json|engine"):
+        EngineProcess(str(tmp_path / "no_engine_here"), ExecutorConfig())
