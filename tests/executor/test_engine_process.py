@@ -90,3 +90,25 @@ def test_a_dead_engine_process_fails_in_flight_and_new_requests(tiny_engine):
 def test_a_load_failure_is_raised_with_its_reason(tmp_path):
     with pytest.raises(RuntimeError, match="config.json|engine"):
         EngineProcess(str(tmp_path / "no_engine_here"), ExecutorConfig())
+
+
+def test_responses_survive_the_wire_format():
+    import torch
+
+    from engine.executor.engine_process import pack_responses, unpack_responses
+    from engine.executor.request import RequestPerfMetrics, Response, Result
+
+    delta = Result(output_token_ids=[[5, 6]], is_final=False, finish_reasons=[FinishReason.NOT_FINISHED],
+                   log_probs=[[-0.5, -1.0]], cum_log_probs=[-1.5], generation_logits=torch.randn(1, 2, 7),
+                   sequence_index=1, perf=RequestPerfMetrics(1, 2, 3, 4, 5, 6, 11))
+    delta._streaming_delta = True
+    final = Result(output_token_ids=[[1, 2], [3]], is_final=True, finish_reasons=[FinishReason.END_ID, FinishReason.LENGTH],
+                   context_logits=torch.randn(4, 7))
+    sent = [Response(3, result=delta), Response(4, result=final), Response(5, error="invalid request: empty input")]
+    got = unpack_responses(pack_responses(sent))
+    assert [(r.request_id, r.error) for r in got] == [(3, None), (4, None), (5, "invalid request: empty input")]
+    assert got[0].result.output_token_ids == [[5, 6]] and got[0].result.perf == delta.perf
+    assert getattr(got[0].result, "_streaming_delta", False) and not hasattr(got[1].result, "_streaming_delta")
+    assert torch.equal(got[0].result.generation_logits, delta.generation_logits)
+    assert torch.equal(got[1].result.context_logits, final.context_logits)
+    assert got[1].result.finish_reasons == [FinishReason.END_ID, FinishReason.LENGTH] and got[1].result.perf is None
