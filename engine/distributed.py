@@ -592,6 +592,9 @@ def _destroy_groups(runner=None, timeout_s: float = DESTROY_TIMEOUT_S) -> bool:
             logger.warning("could not release the CUDA graphs before leaving the groups: %s", err)
     if not dist.is_initialized():
         return True
+    from engine.models.layers import disable_one_shot_all_reduce
+
+    disable_one_shot_all_reduce()
     outcome: list[BaseException | None] = []
 
     def destroy() -> None:

@@ -19,7 +19,7 @@ from engine.config import EngineConfig, EngineFormatError
 from engine.models import get_model_class
 from engine.executor.cuda_graphs import DecodeGraphs, run_warmup_batch
 from engine.executor.random_weights import has_random_weights, materialize_random_weights
-from engine.models.layers import Linear
+from engine.models.layers import Linear, enable_one_shot_all_reduce
 from kernels.attention import AttentionMetadata
 from kernels.linear import choose_gated_weights, choose_skinny_weights
 
@@ -64,6 +64,8 @@ class ModelRunner:
         self.tokens_per_block = self.build_config.tokens_per_block
         self.num_kv_heads_local = self.model_config.num_kv_heads // tp_size
         self.model = self._load_model(engine_dir, tp_group)
+        # Collective (every rank builds its runner at the same point); NCCL-only on CPU.
+        self.one_shot_all_reduce = tp_group is not None and enable_one_shot_all_reduce(tp_group, self.device)
         self.kv_cache: torch.Tensor | None = None
         self._pin = self.device.type == "cuda"
         self.decode_graphs: DecodeGraphs | None = None  # captured by capture_cuda_graphs() on CUDA
