@@ -153,6 +153,7 @@ class Executor:
         self._active: dict[int, RequestState] = {}
         self._num_unscheduled = 0  # admitted requests not scheduled yet (they count as queued)
         self._touched: dict[int, RequestState] = {}  # requests with news this iteration
+        self._pending_emit: tuple | None = None  # (plan, latency ms, active) of an iteration not yet emitted
         self._responses = ResponseQueue()
         self._callback = response_callback
         self._iteration = 0
@@ -256,23 +257,44 @@ class Executor:
                 self._step(new, cancels)
             except Exception:  # our own bug: fail everything in flight loudly, keep serving
                 self._fail_all(f"internal executor error: {traceback.format_exc()}")
+        try:
+            self._flush_emit()  # what the last iteration produced goes out before the shutdown errors
+        except Exception:
+            traceback.print_exc()
         self._fail_all("the executor was shut down")
 
     def _step(self, new: list[RequestState], cancels: set[int]) -> None:
-        """One iteration: admit -> cancel -> schedule -> forward -> sample -> update -> emit."""
+        """One iteration: admit -> cancel -> schedule -> forward -> sample -> update -> emit.
+
+        The emit (responses, stats) of iteration N runs inside iteration N+1, after its forward
+        and sampling are launched and before the host waits for the sampled tokens: on a GPU,
+        building and sending responses then overlaps the next step's kernels. It runs at once
+        when nothing is left to run (so final responses never wait for a step that won't come).
+        """
         started = time.perf_counter()
         self._admit(new)
         self._cancel(cancels)
         plan = self.scheduler.schedule()
         num_active = len(self._active)  # in flight this iteration, those that finish in it included
         if not plan.is_empty:
-            outputs = self._forward_and_sample(plan)
+            outputs = self._forward_and_sample(plan)  # emits the previous iteration before its host sync
+            self._flush_emit()  # ... unless nothing was sampled, or the forward failed
             if outputs is not None:
                 self._update(plan, *outputs)
-        self._emit()
-        self._record_stats(plan, started, num_active)
+        else:
+            self._flush_emit()
+        self._pending_emit = (plan, (time.perf_counter() - started) * 1e3, num_active)
+        if plan.is_empty or not self.scheduler.has_unfinished:
+            self._flush_emit()
         if plan.is_empty and not new and not cancels:
             time.sleep(0.001)  # nothing runnable right now; do not spin
+
+    def _flush_emit(self) -> None:
+        """Deliver what the previous iteration produced and record its stats (idempotent)."""
+        pending, self._pending_emit = self._pending_emit, None
+        self._emit()
+        if pending is not None:
+            self._record_stats(*pending)
 
     def _admit(self, new: list[RequestState]) -> None:
         for state in new:
@@ -370,6 +392,7 @@ class Executor:
         sample_rows = [row for _, row in sampling]
         all_rows = sample_rows == list(range(len(logits)))  # plain decode: no gather needed
         out = sample(logits if all_rows else logits[sample_rows], md)
+        self._flush_emit()  # the previous iteration's responses, while the GPU runs this one
         if out.log_probs is None:
             return {seq.seq_id: (token, None) for seq, token in zip(seqs, out.token_ids.tolist())}
         # one host sync for ids and log-probs together (ids are exact in float64)
@@ -528,14 +551,14 @@ class Executor:
             traceback.print_exc()
 
     # ----- stats -----
-    def _record_stats(self, plan: SchedulerOutput, started: float, num_active: int) -> None:
+    def _record_stats(self, plan: SchedulerOutput, latency_ms: float, num_active: int) -> None:
         self._iteration += 1
         now = datetime.now(timezone.utc)
         kv_bytes = self.runner.kv_cache.numel() * self.runner.kv_cache.element_size()
         on_gpu = self.runner.device.type == "cuda"
         stats = IterationStats(
             timestamp=now.strftime(STATS_TIME_FORMAT), timestamp_ns=now_ns(), iter=self._iteration,
-            iter_latency_ms=(time.perf_counter() - started) * 1e3,
+            iter_latency_ms=latency_ms,
             num_active_requests=num_active, max_num_active_requests=self.max_batch_size,
             num_queued_requests=len(self._inbox) + self._num_unscheduled,
             num_scheduled_requests=len({s.seq.request_id for s in plan.scheduled}),
