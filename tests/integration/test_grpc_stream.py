@@ -132,8 +132,11 @@ def test_client_cancel_ends_generation_and_frees_kv(triton_server, model):
     for _ in range(3):
         result, error, _ = stream.next()
         assert error is None, error
-    used, active = kv_and_requests(scrape(triton_server))
-    assert used > 0 and active == 1
+    # Gauges are refreshed periodically (stats_check_period_ms, and the engine process's own
+    # stats period before it): wait for the running request to show, as a scraper would.
+    running = wait_for(lambda: (lambda used, active: used > 0 and active == 1)(*kv_and_requests(scrape(triton_server))),
+                       timeout=5, interval=0.05)
+    assert running, kv_and_requests(scrape(triton_server))
     stream.close(cancel=True)
     assert_idle(triton_server)  # 1500 tokens would take far longer than 20 s on CPU
 
