@@ -107,9 +107,42 @@ class EagerRunner(ModelRunner):
         pass
 
 
+def timed(base: type) -> type:
+    """``base`` with a timeline of batch-1 decode steps (``--timing``): per step, the host time
+    inside forward, the GPU time between events recorded at its start and end on this rank's
+    stream (waits at collectives for the other rank included), and the period between steps."""
+
+    class TimedRunner(base):
+        def forward(self, batch, *, all_logits: bool = False):
+            if self.device.type != "cuda" or len(batch.token_ids) != 1 or all_logits:
+                return super().forward(batch, all_logits=all_logits)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            began = time.perf_counter()
+            start.record()
+            out = super().forward(batch, all_logits=all_logits)
+            end.record()
+            self.__dict__.setdefault("timeline", []).append((began, time.perf_counter(), start, end))
+            return out
+
+        def timeline_summary(self) -> str:
+            steps = self.__dict__.get("timeline", [])[8:]
+            if len(steps) < 3:
+                return "no batch-1 decode steps timed"
+            torch.cuda.synchronize()
+            host = sorted((t1 - t0) * 1e3 for t0, t1, _, _ in steps)
+            gpu = sorted(e0.elapsed_time(e1) for _, _, e0, e1 in steps)
+            period = sorted((b[0] - a[0]) * 1e3 for a, b in zip(steps, steps[1:]))
+            med = lambda xs: xs[len(xs) // 2]  # noqa: E731
+            return (f"{len(steps)} batch-1 decode steps, medians: host in forward {med(host):.3f} ms, "
+                    f"GPU start->end {med(gpu):.3f} ms, period between steps {med(period):.3f} ms")
+
+    return TimedRunner
+
+
 def runner_class(args) -> type:
     """Every rank must use the same class: graph capture runs collectives."""
-    return EagerRunner if args.no_graphs else ModelRunner
+    base = EagerRunner if args.no_graphs else ModelRunner
+    return timed(base) if args.timing else base
 
 
 def use_random_weights() -> None:
@@ -254,6 +287,10 @@ def run_perf_phase(args) -> dict:
             progress(f"offline {shape}: {offline[-1]['output_tok_s']:.0f} tok/s")
         graphs = args.device.startswith("cuda") and not args.no_graphs
         result = {"decode": decode, "offline": offline, "graphs": graphs}
+        local = getattr(executor.runner, "runner", executor.runner)
+        if hasattr(local, "timeline_summary"):
+            result["timeline_rank0"] = local.timeline_summary()
+            progress("timeline: " + result["timeline_rank0"])
         with open(args.out, "w") as f:  # kept even if the teardown below hangs
             json.dump(result, f)
     finally:
@@ -299,7 +336,7 @@ def run_phase(args, phase: str, engine_dir: str, workdir: str) -> dict:
     out = os.path.join(workdir, f"{phase}.json")
     common = [sys.executable, os.path.abspath(__file__), "--engine_dir", engine_dir, "--device", args.device,
               "--phase_timeout", str(args.phase_timeout)]
-    flags = ["--no_graphs"] if args.no_graphs else []
+    flags = (["--no_graphs"] if args.no_graphs else []) + (["--timing"] if args.timing else [])
     leader_cmd = common + ["--role", "greedy" if phase.startswith("greedy") else "perf", "--out", out,
                            "--greedy_steps", str(args.greedy_steps), "--offline", args.offline, *flags]
     port = free_port()
@@ -411,6 +448,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no_graphs", action="store_true",
                         help="eager decode (no CUDA graphs) in the perf phases (the greedy check is always eager)")
     parser.add_argument("--skip_perf", action="store_true", help="only the greedy check")
+    parser.add_argument("--timing", action="store_true",
+                        help="perf phases: per-rank timeline of batch-1 decode steps (host, GPU, period)")
     parser.add_argument("--phases", default=",".join(PHASES),
                         help=f"comma list of phases to run, in order (default: all of {','.join(PHASES)})")
     parser.add_argument("--phase_timeout", type=float, default=240, help="seconds per phase (4 phases)")
@@ -439,7 +478,19 @@ def main(argv=None) -> None:
     faulthandler.dump_traceback_later(max(5.0, args.phase_timeout - 15), exit=False)
     use_random_weights()
     if args.role == "worker":
-        run_worker(args.engine_dir, device=args.device, runner_class=runner_class(args))
+        cls = runner_class(args)
+        if args.timing:  # keep the worker's runner to report its timeline after the job
+            built = []
+
+            class Recorded(cls):
+                def __init__(self, *a, **k):
+                    super().__init__(*a, **k)
+                    built.append(self)
+
+            cls = Recorded
+        run_worker(args.engine_dir, device=args.device, runner_class=cls)
+        if args.timing and built:
+            progress("timeline: " + built[0].timeline_summary())
         progress("worker left the groups")
         sys.stderr.flush()
         os._exit(0)  # as engine.worker does: no interpreter teardown after a timed-out group teardown
