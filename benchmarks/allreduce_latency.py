@@ -17,6 +17,25 @@ import sys
 import time
 
 SIZES = (4096, 4096 * 8, 4096 * 32)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # engine, kernels
+
+
+def eager_and_graph_us(all_reduce, iters: int) -> tuple[float, float]:
+    """Microseconds per call of ``all_reduce()``: launched one by one, and replayed from a CUDA
+    graph that holds 64 of them (as a decode step's graph holds 65)."""
+    import torch
+
+    from kernels.linear import graph_time_ms
+
+    for _ in range(20):
+        all_reduce()
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(iters):
+        all_reduce()
+    torch.cuda.synchronize()
+    eager_us = (time.perf_counter() - started) / iters * 1e6
+    return eager_us, graph_time_ms(all_reduce, repeat=64) * 1e3
 
 
 def measure(rank: int, port: int, iters: int) -> None:
@@ -27,35 +46,9 @@ def measure(rank: int, port: int, iters: int) -> None:
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     for numel in SIZES:
         x = torch.ones(numel, dtype=torch.bfloat16, device="cuda")
-        for _ in range(20):
-            dist.all_reduce(x)
-        torch.cuda.synchronize()
-        started = time.perf_counter()
-        for _ in range(iters):
-            dist.all_reduce(x)
-        torch.cuda.synchronize()
-        eager_us = (time.perf_counter() - started) / iters * 1e6
-
-        # 64 all-reduces in one graph, as a decode step's graph holds them.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            dist.all_reduce(x)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(64):
-                dist.all_reduce(x)
-        replays = max(1, iters // 64)
-        torch.cuda.synchronize()
-        started = time.perf_counter()
-        for _ in range(replays):
-            graph.replay()
-        torch.cuda.synchronize()
-        graph_us = (time.perf_counter() - started) / (replays * 64) * 1e6
-        del graph
+        eager_us, graph_us = eager_and_graph_us(lambda: dist.all_reduce(x), iters)
         if rank == 0:
-            print(f"bf16 x {numel:>7}: eager {eager_us:6.1f} us, in a CUDA graph {graph_us:6.1f} us per all-reduce",
+            print(f"NCCL bf16 x {numel:>7}: eager {eager_us:6.1f} us, in a CUDA graph {graph_us:6.1f} us per all-reduce",
                   flush=True)
     measure_symmetric(rank, iters)
     torch.cuda.synchronize()
@@ -65,59 +58,27 @@ def measure(rank: int, port: int, iters: int) -> None:
 
 
 def measure_symmetric(rank: int, iters: int) -> None:
-    """The same sizes through torch's symmetric-memory one-shot all-reduce (peer loads over NVLink,
-    no multicast), checked against the exact sum."""
+    """The same sizes through the engine's one-shot all-reduce (engine.models.layers: torch's
+    symmetric memory, peer loads over NVLink, no multicast), checked against the exact sum."""
     import torch
     import torch.distributed as dist
 
+    from engine.models.layers import SymmetricAllReduce
+
     try:
-        import torch.distributed._symmetric_memory as symm_mem
-        group_name = dist.group.WORLD.group_name
-        if hasattr(symm_mem, "enable_symm_mem_for_group"):
-            symm_mem.enable_symm_mem_for_group(group_name)
-        buffer = symm_mem.empty(max(SIZES), dtype=torch.bfloat16, device="cuda")
-        symm_mem.rendezvous(buffer, group_name)
+        one_shot = SymmetricAllReduce(dist.group.WORLD, torch.device("cuda", rank))
     except Exception as err:  # noqa: BLE001  (report and go on: this is a probe)
         if rank == 0:
             print(f"symmetric memory unavailable: {type(err).__name__}: {err}", flush=True)
         return
     for numel in SIZES:
         local = torch.full((numel,), float(rank + 1), dtype=torch.bfloat16, device="cuda")
-        view = buffer[:numel]
-
-        def all_reduce():
-            view.copy_(local)
-            return torch.ops.symm_mem.one_shot_all_reduce(view, "sum", group_name)
-
-        ok = bool((all_reduce() == 3.0).all())
-        for _ in range(20):
-            all_reduce()
+        eager_us, graph_us = eager_and_graph_us(lambda: one_shot(local), iters)
         torch.cuda.synchronize()
-        started = time.perf_counter()
-        for _ in range(iters):
-            all_reduce()
-        torch.cuda.synchronize()
-        eager_us = (time.perf_counter() - started) / iters * 1e6
-        graph = torch.cuda.CUDAGraph()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            all_reduce()
-        torch.cuda.current_stream().wait_stream(side)
-        with torch.cuda.graph(graph):
-            for _ in range(64):
-                out = all_reduce()
-        replays = max(1, iters // 64)
-        torch.cuda.synchronize()
-        started = time.perf_counter()
-        for _ in range(replays):
-            graph.replay()
-        torch.cuda.synchronize()
-        graph_us = (time.perf_counter() - started) / (replays * 64) * 1e6
-        ok = ok and bool((out == 3.0).all())
+        right = bool((one_shot(local) == 3.0).all())
         if rank == 0:
-            print(f"symm one-shot bf16 x {numel:>7}: eager {eager_us:6.1f} us, in a CUDA graph {graph_us:6.1f} us "
-                  f"per all-reduce, sums {'right' if ok else 'WRONG'}", flush=True)
+            print(f"one-shot bf16 x {numel:>7}: eager {eager_us:6.1f} us, in a CUDA graph {graph_us:6.1f} us "
+                  f"per all-reduce, sums {'right' if right else 'WRONG'}", flush=True)
 
 
 def main() -> None:
