@@ -42,6 +42,7 @@ from engine.executor.request import FinishReason, Request, RequestPerfMetrics, R
 from engine.executor.stats import IterationStats
 
 STATS_PERIOD_S = 0.05
+SHUTDOWN_TIMEOUT_S = 30.0  # the engine process's own shutdown, after which it exits regardless
 PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -338,7 +339,11 @@ def serve(conn: Connection) -> int:
                 break
     finally:
         stopped.set()
-        executor.shutdown()
+        # Bounded: a loop stuck in a collective on a lost rank would hold shutdown() forever, and
+        # this process (and its GPU memory) must not outlive its client.
+        closer = threading.Thread(target=executor.shutdown, name="engine-process-shutdown", daemon=True)
+        closer.start()
+        closer.join(SHUTDOWN_TIMEOUT_S)
     return 0
 
 

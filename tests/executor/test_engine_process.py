@@ -112,3 +112,15 @@ def test_responses_survive_the_wire_format():
     assert torch.equal(got[0].result.generation_logits, delta.generation_logits)
     assert torch.equal(got[1].result.context_logits, final.context_logits)
     assert got[1].result.finish_reasons == [FinishReason.END_ID, FinishReason.LENGTH] and got[1].result.perf is None
+
+
+def test_the_engine_process_exits_when_its_client_is_gone(tiny_engine):
+    """A killed Triton stub closes its end of the socket: the engine must not outlive it."""
+    process = EngineProcess(tiny_engine, ExecutorConfig())
+    process.enqueue_request(Request(input_token_ids=[1, 2, 3], max_tokens=120, streaming=True))
+    process._stopping = True  # as if the stub vanished: no shutdown message, only a closed socket
+    process._conn.close()
+    try:
+        assert process._process.wait(timeout=30) == 0
+    finally:
+        process._kill()
