@@ -31,6 +31,7 @@ import operator
 import os
 import pickle
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -171,9 +172,11 @@ class EngineProcess:
         reason = "the engine process exited"
         while True:
             try:
-                message = receive_message(self._conn)
-            except (EOFError, OSError):
+                payload = self._conn.recv_bytes()
+            except Exception:  # EOF, or our own end closed by shutdown()
                 break
+            try:
+                message = pickle.loads(payload)
             except Exception as err:  # an undecodable message: responses may be lost, so stop here
                 reason = f"a message from the engine process could not be read ({type(err).__name__}: {err})"
                 self._process.kill()
@@ -351,6 +354,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="the engine process of EngineProcess (started by it)")
     parser.add_argument("--fd", type=int, required=True, help="this end of the client's socketpair")
     args = parser.parse_args(argv)
+    # Ctrl-C reaches the whole process group; this process ends when its client says so or goes
+    # away (the server's own shutdown unloads the model, which shuts this down in order).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     code = serve(Connection(args.fd))
     sys.stdout.flush()
     sys.stderr.flush()
