@@ -36,6 +36,7 @@
 #   WORK=/tmp/serving_bench  MODELS="smollm2 llama8b"  CLIENTS=1,16,64  INPUT_LEN=128
 #   OUTPUT_LEN=128  RPC=2  MIN_REQUESTS=8  ROUNDS=1  DTYPE=bfloat16  BUDGET_S="190 320" (seconds per model)
 #   ENGINE_PROCESS=true (the served model's engine_process parameter; false: the executor in the stub)
+#   PREPROCESSING_INSTANCES=1  POSTPROCESSING_INSTANCES=1 (the tokenizer models' instance counts)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 CARRY=${CARRY:-.carry}
@@ -164,7 +165,8 @@ for model in $MODELS; do
   timeout -k 30 "$budget" "$PY" benchmarks/serving_bench.py --model "$model" --dtype "$DTYPE" "${tokenizer[@]}" \
     --clients "$CLIENTS" --input_len "$INPUT_LEN" --output_len "$OUTPUT_LEN" --requests_per_client "$RPC" \
     --min_requests "$MIN_REQUESTS" --rounds "$ROUNDS" --work_dir "$WORK/$model" --out "$RESULTS/serving_$model.json" \
-    --results_md "$RESULTS/serving_results.md" --engine_process "${ENGINE_PROCESS:-true}"
+    --results_md "$RESULTS/serving_results.md" --engine_process "${ENGINE_PROCESS:-true}" \
+    --postprocessing_instances "${POSTPROCESSING_INSTANCES:-1}" --preprocessing_instances "${PREPROCESSING_INSTANCES:-1}"
   rc=$?
   if [ $rc -ne 0 ]; then
     status=$rc
