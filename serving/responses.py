@@ -24,6 +24,8 @@ _PERF_DTYPES = {"acceptance_rate": np.float32, "arrival_time_ns": np.int64,
 
 def pad_beams(beams: list[list[int]] | list[list[float]], dtype, pad) -> np.ndarray:
     """(beams, max_len) array of ragged per-beam lists, padded with `pad`."""
+    if len(beams) == 1:  # every streamed token of a beam-1 request comes through here
+        return np.array(beams[0], dtype=dtype).reshape(1, -1)
     width = max([0] + [len(beam) for beam in beams])
     out = np.full((len(beams), width), pad, dtype=dtype)
     for i, beam in enumerate(beams):

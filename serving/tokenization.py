@@ -50,6 +50,17 @@ def decode_tokens(tokenizer, token_ids: Sequence[int], skip_special_tokens: bool
     return text
 
 
+def holdback_decoder(tokenizer) -> Callable[[list[int]], str]:
+    """ids -> text for ``Utf8Holdback``: the fast tokenizer's Rust decode when there is one (the
+    holdback runs once per streamed response; transformers' wrapper around the same call costs
+    several times more), else ``tokenizer.decode``. Only the decoded tail's completeness is read,
+    which space clean-up does not change."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and hasattr(backend, "decode"):
+        return lambda ids: backend.decode(ids, skip_special_tokens=False)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=False)
+
+
 class Utf8Holdback:
     """Holds back the tail of a token stream while it decodes to an unfinished character.
 

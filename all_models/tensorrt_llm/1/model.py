@@ -132,7 +132,7 @@ class TritonPythonModel:
 
     def _stream_decoder(self, params, engine_dir):
         """A token decoder for the streaming UTF-8 holdback, from tokenizer_dir or the engine dir."""
-        from serving.tokenization import load_tokenizer
+        from serving.tokenization import holdback_decoder, load_tokenizer
 
         tokenizer_dir = get_parameter(params, "tokenizer_dir", str) or engine_dir
         try:
@@ -141,7 +141,7 @@ class TritonPythonModel:
             pb_utils.Logger.log_warn(f"tensorrt_llm: no tokenizer in {tokenizer_dir} ({error}); "
                                      "streamed chunks may split multi-byte characters")
             return None
-        return lambda ids: tokenizer.decode(ids, skip_special_tokens=False)
+        return holdback_decoder(tokenizer)
 
     # ----------------------------------------------------------------------------- requests
 
