@@ -2,6 +2,9 @@
 
     python benchmarks/step_protocol_latency.py [--device cuda]     # starts its 2 ranks itself
 
+The channel is the one the engine would use on that device (shared memory on GPUs, gloo on CPU);
+TRITONLLM_SHM_PLANS=1 or 0 forces one.
+
 Times, per iteration, (a) a gloo all-reduce of one int (the heartbeat's reply), and (b) a batch-1
 decode plan (header + payload broadcast over the gloo control group, decoded on the worker)
 followed by the same all-reduce; (b) - (a) is what sending one plan adds to a step's critical
@@ -45,6 +48,7 @@ def run_rank(rank: int, port: int, device: str, iters: int) -> None:
         for _ in range(iters):
             step()
         results[name] = (time.perf_counter() - started) / iters * 1e6
+    channel.close()
     if rank == 0:
         for name, us in results.items():
             print(f"{name}: {us:.1f} us per iteration", flush=True)

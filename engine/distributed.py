@@ -46,6 +46,7 @@ import enum
 import functools
 import logging
 import os
+import pickle
 import threading
 import time
 import zlib
@@ -186,6 +187,7 @@ class DistContext:
     device: torch.device
     tp_group: Any        # the default (world) group: NCCL on GPUs, gloo on CPU
     control: Any         # gloo group for plans and heartbeats
+    timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S  # what collectives wait now (step or startup timeout)
 
     @property
     def rank(self) -> int:
@@ -211,6 +213,7 @@ class DistContext:
             self.use_step_timeout()
 
     def _set_timeout(self, seconds: float) -> None:
+        self.timeout_s = seconds  # also bounds the shared-memory plan channel's waits
         timeout = datetime.timedelta(seconds=seconds)
         for group in (self.tp_group, self.control):
             try:
@@ -244,7 +247,7 @@ def init_distributed(info: RankInfo, device: torch.device, settings: DistSetting
         # later inside a CUDA-graph capture (where it is not allowed).
         dist.all_reduce(torch.zeros(1, device=device))
         torch.cuda.synchronize(device)
-    return DistContext(info, settings, device, dist.group.WORLD, control)
+    return DistContext(info, settings, device, dist.group.WORLD, control, timeout_s=settings.startup_timeout_s)
 
 
 def agree_on_engine(ctx: DistContext, engine_config: EngineConfig) -> None:
@@ -342,16 +345,33 @@ class Message:
 
 
 class StepChannel:
-    """Plans from rank 0 to every rank over the gloo control group, in a strict step order."""
+    """Plans from rank 0 to every rank, in a strict step order: through a shared-memory segment
+    when every rank is on this node (engine/shm_broadcast.py), else over the gloo control group.
+    Creating one is collective (every rank, at the same point); replies (``all_reduce_min``)
+    always go over gloo."""
 
     def __init__(self, ctx: "DistContext", *, batch_class=None):
         self.ctx = ctx
         self.group = ctx.control
         self.batch_class = batch_class
         self.step = 0
+        self.shm = _open_plan_segment(ctx)
+
+    def close(self) -> None:
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
 
     def send(self, op: Op, *, batch=None, arg: int = 0, call=None) -> None:
         payload = encode_batch(batch) if batch is not None else None  # may raise: nothing sent yet
+        if self.shm is not None:
+            data = pickle.dumps((int(op), self.step + 1, arg, None if payload is None else payload.numpy().tobytes(),
+                                 call), protocol=pickle.HIGHEST_PROTOCOL)
+            if self.shm.fits(data):
+                self.step += 1
+                self.shm.send(data, self.ctx.timeout_s)
+                return
+            self.shm.send(pickle.dumps(None), self.ctx.timeout_s)  # "this one comes over gloo"
         self.step += 1
         header = torch.tensor([int(op), self.step, 0 if payload is None else payload.numel(), arg], dtype=torch.int64)
         dist.broadcast(header, 0, group=self.group)
@@ -361,6 +381,18 @@ class StepChannel:
             dist.broadcast_object_list([call], 0, group=self.group)
 
     def recv(self) -> Message:
+        if self.shm is not None:
+            packed = pickle.loads(self.shm.recv(self.ctx.timeout_s))
+            if packed is not None:
+                op, step, arg, payload, call = packed
+                self.step += 1
+                if step != self.step:
+                    raise RankFailureError(f"received plan step {step}, expected {self.step}: ranks are out of step")
+                message = Message(Op(op), step, arg, call=call)
+                if message.op == Op.FORWARD:
+                    message.batch = decode_batch(torch.frombuffer(bytearray(payload), dtype=torch.int32),
+                                                 self.batch_class)
+                return message
         header = torch.empty(HEADER_LEN, dtype=torch.int64)
         dist.broadcast(header, 0, group=self.group)
         op, step, payload_len, arg = header.tolist()
@@ -382,6 +414,47 @@ class StepChannel:
         tensor = torch.tensor([value], dtype=torch.int64)
         dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group)
         return int(tensor)
+
+
+def _open_plan_segment(ctx: "DistContext"):
+    """The shared-memory plan segment for this job, or None (gloo). Collective over the control
+    group; every rank ends with the same answer. TRITONLLM_SHM_PLANS: 1 on, 0 off, default on for
+    GPUs (on CPU the readers' polling would compete with the ranks for the cores)."""
+    from engine import shm_broadcast
+
+    want = os.environ.get("TRITONLLM_SHM_PLANS", "auto")
+    use = (want == "1" or (want == "auto" and ctx.device.type == "cuda")) and \
+        ctx.info.local_size == ctx.info.world_size and shm_broadcast.supported()
+    segment, name = None, None
+    if ctx.rank == 0 and use:
+        try:
+            segment = shm_broadcast.ShmBroadcast(f"tritonllm_plans_{os.getpid()}_{ctx.settings.port}", writer=True,
+                                                 num_readers=ctx.world_size - 1)
+            name = segment.name
+        except OSError as err:  # e.g. no /dev/shm
+            logger.warning("no shared-memory plan channel (%s); plans go over gloo", err)
+    box = [name]
+    dist.broadcast_object_list(box, 0, group=ctx.control)
+    if box[0] is None:
+        return None
+    ok = 1
+    if ctx.rank != 0:
+        try:
+            segment = shm_broadcast.ShmBroadcast(box[0], writer=False, num_readers=ctx.world_size - 1,
+                                                 reader_index=ctx.rank - 1)
+        except OSError as err:
+            logger.warning("rank %d cannot attach the plan segment %s: %s", ctx.rank, box[0], err)
+            ok = 0
+    agreed = torch.tensor([ok], dtype=torch.int64)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=ctx.control)
+    if int(agreed) == 0:
+        if segment is not None:
+            segment.close()
+        return None
+    pids = [None] * ctx.world_size
+    dist.all_gather_object(pids, os.getpid(), group=ctx.control)
+    segment.peer_pids = pids[1:] if ctx.rank == 0 else [pids[0]]  # the leader waits on workers, they on it
+    return segment
 
 
 def _apply_call(runner, call) -> Any:
@@ -563,6 +636,7 @@ class LeaderRunner:
             except Exception as err:
                 logger.warning("could not tell the workers to shut down: %s", err)
             finally:
+                self.channel.close()
                 self._lock.release()
         _destroy_groups(self.runner)
 
@@ -655,12 +729,16 @@ def run_worker(engine_dir: str, *, device: str | torch.device | None = None, run
         raise ValueError("rank 0 is the leader (tritonserver); engine.worker runs on ranks 1..N-1")
     config = check_world_matches_engine(engine_dir, info.world_size)
     ctx = init_distributed(info, resolve_device(device, info.local_rank), DistSettings.from_env(info, environ))
-    runner = None
+    runner, channel = None, None
     try:
         runner = runner_class(engine_dir, rank=info.rank, device=ctx.device, tp_group=ctx.tp_group)
         agree_on_engine(ctx, config)
         ctx.use_step_timeout()
-        logger.info("rank %d ready on %s", info.rank, ctx.device)
-        run_worker_loop(runner, StepChannel(ctx, batch_class=ForwardBatch))
+        channel = StepChannel(ctx, batch_class=ForwardBatch)
+        logger.info("rank %d ready on %s (plans over %s)", info.rank, ctx.device,
+                    "shared memory" if channel.shm is not None else "gloo")
+        run_worker_loop(runner, channel)
     finally:
+        if channel is not None:
+            channel.close()
         _destroy_groups(runner)

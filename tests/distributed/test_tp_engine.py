@@ -98,10 +98,18 @@ def test_single_rank_gets_a_plain_model_runner(engines):
 # ---- real ranks ----------------------------------------------------------------------------------
 
 
-def test_tp2_greedy_equals_tp1(engines, tmp_path):
+@pytest.fixture(params=["gloo", "shared memory"])
+def plans(request, monkeypatch):
+    """Both plan channels: gloo (the CPU default) and the shared-memory one (the GPU default)."""
+    monkeypatch.setenv("TRITONLLM_SHM_PLANS", "1" if request.param == "shared memory" else "0")
+    return request.param
+
+
+def test_tp2_greedy_equals_tp1(engines, tmp_path, plans):
     single = run_driver(engines[1], 1, str(tmp_path / "tp1.json"))
     double = run_driver(engines[2], 2, str(tmp_path / "tp2.json"))
     assert (single["runner"], double["runner"]) == ("ModelRunner", "LeaderRunner")
+    assert double["plans"] == plans
     assert double["tokens"] == single["tokens"]
     # fp32 partial sums are added in another order across ranks: equal to rounding.
     torch.testing.assert_close(torch.tensor(double["first_logits"]), torch.tensor(single["first_logits"]),
@@ -109,7 +117,7 @@ def test_tp2_greedy_equals_tp1(engines, tmp_path):
     assert len({tuple(t) for t in single["tokens"]}) > 1  # the prompts really lead different ways
 
 
-def test_killed_worker_fails_the_leader_within_seconds(engines, tmp_path):
+def test_killed_worker_fails_the_leader_within_seconds(engines, tmp_path, plans):
     out = str(tmp_path / "fault.json")
     cmd = [sys.executable, DRIVER, "--engine_dir", engines[2], "--prompts", json.dumps(PROMPTS),
            "--max_tokens", "2", "--out", out, "--then_wait_for_failure", "20"]
@@ -131,7 +139,7 @@ def test_killed_worker_fails_the_leader_within_seconds(engines, tmp_path):
     assert elapsed < 15
 
 
-def test_worker_exits_when_the_leader_dies(engines, tmp_path):
+def test_worker_exits_when_the_leader_dies(engines, tmp_path, plans):
     cmd = [sys.executable, DRIVER, "--engine_dir", engines[2], "--prompts", json.dumps(PROMPTS),
            "--max_tokens", "2", "--out", str(tmp_path / "x.json"), "--then_wait_for_failure", "60"]
     leader, (worker,) = start_ranks(cmd, engines[2], 2, TRITONLLM_DIST_HEARTBEAT_S="0.5")

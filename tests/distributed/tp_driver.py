@@ -112,7 +112,9 @@ def main() -> int:
     runner = make_runner(args.engine_dir, device="cpu")
     decoder = GreedyDecoder(runner, json.loads(args.prompts), args.max_tokens)
     tokens, first_logits = decoder.run()
-    result = {"tokens": tokens, "first_logits": first_logits, "runner": type(runner).__name__}
+    channel = getattr(runner, "channel", None)
+    result = {"tokens": tokens, "first_logits": first_logits, "runner": type(runner).__name__,
+              "plans": None if channel is None else ("shared memory" if channel.shm is not None else "gloo")}
     if args.then_refuse_a_bad_batch:
         result.update(refuse_bad_batch_then_generate(runner, decoder))
     if args.then_wait_for_failure:
