@@ -21,7 +21,8 @@ import time
 
 
 def run_rank(rank: int, port: int, device: str, iters: int) -> None:
-    from engine.distributed import DistSettings, Op, RankInfo, StepChannel, init_distributed, resolve_device
+    from engine.distributed import DistSettings, RankInfo, init_distributed, resolve_device
+    from engine.step_protocol import Op, StepChannel
     from engine.executor.runner import ForwardBatch
 
     info = RankInfo(rank=rank, world_size=2, local_rank=rank, local_size=2)

@@ -31,7 +31,7 @@ from engine.executor.request import (
     FinishReason, Request, RequestLimits, RequestState, Response, Sequence, SequenceStatus, normalize_request, now_ns,
     validate_request,
 )
-from engine.distributed import RankFailureError
+from engine.step_protocol import RankFailureError
 from engine.executor.runner import ForwardBatch, ModelRunner
 from engine.executor.sampler import build_sampling_metadata, process_logits, sample
 from engine.executor.scheduler import POLICIES, Scheduler, SchedulerOutput

@@ -17,10 +17,8 @@ import pytest
 import torch
 
 from engine.config import EngineFormatError
-from engine.distributed import (
-    DistSettings, RankInfo, check_world_matches_engine, decode_batch, encode_batch, make_runner,
-    rank_info_from_env,
-)
+from engine.distributed import DistSettings, RankInfo, check_world_matches_engine, make_runner, rank_info_from_env
+from engine.step_protocol import decode_batch, encode_batch
 from engine.executor.runner import ForwardBatch, ModelRunner
 from tp_testing import PROMPTS, build_tiny_engine, start_ranks, stop, tiny_llama
 
