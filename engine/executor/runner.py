@@ -64,8 +64,8 @@ class ModelRunner:
         self.tokens_per_block = self.build_config.tokens_per_block
         self.num_kv_heads_local = self.model_config.num_kv_heads // tp_size
         self.model = self._load_model(engine_dir, tp_group)
-        # Collective (every rank builds its runner at the same point); NCCL-only on CPU.
-        self.one_shot_all_reduce = tp_group is not None and enable_one_shot_all_reduce(tp_group, self.device)
+        if tp_group is not None:  # collective: every rank builds its runner at the same point (CPU: a no-op)
+            enable_one_shot_all_reduce(tp_group, self.device)
         self.kv_cache: torch.Tensor | None = None
         self._pin = self.device.type == "cuda"
         self.decode_graphs: DecodeGraphs | None = None  # captured by capture_cuda_graphs() on CUDA

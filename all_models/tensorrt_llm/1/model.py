@@ -124,7 +124,7 @@ class TritonPythonModel:
         self.running = True
         self.warned = set()
         self._start_server_watchdog()
-        self._profiles = self._start_profiling() if os.environ.get("TRITONLLM_PROFILE_DIR") else None
+        self._profiler = self._start_profiling() if os.environ.get("TRITONLLM_PROFILE_DIR") else None
         self.threads = [threading.Thread(target=loop, daemon=True, name=loop.__name__)
                         for loop in (self._forward_responses, self._poll_cancellation, self._publish_stats)]
         for thread in self.threads:
@@ -211,7 +211,7 @@ class TritonPythonModel:
                 del self._gil_lateness[:-20000]
 
         threading.Thread(target=probe, daemon=True, name="gil-probe").start()
-        return {"stub_threads": cProfile.Profile()}
+        return cProfile.Profile()
 
     def _dump_profiles(self):
         import io
@@ -222,23 +222,22 @@ class TritonPythonModel:
                 f.write(f"0.5 ms sleeps: {len(late)}, lateness ms p50 {late[len(late) // 2] * 1e3:.3f} "
                         f"p90 {late[int(len(late) * 0.9)] * 1e3:.3f} p99 {late[int(len(late) * 0.99)] * 1e3:.3f} "
                         f"max {late[-1] * 1e3:.3f}\n")
-        for name, profiler in self._profiles.items():
-            stream = io.StringIO()
-            try:
-                pstats.Stats(profiler, stream=stream).sort_stats("tottime").print_stats(60)
-            except TypeError:  # nothing recorded yet
-                continue
-            with open(os.path.join(os.environ["TRITONLLM_PROFILE_DIR"], f"{name}.txt"), "w") as f:
-                f.write(stream.getvalue())
+        stream = io.StringIO()
+        try:
+            pstats.Stats(self._profiler, stream=stream).sort_stats("tottime").print_stats(60)
+        except TypeError:  # nothing recorded yet
+            return
+        with open(os.path.join(os.environ["TRITONLLM_PROFILE_DIR"], "stub_threads.txt"), "w") as f:
+            f.write(stream.getvalue())
 
     def _forward_responses(self):
         last_dump = time.monotonic()
-        if self._profiles:
-            self._profiles["stub_threads"].enable()
+        if self._profiler:
+            self._profiler.enable()
         while self.running:
-            if self._profiles and time.monotonic() - last_dump > 3:
+            if self._profiler and time.monotonic() - last_dump > 3:
                 self._dump_profiles()
-                self._profiles["stub_threads"].enable()
+                self._profiler.enable()
                 last_dump = time.monotonic()
             try:
                 responses = self.executor.await_responses(timeout=0.05)
