@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from serving.requests import (UnsupportedFeature, any_nonzero, any_text, non_empty,
+                              refuse_unsupported, without)
 from serving.tokenization import REPLACEMENT_CHAR, TextDeltas
 
 # BLS input -> tensorrt_llm input (besides what preprocessing produces)
@@ -51,17 +53,59 @@ PASS_THROUGH_OUTPUTS = (
 )
 
 
+# The BLS's inputs of features this backend does not have, refused under the BLS's own names with
+# the same kind of rules as tensorrt_llm's (serving/requests.py): absent, empty (size 0) or "off"
+# values pass. Refused when: lora_task_id, lora_weights, lora_config, prompt_embedding_table,
+# image_input, image_bytes_input, video_bytes_input: any element; prompt_table_extra_id,
+# prompt_vocab_size: non-zero; guided_decoding_guide_type, guided_decoding_guide, image_url_input:
+# a non-empty string; decoder_text_input: a non-empty string (an empty one is no decoder prompt);
+# num_draft_tokens: > 0. use_draft_logits is accepted: it only matters with draft tokens.
+UNSUPPORTED_FEATURES = (
+    UnsupportedFeature(
+        "LoRA adapters are", without("lora_task_id", "lora_weights", "lora_config"),
+        {"lora_task_id": non_empty("lora_task_id"), "lora_weights": non_empty("lora_weights"),
+         "lora_config": non_empty("lora_config")}),
+    UnsupportedFeature(
+        "prompt tuning (prompt embedding tables) is",
+        without("prompt_embedding_table", "prompt_table_extra_id", "prompt_vocab_size")
+        + " (an empty table, prompt_table_extra_id 0 and prompt_vocab_size 0 are accepted)",
+        {"prompt_embedding_table": non_empty("prompt_embedding_table"),
+         "prompt_table_extra_id": any_nonzero("prompt_table_extra_id"),
+         "prompt_vocab_size": any_nonzero("prompt_vocab_size")}),
+    UnsupportedFeature(
+        "guided decoding (JSON, JSON schema, regex, grammar) is",
+        without("guided_decoding_guide_type", "guided_decoding_guide")
+        + " (empty strings are accepted)",
+        {"guided_decoding_guide_type": any_text("guided_decoding_guide_type"),
+         "guided_decoding_guide": any_text("guided_decoding_guide")}),
+    UnsupportedFeature(
+        "speculative decoding (num_draft_tokens) is",  # the text this check had before
+        "send num_draft_tokens 0 or leave num_draft_tokens/use_draft_logits out",
+        {"num_draft_tokens": lambda tensors, batch_size: bool(np.any(tensors["num_draft_tokens"] > 0))}),
+    UnsupportedFeature(
+        "encoder-decoder models are",
+        "the engine is decoder-only and the prompt goes in text_input; "
+        "send decoder_text_input empty or leave it out",
+        {"decoder_text_input": any_text("decoder_text_input")}),
+    UnsupportedFeature(
+        "multimodal inputs (images, video) are",
+        without("image_input", "image_bytes_input", "image_url_input", "video_bytes_input")
+        + " (empty tensors and an empty image_url_input are accepted)",
+        {"image_input": non_empty("image_input"), "image_bytes_input": non_empty("image_bytes_input"),
+         "image_url_input": any_text("image_url_input"),
+         "video_bytes_input": non_empty("video_bytes_input")}),
+)
+
+
 def validate(tensors: dict[str, np.ndarray]) -> None:
-    """The reference BLS checks, with its texts."""
+    """The reference BLS checks, with its texts; then inputs of features this backend lacks."""
     text = tensors.get("text_input")
     if text is None or text.size == 0:
         raise ValueError("text_input is required")
     max_tokens = tensors.get("max_tokens")
     if max_tokens is None or max_tokens.size != text.shape[0] or np.any(max_tokens <= 0):
         raise ValueError("max_tokens must be a single value > 0")
-    draft = tensors.get("num_draft_tokens")
-    if draft is not None and np.any(draft > 0):
-        raise ValueError("speculative decoding (num_draft_tokens) is not supported by this backend")
+    refuse_unsupported(tensors, text.shape[0], UNSUPPORTED_FEATURES)
 
 
 def with_batch_dim(array: np.ndarray, batch_size: int) -> np.ndarray:

@@ -28,19 +28,232 @@ OUTPUT_INPUTS = {
     "return_generation_logits": "return_generation_logits",
     "return_perf_metrics": "return_perf_metrics",
 }
-# Declared inputs this backend accepts and ignores (features it does not implement).
+# KV-cache retention hints: they steer which cache blocks are evicted first, never the tokens a
+# request produces, so they are accepted and ignored.
 IGNORED_INPUTS = (
-    "encoder_input_features", "encoder_output_lengths", "draft_input_ids", "decoder_input_ids",
-    "decoder_input_lengths", "draft_logits", "draft_acceptance_threshold", "runtime_top_p_min",
-    "runtime_top_p_decay", "runtime_top_p_reset_ids", "beam_search_diversity_rate",
-    "prompt_embedding_table", "prompt_table_extra_ids", "prompt_vocab_size", "cross_attention_mask",
-    "mrope_rotary_cos_sin", "mrope_position_deltas", "lora_task_id", "lora_weights", "lora_config",
-    "context_phase_params", "skip_cross_attn_blocks", "retention_token_range_starts",
-    "retention_token_range_ends", "retention_token_range_priorities",
-    "retention_token_range_durations_ms", "retention_decode_priority",
-    "retention_decode_duration_ms", "guided_decoding_guide_type", "guided_decoding_guide",
-    "lookahead_window_size", "lookahead_ngram_size", "lookahead_verification_set_size",
+    "retention_token_range_starts", "retention_token_range_ends",
+    "retention_token_range_priorities", "retention_token_range_durations_ms",
+    "retention_decode_priority", "retention_decode_duration_ms",
 )
+
+
+# ----------------------------------------------------------------------------- unsupported features
+#
+# Inputs of features this backend does not implement are refused per request (a ValueError naming
+# the input, what is not supported and what may be sent instead), so that nobody gets base-model
+# text back for a request that asked for an adapter, a schema or a prompt table. Only a real use is
+# refused: an absent or empty (size 0) tensor is not "sent", and neither is a value that means
+# "off". A plain request through the ensemble delivers preprocessing's decoder_input_ids ([[pad_id]]
+# per item) and decoder_input_lengths ([[1]]), and prompt_table_extra_ids (0 at every ordinary
+# token) when the client sent prompt_table_extra_id; those pass. Rule per input (refused when):
+#   lora_task_id, lora_weights, lora_config: any element. No task id means "no adapter": the
+#       reference builds a LoRA config for every id sent, and NVIDIA's clients leave it out instead.
+#   prompt_embedding_table: any element. prompt_table_extra_ids: a non-zero id (ids are 1.. per
+#       NVIDIA's clients; 0 marks ordinary tokens). prompt_vocab_size: non-zero.
+#   guided_decoding_guide_type, guided_decoding_guide: a non-empty string.
+#   draft_input_ids, draft_logits, draft_acceptance_threshold: any element (a threshold only says
+#       how to accept draft tokens). lookahead_window_size, lookahead_ngram_size,
+#       lookahead_verification_set_size: any element (the reference refuses them too unless the
+#       model is configured for lookahead, which this backend never is).
+#   decoder_input_ids: an item with 2+ tokens (counted by decoder_input_lengths when given, else the
+#       row width); decoder_input_lengths: a value >= 2. A single token is the decoder start token,
+#       i.e. no decoder prompt (preprocessing sends [[pad_id]] without decoder_text_input; an empty one
+#       gives [BOS] or no token).
+#   encoder_input_features, cross_attention_mask, mrope_rotary_cos_sin: any element.
+#       encoder_output_lengths, mrope_position_deltas: non-zero. skip_cross_attn_blocks: a false
+#       value (true skips cross-attention, which a decoder-only engine does not have anyway).
+#   context_phase_params: any element.
+#   runtime_top_p_decay: other than 1.0 (no decay, TRT-LLM's default). runtime_top_p_min: above the
+#       item's top-p (runtime_top_p; 1.0 when unset or <= 0), since TRT-LLM's per-token update
+#       top_p = max(top_p * decay, top_p_min) would raise it. runtime_top_p_reset_ids: an id >= 0
+#       (-1 is none) in an item whose top-p moves (decay or min refused as above).
+#   beam_search_diversity_rate: non-zero with beam_width > 1 (it has no effect without beams).
+#   retention_*: never; see IGNORED_INPUTS.
+
+def _present(array) -> bool:
+    return array is not None and np.asarray(array).size > 0
+
+
+def non_empty(name):
+    """Used when present with any element: the input has no value that means "off"."""
+    return lambda tensors, batch_size: _present(tensors.get(name))
+
+
+def any_nonzero(name):
+    """Used when some element is non-zero (0 means "none": no id, no size, no shift)."""
+    def used(tensors, batch_size):
+        array = tensors.get(name)
+        return _present(array) and bool(np.any(np.asarray(array) != 0))
+    return used
+
+
+def _text(value) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+def any_text(name):
+    """STRING input: used when some element is a non-empty string ("" means "none")."""
+    def used(tensors, batch_size):
+        array = tensors.get(name)
+        return _present(array) and any(_text(v) != "" for v in np.asarray(array, dtype=object).reshape(-1))
+    return used
+
+
+def any_false(name):
+    """BOOL input whose true value means "off" (skip_cross_attn_blocks: true skips them)."""
+    def used(tensors, batch_size):
+        array = tensors.get(name)
+        return _present(array) and not bool(np.all(np.asarray(array)))
+    return used
+
+
+def _decoder_ids_used(tensors, batch_size):
+    """Some item has a decoder prompt of 2+ tokens (decoder_input_lengths trims padded rows)."""
+    ids = tensors.get("decoder_input_ids")
+    if not _present(ids):
+        return False
+    ids = np.asarray(ids)
+    width = ids.shape[-1] if ids.ndim >= 2 else ids.size
+    lengths = tensors.get("decoder_input_lengths")
+    if _present(lengths):
+        return bool(np.any(np.minimum(np.asarray(lengths).reshape(-1), width) >= 2))
+    return width >= 2
+
+
+def _decoder_lengths_used(tensors, batch_size):
+    lengths = tensors.get("decoder_input_lengths")
+    return _present(lengths) and bool(np.any(np.asarray(lengths) >= 2))
+
+
+def _rows(tensors, name, batch_size):
+    """Per-row values of a scalar input (None rows when absent); reference text on a bad size."""
+    return [read_scalar(tensors, name, batch_size, row) for row in range(batch_size)]
+
+
+def _initial_top_p(tensors, batch_size):
+    # runtime_top_p <= 0 counts as unset (as in _sampling): no top-p filter, i.e. 1.0
+    return [1.0 if p is None or p <= 0 else p for p in _rows(tensors, "runtime_top_p", batch_size)]
+
+
+def _top_p_moves(tensors, batch_size):
+    """Per item: would TRT-LLM's top-p update change top-p during generation?"""
+    decay = _rows(tensors, "runtime_top_p_decay", batch_size)
+    floor = _rows(tensors, "runtime_top_p_min", batch_size)
+    initial = _initial_top_p(tensors, batch_size)
+    return [(d is not None and d != 1.0) or (m is not None and m > p)
+            for d, m, p in zip(decay, floor, initial)]
+
+
+def _top_p_decay_used(tensors, batch_size):
+    return any(d is not None and d != 1.0 for d in _rows(tensors, "runtime_top_p_decay", batch_size))
+
+
+def _top_p_min_used(tensors, batch_size):
+    floor = _rows(tensors, "runtime_top_p_min", batch_size)
+    return any(m is not None and m > p for m, p in zip(floor, _initial_top_p(tensors, batch_size)))
+
+
+def _top_p_reset_ids_used(tensors, batch_size):
+    reset = _rows(tensors, "runtime_top_p_reset_ids", batch_size)
+    return any(r is not None and r >= 0 and moves
+               for r, moves in zip(reset, _top_p_moves(tensors, batch_size)))
+
+
+def _diversity_used(tensors, batch_size):
+    rate = _rows(tensors, "beam_search_diversity_rate", batch_size)
+    width = _rows(tensors, "beam_width", batch_size)
+    return any(r is not None and r != 0 and (w or 1) > 1 for r, w in zip(rate, width))
+
+
+@dataclass(frozen=True)
+class UnsupportedFeature:
+    """A feature this backend does not have, the inputs that request it and the rule for each."""
+
+    what: str  # "<what> not supported by this backend"
+    allowed: str  # what the client may send instead
+    inputs: Mapping[str, Any]  # input name -> used(tensors, batch_size) -> bool
+
+    def check(self, tensors: Mapping[str, np.ndarray], batch_size: int) -> None:
+        used = [name for name, rule in self.inputs.items()
+                if name in tensors and rule(tensors, batch_size)]
+        if used:
+            raise ValueError(f"{', '.join(used)}: {self.what} not supported by this backend; "
+                             f"{self.allowed}")
+
+
+def without(*names: str) -> str:
+    return "send the request without " + "/".join(names)
+
+
+UNSUPPORTED_FEATURES = (
+    UnsupportedFeature(
+        "LoRA adapters are", without("lora_task_id", "lora_weights", "lora_config"),
+        {"lora_task_id": non_empty("lora_task_id"), "lora_weights": non_empty("lora_weights"),
+         "lora_config": non_empty("lora_config")}),
+    UnsupportedFeature(
+        "prompt tuning (prompt embedding tables) is",
+        without("prompt_embedding_table", "prompt_table_extra_ids", "prompt_vocab_size")
+        + " (an empty table, extra ids 0 and prompt_vocab_size 0 are accepted)",
+        {"prompt_embedding_table": non_empty("prompt_embedding_table"),
+         "prompt_table_extra_ids": any_nonzero("prompt_table_extra_ids"),
+         "prompt_vocab_size": any_nonzero("prompt_vocab_size")}),
+    UnsupportedFeature(
+        "guided decoding (JSON, JSON schema, regex, grammar) is",
+        without("guided_decoding_guide_type", "guided_decoding_guide")
+        + " (empty strings are accepted)",
+        {"guided_decoding_guide_type": any_text("guided_decoding_guide_type"),
+         "guided_decoding_guide": any_text("guided_decoding_guide")}),
+    UnsupportedFeature(
+        "speculative decoding with draft tokens is",
+        without("draft_input_ids", "draft_logits", "draft_acceptance_threshold")
+        + " (empty tensors are accepted)",
+        {"draft_input_ids": non_empty("draft_input_ids"), "draft_logits": non_empty("draft_logits"),
+         "draft_acceptance_threshold": non_empty("draft_acceptance_threshold")}),
+    UnsupportedFeature(
+        "lookahead decoding is",
+        without("lookahead_window_size", "lookahead_ngram_size", "lookahead_verification_set_size"),
+        {name: non_empty(name) for name in
+         ("lookahead_window_size", "lookahead_ngram_size", "lookahead_verification_set_size")}),
+    UnsupportedFeature(
+        "encoder-decoder models are",
+        "the engine is decoder-only and the prompt goes in input_ids; send at most one decoder "
+        "token per item (the start token preprocessing sends when there is no decoder_text_input) "
+        "or leave decoder_input_ids/decoder_input_lengths out",
+        {"decoder_input_ids": _decoder_ids_used, "decoder_input_lengths": _decoder_lengths_used}),
+    UnsupportedFeature(
+        "encoder and multimodal inputs (encoder features, cross-attention, mrope) are",
+        without("encoder_input_features", "encoder_output_lengths", "cross_attention_mask",
+                 "skip_cross_attn_blocks", "mrope_rotary_cos_sin", "mrope_position_deltas")
+        + " (empty tensors, encoder_output_lengths 0, skip_cross_attn_blocks true and "
+          "mrope_position_deltas 0 are accepted)",
+        {"encoder_input_features": non_empty("encoder_input_features"),
+         "encoder_output_lengths": any_nonzero("encoder_output_lengths"),
+         "cross_attention_mask": non_empty("cross_attention_mask"),
+         "skip_cross_attn_blocks": any_false("skip_cross_attn_blocks"),
+         "mrope_rotary_cos_sin": non_empty("mrope_rotary_cos_sin"),
+         "mrope_position_deltas": any_nonzero("mrope_position_deltas")}),
+    UnsupportedFeature(
+        "disaggregated serving (context/generation phase split) is", without("context_phase_params"),
+        {"context_phase_params": non_empty("context_phase_params")}),
+    UnsupportedFeature(
+        "top-p decay is",
+        "send runtime_top_p_decay 1.0, runtime_top_p_min no larger than runtime_top_p and "
+        "runtime_top_p_reset_ids -1, or leave them out",
+        {"runtime_top_p_decay": _top_p_decay_used, "runtime_top_p_min": _top_p_min_used,
+         "runtime_top_p_reset_ids": _top_p_reset_ids_used}),
+    UnsupportedFeature(
+        "diverse beam search is",
+        "send beam_search_diversity_rate 0 or leave it out (any value is accepted with beam_width 1)",
+        {"beam_search_diversity_rate": _diversity_used}),
+)
+UNSUPPORTED_INPUTS = tuple(name for feature in UNSUPPORTED_FEATURES for name in feature.inputs)
+
+
+def refuse_unsupported(tensors: Mapping[str, np.ndarray], batch_size: int,
+                       features=UNSUPPORTED_FEATURES) -> None:
+    """Raise ValueError naming the inputs of the first feature the request really uses."""
+    for feature in features:
+        feature.check(tensors, batch_size)
 
 
 @dataclass
@@ -178,6 +391,7 @@ def convert_request(tensors: Mapping[str, np.ndarray], *, decoupled: bool,
 
     `max_input_len` is the engine's prompt limit (the executor checks the other limits)."""
     batch_size = batch_size_of(tensors)
+    refuse_unsupported(tensors, batch_size)
     return [convert_row(tensors, row, batch_size, decoupled=decoupled,
                         exclude_input_default=exclude_input_default, max_input_len=max_input_len)
             for row in range(batch_size)]

@@ -87,9 +87,13 @@ def test_prompt_longer_than_max_input_len_is_rejected():
     assert len(convert_request(minimal(), decoupled=False, max_input_len=3)) == 1
 
 
-def test_ignored_inputs_are_accepted():
+def test_retention_hints_are_ignored_and_unsupported_features_refused():
+    # only the KV-cache retention hints are accepted and ignored (test_unsupported_inputs.py has
+    # the rule of every refused input)
     tensors = minimal(**{name: np.zeros((1, 1), np.int32) for name in IGNORED_INPUTS})
-    assert len(convert_request(tensors, decoupled=False)) == 1
+    assert convert_request(tensors, decoupled=False) == convert_request(minimal(), decoupled=False)
+    with pytest.raises(ValueError, match="^lora_task_id: LoRA adapters are not supported by this backend"):
+        convert_request(minimal(lora_task_id=np.array([[1]], np.uint64)), decoupled=False)
 
 
 def test_stop_detection_and_error_wrapping():
