@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from serving.cancellation import REQUEST_KEY_OUTPUT, key_from_stop_id
 from serving.metrics import RequestLatency, generated_token_count
 from serving.requests import RequestSpec
 from serving.responses import result_tensors, stack_responses
@@ -31,6 +32,7 @@ class Send:
     tensors: dict[str, np.ndarray] | None = None
     error: str | None = None
     final: bool = False
+    key: int = -1  # the Triton request's key (InflightRequests.cancel_key after a failed send)
 
 
 @dataclass
@@ -52,7 +54,7 @@ class TritonRequest:
     live_exec_ids: set[int] = field(default_factory=set)
     final_tensors: list[dict[str, np.ndarray]] = field(default_factory=list)  # non-decoupled
     errors: list[str] = field(default_factory=list)  # non-decoupled
-    cancelled: bool = False
+    cancelled: bool = False  # the client is gone or cancelled: only the FINAL response is still sent
 
 
 @dataclass
@@ -94,14 +96,32 @@ class InflightRequests:
         triton = self.by_user_id.get(user_id)
         return sorted(triton.live_exec_ids) if triton else []
 
+    def stop(self, user_id: str) -> list[int]:
+        """A stop request: the executor ids to cancel for the live request with this id (a user's
+        request id, or `stop_id_for_key(key)` from the postprocessing step of a gone client)."""
+        key = key_from_stop_id(user_id)
+        if key is not None:
+            return self.cancel_key(key)
+        return self.exec_ids_for_user(user_id)
+
     def newly_cancelled(self) -> list[int]:
         """Executor ids of Triton requests whose client cancelled since the last call."""
         ids = []
-        for triton in self.triton_requests.values():
+        for triton in list(self.triton_requests.values()):
             if not triton.cancelled and _is_cancelled(triton.sender):
-                triton.cancelled = True
-                ids.extend(triton.live_exec_ids)
+                ids.extend(self.cancel_key(triton.key))
         return ids
+
+    def cancel_key(self, key: int) -> list[int]:
+        """Mark the Triton request with this key as gone (client hung up, cancelled, or a send to
+        it failed); returns the executor ids to cancel, once ([] if unknown or already marked).
+        Its remaining non-final responses are dropped; the FINAL one is still sent, because Triton
+        releases a request (and an ensemble its in-flight count) only on it."""
+        triton = self.triton_requests.get(key)
+        if triton is None or triton.cancelled:
+            return []
+        triton.cancelled = True
+        return sorted(triton.live_exec_ids)
 
     def on_response(self, response: Any) -> tuple[list[Send], list[Finished]]:
         exec_request = self.by_exec_id.get(response.request_id)
@@ -118,9 +138,10 @@ class InflightRequests:
         finished = self._finish(response.request_id, exec_request, error=True)
         done = not triton.live_exec_ids
         if self.decoupled:
-            return [Send(triton.sender, error=response.error, final=done)], [finished]
+            return [Send(triton.sender, error=response.error, final=done, key=triton.key)], [finished]
         triton.errors.append(response.error)
-        return ([Send(triton.sender, error="; ".join(triton.errors), final=True)] if done else []), [finished]
+        return ([Send(triton.sender, error="; ".join(triton.errors), final=True, key=triton.key)]
+                if done else []), [finished]
 
     def _on_result(self, exec_request: ExecRequest, response) -> tuple[list[Send], list[Finished]]:
         result, spec, triton = response.result, exec_request.spec, exec_request.triton
@@ -135,23 +156,25 @@ class InflightRequests:
             if exec_request.streams_left == 0:
                 exec_request.latency.use_perf(getattr(result, "perf", None))
                 finished.append(self._finish(response.request_id, exec_request))
-        if tokens is None and not result.is_final:
-            return [], finished  # everything in this chunk is held back
+        done = not triton.live_exec_ids
+        if not done and (triton.cancelled or tokens is None and not result.is_final):
+            return [], finished  # nobody to send to, or everything in this chunk is held back
         tensors = result_tensors(
             result, batch_index=spec.batch_index, batch_size=triton.batch_size,
             num_return_sequences=spec.num_return_sequences,
             want_perf=spec.output.get("return_perf_metrics", False),
             logits_dtype=self._logits_dtype, output_token_ids=tokens)
-        done = not triton.live_exec_ids
+        tensors[REQUEST_KEY_OUTPUT] = np.array([[triton.key]], dtype=np.uint64)
         if self.decoupled:
-            return [Send(triton.sender, tensors=tensors, final=done)], finished
+            return [Send(triton.sender, tensors=tensors, final=done, key=triton.key)], finished
         if result.is_final:
             triton.final_tensors.append(tensors)
         if not done:
             return [], finished
         if triton.errors:
-            return [Send(triton.sender, error="; ".join(triton.errors), final=True)], finished
-        return [Send(triton.sender, tensors=stack_responses(triton.final_tensors), final=True)], finished
+            return [Send(triton.sender, error="; ".join(triton.errors), final=True, key=triton.key)], finished
+        return [Send(triton.sender, tensors=stack_responses(triton.final_tensors), final=True,
+                     key=triton.key)], finished
 
     def _tokens_to_send(self, exec_request: ExecRequest, result) -> list[list[int]] | None:
         """The beams' tokens to send now; None when a non-final chunk is entirely held back."""

@@ -182,7 +182,7 @@ class TritonPythonModel:
             self._send_error(sender, MISSING_STOP_ID)
             return
         with self.lock:
-            exec_ids = self.inflight.exec_ids_for_user(user_id)
+            exec_ids = self.inflight.stop(user_id)
         for exec_id in exec_ids:
             self.executor.cancel_request(exec_id)
         sender.send(pb_utils.InferenceResponse(output_tensors=[]), flags=FINAL)
@@ -261,8 +261,13 @@ class TritonPythonModel:
                 output_tensors=[pb_utils.Tensor(name, value) for name, value in send.tensors.items()])
         try:
             send.sender.send(response, flags=FINAL if send.final else 0)
-        except Exception as error:  # e.g. the client went away; the model keeps serving
-            pb_utils.Logger.log_warn(f"tensorrt_llm: could not send a response: {error}")
+        except Exception as error:  # the client is gone: stop generating for it
+            with self.lock:
+                exec_ids = self.inflight.cancel_key(send.key)
+            for exec_id in exec_ids:
+                self.executor.cancel_request(exec_id)
+            if exec_ids:
+                pb_utils.Logger.log_verbose(f"tensorrt_llm: a send failed ({error}); request cancelled")
 
     def _poll_cancellation(self):
         while self.running:

@@ -8,6 +8,7 @@ stop generation. Glue only: the rules live in serving/bls.py.
 import json
 import os
 import sys
+import threading
 import uuid
 
 import numpy as np
@@ -18,11 +19,13 @@ if os.environ.get("TRITONLLM_ROOT"):  # a source checkout not installed into the
 from serving.bls import (LLM_INPUTS_FROM_PREPROCESSING, LLM_INPUTS_FROM_REQUEST,  # noqa: E402
                          PASS_THROUGH_OUTPUTS, PREPROCESSING_INPUTS, StreamText, validate,
                          with_batch_dim)
+from serving.cancellation import stop_request_inputs  # noqa: E402
 from serving.params import get_parameter, model_parameters  # noqa: E402
 from serving.responses import pad_beams, stack_responses  # noqa: E402
 from serving.text import string_rows, to_str  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+CANCELLATION_CHECK_PERIOD_S = 0.1
 
 
 def _numpy(tensor):
@@ -58,8 +61,8 @@ class TritonPythonModel:
             try:
                 self._serve(request, sender)
             except Exception as error:  # this request fails; the model keeps serving
-                sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(error))),
-                            flags=FINAL)
+                self._send_final(sender, pb_utils.InferenceResponse(
+                    output_tensors=[], error=pb_utils.TritonError(str(error))))
         return None
 
     # ----------------------------------------------------------------------------- pipeline
@@ -79,26 +82,58 @@ class TritonPythonModel:
         queries = [row[0] for row in string_rows(tensors["text_input"])]
         streams = {}
         finals = []
-        stop_sent = False
-        for llm_out in self._call_llm(llm_inputs, llm_request_id):
-            if "output_ids" not in llm_out:
-                continue
-            out = self._postprocess(llm_out, streams, stop_words, queries, stream)
-            if out is None:
-                continue
-            if stream:
-                if not sender.is_cancelled():
-                    sender.send(pb_utils.InferenceResponse(output_tensors=self._tensors(out)))
-                if not stop_sent and (sender.is_cancelled() or self._all_stopped(streams, batch_size)):
-                    self._stop_llm(llm_request_id)  # nothing more will be sent for this request
-                    stop_sent = True
-            else:
-                finals.append(out)
+        stopper = _LlmStopper(lambda: self._stop_llm(llm_request_id))
+        # A client that hangs up (or cancels) between chunks, or during a unary call that sends
+        # nothing until the end, is seen by this watcher within one check period.
+        watcher = threading.Thread(target=self._watch_cancellation, args=(sender, stopper),
+                                   daemon=True, name="bls-cancellation")
+        watcher.start()
+        try:
+            for llm_out in self._call_llm(llm_inputs, llm_request_id):
+                if "output_ids" not in llm_out or stopper.client_gone:
+                    continue  # drain: tensorrt_llm ends the request within a step of the stop
+                out = self._postprocess(llm_out, streams, stop_words, queries, stream)
+                if out is None:
+                    continue
+                if stream:
+                    self._send(sender, pb_utils.InferenceResponse(output_tensors=self._tensors(out)))
+                    if self._all_stopped(streams, batch_size):
+                        stopper.stop()  # nothing more will be sent for this request
+                else:
+                    finals.append(out)
+        finally:
+            stopper.finish()
         if stream:
-            sender.send(flags=FINAL)
+            self._send_final(sender, None)
         else:
-            sender.send(pb_utils.InferenceResponse(output_tensors=self._tensors(stack_responses(finals))),
-                        flags=FINAL)
+            self._send_final(sender, pb_utils.InferenceResponse(
+                output_tensors=self._tensors(stack_responses(finals))))
+
+    @staticmethod
+    def _watch_cancellation(sender, stopper):
+        while not stopper.finished.wait(CANCELLATION_CHECK_PERIOD_S):
+            if sender.is_cancelled():
+                stopper.client_gone = True
+                stopper.stop()
+                return
+
+    @staticmethod
+    def _send(sender, response):
+        try:
+            sender.send(response)
+        except Exception:  # the client is gone; the watcher stops the generation
+            pass
+
+    @staticmethod
+    def _send_final(sender, response):
+        """Always attempted: Triton releases the request only on its FINAL response."""
+        try:
+            if response is None:
+                sender.send(flags=FINAL)
+            else:
+                sender.send(response, flags=FINAL)
+        except Exception as error:
+            pb_utils.Logger.log_verbose(f"tensorrt_llm_bls: final response not delivered: {error}")
 
     def _llm_inputs(self, tensors, batch_size, stream):
         pre_inputs = {PREPROCESSING_INPUTS[name]: value for name, value in tensors.items()
@@ -179,14 +214,34 @@ class TritonPythonModel:
             yield response_tensors(response)
 
     def _stop_llm(self, request_id):
-        inputs = {"input_ids": np.zeros((1, 1), np.int32), "input_lengths": np.zeros((1, 1), np.int32),
-                  "request_output_len": np.zeros((1, 1), np.int32), "stop": np.ones((1, 1), np.bool_)}
         request = pb_utils.InferenceRequest(
             model_name=self.llm_name, requested_output_names=["output_ids"], request_id=request_id,
-            inputs=[pb_utils.Tensor(name, value) for name, value in inputs.items()])
+            inputs=[pb_utils.Tensor(name, value) for name, value in stop_request_inputs().items()])
         responses = request.exec(decoupled=True) if self.decoupled else [request.exec()]
         for _ in responses:
             pass
 
     def finalize(self):
         pass
+
+
+class _LlmStopper:
+    """Sends the stop request for one tensorrt_llm request at most once, from either the serving
+    thread (stop words matched) or the cancellation watcher (client gone)."""
+
+    def __init__(self, send_stop):
+        self._send_stop = send_stop
+        self._lock = threading.Lock()
+        self.stopped = False
+        self.client_gone = False
+        self.finished = threading.Event()  # the request is over: the watcher ends
+
+    def stop(self):
+        with self._lock:
+            if self.stopped or self.finished.is_set():
+                return
+            self.stopped = True
+        self._send_stop()
+
+    def finish(self):
+        self.finished.set()
