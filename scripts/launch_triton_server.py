@@ -90,9 +90,14 @@ def rank_arguments(rank: int, args: argparse.Namespace, install: ServerInstall) 
         cmd.append(f"--backend-directory={install.backend_dir}")
     if rank == 0 and args.log:
         cmd += ["--log-verbose=3", f"--log-file={args.log_file}"]
-    if rank != 0:
-        # Non-leader ranks load only the LLM model(s); they block inside its initialize.
-        cmd.append("--model-control-mode=explicit")
+    # Explicit model control, every model still loaded at start: the tensorrt_llm model can then
+    # unload and load itself, to restart a dead engine process (not ready meanwhile) or to report
+    # a lost rank as not ready. Non-leader ranks load only the LLM model(s); they block inside its
+    # initialize.
+    cmd.append("--model-control-mode=explicit")
+    if rank == 0:
+        cmd.append("--load-model=*")
+    else:
         cmd += [f"--load-model={name}" for name in args.tensorrt_llm_model_name.split(",")]
     if rank == 0 and args.multimodal_gpu0_cuda_mem_pool_bytes != 0:
         cmd.append(f"--cuda-memory-pool-byte-size=0:{args.multimodal_gpu0_cuda_mem_pool_bytes}")
@@ -146,9 +151,7 @@ def leader_mode_arguments(args: argparse.Namespace, install: ServerInstall) -> l
     for name in RANK_ENV_VARS + tuple(n for n in OPTIONAL_RANK_ENV_VARS if n in os.environ):
         cmd += ["-x", name]
     worker = [sys.executable, "-m", "engine.worker", f"--engine_dir={args.engine_dir}"]
-    # Explicit model control (every model still loads at start) lets the tensorrt_llm model unload
-    # itself after a rank failure, so that it and the ensemble report not ready.
-    leader = [*rank_arguments(0, args, install), "--model-control-mode=explicit", "--load-model=*"]
+    leader = rank_arguments(0, args, install)
     return cmd + ["-n", "1", *leader, ":", "-n", str(args.world_size - 1), *worker]
 
 

@@ -190,8 +190,16 @@ class EngineProcess:
                 if message[2] is not None and self._failure is None:
                     self._failure = message[2]
         if not self._stopping:
-            code = self._process.poll()
-            self._on_engine_lost(reason + (f" with code {code}" if code is not None and reason.endswith("exited") else ""))
+            if reason.endswith("exited"):
+                reason += _exit_description(self._wait_briefly())
+            self._on_engine_lost(reason)
+
+    def _wait_briefly(self) -> int | None:
+        """The exit code once the process is reaped (its socket closes a moment before)."""
+        try:
+            return self._process.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            return None
 
     def _track_finals(self, responses: list[Response]) -> None:
         with self._open_lock:
@@ -206,7 +214,7 @@ class EngineProcess:
 
     def _on_engine_lost(self, reason: str) -> None:
         if self._failure is None:
-            self._failure = f"{reason}; the model cannot serve until it is reloaded"
+            self._failure = f"{reason}; the requests it was serving failed"
         with self._open_lock:
             ids = list(self._open)
         self._fail_open(ids)
@@ -269,6 +277,17 @@ def unpack_responses(packed: list[tuple]) -> list[Response]:
             result._streaming_delta = True  # lets the client's ResponseQueue merge deltas (output.py)
         responses.append(Response(request_id, error, result))
     return responses
+
+
+def _exit_description(code: int | None) -> str:
+    if code is None:
+        return ""
+    if code < 0:
+        try:
+            return f" (killed by {signal.Signals(-code).name})"
+        except ValueError:
+            return f" (killed by signal {-code})"
+    return f" with code {code}"
 
 
 def send_message(conn: Connection, lock: threading.Lock, message) -> None:

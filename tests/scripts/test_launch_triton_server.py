@@ -25,7 +25,9 @@ def test_single_rank_without_mpi():
     assert cmd[-2:] == ["--disable-auto-complete-config",
                         "--backend-config=python,shm-region-prefix-name=prefix0_"]
     assert ":" not in cmd and "mpirun" not in cmd
-    assert not any(c.startswith("--load-model") or c.startswith("--log") for c in cmd)
+    assert not any(c.startswith("--log") for c in cmd)
+    # every model loads at start; explicit control lets tensorrt_llm reload itself after an engine death
+    assert "--model-control-mode=explicit" in cmd and "--load-model=*" in cmd
 
 
 def test_no_mpi_requires_world_size_one():

@@ -6,7 +6,14 @@ where the FINAL flag goes: serving/inflight.py; metric math: serving/metrics.py.
 Threads: `execute` converts and enqueues, then returns at once (responses always go through
 each request's response sender, decoupled or not). One thread forwards executor responses, one
 polls client cancellation every `cancellation_check_period_ms`, one publishes iteration stats
-every `stats_check_period_ms`. A lock guards the shared bookkeeping.
+every `stats_check_period_ms` (and notices a dead engine). A lock guards the shared bookkeeping.
+
+A dead engine process (killed, out of memory, a crash in a kernel): its in-flight requests get an
+error at once (EngineProcess), then this model unloads itself and, from `finalize`, loads itself
+again, so Triton reports it (and the ensemble) not ready until a fresh engine process is up. The
+reload carries the restart count in the `engine_restarts` parameter, shown by the
+`tritonllm_engine_restarts_total` counter. Needs --model-control-mode=explicit (the launcher
+always sets it). In leader mode a lost rank unloads the model (not ready) for good.
 """
 import json
 import os
@@ -28,6 +35,7 @@ from serving.requests import (MISSING_STOP_ID, conversion_error_message, convert
                               is_stop_request, to_executor_request)
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+RESTARTS_PARAMETER = "engine_restarts"  # set by the model's own reload after an engine death
 
 
 def read_inputs(request, names):
@@ -49,10 +57,17 @@ def read_inputs(request, names):
 class TritonMetrics:
     """The model's custom metric families: gauges from iteration stats, per-request histograms."""
 
-    def __init__(self, model_name, model_version, static_batching=False):
+    def __init__(self, model_name, model_version, static_batching=False, restarts=0):
         labels = {"model": model_name, "version": model_version}
         self.static_batching = static_batching
         self.families = []  # kept alive: a family must outlive its metrics
+        restarts_family = pb_utils.MetricFamily(
+            name="tritonllm_engine_restarts_total", kind=pb_utils.MetricFamily.COUNTER,
+            description="Times the engine process died and this model restarted it")
+        self.families.append(restarts_family)
+        self.restarts = restarts_family.Metric(labels=labels)
+        if restarts:
+            self.restarts.increment(restarts)  # the count survives the model's own reload
         self.gauges = {}
         for family_name, description, category, getters in gauge_specs(static_batching):
             family = pb_utils.MetricFamily(name=family_name, description=description,
@@ -93,6 +108,8 @@ class TritonPythonModel:
         self.model_config = json.loads(args["model_config"])
         self.model_name = args["model_name"]
         params = model_parameters(self.model_config)
+        self.restarts = get_parameter(params, RESTARTS_PARAMETER, int) or 0
+        self.restart_requested = False
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(self.model_config)
         self.input_names = [tensor["name"] for tensor in self.model_config["input"]]
         settings = executor_settings(params, self.model_config)
@@ -120,7 +137,10 @@ class TritonPythonModel:
                                          logits_dtype=logits_dtype)
         self.lock = threading.Lock()
         self.metrics = TritonMetrics(args["model_name"], args["model_version"],
-                                     static_batching=settings.get("batching_type") == "static")
+                                     static_batching=settings.get("batching_type") == "static",
+                                     restarts=self.restarts)
+        if self.restarts:
+            pb_utils.Logger.log_info(f"tensorrt_llm: engine process restarted ({self.restarts} restarts); serving")
         self.running = True
         self.warned = set()
         self._start_server_watchdog()
@@ -280,7 +300,7 @@ class TritonPythonModel:
     def _publish_stats(self):
         while self.running:
             time.sleep(self.stats_period)
-            self._unload_if_ranks_failed()
+            self._recover_if_engine_failed()
             try:
                 stats = self.executor.get_latest_iteration_stats()
                 if stats is not None:
@@ -288,23 +308,43 @@ class TritonPythonModel:
             except Exception as error:
                 self._warn_once(f"tensorrt_llm: could not publish stats: {error}")
 
-    def _unload_if_ranks_failed(self):
-        """Once the executor cannot serve (a lost rank in leader mode, a dead engine process; every
-        request now fails with that error), unload this model so that it, and the ensemble using
-        it, report not ready.
-        Needs --model-control-mode=explicit, which the launcher sets for --world_size > 1."""
+    def _recover_if_engine_failed(self):
+        """Once the executor cannot serve (a dead engine process, a lost rank in leader mode; its
+        requests have already failed with that error), unload this model, so that it and the
+        ensemble report not ready; after an engine process death, `finalize` loads it again."""
         failure = self.executor.failure
-        if failure is None or getattr(self, "unload_requested", False):
+        if failure is None or self.restart_requested:
             return
-        self.unload_requested = True
-        pb_utils.Logger.log_error(f"tensorrt_llm: {failure}; unloading the model (not ready)")
-        threading.Thread(target=self._unload_self, daemon=True, name="unload-on-rank-failure").start()
+        self.restart_requested = True
+        self.restartable = self._leader_mode_world_size() == 1
+        action = "restarting the engine process" if self.restartable else "unloading the model (not ready)"
+        pb_utils.Logger.log_error(f"tensorrt_llm: {failure}; {action}")
+        threading.Thread(target=self._unload_self, daemon=True, name="unload-on-engine-failure").start()
+
+    @staticmethod
+    def _leader_mode_world_size():
+        from engine.distributed import rank_info_from_env
+
+        return rank_info_from_env().world_size
 
     def _unload_self(self):
         try:
             pb_utils.unload_model(self.model_name)
-        except Exception as error:  # e.g. not in explicit model-control mode
-            pb_utils.Logger.log_warn(f"tensorrt_llm: could not unload after the rank failure: {error}")
+        except Exception as error:  # not in explicit model-control mode: requests keep failing clearly
+            pb_utils.Logger.log_error(
+                f"tensorrt_llm: could not unload itself to restart the engine ({error}); start "
+                "tritonserver with --model-control-mode=explicit --load-model=* (the launcher does)")
+
+    def _reload_self(self):
+        """Called from `finalize` after an engine death: load this model again (a fresh engine
+        process in `initialize`); Triton reports it not ready until that load completes."""
+        config = json.loads(json.dumps(self.model_config))
+        config.setdefault("parameters", {})[RESTARTS_PARAMETER] = {"string_value": str(self.restarts + 1)}
+        try:
+            pb_utils.load_model(self.model_name, config=json.dumps(config))
+        except Exception as error:
+            pb_utils.Logger.log_error(f"tensorrt_llm: could not load itself again after the engine "
+                                      f"died: {error}")
 
     def _start_server_watchdog(self):
         """Kill this stub if tritonserver dies (killed, or its exit timeout expired with requests in
@@ -337,3 +377,5 @@ class TritonPythonModel:
         for thread in self.threads:
             thread.join(timeout=5)
         self.executor.shutdown()
+        if self.restart_requested and self.restartable:
+            self._reload_self()
