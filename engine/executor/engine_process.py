@@ -321,12 +321,17 @@ def serve(conn: Connection) -> int:
     def send(message) -> None:
         send_message(conn, send_lock, message)
 
+    def send_responses(responses) -> None:
+        # Results hold host tensors only (the executor moves logits to the CPU), so unpickling them
+        # never starts CUDA in the client.
+        try:
+            send(("responses", pack_responses(responses)))
+        except OSError:  # the client is gone: the loop below reads EOF and shuts down in order
+            pass
+
     _, engine_dir, config, device = receive_message(conn)
     try:
-        executor = Executor(engine_dir, config, device=device,
-                            # Results hold host tensors only (the executor moves logits to the CPU),
-                            # so unpickling them never starts CUDA in the client.
-                            response_callback=lambda responses: send(("responses", pack_responses(responses))))
+        executor = Executor(engine_dir, config, device=device, response_callback=send_responses)
     except Exception as err:
         send(("failed", f"{type(err).__name__}: {err}"))
         return 1
@@ -373,9 +378,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="the engine process of EngineProcess (started by it)")
     parser.add_argument("--fd", type=int, required=True, help="this end of the client's socketpair")
     args = parser.parse_args(argv)
-    # Ctrl-C reaches the whole process group; this process ends when its client says so or goes
-    # away (the server's own shutdown unloads the model, which shuts this down in order).
+    # Ctrl-C reaches the whole process group, and mpirun's SIGTERM every process of the job; this
+    # process ends when its client says so or goes away (the server's own shutdown unloads the
+    # model, which shuts this down in order). Dying on the signal instead would look like a crash
+    # to the model, which would then restart it in the middle of the shutdown.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     code = serve(Connection(args.fd))
     sys.stdout.flush()
     sys.stderr.flush()

@@ -19,6 +19,7 @@ if os.environ.get("TRITONLLM_ROOT"):  # a source checkout not installed into the
 from serving.cancellation import (REQUEST_KEY_INPUT, ReportedKeys, stop_id_for_key,  # noqa: E402
                                   stop_request_inputs)
 from serving.params import get_parameter, model_parameters  # noqa: E402
+from serving.stub_watchdog import start_server_watchdog  # noqa: E402
 from serving.text import decode_batch  # noqa: E402
 from serving.tokenization import load_tokenizer  # noqa: E402
 
@@ -38,6 +39,7 @@ class TritonPythonModel:
         self.tokenizer = load_tokenizer(tokenizer_dir)
         self.llm_name = get_parameter(params, "tensorrt_llm_model_name", str) or "tensorrt_llm"
         self.reported = ReportedKeys()
+        start_server_watchdog()  # this stub waits inside BLS calls
 
     def execute(self, requests):
         responses = []

@@ -17,7 +17,6 @@ always sets it). In leader mode a lost rank unloads the model (not ready) for go
 """
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -33,6 +32,7 @@ from serving.metrics import HISTOGRAMS, gauge_specs, gauge_values  # noqa: E402
 from serving.params import get_parameter, model_parameters  # noqa: E402
 from serving.requests import (MISSING_STOP_ID, conversion_error_message, convert_request,  # noqa: E402
                               is_stop_request, to_executor_request)
+from serving.stub_watchdog import start_server_watchdog  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 RESTARTS_PARAMETER = "engine_restarts"  # set by the model's own reload after an engine death
@@ -143,7 +143,7 @@ class TritonPythonModel:
             pb_utils.Logger.log_info(f"tensorrt_llm: engine process restarted ({self.restarts} restarts); serving")
         self.running = True
         self.warned = set()
-        self._start_server_watchdog()
+        start_server_watchdog()
         self._profiler = self._start_profiling() if os.environ.get("TRITONLLM_PROFILE_DIR") else None
         self.threads = [threading.Thread(target=loop, daemon=True, name=loop.__name__)
                         for loop in (self._forward_responses, self._poll_cancellation, self._publish_stats)]
@@ -330,6 +330,7 @@ class TritonPythonModel:
     def _unload_self(self):
         try:
             pb_utils.unload_model(self.model_name)
+            self.reload_in_finalize = self.restartable  # not when the server itself is stopping
         except Exception as error:  # not in explicit model-control mode: requests keep failing clearly
             pb_utils.Logger.log_error(
                 f"tensorrt_llm: could not unload itself to restart the engine ({error}); start "
@@ -346,27 +347,6 @@ class TritonPythonModel:
             pb_utils.Logger.log_error(f"tensorrt_llm: could not load itself again after the engine "
                                       f"died: {error}")
 
-    def _start_server_watchdog(self):
-        """Kill this stub if tritonserver dies (killed, or its exit timeout expired with requests in
-        flight): the stub is not told, and would keep generating for nobody, forever.
-
-        The watchdog is a separate shell process, not a thread: once the server is gone, a thread
-        that calls into it (publishing a metric) blocks inside the backend's IPC while holding the
-        GIL, so no Python thread of this process runs again. The loop ends by itself when the stub
-        exits normally (its /proc entry disappears, or the pid now names another process) and kills
-        nothing then.
-        """
-        stub, server = os.getpid(), os.getppid()
-        with open("/proc/self/stat") as stat:
-            started = stat.read().rsplit(")", 1)[1].split()[19]  # field 22: start time, tells pid reuse apart
-        # /proc/<stub>/stat fields 4 and 22 (the stub's name has no spaces): "<parent> <start time>".
-        script = (f"while s=$(cut -d' ' -f4,22 /proc/{stub}/stat 2>/dev/null); do case \"$s\" in "
-                  f"'{server} {started}') sleep 1 ;; "
-                  f"*' {started}') kill -9 {stub}; exit 0 ;; "
-                  f"*) exit 0 ;; esac; done")
-        subprocess.Popen(["/bin/sh", "-c", script], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL, start_new_session=True)
-
     def _warn_once(self, message):
         if message not in self.warned:
             self.warned.add(message)
@@ -377,5 +357,5 @@ class TritonPythonModel:
         for thread in self.threads:
             thread.join(timeout=5)
         self.executor.shutdown()
-        if self.restart_requested and self.restartable:
+        if getattr(self, "reload_in_finalize", False):
             self._reload_self()

@@ -21,6 +21,7 @@ from serving.bls import (LLM_INPUTS_FROM_PREPROCESSING, LLM_INPUTS_FROM_REQUEST,
                          with_batch_dim)
 from serving.cancellation import stop_request_inputs  # noqa: E402
 from serving.params import get_parameter, model_parameters  # noqa: E402
+from serving.stub_watchdog import start_server_watchdog  # noqa: E402
 from serving.responses import pad_beams, stack_responses  # noqa: E402
 from serving.text import string_rows, to_str  # noqa: E402
 
@@ -54,6 +55,7 @@ class TritonPythonModel:
             pb_utils.Logger.log_warn("tensorrt_llm_bls: speculative decoding is not supported; "
                                      "tensorrt_llm_draft_model_name is ignored")
         self.input_names = [tensor["name"] for tensor in self.model_config["input"]]
+        start_server_watchdog()  # this stub waits inside BLS calls
 
     def execute(self, requests):
         for request in requests:

@@ -1,0 +1,30 @@
+"""A Python-backend stub must not outlive its tritonserver (no Triton import).
+
+When tritonserver dies (killed, or its exit timeout expired with requests in flight) its stubs are
+not told. A stub with a thread inside the backend's IPC at that moment (waiting for a BLS response,
+publishing a metric) blocks there holding the GIL, so no Python thread of it runs again, its own
+parent check included: it would stay forever, and the `tensorrt_llm` stub's engine process would
+keep generating for nobody.
+
+The watchdog is a separate shell process, not a thread, for that reason. It kills the stub once
+the stub's parent changes; it ends by itself when the stub exits normally (its /proc entry goes
+away, or the pid now names another process, told apart by the start time) and kills nothing then.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+
+
+def start_server_watchdog() -> None:
+    """Call once from a stub (a model's `initialize`)."""
+    stub, server = os.getpid(), os.getppid()
+    with open("/proc/self/stat") as stat:
+        started = stat.read().rsplit(")", 1)[1].split()[19]  # field 22: start time, tells pid reuse apart
+    # /proc/<stub>/stat fields 4 and 22 (the stub's name has no spaces): "<parent> <start time>".
+    script = (f"while s=$(cut -d' ' -f4,22 /proc/{stub}/stat 2>/dev/null); do case \"$s\" in "
+              f"'{server} {started}') sleep 1 ;; "
+              f"*' {started}') kill -9 {stub}; exit 0 ;; "
+              f"*) exit 0 ;; esac; done")
+    subprocess.Popen(["/bin/sh", "-c", script], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                     stderr=subprocess.DEVNULL, start_new_session=True)
