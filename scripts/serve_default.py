@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -113,6 +114,10 @@ def wait_until_ready(process: subprocess.Popen, http_port: str, timeout: float =
             with urllib.request.urlopen(url, timeout=2) as response:
                 if response.status == 200:
                     return True
+        except urllib.error.HTTPError as error:
+            # Not ready yet. Close its response: an open connection would later hold tritonserver's
+            # shutdown (its HTTP service waits for every open connection, up to the exit timeout).
+            error.close()
         except OSError:
             pass
         time.sleep(0.5)

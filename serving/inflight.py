@@ -20,7 +20,7 @@ import numpy as np
 from serving.cancellation import REQUEST_KEY_OUTPUT, key_from_stop_id
 from serving.metrics import RequestLatency, generated_token_count
 from serving.requests import RequestSpec
-from serving.responses import result_tensors, stack_responses
+from serving.responses import error_message_tensors, result_tensors, stack_responses
 from serving.tokenization import Utf8Holdback
 
 
@@ -55,6 +55,8 @@ class TritonRequest:
     final_tensors: list[dict[str, np.ndarray]] = field(default_factory=list)  # non-decoupled
     errors: list[str] = field(default_factory=list)  # non-decoupled
     cancelled: bool = False  # the client is gone or cancelled: only the FINAL response is still sent
+    failure: str | None = None  # ended by the server (shutting down): the FINAL response is this error
+    errors_as_output: bool = False  # the caller asked for ERROR_MESSAGE_OUTPUT (serving/responses.py)
 
 
 @dataclass
@@ -79,10 +81,12 @@ class InflightRequests:
         self.by_user_id: dict[str, TritonRequest] = {}
         self.triton_requests: dict[int, TritonRequest] = {}
 
-    def add(self, sender: Any, user_id: str, specs: list[RequestSpec], exec_ids: list[int]) -> None:
+    def add(self, sender: Any, user_id: str, specs: list[RequestSpec], exec_ids: list[int],
+            errors_as_output: bool = False) -> None:
         """Register one Triton request's executor requests (before any response is handled)."""
         triton = TritonRequest(key=next(self._keys), sender=sender, user_id=user_id,
-                               batch_size=len(specs), live_exec_ids=set(exec_ids))
+                               batch_size=len(specs), live_exec_ids=set(exec_ids),
+                               errors_as_output=errors_as_output)
         self.triton_requests[triton.key] = triton
         if user_id:
             self.by_user_id[user_id] = triton  # a later request with the same id replaces it
@@ -123,6 +127,17 @@ class InflightRequests:
         triton.cancelled = True
         return sorted(triton.live_exec_ids)
 
+    def fail_all(self, message: str) -> list[int]:
+        """End every request with the error `message` (the server is shutting down): returns the
+        executor ids to cancel; their FINAL responses then carry the error instead of tokens."""
+        ids = []
+        for triton in self.triton_requests.values():
+            if triton.failure is None:
+                triton.failure = message
+                triton.cancelled = True
+                ids.extend(sorted(triton.live_exec_ids))
+        return ids
+
     def on_response(self, response: Any) -> tuple[list[Send], list[Finished]]:
         exec_request = self.by_exec_id.get(response.request_id)
         if exec_request is None:
@@ -135,8 +150,13 @@ class InflightRequests:
 
     def _on_error(self, exec_request: ExecRequest, response) -> tuple[list[Send], list[Finished]]:
         triton = exec_request.triton
+        if triton.failure is not None:  # the server ended it: say that, not how the executor stopped
+            response = _ErrorResponse(response.request_id, triton.failure)
         finished = self._finish(response.request_id, exec_request, error=True)
         done = not triton.live_exec_ids
+        if self.decoupled and triton.errors_as_output:
+            return [Send(triton.sender, tensors=error_message_tensors(response.error), final=done,
+                         key=triton.key)], [finished]
         if self.decoupled:
             return [Send(triton.sender, error=response.error, final=done, key=triton.key)], [finished]
         triton.errors.append(response.error)
@@ -145,6 +165,8 @@ class InflightRequests:
 
     def _on_result(self, exec_request: ExecRequest, response) -> tuple[list[Send], list[Finished]]:
         result, spec, triton = response.result, exec_request.spec, exec_request.triton
+        if triton.failure is not None and result.is_final:
+            return self._on_error(exec_request, _ErrorResponse(response.request_id, triton.failure))
         tokens = self._tokens_to_send(exec_request, result)
         now = self._clock()
         new_tokens = self._count_tokens(exec_request, result, tokens)
@@ -211,6 +233,12 @@ class InflightRequests:
         return Finished(input_tokens=len(exec_request.spec.input_token_ids),
                         output_tokens=exec_request.output_tokens, latency=exec_request.latency,
                         error=error)
+
+
+@dataclass
+class _ErrorResponse:
+    request_id: int
+    error: str
 
 
 def _is_cancelled(sender: Any) -> bool:

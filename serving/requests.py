@@ -324,6 +324,9 @@ def _input_token_ids(tensors, batch_size: int, row: int, max_input_len: int | No
     ids = tensors["input_ids"][row]
     length = read_scalar(tensors, "input_lengths", batch_size, row)
     if length is not None:
+        if not 0 <= int(length) <= ids.size:
+            raise ValueError(f"input_lengths is {int(length)} but the input_ids row holds {ids.size} ids; "
+                             f"allowed: 1..{ids.size}")
         ids = ids[: int(length)]
     if ids.size == 0:
         raise ValueError("Invalid format for input_ids")

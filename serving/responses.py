@@ -8,9 +8,32 @@ Shapes (leading 1 = this response's batch dim):
 """
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
+
+# Beyond the reference: a caller whose request carries the parameter ERRORS_AS_OUTPUT=true gets a
+# failure during generation as a response carrying the message in ERROR_MESSAGE_OUTPUT (bytes,
+# shape (1, 1)) instead of an error response. Why: the Python backend of Triton 2.51 drops the
+# request id of an *error* response, so a BLS caller iterating a decoupled stream never sees an
+# error that follows other responses and waits forever (fixed upstream after 2.51). Our BLS asks.
+# (A parameter, not the requested outputs: a client that names no outputs is sent all of them.)
+ERROR_MESSAGE_OUTPUT = "error_message"
+ERRORS_AS_OUTPUT = "errors_as_output"
+
+
+def error_message_tensors(message: str) -> dict[str, np.ndarray]:
+    return {ERROR_MESSAGE_OUTPUT: np.array([[message.encode()]], dtype=object)}
+
+
+def wants_errors_as_output(request_parameters: str) -> bool:
+    """From a Triton request's parameters (a JSON object as text)."""
+    try:
+        return json.loads(request_parameters or "{}").get(ERRORS_AS_OUTPUT) is True
+    except (ValueError, AttributeError):
+        return False
+
 
 PERF_OUTPUTS = (
     "kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks",

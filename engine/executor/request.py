@@ -11,6 +11,7 @@ shares the request's prompt.
 from __future__ import annotations
 
 import enum
+import math
 import operator
 import time
 from dataclasses import dataclass, field, replace
@@ -255,7 +256,15 @@ def _token_ids_in_vocab(name: str, token_ids, vocab_size: int) -> str | None:
     return None
 
 
+_FLOAT_SAMPLING = ("top_p", "temperature", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                   "length_penalty")
+
+
 def _sampling_error(s: SamplingConfig, limits: RequestLimits) -> str | None:
+    for name in _FLOAT_SAMPLING:
+        value = getattr(s, name)
+        if value is not None and not math.isfinite(value):
+            return f"{name} must be a finite number, got {value}"
     checks = [
         (s.beam_width is not None and not 1 <= s.beam_width <= limits.max_beam_width,
          f"beam_width {s.beam_width} is not allowed; allowed: 1..{limits.max_beam_width} (max_beam_width of the executor)"),
@@ -295,6 +304,9 @@ def validate_request(request: Request, limits: RequestLimits) -> str | None:
         return (f"prompt + max_tokens ({total} tokens){f' x beam_width {beams}' if beams > 1 else ''} needs {blocks} "
                 f"KV cache blocks but the cache holds only {limits.num_kv_blocks}; allowed: at most "
                 f"{limits.num_kv_blocks * limits.tokens_per_block // beams} tokens per sequence")
+    for name, token in (("end_id", request.end_id), ("pad_id", request.pad_id)):
+        if token is not None and token != -1 and not 0 <= token < limits.vocab_size:
+            return f"{name} must be -1 (none) or a token id 0..{limits.vocab_size - 1}, got {token}"
     error = _token_ids_in_vocab("input_token_ids", prompt, limits.vocab_size)
     for name, words in (("stop_words", request.stop_words), ("bad_words", request.bad_words)):
         for word in words or ():
@@ -319,7 +331,7 @@ def normalize_request(request: Request) -> Request:
     sampling = replace(request.sampling or SamplingConfig())
     sampling.beam_width = sampling.beam_width or 1  # Triton sends 0 or nothing for "no beams"
     sampling.num_return_sequences = sampling.num_return_sequences or 1
-    end_id = None if request.end_id is None or request.end_id < 0 else operator.index(request.end_id)
+    end_id = None if request.end_id is None or request.end_id == -1 else operator.index(request.end_id)
     words = lambda name, ws: None if ws is None else [_int_list(name, w) for w in ws]  # noqa: E731
     return replace(
         request,

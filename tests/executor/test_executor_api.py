@@ -145,6 +145,11 @@ def test_beam_search_matches_transformers(executor, tiny_hf):
     (dict(sampling=SamplingConfig(top_k=-1)), "top_k must be >= 0, got -1"),
     (dict(sampling=SamplingConfig(beam_width=4)), "beam_width 4 is not allowed; allowed: 1..3"),
     (dict(embedding_bias=[0.0] * 5), "embedding_bias has 5 values; it must have vocab_size (128)"),
+    (dict(sampling=SamplingConfig(temperature=float("nan"))), "temperature must be a finite number, got nan"),
+    (dict(sampling=SamplingConfig(frequency_penalty=float("inf"))), "frequency_penalty must be a finite number"),
+    (dict(end_id=128), "end_id must be -1 (none) or a token id 0..127, got 128"),
+    (dict(end_id=-7), "end_id must be -1 (none) or a token id 0..127, got -7"),
+    (dict(pad_id=-3), "pad_id must be -1 (none) or a token id 0..127, got -3"),
 ])
 def test_bad_request_gets_a_clear_error_and_others_complete(executor, request_kwargs, message):
     bad = Request(**{"input_token_ids": PROMPT, "max_tokens": 4, **request_kwargs})

@@ -2,6 +2,7 @@
 end_to_end_test.py and benchmark_core_model.py use it. A second server, started for this module."""
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -133,9 +134,14 @@ def test_zz_killed_server_leaves_no_generating_stub_behind(unary_server, tokeniz
     inputs = {"input_ids": np.array([[5, 6, 7]], np.int32), "input_lengths": np.array([[3]], np.int32),
               "request_output_len": np.array([[1500]], np.int32), "end_id": np.array([[-1]], np.int32)}
     client.async_infer("tensorrt_llm", [tensor(n, a) for n, a in inputs.items()], callback=lambda *_: None)
+    # A BLS call in flight too: its stub then waits inside a BLS request when the server dies.
+    threading.Thread(target=lambda: unary_server.generate("tensorrt_llm_bls", {
+        "text_input": chat("Tell me a long story."), "max_tokens": 1500, "end_id": -1}, timeout=30),
+        daemon=True).start()
     time.sleep(2)  # generating now
     os.kill(unary_server.pid, signal.SIGKILL)
+    models = [str(path) for path in (unary_server.log_path.parent / "repo").glob("*/1/model.py")]
     deadline = time.time() + 15
-    while stub_pids(repo_model) and time.time() < deadline:
+    while any(stub_pids(model) for model in models) and time.time() < deadline:
         time.sleep(0.2)
-    assert stub_pids(repo_model) == []
+    assert {model: stub_pids(model) for model in models} == {model: [] for model in models}

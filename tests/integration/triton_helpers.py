@@ -56,13 +56,15 @@ def chat(question: str) -> str:
 
 
 @contextmanager
-def running_server(engine_dir: str, work: Path, decoupled: bool = True):
-    """Fill a repository for `engine_dir` under `work`, serve it, yield a Server, stop it."""
+def running_server(engine_dir: str, work: Path, decoupled: bool = True, mpi: bool = False):
+    """Fill a repository for `engine_dir` under `work`, serve it, yield a Server, stop it.
+    `mpi`: through mpirun (world size 1) as the launcher does by default, else tritonserver alone
+    as `make serve` runs it."""
     serve = load_script("serve_default")
     launcher = load_script("launch_triton_server")
     repo = serve.prepare_model_repo(engine_dir, str(work / "repo"), bls_instances=2, decoupled=decoupled)
     ports = [str(free_port()) for _ in range(3)]
-    args = launcher.parse_arguments([f"--model_repo={repo}", "--no-mpi", "--host=127.0.0.1",
+    args = launcher.parse_arguments([f"--model_repo={repo}", *([] if mpi else ["--no-mpi"]), "--host=127.0.0.1",
                                      f"--http_port={ports[0]}", f"--grpc_port={ports[1]}",
                                      f"--metrics_port={ports[2]}", "--force",
                                      f"--cache_dir={work / 'cache'}"])

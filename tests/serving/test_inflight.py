@@ -105,3 +105,29 @@ def test_cancelled_senders_are_reported_once_and_user_ids_map_to_live_requests()
     first.cancelled = True
     assert sorted(inflight.newly_cancelled()) == [1, 2]
     assert inflight.newly_cancelled() == []
+
+
+def test_fail_all_ends_every_request_with_the_message_on_its_final_response():
+    inflight = InflightRequests(decoupled=True)
+    inflight.add(Sender(), "", specs(rows=2, streaming=True), [1, 2])
+    inflight.add(Sender(), "", specs(streaming=True), [3])
+    assert inflight.fail_all("the server is shutting down") == [1, 2, 3]
+    assert inflight.fail_all("again") == []  # already failing: nothing more to cancel
+    assert inflight.on_response(Response(1, result=result([5], final=False)))[0] == []  # tokens stop
+    sends, _ = inflight.on_response(Response(1, result=result([], final=True)))
+    assert sends[0].error == "the server is shutting down" and not sends[0].final  # row 2 still runs
+    sends, _ = inflight.on_response(Response(2, result=result([], final=True)))
+    assert sends[0].error == "the server is shutting down" and sends[0].final
+    sends, _ = inflight.on_response(Response(3, error="cancelled"))
+    assert sends[0].final and sends[0].error == "the server is shutting down"
+    assert not inflight.triton_requests
+
+
+def test_a_caller_asking_for_error_message_gets_failures_as_that_output():
+    inflight = InflightRequests(decoupled=True)
+    inflight.add(Sender(), "", specs(streaming=True), [1], errors_as_output=True)
+    sends, _ = inflight.on_response(Response(1, result=result([5], final=False)))
+    assert sends[0].error is None and "error_message" not in sends[0].tensors
+    sends, finished = inflight.on_response(Response(1, error="the engine process exited (killed by SIGKILL)"))
+    assert sends[0].final and sends[0].error is None and finished[0].error
+    assert sends[0].tensors["error_message"].tolist() == [[b"the engine process exited (killed by SIGKILL)"]]

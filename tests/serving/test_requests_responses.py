@@ -70,6 +70,8 @@ def test_batched_rows_are_trimmed_and_keep_their_values():
     ({"input_ids": i32([1, 2]), "input_lengths": i32([0]), "request_output_len": i32([1])},
      "Invalid format for input_ids"),
     ({"input_ids": i32([1, 2])}, "A value is required for request_output_len"),
+    ({"input_ids": i32([1, 2]), "input_lengths": i32([40]), "request_output_len": i32([1])},
+     "input_lengths is 40 but the input_ids row holds 2 ids; allowed: 1..2"),
     (minimal(streaming=np.array([True])), "Streaming is only supported in decoupled mode."),
     (minimal(end_id=i32([1], [2])), "Expected a scalar tensor for tensor end_id"),
     (minimal(embedding_bias=np.ones((2, 3), np.float32)),

@@ -79,7 +79,7 @@ class TritonPythonModel:
             for _ in request.exec(decoupled=True):
                 pass
         except Exception as error:  # e.g. a non-decoupled tensorrt_llm: it has nothing to stop
-            pb_utils.Logger.log_verbose(f"postprocessing: could not stop {request_id}: {error}")
+            pb_utils.Logger.log_warn(f"postprocessing: could not stop {request_id}: {error}")
 
     def finalize(self):
         pass

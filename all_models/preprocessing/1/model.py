@@ -14,6 +14,7 @@ if os.environ.get("TRITONLLM_ROOT"):  # a source checkout not installed into the
 from serving.params import get_parameter, model_parameters  # noqa: E402
 from serving.text import (embedding_bias_tensor, encode_queries, per_item_ids,  # noqa: E402
                           word_list_tensor)
+from serving.stub_watchdog import start_server_watchdog  # noqa: E402
 from serving.tokenization import first_token_id, load_tokenizer  # noqa: E402
 
 TEXT_OUTPUTS = ("INPUT_ID", "REQUEST_INPUT_LEN", "DECODER_INPUT_ID", "REQUEST_DECODER_INPUT_LEN",
@@ -44,6 +45,7 @@ class TritonPythonModel:
         self.output_dtypes = {
             name: pb_utils.triton_string_to_numpy(pb_utils.get_output_config_by_name(config, name)["data_type"])
             for name in TEXT_OUTPUTS}
+        start_server_watchdog()  # a stub busy in the backend's IPC when the server dies is not told
 
     def execute(self, requests):
         responses = []

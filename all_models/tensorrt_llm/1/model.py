@@ -30,12 +30,16 @@ from serving.executor_config import executor_settings, to_executor_config  # noq
 from serving.inflight import InflightRequests  # noqa: E402
 from serving.metrics import HISTOGRAMS, gauge_specs, gauge_values  # noqa: E402
 from serving.params import get_parameter, model_parameters  # noqa: E402
+from serving.responses import wants_errors_as_output  # noqa: E402
 from serving.requests import (MISSING_STOP_ID, conversion_error_message, convert_request,  # noqa: E402
                               is_stop_request, to_executor_request)
+from serving.server_stop import ServerStopWatcher, ShutdownHooks, server_http_endpoint  # noqa: E402
 from serving.stub_watchdog import start_server_watchdog  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 RESTARTS_PARAMETER = "engine_restarts"  # set by the model's own reload after an engine death
+SHUTTING_DOWN = ("the server is shutting down; this request was ended before it finished "
+                 "(it had run for the shutdown grace period, graceful_shutdown_timeout_ms)")
 
 
 def read_inputs(request, names):
@@ -116,6 +120,9 @@ class TritonPythonModel:
         self.exclude_input_default = settings.get("exclude_input_from_output")
         self.cancellation_period = (get_parameter(params, "cancellation_check_period_ms", int) or 100) / 1000
         self.stats_period = (get_parameter(params, "stats_check_period_ms", int) or 100) / 1000
+        grace_ms = get_parameter(params, "graceful_shutdown_timeout_ms", int)
+        self.shutdown_grace = (3000 if grace_ms is None else grace_ms) / 1000
+        self.stop_watcher = None
         engine_dir = get_parameter(params, "gpt_model_path", str)
         if engine_dir is None:
             raise ValueError("tensorrt_llm: the gpt_model_path parameter (engine_dir) must be set")
@@ -146,7 +153,8 @@ class TritonPythonModel:
         start_server_watchdog()
         self._profiler = self._start_profiling() if os.environ.get("TRITONLLM_PROFILE_DIR") else None
         self.threads = [threading.Thread(target=loop, daemon=True, name=loop.__name__)
-                        for loop in (self._forward_responses, self._poll_cancellation, self._publish_stats)]
+                        for loop in (self._forward_responses, self._poll_cancellation, self._publish_stats,
+                                     self._watch_server_stop)]
         for thread in self.threads:
             thread.start()
 
@@ -173,6 +181,8 @@ class TritonPythonModel:
                 if is_stop_request(tensors):
                     self._stop(request.request_id(), sender)
                     continue
+                if self._server_stopping():
+                    raise RuntimeError("the server is shutting down and admits no new requests")
                 specs = convert_request(tensors, decoupled=self.decoupled,
                                         exclude_input_default=self.exclude_input_default,
                                         max_input_len=self.max_input_len)
@@ -187,7 +197,8 @@ class TritonPythonModel:
                 except Exception as error:  # e.g. the executor is shut down
                     self._send_error(sender, f"tensorrt_llm could not accept the request: {error}")
                     continue
-                self.inflight.add(sender, request.request_id(), specs, exec_ids)
+                self.inflight.add(sender, request.request_id(), specs, exec_ids,
+                                  errors_as_output=wants_errors_as_output(request.parameters()))
         return None
 
     @staticmethod
@@ -301,12 +312,44 @@ class TritonPythonModel:
         while self.running:
             time.sleep(self.stats_period)
             self._recover_if_engine_failed()
+            if self._server_stopping():
+                return  # calls into a stopping server may block; nobody scrapes gauges now
             try:
                 stats = self.executor.get_latest_iteration_stats()
                 if stats is not None:
                     self.metrics.update_gauges(stats)
             except Exception as error:
                 self._warn_once(f"tensorrt_llm: could not publish stats: {error}")
+
+    def _watch_server_stop(self):
+        """Graceful shutdown (serving/server_stop.py says why and how): once the server begins to
+        stop, admit nothing new, give running requests graceful_shutdown_timeout_ms to finish, end
+        the rest with a clear error, and only then let the server stop its core."""
+        endpoint = server_http_endpoint()
+        if endpoint is None:
+            pb_utils.Logger.log_warn("tensorrt_llm: the server has no HTTP endpoint, so a shutdown is not "
+                                     "seen early; long requests may hold it for its exit timeout")
+            return
+        hooks = ShutdownHooks(has_requests=self._has_requests, end_requests=self._end_unfinished_requests,
+                              paused=lambda: self.restart_requested,
+                              log=lambda message: pb_utils.Logger.log_info(f"tensorrt_llm: {message}"))
+        self.stop_watcher = ServerStopWatcher(endpoint, self.shutdown_grace, hooks)
+        self.stop_watcher.watch(lambda: self.running)
+
+    def _server_stopping(self):
+        return self.stop_watcher is not None and self.stop_watcher.stopping
+
+    def _has_requests(self):
+        with self.lock:
+            return bool(self.inflight.triton_requests)
+
+    def _end_unfinished_requests(self):
+        with self.lock:
+            count = len(self.inflight.triton_requests)
+            exec_ids = self.inflight.fail_all(SHUTTING_DOWN)
+        for exec_id in exec_ids:
+            self.executor.cancel_request(exec_id)
+        return count
 
     def _recover_if_engine_failed(self):
         """Once the executor cannot serve (a dead engine process, a lost rank in leader mode; its

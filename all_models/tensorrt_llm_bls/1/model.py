@@ -22,7 +22,7 @@ from serving.bls import (LLM_INPUTS_FROM_PREPROCESSING, LLM_INPUTS_FROM_REQUEST,
 from serving.cancellation import stop_request_inputs  # noqa: E402
 from serving.params import get_parameter, model_parameters  # noqa: E402
 from serving.stub_watchdog import start_server_watchdog  # noqa: E402
-from serving.responses import pad_beams, stack_responses  # noqa: E402
+from serving.responses import ERROR_MESSAGE_OUTPUT, ERRORS_AS_OUTPUT, pad_beams, stack_responses  # noqa: E402
 from serving.text import string_rows, to_str  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -38,10 +38,14 @@ def _numpy(tensor):
 
 
 def response_tensors(response):
-    """name -> numpy of a BLS call's response; a response error is raised."""
+    """name -> numpy of a BLS call's response; a response error, or an error_message output
+    (how tensorrt_llm reports a failure during generation to a BLS caller), is raised."""
     if response.has_error():
         raise RuntimeError(response.error().message())
-    return {tensor.name(): _numpy(tensor) for tensor in response.output_tensors()}
+    tensors = {tensor.name(): _numpy(tensor) for tensor in response.output_tensors()}
+    if ERROR_MESSAGE_OUTPUT in tensors:
+        raise RuntimeError(tensors[ERROR_MESSAGE_OUTPUT].reshape(-1)[0].decode(errors="replace"))
+    return tensors
 
 
 class TritonPythonModel:
@@ -205,10 +209,11 @@ class TritonPythonModel:
         return response_tensors(request.exec())
 
     def _call_llm(self, inputs, request_id):
-        outputs = ["output_ids", "sequence_length", *PASS_THROUGH_OUTPUTS]
+        outputs = ["output_ids", "sequence_length", *PASS_THROUGH_OUTPUTS, ERROR_MESSAGE_OUTPUT]
         request = pb_utils.InferenceRequest(
             model_name=self.llm_name, requested_output_names=outputs, request_id=request_id,
-            inputs=[pb_utils.Tensor(name, value) for name, value in inputs.items()])
+            inputs=[pb_utils.Tensor(name, value) for name, value in inputs.items()],
+            parameters={ERRORS_AS_OUTPUT: True})  # serving/responses.py says why
         if not self.decoupled:
             yield response_tensors(request.exec())
             return

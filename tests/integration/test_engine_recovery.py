@@ -1,0 +1,260 @@
+"""A dead engine process under load; Ctrl-C after hang-ups and with requests running.
+
+Killing the engine process (SIGKILL, as the kernel's OOM killer would): every request in flight
+gets an error response within 2 s (never a 200 without text), tritonserver stays up, readiness says
+not ready until the tensorrt_llm model has started a fresh engine process by itself, and then new
+requests are served, without restarting tritonserver. Both as `make serve` runs tritonserver and
+through the launcher's mpirun job. Each case has its own server (it is killed on purpose).
+"""
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import requests
+
+from test_grpc_stream import Stream, text_inputs
+from test_hangups import PROMPTS, hang_up_after, idle_within
+from test_metrics import kv_and_requests, scrape, value
+from triton_helpers import ROOT, chat, free_port, running_server, wait_for
+
+pytestmark = pytest.mark.integration
+ENGINE_PROCESS = "engine.executor.engine_process"
+# Long enough to outlast a kill or a shutdown's grace on CPU, short enough that five such requests
+# fit the test engine's KV cache together (admission reserves prompt + max_tokens).
+LONG = 400
+
+
+def descendants(pid: int) -> list[tuple[int, str]]:
+    """(pid, command line) of every process below `pid`."""
+    children: dict[int, list[int]] = {}
+    commands = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            commands[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append((child, commands.get(child, "")))
+            todo.append(child)
+    return found
+
+
+def engine_pids(server_pid: int) -> list[int]:
+    return [pid for pid, command in descendants(server_pid) if ENGINE_PROCESS in command]
+
+
+def ready(server, model="ensemble") -> bool:
+    try:
+        return requests.get(f"{server.http}/v2/models/{model}/ready", timeout=2).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+class Outcome:
+    """What one in-flight request ended with, and when."""
+
+    def __init__(self):
+        self.ok = None
+        self.detail = ""
+        self.ended_at = None
+        self.chunks = 0  # streamed responses received before the end
+
+    def end(self, ok, detail):
+        self.ok, self.detail, self.ended_at = ok, detail, time.time()
+
+
+def unary_http(server, model, outcome):
+    body = {"text_input": PROMPTS["ascii"], "max_tokens": LONG, "end_id": -1}
+    response = server.generate(model, body, timeout=60)
+    text = response.json().get("text_output") if response.status_code == 200 else None
+    outcome.end(response.status_code == 200 and bool(text), f"{response.status_code} {response.text[:200]}")
+
+
+def streamed_http(server, model, outcome):
+    body = {"text_input": PROMPTS["japanese"], "max_tokens": LONG, "end_id": -1, "stream": True}
+    try:
+        with server.generate(model, body, stream=True, timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith(b"data: ") and "error" in json.loads(line[6:]):
+                    outcome.end(False, line.decode()[:300])
+                    return
+                outcome.chunks += line.startswith(b"data: ")
+    except requests.RequestException as error:
+        outcome.end(False, f"connection: {error}")
+        return
+    outcome.end(True, "the stream ended without an error")
+
+
+def streamed_grpc(server, model, outcome):
+    stream = Stream(server)
+    try:
+        stream.send(model, text_inputs([PROMPTS["chinese"]], LONG, end_id=np.int32(-1)))
+        while True:
+            _, error, final = stream.next(timeout=60)
+            if error is not None:
+                outcome.end(False, str(error)[:300])
+                return
+            if final:
+                outcome.end(True, "FINAL without an error")
+                return
+            outcome.chunks += 1
+    finally:
+        stream.close()
+
+
+@pytest.mark.parametrize("launch", ["tritonserver", "mpirun"])
+def test_killed_engine_fails_requests_at_once_and_comes_back(smollm2_engine_dir, tmp_path, launch):
+    if launch == "mpirun" and not shutil.which("mpirun"):
+        pytest.skip("OpenMPI's mpirun is not installed")
+    with running_server(smollm2_engine_dir, tmp_path, mpi=launch == "mpirun") as server:
+        # at most two BLS calls: its two instances each hold one call while it runs
+        calls = [(unary_http, "ensemble"), (unary_http, "tensorrt_llm_bls"), (streamed_http, "ensemble"),
+                 (streamed_grpc, "ensemble"), (streamed_grpc, "tensorrt_llm_bls")]
+        outcomes = [Outcome() for _ in calls]
+        threads = [threading.Thread(target=call, args=(server, model, outcome), daemon=True)
+                   for (call, model), outcome in zip(calls, outcomes)]
+        for thread in threads:
+            thread.start()
+        running = wait_for(lambda: value(scrape(server), "nv_trt_llm_request_metrics", request_type="active",
+                                         model="tensorrt_llm", version="1") == len(calls), timeout=30)
+        assert running, "the requests did not all start"
+        # an error after a stream's first chunks is the hard case (a BLS caller lost it in 2.51)
+        assert wait_for(lambda: all(outcome.chunks >= 2 for (call, _), outcome in zip(calls, outcomes)
+                                    if call is not unary_http), timeout=30), [(c.__name__, m, o.chunks, o.detail) for (c, m), o in zip(calls, outcomes)]
+        [engine] = engine_pids(server.pid)
+        os.kill(engine, signal.SIGKILL)
+        killed_at = time.time()
+        for thread in threads:
+            thread.join(timeout=10)
+        for (call, model), outcome in zip(calls, outcomes):
+            assert outcome.ok is False, (call.__name__, model, outcome.detail)
+            assert "engine process" in outcome.detail and "SIGKILL" in outcome.detail, outcome.detail
+            assert outcome.ended_at - killed_at < 2.0, (call.__name__, model, outcome.ended_at - killed_at)
+        assert wait_for(lambda: not ready(server), timeout=2, interval=0.05), "still ready after the engine died"
+        assert wait_for(lambda: ready(server) and ready(server, "tensorrt_llm"), timeout=60, interval=0.25)
+        assert os.kill(server.pid, 0) is None  # the same tritonserver
+        new_engines = engine_pids(server.pid)
+        assert len(new_engines) == 1 and new_engines != [engine]
+        answer = server.generate("ensemble", {"text_input": chat("What is the capital of France?"),
+                                              "max_tokens": 12})
+        assert answer.status_code == 200 and "Paris" in answer.json()["text_output"], answer.text
+        restarts = value(scrape(server), "tritonllm_engine_restarts_total", model="tensorrt_llm", version="1")
+        assert restarts == 1
+
+
+class ServeDefault:
+    """`make serve` as a person runs it: scripts/serve_default.py in its own process group, on free
+    ports, its log in a file; Ctrl-C is SIGINT to the whole group."""
+
+    def __init__(self, engine_dir, tmp_path):
+        ports = [str(free_port()) for _ in range(3)]
+        self.http, self.grpc_url = f"http://127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}"
+        self.metrics = f"http://127.0.0.1:{ports[2]}"
+        self.log_path = tmp_path / "serve.log"
+        with open(self.log_path, "w") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, str(ROOT / "scripts" / "serve_default.py"), "--engine_dir", engine_dir,
+                 "--repo", str(tmp_path / "repo"), "--http_port", ports[0], "--grpc_port", ports[1],
+                 "--metrics_port", ports[2]], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        assert wait_for(lambda: "READY:" in self.log() or self.process.poll() is not None, timeout=300,
+                        interval=0.5)
+        assert self.process.poll() is None, self.log()[-3000:]
+
+    def log(self):
+        return self.log_path.read_text(errors="replace")
+
+    def metrics_text(self):
+        return requests.get(f"{self.metrics}/metrics", timeout=10).text
+
+    def generate(self, model, body, stream=False, timeout=120):
+        suffix = "generate_stream" if stream else "generate"
+        # Connection: close: an idle keep-alive connection would hold tritonserver's shutdown (its
+        # HTTP service waits for every open connection, up to the exit timeout); Ctrl-C is tested here.
+        return requests.post(f"{self.http}/v2/models/{model}/{suffix}", json=body, stream=stream,
+                             timeout=timeout, headers={"Connection": "close"})
+
+    def ctrl_c_and_wait(self, limit_s):
+        """Ctrl-C; asserts the whole process tree is gone within `limit_s` without a leftover
+        in-flight count or a traceback in the log."""
+        processes = [pid for pid, _ in descendants(self.process.pid)]
+        os.killpg(self.process.pid, signal.SIGINT)
+        started = time.time()
+        self.process.wait(timeout=limit_s + 30)
+        took = time.time() - started
+        log = self.log()
+        assert took < limit_s, f"Ctrl-C took {took:.1f} s: {log[-3000:]}"
+        assert not re.search(r"has \d+ in-flight inferences", log), log[-3000:]
+        assert "Traceback" not in log, log[-3000:]
+        left = wait_for(lambda: not any(Path(f"/proc/{pid}").exists() for pid in processes), timeout=5)
+        assert left, [pid for pid in processes if Path(f"/proc/{pid}").exists()]
+
+    def kill(self):
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+
+def test_ctrl_c_after_hang_ups_stops_everything_within_10_s(smollm2_engine_dir, tmp_path):
+    serve = ServeDefault(smollm2_engine_dir, tmp_path)
+    try:
+        for model, text, chunks in [("ensemble", "japanese", 2), ("ensemble", "ascii", 1),
+                                    ("tensorrt_llm_bls", "chinese", 3)]:
+            hang_up_after(serve, model, {"text_input": PROMPTS[text], "max_tokens": 1500, "end_id": -1,
+                                         "stream": True}, chunks)
+        stream = Stream(serve)
+        stream.send("ensemble", text_inputs([PROMPTS["ascii"]], 1500, end_id=np.int32(-1)))
+        stream.next()
+        stream.close(cancel=True)
+        assert idle_within(serve, 2.0), kv_and_requests(scrape(serve))
+        answer = serve.generate("ensemble", {"text_input": chat("What is the capital of France?"),
+                                             "max_tokens": 12})
+        assert answer.status_code == 200 and "Paris" in answer.json()["text_output"], answer.text
+        serve.ctrl_c_and_wait(limit_s=10)
+    finally:
+        serve.kill()
+
+
+def test_ctrl_c_ends_running_requests_with_a_clear_error_and_exits(smollm2_engine_dir, tmp_path):
+    """Graceful shutdown: requests still generating when Ctrl-C comes get the grace period
+    (graceful_shutdown_timeout_ms, 3 s by default), then an error saying why; new requests are
+    refused meanwhile; everything exits with nothing left in flight."""
+    serve = ServeDefault(smollm2_engine_dir, tmp_path)
+    try:
+        calls = [(streamed_http, "ensemble"), (streamed_http, "tensorrt_llm_bls"),
+                 (streamed_grpc, "ensemble"), (streamed_grpc, "tensorrt_llm_bls")]
+        outcomes = [Outcome() for _ in calls]
+        threads = [threading.Thread(target=call, args=(serve, model, outcome), daemon=True)
+                   for (call, model), outcome in zip(calls, outcomes)]
+        for thread in threads:
+            thread.start()
+        running = wait_for(lambda: value(scrape(serve), "nv_trt_llm_request_metrics", request_type="active",
+                                         model="tensorrt_llm", version="1") == len(calls), timeout=30)
+        assert running, "the requests did not all start"
+        assert wait_for(lambda: all(outcome.chunks >= 2 for outcome in outcomes), timeout=30)
+        stopped_at = time.time()
+        serve.ctrl_c_and_wait(limit_s=12)
+        for thread in threads:
+            thread.join(timeout=5)
+        for (call, model), outcome in zip(calls, outcomes):
+            assert outcome.ok is False, (call.__name__, model, outcome.detail)
+            assert "shutting down" in outcome.detail, (call.__name__, model, outcome.detail)
+            assert 2.5 < outcome.ended_at - stopped_at < 8, (call.__name__, model, outcome.ended_at - stopped_at)
+        log = serve.log()
+        assert "tensorrt_llm: ended 4 unfinished requests for the shutdown" in log, log[-3000:]
+    finally:
+        serve.kill()

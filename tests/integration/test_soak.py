@@ -1,0 +1,18 @@
+"""A short soak (benchmarks/soak.py) in CI: 300 streamed requests through its own `make serve`
+server with hang-ups, cancellations, stops and every kind of bad input; nothing may be lost or
+leaked, and Ctrl-C afterwards must leave nothing in flight."""
+import pytest
+
+from benchmarks.soak import SoakConfig, format_report, run_soak
+from benchmarks.soak_bad_inputs import BAD_INPUTS
+
+pytestmark = pytest.mark.integration
+
+
+def test_short_soak_loses_and_leaks_nothing(smollm2_engine_dir):
+    config = SoakConfig(requests=300, concurrency=16, hang_up_share=0.2, stop_share=0.05, bad_share=0.15,
+                        deadline_s=180, engine_dir=smollm2_engine_dir, seed=1)
+    report = run_soak(config, log=lambda message: None)
+    assert report.ok, format_report(report)
+    assert len(report.bad_kinds) == len(BAD_INPUTS) >= 25, format_report(report)
+    assert report.processes and report.shutdown["seconds"] < 10, format_report(report)
