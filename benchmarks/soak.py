@@ -140,7 +140,7 @@ class OwnServer:
         return self.log_path.read_text(errors="replace")
 
     def tree(self) -> dict[int, str]:
-        return {pid: name for pid, name in _descendants(self.process.pid)}
+        return {pid: name for pid, name in process_tree(self.process.pid)}
 
     def ctrl_c(self, max_s: float) -> dict:
         processes = self.tree()
@@ -151,7 +151,9 @@ class OwnServer:
         except subprocess.TimeoutExpired:
             pass
         took = time.time() - started
-        time.sleep(2)
+        settle = time.time() + 5  # stub watchdogs check once a second
+        while time.time() < settle and any(Path(f"/proc/{pid}").exists() for pid in processes):
+            time.sleep(0.2)
         log = self.log()
         inflight = [int(n) for n in re.findall(r"has (\d+) in-flight inferences", log)]
         return {"seconds": round(took, 2), "max_in_flight_in_log": max(inflight, default=0),
@@ -170,7 +172,9 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _descendants(root: int) -> list[tuple[int, str]]:
+def process_tree(root: int) -> list[tuple[int, str]]:
+    """(pid, "name (pid)") of every process below `root`; names: tritonserver, stub:<model>,
+    engine_process, sh (a stub's watchdog), ..."""
     children: dict[int, list[int]] = {}
     names = {}
     for entry in Path("/proc").iterdir():

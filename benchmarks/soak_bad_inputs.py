@@ -42,20 +42,17 @@ def _one(value, dtype) -> np.ndarray:
 
 def text_request(**changes) -> dict[str, np.ndarray]:
     """A good streamed ensemble request, then `changes` (None removes an input)."""
-    tensors = {"text_input": _one(b"Tell me about the sea.", object), "max_tokens": _one(8, np.int32),
-               "stream": _one(True, np.bool_)}
-    for name, value in changes.items():
-        if value is None:
-            tensors.pop(name, None)
-        else:
-            tensors[name] = value
-    return tensors
+    return _changed({"text_input": _one(b"Tell me about the sea.", object), "max_tokens": _one(8, np.int32),
+                     "stream": _one(True, np.bool_)}, changes)
 
 
 def ids_request(ids=(504, 3458, 314, 260, 2380, 30), **changes) -> dict[str, np.ndarray]:
     """A good streamed tensorrt_llm request, then `changes` (None removes an input)."""
-    tensors = {"input_ids": np.array([list(ids)], np.int32), "input_lengths": _one(len(ids), np.int32),
-               "request_output_len": _one(8, np.int32), "streaming": _one(True, np.bool_)}
+    return _changed({"input_ids": np.array([list(ids)], np.int32), "input_lengths": _one(len(ids), np.int32),
+                     "request_output_len": _one(8, np.int32), "streaming": _one(True, np.bool_)}, changes)
+
+
+def _changed(tensors: dict[str, np.ndarray], changes: dict) -> dict[str, np.ndarray]:
     for name, value in changes.items():
         if value is None:
             tensors.pop(name, None)

@@ -21,41 +21,20 @@ import numpy as np
 import pytest
 import requests
 
+from benchmarks.soak import process_tree
 from test_grpc_stream import Stream, text_inputs
 from test_hangups import PROMPTS, hang_up_after, idle_within
 from test_metrics import kv_and_requests, scrape, value
 from triton_helpers import ROOT, chat, free_port, running_server, wait_for
 
 pytestmark = pytest.mark.integration
-ENGINE_PROCESS = "engine.executor.engine_process"
 # Long enough to outlast a kill or a shutdown's grace on CPU, short enough that five such requests
 # fit the test engine's KV cache together (admission reserves prompt + max_tokens).
 LONG = 400
 
 
-def descendants(pid: int) -> list[tuple[int, str]]:
-    """(pid, command line) of every process below `pid`."""
-    children: dict[int, list[int]] = {}
-    commands = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            commands[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(parent, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append((child, commands.get(child, "")))
-            todo.append(child)
-    return found
-
-
 def engine_pids(server_pid: int) -> list[int]:
-    return [pid for pid, command in descendants(server_pid) if ENGINE_PROCESS in command]
+    return [pid for pid, name in process_tree(server_pid) if name.startswith("engine_process")]
 
 
 def ready(server, model="ensemble") -> bool:
@@ -191,7 +170,7 @@ class ServeDefault:
     def ctrl_c_and_wait(self, limit_s):
         """Ctrl-C; asserts the whole process tree is gone within `limit_s` without a leftover
         in-flight count or a traceback in the log."""
-        processes = [pid for pid, _ in descendants(self.process.pid)]
+        processes = [pid for pid, _ in process_tree(self.process.pid)]
         os.killpg(self.process.pid, signal.SIGINT)
         started = time.time()
         self.process.wait(timeout=limit_s + 30)
