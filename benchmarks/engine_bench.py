@@ -49,7 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from engine.config import BuildConfig, EngineConfig, ModelConfig  # noqa: E402
 from engine.executor.runner import ForwardBatch, ModelRunner  # noqa: E402
 
-SECTIONS = ["bandwidth", "kernels", "gemm", "decode", "engine_offline", "offline", "latency", "hf"]
+SECTIONS = ["bandwidth", "kernels", "gemm", "decode", "engine_offline", "offline", "executor_decode", "latency", "hf"]
 GOALS = {
     "decode_tok_s": 160.0,  # beat gpt-fast's 153.7 tok/s on the same H100
     "roofline_fraction": 0.85,
@@ -182,7 +182,7 @@ def bench_bandwidth(results: dict, model_cfg: ModelConfig, dtype_bytes: int) -> 
 def bench_kernels(results: dict, model_cfg: ModelConfig, dtype: torch.dtype) -> None:
     """Paged attention alone: decode at several batch/context sizes and one prefill, as GB/s of K/V read
     (device time per call from CUDA-graph replays, so launch overhead is excluded)."""
-    from kernels.attention import AttentionMetadata
+    from kernels.attention_metadata import AttentionMetadata
     from kernels.linear import graph_time_ms
     from kernels.triton_attention import paged_attention_triton
 
@@ -399,6 +399,39 @@ def bench_offline(results: dict, executor, vocab: int, shapes: list[tuple[int, i
     results["offline"] = rows
 
 
+def bench_executor_decode(executor, vocab: int, batch: int, prompt_len: int = 128, out_len: int = 256) -> dict:
+    """``batch`` requests enqueued at once (random prompts of ``prompt_len``, ``out_len`` tokens
+    each) through the executor. decode_tok_s: ``batch`` x the median request's decode rate, from its
+    own first- and last-token times (its prefill excluded); output_tok_s: all tokens over the
+    wall time. With a timed runner (benchmarks/step_timeline.py) the step timeline is attached."""
+    from engine.executor.request import OutputConfig, Request
+    from step_timeline import reset, summarize
+
+    rng = random.Random(batch * 7 + prompt_len)
+    output = OutputConfig(exclude_input_from_output=True, return_perf_metrics=True)
+    requests = [Request(input_token_ids=[rng.randrange(vocab) for _ in range(prompt_len)], max_tokens=out_len,
+                        output=output) for _ in range(batch)]
+    reset(executor.runner)
+    started = time.perf_counter()
+    executor.enqueue_requests(requests)
+    rates, tokens = [], 0
+    while len(rates) < batch:
+        for response in executor.await_responses(timeout=1.0):
+            if response.error:
+                raise RuntimeError(f"request {response.request_id} failed: {response.error}")
+            if response.result.is_final:
+                n, perf = len(response.result.output_token_ids[0]), response.result.perf
+                tokens += n
+                rates.append((n - 1) / max(1e-9, (perf.last_token_time_ns - perf.first_token_time_ns) / 1e9))
+    elapsed = time.perf_counter() - started
+    row = {"batch": batch, "prompt_len": prompt_len, "output_len": out_len,
+           "decode_tok_s": batch * statistics.median(rates), "output_tok_s": tokens / elapsed}
+    timeline = summarize(executor.runner)
+    if batch in timeline:
+        row["timeline"] = timeline[batch]
+    return row
+
+
 def iteration_breakdown(executor, since_ns: int) -> dict:
     """Where the wall time went, from the executor's own per-iteration stats: prefill-carrying
     iterations vs decode-only ones, and the decode-only step time at the largest batch seen,
@@ -540,7 +573,8 @@ def bench_hf(results: dict, model: str, batches: list[int], in_len: int = 128, o
 def markdown(results: dict) -> str:
     lines = [f"\n### engine_bench: {results['model']} on {results['gpu']} ({results['date']}, commit {results['commit']})\n",
              f"torch {results['torch']}, triton {results['triton']}, dtype {results['dtype']}, "
-             f"command `{results['command']}`\n", "| measure | measured | goal |", "|---|---|---|"]
+             f"command `{results['command']}`, overlapped scheduling "
+             f"{'on' if results.get('overlap_scheduler', True) else 'off'}\n", "| measure | measured | goal |", "|---|---|---|"]
     bw = results.get("bandwidth")
     if bw:
         lines.append(f"| HBM copy bandwidth | {bw['copy_GBps']:.0f} GB/s | (H100 ref. 3030) |")
@@ -572,6 +606,13 @@ def markdown(results: dict) -> str:
                          f"prefill-carrying steps, {row['decode_seconds']:.2f} s in {row['decode_iterations']} decode-only; "
                          f"decode step at batch {row['decode_batch']}: {row['decode_step_ms_median']:.1f} ms "
                          f"(graph alone {row.get('decode_graph_replay_ms', float('nan')):.1f} ms) | |")
+    for row in results.get("executor_decode", []):
+        t = row.get("timeline")
+        steps = (f"; step period {t['period_ms']:.3f} ms, GPU busy in forward {t['gpu_ms']:.3f} ms, gap between "
+                 f"forwards {t['gap_ms']:.3f} ms (sampling + idle), host in forward {t['host_ms']:.3f} ms") if t else ""
+        lines.append(f"| executor decode, {row['batch']} request(s) at once, {row['prompt_len']}/{row['output_len']} "
+                     f"(overlap {'on' if results.get('overlap_scheduler', True) else 'off'}) | "
+                     f"{row['decode_tok_s']:,.1f} decode tok/s{steps} | |")
     for row in results.get("latency", []):
         lines.append(f"| Poisson {row['rate']:g} req/s, 128/128 ({row['requests']} req): TTFT median / p99 | "
                      f"{row['ttft_ms_median']:.1f} / {row['ttft_ms_p99']:.1f} ms | median < {GOALS['ttft_ms']:.0f} ms |")
@@ -658,6 +699,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--tokens-per-block", type=int, default=32)
     parser.add_argument("--offline", default="128x128x1024,128x2048x192,2048x128x256",
                         help="input x output x requests, comma-separated")
+    parser.add_argument("--executor-decode-batches", default="1,64,512",
+                        help="batch sizes of the executor_decode section (comma-separated)")
+    parser.add_argument("--disable-overlap", action="store_true",
+                        help="run the executor with disable_overlap_scheduler (the synchronous loop), for comparison")
     parser.add_argument("--rates", default="1,8", help="Poisson request rates (req/s)")
     parser.add_argument("--latency-seconds", type=float, default=16.0,
                         help="arrivals per rate: max(12, rate x this many seconds) requests")
@@ -716,6 +761,12 @@ class SectionRunner:
         bench_offline(self.results, self._started_executor(), self.model_cfg.vocab_size, shapes,
                       self.args.profile_executor)
 
+    def section_executor_decode(self) -> None:
+        rows = []
+        for batch in [int(b) for b in self.args.executor_decode_batches.split(",") if b]:
+            rows.append(bench_executor_decode(self._started_executor(), self.model_cfg.vocab_size, batch))
+        self.results["executor_decode"] = rows
+
     def section_latency(self) -> None:
         rates = [float(r) for r in self.args.rates.split(",") if r]
         bench_latency(self.results, self._started_executor(), self.model_cfg.vocab_size, rates, self.args.latency_seconds)
@@ -751,6 +802,7 @@ def main(argv=None) -> dict:
         "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu", "commit": git_commit(),
         "torch": torch.__version__, "triton": triton.__version__ if triton else "none", "model": args.model,
         "dtype": args.dtype, "command": "python benchmarks/engine_bench.py " + " ".join(argv or sys.argv[1:]),
+        "overlap_scheduler": not args.disable_overlap,
     }
     runner = SectionRunner(args, results)
     progress = tqdm(sections, desc="engine_bench")
@@ -774,8 +826,14 @@ def start_executor(args):
 
     engine_dir = write_config_only_engine(args.model, args.dtype, args.max_batch_size, args.max_seq_len,
                                           args.max_num_tokens, args.tokens_per_block)
-    executor = Executor(engine_dir, ExecutorConfig(kv_cache_free_gpu_mem_fraction=0.9, enable_kv_cache_reuse=False),
-                        device=args.device)
+    import engine.executor.executor as executor_module
+    from step_timeline import timed
+
+    # Every decode step of the executor timed with CUDA events (benchmarks/step_timeline.py).
+    executor_module.ModelRunner = timed(ModelRunner)
+    config = ExecutorConfig(kv_cache_free_gpu_mem_fraction=0.9, enable_kv_cache_reuse=False,
+                            disable_overlap_scheduler=args.disable_overlap)
+    executor = Executor(engine_dir, config, device=args.device)
     # Warm-up: compile the kernels for prefill and decode shapes before anything is timed.
     from engine.executor.request import Request
 

@@ -1,4 +1,4 @@
-"""Cost of leader mode's per-step plan broadcast (engine/distributed.py StepChannel) on 2 ranks.
+"""Cost of leader mode's per-step plan broadcast (engine/tensor_parallel/distributed.py StepChannel) on 2 ranks.
 
     python benchmarks/step_protocol_latency.py [--device cuda]     # starts its 2 ranks itself
 
@@ -21,8 +21,8 @@ import time
 
 
 def run_rank(rank: int, port: int, device: str, iters: int) -> None:
-    from engine.distributed import DistSettings, RankInfo, init_distributed, resolve_device
-    from engine.step_protocol import Op, StepChannel
+    from engine.tensor_parallel.distributed import DistSettings, RankInfo, init_distributed, resolve_device
+    from engine.tensor_parallel.step_protocol import Op, StepChannel
     from engine.executor.runner import ForwardBatch
 
     info = RankInfo(rank=rank, world_size=2, local_rank=rank, local_size=2)

@@ -7,7 +7,7 @@ project is not pip-installed; no mpirun or torchrun needed: it starts every rank
 variables mpirun would set). Four phases, each a fresh set of processes (``--phase_timeout`` each):
 
 1. ``greedy_tp1`` / ``greedy_tp2`` (float32): 8 prompts of random token ids, 32 greedy tokens each,
-   straight through ``make_runner`` (rank 0) and ``engine.worker``'s loop (rank 1). The check
+   straight through ``make_runner`` (rank 0) and ``engine.tensor_parallel.worker``'s loop (rank 1). The check
    passes when every generated token is equal; the first step's logits are compared too.
    float32 because bf16 greedy decoding of a random 32-layer model differs between *any* two
    summation orders after a few tokens (near-ties); that says nothing about sharding.
@@ -42,10 +42,11 @@ import torch
 import engine.executor.runner as runner_module
 from engine.config import BuildConfig, EngineConfig, ModelConfig
 from engine.convert import iter_rank_weights
-from engine.distributed import make_runner, run_worker
+from engine.tensor_parallel.distributed import make_runner, run_worker
 from engine.executor.runner import ForwardBatch, ModelRunner
 
-from engine_bench import MODELS, drain_offline  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from engine_bench import MODELS, bench_executor_decode, drain_offline  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from step_timeline import describe, reset, summarize, timed  # noqa: E402
 
 PHASES = ("greedy_tp1", "greedy_tp2", "perf_tp1", "perf_tp2")
 DECODE_BATCHES = (1, 8, 32)
@@ -105,38 +106,6 @@ class EagerRunner(ModelRunner):
 
     def capture_cuda_graphs(self) -> None:
         pass
-
-
-def timed(base: type) -> type:
-    """``base`` with a timeline of batch-1 decode steps (``--timing``): per step, the host time
-    inside forward, the GPU time between events recorded at its start and end on this rank's
-    stream (waits at collectives for the other rank included), and the period between steps."""
-
-    class TimedRunner(base):
-        def forward(self, batch, *, all_logits: bool = False):
-            if self.device.type != "cuda" or len(batch.token_ids) != 1 or all_logits:
-                return super().forward(batch, all_logits=all_logits)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            began = time.perf_counter()
-            start.record()
-            out = super().forward(batch, all_logits=all_logits)
-            end.record()
-            self.__dict__.setdefault("timeline", []).append((began, time.perf_counter(), start, end))
-            return out
-
-        def timeline_summary(self) -> str:
-            steps = self.__dict__.get("timeline", [])[8:]
-            if len(steps) < 3:
-                return "no batch-1 decode steps timed"
-            torch.cuda.synchronize()
-            host = sorted((t1 - t0) * 1e3 for t0, t1, _, _ in steps)
-            gpu = sorted(e0.elapsed_time(e1) for _, _, e0, e1 in steps)
-            period = sorted((b[0] - a[0]) * 1e3 for a, b in zip(steps, steps[1:]))
-            med = lambda xs: xs[len(xs) // 2]  # noqa: E731
-            return (f"{len(steps)} batch-1 decode steps, medians: host in forward {med(host):.3f} ms, "
-                    f"GPU start->end {med(gpu):.3f} ms, period between steps {med(period):.3f} ms")
-
-    return TimedRunner
 
 
 def runner_class(args) -> type:
@@ -281,16 +250,21 @@ def run_perf_phase(args) -> dict:
         for batch in DECODE_BATCHES:
             decode.append(bench_decode(executor.runner, batch))
             progress(f"decode batch {batch}: {decode[-1]['tok_s']:.0f} tok/s")
+        if args.timing:
+            reset(executor.runner)  # the timeline from here on: the executor's own (overlapped) steps
+        executor_decode = []
+        for batch in DECODE_BATCHES:
+            executor_decode.append(bench_executor_decode(executor, vocab, batch))
+            progress(f"executor decode batch {batch}: {executor_decode[-1]['decode_tok_s']:.0f} tok/s")
         offline = []
         for shape in args.offline_shapes:
             offline.append(bench_offline(executor, vocab, *shape))
             progress(f"offline {shape}: {offline[-1]['output_tok_s']:.0f} tok/s")
         graphs = args.device.startswith("cuda") and not args.no_graphs
-        result = {"decode": decode, "offline": offline, "graphs": graphs}
-        local = getattr(executor.runner, "runner", executor.runner)
-        if hasattr(local, "timeline_summary"):
-            result["timeline_rank0"] = local.timeline_summary()
-            progress("timeline: " + result["timeline_rank0"])
+        result = {"decode": decode, "executor_decode": executor_decode, "offline": offline, "graphs": graphs}
+        if args.timing:
+            result["timeline_rank0"] = summarize(executor.runner)
+            progress("timeline: " + describe(result["timeline_rank0"]))
         with open(args.out, "w") as f:  # kept even if the teardown below hangs
             json.dump(result, f)
     finally:
@@ -320,7 +294,7 @@ def free_port() -> int:
 
 
 def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
-    # Only the variables set here may say which rank this is (engine.distributed reads several kinds).
+    # Only the variables set here may say which rank this is (engine.tensor_parallel.distributed reads several kinds).
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_COMM_WORLD", "PMI_", "PMIX_", "SLURM_"))}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         env.pop(name, None)
@@ -341,7 +315,8 @@ def run_phase(args, phase: str, engine_dir: str, workdir: str) -> dict:
                            "--greedy_steps", str(args.greedy_steps), "--offline", args.offline, *flags]
     port = free_port()
     procs = [subprocess.Popen(leader_cmd, env=rank_env(0, tp, port))]
-    procs += [subprocess.Popen(common + ["--role", "worker", *flags], env=rank_env(r, tp, port)) for r in range(1, tp)]
+    procs += [subprocess.Popen(common + ["--role", "worker", "--out", f"{out}.rank{r}", *flags], env=rank_env(r, tp, port))
+              for r in range(1, tp)]
     print(f"[tp_bench] {phase}: {tp} rank(s) ...", flush=True)
     started = time.monotonic()
     try:
@@ -362,7 +337,12 @@ def run_phase(args, phase: str, engine_dir: str, workdir: str) -> dict:
         raise SystemExit(f"[tp_bench] {phase} failed: exit codes {codes} (after {time.monotonic() - started:.0f} s)")
     print(f"[tp_bench] {phase}: done in {time.monotonic() - started:.0f} s", flush=True)
     with open(out) as f:
-        return json.load(f)
+        result = json.load(f)
+    for r in range(1, tp):  # the workers' step timelines (--timing)
+        if os.path.exists(f"{out}.rank{r}"):
+            with open(f"{out}.rank{r}") as f:
+                result[f"timeline_rank{r}"] = json.load(f)
+    return result
 
 
 def compare_greedy(workdir: str, tp1: dict, tp2: dict) -> dict:
@@ -386,6 +366,12 @@ def markdown(results: dict) -> str:
     for tp, perf in ((1, perf1), (2, perf2)):
         cells = [f"{d['tok_s']:.0f}" for d in perf["decode"]] + [f"{o['output_tok_s']:.0f}" for o in perf["offline"]]
         lines.append(f"| {tp} | " + " | ".join(cells) + " |")
+    lines.append("\nThrough the executor (overlapped scheduling), decode tok/s by batch: "
+                 + "; ".join(f"TP {tp}: " + ", ".join(f"B={d['batch']} {d['decode_tok_s']:.0f}" for d in perf.get("executor_decode", []))
+                             for tp, perf in ((1, perf1), (2, perf2))) + ".")
+    for tp, perf in ((1, perf1), (2, perf2)):
+        for key in sorted(k for k in perf if k.startswith("timeline_rank")):
+            lines.append(f"- TP {tp} {key.replace('timeline_', '')} step timeline (executor steps): {describe(perf[key])}")
     return "\n".join(lines) + "\n"
 
 
@@ -449,7 +435,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="eager decode (no CUDA graphs) in the perf phases (the greedy check is always eager)")
     parser.add_argument("--skip_perf", action="store_true", help="only the greedy check")
     parser.add_argument("--timing", action="store_true",
-                        help="perf phases: per-rank timeline of batch-1 decode steps (host, GPU, period)")
+                        help="perf phases: per-rank timeline of the executor's decode steps (benchmarks/step_timeline.py)")
     parser.add_argument("--phases", default=",".join(PHASES),
                         help=f"comma list of phases to run, in order (default: all of {','.join(PHASES)})")
     parser.add_argument("--phase_timeout", type=float, default=240, help="seconds per phase (4 phases)")
@@ -490,10 +476,13 @@ def main(argv=None) -> None:
             cls = Recorded
         run_worker(args.engine_dir, device=args.device, runner_class=cls)
         if args.timing and built:
-            progress("timeline: " + built[0].timeline_summary())
+            timeline = summarize(built[0])
+            progress("timeline: " + describe(timeline))
+            with open(args.out, "w") as f:
+                json.dump(timeline, f)
         progress("worker left the groups")
         sys.stderr.flush()
-        os._exit(0)  # as engine.worker does: no interpreter teardown after a timed-out group teardown
+        os._exit(0)  # as engine.tensor_parallel.worker does: no interpreter teardown after a timed-out group teardown
     result = run_greedy_phase(args) if args.role == "greedy" else run_perf_phase(args)
     with open(args.out, "w") as f:
         json.dump(result, f)

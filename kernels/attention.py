@@ -23,32 +23,11 @@ the oracle the kernel tests compare against.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from kernels import triton_attention  # the GPU kernels; importable (as stubs) without Triton
 from kernels._triton import use_triton
-
-
-@dataclass
-class AttentionMetadata:
-    """Per-forward attention inputs, built once by the runner and shared by every layer."""
-
-    slot_mapping: torch.Tensor  # (num_tokens,) int64: flat cache slot of each new token
-    block_tables: torch.Tensor  # (num_seqs, max_blocks_per_seq) int32, padded with 0
-    cu_seqlens_q: torch.Tensor  # (num_seqs + 1,) int32: new tokens of seq i are rows cu[i]:cu[i+1]
-    context_lens: torch.Tensor  # (num_seqs,) int32: cached + new tokens of seq i after this step
-    max_seqlen_q: int
-    max_context_len: int
-    is_decode_only: bool  # every sequence has exactly one new token
-    # Host copies of cu_seqlens_q / context_lens, so the torch reference never syncs the device.
-    cu_seqlens_q_host: list[int] | None = None
-    context_lens_host: list[int] | None = None
-
-    @property
-    def num_seqs(self) -> int:
-        return self.context_lens.shape[0]
+from kernels.attention_metadata import AttentionMetadata
 
 
 def write_kv_cache_ref(

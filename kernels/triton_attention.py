@@ -26,14 +26,10 @@ slot -1 so they write nothing.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from kernels._triton import jit, tl, triton
-
-if TYPE_CHECKING:
-    from kernels.attention import AttentionMetadata
+from kernels.attention_metadata import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
 _NUM_SMS: dict[int, int] = {}

@@ -134,7 +134,7 @@ def leader_mode_arguments(args: argparse.Namespace, install: ServerInstall) -> l
     """mpirun arguments after the launcher options for world_size > 1 (leader mode).
 
     Rank 0 is tritonserver (its tensorrt_llm model is the leader); ranks 1..N-1 are one app,
-    ``python -m engine.worker``. ``--bind-to none`` because OpenMPI would otherwise pin each rank
+    ``python -m engine.tensor_parallel.worker``. ``--bind-to none`` because OpenMPI would otherwise pin each rank
     to one core (tritonserver is multi-threaded); ``orte_enable_recovery`` keeps the job (and so
     the server, which then answers with errors and reports not ready) alive when a worker dies.
     On SIGTERM/SIGINT mpirun sends every rank SIGCONT, then SIGTERM after
@@ -150,7 +150,7 @@ def leader_mode_arguments(args: argparse.Namespace, install: ServerInstall) -> l
         cmd += ["--hostfile", args.hostfile]
     for name in RANK_ENV_VARS + tuple(n for n in OPTIONAL_RANK_ENV_VARS if n in os.environ):
         cmd += ["-x", name]
-    worker = [sys.executable, "-m", "engine.worker", f"--engine_dir={args.engine_dir}"]
+    worker = [sys.executable, "-m", "engine.tensor_parallel.worker", f"--engine_dir={args.engine_dir}"]
     leader = rank_arguments(0, args, install)
     return cmd + ["-n", "1", *leader, ":", "-n", str(args.world_size - 1), *worker]
 

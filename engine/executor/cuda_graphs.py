@@ -8,7 +8,9 @@ How a step runs (``run``): the batch's ids, positions, slots, context lengths an
 are written into pinned host buffers, copied without blocking into static device buffers, and
 the graph of the smallest bucket >= batch size is replayed. Rows past the batch are padding:
 slot -1 (the KV write skips it), context length 1 over block 0 (a harmless read), and their
-outputs are ignored. The graph returns the final hidden states; logits are computed outside
+outputs are ignored. Token ids may be placeholders for tokens the previous step sampled and the
+host has not seen yet: the graph itself replaces them from the ``sampled_tokens`` ring
+(engine/executor/overlap.py), so the next step needs no host round trip. The graph returns the final hidden states; logits are computed outside
 it, so the graphs hold no (batch, vocab) buffers.
 
 Invariants: the KV pool tensor is never reallocated after capture (the graphs hold its
@@ -24,7 +26,8 @@ import itertools
 import numpy as np
 import torch
 
-from kernels.attention import AttentionMetadata
+from engine.executor.overlap import resolve_placeholders
+from kernels.attention_metadata import AttentionMetadata
 
 
 def default_buckets(max_batch_size: int) -> list[int]:
@@ -41,8 +44,12 @@ class DecodeGraphs:
     """
 
     def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, *, tokens_per_block: int,
-                 max_seq_len: int, max_batch_size: int, buckets: list[int] | None = None):
+                 max_seq_len: int, max_batch_size: int, buckets: list[int] | None = None,
+                 sampled_tokens: torch.Tensor | None = None):
         self.model = model
+        # The runner's ring of sampled tokens that placeholder ids name; its address is captured.
+        self.sampled_tokens = (sampled_tokens if sampled_tokens is not None
+                               else torch.zeros(1, dtype=torch.int64, device=kv_cache.device))
         self.kv_cache = kv_cache
         self.device = kv_cache.device
         self.tokens_per_block = tokens_per_block
@@ -91,7 +98,8 @@ class DecodeGraphs:
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.hidden[bs] = self.model(*args)
+                input_ids = resolve_placeholders(args[0], self.sampled_tokens)
+                self.hidden[bs] = self.model(input_ids, *args[1:])
             self.graphs[bs] = graph
         torch.cuda.synchronize()
 

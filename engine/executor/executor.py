@@ -27,11 +27,14 @@ import torch
 from engine.executor import beam_search
 from engine.executor.kv_cache import BlockManager
 from engine.executor.output import ResponseQueue, responses_for
+from engine.executor.overlap import (
+    InFlightStep, TokenTransfer, needs_tokens_on_host, pinned_token_buffers, placeholder,
+)
 from engine.executor.request import (
     FinishReason, Request, RequestLimits, RequestState, Response, Sequence, SequenceStatus, normalize_request, now_ns,
     validate_request,
 )
-from engine.step_protocol import RankFailureError
+from engine.tensor_parallel.step_protocol import RankFailureError
 from engine.executor.runner import ForwardBatch, ModelRunner
 from engine.executor.sampler import build_sampling_metadata, process_logits, sample
 from engine.executor.scheduler import POLICIES, Scheduler, SchedulerOutput
@@ -64,6 +67,8 @@ class ExecutorConfig:
     enable_chunked_context: bool = False
     exclude_input_from_output: bool = False
     normalize_log_probs: bool = True
+    # Overlapped scheduling (engine/executor/overlap.py) is on unless this is set (TRT-LLM's name).
+    disable_overlap_scheduler: bool = False
     iter_stats_max_iterations: int = 1000
     device: str | None = None
 
@@ -109,7 +114,7 @@ class Executor:
 
     # ----- construction -----
     def _init_runner(self, engine_dir: str, device: str | None) -> None:
-        from engine.distributed import make_runner  # one rank: a ModelRunner; rank 0 of N: a LeaderRunner
+        from engine.tensor_parallel.distributed import make_runner  # one rank: a ModelRunner; rank 0 of N: a LeaderRunner
 
         self.runner = make_runner(engine_dir, device=device, runner_class=ModelRunner)
         build = self.runner.build_config
@@ -153,7 +158,11 @@ class Executor:
         self._active: dict[int, RequestState] = {}
         self._num_unscheduled = 0  # admitted requests not scheduled yet (they count as queued)
         self._touched: dict[int, RequestState] = {}  # requests with news this iteration
-        self._pending_emit: tuple | None = None  # (plan, latency ms, active) of an iteration not yet emitted
+        self._in_flight: InFlightStep | None = None  # launched, tokens not read yet (engine/executor/overlap.py)
+        self._last_step_finished = 0.0  # perf_counter() when the last step's tokens were read
+        self._parity = 0  # which half of the sampled-token ring and pinned buffers the next step uses
+        self._pinned = pinned_token_buffers(self.runner.sampled_tokens.shape[0] // 2, self.runner.device)
+        self._sync_request_ids: set[int] = set()  # active requests that need each step's tokens on the host
         self._responses = ResponseQueue()
         self._callback = response_callback
         self._iteration = 0
@@ -247,7 +256,8 @@ class Executor:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not (self._inbox or self._cancel_ids or self.scheduler.has_unfinished or self._stopping):
+                while not (self._inbox or self._cancel_ids or self.scheduler.has_unfinished or self._stopping
+                           or self._in_flight is not None):
                     self._cv.wait()
                 if self._stopping:
                     break
@@ -256,49 +266,46 @@ class Executor:
             try:
                 self._step(new, cancels)
             except Exception:  # our own bug: fail everything in flight loudly, keep serving
+                self._in_flight = None
                 self._fail_all(f"internal executor error: {traceback.format_exc()}")
         try:
-            self._flush_emit()  # what the last iteration produced goes out before the shutdown errors
+            self._finish_in_flight()  # what the last step produced goes out before the shutdown errors
         except Exception:
             traceback.print_exc()
         self._fail_all("the executor was shut down")
 
     def _step(self, new: list[RequestState], cancels: set[int]) -> None:
-        """One iteration: admit -> cancel -> schedule -> forward -> sample -> update -> emit.
+        """One iteration: admit -> cancel -> schedule -> launch step N -> finish step N-1 -> emit.
 
-        The emit (responses, stats) of iteration N runs inside iteration N+1, after its forward
-        and sampling are launched and before the host waits for the sampled tokens: on a GPU,
-        building and sending responses then overlaps the next step's kernels. It runs at once
-        when nothing is left to run (so final responses never wait for a step that won't come).
+        Overlapped (engine/executor/overlap.py): step N is launched on the device before the
+        host waits for step N-1's tokens, so appending them, stop checks, responses and the
+        next schedule all run while the GPU computes. While a request that needs its tokens on
+        the host is active (``needs_tokens_on_host``), or with ``disable_overlap_scheduler``,
+        each step is finished before the next is scheduled.
         """
         started = time.perf_counter()
         self._admit(new)
         self._cancel(cancels)
+        if self._must_sync():
+            self._finish_in_flight()
         plan = self.scheduler.schedule()
-        num_active = len(self._active)  # in flight this iteration, those that finish in it included
-        if not plan.is_empty:
-            outputs = self._forward_and_sample(plan)  # emits the previous iteration before its host sync
-            self._flush_emit()  # ... unless nothing was sampled, or the forward failed
-            if outputs is not None:
-                self._update(plan, *outputs)
-        else:
-            self._flush_emit()
-        self._pending_emit = (plan, (time.perf_counter() - started) * 1e3, num_active)
-        if plan.is_empty or not self.scheduler.has_unfinished:
-            self._flush_emit()
-        if plan.is_empty and not new and not cancels:
+        launched = None if plan.is_empty else self._launch(plan, started)
+        finished = self._finish_in_flight()  # step N-1, while the device runs step N
+        self._in_flight = launched
+        if launched is not None and self._must_sync():
+            finished = self._finish_in_flight()
+        self._emit()  # cancellations and errors of this iteration
+        if plan.is_empty and not finished and not new and not cancels:
             time.sleep(0.001)  # nothing runnable right now; do not spin
 
-    def _flush_emit(self) -> None:
-        """Deliver what the previous iteration produced and record its stats (idempotent)."""
-        pending, self._pending_emit = self._pending_emit, None
-        self._emit()
-        if pending is not None:
-            self._record_stats(*pending)
+    def _must_sync(self) -> bool:
+        return self.config.disable_overlap_scheduler or bool(self._sync_request_ids)
 
     def _admit(self, new: list[RequestState]) -> None:
         for state in new:
             self._active[state.request_id] = state
+            if needs_tokens_on_host(state.request):
+                self._sync_request_ids.add(state.request_id)
             state.is_queued = True
             self._num_unscheduled += 1
             beam_width = state.request.sampling.beam_width or 1
@@ -326,26 +333,44 @@ class Executor:
                 for seq in state.sequences:
                     self._finish(seq, FinishReason.CANCELLED)
 
-    # ----- forward + sample -----
-    def _forward_and_sample(self, plan: SchedulerOutput):
-        """Run the batch; on failure, fail exactly the requests it carried and return None."""
+    # ----- launch: forward + sample, tokens left on the device -----
+    def _launch(self, plan: SchedulerOutput, started: float) -> InFlightStep | None:
+        """Run the batch and sample without waiting for the result; the sequences that sample get a
+        placeholder token each. On failure, fail exactly the requests the batch carried."""
+        num_active = len(self._active)  # in flight this step, those that finish in it included
         try:
-            batch, rows = self._forward_batch(plan)
+            batch, rows, sampling = self._forward_batch(plan)
             logits = self.runner.forward(batch)
-            return logits, rows, self._sample(plan, logits, rows)
+            transfer = self._sample(logits, sampling, batch) if sampling else None
         except Exception as err:
             # A lost rank (leader mode) is an operational fault whose message says it all; else a bug.
             message = str(err) if isinstance(err, RankFailureError) else f"forward failed: {traceback.format_exc(limit=4)}"
             for state in {s.seq.state.request_id: s.seq.state for s in plan.scheduled}.values():
                 self._fail(state, message)
             return None
+        now = now_ns()
+        for item in plan.scheduled:
+            state = item.seq.state
+            if state.is_queued or not state.perf.first_scheduled_time_ns:
+                self._note_scheduled(state, now)
+            item.seq.num_computed_tokens += item.num_new_tokens
+        placeholders = []
+        for i, (seq, row) in enumerate(sampling):
+            placeholders.append((seq, len(seq.token_ids), row))
+            seq.token_ids.append(placeholder(batch.sampled_tokens_slot + i))
+            seq.num_unresolved_tokens += 1
+        self._parity ^= 1
+        keep_logits = bool(self._sync_request_ids)  # context/generation logits and beams read them later
+        return InFlightStep(plan, rows, logits if keep_logits else None, placeholders, transfer, started, num_active)
 
-    def _forward_batch(self, plan: SchedulerOutput) -> tuple[ForwardBatch, list[tuple[int, int]]]:
-        """Pack the plan; rows[i] = (first, end) logits rows of scheduled sequence i (end - first: 0 or more)."""
+    def _forward_batch(self, plan: SchedulerOutput) -> tuple[ForwardBatch, list[tuple[int, int]], list[tuple[Sequence, int]]]:
+        """Pack the plan. rows[i] = (first, end) logits rows of scheduled sequence i (end - first: 0
+        or more); sampling = (sequence, logits row) of each non-beam sequence that samples."""
         token_ids, positions, seq_lens, context_lens, tables, logits_indices, rows = [], [], [], [], [], [], []
+        sampling = []
         T = self.blocks.tokens_per_block
         for item in plan.scheduled:  # runs once per sequence per step: kept free of calls in the decode case
-            seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
+            seq, start, n = item.seq, item.start, item.num_new_tokens
             offset, end = len(token_ids), start + n
             if n == 1:
                 token_ids.append(seq.token_ids[start])
@@ -359,17 +384,20 @@ class Executor:
             first = len(logits_indices)
             if seq.state.request.output.return_context_logits:
                 logits_indices += [offset + i for i in self._logit_positions(item)]
-            elif end == len(seq.token_ids):  # the chunk reaches the end: its last logits sample
+            elif item.samples:  # the chunk reaches the end: its last logits sample
                 logits_indices.append(offset + n - 1)
             rows.append((first, len(logits_indices)))
-        return ForwardBatch(token_ids, positions, seq_lens, context_lens, tables, logits_indices), rows
+            if item.samples and seq.state.request.sampling.beam_width <= 1:  # not is_beam_search
+                sampling.append((seq, len(logits_indices) - 1))
+        slot = self._parity * self.runner.sampled_tokens.shape[0] // 2 if sampling else -1
+        return ForwardBatch(token_ids, positions, seq_lens, context_lens, tables, logits_indices, slot), rows, sampling
 
     def _logit_positions(self, item) -> list[int]:
         """Chunk-relative tokens whose logits are needed: new prompt positions for context logits, then the last."""
-        seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
+        seq, start, n = item.seq, item.start, item.num_new_tokens
         state = seq.state
         if not state.request.output.return_context_logits:  # the common case, once per sequence per step
-            return [n - 1] if start + n == len(seq.token_ids) else []
+            return [n - 1] if item.samples else []
         wanted = []
         if seq is state.sequences[0]:
             have = sum(len(part) for part in state.context_logits_parts)
@@ -378,51 +406,60 @@ class Executor:
             wanted.append(n - 1)
         return wanted
 
-    def _sample(self, plan: SchedulerOutput, logits: torch.Tensor, rows) -> dict[int, tuple[int, float | None]]:
-        """Sampled (token, log-prob) per seq_id for non-beam sequences whose chunk reached the end."""
-        sampling = [(item.seq, end - 1) for item, (first, end) in zip(plan.scheduled, rows)
-                    if item.seq.num_computed_tokens + item.num_new_tokens == len(item.seq.token_ids)  # item.samples
-                    and item.seq.state.request.sampling.beam_width <= 1]  # not is_beam_search
-        if not sampling:
-            return {}
+    def _sample(self, logits: torch.Tensor, sampling: list[tuple[Sequence, int]], batch: ForwardBatch) -> TokenTransfer:
+        """Sample every row in ``sampling`` on the device, leave the tokens in the runner's ring for
+        the next step (which may be launched before the host sees them) and start their copy home."""
         seqs = [seq for seq, _ in sampling]
-        want_log_probs = any(s.state.request.output.return_log_probs for s in seqs)
-        md = build_sampling_metadata(seqs, self.runner.vocab_size, logits.device, want_log_probs)
-        md.normalize_log_probs = self.config.normalize_log_probs
-        sample_rows = [row for _, row in sampling]
-        all_rows = sample_rows == list(range(len(logits)))  # plain decode: no gather needed
-        out = sample(logits if all_rows else logits[sample_rows], md)
-        self._flush_emit()  # the previous iteration's responses, while the GPU runs this one
-        if out.log_probs is None:
-            return {seq.seq_id: (token, None) for seq, token in zip(seqs, out.token_ids.tolist())}
-        # one host sync for ids and log-probs together (ids are exact in float64)
-        ids, log_probs = torch.stack([out.token_ids.double(), out.log_probs.double()]).tolist()
-        return {seq.seq_id: (int(t), lp) for seq, t, lp in zip(seqs, ids, log_probs)}
+        try:
+            want_log_probs = any(s.state.request.output.return_log_probs for s in seqs)
+            md = build_sampling_metadata(seqs, self.runner.vocab_size, logits.device, want_log_probs)
+            md.normalize_log_probs = self.config.normalize_log_probs
+            sample_rows = [row for _, row in sampling]
+            all_rows = sample_rows == list(range(len(logits)))  # plain decode: no gather needed
+            out = sample(logits if all_rows else logits[sample_rows], md)
+        except Exception:
+            # Leader mode: the workers wait for this step's tokens; give them some, then fail the step.
+            self.runner.store_sampled_tokens(torch.zeros(len(seqs), dtype=torch.int64, device=logits.device), batch)
+            raise
+        self.runner.store_sampled_tokens(out.token_ids, batch)
+        return TokenTransfer(out.token_ids, out.log_probs, self._pinned[self._parity])
 
-    # ----- update -----
-    def _update(self, plan: SchedulerOutput, logits: torch.Tensor, rows, sampled) -> None:
+    # ----- finish: the tokens of a launched step reach the host -----
+    def _finish_in_flight(self) -> bool:
+        """Wait for the in-flight step's tokens, put them in place of its placeholders, check stops,
+        emit; False when no step was in flight."""
+        step, self._in_flight = self._in_flight, None
+        if step is None:
+            return False
+        token_ids, log_probs = step.transfer.wait() if step.transfer is not None else ([], None)
         now = now_ns()
         beam_rows = []
-        for item, (first, end) in zip(plan.scheduled, rows):  # once per sequence per step: keep it lean
+        for item, (first, end) in zip(step.plan.scheduled, step.rows):  # once per sequence per step: keep it lean
             seq = item.seq
-            if seq.status is SequenceStatus.FINISHED:
-                continue
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # finished (a stop known late, a cancel) or preempted since the launch
             state = seq.state
-            samples = seq.num_computed_tokens + item.num_new_tokens == len(seq.token_ids)  # before it moves
-            if state.is_queued or not state.perf.first_scheduled_time_ns:
-                self._note_scheduled(state, now)
             if state.request.output.return_context_logits:  # slicing a tensor per sequence costs ~2 us
-                self._collect_context_logits(item, logits[first:end])
-            seq.num_computed_tokens += item.num_new_tokens
+                self._collect_context_logits(item, step.logits[first:end])
             self.blocks.register_computed_blocks(seq)
-            if samples and len(state.sequences) > 1 and seq.num_generated_tokens == 0:
+            if item.samples and len(state.sequences) > 1 and item.start + item.num_new_tokens == seq.num_prompt_tokens:
                 self._fork_siblings(seq)
-            if seq.seq_id in sampled:
-                self._append_token(seq, *sampled[seq.seq_id], logits, end - 1, now)
-            elif samples and seq.state.is_beam_search:
-                beam_rows.append((seq, logits[end - 1]))
+            if item.samples and state.is_beam_search:
+                beam_rows.append((seq, step.logits[end - 1]))
+        for i, (seq, index, row) in enumerate(step.placeholders):
+            if not seq.is_finished:
+                self._resolve_token(seq, index, token_ids[i], None if log_probs is None else log_probs[i],
+                                    step.logits, row, now)
         if beam_rows:
             self._beam_step(beam_rows, now)
+        self._emit()
+        # The step's period: from when it began, or, overlapped, from when the step before it
+        # finished (steps in flight overlap; their latencies must add up to the wall time).
+        finished_at = time.perf_counter()
+        self._record_stats(step.plan, (finished_at - max(step.started, self._last_step_finished)) * 1e3,
+                           step.num_active)
+        self._last_step_finished = finished_at
+        return True
 
     def _fork_siblings(self, first: Sequence) -> None:
         """num_return_sequences > 1: sequences 1..n-1 take references on sequence 0's full prompt
@@ -454,36 +491,49 @@ class Executor:
         if not state.request.output.return_context_logits or item.seq is not state.sequences[0]:
             return
         have = sum(len(part) for part in state.context_logits_parts)
-        new = max(0, min(item.seq.num_computed_tokens + item.num_new_tokens, item.seq.num_prompt_tokens) - have)
+        new = max(0, min(item.start + item.num_new_tokens, item.seq.num_prompt_tokens) - have)
         if new:
             state.context_logits_parts.append(chunk_logits[:new].float().cpu())
 
-    def _append_token(self, seq: Sequence, token: int, log_prob: float | None, logits: torch.Tensor, row: int,
-                      now: int) -> None:
+    def _resolve_token(self, seq: Sequence, index: int, token: int, log_prob: float | None,
+                       logits: torch.Tensor | None, row: int, now: int) -> None:
+        """seq.token_ids[index] (its oldest placeholder) becomes ``token``; then the stop checks.
+        A stop drops the placeholders after it: their tokens are never emitted."""
         request, perf = seq.state.request, seq.state.perf
         perf.first_token_time_ns = perf.first_token_time_ns or now
         perf.last_token_time_ns = now
         if request.streaming:  # a non-streaming request has news only when it finishes (_finish touches it)
             self._touched[seq.request_id] = seq.state
         if token == request.end_id:
+            self._drop_unresolved(seq, keep=index)
             self._finish(seq, FinishReason.END_ID)
             return
-        seq.token_ids.append(token)
+        seq.token_ids[index] = token
+        seq.num_unresolved_tokens -= 1
         if log_prob is not None:
             seq.log_probs.append(log_prob)
             seq.cum_log_prob += log_prob
         if request.output.return_generation_logits:
             seq.generation_logits.append(logits[row].float().cpu())
-        if request.stop_words or len(seq.token_ids) - seq.num_prompt_tokens >= request.max_tokens:
-            reason = self._stop_reason(seq)  # (else NOT_FINISHED, known without the call)
+        length = index + 1
+        if request.stop_words or length - seq.num_prompt_tokens >= request.max_tokens:
+            reason = self._stop_reason(seq, length)  # (else NOT_FINISHED, known without the call)
             if reason is not FinishReason.NOT_FINISHED:
+                self._drop_unresolved(seq, keep=length)
                 self._finish(seq, reason)
 
-    def _stop_reason(self, seq: Sequence) -> FinishReason:
+    @staticmethod
+    def _drop_unresolved(seq: Sequence, keep: int) -> None:
+        """Cut token_ids to ``keep`` tokens: every placeholder goes (they all sit at the tail)."""
+        del seq.token_ids[keep:]
+        seq.num_unresolved_tokens = 0
+
+    def _stop_reason(self, seq: Sequence, length: int) -> FinishReason:
+        """Why seq stops after its first ``length`` tokens, or NOT_FINISHED."""
         request = seq.state.request
-        generated = seq.num_generated_tokens
+        generated = length - seq.num_prompt_tokens
         for word in request.stop_words or ():
-            if word and len(word) <= generated and seq.token_ids[-len(word):] == list(word):
+            if word and len(word) <= generated and seq.token_ids[length - len(word):length] == list(word):
                 return FinishReason.STOP_WORDS
         if generated >= request.max_tokens:
             return FinishReason.LENGTH
@@ -508,6 +558,8 @@ class Executor:
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.is_finished:
             return
+        if seq.num_unresolved_tokens:  # e.g. cancelled with a step in flight: its token is not sent
+            self._drop_unresolved(seq, keep=len(seq.token_ids) - seq.num_unresolved_tokens)
         self.scheduler.finish(seq)
         seq.finish_reason = reason
         self._touched[seq.request_id] = seq.state
@@ -517,8 +569,7 @@ class Executor:
             if not seq.is_finished:
                 self.scheduler.finish(seq)
                 seq.finish_reason = FinishReason.ERROR
-        self._leave_queue(state)
-        self._active.pop(state.request_id, None)
+        self._retire(state)
         self._touched.pop(state.request_id, None)
         self._deliver([Response(state.request_id, error=message)])
 
@@ -535,11 +586,16 @@ class Executor:
         for state in self._touched.values():
             responses += responses_for(state)
             if all(s.is_finished for s in state.sequences):
-                self._leave_queue(state)  # e.g. cancelled while still queued
-                self._active.pop(state.request_id, None)
+                self._retire(state)
         self._touched.clear()
         if responses:
             self._deliver(responses)
+
+    def _retire(self, state: RequestState) -> None:
+        """The request has ended (every sequence finished, or failed): forget it."""
+        self._leave_queue(state)  # e.g. cancelled while still queued
+        self._active.pop(state.request_id, None)
+        self._sync_request_ids.discard(state.request_id)
 
     def _deliver(self, responses: list[Response]) -> None:
         if self._callback is None:

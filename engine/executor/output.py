@@ -81,7 +81,7 @@ def responses_for(state: RequestState) -> list[Response]:
     for seq in state.sequences:
         if seq.sequence_index in state.finished_streams:
             continue
-        if state.request.streaming and (seq.num_generated_tokens > seq.num_emitted or seq.is_finished):
+        if state.request.streaming and (seq.num_known_generated_tokens > seq.num_emitted or seq.is_finished):
             responses.append(Response(state.request_id, result=streaming_result(seq)))
         elif seq.is_finished:
             responses.append(Response(state.request_id, result=final_result(seq)))
@@ -90,8 +90,8 @@ def responses_for(state: RequestState) -> list[Response]:
     return responses
 
 def streaming_result(seq: Sequence) -> Result:
-    start, seq.num_emitted = seq.num_emitted, seq.num_generated_tokens
-    result = build_result(seq, seq.generated_token_ids[start:], start,
+    start, seq.num_emitted = seq.num_emitted, seq.num_known_generated_tokens
+    result = build_result(seq, seq.generated_token_ids[start:seq.num_emitted], start,
                           with_context_logits=start == 0)
     result._streaming_delta = True
     return result

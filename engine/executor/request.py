@@ -176,6 +176,9 @@ class Sequence:
         self.arrival_order = 0  # set by the scheduler; preemption picks the largest (newest)
         # output bookkeeping
         self.num_emitted = 0  # generated tokens already sent in a response
+        # Overlapped scheduling: the last n token_ids are placeholders for tokens still on the
+        # device (engine/executor/overlap.py); they are never emitted.
+        self.num_unresolved_tokens = 0
         self.log_probs: list[float] = []
         self.cum_log_prob = 0.0
         self.generation_logits: list[torch.Tensor] = []
@@ -193,6 +196,11 @@ class Sequence:
     @property
     def generated_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_known_generated_tokens(self) -> int:
+        """Generated tokens whose values the host has (placeholders of in-flight steps excluded)."""
+        return len(self.token_ids) - self.num_unresolved_tokens - self.num_prompt_tokens
 
     @property
     def max_total_tokens(self) -> int:

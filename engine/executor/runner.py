@@ -18,9 +18,10 @@ from safetensors.torch import load_file
 from engine.config import EngineConfig, EngineFormatError
 from engine.models import get_model_class
 from engine.executor.cuda_graphs import DecodeGraphs, run_warmup_batch
+from engine.executor.overlap import resolve_placeholders
 from engine.executor.random_weights import has_random_weights, materialize_random_weights
 from engine.models.layers import Linear, enable_one_shot_all_reduce
-from kernels.attention import AttentionMetadata
+from kernels.attention_metadata import AttentionMetadata
 from kernels.linear import choose_gated_weights, choose_skinny_weights
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -30,6 +31,9 @@ CPU_KV_BUDGET_BYTES = 256 * 1024 * 1024  # a CPU pool never grows past this on i
 @dataclass
 class ForwardBatch:
     """The one typed hand-off from scheduler to runner (see docs/INTERFACES.md).
+
+    A token id ``-1 - i`` (< 0) is a placeholder: the token sampled by the previous step into
+    slot i of the runner's ``sampled_tokens`` ring, not on the host yet (engine/executor/overlap.py).
 
     Invariants: ``len(token_ids) == len(positions) == sum(seq_lens_q)``; sequence i's new tokens
     are ``token_ids[sum(seq_lens_q[:i]) : sum(seq_lens_q[:i+1])]`` at positions
@@ -43,6 +47,9 @@ class ForwardBatch:
     context_lens: list[int]
     block_tables: list[list[int]]
     logits_indices: list[int]
+    # Where this step's sampled tokens go in the runner's sampled_tokens ring (first slot; -1: the
+    # step samples nothing). Leader mode: the workers receive them there too.
+    sampled_tokens_slot: int = -1
 
 
 class ModelRunner:
@@ -68,6 +75,9 @@ class ModelRunner:
             enable_one_shot_all_reduce(tp_group, self.device)
         self.kv_cache: torch.Tensor | None = None
         self._pin = self.device.type == "cuda"
+        # Two steps' worth of sampled tokens (the one being read, the one being written), so the
+        # next step's inputs can name them before they reach the host (engine/executor/overlap.py).
+        self.sampled_tokens = torch.zeros(2 * self.build_config.max_batch_size, dtype=torch.int64, device=self.device)
         self.decode_graphs: DecodeGraphs | None = None  # captured by capture_cuda_graphs() on CUDA
 
     def _load_model(self, engine_dir: str, tp_group) -> torch.nn.Module:
@@ -150,7 +160,8 @@ class ModelRunner:
         self.gemm_choices.update({("gated",) + shape: choice for shape, choice in choose_gated_weights(gate_ups).items()})
         build = self.build_config
         self.decode_graphs = DecodeGraphs(self.model, self.kv_cache, tokens_per_block=self.tokens_per_block,
-                                          max_seq_len=build.max_seq_len, max_batch_size=build.max_batch_size)
+                                          max_seq_len=build.max_seq_len, max_batch_size=build.max_batch_size,
+                                          sampled_tokens=self.sampled_tokens)
         self.decode_graphs.capture()
 
     def release_cuda_graphs(self) -> None:
@@ -188,10 +199,16 @@ class ModelRunner:
             if hidden is not None:  # a decode-only batch, replayed from its bucket's graph
                 return self.model.compute_logits(hidden)
         input_ids, positions, meta = self._prepare(batch)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta)
+        hidden = self.model(resolve_placeholders(input_ids, self.sampled_tokens), positions, self.kv_cache, meta)
         if not all_logits:
             hidden = hidden[self._to_device(batch.logits_indices, torch.int64)]
         return self.model.compute_logits(hidden)
+
+    def store_sampled_tokens(self, token_ids: torch.Tensor, batch: ForwardBatch) -> None:
+        """Keep a step's sampled tokens (n,) int64 on the device at ``batch.sampled_tokens_slot``,
+        where the next step's placeholders read them (leader mode: every rank gets them)."""
+        slot = batch.sampled_tokens_slot
+        self.sampled_tokens[slot:slot + len(token_ids)].copy_(token_ids, non_blocking=True)
 
     def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         host = torch.tensor(values, dtype=dtype)

@@ -35,13 +35,14 @@ POLICIES = ("guaranteed_no_evict", "max_utilization")
 @dataclass(slots=True)  # made once per sequence per step
 class ScheduledSequence:
     seq: Sequence
-    num_new_tokens: int  # tokens computed this step: positions num_computed_tokens ... + num_new_tokens - 1
+    num_new_tokens: int  # tokens computed this step: positions start ... start + num_new_tokens - 1
     is_prefill: bool  # the chunk covers prompt tokens (context phase) rather than one decode token
+    start: int = field(init=False)  # seq.num_computed_tokens when scheduled
+    samples: bool = field(init=False)  # the chunk reaches the end of the known tokens: its last logits give the next token
 
-    @property
-    def samples(self) -> bool:
-        """The chunk reaches the end of the known tokens, so its last logits give the next token."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == len(self.seq.token_ids)
+    def __post_init__(self) -> None:
+        self.start = self.seq.num_computed_tokens
+        self.samples = self.start + self.num_new_tokens == len(self.seq.token_ids)
 
 
 @dataclass
@@ -132,7 +133,8 @@ class Scheduler:
         decodes, chunks = [], []
         for seq in self.running:
             uncomputed = len(seq.token_ids) - seq.num_computed_tokens
-            if uncomputed == 1:
+            if uncomputed == 1 and len(seq.token_ids) < seq.max_total_tokens:
+                # (at max_total_tokens its last token is still in flight: it stops there, see overlap.py)
                 decodes.append(seq)
             elif uncomputed > 1:
                 chunks.append(seq)

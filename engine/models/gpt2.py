@@ -18,7 +18,8 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.models.layers import Linear, Norm, RowParallelLinear, VocabParallelEmbedding, vocab_parallel_logits
-from kernels.attention import AttentionMetadata, paged_attention, write_kv_cache
+from kernels.attention_metadata import AttentionMetadata
+from kernels.attention import paged_attention, write_kv_cache
 
 _ACTIVATIONS = {
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),

@@ -21,7 +21,8 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.models.layers import Linear, Norm, RowParallelLinear, VocabParallelEmbedding, vocab_parallel_logits
 from kernels.linear import gated_linear
-from kernels.attention import AttentionMetadata, paged_attention
+from kernels.attention_metadata import AttentionMetadata
+from kernels.attention import paged_attention
 from kernels.rmsnorm import rms_norm
 from kernels.rotary import build_cos_sin_cache, rotary_and_write_kv
 

@@ -1,4 +1,4 @@
-"""The shared-memory plan channel (engine/shm_broadcast.py): order, acknowledgement, deadlines."""
+"""The shared-memory plan channel (engine/tensor_parallel/shm_broadcast.py): order, acknowledgement, deadlines."""
 from __future__ import annotations
 
 import os
@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from engine import shm_broadcast
-from engine.shm_broadcast import ShmBroadcast
+from engine.tensor_parallel import shm_broadcast
+from engine.tensor_parallel.shm_broadcast import ShmBroadcast
 
 pytestmark = pytest.mark.skipif(not shm_broadcast.supported(), reason="x86-64 only (store ordering)")
 

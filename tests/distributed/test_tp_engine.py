@@ -1,7 +1,7 @@
 """Tensor parallelism at the engine level: real processes, gloo on CPU, no server.
 
 The leader runs ``tests/distributed/tp_driver.py`` (greedy decoding on ``make_runner``); workers
-are the real ``python -m engine.worker``. TP 2 must reproduce TP 1 (same random weights) token
+are the real ``python -m engine.tensor_parallel.worker``. TP 2 must reproduce TP 1 (same random weights) token
 for token, and a killed worker must turn into a clear error within seconds.
 """
 from __future__ import annotations
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from engine.config import EngineFormatError
-from engine.distributed import DistSettings, RankInfo, check_world_matches_engine, make_runner, rank_info_from_env
-from engine.step_protocol import decode_batch, encode_batch
+from engine.tensor_parallel.distributed import DistSettings, RankInfo, check_world_matches_engine, make_runner, rank_info_from_env
+from engine.tensor_parallel.step_protocol import decode_batch, encode_batch
 from engine.executor.runner import ForwardBatch, ModelRunner
 from tp_testing import PROMPTS, build_tiny_engine, start_ranks, stop, tiny_llama
 
@@ -113,6 +113,14 @@ def test_tp2_greedy_equals_tp1(engines, tmp_path, plans):
     torch.testing.assert_close(torch.tensor(double["first_logits"]), torch.tensor(single["first_logits"]),
                                rtol=1e-4, atol=1e-4)
     assert len({tuple(t) for t in single["tokens"]}) > 1  # the prompts really lead different ways
+
+
+def test_tp2_overlapped_decoding_equals_tp1(engines, tmp_path, plans):
+    """Placeholder ids in the plans: every rank resolves them from the tokens the leader sampled
+    and broadcast (LeaderRunner.store_sampled_tokens), so TP 2 still equals plain TP 1 decoding."""
+    single = run_driver(engines[1], 1, str(tmp_path / "tp1.json"))
+    overlapped = run_driver(engines[2], 2, str(tmp_path / "tp2_overlapped.json"), "--overlapped")
+    assert overlapped["tokens"] == single["tokens"]
 
 
 def test_killed_worker_fails_the_leader_within_seconds(engines, tmp_path, plans):

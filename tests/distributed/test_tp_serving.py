@@ -127,8 +127,8 @@ class LeaderModeServer:
         return self.log_path.read_text(errors="replace")
 
     def worker_pids(self) -> list[int]:
-        """The engine.worker ranks, found by their command line (whichever process launched them)."""
-        return pids_matching(f"engine.worker --engine_dir={self.engine_dirs[0]}", name="python")
+        """The engine.tensor_parallel.worker ranks, found by their command line (whichever process launched them)."""
+        return pids_matching(f"engine.tensor_parallel.worker --engine_dir={self.engine_dirs[0]}", name="python")
 
     def server_pids(self) -> list[int]:
         return pids_matching(f"--model-repository={self.repo}", name="tritonserver")

@@ -4,7 +4,7 @@
         --max_tokens 8 --out result.json [--then_wait_for_failure 20]
 
 Runs on world size 1 (a plain ModelRunner) or as rank 0 of many (a LeaderRunner; the other
-ranks are ``python -m engine.worker``), so the test compares the two with the same code.
+ranks are ``python -m engine.tensor_parallel.worker``), so the test compares the two with the same code.
 Writes JSON: ``tokens`` (generated ids per prompt), ``first_logits`` (the prefill step's last-token
 logits per prompt). With ``--then_wait_for_failure S`` it then prints ``IDLE`` and waits up to S
 seconds for the leader to notice a lost rank on its own (heartbeat), then tries one more step,
@@ -17,8 +17,9 @@ import json
 import sys
 import time
 
-from engine.distributed import make_runner
+from engine.executor.overlap import placeholder
 from engine.executor.runner import ForwardBatch
+from engine.tensor_parallel.distributed import make_runner
 
 
 class GreedyDecoder:
@@ -57,6 +58,28 @@ class GreedyDecoder:
         n = len(last)
         return ForwardBatch(list(last), [length - 1 for length in lengths], [1] * n, list(lengths),
                             [self.table(i, length) for i, length in enumerate(lengths)], list(range(n)))
+
+    def run_overlapped(self) -> tuple[list[list[int]], list[list[float]]]:
+        """As run(), but as the overlapped executor drives it: each step samples into the runner's
+        ring (every rank gets the tokens) and the next step names them by placeholder ids, sent
+        before this rank reads them."""
+        half = self.runner.sampled_tokens.shape[0] // 2
+        batch = self.prefill_batch()
+        batch.sampled_tokens_slot = 0
+        logits = self.runner.forward(batch)
+        first_logits = logits.tolist()
+        on_device = [logits.argmax(-1)]  # each step's tokens, read by the host only at the end
+        self.runner.store_sampled_tokens(on_device[-1], batch)
+        lengths = [len(p) for p in self.prompts]
+        for step in range(1, self.max_tokens):
+            lengths = [n + 1 for n in lengths]
+            previous = batch.sampled_tokens_slot
+            batch = self.decode_batch([placeholder(previous + i) for i in range(len(lengths))], lengths)
+            batch.sampled_tokens_slot = (step % 2) * half
+            on_device.append(self.runner.forward(batch).argmax(-1))
+            self.runner.store_sampled_tokens(on_device[-1], batch)
+        columns = [t.tolist() for t in on_device]
+        return [list(row) for row in zip(*columns)], first_logits
 
     def run(self) -> tuple[list[list[int]], list[list[float]]]:
         logits = self.runner.forward(self.prefill_batch())
@@ -105,13 +128,15 @@ def main() -> int:
     parser.add_argument("--prompts", required=True, help="JSON list of token-id lists")
     parser.add_argument("--max_tokens", type=int, default=8)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--overlapped", action="store_true",
+                        help="decode with placeholder ids read from the sampled-token ring, as the executor does")
     parser.add_argument("--then_wait_for_failure", type=float, default=0.0)
     parser.add_argument("--then_refuse_a_bad_batch", action="store_true",
                         help="then send an inconsistent batch, and generate once more")
     args = parser.parse_args()
     runner = make_runner(args.engine_dir, device="cpu")
     decoder = GreedyDecoder(runner, json.loads(args.prompts), args.max_tokens)
-    tokens, first_logits = decoder.run()
+    tokens, first_logits = decoder.run_overlapped() if args.overlapped else decoder.run()
     channel = getattr(runner, "channel", None)
     result = {"tokens": tokens, "first_logits": first_logits, "runner": type(runner).__name__,
               "plans": None if channel is None else ("shared memory" if channel.shm is not None else "gloo")}

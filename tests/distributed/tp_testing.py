@@ -1,6 +1,6 @@
 """Helpers for the tensor-parallel tests: tiny engines and multi-process rank launching.
 
-``start_ranks`` starts rank 0 (any command) and ranks 1..N-1 (``python -m engine.worker``) as
+``start_ranks`` starts rank 0 (any command) and ranks 1..N-1 (``python -m engine.tensor_parallel.worker``) as
 plain subprocesses with OpenMPI's environment variables, the way ``mpirun`` would, so the
 engine-level tests need no MPI installation.
 """
@@ -68,7 +68,7 @@ def start_ranks(leader_cmd: list[str], engine_dir: str, world_size: int, **extra
     pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     leader = subprocess.Popen(leader_cmd, env=rank_env(0, world_size, port, **extra_env), **pipes)
     workers = [
-        subprocess.Popen([sys.executable, "-m", "engine.worker", "--engine_dir", engine_dir, "--device", "cpu"],
+        subprocess.Popen([sys.executable, "-m", "engine.tensor_parallel.worker", "--engine_dir", engine_dir, "--device", "cpu"],
                          env=rank_env(rank, world_size, port, **extra_env), **pipes)
         for rank in range(1, world_size)
     ]

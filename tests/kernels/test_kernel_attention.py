@@ -12,7 +12,8 @@ import random
 import pytest
 import torch
 
-from kernels.attention import AttentionMetadata, paged_attention_ref, write_kv_cache_ref
+from kernels.attention_metadata import AttentionMetadata
+from kernels.attention import paged_attention_ref, write_kv_cache_ref
 from kernel_testing import TOLERANCE, low_precision_dtypes, relative_error
 
 # (num_heads, num_kv_heads, head_dim): Llama-3-8B, SmolLM2-135M, plain MHA with an odd head_dim.

@@ -50,7 +50,7 @@ def test_mpirun_shape_for_three_ranks():
     assert "--backend-config=python,shm-region-prefix-name=prefix0_" in leader_words
     # Explicit control with every model loaded: the leader may unload itself after a rank failure.
     assert "--model-control-mode=explicit" in leader_words and "--load-model=*" in leader_words
-    assert workers.split() == ["2", sys.executable, "-m", "engine.worker", "--engine_dir=/engines/tp3"]
+    assert workers.split() == ["2", sys.executable, "-m", "engine.tensor_parallel.worker", "--engine_dir=/engines/tp3"]
 
 
 def test_leader_mode_needs_an_engine_dir():

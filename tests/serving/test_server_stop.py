@@ -64,6 +64,10 @@ def test_endpoint_is_read_from_the_server_command_line():
     process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "--model-repository=/m",
                                 "--http-port", "9123", "--http-address=0.0.0.0", "--grpc-port=9124"])
     no_http = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "--allow-http=false"])
+    for child in (process, no_http):  # until exec, /proc/<pid>/cmdline still shows pytest's
+        deadline = time.monotonic() + 10
+        while b"time.sleep(30)" not in open(f"/proc/{child.pid}/cmdline", "rb").read() and time.monotonic() < deadline:
+            time.sleep(0.01)
     try:
         assert server_http_endpoint(process.pid) == ("127.0.0.1", 9123)
         assert server_http_endpoint(no_http.pid) is None

@@ -366,7 +366,7 @@ class TritonPythonModel:
 
     @staticmethod
     def _leader_mode_world_size():
-        from engine.distributed import rank_info_from_env
+        from engine.tensor_parallel.distributed import rank_info_from_env
 
         return rank_info_from_env().world_size
 

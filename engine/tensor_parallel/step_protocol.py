@@ -3,8 +3,8 @@
 A plan is an ``Op`` plus, for FORWARD, the ForwardBatch packed into one int32 tensor
 (``encode_batch``), or for CALL a pickled (method, args, kwargs, reduce). ``StepChannel`` carries
 plans in a strict step order: through a shared-memory segment when every rank is on one node
-(engine/shm_broadcast.py), else as broadcasts over the gloo control group. Replies
-(``all_reduce_min``: heartbeats, agreed KV sizes) always go over gloo. engine/distributed.py
+(engine/tensor_parallel/shm_broadcast.py), else as broadcasts over the gloo control group. Replies
+(``all_reduce_min``: heartbeats, agreed KV sizes) always go over gloo. engine/tensor_parallel/distributed.py
 builds the groups and runs the leader and the workers on top of this.
 """
 from __future__ import annotations
@@ -118,7 +118,7 @@ class Message:
 
 class StepChannel:
     """Plans from rank 0 to every rank, in a strict step order: through a shared-memory segment
-    when every rank is on this node (engine/shm_broadcast.py), else over the gloo control group.
+    when every rank is on this node (engine/tensor_parallel/shm_broadcast.py), else over the gloo control group.
     Creating one is collective (every rank, at the same point); replies (``all_reduce_min``)
     always go over gloo."""
 
@@ -192,7 +192,7 @@ def open_plan_segment(ctx: "DistContext"):
     """The shared-memory plan segment for this job, or None (gloo). Collective over the control
     group; every rank ends with the same answer. TRITONLLM_SHM_PLANS: 1 on, 0 off, default on for
     GPUs (on CPU the readers' polling would compete with the ranks for the cores)."""
-    from engine import shm_broadcast
+    from engine.tensor_parallel import shm_broadcast
 
     want = os.environ.get("TRITONLLM_SHM_PLANS", "auto")
     use = (want == "1" or (want == "auto" and ctx.device.type == "cuda")) and \

@@ -1,4 +1,4 @@
-"""``python -m engine.worker --engine_dir DIR``: one non-leader rank of a tensor-parallel job.
+"""``python -m engine.tensor_parallel.worker --engine_dir DIR``: one non-leader rank of a tensor-parallel job.
 
 Started by ``scripts/launch_triton_server.py --world_size N`` as MPI ranks 1..N-1 next to
 ``tritonserver`` (rank 0, the leader). It joins the process groups, loads its weight shard, and
@@ -13,7 +13,7 @@ import os
 import signal
 import sys
 
-from engine.distributed import run_worker
+from engine.tensor_parallel.distributed import run_worker
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -32,7 +32,7 @@ def _exit_on_signal(signum, _frame) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s engine.worker %(levelname)s %(message)s")
+    logging.basicConfig(level=args.log_level, format="%(asctime)s engine.tensor_parallel.worker %(levelname)s %(message)s")
     signal.signal(signal.SIGTERM, _exit_on_signal)
     signal.signal(signal.SIGINT, _exit_on_signal)
     try:
@@ -40,14 +40,14 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit:
         raise
     except Exception as err:
-        logging.getLogger("engine.worker").error("worker failed: %s", err)
+        logging.getLogger("engine.tensor_parallel.worker").error("worker failed: %s", err)
         return 1
     return 0
 
 
 def exit_now(code: int) -> None:
     """Leave without the interpreter's teardown: a communicator whose teardown timed out
-    (engine.distributed._destroy_groups) would block the C++ destructors that run at exit."""
+    (engine.tensor_parallel.distributed._destroy_groups) would block the C++ destructors that run at exit."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

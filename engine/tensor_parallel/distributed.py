@@ -1,7 +1,7 @@
 """Leader mode across ranks: process groups, the leader's runner and the workers' loop.
 
 One rank per device. Rank 0 (the leader, inside ``tritonserver``) owns the queue, the scheduler
-and the KV block tables; ranks 1..N-1 (``python -m engine.worker``) own nothing but their weight
+and the KV block tables; ranks 1..N-1 (``python -m engine.tensor_parallel.worker``) own nothing but their weight
 shard and KV pool shard. Every step the leader broadcasts the step's plan and then every rank
 runs the same tensor-parallel forward, whose all-reduces and all-gathers keep them in lockstep:
 
@@ -15,7 +15,7 @@ Two process groups: the ``tp_group`` carries the model's collectives (NCCL on GP
 CPU); the ``control`` group (always gloo, CPU tensors) carries the replies and, off one node,
 the plans, so a dead peer shows up as a TCP error on the next message rather than as a hung
 GPU kernel. The plans themselves (their encoding, and the shared-memory channel used when every
-rank is on one node) are engine/step_protocol.py.
+rank is on one node) are engine/tensor_parallel/step_protocol.py.
 
 Faults. Nothing waits forever: every collective runs under the group timeout: ``step_timeout_s``
 for plans, forwards and heartbeats, ``startup_timeout_s`` while loading and inside CALLs (graph
@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import EngineConfig
-from engine.step_protocol import Op, RankFailureError, StepChannel
+from engine.tensor_parallel.step_protocol import Op, RankFailureError, StepChannel
 
 logger = logging.getLogger(__name__)
 
@@ -269,6 +269,8 @@ def run_worker_loop(runner, channel: StepChannel) -> None:
         try:
             if message.op == Op.FORWARD:
                 runner.forward(message.batch, all_logits=bool(message.arg))
+                if message.batch.sampled_tokens_slot >= 0:  # the leader sends what it sampled
+                    receive_sampled_tokens(runner, message.batch, channel.ctx.tp_group)
                 continue
             with channel.ctx.long_call():
                 result = _apply_call(runner, message.call)
@@ -276,6 +278,19 @@ def run_worker_loop(runner, channel: StepChannel) -> None:
                     channel.all_reduce_min(int(result))
         except REFUSALS as err:  # the leader refused the same plan; wait for the next one
             logger.warning("step %d refused on this rank as on the leader: %s", message.step, err)
+
+
+def _sampled_tokens_span(runner, batch) -> torch.Tensor:
+    """The ring half a step's sampled tokens go to (the whole half: workers do not know the count)."""
+    half = runner.sampled_tokens.shape[0] // 2
+    start = batch.sampled_tokens_slot - batch.sampled_tokens_slot % half
+    return runner.sampled_tokens[start:start + half]
+
+
+def receive_sampled_tokens(runner, batch, tp_group) -> None:
+    """Worker side of LeaderRunner.store_sampled_tokens: the leader's tokens into this rank's ring,
+    where the next plan's placeholder ids read them (engine/executor/overlap.py)."""
+    dist.broadcast(_sampled_tokens_span(runner, batch), src=0, group=tp_group)
 
 
 # ---- the leader ----------------------------------------------------------------------------------
@@ -302,6 +317,7 @@ class LeaderRunner:
         self._last_send = time.monotonic()
         self._busy_since: float | None = None  # when the running step started (None: idle)
         self._busy_op: Op | None = None
+        self._awaiting_sampled_tokens = False  # between a sampling FORWARD and its store_sampled_tokens
         self._stopped = threading.Event()
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="tp-heartbeat", daemon=True)
         self._heartbeat.start()
@@ -322,8 +338,25 @@ class LeaderRunner:
     # -- mirrored calls
 
     def forward(self, batch, *, all_logits: bool = False) -> torch.Tensor:
-        return self._run(Op.FORWARD, lambda: self.runner.forward(batch, all_logits=all_logits),
-                         batch=batch, arg=int(all_logits))
+        logits = self._run(Op.FORWARD, lambda: self.runner.forward(batch, all_logits=all_logits),
+                           batch=batch, arg=int(all_logits))
+        # The workers now wait in the sampled-token broadcast: no heartbeat may come between.
+        self._awaiting_sampled_tokens = batch.sampled_tokens_slot >= 0
+        return logits
+
+    def store_sampled_tokens(self, token_ids: torch.Tensor, batch) -> None:
+        """Keep the step's sampled tokens in rank 0's ring and broadcast them to every rank's
+        (a device collective on the tp group, queued behind the forward: the host does not wait).
+        Every FORWARD with ``sampled_tokens_slot >= 0`` is followed by exactly one such call."""
+        with self._lock:
+            self._raise_if_failed()
+            try:
+                self.runner.store_sampled_tokens(token_ids, batch)
+                dist.broadcast(_sampled_tokens_span(self.runner, batch), src=0, group=self.ctx.tp_group)
+                self._awaiting_sampled_tokens = False
+            except Exception as err:
+                self._fail(f"sending the sampled tokens failed: {_first_sentence(err)}")
+                raise RankFailureError(self.failure) from err
 
     def num_kv_blocks_for(self, **kwargs) -> int:
         """The block count every rank can hold: the minimum over ranks of what fits on each."""
@@ -392,7 +425,8 @@ class LeaderRunner:
             if not self._lock.acquire(blocking=False):
                 continue  # a step is running: it proves liveness itself
             try:
-                if self.failure is None and time.monotonic() - self._last_send >= interval:
+                if (self.failure is None and not self._awaiting_sampled_tokens
+                        and time.monotonic() - self._last_send >= interval):
                     self._send_heartbeat()
             finally:
                 self._lock.release()
@@ -489,7 +523,7 @@ def make_runner(engine_dir: str, *, device: str | torch.device | None = None, ru
 
     ``runner_class`` (default ModelRunner) builds the local runner, e.g. a benchmark's subclass.
     Raises ValueError when the engine's tp_size differs from the world size, and when called on
-    a rank other than 0 (workers run ``python -m engine.worker``).
+    a rank other than 0 (workers run ``python -m engine.tensor_parallel.worker``).
     """
     from engine.executor.runner import ModelRunner
 
@@ -500,7 +534,7 @@ def make_runner(engine_dir: str, *, device: str | torch.device | None = None, ru
     if info.world_size == 1:
         return runner_class(engine_dir, rank=0, device=resolved)
     if info.rank != 0:
-        raise ValueError(f"make_runner runs on rank 0 only; rank {info.rank} must run python -m engine.worker")
+        raise ValueError(f"make_runner runs on rank 0 only; rank {info.rank} must run python -m engine.tensor_parallel.worker")
     ctx = init_distributed(info, resolved, DistSettings.from_env(info, environ))
     runner = runner_class(engine_dir, rank=0, device=resolved, tp_group=ctx.tp_group)
     agree_on_engine(ctx, config)
@@ -516,7 +550,7 @@ def run_worker(engine_dir: str, *, device: str | torch.device | None = None, run
     runner_class = runner_class or ModelRunner
     info = rank_info_from_env(environ)
     if info.rank == 0:
-        raise ValueError("rank 0 is the leader (tritonserver); engine.worker runs on ranks 1..N-1")
+        raise ValueError("rank 0 is the leader (tritonserver); engine.tensor_parallel.worker runs on ranks 1..N-1")
     config = check_world_matches_engine(engine_dir, info.world_size)
     ctx = init_distributed(info, resolve_device(device, info.local_rank), DistSettings.from_env(info, environ))
     runner, channel = None, None

@@ -1,0 +1,118 @@
+"""Overlapped scheduling: step N+1 is scheduled, packed and launched before step N's tokens reach the host.
+
+Without overlap every step ends with the host waiting for the sampled tokens, and the GPU then
+waits while the host appends them, checks stops, sends responses and packs the next step. With
+it the executor keeps one step in flight:
+
+    host:  schedule N+1 | pack | launch N+1 | wait N's tokens | append, stop checks, emit | schedule N+2 ...
+    GPU:   ...... step N ......| step N+1 ..........................................| step N+2 ...
+
+Step N+1 needs the tokens step N samples as its decode inputs. They stay on the device: step N
+writes them into the runner's ``sampled_tokens`` ring, and step N+1's ForwardBatch names them
+by *placeholder* ids (``-1 - slot``), which ``resolve_placeholders`` swaps for the real ids on
+the device (inside the decode CUDA graph). The host learns the tokens one step later, puts
+them in place of the placeholders in ``Sequence.token_ids``, and only then checks stop
+conditions. Consequences, all handled by the executor:
+
+- A sequence that stops on a token only the host can judge (end_id, a stop word) has already
+  been scheduled for one more step; that step's token is dropped, never emitted, and the
+  sequence's blocks are freed as soon as the stop is known (the GPU writes into them only
+  within the step already launched, which stream order puts before any later owner's writes).
+- A sequence whose length stop is known in advance (max_tokens) is not scheduled past it.
+- Whatever needs a token's value on the host before the next step is built takes the
+  synchronous path: while any such request is active, each step's tokens are read before the
+  next step is scheduled (``needs_tokens_on_host``).
+
+Ring layout: ``sampled_tokens`` has 2 * max_batch_size slots; step k writes its i-th sampled
+row to slot (k % 2) * max_batch_size + i, so the step being read (k - 1) and the one being
+written (k) never share a slot.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+def placeholder(slot: int) -> int:
+    """The token id that stands for ``sampled_tokens[slot]`` in a ForwardBatch (always < 0)."""
+    return -1 - slot
+
+
+def is_placeholder(token_id: int) -> bool:
+    return token_id < 0
+
+
+def resolve_placeholders(token_ids: torch.Tensor, sampled_tokens: torch.Tensor) -> torch.Tensor:
+    """token_ids (n,) int64 with placeholders -> real ids: id >= 0 stays, -1 - i becomes
+    sampled_tokens[i]. Pure device work, no host sync (safe inside a CUDA graph)."""
+    slots = (-1 - token_ids).clamp_(min=0)
+    return torch.where(token_ids >= 0, token_ids, sampled_tokens[slots])
+
+
+def needs_tokens_on_host(request) -> bool:
+    """A request whose next step depends on its last token's value, known only on the host:
+    penalties and bad words (computed from the token history), beam search, and logits
+    returned per step (read from the step's logits). These take the synchronous path."""
+    sampling, output = request.sampling, request.output
+    return bool(
+        sampling.beam_width > 1
+        or (sampling.repetition_penalty is not None and sampling.repetition_penalty != 1.0)
+        or sampling.presence_penalty or sampling.frequency_penalty
+        or request.bad_words
+        or output.return_context_logits or output.return_generation_logits
+    )
+
+
+@dataclass
+class InFlightStep:
+    """A launched step whose tokens the host has not read yet."""
+
+    plan: Any  # the SchedulerOutput it ran
+    rows: list[tuple[int, int]]  # (first, end) logits rows of each scheduled sequence
+    logits: torch.Tensor | None  # kept only while some request reads logits on the host
+    placeholders: list[tuple[Any, int, int]]  # (sequence, index in its token_ids, logits row) per sampled row
+    transfer: "TokenTransfer | None"  # None: nothing sampled (prefill chunks only)
+    started: float  # perf_counter() when its iteration began
+    num_active: int  # requests in flight when it was launched
+
+
+class TokenTransfer:
+    """One step's sampled tokens (and log-probs) on their way to the host, without blocking it.
+
+    On CUDA the copies go into pinned buffers (reused every other step: step k+2 starts only
+    after step k's transfer was waited on) and an event marks their arrival; on the CPU the
+    tensors are already there.
+    """
+
+    def __init__(self, token_ids: torch.Tensor, log_probs: torch.Tensor | None,
+                 pinned: tuple[torch.Tensor, torch.Tensor] | None):
+        self._ready = None
+        if token_ids.device.type != "cuda" or pinned is None:
+            self._ids, self._log_probs = token_ids, log_probs
+            return
+        n = token_ids.shape[0]
+        self._ids = pinned[0][:n]
+        self._ids.copy_(token_ids, non_blocking=True)
+        self._log_probs = None
+        if log_probs is not None:
+            self._log_probs = pinned[1][:n]
+            self._log_probs.copy_(log_probs, non_blocking=True)
+        self._ready = torch.cuda.Event()
+        self._ready.record()
+
+    def wait(self) -> tuple[list[int], list[float] | None]:
+        """Block until the tokens are on the host: (token ids, log-probs or None)."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        log_probs = None if self._log_probs is None else self._log_probs.tolist()
+        return self._ids.tolist(), log_probs
+
+
+def pinned_token_buffers(max_rows: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    """Per step parity: (ids int64, log-probs float32) pinned host buffers of max_rows (CUDA only)."""
+    if device.type != "cuda":
+        return [None, None]
+    return [(torch.empty(max_rows, dtype=torch.int64).pin_memory(),
+             torch.empty(max_rows, dtype=torch.float32).pin_memory()) for _ in range(2)]
