@@ -399,13 +399,15 @@ def bench_offline(results: dict, executor, vocab: int, shapes: list[tuple[int, i
     results["offline"] = rows
 
 
-def bench_executor_decode(executor, vocab: int, batch: int, prompt_len: int = 128, out_len: int = 256) -> dict:
+def bench_executor_decode(executor, vocab: int, batch: int, prompt_len: int = 128, out_len: int = 256,
+                          profile_seconds: float = 0.0) -> dict:
     """``batch`` requests enqueued at once (random prompts of ``prompt_len``, ``out_len`` tokens
-    each) through the executor. decode_tok_s: ``batch`` x the median request's decode rate, from its
-    own first- and last-token times (its prefill excluded); output_tok_s: all tokens over the
-    wall time. With a timed runner (benchmarks/step_timeline.py) the step timeline is attached."""
+    each) through the executor. decode_tok_s: ``batch`` over the median step period of the step
+    timeline (else x the median request's decode rate, from its first- and last-token times);
+    output_tok_s: all tokens over the wall time. With a timed runner (benchmarks/step_timeline.py) the step timeline is attached,
+    and with ``profile_seconds`` a profiler window of the steady decode (exact device idle time)."""
     from engine.executor.request import OutputConfig, Request
-    from step_timeline import reset, summarize
+    from step_timeline import profile_device, reset, summarize
 
     rng = random.Random(batch * 7 + prompt_len)
     output = OutputConfig(exclude_input_from_output=True, return_perf_metrics=True)
@@ -414,6 +416,13 @@ def bench_executor_decode(executor, vocab: int, batch: int, prompt_len: int = 12
     reset(executor.runner)
     started = time.perf_counter()
     executor.enqueue_requests(requests)
+    profiled = None
+    if profile_seconds and executor.runner.device.type == "cuda":
+        # Once every request decodes (prefill done, a few steps at this batch size), profile a window.
+        local = getattr(executor.runner, "runner", executor.runner)
+        while sum(1 for step in local.__dict__.get("timeline", ()) if step[0] == batch) < 16:
+            time.sleep(0.001)
+        profiled = profile_device(executor.runner, profile_seconds)
     rates, tokens = [], 0
     while len(rates) < batch:
         for response in executor.await_responses(timeout=1.0):
@@ -429,6 +438,10 @@ def bench_executor_decode(executor, vocab: int, batch: int, prompt_len: int = 12
     timeline = summarize(executor.runner)
     if batch in timeline:
         row["timeline"] = timeline[batch]
+        # The median step period: unlike the requests' own rates, untouched by the profiled window.
+        row["decode_tok_s"] = batch * 1e3 / timeline[batch]["period_ms"]
+    if profiled is not None:
+        row["profile"] = profiled
     return row
 
 
@@ -609,7 +622,12 @@ def markdown(results: dict) -> str:
     for row in results.get("executor_decode", []):
         t = row.get("timeline")
         steps = (f"; step period {t['period_ms']:.3f} ms, GPU busy in forward {t['gpu_ms']:.3f} ms, gap between "
-                 f"forwards {t['gap_ms']:.3f} ms (sampling + idle), host in forward {t['host_ms']:.3f} ms") if t else ""
+                 f"forwards {t['gap_ms']:.3f} ms (sampling + idle), GPU idle {t.get('idle_ms', float('nan')):.3f} ms, "
+                 f"host in forward {t['host_ms']:.3f} ms") if t else ""
+        p = row.get("profile") or {}
+        if "idle_ms_per_step" in p:
+            steps += (f"; profiler over {p['steps']} steps: GPU idle {p['idle_ms_per_step']:.3f} ms per step "
+                      f"(busy {p['busy_ms_per_step']:.3f} ms)")
         lines.append(f"| executor decode, {row['batch']} request(s) at once, {row['prompt_len']}/{row['output_len']} "
                      f"(overlap {'on' if results.get('overlap_scheduler', True) else 'off'}) | "
                      f"{row['decode_tok_s']:,.1f} decode tok/s{steps} | |")
@@ -764,7 +782,8 @@ class SectionRunner:
     def section_executor_decode(self) -> None:
         rows = []
         for batch in [int(b) for b in self.args.executor_decode_batches.split(",") if b]:
-            rows.append(bench_executor_decode(self._started_executor(), self.model_cfg.vocab_size, batch))
+            rows.append(bench_executor_decode(self._started_executor(), self.model_cfg.vocab_size, batch,
+                                              profile_seconds=0.5))
         self.results["executor_decode"] = rows
 
     def section_latency(self) -> None:

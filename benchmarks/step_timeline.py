@@ -11,7 +11,10 @@ returns (after the logits). ``summarize(runner)`` then reports, per batch size, 
 - ``gap_ms``: device time from one step's end event to the next step's start event. What runs
   there is the sampler, the sampled-token copy home and, in leader mode, their broadcast; the
   rest is the GPU waiting for the host. So this is an upper bound of the GPU's idle time per step
-  (on a worker rank, whose only work there is the broadcast, it is nearly the idle time itself).
+  (on a worker rank, whose only work there is waiting in the broadcast for the leader's sampler).
+- ``idle_ms`` (where the executor stores the sampled tokens, ``store_sampled_tokens``): device
+  time from an event enqueued right after the step's sampler and token store to the next step's
+  start event: the GPU's idle time per step, but for the two small copies of the tokens home.
 
 The events are recorded only on CUDA devices; the newest ``MAX_STEPS`` steps are kept.
 """
@@ -40,8 +43,16 @@ def timed(base: type) -> type:
             out = super().forward(batch, all_logits=all_logits)
             end.record()
             timeline = self.__dict__.setdefault("timeline", deque(maxlen=MAX_STEPS))
-            timeline.append((len(batch.seq_lens_q), began, time.perf_counter(), start, end))
+            timeline.append([len(batch.seq_lens_q), began, time.perf_counter(), start, end, None])
             return out
+
+        def store_sampled_tokens(self, token_ids, batch) -> None:
+            super().store_sampled_tokens(token_ids, batch)
+            timeline = self.__dict__.get("timeline")
+            if self.device.type == "cuda" and timeline and timeline[-1][5] is None:
+                sampled = torch.cuda.Event(enable_timing=True)
+                sampled.record()
+                timeline[-1][5] = sampled
 
         def reset_timeline(self) -> None:
             self.__dict__.pop("timeline", None)
@@ -69,20 +80,59 @@ def summarize(runner, *, skip: int = 8) -> dict[int, dict]:
     by_size: dict[int, dict[str, list[float]]] = {}
     run_length = 0
     for previous, step in zip([None] + steps[:-1], steps):
-        size, began, ended, start, end = step
+        size, began, ended, start, end, _ = step
         run_length = run_length + 1 if previous is not None and previous[0] == size else 1
         if run_length <= skip:
             continue
-        entry = by_size.setdefault(size, {"host_ms": [], "gpu_ms": [], "period_ms": [], "gap_ms": []})
+        entry = by_size.setdefault(size, {"host_ms": [], "gpu_ms": [], "period_ms": [], "gap_ms": [], "idle_ms": []})
         entry["host_ms"].append((ended - began) * 1e3)
         entry["gpu_ms"].append(start.elapsed_time(end))
         entry["period_ms"].append((began - previous[1]) * 1e3)
         entry["gap_ms"].append(previous[4].elapsed_time(start))
-    return {size: {"steps": len(values["host_ms"]), **{key: statistics.median(v) for key, v in values.items()}}
+        if previous[5] is not None:
+            entry["idle_ms"].append(previous[5].elapsed_time(start))
+    return {size: {"steps": len(values["host_ms"]), **{key: statistics.median(v) for key, v in values.items() if v}}
             for size, values in sorted(by_size.items())}
 
 
 def describe(summary: dict[int, dict]) -> str:
+    def idle(s: dict) -> str:
+        return f", idle {s['idle_ms']:.3f} ms" if "idle_ms" in s else ""
+
     return "; ".join(f"batch {size}: {s['steps']} steps, period {s['period_ms']:.3f} ms, GPU {s['gpu_ms']:.3f} ms, "
-                     f"gap {s['gap_ms']:.3f} ms, host in forward {s['host_ms']:.3f} ms"
+                     f"gap {s['gap_ms']:.3f} ms{idle(s)}, host in forward {s['host_ms']:.3f} ms"
                      for size, s in summary.items()) or "no decode steps timed"
+
+
+def profile_device(runner, seconds: float) -> dict:
+    """Every CUDA activity of this process (kernels, graph kernels, copies) for ``seconds`` of
+    the running workload, by the profiler: the device's busy time (union of activity intervals)
+    and idle time between the first and last activity, per decode step timed meanwhile, and the
+    top kernels by device time. An exact idle figure where ``gap_ms`` is an upper bound."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    local = getattr(runner, "runner", runner)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        window = time.perf_counter()
+        time.sleep(seconds)
+        window = (window, time.perf_counter())
+    # Steps launched while the profiler recorded (starting and stopping it takes a while itself).
+    steps = sum(1 for step in list(local.__dict__.get("timeline", ())) if window[0] <= step[1] <= window[1])
+    intervals = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                       if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    if not intervals or steps <= 0:
+        return {"steps": steps, "activities": len(intervals)}
+    busy, (run_start, run_end) = 0.0, intervals[0]
+    for start, end in intervals[1:]:
+        if start > run_end:
+            busy += run_end - run_start
+            run_start, run_end = start, end
+        else:
+            run_end = max(run_end, end)
+    busy += run_end - run_start
+    span = intervals[-1][1] - intervals[0][0]
+    top = prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=50)
+    return {"steps": steps, "activities": len(intervals), "span_ms": span / 1e3, "busy_ms": busy / 1e3,
+            "idle_ms_per_step": (span - busy) / 1e3 / steps, "busy_ms_per_step": busy / 1e3 / steps,
+            "top_kernels": top}

@@ -7,8 +7,10 @@ project is not pip-installed; no mpirun or torchrun needed: it starts every rank
 variables mpirun would set). Four phases, each a fresh set of processes (``--phase_timeout`` each):
 
 1. ``greedy_tp1`` / ``greedy_tp2`` (float32): 8 prompts of random token ids, 32 greedy tokens each,
-   straight through ``make_runner`` (rank 0) and ``engine.tensor_parallel.worker``'s loop (rank 1). The check
-   passes when every generated token is equal; the first step's logits are compared too.
+   straight through ``make_runner`` (rank 0) and ``engine.tensor_parallel.worker``'s loop (rank 1),
+   stepped as the overlapped executor steps them (each step's tokens stay on the devices and the
+   next step names them by placeholder ids). The check passes when every generated token is
+   equal; the first step's logits are compared too.
    float32 because bf16 greedy decoding of a random 32-layer model differs between *any* two
    summation orders after a few tokens (near-ties); that says nothing about sharding.
 2. ``perf_tp1`` / ``perf_tp2`` (bfloat16): decode tokens/s through the runner at batch 1, 8, 32
@@ -43,6 +45,7 @@ import engine.executor.runner as runner_module
 from engine.config import BuildConfig, EngineConfig, ModelConfig
 from engine.convert import iter_rank_weights
 from engine.tensor_parallel.distributed import make_runner, run_worker
+from engine.executor.overlap import placeholder
 from engine.executor.runner import ForwardBatch, ModelRunner
 
 from engine_bench import MODELS, bench_executor_decode, drain_offline  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
@@ -170,17 +173,33 @@ def decode_step(runner, last: list[int], lengths: list[int], blocks: SequenceBlo
 
 
 def greedy(runner, prompts: list[list[int]], steps: int) -> tuple[list[list[int]], torch.Tensor]:
+    """Greedy decoding as the overlapped executor drives the ranks: each step's argmax stays on the
+    device (stored in the runner's sampled-token ring, and broadcast to every rank in leader mode)
+    and the next step names it by placeholder ids; the host reads the tokens only at the end."""
     blocks = SequenceBlocks(runner.tokens_per_block, max(map(len, prompts)) + steps)
     runner.allocate_kv_cache(runner.num_kv_blocks_for(max_tokens=blocks.blocks_needed(len(prompts)) * blocks.page))
-    first_logits = prefill(runner, prompts, blocks).cpu()
-    outputs = [[t] for t in first_logits.argmax(-1).tolist()]
-    lengths = [len(p) + 1 for p in prompts]
-    for _ in range(steps - 1):
-        logits = decode_step(runner, [o[-1] for o in outputs], lengths, blocks)
-        for out, token in zip(outputs, logits.argmax(-1).tolist()):
-            out.append(token)
+    half = runner.sampled_tokens.shape[0] // 2
+    lens = [len(p) for p in prompts]
+    tokens, positions, ends = [t for p in prompts for t in p], [i for n in lens for i in range(n)], []
+    for n in lens:
+        ends.append((ends[-1] if ends else -1) + n)
+    batch = ForwardBatch(tokens, positions, lens, list(lens), [blocks.table(i, n) for i, n in enumerate(lens)], ends, 0)
+    logits = runner.forward(batch)
+    first_logits = logits.cpu()
+    on_device = [logits.argmax(-1)]
+    runner.store_sampled_tokens(on_device[-1], batch)
+    lengths = [n + 1 for n in lens]
+    for step in range(1, steps):
+        n = len(prompts)
+        last = [placeholder(batch.sampled_tokens_slot + i) for i in range(n)]
+        batch = ForwardBatch(last, [x - 1 for x in lengths], [1] * n, list(lengths),
+                             [blocks.table(i, length) for i, length in enumerate(lengths)], list(range(n)),
+                             (step % 2) * half)
+        on_device.append(runner.forward(batch).argmax(-1))
+        runner.store_sampled_tokens(on_device[-1], batch)
         lengths = [x + 1 for x in lengths]
-    return outputs, first_logits
+    columns = [t.tolist() for t in on_device]
+    return [list(row) for row in zip(*columns)], first_logits
 
 
 def greedy_prompts(vocab: int) -> list[list[int]]:
