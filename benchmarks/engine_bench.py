@@ -407,13 +407,12 @@ def bench_executor_decode(executor, vocab: int, batch: int, prompt_len: int = 12
     output_tok_s: all tokens over the wall time. With a timed runner (benchmarks/step_timeline.py) the step timeline is attached,
     and with ``profile_seconds`` a profiler window of the steady decode (exact device idle time)."""
     from engine.executor.request import OutputConfig, Request
-    from step_timeline import profile_device, reset, summarize
+    from step_timeline import profile_device, summarize
 
     rng = random.Random(batch * 7 + prompt_len)
     output = OutputConfig(exclude_input_from_output=True, return_perf_metrics=True)
     requests = [Request(input_token_ids=[rng.randrange(vocab) for _ in range(prompt_len)], max_tokens=out_len,
                         output=output) for _ in range(batch)]
-    reset(executor.runner)
     started = time.perf_counter()
     executor.enqueue_requests(requests)
     profiled = None
@@ -780,6 +779,9 @@ class SectionRunner:
                       self.args.profile_executor)
 
     def section_executor_decode(self) -> None:
+        from step_timeline import reset
+
+        reset(self._started_executor().runner)  # the steps of this section only
         rows = []
         for batch in [int(b) for b in self.args.executor_decode_batches.split(",") if b]:
             rows.append(bench_executor_decode(self._started_executor(), self.model_cfg.vocab_size, batch,

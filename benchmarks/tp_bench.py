@@ -273,8 +273,13 @@ def run_perf_phase(args) -> dict:
             reset(executor.runner)  # the timeline from here on: the executor's own (overlapped) steps
         executor_decode = []
         for batch in DECODE_BATCHES:
-            executor_decode.append(bench_executor_decode(executor, vocab, batch))
+            # Batch 1 with a profiler window on this rank: the all-reduce kernels' time per step.
+            executor_decode.append(bench_executor_decode(executor, vocab, batch,
+                                                         profile_seconds=0.3 if args.timing and batch == 1 else 0.0))
             progress(f"executor decode batch {batch}: {executor_decode[-1]['decode_tok_s']:.0f} tok/s")
+            profiled = executor_decode[-1].get("profile")
+            if profiled:
+                progress(f"profile of batch {batch} ({profiled.get('steps')} steps):\n{profiled.get('top_kernels', '')}")
         offline = []
         for shape in args.offline_shapes:
             offline.append(bench_offline(executor, vocab, *shape))
