@@ -49,7 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from engine.config import BuildConfig, EngineConfig, ModelConfig  # noqa: E402
 from engine.executor.runner import ForwardBatch, ModelRunner  # noqa: E402
 
-SECTIONS = ["bandwidth", "kernels", "gemm", "decode", "engine_offline", "offline", "executor_decode", "latency", "hf"]
+SECTIONS = ["bandwidth", "kernels", "gemm", "fp8_gemm", "decode", "engine_offline", "offline", "executor_decode", "latency", "hf"]
 GOALS = {
     "decode_tok_s": 160.0,  # beat gpt-fast's 153.7 tok/s on the same H100
     "roofline_fraction": 0.85,
@@ -113,11 +113,13 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def write_config_only_engine(model: str, dtype: str, max_batch_size: int, max_seq_len: int, max_num_tokens: int,
-                             tokens_per_block: int) -> str:
-    """An engine directory holding only config.json; the runner makes random weights for it."""
+                             tokens_per_block: int, quantization: str | None = None) -> str:
+    """An engine directory holding only config.json; the runner makes random weights for it
+    (``quantization="fp8"``: quantized from random float weights as engine.build quantizes)."""
     engine_dir = tempfile.mkdtemp(prefix=f"bench-{model}-")
     build = BuildConfig(dtype=dtype, max_batch_size=max_batch_size, max_input_len=min(max_seq_len, 4096),
-                        max_seq_len=max_seq_len, max_num_tokens=max_num_tokens, tokens_per_block=tokens_per_block)
+                        max_seq_len=max_seq_len, max_num_tokens=max_num_tokens, tokens_per_block=tokens_per_block,
+                        quantization=quantization)
     config = EngineConfig(model=ModelConfig(**MODELS[model]), build=build, extra={"random_weights_seed": 0})
     config.validate().save(engine_dir)
     return engine_dir
@@ -149,7 +151,7 @@ def param_bytes(model: torch.nn.Module) -> tuple[int, int]:
 # ------------------------------------------------------------------------------------------------
 
 
-def bench_bandwidth(results: dict, model_cfg: ModelConfig, dtype_bytes: int) -> None:
+def bench_bandwidth(results: dict, model_cfg: ModelConfig, dtype_bytes: int, quantization: str | None = None) -> None:
     """Device-to-device copy of 2 GiB (counting read + write bytes), and the model's roofline."""
     n = 1 << 30
     src = torch.randn(n, dtype=torch.bfloat16, device="cuda")  # 2 GiB, random (never zeros)
@@ -167,15 +169,23 @@ def bench_bandwidth(results: dict, model_cfg: ModelConfig, dtype_bytes: int) -> 
     read_params = c.num_layers * layer_params + lm_head + c.hidden_size  # + one embedding row
     all_params = c.num_layers * layer_params + lm_head + embed + c.hidden_size
     kv_per_token = c.num_layers * 2 * c.num_kv_heads * c.head_dim * dtype_bytes
+    weight_bytes = read_params * dtype_bytes
+    if quantization == "fp8":  # the blocks' linear weights at 1 byte; norms, lm_head and the embedding row stay
+        linear_params = c.num_layers * (layer_params - 2 * c.hidden_size)
+        weight_bytes = linear_params + (read_params - linear_params) * dtype_bytes
+        all_params_bytes = linear_params + (all_params - linear_params) * dtype_bytes
+    else:
+        all_params_bytes = all_params * dtype_bytes
     results["bandwidth"] = {
         "copy_GBps": bandwidth / 1e9,
         "params": all_params,
-        "bytes_read_per_step_ctx0": read_params * dtype_bytes,
+        "bytes_read_per_step_ctx0": weight_bytes,
         "kv_bytes_per_token": kv_per_token,
         # The issue's definition (every parameter once per step) and the stricter one (the
         # embedding table is gathered, not streamed: only one row is read).
-        "roofline_tok_s_all_params": bandwidth / (all_params * dtype_bytes),
-        "roofline_tok_s": bandwidth / (read_params * dtype_bytes),
+        "roofline_tok_s_all_params": bandwidth / all_params_bytes,
+        "roofline_tok_s": bandwidth / weight_bytes,
+        "quantization": quantization,
     }
 
 
@@ -227,6 +237,34 @@ def bench_kernels(results: dict, model_cfg: ModelConfig, dtype: torch.dtype) -> 
 GEMM_VARIANTS = [  # (block_n, block_k, num_warps, num_stages) of the skinny Triton kernel
     (16, 512, 4, 4), (32, 256, 4, 4), (16, 256, 4, 6), (64, 128, 4, 4), (32, 512, 8, 3),
 ]
+
+
+def bench_fp8_gemm(results: dict, model_cfg: ModelConfig, dtype: torch.dtype, rows=(1, 8, 64, 512)) -> None:
+    """Every decoder-block weight shape at 1, 8, 64 and 512 rows: bf16 (the engine's choice of
+    cuBLAS or skinny kernel) beside FP8 (skinny kernel up to 16 rows, torch._scaled_mm beyond),
+    device time from graph replays, with the weight bytes streamed per second."""
+    from kernels.fp8 import choose_fp8_skinny_variants, fp8_linear, quantize_weight
+    from kernels.linear import choose_skinny_weights, graph_time_ms, linear
+
+    c = model_cfg
+    shapes = {"qkv_proj": ((c.num_heads + 2 * c.num_kv_heads) * c.head_dim, c.hidden_size),
+              "o_proj": (c.hidden_size, c.num_heads * c.head_dim),
+              "gate_up_proj": (2 * c.intermediate_size, c.hidden_size),
+              "down_proj": (c.hidden_size, c.intermediate_size)}
+    out = []
+    for name, (n, k) in shapes.items():
+        weight = torch.randn(n, k, device="cuda", dtype=dtype) * 0.02
+        choose_skinny_weights([weight])
+        w_q, w_scale = quantize_weight(weight)
+        choose_fp8_skinny_variants([w_q])
+        for m in rows:
+            x = torch.randn(m, k, device="cuda", dtype=dtype)
+            bf16_ms = graph_time_ms(lambda: linear(x, weight))
+            fp8_ms = graph_time_ms(lambda: fp8_linear(x, w_q, w_scale))
+            out.append({"name": name, "n": n, "k": k, "m": m, "bf16_ms": bf16_ms, "fp8_ms": fp8_ms,
+                        "bf16_TBps": n * k * 2 / bf16_ms / 1e9, "fp8_TBps": n * k / fp8_ms / 1e9})
+        del weight, w_q
+    results["fp8_gemm"] = out
 
 
 def bench_gemm(results: dict, model_cfg: ModelConfig, dtype: torch.dtype) -> None:
@@ -585,7 +623,7 @@ def bench_hf(results: dict, model: str, batches: list[int], in_len: int = 128, o
 def markdown(results: dict) -> str:
     lines = [f"\n### engine_bench: {results['model']} on {results['gpu']} ({results['date']}, commit {results['commit']})\n",
              f"torch {results['torch']}, triton {results['triton']}, dtype {results['dtype']}, "
-             f"command `{results['command']}`, overlapped scheduling "
+             f"command `{results['command']}`, weights {results.get('quantization') or results['dtype']}, overlapped scheduling "
              f"{'on' if results.get('overlap_scheduler', True) else 'off'}\n", "| measure | measured | goal |", "|---|---|---|"]
     bw = results.get("bandwidth")
     if bw:
@@ -618,6 +656,10 @@ def markdown(results: dict) -> str:
                          f"prefill-carrying steps, {row['decode_seconds']:.2f} s in {row['decode_iterations']} decode-only; "
                          f"decode step at batch {row['decode_batch']}: {row['decode_step_ms_median']:.1f} ms "
                          f"(graph alone {row.get('decode_graph_replay_ms', float('nan')):.1f} ms) | |")
+    for row in results.get("fp8_gemm", []):
+        lines.append(f"| {row['name']} {row['n']}x{row['k']}, {row['m']} row(s): bf16 vs FP8 | "
+                     f"{row['bf16_ms'] * 1e3:.1f} vs {row['fp8_ms'] * 1e3:.1f} µs ({row['bf16_ms'] / row['fp8_ms']:.2f}x; "
+                     f"weights at {row['bf16_TBps']:.2f} vs {row['fp8_TBps']:.2f} TB/s) | |")
     for row in results.get("executor_decode", []):
         t = row.get("timeline")
         steps = (f"; step period {t['period_ms']:.3f} ms, GPU busy in forward {t['gpu_ms']:.3f} ms, gap between "
@@ -718,6 +760,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="input x output x requests, comma-separated")
     parser.add_argument("--executor-decode-batches", default="1,64,512",
                         help="batch sizes of the executor_decode section (comma-separated)")
+    parser.add_argument("--quantization", choices=["fp8"], default=None,
+                        help="fp8: the model's linear weights in FP8 E4M3 (as engine.build --quantization fp8)")
     parser.add_argument("--disable-overlap", action="store_true",
                         help="run the executor with disable_overlap_scheduler (the synchronous loop), for comparison")
     parser.add_argument("--rates", default="1,8", help="Poisson request rates (req/s)")
@@ -744,7 +788,10 @@ class SectionRunner:
         getattr(self, f"section_{section}")()
 
     def section_bandwidth(self) -> None:
-        bench_bandwidth(self.results, self.model_cfg, self.dtype.itemsize)
+        bench_bandwidth(self.results, self.model_cfg, self.dtype.itemsize, self.args.quantization)
+
+    def section_fp8_gemm(self) -> None:
+        bench_fp8_gemm(self.results, self.model_cfg, self.dtype)
 
     def section_kernels(self) -> None:
         bench_kernels(self.results, self.model_cfg, self.dtype)
@@ -755,7 +802,7 @@ class SectionRunner:
     def _runner(self, max_batch_size: int, max_tokens: int) -> ModelRunner:
         a = self.args
         engine_dir = write_config_only_engine(a.model, a.dtype, max_batch_size, a.max_seq_len, a.max_num_tokens,
-                                              a.tokens_per_block)
+                                              a.tokens_per_block, a.quantization)
         return make_runner(engine_dir, a.device, max_tokens=max_tokens)
 
     def section_decode(self) -> None:
@@ -823,7 +870,7 @@ def main(argv=None) -> dict:
         "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu", "commit": git_commit(),
         "torch": torch.__version__, "triton": triton.__version__ if triton else "none", "model": args.model,
         "dtype": args.dtype, "command": "python benchmarks/engine_bench.py " + " ".join(argv or sys.argv[1:]),
-        "overlap_scheduler": not args.disable_overlap,
+        "overlap_scheduler": not args.disable_overlap, "quantization": args.quantization,
     }
     runner = SectionRunner(args, results)
     progress = tqdm(sections, desc="engine_bench")
@@ -846,7 +893,7 @@ def start_executor(args):
     from engine.executor.executor import Executor, ExecutorConfig
 
     engine_dir = write_config_only_engine(args.model, args.dtype, args.max_batch_size, args.max_seq_len,
-                                          args.max_num_tokens, args.tokens_per_block)
+                                          args.max_num_tokens, args.tokens_per_block, args.quantization)
     import engine.executor.executor as executor_module
     from step_timeline import timed
 

@@ -5,10 +5,13 @@
 
 writes ``config.json`` (EngineConfig), ``rank{r}.safetensors`` for every tensor-parallel rank,
 and the tokenizer files (so ``AutoTokenizer.from_pretrained(engine_dir)`` works).
+``--quantization fp8`` stores the decoder blocks' linear weights in FP8 E4M3 with per-output-channel
+scales (kernels/fp8.py).
 """
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import sys
 import time
@@ -28,21 +31,40 @@ from engine.convert import (
     iter_rank_weights,
 )
 from engine.models import get_model_class
+from kernels.fp8 import quantize_weight
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def expected_tensor_names(model: ModelConfig, tp_size: int) -> list[str]:
+def expected_tensor_names(model: ModelConfig, tp_size: int, quantization: str | None = None) -> list[str]:
     """The state-dict names one rank's engine model declares (built on the meta device, no memory)."""
     model_class = get_model_class(model.architecture)
-    return list(model_class(model, tp_size=tp_size, device="meta").state_dict())
+    if quantization is None:
+        return list(model_class(model, tp_size=tp_size, device="meta").state_dict())
+    if "quantization" not in inspect.signature(model_class).parameters:
+        raise ConfigError(f"quantization {quantization} is not supported for {model.architecture}; "
+                          "it is for the Llama family (Llama, Mistral, Qwen2, SmolLM)")
+    return list(model_class(model, tp_size=tp_size, device="meta", quantization=quantization).state_dict())
+
+
+def quantize_rank_weights(weights: dict[str, torch.Tensor], names: list[str]) -> dict[str, torch.Tensor]:
+    """FP8: every weight the model declares a ``<name>_scale`` for becomes E4M3 with per-output-channel
+    scales (kernels/fp8.py), quantized from this rank's shard; the rest is left as converted."""
+    scaled = {name[:-len("_scale")] for name in names if name.endswith(".weight_scale")}
+    out = {}
+    for name, tensor in weights.items():
+        if name in scaled:
+            out[name], out[name + "_scale"] = quantize_weight(tensor)
+        else:
+            out[name] = tensor
+    return out
 
 
 def write_engine(output_dir: str, model: ModelConfig, build: BuildConfig, get: TensorGetter, *,
                  tokenizer=None, extra: dict | None = None, progress: bool = True) -> EngineConfig:
     """Convert every rank's weights through ``get`` and write a complete engine directory."""
     engine_config = EngineConfig(model=model, build=build, extra=dict(extra or {})).validate()
-    names = expected_tensor_names(model, build.tp_size)
+    names = expected_tensor_names(model, build.tp_size, build.quantization)
     _clear_old_engine(output_dir)
     bar = tqdm(total=len(names) * build.tp_size, unit="tensor", desc="converting", disable=not progress)
     for rank in range(build.tp_size):
@@ -50,6 +72,8 @@ def write_engine(output_dir: str, model: ModelConfig, build: BuildConfig, get: T
         for name, tensor in iter_rank_weights(get, model, rank, build.tp_size, TORCH_DTYPES[build.dtype]):
             weights[name] = tensor
             bar.update(1)
+        if build.quantization == "fp8":
+            weights = quantize_rank_weights(weights, names)
         if sorted(weights) != sorted(names):  # a converter bug, never a user error
             raise AssertionError(f"converter produced {sorted(set(weights) ^ set(names))[:5]} mismatching the model")
         save_file(weights, os.path.join(output_dir, f"rank{rank}.safetensors"), metadata={"format": "pt"})
@@ -139,6 +163,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default=defaults.dtype, choices=sorted(TORCH_DTYPES))
     for name in ("tp_size", "max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens", "tokens_per_block"):
         p.add_argument(f"--{name}", type=int, default=getattr(defaults, name))
+    p.add_argument("--quantization", choices=["fp8"], default=None,
+                   help="fp8: FP8 E4M3 weights with per-output-channel scales for every linear layer of the "
+                        "decoder blocks, activations quantized per token at run time (Llama family); "
+                        "embeddings, norms and lm_head stay in --dtype")
     return p.parse_args(argv)
 
 
@@ -147,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     build = BuildConfig(
         dtype=args.dtype, max_batch_size=args.max_batch_size, max_input_len=args.max_input_len,
         max_seq_len=args.max_seq_len, max_num_tokens=args.max_num_tokens,
-        tokens_per_block=args.tokens_per_block, tp_size=args.tp_size,
+        tokens_per_block=args.tokens_per_block, tp_size=args.tp_size, quantization=args.quantization,
     )
     try:
         build_engine(args.checkpoint, args.output, build)

@@ -13,7 +13,9 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: build.quantization (fp8 weights); engines of version 1 still load
+READABLE_FORMAT_VERSIONS = (1, 2)
+QUANTIZATIONS = ("fp8",)
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "GPT2LMHeadModel")
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_new", "gelu_pytorch_tanh", "gelu")
@@ -136,6 +138,10 @@ class BuildConfig:
     tokens_per_block: int = 64
     tp_size: int = 1
     pp_size: int = 1
+    # None: weights in ``dtype``. "fp8": every linear layer of the decoder blocks holds FP8 E4M3
+    # weights with per-output-channel scales; activations are quantized per token at run time
+    # (kernels/fp8.py). Embeddings, norms and the lm_head stay in ``dtype``.
+    quantization: str | None = None
 
     def validate(self) -> "BuildConfig":
         _require(
@@ -152,6 +158,8 @@ class BuildConfig:
             f"max_input_len ({self.max_input_len}) must be <= max_seq_len ({self.max_seq_len})",
         )
         _require(self.pp_size == 1, f"pp_size must be 1 (pipeline parallelism is not supported), got {self.pp_size}")
+        _require(self.quantization is None or self.quantization in QUANTIZATIONS,
+                 f"unsupported quantization {self.quantization!r}; supported: none, {', '.join(QUANTIZATIONS)}")
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -206,10 +214,10 @@ class EngineConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "EngineConfig":
         version = data.get("format_version")
-        if version != FORMAT_VERSION:
+        if version not in READABLE_FORMAT_VERSIONS:
             raise EngineFormatError(
                 f"engine format_version {version!r} is not supported; this build reads format_version "
-                f"{FORMAT_VERSION} (rebuild the engine with python -m engine.build)"
+                f"{', '.join(map(str, READABLE_FORMAT_VERSIONS))} (rebuild the engine with python -m engine.build)"
             )
         try:
             config = cls(

@@ -31,14 +31,16 @@ SKINNY_VARIANTS = ((16, 512, 4, 4), (32, 256, 4, 4), (16, 256, 4, 6), (32, 128, 
 
 @jit(do_not_specialize=["M"])  # one compile for every row count
 def _skinny_gemm_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    x_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, HAS_SCALE: tl.constexpr, M_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One program: BLOCK_N output features for all M rows, streaming its (BLOCK_N, K) weight rows once.
 
     GATED: the weight holds 2N rows [gate | up] and the output is silu(x @ gate.T) * (x @ up.T),
     rounded as the unfused path rounds (each product to the output dtype, then silu, then the mul).
+    HAS_SCALE: the weight is FP8 (kernels/fp8.py): each tile is widened to x's dtype for the dot and
+    output feature n is multiplied by scale[n] (gated: scale[n] and scale[N + n]) before the bias.
     """
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, M_PAD)
@@ -54,10 +56,18 @@ def _skinny_gemm_kernel(
         k_ok = k < K
         x = tl.load(x_base + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_base + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        if HAS_SCALE:
+            w = w.to(x.dtype)
         acc = tl.dot(x, tl.trans(w), acc)
         if GATED:
             w_up = tl.load(w_up_base + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            if HAS_SCALE:
+                w_up = w_up.to(x.dtype)
             acc_up = tl.dot(x, tl.trans(w_up), acc_up)
+    if HAS_SCALE:
+        acc *= tl.load(scale_ptr + cols, mask=col_ok, other=0.0)[None, :]
+        if GATED:
+            acc_up *= tl.load(scale_ptr + N + cols, mask=col_ok, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if GATED:
@@ -70,9 +80,10 @@ def _skinny_gemm_kernel(
 
 def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                          *, block_n: int = 16, block_k: int = 512, num_warps: int = 4, num_stages: int = 4,
-                         gated: bool = False) -> torch.Tensor:
+                         gated: bool = False, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias) for M <= MAX_SKINNY_ROWS rows, fp32 accumulation; with ``gated``,
-    silu(x @ weight[:N].T) * (x @ weight[N:].T) for weight (2N, K) (bias not supported)."""
+    silu(x @ weight[:N].T) * (x @ weight[N:].T) for weight (2N, K) (bias not supported). With
+    ``weight_scale`` (rows of weight,) float32, weight is FP8 and row n counts as weight[n] * scale[n]."""
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     assert m <= MAX_SKINNY_ROWS and x.stride(1) == 1 and weight.stride(1) == 1 and not (gated and bias is not None)
@@ -80,8 +91,10 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     if m == 0:
         return out
     _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, bias if bias is not None else weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, GATED=gated, M_PAD=16, BLOCK_N=block_n, BLOCK_K=block_k,
+        x, weight, bias if bias is not None else weight, weight_scale if weight_scale is not None else weight, out,
+        m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, GATED=gated, HAS_SCALE=weight_scale is not None, M_PAD=16, BLOCK_N=block_n,
+        BLOCK_K=block_k,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

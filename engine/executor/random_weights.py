@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.fp8 import quantize_weight
+
 
 def has_random_weights(extra: dict) -> bool:
     return extra.get("random_weights_seed") is not None
@@ -21,7 +23,16 @@ def materialize_random_weights(model: torch.nn.Module, device: torch.device, see
     model = model.to_empty(device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
     for name, param in model.named_parameters():
-        if "norm" in name.rsplit(".", 2)[-2]:
+        if name.endswith(".weight_scale"):
+            continue  # set with its FP8 weight
+        owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+        if name.endswith(".weight") and getattr(owner, "weight_scale", None) is not None:
+            # An FP8 linear layer: random weights in float32, quantized per output channel.
+            full = torch.empty(param.shape, dtype=torch.float32, device=device).normal_(0.0, 0.02, generator=generator)
+            quantized, scale = quantize_weight(full)
+            param.copy_(quantized)
+            owner.weight_scale.copy_(scale)
+        elif "norm" in name.rsplit(".", 2)[-2]:
             param.fill_(1.0)
         elif name.endswith(".bias"):
             param.zero_()

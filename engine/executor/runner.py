@@ -22,6 +22,7 @@ from engine.executor.overlap import resolve_placeholders
 from engine.executor.random_weights import has_random_weights, materialize_random_weights
 from engine.models.layers import Linear, enable_one_shot_all_reduce
 from kernels.attention_metadata import AttentionMetadata
+from kernels.fp8 import FP8_DTYPE, choose_fp8_skinny_variants
 from kernels.linear import choose_gated_weights, choose_skinny_weights
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -83,9 +84,10 @@ class ModelRunner:
     def _load_model(self, engine_dir: str, tp_group) -> torch.nn.Module:
         cfg, build = self.model_config, self.build_config
         model_class = get_model_class(cfg.architecture)
+        quantization = {"quantization": build.quantization} if build.quantization else {}
         model = model_class(
             cfg, tp_rank=self.rank, tp_size=build.tp_size, tp_group=tp_group, dtype=self.dtype,
-            device="meta", max_positions=max(build.max_seq_len, 1),
+            device="meta", max_positions=max(build.max_seq_len, 1), **quantization,
         )
         if has_random_weights(self.engine_config.extra):  # a config-only benchmark engine
             model = materialize_random_weights(model, self.device, self.engine_config.extra["random_weights_seed"] + self.rank)
@@ -100,7 +102,7 @@ class ModelRunner:
                 f"missing {missing[:5]}, unexpected {unexpected[:5]}"
             )
         try:
-            model.load_state_dict({k: v.to(self.dtype) for k, v in weights.items()}, assign=True)
+            model.load_state_dict({k: keep_or_cast(k, v, self.dtype) for k, v in weights.items()}, assign=True)
         except RuntimeError as err:
             raise EngineFormatError(f"rank{self.rank}.safetensors has wrong tensor shapes: {err}") from None
         model.init_buffers(self.device)
@@ -155,9 +157,13 @@ class ModelRunner:
         Runs after allocate_kv_cache (on every rank in leader mode)."""
         if self.device.type != "cuda" or self.kv_cache is None:
             return
-        self.gemm_choices = choose_skinny_weights([m.weight for m in self.model.modules() if isinstance(m, Linear)])
-        gate_ups = [layer.gate_up_proj.weight for layer in getattr(self.model, "layers", []) if hasattr(layer, "gate_up_proj")]
+        linears = [m.weight for m in self.model.modules() if isinstance(m, Linear)]
+        self.gemm_choices = choose_skinny_weights([w for w in linears if w.dtype != FP8_DTYPE])
+        gate_ups = [layer.gate_up_proj.weight for layer in getattr(self.model, "layers", [])
+                    if hasattr(layer, "gate_up_proj") and layer.gate_up_proj.weight.dtype != FP8_DTYPE]
         self.gemm_choices.update({("gated",) + shape: choice for shape, choice in choose_gated_weights(gate_ups).items()})
+        fp8 = choose_fp8_skinny_variants([w for w in linears if w.dtype == FP8_DTYPE])
+        self.gemm_choices.update({("fp8",) + shape: {"variant": variant} for shape, variant in fp8.items()})
         build = self.build_config
         self.decode_graphs = DecodeGraphs(self.model, self.kv_cache, tokens_per_block=self.tokens_per_block,
                                           max_seq_len=build.max_seq_len, max_batch_size=build.max_batch_size,
@@ -247,6 +253,14 @@ class ModelRunner:
             for p in batch.positions[cu_seqlens[i]:cu_seqlens[i + 1]]:
                 slots.append(table[p // size] * size + p % size)
         return slots
+
+
+def keep_or_cast(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of a rank file in the dtype the model holds it in: FP8 weights and their float32
+    scales stay as stored, everything else is cast to the engine's dtype."""
+    if tensor.dtype == FP8_DTYPE or name.endswith(".weight_scale"):
+        return tensor
+    return tensor.to(dtype)
 
 
 def load_rank_weights(engine_dir: str, rank: int, device: torch.device) -> dict[str, torch.Tensor]:

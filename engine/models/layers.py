@@ -29,7 +29,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.linear import linear
+from kernels.fp8 import FP8_DTYPE, fp8_gated_linear, fp8_linear
+from kernels.linear import gated_linear, linear
 
 logger = logging.getLogger(__name__)
 
@@ -105,27 +106,51 @@ def _empty(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
-class Linear(nn.Module):
-    """y = x @ weight.T (+ bias). weight: (out_local, in_local). Holds no parallel logic itself."""
+QUANTIZATIONS = (None, "fp8")
 
-    def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype: torch.dtype, device=None):
+
+class Linear(nn.Module):
+    """y = x @ weight.T (+ bias). weight: (out_local, in_local). Holds no parallel logic itself.
+
+    ``quantization="fp8"``: weight is float8_e4m3fn with ``weight_scale`` (out_local,) float32 per
+    output channel, and the product runs the FP8 scheme of kernels/fp8.py (the bias stays in dtype).
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype: torch.dtype, device=None,
+                 quantization: str | None = None):
         super().__init__()
-        self.weight = _empty(out_features, in_features, dtype=dtype, device=device)
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization {quantization!r} is not supported; allowed: fp8 or none")
+        weight_dtype = FP8_DTYPE if quantization == "fp8" else dtype
+        self.weight = _empty(out_features, in_features, dtype=weight_dtype, device=device)
+        self.weight_scale = _empty(out_features, dtype=torch.float32, device=device) if quantization else None
         self.bias = _empty(out_features, dtype=dtype, device=device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)  # F.linear, or a skinny Triton GEMM chosen at engine load
+        return self._product(x, self.bias)
+
+    def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.weight_scale is not None:
+            return fp8_linear(x, self.weight, self.weight_scale, bias)
+        return linear(x, self.weight, bias)  # F.linear, or a skinny Triton GEMM chosen at engine load
+
+    def gated(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(x @ gate.T) * (x @ up.T) for a fused [gate | up] weight (2 * inter, in)."""
+        if self.weight_scale is not None:
+            return fp8_gated_linear(x, self.weight, self.weight_scale)
+        return gated_linear(x, self.weight)  # one fused skinny kernel for decode batches when chosen at load
 
 
 class RowParallelLinear(Linear):
     """Partial product on each rank, all-reduced; the (replicated) bias is added after the reduce."""
 
-    def __init__(self, in_local: int, out_features: int, *, bias: bool, tp_group, dtype, device=None):
-        super().__init__(in_local, out_features, bias=bias, dtype=dtype, device=device)
+    def __init__(self, in_local: int, out_features: int, *, bias: bool, tp_group, dtype, device=None,
+                 quantization: str | None = None):
+        super().__init__(in_local, out_features, bias=bias, dtype=dtype, device=device, quantization=quantization)
         self.tp_group = tp_group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = linear(x, self.weight)
+        out = self._product(x, None)
         if self.tp_group is not None:
             out = tp_all_reduce(out, self.tp_group)
         return out if self.bias is None else out + self.bias

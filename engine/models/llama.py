@@ -20,7 +20,6 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.models.layers import Linear, Norm, RowParallelLinear, VocabParallelEmbedding, vocab_parallel_logits
-from kernels.linear import gated_linear
 from kernels.attention_metadata import AttentionMetadata
 from kernels.attention import paged_attention
 from kernels.rmsnorm import rms_norm
@@ -28,7 +27,8 @@ from kernels.rotary import build_cos_sin_cache, rotary_and_write_kv
 
 
 class LlamaLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int, *, tp_size: int, tp_group, dtype, device):
+    def __init__(self, config: ModelConfig, layer_index: int, *, tp_size: int, tp_group, dtype, device,
+                 quantization: str | None = None):
         super().__init__()
         self.layer_index = layer_index
         self.eps = config.norm_eps
@@ -40,11 +40,12 @@ class LlamaLayer(nn.Module):
         self.split_sizes = [q_size, kv_size, kv_size]
         hidden, inter_local = config.hidden_size, config.intermediate_size // tp_size
         self.input_norm = Norm(hidden, bias=False, dtype=dtype, device=device)
-        self.qkv_proj = Linear(hidden, q_size + 2 * kv_size, bias=config.qkv_bias, dtype=dtype, device=device)
-        self.o_proj = RowParallelLinear(q_size, hidden, bias=False, tp_group=tp_group, dtype=dtype, device=device)
+        quant = {"dtype": dtype, "device": device, "quantization": quantization}
+        self.qkv_proj = Linear(hidden, q_size + 2 * kv_size, bias=config.qkv_bias, **quant)
+        self.o_proj = RowParallelLinear(q_size, hidden, bias=False, tp_group=tp_group, **quant)
         self.post_attn_norm = Norm(hidden, bias=False, dtype=dtype, device=device)
-        self.gate_up_proj = Linear(hidden, 2 * inter_local, bias=False, dtype=dtype, device=device)
-        self.down_proj = RowParallelLinear(inter_local, hidden, bias=False, tp_group=tp_group, dtype=dtype, device=device)
+        self.gate_up_proj = Linear(hidden, 2 * inter_local, bias=False, **quant)
+        self.down_proj = RowParallelLinear(inter_local, hidden, bias=False, tp_group=tp_group, **quant)
 
     def attention(self, x, positions, cos_sin_cache, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
@@ -62,15 +63,15 @@ class LlamaLayer(nn.Module):
         h, residual = rms_norm(x, self.input_norm.weight, self.eps, residual)
         h = self.attention(h, positions, cos_sin_cache, kv_cache, meta)
         h, residual = rms_norm(h, self.post_attn_norm.weight, self.eps, residual)
-        # silu_and_mul(gate_up_proj(h)); one fused skinny kernel for decode batches when chosen at load.
-        return self.down_proj(gated_linear(h, self.gate_up_proj.weight)), residual
+        return self.down_proj(self.gate_up_proj.gated(h)), residual
 
 
 class LlamaForCausalLM(nn.Module):
     """The Llama-family model for one tensor-parallel rank."""
 
     def __init__(self, config: ModelConfig, *, tp_rank: int = 0, tp_size: int = 1, tp_group=None,
-                 dtype: torch.dtype = torch.float32, device=None, max_positions: int | None = None):
+                 dtype: torch.dtype = torch.float32, device=None, max_positions: int | None = None,
+                 quantization: str | None = None):
         super().__init__()
         self.config = config
         self.tp_group = tp_group
@@ -79,7 +80,8 @@ class LlamaForCausalLM(nn.Module):
             vocab_local, config.hidden_size, tp_rank=tp_rank, tp_group=tp_group, dtype=dtype, device=device
         )
         self.layers = nn.ModuleList(
-            LlamaLayer(config, i, tp_size=tp_size, tp_group=tp_group, dtype=dtype, device=device)
+            LlamaLayer(config, i, tp_size=tp_size, tp_group=tp_group, dtype=dtype, device=device,
+                       quantization=quantization)
             for i in range(config.num_layers)
         )
         self.norm = Norm(config.hidden_size, bias=False, dtype=dtype, device=device)

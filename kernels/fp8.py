@@ -1,0 +1,117 @@
+"""FP8 (E4M3) linear layers: weights per output channel, activations per token.
+
+Scheme (what an engine built with ``--quantization fp8`` holds and runs):
+
+- weight (N, K) float8_e4m3fn with ``weight_scale`` (N,) float32: row n of the real weight is
+  ``weight[n].float() * weight_scale[n]``, where ``weight_scale[n] = max|W[n]| / 448`` (448 is
+  E4M3's largest finite value), so every row uses the format's whole range;
+- activations x (M, K) quantized per token at run time the same way (scale (M, 1) float32);
+- y = (x_q * s_x) @ (w_q * s_w).T, accumulated in float32, returned in x's dtype.
+
+E4M3 keeps 3 mantissa bits: a value's relative rounding error is at most 2^-4 (half a unit in
+the last place), 6.25%, for values within the normal range (>= 2^-6 of the scale's 448).
+
+Paths, chosen per call:
+- CUDA, at most ``MAX_SKINNY_ROWS`` rows (decode): the skinny Triton kernel streams the FP8
+  weight (half the bytes of bf16) and applies the row scales in its epilogue; activations stay
+  in bf16 there (weight-only, W8A16: with a handful of rows there is nothing to gain by
+  quantizing them, and it is the more exact of the two);
+- CUDA, more rows: ``torch._scaled_mm`` (cuBLASLt FP8 tensor cores) with per-token activation
+  scales and per-channel weight scales (W8A8);
+- elsewhere: ``fp8_linear_ref``, the plain-torch reference of the W8A8 scheme (quantize x per
+  token, dequantize both, matmul in float32), also the oracle of the kernel tests.
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels._triton import use_triton
+from kernels.activation import silu_and_mul
+from kernels.linear import MAX_SKINNY_ROWS, SKINNY_VARIANTS, graph_time_ms, skinny_linear_triton
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+MIN_SCALE = 1e-12  # an all-zero row gets this scale (its values quantize to 0 anyway)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (R, C) -> (x_q (R, C) float8_e4m3fn, scale (R,) float32) with x ~= x_q.float() * scale[:, None]."""
+    amax = x.detach().abs().amax(dim=-1).float()
+    scale = (amax / FP8_MAX).clamp_(min=MIN_SCALE)
+    x_q = (x.float() / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return x_q, scale
+
+
+def dequantize_rows(x_q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return (x_q.float() * scale.float()[:, None]).to(dtype)
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A linear weight (N, K) -> (float8 weight (N, K), per-output-channel scale (N,) float32)."""
+    return quantize_rows(weight)
+
+
+def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The W8A8 scheme in plain torch: x (M, K) quantized per token, then everything in float32."""
+    x_q, x_scale = quantize_rows(x.reshape(-1, x.shape[-1]))
+    out = dequantize_rows(x_q, x_scale) @ dequantize_rows(weight, weight_scale).T
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+
+def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The W8A8 scheme on cuBLASLt's FP8 tensor cores (``torch._scaled_mm``, row-wise scales)."""
+    x_q, x_scale = quantize_rows(x)
+    out = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale[:, None], scale_b=weight_scale[None, :],
+                           out_dtype=x.dtype)
+    return out if bias is None else out + bias
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (M, K) @ dequantized weight (N, K).T (+ bias), by the paths in the module docstring."""
+    if x.is_cuda:
+        if x.shape[0] <= MAX_SKINNY_ROWS and x.is_contiguous() and use_triton(x):
+            block_n, block_k, num_warps, num_stages = getattr(weight, "_fp8_skinny_variant", FP8_SKINNY_DEFAULT)
+            return skinny_linear_triton(x, weight, bias, weight_scale=weight_scale, block_n=block_n,
+                                        block_k=block_k, num_warps=num_warps, num_stages=num_stages)
+        return fp8_linear_scaled_mm(x, weight, weight_scale, bias)
+    return fp8_linear_ref(x, weight, weight_scale, bias)
+
+
+def fp8_gated_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """silu(x @ gate.T) * (x @ up.T) for an FP8 gate_up weight (2 * inter, hidden) = [gate | up]."""
+    if x.is_cuda and x.shape[0] <= MAX_SKINNY_ROWS and x.is_contiguous() and use_triton(x):
+        block_n, block_k, num_warps, num_stages = getattr(weight, "_fp8_skinny_variant", FP8_SKINNY_DEFAULT)
+        return skinny_linear_triton(x, weight, weight_scale=weight_scale, block_n=block_n, block_k=block_k,
+                                    num_warps=num_warps, num_stages=num_stages, gated=True)
+    return silu_and_mul(fp8_linear(x, weight, weight_scale))
+
+
+# (block_n, block_k, num_warps, num_stages) of the skinny kernel for FP8 weights until a weight is
+# timed at load (``choose_fp8_skinny_variants``): FP8 rows are half as many bytes, so longer K tiles.
+FP8_SKINNY_DEFAULT = (16, 512, 4, 4)
+
+
+@torch.inference_mode()
+def choose_fp8_skinny_variants(weights: list[torch.Tensor], rows: int = 8) -> dict[tuple[int, int], tuple]:
+    """Per distinct FP8 weight shape, the fastest skinny tiling at ``rows`` rows (device time, from a
+    CUDA graph), set on each weight as ``_fp8_skinny_variant``. CUDA only."""
+    chosen: dict[tuple[int, int], tuple] = {}
+    for weight in weights:
+        shape = tuple(weight.shape)
+        if shape not in chosen:
+            x = torch.randn(rows, shape[1], dtype=torch.bfloat16, device=weight.device)
+            scale = torch.ones(shape[0], dtype=torch.float32, device=weight.device)
+            times = {}
+            for variant in SKINNY_VARIANTS + ((16, 1024, 4, 4), (32, 512, 4, 4)):
+                block_n, block_k, num_warps, num_stages = variant
+                times[variant] = graph_time_ms(lambda: skinny_linear_triton(
+                    x, weight, weight_scale=scale, block_n=block_n, block_k=block_k, num_warps=num_warps,
+                    num_stages=num_stages))
+            chosen[shape] = min(times, key=times.get)
+        weight._fp8_skinny_variant = chosen[shape]
+    return chosen

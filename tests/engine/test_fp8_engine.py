@@ -1,0 +1,176 @@
+"""FP8 engines (``python -m engine.build --quantization fp8``) end to end on CPU, through the
+reference path of kernels/fp8.py: the engine directory format, logits of a tiny Llama against the
+float32 engine, and SmolLM2's answers and greedy agreement with its float32 engine."""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+import transformers
+from transformers import AutoTokenizer
+
+from engine.build import build_from_hf, main as build_main
+from engine.config import BuildConfig, EngineConfig
+from engine.convert import getter_from_state_dict
+from engine.executor.runner import ForwardBatch, ModelRunner
+from kernels.fp8 import FP8_DTYPE
+from test_smollm2 import _chat_ids, _engine_greedy
+
+# A fixed English text of about 500 SmolLM2 tokens (written for this test).
+TEXT = """The small harbour town woke slowly on winter mornings. Before the sun rose over the hills, the
+fishermen walked down the narrow streets to the quay, carrying nets, lanterns and flasks of hot tea.
+The baker had already been at work for hours, and the smell of fresh bread drifted across the square
+where the market would open later. Children waited at the corner for the school bus, stamping their
+feet against the cold and comparing the homework they had finished the night before.
+In the library on the hill, the librarian unlocked the heavy wooden door and switched on the lamps
+one by one. She liked the quiet hour before the first visitors arrived. There were letters to answer,
+new books to catalogue and a long list of requests from the retired teachers who came every Tuesday to
+read the newspapers and argue about history. Most of them had lived in the town all their lives, and
+they remembered the years when the harbour was full of cargo ships and the railway still ran along
+the coast.
+The town council met once a month in a room above the post office. The agenda rarely changed: the
+roads needed repair, the lighthouse needed a new coat of paint, and someone always proposed a festival
+to bring visitors in the summer. This year the proposal passed. The festival would celebrate the
+history of the harbour with music, boat races and an exhibition of old photographs collected from
+families in the town. Volunteers signed up to build stalls, print posters and cook for the crowds.
+As spring approached, the preparations filled every evening. The school choir practised sea songs, the
+rowing club repaired two old boats, and the librarian spent weeks scanning photographs of sailors,
+storms and weddings. On the first day of the festival the weather was perfect. Hundreds of people
+walked along the quay, listened to the choir and cheered the rowers. In the evening, lanterns were
+lit along the harbour wall, and the whole town gathered to watch the boats return in the fading light.
+Later, when the visitors had gone home, the council agreed that the festival should take place every
+year, and the librarian began a new folder for the photographs that would be taken next time.
+The fishermen, for their part, said little about the whole affair. They mended their nets on the quay
+as they always had, watched the weather over the water, and went out again before dawn the next
+morning, as if nothing at all had changed in the town."""
+
+
+def llama_of_trained_scale(seed: int = 0) -> transformers.LlamaForCausalLM:
+    """A 3-layer GQA Llama with weights N(0, 0.02), the scale of trained checkpoints (the executor
+    tests' tiny model uses 0.2, whose chaotic activations would amplify any rounding)."""
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=96, intermediate_size=256, num_hidden_layers=3,
+                                      num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_((1.0 if "norm" in name else 0.0) + 0.02 * torch.randn_like(p))
+    return model
+
+
+def build(hf_model, out_dir: str, quantization: str | None, tokenizer=None, **limits) -> str:
+    settings = dict(dtype="float32", max_batch_size=4, max_input_len=64, max_seq_len=64, max_num_tokens=64,
+                    tokens_per_block=4)
+    settings.update(limits)
+    build_config = BuildConfig(quantization=quantization, **settings)
+    build_from_hf(hf_model.config, getter_from_state_dict(hf_model.state_dict(), "test"), tokenizer, out_dir,
+                  build_config, progress=False)
+    return out_dir
+
+
+def all_logits(engine_dir: str, ids: list[int]) -> torch.Tensor:
+    """Logits of every position of ``ids`` in one prefill (n, vocab)."""
+    runner = ModelRunner(engine_dir)
+    size = runner.tokens_per_block
+    blocks = -(-len(ids) // size)
+    runner.allocate_kv_cache(blocks)
+    n = len(ids)
+    return runner.forward(ForwardBatch(ids, list(range(n)), [n], [n], [list(range(blocks))], list(range(n))),
+                          all_logits=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_engines(tmp_path_factory):
+    hf = llama_of_trained_scale()
+    root = tmp_path_factory.mktemp("fp8_tiny")
+    return build(hf, str(root / "fp32"), None), build(hf, str(root / "fp8"), "fp8")
+
+
+def test_fp8_engine_directory_records_the_scheme(tiny_engines):
+    from safetensors import safe_open
+
+    _, fp8_dir = tiny_engines
+    config = json.load(open(os.path.join(fp8_dir, "config.json")))
+    assert config["format_version"] == 2 and config["build"]["quantization"] == "fp8"
+    with safe_open(os.path.join(fp8_dir, "rank0.safetensors"), "pt") as f:
+        names = set(f.keys())
+        for proj in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            weight = f.get_tensor(f"layers.0.{proj}.weight")
+            scale = f.get_tensor(f"layers.0.{proj}.weight_scale")
+            assert weight.dtype == FP8_DTYPE and scale.dtype == torch.float32 and scale.shape == (weight.shape[0],)
+        assert f.get_tensor("embed_tokens.weight").dtype == torch.float32  # embeddings, norms, lm_head stay
+        assert f.get_tensor("lm_head.weight").dtype == torch.float32
+        assert not any(name.startswith(("embed_tokens", "lm_head", "norm")) and name.endswith("_scale") for name in names)
+
+
+def test_an_engine_of_format_version_1_still_loads(tiny_engines, tmp_path):
+    import shutil
+
+    fp32_dir, _ = tiny_engines
+    old = shutil.copytree(fp32_dir, str(tmp_path / "v1"))
+    config = json.load(open(os.path.join(old, "config.json")))
+    config["format_version"] = 1
+    del config["build"]["quantization"]  # version 1 had no such field
+    json.dump(config, open(os.path.join(old, "config.json"), "w"))
+    assert EngineConfig.load(old).build.quantization is None
+    torch.testing.assert_close(all_logits(old, [5, 6, 7]), all_logits(fp32_dir, [5, 6, 7]))
+
+
+def test_fp8_logits_stay_within_the_rounding_bound_of_the_fp32_model(tiny_engines):
+    """Bound: one W8A8 product carries a relative RMS error of about 3.7% (each factor rounds to
+    E4M3 within half an ulp, 2^-4 of itself at most, uniformly: 2^-4 * sqrt(2) / sqrt(3) * ~1.1 over
+    a binade). The 3 layers' 12 quantized products add independent errors that the residual stream
+    damps; measured 5.1% at the logits. Tolerance 10%: the first bound a real error would cross."""
+    fp32_dir, fp8_dir = tiny_engines
+    ids = [3, 17, 5, 99, 42, 8, 1, 77, 23, 64, 11, 90, 31, 7, 120, 56]
+    reference, quantized = all_logits(fp32_dir, ids), all_logits(fp8_dir, ids)
+    relative_rms = ((quantized - reference).norm() / reference.norm()).item()
+    assert relative_rms < 0.10, relative_rms
+    assert (quantized.argmax(-1) == reference.argmax(-1)).float().mean().item() >= 0.9
+
+
+def test_fp8_is_refused_for_a_family_without_it(tmp_path):
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64,
+                                                                n_positions=64))
+    with pytest.raises(Exception, match="quantization fp8 is not supported for GPT2LMHeadModel"):
+        build(gpt2, str(tmp_path / "gpt2"), "fp8")
+
+
+@pytest.fixture(scope="module")
+def smollm2_fp8_engine_dir(smollm2_hf, smollm2_gguf, tmp_path_factory) -> str:
+    model, tokenizer = smollm2_hf
+    return build(model, str(tmp_path_factory.mktemp("smollm2_fp8")), "fp8", tokenizer, max_batch_size=8,
+                 max_input_len=1024, max_seq_len=1024, max_num_tokens=1024, tokens_per_block=16)
+
+
+def test_smollm2_fp8_still_knows_the_capital(smollm2_fp8_engine_dir):
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_fp8_engine_dir)
+    tokens = _engine_greedy(ModelRunner(smollm2_fp8_engine_dir), _chat_ids(tokenizer), 12)
+    assert "Paris" in tokenizer.decode(tokens)
+
+
+def teacher_forced(engine_dir: str, ids: list[int]) -> tuple[list[int], float]:
+    """(greedy next-token prediction at every position, perplexity of the text) in one prefill."""
+    logits = all_logits(engine_dir, ids)
+    nll = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:]))
+    return logits[:-1].argmax(-1).tolist(), math.exp(nll.item())
+
+
+def test_smollm2_fp8_agrees_with_float32_on_most_next_tokens(smollm2_fp8_engine_dir, smollm2_engine_dir):
+    """Measured 2026-11-24 (CPU, W8A8 reference path): 92.2% agreement, perplexity 25.99 (float32)
+    against 26.90 (FP8); weight-only FP8 gives 93.2%, so the weights' E4M3 rounding is what costs,
+    on a 135M model whose next-token distribution is flat at many positions of a narrative text.
+    The issue's goal was 95%: not met by this scheme on this model (see benchmarks/RESULTS.md)."""
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_engine_dir)
+    ids = tokenizer(TEXT)["input_ids"][:500]
+    assert len(ids) == 500
+    reference, ppl_fp32 = teacher_forced(smollm2_engine_dir, ids)
+    quantized, ppl_fp8 = teacher_forced(smollm2_fp8_engine_dir, ids)
+    agreement = sum(a == b for a, b in zip(reference, quantized)) / len(reference)
+    print(f"SmolLM2 teacher-forced over {len(ids)} tokens: greedy agreement {agreement:.1%}, "
+          f"perplexity float32 {ppl_fp32:.3f}, fp8 {ppl_fp8:.3f}")
+    assert agreement >= 0.90
+    assert ppl_fp8 < ppl_fp32 * 1.05  # FP8 costs a little, never a lot

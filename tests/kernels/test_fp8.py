@@ -1,0 +1,75 @@
+"""FP8 E4M3 quantization (kernels/fp8.py): round trips within E4M3's rounding bound, the W8A8
+product within its error bound, and the GPU paths (skinny Triton kernel, torch._scaled_mm)
+against the plain-torch reference."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.fp8 import (FP8_DTYPE, FP8_MAX, dequantize_rows, fp8_gated_linear, fp8_linear, fp8_linear_ref,
+                         fp8_linear_scaled_mm, quantize_rows, quantize_weight)
+from kernels.activation import silu_and_mul
+
+HALF_ULP = 2.0 ** -4  # E4M3 has 3 mantissa bits: rounding moves a normal value by at most 2^-4 of it
+SUBNORMAL_HALF_STEP = 2.0 ** -10  # below 2^-6, values sit on a grid of 2^-9: at most half of that off
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 300.0])
+def test_round_trip_within_the_e4m3_bound(scale):
+    torch.manual_seed(0)
+    x = torch.randn(64, 257) * scale
+    x[3] = 0.0  # an all-zero row quantizes to zeros
+    x_q, row_scale = quantize_rows(x)
+    assert x_q.dtype == FP8_DTYPE and row_scale.shape == (64,)
+    assert torch.equal(x_q.float().abs().amax(dim=1)[torch.arange(64) != 3], torch.full((63,), FP8_MAX))
+    error = (dequantize_rows(x_q, row_scale) - x).abs()
+    bound = torch.maximum(HALF_ULP * x.abs(), SUBNORMAL_HALF_STEP * row_scale[:, None])
+    assert (error <= bound * (1 + 1e-6)).all()
+    assert torch.equal(dequantize_rows(x_q, row_scale)[3], torch.zeros(257))
+
+
+def test_w8a8_product_within_its_error_bound():
+    """|y_q - y| <= (2 * 2^-4 + 2^-8) * (|x| @ |w|.T): each factor of each product is off by at most
+    2^-4 of itself (plus the subnormal floor, negligible here), so each term by (1+e)^2 - 1."""
+    torch.manual_seed(1)
+    x, w = torch.randn(16, 512), torch.randn(384, 512) * 0.05
+    w_q, w_scale = quantize_weight(w)
+    y, y_q = x @ w.T, fp8_linear(x, w_q, w_scale)
+    assert ((y_q - y).abs() <= (2 * HALF_ULP + HALF_ULP ** 2) * (x.abs() @ w.abs().T) + 1e-5).all()
+    # On average far inside the bound: relative RMS error ~ 2^-4 * sqrt(2 / 3) / sqrt(3) (uniform rounding).
+    assert ((y_q - y).norm() / y.norm()).item() < 0.06
+
+
+def test_gated_product_equals_silu_and_mul_of_the_product():
+    torch.manual_seed(2)
+    x, w = torch.randn(4, 64), torch.randn(2 * 96, 64) * 0.1
+    w_q, w_scale = quantize_weight(w)
+    torch.testing.assert_close(fp8_gated_linear(x, w_q, w_scale), silu_and_mul(fp8_linear_ref(x, w_q, w_scale)))
+
+
+@cuda
+@pytest.mark.parametrize("rows", [1, 8, 16, 64, 512])
+def test_gpu_paths_equal_the_reference(rows):
+    torch.manual_seed(3)
+    x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+    w_q, w_scale = quantize_weight(torch.randn(1536, 4096, device="cuda") * 0.02)
+    bias = torch.randn(1536, device="cuda", dtype=torch.bfloat16)
+    got = fp8_linear(x, w_q, w_scale, bias).float()
+    if rows <= 16:  # weight-only on the skinny kernel: exact weights times bf16 activations
+        want = (x.float() @ dequantize_rows(w_q, w_scale).T + bias.float())
+    else:  # W8A8 on cuBLASLt
+        want = fp8_linear_ref(x.float(), w_q, w_scale, bias.float())
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+@cuda
+def test_scaled_mm_and_skinny_gated_equal_the_reference():
+    torch.manual_seed(4)
+    x = torch.randn(8, 2048, device="cuda", dtype=torch.bfloat16)
+    w_q, w_scale = quantize_weight(torch.randn(2 * 1024, 2048, device="cuda") * 0.02)
+    want = silu_and_mul((x.float() @ dequantize_rows(w_q, w_scale).T)).float()
+    torch.testing.assert_close(fp8_gated_linear(x, w_q, w_scale).float(), want, rtol=3e-2, atol=3e-2)
+    x_big = torch.randn(128, 2048, device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close(fp8_linear_scaled_mm(x_big, w_q, w_scale).float(),
+                               fp8_linear_ref(x_big.float(), w_q, w_scale), rtol=2e-2, atol=2e-2)
