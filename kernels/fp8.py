@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import use_triton
+from kernels._triton import jit, tl, triton, use_triton
 from kernels.activation import silu_and_mul
 from kernels.linear import MAX_SKINNY_ROWS, SKINNY_VARIANTS, graph_time_ms, skinny_linear_triton
 
@@ -39,6 +39,36 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = x.detach().abs().amax(dim=-1).float()
     scale = (amax / FP8_MAX).clamp_(min=MIN_SCALE)
     x_q = (x.float() / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return x_q, scale
+
+
+@jit
+def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr):
+    """One program per row: its absolute maximum, then every value divided by max / 448 into E4M3.
+    The same arithmetic as ``quantize_rows`` (float32 division, clamp, round to nearest)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    peak = tl.zeros([BLOCK], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK):
+        x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
+        peak = tl.maximum(peak, tl.abs(x))
+    scale = tl.maximum(tl.max(peak, 0) / 448.0, 1e-12)
+    tl.store(scale_ptr + row, scale)
+    for k0 in range(0, K, BLOCK):
+        x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
+        tl.store(q_ptr + row * stride_q + k0 + cols, q.to(tl.float8e4nv), mask=k0 + cols < K)
+
+
+def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_rows`` in one kernel launch (x (R, C) with unit column stride)."""
+    rows, cols = x.shape
+    assert x.stride(1) == 1
+    x_q = torch.empty(rows, cols, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty(rows, dtype=torch.float32, device=x.device)
+    if rows:
+        _quantize_rows_kernel[(rows,)](x, x_q, scale, cols, x.stride(0), x_q.stride(0),
+                                       BLOCK=min(2048, triton.next_power_of_2(cols)), num_warps=4)
     return x_q, scale
 
 
@@ -64,7 +94,7 @@ def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
 def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                          bias: torch.Tensor | None = None) -> torch.Tensor:
     """The W8A8 scheme on cuBLASLt's FP8 tensor cores (``torch._scaled_mm``, row-wise scales)."""
-    x_q, x_scale = quantize_rows(x)
+    x_q, x_scale = quantize_rows_triton(x) if use_triton(x) and x.stride(1) == 1 else quantize_rows(x)
     out = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale[:, None], scale_b=weight_scale[None, :],
                            out_dtype=x.dtype)
     return out if bias is None else out + bias
@@ -94,6 +124,10 @@ def fp8_gated_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
 # (block_n, block_k, num_warps, num_stages) of the skinny kernel for FP8 weights until a weight is
 # timed at load (``choose_fp8_skinny_variants``): FP8 rows are half as many bytes, so longer K tiles.
 FP8_SKINNY_DEFAULT = (16, 512, 4, 4)
+# Tried at load beside the bf16 tilings: an FP8 tile carries half the bytes of a bf16 one, so
+# longer K tiles, more warps and deeper pipelines keep as many bytes in flight.
+FP8_EXTRA_VARIANTS = ((16, 1024, 4, 4), (32, 512, 4, 4), (16, 1024, 8, 3), (32, 1024, 8, 3), (64, 512, 8, 4),
+                      (16, 2048, 8, 2), (32, 256, 4, 8), (16, 512, 8, 6))
 
 
 @torch.inference_mode()
@@ -107,7 +141,7 @@ def choose_fp8_skinny_variants(weights: list[torch.Tensor], rows: int = 8) -> di
             x = torch.randn(rows, shape[1], dtype=torch.bfloat16, device=weight.device)
             scale = torch.ones(shape[0], dtype=torch.float32, device=weight.device)
             times = {}
-            for variant in SKINNY_VARIANTS + ((16, 1024, 4, 4), (32, 512, 4, 4)):
+            for variant in SKINNY_VARIANTS + FP8_EXTRA_VARIANTS:
                 block_n, block_k, num_warps, num_stages = variant
                 times[variant] = graph_time_ms(lambda: skinny_linear_triton(
                     x, weight, weight_scale=scale, block_n=block_n, block_k=block_k, num_warps=num_warps,

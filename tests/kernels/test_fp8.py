@@ -73,3 +73,17 @@ def test_scaled_mm_and_skinny_gated_equal_the_reference():
     x_big = torch.randn(128, 2048, device="cuda", dtype=torch.bfloat16)
     torch.testing.assert_close(fp8_linear_scaled_mm(x_big, w_q, w_scale).float(),
                                fp8_linear_ref(x_big.float(), w_q, w_scale), rtol=2e-2, atol=2e-2)
+
+
+@cuda
+@pytest.mark.parametrize("shape", [(1, 4096), (37, 14336), (512, 4096), (3, 100)])
+def test_one_kernel_row_quantization_equals_the_reference(shape):
+    from kernels.fp8 import quantize_rows_triton
+
+    torch.manual_seed(5)
+    x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * 3
+    x[0, :7] = 0.0
+    q, scale = quantize_rows_triton(x)
+    q_ref, scale_ref = quantize_rows(x)
+    torch.testing.assert_close(scale, scale_ref)
+    assert torch.equal(q.float(), q_ref.float())
