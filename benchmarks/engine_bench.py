@@ -656,6 +656,10 @@ def markdown(results: dict) -> str:
                          f"prefill-carrying steps, {row['decode_seconds']:.2f} s in {row['decode_iterations']} decode-only; "
                          f"decode step at batch {row['decode_batch']}: {row['decode_step_ms_median']:.1f} ms "
                          f"(graph alone {row.get('decode_graph_replay_ms', float('nan')):.1f} ms) | |")
+    kv = results.get("kv_cache")
+    if kv:
+        lines.append(f"| executor KV pool ({kv['dtype']}) | {kv['blocks']:,} blocks of {kv['tokens_per_block']} tokens "
+                     f"({kv['blocks'] * kv['tokens_per_block']:,} tokens, {kv['bytes'] / 2**30:.1f} GiB) | |")
     for row in results.get("fp8_gemm", []):
         lines.append(f"| {row['name']} {row['n']}x{row['k']}, {row['m']} row(s): bf16 vs FP8 | "
                      f"{row['bf16_ms'] * 1e3:.1f} vs {row['fp8_ms'] * 1e3:.1f} µs ({row['bf16_ms'] / row['fp8_ms']:.2f}x; "
@@ -762,6 +766,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="batch sizes of the executor_decode section (comma-separated)")
     parser.add_argument("--quantization", choices=["fp8"], default=None,
                         help="fp8: the model's linear weights in FP8 E4M3 (as engine.build --quantization fp8)")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                        help="the executor's KV pool: auto (the model dtype) or fp8 (E4M3)")
     parser.add_argument("--disable-overlap", action="store_true",
                         help="run the executor with disable_overlap_scheduler (the synchronous loop), for comparison")
     parser.add_argument("--rates", default="1,8", help="Poisson request rates (req/s)")
@@ -818,6 +824,10 @@ class SectionRunner:
     def _started_executor(self):
         if self.executor is None:
             self.executor = start_executor(self.args)
+            runner = self.executor.runner
+            self.results["kv_cache"] = {"dtype": str(runner.kv_cache.dtype).replace("torch.", ""),
+                                        "blocks": runner.num_kv_blocks, "tokens_per_block": runner.tokens_per_block,
+                                        "bytes": runner.kv_cache.numel() * runner.kv_cache.element_size()}
         return self.executor
 
     def section_offline(self) -> None:
@@ -900,7 +910,7 @@ def start_executor(args):
     # Every decode step of the executor timed with CUDA events (benchmarks/step_timeline.py).
     executor_module.ModelRunner = timed(ModelRunner)
     config = ExecutorConfig(kv_cache_free_gpu_mem_fraction=0.9, enable_kv_cache_reuse=False,
-                            disable_overlap_scheduler=args.disable_overlap)
+                            disable_overlap_scheduler=args.disable_overlap, kv_cache_dtype=args.kv_cache_dtype)
     executor = Executor(engine_dir, config, device=args.device)
     # Warm-up: compile the kernels for prefill and decode shapes before anything is timed.
     from engine.executor.request import Request

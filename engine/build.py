@@ -167,6 +167,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="fp8: FP8 E4M3 weights with per-output-channel scales for every linear layer of the "
                         "decoder blocks, activations quantized per token at run time (Llama family); "
                         "embeddings, norms and lm_head stay in --dtype")
+    p.add_argument("--kv_cache_dtype", choices=["auto", "fp8"], default="auto",
+                   help="fp8: the paged KV pool in FP8 E4M3 (scale 1, saturating), half the bytes per block; "
+                        "the tensorrt_llm model parameter kv_cache_dtype may override it")
     return p.parse_args(argv)
 
 
@@ -176,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         dtype=args.dtype, max_batch_size=args.max_batch_size, max_input_len=args.max_input_len,
         max_seq_len=args.max_seq_len, max_num_tokens=args.max_num_tokens,
         tokens_per_block=args.tokens_per_block, tp_size=args.tp_size, quantization=args.quantization,
+        kv_cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
     )
     try:
         build_engine(args.checkpoint, args.output, build)

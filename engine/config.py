@@ -16,6 +16,7 @@ from typing import Any
 FORMAT_VERSION = 2  # 2: build.quantization (fp8 weights); engines of version 1 still load
 READABLE_FORMAT_VERSIONS = (1, 2)
 QUANTIZATIONS = ("fp8",)
+KV_CACHE_DTYPES = ("fp8",)
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "GPT2LMHeadModel")
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_new", "gelu_pytorch_tanh", "gelu")
@@ -142,6 +143,9 @@ class BuildConfig:
     # weights with per-output-channel scales; activations are quantized per token at run time
     # (kernels/fp8.py). Embeddings, norms and the lm_head stay in ``dtype``.
     quantization: str | None = None
+    # None: the KV pool in ``dtype``. "fp8": K and V stored as FP8 E4M3 (scale 1, saturating at
+    # +-448), half the bytes per block; the executor's kv_cache_dtype may override it.
+    kv_cache_dtype: str | None = None
 
     def validate(self) -> "BuildConfig":
         _require(
@@ -158,6 +162,8 @@ class BuildConfig:
             f"max_input_len ({self.max_input_len}) must be <= max_seq_len ({self.max_seq_len})",
         )
         _require(self.pp_size == 1, f"pp_size must be 1 (pipeline parallelism is not supported), got {self.pp_size}")
+        _require(self.kv_cache_dtype is None or self.kv_cache_dtype in KV_CACHE_DTYPES,
+                 f"unsupported kv_cache_dtype {self.kv_cache_dtype!r}; supported: auto, {', '.join(KV_CACHE_DTYPES)}")
         _require(self.quantization is None or self.quantization in QUANTIZATIONS,
                  f"unsupported quantization {self.quantization!r}; supported: none, {', '.join(QUANTIZATIONS)}")
         return self

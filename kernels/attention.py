@@ -30,6 +30,23 @@ from kernels._triton import use_triton
 from kernels.attention_metadata import AttentionMetadata
 
 
+KV_FP8_DTYPE = torch.float8_e4m3fn
+KV_FP8_MAX = 448.0  # an FP8 pool holds K and V unscaled (scale 1), saturated at E4M3's largest value
+
+
+def to_cache_dtype(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """K or V rows as the pool stores them: cast, and for an FP8 pool clamped first (E4M3 has no
+    infinity: an out-of-range value would become NaN)."""
+    if cache_dtype == KV_FP8_DTYPE:
+        return x.float().clamp(-KV_FP8_MAX, KV_FP8_MAX).to(cache_dtype)
+    return x.to(cache_dtype)
+
+
+def _as_bytes_if_fp8(cache: torch.Tensor) -> torch.Tensor:
+    # CPU kernels (index_copy_, gather) have no float8 versions: move FP8 values as raw bytes.
+    return cache.view(torch.uint8) if cache.dtype == KV_FP8_DTYPE else cache
+
+
 def write_kv_cache_ref(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
@@ -38,8 +55,16 @@ def write_kv_cache_ref(
     k, v: (num_tokens, kv_heads, head_dim); k_cache, v_cache: (num_blocks, block, kv_heads, head_dim).
     """
     num_blocks, block_size = k_cache.shape[:2]
-    k_cache.view(num_blocks * block_size, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(num_blocks * block_size, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    for new, cache in ((k, k_cache), (v, v_cache)):
+        rows = _as_bytes_if_fp8(to_cache_dtype(new, cache.dtype))
+        _as_bytes_if_fp8(cache).view(num_blocks * block_size, *cache.shape[2:]).index_copy_(0, slot_mapping, rows)
+
+
+def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """cache[blocks], also for an FP8 pool on CPU."""
+    if cache.dtype == KV_FP8_DTYPE:
+        return cache.view(torch.uint8)[blocks].view(KV_FP8_DTYPE)
+    return cache[blocks]
 
 
 def paged_attention_ref(
@@ -63,8 +88,8 @@ def paged_attention_ref(
         num_blocks = -(-context_len // block_size)
         blocks = meta.block_tables[i, :num_blocks].long()
         # (context_len, kv_heads, head_dim), gathered block by block, then trimmed.
-        keys = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:context_len].float()
-        values = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:context_len].float()
+        keys = gather_blocks(k_cache, blocks).reshape(-1, num_kv_heads, head_dim)[:context_len].float()
+        values = gather_blocks(v_cache, blocks).reshape(-1, num_kv_heads, head_dim)[:context_len].float()
         keys = keys.repeat_interleave(group, dim=1)  # (context_len, num_heads, head_dim)
         values = values.repeat_interleave(group, dim=1)
         query = q[start:end].float()  # (q_len, num_heads, head_dim)

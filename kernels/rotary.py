@@ -20,6 +20,7 @@ import math
 import torch
 
 from kernels._triton import jit, tl, triton, use_triton
+from kernels.triton_attention import cache_value
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
@@ -161,8 +162,8 @@ def _rotary_write_kv_kernel(
         x1 = tl.load(k_row + first, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(k_row + second, mask=mask, other=0.0).to(tl.float32)
         # Rounded to k's dtype first (the reference rotates k, then the KV write casts to the cache).
-        out1 = (x1 * cos - x2 * sin).to(k_ptr.dtype.element_ty).to(k_cache_ptr.dtype.element_ty)
-        out2 = (x2 * cos + x1 * sin).to(k_ptr.dtype.element_ty).to(k_cache_ptr.dtype.element_ty)
+        out1 = cache_value((x1 * cos - x2 * sin).to(k_ptr.dtype.element_ty), k_cache_ptr)
+        out2 = cache_value((x2 * cos + x1 * sin).to(k_ptr.dtype.element_ty), k_cache_ptr)
         k_slot = k_cache_ptr + slot * stride_kc_slot + heads * stride_kc_head
         tl.store(k_slot + first, out1, mask=mask)
         tl.store(k_slot + second, out2, mask=mask)
@@ -170,7 +171,7 @@ def _rotary_write_kv_kernel(
         v_mask = (heads < num_kv_heads) & (dims < 2 * HALF)
         v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims, mask=v_mask)
         tl.store(v_cache_ptr + slot * stride_vc_slot + heads * stride_vc_head + dims,
-                 v.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
+                 cache_value(v, v_cache_ptr), mask=v_mask)
 
 
 def rotary_and_write_kv_ref(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, is_neox=True):

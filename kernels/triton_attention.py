@@ -50,6 +50,14 @@ def _num_sms(device: torch.device) -> int:
 
 
 @jit
+def cache_value(x, cache_ptr):
+    """x as the pool stores it; an FP8 pool saturates at +-448 (E4M3 has no infinity)."""
+    if cache_ptr.dtype.element_ty == tl.float8e4nv:
+        return tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0).to(tl.float8e4nv)
+    return x.to(cache_ptr.dtype.element_ty)
+
+
+@jit
 def _write_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
@@ -67,8 +75,8 @@ def _write_kv_kernel(
     mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM)
     k = tl.load(k_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
     v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
-    tl.store(k_cache_ptr + slot * stride_cslot + heads * stride_ch + dims, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + slot * stride_vcslot + heads * stride_vch + dims, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_cache_ptr + slot * stride_cslot + heads * stride_ch + dims, cache_value(k, k_cache_ptr), mask=mask)
+    tl.store(v_cache_ptr + slot * stride_vcslot + heads * stride_vch + dims, cache_value(v, v_cache_ptr), mask=mask)
 
 
 def write_kv_cache_triton(
@@ -163,6 +171,8 @@ def _paged_attention_kernel(
             + kv_head * stride_vh + dims[None, :],
             mask=kv_mask, other=0.0,
         )
+        k = k.to(q.dtype)  # an FP8 pool is widened here (a no-op otherwise)
+        v = v.to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         visible = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
         scores = tl.where(visible, scores, float("-inf"))

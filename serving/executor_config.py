@@ -30,7 +30,8 @@ SIMPLE_SETTINGS = {
     "kv_cache_onboard_blocks": ("kv_cache_onboard_blocks", bool),
     "enable_chunked_context": ("enable_chunked_context", bool),
     "normalize_log_probs": ("normalize_log_probs", bool),
-    "disable_overlap_scheduler": ("disable_overlap_scheduler", bool),  # beyond the reference (TRT-LLM LLM API's name)
+    "disable_overlap_scheduler": ("disable_overlap_scheduler", bool),
+    "kv_cache_dtype": ("kv_cache_dtype", str),  # beyond the reference: auto or fp8  # beyond the reference (TRT-LLM LLM API's name)
     "exclude_input_in_output": ("exclude_input_from_output", bool),
     "lora_cache_optimal_adapter_size": ("lora_cache_optimal_adapter_size", int),
     "lora_cache_max_adapter_size": ("lora_cache_max_adapter_size", int),

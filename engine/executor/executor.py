@@ -67,6 +67,8 @@ class ExecutorConfig:
     enable_chunked_context: bool = False
     exclude_input_from_output: bool = False
     normalize_log_probs: bool = True
+    # The KV pool's element type: None/"auto" (the engine's build choice) or "fp8" (E4M3, half the bytes).
+    kv_cache_dtype: str | None = None
     # Overlapped scheduling (engine/executor/overlap.py) is on unless this is set (TRT-LLM's name).
     disable_overlap_scheduler: bool = False
     iter_stats_max_iterations: int = 1000
@@ -95,6 +97,8 @@ class ExecutorConfig:
                 f"batching_type value of '{self.batching_type}' is not supported; allowed: inflight, static")
         require(0 < self.kv_cache_free_gpu_mem_fraction <= 1,
                 f"ExecutorConfig.kv_cache_free_gpu_mem_fraction must be in (0, 1], got {self.kv_cache_free_gpu_mem_fraction!r}")
+        require(self.kv_cache_dtype in (None, "auto", "fp8"),
+                f"kv_cache_dtype value of '{self.kv_cache_dtype}' is not supported; allowed: auto, fp8")
         require(self.iter_stats_max_iterations >= 1,
                 f"ExecutorConfig.iter_stats_max_iterations must be >= 1, got {self.iter_stats_max_iterations!r}")
         return self
@@ -127,8 +131,9 @@ class Executor:
         self.max_batch_size = cfg.max_batch_size or build.max_batch_size
         self.max_num_tokens = max(cfg.max_num_tokens or build.max_num_tokens, self.max_batch_size)
         num_blocks = self.runner.num_kv_blocks_for(free_mem_fraction=cfg.kv_cache_free_gpu_mem_fraction,
-                                                   max_tokens=cfg.max_tokens_in_paged_kv_cache)
-        self.runner.allocate_kv_cache(num_blocks)
+                                                   max_tokens=cfg.max_tokens_in_paged_kv_cache,
+                                                   kv_cache_dtype=cfg.kv_cache_dtype)
+        self.runner.allocate_kv_cache(num_blocks, kv_cache_dtype=cfg.kv_cache_dtype)
         self.runner.capture_cuda_graphs()  # CUDA: GEMM choice + decode graphs (the "compiled engine"); CPU: no-op
         self.runner.warmup()  # CUDA: compile the prefill kernels before the first request; CPU: no-op
 

@@ -21,6 +21,7 @@ from engine.executor.cuda_graphs import DecodeGraphs, run_warmup_batch
 from engine.executor.overlap import resolve_placeholders
 from engine.executor.random_weights import has_random_weights, materialize_random_weights
 from engine.models.layers import Linear, enable_one_shot_all_reduce
+from kernels.attention import KV_FP8_DTYPE
 from kernels.attention_metadata import AttentionMetadata
 from kernels.fp8 import FP8_DTYPE, choose_fp8_skinny_variants
 from kernels.linear import choose_gated_weights, choose_skinny_weights
@@ -110,14 +111,28 @@ class ModelRunner:
 
     # ---- KV pool --------------------------------------------------------------------------
 
+    def kv_cache_torch_dtype(self, kv_cache_dtype: str | None = None) -> torch.dtype:
+        """The pool's element type: ``kv_cache_dtype`` ("fp8", or "auto"/None for the engine's
+        build choice, which defaults to the model dtype)."""
+        name = kv_cache_dtype if kv_cache_dtype not in (None, "auto") else self.build_config.kv_cache_dtype
+        if name not in (None, "fp8"):
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported; allowed: auto, fp8")
+        return KV_FP8_DTYPE if name == "fp8" else self.dtype
+
     @property
     def kv_block_bytes(self) -> int:
         """Bytes one KV block takes in the pool across all layers (K and V)."""
+        return self.kv_block_bytes_for()
+
+    def kv_block_bytes_for(self, kv_cache_dtype: str | None = None) -> int:
         cfg = self.model_config
         elems = cfg.num_layers * 2 * self.tokens_per_block * self.num_kv_heads_local * cfg.head_dim
-        return elems * torch.empty((), dtype=self.dtype).element_size()
+        dtype = self.kv_cache.dtype if self.kv_cache is not None and kv_cache_dtype is None else \
+            self.kv_cache_torch_dtype(kv_cache_dtype)
+        return elems * torch.empty((), dtype=dtype).element_size()
 
-    def num_kv_blocks_for(self, *, free_mem_fraction: float | None = None, max_tokens: int | None = None) -> int:
+    def num_kv_blocks_for(self, *, free_mem_fraction: float | None = None, max_tokens: int | None = None,
+                          kv_cache_dtype: str | None = None) -> int:
         """How many KV blocks to allocate.
 
         CUDA: ``free_mem_fraction`` (default 0.9) of the currently free device memory, capped by
@@ -125,7 +140,7 @@ class ModelRunner:
         ``max_batch_size * max_seq_len`` tokens within a 256 MiB budget (never less than one
         full-length sequence).
         """
-        per_block = self.kv_block_bytes
+        per_block = self.kv_block_bytes_for(kv_cache_dtype or "auto")
         cap = None if max_tokens is None else -(-max_tokens // self.tokens_per_block)
         if self.device.type == "cuda":
             fraction = 0.9 if free_mem_fraction is None else free_mem_fraction
@@ -141,13 +156,15 @@ class ModelRunner:
         wanted = build.max_batch_size * one_seq
         return max(one_seq, min(wanted, CPU_KV_BUDGET_BYTES // per_block))
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        """Allocate the pool (num_layers, 2, num_blocks, tokens_per_block, kv_heads_local, head_dim)."""
+    def allocate_kv_cache(self, num_blocks: int, kv_cache_dtype: str | None = None) -> None:
+        """Allocate the pool (num_layers, 2, num_blocks, tokens_per_block, kv_heads_local, head_dim)
+        in ``kv_cache_torch_dtype(kv_cache_dtype)``."""
         cfg = self.model_config
         shape = (cfg.num_layers, 2, num_blocks, self.tokens_per_block, self.num_kv_heads_local, cfg.head_dim)
+        dtype = self.kv_cache_torch_dtype(kv_cache_dtype)
         self.kv_cache = None  # free the old pool before allocating the new one
         self.decode_graphs = None  # graphs hold the old pool's address
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
 
     # ---- engine load on CUDA: kernels chosen and compiled, decode graphs captured ----------
 

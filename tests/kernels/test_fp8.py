@@ -87,3 +87,35 @@ def test_one_kernel_row_quantization_equals_the_reference(shape):
     q_ref, scale_ref = quantize_rows(x)
     torch.testing.assert_close(scale, scale_ref)
     assert torch.equal(q.float(), q_ref.float())
+
+
+@cuda
+def test_fp8_kv_pool_write_and_paged_attention_equal_the_reference():
+    """The Triton KV write (rotary-fused and plain) saturates and rounds as the reference does, and
+    the attention kernel reads an FP8 pool as the reference reads it (both widen before the math)."""
+    from kernels.attention import KV_FP8_DTYPE, paged_attention, paged_attention_ref, write_kv_cache, write_kv_cache_ref
+    from kernels.attention_metadata import AttentionMetadata
+
+    torch.manual_seed(6)
+    heads, kv_heads, dim, page, blocks = 8, 2, 64, 16, 12
+    lens = [1, 37, 150]  # context lengths; one new token each (decode)
+    tables = torch.arange(blocks, dtype=torch.int32, device="cuda").view(3, 4)
+    pools = [torch.zeros(blocks, page, kv_heads, dim, dtype=KV_FP8_DTYPE, device="cuda") for _ in range(4)]
+    for i, n in enumerate(lens):  # fill each sequence's context, values beyond 448 included
+        k = torch.randn(n, kv_heads, dim, device="cuda", dtype=torch.bfloat16) * 100
+        v = torch.randn(n, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+        slots = (tables[i].long()[torch.arange(n, device="cuda") // page] * page + torch.arange(n, device="cuda") % page)
+        write_kv_cache(k, v, pools[0], pools[1], slots)
+        write_kv_cache_ref(k, v, pools[2], pools[3], slots)
+    assert torch.equal(pools[0].view(torch.uint8), pools[2].view(torch.uint8))
+    assert torch.equal(pools[1].view(torch.uint8), pools[3].view(torch.uint8))
+    assert pools[0].float().abs().max().item() == 448.0
+    q = torch.randn(3, heads, dim, device="cuda", dtype=torch.bfloat16)
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((3,), -1, dtype=torch.int64, device="cuda"), block_tables=tables,
+        cu_seqlens_q=torch.arange(4, dtype=torch.int32, device="cuda"),
+        context_lens=torch.tensor(lens, dtype=torch.int32, device="cuda"), max_seqlen_q=1,
+        max_context_len=max(lens), is_decode_only=True, cu_seqlens_q_host=[0, 1, 2, 3], context_lens_host=lens)
+    got = paged_attention(q, pools[0], pools[1], meta, dim ** -0.5)
+    want = paged_attention_ref(q, pools[0], pools[1], meta, dim ** -0.5)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
