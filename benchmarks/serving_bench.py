@@ -90,6 +90,9 @@ class Timing:
     sent: float
     events: list[float] = field(default_factory=list)
     tokens: int = 0  # counted where the path says (engine: token ids; served: output_len assumed)
+    # Tokens in each event, where the client can count them (engine: ids; served: words of the
+    # synthetic one-word-per-id tokenizer); empty where it cannot (a real tokenizer's text).
+    event_tokens: list[int] = field(default_factory=list)
 
     @property
     def ttft(self) -> float:
@@ -104,6 +107,15 @@ def percentile(values: list[float], q: float) -> float:
     from engine_bench import percentile as engine_bench_percentile
 
     return engine_bench_percentile(values, q)
+
+
+def own_response_fraction(timings: list[Timing], output_len: int) -> float | None:
+    """Share of the output tokens that reached the client in a response of their own (None when
+    the client could not count tokens per response)."""
+    if not timings or any(not t.event_tokens for t in timings):
+        return None
+    alone = sum(1 for t in timings for n in t.event_tokens if n == 1)
+    return min(1.0, alone / (len(timings) * output_len))
 
 
 def summarize(timings: list[Timing], output_len: int, clients: int, path: str) -> dict:
@@ -123,6 +135,7 @@ def summarize(timings: list[Timing], output_len: int, clients: int, path: str) -
         "itl_ms_median": statistics.median(gaps) if gaps else 0.0, "itl_ms_p99": percentile(gaps, 99) if gaps else 0.0,
         "tpot_ms_median": statistics.median(tpots),
         "responses_per_request": sum(len(t.events) for t in timings) / len(timings),
+        "own_response_fraction_client": own_response_fraction(timings, output_len),
     }
 
 
@@ -226,15 +239,39 @@ def make_prompts(tokenizer, count: int, input_len: int, seed: int = 0) -> tuple[
 # ------------------------------------------------------------------------------------------------
 
 
-def repo_overrides(args: argparse.Namespace, kv_tokens: int) -> dict[str, dict[str, str]]:
+VARIANT_SETTINGS = ("engine_process", "relay_threads", "preprocessing_instances", "postprocessing_instances")
+
+
+def parse_variants(text: str | None, args: argparse.Namespace) -> list[tuple[str, dict[str, str]]]:
+    """--variants "before:relay_threads=1 after:relay_threads=4,postprocessing_instances=2" -> named
+    server settings, each starting from the single-value flags; none given: one unnamed variant."""
+    defaults = {name: str(getattr(args, name)) for name in VARIANT_SETTINGS}
+    if not text:
+        return [("", defaults)]
+    variants = []
+    for item in text.split():
+        name, _, pairs = item.partition(":")
+        settings = dict(defaults)
+        for pair in filter(None, pairs.split(",")):
+            key, _, value = pair.partition("=")
+            if key not in VARIANT_SETTINGS or not value:
+                raise SystemExit(f"--variants: {pair!r} in {item!r} is not <setting>=<value> with a setting of "
+                                 f"{', '.join(VARIANT_SETTINGS)}")
+            settings[key] = value
+        variants.append((name, settings))
+    return variants
+
+
+def repo_overrides(settings: dict[str, str], kv_tokens: int) -> dict[str, dict[str, str]]:
     """What this benchmark changes in serve_default's repository: a fixed KV pool (so both paths get
-    the same one whatever memory the other holds), no prefix reuse, beam width 1."""
+    the same one whatever memory the other holds), no prefix reuse, beam width 1, and the variant's
+    settings (parse_variants)."""
     return {
         "tensorrt_llm": {"max_tokens_in_paged_kv_cache": str(kv_tokens), "enable_kv_cache_reuse": "False",
                          "max_beam_width": "1", "exclude_input_in_output": "True",
-                         "engine_process": args.engine_process},
-        "postprocessing": {"postprocessing_instance_count": str(args.postprocessing_instances)},
-        "preprocessing": {"preprocessing_instance_count": str(args.preprocessing_instances)},
+                         "engine_process": settings["engine_process"], "relay_threads": settings["relay_threads"]},
+        "postprocessing": {"postprocessing_instance_count": settings["postprocessing_instances"]},
+        "preprocessing": {"preprocessing_instance_count": settings["preprocessing_instances"]},
     }
 
 
@@ -262,7 +299,7 @@ class ServedEnsemble:
         self.serve = load_script("serve_default")
         self.launcher = load_script("launch_triton_server")
         ports = [str(self.launcher.free_port()) for _ in range(3)]
-        self.http_port, self.grpc_port = ports[0], ports[1]
+        self.http_port, self.grpc_port, self.metrics_port = ports
         self.log_path = work / "tritonserver.log"
         self.args = self.launcher.parse_arguments([
             f"--model_repo={repo}", "--no-mpi", "--host=127.0.0.1", "--force", f"--http_port={ports[0]}",
@@ -273,6 +310,10 @@ class ServedEnsemble:
     @property
     def http_url(self) -> str:
         return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}"
 
     @property
     def grpc_url(self) -> str:
@@ -328,7 +369,8 @@ class PromptFeed:
         return self.prompts[index], self.ids[index]
 
 
-async def http_client(session, url: str, feed: PromptFeed, requests: int, output_len: int) -> list[Timing]:
+async def http_client(session, url: str, feed: PromptFeed, requests: int, output_len: int,
+                      count_words: bool = False) -> list[Timing]:
     timings = []
     for _ in range(requests):
         prompt, _ = feed.take()
@@ -346,11 +388,14 @@ async def http_client(session, url: str, feed: PromptFeed, requests: int, output
                     raise RuntimeError(f"generate_stream error: {event['error']}")
                 if "text_output" in event:
                     timing.events.append(time.perf_counter())
+                    if count_words:
+                        timing.event_tokens.append(len(event["text_output"].split()))
         timings.append(timing)
     return timings
 
 
-def run_http(server_url: str, feed: PromptFeed, clients: int, requests: int, output_len: int) -> list[Timing]:
+def run_http(server_url: str, feed: PromptFeed, clients: int, requests: int, output_len: int,
+             count_words: bool = False) -> list[Timing]:
     """`clients` concurrent SSE streams on one event loop (one connection each)."""
     import aiohttp
 
@@ -359,7 +404,7 @@ def run_http(server_url: str, feed: PromptFeed, clients: int, requests: int, out
         timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
         url = f"{server_url}/v2/models/ensemble/generate_stream"
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-            per_client = await asyncio.gather(*[http_client(session, url, feed, requests, output_len)
+            per_client = await asyncio.gather(*[http_client(session, url, feed, requests, output_len, count_words)
                                                 for _ in range(clients)])
         return [t for timings in per_client for t in timings]
 
@@ -382,7 +427,8 @@ def grpc_inputs(prompt: str, output_len: int) -> list:
     return inputs
 
 
-def grpc_client(url: str, feed: PromptFeed, requests: int, output_len: int, timings: list, errors: list) -> None:
+def grpc_client(url: str, feed: PromptFeed, requests: int, output_len: int, timings: list, errors: list,
+                count_words: bool = False) -> None:
     """One client: one bidirectional stream, requests one after another, each until its final response."""
     import tritonclient.grpc as grpcclient
 
@@ -399,8 +445,11 @@ def grpc_client(url: str, feed: PromptFeed, requests: int, output_len: int, timi
                 when, result, error = arrivals.get(timeout=600)
                 if error is not None:
                     raise RuntimeError(f"gRPC stream error: {error}")
-                if result.as_numpy("text_output") is not None:
+                text = result.as_numpy("text_output")
+                if text is not None:
                     timing.events.append(when)
+                    if count_words:
+                        timing.event_tokens.append(len(text.reshape(-1)[0].split()))
                 params = result.get_response().parameters
                 if "triton_final_response" in params and params["triton_final_response"].bool_param:
                     break
@@ -412,11 +461,13 @@ def grpc_client(url: str, feed: PromptFeed, requests: int, output_len: int, timi
         client.close()
 
 
-def run_grpc(grpc_url: str, feed: PromptFeed, clients: int, requests: int, output_len: int) -> list[Timing]:
+def run_grpc(grpc_url: str, feed: PromptFeed, clients: int, requests: int, output_len: int,
+             count_words: bool = False) -> list[Timing]:
     """`clients` threads, each with its own gRPC stream (tritonclient delivers through callbacks)."""
     timings: list[Timing] = []
     errors: list[Exception] = []
-    threads = [threading.Thread(target=grpc_client, args=(grpc_url, feed, requests, output_len, timings, errors))
+    threads = [threading.Thread(target=grpc_client,
+                                args=(grpc_url, feed, requests, output_len, timings, errors, count_words))
                for _ in range(clients)]
     for thread in threads:
         thread.start()
@@ -425,6 +476,75 @@ def run_grpc(grpc_url: str, feed: PromptFeed, clients: int, requests: int, outpu
     if errors:
         raise errors[0]
     return timings
+
+
+class ClientProcesses:
+    """The served paths' clients spread over worker processes.
+
+    Why: one Python process receiving every stream's responses is itself paced by its interpreter
+    lock (256 streams of the 8B shape make about 20,000 responses a second), which would read as
+    lumps of the server. Each worker runs its share of the clients (``run_http``/``run_grpc`` on
+    its own prompts) and returns their timings; ``time.perf_counter`` is CLOCK_MONOTONIC, one clock
+    for every process of the machine, and every call starts the workers at one agreed instant.
+    Workers are spawned, not forked (the parent holds gRPC channels and CUDA), once, and kept.
+    """
+
+    START_DELAY_S = 0.3
+
+    def __init__(self, processes: int, prompts: list[str]):
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")
+        self._results = context.Queue()
+        self._tasks = [context.Queue() for _ in range(processes)]
+        self._workers = [context.Process(target=client_worker, args=(i, prompts[i::processes], self._tasks[i],
+                                                                     self._results), daemon=True)
+                         for i in range(processes)]
+        for worker in self._workers:
+            worker.start()
+
+    def run(self, path: str, url: str, clients: int, requests: int, output_len: int,
+            count_words: bool) -> list[Timing]:
+        used = min(len(self._workers), clients)
+        shares = [clients // used + (1 if i < clients % used else 0) for i in range(used)]
+        start_at = time.perf_counter() + self.START_DELAY_S
+        for tasks, share in zip(self._tasks, shares):
+            tasks.put((path, url, share, requests, output_len, count_words, start_at))
+        timings, errors = [], []
+        for _ in range(used):
+            _, rows, error = self._results.get(timeout=900)
+            if error:
+                errors.append(error)
+            timings.extend(Timing(sent=sent, events=events, event_tokens=counts) for sent, events, counts in rows)
+        if errors:
+            raise RuntimeError(f"{path} client process failed: {errors[0]}")
+        return timings
+
+    def close(self) -> None:
+        for tasks in self._tasks:
+            tasks.put(None)
+        for worker in self._workers:
+            worker.join(timeout=5)
+            if worker.is_alive():
+                worker.terminate()
+
+
+def client_worker(index: int, prompts: list[str], tasks, results) -> None:
+    """One ClientProcesses worker: runs client tasks until it gets None. Timings travel as tuples
+    (a class of a spawned ``__main__`` does not unpickle in the parent)."""
+    feed = PromptFeed(prompts, [[] for _ in prompts])
+    while True:
+        task = tasks.get()
+        if task is None:
+            return
+        path, url, clients, requests, output_len, count_words, start_at = task
+        time.sleep(max(0.0, start_at - time.perf_counter()))
+        try:
+            run = run_http if path == "http" else run_grpc
+            timings = run(url, feed, clients, requests, output_len, count_words)
+            results.put((index, [(t.sent, t.events, t.event_tokens) for t in timings], None))
+        except Exception as error:  # noqa: BLE001 - reported by the parent
+            results.put((index, [], f"{type(error).__name__}: {error}"))
 
 
 def run_engine(executor, feed: PromptFeed, clients: int, requests: int, output_len: int) -> list[Timing]:
@@ -457,6 +577,7 @@ def run_engine(executor, feed: PromptFeed, clients: int, requests: int, output_l
             new_tokens = len(response.result.output_token_ids[0])
             if new_tokens:
                 timing.events.append(now)
+                timing.event_tokens.append(new_tokens)
                 timing.tokens += new_tokens
             if response.is_final:
                 del pending[response.request_id]
@@ -474,35 +595,90 @@ def run_engine(executor, feed: PromptFeed, clients: int, requests: int, output_l
 
 
 def measure(results: dict, path: str, run, args: argparse.Namespace, feed: PromptFeed, clients: int,
-            round_index: int) -> None:
-    """Warm up (every client once, a few tokens: compiles kernels for these batch shapes), then time."""
+            round_index: int, variant: str = "", stream_counts=None) -> None:
+    """Warm up (every client once, a few tokens: compiles kernels for these batch shapes), then time.
+
+    ``stream_counts``: a served path's () -> the server's streamed-token counters, read before and
+    after the timed run (the warm-up's are left out)."""
     run(feed, clients, 1, min(args.output_len, 4))
+    before = stream_counts() if stream_counts else None
     timings = run(feed, clients, requests_per_client(args, clients), args.output_len)
     row = summarize(timings, args.output_len, clients, path)
     row["round"] = round_index
+    row["variant"] = variant
+    if stream_counts:
+        row.update(server_stream_figures(before, stream_counts()))
     results["all_rows"].append(row)
     write_json(results, args.out)  # a run stopped later keeps every setting measured so far
-    print(f"  round {round_index} {path:6s} clients {clients:3d}: {row['tok_s']:9.1f} tok/s  "
-          f"TTFT {row['ttft_ms_median']:8.2f} ms  ITL {row['itl_ms_median']:7.2f} ms", flush=True)
+    own = own_fraction(row)
+    print(f"  round {round_index} {path_label(row):16s} clients {clients:3d}: {row['tok_s']:9.1f} tok/s  "
+          f"TTFT {row['ttft_ms_median']:8.2f} ms  ITL {row['itl_ms_median']:7.2f} ms  "
+          f"responses/request {row['responses_per_request']:6.1f}  "
+          f"own-response tokens {'-' if own is None else f'{own:.1%}'}", flush=True)
 
 
 def requests_per_client(args: argparse.Namespace, clients: int) -> int:
     return max(args.requests_per_client, -(-args.min_requests // clients))
 
 
+def path_label(row: dict) -> str:
+    return f"{row['path']} ({row['variant']})" if row.get("variant") else row["path"]
+
+
+def own_fraction(row: dict) -> float | None:
+    """Tokens in a response of their own: the server's counters where there are some, else the client's count."""
+    server = row.get("own_response_fraction_server")
+    return server if server is not None else row.get("own_response_fraction_client")
+
+
 def best_rows(all_rows: list[dict]) -> list[dict]:
-    """Per (path, clients) the round with the highest throughput (the least disturbed one)."""
-    best: dict[tuple[str, int], dict] = {}
+    """Per (path, variant, clients) the round with the highest throughput (the least disturbed one)."""
+    best: dict[tuple[str, str, int], dict] = {}
     for row in all_rows:
-        key = (row["path"], row["clients"])
+        key = (row["path"], row.get("variant", ""), row["clients"])
         if key not in best or row["tok_s"] > best[key]["tok_s"]:
             best[key] = row
     return list(best.values())
 
 
-def run_all(results: dict, args: argparse.Namespace, repo: str, engine_dir: str, config, work: Path,
-            feed: PromptFeed) -> None:
-    """Server and in-process executor both loaded; paths interleaved per setting and round.
+# The tensorrt_llm model's streamed-token counters (all_models/tensorrt_llm/1/model.py), published
+# every stats_check_period_ms (100 ms here): read them after twice that.
+STREAM_METRICS = ("tritonllm_streamed_tokens_total", "tritonllm_coalesced_tokens_total",
+                  "tritonllm_streamed_responses_total")
+STREAM_METRICS_SETTLE_S = 0.3
+
+
+def scrape_stream_counts(metrics_url: str) -> dict[str, float]:
+    """The streamed-token counters from the server's Prometheus text (summed over label sets)."""
+    import urllib.request
+
+    time.sleep(STREAM_METRICS_SETTLE_S)
+    with urllib.request.urlopen(f"{metrics_url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    counts = dict.fromkeys(STREAM_METRICS, 0.0)
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in counts:
+            counts[name] += float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def server_stream_figures(before: dict[str, float], after: dict[str, float]) -> dict:
+    """What tensorrt_llm sent during one timed run: tokens per streamed response, and the share
+    of tokens that went out in a response of their own."""
+    tokens = after["tritonllm_streamed_tokens_total"] - before["tritonllm_streamed_tokens_total"]
+    coalesced = after["tritonllm_coalesced_tokens_total"] - before["tritonllm_coalesced_tokens_total"]
+    responses = after["tritonllm_streamed_responses_total"] - before["tritonllm_streamed_responses_total"]
+    if tokens <= 0:
+        return {"own_response_fraction_server": None, "server_tokens_per_response": None}
+    return {"own_response_fraction_server": 1.0 - coalesced / tokens,
+            "server_tokens_per_response": tokens / responses if responses else None}
+
+
+def run_all(results: dict, args: argparse.Namespace, variants: list[tuple[str, str]], engine_dir: str, config,
+            work: Path, feed: PromptFeed) -> None:
+    """The in-process executor loaded throughout; one server per variant (name, repository), one
+    after the other; paths interleaved per setting and round, the engine measured beside the first.
 
     Interleaving keeps slow drift (other load on a shared CPU, clocks) out of the comparison; the
     engine that is not being measured is idle (its loop waits on a condition variable), and the
@@ -511,29 +687,74 @@ def run_all(results: dict, args: argparse.Namespace, repo: str, engine_dir: str,
     from contextlib import ExitStack
 
     with ExitStack() as stack:
-        runners = {}
-        if any(p in args.paths for p in SERVED_PATHS):
-            server = stack.enter_context(ServedEnsemble(repo, work, args.ready_timeout))
-            results["server_load_s"] = server.load_seconds
-            print(f"tritonserver ready in {server.load_seconds:.1f} s (HTTP {server.http_port}, "
-                  f"gRPC {server.grpc_port})", flush=True)
-            runners["http"] = lambda f, c, r, n: run_http(server.http_url, f, c, r, n)
-            runners["grpc"] = lambda f, c, r, n: run_grpc(server.grpc_url, f, c, r, n)
+        executor = None
         if "engine" in args.paths:
             executor = start_executor(results, engine_dir, config)
             stack.callback(stop_executor, executor)
+        served = [p for p in ("http", "grpc") if p in args.paths]
+        processes = client_processes(args)
+        pool = None
+        if served and processes > 1:
+            pool = ClientProcesses(processes, feed.prompts)
+            stack.callback(pool.close)
+        results["client_processes"] = processes
+        if not served:
+            run_variant(results, args, feed, executor, None, "", pool)
+        for index, (variant, repo) in enumerate(variants if served else []):
+            run_variant(results, args, feed, executor if index == 0 else None, (repo, work / f"server{index}"),
+                        variant, pool)
+
+
+def run_variant(results: dict, args: argparse.Namespace, feed: PromptFeed, executor, server_setup,
+                variant: str, pool) -> None:
+    """Every setting and round for one server (and the in-process engine when given)."""
+    from contextlib import ExitStack
+
+    count_words = bool(args.synthetic_tokenizer)
+    with ExitStack() as stack:
+        runners, counters = {}, {}
+        server = None
+        if server_setup is not None:
+            repo, server_work = server_setup
+            server_work.mkdir(parents=True, exist_ok=True)
+            server = stack.enter_context(ServedEnsemble(repo, server_work, args.ready_timeout))
+            results.setdefault("server_load_s", {})[variant] = server.load_seconds
+            print(f"tritonserver{f' ({variant})' if variant else ''} ready in {server.load_seconds:.1f} s "
+                  f"(HTTP {server.http_port}, gRPC {server.grpc_port})", flush=True)
+            urls = {"http": server.http_url, "grpc": server.grpc_url}
+            for path in ("http", "grpc"):
+                if pool is not None:
+                    runners[path] = lambda f, c, r, n, p=path: pool.run(p, urls[p], c, r, n, count_words)
+                else:
+                    local = run_http if path == "http" else run_grpc
+                    runners[path] = lambda f, c, r, n, p=path, run=local: run(urls[p], f, c, r, n, count_words)
+                counters[path] = lambda: scrape_stream_counts(server.metrics_url)
+        if executor is not None:
             runners["engine"] = lambda f, c, r, n: run_engine(executor, f, c, r, n)
-        paths = [p for p in ("engine", "http", "grpc") if p in args.paths]
+        paths = [p for p in ("engine", "http", "grpc") if p in args.paths and p in runners]
         try:
             for round_index in range(args.rounds):
                 for clients in args.clients:
                     order = paths[round_index % len(paths):] + paths[:round_index % len(paths)]
                     for path in order:
-                        measure(results, path, runners[path], args, feed, clients, round_index)
+                        measure(results, path, runners[path], args, feed, clients, round_index,
+                                variant="" if path == "engine" else variant, stream_counts=counters.get(path))
         except Exception:
-            if "http" in runners:
+            if server is not None:
                 results["server_log_tail"] = server.log_tail()
             raise
+
+
+def client_processes(args: argparse.Namespace) -> int:
+    """--client_processes, or by default one process per 32 streams up to a quarter of the cores
+    (on a CPU-only machine: 1; the server needs the cores more)."""
+    if args.client_processes:
+        return args.client_processes
+    import torch
+
+    if not torch.cuda.is_available():
+        return 1
+    return max(1, min(-(-max(args.clients) // 32), (os.cpu_count() or 4) // 4))
 
 
 def start_executor(results: dict, engine_dir: str, config):
@@ -562,16 +783,18 @@ def release_device_memory() -> None:
 
 
 def overheads(rows: list[dict]) -> list[dict]:
-    """Per served path and concurrency: throughput ratio to the engine, TTFT added (medians)."""
+    """Per served path, variant and concurrency: throughput and ITL ratios to the engine, TTFT added (medians)."""
     engine = {row["clients"]: row for row in rows if row["path"] == "engine"}
     out = []
     for row in rows:
         base = engine.get(row["clients"])
         if row["path"] == "engine" or base is None:
             continue
-        out.append({"path": row["path"], "clients": row["clients"], "throughput_ratio": row["tok_s"] / base["tok_s"],
+        out.append({"path": row["path"], "variant": row.get("variant", ""), "clients": row["clients"],
+                    "throughput_ratio": row["tok_s"] / base["tok_s"],
                     "added_ttft_ms": row["ttft_ms_median"] - base["ttft_ms_median"],
-                    "added_itl_ms": row["itl_ms_median"] - base["itl_ms_median"]})
+                    "added_itl_ms": row["itl_ms_median"] - base["itl_ms_median"],
+                    "itl_ratio": row["itl_ms_median"] / base["itl_ms_median"] if base["itl_ms_median"] else None})
     return out
 
 
@@ -603,7 +826,7 @@ def git_commit() -> str:
 
 def markdown(results: dict) -> str:
     """The dated table for RESULTS.md: every row, its throughput ratio and added TTFT, the goals."""
-    ratios = {(o["path"], o["clients"]): o for o in results["overheads"]}
+    ratios = {(o["path"], o.get("variant", ""), o["clients"]): o for o in results["overheads"]}
     lines = [
         f"\n### Serving overhead, {results['model']}: {results['date']}, {results['machine']['device']}, "
         f"commit {results['commit']}\n",
@@ -612,18 +835,24 @@ def markdown(results: dict) -> str:
         f"requests per client, at least {results['min_requests']} per setting (closed loop), best of "
         f"{results['rounds']} interleaved round(s), greedy, end_id -1; tokenizer: {results['tokenizer']}. "
         f"Goals: served throughput >= {GOALS['throughput_ratio']:.0%} of the in-process engine's; "
-        f"added TTFT a few ms (<= {GOALS['added_ttft_ms']:.0f} ms).\n",
+        f"added TTFT a few ms (<= {GOALS['added_ttft_ms']:.0f} ms). Clients in {results.get('client_processes', 1)} "
+        f"process(es). Own-response tokens: share of output tokens that reached the client in a response of "
+        f"their own (served: the server's tritonllm_*_tokens_total counters; engine: its responses).\n",
         "| clients | path | output tok/s | vs engine (goal >= 0.90) | TTFT med ms | TTFT p99 ms | added TTFT ms "
-        "| ITL med ms | ITL p99 ms | TPOT med ms | responses/request |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| ITL med ms | ITL vs engine | ITL p99 ms | TPOT med ms | responses/request | own-response tokens |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for row in sorted(results["rows"], key=lambda r: (r["clients"], r["path"] != "engine", r["path"])):
-        extra = ratios.get((row["path"], row["clients"]))
+    order = lambda r: (r["clients"], r["path"] != "engine", r.get("variant", ""), r["path"])  # noqa: E731
+    for row in sorted(results["rows"], key=order):
+        extra = ratios.get((row["path"], row.get("variant", ""), row["clients"]))
         ratio = f"{extra['throughput_ratio']:.3f}" if extra else "1 (baseline)"
         added = f"{extra['added_ttft_ms']:+.2f}" if extra else "-"
-        lines.append(f"| {row['clients']} | {row['path']} | {row['tok_s']:.1f} | {ratio} | {row['ttft_ms_median']:.2f} "
-                     f"| {row['ttft_ms_p99']:.2f} | {added} | {row['itl_ms_median']:.2f} | {row['itl_ms_p99']:.2f} "
-                     f"| {row['tpot_ms_median']:.2f} | {row['responses_per_request']:.1f} |")
+        itl_ratio = f"{extra['itl_ratio']:.2f}" if extra and extra.get("itl_ratio") else "-"
+        own = own_fraction(row)
+        lines.append(f"| {row['clients']} | {path_label(row)} | {row['tok_s']:.1f} | {ratio} | {row['ttft_ms_median']:.2f} "
+                     f"| {row['ttft_ms_p99']:.2f} | {added} | {row['itl_ms_median']:.2f} | {itl_ratio} "
+                     f"| {row['itl_ms_p99']:.2f} | {row['tpot_ms_median']:.2f} | {row['responses_per_request']:.1f} "
+                     f"| {'-' if own is None else f'{own:.1%}'} |")
     if results.get("error"):
         lines.append(f"\nIncomplete run: {results['error']}")
     return "\n".join(lines) + "\n"
@@ -650,8 +879,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--paths", default="http,grpc,engine", help="subset of http,grpc,engine")
     parser.add_argument("--engine_process", default="true", choices=["true", "false"],
                         help="the served model's engine_process parameter (false: the executor in the stub)")
+    parser.add_argument("--relay_threads", type=int, default=4,
+                        help="the served model's relay_threads parameter (1: the forwarding thread sends, as before)")
     parser.add_argument("--preprocessing_instances", type=int, default=1)
     parser.add_argument("--postprocessing_instances", type=int, default=1)
+    parser.add_argument("--variants", default=None,
+                        help="several servers one after another beside one in-process engine, e.g. "
+                             "'before:relay_threads=1 after:relay_threads=4,postprocessing_instances=2' "
+                             f"(settings: {', '.join(VARIANT_SETTINGS)}; unnamed ones take the flags above)")
+    parser.add_argument("--client_processes", type=int, default=0,
+                        help="processes the served clients run in (0: one per 32 streams up to a quarter "
+                             "of the cores on a GPU machine, 1 on CPU)")
     parser.add_argument("--cpu_threads", type=int, default=None,
                         help="torch threads of both engines (default: 1 on CPU, unchanged on a GPU)")
     parser.add_argument("--ready_timeout", type=float, default=600.0)
@@ -683,9 +921,12 @@ def main(argv=None) -> dict:
     feed = PromptFeed(*make_prompts(tokenizer, min(total_requests, 512), args.input_len))
     tpb = engine_config.build.tokens_per_block
     kv_tokens = max(args.clients) * (-(-(args.input_len + args.output_len) // tpb) + 1) * tpb
-    repo = load_script("serve_default").prepare_model_repo(
-        engine_dir, str(work / "repo"), overrides=repo_overrides(args, kv_tokens),
-        max_batch_size=min(max(args.clients), engine_config.build.max_batch_size), decoupled=True)
+    variants = []
+    for index, (variant, settings) in enumerate(parse_variants(args.variants, args)):
+        repo = load_script("serve_default").prepare_model_repo(
+            engine_dir, str(work / f"repo{index}"), overrides=repo_overrides(settings, kv_tokens),
+            max_batch_size=min(max(args.clients), engine_config.build.max_batch_size), decoupled=True)
+        variants.append((variant, repo))
     results = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": git_commit(),
         "machine": machine_description(), "command": "python benchmarks/serving_bench.py " + " ".join(argv or sys.argv[1:]),
@@ -693,12 +934,12 @@ def main(argv=None) -> dict:
         "tokenizer": "synthetic (one word per id)" if args.synthetic_tokenizer else f"{type(tokenizer).__name__}, "
                      f"{len(tokenizer)} ids", "input_len": args.input_len, "output_len": args.output_len,
         "requests_per_client": args.requests_per_client, "min_requests": args.min_requests, "kv_cache_tokens": kv_tokens, "cpu_threads": cpu_threads, "goals": GOALS, "rounds": args.rounds,
-        "rows": [], "all_rows": [],
+        "rows": [], "all_rows": [], "variants": dict(parse_variants(args.variants, args)),
     }
-    config = executor_config_of_repo(repo)
+    config = executor_config_of_repo(variants[0][1])
     results["executor_config"] = dataclasses.asdict(config)
     try:
-        run_all(results, args, repo, engine_dir, config, work, feed)
+        run_all(results, args, variants, engine_dir, config, work, feed)
     except (Exception, SystemExit, KeyboardInterrupt) as error:  # keep what was measured; say what broke
         results["error"] = f"{type(error).__name__}: {error}"
         print(f"serving_bench: {results['error']}", file=sys.stderr)

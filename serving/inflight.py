@@ -4,7 +4,8 @@ One Triton request with B rows (and n return sequences each) becomes B executor 
 B x n result streams. `InflightRequests` turns each executor `Response` into what to send on the
 Triton response sender, decides where the FINAL flag goes (on the response that completes the
 last executor request of that Triton request), holds back unfinished UTF-8 characters in
-streams, and reports each finished executor request for the metrics.
+streams, reports each finished executor request for the metrics, and counts the tokens of
+streamed responses and how many of them shared a response with other tokens (coalesced).
 
 Not thread-safe on its own: the model calls it under one lock.
 """
@@ -46,6 +47,24 @@ class Finished:
 
 
 @dataclass
+class StreamCounts:
+    """Tokens sent in streamed responses (beam width 1), and how many of them went out in a
+    response that carried more than one token: the relay had fallen behind the engine and merged
+    a stream's waiting chunks (serving/relay.py), or a multi-byte character's tokens were held
+    back to go together. Only ever grows."""
+
+    tokens: int = 0
+    coalesced_tokens: int = 0
+    responses: int = 0
+
+    def add(self, tokens: int) -> None:
+        self.responses += 1
+        self.tokens += tokens
+        if tokens > 1:
+            self.coalesced_tokens += tokens
+
+
+@dataclass
 class TritonRequest:
     key: int
     sender: Any
@@ -80,6 +99,7 @@ class InflightRequests:
         self.by_exec_id: dict[int, ExecRequest] = {}
         self.by_user_id: dict[str, TritonRequest] = {}
         self.triton_requests: dict[int, TritonRequest] = {}
+        self.stream_counts = StreamCounts()
 
     def add(self, sender: Any, user_id: str, specs: list[RequestSpec], exec_ids: list[int],
             errors_as_output: bool = False) -> None:
@@ -95,6 +115,12 @@ class InflightRequests:
             streams = 1 if spec.beam_width > 1 else spec.num_return_sequences
             self.by_exec_id[exec_id] = ExecRequest(triton=triton, spec=spec, streams_left=streams,
                                                    latency=RequestLatency(arrival=now))
+
+    def triton_keys(self, exec_ids: list[int]) -> list[int]:
+        """The key of each executor request's Triton request (0 for an unknown id): the relay
+        threads shard by it, so one Triton request's responses keep their order."""
+        found = self.by_exec_id
+        return [found[i].triton.key if i in found else 0 for i in exec_ids]
 
     def exec_ids_for_user(self, user_id: str) -> list[int]:
         triton = self.by_user_id.get(user_id)
@@ -188,6 +214,8 @@ class InflightRequests:
             logits_dtype=self._logits_dtype, output_token_ids=tokens)
         tensors[REQUEST_KEY_OUTPUT] = np.array([[triton.key]], dtype=np.uint64)
         if self.decoupled:
+            if spec.streaming and spec.beam_width == 1:
+                self.stream_counts.add(len(tokens[0]) if tokens else 0)
             return [Send(triton.sender, tensors=tensors, final=done, key=triton.key)], finished
         if result.is_final:
             triton.final_tensors.append(tensors)

@@ -9,13 +9,25 @@ Protocol: one duplex ``multiprocessing.connection.Connection`` over a socketpair
 pickled by the standard pickler (``send_bytes``; not ``Connection.send``, whose pickler lets torch
 pass tensors as shared file descriptors, which needs a multiprocessing-made peer).
 
-    client -> engine:  ("start", engine_dir, ExecutorConfig, device)   once, first
+    client -> engine:  ("start", engine_dir, ExecutorConfig, device)   once, first (the owner)
+                       ("attach",)                                      once, first (other clients)
                        ("enqueue", [request ids], [Request])           ids chosen by the client
                        ("cancel", request_id)
+                       ("peer", message)                                for every other client
                        ("shutdown",)
-    engine -> client:  ("ready",) | ("failed", message)                 once, after "start"
+    engine -> client:  ("ready", client_index) | ("failed", message)    once, after "start"/"attach"
                        ("responses", [packed Response])                 one message per loop step
                        ("stats", IterationStats, failure)               when the iteration moved
+                       ("peer", message)                                from another client
+
+Several clients (``listen_path``): the client that starts the process owns it (index 0, the
+socketpair); others attach over a Unix socket at ``listen_path`` (``EngineProcess.attach``), one per
+Triton model instance, so that each instance's stub sends its own requests' responses with its own
+interpreter (a Python-backend send is a synchronous round trip to the server, and a stub must not
+send from two threads at once: Triton 2.51 then crashes). Client c's request ids are offset by
+c * CLIENT_ID_STRIDE inside the engine, so each client numbers its requests on its own; responses
+go back to the client that enqueued them. The engine lives as long as its owner's connection;
+an attached client that leaves has its requests cancelled.
 
 Invariants: every request id the client hands out gets a final response, from the engine or, if
 the engine process dies, an error made by the client; after a death every call answers with an
@@ -36,13 +48,17 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from multiprocessing.connection import Connection
+from typing import Callable
 
 from engine.executor.output import ResponseQueue
 from engine.executor.request import FinishReason, Request, RequestPerfMetrics, Response, Result
 from engine.executor.stats import IterationStats
 
 STATS_PERIOD_S = 0.05
+ATTACH_RETRY_S = 0.1  # an attaching client's wait between tries while the owner's engine loads
+CLIENT_ID_STRIDE = 1 << 40  # client c's request id i is c * CLIENT_ID_STRIDE + i in the engine
 SHUTDOWN_TIMEOUT_S = 30.0  # the engine process's own shutdown, after which it exits regardless
 PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -64,15 +80,49 @@ def engine_python() -> str:
 class EngineProcess:
     """``engine.executor.Executor``'s API, served by an executor in a child process."""
 
-    def __init__(self, engine_dir: str, config=None, *, device: str | None = None, python: str | None = None):
+    def __init__(self, engine_dir: str, config=None, *, device: str | None = None, python: str | None = None,
+                 listen_path: str | None = None):
+        """Start the engine process and own it; with ``listen_path`` other clients may attach."""
         ours, theirs = socket.socketpair()
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (PROJECT_ROOT, env.get("PYTHONPATH")) if p)
-        self._process = subprocess.Popen(
-            [python or engine_python(), "-m", "engine.executor.engine_process", "--fd", str(theirs.fileno())],
-            pass_fds=[theirs.fileno()], env=env)
+        command = [python or engine_python(), "-m", "engine.executor.engine_process", "--fd", str(theirs.fileno())]
+        if listen_path:
+            command += ["--listen", listen_path]
+        process = subprocess.Popen(command, pass_fds=[theirs.fileno()], env=env)
         theirs.close()
-        self._conn = Connection(ours.detach())
+        self._setup(Connection(ours.detach()), process)
+        self._handshake(("start", engine_dir, config, device))
+
+    @classmethod
+    def attach(cls, listen_path: str, *, timeout_s: float = 1800.0,
+               owner_alive: Callable[[], bool] = lambda: True) -> "EngineProcess":
+        """A client of the engine process that another ``EngineProcess`` started with ``listen_path``.
+
+        Waits (up to ``timeout_s``, while ``owner_alive()``) for it to finish loading and listen."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.connect(listen_path)
+                break
+            except OSError as err:
+                sock.close()
+                if not owner_alive():
+                    raise RuntimeError(f"the engine process at {listen_path} is gone: its owner stopped "
+                                       "before it was ready") from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"no engine process answered at {listen_path} within {timeout_s:.0f} s "
+                                       f"({err})") from None
+                time.sleep(ATTACH_RETRY_S)
+        client = cls.__new__(cls)
+        client._setup(Connection(sock.detach()), None)
+        client._handshake(("attach",))
+        return client
+
+    def _setup(self, conn: Connection, process: subprocess.Popen | None) -> None:
+        self._process = process  # None for an attached client: the owner's process
+        self._conn = conn
         self._send_lock = threading.Lock()
         self._ids = itertools.count(1)
         self._open: dict[int, int] = {}  # request id -> final responses still expected
@@ -81,9 +131,13 @@ class EngineProcess:
         self._latest_stats = IterationStats()
         self._failure: str | None = None
         self._stopping = False
+        self.client_index = 0
+        self.on_peer_message: Callable[[object], None] | None = None  # called on the reader thread
+
+    def _handshake(self, message: tuple) -> None:
         try:
-            self._send(("start", engine_dir, config, device))
-            self._await_ready()
+            self._send(message)
+            self.client_index = self._await_ready()
         except BaseException:
             self._kill()
             raise
@@ -128,6 +182,13 @@ class EngineProcess:
     def get_latest_iteration_stats(self) -> IterationStats:
         return self._latest_stats
 
+    def send_peer_message(self, message) -> None:
+        """Hand ``message`` (picklable) to every other client of this engine process."""
+        try:
+            self._send(("peer", message))
+        except (OSError, EOFError, ValueError):
+            pass  # gone: the reader fails this client's requests
+
     def can_enqueue_requests(self) -> bool:
         return not self._stopping and self._failure is None
 
@@ -141,7 +202,8 @@ class EngineProcess:
         self._stopping = True
         try:
             self._send(("shutdown",))
-            self._process.wait(timeout_s)
+            if self._process is not None:
+                self._process.wait(timeout_s)
         except (OSError, EOFError, ValueError, subprocess.TimeoutExpired):
             pass
         self._kill()
@@ -156,17 +218,22 @@ class EngineProcess:
     def _send(self, message) -> None:
         send_message(self._conn, self._send_lock, message)
 
-    def _await_ready(self) -> None:
-        """Block while the engine loads (minutes for a big model); fail if the process dies first."""
+    def _await_ready(self) -> int:
+        """Block while the engine loads (minutes for a big model); fail if the process dies first.
+        Returns this client's index (0: the owner)."""
         while not self._conn.poll(0.5):
-            if self._process.poll() is not None:
+            if self._process is not None and self._process.poll() is not None:
                 raise RuntimeError(f"the engine process exited with code {self._process.returncode} while "
                                    "loading (its error is in this server's log)")
-        message = receive_message(self._conn)
+        try:
+            message = receive_message(self._conn)
+        except (EOFError, OSError) as err:
+            raise RuntimeError(f"the engine process closed the connection before it was ready ({err!r})") from None
         if message[0] == "failed":
             raise RuntimeError(message[1])
         if message[0] != "ready":
             raise RuntimeError(f"unexpected first message from the engine process: {message[0]!r}")
+        return message[1] if len(message) > 1 else 0
 
     def _read_loop(self) -> None:
         reason = "the engine process exited"
@@ -189,6 +256,11 @@ class EngineProcess:
                 self._latest_stats = message[1]
                 if message[2] is not None and self._failure is None:
                     self._failure = message[2]
+            elif message[0] == "peer" and self.on_peer_message is not None:
+                try:
+                    self.on_peer_message(message[1])
+                except Exception:  # noqa: BLE001 - the handler's failure must not stop the responses
+                    pass
         if not self._stopping:
             if reason.endswith("exited"):
                 reason += _exit_description(self._wait_briefly())
@@ -196,6 +268,8 @@ class EngineProcess:
 
     def _wait_briefly(self) -> int | None:
         """The exit code once the process is reaped (its socket closes a moment before)."""
+        if self._process is None:
+            return None
         try:
             return self._process.wait(timeout=1.0)
         except subprocess.TimeoutExpired:
@@ -227,7 +301,7 @@ class EngineProcess:
             self._responses.put(failed)
 
     def _kill(self) -> None:
-        if self._process.poll() is None:
+        if self._process is not None and self._process.poll() is None:
             self._process.kill()
             self._process.wait()
         self._conn.close()
@@ -242,16 +316,17 @@ _FINISH_REASONS = {reason.value: reason for reason in FinishReason}
 _perf_values = operator.attrgetter(*(f.name for f in dataclasses.fields(RequestPerfMetrics)))
 
 
-def pack_responses(responses: list[Response]) -> list[tuple]:
+def pack_responses(responses: list[Response], id_base: int = 0) -> list[tuple]:
+    """Wire tuples of ``responses``, request ids less ``id_base`` (the client's own numbering)."""
     packed = []
     for response in responses:
         result = response.result
         if result is None:
-            packed.append((response.request_id, response.error))
+            packed.append((response.request_id - id_base, response.error))
             continue
         perf = result.perf
         packed.append((
-            response.request_id, response.error, result.output_token_ids, result.is_final,
+            response.request_id - id_base, response.error, result.output_token_ids, result.is_final,
             [reason.value for reason in result.finish_reasons], result.sequence_index, result.cum_log_probs,
             result.log_probs, result.context_logits, result.generation_logits,
             None if perf is None else _perf_values(perf),
@@ -313,29 +388,82 @@ def _finals_expected(request: Request) -> int:
 # ----- the engine process --------------------------------------------------------------------------
 
 
-def serve(conn: Connection) -> int:
+class _Clients:
+    """The engine side's connections: index -> (connection, send lock), and each attached client's
+    requests still running (cancelled when that client leaves). Index 0 is the owner."""
+
+    def __init__(self, owner: Connection):
+        self._lock = threading.Lock()
+        self._conns: dict[int, tuple[Connection, threading.Lock]] = {0: (owner, threading.Lock())}
+        self._running: dict[int, set[int]] = {}  # attached client -> engine request ids not yet final
+        self._next_index = 1
+
+    def add(self, conn: Connection) -> int:
+        """Register an attaching client after telling it its index (so "ready" is its first message)."""
+        with self._lock:
+            index, self._next_index = self._next_index, self._next_index + 1
+            send_lock = threading.Lock()
+            send_message(conn, send_lock, ("ready", index))
+            self._conns[index] = (conn, send_lock)
+            self._running[index] = set()
+            return index
+
+    def remove(self, index: int) -> list[int]:
+        """Forget a client; returns its engine request ids still running (to cancel)."""
+        with self._lock:
+            self._conns.pop(index, None)
+            return sorted(self._running.pop(index, ()))
+
+    def track(self, index: int, engine_ids: list[int]) -> None:
+        if index:
+            with self._lock:
+                self._running.get(index, set()).update(engine_ids)
+
+    def send(self, index: int, message) -> None:
+        entry = self._conns.get(index)
+        if entry is None:
+            return  # that client left: its late responses go nowhere
+        try:
+            send_message(entry[0], entry[1], message)
+        except OSError:  # gone: its reader sees EOF and cleans up
+            pass
+
+    def broadcast(self, message, skip: int | None = None) -> None:
+        for index in list(self._conns):
+            if index != skip:
+                self.send(index, message)
+
+    def send_responses(self, responses: list[Response]) -> None:
+        """Each client gets its own responses, under its own request ids, in one message."""
+        by_client: dict[int, list[Response]] = {}
+        for response in responses:
+            by_client.setdefault(response.request_id // CLIENT_ID_STRIDE, []).append(response)
+        for index, batch in by_client.items():
+            if index:
+                with self._lock:
+                    running = self._running.get(index)
+                    if running is not None:
+                        running.difference_update(r.request_id for r in batch if r.error is not None or r.is_final)
+            self.send(index, ("responses", pack_responses(batch, id_base=index * CLIENT_ID_STRIDE)))
+
+
+def serve(conn: Connection, listen_path: str | None = None) -> int:
     from engine.executor.executor import Executor
 
-    send_lock = threading.Lock()
+    clients = _Clients(conn)
 
     def send(message) -> None:
-        send_message(conn, send_lock, message)
-
-    def send_responses(responses) -> None:
-        # Results hold host tensors only (the executor moves logits to the CPU), so unpickling them
-        # never starts CUDA in the client.
-        try:
-            send(("responses", pack_responses(responses)))
-        except OSError:  # the client is gone: the loop below reads EOF and shuts down in order
-            pass
+        clients.send(0, message)
 
     _, engine_dir, config, device = receive_message(conn)
     try:
-        executor = Executor(engine_dir, config, device=device, response_callback=send_responses)
+        # Results hold host tensors only (the executor moves logits to the CPU), so unpickling them
+        # never starts CUDA in a client.
+        executor = Executor(engine_dir, config, device=device, response_callback=clients.send_responses)
     except Exception as err:
         send(("failed", f"{type(err).__name__}: {err}"))
         return 1
-    send(("ready",))
+    send(("ready", 0))
     stopped = threading.Event()
 
     def publish_stats() -> None:
@@ -344,28 +472,19 @@ def serve(conn: Connection) -> int:
             stats = executor.get_latest_iteration_stats()
             if stats.iter != last or executor.failure is not None:
                 last = stats.iter
-                try:
-                    send(("stats", stats, executor.failure))
-                except OSError:
-                    return
+                clients.broadcast(("stats", stats, executor.failure))
             if stopped.wait(STATS_PERIOD_S):
                 return
 
     threading.Thread(target=publish_stats, name="engine-process-stats", daemon=True).start()
+    listener = _listen(listen_path, clients, executor) if listen_path else None
     try:
-        while True:
-            try:
-                message = receive_message(conn)
-            except (EOFError, OSError):
-                break  # the stub is gone
-            if message[0] == "enqueue":
-                executor.enqueue_requests(message[2], request_ids=message[1])
-            elif message[0] == "cancel":
-                executor.cancel_request(message[1])
-            elif message[0] == "shutdown":
-                break
+        _serve_client(conn, 0, clients, executor)  # the owner: its leaving ends the engine
     finally:
         stopped.set()
+        if listener is not None:
+            listener.close()
+            _unlink_quietly(listen_path)
         # Bounded: a loop stuck in a collective on a lost rank would hold shutdown() forever, and
         # this process (and its GPU memory) must not outlive its client.
         closer = threading.Thread(target=executor.shutdown, name="engine-process-shutdown", daemon=True)
@@ -374,9 +493,78 @@ def serve(conn: Connection) -> int:
     return 0
 
 
+def _serve_client(conn: Connection, index: int, clients: _Clients, executor) -> None:
+    """One client's messages until it says shutdown or goes away; its ids offset into the engine's."""
+    base = index * CLIENT_ID_STRIDE
+    while True:
+        try:
+            message = receive_message(conn)
+        except (EOFError, OSError):
+            break  # the stub is gone
+        if message[0] == "enqueue":
+            engine_ids = [base + i for i in message[1]]
+            clients.track(index, engine_ids)
+            executor.enqueue_requests(message[2], request_ids=engine_ids)
+        elif message[0] == "cancel":
+            executor.cancel_request(base + message[1])
+        elif message[0] == "peer":
+            clients.broadcast(message, skip=index)
+        elif message[0] == "shutdown":
+            break
+
+
+def _listen(listen_path: str, clients: _Clients, executor) -> socket.socket:
+    """Accept attaching clients at ``listen_path`` (a Unix socket only this user can reach)."""
+    _unlink_quietly(listen_path)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(listen_path)
+    os.chmod(listen_path, 0o600)
+    listener.listen()
+
+    def accept() -> None:
+        while True:
+            try:
+                sock, _ = listener.accept()
+            except OSError:
+                return  # closed at shutdown
+            threading.Thread(target=attached_client, args=(Connection(sock.detach()),), daemon=True,
+                             name="engine-process-client").start()
+
+    def attached_client(conn: Connection) -> None:
+        try:
+            if receive_message(conn)[0] != "attach":
+                conn.close()
+                return
+        except (EOFError, OSError, pickle.UnpicklingError):
+            conn.close()
+            return
+        try:
+            index = clients.add(conn)
+        except OSError:
+            conn.close()
+            return
+        try:
+            _serve_client(conn, index, clients, executor)
+        finally:
+            for engine_id in clients.remove(index):
+                executor.cancel_request(engine_id)
+            conn.close()
+
+    threading.Thread(target=accept, name="engine-process-listener", daemon=True).start()
+    return listener
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="the engine process of EngineProcess (started by it)")
     parser.add_argument("--fd", type=int, required=True, help="this end of the client's socketpair")
+    parser.add_argument("--listen", default=None, help="a Unix socket path where other clients may attach")
     args = parser.parse_args(argv)
     # Ctrl-C reaches the whole process group, and mpirun's SIGTERM every process of the job; this
     # process ends when its client says so or goes away (the server's own shutdown unloads the
@@ -384,7 +572,7 @@ def main(argv: list[str] | None = None) -> None:
     # to the model, which would then restart it in the middle of the shutdown.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    code = serve(Connection(args.fd))
+    code = serve(Connection(args.fd), args.listen)
     sys.stdout.flush()
     sys.stderr.flush()
     # No interpreter teardown: a leader's process groups were already left (bounded) by shutdown().

@@ -124,3 +124,51 @@ def test_the_engine_process_exits_when_its_client_is_gone(tiny_engine):
         assert process._process.wait(timeout=30) == 0
     finally:
         process._kill()
+
+
+def test_attached_clients_share_one_engine_each_with_its_own_ids(tiny_engine, tmp_path):
+    """Several Triton model instances relay one engine process: each numbers its requests alone,
+    gets exactly its own responses, and reaches the others with peer messages."""
+    listen_path = str(tmp_path / "engine.sock")
+    with Executor(tiny_engine, ExecutorConfig()) as local:
+        expected = collect(local, local.enqueue_requests(mixed_requests()))
+    owner = EngineProcess(tiny_engine, ExecutorConfig(), listen_path=listen_path)
+    try:
+        attached = EngineProcess.attach(listen_path, timeout_s=30)
+        assert (owner.client_index, attached.client_index) == (0, 1)
+        heard = []
+        owner.on_peer_message = heard.append
+        attached.send_peer_message(("stop", "user-7"))
+        owner_ids = owner.enqueue_requests(mixed_requests())
+        attached_ids = attached.enqueue_requests(mixed_requests())
+        assert owner_ids == attached_ids  # the same numbers, two different requests each
+        for client, ids in ((owner, owner_ids), (attached, attached_ids)):
+            got = collect(client, ids)
+            # A stray response of the other client's same-numbered request would add tokens here.
+            assert [final_tokens(got[i]) for i in ids] == [final_tokens(r) for r in expected.values()]
+        assert owner.await_responses(timeout=0.2) == [] and attached.await_responses(timeout=0.2) == []
+        assert heard == [("stop", "user-7")]
+    finally:
+        owner.shutdown()
+
+
+def test_an_attached_client_that_leaves_has_its_requests_cancelled(tiny_engine, tmp_path):
+    listen_path = str(tmp_path / "engine.sock")
+    owner = EngineProcess(tiny_engine, ExecutorConfig(), listen_path=listen_path)
+    try:
+        attached = EngineProcess.attach(listen_path, timeout_s=30)
+        attached.enqueue_request(Request(input_token_ids=[1, 2, 3], max_tokens=1000, streaming=True))
+        deadline = time.monotonic() + 30
+        while owner.get_latest_iteration_stats().kv_cache_stats.used_num_blocks == 0:
+            assert time.monotonic() < deadline, "the attached client's request never ran"
+            time.sleep(0.02)
+        attached.shutdown()  # an attached client's shutdown leaves the engine running for the owner
+        while owner.get_latest_iteration_stats().kv_cache_stats.used_num_blocks != 0:
+            assert time.monotonic() < deadline, "the leaving client's request kept its blocks"
+            time.sleep(0.02)
+        request_id = owner.enqueue_request(Request(input_token_ids=[1, 2], max_tokens=3))
+        assert len(final_tokens(collect(owner, [request_id])[request_id])) == 2 + 3
+    finally:
+        owner.shutdown()
+    with pytest.raises(RuntimeError, match="no engine process answered"):
+        EngineProcess.attach(listen_path, timeout_s=0.3)  # the owner's shutdown closed the socket
