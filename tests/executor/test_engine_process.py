@@ -13,7 +13,7 @@ import pytest
 
 from engine.executor.engine_process import EngineProcess
 from engine.executor.executor import Executor, ExecutorConfig
-from engine.executor.request import FinishReason, OutputConfig, Request, SamplingConfig
+from engine.executor.request import FinishReason, OutputConfig, Request, Response, SamplingConfig
 
 from executor_testing import collect, final_tokens
 
@@ -157,7 +157,7 @@ def test_an_attached_client_that_leaves_has_its_requests_cancelled(tiny_engine, 
     owner = EngineProcess(tiny_engine, ExecutorConfig(), listen_path=listen_path)
     try:
         attached = EngineProcess.attach(listen_path, timeout_s=30)
-        attached.enqueue_request(Request(input_token_ids=[1, 2, 3], max_tokens=1000, streaming=True))
+        attached.enqueue_request(Request(input_token_ids=[1, 2, 3], max_tokens=120, streaming=True))
         deadline = time.monotonic() + 30
         while owner.get_latest_iteration_stats().kv_cache_stats.used_num_blocks == 0:
             assert time.monotonic() < deadline, "the attached client's request never ran"
@@ -172,3 +172,19 @@ def test_an_attached_client_that_leaves_has_its_requests_cancelled(tiny_engine, 
         owner.shutdown()
     with pytest.raises(RuntimeError, match="no engine process answered"):
         EngineProcess.attach(listen_path, timeout_s=0.3)  # the owner's shutdown closed the socket
+
+
+def test_the_engine_keeps_the_running_ids_of_each_attached_client_to_cancel_when_it_leaves():
+    from engine.executor.engine_process import CLIENT_ID_STRIDE, _Clients
+    from engine.executor.request import Result
+
+    clients = _Clients(owner=None)
+    clients._conns[1] = clients._conns[2] = (None, None)  # as if attached (nothing is sent below)
+    clients._running[1], clients._running[2] = set(), set()
+    first, second = CLIENT_ID_STRIDE + 1, CLIENT_ID_STRIDE + 2
+    clients.track(1, [first, second])
+    clients.track(0, [5])  # the owner's requests end with the engine itself
+    clients.send = lambda index, message: None
+    clients.send_responses([Response(first, result=Result(output_token_ids=[[4]], is_final=True, finish_reasons=[FinishReason.LENGTH])),
+                            Response(second, result=Result(output_token_ids=[[4]], is_final=False, finish_reasons=[FinishReason.LENGTH]))])
+    assert clients.remove(1) == [second] and clients.remove(2) == [] and clients.remove(0) == []
