@@ -239,11 +239,11 @@ def make_prompts(tokenizer, count: int, input_len: int, seed: int = 0) -> tuple[
 # ------------------------------------------------------------------------------------------------
 
 
-VARIANT_SETTINGS = ("engine_process", "relay_threads", "preprocessing_instances", "postprocessing_instances")
+VARIANT_SETTINGS = ("engine_process", "tensorrt_llm_instances", "preprocessing_instances", "postprocessing_instances")
 
 
 def parse_variants(text: str | None, args: argparse.Namespace) -> list[tuple[str, dict[str, str]]]:
-    """--variants "before:relay_threads=1 after:relay_threads=4,postprocessing_instances=2" -> named
+    """--variants "before:tensorrt_llm_instances=1 after:tensorrt_llm_instances=4" -> named
     server settings, each starting from the single-value flags; none given: one unnamed variant."""
     defaults = {name: str(getattr(args, name)) for name in VARIANT_SETTINGS}
     if not text:
@@ -269,10 +269,20 @@ def repo_overrides(settings: dict[str, str], kv_tokens: int) -> dict[str, dict[s
     return {
         "tensorrt_llm": {"max_tokens_in_paged_kv_cache": str(kv_tokens), "enable_kv_cache_reuse": "False",
                          "max_beam_width": "1", "exclude_input_in_output": "True",
-                         "engine_process": settings["engine_process"], "relay_threads": settings["relay_threads"]},
+                         "engine_process": settings["engine_process"]},
         "postprocessing": {"postprocessing_instance_count": settings["postprocessing_instances"]},
         "preprocessing": {"preprocessing_instance_count": settings["preprocessing_instances"]},
     }
+
+
+def set_instance_count(repo: str, model: str, count: int) -> None:
+    """Set the instance_group count of a filled model config (the tensorrt_llm template has a
+    literal 1, as the reference's does)."""
+    path = Path(repo) / model / "config.pbtxt"
+    text, replaced = re.subn(r"(instance_group\s*\[\s*\{\s*count:\s*)\d+", rf"\g<1>{count}", path.read_text())
+    if replaced != 1:
+        raise RuntimeError(f"no instance_group count found in {path}")
+    path.write_text(text)
 
 
 def tensorrt_llm_parameters(repo: str) -> dict[str, str]:
@@ -879,13 +889,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--paths", default="http,grpc,engine", help="subset of http,grpc,engine")
     parser.add_argument("--engine_process", default="true", choices=["true", "false"],
                         help="the served model's engine_process parameter (false: the executor in the stub)")
-    parser.add_argument("--relay_threads", type=int, default=4,
-                        help="the served model's relay_threads parameter (1: the forwarding thread sends, as before)")
+    parser.add_argument("--tensorrt_llm_instances", type=int, default=1,
+                        help="instances of the served tensorrt_llm model (they share one engine process)")
     parser.add_argument("--preprocessing_instances", type=int, default=1)
     parser.add_argument("--postprocessing_instances", type=int, default=1)
     parser.add_argument("--variants", default=None,
                         help="several servers one after another beside one in-process engine, e.g. "
-                             "'before:relay_threads=1 after:relay_threads=4,postprocessing_instances=2' "
+                             "'before:tensorrt_llm_instances=1 after:tensorrt_llm_instances=4,postprocessing_instances=4' "
                              f"(settings: {', '.join(VARIANT_SETTINGS)}; unnamed ones take the flags above)")
     parser.add_argument("--client_processes", type=int, default=0,
                         help="processes the served clients run in (0: one per 32 streams up to a quarter "
@@ -926,6 +936,7 @@ def main(argv=None) -> dict:
         repo = load_script("serve_default").prepare_model_repo(
             engine_dir, str(work / f"repo{index}"), overrides=repo_overrides(settings, kv_tokens),
             max_batch_size=min(max(args.clients), engine_config.build.max_batch_size), decoupled=True)
+        set_instance_count(repo, "tensorrt_llm", int(settings["tensorrt_llm_instances"]))
         variants.append((variant, repo))
     results = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": git_commit(),

@@ -90,12 +90,13 @@ class ExecRequest:
 
 class InflightRequests:
     def __init__(self, *, decoupled: bool, decode: Callable[[list[int]], str] | None = None,
-                 logits_dtype=np.float32, clock: Callable[[], float] = time.time):
+                 logits_dtype=np.float32, clock: Callable[[], float] = time.time, first_key: int = 0):
         self.decoupled = decoupled
         self._decode = decode  # enables the UTF-8 holdback for streams
         self._logits_dtype = logits_dtype
         self._clock = clock
-        self._keys = itertools.count()
+        # Keys of model instances that share an engine start apart (serving/shared_engine.py).
+        self._keys = itertools.count(first_key)
         self.by_exec_id: dict[int, ExecRequest] = {}
         self.by_user_id: dict[str, TritonRequest] = {}
         self.triton_requests: dict[int, TritonRequest] = {}

@@ -8,6 +8,11 @@ each request's response sender, decoupled or not). One thread forwards executor 
 polls client cancellation every `cancellation_check_period_ms`, one publishes iteration stats
 every `stats_check_period_ms` (and notices a dead engine). A lock guards the shared bookkeeping.
 
+Several instances (instance_group count n > 1) share one engine process (serving/shared_engine.py):
+each relays its own requests' responses with its own stub, so n sends are in flight at once. A
+stop request (a user's, or a postprocessing step's for a gone client) may reach any instance; it
+is passed to the others through the engine process.
+
 A dead engine process (killed, out of memory, a crash in a kernel): its in-flight requests get an
 error at once (EngineProcess), then this model unloads itself and, from `finalize`, loads itself
 again, so Triton reports it (and the ensemble) not ready until a fresh engine process is up. The
@@ -15,6 +20,7 @@ reload carries the restart count in the `engine_restarts` parameter, shown by th
 `tritonllm_engine_restarts_total` counter. Needs --model-control-mode=explicit (the launcher
 always sets it). In leader mode a lost rank unloads the model (not ready) for good.
 """
+import dataclasses
 import json
 import os
 import sys
@@ -31,6 +37,7 @@ from serving.inflight import InflightRequests  # noqa: E402
 from serving.metrics import HISTOGRAMS, gauge_specs, gauge_values  # noqa: E402
 from serving.params import get_parameter, model_parameters  # noqa: E402
 from serving.responses import wants_errors_as_output  # noqa: E402
+from serving.shared_engine import KEY_STRIDE, open_shared_engine, rendezvous_paths  # noqa: E402
 from serving.requests import (MISSING_STOP_ID, conversion_error_message, convert_request,  # noqa: E402
                               is_stop_request, to_executor_request)
 from serving.server_stop import ServerStopWatcher, ShutdownHooks, server_http_endpoint  # noqa: E402
@@ -58,8 +65,20 @@ def read_inputs(request, names):
     return tensors
 
 
+# Streamed tokens, and how many went out coalesced (serving/inflight.py StreamCounts).
+STREAM_COUNTERS = (
+    ("tokens", "tritonllm_streamed_tokens_total", "Tokens sent in streamed responses (beam width 1)"),
+    ("coalesced_tokens", "tritonllm_coalesced_tokens_total",
+     "Streamed tokens that went out in a response together with other tokens (the relay was behind "
+     "the engine, or a multi-byte character's tokens were held back to go together)"),
+    ("responses", "tritonllm_streamed_responses_total",
+     "Streamed responses sent (beam width 1), empty final ones included"),
+)
+
+
 class TritonMetrics:
-    """The model's custom metric families: gauges from iteration stats, per-request histograms."""
+    """The model's custom metric families: gauges from iteration stats, per-request histograms,
+    counters. Instances of one model share the metrics of the same labels (Triton sums them)."""
 
     def __init__(self, model_name, model_version, static_batching=False, restarts=0):
         labels = {"model": model_name, "version": model_version}
@@ -72,6 +91,13 @@ class TritonMetrics:
         self.restarts = restarts_family.Metric(labels=labels)
         if restarts:
             self.restarts.increment(restarts)  # the count survives the model's own reload
+        self.stream_counters = {}  # StreamCounts field -> counter, increased by deltas
+        for field, family_name, description in STREAM_COUNTERS:
+            family = pb_utils.MetricFamily(name=family_name, kind=pb_utils.MetricFamily.COUNTER,
+                                           description=description)
+            self.families.append(family)
+            self.stream_counters[field] = family.Metric(labels=labels)
+        self.published_counts = dict.fromkeys(self.stream_counters, 0)
         self.gauges = {}
         for family_name, description, category, getters in gauge_specs(static_batching):
             family = pb_utils.MetricFamily(name=family_name, description=description,
@@ -91,6 +117,15 @@ class TritonMetrics:
     def update_gauges(self, stats):
         for key, value in gauge_values(stats, self.static_batching).items():
             self.gauges[key].set(value)
+
+    def publish_stream_counts(self, counts):
+        """Add what ``counts`` (a StreamCounts) grew by since the last call; batched here, every
+        stats period, because each metric call is a round trip to the server."""
+        for field, counter in self.stream_counters.items():
+            value = getattr(counts, field)
+            if value > self.published_counts[field]:
+                counter.increment(value - self.published_counts[field])
+                self.published_counts[field] = value
 
     def observe_finished(self, finished):
         self.histograms["nv_llm_input_token_len"].observe(finished.input_tokens)
@@ -134,18 +169,32 @@ class TritonPythonModel:
         device = f"cuda:{device_ids[0]}" if device_ids else None
         # Default: the executor in its own process (engine/executor/engine_process.py), so its loop
         # does not share this stub's GIL with the response threads; engine_process:false keeps it here.
+        instances = sum(int(group.get("count", 1)) for group in self.model_config.get("instance_group", [])) or 1
+        self.shared_engine = None
         if get_parameter(params, "engine_process", bool) is False:
+            if instances > 1:
+                raise ValueError(f"tensorrt_llm: engine_process: false keeps the executor in the stub, so it needs "
+                                 f"one model instance (instance_group count 1), not {instances}")
             self.executor = Executor(engine_dir, config, device=device)
-        else:
+        elif instances == 1:
             self.executor = EngineProcess(engine_dir, config, device=device)
+        else:
+            self.shared_engine = open_shared_engine(
+                *rendezvous_paths(self.model_name, args["model_version"], self.restarts),
+                start=lambda path: EngineProcess(engine_dir, config, device=device, listen_path=path),
+                attach=lambda path, owner_alive: EngineProcess.attach(path, owner_alive=owner_alive))
+            self.executor = self.shared_engine.engine
+            self.executor.on_peer_message = self._on_peer_message
+        self.is_engine_owner = self.shared_engine is None or self.shared_engine.is_owner
         logits_config = pb_utils.get_output_config_by_name(self.model_config, "generation_logits")
         logits_dtype = pb_utils.triton_string_to_numpy(logits_config["data_type"]) if logits_config else np.float32
         self.inflight = InflightRequests(decoupled=self.decoupled, decode=self._stream_decoder(params, engine_dir),
-                                         logits_dtype=logits_dtype)
+                                         logits_dtype=logits_dtype,
+                                         first_key=getattr(self.executor, "client_index", 0) * KEY_STRIDE)
         self.lock = threading.Lock()
         self.metrics = TritonMetrics(args["model_name"], args["model_version"],
                                      static_batching=settings.get("batching_type") == "static",
-                                     restarts=self.restarts)
+                                     restarts=self.restarts if self.is_engine_owner else 0)
         if self.restarts:
             pb_utils.Logger.log_info(f"tensorrt_llm: engine process restarted ({self.restarts} restarts); serving")
         self.running = True
@@ -208,15 +257,26 @@ class TritonPythonModel:
         return request
 
     def _stop(self, user_id, sender):
-        """A stop request cancels every executor request of the live request with that id."""
+        """A stop request cancels every executor request of the live request with that id (held
+        by this instance or, with a shared engine, by another one)."""
         if not user_id:
             self._send_error(sender, MISSING_STOP_ID)
             return
+        self._stop_local(user_id)
+        if self.shared_engine is not None:
+            self.executor.send_peer_message(("stop", user_id))
+        sender.send(pb_utils.InferenceResponse(output_tensors=[]), flags=FINAL)
+
+    def _stop_local(self, user_id):
         with self.lock:
             exec_ids = self.inflight.stop(user_id)
         for exec_id in exec_ids:
             self.executor.cancel_request(exec_id)
-        sender.send(pb_utils.InferenceResponse(output_tensors=[]), flags=FINAL)
+
+    def _on_peer_message(self, message):
+        """From another instance through the shared engine process (its reader thread)."""
+        if message[0] == "stop":
+            self._stop_local(message[1])
 
     @staticmethod
     def _send_error(sender, message):
@@ -318,6 +378,9 @@ class TritonPythonModel:
                 stats = self.executor.get_latest_iteration_stats()
                 if stats is not None:
                     self.metrics.update_gauges(stats)
+                with self.lock:
+                    counts = dataclasses.replace(self.inflight.stream_counts)
+                self.metrics.publish_stream_counts(counts)
             except Exception as error:
                 self._warn_once(f"tensorrt_llm: could not publish stats: {error}")
 
@@ -357,6 +420,10 @@ class TritonPythonModel:
         ensemble report not ready; after an engine process death, `finalize` loads it again."""
         failure = self.executor.failure
         if failure is None or self.restart_requested:
+            return
+        if not self.is_engine_owner:  # the instance that started the engine unloads the model
+            self.restart_requested = True
+            pb_utils.Logger.log_error(f"tensorrt_llm: {failure} (this instance's requests failed with it)")
             return
         self.restart_requested = True
         self.restartable = self._leader_mode_world_size() == 1
@@ -400,5 +467,7 @@ class TritonPythonModel:
         for thread in self.threads:
             thread.join(timeout=5)
         self.executor.shutdown()
+        if self.shared_engine is not None:
+            self.shared_engine.release()
         if getattr(self, "reload_in_finalize", False):
             self._reload_self()
