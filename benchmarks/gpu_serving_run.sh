@@ -37,6 +37,10 @@
 #   OUTPUT_LEN=128  RPC=2  MIN_REQUESTS=8  ROUNDS=1  DTYPE=bfloat16  BUDGET_S="190 320" (seconds per model)
 #   ENGINE_PROCESS=true (the served model's engine_process parameter; false: the executor in the stub)
 #   PREPROCESSING_INSTANCES=1  POSTPROCESSING_INSTANCES=1 (the tokenizer models' instance counts)
+#   TENSORRT_LLM_INSTANCES=1 (tensorrt_llm instances relaying one engine process)
+#   VARIANTS="" (several servers in one run beside one in-process engine, e.g. the relay before and
+#     after issue 14: "before:tensorrt_llm_instances=1 after:tensorrt_llm_instances=4,postprocessing_instances=4")
+#   CLIENT_PROCESSES=0 (processes the benchmark's clients run in; 0: one per 32 streams, up to cores/4)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 CARRY=${CARRY:-.carry}
@@ -166,12 +170,16 @@ for model in $MODELS; do
     --clients "$CLIENTS" --input_len "$INPUT_LEN" --output_len "$OUTPUT_LEN" --requests_per_client "$RPC" \
     --min_requests "$MIN_REQUESTS" --rounds "$ROUNDS" --work_dir "$WORK/$model" --out "$RESULTS/serving_$model.json" \
     --results_md "$RESULTS/serving_results.md" --engine_process "${ENGINE_PROCESS:-true}" \
-    --postprocessing_instances "${POSTPROCESSING_INSTANCES:-1}" --preprocessing_instances "${PREPROCESSING_INSTANCES:-1}"
+    --postprocessing_instances "${POSTPROCESSING_INSTANCES:-1}" --preprocessing_instances "${PREPROCESSING_INSTANCES:-1}" \
+    --tensorrt_llm_instances "${TENSORRT_LLM_INSTANCES:-1}" --client_processes "${CLIENT_PROCESSES:-0}" \
+    ${VARIANTS:+--variants "$VARIANTS"}
   rc=$?
   if [ $rc -ne 0 ]; then
     status=$rc
     echo "gpu_serving_run: $model exited with $rc"
-    [ -f "$WORK/$model/tritonserver.log" ] && tail -c 2000000 "$WORK/$model/tritonserver.log" > "$RESULTS/tritonserver_$model.log"
+    for log in "$WORK/$model"/server*/tritonserver.log; do  # one folder per server (variant)
+      [ -f "$log" ] && tail -c 2000000 "$log" > "$RESULTS/tritonserver_${model}_$(basename "$(dirname "$log")").log"
+    done
   fi
 done
 echo "done in $(( $(date +%s) - t0 )) s; results in $RESULTS"

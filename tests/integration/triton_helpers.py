@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 import socket
 import sys
 import time
@@ -56,13 +57,21 @@ def chat(question: str) -> str:
 
 
 @contextmanager
-def running_server(engine_dir: str, work: Path, decoupled: bool = True, mpi: bool = False):
+def running_server(engine_dir: str, work: Path, decoupled: bool = True, mpi: bool = False,
+                   tensorrt_llm_instances: int = 1):
     """Fill a repository for `engine_dir` under `work`, serve it, yield a Server, stop it.
     `mpi`: through mpirun (world size 1) as the launcher does by default, else tritonserver alone
-    as `make serve` runs it."""
+    as `make serve` runs it. `tensorrt_llm_instances`: its instance_group count (they share one
+    engine process)."""
     serve = load_script("serve_default")
     launcher = load_script("launch_triton_server")
     repo = serve.prepare_model_repo(engine_dir, str(work / "repo"), bls_instances=2, decoupled=decoupled)
+    if tensorrt_llm_instances != 1:
+        config = Path(repo) / "tensorrt_llm" / "config.pbtxt"
+        text, replaced = re.subn(r"(instance_group\s*\[\s*\{\s*count:\s*)\d+",
+                                 rf"\g<1>{tensorrt_llm_instances}", config.read_text())
+        assert replaced == 1, "no instance_group count in the tensorrt_llm template"
+        config.write_text(text)
     ports = [str(free_port()) for _ in range(3)]
     args = launcher.parse_arguments([f"--model_repo={repo}", *([] if mpi else ["--no-mpi"]), "--host=127.0.0.1",
                                      f"--http_port={ports[0]}", f"--grpc_port={ports[1]}",

@@ -1,0 +1,115 @@
+"""Token-by-token streaming, and several tensorrt_llm instances relaying one engine process.
+
+A Python-backend send is a synchronous round trip to the server and a stub must send from one
+thread only (serving/shared_engine.py says why), so `tensorrt_llm` scales its relay with model
+instances that share one engine. This server runs two. What must hold: a client that keeps up
+gets one response per token (no coalescing), every stream arrives whole whichever instance holds
+it, and a stop, or a hang-up reported by postprocessing, reaches the instance that holds the
+request.
+"""
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from test_grpc_stream import STOP, Stream, assert_idle, long_llm_request, text_inputs
+from test_metrics import LLM, scrape, value
+from triton_helpers import chat, running_server, wait_for
+
+pytestmark = pytest.mark.integration
+ANSWER = "The capital of France is Paris."
+# Long enough to be running when stopped, short enough that four fit the KV pool at once (a
+# request waits for its whole KV reservation under guaranteed_no_evict).
+RUNNING_TOKENS = 300
+
+
+@pytest.fixture(scope="module")
+def two_instance_server(smollm2_engine_dir, tmp_path_factory):
+    with running_server(smollm2_engine_dir, tmp_path_factory.mktemp("triton_2x"),
+                        tensorrt_llm_instances=2) as server:
+        yield server
+
+
+def stream_counts(server) -> tuple[float, float, float]:
+    """(streamed tokens, coalesced tokens, streamed responses) from the tensorrt_llm counters."""
+    samples = scrape(server)
+    return tuple(value(samples, name, **LLM) or 0.0 for name in (
+        "tritonllm_streamed_tokens_total", "tritonllm_coalesced_tokens_total", "tritonllm_streamed_responses_total"))
+
+
+def test_both_instances_serve_and_share_one_engine(two_instance_server):
+    log = two_instance_server.log()
+    assert "tensorrt_llm_0_0" in log and "tensorrt_llm_0_1" in log
+    with ThreadPoolExecutor(6) as pool:
+        texts = list(pool.map(lambda _: ensemble_text(two_instance_server), range(6)))
+    assert texts == [ANSWER] * 6
+
+
+def ensemble_text(server) -> str:
+    stream = Stream(server)
+    try:
+        stream.send("ensemble", text_inputs([chat("What is the capital of France?")], 24))
+        items = stream.until_final()
+    finally:
+        stream.close()
+    assert all(error is None for _, error, _ in items)
+    return "".join(r.as_numpy("text_output")[0].decode() for r, _, _ in items
+                   if r.as_numpy("text_output") is not None)
+
+
+def test_one_response_per_token_when_the_client_keeps_up(two_instance_server):
+    # tensorrt_llm itself: every response but the (empty or last-token) final one carries one token.
+    stream = Stream(two_instance_server)
+    try:
+        stream.send("tensorrt_llm", long_llm_request(max_tokens=16))
+        items = stream.until_final()
+    finally:
+        stream.close()
+    assert all(error is None for _, error, _ in items)
+    per_response = [int(r.as_numpy("sequence_length").reshape(-1)[0]) for r, _, _ in items]
+    assert sum(per_response) == 16
+    assert [n for n in per_response if n] == [1] * 16
+    # Through the ensemble over gRPC: as many text responses as tokens, none coalesced.
+    before = stream_counts(two_instance_server)
+    text = ensemble_text(two_instance_server)
+    after = wait_for(lambda: (lambda now: now if now[2] > before[2] else None)(stream_counts(two_instance_server)),
+                     timeout=5)
+    assert text == ANSWER and after, "the streamed-token counters did not move"
+    tokens, coalesced, responses = (a - b for a, b in zip(after, before))
+    assert coalesced == 0 and tokens > 5
+    assert responses in (tokens, tokens + 1)  # one per token, and perhaps an empty final one
+
+
+def test_stops_reach_the_instance_that_holds_the_request(two_instance_server):
+    """Each stop lands on either instance; those landing on the other one go through the engine."""
+    streams = [Stream(two_instance_server) for _ in range(4)]
+    try:
+        for i, stream in enumerate(streams):
+            stream.send("tensorrt_llm", long_llm_request(RUNNING_TOKENS), request_id=f"relay-stop-{i}")
+            assert stream.next()[1] is None
+        for i, stream in enumerate(streams):
+            stream.send("tensorrt_llm", STOP, request_id=f"relay-stop-{i}")
+        for stream in streams:
+            finals = 0
+            while finals < 2:  # the generation's FINAL and the stop's FINAL, within the waits
+                _, error, final = stream.next(timeout=30)
+                assert error is None, error
+                finals += final
+    finally:
+        for stream in streams:
+            stream.close()
+    assert_idle(two_instance_server)
+
+
+def test_gone_ensemble_clients_are_stopped_on_either_instance(two_instance_server):
+    """A cancelled ensemble stream is reported by postprocessing as a stop by request key; keys
+    of the two instances never collide, and the stop finds the right one."""
+    streams = [Stream(two_instance_server) for _ in range(4)]
+    for stream in streams:
+        stream.send("ensemble", text_inputs([chat("Write a long story about a lighthouse keeper.")],
+                                            RUNNING_TOKENS, end_id=np.int32(-1)))
+    for stream in streams:
+        assert stream.next()[1] is None
+    for stream in streams:
+        stream.close(cancel=True)
+    assert_idle(two_instance_server)
