@@ -131,3 +131,25 @@ def test_a_caller_asking_for_error_message_gets_failures_as_that_output():
     sends, finished = inflight.on_response(Response(1, error="the engine process exited (killed by SIGKILL)"))
     assert sends[0].final and sends[0].error is None and finished[0].error
     assert sends[0].tensors["error_message"].tolist() == [[b"the engine process exited (killed by SIGKILL)"]]
+
+
+def test_stream_counts_tell_coalesced_tokens_from_tokens_sent_alone():
+    inflight = InflightRequests(decoupled=True)
+    inflight.add(Sender(), "s", specs(streaming=True), [4])
+    inflight.add(Sender(), "u", specs(streaming=False), [5])
+    for tokens, final in (([1], False), ([2], False), ([3, 4, 5], False), ([6], True)):
+        inflight.on_response(Response(4, result=result(tokens, final=final)))
+    inflight.on_response(Response(5, result=result([1, 2, 3], final=True)))  # unary: not a stream
+    counts = inflight.stream_counts
+    assert (counts.tokens, counts.coalesced_tokens, counts.responses) == (6, 3, 4)
+
+
+def test_keys_start_at_first_key_so_instances_sharing_an_engine_never_collide():
+    from serving.cancellation import stop_id_for_key
+    from serving.shared_engine import KEY_STRIDE
+
+    second = InflightRequests(decoupled=True, first_key=1 * KEY_STRIDE)
+    second.add(Sender(), "a", specs(streaming=True), [1])
+    (key,) = second.triton_requests
+    assert key == KEY_STRIDE
+    assert second.stop(stop_id_for_key(0)) == [] and second.stop(stop_id_for_key(KEY_STRIDE)) == [1]
