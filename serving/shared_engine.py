@@ -37,7 +37,12 @@ class SharedEngine:
     lock_file: IO | None  # held open by the owner: its lock tells the others it is alive
 
     def release(self) -> None:
+        """The owner's last step (after the engine is shut down): drop the lock and its file."""
         if self.lock_file is not None:
+            try:
+                os.unlink(self.lock_file.name)
+            except OSError:
+                pass
             self.lock_file.close()
             self.lock_file = None
 

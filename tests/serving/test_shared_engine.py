@@ -17,7 +17,7 @@ def test_the_first_to_lock_starts_the_engine_and_the_others_attach(tmp_path):
                                attach=lambda path, alive: seen_alive.append(alive()) or f"client of {path}")
     assert not other.is_owner and other.engine == f"client of {socket_path}" and seen_alive == [True]
     owner.release()
-    assert not lock_is_held(lock_path)  # an attaching instance now stops waiting
+    assert not os.path.exists(lock_path) and not lock_is_held(lock_path)  # attaching ones stop waiting
 
 
 def test_an_owner_that_fails_to_start_releases_the_lock(tmp_path):
