@@ -422,8 +422,8 @@ class TritonPythonModel:
         if failure is None or self.restart_requested:
             return
         if not self.is_engine_owner:  # the instance that started the engine unloads the model
-            self.restart_requested = True
-            pb_utils.Logger.log_error(f"tensorrt_llm: {failure} (this instance's requests failed with it)")
+            self.restart_requested = True  # (or it is being unloaded anyway: no error to log here)
+            pb_utils.Logger.log_info(f"tensorrt_llm: this instance's shared engine is gone: {failure}")
             return
         self.restart_requested = True
         self.restartable = self._leader_mode_world_size() == 1
