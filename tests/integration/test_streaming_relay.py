@@ -53,7 +53,7 @@ def ensemble_text(server) -> str:
         items = stream.until_final()
     finally:
         stream.close()
-    assert all(error is None for _, error, _ in items)
+    assert all(error is None for _, error, _ in items), [str(error) for _, error, _ in items if error]
     return "".join(r.as_numpy("text_output")[0].decode() for r, _, _ in items
                    if r.as_numpy("text_output") is not None)
 
@@ -116,3 +116,46 @@ def test_gone_ensemble_clients_are_stopped_on_either_instance(two_instance_serve
     for stream in streams:
         stream.close(cancel=True)
     assert_idle(two_instance_server)
+
+
+def test_a_killed_shared_engine_fails_every_instance_and_the_model_comes_back(two_instance_server):
+    """Last in this file: it restarts the model. Requests held by either instance fail at once;
+    the instance that started the engine restarts the model with one fresh engine process."""
+    import os
+    import signal
+
+    from test_engine_recovery import engine_pids, ready
+    from triton_helpers import wait_for
+
+    server = two_instance_server
+    streams = [Stream(server) for _ in range(4)]
+    try:
+        for stream in streams:
+            stream.send("ensemble", text_inputs([chat("Write a long story about a lighthouse keeper.")],
+                                                RUNNING_TOKENS, end_id=np.int32(-1)))
+        for stream in streams:
+            assert stream.next()[1] is None
+        [engine] = engine_pids(server.pid)
+        os.kill(engine, signal.SIGKILL)
+        for stream in streams:
+            errors = [error for _, error, _ in stream.until_final(timeout=10) if error is not None]
+            assert errors and "engine process" in str(errors[-1]), errors
+    finally:
+        for stream in streams:
+            stream.close()
+    assert wait_for(lambda: ready(server) and ready(server, "tensorrt_llm"), timeout=90, interval=0.25)
+    from benchmarks.soak import process_tree
+
+    new_engines = wait_for(lambda: engine_pids(server.pid), timeout=10)
+    assert len(new_engines) == 1 and new_engines != [engine], process_tree(server.pid)
+    # (With two instances the old version's last instance may finish unloading just after the new
+    # one is ready, and Triton then reloads the ensemble: wait for the first answer.)
+    assert wait_for(lambda: answers(server), timeout=30, interval=0.5) == ANSWER
+    assert value(scrape(server), "tritonllm_engine_restarts_total", **LLM) == 1
+
+
+def answers(server) -> str | None:
+    try:
+        return ensemble_text(server)
+    except AssertionError:
+        return None
