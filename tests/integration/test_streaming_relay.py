@@ -46,6 +46,24 @@ def test_both_instances_serve_and_share_one_engine(two_instance_server):
     assert texts == [ANSWER] * 6
 
 
+def test_triton_spreads_requests_over_both_instances(two_instance_server):
+    """The request_key output names the instance that relays a request (its key range)."""
+    from serving.shared_engine import KEY_STRIDE
+
+    def instance_of_one_request(_):
+        stream = Stream(two_instance_server)
+        try:
+            stream.send("tensorrt_llm", long_llm_request(max_tokens=8))
+            items = stream.until_final()
+        finally:
+            stream.close()
+        return int(items[0][0].as_numpy("request_key").reshape(-1)[0]) // KEY_STRIDE
+
+    with ThreadPoolExecutor(8) as pool:
+        instances = [i for batch in range(3) for i in pool.map(instance_of_one_request, range(8))]
+    assert set(instances) == {0, 1}, instances
+
+
 def ensemble_text(server) -> str:
     stream = Stream(server)
     try:
