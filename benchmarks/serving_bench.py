@@ -30,7 +30,12 @@ preprocessing model makes of the same prompts. All times are taken by the client
   TPOT: (last - first response) / (output_len - 1), which stays right if responses coalesce.
 
 Serving overhead = served tokens/s / engine tokens/s (goal: >= 0.90) and served TTFT - engine TTFT
-(medians; goal: a few ms). Engines: an engine directory (``--engine_dir``), or a config-only
+(medians; goal: a few ms). Own-response tokens: the share of output tokens that reached the client
+in a response of their own (served: from the server's tritonllm_streamed/coalesced_tokens_total
+counters around each timed run; engine: its responses; with --synthetic_tokenizer the client also
+counts the words of each response). ``--variants`` serves several repositories one after another
+beside the one in-process engine (e.g. 1 vs 4 ``tensorrt_llm`` instances, same lease);
+``--client_processes`` spreads a served path's clients over worker processes. Engines: an engine directory (``--engine_dir``), or a config-only
 engine with random weights of a named shape (``--model``, weights made on the device at load).
 A random-weight model emits any id below its vocab size, so its tokenizer must cover the whole
 vocab: ``--tokenizer_dir`` (a real one of that size) or ``--synthetic_tokenizer`` (one word per id).
