@@ -65,11 +65,33 @@ def open_shared_engine(lock_path: str, socket_path: str, start: Callable[[str], 
     except BlockingIOError:
         lock_file.close()
         return SharedEngine(attach(socket_path, lambda: lock_is_held(lock_path)), is_owner=False, lock_file=None)
+    remove_files_of_dead_servers(os.path.dirname(lock_path))
     try:
         return SharedEngine(start(socket_path), is_owner=True, lock_file=lock_file)
     except BaseException:
         lock_file.close()  # releases the lock: waiting instances stop waiting
         raise
+
+
+def remove_files_of_dead_servers(folder: str) -> None:
+    """Rendezvous files left by servers that were killed (a clean unload removes its own)."""
+    for name in os.listdir(folder):
+        match = re.fullmatch(r"tritonllm-(\d+)-.+\.(lock|sock)", name)
+        if match and not _is_alive(int(match.group(1))):
+            try:
+                os.unlink(os.path.join(folder, name))
+            except OSError:
+                pass
+
+
+def _is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 def lock_is_held(lock_path: str) -> bool:

@@ -35,3 +35,14 @@ def test_rendezvous_paths_name_the_server_model_version_and_load():
     lock_path, socket_path = rendezvous_paths("tensorrt_llm/x y", "1", 2, server_pid=4242)
     assert os.path.basename(lock_path) == "tritonllm-4242-tensorrt_llm_x_y-1-2.lock"
     assert socket_path == lock_path[:-len(".lock")] + ".sock" and len(socket_path) < 100  # AF_UNIX limit
+
+
+def test_an_owner_removes_the_files_of_servers_that_no_longer_run(tmp_path):
+    dead = tmp_path / "tritonllm-999999999-tensorrt_llm-1-0.sock"  # no such pid
+    alive = tmp_path / f"tritonllm-{os.getpid()}-other-1-0.lock"
+    unrelated = tmp_path / "tritonllm-notes.txt"
+    for path in (dead, alive, unrelated):
+        path.write_text("")
+    lock_path, socket_path = str(tmp_path / f"tritonllm-{os.getpid()}-tensorrt_llm-1-0.lock"), str(tmp_path / "s.sock")
+    open_shared_engine(lock_path, socket_path, start=lambda path: "engine", attach=None).release()
+    assert not dead.exists() and alive.exists() and unrelated.exists()
