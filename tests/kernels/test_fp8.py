@@ -103,6 +103,7 @@ def test_fp8_kv_pool_write_and_paged_attention_equal_the_reference():
     pools = [torch.zeros(blocks, page, kv_heads, dim, dtype=KV_FP8_DTYPE, device="cuda") for _ in range(4)]
     for i, n in enumerate(lens):  # fill each sequence's context, values beyond 448 included
         k = torch.randn(n, kv_heads, dim, device="cuda", dtype=torch.bfloat16) * 100
+        k[0, 0, :4] = torch.tensor([1e4, -1e4, 449.0, 500.0])  # beyond E4M3's 448: must saturate
         v = torch.randn(n, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
         slots = (tables[i].long()[torch.arange(n, device="cuda") // page] * page + torch.arange(n, device="cuda") % page)
         write_kv_cache(k, v, pools[0], pools[1], slots)
