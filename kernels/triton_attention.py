@@ -250,19 +250,26 @@ def _decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, n
 
 
 def _launch_config(meta: AttentionMetadata, group: int, num_kv_heads: int, device: torch.device,
-                   num_splits: int | None, sliding_window: int | None = None) -> tuple[int, int, int, int, int]:
+                   num_splits: int | None, sliding_window: int | None = None,
+                   dim_pad: int = 128) -> tuple[int, int, int, int, int]:
     """(BLOCK_M rows, BLOCK_N keys, warps, stages, splits). Decode: the smallest row tile that holds
     a GQA group (16, the tensor-core minimum) and key splits to fill the GPU (a window caps the keys a
     token reads, so it caps the splits too; a Python constant per layer, so CUDA graphs keep one grid
-    per layer); prefill: 64-row tiles (64 // group tokens of every head of a group), never split."""
+    per layer); prefill: 64-row tiles (64 // group tokens of every head of a group), never split.
+
+    Heads of 256 (Gemma) double every tile's bytes: decode pipelines 2 K/V stages instead of 3 (3
+    stages of 64 x 256 K and V tiles would nearly fill an H100's 227 KB of shared memory), prefill
+    walks 32 keys at a time with 8 warps (a 64 x 256 fp32 accumulator over 4 warps would spill)."""
+    wide = dim_pad > 128
     if meta.is_decode_only:
         block_m = max(16, triton.next_power_of_2(group))
         if num_splits is None:
             keys_read = meta.max_context_len if sliding_window is None else min(meta.max_context_len, sliding_window)
             num_splits = _decode_num_splits(meta.context_lens.shape[0], num_kv_heads, keys_read,
                                             _num_sms(device), 64)
-        return block_m, 64, 4, 3, num_splits
-    return (64 if group <= 64 else triton.next_power_of_2(group)), 64, 4, 2, 1
+        return block_m, 64, 4, (2 if wide else 3), num_splits
+    block_m = 64 if group <= 64 else triton.next_power_of_2(group)
+    return (block_m, 32, 8, 2, 1) if wide else (block_m, 64, 4, 2, 1)
 
 
 def paged_attention_triton(
@@ -285,7 +292,7 @@ def paged_attention_triton(
     group = num_heads // num_kv_heads
     dim_pad = triton.next_power_of_2(head_dim)
     block_m, block_n, num_warps, num_stages, num_splits = _launch_config(meta, group, num_kv_heads, q.device, num_splits,
-                                                                         sliding_window)
+                                                                         sliding_window, dim_pad)
     tokens_per_tile = block_m // group
     grid = (triton.cdiv(meta.max_seqlen_q, tokens_per_tile), num_seqs, num_kv_heads * num_splits)
     if num_splits > 1:
