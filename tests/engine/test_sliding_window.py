@@ -78,16 +78,29 @@ def hf_models():
 
 @pytest.fixture
 def runner_for(hf_models, tmp_path):
-    def make(family, tokens_per_block):
-        return ModelRunner(make_engine(hf_models(family), tmp_path / f"{family}-{tokens_per_block}",
-                                       tokens_per_block=tokens_per_block))
+    def make(family, tokens_per_block, device="cpu", dtype="float32"):
+        engine_dir = make_engine(hf_models(family), tmp_path / f"{family}-{tokens_per_block}-{dtype}",
+                                 tokens_per_block=tokens_per_block, dtype=dtype)
+        return ModelRunner(engine_dir, device=device)
 
     return make
 
 
-def _assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    error = (actual.float() - expected).abs().max().item()
-    assert error <= 1e-4, f"max abs error {error:.3g}"
+# As tests/engine/test_equivalence.py: fp32 on CPU within 1e-4; bf16 (CPU, and CUDA with the
+# Triton kernels and decode CUDA graphs) within 0.15, far below what a wrong window or cap costs.
+TOLERANCES = {("cpu", "float32"): 1e-4, ("cpu", "bfloat16"): 0.15, ("cuda", "bfloat16"): 0.15}
+DEVICES = [
+    pytest.param("cpu", "float32", id="cpu-fp32"),
+    pytest.param("cpu", "bfloat16", id="cpu-bf16"),
+    pytest.param("cuda", "bfloat16", id="cuda-bf16",
+                 marks=[pytest.mark.gpu,
+                        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]),
+]
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor, device: str = "cpu", dtype: str = "float32") -> None:
+    error = (actual.cpu().float() - expected).abs().max().item()
+    assert error <= TOLERANCES[(device, dtype)], f"max abs error {error:.3g}"
 
 
 FAMILY_NAMES = list(FAMILIES)
@@ -108,53 +121,57 @@ def test_config_records_windows_and_caps(family, hf_models, tmp_path):
         assert config.rope_local_theta == 10_000.0 and config.rope_scaling["rope_type"] == "linear"
 
 
+@pytest.mark.parametrize("device,dtype", DEVICES)
 @pytest.mark.parametrize("tokens_per_block", BLOCK_SIZES)
 @pytest.mark.parametrize("family", FAMILY_NAMES)
-def test_full_prompt(family, tokens_per_block, hf_models, runner_for):
+def test_full_prompt(family, tokens_per_block, device, dtype, hf_models, runner_for):
     prompt = _tokens(21, seed=1)
-    session = PagedSession(runner_for(family, tokens_per_block), num_blocks=64)
+    session = PagedSession(runner_for(family, tokens_per_block, device, dtype), num_blocks=64)
     (logits,) = session.step([(0, prompt)])
-    _assert_close(logits, hf_logits(hf_models(family), prompt))
+    _assert_close(logits, hf_logits(hf_models(family), prompt), device, dtype)
 
 
+@pytest.mark.parametrize("device,dtype", DEVICES)
 @pytest.mark.parametrize("tokens_per_block", BLOCK_SIZES)
 @pytest.mark.parametrize("family", FAMILY_NAMES)
-def test_prompt_then_16_decode_steps(family, tokens_per_block, hf_models, runner_for):
+def test_prompt_then_16_decode_steps(family, tokens_per_block, device, dtype, hf_models, runner_for):
     sequence = _tokens(11 + 16, seed=2)
     expected = hf_logits(hf_models(family), sequence)
-    session = PagedSession(runner_for(family, tokens_per_block), num_blocks=64)
+    session = PagedSession(runner_for(family, tokens_per_block, device, dtype), num_blocks=64)
     session.runner.capture_cuda_graphs()  # no-op on CPU
     (prefill,) = session.step([(0, sequence[:11])])
-    _assert_close(prefill, expected[:11])
+    _assert_close(prefill, expected[:11], device, dtype)
     for pos in range(11, 27):
         (decode,) = session.step([(0, [sequence[pos]])])
-        _assert_close(decode, expected[pos:pos + 1])
+        _assert_close(decode, expected[pos:pos + 1], device, dtype)
 
 
+@pytest.mark.parametrize("device,dtype", DEVICES)
 @pytest.mark.parametrize("tokens_per_block", BLOCK_SIZES)
 @pytest.mark.parametrize("family", FAMILY_NAMES)
-def test_packed_batch_of_four_sequences(family, tokens_per_block, hf_models, runner_for):
+def test_packed_batch_of_four_sequences(family, tokens_per_block, device, dtype, hf_models, runner_for):
     """A fresh prefill, a decode token, a mid-sequence chunk and a 1-token prompt in one forward."""
     hf = hf_models(family)
     seqs = {0: _tokens(7, 3), 1: _tokens(13, 4), 2: _tokens(15, 5), 3: _tokens(1, 6)}
-    session = PagedSession(runner_for(family, tokens_per_block), num_blocks=96)
+    session = PagedSession(runner_for(family, tokens_per_block, device, dtype), num_blocks=96)
     session.step([(1, seqs[1][:12]), (2, seqs[2][:10])])
     outs = session.step([(0, seqs[0]), (1, seqs[1][12:]), (2, seqs[2][10:]), (3, seqs[3])])
     expected = [hf_logits(hf, seqs[0]), hf_logits(hf, seqs[1])[12:], hf_logits(hf, seqs[2])[10:],
                 hf_logits(hf, seqs[3])]
     for actual, rows in zip(outs, expected):
-        _assert_close(actual, rows)
+        _assert_close(actual, rows, device, dtype)
 
 
+@pytest.mark.parametrize("device,dtype", DEVICES)
 @pytest.mark.parametrize("tokens_per_block", BLOCK_SIZES)
 @pytest.mark.parametrize("family", FAMILY_NAMES)
-def test_prompt_prefilled_in_three_chunks(family, tokens_per_block, hf_models, runner_for):
+def test_prompt_prefilled_in_three_chunks(family, tokens_per_block, device, dtype, hf_models, runner_for):
     prompt = _tokens(40, seed=7)
     expected = hf_logits(hf_models(family), prompt)
-    session = PagedSession(runner_for(family, tokens_per_block), num_blocks=64)
+    session = PagedSession(runner_for(family, tokens_per_block, device, dtype), num_blocks=64)
     for start, end in [(0, 17), (17, 33), (33, 40)]:
         (chunk,) = session.step([(0, prompt[start:end])])
-        _assert_close(chunk, expected[start:end])
+        _assert_close(chunk, expected[start:end], device, dtype)
 
 
 def test_two_gloo_ranks_compute_tp1_logits(hf_models, tmp_path):
