@@ -60,6 +60,10 @@ def _from_known_fields(cls, data: dict[str, Any]):
     return cls(**data)
 
 
+_OPTIONAL_WHEN_NONE = ("sliding_window", "layer_types", "query_pre_attn_scalar", "attn_logit_softcapping",
+                       "final_logit_softcapping", "rope_local_theta")
+
+
 @dataclass
 class ModelConfig:
     """The shape of a decoder-only transformer, independent of how it is sharded or cast.
@@ -173,7 +177,13 @@ class ModelConfig:
         return self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """asdict, without the window / Gemma fields when unset: an engine that uses none of them
+        keeps the config.json an older reader accepts (it refuses unknown keys)."""
+        data = asdict(self)
+        for name in _OPTIONAL_WHEN_NONE:
+            if data[name] is None:
+                del data[name]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
