@@ -205,7 +205,11 @@ def bench_kernels(results: dict, model_cfg: ModelConfig, dtype: torch.dtype) -> 
 
     c, page = model_cfg, 16
     rows = []
-    for batch, context in [(1, 1024), (1, 8192), (1, 32768), (64, 1024), (256, 256), (256, 2048)]:
+    cases = [(batch, context, None) for batch, context in
+             [(1, 1024), (1, 8192), (1, 32768), (64, 1024), (256, 256), (256, 2048)]]
+    if c.sliding_window is not None:  # the model's sliding layers: only the window's K/V is read
+        cases += [(batch, context, c.sliding_window) for batch, context in [(1, 8192), (1, 32768), (64, 8192)]]
+    for batch, context, window in cases:
         blocks_per_seq = -(-context // page)
         num_blocks = batch * blocks_per_seq + 1
         k_cache = torch.randn(num_blocks, page, c.num_kv_heads, c.head_dim, dtype=dtype, device="cuda")
@@ -218,9 +222,12 @@ def bench_kernels(results: dict, model_cfg: ModelConfig, dtype: torch.dtype) -> 
             max_seqlen_q=1, max_context_len=context, is_decode_only=True,
         )
         q = torch.randn(batch, c.num_heads, c.head_dim, dtype=dtype, device="cuda")
-        ms = graph_time_ms(lambda: paged_attention_triton(q, k_cache, v_cache, meta, c.head_dim**-0.5), repeat=10)
-        kv_bytes = 2 * batch * context * c.num_kv_heads * c.head_dim * k_cache.element_size()
-        rows.append({"kind": "decode", "batch": batch, "context": context, "us": ms * 1e3, "GBps": kv_bytes / ms / 1e6})
+        ms = graph_time_ms(lambda: paged_attention_triton(q, k_cache, v_cache, meta, c.head_dim**-0.5,
+                                                          sliding_window=window), repeat=10)
+        keys_read = context if window is None else min(context, window)
+        kv_bytes = 2 * batch * keys_read * c.num_kv_heads * c.head_dim * k_cache.element_size()
+        rows.append({"kind": "decode" if window is None else f"decode, window {window}", "batch": batch,
+                     "context": context, "us": ms * 1e3, "GBps": kv_bytes / ms / 1e6})
         del k_cache, v_cache
     # Prefill: 4 sequences of 2048 new tokens, no prefix; report TFLOP/s of the causal attention.
     batch, q_len = 4, 2048
