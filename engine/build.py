@@ -27,6 +27,7 @@ from engine.convert import (
     TensorGetter,
     getter_from_safetensors_dir,
     getter_from_state_dict,
+    language_model_getter,
     model_config_from_hf,
     iter_rank_weights,
 )
@@ -158,6 +159,7 @@ def build_from_hf(hf_config, get: TensorGetter, tokenizer, output_dir: str, buil
                   source: str = "", progress: bool = True) -> EngineConfig:
     """Build from an already-loaded HF config + tensor getter (lets callers reuse a loaded model)."""
     model = model_config_from_hf(hf_config)
+    get = language_model_getter(hf_config, get)  # a multimodal checkpoint: its language model's tensors
     check_tp_divides(model, build.tp_size)
     extra = {"source": os.path.abspath(source) if source else "", "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     fp8_source = None

@@ -31,10 +31,17 @@ class CheckpointError(ValueError):
 
 # ---- config ---------------------------------------------------------------------------------
 
+# Multimodal checkpoints whose language model the engine serves on its own (text in, text out;
+# the vision tower and projector are not converted): architecture -> the text model's.
+MULTIMODAL_TEXT_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+
+
 def model_config_from_hf(hf_config) -> ModelConfig:
     """Map a transformers config object (v4 or v5 layout) to a validated ModelConfig."""
     architectures = getattr(hf_config, "architectures", None) or []
     architecture = architectures[0] if architectures else _architecture_from_model_type(hf_config)
+    if architecture in MULTIMODAL_TEXT_MODELS:
+        hf_config, architecture = hf_config.text_config, MULTIMODAL_TEXT_MODELS[architecture]
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedArchitectureError(
             f"unsupported architecture {architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
@@ -48,7 +55,8 @@ def model_config_from_hf(hf_config) -> ModelConfig:
 
 def _architecture_from_model_type(hf_config) -> str:
     by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-               "gpt2": "GPT2LMHeadModel", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+               "gpt2": "GPT2LMHeadModel", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+               "gemma3": "Gemma3ForConditionalGeneration"}
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in by_type:
         raise UnsupportedArchitectureError(
@@ -268,6 +276,30 @@ def iter_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: i
 
 def rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return dict(iter_rank_weights(get, cfg, rank, tp_size, dtype))
+
+
+def language_model_getter(hf_config, get: TensorGetter) -> TensorGetter:
+    """For a multimodal checkpoint (MULTIMODAL_TEXT_MODELS), a getter that finds the language
+    model's tensors under the text-model names (``model.layers.0...``, ``lm_head.weight``):
+    transformers 5 saves them as ``model.language_model.*``, transformers 4 as
+    ``language_model.model.*`` / ``language_model.lm_head.*``. Other checkpoints: ``get`` itself."""
+    architectures = getattr(hf_config, "architectures", None) or []
+    architecture = architectures[0] if architectures else getattr(hf_config, "model_type", None)
+    if architecture not in MULTIMODAL_TEXT_MODELS and architecture != "gemma3":
+        return get
+
+    def get_text(name: str) -> torch.Tensor:
+        rest = name.removeprefix("model.")
+        candidates = ([f"model.language_model.{rest}", f"language_model.model.{rest}"] if name.startswith("model.")
+                      else [name, f"language_model.{name}"])
+        for candidate in candidates[:-1]:
+            try:
+                return get(candidate)
+            except CheckpointError:
+                continue
+        return get(candidates[-1])  # its CheckpointError names the last layout tried
+
+    return get_text
 
 
 def getter_from_state_dict(state_dict: Mapping[str, torch.Tensor], source: str) -> TensorGetter:

@@ -233,3 +233,36 @@ def test_build_from_a_saved_gemma3_directory(hf_models, tmp_path):
     prompt = _tokens(21, seed=9)
     (logits,) = PagedSession(ModelRunner(str(tmp_path / "engine"))).step([(0, prompt)])
     _assert_close(logits, hf_logits(hf, prompt))
+
+
+@pytest.mark.parametrize("layout", ["transformers5", "transformers4"])
+def test_gemma3_multimodal_checkpoint_builds_its_language_model(layout, tmp_path):
+    """Gemma3ForConditionalGeneration (Gemma 3 4B and up): the engine serves its text model; the
+    logits of a text-only prompt equal the multimodal model's. transformers 4 checkpoints name the
+    text model's tensors language_model.model.*, transformers 5 model.language_model.*."""
+    from engine.build import build_from_hf
+    from engine.config import BuildConfig
+    from engine.convert import getter_from_state_dict
+
+    text = dict(_SHAPE, num_hidden_layers=3, sliding_window=WINDOW, query_pre_attn_scalar=20)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                       image_token_index=VOCAB - 1, boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2)
+    config.architectures = ["Gemma3ForConditionalGeneration"]
+    config.text_config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for _, p in hf.named_parameters():
+            p.copy_(0.1 * torch.randn_like(p))
+    state = hf.state_dict()
+    if layout == "transformers4":
+        state = {k.replace("model.language_model.", "language_model.model."): v for k, v in state.items()}
+    build = BuildConfig(dtype="float32", max_batch_size=4, max_input_len=256, max_seq_len=256, max_num_tokens=1024,
+                        tokens_per_block=4)
+    build_from_hf(config, getter_from_state_dict(state, "tiny"), None, str(tmp_path / "e"), build, progress=False)
+    assert EngineConfig.load(str(tmp_path / "e")).model.architecture == "Gemma3ForCausalLM"
+    prompt = _tokens(21, seed=10)
+    (logits,) = PagedSession(ModelRunner(str(tmp_path / "e"))).step([(0, prompt)])
+    _assert_close(logits, hf_logits(hf, prompt))
