@@ -35,6 +35,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.models.layers import Linear, Norm, RowParallelLinear, VocabParallelEmbedding, vocab_parallel_logits
+from kernels.activation import gelu_tanh_and_mul
 from kernels.attention import paged_attention
 from kernels.attention_metadata import AttentionMetadata
 from kernels.rmsnorm import rms_norm
@@ -92,8 +93,11 @@ class GemmaLayer(nn.Module):
         return self.o_proj(out.reshape(out.shape[0], -1))
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate=self.gelu_approximate) * up)
+        gate_up = self.gate_up_proj(x)  # (num_tokens, 2 * inter_local): [gate | up]
+        if self.gelu_approximate == "tanh":  # gelu_pytorch_tanh: every Gemma 2/3 checkpoint
+            return self.down_proj(gelu_tanh_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(F.gelu(gate) * up)
 
     def forward(self, x, residual, positions, cos_sin_caches, kv_cache, meta):
         """x: the previous layer's normed output (the embeddings on the first layer, residual None);

@@ -176,7 +176,7 @@ def test_prompt_prefilled_in_three_chunks(family, tokens_per_block, device, dtyp
 
 def test_two_gloo_ranks_compute_tp1_logits(hf_models, tmp_path):
     engine_dirs, expected = {}, {}
-    for family in ("gemma2", "gemma3"):
+    for family in ("gemma2", "gemma3", "mistral"):
         hf = hf_models(family)
         engine_dirs[family] = make_engine(hf, tmp_path / f"{family}-tp2", tp_size=2)
         expected[family] = tp_reference_steps(ModelRunner(make_engine(hf, tmp_path / f"{family}-tp1")))
