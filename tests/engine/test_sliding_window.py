@@ -266,3 +266,27 @@ def test_gemma3_multimodal_checkpoint_builds_its_language_model(layout, tmp_path
     prompt = _tokens(21, seed=10)
     (logits,) = PagedSession(ModelRunner(str(tmp_path / "e"))).step([(0, prompt)])
     _assert_close(logits, hf_logits(hf, prompt))
+
+
+def test_bad_window_fields_and_fp8_gemma_are_refused_by_name(hf_models, tmp_path):
+    from engine.config import ConfigError, ModelConfig
+
+    base = dict(architecture="Gemma2ForCausalLM", vocab_size=96, hidden_size=60, num_layers=2, num_heads=4,
+                num_kv_heads=2, head_dim=24, intermediate_size=88, hidden_act="gelu_pytorch_tanh")
+    with pytest.raises(ConfigError, match="layer_types must list one of sliding_attention, full_attention per layer"):
+        ModelConfig(**base, sliding_window=8, layer_types=["sliding_attention"]).validate()
+    with pytest.raises(ConfigError, match="sliding_window must be a positive integer, got 0"):
+        ModelConfig(**base, sliding_window=0).validate()
+    with pytest.raises(ConfigError, match="attn_logit_softcapping must be a positive number or null, got -1"):
+        ModelConfig(**base, attn_logit_softcapping=-1).validate()
+    with pytest.raises(ConfigError, match="Gemma2ForCausalLM needs hidden_act 'gelu_pytorch_tanh' or 'gelu'"):
+        ModelConfig(**{**base, "hidden_act": "silu"}).validate()
+    from engine.build import build_from_hf
+    from engine.config import BuildConfig
+    from engine.convert import getter_from_state_dict
+
+    hf = hf_models("gemma2")
+    build = BuildConfig(dtype="float32", max_seq_len=256, max_input_len=256, quantization="fp8")
+    with pytest.raises(ConfigError, match="quantization fp8 is not supported for Gemma2ForCausalLM"):
+        build_from_hf(hf.config, getter_from_state_dict(hf.state_dict(), "tiny"), None, str(tmp_path / "e"), build,
+                      progress=False)
