@@ -67,10 +67,11 @@ def _architecture_from_model_type(hf_config) -> str:
 
 def sliding_window_fields(hf_config) -> dict:
     """``sliding_window`` and ``layer_types`` of a ModelConfig, as transformers applies them:
-    Mistral windows every layer; Qwen2 only with ``use_sliding_window`` (its config then lists the
-    windowed layers, from ``max_window_layers`` on, in ``layer_types``); Gemma alternates."""
+    Mistral (and Mixtral, Phi-3) window every layer when ``sliding_window`` is set; configs with a
+    ``use_sliding_window`` flag (Qwen2, Qwen3, SmolLM3) only when it is true, on the layers their
+    ``layer_types`` lists (Qwen: from ``max_window_layers`` on); Gemma alternates."""
     window = getattr(hf_config, "sliding_window", None)
-    if getattr(hf_config, "model_type", "") == "qwen2" and not getattr(hf_config, "use_sliding_window", False):
+    if hasattr(hf_config, "use_sliding_window") and not hf_config.use_sliding_window:
         window = None
     if not window:
         return {"sliding_window": None, "layer_types": None}
