@@ -3,8 +3,10 @@
 Tiny random models made with transformers (fp32, eager attention; odd sizes, GQA, head_dim 24,
 a window of 8 tokens so every prompt outgrows it), converted through the real build path:
 logits equal transformers' within 1e-4 on CPU for a full prompt, 16 decode steps, a packed batch
-of four sequences and a prompt prefilled in three chunks; two gloo ranks equal one. Mistral with
-a window also runs through the executor, which must free the blocks that fell out of the window.
+of four sequences and a prompt prefilled in three chunks (bf16 within 0.15, on CPU and, marked
+gpu, on CUDA); two gloo ranks equal one; Gemma through the executor generates transformers'
+greedy tokens; Gemma 3 multimodal checkpoints build their language model. Block freeing with a
+window on every layer: tests/executor/test_sliding_window_executor.py.
 """
 from __future__ import annotations
 
