@@ -24,10 +24,10 @@ from tqdm import tqdm
 from engine.config import BuildConfig, ConfigError, EngineConfig, ModelConfig, check_tp_divides
 from engine.convert import (
     CheckpointError,
-    check_sliding_window,
     TensorGetter,
     getter_from_safetensors_dir,
     getter_from_state_dict,
+    language_model_getter,
     model_config_from_hf,
     iter_rank_weights,
 )
@@ -159,8 +159,8 @@ def build_from_hf(hf_config, get: TensorGetter, tokenizer, output_dir: str, buil
                   source: str = "", progress: bool = True) -> EngineConfig:
     """Build from an already-loaded HF config + tensor getter (lets callers reuse a loaded model)."""
     model = model_config_from_hf(hf_config)
+    get = language_model_getter(hf_config, get)  # a multimodal checkpoint: its language model's tensors
     check_tp_divides(model, build.tp_size)
-    check_sliding_window(hf_config, build.max_seq_len)
     extra = {"source": os.path.abspath(source) if source else "", "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     fp8_source = None
     strategy = fp8_checkpoint_strategy(hf_config)
