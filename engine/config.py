@@ -68,8 +68,10 @@ class ModelConfig:
     """The shape of a decoder-only transformer, independent of how it is sharded or cast.
 
     ``architecture`` is the Hugging Face class name. ``rope_scaling`` keeps HF's layout
-    (e.g. ``{"rope_type": "llama3", "factor": 8.0, ...}``). ``head_dim`` may differ from
-    ``hidden_size // num_heads`` (some Qwen/Mistral variants).
+    (e.g. ``{"rope_type": "llama3", "factor": 8.0, ...}``), completed by engine.convert with the
+    ``original_max_position_embeddings``/``max_position_embeddings`` its frequencies need.
+    ``head_dim`` may differ from ``hidden_size // num_heads`` (some Qwen/Mistral variants).
+    Fields added after format version 2 shipped have defaults, so older engines still load.
     """
 
     architecture: str
