@@ -185,6 +185,22 @@ def test_huge_contexts_are_capped_unless_asked_for(tmp_path):
     assert _limits(tmp_path / "f") == (65536, 65536, 65536)
 
 
+def test_yarn_extends_the_positions_a_build_may_use(tmp_path, capsys):
+    """Qwen3's yarn recipe keeps max_position_embeddings at the pretrained length: the engine may
+    use factor x original positions, and matches transformers past max_position_embeddings."""
+    hf = tiny_hf("llama_yarn")
+    hf.config.max_position_embeddings = 128  # factor 4 x original 64 = 256 positions
+    checkpoint = _save(hf, tmp_path / "ckpt")
+    assert main(["--checkpoint", str(checkpoint), "--output", str(tmp_path / "e"), "--dtype", "float32"]) == 0
+    assert _limits(tmp_path / "e")[:2] == (256, 256)
+    prompt = _tokens(200, seed=9)
+    (logits,) = PagedSession(ModelRunner(str(tmp_path / "e"))).step([(0, prompt)])
+    assert (logits - hf_logits(hf, prompt)).abs().max() <= 1e-4
+    assert main(["--checkpoint", str(checkpoint), "--output", str(tmp_path / "f"), "--max_seq_len", "300"]) == 2
+    assert ("max_seq_len (300) exceeds the model's yarn factor x original_max_position_embeddings (256)"
+            in capsys.readouterr().err)
+
+
 def test_sliding_window_bounds_the_default(tmp_path):
     """Without sliding-window attention, sequences must fit in the window: the default respects it."""
     hf = tiny_hf("mistral")
