@@ -122,7 +122,7 @@ def test_tp2_shards_reassemble_exactly_to_tp1(family, tmp_path):
 
 def test_two_gloo_ranks_compute_tp1_logits(tmp_path):
     engine_dirs, expected = {}, {}
-    for family in ("qwen3", "phi3_longrope", "phi4_mini_partial_rotary", "smollm3_nope", "llama_yarn"):
+    for family in NEW_FAMILIES:
         hf = tiny_hf(family)
         engine_dirs[family] = make_engine(hf, tmp_path / f"{family}-tp2", tp_size=2)
         expected[family] = tp_reference_steps(ModelRunner(make_engine(hf, tmp_path / f"{family}-tp1")))
