@@ -3,6 +3,10 @@
     python -m engine.build --checkpoint SmolLM2-135M-Instruct.Q4_1.gguf --output engines/smollm2 \
         --dtype float16 --tp_size 1 --max_batch_size 8 --max_input_len 1024 --max_seq_len 2048
 
+Length limits left out come from the checkpoint (engine.config.resolve_build_limits): max_seq_len
+= max_position_embeddings (at most MAX_DEFAULT_SEQ_LEN), max_input_len = max_seq_len; a limit
+that contradicts the model (more positions than it has) is an error naming both numbers.
+
 writes ``config.json`` (EngineConfig), ``rank{r}.safetensors`` for every tensor-parallel rank,
 and the tokenizer files (so ``AutoTokenizer.from_pretrained(engine_dir)`` works).
 ``--quantization fp8`` stores the decoder blocks' linear weights in FP8 E4M3 with per-output-channel
@@ -12,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import os
 import sys
 import time
@@ -21,7 +24,15 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from engine.config import BuildConfig, ConfigError, EngineConfig, ModelConfig, check_tp_divides
+from engine.config import (
+    MAX_DEFAULT_SEQ_LEN,
+    BuildConfig,
+    ConfigError,
+    EngineConfig,
+    ModelConfig,
+    check_tp_divides,
+    resolve_build_limits,
+)
 from engine.convert import (
     CheckpointError,
     TensorGetter,
@@ -32,7 +43,7 @@ from engine.convert import (
     iter_rank_weights,
 )
 from engine.fp8_checkpoint import dequantizing_getter, fp8_checkpoint_strategy, rank_row_scales
-from engine.models import get_model_class
+from engine.models import MODEL_FAMILIES, get_family, get_model_class
 from kernels.fp8 import quantize_weight
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -43,9 +54,9 @@ def expected_tensor_names(model: ModelConfig, tp_size: int, quantization: str | 
     model_class = get_model_class(model.architecture)
     if quantization is None:
         return list(model_class(model, tp_size=tp_size, device="meta").state_dict())
-    if "quantization" not in inspect.signature(model_class).parameters:
-        raise ConfigError(f"quantization {quantization} is not supported for {model.architecture}; "
-                          "it is for the Llama family (Llama, Mistral, Qwen2, SmolLM)")
+    if not get_family(model.architecture).fp8:
+        raise ConfigError(f"quantization {quantization} is not supported for {model.architecture}; it is for "
+                          + ", ".join(family.architecture for family in MODEL_FAMILIES if family.fp8))
     return list(model_class(model, tp_size=tp_size, device="meta", quantization=quantization).state_dict())
 
 
@@ -161,6 +172,7 @@ def build_from_hf(hf_config, get: TensorGetter, tokenizer, output_dir: str, buil
     model = model_config_from_hf(hf_config)
     get = language_model_getter(hf_config, get)  # a multimodal checkpoint: its language model's tensors
     check_tp_divides(model, build.tp_size)
+    build = resolve_build_limits(build, model)
     extra = {"source": os.path.abspath(source) if source else "", "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     fp8_source = None
     strategy = fp8_checkpoint_strategy(hf_config)
@@ -183,8 +195,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint", required=True, help="HF directory (config.json + safetensors) or .gguf file")
     p.add_argument("--output", required=True, help="engine directory to write")
     p.add_argument("--dtype", default=defaults.dtype, choices=sorted(TORCH_DTYPES))
-    for name in ("tp_size", "max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens", "tokens_per_block"):
+    for name in ("tp_size", "max_batch_size", "tokens_per_block"):
         p.add_argument(f"--{name}", type=int, default=getattr(defaults, name))
+    p.add_argument("--max_seq_len", type=int, default=None,
+                   help="longest sequence (prompt + output); default: the checkpoint's max_position_embeddings, "
+                        f"at most {MAX_DEFAULT_SEQ_LEN}")
+    p.add_argument("--max_input_len", type=int, default=None, help="longest prompt; default: max_seq_len")
+    p.add_argument("--max_num_tokens", type=int, default=None,
+                   help="tokens per forward step; default: max(8192, max_input_len), at most "
+                        "max_batch_size * max_seq_len")
     p.add_argument("--quantization", choices=["fp8"], default=None,
                    help="fp8: FP8 E4M3 weights with per-output-channel scales for every linear layer of the "
                         "decoder blocks, activations quantized per token at run time (Llama family); "
