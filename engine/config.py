@@ -18,6 +18,9 @@ READABLE_FORMAT_VERSIONS = (1, 2)
 QUANTIZATIONS = ("fp8",)
 KV_CACHE_DTYPES = ("fp8",)
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "GPT2LMHeadModel")
+# Mixture-of-experts families (engine/models/moe.py): the only ones whose num_experts may be > 0.
+MOE_ARCHITECTURES = ("MixtralForCausalLM",)
+SUPPORTED_ARCHITECTURES += MOE_ARCHITECTURES
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_new", "gelu_pytorch_tanh", "gelu")
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
@@ -79,6 +82,20 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     hidden_act: str = "silu"
+    # Mixture of experts (MOE_ARCHITECTURES). num_experts 0: every layer has the dense MLP of
+    # width intermediate_size. Otherwise a layer is sparse (router + experts of width
+    # moe_intermediate_size, each token through its num_experts_per_tok best) unless it is in
+    # mlp_only_layers or (index + 1) is not a multiple of decoder_sparse_step (Qwen3-MoE's rule).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1 (Mixtral: always)
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+
+    def is_moe_layer(self, layer_index: int) -> bool:
+        return (self.num_experts > 0 and layer_index not in self.mlp_only_layers
+                and (layer_index + 1) % self.decoder_sparse_step == 0)
 
     def validate(self) -> "ModelConfig":
         _require(
@@ -105,6 +122,7 @@ class ModelConfig:
                 self.hidden_act == "silu",
                 f"{self.architecture} needs hidden_act 'silu' (gated SiLU MLP), got {self.hidden_act!r}",
             )
+        self._validate_experts()
         if self.rope_scaling is not None:
             rope_type = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
             _require(
@@ -112,6 +130,17 @@ class ModelConfig:
                 f"unsupported rope_scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}",
             )
         return self
+
+    def _validate_experts(self) -> None:
+        if self.architecture not in MOE_ARCHITECTURES:
+            _require(self.num_experts == 0, f"{self.architecture} has no experts; num_experts must be 0, "
+                                            f"got {self.num_experts!r}")
+            return
+        _positive_ints(self, ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"))
+        _require(self.num_experts_per_tok <= self.num_experts,
+                 f"num_experts_per_tok ({self.num_experts_per_tok}) must be <= num_experts ({self.num_experts})")
+        _require(all(isinstance(i, int) and 0 <= i < self.num_layers for i in self.mlp_only_layers),
+                 f"mlp_only_layers must hold layer indices in [0, {self.num_layers}), got {self.mlp_only_layers!r}")
 
     @property
     def rope_type(self) -> str:
@@ -178,6 +207,10 @@ class BuildConfig:
 
 def check_tp_divides(model: ModelConfig, tp_size: int) -> None:
     """Raise ConfigError unless every tensor-parallel split of ``model`` is even for ``tp_size``."""
+    if model.num_experts:  # every rank holds a slice of every expert's width (engine/models/moe.py)
+        _require(model.moe_intermediate_size % tp_size == 0,
+                 f"tp_size {tp_size} does not divide moe_intermediate_size ({model.moe_intermediate_size}), "
+                 f"the experts' width, which is split across ranks")
     for name in ("num_heads", "num_kv_heads", "intermediate_size", "vocab_size"):
         value = getattr(model, name)
         _require(

@@ -18,6 +18,7 @@ _REGISTRY = {
     "MistralForCausalLM": ("engine.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("engine.models.llama", "LlamaForCausalLM"),
     "GPT2LMHeadModel": ("engine.models.gpt2", "GPT2LMHeadModel"),
+    "MixtralForCausalLM": ("engine.models.moe", "MoeForCausalLM"),
 }
 SUPPORTED_ARCHITECTURES = tuple(_REGISTRY)
 

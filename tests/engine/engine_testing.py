@@ -36,9 +36,12 @@ FAMILIES = {
         tie_word_embeddings=True,
     ),
     "gpt2": lambda: transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256),
+    # 8 experts of width 36, top-2: a decode token leaves at least 6 experts without a token.
+    "mixtral": lambda: transformers.MixtralConfig(**{**_COMMON, "intermediate_size": 36}, rope_theta=1000000.0,
+                                                  num_local_experts=8, num_experts_per_tok=2, sliding_window=None),
 }
 ARCHITECTURES = {"gpt2": transformers.GPT2LMHeadModel, "mistral": transformers.MistralForCausalLM,
-                 "qwen2_qkv_bias": transformers.Qwen2ForCausalLM}
+                 "qwen2_qkv_bias": transformers.Qwen2ForCausalLM, "mixtral": transformers.MixtralForCausalLM}
 
 
 def tiny_hf(family: str, seed: int = 0) -> torch.nn.Module:

@@ -1,0 +1,94 @@
+"""Mixture-of-experts decoders: the Llama block with its MLP replaced by top-k routed experts.
+
+Covers Mixtral (every layer sparse, top-k weights always renormalised) and, with Qwen3's
+attention, Qwen3-MoE (``norm_topk_prob``; ``decoder_sparse_step`` / ``mlp_only_layers`` keep
+some layers dense). Attention, norms, embeddings and the lm_head are exactly the Llama
+family's (engine/models/llama.py); only the MLP of a sparse layer differs:
+
+    router logits = x @ router.T                  (T, E), replicated on every rank
+    topk_weights, topk_ids = top-k of softmax(logits) (renormalised when norm_topk_prob)
+    out = sum over the K chosen experts e of  w * down_e(silu(gate_e x) * up_e x)   (kernels/fused_moe.py)
+
+Tensor parallelism: every rank holds every expert, sliced along the expert width, exactly as a
+dense MLP is sliced: gate_up_proj (E, 2 * I_r, H) with rows [gate_r | up_r] per expert and
+down_proj (E, H, I_r), I_r = moe_intermediate_size / tp. Each rank computes the same routing
+(the router is replicated and its input is identical after the previous all-reduce), runs its
+slice of each chosen expert, and the partial sums meet in the layer's one all-reduce, as a
+row-parallel down_proj's do. Chosen over expert parallelism (whole experts per rank, tokens
+exchanged all-to-all) because it needs no new collective, balances the work across ranks
+whatever the routing does, and at decode splits each active expert's bytes evenly over ranks;
+it costs skinnier GEMMs per rank (Qwen3-30B-A3B at TP 8: 96 columns per expert slice).
+
+Weights per rank of a sparse layer i (names = engine-directory names): ``layers.{i}.moe.router.weight``
+(E, H), ``layers.{i}.moe.gate_up_proj`` (E, 2 * I_r, H), ``layers.{i}.moe.down_proj`` (E, H, I_r).
+A dense layer keeps the Llama names (``gate_up_proj.weight``, ``down_proj.weight``).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.models.layers import Linear, tp_all_reduce
+from engine.models.llama import LlamaForCausalLM, LlamaLayer
+from kernels.fused_moe import fused_moe, route_tokens
+from kernels.rmsnorm import rms_norm
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + every expert's slice for one tensor-parallel rank; output all-reduced over ranks."""
+
+    def __init__(self, config: ModelConfig, *, tp_size: int, tp_group, dtype, device):
+        super().__init__()
+        hidden, experts = config.hidden_size, config.num_experts
+        inter_local = config.moe_intermediate_size // tp_size
+        self.top_k = config.num_experts_per_tok
+        self.renormalize = config.norm_topk_prob
+        self.tp_group = tp_group
+        self.router = Linear(hidden, experts, bias=False, dtype=dtype, device=device)
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * inter_local, hidden, dtype=dtype, device=device),
+                                         requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(experts, hidden, inter_local, dtype=dtype, device=device),
+                                      requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (num_tokens, hidden) -> the routed experts' output (num_tokens, hidden)."""
+        topk_weights, topk_ids = route_tokens(self.router(x), self.top_k, self.renormalize)
+        out = fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+        return out if self.tp_group is None else tp_all_reduce(out, self.tp_group)
+
+
+class MoeLayer(LlamaLayer):
+    """A Llama layer whose MLP is a SparseMoeBlock when ``config.is_moe_layer(layer_index)``."""
+
+    def __init__(self, config: ModelConfig, layer_index: int, *, tp_size: int, tp_group, dtype, device):
+        super().__init__(config, layer_index, tp_size=tp_size, tp_group=tp_group, dtype=dtype, device=device)
+        self.is_sparse = config.is_moe_layer(layer_index)
+        if self.is_sparse:
+            # The dense MLP LlamaLayer declared is dropped for the experts (models are built on the
+            # meta device, so it never held memory).
+            del self.gate_up_proj, self.down_proj
+            self.moe = SparseMoeBlock(config, tp_size=tp_size, tp_group=tp_group, dtype=dtype, device=device)
+
+    def forward(self, x, residual, positions, cos_sin_cache, kv_cache, meta):
+        """x, residual: (num_tokens, hidden); residual None on the first layer. Returns both, updated."""
+        h, residual = rms_norm(x, self.input_norm.weight, self.eps, residual)
+        h = self.attention(h, positions, cos_sin_cache, kv_cache, meta)
+        h, residual = rms_norm(h, self.post_attn_norm.weight, self.eps, residual)
+        if self.is_sparse:
+            return self.moe(h), residual
+        return self.down_proj(self.gate_up_proj.gated(h)), residual
+
+
+class MoeForCausalLM(LlamaForCausalLM):
+    """The Llama-family model with MoeLayer layers (Mixtral, Qwen3-MoE) for one tensor-parallel
+    rank. No ``quantization`` argument: FP8 experts are not supported (engine.build says so)."""
+
+    def __init__(self, config: ModelConfig, *, tp_rank: int = 0, tp_size: int = 1, tp_group=None,
+                 dtype: torch.dtype = torch.float32, device=None, max_positions: int | None = None):
+        super().__init__(config, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group, dtype=dtype, device=device,
+                         max_positions=max_positions)
+        self.layers = nn.ModuleList(
+            MoeLayer(config, i, tp_size=tp_size, tp_group=tp_group, dtype=dtype, device=device)
+            for i in range(config.num_layers)
+        )
