@@ -3,6 +3,10 @@
     python -m engine.build --checkpoint SmolLM2-135M-Instruct.Q4_1.gguf --output engines/smollm2 \
         --dtype float16 --tp_size 1 --max_batch_size 8 --max_input_len 1024 --max_seq_len 2048
 
+Length limits left out come from the checkpoint (engine.config.resolve_build_limits): max_seq_len
+= max_position_embeddings (at most MAX_DEFAULT_SEQ_LEN), max_input_len = max_seq_len; a limit
+that contradicts the model (more positions than it has) is an error naming both numbers.
+
 writes ``config.json`` (EngineConfig), ``rank{r}.safetensors`` for every tensor-parallel rank,
 and the tokenizer files (so ``AutoTokenizer.from_pretrained(engine_dir)`` works).
 ``--quantization fp8`` stores the decoder blocks' linear weights in FP8 E4M3 with per-output-channel
@@ -20,7 +24,15 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from engine.config import BuildConfig, ConfigError, EngineConfig, ModelConfig, check_tp_divides
+from engine.config import (
+    MAX_DEFAULT_SEQ_LEN,
+    BuildConfig,
+    ConfigError,
+    EngineConfig,
+    ModelConfig,
+    check_tp_divides,
+    resolve_build_limits,
+)
 from engine.convert import (
     CheckpointError,
     check_sliding_window,
@@ -29,6 +41,7 @@ from engine.convert import (
     getter_from_state_dict,
     model_config_from_hf,
     iter_rank_weights,
+    unsupported_sliding_window,
 )
 from engine.models import get_model_class
 from kernels.fp8 import quantize_weight
@@ -150,6 +163,7 @@ def build_from_hf(hf_config, get: TensorGetter, tokenizer, output_dir: str, buil
     """Build from an already-loaded HF config + tensor getter (lets callers reuse a loaded model)."""
     model = model_config_from_hf(hf_config)
     check_tp_divides(model, build.tp_size)
+    build = resolve_build_limits(build, model, sliding_window=unsupported_sliding_window(hf_config))
     check_sliding_window(hf_config, build.max_seq_len)
     extra = {"source": os.path.abspath(source) if source else "", "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     return write_engine(output_dir, model, build, get, tokenizer=tokenizer, extra=extra, progress=progress)
@@ -161,8 +175,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint", required=True, help="HF directory (config.json + safetensors) or .gguf file")
     p.add_argument("--output", required=True, help="engine directory to write")
     p.add_argument("--dtype", default=defaults.dtype, choices=sorted(TORCH_DTYPES))
-    for name in ("tp_size", "max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens", "tokens_per_block"):
+    for name in ("tp_size", "max_batch_size", "tokens_per_block"):
         p.add_argument(f"--{name}", type=int, default=getattr(defaults, name))
+    p.add_argument("--max_seq_len", type=int, default=None,
+                   help="longest sequence (prompt + output); default: the checkpoint's max_position_embeddings, "
+                        f"at most {MAX_DEFAULT_SEQ_LEN} (and within a sliding window the engine does not apply)")
+    p.add_argument("--max_input_len", type=int, default=None, help="longest prompt; default: max_seq_len")
+    p.add_argument("--max_num_tokens", type=int, default=None,
+                   help="tokens per forward step; default: max(8192, max_input_len), at most "
+                        "max_batch_size * max_seq_len")
     p.add_argument("--quantization", choices=["fp8"], default=None,
                    help="fp8: FP8 E4M3 weights with per-output-channel scales for every linear layer of the "
                         "decoder blocks, activations quantized per token at run time (Llama family); "

@@ -10,20 +10,28 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 FORMAT_VERSION = 2  # 2: build.quantization (fp8 weights); engines of version 1 still load
 READABLE_FORMAT_VERSIONS = (1, 2)
 QUANTIZATIONS = ("fp8",)
 KV_CACHE_DTYPES = ("fp8",)
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "GPT2LMHeadModel")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "GPT2LMHeadModel",
+                           "Qwen3ForCausalLM", "Phi3ForCausalLM", "SmolLM3ForCausalLM")
 # Mixture-of-experts families (engine/models/moe.py): the only ones whose num_experts may be > 0.
-MOE_ARCHITECTURES = ("MixtralForCausalLM",)
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
 SUPPORTED_ARCHITECTURES += MOE_ARCHITECTURES
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_new", "gelu_pytorch_tanh", "gelu")
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn", "dynamic", "longrope")
+# A default max_seq_len (one taken from the checkpoint's max_position_embeddings) never exceeds this:
+# models that advertise 128k-1M positions would otherwise get decode CUDA graphs, block tables and
+# attention split counts sized for contexts few deployments serve. Pass --max_seq_len to go beyond.
+MAX_DEFAULT_SEQ_LEN = 32768
+# max_num_tokens from the checkpoint: at least this many tokens per step (enough to batch many
+# prefills), and never less than max_input_len (so any allowed prompt fits one step unchunked).
+MIN_DEFAULT_MAX_NUM_TOKENS = 8192
 
 
 class ConfigError(ValueError):
@@ -82,6 +90,12 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     hidden_act: str = "silu"
+    # Qwen3: RMSNorm over each q and k head (head_dim wide, weights q_norm/k_norm) before rope.
+    qk_norm: bool = False
+    # Phi-4-mini and others: rope rotates only the first int(head_dim * factor) dims of each head.
+    partial_rotary_factor: float = 1.0
+    # SmolLM3 (NoPE layers): indices of the layers whose attention uses no rotary embedding.
+    layers_without_rope: list[int] = field(default_factory=list)
     # Mixture of experts (MOE_ARCHITECTURES). num_experts 0: every layer has the dense MLP of
     # width intermediate_size. Otherwise a layer is sparse (router + experts of width
     # moe_intermediate_size, each token through its num_experts_per_tok best) unless it is in
@@ -129,6 +143,8 @@ class ModelConfig:
                 rope_type in SUPPORTED_ROPE_TYPES,
                 f"unsupported rope_scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}",
             )
+        self._validate_rotary_layout()
+        self._validate_rope_scaling_keys()
         return self
 
     def _validate_experts(self) -> None:
@@ -141,6 +157,38 @@ class ModelConfig:
                  f"num_experts_per_tok ({self.num_experts_per_tok}) must be <= num_experts ({self.num_experts})")
         _require(all(isinstance(i, int) and 0 <= i < self.num_layers for i in self.mlp_only_layers),
                  f"mlp_only_layers must hold layer indices in [0, {self.num_layers}), got {self.mlp_only_layers!r}")
+        _require(not self.qkv_bias and self.rotary_dim == self.head_dim and not self.layers_without_rope,
+                 f"{self.architecture} with q/k/v bias, partial rotary or layers without rope is not supported")
+
+    def _validate_rope_scaling_keys(self) -> None:
+        """The keys each scaling's frequencies need (engine.convert fills them in from the HF config)."""
+        needed = {"llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+                  "linear": ("factor",),
+                  "yarn": ("original_max_position_embeddings",),
+                  "longrope": ("short_factor", "long_factor", "original_max_position_embeddings")}
+        missing = [key for key in needed.get(self.rope_type, ()) if self.rope_scaling.get(key) is None]
+        _require(not missing, f"rope_scaling of type {self.rope_type!r} lacks {', '.join(missing)}")
+        if self.rope_type == "yarn" or self.rope_type == "longrope":
+            _require(self.rope_scaling.get("factor") is not None or self.rope_scaling.get("max_position_embeddings"),
+                     f"rope_scaling of type {self.rope_type!r} needs factor or max_position_embeddings")
+        if self.rope_type == "longrope":
+            for key in ("short_factor", "long_factor"):
+                _require(len(self.rope_scaling[key]) == self.rotary_dim // 2,
+                         f"rope_scaling {key} has {len(self.rope_scaling[key])} values; the rotary dims "
+                         f"({self.rotary_dim}) need {self.rotary_dim // 2}")
+
+    def _validate_rotary_layout(self) -> None:
+        _require(0 < self.partial_rotary_factor <= 1,
+                 f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor!r}")
+        _require(self.head_dim % 2 == 0 and self.rotary_dim % 2 == 0,
+                 f"head_dim ({self.head_dim}) and rotary dims ({self.rotary_dim}) must be even")
+        bad = [i for i in self.layers_without_rope if not 0 <= i < self.num_layers]
+        _require(not bad, f"layers_without_rope {bad} are not layer indices; allowed: 0..{self.num_layers - 1}")
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading dims of each q/k head (in the checkpoint's order) rope rotates."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def rope_type(self) -> str:
@@ -162,9 +210,13 @@ class BuildConfig:
 
     dtype: str = "float16"
     max_batch_size: int = 8
-    max_input_len: int = 1024
-    max_seq_len: int = 2048
-    max_num_tokens: int = 8192
+    # None: taken from the checkpoint by ``resolve_build_limits`` (which the build calls):
+    # max_seq_len = max_position_embeddings (at most MAX_DEFAULT_SEQ_LEN, and within an
+    # unsupported sliding window), max_input_len = max_seq_len, max_num_tokens =
+    # max(MIN_DEFAULT_MAX_NUM_TOKENS, max_input_len) but at most max_batch_size * max_seq_len.
+    max_input_len: int | None = None
+    max_seq_len: int | None = None
+    max_num_tokens: int | None = None
     tokens_per_block: int = 64
     tp_size: int = 1
     pp_size: int = 1
@@ -181,13 +233,10 @@ class BuildConfig:
             self.dtype in SUPPORTED_DTYPES,
             f"unsupported dtype {self.dtype!r}; supported: {', '.join(SUPPORTED_DTYPES)}",
         )
-        _positive_ints(
-            self,
-            ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens", "tokens_per_block",
-             "tp_size", "pp_size"),
-        )
+        _positive_ints(self, ("max_batch_size", "tokens_per_block", "tp_size", "pp_size"))
+        _positive_ints(self, tuple(name for name in LIMITS_FROM_MODEL if getattr(self, name) is not None))
         _require(
-            self.max_input_len <= self.max_seq_len,
+            None in (self.max_input_len, self.max_seq_len) or self.max_input_len <= self.max_seq_len,
             f"max_input_len ({self.max_input_len}) must be <= max_seq_len ({self.max_seq_len})",
         )
         _require(self.pp_size == 1, f"pp_size must be 1 (pipeline parallelism is not supported), got {self.pp_size}")
@@ -203,6 +252,35 @@ class BuildConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "BuildConfig":
         return _from_known_fields(cls, data).validate()
+
+
+LIMITS_FROM_MODEL = ("max_input_len", "max_seq_len", "max_num_tokens")
+
+
+def resolve_build_limits(build: BuildConfig, model: ModelConfig, *, sliding_window: int | None = None) -> BuildConfig:
+    """A copy of ``build`` whose unset limits come from the model (see BuildConfig), after
+    checking the set ones against it.
+
+    ``sliding_window``: a window the engine does not implement for this model; sequences must
+    stay within it, so it bounds max_seq_len like the positions do. A limit the user set that
+    contradicts the model raises ConfigError naming both numbers.
+    """
+    build.validate()
+    positions = model.max_position_embeddings
+    _require(build.max_seq_len is None or build.max_seq_len <= positions,
+             f"max_seq_len ({build.max_seq_len}) exceeds the model's max_position_embeddings ({positions}); "
+             f"allowed: max_seq_len <= {positions}, or leave it out to use {min(positions, MAX_DEFAULT_SEQ_LEN)}")
+    default_seq_len = min(positions, MAX_DEFAULT_SEQ_LEN, sliding_window or positions)
+    if build.max_input_len is not None and build.max_seq_len is None:
+        default_seq_len = max(default_seq_len, min(build.max_input_len, positions))
+    max_seq_len = build.max_seq_len or default_seq_len
+    max_input_len = build.max_input_len or max_seq_len
+    _require(max_input_len <= max_seq_len,
+             f"max_input_len ({max_input_len}) must be <= max_seq_len ({max_seq_len}"
+             f"{'' if build.max_seq_len else ', from the model'})")
+    max_num_tokens = build.max_num_tokens or min(max(MIN_DEFAULT_MAX_NUM_TOKENS, max_input_len),
+                                                 build.max_batch_size * max_seq_len)
+    return replace(build, max_seq_len=max_seq_len, max_input_len=max_input_len, max_num_tokens=max_num_tokens)
 
 
 def check_tp_divides(model: ModelConfig, tp_size: int) -> None:
@@ -232,6 +310,8 @@ class EngineConfig:
 
     def validate(self) -> "EngineConfig":
         self.model.validate()
+        if None in (getattr(self.build, name) for name in LIMITS_FROM_MODEL):
+            self.build = resolve_build_limits(self.build, self.model)
         self.build.validate()
         check_tp_divides(self.model, self.build.tp_size)
         if self.model.architecture == "GPT2LMHeadModel":  # learned positions: no extrapolation

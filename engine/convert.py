@@ -19,6 +19,7 @@ import torch
 
 from engine.config import MOE_ARCHITECTURES, ConfigError, ModelConfig, check_tp_divides
 from engine.models import SUPPORTED_ARCHITECTURES, UnsupportedArchitectureError
+from kernels.rotary import partial_rotary_order
 
 TensorGetter = Callable[[str], torch.Tensor]  # HF tensor name -> tensor (any dtype, on CPU)
 
@@ -46,7 +47,8 @@ def model_config_from_hf(hf_config) -> ModelConfig:
 
 def _architecture_from_model_type(hf_config) -> str:
     by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-               "gpt2": "GPT2LMHeadModel", "mixtral": "MixtralForCausalLM"}
+               "gpt2": "GPT2LMHeadModel", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
+               "smollm3": "SmolLM3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in by_type:
         raise UnsupportedArchitectureError(
@@ -55,15 +57,24 @@ def _architecture_from_model_type(hf_config) -> str:
     return by_type[model_type]
 
 
+def unsupported_sliding_window(hf_config) -> int | None:
+    """The checkpoint's attention window, which the engine does not apply (None: no window).
+
+    Qwen2/Qwen3/SmolLM3 carry a ``sliding_window`` that only counts with ``use_sliding_window``;
+    Mistral and Phi-3 have no such switch.
+    """
+    if not getattr(hf_config, "use_sliding_window", True):
+        return None
+    return getattr(hf_config, "sliding_window", None) or None
+
+
 def check_sliding_window(hf_config, max_seq_len: int) -> None:
     """Refuse engines whose sequences would outgrow a sliding attention window.
 
     The engine attends to the full context; that equals sliding-window attention (Mistral,
-    some Qwen2) only while every sequence fits in the window.
+    some Qwen2, Phi-3-mini) only while every sequence fits in the window.
     """
-    window = getattr(hf_config, "sliding_window", None)
-    if getattr(hf_config, "model_type", "") == "qwen2" and not getattr(hf_config, "use_sliding_window", False):
-        window = None
+    window = unsupported_sliding_window(hf_config)
     if window and max_seq_len > window:
         raise ConfigError(
             f"max_seq_len {max_seq_len} exceeds the checkpoint's sliding_window {window}; sliding-window "
@@ -71,20 +82,46 @@ def check_sliding_window(hf_config, max_seq_len: int) -> None:
         )
 
 
-def _rope(hf_config) -> tuple[float, dict | None]:
-    """(theta, scaling) from transformers 5's ``rope_parameters`` or 4's ``rope_theta``/``rope_scaling``."""
+def _rope(hf_config) -> tuple[float, dict | None, float]:
+    """(theta, scaling, partial_rotary_factor) from transformers 5's ``rope_parameters`` or 4's
+    ``rope_theta``/``rope_scaling``/``partial_rotary_factor``.
+
+    The scaling dict is completed with what its frequencies depend on outside it (so the engine
+    needs no HF config): ``original_max_position_embeddings`` for yarn/longrope/llama3 (Phi-3 keeps
+    it beside the dict, and that value wins as in transformers), ``max_position_embeddings`` for
+    dynamic, longrope and yarn (their default factor and attention factor come from it). Phi-3's
+    older names "su" and "yarn" for LongRoPE become "longrope".
+    """
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
     theta = params.pop("rope_theta", None) or getattr(hf_config, "rope_theta", None) or 10000.0
-    scaling = params or getattr(hf_config, "rope_scaling", None) or None
-    if scaling and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
-        scaling = None
-    return float(theta), scaling
+    partial = params.pop("partial_rotary_factor", None) or getattr(hf_config, "partial_rotary_factor", None) or 1.0
+    scaling = dict(params or getattr(hf_config, "rope_scaling", None) or {})
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type in (None, "default"):
+        return float(theta), None, float(partial)
+    if getattr(hf_config, "model_type", "") == "phi3" and rope_type in ("su", "yarn"):
+        rope_type = "longrope"
+    scaling.pop("type", None)
+    scaling["rope_type"] = rope_type
+    if rope_type in ("llama3", "yarn", "longrope"):
+        original = getattr(hf_config, "original_max_position_embeddings", None)
+        scaling["original_max_position_embeddings"] = (
+            original or scaling.get("original_max_position_embeddings") or hf_config.max_position_embeddings)
+    if rope_type in ("dynamic", "yarn", "longrope"):
+        scaling["max_position_embeddings"] = hf_config.max_position_embeddings
+    return float(theta), scaling, float(partial)
+
+
+# Llama-block architectures and what each adds to the block (the weights differ only for Phi-3,
+# whose q/k/v and gate/up come fused: see unfused_phi3_getter).
+_QKV_BIAS_ARCHITECTURES = ("Qwen2ForCausalLM",)
+_QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 
 def _llama_family_config(c, architecture: str, **moe_fields) -> ModelConfig:
-    if getattr(c, "mlp_bias", False) or (architecture != "Qwen2ForCausalLM" and getattr(c, "attention_bias", False)):
+    if getattr(c, "mlp_bias", False) or (architecture not in _QKV_BIAS_ARCHITECTURES and getattr(c, "attention_bias", False)):
         raise ConfigError(f"{architecture} with attention_bias/mlp_bias is not supported")
-    theta, scaling = _rope(c)
+    theta, scaling, partial_rotary_factor = _rope(c)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     return ModelConfig(
         architecture=architecture,
@@ -100,17 +137,34 @@ def _llama_family_config(c, architecture: str, **moe_fields) -> ModelConfig:
         rope_scaling=scaling,
         max_position_embeddings=c.max_position_embeddings,
         tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
-        qkv_bias=architecture == "Qwen2ForCausalLM",
+        qkv_bias=architecture in _QKV_BIAS_ARCHITECTURES,
         hidden_act=c.hidden_act,
+        qk_norm=architecture in _QK_NORM_ARCHITECTURES,
+        partial_rotary_factor=partial_rotary_factor,
+        layers_without_rope=_layers_without_rope(c),
         **moe_fields,
     ).validate()
 
 
+def _layers_without_rope(c) -> list[int]:
+    """SmolLM3's ``no_rope_layers`` holds one flag per layer, 1 = rope, 0 = none (NoPE)."""
+    flags = getattr(c, "no_rope_layers", None)
+    return [] if flags is None else [i for i, use_rope in enumerate(flags) if not use_rope]
+
+
 def _moe_config(c, architecture: str) -> ModelConfig:
     """The Llama-family fields plus the experts'. Mixtral: every layer sparse, experts of width
-    intermediate_size, top-k weights always renormalised."""
-    experts = dict(num_experts=c.num_local_experts, num_experts_per_tok=c.num_experts_per_tok,
-                   moe_intermediate_size=c.intermediate_size, norm_topk_prob=True)
+    intermediate_size, top-k weights always renormalised. Qwen3-MoE: experts of width
+    moe_intermediate_size, dense layers (mlp_only_layers, decoder_sparse_step) of width
+    intermediate_size, renormalised only with norm_topk_prob."""
+    if architecture == "MixtralForCausalLM":
+        experts = dict(num_experts=c.num_local_experts, num_experts_per_tok=c.num_experts_per_tok,
+                       moe_intermediate_size=c.intermediate_size, norm_topk_prob=True)
+    else:
+        experts = dict(num_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok,
+                       moe_intermediate_size=c.moe_intermediate_size, norm_topk_prob=bool(c.norm_topk_prob),
+                       decoder_sparse_step=c.decoder_sparse_step or 1,
+                       mlp_only_layers=sorted(getattr(c, "mlp_only_layers", None) or []))
     return _llama_family_config(c, architecture, **experts)
 
 
@@ -143,17 +197,60 @@ def _shard(t: torch.Tensor, dim: int, rank: int, tp_size: int) -> torch.Tensor:
     return t.chunk(tp_size, dim=dim)[rank]
 
 
+def unfused_phi3_getter(get: TensorGetter, cfg: ModelConfig) -> TensorGetter:
+    """Serve Phi-3's fused ``qkv_proj`` (rows [q | k | v]) and ``gate_up_proj`` (rows [gate | up])
+    under the Llama names (``q_proj``, ..., ``up_proj``), so the Llama conversion shards them
+    per rank like any other checkpoint. The last fused tensor read is kept for its siblings."""
+    q_rows, kv_rows = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    parts = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+             "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    last: dict[str, torch.Tensor] = {}
+
+    def get_unfused(name: str) -> torch.Tensor:
+        prefix, part, suffix = name.rsplit(".", 2) if name.count(".") >= 2 else (name, "", "")
+        if part not in parts:
+            return get(name)
+        fused_name, index = parts[part]
+        fused_name = f"{prefix}.{fused_name}.{suffix}"
+        if fused_name not in last:
+            last.clear()
+            last[fused_name] = get(fused_name)
+        fused = last[fused_name]
+        sizes = [q_rows, kv_rows, kv_rows] if fused_name.endswith(f"qkv_proj.{suffix}") else [fused.shape[0] // 2] * 2
+        return fused.split(sizes, dim=0)[index]
+
+    return get_unfused
+
+
+def _rotary_order(t: torch.Tensor, order: torch.Tensor | None, head_dim: int) -> torch.Tensor:
+    """Reorder the dims of every head of a q/k weight (heads * head_dim, ...) or bias/norm weight."""
+    if order is None:
+        return t
+    return t.unflatten(0, (-1, head_dim))[:, order].flatten(0, 1)
+
+
 def llama_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (engine name, tensor) for one rank of a Llama-family checkpoint, layer by layer."""
+    """Yield (engine name, tensor) for one rank of a Llama-family checkpoint, layer by layer.
+
+    Partial rotary (``rotary_dim < head_dim``): the dims of each q and k head (and of q/k norms)
+    are stored in the order of ``kernels.rotary.partial_rotary_order``, which lets the full-head
+    rotary kernels rotate exactly the checkpoint's rotary dims; q.k is unchanged by the reorder.
+    """
+    if cfg.architecture == "Phi3ForCausalLM":
+        get = unfused_phi3_getter(get, cfg)
+    order = None if cfg.rotary_dim == cfg.head_dim else partial_rotary_order(cfg.head_dim, cfg.rotary_dim)
     yield "embed_tokens.weight", _shard(get("model.embed_tokens.weight"), 0, rank, tp_size)
     for i in range(cfg.num_layers):
         hf = f"model.layers.{i}."
+        rope_order = None if i in cfg.layers_without_rope else order
         yield f"layers.{i}.input_norm.weight", get(hf + "input_layernorm.weight")
-        qkv = [_shard(get(hf + f"self_attn.{p}_proj.weight"), 0, rank, tp_size) for p in "qkv"]
-        yield f"layers.{i}.qkv_proj.weight", torch.cat(qkv, dim=0)
+        yield f"layers.{i}.qkv_proj.weight", _fused_qkv(get, hf, "weight", rope_order, cfg, rank, tp_size)
         if cfg.qkv_bias:
-            bias = [_shard(get(hf + f"self_attn.{p}_proj.bias"), 0, rank, tp_size) for p in "qkv"]
-            yield f"layers.{i}.qkv_proj.bias", torch.cat(bias, dim=0)
+            yield f"layers.{i}.qkv_proj.bias", _fused_qkv(get, hf, "bias", rope_order, cfg, rank, tp_size)
+        if cfg.qk_norm:
+            for p in "qk":
+                yield f"layers.{i}.{p}_norm.weight", _rotary_order(get(hf + f"self_attn.{p}_norm.weight"),
+                                                                   rope_order, cfg.head_dim)
         yield f"layers.{i}.o_proj.weight", _shard(get(hf + "self_attn.o_proj.weight"), 1, rank, tp_size)
         yield f"layers.{i}.post_attn_norm.weight", get(hf + "post_attention_layernorm.weight")
         gate_up = [_shard(get(hf + f"mlp.{p}_proj.weight"), 0, rank, tp_size) for p in ("gate", "up")]
@@ -164,16 +261,26 @@ def llama_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: 
         yield "lm_head.weight", _shard(get("lm_head.weight"), 0, rank, tp_size)
 
 
+def _fused_qkv(get: TensorGetter, hf: str, kind: str, order, cfg: ModelConfig, rank: int, tp_size: int) -> torch.Tensor:
+    """This rank's [q_r | k_r | v_r] rows of a layer's q/k/v ``kind`` ("weight" or "bias")."""
+    q, k, v = (get(hf + f"self_attn.{p}_proj.{kind}") for p in "qkv")
+    q, k = _rotary_order(q, order, cfg.head_dim), _rotary_order(k, order, cfg.head_dim)
+    return torch.cat([_shard(t, 0, rank, tp_size) for t in (q, k, v)], dim=0)
+
+
 def moe_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: int) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (engine name, tensor) for one rank of a Mixtral / Qwen3-MoE checkpoint: the Llama
     family's tensors, with each sparse layer's MLP as its router (replicated) and its experts
-    stacked and sliced along their width (engine/models/moe.py says why)."""
+    stacked and sliced along their width (engine/models/moe.py says why). Neither family has
+    partial rotary or q/k/v biases (ModelConfig.validate refuses them for these architectures)."""
     yield "embed_tokens.weight", _shard(get("model.embed_tokens.weight"), 0, rank, tp_size)
     for i in range(cfg.num_layers):
         hf = f"model.layers.{i}."
         yield f"layers.{i}.input_norm.weight", get(hf + "input_layernorm.weight")
-        qkv = [_shard(get(hf + f"self_attn.{p}_proj.weight"), 0, rank, tp_size) for p in "qkv"]
-        yield f"layers.{i}.qkv_proj.weight", torch.cat(qkv, dim=0)
+        yield f"layers.{i}.qkv_proj.weight", _fused_qkv(get, hf, "weight", None, cfg, rank, tp_size)
+        if cfg.qk_norm:  # Qwen3-MoE
+            for p in "qk":
+                yield f"layers.{i}.{p}_norm.weight", get(hf + f"self_attn.{p}_norm.weight")
         yield f"layers.{i}.o_proj.weight", _shard(get(hf + "self_attn.o_proj.weight"), 1, rank, tp_size)
         yield f"layers.{i}.post_attn_norm.weight", get(hf + "post_attention_layernorm.weight")
         if not cfg.is_moe_layer(i):

@@ -32,7 +32,6 @@ from engine.config import ModelConfig
 from engine.models.layers import Linear, tp_all_reduce
 from engine.models.llama import LlamaForCausalLM, LlamaLayer
 from kernels.fused_moe import fused_moe, route_tokens
-from kernels.rmsnorm import rms_norm
 
 
 class SparseMoeBlock(nn.Module):
@@ -59,36 +58,28 @@ class SparseMoeBlock(nn.Module):
 
 
 class MoeLayer(LlamaLayer):
-    """A Llama layer whose MLP is a SparseMoeBlock when ``config.is_moe_layer(layer_index)``."""
+    """A Llama layer (Qwen3's q/k norms included) whose MLP is a SparseMoeBlock when
+    ``config.is_moe_layer(layer_index)``, else the dense SwiGLU MLP."""
 
-    def __init__(self, config: ModelConfig, layer_index: int, *, tp_size: int, tp_group, dtype, device):
-        super().__init__(config, layer_index, tp_size=tp_size, tp_group=tp_group, dtype=dtype, device=device)
-        self.is_sparse = config.is_moe_layer(layer_index)
-        if self.is_sparse:
-            # The dense MLP LlamaLayer declared is dropped for the experts (models are built on the
-            # meta device, so it never held memory).
-            del self.gate_up_proj, self.down_proj
-            self.moe = SparseMoeBlock(config, tp_size=tp_size, tp_group=tp_group, dtype=dtype, device=device)
+    def _init_mlp(self, config: ModelConfig, *, tp_size: int, tp_group, dtype, device, quantization) -> None:
+        self.moe = None
+        if not config.is_moe_layer(self.layer_index):
+            super()._init_mlp(config, tp_size=tp_size, tp_group=tp_group, dtype=dtype, device=device,
+                              quantization=quantization)
+            return
+        self.moe = SparseMoeBlock(config, tp_size=tp_size, tp_group=tp_group, dtype=dtype, device=device)
 
-    def forward(self, x, residual, positions, cos_sin_cache, kv_cache, meta):
-        """x, residual: (num_tokens, hidden); residual None on the first layer. Returns both, updated."""
-        h, residual = rms_norm(x, self.input_norm.weight, self.eps, residual)
-        h = self.attention(h, positions, cos_sin_cache, kv_cache, meta)
-        h, residual = rms_norm(h, self.post_attn_norm.weight, self.eps, residual)
-        if self.is_sparse:
-            return self.moe(h), residual
-        return self.down_proj(self.gate_up_proj.gated(h)), residual
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        return super().mlp(h) if self.moe is None else self.moe(h)
 
 
 class MoeForCausalLM(LlamaForCausalLM):
-    """The Llama-family model with MoeLayer layers (Mixtral, Qwen3-MoE) for one tensor-parallel
+    """The Llama-family model with MoeLayer blocks (Mixtral, Qwen3-MoE) for one tensor-parallel
     rank. No ``quantization`` argument: FP8 experts are not supported (engine.build says so)."""
+
+    layer_class = MoeLayer
 
     def __init__(self, config: ModelConfig, *, tp_rank: int = 0, tp_size: int = 1, tp_group=None,
                  dtype: torch.dtype = torch.float32, device=None, max_positions: int | None = None):
         super().__init__(config, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group, dtype=dtype, device=device,
                          max_positions=max_positions)
-        self.layers = nn.ModuleList(
-            MoeLayer(config, i, tp_size=tp_size, tp_group=tp_group, dtype=dtype, device=device)
-            for i in range(config.num_layers)
-        )

@@ -204,9 +204,13 @@ def test_sliding_window_bounds_max_seq_len(tmp_path):
 
 
 def test_unsupported_rope_scaling_is_named():
-    config = ModelConfig("LlamaForCausalLM", 96, 64, 2, 4, 2, 16, 96, rope_scaling={"rope_type": "yarn", "factor": 4.0})
-    with pytest.raises(ConfigError, match="unsupported rope_scaling type 'yarn'; supported: default, llama3, linear"):
+    config = ModelConfig("LlamaForCausalLM", 96, 64, 2, 4, 2, 16, 96, rope_scaling={"rope_type": "mrope", "factor": 4.0})
+    with pytest.raises(ConfigError, match="unsupported rope_scaling type 'mrope'; supported: default, llama3, linear, "
+                                          "yarn, dynamic, longrope"):
         config.validate()
+    yarn = ModelConfig("LlamaForCausalLM", 96, 64, 2, 4, 2, 16, 96, rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(ConfigError, match="rope_scaling of type 'yarn' lacks original_max_position_embeddings"):
+        yarn.validate()
 
 
 def test_rebuild_replaces_every_rank_file(tmp_path):
