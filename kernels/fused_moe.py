@@ -28,7 +28,8 @@ The Triton path (CUDA):
    its epilogue: act (T * K, I). down reads act[a], scales by topk_weights[a]: out_k (T * K, H).
 4. out = out_k.view(T, K, H).sum(1), accumulated in float32.
 
-Nothing in the Triton path waits on the device (grids depend on T, K, E only), so a decode step
+A single token (batch-1 decode) skips step 2: its K experts are distinct, so each assignment is
+a block of its own. Nothing in the Triton path waits on the device (grids depend on T, K, E only), so a decode step
 with MoE layers is captured in a CUDA graph like any other.
 
 ``fused_moe_ref`` is the plain-torch reference (the CPU path and the tests' oracle): the same
@@ -207,26 +208,35 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
 
 @jit
 def _grouped_gemm_kernel(
-    a_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, topk_weights_ptr,
+    a_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, topk_ids_ptr, topk_weights_ptr,
     N, K, num_assignments, stride_am, stride_we, stride_wn, stride_om,
     TOP_K: tl.constexpr, ROWS_PER_TOKEN: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ONE_PER_BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """out[a, n] = a_row(a) . w[expert, n, :] for the BLOCK_M assignments of block program_id(0)
     and the BLOCK_N columns of tile program_id(1).
 
+    Blocks come from moe_align (sorted_ids, block_expert, num_padded), or with ONE_PER_BLOCK
+    (a single token: its K experts are distinct) block b is assignment b alone, of expert
+    topk_ids[b], and no alignment runs at all.
     a_row(a) = a_ptr row a // TOP_K when ROWS_PER_TOKEN (x: one row per token), else row a (act).
     GATED: w has 2N rows per expert [gate | up]; out = silu(gate) * up, rounded as the unfused
     path rounds (each product to the output dtype, then silu, then the mul).
     MUL_WEIGHT: each row is scaled by topk_weights[a] (float32) before the one rounding to out.
     """
     block = tl.program_id(0)
-    if block * BLOCK_M >= tl.load(num_padded_ptr):
-        return  # past the last expert's padded run (the grid covers the worst case)
-    ids = tl.load(sorted_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
-    row_ok = ids < num_assignments
+    if ONE_PER_BLOCK:
+        ids = block + tl.arange(0, BLOCK_M) * 0
+        row_ok = tl.arange(0, BLOCK_M) == 0
+        expert = tl.load(topk_ids_ptr + block).to(tl.int64)
+    else:
+        if block * BLOCK_M >= tl.load(num_padded_ptr):
+            return  # past the last expert's padded run (the grid covers the worst case)
+        ids = tl.load(sorted_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+        row_ok = ids < num_assignments
+        expert = tl.load(block_expert_ptr + block).to(tl.int64)
     a_rows = (ids // TOP_K if ROWS_PER_TOKEN else ids).to(tl.int64)
-    expert = tl.load(block_expert_ptr + block).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     w_base = w_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn
@@ -270,16 +280,19 @@ def gemm_config(block_m: int) -> dict:
     return {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
 
 
-def _grouped_gemm(a, w, out, sorted_ids, block_expert, num_padded, topk_weights, *, n: int, top_k: int,
-                  rows_per_token: bool, gated: bool, mul_weight: bool, block_m: int, config: dict) -> None:
+def _grouped_gemm(a, w, out, blocks, topk_ids, topk_weights, *, n: int, top_k: int, rows_per_token: bool,
+                  gated: bool, mul_weight: bool, block_m: int, config: dict) -> None:
+    """blocks: moe_align's (sorted_ids, block_expert, num_padded), or None for one block per
+    assignment (a single token)."""
     cfg = dict(config)
     block_n = cfg.pop("BLOCK_N")
-    grid = (sorted_ids.numel() // block_m, triton.cdiv(n, block_n))
-    _grouped_gemm_kernel[grid](
-        a, w, out, sorted_ids, block_expert, num_padded, topk_weights,
+    num_blocks = topk_ids.numel() if blocks is None else blocks[0].numel() // block_m
+    sorted_ids, block_expert, num_padded = blocks if blocks is not None else (topk_ids,) * 3  # unread
+    _grouped_gemm_kernel[(num_blocks, triton.cdiv(n, block_n))](
+        a, w, out, sorted_ids, block_expert, num_padded, topk_ids, topk_weights,
         n, a.shape[1], out.shape[0], a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         TOP_K=top_k, ROWS_PER_TOKEN=rows_per_token, GATED=gated, MUL_WEIGHT=mul_weight,
-        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        ONE_PER_BLOCK=blocks is None, DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m, BLOCK_N=block_n, **cfg,
     )
 
@@ -296,14 +309,17 @@ def fused_moe_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
         return torch.empty_like(x)
     block_m = block_m or choose_block_m(num_assignments, num_experts)
     config = config or gemm_config(block_m)
-    sorted_ids, block_expert, num_padded = moe_align(topk_ids, num_experts, block_m)
+    # One token (batch-1 decode): its K experts are distinct, so each assignment is its own block
+    # and the alignment launch is skipped. Otherwise blocks of tokens grouped by expert.
+    blocks = None if num_tokens == 1 else moe_align(topk_ids, num_experts, block_m)
+    flat_ids = topk_ids.reshape(-1).contiguous()
     weights = topk_weights.reshape(-1).float().contiguous()
     act = torch.empty(num_assignments, inter, dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, gate_up, act, sorted_ids, block_expert, num_padded, weights, n=inter, top_k=top_k,
-                  rows_per_token=True, gated=True, mul_weight=False, block_m=block_m, config=config)
+    _grouped_gemm(x, gate_up, act, blocks, flat_ids, weights, n=inter, top_k=top_k, rows_per_token=True,
+                  gated=True, mul_weight=False, block_m=block_m, config=config)
     out_k = torch.empty(num_assignments, hidden, dtype=x.dtype, device=x.device)
-    _grouped_gemm(act, down, out_k, sorted_ids, block_expert, num_padded, weights, n=hidden, top_k=top_k,
-                  rows_per_token=False, gated=False, mul_weight=True, block_m=block_m, config=config)
+    _grouped_gemm(act, down, out_k, blocks, flat_ids, weights, n=hidden, top_k=top_k, rows_per_token=False,
+                  gated=False, mul_weight=True, block_m=block_m, config=config)
     return out_k.view(num_tokens, top_k, hidden).sum(dim=1)
 
 

@@ -160,7 +160,9 @@ def test_route_kernel_equals_reference(device, num_experts, top_k, renormalize):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens,hidden,inter,num_experts,top_k,used", [
-    (1, 2048, 768, 128, 8, None),          # Qwen3-30B-A3B's expert shape, one decode token
+    (1, 2048, 768, 128, 8, None),          # Qwen3-30B-A3B's expert shape, one decode token (no alignment)
+    (1, 200, 72, 8, 2, None),              # one token, Mixtral-like
+    (2, 200, 72, 8, 2, None),              # two tokens: aligned blocks
     (7, 200, 72, 8, 2, (1, 2, 5)),         # Mixtral-like top-2, five experts idle
     (70, 576, 136, 10, 2, None),           # enough tokens per expert for block_m 32
     (300, 256, 96, 8, 2, (0, 3, 4, 7)),    # 600 assignments: block_m 64, torch-ops alignment
