@@ -49,11 +49,14 @@ def test_a_batch_where_some_experts_get_no_token(family, tmp_path):
     still equal transformers'."""
     hf = tiny_hf(family)
     runner = ModelRunner(make_engine(hf, tmp_path / "engine"))
-    routed: list[set[int]] = []
+    routed: list[set[int]] = []  # per sparse layer and step: the experts that got a token
+
+    def record_experts(module, args, router_logits):
+        routed.append(set(route_tokens_ref(router_logits, 2, True)[1].flatten().tolist()))
+
     for layer in runner.model.layers:
         if layer.moe is not None:
-            layer.moe.router.register_forward_hook(
-                lambda module, args, logits: routed.append(set(route_tokens_ref(logits, 2, True)[1].flatten().tolist())))
+            layer.moe.router.register_forward_hook(record_experts)
     seqs = {0: _tokens(9, 1), 1: _tokens(6, 2), 2: _tokens(11, 3)}
     session = PagedSession(runner, num_blocks=32)
     session.step([(0, seqs[0][:8]), (1, seqs[1][:5]), (2, seqs[2][:9])])
