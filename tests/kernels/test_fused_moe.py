@@ -165,7 +165,7 @@ def test_route_kernel_equals_reference(device, num_experts, top_k, renormalize):
     (2, 200, 72, 8, 2, None),              # two tokens: aligned blocks
     (7, 200, 72, 8, 2, (1, 2, 5)),         # Mixtral-like top-2, five experts idle
     (70, 576, 136, 10, 2, None),           # enough tokens per expert for block_m 32
-    (300, 256, 96, 8, 2, (0, 3, 4, 7)),    # 600 assignments: block_m 64, torch-ops alignment
+    (300, 256, 96, 8, 2, (0, 3, 4, 7)),    # 600 assignments: block_m 64, four experts idle
     (260, 128, 64, 16, 8, None),           # 2080 assignments: past the align kernel's limit
 ])
 def test_fused_moe_kernel_equals_reference(device, num_tokens, hidden, inter, num_experts, top_k, used):
@@ -198,12 +198,13 @@ def test_every_block_size_and_tile_config(device, block_m):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="captures a CUDA graph")
-def test_fused_moe_replays_from_a_cuda_graph():
+@pytest.mark.parametrize("num_tokens", [1, 4, 600])  # no alignment, the align kernel, torch-ops alignment
+def test_fused_moe_replays_from_a_cuda_graph(num_tokens):
     """No host synchronisation inside: the whole routed MLP captures, and a replay with new
     inputs (other experts chosen) gives the new answer."""
     from kernels.fused_moe import fused_moe, route_tokens
 
-    x, gate_up, down, logits = make_problem(4, 256, 128, 32, 4, seed=5)
+    x, gate_up, down, logits = make_problem(num_tokens, 256, 128, 32, 4, seed=5)
     x, gate_up, down, logits = (t.to("cuda", torch.bfloat16) for t in (x, gate_up, down, logits))
 
     def step():
@@ -215,7 +216,7 @@ def test_fused_moe_replays_from_a_cuda_graph():
     with torch.cuda.graph(graph):
         out = step()
     for seed in (6, 7):
-        _, _, _, new_logits = make_problem(4, 256, 128, 32, 4, seed=seed)
+        _, _, _, new_logits = make_problem(num_tokens, 256, 128, 32, 4, seed=seed)
         logits.copy_(new_logits.to(torch.bfloat16))
         graph.replay()
         weights, ids = route_tokens_ref(logits.cpu(), 4, True)
