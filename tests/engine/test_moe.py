@@ -181,3 +181,14 @@ def test_engine_on_cuda_in_bf16_is_close_to_transformers(family, tmp_path):
         rows.append(session.step([(0, [sequence[pos]])])[0][0].cpu().float())
     errors = [(row - want).abs().max().item() for row, want in zip(rows, expected)]
     assert sum(error <= 0.15 for error in errors) >= 0.9 * len(errors), errors
+
+
+def test_sparse_layers_follow_qwen3_moe_rule():
+    """A layer is sparse unless it is in mlp_only_layers or (index + 1) is not a multiple of
+    decoder_sparse_step, as transformers' Qwen3MoeDecoderLayer decides."""
+    config = ModelConfig(architecture="Qwen3MoeForCausalLM", vocab_size=96, hidden_size=64, num_layers=6,
+                         num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=40, num_experts=8,
+                         num_experts_per_tok=2, moe_intermediate_size=24, decoder_sparse_step=2,
+                         mlp_only_layers=[3]).validate()
+    assert [config.is_moe_layer(i) for i in range(6)] == [False, True, False, False, False, True]
+    assert not ModelConfig(**{**config.to_dict(), "architecture": "LlamaForCausalLM", "num_experts": 0}).is_moe_layer(1)
