@@ -15,7 +15,6 @@ scales (kernels/fp8.py).
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
 import sys
 import time
@@ -43,7 +42,7 @@ from engine.convert import (
     iter_rank_weights,
     unsupported_sliding_window,
 )
-from engine.models import get_model_class
+from engine.models import MODEL_FAMILIES, get_family, get_model_class
 from kernels.fp8 import quantize_weight
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -54,9 +53,9 @@ def expected_tensor_names(model: ModelConfig, tp_size: int, quantization: str | 
     model_class = get_model_class(model.architecture)
     if quantization is None:
         return list(model_class(model, tp_size=tp_size, device="meta").state_dict())
-    if "quantization" not in inspect.signature(model_class).parameters:
-        raise ConfigError(f"quantization {quantization} is not supported for {model.architecture}; "
-                          "it is for the Llama family (Llama, Mistral, Qwen2, SmolLM)")
+    if not get_family(model.architecture).fp8:
+        raise ConfigError(f"quantization {quantization} is not supported for {model.architecture}; it is for "
+                          + ", ".join(family.architecture for family in MODEL_FAMILIES if family.fp8))
     return list(model_class(model, tp_size=tp_size, device="meta", quantization=quantization).state_dict())
 
 

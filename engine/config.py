@@ -71,8 +71,10 @@ class ModelConfig:
     """The shape of a decoder-only transformer, independent of how it is sharded or cast.
 
     ``architecture`` is the Hugging Face class name. ``rope_scaling`` keeps HF's layout
-    (e.g. ``{"rope_type": "llama3", "factor": 8.0, ...}``). ``head_dim`` may differ from
-    ``hidden_size // num_heads`` (some Qwen/Mistral variants).
+    (e.g. ``{"rope_type": "llama3", "factor": 8.0, ...}``), completed by engine.convert with the
+    ``original_max_position_embeddings``/``max_position_embeddings`` its frequencies need.
+    ``head_dim`` may differ from ``hidden_size // num_heads`` (some Qwen/Mistral variants).
+    Fields added after format version 2 shipped have defaults, so older engines still load.
     """
 
     architecture: str
@@ -186,6 +188,21 @@ class ModelConfig:
         _require(not bad, f"layers_without_rope {bad} are not layer indices; allowed: 0..{self.num_layers - 1}")
 
     @property
+    def max_positions(self) -> tuple[int, str]:
+        """(the longest sequence the model's positions cover, where that number comes from).
+
+        yarn extends a model to ``factor * original_max_position_embeddings`` (Qwen3's recipe keeps
+        max_position_embeddings at the pretrained length); every other kind of position is bounded
+        by max_position_embeddings (dynamic NTK included: its static table is exact only there).
+        """
+        extended = 0
+        if self.rope_type == "yarn" and self.rope_scaling.get("factor"):
+            extended = int(self.rope_scaling["factor"] * self.rope_scaling["original_max_position_embeddings"])
+        if extended > self.max_position_embeddings:
+            return extended, f"yarn factor x original_max_position_embeddings ({extended})"
+        return self.max_position_embeddings, f"max_position_embeddings ({self.max_position_embeddings})"
+
+    @property
     def rotary_dim(self) -> int:
         """How many leading dims of each q/k head (in the checkpoint's order) rope rotates."""
         return int(self.head_dim * self.partial_rotary_factor)
@@ -211,7 +228,8 @@ class BuildConfig:
     dtype: str = "float16"
     max_batch_size: int = 8
     # None: taken from the checkpoint by ``resolve_build_limits`` (which the build calls):
-    # max_seq_len = max_position_embeddings (at most MAX_DEFAULT_SEQ_LEN, and within an
+    # max_seq_len = the model's positions (ModelConfig.max_positions: max_position_embeddings,
+    # or what yarn extends it to; at most MAX_DEFAULT_SEQ_LEN, and within an
     # unsupported sliding window), max_input_len = max_seq_len, max_num_tokens =
     # max(MIN_DEFAULT_MAX_NUM_TOKENS, max_input_len) but at most max_batch_size * max_seq_len.
     max_input_len: int | None = None
@@ -266,9 +284,9 @@ def resolve_build_limits(build: BuildConfig, model: ModelConfig, *, sliding_wind
     contradicts the model raises ConfigError naming both numbers.
     """
     build.validate()
-    positions = model.max_position_embeddings
+    positions, source = model.max_positions
     _require(build.max_seq_len is None or build.max_seq_len <= positions,
-             f"max_seq_len ({build.max_seq_len}) exceeds the model's max_position_embeddings ({positions}); "
+             f"max_seq_len ({build.max_seq_len}) exceeds the model's {source}; "
              f"allowed: max_seq_len <= {positions}, or leave it out to use {min(positions, MAX_DEFAULT_SEQ_LEN)}")
     default_seq_len = min(positions, MAX_DEFAULT_SEQ_LEN, sliding_window or positions)
     if build.max_input_len is not None and build.max_seq_len is None:

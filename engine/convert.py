@@ -8,7 +8,10 @@ the engine model declares (names in docs/INTERFACES.md):
   rank's slice is itself a fused projection;
 - gate/up are fused to ``gate_up_proj`` with rows [gate_r | up_r];
 - o_proj / down_proj (and GPT-2's c_proj's) are split along their input columns;
-- embeddings and lm_head are split by vocab rows.
+- embeddings and lm_head are split by vocab rows;
+- Phi-3's fused qkv_proj/gate_up_proj are split back into their parts first (unfused_phi3_getter),
+  so they shard like the rest; Qwen3's q_norm/k_norm are replicated;
+- with partial rotary, q/k head dims are reordered (kernels.rotary.partial_rotary_order).
 """
 from __future__ import annotations
 

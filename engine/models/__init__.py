@@ -79,8 +79,8 @@ def supported_models_markdown() -> str:
     def mark(flag: bool) -> str:
         return "yes" if flag else "no"
 
-    rows = ["| architecture | checkpoints | tensor parallel | FP8 weights | sliding window |",
+    rows = ["| architecture | checkpoints | tensor parallel | FP8 weights | sliding-window attention |",
             "|---|---|---|---|---|"]
     rows += [f"| `{f.architecture}` | {f.checkpoints} | {mark(f.tensor_parallel)} | {mark(f.fp8)} | "
-             f"{'yes' if f.sliding_window else 'no (max_seq_len <= window)'} |" for f in MODEL_FAMILIES]
+             f"{mark(f.sliding_window)} |" for f in MODEL_FAMILIES]
     return "\n".join(rows)
