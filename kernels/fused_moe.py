@@ -10,7 +10,7 @@ An "assignment" is one (token, slot) pair, numbered a = t * K + k (T * K of them
 
 The Triton path (CUDA):
 1. ``route_tokens``: router logits (T, E) -> softmax in float32 -> top-k -> optional renormalisation
-   (one program per token).
+   (one program per token; for a single token, inside the gate_up launch: ``moe_forward``).
 2. ``moe_align``: the assignments sorted by expert, each expert's run padded to a multiple of
    BLOCK_M with the sentinel T * K, so every BLOCK_M-row block of the sorted list belongs to one
    expert. Worked example, K = 2, E = 3, BLOCK_M = 4, topk_ids = [[2, 0], [0, 2], [1, 0]]:
@@ -62,14 +62,13 @@ def route_tokens_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool)
 
 
 @jit
-def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
-                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr):
-    """One program per token: softmax over its E logits, then K rounds of arg-max (lowest index
-    on ties), each removing the chosen expert."""
-    token = tl.program_id(0).to(tl.int64)
+def _top_k_of_row(row_ptr, num_experts, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
+                  RENORMALIZE: tl.constexpr):
+    """(weights (K_PAD,) float32, ids (K_PAD,) int32; slots >= TOP_K hold 0) of one row of router
+    logits: softmax over its E logits, then K rounds of arg-max (lowest index on ties), each
+    removing the chosen expert."""
     experts = tl.arange(0, E_PAD)
-    logits = tl.load(logits_ptr + token * stride_l + experts, mask=experts < num_experts,
-                     other=-float("inf")).to(tl.float32)
+    logits = tl.load(row_ptr + experts, mask=experts < num_experts, other=-float("inf")).to(tl.float32)
     probs = tl.exp(logits - tl.max(logits, 0))
     probs = probs / tl.sum(probs, 0)
     probs = tl.where(experts < num_experts, probs, -1.0)
@@ -83,7 +82,17 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
         chosen_id = tl.where(slots == k, best_id, chosen_id)
         probs = tl.where(experts == best_id, -1.0, probs)
     if RENORMALIZE:
-        chosen_w = chosen_w / tl.sum(chosen_w, 0)  # padding slots hold 0
+        chosen_w = chosen_w / tl.sum(chosen_w, 0)
+    return chosen_w, chosen_id
+
+
+@jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
+                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr):
+    """One program per token: its top-k (_top_k_of_row) into weights / ids (T, K)."""
+    token = tl.program_id(0).to(tl.int64)
+    chosen_w, chosen_id = _top_k_of_row(logits_ptr + token * stride_l, num_experts, TOP_K, K_PAD, E_PAD, RENORMALIZE)
+    slots = tl.arange(0, K_PAD)
     tl.store(weights_ptr + token * TOP_K + slots, chosen_w, mask=slots < TOP_K)
     tl.store(ids_ptr + token * TOP_K + slots, chosen_id, mask=slots < TOP_K)
 
@@ -210,9 +219,10 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
 @jit
 def _grouped_gemm_kernel(
     a_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, topk_ids_ptr, topk_weights_ptr,
-    N, K, num_assignments, stride_am, stride_we, stride_wn, stride_om,
+    logits_ptr, num_experts, N, K, num_assignments, stride_am, stride_we, stride_wn, stride_om,
     TOP_K: tl.constexpr, ROWS_PER_TOKEN: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
-    ONE_PER_BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ONE_PER_BLOCK: tl.constexpr, ROUTE_IN_KERNEL: tl.constexpr, RENORMALIZE: tl.constexpr,
+    K_PAD: tl.constexpr, E_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """out[a, n] = a_row(a) . w[expert, n, :] for the BLOCK_M assignments of block program_id(0)
@@ -220,7 +230,10 @@ def _grouped_gemm_kernel(
 
     Blocks come from moe_align (sorted_ids, block_expert, num_padded), or with ONE_PER_BLOCK
     (a single token: its K experts are distinct) block b is assignment b alone, of expert
-    topk_ids[b], and no alignment runs at all.
+    topk_ids[b], and no alignment runs at all. ROUTE_IN_KERNEL (with ONE_PER_BLOCK): every
+    program finds the token's top-k from its router logits itself (E values: nothing next to
+    the weight tiles) and takes the b-th; program (0, 0) writes them to topk_weights / topk_ids
+    for the down GEMM, so the single token's routing costs no launch of its own.
     a_row(a) = a_ptr row a // TOP_K when ROWS_PER_TOKEN (x: one row per token), else row a (act).
     GATED: w has 2N rows per expert [gate | up]; out = silu(gate) * up, rounded as the unfused
     path rounds (each product to the output dtype, then silu, then the mul).
@@ -230,7 +243,15 @@ def _grouped_gemm_kernel(
     if ONE_PER_BLOCK:
         ids = block + tl.arange(0, BLOCK_M) * 0
         row_ok = tl.arange(0, BLOCK_M) == 0
-        expert = tl.load(topk_ids_ptr + block).to(tl.int64)
+        if ROUTE_IN_KERNEL:
+            chosen_w, chosen_id = _top_k_of_row(logits_ptr, num_experts, TOP_K, K_PAD, E_PAD, RENORMALIZE)
+            slots = tl.arange(0, K_PAD)
+            expert = tl.sum(tl.where(slots == block, chosen_id, 0), 0).to(tl.int64)
+            write = (slots < TOP_K) & (slots * 0 + block + tl.program_id(1) == 0)  # program (0, 0) only
+            tl.store(topk_weights_ptr + slots, chosen_w, mask=write)
+            tl.store(topk_ids_ptr + slots, chosen_id, mask=write)
+        else:
+            expert = tl.load(topk_ids_ptr + block).to(tl.int64)
     else:
         if block * BLOCK_M >= tl.load(num_padded_ptr):
             return  # past the last expert's padded run (the grid covers the worst case)
@@ -282,20 +303,47 @@ def gemm_config(block_m: int) -> dict:
 
 
 def _grouped_gemm(a, w, out, blocks, topk_ids, topk_weights, *, n: int, top_k: int, rows_per_token: bool,
-                  gated: bool, mul_weight: bool, block_m: int, config: dict) -> None:
+                  gated: bool, mul_weight: bool, block_m: int, config: dict,
+                  router_logits: torch.Tensor | None = None, renormalize: bool = False) -> None:
     """blocks: moe_align's (sorted_ids, block_expert, num_padded), or None for one block per
-    assignment (a single token)."""
+    assignment (a single token). router_logits (1, E) (with blocks None): route in the kernel
+    and write topk_weights / topk_ids (flat, K) instead of reading them."""
     cfg = dict(config)
     block_n = cfg.pop("BLOCK_N")
     num_blocks = topk_ids.numel() if blocks is None else blocks[0].numel() // block_m
     sorted_ids, block_expert, num_padded = blocks if blocks is not None else (topk_ids,) * 3  # unread
+    num_experts = w.shape[0]
     _grouped_gemm_kernel[(num_blocks, triton.cdiv(n, block_n))](
         a, w, out, sorted_ids, block_expert, num_padded, topk_ids, topk_weights,
+        router_logits if router_logits is not None else topk_weights, num_experts,
         n, a.shape[1], out.shape[0], a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         TOP_K=top_k, ROWS_PER_TOKEN=rows_per_token, GATED=gated, MUL_WEIGHT=mul_weight,
-        ONE_PER_BLOCK=blocks is None, DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        ONE_PER_BLOCK=blocks is None, ROUTE_IN_KERNEL=router_logits is not None, RENORMALIZE=renormalize,
+        K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(num_experts),
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m, BLOCK_N=block_n, **cfg,
     )
+
+
+def moe_single_token_triton(x: torch.Tensor, router_logits: torch.Tensor, gate_up: torch.Tensor,
+                            down: torch.Tensor, top_k: int, renormalize: bool, *,
+                            config: dict | None = None) -> torch.Tensor:
+    """route_tokens + fused_moe for one token (batch-1 decode) in three launches: gate_up with
+    the routing inside, down, and the sum over the K experts."""
+    hidden = x.shape[1]
+    inter = gate_up.shape[1] // 2
+    assert x.shape[0] == 1 and x.stride(1) == 1 and router_logits.is_contiguous()
+    assert gate_up.is_contiguous() and down.is_contiguous()
+    config = config or gemm_config(16)
+    ids = torch.empty(top_k, dtype=torch.int32, device=x.device)
+    weights = torch.empty(top_k, dtype=torch.float32, device=x.device)
+    act = torch.empty(top_k, inter, dtype=x.dtype, device=x.device)
+    _grouped_gemm(x, gate_up, act, None, ids, weights, n=inter, top_k=top_k, rows_per_token=True, gated=True,
+                  mul_weight=False, block_m=16, config=config, router_logits=router_logits, renormalize=renormalize)
+    out_k = torch.empty(top_k, hidden, dtype=x.dtype, device=x.device)
+    _grouped_gemm(act, down, out_k, None, ids, weights, n=hidden, top_k=top_k, rows_per_token=False,
+                  gated=False, mul_weight=True, block_m=16, config=config)
+    return out_k.sum(dim=0, keepdim=True)
 
 
 def fused_moe_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
@@ -356,3 +404,13 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_w
     if use_triton(x):
         return fused_moe_triton(x, gate_up, down, topk_weights, topk_ids)
     return fused_moe_ref(x, gate_up, down, topk_weights, topk_ids)
+
+
+def moe_forward(x: torch.Tensor, router_logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                top_k: int, renormalize: bool) -> torch.Tensor:
+    """A sparse MLP after its router: route_tokens then fused_moe; one token on CUDA (batch-1
+    decode) routes inside the gate_up launch (moe_single_token_triton)."""
+    if use_triton(x) and x.shape[0] == 1:
+        return moe_single_token_triton(x, router_logits, gate_up, down, top_k, renormalize)
+    topk_weights, topk_ids = route_tokens(router_logits, top_k, renormalize)
+    return fused_moe(x, gate_up, down, topk_weights, topk_ids)

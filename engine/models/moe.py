@@ -31,7 +31,7 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.models.layers import Linear, tp_all_reduce
 from engine.models.llama import LlamaForCausalLM, LlamaLayer
-from kernels.fused_moe import fused_moe, route_tokens
+from kernels.fused_moe import moe_forward
 
 
 class SparseMoeBlock(nn.Module):
@@ -52,8 +52,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (num_tokens, hidden) -> the routed experts' output (num_tokens, hidden)."""
-        topk_weights, topk_ids = route_tokens(self.router(x), self.top_k, self.renormalize)
-        out = fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+        out = moe_forward(x, self.router(x), self.gate_up_proj, self.down_proj, self.top_k, self.renormalize)
         return out if self.tp_group is None else tp_all_reduce(out, self.tp_group)
 
 

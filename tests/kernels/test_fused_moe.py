@@ -45,6 +45,14 @@ def make_problem(num_tokens, hidden, inter, num_experts, top_k, *, seed, used_ex
     return x, gate_up, down, logits
 
 
+def distinct_logits(num_tokens, num_experts, *, seed):
+    """Router logits whose values differ even in bf16 (steps of 0.05 over [-3, 3.4]; bf16 steps
+    there are <= 0.016): with a tie at the k-th place both choices would be right, and a kernel
+    and the reference may take different ones."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(num_experts, generator=gen) * 0.05 - 3.0 for _ in range(num_tokens)])
+
+
 def per_token_loop(x, gate_up, down, weights, ids):
     """The definition, one (token, slot) at a time, in float64."""
     out = torch.zeros(x.shape, dtype=torch.float64)
@@ -150,10 +158,7 @@ def test_align_kernel_equals_torch_ops(device, num_tokens, num_experts, top_k):
 def test_route_kernel_equals_reference(device, num_experts, top_k, renormalize):
     from kernels.fused_moe import route_tokens_triton
 
-    # Distinct even in bf16 (steps of 0.05 over [-3, 3.4], where bf16 steps are <= 0.016): with a tie
-    # at the k-th place both choices would be right, and the two sides may take different ones.
-    gen = torch.Generator().manual_seed(num_experts)
-    logits = torch.stack([torch.randperm(num_experts, generator=gen) * 0.05 - 3.0 for _ in range(19)])
+    logits = distinct_logits(19, num_experts, seed=num_experts)
     for dtype in kernel_dtypes(device):
         weights, ids = route_tokens_triton(logits.to(dtype).to(device), top_k, renormalize)
         ref_weights, ref_ids = route_tokens_ref(logits.to(dtype), top_k, renormalize)
@@ -186,6 +191,34 @@ def test_fused_moe_kernel_equals_reference(device, num_tokens, hidden, inter, nu
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("hidden,inter,num_experts,top_k", [(2048, 768, 128, 8), (200, 72, 8, 2), (96, 40, 60, 4)])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_single_token_routes_inside_the_gate_up_launch(device, hidden, inter, num_experts, top_k, renormalize):
+    """Batch-1 decode: routing fused into the gate_up launch gives the reference's output."""
+    from kernels.fused_moe import moe_single_token_triton
+
+    x, gate_up, down, _ = make_problem(1, hidden, inter, num_experts, top_k, seed=inter)
+    logits = distinct_logits(1, num_experts, seed=hidden)
+    for dtype in kernel_dtypes(device):
+        args = [t.to(dtype) for t in (x, gate_up, down)]
+        weights, ids = route_tokens_ref(logits.to(dtype), top_k, renormalize)
+        expected = fused_moe_ref(*args, weights, ids)
+        out = moe_single_token_triton(args[0].to(device), logits.to(dtype).to(device), args[1].to(device),
+                                      args[2].to(device), top_k, renormalize)
+        assert out.dtype == dtype and out.shape == (1, hidden)
+        assert relative_error(out, expected) < TOLERANCE[dtype], dtype
+
+
+def test_moe_forward_is_routing_then_fused_moe():
+    from kernels.fused_moe import moe_forward
+
+    x, gate_up, down, logits = make_problem(9, 40, 24, 8, 2, seed=4)
+    for renormalize in (True, False):
+        expected = fused_moe_ref(x, gate_up, down, *route_tokens_ref(logits, 2, renormalize))
+        assert torch.equal(moe_forward(x, logits, gate_up, down, 2, renormalize), expected)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("block_m", [16, 32, 64])
 def test_every_block_size_and_tile_config(device, block_m):
     """fused_moe_triton picks block_m and tiles by size; each choice must compute the same thing."""
@@ -201,30 +234,21 @@ def test_every_block_size_and_tile_config(device, block_m):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="captures a CUDA graph")
-@pytest.mark.parametrize("num_tokens", [1, 4, 600])  # no alignment, the align kernel, torch-ops alignment
-def test_fused_moe_replays_from_a_cuda_graph(num_tokens):
-    """No host synchronisation inside: the whole routed MLP captures, and a replay with new
-    inputs (other experts chosen) gives the new answer."""
-    from kernels.fused_moe import fused_moe, route_tokens
+@pytest.mark.parametrize("num_tokens", [1, 4, 600])  # routing in gate_up, the align kernel, torch-ops alignment
+def test_moe_forward_replays_from_a_cuda_graph(num_tokens):
+    """No host synchronisation inside: the whole routed MLP captures, and replays with new router
+    logits (other experts chosen) give the new answers."""
+    from kernels.fused_moe import moe_forward
 
-    x, gate_up, down, logits = make_problem(num_tokens, 256, 128, 32, 4, seed=5)
-    x, gate_up, down, logits = (t.to("cuda", torch.bfloat16) for t in (x, gate_up, down, logits))
-
-    def step():
-        weights, ids = route_tokens(logits, 4, True)
-        return weights, ids, fused_moe(x, gate_up, down, weights, ids)
-
-    step()
+    x, gate_up, down, _ = make_problem(num_tokens, 256, 128, 32, 4, seed=5)
+    x, gate_up, down = (t.to("cuda", torch.bfloat16) for t in (x, gate_up, down))
+    logits = distinct_logits(num_tokens, 32, seed=5).to("cuda", torch.bfloat16)
+    moe_forward(x, logits, gate_up, down, 4, True)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        weights, ids, out = step()
-    routings = []
+        out = moe_forward(x, logits, gate_up, down, 4, True)
     for seed in (6, 7):
-        _, _, _, new_logits = make_problem(num_tokens, 256, 128, 32, 4, seed=seed)
-        logits.copy_(new_logits.to(torch.bfloat16))
+        logits.copy_(distinct_logits(num_tokens, 32, seed=seed))
         graph.replay()
-        routings.append(ids.cpu().clone())
-        # Checked against the routing the graph made (bf16 logits may tie, so it is not recomputed).
-        expected = fused_moe_ref(x.cpu(), gate_up.cpu(), down.cpu(), weights.cpu(), ids.cpu())
+        expected = fused_moe_ref(x.cpu(), gate_up.cpu(), down.cpu(), *route_tokens_ref(logits.cpu(), 4, True))
         assert relative_error(out, expected) < TOLERANCE[torch.bfloat16]
-    assert not torch.equal(*routings)  # the replays routed anew
