@@ -31,7 +31,7 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.models.layers import Linear, tp_all_reduce
 from engine.models.llama import LlamaForCausalLM, LlamaLayer
-from kernels.fused_moe import moe_forward
+from kernels.fused_moe import ALIGN_KERNEL_MAX_ASSIGNMENTS, moe_forward
 
 
 class SparseMoeBlock(nn.Module):
@@ -82,3 +82,20 @@ class MoeForCausalLM(LlamaForCausalLM):
                  dtype: torch.dtype = torch.float32, device=None, max_positions: int | None = None):
         super().__init__(config, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group, dtype=dtype, device=device,
                          max_positions=max_positions)
+
+    @torch.inference_mode()
+    def warm_up_kernels(self) -> None:
+        """Compile the fused-MoE kernels for every variant a forward may pick (one token; block
+        sizes 16, 32 and 64; the align kernel and the torch-ops alignment), so the first long
+        prefill does not compile them in a request's time. The experts of the first sparse
+        layer run on zeros, without the all-reduce (no collective: ranks may warm up apart)."""
+        block = next((layer.moe for layer in self.layers if layer.moe is not None), None)
+        if block is None:
+            return
+        experts, top_k = block.gate_up_proj.shape[0], block.top_k
+        per_expert = (1, 17, 65)  # average rows per expert where choose_block_m picks 16, 32, 64
+        counts = {1, 2, -(-ALIGN_KERNEL_MAX_ASSIGNMENTS // top_k) + 1}
+        counts |= {-(-n * experts // top_k) for n in per_expert}
+        for num_tokens in sorted(counts):
+            x = block.gate_up_proj.new_zeros(num_tokens, block.gate_up_proj.shape[2])
+            moe_forward(x, block.router(x), block.gate_up_proj, block.down_proj, top_k, block.renormalize)

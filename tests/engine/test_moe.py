@@ -192,3 +192,10 @@ def test_sparse_layers_follow_qwen3_moe_rule():
                          mlp_only_layers=[3]).validate()
     assert [config.is_moe_layer(i) for i in range(6)] == [False, True, False, False, False, True]
     assert not ModelConfig(**{**config.to_dict(), "architecture": "LlamaForCausalLM", "num_experts": 0}).is_moe_layer(1)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_kernel_warm_up_runs_every_variant(family, tmp_path):
+    """ModelRunner.warmup calls warm_up_kernels on CUDA; here the same calls run the reference."""
+    runner = ModelRunner(make_engine(tiny_hf(family), tmp_path / "engine"))
+    runner.model.warm_up_kernels()
