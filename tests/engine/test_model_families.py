@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import transformers
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 import engine.config
 from engine.build import main
@@ -107,6 +107,44 @@ def test_fp8_engine_of_a_new_family_stays_within_the_rounding_bound(family, tmp_
     assert (quantized.argmax(-1) == reference.argmax(-1)).float().mean().item() >= 0.9
 
 
+def test_fp8_phi3_checkpoint_keeps_its_values_through_unfusing_reordering_and_tp(tmp_path):
+    """A compressed-tensors FP8 Phi-4-mini-like checkpoint (fused qkv_proj and gate_up_proj, partial
+    rotary): every rank's FP8 weights times their scales equal, exactly, what a float32 build of the
+    dequantized model holds, so the E4M3 values and per-row scales followed the split into q/k/v,
+    the q/k dim reorder and the tp split without being rounded again."""
+    from kernels.fp8 import FP8_DTYPE
+    from test_fp8_checkpoints import SOURCE_PEAK
+
+    hf = tiny_hf("phi4_mini_partial_rotary")
+    tensors, dequantized = {}, {}
+    for name, param in hf.state_dict().items():
+        module = name.removesuffix(".weight")
+        if name.endswith(("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight")):
+            scale = param.abs().amax(dim=1, keepdim=True) / SOURCE_PEAK
+            tensors[name], tensors[module + ".weight_scale"] = (param / scale).to(FP8_DTYPE), scale
+            dequantized[name] = tensors[name].float() * scale
+        else:
+            tensors[name] = dequantized[name] = param.detach().clone()
+    hf.load_state_dict(dequantized)
+    reference = make_engine(hf, tmp_path / "dequantized", tp_size=2)
+    hf.config.quantization_config = {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False}}}}
+    checkpoint = tmp_path / "ckpt"
+    hf.config.save_pretrained(checkpoint)
+    save_file({n: t.contiguous() for n, t in tensors.items()}, str(checkpoint / "model.safetensors"))
+    assert main(["--checkpoint", str(checkpoint), "--output", str(tmp_path / "fp8"), "--dtype", "float32",
+                 "--tp_size", "2"]) == 0
+    for rank in range(2):
+        fp8 = load_file(f"{tmp_path / 'fp8'}/rank{rank}.safetensors")
+        full = load_file(f"{reference}/rank{rank}.safetensors")
+        quantized = [name for name, weight in fp8.items() if weight.dtype == FP8_DTYPE]
+        assert len(quantized) == 4 * 3  # qkv, o, gate_up, down of 3 layers
+        for name in quantized:
+            assert torch.equal(fp8[name].float() * fp8[name + "_scale"][:, None], full[name]), (rank, name)
+
+
 # ---- tensor parallelism ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("family", NEW_FAMILIES)
@@ -122,7 +160,7 @@ def test_tp2_shards_reassemble_exactly_to_tp1(family, tmp_path):
 
 def test_two_gloo_ranks_compute_tp1_logits(tmp_path):
     engine_dirs, expected = {}, {}
-    for family in ("qwen3", "phi3_longrope", "phi4_mini_partial_rotary", "smollm3_nope", "llama_yarn"):
+    for family in NEW_FAMILIES:
         hf = tiny_hf(family)
         engine_dirs[family] = make_engine(hf, tmp_path / f"{family}-tp2", tp_size=2)
         expected[family] = tp_reference_steps(ModelRunner(make_engine(hf, tmp_path / f"{family}-tp1")))
