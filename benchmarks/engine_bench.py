@@ -672,40 +672,11 @@ def bench_latency(results: dict, executor, vocab: int, rates: list[float], secon
     results["latency"] = rows
 
 
-def hf_model_like(c: dict):
-    """A transformers model of the shape of MODELS entry ``c`` (random weights): Llama for the
-    dense shapes, Qwen3-MoE for the MoE ones (transformers' default experts implementation)."""
-    import transformers
-
-    common = dict(
-        vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], num_hidden_layers=c["num_layers"],
-        num_attention_heads=c["num_heads"], num_key_value_heads=c["num_kv_heads"], head_dim=c["head_dim"],
-        intermediate_size=c["intermediate_size"], rms_norm_eps=c.get("norm_eps", 1e-5),
-        max_position_embeddings=c["max_position_embeddings"], tie_word_embeddings=c.get("tie_word_embeddings", False),
-        # Speed does not depend on the rope variant; transformers 5 takes theta here.
-        rope_parameters={"rope_theta": c.get("rope_theta", 10000.0), "rope_type": "default"},
-    )
-    if c.get("num_experts"):
-        config = transformers.Qwen3MoeConfig(**common, num_experts=c["num_experts"],
-                                             num_experts_per_tok=c["num_experts_per_tok"],
-                                             moe_intermediate_size=c["moe_intermediate_size"],
-                                             norm_topk_prob=c.get("norm_topk_prob", True))
-        return transformers.Qwen3MoeForCausalLM(config)
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
-
-
 def bench_hf(results: dict, model: str, batches: list[int], in_len: int = 128, out_len: int = 128,
              device: str = "cuda") -> None:
     """transformers' generate, static batches, random weights of the same shape, bf16, greedy."""
     c = MODELS[model]
-    hf_dtype = torch.bfloat16 if device != "cpu" else torch.float32
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(hf_dtype)  # built in bf16 directly: a 30B MoE in fp32 would not fit
-    try:
-        with torch.device(device):
-            hf = hf_model_like(c).eval()
-    finally:
-        torch.set_default_dtype(default_dtype)
+    hf = _hf_qwen3_moe(c, device) if c.get("num_experts") else _hf_llama(c, device)
     rows = []
     for batch in batches:
         ids = torch.randint(0, c["vocab_size"], (batch, in_len), device=device)
@@ -723,6 +694,44 @@ def bench_hf(results: dict, model: str, batches: list[int], in_len: int = 128, o
     results["hf"] = rows
     del hf
     gc.collect()
+
+
+def _hf_qwen3_moe(c: dict, device: str):
+    """Qwen3-MoE of the shape of MODELS entry ``c`` (transformers' default experts implementation),
+    built in bf16 directly: a 30B model in float32 first would not fit the GPU."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], num_hidden_layers=c["num_layers"],
+        num_attention_heads=c["num_heads"], num_key_value_heads=c["num_kv_heads"], head_dim=c["head_dim"],
+        intermediate_size=c["intermediate_size"], rms_norm_eps=c.get("norm_eps", 1e-6),
+        max_position_embeddings=c["max_position_embeddings"], num_experts=c["num_experts"],
+        num_experts_per_tok=c["num_experts_per_tok"], moe_intermediate_size=c["moe_intermediate_size"],
+        norm_topk_prob=c.get("norm_topk_prob", True),
+        rope_parameters={"rope_theta": c.get("rope_theta", 10000.0), "rope_type": "default"},
+    )
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16 if device != "cpu" else torch.float32)
+    try:
+        with torch.device(device):
+            return Qwen3MoeForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(default_dtype)
+
+
+def _hf_llama(c: dict, device: str):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], num_hidden_layers=c["num_layers"],
+        num_attention_heads=c["num_heads"], num_key_value_heads=c["num_kv_heads"], head_dim=c["head_dim"],
+        intermediate_size=c["intermediate_size"], rms_norm_eps=c.get("norm_eps", 1e-5),
+        max_position_embeddings=c["max_position_embeddings"], tie_word_embeddings=c.get("tie_word_embeddings", False),
+        # Speed does not depend on the rope variant; transformers 5 takes theta here.
+        rope_parameters={"rope_theta": c.get("rope_theta", 10000.0), "rope_type": "default"},
+    )
+    with torch.device(device):
+        return LlamaForCausalLM(config).to(torch.bfloat16 if device != "cpu" else torch.float32).eval()
 
 
 # ------------------------------------------------------------------------------------------------
