@@ -19,6 +19,9 @@ QUANTIZATIONS = ("fp8",)
 KV_CACHE_DTYPES = ("fp8",)
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "GPT2LMHeadModel",
                            "Qwen3ForCausalLM", "Phi3ForCausalLM", "SmolLM3ForCausalLM")
+# Mixture-of-experts families (engine/models/moe.py): the only ones whose num_experts may be > 0.
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
+SUPPORTED_ARCHITECTURES += MOE_ARCHITECTURES
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_new", "gelu_pytorch_tanh", "gelu")
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn", "dynamic", "longrope")
@@ -131,6 +134,20 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0
     # SmolLM3 (NoPE layers): indices of the layers whose attention uses no rotary embedding.
     layers_without_rope: list[int] = field(default_factory=list)
+    # Mixture of experts (MOE_ARCHITECTURES). num_experts 0: every layer has the dense MLP of
+    # width intermediate_size. Otherwise a layer is sparse (router + experts of width
+    # moe_intermediate_size, each token through its num_experts_per_tok best) unless it is in
+    # mlp_only_layers or (index + 1) is not a multiple of decoder_sparse_step (Qwen3-MoE's rule).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1 (Mixtral: always)
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+
+    def is_moe_layer(self, layer_index: int) -> bool:
+        return (self.num_experts > 0 and layer_index not in self.mlp_only_layers
+                and (layer_index + 1) % self.decoder_sparse_step == 0)
 
     def validate(self) -> "ModelConfig":
         _require(
@@ -163,6 +180,7 @@ class ModelConfig:
                 f"{self.architecture} needs hidden_act 'silu' (gated SiLU MLP), got {self.hidden_act!r}",
             )
         self._validate_window_and_caps()
+        self._validate_experts()
         if self.rope_scaling is not None:
             rope_type = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
             _require(
@@ -187,6 +205,20 @@ class ModelConfig:
             value = getattr(self, name)
             _require(value is None or (isinstance(value, (int, float)) and value > 0),
                      f"{name} must be a positive number or null, got {value!r}")
+
+    def _validate_experts(self) -> None:
+        if self.architecture not in MOE_ARCHITECTURES:
+            _require(self.num_experts == 0, f"{self.architecture} has no experts; num_experts must be 0, "
+                                            f"got {self.num_experts!r}")
+            return
+        _positive_ints(self, ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"))
+        _require(self.num_experts_per_tok <= self.num_experts,
+                 f"num_experts_per_tok ({self.num_experts_per_tok}) must be <= num_experts ({self.num_experts})")
+        _require(all(isinstance(i, int) and 0 <= i < self.num_layers for i in self.mlp_only_layers),
+                 f"mlp_only_layers must hold layer indices in [0, {self.num_layers}), got {self.mlp_only_layers!r}")
+        _require(not self.qkv_bias and self.rotary_dim == self.head_dim and not self.layers_without_rope,
+                 f"{self.architecture} with q/k/v bias, partial rotary or layers without rope is not supported")
+
     def _validate_rope_scaling_keys(self) -> None:
         """The keys each scaling's frequencies need (engine.convert fills them in from the HF config)."""
         needed = {"llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
@@ -331,6 +363,10 @@ def resolve_build_limits(build: BuildConfig, model: ModelConfig) -> BuildConfig:
 
 def check_tp_divides(model: ModelConfig, tp_size: int) -> None:
     """Raise ConfigError unless every tensor-parallel split of ``model`` is even for ``tp_size``."""
+    if model.num_experts:  # every rank holds a slice of every expert's width (engine/models/moe.py)
+        _require(model.moe_intermediate_size % tp_size == 0,
+                 f"tp_size {tp_size} does not divide moe_intermediate_size ({model.moe_intermediate_size}), "
+                 f"the experts' width, which is split across ranks")
     for name in ("num_heads", "num_kv_heads", "intermediate_size", "vocab_size"):
         value = getattr(model, name)
         _require(

@@ -22,7 +22,7 @@ from typing import Callable, Iterator, Mapping
 
 import torch
 
-from engine.config import GEMMA_ARCHITECTURES, ConfigError, ModelConfig, check_tp_divides
+from engine.config import GEMMA_ARCHITECTURES, MOE_ARCHITECTURES, ConfigError, ModelConfig, check_tp_divides
 from engine.models import SUPPORTED_ARCHITECTURES, UnsupportedArchitectureError
 from kernels.rotary import partial_rotary_order
 
@@ -54,6 +54,8 @@ def model_config_from_hf(hf_config) -> ModelConfig:
         return _gpt2_config(hf_config)
     if architecture in GEMMA_ARCHITECTURES:
         return _gemma_config(hf_config, architecture)
+    if architecture in MOE_ARCHITECTURES:
+        return _moe_config(hf_config, architecture)
     return _llama_family_config(hf_config, architecture)
 
 
@@ -61,7 +63,8 @@ def _architecture_from_model_type(hf_config) -> str:
     by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "gpt2": "GPT2LMHeadModel", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
                "smollm3": "SmolLM3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-               "gemma3": "Gemma3ForConditionalGeneration"}
+               "gemma3": "Gemma3ForConditionalGeneration", "mixtral": "MixtralForCausalLM",
+               "qwen3_moe": "Qwen3MoeForCausalLM"}
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in by_type:
         raise UnsupportedArchitectureError(
@@ -119,10 +122,10 @@ def _rope(hf_config) -> tuple[float, dict | None, float]:
 # Llama-block architectures and what each adds to the block (the weights differ only for Phi-3,
 # whose q/k/v and gate/up come fused: see unfused_phi3_getter).
 _QKV_BIAS_ARCHITECTURES = ("Qwen2ForCausalLM",)
-_QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM",)
+_QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 
-def _llama_family_config(c, architecture: str) -> ModelConfig:
+def _llama_family_config(c, architecture: str, **moe_fields) -> ModelConfig:
     if getattr(c, "mlp_bias", False) or (architecture not in _QKV_BIAS_ARCHITECTURES and getattr(c, "attention_bias", False)):
         raise ConfigError(f"{architecture} with attention_bias/mlp_bias is not supported")
     theta, scaling, partial_rotary_factor = _rope(c)
@@ -147,6 +150,7 @@ def _llama_family_config(c, architecture: str) -> ModelConfig:
         partial_rotary_factor=partial_rotary_factor,
         layers_without_rope=_layers_without_rope(c),
         **sliding_window_fields(c),
+        **moe_fields,
     ).validate()
 
 
@@ -202,6 +206,22 @@ def _layers_without_rope(c) -> list[int]:
     """SmolLM3's ``no_rope_layers`` holds one flag per layer, 1 = rope, 0 = none (NoPE)."""
     flags = getattr(c, "no_rope_layers", None)
     return [] if flags is None else [i for i, use_rope in enumerate(flags) if not use_rope]
+
+
+def _moe_config(c, architecture: str) -> ModelConfig:
+    """The Llama-family fields plus the experts'. Mixtral: every layer sparse, experts of width
+    intermediate_size, top-k weights always renormalised. Qwen3-MoE: experts of width
+    moe_intermediate_size, dense layers (mlp_only_layers, decoder_sparse_step) of width
+    intermediate_size, renormalised only with norm_topk_prob."""
+    if architecture == "MixtralForCausalLM":
+        experts = dict(num_experts=c.num_local_experts, num_experts_per_tok=c.num_experts_per_tok,
+                       moe_intermediate_size=c.intermediate_size, norm_topk_prob=True)
+    else:
+        experts = dict(num_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok,
+                       moe_intermediate_size=c.moe_intermediate_size, norm_topk_prob=bool(c.norm_topk_prob),
+                       decoder_sparse_step=c.decoder_sparse_step or 1,
+                       mlp_only_layers=sorted(getattr(c, "mlp_only_layers", None) or []))
+    return _llama_family_config(c, architecture, **experts)
 
 
 def _gpt2_config(c) -> ModelConfig:
@@ -328,6 +348,75 @@ def _fused_qkv(get: TensorGetter, hf: str, kind: str, order, cfg: ModelConfig, r
     return torch.cat([_shard(t, 0, rank, tp_size) for t in (q, k, v)], dim=0)
 
 
+def moe_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (engine name, tensor) for one rank of a Mixtral / Qwen3-MoE checkpoint: the Llama
+    family's tensors, with each sparse layer's MLP as its router (replicated) and its experts
+    stacked and sliced along their width (engine/models/moe.py says why). Neither family has
+    partial rotary or q/k/v biases (ModelConfig.validate refuses them for these architectures)."""
+    yield "embed_tokens.weight", _shard(get("model.embed_tokens.weight"), 0, rank, tp_size)
+    for i in range(cfg.num_layers):
+        hf = f"model.layers.{i}."
+        yield f"layers.{i}.input_norm.weight", get(hf + "input_layernorm.weight")
+        yield f"layers.{i}.qkv_proj.weight", _fused_qkv(get, hf, "weight", None, cfg, rank, tp_size)
+        if cfg.qk_norm:  # Qwen3-MoE
+            for p in "qk":
+                yield f"layers.{i}.{p}_norm.weight", get(hf + f"self_attn.{p}_norm.weight")
+        yield f"layers.{i}.o_proj.weight", _shard(get(hf + "self_attn.o_proj.weight"), 1, rank, tp_size)
+        yield f"layers.{i}.post_attn_norm.weight", get(hf + "post_attention_layernorm.weight")
+        if not cfg.is_moe_layer(i):
+            gate_up = [_shard(get(hf + f"mlp.{p}_proj.weight"), 0, rank, tp_size) for p in ("gate", "up")]
+            yield f"layers.{i}.gate_up_proj.weight", torch.cat(gate_up, dim=0)
+            yield f"layers.{i}.down_proj.weight", _shard(get(hf + "mlp.down_proj.weight"), 1, rank, tp_size)
+            continue
+        yield f"layers.{i}.moe.router.weight", _first_present(get, hf + "mlp.gate.weight",
+                                                                hf + "block_sparse_moe.gate.weight")
+        gate, up, down = _stacked_experts(get, hf, cfg.num_experts)
+        yield f"layers.{i}.moe.gate_up_proj", torch.cat([_shard(gate, 1, rank, tp_size),
+                                                          _shard(up, 1, rank, tp_size)], dim=1)
+        yield f"layers.{i}.moe.down_proj", _shard(down, 2, rank, tp_size)
+    yield "norm.weight", get("model.norm.weight")
+    if not cfg.tie_word_embeddings:
+        yield "lm_head.weight", _shard(get("lm_head.weight"), 0, rank, tp_size)
+
+
+# Per-expert tensor names of the checkpoints on disk, (gate, up, down) under a layer's prefix.
+_EXPERT_NAMES = ("block_sparse_moe.experts.{}.w1.weight", "block_sparse_moe.experts.{}.w3.weight",
+                 "block_sparse_moe.experts.{}.w2.weight")  # Mixtral
+_EXPERT_NAMES_MLP = ("mlp.experts.{}.gate_proj.weight", "mlp.experts.{}.up_proj.weight",
+                     "mlp.experts.{}.down_proj.weight")  # Qwen3-MoE
+
+
+def _stacked_experts(get: TensorGetter, hf_layer: str, num_experts: int) -> tuple[torch.Tensor, ...]:
+    """(gate (E, I, H), up (E, I, H), down (E, H, I)) of one layer, from either layout: the
+    per-expert tensors of a checkpoint on disk, or transformers 5's in-memory stacked
+    ``mlp.experts.gate_up_proj`` (E, 2I, H) = [gate | up] and ``mlp.experts.down_proj``."""
+    try:
+        gate_up = get(hf_layer + "mlp.experts.gate_up_proj")
+    except CheckpointError:
+        pass
+    else:
+        gate, up = gate_up.chunk(2, dim=1)
+        return gate, up, get(hf_layer + "mlp.experts.down_proj")
+    names = _EXPERT_NAMES_MLP if _has(get, hf_layer + _EXPERT_NAMES_MLP[0].format(0)) else _EXPERT_NAMES
+    return tuple(torch.stack([get(hf_layer + name.format(e)) for e in range(num_experts)]) for name in names)
+
+
+def _has(get: TensorGetter, name: str) -> bool:
+    try:
+        get(name)
+    except CheckpointError:
+        return False
+    return True
+
+
+def _first_present(get: TensorGetter, *names: str) -> torch.Tensor:
+    """The first of ``names`` the checkpoint holds; a CheckpointError naming the first when none."""
+    for name in names:
+        if _has(get, name):
+            return get(name)
+    return get(names[0])
+
+
 def gpt2_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: int) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (engine name, tensor) for one rank of GPT-2; HF Conv1D weights are (in, out), so transposed."""
     hidden = cfg.hidden_size
@@ -359,6 +448,8 @@ def iter_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: i
     convert = gpt2_rank_weights if cfg.architecture == "GPT2LMHeadModel" else llama_rank_weights
     if cfg.architecture in GEMMA_ARCHITECTURES:
         convert = gemma_rank_weights
+    if cfg.architecture in MOE_ARCHITECTURES:
+        convert = moe_rank_weights
     for name, tensor in convert(get, cfg, rank, tp_size):
         yield name, tensor.to(dtype).contiguous()
 

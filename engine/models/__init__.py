@@ -52,6 +52,12 @@ MODEL_FAMILIES = (
     ModelFamily("Gemma3ForCausalLM", "engine.models.gemma", "GemmaForCausalLM",
                 "Gemma 3 text, and the language model of Gemma3ForConditionalGeneration (q/k norms, "
                 "local rope base, 5:1 sliding/global layers)", sliding_window=True),
+                    ModelFamily("MixtralForCausalLM", "engine.models.moe", "MoeForCausalLM",
+                "Mixtral 8x7B, 8x22B (top-2 routed experts, fused-MoE kernel; experts split across TP ranks)",
+                sliding_window=True),
+    ModelFamily("Qwen3MoeForCausalLM", "engine.models.moe", "MoeForCausalLM",
+                "Qwen3-30B-A3B, Qwen3-235B-A22B (top-8 of 128 experts, norm_topk_prob, q/k RMSNorm)",
+                sliding_window=True),
 )
 _REGISTRY = {family.architecture: family for family in MODEL_FAMILIES}
 SUPPORTED_ARCHITECTURES = tuple(_REGISTRY)

@@ -63,16 +63,25 @@ FAMILIES = {
     "llama_dynamic_ntk": lambda: transformers.LlamaConfig(
         **_ODD, rope_scaling={"rope_type": "dynamic", "factor": 2.0},
     ),
+    # 8 experts of width 36, top-2: a decode token leaves at least 6 experts without a token.
+    "mixtral": lambda: transformers.MixtralConfig(**{**_COMMON, "intermediate_size": 36}, rope_theta=1000000.0,
+                                                  num_local_experts=8, num_experts_per_tok=2, sliding_window=None),
+    # 10 experts of width 22, top-2 without renormalisation, q/k RMSNorm; layer 1 dense (mlp_only_layers).
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**_ODD, head_dim=14, rope_theta=1000000.0, num_experts=10,
+                                                     num_experts_per_tok=2, moe_intermediate_size=22,
+                                                     norm_topk_prob=False, mlp_only_layers=[1]),
 }
 ARCHITECTURES = {"gpt2": transformers.GPT2LMHeadModel, "mistral": transformers.MistralForCausalLM,
                  "qwen2_qkv_bias": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
                  "phi3_longrope": transformers.Phi3ForCausalLM, "phi4_mini_partial_rotary": transformers.Phi3ForCausalLM,
-                 "smollm3_nope": transformers.SmolLM3ForCausalLM}
+                 "smollm3_nope": transformers.SmolLM3ForCausalLM, "mixtral": transformers.MixtralForCausalLM,
+                 "qwen3_moe": transformers.Qwen3MoeForCausalLM}
 
 
 def tiny_hf(family: str, seed: int = 0) -> torch.nn.Module:
     config = FAMILIES[family]()
     config._attn_implementation = "eager"
+    config._experts_implementation = "eager"  # the per-expert loop: grouped_mm needs 16-byte-aligned widths
     torch.manual_seed(seed)
     model = ARCHITECTURES.get(family, transformers.LlamaForCausalLM)(config).eval()
     with torch.no_grad():
