@@ -206,10 +206,10 @@ async def _stream(request: web.Request, events, shape: ResponseShape, prompt_tok
     await response.prepare(request)
     tokens: dict[int, int] = {}
     announced: set[int] = set()
+    text_chunk = sse.TextChunkEncoder(shape, include_usage)
     try:
         while event is not None:
-            for chunk in _chunks(shape, event, announced, include_usage):
-                await response.write(sse.event(chunk))
+            await response.write(_chunks(shape, event, announced, include_usage, text_chunk))
             tokens[event.index] = event.completion_tokens
             event = await anext(events, None)
         if include_usage:
@@ -225,11 +225,15 @@ async def _stream(request: web.Request, events, shape: ResponseShape, prompt_tok
     return response
 
 
-def _chunks(shape: ResponseShape, event: ChoiceEvent, announced: set[int], include_usage: bool):
+def _chunks(shape: ResponseShape, event: ChoiceEvent, announced: set[int], include_usage: bool,
+            text_chunk: sse.TextChunkEncoder) -> bytes:
+    """The SSE bytes of one event: (chat) the role on a choice's first, its text, its finish."""
+    out = []
     if shape.chat and event.index not in announced:
         announced.add(event.index)
-        yield shape.chunk(event.index, None, role=True, with_usage_field=include_usage)
+        out.append(sse.event(shape.chunk(event.index, None, role=True, with_usage_field=include_usage)))
     if event.text:
-        yield shape.chunk(event.index, event.text, with_usage_field=include_usage)
+        out.append(text_chunk.text(event.index, event.text))
     if event.finish_reason:
-        yield shape.chunk(event.index, None, event.finish_reason, with_usage_field=include_usage)
+        out.append(sse.event(shape.chunk(event.index, None, event.finish_reason, with_usage_field=include_usage)))
+    return b"".join(out)

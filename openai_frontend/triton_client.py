@@ -5,7 +5,7 @@ Why requests are built here rather than with ``tritonclient.grpc.aio``'s ``strea
 only way a decoupled stream says "this request is over" is the empty final response, asked for
 with the request parameter ``triton_enable_empty_final_response``, which that client refuses as
 reserved. So the stream is made on the same generated gRPC stub (``service_pb2_grpc``) with
-``tritonclient``'s own protobufs; responses are read with its ``InferResult``. Readiness goes
+``tritonclient``'s own protobufs. Readiness goes
 through ``tritonclient.grpc.aio`` as usual.
 
 Every choice asks for ``output_log_probs``: one log-prob per generated token is the exact count
@@ -23,7 +23,7 @@ from typing import AsyncIterator
 import grpc
 import numpy as np
 import tritonclient.grpc.aio as grpcclient_aio
-from tritonclient.grpc import InferResult, service_pb2, service_pb2_grpc
+from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import np_to_triton_dtype, serialize_byte_tensor
 
 from openai_frontend.errors import APIError, bad_request, not_ready, server_error
@@ -85,16 +85,32 @@ def infer_request(model: str, inputs: dict[str, np.ndarray], request_id: str) ->
 
 
 def read_chunk(response: service_pb2.ModelInferResponse) -> tuple[Chunk, bool]:
-    """(the chunk, whether it is the request's last response)."""
+    """(the chunk, whether it is the request's last response).
+
+    Read straight from the protobuf (this runs once per streamed token; ``InferResult`` and
+    numpy cost several times more): Triton's gRPC responses carry every output in
+    ``raw_output_contents``, in the order of ``outputs``. ``text_output`` is BYTES (each element
+    a 4-byte little-endian length, then the bytes); ``output_log_probs`` is (1, beams, new
+    tokens), so its last dim is the number of tokens this response carries.
+    """
     final = response.parameters["triton_final_response"].bool_param
-    if not response.outputs:  # the empty final response
-        return Chunk("", 0), final
-    result = InferResult(response)
-    texts = result.as_numpy("text_output")
-    text = b"".join(texts.reshape(-1)).decode("utf-8", errors="replace") if texts is not None else ""
-    log_probs = result.as_numpy("output_log_probs")  # (1, beams, new tokens)
-    num_tokens = int(log_probs.shape[-1]) if log_probs is not None and log_probs.ndim else 0
+    text, num_tokens = "", 0
+    for index, output in enumerate(response.outputs):
+        if output.name == "text_output":
+            text = _bytes_elements(response.raw_output_contents[index]).decode("utf-8", errors="replace")
+        elif output.name == "output_log_probs":
+            num_tokens = int(output.shape[-1]) if output.shape else 0
     return Chunk(text, num_tokens), final
+
+
+def _bytes_elements(raw: bytes) -> bytes:
+    """The elements of a serialized BYTES tensor, joined (one element per beam; beam width 1 here)."""
+    parts, offset = [], 0
+    while offset + 4 <= len(raw):
+        length = int.from_bytes(raw[offset:offset + 4], "little")
+        parts.append(raw[offset + 4:offset + 4 + length])
+        offset += 4 + length
+    return b"".join(parts)
 
 
 def triton_error(message: str) -> APIError:

@@ -154,7 +154,7 @@ def ready_message(http_port: str, grpc_port: str, metrics_port: str, openai_port
         else ". Try:\n"
     message += f"  curl -s -X POST http://127.0.0.1:{http_port}/v2/models/ensemble/generate -d '{body}'\n"
     if openai_port:
-        chat = json.dumps({"model": model_name, "max_tokens": 32,
+        chat = json.dumps({"model": model_name, "max_tokens": 32, "temperature": 0,
                            "messages": [{"role": "user", "content": "What is the capital of France?"}]})
         message += (f"  curl -s http://127.0.0.1:{openai_port}/v1/chat/completions "
                     f"-H 'Content-Type: application/json' -d '{chat}'\n")
