@@ -170,10 +170,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--metrics_port", default=os.environ.get("METRICS_PORT", "8002"))
     parser.add_argument("--openai_port", default=os.environ.get("OPENAI_PORT", "9000"),
                         help="port of the OpenAI-compatible frontend ('' turns it off)")
+    parser.add_argument("--bls_instances", type=int, default=8,
+                        help="tensorrt_llm_bls instances: each serves one request at a time, so this bounds "
+                             "the OpenAI frontend's concurrent requests (choices)")
     args = parser.parse_args(argv)
 
     ensure_engine(args.engine_dir)
-    repo = prepare_model_repo(args.engine_dir, args.repo)
+    repo = prepare_model_repo(args.engine_dir, args.repo, bls_instances=args.bls_instances)
     launcher = _load_script("launch_triton_server")
     model_name = Path(args.engine_dir).name
     launch_args = launcher.parse_arguments([
