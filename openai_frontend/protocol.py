@@ -189,7 +189,7 @@ def _include_usage(options: Any, stream: bool) -> bool:
         return False
     if not stream:
         raise bad_request("stream_options", "stream_options is only allowed with stream: true")
-    if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
         raise bad_request("stream_options", f"stream_options must be an object with include_usage, got {options!r}")
     include = options.get("include_usage", False)
     if not isinstance(include, bool):

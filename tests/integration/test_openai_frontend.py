@@ -6,6 +6,7 @@ One frontend process for the module, in front of the session's tritonserver.
 import asyncio
 import subprocess
 import sys
+from contextlib import contextmanager
 
 import openai
 import pytest
@@ -24,20 +25,21 @@ GREEDY = {"temperature": 0, "max_tokens": 24}
 ENDLESS = {"max_tokens": 1500, "extra_body": {"min_tokens": 1500}}
 
 
-@pytest.fixture(scope="module")
-def frontend(triton_server, smollm2_engine_dir, tmp_path_factory):
+@contextmanager
+def running_frontend(grpc_url, engine_dir, work, *extra_args):
+    """`python -m openai_frontend` on a free port; yields its base URL once it answers."""
     port = free_port()
-    log_path = tmp_path_factory.mktemp("openai") / "frontend.log"
+    log_path = work / f"frontend_{port}.log"
     with open(log_path, "w") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "openai_frontend", f"--grpc_url={triton_server.grpc_url}",
-             f"--tokenizer_dir={smollm2_engine_dir}", f"--served_model_name={MODEL}",
-             "--host=127.0.0.1", f"--port={port}"], cwd=ROOT, stdout=log, stderr=log)
+            [sys.executable, "-m", "openai_frontend", f"--grpc_url={grpc_url}", f"--tokenizer_dir={engine_dir}",
+             f"--served_model_name={MODEL}", "--host=127.0.0.1", f"--port={port}", *extra_args],
+            cwd=ROOT, stdout=log, stderr=log)
     url = f"http://127.0.0.1:{port}"
 
     def up():
         try:
-            return requests.get(f"{url}/health", timeout=2).status_code == 200
+            return requests.get(f"{url}/v1/models", timeout=2).status_code == 200
         except requests.ConnectionError:
             return process.poll() is not None
 
@@ -47,6 +49,13 @@ def frontend(triton_server, smollm2_engine_dir, tmp_path_factory):
     finally:
         process.terminate()
         process.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def frontend(triton_server, smollm2_engine_dir, tmp_path_factory):
+    with running_frontend(triton_server.grpc_url, smollm2_engine_dir, tmp_path_factory.mktemp("openai")) as url:
+        assert wait_for(lambda: requests.get(f"{url}/health", timeout=2).status_code == 200, timeout=30)
+        yield url
 
 
 @pytest.fixture
@@ -249,16 +258,21 @@ def test_metrics_count_requests_and_leave_tritons_alone(client, frontend, triton
     assert "nv_trt_llm_request_metrics" in triton_metrics and "tritonllm_openai" not in triton_metrics
 
 
-def test_not_ready_triton_gets_a_503():
-    from openai_frontend.errors import APIError
-    from openai_frontend.triton_client import TritonClient
+def test_ensemble_as_the_entry_model(triton_server, smollm2_engine_dir, tmp_path):
+    with running_frontend(triton_server.grpc_url, smollm2_engine_dir, tmp_path, "--triton_model=ensemble") as url:
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client:
+            unary = client.chat.completions.create(model=MODEL, messages=CAPITAL, **GREEDY)
+            chunks = list(client.chat.completions.create(model=MODEL, messages=CAPITAL, stream=True, **GREEDY))
+    assert "Paris" in unary.choices[0].message.content
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == unary.choices[0].message.content
+    assert unary.usage.completion_tokens > 0
 
-    async def check():
-        client = TritonClient(f"127.0.0.1:{free_port()}")  # nothing listens there
-        try:
-            await client.ensure_ready()
-        finally:
-            await client.close()
-    with pytest.raises(APIError) as raised:
-        asyncio.run(check())
-    assert raised.value.status == 503 and raised.value.body()["error"]["code"] == "model_not_ready"
+
+def test_unreachable_triton_gets_a_503(smollm2_engine_dir, tmp_path):
+    nowhere = f"127.0.0.1:{free_port()}"  # nothing listens there: Triton is down or still starting
+    with running_frontend(nowhere, smollm2_engine_dir, tmp_path) as url:
+        assert requests.get(f"{url}/health", timeout=10).status_code == 503
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client:
+            with pytest.raises(openai.InternalServerError) as raised:
+                client.chat.completions.create(model=MODEL, messages=CAPITAL, max_tokens=4)
+    assert raised.value.status_code == 503 and raised.value.body["code"] == "model_not_ready"
