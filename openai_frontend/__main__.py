@@ -30,7 +30,9 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--served_model_name", default=None,
                         help="the model name clients use (default: the tokenizer directory's name)")
     parser.add_argument("--triton_model", default="tensorrt_llm_bls", choices=["tensorrt_llm_bls", "ensemble"],
-                        help="entry model requests go to")
+                        help="entry model requests go to; with ensemble, streamed text can split a "
+                             "multi-byte character (its UTF-8 holdback is off when log-probs are returned, "
+                             "and the frontend always asks for them to count tokens)")
     parser.add_argument("--llm_model", default="tensorrt_llm", help="the model that holds the engine")
     return parser.parse_args(argv)
 

@@ -100,9 +100,12 @@ async def _errors_and_metrics(request: web.Request, handler):
     except asyncio.CancelledError:
         status = "cancelled"
         raise
-    except web.HTTPException as error:
+    except web.HTTPException as error:  # no such route or method: OpenAI's shape too
         status = str(error.status)
-        raise
+        if error.status < 400:
+            raise
+        return web.json_response(APIError(error.status, f"{request.method} {request.path}: {error.reason}",
+                                          error_type="invalid_request_error").body(), status=error.status)
     except Exception as error:
         log.exception("request failed")
         return web.json_response(server_error(f"internal error: {error}").body(), status=500)

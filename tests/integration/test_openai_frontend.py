@@ -213,6 +213,11 @@ def test_unknown_model_gets_a_404(client, frontend):
     run(unknown, frontend)
 
 
+def test_unknown_route_gets_an_openai_shaped_404(frontend):
+    response = requests.post(f"{frontend}/v1/embeddings", json={"model": MODEL, "input": "hi"}, timeout=10)
+    assert response.status_code == 404 and "/v1/embeddings" in response.json()["error"]["message"]
+
+
 def idle_within(server, seconds):
     return wait_for(lambda: kv_and_requests(scrape(server)) == (0.0, 0.0), timeout=seconds, interval=0.1)
 

@@ -33,3 +33,4 @@ def test_whole_response_and_usage():
     assert last["choices"] == [] and last["usage"]["total_tokens"] == 12 and last["id"] == body["id"]
     assert ResponseShape(chat=False, model="m").chunk(1, None, "stop")["choices"][0] == \
         {"index": 1, "text": "", "logprobs": None, "finish_reason": "stop"}
+
