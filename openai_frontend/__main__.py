@@ -1,7 +1,7 @@
 """``python -m openai_frontend``: serve the OpenAI-compatible API in front of a running tritonserver.
 
     python -m openai_frontend --grpc_url 127.0.0.1:8001 --model_repo build/triton_repo \
-        [--host 127.0.0.1 --port 9000 --served_model_name smollm2 --triton_model tensorrt_llm_bls]
+        [--host 127.0.0.1 --port 9000 --served_model_name smollm2]
 
 The tokenizer (chat template, token counts) comes from ``--tokenizer_dir``, else from the
 repository's ``preprocessing`` config. The frontend may start before Triton is ready: it answers
@@ -29,10 +29,10 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tokenizer_dir", default=None, help="engine/tokenizer directory (overrides the repo's)")
     parser.add_argument("--served_model_name", default=None,
                         help="the model name clients use (default: the tokenizer directory's name)")
-    parser.add_argument("--triton_model", default="tensorrt_llm_bls", choices=["tensorrt_llm_bls", "ensemble"],
-                        help="entry model requests go to; with ensemble, streamed text can split a "
-                             "multi-byte character (its UTF-8 holdback is off when log-probs are returned, "
-                             "and the frontend always asks for them to count tokens)")
+    parser.add_argument("--triton_model", default="tensorrt_llm_bls",
+                        help="name of the tensorrt_llm_bls model requests go to. Not the ensemble: the "
+                             "frontend asks for log-probs to count tokens exactly, and with log-probs on, "
+                             "an ensemble's streamed text splits multi-byte characters")
     parser.add_argument("--llm_model", default="tensorrt_llm", help="the model that holds the engine")
     return parser.parse_args(argv)
 

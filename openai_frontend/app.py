@@ -39,7 +39,7 @@ class FrontendConfig:
     grpc_url: str  # Triton's gRPC endpoint, "host:port"
     tokenizer_dir: str  # the engine directory (tokenizer files, config.json with its limits)
     served_model_name: str  # the `model` clients name
-    triton_model: str = "tensorrt_llm_bls"  # entry model: tensorrt_llm_bls or ensemble
+    triton_model: str = "tensorrt_llm_bls"  # the entry model (a tensorrt_llm_bls; __main__ says why not the ensemble)
     llm_model: str = "tensorrt_llm"  # the model holding the engine (its readiness counts too)
     add_special_tokens: bool = True  # as preprocessing's parameter: prompt token counts match
 

@@ -1,5 +1,10 @@
-"""The Triton side: one gRPC stream per generated choice to the entry model (`tensorrt_llm_bls`
-by default, or `ensemble`), and a cached readiness check.
+"""The Triton side: one gRPC stream per generated choice to the entry model `tensorrt_llm_bls`,
+and a cached readiness check.
+
+Why the BLS and not the ensemble: the token count needs ``output_log_probs``, and with log-probs
+on, ``tensorrt_llm`` sends every token at once (no UTF-8 holdback), which the BLS decodes as a
+whole sequence but the ensemble's postprocessing decodes chunk by chunk: a multi-byte character
+split over two tokens came out as U+FFFD there (tried with Japanese text).
 
 Why requests are built here rather than with ``tritonclient.grpc.aio``'s ``stream_infer``: the
 only way a decoupled stream says "this request is over" is the empty final response, asked for

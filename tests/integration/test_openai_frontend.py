@@ -263,14 +263,14 @@ def test_metrics_count_requests_and_leave_tritons_alone(client, frontend, triton
     assert "nv_trt_llm_request_metrics" in triton_metrics and "tritonllm_openai" not in triton_metrics
 
 
-def test_ensemble_as_the_entry_model(triton_server, smollm2_engine_dir, tmp_path):
-    with running_frontend(triton_server.grpc_url, smollm2_engine_dir, tmp_path, "--triton_model=ensemble") as url:
-        with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client:
-            unary = client.chat.completions.create(model=MODEL, messages=CAPITAL, **GREEDY)
-            chunks = list(client.chat.completions.create(model=MODEL, messages=CAPITAL, stream=True, **GREEDY))
-    assert "Paris" in unary.choices[0].message.content
-    assert "".join(c.choices[0].delta.content or "" for c in chunks) == unary.choices[0].message.content
-    assert unary.usage.completion_tokens > 0
+def test_multibyte_text_streams_whole_characters(client, frontend):
+    messages = [{"role": "user", "content": "海についての短い詩を日本語で書いてください。"}]
+    unary = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=24)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=24,
+                                                 stream=True))
+    streamed = [c.choices[0].delta.content or "" for c in chunks]
+    assert "".join(streamed) == unary.choices[0].message.content
+    assert not any("\ufffd" in piece for piece in streamed) and unary.usage.completion_tokens == 24
 
 
 def test_unreachable_triton_gets_a_503(smollm2_engine_dir, tmp_path):
