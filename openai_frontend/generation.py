@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -50,14 +51,16 @@ async def generate_choice(client: TritonClient, spec: ChoiceSpec, params: Sampli
                           request_id: str) -> AsyncIterator[ChoiceEvent]:
     trimmer = StopTrimmer(params.stop)
     tokens = 0
-    async for chunk in client.generate(spec.prompt, params, spec.max_tokens, spec.seed,
-                                       f"{request_id}-{spec.index}"):
-        tokens += chunk.num_tokens
-        text = trimmer.push(chunk.text)
-        if text:
-            yield ChoiceEvent(spec.index, text, tokens)
-        if trimmer.stopped:
-            break  # leaving cancels the call; the entry model has stopped the engine already
+    # aclosing: leaving (a stop string, or this generator being closed) cancels the call at once.
+    async with aclosing(client.generate(spec.prompt, params, spec.max_tokens, spec.seed,
+                                        f"{request_id}-{spec.index}")) as chunks:
+        async for chunk in chunks:
+            tokens += chunk.num_tokens
+            text = trimmer.push(chunk.text)
+            if text:
+                yield ChoiceEvent(spec.index, text, tokens)
+            if trimmer.stopped:
+                break  # the entry model has stopped the engine already
     # The engine leaves the end-of-sequence token out of its output, so a choice that reached
     # max_tokens generated exactly that many tokens and was cut by the limit.
     reason = "length" if not trimmer.stopped and tokens >= spec.max_tokens else "stop"
@@ -71,8 +74,9 @@ async def generate_choices(client: TritonClient, specs: list[ChoiceSpec], params
     request_id = request_id or uuid.uuid4().hex
     streams = [generate_choice(client, spec, params, request_id) for spec in specs]
     if len(streams) == 1:  # no tasks and no queue on the common path
-        async for event in streams[0]:
-            yield event
+        async with aclosing(streams[0]) as events:
+            async for event in events:
+                yield event
         return
     async for event in _merge(streams):
         yield event
@@ -86,8 +90,9 @@ async def _merge(streams: list[AsyncIterator[ChoiceEvent]]) -> AsyncIterator[Cho
 
     async def pump(stream):
         try:
-            async for item in stream:
-                queue.put_nowait(item)
+            async with aclosing(stream) as items:
+                async for item in items:
+                    queue.put_nowait(item)
             queue.put_nowait(_DONE)
         except Exception as error:  # the consumer raises it; the other choices are cancelled
             queue.put_nowait(error)
