@@ -42,10 +42,21 @@ class PromptBuilder:
         self.limits = EngineLimits.from_engine_dir(tokenizer_dir)
 
     def render_chat(self, messages: list[dict[str, str]]) -> str:
+        """The prompt text to send. A template that writes the BOS token itself (Llama 3's
+        ``<|begin_of_text|>``) would get a second one from preprocessing's add_special_tokens, so
+        that leading BOS is left to preprocessing: the engine sees exactly one."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise bad_request("messages", "this model's tokenizer has no chat template; "
                                           "use /v1/completions with a prompt instead")
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        bos = self.tokenizer.bos_token
+        if bos and text.startswith(bos) and self._encoding_adds_bos():
+            text = text[len(bos):]
+        return text
+
+    def _encoding_adds_bos(self) -> bool:
+        ids = self.tokenizer.encode("", add_special_tokens=self.add_special_tokens)
+        return bool(ids) and ids[0] == self.tokenizer.bos_token_id
 
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode(text, add_special_tokens=self.add_special_tokens))

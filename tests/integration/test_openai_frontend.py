@@ -258,6 +258,7 @@ def test_metrics_count_requests_and_leave_tritons_alone(client, frontend, triton
                for s in families["tritonllm_openai_requests"].samples if s.name.endswith("_total")}
     assert counted[("models", "200")] >= 1 and counted[("chat_completions", "200")] >= 1
     assert counted[("chat_completions", "400")] >= 1 and counted[("chat_completions", "404")] >= 1
+    assert counted[("chat_completions", "cancelled")] >= 1  # the hang-up tests above
     assert "tritonllm_openai_request_duration_seconds" in families
     triton_metrics = triton_server.metrics_text()
     assert "nv_trt_llm_request_metrics" in triton_metrics and "tritonllm_openai" not in triton_metrics
