@@ -10,8 +10,7 @@ Why requests are built here rather than with ``tritonclient.grpc.aio``'s ``strea
 only way a decoupled stream says "this request is over" is the empty final response, asked for
 with the request parameter ``triton_enable_empty_final_response``, which that client refuses as
 reserved. So the stream is made on the same generated gRPC stub (``service_pb2_grpc``) with
-``tritonclient``'s own protobufs. Readiness goes
-through ``tritonclient.grpc.aio`` as usual.
+``tritonclient``'s own protobufs. Readiness goes through ``tritonclient.grpc.aio`` as usual.
 
 Every choice asks for ``output_log_probs``: one log-prob per generated token is the exact count
 of generated tokens (``usage.completion_tokens``), which the text outputs cannot give.
