@@ -251,6 +251,28 @@ def test_unary_hang_up_leaves_no_active_request(frontend, triton_server):
     assert idle_within(triton_server, 2.0), kv_and_requests(scrape(triton_server))
 
 
+def test_concurrent_streams_with_hang_ups_all_end_and_free_everything(frontend, triton_server):
+    """More streams than BLS instances (they queue in Triton), some of them abandoned mid-way."""
+    async def one(c, index):
+        stream = await c.completions.create(model=MODEL, prompt=f"Count to {index + 3}:", max_tokens=6,
+                                            extra_body={"min_tokens": 6}, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+        chunks = []
+        async for chunk in stream:
+            chunks.append(chunk)
+            if index % 3 == 0 and len(chunks) == 1:
+                await stream.close()  # this client leaves after its first token
+                return None
+        return chunks[-1].usage
+
+    async def many(c):
+        return await asyncio.gather(*[one(c, i) for i in range(7)])
+    usages = run(many, frontend)
+    assert [u is None for u in usages] == [i % 3 == 0 for i in range(7)]
+    assert all(u.completion_tokens == 6 for u in usages if u is not None)
+    assert idle_within(triton_server, 5.0), kv_and_requests(scrape(triton_server))
+
+
 def test_metrics_count_requests_and_leave_tritons_alone(client, frontend, triton_server):
     client.models.list()
     families = {f.name: f for f in text_string_to_metric_families(requests.get(f"{frontend}/metrics").text)}
