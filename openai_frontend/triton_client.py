@@ -121,7 +121,8 @@ def triton_error(message: str) -> APIError:
     """An error response of the entry model: the engine's per-request validation names the field
     (a 400); anything else is the server's fault."""
     lowered = message.lower()
-    if "not ready" in lowered or "unavailable" in lowered or "shutting down" in lowered:
+    # (A model that unloads itself to restart its engine is "not ready", then briefly unknown.)
+    if any(words in lowered for words in ("not ready", "unavailable", "shutting down", "unknown model")):
         return not_ready(f"the model cannot serve requests right now: {message}")
     if any(word in lowered for word in ("must be", "not allowed", "exceeds", "not supported", "invalid")):
         return bad_request(None, message)

@@ -34,3 +34,14 @@ def test_whole_response_and_usage():
     assert ResponseShape(chat=False, model="m").chunk(1, None, "stop")["choices"][0] == \
         {"index": 1, "text": "", "logprobs": None, "finish_reason": "stop"}
 
+
+
+@pytest.mark.parametrize("message,status", [
+    ("Model 'tensorrt_llm' is not ready", 503), ("Request for unknown model: 'tensorrt_llm' is not found", 503),
+    ("the server is shutting down", 503), ("top_p must be in (0, 1], got 2.0", 400),
+    ("the engine process exited (killed by SIGKILL)", 500)])
+def test_triton_errors_get_the_right_status(message, status):
+    from openai_frontend.triton_client import triton_error
+
+    error = triton_error(message)
+    assert error.status == status and message in error.message
