@@ -47,6 +47,7 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine.config import BuildConfig, EngineConfig, ModelConfig  # noqa: E402
+from engine.executor.random_weights import GEMMA3_12B_SHAPE  # noqa: E402
 from engine.executor.runner import ForwardBatch, ModelRunner  # noqa: E402
 
 SECTIONS = ["bandwidth", "kernels", "gemm", "fp8_gemm", "decode", "engine_offline", "offline", "executor_decode", "latency", "hf"]
@@ -75,6 +76,12 @@ MODELS = {
         architecture="LlamaForCausalLM", vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9,
         num_kv_heads=3, head_dim=64, intermediate_size=1536, norm_eps=1e-5, rope_theta=100000.0,
         max_position_embeddings=8192, tie_word_embeddings=True,
+    ),
+    "gemma3_12b": GEMMA3_12B_SHAPE,
+    "gemma3_tiny": dict(  # smoke tests of this script with the Gemma 3 model on CPU
+        GEMMA3_12B_SHAPE, vocab_size=512, hidden_size=64, num_layers=6, num_heads=4, num_kv_heads=2, head_dim=16,
+        intermediate_size=128, sliding_window=16, max_position_embeddings=4096,
+        layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(6)],
     ),
 }
 
@@ -198,7 +205,11 @@ def bench_kernels(results: dict, model_cfg: ModelConfig, dtype: torch.dtype) -> 
 
     c, page = model_cfg, 16
     rows = []
-    for batch, context in [(1, 1024), (1, 8192), (1, 32768), (64, 1024), (256, 256), (256, 2048)]:
+    cases = [(batch, context, None) for batch, context in
+             [(1, 1024), (1, 8192), (1, 32768), (64, 1024), (256, 256), (256, 2048)]]
+    if c.sliding_window is not None:  # the model's sliding layers: only the window's K/V is read
+        cases += [(batch, context, c.sliding_window) for batch, context in [(1, 8192), (1, 32768), (64, 8192)]]
+    for batch, context, window in cases:
         blocks_per_seq = -(-context // page)
         num_blocks = batch * blocks_per_seq + 1
         k_cache = torch.randn(num_blocks, page, c.num_kv_heads, c.head_dim, dtype=dtype, device="cuda")
@@ -211,9 +222,12 @@ def bench_kernels(results: dict, model_cfg: ModelConfig, dtype: torch.dtype) -> 
             max_seqlen_q=1, max_context_len=context, is_decode_only=True,
         )
         q = torch.randn(batch, c.num_heads, c.head_dim, dtype=dtype, device="cuda")
-        ms = graph_time_ms(lambda: paged_attention_triton(q, k_cache, v_cache, meta, c.head_dim**-0.5), repeat=10)
-        kv_bytes = 2 * batch * context * c.num_kv_heads * c.head_dim * k_cache.element_size()
-        rows.append({"kind": "decode", "batch": batch, "context": context, "us": ms * 1e3, "GBps": kv_bytes / ms / 1e6})
+        ms = graph_time_ms(lambda: paged_attention_triton(q, k_cache, v_cache, meta, c.head_dim**-0.5,
+                                                          sliding_window=window), repeat=10)
+        keys_read = context if window is None else min(context, window)
+        kv_bytes = 2 * batch * keys_read * c.num_kv_heads * c.head_dim * k_cache.element_size()
+        rows.append({"kind": "decode" if window is None else f"decode, window {window}", "batch": batch,
+                     "context": context, "us": ms * 1e3, "GBps": kv_bytes / ms / 1e6})
         del k_cache, v_cache
     # Prefill: 4 sequences of 2048 new tokens, no prefix; report TFLOP/s of the causal attention.
     batch, q_len = 4, 2048
@@ -583,19 +597,8 @@ def bench_latency(results: dict, executor, vocab: int, rates: list[float], secon
 def bench_hf(results: dict, model: str, batches: list[int], in_len: int = 128, out_len: int = 128,
              device: str = "cuda") -> None:
     """transformers' generate, static batches, random weights of the same shape, bf16, greedy."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     c = MODELS[model]
-    config = LlamaConfig(
-        vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], num_hidden_layers=c["num_layers"],
-        num_attention_heads=c["num_heads"], num_key_value_heads=c["num_kv_heads"], head_dim=c["head_dim"],
-        intermediate_size=c["intermediate_size"], rms_norm_eps=c.get("norm_eps", 1e-5),
-        max_position_embeddings=c["max_position_embeddings"], tie_word_embeddings=c.get("tie_word_embeddings", False),
-        # Speed does not depend on the rope variant; transformers 5 takes theta here.
-        rope_parameters={"rope_theta": c.get("rope_theta", 10000.0), "rope_type": "default"},
-    )
-    with torch.device(device):
-        hf = LlamaForCausalLM(config).to(torch.bfloat16 if device != "cpu" else torch.float32).eval()
+    hf = _hf_gemma3(c, device) if c["architecture"] == "Gemma3ForCausalLM" else _hf_llama(c, device)
     rows = []
     for batch in batches:
         ids = torch.randint(0, c["vocab_size"], (batch, in_len), device=device)
@@ -613,6 +616,40 @@ def bench_hf(results: dict, model: str, batches: list[int], in_len: int = 128, o
     results["hf"] = rows
     del hf
     gc.collect()
+
+
+def _hf_gemma3(c: dict, device: str):
+    """transformers' Gemma3ForCausalLM of the shape ``c`` (random weights, sdpa attention; rope scaling
+    left out: speed does not depend on it)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(
+        vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], num_hidden_layers=c["num_layers"],
+        num_attention_heads=c["num_heads"], num_key_value_heads=c["num_kv_heads"], head_dim=c["head_dim"],
+        intermediate_size=c["intermediate_size"], rms_norm_eps=c["norm_eps"],
+        max_position_embeddings=c["max_position_embeddings"], sliding_window=c["sliding_window"],
+        layer_types=c["layer_types"], query_pre_attn_scalar=int(c["query_pre_attn_scalar"]),
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": c["rope_theta"]},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": c["rope_local_theta"]}},
+    )
+    config._attn_implementation = "sdpa"
+    with torch.device(device):
+        return Gemma3ForCausalLM(config).to(torch.bfloat16 if device != "cpu" else torch.float32).eval()
+
+
+def _hf_llama(c: dict, device: str):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], num_hidden_layers=c["num_layers"],
+        num_attention_heads=c["num_heads"], num_key_value_heads=c["num_kv_heads"], head_dim=c["head_dim"],
+        intermediate_size=c["intermediate_size"], rms_norm_eps=c.get("norm_eps", 1e-5),
+        max_position_embeddings=c["max_position_embeddings"], tie_word_embeddings=c.get("tie_word_embeddings", False),
+        # Speed does not depend on the rope variant; transformers 5 takes theta here.
+        rope_parameters={"rope_theta": c.get("rope_theta", 10000.0), "rope_type": "default"},
+    )
+    with torch.device(device):
+        return LlamaForCausalLM(config).to(torch.bfloat16 if device != "cpu" else torch.float32).eval()
 
 
 # ------------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ scales (kernels/fp8.py).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import os
 import sys
@@ -23,13 +24,14 @@ from tqdm import tqdm
 from engine.config import BuildConfig, ConfigError, EngineConfig, ModelConfig, check_tp_divides
 from engine.convert import (
     CheckpointError,
-    check_sliding_window,
     TensorGetter,
     getter_from_safetensors_dir,
     getter_from_state_dict,
+    language_model_getter,
     model_config_from_hf,
     iter_rank_weights,
 )
+from engine.fp8_checkpoint import dequantizing_getter, fp8_checkpoint_strategy, rank_row_scales
 from engine.models import get_model_class
 from kernels.fp8 import quantize_weight
 
@@ -47,22 +49,29 @@ def expected_tensor_names(model: ModelConfig, tp_size: int, quantization: str | 
     return list(model_class(model, tp_size=tp_size, device="meta", quantization=quantization).state_dict())
 
 
-def quantize_rank_weights(weights: dict[str, torch.Tensor], names: list[str]) -> dict[str, torch.Tensor]:
+def quantize_rank_weights(weights: dict[str, torch.Tensor], names: list[str],
+                          source_scales: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """FP8: every weight the model declares a ``<name>_scale`` for becomes E4M3 with per-output-channel
-    scales (kernels/fp8.py), quantized from this rank's shard; the rest is left as converted."""
+    scales (kernels/fp8.py), quantized from this rank's shard; the rest is left as converted.
+    ``source_scales``: row scales of weights that were FP8 in the checkpoint (engine/fp8_checkpoint.py),
+    kept as they are so those weights' values are not rounded a second time."""
     scaled = {name[:-len("_scale")] for name in names if name.endswith(".weight_scale")}
+    source_scales = source_scales or {}
     out = {}
     for name, tensor in weights.items():
         if name in scaled:
-            out[name], out[name + "_scale"] = quantize_weight(tensor)
+            out[name], out[name + "_scale"] = quantize_weight(tensor, source_scales.get(name))
         else:
             out[name] = tensor
     return out
 
 
 def write_engine(output_dir: str, model: ModelConfig, build: BuildConfig, get: TensorGetter, *,
-                 tokenizer=None, extra: dict | None = None, progress: bool = True) -> EngineConfig:
-    """Convert every rank's weights through ``get`` and write a complete engine directory."""
+                 tokenizer=None, extra: dict | None = None, progress: bool = True,
+                 fp8_source: TensorGetter | None = None) -> EngineConfig:
+    """Convert every rank's weights through ``get`` and write a complete engine directory.
+    ``fp8_source``: the raw getter of an FP8 checkpoint (``get`` dequantizes it), whose scales the
+    engine keeps."""
     engine_config = EngineConfig(model=model, build=build, extra=dict(extra or {})).validate()
     names = expected_tensor_names(model, build.tp_size, build.quantization)
     _clear_old_engine(output_dir)
@@ -73,7 +82,8 @@ def write_engine(output_dir: str, model: ModelConfig, build: BuildConfig, get: T
             weights[name] = tensor
             bar.update(1)
         if build.quantization == "fp8":
-            weights = quantize_rank_weights(weights, names)
+            source_scales = rank_row_scales(fp8_source, model, rank, build.tp_size) if fp8_source else None
+            weights = quantize_rank_weights(weights, names, source_scales)
         if sorted(weights) != sorted(names):  # a converter bug, never a user error
             raise AssertionError(f"converter produced {sorted(set(weights) ^ set(names))[:5]} mismatching the model")
         save_file(weights, os.path.join(output_dir, f"rank{rank}.safetensors"), metadata={"format": "pt"})
@@ -149,10 +159,22 @@ def build_from_hf(hf_config, get: TensorGetter, tokenizer, output_dir: str, buil
                   source: str = "", progress: bool = True) -> EngineConfig:
     """Build from an already-loaded HF config + tensor getter (lets callers reuse a loaded model)."""
     model = model_config_from_hf(hf_config)
+    get = language_model_getter(hf_config, get)  # a multimodal checkpoint: its language model's tensors
     check_tp_divides(model, build.tp_size)
-    check_sliding_window(hf_config, build.max_seq_len)
     extra = {"source": os.path.abspath(source) if source else "", "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    return write_engine(output_dir, model, build, get, tokenizer=tokenizer, extra=extra, progress=progress)
+    fp8_source = None
+    strategy = fp8_checkpoint_strategy(hf_config)
+    if strategy is not None:
+        # An FP8 checkpoint builds an FP8 engine: its weights exist only as E4M3 values, and
+        # widening them to --dtype would double the bytes without adding a digit.
+        if build.quantization != "fp8":
+            print(f"note: {source or 'the checkpoint'} holds FP8 weights (per {strategy}); building with "
+                  "--quantization fp8", file=sys.stderr)
+            build = dataclasses.replace(build, quantization="fp8")
+        extra["source_quantization"] = f"fp8 per {strategy}"
+        fp8_source, get = get, dequantizing_getter(get)
+    return write_engine(output_dir, model, build, get, tokenizer=tokenizer, extra=extra, progress=progress,
+                        fp8_source=fp8_source)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

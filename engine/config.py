@@ -22,6 +22,11 @@ SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_new", "gelu_pytorch_tanh", "gelu")
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 
+# Gemma 2 / Gemma 3 text (engine/models/gemma.py): GeGLU MLP, sandwich norms, soft-capping.
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+SUPPORTED_ARCHITECTURES += GEMMA_ARCHITECTURES
+LAYER_TYPES = ("sliding_attention", "full_attention")  # transformers' names, per layer
+
 
 class ConfigError(ValueError):
     """A config value is out of range or inconsistent; the message names field, value and rule."""
@@ -55,6 +60,10 @@ def _from_known_fields(cls, data: dict[str, Any]):
     return cls(**data)
 
 
+_OPTIONAL_WHEN_NONE = ("sliding_window", "layer_types", "query_pre_attn_scalar", "attn_logit_softcapping",
+                       "final_logit_softcapping", "rope_local_theta")
+
+
 @dataclass
 class ModelConfig:
     """The shape of a decoder-only transformer, independent of how it is sharded or cast.
@@ -62,6 +71,12 @@ class ModelConfig:
     ``architecture`` is the Hugging Face class name. ``rope_scaling`` keeps HF's layout
     (e.g. ``{"rope_type": "llama3", "factor": 8.0, ...}``). ``head_dim`` may differ from
     ``hidden_size // num_heads`` (some Qwen/Mistral variants).
+
+    Sliding-window attention: ``sliding_window`` W applies to the layers whose ``layer_types``
+    entry is "sliding_attention", to every layer when ``layer_types`` is None (Mistral); a query
+    at position p sees keys p - W < k <= p (kernels/attention.py). Gemma fields: attention scale
+    ``query_pre_attn_scalar ** -0.5`` (None: ``head_dim ** -0.5``), tanh soft-caps of the attention
+    scores and of the final logits (None: none), and Gemma 3's rope base of its sliding layers.
     """
 
     architecture: str
@@ -79,6 +94,27 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     hidden_act: str = "silu"
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    rope_local_theta: float | None = None
+
+    def layer_window(self, layer_index: int) -> int | None:
+        """The attention window of one layer (None: it attends to its whole context)."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None or self.layer_types[layer_index] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    @property
+    def kv_window(self) -> int | None:
+        """The window of every layer when all layers have one (then KV blocks that fall out of it
+        can be freed), else None: a global layer reads every block of the sequence."""
+        windows = {self.layer_window(i) for i in range(self.num_layers)}
+        return None if None in windows else max(windows)
 
     def validate(self) -> "ModelConfig":
         _require(
@@ -100,11 +136,17 @@ class ModelConfig:
             self.hidden_act in SUPPORTED_ACTIVATIONS,
             f"unsupported hidden_act {self.hidden_act!r}; supported: {', '.join(SUPPORTED_ACTIVATIONS)}",
         )
-        if self.architecture != "GPT2LMHeadModel":  # the Llama block is SwiGLU, nothing else
+        if self.architecture in GEMMA_ARCHITECTURES:  # GeGLU: gelu(gate) * up
+            _require(
+                self.hidden_act in ("gelu_pytorch_tanh", "gelu"),
+                f"{self.architecture} needs hidden_act 'gelu_pytorch_tanh' or 'gelu' (GeGLU MLP), got {self.hidden_act!r}",
+            )
+        elif self.architecture != "GPT2LMHeadModel":  # the Llama block is SwiGLU, nothing else
             _require(
                 self.hidden_act == "silu",
                 f"{self.architecture} needs hidden_act 'silu' (gated SiLU MLP), got {self.hidden_act!r}",
             )
+        self._validate_window_and_caps()
         if self.rope_scaling is not None:
             rope_type = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
             _require(
@@ -113,6 +155,21 @@ class ModelConfig:
             )
         return self
 
+    def _validate_window_and_caps(self) -> None:
+        if self.sliding_window is not None:
+            _positive_ints(self, ("sliding_window",))
+        if self.layer_types is not None:
+            _require(
+                isinstance(self.layer_types, list) and len(self.layer_types) == self.num_layers
+                and all(t in LAYER_TYPES for t in self.layer_types),
+                f"layer_types must list one of {', '.join(LAYER_TYPES)} per layer ({self.num_layers} layers), "
+                f"got {self.layer_types!r}",
+            )
+        for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "rope_local_theta"):
+            value = getattr(self, name)
+            _require(value is None or (isinstance(value, (int, float)) and value > 0),
+                     f"{name} must be a positive number or null, got {value!r}")
+
     @property
     def rope_type(self) -> str:
         if not self.rope_scaling:
@@ -120,7 +177,13 @@ class ModelConfig:
         return self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """asdict, without the window / Gemma fields when unset: an engine that uses none of them
+        keeps the config.json an older reader accepts (it refuses unknown keys)."""
+        data = asdict(self)
+        for name in _OPTIONAL_WHEN_NONE:
+            if data[name] is None:
+                del data[name]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":

@@ -8,7 +8,9 @@ the engine model declares (names in docs/INTERFACES.md):
   rank's slice is itself a fused projection;
 - gate/up are fused to ``gate_up_proj`` with rows [gate_r | up_r];
 - o_proj / down_proj (and GPT-2's c_proj's) are split along their input columns;
-- embeddings and lm_head are split by vocab rows.
+- embeddings and lm_head are split by vocab rows;
+- Gemma's (1 + w) RMSNorm weights are stored as ``1 + w`` (added in float32 before the cast), so
+  the engine's plain RMSNorm applies them.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from typing import Callable, Iterator, Mapping
 
 import torch
 
-from engine.config import ConfigError, ModelConfig, check_tp_divides
+from engine.config import GEMMA_ARCHITECTURES, ConfigError, ModelConfig, check_tp_divides
 from engine.models import SUPPORTED_ARCHITECTURES, UnsupportedArchitectureError
 
 TensorGetter = Callable[[str], torch.Tensor]  # HF tensor name -> tensor (any dtype, on CPU)
@@ -29,22 +31,32 @@ class CheckpointError(ValueError):
 
 # ---- config ---------------------------------------------------------------------------------
 
+# Multimodal checkpoints whose language model the engine serves on its own (text in, text out;
+# the vision tower and projector are not converted): architecture -> the text model's.
+MULTIMODAL_TEXT_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+
+
 def model_config_from_hf(hf_config) -> ModelConfig:
     """Map a transformers config object (v4 or v5 layout) to a validated ModelConfig."""
     architectures = getattr(hf_config, "architectures", None) or []
     architecture = architectures[0] if architectures else _architecture_from_model_type(hf_config)
+    if architecture in MULTIMODAL_TEXT_MODELS:
+        hf_config, architecture = hf_config.text_config, MULTIMODAL_TEXT_MODELS[architecture]
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedArchitectureError(
             f"unsupported architecture {architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     if architecture == "GPT2LMHeadModel":
         return _gpt2_config(hf_config)
+    if architecture in GEMMA_ARCHITECTURES:
+        return _gemma_config(hf_config, architecture)
     return _llama_family_config(hf_config, architecture)
 
 
 def _architecture_from_model_type(hf_config) -> str:
     by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-               "gpt2": "GPT2LMHeadModel"}
+               "gpt2": "GPT2LMHeadModel", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+               "gemma3": "Gemma3ForConditionalGeneration"}
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in by_type:
         raise UnsupportedArchitectureError(
@@ -53,20 +65,20 @@ def _architecture_from_model_type(hf_config) -> str:
     return by_type[model_type]
 
 
-def check_sliding_window(hf_config, max_seq_len: int) -> None:
-    """Refuse engines whose sequences would outgrow a sliding attention window.
-
-    The engine attends to the full context; that equals sliding-window attention (Mistral,
-    some Qwen2) only while every sequence fits in the window.
-    """
+def sliding_window_fields(hf_config) -> dict:
+    """``sliding_window`` and ``layer_types`` of a ModelConfig, as transformers applies them:
+    Mistral (and Mixtral, Phi-3) window every layer when ``sliding_window`` is set; configs with a
+    ``use_sliding_window`` flag (Qwen2, Qwen3, SmolLM3) only when it is true, on the layers their
+    ``layer_types`` lists (Qwen: from ``max_window_layers`` on); Gemma alternates."""
     window = getattr(hf_config, "sliding_window", None)
-    if getattr(hf_config, "model_type", "") == "qwen2" and not getattr(hf_config, "use_sliding_window", False):
+    if hasattr(hf_config, "use_sliding_window") and not hf_config.use_sliding_window:
         window = None
-    if window and max_seq_len > window:
-        raise ConfigError(
-            f"max_seq_len {max_seq_len} exceeds the checkpoint's sliding_window {window}; sliding-window "
-            f"attention is not implemented, so max_seq_len must be <= {window}"
-        )
+    if not window:
+        return {"sliding_window": None, "layer_types": None}
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None and all(t == "sliding_attention" for t in layer_types):
+        layer_types = None  # None: every layer
+    return {"sliding_window": int(window), "layer_types": list(layer_types) if layer_types is not None else None}
 
 
 def _rope(hf_config) -> tuple[float, dict | None]:
@@ -100,6 +112,55 @@ def _llama_family_config(c, architecture: str) -> ModelConfig:
         tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
         qkv_bias=architecture == "Qwen2ForCausalLM",
         hidden_act=c.hidden_act,
+        **sliding_window_fields(c),
+    ).validate()
+
+
+def _gemma_config(c, architecture: str) -> ModelConfig:
+    if getattr(c, "attention_bias", False):
+        raise ConfigError(f"{architecture} with attention_bias is not supported")
+    if getattr(c, "use_bidirectional_attention", False):
+        raise ConfigError(f"{architecture} with use_bidirectional_attention is not supported (decoders only)")
+    local_theta = None
+    if architecture == "Gemma3ForCausalLM":  # rope_parameters per layer type (transformers 5)
+        by_type = dict(getattr(c, "rope_parameters", None) or {})
+        if "full_attention" in by_type:
+            global_params, local_params = by_type["full_attention"], by_type.get("sliding_attention") or {}
+            scaling = dict(global_params)
+            theta = float(scaling.pop("rope_theta", 1_000_000.0))
+            if scaling.get("rope_type", scaling.get("type")) in (None, "default"):
+                scaling = None
+            if local_params.get("rope_type", "default") != "default":
+                raise ConfigError(f"{architecture}: rope scaling of the sliding layers "
+                                  f"({local_params['rope_type']!r}) is not supported; allowed: default")
+            local_theta = float(local_params.get("rope_theta", 10000.0))
+        else:  # transformers 4 layout
+            theta, scaling = _rope(c)
+            local_theta = float(getattr(c, "rope_local_base_freq", 10000.0))
+    else:
+        theta, scaling = _rope(c)
+    return ModelConfig(
+        architecture=architecture,
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        num_layers=c.num_hidden_layers,
+        num_heads=c.num_attention_heads,
+        num_kv_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+        head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+        intermediate_size=c.intermediate_size,
+        norm_eps=float(c.rms_norm_eps),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=c.max_position_embeddings,
+        tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", True)),
+        hidden_act=getattr(c, "hidden_activation", None) or c.hidden_act,
+        query_pre_attn_scalar=float(c.query_pre_attn_scalar),
+        # transformers' Gemma 3 attention never applies attn_logit_softcapping (engine/models/gemma.py)
+        attn_logit_softcapping=(getattr(c, "attn_logit_softcapping", None) if architecture == "Gemma2ForCausalLM"
+                                else None),
+        final_logit_softcapping=getattr(c, "final_logit_softcapping", None),
+        rope_local_theta=local_theta,
+        **sliding_window_fields(c),
     ).validate()
 
 
@@ -153,6 +214,32 @@ def llama_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: 
         yield "lm_head.weight", _shard(get("lm_head.weight"), 0, rank, tp_size)
 
 
+def gemma_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (engine name, tensor) for one rank of Gemma 2/3: the Llama fusion and sharding, the
+    extra norms, and every norm weight w stored as 1 + w (float32 add, cast later)."""
+    def norm(name: str) -> torch.Tensor:
+        return get(name).float() + 1.0
+
+    yield "embed_tokens.weight", _shard(get("model.embed_tokens.weight"), 0, rank, tp_size)
+    norms = {"input_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm",
+             "pre_ffn_norm": "pre_feedforward_layernorm", "post_ffn_norm": "post_feedforward_layernorm"}
+    if cfg.architecture == "Gemma3ForCausalLM":
+        norms.update(q_norm="self_attn.q_norm", k_norm="self_attn.k_norm")
+    for i in range(cfg.num_layers):
+        hf = f"model.layers.{i}."
+        for engine_name, hf_name in norms.items():
+            yield f"layers.{i}.{engine_name}.weight", norm(hf + hf_name + ".weight")
+        qkv = [_shard(get(hf + f"self_attn.{p}_proj.weight"), 0, rank, tp_size) for p in "qkv"]
+        yield f"layers.{i}.qkv_proj.weight", torch.cat(qkv, dim=0)
+        yield f"layers.{i}.o_proj.weight", _shard(get(hf + "self_attn.o_proj.weight"), 1, rank, tp_size)
+        gate_up = [_shard(get(hf + f"mlp.{p}_proj.weight"), 0, rank, tp_size) for p in ("gate", "up")]
+        yield f"layers.{i}.gate_up_proj.weight", torch.cat(gate_up, dim=0)
+        yield f"layers.{i}.down_proj.weight", _shard(get(hf + "mlp.down_proj.weight"), 1, rank, tp_size)
+    yield "norm.weight", norm("model.norm.weight")
+    if not cfg.tie_word_embeddings:
+        yield "lm_head.weight", _shard(get("lm_head.weight"), 0, rank, tp_size)
+
+
 def gpt2_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: int) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (engine name, tensor) for one rank of GPT-2; HF Conv1D weights are (in, out), so transposed."""
     hidden = cfg.hidden_size
@@ -182,12 +269,38 @@ def iter_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: i
     """Yield every engine tensor of ``rank``: fused, sharded, cast to ``dtype``, contiguous."""
     check_tp_divides(cfg, tp_size)
     convert = gpt2_rank_weights if cfg.architecture == "GPT2LMHeadModel" else llama_rank_weights
+    if cfg.architecture in GEMMA_ARCHITECTURES:
+        convert = gemma_rank_weights
     for name, tensor in convert(get, cfg, rank, tp_size):
         yield name, tensor.to(dtype).contiguous()
 
 
 def rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return dict(iter_rank_weights(get, cfg, rank, tp_size, dtype))
+
+
+def language_model_getter(hf_config, get: TensorGetter) -> TensorGetter:
+    """For a multimodal checkpoint (MULTIMODAL_TEXT_MODELS), a getter that finds the language
+    model's tensors under the text-model names (``model.layers.0...``, ``lm_head.weight``):
+    transformers 5 saves them as ``model.language_model.*``, transformers 4 as
+    ``language_model.model.*`` / ``language_model.lm_head.*``. Other checkpoints: ``get`` itself."""
+    architectures = getattr(hf_config, "architectures", None) or []
+    architecture = architectures[0] if architectures else getattr(hf_config, "model_type", None)
+    if architecture not in MULTIMODAL_TEXT_MODELS and architecture != "gemma3":
+        return get
+
+    def get_text(name: str) -> torch.Tensor:
+        rest = name.removeprefix("model.")
+        candidates = ([f"model.language_model.{rest}", f"language_model.model.{rest}"] if name.startswith("model.")
+                      else [name, f"language_model.{name}"])
+        for candidate in candidates[:-1]:
+            try:
+                return get(candidate)
+            except CheckpointError:
+                continue
+        return get(candidates[-1])  # its CheckpointError names the last layout tried
+
+    return get_text
 
 
 def getter_from_state_dict(state_dict: Mapping[str, torch.Tensor], source: str) -> TensorGetter:

@@ -18,6 +18,8 @@ _REGISTRY = {
     "MistralForCausalLM": ("engine.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("engine.models.llama", "LlamaForCausalLM"),
     "GPT2LMHeadModel": ("engine.models.gpt2", "GPT2LMHeadModel"),
+    "Gemma2ForCausalLM": ("engine.models.gemma", "GemmaForCausalLM"),
+    "Gemma3ForCausalLM": ("engine.models.gemma", "GemmaForCausalLM"),
 }
 SUPPORTED_ARCHITECTURES = tuple(_REGISTRY)
 

@@ -2,7 +2,7 @@
 
 One file covers every checkpoint with the Llama block (pre-norm RMSNorm, rotary attention with
 GQA, SwiGLU MLP): Llama 2/3 (incl. ``llama3`` / ``linear`` rope scaling), Mistral (sliding
-window not applied: engines must keep max_seq_len within it), Qwen2 (bias on q/k/v),
+window on every layer), Qwen2 (bias on q/k/v; sliding window on the layers its config lists),
 SmolLM2 (tied embeddings).
 
 Batch layout: ``input_ids`` and ``positions`` are (num_tokens,) with the new tokens of every
@@ -36,6 +36,7 @@ class LlamaLayer(nn.Module):
         self.num_heads = config.num_heads // tp_size
         self.num_kv_heads = config.num_kv_heads // tp_size
         self.scale = config.head_dim**-0.5
+        self.sliding_window = config.layer_window(layer_index)  # None: attends to the whole context
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split_sizes = [q_size, kv_size, kv_size]
         hidden, inter_local = config.hidden_size, config.intermediate_size // tp_size
@@ -55,7 +56,7 @@ class LlamaLayer(nn.Module):
         k_cache, v_cache = kv_cache[self.layer_index, 0], kv_cache[self.layer_index, 1]
         # apply_rotary + write_kv_cache, fused into one kernel on CUDA; returns the rotated q.
         q = rotary_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping, is_neox=True)
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale)
+        out = paged_attention(q, k_cache, v_cache, meta, self.scale, sliding_window=self.sliding_window)
         return self.o_proj(out.reshape(out.shape[0], -1))
 
     def forward(self, x, residual, positions, cos_sin_cache, kv_cache, meta):
