@@ -37,6 +37,8 @@
 #   OUTPUT_LEN=128  RPC=2  MIN_REQUESTS=8  ROUNDS=1  DTYPE=bfloat16  BUDGET_S="190 320" (seconds per model)
 #   ENGINE_PROCESS=true (the served model's engine_process parameter; false: the executor in the stub)
 #   PREPROCESSING_INSTANCES=1  POSTPROCESSING_INSTANCES=1 (the tokenizer models' instance counts)
+#   PATHS=http,grpc,engine (serving_bench.py --paths; add grpc_bls,openai for the OpenAI frontend,
+#   which runs from this checkout on the same python3; OPENAI_API=completions|chat)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 CARRY=${CARRY:-.carry}
@@ -127,6 +129,7 @@ echo "stub venv (base $BASE_PYTHON, torch site $TORCH_SITE) ready in $(( $(date 
 cat > "$WORK/check_env.py" <<'EOF'
 import importlib.util, os, shutil, sys
 import numpy, torch, transformers, aiohttp
+import prometheus_client  # noqa: F401  (the OpenAI frontend's metrics)
 from transformers import AutoTokenizer, GenerationMixin  # noqa: F401  (pulls in what transformers finds)
 import tritonclient.grpc
 assert numpy.__version__.startswith("1."), f"numpy {numpy.__version__} first on sys.path; the stub needs numpy 1"
@@ -166,12 +169,14 @@ for model in $MODELS; do
     --clients "$CLIENTS" --input_len "$INPUT_LEN" --output_len "$OUTPUT_LEN" --requests_per_client "$RPC" \
     --min_requests "$MIN_REQUESTS" --rounds "$ROUNDS" --work_dir "$WORK/$model" --out "$RESULTS/serving_$model.json" \
     --results_md "$RESULTS/serving_results.md" --engine_process "${ENGINE_PROCESS:-true}" \
-    --postprocessing_instances "${POSTPROCESSING_INSTANCES:-1}" --preprocessing_instances "${PREPROCESSING_INSTANCES:-1}"
+    --postprocessing_instances "${POSTPROCESSING_INSTANCES:-1}" --preprocessing_instances "${PREPROCESSING_INSTANCES:-1}" \
+    --paths "${PATHS:-http,grpc,engine}" --openai_api "${OPENAI_API:-completions}"
   rc=$?
   if [ $rc -ne 0 ]; then
     status=$rc
     echo "gpu_serving_run: $model exited with $rc"
     [ -f "$WORK/$model/tritonserver.log" ] && tail -c 2000000 "$WORK/$model/tritonserver.log" > "$RESULTS/tritonserver_$model.log"
+    [ -f "$WORK/$model/openai_frontend.log" ] && tail -c 200000 "$WORK/$model/openai_frontend.log" > "$RESULTS/openai_frontend_$model.log"
   fi
 done
 echo "done in $(( $(date +%s) - t0 )) s; results in $RESULTS"
