@@ -41,6 +41,8 @@
 #   VARIANTS="" (several servers in one run beside one in-process engine, e.g. the relay before and
 #     after issue 14: "before:tensorrt_llm_instances=1 after:tensorrt_llm_instances=4,postprocessing_instances=4")
 #   CLIENT_PROCESSES=0 (processes the benchmark's clients run in; 0: one per 32 streams, up to cores/4)
+#   PATHS=http,grpc,engine (serving_bench.py --paths; add grpc_bls,openai for the OpenAI frontend,
+#   which runs from this checkout on the same python3; OPENAI_API=completions|chat)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 CARRY=${CARRY:-.carry}
@@ -131,6 +133,7 @@ echo "stub venv (base $BASE_PYTHON, torch site $TORCH_SITE) ready in $(( $(date 
 cat > "$WORK/check_env.py" <<'EOF'
 import importlib.util, os, shutil, sys
 import numpy, torch, transformers, aiohttp
+import prometheus_client  # noqa: F401  (the OpenAI frontend's metrics)
 from transformers import AutoTokenizer, GenerationMixin  # noqa: F401  (pulls in what transformers finds)
 import tritonclient.grpc
 assert numpy.__version__.startswith("1."), f"numpy {numpy.__version__} first on sys.path; the stub needs numpy 1"
@@ -172,6 +175,7 @@ for model in $MODELS; do
     --results_md "$RESULTS/serving_results.md" --engine_process "${ENGINE_PROCESS:-true}" \
     --postprocessing_instances "${POSTPROCESSING_INSTANCES:-1}" --preprocessing_instances "${PREPROCESSING_INSTANCES:-1}" \
     --tensorrt_llm_instances "${TENSORRT_LLM_INSTANCES:-1}" --client_processes "${CLIENT_PROCESSES:-0}" \
+    --paths "${PATHS:-http,grpc,engine}" --openai_api "${OPENAI_API:-completions}" \
     ${VARIANTS:+--variants "$VARIANTS"}
   rc=$?
   if [ $rc -ne 0 ]; then
@@ -179,6 +183,9 @@ for model in $MODELS; do
     echo "gpu_serving_run: $model exited with $rc"
     for log in "$WORK/$model"/server*/tritonserver.log; do  # one folder per server (variant)
       [ -f "$log" ] && tail -c 2000000 "$log" > "$RESULTS/tritonserver_${model}_$(basename "$(dirname "$log")").log"
+    done
+    for log in "$WORK/$model"/server*/openai_frontend.log; do
+      [ -f "$log" ] && tail -c 200000 "$log" > "$RESULTS/openai_frontend_${model}_$(basename "$(dirname "$log")").log"
     done
   fi
 done

@@ -5,11 +5,21 @@
         --input_len 32 --output_len 16 --requests_per_client 2 --out serving.json --results_md benchmarks/RESULTS.md
     python benchmarks/serving_bench.py --model llama8b --dtype bfloat16 --synthetic_tokenizer ...
 
-One engine, one executor configuration, one run; for each number of concurrent clients, three paths:
+One engine, one executor configuration, one run; for each number of concurrent clients, these paths
+(``--paths``, default http,grpc,engine):
 
 - ``http``:   ``POST /v2/models/ensemble/generate_stream`` (server-sent events, aiohttp);
 - ``grpc``:   tritonclient.grpc ``start_stream``/``async_stream_infer`` into the ensemble;
+- ``grpc_bls``: the same into ``tensorrt_llm_bls``, with exactly the inputs the OpenAI frontend
+  sends (log-probs on, temperature 0, top_p 1, min_tokens = max_tokens instead of end_id -1);
+- ``openai``: streamed ``/v1/completions`` (or ``/v1/chat/completions`` with ``--openai_api chat``)
+  through the OpenAI-compatible frontend (``python -m openai_frontend``, started by the launcher's
+  ``--openai_port``), which forwards to ``tensorrt_llm_bls``; the client is aiohttp reading SSE,
+  one connection per client, min_tokens = max_tokens = output_len, temperature 0;
 - ``engine``: ``engine.executor.Executor`` in this process, token ids in and out (the baseline).
+
+The frontend's own cost is ``openai`` against ``grpc_bls`` (same entry model, same request):
+goals >= 0.95 of its throughput and < 3 ms added TTFT (medians), printed as a second table.
 
 Both served paths go through a real tritonserver (started by scripts/launch_triton_server.py on
 127.0.0.1, free ports, decoupled repository filled by scripts/serve_default.py's
@@ -67,9 +77,12 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 
-GOALS = {"throughput_ratio": 0.90, "added_ttft_ms": 5.0}
+GOALS = {"throughput_ratio": 0.90, "added_ttft_ms": 5.0,
+         "openai_throughput_ratio": 0.95, "openai_added_ttft_ms": 3.0}  # openai vs grpc_bls
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
-SERVED_PATHS = ("http", "grpc")
+SERVED_PATHS = ("http", "grpc", "grpc_bls", "openai")
+ALL_PATHS = ("engine",) + SERVED_PATHS
+OPENAI_MODEL_NAME = "bench"
 
 
 def load_script(name: str, folder: str = "scripts"):
@@ -310,17 +323,20 @@ def executor_config_of_repo(repo: str):
 class ServedEnsemble:
     """A tritonserver over a filled repository, started by the project's launcher; a context manager."""
 
-    def __init__(self, repo: str, work: Path, ready_timeout: float):
+    def __init__(self, repo: str, work: Path, ready_timeout: float, openai: bool = False):
         self.serve = load_script("serve_default")
         self.launcher = load_script("launch_triton_server")
-        ports = [str(self.launcher.free_port()) for _ in range(3)]
-        self.http_port, self.grpc_port, self.metrics_port = ports
+        ports = [str(self.launcher.free_port()) for _ in range(4)]
+        self.http_port, self.grpc_port, self.metrics_port, self.openai_port = ports
         self.log_path = work / "tritonserver.log"
+        self.frontend_log_path = work / "openai_frontend.log"
+        openai_flags = [f"--openai_port={ports[3]}", f"--openai_model_name={OPENAI_MODEL_NAME}"] if openai else []
         self.args = self.launcher.parse_arguments([
             f"--model_repo={repo}", "--no-mpi", "--host=127.0.0.1", "--force", f"--http_port={ports[0]}",
-            f"--grpc_port={ports[1]}", f"--metrics_port={ports[2]}", f"--cache_dir={work / 'cache'}"])
+            f"--grpc_port={ports[1]}", f"--metrics_port={ports[2]}", f"--cache_dir={work / 'cache'}", *openai_flags])
         self.ready_timeout = ready_timeout
         self.process = None
+        self.frontend = None
 
     @property
     def http_url(self) -> str:
@@ -333,6 +349,10 @@ class ServedEnsemble:
     @property
     def grpc_url(self) -> str:
         return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def openai_url(self) -> str:
+        return f"http://127.0.0.1:{self.openai_port}"
 
     def log_tail(self, chars: int = 4000) -> str:
         return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
@@ -352,9 +372,25 @@ class ServedEnsemble:
             self.__exit__()
             raise RuntimeError(f"tritonserver did not become ready; its log ends:\n{self.log_tail()}")
         self.load_seconds = time.perf_counter() - started
+        if self.args.openai_port:
+            self._start_frontend()
         return self
 
+    def _start_frontend(self) -> None:
+        with open(self.frontend_log_path, "w") as log:
+            self.frontend = self.launcher.launch_openai_frontend(self.args, stdout=log, stderr=log)
+        if not self.serve.wait_until_frontend_ready(self.frontend, self.openai_port, timeout=120):
+            self.__exit__()
+            raise RuntimeError("the OpenAI frontend did not become ready; its log ends:\n"
+                               + self.frontend_log_path.read_text(errors="replace")[-4000:])
+
     def __exit__(self, *exc) -> None:
+        if self.frontend is not None and self.frontend.poll() is None:
+            self.frontend.terminate()
+            try:
+                self.frontend.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.frontend.kill()
         if self.process is None or self.process.poll() is not None:
             return
         self.process.terminate()
@@ -366,7 +402,7 @@ class ServedEnsemble:
 
 
 # ------------------------------------------------------------------------------------------------
-# the three paths: each runs the closed loop and returns one Timing per request
+# the paths: each runs the closed loop and returns one Timing per request
 # ------------------------------------------------------------------------------------------------
 
 
@@ -426,14 +462,22 @@ def run_http(server_url: str, feed: PromptFeed, clients: int, requests: int, out
     return asyncio.run(main())
 
 
-def grpc_inputs(prompt: str, output_len: int) -> list:
+def grpc_inputs(prompt: str, output_len: int, like_openai: bool = False) -> list:
+    """The ensemble request of the http/grpc paths, or (``like_openai``) exactly what the OpenAI
+    frontend sends tensorrt_llm_bls for a greedy request of output_len tokens."""
     import numpy as np
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import np_to_triton_dtype
 
     arrays = {"text_input": np.array([[prompt.encode()]], dtype=object),
               "max_tokens": np.array([[output_len]], np.int32), "stream": np.array([[True]], np.bool_),
-              "exclude_input_in_output": np.array([[True]], np.bool_), "end_id": np.array([[-1]], np.int32)}
+              "exclude_input_in_output": np.array([[True]], np.bool_)}
+    if like_openai:
+        arrays.update({"return_log_probs": np.array([[True]], np.bool_),
+                       "temperature": np.array([[0.0]], np.float32), "top_p": np.array([[1.0]], np.float32),
+                       "min_tokens": np.array([[output_len]], np.int32)})
+    else:
+        arrays["end_id"] = np.array([[-1]], np.int32)
     inputs = []
     for name, array in arrays.items():
         tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
@@ -443,7 +487,7 @@ def grpc_inputs(prompt: str, output_len: int) -> list:
 
 
 def grpc_client(url: str, feed: PromptFeed, requests: int, output_len: int, timings: list, errors: list,
-                count_words: bool = False) -> None:
+                model: str = "ensemble", count_words: bool = False) -> None:
     """One client: one bidirectional stream, requests one after another, each until its final response."""
     import tritonclient.grpc as grpcclient
 
@@ -453,16 +497,16 @@ def grpc_client(url: str, feed: PromptFeed, requests: int, output_len: int, timi
     try:
         for index in range(requests):
             prompt, _ = feed.take()
-            inputs = grpc_inputs(prompt, output_len)
+            inputs = grpc_inputs(prompt, output_len, like_openai=model == "tensorrt_llm_bls")
             timing = Timing(sent=time.perf_counter())
-            client.async_stream_infer("ensemble", inputs, request_id=str(index), enable_empty_final_response=True)
+            client.async_stream_infer(model, inputs, request_id=str(index), enable_empty_final_response=True)
             while True:
                 when, result, error = arrivals.get(timeout=600)
                 if error is not None:
                     raise RuntimeError(f"gRPC stream error: {error}")
                 text = result.as_numpy("text_output")
-                if text is not None:
-                    timing.events.append(when)
+                if text is not None and (model == "ensemble" or text.reshape(-1)[0]):
+                    timing.events.append(when)  # (the BLS's empty final-chunk text is no token)
                     if count_words:
                         timing.event_tokens.append(len(text.reshape(-1)[0].split()))
                 params = result.get_response().parameters
@@ -477,12 +521,12 @@ def grpc_client(url: str, feed: PromptFeed, requests: int, output_len: int, timi
 
 
 def run_grpc(grpc_url: str, feed: PromptFeed, clients: int, requests: int, output_len: int,
-             count_words: bool = False) -> list[Timing]:
+             model: str = "ensemble", count_words: bool = False) -> list[Timing]:
     """`clients` threads, each with its own gRPC stream (tritonclient delivers through callbacks)."""
     timings: list[Timing] = []
     errors: list[Exception] = []
     threads = [threading.Thread(target=grpc_client,
-                                args=(grpc_url, feed, requests, output_len, timings, errors, count_words))
+                                args=(grpc_url, feed, requests, output_len, timings, errors, model, count_words))
                for _ in range(clients)]
     for thread in threads:
         thread.start()
@@ -556,10 +600,54 @@ def client_worker(index: int, prompts: list[str], tasks, results) -> None:
         time.sleep(max(0.0, start_at - time.perf_counter()))
         try:
             run = run_http if path == "http" else run_grpc
-            timings = run(url, feed, clients, requests, output_len, count_words)
+            timings = run(url, feed, clients, requests, output_len, count_words=count_words)
             results.put((index, [(t.sent, t.events, t.event_tokens) for t in timings], None))
         except Exception as error:  # noqa: BLE001 - reported by the parent
             results.put((index, [], f"{type(error).__name__}: {error}"))
+
+
+async def openai_client(session, url: str, feed: PromptFeed, requests: int, output_len: int,
+                        chat: bool) -> list[Timing]:
+    """One client of the OpenAI frontend: streamed requests one after another, each read to [DONE];
+    a chunk carrying text is a token's arrival."""
+    timings = []
+    for _ in range(requests):
+        prompt, _ = feed.take()
+        body = {"model": OPENAI_MODEL_NAME, "max_tokens": output_len, "min_tokens": output_len, "temperature": 0,
+                "stream": True}
+        body.update({"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt})
+        timing = Timing(sent=time.perf_counter())
+        async with session.post(url, json=body) as response:
+            if response.status != 200:
+                raise RuntimeError(f"OpenAI frontend HTTP {response.status}: {await response.text()}")
+            async for line in response.content:
+                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    raise RuntimeError(f"OpenAI frontend stream error: {event['error']}")
+                choice = event["choices"][0] if event["choices"] else {}
+                if (choice.get("delta", {}).get("content") if chat else choice.get("text")):
+                    timing.events.append(time.perf_counter())
+        timings.append(timing)
+    return timings
+
+
+def run_openai(frontend_url: str, feed: PromptFeed, clients: int, requests: int, output_len: int,
+               chat: bool = False) -> list[Timing]:
+    """`clients` concurrent SSE streams through the OpenAI frontend, on one event loop."""
+    import aiohttp
+
+    async def main() -> list[Timing]:
+        connector = aiohttp.TCPConnector(limit=0)
+        timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+        url = f"{frontend_url}/v1/{'chat/completions' if chat else 'completions'}"
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+            per_client = await asyncio.gather(*[openai_client(session, url, feed, requests, output_len, chat)
+                                                for _ in range(clients)])
+        return [t for timings in per_client for t in timings]
+
+    return asyncio.run(main())
 
 
 def run_engine(executor, feed: PromptFeed, clients: int, requests: int, output_len: int) -> list[Timing]:
@@ -706,7 +794,7 @@ def run_all(results: dict, args: argparse.Namespace, variants: list[tuple[str, s
         if "engine" in args.paths:
             executor = start_executor(results, engine_dir, config)
             stack.callback(stop_executor, executor)
-        served = [p for p in ("http", "grpc") if p in args.paths]
+        served = [p for p in SERVED_PATHS if p in args.paths]
         processes = client_processes(args)
         pool = None
         if served and processes > 1:
@@ -732,21 +820,27 @@ def run_variant(results: dict, args: argparse.Namespace, feed: PromptFeed, execu
         if server_setup is not None:
             repo, server_work = server_setup
             server_work.mkdir(parents=True, exist_ok=True)
-            server = stack.enter_context(ServedEnsemble(repo, server_work, args.ready_timeout))
+            server = stack.enter_context(ServedEnsemble(repo, server_work, args.ready_timeout,
+                                                        openai="openai" in args.paths))
             results.setdefault("server_load_s", {})[variant] = server.load_seconds
             print(f"tritonserver{f' ({variant})' if variant else ''} ready in {server.load_seconds:.1f} s "
-                  f"(HTTP {server.http_port}, gRPC {server.grpc_port})", flush=True)
+                  f"(HTTP {server.http_port}, gRPC {server.grpc_port}"
+                  f"{', OpenAI ' + server.openai_port if server.frontend else ''})", flush=True)
             urls = {"http": server.http_url, "grpc": server.grpc_url}
-            for path in ("http", "grpc"):
+            for path in ("http", "grpc"):  # the ensemble paths: clients in worker processes when there are some
                 if pool is not None:
                     runners[path] = lambda f, c, r, n, p=path: pool.run(p, urls[p], c, r, n, count_words)
                 else:
                     local = run_http if path == "http" else run_grpc
-                    runners[path] = lambda f, c, r, n, p=path, run=local: run(urls[p], f, c, r, n, count_words)
+                    runners[path] = lambda f, c, r, n, p=path, run=local: run(urls[p], f, c, r, n,
+                                                                               count_words=count_words)
                 counters[path] = lambda: scrape_stream_counts(server.metrics_url)
+            runners["grpc_bls"] = lambda f, c, r, n: run_grpc(server.grpc_url, f, c, r, n, model="tensorrt_llm_bls")
+            runners["openai"] = lambda f, c, r, n: run_openai(server.openai_url, f, c, r, n,
+                                                              chat=args.openai_api == "chat")
         if executor is not None:
             runners["engine"] = lambda f, c, r, n: run_engine(executor, f, c, r, n)
-        paths = [p for p in ("engine", "http", "grpc") if p in args.paths and p in runners]
+        paths = [p for p in ALL_PATHS if p in args.paths and p in runners]
         try:
             for round_index in range(args.rounds):
                 for clients in args.clients:
@@ -813,6 +907,47 @@ def overheads(rows: list[dict]) -> list[dict]:
     return out
 
 
+def frontend_overheads(rows: list[dict]) -> list[dict]:
+    """The OpenAI frontend's own cost per concurrency: openai against grpc_bls (same entry model,
+    same request), and against grpc (the ensemble), as throughput ratios and added TTFT (medians)."""
+    by_key = {(row["path"], row["clients"]): row for row in rows}
+    out = []
+    for (path, clients), row in sorted(by_key.items()):
+        if path != "openai":
+            continue
+        entry = {"clients": clients}
+        for base_path in ("grpc_bls", "grpc"):
+            base = by_key.get((base_path, clients))
+            if base is not None:
+                entry[f"throughput_vs_{base_path}"] = row["tok_s"] / base["tok_s"]
+                entry[f"added_ttft_ms_vs_{base_path}"] = row["ttft_ms_median"] - base["ttft_ms_median"]
+                entry[f"added_itl_ms_vs_{base_path}"] = row["itl_ms_median"] - base["itl_ms_median"]
+        out.append(entry)
+    return out
+
+
+def frontend_markdown(results: dict) -> str:
+    """The OpenAI frontend's table: openai against grpc_bls and grpc, with the goals."""
+    entries = results.get("frontend_overheads") or []
+    if not entries:
+        return ""
+
+    def cell(entry, key, fmt):
+        return format(entry[key], fmt) if key in entry else "-"
+
+    lines = [f"\nOpenAI frontend (`openai`, {results.get('openai_api', 'completions')}) against gRPC into "
+             f"tensorrt_llm_bls with the same request (`grpc_bls`) and into the ensemble (`grpc`). "
+             f"Goals: >= {GOALS['openai_throughput_ratio']:.0%} of grpc_bls throughput, "
+             f"< {GOALS['openai_added_ttft_ms']:.0f} ms added TTFT.\n",
+             "| clients | tok/s vs grpc_bls | added TTFT ms vs grpc_bls | added ITL ms vs grpc_bls "
+             "| tok/s vs grpc | added TTFT ms vs grpc |", "|---|---|---|---|---|---|"]
+    for e in entries:
+        lines.append(f"| {e['clients']} | {cell(e, 'throughput_vs_grpc_bls', '.3f')} "
+                     f"| {cell(e, 'added_ttft_ms_vs_grpc_bls', '+.2f')} | {cell(e, 'added_itl_ms_vs_grpc_bls', '+.2f')} "
+                     f"| {cell(e, 'throughput_vs_grpc', '.3f')} | {cell(e, 'added_ttft_ms_vs_grpc', '+.2f')} |")
+    return "\n".join(lines) + "\n"
+
+
 def machine_description() -> dict:
     import torch
 
@@ -870,7 +1005,7 @@ def markdown(results: dict) -> str:
                      f"| {'-' if own is None else f'{own:.1%}'} |")
     if results.get("error"):
         lines.append(f"\nIncomplete run: {results['error']}")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + frontend_markdown(results)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -891,7 +1026,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="at least this many requests per setting (few clients send more each)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="repeat every setting, paths interleaved; the best round of each is reported")
-    parser.add_argument("--paths", default="http,grpc,engine", help="subset of http,grpc,engine")
+    parser.add_argument("--paths", default="http,grpc,engine", help="subset of " + ",".join(ALL_PATHS))
+    parser.add_argument("--openai_api", default="completions", choices=["completions", "chat"],
+                        help="openai path: /v1/completions (prompts of exactly input_len tokens) or "
+                             "/v1/chat/completions (the chat template adds tokens: needs an engine with room)")
     parser.add_argument("--engine_process", default="true", choices=["true", "false"],
                         help="the served model's engine_process parameter (false: the executor in the stub)")
     parser.add_argument("--tensorrt_llm_instances", type=int, default=1,
@@ -914,6 +1052,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.clients = [int(c) for c in args.clients.split(",") if c]
     args.paths = [p for p in args.paths.split(",") if p]
+    unknown = sorted(set(args.paths) - set(ALL_PATHS))
+    if unknown:
+        parser.error(f"--paths: unknown {', '.join(unknown)}; choose from {', '.join(ALL_PATHS)}")
     if args.output_len < 2:
         parser.error("--output_len must be >= 2 (inter-token latency needs two tokens)")
     return args
@@ -936,11 +1077,14 @@ def main(argv=None) -> dict:
     feed = PromptFeed(*make_prompts(tokenizer, min(total_requests, 512), args.input_len))
     tpb = engine_config.build.tokens_per_block
     kv_tokens = max(args.clients) * (-(-(args.input_len + args.output_len) // tpb) + 1) * tpb
+    # A tensorrt_llm_bls instance serves one request at a time: one per client on the BLS paths.
+    bls_instances = max(args.clients) if {"grpc_bls", "openai"} & set(args.paths) else 2
     variants = []
     for index, (variant, settings) in enumerate(parse_variants(args.variants, args)):
         repo = load_script("serve_default").prepare_model_repo(
             engine_dir, str(work / f"repo{index}"), overrides=repo_overrides(settings, kv_tokens),
-            max_batch_size=min(max(args.clients), engine_config.build.max_batch_size), decoupled=True)
+            max_batch_size=min(max(args.clients), engine_config.build.max_batch_size), decoupled=True,
+            bls_instances=bls_instances)
         set_instance_count(repo, "tensorrt_llm", int(settings["tensorrt_llm_instances"]))
         variants.append((variant, repo))
     results = {
@@ -961,6 +1105,8 @@ def main(argv=None) -> dict:
         print(f"serving_bench: {results['error']}", file=sys.stderr)
     results["rows"] = best_rows(results["all_rows"])
     results["overheads"] = overheads(results["rows"])
+    results["frontend_overheads"] = frontend_overheads(results["rows"])
+    results["openai_api"] = args.openai_api
     write_json(results, args.out)
     table = markdown(results)
     print(table)

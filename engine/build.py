@@ -3,6 +3,10 @@
     python -m engine.build --checkpoint SmolLM2-135M-Instruct.Q4_1.gguf --output engines/smollm2 \
         --dtype float16 --tp_size 1 --max_batch_size 8 --max_input_len 1024 --max_seq_len 2048
 
+Length limits left out come from the checkpoint (engine.config.resolve_build_limits): max_seq_len
+= max_position_embeddings (at most MAX_DEFAULT_SEQ_LEN), max_input_len = max_seq_len; a limit
+that contradicts the model (more positions than it has) is an error naming both numbers.
+
 writes ``config.json`` (EngineConfig), ``rank{r}.safetensors`` for every tensor-parallel rank,
 and the tokenizer files (so ``AutoTokenizer.from_pretrained(engine_dir)`` works).
 ``--quantization fp8`` stores the decoder blocks' linear weights in FP8 E4M3 with per-output-channel
@@ -11,7 +15,7 @@ scales (kernels/fp8.py).
 from __future__ import annotations
 
 import argparse
-import inspect
+import dataclasses
 import os
 import sys
 import time
@@ -20,17 +24,26 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from engine.config import BuildConfig, ConfigError, EngineConfig, ModelConfig, check_tp_divides
+from engine.config import (
+    MAX_DEFAULT_SEQ_LEN,
+    BuildConfig,
+    ConfigError,
+    EngineConfig,
+    ModelConfig,
+    check_tp_divides,
+    resolve_build_limits,
+)
 from engine.convert import (
     CheckpointError,
-    check_sliding_window,
     TensorGetter,
     getter_from_safetensors_dir,
     getter_from_state_dict,
+    language_model_getter,
     model_config_from_hf,
     iter_rank_weights,
 )
-from engine.models import get_model_class
+from engine.fp8_checkpoint import dequantizing_getter, fp8_checkpoint_strategy, rank_row_scales
+from engine.models import MODEL_FAMILIES, get_family, get_model_class
 from kernels.fp8 import quantize_weight
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -41,28 +54,35 @@ def expected_tensor_names(model: ModelConfig, tp_size: int, quantization: str | 
     model_class = get_model_class(model.architecture)
     if quantization is None:
         return list(model_class(model, tp_size=tp_size, device="meta").state_dict())
-    if "quantization" not in inspect.signature(model_class).parameters:
-        raise ConfigError(f"quantization {quantization} is not supported for {model.architecture}; "
-                          "it is for the Llama family (Llama, Mistral, Qwen2, SmolLM)")
+    if not get_family(model.architecture).fp8:
+        raise ConfigError(f"quantization {quantization} is not supported for {model.architecture}; it is for "
+                          + ", ".join(family.architecture for family in MODEL_FAMILIES if family.fp8))
     return list(model_class(model, tp_size=tp_size, device="meta", quantization=quantization).state_dict())
 
 
-def quantize_rank_weights(weights: dict[str, torch.Tensor], names: list[str]) -> dict[str, torch.Tensor]:
+def quantize_rank_weights(weights: dict[str, torch.Tensor], names: list[str],
+                          source_scales: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """FP8: every weight the model declares a ``<name>_scale`` for becomes E4M3 with per-output-channel
-    scales (kernels/fp8.py), quantized from this rank's shard; the rest is left as converted."""
+    scales (kernels/fp8.py), quantized from this rank's shard; the rest is left as converted.
+    ``source_scales``: row scales of weights that were FP8 in the checkpoint (engine/fp8_checkpoint.py),
+    kept as they are so those weights' values are not rounded a second time."""
     scaled = {name[:-len("_scale")] for name in names if name.endswith(".weight_scale")}
+    source_scales = source_scales or {}
     out = {}
     for name, tensor in weights.items():
         if name in scaled:
-            out[name], out[name + "_scale"] = quantize_weight(tensor)
+            out[name], out[name + "_scale"] = quantize_weight(tensor, source_scales.get(name))
         else:
             out[name] = tensor
     return out
 
 
 def write_engine(output_dir: str, model: ModelConfig, build: BuildConfig, get: TensorGetter, *,
-                 tokenizer=None, extra: dict | None = None, progress: bool = True) -> EngineConfig:
-    """Convert every rank's weights through ``get`` and write a complete engine directory."""
+                 tokenizer=None, extra: dict | None = None, progress: bool = True,
+                 fp8_source: TensorGetter | None = None) -> EngineConfig:
+    """Convert every rank's weights through ``get`` and write a complete engine directory.
+    ``fp8_source``: the raw getter of an FP8 checkpoint (``get`` dequantizes it), whose scales the
+    engine keeps."""
     engine_config = EngineConfig(model=model, build=build, extra=dict(extra or {})).validate()
     names = expected_tensor_names(model, build.tp_size, build.quantization)
     _clear_old_engine(output_dir)
@@ -73,7 +93,8 @@ def write_engine(output_dir: str, model: ModelConfig, build: BuildConfig, get: T
             weights[name] = tensor
             bar.update(1)
         if build.quantization == "fp8":
-            weights = quantize_rank_weights(weights, names)
+            source_scales = rank_row_scales(fp8_source, model, rank, build.tp_size) if fp8_source else None
+            weights = quantize_rank_weights(weights, names, source_scales)
         if sorted(weights) != sorted(names):  # a converter bug, never a user error
             raise AssertionError(f"converter produced {sorted(set(weights) ^ set(names))[:5]} mismatching the model")
         save_file(weights, os.path.join(output_dir, f"rank{rank}.safetensors"), metadata={"format": "pt"})
@@ -149,10 +170,23 @@ def build_from_hf(hf_config, get: TensorGetter, tokenizer, output_dir: str, buil
                   source: str = "", progress: bool = True) -> EngineConfig:
     """Build from an already-loaded HF config + tensor getter (lets callers reuse a loaded model)."""
     model = model_config_from_hf(hf_config)
+    get = language_model_getter(hf_config, get)  # a multimodal checkpoint: its language model's tensors
     check_tp_divides(model, build.tp_size)
-    check_sliding_window(hf_config, build.max_seq_len)
+    build = resolve_build_limits(build, model)
     extra = {"source": os.path.abspath(source) if source else "", "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    return write_engine(output_dir, model, build, get, tokenizer=tokenizer, extra=extra, progress=progress)
+    fp8_source = None
+    strategy = fp8_checkpoint_strategy(hf_config)
+    if strategy is not None:
+        # An FP8 checkpoint builds an FP8 engine: its weights exist only as E4M3 values, and
+        # widening them to --dtype would double the bytes without adding a digit.
+        if build.quantization != "fp8":
+            print(f"note: {source or 'the checkpoint'} holds FP8 weights (per {strategy}); building with "
+                  "--quantization fp8", file=sys.stderr)
+            build = dataclasses.replace(build, quantization="fp8")
+        extra["source_quantization"] = f"fp8 per {strategy}"
+        fp8_source, get = get, dequantizing_getter(get)
+    return write_engine(output_dir, model, build, get, tokenizer=tokenizer, extra=extra, progress=progress,
+                        fp8_source=fp8_source)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -161,8 +195,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint", required=True, help="HF directory (config.json + safetensors) or .gguf file")
     p.add_argument("--output", required=True, help="engine directory to write")
     p.add_argument("--dtype", default=defaults.dtype, choices=sorted(TORCH_DTYPES))
-    for name in ("tp_size", "max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens", "tokens_per_block"):
+    for name in ("tp_size", "max_batch_size", "tokens_per_block"):
         p.add_argument(f"--{name}", type=int, default=getattr(defaults, name))
+    p.add_argument("--max_seq_len", type=int, default=None,
+                   help="longest sequence (prompt + output); default: the checkpoint's max_position_embeddings, "
+                        f"at most {MAX_DEFAULT_SEQ_LEN}")
+    p.add_argument("--max_input_len", type=int, default=None, help="longest prompt; default: max_seq_len")
+    p.add_argument("--max_num_tokens", type=int, default=None,
+                   help="tokens per forward step; default: max(8192, max_input_len), at most "
+                        "max_batch_size * max_seq_len")
     p.add_argument("--quantization", choices=["fp8"], default=None,
                    help="fp8: FP8 E4M3 weights with per-output-channel scales for every linear layer of the "
                         "decoder blocks, activations quantized per token at run time (Llama family); "

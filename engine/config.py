@@ -10,17 +10,33 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 FORMAT_VERSION = 2  # 2: build.quantization (fp8 weights); engines of version 1 still load
 READABLE_FORMAT_VERSIONS = (1, 2)
 QUANTIZATIONS = ("fp8",)
 KV_CACHE_DTYPES = ("fp8",)
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "GPT2LMHeadModel")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "GPT2LMHeadModel",
+                           "Qwen3ForCausalLM", "Phi3ForCausalLM", "SmolLM3ForCausalLM")
+# Mixture-of-experts families (engine/models/moe.py): the only ones whose num_experts may be > 0.
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
+SUPPORTED_ARCHITECTURES += MOE_ARCHITECTURES
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_new", "gelu_pytorch_tanh", "gelu")
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn", "dynamic", "longrope")
+# A default max_seq_len (one taken from the checkpoint's max_position_embeddings) never exceeds this:
+# models that advertise 128k-1M positions would otherwise get decode CUDA graphs, block tables and
+# attention split counts sized for contexts few deployments serve. Pass --max_seq_len to go beyond.
+MAX_DEFAULT_SEQ_LEN = 32768
+# max_num_tokens from the checkpoint: at least this many tokens per step (enough to batch many
+# prefills), and never less than max_input_len (so any allowed prompt fits one step unchunked).
+MIN_DEFAULT_MAX_NUM_TOKENS = 8192
+
+# Gemma 2 / Gemma 3 text (engine/models/gemma.py): GeGLU MLP, sandwich norms, soft-capping.
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+SUPPORTED_ARCHITECTURES += GEMMA_ARCHITECTURES
+LAYER_TYPES = ("sliding_attention", "full_attention")  # transformers' names, per layer
 
 
 class ConfigError(ValueError):
@@ -55,13 +71,25 @@ def _from_known_fields(cls, data: dict[str, Any]):
     return cls(**data)
 
 
+_OPTIONAL_WHEN_NONE = ("sliding_window", "layer_types", "query_pre_attn_scalar", "attn_logit_softcapping",
+                       "final_logit_softcapping", "rope_local_theta")
+
+
 @dataclass
 class ModelConfig:
     """The shape of a decoder-only transformer, independent of how it is sharded or cast.
 
     ``architecture`` is the Hugging Face class name. ``rope_scaling`` keeps HF's layout
-    (e.g. ``{"rope_type": "llama3", "factor": 8.0, ...}``). ``head_dim`` may differ from
-    ``hidden_size // num_heads`` (some Qwen/Mistral variants).
+    (e.g. ``{"rope_type": "llama3", "factor": 8.0, ...}``), completed by engine.convert with the
+    ``original_max_position_embeddings``/``max_position_embeddings`` its frequencies need.
+    ``head_dim`` may differ from ``hidden_size // num_heads`` (some Qwen/Mistral variants).
+    Fields added after format version 2 shipped have defaults, so older engines still load.
+
+    Sliding-window attention: ``sliding_window`` W applies to the layers whose ``layer_types``
+    entry is "sliding_attention", to every layer when ``layer_types`` is None (Mistral); a query
+    at position p sees keys p - W < k <= p (kernels/attention.py). Gemma fields: attention scale
+    ``query_pre_attn_scalar ** -0.5`` (None: ``head_dim ** -0.5``), tanh soft-caps of the attention
+    scores and of the final logits (None: none), and Gemma 3's rope base of its sliding layers.
     """
 
     architecture: str
@@ -79,6 +107,47 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     hidden_act: str = "silu"
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    rope_local_theta: float | None = None
+
+    def layer_window(self, layer_index: int) -> int | None:
+        """The attention window of one layer (None: it attends to its whole context)."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None or self.layer_types[layer_index] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    @property
+    def kv_window(self) -> int | None:
+        """The window of every layer when all layers have one (then KV blocks that fall out of it
+        can be freed), else None: a global layer reads every block of the sequence."""
+        windows = {self.layer_window(i) for i in range(self.num_layers)}
+        return None if None in windows else max(windows)
+    # Qwen3: RMSNorm over each q and k head (head_dim wide, weights q_norm/k_norm) before rope.
+    qk_norm: bool = False
+    # Phi-4-mini and others: rope rotates only the first int(head_dim * factor) dims of each head.
+    partial_rotary_factor: float = 1.0
+    # SmolLM3 (NoPE layers): indices of the layers whose attention uses no rotary embedding.
+    layers_without_rope: list[int] = field(default_factory=list)
+    # Mixture of experts (MOE_ARCHITECTURES). num_experts 0: every layer has the dense MLP of
+    # width intermediate_size. Otherwise a layer is sparse (router + experts of width
+    # moe_intermediate_size, each token through its num_experts_per_tok best) unless it is in
+    # mlp_only_layers or (index + 1) is not a multiple of decoder_sparse_step (Qwen3-MoE's rule).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1 (Mixtral: always)
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+
+    def is_moe_layer(self, layer_index: int) -> bool:
+        return (self.num_experts > 0 and layer_index not in self.mlp_only_layers
+                and (layer_index + 1) % self.decoder_sparse_step == 0)
 
     def validate(self) -> "ModelConfig":
         _require(
@@ -100,18 +169,100 @@ class ModelConfig:
             self.hidden_act in SUPPORTED_ACTIVATIONS,
             f"unsupported hidden_act {self.hidden_act!r}; supported: {', '.join(SUPPORTED_ACTIVATIONS)}",
         )
-        if self.architecture != "GPT2LMHeadModel":  # the Llama block is SwiGLU, nothing else
+        if self.architecture in GEMMA_ARCHITECTURES:  # GeGLU: gelu(gate) * up
+            _require(
+                self.hidden_act in ("gelu_pytorch_tanh", "gelu"),
+                f"{self.architecture} needs hidden_act 'gelu_pytorch_tanh' or 'gelu' (GeGLU MLP), got {self.hidden_act!r}",
+            )
+        elif self.architecture != "GPT2LMHeadModel":  # the Llama block is SwiGLU, nothing else
             _require(
                 self.hidden_act == "silu",
                 f"{self.architecture} needs hidden_act 'silu' (gated SiLU MLP), got {self.hidden_act!r}",
             )
+        self._validate_window_and_caps()
+        self._validate_experts()
         if self.rope_scaling is not None:
             rope_type = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
             _require(
                 rope_type in SUPPORTED_ROPE_TYPES,
                 f"unsupported rope_scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}",
             )
+        self._validate_rotary_layout()
+        self._validate_rope_scaling_keys()
         return self
+
+    def _validate_window_and_caps(self) -> None:
+        if self.sliding_window is not None:
+            _positive_ints(self, ("sliding_window",))
+        if self.layer_types is not None:
+            _require(
+                isinstance(self.layer_types, list) and len(self.layer_types) == self.num_layers
+                and all(t in LAYER_TYPES for t in self.layer_types),
+                f"layer_types must list one of {', '.join(LAYER_TYPES)} per layer ({self.num_layers} layers), "
+                f"got {self.layer_types!r}",
+            )
+        for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "rope_local_theta"):
+            value = getattr(self, name)
+            _require(value is None or (isinstance(value, (int, float)) and value > 0),
+                     f"{name} must be a positive number or null, got {value!r}")
+
+    def _validate_experts(self) -> None:
+        if self.architecture not in MOE_ARCHITECTURES:
+            _require(self.num_experts == 0, f"{self.architecture} has no experts; num_experts must be 0, "
+                                            f"got {self.num_experts!r}")
+            return
+        _positive_ints(self, ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"))
+        _require(self.num_experts_per_tok <= self.num_experts,
+                 f"num_experts_per_tok ({self.num_experts_per_tok}) must be <= num_experts ({self.num_experts})")
+        _require(all(isinstance(i, int) and 0 <= i < self.num_layers for i in self.mlp_only_layers),
+                 f"mlp_only_layers must hold layer indices in [0, {self.num_layers}), got {self.mlp_only_layers!r}")
+        _require(not self.qkv_bias and self.rotary_dim == self.head_dim and not self.layers_without_rope,
+                 f"{self.architecture} with q/k/v bias, partial rotary or layers without rope is not supported")
+
+    def _validate_rope_scaling_keys(self) -> None:
+        """The keys each scaling's frequencies need (engine.convert fills them in from the HF config)."""
+        needed = {"llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+                  "linear": ("factor",),
+                  "yarn": ("original_max_position_embeddings",),
+                  "longrope": ("short_factor", "long_factor", "original_max_position_embeddings")}
+        missing = [key for key in needed.get(self.rope_type, ()) if self.rope_scaling.get(key) is None]
+        _require(not missing, f"rope_scaling of type {self.rope_type!r} lacks {', '.join(missing)}")
+        if self.rope_type == "yarn" or self.rope_type == "longrope":
+            _require(self.rope_scaling.get("factor") is not None or self.rope_scaling.get("max_position_embeddings"),
+                     f"rope_scaling of type {self.rope_type!r} needs factor or max_position_embeddings")
+        if self.rope_type == "longrope":
+            for key in ("short_factor", "long_factor"):
+                _require(len(self.rope_scaling[key]) == self.rotary_dim // 2,
+                         f"rope_scaling {key} has {len(self.rope_scaling[key])} values; the rotary dims "
+                         f"({self.rotary_dim}) need {self.rotary_dim // 2}")
+
+    def _validate_rotary_layout(self) -> None:
+        _require(0 < self.partial_rotary_factor <= 1,
+                 f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor!r}")
+        _require(self.head_dim % 2 == 0 and self.rotary_dim % 2 == 0,
+                 f"head_dim ({self.head_dim}) and rotary dims ({self.rotary_dim}) must be even")
+        bad = [i for i in self.layers_without_rope if not 0 <= i < self.num_layers]
+        _require(not bad, f"layers_without_rope {bad} are not layer indices; allowed: 0..{self.num_layers - 1}")
+
+    @property
+    def max_positions(self) -> tuple[int, str]:
+        """(the longest sequence the model's positions cover, where that number comes from).
+
+        yarn extends a model to ``factor * original_max_position_embeddings`` (Qwen3's recipe keeps
+        max_position_embeddings at the pretrained length); every other kind of position is bounded
+        by max_position_embeddings (dynamic NTK included: its static table is exact only there).
+        """
+        extended = 0
+        if self.rope_type == "yarn" and self.rope_scaling.get("factor"):
+            extended = int(self.rope_scaling["factor"] * self.rope_scaling["original_max_position_embeddings"])
+        if extended > self.max_position_embeddings:
+            return extended, f"yarn factor x original_max_position_embeddings ({extended})"
+        return self.max_position_embeddings, f"max_position_embeddings ({self.max_position_embeddings})"
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading dims of each q/k head (in the checkpoint's order) rope rotates."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def rope_type(self) -> str:
@@ -120,7 +271,13 @@ class ModelConfig:
         return self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """asdict, without the window / Gemma fields when unset: an engine that uses none of them
+        keeps the config.json an older reader accepts (it refuses unknown keys)."""
+        data = asdict(self)
+        for name in _OPTIONAL_WHEN_NONE:
+            if data[name] is None:
+                del data[name]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
@@ -133,9 +290,14 @@ class BuildConfig:
 
     dtype: str = "float16"
     max_batch_size: int = 8
-    max_input_len: int = 1024
-    max_seq_len: int = 2048
-    max_num_tokens: int = 8192
+    # None: taken from the checkpoint by ``resolve_build_limits`` (which the build calls):
+    # max_seq_len = the model's positions (ModelConfig.max_positions: max_position_embeddings,
+    # or what yarn extends it to; at most MAX_DEFAULT_SEQ_LEN, and within an
+    # unsupported sliding window), max_input_len = max_seq_len, max_num_tokens =
+    # max(MIN_DEFAULT_MAX_NUM_TOKENS, max_input_len) but at most max_batch_size * max_seq_len.
+    max_input_len: int | None = None
+    max_seq_len: int | None = None
+    max_num_tokens: int | None = None
     tokens_per_block: int = 64
     tp_size: int = 1
     pp_size: int = 1
@@ -152,13 +314,10 @@ class BuildConfig:
             self.dtype in SUPPORTED_DTYPES,
             f"unsupported dtype {self.dtype!r}; supported: {', '.join(SUPPORTED_DTYPES)}",
         )
-        _positive_ints(
-            self,
-            ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens", "tokens_per_block",
-             "tp_size", "pp_size"),
-        )
+        _positive_ints(self, ("max_batch_size", "tokens_per_block", "tp_size", "pp_size"))
+        _positive_ints(self, tuple(name for name in LIMITS_FROM_MODEL if getattr(self, name) is not None))
         _require(
-            self.max_input_len <= self.max_seq_len,
+            None in (self.max_input_len, self.max_seq_len) or self.max_input_len <= self.max_seq_len,
             f"max_input_len ({self.max_input_len}) must be <= max_seq_len ({self.max_seq_len})",
         )
         _require(self.pp_size == 1, f"pp_size must be 1 (pipeline parallelism is not supported), got {self.pp_size}")
@@ -176,8 +335,38 @@ class BuildConfig:
         return _from_known_fields(cls, data).validate()
 
 
+LIMITS_FROM_MODEL = ("max_input_len", "max_seq_len", "max_num_tokens")
+
+
+def resolve_build_limits(build: BuildConfig, model: ModelConfig) -> BuildConfig:
+    """A copy of ``build`` whose unset limits come from the model (see BuildConfig), after
+    checking the set ones against it. A limit the user set that contradicts the model raises
+    ConfigError naming both numbers. (A sliding window bounds nothing: the engine applies it.)
+    """
+    build.validate()
+    positions, source = model.max_positions
+    _require(build.max_seq_len is None or build.max_seq_len <= positions,
+             f"max_seq_len ({build.max_seq_len}) exceeds the model's {source}; "
+             f"allowed: max_seq_len <= {positions}, or leave it out to use {min(positions, MAX_DEFAULT_SEQ_LEN)}")
+    default_seq_len = min(positions, MAX_DEFAULT_SEQ_LEN)
+    if build.max_input_len is not None and build.max_seq_len is None:
+        default_seq_len = max(default_seq_len, min(build.max_input_len, positions))
+    max_seq_len = build.max_seq_len or default_seq_len
+    max_input_len = build.max_input_len or max_seq_len
+    _require(max_input_len <= max_seq_len,
+             f"max_input_len ({max_input_len}) must be <= max_seq_len ({max_seq_len}"
+             f"{'' if build.max_seq_len else ', from the model'})")
+    max_num_tokens = build.max_num_tokens or min(max(MIN_DEFAULT_MAX_NUM_TOKENS, max_input_len),
+                                                 build.max_batch_size * max_seq_len)
+    return replace(build, max_seq_len=max_seq_len, max_input_len=max_input_len, max_num_tokens=max_num_tokens)
+
+
 def check_tp_divides(model: ModelConfig, tp_size: int) -> None:
     """Raise ConfigError unless every tensor-parallel split of ``model`` is even for ``tp_size``."""
+    if model.num_experts:  # every rank holds a slice of every expert's width (engine/models/moe.py)
+        _require(model.moe_intermediate_size % tp_size == 0,
+                 f"tp_size {tp_size} does not divide moe_intermediate_size ({model.moe_intermediate_size}), "
+                 f"the experts' width, which is split across ranks")
     for name in ("num_heads", "num_kv_heads", "intermediate_size", "vocab_size"):
         value = getattr(model, name)
         _require(
@@ -199,6 +388,8 @@ class EngineConfig:
 
     def validate(self) -> "EngineConfig":
         self.model.validate()
+        if None in (getattr(self.build, name) for name in LIMITS_FROM_MODEL):
+            self.build = resolve_build_limits(self.build, self.model)
         self.build.validate()
         check_tp_divides(self.model, self.build.tp_size)
         if self.model.architecture == "GPT2LMHeadModel":  # learned positions: no extrapolation

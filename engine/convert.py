@@ -8,7 +8,12 @@ the engine model declares (names in docs/INTERFACES.md):
   rank's slice is itself a fused projection;
 - gate/up are fused to ``gate_up_proj`` with rows [gate_r | up_r];
 - o_proj / down_proj (and GPT-2's c_proj's) are split along their input columns;
-- embeddings and lm_head are split by vocab rows.
+- embeddings and lm_head are split by vocab rows;
+- Gemma's (1 + w) RMSNorm weights are stored as ``1 + w`` (added in float32 before the cast), so
+  the engine's plain RMSNorm applies them.
+- Phi-3's fused qkv_proj/gate_up_proj are split back into their parts first (unfused_phi3_getter),
+  so they shard like the rest; Qwen3's q_norm/k_norm are replicated;
+- with partial rotary, q/k head dims are reordered (kernels.rotary.partial_rotary_order).
 """
 from __future__ import annotations
 
@@ -17,8 +22,9 @@ from typing import Callable, Iterator, Mapping
 
 import torch
 
-from engine.config import ConfigError, ModelConfig, check_tp_divides
+from engine.config import GEMMA_ARCHITECTURES, MOE_ARCHITECTURES, ConfigError, ModelConfig, check_tp_divides
 from engine.models import SUPPORTED_ARCHITECTURES, UnsupportedArchitectureError
+from kernels.rotary import partial_rotary_order
 
 TensorGetter = Callable[[str], torch.Tensor]  # HF tensor name -> tensor (any dtype, on CPU)
 
@@ -29,22 +35,36 @@ class CheckpointError(ValueError):
 
 # ---- config ---------------------------------------------------------------------------------
 
+# Multimodal checkpoints whose language model the engine serves on its own (text in, text out;
+# the vision tower and projector are not converted): architecture -> the text model's.
+MULTIMODAL_TEXT_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+
+
 def model_config_from_hf(hf_config) -> ModelConfig:
     """Map a transformers config object (v4 or v5 layout) to a validated ModelConfig."""
     architectures = getattr(hf_config, "architectures", None) or []
     architecture = architectures[0] if architectures else _architecture_from_model_type(hf_config)
+    if architecture in MULTIMODAL_TEXT_MODELS:
+        hf_config, architecture = hf_config.text_config, MULTIMODAL_TEXT_MODELS[architecture]
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedArchitectureError(
             f"unsupported architecture {architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     if architecture == "GPT2LMHeadModel":
         return _gpt2_config(hf_config)
+    if architecture in GEMMA_ARCHITECTURES:
+        return _gemma_config(hf_config, architecture)
+    if architecture in MOE_ARCHITECTURES:
+        return _moe_config(hf_config, architecture)
     return _llama_family_config(hf_config, architecture)
 
 
 def _architecture_from_model_type(hf_config) -> str:
     by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-               "gpt2": "GPT2LMHeadModel"}
+               "gpt2": "GPT2LMHeadModel", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
+               "smollm3": "SmolLM3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+               "gemma3": "Gemma3ForConditionalGeneration", "mixtral": "MixtralForCausalLM",
+               "qwen3_moe": "Qwen3MoeForCausalLM"}
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in by_type:
         raise UnsupportedArchitectureError(
@@ -53,36 +73,62 @@ def _architecture_from_model_type(hf_config) -> str:
     return by_type[model_type]
 
 
-def check_sliding_window(hf_config, max_seq_len: int) -> None:
-    """Refuse engines whose sequences would outgrow a sliding attention window.
-
-    The engine attends to the full context; that equals sliding-window attention (Mistral,
-    some Qwen2) only while every sequence fits in the window.
-    """
+def sliding_window_fields(hf_config) -> dict:
+    """``sliding_window`` and ``layer_types`` of a ModelConfig, as transformers applies them:
+    Mistral (and Mixtral, Phi-3) window every layer when ``sliding_window`` is set; configs with a
+    ``use_sliding_window`` flag (Qwen2, Qwen3, SmolLM3) only when it is true, on the layers their
+    ``layer_types`` lists (Qwen: from ``max_window_layers`` on); Gemma alternates."""
     window = getattr(hf_config, "sliding_window", None)
-    if getattr(hf_config, "model_type", "") == "qwen2" and not getattr(hf_config, "use_sliding_window", False):
+    if hasattr(hf_config, "use_sliding_window") and not hf_config.use_sliding_window:
         window = None
-    if window and max_seq_len > window:
-        raise ConfigError(
-            f"max_seq_len {max_seq_len} exceeds the checkpoint's sliding_window {window}; sliding-window "
-            f"attention is not implemented, so max_seq_len must be <= {window}"
-        )
+    if not window:
+        return {"sliding_window": None, "layer_types": None}
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None and all(t == "sliding_attention" for t in layer_types):
+        layer_types = None  # None: every layer
+    return {"sliding_window": int(window), "layer_types": list(layer_types) if layer_types is not None else None}
 
 
-def _rope(hf_config) -> tuple[float, dict | None]:
-    """(theta, scaling) from transformers 5's ``rope_parameters`` or 4's ``rope_theta``/``rope_scaling``."""
+def _rope(hf_config) -> tuple[float, dict | None, float]:
+    """(theta, scaling, partial_rotary_factor) from transformers 5's ``rope_parameters`` or 4's
+    ``rope_theta``/``rope_scaling``/``partial_rotary_factor``.
+
+    The scaling dict is completed with what its frequencies depend on outside it (so the engine
+    needs no HF config): ``original_max_position_embeddings`` for yarn/longrope/llama3 (Phi-3 keeps
+    it beside the dict, and that value wins as in transformers), ``max_position_embeddings`` for
+    dynamic, longrope and yarn (their default factor and attention factor come from it). Phi-3's
+    older names "su" and "yarn" for LongRoPE become "longrope".
+    """
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
     theta = params.pop("rope_theta", None) or getattr(hf_config, "rope_theta", None) or 10000.0
-    scaling = params or getattr(hf_config, "rope_scaling", None) or None
-    if scaling and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
-        scaling = None
-    return float(theta), scaling
+    partial = params.pop("partial_rotary_factor", None) or getattr(hf_config, "partial_rotary_factor", None) or 1.0
+    scaling = dict(params or getattr(hf_config, "rope_scaling", None) or {})
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type in (None, "default"):
+        return float(theta), None, float(partial)
+    if getattr(hf_config, "model_type", "") == "phi3" and rope_type in ("su", "yarn"):
+        rope_type = "longrope"
+    scaling.pop("type", None)
+    scaling["rope_type"] = rope_type
+    if rope_type in ("llama3", "yarn", "longrope"):
+        original = getattr(hf_config, "original_max_position_embeddings", None)
+        scaling["original_max_position_embeddings"] = (
+            original or scaling.get("original_max_position_embeddings") or hf_config.max_position_embeddings)
+    if rope_type in ("dynamic", "yarn", "longrope"):
+        scaling["max_position_embeddings"] = hf_config.max_position_embeddings
+    return float(theta), scaling, float(partial)
 
 
-def _llama_family_config(c, architecture: str) -> ModelConfig:
-    if getattr(c, "mlp_bias", False) or (architecture != "Qwen2ForCausalLM" and getattr(c, "attention_bias", False)):
+# Llama-block architectures and what each adds to the block (the weights differ only for Phi-3,
+# whose q/k/v and gate/up come fused: see unfused_phi3_getter).
+_QKV_BIAS_ARCHITECTURES = ("Qwen2ForCausalLM",)
+_QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+
+
+def _llama_family_config(c, architecture: str, **moe_fields) -> ModelConfig:
+    if getattr(c, "mlp_bias", False) or (architecture not in _QKV_BIAS_ARCHITECTURES and getattr(c, "attention_bias", False)):
         raise ConfigError(f"{architecture} with attention_bias/mlp_bias is not supported")
-    theta, scaling = _rope(c)
+    theta, scaling, partial_rotary_factor = _rope(c)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     return ModelConfig(
         architecture=architecture,
@@ -98,9 +144,84 @@ def _llama_family_config(c, architecture: str) -> ModelConfig:
         rope_scaling=scaling,
         max_position_embeddings=c.max_position_embeddings,
         tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
-        qkv_bias=architecture == "Qwen2ForCausalLM",
+        qkv_bias=architecture in _QKV_BIAS_ARCHITECTURES,
         hidden_act=c.hidden_act,
+        qk_norm=architecture in _QK_NORM_ARCHITECTURES,
+        partial_rotary_factor=partial_rotary_factor,
+        layers_without_rope=_layers_without_rope(c),
+        **sliding_window_fields(c),
+        **moe_fields,
     ).validate()
+
+
+def _gemma_config(c, architecture: str) -> ModelConfig:
+    if getattr(c, "attention_bias", False):
+        raise ConfigError(f"{architecture} with attention_bias is not supported")
+    if getattr(c, "use_bidirectional_attention", False):
+        raise ConfigError(f"{architecture} with use_bidirectional_attention is not supported (decoders only)")
+    local_theta = None
+    if architecture == "Gemma3ForCausalLM":  # rope_parameters per layer type (transformers 5)
+        by_type = dict(getattr(c, "rope_parameters", None) or {})
+        if "full_attention" in by_type:
+            global_params, local_params = by_type["full_attention"], by_type.get("sliding_attention") or {}
+            scaling = dict(global_params)
+            theta = float(scaling.pop("rope_theta", 1_000_000.0))
+            if scaling.get("rope_type", scaling.get("type")) in (None, "default"):
+                scaling = None
+            if local_params.get("rope_type", "default") != "default":
+                raise ConfigError(f"{architecture}: rope scaling of the sliding layers "
+                                  f"({local_params['rope_type']!r}) is not supported; allowed: default")
+            local_theta = float(local_params.get("rope_theta", 10000.0))
+        else:  # transformers 4 layout
+            theta, scaling, _ = _rope(c)
+            local_theta = float(getattr(c, "rope_local_base_freq", 10000.0))
+    else:
+        theta, scaling, _ = _rope(c)
+    return ModelConfig(
+        architecture=architecture,
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        num_layers=c.num_hidden_layers,
+        num_heads=c.num_attention_heads,
+        num_kv_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+        head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+        intermediate_size=c.intermediate_size,
+        norm_eps=float(c.rms_norm_eps),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=c.max_position_embeddings,
+        tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", True)),
+        hidden_act=getattr(c, "hidden_activation", None) or c.hidden_act,
+        query_pre_attn_scalar=float(c.query_pre_attn_scalar),
+        # transformers' Gemma 3 attention never applies attn_logit_softcapping (engine/models/gemma.py)
+        attn_logit_softcapping=(getattr(c, "attn_logit_softcapping", None) if architecture == "Gemma2ForCausalLM"
+                                else None),
+        final_logit_softcapping=getattr(c, "final_logit_softcapping", None),
+        rope_local_theta=local_theta,
+        **sliding_window_fields(c),
+    ).validate()
+
+
+def _layers_without_rope(c) -> list[int]:
+    """SmolLM3's ``no_rope_layers`` holds one flag per layer, 1 = rope, 0 = none (NoPE)."""
+    flags = getattr(c, "no_rope_layers", None)
+    return [] if flags is None else [i for i, use_rope in enumerate(flags) if not use_rope]
+
+
+def _moe_config(c, architecture: str) -> ModelConfig:
+    """The Llama-family fields plus the experts'. Mixtral: every layer sparse, experts of width
+    intermediate_size, top-k weights always renormalised. Qwen3-MoE: experts of width
+    moe_intermediate_size, dense layers (mlp_only_layers, decoder_sparse_step) of width
+    intermediate_size, renormalised only with norm_topk_prob."""
+    if architecture == "MixtralForCausalLM":
+        experts = dict(num_experts=c.num_local_experts, num_experts_per_tok=c.num_experts_per_tok,
+                       moe_intermediate_size=c.intermediate_size, norm_topk_prob=True)
+    else:
+        experts = dict(num_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok,
+                       moe_intermediate_size=c.moe_intermediate_size, norm_topk_prob=bool(c.norm_topk_prob),
+                       decoder_sparse_step=c.decoder_sparse_step or 1,
+                       mlp_only_layers=sorted(getattr(c, "mlp_only_layers", None) or []))
+    return _llama_family_config(c, architecture, **experts)
 
 
 def _gpt2_config(c) -> ModelConfig:
@@ -132,17 +253,60 @@ def _shard(t: torch.Tensor, dim: int, rank: int, tp_size: int) -> torch.Tensor:
     return t.chunk(tp_size, dim=dim)[rank]
 
 
+def unfused_phi3_getter(get: TensorGetter, cfg: ModelConfig) -> TensorGetter:
+    """Serve Phi-3's fused ``qkv_proj`` (rows [q | k | v]) and ``gate_up_proj`` (rows [gate | up])
+    under the Llama names (``q_proj``, ..., ``up_proj``), so the Llama conversion shards them
+    per rank like any other checkpoint. The last fused tensor read is kept for its siblings."""
+    q_rows, kv_rows = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    parts = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+             "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    last: dict[str, torch.Tensor] = {}
+
+    def get_unfused(name: str) -> torch.Tensor:
+        prefix, part, suffix = name.rsplit(".", 2) if name.count(".") >= 2 else (name, "", "")
+        if part not in parts:
+            return get(name)
+        fused_name, index = parts[part]
+        fused_name = f"{prefix}.{fused_name}.{suffix}"
+        if fused_name not in last:
+            last.clear()
+            last[fused_name] = get(fused_name)
+        fused = last[fused_name]
+        sizes = [q_rows, kv_rows, kv_rows] if fused_name.endswith(f"qkv_proj.{suffix}") else [fused.shape[0] // 2] * 2
+        return fused.split(sizes, dim=0)[index]
+
+    return get_unfused
+
+
+def _rotary_order(t: torch.Tensor, order: torch.Tensor | None, head_dim: int) -> torch.Tensor:
+    """Reorder the dims of every head of a q/k weight (heads * head_dim, ...) or bias/norm weight."""
+    if order is None:
+        return t
+    return t.unflatten(0, (-1, head_dim))[:, order].flatten(0, 1)
+
+
 def llama_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (engine name, tensor) for one rank of a Llama-family checkpoint, layer by layer."""
+    """Yield (engine name, tensor) for one rank of a Llama-family checkpoint, layer by layer.
+
+    Partial rotary (``rotary_dim < head_dim``): the dims of each q and k head (and of q/k norms)
+    are stored in the order of ``kernels.rotary.partial_rotary_order``, which lets the full-head
+    rotary kernels rotate exactly the checkpoint's rotary dims; q.k is unchanged by the reorder.
+    """
+    if cfg.architecture == "Phi3ForCausalLM":
+        get = unfused_phi3_getter(get, cfg)
+    order = None if cfg.rotary_dim == cfg.head_dim else partial_rotary_order(cfg.head_dim, cfg.rotary_dim)
     yield "embed_tokens.weight", _shard(get("model.embed_tokens.weight"), 0, rank, tp_size)
     for i in range(cfg.num_layers):
         hf = f"model.layers.{i}."
+        rope_order = None if i in cfg.layers_without_rope else order
         yield f"layers.{i}.input_norm.weight", get(hf + "input_layernorm.weight")
-        qkv = [_shard(get(hf + f"self_attn.{p}_proj.weight"), 0, rank, tp_size) for p in "qkv"]
-        yield f"layers.{i}.qkv_proj.weight", torch.cat(qkv, dim=0)
+        yield f"layers.{i}.qkv_proj.weight", _fused_qkv(get, hf, "weight", rope_order, cfg, rank, tp_size)
         if cfg.qkv_bias:
-            bias = [_shard(get(hf + f"self_attn.{p}_proj.bias"), 0, rank, tp_size) for p in "qkv"]
-            yield f"layers.{i}.qkv_proj.bias", torch.cat(bias, dim=0)
+            yield f"layers.{i}.qkv_proj.bias", _fused_qkv(get, hf, "bias", rope_order, cfg, rank, tp_size)
+        if cfg.qk_norm:
+            for p in "qk":
+                yield f"layers.{i}.{p}_norm.weight", _rotary_order(get(hf + f"self_attn.{p}_norm.weight"),
+                                                                   rope_order, cfg.head_dim)
         yield f"layers.{i}.o_proj.weight", _shard(get(hf + "self_attn.o_proj.weight"), 1, rank, tp_size)
         yield f"layers.{i}.post_attn_norm.weight", get(hf + "post_attention_layernorm.weight")
         gate_up = [_shard(get(hf + f"mlp.{p}_proj.weight"), 0, rank, tp_size) for p in ("gate", "up")]
@@ -151,6 +315,106 @@ def llama_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: 
     yield "norm.weight", get("model.norm.weight")
     if not cfg.tie_word_embeddings:
         yield "lm_head.weight", _shard(get("lm_head.weight"), 0, rank, tp_size)
+
+
+def gemma_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (engine name, tensor) for one rank of Gemma 2/3: the Llama fusion and sharding, the
+    extra norms, and every norm weight w stored as 1 + w (float32 add, cast later)."""
+    def norm(name: str) -> torch.Tensor:
+        return get(name).float() + 1.0
+
+    yield "embed_tokens.weight", _shard(get("model.embed_tokens.weight"), 0, rank, tp_size)
+    norms = {"input_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm",
+             "pre_ffn_norm": "pre_feedforward_layernorm", "post_ffn_norm": "post_feedforward_layernorm"}
+    if cfg.architecture == "Gemma3ForCausalLM":
+        norms.update(q_norm="self_attn.q_norm", k_norm="self_attn.k_norm")
+    for i in range(cfg.num_layers):
+        hf = f"model.layers.{i}."
+        for engine_name, hf_name in norms.items():
+            yield f"layers.{i}.{engine_name}.weight", norm(hf + hf_name + ".weight")
+        qkv = [_shard(get(hf + f"self_attn.{p}_proj.weight"), 0, rank, tp_size) for p in "qkv"]
+        yield f"layers.{i}.qkv_proj.weight", torch.cat(qkv, dim=0)
+        yield f"layers.{i}.o_proj.weight", _shard(get(hf + "self_attn.o_proj.weight"), 1, rank, tp_size)
+        gate_up = [_shard(get(hf + f"mlp.{p}_proj.weight"), 0, rank, tp_size) for p in ("gate", "up")]
+        yield f"layers.{i}.gate_up_proj.weight", torch.cat(gate_up, dim=0)
+        yield f"layers.{i}.down_proj.weight", _shard(get(hf + "mlp.down_proj.weight"), 1, rank, tp_size)
+    yield "norm.weight", norm("model.norm.weight")
+    if not cfg.tie_word_embeddings:
+        yield "lm_head.weight", _shard(get("lm_head.weight"), 0, rank, tp_size)
+def _fused_qkv(get: TensorGetter, hf: str, kind: str, order, cfg: ModelConfig, rank: int, tp_size: int) -> torch.Tensor:
+    """This rank's [q_r | k_r | v_r] rows of a layer's q/k/v ``kind`` ("weight" or "bias")."""
+    q, k, v = (get(hf + f"self_attn.{p}_proj.{kind}") for p in "qkv")
+    q, k = _rotary_order(q, order, cfg.head_dim), _rotary_order(k, order, cfg.head_dim)
+    return torch.cat([_shard(t, 0, rank, tp_size) for t in (q, k, v)], dim=0)
+
+
+def moe_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (engine name, tensor) for one rank of a Mixtral / Qwen3-MoE checkpoint: the Llama
+    family's tensors, with each sparse layer's MLP as its router (replicated) and its experts
+    stacked and sliced along their width (engine/models/moe.py says why). Neither family has
+    partial rotary or q/k/v biases (ModelConfig.validate refuses them for these architectures)."""
+    yield "embed_tokens.weight", _shard(get("model.embed_tokens.weight"), 0, rank, tp_size)
+    for i in range(cfg.num_layers):
+        hf = f"model.layers.{i}."
+        yield f"layers.{i}.input_norm.weight", get(hf + "input_layernorm.weight")
+        yield f"layers.{i}.qkv_proj.weight", _fused_qkv(get, hf, "weight", None, cfg, rank, tp_size)
+        if cfg.qk_norm:  # Qwen3-MoE
+            for p in "qk":
+                yield f"layers.{i}.{p}_norm.weight", get(hf + f"self_attn.{p}_norm.weight")
+        yield f"layers.{i}.o_proj.weight", _shard(get(hf + "self_attn.o_proj.weight"), 1, rank, tp_size)
+        yield f"layers.{i}.post_attn_norm.weight", get(hf + "post_attention_layernorm.weight")
+        if not cfg.is_moe_layer(i):
+            gate_up = [_shard(get(hf + f"mlp.{p}_proj.weight"), 0, rank, tp_size) for p in ("gate", "up")]
+            yield f"layers.{i}.gate_up_proj.weight", torch.cat(gate_up, dim=0)
+            yield f"layers.{i}.down_proj.weight", _shard(get(hf + "mlp.down_proj.weight"), 1, rank, tp_size)
+            continue
+        yield f"layers.{i}.moe.router.weight", _first_present(get, hf + "mlp.gate.weight",
+                                                                hf + "block_sparse_moe.gate.weight")
+        gate, up, down = _stacked_experts(get, hf, cfg.num_experts)
+        yield f"layers.{i}.moe.gate_up_proj", torch.cat([_shard(gate, 1, rank, tp_size),
+                                                          _shard(up, 1, rank, tp_size)], dim=1)
+        yield f"layers.{i}.moe.down_proj", _shard(down, 2, rank, tp_size)
+    yield "norm.weight", get("model.norm.weight")
+    if not cfg.tie_word_embeddings:
+        yield "lm_head.weight", _shard(get("lm_head.weight"), 0, rank, tp_size)
+
+
+# Per-expert tensor names of the checkpoints on disk, (gate, up, down) under a layer's prefix.
+_EXPERT_NAMES = ("block_sparse_moe.experts.{}.w1.weight", "block_sparse_moe.experts.{}.w3.weight",
+                 "block_sparse_moe.experts.{}.w2.weight")  # Mixtral
+_EXPERT_NAMES_MLP = ("mlp.experts.{}.gate_proj.weight", "mlp.experts.{}.up_proj.weight",
+                     "mlp.experts.{}.down_proj.weight")  # Qwen3-MoE
+
+
+def _stacked_experts(get: TensorGetter, hf_layer: str, num_experts: int) -> tuple[torch.Tensor, ...]:
+    """(gate (E, I, H), up (E, I, H), down (E, H, I)) of one layer, from either layout: the
+    per-expert tensors of a checkpoint on disk, or transformers 5's in-memory stacked
+    ``mlp.experts.gate_up_proj`` (E, 2I, H) = [gate | up] and ``mlp.experts.down_proj``."""
+    try:
+        gate_up = get(hf_layer + "mlp.experts.gate_up_proj")
+    except CheckpointError:
+        pass
+    else:
+        gate, up = gate_up.chunk(2, dim=1)
+        return gate, up, get(hf_layer + "mlp.experts.down_proj")
+    names = _EXPERT_NAMES_MLP if _has(get, hf_layer + _EXPERT_NAMES_MLP[0].format(0)) else _EXPERT_NAMES
+    return tuple(torch.stack([get(hf_layer + name.format(e)) for e in range(num_experts)]) for name in names)
+
+
+def _has(get: TensorGetter, name: str) -> bool:
+    try:
+        get(name)
+    except CheckpointError:
+        return False
+    return True
+
+
+def _first_present(get: TensorGetter, *names: str) -> torch.Tensor:
+    """The first of ``names`` the checkpoint holds; a CheckpointError naming the first when none."""
+    for name in names:
+        if _has(get, name):
+            return get(name)
+    return get(names[0])
 
 
 def gpt2_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: int) -> Iterator[tuple[str, torch.Tensor]]:
@@ -182,12 +446,40 @@ def iter_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: i
     """Yield every engine tensor of ``rank``: fused, sharded, cast to ``dtype``, contiguous."""
     check_tp_divides(cfg, tp_size)
     convert = gpt2_rank_weights if cfg.architecture == "GPT2LMHeadModel" else llama_rank_weights
+    if cfg.architecture in GEMMA_ARCHITECTURES:
+        convert = gemma_rank_weights
+    if cfg.architecture in MOE_ARCHITECTURES:
+        convert = moe_rank_weights
     for name, tensor in convert(get, cfg, rank, tp_size):
         yield name, tensor.to(dtype).contiguous()
 
 
 def rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return dict(iter_rank_weights(get, cfg, rank, tp_size, dtype))
+
+
+def language_model_getter(hf_config, get: TensorGetter) -> TensorGetter:
+    """For a multimodal checkpoint (MULTIMODAL_TEXT_MODELS), a getter that finds the language
+    model's tensors under the text-model names (``model.layers.0...``, ``lm_head.weight``):
+    transformers 5 saves them as ``model.language_model.*``, transformers 4 as
+    ``language_model.model.*`` / ``language_model.lm_head.*``. Other checkpoints: ``get`` itself."""
+    architectures = getattr(hf_config, "architectures", None) or []
+    architecture = architectures[0] if architectures else getattr(hf_config, "model_type", None)
+    if architecture not in MULTIMODAL_TEXT_MODELS and architecture != "gemma3":
+        return get
+
+    def get_text(name: str) -> torch.Tensor:
+        rest = name.removeprefix("model.")
+        candidates = ([f"model.language_model.{rest}", f"language_model.model.{rest}"] if name.startswith("model.")
+                      else [name, f"language_model.{name}"])
+        for candidate in candidates[:-1]:
+            try:
+                return get(candidate)
+            except CheckpointError:
+                continue
+        return get(candidates[-1])  # its CheckpointError names the last layout tried
+
+    return get_text
 
 
 def getter_from_state_dict(state_dict: Mapping[str, torch.Tensor], source: str) -> TensorGetter:

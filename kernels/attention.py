@@ -16,6 +16,16 @@ before them, cached prefix included::
 Position p of sequence i lives in block ``block_tables[i, p // tokens_per_block]`` at offset
 ``p % tokens_per_block``; its flat slot is ``block_id * tokens_per_block + offset``.
 
+Per-layer options (one AttentionMetadata serves every layer, so they are arguments, not metadata):
+
+- ``sliding_window`` W (Mistral, Qwen2, Gemma's local layers), with transformers' convention: the
+  query at position p sees the keys at positions ``p - W < k <= p`` (its W most recent tokens, itself
+  included). Only the blocks holding such keys are read, so a block table entry wholly before
+  ``first new position - W + 1`` is never read and may be a freed slot (-1, see
+  engine/executor/kv_cache.py).
+- ``logit_softcap`` c (Gemma 2): scores become ``c * tanh(scores / c)`` after the softmax scale and
+  before the causal/window mask, as transformers' eager Gemma 2 attention does.
+
 The public functions dispatch on the tensors' device: OpenAI Triton kernels on CUDA (when
 Triton is installed), the plain-torch references (``*_ref``) elsewhere. The test is two
 attribute reads; under a captured CUDA graph it costs nothing at all. The references are also
@@ -67,12 +77,19 @@ def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     return cache[blocks]
 
 
+def first_visible_key(first_query_pos: int, sliding_window: int | None) -> int:
+    """The lowest key position any query at ``>= first_query_pos`` can see."""
+    return 0 if sliding_window is None else max(0, first_query_pos - sliding_window + 1)
+
+
 def paged_attention_ref(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    *, sliding_window: int | None = None, logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged KV; plain torch, fp32 math.
 
-    q: (num_tokens, num_heads, head_dim) -> out: same shape and dtype as q.
+    q: (num_tokens, num_heads, head_dim) -> out: same shape and dtype as q. With a window, only
+    the blocks from the one holding the first visible key on are gathered.
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -85,19 +102,27 @@ def paged_attention_ref(
         q_len = end - start
         if q_len == 0:
             continue
+        first_block = first_visible_key(context_len - q_len, sliding_window) // block_size
         num_blocks = -(-context_len // block_size)
-        blocks = meta.block_tables[i, :num_blocks].long()
-        # (context_len, kv_heads, head_dim), gathered block by block, then trimmed.
-        keys = gather_blocks(k_cache, blocks).reshape(-1, num_kv_heads, head_dim)[:context_len].float()
-        values = gather_blocks(v_cache, blocks).reshape(-1, num_kv_heads, head_dim)[:context_len].float()
-        keys = keys.repeat_interleave(group, dim=1)  # (context_len, num_heads, head_dim)
+        blocks = meta.block_tables[i, first_block:num_blocks].long()
+        first_key = first_block * block_size
+        # (context_len - first_key, kv_heads, head_dim), gathered block by block, then trimmed.
+        keys = gather_blocks(k_cache, blocks).reshape(-1, num_kv_heads, head_dim)[:context_len - first_key].float()
+        values = gather_blocks(v_cache, blocks).reshape(-1, num_kv_heads, head_dim)[:context_len - first_key].float()
+        keys = keys.repeat_interleave(group, dim=1)  # (num_keys, num_heads, head_dim)
         values = values.repeat_interleave(group, dim=1)
         query = q[start:end].float()  # (q_len, num_heads, head_dim)
-        scores = torch.einsum("qhd,khd->hqk", query, keys) * scale  # (num_heads, q_len, context_len)
-        # New token j sits at position context_len - q_len + j and sees keys 0..that position.
+        scores = torch.einsum("qhd,khd->hqk", query, keys) * scale  # (num_heads, q_len, num_keys)
+        if logit_softcap is not None:
+            scores = torch.tanh(scores / logit_softcap) * logit_softcap
+        # New token j sits at position context_len - q_len + j and sees keys 0..that position
+        # (with a window: its W most recent positions).
         q_pos = torch.arange(context_len - q_len, context_len, device=q.device)[:, None]
-        k_pos = torch.arange(context_len, device=q.device)[None, :]
-        scores.masked_fill_(k_pos > q_pos, float("-inf"))
+        k_pos = torch.arange(first_key, context_len, device=q.device)[None, :]
+        hidden = k_pos > q_pos
+        if sliding_window is not None:
+            hidden |= k_pos <= q_pos - sliding_window
+        scores.masked_fill_(hidden, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)
     return out
@@ -112,8 +137,12 @@ def write_kv_cache(
 
 
 def paged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    *, sliding_window: int | None = None, logit_softcap: float | None = None,
 ) -> torch.Tensor:
+    """``sliding_window`` / ``logit_softcap``: per layer, None when the layer has none (module docstring)."""
     if use_triton(q):
-        return triton_attention.paged_attention_triton(q, k_cache, v_cache, meta, scale)
-    return paged_attention_ref(q, k_cache, v_cache, meta, scale)
+        return triton_attention.paged_attention_triton(q, k_cache, v_cache, meta, scale, sliding_window=sliding_window,
+                                                       logit_softcap=logit_softcap)
+    return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window=sliding_window,
+                               logit_softcap=logit_softcap)

@@ -76,9 +76,17 @@ def dequantize_rows(x_q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype =
     return (x_q.float() * scale.float()[:, None]).to(dtype)
 
 
-def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A linear weight (N, K) -> (float8 weight (N, K), per-output-channel scale (N,) float32)."""
-    return quantize_rows(weight)
+def quantize_weight(weight: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A linear weight (N, K) -> (float8 weight (N, K), per-output-channel scale (N,) float32).
+
+    ``scale`` (N,): use these row scales instead of max|row| / 448, for a weight that was E4M3 with
+    them already (an FP8 checkpoint, dequantized for conversion): its values come back exactly, since
+    a float32 or bfloat16 rounding of value x scale is far inside half an E4M3 step (2^-4).
+    """
+    if scale is None:
+        return quantize_rows(weight)
+    scale = scale.float()
+    return (weight.float() / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
 def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

@@ -1,7 +1,9 @@
 """Rotary position embedding over packed tokens, driven by a precomputed cos/sin table.
 
-``cos_sin_cache``: (max_positions, rotary_dim) float32, row p = [cos(p * inv_freq) | sin(p * inv_freq)]
-with ``rotary_dim // 2`` frequencies each. Build it with ``build_cos_sin_cache``.
+``cos_sin_cache``: (max_positions, head_dim) float32, row p = [cos(p * inv_freq) | sin(p * inv_freq)]
+with ``head_dim // 2`` frequencies each (times yarn's/longrope's attention factor). Build it with
+``build_cos_sin_cache``, once per engine; partial rotary is expressed in the table (frequencies
+0 for the pass-through pairs) and in the weights' dim order, so the kernels always rotate whole heads.
 
 ``apply_rotary(q, k, positions, cos_sin_cache, is_neox=True) -> (q, k)``:
 q: (num_tokens, num_heads, head_dim), k: (num_tokens, num_kv_heads, head_dim), positions:
@@ -24,16 +26,81 @@ from kernels.triton_attention import cache_value
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
-    """Inverse frequencies (head_dim // 2,) float32, with HF's 'linear' and 'llama3' scaling."""
+    """Inverse frequencies (head_dim // 2,) float32 with Hugging Face's rope scalings.
+
+    ``head_dim`` is the rotated width (the rotary dims of a partial-rotary head). ``scaling``
+    follows HF's layout, completed by engine.convert with ``original_max_position_embeddings``
+    and ``max_position_embeddings`` where the type needs them. Static choices an engine makes
+    where transformers recomputes per forward: ``dynamic`` (NTK) keeps the unscaled
+    frequencies, which is what transformers uses for every sequence within
+    max_position_embeddings (an engine never holds longer ones); ``longrope`` takes its short
+    factors, or its long factors for engines built past original_max_position_embeddings
+    (``use_long_factors``, see ``build_cos_sin_cache``).
+    """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if rope_type == "linear":
         return inv_freq / scaling["factor"]
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
-    if rope_type not in ("default", None):
-        raise ValueError(f"unsupported rope scaling type {rope_type!r}; supported: default, linear, llama3")
+    if rope_type == "yarn":
+        return _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
+    if rope_type == "longrope":
+        factors = scaling["long_factor" if scaling.get("use_long_factors") else "short_factor"]
+        return inv_freq / torch.tensor(factors, dtype=torch.float32)
+    if rope_type not in ("default", "dynamic", None):
+        raise ValueError(f"unsupported rope scaling type {rope_type!r}; "
+                         "supported: default, linear, llama3, yarn, dynamic, longrope")
     return inv_freq
+
+
+def rope_attention_factor(scaling: dict | None) -> float:
+    """The factor yarn and longrope multiply cos and sin by (1.0 for the other types)."""
+    rope_type = (scaling or {}).get("rope_type", "default")
+    if rope_type not in ("yarn", "longrope"):
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = _scaling_factor(scaling)
+    if rope_type == "longrope":
+        original = scaling["original_max_position_embeddings"]
+        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+    return _yarn_mscale(factor)
+
+
+def _scaling_factor(scaling: dict) -> float:
+    """``factor``, or (as transformers) max_position_embeddings / original_max_position_embeddings."""
+    if scaling.get("factor") is not None:
+        return float(scaling["factor"])
+    return scaling["max_position_embeddings"] / scaling["original_max_position_embeddings"]
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """YaRN: frequencies rotating fewer than ``beta_slow`` times over the original context are
+    interpolated (divided by ``factor``), more than ``beta_fast`` times kept, a linear ramp between."""
+    factor = _scaling_factor(scaling)
+    original = scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(num_rotations: float) -> float:
+        return dim * math.log(original / (num_rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of zero width would divide by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation_weight = 1 - ramp
+    return (inv_freq / factor) * (1 - extrapolation_weight) + inv_freq * extrapolation_weight
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -53,11 +120,48 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 
 def build_cos_sin_cache(
-    max_positions: int, head_dim: int, theta: float, scaling: dict | None = None, device=None
+    max_positions: int, head_dim: int, theta: float, scaling: dict | None = None, device=None,
+    rotary_dim: int | None = None,
 ) -> torch.Tensor:
-    inv_freq = rope_inv_freq(head_dim, theta, scaling)
+    """The (max_positions, head_dim) float32 table of the module docstring.
+
+    ``rotary_dim < head_dim`` (partial rotary): the table's last (head_dim - rotary_dim) // 2
+    frequencies are 0, so cos 1 and sin 0 leave those dim pairs exactly as they are; the
+    weights must order each q/k head as ``partial_rotary_order`` says. yarn's and longrope's
+    attention factor scales the rotated pairs only.
+
+    longrope: an engine whose ``max_positions`` exceeds original_max_position_embeddings uses the
+    long factors at every position. transformers switches a sequence to them (recomputing its
+    cache) once it grows past that length; a paged cache cannot re-rotate keys, so the choice
+    is made once per engine, and equals transformers' for every sequence when the engine is
+    built within original_max_position_embeddings.
+    """
+    rotary_dim = rotary_dim or head_dim
+    if scaling and scaling.get("rope_type") == "longrope":
+        scaling = {**scaling, "use_long_factors": max_positions > scaling["original_max_position_embeddings"]}
+    inv_freq = rope_inv_freq(rotary_dim, theta, scaling)
     freqs = torch.outer(torch.arange(max_positions, dtype=torch.int64).float(), inv_freq)
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
+    factor = rope_attention_factor(scaling)
+    cos, sin = freqs.cos() * factor, freqs.sin() * factor
+    unrotated = (head_dim - rotary_dim) // 2
+    if unrotated:
+        cos = torch.cat([cos, cos.new_ones(max_positions, unrotated)], dim=-1)
+        sin = torch.cat([sin, sin.new_zeros(max_positions, unrotated)], dim=-1)
+    return torch.cat([cos, sin], dim=-1).to(device)
+
+
+def partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """Checkpoint dim of each engine dim of a q/k head when rope rotates only ``rotary_dim`` dims.
+
+    HF rotates pairs (i, i + rotary_dim/2) of the first rotary_dim dims and passes the rest; the
+    kernels rotate pairs (j, j + head_dim/2). Engine head = [rot first half | pass first half |
+    rot second half | pass second half] puts each HF pair on a kernel pair, and the pass-through
+    dims on pairs whose table entries are cos 1, sin 0. Example head_dim 8, rotary_dim 4:
+    [0, 1, 4, 5, 2, 3, 6, 7].
+    """
+    half, passed = rotary_dim // 2, (head_dim - rotary_dim) // 2
+    rot, rest = torch.arange(rotary_dim), torch.arange(rotary_dim, head_dim)
+    return torch.cat([rot[:half], rest[:passed], rot[half:], rest[passed:]])
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool) -> torch.Tensor:

@@ -14,6 +14,12 @@ reads each KV byte once per tile, not once per query head). The program walks th
 ``[0, last position of its tile]`` in tiles of BLOCK_N tokens that may span several pages
 (each key row is gathered through the block table), with an online softmax in fp32.
 
+A layer with a sliding window W starts that walk at ``first position of its tile - W + 1``
+instead of 0: the blocks before it are never read (their table entries may be freed slots, -1),
+and each row masks the keys of the walk that are older than its own window. Logit soft-capping
+(Gemma 2) maps the base-2 scores z to ``C * tanh(z / C)`` with ``C = cap * log2(e)``, which is
+``cap * tanh(s / cap)`` of the natural-base scores s, before the mask.
+
 Decode (one new token per sequence) uses a 16-row tile and, for long contexts or small
 batches, splits the keys of each (sequence, KV head) into NUM_SPLITS contiguous ranges run by
 separate programs ("split-K" / flash-decoding); a second kernel merges the partial results by
@@ -108,11 +114,14 @@ def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,
     qk_scale,  # softmax scale * log2(e): scores live in base 2
+    window,  # sliding window W (read when HAS_WINDOW): row at position p sees keys p - W < k <= p
+    softcap_log2,  # logit soft-cap * log2(e) (read when HAS_SOFTCAP)
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt, stride_ps, stride_pt, stride_ph,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
     TOKENS_PER_TILE: tl.constexpr = BLOCK_M // GROUP
     m_tile = tl.program_id(0)
@@ -144,10 +153,15 @@ def _paged_attention_kernel(
         mask=row_valid[:, None] & dim_valid[None, :], other=0.0,
     )
 
-    # Keys this tile may see: [0, kv_end); this split takes one contiguous, BLOCK_N-aligned range.
+    # Keys this tile may see: [kv_start, kv_end), kv_start 0 without a window (else the first row's
+    # oldest visible key); this split takes one contiguous run of whole BLOCK_N tiles of it. Split 0
+    # starts at kv_start, which every row of a decode tile (one token) sees: its merge weight is finite.
     kv_end = prefix_len + last_token + 1
-    tiles_per_split = tl.cdiv(tl.cdiv(kv_end, BLOCK_N), NUM_SPLITS)
-    kv_lo = split * tiles_per_split * BLOCK_N
+    kv_start = 0
+    if HAS_WINDOW:
+        kv_start = tl.maximum(prefix_len + first_token - window + 1, 0)
+    tiles_per_split = tl.cdiv(tl.cdiv(kv_end - kv_start, BLOCK_N), NUM_SPLITS)
+    kv_lo = kv_start + split * tiles_per_split * BLOCK_N
     kv_hi = tl.minimum(kv_end, kv_lo + tiles_per_split * BLOCK_N)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -174,7 +188,11 @@ def _paged_attention_kernel(
         k = k.to(q.dtype)  # an FP8 pool is widened here (a no-op otherwise)
         v = v.to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if HAS_SOFTCAP:  # C * tanh(z / C), tanh(x) = 2 * sigmoid(2x) - 1
+            scores = softcap_log2 * (2.0 * tl.sigmoid(2.0 * scores / softcap_log2) - 1.0)
         visible = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
+        if HAS_WINDOW:
+            visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
@@ -214,7 +232,7 @@ def _merge_splits_kernel(
     dims = tl.arange(0, DIM_PAD)
     base = splits * stride_ps + token * stride_pt + head * stride_ph
     lse = tl.load(part_lse_ptr + base // DIM_PAD)
-    lse_max = tl.max(lse, 0)  # at least split 0 saw key 0, so this is finite
+    lse_max = tl.max(lse, 0)  # split 0 saw the first visible key, so this is finite
     weights = tl.math.exp2(lse - lse_max)
     weights = weights / tl.sum(weights, 0)
     parts = tl.load(part_out_ptr + base[:, None] + dims[None, :], mask=weights[:, None] > 0, other=0.0)
@@ -232,27 +250,37 @@ def _decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, n
 
 
 def _launch_config(meta: AttentionMetadata, group: int, num_kv_heads: int, device: torch.device,
-                   num_splits: int | None) -> tuple[int, int, int, int, int]:
+                   num_splits: int | None, sliding_window: int | None = None,
+                   dim_pad: int = 128) -> tuple[int, int, int, int, int]:
     """(BLOCK_M rows, BLOCK_N keys, warps, stages, splits). Decode: the smallest row tile that holds
-    a GQA group (16, the tensor-core minimum) and key splits to fill the GPU; prefill: 64-row tiles
-    (64 // group tokens of every head of a group), never split."""
+    a GQA group (16, the tensor-core minimum) and key splits to fill the GPU (a window caps the keys a
+    token reads, so it caps the splits too; a Python constant per layer, so CUDA graphs keep one grid
+    per layer); prefill: 64-row tiles (64 // group tokens of every head of a group), never split.
+
+    Heads of 256 (Gemma) double every tile's bytes: decode pipelines 2 K/V stages instead of 3 (3
+    stages of 64 x 256 K and V tiles would nearly fill an H100's 227 KB of shared memory), prefill
+    walks 32 keys at a time with 8 warps (a 64 x 256 fp32 accumulator over 4 warps would spill)."""
+    wide = dim_pad > 128
     if meta.is_decode_only:
         block_m = max(16, triton.next_power_of_2(group))
         if num_splits is None:
-            num_splits = _decode_num_splits(meta.context_lens.shape[0], num_kv_heads, meta.max_context_len,
+            keys_read = meta.max_context_len if sliding_window is None else min(meta.max_context_len, sliding_window)
+            num_splits = _decode_num_splits(meta.context_lens.shape[0], num_kv_heads, keys_read,
                                             _num_sms(device), 64)
-        return block_m, 64, 4, 3, num_splits
-    return (64 if group <= 64 else triton.next_power_of_2(group)), 64, 4, 2, 1
+        return block_m, 64, 4, (2 if wide else 3), num_splits
+    block_m = 64 if group <= 64 else triton.next_power_of_2(group)
+    return (block_m, 32, 8, 2, 1) if wide else (block_m, 64, 4, 2, 1)
 
 
 def paged_attention_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-    *, num_splits: int | None = None,
+    *, num_splits: int | None = None, sliding_window: int | None = None, logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """q: (num_tokens, num_heads, head_dim), last dim contiguous -> out: (num_tokens, num_heads, head_dim).
 
     ``num_splits`` overrides the decode split count (a power of two; tests use it to force
-    the split path at short contexts); prefill batches never split.
+    the split path at short contexts); prefill batches never split. ``sliding_window`` and
+    ``logit_softcap``: kernels/attention.py (None: the layer has none).
     """
     num_tokens, num_heads, head_dim = q.shape
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
@@ -263,7 +291,8 @@ def paged_attention_triton(
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     dim_pad = triton.next_power_of_2(head_dim)
-    block_m, block_n, num_warps, num_stages, num_splits = _launch_config(meta, group, num_kv_heads, q.device, num_splits)
+    block_m, block_n, num_warps, num_stages, num_splits = _launch_config(meta, group, num_kv_heads, q.device, num_splits,
+                                                                         sliding_window, dim_pad)
     tokens_per_tile = block_m // group
     grid = (triton.cdiv(meta.max_seqlen_q, tokens_per_tile), num_seqs, num_kv_heads * num_splits)
     if num_splits > 1:
@@ -275,7 +304,7 @@ def paged_attention_triton(
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, part_out, part_lse,
         meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
-        scale * _LOG2E,
+        scale * _LOG2E, sliding_window or 0, (logit_softcap or 1.0) * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -283,6 +312,7 @@ def paged_attention_triton(
         GROUP=group, HEAD_DIM=head_dim, DIM_PAD=dim_pad, PAGE_SIZE=page_size,
         BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 engines get fp32 dots
+        HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=logit_softcap is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:

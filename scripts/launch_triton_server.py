@@ -3,10 +3,13 @@
 
     python3 scripts/launch_triton_server.py --model_repo=/path/to/repo [--world_size=1]
         [--http_port=8000 --grpc_port=8001 --metrics_port=8002] [--log --log-file=triton_log.txt]
+        [--openai_port=9000]
 
 Finds the server binary (`--tritonserver`, else `tritonserver` on PATH, else the one bundled in the
 `nvidia-pytriton` wheel), gives the Python-backend stub this project's Python environment, and
-starts the server in the background (returns at once, like the reference launcher).
+starts the server in the background (returns at once, like the reference launcher). With
+`--openai_port`, the OpenAI-compatible frontend (`python -m openai_frontend`) starts beside it,
+bound to `--host`, forwarding to the server's gRPC port.
 
 Why the environment matters: the Python-backend stub embeds libpython and imports packages from the
 environment of the `python3` first on PATH (PYTHONPATH is ignored), so this script puts the
@@ -50,6 +53,10 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--metrics_port", type=str, default="8002")
     parser.add_argument("--host", type=str, default=None,
                         help="address for all three endpoints (default: tritonserver's, all interfaces)")
+    parser.add_argument("--openai_port", type=str, default=None,
+                        help="also serve the OpenAI-compatible API (/v1/...) on this port, bound to --host")
+    parser.add_argument("--openai_model_name", type=str, default=None,
+                        help="the model name OpenAI clients use (default: the engine directory's name)")
     parser.add_argument("--force", "-f", action="store_true", help="launch even if tritonserver runs")
     parser.add_argument("--log", action="store_true", help="rank 0 logs verbosely to --log-file")
     parser.add_argument("--log-file", type=str, default="triton_log.txt")
@@ -248,7 +255,8 @@ def busy_ports(args: argparse.Namespace) -> list[str]:
     """The requested ports something already listens on, as 'flag=port' strings."""
     busy = []
     host = args.host or "0.0.0.0"
-    for flag in ("http_port", "grpc_port", "metrics_port"):
+    flags = ("http_port", "grpc_port", "metrics_port") + (("openai_port",) if args.openai_port else ())
+    for flag in flags:
         port = int(getattr(args, flag))
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -353,6 +361,27 @@ def launch(args: argparse.Namespace, **popen_kwargs) -> subprocess.Popen:
     return subprocess.Popen(cmd, env=env, **popen_kwargs)
 
 
+# ----------------------------------------------------------------------------- OpenAI frontend
+
+def openai_frontend_command(args: argparse.Namespace) -> list[str]:
+    """`python -m openai_frontend` bound to --host (all interfaces when unset, as tritonserver),
+    talking to this server's gRPC port on the same host (loopback when bound to all)."""
+    host = args.host or "0.0.0.0"
+    grpc_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    cmd = [sys.executable, "-m", "openai_frontend", f"--grpc_url={grpc_host}:{args.grpc_port}",
+           f"--model_repo={os.path.abspath(args.model_repo)}", f"--host={host}", f"--port={args.openai_port}",
+           f"--llm_model={args.tensorrt_llm_model_name.split(',')[0]}"]
+    if args.openai_model_name:
+        cmd.append(f"--served_model_name={args.openai_model_name}")
+    return cmd
+
+
+def launch_openai_frontend(args: argparse.Namespace, **popen_kwargs) -> subprocess.Popen:
+    """Start the frontend in the background (from this checkout, so it runs uninstalled too).
+    It answers 503 until tritonserver's models are ready."""
+    return subprocess.Popen(openai_frontend_command(args), cwd=REPO_ROOT, **popen_kwargs)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_arguments(argv)
     try:
@@ -361,6 +390,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"launch_triton_server: {error}")
     print(f"tritonserver started (pid {process.pid}): HTTP {args.http_port}, gRPC {args.grpc_port}, "
           f"metrics {args.metrics_port}")
+    if args.openai_port:
+        frontend = launch_openai_frontend(args)
+        print(f"openai_frontend started (pid {frontend.pid}): http://{args.host or '0.0.0.0'}:{args.openai_port}/v1")
 
 
 if __name__ == "__main__":

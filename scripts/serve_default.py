@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """`make serve`: build the embedded SmolLM2 engine if missing, fill a model repository outside the
-source tree, and serve it with tritonserver on 127.0.0.1 until interrupted.
+source tree, and serve it with tritonserver on 127.0.0.1 until interrupted, with the
+OpenAI-compatible frontend beside it (127.0.0.1:9000, model name `smollm2`).
 
     python scripts/serve_default.py [--http_port 8000 --grpc_port 8001 --metrics_port 8002]
-        [--engine_dir engines/smollm2] [--repo build/triton_repo]
+        [--openai_port 9000] [--engine_dir engines/smollm2] [--repo build/triton_repo]
 
 `prepare_model_repo` is also how the integration tests build their repository.
 """
@@ -124,13 +125,40 @@ def wait_until_ready(process: subprocess.Popen, http_port: str, timeout: float =
     return False
 
 
-def ready_message(http_port: str, grpc_port: str, metrics_port: str) -> str:
+def wait_until_frontend_ready(process: subprocess.Popen, port: str, timeout: float = 120) -> bool:
+    """Poll the OpenAI frontend's /health (200 once it is up and Triton's models are ready)."""
+    url = f"http://127.0.0.1:{port}/health"
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if process.poll() is not None:
+            return False
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return True
+        except urllib.error.HTTPError as error:
+            error.close()
+        except OSError:
+            pass
+        time.sleep(0.5)
+    return False
+
+
+def ready_message(http_port: str, grpc_port: str, metrics_port: str, openai_port: str | None = None,
+                  model_name: str = "smollm2") -> str:
     body = json.dumps({"text_input": "@PROMPT@", "max_tokens": 32, "exclude_input_in_output": True})
     body = body.replace("@PROMPT@", CHAT_PROMPT)
-    return (f"READY: tritonserver serves SmolLM2-135M-Instruct on 127.0.0.1 "
-            f"(HTTP {http_port}, gRPC {grpc_port}, metrics {metrics_port}). Try:\n"
-            f"  curl -s -X POST http://127.0.0.1:{http_port}/v2/models/ensemble/generate -d '{body}'\n"
-            f"Stop with Ctrl-C.")
+    message = (f"READY: tritonserver serves SmolLM2-135M-Instruct on 127.0.0.1 "
+               f"(HTTP {http_port}, gRPC {grpc_port}, metrics {metrics_port})")
+    message += f", OpenAI API on http://127.0.0.1:{openai_port}/v1 (model {model_name}). Try:\n" if openai_port \
+        else ". Try:\n"
+    message += f"  curl -s -X POST http://127.0.0.1:{http_port}/v2/models/ensemble/generate -d '{body}'\n"
+    if openai_port:
+        chat = json.dumps({"model": model_name, "max_tokens": 32, "temperature": 0,
+                           "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+        message += (f"  curl -s http://127.0.0.1:{openai_port}/v1/chat/completions "
+                    f"-H 'Content-Type: application/json' -d '{chat}'\n")
+    return message + "Stop with Ctrl-C."
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -140,24 +168,37 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--http_port", default=os.environ.get("HTTP_PORT", "8000"))
     parser.add_argument("--grpc_port", default=os.environ.get("GRPC_PORT", "8001"))
     parser.add_argument("--metrics_port", default=os.environ.get("METRICS_PORT", "8002"))
+    parser.add_argument("--openai_port", default=os.environ.get("OPENAI_PORT", "9000"),
+                        help="port of the OpenAI-compatible frontend ('' turns it off)")
+    parser.add_argument("--bls_instances", type=int, default=8,
+                        help="tensorrt_llm_bls instances: each serves one request at a time, so this bounds "
+                             "the OpenAI frontend's concurrent requests (choices)")
     args = parser.parse_args(argv)
 
     ensure_engine(args.engine_dir)
-    repo = prepare_model_repo(args.engine_dir, args.repo)
+    repo = prepare_model_repo(args.engine_dir, args.repo, bls_instances=args.bls_instances)
     launcher = _load_script("launch_triton_server")
+    model_name = Path(args.engine_dir).name
     launch_args = launcher.parse_arguments([
         f"--model_repo={repo}", "--no-mpi", "--host=127.0.0.1", f"--http_port={args.http_port}",
-        f"--grpc_port={args.grpc_port}", f"--metrics_port={args.metrics_port}"])
+        f"--grpc_port={args.grpc_port}", f"--metrics_port={args.metrics_port}",
+        *([f"--openai_port={args.openai_port}", f"--openai_model_name={model_name}"] if args.openai_port else [])])
     try:
         process = launcher.launch(launch_args)
     except RuntimeError as error:
         sys.exit(f"serve_default: {error}")
+    # The frontend loads its tokenizer while the engine loads; it answers 503 until Triton is ready.
+    frontend = launcher.launch_openai_frontend(launch_args) if args.openai_port else None
     signal.signal(signal.SIGTERM, lambda *_: process.terminate())
     try:
         if not wait_until_ready(process, args.http_port):
             process.terminate()
             sys.exit("serve_default: tritonserver did not become ready; see its log above")
-        print(ready_message(args.http_port, args.grpc_port, args.metrics_port), flush=True)
+        if frontend is not None and not wait_until_frontend_ready(frontend, args.openai_port):
+            process.terminate()
+            sys.exit("serve_default: the OpenAI frontend did not become ready; see its log above")
+        print(ready_message(args.http_port, args.grpc_port, args.metrics_port, args.openai_port, model_name),
+              flush=True)
         process.wait()
     except KeyboardInterrupt:
         process.terminate()
@@ -165,6 +206,13 @@ def main(argv: list[str] | None = None) -> None:
             process.wait(timeout=15)
         except subprocess.TimeoutExpired:
             process.kill()  # its Python-backend stubs notice and exit on their own
+    finally:
+        if frontend is not None:
+            frontend.terminate()
+            try:
+                frontend.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                frontend.kill()
 
 
 if __name__ == "__main__":

@@ -143,7 +143,8 @@ class Executor:
         self.scheduler = Scheduler(self.blocks, max_batch_size=self.max_batch_size,
                                    max_num_tokens=self.max_num_tokens, policy=self.config.batch_scheduler_policy,
                                    enable_chunked_context=self.config.enable_chunked_context,
-                                   static_batching=self.config.batching_type == "static")
+                                   static_batching=self.config.batching_type == "static",
+                                   kv_window=self.runner.model_config.kv_window)  # frees blocks that left it
         build = self.runner.build_config
         self.limits = RequestLimits(
             vocab_size=self.runner.vocab_size, max_seq_len=build.max_seq_len,

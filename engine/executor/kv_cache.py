@@ -12,6 +12,14 @@ later sequence whose prompt starts with the same tokens takes a reference on it 
 recomputing it. When the last reference goes, a registered block is not wiped: it stays in the
 free queue with its hash, and is evicted (its hash dropped) only when allocation needs it.
 
+Sliding windows (``free_blocks_outside_window``): when every layer of the model attends only to
+its last W tokens, a block whose positions all lie before ``first uncomputed position - W + 1`` is
+never read again. It goes back to the pool, and its block-table entry becomes ``FREED_BLOCK``
+(-1) so the table keeps its indexing (position p still lives in entry p // tokens_per_block);
+the attention kernels never read entries before the window (kernels/attention.py). With reuse
+on, only blocks already registered are freed, so a freed block stays findable by its hash until
+it is evicted, like any block whose sequence finished.
+
 Invariants (checked by tests/executor/test_kv_cache.py and the hypothesis property test):
 - a block is in the free queue iff its ref_count is 0;
 - ``hash_to_block`` maps only to blocks whose ``block_hash`` is that hash;
@@ -22,6 +30,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol
+
+FREED_BLOCK = -1  # a block-table entry whose block went back to the pool (outside every layer's window)
 
 
 def chain_block_hashes(token_ids: list[int], tokens_per_block: int, known: list[int]) -> list[int]:
@@ -52,6 +62,7 @@ class SequenceBlocks(Protocol):
     block_ids: list[int]
     block_hashes: list[int]
     num_registered_blocks: int  # block_ids[:n] are registered (or were already cached): never revisited
+    num_window_freed_blocks: int  # block_ids[:n] are FREED_BLOCK: they fell out of the attention window
 
 
 class BlockManager:
@@ -125,8 +136,11 @@ class BlockManager:
         return block_ids
 
     def free(self, block_ids: list[int]) -> None:
-        """Drop one reference on each block, tail first; a block with no refs joins the free queue."""
+        """Drop one reference on each block, tail first; a block with no refs joins the free queue.
+        FREED_BLOCK entries (already returned when they left the window) are skipped."""
         for block_id in reversed(block_ids):
+            if block_id == FREED_BLOCK:
+                continue
             block = self.blocks[block_id]
             assert block.ref_count > 0, f"double free of block {block_id}"
             block.ref_count -= 1
@@ -194,12 +208,33 @@ class BlockManager:
             self.register(seq.block_ids[i], seq.block_hashes[i], tuple(seq.token_ids[i * T:(i + 1) * T]))
         seq.num_registered_blocks = num_full
 
+    def free_blocks_outside_window(self, seq: SequenceBlocks, window: int) -> int:
+        """Return to the pool the blocks of ``seq`` that no query from its first uncomputed position
+        on can see (all their positions < num_computed_tokens - window + 1); returns how many.
+
+        Only for a sequence whose blocks no other sequence shares through its table (no forks or
+        beams: they copy table prefixes); blocks shared through prefix reuse are ref-counted and
+        stay with their other holders.
+        """
+        T = self.tokens_per_block
+        dead = max(0, seq.num_computed_tokens - window + 1) // T
+        if self.enable_reuse:
+            dead = min(dead, seq.num_registered_blocks)  # register first: a freed entry is never revisited
+        first = seq.num_window_freed_blocks
+        if dead <= first:
+            return 0
+        self.free(seq.block_ids[first:dead])
+        seq.block_ids[first:dead] = [FREED_BLOCK] * (dead - first)
+        seq.num_window_freed_blocks = dead
+        return dead - first
+
     def release(self, seq: SequenceBlocks) -> None:
         """Free all of ``seq``'s blocks; it must recompute from scratch if it runs again."""
         self.free(seq.block_ids)
         seq.block_ids = []
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
+        seq.num_window_freed_blocks = 0
 
     def check_invariants(self) -> None:
         for block in self.blocks:

@@ -3,14 +3,29 @@
 An engine directory whose ``config.json`` has ``extra.random_weights_seed`` (and no rank files)
 gets its weights made on the device at load: the honest way to measure speed at a real shape
 (Llama-3.1-8B: 16 GB) on a machine that cannot download it, and faster than reading it from
-disk. Norm weights are 1; every other weight is N(0, 0.02), which keeps activations O(1)
-through dozens of layers, so no NaN or overflow path is timed. Rank r draws from seed + r.
+disk. Norm weights are 1 (for Gemma, whose engines store 1 + w, that is w = 0, its init); every
+other weight is N(0, 0.02), which keeps activations O(1) through dozens of layers, so no NaN or
+overflow path is timed. Rank r draws from seed + r.
+
+Real shapes for benchmarks (ModelConfig fields; benchmarks/engine_bench.py ``--model``) are below.
 """
 from __future__ import annotations
 
 import torch
 
 from kernels.fp8 import quantize_weight
+
+
+# Gemma-3-12B (google/gemma-3-12b-pt text model): five sliding-window layers (1024 tokens, local
+# rope base 10k) per global one (rope base 1M, linear scaling 8), head_dim 256, tied embeddings.
+GEMMA3_12B_SHAPE = dict(
+    architecture="Gemma3ForCausalLM", vocab_size=262208, hidden_size=3840, num_layers=48, num_heads=16,
+    num_kv_heads=8, head_dim=256, intermediate_size=15360, norm_eps=1e-6, rope_theta=1_000_000.0,
+    rope_scaling={"rope_type": "linear", "factor": 8.0}, max_position_embeddings=131072, tie_word_embeddings=True,
+    hidden_act="gelu_pytorch_tanh", sliding_window=1024,
+    layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(48)],
+    query_pre_attn_scalar=256, rope_local_theta=10_000.0,
+)
 
 
 def has_random_weights(extra: dict) -> bool:

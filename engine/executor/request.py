@@ -171,6 +171,7 @@ class Sequence:
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of the full blocks of token_ids, in order
         self.num_registered_blocks = 0  # block_ids[:n] are findable by hash (or reuse is off)
+        self.num_window_freed_blocks = 0  # block_ids[:n] are FREED_BLOCK (left the attention window)
         self.status = SequenceStatus.WAITING
         self.finish_reason = FinishReason.NOT_FINISHED
         self.arrival_order = 0  # set by the scheduler; preemption picks the largest (newest)

@@ -204,6 +204,9 @@ class ModelRunner:
         if self.device.type != "cuda" or self.kv_cache is None:
             return
         run_warmup_batch(self.model, self.kv_cache, self.tokens_per_block)
+        warm_up_kernels = getattr(self.model, "warm_up_kernels", None)
+        if warm_up_kernels is not None:  # kernels whose variants depend on the batch (the MoE block sizes)
+            warm_up_kernels()
 
     @property
     def num_kv_blocks(self) -> int:

@@ -18,6 +18,14 @@ Policies:
   a block, preempt the newest running sequence (free its blocks, put it back at the head of
   the queue); it recomputes its tokens later, so nothing is lost.
 
+Sliding windows: when every layer of the model has a window (``kv_window``, e.g. Mistral), each
+step first returns to the pool the blocks of running sequences that fell out of it
+(BlockManager.free_blocks_outside_window), so a long sequence holds about window / block size
+blocks instead of its whole length. Not for requests with several sequences (num_return_sequences
+> 1, beams: they share block-table prefixes), and never with a global layer (Gemma): that layer
+reads every block. Admission under ``guaranteed_no_evict`` still reserves each sequence's full
+length (a freed block is only returned early), so the policy's guarantee is unchanged.
+
 The scheduler never sees a tensor; the executor turns ``SchedulerOutput`` into a ForwardBatch.
 """
 from __future__ import annotations
@@ -82,7 +90,7 @@ class Scheduler:
 
     def __init__(self, block_manager: BlockManager, *, max_batch_size: int, max_num_tokens: int,
                  policy: str = "guaranteed_no_evict", enable_chunked_context: bool = False,
-                 static_batching: bool = False):
+                 static_batching: bool = False, kv_window: int | None = None):
         if policy not in POLICIES:
             raise ValueError(f"batch_scheduler_policy {policy!r} is not supported; allowed: {', '.join(POLICIES)}")
         self.blocks = block_manager
@@ -91,6 +99,8 @@ class Scheduler:
         self.policy = policy
         self.enable_chunked_context = enable_chunked_context
         self.static_batching = static_batching  # TRT-LLM "v1": a batch runs to completion before the next forms
+        self.kv_window = kv_window  # every layer's attention window (ModelConfig.kv_window); None: keep all blocks
+        self.num_window_freed_blocks = 0  # cumulative blocks returned early by the window
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # sorted by arrival_order: the tail is the newest
         self._arrivals = 0
@@ -113,6 +123,7 @@ class Scheduler:
             self.blocks.free(seq.block_ids)
         seq.block_ids = []
         seq.num_registered_blocks = 0
+        seq.num_window_freed_blocks = 0
         seq.status = SequenceStatus.FINISHED
 
     @property
@@ -123,6 +134,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = _Budget(tokens=self.max_num_tokens, seqs=self.max_batch_size)
         out = SchedulerOutput()
+        if self.kv_window is not None:
+            self._free_blocks_outside_window()
         self._schedule_running(budget, out)
         if not out.preempted:  # a pool that just forced a preemption has no room for newcomers
             self._admit_waiting(budget, out)
@@ -203,6 +216,14 @@ class Scheduler:
             budget.take(num_new)
 
     # ----- helpers -----
+    def _free_blocks_outside_window(self) -> None:
+        """Blocks of running single-sequence requests that no future query can see go back to the
+        pool. Safe with a step still in flight: its kernels were queued before any kernel of a
+        later step can write a reallocated block (one stream, and the same order on every rank)."""
+        for seq in self.running:
+            if len(seq.state.sequences) == 1:
+                self.num_window_freed_blocks += self.blocks.free_blocks_outside_window(seq, self.kv_window)
+
     def _num_tokens_to_schedule(self, seq: Sequence, budget: _Budget) -> int:
         """How many of seq's uncomputed tokens fit this iteration (0: skip it for now)."""
         remaining = seq.num_uncomputed_tokens

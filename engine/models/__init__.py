@@ -1,4 +1,4 @@
-"""Model registry: Hugging Face architecture name -> the engine's model class.
+"""Model registry: Hugging Face architecture name -> the engine's model class, and what it supports.
 
 Every model class has the same surface:
 
@@ -8,17 +8,58 @@ Every model class has the same surface:
 - ``init_buffers(device)``: non-weight tensors (rotary tables), once after loading;
 - ``forward(input_ids, positions, kv_cache, attn_meta) -> hidden (num_tokens, hidden)``;
 - ``compute_logits(hidden_rows) -> float32 logits (rows, vocab)``, all-gathered over ranks.
+
+``MODEL_FAMILIES`` is the one list of what builds; the README's supported-model table is
+``supported_models_markdown()`` (a test keeps the two equal).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from engine.config import ConfigError
 
-_REGISTRY = {
-    "LlamaForCausalLM": ("engine.models.llama", "LlamaForCausalLM"),
-    "MistralForCausalLM": ("engine.models.llama", "LlamaForCausalLM"),
-    "Qwen2ForCausalLM": ("engine.models.llama", "LlamaForCausalLM"),
-    "GPT2LMHeadModel": ("engine.models.gpt2", "GPT2LMHeadModel"),
-}
+
+@dataclass(frozen=True)
+class ModelFamily:
+    architecture: str  # the checkpoint's config.json "architectures"[0]
+    module: str
+    class_name: str
+    checkpoints: str  # the models users know by name, with what the engine does for them
+    tensor_parallel: bool = True
+    fp8: bool = False  # --quantization fp8 (FP8 weights)
+    sliding_window: bool = False  # the checkpoint's sliding-window attention is applied (kernels/attention.py)
+
+
+MODEL_FAMILIES = (
+    ModelFamily("LlamaForCausalLM", "engine.models.llama", "LlamaForCausalLM",
+                "Llama 2/3/3.1/3.2, SmolLM2, TinyLlama (rope scaling llama3, linear, yarn, dynamic)", fp8=True),
+    ModelFamily("MistralForCausalLM", "engine.models.llama", "LlamaForCausalLM",
+                "Mistral 7B, Mistral Nemo (sliding window, out-of-window KV blocks freed)", fp8=True,
+                sliding_window=True),
+    ModelFamily("Qwen2ForCausalLM", "engine.models.llama", "LlamaForCausalLM",
+                "Qwen2, Qwen2.5 (q/k/v bias; use_sliding_window)", fp8=True, sliding_window=True),
+    ModelFamily("GPT2LMHeadModel", "engine.models.gpt2", "GPT2LMHeadModel", "GPT-2 (learned positions)"),
+    ModelFamily("Qwen3ForCausalLM", "engine.models.llama", "LlamaForCausalLM",
+                "Qwen3 dense (per-head q/k RMSNorm; yarn)", fp8=True, sliding_window=True),
+    ModelFamily("Phi3ForCausalLM", "engine.models.llama", "LlamaForCausalLM",
+                "Phi-3, Phi-3.5-mini, Phi-4, Phi-4-mini (fused qkv/gate_up, LongRoPE, partial rotary)", fp8=True,
+                sliding_window=True),
+    ModelFamily("SmolLM3ForCausalLM", "engine.models.llama", "LlamaForCausalLM",
+                "SmolLM3 (NoPE layers without rope)", fp8=True, sliding_window=True),
+    ModelFamily("Gemma2ForCausalLM", "engine.models.gemma", "GemmaForCausalLM",
+                "Gemma 2 (soft-capped attention and logits; alternating sliding/global layers)",
+                sliding_window=True),
+    ModelFamily("Gemma3ForCausalLM", "engine.models.gemma", "GemmaForCausalLM",
+                "Gemma 3 text, and the language model of Gemma3ForConditionalGeneration (q/k norms, "
+                "local rope base, 5:1 sliding/global layers)", sliding_window=True),
+                    ModelFamily("MixtralForCausalLM", "engine.models.moe", "MoeForCausalLM",
+                "Mixtral 8x7B, 8x22B (top-2 routed experts, fused-MoE kernel; experts split across TP ranks)",
+                sliding_window=True),
+    ModelFamily("Qwen3MoeForCausalLM", "engine.models.moe", "MoeForCausalLM",
+                "Qwen3-30B-A3B, Qwen3-235B-A22B (top-8 of 128 experts, norm_topk_prob, q/k RMSNorm)",
+                sliding_window=True),
+)
+_REGISTRY = {family.architecture: family for family in MODEL_FAMILIES}
 SUPPORTED_ARCHITECTURES = tuple(_REGISTRY)
 
 
@@ -26,13 +67,30 @@ class UnsupportedArchitectureError(ConfigError):
     """The checkpoint's architecture has no engine model."""
 
 
-def get_model_class(architecture: str):
-    """Return the model class for ``architecture`` or raise naming the supported ones."""
+def get_family(architecture: str) -> ModelFamily:
+    """The registry entry of ``architecture`` or raise naming the supported ones."""
     if architecture not in _REGISTRY:
         raise UnsupportedArchitectureError(
             f"unsupported architecture {architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    return _REGISTRY[architecture]
+
+
+def get_model_class(architecture: str):
+    """Return the model class for ``architecture`` or raise naming the supported ones."""
     import importlib
 
-    module_name, class_name = _REGISTRY[architecture]
-    return getattr(importlib.import_module(module_name), class_name)
+    family = get_family(architecture)
+    return getattr(importlib.import_module(family.module), family.class_name)
+
+
+def supported_models_markdown() -> str:
+    """The README's supported-model table, one row per architecture."""
+    def mark(flag: bool) -> str:
+        return "yes" if flag else "no"
+
+    rows = ["| architecture | checkpoints | tensor parallel | FP8 weights | sliding-window attention |",
+            "|---|---|---|---|---|"]
+    rows += [f"| `{f.architecture}` | {f.checkpoints} | {mark(f.tensor_parallel)} | {mark(f.fp8)} | "
+             f"{mark(f.sliding_window)} |" for f in MODEL_FAMILIES]
+    return "\n".join(rows)

@@ -1,9 +1,11 @@
 """Llama-family decoder over a ragged, packed batch and a paged KV cache.
 
 One file covers every checkpoint with the Llama block (pre-norm RMSNorm, rotary attention with
-GQA, SwiGLU MLP): Llama 2/3 (incl. ``llama3`` / ``linear`` rope scaling), Mistral (sliding
-window not applied: engines must keep max_seq_len within it), Qwen2 (bias on q/k/v),
-SmolLM2 (tied embeddings).
+GQA, SwiGLU MLP): Llama 2/3 (rope scalings ``llama3``, ``linear``, ``yarn``, ``dynamic``),
+Mistral (sliding window on every layer), Qwen2 (bias on q/k/v; sliding window on the layers its
+config lists), SmolLM2 (tied embeddings), Qwen3 (RMSNorm over each q and k head before rope),
+Phi-3/Phi-4 (checkpoints with fused qkv and gate_up, LongRoPE, partial rotary) and SmolLM3
+(some layers without rope).
 
 Batch layout: ``input_ids`` and ``positions`` are (num_tokens,) with the new tokens of every
 scheduled sequence back to back (prefill chunks and single decode tokens mixed, no padding);
@@ -11,7 +13,10 @@ scheduled sequence back to back (prefill chunks and single decode tokens mixed, 
 
 Weights per rank (names = engine-directory names, see docs/INTERFACES.md): q/k/v fused into
 ``qkv_proj`` with rows [q_local | k_local | v_local], gate/up fused into ``gate_up_proj`` with
-rows [gate_local | up_local]; ``o_proj`` and ``down_proj`` are row-parallel.
+rows [gate_local | up_local]; ``o_proj`` and ``down_proj`` are row-parallel; Qwen3 adds
+``q_norm``/``k_norm`` (head_dim,). With partial rotary, each q/k head's dims are stored in
+``kernels.rotary.partial_rotary_order`` (engine.convert reorders them), so the rope tables and
+kernels handle whole heads.
 """
 from __future__ import annotations
 
@@ -21,53 +26,90 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.models.layers import Linear, Norm, RowParallelLinear, VocabParallelEmbedding, vocab_parallel_logits
 from kernels.attention_metadata import AttentionMetadata
-from kernels.attention import paged_attention
+from kernels.attention import paged_attention, write_kv_cache
 from kernels.rmsnorm import rms_norm
 from kernels.rotary import build_cos_sin_cache, rotary_and_write_kv
 
 
 class LlamaLayer(nn.Module):
+    """One decoder block: attention (GQA, rope, optional per-head q/k RMSNorm) then the MLP.
+
+    Subclasses swap the MLP (a mixture of experts, say) by overriding ``_init_mlp`` and ``mlp``;
+    the attention half, Qwen3's q/k norms included, stays as it is.
+    """
+
     def __init__(self, config: ModelConfig, layer_index: int, *, tp_size: int, tp_group, dtype, device,
                  quantization: str | None = None):
         super().__init__()
         self.layer_index = layer_index
         self.eps = config.norm_eps
+        self.input_norm = Norm(config.hidden_size, bias=False, dtype=dtype, device=device)
+        self._init_attention(config, tp_size=tp_size, tp_group=tp_group, dtype=dtype, device=device,
+                             quantization=quantization)
+        self.post_attn_norm = Norm(config.hidden_size, bias=False, dtype=dtype, device=device)
+        self._init_mlp(config, tp_size=tp_size, tp_group=tp_group, dtype=dtype, device=device,
+                       quantization=quantization)
+
+    def _init_attention(self, config: ModelConfig, *, tp_size: int, tp_group, dtype, device, quantization) -> None:
         self.head_dim = config.head_dim
         self.num_heads = config.num_heads // tp_size
         self.num_kv_heads = config.num_kv_heads // tp_size
         self.scale = config.head_dim**-0.5
+        self.sliding_window = config.layer_window(self.layer_index)  # None: attends to the whole context
+        self.use_rope = self.layer_index not in config.layers_without_rope  # SmolLM3's NoPE layers: False
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split_sizes = [q_size, kv_size, kv_size]
-        hidden, inter_local = config.hidden_size, config.intermediate_size // tp_size
-        self.input_norm = Norm(hidden, bias=False, dtype=dtype, device=device)
         quant = {"dtype": dtype, "device": device, "quantization": quantization}
-        self.qkv_proj = Linear(hidden, q_size + 2 * kv_size, bias=config.qkv_bias, **quant)
-        self.o_proj = RowParallelLinear(q_size, hidden, bias=False, tp_group=tp_group, **quant)
-        self.post_attn_norm = Norm(hidden, bias=False, dtype=dtype, device=device)
-        self.gate_up_proj = Linear(hidden, 2 * inter_local, bias=False, **quant)
-        self.down_proj = RowParallelLinear(inter_local, hidden, bias=False, tp_group=tp_group, **quant)
+        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias, **quant)
+        self.o_proj = RowParallelLinear(q_size, config.hidden_size, bias=False, tp_group=tp_group, **quant)
+        if config.qk_norm:  # Qwen3: (head_dim,) weights shared by every head, replicated over ranks
+            self.q_norm = Norm(config.head_dim, bias=False, dtype=dtype, device=device)
+            self.k_norm = Norm(config.head_dim, bias=False, dtype=dtype, device=device)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def _init_mlp(self, config: ModelConfig, *, tp_size: int, tp_group, dtype, device, quantization) -> None:
+        inter_local = config.intermediate_size // tp_size
+        quant = {"dtype": dtype, "device": device, "quantization": quantization}
+        self.gate_up_proj = Linear(config.hidden_size, 2 * inter_local, bias=False, **quant)
+        self.down_proj = RowParallelLinear(inter_local, config.hidden_size, bias=False, tp_group=tp_group, **quant)
+
+    def _norm_heads(self, x: torch.Tensor, norm: Norm) -> torch.Tensor:
+        """RMSNorm over head_dim of every head: x (num_tokens, heads, head_dim) -> same shape, contiguous."""
+        return rms_norm(x.reshape(-1, self.head_dim), norm.weight, self.eps)[0].view(x.shape)
 
     def attention(self, x, positions, cos_sin_cache, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self._norm_heads(q, self.q_norm), self._norm_heads(k, self.k_norm)
         k_cache, v_cache = kv_cache[self.layer_index, 0], kv_cache[self.layer_index, 1]
-        # apply_rotary + write_kv_cache, fused into one kernel on CUDA; returns the rotated q.
-        q = rotary_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping, is_neox=True)
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale)
+        if self.use_rope:
+            # apply_rotary + write_kv_cache, fused into one kernel on CUDA; returns the rotated q.
+            q = rotary_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping,
+                                    is_neox=True)
+        else:
+            write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = paged_attention(q, k_cache, v_cache, meta, self.scale, sliding_window=self.sliding_window)
         return self.o_proj(out.reshape(out.shape[0], -1))
+
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.gate_up_proj.gated(h))
 
     def forward(self, x, residual, positions, cos_sin_cache, kv_cache, meta):
         """x, residual: (num_tokens, hidden); residual None on the first layer. Returns both, updated."""
         h, residual = rms_norm(x, self.input_norm.weight, self.eps, residual)
         h = self.attention(h, positions, cos_sin_cache, kv_cache, meta)
         h, residual = rms_norm(h, self.post_attn_norm.weight, self.eps, residual)
-        return self.down_proj(self.gate_up_proj.gated(h)), residual
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
-    """The Llama-family model for one tensor-parallel rank."""
+    """The Llama-family model for one tensor-parallel rank. ``layer_class`` builds each block."""
+
+    layer_class = LlamaLayer
 
     def __init__(self, config: ModelConfig, *, tp_rank: int = 0, tp_size: int = 1, tp_group=None,
                  dtype: torch.dtype = torch.float32, device=None, max_positions: int | None = None,
@@ -80,7 +122,7 @@ class LlamaForCausalLM(nn.Module):
             vocab_local, config.hidden_size, tp_rank=tp_rank, tp_group=tp_group, dtype=dtype, device=device
         )
         self.layers = nn.ModuleList(
-            LlamaLayer(config, i, tp_size=tp_size, tp_group=tp_group, dtype=dtype, device=device,
+            self.layer_class(config, i, tp_size=tp_size, tp_group=tp_group, dtype=dtype, device=device,
                        quantization=quantization)
             for i in range(config.num_layers)
         )
@@ -94,7 +136,8 @@ class LlamaForCausalLM(nn.Module):
         """Build non-weight tensors (the rotary table) on ``device``; once, before any forward
         (CUDA-graph capture must never see an allocation here)."""
         c = self.config
-        self.cos_sin_cache = build_cos_sin_cache(self.max_positions, c.head_dim, c.rope_theta, c.rope_scaling, device)
+        self.cos_sin_cache = build_cos_sin_cache(self.max_positions, c.head_dim, c.rope_theta, c.rope_scaling, device,
+                                                 rotary_dim=c.rotary_dim)
 
     def _rotary_table(self, device: torch.device) -> torch.Tensor:
         if self.cos_sin_cache is None or self.cos_sin_cache.device != device:

@@ -22,6 +22,15 @@ VOCAB = 96
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
 
+_ODD = dict(vocab_size=VOCAB, hidden_size=72, intermediate_size=86, num_hidden_layers=3, num_attention_heads=6,
+            num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
+
+
+def _factors(n: int, scale: float) -> list[float]:
+    """LongRoPE per-frequency factors: n distinct values around ``scale``."""
+    return [scale * (1.0 + 0.25 * i) for i in range(n)]
+
+
 FAMILIES = {
     "llama": lambda: transformers.LlamaConfig(**_COMMON, rope_theta=10000.0),
     "llama3_rope_scaling": lambda: transformers.LlamaConfig(
@@ -36,14 +45,43 @@ FAMILIES = {
         tie_word_embeddings=True,
     ),
     "gpt2": lambda: transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256),
+    # Odd sizes (head_dim 14, hidden 70, intermediate 86), GQA 6/2, 3 layers for the families below.
+    "qwen3": lambda: transformers.Qwen3Config(**_ODD, head_dim=14, rope_theta=1000000.0),
+    # Engines of max_seq_len <= original_max_position_embeddings take the short factors, as transformers
+    # does for such sequences; test_model_families.py covers the long ones.
+    "phi3_longrope": lambda: transformers.Phi3Config(
+        **{**_ODD, "max_position_embeddings": 1024}, original_max_position_embeddings=256, pad_token_id=0,
+        rope_scaling={"rope_type": "longrope", "short_factor": _factors(6, 1), "long_factor": _factors(6, 2)},
+    ),
+    "phi4_mini_partial_rotary": lambda: transformers.Phi3Config(
+        **_ODD, partial_rotary_factor=0.5, tie_word_embeddings=True, pad_token_id=0,  # rotary dims 6 of 12 (hidden 72 / 6 heads)
+    ),
+    "smollm3_nope": lambda: transformers.SmolLM3Config(**_ODD, no_rope_layers=[1, 0, 1], pad_token_id=0),
+    "llama_yarn": lambda: transformers.LlamaConfig(
+        **_ODD, rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    ),
+    "llama_dynamic_ntk": lambda: transformers.LlamaConfig(
+        **_ODD, rope_scaling={"rope_type": "dynamic", "factor": 2.0},
+    ),
+    # 8 experts of width 36, top-2: a decode token leaves at least 6 experts without a token.
+    "mixtral": lambda: transformers.MixtralConfig(**{**_COMMON, "intermediate_size": 36}, rope_theta=1000000.0,
+                                                  num_local_experts=8, num_experts_per_tok=2, sliding_window=None),
+    # 10 experts of width 22, top-2 without renormalisation, q/k RMSNorm; layer 1 dense (mlp_only_layers).
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**_ODD, head_dim=14, rope_theta=1000000.0, num_experts=10,
+                                                     num_experts_per_tok=2, moe_intermediate_size=22,
+                                                     norm_topk_prob=False, mlp_only_layers=[1]),
 }
 ARCHITECTURES = {"gpt2": transformers.GPT2LMHeadModel, "mistral": transformers.MistralForCausalLM,
-                 "qwen2_qkv_bias": transformers.Qwen2ForCausalLM}
+                 "qwen2_qkv_bias": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
+                 "phi3_longrope": transformers.Phi3ForCausalLM, "phi4_mini_partial_rotary": transformers.Phi3ForCausalLM,
+                 "smollm3_nope": transformers.SmolLM3ForCausalLM, "mixtral": transformers.MixtralForCausalLM,
+                 "qwen3_moe": transformers.Qwen3MoeForCausalLM}
 
 
 def tiny_hf(family: str, seed: int = 0) -> torch.nn.Module:
     config = FAMILIES[family]()
     config._attn_implementation = "eager"
+    config._experts_implementation = "eager"  # the per-expert loop: grouped_mm needs 16-byte-aligned widths
     torch.manual_seed(seed)
     model = ARCHITECTURES.get(family, transformers.LlamaForCausalLM)(config).eval()
     with torch.no_grad():

@@ -195,18 +195,22 @@ def test_inconsistent_forward_batch(engine_dir):
         runner.forward(ForwardBatch([1, 2, 3], [0, 1, 2], [2], [2], [[0]], [1]))
 
 
-def test_sliding_window_bounds_max_seq_len(tmp_path):
+def test_sliding_window_is_kept_beyond_max_seq_len(tmp_path):
+    """A window shorter than max_seq_len is applied, not refused (tests/engine/test_sliding_window.py)."""
     hf = tiny_hf("mistral")
     hf.config.sliding_window = 64
-    with pytest.raises(ConfigError, match="max_seq_len 256 exceeds the checkpoint's sliding_window 64"):
-        make_engine(hf, tmp_path / "e", max_seq_len=256)
-    assert make_engine(hf, tmp_path / "ok", max_seq_len=64)
+    config = EngineConfig.load(make_engine(hf, tmp_path / "e", max_seq_len=256))
+    assert config.model.sliding_window == 64 and config.model.layer_types is None and config.model.kv_window == 64
 
 
 def test_unsupported_rope_scaling_is_named():
-    config = ModelConfig("LlamaForCausalLM", 96, 64, 2, 4, 2, 16, 96, rope_scaling={"rope_type": "yarn", "factor": 4.0})
-    with pytest.raises(ConfigError, match="unsupported rope_scaling type 'yarn'; supported: default, llama3, linear"):
+    config = ModelConfig("LlamaForCausalLM", 96, 64, 2, 4, 2, 16, 96, rope_scaling={"rope_type": "mrope", "factor": 4.0})
+    with pytest.raises(ConfigError, match="unsupported rope_scaling type 'mrope'; supported: default, llama3, linear, "
+                                          "yarn, dynamic, longrope"):
         config.validate()
+    yarn = ModelConfig("LlamaForCausalLM", 96, 64, 2, 4, 2, 16, 96, rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(ConfigError, match="rope_scaling of type 'yarn' lacks original_max_position_embeddings"):
+        yarn.validate()
 
 
 def test_rebuild_replaces_every_rank_file(tmp_path):

@@ -29,6 +29,13 @@ DEVICES = [
                  marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")),
 ]
 
+# Families that route each token to its top-k experts: in bf16 a token whose k-th and (k+1)-th
+# router scores lie within rounding of each other may go to another expert than in fp32, a
+# discrete change no tolerance covers. They are compared in float32 here; the fused-MoE kernel
+# is compared in bf16 with its reference in tests/kernels/test_fused_moe.py, and the engine on
+# CUDA in tests/engine/test_moe.py.
+ROUTED_FAMILIES = {"mixtral", "qwen3_moe"}
+
 
 def _tokens(n: int, seed: int) -> list[int]:
     rng = random.Random(seed)
@@ -50,6 +57,8 @@ def hf_models():
 @pytest.fixture
 def runner_for(hf_models, tmp_path):
     def make(family, device, dtype, tokens_per_block=16):
+        if family in ROUTED_FAMILIES and dtype != "float32":
+            pytest.skip("top-k routing in bf16 may pick other experts than fp32 (see ROUTED_FAMILIES)")
         engine_dir = make_engine(hf_models(family), tmp_path / f"{family}-{tokens_per_block}",
                                  tokens_per_block=tokens_per_block, dtype=dtype)
         return ModelRunner(engine_dir, device=device)

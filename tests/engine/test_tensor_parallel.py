@@ -10,7 +10,7 @@ from engine.config import ConfigError, EngineConfig
 from engine.executor.runner import ModelRunner
 from engine_testing import make_engine, tiny_hf, tp_reference_steps, tp_worker
 
-TP_FAMILIES = ["llama", "llama3_rope_scaling", "mistral", "qwen2_qkv_bias", "gpt2"]  # 4 heads, 2 kv heads
+TP_FAMILIES = ["llama", "llama3_rope_scaling", "mistral", "qwen2_qkv_bias", "gpt2", "mixtral", "qwen3_moe"]  # 2 kv heads
 ROW_PARALLEL = ("o_proj.weight", "down_proj.weight", "fc_out.weight")  # split along input columns
 VOCAB_OR_COLUMN = ("embed_tokens.weight", "lm_head.weight", "wte.weight", "fc_in.weight", "fc_in.bias")
 
@@ -18,6 +18,11 @@ VOCAB_OR_COLUMN = ("embed_tokens.weight", "lm_head.weight", "wte.weight", "fc_in
 def _reassemble(name: str, shards: list[torch.Tensor], config: EngineConfig) -> torch.Tensor:
     """Undo the tp split of one tensor, from the layout rules in docs/INTERFACES.md."""
     model = config.model
+    if name.endswith("moe.down_proj"):  # (E, H, I_r): every expert sliced along its width
+        return torch.cat(shards, dim=2)
+    if name.endswith("moe.gate_up_proj"):  # (E, 2 * I_r, H), each shard [gate_r | up_r] per expert
+        parts = [s.chunk(2, dim=1) for s in shards]
+        return torch.cat([torch.cat([p[i] for p in parts], dim=1) for i in range(2)], dim=1)
     if name.endswith(ROW_PARALLEL):
         return torch.cat(shards, dim=1)
     if name.endswith(VOCAB_OR_COLUMN):
@@ -63,7 +68,8 @@ def test_tp2_engine_needs_a_process_group(tmp_path):
 
 def test_two_gloo_ranks_compute_tp1_logits(tmp_path):
     engine_dirs, expected = {}, {}
-    for family in ("llama", "qwen2_qkv_bias", "gpt2"):  # GQA, qkv bias, row-parallel bias + learned positions
+    # GQA, qkv bias, row-parallel bias + learned positions, experts sliced across ranks
+    for family in ("llama", "qwen2_qkv_bias", "gpt2", "mixtral", "qwen3_moe"):
         hf = tiny_hf(family)
         engine_dirs[family] = make_engine(hf, tmp_path / f"{family}-tp2", tp_size=2)
         expected[family] = tp_reference_steps(ModelRunner(make_engine(hf, tmp_path / f"{family}-tp1")))

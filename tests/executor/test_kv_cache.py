@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from executor_testing import make_seq
 
-from engine.executor.kv_cache import BlockManager, chain_block_hashes
+from engine.executor.kv_cache import FREED_BLOCK, BlockManager, chain_block_hashes
 
 
 def computed(manager: BlockManager, seq, num_tokens: int) -> None:
@@ -98,3 +98,41 @@ def test_reuse_disabled_never_shares():
     b = make_seq(list(range(10)))
     assert manager.acquire_cached_prefix(b) == 0
     assert manager.hash_to_block == {}
+
+
+def test_blocks_outside_the_window_are_freed_and_entries_marked():
+    """Window 6, blocks of 4: at 14 computed tokens the next query (position 14) sees 9..14, so
+    blocks 0 and 1 (positions 0..7) go back to the pool; the table keeps its length."""
+    manager = BlockManager(num_blocks=8, tokens_per_block=4, enable_reuse=False)
+    seq = make_seq(list(range(14)))
+    manager.acquire_cached_prefix(seq)
+    computed(manager, seq, 14)
+    assert seq.block_ids == [0, 1, 2, 3]
+    assert manager.free_blocks_outside_window(seq, 6) == 2
+    assert seq.block_ids == [FREED_BLOCK, FREED_BLOCK, 2, 3] and seq.num_window_freed_blocks == 2
+    assert manager.num_free_blocks == 6
+    assert manager.free_blocks_outside_window(seq, 6) == 0  # idempotent
+    seq.token_ids.append(14)
+    computed(manager, seq, 15)  # position 15 next: sees 10..15, block 2 (8..11) still needed
+    assert manager.free_blocks_outside_window(seq, 6) == 0
+    manager.release(seq)  # skips the freed entries
+    assert manager.num_free_blocks == 8 and seq.num_window_freed_blocks == 0
+    manager.check_invariants()
+
+
+def test_with_reuse_only_registered_blocks_leave_and_stay_findable():
+    manager = BlockManager(num_blocks=8, tokens_per_block=4, enable_reuse=True)
+    seq = make_seq(list(range(14)))
+    manager.acquire_cached_prefix(seq)
+    assert manager.append_slots(seq, 14) is not None
+    seq.num_computed_tokens = 14  # launched, not yet registered (the overlapped executor's state)
+    assert manager.free_blocks_outside_window(seq, 6) == 0
+    manager.register_computed_blocks(seq)
+    assert manager.free_blocks_outside_window(seq, 6) == 2
+    # A later prompt with the same start still finds the freed (cached) blocks.
+    other = make_seq(list(range(10)))
+    assert manager.acquire_cached_prefix(other) == 2 and other.block_ids == [0, 1]
+    manager.release(other)
+    manager.release(seq)
+    assert manager.num_free_blocks == 8
+    manager.check_invariants()

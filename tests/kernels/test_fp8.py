@@ -97,12 +97,13 @@ def test_fp8_kv_pool_write_and_paged_attention_equal_the_reference():
     from kernels.attention_metadata import AttentionMetadata
 
     torch.manual_seed(6)
-    heads, kv_heads, dim, page, blocks = 8, 2, 64, 16, 12
-    lens = [1, 37, 150]  # context lengths; one new token each (decode)
-    tables = torch.arange(blocks, dtype=torch.int32, device="cuda").view(3, 4)
+    heads, kv_heads, dim, page, blocks = 8, 2, 64, 16, 30
+    lens = [1, 37, 150]  # context lengths; one new token each (decode); 150 tokens need 10 blocks
+    tables = torch.randperm(blocks, device="cuda").to(torch.int32).view(3, 10)
     pools = [torch.zeros(blocks, page, kv_heads, dim, dtype=KV_FP8_DTYPE, device="cuda") for _ in range(4)]
     for i, n in enumerate(lens):  # fill each sequence's context, values beyond 448 included
         k = torch.randn(n, kv_heads, dim, device="cuda", dtype=torch.bfloat16) * 100
+        k[0, 0, :4] = torch.tensor([1e4, -1e4, 449.0, 500.0])  # beyond E4M3's 448: must saturate
         v = torch.randn(n, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
         slots = (tables[i].long()[torch.arange(n, device="cuda") // page] * page + torch.arange(n, device="cuda") % page)
         write_kv_cache(k, v, pools[0], pools[1], slots)

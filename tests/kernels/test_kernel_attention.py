@@ -72,6 +72,54 @@ def test_reference_matches_dense_causal_attention():
     assert relative_error(out, dense) < 1e-5
 
 
+def dense_attention(q, k, v, scale, sliding_window=None, logit_softcap=None):
+    """One sequence, every key in hand: q (n, heads, d), k/v (n, kv_heads, d), masked dense math."""
+    group = q.shape[1] // k.shape[1]
+    keys, values = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), keys.double()) * scale
+    if logit_softcap is not None:
+        scores = logit_softcap * torch.tanh(scores / logit_softcap)
+    pos = torch.arange(q.shape[0])
+    visible = pos[None, :] <= pos[:, None]
+    if sliding_window is not None:
+        visible &= pos[None, :] > pos[:, None] - sliding_window  # transformers: kv_idx > q_idx - window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values.double()).float()
+
+
+@pytest.mark.parametrize("window,softcap", [(8, None), (5, 3.0), (1, None), (64, 2.0), (None, 1.5)])
+@pytest.mark.parametrize("chunks", [[37], [11, 1, 1, 17, 7]])
+def test_reference_window_and_softcap_match_dense_masked_attention(window, softcap, chunks):
+    """A 37-token sequence fed in chunks (prefill, decode steps, more chunks) through pages of 4:
+    each chunk's output equals the dense masked computation's rows, with the entries of blocks
+    wholly outside the window freed (-1) as the executor frees them: the reference never reads them."""
+    num_heads, num_kv_heads, head_dim, page = 6, 2, 16, 4
+    gen = torch.Generator().manual_seed(3)
+    total = sum(chunks)
+    q = torch.randn(total, num_heads, head_dim, generator=gen)
+    k = torch.randn(total, num_kv_heads, head_dim, generator=gen)
+    v = torch.randn(total, num_kv_heads, head_dim, generator=gen)
+    dense = dense_attention(q, k, v, 0.3, window, softcap)
+    table = random.Random(0).sample(range(20), -(-total // page))
+    k_cache, v_cache = torch.randn(20, page, num_kv_heads, head_dim), torch.randn(20, page, num_kv_heads, head_dim)
+    start = 0
+    for n in chunks:
+        end = start + n
+        dead = 0 if window is None else max(0, start - window + 1) // page
+        block_table = [-1] * dead + table[dead:-(-end // page)]
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor([table[p // page] * page + p % page for p in range(start, end)]),
+            block_tables=torch.tensor([block_table], dtype=torch.int32), cu_seqlens_q=torch.tensor([0, n]),
+            context_lens=torch.tensor([end]), max_seqlen_q=n, max_context_len=end, is_decode_only=n == 1,
+            cu_seqlens_q_host=[0, n], context_lens_host=[end],
+        )
+        write_kv_cache_ref(k[start:end], v[start:end], k_cache, v_cache, meta.slot_mapping)
+        out = paged_attention_ref(q[start:end], k_cache, v_cache, meta, 0.3, sliding_window=window,
+                                  logit_softcap=softcap)
+        assert relative_error(out, dense[start:end]) < 1e-5, (start, end)
+        start = end
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("page_size", [16, 32])
 def test_write_kv_cache_matches_reference(device, page_size):
@@ -102,19 +150,33 @@ def test_write_kv_cache_reads_strided_views_and_skips_negative_slots(device):
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
 
 
-def run_attention_case(device, dtype, heads, page_size, cached_and_new, num_splits=None, seed=0):
+def run_attention_case(device, dtype, heads, page_size, cached_and_new, num_splits=None, seed=0,
+                       sliding_window=None, logit_softcap=None):
     from kernels.triton_attention import paged_attention_triton, write_kv_cache_triton
 
     num_heads, num_kv_heads, head_dim = heads
     k, v, k_cache, v_cache, meta = make_batch(cached_and_new, num_kv_heads, head_dim, page_size, dtype, device, seed)
     write_kv_cache_triton(k, v, k_cache, v_cache, meta.slot_mapping)
+    if sliding_window is not None:
+        free_out_of_window_entries(meta, sliding_window, page_size)
     gen = torch.Generator().manual_seed(seed + 1)
     q = torch.randn(k.shape[0], num_heads, head_dim, generator=gen).to(dtype).to(device)
     scale = head_dim**-0.5
-    ref = paged_attention_ref(q, k_cache, v_cache, meta, scale)
-    out = paged_attention_triton(q, k_cache, v_cache, meta, scale, num_splits=num_splits)
+    options = dict(sliding_window=sliding_window, logit_softcap=logit_softcap)
+    ref = paged_attention_ref(q, k_cache, v_cache, meta, scale, **options)
+    out = paged_attention_triton(q, k_cache, v_cache, meta, scale, num_splits=num_splits, **options)
     err = relative_error(out, ref)
-    assert err < TOLERANCE[dtype], f"{dtype} {heads} page={page_size} splits={num_splits}: rel err {err:.2e}"
+    assert err < TOLERANCE[dtype], (f"{dtype} {heads} page={page_size} splits={num_splits} {options}: "
+                                    f"rel err {err:.2e}")
+
+
+def free_out_of_window_entries(meta: AttentionMetadata, sliding_window: int, page_size: int) -> None:
+    """Mark the block-table entries no query of the batch can see as freed (-1), as the executor
+    does once the blocks go back to the pool: a kernel that read one would fault or differ."""
+    for i, (start, end) in enumerate(zip(meta.cu_seqlens_q_host, meta.cu_seqlens_q_host[1:])):
+        first_query = meta.context_lens_host[i] - (end - start)
+        dead = max(0, first_query - sliding_window + 1) // page_size
+        meta.block_tables[i, :dead] = -1
 
 
 # Prefill chunks over cached prefixes: empty prefix, prefix ending on a page boundary (32) and
@@ -138,6 +200,41 @@ def test_decode_matches_reference(device, heads, num_splits):
     batch = [(0, 1), (15, 1), (16, 1), (299, 1)]
     for dtype in low_precision_dtypes(device):
         run_attention_case(device, dtype, heads, 16, batch, num_splits=num_splits)
+
+
+# Windows shorter than, equal to and longer than a page, one that cuts a page in the middle, and a
+# window of 1 (each token sees itself only); soft-caps small enough to bend the scores.
+WINDOW_CASES = [(8, None), (16, None), (37, 5.0), (1, None), (None, 2.0), (100, 50.0)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window,softcap", WINDOW_CASES)
+@pytest.mark.parametrize("heads", [(9, 3, 64), (8, 4, 256)])
+def test_prefill_with_window_and_softcap_matches_reference(device, heads, window, softcap):
+    """Mixed prefill batch; entries of blocks outside every window are freed (-1) first."""
+    for dtype in low_precision_dtypes(device):
+        run_attention_case(device, dtype, heads, 16, PREFILL_BATCH, sliding_window=window, logit_softcap=softcap)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window,softcap", WINDOW_CASES)
+@pytest.mark.parametrize("num_splits", [None, 1, 4])
+def test_decode_with_window_and_softcap_matches_reference(device, window, softcap, num_splits):
+    """Split-K decode over a window: splits start at the window, empty splits merge away."""
+    batch = [(0, 1), (15, 1), (16, 1), (299, 1), (40, 1)]
+    for dtype in low_precision_dtypes(device):
+        run_attention_case(device, dtype, (8, 4, 256), 16, batch, num_splits=num_splits,
+                           sliding_window=window, logit_softcap=softcap)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="long contexts are too slow for the CPU interpreter")
+@pytest.mark.parametrize("dtype", [torch.bfloat16])
+def test_long_context_with_window_reads_only_the_window(dtype):
+    """Gemma-3-sized window (1024) over 8k contexts, decode (automatic splits) and a 2k chunk."""
+    run_attention_case("cuda", dtype, (16, 8, 256), 16, [(8190, 1), (4097, 1), (1, 1)], sliding_window=1024)
+    run_attention_case("cuda", dtype, (16, 8, 256), 16, [(1000, 2047), (0, 129)], sliding_window=1024,
+                       logit_softcap=50.0)
 
 
 @pytest.mark.gpu

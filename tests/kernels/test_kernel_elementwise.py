@@ -11,7 +11,7 @@ import pytest
 import torch
 from kernel_testing import low_precision_dtypes, relative_error
 
-from kernels.activation import silu_and_mul_ref
+from kernels.activation import gelu_tanh_and_mul_ref, silu_and_mul_ref
 from kernels.rmsnorm import rms_norm_ref
 from kernels.rotary import apply_rotary_ref, build_cos_sin_cache
 
@@ -111,3 +111,13 @@ def test_fused_rotary_and_kv_write(device, is_neox, heads, head_dim):
         assert torch.equal(k, k_before)  # k itself is left alone
         assert relative_error(q_out[keep], q_ref) < ROUNDING[dtype]
         assert relative_error(k_cache, k_ref) < ROUNDING[dtype] and torch.equal(v_cache, v_ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens,inter", [(1, 15360), (5, 88), (17, 1536)])
+def test_gelu_tanh_and_mul(device, num_tokens, inter):
+    from kernels.activation import gelu_tanh_and_mul_triton
+
+    for dtype in low_precision_dtypes(device):
+        x = 2 * randn(num_tokens, 2 * inter, dtype=dtype, device=device, seed=7)  # gates well into both tails
+        assert relative_error(gelu_tanh_and_mul_triton(x), gelu_tanh_and_mul_ref(x)) < ROUNDING[dtype]

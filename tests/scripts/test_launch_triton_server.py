@@ -104,3 +104,25 @@ def test_environment_puts_this_python_first():
     libdir = launcher.libpython_dir()
     if libdir:
         assert env["LD_LIBRARY_PATH"].split(":")[0] == libdir
+
+
+def test_openai_frontend_is_bound_to_host_and_talks_to_the_grpc_port():
+    args = args_for("--host=10.1.2.3", "--grpc_port=7001", "--openai_port=9100", "--openai_model_name=llama")
+    cmd = launcher.openai_frontend_command(args)
+    assert cmd[:3] == [sys.executable, "-m", "openai_frontend"]
+    assert {"--grpc_url=10.1.2.3:7001", "--host=10.1.2.3", "--port=9100", "--model_repo=/repo",
+            "--served_model_name=llama", "--llm_model=tensorrt_llm"} <= set(cmd)
+    # Bound to every interface (no --host), it reaches Triton over loopback.
+    cmd = launcher.openai_frontend_command(args_for("--openai_port=9100"))
+    assert "--host=0.0.0.0" in cmd and "--grpc_url=127.0.0.1:8001" in cmd
+
+
+def test_busy_openai_port_is_a_clear_error(tmp_path):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        args = launcher.parse_arguments([f"--model_repo={tmp_path}", "--host=127.0.0.1", "--http_port=0",
+                                         "--grpc_port=0", "--metrics_port=0", f"--openai_port={port}"])
+        with pytest.raises(RuntimeError, match=f"already in use: --openai_port={port}"):
+            launcher.preflight(args)

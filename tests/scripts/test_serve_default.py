@@ -32,3 +32,9 @@ def test_repo_is_filled_completely_outside_the_source_tree(tmp_path):
 def test_ready_line_has_a_working_curl_example():
     message = serve.ready_message("8000", "8001", "8002")
     assert message.startswith("READY:") and "curl -s -X POST http://127.0.0.1:8000/v2/models/ensemble/generate" in message
+
+
+def test_ready_line_has_an_openai_curl_example():
+    message = serve.ready_message("8000", "8001", "8002", "9000", "smollm2")
+    assert "OpenAI API on http://127.0.0.1:9000/v1 (model smollm2)" in message.splitlines()[0]
+    assert "curl -s http://127.0.0.1:9000/v1/chat/completions" in message and '"model": "smollm2"' in message

@@ -1,5 +1,5 @@
-"""The house's shape: imports only go downward (Triton models and benchmarks -> serving -> engine
--> kernels), nothing under engine/ or kernels/ imports Triton, and no import cycles among the
+"""The house's shape: imports only go downward (openai_frontend -> serving -> engine -> kernels;
+Triton models and benchmarks -> serving), nothing under engine/ or kernels/ imports Triton, and no import cycles among the
 project's modules. Read from the sources (ast), nothing imported."""
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import os
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-LAYERS = {"kernels": 0, "engine": 1, "serving": 2}  # a package may import its own layer or lower
+# A package may import its own layer or lower; openai_frontend is the top: nothing imports it.
+LAYERS = {"kernels": 0, "engine": 1, "serving": 2, "openai_frontend": 3}
 TRITON_SERVER_MODULES = ("triton_python_backend_utils", "tritonclient", "tritonserver")
 
 
@@ -80,3 +81,14 @@ def test_no_import_cycles():
     for module in sorted(graph):
         if module not in state:
             visit(module, [module])
+
+
+def test_nothing_imports_the_openai_frontend():
+    """The frontend is the top of the stack: the Triton models, benchmarks, scripts and tools run
+    it as a process (``python -m openai_frontend``) at most, never import it."""
+    for top in ("all_models", "benchmarks", "scripts", "tools"):
+        for folder, _, files in os.walk(os.path.join(ROOT, top)):
+            for name in (f for f in files if f.endswith(".py")):
+                path = os.path.join(folder, name)
+                imported = {n for n in imports_of(path, module_level_only=False) if n.split(".")[0] == "openai_frontend"}
+                assert not imported, f"{os.path.relpath(path, ROOT)} imports {sorted(imported)}"

@@ -1,0 +1,101 @@
+"""Mixture-of-experts decoders: the Llama block with its MLP replaced by top-k routed experts.
+
+Covers Mixtral (every layer sparse, top-k weights always renormalised) and, with Qwen3's
+attention, Qwen3-MoE (``norm_topk_prob``; ``decoder_sparse_step`` / ``mlp_only_layers`` keep
+some layers dense). Attention, norms, embeddings and the lm_head are exactly the Llama
+family's (engine/models/llama.py); only the MLP of a sparse layer differs:
+
+    router logits = x @ router.T                  (T, E), replicated on every rank
+    topk_weights, topk_ids = top-k of softmax(logits) (renormalised when norm_topk_prob)
+    out = sum over the K chosen experts e of  w * down_e(silu(gate_e x) * up_e x)   (kernels/fused_moe.py)
+
+Tensor parallelism: every rank holds every expert, sliced along the expert width, exactly as a
+dense MLP is sliced: gate_up_proj (E, 2 * I_r, H) with rows [gate_r | up_r] per expert and
+down_proj (E, H, I_r), I_r = moe_intermediate_size / tp. Each rank computes the same routing
+(the router is replicated and its input is identical after the previous all-reduce), runs its
+slice of each chosen expert, and the partial sums meet in the layer's one all-reduce, as a
+row-parallel down_proj's do. Chosen over expert parallelism (whole experts per rank, tokens
+exchanged all-to-all) because it needs no new collective, balances the work across ranks
+whatever the routing does, and at decode splits each active expert's bytes evenly over ranks;
+it costs skinnier GEMMs per rank (Qwen3-30B-A3B at TP 8: 96 columns per expert slice).
+
+Weights per rank of a sparse layer i (names = engine-directory names): ``layers.{i}.moe.router.weight``
+(E, H), ``layers.{i}.moe.gate_up_proj`` (E, 2 * I_r, H), ``layers.{i}.moe.down_proj`` (E, H, I_r).
+A dense layer keeps the Llama names (``gate_up_proj.weight``, ``down_proj.weight``).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.models.layers import Linear, tp_all_reduce
+from engine.models.llama import LlamaForCausalLM, LlamaLayer
+from kernels.fused_moe import ALIGN_KERNEL_MAX_ASSIGNMENTS, moe_forward
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + every expert's slice for one tensor-parallel rank; output all-reduced over ranks."""
+
+    def __init__(self, config: ModelConfig, *, tp_size: int, tp_group, dtype, device):
+        super().__init__()
+        hidden, experts = config.hidden_size, config.num_experts
+        inter_local = config.moe_intermediate_size // tp_size
+        self.top_k = config.num_experts_per_tok
+        self.renormalize = config.norm_topk_prob
+        self.tp_group = tp_group
+        self.router = Linear(hidden, experts, bias=False, dtype=dtype, device=device)
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * inter_local, hidden, dtype=dtype, device=device),
+                                         requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(experts, hidden, inter_local, dtype=dtype, device=device),
+                                      requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (num_tokens, hidden) -> the routed experts' output (num_tokens, hidden)."""
+        out = moe_forward(x, self.router(x), self.gate_up_proj, self.down_proj, self.top_k, self.renormalize)
+        return out if self.tp_group is None else tp_all_reduce(out, self.tp_group)
+
+
+class MoeLayer(LlamaLayer):
+    """A Llama layer (Qwen3's q/k norms included) whose MLP is a SparseMoeBlock when
+    ``config.is_moe_layer(layer_index)``, else the dense SwiGLU MLP."""
+
+    def _init_mlp(self, config: ModelConfig, *, tp_size: int, tp_group, dtype, device, quantization) -> None:
+        self.moe = None
+        if not config.is_moe_layer(self.layer_index):
+            super()._init_mlp(config, tp_size=tp_size, tp_group=tp_group, dtype=dtype, device=device,
+                              quantization=quantization)
+            return
+        self.moe = SparseMoeBlock(config, tp_size=tp_size, tp_group=tp_group, dtype=dtype, device=device)
+
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        return super().mlp(h) if self.moe is None else self.moe(h)
+
+
+class MoeForCausalLM(LlamaForCausalLM):
+    """The Llama-family model with MoeLayer blocks (Mixtral, Qwen3-MoE) for one tensor-parallel
+    rank. No ``quantization`` argument: FP8 experts are not supported (engine.build says so)."""
+
+    layer_class = MoeLayer
+
+    def __init__(self, config: ModelConfig, *, tp_rank: int = 0, tp_size: int = 1, tp_group=None,
+                 dtype: torch.dtype = torch.float32, device=None, max_positions: int | None = None):
+        super().__init__(config, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group, dtype=dtype, device=device,
+                         max_positions=max_positions)
+
+    @torch.inference_mode()
+    def warm_up_kernels(self) -> None:
+        """Compile the fused-MoE kernels for every variant a forward may pick (one token; block
+        sizes 16, 32 and 64; the align kernel and the torch-ops alignment), so the first long
+        prefill does not compile them in a request's time. The experts of the first sparse
+        layer run on zeros, without the all-reduce (no collective: ranks may warm up apart)."""
+        block = next((layer.moe for layer in self.layers if layer.moe is not None), None)
+        if block is None:
+            return
+        experts, top_k = block.gate_up_proj.shape[0], block.top_k
+        per_expert = (1, 17, 65)  # average rows per expert where choose_block_m picks 16, 32, 64
+        counts = {1, 2, -(-ALIGN_KERNEL_MAX_ASSIGNMENTS // top_k) + 1}
+        counts |= {-(-n * experts // top_k) for n in per_expert}
+        for num_tokens in sorted(counts):
+            x = block.gate_up_proj.new_zeros(num_tokens, block.gate_up_proj.shape[2])
+            moe_forward(x, block.router(x), block.gate_up_proj, block.down_proj, top_k, block.renormalize)

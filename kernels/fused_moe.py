@@ -1,0 +1,416 @@
+"""Fused mixture-of-experts MLP: each token's top-k experts (SwiGLU MLPs) in two grouped GEMMs.
+
+Shapes (T tokens, H hidden, E experts, I expert width on this rank, K experts per token):
+    x (T, H); gate_up (E, 2I, H), expert e's rows [gate_e | up_e]; down (E, H, I);
+    topk_ids (T, K) int, topk_weights (T, K) float32  ->  out (T, H) in x's dtype, where
+
+    out[t] = sum_k topk_weights[t, k] * down[e] @ (silu(gate_e @ x[t]) * (up_e @ x[t])),  e = topk_ids[t, k]
+
+An "assignment" is one (token, slot) pair, numbered a = t * K + k (T * K of them).
+
+The Triton path (CUDA):
+1. ``route_tokens``: router logits (T, E) -> softmax in float32 -> top-k -> optional renormalisation
+   (one program per token; for a single token, inside the gate_up launch: ``moe_forward``).
+2. ``moe_align``: the assignments sorted by expert, each expert's run padded to a multiple of
+   BLOCK_M with the sentinel T * K, so every BLOCK_M-row block of the sorted list belongs to one
+   expert. Worked example, K = 2, E = 3, BLOCK_M = 4, topk_ids = [[2, 0], [0, 2], [1, 0]]:
+
+       assignments a:    0  1  2  3  4  5          (a = t * K + k)
+       expert of a:      2  0  0  2  1  0
+       sorted_ids:       1  2  5  6 | 4  6  6  6 | 0  3  6  6      (6 = T * K: padding)
+       block_expert:     0          | 1          | 2
+       num_padded:       12 (the grid covers the worst case; blocks past num_padded exit at once)
+
+   An expert no token chose gets no block at all.
+3. ``_grouped_gemm_kernel`` twice: program (block b, column tile n) multiplies the rows of block b
+   by column tile n of expert block_expert[b]'s weight, so each weight tile is streamed once per
+   block of tokens that chose it. gate_up reads token rows x[a // K] and applies SiLU-and-mul in
+   its epilogue: act (T * K, I). down reads act[a], scales by topk_weights[a]: out_k (T * K, H).
+4. out = out_k.view(T, K, H).sum(1), accumulated in float32.
+
+A single token (batch-1 decode) skips step 2: its K experts are distinct, so each assignment is
+a block of its own. Nothing in the Triton path waits on the device (grids depend on T, K, E only), so a decode step
+with MoE layers is captured in a CUDA graph like any other.
+
+``fused_moe_ref`` is the plain-torch reference (the CPU path and the tests' oracle): the same
+sorted grouping, one loop over the experts that received tokens, with the kernel's roundings.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels._triton import jit, tl, triton, use_triton
+
+# Assignments (T * K) up to which the single-program Triton align kernel sorts; beyond it (large
+# prefill chunks) the torch ops of moe_align_torch do it in a handful of parallel launches.
+ALIGN_KERNEL_MAX_ASSIGNMENTS = 2048
+
+
+# ---- routing ---------------------------------------------------------------------------------
+
+def route_tokens_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits (T, E) -> (topk_weights (T, K) float32, topk_ids (T, K) int32).
+
+    Softmax over all experts in float32, the K largest probabilities, divided by their sum when
+    ``renormalize`` (Mixtral always; Qwen3-MoE when norm_topk_prob)."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
+@jit
+def _top_k_of_row(row_ptr, num_experts, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
+                  RENORMALIZE: tl.constexpr):
+    """(weights (K_PAD,) float32, ids (K_PAD,) int32; slots >= TOP_K hold 0) of one row of router
+    logits: softmax over its E logits, then K rounds of arg-max (lowest index on ties), each
+    removing the chosen expert."""
+    experts = tl.arange(0, E_PAD)
+    logits = tl.load(row_ptr + experts, mask=experts < num_experts, other=-float("inf")).to(tl.float32)
+    probs = tl.exp(logits - tl.max(logits, 0))
+    probs = probs / tl.sum(probs, 0)
+    probs = tl.where(experts < num_experts, probs, -1.0)
+    slots = tl.arange(0, K_PAD)
+    chosen_w = tl.zeros([K_PAD], dtype=tl.float32)
+    chosen_id = tl.zeros([K_PAD], dtype=tl.int32)
+    for k in tl.static_range(TOP_K):
+        best = tl.max(probs, 0)
+        best_id = tl.min(tl.where(probs == best, experts, E_PAD), 0)
+        chosen_w = tl.where(slots == k, best, chosen_w)
+        chosen_id = tl.where(slots == k, best_id, chosen_id)
+        probs = tl.where(experts == best_id, -1.0, probs)
+    if RENORMALIZE:
+        chosen_w = chosen_w / tl.sum(chosen_w, 0)
+    return chosen_w, chosen_id
+
+
+@jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
+                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr):
+    """One program per token: its top-k (_top_k_of_row) into weights / ids (T, K)."""
+    token = tl.program_id(0).to(tl.int64)
+    chosen_w, chosen_id = _top_k_of_row(logits_ptr + token * stride_l, num_experts, TOP_K, K_PAD, E_PAD, RENORMALIZE)
+    slots = tl.arange(0, K_PAD)
+    tl.store(weights_ptr + token * TOP_K + slots, chosen_w, mask=slots < TOP_K)
+    tl.store(ids_ptr + token * TOP_K + slots, chosen_id, mask=slots < TOP_K)
+
+
+def route_tokens_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    num_tokens, num_experts = router_logits.shape
+    assert router_logits.stride(1) == 1 and 1 <= top_k <= num_experts
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=router_logits.device)
+    if num_tokens:
+        _route_kernel[(num_tokens,)](router_logits, weights, ids, num_experts, router_logits.stride(0),
+                                     TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
+                                     E_PAD=triton.next_power_of_2(num_experts), RENORMALIZE=renormalize,
+                                     num_warps=1 if num_experts <= 128 else 4)
+    return weights, ids
+
+
+def route_tokens(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k routing of each token (see route_tokens_ref): Triton on CUDA, else the reference."""
+    if use_triton(router_logits):
+        return route_tokens_triton(router_logits, top_k, renormalize)
+    return route_tokens_ref(router_logits, top_k, renormalize)
+
+
+# ---- alignment: assignments grouped by expert, in blocks of BLOCK_M --------------------------
+
+def max_padded_assignments(num_assignments: int, num_experts: int, block_m: int) -> int:
+    """The longest sorted_ids can get: each expert that has any assignment (at most
+    min(E, T * K) of them) wastes at most BLOCK_M - 1 padding rows."""
+    padded = num_assignments + min(num_experts, num_assignments) * (block_m - 1)
+    return -(-padded // block_m) * block_m
+
+
+def moe_align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sorted_ids, block_expert, num_padded) of the module docstring, in torch ops.
+
+    sorted_ids (max_padded,) int32: assignment ids grouped by expert (ascending within an
+    expert), each group padded to a multiple of block_m with T * K; block_expert
+    (max_padded // block_m,) int32: the expert of each block (blocks past num_padded: clamped
+    to E - 1, never read); num_padded (1,) int32.
+
+    No sort and no host synchronisation, so it is captured in CUDA graphs as it is: an
+    assignment's place within its expert is the count of earlier assignments of that expert,
+    a cumulative sum down a (T * K, E) one-hot (8 M int32 at 8192 tokens x top-8 of 128).
+    """
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    num_assignments, device = flat.numel(), flat.device
+    max_padded = max_padded_assignments(num_assignments, num_experts, block_m)
+    one_hot = (flat[:, None] == torch.arange(num_experts, device=device)[None, :]).to(torch.int32)
+    counts = one_hot.sum(dim=0)
+    before = (torch.cumsum(one_hot, dim=0) - one_hot).gather(1, flat[:, None]).squeeze(1)
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_ends = torch.cumsum(padded, dim=0)
+    destination = (padded_ends - padded)[flat] + before
+    sorted_ids = torch.full((max_padded,), num_assignments, dtype=torch.int32, device=device)
+    sorted_ids.scatter_(0, destination, torch.arange(num_assignments, dtype=torch.int32, device=device))
+    block_rows = torch.arange(0, max_padded, block_m, dtype=padded_ends.dtype, device=device)
+    block_expert = torch.searchsorted(padded_ends, block_rows, right=True).clamp_(max=num_experts - 1)
+    return sorted_ids, block_expert.to(torch.int32), padded_ends[-1:].to(torch.int32)
+
+
+@jit
+def _moe_align_kernel(topk_ids_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
+                      num_assignments, num_experts, max_padded,
+                      BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """One program does it all (small T * K: decode steps), in three passes over the assignments'
+    experts, CHUNK at a time: count per expert; write the padding and each block's expert; then
+    place each assignment at its expert's padded start + how many of that expert came before it
+    (a cumulative sum over a (CHUNK, E_PAD) one-hot)."""
+    experts = tl.arange(0, E_PAD)
+    chunk = tl.arange(0, CHUNK)
+    counts = tl.zeros([E_PAD], dtype=tl.int32)
+    for start in range(0, num_assignments, CHUNK):
+        e = tl.load(topk_ids_ptr + start + chunk, mask=start + chunk < num_assignments, other=E_PAD)
+        counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_ends = tl.cumsum(padded, axis=0)
+    padded_starts = padded_ends - padded
+    tl.store(num_padded_ptr, tl.sum(padded, axis=0))
+    for start in range(0, max_padded, CHUNK):
+        tl.store(sorted_ids_ptr + start + chunk, num_assignments + chunk * 0, mask=start + chunk < max_padded)
+    for start in range(0, max_padded // BLOCK_M, CHUNK):
+        rows = (start + chunk) * BLOCK_M
+        # A block's expert = how many experts end at or before its first row (empty experts included).
+        owner = tl.sum((padded_ends[None, :] <= rows[:, None]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + start + chunk, tl.minimum(owner, num_experts - 1),
+                 mask=rows < max_padded)
+    tl.debug_barrier()  # the padding is written before any assignment lands on it
+    seen = tl.zeros([E_PAD], dtype=tl.int32)
+    for start in range(0, num_assignments, CHUNK):
+        ok = start + chunk < num_assignments
+        e = tl.load(topk_ids_ptr + start + chunk, mask=ok, other=E_PAD)
+        one_hot = (e[:, None] == experts[None, :]).to(tl.int32)  # (CHUNK, E_PAD)
+        before_in_chunk = tl.cumsum(one_hot, axis=0) - one_hot
+        slot = tl.sum(one_hot * (before_in_chunk + (padded_starts + seen)[None, :]), axis=1)
+        tl.store(sorted_ids_ptr + slot, start + chunk, mask=ok)
+        seen += tl.sum(one_hot, axis=0)
+
+
+def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """moe_align_torch's layout in one kernel launch (one program: for small T * K only)."""
+    num_assignments, device = topk_ids.numel(), topk_ids.device
+    max_padded = max_padded_assignments(num_assignments, num_experts, block_m)
+    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=device)
+    block_expert = torch.empty(max_padded // block_m, dtype=torch.int32, device=device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    e_pad = triton.next_power_of_2(num_experts)
+    _moe_align_kernel[(1,)](topk_ids.reshape(-1).contiguous(), sorted_ids, block_expert, num_padded,
+                            num_assignments, num_experts, max_padded,
+                            BLOCK_M=block_m, E_PAD=e_pad, CHUNK=max(16, min(256, 8192 // e_pad)), num_warps=4)
+    return sorted_ids, block_expert, num_padded
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if use_triton(topk_ids) and 0 < topk_ids.numel() <= ALIGN_KERNEL_MAX_ASSIGNMENTS:
+        return moe_align_triton(topk_ids, num_experts, block_m)
+    return moe_align_torch(topk_ids, num_experts, block_m)
+
+
+# ---- grouped GEMMs ---------------------------------------------------------------------------
+
+@jit
+def _grouped_gemm_kernel(
+    a_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, topk_ids_ptr, topk_weights_ptr,
+    logits_ptr, num_experts, N, K, num_assignments, stride_am, stride_we, stride_wn, stride_om,
+    TOP_K: tl.constexpr, ROWS_PER_TOKEN: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+    ONE_PER_BLOCK: tl.constexpr, ROUTE_IN_KERNEL: tl.constexpr, RENORMALIZE: tl.constexpr,
+    K_PAD: tl.constexpr, E_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """out[a, n] = a_row(a) . w[expert, n, :] for the BLOCK_M assignments of block program_id(0)
+    and the BLOCK_N columns of tile program_id(1).
+
+    Blocks come from moe_align (sorted_ids, block_expert, num_padded), or with ONE_PER_BLOCK
+    (a single token: its K experts are distinct) block b is assignment b alone, of expert
+    topk_ids[b], and no alignment runs at all. ROUTE_IN_KERNEL (with ONE_PER_BLOCK): every
+    program finds the token's top-k from its router logits itself (E values: nothing next to
+    the weight tiles) and takes the b-th; program (0, 0) writes them to topk_weights / topk_ids
+    for the down GEMM, so the single token's routing costs no launch of its own.
+    a_row(a) = a_ptr row a // TOP_K when ROWS_PER_TOKEN (x: one row per token), else row a (act).
+    GATED: w has 2N rows per expert [gate | up]; out = silu(gate) * up, rounded as the unfused
+    path rounds (each product to the output dtype, then silu, then the mul).
+    MUL_WEIGHT: each row is scaled by topk_weights[a] (float32) before the one rounding to out.
+    """
+    block = tl.program_id(0)
+    if ONE_PER_BLOCK:
+        ids = block + tl.arange(0, BLOCK_M) * 0
+        row_ok = tl.arange(0, BLOCK_M) == 0
+        if ROUTE_IN_KERNEL:
+            chosen_w, chosen_id = _top_k_of_row(logits_ptr, num_experts, TOP_K, K_PAD, E_PAD, RENORMALIZE)
+            slots = tl.arange(0, K_PAD)
+            expert = tl.sum(tl.where(slots == block, chosen_id, 0), 0).to(tl.int64)
+            write = (slots < TOP_K) & (slots * 0 + block + tl.program_id(1) == 0)  # program (0, 0) only
+            tl.store(topk_weights_ptr + slots, chosen_w, mask=write)
+            tl.store(topk_ids_ptr + slots, chosen_id, mask=write)
+        else:
+            expert = tl.load(topk_ids_ptr + block).to(tl.int64)
+    else:
+        if block * BLOCK_M >= tl.load(num_padded_ptr):
+            return  # past the last expert's padded run (the grid covers the worst case)
+        ids = tl.load(sorted_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+        row_ok = ids < num_assignments
+        expert = tl.load(block_expert_ptr + block).to(tl.int64)
+    a_rows = (ids // TOP_K if ROWS_PER_TOKEN else ids).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    w_base = w_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn
+    a_base = a_ptr + a_rows[:, None] * stride_am
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        a = tl.load(a_base + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_base + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+        if GATED:
+            w_up = tl.load(w_base + N * stride_wn + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            acc_up = tl.dot(a, tl.trans(w_up), acc_up, input_precision=DOT_PRECISION)
+    if GATED:
+        gate = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+        up = acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
+        acc = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32) * up
+    if MUL_WEIGHT:
+        acc *= tl.load(topk_weights_ptr + ids, mask=row_ok, other=0.0)[:, None]
+    tl.store(out_ptr + ids.to(tl.int64)[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+def choose_block_m(num_assignments: int, num_experts: int) -> int:
+    """Rows per block: 16 (the smallest tensor-core tile) while an expert gets few rows on
+    average (decode), up to 64 for long prefill chunks, where padding costs little."""
+    per_expert = num_assignments / num_experts
+    return 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
+
+
+def gemm_config(block_m: int) -> dict:
+    """Tile shape and launch options of the grouped GEMMs per block_m. Small blocks stream
+    weights (decode): narrow column tiles so there are programs for every SM; large blocks
+    are compute-bound: wider tiles reuse each loaded weight tile over more rows."""
+    if block_m <= 16:  # Qwen3-30B-A3B at batch 1: gate_up 8 blocks x 24 tiles, down 8 x 64 programs
+        return {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
+    if block_m <= 32:
+        return {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4}
+    return {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
+
+
+def _grouped_gemm(a, w, out, blocks, topk_ids, topk_weights, *, n: int, top_k: int, rows_per_token: bool,
+                  gated: bool, mul_weight: bool, block_m: int, config: dict,
+                  router_logits: torch.Tensor | None = None, renormalize: bool = False) -> None:
+    """blocks: moe_align's (sorted_ids, block_expert, num_padded), or None for one block per
+    assignment (a single token). router_logits (1, E) (with blocks None): route in the kernel
+    and write topk_weights / topk_ids (flat, K) instead of reading them."""
+    cfg = dict(config)
+    block_n = cfg.pop("BLOCK_N")
+    num_blocks = topk_ids.numel() if blocks is None else blocks[0].numel() // block_m
+    sorted_ids, block_expert, num_padded = blocks if blocks is not None else (topk_ids,) * 3  # unread
+    num_experts = w.shape[0]
+    _grouped_gemm_kernel[(num_blocks, triton.cdiv(n, block_n))](
+        a, w, out, sorted_ids, block_expert, num_padded, topk_ids, topk_weights,
+        router_logits if router_logits is not None else topk_weights, num_experts,
+        n, a.shape[1], out.shape[0], a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        TOP_K=top_k, ROWS_PER_TOKEN=rows_per_token, GATED=gated, MUL_WEIGHT=mul_weight,
+        ONE_PER_BLOCK=blocks is None, ROUTE_IN_KERNEL=router_logits is not None, RENORMALIZE=renormalize,
+        K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(num_experts),
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        BLOCK_M=block_m, BLOCK_N=block_n, **cfg,
+    )
+
+
+def moe_single_token_triton(x: torch.Tensor, router_logits: torch.Tensor, gate_up: torch.Tensor,
+                            down: torch.Tensor, top_k: int, renormalize: bool, *,
+                            config: dict | None = None) -> torch.Tensor:
+    """route_tokens + fused_moe for one token (batch-1 decode) in three launches: gate_up with
+    the routing inside, down, and the sum over the K experts."""
+    hidden = x.shape[1]
+    inter = gate_up.shape[1] // 2
+    assert x.shape[0] == 1 and x.stride(1) == 1 and router_logits.is_contiguous()
+    assert gate_up.is_contiguous() and down.is_contiguous()
+    config = config or gemm_config(16)
+    ids = torch.empty(top_k, dtype=torch.int32, device=x.device)
+    weights = torch.empty(top_k, dtype=torch.float32, device=x.device)
+    act = torch.empty(top_k, inter, dtype=x.dtype, device=x.device)
+    _grouped_gemm(x, gate_up, act, None, ids, weights, n=inter, top_k=top_k, rows_per_token=True, gated=True,
+                  mul_weight=False, block_m=16, config=config, router_logits=router_logits, renormalize=renormalize)
+    out_k = torch.empty(top_k, hidden, dtype=x.dtype, device=x.device)
+    _grouped_gemm(act, down, out_k, None, ids, weights, n=hidden, top_k=top_k, rows_per_token=False,
+                  gated=False, mul_weight=True, block_m=16, config=config)
+    return out_k.sum(dim=0, keepdim=True)
+
+
+def fused_moe_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
+                     topk_ids: torch.Tensor, *, block_m: int | None = None, config: dict | None = None) -> torch.Tensor:
+    num_tokens, hidden = x.shape
+    num_experts, two_inter, _ = gate_up.shape
+    inter, top_k = two_inter // 2, topk_ids.shape[1]
+    assert x.stride(1) == 1 and gate_up.is_contiguous() and down.is_contiguous()
+    assert down.shape == (num_experts, hidden, inter) and topk_weights.shape == topk_ids.shape
+    num_assignments = num_tokens * top_k
+    if num_tokens == 0:
+        return torch.empty_like(x)
+    block_m = block_m or choose_block_m(num_assignments, num_experts)
+    config = config or gemm_config(block_m)
+    # One token (batch-1 decode): its K experts are distinct, so each assignment is its own block
+    # and the alignment launch is skipped. Otherwise blocks of tokens grouped by expert.
+    blocks = None if num_tokens == 1 else moe_align(topk_ids, num_experts, block_m)
+    flat_ids = topk_ids.reshape(-1).contiguous()
+    weights = topk_weights.reshape(-1).float().contiguous()
+    act = torch.empty(num_assignments, inter, dtype=x.dtype, device=x.device)
+    _grouped_gemm(x, gate_up, act, blocks, flat_ids, weights, n=inter, top_k=top_k, rows_per_token=True,
+                  gated=True, mul_weight=False, block_m=block_m, config=config)
+    out_k = torch.empty(num_assignments, hidden, dtype=x.dtype, device=x.device)
+    _grouped_gemm(act, down, out_k, blocks, flat_ids, weights, n=hidden, top_k=top_k, rows_per_token=False,
+                  gated=False, mul_weight=True, block_m=block_m, config=config)
+    return out_k.view(num_tokens, top_k, hidden).sum(dim=1)
+
+
+# ---- reference and public entry --------------------------------------------------------------
+
+def fused_moe_ref(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> torch.Tensor:
+    """The module docstring's sum in plain torch, grouped by expert like the kernel: experts no
+    token chose are skipped; each routed product is scaled in float32 and rounded once, and the
+    K products of a token are summed in float32."""
+    num_tokens, hidden = x.shape
+    num_experts, top_k = gate_up.shape[0], topk_ids.shape[1]
+    flat_ids = topk_ids.reshape(-1).long()
+    flat_weights = topk_weights.reshape(-1).float()
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+    out_k = x.new_zeros(num_tokens * top_k, hidden)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        assignments = order[start:start + count]
+        start += count
+        gate, up = F.linear(x[assignments // top_k], gate_up[expert]).chunk(2, dim=-1)
+        product = F.linear(F.silu(gate) * up, down[expert])
+        out_k[assignments] = (product.float() * flat_weights[assignments, None]).to(x.dtype)
+    return out_k.view(num_tokens, top_k, hidden).sum(dim=1)
+
+
+def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """The routed experts' output (T, H) (module docstring): Triton on CUDA, else the reference."""
+    if use_triton(x):
+        return fused_moe_triton(x, gate_up, down, topk_weights, topk_ids)
+    return fused_moe_ref(x, gate_up, down, topk_weights, topk_ids)
+
+
+def moe_forward(x: torch.Tensor, router_logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                top_k: int, renormalize: bool) -> torch.Tensor:
+    """A sparse MLP after its router: route_tokens then fused_moe; one token on CUDA (batch-1
+    decode) routes inside the gate_up launch (moe_single_token_triton)."""
+    if use_triton(x) and x.shape[0] == 1:
+        return moe_single_token_triton(x, router_logits, gate_up, down, top_k, renormalize)
+    topk_weights, topk_ids = route_tokens(router_logits, top_k, renormalize)
+    return fused_moe(x, gate_up, down, topk_weights, topk_ids)

@@ -1,0 +1,70 @@
+"""``python -m openai_frontend``: serve the OpenAI-compatible API in front of a running tritonserver.
+
+    python -m openai_frontend --grpc_url 127.0.0.1:8001 --model_repo build/triton_repo \
+        [--host 127.0.0.1 --port 9000 --served_model_name smollm2]
+
+The tokenizer (chat template, token counts) comes from ``--tokenizer_dir``, else from the
+repository's ``preprocessing`` config. The frontend may start before Triton is ready: it answers
+503 until the models are.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from aiohttp import web
+
+from openai_frontend.app import FrontendConfig, create_app
+from openai_frontend.repository import tokenizer_settings
+
+
+def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--grpc_url", default="127.0.0.1:8001", help="tritonserver's gRPC endpoint")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=9000)
+    parser.add_argument("--model_repo", default=None, help="filled model repository (for the tokenizer)")
+    parser.add_argument("--tokenizer_dir", default=None, help="engine/tokenizer directory (overrides the repo's)")
+    parser.add_argument("--served_model_name", default=None,
+                        help="the model name clients use (default: the tokenizer directory's name)")
+    parser.add_argument("--triton_model", default="tensorrt_llm_bls",
+                        help="name of the tensorrt_llm_bls model requests go to. Not the ensemble: the "
+                             "frontend asks for log-probs to count tokens exactly, and with log-probs on, "
+                             "an ensemble's streamed text splits multi-byte characters")
+    parser.add_argument("--llm_model", default="tensorrt_llm", help="the model that holds the engine")
+    return parser.parse_args(argv)
+
+
+def config_from_arguments(args: argparse.Namespace) -> FrontendConfig:
+    add_special_tokens = True
+    tokenizer_dir = args.tokenizer_dir
+    if args.model_repo:
+        repo_tokenizer_dir, add_special_tokens = tokenizer_settings(args.model_repo)
+        tokenizer_dir = tokenizer_dir or repo_tokenizer_dir
+    if not tokenizer_dir:
+        raise ValueError("pass --model_repo or --tokenizer_dir (the engine directory)")
+    name = args.served_model_name or os.path.basename(os.path.normpath(tokenizer_dir))
+    return FrontendConfig(grpc_url=args.grpc_url, tokenizer_dir=tokenizer_dir, served_model_name=name,
+                          triton_model=args.triton_model, llm_model=args.llm_model,
+                          add_special_tokens=add_special_tokens)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_arguments(argv)
+    logging.basicConfig(level=logging.INFO, format="openai_frontend: %(message)s")
+    try:
+        config = config_from_arguments(args)
+    except ValueError as error:
+        sys.exit(f"openai_frontend: {error}")
+    app = create_app(config)
+    print(f"openai_frontend: serving {config.served_model_name} on http://{args.host}:{args.port}/v1 "
+          f"(Triton {config.triton_model} at {config.grpc_url})", flush=True)
+    # handler_cancellation: a client that hangs up cancels its handler, which cancels the Triton call.
+    web.run_app(app, host=args.host, port=args.port, handler_cancellation=True, access_log=None,
+                print=None)
+
+
+if __name__ == "__main__":
+    main()

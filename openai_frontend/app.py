@@ -1,0 +1,242 @@
+"""The aiohttp application: /v1/models, /v1/chat/completions, /v1/completions, /health, /metrics.
+
+Why aiohttp (not FastAPI + uvicorn): it is already installed with ``tritonclient[all]`` (its
+HTTP aio client), so the frontend adds no dependency; it needs no request-model layer, whose
+validation errors would have to be reshaped into OpenAI's 400 bodies anyway (protocol.py
+validates and names the field); and with ``handler_cancellation`` a client that hangs up cancels
+its handler at once, unary or streamed, which is what cancels the Triton request.
+
+Per request: parse and validate (400) -> served model? (404) -> Triton ready? (503) -> render
+and count the prompt -> one engine request per choice -> a whole response or SSE chunks.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from contextlib import aclosing
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from openai_frontend import sse
+from openai_frontend.chat_template import PromptBuilder
+from openai_frontend.errors import APIError, bad_request, model_not_found, server_error
+from openai_frontend.generation import ChoiceEvent, choice_specs, generate_choices
+from openai_frontend.metrics import FrontendMetrics
+from openai_frontend.protocol import GenerationRequest, parse_chat_request, parse_completion_request
+from openai_frontend.responses import ResponseShape
+from openai_frontend.triton_client import TritonClient
+
+log = logging.getLogger("openai_frontend")
+ENDPOINTS = {"/v1/chat/completions": "chat_completions", "/v1/completions": "completions",
+             "/v1/models": "models"}
+
+
+@dataclass
+class FrontendConfig:
+    grpc_url: str  # Triton's gRPC endpoint, "host:port"
+    tokenizer_dir: str  # the engine directory (tokenizer files, config.json with its limits)
+    served_model_name: str  # the `model` clients name
+    triton_model: str = "tensorrt_llm_bls"  # the entry model (a tensorrt_llm_bls; __main__ says why not the ensemble)
+    llm_model: str = "tensorrt_llm"  # the model holding the engine (its readiness counts too)
+    add_special_tokens: bool = True  # as preprocessing's parameter: prompt token counts match
+
+
+@dataclass
+class Frontend:
+    config: FrontendConfig
+    prompts: PromptBuilder
+    metrics: FrontendMetrics
+    started: int
+    client: TritonClient | None = None  # made on startup, inside the running event loop
+
+    def check_model(self, model: str) -> None:
+        if model != self.config.served_model_name:
+            raise model_not_found(model, self.config.served_model_name)
+
+
+FRONTEND = web.AppKey("frontend", Frontend)
+
+
+def create_app(config: FrontendConfig) -> web.Application:
+    frontend = Frontend(config, PromptBuilder(config.tokenizer_dir, config.add_special_tokens),
+                        FrontendMetrics(), started=int(time.time()))
+    app = web.Application(middlewares=[_errors_and_metrics], client_max_size=64 * 2**20)
+    app[FRONTEND] = frontend
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model}", get_model)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.on_startup.append(_open_client)
+    app.on_cleanup.append(_close_client)
+    return app
+
+
+async def _open_client(app: web.Application) -> None:
+    config = app[FRONTEND].config
+    app[FRONTEND].client = TritonClient(config.grpc_url, config.triton_model, config.llm_model)
+
+
+async def _close_client(app: web.Application) -> None:
+    await app[FRONTEND].client.close()
+
+
+@web.middleware
+async def _errors_and_metrics(request: web.Request, handler):
+    """APIError -> its OpenAI body and status; every /v1 request counted and timed."""
+    start = time.perf_counter()
+    status = "500"
+    try:
+        response = await handler(request)
+        status = "cancelled" if request.get("hung_up") else str(response.status)
+        return response
+    except APIError as error:
+        status = str(error.status)
+        return web.json_response(error.body(), status=error.status)
+    except asyncio.CancelledError:
+        status = "cancelled"
+        raise
+    except web.HTTPException as error:  # no such route or method: OpenAI's shape too
+        status = str(error.status)
+        if error.status < 400:
+            raise
+        return web.json_response(APIError(error.status, f"{request.method} {request.path}: {error.reason}",
+                                          error_type="invalid_request_error").body(), status=error.status)
+    except Exception as error:
+        log.exception("request failed")
+        return web.json_response(server_error(f"internal error: {error}").body(), status=500)
+    finally:
+        endpoint = ENDPOINTS.get(request.path) or ("models" if request.path.startswith("/v1/models") else None)
+        if endpoint:
+            request.app[FRONTEND].metrics.observe(endpoint, status, time.perf_counter() - start)
+
+
+# ----------------------------------------------------------------------------- small endpoints
+
+def _model_card(frontend: Frontend) -> dict:
+    return {"id": frontend.config.served_model_name, "object": "model", "created": frontend.started,
+            "owned_by": "tritonllm"}
+
+
+async def list_models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [_model_card(request.app[FRONTEND])]})
+
+
+async def get_model(request: web.Request) -> web.Response:
+    frontend = request.app[FRONTEND]
+    frontend.check_model(request.match_info["model"])
+    return web.json_response(_model_card(frontend))
+
+
+async def health(request: web.Request) -> web.Response:
+    await request.app[FRONTEND].client.ensure_ready()
+    return web.Response(text="ready\n")
+
+
+async def metrics(request: web.Request) -> web.Response:
+    frontend = request.app[FRONTEND]
+    return web.Response(body=frontend.metrics.render(), headers={"Content-Type": frontend.metrics.content_type})
+
+
+# ----------------------------------------------------------------------------- generation
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=True)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=False)
+
+
+async def _json_body(request: web.Request):
+    try:
+        return json.loads(await request.read())
+    except ValueError as error:
+        raise bad_request(None, f"the request body is not valid JSON: {error}", code="invalid_json") from None
+
+
+def _prompts(frontend: Frontend, parsed: GenerationRequest, chat: bool) -> list[tuple[str, int, int]]:
+    """(prompt text, its token count, tokens to generate) per prompt."""
+    builder = frontend.prompts
+    texts = [builder.render_chat(parsed.messages)] if chat else parsed.prompts
+    prompts = []
+    for text in texts:
+        count = builder.count_tokens(text)
+        max_tokens = builder.max_tokens_for(count, parsed.params.max_tokens, "messages" if chat else "prompt",
+                                            parsed.max_tokens_field)
+        prompts.append((text, count, max_tokens))
+    return prompts
+
+
+async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
+    frontend = request.app[FRONTEND]
+    body = await _json_body(request)
+    parsed = parse_chat_request(body) if chat else parse_completion_request(body)
+    frontend.check_model(parsed.model)
+    await frontend.client.ensure_ready()
+    prompts = _prompts(frontend, parsed, chat)
+    prompt_tokens = sum(count for _, count, _ in prompts)
+    shape = ResponseShape(chat=chat, model=frontend.config.served_model_name)
+    specs = choice_specs(prompts, parsed.params)
+    async with aclosing(generate_choices(frontend.client, specs, parsed.params, shape.id)) as events:
+        if parsed.stream:
+            return await _stream(request, events, shape, prompt_tokens, parsed.include_usage)
+        return await _whole(events, shape, len(specs), prompt_tokens)
+
+
+async def _whole(events, shape: ResponseShape, num_choices: int, prompt_tokens: int) -> web.Response:
+    texts, reasons, tokens = [""] * num_choices, ["stop"] * num_choices, [0] * num_choices
+    async for event in events:
+        texts[event.index] += event.text
+        tokens[event.index] = event.completion_tokens
+        if event.finish_reason:
+            reasons[event.index] = event.finish_reason
+    return web.json_response(shape.completion(texts, reasons, prompt_tokens, sum(tokens)))
+
+
+async def _stream(request: web.Request, events, shape: ResponseShape, prompt_tokens: int,
+                  include_usage: bool) -> web.StreamResponse:
+    start = time.perf_counter()
+    event = await anext(events, None)  # before the 200: an error here still gets its own status
+    frontend = request.app[FRONTEND]
+    endpoint = ENDPOINTS[request.path]
+    frontend.metrics.first_token.labels(endpoint=endpoint).observe(time.perf_counter() - start)
+    response = web.StreamResponse(headers=sse.HEADERS)
+    await response.prepare(request)
+    tokens: dict[int, int] = {}
+    announced: set[int] = set()
+    text_chunk = sse.TextChunkEncoder(shape, include_usage)
+    try:
+        while event is not None:
+            await response.write(_chunks(shape, event, announced, include_usage, text_chunk))
+            tokens[event.index] = event.completion_tokens
+            event = await anext(events, None)
+        if include_usage:
+            await response.write(sse.event(shape.usage_chunk(prompt_tokens, sum(tokens.values()))))
+        await response.write(sse.DONE)
+    except APIError as error:  # after the 200 has gone out: as an event, as OpenAI streams errors
+        await response.write(sse.event(error.body()))
+        await response.write(sse.DONE)
+    except ConnectionError:  # the client hung up: leaving closes `events`, which cancels Triton's calls
+        request["hung_up"] = True
+        return response
+    await response.write_eof()
+    return response
+
+
+def _chunks(shape: ResponseShape, event: ChoiceEvent, announced: set[int], include_usage: bool,
+            text_chunk: sse.TextChunkEncoder) -> bytes:
+    """The SSE bytes of one event: (chat) the role on a choice's first, its text, its finish."""
+    out = []
+    if shape.chat and event.index not in announced:
+        announced.add(event.index)
+        out.append(sse.event(shape.chunk(event.index, None, role=True, with_usage_field=include_usage)))
+    if event.text:
+        out.append(text_chunk.text(event.index, event.text))
+    if event.finish_reason:
+        out.append(sse.event(shape.chunk(event.index, None, event.finish_reason, with_usage_field=include_usage)))
+    return b"".join(out)

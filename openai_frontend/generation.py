@@ -1,0 +1,114 @@
+"""Choices: one engine request each, their text cut at stop strings, their tokens counted, and
+several of them (``n``, or a list of prompts) merged into one stream of events.
+
+Nothing here knows HTTP: the app turns events into JSON bodies or SSE chunks.
+"""
+from __future__ import annotations
+
+import asyncio
+import uuid
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from openai_frontend.protocol import SamplingParams
+from openai_frontend.stop_strings import StopTrimmer
+from openai_frontend.triton_client import TritonClient
+
+
+@dataclass
+class ChoiceEvent:
+    """New text of choice ``index``; the choice's last event carries its ``finish_reason``."""
+
+    index: int
+    text: str
+    completion_tokens: int  # generated so far by this choice (exact: the engine's own count)
+    finish_reason: str | None = None  # "stop" (stop string or end of sequence) | "length"
+
+
+@dataclass
+class ChoiceSpec:
+    index: int
+    prompt: str
+    prompt_tokens: int
+    max_tokens: int
+    seed: int | None
+
+
+def choice_specs(prompts: list[tuple[str, int, int]], params: SamplingParams) -> list[ChoiceSpec]:
+    """(prompt, prompt tokens, max tokens) per prompt -> ``n`` choices each, indexed prompt-major
+    as OpenAI does. With a seed, choice k of a prompt uses seed + k: the choices differ, and the
+    same request gives the same choices again."""
+    specs = []
+    for p, (prompt, prompt_tokens, max_tokens) in enumerate(prompts):
+        for k in range(params.n):
+            seed = None if params.seed is None else params.seed + k
+            specs.append(ChoiceSpec(p * params.n + k, prompt, prompt_tokens, max_tokens, seed))
+    return specs
+
+
+async def generate_choice(client: TritonClient, spec: ChoiceSpec, params: SamplingParams,
+                          request_id: str) -> AsyncIterator[ChoiceEvent]:
+    trimmer = StopTrimmer(params.stop)
+    tokens = 0
+    # aclosing: leaving (a stop string, or this generator being closed) cancels the call at once.
+    async with aclosing(client.generate(spec.prompt, params, spec.max_tokens, spec.seed,
+                                        f"{request_id}-{spec.index}")) as chunks:
+        async for chunk in chunks:
+            tokens += chunk.num_tokens
+            text = trimmer.push(chunk.text)
+            if text:
+                yield ChoiceEvent(spec.index, text, tokens)
+            if trimmer.stopped:
+                break  # the entry model has stopped the engine already
+    # The engine leaves the end-of-sequence token out of its output, so a choice that reached
+    # max_tokens generated exactly that many tokens and was cut by the limit.
+    reason = "length" if not trimmer.stopped and tokens >= spec.max_tokens else "stop"
+    yield ChoiceEvent(spec.index, trimmer.flush(), tokens, reason)
+
+
+async def generate_choices(client: TritonClient, specs: list[ChoiceSpec], params: SamplingParams,
+                           request_id: str | None = None) -> AsyncIterator[ChoiceEvent]:
+    """Every choice's events, interleaved as they come. Closing this iterator (or cancelling
+    its consumer) cancels every choice still running."""
+    request_id = request_id or uuid.uuid4().hex
+    streams = [generate_choice(client, spec, params, request_id) for spec in specs]
+    if len(streams) == 1:  # no tasks and no queue on the common path
+        async with aclosing(streams[0]) as events:
+            async for event in events:
+                yield event
+        return
+    async for event in _merge(streams):
+        yield event
+
+
+_DONE = object()
+
+
+async def _merge(streams: list[AsyncIterator[ChoiceEvent]]) -> AsyncIterator[ChoiceEvent]:
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(stream):
+        try:
+            async with aclosing(stream) as items:
+                async for item in items:
+                    queue.put_nowait(item)
+            queue.put_nowait(_DONE)
+        except Exception as error:  # the consumer raises it; the other choices are cancelled
+            queue.put_nowait(error)
+
+    tasks = [asyncio.create_task(pump(stream)) for stream in streams]
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if item is _DONE:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

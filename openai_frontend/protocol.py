@@ -1,0 +1,245 @@
+"""Request bodies of /v1/chat/completions and /v1/completions -> validated, typed requests.
+
+Validation happens here, before anything reaches Triton, so a bad field gets a 400 whose
+message names the field, says what was wrong and what is allowed (``errors.bad_request``).
+Sampling fields follow OpenAI's definitions, plus vLLM's extras (``top_k``, ``min_tokens``,
+``repetition_penalty``) that clients send through ``extra_body``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from openai_frontend.errors import bad_request
+
+MAX_N = 16  # choices per request: each is a request of its own to the engine
+MAX_SEED = 2**63 - 1  # the engine keeps seeds as int64
+
+# Fields clients send that change nothing here (OpenAI bookkeeping), accepted and dropped.
+IGNORED_FIELDS = {"user", "store", "metadata", "service_tier", "parallel_tool_calls", "prompt_cache_key",
+                  "safety_identifier", "reasoning_effort", "verbosity"}
+SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "min_tokens", "presence_penalty",
+                   "frequency_penalty", "repetition_penalty", "seed", "stop", "n", "stream",
+                   "stream_options", "logprobs"}
+CHAT_FIELDS = SAMPLING_FIELDS | {"model", "messages", "max_completion_tokens", "top_logprobs"}
+COMPLETION_FIELDS = SAMPLING_FIELDS | {"model", "prompt", "echo", "best_of", "suffix"}
+# Features this server does not have: refused unless the value is the one that means "off".
+UNSUPPORTED_UNLESS = {
+    "tools": lambda v: not v, "functions": lambda v: not v,
+    "tool_choice": lambda v: v in (None, "none"), "function_call": lambda v: v in (None, "none"),
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    "logit_bias": lambda v: not v, "audio": lambda v: v is None, "prediction": lambda v: v is None,
+    "modalities": lambda v: v is None or v == ["text"], "web_search_options": lambda v: v is None,
+    "echo": lambda v: not v, "best_of": lambda v: v in (None, 1), "suffix": lambda v: not v,
+}
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+LOGPROBS_MESSAGE = (
+    "{field} is not supported by this server: the engine samples each token without keeping the "
+    "distribution it came from, so it cannot list alternatives (top_logprobs), and its entry model "
+    "returns the chosen tokens' log-probabilities without the token ids they belong to; "
+    "leave {field} out (or false/0)")
+
+
+@dataclass
+class SamplingParams:
+    """What one choice is generated with; None means the engine's default."""
+
+    max_tokens: int | None  # None: up to the engine's max_seq_len
+    temperature: float = 1.0  # OpenAI's default: sample from the whole distribution
+    top_p: float = 1.0
+    top_k: int | None = None  # 0: no limit (vLLM's -1 is mapped to 0)
+    min_tokens: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    n: int = 1
+
+
+@dataclass
+class GenerationRequest:
+    """A validated chat or completion request. ``prompts`` holds text; for chat it is filled by
+    rendering ``messages`` through the chat template (later, in the app)."""
+
+    model: str
+    params: SamplingParams
+    stream: bool = False
+    include_usage: bool = False
+    max_tokens_field: str = "max_tokens"  # the field max_tokens came from (errors name it)
+    messages: list[dict[str, str]] | None = None  # chat: [{"role", "content"}], content as text
+    prompts: list[str] = field(default_factory=list)  # completions: one choice group per prompt
+
+
+def parse_chat_request(body: Any) -> GenerationRequest:
+    body = _object(body)
+    _check_fields(body, CHAT_FIELDS)
+    if body.get("logprobs") or body.get("top_logprobs"):
+        name = "top_logprobs" if body.get("top_logprobs") else "logprobs"
+        raise bad_request(name, LOGPROBS_MESSAGE.format(field=name), code="unsupported_parameter")
+    max_tokens = _first_present(body, "max_completion_tokens", "max_tokens")
+    request = _common(body, max_tokens)
+    request.messages = _messages(body.get("messages"))
+    return request
+
+
+def parse_completion_request(body: Any) -> GenerationRequest:
+    body = _object(body)
+    _check_fields(body, COMPLETION_FIELDS)
+    if body.get("logprobs"):
+        raise bad_request("logprobs", LOGPROBS_MESSAGE.format(field="logprobs"), code="unsupported_parameter")
+    request = _common(body, "max_tokens")
+    request.prompts = _prompts(body.get("prompt"))
+    return request
+
+
+# ----------------------------------------------------------------------------- shared fields
+
+def _object(body: Any) -> dict:
+    if not isinstance(body, dict):
+        raise bad_request(None, "the request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def _check_fields(body: dict, known: set[str]) -> None:
+    for name, value in body.items():
+        if name in UNSUPPORTED_UNLESS and not UNSUPPORTED_UNLESS[name](value):
+            raise bad_request(name, f"{name} is not supported by this server; leave {name} out",
+                              code="unsupported_parameter")
+        if name not in known and name not in IGNORED_FIELDS and name not in UNSUPPORTED_UNLESS:
+            raise bad_request(name, f"Unrecognized request argument supplied: {name}",
+                              code="unrecognized_parameter")
+
+
+def _first_present(body: dict, *names: str) -> str:
+    return next((name for name in names if body.get(name) is not None), names[-1])
+
+
+def _common(body: dict, max_tokens_field: str) -> GenerationRequest:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("model", "model is required: a string naming the model (GET /v1/models)")
+    params = SamplingParams(
+        max_tokens=_integer(body, max_tokens_field, low=1),
+        temperature=_number(body, "temperature", 0.0, 2.0, default=1.0),
+        top_p=_number(body, "top_p", 0.0, 1.0, default=1.0, low_open=True),
+        top_k=_top_k(body),
+        min_tokens=_integer(body, "min_tokens", low=0),
+        presence_penalty=_number(body, "presence_penalty", -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", -2.0, 2.0),
+        repetition_penalty=_number(body, "repetition_penalty", 0.0, math.inf, low_open=True),
+        seed=_integer(body, "seed", low=0, high=MAX_SEED),
+        stop=_stop(body.get("stop")),
+        n=_integer(body, "n", low=1, high=MAX_N) or 1,
+    )
+    if params.min_tokens and params.max_tokens is not None and params.min_tokens > params.max_tokens:
+        raise bad_request("min_tokens", f"min_tokens ({params.min_tokens}) must be <= {max_tokens_field} "
+                                        f"({params.max_tokens})")
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise bad_request("stream", f"stream must be true or false, got {stream!r}")
+    return GenerationRequest(model=model, params=params, stream=bool(stream), max_tokens_field=max_tokens_field,
+                             include_usage=_include_usage(body.get("stream_options"), bool(stream)))
+
+
+def _number(body: dict, name: str, low: float, high: float, default: float | None = None,
+            low_open: bool = False) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise bad_request(name, f"{name} must be a number, got {value!r}")
+    too_low = value <= low if low_open else value < low
+    if too_low or value > high:
+        left = "(" if low_open else "["
+        right = "]" if math.isfinite(high) else ")"
+        raise bad_request(name, f"{name} must be in {left}{low:g}, {high:g}{right}, got {value!r}")
+    return float(value)
+
+
+def _integer(body: dict, name: str, low: int, high: int | None = None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad_request(name, f"{name} must be an integer, got {value!r}")
+    if value < low or (high is not None and value > high):
+        allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise bad_request(name, f"{name} must be {allowed}, got {value}")
+    return value
+
+
+def _top_k(body: dict) -> int | None:
+    top_k = _integer(body, "top_k", low=-1)
+    return 0 if top_k == -1 else top_k  # vLLM's -1 and the engine's 0 both mean "no limit"
+
+
+def _stop(stop: Any) -> list[str]:
+    if stop is None:
+        return []
+    words = [stop] if isinstance(stop, str) else stop
+    if not isinstance(words, list) or not all(isinstance(w, str) and w for w in words):
+        raise bad_request("stop", f"stop must be a non-empty string or a list of non-empty strings, got {stop!r}")
+    return list(words)
+
+
+def _include_usage(options: Any, stream: bool) -> bool:
+    if options is None:
+        return False
+    if not stream:
+        raise bad_request("stream_options", "stream_options is only allowed with stream: true")
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise bad_request("stream_options", f"stream_options must be an object with include_usage, got {options!r}")
+    include = options.get("include_usage", False)
+    if not isinstance(include, bool):
+        raise bad_request("stream_options.include_usage", f"include_usage must be true or false, got {include!r}")
+    return include
+
+
+# ----------------------------------------------------------------------------- chat and prompts
+
+def _messages(messages: Any) -> list[dict[str, str]]:
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("messages", "messages must be a non-empty list of {role, content} objects")
+    return [_message(message, f"messages[{i}]") for i, message in enumerate(messages)]
+
+
+def _message(message: Any, where: str) -> dict[str, str]:
+    if not isinstance(message, dict):
+        raise bad_request(where, f"{where} must be an object with role and content")
+    role = message.get("role")
+    if role not in CHAT_ROLES:
+        raise bad_request(f"{where}.role", f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
+    extra = set(message) - {"role", "content", "name"}
+    if extra:
+        name = sorted(extra)[0]
+        raise bad_request(f"{where}.{name}", f"{where}.{name} is not supported; messages carry role, content, name")
+    # The template of a model without a developer role takes the instructions as a system message.
+    return {"role": "system" if role == "developer" else role,
+            "content": _content(message.get("content"), f"{where}.content")}
+
+
+def _content(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(where, f"{where} must be a string or a list of text parts, got {content!r}")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise bad_request(f"{where}[{j}]", f"{where}[{j}] must be a text part "
+                              f'{{"type": "text", "text": "..."}}; got type {kind!r} (only text is supported)')
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _prompts(prompt: Any) -> list[str]:
+    prompts = [prompt] if isinstance(prompt, str) else prompt
+    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
+        raise bad_request("prompt", "prompt must be a string or a non-empty list of strings "
+                                    "(token-id prompts are not supported)")
+    if any(not p for p in prompts):
+        raise bad_request("prompt", "prompt must not be empty")
+    return prompts

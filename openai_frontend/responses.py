@@ -1,0 +1,73 @@
+"""OpenAI response objects (plain dicts) for chat and text completions, whole and streamed.
+
+Ids: ``chatcmpl-<hex>`` / ``cmpl-<hex>``, one per request, shared by every chunk of a stream;
+``created``: Unix seconds when the request arrived; ``usage`` counts the prompt once per prompt
+(not once per choice) and every choice's generated tokens.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+@dataclass
+class ResponseShape:
+    """The fields every object of one request shares."""
+
+    chat: bool
+    model: str
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self):
+        self.id = self.id or ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
+
+    def _head(self, object_name: str) -> dict:
+        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
+                "system_fingerprint": None}
+
+    # ------------------------------------------------------------------------- whole responses
+
+    def completion(self, texts: list[str], finish_reasons: list[str], prompt_tokens: int,
+                   completion_tokens: int) -> dict:
+        if self.chat:
+            choices = [{"index": i, "message": {"role": "assistant", "content": text},
+                        "logprobs": None, "finish_reason": reason}
+                       for i, (text, reason) in enumerate(zip(texts, finish_reasons))]
+            body = self._head("chat.completion")
+        else:
+            choices = [{"index": i, "text": text, "logprobs": None, "finish_reason": reason}
+                       for i, (text, reason) in enumerate(zip(texts, finish_reasons))]
+            body = self._head("text_completion")
+        body["choices"] = choices
+        body["usage"] = usage(prompt_tokens, completion_tokens)
+        return body
+
+    # ------------------------------------------------------------------------- stream chunks
+
+    def chunk(self, index: int, text: str | None, finish_reason: str | None = None,
+              role: bool = False, with_usage_field: bool = False) -> dict:
+        """One choice's chunk: new text, or (chat) the role announcement, or its finish."""
+        if self.chat:
+            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            body = self._head("chat.completion.chunk")
+        else:
+            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            body = self._head("text_completion")
+        body["choices"] = [choice]
+        if with_usage_field:
+            body["usage"] = None  # OpenAI: null on every chunk but the last when usage is asked for
+        return body
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
+        body = self._head("chat.completion.chunk" if self.chat else "text_completion")
+        body["choices"] = []
+        body["usage"] = usage(prompt_tokens, completion_tokens)
+        return body

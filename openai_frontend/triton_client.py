@@ -1,0 +1,188 @@
+"""The Triton side: one gRPC stream per generated choice to the entry model `tensorrt_llm_bls`,
+and a cached readiness check.
+
+Why the BLS and not the ensemble: the token count needs ``output_log_probs``, and with log-probs
+on, ``tensorrt_llm`` sends every token at once (no UTF-8 holdback), which the BLS decodes as a
+whole sequence but the ensemble's postprocessing decodes chunk by chunk: a multi-byte character
+split over two tokens came out as U+FFFD there (tried with Japanese text).
+
+Why requests are built here rather than with ``tritonclient.grpc.aio``'s ``stream_infer``: the
+only way a decoupled stream says "this request is over" is the empty final response, asked for
+with the request parameter ``triton_enable_empty_final_response``, which that client refuses as
+reserved. So the stream is made on the same generated gRPC stub (``service_pb2_grpc``) with
+``tritonclient``'s own protobufs. Readiness goes through ``tritonclient.grpc.aio`` as usual.
+
+Every choice asks for ``output_log_probs``: one log-prob per generated token is the exact count
+of generated tokens (``usage.completion_tokens``), which the text outputs cannot give.
+Cancelling the consuming task (a client that hung up) cancels the gRPC call; Triton then marks
+the request cancelled and the entry model stops the generation within a step.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import grpc
+import numpy as np
+import tritonclient.grpc.aio as grpcclient_aio
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+from tritonclient.utils import np_to_triton_dtype, serialize_byte_tensor
+
+from openai_frontend.errors import APIError, bad_request, not_ready, server_error
+from openai_frontend.protocol import SamplingParams
+
+READINESS_TTL_S = 1.0  # a readiness answer is reused this long (one check per second at most)
+CHANNEL_OPTIONS = [("grpc.max_send_message_length", 2**31 - 1),
+                   ("grpc.max_receive_message_length", 2**31 - 1)]
+
+
+@dataclass
+class Chunk:
+    """One response of the entry model: new text and how many tokens produced it."""
+
+    text: str
+    num_tokens: int
+
+
+def generation_inputs(prompt: str, params: SamplingParams, max_tokens: int,
+                      seed: int | None) -> dict[str, np.ndarray]:
+    """The entry model's inputs for one choice (batch of 1: every tensor is [1, ...])."""
+    def scalar(value, dtype):
+        return np.array([[value]], dtype=dtype)
+
+    inputs = {
+        "text_input": np.array([[prompt.encode("utf-8")]], dtype=object),
+        "max_tokens": scalar(max_tokens, np.int32),
+        "stream": scalar(True, np.bool_),
+        "exclude_input_in_output": scalar(True, np.bool_),
+        "return_log_probs": scalar(True, np.bool_),
+        # The engine is greedy unless top_p or top_k > 1 is given (TRT-LLM's rule); OpenAI samples
+        # by default, so top_p always goes (1.0 = the whole distribution); temperature 0 is greedy.
+        "temperature": scalar(params.temperature, np.float32),
+        "top_p": scalar(params.top_p, np.float32),
+    }
+    optional = {"top_k": (params.top_k, np.int32), "min_tokens": (params.min_tokens, np.int32),
+                "presence_penalty": (params.presence_penalty, np.float32),
+                "frequency_penalty": (params.frequency_penalty, np.float32),
+                "repetition_penalty": (params.repetition_penalty, np.float32),
+                "seed": (seed, np.uint64)}
+    for name, (value, dtype) in optional.items():
+        if value is not None:
+            inputs[name] = scalar(value, dtype)
+    if params.stop:
+        inputs["stop_words"] = np.array([[word.encode("utf-8") for word in params.stop]], dtype=object)
+    return inputs
+
+
+def infer_request(model: str, inputs: dict[str, np.ndarray], request_id: str) -> service_pb2.ModelInferRequest:
+    request = service_pb2.ModelInferRequest(model_name=model, id=request_id)
+    for name, array in inputs.items():
+        request.inputs.add(name=name, datatype=np_to_triton_dtype(array.dtype), shape=list(array.shape))
+        raw = serialize_byte_tensor(array).item() if array.dtype == object else array.tobytes()
+        request.raw_input_contents.append(raw)
+    for name in ("text_output", "output_log_probs"):
+        request.outputs.add(name=name)
+    request.parameters["triton_enable_empty_final_response"].bool_param = True
+    return request
+
+
+def read_chunk(response: service_pb2.ModelInferResponse) -> tuple[Chunk, bool]:
+    """(the chunk, whether it is the request's last response).
+
+    Read straight from the protobuf (this runs once per streamed token; ``InferResult`` and
+    numpy cost several times more): Triton's gRPC responses carry every output in
+    ``raw_output_contents``, in the order of ``outputs``. ``text_output`` is BYTES (each element
+    a 4-byte little-endian length, then the bytes); ``output_log_probs`` is (1, beams, new
+    tokens), so its last dim is the number of tokens this response carries.
+    """
+    final = response.parameters["triton_final_response"].bool_param
+    text, num_tokens = "", 0
+    for index, output in enumerate(response.outputs):
+        if output.name == "text_output":
+            text = _bytes_elements(response.raw_output_contents[index]).decode("utf-8", errors="replace")
+        elif output.name == "output_log_probs":
+            num_tokens = int(output.shape[-1]) if output.shape else 0
+    return Chunk(text, num_tokens), final
+
+
+def _bytes_elements(raw: bytes) -> bytes:
+    """The elements of a serialized BYTES tensor, joined (one element per beam; beam width 1 here)."""
+    parts, offset = [], 0
+    while offset + 4 <= len(raw):
+        length = int.from_bytes(raw[offset:offset + 4], "little")
+        parts.append(raw[offset + 4:offset + 4 + length])
+        offset += 4 + length
+    return b"".join(parts)
+
+
+def triton_error(message: str) -> APIError:
+    """An error response of the entry model: the engine's per-request validation names the field
+    (a 400); anything else is the server's fault."""
+    lowered = message.lower()
+    # (A model that unloads itself to restart its engine is "not ready", then briefly unknown.)
+    if any(words in lowered for words in ("not ready", "unavailable", "shutting down", "unknown model")):
+        return not_ready(f"the model cannot serve requests right now: {message}")
+    if any(word in lowered for word in ("must be", "not allowed", "exceeds", "not supported", "invalid")):
+        return bad_request(None, message)
+    return server_error(f"generation failed: {message}")
+
+
+class TritonClient:
+    def __init__(self, url: str, model: str = "tensorrt_llm_bls", llm_model: str = "tensorrt_llm"):
+        self.url = url
+        self.model = model  # the entry model requests go to
+        self.llm_model = llm_model  # the model that holds the engine (it may be reloading)
+        self._admin = grpcclient_aio.InferenceServerClient(url)
+        self._channel = grpc.aio.insecure_channel(url, options=CHANNEL_OPTIONS)
+        self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
+        self._ready_until = 0.0  # monotonic time until which the last "ready" answer holds
+
+    async def close(self) -> None:
+        await self._admin.close()
+        await self._channel.close()
+
+    async def ensure_ready(self) -> None:
+        """Raises a 503 unless the server and both models are ready (checked once a second)."""
+        if time.monotonic() < self._ready_until:
+            return
+        try:
+            ready = (await self._admin.is_server_ready()
+                     and await self._admin.is_model_ready(self.model)
+                     and await self._admin.is_model_ready(self.llm_model))
+        except Exception as error:  # the server is down or starting
+            raise not_ready(f"Triton at {self.url} does not answer: {error}") from None
+        if not ready:
+            raise not_ready(f"the model is not ready ({self.model} / {self.llm_model} loading, or the engine "
+                            "restarting); retry shortly")
+        self._ready_until = time.monotonic() + READINESS_TTL_S
+
+    async def generate(self, prompt: str, params: SamplingParams, max_tokens: int, seed: int | None,
+                       request_id: str) -> AsyncIterator[Chunk]:
+        """Streams one choice. Leaving the iteration early (or being cancelled) cancels the call."""
+        request = infer_request(self.model, generation_inputs(prompt, params, max_tokens, seed), request_id)
+        finished = asyncio.Event()
+
+        async def requests():
+            yield request
+            await finished.wait()  # keep our side open: the stream ends when we are done reading
+
+        call = self._stub.ModelStreamInfer(requests())
+        try:
+            async for response in call:
+                if response.error_message:
+                    raise triton_error(response.error_message)
+                chunk, final = read_chunk(response.infer_response)
+                if chunk.text or chunk.num_tokens:
+                    yield chunk
+                if final:
+                    return
+            raise server_error("the Triton stream ended before the request's final response")
+        except grpc.aio.AioRpcError as error:
+            if error.code() == grpc.StatusCode.UNAVAILABLE:
+                raise not_ready(f"Triton at {self.url} is unavailable: {error.details()}") from None
+            raise server_error(f"Triton stream failed: {error.details()}") from None
+        finally:
+            finished.set()
+            call.cancel()  # a no-op once the call is over; else Triton cancels the request

@@ -1,0 +1,76 @@
+"""A mixture-of-experts model end to end, as a user brings it: a Qwen3-MoE checkpoint directory
+(one tensor per expert on disk), built with `python -m engine.build` and no length flag, served
+through `tensorrt_llm`; greedy ids equal transformers' `generate`. One extra server."""
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from test_non_decoupled import infer
+from triton_helpers import ROOT, running_server
+
+pytestmark = pytest.mark.integration
+
+PROMPTS = [[5, 17, 42, 8, 3, 77, 61], [90, 2], [33] * 12 + [4, 9]]
+NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe_checkpoint(smollm2_engine_dir, tmp_path_factory):
+    """(transformers model, checkpoint dir): a tiny random Qwen3-MoE (8 experts, top-2 without
+    renormalisation, a dense middle layer), with SmolLM2's tokenizer so the text models load."""
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=96, hidden_size=72, intermediate_size=86, num_hidden_layers=3, num_attention_heads=6,
+        num_key_value_heads=2, head_dim=14, max_position_embeddings=128, rope_theta=1000000.0, num_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=30, norm_topk_prob=False, mlp_only_layers=[1],
+        eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    config._experts_implementation = "eager"  # grouped_mm needs 16-byte-aligned widths
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_((1.0 if "norm" in name else 0.0) + 0.1 * torch.randn_like(p))
+    path = tmp_path_factory.mktemp("qwen3_moe_ckpt")
+    model.save_pretrained(path)
+    for tokenizer_file in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        source = f"{smollm2_engine_dir}/{tokenizer_file}"
+        if os.path.exists(source):
+            shutil.copy(source, path)
+    return model, path
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe_server(qwen3_moe_checkpoint, tmp_path_factory):
+    _, checkpoint = qwen3_moe_checkpoint
+    engine_dir = tmp_path_factory.mktemp("qwen3_moe_engine")
+    build = subprocess.run([sys.executable, "-m", "engine.build", "--checkpoint", str(checkpoint),
+                            "--output", str(engine_dir), "--dtype", "float32"],
+                           capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert build.returncode == 0, build.stderr
+    with running_server(str(engine_dir), tmp_path_factory.mktemp("qwen3_moe_triton"), decoupled=False) as server:
+        yield server
+
+
+def test_qwen3_moe_greedy_ids_equal_transformers_generate(qwen3_moe_server, qwen3_moe_checkpoint):
+    model, _ = qwen3_moe_checkpoint
+    width = max(map(len, PROMPTS))
+    inputs = {"input_ids": np.array([p + [0] * (width - len(p)) for p in PROMPTS], np.int32),
+              "input_lengths": np.array([[len(p)] for p in PROMPTS], np.int32),
+              "request_output_len": np.full((len(PROMPTS), 1), NEW_TOKENS, np.int32),
+              "end_id": np.full((len(PROMPTS), 1), -1, np.int32),
+              "exclude_input_in_output": np.full((len(PROMPTS), 1), True)}
+    result = infer(qwen3_moe_server, inputs, ["output_ids", "sequence_length", "batch_index"])
+    output_ids, lengths = result.as_numpy("output_ids"), result.as_numpy("sequence_length")
+    rows = result.as_numpy("batch_index").reshape(-1).tolist()
+    for i, prompt in enumerate(PROMPTS):
+        row = rows.index(i)
+        served = output_ids[row, 0, :lengths[row, 0]].tolist()
+        with torch.no_grad():
+            expected = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                      min_new_tokens=NEW_TOKENS)[0, len(prompt):].tolist()
+        assert served == expected, f"prompt {i}"

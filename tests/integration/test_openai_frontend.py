@@ -1,0 +1,306 @@
+"""The OpenAI-compatible frontend in front of a real tritonserver (SmolLM2), through the official
+`openai` client, sync and async: answers, streams, n, usage, stop strings, errors, hang-ups.
+
+One frontend process for the module, in front of the session's tritonserver.
+"""
+import asyncio
+import subprocess
+import sys
+from contextlib import contextmanager
+
+import openai
+import pytest
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+from test_metrics import kv_and_requests, scrape
+from triton_helpers import ROOT, free_port, wait_for
+
+pytestmark = pytest.mark.integration
+
+MODEL = "smollm2"
+CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
+GREEDY = {"temperature": 0, "max_tokens": 24}
+# min_tokens keeps the end-of-sequence token away: only a hang-up can end this in time.
+ENDLESS = {"max_tokens": 1500, "extra_body": {"min_tokens": 1500}}
+
+
+@contextmanager
+def running_frontend(grpc_url, engine_dir, work, *extra_args):
+    """`python -m openai_frontend` on a free port; yields its base URL once it answers."""
+    port = free_port()
+    log_path = work / f"frontend_{port}.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "openai_frontend", f"--grpc_url={grpc_url}", f"--tokenizer_dir={engine_dir}",
+             f"--served_model_name={MODEL}", "--host=127.0.0.1", f"--port={port}", *extra_args],
+            cwd=ROOT, stdout=log, stderr=log)
+    url = f"http://127.0.0.1:{port}"
+
+    def up():
+        try:
+            return requests.get(f"{url}/v1/models", timeout=2).status_code == 200
+        except requests.ConnectionError:
+            return process.poll() is not None
+
+    try:
+        assert wait_for(up, timeout=120) and process.poll() is None, log_path.read_text()
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def frontend(triton_server, smollm2_engine_dir, tmp_path_factory):
+    with running_frontend(triton_server.grpc_url, smollm2_engine_dir, tmp_path_factory.mktemp("openai")) as url:
+        assert wait_for(lambda: requests.get(f"{url}/health", timeout=2).status_code == 200, timeout=30)
+        yield url
+
+
+@pytest.fixture
+def client(frontend):
+    with openai.OpenAI(base_url=f"{frontend}/v1", api_key="unused", max_retries=0) as client:
+        yield client
+
+
+def run(coroutine_function, frontend):
+    """Runs `coroutine_function(async_client)` on a fresh event loop."""
+    async def main():
+        async with openai.AsyncOpenAI(base_url=f"{frontend}/v1", api_key="unused", max_retries=0) as client:
+            return await coroutine_function(client)
+    return asyncio.run(main())
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_engine_dir):
+    from serving.tokenization import load_tokenizer
+    return load_tokenizer(smollm2_engine_dir)
+
+
+def rendered_prompt_tokens(tokenizer, messages):
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return len(tokenizer.encode(text, add_special_tokens=True))
+
+
+def test_models_lists_the_served_model(client):
+    assert [model.id for model in client.models.list()] == [MODEL]
+
+
+def test_chat_answers_the_capital_question(client, tokenizer):
+    reply = client.chat.completions.create(model=MODEL, messages=CAPITAL, **GREEDY)
+    choice = reply.choices[0]
+    assert "Paris" in choice.message.content
+    assert choice.message.role == "assistant" and choice.finish_reason in ("stop", "length")
+    assert reply.object == "chat.completion" and reply.id.startswith("chatcmpl-") and reply.created > 0
+    assert reply.usage.prompt_tokens == rendered_prompt_tokens(tokenizer, CAPITAL)
+    assert reply.usage.completion_tokens == len(tokenizer.encode(choice.message.content, add_special_tokens=False))
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+
+
+def test_async_chat_answers_the_capital_question_with_text_parts(frontend):
+    messages = [{"role": "system", "content": [{"type": "text", "text": "You answer in one sentence."}]},
+                {"role": "user", "content": [{"type": "text", "text": "What is the capital "},
+                                             {"type": "text", "text": "of France?"}]}]
+    reply = run(lambda c: c.chat.completions.create(model=MODEL, messages=messages, **GREEDY), frontend)
+    assert "Paris" in reply.choices[0].message.content
+
+
+def test_length_finish_counts_exactly_max_tokens(client):
+    reply = client.chat.completions.create(model=MODEL, messages=CAPITAL, temperature=0, max_completion_tokens=3)
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage.completion_tokens == 3
+
+
+def test_streamed_deltas_concatenate_to_the_unary_text(client, frontend):
+    unary = client.chat.completions.create(model=MODEL, messages=CAPITAL, **GREEDY)
+
+    async def stream(c):
+        chunks = [chunk async for chunk in await c.chat.completions.create(
+            model=MODEL, messages=CAPITAL, stream=True, stream_options={"include_usage": True}, **GREEDY)]
+        return chunks
+    chunks = run(stream, frontend)
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+    assert text == unary.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == unary.choices[0].finish_reason
+    assert len({chunk.id for chunk in chunks}) == 1
+    assert chunks[-1].choices == [] and chunks[-1].usage == unary.usage  # usage last, exact
+
+
+def test_sync_stream_of_completions(client):
+    prompt = "The capital of France is"
+    unary = client.completions.create(model=MODEL, prompt=prompt, **GREEDY)
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, stream=True, **GREEDY))
+    assert "".join(chunk.choices[0].text for chunk in chunks) == unary.choices[0].text
+    assert unary.object == "text_completion" and unary.id.startswith("cmpl-")
+
+
+def test_n_returns_distinct_choices(client, frontend):
+    reply = client.chat.completions.create(model=MODEL, messages=CAPITAL, n=2, seed=7, temperature=1.0,
+                                           max_tokens=12)
+    assert [choice.index for choice in reply.choices] == [0, 1]
+    assert reply.choices[0].message.content != reply.choices[1].message.content  # seeds 7 and 8
+    again = client.chat.completions.create(model=MODEL, messages=CAPITAL, n=2, seed=7, temperature=1.0,
+                                           max_tokens=12)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in reply.choices]
+
+    async def stream(c):
+        return [chunk async for chunk in await c.chat.completions.create(
+            model=MODEL, messages=CAPITAL, n=2, seed=7, temperature=1.0, max_tokens=12, stream=True)]
+    texts = ["", ""]
+    for chunk in run(stream, frontend):
+        texts[chunk.choices[0].index] += chunk.choices[0].delta.content or ""
+    assert texts == [c.message.content for c in reply.choices]
+
+
+def test_usage_of_several_prompts_and_choices(client, tokenizer):
+    prompts = ["The capital of France is", "One, two, three,"]
+    reply = client.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=5, temperature=0)
+    assert len(reply.choices) == 4
+    assert reply.usage.prompt_tokens == sum(len(tokenizer.encode(p)) for p in prompts)
+    assert reply.usage.completion_tokens == 4 * 5 and all(c.finish_reason == "length" for c in reply.choices)
+
+
+def test_stop_cuts_the_text_before_the_stop_string(client, frontend):
+    full = client.chat.completions.create(model=MODEL, messages=CAPITAL, **GREEDY).choices[0].message.content
+    assert "Paris" in full
+    expected = full[:full.index("Paris")]
+    cut = client.chat.completions.create(model=MODEL, messages=CAPITAL, stop=["Paris", "Berlin"], **GREEDY)
+    assert cut.choices[0].message.content == expected and cut.choices[0].finish_reason == "stop"
+
+    async def stream(c):
+        return [chunk async for chunk in await c.chat.completions.create(
+            model=MODEL, messages=CAPITAL, stop="Paris", stream=True, **GREEDY)]
+    chunks = run(stream, frontend)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("field,value", [("temperature", 5), ("n", 0), ("top_k", "many"), ("bogus_field", 1),
+                                         ("top_logprobs", 3), ("stop", [""])])
+def test_bad_field_gets_a_400_naming_it(client, field, value):
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model=MODEL, messages=CAPITAL, extra_body={field: value})
+    assert raised.value.status_code == 400
+    assert field in raised.value.message
+    assert raised.value.body["param"] == field and raised.value.body["type"] == "invalid_request_error"
+
+
+def test_async_bad_message_gets_a_400_naming_it(frontend):
+    async def bad(c):
+        with pytest.raises(openai.BadRequestError) as raised:
+            await c.chat.completions.create(model=MODEL, messages=[{"role": "robot", "content": "hi"}])
+        return raised.value
+    error = run(bad, frontend)
+    assert "messages[0].role" in error.message and error.status_code == 400
+
+
+def test_too_many_tokens_gets_a_400_naming_max_tokens(client):
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.completions.create(model=MODEL, prompt="Hello", max_tokens=10**6)
+    assert "max_tokens" in raised.value.message
+
+
+def test_unknown_model_gets_a_404(client, frontend):
+    with pytest.raises(openai.NotFoundError) as raised:
+        client.chat.completions.create(model="gpt-4o", messages=CAPITAL)
+    assert raised.value.body["code"] == "model_not_found" and "gpt-4o" in raised.value.message
+
+    async def unknown(c):
+        with pytest.raises(openai.NotFoundError):
+            await c.completions.create(model="gpt-4o", prompt="Hi")
+    run(unknown, frontend)
+
+
+def test_unknown_route_gets_an_openai_shaped_404(frontend):
+    response = requests.post(f"{frontend}/v1/embeddings", json={"model": MODEL, "input": "hi"}, timeout=10)
+    assert response.status_code == 404 and "/v1/embeddings" in response.json()["error"]["message"]
+
+
+def idle_within(server, seconds):
+    return wait_for(lambda: kv_and_requests(scrape(server)) == (0.0, 0.0), timeout=seconds, interval=0.1)
+
+
+def test_sync_hang_up_mid_stream_leaves_no_active_request(client, triton_server):
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Tell a long story."}],
+                                            stream=True, **ENDLESS)
+    for _, _ in zip(range(3), stream):
+        pass
+    stream.close()  # the client is gone, mid-stream
+    assert idle_within(triton_server, 2.0), kv_and_requests(scrape(triton_server))
+
+
+def test_async_hang_up_mid_stream_of_n_choices_leaves_no_active_request(frontend, triton_server):
+    async def hang_up(c):
+        stream = await c.completions.create(model=MODEL, prompt="Once upon a time", n=2, stream=True, **ENDLESS)
+        seen = 0
+        async for _ in stream:
+            seen += 1
+            if seen == 4:
+                break
+        await stream.close()
+    run(hang_up, frontend)
+    assert idle_within(triton_server, 2.0), kv_and_requests(scrape(triton_server))
+
+
+def test_unary_hang_up_leaves_no_active_request(frontend, triton_server):
+    with pytest.raises(openai.APITimeoutError):
+        with openai.OpenAI(base_url=f"{frontend}/v1", api_key="unused", max_retries=0, timeout=1.0) as c:
+            c.completions.create(model=MODEL, prompt="Once upon a time", **ENDLESS)
+    assert idle_within(triton_server, 2.0), kv_and_requests(scrape(triton_server))
+
+
+def test_concurrent_streams_with_hang_ups_all_end_and_free_everything(frontend, triton_server):
+    """More streams than BLS instances (they queue in Triton), some of them abandoned mid-way."""
+    async def one(c, index):
+        stream = await c.completions.create(model=MODEL, prompt=f"Count to {index + 3}:", max_tokens=6,
+                                            extra_body={"min_tokens": 6}, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+        chunks = []
+        async for chunk in stream:
+            chunks.append(chunk)
+            if index % 3 == 0 and len(chunks) == 1:
+                await stream.close()  # this client leaves after its first token
+                return None
+        return chunks[-1].usage
+
+    async def many(c):
+        return await asyncio.gather(*[one(c, i) for i in range(7)])
+    usages = run(many, frontend)
+    assert [u is None for u in usages] == [i % 3 == 0 for i in range(7)]
+    assert all(u.completion_tokens == 6 for u in usages if u is not None)
+    assert idle_within(triton_server, 5.0), kv_and_requests(scrape(triton_server))
+
+
+def test_metrics_count_requests_and_leave_tritons_alone(client, frontend, triton_server):
+    client.models.list()
+    families = {f.name: f for f in text_string_to_metric_families(requests.get(f"{frontend}/metrics").text)}
+    counted = {(s.labels["endpoint"], s.labels["status"]): s.value
+               for s in families["tritonllm_openai_requests"].samples if s.name.endswith("_total")}
+    assert counted[("models", "200")] >= 1 and counted[("chat_completions", "200")] >= 1
+    assert counted[("chat_completions", "400")] >= 1 and counted[("chat_completions", "404")] >= 1
+    assert counted[("chat_completions", "cancelled")] >= 1  # the hang-up tests above
+    assert "tritonllm_openai_request_duration_seconds" in families
+    triton_metrics = triton_server.metrics_text()
+    assert "nv_trt_llm_request_metrics" in triton_metrics and "tritonllm_openai" not in triton_metrics
+
+
+def test_multibyte_text_streams_whole_characters(client, frontend):
+    messages = [{"role": "user", "content": "海についての短い詩を日本語で書いてください。"}]
+    unary = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=24)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=24,
+                                                 stream=True))
+    streamed = [c.choices[0].delta.content or "" for c in chunks]
+    assert "".join(streamed) == unary.choices[0].message.content
+    assert not any("\ufffd" in piece for piece in streamed) and unary.usage.completion_tokens == 24
+
+
+def test_unreachable_triton_gets_a_503(smollm2_engine_dir, tmp_path):
+    nowhere = f"127.0.0.1:{free_port()}"  # nothing listens there: Triton is down or still starting
+    with running_frontend(nowhere, smollm2_engine_dir, tmp_path) as url:
+        assert requests.get(f"{url}/health", timeout=10).status_code == 503
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client:
+            with pytest.raises(openai.InternalServerError) as raised:
+                client.chat.completions.create(model=MODEL, messages=CAPITAL, max_tokens=4)
+    assert raised.value.status_code == 503 and raised.value.body["code"] == "model_not_ready"

@@ -1,0 +1,254 @@
+"""Fused MoE: the torch reference against a per-token loop (CPU), the Triton kernels against the
+reference (GPU, or Triton's CPU interpreter with TRITON_INTERPRET=1).
+
+Sizes are awkward on purpose: token counts that are not multiples of a block, hidden and expert
+widths that are not multiples of the column or K tiles, and batches where some experts get no
+token (an expert with no token must get no block and cost nothing).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_testing import relative_error
+
+from kernels.fused_moe import (
+    fused_moe_ref,
+    max_padded_assignments,
+    moe_align_torch,
+    route_tokens_ref,
+)
+
+# Per output dtype, ||kernel - reference|| / ||reference||. bf16: the kernel and the reference
+# round the same products (gate, up, silu, the mul, the routed product) to bf16 but accumulate in
+# a different order, so single elements may land one bf16 rounding (2^-8) apart and a few of
+# those carry into the next GEMM; 1e-2 is ~4x what that gives. fp32 with IEEE dots: only the
+# accumulation order differs.
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float32: 1e-5}
+
+
+def randn(*shape, seed, scale=1.0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def make_problem(num_tokens, hidden, inter, num_experts, top_k, *, seed, used_experts=None):
+    """x, gate_up, down, router logits; ``used_experts`` restricts the routing to those experts
+    (the others get -inf logits, so no token picks them)."""
+    x = randn(num_tokens, hidden, seed=seed)
+    gate_up = randn(num_experts, 2 * inter, hidden, seed=seed + 1, scale=hidden**-0.5)
+    down = randn(num_experts, hidden, inter, seed=seed + 2, scale=inter**-0.5)
+    logits = randn(num_tokens, num_experts, seed=seed + 3)
+    if used_experts is not None:
+        blocked = torch.ones(num_experts, dtype=torch.bool)
+        blocked[list(used_experts)] = False
+        logits[:, blocked] = -float("inf")
+    return x, gate_up, down, logits
+
+
+def distinct_logits(num_tokens, num_experts, *, seed):
+    """Router logits whose values differ even in bf16 (steps of 0.05 over [-3, 3.4]; bf16 steps
+    there are <= 0.016): with a tie at the k-th place both choices would be right, and a kernel
+    and the reference may take different ones."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(num_experts, generator=gen) * 0.05 - 3.0 for _ in range(num_tokens)])
+
+
+def per_token_loop(x, gate_up, down, weights, ids):
+    """The definition, one (token, slot) at a time, in float64."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            gate, up = (gate_up[e].double() @ x[t].double()).chunk(2)
+            out[t] += float(weights[t, k]) * (down[e].double() @ (F.silu(gate) * up))
+    return out
+
+
+# ---- CPU: the reference ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("num_tokens,used", [(1, None), (13, None), (29, (0, 3, 4)), (6, (7,))])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_reference_equals_per_token_loop(num_tokens, used, renormalize):
+    x, gate_up, down, logits = make_problem(num_tokens, 40, 24, 8, 2, seed=num_tokens, used_experts=used)
+    if used is not None and len(used) == 1:
+        logits[:, 0] = 0.0  # top-2 of a single expert: a second, finite choice
+    weights, ids = route_tokens_ref(logits, 2, renormalize)
+    expected = per_token_loop(x, gate_up, down, weights, ids)
+    out = fused_moe_ref(x, gate_up, down, weights, ids)
+    assert out.dtype == torch.float32 and out.shape == x.shape
+    assert (out.double() - expected).abs().max().item() < 1e-5
+    if used is not None:
+        assert set(ids.flatten().tolist()) <= set(used) | {0}  # experts outside got no token
+
+
+def test_reference_with_no_tokens():
+    x, gate_up, down, logits = make_problem(0, 16, 8, 8, 2, seed=0)
+    weights, ids = route_tokens_ref(logits, 2, True)
+    assert fused_moe_ref(x, gate_up, down, weights, ids).shape == (0, 16)
+
+
+def test_routing_reference():
+    logits = randn(5, 10, seed=3)
+    weights, ids = route_tokens_ref(logits, 3, renormalize=False)
+    probs = torch.softmax(logits, dim=-1)
+    assert ids.dtype == torch.int32
+    assert torch.equal(ids.long(), probs.argsort(dim=-1, descending=True)[:, :3])
+    torch.testing.assert_close(weights, probs.gather(1, ids.long()))
+    normalized, same_ids = route_tokens_ref(logits, 3, renormalize=True)
+    assert torch.equal(same_ids, ids)
+    torch.testing.assert_close(normalized.sum(-1), torch.ones(5))
+
+
+def check_alignment(topk_ids, num_experts, block_m, sorted_ids, block_expert, num_padded):
+    """The layout of kernels/fused_moe.py's docstring, checked element by element."""
+    flat = topk_ids.flatten().tolist()
+    n = len(flat)
+    sorted_ids, block_expert = sorted_ids.cpu().tolist(), block_expert.cpu().tolist()
+    total = int(num_padded.item())
+    assert len(sorted_ids) == max_padded_assignments(n, num_experts, block_m) >= total
+    assert total % block_m == 0 and all(a == n for a in sorted_ids[total:])
+    counts = [flat.count(e) for e in range(num_experts)]
+    assert total == sum(-(-c // block_m) * block_m for c in counts)
+    placed = [a for a in sorted_ids[:total] if a != n]
+    assert sorted(placed) == list(range(n))  # every assignment exactly once
+    for b in range(total // block_m):
+        rows = sorted_ids[b * block_m:(b + 1) * block_m]
+        real = [a for a in rows if a != n]
+        assert real, f"block {b} holds only padding"
+        assert all(flat[a] == block_expert[b] for a in real)
+        assert real == sorted(real) and rows[:len(real)] == real  # ascending, padding at the end
+    blocks_of = [block_expert[b] for b in range(total // block_m)]
+    assert blocks_of == sorted(blocks_of)
+    assert {e for e in range(num_experts) if counts[e] == 0}.isdisjoint(blocks_of)
+
+
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,block_m", [(1, 8, 2, 16), (3, 128, 8, 16), (37, 10, 2, 16),
+                                                                  (200, 8, 2, 64), (5, 8, 2, 32)])
+def test_alignment_layout_in_torch_ops(num_tokens, num_experts, top_k, block_m):
+    _, _, _, logits = make_problem(num_tokens, 8, 8, num_experts, top_k, seed=num_tokens,
+                                   used_experts=range(0, num_experts, 2))
+    _, ids = route_tokens_ref(logits, top_k, True)
+    check_alignment(ids, num_experts, block_m, *moe_align_torch(ids, num_experts, block_m))
+
+
+# ---- Triton kernels (GPU; or TRITON_INTERPRET=1 on CPU) --------------------------------------
+
+def kernel_dtypes(device):
+    return [torch.bfloat16, torch.float32] if device == "cuda" else [torch.float32]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens,num_experts,top_k", [(1, 8, 2), (5, 128, 8), (64, 10, 2), (33, 60, 4)])
+def test_align_kernel_equals_torch_ops(device, num_tokens, num_experts, top_k):
+    from kernels.fused_moe import moe_align_triton
+
+    _, _, _, logits = make_problem(num_tokens, 8, 8, num_experts, top_k, seed=num_tokens,
+                                   used_experts=range(1, num_experts, 3) if num_experts > top_k * 3 else None)
+    _, ids = route_tokens_ref(logits, top_k, True)
+    for block_m in (16, 64):
+        kernel = moe_align_triton(ids.to(device), num_experts, block_m)
+        check_alignment(ids, num_experts, block_m, *kernel)
+        for got, expected in zip(kernel, moe_align_torch(ids, num_experts, block_m)):
+            assert torch.equal(got.cpu(), expected.cpu())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_experts,top_k", [(8, 2), (128, 8), (60, 4)])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_route_kernel_equals_reference(device, num_experts, top_k, renormalize):
+    from kernels.fused_moe import route_tokens_triton
+
+    logits = distinct_logits(19, num_experts, seed=num_experts)
+    for dtype in kernel_dtypes(device):
+        weights, ids = route_tokens_triton(logits.to(dtype).to(device), top_k, renormalize)
+        ref_weights, ref_ids = route_tokens_ref(logits.to(dtype), top_k, renormalize)
+        assert torch.equal(ids.cpu(), ref_ids)
+        torch.testing.assert_close(weights.cpu(), ref_weights, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens,hidden,inter,num_experts,top_k,used", [
+    (1, 2048, 768, 128, 8, None),          # Qwen3-30B-A3B's expert shape, one decode token (no alignment)
+    (1, 200, 72, 8, 2, None),              # one token, Mixtral-like
+    (2, 200, 72, 8, 2, None),              # two tokens: aligned blocks
+    (7, 200, 72, 8, 2, (1, 2, 5)),         # Mixtral-like top-2, five experts idle
+    (70, 576, 136, 10, 2, None),           # enough tokens per expert for block_m 32
+    (300, 256, 96, 8, 2, (0, 3, 4, 7)),    # 600 assignments: block_m 64, four experts idle
+    (260, 128, 64, 16, 8, None),           # 2080 assignments: past the align kernel's limit
+])
+def test_fused_moe_kernel_equals_reference(device, num_tokens, hidden, inter, num_experts, top_k, used):
+    from kernels.fused_moe import fused_moe_triton
+
+    x, gate_up, down, logits = make_problem(num_tokens, hidden, inter, num_experts, top_k, seed=hidden,
+                                            used_experts=used)
+    weights, ids = route_tokens_ref(logits, top_k, True)
+    for dtype in kernel_dtypes(device):
+        args = [t.to(dtype) for t in (x, gate_up, down)]
+        expected = fused_moe_ref(*args, weights, ids)
+        out = fused_moe_triton(*[t.to(device) for t in args], weights.to(device), ids.to(device))
+        assert out.dtype == dtype and out.shape == x.shape
+        assert relative_error(out, expected) < TOLERANCE[dtype], dtype
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hidden,inter,num_experts,top_k", [(2048, 768, 128, 8), (200, 72, 8, 2), (96, 40, 60, 4)])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_single_token_routes_inside_the_gate_up_launch(device, hidden, inter, num_experts, top_k, renormalize):
+    """Batch-1 decode: routing fused into the gate_up launch gives the reference's output."""
+    from kernels.fused_moe import moe_single_token_triton
+
+    x, gate_up, down, _ = make_problem(1, hidden, inter, num_experts, top_k, seed=inter)
+    logits = distinct_logits(1, num_experts, seed=hidden)
+    for dtype in kernel_dtypes(device):
+        args = [t.to(dtype) for t in (x, gate_up, down)]
+        weights, ids = route_tokens_ref(logits.to(dtype), top_k, renormalize)
+        expected = fused_moe_ref(*args, weights, ids)
+        out = moe_single_token_triton(args[0].to(device), logits.to(dtype).to(device), args[1].to(device),
+                                      args[2].to(device), top_k, renormalize)
+        assert out.dtype == dtype and out.shape == (1, hidden)
+        assert relative_error(out, expected) < TOLERANCE[dtype], dtype
+
+
+def test_moe_forward_is_routing_then_fused_moe():
+    from kernels.fused_moe import moe_forward
+
+    x, gate_up, down, logits = make_problem(9, 40, 24, 8, 2, seed=4)
+    for renormalize in (True, False):
+        expected = fused_moe_ref(x, gate_up, down, *route_tokens_ref(logits, 2, renormalize))
+        assert torch.equal(moe_forward(x, logits, gate_up, down, 2, renormalize), expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_m", [16, 32, 64])
+def test_every_block_size_and_tile_config(device, block_m):
+    """fused_moe_triton picks block_m and tiles by size; each choice must compute the same thing."""
+    from kernels.fused_moe import fused_moe_triton, gemm_config
+
+    x, gate_up, down, logits = make_problem(45, 160, 48, 12, 3, seed=block_m, used_experts=range(0, 12, 2))
+    weights, ids = route_tokens_ref(logits, 3, False)
+    expected = fused_moe_ref(x, gate_up, down, weights, ids)
+    for config_block in (16, 32, 64):
+        out = fused_moe_triton(x.to(device), gate_up.to(device), down.to(device), weights.to(device),
+                               ids.to(device), block_m=block_m, config=gemm_config(config_block))
+        assert relative_error(out, expected) < TOLERANCE[torch.float32], config_block
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="captures a CUDA graph")
+@pytest.mark.parametrize("num_tokens", [1, 4, 600])  # routing in gate_up, the align kernel, torch-ops alignment
+def test_moe_forward_replays_from_a_cuda_graph(num_tokens):
+    """No host synchronisation inside: the whole routed MLP captures, and replays with new router
+    logits (other experts chosen) give the new answers."""
+    from kernels.fused_moe import moe_forward
+
+    x, gate_up, down, _ = make_problem(num_tokens, 256, 128, 32, 4, seed=5)
+    x, gate_up, down = (t.to("cuda", torch.bfloat16) for t in (x, gate_up, down))
+    logits = distinct_logits(num_tokens, 32, seed=5).to("cuda", torch.bfloat16)
+    moe_forward(x, logits, gate_up, down, 4, True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_forward(x, logits, gate_up, down, 4, True)
+    for seed in (6, 7):
+        logits.copy_(distinct_logits(num_tokens, 32, seed=seed))
+        graph.replay()
+        expected = fused_moe_ref(x.cpu(), gate_up.cpu(), down.cpu(), *route_tokens_ref(logits.cpu(), 4, True))
+        assert relative_error(out, expected) < TOLERANCE[torch.bfloat16]
