@@ -49,9 +49,9 @@ class Finished:
 @dataclass
 class StreamCounts:
     """Tokens sent in streamed responses (beam width 1), and how many of them went out in a
-    response that carried more than one token: the relay had fallen behind the engine and merged
-    a stream's waiting chunks (serving/relay.py), or a multi-byte character's tokens were held
-    back to go together. Only ever grows."""
+    response that carried more than one token: the relay had fallen behind the engine and the
+    stream's waiting chunks merged (engine/executor/output.py ResponseQueue), or a multi-byte
+    character's tokens were held back to go together. Only ever grows."""
 
     tokens: int = 0
     coalesced_tokens: int = 0
@@ -116,12 +116,6 @@ class InflightRequests:
             streams = 1 if spec.beam_width > 1 else spec.num_return_sequences
             self.by_exec_id[exec_id] = ExecRequest(triton=triton, spec=spec, streams_left=streams,
                                                    latency=RequestLatency(arrival=now))
-
-    def triton_keys(self, exec_ids: list[int]) -> list[int]:
-        """The key of each executor request's Triton request (0 for an unknown id): the relay
-        threads shard by it, so one Triton request's responses keep their order."""
-        found = self.by_exec_id
-        return [found[i].triton.key if i in found else 0 for i in exec_ids]
 
     def exec_ids_for_user(self, user_id: str) -> list[int]:
         triton = self.by_user_id.get(user_id)

@@ -37,10 +37,10 @@ from serving.inflight import InflightRequests  # noqa: E402
 from serving.metrics import HISTOGRAMS, gauge_specs, gauge_values  # noqa: E402
 from serving.params import get_parameter, model_parameters  # noqa: E402
 from serving.responses import wants_errors_as_output  # noqa: E402
-from serving.shared_engine import KEY_STRIDE, open_shared_engine, rendezvous_paths  # noqa: E402
 from serving.requests import (MISSING_STOP_ID, conversion_error_message, convert_request,  # noqa: E402
                               is_stop_request, to_executor_request)
 from serving.server_stop import ServerStopWatcher, ShutdownHooks, server_http_endpoint  # noqa: E402
+from serving.shared_engine import KEY_STRIDE, open_shared_engine, rendezvous_paths  # noqa: E402
 from serving.stub_watchdog import start_server_watchdog  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
