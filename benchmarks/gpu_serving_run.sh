@@ -64,7 +64,7 @@ make_carry() {
   ls "$site"/numpy/core/_multiarray_umath.cpython-"$tag"-* >/dev/null  # the wheels match the Python
   tar cf - -C "$site" . | ${COMPRESS:-xz -T0 -9} > "$CARRY/stub_site.tar.xz"
   if [ "$pyver" = 3.12 ]; then
-    bash /work/shared/gpu/pack_tritonserver.sh "$CARRY/tritonserver.tar.xz" python3
+    bash ../shared/gpu/pack_tritonserver.sh "$CARRY/tritonserver.tar.xz" python3
   else  # a local test with another Python: the same selection as pack_tritonserver.sh, that stub
     local pysite
     pysite=$(python3 -c 'import importlib.util as u, os; print(os.path.dirname(os.path.dirname(u.find_spec("pytriton").origin)))')
