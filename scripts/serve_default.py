@@ -104,9 +104,8 @@ def ensure_engine(engine_dir: str) -> None:
                    check=True, cwd=REPO_ROOT)
 
 
-def wait_until_ready(process: subprocess.Popen, http_port: str, timeout: float = 600) -> bool:
-    """Poll the readiness endpoint until it answers 200, the server dies, or time runs out."""
-    url = f"http://127.0.0.1:{http_port}/v2/health/ready"
+def wait_for_200(process: subprocess.Popen, url: str, timeout: float) -> bool:
+    """Poll ``url`` until it answers 200, the server process dies, or time runs out."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         if process.poll() is not None:
@@ -125,23 +124,14 @@ def wait_until_ready(process: subprocess.Popen, http_port: str, timeout: float =
     return False
 
 
+def wait_until_ready(process: subprocess.Popen, http_port: str, timeout: float = 600) -> bool:
+    """Triton's readiness endpoint answers 200."""
+    return wait_for_200(process, f"http://127.0.0.1:{http_port}/v2/health/ready", timeout)
+
+
 def wait_until_frontend_ready(process: subprocess.Popen, port: str, timeout: float = 120) -> bool:
-    """Poll the OpenAI frontend's /health (200 once it is up and Triton's models are ready)."""
-    url = f"http://127.0.0.1:{port}/health"
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if process.poll() is not None:
-            return False
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
-                    return True
-        except urllib.error.HTTPError as error:
-            error.close()
-        except OSError:
-            pass
-        time.sleep(0.5)
-    return False
+    """The OpenAI frontend's /health answers 200 (it is up and Triton's models are ready)."""
+    return wait_for_200(process, f"http://127.0.0.1:{port}/health", timeout)
 
 
 def ready_message(http_port: str, grpc_port: str, metrics_port: str, openai_port: str | None = None,

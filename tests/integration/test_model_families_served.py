@@ -1,6 +1,7 @@
-"""A new family end to end, as a user brings it: a Qwen3 checkpoint directory, built with
-`python -m engine.build` and no length flag, served through `tensorrt_llm`; greedy ids equal
-transformers' `generate`. One extra server, started for this module."""
+"""New families end to end, as a user brings them: a Qwen3 and a Qwen3-MoE checkpoint directory
+(the MoE with one tensor per expert on disk), each built with `python -m engine.build` and no length
+flag and served through `tensorrt_llm`; greedy ids equal transformers' `generate`. One extra server
+per family, started in turn (module-scoped, parametrized)."""
 import os
 import shutil
 import subprocess
@@ -18,51 +19,58 @@ pytestmark = pytest.mark.integration
 
 PROMPTS = [[5, 17, 42, 8, 3, 77, 61], [90, 2], [33] * 12 + [4, 9]]
 NEW_TOKENS = 16
+_SHAPE = dict(vocab_size=96, hidden_size=72, intermediate_size=86, num_hidden_layers=3, num_attention_heads=6,
+              num_key_value_heads=2, head_dim=14, max_position_embeddings=128, rope_theta=1000000.0,
+              eos_token_id=None, bos_token_id=None, pad_token_id=None)
 
 
-@pytest.fixture(scope="module")
-def qwen3_checkpoint(smollm2_engine_dir, tmp_path_factory):
-    """(transformers model, checkpoint dir): a tiny random Qwen3 (odd head_dim, GQA 6/2) saved as a
-    HF safetensors directory, with SmolLM2's tokenizer so the repository's text models load."""
-    config = transformers.Qwen3Config(vocab_size=96, hidden_size=72, intermediate_size=86, num_hidden_layers=3,
-                                      num_attention_heads=6, num_key_value_heads=2, head_dim=14,
-                                      max_position_embeddings=128, rope_theta=1000000.0, eos_token_id=None,
-                                      bos_token_id=None, pad_token_id=None)
+def _qwen3() -> transformers.PreTrainedModel:
+    """Odd head_dim, GQA 6/2."""
+    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**_SHAPE))
+
+
+def _qwen3_moe() -> transformers.PreTrainedModel:
+    """8 experts, top-2 without renormalisation, a dense middle layer."""
+    config = transformers.Qwen3MoeConfig(**_SHAPE, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=30,
+                                         norm_topk_prob=False, mlp_only_layers=[1])
+    config._experts_implementation = "eager"  # grouped_mm needs 16-byte-aligned widths
+    return transformers.Qwen3MoeForCausalLM(config)
+
+
+@pytest.fixture(scope="module", params=[_qwen3, _qwen3_moe], ids=["qwen3", "qwen3_moe"])
+def served_family(request, smollm2_engine_dir, tmp_path_factory):
+    """(transformers model, server): the model saved as a HF safetensors directory with SmolLM2's
+    tokenizer (so the repository's text models load), built with no length flag, served."""
     torch.manual_seed(0)
-    model = transformers.Qwen3ForCausalLM(config).eval()
+    model = request.param().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_((1.0 if "norm" in name else 0.0) + 0.1 * torch.randn_like(p))
-    path = tmp_path_factory.mktemp("qwen3_ckpt")
-    model.save_pretrained(path)
+    name = request.param.__name__.strip("_")
+    checkpoint = tmp_path_factory.mktemp(f"{name}_ckpt")
+    model.save_pretrained(checkpoint)
     for tokenizer_file in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        source = f"{smollm2_engine_dir}/{tokenizer_file}"
+        source = os.path.join(smollm2_engine_dir, tokenizer_file)
         if os.path.exists(source):
-            shutil.copy(source, path)
-    return model, path
-
-
-@pytest.fixture(scope="module")
-def qwen3_server(qwen3_checkpoint, tmp_path_factory):
-    _, checkpoint = qwen3_checkpoint
-    engine_dir = tmp_path_factory.mktemp("qwen3_engine")
+            shutil.copy(source, checkpoint)
+    engine_dir = tmp_path_factory.mktemp(f"{name}_engine")
     build = subprocess.run([sys.executable, "-m", "engine.build", "--checkpoint", str(checkpoint),
                             "--output", str(engine_dir), "--dtype", "float32"],
                            capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert build.returncode == 0, build.stderr
-    with running_server(str(engine_dir), tmp_path_factory.mktemp("qwen3_triton"), decoupled=False) as server:
-        yield server
+    with running_server(str(engine_dir), tmp_path_factory.mktemp(f"{name}_triton"), decoupled=False) as server:
+        yield model, server
 
 
-def test_qwen3_greedy_ids_equal_transformers_generate(qwen3_server, qwen3_checkpoint):
-    model, _ = qwen3_checkpoint
+def test_greedy_ids_equal_transformers_generate(served_family):
+    model, server = served_family
     width = max(map(len, PROMPTS))
     inputs = {"input_ids": np.array([p + [0] * (width - len(p)) for p in PROMPTS], np.int32),
               "input_lengths": np.array([[len(p)] for p in PROMPTS], np.int32),
               "request_output_len": np.full((len(PROMPTS), 1), NEW_TOKENS, np.int32),
               "end_id": np.full((len(PROMPTS), 1), -1, np.int32),
               "exclude_input_in_output": np.full((len(PROMPTS), 1), True)}
-    result = infer(qwen3_server, inputs, ["output_ids", "sequence_length", "batch_index"])
+    result = infer(server, inputs, ["output_ids", "sequence_length", "batch_index"])
     output_ids, lengths = result.as_numpy("output_ids"), result.as_numpy("sequence_length")
     rows = result.as_numpy("batch_index").reshape(-1).tolist()
     for i, prompt in enumerate(PROMPTS):
