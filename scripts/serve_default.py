@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--metrics_port", default=os.environ.get("METRICS_PORT", "8002"))
     parser.add_argument("--openai_port", default=os.environ.get("OPENAI_PORT", "9000"),
                         help="port of the OpenAI-compatible frontend ('' turns it off)")
-    parser.add_argument("--bls_instances", type=int, default=8,
+    parser.add_argument("--bls_instances", type=int, default=2,
                         help="tensorrt_llm_bls instances: each serves one request at a time, so this bounds "
                              "the OpenAI frontend's concurrent requests (choices)")
     args = parser.parse_args(argv)
