@@ -83,6 +83,19 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 SERVED_PATHS = ("http", "grpc", "grpc_bls", "openai")
 ALL_PATHS = ("engine",) + SERVED_PATHS
 OPENAI_MODEL_NAME = "bench"
+# A served stream that sends nothing for this long has stalled (--stall_timeout; the environment
+# carries it to the client worker processes). Well under gpu_serving_run.sh's per-model budget, so
+# a stall ends as an error naming the path, with the stubs' stacks in the server log, not as a kill.
+STALL_TIMEOUT_ENV = "SERVING_BENCH_STALL_TIMEOUT_S"
+DEFAULT_STALL_TIMEOUT_S = 120.0
+
+
+class StallError(RuntimeError):
+    """A served stream sent nothing for stall_timeout_s()."""
+
+
+def stall_timeout_s() -> float:
+    return float(os.environ.get(STALL_TIMEOUT_ENV, DEFAULT_STALL_TIMEOUT_S))
 
 
 def load_script(name: str, folder: str = "scripts"):
@@ -452,14 +465,22 @@ def run_http(server_url: str, feed: PromptFeed, clients: int, requests: int, out
 
     async def main() -> list[Timing]:
         connector = aiohttp.TCPConnector(limit=0)
-        timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+        timeout = aiohttp.ClientTimeout(total=None, sock_read=stall_timeout_s())
         url = f"{server_url}/v2/models/ensemble/generate_stream"
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
             per_client = await asyncio.gather(*[http_client(session, url, feed, requests, output_len, count_words)
                                                 for _ in range(clients)])
         return [t for timings in per_client for t in timings]
 
-    return asyncio.run(main())
+    return run_stream_loop(main(), "http (ensemble generate_stream)")
+
+
+def run_stream_loop(coroutine, what: str) -> list[Timing]:
+    """asyncio.run for the aiohttp paths; a read that waited stall_timeout_s() becomes a StallError."""
+    try:
+        return asyncio.run(coroutine)
+    except asyncio.TimeoutError:
+        raise StallError(f"{what}: a stream sent nothing for {stall_timeout_s():.0f} s") from None
 
 
 def grpc_inputs(prompt: str, output_len: int, like_openai: bool = False) -> list:
@@ -501,7 +522,11 @@ def grpc_client(url: str, feed: PromptFeed, requests: int, output_len: int, timi
             timing = Timing(sent=time.perf_counter())
             client.async_stream_infer(model, inputs, request_id=str(index), enable_empty_final_response=True)
             while True:
-                when, result, error = arrivals.get(timeout=600)
+                try:
+                    when, result, error = arrivals.get(timeout=stall_timeout_s())
+                except queue.Empty:
+                    raise StallError(f"gRPC into {model}: nothing for {stall_timeout_s():.0f} s on this client's "
+                                     f"request {index} ({len(timing.events)} text responses of it so far)") from None
                 if error is not None:
                     raise RuntimeError(f"gRPC stream error: {error}")
                 text = result.as_numpy("text_output")
@@ -640,14 +665,14 @@ def run_openai(frontend_url: str, feed: PromptFeed, clients: int, requests: int,
 
     async def main() -> list[Timing]:
         connector = aiohttp.TCPConnector(limit=0)
-        timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+        timeout = aiohttp.ClientTimeout(total=None, sock_read=stall_timeout_s())
         url = f"{frontend_url}/v1/{'chat/completions' if chat else 'completions'}"
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
             per_client = await asyncio.gather(*[openai_client(session, url, feed, requests, output_len, chat)
                                                 for _ in range(clients)])
         return [t for timings in per_client for t in timings]
 
-    return asyncio.run(main())
+    return run_stream_loop(main(), "openai (frontend SSE)")
 
 
 def run_engine(executor, feed: PromptFeed, clients: int, requests: int, output_len: int) -> list[Timing]:
@@ -848,10 +873,52 @@ def run_variant(results: dict, args: argparse.Namespace, feed: PromptFeed, execu
                     for path in order:
                         measure(results, path, runners[path], args, feed, clients, round_index,
                                 variant="" if path == "engine" else variant, stream_counts=counters.get(path))
-        except Exception:
+        except Exception as error:
             if server is not None:
-                results["server_log_tail"] = server.log_tail()
+                if isinstance(error, StallError) or "StallError" in str(error):  # (from a client process too)
+                    dumped = dump_stub_stacks(server.process.pid)
+                    print(f"serving_bench: {error}\n  asked {dumped} Python-backend stubs for their stacks "
+                          f"(in {server.log_path}); the server log ends:\n{server.log_tail(6000)}",
+                          file=sys.stderr, flush=True)
+                results["server_log_tail"] = server.log_tail(20000)
             raise
+
+
+def descendant_pids(root: int) -> list[int]:
+    """Every process below ``root`` (read from /proc; [] where there is no /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def dump_stub_stacks(server_pid: int, settle_s: float = 1.0) -> int:
+    """Ask every Python-backend stub under the server for all its threads' Python stacks (they
+    register STACK_DUMP_SIGNAL in serving/stub_watchdog.py and write to the server's log);
+    returns how many were asked. Only processes named as stubs are signalled."""
+    from serving.stub_watchdog import STACK_DUMP_SIGNAL
+
+    asked = 0
+    for pid in descendant_pids(server_pid):
+        try:
+            if "triton_python_backend_stub" not in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+                continue
+            os.kill(pid, STACK_DUMP_SIGNAL)
+            asked += 1
+        except (OSError, ProcessLookupError):
+            continue
+    if asked:
+        time.sleep(settle_s)  # let them write before the log is read
+    return asked
 
 
 def client_processes(args: argparse.Namespace) -> int:
@@ -1046,6 +1113,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--cpu_threads", type=int, default=None,
                         help="torch threads of both engines (default: 1 on CPU, unchanged on a GPU)")
     parser.add_argument("--ready_timeout", type=float, default=600.0)
+    parser.add_argument("--stall_timeout", type=float, default=DEFAULT_STALL_TIMEOUT_S,
+                        help="seconds a served stream may send nothing before the run fails as stalled "
+                             "(the stubs' Python stacks then go to the server log)")
     parser.add_argument("--work_dir", default=None, help="repository, engine and server log (default: a temp dir)")
     parser.add_argument("--out", default="serving_bench.json")
     parser.add_argument("--results_md", default=None, help="append the dated table to this file")
@@ -1062,6 +1132,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    os.environ[STALL_TIMEOUT_ENV] = str(args.stall_timeout)  # before the client processes are spawned
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="serving-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     from engine.config import EngineConfig
