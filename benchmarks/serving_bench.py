@@ -876,8 +876,8 @@ def run_variant(results: dict, args: argparse.Namespace, feed: PromptFeed, execu
         except Exception as error:
             if server is not None:
                 if isinstance(error, StallError) or "StallError" in str(error):  # (from a client process too)
-                    dumped = dump_stub_stacks(server.process.pid)
-                    print(f"serving_bench: {error}\n  asked {dumped} Python-backend stubs for their stacks "
+                    dumped = dump_server_stacks(server.process.pid)
+                    print(f"serving_bench: {error}\n  asked {dumped} stub and engine processes for their stacks "
                           f"(in {server.log_path}); the server log ends:\n{server.log_tail(6000)}",
                           file=sys.stderr, flush=True)
                 results["server_log_tail"] = server.log_tail(20000)
@@ -901,21 +901,28 @@ def descendant_pids(root: int) -> list[int]:
     return found
 
 
-def dump_stub_stacks(server_pid: int, settle_s: float = 1.0) -> int:
-    """Ask every Python-backend stub under the server for all its threads' Python stacks (they
-    register STACK_DUMP_SIGNAL in serving/stub_watchdog.py and write to the server's log);
-    returns how many were asked. Only processes named as stubs are signalled."""
+# Processes of a server that dump their threads' Python stacks on STACK_DUMP_SIGNAL: the Python
+# backend's stubs (serving/stub_watchdog.py) and the engine process (engine/executor/engine_process.py).
+STACK_DUMP_PROCESSES = ("triton_python_backend_stub", "engine.executor.engine_process")
+
+
+def dump_server_stacks(server_pid: int, settle_s: float = 1.0) -> int:
+    """Ask every stub and engine process under the server for all its threads' Python stacks
+    (written to the server's log); returns how many were asked. Only processes named in
+    STACK_DUMP_PROCESSES are signalled (to any other, the signal would be fatal)."""
     from serving.stub_watchdog import STACK_DUMP_SIGNAL
 
     asked = 0
     for pid in descendant_pids(server_pid):
         try:
-            if "triton_python_backend_stub" not in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            if not any(name in command for name in STACK_DUMP_PROCESSES):
                 continue
             os.kill(pid, STACK_DUMP_SIGNAL)
             asked += 1
-        except (OSError, ProcessLookupError):
+        except OSError:  # gone meanwhile
             continue
+        time.sleep(settle_s / 20)  # one at a time: dumps written at once interleave in the shared log
     if asked:
         time.sleep(settle_s)  # let them write before the log is read
     return asked

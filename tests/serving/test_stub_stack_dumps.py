@@ -1,5 +1,5 @@
 """A stalled stub can be read: start_server_watchdog makes a process dump every thread's Python
-stack on STACK_DUMP_SIGNAL, and serving_bench's dump_stub_stacks finds and signals the stubs
+stack on STACK_DUMP_SIGNAL, and serving_bench's dump_server_stacks finds and signals the stubs
 under a server pid (real processes; the "stub" here is a Python process named like one)."""
 import importlib.util
 import os
@@ -73,12 +73,13 @@ def test_stack_dump_signal_writes_every_thread_and_leaves_the_stub_running(tmp_p
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
-def test_dump_stub_stacks_signals_only_the_stubs_below_the_server(tmp_path):
+@pytest.mark.parametrize("name", ["triton_python_backend_stub", "engine.executor.engine_process"])
+def test_dump_server_stacks_signals_only_stubs_and_engine_processes_below_the_server(tmp_path, name):
     bench = load_serving_bench()
     # A "server": a shell whose children are one stub and one other process (which has no
     # handler: were it signalled, it would die).
     server = subprocess.Popen(["/bin/bash", "-c", "sleep 60 & wait"])
-    stub = start_stub(tmp_path, "triton_python_backend_stub")  # not below the server
+    stub = start_stub(tmp_path, name)  # not below the server
     other = []
     try:
         deadline = time.monotonic() + 10
@@ -86,11 +87,10 @@ def test_dump_stub_stacks_signals_only_the_stubs_below_the_server(tmp_path):
             time.sleep(0.05)
         other = bench.descendant_pids(server.pid)
         assert len(other) == 1
-        assert bench.dump_stub_stacks(server.pid, settle_s=0) == 0  # the sleep is no stub: untouched
+        assert bench.dump_server_stacks(server.pid, settle_s=0) == 0  # the sleep is no stub: untouched
         os.kill(other[0], 0)  # still alive
-        assert bench.dump_stub_stacks(os.getpid(), settle_s=0) == 1  # the stub below this test process
-        assert "waiting_for_a_bls_response" in wait_for_text(tmp_path / "triton_python_backend_stub.err",
-                                                            "waiting_for_a_bls_response")
+        assert bench.dump_server_stacks(os.getpid(), settle_s=0) == 1  # the stub below this test process
+        assert "waiting_for_a_bls_response" in wait_for_text(tmp_path / f"{name}.err", "waiting_for_a_bls_response")
     finally:
         for pid in other:
             os.kill(pid, signal.SIGKILL)
