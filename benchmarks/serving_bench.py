@@ -920,6 +920,8 @@ def dump_server_stacks(server_pid: int, settle_s: float = 1.0) -> int:
                 continue
             os.kill(pid, STACK_DUMP_SIGNAL)
             asked += 1
+            # faulthandler's dumps do not name their process; they reach the log in this order.
+            print(f"  stacks asked of pid {pid}: {command.replace(chr(0), ' ')[:160]}", file=sys.stderr, flush=True)
         except OSError:  # gone meanwhile
             continue
         time.sleep(settle_s / 20)  # one at a time: dumps written at once interleave in the shared log
