@@ -588,12 +588,12 @@ class ClientProcesses:
             worker.start()
 
     def run(self, path: str, url: str, clients: int, requests: int, output_len: int,
-            count_words: bool) -> list[Timing]:
+            count_words: bool, chat: bool = False) -> list[Timing]:
         used = min(len(self._workers), clients)
         shares = [clients // used + (1 if i < clients % used else 0) for i in range(used)]
         start_at = time.perf_counter() + self.START_DELAY_S
         for tasks, share in zip(self._tasks, shares):
-            tasks.put((path, url, share, requests, output_len, count_words, start_at))
+            tasks.put((path, url, share, requests, output_len, count_words, chat, start_at))
         timings, errors = [], []
         for _ in range(used):
             _, rows, error = self._results.get(timeout=900)
@@ -621,14 +621,27 @@ def client_worker(index: int, prompts: list[str], tasks, results) -> None:
         task = tasks.get()
         if task is None:
             return
-        path, url, clients, requests, output_len, count_words, start_at = task
+        path, url, clients, requests, output_len, count_words, chat, start_at = task
         time.sleep(max(0.0, start_at - time.perf_counter()))
         try:
-            run = run_http if path == "http" else run_grpc
-            timings = run(url, feed, clients, requests, output_len, count_words=count_words)
+            timings = run_served_path(path, url, feed, clients, requests, output_len, count_words, chat)
             results.put((index, [(t.sent, t.events, t.event_tokens) for t in timings], None))
         except Exception as error:  # noqa: BLE001 - reported by the parent
             results.put((index, [], f"{type(error).__name__}: {error}"))
+
+
+def run_served_path(path: str, url: str, feed: PromptFeed, clients: int, requests: int, output_len: int,
+                    count_words: bool, chat: bool) -> list[Timing]:
+    """One served path's closed loop, in this process (the parent, or a ClientProcesses worker)."""
+    if path == "http":
+        return run_http(url, feed, clients, requests, output_len, count_words=count_words)
+    if path == "grpc":
+        return run_grpc(url, feed, clients, requests, output_len, count_words=count_words)
+    if path == "grpc_bls":
+        return run_grpc(url, feed, clients, requests, output_len, model="tensorrt_llm_bls")
+    if path == "openai":
+        return run_openai(url, feed, clients, requests, output_len, chat=chat)
+    raise ValueError(f"unknown served path {path!r}")
 
 
 async def openai_client(session, url: str, feed: PromptFeed, requests: int, output_len: int,
@@ -851,18 +864,20 @@ def run_variant(results: dict, args: argparse.Namespace, feed: PromptFeed, execu
             print(f"tritonserver{f' ({variant})' if variant else ''} ready in {server.load_seconds:.1f} s "
                   f"(HTTP {server.http_port}, gRPC {server.grpc_port}"
                   f"{', OpenAI ' + server.openai_port if server.frontend else ''})", flush=True)
-            urls = {"http": server.http_url, "grpc": server.grpc_url}
-            for path in ("http", "grpc"):  # the ensemble paths: clients in worker processes when there are some
+            urls = {"http": server.http_url, "grpc": server.grpc_url, "grpc_bls": server.grpc_url,
+                    "openai": server.openai_url}
+            chat = args.openai_api == "chat"
+            # Every served path's clients in the worker processes when there are some: a path whose
+            # clients share the parent (its interpreter lock, its CUDA context and idle executor) is
+            # not measured like the others (the BLS paths were, until 2026-11-24).
+            for path in SERVED_PATHS:
                 if pool is not None:
-                    runners[path] = lambda f, c, r, n, p=path: pool.run(p, urls[p], c, r, n, count_words)
+                    runners[path] = lambda f, c, r, n, p=path: pool.run(p, urls[p], c, r, n, count_words, chat)
                 else:
-                    local = run_http if path == "http" else run_grpc
-                    runners[path] = lambda f, c, r, n, p=path, run=local: run(urls[p], f, c, r, n,
-                                                                               count_words=count_words)
+                    runners[path] = lambda f, c, r, n, p=path: run_served_path(p, urls[p], f, c, r, n,
+                                                                              count_words, chat)
+            for path in ("http", "grpc"):  # the ensemble paths: the server's streamed-token counters
                 counters[path] = lambda: scrape_stream_counts(server.metrics_url)
-            runners["grpc_bls"] = lambda f, c, r, n: run_grpc(server.grpc_url, f, c, r, n, model="tensorrt_llm_bls")
-            runners["openai"] = lambda f, c, r, n: run_openai(server.openai_url, f, c, r, n,
-                                                              chat=args.openai_api == "chat")
         if executor is not None:
             runners["engine"] = lambda f, c, r, n: run_engine(executor, f, c, r, n)
         paths = [p for p in ALL_PATHS if p in args.paths and p in runners]
