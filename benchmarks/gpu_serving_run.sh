@@ -40,6 +40,8 @@
 #   TENSORRT_LLM_INSTANCES=1 (tensorrt_llm instances relaying one engine process)
 #   VARIANTS="" (several servers in one run beside one in-process engine, e.g. the relay before and
 #     after issue 14: "before:tensorrt_llm_instances=1 after:tensorrt_llm_instances=4,postprocessing_instances=4")
+#   STALL_TIMEOUT_S=120 (a served stream silent this long fails the run as stalled; the stubs' Python
+#     stacks then go to the tritonserver log, which is copied to $OUT)
 #   CLIENT_PROCESSES=0 (processes the benchmark's clients run in; 0: one per 32 streams, up to cores/4)
 #   PATHS=http,grpc,engine (serving_bench.py --paths; add grpc_bls,openai for the OpenAI frontend,
 #   which runs from this checkout on the same python3; OPENAI_API=completions|chat)
@@ -175,6 +177,7 @@ for model in $MODELS; do
     --results_md "$RESULTS/serving_results.md" --engine_process "${ENGINE_PROCESS:-true}" \
     --postprocessing_instances "${POSTPROCESSING_INSTANCES:-1}" --preprocessing_instances "${PREPROCESSING_INSTANCES:-1}" \
     --tensorrt_llm_instances "${TENSORRT_LLM_INSTANCES:-1}" --client_processes "${CLIENT_PROCESSES:-0}" \
+    --stall_timeout "${STALL_TIMEOUT_S:-120}" \
     --paths "${PATHS:-http,grpc,engine}" --openai_api "${OPENAI_API:-completions}" \
     ${VARIANTS:+--variants "$VARIANTS"}
   rc=$?

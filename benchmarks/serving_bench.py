@@ -83,6 +83,19 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 SERVED_PATHS = ("http", "grpc", "grpc_bls", "openai")
 ALL_PATHS = ("engine",) + SERVED_PATHS
 OPENAI_MODEL_NAME = "bench"
+# A served stream that sends nothing for this long has stalled (--stall_timeout; the environment
+# carries it to the client worker processes). Well under gpu_serving_run.sh's per-model budget, so
+# a stall ends as an error naming the path, with the stubs' stacks in the server log, not as a kill.
+STALL_TIMEOUT_ENV = "SERVING_BENCH_STALL_TIMEOUT_S"
+DEFAULT_STALL_TIMEOUT_S = 120.0
+
+
+class StallError(RuntimeError):
+    """A served stream sent nothing for stall_timeout_s()."""
+
+
+def stall_timeout_s() -> float:
+    return float(os.environ.get(STALL_TIMEOUT_ENV, DEFAULT_STALL_TIMEOUT_S))
 
 
 def load_script(name: str, folder: str = "scripts"):
@@ -452,14 +465,22 @@ def run_http(server_url: str, feed: PromptFeed, clients: int, requests: int, out
 
     async def main() -> list[Timing]:
         connector = aiohttp.TCPConnector(limit=0)
-        timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+        timeout = aiohttp.ClientTimeout(total=None, sock_read=stall_timeout_s())
         url = f"{server_url}/v2/models/ensemble/generate_stream"
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
             per_client = await asyncio.gather(*[http_client(session, url, feed, requests, output_len, count_words)
                                                 for _ in range(clients)])
         return [t for timings in per_client for t in timings]
 
-    return asyncio.run(main())
+    return run_stream_loop(main(), "http (ensemble generate_stream)")
+
+
+def run_stream_loop(coroutine, what: str) -> list[Timing]:
+    """asyncio.run for the aiohttp paths; a read that waited stall_timeout_s() becomes a StallError."""
+    try:
+        return asyncio.run(coroutine)
+    except asyncio.TimeoutError:
+        raise StallError(f"{what}: a stream sent nothing for {stall_timeout_s():.0f} s") from None
 
 
 def grpc_inputs(prompt: str, output_len: int, like_openai: bool = False) -> list:
@@ -501,7 +522,11 @@ def grpc_client(url: str, feed: PromptFeed, requests: int, output_len: int, timi
             timing = Timing(sent=time.perf_counter())
             client.async_stream_infer(model, inputs, request_id=str(index), enable_empty_final_response=True)
             while True:
-                when, result, error = arrivals.get(timeout=600)
+                try:
+                    when, result, error = arrivals.get(timeout=stall_timeout_s())
+                except queue.Empty:
+                    raise StallError(f"gRPC into {model}: nothing for {stall_timeout_s():.0f} s on this client's "
+                                     f"request {index} ({len(timing.events)} text responses of it so far)") from None
                 if error is not None:
                     raise RuntimeError(f"gRPC stream error: {error}")
                 text = result.as_numpy("text_output")
@@ -563,12 +588,12 @@ class ClientProcesses:
             worker.start()
 
     def run(self, path: str, url: str, clients: int, requests: int, output_len: int,
-            count_words: bool) -> list[Timing]:
+            count_words: bool, chat: bool = False) -> list[Timing]:
         used = min(len(self._workers), clients)
         shares = [clients // used + (1 if i < clients % used else 0) for i in range(used)]
         start_at = time.perf_counter() + self.START_DELAY_S
         for tasks, share in zip(self._tasks, shares):
-            tasks.put((path, url, share, requests, output_len, count_words, start_at))
+            tasks.put((path, url, share, requests, output_len, count_words, chat, start_at))
         timings, errors = [], []
         for _ in range(used):
             _, rows, error = self._results.get(timeout=900)
@@ -596,14 +621,27 @@ def client_worker(index: int, prompts: list[str], tasks, results) -> None:
         task = tasks.get()
         if task is None:
             return
-        path, url, clients, requests, output_len, count_words, start_at = task
+        path, url, clients, requests, output_len, count_words, chat, start_at = task
         time.sleep(max(0.0, start_at - time.perf_counter()))
         try:
-            run = run_http if path == "http" else run_grpc
-            timings = run(url, feed, clients, requests, output_len, count_words=count_words)
+            timings = run_served_path(path, url, feed, clients, requests, output_len, count_words, chat)
             results.put((index, [(t.sent, t.events, t.event_tokens) for t in timings], None))
         except Exception as error:  # noqa: BLE001 - reported by the parent
             results.put((index, [], f"{type(error).__name__}: {error}"))
+
+
+def run_served_path(path: str, url: str, feed: PromptFeed, clients: int, requests: int, output_len: int,
+                    count_words: bool, chat: bool) -> list[Timing]:
+    """One served path's closed loop, in this process (the parent, or a ClientProcesses worker)."""
+    if path == "http":
+        return run_http(url, feed, clients, requests, output_len, count_words=count_words)
+    if path == "grpc":
+        return run_grpc(url, feed, clients, requests, output_len, count_words=count_words)
+    if path == "grpc_bls":
+        return run_grpc(url, feed, clients, requests, output_len, model="tensorrt_llm_bls")
+    if path == "openai":
+        return run_openai(url, feed, clients, requests, output_len, chat=chat)
+    raise ValueError(f"unknown served path {path!r}")
 
 
 async def openai_client(session, url: str, feed: PromptFeed, requests: int, output_len: int,
@@ -640,14 +678,14 @@ def run_openai(frontend_url: str, feed: PromptFeed, clients: int, requests: int,
 
     async def main() -> list[Timing]:
         connector = aiohttp.TCPConnector(limit=0)
-        timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+        timeout = aiohttp.ClientTimeout(total=None, sock_read=stall_timeout_s())
         url = f"{frontend_url}/v1/{'chat/completions' if chat else 'completions'}"
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
             per_client = await asyncio.gather(*[openai_client(session, url, feed, requests, output_len, chat)
                                                 for _ in range(clients)])
         return [t for timings in per_client for t in timings]
 
-    return asyncio.run(main())
+    return run_stream_loop(main(), "openai (frontend SSE)")
 
 
 def run_engine(executor, feed: PromptFeed, clients: int, requests: int, output_len: int) -> list[Timing]:
@@ -826,18 +864,20 @@ def run_variant(results: dict, args: argparse.Namespace, feed: PromptFeed, execu
             print(f"tritonserver{f' ({variant})' if variant else ''} ready in {server.load_seconds:.1f} s "
                   f"(HTTP {server.http_port}, gRPC {server.grpc_port}"
                   f"{', OpenAI ' + server.openai_port if server.frontend else ''})", flush=True)
-            urls = {"http": server.http_url, "grpc": server.grpc_url}
-            for path in ("http", "grpc"):  # the ensemble paths: clients in worker processes when there are some
+            urls = {"http": server.http_url, "grpc": server.grpc_url, "grpc_bls": server.grpc_url,
+                    "openai": server.openai_url}
+            chat = args.openai_api == "chat"
+            # Every served path's clients in the worker processes when there are some: a path whose
+            # clients share the parent (its interpreter lock, its CUDA context and idle executor) is
+            # not measured like the others (the BLS paths were, until 2026-11-24).
+            for path in SERVED_PATHS:
                 if pool is not None:
-                    runners[path] = lambda f, c, r, n, p=path: pool.run(p, urls[p], c, r, n, count_words)
+                    runners[path] = lambda f, c, r, n, p=path: pool.run(p, urls[p], c, r, n, count_words, chat)
                 else:
-                    local = run_http if path == "http" else run_grpc
-                    runners[path] = lambda f, c, r, n, p=path, run=local: run(urls[p], f, c, r, n,
-                                                                               count_words=count_words)
+                    runners[path] = lambda f, c, r, n, p=path: run_served_path(p, urls[p], f, c, r, n,
+                                                                              count_words, chat)
+            for path in ("http", "grpc"):  # the ensemble paths: the server's streamed-token counters
                 counters[path] = lambda: scrape_stream_counts(server.metrics_url)
-            runners["grpc_bls"] = lambda f, c, r, n: run_grpc(server.grpc_url, f, c, r, n, model="tensorrt_llm_bls")
-            runners["openai"] = lambda f, c, r, n: run_openai(server.openai_url, f, c, r, n,
-                                                              chat=args.openai_api == "chat")
         if executor is not None:
             runners["engine"] = lambda f, c, r, n: run_engine(executor, f, c, r, n)
         paths = [p for p in ALL_PATHS if p in args.paths and p in runners]
@@ -848,10 +888,61 @@ def run_variant(results: dict, args: argparse.Namespace, feed: PromptFeed, execu
                     for path in order:
                         measure(results, path, runners[path], args, feed, clients, round_index,
                                 variant="" if path == "engine" else variant, stream_counts=counters.get(path))
-        except Exception:
+        except Exception as error:
             if server is not None:
-                results["server_log_tail"] = server.log_tail()
+                if isinstance(error, StallError) or "StallError" in str(error):  # (from a client process too)
+                    dumped = dump_server_stacks(server.process.pid)
+                    print(f"serving_bench: {error}\n  asked {dumped} stub and engine processes for their stacks "
+                          f"(in {server.log_path}); the server log ends:\n{server.log_tail(6000)}",
+                          file=sys.stderr, flush=True)
+                results["server_log_tail"] = server.log_tail(20000)
             raise
+
+
+def descendant_pids(root: int) -> list[int]:
+    """Every process below ``root`` (read from /proc; [] where there is no /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+# Processes of a server that dump their threads' Python stacks on STACK_DUMP_SIGNAL: the Python
+# backend's stubs (serving/stub_watchdog.py) and the engine process (engine/executor/engine_process.py).
+STACK_DUMP_PROCESSES = ("triton_python_backend_stub", "engine.executor.engine_process")
+
+
+def dump_server_stacks(server_pid: int, settle_s: float = 1.0) -> int:
+    """Ask every stub and engine process under the server for all its threads' Python stacks
+    (written to the server's log); returns how many were asked. Only processes named in
+    STACK_DUMP_PROCESSES are signalled (to any other, the signal would be fatal)."""
+    from serving.stub_watchdog import STACK_DUMP_SIGNAL
+
+    asked = 0
+    for pid in descendant_pids(server_pid):
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            if not any(name in command for name in STACK_DUMP_PROCESSES):
+                continue
+            os.kill(pid, STACK_DUMP_SIGNAL)
+            asked += 1
+            # faulthandler's dumps do not name their process; they reach the log in this order.
+            print(f"  stacks asked of pid {pid}: {command.replace(chr(0), ' ')[:160]}", file=sys.stderr, flush=True)
+        except OSError:  # gone meanwhile
+            continue
+        time.sleep(settle_s / 20)  # one at a time: dumps written at once interleave in the shared log
+    if asked:
+        time.sleep(settle_s)  # let them write before the log is read
+    return asked
 
 
 def client_processes(args: argparse.Namespace) -> int:
@@ -1046,6 +1137,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--cpu_threads", type=int, default=None,
                         help="torch threads of both engines (default: 1 on CPU, unchanged on a GPU)")
     parser.add_argument("--ready_timeout", type=float, default=600.0)
+    parser.add_argument("--stall_timeout", type=float, default=DEFAULT_STALL_TIMEOUT_S,
+                        help="seconds a served stream may send nothing before the run fails as stalled "
+                             "(the stubs' Python stacks then go to the server log)")
     parser.add_argument("--work_dir", default=None, help="repository, engine and server log (default: a temp dir)")
     parser.add_argument("--out", default="serving_bench.json")
     parser.add_argument("--results_md", default=None, help="append the dated table to this file")
@@ -1062,6 +1156,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    os.environ[STALL_TIMEOUT_ENV] = str(args.stall_timeout)  # before the client processes are spawned
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="serving-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     from engine.config import EngineConfig

@@ -9,15 +9,29 @@ keep generating for nobody.
 The watchdog is a separate shell process, not a thread, for that reason. It kills the stub once
 the stub's parent changes; it ends by itself when the stub exits normally (its /proc entry goes
 away, or the pid now names another process, told apart by the start time) and kills nothing then.
+
+The same call makes the stub dump every thread's Python stack to its stderr (the server's log) on
+SIGUSR1 (``faulthandler``: it runs in the signal handler, so it works while a thread blocks in the
+backend's IPC holding the GIL). That is how a stalled stub is read without a debugger:
+benchmarks/serving_bench.py sends it to the server's stubs when a stream stalls.
 """
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 import subprocess
+import sys
+
+STACK_DUMP_SIGNAL = signal.SIGUSR1  # (the Python backend's stub does not use it)
 
 
 def start_server_watchdog() -> None:
     """Call once from a stub (a model's `initialize`)."""
+    try:
+        faulthandler.register(STACK_DUMP_SIGNAL, file=sys.__stderr__, all_threads=True)
+    except (AttributeError, ValueError, OSError):  # no stderr file descriptor: no dumps, nothing else lost
+        pass
     stub, server = os.getpid(), os.getppid()
     with open("/proc/self/stat") as stat:
         started = stat.read().rsplit(")", 1)[1].split()[19]  # field 22: start time, tells pid reuse apart

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import itertools
 import operator
 import os
@@ -572,6 +573,9 @@ def main(argv: list[str] | None = None) -> None:
     # to the model, which would then restart it in the middle of the shutdown.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # SIGUSR1: every thread's Python stack to stderr (the server's log), also while the loop is
+    # stuck in a device call; benchmarks/serving_bench.py asks for it when a served stream stalls.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     code = serve(Connection(args.fd), args.listen)
     sys.stdout.flush()
     sys.stderr.flush()
