@@ -34,18 +34,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.models.layers import Linear, Norm, RowParallelLinear, VocabParallelEmbedding, vocab_parallel_logits
+from engine.models.layers import (Linear, Norm, RowParallelLinear, VocabParallelEmbedding, rms_norm_heads,
+                                  vocab_parallel_logits)
 from kernels.activation import gelu_tanh_and_mul
 from kernels.attention import paged_attention
 from kernels.attention_metadata import AttentionMetadata
 from kernels.rmsnorm import rms_norm
 from kernels.rotary import build_cos_sin_cache, rotary_and_write_kv
-
-
-def _per_head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x: (num_tokens, heads, head_dim), any strides -> RMSNorm over head_dim, contiguous."""
-    num_tokens, heads, head_dim = x.shape
-    return rms_norm(x.reshape(num_tokens * heads, head_dim), weight, eps)[0].view(num_tokens, heads, head_dim)
 
 
 class GemmaLayer(nn.Module):
@@ -84,8 +79,8 @@ class GemmaLayer(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q = _per_head_rms_norm(q, self.q_norm.weight, self.eps)
-            k = _per_head_rms_norm(k, self.k_norm.weight, self.eps)
+            q = rms_norm_heads(q, self.q_norm.weight, self.eps)
+            k = rms_norm_heads(k, self.k_norm.weight, self.eps)
         k_cache, v_cache = kv_cache[self.layer_index, 0], kv_cache[self.layer_index, 1]
         q = rotary_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping, is_neox=True)
         out = paged_attention(q, k_cache, v_cache, meta, self.scale, sliding_window=self.sliding_window,

@@ -31,6 +31,7 @@ from torch import nn
 
 from kernels.fp8 import FP8_DTYPE, fp8_gated_linear, fp8_linear
 from kernels.linear import gated_linear, linear
+from kernels.rmsnorm import rms_norm
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +164,13 @@ class Norm(nn.Module):
         super().__init__()
         self.weight = _empty(size, dtype=dtype, device=device)
         self.bias = _empty(size, dtype=dtype, device=device) if bias else None
+
+
+def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over head_dim of every head (Qwen3's and Gemma 3's q/k norms): x (num_tokens, heads,
+    head_dim), any strides, weight (head_dim,) -> (num_tokens, heads, head_dim), contiguous."""
+    num_tokens, heads, head_dim = x.shape
+    return rms_norm(x.reshape(num_tokens * heads, head_dim), weight, eps)[0].view(num_tokens, heads, head_dim)
 
 
 class VocabParallelEmbedding(nn.Module):

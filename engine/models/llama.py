@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.models.layers import Linear, Norm, RowParallelLinear, VocabParallelEmbedding, vocab_parallel_logits
+from engine.models.layers import (Linear, Norm, RowParallelLinear, VocabParallelEmbedding, rms_norm_heads,
+                                  vocab_parallel_logits)
 from kernels.attention_metadata import AttentionMetadata
 from kernels.attention import paged_attention, write_kv_cache
 from kernels.rmsnorm import rms_norm
@@ -74,17 +75,13 @@ class LlamaLayer(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * inter_local, bias=False, **quant)
         self.down_proj = RowParallelLinear(inter_local, config.hidden_size, bias=False, tp_group=tp_group, **quant)
 
-    def _norm_heads(self, x: torch.Tensor, norm: Norm) -> torch.Tensor:
-        """RMSNorm over head_dim of every head: x (num_tokens, heads, head_dim) -> same shape, contiguous."""
-        return rms_norm(x.reshape(-1, self.head_dim), norm.weight, self.eps)[0].view(x.shape)
-
     def attention(self, x, positions, cos_sin_cache, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self._norm_heads(q, self.q_norm), self._norm_heads(k, self.k_norm)
+            q, k = rms_norm_heads(q, self.q_norm.weight, self.eps), rms_norm_heads(k, self.k_norm.weight, self.eps)
         k_cache, v_cache = kv_cache[self.layer_index, 0], kv_cache[self.layer_index, 1]
         if self.use_rope:
             # apply_rotary + write_kv_cache, fused into one kernel on CUDA; returns the rotated q.
