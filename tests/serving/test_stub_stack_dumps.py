@@ -37,11 +37,14 @@ def load_serving_bench():
     return module
 
 
-def start_stub(tmp_path, name: str) -> subprocess.Popen:
+def start_stub(tmp_path, name: str, *, own_server: bool = False) -> subprocess.Popen:
+    """The stand-in stub, or with ``own_server`` a shell (the "server") whose one child it is."""
     stderr = open(tmp_path / f"{name}.err", "w")
     # exec -a: the process's argv[0] (its /proc cmdline) names it as the stub binary does.
-    process = subprocess.Popen(["/bin/bash", "-c", f'exec -a {name} "$0" -c "$1"', sys.executable,
-                                STUB.format(root=str(REPO_ROOT))],
+    script = f'exec -a {name} "$0" -c "$1"'
+    if own_server:
+        script = f"({script}) & wait"
+    process = subprocess.Popen(["/bin/bash", "-c", script, sys.executable, STUB.format(root=str(REPO_ROOT))],
                                stdout=subprocess.PIPE, stderr=stderr, text=True)
     assert process.stdout.readline().strip() == "ready"
     return process
@@ -79,8 +82,10 @@ def test_dump_server_stacks_signals_only_stubs_and_engine_processes_below_the_se
     # A "server": a shell whose children are one stub and one other process (which has no
     # handler: were it signalled, it would die).
     server = subprocess.Popen(["/bin/bash", "-c", "sleep 60 & wait"])
-    stub = start_stub(tmp_path, name)  # not below the server
-    other = []
+    # The stub's own "server" (a shell): counting below this test process instead would also
+    # count the stubs of servers other test modules left running in the same session.
+    stub_server = start_stub(tmp_path, name, own_server=True)
+    other, stubs = [], bench.descendant_pids(stub_server.pid)  # the stub and its watchdog shell
     try:
         deadline = time.monotonic() + 10
         while not bench.descendant_pids(server.pid) and time.monotonic() < deadline:
@@ -89,11 +94,11 @@ def test_dump_server_stacks_signals_only_stubs_and_engine_processes_below_the_se
         assert len(other) == 1
         assert bench.dump_server_stacks(server.pid, settle_s=0) == 0  # the sleep is no stub: untouched
         os.kill(other[0], 0)  # still alive
-        assert bench.dump_server_stacks(os.getpid(), settle_s=0) == 1  # the stub below this test process
+        assert bench.dump_server_stacks(stub_server.pid, settle_s=0) == 1  # the stub below its server
         assert "waiting_for_a_bls_response" in wait_for_text(tmp_path / f"{name}.err", "waiting_for_a_bls_response")
     finally:
-        for pid in other:
+        for pid in other + stubs:
             os.kill(pid, signal.SIGKILL)
-        for process in (stub, server):
+        for process in (stub_server, server):
             process.kill()
             process.wait()
