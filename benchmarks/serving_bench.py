@@ -461,18 +461,24 @@ async def http_client(session, url: str, feed: PromptFeed, requests: int, output
 def run_http(server_url: str, feed: PromptFeed, clients: int, requests: int, output_len: int,
              count_words: bool = False) -> list[Timing]:
     """`clients` concurrent SSE streams on one event loop (one connection each)."""
+    url = f"{server_url}/v2/models/ensemble/generate_stream"
+    return run_sse_clients(lambda session: http_client(session, url, feed, requests, output_len, count_words),
+                           clients, "http (ensemble generate_stream)")
+
+
+def run_sse_clients(client, clients: int, label: str) -> list[Timing]:
+    """``clients`` concurrent ``client(session)`` coroutines (one SSE connection each) on one event
+    loop; a read that waits longer than the stall timeout fails the run."""
     import aiohttp
 
     async def main() -> list[Timing]:
         connector = aiohttp.TCPConnector(limit=0)
         timeout = aiohttp.ClientTimeout(total=None, sock_read=stall_timeout_s())
-        url = f"{server_url}/v2/models/ensemble/generate_stream"
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-            per_client = await asyncio.gather(*[http_client(session, url, feed, requests, output_len, count_words)
-                                                for _ in range(clients)])
+            per_client = await asyncio.gather(*[client(session) for _ in range(clients)])
         return [t for timings in per_client for t in timings]
 
-    return run_stream_loop(main(), "http (ensemble generate_stream)")
+    return run_stream_loop(main(), label)
 
 
 def run_stream_loop(coroutine, what: str) -> list[Timing]:
@@ -674,18 +680,9 @@ async def openai_client(session, url: str, feed: PromptFeed, requests: int, outp
 def run_openai(frontend_url: str, feed: PromptFeed, clients: int, requests: int, output_len: int,
                chat: bool = False) -> list[Timing]:
     """`clients` concurrent SSE streams through the OpenAI frontend, on one event loop."""
-    import aiohttp
-
-    async def main() -> list[Timing]:
-        connector = aiohttp.TCPConnector(limit=0)
-        timeout = aiohttp.ClientTimeout(total=None, sock_read=stall_timeout_s())
-        url = f"{frontend_url}/v1/{'chat/completions' if chat else 'completions'}"
-        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-            per_client = await asyncio.gather(*[openai_client(session, url, feed, requests, output_len, chat)
-                                                for _ in range(clients)])
-        return [t for timings in per_client for t in timings]
-
-    return run_stream_loop(main(), "openai (frontend SSE)")
+    url = f"{frontend_url}/v1/{'chat/completions' if chat else 'completions'}"
+    return run_sse_clients(lambda session: openai_client(session, url, feed, requests, output_len, chat),
+                           clients, "openai (frontend SSE)")
 
 
 def run_engine(executor, feed: PromptFeed, clients: int, requests: int, output_len: int) -> list[Timing]:
