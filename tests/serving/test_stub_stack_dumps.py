@@ -1,6 +1,7 @@
 """A stalled stub can be read: start_server_watchdog makes a process dump every thread's Python
 stack on STACK_DUMP_SIGNAL, and serving_bench's dump_server_stacks finds and signals the stubs
 under a server pid (real processes; the "stub" here is a Python process named like one)."""
+import contextlib
 import importlib.util
 import os
 import signal
@@ -85,7 +86,8 @@ def test_dump_server_stacks_signals_only_stubs_and_engine_processes_below_the_se
     # The stub's own "server" (a shell): counting below this test process instead would also
     # count the stubs of servers other test modules left running in the same session.
     stub_server = start_stub(tmp_path, name, own_server=True)
-    other, stubs = [], bench.descendant_pids(stub_server.pid)  # the stub and its watchdog shell
+    # The stub, its watchdog shell and that shell's short-lived `cut`/`sleep` children.
+    other, stubs = [], bench.descendant_pids(stub_server.pid)
     try:
         deadline = time.monotonic() + 10
         while not bench.descendant_pids(server.pid) and time.monotonic() < deadline:
@@ -98,7 +100,8 @@ def test_dump_server_stacks_signals_only_stubs_and_engine_processes_below_the_se
         assert "waiting_for_a_bls_response" in wait_for_text(tmp_path / f"{name}.err", "waiting_for_a_bls_response")
     finally:
         for pid in other + stubs:
-            os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # a watchdog's `cut` or `sleep` has ended meanwhile
+                os.kill(pid, signal.SIGKILL)
         for process in (stub_server, server):
             process.kill()
             process.wait()
