@@ -125,25 +125,32 @@ _QKV_BIAS_ARCHITECTURES = ("Qwen2ForCausalLM",)
 _QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 
-def _llama_family_config(c, architecture: str, **moe_fields) -> ModelConfig:
-    if getattr(c, "mlp_bias", False) or (architecture not in _QKV_BIAS_ARCHITECTURES and getattr(c, "attention_bias", False)):
-        raise ConfigError(f"{architecture} with attention_bias/mlp_bias is not supported")
-    theta, scaling, partial_rotary_factor = _rope(c)
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return ModelConfig(
-        architecture=architecture,
+def _decoder_shape(c, *, tie_word_embeddings_default: bool) -> dict:
+    """The fields every Hugging Face decoder config names alike (Llama family, Gemma): sizes,
+    heads (GQA when num_key_value_heads is set), RMSNorm eps and learned/rope position limit."""
+    return dict(
         vocab_size=c.vocab_size,
         hidden_size=c.hidden_size,
         num_layers=c.num_hidden_layers,
         num_heads=c.num_attention_heads,
         num_kv_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
-        head_dim=head_dim,
+        head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
         intermediate_size=c.intermediate_size,
         norm_eps=float(c.rms_norm_eps),
+        max_position_embeddings=c.max_position_embeddings,
+        tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", tie_word_embeddings_default)),
+    )
+
+
+def _llama_family_config(c, architecture: str, **moe_fields) -> ModelConfig:
+    if getattr(c, "mlp_bias", False) or (architecture not in _QKV_BIAS_ARCHITECTURES and getattr(c, "attention_bias", False)):
+        raise ConfigError(f"{architecture} with attention_bias/mlp_bias is not supported")
+    theta, scaling, partial_rotary_factor = _rope(c)
+    return ModelConfig(
+        architecture=architecture,
+        **_decoder_shape(c, tie_word_embeddings_default=False),
         rope_theta=theta,
         rope_scaling=scaling,
-        max_position_embeddings=c.max_position_embeddings,
-        tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
         qkv_bias=architecture in _QKV_BIAS_ARCHITECTURES,
         hidden_act=c.hidden_act,
         qk_norm=architecture in _QK_NORM_ARCHITECTURES,
@@ -179,18 +186,9 @@ def _gemma_config(c, architecture: str) -> ModelConfig:
         theta, scaling, _ = _rope(c)
     return ModelConfig(
         architecture=architecture,
-        vocab_size=c.vocab_size,
-        hidden_size=c.hidden_size,
-        num_layers=c.num_hidden_layers,
-        num_heads=c.num_attention_heads,
-        num_kv_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
-        head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
-        intermediate_size=c.intermediate_size,
-        norm_eps=float(c.rms_norm_eps),
+        **_decoder_shape(c, tie_word_embeddings_default=True),
         rope_theta=theta,
         rope_scaling=scaling,
-        max_position_embeddings=c.max_position_embeddings,
-        tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", True)),
         hidden_act=getattr(c, "hidden_activation", None) or c.hidden_act,
         query_pre_attn_scalar=float(c.query_pre_attn_scalar),
         # transformers' Gemma 3 attention never applies attn_logit_softcapping (engine/models/gemma.py)
