@@ -4,7 +4,8 @@
 including norms and biases, so no term of the math can hide behind an init of 0 or 1).
 ``make_engine(hf, tmp, tokens_per_block=16, dtype="float32", tp_size=1)`` converts it to an
 engine directory through the real build path. ``PagedSession`` feeds a ModelRunner step by step
-from shuffled (non-contiguous) KV blocks, the way the executor does.
+from shuffled (non-contiguous) KV blocks, the way the executor does. ``assert_tp2_matches_tp1``
+runs engines on two gloo ranks against their TP 1 logits.
 """
 from __future__ import annotations
 
@@ -76,6 +77,12 @@ ARCHITECTURES = {"gpt2": transformers.GPT2LMHeadModel, "mistral": transformers.M
                  "phi3_longrope": transformers.Phi3ForCausalLM, "phi4_mini_partial_rotary": transformers.Phi3ForCausalLM,
                  "smollm3_nope": transformers.SmolLM3ForCausalLM, "mixtral": transformers.MixtralForCausalLM,
                  "qwen3_moe": transformers.Qwen3MoeForCausalLM}
+
+
+def random_tokens(n: int, seed: int) -> list[int]:
+    """n token ids below VOCAB, the same for the same seed."""
+    rng = random.Random(seed)
+    return [rng.randrange(VOCAB) for _ in range(n)]
 
 
 def tiny_hf(family: str, seed: int = 0) -> torch.nn.Module:
@@ -170,3 +177,19 @@ def tp_reference_steps(runner: ModelRunner) -> torch.Tensor:
     first = session.step([(0, a[:6]), (1, b[:13])])
     second = session.step([(0, a[6:]), (1, b[13:])])
     return torch.cat(first + second)
+
+
+def assert_tp2_matches_tp1(hf_models: dict, tmp_path) -> None:
+    """Each model's engine at TP 2 over gloo (two spawned ranks) gives its TP 1 logits within 1e-5
+    on both ranks, over tp_reference_steps' prefill and mixed chunk + decode step."""
+    import torch.multiprocessing as mp
+
+    engine_dirs, expected = {}, {}
+    for family, hf in hf_models.items():
+        engine_dirs[family] = make_engine(hf, tmp_path / f"{family}-tp2", tp_size=2)
+        expected[family] = tp_reference_steps(ModelRunner(make_engine(hf, tmp_path / f"{family}-tp1")))
+    mp.spawn(tp_worker, args=(2, str(tmp_path / "init"), engine_dirs, str(tmp_path)), nprocs=2, join=True)
+    for family, reference in expected.items():
+        for rank in range(2):
+            error = (torch.load(tmp_path / f"{family}-rank{rank}.pt") - reference).abs().max().item()
+            assert error <= 1e-5, f"{family} rank {rank}: max abs error {error:.3g} vs tp 1"

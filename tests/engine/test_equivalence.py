@@ -6,14 +6,13 @@ observed errors are ~1e-6). The same tests run in bfloat16 on CPU and, when a GP
 """
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
 
 from engine.executor.runner import ModelRunner
 
-from engine_testing import PagedSession, hf_logits, make_engine, tiny_hf
+from engine_testing import PagedSession, hf_logits, make_engine, random_tokens, tiny_hf
 
 # bf16 keeps 8 mantissa bits (relative rounding 2^-9 ~ 0.2%): every matmul input, norm output
 # and cached K/V is rounded, so the tiny models' logits (magnitude ~3) differ from the fp32
@@ -35,11 +34,6 @@ DEVICES = [
 # is compared in bf16 with its reference in tests/kernels/test_fused_moe.py, and the engine on
 # CUDA in tests/engine/test_moe.py.
 ROUTED_FAMILIES = {"mixtral", "qwen3_moe"}
-
-
-def _tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(96) for _ in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +68,7 @@ def _assert_close(actual: torch.Tensor, expected: torch.Tensor, device: str, dty
 @pytest.mark.parametrize("device,dtype", DEVICES)
 @pytest.mark.parametrize("tokens_per_block", [1, 16, 64])
 def test_full_prompt(family, device, dtype, tokens_per_block, hf_models, runner_for):
-    prompt = _tokens(21, seed=1)
+    prompt = random_tokens(21, seed=1)
     session = PagedSession(runner_for(family, device, dtype, tokens_per_block), num_blocks=64)
     (logits,) = session.step([(0, prompt)])
     _assert_close(logits, hf_logits(hf_models(family), prompt), device, dtype)
@@ -83,7 +77,7 @@ def test_full_prompt(family, device, dtype, tokens_per_block, hf_models, runner_
 @pytest.mark.parametrize("device,dtype", DEVICES)
 @pytest.mark.parametrize("tokens_per_block", [1, 16, 64])
 def test_prompt_then_16_decode_steps(family, device, dtype, tokens_per_block, hf_models, runner_for):
-    sequence = _tokens(11 + 16, seed=2)  # teacher-forced: decode inputs are fixed tokens
+    sequence = random_tokens(11 + 16, seed=2)  # teacher-forced: decode inputs are fixed tokens
     expected = hf_logits(hf_models(family), sequence)
     session = PagedSession(runner_for(family, device, dtype, tokens_per_block), num_blocks=64)
     session.runner.capture_cuda_graphs()  # decode steps replay CUDA graphs on a GPU; no-op on CPU
@@ -99,7 +93,7 @@ def test_prompt_then_16_decode_steps(family, device, dtype, tokens_per_block, hf
 def test_packed_batch_of_four_sequences(family, device, dtype, tokens_per_block, hf_models, runner_for):
     """One forward mixes a fresh prefill, a decode token, a mid-sequence chunk and a 1-token prompt."""
     hf = hf_models(family)
-    seqs = {0: _tokens(7, 3), 1: _tokens(13, 4), 2: _tokens(15, 5), 3: _tokens(1, 6)}
+    seqs = {0: random_tokens(7, 3), 1: random_tokens(13, 4), 2: random_tokens(15, 5), 3: random_tokens(1, 6)}
     session = PagedSession(runner_for(family, device, dtype, tokens_per_block), num_blocks=96)
     session.step([(1, seqs[1][:12]), (2, seqs[2][:10])])  # earlier step: cached prefixes of 1 and 2
     outs = session.step([(0, seqs[0]), (1, seqs[1][12:]), (2, seqs[2][10:]), (3, seqs[3])])
@@ -112,7 +106,7 @@ def test_packed_batch_of_four_sequences(family, device, dtype, tokens_per_block,
 @pytest.mark.parametrize("device,dtype", DEVICES)
 @pytest.mark.parametrize("tokens_per_block", [1, 16, 64])
 def test_prompt_prefilled_in_three_chunks(family, device, dtype, tokens_per_block, hf_models, runner_for):
-    prompt = _tokens(40, seed=7)
+    prompt = random_tokens(40, seed=7)
     expected = hf_logits(hf_models(family), prompt)
     session = PagedSession(runner_for(family, device, dtype, tokens_per_block), num_blocks=64)
     for start, end in [(0, 17), (17, 33), (33, 40)]:  # chunk edges off block boundaries on purpose
@@ -126,7 +120,7 @@ def test_logits_indices_and_all_logits(hf_models, runner_for):
 
     runner = runner_for("llama", "cpu", "float32")
     runner.allocate_kv_cache(runner.num_kv_blocks_for(max_tokens=64))
-    prompt = _tokens(9, seed=8)
+    prompt = random_tokens(9, seed=8)
     expected = hf_logits(hf_models("llama"), prompt)
     logits = runner.forward(ForwardBatch(prompt, list(range(9)), [9], [9], [[0]], [8, 3]))
     assert logits.dtype == torch.float32 and logits.shape == (2, 96)

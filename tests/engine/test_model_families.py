@@ -9,14 +9,12 @@ parallelism over gloo, and `python -m engine.build` with no length flag.
 from __future__ import annotations
 
 import json
-import random
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import transformers
 from safetensors.torch import load_file, save_file
 
@@ -25,17 +23,12 @@ from engine.build import main
 from engine.config import MAX_DEFAULT_SEQ_LEN, ConfigError, EngineConfig
 from engine.executor.runner import ModelRunner
 from engine.models import MODEL_FAMILIES, SUPPORTED_ARCHITECTURES, supported_models_markdown
-from engine_testing import FAMILIES, PagedSession, hf_logits, make_engine, tiny_hf, tp_reference_steps, tp_worker
+from engine_testing import FAMILIES, PagedSession, assert_tp2_matches_tp1, hf_logits, make_engine, random_tokens, tiny_hf
 from test_tensor_parallel import _reassemble
 
 ROOT = Path(__file__).resolve().parents[2]
 NEW_FAMILIES = ["qwen3", "phi3_longrope", "phi4_mini_partial_rotary", "smollm3_nope", "llama_yarn",
                 "llama_dynamic_ntk"]
-
-
-def _tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(96) for _ in range(n)]
 
 
 def _save(hf_model, path: Path, **kwargs) -> Path:
@@ -60,7 +53,7 @@ def test_longrope_engine_past_the_original_length_uses_the_long_factors(tmp_path
     with torch.no_grad():
         for name, p in hf.named_parameters():
             p.copy_((1.0 if "norm" in name else 0.0) + 0.1 * torch.randn_like(p))
-    sequence = _tokens(48, seed=3)
+    sequence = random_tokens(48, seed=3)
     expected = hf_logits(hf, sequence)  # 48 > 32 positions: transformers takes the long factors
     session = PagedSession(ModelRunner(make_engine(hf, tmp_path / "long", max_seq_len=256)), num_blocks=64)
     (prefill,) = session.step([(0, sequence[:40])])
@@ -76,7 +69,7 @@ def test_sharded_phi3_checkpoint_with_fused_weights_builds_with_no_flags(tmp_pat
     checkpoint = _save(hf, tmp_path / "ckpt", max_shard_size="40KB")
     assert len(list(checkpoint.glob("*.safetensors"))) > 1 and (checkpoint / "model.safetensors.index.json").exists()
     assert main(["--checkpoint", str(checkpoint), "--output", str(tmp_path / "engine"), "--dtype", "float32"]) == 0
-    prompt = _tokens(30, seed=4)
+    prompt = random_tokens(30, seed=4)
     (logits,) = PagedSession(ModelRunner(str(tmp_path / "engine"))).step([(0, prompt)])
     assert (logits - hf_logits(hf, prompt)).abs().max() <= 1e-4
 
@@ -159,17 +152,7 @@ def test_tp2_shards_reassemble_exactly_to_tp1(family, tmp_path):
 
 
 def test_two_gloo_ranks_compute_tp1_logits(tmp_path):
-    engine_dirs, expected = {}, {}
-    for family in NEW_FAMILIES:
-        hf = tiny_hf(family)
-        engine_dirs[family] = make_engine(hf, tmp_path / f"{family}-tp2", tp_size=2)
-        expected[family] = tp_reference_steps(ModelRunner(make_engine(hf, tmp_path / f"{family}-tp1")))
-    mp.spawn(tp_worker, args=(2, str(tmp_path / "init"), engine_dirs, str(tmp_path)), nprocs=2, join=True)
-    for family, reference in expected.items():
-        for rank in range(2):
-            logits = torch.load(tmp_path / f"{family}-rank{rank}.pt")
-            error = (logits - reference).abs().max().item()
-            assert error <= 1e-5, f"{family} rank {rank}: max abs error {error:.3g} vs tp 1"
+    assert_tp2_matches_tp1({family: tiny_hf(family) for family in NEW_FAMILIES}, tmp_path)
 
 
 # ---- builds whose limits come from the checkpoint --------------------------------------------
@@ -231,7 +214,7 @@ def test_yarn_extends_the_positions_a_build_may_use(tmp_path, capsys):
     checkpoint = _save(hf, tmp_path / "ckpt")
     assert main(["--checkpoint", str(checkpoint), "--output", str(tmp_path / "e"), "--dtype", "float32"]) == 0
     assert _limits(tmp_path / "e")[:2] == (256, 256)
-    prompt = _tokens(200, seed=9)
+    prompt = random_tokens(200, seed=9)
     (logits,) = PagedSession(ModelRunner(str(tmp_path / "e"))).step([(0, prompt)])
     assert (logits - hf_logits(hf, prompt)).abs().max() <= 1e-4
     assert main(["--checkpoint", str(checkpoint), "--output", str(tmp_path / "f"), "--max_seq_len", "300"]) == 2

@@ -4,7 +4,6 @@ on CUDA (Triton routing, alignment and grouped GEMMs inside the decode graphs).
 """
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
@@ -13,15 +12,10 @@ from safetensors.torch import load_file
 from engine.build import main as build_main
 from engine.config import ConfigError, ModelConfig
 from engine.executor.runner import ModelRunner
-from engine_testing import PagedSession, hf_logits, make_engine, tiny_hf
+from engine_testing import PagedSession, hf_logits, make_engine, random_tokens, tiny_hf
 from kernels.fused_moe import route_tokens_ref
 
 MOE_FAMILIES = ["mixtral", "qwen3_moe"]
-
-
-def _tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(96) for _ in range(n)]
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
@@ -37,7 +31,7 @@ def test_build_from_a_checkpoint_directory(family, tmp_path):
     from_memory = load_file(f"{make_engine(hf, tmp_path / 'memory')}/rank0.safetensors")
     assert set(from_disk) == set(from_memory)
     assert all(torch.equal(from_disk[name], from_memory[name]) for name in from_disk)
-    prompt = _tokens(19, seed=3)
+    prompt = random_tokens(19, seed=3)
     (logits,) = PagedSession(ModelRunner(str(tmp_path / "engine")), num_blocks=32).step([(0, prompt)])
     assert (logits - hf_logits(hf, prompt)).abs().max().item() <= 1e-4
 
@@ -57,7 +51,7 @@ def test_a_batch_where_some_experts_get_no_token(family, tmp_path):
     for layer in runner.model.layers:
         if layer.moe is not None:
             layer.moe.router.register_forward_hook(record_experts)
-    seqs = {0: _tokens(9, 1), 1: _tokens(6, 2), 2: _tokens(11, 3)}
+    seqs = {0: random_tokens(9, 1), 1: random_tokens(6, 2), 2: random_tokens(11, 3)}
     session = PagedSession(runner, num_blocks=32)
     session.step([(0, seqs[0][:8]), (1, seqs[1][:5]), (2, seqs[2][:9])])
     routed.clear()
@@ -79,7 +73,7 @@ def test_executor_greedy_equals_transformers_generate(family, tmp_path):
     hf = tiny_hf(family)
     hf.generation_config.eos_token_id = None
     hf.generation_config.pad_token_id = 0
-    prompts = [_tokens(5, 11), _tokens(12, 12), _tokens(1, 13)]
+    prompts = [random_tokens(5, 11), random_tokens(12, 12), random_tokens(1, 13)]
     with Executor(make_engine(hf, tmp_path / "engine", tokens_per_block=4)) as executor:
         ids = executor.enqueue_requests([Request(p, 12, output=OutputConfig(exclude_input_from_output=True))
                                          for p in prompts])
@@ -149,14 +143,14 @@ def test_engine_on_cuda_equals_transformers(family, tmp_path):
     runner = ModelRunner(make_engine(hf, tmp_path / "engine"), device="cuda")
     session = PagedSession(runner, num_blocks=64)
     runner.capture_cuda_graphs()
-    sequence = _tokens(11 + 8, seed=4)
+    sequence = random_tokens(11 + 8, seed=4)
     expected = hf_logits(hf, sequence)
     (prefill,) = session.step([(0, sequence[:11])])
     assert (prefill.cpu() - expected[:11]).abs().max().item() <= 1e-3
     for pos in range(11, 19):
         (decode,) = session.step([(0, [sequence[pos]])])
         assert (decode.cpu() - expected[pos:pos + 1]).abs().max().item() <= 1e-3
-    other = _tokens(40, seed=5)
+    other = random_tokens(40, seed=5)
     outs = session.step([(1, other), (0, [7])])
     assert (outs[0].cpu() - hf_logits(hf, other)).abs().max().item() <= 1e-3
     assert (outs[1].cpu() - hf_logits(hf, sequence + [7])[-1:]).abs().max().item() <= 1e-3
@@ -174,7 +168,7 @@ def test_engine_on_cuda_in_bf16_is_close_to_transformers(family, tmp_path):
     runner = ModelRunner(make_engine(hf, tmp_path / "engine", dtype="bfloat16"), device="cuda")
     session = PagedSession(runner, num_blocks=64)
     runner.capture_cuda_graphs()
-    sequence = _tokens(30 + 10, seed=6)
+    sequence = random_tokens(30 + 10, seed=6)
     expected = hf_logits(hf, sequence)
     rows = list(session.step([(0, sequence[:30])])[0].cpu().float())
     for pos in range(30, 40):

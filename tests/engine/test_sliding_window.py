@@ -10,16 +10,14 @@ window on every layer: tests/executor/test_sliding_window_executor.py.
 """
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import transformers
 
 from engine.config import EngineConfig
 from engine.executor.runner import ModelRunner
-from engine_testing import VOCAB, PagedSession, hf_logits, make_engine, tp_reference_steps, tp_worker
+from engine_testing import PagedSession, VOCAB, assert_tp2_matches_tp1, hf_logits, make_engine, random_tokens
 
 WINDOW = 8
 _SHAPE = dict(vocab_size=VOCAB, hidden_size=60, intermediate_size=88, num_attention_heads=4,
@@ -59,11 +57,6 @@ def tiny(family: str, seed: int = 0) -> torch.nn.Module:
             base = 1.0 if "norm" in name and not family.startswith("gemma") else 0.0
             p.copy_(base + 0.1 * torch.randn_like(p))
     return model.eval()
-
-
-def _tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(VOCAB) for _ in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +120,7 @@ def test_config_records_windows_and_caps(family, hf_models, tmp_path):
 @pytest.mark.parametrize("tokens_per_block", BLOCK_SIZES)
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_full_prompt(family, tokens_per_block, device, dtype, hf_models, runner_for):
-    prompt = _tokens(21, seed=1)
+    prompt = random_tokens(21, seed=1)
     session = PagedSession(runner_for(family, tokens_per_block, device, dtype), num_blocks=64)
     (logits,) = session.step([(0, prompt)])
     _assert_close(logits, hf_logits(hf_models(family), prompt), device, dtype)
@@ -137,7 +130,7 @@ def test_full_prompt(family, tokens_per_block, device, dtype, hf_models, runner_
 @pytest.mark.parametrize("tokens_per_block", BLOCK_SIZES)
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_prompt_then_16_decode_steps(family, tokens_per_block, device, dtype, hf_models, runner_for):
-    sequence = _tokens(11 + 16, seed=2)
+    sequence = random_tokens(11 + 16, seed=2)
     expected = hf_logits(hf_models(family), sequence)
     session = PagedSession(runner_for(family, tokens_per_block, device, dtype), num_blocks=64)
     session.runner.capture_cuda_graphs()  # no-op on CPU
@@ -154,7 +147,7 @@ def test_prompt_then_16_decode_steps(family, tokens_per_block, device, dtype, hf
 def test_packed_batch_of_four_sequences(family, tokens_per_block, device, dtype, hf_models, runner_for):
     """A fresh prefill, a decode token, a mid-sequence chunk and a 1-token prompt in one forward."""
     hf = hf_models(family)
-    seqs = {0: _tokens(7, 3), 1: _tokens(13, 4), 2: _tokens(15, 5), 3: _tokens(1, 6)}
+    seqs = {0: random_tokens(7, 3), 1: random_tokens(13, 4), 2: random_tokens(15, 5), 3: random_tokens(1, 6)}
     session = PagedSession(runner_for(family, tokens_per_block, device, dtype), num_blocks=96)
     session.step([(1, seqs[1][:12]), (2, seqs[2][:10])])
     outs = session.step([(0, seqs[0]), (1, seqs[1][12:]), (2, seqs[2][10:]), (3, seqs[3])])
@@ -168,7 +161,7 @@ def test_packed_batch_of_four_sequences(family, tokens_per_block, device, dtype,
 @pytest.mark.parametrize("tokens_per_block", BLOCK_SIZES)
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_prompt_prefilled_in_three_chunks(family, tokens_per_block, device, dtype, hf_models, runner_for):
-    prompt = _tokens(40, seed=7)
+    prompt = random_tokens(40, seed=7)
     expected = hf_logits(hf_models(family), prompt)
     session = PagedSession(runner_for(family, tokens_per_block, device, dtype), num_blocks=64)
     for start, end in [(0, 17), (17, 33), (33, 40)]:
@@ -177,16 +170,7 @@ def test_prompt_prefilled_in_three_chunks(family, tokens_per_block, device, dtyp
 
 
 def test_two_gloo_ranks_compute_tp1_logits(hf_models, tmp_path):
-    engine_dirs, expected = {}, {}
-    for family in ("gemma2", "gemma3", "mistral"):
-        hf = hf_models(family)
-        engine_dirs[family] = make_engine(hf, tmp_path / f"{family}-tp2", tp_size=2)
-        expected[family] = tp_reference_steps(ModelRunner(make_engine(hf, tmp_path / f"{family}-tp1")))
-    mp.spawn(tp_worker, args=(2, str(tmp_path / "init"), engine_dirs, str(tmp_path)), nprocs=2, join=True)
-    for family, reference in expected.items():
-        for rank in range(2):
-            error = (torch.load(tmp_path / f"{family}-rank{rank}.pt") - reference).abs().max().item()
-            assert error <= 1e-5, f"{family} rank {rank}: max abs error {error:.3g} vs tp 1"
+    assert_tp2_matches_tp1({family: hf_models(family) for family in ("gemma2", "gemma3", "mistral")}, tmp_path)
 
 
 @torch.no_grad()
@@ -207,7 +191,7 @@ def test_executor_greedy_equals_transformers(family, hf_models, tmp_path):
 
     hf = hf_models(family)
     engine_dir = make_engine(hf, tmp_path / "e", tokens_per_block=4)
-    prompts = [_tokens(19, 20), _tokens(5, 21), _tokens(19, 20)[:12] + _tokens(3, 22)]
+    prompts = [random_tokens(19, 20), random_tokens(5, 21), random_tokens(19, 20)[:12] + random_tokens(3, 22)]
     config = ExecutorConfig(enable_chunked_context=True, max_num_tokens=16)
     with Executor(engine_dir, config) as executor:
         ids = executor.enqueue_requests(
@@ -232,7 +216,7 @@ def test_build_from_a_saved_gemma3_directory(hf_models, tmp_path):
     hf.save_pretrained(tmp_path / "ckpt")
     assert main(["--checkpoint", str(tmp_path / "ckpt"), "--output", str(tmp_path / "engine"), "--dtype", "float32",
                  "--max_seq_len", "256", "--max_input_len", "256", "--tokens_per_block", "4"]) == 0
-    prompt = _tokens(21, seed=9)
+    prompt = random_tokens(21, seed=9)
     (logits,) = PagedSession(ModelRunner(str(tmp_path / "engine"))).step([(0, prompt)])
     _assert_close(logits, hf_logits(hf, prompt))
 
@@ -265,7 +249,7 @@ def test_gemma3_multimodal_checkpoint_builds_its_language_model(layout, tmp_path
                         tokens_per_block=4)
     build_from_hf(config, getter_from_state_dict(state, "tiny"), None, str(tmp_path / "e"), build, progress=False)
     assert EngineConfig.load(str(tmp_path / "e")).model.architecture == "Gemma3ForCausalLM"
-    prompt = _tokens(21, seed=10)
+    prompt = random_tokens(21, seed=10)
     (logits,) = PagedSession(ModelRunner(str(tmp_path / "e"))).step([(0, prompt)])
     _assert_close(logits, hf_logits(hf, prompt))
 

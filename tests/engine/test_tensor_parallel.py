@@ -3,12 +3,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from engine.config import ConfigError, EngineConfig
 from engine.executor.runner import ModelRunner
-from engine_testing import make_engine, tiny_hf, tp_reference_steps, tp_worker
+from engine_testing import assert_tp2_matches_tp1, make_engine, tiny_hf
 
 TP_FAMILIES = ["llama", "llama3_rope_scaling", "mistral", "qwen2_qkv_bias", "gpt2", "mixtral", "qwen3_moe"]  # 2 kv heads
 ROW_PARALLEL = ("o_proj.weight", "down_proj.weight", "fc_out.weight")  # split along input columns
@@ -67,15 +66,6 @@ def test_tp2_engine_needs_a_process_group(tmp_path):
 
 
 def test_two_gloo_ranks_compute_tp1_logits(tmp_path):
-    engine_dirs, expected = {}, {}
     # GQA, qkv bias, row-parallel bias + learned positions, experts sliced across ranks
-    for family in ("llama", "qwen2_qkv_bias", "gpt2", "mixtral", "qwen3_moe"):
-        hf = tiny_hf(family)
-        engine_dirs[family] = make_engine(hf, tmp_path / f"{family}-tp2", tp_size=2)
-        expected[family] = tp_reference_steps(ModelRunner(make_engine(hf, tmp_path / f"{family}-tp1")))
-    mp.spawn(tp_worker, args=(2, str(tmp_path / "init"), engine_dirs, str(tmp_path)), nprocs=2, join=True)
-    for family, reference in expected.items():
-        for rank in range(2):
-            logits = torch.load(tmp_path / f"{family}-rank{rank}.pt")
-            error = (logits - reference).abs().max().item()
-            assert error <= 1e-5, f"{family} rank {rank}: max abs error {error:.3g} vs tp 1"
+    families = ("llama", "qwen2_qkv_bias", "gpt2", "mixtral", "qwen3_moe")
+    assert_tp2_matches_tp1({family: tiny_hf(family) for family in families}, tmp_path)
