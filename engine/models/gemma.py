@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.models.layers import (Linear, Norm, RowParallelLinear, VocabParallelEmbedding, rms_norm_heads,
+from engine.models.layers import (Linear, Norm, RowParallelLinear, VocabParallelEmbedding, qkv_heads,
                                   vocab_parallel_logits)
 from kernels.activation import gelu_tanh_and_mul
 from kernels.attention import paged_attention
@@ -56,7 +56,6 @@ class GemmaLayer(nn.Module):
         self.logit_softcap = config.attn_logit_softcapping
         self.gelu_approximate = "tanh" if config.hidden_act == "gelu_pytorch_tanh" else "none"
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.split_sizes = [q_size, kv_size, kv_size]
         hidden, inter_local = config.hidden_size, config.intermediate_size // tp_size
         norm = {"bias": False, "dtype": dtype, "device": device}
         self.input_norm = Norm(hidden, **norm)
@@ -74,13 +73,8 @@ class GemmaLayer(nn.Module):
         self.post_ffn_norm = Norm(hidden, **norm)
 
     def attention(self, x, positions, cos_sin_cache, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q = rms_norm_heads(q, self.q_norm.weight, self.eps)
-            k = rms_norm_heads(k, self.k_norm.weight, self.eps)
+        q, k, v = qkv_heads(self.qkv_proj(x), self.num_heads, self.num_kv_heads, self.head_dim,
+                            self.q_norm, self.k_norm, self.eps)
         k_cache, v_cache = kv_cache[self.layer_index, 0], kv_cache[self.layer_index, 1]
         q = rotary_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping, is_neox=True)
         out = paged_attention(q, k_cache, v_cache, meta, self.scale, sliding_window=self.sliding_window,

@@ -173,6 +173,21 @@ def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return rms_norm(x.reshape(num_tokens * heads, head_dim), weight, eps)[0].view(num_tokens, heads, head_dim)
 
 
+def qkv_heads(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+              q_norm: Norm | None = None, k_norm: Norm | None = None, eps: float = 0.0
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused projection's output (num_tokens, (num_heads + 2 * num_kv_heads) * head_dim), rows
+    [q | k | v], as q (num_tokens, num_heads, head_dim) and k, v (num_tokens, num_kv_heads, head_dim);
+    q and k through their per-head RMSNorms where the family has them (Qwen3, Gemma 3)."""
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q = q.view(-1, num_heads, head_dim)
+    k = k.view(-1, num_kv_heads, head_dim)
+    if q_norm is not None:
+        q, k = rms_norm_heads(q, q_norm.weight, eps), rms_norm_heads(k, k_norm.weight, eps)
+    return q, k, v.view(-1, num_kv_heads, head_dim)
+
+
 class VocabParallelEmbedding(nn.Module):
     """weight: (vocab / tp, hidden), rows [tp_rank * vocab_local, (tp_rank + 1) * vocab_local)."""
 

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.models.layers import (Linear, Norm, RowParallelLinear, VocabParallelEmbedding, rms_norm_heads,
+from engine.models.layers import (Linear, Norm, RowParallelLinear, VocabParallelEmbedding, qkv_heads,
                                   vocab_parallel_logits)
 from kernels.attention_metadata import AttentionMetadata
 from kernels.attention import paged_attention, write_kv_cache
@@ -59,7 +59,6 @@ class LlamaLayer(nn.Module):
         self.sliding_window = config.layer_window(self.layer_index)  # None: attends to the whole context
         self.use_rope = self.layer_index not in config.layers_without_rope  # SmolLM3's NoPE layers: False
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.split_sizes = [q_size, kv_size, kv_size]
         quant = {"dtype": dtype, "device": device, "quantization": quantization}
         self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias, **quant)
         self.o_proj = RowParallelLinear(q_size, config.hidden_size, bias=False, tp_group=tp_group, **quant)
@@ -76,12 +75,8 @@ class LlamaLayer(nn.Module):
         self.down_proj = RowParallelLinear(inter_local, config.hidden_size, bias=False, tp_group=tp_group, **quant)
 
     def attention(self, x, positions, cos_sin_cache, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = rms_norm_heads(q, self.q_norm.weight, self.eps), rms_norm_heads(k, self.k_norm.weight, self.eps)
+        q, k, v = qkv_heads(self.qkv_proj(x), self.num_heads, self.num_kv_heads, self.head_dim,
+                            self.q_norm, self.k_norm, self.eps)
         k_cache, v_cache = kv_cache[self.layer_index, 0], kv_cache[self.layer_index, 1]
         if self.use_rope:
             # apply_rotary + write_kv_cache, fused into one kernel on CUDA; returns the rotated q.
