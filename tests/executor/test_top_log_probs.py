@@ -148,3 +148,23 @@ def test_engine_process_carries_top_log_probs(tiny_engine):
             assert joined(remote, name) == joined(here, name)
     finally:
         process.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the pinned-buffer transfer needs a CUDA device")
+def test_cuda_overlapped_loop_returns_what_the_cpu_does(tiny_engine):
+    """On CUDA the top log-probs come home through the pinned buffers of the overlapped loop
+    (rows of several k in one batch); they must match the CPU run."""
+    requests = [Request(PROMPT, 8, sampling=GREEDY, output=top_output(k), streaming=k % 2 == 1)
+                for k in (1, MAX_TOP_LOG_PROBS, 0, 5)]
+    results = {}
+    for device in ("cpu", "cuda"):
+        with Executor(tiny_engine, ExecutorConfig(device=device)) as ex:
+            results[device] = run(ex, *requests)
+    for cpu, cuda, request in zip(results["cpu"], results["cuda"], requests):
+        assert final_tokens(cuda) == final_tokens(cpu)
+        if request.output.num_top_log_probs:
+            # ids of the best alternative exactly; lower ones may swap on float rounding of near-ties
+            assert [row[0] for row in joined(cuda, "top_log_prob_ids")] == final_tokens(cpu)
+            torch.testing.assert_close(torch.tensor(joined(cuda, "top_log_probs")),
+                                       torch.tensor(joined(cpu, "top_log_probs")), atol=1e-4, rtol=1e-4)
