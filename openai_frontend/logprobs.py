@@ -89,7 +89,8 @@ class TokenNamer:
         out = []
         for i, (token_id, logprob) in enumerate(zip(token_ids, log_probs)):
             text, raw = self.name(token_id)
-            alternatives = [Alternative(*self.name(alt_id), _finite(alt_lp)) for alt_id, alt_lp in (top[i] if top else ())]
+            alternatives = [Alternative(*self.name(alt_id), _finite(alt_logprob))
+                            for alt_id, alt_logprob in (top[i] if top else ())]
             out.append(TokenLogprob(text, raw, _finite(logprob), alternatives, text_offset))
             text_offset += len(text)
         return out

@@ -95,7 +95,9 @@ def test_logprobs_fields_as_openai_defines_them():
     assert rejected(parse_chat_request, {**CHAT, "logprobs": True, "top_logprobs": 21}).message == \
         "top_logprobs must be in [0, 20], got 21"
     assert rejected(parse_chat_request, {**CHAT, "logprobs": False, "top_logprobs": 0}).param == "top_logprobs"
-    completion = lambda **fields: parse_completion_request({"model": "m", "prompt": "a", **fields}).params.logprobs  # noqa: E731
-    assert (completion(), completion(logprobs=None), completion(logprobs=0), completion(logprobs=5)) == (None, None, 0, 5)
+    completion = lambda **fields: parse_completion_request(  # noqa: E731
+        {"model": "m", "prompt": "a", **fields}).params.logprobs
+    assert (completion(), completion(logprobs=None), completion(logprobs=0), completion(logprobs=5)) == \
+        (None, None, 0, 5)
     assert rejected(parse_completion_request, {"model": "m", "prompt": "a", "logprobs": True}).message == \
         "logprobs must be an integer, got True"
