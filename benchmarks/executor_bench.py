@@ -47,15 +47,18 @@ SECTION_START = "<!-- executor_bench:start -->"
 SECTION_END = "<!-- executor_bench:end -->"
 
 
-def mixed_workload(num_requests: int, vocab_size: int, seed: int, max_prompt: int, max_output: int) -> list[Request]:
-    """Prompts uniform in [8, max_prompt]; outputs bimodal: 3/4 short (4..max_output/8), 1/4 long."""
+def mixed_workload(num_requests: int, vocab_size: int, seed: int, max_prompt: int, max_output: int,
+                   num_top_log_probs: int = 0) -> list[Request]:
+    """Prompts uniform in [8, max_prompt]; outputs bimodal: 3/4 short (4..max_output/8), 1/4 long.
+    ``num_top_log_probs`` > 0: every request also asks for that many top log-probs per token."""
     rng = random.Random(seed)
     requests = []
+    output = OutputConfig(exclude_input_from_output=True, num_top_log_probs=num_top_log_probs)
     for _ in range(num_requests):
         prompt = [rng.randrange(1, vocab_size) for _ in range(rng.randint(8, max_prompt))]
         short = rng.random() < 0.75
         max_tokens = rng.randint(4, max(4, max_output // 8)) if short else rng.randint(max_output // 2, max_output)
-        requests.append(Request(prompt, max_tokens, output=OutputConfig(exclude_input_from_output=True)))
+        requests.append(Request(prompt, max_tokens, output=output))
     return requests
 
 
@@ -297,6 +300,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-num-tokens", type=int, default=2048)
     p.add_argument("--tokens-per-block", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-top-log-probs", type=int, default=0,
+                   help="every request asks for this many top log-probs per token (0: none), to measure their cost")
     p.add_argument("--repeats", type=int, default=2, help="runs per mode (interleaved); the fastest is reported")
     p.add_argument("--results-md", default=os.path.join(REPO_ROOT, "benchmarks", "RESULTS.md"))
     p.add_argument("--no-results-md", action="store_true")
@@ -322,7 +327,8 @@ def main(argv=None) -> dict:
                             enable_kv_cache_reuse=False)
     with Executor(engine_dir, config, device=args.device) as executor:
         vocab = executor.runner.vocab_size
-        requests = mixed_workload(args.num_requests, vocab, args.seed, args.max_prompt, args.max_output)
+        requests = mixed_workload(args.num_requests, vocab, args.seed, args.max_prompt, args.max_output,
+                                  args.num_top_log_probs)
         run_mode(executor, mixed_workload(2, vocab, args.seed + 1, 16, 4), "inflight", 2)  # warm-up
         modes = best_of(executor, requests, args.max_batch_size, args.repeats)
         model += f", {executor.runner.dtype}".replace("torch.", "") if not args.random_weights else ""
@@ -331,7 +337,7 @@ def main(argv=None) -> dict:
         "commit": commit, "model": model, "max_batch_size": args.max_batch_size,
         "argv": " ".join(sys.argv[1:] if argv is None else argv),
         "workload": {"num_requests": args.num_requests, "prompt_range": f"8..{args.max_prompt}",
-                     "output_range": f"4..{args.max_output}"},
+                     "output_range": f"4..{args.max_output}", "num_top_log_probs": args.num_top_log_probs},
         "load_average": os.getloadavg(), "repeats": args.repeats,
         "outputs_identical": all(m["outputs"] == modes[-1]["outputs"] for m in modes),
         "speedup": {m["mode"]: modes[-1]["output_tok_s"] / m["output_tok_s"] for m in modes[:-1]},

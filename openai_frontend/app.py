@@ -24,6 +24,7 @@ from openai_frontend import sse
 from openai_frontend.chat_template import PromptBuilder
 from openai_frontend.errors import APIError, bad_request, model_not_found, server_error
 from openai_frontend.generation import ChoiceEvent, choice_specs, generate_choices
+from openai_frontend.logprobs import TokenNamer
 from openai_frontend.metrics import FrontendMetrics
 from openai_frontend.protocol import GenerationRequest, parse_chat_request, parse_completion_request
 from openai_frontend.responses import ResponseShape
@@ -48,6 +49,7 @@ class FrontendConfig:
 class Frontend:
     config: FrontendConfig
     prompts: PromptBuilder
+    namer: TokenNamer  # names the tokens of log-probs
     metrics: FrontendMetrics
     started: int
     client: TritonClient | None = None  # made on startup, inside the running event loop
@@ -61,8 +63,8 @@ FRONTEND = web.AppKey("frontend", Frontend)
 
 
 def create_app(config: FrontendConfig) -> web.Application:
-    frontend = Frontend(config, PromptBuilder(config.tokenizer_dir, config.add_special_tokens),
-                        FrontendMetrics(), started=int(time.time()))
+    prompts = PromptBuilder(config.tokenizer_dir, config.add_special_tokens)
+    frontend = Frontend(config, prompts, TokenNamer(prompts.tokenizer), FrontendMetrics(), started=int(time.time()))
     app = web.Application(middlewares=[_errors_and_metrics], client_max_size=64 * 2**20)
     app[FRONTEND] = frontend
     app.router.add_get("/v1/models", list_models)
@@ -182,7 +184,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     prompt_tokens = sum(count for _, count, _ in prompts)
     shape = ResponseShape(chat=chat, model=frontend.config.served_model_name)
     specs = choice_specs(prompts, parsed.params)
-    async with aclosing(generate_choices(frontend.client, specs, parsed.params, shape.id)) as events:
+    async with aclosing(generate_choices(frontend.client, specs, parsed.params, shape.id, frontend.namer)) as events:
         if parsed.stream:
             return await _stream(request, events, shape, prompt_tokens, parsed.include_usage)
         return await _whole(events, shape, len(specs), prompt_tokens)
@@ -190,12 +192,15 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
 
 async def _whole(events, shape: ResponseShape, num_choices: int, prompt_tokens: int) -> web.Response:
     texts, reasons, tokens = [""] * num_choices, ["stop"] * num_choices, [0] * num_choices
+    logprobs = [None] * num_choices
     async for event in events:
         texts[event.index] += event.text
         tokens[event.index] = event.completion_tokens
+        if event.logprobs is not None:
+            logprobs[event.index] = (logprobs[event.index] or []) + event.logprobs
         if event.finish_reason:
             reasons[event.index] = event.finish_reason
-    return web.json_response(shape.completion(texts, reasons, prompt_tokens, sum(tokens)))
+    return web.json_response(shape.completion(texts, reasons, prompt_tokens, sum(tokens), logprobs))
 
 
 async def _stream(request: web.Request, events, shape: ResponseShape, prompt_tokens: int,
@@ -235,7 +240,10 @@ def _chunks(shape: ResponseShape, event: ChoiceEvent, announced: set[int], inclu
     if shape.chat and event.index not in announced:
         announced.add(event.index)
         out.append(sse.event(shape.chunk(event.index, None, role=True, with_usage_field=include_usage)))
-    if event.text:
+    if event.logprobs:  # the text's tokens with it (the fast encoder has no room for them)
+        out.append(sse.event(shape.chunk(event.index, event.text, logprobs=event.logprobs,
+                                         with_usage_field=include_usage)))
+    elif event.text:
         out.append(text_chunk.text(event.index, event.text))
     if event.finish_reason:
         out.append(sse.event(shape.chunk(event.index, None, event.finish_reason, with_usage_field=include_usage)))

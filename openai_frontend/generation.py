@@ -11,9 +11,10 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import AsyncIterator
 
+from openai_frontend.logprobs import TokenLogprob, TokenNamer
 from openai_frontend.protocol import SamplingParams
 from openai_frontend.stop_strings import StopTrimmer
-from openai_frontend.triton_client import TritonClient
+from openai_frontend.triton_client import Chunk, TritonClient
 
 
 @dataclass
@@ -24,6 +25,7 @@ class ChoiceEvent:
     text: str
     completion_tokens: int  # generated so far by this choice (exact: the engine's own count)
     finish_reason: str | None = None  # "stop" (stop string or end of sequence) | "length"
+    logprobs: list[TokenLogprob] | None = None  # with log-probs asked for: the tokens of this event
 
 
 @dataclass
@@ -47,9 +49,38 @@ def choice_specs(prompts: list[tuple[str, int, int]], params: SamplingParams) ->
     return specs
 
 
+class LogprobTrack:
+    """The log-prob entries of one choice, released with the text they belong to.
+
+    Entries wait until an event carries text (the stop trimmer may hold text back), and after a
+    stop string only the entries of tokens that start before the cut are kept: the entries'
+    texts, concatenated, cover the choice's text and at most one token more.
+    """
+
+    def __init__(self, namer: TokenNamer):
+        self.namer = namer
+        self.pending: list[TokenLogprob] = []
+        self.next_offset = 0  # where the next token's text starts (sum of the tokens' texts so far)
+        self.text_length = 0  # characters of the choice's text released so far
+
+    def push(self, chunk: Chunk) -> None:
+        entries = self.namer.entries(chunk.token_ids or [], chunk.log_probs or [], chunk.top, self.next_offset)
+        self.pending += entries
+        if entries:
+            self.next_offset = entries[-1].text_offset + len(entries[-1].token)
+
+    def release(self, text: str, stopped: bool) -> list[TokenLogprob]:
+        self.text_length += len(text)
+        out, self.pending = self.pending, []
+        if stopped:  # tokens past the stop string's start are not part of the answer
+            out = [e for e in out if e.text_offset < self.text_length]
+        return out
+
+
 async def generate_choice(client: TritonClient, spec: ChoiceSpec, params: SamplingParams,
-                          request_id: str) -> AsyncIterator[ChoiceEvent]:
+                          request_id: str, namer: TokenNamer | None = None) -> AsyncIterator[ChoiceEvent]:
     trimmer = StopTrimmer(params.stop)
+    track = LogprobTrack(namer) if params.logprobs is not None and namer is not None else None
     tokens = 0
     # aclosing: leaving (a stop string, or this generator being closed) cancels the call at once.
     async with aclosing(client.generate(spec.prompt, params, spec.max_tokens, spec.seed,
@@ -57,22 +88,28 @@ async def generate_choice(client: TritonClient, spec: ChoiceSpec, params: Sampli
         async for chunk in chunks:
             tokens += chunk.num_tokens
             text = trimmer.push(chunk.text)
+            if track is not None:
+                track.push(chunk)
             if text:
-                yield ChoiceEvent(spec.index, text, tokens)
+                logprobs = None if track is None else track.release(text, trimmer.stopped)
+                yield ChoiceEvent(spec.index, text, tokens, logprobs=logprobs)
             if trimmer.stopped:
                 break  # the entry model has stopped the engine already
     # The engine leaves the end-of-sequence token out of its output, so a choice that reached
     # max_tokens generated exactly that many tokens and was cut by the limit.
     reason = "length" if not trimmer.stopped and tokens >= spec.max_tokens else "stop"
-    yield ChoiceEvent(spec.index, trimmer.flush(), tokens, reason)
+    text = trimmer.flush()
+    logprobs = None if track is None else track.release(text, trimmer.stopped)
+    yield ChoiceEvent(spec.index, text, tokens, reason, logprobs)
 
 
 async def generate_choices(client: TritonClient, specs: list[ChoiceSpec], params: SamplingParams,
-                           request_id: str | None = None) -> AsyncIterator[ChoiceEvent]:
+                           request_id: str | None = None,
+                           namer: TokenNamer | None = None) -> AsyncIterator[ChoiceEvent]:
     """Every choice's events, interleaved as they come. Closing this iterator (or cancelling
-    its consumer) cancels every choice still running."""
+    its consumer) cancels every choice still running. ``namer`` names the tokens of log-probs."""
     request_id = request_id or uuid.uuid4().hex
-    streams = [generate_choice(client, spec, params, request_id) for spec in specs]
+    streams = [generate_choice(client, spec, params, request_id, namer) for spec in specs]
     if len(streams) == 1:  # no tasks and no queue on the common path
         async with aclosing(streams[0]) as events:
             async for event in events:

@@ -22,6 +22,8 @@ IGNORED_FIELDS = {"user", "store", "metadata", "service_tier", "parallel_tool_ca
 SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "min_tokens", "presence_penalty",
                    "frequency_penalty", "repetition_penalty", "seed", "stop", "n", "stream",
                    "stream_options", "logprobs"}
+MAX_CHAT_TOP_LOGPROBS = 20  # OpenAI's limits (the engine's too: num_top_log_probs 0..20)
+MAX_COMPLETION_LOGPROBS = 5
 CHAT_FIELDS = SAMPLING_FIELDS | {"model", "messages", "max_completion_tokens", "top_logprobs"}
 COMPLETION_FIELDS = SAMPLING_FIELDS | {"model", "prompt", "echo", "best_of", "suffix"}
 # Features this server does not have: refused unless the value is the one that means "off".
@@ -34,11 +36,6 @@ UNSUPPORTED_UNLESS = {
     "echo": lambda v: not v, "best_of": lambda v: v in (None, 1), "suffix": lambda v: not v,
 }
 CHAT_ROLES = ("system", "developer", "user", "assistant")
-LOGPROBS_MESSAGE = (
-    "{field} is not supported by this server: the engine samples each token without keeping the "
-    "distribution it came from, so it cannot list alternatives (top_logprobs), and its entry model "
-    "returns the chosen tokens' log-probabilities without the token ids they belong to; "
-    "leave {field} out (or false/0)")
 
 
 @dataclass
@@ -56,6 +53,8 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     n: int = 1
+    # None: no log-probs; k >= 0: each generated token's log-prob and its k most likely alternatives
+    logprobs: int | None = None
 
 
 @dataclass
@@ -75,11 +74,9 @@ class GenerationRequest:
 def parse_chat_request(body: Any) -> GenerationRequest:
     body = _object(body)
     _check_fields(body, CHAT_FIELDS)
-    if body.get("logprobs") or body.get("top_logprobs"):
-        name = "top_logprobs" if body.get("top_logprobs") else "logprobs"
-        raise bad_request(name, LOGPROBS_MESSAGE.format(field=name), code="unsupported_parameter")
     max_tokens = _first_present(body, "max_completion_tokens", "max_tokens")
     request = _common(body, max_tokens)
+    request.params.logprobs = _chat_logprobs(body)
     request.messages = _messages(body.get("messages"))
     return request
 
@@ -87,11 +84,22 @@ def parse_chat_request(body: Any) -> GenerationRequest:
 def parse_completion_request(body: Any) -> GenerationRequest:
     body = _object(body)
     _check_fields(body, COMPLETION_FIELDS)
-    if body.get("logprobs"):
-        raise bad_request("logprobs", LOGPROBS_MESSAGE.format(field="logprobs"), code="unsupported_parameter")
     request = _common(body, "max_tokens")
+    request.params.logprobs = _integer(body, "logprobs", low=0, high=MAX_COMPLETION_LOGPROBS)
     request.prompts = _prompts(body.get("prompt"))
     return request
+
+
+def _chat_logprobs(body: dict) -> int | None:
+    """Chat: ``logprobs`` true turns log-probs on, ``top_logprobs`` (only with it) adds alternatives."""
+    logprobs = body.get("logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise bad_request("logprobs", f"logprobs must be true or false, got {logprobs!r}")
+    top = _integer(body, "top_logprobs", low=0, high=MAX_CHAT_TOP_LOGPROBS)
+    if top is not None and not logprobs:
+        raise bad_request("top_logprobs", "top_logprobs needs logprobs: true; send logprobs: true with it "
+                                          "or leave top_logprobs out")
+    return (top or 0) if logprobs else None
 
 
 # ----------------------------------------------------------------------------- shared fields

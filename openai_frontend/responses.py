@@ -10,6 +10,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from openai_frontend.logprobs import TokenLogprob, chat_logprobs, completion_logprobs
+
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
@@ -34,16 +36,23 @@ class ResponseShape:
 
     # ------------------------------------------------------------------------- whole responses
 
+    def logprobs(self, entries: list[TokenLogprob] | None) -> dict | None:
+        """A choice's ``logprobs`` field: null unless log-probs were asked for."""
+        if entries is None:
+            return None
+        return chat_logprobs(entries) if self.chat else completion_logprobs(entries)
+
     def completion(self, texts: list[str], finish_reasons: list[str], prompt_tokens: int,
-                   completion_tokens: int) -> dict:
+                   completion_tokens: int, logprobs: list[list[TokenLogprob] | None] | None = None) -> dict:
+        logprobs = logprobs or [None] * len(texts)
         if self.chat:
             choices = [{"index": i, "message": {"role": "assistant", "content": text},
-                        "logprobs": None, "finish_reason": reason}
-                       for i, (text, reason) in enumerate(zip(texts, finish_reasons))]
+                        "logprobs": self.logprobs(entries), "finish_reason": reason}
+                       for i, (text, reason, entries) in enumerate(zip(texts, finish_reasons, logprobs))]
             body = self._head("chat.completion")
         else:
-            choices = [{"index": i, "text": text, "logprobs": None, "finish_reason": reason}
-                       for i, (text, reason) in enumerate(zip(texts, finish_reasons))]
+            choices = [{"index": i, "text": text, "logprobs": self.logprobs(entries), "finish_reason": reason}
+                       for i, (text, reason, entries) in enumerate(zip(texts, finish_reasons, logprobs))]
             body = self._head("text_completion")
         body["choices"] = choices
         body["usage"] = usage(prompt_tokens, completion_tokens)
@@ -52,14 +61,18 @@ class ResponseShape:
     # ------------------------------------------------------------------------- stream chunks
 
     def chunk(self, index: int, text: str | None, finish_reason: str | None = None,
-              role: bool = False, with_usage_field: bool = False) -> dict:
-        """One choice's chunk: new text, or (chat) the role announcement, or its finish."""
+              role: bool = False, with_usage_field: bool = False,
+              logprobs: list[TokenLogprob] | None = None) -> dict:
+        """One choice's chunk: new text (with its tokens' log-probs when asked for), or (chat) the
+        role announcement, or its finish."""
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": self.logprobs(logprobs),
+                      "finish_reason": finish_reason}
             body = self._head("chat.completion.chunk")
         else:
-            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text or "", "logprobs": self.logprobs(logprobs),
+                      "finish_reason": finish_reason}
             body = self._head("text_completion")
         body["choices"] = [choice]
         if with_usage_field:

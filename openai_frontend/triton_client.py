@@ -13,7 +13,9 @@ reserved. So the stream is made on the same generated gRPC stub (``service_pb2_g
 ``tritonclient``'s own protobufs. Readiness goes through ``tritonclient.grpc.aio`` as usual.
 
 Every choice asks for ``output_log_probs``: one log-prob per generated token is the exact count
-of generated tokens (``usage.completion_tokens``), which the text outputs cannot give.
+of generated tokens (``usage.completion_tokens``), which the text outputs cannot give. A choice
+with ``logprobs`` also sends ``num_top_log_probs`` (0 included), for which the BLS returns the
+tokens' ids (``output_ids``) and, with k > 0, ``top_log_prob_ids``/``top_log_probs``.
 Cancelling the consuming task (a client that hung up) cancels the gRPC call; Triton then marks
 the request cancelled and the entry model stops the generation within a step.
 """
@@ -40,10 +42,14 @@ CHANNEL_OPTIONS = [("grpc.max_send_message_length", 2**31 - 1),
 
 @dataclass
 class Chunk:
-    """One response of the entry model: new text and how many tokens produced it."""
+    """One response of the entry model: new text and how many tokens produced it; with log-probs
+    asked for, those tokens, their log-probs and top[i] = [(id, log-prob)] * k, most likely first."""
 
     text: str
     num_tokens: int
+    token_ids: list[int] | None = None
+    log_probs: list[float] | None = None
+    top: list[list[tuple[int, float]]] | None = None
 
 
 def generation_inputs(prompt: str, params: SamplingParams, max_tokens: int,
@@ -71,9 +77,14 @@ def generation_inputs(prompt: str, params: SamplingParams, max_tokens: int,
     for name, (value, dtype) in optional.items():
         if value is not None:
             inputs[name] = scalar(value, dtype)
+    if params.logprobs is not None:
+        inputs["num_top_log_probs"] = scalar(params.logprobs, np.int32)
     if params.stop:
         inputs["stop_words"] = np.array([[word.encode("utf-8") for word in params.stop]], dtype=object)
     return inputs
+
+
+LOGPROB_OUTPUTS = ("output_ids", "top_log_prob_ids", "top_log_probs")
 
 
 def infer_request(model: str, inputs: dict[str, np.ndarray], request_id: str) -> service_pb2.ModelInferRequest:
@@ -82,7 +93,10 @@ def infer_request(model: str, inputs: dict[str, np.ndarray], request_id: str) ->
         request.inputs.add(name=name, datatype=np_to_triton_dtype(array.dtype), shape=list(array.shape))
         raw = serialize_byte_tensor(array).item() if array.dtype == object else array.tobytes()
         request.raw_input_contents.append(raw)
-    for name in ("text_output", "output_log_probs"):
+    wanted = ("text_output", "output_log_probs")
+    if "num_top_log_probs" in inputs:
+        wanted += LOGPROB_OUTPUTS
+    for name in wanted:
         request.outputs.add(name=name)
     request.parameters["triton_enable_empty_final_response"].bool_param = True
     return request
@@ -98,13 +112,31 @@ def read_chunk(response: service_pb2.ModelInferResponse) -> tuple[Chunk, bool]:
     tokens), so its last dim is the number of tokens this response carries.
     """
     final = response.parameters["triton_final_response"].bool_param
-    text, num_tokens = "", 0
+    chunk = Chunk("", 0)
+    arrays = {}
     for index, output in enumerate(response.outputs):
         if output.name == "text_output":
-            text = _bytes_elements(response.raw_output_contents[index]).decode("utf-8", errors="replace")
+            chunk.text = _bytes_elements(response.raw_output_contents[index]).decode("utf-8", errors="replace")
         elif output.name == "output_log_probs":
-            num_tokens = int(output.shape[-1]) if output.shape else 0
-    return Chunk(text, num_tokens), final
+            chunk.num_tokens = int(output.shape[-1]) if output.shape else 0
+            arrays[output.name] = (response.raw_output_contents[index], np.float32, output.shape)
+        elif output.name in LOGPROB_OUTPUTS:
+            dtype = np.float32 if output.name == "top_log_probs" else np.int32
+            arrays[output.name] = (response.raw_output_contents[index], dtype, output.shape)
+    if "output_ids" in arrays:
+        _read_logprobs(chunk, {name: np.frombuffer(raw, dtype).reshape(shape) for name, (raw, dtype, shape)
+                               in arrays.items()})
+    return chunk, final
+
+
+def _read_logprobs(chunk: Chunk, arrays: dict[str, np.ndarray]) -> None:
+    """Beam 0 of (1, beams, T) output_ids / output_log_probs and (1, beams, T, k) top log-probs."""
+    chunk.token_ids = arrays["output_ids"][0, 0, :chunk.num_tokens].tolist()
+    chunk.log_probs = arrays["output_log_probs"][0, 0, :chunk.num_tokens].tolist()
+    if "top_log_prob_ids" in arrays:
+        ids = arrays["top_log_prob_ids"][0, 0, :chunk.num_tokens].tolist()
+        values = arrays["top_log_probs"][0, 0, :chunk.num_tokens].tolist()
+        chunk.top = [list(zip(row_ids, row_values)) for row_ids, row_values in zip(ids, values)]
 
 
 def _bytes_elements(raw: bytes) -> bytes:

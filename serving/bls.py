@@ -29,6 +29,7 @@ LLM_INPUTS_FROM_REQUEST = {
     "guided_decoding_guide_type": "guided_decoding_guide_type",
     "guided_decoding_guide": "guided_decoding_guide",
     "prompt_embedding_table": "prompt_embedding_table",
+    "num_top_log_probs": "num_top_log_probs",  # an extension of both models
 }
 # preprocessing output -> tensorrt_llm input
 LLM_INPUTS_FROM_PREPROCESSING = {
@@ -49,8 +50,17 @@ PASS_THROUGH_OUTPUTS = (
     "sequence_index", "kv_cache_alloc_new_blocks", "kv_cache_reused_blocks",
     "kv_cache_alloc_total_blocks", "arrival_time_ns", "first_scheduled_time_ns",
     "first_token_time_ns", "last_token_time_ns", "acceptance_rate", "total_accepted_draft_tokens",
-    "total_draft_tokens",
+    "total_draft_tokens", "top_log_prob_ids", "top_log_probs",
 )
+# Beyond the reference: a request that carries num_top_log_probs (0 included) also gets the token
+# ids behind each response's text, tensorrt_llm's output_ids as they are ((1, beams, T), -1 padded;
+# a stream's new tokens only), so a caller can name the tokens its log-probs belong to. Token ids
+# are cut neither at string stop words nor at the UTF-8 boundaries the text is.
+TOKEN_IDS_OUTPUT = "output_ids"
+
+
+def wants_token_ids(tensors: dict[str, np.ndarray]) -> bool:
+    return "num_top_log_probs" in tensors
 
 
 # The BLS's inputs of features this backend does not have, refused under the BLS's own names with

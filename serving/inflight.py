@@ -225,7 +225,7 @@ class InflightRequests:
         """The beams' tokens to send now; None when a non-final chunk is entirely held back."""
         spec = exec_request.spec
         use_holdback = (self._decode is not None and spec.streaming and spec.beam_width == 1
-                        and not spec.output.get("return_log_probs")
+                        and not spec.output.get("return_log_probs") and not spec.output.get("num_top_log_probs")
                         and not spec.output.get("return_generation_logits"))
         if not use_holdback:
             return [list(beam) for beam in result.output_token_ids]

@@ -349,9 +349,27 @@ def _sampling(tensors, batch_size: int, row: int) -> dict[str, Any]:
     return sampling
 
 
+# Beyond the reference: top log-probs per generated token (outputs top_log_prob_ids/top_log_probs).
+NUM_TOP_LOG_PROBS_INPUT = "num_top_log_probs"
+MAX_TOP_LOG_PROBS = 20  # engine.executor.request.MAX_TOP_LOG_PROBS (not imported: this module loads without torch)
+
+
+def _num_top_log_probs(tensors, batch_size: int, row: int) -> int:
+    k = read_scalar(tensors, NUM_TOP_LOG_PROBS_INPUT, batch_size, row)
+    if k is None:
+        return 0
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_TOP_LOG_PROBS:
+        raise ValueError(f"{NUM_TOP_LOG_PROBS_INPUT} must be an integer in 0..{MAX_TOP_LOG_PROBS} "
+                         f"(0: off), got {k!r}")
+    return k
+
+
 def _output(tensors, batch_size: int, row: int, exclude_input_default: bool | None):
     output = {key: bool(read_scalar(tensors, name, batch_size, row) or False)
               for name, key in OUTPUT_INPUTS.items()}
+    num_top = _num_top_log_probs(tensors, batch_size, row)
+    if num_top:
+        output["num_top_log_probs"] = num_top
     exclude = read_scalar(tensors, "exclude_input_in_output", batch_size, row)
     if exclude is None:
         exclude = exclude_input_default

@@ -3,6 +3,8 @@
 Shapes (leading 1 = this response's batch dim):
     output_ids (1, beams, T) int32, shorter beams padded with -1; sequence_length (1, beams)
     cum_log_probs (1, beams); output_log_probs (1, beams, T); context/generation logits (1, ...)
+    top_log_prob_ids int32 / top_log_probs float32 (1, beams, T, k), only when num_top_log_probs k > 0
+    (an extension: T counts the generated tokens this response carries, most likely first)
     batch_index / sequence_index (1, 1), only when the batch / num_return_sequences is > 1
     the 10 perf tensors (1, 1) each, only when perf metrics were requested
 """
@@ -90,6 +92,8 @@ def result_tensors(result: Any, *, batch_index: int, batch_size: int, num_return
     if getattr(result, "log_probs", None) is not None:
         tensors["output_log_probs"] = pad_beams(
             [list(b) for b in result.log_probs], np.float32, 0.0)[None]
+    if getattr(result, "top_log_prob_ids", None) is not None:
+        tensors.update(top_log_prob_tensors(result.top_log_prob_ids, result.top_log_probs))
     for name in ("context_logits", "generation_logits"):
         value = getattr(result, name, None)
         if value is not None:
@@ -102,6 +106,19 @@ def result_tensors(result: Any, *, batch_index: int, batch_size: int, num_return
     if want_perf:
         tensors.update(perf_tensors(getattr(result, "perf", None)))
     return tensors
+
+
+def top_log_prob_tensors(ids: list[list[list[int]]], values: list[list[list[float]]]) -> dict[str, np.ndarray]:
+    """Per beam, per token, k entries -> top_log_prob_ids int32 / top_log_probs float32 (1, beams, T, k)."""
+    beams, tokens = len(ids), max([0] + [len(beam) for beam in ids])
+    k = max([0] + [len(entry) for beam in ids for entry in beam])
+    out_ids = np.full((1, beams, tokens, k), -1, dtype=np.int32)
+    out_values = np.zeros((1, beams, tokens, k), dtype=np.float32)
+    for b, (beam_ids, beam_values) in enumerate(zip(ids, values)):
+        if beam_ids:
+            out_ids[0, b, :len(beam_ids)] = beam_ids
+            out_values[0, b, :len(beam_values)] = beam_values
+    return {"top_log_prob_ids": out_ids, "top_log_probs": out_values}
 
 
 def stack_responses(responses: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:

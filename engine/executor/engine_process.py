@@ -331,6 +331,7 @@ def pack_responses(responses: list[Response], id_base: int = 0) -> list[tuple]:
             [reason.value for reason in result.finish_reasons], result.sequence_index, result.cum_log_probs,
             result.log_probs, result.context_logits, result.generation_logits,
             None if perf is None else _perf_values(perf),
+            result.top_log_prob_ids, result.top_log_probs,
             getattr(result, "_streaming_delta", False),
         ))
     return packed
@@ -343,10 +344,11 @@ def unpack_responses(packed: list[tuple]) -> list[Response]:
             responses.append(Response(item[0], error=item[1]))
             continue
         (request_id, error, tokens, is_final, reasons, sequence_index, cum_log_probs, log_probs,
-         context_logits, generation_logits, perf, streaming_delta) = item
+         context_logits, generation_logits, perf, top_log_prob_ids, top_log_probs, streaming_delta) = item
         result = Result(output_token_ids=tokens, is_final=is_final,
                         finish_reasons=[_FINISH_REASONS[r] for r in reasons], cum_log_probs=cum_log_probs,
-                        log_probs=log_probs, context_logits=context_logits, generation_logits=generation_logits,
+                        log_probs=log_probs, top_log_prob_ids=top_log_prob_ids, top_log_probs=top_log_probs,
+                        context_logits=context_logits, generation_logits=generation_logits,
                         sequence_index=sequence_index,
                         perf=None if perf is None else RequestPerfMetrics(*perf))
         if streaming_delta:

@@ -417,7 +417,7 @@ class Executor:
         the next step (which may be launched before the host sees them) and start their copy home."""
         seqs = [seq for seq, _ in sampling]
         try:
-            want_log_probs = any(s.state.request.output.return_log_probs for s in seqs)
+            want_log_probs = any(s.state.request.output.return_log_probs for s in seqs)  # (top implies it)
             md = build_sampling_metadata(seqs, self.runner.vocab_size, logits.device, want_log_probs)
             md.normalize_log_probs = self.config.normalize_log_probs
             sample_rows = [row for _, row in sampling]
@@ -428,7 +428,8 @@ class Executor:
             self.runner.store_sampled_tokens(torch.zeros(len(seqs), dtype=torch.int64, device=logits.device), batch)
             raise
         self.runner.store_sampled_tokens(out.token_ids, batch)
-        return TokenTransfer(out.token_ids, out.log_probs, self._pinned[self._parity])
+        return TokenTransfer(out.token_ids, out.log_probs, self._pinned[self._parity],
+                             out.top_log_probs, out.top_log_prob_ids, md.top_log_prob_rows)
 
     # ----- finish: the tokens of a launched step reach the host -----
     def _finish_in_flight(self) -> bool:
@@ -437,7 +438,7 @@ class Executor:
         step, self._in_flight = self._in_flight, None
         if step is None:
             return False
-        token_ids, log_probs = step.transfer.wait() if step.transfer is not None else ([], None)
+        token_ids, log_probs, top = step.transfer.wait() if step.transfer is not None else ([], None, None)
         now = now_ns()
         beam_rows = []
         for item, (first, end) in zip(step.plan.scheduled, step.rows):  # once per sequence per step: keep it lean
@@ -455,7 +456,7 @@ class Executor:
         for i, (seq, index, row) in enumerate(step.placeholders):
             if not seq.is_finished:
                 self._resolve_token(seq, index, token_ids[i], None if log_probs is None else log_probs[i],
-                                    step.logits, row, now)
+                                    step.logits, row, now, None if top is None else top[i])
         if beam_rows:
             self._beam_step(beam_rows, now)
         self._emit()
@@ -502,9 +503,11 @@ class Executor:
             state.context_logits_parts.append(chunk_logits[:new].float().cpu())
 
     def _resolve_token(self, seq: Sequence, index: int, token: int, log_prob: float | None,
-                       logits: torch.Tensor | None, row: int, now: int) -> None:
+                       logits: torch.Tensor | None, row: int, now: int,
+                       top: tuple[list[int], list[float]] | None = None) -> None:
         """seq.token_ids[index] (its oldest placeholder) becomes ``token``; then the stop checks.
-        A stop drops the placeholders after it: their tokens are never emitted."""
+        A stop drops the placeholders after it: their tokens are never emitted. ``top``: the
+        step's K best (ids, log-probs) for this row, K >= the request's num_top_log_probs."""
         request, perf = seq.state.request, seq.state.perf
         perf.first_token_time_ns = perf.first_token_time_ns or now
         perf.last_token_time_ns = now
@@ -519,6 +522,10 @@ class Executor:
         if log_prob is not None:
             seq.log_probs.append(log_prob)
             seq.cum_log_prob += log_prob
+        if top is not None:
+            k = request.output.num_top_log_probs
+            seq.top_log_prob_ids.append(top[0][:k])
+            seq.top_log_probs.append(top[1][:k])
         if request.output.return_generation_logits:
             seq.generation_logits.append(logits[row].float().cpu())
         length = index + 1

@@ -66,6 +66,8 @@ def _merge(a: Result, b: Result) -> Result:
         b,
         output_token_ids=[p + q for p, q in zip(a.output_token_ids, b.output_token_ids)],
         log_probs=cat(a.log_probs, b.log_probs),
+        top_log_prob_ids=cat(a.top_log_prob_ids, b.top_log_prob_ids),
+        top_log_probs=cat(a.top_log_probs, b.top_log_probs),
         context_logits=a.context_logits if a.context_logits is not None else b.context_logits,
         generation_logits=(torch.cat([a.generation_logits, b.generation_logits], dim=1)
                            if a.generation_logits is not None and b.generation_logits is not None else b.generation_logits),
@@ -108,6 +110,9 @@ def build_result(seq: Sequence, tokens: list[int], start: int, with_context_logi
     if output.return_log_probs:
         result.log_probs = [seq.log_probs[start:]]
         result.cum_log_probs = [seq.cum_log_prob]
+    if output.num_top_log_probs:  # one entry per generated token (a final result's prompt has none)
+        result.top_log_prob_ids = [seq.top_log_prob_ids[start:]]
+        result.top_log_probs = [seq.top_log_probs[start:]]
     if output.return_generation_logits and seq.generation_logits[start:]:
         result.generation_logits = torch.stack(seq.generation_logits[start:]).unsqueeze(0)
     if output.return_context_logits and with_context_logits and state.context_logits_parts:

@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from engine.executor.request import MAX_TOP_LOG_PROBS
+
 
 def placeholder(slot: int) -> int:
     """The token id that stands for ``sampled_tokens[slot]`` in a ForwardBatch (always < 0)."""
@@ -79,40 +81,60 @@ class InFlightStep:
 
 
 class TokenTransfer:
-    """One step's sampled tokens (and log-probs) on their way to the host, without blocking it.
+    """One step's sampled tokens (and log-probs, top log-probs) on their way to the host, without
+    blocking it.
 
     On CUDA the copies go into pinned buffers (reused every other step: step k+2 starts only
     after step k's transfer was waited on) and an event marks their arrival; on the CPU the
-    tensors are already there.
+    tensors are already there. Top log-probs (R, K) belong to the sampled rows ``top_rows``.
     """
 
     def __init__(self, token_ids: torch.Tensor, log_probs: torch.Tensor | None,
-                 pinned: tuple[torch.Tensor, torch.Tensor] | None):
+                 pinned: "PinnedTokenBuffers | None", top_log_probs: torch.Tensor | None = None,
+                 top_log_prob_ids: torch.Tensor | None = None, top_rows: tuple[int, ...] = ()):
         self._ready = None
+        self._top_rows = top_rows
+        tensors = [token_ids, log_probs, top_log_prob_ids, top_log_probs]
         if token_ids.device.type != "cuda" or pinned is None:
-            self._ids, self._log_probs = token_ids, log_probs
+            self._ids, self._log_probs, self._top_ids, self._top_values = tensors
             return
-        n = token_ids.shape[0]
-        self._ids = pinned[0][:n]
-        self._ids.copy_(token_ids, non_blocking=True)
-        self._log_probs = None
-        if log_probs is not None:
-            self._log_probs = pinned[1][:n]
-            self._log_probs.copy_(log_probs, non_blocking=True)
+        self._ids, self._log_probs, self._top_ids, self._top_values = (
+            None if t is None else _copy_home(t, buffer) for t, buffer in zip(tensors, pinned))
         self._ready = torch.cuda.Event()
         self._ready.record()
 
-    def wait(self) -> tuple[list[int], list[float] | None]:
-        """Block until the tokens are on the host: (token ids, log-probs or None)."""
+    def wait(self) -> tuple[list[int], list[float] | None, list | None]:
+        """Block until the tokens are on the host: (token ids, log-probs or None, top or None);
+        top[i] is None or (ids, log-probs) of sampled row i, K entries each, most likely first."""
         if self._ready is not None:
             self._ready.synchronize()
         log_probs = None if self._log_probs is None else self._log_probs.tolist()
-        return self._ids.tolist(), log_probs
+        top = None
+        if self._top_ids is not None:
+            top = [None] * self._ids.shape[0]
+            for row, ids, values in zip(self._top_rows, self._top_ids.tolist(), self._top_values.tolist()):
+                top[row] = (ids, values)
+        return self._ids.tolist(), log_probs, top
 
 
-def pinned_token_buffers(max_rows: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
-    """Per step parity: (ids int64, log-probs float32) pinned host buffers of max_rows (CUDA only)."""
+def _copy_home(tensor: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+    """An async copy of a device tensor into the front of a flat pinned buffer, as its shape."""
+    home = buffer[:tensor.numel()].view(tensor.shape)
+    home.copy_(tensor, non_blocking=True)
+    return home
+
+
+# Per step parity, pinned host buffers of max_rows: (ids int64, log-probs float32,
+# top ids int64 and top log-probs float32 of max_rows * MAX_TOP_LOG_PROBS each).
+PinnedTokenBuffers = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def pinned_token_buffers(max_rows: int, device: torch.device) -> list[PinnedTokenBuffers | None]:
+    """One set of pinned buffers per step parity (CUDA only)."""
     if device.type != "cuda":
         return [None, None]
+    top = max_rows * MAX_TOP_LOG_PROBS
     return [(torch.empty(max_rows, dtype=torch.int64).pin_memory(),
-             torch.empty(max_rows, dtype=torch.float32).pin_memory()) for _ in range(2)]
+             torch.empty(max_rows, dtype=torch.float32).pin_memory(),
+             torch.empty(top, dtype=torch.int64).pin_memory(),
+             torch.empty(top, dtype=torch.float32).pin_memory()) for _ in range(2)]

@@ -60,13 +60,26 @@ class SamplingConfig:
         return not (self.top_k or 0) > 1 and self.top_p is None
 
 
+# OpenAI's limit on top_logprobs; each alternative costs a (k,) copy per generated token.
+MAX_TOP_LOG_PROBS = 20
+
+
 @dataclass
 class OutputConfig:
+    """What a result carries besides its tokens.
+
+    ``num_top_log_probs`` k (0 = off, at most ``MAX_TOP_LOG_PROBS``): for every generated token,
+    the k most likely token ids and their log-probs, most likely first, taken from the same
+    distribution as ``log_probs`` (engine/executor/sampler.py says which one). k > 0 implies
+    ``return_log_probs``. Not with beam search.
+    """
+
     return_log_probs: bool = False
     return_context_logits: bool = False
     return_generation_logits: bool = False
     exclude_input_from_output: bool | None = None  # None: the ExecutorConfig default
     return_perf_metrics: bool = False
+    num_top_log_probs: int = 0
 
 
 @dataclass
@@ -115,6 +128,9 @@ class Result:
     finish_reasons: list[FinishReason]
     cum_log_probs: list[float] | None = None
     log_probs: list[list[float]] | None = None
+    # num_top_log_probs k > 0: per beam, per token of output_token_ids' generated part, k entries
+    top_log_prob_ids: list[list[list[int]]] | None = None
+    top_log_probs: list[list[list[float]]] | None = None
     context_logits: torch.Tensor | None = None  # (prompt_len, vocab) float32
     generation_logits: torch.Tensor | None = None  # (beams, new_tokens, vocab) float32
     sequence_index: int = 0
@@ -182,6 +198,8 @@ class Sequence:
         self.num_unresolved_tokens = 0
         self.log_probs: list[float] = []
         self.cum_log_prob = 0.0
+        self.top_log_prob_ids: list[list[int]] = []  # per generated token: k ids (num_top_log_probs k > 0)
+        self.top_log_probs: list[list[float]] = []  # per generated token: their k log-probs, descending
         self.generation_logits: list[torch.Tensor] = []
         self.seed = 0  # sampling stream of this sequence (request seed + sequence_index, or random)
         self.pending_logprobs = None  # beam search: (vocab,) log-probs waiting for sibling beams
@@ -293,6 +311,16 @@ def _sampling_error(s: SamplingConfig, limits: RequestLimits) -> str | None:
     return next((message for failed, message in checks if failed), None)
 
 
+def _output_error(output: OutputConfig, beam_width: int) -> str | None:
+    k = output.num_top_log_probs
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_TOP_LOG_PROBS:
+        return f"num_top_log_probs must be an integer in 0..{MAX_TOP_LOG_PROBS} (0: off), got {k!r}"
+    if k and beam_width > 1:
+        return (f"num_top_log_probs ({k}) is not supported with beam search (beam_width {beam_width}); "
+                "send num_top_log_probs 0 or beam_width 1")
+    return None
+
+
 def validate_request(request: Request, limits: RequestLimits) -> str | None:
     """The reason ``request`` cannot run (naming field, value and what is allowed), or None."""
     prompt = list(request.input_token_ids) if request.input_token_ids is not None else []
@@ -321,6 +349,7 @@ def validate_request(request: Request, limits: RequestLimits) -> str | None:
         for word in words or ():
             error = error or _token_ids_in_vocab(name, word, limits.vocab_size)
     error = error or _sampling_error(request.sampling or SamplingConfig(), limits)
+    error = error or _output_error(request.output or OutputConfig(), beams)
     if error is None and request.embedding_bias is not None:
         size = torch.as_tensor(request.embedding_bias).numel()
         if size != limits.vocab_size:
@@ -333,6 +362,17 @@ def _int_list(name: str, values) -> list[int]:
         return [operator.index(v) for v in values]
     except TypeError:
         raise TypeError(f"{name} must hold integer token ids, got {list(values)[:8]!r}") from None
+
+
+def _normalized_output(output: OutputConfig) -> OutputConfig:
+    """A copy; num_top_log_probs as an int (numpy welcome; validate_request checks the range),
+    and top log-probs come with the chosen tokens' log-probs."""
+    k = output.num_top_log_probs
+    try:
+        k = 0 if k is None else k if isinstance(k, bool) else operator.index(k)
+    except TypeError:
+        raise TypeError(f"num_top_log_probs must be an integer in 0..{MAX_TOP_LOG_PROBS}, got {k!r}") from None
+    return replace(output, num_top_log_probs=k, return_log_probs=bool(output.return_log_probs or k))
 
 
 def normalize_request(request: Request) -> Request:
@@ -348,7 +388,7 @@ def normalize_request(request: Request) -> Request:
         max_tokens=operator.index(request.max_tokens),
         end_id=end_id,
         sampling=sampling,
-        output=replace(request.output or OutputConfig()),
+        output=_normalized_output(request.output or OutputConfig()),
         stop_words=words("stop_words", request.stop_words),
         bad_words=words("bad_words", request.bad_words),
     )

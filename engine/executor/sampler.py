@@ -13,6 +13,14 @@ Definitions (what the tests pin):
 - log-probs are ``log_softmax`` of the processed logits (after bias, penalties, bans and, for
   sampled rows, temperature), before top-k/top-p truncation (``normalize_log_probs=False``:
   the processed logit itself).
+- top log-probs (``OutputConfig.num_top_log_probs`` k) are the k largest entries of that same
+  score row, so the chosen token's log-prob is always comparable with them (a greedy token is
+  the top-1 and its log-prob equals the top-1's). Why not the raw model distribution, as vLLM
+  reports by default: ``output_log_probs`` and ``cum_log_probs`` (tensorrtllm_backend's
+  outputs, and beam scores) already are these processed log-probs, and a chosen log-prob from
+  one distribution listed among alternatives from another would contradict itself. Without
+  penalties, bias or bans, greedy rows and rows at temperature 1 get the model's own
+  distribution; at another temperature t, ``log_softmax(logits / t)``.
 - Sampling is one Gumbel-max launch for the whole batch (``kernels.sampling.sample_tokens``): an
   exact categorical draw with no host sync, whose noise depends only on the sequence's seed and
   its step (number of tokens generated so far), so a seeded request reproduces its tokens
@@ -50,12 +58,18 @@ class SamplingMetadata:
     embedding_bias: torch.Tensor | None  # (B, vocab) float32, zeros where unset
     return_log_probs: bool
     normalize_log_probs: bool = True  # False: report the processed logit of the chosen token instead
+    # Top log-probs: rows that ask (ascending) and the largest k among them; () and 0 when none asks.
+    top_log_prob_rows: tuple[int, ...] = ()
+    max_top_log_probs: int = 0
 
 
 @dataclass
 class SamplerOutput:
     token_ids: torch.Tensor  # (B,) int64
     log_probs: torch.Tensor | None  # (B,) float32: log-prob of each chosen token
+    # (R, K) for the R rows of md.top_log_prob_rows, K = md.max_top_log_probs; descending per row
+    top_log_prob_ids: torch.Tensor | None = None  # int64
+    top_log_probs: torch.Tensor | None = None  # float32
 
 
 def _column(values: list, dtype: torch.dtype, device) -> torch.Tensor:
@@ -111,6 +125,8 @@ def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, device, retur
         freq = [c.frequency_penalty or 0.0 for c in configs]
     banned = [(row, tok) for row, s in enumerate(seqs) if _may_ban(s.state.request)
               for tok in banned_tokens(s) if 0 <= tok < vocab_size]
+    top_counts = [s.state.request.output.num_top_log_probs for s in seqs]
+    top_rows = tuple(row for row, k in enumerate(top_counts) if k)
     return SamplingMetadata(
         all_greedy=all(greedy),
         is_greedy=None if all(greedy) else _column(greedy, torch.bool, device),
@@ -125,7 +141,9 @@ def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, device, retur
         output_token_ids=_padded([s.generated_token_ids for s in seqs], vocab_size, device) if has_penalty else None,
         banned=torch.tensor(banned, dtype=torch.int64, device=device).T if banned else None,
         embedding_bias=_embedding_bias(seqs, vocab_size, device),
-        return_log_probs=return_log_probs,
+        return_log_probs=return_log_probs or bool(top_rows),
+        top_log_prob_rows=top_rows,
+        max_top_log_probs=min(max(top_counts, default=0), vocab_size),
     )
 
 
@@ -190,8 +208,19 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         logits = torch.where(md.is_greedy.unsqueeze(1), logits, scaled)
         candidates = apply_top_k_top_p(logits, md.top_k, md.top_p) if md.needs_top_k_top_p else logits
         token_ids = sample_tokens(candidates.contiguous(), md.draw_temperature, md.seeds, md.offsets)
-    log_probs = None
+    out = SamplerOutput(token_ids=token_ids, log_probs=None)
     if md.return_log_probs:
         scores = logits.log_softmax(dim=-1) if md.normalize_log_probs else logits
-        log_probs = scores.gather(1, token_ids.unsqueeze(1)).squeeze(1)
-    return SamplerOutput(token_ids=token_ids, log_probs=log_probs)
+        out.log_probs = scores.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+        if md.top_log_prob_rows:
+            out.top_log_probs, out.top_log_prob_ids = top_log_probs(scores, md)
+    return out
+
+
+def top_log_probs(scores: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """(R, K) values and ids of the K = max_top_log_probs best scores of each asking row, descending;
+    one topk launch over those rows only (all of them without a gather when every row asks)."""
+    rows = md.top_log_prob_rows
+    if len(rows) != scores.shape[0]:
+        scores = scores[torch.tensor(rows, dtype=torch.int64, device=scores.device)]
+    return scores.topk(md.max_top_log_probs, dim=-1, largest=True, sorted=True)

@@ -138,3 +138,31 @@ def test_two_return_sequences_through_the_bls(triton_server):
     body = france(num_return_sequences=2, top_k=20, temperature=1.0, seed=3, max_tokens=8)
     out = triton_server.generate("tensorrt_llm_bls", body).json()
     assert sorted(out["sequence_index"]) == [0, 1] and len(out["text_output"]) == 2
+
+
+def _flat(value) -> list:
+    """A JSON output of the generate endpoint as a flat list (nested or not)."""
+    return [x for item in value for x in _flat(item)] if isinstance(value, list) else [value]
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_top_log_probs_on_request(triton_server, model):
+    """Greedy: each token's log-prob is its top-1 alternative's; k entries per token, descending."""
+    out = triton_server.generate(model, france(temperature=0.0, num_top_log_probs=3)).json()
+    chosen, top = _flat(out["output_log_probs"]), _flat(out["top_log_probs"])
+    assert out["text_output"] == EXPECTED and len(chosen) >= 5 and len(top) == 3 * len(chosen)
+    rows = [top[i:i + 3] for i in range(0, len(top), 3)]
+    for lp, row in zip(chosen, rows):
+        assert lp == pytest.approx(row[0], abs=1e-5) and row == sorted(row, reverse=True)
+    if model == "tensorrt_llm_bls":  # the BLS names the tokens too
+        ids = _flat(out["top_log_prob_ids"])
+        assert [ids[i] for i in range(0, len(ids), 3)] == _flat(out["output_ids"])
+    plain = triton_server.generate(model, france()).json()
+    assert "top_log_probs" not in plain and "output_ids" not in plain
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_too_many_top_log_probs_is_an_error_naming_the_input(triton_server, model):
+    response = triton_server.generate(model, france(num_top_log_probs=21))
+    assert response.status_code >= 400
+    assert "num_top_log_probs must be an integer in 0..20" in response.json()["error"]

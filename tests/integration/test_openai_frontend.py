@@ -136,6 +136,55 @@ def test_sync_stream_of_completions(client):
     assert unary.object == "text_completion" and unary.id.startswith("cmpl-")
 
 
+def test_chat_logprobs_name_every_generated_token(client):
+    """Greedy: one entry per completion token, the tokens spell the answer, each chosen token is
+    its own top-1 alternative with the same log-prob."""
+    reply = client.chat.completions.create(model=MODEL, messages=CAPITAL, logprobs=True, top_logprobs=3, **GREEDY)
+    choice = reply.choices[0]
+    content = choice.logprobs.content
+    assert "Paris" in choice.message.content and len(content) == reply.usage.completion_tokens
+    assert "".join(entry.token for entry in content) == choice.message.content
+    for entry in content:
+        assert len(entry.top_logprobs) == 3 and entry.bytes == list(entry.token.encode("utf-8"))
+        best = entry.top_logprobs[0]
+        assert best.token == entry.token and best.logprob == pytest.approx(entry.logprob, abs=1e-5)
+        values = [alternative.logprob for alternative in entry.top_logprobs]
+        assert values == sorted(values, reverse=True) and entry.logprob <= 0
+    plain = client.chat.completions.create(model=MODEL, messages=CAPITAL, **GREEDY)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == choice.message.content
+
+
+def test_completion_logprobs_and_streamed_entries_concatenate_to_the_unary_ones(client, frontend):
+    prompt = "The capital of France is"
+    unary = client.completions.create(model=MODEL, prompt=prompt, logprobs=2, **GREEDY)
+    logprobs = unary.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == unary.usage.completion_tokens
+    assert "".join(logprobs.tokens) == unary.choices[0].text
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(logprobs.tokens))]
+    for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        assert len(top) <= 2 and max(top, key=top.get) == token and top[token] == pytest.approx(logprob, abs=1e-5)
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, logprobs=2, stream=True, **GREEDY))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs is not None]
+    assert len(streamed) > 1  # entries arrive with their deltas, not at the end
+    assert [t for s in streamed for t in s.tokens] == logprobs.tokens
+    assert [lp for s in streamed for lp in s.token_logprobs] == pytest.approx(logprobs.token_logprobs, abs=1e-6)
+
+    async def chat_stream(c):
+        return [chunk async for chunk in await c.chat.completions.create(
+            model=MODEL, messages=CAPITAL, logprobs=True, top_logprobs=2, stream=True, **GREEDY)]
+    chat_unary = client.chat.completions.create(model=MODEL, messages=CAPITAL, logprobs=True, top_logprobs=2, **GREEDY)
+    entries = [e for c in run(chat_stream, frontend) if c.choices and c.choices[0].logprobs
+               for e in c.choices[0].logprobs.content]
+    assert [(e.token, [a.token for a in e.top_logprobs]) for e in entries] == \
+        [(e.token, [a.token for a in e.top_logprobs]) for e in chat_unary.choices[0].logprobs.content]
+
+
+def test_too_many_top_logprobs_gets_a_400_naming_it(client):
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model=MODEL, messages=CAPITAL, logprobs=True, top_logprobs=21)
+    assert raised.value.body["param"] == "top_logprobs" and "top_logprobs must be in [0, 20]" in raised.value.message
+
+
 def test_n_returns_distinct_choices(client, frontend):
     reply = client.chat.completions.create(model=MODEL, messages=CAPITAL, n=2, seed=7, temperature=1.0,
                                            max_tokens=12)

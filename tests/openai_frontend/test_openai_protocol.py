@@ -47,7 +47,7 @@ def test_messages_with_text_parts_and_developer_role():
     ("seed", -1, "[0, 9223372036854775807]"), ("top_k", 1.5, "integer"), ("stop", 5, "string"), ("stream", "yes", "true or false"),
     ("repetition_penalty", 0, "(0, inf)"), ("presence_penalty", float("nan"), "number"),
     ("tools", [{"type": "function"}], "not supported"), ("response_format", {"type": "json_object"}, "not supported"),
-    ("logprobs", True, "top_logprobs"), ("top_logprobs", 2, "distribution"), ("frobnicate", 1, "Unrecognized"),
+    ("logprobs", 1, "true or false"), ("top_logprobs", 2, "logprobs: true"), ("frobnicate", 1, "Unrecognized"),
 ])
 def test_bad_fields_are_named(field, value, words):
     error = rejected(parse_chat_request, {**CHAT, field: value})
@@ -73,7 +73,7 @@ def test_completion_prompts():
     assert parse_completion_request({"model": "m", "prompt": ["a", "b"]}).prompts == ["a", "b"]
     assert rejected(parse_completion_request, {"model": "m", "prompt": [[1, 2]]}).param == "prompt"
     assert rejected(parse_completion_request, {"model": "m", "prompt": "a", "echo": True}).param == "echo"
-    assert rejected(parse_completion_request, {"model": "m", "prompt": "a", "logprobs": 2}).param == "logprobs"
+    assert rejected(parse_completion_request, {"model": "m", "prompt": "a", "logprobs": 6}).param == "logprobs"
     assert rejected(parse_completion_request, {"prompt": "a"}).param == "model"
 
 
@@ -84,3 +84,20 @@ def test_choices_are_prompt_major_with_distinct_seeds():
         [(0, "a", 10, 5), (1, "a", 11, 5), (2, "b", 10, 6), (3, "b", 11, 6)]
     unseeded = parse_completion_request({"model": "m", "prompt": "a", "n": 2}).params
     assert [s.seed for s in choice_specs([("a", 1, 5)], unseeded)] == [None, None]
+
+
+def test_logprobs_fields_as_openai_defines_them():
+    """None: off; otherwise the number of alternatives per token (chat: top_logprobs, 0..20, only
+    with logprobs true; completions: logprobs itself, 0..5)."""
+    chat = lambda **fields: parse_chat_request({**CHAT, **fields}).params.logprobs  # noqa: E731
+    assert (chat(), chat(logprobs=False), chat(logprobs=True), chat(logprobs=True, top_logprobs=20)) == \
+        (None, None, 0, 20)
+    assert rejected(parse_chat_request, {**CHAT, "logprobs": True, "top_logprobs": 21}).message == \
+        "top_logprobs must be in [0, 20], got 21"
+    assert rejected(parse_chat_request, {**CHAT, "logprobs": False, "top_logprobs": 0}).param == "top_logprobs"
+    completion = lambda **fields: parse_completion_request(  # noqa: E731
+        {"model": "m", "prompt": "a", **fields}).params.logprobs
+    assert (completion(), completion(logprobs=None), completion(logprobs=0), completion(logprobs=5)) == \
+        (None, None, 0, 5)
+    assert rejected(parse_completion_request, {"model": "m", "prompt": "a", "logprobs": True}).message == \
+        "logprobs must be an integer, got True"

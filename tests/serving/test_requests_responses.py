@@ -127,3 +127,23 @@ def test_minimal_result_has_no_optional_tensors():
     result = SimpleNamespace(output_token_ids=[[7]], cum_log_probs=None, log_probs=None)
     out = result_tensors(result, batch_index=0, batch_size=1, num_return_sequences=1, want_perf=False)
     assert set(out) == {"output_ids", "sequence_length"}
+
+
+def test_num_top_log_probs_is_read_and_checked_by_name():
+    [spec] = convert_request(minimal(num_top_log_probs=i32([3])), decoupled=False)
+    assert spec.output["num_top_log_probs"] == 3
+    [off] = convert_request(minimal(num_top_log_probs=i32([0])), decoupled=False)
+    assert "num_top_log_probs" not in off.output  # 0: the request is what it was without the input
+    for bad in (21, -1):
+        with pytest.raises(ValueError, match=r"num_top_log_probs must be an integer in 0\.\.20 \(0: off\), got "
+                                             + str(bad)):
+            convert_request(minimal(num_top_log_probs=i32([bad])), decoupled=False)
+
+
+def test_top_log_probs_become_beams_by_tokens_by_k_tensors():
+    result = SimpleNamespace(output_token_ids=[[4, 9]], cum_log_probs=[-0.3], log_probs=[[-0.1, -0.2]],
+                             top_log_prob_ids=[[[4, 1], [9, 2]]], top_log_probs=[[[-0.1, -2.5], [-0.2, -1.9]]])
+    out = result_tensors(result, batch_index=0, batch_size=1, num_return_sequences=1, want_perf=False)
+    assert out["top_log_prob_ids"].dtype == np.int32 and out["top_log_prob_ids"].tolist() == [[[[4, 1], [9, 2]]]]
+    assert out["top_log_probs"].dtype == np.float32 and out["top_log_probs"].shape == (1, 1, 2, 2)
+    np.testing.assert_allclose(out["top_log_probs"][0, 0, :, 0], [-0.1, -0.2])

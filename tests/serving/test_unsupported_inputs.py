@@ -78,7 +78,7 @@ def test_every_unsupported_input_has_a_case_and_every_declared_input_a_rule():
             "temperature", "runtime_top_k", "runtime_top_p", "len_penalty", "early_stopping",
             "repetition_penalty", "min_tokens", "presence_penalty", "frequency_penalty", "seed",
             "return_log_probs", "return_context_logits", "return_generation_logits",
-            "return_perf_metrics", "exclude_input_in_output", "stop", "streaming"}
+            "return_perf_metrics", "exclude_input_in_output", "stop", "streaming", "num_top_log_probs"}
     assert declared == read | set(UNSUPPORTED_INPUTS) | set(IGNORED_INPUTS)
     assert not set(UNSUPPORTED_INPUTS) & set(IGNORED_INPUTS)
 

@@ -17,8 +17,8 @@ import triton_python_backend_utils as pb_utils
 if os.environ.get("TRITONLLM_ROOT"):  # a source checkout not installed into the environment
     sys.path.insert(0, os.environ["TRITONLLM_ROOT"])
 from serving.bls import (LLM_INPUTS_FROM_PREPROCESSING, LLM_INPUTS_FROM_REQUEST,  # noqa: E402
-                         PASS_THROUGH_OUTPUTS, PREPROCESSING_INPUTS, StreamText, validate,
-                         with_batch_dim)
+                         PASS_THROUGH_OUTPUTS, PREPROCESSING_INPUTS, TOKEN_IDS_OUTPUT, StreamText,
+                         validate, wants_token_ids, with_batch_dim)
 from serving.cancellation import stop_request_inputs  # noqa: E402
 from serving.params import get_parameter, model_parameters  # noqa: E402
 from serving.stub_watchdog import start_server_watchdog  # noqa: E402
@@ -86,6 +86,7 @@ class TritonPythonModel:
         llm_inputs = self._llm_inputs(tensors, batch_size, stream)
         stop_words = string_rows(tensors.get("stop_words")) or [[] for _ in range(batch_size)]
         queries = [row[0] for row in string_rows(tensors["text_input"])]
+        with_token_ids = wants_token_ids(tensors)
         streams = {}
         finals = []
         stopper = _LlmStopper(lambda: self._stop_llm(llm_request_id))
@@ -101,6 +102,8 @@ class TritonPythonModel:
                 out = self._postprocess(llm_out, streams, stop_words, queries, stream)
                 if out is None:
                     continue
+                if with_token_ids:
+                    out[TOKEN_IDS_OUTPUT] = llm_out["output_ids"]
                 if stream:
                     self._send(sender, pb_utils.InferenceResponse(output_tensors=self._tensors(out)))
                     if self._all_stopped(streams, batch_size):
