@@ -19,33 +19,10 @@ from engine.executor.runner import ForwardBatch, ModelRunner
 from kernels.fp8 import FP8_DTYPE
 from test_smollm2 import _chat_ids, _engine_greedy
 
-# A fixed English text of about 500 SmolLM2 tokens (written for this test).
-TEXT = """The small harbour town woke slowly on winter mornings. Before the sun rose over the hills, the
-fishermen walked down the narrow streets to the quay, carrying nets, lanterns and flasks of hot tea.
-The baker had already been at work for hours, and the smell of fresh bread drifted across the square
-where the market would open later. Children waited at the corner for the school bus, stamping their
-feet against the cold and comparing the homework they had finished the night before.
-In the library on the hill, the librarian unlocked the heavy wooden door and switched on the lamps
-one by one. She liked the quiet hour before the first visitors arrived. There were letters to answer,
-new books to catalogue and a long list of requests from the retired teachers who came every Tuesday to
-read the newspapers and argue about history. Most of them had lived in the town all their lives, and
-they remembered the years when the harbour was full of cargo ships and the railway still ran along
-the coast.
-The town council met once a month in a room above the post office. The agenda rarely changed: the
-roads needed repair, the lighthouse needed a new coat of paint, and someone always proposed a festival
-to bring visitors in the summer. This year the proposal passed. The festival would celebrate the
-history of the harbour with music, boat races and an exhibition of old photographs collected from
-families in the town. Volunteers signed up to build stalls, print posters and cook for the crowds.
-As spring approached, the preparations filled every evening. The school choir practised sea songs, the
-rowing club repaired two old boats, and the librarian spent weeks scanning photographs of sailors,
-storms and weddings. On the first day of the festival the weather was perfect. Hundreds of people
-walked along the quay, listened to the choir and cheered the rowers. In the evening, lanterns were
-lit along the harbour wall, and the whole town gathered to watch the boats return in the fading light.
-Later, when the visitors had gone home, the council agreed that the festival should take place every
-year, and the librarian began a new folder for the photographs that would be taken next time.
-The fishermen, for their part, said little about the whole affair. They mended their nets on the quay
-as they always had, watched the weather over the water, and went out again before dawn the next
-morning, as if nothing at all had changed in the town."""
+# A fixed English text of about 500 SmolLM2 tokens (written for this test; benchmarks/fp8_accuracy.py
+# reads it too, to break the FP8 error down by projection).
+with open(os.path.join(os.path.dirname(__file__), "data", "fp8_eval_text.txt")) as text_file:
+    TEXT = text_file.read().rstrip("\n")
 
 
 def llama_of_trained_scale(seed: int = 0) -> transformers.LlamaForCausalLM:
