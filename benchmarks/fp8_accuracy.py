@@ -1,16 +1,25 @@
-"""Where SmolLM2's FP8 accuracy goes: greedy next-token agreement with float32 and perplexity,
+"""Where SmolLM2's FP8 accuracy goes: greedy next-token agreement with float32, perplexity and KL,
 teacher-forced over tests/engine/data/fp8_eval_text.txt (the text of tests/engine/test_fp8_engine.py),
-for float32, weight-only FP8, W8A8 (the engine's CPU path), and W8A8 with parts kept in float32.
+for float32, weight-only FP8, activation-only FP8, W8A8 (the engine's CPU path), and W8A8 with
+projection kinds or layers kept in float32. Figures: benchmarks/RESULTS.md, "FP8 accuracy on CPU".
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fp8_accuracy.py [--tokens 500] [--rows a,b,...]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fp8_accuracy.py [--rows a,b,...] [--jitters 4] \
+        [--engine-check] [--gptq-tokens 8192]
 
-CPU only, about 10 s per row after the ~20 s model load. The FP8 rows are emulated on the
-transformers model (``LlamaForCausalLM`` from the embedded GGUF, float32) by swapping the forward
-of its decoder Linears for the arithmetic of kernels/fp8.py: ``quantize_weight`` per output
-channel and ``quantize_rows`` per token, then a float32 matmul. The engine fuses q/k/v and
-gate/up, which changes nothing here: scales are per output row and per input token, so a fused
-weight's rows and a shared input quantize exactly as the separate ones do. ``--engine-check``
-also runs the float32 and FP8 engines built by engine.build, to show the emulation matches them.
+CPU only: about 15 s per row after the ~20 s model load (5 minutes with both options). The FP8 rows
+are emulated on the transformers model (``LlamaForCausalLM`` from the embedded GGUF, float32) by
+swapping the forward of its decoder Linears for the arithmetic of kernels/fp8.py: ``quantize_weight``
+per output channel and ``quantize_rows`` per token, then a float32 matmul. The engine fuses q/k/v
+and gate/up, which changes nothing here: scales are per output row and per input token, so a fused
+weight's rows and a shared input quantize exactly as the separate ones do.
+
+W8A8's agreement moves by a point or two with float32 rounding alone (an activation a rounding away
+from an E4M3 boundary lands on either side), so each row is also run ``--jitters`` times with its
+inputs moved by that much, and KL (smooth, no near-tie flips) is printed beside it.
+``--engine-check`` also runs the float32 and FP8 engines that engine.build writes; their FP8 figures
+fall in the emulation's jittered range, not on its exact tokens (another summation order).
+``--gptq-tokens N`` adds GPTQ-rounded weights calibrated on N tokens of the README (an experiment;
+the engine does not do this).
 """
 from __future__ import annotations
 
