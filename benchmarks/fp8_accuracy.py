@@ -184,7 +184,7 @@ def rows(num_layers: int) -> dict[str, callable]:
         "float32": lambda layer, kind: (False, False),
         "weight-only FP8 (W8A16)": lambda layer, kind: (True, False),
         "activation-only FP8 (W16A8)": lambda layer, kind: (False, True),
-        "W8A8 (engine)": w8a8,
+        "W8A8 (the engine's scheme)": w8a8,
     }
     for kept in KINDS:
         table[f"W8A8, {kept} in float32"] = lambda layer, kind, kept=kept: (kind != kept, kind != kept)
