@@ -3,7 +3,7 @@ teacher-forced over tests/engine/data/fp8_eval_text.txt (the text of tests/engin
 for float32, weight-only FP8, activation-only FP8, W8A8 (the engine's CPU path), and W8A8 with
 projection kinds or layers kept in float32. Figures: benchmarks/RESULTS.md, "FP8 accuracy on CPU".
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fp8_accuracy.py [--rows a,b,...] [--jitters 4] \
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fp8_accuracy.py [--rows "name;name"] [--jitters 4] \
         [--engine-check] [--gptq-tokens 8192]
 
 CPU only: about 15 s per row after the ~20 s model load (5 minutes with both options). The FP8 rows
@@ -243,7 +243,7 @@ def print_row(name: str, m: dict) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, default=500, help="first N tokens of the text (the test uses 500)")
-    p.add_argument("--rows", default="", help="comma-separated row names to run (default: all)")
+    p.add_argument("--rows", default="", help="semicolon-separated row names to run (default: all)")
     p.add_argument("--jitters", type=int, default=4, help="runs with float32-rounding-sized input changes")
     p.add_argument("--engine-check", action="store_true", help="also run the engines engine.build writes")
     p.add_argument("--gptq-tokens", type=int, default=0,
@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> None:
     model.eval()
     ids = tokenizer(eval_text())["input_ids"][: args.tokens]
     table = rows(model.config.num_hidden_layers)
-    wanted = [name.strip() for name in args.rows.split(",") if name.strip()] or list(table)
+    wanted = [name.strip() for name in args.rows.split(";") if name.strip()] or list(table)
     reference = forward_logits(model, ids)
     print(f"SmolLM2-135M, {len(ids)} tokens teacher-forced: greedy next-token agreement with float32, "
           f"its range over {args.jitters} runs whose inputs moved by 1e-6 (float32 rounding), perplexity, "
