@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 from transformers import AutoTokenizer
 
@@ -19,33 +20,10 @@ from engine.executor.runner import ForwardBatch, ModelRunner
 from kernels.fp8 import FP8_DTYPE
 from test_smollm2 import _chat_ids, _engine_greedy
 
-# A fixed English text of about 500 SmolLM2 tokens (written for this test).
-TEXT = """The small harbour town woke slowly on winter mornings. Before the sun rose over the hills, the
-fishermen walked down the narrow streets to the quay, carrying nets, lanterns and flasks of hot tea.
-The baker had already been at work for hours, and the smell of fresh bread drifted across the square
-where the market would open later. Children waited at the corner for the school bus, stamping their
-feet against the cold and comparing the homework they had finished the night before.
-In the library on the hill, the librarian unlocked the heavy wooden door and switched on the lamps
-one by one. She liked the quiet hour before the first visitors arrived. There were letters to answer,
-new books to catalogue and a long list of requests from the retired teachers who came every Tuesday to
-read the newspapers and argue about history. Most of them had lived in the town all their lives, and
-they remembered the years when the harbour was full of cargo ships and the railway still ran along
-the coast.
-The town council met once a month in a room above the post office. The agenda rarely changed: the
-roads needed repair, the lighthouse needed a new coat of paint, and someone always proposed a festival
-to bring visitors in the summer. This year the proposal passed. The festival would celebrate the
-history of the harbour with music, boat races and an exhibition of old photographs collected from
-families in the town. Volunteers signed up to build stalls, print posters and cook for the crowds.
-As spring approached, the preparations filled every evening. The school choir practised sea songs, the
-rowing club repaired two old boats, and the librarian spent weeks scanning photographs of sailors,
-storms and weddings. On the first day of the festival the weather was perfect. Hundreds of people
-walked along the quay, listened to the choir and cheered the rowers. In the evening, lanterns were
-lit along the harbour wall, and the whole town gathered to watch the boats return in the fading light.
-Later, when the visitors had gone home, the council agreed that the festival should take place every
-year, and the librarian began a new folder for the photographs that would be taken next time.
-The fishermen, for their part, said little about the whole affair. They mended their nets on the quay
-as they always had, watched the weather over the water, and went out again before dawn the next
-morning, as if nothing at all had changed in the town."""
+# A fixed English text of about 500 SmolLM2 tokens (written for this test; benchmarks/fp8_accuracy.py
+# reads it too, to break the FP8 error down by projection).
+with open(os.path.join(os.path.dirname(__file__), "data", "fp8_eval_text.txt")) as text_file:
+    TEXT = text_file.read().rstrip("\n")
 
 
 def llama_of_trained_scale(seed: int = 0) -> transformers.LlamaForCausalLM:
@@ -164,27 +142,31 @@ def test_smollm2_fp8_keeps_the_float32_answer_within_its_near_tie(smollm2_fp8_en
     assert (top2.values[0] - fp8_first[float32_answer[0]]).item() < 0.5
 
 
-def teacher_forced(engine_dir: str, ids: list[int]) -> tuple[list[int], float]:
-    """(greedy next-token prediction at every position, perplexity of the text) in one prefill."""
-    logits = all_logits(engine_dir, ids)
-    nll = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:]))
-    return logits[:-1].argmax(-1).tolist(), math.exp(nll.item())
-
-
 def test_smollm2_fp8_agrees_with_float32_on_most_next_tokens(smollm2_fp8_engine_dir, smollm2_engine_dir):
-    """Measured 2026-11-24 (CPU, W8A8 reference path): 92.2% agreement, perplexity 25.99 (float32)
-    against 26.90 (FP8); weight-only FP8 gives 93.2%, so the weights' E4M3 rounding is what costs,
-    on a 135M model whose next-token distribution is flat at many positions of a narrative text.
-    The issue's goal was 95%: not met by this scheme on this model (see benchmarks/RESULTS.md)."""
+    """Measured 2026-11-24 on CPU (W8A8 reference path, benchmarks/fp8_accuracy.py; table in
+    benchmarks/RESULTS.md): 91.2% greedy agreement with float32 (90.4-92.8% when the inputs move by a
+    float32 rounding: which side of an E4M3 rounding boundary an activation lands on flips with
+    the CPU's summation order), perplexity 25.99 (float32) against 26.98, mean KL 0.024.
+
+    The issue's goal was 95%; this scheme cannot reach it on this model: with float32 weights and
+    only the per-token E4M3 rounding of activations (the scheme's run-time half), agreement is
+    already 94.4-96.0% (KL 0.0096), and any weight rounding adds to that (weight-only FP8: 93.2%,
+    KL 0.014). The emulation is the format (tests/kernels/test_fp8.py). So the agreement bound sits
+    below the jittered range, and the KL bound, a smooth measure that no near-tie flips, is the one a
+    real regression (a rounding bug, a lost scale) crosses first: 0.035 against 0.024 measured."""
     tokenizer = AutoTokenizer.from_pretrained(smollm2_engine_dir)
     ids = tokenizer(TEXT)["input_ids"][:500]
     assert len(ids) == 500
-    reference, ppl_fp32 = teacher_forced(smollm2_engine_dir, ids)
-    quantized, ppl_fp8 = teacher_forced(smollm2_fp8_engine_dir, ids)
-    agreement = sum(a == b for a, b in zip(reference, quantized)) / len(reference)
+    reference, quantized = all_logits(smollm2_engine_dir, ids)[:-1], all_logits(smollm2_fp8_engine_dir, ids)[:-1]
+    targets = torch.tensor(ids[1:])
+    ppl_fp32, ppl_fp8 = (math.exp(F.cross_entropy(logits, targets).item()) for logits in (reference, quantized))
+    agreement = (reference.argmax(-1) == quantized.argmax(-1)).float().mean().item()
+    kl = F.kl_div(F.log_softmax(quantized, -1), F.log_softmax(reference, -1), log_target=True,
+                  reduction="batchmean").item()
     print(f"SmolLM2 teacher-forced over {len(ids)} tokens: greedy agreement {agreement:.1%}, "
-          f"perplexity float32 {ppl_fp32:.3f}, fp8 {ppl_fp8:.3f}")
-    assert agreement >= 0.90
+          f"perplexity float32 {ppl_fp32:.3f}, fp8 {ppl_fp8:.3f}, KL {kl:.4f}")
+    assert agreement >= 0.89
+    assert kl < 0.035
     assert ppl_fp8 < ppl_fp32 * 1.05  # FP8 costs a little, never a lot
 
 

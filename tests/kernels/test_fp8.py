@@ -29,6 +29,59 @@ def test_round_trip_within_the_e4m3_bound(scale):
     assert torch.equal(dequantize_rows(x_q, row_scale)[3], torch.zeros(257))
 
 
+
+def e4m3_value(code: int) -> float:
+    """The value of an E4M3 (fn) byte from its bit layout: sign, 4 exponent bits (bias 7), 3 mantissa
+    bits; exponent 0 is subnormal (m/8 * 2^-6). Written from the format, independent of torch."""
+    sign = -1.0 if code & 0x80 else 1.0
+    exponent, mantissa = (code >> 3) & 0xF, code & 0x7
+    return sign * (mantissa / 8 * 2.0 ** -6 if exponent == 0 else (1 + mantissa / 8) * 2.0 ** (exponent - 7))
+
+
+def test_e4m3_cast_rounds_to_nearest_even_on_the_formats_grid():
+    """What the CPU reference emulates: torch's float32 -> float8_e4m3fn cast puts values on the
+    format's grid (subnormals down to 2^-9, largest 448), rounding to the nearest value and ties to
+    the even mantissa, as cuBLASLt's and Triton's conversions (cvt.rn) do."""
+    finite = [c for c in range(256) if c & 0x7F != 0x7F]  # 0x7F and 0xFF are NaN, E4M3fn has no inf
+    decoded = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).float()
+    assert all(decoded[c].item() == e4m3_value(c) for c in finite)
+    grid = torch.tensor(sorted({e4m3_value(c) for c in finite if e4m3_value(c) >= 0}), dtype=torch.float64)
+    assert grid[1].item() == 2.0 ** -9 and grid[-1].item() == FP8_MAX
+    low, high = grid[:-1], grid[1:]
+    ties = ((low + high) / 2).float()
+    went_up = ties.to(FP8_DTYPE).float().double() == high
+    low_is_even = low.float().to(FP8_DTYPE).view(torch.uint8) % 2 == 0
+    assert torch.equal(went_up, ~low_is_even)
+    assert torch.equal((ties.double() * (1 + 1e-6)).float().to(FP8_DTYPE).float().double(), high)
+    assert torch.equal((ties.double() * (1 - 1e-6)).float().to(FP8_DTYPE).float().double(), low)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_scales_are_float32_amax_over_448_and_zero_rows_stay_zero(dtype):
+    x = torch.tensor([[0.0, 0.0, 0.0], [1.0, -3.0, 0.5], [-1e-4, 2e-3, 7.0]]).to(dtype)
+    x_q, scale = quantize_rows(x)
+    assert scale.dtype == torch.float32
+    torch.testing.assert_close(scale[1:], x[1:].float().abs().amax(dim=1) / FP8_MAX, rtol=0, atol=0)
+    assert torch.equal(x_q.float()[0], torch.zeros(3))
+    assert x_q.float()[1:].abs().amax(dim=1).tolist() == [FP8_MAX, FP8_MAX]  # no saturation past 448
+    # 1e-4 / (7 / 448) = 0.0064 is below E4M3's smallest normal (2^-6): it lands on the subnormal
+    # grid (steps of 2^-9), at 3 steps (0.0059), not flushed to zero.
+    assert x_q.float()[2, 0].item() == -3 * 2.0 ** -9
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_equals_torch_scaled_mm(dtype):
+    """The CPU reference is what cuBLASLt's row-wise scaled FP8 GEMM computes: CPU torch runs
+    ``torch._scaled_mm`` on float8_e4m3fn too, and both give the same numbers."""
+    torch.manual_seed(6)
+    x = (torch.randn(33, 576) * 3).to(dtype)
+    x[5] = 0.0
+    w_q, w_scale = quantize_weight(torch.randn(192, 576) * 0.02)
+    x_q, x_scale = quantize_rows(x)
+    scaled_mm = torch._scaled_mm(x_q, w_q.t(), scale_a=x_scale[:, None], scale_b=w_scale[None, :],
+                                 out_dtype=torch.float32)
+    torch.testing.assert_close(scaled_mm, fp8_linear_ref(x.float(), w_q, w_scale), rtol=1e-6, atol=1e-6)
+
 def test_w8a8_product_within_its_error_bound():
     """|y_q - y| <= (2 * 2^-4 + 2^-8) * (|x| @ |w|.T): each factor of each product is off by at most
     2^-4 of itself (plus the subnormal floor, negligible here), so each term by (1+e)^2 - 1."""
