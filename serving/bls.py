@@ -6,7 +6,9 @@ whole sequence so far on every chunk and sends the difference (or the whole text
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -154,3 +156,41 @@ class StreamText:
         if self.accumulate:  # the whole text so far (a beam hypothesis may rewrite it)
             return full_text if is_final else full_text.rstrip(REPLACEMENT_CHAR)
         return delta
+
+
+class GuardedSender:
+    """A request's response sender shared by the serving thread and the cancellation watcher.
+
+    Triton frees a decoupled request's response factory once its FINAL response is sent; a later
+    ``is_cancelled()`` then reads freed memory inside tritonserver (Triton 2.51 crashed with SIGSEGV
+    in TRITONBACKEND_ResponseFactoryIsCancelled under 64 concurrent BLS streams). So every call
+    on the sender goes through one lock, and after the FINAL send ``is_cancelled()`` answers False
+    without asking Triton. Invariant: no call reaches the sender after the FINAL send began.
+    """
+
+    def __init__(self, sender: Any, final_flag: int):
+        self._sender = sender
+        self._final_flag = final_flag
+        self._lock = threading.Lock()
+        self.closed = False
+
+    def is_cancelled(self) -> bool:
+        with self._lock:
+            return not self.closed and bool(self._sender.is_cancelled())
+
+    def send(self, response: Any) -> None:
+        """A non-final response; an error (the client is gone) is for the caller to handle."""
+        with self._lock:
+            if not self.closed:
+                self._sender.send(response)
+
+    def send_final(self, response: Any | None) -> None:
+        """The FINAL response (or the FINAL flag alone), at most once; errors propagate."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            if response is None:
+                self._sender.send(flags=self._final_flag)
+            else:
+                self._sender.send(response, flags=self._final_flag)

@@ -17,7 +17,7 @@ import triton_python_backend_utils as pb_utils
 if os.environ.get("TRITONLLM_ROOT"):  # a source checkout not installed into the environment
     sys.path.insert(0, os.environ["TRITONLLM_ROOT"])
 from serving.bls import (LLM_INPUTS_FROM_PREPROCESSING, LLM_INPUTS_FROM_REQUEST,  # noqa: E402
-                         PASS_THROUGH_OUTPUTS, PREPROCESSING_INPUTS, TOKEN_IDS_OUTPUT, StreamText,
+                         PASS_THROUGH_OUTPUTS, PREPROCESSING_INPUTS, TOKEN_IDS_OUTPUT, GuardedSender, StreamText,
                          validate, wants_token_ids, with_batch_dim)
 from serving.cancellation import stop_request_inputs  # noqa: E402
 from serving.params import get_parameter, model_parameters  # noqa: E402
@@ -63,7 +63,8 @@ class TritonPythonModel:
 
     def execute(self, requests):
         for request in requests:
-            sender = request.get_response_sender()
+            # Shared with this request's cancellation watcher: calls after FINAL would crash Triton.
+            sender = GuardedSender(request.get_response_sender(), FINAL)
             try:
                 self._serve(request, sender)
             except Exception as error:  # this request fails; the model keeps serving
@@ -137,10 +138,7 @@ class TritonPythonModel:
     def _send_final(sender, response):
         """Always attempted: Triton releases the request only on its FINAL response."""
         try:
-            if response is None:
-                sender.send(flags=FINAL)
-            else:
-                sender.send(response, flags=FINAL)
+            sender.send_final(response)
         except Exception as error:
             pb_utils.Logger.log_verbose(f"tensorrt_llm_bls: final response not delivered: {error}")
 
