@@ -1169,8 +1169,9 @@ def main(argv=None) -> dict:
     feed = PromptFeed(*make_prompts(tokenizer, min(total_requests, 512), args.input_len))
     tpb = engine_config.build.tokens_per_block
     kv_tokens = max(args.clients) * (-(-(args.input_len + args.output_len) // tpb) + 1) * tpb
-    # A tensorrt_llm_bls instance serves one request at a time: one per client on the BLS paths.
-    bls_instances = max(args.clients) if {"grpc_bls", "openai"} & set(args.paths) else 2
+    # A tensorrt_llm_bls instance serves many requests at once; on the BLS paths a few more than
+    # make serve's 2 spread its per-response work over processes.
+    bls_instances = 4 if {"grpc_bls", "openai"} & set(args.paths) else 2
     variants = []
     for index, (variant, settings) in enumerate(parse_variants(args.variants, args)):
         repo = load_script("serve_default").prepare_model_repo(

@@ -162,8 +162,8 @@ def run_lifetime(repo: str, work: Path, entry: str, args: argparse.Namespace) ->
 
 
 def prepare_repo(args: argparse.Namespace, work: Path) -> str:
-    """A random-weight engine and a filled repository; one BLS instance per client (a BLS instance
-    serves one request at a time)."""
+    """A random-weight engine and a filled repository with --bls_instances BLS instances (each
+    serves many requests at once)."""
     engine_dir = work / "engine"
     engine_dir.mkdir(parents=True, exist_ok=True)
     seq_len = args.input_len + args.output_len
@@ -178,7 +178,7 @@ def prepare_repo(args: argparse.Namespace, work: Path) -> str:
         kv_tokens=args.clients * tokens_per_sequence)
     return serving_bench.load_script("serve_default").prepare_model_repo(
         str(engine_dir), str(work / "repo"), overrides=overrides, max_batch_size=args.clients, decoupled=True,
-        bls_instances=args.clients)
+        bls_instances=args.bls_instances)
 
 
 def markdown(args: argparse.Namespace, lifetimes: list[Lifetime], date: str) -> str:
@@ -186,7 +186,8 @@ def markdown(args: argparse.Namespace, lifetimes: list[Lifetime], date: str) -> 
              f"commit {serving_bench.git_commit()}", "",
              f"`python benchmarks/stream_stress.py {' '.join(sys.argv[1:])}`  ",
              f"{args.clients} gRPC streams, {args.requests_per_client} streamed requests each of "
-             f"{args.input_len} + {args.output_len} tokens, per server lifetime.", "",
+             f"{args.input_len} + {args.output_len} tokens, per server lifetime; {args.bls_instances} "
+             "tensorrt_llm_bls instances.", "",
              "| entry | lifetimes | crashed (during load / at shutdown) | client errors | responses per lifetime "
              "| CPU us per response: tritonserver / tensorrt_llm stub / BLS stub / postprocessing stub |",
              "|---|---|---|---|---|---|"]
@@ -220,6 +221,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--input_len", type=int, default=32)
     parser.add_argument("--output_len", type=int, default=128)
     parser.add_argument("--servers", type=int, default=4, help="server lifetimes per entry")
+    parser.add_argument("--bls_instances", type=int, default=2, help="tensorrt_llm_bls instances (make serve: 2)")
     parser.add_argument("--ready_timeout", type=float, default=300.0)
     parser.add_argument("--work_dir")
     parser.add_argument("--results_md", help="append the table here")

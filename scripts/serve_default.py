@@ -161,8 +161,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--openai_port", default=os.environ.get("OPENAI_PORT", "9000"),
                         help="port of the OpenAI-compatible frontend ('' turns it off)")
     parser.add_argument("--bls_instances", type=int, default=2,
-                        help="tensorrt_llm_bls instances: each serves one request at a time, so this bounds "
-                             "the OpenAI frontend's concurrent requests (choices)")
+                        help="tensorrt_llm_bls instances (each serves many requests at once; more spread "
+                             "the per-response work over processes, and each adds ~1 s to Ctrl-C)")
     args = parser.parse_args(argv)
 
     ensure_engine(args.engine_dir)

@@ -25,6 +25,7 @@ class Stream:
     def __init__(self, server):
         self.client = grpcclient.InferenceServerClient(server.grpc_url)
         self.responses = queue.Queue()
+        self.arrivals = []  # (time.monotonic() at arrival, is_final), in order
         self.client.start_stream(callback=self._on_response)
 
     def _on_response(self, result, error):
@@ -32,6 +33,7 @@ class Stream:
         if result is not None:
             params = result.get_response().parameters
             final = "triton_final_response" in params and params["triton_final_response"].bool_param
+        self.arrivals.append((time.monotonic(), final))
         self.responses.put((result, error, final))
 
     def send(self, model, inputs, request_id="", outputs=None):
@@ -175,3 +177,23 @@ def test_stop_request_without_id_is_an_error(triton_server):
         assert "A request id must be provided for request cancellation" in str(error)
     finally:
         stream.close()
+
+
+def test_bls_instances_serve_more_streams_than_there_are_instances(triton_server):
+    """The session server fills 2 tensorrt_llm_bls instances; 4 concurrent streams must all be
+    generating before the first of them ends (a blocking execute served one per instance)."""
+    streams = [Stream(triton_server) for _ in range(4)]
+    try:
+        for index, stream in enumerate(streams):
+            stream.send("tensorrt_llm_bls", text_inputs([f"Count from {index + 1} upwards:"], 48,
+                                                        end_id=np.int32(-1)))
+        for stream in streams:
+            items = stream.until_final()
+            assert items[-1][1] is None, items[-1][1]
+            assert len(items) > 2  # streamed: several text responses, then the final one
+        first_response = max(stream.arrivals[0][0] for stream in streams)
+        first_final = min(stream.arrivals[-1][0] for stream in streams)
+        assert first_response < first_final, "a stream started only after another had ended"
+    finally:
+        for stream in streams:
+            stream.close()

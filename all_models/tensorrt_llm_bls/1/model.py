@@ -4,12 +4,20 @@ preprocessing -> tensorrt_llm -> postprocessing, with the ensemble's inputs and 
 (decoupled model and `stream` true) re-decodes each sequence so far on every chunk and sends the
 new text, or the whole text so far with `accumulate_tokens`; string stop words cut the text and
 stop generation. Glue only: the rules live in serving/bls.py.
+
+`execute` is a coroutine, so one instance serves many requests at once (Triton's Python backend
+runs every request's coroutine on the instance's one event loop thread; with a blocking execute an
+instance served one request at a time). All sends therefore come from that one thread. The only
+blocking calls are the `tensorrt_llm` stream's iterator (read by a helper thread per request, which
+hands the responses to the loop) and the stop request (run in a helper thread).
 """
+import asyncio
 import json
 import os
 import sys
 import threading
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -27,6 +35,8 @@ from serving.text import string_rows, to_str  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 CANCELLATION_CHECK_PERIOD_S = 0.1
+MAX_BLOCKING_THREADS = 1024
+_STREAM_END = object()
 
 
 def _numpy(tensor):
@@ -59,22 +69,27 @@ class TritonPythonModel:
             pb_utils.Logger.log_warn("tensorrt_llm_bls: speculative decoding is not supported; "
                                      "tensorrt_llm_draft_model_name is ignored")
         self.input_names = [tensor["name"] for tensor in self.model_config["input"]]
+        # Threads that wait on blocking Triton calls for the event loop: one per live stream (its
+        # response iterator) plus stop requests. The cap only queues work beyond it.
+        self.blocking_calls = ThreadPoolExecutor(max_workers=MAX_BLOCKING_THREADS, thread_name_prefix="bls-wait")
         start_server_watchdog()  # this stub waits inside BLS calls
 
-    def execute(self, requests):
-        for request in requests:
-            # Shared with this request's cancellation watcher: calls after FINAL would crash Triton.
-            sender = GuardedSender(request.get_response_sender(), FINAL)
-            try:
-                self._serve(request, sender)
-            except Exception as error:  # this request fails; the model keeps serving
-                self._send_final(sender, pb_utils.InferenceResponse(
-                    output_tensors=[], error=pb_utils.TritonError(str(error))))
+    async def execute(self, requests):
+        await asyncio.gather(*(self._serve_or_fail(request) for request in requests))
         return None
+
+    async def _serve_or_fail(self, request):
+        # Shared with this request's cancellation watcher: calls after FINAL would crash Triton.
+        sender = GuardedSender(request.get_response_sender(), FINAL)
+        try:
+            await self._serve(request, sender)
+        except Exception as error:  # this request fails; the model keeps serving
+            self._send_final(sender, pb_utils.InferenceResponse(
+                output_tensors=[], error=pb_utils.TritonError(str(error))))
 
     # ----------------------------------------------------------------------------- pipeline
 
-    def _serve(self, request, sender):
+    async def _serve(self, request, sender):
         tensors = {}
         for name in self.input_names:
             tensor = pb_utils.get_input_tensor_by_name(request, name)
@@ -84,23 +99,22 @@ class TritonPythonModel:
         batch_size = tensors["text_input"].shape[0]
         stream = self.decoupled and bool(np.any(tensors.get("stream", np.array([False]))))
         llm_request_id = str(uuid.uuid4())
-        llm_inputs = self._llm_inputs(tensors, batch_size, stream)
+        llm_inputs = await self._llm_inputs(tensors, batch_size, stream)
         stop_words = string_rows(tensors.get("stop_words")) or [[] for _ in range(batch_size)]
         queries = [row[0] for row in string_rows(tensors["text_input"])]
         with_token_ids = wants_token_ids(tensors)
         streams = {}
         finals = []
-        stopper = _LlmStopper(lambda: self._stop_llm(llm_request_id))
+        loop = asyncio.get_running_loop()
+        stopper = _LlmStopper(lambda: loop.run_in_executor(self.blocking_calls, self._stop_llm, llm_request_id))
         # A client that hangs up (or cancels) between chunks, or during a unary call that sends
         # nothing until the end, is seen by this watcher within one check period.
-        watcher = threading.Thread(target=self._watch_cancellation, args=(sender, stopper),
-                                   daemon=True, name="bls-cancellation")
-        watcher.start()
+        watcher = asyncio.ensure_future(self._watch_cancellation(sender, stopper))
         try:
-            for llm_out in self._call_llm(llm_inputs, llm_request_id):
+            async for llm_out in self._call_llm(llm_inputs, llm_request_id):
                 if "output_ids" not in llm_out or stopper.client_gone:
                     continue  # drain: tensorrt_llm ends the request within a step of the stop
-                out = self._postprocess(llm_out, streams, stop_words, queries, stream)
+                out = await self._postprocess(llm_out, streams, stop_words, queries, stream)
                 if out is None:
                     continue
                 if with_token_ids:
@@ -113,6 +127,7 @@ class TritonPythonModel:
                     finals.append(out)
         finally:
             stopper.finish()
+            watcher.cancel()
         if stream:
             self._send_final(sender, None)
         else:
@@ -120,9 +135,10 @@ class TritonPythonModel:
                 output_tensors=self._tensors(stack_responses(finals))))
 
     @staticmethod
-    def _watch_cancellation(sender, stopper):
-        while not stopper.finished.wait(CANCELLATION_CHECK_PERIOD_S):
-            if sender.is_cancelled():
+    async def _watch_cancellation(sender, stopper):
+        while not stopper.finished.is_set():
+            await asyncio.sleep(CANCELLATION_CHECK_PERIOD_S)
+            if not stopper.finished.is_set() and sender.is_cancelled():
                 stopper.client_gone = True
                 stopper.stop()
                 return
@@ -142,11 +158,11 @@ class TritonPythonModel:
         except Exception as error:
             pb_utils.Logger.log_verbose(f"tensorrt_llm_bls: final response not delivered: {error}")
 
-    def _llm_inputs(self, tensors, batch_size, stream):
+    async def _llm_inputs(self, tensors, batch_size, stream):
         pre_inputs = {PREPROCESSING_INPUTS[name]: value for name, value in tensors.items()
                       if name in PREPROCESSING_INPUTS}
         pre_inputs["REQUEST_OUTPUT_LEN"] = with_batch_dim(pre_inputs["REQUEST_OUTPUT_LEN"], batch_size)
-        pre_out = self._call("preprocessing", pre_inputs, list(LLM_INPUTS_FROM_PREPROCESSING))
+        pre_out = await self._call("preprocessing", pre_inputs, list(LLM_INPUTS_FROM_PREPROCESSING))
         llm_inputs = {llm: pre_out[name] for name, llm in LLM_INPUTS_FROM_PREPROCESSING.items()
                       if name in pre_out}
         for name, llm in LLM_INPUTS_FROM_REQUEST.items():
@@ -155,7 +171,7 @@ class TritonPythonModel:
         llm_inputs["streaming"] = np.full((batch_size, 1), stream, dtype=np.bool_)
         return llm_inputs
 
-    def _postprocess(self, llm_out, streams, stop_words, queries, stream):
+    async def _postprocess(self, llm_out, streams, stop_words, queries, stream):
         """One tensorrt_llm response -> this BLS's outputs (text per row and beam), or None."""
         rows = llm_out["output_ids"].shape[0]
         batch_index = llm_out.get("batch_index", np.zeros((rows, 1), np.int32)).reshape(-1)
@@ -176,8 +192,8 @@ class TritonPythonModel:
             return None  # generation goes on only until the stop request lands
         tokens = pad_beams([state.token_ids for state in states], np.int32, -1)[:, None, :]
         seq_len = np.array([[len(state.token_ids)] for state in states], dtype=np.int32)
-        texts = self._call("postprocessing", {"TOKENS_BATCH": tokens, "SEQUENCE_LENGTH": seq_len},
-                           ["OUTPUT"])["OUTPUT"].reshape(-1)
+        texts = (await self._call("postprocessing", {"TOKENS_BATCH": tokens, "SEQUENCE_LENGTH": seq_len},
+                                  ["OUTPUT"]))["OUTPUT"].reshape(-1)
         pieces = []
         for state, text in zip(states, texts):
             text = to_str(text)
@@ -203,23 +219,41 @@ class TritonPythonModel:
     def _tensors(out):
         return [pb_utils.Tensor(name, value) for name, value in out.items()]
 
-    def _call(self, model_name, inputs, outputs):
+    async def _call(self, model_name, inputs, outputs):
         request = pb_utils.InferenceRequest(
             model_name=model_name, requested_output_names=outputs,
             inputs=[pb_utils.Tensor(name, value) for name, value in inputs.items()])
-        return response_tensors(request.exec())
+        return response_tensors(await request.async_exec())
 
-    def _call_llm(self, inputs, request_id):
+    async def _call_llm(self, inputs, request_id):
         outputs = ["output_ids", "sequence_length", *PASS_THROUGH_OUTPUTS, ERROR_MESSAGE_OUTPUT]
         request = pb_utils.InferenceRequest(
             model_name=self.llm_name, requested_output_names=outputs, request_id=request_id,
             inputs=[pb_utils.Tensor(name, value) for name, value in inputs.items()],
             parameters={ERRORS_AS_OUTPUT: True})  # serving/responses.py says why
         if not self.decoupled:
-            yield response_tensors(request.exec())
+            yield response_tensors(await request.async_exec())
             return
-        for response in request.exec(decoupled=True):
+        # The decoupled response iterator blocks in next(): a helper thread reads it and hands
+        # each response to this loop, which stays free for the other requests meanwhile.
+        loop = asyncio.get_running_loop()
+        responses = asyncio.Queue()
+        iterator = await request.async_exec(decoupled=True)
+
+        def read_all():
+            try:
+                for response in iterator:
+                    loop.call_soon_threadsafe(responses.put_nowait, response)
+            except Exception as error:  # handed to the loop, raised there
+                loop.call_soon_threadsafe(responses.put_nowait, error)
+            loop.call_soon_threadsafe(responses.put_nowait, _STREAM_END)
+
+        reader = loop.run_in_executor(self.blocking_calls, read_all)
+        while (response := await responses.get()) is not _STREAM_END:
+            if isinstance(response, Exception):
+                raise response
             yield response_tensors(response)
+        await reader
 
     def _stop_llm(self, request_id):
         request = pb_utils.InferenceRequest(
@@ -230,12 +264,12 @@ class TritonPythonModel:
             pass
 
     def finalize(self):
-        pass
+        self.blocking_calls.shutdown(wait=False, cancel_futures=True)
 
 
 class _LlmStopper:
     """Sends the stop request for one tensorrt_llm request at most once, from either the serving
-    thread (stop words matched) or the cancellation watcher (client gone)."""
+    coroutine (stop words matched) or the cancellation watcher task (client gone)."""
 
     def __init__(self, send_stop):
         self._send_stop = send_stop
