@@ -493,8 +493,6 @@ def grpc_inputs(prompt: str, output_len: int, like_openai: bool = False) -> list
     """The ensemble request of the http/grpc paths, or (``like_openai``) exactly what the OpenAI
     frontend sends tensorrt_llm_bls for a greedy request of output_len tokens."""
     import numpy as np
-    import tritonclient.grpc as grpcclient
-    from tritonclient.utils import np_to_triton_dtype
 
     arrays = {"text_input": np.array([[prompt.encode()]], dtype=object),
               "max_tokens": np.array([[output_len]], np.int32), "stream": np.array([[True]], np.bool_),
@@ -505,6 +503,14 @@ def grpc_inputs(prompt: str, output_len: int, like_openai: bool = False) -> list
                        "min_tokens": np.array([[output_len]], np.int32)})
     else:
         arrays["end_id"] = np.array([[-1]], np.int32)
+    return grpc_tensors(arrays)
+
+
+def grpc_tensors(arrays: dict) -> list:
+    """name -> numpy array, as tritonclient gRPC inputs."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import np_to_triton_dtype
+
     inputs = []
     for name, array in arrays.items():
         tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))

@@ -65,9 +65,6 @@ class Lifetime:
 
 def request_inputs(entry: str, index: int, input_len: int, output_len: int) -> list:
     """A streamed greedy request of exactly output_len tokens (end_id -1) for this entry model."""
-    import tritonclient.grpc as grpcclient
-    from tritonclient.utils import np_to_triton_dtype
-
     ids = [(index * 7 + j) % 90 + 3 for j in range(input_len)]
     if entry == "tensorrt_llm":
         arrays = {"input_ids": np.array([ids], np.int32), "input_lengths": np.array([[input_len]], np.int32),
@@ -78,12 +75,7 @@ def request_inputs(entry: str, index: int, input_len: int, output_len: int) -> l
         arrays = {"text_input": np.array([[text.encode()]], dtype=object),
                   "max_tokens": np.array([[output_len]], np.int32), "stream": np.array([[True]], np.bool_),
                   "end_id": np.array([[-1]], np.int32)}
-    inputs = []
-    for name, array in arrays.items():
-        tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
-        tensor.set_data_from_numpy(array)
-        inputs.append(tensor)
-    return inputs
+    return serving_bench.grpc_tensors(arrays)
 
 
 def stream_client(url: str, entry: str, args: argparse.Namespace, received: list, errors: list) -> None:
