@@ -7,7 +7,8 @@ parent check included: it would stay forever, and the `tensorrt_llm` stub's engi
 keep generating for nobody.
 
 The watchdog is a separate shell process, not a thread, for that reason. It kills the stub once
-the stub's parent changes; it ends by itself when the stub exits normally (its /proc entry goes
+the stub's parent changes (and a stub whose server is already gone when it starts, adopted by
+init, kills itself at once); it ends by itself when the stub exits normally (its /proc entry goes
 away, or the pid now names another process, told apart by the start time) and kills nothing then.
 
 The same call makes the stub dump every thread's Python stack to its stderr (the server's log) on
@@ -24,6 +25,7 @@ import subprocess
 import sys
 
 STACK_DUMP_SIGNAL = signal.SIGUSR1  # (the Python backend's stub does not use it)
+ORPHAN_PARENT_PID = 1  # init: the parent of a process whose parent exited (no subreaper set)
 
 
 def start_server_watchdog() -> None:
@@ -33,6 +35,10 @@ def start_server_watchdog() -> None:
     except (AttributeError, ValueError, OSError):  # no stderr file descriptor: no dumps, nothing else lost
         pass
     stub, server = os.getpid(), os.getppid()
+    if server == ORPHAN_PARENT_PID:
+        # The server died before this model's initialize ran (a stub is always tritonserver's
+        # child; init adopted it). Watching init as "the server" would keep this stub forever.
+        os.kill(stub, signal.SIGKILL)
     with open("/proc/self/stat") as stat:
         started = stat.read().rsplit(")", 1)[1].split()[19]  # field 22: start time, tells pid reuse apart
     # /proc/<stub>/stat fields 4 and 22 (the stub's name has no spaces): "<parent> <start time>".
