@@ -11,6 +11,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from engine.executor.top_log_probs import num_top_log_probs_error
 from serving.word_lists import decode_word_list
 
 STREAMING_NEEDS_DECOUPLED = "Streaming is only supported in decoupled mode."
@@ -351,16 +352,15 @@ def _sampling(tensors, batch_size: int, row: int) -> dict[str, Any]:
 
 # Beyond the reference: top log-probs per generated token (outputs top_log_prob_ids/top_log_probs).
 NUM_TOP_LOG_PROBS_INPUT = "num_top_log_probs"
-MAX_TOP_LOG_PROBS = 20  # engine.executor.request.MAX_TOP_LOG_PROBS (not imported: this module loads without torch)
 
 
 def _num_top_log_probs(tensors, batch_size: int, row: int) -> int:
     k = read_scalar(tensors, NUM_TOP_LOG_PROBS_INPUT, batch_size, row)
     if k is None:
         return 0
-    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_TOP_LOG_PROBS:
-        raise ValueError(f"{NUM_TOP_LOG_PROBS_INPUT} must be an integer in 0..{MAX_TOP_LOG_PROBS} "
-                         f"(0: off), got {k!r}")
+    error = num_top_log_probs_error(k)
+    if error:
+        raise ValueError(error)
     return k
 
 

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from engine.executor.request import MAX_TOP_LOG_PROBS
+from engine.executor.top_log_probs import MAX_TOP_LOG_PROBS
 
 
 def placeholder(slot: int) -> int:

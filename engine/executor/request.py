@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from engine.executor.top_log_probs import MAX_TOP_LOG_PROBS, num_top_log_probs_error
+
 
 class FinishReason(str, enum.Enum):
     """Why a sequence stopped; ``NOT_FINISHED`` on every non-final streaming response."""
@@ -58,10 +60,6 @@ class SamplingConfig:
         if self.temperature == 0 or self.top_k == 1:
             return True
         return not (self.top_k or 0) > 1 and self.top_p is None
-
-
-# OpenAI's limit on top_logprobs; each alternative costs a (k,) copy per generated token.
-MAX_TOP_LOG_PROBS = 20
 
 
 @dataclass
@@ -313,8 +311,9 @@ def _sampling_error(s: SamplingConfig, limits: RequestLimits) -> str | None:
 
 def _output_error(output: OutputConfig, beam_width: int) -> str | None:
     k = output.num_top_log_probs
-    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_TOP_LOG_PROBS:
-        return f"num_top_log_probs must be an integer in 0..{MAX_TOP_LOG_PROBS} (0: off), got {k!r}"
+    error = num_top_log_probs_error(k)
+    if error:
+        return error
     if k and beam_width > 1:
         return (f"num_top_log_probs ({k}) is not supported with beam search (beam_width {beam_width}); "
                 "send num_top_log_probs 0 or beam_width 1")
