@@ -159,7 +159,8 @@ class StreamText:
 
 
 class GuardedSender:
-    """A request's response sender shared by the serving thread and the cancellation watcher.
+    """A request's response sender shared by the serving coroutine and the cancellation watcher
+    (tasks on one event loop in the BLS today; the lock keeps the invariant for threads too).
 
     Triton frees a decoupled request's response factory once its FINAL response is sent; a later
     ``is_cancelled()`` then reads freed memory inside tritonserver (Triton 2.51 crashed with SIGSEGV
