@@ -21,7 +21,7 @@ import numpy as np
 from serving.cancellation import REQUEST_KEY_OUTPUT, key_from_stop_id
 from serving.metrics import RequestLatency, generated_token_count
 from serving.requests import RequestSpec
-from serving.responses import error_message_tensors, result_tensors, stack_responses
+from serving.responses import error_message_tensors, only_requested, result_tensors, stack_responses
 from serving.tokenization import Utf8Holdback
 
 
@@ -76,6 +76,7 @@ class TritonRequest:
     cancelled: bool = False  # the client is gone or cancelled: only the FINAL response is still sent
     failure: str | None = None  # ended by the server (shutting down): the FINAL response is this error
     errors_as_output: bool = False  # the caller asked for ERROR_MESSAGE_OUTPUT (serving/responses.py)
+    requested_outputs: frozenset[str] | None = None  # None: all (serving/responses.py only_requested)
 
 
 @dataclass
@@ -103,11 +104,12 @@ class InflightRequests:
         self.stream_counts = StreamCounts()
 
     def add(self, sender: Any, user_id: str, specs: list[RequestSpec], exec_ids: list[int],
-            errors_as_output: bool = False) -> None:
-        """Register one Triton request's executor requests (before any response is handled)."""
+            errors_as_output: bool = False, requested_outputs: frozenset[str] | None = None) -> None:
+        """Register one Triton request's executor requests (before any response is handled);
+        its responses carry only ``requested_outputs`` (None: every output)."""
         triton = TritonRequest(key=next(self._keys), sender=sender, user_id=user_id,
                                batch_size=len(specs), live_exec_ids=set(exec_ids),
-                               errors_as_output=errors_as_output)
+                               errors_as_output=errors_as_output, requested_outputs=requested_outputs)
         self.triton_requests[triton.key] = triton
         if user_id:
             self.by_user_id[user_id] = triton  # a later request with the same id replaces it
@@ -176,8 +178,8 @@ class InflightRequests:
         finished = self._finish(response.request_id, exec_request, error=True)
         done = not triton.live_exec_ids
         if self.decoupled and triton.errors_as_output:
-            return [Send(triton.sender, tensors=error_message_tensors(response.error), final=done,
-                         key=triton.key)], [finished]
+            tensors = only_requested(error_message_tensors(response.error), triton.requested_outputs)
+            return [Send(triton.sender, tensors=tensors, final=done, key=triton.key)], [finished]
         if self.decoupled:
             return [Send(triton.sender, error=response.error, final=done, key=triton.key)], [finished]
         triton.errors.append(response.error)
@@ -208,6 +210,7 @@ class InflightRequests:
             want_perf=spec.output.get("return_perf_metrics", False),
             logits_dtype=self._logits_dtype, output_token_ids=tokens)
         tensors[REQUEST_KEY_OUTPUT] = np.array([[triton.key]], dtype=np.uint64)
+        tensors = only_requested(tensors, triton.requested_outputs)
         if self.decoupled:
             if spec.streaming and spec.beam_width == 1:
                 self.stream_counts.add(len(tokens[0]) if tokens else 0)

@@ -29,6 +29,24 @@ def error_message_tensors(message: str) -> dict[str, np.ndarray]:
     return {ERROR_MESSAGE_OUTPUT: np.array([[message.encode()]], dtype=object)}
 
 
+# A model sends only the outputs its caller asked for. Why: the Python backend of Triton 2.51 drops
+# the others in a decoupled send (response_sender.send) after releasing the interpreter lock, so
+# their numpy arrays are freed without it. Under Python 3.12 that crashed the tensorrt_llm stub
+# (SIGSEGV) on the first response to the BLS, which asks for a subset; the BLS request then hung
+# (H100, 2026-11-24; fixed upstream in python_backend #390, after 2.51). A caller that names no
+# outputs is asked for all of them by Triton, so it still gets everything.
+def requested_outputs(request: Any) -> frozenset[str] | None:
+    """The output names a Python-backend request asks for; None where the request cannot say."""
+    names = getattr(request, "requested_output_names", None)
+    return frozenset(names()) if callable(names) else None
+
+
+def only_requested(tensors: dict[str, np.ndarray], requested: frozenset[str] | None) -> dict[str, np.ndarray]:
+    if requested is None:
+        return tensors
+    return {name: value for name, value in tensors.items() if name in requested}
+
+
 def wants_errors_as_output(request_parameters: str) -> bool:
     """From a Triton request's parameters (a JSON object as text)."""
     try:

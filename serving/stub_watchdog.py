@@ -11,6 +11,9 @@ the stub's parent changes (and a stub whose server is already gone when it start
 init, kills itself at once); it ends by itself when the stub exits normally (its /proc entry goes
 away, or the pid now names another process, told apart by the start time) and kills nothing then.
 
+A stub that dies of a fatal signal while serving (a crash inside the backend's C++ under one of
+its calls) writes every thread's Python stack to the log too, until ``stop_crash_dumps``.
+
 The same call makes the stub dump every thread's Python stack to its stderr (the server's log) on
 SIGUSR1 (``faulthandler``: it runs in the signal handler, so it works while a thread blocks in the
 backend's IPC holding the GIL). That is how a stalled stub is read without a debugger:
@@ -32,6 +35,9 @@ def start_server_watchdog() -> None:
     """Call once from a stub (a model's `initialize`)."""
     try:
         faulthandler.register(STACK_DUMP_SIGNAL, file=sys.__stderr__, all_threads=True)
+        # A stub that dies of a fatal signal (a crash in the backend's C++ under one of its calls)
+        # leaves every thread's Python stack in the log instead of vanishing without a word.
+        faulthandler.enable(file=sys.__stderr__, all_threads=True)
     except (AttributeError, ValueError, OSError):  # no stderr file descriptor: no dumps, nothing else lost
         pass
     stub, server = os.getpid(), os.getppid()
@@ -48,3 +54,10 @@ def start_server_watchdog() -> None:
               f"*) exit 0 ;; esac; done")
     subprocess.Popen(["/bin/sh", "-c", script], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                      stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def stop_crash_dumps() -> None:
+    """Call at the end of a model's ``finalize``: the stub's own teardown after it (the backend
+    destroys its objects and collects garbage while exiting) has crashed with a fatal signal that
+    Triton ignores, and a stack dump there would only alarm whoever reads the log."""
+    faulthandler.disable()

@@ -153,3 +153,27 @@ def test_keys_start_at_first_key_so_instances_sharing_an_engine_never_collide():
     (key,) = second.triton_requests
     assert key == KEY_STRIDE
     assert second.stop(stop_id_for_key(0)) == [] and second.stop(stop_id_for_key(KEY_STRIDE)) == [1]
+
+
+@pytest.mark.parametrize("decoupled", [True, False])
+def test_responses_carry_only_the_outputs_the_caller_asked_for(decoupled):
+    # The Python backend of Triton 2.51 frees unrequested outputs of a decoupled send without the
+    # interpreter lock (a SIGSEGV of the stub under Python 3.12): none may reach the sender.
+    inflight = InflightRequests(decoupled=decoupled)
+    wanted = frozenset({"output_ids", "sequence_length", "error_message"})
+    inflight.add(Sender(), "", specs(rows=2, streaming=decoupled), [1, 2], errors_as_output=True,
+                 requested_outputs=wanted)
+    sends, _ = inflight.on_response(Response(1, result=result([5, 6], final=True)))
+    sends += inflight.on_response(Response(2, result=result([7], final=True)))[0]
+    assert sends and all(set(send.tensors) == {"output_ids", "sequence_length"} for send in sends)
+    assert sends[-1].final
+    inflight.add(Sender(), "", specs(streaming=True), [3], errors_as_output=True, requested_outputs=wanted)
+    sends, _ = inflight.on_response(Response(3, error="the engine process exited"))
+    if decoupled:  # (a non-decoupled caller gets an error response: no tensors)
+        assert set(sends[0].tensors) == {"error_message"}
+    else:
+        assert sends[0].tensors is None and "engine process exited" in sends[0].error
+    everything = InflightRequests(decoupled=True)
+    everything.add(Sender(), "", specs(rows=2), [4, 5])  # no list: every output, as before
+    sends, _ = everything.on_response(Response(4, result=result([8], final=True)))
+    assert {"output_ids", "sequence_length", "batch_index"} <= set(sends[0].tensors)

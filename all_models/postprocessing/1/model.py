@@ -19,7 +19,7 @@ if os.environ.get("TRITONLLM_ROOT"):  # a source checkout not installed into the
 from serving.cancellation import (REQUEST_KEY_INPUT, ReportedKeys, stop_id_for_key,  # noqa: E402
                                   stop_request_inputs)
 from serving.params import get_parameter, model_parameters  # noqa: E402
-from serving.stub_watchdog import start_server_watchdog  # noqa: E402
+from serving.stub_watchdog import start_server_watchdog, stop_crash_dumps  # noqa: E402
 from serving.text import decode_batch  # noqa: E402
 from serving.tokenization import load_tokenizer  # noqa: E402
 
@@ -82,4 +82,4 @@ class TritonPythonModel:
             pb_utils.Logger.log_warn(f"postprocessing: could not stop {request_id}: {error}")
 
     def finalize(self):
-        pass
+        stop_crash_dumps()

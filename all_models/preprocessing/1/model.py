@@ -14,7 +14,7 @@ if os.environ.get("TRITONLLM_ROOT"):  # a source checkout not installed into the
 from serving.params import get_parameter, model_parameters  # noqa: E402
 from serving.text import (embedding_bias_tensor, encode_queries, per_item_ids,  # noqa: E402
                           word_list_tensor)
-from serving.stub_watchdog import start_server_watchdog  # noqa: E402
+from serving.stub_watchdog import start_server_watchdog, stop_crash_dumps  # noqa: E402
 from serving.tokenization import first_token_id, load_tokenizer  # noqa: E402
 
 TEXT_OUTPUTS = ("INPUT_ID", "REQUEST_INPUT_LEN", "DECODER_INPUT_ID", "REQUEST_DECODER_INPUT_LEN",
@@ -88,4 +88,4 @@ class TritonPythonModel:
         return outputs
 
     def finalize(self):
-        pass
+        stop_crash_dumps()

@@ -36,12 +36,12 @@ from serving.executor_config import executor_settings, to_executor_config  # noq
 from serving.inflight import InflightRequests  # noqa: E402
 from serving.metrics import HISTOGRAMS, gauge_specs, gauge_values  # noqa: E402
 from serving.params import get_parameter, model_parameters  # noqa: E402
-from serving.responses import wants_errors_as_output  # noqa: E402
+from serving.responses import requested_outputs, wants_errors_as_output  # noqa: E402
 from serving.requests import (MISSING_STOP_ID, conversion_error_message, convert_request,  # noqa: E402
                               is_stop_request, to_executor_request)
 from serving.server_stop import ServerStopWatcher, ShutdownHooks, server_http_endpoint  # noqa: E402
 from serving.shared_engine import KEY_STRIDE, open_shared_engine, rendezvous_paths  # noqa: E402
-from serving.stub_watchdog import start_server_watchdog  # noqa: E402
+from serving.stub_watchdog import start_server_watchdog, stop_crash_dumps  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 RESTARTS_PARAMETER = "engine_restarts"  # set by the model's own reload after an engine death
@@ -247,7 +247,8 @@ class TritonPythonModel:
                     self._send_error(sender, f"tensorrt_llm could not accept the request: {error}")
                     continue
                 self.inflight.add(sender, request.request_id(), specs, exec_ids,
-                                  errors_as_output=wants_errors_as_output(request.parameters()))
+                                  errors_as_output=wants_errors_as_output(request.parameters()),
+                                  requested_outputs=requested_outputs(request))
         return None
 
     @staticmethod
@@ -471,3 +472,4 @@ class TritonPythonModel:
             self.shared_engine.release()
         if getattr(self, "reload_in_finalize", False):
             self._reload_self()
+        stop_crash_dumps()

@@ -29,8 +29,9 @@ from serving.bls import (LLM_INPUTS_FROM_PREPROCESSING, LLM_INPUTS_FROM_REQUEST,
                          validate, wants_token_ids, with_batch_dim)
 from serving.cancellation import stop_request_inputs  # noqa: E402
 from serving.params import get_parameter, model_parameters  # noqa: E402
-from serving.stub_watchdog import start_server_watchdog  # noqa: E402
-from serving.responses import ERROR_MESSAGE_OUTPUT, ERRORS_AS_OUTPUT, pad_beams, stack_responses  # noqa: E402
+from serving.stub_watchdog import start_server_watchdog, stop_crash_dumps  # noqa: E402
+from serving.responses import (ERROR_MESSAGE_OUTPUT, ERRORS_AS_OUTPUT, only_requested, pad_beams,  # noqa: E402
+                               requested_outputs, stack_responses)
 from serving.text import string_rows, to_str  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -90,6 +91,7 @@ class TritonPythonModel:
     # ----------------------------------------------------------------------------- pipeline
 
     async def _serve(self, request, sender):
+        requested = requested_outputs(request)  # nothing else may be sent (serving/responses.py)
         tensors = {}
         for name in self.input_names:
             tensor = pb_utils.get_input_tensor_by_name(request, name)
@@ -120,7 +122,7 @@ class TritonPythonModel:
                 if with_token_ids:
                     out[TOKEN_IDS_OUTPUT] = llm_out["output_ids"]
                 if stream:
-                    self._send(sender, pb_utils.InferenceResponse(output_tensors=self._tensors(out)))
+                    self._send(sender, pb_utils.InferenceResponse(output_tensors=self._tensors(out, requested)))
                     if self._all_stopped(streams, batch_size):
                         stopper.stop()  # nothing more will be sent for this request
                 else:
@@ -132,7 +134,7 @@ class TritonPythonModel:
             self._send_final(sender, None)
         else:
             self._send_final(sender, pb_utils.InferenceResponse(
-                output_tensors=self._tensors(stack_responses(finals))))
+                output_tensors=self._tensors(stack_responses(finals), requested)))
 
     @staticmethod
     async def _watch_cancellation(sender, stopper):
@@ -216,8 +218,8 @@ class TritonPythonModel:
     # ----------------------------------------------------------------------------- calls
 
     @staticmethod
-    def _tensors(out):
-        return [pb_utils.Tensor(name, value) for name, value in out.items()]
+    def _tensors(out, requested):
+        return [pb_utils.Tensor(name, value) for name, value in only_requested(out, requested).items()]
 
     async def _call(self, model_name, inputs, outputs):
         request = pb_utils.InferenceRequest(
@@ -265,6 +267,7 @@ class TritonPythonModel:
 
     def finalize(self):
         self.blocking_calls.shutdown(wait=False, cancel_futures=True)
+        stop_crash_dumps()
 
 
 class _LlmStopper:
