@@ -14,12 +14,14 @@ One engine, one executor configuration, one run; for each number of concurrent c
   sends (log-probs on, temperature 0, top_p 1, min_tokens = max_tokens instead of end_id -1);
 - ``openai``: streamed ``/v1/completions`` (or ``/v1/chat/completions`` with ``--openai_api chat``)
   through the OpenAI-compatible frontend (``python -m openai_frontend``, started by the launcher's
-  ``--openai_port``), which forwards to ``tensorrt_llm_bls``; the client is aiohttp reading SSE,
-  one connection per client, min_tokens = max_tokens = output_len, temperature 0;
+  ``--openai_port``), which sends token ids straight to ``tensorrt_llm`` (its default entry); the
+  client is aiohttp reading SSE, one connection per client, min_tokens = max_tokens = output_len,
+  temperature 0;
+- ``openai_bls``: the same through a second frontend whose entry model is ``tensorrt_llm_bls``;
 - ``engine``: ``engine.executor.Executor`` in this process, token ids in and out (the baseline).
 
-The frontend's own cost is ``openai`` against ``grpc_bls`` (same entry model, same request):
-goals >= 0.95 of its throughput and < 3 ms added TTFT (medians), printed as a second table.
+The OpenAI paths are compared with ``grpc`` (issue 15: >= 0.95 of its throughput, < 3 ms added
+TTFT, medians) and with ``grpc_bls``, in a second table.
 
 Both served paths go through a real tritonserver (started by scripts/launch_triton_server.py on
 127.0.0.1, free ports, decoupled repository filled by scripts/serve_default.py's
@@ -78,9 +80,9 @@ sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 
 GOALS = {"throughput_ratio": 0.90, "added_ttft_ms": 5.0,
-         "openai_throughput_ratio": 0.95, "openai_added_ttft_ms": 3.0}  # openai vs grpc_bls
+         "openai_throughput_ratio": 0.95, "openai_added_ttft_ms": 3.0}  # openai vs grpc (issue 15)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
-SERVED_PATHS = ("http", "grpc", "grpc_bls", "openai")
+SERVED_PATHS = ("http", "grpc", "grpc_bls", "openai", "openai_bls")
 ALL_PATHS = ("engine",) + SERVED_PATHS
 OPENAI_MODEL_NAME = "bench"
 # A served stream that sends nothing for this long has stalled (--stall_timeout; the environment
@@ -336,20 +338,24 @@ def executor_config_of_repo(repo: str):
 class ServedEnsemble:
     """A tritonserver over a filled repository, started by the project's launcher; a context manager."""
 
-    def __init__(self, repo: str, work: Path, ready_timeout: float, openai: bool = False):
+    def __init__(self, repo: str, work: Path, ready_timeout: float, openai: bool = False,
+                 openai_bls: bool = False):
         self.serve = load_script("serve_default")
         self.launcher = load_script("launch_triton_server")
-        ports = [str(self.launcher.free_port()) for _ in range(4)]
-        self.http_port, self.grpc_port, self.metrics_port, self.openai_port = ports
+        ports = [str(self.launcher.free_port()) for _ in range(5)]
+        self.http_port, self.grpc_port, self.metrics_port, self.openai_port, self.openai_bls_port = ports
+        self.openai_bls = openai_bls  # a second frontend whose entry model is tensorrt_llm_bls
         self.log_path = work / "tritonserver.log"
         self.frontend_log_path = work / "openai_frontend.log"
-        openai_flags = [f"--openai_port={ports[3]}", f"--openai_model_name={OPENAI_MODEL_NAME}"] if openai else []
+        openai_flags = ([f"--openai_port={ports[3]}", f"--openai_model_name={OPENAI_MODEL_NAME}"]
+                        if openai or openai_bls else [])
         self.args = self.launcher.parse_arguments([
             f"--model_repo={repo}", "--no-mpi", "--host=127.0.0.1", "--force", f"--http_port={ports[0]}",
             f"--grpc_port={ports[1]}", f"--metrics_port={ports[2]}", f"--cache_dir={work / 'cache'}", *openai_flags])
         self.ready_timeout = ready_timeout
         self.process = None
         self.frontend = None
+        self.frontends = []
 
     @property
     def http_url(self) -> str:
@@ -366,6 +372,10 @@ class ServedEnsemble:
     @property
     def openai_url(self) -> str:
         return f"http://127.0.0.1:{self.openai_port}"
+
+    @property
+    def openai_bls_url(self) -> str:
+        return f"http://127.0.0.1:{self.openai_bls_port}"
 
     def log_tail(self, chars: int = 4000) -> str:
         return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
@@ -390,20 +400,31 @@ class ServedEnsemble:
         return self
 
     def _start_frontend(self) -> None:
-        with open(self.frontend_log_path, "w") as log:
-            self.frontend = self.launcher.launch_openai_frontend(self.args, stdout=log, stderr=log)
-        if not self.serve.wait_until_frontend_ready(self.frontend, self.openai_port, timeout=120):
-            self.__exit__()
-            raise RuntimeError("the OpenAI frontend did not become ready; its log ends:\n"
-                               + self.frontend_log_path.read_text(errors="replace")[-4000:])
+        """The launcher's frontend (entry: tensorrt_llm), and with openai_bls a second one on its own
+        port whose entry is tensorrt_llm_bls (same server, same request handling otherwise)."""
+        entries = [(self.openai_port, None, self.frontend_log_path)]
+        if self.openai_bls:
+            entries.append((self.openai_bls_port, "tensorrt_llm_bls", self.frontend_log_path.with_name(
+                "openai_frontend_bls.log")))
+        for port, entry_model, log_path in entries:
+            args = argparse.Namespace(**{**vars(self.args), "openai_port": port, "openai_entry_model": entry_model})
+            with open(log_path, "w") as log:
+                frontend = self.launcher.launch_openai_frontend(args, stdout=log, stderr=log)
+            self.frontends.append(frontend)
+            self.frontend = self.frontend or frontend
+            if not self.serve.wait_until_frontend_ready(frontend, port, timeout=120):
+                self.__exit__()
+                raise RuntimeError(f"the OpenAI frontend (port {port}) did not become ready; its log ends:\n"
+                                   + log_path.read_text(errors="replace")[-4000:])
 
     def __exit__(self, *exc) -> None:
-        if self.frontend is not None and self.frontend.poll() is None:
-            self.frontend.terminate()
-            try:
-                self.frontend.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.frontend.kill()
+        for frontend in self.frontends:
+            if frontend.poll() is None:
+                frontend.terminate()
+                try:
+                    frontend.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    frontend.kill()
         if self.process is None or self.process.poll() is not None:
             return
         self.process.terminate()
@@ -527,6 +548,7 @@ def grpc_client(url: str, feed: PromptFeed, requests: int, output_len: int, timi
     client = grpcclient.InferenceServerClient(url)
     arrivals: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: arrivals.put((time.perf_counter(), result, error)))
+    failed = False
     try:
         for index in range(requests):
             prompt, _ = feed.take()
@@ -551,9 +573,12 @@ def grpc_client(url: str, feed: PromptFeed, requests: int, output_len: int, timi
                     break
             timings.append(timing)
     except Exception as error:  # noqa: BLE001 - reported by the caller after all threads end
+        failed = True
         errors.append(error)
     finally:
-        client.stop_stream()
+        # After a failure (a stall above all) cancel what is in flight: a plain stop_stream waits
+        # for every request's final response, and a stalled one never sends it.
+        client.stop_stream(cancel_requests=failed)
         client.close()
 
 
@@ -651,7 +676,7 @@ def run_served_path(path: str, url: str, feed: PromptFeed, clients: int, request
         return run_grpc(url, feed, clients, requests, output_len, count_words=count_words)
     if path == "grpc_bls":
         return run_grpc(url, feed, clients, requests, output_len, model="tensorrt_llm_bls")
-    if path == "openai":
+    if path in ("openai", "openai_bls"):
         return run_openai(url, feed, clients, requests, output_len, chat=chat)
     raise ValueError(f"unknown served path {path!r}")
 
@@ -862,13 +887,14 @@ def run_variant(results: dict, args: argparse.Namespace, feed: PromptFeed, execu
             repo, server_work = server_setup
             server_work.mkdir(parents=True, exist_ok=True)
             server = stack.enter_context(ServedEnsemble(repo, server_work, args.ready_timeout,
-                                                        openai="openai" in args.paths))
+                                                        openai="openai" in args.paths,
+                                                        openai_bls="openai_bls" in args.paths))
             results.setdefault("server_load_s", {})[variant] = server.load_seconds
             print(f"tritonserver{f' ({variant})' if variant else ''} ready in {server.load_seconds:.1f} s "
                   f"(HTTP {server.http_port}, gRPC {server.grpc_port}"
                   f"{', OpenAI ' + server.openai_port if server.frontend else ''})", flush=True)
             urls = {"http": server.http_url, "grpc": server.grpc_url, "grpc_bls": server.grpc_url,
-                    "openai": server.openai_url}
+                    "openai": server.openai_url, "openai_bls": server.openai_bls_url}
             chat = args.openai_api == "chat"
             # Every served path's clients in the worker processes when there are some: a path whose
             # clients share the parent (its interpreter lock, its CUDA context and idle executor) is
@@ -1002,15 +1028,16 @@ def overheads(rows: list[dict]) -> list[dict]:
 
 
 def frontend_overheads(rows: list[dict]) -> list[dict]:
-    """The OpenAI frontend's own cost per concurrency: openai against grpc_bls (same entry model,
-    same request), and against grpc (the ensemble), as throughput ratios and added TTFT (medians)."""
+    """The OpenAI frontend against gRPC, per concurrency and frontend path (``openai``: entry
+    tensorrt_llm; ``openai_bls``: entry tensorrt_llm_bls): throughput ratios and added TTFT/ITL
+    (medians) against ``grpc`` (the ensemble, issue 15's yardstick) and ``grpc_bls``."""
     by_key = {(row["path"], row["clients"]): row for row in rows}
     out = []
-    for (path, clients), row in sorted(by_key.items()):
-        if path != "openai":
+    for (path, clients), row in sorted(by_key.items(), key=lambda item: (item[0][1], item[0][0])):
+        if path not in ("openai", "openai_bls"):
             continue
-        entry = {"clients": clients}
-        for base_path in ("grpc_bls", "grpc"):
+        entry = {"clients": clients, "path": path}
+        for base_path in ("grpc", "grpc_bls"):
             base = by_key.get((base_path, clients))
             if base is not None:
                 entry[f"throughput_vs_{base_path}"] = row["tok_s"] / base["tok_s"]
@@ -1021,7 +1048,7 @@ def frontend_overheads(rows: list[dict]) -> list[dict]:
 
 
 def frontend_markdown(results: dict) -> str:
-    """The OpenAI frontend's table: openai against grpc_bls and grpc, with the goals."""
+    """The OpenAI frontend's table: each frontend path against grpc and grpc_bls, with the goals."""
     entries = results.get("frontend_overheads") or []
     if not entries:
         return ""
@@ -1029,16 +1056,17 @@ def frontend_markdown(results: dict) -> str:
     def cell(entry, key, fmt):
         return format(entry[key], fmt) if key in entry else "-"
 
-    lines = [f"\nOpenAI frontend (`openai`, {results.get('openai_api', 'completions')}) against gRPC into "
-             f"tensorrt_llm_bls with the same request (`grpc_bls`) and into the ensemble (`grpc`). "
-             f"Goals: >= {GOALS['openai_throughput_ratio']:.0%} of grpc_bls throughput, "
+    lines = [f"\nOpenAI frontend ({results.get('openai_api', 'completions')}; `openai`: entry tensorrt_llm, "
+             f"`openai_bls`: entry tensorrt_llm_bls) against gRPC streaming into the ensemble (`grpc`) and "
+             f"into tensorrt_llm_bls with the frontend's request (`grpc_bls`). Goals (issue 15): "
+             f">= {GOALS['openai_throughput_ratio']:.0%} of the gRPC throughput, "
              f"< {GOALS['openai_added_ttft_ms']:.0f} ms added TTFT.\n",
-             "| clients | tok/s vs grpc_bls | added TTFT ms vs grpc_bls | added ITL ms vs grpc_bls "
-             "| tok/s vs grpc | added TTFT ms vs grpc |", "|---|---|---|---|---|---|"]
+             "| clients | path | tok/s vs grpc | added TTFT ms vs grpc | added ITL ms vs grpc "
+             "| tok/s vs grpc_bls | added TTFT ms vs grpc_bls |", "|---|---|---|---|---|---|---|"]
     for e in entries:
-        lines.append(f"| {e['clients']} | {cell(e, 'throughput_vs_grpc_bls', '.3f')} "
-                     f"| {cell(e, 'added_ttft_ms_vs_grpc_bls', '+.2f')} | {cell(e, 'added_itl_ms_vs_grpc_bls', '+.2f')} "
-                     f"| {cell(e, 'throughput_vs_grpc', '.3f')} | {cell(e, 'added_ttft_ms_vs_grpc', '+.2f')} |")
+        lines.append(f"| {e['clients']} | {e['path']} | {cell(e, 'throughput_vs_grpc', '.3f')} "
+                     f"| {cell(e, 'added_ttft_ms_vs_grpc', '+.2f')} | {cell(e, 'added_itl_ms_vs_grpc', '+.2f')} "
+                     f"| {cell(e, 'throughput_vs_grpc_bls', '.3f')} | {cell(e, 'added_ttft_ms_vs_grpc_bls', '+.2f')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -1177,7 +1205,7 @@ def main(argv=None) -> dict:
     kv_tokens = max(args.clients) * (-(-(args.input_len + args.output_len) // tpb) + 1) * tpb
     # A tensorrt_llm_bls instance serves many requests at once; on the BLS paths a few more than
     # make serve's 2 spread its per-response work over processes.
-    bls_instances = 4 if {"grpc_bls", "openai"} & set(args.paths) else 2
+    bls_instances = 4 if {"grpc_bls", "openai_bls"} & set(args.paths) else 2
     variants = []
     for index, (variant, settings) in enumerate(parse_variants(args.variants, args)):
         repo = load_script("serve_default").prepare_model_repo(

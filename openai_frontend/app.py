@@ -17,11 +17,13 @@ import logging
 import time
 from contextlib import aclosing
 from dataclasses import dataclass
+from typing import Callable
 
 from aiohttp import web
 
 from openai_frontend import sse
 from openai_frontend.chat_template import PromptBuilder
+from openai_frontend.detokenizer import fast_decode
 from openai_frontend.errors import APIError, bad_request, model_not_found, server_error
 from openai_frontend.generation import ChoiceEvent, choice_specs, generate_choices
 from openai_frontend.logprobs import TokenNamer
@@ -29,6 +31,7 @@ from openai_frontend.metrics import FrontendMetrics
 from openai_frontend.protocol import GenerationRequest, parse_chat_request, parse_completion_request
 from openai_frontend.responses import ResponseShape
 from openai_frontend.triton_client import TritonClient
+from serving.tokenization import first_token_id
 
 log = logging.getLogger("openai_frontend")
 ENDPOINTS = {"/v1/chat/completions": "chat_completions", "/v1/completions": "completions",
@@ -40,7 +43,9 @@ class FrontendConfig:
     grpc_url: str  # Triton's gRPC endpoint, "host:port"
     tokenizer_dir: str  # the engine directory (tokenizer files, config.json with its limits)
     served_model_name: str  # the `model` clients name
-    triton_model: str = "tensorrt_llm_bls"  # the entry model (a tensorrt_llm_bls; __main__ says why not the ensemble)
+    # The model requests go to: the engine's own (direct: the frontend tokenizes and decodes), or a
+    # tensorrt_llm_bls (text in and out); __main__ says why, and why never the ensemble.
+    triton_model: str = "tensorrt_llm"
     llm_model: str = "tensorrt_llm"  # the model holding the engine (its readiness counts too)
     add_special_tokens: bool = True  # as preprocessing's parameter: prompt token counts match
 
@@ -50,6 +55,7 @@ class Frontend:
     config: FrontendConfig
     prompts: PromptBuilder
     namer: TokenNamer  # names the tokens of log-probs
+    decode: Callable[[list[int]], str]  # ids -> text for the direct path (openai_frontend/detokenizer.py)
     metrics: FrontendMetrics
     started: int
     client: TritonClient | None = None  # made on startup, inside the running event loop
@@ -64,7 +70,8 @@ FRONTEND = web.AppKey("frontend", Frontend)
 
 def create_app(config: FrontendConfig) -> web.Application:
     prompts = PromptBuilder(config.tokenizer_dir, config.add_special_tokens)
-    frontend = Frontend(config, prompts, TokenNamer(prompts.tokenizer), FrontendMetrics(), started=int(time.time()))
+    frontend = Frontend(config, prompts, TokenNamer(prompts.tokenizer), fast_decode(prompts.tokenizer),
+                        FrontendMetrics(), started=int(time.time()))
     app = web.Application(middlewares=[_errors_and_metrics], client_max_size=64 * 2**20)
     app[FRONTEND] = frontend
     app.router.add_get("/v1/models", list_models)
@@ -79,8 +86,12 @@ def create_app(config: FrontendConfig) -> web.Application:
 
 
 async def _open_client(app: web.Application) -> None:
-    config = app[FRONTEND].config
-    app[FRONTEND].client = TritonClient(config.grpc_url, config.triton_model, config.llm_model)
+    frontend = app[FRONTEND]
+    config, tokenizer = frontend.config, frontend.prompts.tokenizer
+    end_id = first_token_id(tokenizer, tokenizer.eos_token)  # as preprocessing derives them
+    pad_id = first_token_id(tokenizer, tokenizer.pad_token)
+    frontend.client = TritonClient(config.grpc_url, config.triton_model, config.llm_model, end_id=end_id,
+                                   pad_id=end_id if pad_id is None else pad_id)
 
 
 async def _close_client(app: web.Application) -> None:
@@ -161,16 +172,16 @@ async def _json_body(request: web.Request):
         raise bad_request(None, f"the request body is not valid JSON: {error}", code="invalid_json") from None
 
 
-def _prompts(frontend: Frontend, parsed: GenerationRequest, chat: bool) -> list[tuple[str, int, int]]:
-    """(prompt text, its token count, tokens to generate) per prompt."""
+def _prompts(frontend: Frontend, parsed: GenerationRequest, chat: bool) -> list[tuple[str, list[int], int]]:
+    """(prompt text, its token ids, tokens to generate) per prompt."""
     builder = frontend.prompts
     texts = [builder.render_chat(parsed.messages)] if chat else parsed.prompts
     prompts = []
     for text in texts:
-        count = builder.count_tokens(text)
-        max_tokens = builder.max_tokens_for(count, parsed.params.max_tokens, "messages" if chat else "prompt",
+        ids = builder.encode(text)
+        max_tokens = builder.max_tokens_for(len(ids), parsed.params.max_tokens, "messages" if chat else "prompt",
                                             parsed.max_tokens_field)
-        prompts.append((text, count, max_tokens))
+        prompts.append((text, ids, max_tokens))
     return prompts
 
 
@@ -181,10 +192,11 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     frontend.check_model(parsed.model)
     await frontend.client.ensure_ready()
     prompts = _prompts(frontend, parsed, chat)
-    prompt_tokens = sum(count for _, count, _ in prompts)
+    prompt_tokens = sum(len(ids) for _, ids, _ in prompts)
     shape = ResponseShape(chat=chat, model=frontend.config.served_model_name)
     specs = choice_specs(prompts, parsed.params)
-    async with aclosing(generate_choices(frontend.client, specs, parsed.params, shape.id, frontend.namer)) as events:
+    async with aclosing(generate_choices(frontend.client, specs, parsed.params, shape.id, frontend.namer,
+                                         frontend.decode)) as events:
         if parsed.stream:
             return await _stream(request, events, shape, prompt_tokens, parsed.include_usage)
         return await _whole(events, shape, len(specs), prompt_tokens)

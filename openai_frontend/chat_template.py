@@ -58,8 +58,11 @@ class PromptBuilder:
         ids = self.tokenizer.encode("", add_special_tokens=self.add_special_tokens)
         return bool(ids) and ids[0] == self.tokenizer.bos_token_id
 
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=self.add_special_tokens)
+
     def count_tokens(self, text: str) -> int:
-        return len(self.tokenizer.encode(text, add_special_tokens=self.add_special_tokens))
+        return len(self.encode(text))
 
     def max_tokens_for(self, prompt_tokens: int, requested: int | None, prompt_field: str,
                        max_tokens_field: str) -> int:

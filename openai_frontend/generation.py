@@ -9,8 +9,9 @@ import asyncio
 import uuid
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
+from openai_frontend.detokenizer import IncrementalDetokenizer
 from openai_frontend.logprobs import TokenLogprob, TokenNamer
 from openai_frontend.protocol import SamplingParams
 from openai_frontend.stop_strings import StopTrimmer
@@ -32,20 +33,24 @@ class ChoiceEvent:
 class ChoiceSpec:
     index: int
     prompt: str
-    prompt_tokens: int
+    prompt_ids: list[int]  # the prompt as the frontend's tokenizer encodes it
     max_tokens: int
     seed: int | None
 
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
 
-def choice_specs(prompts: list[tuple[str, int, int]], params: SamplingParams) -> list[ChoiceSpec]:
-    """(prompt, prompt tokens, max tokens) per prompt -> ``n`` choices each, indexed prompt-major
+
+def choice_specs(prompts: list[tuple[str, list[int], int]], params: SamplingParams) -> list[ChoiceSpec]:
+    """(prompt, its token ids, max tokens) per prompt -> ``n`` choices each, indexed prompt-major
     as OpenAI does. With a seed, choice k of a prompt uses seed + k: the choices differ, and the
     same request gives the same choices again."""
     specs = []
-    for p, (prompt, prompt_tokens, max_tokens) in enumerate(prompts):
+    for p, (prompt, prompt_ids, max_tokens) in enumerate(prompts):
         for k in range(params.n):
             seed = None if params.seed is None else params.seed + k
-            specs.append(ChoiceSpec(p * params.n + k, prompt, prompt_tokens, max_tokens, seed))
+            specs.append(ChoiceSpec(p * params.n + k, prompt, prompt_ids, max_tokens, seed))
     return specs
 
 
@@ -78,15 +83,21 @@ class LogprobTrack:
 
 
 async def generate_choice(client: TritonClient, spec: ChoiceSpec, params: SamplingParams,
-                          request_id: str, namer: TokenNamer | None = None) -> AsyncIterator[ChoiceEvent]:
+                          request_id: str, namer: TokenNamer | None = None,
+                          decode: Callable[[list[int]], str] | None = None) -> AsyncIterator[ChoiceEvent]:
+    """One choice's events. On the client's direct path the chunks carry ids and no text: they are
+    decoded here with ``decode`` (ids -> text, openai_frontend/detokenizer.py)."""
     trimmer = StopTrimmer(params.stop)
     track = LogprobTrack(namer) if params.logprobs is not None and namer is not None else None
+    detokenizer = IncrementalDetokenizer(decode) if client.direct else None
     tokens = 0
     # aclosing: leaving (a stop string, or this generator being closed) cancels the call at once.
-    async with aclosing(client.generate(spec.prompt, params, spec.max_tokens, spec.seed,
+    async with aclosing(client.generate(spec.prompt, spec.prompt_ids, params, spec.max_tokens, spec.seed,
                                         f"{request_id}-{spec.index}")) as chunks:
         async for chunk in chunks:
             tokens += chunk.num_tokens
+            if detokenizer is not None:
+                chunk.text = detokenizer.push(chunk.token_ids or [])
             text = trimmer.push(chunk.text)
             if track is not None:
                 track.push(chunk)
@@ -94,22 +105,24 @@ async def generate_choice(client: TritonClient, spec: ChoiceSpec, params: Sampli
                 logprobs = None if track is None else track.release(text, trimmer.stopped)
                 yield ChoiceEvent(spec.index, text, tokens, logprobs=logprobs)
             if trimmer.stopped:
-                break  # the entry model has stopped the engine already
+                break  # the entry model has stopped the engine already (direct: leaving cancels the call)
+    # (Direct path: a character still incomplete at the end, as U+FFFD; it may complete a stop string.)
+    text = trimmer.push(detokenizer.finish() if detokenizer is not None else "") + trimmer.flush()
     # The engine leaves the end-of-sequence token out of its output, so a choice that reached
     # max_tokens generated exactly that many tokens and was cut by the limit.
     reason = "length" if not trimmer.stopped and tokens >= spec.max_tokens else "stop"
-    text = trimmer.flush()
     logprobs = None if track is None else track.release(text, trimmer.stopped)
     yield ChoiceEvent(spec.index, text, tokens, reason, logprobs)
 
 
 async def generate_choices(client: TritonClient, specs: list[ChoiceSpec], params: SamplingParams,
-                           request_id: str | None = None,
-                           namer: TokenNamer | None = None) -> AsyncIterator[ChoiceEvent]:
+                           request_id: str | None = None, namer: TokenNamer | None = None,
+                           decode: Callable[[list[int]], str] | None = None) -> AsyncIterator[ChoiceEvent]:
     """Every choice's events, interleaved as they come. Closing this iterator (or cancelling
-    its consumer) cancels every choice still running. ``namer`` names the tokens of log-probs."""
+    its consumer) cancels every choice still running. ``namer`` names the tokens of log-probs;
+    ``decode`` turns ids into text on the client's direct path."""
     request_id = request_id or uuid.uuid4().hex
-    streams = [generate_choice(client, spec, params, request_id, namer) for spec in specs]
+    streams = [generate_choice(client, spec, params, request_id, namer, decode) for spec in specs]
     if len(streams) == 1:  # no tasks and no queue on the common path
         async with aclosing(streams[0]) as events:
             async for event in events:

@@ -1,6 +1,15 @@
-"""The Triton side: one gRPC stream per generated choice to the entry model `tensorrt_llm_bls`,
-and a cached readiness check.
+"""The Triton side: one gRPC stream per generated choice to the entry model, and a cached
+readiness check.
 
+The entry model is ``tensorrt_llm`` itself by default (the direct path): the frontend sends the
+prompt's token ids and reads the generated ids, which it decodes itself
+(openai_frontend/detokenizer.py) and counts exactly; stop strings are cut in the frontend, whose
+leaving the stream cancels the request. One Triton hop per token: on an H100 (8B shape) the BLS,
+which runs preprocessing and a postprocessing call per chunk in Python stubs, added about 1 ms per
+token and cost 15-30% of the throughput (benchmarks/RESULTS.md). Batching, metrics and leader
+mode stay in the ``tensorrt_llm`` model either way.
+
+``--triton_model tensorrt_llm_bls`` sends text instead (the rest of this note is about that path).
 Why the BLS and not the ensemble: the token count needs ``output_log_probs``, and with log-probs
 on, ``tensorrt_llm`` sends every token at once (no UTF-8 holdback), which the BLS decodes as a
 whole sequence but the ensemble's postprocessing decodes chunk by chunk: a multi-byte character
@@ -84,7 +93,39 @@ def generation_inputs(prompt: str, params: SamplingParams, max_tokens: int,
     return inputs
 
 
+def direct_inputs(prompt_ids: list[int], params: SamplingParams, max_tokens: int, seed: int | None,
+                  end_id: int, pad_id: int) -> dict[str, np.ndarray]:
+    """``tensorrt_llm``'s own inputs for one choice (the direct path: the frontend has tokenized
+    the prompt and decodes the ids itself; stop strings are cut here, which cancels the call)."""
+    def scalar(value, dtype):
+        return np.array([[value]], dtype=dtype)
+
+    inputs = {
+        "input_ids": np.array([prompt_ids], dtype=np.int32),
+        "input_lengths": scalar(len(prompt_ids), np.int32),
+        "request_output_len": scalar(max_tokens, np.int32),
+        "end_id": scalar(end_id, np.int32), "pad_id": scalar(pad_id, np.int32),
+        "streaming": scalar(True, np.bool_),
+        "exclude_input_in_output": scalar(True, np.bool_),
+        "temperature": scalar(params.temperature, np.float32),  # (top_p: as generation_inputs says)
+        "runtime_top_p": scalar(params.top_p, np.float32),
+    }
+    optional = {"runtime_top_k": (params.top_k, np.int32), "min_tokens": (params.min_tokens, np.int32),
+                "presence_penalty": (params.presence_penalty, np.float32),
+                "frequency_penalty": (params.frequency_penalty, np.float32),
+                "repetition_penalty": (params.repetition_penalty, np.float32),
+                "seed": (seed, np.uint64)}
+    for name, (value, dtype) in optional.items():
+        if value is not None:
+            inputs[name] = scalar(value, dtype)
+    if params.logprobs is not None:
+        inputs["return_log_probs"] = scalar(True, np.bool_)
+        inputs["num_top_log_probs"] = scalar(params.logprobs, np.int32)
+    return inputs
+
+
 LOGPROB_OUTPUTS = ("output_ids", "top_log_prob_ids", "top_log_probs")
+DIRECT_OUTPUTS = ("output_ids", "sequence_length")
 
 
 def infer_request(model: str, inputs: dict[str, np.ndarray], request_id: str) -> service_pb2.ModelInferRequest:
@@ -93,9 +134,12 @@ def infer_request(model: str, inputs: dict[str, np.ndarray], request_id: str) ->
         request.inputs.add(name=name, datatype=np_to_triton_dtype(array.dtype), shape=list(array.shape))
         raw = serialize_byte_tensor(array).item() if array.dtype == object else array.tobytes()
         request.raw_input_contents.append(raw)
-    wanted = ("text_output", "output_log_probs")
-    if "num_top_log_probs" in inputs:
-        wanted += LOGPROB_OUTPUTS
+    if "input_ids" in inputs:  # the direct path: ids out, log-probs only when asked for
+        wanted = DIRECT_OUTPUTS + (("output_log_probs", *LOGPROB_OUTPUTS[1:]) if "num_top_log_probs" in inputs else ())
+    else:
+        wanted = ("text_output", "output_log_probs")
+        if "num_top_log_probs" in inputs:
+            wanted += LOGPROB_OUTPUTS
     for name in wanted:
         request.outputs.add(name=name)
     request.parameters["triton_enable_empty_final_response"].bool_param = True
@@ -109,7 +153,8 @@ def read_chunk(response: service_pb2.ModelInferResponse) -> tuple[Chunk, bool]:
     numpy cost several times more): Triton's gRPC responses carry every output in
     ``raw_output_contents``, in the order of ``outputs``. ``text_output`` is BYTES (each element
     a 4-byte little-endian length, then the bytes); ``output_log_probs`` is (1, beams, new
-    tokens), so its last dim is the number of tokens this response carries.
+    tokens), so its last dim is the number of tokens this response carries. On the direct path
+    ``output_ids`` (1, beams, new tokens) carries them, and the text is left to the caller.
     """
     final = response.parameters["triton_final_response"].bool_param
     chunk = Chunk("", 0)
@@ -124,6 +169,8 @@ def read_chunk(response: service_pb2.ModelInferResponse) -> tuple[Chunk, bool]:
             dtype = np.float32 if output.name == "top_log_probs" else np.int32
             arrays[output.name] = (response.raw_output_contents[index], dtype, output.shape)
     if "output_ids" in arrays:
+        if "output_log_probs" not in arrays:  # the direct path without log-probs
+            chunk.num_tokens = int(arrays["output_ids"][2][-1]) if arrays["output_ids"][2] else 0
         _read_logprobs(chunk, {name: np.frombuffer(raw, dtype).reshape(shape) for name, (raw, dtype, shape)
                                in arrays.items()})
     return chunk, final
@@ -132,6 +179,8 @@ def read_chunk(response: service_pb2.ModelInferResponse) -> tuple[Chunk, bool]:
 def _read_logprobs(chunk: Chunk, arrays: dict[str, np.ndarray]) -> None:
     """Beam 0 of (1, beams, T) output_ids / output_log_probs and (1, beams, T, k) top log-probs."""
     chunk.token_ids = arrays["output_ids"][0, 0, :chunk.num_tokens].tolist()
+    if "output_log_probs" not in arrays:
+        return
     chunk.log_probs = arrays["output_log_probs"][0, 0, :chunk.num_tokens].tolist()
     if "top_log_prob_ids" in arrays:
         ids = arrays["top_log_prob_ids"][0, 0, :chunk.num_tokens].tolist()
@@ -162,10 +211,15 @@ def triton_error(message: str) -> APIError:
 
 
 class TritonClient:
-    def __init__(self, url: str, model: str = "tensorrt_llm_bls", llm_model: str = "tensorrt_llm"):
+    def __init__(self, url: str, model: str = "tensorrt_llm_bls", llm_model: str = "tensorrt_llm",
+                 end_id: int | None = None, pad_id: int | None = None):
         self.url = url
         self.model = model  # the entry model requests go to
         self.llm_model = llm_model  # the model that holds the engine (it may be reloading)
+        # Direct: requests go to the engine's model itself, with token ids (end_id/pad_id from the
+        # frontend's tokenizer, as preprocessing derives them); Chunk.text stays empty.
+        self.direct = model == llm_model
+        self.end_id, self.pad_id = end_id, pad_id
         self._admin = grpcclient_aio.InferenceServerClient(url)
         self._channel = grpc.aio.insecure_channel(url, options=CHANNEL_OPTIONS)
         self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
@@ -190,10 +244,14 @@ class TritonClient:
                             "restarting); retry shortly")
         self._ready_until = time.monotonic() + READINESS_TTL_S
 
-    async def generate(self, prompt: str, params: SamplingParams, max_tokens: int, seed: int | None,
-                       request_id: str) -> AsyncIterator[Chunk]:
+    async def generate(self, prompt: str, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
+                       seed: int | None, request_id: str) -> AsyncIterator[Chunk]:
         """Streams one choice. Leaving the iteration early (or being cancelled) cancels the call."""
-        request = infer_request(self.model, generation_inputs(prompt, params, max_tokens, seed), request_id)
+        if self.direct:
+            inputs = direct_inputs(prompt_ids, params, max_tokens, seed, self.end_id, self.pad_id)
+        else:
+            inputs = generation_inputs(prompt, params, max_tokens, seed)
+        request = infer_request(self.model, inputs, request_id)
         finished = asyncio.Event()
 
         async def requests():

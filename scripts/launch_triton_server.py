@@ -57,6 +57,9 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
                         help="also serve the OpenAI-compatible API (/v1/...) on this port, bound to --host")
     parser.add_argument("--openai_model_name", type=str, default=None,
                         help="the model name OpenAI clients use (default: the engine directory's name)")
+    parser.add_argument("--openai_entry_model", type=str, default=None,
+                        help="the model the OpenAI frontend sends requests to: the tensorrt_llm model itself "
+                             "(default; the frontend tokenizes and decodes) or tensorrt_llm_bls")
     parser.add_argument("--force", "-f", action="store_true", help="launch even if tritonserver runs")
     parser.add_argument("--log", action="store_true", help="rank 0 logs verbosely to --log-file")
     parser.add_argument("--log-file", type=str, default="triton_log.txt")
@@ -373,6 +376,8 @@ def openai_frontend_command(args: argparse.Namespace) -> list[str]:
            f"--llm_model={args.tensorrt_llm_model_name.split(',')[0]}"]
     if args.openai_model_name:
         cmd.append(f"--served_model_name={args.openai_model_name}")
+    if args.openai_entry_model:
+        cmd.append(f"--triton_model={args.openai_entry_model}")
     return cmd
 
 

@@ -353,3 +353,31 @@ def test_unreachable_triton_gets_a_503(smollm2_engine_dir, tmp_path):
             with pytest.raises(openai.InternalServerError) as raised:
                 client.chat.completions.create(model=MODEL, messages=CAPITAL, max_tokens=4)
     assert raised.value.status_code == 503 and raised.value.body["code"] == "model_not_ready"
+
+
+@pytest.fixture(scope="module")
+def bls_frontend(triton_server, smollm2_engine_dir, tmp_path_factory):
+    """A second frontend whose requests go through tensorrt_llm_bls (text in and out) instead of
+    straight to tensorrt_llm (the default: ids in and out, decoded in the frontend)."""
+    with running_frontend(triton_server.grpc_url, smollm2_engine_dir, tmp_path_factory.mktemp("openai_bls"),
+                          "--triton_model=tensorrt_llm_bls") as url:
+        assert wait_for(lambda: requests.get(f"{url}/health", timeout=2).status_code == 200, timeout=30)
+        yield url
+
+
+@pytest.mark.parametrize("extra", [{}, {"stop": [" Paris"]}, {"logprobs": True, "top_logprobs": 2}],
+                         ids=["plain", "stop", "logprobs"])
+def test_bls_entry_answers_exactly_as_the_direct_entry(client, bls_frontend, extra):
+    with openai.OpenAI(base_url=f"{bls_frontend}/v1", api_key="unused", max_retries=0) as via_bls:
+        answers = [c.chat.completions.create(model=MODEL, messages=CAPITAL, **GREEDY, **extra) for c in (client, via_bls)]
+        streamed = via_bls.chat.completions.create(model=MODEL, messages=CAPITAL, **GREEDY, **extra, stream=True)
+        streamed_text = "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices)
+    direct, bls = answers
+    assert direct.choices[0].message.content == bls.choices[0].message.content == streamed_text
+    assert direct.choices[0].finish_reason == bls.choices[0].finish_reason
+    assert direct.usage.completion_tokens == bls.usage.completion_tokens
+    if "stop" in extra:
+        assert direct.choices[0].finish_reason == "stop" and "Paris" not in direct.choices[0].message.content
+    if "logprobs" in extra:
+        tokens = [[(e.token, [t.token for t in e.top_logprobs]) for e in a.choices[0].logprobs.content] for a in answers]
+        assert tokens[0] == tokens[1] and len(tokens[0]) >= 1

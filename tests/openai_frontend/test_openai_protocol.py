@@ -79,11 +79,11 @@ def test_completion_prompts():
 
 def test_choices_are_prompt_major_with_distinct_seeds():
     params = parse_completion_request({"model": "m", "prompt": ["a", "b"], "n": 2, "seed": 10}).params
-    specs = choice_specs([("a", 1, 5), ("b", 2, 6)], params)
+    specs = choice_specs([("a", [1], 5), ("b", [2, 3], 6)], params)
     assert [(s.index, s.prompt, s.seed, s.max_tokens) for s in specs] == \
         [(0, "a", 10, 5), (1, "a", 11, 5), (2, "b", 10, 6), (3, "b", 11, 6)]
     unseeded = parse_completion_request({"model": "m", "prompt": "a", "n": 2}).params
-    assert [s.seed for s in choice_specs([("a", 1, 5)], unseeded)] == [None, None]
+    assert [s.seed for s in choice_specs([("a", [1], 5)], unseeded)] == [None, None]
 
 
 def test_logprobs_fields_as_openai_defines_them():
