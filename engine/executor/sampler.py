@@ -72,13 +72,25 @@ class SamplerOutput:
     top_log_probs: torch.Tensor | None = None  # float32
 
 
+def _on_device(values: list, dtype: torch.dtype, device) -> torch.Tensor:
+    """A host list as a device tensor without stalling the host: ``torch.tensor(..., device=cuda)``
+    copies from pageable memory and waits for the stream, i.e. for the step already in flight,
+    which undid overlapped scheduling for every step with a sampled, min_tokens or penalized row
+    (+0.7 ms per step at batch 1 on the 8B shape, H100). Pinned memory and a non-blocking copy
+    queue behind that step instead; the caching host allocator keeps the buffer until the copy ran."""
+    host = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def _column(values: list, dtype: torch.dtype, device) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype, device=device)
+    return _on_device(values, dtype, device)
 
 
 def _padded(rows: list[list[int]], pad: int, device) -> torch.Tensor:
     width = max(1, max(len(r) for r in rows))
-    return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.int64, device=device)
+    return _on_device([r + [pad] * (width - len(r)) for r in rows], torch.int64, device)
 
 
 def banned_tokens(seq: Sequence) -> list[int]:
@@ -139,7 +151,7 @@ def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, device, retur
         frequency_penalty=_column(freq, torch.float32, device) if has_penalty else None,
         prompt_token_ids=_padded([s.token_ids[:s.num_prompt_tokens] for s in seqs], vocab_size, device) if has_penalty else None,
         output_token_ids=_padded([s.generated_token_ids for s in seqs], vocab_size, device) if has_penalty else None,
-        banned=torch.tensor(banned, dtype=torch.int64, device=device).T if banned else None,
+        banned=_on_device(banned, torch.int64, device).T if banned else None,
         embedding_bias=_embedding_bias(seqs, vocab_size, device),
         return_log_probs=return_log_probs or bool(top_rows),
         top_log_prob_rows=top_rows,
@@ -182,7 +194,8 @@ def process_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     if md.repetition_penalty is not None:
         logits = apply_penalties(logits, md)
     if md.banned is not None:
-        logits = logits.index_put((md.banned[0], md.banned[1]), torch.tensor(float("-inf"), device=logits.device))
+        # (torch.full: made on the device; a tensor from a host value would be a blocking copy)
+        logits = logits.index_put((md.banned[0], md.banned[1]), torch.full((), float("-inf"), device=logits.device))
     return logits
 
 
@@ -222,5 +235,5 @@ def top_log_probs(scores: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Ten
     one topk launch over those rows only (all of them without a gather when every row asks)."""
     rows = md.top_log_prob_rows
     if len(rows) != scores.shape[0]:
-        scores = scores[torch.tensor(rows, dtype=torch.int64, device=scores.device)]
+        scores = scores[_on_device(list(rows), torch.int64, scores.device)]
     return scores.topk(md.max_top_log_probs, dim=-1, largest=True, sorted=True)
