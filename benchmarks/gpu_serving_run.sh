@@ -44,7 +44,7 @@
 #     stacks then go to the tritonserver log, which is copied to $OUT)
 #   CLIENT_PROCESSES=0 (processes the benchmark's clients run in; 0: one per 32 streams, up to cores/4)
 #   PATHS=http,grpc,engine (serving_bench.py --paths; add grpc_bls,openai for the OpenAI frontend,
-#   which runs from this checkout on the same python3; OPENAI_API=completions|chat)
+#   which runs from this checkout on the same python3; OPENAI_API=completions|chat; OPENAI_WORKERS=1: its processes)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 CARRY=${CARRY:-.carry}
@@ -179,6 +179,7 @@ for model in $MODELS; do
     --tensorrt_llm_instances "${TENSORRT_LLM_INSTANCES:-1}" --client_processes "${CLIENT_PROCESSES:-0}" \
     --stall_timeout "${STALL_TIMEOUT_S:-120}" \
     --paths "${PATHS:-http,grpc,engine}" --openai_api "${OPENAI_API:-completions}" \
+    --openai_workers "${OPENAI_WORKERS:-1}" \
     ${VARIANTS:+--variants "$VARIANTS"}
   rc=$?
   if [ $rc -ne 0 ]; then

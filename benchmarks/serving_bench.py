@@ -339,7 +339,7 @@ class ServedEnsemble:
     """A tritonserver over a filled repository, started by the project's launcher; a context manager."""
 
     def __init__(self, repo: str, work: Path, ready_timeout: float, openai: bool = False,
-                 openai_bls: bool = False):
+                 openai_bls: bool = False, openai_workers: int = 1):
         self.serve = load_script("serve_default")
         self.launcher = load_script("launch_triton_server")
         ports = [str(self.launcher.free_port()) for _ in range(5)]
@@ -347,8 +347,8 @@ class ServedEnsemble:
         self.openai_bls = openai_bls  # a second frontend whose entry model is tensorrt_llm_bls
         self.log_path = work / "tritonserver.log"
         self.frontend_log_path = work / "openai_frontend.log"
-        openai_flags = ([f"--openai_port={ports[3]}", f"--openai_model_name={OPENAI_MODEL_NAME}"]
-                        if openai or openai_bls else [])
+        openai_flags = ([f"--openai_port={ports[3]}", f"--openai_model_name={OPENAI_MODEL_NAME}",
+                         f"--openai_workers={openai_workers}"] if openai or openai_bls else [])
         self.args = self.launcher.parse_arguments([
             f"--model_repo={repo}", "--no-mpi", "--host=127.0.0.1", "--force", f"--http_port={ports[0]}",
             f"--grpc_port={ports[1]}", f"--metrics_port={ports[2]}", f"--cache_dir={work / 'cache'}", *openai_flags])
@@ -888,7 +888,8 @@ def run_variant(results: dict, args: argparse.Namespace, feed: PromptFeed, execu
             server_work.mkdir(parents=True, exist_ok=True)
             server = stack.enter_context(ServedEnsemble(repo, server_work, args.ready_timeout,
                                                         openai="openai" in args.paths,
-                                                        openai_bls="openai_bls" in args.paths))
+                                                        openai_bls="openai_bls" in args.paths,
+                                                        openai_workers=args.openai_workers))
             results.setdefault("server_load_s", {})[variant] = server.load_seconds
             print(f"tritonserver{f' ({variant})' if variant else ''} ready in {server.load_seconds:.1f} s "
                   f"(HTTP {server.http_port}, gRPC {server.grpc_port}"
@@ -1149,6 +1150,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=1,
                         help="repeat every setting, paths interleaved; the best round of each is reported")
     parser.add_argument("--paths", default="http,grpc,engine", help="subset of " + ",".join(ALL_PATHS))
+    parser.add_argument("--openai_workers", type=int, default=1,
+                        help="OpenAI frontend processes (the launcher's --openai_workers), for both frontends")
     parser.add_argument("--openai_api", default="completions", choices=["completions", "chat"],
                         help="openai path: /v1/completions (prompts of exactly input_len tokens) or "
                              "/v1/chat/completions (the chat template adds tokens: needs an engine with room)")

@@ -2,9 +2,10 @@
 in front of a running tritonserver serving this project's model repository.
 
 The top of the stack: it imports ``serving`` (tokenizer loading) and ``tritonclient``; nothing
-imports it. Requests go over gRPC streaming to ``tensorrt_llm_bls``, so
-batching, metrics and leader mode stay in Triton. Files: protocol.py (request validation),
-chat_template.py (prompts and token counts), triton_client.py (the gRPC stream),
+imports it. Requests go over gRPC streaming to ``tensorrt_llm`` (token ids; or, if asked, to
+``tensorrt_llm_bls`` with text), so batching, metrics and leader mode stay in Triton. Files:
+protocol.py (request validation), chat_template.py (prompts and token counts), triton_client.py
+(the gRPC stream), detokenizer.py (ids -> streamed text),
 stop_strings.py, generation.py (choices), responses.py / sse.py (what goes out), metrics.py,
 app.py (aiohttp routes), __main__.py (CLI).
 """

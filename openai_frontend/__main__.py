@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import argparse
 import logging
+import multiprocessing
 import os
+import shutil
 import sys
+import tempfile
 
-from aiohttp import web
-
-from openai_frontend.app import FrontendConfig, create_app
+# (openai_frontend.app is imported in main, after PROMETHEUS_MULTIPROC_DIR is set for --workers:
+# prometheus_client picks its value storage when it is first imported.)
 from openai_frontend.repository import tokenizer_settings
+from openai_frontend.workers import serve, worker
 
 
 def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
@@ -35,10 +38,17 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
                              "postprocessing; costs about 1 ms per token more on an H100). Not the ensemble: "
                              "its streamed text splits multi-byte characters when log-probs are on")
     parser.add_argument("--llm_model", default="tensorrt_llm", help="the model that holds the engine")
-    return parser.parse_args(argv)
+    parser.add_argument("--workers", type=int, default=1,
+                        help="processes serving the port (SO_REUSEPORT; the kernel spreads connections): one "
+                             "Python process keeps up with about 5,000 streamed tokens a second; /metrics sums "
+                             "every worker's")
+    args = parser.parse_args(argv)
+    if args.workers < 1:
+        parser.error(f"--workers must be at least 1, got {args.workers}")
+    return args
 
 
-def config_from_arguments(args: argparse.Namespace) -> FrontendConfig:
+def config_from_arguments(args: argparse.Namespace):
     add_special_tokens = True
     tokenizer_dir = args.tokenizer_dir
     if args.model_repo:
@@ -47,6 +57,8 @@ def config_from_arguments(args: argparse.Namespace) -> FrontendConfig:
     if not tokenizer_dir:
         raise ValueError("pass --model_repo or --tokenizer_dir (the engine directory)")
     name = args.served_model_name or os.path.basename(os.path.normpath(tokenizer_dir))
+    from openai_frontend.app import FrontendConfig
+
     return FrontendConfig(grpc_url=args.grpc_url, tokenizer_dir=tokenizer_dir, served_model_name=name,
                           triton_model=args.triton_model or args.llm_model, llm_model=args.llm_model,
                           add_special_tokens=add_special_tokens)
@@ -55,16 +67,29 @@ def config_from_arguments(args: argparse.Namespace) -> FrontendConfig:
 def main(argv: list[str] | None = None) -> None:
     args = parse_arguments(argv)
     logging.basicConfig(level=logging.INFO, format="openai_frontend: %(message)s")
+    metrics_dir = None
+    if args.workers > 1 and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        metrics_dir = os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="openai_frontend_metrics_")
     try:
         config = config_from_arguments(args)
     except ValueError as error:
         sys.exit(f"openai_frontend: {error}")
-    app = create_app(config)
+    spawn = multiprocessing.get_context("spawn")
+    others = [spawn.Process(target=worker, args=(config, args.host, args.port, os.getpid()), daemon=True)
+              for _ in range(args.workers - 1)]
+    for process in others:
+        process.start()
     print(f"openai_frontend: serving {config.served_model_name} on http://{args.host}:{args.port}/v1 "
-          f"(Triton {config.triton_model} at {config.grpc_url})", flush=True)
-    # handler_cancellation: a client that hangs up cancels its handler, which cancels the Triton call.
-    web.run_app(app, host=args.host, port=args.port, handler_cancellation=True, access_log=None,
-                print=None)
+          f"(Triton {config.triton_model} at {config.grpc_url}; {args.workers} worker(s))", flush=True)
+    try:
+        serve(config, args.host, args.port, reuse_port=args.workers > 1)
+    finally:
+        for process in others:
+            process.terminate()
+        for process in others:
+            process.join(timeout=5)
+        if metrics_dir:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

