@@ -61,33 +61,41 @@ class Chunk:
     top: list[list[tuple[int, float]]] | None = None
 
 
-def generation_inputs(prompt: str, params: SamplingParams, max_tokens: int,
-                      seed: int | None) -> dict[str, np.ndarray]:
-    """The entry model's inputs for one choice (batch of 1: every tensor is [1, ...])."""
-    def scalar(value, dtype):
-        return np.array([[value]], dtype=dtype)
+def _scalar(value, dtype) -> np.ndarray:
+    return np.array([[value]], dtype=dtype)  # batch of 1: every tensor is [1, ...]
 
-    inputs = {
-        "text_input": np.array([[prompt.encode("utf-8")]], dtype=object),
-        "max_tokens": scalar(max_tokens, np.int32),
-        "stream": scalar(True, np.bool_),
-        "exclude_input_in_output": scalar(True, np.bool_),
-        "return_log_probs": scalar(True, np.bool_),
-        # The engine is greedy unless top_p or top_k > 1 is given (TRT-LLM's rule); OpenAI samples
-        # by default, so top_p always goes (1.0 = the whole distribution); temperature 0 is greedy.
-        "temperature": scalar(params.temperature, np.float32),
-        "top_p": scalar(params.top_p, np.float32),
-    }
-    optional = {"top_k": (params.top_k, np.int32), "min_tokens": (params.min_tokens, np.int32),
+
+def _sampling_inputs(params: SamplingParams, seed: int | None, top_p: str, top_k: str) -> dict[str, np.ndarray]:
+    """Temperature, top-p and the optional sampling fields, under the entry model's names for
+    top-p and top-k (``top_p``/``top_k`` on the BLS, ``runtime_top_p``/``runtime_top_k`` on
+    ``tensorrt_llm``). The engine is greedy unless top_p or top_k > 1 is given (TRT-LLM's rule);
+    OpenAI samples by default, so top_p always goes (1.0 = the whole distribution); temperature 0
+    is greedy."""
+    inputs = {"temperature": _scalar(params.temperature, np.float32), top_p: _scalar(params.top_p, np.float32)}
+    optional = {top_k: (params.top_k, np.int32), "min_tokens": (params.min_tokens, np.int32),
                 "presence_penalty": (params.presence_penalty, np.float32),
                 "frequency_penalty": (params.frequency_penalty, np.float32),
                 "repetition_penalty": (params.repetition_penalty, np.float32),
                 "seed": (seed, np.uint64)}
     for name, (value, dtype) in optional.items():
         if value is not None:
-            inputs[name] = scalar(value, dtype)
+            inputs[name] = _scalar(value, dtype)
+    return inputs
+
+
+def generation_inputs(prompt: str, params: SamplingParams, max_tokens: int,
+                      seed: int | None) -> dict[str, np.ndarray]:
+    """``tensorrt_llm_bls``'s inputs for one choice: text in, text out."""
+    inputs = {
+        "text_input": np.array([[prompt.encode("utf-8")]], dtype=object),
+        "max_tokens": _scalar(max_tokens, np.int32),
+        "stream": _scalar(True, np.bool_),
+        "exclude_input_in_output": _scalar(True, np.bool_),
+        "return_log_probs": _scalar(True, np.bool_),
+        **_sampling_inputs(params, seed, top_p="top_p", top_k="top_k"),
+    }
     if params.logprobs is not None:
-        inputs["num_top_log_probs"] = scalar(params.logprobs, np.int32)
+        inputs["num_top_log_probs"] = _scalar(params.logprobs, np.int32)
     if params.stop:
         inputs["stop_words"] = np.array([[word.encode("utf-8") for word in params.stop]], dtype=object)
     return inputs
@@ -97,30 +105,18 @@ def direct_inputs(prompt_ids: list[int], params: SamplingParams, max_tokens: int
                   end_id: int, pad_id: int) -> dict[str, np.ndarray]:
     """``tensorrt_llm``'s own inputs for one choice (the direct path: the frontend has tokenized
     the prompt and decodes the ids itself; stop strings are cut here, which cancels the call)."""
-    def scalar(value, dtype):
-        return np.array([[value]], dtype=dtype)
-
     inputs = {
         "input_ids": np.array([prompt_ids], dtype=np.int32),
-        "input_lengths": scalar(len(prompt_ids), np.int32),
-        "request_output_len": scalar(max_tokens, np.int32),
-        "end_id": scalar(end_id, np.int32), "pad_id": scalar(pad_id, np.int32),
-        "streaming": scalar(True, np.bool_),
-        "exclude_input_in_output": scalar(True, np.bool_),
-        "temperature": scalar(params.temperature, np.float32),  # (top_p: as generation_inputs says)
-        "runtime_top_p": scalar(params.top_p, np.float32),
+        "input_lengths": _scalar(len(prompt_ids), np.int32),
+        "request_output_len": _scalar(max_tokens, np.int32),
+        "end_id": _scalar(end_id, np.int32), "pad_id": _scalar(pad_id, np.int32),
+        "streaming": _scalar(True, np.bool_),
+        "exclude_input_in_output": _scalar(True, np.bool_),
+        **_sampling_inputs(params, seed, top_p="runtime_top_p", top_k="runtime_top_k"),
     }
-    optional = {"runtime_top_k": (params.top_k, np.int32), "min_tokens": (params.min_tokens, np.int32),
-                "presence_penalty": (params.presence_penalty, np.float32),
-                "frequency_penalty": (params.frequency_penalty, np.float32),
-                "repetition_penalty": (params.repetition_penalty, np.float32),
-                "seed": (seed, np.uint64)}
-    for name, (value, dtype) in optional.items():
-        if value is not None:
-            inputs[name] = scalar(value, dtype)
     if params.logprobs is not None:
-        inputs["return_log_probs"] = scalar(True, np.bool_)
-        inputs["num_top_log_probs"] = scalar(params.logprobs, np.int32)
+        inputs["return_log_probs"] = _scalar(True, np.bool_)
+        inputs["num_top_log_probs"] = _scalar(params.logprobs, np.int32)
     return inputs
 
 
