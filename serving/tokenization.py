@@ -50,15 +50,21 @@ def decode_tokens(tokenizer, token_ids: Sequence[int], skip_special_tokens: bool
     return text
 
 
-def holdback_decoder(tokenizer) -> Callable[[list[int]], str]:
-    """ids -> text for ``Utf8Holdback``: the fast tokenizer's Rust decode when there is one (the
-    holdback runs once per streamed response; transformers' wrapper around the same call costs
-    several times more), else ``tokenizer.decode``. Only the decoded tail's completeness is read,
-    which space clean-up does not change."""
+def fast_decoder(tokenizer, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+    """ids -> text with no clean-up of spaces: the fast tokenizer's Rust decode when there is one
+    (it runs once per streamed response; transformers' wrapper around the same call costs several
+    times more), else ``tokenizer.decode``."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and hasattr(backend, "decode"):
-        return lambda ids: backend.decode(ids, skip_special_tokens=False)
-    return lambda ids: tokenizer.decode(ids, skip_special_tokens=False)
+        return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
+                                        clean_up_tokenization_spaces=False)
+
+
+def holdback_decoder(tokenizer) -> Callable[[list[int]], str]:
+    """ids -> text for ``Utf8Holdback`` (special tokens kept: only the decoded tail's completeness
+    is read)."""
+    return fast_decoder(tokenizer, skip_special_tokens=False)
 
 
 class Utf8Holdback:

@@ -1,7 +1,7 @@
 """Log-probs in OpenAI's shapes: tokens named with their exact bytes (partial UTF-8 included),
 entries released with their text and cut at a stop string, chat and completions layouts."""
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, models
 from transformers import PreTrainedTokenizerFast
 
 from openai_frontend.generation import LogprobTrack
@@ -10,18 +10,6 @@ from openai_frontend.responses import ResponseShape
 from openai_frontend.triton_client import Chunk
 
 TEXT = "The capital of France is Paris. Café au lait, 日本語 and emoji 🙂 too."
-
-
-@pytest.fixture(scope="module")
-def byte_level_tokenizer():
-    """A small byte-level BPE (as GPT-2, Llama 3, SmolLM2): characters outside its merges are
-    split into single-byte tokens, so multi-byte characters span several tokens."""
-    core = Tokenizer(models.BPE())
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.decoder = decoders.ByteLevel()
-    core.train_from_iterator([TEXT.split("日")[0]] * 20, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<|end|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    return PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|end|>")
 
 
 def test_token_bytes_add_up_to_the_text_and_partial_characters_are_escaped(byte_level_tokenizer):
