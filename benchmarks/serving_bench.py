@@ -272,8 +272,7 @@ def make_prompts(tokenizer, count: int, input_len: int, seed: int = 0) -> tuple[
 # ------------------------------------------------------------------------------------------------
 
 
-VARIANT_SETTINGS = ("engine_process", "tensorrt_llm_instances", "preprocessing_instances", "postprocessing_instances",
-                    "response_sender_threads")
+VARIANT_SETTINGS = ("engine_process", "tensorrt_llm_instances", "preprocessing_instances", "postprocessing_instances")
 
 
 def parse_variants(text: str | None, args: argparse.Namespace) -> list[tuple[str, dict[str, str]]]:
@@ -303,8 +302,7 @@ def repo_overrides(settings: dict[str, str], kv_tokens: int) -> dict[str, dict[s
     return {
         "tensorrt_llm": {"max_tokens_in_paged_kv_cache": str(kv_tokens), "enable_kv_cache_reuse": "False",
                          "max_beam_width": "1", "exclude_input_in_output": "True",
-                         "engine_process": settings["engine_process"],
-                         "response_sender_threads": settings["response_sender_threads"]},
+                         "engine_process": settings["engine_process"]},
         "postprocessing": {"postprocessing_instance_count": settings["postprocessing_instances"]},
         "preprocessing": {"preprocessing_instance_count": settings["preprocessing_instances"]},
     }
@@ -1163,8 +1161,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="instances of the served tensorrt_llm model (they share one engine process)")
     parser.add_argument("--preprocessing_instances", type=int, default=1)
     parser.add_argument("--postprocessing_instances", type=int, default=1)
-    parser.add_argument("--response_sender_threads", type=int, default=4,
-                        help="the served tensorrt_llm model's response_sender_threads parameter")
     parser.add_argument("--variants", default=None,
                         help="several servers one after another beside one in-process engine, e.g. "
                              "'before:tensorrt_llm_instances=1 after:tensorrt_llm_instances=4,postprocessing_instances=4' "

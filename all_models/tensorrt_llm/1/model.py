@@ -26,7 +26,6 @@ import os
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -45,7 +44,6 @@ from serving.shared_engine import KEY_STRIDE, open_shared_engine, rendezvous_pat
 from serving.stub_watchdog import start_server_watchdog, stop_crash_dumps  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-DEFAULT_SENDER_THREADS = 4  # the response_sender_threads parameter's default
 RESTARTS_PARAMETER = "engine_restarts"  # set by the model's own reload after an engine death
 SHUTTING_DOWN = ("the server is shutting down; this request was ended before it finished "
                  "(it had run for the shutdown grace period, graceful_shutdown_timeout_ms)")
@@ -156,10 +154,6 @@ class TritonPythonModel:
         settings = executor_settings(params, self.model_config)
         self.exclude_input_default = settings.get("exclude_input_from_output")
         self.cancellation_period = (get_parameter(params, "cancellation_check_period_ms", int) or 100) / 1000
-        # Threads sending responses at once (_deliver_shards says why); 1 sends from the relay thread.
-        self.sender_threads = max(1, get_parameter(params, "response_sender_threads", int) or DEFAULT_SENDER_THREADS)
-        self.sender_pool = (ThreadPoolExecutor(self.sender_threads, thread_name_prefix="send")
-                            if self.sender_threads > 1 else None)
         self.stats_period = (get_parameter(params, "stats_check_period_ms", int) or 100) / 1000
         grace_ms = get_parameter(params, "graceful_shutdown_timeout_ms", int)
         self.shutdown_grace = (3000 if grace_ms is None else grace_ms) / 1000
@@ -343,35 +337,13 @@ class TritonPythonModel:
                 pb_utils.Logger.log_error(f"tensorrt_llm: await_responses failed: {error}")
                 time.sleep(0.05)
                 continue
-            shards = [[] for _ in range(self.sender_threads)]
             for response in responses:
                 with self.lock:
                     sends, finished = self.inflight.on_response(response)
                 for send in sends:
-                    shards[send.key % self.sender_threads].append(send)
+                    self._deliver(send)
                 for item in finished:
                     self.metrics.observe_finished(item)
-            self._deliver_shards(shards)
-
-    def _deliver_shards(self, shards):
-        """Sends one batch of responses. Each send waits for a round trip through tritonserver
-        (the Python backend's send is synchronous, and releases the GIL while it waits), so one
-        thread sending 64 streams' tokens one after another fell behind an 8B model's 7 ms steps
-        and the streams' tokens merged. Shards (by request key: a request's responses keep their
-        order) go out on ``sender_threads`` threads at once; the next batch is read only after
-        this one is sent, so a relay that still falls behind merges tokens in the executor's
-        queue instead of piling them up here."""
-        busy = [shard for shard in shards if shard]
-        if len(busy) <= 1:
-            for send in busy[0] if busy else ():
-                self._deliver(send)
-            return
-        for _ in self.sender_pool.map(self._deliver_all, busy):
-            pass
-
-    def _deliver_all(self, sends):
-        for send in sends:
-            self._deliver(send)
 
     def _deliver(self, send):
         if send.error is not None:
@@ -496,8 +468,6 @@ class TritonPythonModel:
         for thread in self.threads:
             thread.join(timeout=5)
         self.executor.shutdown()
-        if self.sender_pool is not None:
-            self.sender_pool.shutdown(wait=False, cancel_futures=True)
         if self.shared_engine is not None:
             self.shared_engine.release()
         if getattr(self, "reload_in_finalize", False):
