@@ -33,10 +33,11 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--served_model_name", default=None,
                         help="the model name clients use (default: the tokenizer directory's name)")
     parser.add_argument("--triton_model", default=None,
-                        help="the model requests go to: the engine's own model (the default: --llm_model; the frontend tokenizes the prompt and decodes the ids itself, one "
-                             "hop per token) or a tensorrt_llm_bls (text in and out, through preprocessing and "
-                             "postprocessing; costs about 1 ms per token more on an H100). Not the ensemble: "
-                             "its streamed text splits multi-byte characters when log-probs are on")
+                        help="the model requests go to: the engine's own model (the default: --llm_model; "
+                             "the frontend tokenizes the prompt and decodes the ids itself, one hop per token) "
+                             "or a tensorrt_llm_bls (text in and out, through preprocessing and postprocessing "
+                             "calls; slower at many streams). Not the ensemble: its streamed text splits "
+                             "multi-byte characters when log-probs are on")
     parser.add_argument("--llm_model", default="tensorrt_llm", help="the model that holds the engine")
     parser.add_argument("--workers", type=int, default=1,
                         help="processes serving the port (SO_REUSEPORT; the kernel spreads connections): one "

@@ -4,10 +4,11 @@ readiness check.
 The entry model is ``tensorrt_llm`` itself by default (the direct path): the frontend sends the
 prompt's token ids and reads the generated ids, which it decodes itself
 (openai_frontend/detokenizer.py) and counts exactly; stop strings are cut in the frontend, whose
-leaving the stream cancels the request. One Triton hop per token: on an H100 (8B shape) the BLS,
-which runs preprocessing and a postprocessing call per chunk in Python stubs, added about 1 ms per
-token and cost 15-30% of the throughput (benchmarks/RESULTS.md). Batching, metrics and leader
-mode stay in the ``tensorrt_llm`` model either way.
+leaving the stream cancels the request. One Triton hop per token instead of the BLS's
+preprocessing call and postprocessing call per chunk in Python stubs: on an H100 (8B shape) 1-4%
+more throughput up to 64 streams, 22% more at 256, half the inter-token latency at 64
+(benchmarks/RESULTS.md). Batching, metrics and leader mode stay in the ``tensorrt_llm`` model
+either way.
 
 ``--triton_model tensorrt_llm_bls`` sends text instead (the rest of this note is about that path).
 Why the BLS and not the ensemble: the token count needs ``output_log_probs``, and with log-probs
