@@ -41,7 +41,7 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--llm_model", default="tensorrt_llm", help="the model that holds the engine")
     parser.add_argument("--workers", type=int, default=1,
                         help="processes serving the port (SO_REUSEPORT; the kernel spreads connections): one "
-                             "Python process keeps up with about 5,000 streamed tokens a second; /metrics sums "
+                             "Python process is saturated at about 7,000 streamed tokens a second; /metrics sums "
                              "every worker's")
     args = parser.parse_args(argv)
     if args.workers < 1:

@@ -61,7 +61,7 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the model the OpenAI frontend sends requests to: the tensorrt_llm model itself "
                              "(default; the frontend tokenizes and decodes) or tensorrt_llm_bls")
     parser.add_argument("--openai_workers", type=int, default=1,
-                        help="OpenAI frontend processes sharing --openai_port (one keeps up with about 5,000 "
+                        help="OpenAI frontend processes sharing --openai_port (one is saturated at about 7,000 "
                              "streamed tokens a second)")
     parser.add_argument("--force", "-f", action="store_true", help="launch even if tritonserver runs")
     parser.add_argument("--log", action="store_true", help="rank 0 logs verbosely to --log-file")
