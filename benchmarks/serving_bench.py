@@ -354,8 +354,7 @@ class ServedEnsemble:
             f"--grpc_port={ports[1]}", f"--metrics_port={ports[2]}", f"--cache_dir={work / 'cache'}", *openai_flags])
         self.ready_timeout = ready_timeout
         self.process = None
-        self.frontend = None
-        self.frontends = []
+        self.frontends = []  # the OpenAI frontend processes (the BLS-entry one second)
 
     @property
     def http_url(self) -> str:
@@ -411,7 +410,6 @@ class ServedEnsemble:
             with open(log_path, "w") as log:
                 frontend = self.launcher.launch_openai_frontend(args, stdout=log, stderr=log)
             self.frontends.append(frontend)
-            self.frontend = self.frontend or frontend
             if not self.serve.wait_until_frontend_ready(frontend, port, timeout=120):
                 self.__exit__()
                 raise RuntimeError(f"the OpenAI frontend (port {port}) did not become ready; its log ends:\n"
@@ -893,7 +891,7 @@ def run_variant(results: dict, args: argparse.Namespace, feed: PromptFeed, execu
             results.setdefault("server_load_s", {})[variant] = server.load_seconds
             print(f"tritonserver{f' ({variant})' if variant else ''} ready in {server.load_seconds:.1f} s "
                   f"(HTTP {server.http_port}, gRPC {server.grpc_port}"
-                  f"{', OpenAI ' + server.openai_port if server.frontend else ''})", flush=True)
+                  f"{', OpenAI ' + server.openai_port if server.frontends else ''})", flush=True)
             urls = {"http": server.http_url, "grpc": server.grpc_url, "grpc_bls": server.grpc_url,
                     "openai": server.openai_url, "openai_bls": server.openai_bls_url}
             chat = args.openai_api == "chat"

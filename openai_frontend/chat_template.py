@@ -61,9 +61,6 @@ class PromptBuilder:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=self.add_special_tokens)
 
-    def count_tokens(self, text: str) -> int:
-        return len(self.encode(text))
-
     def max_tokens_for(self, prompt_tokens: int, requested: int | None, prompt_field: str,
                        max_tokens_field: str) -> int:
         """The number of tokens to ask for: ``requested``, or all the engine has room for.

@@ -37,10 +37,6 @@ class ChoiceSpec:
     max_tokens: int
     seed: int | None
 
-    @property
-    def prompt_tokens(self) -> int:
-        return len(self.prompt_ids)
-
 
 def choice_specs(prompts: list[tuple[str, list[int], int]], params: SamplingParams) -> list[ChoiceSpec]:
     """(prompt, its token ids, max tokens) per prompt -> ``n`` choices each, indexed prompt-major

@@ -159,22 +159,20 @@ def read_chunk(response: service_pb2.ModelInferResponse) -> tuple[Chunk, bool]:
     for index, output in enumerate(response.outputs):
         if output.name == "text_output":
             chunk.text = _bytes_elements(response.raw_output_contents[index]).decode("utf-8", errors="replace")
-        elif output.name == "output_log_probs":
-            chunk.num_tokens = int(output.shape[-1]) if output.shape else 0
-            arrays[output.name] = (response.raw_output_contents[index], np.float32, output.shape)
-        elif output.name in LOGPROB_OUTPUTS:
-            dtype = np.float32 if output.name == "top_log_probs" else np.int32
+        elif output.name == "output_log_probs" or output.name in LOGPROB_OUTPUTS:
+            if output.name in ("output_log_probs", "output_ids"):  # both (1, beams, new tokens)
+                chunk.num_tokens = int(output.shape[-1]) if output.shape else 0
+            dtype = np.int32 if output.name in ("output_ids", "top_log_prob_ids") else np.float32
             arrays[output.name] = (response.raw_output_contents[index], dtype, output.shape)
     if "output_ids" in arrays:
-        if "output_log_probs" not in arrays:  # the direct path without log-probs
-            chunk.num_tokens = int(arrays["output_ids"][2][-1]) if arrays["output_ids"][2] else 0
-        _read_logprobs(chunk, {name: np.frombuffer(raw, dtype).reshape(shape) for name, (raw, dtype, shape)
-                               in arrays.items()})
+        _read_tokens(chunk, {name: np.frombuffer(raw, dtype).reshape(shape) for name, (raw, dtype, shape)
+                             in arrays.items()})
     return chunk, final
 
 
-def _read_logprobs(chunk: Chunk, arrays: dict[str, np.ndarray]) -> None:
-    """Beam 0 of (1, beams, T) output_ids / output_log_probs and (1, beams, T, k) top log-probs."""
+def _read_tokens(chunk: Chunk, arrays: dict[str, np.ndarray]) -> None:
+    """Beam 0 of (1, beams, T) output_ids and, when asked for, output_log_probs and the
+    (1, beams, T, k) top log-probs."""
     chunk.token_ids = arrays["output_ids"][0, 0, :chunk.num_tokens].tolist()
     if "output_log_probs" not in arrays:
         return
