@@ -79,6 +79,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 
+from engine.executor.stats import ITERATION_LOG_ENV  # noqa: E402
+from serving_diagnostics import RunDiagnostics, describe as describe_diagnostics  # noqa: E402
+
 GOALS = {"throughput_ratio": 0.90, "added_ttft_ms": 5.0,
          "openai_throughput_ratio": 0.95, "openai_added_ttft_ms": 3.0}  # openai vs grpc (issue 15)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -346,6 +349,7 @@ class ServedEnsemble:
         self.http_port, self.grpc_port, self.metrics_port, self.openai_port, self.openai_bls_port = ports
         self.openai_bls = openai_bls  # a second frontend whose entry model is tensorrt_llm_bls
         self.log_path = work / "tritonserver.log"
+        self.iteration_log = work / "engine_iterations.log"  # the served engine's steps (serving_diagnostics)
         self.frontend_log_path = work / "openai_frontend.log"
         openai_flags = ([f"--openai_port={ports[3]}", f"--openai_model_name={OPENAI_MODEL_NAME}",
                          f"--openai_workers={openai_workers}"] if openai or openai_bls else [])
@@ -383,8 +387,12 @@ class ServedEnsemble:
         # The Python models import engine/ and serving/ from here where tritonllm is not installed.
         os.environ.setdefault("TRITONLLM_ROOT", str(REPO_ROOT))
         started = time.perf_counter()
-        with open(self.log_path, "w") as log:
-            self.process = self.launcher.launch(self.args, stdout=log, stderr=log)
+        os.environ[ITERATION_LOG_ENV] = str(self.iteration_log)  # inherited by the engine process
+        try:
+            with open(self.log_path, "w") as log:
+                self.process = self.launcher.launch(self.args, stdout=log, stderr=log)
+        finally:
+            del os.environ[ITERATION_LOG_ENV]
         try:
             ready = self.serve.wait_until_ready(self.process, self.http_port, timeout=self.ready_timeout)
         except BaseException:  # a time limit (SIGTERM -> SystemExit) during the load: stop it too
@@ -622,6 +630,10 @@ class ClientProcesses:
         for worker in self._workers:
             worker.start()
 
+    @property
+    def workers(self) -> list:
+        return self._workers
+
     def run(self, path: str, url: str, clients: int, requests: int, output_len: int,
             count_words: bool, chat: bool = False) -> list[Timing]:
         used = min(len(self._workers), clients)
@@ -762,15 +774,20 @@ def run_engine(executor, feed: PromptFeed, clients: int, requests: int, output_l
 
 
 def measure(results: dict, path: str, run, args: argparse.Namespace, feed: PromptFeed, clients: int,
-            round_index: int, variant: str = "", stream_counts=None) -> None:
+            round_index: int, variant: str = "", stream_counts=None, diagnostics=None) -> None:
     """Warm up (every client once, a few tokens: compiles kernels for these batch shapes), then time.
 
     ``stream_counts``: a served path's () -> the server's streamed-token counters, read before and
-    after the timed run (the warm-up's are left out)."""
+    after the timed run (the warm-up's are left out). ``diagnostics``: a RunDiagnostics for the
+    engine's steps and the processes' CPU over the timed run."""
     run(feed, clients, 1, min(args.output_len, 4))
     before = stream_counts() if stream_counts else None
+    if diagnostics is not None:
+        diagnostics.begin()
     timings = run(feed, clients, requests_per_client(args, clients), args.output_len)
+    diagnosed = diagnostics.end() if diagnostics is not None else {}
     row = summarize(timings, args.output_len, clients, path)
+    row.update(diagnosed)
     row["round"] = round_index
     row["variant"] = variant
     if stream_counts:
@@ -782,6 +799,8 @@ def measure(results: dict, path: str, run, args: argparse.Namespace, feed: Promp
           f"TTFT {row['ttft_ms_median']:8.2f} ms  ITL {row['itl_ms_median']:7.2f} ms  "
           f"responses/request {row['responses_per_request']:6.1f}  "
           f"own-response tokens {'-' if own is None else f'{own:.1%}'}", flush=True)
+    if diagnosed:
+        print(f"    {describe_diagnostics(diagnosed)}", flush=True)
 
 
 def requests_per_client(args: argparse.Namespace, clients: int) -> int:
@@ -856,6 +875,7 @@ def run_all(results: dict, args: argparse.Namespace, variants: list[tuple[str, s
     with ExitStack() as stack:
         executor = None
         if "engine" in args.paths:
+            results["engine_iteration_log"] = str(work / "engine_iterations_in_process.log")
             executor = start_executor(results, engine_dir, config)
             stack.callback(stop_executor, executor)
         served = [p for p in SERVED_PATHS if p in args.paths]
@@ -908,6 +928,7 @@ def run_variant(results: dict, args: argparse.Namespace, feed: PromptFeed, execu
                 counters[path] = lambda: scrape_stream_counts(server.metrics_url)
         if executor is not None:
             runners["engine"] = lambda f, c, r, n: run_engine(executor, f, c, r, n)
+        diagnostics = run_diagnostics(results, server, executor, pool)
         paths = [p for p in ALL_PATHS if p in args.paths and p in runners]
         try:
             for round_index in range(args.rounds):
@@ -915,7 +936,8 @@ def run_variant(results: dict, args: argparse.Namespace, feed: PromptFeed, execu
                     order = paths[round_index % len(paths):] + paths[:round_index % len(paths)]
                     for path in order:
                         measure(results, path, runners[path], args, feed, clients, round_index,
-                                variant="" if path == "engine" else variant, stream_counts=counters.get(path))
+                                variant="" if path == "engine" else variant, stream_counts=counters.get(path),
+                                diagnostics=diagnostics.get("engine" if path == "engine" else "served"))
         except Exception as error:
             if server is not None:
                 if isinstance(error, StallError) or "StallError" in str(error):  # (from a client process too)
@@ -925,6 +947,27 @@ def run_variant(results: dict, args: argparse.Namespace, feed: PromptFeed, execu
                           file=sys.stderr, flush=True)
                 results["server_log_tail"] = server.log_tail(20000)
             raise
+
+
+def run_diagnostics(results: dict, server, executor, pool) -> dict:
+    """RunDiagnostics for the in-process engine ("engine": this process) and for the served paths
+    ("served": the server's processes by role, and the client processes)."""
+    from soak import process_tree
+
+    def client_pids() -> list[tuple[int, str]]:
+        return [(worker.pid, "clients") for worker in pool.workers] if pool is not None else [(os.getpid(), "clients")]
+
+    found = {}
+    if executor is not None:
+        found["engine"] = RunDiagnostics(lambda: [(os.getpid(), "benchmark (engine and its clients)")],
+                                         results.get("engine_iteration_log"))
+    if server is not None:
+        def served_pids() -> list[tuple[int, str]]:
+            tree = [(pid, name.rsplit(" (", 1)[0]) for pid, name in process_tree(server.process.pid)]
+            return [(server.process.pid, "tritonserver")] + tree + client_pids()
+
+        found["served"] = RunDiagnostics(served_pids, str(server.iteration_log))
+    return found
 
 
 def descendant_pids(root: int) -> list[int]:
@@ -989,7 +1032,11 @@ def start_executor(results: dict, engine_dir: str, config):
     from engine.executor import Executor
 
     started = time.perf_counter()
-    executor = Executor(engine_dir, config)
+    os.environ[ITERATION_LOG_ENV] = results["engine_iteration_log"]  # this executor's steps (serving_diagnostics)
+    try:
+        executor = Executor(engine_dir, config)
+    finally:
+        del os.environ[ITERATION_LOG_ENV]
     results["engine_load_s"] = time.perf_counter() - started
     print(f"in-process executor ready in {results['engine_load_s']:.1f} s", flush=True)
     return executor

@@ -13,6 +13,7 @@ with an error response, and the loop goes on.
 from __future__ import annotations
 
 import itertools
+import os
 import random
 import threading
 import time
@@ -39,7 +40,9 @@ from engine.executor.runner import ForwardBatch, ModelRunner
 from engine.executor.sampler import build_sampling_metadata, process_logits, sample
 from engine.executor.scheduler import POLICIES, Scheduler, SchedulerOutput
 # KvCacheStats and IterationStats are part of this module's public surface (re-exported).
-from engine.executor.stats import STATS_TIME_FORMAT, IterationStats, KvCacheStats, kv_cache_stats  # noqa: F401
+from engine.executor.stats import (  # noqa: F401
+    ITERATION_LOG_ENV, STATS_TIME_FORMAT, IterationLog, IterationStats, KvCacheStats, kv_cache_stats,
+)
 
 
 class ExecutorConfigError(ValueError):
@@ -174,6 +177,9 @@ class Executor:
         self._iteration = 0
         self._stats_history: deque[IterationStats] = deque(maxlen=self.config.iter_stats_max_iterations)
         self._latest_stats = IterationStats(kv_cache_stats=kv_cache_stats(self.blocks))
+        log_path = os.environ.get(ITERATION_LOG_ENV)
+        self._iteration_log = IterationLog(log_path) if log_path else None
+        self._deliver_ms = 0.0  # this iteration's time in _deliver (for the iteration log)
 
     # ----- public API -----
     def enqueue_request(self, request: Request) -> int:
@@ -237,6 +243,9 @@ class Executor:
             self._cv.notify()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join()
+            if self._iteration_log is not None:
+                self._iteration_log.close()
+                self._iteration_log = None
         if hasattr(self.runner, "shutdown") and not self._runner_released:  # leader mode: release the workers
             self._runner_released = True
             self.runner.shutdown()
@@ -611,13 +620,15 @@ class Executor:
         self._sync_request_ids.discard(state.request_id)
 
     def _deliver(self, responses: list[Response]) -> None:
+        started = time.perf_counter()
         if self._callback is None:
             self._responses.put(responses)
-            return
-        try:
-            self._callback(responses)
-        except Exception:  # a broken callback must not stop the loop
-            traceback.print_exc()
+        else:
+            try:
+                self._callback(responses)
+            except Exception:  # a broken callback must not stop the loop
+                traceback.print_exc()
+        self._deliver_ms += (time.perf_counter() - started) * 1e3
 
     # ----- stats -----
     def _record_stats(self, plan: SchedulerOutput, latency_ms: float, num_active: int) -> None:
@@ -639,6 +650,9 @@ class Executor:
             gpu_mem_usage=torch.cuda.memory_allocated(self.runner.device) if on_gpu else 0,
             kv_cache_stats=kv_cache_stats(self.blocks))
         self._stats_history.append(stats)
+        if self._iteration_log is not None:
+            self._iteration_log.write(stats, self._deliver_ms)
+        self._deliver_ms = 0.0
         if not self._active:
             # Idle from here on. Metrics read the latest stats, so they must not keep reporting this
             # last iteration's requests as active and scheduled; not a new iteration, so not in history.

@@ -48,3 +48,45 @@ def kv_cache_stats(blocks: BlockManager) -> KvCacheStats:
         reused_blocks=blocks.total_reused_blocks, alloc_new_blocks=blocks.total_new_blocks,
         alloc_total_blocks=blocks.total_new_blocks + blocks.total_reused_blocks)
 
+
+
+# Diagnostics: with $TRITONLLM_ITERATION_LOG set to a file path, every executor appends one line per
+# iteration there (benchmarks/serving_bench.py reads it to tell a slow engine step from a slow relay).
+ITERATION_LOG_ENV = "TRITONLLM_ITERATION_LOG"
+ITERATION_LOG_FIELDS = ("timestamp_ns", "iter", "latency_ms", "num_ctx_tokens", "num_gen_tokens",
+                        "num_active_requests", "deliver_ms")
+
+
+class IterationLog:
+    """Space-separated ITERATION_LOG_FIELDS, one line per iteration, written as it ends (line
+    buffered: a reader sees every finished iteration). ``deliver_ms``: of ``latency_ms``, the time
+    the loop spent handing that iteration's responses on (to the queue or the engine process's
+    clients); a relay that reads slowly shows up there."""
+
+    def __init__(self, path: str):
+        self._file = open(path, "a", buffering=1)
+
+    def write(self, stats: IterationStats, deliver_ms: float) -> None:
+        self._file.write(f"{stats.timestamp_ns} {stats.iter} {stats.iter_latency_ms:.3f} {stats.num_ctx_tokens} "
+                         f"{stats.num_gen_tokens} {stats.num_active_requests} {deliver_ms:.3f}\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_iteration_log(path: str, start_ns: int = 0, end_ns: int | None = None) -> list[dict]:
+    """The iterations of an IterationLog that ended in [start_ns, end_ns] (wall-clock ns)."""
+    rows = []
+    try:
+        with open(path) as log:
+            lines = log.readlines()
+    except FileNotFoundError:
+        return rows
+    for line in lines:
+        values = line.split()
+        if len(values) != len(ITERATION_LOG_FIELDS):
+            continue  # a line being written
+        row = {name: (float(v) if name.endswith("_ms") else int(v)) for name, v in zip(ITERATION_LOG_FIELDS, values)}
+        if row["timestamp_ns"] >= start_ns and (end_ns is None or row["timestamp_ns"] <= end_ns):
+            rows.append(row)
+    return rows

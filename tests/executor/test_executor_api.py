@@ -283,3 +283,23 @@ def test_request_gauges_never_go_negative_and_read_zero_when_idle(tiny_engine):
         latest = ex.get_latest_iteration_stats()
         assert (latest.num_active_requests, latest.num_scheduled_requests, latest.num_gen_requests) == (0, 0, 0)
         assert latest.iter == history[-1].iter
+
+
+def test_iteration_log_has_a_line_per_iteration_matching_the_history(tiny_engine, tmp_path, monkeypatch):
+    """$TRITONLLM_ITERATION_LOG (serving_bench's diagnostics): one line per iteration with its
+    period, prefill and decode tokens, and the time spent handing responses on."""
+    from engine.executor.stats import ITERATION_LOG_ENV, read_iteration_log
+
+    log = tmp_path / "iterations.log"
+    monkeypatch.setenv(ITERATION_LOG_ENV, str(log))
+    started_ns = time.time_ns()
+    with Executor(tiny_engine, ExecutorConfig()) as ex:
+        run(ex, Request(PROMPT, 6, output=EXCLUDE, streaming=True), Request(PROMPT[:3], 2, output=EXCLUDE))
+        history = ex.get_iteration_stats_history()
+    rows = read_iteration_log(str(log), started_ns)
+    assert [r["iter"] for r in rows] == [s.iter for s in history]
+    assert [(r["num_ctx_tokens"], r["num_gen_tokens"]) for r in rows] == \
+        [(s.num_ctx_tokens, s.num_gen_tokens) for s in history]
+    assert rows[0]["num_ctx_tokens"] == len(PROMPT) + 3 and sum(r["num_gen_tokens"] for r in rows) == 5 + 1
+    assert all(r["latency_ms"] > 0 and 0 <= r["deliver_ms"] <= r["latency_ms"] for r in rows)
+    assert read_iteration_log(str(log), time.time_ns()) == []  # nothing after the window's start
