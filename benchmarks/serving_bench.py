@@ -1171,9 +1171,31 @@ def markdown(results: dict) -> str:
                      f"| {row['ttft_ms_p99']:.2f} | {added} | {row['itl_ms_median']:.2f} | {itl_ratio} "
                      f"| {row['itl_ms_p99']:.2f} | {row['tpot_ms_median']:.2f} | {row['responses_per_request']:.1f} "
                      f"| {'-' if own is None else f'{own:.1%}'} |")
+    lines += diagnostics_markdown(sorted(results["rows"], key=order))
     if results.get("error"):
         lines.append(f"\nIncomplete run: {results['error']}")
     return "\n".join(lines) + "\n" + frontend_markdown(results)
+
+
+def diagnostics_markdown(rows: list[dict]) -> list[str]:
+    """Where each timed run's time went (serving_diagnostics): the engine's steps and cores busy."""
+    rows = [row for row in rows if "cores_busy" in row]
+    if not rows:
+        return []
+    ms = lambda value: "-" if value is None else f"{value:.2f}"  # noqa: E731
+    lines = ["", f"Where the time went (the engine's iteration log; CPU of each process over the timed run, "
+                 f"{os.cpu_count()} cores here):", "",
+             "| clients | path | engine step med ms | decode-only step ms | mixed step ms | steps with prefill "
+             "| deliver p50 / p99 ms | cores busy | busiest processes (cores) |", "|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        busiest = ", ".join(f"{role} {value:.2f}" for role, value in list(row["cores_busy"].items())[:5])
+        mixed = f"{row['engine_mixed_step_share']:.0%}" if row.get("engine_steps") else "-"
+        lines.append(f"| {row['clients']} | {path_label(row)} | {ms(row.get('engine_step_ms_median'))} "
+                     f"| {ms(row.get('engine_decode_step_ms_median'))} | {ms(row.get('engine_mixed_step_ms_median'))} "
+                     f"| {mixed} "
+                     f"| {ms(row.get('engine_deliver_ms_median'))} / {ms(row.get('engine_deliver_ms_p99'))} "
+                     f"| {row['cores_busy_total']:.1f} | {busiest} |")
+    return lines
 
 
 def parse_args(argv=None) -> argparse.Namespace:
