@@ -50,7 +50,6 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 from multiprocessing.connection import Connection
 from typing import Callable
 
@@ -451,55 +450,10 @@ class _Clients:
             self.send(index, ("responses", pack_responses(batch, id_base=index * CLIENT_ID_STRIDE)))
 
 
-class _Delivery:
-    """Sends the executor's responses to the clients on a thread of its own, in the order they came.
-
-    Why not in the executor loop (its response callback): each send is a socket write that wakes a
-    stub's reader, and with several clients a step made several; measured on the H100 (SmolLM2
-    shape, 64 streams, 8 clients) the loop spent a median 0.93 ms per step delivering, against
-    0.05 ms of packing work, and its steps took twice as long as with one client. Here the loop
-    only appends to a list. A delivery that falls behind sends several steps' responses in one
-    message per client (the client's queue coalesces stream deltas anyway)."""
-
-    def __init__(self, send: Callable[[list[Response]], None]):
-        self._send = send
-        self._pending: list[Response] = []
-        self._cv = threading.Condition()
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="engine-process-delivery", daemon=True)
-        self._thread.start()
-
-    def put(self, responses: list[Response]) -> None:
-        with self._cv:
-            self._pending.extend(responses)
-            self._cv.notify()
-
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Deliver what is pending, then stop."""
-        with self._cv:
-            self._closed = True
-            self._cv.notify()
-        self._thread.join(timeout_s)
-
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                while not self._pending and not self._closed:
-                    self._cv.wait()
-                batch, self._pending = self._pending, []
-                if not batch and self._closed:
-                    return
-            try:
-                self._send(batch)
-            except Exception:  # noqa: BLE001 - one failed delivery must not stop the later ones
-                traceback.print_exc()
-
-
 def serve(conn: Connection, listen_path: str | None = None) -> int:
     from engine.executor.executor import Executor
 
     clients = _Clients(conn)
-    delivery = _Delivery(clients.send_responses)
 
     def send(message) -> None:
         clients.send(0, message)
@@ -508,9 +462,8 @@ def serve(conn: Connection, listen_path: str | None = None) -> int:
     try:
         # Results hold host tensors only (the executor moves logits to the CPU), so unpickling them
         # never starts CUDA in a client.
-        executor = Executor(engine_dir, config, device=device, response_callback=delivery.put)
+        executor = Executor(engine_dir, config, device=device, response_callback=clients.send_responses)
     except Exception as err:
-        delivery.close()
         send(("failed", f"{type(err).__name__}: {err}"))
         return 1
     send(("ready", 0))
@@ -540,7 +493,6 @@ def serve(conn: Connection, listen_path: str | None = None) -> int:
         closer = threading.Thread(target=executor.shutdown, name="engine-process-shutdown", daemon=True)
         closer.start()
         closer.join(SHUTDOWN_TIMEOUT_S)
-        delivery.close()  # the last responses (a shutdown's errors among them) reach the clients
     return 0
 
 
