@@ -275,7 +275,8 @@ def make_prompts(tokenizer, count: int, input_len: int, seed: int = 0) -> tuple[
 # ------------------------------------------------------------------------------------------------
 
 
-VARIANT_SETTINGS = ("engine_process", "tensorrt_llm_instances", "preprocessing_instances", "postprocessing_instances")
+VARIANT_SETTINGS = ("engine_process", "tensorrt_llm_instances", "preprocessing_instances", "postprocessing_instances",
+                    "read_poll_us")
 
 
 def parse_variants(text: str | None, args: argparse.Namespace) -> list[tuple[str, dict[str, str]]]:
@@ -311,6 +312,13 @@ def repo_overrides(settings: dict[str, str], kv_tokens: int) -> dict[str, dict[s
     }
 
 
+def server_environment(settings: dict[str, str]) -> dict[str, str]:
+    """Environment variables a variant sets for its server (and so its stubs and engine process)."""
+    from engine.executor.engine_process import READ_POLL_ENV
+
+    return {READ_POLL_ENV: settings["read_poll_us"]} if settings.get("read_poll_us") not in (None, "None") else {}
+
+
 def set_instance_count(repo: str, model: str, count: int) -> None:
     """Set the instance_group count of a filled model config (the tensorrt_llm template has a
     literal 1, as the reference's does)."""
@@ -342,7 +350,7 @@ class ServedEnsemble:
     """A tritonserver over a filled repository, started by the project's launcher; a context manager."""
 
     def __init__(self, repo: str, work: Path, ready_timeout: float, openai: bool = False,
-                 openai_bls: bool = False, openai_workers: int = 1):
+                 openai_bls: bool = False, openai_workers: int = 1, environment: dict[str, str] | None = None):
         self.serve = load_script("serve_default")
         self.launcher = load_script("launch_triton_server")
         ports = [str(self.launcher.free_port()) for _ in range(5)]
@@ -357,6 +365,7 @@ class ServedEnsemble:
             f"--model_repo={repo}", "--no-mpi", "--host=127.0.0.1", "--force", f"--http_port={ports[0]}",
             f"--grpc_port={ports[1]}", f"--metrics_port={ports[2]}", f"--cache_dir={work / 'cache'}", *openai_flags])
         self.ready_timeout = ready_timeout
+        self.environment = environment or {}  # set for the server's lifetime (its processes inherit it)
         self.process = None
         self.frontends = []  # the OpenAI frontend processes (the BLS-entry one second)
 
@@ -387,12 +396,18 @@ class ServedEnsemble:
         # The Python models import engine/ and serving/ from here where tritonllm is not installed.
         os.environ.setdefault("TRITONLLM_ROOT", str(REPO_ROOT))
         started = time.perf_counter()
-        os.environ[ITERATION_LOG_ENV] = str(self.iteration_log)  # inherited by the engine process
+        environment = {**self.environment, ITERATION_LOG_ENV: str(self.iteration_log)}  # the engine process's
+        saved = {name: os.environ.get(name) for name in environment}
+        os.environ.update(environment)
         try:
             with open(self.log_path, "w") as log:
                 self.process = self.launcher.launch(self.args, stdout=log, stderr=log)
         finally:
-            del os.environ[ITERATION_LOG_ENV]
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
         try:
             ready = self.serve.wait_until_ready(self.process, self.http_port, timeout=self.ready_timeout)
         except BaseException:  # a time limit (SIGTERM -> SystemExit) during the load: stop it too
@@ -887,9 +902,9 @@ def run_all(results: dict, args: argparse.Namespace, variants: list[tuple[str, s
         results["client_processes"] = processes
         if not served:
             run_variant(results, args, feed, executor, None, "", pool)
-        for index, (variant, repo) in enumerate(variants if served else []):
-            run_variant(results, args, feed, executor if index == 0 else None, (repo, work / f"server{index}"),
-                        variant, pool)
+        for index, (variant, repo, environment) in enumerate(variants if served else []):
+            run_variant(results, args, feed, executor if index == 0 else None,
+                        (repo, work / f"server{index}", environment), variant, pool)
 
 
 def run_variant(results: dict, args: argparse.Namespace, feed: PromptFeed, executor, server_setup,
@@ -902,12 +917,12 @@ def run_variant(results: dict, args: argparse.Namespace, feed: PromptFeed, execu
         runners, counters = {}, {}
         server = None
         if server_setup is not None:
-            repo, server_work = server_setup
+            repo, server_work, environment = server_setup
             server_work.mkdir(parents=True, exist_ok=True)
             server = stack.enter_context(ServedEnsemble(repo, server_work, args.ready_timeout,
                                                         openai="openai" in args.paths,
                                                         openai_bls="openai_bls" in args.paths,
-                                                        openai_workers=args.openai_workers))
+                                                        openai_workers=args.openai_workers, environment=environment))
             results.setdefault("server_load_s", {})[variant] = server.load_seconds
             print(f"tritonserver{f' ({variant})' if variant else ''} ready in {server.load_seconds:.1f} s "
                   f"(HTTP {server.http_port}, gRPC {server.grpc_port}"
@@ -1228,6 +1243,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="instances of the served tensorrt_llm model (they share one engine process)")
     parser.add_argument("--preprocessing_instances", type=int, default=1)
     parser.add_argument("--postprocessing_instances", type=int, default=1)
+    parser.add_argument("--read_poll_us", type=int, default=None,
+                        help="the served engine's $TRITONLLM_READ_POLL_US (engine/executor/engine_process.py; "
+                             "0: the stubs' readers block; default: unset)")
     parser.add_argument("--variants", default=None,
                         help="several servers one after another beside one in-process engine, e.g. "
                              "'before:tensorrt_llm_instances=1 after:tensorrt_llm_instances=4,postprocessing_instances=4' "
@@ -1283,7 +1301,7 @@ def main(argv=None) -> dict:
             max_batch_size=min(max(args.clients), engine_config.build.max_batch_size), decoupled=True,
             bls_instances=bls_instances)
         set_instance_count(repo, "tensorrt_llm", int(settings["tensorrt_llm_instances"]))
-        variants.append((variant, repo))
+        variants.append((variant, repo, server_environment(settings)))
     results = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": git_commit(),
         "machine": machine_description(), "command": "python benchmarks/serving_bench.py " + " ".join(argv or sys.argv[1:]),

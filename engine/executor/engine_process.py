@@ -58,6 +58,13 @@ from engine.executor.request import FinishReason, Request, RequestPerfMetrics, R
 from engine.executor.stats import IterationStats
 
 STATS_PERIOD_S = 0.05
+# While a client has requests open, its reader polls the socket every this many microseconds
+# instead of blocking in a read ($TRITONLLM_READ_POLL_US; 0: always block). Why: a reader blocked
+# on a Unix socket is woken by each write, as a "sync" wakeup that the kernel may serve on the
+# writer's CPU, so the engine loop, which writes each step's responses to every client, can wait
+# behind the readers it wakes. With nobody blocked, a write only copies into the socket buffer.
+READ_POLL_ENV = "TRITONLLM_READ_POLL_US"
+DEFAULT_READ_POLL_US = 300
 ATTACH_RETRY_S = 0.1  # an attaching client's wait between tries while the owner's engine loads
 CLIENT_ID_STRIDE = 1 << 40  # client c's request id i is c * CLIENT_ID_STRIDE + i in the engine
 SHUTDOWN_TIMEOUT_S = 30.0  # the engine process's own shutdown, after which it exits regardless
@@ -238,8 +245,12 @@ class EngineProcess:
 
     def _read_loop(self) -> None:
         reason = "the engine process exited"
+        poll_s = float(os.environ.get(READ_POLL_ENV, DEFAULT_READ_POLL_US)) / 1e6
         while True:
             try:
+                if poll_s and self._open and not self._conn.poll(0):
+                    time.sleep(poll_s)
+                    continue
                 payload = self._conn.recv_bytes()
             except Exception:  # EOF, or our own end closed by shutdown()
                 break
