@@ -981,7 +981,7 @@ def run_diagnostics(results: dict, server, executor, pool) -> dict:
             tree = [(pid, name.rsplit(" (", 1)[0]) for pid, name in process_tree(server.process.pid)]
             return [(server.process.pid, "tritonserver")] + tree + client_pids()
 
-        found["served"] = RunDiagnostics(served_pids, str(server.iteration_log))
+        found["served"] = RunDiagnostics(served_pids, str(server.iteration_log), server.http_url)
     return found
 
 
@@ -1199,17 +1199,21 @@ def diagnostics_markdown(rows: list[dict]) -> list[str]:
         return []
     ms = lambda value: "-" if value is None else f"{value:.2f}"  # noqa: E731
     lines = ["", f"Where the time went (the engine's iteration log; CPU of each process over the timed run, "
-                 f"{os.cpu_count()} cores here):", "",
+                 f"{os.cpu_count()} cores here; Triton's statistics: mean ms a request queued for a model "
+                 f"instance / spent in its execute):", "",
              "| clients | path | engine step med ms | decode-only step ms | mixed step ms | steps with prefill "
-             "| deliver p50 / p99 ms | cores busy | busiest processes (cores) |", "|---|---|---|---|---|---|---|---|---|"]
+             "| deliver p50 / p99 ms | cores busy | busiest processes (cores) | queue / execute ms |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         busiest = ", ".join(f"{role} {value:.2f}" for role, value in list(row["cores_busy"].items())[:5])
         mixed = f"{row['engine_mixed_step_share']:.0%}" if row.get("engine_steps") else "-"
+        models = ", ".join(f"{name} {m['queue_ms']:.2f} / {m['execute_ms']:.2f}"
+                           for name, m in row.get("triton_models", {}).items()) or "-"
         lines.append(f"| {row['clients']} | {path_label(row)} | {ms(row.get('engine_step_ms_median'))} "
                      f"| {ms(row.get('engine_decode_step_ms_median'))} | {ms(row.get('engine_mixed_step_ms_median'))} "
                      f"| {mixed} "
                      f"| {ms(row.get('engine_deliver_ms_median'))} / {ms(row.get('engine_deliver_ms_p99'))} "
-                     f"| {row['cores_busy_total']:.1f} | {busiest} |")
+                     f"| {row['cores_busy_total']:.1f} | {busiest} | {models} |")
     return lines
 
 

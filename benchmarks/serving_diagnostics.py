@@ -7,12 +7,16 @@ Two questions decide where a served path loses against the in-process engine:
 - Who used the CPU? The CPU seconds of every process under the server (by role: tritonserver, each
   model's stubs, the engine process) and of the benchmark's client processes, over the timed run,
   as cores busy. On a machine whose cores are all busy, a slower engine step is contention.
+- Where did a request wait inside the server? Triton's own statistics (/v2/models/stats) per model:
+  requests, executions, and the mean time a request queued for an instance and spent in execute.
 """
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import time
+import urllib.request
 from pathlib import Path
 
 from engine.executor.stats import read_iteration_log
@@ -54,18 +58,22 @@ class RunDiagnostics:
     ``processes``: () -> [(pid, role)] of the processes to account (read at both ends; a process
     that appears meanwhile counts from zero). ``iteration_log``: the engine's log path, or None."""
 
-    def __init__(self, processes, iteration_log: str | None):
+    def __init__(self, processes, iteration_log: str | None, server_url: str | None = None):
         self._processes = processes
         self._iteration_log = iteration_log
+        self._server_url = server_url  # a tritonserver's HTTP address: its model statistics
         self._start = None
 
     def begin(self) -> None:
-        self._start = (time.time_ns(), time.perf_counter(), self._cpu())
+        stats = model_statistics(self._server_url) if self._server_url else None
+        self._start = (time.time_ns(), time.perf_counter(), self._cpu(), stats)
 
     def end(self) -> dict:
-        start_ns, started, cpu_before = self._start
+        start_ns, started, cpu_before, stats_before = self._start
         wall_s = time.perf_counter() - started
         row = {}
+        if stats_before is not None:
+            row["triton_models"] = model_statistics_delta(stats_before, model_statistics(self._server_url))
         if self._iteration_log:
             row.update(engine_step_summary(read_iteration_log(self._iteration_log, start_ns, time.time_ns())))
         cores: dict[str, float] = {}
@@ -84,6 +92,37 @@ class RunDiagnostics:
         return found
 
 
+def model_statistics(server_url: str) -> dict[str, dict]:
+    """Each model's cumulative statistics (Triton's /v2/models/stats; all versions summed)."""
+    with urllib.request.urlopen(f"{server_url}/v2/models/stats", timeout=10) as response:
+        body = json.load(response)
+    found: dict[str, dict] = {}
+    for model in body.get("model_stats", []):
+        totals = found.setdefault(model["name"], {"executions": 0})
+        totals["executions"] += int(model.get("execution_count", 0))
+        for phase, figures in model.get("inference_stats", {}).items():
+            count, ns = totals.get(phase, (0, 0))
+            totals[phase] = (count + int(figures.get("count", 0)), ns + int(figures.get("ns", 0)))
+    return found
+
+
+def model_statistics_delta(before: dict[str, dict], after: dict[str, dict]) -> dict[str, dict]:
+    """Per model over the run: requests, executions, mean queue and execute (compute_infer) ms per request."""
+    found = {}
+    for name, totals in after.items():
+        old = before.get(name, {})
+        requests = totals.get("success", (0, 0))[0] - old.get("success", (0, 0))[0]
+        if requests <= 0:
+            continue
+
+        def mean_ms(phase: str) -> float:
+            return (totals.get(phase, (0, 0))[1] - old.get(phase, (0, 0))[1]) / requests / 1e6
+
+        found[name] = {"requests": requests, "executions": totals["executions"] - old.get("executions", 0),
+                       "queue_ms": round(mean_ms("queue"), 3), "execute_ms": round(mean_ms("compute_infer"), 3)}
+    return found
+
+
 def describe(row: dict) -> str:
     """One line for the progress log."""
     parts = []
@@ -95,4 +134,7 @@ def describe(row: dict) -> str:
     if "cores_busy" in row:
         top = ", ".join(f"{role} {value:.2f}" for role, value in list(row["cores_busy"].items())[:6])
         parts.append(f"cores {row['cores_busy_total']:.1f}: {top}")
+    if row.get("triton_models"):
+        parts.append("queue/execute ms per request: " + ", ".join(
+            f"{name} {m['queue_ms']:.2f}/{m['execute_ms']:.2f}" for name, m in row["triton_models"].items()))
     return "; ".join(parts)
