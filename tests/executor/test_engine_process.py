@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from engine.executor.engine_process import EngineProcess
+from engine.executor.engine_process import READ_POLL_ENV, EngineProcess
 from engine.executor.executor import Executor, ExecutorConfig
 from engine.executor.request import FinishReason, OutputConfig, Request, Response, SamplingConfig
 
@@ -25,9 +25,18 @@ def mixed_requests() -> list[Request]:
             for i, prompt in enumerate(prompts)]
 
 
-@pytest.fixture(scope="module")
-def engine_process(tiny_engine):
-    process = EngineProcess(tiny_engine, ExecutorConfig())
+@pytest.fixture(scope="module", params=["0", "300"], ids=["blocking-reader", "polling-reader"])
+def engine_process(tiny_engine, request):
+    """The client's reader blocks in reads, or polls while requests are open (READ_POLL_ENV)."""
+    saved = os.environ.get(READ_POLL_ENV)
+    os.environ[READ_POLL_ENV] = request.param  # read by the reader thread the constructor starts
+    try:
+        process = EngineProcess(tiny_engine, ExecutorConfig())
+    finally:
+        if saved is None:
+            del os.environ[READ_POLL_ENV]
+        else:
+            os.environ[READ_POLL_ENV] = saved
     yield process
     process.shutdown()
 
