@@ -21,19 +21,30 @@ import torch.nn.functional as F
 from kernels._triton import jit, tl, triton, use_triton
 
 MAX_SKINNY_ROWS = 16
-_SKINNY_ATTR = "_use_skinny_gemm"  # on a weight: its chosen (block_n, block_k, num_warps, num_stages), or False
+_SKINNY_ATTR = "_use_skinny_gemm"  # on a weight: its chosen variant (see SKINNY_VARIANTS), or False
 _GATED_ATTR = "_use_gated_skinny_gemm"  # the same, for gate_up weights run fused with SiLU-and-mul
-# Tile shapes tried at load, (block_n, block_k, num_warps, num_stages): on an H100 (2026-11-22)
-# the best for Llama-8B's projections were (32, 256, 4, 4) for qkv/o_proj, (16, 256, 4, 6) for
-# down_proj and (16, 512, 4, 4) for the lm_head.
-SKINNY_VARIANTS = ((16, 512, 4, 4), (32, 256, 4, 4), (16, 256, 4, 6), (32, 128, 4, 6))
+# Tile shapes tried at load, (block_n, block_k, num_warps, num_stages[, split_k]): on an H100
+# (2026-11-22) the best for Llama-8B's projections were (32, 256, 4, 4) for qkv/o_proj,
+# (16, 256, 4, 6) for down_proj and (16, 512, 4, 4) for the lm_head. split_k > 1 splits the
+# reduction over that many programs per output tile (partial sums in float32, then one small
+# kernel adds them in a fixed order): a weight of a few tens of MB streams in ~10 us, so one
+# program per output tile leaves a wave's start and tail as a large part of the time.
+SKINNY_VARIANTS = ((16, 512, 4, 4), (32, 256, 4, 4), (16, 256, 4, 6), (32, 128, 4, 6),
+                   (32, 256, 4, 4, 2), (16, 256, 4, 6, 4))
+
+
+def variant_options(variant: tuple) -> dict:
+    """skinny_linear_triton's keyword arguments for a (block_n, block_k, num_warps, num_stages[, split_k]) tuple."""
+    block_n, block_k, num_warps, num_stages, *rest = variant
+    return {"block_n": block_n, "block_k": block_k, "num_warps": num_warps, "num_stages": num_stages,
+            "split_k": rest[0] if rest else 1}
 
 
 @jit(do_not_specialize=["M"])  # one compile for every row count
 def _skinny_gemm_kernel(
-    x_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+    x_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr, part_ptr, M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, HAS_SCALE: tl.constexpr, M_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     """One program: BLOCK_N output features for all M rows, streaming its (BLOCK_N, K) weight rows once.
 
@@ -41,6 +52,9 @@ def _skinny_gemm_kernel(
     rounded as the unfused path rounds (each product to the output dtype, then silu, then the mul).
     HAS_SCALE: the weight is FP8 (kernels/fp8.py): each tile is widened to x's dtype for the dot and
     output feature n is multiplied by scale[n] (gated: scale[n] and scale[N + n]) before the bias.
+    SPLIT_K > 1: program (i, s) covers K range [s * K_PER_SPLIT, (s + 1) * K_PER_SPLIT) and writes its
+    float32 sums to part (SPLIT_K, M, N) (gated: (SPLIT_K, M, 2N), up sums in columns N..2N-1);
+    _skinny_split_k_finish_kernel adds them and applies the epilogue.
     """
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, M_PAD)
@@ -51,9 +65,11 @@ def _skinny_gemm_kernel(
     w_base = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
     w_up_base = w_ptr + (cols + N).to(tl.int64)[:, None] * stride_wn
     x_base = x_ptr + rows[:, None] * stride_xm
-    for k0 in range(0, K, BLOCK_K):
+    k_begin = tl.program_id(1) * K_PER_SPLIT
+    k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
+    for k0 in range(k_begin, k_end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < K
+        k_ok = k < k_end
         x = tl.load(x_base + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_base + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         if HAS_SCALE:
@@ -64,6 +80,22 @@ def _skinny_gemm_kernel(
             if HAS_SCALE:
                 w_up = w_up.to(x.dtype)
             acc_up = tl.dot(x, tl.trans(w_up), acc_up)
+    mask = row_ok[:, None] & col_ok[None, :]
+    if SPLIT_K > 1:
+        width = 2 * N if GATED else N
+        part = part_ptr + (tl.program_id(1) * M + rows)[:, None] * width + cols[None, :]
+        tl.store(part, acc, mask=mask)
+        if GATED:
+            tl.store(part + N, acc_up, mask=mask)
+    else:
+        _skinny_epilogue(acc, acc_up, rows, cols, col_ok, mask, bias_ptr, scale_ptr, out_ptr, N, stride_om,
+                         HAS_BIAS, GATED, HAS_SCALE)
+
+
+@jit
+def _skinny_epilogue(acc, acc_up, rows, cols, col_ok, mask, bias_ptr, scale_ptr, out_ptr, N, stride_om,
+                     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, HAS_SCALE: tl.constexpr):
+    """Scale, bias, the gate's SiLU-and-mul, rounding to the output dtype, store: (M_PAD, BLOCK_N) tiles."""
     if HAS_SCALE:
         acc *= tl.load(scale_ptr + cols, mask=col_ok, other=0.0)[None, :]
         if GATED:
@@ -74,29 +106,61 @@ def _skinny_gemm_kernel(
         gate = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
         up = acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
         acc = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32) * up
-    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@jit(do_not_specialize=["M"])
+def _skinny_split_k_finish_kernel(
+    part_ptr, bias_ptr, scale_ptr, out_ptr, M, N, stride_om,
+    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, HAS_SCALE: tl.constexpr, M_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
+):
+    """Sum the SPLIT_K partial products in split order (deterministic), then the epilogue."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, M_PAD)
+    col_ok = cols < N
+    mask = (rows < M)[:, None] & col_ok[None, :]
+    width = 2 * N if GATED else N
+    acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
+    for split in range(SPLIT_K):
+        part = part_ptr + (split * M + rows)[:, None] * width + cols[None, :]
+        acc += tl.load(part, mask=mask, other=0.0)
+        if GATED:
+            acc_up += tl.load(part + N, mask=mask, other=0.0)
+    _skinny_epilogue(acc, acc_up, rows, cols, col_ok, mask, bias_ptr, scale_ptr, out_ptr, N, stride_om,
+                     HAS_BIAS, GATED, HAS_SCALE)
 
 
 def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                          *, block_n: int = 16, block_k: int = 512, num_warps: int = 4, num_stages: int = 4,
-                         gated: bool = False, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+                         split_k: int = 1, gated: bool = False, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias) for M <= MAX_SKINNY_ROWS rows, fp32 accumulation; with ``gated``,
     silu(x @ weight[:N].T) * (x @ weight[N:].T) for weight (2N, K) (bias not supported). With
-    ``weight_scale`` (rows of weight,) float32, weight is FP8 and row n counts as weight[n] * scale[n]."""
+    ``weight_scale`` (rows of weight,) float32, weight is FP8 and row n counts as weight[n] * scale[n].
+    ``split_k``: programs per output tile along K (each a whole number of BLOCK_K tiles)."""
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     assert m <= MAX_SKINNY_ROWS and x.stride(1) == 1 and weight.stride(1) == 1 and not (gated and bias is not None)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, bias if bias is not None else weight, weight_scale if weight_scale is not None else weight, out,
-        m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, GATED=gated, HAS_SCALE=weight_scale is not None, M_PAD=16, BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        num_warps=num_warps, num_stages=num_stages,
+    k_tiles = triton.cdiv(k, block_k)
+    split_k = max(1, min(split_k, k_tiles))
+    k_per_split = triton.cdiv(k_tiles, split_k) * block_k
+    split_k = triton.cdiv(k, k_per_split)  # no program without work
+    part = torch.empty(split_k, m, 2 * n if gated else n, dtype=torch.float32, device=x.device) if split_k > 1 else out
+    bias_arg = bias if bias is not None else weight
+    scale_arg = weight_scale if weight_scale is not None else weight
+    flags = dict(HAS_BIAS=bias is not None, GATED=gated, HAS_SCALE=weight_scale is not None, M_PAD=16,
+                 BLOCK_N=block_n, SPLIT_K=split_k)
+    _skinny_gemm_kernel[(triton.cdiv(n, block_n), split_k)](
+        x, weight, bias_arg, scale_arg, out, part, m, n, k, k_per_split, x.stride(0), weight.stride(0), out.stride(0),
+        BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages, **flags,
     )
+    if split_k > 1:
+        _skinny_split_k_finish_kernel[(triton.cdiv(n, block_n),)](part, bias_arg, scale_arg, out, m, n, out.stride(0),
+                                                                   num_warps=4, **flags)
     return out
 
 
@@ -112,18 +176,14 @@ def gated_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     product (cuBLAS or skinny) followed by kernels.activation.silu_and_mul."""
     variant = getattr(weight, _GATED_ATTR, False)
     if variant and x.shape[0] <= MAX_SKINNY_ROWS and x.is_contiguous():
-        block_n, block_k, num_warps, num_stages = variant
-        return skinny_linear_triton(x, weight, block_n=block_n, block_k=block_k, num_warps=num_warps,
-                                    num_stages=num_stages, gated=True)
+        return skinny_linear_triton(x, weight, gated=True, **variant_options(variant))
     return gated_linear_ref(x, weight)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     variant = getattr(weight, _SKINNY_ATTR, False)
     if variant and x.shape[0] <= MAX_SKINNY_ROWS and x.is_contiguous():
-        block_n, block_k, num_warps, num_stages = variant
-        return skinny_linear_triton(x, weight, bias, block_n=block_n, block_k=block_k, num_warps=num_warps,
-                                    num_stages=num_stages)
+        return skinny_linear_triton(x, weight, bias, **variant_options(variant))
     return F.linear(x, weight, bias)
 
 
@@ -203,9 +263,8 @@ def _time_shape(shape: tuple[int, int], dtype: torch.dtype, device, rows: tuple[
         else:
             cublas[m] = graph_time_ms(lambda: F.linear(x, next_weight())) * 1e3
         for v in SKINNY_VARIANTS:
-            bn, bk, warps, stages = v
             variants[v][m] = graph_time_ms(lambda: skinny_linear_triton(
-                x, next_weight(), block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, gated=gated)) * 1e3
+                x, next_weight(), gated=gated, **variant_options(v))) * 1e3
     best = min(SKINNY_VARIANTS, key=lambda v: sum(variants[v].values()))
     wins = all(variants[best][m] < 0.99 * cublas[m] for m in rows)
     return {"cublas_us": cublas, "best_variant": best, "best_us": variants[best], "variant": best if wins else False}

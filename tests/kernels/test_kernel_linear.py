@@ -36,14 +36,41 @@ def test_skinny_linear_matches_f_linear(device, m, n, k):
 @pytest.mark.parametrize("m", [1, 5])
 def test_every_load_time_variant_is_correct(m):
     """choose_skinny_weights may pick any SKINNY_VARIANTS tiling: each must compute the same product."""
-    from kernels.linear import SKINNY_VARIANTS, skinny_linear_triton
+    from kernels.linear import SKINNY_VARIANTS, skinny_linear_triton, variant_options
 
     x = torch.randn(m, 1000, dtype=torch.bfloat16, device="cuda")
     w = torch.randn(333, 1000, dtype=torch.bfloat16, device="cuda") * 0.05
     precise = F.linear(x.double(), w.double())
-    for bn, bk, warps, stages in SKINNY_VARIANTS:
-        out = skinny_linear_triton(x, w, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
-        assert relative_error(out, precise) < ROUNDING[torch.bfloat16], (bn, bk, warps, stages)
+    assert any(len(v) == 5 and v[4] > 1 for v in SKINNY_VARIANTS)  # split-K tilings are among them
+    for variant in SKINNY_VARIANTS:
+        out = skinny_linear_triton(x, w, **variant_options(variant))
+        assert relative_error(out, precise) < ROUNDING[torch.bfloat16], variant
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton kernels on the GPU")
+@pytest.mark.parametrize("m", [1, 7])
+@pytest.mark.parametrize("split_k", [2, 3, 4, 64])
+def test_split_k_equals_one_program_per_tile(m, split_k):
+    """Split-K (partial sums added in split order) against the unsplit kernel: plain with bias,
+    gated, and FP8-scaled, on a K that splits unevenly (1000 = 3 full 256-tiles + a partial one;
+    64 splits are more than there are K tiles)."""
+    from kernels.fp8 import quantize_weight
+    from kernels.linear import gated_linear_ref, skinny_linear_triton
+
+    gen = torch.Generator().manual_seed(split_k + m)
+    x = torch.randn(m, 1000, generator=gen).to(torch.bfloat16).cuda()
+    w = (torch.randn(2 * 150, 1000, generator=gen) * 0.05).to(torch.bfloat16).cuda()
+    bias = torch.randn(300, generator=gen).to(torch.bfloat16).cuda()
+    tile = dict(block_n=16, block_k=256, num_warps=4, num_stages=4)
+    precise = F.linear(x.double(), w.double(), bias.double())
+    split = skinny_linear_triton(x, w, bias, split_k=split_k, **tile)
+    assert relative_error(split, precise) < ROUNDING[torch.bfloat16]
+    gated = skinny_linear_triton(x, w, gated=True, split_k=split_k, **tile)
+    assert relative_error(gated, gated_linear_ref(x, w)) < 2 * ROUNDING[torch.bfloat16]
+    w_q, scale = quantize_weight(w)
+    fp8_split = skinny_linear_triton(x, w_q, weight_scale=scale, split_k=split_k, **tile)
+    fp8_whole = skinny_linear_triton(x, w_q, weight_scale=scale, **tile)
+    assert relative_error(fp8_split, fp8_whole.double()) < ROUNDING[torch.bfloat16]
 
 
 def test_linear_without_a_marked_weight_is_f_linear():
