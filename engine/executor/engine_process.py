@@ -58,6 +58,11 @@ from engine.executor.request import FinishReason, Request, RequestPerfMetrics, R
 from engine.executor.stats import IterationStats
 
 STATS_PERIOD_S = 0.05
+ATTACH_RETRY_S = 0.1  # an attaching client's wait between tries while the owner's engine loads
+CLIENT_ID_STRIDE = 1 << 40  # client c's request id i is c * CLIENT_ID_STRIDE + i in the engine
+SHUTDOWN_TIMEOUT_S = 30.0  # the engine process's own shutdown, after which it exits regardless
+PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 # While a client has requests open, its reader polls the socket every this many microseconds
 # instead of blocking in a read ($TRITONLLM_READ_POLL_US; 0: always block). Why: a reader blocked
 # on a Unix socket is woken by each write, as a "sync" wakeup that the kernel may serve on the
@@ -74,10 +79,6 @@ def read_poll_s() -> float:
     """The reader's poll period in seconds (0: block)."""
     default = 300 if (os.cpu_count() or 1) >= POLL_MIN_CORES else 0
     return float(os.environ.get(READ_POLL_ENV, default)) / 1e6
-ATTACH_RETRY_S = 0.1  # an attaching client's wait between tries while the owner's engine loads
-CLIENT_ID_STRIDE = 1 << 40  # client c's request id i is c * CLIENT_ID_STRIDE + i in the engine
-SHUTDOWN_TIMEOUT_S = 30.0  # the engine process's own shutdown, after which it exits regardless
-PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def engine_python() -> str:

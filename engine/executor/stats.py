@@ -49,7 +49,6 @@ def kv_cache_stats(blocks: BlockManager) -> KvCacheStats:
         alloc_total_blocks=blocks.total_new_blocks + blocks.total_reused_blocks)
 
 
-
 # Diagnostics: with $TRITONLLM_ITERATION_LOG set to a file path, every executor appends one line per
 # iteration there (benchmarks/serving_bench.py reads it to tell a slow engine step from a slow relay).
 ITERATION_LOG_ENV = "TRITONLLM_ITERATION_LOG"
