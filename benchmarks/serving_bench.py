@@ -51,6 +51,10 @@ beside the one in-process engine (e.g. 1 vs 4 ``tensorrt_llm`` instances, same l
 engine with random weights of a named shape (``--model``, weights made on the device at load).
 A random-weight model emits any id below its vocab size, so its tokenizer must cover the whole
 vocab: ``--tokenizer_dir`` (a real one of that size) or ``--synthetic_tokenizer`` (one word per id).
+
+A second table says where each timed run's time went (benchmarks/serving_diagnostics.py): the
+engine's step medians from its iteration log, the CPU each process used, and Triton's per-model
+queue and execute times.
 """
 from __future__ import annotations
 
