@@ -14,7 +14,7 @@ import numpy as np
 
 from serving.requests import (UnsupportedFeature, any_nonzero, any_text, non_empty,
                               refuse_unsupported, without)
-from serving.tokenization import REPLACEMENT_CHAR, TextDeltas
+from serving.tokenization import REPLACEMENT_CHAR, DecodeWindow, TextDeltas
 
 # BLS input -> tensorrt_llm input (besides what preprocessing produces)
 LLM_INPUTS_FROM_REQUEST = {
@@ -137,6 +137,10 @@ class StreamText:
 
     update(full_text, is_final) -> the text to send: the delta (or the whole text so far with
     accumulate), cut right after the first string stop word; after a stop, "".
+
+    A stream whose chunks carry new tokens (streaming, one beam) decodes through ``window`` a few
+    ids per chunk and keeps its text so far in ``text``; any other response is decoded whole
+    from ``token_ids`` (a beam's hypothesis may change from one response to the next).
     """
 
     stop_words: list[str] = field(default_factory=list)
@@ -145,6 +149,8 @@ class StreamText:
     token_ids: list[int] = field(default_factory=list)
     deltas: TextDeltas = field(default_factory=TextDeltas)
     stopped: bool = False
+    window: DecodeWindow = field(default_factory=DecodeWindow)
+    text: str = ""
 
     def update(self, full_text: str, is_final: bool) -> str:
         if self.stopped:

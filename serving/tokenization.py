@@ -99,6 +99,56 @@ class Utf8Holdback:
         return 0
 
 
+class DecodeWindow:
+    """Incremental decoding of one growing id sequence through any decoder (the tokenizer in this
+    process, or the `postprocessing` model over Triton), a few ids per step.
+
+    Decoding each chunk's ids on their own goes wrong in two ways: a character split over two
+    tokens (a byte-level BPE piece holding half of a multi-byte character) decodes as U+FFFD, and a
+    decoder may treat the first token of a sequence differently (SentencePiece drops a leading
+    space). So each step decodes two short lists, ``windows()``: the head (ids whose text went out
+    before) and the window (head + the ids since); ``advance`` keeps only the window's text past
+    the head's. Cost per step: two decodes of a few ids, whatever the length so far.
+
+    Invariant: the texts ``advance`` returns, concatenated, equal the decode of every id extended,
+    once a final ``advance`` has been made (a trailing incomplete character is held back until it
+    completes, or until then, as U+FFFD). ``ids[head:read]`` is the head, ``ids[read:]`` the new
+    ids; ``sent`` characters of their text went out already (a chunk that ended inside a character).
+    """
+
+    def __init__(self):
+        self.ids: list[int] = []
+        self._head = 0
+        self._read = 0
+        self._sent = 0
+
+    def extend(self, token_ids: Sequence[int]) -> None:
+        self.ids.extend(int(t) for t in token_ids)
+
+    @property
+    def pending(self) -> bool:
+        """Ids not yet turned into text."""
+        return self._read < len(self.ids)
+
+    def windows(self) -> tuple[list[int], list[int]]:
+        """(head ids, window ids) to decode for the next ``advance``."""
+        return self.ids[self._head:self._read], self.ids[self._head:]
+
+    def advance(self, head_text: str, window_text: str, final: bool = False) -> str:
+        """The new text, given the decodes of ``windows()`` (up to a character still being spelled
+        out, unless ``final``)."""
+        start = len(head_text) + self._sent
+        if not final and window_text.endswith(REPLACEMENT_CHAR):
+            # The last character is not complete yet: send what precedes it and wait for the rest.
+            ready = window_text[start:].rstrip(REPLACEMENT_CHAR)
+            self._sent += len(ready)
+            return ready
+        # The next window starts where this one's new part began: one token of context is enough
+        # for the decoders here (a leading-space rule or a split character).
+        self._head, self._read, self._sent = self._read, len(self.ids), 0
+        return window_text[start:]
+
+
 class TextDeltas:
     """Turns successive decodes of a growing token sequence into text deltas.
 

@@ -383,6 +383,20 @@ def test_bls_entry_answers_exactly_as_the_direct_entry(client, bls_frontend, ext
         assert tokens[0] == tokens[1] and len(tokens[0]) >= 1
 
 
+def test_bls_streams_multibyte_text_as_the_direct_entry_answers(client, bls_frontend):
+    """The BLS decodes a stream a few ids per chunk (serving.tokenization.DecodeWindow through the
+    postprocessing model): characters split over tokens come out whole, and the pieces add up to
+    the direct entry's unary answer."""
+    messages = [{"role": "user", "content": "海についての短い詩を日本語で書いてください。"}]
+    unary = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=32)
+    with openai.OpenAI(base_url=f"{bls_frontend}/v1", api_key="unused", max_retries=0) as via_bls:
+        chunks = list(via_bls.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=32,
+                                                      stream=True))
+    streamed = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+    assert "".join(streamed) == unary.choices[0].message.content
+    assert not any("\ufffd" in piece for piece in streamed) and sum(1 for piece in streamed if piece) > 4
+
+
 def test_several_workers_share_the_port_and_sum_their_metrics(triton_server, smollm2_engine_dir, tmp_path):
     with running_frontend(triton_server.grpc_url, smollm2_engine_dir, tmp_path, "--workers=3") as url:
         assert wait_for(lambda: requests.get(f"{url}/health", timeout=2).status_code == 200, timeout=30)

@@ -1,6 +1,6 @@
 import pytest
 
-from serving.tokenization import (REPLACEMENT_CHAR, TextDeltas, Utf8Holdback, decode_tokens,
+from serving.tokenization import (REPLACEMENT_CHAR, DecodeWindow, TextDeltas, Utf8Holdback, decode_tokens,
                                   first_token_id)
 
 TEXTS = ["中文 emoji 😀 ok", "Paris 🇫🇷 is the capital. 東京は日本の首都です。", "plain ascii, no surprises",
@@ -73,3 +73,20 @@ def test_any_text_streams_back_exactly(smollm2_tokenizer, text, chunk):
     pieces = stream_in_chunks(smollm2_tokenizer, ids, chunk)
     assert "".join(pieces) == text
     assert not any(REPLACEMENT_CHAR in piece for piece in pieces)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_decode_window_adds_up_to_the_whole_decode_and_stays_short(smollm2_tokenizer, text):
+    """Token by token through DecodeWindow (what the BLS and the OpenAI frontend stream with): the
+    pieces add up to the whole decode, no piece holds a broken character, and no step decodes more
+    than a few ids however long the sequence grows."""
+    ids = smollm2_tokenizer.encode(text, add_special_tokens=False) * 8
+    window, pieces, longest = DecodeWindow(), [], 0
+    for token in ids:
+        window.extend([token])
+        head, current = window.windows()
+        longest = max(longest, len(current))
+        pieces.append(window.advance(decode_tokens(smollm2_tokenizer, head), decode_tokens(smollm2_tokenizer, current)))
+    assert "".join(pieces) == decode_tokens(smollm2_tokenizer, ids)
+    assert not any(REPLACEMENT_CHAR in piece for piece in pieces)
+    assert longest <= 8 < len(ids)  # a split character's few pieces plus one id of context

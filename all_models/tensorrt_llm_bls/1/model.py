@@ -179,26 +179,25 @@ class TritonPythonModel:
         batch_index = llm_out.get("batch_index", np.zeros((rows, 1), np.int32)).reshape(-1)
         sequence_index = llm_out.get("sequence_index", np.zeros((rows, 1), np.int32)).reshape(-1)
         lengths = llm_out["sequence_length"].reshape(rows, -1)
+        # A beam stream resends whole hypotheses (they may change), so it sends whole texts.
+        grows = stream and lengths.shape[1] == 1
         states = []
         for row in range(rows):
             for beam in range(lengths.shape[1]):
                 key = (int(batch_index[row]), int(sequence_index[row]), beam)
-                # A beam stream resends whole hypotheses (they may change), so it sends whole texts.
-                grows = stream and lengths.shape[1] == 1
                 state = streams.setdefault(key, StreamText(stop_words=stop_words[key[0]],
                                                            accumulate=stream and (self.accumulate or not grows)))
                 new = [int(t) for t in llm_out["output_ids"][row, beam, : lengths[row, beam]] if t >= 0]
-                state.token_ids = state.token_ids + new if grows else new
+                if grows:
+                    state.window.extend(new)
+                else:
+                    state.token_ids = new
                 states.append(state)
         if all(state.stopped for state in states):
             return None  # generation goes on only until the stop request lands
-        tokens = pad_beams([state.token_ids for state in states], np.int32, -1)[:, None, :]
-        seq_len = np.array([[len(state.token_ids)] for state in states], dtype=np.int32)
-        texts = (await self._call("postprocessing", {"TOKENS_BATCH": tokens, "SEQUENCE_LENGTH": seq_len},
-                                  ["OUTPUT"]))["OUTPUT"].reshape(-1)
+        texts = await self._texts(states, grows)
         pieces = []
         for state, text in zip(states, texts):
-            text = to_str(text)
             if not stream and not state.stopped:
                 query = queries[0] if len(queries) == 1 else ""
                 state.search_start = len(query) if query and text.startswith(query) else 0
@@ -209,6 +208,35 @@ class TritonPythonModel:
             if name in llm_out:
                 out[name] = llm_out[name]
         return out
+
+    async def _texts(self, states, grows):
+        """Each state's text so far, decoded by the postprocessing model in one call: a growing
+        stream's window (two short id lists) or a whole response's ids."""
+        rows, decoding = [], []
+        for state in states:
+            if not grows:
+                decoding.append(state)
+                rows.append(state.token_ids)
+            elif state.window.pending:
+                decoding.append(state)
+                rows.extend(state.window.windows())
+        decoded = iter(await self._decode(rows))
+        for state in decoding:
+            if grows:
+                head_text, window_text = next(decoded), next(decoded)
+                state.text += state.window.advance(head_text, window_text)
+            else:
+                state.text = next(decoded)
+        return [state.text for state in states]
+
+    async def _decode(self, rows):
+        if not rows:
+            return []
+        tokens = pad_beams(rows, np.int32, -1)[:, None, :]
+        seq_len = np.array([[len(ids)] for ids in rows], dtype=np.int32)
+        texts = (await self._call("postprocessing", {"TOKENS_BATCH": tokens, "SEQUENCE_LENGTH": seq_len},
+                                  ["OUTPUT"]))["OUTPUT"].reshape(-1)
+        return [to_str(text) for text in texts]
 
     @staticmethod
     def _all_stopped(streams, batch_size):
