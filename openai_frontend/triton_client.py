@@ -12,9 +12,10 @@ either way.
 
 ``--triton_model tensorrt_llm_bls`` sends text instead (the rest of this note is about that path).
 Why the BLS and not the ensemble: the token count needs ``output_log_probs``, and with log-probs
-on, ``tensorrt_llm`` sends every token at once (no UTF-8 holdback), which the BLS decodes as a
-whole sequence but the ensemble's postprocessing decodes chunk by chunk: a multi-byte character
-split over two tokens came out as U+FFFD there (tried with Japanese text).
+on, ``tensorrt_llm`` sends every token at once (no UTF-8 holdback), which the BLS decodes with a
+window reaching back into the previous chunk but the ensemble's postprocessing decodes chunk by
+chunk: a multi-byte character split over two tokens came out as U+FFFD there (tried with
+Japanese text).
 
 Why requests are built here rather than with ``tritonclient.grpc.aio``'s ``stream_infer``: the
 only way a decoupled stream says "this request is over" is the empty final response, asked for

@@ -1,8 +1,10 @@
 """Plain helpers of the `tensorrt_llm_bls` model: validation, stream text, string stop words.
 
-The BLS runs preprocessing -> tensorrt_llm -> postprocessing itself. For a stream it decodes the
-whole sequence so far on every chunk and sends the difference (or the whole text with
-`accumulate_tokens`), so every tokenizer streams exactly the text a unary call returns.
+The BLS runs preprocessing -> tensorrt_llm -> postprocessing itself. For a stream it decodes a
+short window of each chunk's ids with one token of context (serving.tokenization.DecodeWindow)
+and sends the new text (or the whole text so far with `accumulate_tokens`), so every tokenizer
+streams exactly the text a unary call returns, at a cost per chunk that does not grow with the
+sequence.
 """
 from __future__ import annotations
 

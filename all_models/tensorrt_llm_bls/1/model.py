@@ -1,9 +1,9 @@
 """Triton `tensorrt_llm_bls` model: the ensemble's pipeline as Business Logic Scripting.
 
 preprocessing -> tensorrt_llm -> postprocessing, with the ensemble's inputs and outputs. A stream
-(decoupled model and `stream` true) re-decodes each sequence so far on every chunk and sends the
-new text, or the whole text so far with `accumulate_tokens`; string stop words cut the text and
-stop generation. Glue only: the rules live in serving/bls.py.
+(decoupled model and `stream` true) decodes each chunk's ids in a short window with one token
+of context and sends the new text, or the whole text so far with `accumulate_tokens`; string stop
+words cut the text and stop generation. Glue only: the rules live in serving/bls.py.
 
 `execute` is a coroutine, so one instance serves many requests at once (Triton's Python backend
 runs every request's coroutine on the instance's one event loop thread; with a blocking execute an
