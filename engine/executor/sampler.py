@@ -84,10 +84,6 @@ def _on_device(values: list, dtype: torch.dtype, device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def _column(values: list, dtype: torch.dtype, device) -> torch.Tensor:
-    return _on_device(values, dtype, device)
-
-
 def _padded(rows: list[list[int]], pad: int, device) -> torch.Tensor:
     width = max(1, max(len(r) for r in rows))
     return _on_device([r + [pad] * (width - len(r)) for r in rows], torch.int64, device)
@@ -120,14 +116,14 @@ def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, device, retur
     temperature = top_k = top_p = draw_temperature = seeds = offsets = None
     limits = []
     if not all(greedy):
-        temperature = _column([1.0 if g else c.temperature or 1.0 for c, g in zip(configs, greedy)], torch.float32, device)
+        temperature = _on_device([1.0 if g else c.temperature or 1.0 for c, g in zip(configs, greedy)], torch.float32, device)
         limits = [(vocab_size, 1.0) if g else (c.top_k or vocab_size, 1.0 if c.top_p is None else c.top_p)
                   for c, g in zip(configs, greedy)]
-        top_k = _column([k for k, _ in limits], torch.int64, device)
-        top_p = _column([p for _, p in limits], torch.float32, device)
-        draw_temperature = _column([0.0 if g else 1.0 for g in greedy], torch.float32, device)
-        seeds = _column([s.seed for s in seqs], torch.int64, device)
-        offsets = _column([s.num_generated_tokens for s in seqs], torch.int64, device)
+        top_k = _on_device([k for k, _ in limits], torch.int64, device)
+        top_p = _on_device([p for _, p in limits], torch.float32, device)
+        draw_temperature = _on_device([0.0 if g else 1.0 for g in greedy], torch.float32, device)
+        seeds = _on_device([s.seed for s in seqs], torch.int64, device)
+        offsets = _on_device([s.num_generated_tokens for s in seqs], torch.int64, device)
     has_penalty = any((c.repetition_penalty is not None and c.repetition_penalty != 1.0) or c.presence_penalty
                       or c.frequency_penalty for c in configs)
     rep = pres = freq = None
@@ -141,14 +137,14 @@ def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, device, retur
     top_rows = tuple(row for row, k in enumerate(top_counts) if k)
     return SamplingMetadata(
         all_greedy=all(greedy),
-        is_greedy=None if all(greedy) else _column(greedy, torch.bool, device),
+        is_greedy=None if all(greedy) else _on_device(greedy, torch.bool, device),
         temperature=temperature, top_k=top_k, top_p=top_p,
         draw_temperature=draw_temperature,
         needs_top_k_top_p=any(k < vocab_size or p < 1.0 for k, p in limits),
         seeds=seeds, offsets=offsets,
-        repetition_penalty=_column(rep, torch.float32, device) if has_penalty else None,
-        presence_penalty=_column(pres, torch.float32, device) if has_penalty else None,
-        frequency_penalty=_column(freq, torch.float32, device) if has_penalty else None,
+        repetition_penalty=_on_device(rep, torch.float32, device) if has_penalty else None,
+        presence_penalty=_on_device(pres, torch.float32, device) if has_penalty else None,
+        frequency_penalty=_on_device(freq, torch.float32, device) if has_penalty else None,
         prompt_token_ids=_padded([s.token_ids[:s.num_prompt_tokens] for s in seqs], vocab_size, device) if has_penalty else None,
         output_token_ids=_padded([s.generated_token_ids for s in seqs], vocab_size, device) if has_penalty else None,
         banned=_on_device(banned, torch.int64, device).T if banned else None,
