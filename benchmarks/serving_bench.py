@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -316,6 +317,21 @@ def repo_overrides(settings: dict[str, str], kv_tokens: int) -> dict[str, dict[s
     }
 
 
+@contextlib.contextmanager
+def environment_set(values: dict[str, str]):
+    """os.environ with ``values`` for the block (for what starts in it), then as it was."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def server_environment(settings: dict[str, str]) -> dict[str, str]:
     """Environment variables a variant sets for its server (and so its stubs and engine process)."""
     from engine.executor.engine_process import READ_POLL_ENV
@@ -400,18 +416,10 @@ class ServedEnsemble:
         # The Python models import engine/ and serving/ from here where tritonllm is not installed.
         os.environ.setdefault("TRITONLLM_ROOT", str(REPO_ROOT))
         started = time.perf_counter()
-        environment = {**self.environment, ITERATION_LOG_ENV: str(self.iteration_log)}  # the engine process's
-        saved = {name: os.environ.get(name) for name in environment}
-        os.environ.update(environment)
-        try:
+        # The server's processes inherit these (ITERATION_LOG_ENV: the engine process's steps).
+        with environment_set({**self.environment, ITERATION_LOG_ENV: str(self.iteration_log)}):
             with open(self.log_path, "w") as log:
                 self.process = self.launcher.launch(self.args, stdout=log, stderr=log)
-        finally:
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
         try:
             ready = self.serve.wait_until_ready(self.process, self.http_port, timeout=self.ready_timeout)
         except BaseException:  # a time limit (SIGTERM -> SystemExit) during the load: stop it too
@@ -1051,11 +1059,8 @@ def start_executor(results: dict, engine_dir: str, config):
     from engine.executor import Executor
 
     started = time.perf_counter()
-    os.environ[ITERATION_LOG_ENV] = results["engine_iteration_log"]  # this executor's steps (serving_diagnostics)
-    try:
+    with environment_set({ITERATION_LOG_ENV: results["engine_iteration_log"]}):  # this executor's steps
         executor = Executor(engine_dir, config)
-    finally:
-        del os.environ[ITERATION_LOG_ENV]
     results["engine_load_s"] = time.perf_counter() - started
     print(f"in-process executor ready in {results['engine_load_s']:.1f} s", flush=True)
     return executor
