@@ -3,8 +3,8 @@
 The BLS runs preprocessing -> tensorrt_llm -> postprocessing itself. For a stream it decodes a
 short window of each chunk's ids with one token of context (serving.tokenization.DecodeWindow)
 and sends the new text (or the whole text so far with `accumulate_tokens`), so every tokenizer
-streams exactly the text a unary call returns, at a cost per chunk that does not grow with the
-sequence.
+streams exactly the text a unary call returns; decoding costs the same per chunk however long
+the sequence grows (the stop-word search and the text deltas still scan the text so far).
 """
 from __future__ import annotations
 
