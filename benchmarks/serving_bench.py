@@ -281,7 +281,7 @@ def make_prompts(tokenizer, count: int, input_len: int, seed: int = 0) -> tuple[
 
 
 VARIANT_SETTINGS = ("engine_process", "tensorrt_llm_instances", "preprocessing_instances", "postprocessing_instances",
-                    "read_poll_us")
+                    "read_poll_us", "stream_interval")
 
 
 def parse_variants(text: str | None, args: argparse.Namespace) -> list[tuple[str, dict[str, str]]]:
@@ -311,7 +311,7 @@ def repo_overrides(settings: dict[str, str], kv_tokens: int) -> dict[str, dict[s
     return {
         "tensorrt_llm": {"max_tokens_in_paged_kv_cache": str(kv_tokens), "enable_kv_cache_reuse": "False",
                          "max_beam_width": "1", "exclude_input_in_output": "True",
-                         "engine_process": settings["engine_process"]},
+                         "engine_process": settings["engine_process"], "stream_interval": settings["stream_interval"]},
         "postprocessing": {"postprocessing_instance_count": settings["postprocessing_instances"]},
         "preprocessing": {"preprocessing_instance_count": settings["preprocessing_instances"]},
     }
@@ -1259,6 +1259,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--read_poll_us", type=int, default=None,
                         help="the served engine's $TRITONLLM_READ_POLL_US (engine/executor/engine_process.py; "
                              "0: the stubs' readers block; default: unset)")
+    parser.add_argument("--stream_interval", type=int, default=1,
+                        help="the served model's stream_interval parameter: tokens per streamed response "
+                             "(the first and the last go out at once); the in-process engine keeps 1")
     parser.add_argument("--variants", default=None,
                         help="several servers one after another beside one in-process engine, e.g. "
                              "'before:tensorrt_llm_instances=1 after:tensorrt_llm_instances=4,postprocessing_instances=4' "
@@ -1324,7 +1327,8 @@ def main(argv=None) -> dict:
         "requests_per_client": args.requests_per_client, "min_requests": args.min_requests, "kv_cache_tokens": kv_tokens, "cpu_threads": cpu_threads, "goals": GOALS, "rounds": args.rounds,
         "rows": [], "all_rows": [], "variants": dict(parse_variants(args.variants, args)),
     }
-    config = executor_config_of_repo(variants[0][1])
+    # The in-process baseline streams every token whatever a variant's stream_interval: it measures the engine.
+    config = dataclasses.replace(executor_config_of_repo(variants[0][1]), stream_interval=1)
     results["executor_config"] = dataclasses.asdict(config)
     try:
         run_all(results, args, variants, engine_dir, config, work, feed)

@@ -31,6 +31,7 @@ SIMPLE_SETTINGS = {
     "enable_chunked_context": ("enable_chunked_context", bool),
     "normalize_log_probs": ("normalize_log_probs", bool),
     "disable_overlap_scheduler": ("disable_overlap_scheduler", bool),
+    "stream_interval": ("stream_interval", int),  # beyond the reference (SGLang's and vLLM's name)
     "kv_cache_dtype": ("kv_cache_dtype", str),  # beyond the reference: auto or fp8  # beyond the reference (TRT-LLM LLM API's name)
     "exclude_input_in_output": ("exclude_input_from_output", bool),
     "lora_cache_optimal_adapter_size": ("lora_cache_optimal_adapter_size", int),

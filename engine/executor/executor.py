@@ -74,6 +74,11 @@ class ExecutorConfig:
     kv_cache_dtype: str | None = None
     # Overlapped scheduling (engine/executor/overlap.py) is on unless this is set (TRT-LLM's name).
     disable_overlap_scheduler: bool = False
+    # A streaming response carries at least this many new tokens (SGLang's and vLLM's name). The
+    # first token and the final response go out at once; between them a stream's tokens wait until
+    # this many are ready. 1 sends every token. Larger values cut the responses each stream costs
+    # the serving path, for small fast models whose streams outrun it.
+    stream_interval: int = 1
     iter_stats_max_iterations: int = 1000
     device: str | None = None
 
@@ -102,6 +107,9 @@ class ExecutorConfig:
                 f"ExecutorConfig.kv_cache_free_gpu_mem_fraction must be in (0, 1], got {self.kv_cache_free_gpu_mem_fraction!r}")
         require(self.kv_cache_dtype in (None, "auto", "fp8"),
                 f"kv_cache_dtype value of '{self.kv_cache_dtype}' is not supported; allowed: auto, fp8")
+        require(isinstance(self.stream_interval, int) and self.stream_interval >= 1,
+                f"ExecutorConfig.stream_interval must be an integer >= 1 (tokens per streamed response), "
+                f"got {self.stream_interval!r}")
         require(self.iter_stats_max_iterations >= 1,
                 f"ExecutorConfig.iter_stats_max_iterations must be >= 1, got {self.iter_stats_max_iterations!r}")
         return self
@@ -606,7 +614,7 @@ class Executor:
     def _emit(self) -> None:
         responses = []
         for state in self._touched.values():
-            responses += responses_for(state)
+            responses += responses_for(state, self.config.stream_interval)
             if all(s.is_finished for s in state.sequences):
                 self._retire(state)
         self._touched.clear()

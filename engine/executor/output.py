@@ -76,20 +76,30 @@ def _merge(a: Result, b: Result) -> Result:
     return merged
 
 
-def responses_for(state: RequestState) -> list[Response]:
+def responses_for(state: RequestState, stream_interval: int = 1) -> list[Response]:
+    """This step's responses of one request; a stream waits for `stream_interval` new tokens."""
     if state.is_beam_search:
         return beam_search.responses(state)
     responses = []
     for seq in state.sequences:
         if seq.sequence_index in state.finished_streams:
             continue
-        if state.request.streaming and (seq.num_known_generated_tokens > seq.num_emitted or seq.is_finished):
+        if state.request.streaming and _stream_is_due(seq, stream_interval):
             responses.append(Response(state.request_id, result=streaming_result(seq)))
         elif seq.is_finished:
             responses.append(Response(state.request_id, result=final_result(seq)))
         if seq.is_finished:
             state.finished_streams.add(seq.sequence_index)
     return responses
+
+def _stream_is_due(seq: Sequence, stream_interval: int) -> bool:
+    """The first token and the end go out at once (time to first token and to the last stay as
+    they are); in between, a response waits until `stream_interval` tokens are new."""
+    new_tokens = seq.num_known_generated_tokens - seq.num_emitted
+    if seq.is_finished:
+        return True
+    return new_tokens >= stream_interval or (new_tokens > 0 and seq.num_emitted == 0)
+
 
 def streaming_result(seq: Sequence) -> Result:
     start, seq.num_emitted = seq.num_emitted, seq.num_known_generated_tokens

@@ -229,12 +229,50 @@ def test_response_callback_receives_everything(tiny_engine):
     assert sum(len(r.result.output_token_ids[0]) for r in got) == 5
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_stream_interval_sends_the_first_token_at_once_then_every_n(tiny_engine, overlap):
+    """stream_interval=4 over 14 tokens: 1 at once (time to first token unchanged), then 4, 4, 4,
+    and the final response carries the last 1. The callback sees every response as the loop
+    delivers it, so nothing coalesces on the way."""
+    got, done = [], threading.Event()
+
+    def callback(responses):
+        got.extend(responses)
+        if any(r.is_final for r in responses):
+            done.set()
+
+    config = ExecutorConfig(stream_interval=4, disable_overlap_scheduler=not overlap)
+    with Executor(tiny_engine, config, response_callback=callback) as ex:
+        ex.enqueue_request(Request(PROMPT, 14, streaming=True, output=OutputConfig(return_log_probs=True)))
+        assert done.wait(30)
+    with Executor(tiny_engine, ExecutorConfig()) as ex:
+        unary = final_tokens(run(ex, Request(PROMPT, 14, output=EXCLUDE))[0])
+    results = [r.result for r in got]
+    assert [len(r.output_token_ids[0]) for r in results] == [1, 4, 4, 4, 1]
+    assert [len(r.log_probs[0]) for r in results] == [1, 4, 4, 4, 1]
+    assert [t for r in results for t in r.output_token_ids[0]] == unary
+    assert [r.is_final for r in results] == [False] * 4 + [True]
+
+
+def test_stream_interval_still_ends_a_stream_stopped_between_sends(tiny_engine):
+    """An end_id that arrives while tokens are held back: the final response carries them."""
+    with Executor(tiny_engine, ExecutorConfig()) as ex:
+        greedy = final_tokens(run(ex, Request(PROMPT, 12, output=EXCLUDE))[0])
+    end_id = greedy[6]
+    first = greedy.index(end_id)
+    with Executor(tiny_engine, ExecutorConfig(stream_interval=5)) as ex:
+        [responses] = run(ex, Request(PROMPT, 12, end_id=end_id, streaming=True))
+    assert [t for r in responses for t in r.result.output_token_ids[0]] == greedy[:first]
+    assert responses[-1].result.is_final and responses[-1].result.finish_reasons == [FinishReason.END_ID]
+
+
 @pytest.mark.parametrize("field, value, message", [
     ("batch_scheduler_policy", "fifo", "batch_scheduler_policy value of 'fifo' is not supported"),
     ("max_batch_size", 0, "max_batch_size must be a positive integer"),
     ("kv_cache_free_gpu_mem_fraction", 1.5, "kv_cache_free_gpu_mem_fraction must be in (0, 1]"),
     ("max_beam_width", 0, "max_beam_width must be an integer >= 1"),
     ("batching_type", "v2", "batching_type value of 'v2' is not supported"),
+    ("stream_interval", 0, "stream_interval must be an integer >= 1 (tokens per streamed response)"),
 ])
 def test_config_errors_name_the_field(field, value, message):
     with pytest.raises(ExecutorConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -104,6 +104,31 @@ def test_one_response_per_token_when_the_client_keeps_up(server_name, request):
     assert tokens - 1 <= responses <= tokens + 1  # one per token, and perhaps an empty final one
 
 
+@pytest.fixture(scope="module")
+def interval_server(smollm2_engine_dir, tmp_path_factory):
+    with running_server(smollm2_engine_dir, tmp_path_factory.mktemp("triton_interval"),
+                        tensorrt_llm_parameters={"stream_interval": "4"}) as server:
+        yield server
+
+
+def test_stream_interval_groups_tokens_and_the_text_stays_whole(interval_server):
+    """stream_interval=4: the first token alone (time to first token is kept), then responses of
+    at least 4 tokens (more only if the relay fell behind), the rest in the last one; the
+    ensemble's streamed text is the same answer."""
+    stream = Stream(interval_server)
+    try:
+        stream.send("tensorrt_llm", long_llm_request(max_tokens=18))
+        items = stream.until_final()
+    finally:
+        stream.close()
+    assert all(error is None for _, error, _ in items)
+    per_response = [int(r.as_numpy("sequence_length").reshape(-1)[0]) for r, _, _ in items]
+    per_response = [n for n in per_response if n]  # an empty final response may close the stream
+    assert sum(per_response) == 18 and per_response[0] == 1, per_response
+    assert all(n >= 4 for n in per_response[1:-1]) and len(per_response) <= 6, per_response
+    assert ensemble_text(interval_server) == ANSWER
+
+
 def test_stops_reach_the_instance_that_holds_the_request(two_instance_server):
     """Each stop lands on either instance; those landing on the other one go through the engine."""
     streams = [Stream(two_instance_server) for _ in range(4)]

@@ -58,14 +58,15 @@ def chat(question: str) -> str:
 
 @contextmanager
 def running_server(engine_dir: str, work: Path, decoupled: bool = True, mpi: bool = False,
-                   tensorrt_llm_instances: int = 1):
+                   tensorrt_llm_instances: int = 1, tensorrt_llm_parameters: dict[str, str] | None = None):
     """Fill a repository for `engine_dir` under `work`, serve it, yield a Server, stop it.
     `mpi`: through mpirun (world size 1) as the launcher does by default, else tritonserver alone
     as `make serve` runs it. `tensorrt_llm_instances`: its instance_group count (they share one
-    engine process)."""
+    engine process). `tensorrt_llm_parameters`: template values of that model to override."""
     serve = load_script("serve_default")
     launcher = load_script("launch_triton_server")
-    repo = serve.prepare_model_repo(engine_dir, str(work / "repo"), bls_instances=2, decoupled=decoupled)
+    repo = serve.prepare_model_repo(engine_dir, str(work / "repo"), bls_instances=2, decoupled=decoupled,
+                                    overrides={"tensorrt_llm": dict(tensorrt_llm_parameters or {})})
     if tensorrt_llm_instances != 1:
         config = Path(repo) / "tensorrt_llm" / "config.pbtxt"
         text, replaced = re.subn(r"(instance_group\s*\[\s*\{\s*count:\s*)\d+",

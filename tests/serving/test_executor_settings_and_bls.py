@@ -18,7 +18,7 @@ FULL = params(max_beam_width="2", batch_scheduler_policy="MAX_UTILIZATION", enab
               gpt_model_type="inflight_fused_batching", gpu_device_ids="0,1",
               max_attention_window_size="2560", lora_cache_max_adapter_size="64",
               multi_block_mode="true", iter_stats_max_iterations="50", decoding_mode="top_k_top_p",
-              disable_overlap_scheduler="true")
+              disable_overlap_scheduler="true", stream_interval="3")
 MODEL_CONFIG = {"dynamic_batching": {"default_queue_policy": {"max_queue_size": 7}}}
 
 
@@ -31,7 +31,7 @@ def test_every_parameter_maps_to_the_executor_config():
     assert config.kv_cache_free_gpu_mem_fraction == 0.5 and config.enable_chunked_context is True
     assert config.normalize_log_probs is False and config.exclude_input_from_output is True
     assert config.max_queue_size == 7 and config.iter_stats_max_iterations == 50
-    assert config.disable_overlap_scheduler is True
+    assert config.disable_overlap_scheduler is True and config.stream_interval == 3
     # accepted, but the executor has no such knob
     assert not set(ignored) & {field.name for field in dataclasses.fields(ExecutorConfig)}
     assert {"device_ids", "max_attention_window", "lora_cache_max_adapter_size", "multi_block_mode",
