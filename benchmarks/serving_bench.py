@@ -993,7 +993,7 @@ def run_diagnostics(results: dict, server, executor, pool) -> dict:
             tree = [(pid, name.rsplit(" (", 1)[0]) for pid, name in process_tree(server.process.pid)]
             return [(server.process.pid, "tritonserver")] + tree + client_pids()
 
-        found["served"] = RunDiagnostics(served_pids, str(server.iteration_log), server.http_url)
+        found["served"] = RunDiagnostics(served_pids, str(server.iteration_log), server.http_url, server.metrics_url)
     return found
 
 
@@ -1211,8 +1211,9 @@ def diagnostics_markdown(rows: list[dict]) -> list[str]:
                  f"{os.cpu_count()} cores here; Triton's statistics: mean ms a request queued for a model "
                  f"instance / spent in its execute):", "",
              "| clients | path | engine step med ms | decode-only step ms | mixed step ms | steps with prefill "
+             "| prefill tokens per mixed step | TTFT mean ms inside tensorrt_llm "
              "| deliver p50 / p99 ms | cores busy | busiest processes (cores) | queue / execute ms |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         busiest = ", ".join(f"{role} {value:.2f}" for role, value in list(row["cores_busy"].items())[:5])
         mixed = f"{row['engine_mixed_step_share']:.0%}" if row.get("engine_steps") else "-"
@@ -1220,7 +1221,8 @@ def diagnostics_markdown(rows: list[dict]) -> list[str]:
                            for name, m in row.get("triton_models", {}).items()) or "-"
         lines.append(f"| {row['clients']} | {path_label(row)} | {ms(row.get('engine_step_ms_median'))} "
                      f"| {ms(row.get('engine_decode_step_ms_median'))} | {ms(row.get('engine_mixed_step_ms_median'))} "
-                     f"| {mixed} "
+                     f"| {mixed} | {ms(row.get('engine_prefill_tokens_per_mixed_step'))} "
+                     f"| {ms(row.get('tensorrt_llm_ttft_ms_mean'))} "
                      f"| {ms(row.get('engine_deliver_ms_median'))} / {ms(row.get('engine_deliver_ms_p99'))} "
                      f"| {row['cores_busy_total']:.1f} | {busiest} | {models} |")
     return lines

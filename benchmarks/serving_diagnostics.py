@@ -9,6 +9,9 @@ Two questions decide where a served path loses against the in-process engine:
   as cores busy. On a machine whose cores are all busy, a slower engine step is contention.
 - Where did a request wait inside the server? Triton's own statistics (/v2/models/stats) per model:
   requests, executions, and the mean time a request queued for an instance and spent in execute.
+- How much of the time to first token passed inside `tensorrt_llm`? The mean of its
+  `nv_llm_time_to_first_token_seconds` histogram over the run (arrival at the executor to its first
+  token); the client's TTFT minus this is the time spent before and after it in the server.
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ def engine_step_summary(rows: list[dict]) -> dict:
         return {}
     decode = [r["latency_ms"] for r in rows if r["num_ctx_tokens"] == 0]
     mixed = [r["latency_ms"] for r in rows if r["num_ctx_tokens"] > 0]
+    prefill_tokens = [r["num_ctx_tokens"] for r in rows if r["num_ctx_tokens"] > 0]
     deliver = sorted(r["deliver_ms"] for r in rows)
     return {
         "engine_steps": len(rows),
@@ -46,6 +50,7 @@ def engine_step_summary(rows: list[dict]) -> dict:
         "engine_decode_step_ms_median": statistics.median(decode) if decode else None,
         "engine_mixed_step_ms_median": statistics.median(mixed) if mixed else None,
         "engine_mixed_step_share": len(mixed) / len(rows),
+        "engine_prefill_tokens_per_mixed_step": statistics.fmean(prefill_tokens) if prefill_tokens else None,
         "engine_rows_per_step_mean": statistics.fmean(r["num_gen_tokens"] + (r["num_ctx_tokens"] > 0) for r in rows),
         "engine_deliver_ms_median": deliver[len(deliver) // 2],
         "engine_deliver_ms_p99": deliver[min(len(deliver) - 1, int(len(deliver) * 0.99))],
@@ -58,22 +63,28 @@ class RunDiagnostics:
     ``processes``: () -> [(pid, role)] of the processes to account (read at both ends; a process
     that appears meanwhile counts from zero). ``iteration_log``: the engine's log path, or None."""
 
-    def __init__(self, processes, iteration_log: str | None, server_url: str | None = None):
+    def __init__(self, processes, iteration_log: str | None, server_url: str | None = None,
+                 metrics_url: str | None = None):
         self._processes = processes
         self._iteration_log = iteration_log
         self._server_url = server_url  # a tritonserver's HTTP address: its model statistics
+        self._metrics_url = metrics_url  # its metrics address: tensorrt_llm's TTFT histogram
         self._start = None
 
     def begin(self) -> None:
         stats = model_statistics(self._server_url) if self._server_url else None
-        self._start = (time.time_ns(), time.perf_counter(), self._cpu(), stats)
+        ttft = histogram_totals(self._metrics_url, TTFT_HISTOGRAM) if self._metrics_url else None
+        self._start = (time.time_ns(), time.perf_counter(), self._cpu(), stats, ttft)
 
     def end(self) -> dict:
-        start_ns, started, cpu_before, stats_before = self._start
+        start_ns, started, cpu_before, stats_before, ttft_before = self._start
         wall_s = time.perf_counter() - started
         row = {}
         if stats_before is not None:
             row["triton_models"] = model_statistics_delta(stats_before, model_statistics(self._server_url))
+        if ttft_before is not None:
+            total_s, count = (a - b for a, b in zip(histogram_totals(self._metrics_url, TTFT_HISTOGRAM), ttft_before))
+            row["tensorrt_llm_ttft_ms_mean"] = total_s / count * 1e3 if count > 0 else None
         if self._iteration_log:
             row.update(engine_step_summary(read_iteration_log(self._iteration_log, start_ns, time.time_ns())))
         cores: dict[str, float] = {}
@@ -90,6 +101,21 @@ class RunDiagnostics:
             if seconds is not None:
                 found[pid] = (role, seconds)
         return found
+
+
+TTFT_HISTOGRAM = "nv_llm_time_to_first_token_seconds"
+
+
+def histogram_totals(metrics_url: str, name: str) -> tuple[float, float]:
+    """(sum, count) of a Prometheus histogram over all its label sets, from a /metrics page."""
+    with urllib.request.urlopen(f"{metrics_url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    totals = {"_sum": 0.0, "_count": 0.0}
+    for line in text.splitlines():
+        for suffix in totals:
+            if line.startswith(name + suffix + "{") or line.startswith(name + suffix + " "):
+                totals[suffix] += float(line.rsplit(" ", 1)[1])
+    return totals["_sum"], totals["_count"]
 
 
 def model_statistics(server_url: str) -> dict[str, dict]:
@@ -134,6 +160,8 @@ def describe(row: dict) -> str:
     if "cores_busy" in row:
         top = ", ".join(f"{role} {value:.2f}" for role, value in list(row["cores_busy"].items())[:6])
         parts.append(f"cores {row['cores_busy_total']:.1f}: {top}")
+    if row.get("tensorrt_llm_ttft_ms_mean") is not None:
+        parts.append(f"TTFT inside tensorrt_llm {row['tensorrt_llm_ttft_ms_mean']:.1f} ms mean")
     if row.get("triton_models"):
         parts.append("queue/execute ms per request: " + ", ".join(
             f"{name} {m['queue_ms']:.2f}/{m['execute_ms']:.2f}" for name, m in row["triton_models"].items()))

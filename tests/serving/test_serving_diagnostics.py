@@ -4,7 +4,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks.serving_diagnostics import RunDiagnostics, describe, engine_step_summary
+from benchmarks.serving_diagnostics import RunDiagnostics, describe, engine_step_summary, histogram_totals
 
 
 def test_cores_busy_counts_each_role_over_the_run():
@@ -27,10 +27,44 @@ def test_cores_busy_counts_each_role_over_the_run():
 
 def test_engine_step_summary_tells_decode_only_from_mixed_steps():
     rows = [{"latency_ms": ms, "num_ctx_tokens": ctx, "num_gen_tokens": 64, "deliver_ms": 0.1 * i}
-            for i, (ms, ctx) in enumerate([(7.0, 0), (7.2, 0), (9.0, 128), (7.1, 0)])]
+            for i, (ms, ctx) in enumerate([(7.0, 0), (7.2, 0), (9.0, 128), (7.1, 0), (7.0, 0), (11.0, 384)])]
     summary = engine_step_summary(rows)
-    assert summary["engine_decode_step_ms_median"] == 7.1
-    assert summary["engine_mixed_step_ms_median"] == 9.0
-    assert summary["engine_mixed_step_share"] == 0.25
-    assert summary["engine_rows_per_step_mean"] == 64.25
+    assert summary["engine_decode_step_ms_median"] == 7.05
+    assert summary["engine_mixed_step_ms_median"] == 10.0
+    assert summary["engine_mixed_step_share"] == 2 / 6
+    assert summary["engine_prefill_tokens_per_mixed_step"] == 256
+    assert summary["engine_rows_per_step_mean"] == 64 + 2 / 6
     assert engine_step_summary([]) == {}
+
+
+def test_histogram_totals_add_every_label_set_of_one_histogram():
+    """Read from a real /metrics page: the TTFT histogram's _sum and _count over both model
+    versions; another histogram whose name starts the same is not counted."""
+    import http.server
+    import threading
+
+    page = (b"# TYPE nv_llm_time_to_first_token_seconds histogram\n"
+            b'nv_llm_time_to_first_token_seconds_bucket{model="tensorrt_llm",version="1",le="0.1"} 3\n'
+            b'nv_llm_time_to_first_token_seconds_sum{model="tensorrt_llm",version="1"} 0.25\n'
+            b'nv_llm_time_to_first_token_seconds_count{model="tensorrt_llm",version="1"} 4\n'
+            b'nv_llm_time_to_first_token_seconds_sum{model="tensorrt_llm",version="2"} 0.05\n'
+            b'nv_llm_time_to_first_token_seconds_count{model="tensorrt_llm",version="2"} 1\n'
+            b'nv_llm_time_to_first_token_seconds_total_sum{model="x"} 99\n')
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(page)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        total_s, count = histogram_totals(f"http://127.0.0.1:{server.server_port}",
+                                          "nv_llm_time_to_first_token_seconds")
+    finally:
+        server.shutdown()
+    assert (round(total_s, 6), count) == (0.3, 5.0)
