@@ -103,7 +103,9 @@ def _stream_is_due(seq: Sequence, stream_interval: int) -> bool:
 
 def streaming_result(seq: Sequence) -> Result:
     start, seq.num_emitted = seq.num_emitted, seq.num_known_generated_tokens
-    result = build_result(seq, seq.generated_token_ids[start:seq.num_emitted], start,
+    # A slice of token_ids itself: generated_token_ids would copy the whole output every step.
+    first = seq.num_prompt_tokens
+    result = build_result(seq, seq.token_ids[first + start:first + seq.num_emitted], start,
                           with_context_logits=start == 0)
     result._streaming_delta = True
     return result
