@@ -4,7 +4,8 @@ The BLS runs preprocessing -> tensorrt_llm -> postprocessing itself. For a strea
 short window of each chunk's ids with one token of context (serving.tokenization.DecodeWindow)
 and sends the new text (or the whole text so far with `accumulate_tokens`), so every tokenizer
 streams exactly the text a unary call returns; decoding costs the same per chunk however long
-the sequence grows (the stop-word search and the text deltas still scan the text so far).
+the sequence grows, and so does the stop-word search, which looks only at the tail a new chunk
+can complete (the text so far is still kept, and appended to, per stream).
 """
 from __future__ import annotations
 
@@ -129,7 +130,7 @@ def with_batch_dim(array: np.ndarray, batch_size: int) -> np.ndarray:
 
 def first_stop(text: str, stop_words: list[str], start: int = 0) -> int | None:
     """End index (exclusive) of the earliest stop word found in text[start:], or None."""
-    ends = [text.find(word, start) + len(word) for word in stop_words if word and word in text[start:]]
+    ends = [found + len(word) for word in stop_words if word and (found := text.find(word, start)) >= 0]
     return min(ends) if ends else None
 
 
@@ -147,7 +148,10 @@ class StreamText:
 
     stop_words: list[str] = field(default_factory=list)
     accumulate: bool = False
-    search_start: int = 0  # stop words are searched after the prompt when it is echoed
+    # Stop words are searched from here: after the prompt when it is echoed; in a growing
+    # stream's append-only text, from where a word could still end in the next chunk.
+    search_start: int = 0
+    grows: bool = False  # the text only ever grows at its end (a streamed single beam)
     token_ids: list[int] = field(default_factory=list)
     deltas: TextDeltas = field(default_factory=TextDeltas)
     stopped: bool = False
@@ -160,6 +164,10 @@ class StreamText:
         end = first_stop(full_text, self.stop_words, self.search_start)
         if end is not None:
             full_text, is_final, self.stopped = full_text[:end], True, True
+        elif self.grows and self.stop_words:  # no stop so far: only the tail can start one
+            settled = len(full_text.rstrip(REPLACEMENT_CHAR))  # an unfinished character may still change
+            longest = max(map(len, self.stop_words))
+            self.search_start = max(self.search_start, settled - longest + 1)
         delta = self.deltas.update(full_text, is_final)
         if self.accumulate:  # the whole text so far (a beam hypothesis may rewrite it)
             return full_text if is_final else full_text.rstrip(REPLACEMENT_CHAR)

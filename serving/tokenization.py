@@ -157,12 +157,12 @@ class TextDeltas:
     """
 
     def __init__(self):
-        self.emitted = ""
+        self.emitted_chars = 0  # characters sent so far (the caller holds the text itself)
 
     def update(self, full_text: str, is_final: bool = False) -> str:
         stable = full_text if is_final else full_text.rstrip(REPLACEMENT_CHAR)
         # If decoding ever changed earlier text, what was sent cannot be taken back: only
         # text beyond what was emitted goes out.
-        delta = stable[len(self.emitted):]
-        self.emitted += delta
+        delta = stable[self.emitted_chars:]
+        self.emitted_chars += len(delta)
         return delta

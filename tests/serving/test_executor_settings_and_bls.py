@@ -83,6 +83,15 @@ def test_string_stop_words_in_streams_and_whole_texts():
     assert stream.update("The capital is P", False) == "The capital is P"
     assert stream.update("The capital is Paris", False) == "ar"  # cut inside a chunk
     assert stream.stopped and stream.update("The capital is Paris.", True) == ""
+    # A growing stream searches only the tail a chunk can complete, and still finds a stop word
+    # split over chunks, or one that ends in a character still unfinished in the previous chunk.
+    growing = StreamText(stop_words=["STOP", "x"], grows=True)
+    text = "a" * 1000 + "ST"
+    assert growing.update(text, False) == text and growing.search_start == len(text) - 3
+    assert growing.update(text + "OP and more", False) == "OP" and growing.stopped
+    unfinished = StreamText(stop_words=["é!"], grows=True)
+    assert unfinished.update("caf\ufffd", False) == "caf" and unfinished.search_start == 2
+    assert unfinished.update("café!", False) == "é!" and unfinished.stopped
     accumulating = StreamText(accumulate=True)
     assert accumulating.update("Hello \ufffd", False) == "Hello "
     assert accumulating.update("Hello world", False) == "Hello world"

@@ -185,7 +185,7 @@ class TritonPythonModel:
         for row in range(rows):
             for beam in range(lengths.shape[1]):
                 key = (int(batch_index[row]), int(sequence_index[row]), beam)
-                state = streams.setdefault(key, StreamText(stop_words=stop_words[key[0]],
+                state = streams.setdefault(key, StreamText(stop_words=stop_words[key[0]], grows=grows,
                                                            accumulate=stream and (self.accumulate or not grows)))
                 new = [int(t) for t in llm_out["output_ids"][row, beam, : lengths[row, beam]] if t >= 0]
                 if grows:
