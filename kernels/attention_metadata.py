@@ -25,6 +25,11 @@ class AttentionMetadata:
     # Host copies of cu_seqlens_q / context_lens, so the torch reference never syncs the device.
     cu_seqlens_q_host: list[int] | None = None
     context_lens_host: list[int] | None = None
+    # Prefill tile map (CUDA graphs of mixed steps): attention program p runs query tile
+    # tile_m[p] of sequence tile_seq[p], or nothing where tile_seq[p] < 0; both (max_tiles,)
+    # int32. The grid is then max_tiles programs per KV head, whatever the batch holds.
+    tile_seq: torch.Tensor | None = None
+    tile_m: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -27,6 +27,11 @@ their log-sum-exp. The grid depends only on the batch size and on ``meta.max_con
 (never on device values), so a decode step can be captured in a CUDA graph: the runner captures
 with ``max_context_len`` set to the longest context the graph will serve.
 
+A prefill or mixed batch's grid depends on its longest prompt chunk and its sequence count. A
+CUDA graph of such steps (engine/executor/prefill_graphs.py) passes a tile map instead
+(``meta.tile_seq`` / ``meta.tile_m``): program p runs the tile the map names, so the grid is the
+map's fixed length and programs past the batch's tiles return at once.
+
 Cache slots < 0 in ``slot_mapping`` are skipped by the KV write: CUDA-graph padding rows use
 slot -1 so they write nothing.
 """
@@ -112,7 +117,7 @@ def write_kv_cache_triton(
 @jit(do_not_specialize=["stride_bt"])  # the block-table width changes every batch: one compile
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,
+    block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr, tile_seq_ptr, tile_m_ptr,
     qk_scale,  # softmax scale * log2(e): scores live in base 2
     window,  # sliding window W (read when HAS_WINDOW): row at position p sees keys p - W < k <= p
     softcap_log2,  # logit soft-cap * log2(e) (read when HAS_SOFTCAP)
@@ -121,11 +126,17 @@ def _paged_attention_kernel(
     stride_bt, stride_ps, stride_pt, stride_ph,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TILE_MAP: tl.constexpr,
 ):
     TOKENS_PER_TILE: tl.constexpr = BLOCK_M // GROUP
-    m_tile = tl.program_id(0)
-    seq = tl.program_id(1)
+    if HAS_TILE_MAP:  # a fixed grid (CUDA graph): which tile this program runs is data
+        seq = tl.load(tile_seq_ptr + tl.program_id(0))
+        if seq < 0:
+            return
+        m_tile = tl.load(tile_m_ptr + tl.program_id(0))
+    else:
+        m_tile = tl.program_id(0)
+        seq = tl.program_id(1)
     kv_head = tl.program_id(2) // NUM_SPLITS
     split = tl.program_id(2) % NUM_SPLITS
 
@@ -249,6 +260,15 @@ def _decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, n
     return min(triton.next_power_of_2(wanted), triton.next_power_of_2(useful), 32)
 
 
+def _prefill_block_m(group: int) -> int:
+    return 64 if group <= 64 else triton.next_power_of_2(group)
+
+
+def prefill_tokens_per_tile(group: int, head_dim: int) -> int:
+    """New tokens of one sequence that one prefill program covers (the tile map's unit)."""
+    return _prefill_block_m(group) // group
+
+
 def _launch_config(meta: AttentionMetadata, group: int, num_kv_heads: int, device: torch.device,
                    num_splits: int | None, sliding_window: int | None = None,
                    dim_pad: int = 128) -> tuple[int, int, int, int, int]:
@@ -268,7 +288,7 @@ def _launch_config(meta: AttentionMetadata, group: int, num_kv_heads: int, devic
             num_splits = _decode_num_splits(meta.context_lens.shape[0], num_kv_heads, keys_read,
                                             _num_sms(device), 64)
         return block_m, 64, 4, (2 if wide else 3), num_splits
-    block_m = 64 if group <= 64 else triton.next_power_of_2(group)
+    block_m = _prefill_block_m(group)
     return (block_m, 32, 8, 2, 1) if wide else (block_m, 64, 4, 2, 1)
 
 
@@ -294,7 +314,12 @@ def paged_attention_triton(
     block_m, block_n, num_warps, num_stages, num_splits = _launch_config(meta, group, num_kv_heads, q.device, num_splits,
                                                                          sliding_window, dim_pad)
     tokens_per_tile = block_m // group
-    grid = (triton.cdiv(meta.max_seqlen_q, tokens_per_tile), num_seqs, num_kv_heads * num_splits)
+    tile_map = meta.tile_seq is not None and not meta.is_decode_only
+    if tile_map:
+        assert tokens_per_tile == prefill_tokens_per_tile(group, head_dim), "tile map built for another tiling"
+        grid = (meta.tile_seq.shape[0], 1, num_kv_heads * num_splits)
+    else:
+        grid = (triton.cdiv(meta.max_seqlen_q, tokens_per_tile), num_seqs, num_kv_heads * num_splits)
     if num_splits > 1:
         part_out = torch.empty(num_splits, num_tokens, num_heads, dim_pad, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(num_splits, num_tokens, num_heads, dtype=torch.float32, device=q.device)
@@ -304,6 +329,7 @@ def paged_attention_triton(
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, part_out, part_lse,
         meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
+        meta.tile_seq if tile_map else meta.cu_seqlens_q, meta.tile_m if tile_map else meta.cu_seqlens_q,
         scale * _LOG2E, sliding_window or 0, (logit_softcap or 1.0) * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -312,7 +338,7 @@ def paged_attention_triton(
         GROUP=group, HEAD_DIM=head_dim, DIM_PAD=dim_pad, PAGE_SIZE=page_size,
         BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 engines get fp32 dots
-        HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=logit_softcap is not None,
+        HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=logit_softcap is not None, HAS_TILE_MAP=tile_map,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:

@@ -19,15 +19,18 @@ from engine.config import EngineConfig, EngineFormatError
 from engine.models import get_model_class
 from engine.executor.cuda_graphs import DecodeGraphs, run_warmup_batch
 from engine.executor.overlap import resolve_placeholders
+from engine.executor.prefill_graphs import PrefillGraphs
 from engine.executor.random_weights import has_random_weights, materialize_random_weights
 from engine.models.layers import Linear, enable_one_shot_all_reduce
 from kernels.attention import KV_FP8_DTYPE
 from kernels.attention_metadata import AttentionMetadata
+from kernels.triton_attention import prefill_tokens_per_tile
 from kernels.fp8 import FP8_DTYPE, choose_fp8_skinny_variants
 from kernels.linear import choose_gated_weights, choose_skinny_weights
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 CPU_KV_BUDGET_BYTES = 256 * 1024 * 1024  # a CPU pool never grows past this on its own
+PREFILL_GRAPHS_ENV = "TRITONLLM_PREFILL_GRAPHS"  # 0: steps with prompt tokens run eagerly
 
 
 @dataclass
@@ -81,6 +84,7 @@ class ModelRunner:
         # next step's inputs can name them before they reach the host (engine/executor/overlap.py).
         self.sampled_tokens = torch.zeros(2 * self.build_config.max_batch_size, dtype=torch.int64, device=self.device)
         self.decode_graphs: DecodeGraphs | None = None  # captured by capture_cuda_graphs() on CUDA
+        self.prefill_graphs: PrefillGraphs | None = None  # steps with prompt tokens (engine/executor/prefill_graphs.py)
 
     def _load_model(self, engine_dir: str, tp_group) -> torch.nn.Module:
         cfg, build = self.model_config, self.build_config
@@ -163,7 +167,7 @@ class ModelRunner:
         shape = (cfg.num_layers, 2, num_blocks, self.tokens_per_block, self.num_kv_heads_local, cfg.head_dim)
         dtype = self.kv_cache_torch_dtype(kv_cache_dtype)
         self.kv_cache = None  # free the old pool before allocating the new one
-        self.decode_graphs = None  # graphs hold the old pool's address
+        self.decode_graphs = self.prefill_graphs = None  # graphs hold the old pool's address
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
 
     # ---- engine load on CUDA: kernels chosen and compiled, decode graphs captured ----------
@@ -186,14 +190,29 @@ class ModelRunner:
                                           max_seq_len=build.max_seq_len, max_batch_size=build.max_batch_size,
                                           sampled_tokens=self.sampled_tokens)
         self.decode_graphs.capture()
+        if self.mixed_step_graphs_enabled():
+            cfg = self.model_config
+            self.prefill_graphs = PrefillGraphs(
+                self.model, self.kv_cache, tokens_per_block=self.tokens_per_block, max_seq_len=build.max_seq_len,
+                max_batch_size=build.max_batch_size, max_num_tokens=build.max_num_tokens,
+                tokens_per_tile=prefill_tokens_per_tile(cfg.num_heads // cfg.num_kv_heads, cfg.head_dim),
+                sampled_tokens=self.sampled_tokens)
+            self.prefill_graphs.capture()
+
+    def mixed_step_graphs_enabled(self) -> bool:
+        """Steps with prompt tokens replay CUDA graphs (engine/executor/prefill_graphs.py) for the
+        model families whose forward has been checked against its eager run that way (a class
+        attribute), on one GPU, unless $TRITONLLM_PREFILL_GRAPHS is 0."""
+        return (getattr(self.model, "supports_prefill_graphs", False) and self.build_config.tp_size == 1
+                and os.environ.get(PREFILL_GRAPHS_ENV, "1") != "0")
 
     def release_cuda_graphs(self) -> None:
         """Drop the decode graphs (and, in leader mode, the NCCL work captured in them). Must run
         before the process groups are destroyed: NCCL's communicator teardown can wait forever
         on collectives still held by a live graph (pytorch/pytorch#115388)."""
-        if self.decode_graphs is None:
+        if self.decode_graphs is None and self.prefill_graphs is None:
             return
-        self.decode_graphs = None
+        self.decode_graphs = self.prefill_graphs = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -223,6 +242,10 @@ class ModelRunner:
         if self.decode_graphs is not None and not all_logits:
             hidden = self.decode_graphs.try_run(batch)
             if hidden is not None:  # a decode-only batch, replayed from its bucket's graph
+                return self.model.compute_logits(hidden)
+        if self.prefill_graphs is not None and not all_logits:
+            hidden = self.prefill_graphs.try_run(batch)
+            if hidden is not None:  # a batch with prompt tokens, replayed from its token bucket's graph
                 return self.model.compute_logits(hidden)
         input_ids, positions, meta = self._prepare(batch)
         hidden = self.model(resolve_placeholders(input_ids, self.sampled_tokens), positions, self.kv_cache, meta)

@@ -102,6 +102,9 @@ class LlamaForCausalLM(nn.Module):
     """The Llama-family model for one tensor-parallel rank. ``layer_class`` builds each block."""
 
     layer_class = LlamaLayer
+    # Steps with prompt tokens may replay CUDA graphs (engine/executor/prefill_graphs.py): checked
+    # against the eager forward in tests/engine/test_cuda_graphs.py.
+    supports_prefill_graphs = True
 
     def __init__(self, config: ModelConfig, *, tp_rank: int = 0, tp_size: int = 1, tp_group=None,
                  dtype: torch.dtype = torch.float32, device=None, max_positions: int | None = None,

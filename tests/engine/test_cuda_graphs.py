@@ -1,4 +1,4 @@
-"""Decode CUDA graphs and config-only (random-weight) engines.
+"""Decode and mixed-step CUDA graphs, and config-only (random-weight) engines.
 
 CPU: a config-only engine directory loads with random weights and runs; capture_cuda_graphs and
 warmup are no-ops there. GPU: after capture, decode steps replayed from the graphs give the
@@ -7,7 +7,8 @@ leave padding rows, with contexts that cross KV block boundaries mid-run; and th
 warm-up leave the cached K/V of earlier steps intact. The graph and the eager run may split the
 attention over the keys differently (the graph is captured for max_seq_len), so they agree to
 bf16 rounding, not bit for bit: relative error under 2e-2 and the same greedy token on >= 95%
-of rows (random weights give near-ties).
+of rows (random weights give near-ties). Steps with prompt tokens (prefill chunks, alone or with
+decode rows) replayed from their token bucket's graph give the logits of the eager run.
 """
 from __future__ import annotations
 
@@ -113,3 +114,75 @@ def test_fill_decode_inputs_packs_ragged_tables_slots_and_padding(repeat):
         table = block_tables[row]
         assert tables[row, :len(table)].tolist() == table
     assert tables[bs:, 0].tolist() == [0] * 5  # padding rows read block 0
+
+
+def prompt_chunk_batches(num_seqs: int, page: int):
+    """Three steps over shuffled blocks: the first half of every prompt; the rest of the
+    even-numbered prompts; the rest of the odd-numbered ones beside one decode token of each
+    even-numbered sequence (a mixed batch)."""
+    rng = random.Random(num_seqs)
+    blocks = list(range(1, 400))
+    rng.shuffle(blocks)
+    prompt_lens = [5 + 11 * i % 60 for i in range(num_seqs)]
+    tables = [[blocks.pop() for _ in range(-(-(n + 1) // page))] for n in prompt_lens]
+    tokens = [[rng.randrange(1000) for _ in range(n)] for n in prompt_lens]
+    half = [-(-n // 2) for n in prompt_lens]
+
+    def batch(rows):  # rows: (seq, first position, end position)
+        ids, positions, lens, contexts, tabs, logits = [], [], [], [], [], []
+        for seq, start, end in rows:
+            ids += (tokens[seq] + [rng.randrange(1000)])[start:end]
+            positions += range(start, end)
+            lens.append(end - start)
+            contexts.append(end)
+            tabs.append(tables[seq][: -(-end // page)])
+            logits.append(len(ids) - 1)
+        return ForwardBatch(ids, positions, lens, contexts, tabs, logits)
+
+    even, odd = range(0, num_seqs, 2), range(1, num_seqs, 2)
+    return [batch([(i, 0, half[i]) for i in range(num_seqs)]),
+            batch([(i, half[i], prompt_lens[i]) for i in even]),
+            batch([(i, half[i], prompt_lens[i]) for i in odd] + [(i, prompt_lens[i], prompt_lens[i] + 1) for i in even])]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("num_seqs", [1, 5, 24])
+def test_graph_mixed_steps_match_eager(tmp_path, num_seqs):
+    runner = ModelRunner(config_only_engine(tmp_path, "bfloat16"), device="cuda")
+    runner.allocate_kv_cache(400)
+    runner.capture_cuda_graphs()
+    runner.warmup()
+    graphs = runner.prefill_graphs
+    assert graphs is not None and graphs.buckets[-1] == 1024
+    for step, batch in enumerate(prompt_chunk_batches(num_seqs, page=16)):
+        if len(batch.token_ids) == len(batch.seq_lens_q):
+            continue  # one sequence, one token each: a decode-only step
+        assert graphs.try_run(batch) is not None  # a bucket holds it
+        graphed = runner.forward(batch)
+        runner.prefill_graphs = None  # the same step eagerly (rewrites the same K/V slots)
+        eager = runner.forward(batch)
+        runner.prefill_graphs = graphs
+        assert graphed.shape == eager.shape == (len(batch.logits_indices), 1000)
+        err = ((graphed - eager).norm() / eager.norm()).item()
+        assert err < 2e-2, f"step {step}: relative error {err:.2e}"
+        same = (graphed.argmax(-1) == eager.argmax(-1)).float().mean().item()
+        assert same >= 0.95, f"step {step}: only {same:.0%} of greedy tokens agree"
+
+
+def test_prefill_tile_map_and_token_buckets():
+    """The mixed-step graphs' host side (no GPU needed): every query tile of every sequence once,
+    in order, the rest empty; buckets end at max_num_tokens with under a third of padding past 256."""
+    import numpy as np
+
+    from engine.executor.prefill_graphs import tile_map, token_buckets
+
+    tile_seq, tile_m = tile_map([1, 5, 21, 0, 43], tokens_per_tile=21, length=10)
+    assert tile_seq.tolist() == [0, 1, 2, 4, 4, 4, -1, -1, -1, -1]
+    assert tile_m.tolist()[:6] == [0, 0, 0, 0, 1, 2]
+    with pytest.raises(ValueError, match="do not fit"):
+        tile_map([64, 64], tokens_per_tile=16, length=7)
+    buckets = token_buckets(8192)
+    assert buckets[:4] == [64, 128, 256, 384] and buckets[-1] == 8192 and buckets == sorted(set(buckets))
+    assert all(b / a <= 1.5 for a, b in zip(buckets[2:], buckets[3:]))
+    assert token_buckets(100) == [64, 100] and np.all(np.diff(token_buckets(3000)) > 0)

@@ -1,0 +1,180 @@
+"""CUDA graphs of mixed steps (prompt tokens, with or without decode rows), one per token bucket.
+
+Why: a step that carries prompt tokens used to run eagerly, ~12 kernel launches per layer from
+Python. On the H100 host that cost 15-25 ms of CPU per step for SmolLM2 (30 layers), whatever
+the number of tokens, while the GPU work of a few hundred prompt tokens is a few milliseconds;
+every decoding stream of the batch waits for that step, and so does each new request's first
+token. Captured once per token-count bucket and replayed, such a step costs a graph launch and a
+few host-to-device copies.
+
+How a step runs (``try_run``): the batch is padded to the smallest bucket >= its token count.
+Padding tokens have id 0, position 0 and slot -1 (the KV write skips them); their outputs are
+ignored. The sequence arrays (cu_seqlens, context lengths, block tables) always have
+``max_batch_size`` rows, and the attention grid is fixed by a tile map (kernels/triton_attention.py):
+program p runs the query tile the map names, built on the host from the batch's real sequences,
+and programs past them return at once. Token ids may be placeholders for tokens the previous step
+sampled; the graph resolves them itself, as the decode graphs do (engine/executor/overlap.py).
+
+Invariants: the KV pool tensor is never reallocated after capture; block tables are at most
+``ceil(max_seq_len / tokens_per_block)`` wide; a bucket of T tokens has ``cdiv(T,
+tokens_per_tile) + max_batch_size`` tile-map entries, enough for any batch of at most T tokens in
+at most max_batch_size sequences (each sequence wastes at most one partial tile).
+"""
+from __future__ import annotations
+
+import bisect
+
+import numpy as np
+import torch
+
+from engine.executor.overlap import resolve_placeholders
+from kernels.attention_metadata import AttentionMetadata
+
+
+def token_buckets(max_num_tokens: int) -> list[int]:
+    """64, 128, then each power of two from 256 and one and a half times it (256, 384, 512, 768,
+    ...): padding stays under a third of a step from 256 tokens on; the largest is max_num_tokens."""
+    sizes, power = [64, 128], 256
+    while power < max_num_tokens:
+        sizes += [power, power * 3 // 2]
+        power *= 2
+    return [size for size in sizes if size < max_num_tokens] + [max_num_tokens]
+
+
+def tile_map(seq_lens_q: list[int], tokens_per_tile: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+    """(tile_seq, tile_m), each (length,) int32: one entry per query tile of each sequence with new
+    tokens, in order; the rest tile_seq -1 (no work)."""
+    q_lens = np.asarray(seq_lens_q, dtype=np.int64)
+    tiles = -(-q_lens // tokens_per_tile)
+    total = int(tiles.sum())
+    if total > length:
+        raise ValueError(f"{total} query tiles do not fit a tile map of {length}")
+    tile_seq = np.full(length, -1, dtype=np.int32)
+    tile_m = np.zeros(length, dtype=np.int32)
+    tile_seq[:total] = np.repeat(np.arange(len(q_lens)), tiles)
+    tile_m[:total] = np.arange(total) - np.repeat(np.cumsum(tiles) - tiles, tiles)
+    return tile_seq, tile_m
+
+
+class PrefillGraphs:
+    """Replays captured mixed steps of ``model`` over ``kv_cache`` (DecodeGraphs' model contract)."""
+
+    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, *, tokens_per_block: int, max_seq_len: int,
+                 max_batch_size: int, max_num_tokens: int, tokens_per_tile: int,
+                 sampled_tokens: torch.Tensor | None = None, buckets: list[int] | None = None):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = kv_cache.device
+        self.sampled_tokens = (sampled_tokens if sampled_tokens is not None
+                               else torch.zeros(1, dtype=torch.int64, device=kv_cache.device))
+        self.tokens_per_block = tokens_per_block
+        self.tokens_per_tile = tokens_per_tile
+        self.max_seq_len = max_seq_len
+        self.max_seqs = max_batch_size
+        self.max_blocks = -(-max_seq_len // tokens_per_block)
+        self.buckets = sorted(buckets or token_buckets(max_num_tokens))
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.hidden: dict[int, torch.Tensor] = {}
+        self._allocate_buffers()
+
+    def num_tiles(self, bucket: int) -> int:
+        return -(-bucket // self.tokens_per_tile) + self.max_seqs
+
+    def _allocate_buffers(self) -> None:
+        tokens, seqs, dev = self.buckets[-1], self.max_seqs, self.device
+        tiles = self.num_tiles(tokens)
+        # Host staging (pinned) and device twins. i64 rows: ids, positions, slots; i32 rows of
+        # `seq`: cu_seqlens (seqs + 1 used), context lengths; tiles: tile_seq, tile_m.
+        self.host_i64 = torch.zeros(3, tokens, dtype=torch.int64).pin_memory()
+        self.host_seq = torch.zeros(2, seqs + 1, dtype=torch.int32).pin_memory()
+        self.host_tables = torch.zeros(seqs, self.max_blocks, dtype=torch.int32).pin_memory()
+        self.host_tiles = torch.full((2, tiles), -1, dtype=torch.int32).pin_memory()
+        self.dev_i64 = torch.zeros(3, tokens, dtype=torch.int64, device=dev)
+        self.dev_seq = torch.zeros(2, seqs + 1, dtype=torch.int32, device=dev)
+        self.dev_tables = torch.zeros(seqs, self.max_blocks, dtype=torch.int32, device=dev)
+        self.dev_tiles = torch.full((2, tiles), -1, dtype=torch.int32, device=dev)
+        self.host_i64[2].fill_(-1)
+        self.dev_i64[2].fill_(-1)
+        self._np_i64, self._np_seq = self.host_i64.numpy(), self.host_seq.numpy()
+        self._np_tables, self._np_tiles = self.host_tables.numpy(), self.host_tiles.numpy()
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+
+    def _meta(self, bucket: int) -> AttentionMetadata:
+        tiles = self.num_tiles(bucket)
+        return AttentionMetadata(
+            slot_mapping=self.dev_i64[2, :bucket], block_tables=self.dev_tables,
+            cu_seqlens_q=self.dev_seq[0], context_lens=self.dev_seq[1, :self.max_seqs],
+            max_seqlen_q=bucket, max_context_len=self.max_seq_len, is_decode_only=False,
+            tile_seq=self.dev_tiles[0, :tiles], tile_m=self.dev_tiles[1, :tiles],
+        )
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket, largest first, sharing one memory pool. While capturing, the tile
+        map is empty and every slot -1, so the warm-up runs neither read nor write the pool."""
+        pool = torch.cuda.graph_pool_handle()
+        for bucket in reversed(self.buckets):
+            args = (self.dev_i64[0, :bucket], self.dev_i64[1, :bucket], self.kv_cache, self._meta(bucket))
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # compile the Triton kernels for this shape, settle the allocator
+                    self.model(*args)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                input_ids = resolve_placeholders(args[0], self.sampled_tokens)
+                self.hidden[bucket] = self.model(input_ids, *args[1:])
+            self.graphs[bucket] = graph
+        torch.cuda.synchronize()
+
+    def bucket_for(self, num_tokens: int) -> int:
+        return self.buckets[bisect.bisect_left(self.buckets, num_tokens)]
+
+    def try_run(self, batch) -> torch.Tensor | None:
+        """A runner ForwardBatch with prompt tokens -> hidden rows of its logits_indices; None when
+        the batch is decode-only (the decode graphs' job) or does not fit (the caller runs it eagerly)."""
+        num_tokens, num_seqs = len(batch.token_ids), len(batch.seq_lens_q)
+        if (num_tokens == 0 or num_tokens > self.buckets[-1] or num_seqs > self.max_seqs
+                or num_tokens == num_seqs or max(map(len, batch.block_tables)) > self.max_blocks):
+            return None
+        bucket = self.bucket_for(num_tokens)
+        self._copied.synchronize()  # the previous step's copies have left the pinned buffers
+        self._fill(batch, bucket)
+        tiles = self.num_tiles(bucket)
+        # Contiguous spans only: a strided pinned source would make torch stage it synchronously.
+        self.dev_i64[:, :bucket].copy_(self.host_i64[:, :bucket], non_blocking=True)
+        self.dev_seq.copy_(self.host_seq, non_blocking=True)
+        self.dev_tables[:num_seqs].copy_(self.host_tables[:num_seqs], non_blocking=True)
+        self.dev_tiles[:, :tiles].copy_(self.host_tiles[:, :tiles], non_blocking=True)
+        self._copied.record()
+        self.graphs[bucket].replay()
+        hidden = self.hidden[bucket]
+        # Pinned, so the copy does not wait for the replay (a pageable one would block the host).
+        rows = torch.tensor(batch.logits_indices, dtype=torch.int64).pin_memory()
+        return hidden[rows.to(hidden.device, non_blocking=True)]
+
+    def _fill(self, batch, bucket: int) -> None:
+        """The batch into the host buffers; tokens [n, bucket) become padding (slot -1)."""
+        n, page = len(batch.token_ids), self.tokens_per_block
+        i64, tables = self._np_i64, self._np_tables
+        for row, table in enumerate(batch.block_tables):
+            tables[row, :len(table)] = table
+        q_lens = np.asarray(batch.seq_lens_q, dtype=np.int64)
+        seq_of_token = np.repeat(np.arange(len(q_lens)), q_lens)
+        positions = np.asarray(batch.positions, dtype=np.int64)
+        i64[0, :n] = batch.token_ids
+        i64[1, :n] = positions
+        i64[2, :n] = tables[seq_of_token, positions // page].astype(np.int64) * page + positions % page
+        i64[0, n:bucket] = 0
+        i64[1, n:bucket] = 0
+        i64[2, n:bucket] = -1
+        cu = self._np_seq[0]
+        cu[0] = 0
+        np.cumsum(q_lens, out=cu[1:len(q_lens) + 1])
+        cu[len(q_lens) + 1:] = cu[len(q_lens)]  # sequences past the batch: no new tokens
+        self._np_seq[1, :len(q_lens)] = batch.context_lens
+        tile_seq, tile_m = tile_map(batch.seq_lens_q, self.tokens_per_tile, self.num_tiles(bucket))
+        self._np_tiles[0, :len(tile_seq)] = tile_seq
+        self._np_tiles[1, :len(tile_m)] = tile_m
