@@ -8,6 +8,7 @@ frees blocks and trusts the block tables it is given.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -197,7 +198,13 @@ class ModelRunner:
                 max_batch_size=build.max_batch_size, max_num_tokens=build.max_num_tokens,
                 tokens_per_tile=prefill_tokens_per_tile(cfg.num_heads // cfg.num_kv_heads, cfg.head_dim),
                 sampled_tokens=self.sampled_tokens)
-            self.prefill_graphs.capture()
+            try:
+                self.prefill_graphs.capture()
+            except torch.cuda.OutOfMemoryError:  # the KV pool left too little room: such steps stay eager
+                self.prefill_graphs = None
+                torch.cuda.empty_cache()
+                print("engine: no memory left for the CUDA graphs of steps with prompt tokens; they run "
+                      "eagerly (lower kv_cache_free_gpu_mem_fraction to make room)", file=sys.stderr, flush=True)
 
     def mixed_step_graphs_enabled(self) -> bool:
         """Steps with prompt tokens replay CUDA graphs (engine/executor/prefill_graphs.py) for the
