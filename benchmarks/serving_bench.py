@@ -281,7 +281,7 @@ def make_prompts(tokenizer, count: int, input_len: int, seed: int = 0) -> tuple[
 
 
 VARIANT_SETTINGS = ("engine_process", "tensorrt_llm_instances", "preprocessing_instances", "postprocessing_instances",
-                    "read_poll_us", "stream_interval")
+                    "read_poll_us", "stream_interval", "prefill_graphs")
 
 
 def parse_variants(text: str | None, args: argparse.Namespace) -> list[tuple[str, dict[str, str]]]:
@@ -335,8 +335,10 @@ def environment_set(values: dict[str, str]):
 def server_environment(settings: dict[str, str]) -> dict[str, str]:
     """Environment variables a variant sets for its server (and so its stubs and engine process)."""
     from engine.executor.engine_process import READ_POLL_ENV
+    from engine.executor.runner import PREFILL_GRAPHS_ENV
 
-    return {READ_POLL_ENV: settings["read_poll_us"]} if settings.get("read_poll_us") not in (None, "None") else {}
+    names = {"read_poll_us": READ_POLL_ENV, "prefill_graphs": PREFILL_GRAPHS_ENV}
+    return {env: settings[key] for key, env in names.items() if settings.get(key) not in (None, "None")}
 
 
 def set_instance_count(repo: str, model: str, count: int) -> None:
@@ -1261,6 +1263,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--read_poll_us", type=int, default=None,
                         help="the served engine's $TRITONLLM_READ_POLL_US (engine/executor/engine_process.py; "
                              "0: the stubs' readers block; default: unset)")
+    parser.add_argument("--prefill_graphs", default=None, choices=["0", "1"],
+                        help="the served engine's $TRITONLLM_PREFILL_GRAPHS (0: steps with prompt tokens run "
+                             "eagerly; default: unset, graphs on)")
     parser.add_argument("--stream_interval", type=int, default=1,
                         help="the served model's stream_interval parameter: tokens per streamed response "
                              "(the first and the last go out at once); the in-process engine keeps 1")
