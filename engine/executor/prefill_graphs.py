@@ -32,11 +32,13 @@ from kernels.attention_metadata import AttentionMetadata
 
 
 def token_buckets(max_num_tokens: int) -> list[int]:
-    """64, 128, then each power of two from 256 and one and a half times it (256, 384, 512, 768,
-    ...): padding stays under a third of a step from 256 tokens on; the largest is max_num_tokens."""
-    sizes, power = [64, 128], 256
+    """64, 128, 192, then eight steps per doubling from 256 (256, 288, ..., 480, 512, 576, ...): a
+    step pads at most an eighth of its tokens. Padding is paid in GPU time, which decides a large
+    model's big prefill steps (an 8B model's padding tokens cost as much as Python's launches);
+    the largest bucket is max_num_tokens."""
+    sizes, power = [64, 128, 192], 256
     while power < max_num_tokens:
-        sizes += [power, power * 3 // 2]
+        sizes += [power + i * power // 8 for i in range(8)]
         power *= 2
     return [size for size in sizes if size < max_num_tokens] + [max_num_tokens]
 
