@@ -1,0 +1,150 @@
+"""What a request joining a busy batch costs: the engine's time to its first token, and the step
+that carries its prompt, with and without the CUDA graphs of steps with prompt tokens.
+
+An in-process Executor on a random-weight shape keeps ``--decoding`` streams generating; groups of
+k requests of ``--prompt_len`` tokens join, ``--repeats`` times per k. Reported per k: the median
+time from a joining request's arrival at the executor to its first token (its perf metrics), and
+the median period of the steps that carried prompt tokens (the iteration log). Both with
+overlapped scheduling (the default) and without it, where a step's period is its own work.
+Engines are built in this process one after another, with ``TRITONLLM_PREFILL_GRAPHS`` set for each.
+
+    python benchmarks/join_latency_bench.py --model smollm2 --results_md benchmarks/RESULTS.md
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from engine.executor.runner import PREFILL_GRAPHS_ENV  # noqa: E402
+from engine.executor.stats import ITERATION_LOG_ENV, read_iteration_log  # noqa: E402
+from serving_bench import environment_set, git_commit, machine_description, write_random_engine  # noqa: E402
+
+
+def measure(engine_dir: str, args, *, graphs: bool, overlap: bool, log_path: str) -> dict[int, dict]:
+    """{k: {"ttft_ms": median, "prompt_step_ms": median}} for one executor configuration."""
+    from engine.executor.executor import Executor, ExecutorConfig
+    from engine.executor.request import OutputConfig, Request
+
+    Path(log_path).unlink(missing_ok=True)
+    config = ExecutorConfig(max_tokens_in_paged_kv_cache=args.max_batch_size * args.max_seq_len,
+                            enable_kv_cache_reuse=False, disable_overlap_scheduler=not overlap)
+    from engine.config import EngineConfig
+
+    vocab_size = EngineConfig.load(engine_dir).model.vocab_size
+    rng = random.Random(0)
+    prompt = lambda n: [rng.randrange(vocab_size) for _ in range(n)]  # noqa: E731
+    first_token_ms: dict[int, float] = {}
+    stop = threading.Event()
+    with environment_set({PREFILL_GRAPHS_ENV: "1" if graphs else "0", ITERATION_LOG_ENV: log_path}):
+        executor = Executor(engine_dir, config)
+    try:
+        def drain() -> None:  # the responses; a joining request's first one carries its perf metrics
+            while not stop.is_set():
+                for response in executor.await_responses(timeout=0.05):
+                    perf = response.result.perf if response.result is not None else None
+                    if perf is not None and perf.first_token_time_ns and response.request_id not in first_token_ms:
+                        first_token_ms[response.request_id] = (perf.first_token_time_ns - perf.arrival_time_ns) / 1e6
+
+        threading.Thread(target=drain, daemon=True).start()
+        executor.enqueue_requests([Request(prompt(16), args.max_seq_len - 32, streaming=True, end_id=-1)
+                                   for _ in range(args.decoding)])
+        time.sleep(args.settle_s)
+        found = {}
+        for k in args.joining:
+            ids, steps = [], []
+            for _ in range(args.repeats):
+                start = time.time_ns()
+                ids += executor.enqueue_requests([Request(prompt(args.prompt_len), 2, end_id=-1, streaming=True,
+                                                          output=OutputConfig(return_perf_metrics=True))
+                                                  for _ in range(k)])
+                time.sleep(args.gap_s)
+                steps += [row["latency_ms"] for row in read_iteration_log(log_path, start, time.time_ns())
+                          if row["num_ctx_tokens"] > 0]
+            ttfts = [first_token_ms[i] for i in ids if i in first_token_ms]
+            found[k] = {"ttft_ms": statistics.median(ttfts) if ttfts else None,
+                        "prompt_step_ms": statistics.median(steps) if steps else None}
+            print(f"graphs {'on' if graphs else 'off'}, overlap {'on' if overlap else 'off'}, k={k}: {found[k]}",
+                  flush=True)
+        return found
+    finally:
+        stop.set()
+        executor.shutdown()
+
+
+def markdown(results: dict) -> str:
+    runs = results["runs"]
+    ms = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+    lines = [f"### Requests joining {results['decoding']} decoding streams, {results['model']}: "
+             f"{results['date']}, {results['machine']}, commit {results['commit']}", "",
+             f"`{results['command']}`  ",
+             f"{results['prompt_len']}-token prompts join in groups of k, {results['repeats']} times each. "
+             "TTFT: median ms from a joining request's arrival at the executor to its first token. Prompt step: "
+             "median period of the steps that carried prompt tokens (with overlap on, a step's period also "
+             "holds the next step's launch).", "",
+             "| joining k | TTFT eager | TTFT graphs | prompt step eager | prompt step graphs "
+             "| TTFT eager, no overlap | TTFT graphs, no overlap | prompt step eager, no overlap | prompt step graphs, no overlap |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for k in results["joining"]:
+        cells = []
+        for overlap in ("overlap", "no_overlap"):
+            for field in ("ttft_ms", "prompt_step_ms"):
+                for graphs in ("eager", "graphs"):
+                    cells.append(ms(runs[f"{graphs}_{overlap}"][str(k)][field]))
+        lines.append(f"| {k} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2", help="a shape of benchmarks/engine_bench.py MODELS")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--decoding", type=int, default=56, help="streams generating while requests join")
+    parser.add_argument("--joining", default="1,4,16,32,64", help="group sizes k")
+    parser.add_argument("--prompt_len", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument("--gap_s", type=float, default=0.2, help="seconds between groups")
+    parser.add_argument("--settle_s", type=float, default=2.0)
+    parser.add_argument("--max_batch_size", type=int, default=128)
+    parser.add_argument("--max_seq_len", type=int, default=4096)
+    parser.add_argument("--out", default="join_latency_bench.json")
+    parser.add_argument("--results_md", default=None, help="append the dated table to this file")
+    args = parser.parse_args(argv)
+    args.joining = [int(k) for k in args.joining.split(",") if k]
+    from datetime import datetime, timezone
+
+    work = Path(tempfile.mkdtemp(prefix="join-latency-"))
+    engine_dir = work / "engine"
+    engine_dir.mkdir()
+    write_random_engine(engine_dir, args.model, args.dtype, max_batch_size=args.max_batch_size,
+                        max_seq_len=args.max_seq_len, max_num_tokens=8192, tokens_per_block=32)
+    results = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": git_commit(),
+               "machine": machine_description(), "command": "python benchmarks/join_latency_bench.py "
+               + " ".join(argv or sys.argv[1:]), "model": args.model, "decoding": args.decoding,
+               "joining": args.joining, "prompt_len": args.prompt_len, "repeats": args.repeats, "runs": {}}
+    for overlap in (True, False):
+        for graphs in (False, True):
+            name = f"{'graphs' if graphs else 'eager'}_{'overlap' if overlap else 'no_overlap'}"
+            found = measure(str(engine_dir), args, graphs=graphs, overlap=overlap, log_path=str(work / f"{name}.log"))
+            results["runs"][name] = {str(k): v for k, v in found.items()}
+    Path(args.out).write_text(json.dumps(results, indent=1))
+    table = markdown(results)
+    print(table)
+    if args.results_md:
+        with open(args.results_md, "a") as out:
+            out.write("\n" + table)
+    return results
+
+
+if __name__ == "__main__":
+    main()
