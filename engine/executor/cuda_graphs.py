@@ -90,17 +90,7 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         for bs in reversed(self.buckets):
             args = (self.dev_i64[0, :bs], self.dev_i64[1, :bs], self.kv_cache, self._meta(bs))
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # compile the Triton kernels for this shape, settle the allocator
-                    self.model(*args)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                input_ids = resolve_placeholders(args[0], self.sampled_tokens)
-                self.hidden[bs] = self.model(input_ids, *args[1:])
-            self.graphs[bs] = graph
+            self.graphs[bs], self.hidden[bs] = capture_forward(self.model, args, self.sampled_tokens, pool)
         torch.cuda.synchronize()
 
     def try_run(self, batch) -> torch.Tensor | None:
@@ -139,6 +129,24 @@ class DecodeGraphs:
         self._copied.record()
         self.graphs[bucket].replay()
         return self.hidden[bucket][:bs]
+
+
+def capture_forward(model: torch.nn.Module, args: tuple, sampled_tokens: torch.Tensor,
+                    pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """One forward ``model(input_ids, positions, kv_cache, meta)`` over static buffers, captured
+    into ``pool`` after two warm-up runs on a side stream (they compile the Triton kernels for the
+    shape and settle the allocator). The graph resolves placeholder ids from ``sampled_tokens``
+    itself. Returns (graph, its output hidden states)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            model(*args)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        hidden = model(resolve_placeholders(args[0], sampled_tokens), *args[1:])
+    return graph, hidden
 
 
 # Up to this many rows a plain Python loop packs faster than numpy's vector ops (each numpy call

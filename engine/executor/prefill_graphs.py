@@ -27,7 +27,7 @@ import bisect
 import numpy as np
 import torch
 
-from engine.executor.overlap import resolve_placeholders
+from engine.executor.cuda_graphs import capture_forward
 from kernels.attention_metadata import AttentionMetadata
 
 
@@ -118,17 +118,7 @@ class PrefillGraphs:
         pool = torch.cuda.graph_pool_handle()
         for bucket in reversed(self.buckets):
             args = (self.dev_i64[0, :bucket], self.dev_i64[1, :bucket], self.kv_cache, self._meta(bucket))
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # compile the Triton kernels for this shape, settle the allocator
-                    self.model(*args)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                input_ids = resolve_placeholders(args[0], self.sampled_tokens)
-                self.hidden[bucket] = self.model(input_ids, *args[1:])
-            self.graphs[bucket] = graph
+            self.graphs[bucket], self.hidden[bucket] = capture_forward(self.model, args, self.sampled_tokens, pool)
         torch.cuda.synchronize()
 
     def bucket_for(self, num_tokens: int) -> int:

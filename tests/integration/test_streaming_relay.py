@@ -76,18 +76,23 @@ def ensemble_text(server) -> str:
                    if r.as_numpy("text_output") is not None)
 
 
+def tokens_per_response(server, max_tokens: int) -> list[int]:
+    """The tokens each response of one streamed tensorrt_llm request carried, in order."""
+    stream = Stream(server)
+    try:
+        stream.send("tensorrt_llm", long_llm_request(max_tokens=max_tokens))
+        items = stream.until_final()
+    finally:
+        stream.close()
+    assert all(error is None for _, error, _ in items), [str(error) for _, error, _ in items if error]
+    return [int(r.as_numpy("sequence_length").reshape(-1)[0]) for r, _, _ in items]
+
+
 @pytest.mark.parametrize("server_name", ["triton_server", "two_instance_server"])
 def test_one_response_per_token_when_the_client_keeps_up(server_name, request):
     server = request.getfixturevalue(server_name)  # one instance, or two sharing the engine
     # tensorrt_llm itself: every response but the (empty or last-token) final one carries one token.
-    stream = Stream(server)
-    try:
-        stream.send("tensorrt_llm", long_llm_request(max_tokens=16))
-        items = stream.until_final()
-    finally:
-        stream.close()
-    assert all(error is None for _, error, _ in items)
-    per_response = [int(r.as_numpy("sequence_length").reshape(-1)[0]) for r, _, _ in items]
+    per_response = tokens_per_response(server, max_tokens=16)
     # One response per token. A stall of the stub on a loaded 2-core runner (seen once in a fresh-clone
     # CI run: tokens 15 and 16 in one response) may merge one pair; the relay batching tokens it
     # could send alone would merge many.
@@ -115,15 +120,7 @@ def test_stream_interval_groups_tokens_and_the_text_stays_whole(interval_server)
     """stream_interval=4: the first token alone (time to first token is kept), then responses of
     at least 4 tokens (more only if the relay fell behind), the rest in the last one; the
     ensemble's streamed text is the same answer."""
-    stream = Stream(interval_server)
-    try:
-        stream.send("tensorrt_llm", long_llm_request(max_tokens=18))
-        items = stream.until_final()
-    finally:
-        stream.close()
-    assert all(error is None for _, error, _ in items)
-    per_response = [int(r.as_numpy("sequence_length").reshape(-1)[0]) for r, _, _ in items]
-    per_response = [n for n in per_response if n]  # an empty final response may close the stream
+    per_response = [n for n in tokens_per_response(interval_server, max_tokens=18) if n]  # an empty final may close it
     assert sum(per_response) == 18 and per_response[0] == 1, per_response
     assert all(n >= 4 for n in per_response[1:-1]) and len(per_response) <= 6, per_response
     assert ensemble_text(interval_server) == ANSWER
