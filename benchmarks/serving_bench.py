@@ -85,7 +85,7 @@ sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 
 from engine.executor.stats import ITERATION_LOG_ENV  # noqa: E402
-from serving_diagnostics import RunDiagnostics, describe as describe_diagnostics  # noqa: E402
+from serving_diagnostics import RunDiagnostics, describe as describe_diagnostics, metric_totals  # noqa: E402
 
 GOALS = {"throughput_ratio": 0.90, "added_ttft_ms": 5.0,
          "openai_throughput_ratio": 0.95, "openai_added_ttft_ms": 3.0}  # openai vs grpc (issue 15)
@@ -865,17 +865,8 @@ STREAM_METRICS_SETTLE_S = 0.3
 
 def scrape_stream_counts(metrics_url: str) -> dict[str, float]:
     """The streamed-token counters from the server's Prometheus text (summed over label sets)."""
-    import urllib.request
-
     time.sleep(STREAM_METRICS_SETTLE_S)
-    with urllib.request.urlopen(f"{metrics_url}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    counts = dict.fromkeys(STREAM_METRICS, 0.0)
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in counts:
-            counts[name] += float(line.rsplit(" ", 1)[1])
-    return counts
+    return metric_totals(metrics_url, STREAM_METRICS)
 
 
 def server_stream_figures(before: dict[str, float], after: dict[str, float]) -> dict:

@@ -106,16 +106,22 @@ class RunDiagnostics:
 TTFT_HISTOGRAM = "nv_llm_time_to_first_token_seconds"
 
 
-def histogram_totals(metrics_url: str, name: str) -> tuple[float, float]:
-    """(sum, count) of a Prometheus histogram over all its label sets, from a /metrics page."""
+def metric_totals(metrics_url: str, names) -> dict[str, float]:
+    """Each named sample of a server's /metrics page (Prometheus text), summed over its label sets."""
     with urllib.request.urlopen(f"{metrics_url}/metrics", timeout=10) as response:
         text = response.read().decode()
-    totals = {"_sum": 0.0, "_count": 0.0}
+    totals = dict.fromkeys(names, 0.0)
     for line in text.splitlines():
-        for suffix in totals:
-            if line.startswith(name + suffix + "{") or line.startswith(name + suffix + " "):
-                totals[suffix] += float(line.rsplit(" ", 1)[1])
-    return totals["_sum"], totals["_count"]
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in totals:
+            totals[name] += float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+def histogram_totals(metrics_url: str, name: str) -> tuple[float, float]:
+    """(sum, count) of a Prometheus histogram over all its label sets, from a /metrics page."""
+    totals = metric_totals(metrics_url, (name + "_sum", name + "_count"))
+    return totals[name + "_sum"], totals[name + "_count"]
 
 
 def model_statistics(server_url: str) -> dict[str, dict]:

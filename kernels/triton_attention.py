@@ -264,7 +264,7 @@ def _prefill_block_m(group: int) -> int:
     return 64 if group <= 64 else triton.next_power_of_2(group)
 
 
-def prefill_tokens_per_tile(group: int, head_dim: int) -> int:
+def prefill_tokens_per_tile(group: int) -> int:
     """New tokens of one sequence that one prefill program covers (the tile map's unit)."""
     return _prefill_block_m(group) // group
 
@@ -316,7 +316,7 @@ def paged_attention_triton(
     tokens_per_tile = block_m // group
     tile_map = meta.tile_seq is not None and not meta.is_decode_only
     if tile_map:
-        assert tokens_per_tile == prefill_tokens_per_tile(group, head_dim), "tile map built for another tiling"
+        assert tokens_per_tile == prefill_tokens_per_tile(group), "tile map built for another tiling"
         grid = (meta.tile_seq.shape[0], 1, num_kv_heads * num_splits)
     else:
         grid = (triton.cdiv(meta.max_seqlen_q, tokens_per_tile), num_seqs, num_kv_heads * num_splits)

@@ -191,12 +191,12 @@ class ModelRunner:
                                           max_seq_len=build.max_seq_len, max_batch_size=build.max_batch_size,
                                           sampled_tokens=self.sampled_tokens)
         self.decode_graphs.capture()
-        if self.mixed_step_graphs_enabled():
+        if self.prefill_graphs_enabled():
             cfg = self.model_config
             self.prefill_graphs = PrefillGraphs(
                 self.model, self.kv_cache, tokens_per_block=self.tokens_per_block, max_seq_len=build.max_seq_len,
                 max_batch_size=build.max_batch_size, max_num_tokens=build.max_num_tokens,
-                tokens_per_tile=prefill_tokens_per_tile(cfg.num_heads // cfg.num_kv_heads, cfg.head_dim),
+                tokens_per_tile=prefill_tokens_per_tile(cfg.num_heads // cfg.num_kv_heads),
                 sampled_tokens=self.sampled_tokens)
             try:
                 self.prefill_graphs.capture()
@@ -206,7 +206,7 @@ class ModelRunner:
                 print("engine: no memory left for the CUDA graphs of steps with prompt tokens; they run "
                       "eagerly (lower kv_cache_free_gpu_mem_fraction to make room)", file=sys.stderr, flush=True)
 
-    def mixed_step_graphs_enabled(self) -> bool:
+    def prefill_graphs_enabled(self) -> bool:
         """Steps with prompt tokens replay CUDA graphs (engine/executor/prefill_graphs.py) for the
         model families whose forward has been checked against its eager run that way (a class
         attribute), on one GPU, with weights and KV pool in the model dtype (FP8 weights or an FP8
