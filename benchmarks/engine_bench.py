@@ -454,6 +454,7 @@ def bench_decode(results: dict, runner: ModelRunner, prompt_len: int = 128, step
         entry["roofline_tok_s"] = roofline
         entry["roofline_fraction"] = tok_s / roofline
         entry["roofline_fraction_all_params"] = tok_s / roof["roofline_tok_s_all_params"]
+    entry["launch_choice"] = getattr(runner, "launch_choice", None)  # PDL on or off, as timed at load
     entry["gemm_choices"] = {"x".join(map(str, shape)): {key: str(v) for key, v in choice.items()}
                              for shape, choice in (getattr(runner, "gemm_choices", None) or {}).items()}
     results["decode"] = entry

@@ -4,8 +4,20 @@ CPU-only installs (CI) have no ``triton``; there ``jit`` returns a stub that ref
 so a kernel file still imports and its public entry uses the torch reference. Kernel
 signatures annotate ``tl.constexpr`` under ``from __future__ import annotations``: Triton reads
 the annotation as a string, and without Triton the annotation is never evaluated.
+
+Programmatic dependent launch (PDL, Hopper and later): a kernel launched with ``launch_pdl``
+may start while the kernel before it in the stream is still running, once every program of that
+one has begun. Its programs must run ``pdl_prologue`` before they read anything an earlier kernel
+wrote or write anything an earlier kernel reads: the prologue waits until the previous kernel
+has finished and its writes are visible. Because every PDL kernel waits so in every program,
+"finished" is transitive down the stream. What a kernel gains: its launch and its programs'
+start-up overlap the previous kernel's tail, and it may read data no kernel writes (weights)
+before the wait. A decode step of an 8B model is ~350 kernels, most of them a few microseconds
+long, so the gaps between them are a large part of the step at small batches.
 """
 from __future__ import annotations
+
+import os
 
 try:
     import triton
@@ -22,6 +34,63 @@ except ImportError:  # CPU-only: references only
             raise RuntimeError("OpenAI Triton is not installed; use the torch reference on this machine")
 
         return stub if fn is not None else (lambda f: stub)
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    HAVE_GDC = True
+except (ImportError, AttributeError):  # no Triton, or one without grid dependency control
+    HAVE_GDC = False
+
+    @jit
+    def gdc_wait():
+        pass
+
+    @jit
+    def gdc_launch_dependents():
+        pass
+
+PDL_ENV = "TRITONLLM_PDL"  # "0": never launch with PDL
+# Read at every launch. The engine sets it at load (engine/executor/cuda_graphs.py
+# choose_programmatic_launch): on H100s PDL made the batch-1 decode step 5-6% faster on some
+# machines and 3-4% slower on another (2026-11-25), so it is timed, not assumed.
+_pdl_enabled = os.environ.get(PDL_ENV, "1") != "0"
+_PDL_DEVICES: dict[int, bool] = {}
+
+
+@jit
+def pdl_prologue(PDL: tl.constexpr):
+    """The wait (and then the go-ahead for the next kernel) every PDL-launched program runs first.
+    (Giving the go-ahead before the wait measured slower: chains of waiting kernels fill the SMs.)"""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+def pdl_supported(t) -> bool:
+    """This Triton has grid dependency control and ``t`` is on a GPU of compute capability >= 9.0."""
+    if not (HAVE_GDC and t.is_cuda):
+        return False
+    index = t.device.index if t.device.index is not None else 0
+    if index not in _PDL_DEVICES:
+        import torch
+
+        _PDL_DEVICES[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    return _PDL_DEVICES[index]
+
+
+def set_pdl(enabled: bool) -> bool:
+    """Launch later kernels with PDL (where supported) or not; returns the previous setting.
+    $TRITONLLM_PDL=0 keeps it off whatever is asked."""
+    global _pdl_enabled
+    previous, _pdl_enabled = _pdl_enabled, enabled and os.environ.get(PDL_ENV, "1") != "0"
+    return previous
+
+
+def pdl_options(t) -> dict:
+    """Launch keywords for a kernel that runs ``pdl_prologue(PDL)``."""
+    on = _pdl_enabled and pdl_supported(t)
+    return {"PDL": on, "launch_pdl": on}
 
 
 def use_triton(t) -> bool:

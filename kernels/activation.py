@@ -46,6 +46,51 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return silu_and_mul_ref(x)
 
 
+@jit
+def _silu_and_mul_quantized_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, inter, BLOCK: tl.constexpr,
+                                   OUT_DTYPE: tl.constexpr):
+    """One program per row: silu(gate) * up rounded to OUT_DTYPE (as _silu_and_mul_kernel stores
+    it), its absolute maximum over the row, then the row quantized to E4M3 with scale max / 448.
+    Two passes over the row; the second finds it in L2."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    peak = tl.zeros([BLOCK], dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK):
+        peak = tl.maximum(peak, tl.abs(_silu_mul_chunk(x_ptr + row * stride_x, k0 + cols, inter, OUT_DTYPE)))
+    scale = tl.maximum(tl.max(peak, 0) / 448.0, 1e-12)
+    tl.store(scale_ptr + row, scale)
+    for k0 in range(0, inter, BLOCK):
+        y = _silu_mul_chunk(x_ptr + row * stride_x, k0 + cols, inter, OUT_DTYPE)
+        q = tl.minimum(tl.maximum(y / scale, -448.0), 448.0)
+        tl.store(q_ptr + row * stride_q + k0 + cols, q.to(tl.float8e4nv), mask=k0 + cols < inter)
+
+
+@jit
+def _silu_mul_chunk(row_ptr, cols, inter, OUT_DTYPE: tl.constexpr):
+    """silu(gate[cols]) * up[cols] of one [gate | up] row, rounded as _silu_and_mul_kernel rounds, in float32."""
+    mask = cols < inter
+    gate = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(row_ptr + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(OUT_DTYPE).to(tl.float32)
+    return (act * up).to(OUT_DTYPE).to(tl.float32)
+
+
+def silu_and_mul_quantized_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """silu_and_mul(x) quantized to E4M3 per row in the same kernel (the input of an FP8 down
+    projection): (values (num_tokens, inter) float8_e4m3fn, scale (num_tokens,) float32), equal to
+    kernels.fp8.quantize_rows(silu_and_mul(x)) exactly, without writing the activation itself."""
+    num_tokens, width = x.shape
+    inter = width // 2
+    assert x.stride(1) == 1 and x.dtype in (torch.float16, torch.bfloat16)
+    values = torch.empty(num_tokens, inter, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(num_tokens, dtype=torch.float32, device=x.device)
+    if num_tokens:
+        _silu_and_mul_quantized_kernel[(num_tokens,)](
+            x, values, scale, x.stride(0), values.stride(0), inter, BLOCK=2048,
+            OUT_DTYPE=tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16, num_warps=8)
+    return values, scale
+
+
 def gelu_tanh_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     """gelu(gate, approximate="tanh") * up, as transformers' Gemma MLP (gelu_pytorch_tanh)."""
     gate, up = x.chunk(2, dim=-1)

@@ -20,14 +20,23 @@ Paths, chosen per call:
   scales and per-channel weight scales (W8A8);
 - elsewhere: ``fp8_linear_ref``, the plain-torch reference of the W8A8 scheme (quantize x per
   token, dequantize both, matmul in float32), also the oracle of the kernel tests.
+
+Where the W8A8 path will run (``quantizes_activations``), the kernel that makes a product's input
+may quantize it on the way out and hand over ``QuantizedRows`` instead: ``rms_norm_quantized``
+(the norms before qkv and gate_up) and ``silu_and_mul_quantized`` (the activation before
+down_proj). That skips writing and re-reading the activations in the model dtype; the values are
+the same as quantizing the unfused output.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from kernels._triton import jit, tl, triton, use_triton
-from kernels.activation import silu_and_mul
+from kernels._triton import HAVE_TRITON, jit, tl, triton, use_triton
+from kernels.activation import silu_and_mul, silu_and_mul_quantized_triton
 from kernels.linear import MAX_SKINNY_ROWS, SKINNY_VARIANTS, graph_time_ms, skinny_linear_triton, variant_options
+from kernels.rmsnorm import rms_norm_quantized_triton, rms_norm_ref
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
@@ -72,6 +81,37 @@ def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x_q, scale
 
 
+class QuantizedRows(NamedTuple):
+    """Activations already quantized per token: values ~= rows of the model-dtype activations / scale."""
+
+    values: torch.Tensor  # (M, K) float8_e4m3fn
+    scale: torch.Tensor  # (M,) float32
+    dtype: torch.dtype  # the activations' dtype, which the product returns
+
+
+def quantizes_activations(rows: int, device: torch.device) -> bool:
+    """Whether fp8_linear multiplies ``rows`` rows with per-token-quantized activations on
+    cuBLASLt (W8A8), so that the kernel making its input may hand it QuantizedRows."""
+    return HAVE_TRITON and device.type == "cuda" and rows > MAX_SKINNY_ROWS
+
+
+def rms_norm_quantized(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+                       ) -> tuple[QuantizedRows, torch.Tensor]:
+    """kernels.rmsnorm.rms_norm with its output quantized per row: (QuantizedRows, new_residual)."""
+    if use_triton(x):
+        values, scale, residual = rms_norm_quantized_triton(x, weight, eps, residual)
+        return QuantizedRows(values, scale, x.dtype), residual
+    out, residual = rms_norm_ref(x, weight, eps, residual)
+    return QuantizedRows(*quantize_rows(out), x.dtype), residual
+
+
+def silu_and_mul_quantized(x: torch.Tensor) -> QuantizedRows:
+    """kernels.activation.silu_and_mul with its output quantized per row."""
+    if use_triton(x):
+        return QuantizedRows(*silu_and_mul_quantized_triton(x), x.dtype)
+    return QuantizedRows(*quantize_rows(silu_and_mul(x)), x.dtype)
+
+
 def dequantize_rows(x_q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return (x_q.float() * scale.float()[:, None]).to(dtype)
 
@@ -89,28 +129,40 @@ def quantize_weight(weight: torch.Tensor, scale: torch.Tensor | None = None) -> 
     return (weight.float() / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
-def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+def fp8_linear_ref(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
     """The W8A8 scheme in plain torch: x (M, K) quantized per token, then everything in float32."""
-    x_q, x_scale = quantize_rows(x.reshape(-1, x.shape[-1]))
-    out = dequantize_rows(x_q, x_scale) @ dequantize_rows(weight, weight_scale).T
+    if isinstance(x, QuantizedRows):
+        return _dequantized_product(x, weight, weight_scale, bias)
+    rows = QuantizedRows(*quantize_rows(x.reshape(-1, x.shape[-1])), x.dtype)
+    return _dequantized_product(rows, weight, weight_scale, bias).reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _dequantized_product(x: QuantizedRows, weight, weight_scale, bias) -> torch.Tensor:
+    out = dequantize_rows(x.values, x.scale) @ dequantize_rows(weight, weight_scale).T
     if bias is not None:
         out = out + bias.float()
-    return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+    return out.to(x.dtype)
 
 
-def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+def fp8_linear_scaled_mm(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor,
                          bias: torch.Tensor | None = None) -> torch.Tensor:
     """The W8A8 scheme on cuBLASLt's FP8 tensor cores (``torch._scaled_mm``, row-wise scales)."""
-    x_q, x_scale = quantize_rows_triton(x) if use_triton(x) and x.stride(1) == 1 else quantize_rows(x)
-    out = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale[:, None], scale_b=weight_scale[None, :],
+    if not isinstance(x, QuantizedRows):
+        x_q, x_scale = quantize_rows_triton(x) if use_triton(x) and x.stride(1) == 1 else quantize_rows(x)
+        x = QuantizedRows(x_q, x_scale, x.dtype)
+    out = torch._scaled_mm(x.values, weight.t(), scale_a=x.scale[:, None], scale_b=weight_scale[None, :],
                            out_dtype=x.dtype)
     return out if bias is None else out + bias
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+def fp8_linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (M, K) @ dequantized weight (N, K).T (+ bias), by the paths in the module docstring."""
+    """x (M, K) @ dequantized weight (N, K).T (+ bias), by the paths in the module docstring.
+    QuantizedRows (from rms_norm_quantized / silu_and_mul_quantized) go straight to the W8A8 product."""
+    if isinstance(x, QuantizedRows):
+        return fp8_linear_scaled_mm(x, weight, weight_scale, bias) if x.values.is_cuda else \
+            fp8_linear_ref(x, weight, weight_scale, bias)
     if x.is_cuda:
         if x.shape[0] <= MAX_SKINNY_ROWS and x.is_contiguous() and use_triton(x):
             variant = getattr(weight, "_fp8_skinny_variant", FP8_SKINNY_DEFAULT)
@@ -119,12 +171,19 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     return fp8_linear_ref(x, weight, weight_scale, bias)
 
 
-def fp8_gated_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
-    """silu(x @ gate.T) * (x @ up.T) for an FP8 gate_up weight (2 * inter, hidden) = [gate | up]."""
-    if x.is_cuda and x.shape[0] <= MAX_SKINNY_ROWS and x.is_contiguous() and use_triton(x):
+def fp8_gated_linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor,
+                     *, quantize_output: bool = False) -> torch.Tensor | QuantizedRows:
+    """silu(x @ gate.T) * (x @ up.T) for an FP8 gate_up weight (2 * inter, hidden) = [gate | up].
+    ``quantize_output``: the result feeds an FP8 product, so return it as QuantizedRows where that
+    product will take the W8A8 path."""
+    if isinstance(x, torch.Tensor) and x.is_cuda and x.shape[0] <= MAX_SKINNY_ROWS and x.is_contiguous() \
+            and use_triton(x):
         variant = getattr(weight, "_fp8_skinny_variant", FP8_SKINNY_DEFAULT)
         return skinny_linear_triton(x, weight, weight_scale=weight_scale, gated=True, **variant_options(variant))
-    return silu_and_mul(fp8_linear(x, weight, weight_scale))
+    product = fp8_linear(x, weight, weight_scale)
+    if quantize_output and quantizes_activations(product.shape[0], product.device):
+        return silu_and_mul_quantized(product)
+    return silu_and_mul(product)
 
 
 # (block_n, block_k, num_warps, num_stages) of the skinny kernel for FP8 weights until a weight is

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import jit, tl, triton, use_triton
+from kernels._triton import jit, pdl_options, pdl_prologue, tl, triton, use_triton
 
 MAX_SKINNY_ROWS = 16
 _SKINNY_ATTR = "_use_skinny_gemm"  # on a weight: its chosen variant (see SKINNY_VARIANTS), or False
@@ -26,8 +26,8 @@ _GATED_ATTR = "_use_gated_skinny_gemm"  # the same, for gate_up weights run fuse
 # Tile shapes tried at load, (block_n, block_k, num_warps, num_stages[, split_k]): on an H100
 # (2026-11-22) the best for Llama-8B's projections were (32, 256, 4, 4) for qkv/o_proj,
 # (16, 256, 4, 6) for down_proj and (16, 512, 4, 4) for the lm_head. split_k > 1 splits the
-# reduction over that many programs per output tile (partial sums in float32, then one small
-# kernel adds them in a fixed order): a weight of a few tens of MB streams in ~10 us, so one
+# reduction over that many programs per output tile (partial sums in float32, which the tile's last
+# program adds in a fixed order): a weight of a few tens of MB streams in ~10 us, so one
 # program per output tile leaves a wave's start and tail as a large part of the time.
 SKINNY_VARIANTS = ((16, 512, 4, 4), (32, 256, 4, 4), (16, 256, 4, 6), (32, 128, 4, 6),
                    (32, 256, 4, 4, 2), (16, 256, 4, 6, 4))
@@ -42,9 +42,10 @@ def variant_options(variant: tuple) -> dict:
 
 @jit(do_not_specialize=["M"])  # one compile for every row count
 def _skinny_gemm_kernel(
-    x_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr, part_ptr, M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_om,
+    x_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr, part_ptr, arrivals_ptr, M, N, K, K_PER_SPLIT,
+    stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, HAS_SCALE: tl.constexpr, M_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program: BLOCK_N output features for all M rows, streaming its (BLOCK_N, K) weight rows once.
 
@@ -53,8 +54,10 @@ def _skinny_gemm_kernel(
     HAS_SCALE: the weight is FP8 (kernels/fp8.py): each tile is widened to x's dtype for the dot and
     output feature n is multiplied by scale[n] (gated: scale[n] and scale[N + n]) before the bias.
     SPLIT_K > 1: program (i, s) covers K range [s * K_PER_SPLIT, (s + 1) * K_PER_SPLIT) and writes its
-    float32 sums to part (SPLIT_K, M, N) (gated: (SPLIT_K, M, 2N), up sums in columns N..2N-1);
-    _skinny_split_k_finish_kernel adds them and applies the epilogue.
+    float32 sums to part (SPLIT_K, M, N) (gated: (SPLIT_K, M, 2N), up sums in columns N..2N-1); the
+    program of output tile i that arrives last (``arrivals[i]`` counts them) adds the SPLIT_K sums
+    in split order and runs the epilogue, then sets arrivals[i] back to 0. So the result does not
+    depend on which program finished last, and no second kernel is launched.
     """
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, M_PAD)
@@ -67,19 +70,16 @@ def _skinny_gemm_kernel(
     x_base = x_ptr + rows[:, None] * stride_xm
     k_begin = tl.program_id(1) * K_PER_SPLIT
     k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
+    pdl_prologue(PDL)
     for k0 in range(k_begin, k_end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < k_end
         x = tl.load(x_base + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_base + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        if HAS_SCALE:
-            w = w.to(x.dtype)
-        acc = tl.dot(x, tl.trans(w), acc)
+        w_up = w
         if GATED:
             w_up = tl.load(w_up_base + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            if HAS_SCALE:
-                w_up = w_up.to(x.dtype)
-            acc_up = tl.dot(x, tl.trans(w_up), acc_up)
+        acc, acc_up = _skinny_tile_dot(x, w, w_up, acc, acc_up, GATED, HAS_SCALE)
     mask = row_ok[:, None] & col_ok[None, :]
     if SPLIT_K > 1:
         width = 2 * N if GATED else N
@@ -87,9 +87,48 @@ def _skinny_gemm_kernel(
         tl.store(part, acc, mask=mask)
         if GATED:
             tl.store(part + N, acc_up, mask=mask)
+        # Every thread's partial sums are stored before the count goes up (barrier, then a
+        # release); the last arrival's acquire makes the other programs' sums visible to it.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(arrivals_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            _skinny_sum_splits_and_finish(part_ptr, bias_ptr, scale_ptr, out_ptr, rows, cols, col_ok, mask, M, N,
+                                          stride_om, HAS_BIAS, GATED, HAS_SCALE, M_PAD, BLOCK_N, SPLIT_K)
+            tl.store(arrivals_ptr + tl.program_id(0), 0)
     else:
         _skinny_epilogue(acc, acc_up, rows, cols, col_ok, mask, bias_ptr, scale_ptr, out_ptr, N, stride_om,
                          HAS_BIAS, GATED, HAS_SCALE)
+
+
+@jit
+def _skinny_tile_dot(x, w, w_up, acc, acc_up, GATED: tl.constexpr, HAS_SCALE: tl.constexpr):
+    """acc += x @ w.T (and acc_up += x @ w_up.T when GATED); FP8 tiles are widened to x's dtype."""
+    if HAS_SCALE:
+        w = w.to(x.dtype)
+    acc = tl.dot(x, tl.trans(w), acc)
+    if GATED:
+        if HAS_SCALE:
+            w_up = w_up.to(x.dtype)
+        acc_up = tl.dot(x, tl.trans(w_up), acc_up)
+    return acc, acc_up
+
+
+@jit
+def _skinny_sum_splits_and_finish(part_ptr, bias_ptr, scale_ptr, out_ptr, rows, cols, col_ok, mask, M, N, stride_om,
+                                  HAS_BIAS: tl.constexpr, GATED: tl.constexpr, HAS_SCALE: tl.constexpr,
+                                  M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Add the SPLIT_K partial sums of one output tile in split order (deterministic), then the
+    epilogue. The sums come from L2 (``.cg``): other programs wrote them during this kernel."""
+    width = 2 * N if GATED else N
+    acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
+    for split in range(SPLIT_K):
+        part = part_ptr + (split * M + rows)[:, None] * width + cols[None, :]
+        acc += tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
+        if GATED:
+            acc_up += tl.load(part + N, mask=mask, other=0.0, cache_modifier=".cg")
+    _skinny_epilogue(acc, acc_up, rows, cols, col_ok, mask, bias_ptr, scale_ptr, out_ptr, N, stride_om,
+                     HAS_BIAS, GATED, HAS_SCALE)
 
 
 @jit
@@ -109,27 +148,21 @@ def _skinny_epilogue(acc, acc_up, rows, cols, col_ok, mask, bias_ptr, scale_ptr,
     tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@jit(do_not_specialize=["M"])
-def _skinny_split_k_finish_kernel(
-    part_ptr, bias_ptr, scale_ptr, out_ptr, M, N, stride_om,
-    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, HAS_SCALE: tl.constexpr, M_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
-):
-    """Sum the SPLIT_K partial products in split order (deterministic), then the epilogue."""
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.arange(0, M_PAD)
-    col_ok = cols < N
-    mask = (rows < M)[:, None] & col_ok[None, :]
-    width = 2 * N if GATED else N
-    acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
-    for split in range(SPLIT_K):
-        part = part_ptr + (split * M + rows)[:, None] * width + cols[None, :]
-        acc += tl.load(part, mask=mask, other=0.0)
-        if GATED:
-            acc_up += tl.load(part + N, mask=mask, other=0.0)
-    _skinny_epilogue(acc, acc_up, rows, cols, col_ok, mask, bias_ptr, scale_ptr, out_ptr, N, stride_om,
-                     HAS_BIAS, GATED, HAS_SCALE)
+MAX_OUTPUT_TILES = 1 << 16  # split-K output tiles of one product: N up to 1M features at block_n 16
+_ARRIVALS: dict[torch.device, torch.Tensor] = {}
+
+
+def _arrival_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """Per-device int32 counters, all 0 between kernels (each kernel's last arrivals reset theirs).
+    Shared by every split-K product on the device: kernels on one stream run one after another
+    (a PDL kernel waits for its predecessor before it touches them). Allocated once, on first use,
+    which is an eager warm-up run, never inside a CUDA-graph capture; never reallocated, since
+    captured graphs hold its address."""
+    assert tiles <= MAX_OUTPUT_TILES
+    counters = _ARRIVALS.get(device)
+    if counters is None:
+        counters = _ARRIVALS[device] = torch.zeros(MAX_OUTPUT_TILES, dtype=torch.int32, device=device)
+    return counters
 
 
 def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -153,14 +186,14 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     bias_arg = bias if bias is not None else weight
     scale_arg = weight_scale if weight_scale is not None else weight
     flags = dict(HAS_BIAS=bias is not None, GATED=gated, HAS_SCALE=weight_scale is not None, M_PAD=16,
-                 BLOCK_N=block_n, SPLIT_K=split_k)
-    _skinny_gemm_kernel[(triton.cdiv(n, block_n), split_k)](
-        x, weight, bias_arg, scale_arg, out, part, m, n, k, k_per_split, x.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages, **flags,
+                 BLOCK_N=block_n, SPLIT_K=split_k, **pdl_options(x))
+    tiles = triton.cdiv(n, block_n)
+    arrivals = _arrival_counters(x.device, tiles) if split_k > 1 else part
+    _skinny_gemm_kernel[(tiles, split_k)](
+        x, weight, bias_arg, scale_arg, out, part, arrivals, m, n, k, k_per_split,
+        x.stride(0), weight.stride(0), out.stride(0), BLOCK_K=block_k,
+        num_warps=num_warps, num_stages=num_stages, **flags,
     )
-    if split_k > 1:
-        _skinny_split_k_finish_kernel[(triton.cdiv(n, block_n),)](part, bias_arg, scale_arg, out, m, n, out.stride(0),
-                                                                   num_warps=4, **flags)
     return out
 
 

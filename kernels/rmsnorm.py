@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import jit, tl, triton, use_triton
+from kernels._triton import jit, pdl_options, pdl_prologue, tl, triton, use_triton
 
 
 def rms_norm_ref(
@@ -30,10 +30,13 @@ def rms_norm_ref(
 
 @jit
 def _rms_norm_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
+    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, scale_ptr,
     stride_x, stride_r, stride_o, stride_ro, hidden, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, QUANTIZE: tl.constexpr,
 ):
+    """QUANTIZE: out is float8_e4m3fn and the normalized row, rounded to x's dtype, is quantized
+    with scale[row] = max(max|row| / 448, 1e-12), as kernels/fp8.py's quantize_rows does."""
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -47,26 +50,49 @@ def _rms_norm_kernel(
     inv_rms = tl.rsqrt(tl.sum(xf * xf, 0) / hidden + eps)
     normed = (xf * inv_rms).to(x_ptr.dtype.element_ty).to(tl.float32)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (weight * normed).to(out_ptr.dtype.element_ty), mask=mask)
+    if QUANTIZE:
+        y = (weight * normed).to(x_ptr.dtype.element_ty).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(y), 0) / 448.0, 1e-12)
+        tl.store(scale_ptr + row, scale)
+        q = tl.minimum(tl.maximum(y / scale, -448.0), 448.0)
+        tl.store(out_ptr + row * stride_o + cols, q.to(tl.float8e4nv), mask=mask)
+    else:
+        tl.store(out_ptr + row * stride_o + cols, (weight * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm_triton(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as ``rms_norm_ref``; rows must be contiguous in the hidden dimension."""
+    out, _, residual_out = _launch_rms_norm(x, weight, eps, residual, quantize=False)
+    return out, residual_out
+
+
+def rms_norm_quantized_triton(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``rms_norm`` whose output row is quantized to E4M3 per row in the same pass (the input of an
+    FP8 product): returns (out (num_tokens, hidden) float8_e4m3fn, scale (num_tokens,) float32,
+    new_residual); out * scale equals kernels.fp8.quantize_rows of rms_norm's output exactly."""
+    return _launch_rms_norm(x, weight, eps, residual, quantize=True)
+
+
+def _launch_rms_norm(x, weight, eps, residual, *, quantize: bool):
     num_tokens, hidden = x.shape
     assert x.stride(1) == 1 and (residual is None or residual.stride(1) == 1)
-    out = torch.empty_like(x)
+    out = torch.empty_like(x, dtype=torch.float8_e4m3fn if quantize else x.dtype)
+    scale = torch.empty(num_tokens, dtype=torch.float32, device=x.device) if quantize else out
     residual_out = torch.empty_like(x) if residual is not None else x
     if num_tokens == 0:
-        return out, residual_out
+        return out, scale, residual_out
     block = triton.next_power_of_2(hidden)
     _rms_norm_kernel[(num_tokens,)](
-        x, residual if residual is not None else x, weight, out, residual_out,
+        x, residual if residual is not None else x, weight, out, residual_out, scale,
         x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), residual_out.stride(0),
-        hidden, eps, HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 512)),
+        hidden, eps, HAS_RESIDUAL=residual is not None, BLOCK=block, QUANTIZE=quantize,
+        num_warps=min(16, max(1, block // 512)), **pdl_options(x),
     )
-    return out, residual_out
+    return out, scale, residual_out
 
 
 def rms_norm(

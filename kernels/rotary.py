@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from kernels._triton import jit, tl, triton, use_triton
+from kernels._triton import jit, pdl_options, pdl_prologue, tl, triton, use_triton
 from kernels.triton_attention import cache_value
 
 
@@ -243,9 +243,10 @@ def _rotary_write_kv_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cache,
     stride_kc_slot, stride_kc_head, stride_vc_slot, stride_vc_head, num_q_heads, num_kv_heads,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, DIM_PAD: tl.constexpr, Q_HEADS_PAD: tl.constexpr,
-    K_HEADS_PAD: tl.constexpr, IS_NEOX: tl.constexpr,
+    K_HEADS_PAD: tl.constexpr, IS_NEOX: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program per token: rotate q in place; write rotated k and plain v to the token's cache slot."""
+    pdl_prologue(PDL)
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token)
     half_idx = tl.arange(0, HALF_PAD)
@@ -302,7 +303,7 @@ def rotary_and_write_kv_triton(q, k, v, positions, cos_sin_cache, k_cache, v_cac
         k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2), num_q_heads, num_kv_heads,
         HALF=half, HALF_PAD=triton.next_power_of_2(half), DIM_PAD=triton.next_power_of_2(head_dim),
         Q_HEADS_PAD=triton.next_power_of_2(num_q_heads), K_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
-        IS_NEOX=is_neox, num_warps=4,
+        IS_NEOX=is_neox, num_warps=4, **pdl_options(q),
     )
     return q
 

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from engine.executor.overlap import resolve_placeholders
+from kernels._triton import pdl_supported, set_pdl
 from kernels.attention_metadata import AttentionMetadata
 
 
@@ -129,6 +130,44 @@ class DecodeGraphs:
         self._copied.record()
         self.graphs[bucket].replay()
         return self.hidden[bucket][:bs]
+
+
+@torch.inference_mode()
+def choose_programmatic_launch(model: torch.nn.Module, kv_cache: torch.Tensor, *, tokens_per_block: int,
+                               max_seq_len: int, sampled_tokens: torch.Tensor, rounds: int = 3) -> dict:
+    """Whether the Triton kernels launch with PDL (kernels/_triton.py), decided by timing: a batch-1
+    decode graph captured each way, replayed in turns; PDL stays on when it is at least 1% faster.
+    Runs before the engine's graphs are captured (they keep the launch mode they were captured
+    with). Returns the timings (ms per step) and the choice, for the load log."""
+    if not pdl_supported(kv_cache):
+        return {"pdl": False, "reason": "not supported here"}
+    graphs = {}
+    for enabled in (False, True):
+        set_pdl(enabled)
+        graphs[enabled] = DecodeGraphs(model, kv_cache, tokens_per_block=tokens_per_block, max_seq_len=max_seq_len,
+                                       max_batch_size=1, buckets=[1], sampled_tokens=sampled_tokens)
+        graphs[enabled].capture()
+        graphs[enabled].run([0], [0], [1], [[0]])
+    times = {False: [], True: []}
+    for _ in range(rounds):
+        for enabled, graph in graphs.items():
+            times[enabled].append(_replay_ms(graph.graphs[1]))
+    best = {enabled: min(values) for enabled, values in times.items()}
+    chosen = best[True] < 0.99 * best[False]
+    set_pdl(chosen)
+    del graphs
+    return {"pdl": chosen, "step_ms_without": best[False], "step_ms_with": best[True]}
+
+
+def _replay_ms(graph: torch.cuda.CUDAGraph, repeat: int = 10) -> float:
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeat):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / repeat
 
 
 def capture_forward(model: torch.nn.Module, args: tuple, sampled_tokens: torch.Tensor,

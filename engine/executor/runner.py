@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from engine.config import EngineConfig, EngineFormatError
 from engine.models import get_model_class
-from engine.executor.cuda_graphs import DecodeGraphs, run_warmup_batch
+from engine.executor.cuda_graphs import DecodeGraphs, choose_programmatic_launch, run_warmup_batch
 from engine.executor.overlap import resolve_placeholders
 from engine.executor.prefill_graphs import PrefillGraphs
 from engine.executor.random_weights import has_random_weights, materialize_random_weights
@@ -187,6 +187,9 @@ class ModelRunner:
         fp8 = choose_fp8_skinny_variants([w for w in linears if w.dtype == FP8_DTYPE])
         self.gemm_choices.update({("fp8",) + shape: {"variant": variant} for shape, variant in fp8.items()})
         build = self.build_config
+        self.launch_choice = choose_programmatic_launch(
+            self.model, self.kv_cache, tokens_per_block=self.tokens_per_block, max_seq_len=build.max_seq_len,
+            sampled_tokens=self.sampled_tokens)
         self.decode_graphs = DecodeGraphs(self.model, self.kv_cache, tokens_per_block=self.tokens_per_block,
                                           max_seq_len=build.max_seq_len, max_batch_size=build.max_batch_size,
                                           sampled_tokens=self.sampled_tokens)

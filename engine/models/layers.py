@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.fp8 import FP8_DTYPE, fp8_gated_linear, fp8_linear
+from kernels.fp8 import FP8_DTYPE, QuantizedRows, fp8_gated_linear, fp8_linear, quantizes_activations, rms_norm_quantized
 from kernels.linear import gated_linear, linear
 from kernels.rmsnorm import rms_norm
 
@@ -127,18 +127,24 @@ class Linear(nn.Module):
         self.weight_scale = _empty(out_features, dtype=torch.float32, device=device) if quantization else None
         self.bias = _empty(out_features, dtype=dtype, device=device) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
         return self._product(x, self.bias)
 
-    def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _product(self, x: torch.Tensor | QuantizedRows, bias: torch.Tensor | None) -> torch.Tensor:
         if self.weight_scale is not None:
             return fp8_linear(x, self.weight, self.weight_scale, bias)
         return linear(x, self.weight, bias)  # F.linear, or a skinny Triton GEMM chosen at engine load
 
-    def gated(self, x: torch.Tensor) -> torch.Tensor:
-        """silu(x @ gate.T) * (x @ up.T) for a fused [gate | up] weight (2 * inter, in)."""
+    def takes_quantized_rows(self, x: torch.Tensor) -> bool:
+        """Whether this layer would quantize x per token itself (an FP8 weight on the W8A8 path),
+        so that the kernel making x may hand it QuantizedRows instead."""
+        return self.weight_scale is not None and quantizes_activations(x.shape[0], x.device)
+
+    def gated(self, x: torch.Tensor | QuantizedRows, *, quantize_output: bool = False) -> torch.Tensor | QuantizedRows:
+        """silu(x @ gate.T) * (x @ up.T) for a fused [gate | up] weight (2 * inter, in).
+        ``quantize_output``: the result feeds an FP8 layer; it may come back as QuantizedRows."""
         if self.weight_scale is not None:
-            return fp8_gated_linear(x, self.weight, self.weight_scale)
+            return fp8_gated_linear(x, self.weight, self.weight_scale, quantize_output=quantize_output)
         return gated_linear(x, self.weight)  # one fused skinny kernel for decode batches when chosen at load
 
 
@@ -155,6 +161,15 @@ class RowParallelLinear(Linear):
         if self.tp_group is not None:
             out = tp_all_reduce(out, self.tp_group)
         return out if self.bias is None else out + self.bias
+
+
+def rms_norm_into(linear: Linear | None, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                  residual: torch.Tensor | None) -> tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
+    """kernels.rmsnorm.rms_norm for a norm whose output only ``linear`` reads: with an FP8 layer on
+    the W8A8 path the norm quantizes its output per token in the same kernel."""
+    if linear is not None and linear.takes_quantized_rows(x):
+        return rms_norm_quantized(x, weight, eps, residual)
+    return rms_norm(x, weight, eps, residual)
 
 
 class Norm(nn.Module):

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.models.layers import (Linear, Norm, RowParallelLinear, VocabParallelEmbedding, qkv_heads,
+from engine.models.layers import (Linear, Norm, RowParallelLinear, VocabParallelEmbedding, qkv_heads, rms_norm_into,
                                   vocab_parallel_logits)
 from kernels.attention_metadata import AttentionMetadata
 from kernels.attention import paged_attention, write_kv_cache
@@ -88,13 +88,17 @@ class LlamaLayer(nn.Module):
         return self.o_proj(out.reshape(out.shape[0], -1))
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj.gated(h))
+        return self.down_proj(self.gate_up_proj.gated(h, quantize_output=self.down_proj.weight_scale is not None))
 
     def forward(self, x, residual, positions, cos_sin_cache, kv_cache, meta):
-        """x, residual: (num_tokens, hidden); residual None on the first layer. Returns both, updated."""
-        h, residual = rms_norm(x, self.input_norm.weight, self.eps, residual)
+        """x, residual: (num_tokens, hidden); residual None on the first layer. Returns both, updated.
+        With FP8 layers on the W8A8 path, the norms hand qkv_proj and gate_up_proj their input
+        already quantized (engine.models.layers.rms_norm_into); subclasses with their own MLP
+        (no ``gate_up_proj`` Linear) get the post-attention norm's output as it is."""
+        h, residual = rms_norm_into(self.qkv_proj, x, self.input_norm.weight, self.eps, residual)
         h = self.attention(h, positions, cos_sin_cache, kv_cache, meta)
-        h, residual = rms_norm(h, self.post_attn_norm.weight, self.eps, residual)
+        mlp_input = self.gate_up_proj if isinstance(getattr(self, "gate_up_proj", None), Linear) else None
+        h, residual = rms_norm_into(mlp_input, h, self.post_attn_norm.weight, self.eps, residual)
         return self.mlp(h), residual
 
 

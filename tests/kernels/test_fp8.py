@@ -6,9 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.fp8 import (FP8_DTYPE, FP8_MAX, dequantize_rows, fp8_gated_linear, fp8_linear, fp8_linear_ref,
-                         fp8_linear_scaled_mm, quantize_rows, quantize_weight)
+from kernels.fp8 import (FP8_DTYPE, FP8_MAX, QuantizedRows, dequantize_rows, fp8_gated_linear, fp8_linear,
+                         fp8_linear_ref, fp8_linear_scaled_mm, quantize_rows, quantize_weight, rms_norm_quantized,
+                         silu_and_mul_quantized)
 from kernels.activation import silu_and_mul
+from kernels.rmsnorm import rms_norm
 
 HALF_ULP = 2.0 ** -4  # E4M3 has 3 mantissa bits: rounding moves a normal value by at most 2^-4 of it
 SUBNORMAL_HALF_STEP = 2.0 ** -10  # below 2^-6, values sit on a grid of 2^-9: at most half of that off
@@ -126,6 +128,59 @@ def test_scaled_mm_and_skinny_gated_equal_the_reference():
     x_big = torch.randn(128, 2048, device="cuda", dtype=torch.bfloat16)
     torch.testing.assert_close(fp8_linear_scaled_mm(x_big, w_q, w_scale).float(),
                                fp8_linear_ref(x_big.float(), w_q, w_scale), rtol=2e-2, atol=2e-2)
+
+
+def test_prequantized_rows_take_the_same_product():
+    """A norm or activation that quantizes its output hands fp8_linear QuantizedRows: the product
+    is the one fp8_linear would make from the unquantized activations."""
+    torch.manual_seed(6)
+    x, w = torch.randn(5, 64), torch.randn(48, 64) * 0.1
+    w_q, w_scale = quantize_weight(w)
+    rows = QuantizedRows(*quantize_rows(x), x.dtype)
+    assert torch.equal(fp8_linear(rows, w_q, w_scale), fp8_linear_ref(x, w_q, w_scale))
+    norm_weight, residual = torch.rand(64) + 0.5, torch.randn(5, 64)
+    normed_rows, new_residual = rms_norm_quantized(x, norm_weight, 1e-5, residual)
+    normed, want_residual = rms_norm(x, norm_weight, 1e-5, residual)
+    assert torch.equal(new_residual, want_residual)
+    assert torch.equal(fp8_linear(normed_rows, w_q, w_scale), fp8_linear_ref(normed, w_q, w_scale))
+    gate_up = torch.randn(5, 128)
+    assert torch.equal(fp8_linear(silu_and_mul_quantized(gate_up), w_q, w_scale),
+                       fp8_linear_ref(silu_and_mul(gate_up), w_q, w_scale))
+
+
+@cuda
+@pytest.mark.parametrize("rows,hidden", [(1, 4096), (37, 576), (300, 4096), (5, 1000)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_fused_norm_quantization_equals_norm_then_quantization(rows, hidden, with_residual):
+    """The norm kernel's quantized output is bit for bit the quantization of its plain output."""
+    from kernels.fp8 import quantize_rows_triton
+    from kernels.rmsnorm import rms_norm_quantized_triton, rms_norm_triton
+
+    torch.manual_seed(7)
+    x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16) * 2
+    residual = torch.randn_like(x) if with_residual else None
+    weight = torch.rand(hidden, device="cuda", dtype=torch.bfloat16) + 0.5
+    values, scale, new_residual = rms_norm_quantized_triton(x, weight, 1e-5, residual)
+    out, want_residual = rms_norm_triton(x, weight, 1e-5, residual)
+    want_values, want_scale = quantize_rows_triton(out)
+    assert torch.equal(scale, want_scale)
+    assert torch.equal(values.view(torch.uint8), want_values.view(torch.uint8))
+    assert torch.equal(new_residual, want_residual)
+
+
+@cuda
+@pytest.mark.parametrize("rows,inter", [(1, 14336), (64, 1536), (300, 14336), (3, 1000)])
+def test_fused_activation_quantization_equals_activation_then_quantization(rows, inter):
+    from kernels.activation import silu_and_mul_quantized_triton, silu_and_mul_triton
+    from kernels.fp8 import quantize_rows_triton
+
+    torch.manual_seed(8)
+    x = torch.randn(rows, 2 * inter, device="cuda", dtype=torch.bfloat16) * 3
+    x[0] = 0.0  # an all-zero row: scale 1e-12, values 0
+    values, scale = silu_and_mul_quantized_triton(x)
+    want_values, want_scale = quantize_rows_triton(silu_and_mul_triton(x))
+    assert torch.equal(scale, want_scale)
+    assert torch.equal(values.view(torch.uint8), want_values.view(torch.uint8))
 
 
 @cuda
