@@ -11,8 +11,9 @@ one has begun. Its programs must run ``pdl_prologue`` before they read anything 
 wrote or write anything an earlier kernel reads: the prologue waits until the previous kernel
 has finished and its writes are visible. Because every PDL kernel waits so in every program,
 "finished" is transitive down the stream. What a kernel gains: its launch and its programs'
-start-up overlap the previous kernel's tail, and it may read data no kernel writes (weights)
-before the wait. A decode step of an 8B model is ~350 kernels, most of them a few microseconds
+start-up overlap the previous kernel's tail. (PDL would also let it read data no kernel writes,
+such as weights, before the wait; the kernels here wait first, since loading a GEMM's first
+weight tiles early measured no faster on an H100.) A decode step of an 8B model is ~350 kernels, most of them a few microseconds
 long, so the gaps between them are a large part of the step at small batches.
 """
 from __future__ import annotations
@@ -52,16 +53,17 @@ except (ImportError, AttributeError):  # no Triton, or one without grid dependen
 
 PDL_ENV = "TRITONLLM_PDL"  # "0": never launch with PDL
 # Read at every launch. The engine sets it at load (engine/executor/cuda_graphs.py
-# choose_programmatic_launch): on H100s PDL made the batch-1 decode step 5-6% faster on some
-# machines and 3-4% slower on another (2026-11-25), so it is timed, not assumed.
-_pdl_enabled = os.environ.get(PDL_ENV, "1") != "0"
+# choose_programmatic_launch): on H100s PDL made the batch-1 decode step 5-6% faster on two
+# machines and 3-4% slower on two others (2026-11-25), so it is timed, not assumed.
+PDL_ALLOWED = os.environ.get(PDL_ENV, "1") != "0"
+_pdl_enabled = PDL_ALLOWED
 _PDL_DEVICES: dict[int, bool] = {}
 
 
 @jit
 def pdl_prologue(PDL: tl.constexpr):
     """The wait (and then the go-ahead for the next kernel) every PDL-launched program runs first.
-    (Giving the go-ahead before the wait measured slower: chains of waiting kernels fill the SMs.)"""
+    (Giving the go-ahead before the wait measured 18% slower on an H100's batch-1 decode step.)"""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -83,7 +85,7 @@ def set_pdl(enabled: bool) -> bool:
     """Launch later kernels with PDL (where supported) or not; returns the previous setting.
     $TRITONLLM_PDL=0 keeps it off whatever is asked."""
     global _pdl_enabled
-    previous, _pdl_enabled = _pdl_enabled, enabled and os.environ.get(PDL_ENV, "1") != "0"
+    previous, _pdl_enabled = _pdl_enabled, enabled and PDL_ALLOWED
     return previous
 
 

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from engine.executor.overlap import resolve_placeholders
-from kernels._triton import pdl_supported, set_pdl
+from kernels._triton import PDL_ALLOWED, PDL_ENV, pdl_supported, set_pdl
 from kernels.attention_metadata import AttentionMetadata
 
 
@@ -138,7 +138,10 @@ def choose_programmatic_launch(model: torch.nn.Module, kv_cache: torch.Tensor, *
     """Whether the Triton kernels launch with PDL (kernels/_triton.py), decided by timing: a batch-1
     decode graph captured each way, replayed in turns; PDL stays on when it is at least 1% faster.
     Runs before the engine's graphs are captured (they keep the launch mode they were captured
-    with). Returns the timings (ms per step) and the choice, for the load log."""
+    with). The timing runs write one token's K/V into block 0 (nothing is cached yet at load).
+    Returns the timings (ms per step) and the choice (the runner keeps it as ``launch_choice``)."""
+    if not PDL_ALLOWED:
+        return {"pdl": False, "reason": f"{PDL_ENV}=0"}
     if not pdl_supported(kv_cache):
         return {"pdl": False, "reason": "not supported here"}
     graphs = {}
