@@ -282,9 +282,11 @@ def _launch_config(meta: AttentionMetadata, group: int, num_kv_heads: int, devic
     Heads of 256 (Gemma) double every tile's bytes: decode pipelines 2 K/V stages instead of 3 (3
     stages of 64 x 256 K and V tiles would nearly fill an H100's 227 KB of shared memory), prefill
     walks 32 keys at a time with 8 warps (a 64 x 256 fp32 accumulator over 4 warps would spill).
-    An FP8 pool decodes 32 keys at a time over 2 stages: on an H100 (2026-11-25, Llama-8B heads)
-    that took batch 1024 at context 192 from 267 to 226 us per layer and batch 256 at 1024 from
-    290 to 280 us, where a bf16 pool was 2% slower with it."""
+    An FP8 pool with heads up to 128 wide decodes 32 keys at a time with one warp over 3 stages: on
+    an H100 (2026-11-25, Llama-8B heads, a sweep of 27 tilings) that took batch 1024 at context 192
+    from 267 to 198 us per layer and batch 256 at context 1024 from 290 to 245 us (small programs,
+    so more of them fit on an SM to keep reads in flight). A bf16 pool already reads at ~2.8 TB/s
+    with the default tiling; heads of 256 keep 4 warps (one warp's accumulator would spill)."""
     wide = dim_pad > 128
     if meta.is_decode_only:
         block_m = max(16, triton.next_power_of_2(group))
@@ -293,7 +295,7 @@ def _launch_config(meta: AttentionMetadata, group: int, num_kv_heads: int, devic
             num_splits = _decode_num_splits(meta.context_lens.shape[0], num_kv_heads, keys_read,
                                             _num_sms(device), 64)
         if kv_itemsize == 1:
-            return block_m, 32, 4, 2, num_splits
+            return (block_m, 32, 1, 3, num_splits) if block_m <= 16 and not wide else (block_m, 32, 4, 2, num_splits)
         return block_m, 64, 4, (2 if wide else 3), num_splits
     block_m = _prefill_block_m(group)
     return (block_m, 32, 8, 2, 1) if wide else (block_m, 64, 4, 2, 1)

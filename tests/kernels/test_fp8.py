@@ -198,14 +198,16 @@ def test_one_kernel_row_quantization_equals_the_reference(shape):
 
 
 @cuda
-def test_fp8_kv_pool_write_and_paged_attention_equal_the_reference():
+@pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 64), (32, 8, 128), (16, 8, 256)])
+def test_fp8_kv_pool_write_and_paged_attention_equal_the_reference(heads, kv_heads, dim):
     """The Triton KV write (rotary-fused and plain) saturates and rounds as the reference does, and
-    the attention kernel reads an FP8 pool as the reference reads it (both widen before the math)."""
+    the attention kernel reads an FP8 pool as the reference reads it (both widen before the math).
+    Head shapes: a small model's, Llama-8B's (the one-warp decode tiling) and Gemma's 256-wide heads."""
     from kernels.attention import KV_FP8_DTYPE, paged_attention, paged_attention_ref, write_kv_cache, write_kv_cache_ref
     from kernels.attention_metadata import AttentionMetadata
 
     torch.manual_seed(6)
-    heads, kv_heads, dim, page, blocks = 8, 2, 64, 16, 30
+    page, blocks = 16, 30
     lens = [1, 37, 150]  # context lengths; one new token each (decode); 150 tokens need 10 blocks
     tables = torch.randperm(blocks, device="cuda").to(torch.int32).view(3, 10)
     pools = [torch.zeros(blocks, page, kv_heads, dim, dtype=KV_FP8_DTYPE, device="cuda") for _ in range(4)]
