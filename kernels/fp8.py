@@ -17,7 +17,11 @@ Paths, chosen per call:
   in bf16 there (weight-only, W8A16: with a handful of rows there is nothing to gain by
   quantizing them, and it is the more exact of the two);
 - CUDA, more rows: ``torch._scaled_mm`` (cuBLASLt FP8 tensor cores) with per-token activation
-  scales and per-channel weight scales (W8A8);
+  scales and per-channel weight scales (W8A8), with Hopper's fast FP8 accumulation (the tensor
+  cores' own accumulator, not promoted to float32 after every K block): 8-20% faster on Llama-8B's
+  shapes on an H100 (2026-11-25). It doubles the product's error against the exact product of the
+  E4M3 values (relative RMS 3.3e-3 against 1.7e-3 at K = 14336), an order of magnitude below what
+  rounding the inputs to E4M3 costs (~4%). ``TRITONLLM_FP8_FAST_ACCUM=0`` asks for the promoted accumulation;
 - elsewhere: ``fp8_linear_ref``, the plain-torch reference of the W8A8 scheme (quantize x per
   token, dequantize both, matmul in float32), also the oracle of the kernel tests.
 
@@ -29,6 +33,7 @@ the same as quantizing the unfused output.
 """
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -39,6 +44,7 @@ from kernels.linear import MAX_SKINNY_ROWS, SKINNY_VARIANTS, graph_time_ms, skin
 from kernels.rmsnorm import rms_norm_quantized_triton, rms_norm_ref
 
 FP8_DTYPE = torch.float8_e4m3fn
+FAST_ACCUM = os.environ.get("TRITONLLM_FP8_FAST_ACCUM", "1") != "0"  # see the module docstring
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 MIN_SCALE = 1e-12  # an all-zero row gets this scale (its values quantize to 0 anyway)
 
@@ -152,7 +158,7 @@ def fp8_linear_scaled_mm(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, 
         x_q, x_scale = quantize_rows_triton(x) if use_triton(x) and x.stride(1) == 1 else quantize_rows(x)
         x = QuantizedRows(x_q, x_scale, x.dtype)
     out = torch._scaled_mm(x.values, weight.t(), scale_a=x.scale[:, None], scale_b=weight_scale[None, :],
-                           out_dtype=x.dtype)
+                           out_dtype=x.dtype, use_fast_accum=FAST_ACCUM)
     return out if bias is None else out + bias
 
 
