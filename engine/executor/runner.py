@@ -212,9 +212,10 @@ class ModelRunner:
     def prefill_graphs_enabled(self) -> bool:
         """Steps with prompt tokens replay CUDA graphs (engine/executor/prefill_graphs.py) for the
         model families whose forward has been checked against its eager run that way (a class
-        attribute; bf16 and FP8 weights and KV pools alike), on one GPU, unless
-        $TRITONLLM_PREFILL_GRAPHS is 0."""
+        attribute), on one GPU, with weights and KV pool in the model dtype (FP8 weights or an FP8
+        pool are not checked in such graphs yet), unless $TRITONLLM_PREFILL_GRAPHS is 0."""
         return (getattr(self.model, "supports_prefill_graphs", False) and self.build_config.tp_size == 1
+                and not self.build_config.quantization and self.kv_cache.dtype == self.dtype
                 and os.environ.get(PREFILL_GRAPHS_ENV, "1") != "0")
 
     def release_cuda_graphs(self) -> None:
