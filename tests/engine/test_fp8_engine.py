@@ -110,6 +110,31 @@ def test_fp8_logits_stay_within_the_rounding_bound_of_the_fp32_model(tiny_engine
     assert (quantized.argmax(-1) == reference.argmax(-1)).float().mean().item() >= 0.9
 
 
+def test_prequantized_activations_leave_the_logits_unchanged(tiny_engines, monkeypatch):
+    """Where the W8A8 path runs (more than 16 rows on a GPU), the norms before qkv/gate_up and the
+    SiLU before down_proj hand their products QuantizedRows (engine.models.layers.rms_norm_into).
+    Forced on here, on the CPU references of those kernels: the whole model's logits are exactly
+    those of quantizing inside each product, so the hand-over drops nothing on the way."""
+    import engine.models.layers
+    import kernels.fp8
+
+    _, fp8_dir = tiny_engines
+    ids = [3, 17, 5, 99, 42, 8, 1, 77, 23, 64, 11, 90, 31, 7, 120, 56]
+    quantized_inside = all_logits(fp8_dir, ids)
+    handed_over = []
+    original = kernels.fp8.rms_norm_quantized
+
+    def counting_norm(*args, **kwargs):
+        handed_over.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(engine.models.layers, "rms_norm_quantized", counting_norm)
+    for module in (engine.models.layers, kernels.fp8):
+        monkeypatch.setattr(module, "quantizes_activations", lambda rows, device: True)
+    assert torch.equal(all_logits(fp8_dir, ids), quantized_inside)
+    assert len(handed_over) == 2 * 3  # two norms in each of the 3 layers took the quantizing path
+
+
 def test_fp8_is_refused_for_a_family_without_it(tmp_path):
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64,
                                                                 n_positions=64))
