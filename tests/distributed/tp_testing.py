@@ -7,7 +7,6 @@ engine-level tests need no MPI installation.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -17,6 +16,8 @@ import transformers
 from engine.build import build_from_hf
 from engine.config import BuildConfig
 from engine.convert import getter_from_state_dict
+
+from free_ports import free_port  # tests also import it from here
 
 # Every split is even for tp_size 2: 4 q heads, 2 kv heads, hidden 64, intermediate 96, vocab 96.
 TINY_LLAMA = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -42,12 +43,6 @@ def build_tiny_engine(hf_model, out_dir: str, *, tp_size: int) -> str:
     build_from_hf(hf_model.config, getter_from_state_dict(hf_model.state_dict(), "tiny"), None, out_dir,
                   build, progress=False)
     return out_dir
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def rank_env(rank: int, world_size: int, port: int, **extra: str) -> dict[str, str]:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import importlib.util
 import re
-import socket
 import sys
 import time
 from contextlib import contextmanager
@@ -12,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import requests
+
+from free_ports import free_port  # tests also import it from here
 
 ROOT = Path(__file__).resolve().parents[2]
 CHAT_PROMPT = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
@@ -24,12 +25,6 @@ def load_script(name: str, folder: str = "scripts"):
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass
