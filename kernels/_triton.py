@@ -81,12 +81,11 @@ def pdl_supported(t) -> bool:
     return _PDL_DEVICES[index]
 
 
-def set_pdl(enabled: bool) -> bool:
-    """Launch later kernels with PDL (where supported) or not; returns the previous setting.
-    $TRITONLLM_PDL=0 keeps it off whatever is asked."""
+def set_pdl(enabled: bool) -> None:
+    """Launch later kernels with PDL (where supported) or not. $TRITONLLM_PDL=0 keeps it off
+    whatever is asked."""
     global _pdl_enabled
-    previous, _pdl_enabled = _pdl_enabled, enabled and PDL_ALLOWED
-    return previous
+    _pdl_enabled = enabled and PDL_ALLOWED
 
 
 def pdl_options(t) -> dict:

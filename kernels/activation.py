@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels._triton import jit, tl, use_triton
+from kernels.e4m3_rows import e4m3_row_scale, to_e4m3
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
@@ -50,19 +51,18 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def _silu_and_mul_quantized_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, inter, BLOCK: tl.constexpr,
                                    OUT_DTYPE: tl.constexpr):
     """One program per row: silu(gate) * up rounded to OUT_DTYPE (as _silu_and_mul_kernel stores
-    it), its absolute maximum over the row, then the row quantized to E4M3 with scale max / 448.
+    it), its absolute maximum over the row, then the row quantized to E4M3 (kernels/e4m3_rows.py).
     Two passes over the row; the second finds it in L2."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     peak = tl.zeros([BLOCK], dtype=tl.float32)
     for k0 in range(0, inter, BLOCK):
         peak = tl.maximum(peak, tl.abs(_silu_mul_chunk(x_ptr + row * stride_x, k0 + cols, inter, OUT_DTYPE)))
-    scale = tl.maximum(tl.max(peak, 0) / 448.0, 1e-12)
+    scale = e4m3_row_scale(tl.max(peak, 0))
     tl.store(scale_ptr + row, scale)
     for k0 in range(0, inter, BLOCK):
         y = _silu_mul_chunk(x_ptr + row * stride_x, k0 + cols, inter, OUT_DTYPE)
-        q = tl.minimum(tl.maximum(y / scale, -448.0), 448.0)
-        tl.store(q_ptr + row * stride_q + k0 + cols, q.to(tl.float8e4nv), mask=k0 + cols < inter)
+        tl.store(q_ptr + row * stride_q + k0 + cols, to_e4m3(y, scale), mask=k0 + cols < inter)
 
 
 @jit

@@ -40,6 +40,7 @@ import torch
 
 from kernels._triton import HAVE_TRITON, jit, tl, triton, use_triton
 from kernels.activation import silu_and_mul, silu_and_mul_quantized_triton
+from kernels.e4m3_rows import e4m3_row_scale, to_e4m3
 from kernels.linear import MAX_SKINNY_ROWS, SKINNY_VARIANTS, graph_time_ms, skinny_linear_triton, variant_options
 from kernels.rmsnorm import rms_norm_quantized_triton, rms_norm_ref
 
@@ -67,12 +68,11 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, BLOCK:
     for k0 in range(0, K, BLOCK):
         x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
         peak = tl.maximum(peak, tl.abs(x))
-    scale = tl.maximum(tl.max(peak, 0) / 448.0, 1e-12)
+    scale = e4m3_row_scale(tl.max(peak, 0))
     tl.store(scale_ptr + row, scale)
     for k0 in range(0, K, BLOCK):
         x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
-        tl.store(q_ptr + row * stride_q + k0 + cols, q.to(tl.float8e4nv), mask=k0 + cols < K)
+        tl.store(q_ptr + row * stride_q + k0 + cols, to_e4m3(x, scale), mask=k0 + cols < K)
 
 
 def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -231,14 +231,20 @@ def graph_time_ms(fn, repeat: int = 20) -> float:
     with torch.cuda.graph(graph):
         for _ in range(repeat):
             fn()
+    return replay_time_ms(graph, replays=3) / repeat
+
+
+def replay_time_ms(graph: torch.cuda.CUDAGraph, replays: int) -> float:
+    """Device time of one replay of a captured ``graph``: one replay to warm up, then the mean of
+    ``replays`` back to back, timed with CUDA events."""
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(3):
+    for _ in range(replays):
         graph.replay()
     end.record()
     end.synchronize()
-    return start.elapsed_time(end) / (3 * repeat)
+    return start.elapsed_time(end) / replays
 
 
 @torch.inference_mode()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from kernels._triton import jit, pdl_options, pdl_prologue, tl, triton, use_triton
+from kernels.e4m3_rows import e4m3_row_scale, to_e4m3
 
 
 def rms_norm_ref(
@@ -35,7 +36,7 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, QUANTIZE: tl.constexpr,
 ):
     """QUANTIZE: out is float8_e4m3fn and the normalized row, rounded to x's dtype, is quantized
-    with scale[row] = max(max|row| / 448, 1e-12), as kernels/fp8.py's quantize_rows does."""
+    per row as kernels/fp8.py's quantize_rows does (kernels/e4m3_rows.py)."""
     pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -52,10 +53,9 @@ def _rms_norm_kernel(
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if QUANTIZE:
         y = (weight * normed).to(x_ptr.dtype.element_ty).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(y), 0) / 448.0, 1e-12)
+        scale = e4m3_row_scale(tl.max(tl.abs(y), 0))
         tl.store(scale_ptr + row, scale)
-        q = tl.minimum(tl.maximum(y / scale, -448.0), 448.0)
-        tl.store(out_ptr + row * stride_o + cols, q.to(tl.float8e4nv), mask=mask)
+        tl.store(out_ptr + row * stride_o + cols, to_e4m3(y, scale), mask=mask)
     else:
         tl.store(out_ptr + row * stride_o + cols, (weight * normed).to(out_ptr.dtype.element_ty), mask=mask)
 

@@ -29,6 +29,7 @@ import torch
 from engine.executor.overlap import resolve_placeholders
 from kernels._triton import PDL_ALLOWED, PDL_ENV, pdl_supported, set_pdl
 from kernels.attention_metadata import AttentionMetadata
+from kernels.linear import replay_time_ms
 
 
 def default_buckets(max_batch_size: int) -> list[int]:
@@ -154,23 +155,12 @@ def choose_programmatic_launch(model: torch.nn.Module, kv_cache: torch.Tensor, *
     times = {False: [], True: []}
     for _ in range(rounds):
         for enabled, graph in graphs.items():
-            times[enabled].append(_replay_ms(graph.graphs[1]))
+            times[enabled].append(replay_time_ms(graph.graphs[1], replays=10))
     best = {enabled: min(values) for enabled, values in times.items()}
     chosen = best[True] < 0.99 * best[False]
     set_pdl(chosen)
     del graphs
     return {"pdl": chosen, "step_ms_without": best[False], "step_ms_with": best[True]}
-
-
-def _replay_ms(graph: torch.cuda.CUDAGraph, repeat: int = 10) -> float:
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeat):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / repeat
 
 
 def capture_forward(model: torch.nn.Module, args: tuple, sampled_tokens: torch.Tensor,

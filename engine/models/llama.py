@@ -93,12 +93,13 @@ class LlamaLayer(nn.Module):
     def forward(self, x, residual, positions, cos_sin_cache, kv_cache, meta):
         """x, residual: (num_tokens, hidden); residual None on the first layer. Returns both, updated.
         With FP8 layers on the W8A8 path, the norms hand qkv_proj and gate_up_proj their input
-        already quantized (engine.models.layers.rms_norm_into); subclasses with their own MLP
-        (no ``gate_up_proj`` Linear) get the post-attention norm's output as it is."""
+        already quantized (engine.models.layers.rms_norm_into); layers without a ``gate_up_proj``
+        (sparse MoE) get the post-attention norm's output as it is."""
         h, residual = rms_norm_into(self.qkv_proj, x, self.input_norm.weight, self.eps, residual)
         h = self.attention(h, positions, cos_sin_cache, kv_cache, meta)
-        mlp_input = self.gate_up_proj if isinstance(getattr(self, "gate_up_proj", None), Linear) else None
-        h, residual = rms_norm_into(mlp_input, h, self.post_attn_norm.weight, self.eps, residual)
+        # A sparse MoE layer keeps its experts' weights in self.moe: it has no gate_up_proj.
+        h, residual = rms_norm_into(getattr(self, "gate_up_proj", None), h, self.post_attn_norm.weight, self.eps,
+                                    residual)
         return self.mlp(h), residual
 
 
