@@ -8,8 +8,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import jit, tl, use_triton
+from kernels._triton import jit, tl, triton, use_triton
 from kernels.e4m3_rows import e4m3_row_scale, to_e4m3
+
+SILU_ONE_PASS_MAX = 16384  # widest row the fused SiLU quantizer keeps in registers (one read of the row)
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
@@ -52,9 +54,16 @@ def _silu_and_mul_quantized_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, 
                                    OUT_DTYPE: tl.constexpr):
     """One program per row: silu(gate) * up rounded to OUT_DTYPE (as _silu_and_mul_kernel stores
     it), its absolute maximum over the row, then the row quantized to E4M3 (kernels/e4m3_rows.py).
-    Two passes over the row; the second finds it in L2."""
+    A row that fits one BLOCK is read once and kept in registers; a longer one is read twice (the
+    second pass finds it in L2)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
+    if BLOCK >= inter:
+        y = _silu_mul_chunk(x_ptr + row * stride_x, cols, inter, OUT_DTYPE)
+        scale = e4m3_row_scale(tl.max(tl.abs(y), 0))
+        tl.store(scale_ptr + row, scale)
+        tl.store(q_ptr + row * stride_q + cols, to_e4m3(y, scale), mask=cols < inter)
+        return
     peak = tl.zeros([BLOCK], dtype=tl.float32)
     for k0 in range(0, inter, BLOCK):
         peak = tl.maximum(peak, tl.abs(_silu_mul_chunk(x_ptr + row * stride_x, k0 + cols, inter, OUT_DTYPE)))
@@ -84,10 +93,12 @@ def silu_and_mul_quantized_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.
     assert x.stride(1) == 1 and x.dtype in (torch.float16, torch.bfloat16)
     values = torch.empty(num_tokens, inter, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(num_tokens, dtype=torch.float32, device=x.device)
+    # Rows up to 16,384 wide (Llama-8B's 14,336) in one tile of 16 warps: 32 gate and 32 up values a thread.
+    block, num_warps = (triton.next_power_of_2(inter), 16) if inter <= SILU_ONE_PASS_MAX else (2048, 8)
     if num_tokens:
         _silu_and_mul_quantized_kernel[(num_tokens,)](
-            x, values, scale, x.stride(0), values.stride(0), inter, BLOCK=2048,
-            OUT_DTYPE=tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16, num_warps=8)
+            x, values, scale, x.stride(0), values.stride(0), inter, BLOCK=block,
+            OUT_DTYPE=tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16, num_warps=num_warps)
     return values, scale
 
 

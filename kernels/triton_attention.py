@@ -32,6 +32,10 @@ CUDA graph of such steps (engine/executor/prefill_graphs.py) passes a tile map i
 (``meta.tile_seq`` / ``meta.tile_m``): program p runs the tile the map names, so the grid is the
 map's fixed length and programs past the batch's tiles return at once.
 
+An FP8 pool (E4M3, scale 1) is read with fp16 math: E4M3 widens to fp16 exactly in one
+instruction where bf16 takes two, and q enters the dot pre-multiplied by the softmax scale and
+saturated to fp16's range, so a large query cannot become inf (fp32 engines keep fp32 math).
+
 Cache slots < 0 in ``slot_mapping`` are skipped by the KV write: CUDA-graph padding rows use
 slot -1 so they write nothing.
 """
@@ -126,6 +130,7 @@ def _paged_attention_kernel(
     stride_bt, stride_ps, stride_pt, stride_ph,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+    FP16_MATH: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TILE_MAP: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)  # before the early returns too: every program must wait (kernels/_triton.py)
@@ -164,6 +169,11 @@ def _paged_attention_kernel(
         q_ptr + token_rows[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
         mask=row_valid[:, None] & dim_valid[None, :], other=0.0,
     )
+    if FP16_MATH:
+        # An FP8 pool's E4M3 values widen to fp16 in one instruction (to bf16 in two), and exactly.
+        # q carries qk_scale into fp16 (|q| shrinks ~8x for 128-wide heads) and saturates at fp16's
+        # largest value instead of becoming inf: a query that saturates scores > 65504 * |k| already.
+        q = tl.minimum(tl.maximum(q.to(tl.float32) * qk_scale, -65504.0), 65504.0).to(tl.float16)
 
     # Keys this tile may see: [kv_start, kv_end), kv_start 0 without a window (else the first row's
     # oldest visible key); this split takes one contiguous run of whole BLOCK_N tiles of it. Split 0
@@ -199,7 +209,9 @@ def _paged_attention_kernel(
         )
         k = k.to(q.dtype)  # an FP8 pool is widened here (a no-op otherwise)
         v = v.to(q.dtype)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if not FP16_MATH:  # (fp16 math scaled q instead)
+            scores = scores * qk_scale
         if HAS_SOFTCAP:  # C * tanh(z / C), tanh(x) = 2 * sigmoid(2x) - 1
             scores = softcap_log2 * (2.0 * tl.sigmoid(2.0 * scores / softcap_log2) - 1.0)
         visible = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
@@ -348,6 +360,7 @@ def paged_attention_triton(
         GROUP=group, HEAD_DIM=head_dim, DIM_PAD=dim_pad, PAGE_SIZE=page_size,
         BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 engines get fp32 dots
+        FP16_MATH=k_cache.element_size() == 1 and q.dtype != torch.float32,
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=logit_softcap is not None, HAS_TILE_MAP=tile_map,
         num_warps=num_warps, num_stages=num_stages, **pdl_options(q),
     )

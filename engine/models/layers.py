@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.fp8 import FP8_DTYPE, QuantizedRows, fp8_gated_linear, fp8_linear, quantizes_activations, rms_norm_quantized
-from kernels.linear import gated_linear, linear
+from kernels.linear import gated_linear, linear, linear_float32_out
 from kernels.rmsnorm import rms_norm
 
 logger = logging.getLogger(__name__)
@@ -224,7 +224,7 @@ class VocabParallelEmbedding(nn.Module):
 
 def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, tp_group) -> torch.Tensor:
     """hidden: (n, hidden) -> float32 logits (n, vocab), gathering each rank's vocab slice."""
-    logits = linear(hidden, weight).float()
+    logits = linear_float32_out(hidden, weight)
     if tp_group is None:
         return logits
     shards = [torch.empty_like(logits) for _ in range(dist.get_world_size(tp_group))]

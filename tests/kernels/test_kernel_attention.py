@@ -246,6 +246,35 @@ def test_long_context_decode_and_prefill(dtype):
     run_attention_case("cuda", dtype, (32, 8, 128), 16, [(1000, 2047), (0, 129)])
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FP8 pools are read by the Triton kernel on CUDA only")
+@pytest.mark.parametrize("q_magnitude,equal_keys", [(1.0, False), (1e5, True)])
+@pytest.mark.parametrize("batch", [PREFILL_BATCH, [(0, 1), (16, 1), (299, 1)]], ids=["prefill", "decode"])
+def test_fp8_pool_fp16_math_matches_reference(batch, q_magnitude, equal_keys):
+    """An FP8 pool is read with fp16 math (E4M3 widens to fp16 exactly, q carries the softmax
+    scale): prompt chunks over cached prefixes and decode rows match the reference, which works in
+    fp32. Queries of 1e5 are beyond fp16's 65504 and would become inf if q were cast before it is
+    scaled; with every key equal the scores tie whatever q is, so the output is the mean of the
+    visible values, which the reference computes too."""
+    from kernels.attention import KV_FP8_DTYPE
+    from kernels.triton_attention import paged_attention_triton, write_kv_cache_triton
+
+    num_heads, num_kv_heads, head_dim = 32, 8, 128
+    k, v, k_cache, v_cache, meta = make_batch(batch, num_kv_heads, head_dim, 16, torch.bfloat16, "cuda", seed=3)
+    k_cache, v_cache = k_cache.to(KV_FP8_DTYPE), v_cache.to(KV_FP8_DTYPE)
+    if equal_keys:
+        k_cache[:] = k_cache[0, 0]
+        k[:] = k_cache[0, 0].to(k.dtype)
+    write_kv_cache_triton(k, v, k_cache, v_cache, meta.slot_mapping)
+    gen = torch.Generator().manual_seed(4)
+    q = (torch.randn(k.shape[0], num_heads, head_dim, generator=gen) * q_magnitude).to(torch.bfloat16).cuda()
+    scale = head_dim**-0.5
+    out = paged_attention_triton(q, k_cache, v_cache, meta, scale)
+    ref = paged_attention_ref(q, k_cache, v_cache, meta, scale)
+    assert torch.isfinite(out).all()
+    assert relative_error(out, ref) < TOLERANCE[torch.bfloat16]
+
+
 def test_decode_split_count_is_a_bounded_power_of_two():
     pytest.importorskip("triton")
     from kernels.triton_attention import _decode_num_splits
