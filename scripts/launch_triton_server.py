@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import re
 import shutil
 import socket
@@ -330,10 +331,35 @@ def first_hostfile_host(hostfile: str) -> str:
     raise RuntimeError(f"hostfile {hostfile} lists no host")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
+LOWEST_CHOSEN_PORT = 20000
+
+
+def ephemeral_port_floor() -> int:
+    """The lowest port the kernel hands to outgoing connections (32768 unless configured)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
+            return int(ports.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port(host: str = "", tries: int = 500) -> int:
+    """A port nothing listens on now, chosen at random below the ephemeral range.
+
+    Binding to port 0 would give a port inside that range, where any outgoing connection (a gloo
+    or NCCL socket, a client) may take it before rank 0 binds it for the rendezvous; below it only
+    explicit listeners compete."""
+    highest = min(ephemeral_port_floor(), 32768) - 1
+    chooser = random.SystemRandom()  # unaffected by anyone seeding the random module
+    for _ in range(tries):
+        port = chooser.randint(LOWEST_CHOSEN_PORT, highest)
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port in {LOWEST_CHOSEN_PORT}-{highest}; pass --dist_port")
 
 
 def prepare_leader_mode(args: argparse.Namespace, env: dict[str, str]) -> None:

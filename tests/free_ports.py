@@ -8,34 +8,30 @@ only explicit listeners compete. A port is handed out once per test session.
 """
 from __future__ import annotations
 
-import random
-import socket
+import importlib.util
+import sys
+from pathlib import Path
 
-_LOWEST = 20000
+
+def _launcher():
+    """scripts/launch_triton_server.py, whose free_port chooses leader mode's rendezvous port."""
+    if "launch_triton_server" not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            "launch_triton_server", Path(__file__).resolve().parents[1] / "scripts" / "launch_triton_server.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["launch_triton_server"] = module  # its dataclasses look their module up
+        spec.loader.exec_module(module)
+    return sys.modules["launch_triton_server"]
+
+
 _handed_out: set[int] = set()
-_random = random.SystemRandom()  # immune to tests that seed the random module
-
-
-def _ephemeral_low() -> int:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
-            return int(ports.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
 
 
 def free_port() -> int:
-    """A port on 127.0.0.1 that nothing listens on now, nor is in TIME_WAIT, outside the ephemeral range."""
-    highest = min(_ephemeral_low(), 32768) - 1
-    for _ in range(500):
-        port = _random.randint(_LOWEST, highest)
-        if port in _handed_out:
-            continue
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _handed_out.add(port)
-        return port
-    raise RuntimeError(f"no free port in {_LOWEST}-{highest}")
+    """A port on 127.0.0.1 that nothing listens on now, below the ephemeral range, new to this session."""
+    for _ in range(100):
+        port = _launcher().free_port("127.0.0.1")
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+    raise RuntimeError("no port left that this session has not handed out")

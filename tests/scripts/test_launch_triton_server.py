@@ -126,3 +126,15 @@ def test_busy_openai_port_is_a_clear_error(tmp_path):
                                          "--grpc_port=0", "--metrics_port=0", f"--openai_port={port}"])
         with pytest.raises(RuntimeError, match=f"already in use: --openai_port={port}"):
             launcher.preflight(args)
+
+
+def test_rendezvous_port_is_free_and_below_the_ephemeral_range():
+    """Leader mode's default --dist_port: a port from binding to 0 lies in the ephemeral range, where
+    an outgoing connection can take it before rank 0 binds it; the launcher chooses below it."""
+    floor = launcher.ephemeral_port_floor()
+    ports = {launcher.free_port() for _ in range(20)}
+    assert all(launcher.LOWEST_CHOSEN_PORT <= port < min(floor, 32768) for port in ports)
+    assert len(ports) > 1  # chosen at random, not the same port every time
+    for port in ports:
+        with socket.socket() as sock:
+            sock.bind(("", port))  # free when chosen (nothing else binds in this test)
