@@ -11,11 +11,15 @@ Scheme (what an engine built with ``--quantization fp8`` holds and runs):
 E4M3 keeps 3 mantissa bits: a value's relative rounding error is at most 2^-4 (half a unit in
 the last place), 6.25%, for values within the normal range (>= 2^-6 of the scale's 448).
 
-Paths, chosen per call:
+Paths, chosen per call; on CUDA every one is W8A8, so a sequence's numbers do not depend on the
+size of the batch it rides in (the reference below is the same scheme):
 - CUDA, at most ``MAX_SKINNY_ROWS`` rows (decode): the skinny Triton kernel streams the FP8
-  weight (half the bytes of bf16) and applies the row scales in its epilogue; activations stay
-  in bf16 there (weight-only, W8A16: with a handful of rows there is nothing to gain by
-  quantizing them, and it is the more exact of the two);
+  weight (half the bytes of bf16) into FP8 tensor-core dots with the quantized activations and
+  applies both scales in its epilogue. Until 2026-11-25 these rows stayed in bf16 (W8A16) and the
+  weight tiles were widened to bf16 for the dot. On an H100 the widening cost more than quantizing
+  the rows: the decode products went from 31.3 to 25.6 us on average, and Llama-8B's batch-1
+  decode from 210 to 243 tok/s. The norms and the SiLU quantize their output in the kernel that
+  makes it; o_proj's input and the gated product's output take a quantize kernel of ~3.4 us each;
 - CUDA, more rows: ``torch._scaled_mm`` (cuBLASLt FP8 tensor cores) with per-token activation
   scales and per-channel weight scales (W8A8), with Hopper's fast FP8 accumulation (the tensor
   cores' own accumulator, not promoted to float32 after every K block): 8-20% faster on Llama-8B's
@@ -25,7 +29,7 @@ Paths, chosen per call:
 - elsewhere: ``fp8_linear_ref``, the plain-torch reference of the W8A8 scheme (quantize x per
   token, dequantize both, matmul in float32), also the oracle of the kernel tests.
 
-Where the W8A8 path will run (``quantizes_activations``), the kernel that makes a product's input
+Where the W8A8 path will run (``quantizes_activations``: on CUDA), the kernel that makes a product's input
 may quantize it on the way out and hand over ``QuantizedRows`` instead: ``rms_norm_quantized``
 (the norms before qkv and gate_up) and ``silu_and_mul_quantized`` (the activation before
 down_proj). That skips writing and re-reading the activations in the model dtype; the values are
@@ -96,9 +100,10 @@ class QuantizedRows(NamedTuple):
 
 
 def quantizes_activations(rows: int, device: torch.device) -> bool:
-    """Whether fp8_linear multiplies ``rows`` rows with per-token-quantized activations on
-    cuBLASLt (W8A8), so that the kernel making its input may hand it QuantizedRows."""
-    return HAVE_TRITON and device.type == "cuda" and rows > MAX_SKINNY_ROWS
+    """Whether fp8_linear quantizes ``rows`` rows of activations on the GPU (W8A8: the skinny
+    kernel or cuBLASLt), so that the kernel making its input may hand it QuantizedRows. Every
+    row count on CUDA with Triton; ``rows`` stays in the signature for callers that ask per batch."""
+    return HAVE_TRITON and device.type == "cuda"
 
 
 def rms_norm_quantized(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
@@ -165,16 +170,21 @@ def fp8_linear_scaled_mm(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, 
 def fp8_linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (M, K) @ dequantized weight (N, K).T (+ bias), by the paths in the module docstring.
-    QuantizedRows (from rms_norm_quantized / silu_and_mul_quantized) go straight to the W8A8 product."""
-    if isinstance(x, QuantizedRows):
-        return fp8_linear_scaled_mm(x, weight, weight_scale, bias) if x.values.is_cuda else \
-            fp8_linear_ref(x, weight, weight_scale, bias)
-    if x.is_cuda:
-        if x.shape[0] <= MAX_SKINNY_ROWS and x.is_contiguous() and use_triton(x):
-            variant = getattr(weight, "_fp8_skinny_variant", FP8_SKINNY_DEFAULT)
-            return skinny_linear_triton(x, weight, bias, weight_scale=weight_scale, **variant_options(variant))
+    QuantizedRows (from rms_norm_quantized / silu_and_mul_quantized) are multiplied as they are."""
+    values = x.values if isinstance(x, QuantizedRows) else x
+    if not values.is_cuda:
+        return fp8_linear_ref(x, weight, weight_scale, bias)
+    if values.shape[0] > MAX_SKINNY_ROWS or values.stride(1) != 1 or not use_triton(values):
         return fp8_linear_scaled_mm(x, weight, weight_scale, bias)
-    return fp8_linear_ref(x, weight, weight_scale, bias)
+    rows = x if isinstance(x, QuantizedRows) else QuantizedRows(*quantize_rows_triton(x), x.dtype)
+    return _skinny_w8a8(rows, weight, weight_scale, bias)
+
+
+def _skinny_w8a8(x: QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
+                 *, gated: bool = False) -> torch.Tensor:
+    variant = getattr(weight, "_fp8_skinny_variant", FP8_SKINNY_DEFAULT)
+    return skinny_linear_triton(x.values, weight, bias, weight_scale=weight_scale, x_scale=x.scale, out_dtype=x.dtype,
+                                gated=gated, **variant_options(variant))
 
 
 def fp8_gated_linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -182,10 +192,13 @@ def fp8_gated_linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weig
     """silu(x @ gate.T) * (x @ up.T) for an FP8 gate_up weight (2 * inter, hidden) = [gate | up].
     ``quantize_output``: the result feeds an FP8 product, so return it as QuantizedRows where that
     product will take the W8A8 path."""
-    if isinstance(x, torch.Tensor) and x.is_cuda and x.shape[0] <= MAX_SKINNY_ROWS and x.is_contiguous() \
-            and use_triton(x):
-        variant = getattr(weight, "_fp8_skinny_variant", FP8_SKINNY_DEFAULT)
-        return skinny_linear_triton(x, weight, weight_scale=weight_scale, gated=True, **variant_options(variant))
+    values = x.values if isinstance(x, QuantizedRows) else x
+    if values.is_cuda and values.shape[0] <= MAX_SKINNY_ROWS and values.stride(1) == 1 and use_triton(values):
+        # One skinny kernel for both products and the SiLU; its output is quantized apart when the
+        # down projection wants it (a row's scale needs the whole row, which no one program sees).
+        rows = x if isinstance(x, QuantizedRows) else QuantizedRows(*quantize_rows_triton(x), x.dtype)
+        out = _skinny_w8a8(rows, weight, weight_scale, gated=True)
+        return QuantizedRows(*quantize_rows_triton(out), out.dtype) if quantize_output else out
     product = fp8_linear(x, weight, weight_scale)
     if quantize_output and quantizes_activations(product.shape[0], product.device):
         return silu_and_mul_quantized(product)
@@ -211,14 +224,15 @@ def choose_fp8_skinny_variants(weights: list[torch.Tensor], rows: int = 8) -> di
     for weight in weights:
         shape = tuple(weight.shape)
         if shape not in chosen:
-            x = torch.randn(rows, shape[1], dtype=torch.bfloat16, device=weight.device)
+            x = quantize_rows_triton(torch.randn(rows, shape[1], dtype=torch.bfloat16, device=weight.device))
             scale = torch.ones(shape[0], dtype=torch.float32, device=weight.device)
             copies = l2_defeating_copies(weight)
             turn = iter(range(1 << 40))
             times = {}
-            for variant in SKINNY_VARIANTS + FP8_EXTRA_VARIANTS:
+            for variant in SKINNY_VARIANTS + FP8_EXTRA_VARIANTS:  # timed as run: W8A8 (x quantized per row)
                 times[variant] = graph_time_ms(lambda: skinny_linear_triton(
-                    x, copies[next(turn) % len(copies)], weight_scale=scale, **variant_options(variant)))
+                    x[0], copies[next(turn) % len(copies)], weight_scale=scale, x_scale=x[1],
+                    out_dtype=torch.bfloat16, **variant_options(variant)))
             chosen[shape] = min(times, key=times.get)
             del copies
         weight._fp8_skinny_variant = chosen[shape]

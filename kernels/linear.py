@@ -42,9 +42,9 @@ def variant_options(variant: tuple) -> dict:
 
 @jit(do_not_specialize=["M"])  # one compile for every row count
 def _skinny_gemm_kernel(
-    x_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr, part_ptr, arrivals_ptr, M, N, K, K_PER_SPLIT,
+    x_ptr, w_ptr, bias_ptr, scale_ptr, x_scale_ptr, out_ptr, part_ptr, arrivals_ptr, M, N, K, K_PER_SPLIT,
     stride_xm, stride_wn, stride_om,
-    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, HAS_SCALE: tl.constexpr, M_PAD: tl.constexpr,
+    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, HAS_SCALE: tl.constexpr, X_SCALE: tl.constexpr, M_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program: BLOCK_N output features for all M rows, streaming its (BLOCK_N, K) weight rows once.
@@ -53,6 +53,9 @@ def _skinny_gemm_kernel(
     rounded as the unfused path rounds (each product to the output dtype, then silu, then the mul).
     HAS_SCALE: the weight is FP8 (kernels/fp8.py): each tile is widened to x's dtype for the dot and
     output feature n is multiplied by scale[n] (gated: scale[n] and scale[N + n]) before the bias.
+    X_SCALE (with HAS_SCALE): x is FP8 too, row m standing for x[m] * x_scale[m] (kernels/fp8.py's
+    W8A8 scheme): the tiles meet in an FP8 tensor-core dot, with no widening, and row m of the
+    sums is multiplied by x_scale[m] with the weight scales.
     SPLIT_K > 1: program (i, s) covers K range [s * K_PER_SPLIT, (s + 1) * K_PER_SPLIT) and writes its
     float32 sums to part (SPLIT_K, M, N) (gated: (SPLIT_K, M, 2N), up sums in columns N..2N-1); the
     program of output tile i that arrives last (``arrivals[i]`` counts them) adds the SPLIT_K sums
@@ -79,7 +82,7 @@ def _skinny_gemm_kernel(
         w_up = w
         if GATED:
             w_up = tl.load(w_up_base + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        acc, acc_up = _skinny_tile_dot(x, w, w_up, acc, acc_up, GATED, HAS_SCALE)
+        acc, acc_up = _skinny_tile_dot(x, w, w_up, acc, acc_up, GATED, HAS_SCALE and not X_SCALE)
     mask = row_ok[:, None] & col_ok[None, :]
     if SPLIT_K > 1:
         width = 2 * N if GATED else N
@@ -92,31 +95,33 @@ def _skinny_gemm_kernel(
         tl.debug_barrier()
         arrived = tl.atomic_add(arrivals_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT_K - 1:
-            _skinny_sum_splits_and_finish(part_ptr, bias_ptr, scale_ptr, out_ptr, rows, cols, col_ok, mask, M, N,
-                                          stride_om, HAS_BIAS, GATED, HAS_SCALE, M_PAD, BLOCK_N, SPLIT_K)
+            _skinny_sum_splits_and_finish(part_ptr, bias_ptr, scale_ptr, x_scale_ptr, out_ptr, rows, cols, col_ok, mask,
+                                          M, N, stride_om, HAS_BIAS, GATED, HAS_SCALE, X_SCALE, M_PAD, BLOCK_N,
+                                          SPLIT_K)
             tl.store(arrivals_ptr + tl.program_id(0), 0)
     else:
-        _skinny_epilogue(acc, acc_up, rows, cols, col_ok, mask, bias_ptr, scale_ptr, out_ptr, N, stride_om,
-                         HAS_BIAS, GATED, HAS_SCALE)
+        _skinny_epilogue(acc, acc_up, rows, cols, row_ok, col_ok, mask, bias_ptr, scale_ptr, x_scale_ptr, out_ptr, N,
+                         stride_om, HAS_BIAS, GATED, HAS_SCALE, X_SCALE)
 
 
 @jit
-def _skinny_tile_dot(x, w, w_up, acc, acc_up, GATED: tl.constexpr, HAS_SCALE: tl.constexpr):
-    """acc += x @ w.T (and acc_up += x @ w_up.T when GATED); FP8 tiles are widened to x's dtype."""
-    if HAS_SCALE:
+def _skinny_tile_dot(x, w, w_up, acc, acc_up, GATED: tl.constexpr, WIDEN: tl.constexpr):
+    """acc += x @ w.T (and acc_up += x @ w_up.T when GATED); WIDEN: FP8 weight tiles widen to x's dtype."""
+    if WIDEN:
         w = w.to(x.dtype)
     acc = tl.dot(x, tl.trans(w), acc)
     if GATED:
-        if HAS_SCALE:
+        if WIDEN:
             w_up = w_up.to(x.dtype)
         acc_up = tl.dot(x, tl.trans(w_up), acc_up)
     return acc, acc_up
 
 
 @jit
-def _skinny_sum_splits_and_finish(part_ptr, bias_ptr, scale_ptr, out_ptr, rows, cols, col_ok, mask, M, N, stride_om,
-                                  HAS_BIAS: tl.constexpr, GATED: tl.constexpr, HAS_SCALE: tl.constexpr,
-                                  M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):
+def _skinny_sum_splits_and_finish(part_ptr, bias_ptr, scale_ptr, x_scale_ptr, out_ptr, rows, cols, col_ok, mask, M, N,
+                                  stride_om, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, HAS_SCALE: tl.constexpr,
+                                  X_SCALE: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                                  SPLIT_K: tl.constexpr):
     """Add the SPLIT_K partial sums of one output tile in split order (deterministic), then the
     epilogue. The sums come from L2 (``.cg``): other programs wrote them during this kernel."""
     width = 2 * N if GATED else N
@@ -127,18 +132,24 @@ def _skinny_sum_splits_and_finish(part_ptr, bias_ptr, scale_ptr, out_ptr, rows, 
         acc += tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
         if GATED:
             acc_up += tl.load(part + N, mask=mask, other=0.0, cache_modifier=".cg")
-    _skinny_epilogue(acc, acc_up, rows, cols, col_ok, mask, bias_ptr, scale_ptr, out_ptr, N, stride_om,
-                     HAS_BIAS, GATED, HAS_SCALE)
+    _skinny_epilogue(acc, acc_up, rows, cols, rows < M, col_ok, mask, bias_ptr, scale_ptr, x_scale_ptr, out_ptr, N,
+                     stride_om, HAS_BIAS, GATED, HAS_SCALE, X_SCALE)
 
 
 @jit
-def _skinny_epilogue(acc, acc_up, rows, cols, col_ok, mask, bias_ptr, scale_ptr, out_ptr, N, stride_om,
-                     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, HAS_SCALE: tl.constexpr):
+def _skinny_epilogue(acc, acc_up, rows, cols, row_ok, col_ok, mask, bias_ptr, scale_ptr, x_scale_ptr, out_ptr, N,
+                     stride_om, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, HAS_SCALE: tl.constexpr,
+                     X_SCALE: tl.constexpr):
     """Scale, bias, the gate's SiLU-and-mul, rounding to the output dtype, store: (M_PAD, BLOCK_N) tiles."""
     if HAS_SCALE:
         acc *= tl.load(scale_ptr + cols, mask=col_ok, other=0.0)[None, :]
         if GATED:
             acc_up *= tl.load(scale_ptr + N + cols, mask=col_ok, other=0.0)[None, :]
+    if X_SCALE:
+        row_scale = tl.load(x_scale_ptr + rows, mask=row_ok, other=0.0)[:, None]
+        acc *= row_scale
+        if GATED:
+            acc_up *= row_scale
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if GATED:
@@ -167,15 +178,19 @@ def _arrival_counters(device: torch.device, tiles: int) -> torch.Tensor:
 
 def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                          *, block_n: int = 16, block_k: int = 512, num_warps: int = 4, num_stages: int = 4,
-                         split_k: int = 1, gated: bool = False, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+                         split_k: int = 1, gated: bool = False, weight_scale: torch.Tensor | None = None,
+                         x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias) for M <= MAX_SKINNY_ROWS rows, fp32 accumulation; with ``gated``,
     silu(x @ weight[:N].T) * (x @ weight[N:].T) for weight (2N, K) (bias not supported). With
-    ``weight_scale`` (rows of weight,) float32, weight is FP8 and row n counts as weight[n] * scale[n].
-    ``split_k``: programs per output tile along K (each a whole number of BLOCK_K tiles)."""
+    ``weight_scale`` (rows of weight,) float32, weight is FP8 and row n counts as weight[n] * scale[n];
+    with ``x_scale`` (M,) float32 too, x is FP8 and row m counts as x[m] * x_scale[m], and the
+    result is ``out_dtype`` (the activations' dtype). ``split_k``: programs per output tile along K
+    (each a whole number of BLOCK_K tiles)."""
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     assert m <= MAX_SKINNY_ROWS and x.stride(1) == 1 and weight.stride(1) == 1 and not (gated and bias is not None)
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    assert (x_scale is None) == (out_dtype is None) and (x_scale is None or weight_scale is not None)
+    out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if m == 0:
         return out
     k_tiles = triton.cdiv(k, block_k)
@@ -185,12 +200,13 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     part = torch.empty(split_k, m, 2 * n if gated else n, dtype=torch.float32, device=x.device) if split_k > 1 else out
     bias_arg = bias if bias is not None else weight
     scale_arg = weight_scale if weight_scale is not None else weight
-    flags = dict(HAS_BIAS=bias is not None, GATED=gated, HAS_SCALE=weight_scale is not None, M_PAD=16,
-                 BLOCK_N=block_n, SPLIT_K=split_k, **pdl_options(x))
+    x_scale_arg = x_scale if x_scale is not None else scale_arg
+    flags = dict(HAS_BIAS=bias is not None, GATED=gated, HAS_SCALE=weight_scale is not None,
+                 X_SCALE=x_scale is not None, M_PAD=16, BLOCK_N=block_n, SPLIT_K=split_k, **pdl_options(x))
     tiles = triton.cdiv(n, block_n)
     arrivals = _arrival_counters(x.device, tiles) if split_k > 1 else part
     _skinny_gemm_kernel[(tiles, split_k)](
-        x, weight, bias_arg, scale_arg, out, part, arrivals, m, n, k, k_per_split,
+        x, weight, bias_arg, scale_arg, x_scale_arg, out, part, arrivals, m, n, k, k_per_split,
         x.stride(0), weight.stride(0), out.stride(0), BLOCK_K=block_k,
         num_warps=num_warps, num_stages=num_stages, **flags,
     )

@@ -111,11 +111,10 @@ def test_gpu_paths_equal_the_reference(rows):
     w_q, w_scale = quantize_weight(torch.randn(1536, 4096, device="cuda") * 0.02)
     bias = torch.randn(1536, device="cuda", dtype=torch.bfloat16)
     got = fp8_linear(x, w_q, w_scale, bias).float()
-    if rows <= 16:  # weight-only on the skinny kernel: exact weights times bf16 activations
-        want = (x.float() @ dequantize_rows(w_q, w_scale).T + bias.float())
-    else:  # W8A8 on cuBLASLt
-        want = fp8_linear_ref(x.float(), w_q, w_scale, bias.float())
+    want = fp8_linear_ref(x.float(), w_q, w_scale, bias.float())  # every GPU path is W8A8
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    if rows <= 16:  # the skinny kernel multiplies the same E4M3 values exactly: one bf16 rounding apart
+        assert ((got - want).norm() / want.norm()).item() < 4e-3
 
 
 @cuda
@@ -148,8 +147,14 @@ def test_scaled_mm_and_skinny_gated_equal_the_reference():
     torch.manual_seed(4)
     x = torch.randn(8, 2048, device="cuda", dtype=torch.bfloat16)
     w_q, w_scale = quantize_weight(torch.randn(2 * 1024, 2048, device="cuda") * 0.02)
-    want = silu_and_mul((x.float() @ dequantize_rows(w_q, w_scale).T)).float()
+    want = silu_and_mul(fp8_linear_ref(x, w_q, w_scale)).float()  # W8A8, products rounded to bf16 first
     torch.testing.assert_close(fp8_gated_linear(x, w_q, w_scale).float(), want, rtol=3e-2, atol=3e-2)
+    # Feeding an FP8 down projection, the gated output comes quantized per row, as quantize_rows makes it.
+    rows = fp8_gated_linear(x, w_q, w_scale, quantize_output=True)
+    values, scale = quantize_rows(fp8_gated_linear(x, w_q, w_scale))
+    assert isinstance(rows, QuantizedRows) and rows.dtype == torch.bfloat16
+    torch.testing.assert_close(rows.scale, scale)
+    assert torch.equal(rows.values.view(torch.uint8), values.view(torch.uint8))
     x_big = torch.randn(128, 2048, device="cuda", dtype=torch.bfloat16)
     torch.testing.assert_close(fp8_linear_scaled_mm(x_big, w_q, w_scale).float(),
                                fp8_linear_ref(x_big.float(), w_q, w_scale), rtol=2e-2, atol=2e-2)
@@ -258,3 +263,23 @@ def test_fp8_kv_pool_write_and_paged_attention_equal_the_reference(heads, kv_hea
     got = paged_attention(q, pools[0], pools[1], meta, dim ** -0.5)
     want = paged_attention_ref(q, pools[0], pools[1], meta, dim ** -0.5)
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+@cuda
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("gated", [False, True])
+def test_skinny_kernel_on_quantized_rows_equals_the_reference(split_k, gated):
+    """The decode-size W8A8 kernel (FP8 x FP8 dots, both scales in the epilogue, split-K sums added
+    by the last program) against the plain-torch W8A8 reference: the same E4M3 values multiplied
+    exactly, so about one bf16 rounding apart (gated: the SiLU of the two rounded products)."""
+    from kernels.linear import skinny_linear_triton
+
+    torch.manual_seed(12 + split_k)
+    x = torch.randn(5, 2048, device="cuda", dtype=torch.bfloat16)
+    rows = QuantizedRows(*quantize_rows(x), x.dtype)
+    w_q, w_scale = quantize_weight(torch.randn(2 * 384, 2048, device="cuda") * 0.02)
+    got = skinny_linear_triton(rows.values, w_q, weight_scale=w_scale, x_scale=rows.scale, out_dtype=torch.bfloat16,
+                               gated=gated, split_k=split_k, block_k=256).float()
+    product = fp8_linear_ref(rows, w_q, w_scale)
+    want = (silu_and_mul(product) if gated else product).float()
+    assert ((got - want).norm() / want.norm()).item() < (1e-2 if gated else 4e-3)
