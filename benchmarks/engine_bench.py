@@ -347,8 +347,9 @@ GEMM_VARIANTS = [  # (block_n, block_k, num_warps, num_stages) of the skinny Tri
 
 def bench_fp8_gemm(results: dict, model_cfg: ModelConfig, dtype: torch.dtype, rows=(1, 8, 64, 512)) -> None:
     """Every decoder-block weight shape at 1, 8, 64 and 512 rows: bf16 (the engine's choice of
-    cuBLAS or skinny kernel) beside FP8 (skinny kernel up to 16 rows, torch._scaled_mm beyond),
-    device time from graph replays, with the weight bytes streamed per second."""
+    cuBLAS or skinny kernel) beside FP8 (W8A8: skinny kernel up to 16 rows, torch._scaled_mm beyond;
+    the bf16 rows are quantized inside the timed call, as o_proj's input is), device time from graph
+    replays, with the weight bytes streamed per second."""
     from kernels.fp8 import choose_fp8_skinny_variants, fp8_linear, l2_defeating_copies, quantize_weight
     from kernels.linear import choose_skinny_weights, graph_time_ms, linear
 
