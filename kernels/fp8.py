@@ -11,8 +11,9 @@ Scheme (what an engine built with ``--quantization fp8`` holds and runs):
 E4M3 keeps 3 mantissa bits: a value's relative rounding error is at most 2^-4 (half a unit in
 the last place), 6.25%, for values within the normal range (>= 2^-6 of the scale's 448).
 
-Paths, chosen per call; on CUDA every one is W8A8, so a sequence's numbers do not depend on the
-size of the batch it rides in (the reference below is the same scheme):
+Paths, chosen per call; on CUDA every one is W8A8, so a sequence is rounded the same way whatever
+the size of its batch (the kernels differ only in their order of accumulation; the reference below
+is the same scheme):
 - CUDA, at most ``MAX_SKINNY_ROWS`` rows (decode): the skinny Triton kernel streams the FP8
   weight (half the bytes of bf16) into FP8 tensor-core dots with the quantized activations and
   applies both scales in its epilogue. Until 2026-11-25 these rows stayed in bf16 (W8A16) and the
