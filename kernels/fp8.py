@@ -100,11 +100,20 @@ class QuantizedRows(NamedTuple):
     dtype: torch.dtype  # the activations' dtype, which the product returns
 
 
-def quantizes_activations(rows: int, device: torch.device) -> bool:
-    """Whether fp8_linear quantizes ``rows`` rows of activations on the GPU (W8A8: the skinny
-    kernel or cuBLASLt), so that the kernel making its input may hand it QuantizedRows. Every
-    row count on CUDA with Triton; ``rows`` stays in the signature for callers that ask per batch."""
+def quantizes_activations(device: torch.device) -> bool:
+    """Whether fp8_linear quantizes activations on ``device`` itself (W8A8 on the skinny kernel or
+    cuBLASLt: CUDA with Triton, at every batch size), so that the kernel making its input may hand
+    it QuantizedRows instead."""
     return HAVE_TRITON and device.type == "cuda"
+
+
+def as_quantized_rows(x: torch.Tensor | QuantizedRows) -> QuantizedRows:
+    """x quantized per row (itself when it already is): one Triton kernel for CUDA rows with unit
+    column stride, else the reference (the two agree bit for bit)."""
+    if isinstance(x, QuantizedRows):
+        return x
+    x_q, x_scale = quantize_rows_triton(x) if use_triton(x) and x.stride(1) == 1 else quantize_rows(x)
+    return QuantizedRows(x_q, x_scale, x.dtype)
 
 
 def rms_norm_quantized(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
@@ -114,14 +123,14 @@ def rms_norm_quantized(x: torch.Tensor, weight: torch.Tensor, eps: float, residu
         values, scale, residual = rms_norm_quantized_triton(x, weight, eps, residual)
         return QuantizedRows(values, scale, x.dtype), residual
     out, residual = rms_norm_ref(x, weight, eps, residual)
-    return QuantizedRows(*quantize_rows(out), x.dtype), residual
+    return as_quantized_rows(out), residual
 
 
 def silu_and_mul_quantized(x: torch.Tensor) -> QuantizedRows:
     """kernels.activation.silu_and_mul with its output quantized per row."""
     if use_triton(x):
         return QuantizedRows(*silu_and_mul_quantized_triton(x), x.dtype)
-    return QuantizedRows(*quantize_rows(silu_and_mul(x)), x.dtype)
+    return as_quantized_rows(silu_and_mul(x))
 
 
 def dequantize_rows(x_q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -160,9 +169,7 @@ def _dequantized_product(x: QuantizedRows, weight, weight_scale, bias) -> torch.
 def fp8_linear_scaled_mm(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor,
                          bias: torch.Tensor | None = None) -> torch.Tensor:
     """The W8A8 scheme on cuBLASLt's FP8 tensor cores (``torch._scaled_mm``, row-wise scales)."""
-    if not isinstance(x, QuantizedRows):
-        x_q, x_scale = quantize_rows_triton(x) if use_triton(x) and x.stride(1) == 1 else quantize_rows(x)
-        x = QuantizedRows(x_q, x_scale, x.dtype)
+    x = as_quantized_rows(x)
     out = torch._scaled_mm(x.values, weight.t(), scale_a=x.scale[:, None], scale_b=weight_scale[None, :],
                            out_dtype=x.dtype, use_fast_accum=FAST_ACCUM)
     return out if bias is None else out + bias
@@ -172,13 +179,17 @@ def fp8_linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_sca
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (M, K) @ dequantized weight (N, K).T (+ bias), by the paths in the module docstring.
     QuantizedRows (from rms_norm_quantized / silu_and_mul_quantized) are multiplied as they are."""
-    values = x.values if isinstance(x, QuantizedRows) else x
-    if not values.is_cuda:
-        return fp8_linear_ref(x, weight, weight_scale, bias)
-    if values.shape[0] > MAX_SKINNY_ROWS or values.stride(1) != 1 or not use_triton(values):
+    if _takes_skinny_kernel(x):
+        return _skinny_w8a8(as_quantized_rows(x), weight, weight_scale, bias)
+    if (x.values if isinstance(x, QuantizedRows) else x).is_cuda:
         return fp8_linear_scaled_mm(x, weight, weight_scale, bias)
-    rows = x if isinstance(x, QuantizedRows) else QuantizedRows(*quantize_rows_triton(x), x.dtype)
-    return _skinny_w8a8(rows, weight, weight_scale, bias)
+    return fp8_linear_ref(x, weight, weight_scale, bias)
+
+
+def _takes_skinny_kernel(x: torch.Tensor | QuantizedRows) -> bool:
+    """Decode-size rows on CUDA with unit column stride: the skinny W8A8 kernel's inputs."""
+    values = x.values if isinstance(x, QuantizedRows) else x
+    return values.shape[0] <= MAX_SKINNY_ROWS and values.stride(1) == 1 and use_triton(values)
 
 
 def _skinny_w8a8(x: QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
@@ -193,15 +204,13 @@ def fp8_gated_linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weig
     """silu(x @ gate.T) * (x @ up.T) for an FP8 gate_up weight (2 * inter, hidden) = [gate | up].
     ``quantize_output``: the result feeds an FP8 product, so return it as QuantizedRows where that
     product will take the W8A8 path."""
-    values = x.values if isinstance(x, QuantizedRows) else x
-    if values.is_cuda and values.shape[0] <= MAX_SKINNY_ROWS and values.stride(1) == 1 and use_triton(values):
+    if _takes_skinny_kernel(x):
         # One skinny kernel for both products and the SiLU; its output is quantized apart when the
         # down projection wants it (a row's scale needs the whole row, which no one program sees).
-        rows = x if isinstance(x, QuantizedRows) else QuantizedRows(*quantize_rows_triton(x), x.dtype)
-        out = _skinny_w8a8(rows, weight, weight_scale, gated=True)
-        return QuantizedRows(*quantize_rows_triton(out), out.dtype) if quantize_output else out
+        out = _skinny_w8a8(as_quantized_rows(x), weight, weight_scale, gated=True)
+        return as_quantized_rows(out) if quantize_output else out
     product = fp8_linear(x, weight, weight_scale)
-    if quantize_output and quantizes_activations(product.shape[0], product.device):
+    if quantize_output and quantizes_activations(product.device):
         return silu_and_mul_quantized(product)
     return silu_and_mul(product)
 

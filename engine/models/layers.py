@@ -138,7 +138,7 @@ class Linear(nn.Module):
     def takes_quantized_rows(self, x: torch.Tensor) -> bool:
         """Whether this layer would quantize x per token itself (an FP8 weight on the W8A8 path),
         so that the kernel making x may hand it QuantizedRows instead."""
-        return self.weight_scale is not None and quantizes_activations(x.shape[0], x.device)
+        return self.weight_scale is not None and quantizes_activations(x.device)
 
     def gated(self, x: torch.Tensor | QuantizedRows, *, quantize_output: bool = False) -> torch.Tensor | QuantizedRows:
         """silu(x @ gate.T) * (x @ up.T) for a fused [gate | up] weight (2 * inter, in).
