@@ -43,7 +43,7 @@ from typing import NamedTuple
 
 import torch
 
-from kernels._triton import HAVE_TRITON, jit, tl, triton, use_triton
+from kernels._triton import HAVE_TRITON, jit, pdl_options, pdl_prologue, tl, triton, use_triton
 from kernels.activation import silu_and_mul, silu_and_mul_quantized_triton
 from kernels.e4m3_rows import e4m3_row_scale, to_e4m3
 from kernels.linear import MAX_SKINNY_ROWS, SKINNY_VARIANTS, graph_time_ms, skinny_linear_triton, variant_options
@@ -64,11 +64,19 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @jit
-def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr):
+def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """One program per row: its absolute maximum, then every value divided by max / 448 into E4M3.
-    The same arithmetic as ``quantize_rows`` (float32 division, clamp, round to nearest)."""
+    The same arithmetic as ``quantize_rows`` (float32 division, clamp, round to nearest). A row that
+    fits one BLOCK is read once and kept in registers; a longer one is read twice."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
+    pdl_prologue(PDL)
+    if BLOCK >= K:
+        x = tl.load(x_ptr + row * stride_x + cols, mask=cols < K, other=0.0).to(tl.float32)
+        scale = e4m3_row_scale(tl.max(tl.abs(x), 0))
+        tl.store(scale_ptr + row, scale)
+        tl.store(q_ptr + row * stride_q + cols, to_e4m3(x, scale), mask=cols < K)
+        return
     peak = tl.zeros([BLOCK], dtype=tl.float32)
     for k0 in range(0, K, BLOCK):
         x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
@@ -80,15 +88,22 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, BLOCK:
         tl.store(q_ptr + row * stride_q + k0 + cols, to_e4m3(x, scale), mask=k0 + cols < K)
 
 
+QUANTIZE_ONE_PASS_MAX = 16384  # widest row kept in registers: 32 values a thread at 16 warps
+
+
 def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quantize_rows`` in one kernel launch (x (R, C) with unit column stride)."""
+    """``quantize_rows`` in one kernel launch (x (R, C) with unit column stride). Rows up to
+    QUANTIZE_ONE_PASS_MAX wide are read once: for one row of Llama-8B's 14,336 that is one round
+    trip to memory instead of fourteen (two passes of 2,048-wide tiles), the whole cost of a
+    kernel this small."""
     rows, cols = x.shape
     assert x.stride(1) == 1
     x_q = torch.empty(rows, cols, dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty(rows, dtype=torch.float32, device=x.device)
     if rows:
-        _quantize_rows_kernel[(rows,)](x, x_q, scale, cols, x.stride(0), x_q.stride(0),
-                                       BLOCK=min(2048, triton.next_power_of_2(cols)), num_warps=4)
+        block = triton.next_power_of_2(cols) if cols <= QUANTIZE_ONE_PASS_MAX else 2048
+        _quantize_rows_kernel[(rows,)](x, x_q, scale, cols, x.stride(0), x_q.stride(0), BLOCK=block,
+                                       num_warps=min(16, max(4, block // 512)), **pdl_options(x))
     return x_q, scale
 
 
@@ -215,38 +230,52 @@ def fp8_gated_linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weig
     return silu_and_mul(product)
 
 
-# (block_n, block_k, num_warps, num_stages) of the skinny kernel for FP8 weights until a weight is
-# timed at load (``choose_fp8_skinny_variants``): FP8 rows are half as many bytes, so longer K tiles.
+# (block_n, block_k, num_warps, num_stages[, split_k[, swap_ab]]) of the skinny kernel for FP8
+# weights until a weight is timed at load (``choose_fp8_skinny_variants``): FP8 rows are half as
+# many bytes, so longer K tiles.
 FP8_SKINNY_DEFAULT = (16, 512, 4, 4)
 # Tried at load beside the bf16 tilings: an FP8 tile carries half the bytes of a bf16 one, so
-# longer K tiles, more warps and deeper pipelines keep as many bytes in flight.
+# longer K tiles, more warps and deeper pipelines keep as many bytes in flight. The swapped-operand
+# tilings (64 weight rows as one warpgroup MMA's first operand) were the fastest for Llama-8B's
+# qkv_proj and gated gate_up_proj at one row on an H100 (2026-11-25, a probe: 10.7 and 41.8 us
+# against 11.7 and 45.5 for the best unswapped tilings).
 FP8_EXTRA_VARIANTS = ((16, 1024, 4, 4), (32, 512, 4, 4), (16, 1024, 8, 3), (32, 1024, 8, 3), (64, 512, 8, 4),
                       (16, 2048, 8, 2), (32, 256, 4, 8), (16, 512, 8, 6),
                       (16, 512, 4, 4, 2), (32, 512, 4, 4, 2), (16, 512, 4, 4, 4), (32, 256, 4, 8, 4),
-                      (16, 1024, 4, 4, 2), (64, 512, 8, 4, 2))
+                      (16, 1024, 4, 4, 2), (64, 512, 8, 4, 2),
+                      (64, 256, 4, 5, 1, 1), (64, 256, 4, 3, 1, 1), (64, 256, 4, 5, 2, 1), (64, 256, 4, 5, 4, 1),
+                      (32, 512, 4, 4, 1, 1), (64, 512, 4, 3, 2, 1), (128, 256, 8, 3, 2, 1))
 
 
 @torch.inference_mode()
-def choose_fp8_skinny_variants(weights: list[torch.Tensor], rows: int = 8) -> dict[tuple[int, int], tuple]:
-    """Per distinct FP8 weight shape, the fastest skinny tiling at ``rows`` rows (device time, from a
-    CUDA graph), set on each weight as ``_fp8_skinny_variant``. CUDA only."""
-    chosen: dict[tuple[int, int], tuple] = {}
-    for weight in weights:
-        shape = tuple(weight.shape)
-        if shape not in chosen:
-            x = quantize_rows_triton(torch.randn(rows, shape[1], dtype=torch.bfloat16, device=weight.device))
-            scale = torch.ones(shape[0], dtype=torch.float32, device=weight.device)
-            copies = l2_defeating_copies(weight)
-            turn = iter(range(1 << 40))
-            times = {}
-            for variant in SKINNY_VARIANTS + FP8_EXTRA_VARIANTS:  # timed as run: W8A8 (x quantized per row)
-                times[variant] = graph_time_ms(lambda: skinny_linear_triton(
-                    x[0], copies[next(turn) % len(copies)], weight_scale=scale, x_scale=x[1],
-                    out_dtype=torch.bfloat16, **variant_options(variant)))
-            chosen[shape] = min(times, key=times.get)
-            del copies
-        weight._fp8_skinny_variant = chosen[shape]
+def choose_fp8_skinny_variants(weights: list[torch.Tensor], gated: list[torch.Tensor] = (),
+                               rows: tuple[int, ...] = (1, 8)) -> dict[tuple, tuple]:
+    """Per distinct FP8 weight shape, the skinny tiling with the least device time summed over
+    ``rows`` (from CUDA graphs, W8A8 on rows quantized per row), set on each weight as
+    ``_fp8_skinny_variant``. ``gated`` weights ([gate | up], only ever run fused with the SiLU) are
+    timed that way, under the key ("gated", N, K). CUDA only."""
+    chosen: dict[tuple, tuple] = {}
+    for weight, is_gated in [(w, False) for w in weights] + [(w, True) for w in gated]:
+        key = (("gated",) if is_gated else ()) + tuple(weight.shape)
+        if key not in chosen:
+            chosen[key] = _fastest_fp8_variant(weight, is_gated, rows)
+        weight._fp8_skinny_variant = chosen[key]
     return chosen
+
+
+def _fastest_fp8_variant(weight: torch.Tensor, gated: bool, rows: tuple[int, ...]) -> tuple:
+    n, k = weight.shape
+    scale = torch.ones(n, dtype=torch.float32, device=weight.device)
+    copies = l2_defeating_copies(weight)
+    turn = iter(range(1 << 40))
+    times = dict.fromkeys(SKINNY_VARIANTS + FP8_EXTRA_VARIANTS, 0.0)
+    for m in rows:
+        x = quantize_rows_triton(torch.randn(m, k, dtype=torch.bfloat16, device=weight.device))
+        for variant in times:
+            times[variant] += graph_time_ms(lambda: skinny_linear_triton(
+                x[0], copies[next(turn) % len(copies)], weight_scale=scale, x_scale=x[1],
+                out_dtype=torch.bfloat16, gated=gated, **variant_options(variant)))
+    return min(times, key=times.get)
 
 
 def l2_defeating_copies(weight: torch.Tensor) -> list[torch.Tensor]:

@@ -23,28 +23,30 @@ from kernels._triton import jit, pdl_options, pdl_prologue, tl, triton, use_trit
 MAX_SKINNY_ROWS = 16
 _SKINNY_ATTR = "_use_skinny_gemm"  # on a weight: its chosen variant (see SKINNY_VARIANTS), or False
 _GATED_ATTR = "_use_gated_skinny_gemm"  # the same, for gate_up weights run fused with SiLU-and-mul
-# Tile shapes tried at load, (block_n, block_k, num_warps, num_stages[, split_k]): on an H100
+# Tile shapes tried at load, (block_n, block_k, num_warps, num_stages[, split_k[, swap_ab]]): on an H100
 # (2026-11-22) the best for Llama-8B's projections were (32, 256, 4, 4) for qkv/o_proj,
 # (16, 256, 4, 6) for down_proj and (16, 512, 4, 4) for the lm_head. split_k > 1 splits the
 # reduction over that many programs per output tile (partial sums in float32, which the tile's last
 # program adds in a fixed order): a weight of a few tens of MB streams in ~10 us, so one
-# program per output tile leaves a wave's start and tail as a large part of the time.
+# program per output tile leaves a wave's start and tail as a large part of the time. swap_ab: the
+# weight tile is the dot's first operand as it lies in memory and the rows its second (see the kernel).
 SKINNY_VARIANTS = ((16, 512, 4, 4), (32, 256, 4, 4), (16, 256, 4, 6), (32, 128, 4, 6),
                    (32, 256, 4, 4, 2), (16, 256, 4, 6, 4))
 
 
 def variant_options(variant: tuple) -> dict:
-    """skinny_linear_triton's keyword arguments for a (block_n, block_k, num_warps, num_stages[, split_k]) tuple."""
+    """skinny_linear_triton's keyword arguments for a (block_n, block_k, num_warps, num_stages[, split_k[, swap_ab]]) tuple."""
     block_n, block_k, num_warps, num_stages, *rest = variant
     return {"block_n": block_n, "block_k": block_k, "num_warps": num_warps, "num_stages": num_stages,
-            "split_k": rest[0] if rest else 1}
+            "split_k": rest[0] if rest else 1, "swap_ab": bool(rest[1]) if len(rest) > 1 else False}
 
 
 @jit(do_not_specialize=["M"])  # one compile for every row count
 def _skinny_gemm_kernel(
     x_ptr, w_ptr, bias_ptr, scale_ptr, x_scale_ptr, out_ptr, part_ptr, arrivals_ptr, M, N, K, K_PER_SPLIT,
     stride_xm, stride_wn, stride_om,
-    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, HAS_SCALE: tl.constexpr, X_SCALE: tl.constexpr, M_PAD: tl.constexpr,
+    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, HAS_SCALE: tl.constexpr, X_SCALE: tl.constexpr,
+    SWAP_AB: tl.constexpr, M_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program: BLOCK_N output features for all M rows, streaming its (BLOCK_N, K) weight rows once.
@@ -56,6 +58,10 @@ def _skinny_gemm_kernel(
     X_SCALE (with HAS_SCALE): x is FP8 too, row m standing for x[m] * x_scale[m] (kernels/fp8.py's
     W8A8 scheme): the tiles meet in an FP8 tensor-core dot, with no widening, and row m of the
     sums is multiplied by x_scale[m] with the weight scales.
+    SWAP_AB: the dot is w (BLOCK_N, BLOCK_K) @ x.T (BLOCK_K, M_PAD) instead of x @ w.T: the weight
+    tile, the large operand, is the MMA's first operand in the layout it is loaded in (K-major, as
+    FP8 tensor-core dots want), and BLOCK_N may be 64 or more (one warpgroup MMA). The accumulators
+    are transposed back before the epilogue; the sums are the same up to the order of accumulation.
     SPLIT_K > 1: program (i, s) covers K range [s * K_PER_SPLIT, (s + 1) * K_PER_SPLIT) and writes its
     float32 sums to part (SPLIT_K, M, N) (gated: (SPLIT_K, M, 2N), up sums in columns N..2N-1); the
     program of output tile i that arrives last (``arrivals[i]`` counts them) adds the SPLIT_K sums
@@ -66,8 +72,12 @@ def _skinny_gemm_kernel(
     rows = tl.arange(0, M_PAD)
     col_ok = cols < N
     row_ok = rows < M
-    acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
+    else:
+        acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
     w_base = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
     w_up_base = w_ptr + (cols + N).to(tl.int64)[:, None] * stride_wn
     x_base = x_ptr + rows[:, None] * stride_xm
@@ -82,7 +92,10 @@ def _skinny_gemm_kernel(
         w_up = w
         if GATED:
             w_up = tl.load(w_up_base + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        acc, acc_up = _skinny_tile_dot(x, w, w_up, acc, acc_up, GATED, HAS_SCALE and not X_SCALE)
+        acc, acc_up = _skinny_tile_dot(x, w, w_up, acc, acc_up, GATED, HAS_SCALE and not X_SCALE, SWAP_AB)
+    if SWAP_AB:  # (BLOCK_N, M_PAD) -> the (M_PAD, BLOCK_N) tiles the rest of the kernel works on
+        acc = tl.trans(acc)
+        acc_up = tl.trans(acc_up)
     mask = row_ok[:, None] & col_ok[None, :]
     if SPLIT_K > 1:
         width = 2 * N if GATED else N
@@ -105,15 +118,20 @@ def _skinny_gemm_kernel(
 
 
 @jit
-def _skinny_tile_dot(x, w, w_up, acc, acc_up, GATED: tl.constexpr, WIDEN: tl.constexpr):
-    """acc += x @ w.T (and acc_up += x @ w_up.T when GATED); WIDEN: FP8 weight tiles widen to x's dtype."""
+def _skinny_tile_dot(x, w, w_up, acc, acc_up, GATED: tl.constexpr, WIDEN: tl.constexpr, SWAP_AB: tl.constexpr):
+    """acc += x @ w.T (SWAP_AB: acc += w @ x.T), and the same for w_up when GATED; WIDEN: FP8
+    weight tiles widen to x's dtype."""
     if WIDEN:
         w = w.to(x.dtype)
-    acc = tl.dot(x, tl.trans(w), acc)
-    if GATED:
-        if WIDEN:
-            w_up = w_up.to(x.dtype)
-        acc_up = tl.dot(x, tl.trans(w_up), acc_up)
+        w_up = w_up.to(x.dtype)
+    if SWAP_AB:
+        acc = tl.dot(w, tl.trans(x), acc)
+        if GATED:
+            acc_up = tl.dot(w_up, tl.trans(x), acc_up)
+    else:
+        acc = tl.dot(x, tl.trans(w), acc)
+        if GATED:
+            acc_up = tl.dot(x, tl.trans(w_up), acc_up)
     return acc, acc_up
 
 
@@ -178,14 +196,15 @@ def _arrival_counters(device: torch.device, tiles: int) -> torch.Tensor:
 
 def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                          *, block_n: int = 16, block_k: int = 512, num_warps: int = 4, num_stages: int = 4,
-                         split_k: int = 1, gated: bool = False, weight_scale: torch.Tensor | None = None,
-                         x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                         split_k: int = 1, swap_ab: bool = False, gated: bool = False,
+                         weight_scale: torch.Tensor | None = None, x_scale: torch.Tensor | None = None,
+                         out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias) for M <= MAX_SKINNY_ROWS rows, fp32 accumulation; with ``gated``,
     silu(x @ weight[:N].T) * (x @ weight[N:].T) for weight (2N, K) (bias not supported). With
     ``weight_scale`` (rows of weight,) float32, weight is FP8 and row n counts as weight[n] * scale[n];
     with ``x_scale`` (M,) float32 too, x is FP8 and row m counts as x[m] * x_scale[m], and the
     result is ``out_dtype`` (the activations' dtype). ``split_k``: programs per output tile along K
-    (each a whole number of BLOCK_K tiles)."""
+    (each a whole number of BLOCK_K tiles). ``swap_ab``: see the kernel."""
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     assert m <= MAX_SKINNY_ROWS and x.stride(1) == 1 and weight.stride(1) == 1 and not (gated and bias is not None)
@@ -202,7 +221,8 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     scale_arg = weight_scale if weight_scale is not None else weight
     x_scale_arg = x_scale if x_scale is not None else scale_arg
     flags = dict(HAS_BIAS=bias is not None, GATED=gated, HAS_SCALE=weight_scale is not None,
-                 X_SCALE=x_scale is not None, M_PAD=16, BLOCK_N=block_n, SPLIT_K=split_k, **pdl_options(x))
+                 X_SCALE=x_scale is not None, SWAP_AB=swap_ab, M_PAD=16, BLOCK_N=block_n,
+                 SPLIT_K=split_k, **pdl_options(x))
     tiles = triton.cdiv(n, block_n)
     arrivals = _arrival_counters(x.device, tiles) if split_k > 1 else part
     _skinny_gemm_kernel[(tiles, split_k)](

@@ -184,8 +184,11 @@ class ModelRunner:
         gate_ups = [layer.gate_up_proj.weight for layer in getattr(self.model, "layers", [])
                     if hasattr(layer, "gate_up_proj") and layer.gate_up_proj.weight.dtype != FP8_DTYPE]
         self.gemm_choices.update({("gated",) + shape: choice for shape, choice in choose_gated_weights(gate_ups).items()})
-        fp8 = choose_fp8_skinny_variants([w for w in linears if w.dtype == FP8_DTYPE])
-        self.gemm_choices.update({("fp8",) + shape: {"variant": variant} for shape, variant in fp8.items()})
+        fp8_gate_ups = [layer.gate_up_proj.weight for layer in getattr(self.model, "layers", [])
+                        if hasattr(layer, "gate_up_proj") and layer.gate_up_proj.weight.dtype == FP8_DTYPE]
+        fp8 = choose_fp8_skinny_variants(
+            [w for w in linears if w.dtype == FP8_DTYPE and not any(w is g for g in fp8_gate_ups)], gated=fp8_gate_ups)
+        self.gemm_choices.update({("fp8",) + key: {"variant": variant} for key, variant in fp8.items()})
         build = self.build_config
         self.launch_choice = choose_programmatic_launch(
             self.model, self.kv_cache, tokens_per_block=self.tokens_per_block, max_seq_len=build.max_seq_len,

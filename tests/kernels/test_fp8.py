@@ -214,7 +214,7 @@ def test_fused_activation_quantization_equals_activation_then_quantization(rows,
 
 
 @cuda
-@pytest.mark.parametrize("shape", [(1, 4096), (37, 14336), (512, 4096), (3, 100)])
+@pytest.mark.parametrize("shape", [(1, 4096), (37, 14336), (512, 4096), (3, 100), (2, 20000)])  # 20000: two passes
 def test_one_kernel_row_quantization_equals_the_reference(shape):
     from kernels.fp8 import quantize_rows_triton
 
@@ -283,3 +283,28 @@ def test_skinny_kernel_on_quantized_rows_equals_the_reference(split_k, gated):
     product = fp8_linear_ref(rows, w_q, w_scale)
     want = (silu_and_mul(product) if gated else product).float()
     assert ((got - want).norm() / want.norm()).item() < (1e-2 if gated else 4e-3)
+
+
+@cuda
+@pytest.mark.parametrize("rows", [1, 8, 16])
+def test_every_fp8_load_time_variant_is_correct(rows):
+    """choose_fp8_skinny_variants may pick any of these tilings (swapped operands included), plain or
+    gated: each is the W8A8 reference up to one bf16 rounding (gated: of the SiLU's inputs)."""
+    from kernels.fp8 import FP8_EXTRA_VARIANTS
+    from kernels.linear import SKINNY_VARIANTS, skinny_linear_triton, variant_options
+
+    torch.manual_seed(30 + rows)
+    x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+    x_rows = QuantizedRows(*quantize_rows(x), x.dtype)
+    w_q, w_scale = quantize_weight(torch.randn(2 * 1024, 4096, device="cuda") * 0.02)
+    product = fp8_linear_ref(x_rows, w_q, w_scale).float()
+    gated_want = silu_and_mul(fp8_linear_ref(x_rows, w_q, w_scale)).float()
+    for variant in SKINNY_VARIANTS + FP8_EXTRA_VARIANTS:
+        options = variant_options(variant)
+        got = skinny_linear_triton(x_rows.values, w_q, weight_scale=w_scale, x_scale=x_rows.scale,
+                                   out_dtype=torch.bfloat16, **options).float()
+        assert ((got - product).norm() / product.norm()).item() < 4e-3, variant
+        got = skinny_linear_triton(x_rows.values, w_q, weight_scale=w_scale, x_scale=x_rows.scale,
+                                   out_dtype=torch.bfloat16, gated=True, **options).float()
+        assert ((got - gated_want).norm() / gated_want.norm()).item() < 1e-2, variant
+
