@@ -308,3 +308,62 @@ def test_every_fp8_load_time_variant_is_correct(rows):
                                    out_dtype=torch.bfloat16, gated=True, **options).float()
         assert ((got - gated_want).norm() / gated_want.norm()).item() < 1e-2, variant
 
+
+
+
+@cuda
+@pytest.mark.parametrize("rows", [1, 3])
+def test_skinny_kernel_quantizing_its_output_equals_quantizing_the_product(rows):
+    """quantize_out: the skinny kernel's last program quantizes the rows it and the others wrote, to
+    exactly what the row quantize kernel gives for the product, for every load-time tiling (split-K
+    and swapped operands), plain and gated; the arrival counter is back at 0 after every launch."""
+    from kernels.e4m3_rows import arrival_counter
+    from kernels.fp8 import FP8_EXTRA_VARIANTS, quantize_rows_triton
+    from kernels.linear import SKINNY_VARIANTS, skinny_linear_triton, variant_options
+
+    torch.manual_seed(50 + rows)
+    x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+    x_rows = QuantizedRows(*quantize_rows(x), x.dtype)
+    w_q, w_scale = quantize_weight(torch.randn(2 * 1400, 4096, device="cuda") * 0.02)  # 1400: a ragged last tile
+    w_q[7] = quantize_weight(torch.full((1, 4096), 0.5, device="cuda"))[0]  # one output far above the rest
+    for variant in SKINNY_VARIANTS + FP8_EXTRA_VARIANTS:
+        for gated in (False, True):
+            options = dict(weight_scale=w_scale, x_scale=x_rows.scale, out_dtype=torch.bfloat16, gated=gated,
+                           **variant_options(variant))
+            want_q, want_scale = quantize_rows_triton(skinny_linear_triton(x_rows.values, w_q, **options))
+            got_q, got_scale = skinny_linear_triton(x_rows.values, w_q, quantize_out=True, **options)
+            assert torch.equal(got_scale, want_scale), (variant, gated)
+            assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8)), (variant, gated)
+            assert arrival_counter(x.device).item() == 0
+
+
+@cuda
+@pytest.mark.parametrize("context", [5, 40, 700])
+def test_attention_quantizing_its_output_equals_quantizing_the_output(context):
+    """paged_attention_quantized: the split merge's last program quantizes each token's row of heads,
+    to exactly quantize_rows of paged_attention's output (one token, as batch-1 decode runs it, and
+    three); short contexts, which would not split, are split in two for it."""
+    from kernels.attention import paged_attention, paged_attention_quantized, quantizes_rows
+    from kernels.attention_metadata import AttentionMetadata
+    from kernels.e4m3_rows import arrival_counter
+
+    torch.manual_seed(60 + context)
+    page, heads, kv_heads, dim = 16, 32, 8, 128
+    per_seq = -(-context // page)
+    for seqs in (1, 3):
+        tables = torch.randperm(seqs * per_seq, device="cuda").to(torch.int32).view(seqs, per_seq)
+        k_pool, v_pool = (torch.randn(seqs * per_seq, page, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+                          for _ in range(2))
+        q = torch.randn(seqs, heads, dim, device="cuda", dtype=torch.bfloat16)
+        lens = [context] * seqs
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((seqs,), -1, dtype=torch.int64, device="cuda"), block_tables=tables,
+            cu_seqlens_q=torch.arange(seqs + 1, dtype=torch.int32, device="cuda"),
+            context_lens=torch.tensor(lens, dtype=torch.int32, device="cuda"), max_seqlen_q=1, max_context_len=context,
+            is_decode_only=True, cu_seqlens_q_host=list(range(seqs + 1)), context_lens_host=lens)
+        assert quantizes_rows(q, meta)
+        want_q, want_scale = quantize_rows(paged_attention(q, k_pool, v_pool, meta, dim ** -0.5).reshape(seqs, -1))
+        got_q, got_scale = paged_attention_quantized(q, k_pool, v_pool, meta, dim ** -0.5)
+        assert torch.equal(got_scale, want_scale)
+        assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
+        assert arrival_counter(q.device).item() == 0
