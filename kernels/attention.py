@@ -136,24 +136,6 @@ def write_kv_cache(
     return write_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping)
 
 
-def quantizes_rows(q: torch.Tensor, meta: AttentionMetadata) -> bool:
-    """Whether ``paged_attention_quantized`` may be called for this q and batch: CUDA with Triton, a
-    decode batch (kernels/triton_attention.py)."""
-    return use_triton(q) and triton_attention.quantizes_rows(q, meta)
-
-
-def paged_attention_quantized(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-    *, sliding_window: int | None = None, logit_softcap: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``paged_attention`` with its output quantized per token for an FP8 product (where
-    ``quantizes_rows``): (values (num_tokens, num_heads * head_dim) float8_e4m3fn, scale (num_tokens,)
-    float32), the values kernels.fp8.quantize_rows gives for the output rows, bit for bit, made by
-    the kernel that merges the key splits instead of a quantize kernel of its own."""
-    return triton_attention.paged_attention_triton(q, k_cache, v_cache, meta, scale, sliding_window=sliding_window,
-                                                   logit_softcap=logit_softcap, quantize_out=True)
-
-
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
     *, sliding_window: int | None = None, logit_softcap: float | None = None,

@@ -46,21 +46,13 @@ import torch
 from kernels._triton import HAVE_TRITON, jit, pdl_options, pdl_prologue, tl, triton, use_triton
 from kernels.activation import silu_and_mul, silu_and_mul_quantized_triton
 from kernels.e4m3_rows import e4m3_row_scale, to_e4m3
-from kernels.linear import (MAX_SKINNY_ROWS, QUANTIZE_OUT_MAX_COLS, SKINNY_VARIANTS, graph_time_ms, skinny_linear_triton,
-                            variant_options)
+from kernels.linear import MAX_SKINNY_ROWS, SKINNY_VARIANTS, graph_time_ms, skinny_linear_triton, variant_options
 from kernels.rmsnorm import rms_norm_quantized_triton, rms_norm_ref
 
 FP8_DTYPE = torch.float8_e4m3fn
 FAST_ACCUM = os.environ.get("TRITONLLM_FP8_FAST_ACCUM", "1") != "0"  # see the module docstring
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 MIN_SCALE = 1e-12  # an all-zero row gets this scale (its values quantize to 0 anyway)
-# Rows that a decode-size producer (the gated gate_up product, attention's split merge) quantizes in
-# the program that finishes last, instead of handing them to a quantize kernel of its own: that
-# program reads every row alone, so this pays at one row (batch-1 decode) only.
-# $TRITONLLM_FP8_QUANTIZE_IN_PRODUCER=0 keeps the separate kernel (to measure the difference).
-_IN_PRODUCER = os.environ.get("TRITONLLM_FP8_QUANTIZE_IN_PRODUCER", "1")
-QUANTIZED_OUTPUT_ROWS = 1 if _IN_PRODUCER in ("1", "gated") else 0
-ATTENTION_QUANTIZED_OUTPUT_ROWS = 1 if _IN_PRODUCER in ("1", "attention") else 0
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,10 +208,10 @@ def _takes_skinny_kernel(x: torch.Tensor | QuantizedRows) -> bool:
 
 
 def _skinny_w8a8(x: QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
-                 *, gated: bool = False, quantize_out: bool = False):
+                 *, gated: bool = False) -> torch.Tensor:
     variant = getattr(weight, "_fp8_skinny_variant", FP8_SKINNY_DEFAULT)
     return skinny_linear_triton(x.values, weight, bias, weight_scale=weight_scale, x_scale=x.scale, out_dtype=x.dtype,
-                                gated=gated, quantize_out=quantize_out, **variant_options(variant))
+                                gated=gated, **variant_options(variant))
 
 
 def fp8_gated_linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -228,13 +220,9 @@ def fp8_gated_linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weig
     ``quantize_output``: the result feeds an FP8 product, so return it as QuantizedRows where that
     product will take the W8A8 path."""
     if _takes_skinny_kernel(x):
-        # One skinny kernel for both products and the SiLU. A row's scale needs the whole row, which
-        # no one program sees: at one row the kernel's last program quantizes it (QUANTIZED_OUTPUT_ROWS),
-        # otherwise a quantize kernel of its own does.
-        x = as_quantized_rows(x)
-        if quantize_output and x.values.shape[0] <= QUANTIZED_OUTPUT_ROWS and weight.shape[0] // 2 <= QUANTIZE_OUT_MAX_COLS:
-            return QuantizedRows(*_skinny_w8a8(x, weight, weight_scale, gated=True, quantize_out=True), x.dtype)
-        out = _skinny_w8a8(x, weight, weight_scale, gated=True)
+        # One skinny kernel for both products and the SiLU; its output is quantized apart when the
+        # down projection wants it (a row's scale needs the whole row, which no one program sees).
+        out = _skinny_w8a8(as_quantized_rows(x), weight, weight_scale, gated=True)
         return as_quantized_rows(out) if quantize_output else out
     product = fp8_linear(x, weight, weight_scale)
     if quantize_output and quantizes_activations(product.device):

@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 
 from kernels._triton import jit, pdl_options, pdl_prologue, tl, triton, use_triton
-from kernels.e4m3_rows import arrival_counter, arrive_last, quantize_row_from_peaks, reset_arrivals
 
 MAX_SKINNY_ROWS = 16
 _SKINNY_ATTR = "_use_skinny_gemm"  # on a weight: its chosen variant (see SKINNY_VARIANTS), or False
@@ -44,13 +43,11 @@ def variant_options(variant: tuple) -> dict:
 
 @jit(do_not_specialize=["M"])  # one compile for every row count
 def _skinny_gemm_kernel(
-    x_ptr, w_ptr, bias_ptr, scale_ptr, x_scale_ptr, out_ptr, part_ptr, arrivals_ptr,
-    q_ptr, q_scale_ptr, peaks_ptr, done_ptr, M, N, K, K_PER_SPLIT,
+    x_ptr, w_ptr, bias_ptr, scale_ptr, x_scale_ptr, out_ptr, part_ptr, arrivals_ptr, M, N, K, K_PER_SPLIT,
     stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, HAS_SCALE: tl.constexpr, X_SCALE: tl.constexpr,
     SWAP_AB: tl.constexpr, M_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    QUANTIZE_OUT: tl.constexpr, ROW_BLOCK: tl.constexpr, TILES_BLOCK: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program: BLOCK_N output features for all M rows, streaming its (BLOCK_N, K) weight rows once.
 
@@ -70,10 +67,6 @@ def _skinny_gemm_kernel(
     program of output tile i that arrives last (``arrivals[i]`` counts them) adds the SPLIT_K sums
     in split order and runs the epilogue, then sets arrivals[i] back to 0. So the result does not
     depend on which program finished last, and no second kernel is launched.
-    QUANTIZE_OUT: the output also comes quantized per row (kernels/fp8.py's scheme; q (M, N) E4M3,
-    q_scale (M,)), for an FP8 product that reads it next. The program that finishes each output tile
-    writes its rows' absolute maxima to peaks (M, tiles); the one that finishes last of all (``done``
-    counts them) quantizes the rows, ROW_BLOCK >= N columns at a time (kernels/e4m3_rows.py).
     """
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, M_PAD)
@@ -115,33 +108,13 @@ def _skinny_gemm_kernel(
         tl.debug_barrier()
         arrived = tl.atomic_add(arrivals_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT_K - 1:
-            tile = _skinny_sum_splits_and_finish(part_ptr, bias_ptr, scale_ptr, x_scale_ptr, out_ptr, rows, cols,
-                                                 col_ok, mask, M, N, stride_om, HAS_BIAS, GATED, HAS_SCALE, X_SCALE,
-                                                 M_PAD, BLOCK_N, SPLIT_K)
+            _skinny_sum_splits_and_finish(part_ptr, bias_ptr, scale_ptr, x_scale_ptr, out_ptr, rows, cols, col_ok, mask,
+                                          M, N, stride_om, HAS_BIAS, GATED, HAS_SCALE, X_SCALE, M_PAD, BLOCK_N,
+                                          SPLIT_K)
             tl.store(arrivals_ptr + tl.program_id(0), 0)
-            if QUANTIZE_OUT:
-                _skinny_quantize_rows_when_last(tile, rows, row_ok, mask, out_ptr, q_ptr, q_scale_ptr, peaks_ptr,
-                                                done_ptr, M, N, stride_om, ROW_BLOCK, TILES_BLOCK)
     else:
-        tile = _skinny_epilogue(acc, acc_up, rows, cols, row_ok, col_ok, mask, bias_ptr, scale_ptr, x_scale_ptr,
-                                out_ptr, N, stride_om, HAS_BIAS, GATED, HAS_SCALE, X_SCALE)
-        if QUANTIZE_OUT:
-            _skinny_quantize_rows_when_last(tile, rows, row_ok, mask, out_ptr, q_ptr, q_scale_ptr, peaks_ptr, done_ptr,
-                                            M, N, stride_om, ROW_BLOCK, TILES_BLOCK)
-
-
-@jit
-def _skinny_quantize_rows_when_last(tile, rows, row_ok, mask, out_ptr, q_ptr, q_scale_ptr, peaks_ptr, done_ptr, M, N,
-                                    stride_om, ROW_BLOCK: tl.constexpr, TILES_BLOCK: tl.constexpr):
-    """QUANTIZE_OUT (see the kernel): this output tile's row maxima, then the rows, by the last program."""
-    tiles = tl.num_programs(0)
-    peak = tl.max(tl.where(mask, tl.abs(tile.to(tl.float32)), 0.0), 1)  # (M_PAD,) of the stored values
-    tl.store(peaks_ptr + rows * tiles + tl.program_id(0), peak, mask=row_ok)
-    if arrive_last(done_ptr, tiles):
-        for m in range(M):
-            quantize_row_from_peaks(out_ptr + m * stride_om, N, peaks_ptr + m * tiles, tiles, q_ptr + m * N,
-                                    q_scale_ptr + m, ROW_BLOCK, TILES_BLOCK)
-        reset_arrivals(done_ptr)
+        _skinny_epilogue(acc, acc_up, rows, cols, row_ok, col_ok, mask, bias_ptr, scale_ptr, x_scale_ptr, out_ptr, N,
+                         stride_om, HAS_BIAS, GATED, HAS_SCALE, X_SCALE)
 
 
 @jit
@@ -177,16 +150,15 @@ def _skinny_sum_splits_and_finish(part_ptr, bias_ptr, scale_ptr, x_scale_ptr, ou
         acc += tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
         if GATED:
             acc_up += tl.load(part + N, mask=mask, other=0.0, cache_modifier=".cg")
-    return _skinny_epilogue(acc, acc_up, rows, cols, rows < M, col_ok, mask, bias_ptr, scale_ptr, x_scale_ptr, out_ptr,
-                            N, stride_om, HAS_BIAS, GATED, HAS_SCALE, X_SCALE)
+    _skinny_epilogue(acc, acc_up, rows, cols, rows < M, col_ok, mask, bias_ptr, scale_ptr, x_scale_ptr, out_ptr, N,
+                     stride_om, HAS_BIAS, GATED, HAS_SCALE, X_SCALE)
 
 
 @jit
 def _skinny_epilogue(acc, acc_up, rows, cols, row_ok, col_ok, mask, bias_ptr, scale_ptr, x_scale_ptr, out_ptr, N,
                      stride_om, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, HAS_SCALE: tl.constexpr,
                      X_SCALE: tl.constexpr):
-    """Scale, bias, the gate's SiLU-and-mul, rounding to the output dtype, store: (M_PAD, BLOCK_N) tiles.
-    Returns the stored tile (in the output dtype)."""
+    """Scale, bias, the gate's SiLU-and-mul, rounding to the output dtype, store: (M_PAD, BLOCK_N) tiles."""
     if HAS_SCALE:
         acc *= tl.load(scale_ptr + cols, mask=col_ok, other=0.0)[None, :]
         if GATED:
@@ -202,14 +174,9 @@ def _skinny_epilogue(acc, acc_up, rows, cols, row_ok, col_ok, mask, bias_ptr, sc
         gate = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
         up = acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
         acc = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32) * up
-    tile = acc.to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], tile, mask=mask)
-    return tile
+    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# quantize_out: the last program holds a whole row in registers (ROW_BLOCK = N rounded up to a
-# power of two): 16,384 columns are 128 values a thread at 4 warps, Llama-8B's 14,336 included.
-QUANTIZE_OUT_MAX_COLS = 16384
 MAX_OUTPUT_TILES = 1 << 16  # split-K output tiles of one product: N up to 1M features at block_n 16
 _ARRIVALS: dict[torch.device, torch.Tensor] = {}
 
@@ -231,27 +198,20 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
                          *, block_n: int = 16, block_k: int = 512, num_warps: int = 4, num_stages: int = 4,
                          split_k: int = 1, swap_ab: bool = False, gated: bool = False,
                          weight_scale: torch.Tensor | None = None, x_scale: torch.Tensor | None = None,
-                         out_dtype: torch.dtype | None = None, quantize_out: bool = False
-                         ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                         out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias) for M <= MAX_SKINNY_ROWS rows, fp32 accumulation; with ``gated``,
     silu(x @ weight[:N].T) * (x @ weight[N:].T) for weight (2N, K) (bias not supported). With
     ``weight_scale`` (rows of weight,) float32, weight is FP8 and row n counts as weight[n] * scale[n];
     with ``x_scale`` (M,) float32 too, x is FP8 and row m counts as x[m] * x_scale[m], and the
     result is ``out_dtype`` (the activations' dtype). ``split_k``: programs per output tile along K
-    (each a whole number of BLOCK_K tiles). ``swap_ab``: see the kernel. ``quantize_out``: return the
-    result quantized per row instead, (values (M, N) float8_e4m3fn, scale (M,) float32), exactly
-    kernels.fp8.quantize_rows of the product (CUDA; N up to QUANTIZE_OUT_MAX_COLS)."""
+    (each a whole number of BLOCK_K tiles). ``swap_ab``: see the kernel."""
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     assert m <= MAX_SKINNY_ROWS and x.stride(1) == 1 and weight.stride(1) == 1 and not (gated and bias is not None)
     assert (x_scale is None) == (out_dtype is None) and (x_scale is None or weight_scale is not None)
-    assert not quantize_out or n <= QUANTIZE_OUT_MAX_COLS
     out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
-    if quantize_out:
-        q = torch.empty(m, n, dtype=torch.float8_e4m3fn, device=x.device)
-        q_scale = torch.empty(m, dtype=torch.float32, device=x.device)
     if m == 0:
-        return (q, q_scale) if quantize_out else out
+        return out
     k_tiles = triton.cdiv(k, block_k)
     split_k = max(1, min(split_k, k_tiles))
     k_per_split = triton.cdiv(k_tiles, split_k) * block_k
@@ -265,19 +225,12 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
                  SPLIT_K=split_k, **pdl_options(x))
     tiles = triton.cdiv(n, block_n)
     arrivals = _arrival_counters(x.device, tiles) if split_k > 1 else part
-    if quantize_out:
-        peaks = torch.empty(m, tiles, dtype=torch.float32, device=x.device)
-        done = arrival_counter(x.device)
-        flags.update(QUANTIZE_OUT=True, ROW_BLOCK=triton.next_power_of_2(n), TILES_BLOCK=triton.next_power_of_2(tiles))
-    else:
-        q = q_scale = peaks = done = out  # unused
-        flags.update(QUANTIZE_OUT=False, ROW_BLOCK=16, TILES_BLOCK=16)
     _skinny_gemm_kernel[(tiles, split_k)](
-        x, weight, bias_arg, scale_arg, x_scale_arg, out, part, arrivals, q, q_scale, peaks, done, m, n, k,
-        k_per_split, x.stride(0), weight.stride(0), out.stride(0), BLOCK_K=block_k,
+        x, weight, bias_arg, scale_arg, x_scale_arg, out, part, arrivals, m, n, k, k_per_split,
+        x.stride(0), weight.stride(0), out.stride(0), BLOCK_K=block_k,
         num_warps=num_warps, num_stages=num_stages, **flags,
     )
-    return (q, q_scale) if quantize_out else out
+    return out
 
 
 def gated_linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

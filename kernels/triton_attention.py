@@ -44,7 +44,6 @@ from __future__ import annotations
 import torch
 
 from kernels._triton import jit, pdl_options, pdl_prologue, tl, triton
-from kernels.e4m3_rows import arrival_counter, arrive_last, quantize_row_from_peaks, reset_arrivals
 from kernels.attention_metadata import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
@@ -246,16 +245,11 @@ def _paged_attention_kernel(
 
 @jit
 def _merge_splits_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, q_ptr, q_scale_ptr, peaks_ptr, done_ptr,
+    part_out_ptr, part_lse_ptr, out_ptr,
     stride_ps, stride_pt, stride_ph, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    QUANTIZE_OUT: tl.constexpr, ROW_BLOCK: tl.constexpr, HEADS_BLOCK: tl.constexpr, PDL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr,
 ):
-    """One program per (token, head): softmax-weighted sum of the splits' normalized outputs.
-    QUANTIZE_OUT (out contiguous): each token's row of heads x HEAD_DIM also comes quantized per row
-    (q (tokens, heads * HEAD_DIM) E4M3, q_scale (tokens,)) for an FP8 o_proj: every program writes
-    its head's absolute maximum to peaks (tokens, heads), and the last to finish quantizes the rows
-    (kernels/e4m3_rows.py)."""
+    """One program per (token, head): softmax-weighted sum of the splits' normalized outputs."""
     pdl_prologue(PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -267,17 +261,9 @@ def _merge_splits_kernel(
     weights = tl.math.exp2(lse - lse_max)
     weights = weights / tl.sum(weights, 0)
     parts = tl.load(part_out_ptr + base[:, None] + dims[None, :], mask=weights[:, None] > 0, other=0.0)
-    out = tl.sum(parts * weights[:, None], 0).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, out, mask=dims < HEAD_DIM)
-    if QUANTIZE_OUT:
-        tokens, heads = tl.num_programs(0), tl.num_programs(1)
-        peak = tl.max(tl.where(dims < HEAD_DIM, tl.abs(out.to(tl.float32)), 0.0), 0)
-        tl.store(peaks_ptr + token * heads + head, peak)
-        if arrive_last(done_ptr, tokens * heads):
-            for t in range(tokens):
-                quantize_row_from_peaks(out_ptr + t * stride_ot, heads * HEAD_DIM, peaks_ptr + t * heads, heads,
-                                        q_ptr + t * heads * HEAD_DIM, q_scale_ptr + t, ROW_BLOCK, HEADS_BLOCK)
-            reset_arrivals(done_ptr)
+    out = tl.sum(parts * weights[:, None], 0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
+             mask=dims < HEAD_DIM)
 
 
 def _decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, num_sms: int, block_n: int) -> int:
@@ -330,14 +316,8 @@ def _launch_config(meta: AttentionMetadata, group: int, num_kv_heads: int, devic
 def paged_attention_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
     *, num_splits: int | None = None, sliding_window: int | None = None, logit_softcap: float | None = None,
-    quantize_out: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor:
     """q: (num_tokens, num_heads, head_dim), last dim contiguous -> out: (num_tokens, num_heads, head_dim).
-
-    ``quantize_out`` (a decode batch, ``quantizes_rows``): return instead each token's row of
-    heads x head_dim quantized per row, (values (num_tokens, num_heads * head_dim) float8_e4m3fn,
-    scale (num_tokens,) float32), exactly kernels.fp8.quantize_rows of the output, from the split merge
-    (which then always runs: at least 2 splits).
 
     ``num_splits`` overrides the decode split count (a power of two; tests use it to force
     the split path at short contexts); prefill batches never split. ``sliding_window`` and
@@ -355,9 +335,6 @@ def paged_attention_triton(
     block_m, block_n, num_warps, num_stages, num_splits = _launch_config(meta, group, num_kv_heads, q.device, num_splits,
                                                                          sliding_window, dim_pad,
                                                                          k_cache.element_size())
-    if quantize_out:
-        assert quantizes_rows(q, meta)
-        num_splits = max(num_splits, 2)  # an empty split is harmless (its log-sum-exp is -inf)
     tokens_per_tile = block_m // group
     tile_map = meta.tile_seq is not None and not meta.is_decode_only
     if tile_map:
@@ -388,29 +365,8 @@ def paged_attention_triton(
         num_warps=num_warps, num_stages=num_stages, **pdl_options(q),
     )
     if num_splits > 1:
-        row = num_heads * head_dim
-        if quantize_out:
-            values = torch.empty(num_tokens, row, dtype=torch.float8_e4m3fn, device=q.device)
-            row_scale = torch.empty(num_tokens, dtype=torch.float32, device=q.device)
-            peaks = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device)
-            done = arrival_counter(q.device)
-        else:
-            values = row_scale = peaks = done = out  # unused
         _merge_splits_kernel[(num_tokens, num_heads)](
-            part_out, part_lse, out, values, row_scale, peaks, done, ps, pt, ph, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, DIM_PAD=dim_pad, NUM_SPLITS=num_splits, QUANTIZE_OUT=quantize_out,
-            ROW_BLOCK=triton.next_power_of_2(row) if quantize_out else 16,
-            HEADS_BLOCK=triton.next_power_of_2(num_heads) if quantize_out else 16, num_warps=1, **pdl_options(q),
+            part_out, part_lse, out, ps, pt, ph, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, DIM_PAD=dim_pad, NUM_SPLITS=num_splits, num_warps=1, **pdl_options(q),
         )
-        if quantize_out:
-            return values, row_scale
     return out
-
-
-QUANTIZE_OUT_MAX_COLS = 8192  # the last merge program (one warp) holds a row in registers: 256 values a lane
-
-
-def quantizes_rows(q: torch.Tensor, meta: AttentionMetadata) -> bool:
-    """Whether paged_attention_triton can return its output quantized per row (``quantize_out``):
-    a decode batch whose rows (heads x head_dim) are at most QUANTIZE_OUT_MAX_COLS wide."""
-    return meta.is_decode_only and q.shape[1] * q.shape[2] <= QUANTIZE_OUT_MAX_COLS

@@ -29,10 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.attention import paged_attention, paged_attention_quantized, quantizes_rows
-from kernels.attention_metadata import AttentionMetadata
-from kernels.fp8 import (ATTENTION_QUANTIZED_OUTPUT_ROWS, FP8_DTYPE, QuantizedRows, fp8_gated_linear, fp8_linear,
-                         quantizes_activations, rms_norm_quantized)
+from kernels.fp8 import FP8_DTYPE, QuantizedRows, fp8_gated_linear, fp8_linear, quantizes_activations, rms_norm_quantized
 from kernels.linear import gated_linear, linear, linear_float32_out
 from kernels.rmsnorm import rms_norm
 
@@ -173,19 +170,6 @@ def rms_norm_into(linear: Linear | None, x: torch.Tensor, weight: torch.Tensor, 
     if linear is not None and linear.takes_quantized_rows(x):
         return rms_norm_quantized(x, weight, eps, residual)
     return rms_norm(x, weight, eps, residual)
-
-
-def attention_into(linear: Linear, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   meta: AttentionMetadata, scale: float, *, sliding_window: int | None = None
-                   ) -> torch.Tensor | QuantizedRows:
-    """kernels.attention.paged_attention for an output that only ``linear`` reads, as its input rows
-    (num_tokens, num_heads * head_dim): with an FP8 layer on the W8A8 path and a decode batch of
-    at most QUANTIZED_OUTPUT_ROWS tokens, quantized per token by the attention's own merge kernel."""
-    if q.shape[0] <= ATTENTION_QUANTIZED_OUTPUT_ROWS and linear.takes_quantized_rows(q) and quantizes_rows(q, meta):
-        return QuantizedRows(*paged_attention_quantized(q, k_cache, v_cache, meta, scale,
-                                                        sliding_window=sliding_window), q.dtype)
-    out = paged_attention(q, k_cache, v_cache, meta, scale, sliding_window=sliding_window)
-    return out.reshape(out.shape[0], -1)
 
 
 class Norm(nn.Module):

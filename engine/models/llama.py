@@ -24,10 +24,10 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.models.layers import (Linear, Norm, RowParallelLinear, VocabParallelEmbedding, attention_into, qkv_heads,
-                                  rms_norm_into, vocab_parallel_logits)
+from engine.models.layers import (Linear, Norm, RowParallelLinear, VocabParallelEmbedding, qkv_heads, rms_norm_into,
+                                  vocab_parallel_logits)
 from kernels.attention_metadata import AttentionMetadata
-from kernels.attention import write_kv_cache
+from kernels.attention import paged_attention, write_kv_cache
 from kernels.rmsnorm import rms_norm
 from kernels.rotary import build_cos_sin_cache, rotary_and_write_kv
 
@@ -84,8 +84,8 @@ class LlamaLayer(nn.Module):
                                     is_neox=True)
         else:
             write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        return self.o_proj(attention_into(self.o_proj, q, k_cache, v_cache, meta, self.scale,
-                                          sliding_window=self.sliding_window))
+        out = paged_attention(q, k_cache, v_cache, meta, self.scale, sliding_window=self.sliding_window)
+        return self.o_proj(out.reshape(out.shape[0], -1))
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj.gated(h, quantize_output=self.down_proj.weight_scale is not None))
