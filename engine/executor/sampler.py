@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.executor.request import Sequence
-from kernels.sampling import sample_tokens
+from kernels.sampling import greedy_tokens, sample_tokens
 
 
 @dataclass
@@ -211,7 +211,7 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
     """Next token for every row of ``logits`` (B, vocab); see the module docstring for the pipeline."""
     logits = process_logits(logits, md)
     if md.all_greedy:
-        token_ids = logits.argmax(dim=-1)
+        token_ids = greedy_tokens(logits)
     else:
         scaled = logits / torch.where(md.temperature > 0, md.temperature, 1.0).unsqueeze(1)
         logits = torch.where(md.is_greedy.unsqueeze(1), logits, scaled)

@@ -80,3 +80,24 @@ def test_public_entry_on_cpu_is_the_reference():
     logits = torch.randn(3, 50)
     args = (logits, torch.tensor([0.0, 1.0, 0.5]), torch.tensor([1, 2, 3]), torch.tensor([0, 1, 2]))
     assert torch.equal(sample_tokens(*args), sample_tokens_ref(*args))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 64, 65])
+@pytest.mark.parametrize("vocab", [1000, 49152, 128256, 128257])
+def test_greedy_tokens_equal_torch_argmax(device, rows, vocab):
+    """greedy_tokens (split over programs for few rows on CUDA) is torch.argmax: the first index on
+    ties, also across chunks, an all -inf row gives 0, and a NaN counts as the largest value."""
+    from kernels.sampling import greedy_tokens
+
+    torch.manual_seed(rows * 7 + vocab)
+    logits = torch.randn(rows, vocab, device=device)
+    logits[0, vocab // 2] = logits[0, vocab - 1] = logits[0, 5] = 100.0  # ties in three chunks: 5 wins
+    if rows > 2:
+        logits[1] = float("-inf")
+        logits[2, vocab - 3] = float("nan")
+    if rows > 1:
+        logits[-1, 1:] = logits[-1, 0]  # a whole row of equal values
+    got = greedy_tokens(logits)
+    assert got.dtype == torch.int64 and got.shape == (rows,)
+    assert torch.equal(got.cpu(), logits.argmax(dim=-1).cpu())
+    assert got[0].item() == 5
