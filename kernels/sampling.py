@@ -6,6 +6,10 @@ draw from ``softmax(logits / T)`` that needs no softmax, no sort and no normalis
 of the logits. Rows with ``T == 0`` take the plain argmax (greedy). Tokens whose logit is
 -inf (masked by top-k/top-p, bans, ...) are never drawn.
 
+``greedy_tokens(logits)`` is ``logits.argmax(dim=-1)`` for batches where every row is greedy; for
+a few rows on CUDA it splits each row over many programs (one thread block per row, as torch.argmax
+and the Gumbel kernel below run, reads 0.5 MB of logits at a fraction of the GPU's bandwidth).
+
 Randomness is counter-based: the noise of (row, token v) is a function of ``seeds[row]``,
 ``offsets[row]`` and v only (Philox on the GPU), so a request that passes its own seed and its
 step number as offset gets a reproducible stream that does not depend on which other requests
