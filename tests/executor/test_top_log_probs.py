@@ -35,6 +35,15 @@ def run(executor, *requests):
     return [responses[i] for i in ids]
 
 
+def same_log_probs(got, want):
+    """Per-position log-prob lists equal up to float32 rounding: the two requests compared sit in
+    different rows of one batch, and on some CPUs (seen on an AMD EPYC, not on the CI's Xeon) the
+    float32 matmul rounds a row differently depending on its place in the batch."""
+    assert len(got) == len(want)
+    for got_row, want_row in zip(got, want):
+        assert got_row == pytest.approx(want_row, rel=1e-5, abs=1e-5)
+
+
 def joined(responses, name):
     """A single-stream request's per-token field, streamed deltas concatenated."""
     return [entry for r in responses for entry in getattr(r.result, name)[0]]
@@ -80,7 +89,8 @@ def test_k_0_leaves_the_outputs_as_they_were(executor):
                            Request(PROMPT, 5, sampling=GREEDY, output=OutputConfig(return_log_probs=True,
                                                                                    num_top_log_probs=0)))
     a, b = plain[-1].result, with_zero[-1].result
-    assert a.output_token_ids == b.output_token_ids and a.log_probs == b.log_probs
+    assert a.output_token_ids == b.output_token_ids
+    same_log_probs(a.log_probs, b.log_probs)
     assert a.top_log_prob_ids is None and b.top_log_prob_ids is None and b.top_log_probs is None
 
 
@@ -89,8 +99,9 @@ def test_streamed_entries_concatenate_to_the_unary_ones(executor):
                           Request(PROMPT, 9, sampling=GREEDY, output=top_output(3), streaming=True))
     assert len(streamed) > 1
     assert final_tokens(streamed) == final_tokens(unary)
-    for name in ("log_probs", "top_log_prob_ids", "top_log_probs"):
-        assert joined(streamed, name) == getattr(unary[-1].result, name)[0]
+    assert joined(streamed, "top_log_prob_ids") == unary[-1].result.top_log_prob_ids[0]
+    same_log_probs([joined(streamed, "log_probs")], [unary[-1].result.log_probs[0]])
+    same_log_probs(joined(streamed, "top_log_probs"), unary[-1].result.top_log_probs[0])
     for response in streamed:  # each response carries its own tokens' entries only
         assert len(response.result.top_log_prob_ids[0]) == len(response.result.output_token_ids[0])
 
