@@ -101,3 +101,29 @@ def test_greedy_tokens_equal_torch_argmax(device, rows, vocab):
     assert got.dtype == torch.int64 and got.shape == (rows,)
     assert torch.equal(got.cpu(), logits.argmax(dim=-1).cpu())
     assert got[0].item() == 5
+
+
+@pytest.mark.skipif(triton_device() != "cuda", reason="needs a CUDA device")
+@pytest.mark.parametrize("batch", [1, 5, 300])
+def test_split_rows_draw_what_one_program_per_row_draws(batch):
+    """A row split over many programs draws exactly the token that one program walking the whole
+    row draws (the noise depends on the token, not on who reads it): sampled and greedy rows, a
+    top-k mask, and a row with every token masked (token 0)."""
+    from kernels.sampling import _best_per_row
+
+    torch.manual_seed(batch)
+    logits = torch.randn(batch, 128256, device="cuda") * 3
+    logits[0, 50:] = float("-inf")
+    if batch > 1:
+        logits[1] = float("-inf")
+    temperature = torch.rand(batch, device="cuda") * 2
+    temperature[::3] = 0.0  # every third row greedy
+    for step in range(4):
+        seeds = torch.arange(batch, device="cuda") * 1000 + 17
+        offsets = torch.full((batch,), step, device="cuda", dtype=torch.int64)
+        split = _best_per_row(logits, (temperature, seeds, offsets))
+        whole = _best_per_row(logits, (temperature, seeds, offsets), programs=1)
+        assert torch.equal(split, whole)
+        assert int(split[0]) < 50
+        if batch > 1:
+            assert int(split[1]) == 0
