@@ -53,7 +53,7 @@ from engine.config import BuildConfig, EngineConfig, ModelConfig  # noqa: E402
 from engine.executor.random_weights import GEMMA3_12B_SHAPE  # noqa: E402
 from engine.executor.runner import ForwardBatch, ModelRunner  # noqa: E402
 
-SECTIONS = ["bandwidth", "kernels", "gemm", "fp8_gemm", "moe_kernel", "decode", "engine_offline", "offline", "executor_decode", "latency", "hf"]
+SECTIONS = ["bandwidth", "kernels", "gemm", "fp8_gemm", "sampling", "moe_kernel", "decode", "engine_offline", "offline", "executor_decode", "latency", "hf"]
 GOALS = {
     "decode_tok_s": 160.0,  # beat gpt-fast's 153.7 tok/s on the same H100
     "roofline_fraction": 0.85,
@@ -343,6 +343,25 @@ def bench_kernels(results: dict, model_cfg: ModelConfig, dtype: torch.dtype) -> 
 GEMM_VARIANTS = [  # (block_n, block_k, num_warps, num_stages) of the skinny Triton kernel
     (16, 512, 4, 4), (32, 256, 4, 4), (16, 256, 4, 6), (64, 128, 4, 4), (32, 512, 8, 3),
 ]
+
+
+def bench_sampling(results: dict, model_cfg: ModelConfig, rows=(1, 8, 64, 512)) -> None:
+    """Choosing the next token from float32 logits over the model's vocabulary: torch.argmax beside
+    kernels.sampling.greedy_tokens (all rows greedy) and sample_tokens (Gumbel-max at temperature 0.8),
+    device time per call from CUDA-graph replays."""
+    from kernels.linear import graph_time_ms
+    from kernels.sampling import greedy_tokens, sample_tokens
+
+    out = []
+    for m in rows:
+        logits = torch.randn(m, model_cfg.vocab_size, device="cuda")
+        temperature = torch.full((m,), 0.8, device="cuda")
+        seeds, offsets = torch.arange(m, device="cuda"), torch.zeros(m, dtype=torch.int64, device="cuda")
+        out.append({"rows": m, "vocab": model_cfg.vocab_size,
+                    "torch_argmax_us": graph_time_ms(lambda: logits.argmax(-1)) * 1e3,
+                    "greedy_us": graph_time_ms(lambda: greedy_tokens(logits)) * 1e3,
+                    "sampled_us": graph_time_ms(lambda: sample_tokens(logits, temperature, seeds, offsets)) * 1e3})
+    results["sampling"] = out
 
 
 def bench_fp8_gemm(results: dict, model_cfg: ModelConfig, dtype: torch.dtype, rows=(1, 8, 64, 512)) -> None:
@@ -834,6 +853,9 @@ def markdown(results: dict) -> str:
         lines.append(f"| {row['name']} {row['n']}x{row['k']}, {row['m']} row(s): bf16 vs FP8 | "
                      f"{row['bf16_ms'] * 1e3:.1f} vs {row['fp8_ms'] * 1e3:.1f} µs ({row['bf16_ms'] / row['fp8_ms']:.2f}x; "
                      f"weights at {row['bf16_TBps']:.2f} vs {row['fp8_TBps']:.2f} TB/s) | |")
+    for row in results.get("sampling", []):
+        lines.append(f"| next token of {row['rows']} row(s) x {row['vocab']} logits: torch.argmax / greedy_tokens / "
+                     f"sampled | {row['torch_argmax_us']:.1f} / {row['greedy_us']:.1f} / {row['sampled_us']:.1f} µs | |")
     for row in results.get("executor_decode", []):
         t = row.get("timeline")
         steps = (f"; step period {t['period_ms']:.3f} ms, GPU busy in forward {t['gpu_ms']:.3f} ms, gap between "
@@ -974,6 +996,9 @@ class SectionRunner:
 
     def section_fp8_gemm(self) -> None:
         bench_fp8_gemm(self.results, self.model_cfg, self.dtype)
+
+    def section_sampling(self) -> None:
+        bench_sampling(self.results, self.model_cfg)
 
     def section_kernels(self) -> None:
         bench_kernels(self.results, self.model_cfg, self.dtype)
