@@ -573,19 +573,23 @@ def bench_offline(results: dict, executor, vocab: int, shapes: list[tuple[int, i
 
 
 def bench_executor_decode(executor, vocab: int, batch: int, prompt_len: int = 128, out_len: int = 256,
-                          profile_seconds: float = 0.0) -> dict:
+                          profile_seconds: float = 0.0, temperature: float = 0.0, top_p: float = 1.0) -> dict:
     """``batch`` requests enqueued at once (random prompts of ``prompt_len``, ``out_len`` tokens
     each) through the executor. decode_tok_s: ``batch`` over the median step period of the step
     timeline (else x the median request's decode rate, from its first- and last-token times);
     output_tok_s: all tokens over the wall time. With a timed runner (benchmarks/step_timeline.py) the step timeline is attached,
-    and with ``profile_seconds`` a profiler window of the steady decode (exact device idle time)."""
-    from engine.executor.request import OutputConfig, Request
+    and with ``profile_seconds`` a profiler window of the steady decode (exact device idle time).
+    ``temperature`` > 0: every request samples (seeded per request), with nucleus ``top_p`` (1.0: none)."""
+    from engine.executor.request import OutputConfig, Request, SamplingConfig
     from step_timeline import profile_device, summarize
 
     rng = random.Random(batch * 7 + prompt_len)
     output = OutputConfig(exclude_input_from_output=True, return_perf_metrics=True)
+    def sampling(i: int) -> SamplingConfig:
+        return SamplingConfig(temperature=temperature, top_p=top_p, seed=i) if temperature > 0 else SamplingConfig()
+
     requests = [Request(input_token_ids=[rng.randrange(vocab) for _ in range(prompt_len)], max_tokens=out_len,
-                        output=output) for _ in range(batch)]
+                        output=output, sampling=sampling(i)) for i in range(batch)]
     started = time.perf_counter()
     executor.enqueue_requests(requests)
     profiled = None
@@ -605,7 +609,7 @@ def bench_executor_decode(executor, vocab: int, batch: int, prompt_len: int = 12
                 tokens += n
                 rates.append((n - 1) / max(1e-9, (perf.last_token_time_ns - perf.first_token_time_ns) / 1e9))
     elapsed = time.perf_counter() - started
-    row = {"batch": batch, "prompt_len": prompt_len, "output_len": out_len,
+    row = {"batch": batch, "prompt_len": prompt_len, "output_len": out_len, "temperature": temperature, "top_p": top_p,
            "decode_tok_s": batch * statistics.median(rates), "output_tok_s": tokens / elapsed}
     timeline = summarize(executor.runner)
     if batch in timeline:
@@ -865,7 +869,8 @@ def markdown(results: dict) -> str:
         if "idle_ms_per_step" in p:
             steps += (f"; profiler over {p['steps']} steps: GPU idle {p['idle_ms_per_step']:.3f} ms per step "
                       f"(busy {p['busy_ms_per_step']:.3f} ms)")
-        lines.append(f"| executor decode, {row['batch']} request(s) at once, {row['prompt_len']}/{row['output_len']} "
+        sampled = f", temperature {row['temperature']:g}, top-p {row['top_p']:g}" if row.get("temperature") else ""
+        lines.append(f"| executor decode, {row['batch']} request(s) at once, {row['prompt_len']}/{row['output_len']}{sampled} "
                      f"(overlap {'on' if results.get('overlap_scheduler', True) else 'off'}) | "
                      f"{row['decode_tok_s']:,.1f} decode tok/s{steps} | |")
     for row in results.get("latency", []):
@@ -962,6 +967,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="input x output x requests, comma-separated")
     parser.add_argument("--executor-decode-batches", default="1,64,512",
                         help="batch sizes of the executor_decode section (comma-separated)")
+    parser.add_argument("--executor-decode-temperature", type=float, default=0.0,
+                        help="executor_decode: > 0 makes every request sample at this temperature (0: greedy)")
+    parser.add_argument("--executor-decode-top-p", type=float, default=1.0,
+                        help="executor_decode: nucleus top-p of the sampled requests (1.0: none)")
     parser.add_argument("--quantization", choices=["fp8"], default=None,
                         help="fp8: the model's linear weights in FP8 E4M3 (as engine.build --quantization fp8)")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
@@ -1046,7 +1055,8 @@ class SectionRunner:
         rows = []
         for batch in [int(b) for b in self.args.executor_decode_batches.split(",") if b]:
             rows.append(bench_executor_decode(self._started_executor(), self.model_cfg.vocab_size, batch,
-                                              profile_seconds=0.5))
+                                              profile_seconds=0.5, temperature=self.args.executor_decode_temperature,
+                                              top_p=self.args.executor_decode_top_p))
         self.results["executor_decode"] = rows
 
     def section_latency(self) -> None:
