@@ -585,11 +585,10 @@ def bench_executor_decode(executor, vocab: int, batch: int, prompt_len: int = 12
 
     rng = random.Random(batch * 7 + prompt_len)
     output = OutputConfig(exclude_input_from_output=True, return_perf_metrics=True)
-    def sampling(i: int) -> SamplingConfig:
-        return SamplingConfig(temperature=temperature, top_p=top_p, seed=i) if temperature > 0 else SamplingConfig()
-
     requests = [Request(input_token_ids=[rng.randrange(vocab) for _ in range(prompt_len)], max_tokens=out_len,
-                        output=output, sampling=sampling(i)) for i in range(batch)]
+                        output=output,
+                        sampling=SamplingConfig(temperature=temperature, top_p=top_p, seed=i) if temperature > 0
+                        else SamplingConfig()) for i in range(batch)]
     started = time.perf_counter()
     executor.enqueue_requests(requests)
     profiled = None

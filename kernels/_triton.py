@@ -94,6 +94,22 @@ def pdl_options(t) -> dict:
     return {"PDL": on, "launch_pdl": on}
 
 
+_NUM_SMS: dict[int, int] = {}
+
+
+def num_sms(device) -> int:
+    """Streaming multiprocessors of a CUDA ``device`` (read once per device): the grid sizes that
+    cover the GPU. Triton's CPU interpreter (debugging only) gets a plausible 132."""
+    if device.type != "cuda":
+        return 132
+    import torch
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _NUM_SMS:
+        _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _NUM_SMS[index]
+
+
 def use_triton(t) -> bool:
     """The dispatch rule every public kernel entry follows: Triton on CUDA tensors, else the reference."""
     return HAVE_TRITON and t.is_cuda

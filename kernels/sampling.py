@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import jit, tl, triton, use_triton
+from kernels._triton import jit, num_sms, tl, triton, use_triton
 
 _MIX = 0x5851F42D4C957F2D  # PCG's multiplier (odd, < 2**63): spreads (seed, offset) over the key space
 
@@ -113,30 +113,23 @@ def _pick_chunk_kernel(best_value_ptr, best_index_ptr, out_ptr, chunks, CHUNKS_P
     tl.store(out_ptr + row, tl.where(winner == 2147483647, 0, winner).to(tl.int64))
 
 
-_SMS: dict[int, int] = {}
 _CHUNK_BLOCK = 1024
-
-
-def _multiprocessors(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SMS:
-        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SMS[index]
 
 
 def _best_per_row(logits: torch.Tensor, gumbel: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
                   programs: int | None = None) -> torch.Tensor:
     """Each row split over enough programs to cover the GPU twice (at least 1,024 tokens each), then
-    one small kernel picks among their bests. On an H100, for Llama-8B's 128,256 float32 logits (0.5 MB),
-    one row took 26 us greedy (torch.argmax) and 109 us sampled (one program walking the row) against
-    3.4 and 4.2 us split; 8 rows 110 -> 10 us sampled, 64 rows 111 -> 59 us. ``gumbel``: (temperature, seeds, offsets) of the rows.
-    ``programs`` per row overrides the split (tests: 1 is one program walking the whole row)."""
+    one small kernel picks among their bests. On an H100, for Llama-8B's 128,256 float32 logits
+    (0.5 MB), one row took 26 us greedy (torch.argmax) and 109 us sampled (one program walking the
+    row) against 3.4 and 4.2 us split; 8 rows 110 -> 10 us sampled, 64 rows 111 -> 59 us.
+    ``gumbel``: (temperature, seeds, offsets) of the rows. ``programs`` per row overrides the split
+    (tests: 1 is one program walking the whole row)."""
     rows, vocab = logits.shape
     assert logits.stride(1) == 1
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return out
-    programs = programs or max(1, 2 * _multiprocessors(logits.device) // rows)
+    programs = programs or max(1, 2 * num_sms(logits.device) // rows)
     chunk = max(_CHUNK_BLOCK, triton.cdiv(triton.cdiv(vocab, programs), _CHUNK_BLOCK) * _CHUNK_BLOCK)
     chunks = triton.cdiv(vocab, chunk)
     chunks_pad = triton.next_power_of_2(chunks)

@@ -43,22 +43,10 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import jit, pdl_options, pdl_prologue, tl, triton
+from kernels._triton import jit, num_sms, pdl_options, pdl_prologue, tl, triton
 from kernels.attention_metadata import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
-_NUM_SMS: dict[int, int] = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":  # Triton's CPU interpreter (debugging only): any plausible count
-        return 132
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _NUM_SMS:
-        _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _NUM_SMS[index]
-
-
 # ----------------------------------------------------------------------------------------------
 # KV write
 # ----------------------------------------------------------------------------------------------
@@ -305,7 +293,7 @@ def _launch_config(meta: AttentionMetadata, group: int, num_kv_heads: int, devic
         if num_splits is None:
             keys_read = meta.max_context_len if sliding_window is None else min(meta.max_context_len, sliding_window)
             num_splits = _decode_num_splits(meta.context_lens.shape[0], num_kv_heads, keys_read,
-                                            _num_sms(device), 64)
+                                            num_sms(device), 64)
         if kv_itemsize == 1:
             return (block_m, 32, 1, 3, num_splits) if block_m <= 16 and not wide else (block_m, 32, 4, 2, num_splits)
         return block_m, 64, 4, (2 if wide else 3), num_splits
