@@ -106,19 +106,31 @@ def write_kv_cache_triton(
 # ----------------------------------------------------------------------------------------------
 
 
+@jit
+def rotate_neox(x, partner, cos, sin, first_half):
+    """Rotary on whole heads laid out as two halves (``kernels/rotary.py``, is_neox): ``x`` and
+    ``partner`` (the element HEAD_DIM / 2 away) of any shape [..., HEAD_DIM], cos / sin fp32
+    broadcastable to it. The math is kernels/rotary.py's, term for term, so the results round alike."""
+    x1 = x.to(tl.float32)
+    x2 = partner.to(tl.float32)
+    return tl.where(first_half, x1 * cos - x2 * sin, x1 * cos + x2 * sin).to(x.dtype)
+
+
 @jit(do_not_specialize=["stride_bt"])  # the block-table width changes every batch: one compile
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr, tile_seq_ptr, tile_m_ptr,
+    k_new_ptr, v_new_ptr, positions_ptr, cos_sin_ptr, slot_ptr,  # read when ROTARY_APPEND
     qk_scale,  # softmax scale * log2(e): scores live in base 2
     window,  # sliding window W (read when HAS_WINDOW): row at position p sees keys p - W < k <= p
     softcap_log2,  # logit soft-cap * log2(e) (read when HAS_SOFTCAP)
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt, stride_ps, stride_pt, stride_ph,
+    stride_knt, stride_knh, stride_vnt, stride_vnh, stride_cos,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-    FP16_MATH: tl.constexpr,
+    FP16_MATH: tl.constexpr, ROTARY_APPEND: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TILE_MAP: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)  # before the early returns too: every program must wait (kernels/_triton.py)
@@ -153,10 +165,22 @@ def _paged_attention_kernel(
     dim_valid = dims < HEAD_DIM
 
     token_rows = (q_start + token_in_seq).to(tl.int64)
-    q = tl.load(
-        q_ptr + token_rows[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
-        mask=row_valid[:, None] & dim_valid[None, :], other=0.0,
-    )
+    q_rows = q_ptr + token_rows[:, None] * stride_qt + head[:, None] * stride_qh
+    q_mask = row_valid[:, None] & dim_valid[None, :]
+    q = tl.load(q_rows + dims[None, :], mask=q_mask, other=0.0)
+    if ROTARY_APPEND:
+        # Decode only (one new token, at cache position prefix_len): rotate the query rows here
+        # instead of in kernels/rotary.py's kernel, and have the one split whose keys end at that
+        # position put the token's rotated K and its V into the cache before reading its keys.
+        # HEAD_DIM == DIM_PAD here (the wrapper checks), so every dim has its partner.
+        HALF: tl.constexpr = HEAD_DIM // 2
+        first_half = dims < HALF
+        partner = (dims + HALF) % HEAD_DIM
+        position = tl.load(positions_ptr + q_start).to(tl.int64)
+        cos = tl.load(cos_sin_ptr + position * stride_cos + dims % HALF)
+        sin = tl.load(cos_sin_ptr + position * stride_cos + HALF + dims % HALF)
+        q = rotate_neox(q, tl.load(q_rows + partner[None, :], mask=q_mask, other=0.0),
+                        cos[None, :], sin[None, :], first_half[None, :])
     if FP16_MATH:
         # An FP8 pool's E4M3 values widen to fp16 in one instruction (to bf16 in two), and exactly.
         # q carries qk_scale into fp16 (|q| shrinks ~8x for 128-wide heads) and saturates at fp16's
@@ -173,6 +197,21 @@ def _paged_attention_kernel(
     tiles_per_split = tl.cdiv(tl.cdiv(kv_end - kv_start, BLOCK_N), NUM_SPLITS)
     kv_lo = kv_start + split * tiles_per_split * BLOCK_N
     kv_hi = tl.minimum(kv_end, kv_lo + tiles_per_split * BLOCK_N)
+    if ROTARY_APPEND:
+        slot = tl.load(slot_ptr + q_start).to(tl.int64)
+        if (kv_lo <= prefix_len) & (prefix_len < kv_hi) & (slot >= 0):  # slot -1: a graph's padding row
+            new_row = q_start.to(tl.int64)
+            k_row = k_new_ptr + new_row * stride_knt + kv_head * stride_knh
+            k_new = rotate_neox(tl.load(k_row + dims), tl.load(k_row + partner), cos, sin, first_half)
+            v_new = tl.load(v_new_ptr + new_row * stride_vnt + kv_head * stride_vnh + dims)
+            page, offset = slot // PAGE_SIZE, slot % PAGE_SIZE
+            tl.store(k_cache_ptr + page * stride_kb + offset * stride_ks + kv_head * stride_kh + dims,
+                     cache_value(k_new, k_cache_ptr))
+            tl.store(v_cache_ptr + page * stride_vb + offset * stride_vs + kv_head * stride_vh + dims,
+                     cache_value(v_new, v_cache_ptr))
+        # The walk below reads that slot back: a block barrier orders this program's threads' stores
+        # before their loads (no other program reads this key of this KV head in this step).
+        tl.debug_barrier()
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -304,12 +343,18 @@ def _launch_config(meta: AttentionMetadata, group: int, num_kv_heads: int, devic
 def paged_attention_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
     *, num_splits: int | None = None, sliding_window: int | None = None, logit_softcap: float | None = None,
+    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """q: (num_tokens, num_heads, head_dim), last dim contiguous -> out: (num_tokens, num_heads, head_dim).
 
     ``num_splits`` overrides the decode split count (a power of two; tests use it to force
     the split path at short contexts); prefill batches never split. ``sliding_window`` and
     ``logit_softcap``: kernels/attention.py (None: the layer has none).
+
+    ``new_kv = (k, v, positions, cos_sin_cache)``, decode-only batches with power-of-two heads:
+    q and k arrive unrotated; the kernel rotates them (neox halves, kernels/rotary.py's table and
+    math) and writes the rotated k and v to ``meta.slot_mapping`` before attending, which is
+    ``rotary_and_write_kv`` + this function in one kernel. q and k are left as they were.
     """
     num_tokens, num_heads, head_dim = q.shape
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
@@ -325,6 +370,14 @@ def paged_attention_triton(
                                                                          k_cache.element_size())
     tokens_per_tile = block_m // group
     tile_map = meta.tile_seq is not None and not meta.is_decode_only
+    if new_kv is not None:
+        new_k, new_v, positions, cos_sin_cache = new_kv
+        assert meta.is_decode_only and dim_pad == head_dim and cos_sin_cache.shape[1] == head_dim
+        assert new_k.stride(-1) == 1 and new_v.stride(-1) == 1 and cos_sin_cache.dtype == torch.float32
+        knt, knh, vnt, vnh = new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1)
+    else:
+        new_k = new_v = positions = cos_sin_cache = q  # unused
+        knt = knh = vnt = vnh = 0
     if tile_map:
         assert tokens_per_tile == prefill_tokens_per_tile(group), "tile map built for another tiling"
         grid = (meta.tile_seq.shape[0], 1, num_kv_heads * num_splits)
@@ -340,15 +393,17 @@ def paged_attention_triton(
         q, k_cache, v_cache, out, part_out, part_lse,
         meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
         meta.tile_seq if tile_map else meta.cu_seqlens_q, meta.tile_m if tile_map else meta.cu_seqlens_q,
+        new_k, new_v, positions, cos_sin_cache, meta.slot_mapping,
         scale * _LOG2E, sliding_window or 0, (logit_softcap or 1.0) * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         meta.block_tables.stride(0), ps, pt, ph,
+        knt, knh, vnt, vnh, cos_sin_cache.stride(0),
         GROUP=group, HEAD_DIM=head_dim, DIM_PAD=dim_pad, PAGE_SIZE=page_size,
         BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 engines get fp32 dots
-        FP16_MATH=k_cache.element_size() == 1 and q.dtype != torch.float32,
+        FP16_MATH=k_cache.element_size() == 1 and q.dtype != torch.float32, ROTARY_APPEND=new_kv is not None,
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=logit_softcap is not None, HAS_TILE_MAP=tile_map,
         num_warps=num_warps, num_stages=num_stages, **pdl_options(q),
     )

@@ -37,10 +37,10 @@ from engine.config import ModelConfig
 from engine.models.layers import (Linear, Norm, RowParallelLinear, VocabParallelEmbedding, qkv_heads,
                                   vocab_parallel_logits)
 from kernels.activation import gelu_tanh_and_mul
-from kernels.attention import paged_attention
 from kernels.attention_metadata import AttentionMetadata
 from kernels.rmsnorm import rms_norm
-from kernels.rotary import build_cos_sin_cache, rotary_and_write_kv
+from kernels.rope_attention import rope_paged_attention
+from kernels.rotary import build_cos_sin_cache
 
 
 class GemmaLayer(nn.Module):
@@ -76,9 +76,8 @@ class GemmaLayer(nn.Module):
         q, k, v = qkv_heads(self.qkv_proj(x), self.num_heads, self.num_kv_heads, self.head_dim,
                             self.q_norm, self.k_norm, self.eps)
         k_cache, v_cache = kv_cache[self.layer_index, 0], kv_cache[self.layer_index, 1]
-        q = rotary_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping, is_neox=True)
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale, sliding_window=self.sliding_window,
-                              logit_softcap=self.logit_softcap)
+        out = rope_paged_attention(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta, self.scale,
+                                   sliding_window=self.sliding_window, logit_softcap=self.logit_softcap)
         return self.o_proj(out.reshape(out.shape[0], -1))
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:

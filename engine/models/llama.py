@@ -29,7 +29,8 @@ from engine.models.layers import (Linear, Norm, RowParallelLinear, VocabParallel
 from kernels.attention_metadata import AttentionMetadata
 from kernels.attention import paged_attention, write_kv_cache
 from kernels.rmsnorm import rms_norm
-from kernels.rotary import build_cos_sin_cache, rotary_and_write_kv
+from kernels.rope_attention import rope_paged_attention
+from kernels.rotary import build_cos_sin_cache
 
 
 class LlamaLayer(nn.Module):
@@ -79,12 +80,12 @@ class LlamaLayer(nn.Module):
                             self.q_norm, self.k_norm, self.eps)
         k_cache, v_cache = kv_cache[self.layer_index, 0], kv_cache[self.layer_index, 1]
         if self.use_rope:
-            # apply_rotary + write_kv_cache, fused into one kernel on CUDA; returns the rotated q.
-            q = rotary_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping,
-                                    is_neox=True)
+            # Rotary, KV write and attention: one kernel at decode on CUDA (kernels/rope_attention.py).
+            out = rope_paged_attention(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta, self.scale,
+                                       sliding_window=self.sliding_window)
         else:
             write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale, sliding_window=self.sliding_window)
+            out = paged_attention(q, k_cache, v_cache, meta, self.scale, sliding_window=self.sliding_window)
         return self.o_proj(out.reshape(out.shape[0], -1))
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:

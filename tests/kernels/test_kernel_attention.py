@@ -285,3 +285,54 @@ def test_decode_split_count_is_a_bounded_power_of_two():
     for n in (1, 3, 17, 64):
         splits = _decode_num_splits(n, 8, 2000, 132, 64)
         assert splits & (splits - 1) == 0 and 1 <= splits <= 32
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [(32, 8, 128), (9, 3, 64), (8, 4, 256)])
+@pytest.mark.parametrize("num_splits", [None, 1, 4])
+@pytest.mark.parametrize("fp8_pool", [False, True])
+def test_decode_with_rotary_and_kv_append_matches_separate_kernels(device, heads, num_splits, fp8_pool):
+    """At decode the attention kernel rotates q and k and appends k and v itself
+    (kernels/rope_attention.py). Against rotary_and_write_kv + paged_attention as two kernels: the same
+    cache bytes and the same output; against the torch references: within the dots' rounding. The new
+    key ends a page (context 16), starts one (17), is the only key (1), lies deep in a split (300), and
+    one row has slot -1 (a CUDA graph's padding row), which must write nothing."""
+    from kernels.attention import KV_FP8_DTYPE
+    from kernels.rotary import build_cos_sin_cache, rotary_and_write_kv_ref, rotary_and_write_kv_triton
+    from kernels.triton_attention import paged_attention_triton
+
+    if fp8_pool and device != "cuda":
+        pytest.skip("FP8 pools need the GPU")
+    num_heads, num_kv_heads, head_dim = heads
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    batch = [(0, 1), (15, 1), (16, 1), (299, 1), (40, 1)]
+    k, v, k_cache, v_cache, meta = make_batch(batch, num_kv_heads, head_dim, 16, dtype, device, seed=5)
+    if fp8_pool:
+        k_cache, v_cache = k_cache.to(KV_FP8_DTYPE), v_cache.to(KV_FP8_DTYPE)
+    meta.slot_mapping[4] = -1
+    positions = (meta.context_lens - 1).long()
+    cos_sin = build_cos_sin_cache(4096, head_dim, 500000.0, device=device)
+    q = torch.randn(len(batch), num_heads, head_dim, generator=torch.Generator().manual_seed(6)).to(dtype).to(device)
+    scale = head_dim**-0.5
+
+    k_split, v_split, q_split = k_cache.clone(), v_cache.clone(), q.clone()
+    rotated = rotary_and_write_kv_triton(q_split, k, v, positions, cos_sin, k_split, v_split, meta.slot_mapping)
+    out_split = paged_attention_triton(rotated, k_split, v_split, meta, scale, num_splits=num_splits)
+
+    k_fused, v_fused, q_before, k_before = k_cache.clone(), v_cache.clone(), q.clone(), k.clone()
+    out = paged_attention_triton(q, k_fused, v_fused, meta, scale, num_splits=num_splits,
+                                 new_kv=(k, v, positions, cos_sin))
+    assert torch.equal(q, q_before) and torch.equal(k, k_before)  # the inputs are left unrotated
+    assert torch.equal(k_fused.view(torch.uint8), k_split.view(torch.uint8))
+    assert torch.equal(v_fused.view(torch.uint8), v_split.view(torch.uint8))
+    padding_row_block = meta.block_tables[4, 40 // 16].item()  # position 40 of the slot -1 row: untouched
+    assert torch.equal(k_fused[padding_row_block, 40 % 16].view(torch.uint8),
+                       k_cache[padding_row_block, 40 % 16].view(torch.uint8))
+    assert relative_error(out, out_split) < TOLERANCE[dtype] / 10
+
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    keep = meta.slot_mapping >= 0
+    q_ref = rotary_and_write_kv_ref(q.clone()[keep], k[keep], v[keep], positions[keep], cos_sin, k_ref, v_ref,
+                                    meta.slot_mapping[keep])
+    ref = paged_attention_ref(torch.cat([q_ref, rotated[~keep]]), k_ref, v_ref, meta, scale)
+    assert relative_error(out, ref) < TOLERANCE[dtype]

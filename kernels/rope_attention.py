@@ -1,0 +1,44 @@
+"""What every rope attention layer runs between its qkv product and its o_proj: rotary on q and k,
+the new k and v into the paged cache, then paged attention.
+
+``rope_paged_attention(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta, scale, ...)``
+equals ``rotary_and_write_kv`` (kernels/rotary.py) followed by ``paged_attention``
+(kernels/attention.py); shapes and the cache contract are theirs.
+
+Why one entry: at decode the attention kernel can do the other two itself (one launch less per
+layer, and the step's critical path at batch 1 is a chain of such few-microsecond kernels). Each
+program rotates its own query rows, and the one split whose keys end at the new token's position
+writes that token's rotated K and its V into the cache, then reads them back with the rest. Prefill
+and mixed batches, GPT-J-style pairs and heads that are not a power of two keep the two kernels.
+Neither path promises anything about q and k afterwards (the split path rotates q in place).
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels import triton_attention
+from kernels._triton import use_triton
+from kernels.attention import paged_attention
+from kernels.attention_metadata import AttentionMetadata
+from kernels.rotary import rotary_and_write_kv
+
+
+def fuses_rotary_into_attention(q: torch.Tensor, meta: AttentionMetadata, is_neox: bool) -> bool:
+    head_dim = q.shape[-1]
+    return use_triton(q) and meta.is_decode_only and is_neox and head_dim & (head_dim - 1) == 0
+
+
+def rope_paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, *,
+    sliding_window: int | None = None, logit_softcap: float | None = None, is_neox: bool = True,
+) -> torch.Tensor:
+    """q: (num_tokens, heads, dim), k and v: (num_tokens, kv_heads, dim) unrotated, last dim
+    contiguous (column views of the fused qkv output are fine) -> out: (num_tokens, heads, dim)."""
+    if fuses_rotary_into_attention(q, meta, is_neox):
+        return triton_attention.paged_attention_triton(
+            q, k_cache, v_cache, meta, scale, sliding_window=sliding_window, logit_softcap=logit_softcap,
+            new_kv=(k, v, positions, cos_sin_cache))
+    q = rotary_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping, is_neox=is_neox)
+    return paged_attention(q, k_cache, v_cache, meta, scale, sliding_window=sliding_window,
+                           logit_softcap=logit_softcap)
