@@ -135,4 +135,25 @@ def profile_device(runner, seconds: float) -> dict:
     top = prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=50)
     return {"steps": steps, "activities": len(intervals), "span_ms": span / 1e3, "busy_ms": busy / 1e3,
             "idle_ms_per_step": (span - busy) / 1e3 / steps, "busy_ms_per_step": busy / 1e3 / steps,
-            "top_kernels": top}
+            "top_kernels": top, "critical_path": critical_path(prof, steps)}
+
+
+def critical_path(prof, steps: int, context: int = 4) -> list[dict]:
+    """What each kernel adds to the stream's timeline: its end minus the later of the previous
+    kernel's end and its own start. With PDL a kernel starts during its predecessor and waits, so
+    its own duration overstates it; this share counts the handoff and its work after the wait, and
+    no idle time. Kernels are told apart by name and the names of the ``context`` kernels before
+    them (so the four products of a layer come out as four rows). Per step, largest first."""
+    from torch.autograd import DeviceType
+
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    short = [name[:28] for _, _, name in kernels]
+    rows: dict[tuple, list[float]] = {}
+    for i in range(context, len(kernels)):
+        start, end, _ = kernels[i]
+        share = end - max(kernels[i - 1][1], start)
+        rows.setdefault(tuple(short[i - context:i + 1]), []).append(share)
+    out = [{"kernel": key[-1], "after": " < ".join(reversed(key[:-1])), "us_per_step": sum(v) / steps,
+            "count_per_step": len(v) / steps, "mean_us": sum(v) / len(v)} for key, v in rows.items()]
+    return sorted(out, key=lambda r: -r["us_per_step"])[:40]

@@ -203,12 +203,12 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     silu(x @ weight[:N].T) * (x @ weight[N:].T) for weight (2N, K) (bias not supported). With
     ``weight_scale`` (rows of weight,) float32, weight is FP8 and row n counts as weight[n] * scale[n];
     with ``x_scale`` (M,) float32 too, x is FP8 and row m counts as x[m] * x_scale[m], and the
-    result is ``out_dtype`` (the activations' dtype). ``split_k``: programs per output tile along K
+    result is ``out_dtype`` (the activations' dtype; float32 for the logits, else x's dtype). ``split_k``: programs per output tile along K
     (each a whole number of BLOCK_K tiles). ``swap_ab``: see the kernel."""
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     assert m <= MAX_SKINNY_ROWS and x.stride(1) == 1 and weight.stride(1) == 1 and not (gated and bias is not None)
-    assert (x_scale is None) == (out_dtype is None) and (x_scale is None or weight_scale is not None)
+    assert x_scale is None or (out_dtype is not None and weight_scale is not None)
     out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if m == 0:
         return out
@@ -263,10 +263,14 @@ _HAS_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")
 def linear_float32_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T as float32 (the logits): (M, K) x (N, K) -> (M, N) float32.
 
-    A skinny batch takes ``linear`` and widens its result. A larger half-precision batch on CUDA
-    has cuBLAS store the fp32 accumulators directly: for Llama-8B's lm_head at 1,024 rows the
-    rounded (1024, 128256) product and its widening copy (an extra 0.8 GB of traffic, ~0.4 ms on
-    an H100) are gone, and the logits are the unrounded accumulators (at least as exact)."""
+    The products store their fp32 accumulators as they are, never a rounded product and then a
+    widening copy: a skinny batch through the Triton kernel (when the weight was marked at load),
+    a larger half-precision batch on CUDA through cuBLAS. For Llama-8B's lm_head at 1,024 rows
+    that saves an extra 0.8 GB of traffic (~0.4 ms on an H100); at batch 1 a kernel launch of the
+    step's critical path. The logits are the unrounded accumulators (at least as exact)."""
+    variant = getattr(weight, _SKINNY_ATTR, False)
+    if variant and x.shape[0] <= MAX_SKINNY_ROWS and x.is_contiguous():
+        return skinny_linear_triton(x, weight, out_dtype=torch.float32, **variant_options(variant))
     if (_HAS_MM_OUT_DTYPE and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
             and x.shape[0] > MAX_SKINNY_ROWS):
         return torch.mm(x, weight.t(), out_dtype=torch.float32)

@@ -279,12 +279,13 @@ def test_decode_split_count_is_a_bounded_power_of_two():
     pytest.importorskip("triton")
     from kernels.triton_attention import _decode_num_splits
 
-    assert _decode_num_splits(1, 8, 8192, 132, 64) == 32  # batch 1, long context: fill the GPU
+    assert _decode_num_splits(1, 8, 8192, 132, 64) == 16  # batch 1, long context: fill the GPU, up to the cap
+    assert _decode_num_splits(8, 8, 8192, 132, 64) == 8  # 64 programs a split: 5 cover the GPU twice, 8 a power of 2
     assert _decode_num_splits(1, 8, 100, 132, 64) == 1  # too short to split
     assert _decode_num_splits(256, 8, 8192, 132, 64) == 1  # the batch fills the GPU already
     for n in (1, 3, 17, 64):
         splits = _decode_num_splits(n, 8, 2000, 132, 64)
-        assert splits & (splits - 1) == 0 and 1 <= splits <= 32
+        assert splits & (splits - 1) == 0 and 1 <= splits <= 16
 
 
 @pytest.mark.gpu
@@ -296,7 +297,7 @@ def test_decode_with_rotary_and_kv_append_matches_separate_kernels(device, heads
     (kernels/rope_attention.py). Against rotary_and_write_kv + paged_attention as two kernels: the same
     cache bytes and the same output; against the torch references: within the dots' rounding. The new
     key ends a page (context 16), starts one (17), is the only key (1), lies deep in a split (300), and
-    one row has slot -1 (a CUDA graph's padding row), which must write nothing."""
+    one row has slot -1 (a CUDA graph's padding row), which must write nothing (its output is unused)."""
     from kernels.attention import KV_FP8_DTYPE
     from kernels.rotary import build_cos_sin_cache, rotary_and_write_kv_ref, rotary_and_write_kv_triton
     from kernels.triton_attention import paged_attention_triton
@@ -328,11 +329,12 @@ def test_decode_with_rotary_and_kv_append_matches_separate_kernels(device, heads
     padding_row_block = meta.block_tables[4, 40 // 16].item()  # position 40 of the slot -1 row: untouched
     assert torch.equal(k_fused[padding_row_block, 40 % 16].view(torch.uint8),
                        k_cache[padding_row_block, 40 % 16].view(torch.uint8))
-    assert relative_error(out, out_split) < TOLERANCE[dtype] / 10
+    # A padding row's output is never used (and its new key, never written, is not in the pool).
+    assert relative_error(out[:4], out_split[:4]) < TOLERANCE[dtype] / 10
 
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     keep = meta.slot_mapping >= 0
     q_ref = rotary_and_write_kv_ref(q.clone()[keep], k[keep], v[keep], positions[keep], cos_sin, k_ref, v_ref,
                                     meta.slot_mapping[keep])
     ref = paged_attention_ref(torch.cat([q_ref, rotated[~keep]]), k_ref, v_ref, meta, scale)
-    assert relative_error(out, ref) < TOLERANCE[dtype]
+    assert relative_error(out[:4], ref[:4]) < TOLERANCE[dtype]

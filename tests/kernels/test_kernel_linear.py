@@ -106,21 +106,26 @@ def test_gated_skinny_matches_linear_then_silu_and_mul(device, m):
             assert relative_error(out, gated_linear_ref(x, w)) < 2 * ROUNDING[dtype], (bn, bk)
 
 
-@pytest.mark.parametrize("m", [3, 64])
-def test_float32_logits_are_the_product_unrounded(device, m):
-    """linear_float32_out (the lm_head): float32 for every batch. A skinny batch widens the rounded
-    product; a larger half-precision one on CUDA keeps cuBLAS's fp32 accumulators, so it is within
-    fp32 accumulation error of the exact product, closer than the product rounded to bf16 is."""
-    from kernels.linear import linear_float32_out
+@pytest.mark.parametrize("m,skinny", [(3, False), (3, True), (64, False)])
+def test_float32_logits_are_the_product_unrounded(device, m, skinny):
+    """linear_float32_out (the lm_head): float32 for every batch. A weight marked for the skinny
+    kernel (as engine load marks the lm_head) has it store fp32 accumulators, and so does cuBLAS
+    for a larger half-precision batch on CUDA: within fp32 accumulation error of the exact product,
+    closer than the product rounded to bf16 is. Otherwise a skinny batch widens the rounded product."""
+    from kernels.linear import _SKINNY_ATTR, linear_float32_out
 
+    if skinny and device != "cuda":
+        pytest.skip("Triton's CPU interpreter does not run bf16 dots faithfully")
     gen = torch.Generator().manual_seed(m)
     x = torch.randn(m, 512, generator=gen).to(torch.bfloat16).to(device)
     w = (torch.randn(1000, 512, generator=gen) * 0.05).to(torch.bfloat16).to(device)
+    if skinny:
+        setattr(w, _SKINNY_ATTR, (16, 256, 4, 4, 2))  # split-K: the fp32 sums of two programs, added
     got = linear_float32_out(x, w)
     assert got.dtype == torch.float32 and got.shape == (m, 1000)
     exact = F.linear(x.double(), w.double()).float()
     rounded = F.linear(x, w).float()
-    if device == "cuda" and m > 16:
+    if skinny or (device == "cuda" and m > 16):
         assert relative_error(got, exact) < 1e-5 < relative_error(rounded, exact)
     else:
         torch.testing.assert_close(got, rounded, rtol=0, atol=0)
