@@ -27,6 +27,11 @@ their log-sum-exp. The grid depends only on the batch size and on ``meta.max_con
 (never on device values), so a decode step can be captured in a CUDA graph: the runner captures
 with ``max_context_len`` set to the longest context the graph will serve.
 
+A decode-only batch of a rope layer may pass its q, k and v unrotated (``new_kv``,
+kernels/rope_attention.py): each program rotates its query rows, and the split that holds the new
+token's position writes its rotated K and its V to the token's slot, then reads them back with the
+rest of its keys. That is the work of kernels/rotary.py's fused kernel, one launch fewer per layer.
+
 A prefill or mixed batch's grid depends on its longest prompt chunk and its sequence count. A
 CUDA graph of such steps (engine/executor/prefill_graphs.py) passes a tile map instead
 (``meta.tile_seq`` / ``meta.tile_m``): program p runs the tile the map names, so the grid is the
