@@ -119,8 +119,9 @@ def profile_device(runner, seconds: float) -> dict:
         window = (window, time.perf_counter())
     # Steps launched while the profiler recorded (starting and stopping it takes a while itself).
     steps = sum(1 for step in list(local.__dict__.get("timeline", ())) if window[0] <= step[1] <= window[1])
-    intervals = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                       if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    intervals = [(start, end) for start, end, _ in kernels]
     if not intervals or steps <= 0:
         return {"steps": steps, "activities": len(intervals)}
     busy, (run_start, run_end) = 0.0, intervals[0]
@@ -135,19 +136,16 @@ def profile_device(runner, seconds: float) -> dict:
     top = prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=50)
     return {"steps": steps, "activities": len(intervals), "span_ms": span / 1e3, "busy_ms": busy / 1e3,
             "idle_ms_per_step": (span - busy) / 1e3 / steps, "busy_ms_per_step": busy / 1e3 / steps,
-            "top_kernels": top, "critical_path": critical_path(prof, steps)}
+            "top_kernels": top, "critical_path": critical_path(kernels, steps)}
 
 
-def critical_path(prof, steps: int, context: int = 4) -> list[dict]:
+def critical_path(kernels: list[tuple[float, float, str]], steps: int, context: int = 4) -> list[dict]:
     """What each kernel adds to the stream's timeline: its end minus the later of the previous
     kernel's end and its own start. With PDL a kernel starts during its predecessor and waits, so
     its own duration overstates it; this share counts the handoff and its work after the wait, and
     no idle time. Kernels are told apart by name and the names of the ``context`` kernels before
-    them (so the four products of a layer come out as four rows). Per step, largest first."""
-    from torch.autograd import DeviceType
-
-    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                     if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    them (so the four products of a layer come out as four rows). Per step, largest first.
+    ``kernels``: (start, end, name) of every device activity, sorted by start (``profile_device``)."""
     short = [name[:28] for _, _, name in kernels]
     rows: dict[tuple, list[float]] = {}
     for i in range(context, len(kernels)):

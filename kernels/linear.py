@@ -203,8 +203,8 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     silu(x @ weight[:N].T) * (x @ weight[N:].T) for weight (2N, K) (bias not supported). With
     ``weight_scale`` (rows of weight,) float32, weight is FP8 and row n counts as weight[n] * scale[n];
     with ``x_scale`` (M,) float32 too, x is FP8 and row m counts as x[m] * x_scale[m], and the
-    result is ``out_dtype`` (the activations' dtype; float32 for the logits, else x's dtype). ``split_k``: programs per output tile along K
-    (each a whole number of BLOCK_K tiles). ``swap_ab``: see the kernel."""
+    result is ``out_dtype`` (the activations' dtype). ``out_dtype`` defaults to x's dtype; float32
+    serves the logits. ``split_k``: programs per output tile along K (each a whole number of BLOCK_K tiles). ``swap_ab``: see the kernel."""
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     assert m <= MAX_SKINNY_ROWS and x.stride(1) == 1 and weight.stride(1) == 1 and not (gated and bias is not None)
@@ -239,19 +239,25 @@ def gated_linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return silu_and_mul(linear(x, weight))
 
 
+def _skinny_variant(x: torch.Tensor, weight: torch.Tensor, attr: str = _SKINNY_ATTR):
+    """The variant chosen at load for ``weight`` when the skinny kernel takes ``x``, else None."""
+    variant = getattr(weight, attr, False)
+    return variant if variant and x.shape[0] <= MAX_SKINNY_ROWS and x.is_contiguous() else None
+
+
 def gated_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """silu(x @ gate.T) * (x @ up.T) for the fused gate_up weight (2 * inter, hidden) = [gate | up]:
     one skinny Triton kernel when the weight was marked at load (decode-size batches), else the
     product (cuBLAS or skinny) followed by kernels.activation.silu_and_mul."""
-    variant = getattr(weight, _GATED_ATTR, False)
-    if variant and x.shape[0] <= MAX_SKINNY_ROWS and x.is_contiguous():
+    variant = _skinny_variant(x, weight, _GATED_ATTR)
+    if variant:
         return skinny_linear_triton(x, weight, gated=True, **variant_options(variant))
     return gated_linear_ref(x, weight)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    variant = getattr(weight, _SKINNY_ATTR, False)
-    if variant and x.shape[0] <= MAX_SKINNY_ROWS and x.is_contiguous():
+    variant = _skinny_variant(x, weight)
+    if variant:
         return skinny_linear_triton(x, weight, bias, **variant_options(variant))
     return F.linear(x, weight, bias)
 
@@ -268,8 +274,8 @@ def linear_float32_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     a larger half-precision batch on CUDA through cuBLAS. For Llama-8B's lm_head at 1,024 rows
     that saves an extra 0.8 GB of traffic (~0.4 ms on an H100); at batch 1 a kernel launch of the
     step's critical path. The logits are the unrounded accumulators (at least as exact)."""
-    variant = getattr(weight, _SKINNY_ATTR, False)
-    if variant and x.shape[0] <= MAX_SKINNY_ROWS and x.is_contiguous():
+    variant = _skinny_variant(x, weight)
+    if variant:
         return skinny_linear_triton(x, weight, out_dtype=torch.float32, **variant_options(variant))
     if (_HAS_MM_OUT_DTYPE and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
             and x.shape[0] > MAX_SKINNY_ROWS):

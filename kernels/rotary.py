@@ -22,7 +22,7 @@ import math
 import torch
 
 from kernels._triton import jit, pdl_options, pdl_prologue, tl, triton, use_triton
-from kernels.triton_attention import cache_value
+from kernels.triton_attention import cache_value, rotate_pair
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
@@ -193,10 +193,10 @@ def _rotate_heads(x_ptr, token, stride_t, stride_h, num_heads, cos, sin, half_id
     else:
         first, second = 2 * half_idx[None, :], 2 * half_idx[None, :] + 1
     base = x_ptr + token * stride_t + heads * stride_h
-    x1 = tl.load(base + first, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(base + second, mask=mask, other=0.0).to(tl.float32)
-    tl.store(base + first, (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), mask=mask)
-    tl.store(base + second, (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+    out1, out2 = rotate_pair(tl.load(base + first, mask=mask, other=0.0), tl.load(base + second, mask=mask, other=0.0),
+                             cos, sin)
+    tl.store(base + first, out1.to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(base + second, out2.to(x_ptr.dtype.element_ty), mask=mask)
 
 
 @jit
@@ -264,11 +264,11 @@ def _rotary_write_kv_kernel(
         else:
             first, second = 2 * half_idx[None, :], 2 * half_idx[None, :] + 1
         k_row = k_ptr + token * stride_kt + heads * stride_kh
-        x1 = tl.load(k_row + first, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(k_row + second, mask=mask, other=0.0).to(tl.float32)
+        out1, out2 = rotate_pair(tl.load(k_row + first, mask=mask, other=0.0),
+                                 tl.load(k_row + second, mask=mask, other=0.0), cos, sin)
         # Rounded to k's dtype first (the reference rotates k, then the KV write casts to the cache).
-        out1 = cache_value((x1 * cos - x2 * sin).to(k_ptr.dtype.element_ty), k_cache_ptr)
-        out2 = cache_value((x2 * cos + x1 * sin).to(k_ptr.dtype.element_ty), k_cache_ptr)
+        out1 = cache_value(out1.to(k_ptr.dtype.element_ty), k_cache_ptr)
+        out2 = cache_value(out2.to(k_ptr.dtype.element_ty), k_cache_ptr)
         k_slot = k_cache_ptr + slot * stride_kc_slot + heads * stride_kc_head
         tl.store(k_slot + first, out1, mask=mask)
         tl.store(k_slot + second, out2, mask=mask)

@@ -112,13 +112,22 @@ def write_kv_cache_triton(
 
 
 @jit
+def rotate_pair(x1, x2, cos, sin):
+    """One rotary rotation in fp32: the pair (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin). Every
+    rotary kernel (kernels/rotary.py's and the decode attention's) computes it here, so they round alike."""
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+@jit
 def rotate_neox(x, partner, cos, sin, first_half):
     """Rotary on whole heads laid out as two halves (``kernels/rotary.py``, is_neox): ``x`` and
     ``partner`` (the element HEAD_DIM / 2 away) of any shape [..., HEAD_DIM], cos / sin fp32
-    broadcastable to it. The math is kernels/rotary.py's, term for term, so the results round alike."""
-    x1 = x.to(tl.float32)
-    x2 = partner.to(tl.float32)
-    return tl.where(first_half, x1 * cos - x2 * sin, x1 * cos + x2 * sin).to(x.dtype)
+    broadcastable to it. A first-half element is its pair's x1, a second-half one its pair's x2."""
+    as_first, _ = rotate_pair(x, partner, cos, sin)
+    _, as_second = rotate_pair(partner, x, cos, sin)
+    return tl.where(first_half, as_first, as_second).to(x.dtype)
 
 
 @jit(do_not_specialize=["stride_bt"])  # the block-table width changes every batch: one compile
