@@ -106,8 +106,12 @@ BAD_INPUTS: list[BadInput] = [
     BadInput("seed of FP32", "ensemble", "grpc", lambda: text_request(seed=_one(1.5, np.float32))),
     BadInput("LoRA task id (not supported)", "ensemble", "grpc",
              lambda: text_request(lora_task_id=_one(3, np.uint64))),
-    BadInput("guided decoding (not supported)", "ensemble", "grpc", lambda: text_request(
-        guided_decoding_guide_type=_one(b"json_schema", object), guided_decoding_guide=_one(b"{}", object))),
+    # guided decoding: the serving layer refuses an unknown guide type, the executor a guide it cannot compile
+    BadInput("guided decoding: unknown guide type", "ensemble", "grpc", lambda: text_request(
+        guided_decoding_guide_type=_one(b"yaml", object), guided_decoding_guide=_one(b"{}", object))),
+    BadInput("guided decoding: JSON schema not JSON", "ensemble", "grpc", lambda: text_request(
+        guided_decoding_guide_type=_one(b"json_schema", object),
+        guided_decoding_guide=_one(b'{"type": "object", "properties": ', object))),
     BadInput("unknown input name", "ensemble", "grpc", lambda: text_request(no_such_input=_one(1, np.int32))),
     # ---- the ensemble over HTTP generate_stream (JSON)
     BadInput("malformed JSON", "ensemble", "http", lambda: b'{"text_input": "hi", "max_tokens": '),

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from serving.requests import (UnsupportedFeature, any_nonzero, any_text, non_empty,
+from serving.requests import (UnsupportedFeature, any_nonzero, any_text, guided_decoding, non_empty,
                               refuse_unsupported, without)
 from serving.tokenization import REPLACEMENT_CHAR, DecodeWindow, TextDeltas
 
@@ -72,9 +72,10 @@ def wants_token_ids(tensors: dict[str, np.ndarray]) -> bool:
 # the same kind of rules as tensorrt_llm's (serving/requests.py): absent, empty (size 0) or "off"
 # values pass. Refused when: lora_task_id, lora_weights, lora_config, prompt_embedding_table,
 # image_input, image_bytes_input, video_bytes_input: any element; prompt_table_extra_id,
-# prompt_vocab_size: non-zero; guided_decoding_guide_type, guided_decoding_guide, image_url_input:
-# a non-empty string; decoder_text_input: a non-empty string (an empty one is no decoder prompt);
-# num_draft_tokens: > 0. use_draft_logits is accepted: it only matters with draft tokens.
+# prompt_vocab_size: non-zero; image_url_input: a non-empty string; decoder_text_input: a
+# non-empty string (an empty one is no decoder prompt); num_draft_tokens: > 0. use_draft_logits is
+# accepted: it only matters with draft tokens. guided_decoding_guide_type/guided_decoding_guide go
+# to tensorrt_llm as they are (not ragged here, (B, 1) both), after the same check it makes.
 UNSUPPORTED_FEATURES = (
     UnsupportedFeature(
         "LoRA adapters are", without("lora_task_id", "lora_weights", "lora_config"),
@@ -87,12 +88,6 @@ UNSUPPORTED_FEATURES = (
         {"prompt_embedding_table": non_empty("prompt_embedding_table"),
          "prompt_table_extra_id": any_nonzero("prompt_table_extra_id"),
          "prompt_vocab_size": any_nonzero("prompt_vocab_size")}),
-    UnsupportedFeature(
-        "guided decoding (JSON, JSON schema, regex, grammar) is",
-        without("guided_decoding_guide_type", "guided_decoding_guide")
-        + " (empty strings are accepted)",
-        {"guided_decoding_guide_type": any_text("guided_decoding_guide_type"),
-         "guided_decoding_guide": any_text("guided_decoding_guide")}),
     UnsupportedFeature(
         "speculative decoding (num_draft_tokens) is",  # the text this check had before
         "send num_draft_tokens 0 or leave num_draft_tokens/use_draft_logits out",
@@ -113,7 +108,8 @@ UNSUPPORTED_FEATURES = (
 
 
 def validate(tensors: dict[str, np.ndarray]) -> None:
-    """The reference BLS checks, with its texts; then inputs of features this backend lacks."""
+    """The reference BLS checks, with its texts; then inputs of features this backend lacks, and
+    the guided-decoding pair (serving/requests.py guided_decoding)."""
     text = tensors.get("text_input")
     if text is None or text.size == 0:
         raise ValueError("text_input is required")
@@ -121,6 +117,8 @@ def validate(tensors: dict[str, np.ndarray]) -> None:
     if max_tokens is None or max_tokens.size != text.shape[0] or np.any(max_tokens <= 0):
         raise ValueError("max_tokens must be a single value > 0")
     refuse_unsupported(tensors, text.shape[0], UNSUPPORTED_FEATURES)
+    for row in range(text.shape[0]):  # before preprocessing runs; tensorrt_llm checks the same
+        guided_decoding(tensors, text.shape[0], row)
 
 
 def with_batch_dim(array: np.ndarray, batch_size: int) -> np.ndarray:

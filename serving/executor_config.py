@@ -48,6 +48,15 @@ SIMPLE_SETTINGS = {
     "request_stats_max_iterations": ("request_stats_max_iterations", int),
 }
 
+# Guided decoding (structured output): guided_decoding_backend "xgrammar" turns it on; unset or
+# empty leaves it off (a guided request then gets an error saying to set it). tokenizer_dir gives
+# the grammar's vocabulary; unlike the reference, which requires it, the engine directory's
+# tokenizer files serve when it is unset. grammar_cache_size (beyond the reference): compiled
+# grammars kept (LRU).
+GUIDED_DECODING_BACKENDS = ("xgrammar",)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+NEEDS_TOKENIZER = "Guided decoding requires tokenizer's information. Please provide 'tokenizer_dir'."
+
 
 def _choice(params, name: str, choices) -> str | None:
     value = get_parameter(params, name, str)
@@ -90,6 +99,7 @@ def executor_settings(params: dict[str, str], model_config: dict) -> dict[str, A
     settings["device_ids"] = parse_int_list(params.get("gpu_device_ids"))
     settings["medusa_choices"] = parse_choices(get_parameter(params, "medusa_choices", str))
     settings["eagle_choices"] = parse_choices(get_parameter(params, "eagle_choices", str))
+    settings.update(guided_decoding_settings(params))
     queue_policy = model_config.get("dynamic_batching", {}).get("default_queue_policy", {})
     max_queue_size = int(queue_policy.get("max_queue_size", 0) or 0)
     settings["max_queue_size"] = max_queue_size if max_queue_size > 0 else None
@@ -97,6 +107,25 @@ def executor_settings(params: dict[str, str], model_config: dict) -> dict[str, A
         raise ValueError("Orchestrator mode is not supported by this backend; use leader mode "
                          "(scripts/launch_triton_server.py --world_size N)")
     return {key: value for key, value in settings.items() if value is not None}
+
+
+def guided_decoding_settings(params: dict[str, str]) -> dict[str, Any]:
+    """guided_decoding_backend, tokenizer_dir and grammar_cache_size; {} while it is off."""
+    backend = get_parameter(params, "guided_decoding_backend", str)
+    if backend is None:
+        return {}  # tokenizer_dir still serves the stream decoder (all_models/tensorrt_llm)
+    if backend.lower() not in GUIDED_DECODING_BACKENDS:
+        raise ValueError(f"guided_decoding_backend value of '{backend}' is not supported; allowed: "
+                         f"{', '.join(GUIDED_DECODING_BACKENDS)} (or leave it unset: no guided decoding)")
+    tokenizer_dir = get_parameter(params, "tokenizer_dir", str)
+    if tokenizer_dir is None:
+        engine_dir = get_parameter(params, "gpt_model_path", str)
+        if engine_dir and os.path.isdir(engine_dir) and not any(
+                os.path.exists(os.path.join(engine_dir, name)) for name in TOKENIZER_FILES):
+            raise ValueError(f"{NEEDS_TOKENIZER} (it is unset and the engine directory {engine_dir} "
+                             f"holds none of {', '.join(TOKENIZER_FILES)})")
+    return {"guided_decoding_backend": backend.lower(), "tokenizer_dir": tokenizer_dir,
+            "grammar_cache_size": get_parameter(params, "grammar_cache_size", int)}
 
 
 # Our setting names -> other spellings an ExecutorConfig may use for the same thing.

@@ -11,6 +11,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from engine.executor.request import GUIDE_TYPES
 from engine.executor.top_log_probs import num_top_log_probs_error
 from serving.word_lists import decode_word_list
 
@@ -42,7 +43,7 @@ IGNORED_INPUTS = (
 #
 # Inputs of features this backend does not implement are refused per request (a ValueError naming
 # the input, what is not supported and what may be sent instead), so that nobody gets base-model
-# text back for a request that asked for an adapter, a schema or a prompt table. Only a real use is
+# text back for a request that asked for an adapter, a draft model or a prompt table. Only a real use is
 # refused: an absent or empty (size 0) tensor is not "sent", and neither is a value that means
 # "off". A plain request through the ensemble delivers preprocessing's decoder_input_ids ([[pad_id]]
 # per item) and decoder_input_lengths ([[1]]), and prompt_table_extra_ids (0 at every ordinary
@@ -51,7 +52,6 @@ IGNORED_INPUTS = (
 #       reference builds a LoRA config for every id sent, and NVIDIA's clients leave it out instead.
 #   prompt_embedding_table: any element. prompt_table_extra_ids: a non-zero id (ids are 1.. per
 #       NVIDIA's clients; 0 marks ordinary tokens). prompt_vocab_size: non-zero.
-#   guided_decoding_guide_type, guided_decoding_guide: a non-empty string.
 #   draft_input_ids, draft_logits, draft_acceptance_threshold: any element (a threshold only says
 #       how to accept draft tokens). lookahead_window_size, lookahead_ngram_size,
 #       lookahead_verification_set_size: any element (the reference refuses them too unless the
@@ -199,12 +199,6 @@ UNSUPPORTED_FEATURES = (
          "prompt_table_extra_ids": any_nonzero("prompt_table_extra_ids"),
          "prompt_vocab_size": any_nonzero("prompt_vocab_size")}),
     UnsupportedFeature(
-        "guided decoding (JSON, JSON schema, regex, grammar) is",
-        without("guided_decoding_guide_type", "guided_decoding_guide")
-        + " (empty strings are accepted)",
-        {"guided_decoding_guide_type": any_text("guided_decoding_guide_type"),
-         "guided_decoding_guide": any_text("guided_decoding_guide")}),
-    UnsupportedFeature(
         "speculative decoding with draft tokens is",
         without("draft_input_ids", "draft_logits", "draft_acceptance_threshold")
         + " (empty tensors are accepted)",
@@ -257,6 +251,61 @@ def refuse_unsupported(tensors: Mapping[str, np.ndarray], batch_size: int,
         feature.check(tensors, batch_size)
 
 
+# ----------------------------------------------------------------------------- guided decoding
+#
+# guided_decoding_guide_type and guided_decoding_guide (STRING, one per item) become the request's
+# GuidedDecodingParams(guide_type, guide). An absent input, an empty tensor or an empty string is
+# no guide. The executor compiles the guide and answers a schema, pattern or grammar it cannot
+# compile with an error response naming guided_decoding_guide; here only the pair is checked.
+GUIDE_TYPE_INPUT, GUIDE_INPUT = "guided_decoding_guide_type", "guided_decoding_guide"
+GUIDED_INPUTS = (GUIDE_TYPE_INPUT, GUIDE_INPUT)
+# what guided_decoding_guide holds for each type ("json" takes none: any JSON value)
+GUIDE_CONTENTS = {"json_schema": "a JSON schema", "regex": "a regular expression",
+                  "ebnf_grammar": "an EBNF grammar with a root rule",
+                  "structural_tag": "a structural tag (JSON)"}
+
+
+def _shown(value: str, limit: int = 80) -> str:
+    return value if len(value) <= limit else value[:limit] + "..."
+
+
+def read_text(tensors: Mapping[str, np.ndarray], name: str, batch_size: int, row: int) -> str | None:
+    """Item `row` of a one-string-per-item STRING input: None when absent or empty."""
+    array = read_row(tensors, name, batch_size, row)
+    if array is None:
+        return None
+    values = np.asarray(array, dtype=object).reshape(-1)
+    if values.size == 0:
+        return None
+    if values.size > 1:
+        raise ValueError(f"{name} holds {values.size} strings for item {row}; send one string per item")
+    value = values[0]
+    if isinstance(value, bytes):
+        try:
+            value = value.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise ValueError(f"{name} of item {row} is not valid UTF-8 ({error})") from None
+    return str(value) or None
+
+
+def guided_decoding(tensors: Mapping[str, np.ndarray], batch_size: int, row: int) -> tuple[str, str | None] | None:
+    """(guide type, guide) of item `row`, or None for no guide; ValueError naming the input."""
+    guide_type = read_text(tensors, GUIDE_TYPE_INPUT, batch_size, row)
+    guide = read_text(tensors, GUIDE_INPUT, batch_size, row)
+    if guide_type is None:
+        if guide is not None:
+            raise ValueError(f"{GUIDE_INPUT} was sent without {GUIDE_TYPE_INPUT}; send {GUIDE_TYPE_INPUT} "
+                             f"(one of {', '.join(GUIDE_TYPES)}) with it, or leave both out")
+        return None
+    if guide_type not in GUIDE_TYPES:
+        raise ValueError(f"{GUIDE_TYPE_INPUT} value of '{_shown(guide_type)}' is not supported; "
+                         f"allowed: {', '.join(GUIDE_TYPES)}")
+    if guide_type != "json" and guide is None:
+        raise ValueError(f"{GUIDE_INPUT} is empty; guide type '{guide_type}' needs one "
+                         f"({GUIDE_CONTENTS.get(guide_type, 'the guide text')})")
+    return guide_type, guide
+
+
 @dataclass
 class RequestSpec:
     """Everything needed to build one executor `Request` for one batch row."""
@@ -272,6 +321,7 @@ class RequestSpec:
     embedding_bias: np.ndarray | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
     output: dict[str, Any] = field(default_factory=dict)
+    guided_decoding: tuple[str, str | None] | None = None  # (guide type, guide)
 
     @property
     def num_return_sequences(self) -> int:
@@ -402,6 +452,7 @@ def convert_row(tensors: Mapping[str, np.ndarray], row: int, batch_size: int, *,
         embedding_bias=bias.reshape(-1) if bias is not None and bias.size > 0 else None,
         sampling=_sampling(tensors, batch_size, row),
         output=_output(tensors, batch_size, row, exclude_input_default),
+        guided_decoding=guided_decoding(tensors, batch_size, row),
     )
 
 
@@ -425,11 +476,12 @@ def is_stop_request(tensors: Mapping[str, np.ndarray]) -> bool:
 
 def to_executor_request(spec: RequestSpec):
     """Build the engine's `Request` (imported here so this module loads without the engine)."""
-    from engine.executor.request import OutputConfig, Request, SamplingConfig
+    from engine.executor.request import GuidedDecodingParams, OutputConfig, Request, SamplingConfig
 
     return Request(
         input_token_ids=spec.input_token_ids, max_tokens=spec.max_tokens, end_id=spec.end_id,
         pad_id=spec.pad_id, streaming=spec.streaming, sampling=SamplingConfig(**spec.sampling),
         output=OutputConfig(**spec.output), stop_words=spec.stop_words, bad_words=spec.bad_words,
         embedding_bias=spec.embedding_bias,
+        guided_decoding=None if spec.guided_decoding is None else GuidedDecodingParams(*spec.guided_decoding),
     )

@@ -1,5 +1,6 @@
 """Inputs of features this backend does not have: refused when really used, accepted when absent,
-empty or neutral, and never in the way of a plain request through the ensemble or the BLS."""
+empty or neutral, and never in the way of a plain request through the ensemble or the BLS.
+(Guided decoding is supported: tests/serving/test_guided_inputs.py.)"""
 import importlib.util
 import os
 import re
@@ -11,7 +12,7 @@ import pytest
 
 from serving.bls import (LLM_INPUTS_FROM_PREPROCESSING, LLM_INPUTS_FROM_REQUEST, PREPROCESSING_INPUTS,
                          validate, with_batch_dim)
-from serving.requests import (IGNORED_INPUTS, UNSUPPORTED_INPUTS, conversion_error_message,
+from serving.requests import (GUIDED_INPUTS, IGNORED_INPUTS, UNSUPPORTED_INPUTS, conversion_error_message,
                               convert_request)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -45,8 +46,6 @@ USED = {
     "prompt_embedding_table": (np.ones((1, 4, 8), np.float16), {}),
     "prompt_table_extra_ids": (np.array([[0, 0, 7]], np.uint64), {}),
     "prompt_vocab_size": (i32([4]), {}),
-    "guided_decoding_guide_type": (text("json_schema"), {}),
-    "guided_decoding_guide": (text('{"type": "object"}'), {}),
     "draft_input_ids": (i32([8, 9]), {}),
     "draft_logits": (np.ones((1, 2, 16), np.float32), {}),
     "draft_acceptance_threshold": (f32([0.5]), {}),
@@ -78,7 +77,8 @@ def test_every_unsupported_input_has_a_case_and_every_declared_input_a_rule():
             "temperature", "runtime_top_k", "runtime_top_p", "len_penalty", "early_stopping",
             "repetition_penalty", "min_tokens", "presence_penalty", "frequency_penalty", "seed",
             "return_log_probs", "return_context_logits", "return_generation_logits",
-            "return_perf_metrics", "exclude_input_in_output", "stop", "streaming", "num_top_log_probs"}
+            "return_perf_metrics", "exclude_input_in_output", "stop", "streaming", "num_top_log_probs",
+            *GUIDED_INPUTS}
     assert declared == read | set(UNSUPPORTED_INPUTS) | set(IGNORED_INPUTS)
     assert not set(UNSUPPORTED_INPUTS) & set(IGNORED_INPUTS)
 
@@ -104,10 +104,6 @@ def test_error_text_names_what_is_wrong_and_what_is_allowed():
         convert_request(minimal(lora_task_id=np.array([[3]], np.uint64),
                                 lora_weights=USED["lora_weights"][0],
                                 lora_config=USED["lora_config"][0]), decoupled=False)
-    with pytest.raises(ValueError, match=r"^guided_decoding_guide_type, guided_decoding_guide: guided "
-                                         r"decoding .*\(empty strings are accepted\)$"):
-        convert_request(minimal(guided_decoding_guide_type=text("regex"),
-                                guided_decoding_guide=text("[0-9]+")), decoupled=False)
 
 
 # input -> values that must pass: empty tensors, the "off" values clients and the pipeline send
@@ -270,7 +266,6 @@ def test_plain_ensemble_batch_passes(preprocess):
 @pytest.mark.parametrize("extra,name", [
     ({"decoder_text_input": text("Translate to German: good morning")}, "decoder_input_ids"),
     ({"lora_task_id": np.array([[3]], np.uint64)}, "lora_task_id"),
-    ({"guided_decoding_guide_type": text("json")}, "guided_decoding_guide_type"),
     ({"prompt_embedding_table": np.ones((1, 4, 8), np.float16)}, "prompt_embedding_table"),
 ])
 def test_real_uses_through_the_ensemble_are_refused(preprocess, extra, name):
@@ -291,8 +286,6 @@ BLS_USED = {
     "prompt_embedding_table": np.ones((1, 4, 8), np.float16),
     "prompt_table_extra_id": np.array([[7]], np.uint64),
     "prompt_vocab_size": i32([4]),
-    "guided_decoding_guide_type": text("json"),
-    "guided_decoding_guide": text("{}"),
     "num_draft_tokens": i32([4]),
     "decoder_text_input": text("Translate: good morning"),
     "image_input": np.ones((1, 1, 3, 2, 2), np.float16),

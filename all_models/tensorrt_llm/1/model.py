@@ -165,6 +165,10 @@ class TritonPythonModel:
         config, ignored = to_executor_config(ExecutorConfig, settings)
         if ignored:
             pb_utils.Logger.log_info(f"tensorrt_llm: accepted but not used by this backend: {ignored}")
+        if settings.get("guided_decoding_backend"):
+            pb_utils.Logger.log_info(
+                f"tensorrt_llm: guided decoding on ({settings['guided_decoding_backend']}, vocabulary from "
+                f"{settings.get('tokenizer_dir') or engine_dir})")
         device_ids = settings.get("device_ids")
         device = f"cuda:{device_ids[0]}" if device_ids else None
         # Default: the executor in its own process (engine/executor/engine_process.py), so its loop
