@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 
 from engine.executor import beam_search
+from engine.executor.guided import GrammarCache, GuideError, TokenMasks, make_matcher
 from engine.executor.kv_cache import BlockManager
 from engine.executor.output import ResponseQueue, responses_for
 from engine.executor.overlap import (
@@ -83,6 +84,12 @@ class ExecutorConfig:
     stream_interval: int = 1
     iter_stats_max_iterations: int = 1000
     device: str | None = None
+    # Guided decoding (engine/executor/guided.py): "xgrammar" enables it; unset, a guided request is
+    # refused. The grammar vocabulary comes from tokenizer_dir (default: the engine directory's
+    # tokenizer files); grammar_cache_size compiled grammars are kept (LRU).
+    guided_decoding_backend: str | None = None
+    tokenizer_dir: str | None = None
+    grammar_cache_size: int = 512
 
     def validate(self) -> "ExecutorConfig":
         def require(ok: bool, message: str) -> None:
@@ -112,6 +119,13 @@ class ExecutorConfig:
         require(isinstance(self.stream_interval, int) and self.stream_interval >= 1,
                 f"ExecutorConfig.stream_interval must be an integer >= 1 (tokens per streamed response), "
                 f"got {self.stream_interval!r}")
+        self.guided_decoding_backend = (str(self.guided_decoding_backend).lower()
+                                        if self.guided_decoding_backend else None)
+        require(self.guided_decoding_backend in (None, "xgrammar"),
+                f"guided_decoding_backend value of '{self.guided_decoding_backend}' is not supported; "
+                "allowed: xgrammar (or leave it unset to refuse guided requests)")
+        require(isinstance(self.grammar_cache_size, int) and self.grammar_cache_size >= 1,
+                f"ExecutorConfig.grammar_cache_size must be an integer >= 1, got {self.grammar_cache_size!r}")
         require(self.iter_stats_max_iterations >= 1,
                 f"ExecutorConfig.iter_stats_max_iterations must be >= 1, got {self.iter_stats_max_iterations!r}")
         return self
@@ -126,6 +140,7 @@ class Executor:
         self._init_runner(engine_dir, device or self.config.device)
         self._init_scheduler()
         self._init_queues(response_callback)
+        self._init_guided_decoding(engine_dir)
         self._thread = threading.Thread(target=self._run, name="executor-loop", daemon=True)
         self._thread.start()
 
@@ -192,6 +207,17 @@ class Executor:
         self._deliver_ms = 0.0  # this iteration's time in _deliver (for the iteration log)
         self._gpu_memory_read_at, self._gpu_memory = float("-inf"), 0
 
+    def _init_guided_decoding(self, engine_dir: str) -> None:
+        self.grammars: GrammarCache | None = None
+        self.token_masks: TokenMasks | None = None
+        self._compiling: dict[int, RequestState] = {}  # guided requests waiting for their grammar
+        self._compiled: list[RequestState] = []  # ... whose grammar is ready (guarded by _cv)
+        if self.config.guided_decoding_backend is None:
+            return
+        self.grammars = GrammarCache(self.config.tokenizer_dir or engine_dir, self.runner.vocab_size,
+                                     capacity=self.config.grammar_cache_size)
+        self.token_masks = TokenMasks(self.max_batch_size, self.runner.vocab_size, self.runner.device)
+
     # ----- public API -----
     def enqueue_request(self, request: Request) -> int:
         return self.enqueue_requests([request])[0]
@@ -257,6 +283,8 @@ class Executor:
             if self._iteration_log is not None:
                 self._iteration_log.close()
                 self._iteration_log = None
+        if self.grammars is not None:
+            self.grammars.shutdown()
         if hasattr(self.runner, "shutdown") and not self._runner_released:  # leader mode: release the workers
             self._runner_released = True
             self.runner.shutdown()
@@ -270,6 +298,10 @@ class Executor:
     def _rejection(self, request: Request) -> str | None:
         if self._stopping:
             return "the executor is shut down and accepts no requests"
+        if request.guided_decoding is not None and self.grammars is None:
+            return ("guided_decoding_guide_type: guided decoding is not enabled on this model; set the "
+                    "tensorrt_llm parameter guided_decoding_backend to xgrammar, or send the request "
+                    "without guided_decoding_guide_type/guided_decoding_guide")
         limit = self.config.max_queue_size
         if limit and len(self._inbox) + self._num_unscheduled >= limit:
             return f"Maximum queue size of {limit} has been reached, rejecting request"
@@ -283,13 +315,15 @@ class Executor:
         while True:
             with self._cv:
                 while not (self._inbox or self._cancel_ids or self.scheduler.has_unfinished or self._stopping
-                           or self._in_flight is not None):
+                           or self._in_flight is not None or self._compiled):
                     self._cv.wait()
                 if self._stopping:
                     break
                 new, self._inbox = self._inbox, []
                 cancels, self._cancel_ids = self._cancel_ids, set()
+                compiled, self._compiled = self._compiled, []
             try:
+                self._admit_compiled(compiled)
                 self._step(new, cancels)
             except Exception:  # our own bug: fail everything in flight loudly, keep serving
                 self._in_flight = None
@@ -317,6 +351,8 @@ class Executor:
         plan = self.scheduler.schedule()
         launched = None if plan.is_empty else self._launch(plan, started)
         finished = self._finish_in_flight()  # step N-1, while the device runs step N
+        if launched is not None and launched.pending_sample is not None:
+            launched = self._sample_guided(launched)  # masks from matchers that now know step N-1
         self._in_flight = launched
         if launched is not None and self._must_sync():
             finished = self._finish_in_flight()
@@ -341,9 +377,47 @@ class Executor:
                 seq.can_reuse_prefix = not state.request.output.return_context_logits
                 seq.seed = self._seed_for(state, index)
                 state.sequences.append(seq)
-                if index == 0 or state.is_beam_search:
-                    self.scheduler.add(seq)
-                # other returned sequences wait for sequence 0's prompt KV and then share it (_fork_siblings)
+            if state.request.guided_decoding is None:
+                self._schedule_sequences(state)
+            else:
+                self._compile_guide(state)
+
+    def _schedule_sequences(self, state: RequestState) -> None:
+        for index, seq in enumerate(state.sequences):
+            if index == 0 or state.is_beam_search:
+                self.scheduler.add(seq)
+            # other returned sequences wait for sequence 0's prompt KV and then share it (_fork_siblings)
+
+    def _compile_guide(self, state: RequestState) -> None:
+        """The request waits (queued, unscheduled) until its grammar is compiled off the loop."""
+        state.grammar_future = self.grammars.compile(state.request.guided_decoding)
+        self._compiling[state.request_id] = state
+        if state.grammar_future.done():  # cached
+            self._admit_compiled([state])
+        else:
+            state.grammar_future.add_done_callback(lambda _, state=state: self._grammar_ready(state))
+
+    def _grammar_ready(self, state: RequestState) -> None:
+        with self._cv:  # (on a compile thread)
+            self._compiled.append(state)
+            self._cv.notify()
+
+    def _admit_compiled(self, ready: list[RequestState]) -> None:
+        """Guided requests whose grammar compiled get a matcher per sequence and join the queue; a
+        guide that failed to compile fails its request."""
+        for state in ready:
+            if self._compiling.pop(state.request_id, None) is None or state.request_id not in self._active:
+                continue  # cancelled, failed or shut down meanwhile
+            if state.is_cancelled or all(seq.is_finished for seq in state.sequences):
+                continue
+            try:
+                compiled = state.grammar_future.result()
+            except Exception as err:
+                self._fail(state, str(err) if isinstance(err, GuideError) else f"guided decoding: {err!r}")
+                continue
+            for seq in state.sequences:
+                seq.grammar = make_matcher(compiled, state.request.end_id)
+            self._schedule_sequences(state)
 
     def _seed_for(self, state: RequestState, index: int) -> int:
         seed = state.request.sampling.seed
@@ -367,12 +441,11 @@ class Executor:
         try:
             batch, rows, sampling = self._forward_batch(plan)
             logits = self.runner.forward(batch)
-            transfer = self._sample(logits, sampling, batch) if sampling else None
+            # A constrained row samples after the previous step's tokens reach its matcher (_sample_guided).
+            guided = self.token_masks is not None and any(seq.grammar is not None for seq, _ in sampling)
+            transfer = self._sample(logits, sampling, batch) if sampling and not guided else None
         except Exception as err:
-            # A lost rank (leader mode) is an operational fault whose message says it all; else a bug.
-            message = str(err) if isinstance(err, RankFailureError) else f"forward failed: {traceback.format_exc(limit=4)}"
-            for state in {s.seq.state.request_id: s.seq.state for s in plan.scheduled}.values():
-                self._fail(state, message)
+            self._fail_step(plan, err, "forward failed")
             return None
         now = now_ns()
         for item in plan.scheduled:
@@ -380,14 +453,45 @@ class Executor:
             if state.is_queued or not state.perf.first_scheduled_time_ns:
                 self._note_scheduled(state, now)
             item.seq.num_computed_tokens += item.num_new_tokens
-        placeholders = []
+        keep_logits = bool(self._sync_request_ids)  # context/generation logits and beams read them later
+        step = InFlightStep(plan, rows, logits if keep_logits else None, [], transfer, started, num_active)
+        if guided:
+            step.pending_sample = (logits, sampling, batch)
+        else:
+            self._add_placeholders(step, sampling, batch)
+        return step
+
+    def _sample_guided(self, step: InFlightStep) -> InFlightStep | None:
+        """Sample a launched step whose batch has constrained rows: their token masks are built now,
+        while the device still runs the step's forward (engine/executor/guided.py)."""
+        logits, sampling, batch = step.pending_sample
+        step.pending_sample = None
+        try:
+            masks = self.token_masks.fill([seq for seq, _ in sampling])
+            step.transfer = self._sample(logits, sampling, batch, masks)
+        except Exception as err:
+            self._fail_step(step.plan, err, "sampling failed")
+            return None
+        self._add_placeholders(step, sampling, batch)
+        return step
+
+    def _add_placeholders(self, step: InFlightStep, sampling: list[tuple[Sequence, int]], batch: ForwardBatch) -> None:
+        """Each sampled row's token stays on the device; its sequence gets a placeholder for it."""
         for i, (seq, row) in enumerate(sampling):
-            placeholders.append((seq, len(seq.token_ids), row))
+            if seq.is_finished:  # stopped by the step just finished (guided: sampled after it); dropped
+                step.placeholders.append((seq, -1, row))
+                continue
+            step.placeholders.append((seq, len(seq.token_ids), row))
             seq.token_ids.append(placeholder(batch.sampled_tokens_slot + i))
             seq.num_unresolved_tokens += 1
         self._parity ^= 1
-        keep_logits = bool(self._sync_request_ids)  # context/generation logits and beams read them later
-        return InFlightStep(plan, rows, logits if keep_logits else None, placeholders, transfer, started, num_active)
+
+    def _fail_step(self, plan: SchedulerOutput, err: Exception, what: str) -> None:
+        """Fail exactly the requests a step carried. A lost rank (leader mode) is an operational
+        fault whose message says it all; anything else is a bug, reported with its traceback."""
+        message = str(err) if isinstance(err, RankFailureError) else f"{what}: {traceback.format_exc(limit=4)}"
+        for state in {s.seq.state.request_id: s.seq.state for s in plan.scheduled}.values():
+            self._fail(state, message)
 
     def _forward_batch(self, plan: SchedulerOutput) -> tuple[ForwardBatch, list[tuple[int, int]], list[tuple[Sequence, int]]]:
         """Pack the plan. rows[i] = (first, end) logits rows of scheduled sequence i (end - first: 0
@@ -432,14 +536,18 @@ class Executor:
             wanted.append(n - 1)
         return wanted
 
-    def _sample(self, logits: torch.Tensor, sampling: list[tuple[Sequence, int]], batch: ForwardBatch) -> TokenTransfer:
+    def _sample(self, logits: torch.Tensor, sampling: list[tuple[Sequence, int]], batch: ForwardBatch,
+                token_masks: tuple[torch.Tensor, torch.Tensor] | None = None) -> TokenTransfer:
         """Sample every row in ``sampling`` on the device, leave the tokens in the runner's ring for
-        the next step (which may be launched before the host sees them) and start their copy home."""
+        the next step (which may be launched before the host sees them) and start their copy home.
+        ``token_masks``: (bitmask, rows) of the constrained rows (TokenMasks.fill)."""
         seqs = [seq for seq, _ in sampling]
         try:
             want_log_probs = any(s.state.request.output.return_log_probs for s in seqs)  # (top implies it)
             md = build_sampling_metadata(seqs, self.runner.vocab_size, logits.device, want_log_probs)
             md.normalize_log_probs = self.config.normalize_log_probs
+            if token_masks is not None:
+                md.token_bitmask, md.token_bitmask_rows = token_masks
             sample_rows = [row for _, row in sampling]
             all_rows = sample_rows == list(range(len(logits)))  # plain decode: no gather needed
             out = sample(logits if all_rows else logits[sample_rows], md)
@@ -533,6 +641,10 @@ class Executor:
         perf.last_token_time_ns = now
         if request.streaming:  # a non-streaming request has news only when it finishes (_finish touches it)
             self._touched[seq.request_id] = seq.state
+        grammar = seq.grammar
+        if grammar is not None and not grammar.accept_token(token):  # never, with the mask applied
+            self._fail(seq.state, f"guided decoding: the grammar refused generated token {token}")
+            return
         if token == request.end_id:
             self._drop_unresolved(seq, keep=index)
             self._finish(seq, FinishReason.END_ID)
@@ -549,6 +661,10 @@ class Executor:
         if request.output.return_generation_logits:
             seq.generation_logits.append(logits[row].float().cpu())
         length = index + 1
+        if grammar is not None and grammar.is_terminated():  # complete, and the request has no end_id
+            self._drop_unresolved(seq, keep=length)
+            self._finish(seq, FinishReason.END_ID)
+            return
         if request.stop_words or length - seq.num_prompt_tokens >= request.max_tokens:
             reason = self._stop_reason(seq, length)  # (else NOT_FINISHED, known without the call)
             if reason is not FinishReason.NOT_FINISHED:

@@ -78,6 +78,9 @@ class InFlightStep:
     transfer: "TokenTransfer | None"  # None: nothing sampled (prefill chunks only)
     started: float  # perf_counter() when its iteration began
     num_active: int  # requests in flight when it was launched
+    # Guided decoding: (logits, sampling rows, batch) of a forward whose sampling waits for the
+    # previous step's tokens (Executor._sample_guided); None once sampled, or when nothing waits.
+    pending_sample: tuple | None = None
 
 
 class TokenTransfer:

@@ -80,6 +80,21 @@ class OutputConfig:
     num_top_log_probs: int = 0
 
 
+# What a guide may be (the reference's GuidedDecodingParams types): any JSON, JSON that validates
+# against a schema, a regular expression, an EBNF grammar (xgrammar's dialect, GBNF-like), or
+# xgrammar's structural tag (free text with constrained segments, e.g. tool calls).
+GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar", "structural_tag")
+
+
+@dataclass
+class GuidedDecodingParams:
+    """A request's output grammar: ``guide_type`` one of GUIDE_TYPES; ``guide`` its text (the schema,
+    pattern, grammar or structural-tag JSON; ``json`` takes none)."""
+
+    guide_type: str
+    guide: str | None = None
+
+
 @dataclass
 class Request:
     """One generation request, as the Triton model hands it to ``Executor.enqueue_request``.
@@ -99,6 +114,7 @@ class Request:
     stop_words: list[list[int]] | None = None
     bad_words: list[list[int]] | None = None
     embedding_bias: Any = None  # torch.Tensor | list[float] | numpy array of shape (vocab,)
+    guided_decoding: GuidedDecodingParams | None = None  # constrains every returned sequence
 
 
 @dataclass
@@ -201,6 +217,7 @@ class Sequence:
         self.generation_logits: list[torch.Tensor] = []
         self.seed = 0  # sampling stream of this sequence (request seed + sequence_index, or random)
         self.pending_logprobs = None  # beam search: (vocab,) log-probs waiting for sibling beams
+        self.grammar = None  # guided decoding: this sequence's xgrammar GrammarMatcher (engine/executor/guided.py)
 
     @property
     def request_id(self) -> int:
@@ -250,6 +267,7 @@ class RequestState:
         self.context_logits: torch.Tensor | None = None
         self.context_logits_parts: list[torch.Tensor] = []
         self.finished_streams: set[int] = set()  # sequence_index values whose final response went out
+        self.grammar_future = None  # guided decoding: Future of the CompiledGrammar (engine/executor/guided.py)
 
     @property
     def is_beam_search(self) -> bool:
@@ -320,6 +338,20 @@ def _output_error(output: OutputConfig, beam_width: int) -> str | None:
     return None
 
 
+def _guide_error(guide: GuidedDecodingParams, beam_width: int) -> str | None:
+    if not isinstance(guide, GuidedDecodingParams):
+        return f"guided_decoding must be a GuidedDecodingParams, got {type(guide).__name__}"
+    if guide.guide_type not in GUIDE_TYPES:
+        return (f"guided_decoding_guide_type value of '{guide.guide_type}' is not supported; "
+                f"allowed: {', '.join(GUIDE_TYPES)}")
+    if guide.guide_type != "json" and not guide.guide:
+        return f"guided_decoding_guide is empty; guide type '{guide.guide_type}' needs one"
+    if beam_width > 1:
+        return (f"guided decoding is not supported with beam search (beam_width {beam_width}); "
+                "send beam_width 1 or leave guided_decoding_guide_type out")
+    return None
+
+
 def validate_request(request: Request, limits: RequestLimits) -> str | None:
     """The reason ``request`` cannot run (naming field, value and what is allowed), or None."""
     prompt = list(request.input_token_ids) if request.input_token_ids is not None else []
@@ -349,6 +381,8 @@ def validate_request(request: Request, limits: RequestLimits) -> str | None:
             error = error or _token_ids_in_vocab(name, word, limits.vocab_size)
     error = error or _sampling_error(request.sampling or SamplingConfig(), limits)
     error = error or _output_error(request.output or OutputConfig(), beams)
+    if error is None and request.guided_decoding is not None:
+        error = _guide_error(request.guided_decoding, beams)
     if error is None and request.embedding_bias is not None:
         size = torch.as_tensor(request.embedding_bias).numel()
         if size != limits.vocab_size:

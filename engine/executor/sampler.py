@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.executor.request import Sequence
+from kernels.grammar_mask import apply_token_bitmask_
 from kernels.sampling import greedy_tokens, sample_tokens
 
 
@@ -61,6 +62,10 @@ class SamplingMetadata:
     # Top log-probs: rows that ask (ascending) and the largest k among them; () and 0 when none asks.
     top_log_prob_rows: tuple[int, ...] = ()
     max_top_log_probs: int = 0
+    # Guided decoding (engine/executor/guided.py): (k, ceil(vocab / 32)) int32 allowed-token bits of
+    # the k constrained rows, and (B,) int64 the bitmask row of each logits row (-1: unconstrained).
+    token_bitmask: torch.Tensor | None = None
+    token_bitmask_rows: torch.Tensor | None = None
 
 
 @dataclass
@@ -95,7 +100,8 @@ def banned_tokens(seq: Sequence) -> list[int]:
     request = seq.state.request
     banned = []
     min_tokens = request.sampling.min_tokens or 0
-    if request.end_id is not None and seq.num_generated_tokens < min_tokens:
+    # (a guided sequence's mask holds the end back instead: guided.TokenMasks, the grammar first)
+    if request.end_id is not None and seq.num_generated_tokens < min_tokens and seq.grammar is None:
         banned.append(request.end_id)
     for word in request.bad_words or ():
         prefix = word[:-1]
@@ -183,8 +189,12 @@ def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
 
 
 def process_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    """Bias, penalties and bans: the logits every decoding mode (greedy, sampled, beams) starts from."""
-    logits = logits.float()
+    """Bias, penalties, bans and grammar masks: the logits every decoding mode (greedy, sampled,
+    beams) starts from. The input is never written (it may be a CUDA graph's output)."""
+    raw, logits = logits, logits.float()
+    if md.token_bitmask is not None:
+        logits = apply_token_bitmask_(logits.clone() if logits is raw else logits, md.token_bitmask,
+                                      md.token_bitmask_rows)
     if md.embedding_bias is not None:
         logits = logits + md.embedding_bias
     if md.repetition_penalty is not None:

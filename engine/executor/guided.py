@@ -1,0 +1,210 @@
+"""Guided decoding: per-request grammars (xgrammar) that decide which tokens each step may produce.
+
+Two parts, both owned by the executor:
+
+``GrammarCache`` compiles a request's guide (JSON, JSON schema, regex, EBNF grammar, structural
+tag) into an xgrammar ``CompiledGrammar`` on a small thread pool, so that a slow schema never
+stalls the executor loop: the request waits in the queue for its own grammar only. Compiled
+grammars are kept in an LRU keyed by (guide type, guide text); concurrent requests for the same
+guide share one compilation. The tokenizer and the xgrammar vocabulary are loaded on that pool
+too, at construction, so neither the first guided request nor the executor's start waits for
+them on the loop.
+
+``TokenMasks`` builds, for the constrained rows of one step, a token bitmask on the host from each
+sequence's ``GrammarMatcher`` (one per sequence, so ``n`` > 1 works) and moves it to the device,
+where ``kernels.grammar_mask`` sets every disallowed logit to -inf before sampling.
+
+Overlapped scheduling and masks (engine/executor/overlap.py). A step's mask needs the matcher to
+have accepted the previous step's token, which the host learns only after launching the next
+step. The executor therefore splits a step with constrained rows in two: it launches the forward
+(the GPU's long part), then waits for the previous step's tokens, lets the matchers accept them,
+fills this step's mask and launches the sampling. Mask building overlaps the forward instead of
+stalling the GPU, and unconstrained requests keep the overlapped loop unchanged. The GPU idles only
+when finishing the previous step plus filling the masks takes longer than the forward.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from engine.executor.request import GuidedDecodingParams, Sequence
+
+BITS_PER_WORD = 32  # xgrammar's bitmask: int32 words, bit j of word w allows token 32 * w + j
+
+
+class GuideError(ValueError):
+    """A guide that does not compile; the message names the input, the guide type and the cause."""
+
+
+def _load_vocabulary(tokenizer_dir: str, vocab_size: int):
+    """xgrammar's view of the tokenizer, padded to the model's logits width ``vocab_size``."""
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=True)
+    return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+
+
+class GrammarCache:
+    """Compiles guides off the executor loop; an LRU of compiled grammars keyed by (type, text)."""
+
+    def __init__(self, tokenizer_dir: str, vocab_size: int, capacity: int = 512, threads: int = 2):
+        self.capacity = capacity
+        self.vocab_size = vocab_size
+        self._lock = threading.Lock()
+        self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._pending: dict[tuple[str, str], Future] = {}
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grammar-compile")
+        # Starts loading at once; every compilation queues behind it on the pool.
+        self._compiler: Future = self._pool.submit(self._make_compiler, tokenizer_dir, vocab_size)
+        self.compile_seconds: list[float] = []  # cold compilations, in order (benchmarks read them)
+
+    @staticmethod
+    def _make_compiler(tokenizer_dir: str, vocab_size: int):
+        import xgrammar as xgr
+
+        info = _load_vocabulary(tokenizer_dir, vocab_size)
+        # Our own LRU decides what stays; xgrammar's cache would hold everything ever compiled.
+        return xgr.GrammarCompiler(info, max_threads=4, cache_enabled=False)
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        return list(self._compiler.result().tokenizer_info.stop_token_ids)
+
+    def compile(self, guide: GuidedDecodingParams) -> Future:
+        """A future of the guide's CompiledGrammar (done at once when cached); it fails with GuideError."""
+        key = (guide.guide_type, guide.guide or "")
+        with self._lock:
+            compiled = self._compiled.get(key)
+            if compiled is not None:
+                self._compiled.move_to_end(key)
+                future: Future = Future()
+                future.set_result(compiled)
+                return future
+            future = self._pending.get(key)
+            if future is None:
+                future = self._pool.submit(self._compile, key)
+                self._pending[key] = future
+            return future
+
+    def _compile(self, key: tuple[str, str]):
+        started = time.perf_counter()
+        try:
+            compiled = _compile_guide(self._compiler.result(), *key)
+        finally:
+            with self._lock:
+                self._pending.pop(key, None)
+        self.compile_seconds.append(time.perf_counter() - started)
+        with self._lock:
+            self._compiled[key] = compiled
+            while len(self._compiled) > self.capacity:
+                self._compiled.popitem(last=False)
+        return compiled
+
+    def __len__(self) -> int:
+        return len(self._compiled)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _compile_guide(compiler, guide_type: str, guide: str):
+    """xgrammar's compile call for one guide type; its errors become GuideError naming the input."""
+    try:
+        # Compact separators throughout: a free-whitespace grammar lets small models pad with
+        # newlines until max_tokens.
+        if guide_type == "json":  # any JSON value (the guide, if any, is not read: the reference's rule)
+            return compiler.compile_json_schema("{}", any_whitespace=False, strict_mode=False)
+        if guide_type == "json_schema":  # strict_mode: nothing beyond the schema's properties (OpenAI's strict)
+            return compiler.compile_json_schema(guide, any_whitespace=False, strict_mode=True)
+        if guide_type == "regex":
+            return compiler.compile_regex(guide)
+        if guide_type == "ebnf_grammar":
+            return compiler.compile_grammar(guide)
+        if guide_type == "structural_tag":
+            return compiler.compile_structural_tag(guide)
+    except Exception as err:  # xgrammar raises RuntimeError, ValueError and its own types
+        detail = " ".join(str(err).split())[:500] or type(err).__name__
+        raise GuideError(f"guided_decoding_guide: invalid {guide_type} guide: {detail}") from None
+    raise GuideError(f"guided_decoding_guide_type value of '{guide_type}' is not supported")
+
+
+def make_matcher(compiled, end_id: int | None):
+    """A matcher for one sequence. It ends on the request's end_id (the executor's notion of the
+    end); a request without one ends when the grammar is complete (``is_terminated``)."""
+    import xgrammar as xgr
+
+    if end_id is None:
+        return xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+    return xgr.GrammarMatcher(compiled, override_stop_tokens=[end_id])
+
+
+class TokenMasks:
+    """Builds one step's token bitmask for its constrained rows and puts it on the device.
+
+    ``fill(seqs)`` -> (bitmask (k, words) int32 on the device, rows (B,) int64 on the device: the
+    bitmask row of each logits row, -1 for unconstrained ones), or None when no row is constrained.
+    Host buffers are pinned (CUDA) and alternate between two halves, one per step parity, so a
+    buffer is never rewritten while its copy to the device may still be queued.
+    """
+
+    def __init__(self, max_rows: int, vocab_size: int, device: torch.device):
+        import xgrammar as xgr
+
+        self.device = device
+        self.words = -(-vocab_size // BITS_PER_WORD)
+        pin = device.type == "cuda"
+        self._host = [torch.empty((max_rows, self.words), dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self._rows = [torch.empty(max_rows, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._parity = 0
+        self._batch = xgr.BatchGrammarMatcher()  # fills many matchers' rows on a thread pool
+        self.fill_seconds = 0.0  # host time spent filling masks (benchmarks read it)
+        self.rows_filled = 0
+
+    def fill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        matchers, rows = [], []
+        for row, seq in enumerate(seqs):
+            grammar = seq.grammar
+            if grammar is not None and not seq.is_finished and not grammar.is_terminated():
+                matchers.append(grammar)
+                rows.append(row)
+        if not matchers:
+            return None
+        started = time.perf_counter()
+        host = self._host[self._parity][:len(matchers)]
+        row_index = self._rows[self._parity][:len(seqs)]
+        self._parity ^= 1
+        self._batch.batch_fill_next_token_bitmask(matchers, host)
+        row_index.fill_(-1)
+        for k, row in enumerate(rows):
+            row_index[row] = k
+            self._hold_back_end(seqs[row], host[k])
+        self.fill_seconds += time.perf_counter() - started
+        self.rows_filled += len(matchers)
+        if self.device.type != "cuda":
+            return host.clone(), row_index.clone()
+        return host.to(self.device, non_blocking=True), row_index.to(self.device, non_blocking=True)
+
+    @staticmethod
+    def _hold_back_end(seq: Sequence, mask_row: torch.Tensor) -> None:
+        """Before min_tokens the end token is not allowed, unless the grammar allows nothing else
+        (a complete JSON value cannot grow): the output must conform, min_tokens yields."""
+        request = seq.state.request
+        end_id = request.end_id
+        if end_id is None or seq.num_generated_tokens >= (request.sampling.min_tokens or 0):
+            return
+        word, bit = divmod(end_id, BITS_PER_WORD)
+        before = int(mask_row[word])
+        mask_row[word] = before & ~(1 << bit) if bit < 31 else before & 0x7FFFFFFF
+        if not bool(mask_row.any()):
+            mask_row[word] = before
+
+
+def accept_token(seq: Sequence, token: int) -> bool:
+    """The sequence's matcher takes ``token``; False when the grammar refuses it."""
+    return seq.grammar.accept_token(token)

@@ -1,0 +1,159 @@
+"""Guided decoding in the executor (xgrammar), on the embedded SmolLM2 engine and its real tokenizer.
+
+One executor per module (overlapped scheduling, the default) and one synchronous one; every test
+checks what the grammar promises (the text parses, validates or fullmatches), never exact text.
+"""
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from engine.executor.executor import Executor, ExecutorConfig
+from engine.executor.request import FinishReason, GuidedDecodingParams, OutputConfig, Request, SamplingConfig
+from executor_testing import collect, final_tokens
+
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 1, "maxItems": 3}},
+    "required": ["name", "age", "tags"]}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_engine_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_engine_dir)
+
+
+@pytest.fixture(scope="module")
+def executor(smollm2_engine_dir):
+    with Executor(smollm2_engine_dir, ExecutorConfig(guided_decoding_backend="xgrammar", exclude_input_from_output=True,
+                                                     max_tokens_in_paged_kv_cache=8192)) as ex:
+        yield ex
+
+
+def prompt(tokenizer, question: str) -> list[int]:
+    return list(tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                              return_dict=False))
+
+
+def request(tokenizer, guide_type: str, guide: str | None, max_tokens: int = 64, **kw) -> Request:
+    return Request(prompt(tokenizer, "Describe a person as JSON."), max_tokens=max_tokens,
+                   end_id=tokenizer.eos_token_id, guided_decoding=GuidedDecodingParams(guide_type, guide), **kw)
+
+
+def run(executor, requests: list[Request], streams: dict | None = None) -> list[list]:
+    ids = executor.enqueue_requests(requests)
+    got = collect(executor, ids, timeout=120, streams=streams and {ids[i]: n for i, n in streams.items()})
+    return [got[i] for i in ids]
+
+
+def text(tokenizer, responses) -> str:
+    return tokenizer.decode(final_tokens(responses), skip_special_tokens=True)
+
+
+def test_json_schema_greedy_and_sampled_outputs_validate(executor, tokenizer):
+    sampled = SamplingConfig(temperature=1.0, top_k=50, seed=7)
+    reqs = [request(tokenizer, "json_schema", json.dumps(PERSON)),
+            request(tokenizer, "json_schema", json.dumps(PERSON), sampling=sampled, streaming=True),
+            Request(prompt(tokenizer, "Say hello."), max_tokens=16, end_id=tokenizer.eos_token_id)]  # unconstrained
+    for responses in run(executor, reqs)[:2]:
+        assert responses[-1].result.finish_reasons[0] is FinishReason.END_ID
+        jsonschema.validate(json.loads(text(tokenizer, responses)), PERSON)
+
+
+def test_every_returned_sequence_has_its_own_matcher(executor, tokenizer):
+    sampling = SamplingConfig(temperature=1.0, top_k=40, seed=3, num_return_sequences=3)
+    [responses] = run(executor, [request(tokenizer, "json_schema", json.dumps(PERSON), sampling=sampling)],
+                      streams={0: 3})
+    outputs = {r.result.sequence_index: r.result.output_token_ids[0] for r in responses if r.result.is_final}
+    assert sorted(outputs) == [0, 1, 2]
+    for tokens in outputs.values():
+        jsonschema.validate(json.loads(tokenizer.decode(tokens, skip_special_tokens=True)), PERSON)
+
+
+def test_regex_grammar_and_any_json(executor, tokenizer):
+    grammar = 'root ::= "yes" | "no" | "maybe " [0-9]'
+    pattern = r"[A-Z][a-z]{2,6}-[0-9]{3}"
+    got = run(executor, [request(tokenizer, "regex", pattern), request(tokenizer, "ebnf_grammar", grammar),
+                         request(tokenizer, "json", None, max_tokens=256)])
+    assert re.fullmatch(pattern, text(tokenizer, got[0]))
+    assert re.fullmatch(r"yes|no|maybe [0-9]", text(tokenizer, got[1]))
+    json.loads(text(tokenizer, got[2]))
+
+
+def test_length_limit_ends_an_open_grammar_with_length(executor, tokenizer):
+    [responses] = run(executor, [request(tokenizer, "json_schema", json.dumps(PERSON), max_tokens=3)])
+    assert responses[-1].result.finish_reasons[0] is FinishReason.LENGTH
+    assert len(final_tokens(responses)) == 3
+    assert text(tokenizer, responses).startswith("{")
+
+
+def test_min_tokens_never_breaks_the_grammar_and_log_probs_come_back(executor, tokenizer):
+    [responses] = run(executor, [request(tokenizer, "regex", "[0-9]{2}", sampling=SamplingConfig(min_tokens=10),
+                                         output=OutputConfig(return_log_probs=True))])
+    assert re.fullmatch("[0-9]{2}", text(tokenizer, responses))
+    result = responses[-1].result
+    assert result.finish_reasons[0] is FinishReason.END_ID
+    assert len(result.log_probs[0]) == len(final_tokens(responses)) and all(p <= 0 for p in result.log_probs[0])
+
+
+def test_stop_words_still_stop_a_guided_request(executor, tokenizer):
+    stop = tokenizer.encode("b", add_special_tokens=False)
+    [responses] = run(executor, [request(tokenizer, "regex", "a{1,3}b{1,3}c", stop_words=[stop])])
+    assert responses[-1].result.finish_reasons[0] is FinishReason.STOP_WORDS
+    assert final_tokens(responses)[-1:] == stop and re.fullmatch("a{1,3}b{1,3}", text(tokenizer, responses))
+
+
+@pytest.mark.parametrize("guide_type, guide, named", [
+    ("json_schema", '{"type": "object", "properties": ', "invalid json_schema"),
+    ("json_schema", '{"type": "frobnicate"}', "invalid json_schema"),
+    ("regex", "[0-9", "invalid regex"),
+    ("ebnf_grammar", "root ::= (", "invalid ebnf_grammar"),
+    ("yaml", "a: 1", "guided_decoding_guide_type value of 'yaml'"),
+    ("regex", "", "guided_decoding_guide is empty"),
+])
+def test_bad_guides_fail_their_request_only(executor, tokenizer, guide_type, guide, named):
+    bad, good = run(executor, [request(tokenizer, guide_type, guide), request(tokenizer, "regex", "[ab]{3}")])
+    assert bad[-1].error is not None and named in bad[-1].error
+    assert re.fullmatch("[ab]{3}", text(tokenizer, good))
+
+
+def test_beam_search_with_a_guide_is_refused_by_name(smollm2_engine_dir, tokenizer):
+    with Executor(smollm2_engine_dir, ExecutorConfig(guided_decoding_backend="xgrammar", exclude_input_from_output=True, max_beam_width=2,
+                                                     max_tokens_in_paged_kv_cache=2048)) as ex:
+        [responses] = run(ex, [request(tokenizer, "json", None, sampling=SamplingConfig(beam_width=2))])
+    assert "not supported with beam search" in responses[-1].error
+
+
+def test_without_a_backend_guided_requests_are_refused_and_others_served(smollm2_engine_dir, tokenizer):
+    with Executor(smollm2_engine_dir, ExecutorConfig(max_tokens_in_paged_kv_cache=2048, exclude_input_from_output=True,
+                                                     disable_overlap_scheduler=True)) as ex:
+        refused, plain = run(ex, [request(tokenizer, "json", None),
+                                  Request(prompt(tokenizer, "Hi"), max_tokens=4, end_id=tokenizer.eos_token_id)])
+    assert "guided_decoding_backend" in refused[-1].error
+    assert plain[-1].error is None
+
+
+def test_synchronous_and_overlapped_loops_give_the_same_guided_tokens(smollm2_engine_dir, executor, tokenizer):
+    reqs = lambda: [request(tokenizer, "json_schema", json.dumps(PERSON)),  # noqa: E731
+                    request(tokenizer, "regex", "[a-z]{4} [0-9]{4}", streaming=True)]
+    overlapped = [final_tokens(r) for r in run(executor, reqs())]
+    with Executor(smollm2_engine_dir, ExecutorConfig(guided_decoding_backend="xgrammar", exclude_input_from_output=True, disable_overlap_scheduler=True,
+                                                     max_tokens_in_paged_kv_cache=4096)) as ex:
+        synchronous = [final_tokens(r) for r in run(ex, reqs())]
+    assert overlapped == synchronous
+
+
+def test_compiled_grammars_are_cached_and_nothing_stays_behind(executor, tokenizer):
+    schema = json.dumps({"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]})
+    before = len(executor.grammars.compile_seconds)
+    run(executor, [request(tokenizer, "json_schema", schema) for _ in range(4)])
+    run(executor, [request(tokenizer, "json_schema", schema)])
+    assert len(executor.grammars.compile_seconds) == before + 1  # four at once share one compilation
+    assert not executor._compiling and not executor._active
+    assert executor.blocks.num_free_blocks == executor.blocks.num_blocks
