@@ -41,8 +41,9 @@ def prompt(tokenizer, question: str) -> list[int]:
                                               return_dict=False))
 
 
-def request(tokenizer, guide_type: str, guide: str | None, max_tokens: int = 64, **kw) -> Request:
-    return Request(prompt(tokenizer, "Describe a person as JSON."), max_tokens=max_tokens,
+def request(tokenizer, guide_type: str, guide: str | None, max_tokens: int = 64,
+            question: str = "Describe a person as JSON.", **kw) -> Request:
+    return Request(prompt(tokenizer, question), max_tokens=max_tokens,
                    end_id=tokenizer.eos_token_id, guided_decoding=GuidedDecodingParams(guide_type, guide), **kw)
 
 
