@@ -7,5 +7,7 @@ imports it. Requests go over gRPC streaming to ``tensorrt_llm`` (token ids; or, 
 protocol.py (request validation), chat_template.py (prompts and token counts), triton_client.py
 (the gRPC stream), detokenizer.py (ids -> streamed text),
 stop_strings.py, generation.py (choices), responses.py / sse.py (what goes out), metrics.py,
-app.py (aiohttp routes), __main__.py (CLI).
+app.py (aiohttp routes), __main__.py (CLI). Structured output and tools: guides.py
+(response_format and vLLM's guided_* -> the engine's guide), tools.py (tools, tool_choice, tool
+history), tool_calls.py and tool_parsers/ (the model's text -> tool_calls, streamed).
 """

@@ -20,6 +20,7 @@ import tempfile
 # (openai_frontend.app is imported in main, after PROMETHEUS_MULTIPROC_DIR is set for --workers:
 # prometheus_client picks its value storage when it is first imported.)
 from openai_frontend.repository import tokenizer_settings
+from openai_frontend.tool_parsers import PARSERS
 from openai_frontend.workers import serve, worker
 
 
@@ -43,6 +44,12 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
                         help="processes serving the port (SO_REUSEPORT; the kernel spreads connections): one "
                              "Python process is saturated at about 7,000 streamed tokens a second; /metrics sums "
                              "every worker's")
+    parser.add_argument("--tool_call_parser", default=None, choices=sorted(PARSERS),
+                        help="how tool calls are read from the model's text with tool_choice auto: hermes "
+                             "(<tool_call>{...}</tool_call>), llama3_json ({\"name\", \"parameters\"}, optionally "
+                             "after <|python_tag|>), mistral ([TOOL_CALLS][{...}]); default: the format the chat "
+                             "template uses (<tool_call> -> hermes, [TOOL_CALLS] -> mistral, <|python_tag|> -> "
+                             "llama3_json), else hermes")
     args = parser.parse_args(argv)
     if args.workers < 1:
         parser.error(f"--workers must be at least 1, got {args.workers}")
@@ -62,7 +69,7 @@ def config_from_arguments(args: argparse.Namespace):
 
     return FrontendConfig(grpc_url=args.grpc_url, tokenizer_dir=tokenizer_dir, served_model_name=name,
                           triton_model=args.triton_model or args.llm_model, llm_model=args.llm_model,
-                          add_special_tokens=add_special_tokens)
+                          add_special_tokens=add_special_tokens, tool_call_parser=args.tool_call_parser)
 
 
 def main(argv: list[str] | None = None) -> None:

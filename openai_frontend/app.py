@@ -7,7 +7,8 @@ validates and names the field); and with ``handler_cancellation`` a client that 
 its handler at once, unary or streamed, which is what cancels the Triton request.
 
 Per request: parse and validate (400) -> served model? (404) -> Triton ready? (503) -> render
-and count the prompt -> one engine request per choice -> a whole response or SSE chunks.
+and count the prompt -> one engine request per choice -> a whole response or SSE chunks. With
+tools, each choice's text goes through its tool-call parser (tool_calls.py) on the way out.
 """
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ from openai_frontend.logprobs import TokenNamer
 from openai_frontend.metrics import FrontendMetrics
 from openai_frontend.protocol import GenerationRequest, parse_chat_request, parse_completion_request
 from openai_frontend.responses import ResponseShape
+from openai_frontend.tool_calls import finish_reason, keep_markers_decoder, output_parsers
+from openai_frontend.tool_parsers import ToolParser, coalesce, get_parser, merge_calls, parser_for_template
 from openai_frontend.triton_client import TritonClient
 from serving.tokenization import first_token_id
 
@@ -48,6 +51,7 @@ class FrontendConfig:
     triton_model: str = "tensorrt_llm"
     llm_model: str = "tensorrt_llm"  # the model holding the engine (its readiness counts too)
     add_special_tokens: bool = True  # as preprocessing's parameter: prompt token counts match
+    tool_call_parser: str | None = None  # tool_parsers.PARSERS name; None: the one the chat template teaches
 
 
 @dataclass
@@ -58,6 +62,9 @@ class Frontend:
     decode: Callable[[list[int]], str]  # ids -> text for the direct path (openai_frontend/detokenizer.py)
     metrics: FrontendMetrics
     started: int
+    tool_parser: type[ToolParser]  # reads tool calls in the text of tool_choice "auto"
+    # ids -> text that keeps tool_parser's special-token markers (None: ``decode`` keeps them)
+    tool_decode: Callable[[list[int]], str] | None = None
     client: TritonClient | None = None  # made on startup, inside the running event loop
 
     def check_model(self, model: str) -> None:
@@ -70,8 +77,12 @@ FRONTEND = web.AppKey("frontend", Frontend)
 
 def create_app(config: FrontendConfig) -> web.Application:
     prompts = PromptBuilder(config.tokenizer_dir, config.add_special_tokens)
+    tool_parser = get_parser(config.tool_call_parser or parser_for_template(prompts.template_text))
+    log.info("tool calls are read as %s (%s)", tool_parser.name,
+             "--tool_call_parser" if config.tool_call_parser else "from the chat template")
     frontend = Frontend(config, prompts, TokenNamer(prompts.tokenizer), fast_decode(prompts.tokenizer),
-                        FrontendMetrics(), started=int(time.time()))
+                        FrontendMetrics(), started=int(time.time()), tool_parser=tool_parser,
+                        tool_decode=keep_markers_decoder(prompts.tokenizer, tool_parser.special_tokens))
     app = web.Application(middlewares=[_errors_and_metrics], client_max_size=64 * 2**20)
     app[FRONTEND] = frontend
     app.router.add_get("/v1/models", list_models)
@@ -175,7 +186,11 @@ async def _json_body(request: web.Request):
 def _prompts(frontend: Frontend, parsed: GenerationRequest, chat: bool) -> list[tuple[str, list[int], int]]:
     """(prompt text, its token ids, tokens to generate) per prompt."""
     builder = frontend.prompts
-    texts = [builder.render_chat(parsed.messages)] if chat else parsed.prompts
+    if chat:
+        tools = parsed.tools.shown if parsed.tools is not None else None
+        texts = [builder.render_chat(parsed.messages, tools, frontend.tool_parser)]
+    else:
+        texts = parsed.prompts
     prompts = []
     for text in texts:
         ids = builder.encode(text)
@@ -195,14 +210,19 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     prompt_tokens = sum(len(ids) for _, ids, _ in prompts)
     shape = ResponseShape(chat=chat, model=frontend.config.served_model_name)
     specs = choice_specs(prompts, parsed.params)
+    parsers = output_parsers(parsed.tools, frontend.tool_parser) if chat else None
+    decode = frontend.decode
+    if parsers is not None and parsed.tools.choice == "auto" and frontend.tool_decode is not None:
+        decode = frontend.tool_decode  # the parser's markers are special tokens: keep them
     async with aclosing(generate_choices(frontend.client, specs, parsed.params, shape.id, frontend.namer,
-                                         frontend.decode)) as events:
+                                         decode)) as events:
         if parsed.stream:
-            return await _stream(request, events, shape, prompt_tokens, parsed.include_usage)
-        return await _whole(events, shape, len(specs), prompt_tokens)
+            return await _stream(request, events, shape, prompt_tokens, parsed.include_usage, parsers)
+        return await _whole(events, shape, len(specs), prompt_tokens, parsers)
 
 
-async def _whole(events, shape: ResponseShape, num_choices: int, prompt_tokens: int) -> web.Response:
+async def _whole(events, shape: ResponseShape, num_choices: int, prompt_tokens: int,
+                 parsers: Callable | None = None) -> web.Response:
     texts, reasons, tokens = [""] * num_choices, ["stop"] * num_choices, [0] * num_choices
     logprobs = [None] * num_choices
     async for event in events:
@@ -212,11 +232,19 @@ async def _whole(events, shape: ResponseShape, num_choices: int, prompt_tokens: 
             logprobs[event.index] = (logprobs[event.index] or []) + event.logprobs
         if event.finish_reason:
             reasons[event.index] = event.finish_reason
-    return web.json_response(shape.completion(texts, reasons, prompt_tokens, sum(tokens), logprobs))
+    calls = None
+    if parsers is not None:  # the text -> content and tool calls (as streaming it would give)
+        calls = []
+        for i, text in enumerate(texts):
+            parser = parsers()
+            message = parser.parse(text)
+            texts[i], reasons[i] = message.content, finish_reason(reasons[i], parser)
+            calls.append(merge_calls(message.tool_calls) or None)
+    return web.json_response(shape.completion(texts, reasons, prompt_tokens, sum(tokens), logprobs, calls))
 
 
 async def _stream(request: web.Request, events, shape: ResponseShape, prompt_tokens: int,
-                  include_usage: bool) -> web.StreamResponse:
+                  include_usage: bool, parsers: Callable | None = None) -> web.StreamResponse:
     start = time.perf_counter()
     event = await anext(events, None)  # before the 200: an error here still gets its own status
     frontend = request.app[FRONTEND]
@@ -227,9 +255,16 @@ async def _stream(request: web.Request, events, shape: ResponseShape, prompt_tok
     tokens: dict[int, int] = {}
     announced: set[int] = set()
     text_chunk = sse.TextChunkEncoder(shape, include_usage)
+    choice_parsers: dict[int, object] = {}
     try:
         while event is not None:
-            await response.write(_chunks(shape, event, announced, include_usage, text_chunk))
+            if parsers is not None:
+                if event.index not in choice_parsers:
+                    choice_parsers[event.index] = parsers()
+                chunks = _tool_chunks(shape, event, announced, include_usage, choice_parsers[event.index])
+            else:
+                chunks = _chunks(shape, event, announced, include_usage, text_chunk)
+            await response.write(chunks)
             tokens[event.index] = event.completion_tokens
             event = await anext(events, None)
         if include_usage:
@@ -259,4 +294,33 @@ def _chunks(shape: ResponseShape, event: ChoiceEvent, announced: set[int], inclu
         out.append(text_chunk.text(event.index, event.text))
     if event.finish_reason:
         out.append(sse.event(shape.chunk(event.index, None, event.finish_reason, with_usage_field=include_usage)))
+    return b"".join(out)
+
+
+def _tool_chunks(shape: ResponseShape, event: ChoiceEvent, announced: set[int], include_usage: bool,
+                 parser) -> bytes:
+    """The SSE bytes of one event when the text goes through a tool-call parser: (the role on a
+    choice's first,) new content, then each call's deltas (a call's first delta on its own, then
+    its argument text joined), the event's log-probs on the first of them, the finish."""
+    out = []
+    if event.index not in announced:
+        announced.add(event.index)
+        out.append(sse.event(shape.chunk(event.index, None, role=True, with_usage_field=include_usage)))
+    message = parser.push(event.text)
+    if event.finish_reason:
+        message.extend(parser.finish())
+    logprobs = event.logprobs or None
+    if message.content:
+        out.append(sse.event(shape.chunk(event.index, message.content, logprobs=logprobs,
+                                         with_usage_field=include_usage)))
+        logprobs = None
+    for delta in coalesce(message.tool_calls):
+        out.append(sse.event(shape.chunk(event.index, None, logprobs=logprobs, tool_calls=[delta.to_openai()],
+                                         with_usage_field=include_usage)))
+        logprobs = None
+    if logprobs:  # the tokens' text is held (a marker may be starting): their entries go now
+        out.append(sse.event(shape.chunk(event.index, None, logprobs=logprobs, with_usage_field=include_usage)))
+    if event.finish_reason:
+        out.append(sse.event(shape.chunk(event.index, None, finish_reason(event.finish_reason, parser),
+                                         with_usage_field=include_usage)))
     return b"".join(out)

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from openai_frontend.errors import bad_request
+from openai_frontend.tools import for_template, history_as_text, with_tools_system_prompt
 from serving.tokenization import load_tokenizer
 
 
@@ -41,18 +43,65 @@ class PromptBuilder:
         self.add_special_tokens = add_special_tokens  # preprocessing's parameter of the same name
         self.limits = EngineLimits.from_engine_dir(tokenizer_dir)
 
-    def render_chat(self, messages: list[dict[str, str]]) -> str:
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None, tool_format=None) -> str:
         """The prompt text to send. A template that writes the BOS token itself (Llama 3's
         ``<|begin_of_text|>``) would get a second one from preprocessing's add_special_tokens, so
-        that leading BOS is left to preprocessing: the engine sees exactly one."""
+        that leading BOS is left to preprocessing: the engine sees exactly one.
+
+        ``tools`` (OpenAI function tools) go to the template; ``tool_format`` is the tool-call
+        parser (openai_frontend/tool_parsers/) whose format the model is told, for a template
+        that knows nothing of tools: then the tools are described in the system message and past
+        calls and their results are written as text (tools.py)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise bad_request("messages", "this model's tokenizer has no chat template; "
                                           "use /v1/completions with a prompt instead")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        has_calls = any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
+        if has_calls and not self.template_renders_calls and tool_format is not None:
+            messages = history_as_text(messages, tool_format.format_call)
+        else:
+            messages = [for_template(m) for m in messages]
+        if tools and not self.template_renders_tools and tool_format is not None:
+            messages = with_tools_system_prompt(messages, tools, tool_format.instructions)
+            tools = None
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                                      add_generation_prompt=True)
+        except Exception as error:  # the template's own checks (roles in order, ids, ...)
+            raise bad_request("messages", f"the model's chat template refused these messages: {error}") from None
         bos = self.tokenizer.bos_token
         if bos and text.startswith(bos) and self._encoding_adds_bos():
             text = text[len(bos):]
         return text
+
+    @cached_property
+    def template_renders_tools(self) -> bool:
+        """Whether the chat template writes the ``tools`` it is given (SmolLM2's does not)."""
+        probe = [{"role": "user", "content": "hi"}]
+        tool = {"type": "function", "function": {"name": "probe_tool_zq", "description": "probe_tool_zq",
+                                                 "parameters": {"type": "object", "properties": {}}}}
+        return "probe_tool_zq" in self._try_render(probe, tools=[tool])
+
+    @cached_property
+    def template_renders_calls(self) -> bool:
+        """Whether the chat template writes an assistant's ``tool_calls`` and the ``tool`` results."""
+        probe = [{"role": "user", "content": "hi"},
+                 {"role": "assistant", "content": "", "tool_calls": [
+                     {"id": "probe0001", "type": "function",
+                      "function": {"name": "probe_call_zq", "arguments": {"x": 1}}}]},
+                 {"role": "tool", "tool_call_id": "probe0001", "content": "probe_result_zq"}]
+        text = self._try_render(probe)
+        return "probe_call_zq" in text and "probe_result_zq" in text
+
+    def _try_render(self, messages: list[dict], **kwargs) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+        except Exception:
+            return ""
+
+    @property
+    def template_text(self) -> str:
+        template = getattr(self.tokenizer, "chat_template", None) or ""
+        return template if isinstance(template, str) else json.dumps(template)
 
     def _encoding_adds_bos(self) -> bool:
         ids = self.tokenizer.encode("", add_special_tokens=self.add_special_tokens)

@@ -3,7 +3,8 @@
 Validation happens here, before anything reaches Triton, so a bad field gets a 400 whose
 message names the field, says what was wrong and what is allowed (``errors.bad_request``).
 Sampling fields follow OpenAI's definitions, plus vLLM's extras (``top_k``, ``min_tokens``,
-``repetition_penalty``) that clients send through ``extra_body``.
+``repetition_penalty``, and the ``guided_*`` fields of structured output) that clients send
+through ``extra_body``. Structured output is read by guides.py, tools by tools.py.
 """
 from __future__ import annotations
 
@@ -12,30 +13,31 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from openai_frontend.errors import bad_request
+from openai_frontend.guides import GUIDE_FIELDS, Guide, one_guide, parse_guide
+from openai_frontend.tools import ToolRequest, parse_tools, tool_calls_of
 
 MAX_N = 16  # choices per request: each is a request of its own to the engine
 MAX_SEED = 2**63 - 1  # the engine keeps seeds as int64
 
 # Fields clients send that change nothing here (OpenAI bookkeeping), accepted and dropped.
-IGNORED_FIELDS = {"user", "store", "metadata", "service_tier", "parallel_tool_calls", "prompt_cache_key",
+IGNORED_FIELDS = {"user", "store", "metadata", "service_tier", "prompt_cache_key",
                   "safety_identifier", "reasoning_effort", "verbosity"}
 SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "min_tokens", "presence_penalty",
                    "frequency_penalty", "repetition_penalty", "seed", "stop", "n", "stream",
                    "stream_options", "logprobs"}
 MAX_CHAT_TOP_LOGPROBS = 20  # OpenAI's limits (the engine's too: num_top_log_probs 0..20)
 MAX_COMPLETION_LOGPROBS = 5
-CHAT_FIELDS = SAMPLING_FIELDS | {"model", "messages", "max_completion_tokens", "top_logprobs"}
-COMPLETION_FIELDS = SAMPLING_FIELDS | {"model", "prompt", "echo", "best_of", "suffix"}
+CHAT_FIELDS = SAMPLING_FIELDS | set(GUIDE_FIELDS) | {"model", "messages", "max_completion_tokens", "top_logprobs",
+                                                     "tools", "tool_choice", "parallel_tool_calls"}
+COMPLETION_FIELDS = SAMPLING_FIELDS | set(GUIDE_FIELDS) | {"model", "prompt", "echo", "best_of", "suffix"}
 # Features this server does not have: refused unless the value is the one that means "off".
 UNSUPPORTED_UNLESS = {
-    "tools": lambda v: not v, "functions": lambda v: not v,
-    "tool_choice": lambda v: v in (None, "none"), "function_call": lambda v: v in (None, "none"),
-    "response_format": lambda v: v is None or v == {"type": "text"},
+    "functions": lambda v: not v, "function_call": lambda v: v in (None, "none"),  # (superseded by tools)
     "logit_bias": lambda v: not v, "audio": lambda v: v is None, "prediction": lambda v: v is None,
     "modalities": lambda v: v is None or v == ["text"], "web_search_options": lambda v: v is None,
     "echo": lambda v: not v, "best_of": lambda v: v in (None, 1), "suffix": lambda v: not v,
 }
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 @dataclass
@@ -55,6 +57,7 @@ class SamplingParams:
     n: int = 1
     # None: no log-probs; k >= 0: each generated token's log-prob and its k most likely alternatives
     logprobs: int | None = None
+    guide: Guide | None = None  # structured output (guides.py): what the output must match
 
 
 @dataclass
@@ -67,8 +70,11 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     max_tokens_field: str = "max_tokens"  # the field max_tokens came from (errors name it)
-    messages: list[dict[str, str]] | None = None  # chat: [{"role", "content"}], content as text
+    # chat: [{"role", "content"}], content as text (null for an assistant's calls), plus "tool_calls"
+    # (assistant) or "tool_call_id" (tool)
+    messages: list[dict] | None = None
     prompts: list[str] = field(default_factory=list)  # completions: one choice group per prompt
+    tools: ToolRequest | None = None  # chat: function tools (tools.py)
 
 
 def parse_chat_request(body: Any) -> GenerationRequest:
@@ -78,6 +84,11 @@ def parse_chat_request(body: Any) -> GenerationRequest:
     request = _common(body, max_tokens)
     request.params.logprobs = _chat_logprobs(body)
     request.messages = _messages(body.get("messages"))
+    request.tools = parse_tools(body)
+    if request.tools is not None and request.tools.enforced:
+        choice = request.tools.function or request.tools.choice
+        request.params.guide = one_guide(request.params.guide, request.tools.guide(),
+                                         f"tool_choice {choice!r} (which enforces the call)")
     return request
 
 
@@ -140,6 +151,7 @@ def _common(body: dict, max_tokens_field: str) -> GenerationRequest:
         seed=_integer(body, "seed", low=0, high=MAX_SEED),
         stop=_stop(body.get("stop")),
         n=_integer(body, "n", low=1, high=MAX_N) or 1,
+        guide=parse_guide(body),
     )
     if params.min_tokens and params.max_tokens is not None and params.min_tokens > params.max_tokens:
         raise bad_request("min_tokens", f"min_tokens ({params.min_tokens}) must be <= {max_tokens_field} "
@@ -207,25 +219,43 @@ def _include_usage(options: Any, stream: bool) -> bool:
 
 # ----------------------------------------------------------------------------- chat and prompts
 
-def _messages(messages: Any) -> list[dict[str, str]]:
+def _messages(messages: Any) -> list[dict]:
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages", "messages must be a non-empty list of {role, content} objects")
     return [_message(message, f"messages[{i}]") for i, message in enumerate(messages)]
 
 
-def _message(message: Any, where: str) -> dict[str, str]:
+# Fields an assistant message sent back as the API returned it may carry; accepted when empty.
+EMPTY_MESSAGE_FIELDS = {"refusal", "audio", "function_call", "annotations"}
+
+
+def _message(message: Any, where: str) -> dict:
     if not isinstance(message, dict):
         raise bad_request(where, f"{where} must be an object with role and content")
     role = message.get("role")
     if role not in CHAT_ROLES:
         raise bad_request(f"{where}.role", f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
-    extra = set(message) - {"role", "content", "name"}
+    allowed = {"role", "content", "name"} | {"assistant": {"tool_calls"}, "tool": {"tool_call_id"}}.get(role, set())
+    extra = {key for key in set(message) - allowed if not (key in EMPTY_MESSAGE_FIELDS and not message[key])}
     if extra:
         name = sorted(extra)[0]
-        raise bad_request(f"{where}.{name}", f"{where}.{name} is not supported; messages carry role, content, name")
+        raise bad_request(f"{where}.{name}", f"{where}.{name} is not supported; messages carry role, content, name "
+                                             "(assistant: tool_calls; tool: tool_call_id)")
     # The template of a model without a developer role takes the instructions as a system message.
-    return {"role": "system" if role == "developer" else role,
-            "content": _content(message.get("content"), f"{where}.content")}
+    out = {"role": "system" if role == "developer" else role}
+    if role == "assistant" and message.get("tool_calls") is not None:
+        out["tool_calls"] = tool_calls_of(message["tool_calls"], f"{where}.tool_calls")
+        content = message.get("content")
+        out["content"] = None if content is None else _content(content, f"{where}.content")
+        return out
+    if role == "tool":
+        call_id = message.get("tool_call_id")
+        if not isinstance(call_id, str) or not call_id:
+            raise bad_request(f"{where}.tool_call_id", f"{where}.tool_call_id must name the call this message "
+                                                       f"answers (its id); got {call_id!r}")
+        out["tool_call_id"] = call_id
+    out["content"] = _content(message.get("content"), f"{where}.content")
+    return out
 
 
 def _content(content: Any, where: str) -> str:

@@ -43,12 +43,20 @@ class ResponseShape:
         return chat_logprobs(entries) if self.chat else completion_logprobs(entries)
 
     def completion(self, texts: list[str], finish_reasons: list[str], prompt_tokens: int,
-                   completion_tokens: int, logprobs: list[list[TokenLogprob] | None] | None = None) -> dict:
+                   completion_tokens: int, logprobs: list[list[TokenLogprob] | None] | None = None,
+                   tool_calls: list[list[dict] | None] | None = None) -> dict:
+        """``tool_calls`` (chat): per choice its calls, or None; a choice with calls and no text
+        has ``content: null``, as OpenAI's."""
         logprobs = logprobs or [None] * len(texts)
+        tool_calls = tool_calls or [None] * len(texts)
         if self.chat:
-            choices = [{"index": i, "message": {"role": "assistant", "content": text},
-                        "logprobs": self.logprobs(entries), "finish_reason": reason}
-                       for i, (text, reason, entries) in enumerate(zip(texts, finish_reasons, logprobs))]
+            choices = []
+            for i, (text, reason, entries, calls) in enumerate(zip(texts, finish_reasons, logprobs, tool_calls)):
+                message = {"role": "assistant", "content": text}
+                if calls:
+                    message = {"role": "assistant", "content": text or None, "tool_calls": calls}
+                choices.append({"index": i, "message": message, "logprobs": self.logprobs(entries),
+                                "finish_reason": reason})
             body = self._head("chat.completion")
         else:
             choices = [{"index": i, "text": text, "logprobs": self.logprobs(entries), "finish_reason": reason}
@@ -62,11 +70,13 @@ class ResponseShape:
 
     def chunk(self, index: int, text: str | None, finish_reason: str | None = None,
               role: bool = False, with_usage_field: bool = False,
-              logprobs: list[TokenLogprob] | None = None) -> dict:
+              logprobs: list[TokenLogprob] | None = None, tool_calls: list[dict] | None = None) -> dict:
         """One choice's chunk: new text (with its tokens' log-probs when asked for), or (chat) the
-        role announcement, or its finish."""
+        role announcement, tool-call deltas, or its finish."""
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
             choice = {"index": index, "delta": delta, "logprobs": self.logprobs(logprobs),
                       "finish_reason": finish_reason}
             body = self._head("chat.completion.chunk")

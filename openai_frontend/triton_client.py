@@ -85,6 +85,17 @@ def _sampling_inputs(params: SamplingParams, seed: int | None, top_p: str, top_k
     return inputs
 
 
+def _guide_inputs(params: SamplingParams) -> dict[str, np.ndarray]:
+    """Structured output (openai_frontend/guides.py): the guide's type and text (none for json)."""
+    guide = params.guide
+    if guide is None:
+        return {}
+    inputs = {"guided_decoding_guide_type": np.array([[guide.type.encode("utf-8")]], dtype=object)}
+    if guide.text is not None:
+        inputs["guided_decoding_guide"] = np.array([[guide.text.encode("utf-8")]], dtype=object)
+    return inputs
+
+
 def generation_inputs(prompt: str, params: SamplingParams, max_tokens: int,
                       seed: int | None) -> dict[str, np.ndarray]:
     """``tensorrt_llm_bls``'s inputs for one choice: text in, text out."""
@@ -95,6 +106,7 @@ def generation_inputs(prompt: str, params: SamplingParams, max_tokens: int,
         "exclude_input_in_output": _scalar(True, np.bool_),
         "return_log_probs": _scalar(True, np.bool_),
         **_sampling_inputs(params, seed, top_p="top_p", top_k="top_k"),
+        **_guide_inputs(params),
     }
     if params.logprobs is not None:
         inputs["num_top_log_probs"] = _scalar(params.logprobs, np.int32)
@@ -115,6 +127,7 @@ def direct_inputs(prompt_ids: list[int], params: SamplingParams, max_tokens: int
         "streaming": _scalar(True, np.bool_),
         "exclude_input_in_output": _scalar(True, np.bool_),
         **_sampling_inputs(params, seed, top_p="runtime_top_p", top_k="runtime_top_k"),
+        **_guide_inputs(params),
     }
     if params.logprobs is not None:
         inputs["return_log_probs"] = _scalar(True, np.bool_)
@@ -194,10 +207,15 @@ def _bytes_elements(raw: bytes) -> bytes:
     return b"".join(parts)
 
 
-def triton_error(message: str) -> APIError:
+def triton_error(message: str, guide_field: str | None = None) -> APIError:
     """An error response of the entry model: the engine's per-request validation names the field
-    (a 400); anything else is the server's fault."""
+    (a 400); anything else is the server's fault. An error about the guide (its message names
+    ``guided_decoding_guide``: an invalid schema, regex or grammar) is the request's: a 400
+    naming the field the guide came from (``guide_field``)."""
     lowered = message.lower()
+    if guide_field and "guided_decoding_guide" in message:
+        return bad_request(guide_field, f"{guide_field}: the engine refused the output constraint built from it: "
+                                        f"{message}", code="invalid_value")
     # (A model that unloads itself to restart its engine is "not ready", then briefly unknown.)
     if any(words in lowered for words in ("not ready", "unavailable", "shutting down", "unknown model")):
         return not_ready(f"the model cannot serve requests right now: {message}")
@@ -258,7 +276,7 @@ class TritonClient:
         try:
             async for response in call:
                 if response.error_message:
-                    raise triton_error(response.error_message)
+                    raise triton_error(response.error_message, params.guide.field if params.guide else None)
                 chunk, final = read_chunk(response.infer_response)
                 if chunk.text or chunk.num_tokens:
                     yield chunk

@@ -46,7 +46,8 @@ def test_messages_with_text_parts_and_developer_role():
     ("temperature", 2.5, "[0, 2]"), ("top_p", 0, "(0, 1]"), ("n", 17, "[1, 16]"), ("max_tokens", 0, ">= 1"),
     ("seed", -1, "[0, 9223372036854775807]"), ("top_k", 1.5, "integer"), ("stop", 5, "string"), ("stream", "yes", "true or false"),
     ("repetition_penalty", 0, "(0, inf)"), ("presence_penalty", float("nan"), "number"),
-    ("tools", [{"type": "function"}], "not supported"), ("response_format", {"type": "json_object"}, "not supported"),
+    ("tools", {"type": "function"}, "list of function tools"), ("response_format", {"type": "json"}, "json_object"),
+    ("functions", [{"name": "f"}], "not supported"), ("logit_bias", {"1": 5}, "not supported"),
     ("logprobs", 1, "true or false"), ("top_logprobs", 2, "logprobs: true"), ("frobnicate", 1, "Unrecognized"),
 ])
 def test_bad_fields_are_named(field, value, words):
@@ -55,7 +56,8 @@ def test_bad_fields_are_named(field, value, words):
 
 
 @pytest.mark.parametrize("messages,param", [
-    ([], "messages"), ("hi", "messages"), ([{"role": "tool", "content": "x"}], "messages[0].role"),
+    ([], "messages"), ("hi", "messages"), ([{"role": "robot", "content": "x"}], "messages[0].role"),
+    ([{"role": "tool", "content": "x"}], "messages[0].tool_call_id"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "messages[0].content[0]"),
     ([{"role": "user", "content": "x", "tool_calls": []}], "messages[0].tool_calls"),
 ])

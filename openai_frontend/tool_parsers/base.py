@@ -1,0 +1,481 @@
+"""What every tool-call parser shares: the deltas it returns, a JSON scanner that reads one call
+object ``{"name": ..., "arguments": {...}}`` character by character as the text arrives, and the
+content stream around the calls.
+
+A parser is made per choice and fed the choice's text in pieces of any size (``push``), then
+``finish``; each returns a ``MessageDelta``: new content text and new tool-call deltas. The
+unary answer is the same parser fed the whole text at once, so the streamed deltas concatenate
+to it exactly, wherever the chunks were cut. ``function.arguments`` is the model's own text of
+the arguments value (not re-serialized), streamed as it grows once the call's name is complete.
+"""
+from __future__ import annotations
+
+import json
+import secrets
+import string
+from dataclasses import dataclass, field
+
+ARGUMENT_KEYS = ("arguments", "parameters")  # Hermes/Mistral write "arguments", Llama 3 "parameters"
+WHITESPACE = " \t\r\n"
+
+
+def hex_call_id() -> str:
+    """OpenAI's shape: ``call_`` and 24 random characters."""
+    return "call_" + secrets.token_hex(12)
+
+
+def alphanumeric_call_id(length: int = 9) -> str:
+    """Mistral's templates accept only 9 alphanumeric characters as a tool call id."""
+    alphabet = string.ascii_letters + string.digits
+    return "".join(secrets.choice(alphabet) for _ in range(length))
+
+
+@dataclass
+class ToolCallDelta:
+    """A piece of call ``index``. The call's first delta has ``id`` and ``name`` (and arguments
+    ""), the later ones only argument text."""
+
+    index: int
+    arguments: str = ""
+    id: str | None = None
+    name: str | None = None
+
+    def to_openai(self) -> dict:
+        if self.id is not None:
+            return {"index": self.index, "id": self.id, "type": "function",
+                    "function": {"name": self.name, "arguments": self.arguments}}
+        return {"index": self.index, "function": {"arguments": self.arguments}}
+
+
+@dataclass
+class MessageDelta:
+    content: str = ""
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.content or self.tool_calls)
+
+    def extend(self, other: "MessageDelta") -> "MessageDelta":
+        self.content += other.content
+        self.tool_calls += other.tool_calls
+        return self
+
+
+def merge_calls(deltas: list[ToolCallDelta]) -> list[dict]:
+    """Deltas -> whole calls, as ``message.tool_calls`` lists them."""
+    calls: dict[int, dict] = {}
+    for delta in deltas:
+        call = calls.setdefault(delta.index, {"id": None, "type": "function",
+                                              "function": {"name": None, "arguments": ""}})
+        if delta.id is not None:
+            call["id"], call["function"]["name"] = delta.id, delta.name
+        call["function"]["arguments"] += delta.arguments
+    return [calls[index] for index in sorted(calls)]
+
+
+def coalesce(deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
+    """Consecutive argument pieces of one call joined (a call's first delta stays on its own,
+    with arguments "", as OpenAI streams it)."""
+    out: list[ToolCallDelta] = []
+    for delta in deltas:
+        last = out[-1] if out else None
+        if last is not None and last.id is None and delta.id is None and last.index == delta.index:
+            last.arguments += delta.arguments
+        else:
+            out.append(ToolCallDelta(delta.index, delta.arguments, delta.id, delta.name))
+    return out
+
+
+# ----------------------------------------------------------------------------- one call object
+
+class CallScanner:
+    """Reads one JSON object holding a call, a character at a time.
+
+    ``feed(text)`` returns how many characters it used (all of them unless the object ended
+    inside ``text``) and the events: ("name", str) once the name string is complete, ("args",
+    raw text) as the arguments value grows (an object or array streams as written; a string that
+    holds JSON is decoded and given whole). Other keys are skipped. After the object's closing
+    brace ``done`` is set; on text that is not such an object, ``failed`` (``raw`` keeps what was
+    read, for the caller to give back as content).
+    """
+
+    def __init__(self, first_keys: tuple[str, ...] | None = None):
+        self.first_keys = first_keys  # when given: an object whose first key is another is no call
+        self.state = "open"
+        self.raw = ""  # every character read
+        self.done = self.failed = False
+        self.first_key: str | None = None
+        self.name: str | None = None
+        self.saw_arguments = False
+        self._token = ""  # the key or the string/primitive value being read
+        self._key: str | None = None
+        self._stack: list[str] = []  # open brackets of an object/array value
+        self._in_string = self._escape = False
+
+    def feed(self, text: str) -> tuple[int, list[tuple[str, str]]]:
+        events: list[tuple[str, str]] = []
+        args_from = None  # where this feed's piece of a streamed arguments value starts
+        i = 0
+        while i < len(text) and not (self.done or self.failed):
+            char = text[i]
+            state = self.state
+            if state == "nested":  # inside an object/array value
+                if args_from is None and self._key in ARGUMENT_KEYS:
+                    args_from = i
+                self._nested(char)
+                if not self._stack:  # the value closed with this character
+                    if self._key in ARGUMENT_KEYS:
+                        events.append(("args", text[args_from:i + 1]))
+                        args_from = None
+                    self.state = "after_value"
+            elif state in ("key", "string"):
+                self._token += char
+                if self._escape:
+                    self._escape = False
+                elif char == "\\":
+                    self._escape = True
+                elif char == '"':
+                    self._string_done(events)
+            elif state == "primitive":
+                if char in WHITESPACE + ",}":
+                    self._primitive_done(events)
+                    continue  # the delimiter belongs to the object: read it again
+                self._token += char
+            elif char in WHITESPACE:
+                pass
+            elif state == "open":
+                self._expect(char == "{", "key_or_end")
+            elif state == "key_or_end":
+                if char == "}":
+                    self._close()
+                else:
+                    self._expect(char == '"', "key")
+                    self._token = char
+            elif state == "colon":
+                self._expect(char == ":", "value")
+            elif state == "value":
+                self._start_value(char)
+                if self.state == "nested" and self._key in ARGUMENT_KEYS:
+                    args_from = i
+            elif state == "after_value":
+                if char == ",":
+                    self.state = "key_or_end"
+                else:
+                    self._expect(char == "}", "")
+                    if not self.failed:
+                        self._close()
+            if not self.failed:
+                self.raw += char
+                i += 1
+        if args_from is not None and self.state == "nested":
+            events.append(("args", text[args_from:i]))
+        return i, events
+
+    # --------------------------------------------------------------------- pieces
+
+    def _expect(self, ok: bool, next_state: str) -> None:
+        if ok:
+            self.state = next_state
+        else:
+            self.failed = True
+
+    def _close(self) -> None:
+        self.done = True
+        self.state = "closed"
+
+    def _start_value(self, char: str) -> None:
+        if self._key in ARGUMENT_KEYS:
+            self.saw_arguments = True
+        if char in "{[":
+            self._stack = [char]
+            self._in_string = self._escape = False
+            self.state = "nested"
+        elif char == '"':
+            self._token = char
+            self.state = "string"
+        elif char in "-0123456789tfn":
+            self._token = char
+            self.state = "primitive"
+        else:
+            self.failed = True
+
+    def _nested(self, char: str) -> None:
+        if self._in_string:
+            if self._escape:
+                self._escape = False
+            elif char == "\\":
+                self._escape = True
+            elif char == '"':
+                self._in_string = False
+        elif char == '"':
+            self._in_string = True
+        elif char in "{[":
+            self._stack.append(char)
+        elif char in "}]":
+            if {"{": "}", "[": "]"}[self._stack[-1]] != char:
+                self.failed = True
+            else:
+                self._stack.pop()
+
+    def _string_done(self, events: list) -> None:
+        try:
+            value = json.loads(self._token)
+        except ValueError:
+            self.failed = True
+            return
+        if not isinstance(value, str):
+            self.failed = True
+        elif self.state == "key":
+            self._key = value
+            if self.first_key is None:
+                self.first_key = value
+                if self.first_keys is not None and value not in self.first_keys:
+                    self.failed = True
+                    return
+            self.state = "colon"
+        else:
+            self._value_done(value, events, decoded=True)
+            self.state = "after_value"
+
+    def _primitive_done(self, events: list) -> None:
+        try:
+            json.loads(self._token)
+        except ValueError:
+            self.failed = True
+            return
+        self._value_done(self._token, events, decoded=False)
+        self.state = "after_value"
+
+    def _value_done(self, value: str, events: list, decoded: bool) -> None:
+        """A string (``decoded``) or primitive value is complete."""
+        if self._key == "name":
+            if decoded:
+                self.name = value
+                events.append(("name", value))
+            else:
+                self.failed = True
+        elif self._key in ARGUMENT_KEYS:
+            # A string holding the arguments' JSON (some models write it so) gives that text;
+            # a primitive (null, a number) its own text.
+            events.append(("args", value))
+
+
+class CallEmitter:
+    """Turns a scanner's events into ``ToolCallDelta``s for call ``index``: nothing before the
+    name is complete (argument text read before it waits), then the first delta, then pieces."""
+
+    def __init__(self, index: int, make_id):
+        self.index = index
+        self._make_id = make_id
+        self.emitted = False
+        self._waiting = ""
+
+    def events(self, events: list[tuple[str, str]]) -> list[ToolCallDelta]:
+        out = []
+        for kind, value in events:
+            if kind == "name":
+                if not self.emitted:
+                    self.emitted = True
+                    out.append(ToolCallDelta(self.index, "", self._make_id(), value))
+                    if self._waiting:
+                        out.append(ToolCallDelta(self.index, self._waiting))
+                        self._waiting = ""
+            elif self.emitted:
+                if value:
+                    out.append(ToolCallDelta(self.index, value))
+            else:
+                self._waiting += value
+        return out
+
+    def close(self, saw_arguments: bool) -> list[ToolCallDelta]:
+        """At the end of the call's object: a call without arguments gets ``{}``."""
+        if self.emitted and not saw_arguments:
+            return [ToolCallDelta(self.index, "{}")]
+        return []
+
+
+# ----------------------------------------------------------------------------- the content around calls
+
+class ContentStream:
+    """Content text around tool calls. Whitespace next to a call is not content: a trailing run
+    of whitespace is held until more text shows it is inside the content (dropped if a call
+    starts instead), and whitespace right after a call is dropped. With no call made, the
+    content is the text exactly."""
+
+    def __init__(self):
+        self._held = ""
+        self._after_call = False
+
+    def add(self, text: str) -> str:
+        if self._after_call:
+            text = text.lstrip(WHITESPACE)
+            if not text:
+                return ""
+            self._after_call = False
+        text = self._held + text
+        kept = text.rstrip(WHITESPACE)
+        self._held = text[len(kept):]
+        return kept
+
+    def call_starts(self) -> None:
+        self._held = ""
+
+    def call_ends(self) -> None:
+        self._after_call = True
+
+    def finish(self, made_calls: bool) -> str:
+        out, self._held = ("" if made_calls else self._held), ""
+        return out
+
+
+def marker_prefix_length(text: str, markers: tuple[str, ...]) -> int:
+    """Length of the longest tail of ``text`` that is a proper prefix of a marker (held back: the
+    next piece may complete the marker)."""
+    longest = max((len(m) for m in markers), default=0)
+    for length in range(min(longest - 1, len(text)), 0, -1):
+        tail = text[-length:]
+        if any(marker.startswith(tail) for marker in markers):
+            return length
+    return 0
+
+
+# ----------------------------------------------------------------------------- parsers
+
+class ToolParser:
+    """A format's parser: content until one of ``markers``, then the format's run of calls.
+
+    Subclasses set ``name``, ``markers`` (text that opens calls inside the content),
+    ``special_tokens`` (those markers that are special tokens, which the detokenizer must then
+    keep; openai_frontend/tool_calls.py), ``instructions`` (how to call, for templates that know
+    nothing of tools), ``format_call`` (a past call as the model writes it), and the states
+    after a marker: ``_section`` (what follows the marker) and ``_after_call``. A state method
+    reads ``self._buffer``; with ``final`` false it may wait for more text, with ``final`` true
+    it must settle everything.
+    """
+
+    name = ""
+    markers: tuple[str, ...] = ()
+    special_tokens: tuple[str, ...] = ()
+    initial_state = "content"
+    first_keys: tuple[str, ...] | None = None  # a call object's first key must be one of these
+    make_id = staticmethod(hex_call_id)
+    instructions = ""
+
+    def __init__(self):
+        self._buffer = ""
+        self._state = self.initial_state
+        self._text = ContentStream()
+        self._scanner: CallScanner | None = None
+        self._emitter: CallEmitter | None = None
+        self._opening = ""  # the marker and whitespace read before the current call's object
+        self._calls = 0  # calls emitted so far
+        self._out = MessageDelta()
+
+    @staticmethod
+    def format_call(name: str, arguments: str) -> str:
+        raise NotImplementedError
+
+    # --------------------------------------------------------------------- the interface
+
+    def push(self, text: str) -> MessageDelta:
+        self._buffer += text
+        self._run(final=False)
+        out, self._out = self._out, MessageDelta()
+        return out
+
+    def finish(self) -> MessageDelta:
+        self._run(final=True)
+        self._out.content += self._text.finish(self._calls > 0)
+        out, self._out = self._out, MessageDelta()
+        return out
+
+    def parse(self, text: str) -> MessageDelta:
+        """The whole text at once (the unary answer): what streaming it gives, joined."""
+        return self.push(text).extend(self.finish())
+
+    @property
+    def made_calls(self) -> bool:
+        return self._calls > 0
+
+    # --------------------------------------------------------------------- the machine
+
+    def _run(self, final: bool) -> None:
+        while True:
+            before = (self._state, self._buffer)
+            getattr(self, "_" + self._state)(final)
+            if (self._state, self._buffer) == before:
+                return
+
+    def _emit_content(self, text: str) -> None:
+        if text:
+            self._out.content += self._text.add(text)
+
+    def _content(self, final: bool) -> None:
+        """Send the content up to the first marker (holding a tail that may start one)."""
+        buffer = self._buffer
+        found = [(buffer.find(m), m) for m in self.markers if m in buffer]
+        if found:
+            at, marker = min(found)
+            self._emit_content(buffer[:at])
+            self._buffer = buffer[at + len(marker):]
+            self._opening = marker
+            self._state = "section"
+            return
+        keep = 0 if final else marker_prefix_length(buffer, self.markers)
+        self._emit_content(buffer[:len(buffer) - keep])
+        self._buffer = buffer[len(buffer) - keep:]
+
+    def _skip_whitespace(self) -> bool:
+        """Drops leading whitespace (kept in ``_opening``); True when text follows it."""
+        stripped = self._buffer.lstrip(WHITESPACE)
+        self._opening += self._buffer[:len(self._buffer) - len(stripped)]
+        self._buffer = stripped
+        return bool(stripped)
+
+    def _back_to_content(self, text: str = "") -> None:
+        """Calls are over; ``text`` (what looked like a call but is not) is content."""
+        self._emit_content(text)
+        self._opening = ""
+        if self._calls:
+            self._text.call_ends()
+        self._state = "content"
+
+    def _start_call(self) -> None:
+        self._scanner = CallScanner(self.first_keys)
+        self._emitter = CallEmitter(self._calls, self.make_id)
+        self._state = "call"
+
+    def _call(self, final: bool) -> None:
+        scanner, emitter = self._scanner, self._emitter
+        used, events = scanner.feed(self._buffer)
+        self._buffer = self._buffer[used:]
+        for delta in emitter.events(events):
+            if delta.id is not None:
+                self._calls += 1
+                self._text.call_starts()  # whitespace before a call is not content
+            self._out.tool_calls.append(delta)
+        if not emitter.emitted and (scanner.failed or scanner.done or (final and not self._buffer)):
+            self._not_a_call()
+        elif scanner.done:
+            self._out.tool_calls += emitter.close(scanner.saw_arguments)
+            self._scanner, self._opening = None, ""
+            self._state = "after_call"
+        elif scanner.failed:  # a call under way ends here; the rest is content
+            self._out.tool_calls += emitter.close(scanner.saw_arguments)
+            self._scanner = None
+            self._back_to_content()
+        elif final:  # cut off (max_tokens) inside the arguments: the call stays as written
+            self._scanner = None
+            self._state = "content"
+
+    def _not_a_call(self) -> None:
+        """What looked like a call is not one: the marker and the text read are content."""
+        raw = self._opening + self._scanner.raw
+        self._scanner = None
+        self._back_to_content(raw)
+
+    def _section(self, final: bool) -> None:
+        raise NotImplementedError
+
+    def _after_call(self, final: bool) -> None:
+        raise NotImplementedError
