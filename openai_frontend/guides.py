@@ -2,13 +2,18 @@
 guide the engine takes (``tensorrt_llm``'s inputs ``guided_decoding_guide_type`` and
 ``guided_decoding_guide``; the engine compiles it with xgrammar).
 
-    response_format {"type": "json_object"}                      -> json (no guide text)
+    response_format {"type": "json_object"}                      -> json_schema {"type": "object"}
     response_format {"type": "json_schema", "json_schema": {...}} -> json_schema (the schema's JSON)
     guided_json (vLLM; an object or its JSON text)                -> json_schema
     guided_regex (vLLM)                                           -> regex
     guided_grammar (vLLM; xgrammar's EBNF)                        -> ebnf_grammar
     guided_choice (vLLM; a list of strings)                       -> ebnf_grammar: one literal of them
     tool_choice "required" / a named function (tools.py)          -> json_schema built from the tools
+
+``json_object`` is not the engine's ``json`` guide type: that one allows any JSON value (SmolLM2
+answered ``"Paris"``, a string), while OpenAI promises an object; ``{"type": "object"}`` is any
+object (additional properties stay allowed in the engine's strict mode when the schema names no
+properties).
 
 One guide per request: two of these together are a 400 naming them. Whether a schema, regex or
 grammar is valid is the engine's to say (the same compiler then runs it): its error names
@@ -26,6 +31,7 @@ from openai_frontend.errors import bad_request
 
 GUIDE_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_grammar", "guided_choice")
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
+ANY_OBJECT = '{"type": "object"}'
 SCHEMA_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for json_schema.name
 
 
@@ -70,7 +76,7 @@ def _response_format(value: Any) -> Guide | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return Guide("json", None, "response_format")
+        return Guide("json_schema", ANY_OBJECT, "response_format")
     spec = value.get("json_schema")
     where = "response_format.json_schema"
     if not isinstance(spec, dict):
@@ -84,7 +90,7 @@ def _response_format(value: Any) -> Guide | None:
         raise bad_request(f"{where}.strict", f"{where}.strict must be true or false; got {strict!r}")
     schema = spec.get("schema")
     if schema is None:  # OpenAI's schema is optional: then any JSON object
-        return Guide("json", None, "response_format")
+        return Guide("json_schema", ANY_OBJECT, "response_format")
     if not isinstance(schema, dict):
         raise bad_request(f"{where}.schema", f"{where}.schema must be a JSON Schema object; got {schema!r}")
     # Strict or not, the schema is enforced (as vLLM does): the output always validates.

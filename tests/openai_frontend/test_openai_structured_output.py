@@ -11,7 +11,7 @@ from aiohttp.test_utils import TestServer
 
 from openai_frontend.app import FRONTEND, FrontendConfig, create_app
 from openai_frontend.errors import APIError
-from openai_frontend.guides import choice_grammar, parse_guide, required_calls_schema
+from openai_frontend.guides import Guide, choice_grammar, parse_guide, required_calls_schema
 from openai_frontend.protocol import parse_chat_request, parse_completion_request
 from openai_frontend.triton_client import Chunk, triton_error
 
@@ -87,7 +87,9 @@ def serve(engine_dir, body, parser=None):
 # ----------------------------------------------------------------------------- guides
 
 @pytest.mark.parametrize("fields,guide", [
-    ({"response_format": {"type": "json_object"}}, ("json", None, "response_format")),
+    ({"response_format": {"type": "json_object"}}, ("json_schema", '{"type": "object"}', "response_format")),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "any"}}},
+     ("json_schema", '{"type": "object"}', "response_format")),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": {"type": "object"},
                                                                   "strict": True}}},
      ("json_schema", '{"type": "object"}', "response_format")),
@@ -173,8 +175,8 @@ def test_the_guide_goes_to_triton_as_its_two_inputs():
     for inputs in (direct_inputs([1, 2], params, 8, None, 0, 0), generation_inputs("p", params, 8, None)):
         assert inputs["guided_decoding_guide_type"].tolist() == [[b"regex"]]
         assert inputs["guided_decoding_guide"].tolist() == [[b"[a-z]+"]]
-    json_mode = parse_chat_request({"model": MODEL, "messages": USER,
-                                    "response_format": {"type": "json_object"}}).params
+    json_mode = parse_chat_request({"model": MODEL, "messages": USER}).params
+    json_mode.guide = Guide("json", None, "guided_json")
     inputs = direct_inputs([1], json_mode, 8, None, 0, 0)
     assert inputs["guided_decoding_guide_type"].tolist() == [[b"json"]] and "guided_decoding_guide" not in inputs
     assert "guided_decoding_guide_type" not in direct_inputs([1], parse_guide_free(), 8, None, 0, 0)
@@ -367,7 +369,7 @@ def test_response_format_on_both_endpoints(engine_dir):
         text = await client.completions.create(model=MODEL, prompt="a", extra_body={"guided_choice": ["x", "y"]})
         return chat, chat_guide, text, fake.last[1].guide
     chat, chat_guide, text, text_guide = serve(engine_dir, body)
-    assert json.loads(chat.choices[0].message.content) == {"a": 1} and chat_guide.type == "json"
+    assert json.loads(chat.choices[0].message.content) == {"a": 1} and chat_guide.text == '{"type": "object"}'
     assert text.choices[0].text == '{"a": 1}' and text_guide.text == 'root ::= "x" | "y"'
 
 

@@ -1,0 +1,158 @@
+"""Structured output and tool calls through the OpenAI-compatible frontend in front of the
+session's tritonserver (SmolLM2, guides compiled by the engine with xgrammar), with the official
+`openai` client: response_format (json_schema strict, json_object), vLLM's guided_regex and
+guided_choice, tool_choice required and named (arguments valid against the function's schema;
+streamed calls concatenate to the unary ones), sampling that still conforms, and bad guides or
+tools that get a 400 naming the field while the server keeps serving.
+
+Every schema is finite (short strings, enums, bounded integers), so no answer runs into
+max_tokens. One frontend process for the module (as test_openai_frontend.py starts its own).
+"""
+import json
+import re
+
+import jsonschema
+import openai
+import pytest
+import requests
+
+from test_openai_frontend import running_frontend
+from triton_helpers import wait_for
+
+pytestmark = pytest.mark.integration
+
+MODEL = "smollm2"
+CITY = {"type": "object",
+        "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 12},
+                       "country": {"enum": ["France", "Japan", "Brazil", "Kenya"]},
+                       "population_millions": {"type": "integer", "minimum": 0, "maximum": 40}},
+        "required": ["name", "country", "population_millions"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object",
+                   "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 12},
+                                  "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "Get the local time in a time zone",
+    "parameters": {"type": "object",
+                   "properties": {"zone": {"enum": ["UTC", "CET", "JST"]}},
+                   "required": ["zone"], "additionalProperties": False}}}
+TOOLS = [WEATHER, TIME]
+ASK_WEATHER = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+ASK_CITY = [{"role": "user", "content": "Give facts about Paris as JSON."}]
+LIMIT = {"max_tokens": 96}
+
+
+@pytest.fixture(scope="module")
+def frontend(triton_server, smollm2_engine_dir, tmp_path_factory):
+    with running_frontend(triton_server.grpc_url, smollm2_engine_dir, tmp_path_factory.mktemp("openai_so")) as url:
+        assert wait_for(lambda: requests.get(f"{url}/health", timeout=2).status_code == 200, timeout=30)
+        yield url
+
+
+@pytest.fixture
+def client(frontend):
+    with openai.OpenAI(base_url=f"{frontend}/v1", api_key="unused", max_retries=0, timeout=120) as client:
+        yield client
+
+
+def schema_of(tool):
+    return tool["function"]["parameters"]
+
+
+def check_calls(calls, tools_by_name):
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), schema_of(tools_by_name[call.function.name]))
+
+
+def test_json_schema_strict_validates_greedy_and_sampled(client):
+    response_format = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY, "strict": True}}
+    for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 11}, {"temperature": 1.0, "seed": 12}):
+        reply = client.chat.completions.create(model=MODEL, messages=ASK_CITY, response_format=response_format,
+                                               **sampling, **LIMIT)
+        jsonschema.validate(json.loads(reply.choices[0].message.content), CITY)
+        assert reply.choices[0].finish_reason == "stop"
+
+
+def test_json_object_parses(client):
+    reply = client.chat.completions.create(
+        model=MODEL, response_format={"type": "json_object"}, temperature=0, max_tokens=160,
+        messages=[{"role": "user", "content": 'Reply with a tiny JSON object like {"answer": "Paris"}: '
+                                              "what is the capital of France?"}])
+    assert isinstance(json.loads(reply.choices[0].message.content), dict)
+
+
+def test_guided_regex_and_choice_conform(client):
+    regex = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Give a phone number."}],
+                                           extra_body={"guided_regex": r"\d{3}-\d{4}"}, temperature=1.0, seed=3,
+                                           **LIMIT)
+    assert re.fullmatch(r"\d{3}-\d{4}", regex.choices[0].message.content)
+    choices = ["positive", "negative", "neutral"]
+    chat = client.chat.completions.create(model=MODEL, temperature=0, extra_body={"guided_choice": choices},
+                                          messages=[{"role": "user", "content": "I love this phone! Sentiment?"}])
+    assert chat.choices[0].message.content in choices
+    text = client.completions.create(model=MODEL, prompt="The best season is", extra_body={"guided_choice": choices},
+                                     temperature=1.0, seed=5, max_tokens=8)
+    assert text.choices[0].text in choices
+
+
+def test_tool_choice_required_calls_validate_and_stream_as_unary(client):
+    request = dict(model=MODEL, messages=ASK_WEATHER, tools=TOOLS, tool_choice="required", temperature=0, **LIMIT)
+    unary = client.chat.completions.create(**request)
+    choice = unary.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None and choice.message.tool_calls
+    check_calls(choice.message.tool_calls, {t["function"]["name"]: t for t in TOOLS})
+
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in client.chat.completions.create(**request, stream=True):
+        delta = chunk.choices[0].delta
+        finish = chunk.choices[0].finish_reason or finish
+        assert not delta.content
+        for piece in delta.tool_calls or []:
+            if piece.index not in calls:
+                assert piece.id and piece.type == "function" and piece.function.arguments == ""
+                calls[piece.index] = {"name": piece.function.name, "arguments": ""}
+            else:
+                calls[piece.index]["arguments"] += piece.function.arguments
+    assert finish == "tool_calls"
+    assert list(calls.values()) == [{"name": c.function.name, "arguments": c.function.arguments}
+                                    for c in choice.message.tool_calls]
+
+
+def test_named_function_and_single_call_at_temperature_one(client):
+    named = client.chat.completions.create(
+        model=MODEL, messages=ASK_WEATHER, tools=TOOLS, temperature=1.0, seed=7,
+        tool_choice={"type": "function", "function": {"name": "get_time"}}, **LIMIT)
+    calls = named.choices[0].message.tool_calls
+    assert [c.function.name for c in calls] == ["get_time"] and named.choices[0].finish_reason == "tool_calls"
+    check_calls(calls, {"get_time": TIME})
+    single = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, tools=TOOLS, tool_choice="required",
+                                            parallel_tool_calls=False, temperature=1.0, seed=8, **LIMIT)
+    assert len(single.choices[0].message.tool_calls) == 1
+    check_calls(single.choices[0].message.tool_calls, {t["function"]["name"]: t for t in TOOLS})
+
+
+@pytest.mark.parametrize("kwargs,param,words", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "response_format", "nope"),
+    ({"extra_body": {"guided_regex": "[0-9"}}, "guided_regex", "regex"),
+    ({"extra_body": {"guided_grammar": "root ::= [0-9"}}, "guided_grammar", "ebnf"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_stock_price"}}}, "tool_choice",
+     "get_stock_price"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+     "tools[0].function.parameters", "object"),
+    ({"tool_choice": "required"}, "tool_choice", "tools"),
+    ({"response_format": {"type": "json_object"}, "extra_body": {"guided_regex": "a"}}, "guided_regex",
+     "response_format, guided_regex"),
+])
+def test_bad_input_gets_a_400_naming_it_and_the_server_keeps_serving(client, kwargs, param, words):
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, max_tokens=8, **kwargs)
+    error = raised.value
+    assert error.status_code == 400 and error.body["param"] == param and error.body["type"] == "invalid_request_error"
+    assert words.lower() in error.message.lower(), error.message
+    ok = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, max_tokens=2, temperature=0)
+    assert ok.choices[0].finish_reason == "length"
