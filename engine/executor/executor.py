@@ -350,10 +350,10 @@ class Executor:
             self._finish_in_flight()
         plan = self.scheduler.schedule()
         launched = None if plan.is_empty else self._launch(plan, started)
-        finished = self._finish_in_flight()  # step N-1, while the device runs step N
-        if launched is not None and launched.pending_sample is not None:
-            launched = self._sample_guided(launched)  # masks from matchers that now know step N-1
-        self._in_flight = launched
+        finished = self._finish_in_flight(launched)  # step N-1, while the device runs step N
+        if launched is not None and launched.pending_sample is not None:  # (nothing was in flight)
+            self._sample_guided(launched)
+        self._in_flight = None if launched is None or launched.failed else launched
         if launched is not None and self._must_sync():
             finished = self._finish_in_flight()
         self._emit()  # cancellations and errors of this iteration
@@ -461,19 +461,20 @@ class Executor:
             self._add_placeholders(step, sampling, batch)
         return step
 
-    def _sample_guided(self, step: InFlightStep) -> InFlightStep | None:
+    def _sample_guided(self, step: InFlightStep) -> None:
         """Sample a launched step whose batch has constrained rows: their token masks are built now,
-        while the device still runs the step's forward (engine/executor/guided.py)."""
+        while the device still runs the step's forward (engine/executor/guided.py). On failure
+        the step's requests fail and ``step.failed`` is set."""
         logits, sampling, batch = step.pending_sample
         step.pending_sample = None
         try:
             masks = self.token_masks.fill([seq for seq, _ in sampling])
             step.transfer = self._sample(logits, sampling, batch, masks)
         except Exception as err:
+            step.failed = True
             self._fail_step(step.plan, err, "sampling failed")
-            return None
+            return
         self._add_placeholders(step, sampling, batch)
-        return step
 
     def _add_placeholders(self, step: InFlightStep, sampling: list[tuple[Sequence, int]], batch: ForwardBatch) -> None:
         """Each sampled row's token stays on the device; its sequence gets a placeholder for it."""
@@ -537,7 +538,7 @@ class Executor:
         return wanted
 
     def _sample(self, logits: torch.Tensor, sampling: list[tuple[Sequence, int]], batch: ForwardBatch,
-                token_masks: tuple[torch.Tensor, torch.Tensor] | None = None) -> TokenTransfer:
+                token_masks: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> TokenTransfer:
         """Sample every row in ``sampling`` on the device, leave the tokens in the runner's ring for
         the next step (which may be launched before the host sees them) and start their copy home.
         ``token_masks``: (bitmask, rows) of the constrained rows (TokenMasks.fill)."""
@@ -560,9 +561,10 @@ class Executor:
                              out.top_log_probs, out.top_log_prob_ids, md.top_log_prob_rows)
 
     # ----- finish: the tokens of a launched step reach the host -----
-    def _finish_in_flight(self) -> bool:
+    def _finish_in_flight(self, launched: InFlightStep | None = None) -> bool:
         """Wait for the in-flight step's tokens, put them in place of its placeholders, check stops,
-        emit; False when no step was in flight."""
+        emit; False when no step was in flight. ``launched``: the step just launched; if its
+        sampling waits for these tokens (guided decoding), it is sampled before the emit."""
         step, self._in_flight = self._in_flight, None
         if step is None:
             return False
@@ -587,6 +589,8 @@ class Executor:
                                     step.logits, row, now, None if top is None else top[i])
         if beam_rows:
             self._beam_step(beam_rows, now)
+        if launched is not None and launched.pending_sample is not None:
+            self._sample_guided(launched)  # the matchers know step N-1's tokens now; emitting can wait
         self._emit()
         # The step's period: from when it began, or, overlapped, from when the step before it
         # finished (steps in flight overlap; their latencies must add up to the wall time).

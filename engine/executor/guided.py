@@ -148,7 +148,8 @@ class TokenMasks:
     """Builds one step's token bitmask for its constrained rows and puts it on the device.
 
     ``fill(seqs)`` -> (bitmask (k, words) int32 on the device, rows (B,) int64 on the device: the
-    bitmask row of each logits row, -1 for unconstrained ones), or None when no row is constrained.
+    bitmask row of each logits row, -1 for unconstrained ones; None when every row is constrained,
+    row b then taking bitmask row b), or None when no row is constrained.
     Host buffers are pinned (CUDA) and alternate between two halves, one per step parity, so a
     buffer is never rewritten while its copy to the device may still be queued.
     """
@@ -166,7 +167,7 @@ class TokenMasks:
         self.fill_seconds = 0.0  # host time spent filling masks (benchmarks read it)
         self.rows_filled = 0
 
-    def fill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def fill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         matchers, rows = [], []
         for row, seq in enumerate(seqs):
             grammar = seq.grammar
@@ -177,18 +178,23 @@ class TokenMasks:
             return None
         started = time.perf_counter()
         host = self._host[self._parity][:len(matchers)]
-        row_index = self._rows[self._parity][:len(seqs)]
+        row_index = None
+        if len(rows) < len(seqs):  # else row b takes bitmask row b
+            index = [-1] * len(seqs)
+            for k, row in enumerate(rows):
+                index[row] = k
+            row_index = self._rows[self._parity][:len(seqs)]
+            row_index.copy_(torch.tensor(index, dtype=torch.int64))
         self._parity ^= 1
         self._batch.batch_fill_next_token_bitmask(matchers, host)
-        row_index.fill_(-1)
         for k, row in enumerate(rows):
-            row_index[row] = k
-            self._hold_back_end(seqs[row], host[k])
+            if seqs[row].state.request.sampling.min_tokens:
+                self._hold_back_end(seqs[row], host[k])
         self.fill_seconds += time.perf_counter() - started
         self.rows_filled += len(matchers)
-        if self.device.type != "cuda":
-            return host.clone(), row_index.clone()
-        return host.to(self.device, non_blocking=True), row_index.to(self.device, non_blocking=True)
+        copy = (lambda t: t.clone()) if self.device.type != "cuda" else (
+            lambda t: t.to(self.device, non_blocking=True))
+        return copy(host), None if row_index is None else copy(row_index)
 
     @staticmethod
     def _hold_back_end(seq: Sequence, mask_row: torch.Tensor) -> None:

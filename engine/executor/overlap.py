@@ -81,6 +81,7 @@ class InFlightStep:
     # Guided decoding: (logits, sampling rows, batch) of a forward whose sampling waits for the
     # previous step's tokens (Executor._sample_guided); None once sampled, or when nothing waits.
     pending_sample: tuple | None = None
+    failed: bool = False  # its requests failed (guided sampling raised); it is not in flight
 
 
 class TokenTransfer:
