@@ -5,6 +5,7 @@ OpenAI-compatible frontend beside it (127.0.0.1:9000, model name `smollm2`).
 
     python scripts/serve_default.py [--http_port 8000 --grpc_port 8001 --metrics_port 8002]
         [--openai_port 9000] [--engine_dir engines/smollm2] [--repo build/triton_repo]
+        [--tool_call_parser hermes|llama3_json|mistral]
 
 `prepare_model_repo` is also how the integration tests build their repository.
 """
@@ -164,6 +165,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bls_instances", type=int, default=2,
                         help="tensorrt_llm_bls instances (each serves many requests at once; more spread "
                              "the per-response work over processes, and each adds ~1 s to Ctrl-C)")
+    parser.add_argument("--tool_call_parser", default=None,
+                        help="passed to the OpenAI frontend: how tool calls are read from the model's text "
+                             "(hermes, llama3_json, mistral; default: the chat template's format)")
     args = parser.parse_args(argv)
 
     ensure_engine(args.engine_dir)
@@ -179,7 +183,12 @@ def main(argv: list[str] | None = None) -> None:
     except RuntimeError as error:
         sys.exit(f"serve_default: {error}")
     # The frontend loads its tokenizer while the engine loads; it answers 503 until Triton is ready.
-    frontend = launcher.launch_openai_frontend(launch_args) if args.openai_port else None
+    frontend = None
+    if args.openai_port:
+        command = launcher.openai_frontend_command(launch_args)
+        if args.tool_call_parser:
+            command.append(f"--tool_call_parser={args.tool_call_parser}")
+        frontend = subprocess.Popen(command, cwd=REPO_ROOT)
     signal.signal(signal.SIGTERM, lambda *_: process.terminate())
     try:
         if not wait_until_ready(process, args.http_port):
