@@ -158,3 +158,28 @@ def test_compiled_grammars_are_cached_and_nothing_stays_behind(executor, tokeniz
     assert len(executor.grammars.compile_seconds) == before + 1  # four at once share one compilation
     assert not executor._compiling and not executor._active
     assert executor.blocks.num_free_blocks == executor.blocks.num_blocks
+
+
+def test_a_slow_grammar_delays_only_its_own_request(executor, tokenizer, monkeypatch):
+    import threading
+
+    import engine.executor.guided as guided
+
+    release, compile_guide = threading.Event(), guided._compile_guide
+
+    def slow(compiler, guide_type, guide):
+        if guide == "(slow)+":
+            assert release.wait(30)
+        return compile_guide(compiler, guide_type, guide)
+
+    monkeypatch.setattr(guided, "_compile_guide", slow)
+    slow_id, plain_id, fast_id = executor.enqueue_requests([
+        request(tokenizer, "regex", "(slow)+", max_tokens=8),
+        Request(prompt(tokenizer, "Hi"), max_tokens=8, end_id=tokenizer.eos_token_id),
+        request(tokenizer, "regex", "[xyz]{5}")])
+    done = collect(executor, [plain_id, fast_id], timeout=60)  # while the slow grammar still compiles
+    assert re.fullmatch("[xyz]{5}", text(tokenizer, done[fast_id]))
+    assert slow_id in executor._compiling
+    release.set()
+    [slow_done] = collect(executor, [slow_id], timeout=60).values()
+    assert re.fullmatch("(slow)+", text(tokenizer, slow_done))
