@@ -381,3 +381,27 @@ def test_the_parser_flag_overrides_the_template(engine_dir):
     reply, prompt = serve(engine_dir, body, parser="mistral")
     assert reply.choices[0].message.tool_calls[0].function.name == "get_time"
     assert "[TOOL_CALLS]" in prompt  # the system message teaches the parser's format
+
+
+TOOLS_TEMPLATE = ("{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}\n{% endif %}"
+                  "{% for m in messages %}{% if m.tool_calls %}CALLS:{% for c in m.tool_calls %}{{ c.function.name }}"
+                  "({{ c.function.arguments | tojson }}){% endfor %}{% elif m.role == 'tool' %}RESULT:{{ m.content }}"
+                  "{% else %}<{{ m.role }}>{{ m.content }}{% endif %}\n{% endfor %}<assistant>")
+
+
+def test_a_template_that_knows_tools_gets_them_and_the_calls_as_objects(tmp_path, byte_level_tokenizer):
+    from openai_frontend.chat_template import PromptBuilder
+    from openai_frontend.tool_parsers import get_parser
+
+    byte_level_tokenizer.chat_template = TOOLS_TEMPLATE
+    byte_level_tokenizer.save_pretrained(str(tmp_path))
+    builder = PromptBuilder(str(tmp_path))
+    assert builder.template_renders_tools and builder.template_renders_calls
+    parsed = parse_chat_request({"model": MODEL, "tools": [WEATHER_TOOL], "messages": USER + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "22 C"}]})
+    prompt = builder.render_chat(parsed.messages, parsed.tools.shown, get_parser("hermes"))
+    # (transformers renders with trim_blocks: no newline after a block tag)
+    assert prompt == ('TOOLS:get_weather;<user>What is the weather in Paris?CALLS:get_weather({"city": "Paris"})'
+                      "RESULT:22 C<assistant>")
