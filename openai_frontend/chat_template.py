@@ -61,6 +61,8 @@ class PromptBuilder:
         else:
             messages = [for_template(m) for m in messages]
         if tools and not self.template_renders_tools and tool_format is not None:
+            # The template ignores tools (SmolLM2's ChatML does): describe them in the system
+            # message, Hermes-style, with the parser's call format, so the model sees them.
             messages = with_tools_system_prompt(messages, tools, tool_format.instructions)
             tools = None
         try:

@@ -13,6 +13,10 @@ Streaming is incremental in every mode: a call's first delta (``index``, ``id``,
 function, before the first argument text), then ``function.arguments`` pieces as the JSON grows,
 the envelope (``[``, ``{"name": ..., "parameters":``, ``}``, ``]``) stripped as it is read. The
 unary answer is the same parser fed the whole text, so the streamed pieces concatenate to it.
+
+Markers that are special tokens (Mistral's ``[TOOL_CALLS]``, Llama's ``<|python_tag|>``) reach the
+parser on the direct path only (``keep_markers_decoder``); through ``tensorrt_llm_bls`` the text
+comes from postprocessing, which drops special tokens (Llama 3's bare JSON calls still parse).
 """
 from __future__ import annotations
 
