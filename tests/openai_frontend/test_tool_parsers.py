@@ -182,3 +182,26 @@ def test_special_token_markers_survive_decoding(byte_level_tokenizer):
     decode = keep_markers_decoder(tokenizer, ("[TOOL_CALLS]",))
     assert decode(ids) == "[TOOL_CALLS]Paris"  # the end token still dropped
     assert keep_markers_decoder(tokenizer, ("<tool_call>",)) is None  # not a special token: plain decoding
+
+
+FRAGMENTS = ["<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "{", "}", "[", "]", '"', "\\", ":", ",",
+             ";", " ", "\n", '"name"', '"arguments"', '"parameters"', '"f"', "1", "null", "text", "<tool", "[TOOL"]
+
+
+@pytest.mark.parametrize("name", sorted(PARSERS) + ["array"])
+def test_any_text_streams_as_its_unary_parse(name):
+    """Fuzz: text made of the formats' pieces, cut anywhere, never fails and streams as it parses."""
+    from hypothesis import given, settings, strategies as st
+
+    make = ArrayParser if name == "array" else get_parser(name)
+
+    @settings(max_examples=150, deadline=None, derandomize=True)
+    @given(st.lists(st.sampled_from(FRAGMENTS), max_size=24), st.lists(st.integers(0, 200), max_size=6))
+    def check(fragments, cut_points):
+        text = "".join(fragments)
+        cuts = sorted({c for c in cut_points if 0 < c < len(text)})
+        unary = make().parse(text)
+        assert without_ids(joined(streamed(make(), text, cuts))) == without_ids(unary)
+        if not unary.tool_calls:  # no call: the text is the content, exactly
+            assert unary.content == text
+    check()
