@@ -3,8 +3,12 @@
 xgrammar (one BatchGrammarMatcher call against a loop of GrammarMatcher.fill_next_token_bitmask).
 
     .venv/bin/python benchmarks/grammar_mask_bench.py                 # both parts (device part on CUDA only)
-    .venv/bin/python benchmarks/grammar_mask_bench.py --skip-host --blocks 512,1024,2048,4096
+    .venv/bin/python benchmarks/grammar_mask_bench.py --skip-host --dtype bfloat16
+    .venv/bin/python benchmarks/grammar_mask_bench.py --skip-host --blocks 1024,2048,4096   # BLOCK sweep
     .venv/bin/python benchmarks/grammar_mask_bench.py --skip-device --tokenizer /models/Meta-Llama-3-8B-Instruct
+
+xgrammar's 'cuda' backend JIT-compiles a torch extension with nvcc on first use (skipped, with a
+message, where that fails); ``--xgrammar-backends triton`` leaves it out.
 
 Device part (CUDA): logits (B, V) with V = 128,256 (Llama 3), B = 1, 8, 64, 256, every row
 constrained ("all") or every other row ("half": ours gets a compact mask of the constrained rows
