@@ -208,9 +208,12 @@ def step_periods(executor, since_ns: int, batch: int) -> dict:
     history = [h for h in executor.get_iteration_stats_history() if h.timestamp_ns >= since_ns]
     decode = [h.iter_latency_ms for h in history if h.num_context_requests == 0 and h.num_gen_requests >= 0.9 * batch]
     prompt = [h.iter_latency_ms for h in history if h.num_context_requests > 0]
+    every = [h.iter_latency_ms for h in history]
+    slowest = sorted(history, key=lambda h: -h.iter_latency_ms)[:8]
     return {"decode_step_ms_p50": statistics.median(decode) if decode else None, "decode_steps": len(decode),
             "prompt_step_ms_p50": statistics.median(prompt) if prompt else None, "prompt_steps": len(prompt),
-            "steps": len(history)}
+            "steps": len(history), "step_ms_sum": sum(every), "step_ms_p99": percentile(every, 99) if every else None,
+            "slowest_steps": [(round(h.iter_latency_ms, 1), h.num_context_requests, h.num_gen_requests) for h in slowest]}
 
 
 def bench_streams(executor, vocab: int, end_id: int, args) -> dict:
@@ -219,10 +222,15 @@ def bench_streams(executor, vocab: int, end_id: int, args) -> dict:
     guided_requests = make_requests(args.requests, vocab, args.prompt_len, args.max_tokens, end_id, True)
     since = time.time_ns()
     profiler = profile_executor_loop(executor) if args.profile else None
+    masks = executor.token_masks
+    masks.recent_fills.clear()
     guided = run_closed_loop(executor, guided_requests, args.streams)
     if profiler is not None:
         print(profiler(), flush=True)
     guided.update(step_periods(executor, since, args.streams))
+    fills = sorted(seconds * 1e3 for _, seconds in masks.recent_fills)
+    if fills:
+        guided.update(fill_ms_p50=statistics.median(fills), fill_ms_p99=percentile(fills, 99), fill_ms_max=fills[-1])
     plain_requests = make_requests(args.requests, vocab, args.prompt_len, args.max_tokens, end_id, True,
                                    lengths=[max(1, n) for n in guided["lengths"]])
     since = time.time_ns()

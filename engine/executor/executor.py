@@ -212,6 +212,7 @@ class Executor:
         self.token_masks: TokenMasks | None = None
         self._compiling: dict[int, RequestState] = {}  # guided requests waiting for their grammar
         self._compiled: list[RequestState] = []  # ... whose grammar is ready (guarded by _cv)
+        self._emit_after_launch = False  # a guided step's news waits for the next launch (_step)
         if self.config.guided_decoding_backend is None:
             return
         self.grammars = GrammarCache(self.config.tokenizer_dir or engine_dir, self.runner.vocab_size,
@@ -350,13 +351,16 @@ class Executor:
             self._finish_in_flight()
         plan = self.scheduler.schedule()
         launched = None if plan.is_empty else self._launch(plan, started)
+        if self._emit_after_launch:
+            self._emit()  # step N-2's news (guided sampling deferred it until step N was launched)
         finished = self._finish_in_flight(launched)  # step N-1, while the device runs step N
         if launched is not None and launched.pending_sample is not None:  # (nothing was in flight)
             self._sample_guided(launched)
         self._in_flight = None if launched is None or launched.failed else launched
         if launched is not None and self._must_sync():
             finished = self._finish_in_flight()
-        self._emit()  # cancellations and errors of this iteration
+        if not self._emit_after_launch or self._in_flight is None:
+            self._emit()  # cancellations and errors of this iteration
         if plan.is_empty and not finished and not new and not cancels:
             time.sleep(0.001)  # nothing runnable right now; do not spin
 
@@ -590,8 +594,12 @@ class Executor:
         if beam_rows:
             self._beam_step(beam_rows, now)
         if launched is not None and launched.pending_sample is not None:
-            self._sample_guided(launched)  # the matchers know step N-1's tokens now; emitting can wait
-        self._emit()
+            # The matchers know step N-1's tokens now. Its responses wait until step N+1's forward
+            # is launched: until then the device has only step N queued (engine/executor/guided.py).
+            self._sample_guided(launched)
+            self._emit_after_launch = True
+        else:
+            self._emit()
         # The step's period: from when it began, or, overlapped, from when the step before it
         # finished (steps in flight overlap; their latencies must add up to the wall time).
         finished_at = time.perf_counter()
@@ -735,6 +743,7 @@ class Executor:
 
     # ----- emit -----
     def _emit(self) -> None:
+        self._emit_after_launch = False
         responses = []
         for state in self._touched.values():
             responses += responses_for(state, self.config.stream_interval)

@@ -19,14 +19,18 @@ have accepted the previous step's token, which the host learns only after launch
 step. The executor therefore splits a step with constrained rows in two: it launches the forward
 (the GPU's long part), then waits for the previous step's tokens, lets the matchers accept them,
 fills this step's mask and launches the sampling. Mask building overlaps the forward instead of
-stalling the GPU, and unconstrained requests keep the overlapped loop unchanged. The GPU idles only
-when finishing the previous step plus filling the masks takes longer than the forward.
+stalling the GPU, and unconstrained requests keep the overlapped loop unchanged. The previous
+step's responses go out after the next step's forward is launched, so that what stands between
+the previous step's tokens and the next forward's launch is only: accepting the tokens, filling
+the masks, sampling, scheduling and packing. The GPU idles only when that takes longer than a
+forward (H100, 8B model, 64 streams: ~5 of ~7 ms; benchmarks/RESULTS.md, guided decoding).
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -35,10 +39,18 @@ import torch
 from engine.executor.request import GuidedDecodingParams, Sequence
 
 BITS_PER_WORD = 32  # xgrammar's bitmask: int32 words, bit j of word w allows token 32 * w + j
-# From this many constrained rows a step fills its masks on xgrammar's thread pool; below, one
-# matcher after another is faster (H100 host, 16 cores, a JSON schema: 64 rows 0.27 ms in a loop
-# against 0.37 ms on the pool; 256 rows 1.28 against 0.78; benchmarks/grammar_mask_bench.py).
-BATCH_FILL_MIN_ROWS = 128
+# From this many constrained rows a step fills its masks on xgrammar's thread pool (~0.25 ms of
+# fixed cost on a 16-core H100 host); below, one matcher after another. A row's fill costs from
+# a few us (a valid document's states) to ~100 us (a random-weight model's states, inside long
+# strings) on that host, so the pool decides a step's time at any batch worth the name: at 64
+# streams the loop took 7 ms per step and doubled it (benchmarks/RESULTS.md, guided decoding).
+BATCH_FILL_MIN_ROWS = 4
+# The pool's threads. Few: the fill runs beside the executor's own thread, the response path and
+# (in leader mode) the other ranks' processes. H100 host (16 cores), 8B model, 64 constrained
+# streams: 4 threads kept 0.99x the unconstrained throughput, while xgrammar's default (half the
+# cores, 8) and 14 stalled the loop behind the pool (steps of 100-800 ms; 0.83x). Override with
+# TRITONLLM_GRAMMAR_FILL_THREADS.
+FILL_THREADS = int(os.environ.get("TRITONLLM_GRAMMAR_FILL_THREADS", "0")) or max(1, min(4, (os.cpu_count() or 2) // 2))
 
 
 class GuideError(ValueError):
@@ -167,9 +179,10 @@ class TokenMasks:
         self._host = [torch.empty((max_rows, self.words), dtype=torch.int32, pin_memory=pin) for _ in range(2)]
         self._rows = [torch.empty(max_rows, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._parity = 0
-        self._batch = xgr.BatchGrammarMatcher()  # fills many matchers' rows on a thread pool
+        self._batch = xgr.BatchGrammarMatcher(max_threads=FILL_THREADS)
         self.fill_seconds = 0.0  # host time spent filling masks (benchmarks read it)
         self.rows_filled = 0
+        self.recent_fills: deque[tuple[int, float]] = deque(maxlen=4096)  # (rows, seconds) per step
 
     def fill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         matchers, rows = [], []
@@ -198,8 +211,10 @@ class TokenMasks:
         for k, row in enumerate(rows):
             if seqs[row].state.request.sampling.min_tokens:
                 self._hold_back_end(seqs[row], host[k])
-        self.fill_seconds += time.perf_counter() - started
+        elapsed = time.perf_counter() - started
+        self.fill_seconds += elapsed
         self.rows_filled += len(matchers)
+        self.recent_fills.append((len(matchers), elapsed))
         copy = (lambda t: t.clone()) if self.device.type != "cuda" else (
             lambda t: t.to(self.device, non_blocking=True))
         return copy(host), None if row_index is None else copy(row_index)
