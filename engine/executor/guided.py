@@ -28,10 +28,11 @@ forward (H100, 8B model, 64 streams: ~5 of ~7 ms; benchmarks/RESULTS.md, guided 
 from __future__ import annotations
 
 import os
+import queue
 import threading
 import time
 from collections import OrderedDict, deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -66,6 +67,36 @@ def _load_vocabulary(tokenizer_dir: str, vocab_size: int):
     return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
 
 
+class _DaemonPool:
+    """A few daemon worker threads. Unlike ThreadPoolExecutor's workers, which the interpreter joins
+    at exit, these never hold up the engine process's exit behind a tokenizer load or a long
+    compilation."""
+
+    def __init__(self, threads: int, name: str):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        for index in range(threads):
+            threading.Thread(target=self._work, name=f"{name}-{index}", daemon=True).start()
+        self._threads = threads
+
+    def submit(self, fn, *args) -> Future:
+        future: Future = Future()
+        self._jobs.put((future, fn, args))
+        return future
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, fn, args = job
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as err:  # the future carries it to the waiting request
+                    future.set_exception(err)
+
+    def shutdown(self) -> None:
+        for _ in range(self._threads):
+            self._jobs.put(None)
+
+
 class GrammarCache:
     """Compiles guides off the executor loop; an LRU of compiled grammars keyed by (type, text)."""
 
@@ -75,7 +106,7 @@ class GrammarCache:
         self._lock = threading.Lock()
         self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._pending: dict[tuple[str, str], Future] = {}
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grammar-compile")
+        self._pool = _DaemonPool(threads, "grammar-compile")
         # Starts loading at once; every compilation queues behind it on the pool.
         self._compiler: Future = self._pool.submit(self._make_compiler, tokenizer_dir, vocab_size)
         self.compile_seconds: list[float] = []  # cold compilations, in order (benchmarks read them)
@@ -87,10 +118,6 @@ class GrammarCache:
         info = _load_vocabulary(tokenizer_dir, vocab_size)
         # Our own LRU decides what stays; xgrammar's cache would hold everything ever compiled.
         return xgr.GrammarCompiler(info, max_threads=4, cache_enabled=False)
-
-    @property
-    def stop_token_ids(self) -> list[int]:
-        return list(self._compiler.result().tokenizer_info.stop_token_ids)
 
     def compile(self, guide: GuidedDecodingParams) -> Future:
         """A future of the guide's CompiledGrammar (done at once when cached); it fails with GuideError."""
@@ -112,12 +139,14 @@ class GrammarCache:
         started = time.perf_counter()
         try:
             compiled = _compile_guide(self._compiler.result(), *key)
-        finally:
+        except BaseException:
             with self._lock:
-                self._pending.pop(key, None)
+                self._pending.pop(key, None)  # not cached: the next request with it tries again
+            raise
         self.compile_seconds.append(time.perf_counter() - started)
-        with self._lock:
+        with self._lock:  # cached before it stops being pending: no second compilation in between
             self._compiled[key] = compiled
+            self._pending.pop(key, None)
             while len(self._compiled) > self.capacity:
                 self._compiled.popitem(last=False)
         return compiled
@@ -126,7 +155,7 @@ class GrammarCache:
         return len(self._compiled)
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown()
 
 
 def _compile_guide(compiler, guide_type: str, guide: str):
@@ -134,8 +163,11 @@ def _compile_guide(compiler, guide_type: str, guide: str):
     try:
         # Compact separators throughout: a free-whitespace grammar lets small models pad with
         # newlines until max_tokens.
-        if guide_type == "json":  # any JSON value (the guide, if any, is not read: the reference's rule)
-            return compiler.compile_json_schema("{}", any_whitespace=False, strict_mode=False)
+        if guide_type == "json":  # the guide, if any, is not read (the reference's rule)
+            # An object or an array at the top, as xgrammar's built-in JSON grammar (which TRT-LLM
+            # compiles for this type) has it; a bare number or string could run on to max_tokens.
+            return compiler.compile_json_schema('{"type": ["object", "array"]}', any_whitespace=False,
+                                                strict_mode=False)
         if guide_type == "json_schema":  # strict_mode: nothing beyond the schema's properties (OpenAI's strict)
             return compiler.compile_json_schema(guide, any_whitespace=False, strict_mode=True)
         if guide_type == "regex":
