@@ -61,6 +61,9 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--openai_entry_model", type=str, default=None,
                         help="the model the OpenAI frontend sends requests to: the tensorrt_llm model itself "
                              "(default; the frontend tokenizes and decodes) or tensorrt_llm_bls")
+    parser.add_argument("--openai_tool_call_parser", type=str, default=None,
+                        help="tool-call format of the model's output for the OpenAI frontend (hermes, llama3_json, "
+                             "mistral); default: chosen from the chat template")
     parser.add_argument("--openai_workers", type=int, default=1,
                         help="OpenAI frontend processes sharing --openai_port (one is saturated at about 7,000 "
                              "streamed tokens a second)")
@@ -409,6 +412,8 @@ def openai_frontend_command(args: argparse.Namespace) -> list[str]:
         cmd.append(f"--triton_model={args.openai_entry_model}")
     if args.openai_workers > 1:
         cmd.append(f"--workers={args.openai_workers}")
+    if args.openai_tool_call_parser:
+        cmd.append(f"--tool_call_parser={args.openai_tool_call_parser}")
     return cmd
 
 

@@ -115,6 +115,9 @@ def test_openai_frontend_is_bound_to_host_and_talks_to_the_grpc_port():
     # Bound to every interface (no --host), it reaches Triton over loopback.
     cmd = launcher.openai_frontend_command(args_for("--openai_port=9100"))
     assert "--host=0.0.0.0" in cmd and "--grpc_url=127.0.0.1:8001" in cmd
+    assert not any(part.startswith("--tool_call_parser") for part in cmd)  # the template decides
+    cmd = launcher.openai_frontend_command(args_for("--openai_port=9100", "--openai_tool_call_parser=mistral"))
+    assert "--tool_call_parser=mistral" in cmd
 
 
 def test_busy_openai_port_is_a_clear_error(tmp_path):
