@@ -353,7 +353,11 @@ class Executor:
         launched = None if plan.is_empty else self._launch(plan, started)
         if self._emit_after_launch:
             self._emit()  # step N-2's news (guided sampling deferred it until step N was launched)
-        finished = self._finish_in_flight(launched)  # step N-1, while the device runs step N
+        try:
+            finished = self._finish_in_flight(launched)  # step N-1, while the device runs step N
+        except BaseException:
+            self._abandon_sample(launched)
+            raise
         if launched is not None and launched.pending_sample is not None:  # (nothing was in flight)
             self._sample_guided(launched)
         self._in_flight = None if launched is None or launched.failed else launched
@@ -472,13 +476,24 @@ class Executor:
         logits, sampling, batch = step.pending_sample
         step.pending_sample = None
         try:
-            masks = self.token_masks.fill([seq for seq, _ in sampling])
-            step.transfer = self._sample(logits, sampling, batch, masks)
+            step.transfer = self._sample(logits, sampling, batch, guided=True)
         except Exception as err:
             step.failed = True
             self._fail_step(step.plan, err, "sampling failed")
             return
         self._add_placeholders(step, sampling, batch)
+
+    def _abandon_sample(self, step: InFlightStep | None) -> None:
+        """A launched step will never be sampled (the loop is failing everything): leader mode's
+        workers still wait for its tokens after the forward; they get zeros, as when sampling fails."""
+        if step is None or step.pending_sample is None:
+            return
+        logits, sampling, batch = step.pending_sample
+        step.pending_sample = None
+        try:
+            self.runner.store_sampled_tokens(torch.zeros(len(sampling), dtype=torch.int64, device=logits.device), batch)
+        except Exception:
+            traceback.print_exc()
 
     def _add_placeholders(self, step: InFlightStep, sampling: list[tuple[Sequence, int]], batch: ForwardBatch) -> None:
         """Each sampled row's token stays on the device; its sequence gets a placeholder for it."""
@@ -542,12 +557,13 @@ class Executor:
         return wanted
 
     def _sample(self, logits: torch.Tensor, sampling: list[tuple[Sequence, int]], batch: ForwardBatch,
-                token_masks: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> TokenTransfer:
+                guided: bool = False) -> TokenTransfer:
         """Sample every row in ``sampling`` on the device, leave the tokens in the runner's ring for
         the next step (which may be launched before the host sees them) and start their copy home.
-        ``token_masks``: (bitmask, rows) of the constrained rows (TokenMasks.fill)."""
+        ``guided``: the constrained rows' grammars mask their logits first (TokenMasks.fill)."""
         seqs = [seq for seq, _ in sampling]
         try:
+            token_masks = self.token_masks.fill(seqs) if guided else None
             want_log_probs = any(s.state.request.output.return_log_probs for s in seqs)  # (top implies it)
             md = build_sampling_metadata(seqs, self.runner.vocab_size, logits.device, want_log_probs)
             md.normalize_log_probs = self.config.normalize_log_probs
