@@ -9,7 +9,7 @@ import pytest
 from openai_frontend.tool_calls import FirstCallOnly, NamedCallParser, finish_reason, keep_markers_decoder
 from openai_frontend.tool_parsers import (PARSERS, ArrayParser, MessageDelta, coalesce, get_parser, merge_calls,
                                           parser_for_template)
-from openai_frontend.tool_parsers.base import CallScanner
+from openai_frontend.tool_parsers.json_scanner import CallScanner
 
 WEATHER = {"city": "Paris", "unit": "celsius", "days": [1, 2], "note": "a \"quoted\" }] brace\\"}
 
