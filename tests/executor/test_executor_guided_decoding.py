@@ -183,3 +183,15 @@ def test_a_slow_grammar_delays_only_its_own_request(executor, tokenizer, monkeyp
     release.set()
     [slow_done] = collect(executor, [slow_id], timeout=60).values()
     assert re.fullmatch("(slow)+", text(tokenizer, slow_done))
+
+
+def test_structural_tag_constrains_the_tagged_segment(executor, tokenizer):
+    schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}
+    tag = {"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": ["<tool_call>"], "at_least_one": True, "stop_after_first": True,
+        "tags": [{"begin": "<tool_call>", "content": {"type": "json_schema", "json_schema": schema},
+                  "end": "</tool_call>"}]}}
+    [responses] = run(executor, [request(tokenizer, "structural_tag", json.dumps(tag),
+                                         question="Call the weather tool for a city.")])
+    match = re.fullmatch(r"(?s).*<tool_call>(.*)</tool_call>", text(tokenizer, responses))
+    assert match and json.loads(match.group(1))["city"] in ("Paris", "Rome")
