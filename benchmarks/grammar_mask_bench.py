@@ -43,6 +43,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch  # noqa: E402
 
+from kernels.linear import replay_time_ms  # noqa: E402
+
 LLAMA3_VOCAB = 128256
 
 
@@ -81,14 +83,7 @@ def graph_us(fn, calls: int = 50, replays: int = 20) -> float:
     with torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (replays * calls)
+    return replay_time_ms(graph, replays) * 1e3 / calls
 
 
 def eager_us(fn, iters: int = 200) -> float:

@@ -255,6 +255,23 @@ class ToolParser:
         self._buffer = stripped
         return bool(stripped)
 
+    def _first_char(self, final: bool) -> str | None:
+        """The first character after an opening and its whitespace; None while only whitespace has
+        come (at the end of the text, the opening then goes back to content)."""
+        if self._skip_whitespace():
+            return self._buffer[0]
+        if final:
+            self._back_to_content(self._opening)
+        return None
+
+    def _call_or_content(self, final: bool) -> None:
+        """After an opening: a call object starts here, or the opening was content after all."""
+        first = self._first_char(final)
+        if first == "{":
+            self._start_call()
+        elif first is not None:
+            self._back_to_content(self._opening)
+
     def _back_to_content(self, text: str = "") -> None:
         """Calls are over; ``text`` (what looked like a call but is not) is content."""
         self._emit_content(text)

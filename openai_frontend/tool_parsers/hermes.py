@@ -30,14 +30,7 @@ class HermesParser(ToolParser):
         return f'{START}\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": {arguments}}}\n{END}'
 
     def _section(self, final: bool) -> None:
-        if not self._skip_whitespace():
-            if final:
-                self._back_to_content(self._opening)
-            return
-        if self._buffer[0] == "{":
-            self._start_call()
-        else:
-            self._back_to_content(self._opening)
+        self._call_or_content(final)
 
     def _after_call(self, final: bool) -> None:
         """Whitespace, then the closing tag (a missing one is forgiven)."""

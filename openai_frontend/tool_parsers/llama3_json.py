@@ -31,14 +31,7 @@ class Llama3JsonParser(ToolParser):
 
     def _start(self, final: bool) -> None:
         """The answer's first characters: a bare call object, or content."""
-        if not self._skip_whitespace():
-            if final:
-                self._back_to_content(self._opening)
-            return
-        if self._buffer[0] == "{":
-            self._start_call()
-        else:
-            self._back_to_content(self._opening)
+        self._call_or_content(final)
 
     _section = _start  # after <|python_tag|>
 

@@ -34,11 +34,9 @@ class MistralParser(ToolParser):
         return f'{MARKER}[{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": {arguments}}}]'
 
     def _section(self, final: bool) -> None:
-        if not self._skip_whitespace():
-            if final:
-                self._back_to_content(self._opening)
+        first = self._first_char(final)
+        if first is None:
             return
-        first = self._buffer[0]
         if first == "[":
             self._opening += first
             self._buffer = self._buffer[1:]
