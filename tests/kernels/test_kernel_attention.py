@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kernels.attention_metadata import AttentionMetadata
-from kernels.attention import paged_attention_ref, write_kv_cache_ref
+from kernels.attention import KV_FP8_DTYPE, decode_attention_ref, paged_attention, paged_attention_ref, write_kv_cache_ref
 from kernel_testing import TOLERANCE, low_precision_dtypes, relative_error
 
 # (num_heads, num_kv_heads, head_dim): Llama-3-8B, SmolLM2-135M, plain MHA with an odd head_dim.
@@ -57,6 +57,27 @@ def make_batch(cached_and_new: list[tuple[int, int]], num_kv_heads: int, head_di
         context_lens_host=ctx,
     )
     return k, v, k_cache, v_cache, meta
+
+
+@pytest.mark.parametrize("heads", HEAD_SHAPES)
+@pytest.mark.parametrize("softcap", [None, 30.0])
+@pytest.mark.parametrize("fp8_pool", [False, True])
+def test_batched_decode_reference_equals_the_per_sequence_reference(heads, softcap, fp8_pool):
+    """The CPU decode path (one pass over the batch) against the per-sequence reference: contexts
+    of 1 token, one page exactly, one past it and long ones, side by side."""
+    num_heads, num_kv_heads, head_dim = heads
+    cases = [(0, 1), (15, 1), (16, 1), (40, 1), (3, 1), (127, 1)]
+    k, v, k_cache, v_cache, meta = make_batch(cases, num_kv_heads, head_dim, 16, torch.float32, "cpu")
+    write_kv_cache_ref(k, v, k_cache, v_cache, meta.slot_mapping)
+    if fp8_pool:
+        k_cache, v_cache = k_cache.to(KV_FP8_DTYPE), v_cache.to(KV_FP8_DTYPE)
+    q = torch.randn(len(cases), num_heads, head_dim, generator=torch.Generator().manual_seed(1))
+    expected = paged_attention_ref(q, k_cache, v_cache, meta, head_dim ** -0.5, logit_softcap=softcap)
+    got = decode_attention_ref(q, k_cache, v_cache, meta, head_dim ** -0.5, logit_softcap=softcap)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    # ... and it is what the CPU dispatch takes for such a batch (a window keeps the loop)
+    torch.testing.assert_close(paged_attention(q, k_cache, v_cache, meta, head_dim ** -0.5, logit_softcap=softcap),
+                               got, rtol=0, atol=0)
 
 
 def test_reference_matches_dense_causal_attention():
