@@ -342,7 +342,9 @@ class Executor:
         host waits for step N-1's tokens, so appending them, stop checks, responses and the
         next schedule all run while the GPU computes. While a request that needs its tokens on
         the host is active (``needs_tokens_on_host``), or with ``disable_overlap_scheduler``,
-        each step is finished before the next is scheduled.
+        each step is finished before the next is scheduled. A step with guided rows samples
+        only once step N-1's tokens have reached their grammars, and step N-1's responses then
+        wait until step N+1 is launched (engine/executor/guided.py).
         """
         started = time.perf_counter()
         self._admit(new)
