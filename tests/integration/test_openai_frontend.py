@@ -1,12 +1,11 @@
 """The OpenAI-compatible frontend in front of a real tritonserver (SmolLM2), through the official
 `openai` client, sync and async: answers, streams, n, usage, stop strings, errors, hang-ups.
 
-One frontend process for the module, in front of the session's tritonserver.
+One frontend process for the session (conftest.py's ``frontend``), in front of the session's
+tritonserver.
 """
 import asyncio
 import subprocess
-import sys
-from contextlib import contextmanager
 
 import openai
 import pytest
@@ -14,7 +13,7 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from test_metrics import kv_and_requests, scrape
-from triton_helpers import ROOT, free_port, wait_for
+from triton_helpers import free_port, running_frontend, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -23,39 +22,6 @@ CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = {"temperature": 0, "max_tokens": 24}
 # min_tokens keeps the end-of-sequence token away: only a hang-up can end this in time.
 ENDLESS = {"max_tokens": 1500, "extra_body": {"min_tokens": 1500}}
-
-
-@contextmanager
-def running_frontend(grpc_url, engine_dir, work, *extra_args):
-    """`python -m openai_frontend` on a free port; yields its base URL once it answers."""
-    port = free_port()
-    log_path = work / f"frontend_{port}.log"
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "openai_frontend", f"--grpc_url={grpc_url}", f"--tokenizer_dir={engine_dir}",
-             f"--served_model_name={MODEL}", "--host=127.0.0.1", f"--port={port}", *extra_args],
-            cwd=ROOT, stdout=log, stderr=log)
-    url = f"http://127.0.0.1:{port}"
-
-    def up():
-        try:
-            return requests.get(f"{url}/v1/models", timeout=2).status_code == 200
-        except requests.ConnectionError:
-            return process.poll() is not None
-
-    try:
-        assert wait_for(up, timeout=120) and process.poll() is None, log_path.read_text()
-        yield url
-    finally:
-        process.terminate()
-        process.wait(timeout=10)
-
-
-@pytest.fixture(scope="module")
-def frontend(triton_server, smollm2_engine_dir, tmp_path_factory):
-    with running_frontend(triton_server.grpc_url, smollm2_engine_dir, tmp_path_factory.mktemp("openai")) as url:
-        assert wait_for(lambda: requests.get(f"{url}/health", timeout=2).status_code == 200, timeout=30)
-        yield url
 
 
 @pytest.fixture

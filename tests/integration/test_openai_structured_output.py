@@ -6,7 +6,7 @@ streamed calls concatenate to the unary ones), sampling that still conforms, and
 tools that get a 400 naming the field while the server keeps serving.
 
 Every schema is finite (short strings, enums, bounded integers), so no answer runs into
-max_tokens. One frontend process for the module (as test_openai_frontend.py starts its own).
+max_tokens. The OpenAI frontend is the session's (conftest.py), shared with test_openai_frontend.py.
 """
 import json
 import re
@@ -14,10 +14,7 @@ import re
 import jsonschema
 import openai
 import pytest
-import requests
 
-from test_openai_frontend import running_frontend
-from triton_helpers import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -42,13 +39,6 @@ TOOLS = [WEATHER, TIME]
 ASK_WEATHER = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 ASK_CITY = [{"role": "user", "content": "Give facts about Paris as JSON."}]
 LIMIT = {"max_tokens": 96}
-
-
-@pytest.fixture(scope="module")
-def frontend(triton_server, smollm2_engine_dir, tmp_path_factory):
-    with running_frontend(triton_server.grpc_url, smollm2_engine_dir, tmp_path_factory.mktemp("openai_so")) as url:
-        assert wait_for(lambda: requests.get(f"{url}/health", timeout=2).status_code == 200, timeout=30)
-        yield url
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import subprocess
 import sys
 import time
 from contextlib import contextmanager
@@ -98,3 +99,29 @@ def wait_for(predicate, timeout: float = 20.0, interval: float = 0.2):
         time.sleep(interval)
         value = predicate()
     return value
+
+
+@contextmanager
+def running_frontend(grpc_url, engine_dir, work, *extra_args, model: str = "smollm2"):
+    """`python -m openai_frontend` on a free port, serving ``model``; yields its base URL once it answers."""
+    port = free_port()
+    log_path = work / f"frontend_{port}.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "openai_frontend", f"--grpc_url={grpc_url}", f"--tokenizer_dir={engine_dir}",
+             f"--served_model_name={model}", "--host=127.0.0.1", f"--port={port}", *extra_args],
+            cwd=ROOT, stdout=log, stderr=log)
+    url = f"http://127.0.0.1:{port}"
+
+    def up():
+        try:
+            return requests.get(f"{url}/v1/models", timeout=2).status_code == 200
+        except requests.ConnectionError:
+            return process.poll() is not None
+
+    try:
+        assert wait_for(up, timeout=120) and process.poll() is None, log_path.read_text()
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
