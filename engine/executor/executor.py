@@ -493,9 +493,14 @@ class Executor:
         logits, sampling, batch = step.pending_sample
         step.pending_sample = None
         try:
-            self.runner.store_sampled_tokens(torch.zeros(len(sampling), dtype=torch.int64, device=logits.device), batch)
+            self._store_no_tokens(len(sampling), logits.device, batch)
         except Exception:
             traceback.print_exc()
+
+    def _store_no_tokens(self, count: int, device: torch.device, batch: ForwardBatch) -> None:
+        """Leader mode: the workers wait for a sampled step's tokens; when sampling fails or never
+        happens they get zeros (the step's requests fail; its tokens are never read)."""
+        self.runner.store_sampled_tokens(torch.zeros(count, dtype=torch.int64, device=device), batch)
 
     def _add_placeholders(self, step: InFlightStep, sampling: list[tuple[Sequence, int]], batch: ForwardBatch) -> None:
         """Each sampled row's token stays on the device; its sequence gets a placeholder for it."""
@@ -575,8 +580,7 @@ class Executor:
             all_rows = sample_rows == list(range(len(logits)))  # plain decode: no gather needed
             out = sample(logits if all_rows else logits[sample_rows], md)
         except Exception:
-            # Leader mode: the workers wait for this step's tokens; give them some, then fail the step.
-            self.runner.store_sampled_tokens(torch.zeros(len(seqs), dtype=torch.int64, device=logits.device), batch)
+            self._store_no_tokens(len(seqs), logits.device, batch)  # then the step fails
             raise
         self.runner.store_sampled_tokens(out.token_ids, batch)
         return TokenTransfer(out.token_ids, out.log_probs, self._pinned[self._parity],

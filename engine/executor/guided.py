@@ -102,7 +102,6 @@ class GrammarCache:
 
     def __init__(self, tokenizer_dir: str, vocab_size: int, capacity: int = 512, threads: int = 2):
         self.capacity = capacity
-        self.vocab_size = vocab_size
         self._lock = threading.Lock()
         self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._pending: dict[tuple[str, str], Future] = {}
@@ -150,9 +149,6 @@ class GrammarCache:
             while len(self._compiled) > self.capacity:
                 self._compiled.popitem(last=False)
         return compiled
-
-    def __len__(self) -> int:
-        return len(self._compiled)
 
     def shutdown(self) -> None:
         self._pool.shutdown()
@@ -264,8 +260,3 @@ class TokenMasks:
         mask_row[word] = before & ~(1 << bit) if bit < 31 else before & 0x7FFFFFFF
         if not bool(mask_row.any()):
             mask_row[word] = before
-
-
-def accept_token(seq: Sequence, token: int) -> bool:
-    """The sequence's matcher takes ``token``; False when the grammar refuses it."""
-    return seq.grammar.accept_token(token)
