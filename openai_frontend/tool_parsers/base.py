@@ -264,6 +264,15 @@ class ToolParser:
             self._back_to_content(self._opening)
         return None
 
+    def _rest_after_call(self, final: bool) -> str | None:
+        """What follows a call's object, whitespace dropped; None while nothing more has come (at
+        the end of the text, the calls are then over)."""
+        rest = self._buffer.lstrip(WHITESPACE)
+        if not rest and final:
+            self._buffer = ""
+            self._back_to_content()
+        return rest or None
+
     def _call_or_content(self, final: bool) -> None:
         """After an opening: a call object starts here, or the opening was content after all."""
         first = self._first_char(final)

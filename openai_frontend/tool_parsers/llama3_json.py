@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 
-from openai_frontend.tool_parsers.base import WHITESPACE, ToolParser
+from openai_frontend.tool_parsers.base import ToolParser
 
 PYTHON_TAG = "<|python_tag|>"
 
@@ -36,11 +36,8 @@ class Llama3JsonParser(ToolParser):
     _section = _start  # after <|python_tag|>
 
     def _after_call(self, final: bool) -> None:
-        rest = self._buffer.lstrip(WHITESPACE)
-        if not rest:
-            if final:
-                self._buffer = ""
-                self._back_to_content()
+        rest = self._rest_after_call(final)
+        if rest is None:
             return
         if rest[0] == ";":
             self._buffer = rest[1:]

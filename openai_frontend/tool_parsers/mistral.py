@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 
-from openai_frontend.tool_parsers.base import WHITESPACE, ToolParser, alphanumeric_call_id, hex_call_id
+from openai_frontend.tool_parsers.base import ToolParser, alphanumeric_call_id, hex_call_id
 
 MARKER = "[TOOL_CALLS]"
 
@@ -67,11 +67,8 @@ class MistralParser(ToolParser):
             self._single = False
             self._back_to_content()
             return
-        rest = self._buffer.lstrip(WHITESPACE)
-        if not rest:
-            if final:
-                self._buffer = ""
-                self._back_to_content()
+        rest = self._rest_after_call(final)
+        if rest is None:
             return
         if rest[0] == ",":
             self._buffer = rest[1:]
