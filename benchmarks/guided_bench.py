@@ -36,6 +36,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from engine_bench import percentile  # noqa: E402  (nearest rank, as the other benchmarks report)
+
 SCHEMAS = [
     {"type": "object", "properties": {
         "name": {"type": "string"}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
@@ -103,11 +105,6 @@ def use_bench_vocabulary(stop_token_id: int) -> None:
     import engine.executor.guided as guided
 
     guided._load_vocabulary = lambda _dir, vocab_size: bench_vocabulary(vocab_size, stop_token_id)
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
 
 
 def bench_compile(vocab_size: int, stop_token_id: int, repeats: int = 5) -> dict:
@@ -196,15 +193,9 @@ def run_closed_loop(executor, requests, concurrency: int) -> dict:
             "mean_output_len": tokens / len(requests), "lengths": lengths}
 
 
-def decode_period_ms(executor, since_ns: int, batch: int) -> float | None:
-    """Median iteration time of decode-only steps that ran at least ``batch`` * 0.9 sequences."""
-    history = [h for h in executor.get_iteration_stats_history() if h.timestamp_ns >= since_ns]
-    steps = [h.iter_latency_ms for h in history if h.num_context_requests == 0 and h.num_gen_requests >= 0.9 * batch]
-    return statistics.median(steps) if steps else None
-
-
 def step_periods(executor, since_ns: int, batch: int) -> dict:
-    """Median iteration time of decode-only steps near ``batch`` rows and of prompt-carrying steps."""
+    """Median iteration time of decode-only steps that ran at least ``batch`` * 0.9 sequences and of
+    prompt-carrying steps, since ``since_ns``."""
     history = [h for h in executor.get_iteration_stats_history() if h.timestamp_ns >= since_ns]
     decode = [h.iter_latency_ms for h in history if h.num_context_requests == 0 and h.num_gen_requests >= 0.9 * batch]
     prompt = [h.iter_latency_ms for h in history if h.num_context_requests > 0]
@@ -266,7 +257,7 @@ def bench_masks(executor, vocab: int, end_id: int, args) -> dict:
                 if response.result.finish_reasons[0].value == "end_id":  # complete: must parse and validate
                     ended += 1
                     valid += conforms(tokens, SCHEMAS[(response.request_id - first_id) % len(SCHEMAS)])
-    guided_period = decode_period_ms(executor, since, batch)
+    guided_period = step_periods(executor, since, batch)["decode_step_ms_p50"]
     history = [h for h in executor.get_iteration_stats_history() if h.timestamp_ns >= since]
     guided_steps = sum(1 for h in history if h.num_gen_requests + h.num_context_requests > 0)
     fill_ms = (masks.fill_seconds - fill_before) * 1e3
@@ -276,7 +267,7 @@ def bench_masks(executor, vocab: int, end_id: int, args) -> dict:
     since = time.time_ns()
     executor.enqueue_requests(plain)
     drain_offline(executor, batch)
-    plain_period = decode_period_ms(executor, since, batch)
+    plain_period = step_periods(executor, since, batch)["decode_step_ms_p50"]
     fill_per_step = fill_ms / max(1, guided_steps)
     exposed = None if guided_period is None or plain_period is None else guided_period - plain_period
     return {"batch": batch, "mask_fill_ms_per_step": fill_per_step, "mask_fill_us_per_row": fill_ms * 1e3 / max(1, rows),
