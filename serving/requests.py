@@ -11,7 +11,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from engine.executor.request import GUIDE_TYPES
+from engine.executor.request import GUIDE_TYPES, guide_error
 from engine.executor.top_log_probs import num_top_log_probs_error
 from serving.word_lists import decode_word_list
 
@@ -256,17 +256,10 @@ def refuse_unsupported(tensors: Mapping[str, np.ndarray], batch_size: int,
 # guided_decoding_guide_type and guided_decoding_guide (STRING, one per item) become the request's
 # GuidedDecodingParams(guide_type, guide). An absent input, an empty tensor or an empty string is
 # no guide. The executor compiles the guide and answers a schema, pattern or grammar it cannot
-# compile with an error response naming guided_decoding_guide; here only the pair is checked.
+# compile with an error response naming guided_decoding_guide; here only the pair is checked, by
+# the executor's own rule (engine.executor.request.guide_error), before the request goes anywhere.
 GUIDE_TYPE_INPUT, GUIDE_INPUT = "guided_decoding_guide_type", "guided_decoding_guide"
 GUIDED_INPUTS = (GUIDE_TYPE_INPUT, GUIDE_INPUT)
-# what guided_decoding_guide holds for each type ("json" takes none: any JSON value)
-GUIDE_CONTENTS = {"json_schema": "a JSON schema", "regex": "a regular expression",
-                  "ebnf_grammar": "an EBNF grammar with a root rule",
-                  "structural_tag": "a structural tag (JSON)"}
-
-
-def _shown(value: str, limit: int = 80) -> str:
-    return value if len(value) <= limit else value[:limit] + "..."
 
 
 def read_text(tensors: Mapping[str, np.ndarray], name: str, batch_size: int, row: int) -> str | None:
@@ -297,12 +290,9 @@ def guided_decoding(tensors: Mapping[str, np.ndarray], batch_size: int, row: int
             raise ValueError(f"{GUIDE_INPUT} was sent without {GUIDE_TYPE_INPUT}; send {GUIDE_TYPE_INPUT} "
                              f"(one of {', '.join(GUIDE_TYPES)}) with it, or leave both out")
         return None
-    if guide_type not in GUIDE_TYPES:
-        raise ValueError(f"{GUIDE_TYPE_INPUT} value of '{_shown(guide_type)}' is not supported; "
-                         f"allowed: {', '.join(GUIDE_TYPES)}")
-    if guide_type != "json" and guide is None:
-        raise ValueError(f"{GUIDE_INPUT} is empty; guide type '{guide_type}' needs one "
-                         f"({GUIDE_CONTENTS.get(guide_type, 'the guide text')})")
+    error = guide_error(guide_type, guide)
+    if error is not None:
+        raise ValueError(error)
     return guide_type, guide
 
 

@@ -84,6 +84,21 @@ class OutputConfig:
 # against a schema, a regular expression, an EBNF grammar (xgrammar's dialect, GBNF-like), or
 # xgrammar's structural tag (free text with constrained segments, e.g. tool calls).
 GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar", "structural_tag")
+# What the guide holds for each type that takes one ("json" takes none: any JSON object or array).
+GUIDE_CONTENTS = {"json_schema": "a JSON schema", "regex": "a regular expression",
+                  "ebnf_grammar": "an EBNF grammar with a root rule", "structural_tag": "a structural tag (JSON)"}
+
+
+def guide_error(guide_type: str, guide: str | None) -> str | None:
+    """Why (guide type, guide) is no guide, naming the Triton input (the executor and the Triton
+    models check the pair with this one rule), or None."""
+    if guide_type not in GUIDE_TYPES:
+        shown = guide_type if len(guide_type) <= 80 else guide_type[:80] + "..."
+        return f"guided_decoding_guide_type value of '{shown}' is not supported; allowed: {', '.join(GUIDE_TYPES)}"
+    if guide_type != "json" and not guide:
+        return (f"guided_decoding_guide is empty; guide type '{guide_type}' needs one "
+                f"({GUIDE_CONTENTS[guide_type]})")
+    return None
 
 
 @dataclass
@@ -341,15 +356,11 @@ def _output_error(output: OutputConfig, beam_width: int) -> str | None:
 def _guide_error(guide: GuidedDecodingParams, beam_width: int) -> str | None:
     if not isinstance(guide, GuidedDecodingParams):
         return f"guided_decoding must be a GuidedDecodingParams, got {type(guide).__name__}"
-    if guide.guide_type not in GUIDE_TYPES:
-        return (f"guided_decoding_guide_type value of '{guide.guide_type}' is not supported; "
-                f"allowed: {', '.join(GUIDE_TYPES)}")
-    if guide.guide_type != "json" and not guide.guide:
-        return f"guided_decoding_guide is empty; guide type '{guide.guide_type}' needs one"
-    if beam_width > 1:
-        return (f"guided decoding is not supported with beam search (beam_width {beam_width}); "
-                "send beam_width 1 or leave guided_decoding_guide_type out")
-    return None
+    error = guide_error(guide.guide_type, guide.guide)
+    if error is None and beam_width > 1:
+        error = (f"guided decoding is not supported with beam search (beam_width {beam_width}); "
+                 "send beam_width 1 or leave guided_decoding_guide_type out")
+    return error
 
 
 def validate_request(request: Request, limits: RequestLimits) -> str | None:
