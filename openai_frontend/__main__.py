@@ -1,7 +1,7 @@
 """``python -m openai_frontend``: serve the OpenAI-compatible API in front of a running tritonserver.
 
     python -m openai_frontend --grpc_url 127.0.0.1:8001 --model_repo build/triton_repo \
-        [--host 127.0.0.1 --port 9000 --served_model_name smollm2]
+        [--host 127.0.0.1 --port 9000 --served_model_name smollm2] [--lora_modules sql=/adapters/sql]
 
 The tokenizer (chat template, token counts) comes from ``--tokenizer_dir``, else from the
 repository's ``preprocessing`` config. The frontend may start before Triton is ready: it answers
@@ -19,6 +19,7 @@ import tempfile
 
 # (openai_frontend.app is imported in main, after PROMETHEUS_MULTIPROC_DIR is set for --workers:
 # prometheus_client picks its value storage when it is first imported.)
+from openai_frontend.lora_modules import parse_lora_modules
 from openai_frontend.repository import tokenizer_settings
 from openai_frontend.tool_parsers import PARSERS
 from openai_frontend.workers import serve, worker
@@ -50,6 +51,11 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
                              "after <|python_tag|>), mistral ([TOOL_CALLS][{...}]); default: the format the chat "
                              "template uses (<tool_call> -> hermes, [TOOL_CALLS] -> mistral, <|python_tag|> -> "
                              "llama3_json), else hermes")
+    parser.add_argument("--lora_modules", nargs="+", default=[], metavar="NAME=PATH",
+                        help="LoRA adapters served as models of their own (as vLLM's flag): each name=path, or "
+                             "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; path is a PEFT "
+                             "directory (adapter_config.json + weights) the server can read. A request whose "
+                             "model is the name runs the base engine with that adapter (loaded on first use)")
     args = parser.parse_args(argv)
     if args.workers < 1:
         parser.error(f"--workers must be at least 1, got {args.workers}")
@@ -65,11 +71,13 @@ def config_from_arguments(args: argparse.Namespace):
     if not tokenizer_dir:
         raise ValueError("pass --model_repo or --tokenizer_dir (the engine directory)")
     name = args.served_model_name or os.path.basename(os.path.normpath(tokenizer_dir))
+    lora_modules = parse_lora_modules(args.lora_modules, name)
     from openai_frontend.app import FrontendConfig
 
     return FrontendConfig(grpc_url=args.grpc_url, tokenizer_dir=tokenizer_dir, served_model_name=name,
                           triton_model=args.triton_model or args.llm_model, llm_model=args.llm_model,
-                          add_special_tokens=add_special_tokens, tool_call_parser=args.tool_call_parser)
+                          add_special_tokens=add_special_tokens, tool_call_parser=args.tool_call_parser,
+                          lora_modules=lora_modules)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -89,6 +97,8 @@ def main(argv: list[str] | None = None) -> None:
         process.start()
     print(f"openai_frontend: serving {config.served_model_name} on http://{args.host}:{args.port}/v1 "
           f"(Triton {config.triton_model} at {config.grpc_url}; {args.workers} worker(s))", flush=True)
+    for module in config.lora_modules.values():
+        print(f"openai_frontend: serving LoRA adapter {module.name} ({module.path}, lora_id {module.id})", flush=True)
     try:
         serve(config, args.host, args.port, reuse_port=args.workers > 1)
     finally:

@@ -6,7 +6,7 @@ validation errors would have to be reshaped into OpenAI's 400 bodies anyway (pro
 validates and names the field); and with ``handler_cancellation`` a client that hangs up cancels
 its handler at once, unary or streamed, which is what cancels the Triton request.
 
-Per request: parse and validate (400) -> served model? (404) -> Triton ready? (503) -> render
+Per request: parse and validate (400) -> served model or LoRA adapter? (404) -> Triton ready? (503) -> render
 and count the prompt -> one engine request per choice -> a whole response or SSE chunks. With
 tools, each choice's text goes through its tool-call parser (tool_calls.py) on the way out.
 """
@@ -17,7 +17,7 @@ import json
 import logging
 import time
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from aiohttp import web
@@ -28,6 +28,7 @@ from openai_frontend.detokenizer import fast_decode
 from openai_frontend.errors import APIError, bad_request, model_not_found, server_error
 from openai_frontend.generation import ChoiceEvent, choice_specs, generate_choices
 from openai_frontend.logprobs import TokenNamer
+from openai_frontend.lora_modules import LoraModule
 from openai_frontend.metrics import FrontendMetrics
 from openai_frontend.protocol import GenerationRequest, parse_chat_request, parse_completion_request
 from openai_frontend.responses import ResponseShape
@@ -52,6 +53,8 @@ class FrontendConfig:
     llm_model: str = "tensorrt_llm"  # the model holding the engine (its readiness counts too)
     add_special_tokens: bool = True  # as preprocessing's parameter: prompt token counts match
     tool_call_parser: str | None = None  # tool_parsers.PARSERS name; None: the one the chat template teaches
+    # LoRA adapters served as models of their own (lora_modules.py): name -> adapter, in flag order
+    lora_modules: dict[str, LoraModule] = field(default_factory=dict)
 
 
 @dataclass
@@ -67,9 +70,14 @@ class Frontend:
     tool_decode: Callable[[list[int]], str] | None = None
     client: TritonClient | None = None  # made on startup, inside the running event loop
 
-    def check_model(self, model: str) -> None:
-        if model != self.config.served_model_name:
-            raise model_not_found(model, self.config.served_model_name)
+    def check_model(self, model: str) -> LoraModule | None:
+        """The adapter ``model`` names (None: the base model); a 404 listing the served models
+        when it names neither."""
+        if model == self.config.served_model_name:
+            return None
+        if model in self.config.lora_modules:
+            return self.config.lora_modules[model]
+        raise model_not_found(model, [self.config.served_model_name, *self.config.lora_modules])
 
 
 FRONTEND = web.AppKey("frontend", Frontend)
@@ -141,19 +149,25 @@ async def _errors_and_metrics(request: web.Request, handler):
 
 # ----------------------------------------------------------------------------- small endpoints
 
-def _model_card(frontend: Frontend) -> dict:
-    return {"id": frontend.config.served_model_name, "object": "model", "created": frontend.started,
+def _model_card(frontend: Frontend, lora: LoraModule | None = None) -> dict:
+    """The base model's card, or an adapter's: its own id, its directory as ``root`` and the base
+    model as ``parent`` (as vLLM lists adapters)."""
+    card = {"id": frontend.config.served_model_name, "object": "model", "created": frontend.started,
             "owned_by": "tritonllm"}
+    if lora is not None:
+        card.update(id=lora.name, root=lora.path, parent=frontend.config.served_model_name)
+    return card
 
 
 async def list_models(request: web.Request) -> web.Response:
-    return web.json_response({"object": "list", "data": [_model_card(request.app[FRONTEND])]})
+    frontend = request.app[FRONTEND]
+    cards = [_model_card(frontend)] + [_model_card(frontend, lora) for lora in frontend.config.lora_modules.values()]
+    return web.json_response({"object": "list", "data": cards})
 
 
 async def get_model(request: web.Request) -> web.Response:
     frontend = request.app[FRONTEND]
-    frontend.check_model(request.match_info["model"])
-    return web.json_response(_model_card(frontend))
+    return web.json_response(_model_card(frontend, frontend.check_model(request.match_info["model"])))
 
 
 async def health(request: web.Request) -> web.Response:
@@ -204,18 +218,18 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     frontend = request.app[FRONTEND]
     body = await _json_body(request)
     parsed = parse_chat_request(body) if chat else parse_completion_request(body)
-    frontend.check_model(parsed.model)
+    lora = frontend.check_model(parsed.model)
     await frontend.client.ensure_ready()
-    prompts = _prompts(frontend, parsed, chat)
+    prompts = _prompts(frontend, parsed, chat)  # an adapter's prompts too: the base model's template and tokenizer
     prompt_tokens = sum(len(ids) for _, ids, _ in prompts)
-    shape = ResponseShape(chat=chat, model=frontend.config.served_model_name)
+    shape = ResponseShape(chat=chat, model=parsed.model)
     specs = choice_specs(prompts, parsed.params)
     parsers = output_parsers(parsed.tools, frontend.tool_parser) if chat else None
     decode = frontend.decode
     if parsers is not None and parsed.tools.choice == "auto" and frontend.tool_decode is not None:
         decode = frontend.tool_decode  # the parser's markers are special tokens: keep them
     async with aclosing(generate_choices(frontend.client, specs, parsed.params, shape.id, frontend.namer,
-                                         decode)) as events:
+                                         decode, lora)) as events:
         if parsed.stream:
             return await _stream(request, events, shape, prompt_tokens, parsed.include_usage, parsers)
         return await _whole(events, shape, len(specs), prompt_tokens, parsers)

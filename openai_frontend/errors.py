@@ -28,9 +28,11 @@ def bad_request(param: str | None, message: str, code: str | None = "invalid_val
     return APIError(400, message, error_type="invalid_request_error", param=param, code=code)
 
 
-def model_not_found(model: str, served: str) -> APIError:
-    return APIError(404, f"The model `{model}` does not exist; this server serves `{served}` "
-                         "(GET /v1/models lists it).",
+def model_not_found(model: str, served: list[str]) -> APIError:
+    """404 naming the model asked for and every model served (the base model, then its adapters)."""
+    names = ", ".join(f"`{name}`" for name in served)
+    return APIError(404, f"The model `{model}` does not exist; this server serves {names} "
+                         "(GET /v1/models lists them).",
                     error_type="invalid_request_error", param="model", code="model_not_found")
 
 

@@ -13,6 +13,7 @@ from typing import AsyncIterator, Callable
 
 from openai_frontend.detokenizer import IncrementalDetokenizer
 from openai_frontend.logprobs import TokenLogprob, TokenNamer
+from openai_frontend.lora_modules import LoraModule
 from openai_frontend.protocol import SamplingParams
 from openai_frontend.stop_strings import StopTrimmer
 from openai_frontend.triton_client import Chunk, TritonClient
@@ -80,16 +81,18 @@ class LogprobTrack:
 
 async def generate_choice(client: TritonClient, spec: ChoiceSpec, params: SamplingParams,
                           request_id: str, namer: TokenNamer | None = None,
-                          decode: Callable[[list[int]], str] | None = None) -> AsyncIterator[ChoiceEvent]:
-    """One choice's events. On the client's direct path the chunks carry ids and no text: they are
-    decoded here with ``decode`` (ids -> text, openai_frontend/detokenizer.py)."""
+                          decode: Callable[[list[int]], str] | None = None,
+                          lora: LoraModule | None = None) -> AsyncIterator[ChoiceEvent]:
+    """One choice's events, generated with the LoRA adapter ``lora`` when given. On the client's
+    direct path the chunks carry ids and no text: they are decoded here with ``decode`` (ids ->
+    text, openai_frontend/detokenizer.py)."""
     trimmer = StopTrimmer(params.stop)
     track = LogprobTrack(namer) if params.logprobs is not None and namer is not None else None
     detokenizer = IncrementalDetokenizer(decode) if client.direct else None
     tokens = 0
     # aclosing: leaving (a stop string, or this generator being closed) cancels the call at once.
     async with aclosing(client.generate(spec.prompt, spec.prompt_ids, params, spec.max_tokens, spec.seed,
-                                        f"{request_id}-{spec.index}")) as chunks:
+                                        f"{request_id}-{spec.index}", lora)) as chunks:
         async for chunk in chunks:
             tokens += chunk.num_tokens
             if detokenizer is not None:
@@ -113,12 +116,14 @@ async def generate_choice(client: TritonClient, spec: ChoiceSpec, params: Sampli
 
 async def generate_choices(client: TritonClient, specs: list[ChoiceSpec], params: SamplingParams,
                            request_id: str | None = None, namer: TokenNamer | None = None,
-                           decode: Callable[[list[int]], str] | None = None) -> AsyncIterator[ChoiceEvent]:
+                           decode: Callable[[list[int]], str] | None = None,
+                           lora: LoraModule | None = None) -> AsyncIterator[ChoiceEvent]:
     """Every choice's events, interleaved as they come. Closing this iterator (or cancelling
     its consumer) cancels every choice still running. ``namer`` names the tokens of log-probs;
-    ``decode`` turns ids into text on the client's direct path."""
+    ``decode`` turns ids into text on the client's direct path; ``lora``: the adapter every
+    choice runs with (None: the base model)."""
     request_id = request_id or uuid.uuid4().hex
-    streams = [generate_choice(client, spec, params, request_id, namer, decode) for spec in specs]
+    streams = [generate_choice(client, spec, params, request_id, namer, decode, lora) for spec in specs]
     if len(streams) == 1:  # no tasks and no queue on the common path
         async with aclosing(streams[0]) as events:
             async for event in events:

@@ -29,6 +29,9 @@ with ``logprobs`` also sends ``num_top_log_probs`` (0 included), for which the B
 tokens' ids (``output_ids``) and, with k > 0, ``top_log_prob_ids``/``top_log_probs``.
 Cancelling the consuming task (a client that hung up) cancels the gRPC call; Triton then marks
 the request cancelled and the entry model stops the generation within a step.
+
+A request for a LoRA adapter (lora_modules.py) carries ``lora_id``, ``lora_name`` and
+``lora_path`` on either path; the BLS and the ensemble hand them on to ``tensorrt_llm``.
 """
 from __future__ import annotations
 
@@ -44,6 +47,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import np_to_triton_dtype, serialize_byte_tensor
 
 from openai_frontend.errors import APIError, bad_request, not_ready, server_error
+from openai_frontend.lora_modules import LoraModule
 from openai_frontend.protocol import SamplingParams
 
 READINESS_TTL_S = 1.0  # a readiness answer is reused this long (one check per second at most)
@@ -96,9 +100,19 @@ def _guide_inputs(params: SamplingParams) -> dict[str, np.ndarray]:
     return inputs
 
 
+def _lora_inputs(lora: LoraModule | None) -> dict[str, np.ndarray]:
+    """The adapter a request runs with (lora_modules.py), the same three inputs on every entry
+    model: the engine loads ``lora_path`` on first use and caches it under ``lora_id``."""
+    if lora is None:
+        return {}
+    return {"lora_id": _scalar(lora.id, np.uint64),
+            "lora_name": np.array([[lora.name.encode("utf-8")]], dtype=object),
+            "lora_path": np.array([[lora.path.encode("utf-8")]], dtype=object)}
+
+
 def generation_inputs(prompt: str, params: SamplingParams, max_tokens: int,
-                      seed: int | None) -> dict[str, np.ndarray]:
-    """``tensorrt_llm_bls``'s inputs for one choice: text in, text out."""
+                      seed: int | None, lora: LoraModule | None = None) -> dict[str, np.ndarray]:
+    """``tensorrt_llm_bls``'s (or the ensemble's) inputs for one choice: text in, text out."""
     inputs = {
         "text_input": np.array([[prompt.encode("utf-8")]], dtype=object),
         "max_tokens": _scalar(max_tokens, np.int32),
@@ -107,6 +121,7 @@ def generation_inputs(prompt: str, params: SamplingParams, max_tokens: int,
         "return_log_probs": _scalar(True, np.bool_),
         **_sampling_inputs(params, seed, top_p="top_p", top_k="top_k"),
         **_guide_inputs(params),
+        **_lora_inputs(lora),
     }
     if params.logprobs is not None:
         inputs["num_top_log_probs"] = _scalar(params.logprobs, np.int32)
@@ -116,7 +131,7 @@ def generation_inputs(prompt: str, params: SamplingParams, max_tokens: int,
 
 
 def direct_inputs(prompt_ids: list[int], params: SamplingParams, max_tokens: int, seed: int | None,
-                  end_id: int, pad_id: int) -> dict[str, np.ndarray]:
+                  end_id: int, pad_id: int, lora: LoraModule | None = None) -> dict[str, np.ndarray]:
     """``tensorrt_llm``'s own inputs for one choice (the direct path: the frontend has tokenized
     the prompt and decodes the ids itself; stop strings are cut here, which cancels the call)."""
     inputs = {
@@ -128,6 +143,7 @@ def direct_inputs(prompt_ids: list[int], params: SamplingParams, max_tokens: int
         "exclude_input_in_output": _scalar(True, np.bool_),
         **_sampling_inputs(params, seed, top_p="runtime_top_p", top_k="runtime_top_k"),
         **_guide_inputs(params),
+        **_lora_inputs(lora),
     }
     if params.logprobs is not None:
         inputs["return_log_probs"] = _scalar(True, np.bool_)
@@ -259,12 +275,13 @@ class TritonClient:
         self._ready_until = time.monotonic() + READINESS_TTL_S
 
     async def generate(self, prompt: str, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
-                       seed: int | None, request_id: str) -> AsyncIterator[Chunk]:
-        """Streams one choice. Leaving the iteration early (or being cancelled) cancels the call."""
+                       seed: int | None, request_id: str, lora: LoraModule | None = None) -> AsyncIterator[Chunk]:
+        """Streams one choice, with the LoRA adapter ``lora`` when given. Leaving the iteration
+        early (or being cancelled) cancels the call."""
         if self.direct:
-            inputs = direct_inputs(prompt_ids, params, max_tokens, seed, self.end_id, self.pad_id)
+            inputs = direct_inputs(prompt_ids, params, max_tokens, seed, self.end_id, self.pad_id, lora)
         else:
-            inputs = generation_inputs(prompt, params, max_tokens, seed)
+            inputs = generation_inputs(prompt, params, max_tokens, seed, lora)
         request = infer_request(self.model, inputs, request_id)
         finished = asyncio.Event()
 

@@ -3,7 +3,7 @@
 
     python3 scripts/launch_triton_server.py --model_repo=/path/to/repo [--world_size=1]
         [--http_port=8000 --grpc_port=8001 --metrics_port=8002] [--log --log-file=triton_log.txt]
-        [--openai_port=9000]
+        [--openai_port=9000 [--lora_modules sql=/adapters/sql ...]]
 
 Finds the server binary (`--tritonserver`, else `tritonserver` on PATH, else the one bundled in the
 `nvidia-pytriton` wheel), gives the Python-backend stub this project's Python environment, and
@@ -64,6 +64,11 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--openai_tool_call_parser", type=str, default=None,
                         help="tool-call format of the model's output for the OpenAI frontend (hermes, llama3_json, "
                              "mistral); default: chosen from the chat template")
+    parser.add_argument("--lora_modules", nargs="+", default=[], metavar="NAME=PATH",
+                        help="LoRA adapters the OpenAI frontend serves as models of their own (with --openai_port): "
+                             "each name=path or '{\"name\": ..., \"path\": ..., \"base_model_name\": ...}', path "
+                             "a PEFT directory (adapter_config.json + weights); requests naming the adapter run the "
+                             "engine with it, loaded on first use")
     parser.add_argument("--openai_workers", type=int, default=1,
                         help="OpenAI frontend processes sharing --openai_port (one is saturated at about 7,000 "
                              "streamed tokens a second)")
@@ -282,6 +287,8 @@ def preflight(args: argparse.Namespace) -> None:
     if args.multi_model:
         raise RuntimeError("--multi-model (orchestrator mode) is not supported by this backend; "
                            "give each model its own launch instead")
+    if args.lora_modules and not args.openai_port:
+        raise RuntimeError("--lora_modules are served by the OpenAI frontend: pass --openai_port too")
     pids = running_tritonserver_pids()
     if pids:
         message = (f"tritonserver is already running (PIDs {pids}); stop it with `kill {pids[0]}` "
@@ -414,7 +421,25 @@ def openai_frontend_command(args: argparse.Namespace) -> list[str]:
         cmd.append(f"--workers={args.openai_workers}")
     if args.openai_tool_call_parser:
         cmd.append(f"--tool_call_parser={args.openai_tool_call_parser}")
+    if args.lora_modules:
+        cmd += ["--lora_modules", *(absolute_lora_module(item) for item in args.lora_modules)]
     return cmd
+
+
+def absolute_lora_module(item: str) -> str:
+    """A --lora_modules item with its path made absolute: the frontend runs from the repository
+    root, and the server reads the path it is sent. An item this cannot read goes on unchanged,
+    for the frontend to refuse with its own message."""
+    if item.lstrip().startswith("{"):
+        try:
+            fields = json.loads(item)
+        except ValueError:
+            return item
+        if not isinstance(fields, dict) or not isinstance(fields.get("path"), str) or not fields["path"]:
+            return item
+        return json.dumps({**fields, "path": os.path.abspath(fields["path"])})
+    name, equals, path = item.partition("=")
+    return f"{name}={os.path.abspath(path)}" if equals and path else item
 
 
 def launch_openai_frontend(args: argparse.Namespace, **popen_kwargs) -> subprocess.Popen:

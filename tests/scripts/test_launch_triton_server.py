@@ -1,4 +1,5 @@
 import importlib.util
+import json
 import socket
 import sys
 from pathlib import Path
@@ -118,6 +119,26 @@ def test_openai_frontend_is_bound_to_host_and_talks_to_the_grpc_port():
     assert not any(part.startswith("--tool_call_parser") for part in cmd)  # the template decides
     cmd = launcher.openai_frontend_command(args_for("--openai_port=9100", "--openai_tool_call_parser=mistral"))
     assert "--tool_call_parser=mistral" in cmd
+
+
+def test_lora_modules_go_to_the_frontend_with_absolute_paths(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    json_item = json.dumps({"name": "chat", "path": "adapters/chat", "base_model_name": "llama"})
+    args = args_for("--openai_port=9100", "--lora_modules", "sql=/adapters/sql", "rel=adapters/rel", json_item)
+    cmd = launcher.openai_frontend_command(args)
+    at = cmd.index("--lora_modules")
+    assert cmd[at + 1:at + 3] == ["sql=/adapters/sql", f"rel={tmp_path}/adapters/rel"]
+    assert json.loads(cmd[at + 3]) == {"name": "chat", "path": f"{tmp_path}/adapters/chat", "base_model_name": "llama"}
+    assert len(cmd) == at + 4
+    # What the launcher cannot read goes on unchanged: the frontend refuses it with its own message.
+    assert launcher.absolute_lora_module("no-equals") == "no-equals"
+    assert launcher.absolute_lora_module('{"name": "x"') == '{"name": "x"'
+    assert "--lora_modules" not in launcher.openai_frontend_command(args_for("--openai_port=9100"))
+
+
+def test_lora_modules_need_the_openai_frontend(tmp_path):
+    with pytest.raises(RuntimeError, match="--openai_port"):
+        launcher.preflight(launcher.parse_arguments([f"--model_repo={tmp_path}", "--lora_modules", "a=/x"]))
 
 
 def test_busy_openai_port_is_a_clear_error(tmp_path):
