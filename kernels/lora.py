@@ -1,0 +1,366 @@
+"""Batched multi-adapter LoRA: many adapters applied to one packed batch (segmented gather-matmuls,
+the SGMV idea of punica).
+
+For every token t that uses pool slot p, for each output slice j of a fused projection
+(columns slice_starts[j]:slice_starts[j+1]) with rank r = ranks[p, j] > 0:
+
+    out[t, s_j:s_{j+1}] += (x[t] @ lora_a[p, j, :r].T) @ lora_b[p, s_j:s_{j+1}, :r].T
+
+Shapes (T tokens, I in_features, O out_features, S pool slots, J slices, R max rank):
+    x (T, I); out (T, O), x's dtype, contiguous rows; lora_a (S, J, R, I); lora_b (S, O, R), the
+    scale folded in; ranks (S, J) int32; slice_starts: J + 1 host ints, 0 .. O.
+I and every slice width must be multiples of 16 (tensor-core tiles; tensor-parallel shards are).
+
+Tokens are grouped into segments, one per slot in use (``LoraBatch``). Worked example: sequences
+with row_slots [2, -1, 0, 2] and seq_lens [3, 1, 5, 1] (packed rows 0-2, 3, 4-8, 9):
+
+    token_order:    0 1 2 9 | 4 5 6 7 8       (row 3 has no adapter: in no segment)
+    segment_starts: 0         4          9
+    segment_slots:  2         0
+
+The Triton path is two kernels, both gridded over (segment, M-block of that segment's tokens):
+1. shrink: part[split, i, :, :] = x[token_order[i]] @ lora_a[slot].T over the split's share of I,
+   in float32; lora_a[slot] is read as one (J * R, I) matrix, so one program covers every slice.
+   Few tokens per segment (decode) split the reduction over I across programs (split-K), so a
+   batch-1 shrink is not one program streaming a (R, I) matrix alone.
+2. expand: out[token_order[i], n] += sum over splits of part[., i, j(n), :r] @ lora_b[slot, n, :r],
+   an N-block at a time (N-blocks never straddle a slice boundary). Each output element belongs
+   to one program: no atomics, and the split-K sum has a fixed order.
+Programs of an unused segment (slot -1), of an M-block past the segment's end, or of a slice of
+rank 0 exit at once; weights past a slot's rank are never loaded. Grid sizes come from host ints
+only (num_segments, max_segment_tokens, shapes), so a step is capturable in a CUDA graph:
+``LoraBatchBuffers`` keeps the metadata in static buffers for that.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kernels._triton import jit, tl, triton, use_triton
+
+MAX_SLICES = 4  # the expand kernel takes the slice boundaries as scalars (S1..S3)
+DECODE_MAX_TOKENS = 64  # a batch whose segments all hold at most this many tokens splits the shrink's K
+
+
+@dataclass
+class LoraBatch:
+    """Which pool slot each token of a packed batch (num_tokens rows) uses, grouped by slot."""
+
+    token_order: torch.Tensor  # (capacity_tokens,) int32: rows that use an adapter, segment after segment
+    segment_starts: torch.Tensor  # (capacity_segments + 1,) int32: segment s is token_order[starts[s]:starts[s+1]]
+    segment_slots: torch.Tensor  # (capacity_segments,) int32: pool slot of segment s; -1: unused (skipped)
+    max_segment_tokens: int  # host: upper bound of any segment's token count (sizes the grid)
+    # Host copy for the torch reference, so it never syncs: [(slot, start, end)] into token_order.
+    host_segments: list[tuple[int, int, int]] | None = None
+
+    @property
+    def num_segments(self) -> int:
+        return self.segment_slots.shape[0]
+
+
+def group_rows(row_slots: list[int], seq_lens: list[int]) -> tuple[list[int], list[int], list[int]]:
+    """Packed sequences -> (token_order, segment_starts, segment_slots) as host lists, segments in
+    order of each slot's first appearance; sequences with slot -1 are left out."""
+    rows_of: dict[int, list[int]] = {}
+    row = 0
+    for slot, n in zip(row_slots, seq_lens, strict=True):
+        if slot >= 0:
+            rows_of.setdefault(slot, []).extend(range(row, row + n))
+        row += n
+    order, starts = [], [0]
+    for rows in rows_of.values():
+        order.extend(rows)
+        starts.append(len(order))
+    return order, starts, list(rows_of)
+
+
+def lora_batch(row_slots: list[int], seq_lens: list[int], device) -> LoraBatch | None:
+    """Sequence i has seq_lens[i] consecutive token rows (packed, in order) and uses pool slot
+    row_slots[i] (-1: no adapter). None when no sequence uses an adapter. Exact sizes: capacity is
+    what is used and max_segment_tokens is the largest segment."""
+    order, starts, slots = group_rows(row_slots, seq_lens)
+    if not slots:
+        return None
+    # One host-to-device copy, then views.
+    packed = torch.tensor(order + starts + slots, dtype=torch.int32).to(device)
+    t, s = len(order), len(slots)
+    return LoraBatch(
+        token_order=packed[:t], segment_starts=packed[t:t + s + 1], segment_slots=packed[t + s + 1:],
+        max_segment_tokens=max(b - a for a, b in zip(starts, starts[1:])),
+        host_segments=[(slot, starts[i], starts[i + 1]) for i, slot in enumerate(slots)],
+    )
+
+
+class LoraBatchBuffers:
+    """Static device buffers for CUDA-graph replay: capacity_tokens rows, capacity_segments segments.
+
+    ``fill`` writes a step's metadata into pinned host staging and copies it without blocking into
+    the device buffers (unused segments: slot -1 and an empty range). ``batch`` returns a LoraBatch
+    over the static buffers with max_segment_tokens = capacity_tokens, since the grid is fixed at
+    capture; its host_segments is None (a captured graph outlives any one step's metadata).
+    Layout of the one int32 buffer: [token_order (Ct) | segment_starts (Cs + 1) | segment_slots (Cs)].
+    On a CPU device (tests) the staging is plain memory and the copy synchronous.
+    """
+
+    def __init__(self, capacity_tokens: int, capacity_segments: int, device):
+        self.capacity_tokens = capacity_tokens
+        self.capacity_segments = capacity_segments
+        self.device = torch.device(device)
+        size = capacity_tokens + 2 * capacity_segments + 1
+        is_cuda = self.device.type == "cuda"
+        self._host = torch.zeros(size, dtype=torch.int32, pin_memory=is_cuda)
+        self._dev = torch.zeros(size, dtype=torch.int32, device=self.device)
+        self._np = self._host.numpy()
+        # Recorded after each copy: fill waits on it before overwriting the pinned staging.
+        self._copied = torch.cuda.Event() if is_cuda else None
+        self.fill([], [])
+
+    def fill(self, row_slots: list[int], seq_lens: list[int]) -> None:
+        order, starts, slots = group_rows(row_slots, seq_lens)
+        if len(order) > self.capacity_tokens or len(slots) > self.capacity_segments:
+            raise ValueError(f"{len(order)} adapter tokens in {len(slots)} segments exceed the buffers' "
+                             f"capacity ({self.capacity_tokens} tokens, {self.capacity_segments} segments)")
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy has left the pinned staging
+        ct, cs = self.capacity_tokens, self.capacity_segments
+        self._np[:len(order)] = order
+        self._np[ct + len(starts):ct + cs + 1] = len(order)  # unused segments: empty ranges ...
+        self._np[ct:ct + len(starts)] = starts
+        self._np[ct + cs + 1:] = -1  # ... and no slot
+        self._np[ct + cs + 1:ct + cs + 1 + len(slots)] = slots
+        self._dev.copy_(self._host, non_blocking=self._copied is not None)
+        if self._copied is not None:
+            self._copied.record()
+
+    def batch(self) -> LoraBatch:
+        ct, cs = self.capacity_tokens, self.capacity_segments
+        return LoraBatch(token_order=self._dev[:ct], segment_starts=self._dev[ct:ct + cs + 1],
+                         segment_slots=self._dev[ct + cs + 1:], max_segment_tokens=ct)
+
+
+# ---- torch reference ----------------------------------------------------------------------------
+
+def add_lora_ref(x: torch.Tensor, out: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, ranks: torch.Tensor,
+                 slice_starts: tuple[int, ...], batch: LoraBatch) -> None:
+    """``add_lora`` in plain torch, one segment at a time, in float32. Weights past a slot's rank
+    are masked with ``where`` (not multiplied by 0), so whatever they hold never reaches out."""
+    segments = batch.host_segments
+    if segments is None:  # static buffers: read the metadata back (syncs)
+        starts, slots = batch.segment_starts.tolist(), batch.segment_slots.tolist()
+        segments = [(p, starts[s], starts[s + 1]) for s, p in enumerate(slots) if p >= 0]
+    max_rank = lora_a.shape[2]
+    for slot, start, end in segments:
+        if end <= start:
+            continue
+        rows = batch.token_order[start:end].to(device=x.device, dtype=torch.long)
+        rank_ok = torch.arange(max_rank, device=x.device) < ranks[slot].to(x.device)[:, None]  # (J, R)
+        a = torch.where(rank_ok[:, :, None], lora_a[slot].float(), 0.0)  # (J, R, I)
+        t = torch.einsum("mi,jri->mjr", x[rows].float(), a)  # (m, J, R)
+        delta = torch.empty(rows.shape[0], out.shape[1], dtype=torch.float32, device=x.device)
+        for j, (lo, hi) in enumerate(zip(slice_starts, slice_starts[1:])):
+            b = torch.where(rank_ok[j], lora_b[slot, lo:hi].float(), 0.0)  # (hi - lo, R)
+            delta[:, lo:hi] = t[:, j] @ b.T
+        out[rows] = (out[rows].float() + delta).to(out.dtype)
+
+
+# ---- Triton kernels -----------------------------------------------------------------------------
+
+@jit(do_not_specialize=["m_blocks", "capacity"])
+def _shrink_kernel(
+    x_ptr, a_ptr, ranks_ptr, order_ptr, starts_ptr, slots_ptr, part_ptr,
+    K, K_PER_SPLIT, m_blocks, capacity, stride_xm,
+    N_SLICES: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Program (segment * m_blocks + M-block, column block, split): BLOCK_M tokens of the segment
+    times BLOCK_R columns of lora_a[slot] viewed as (N_SLICES * R, K) (column c = slice c // R,
+    rank c % R), over K range [split * K_PER_SPLIT, + K_PER_SPLIT).
+    part (SPLIT_K, capacity, N_SLICES * R) float32: row i is token_order position i; only columns
+    below their slice's rank are written."""
+    seg = tl.program_id(0) // m_blocks
+    slot = tl.load(slots_ptr + seg)
+    if slot < 0:
+        return
+    start = tl.load(starts_ptr + seg) + (tl.program_id(0) % m_blocks) * BLOCK_M
+    end = tl.load(starts_ptr + seg + 1)
+    if start >= end:
+        return
+    cols = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rank = tl.load(ranks_ptr + slot * N_SLICES + cols // R, mask=cols < N_SLICES * R, other=0)
+    col_ok = cols % R < rank
+    if tl.max(col_ok.to(tl.int32), axis=0) == 0:  # every slice here has rank 0 (or is past the last)
+        return
+    pos = start + tl.arange(0, BLOCK_M)
+    row_ok = pos < end
+    tokens = tl.load(order_ptr + pos, mask=row_ok, other=0).to(tl.int64)
+    x_rows = x_ptr + tokens[:, None] * stride_xm
+    a_rows = a_ptr + slot.to(tl.int64) * (N_SLICES * R) * K + cols[:, None] * K
+    k_lo = tl.program_id(2) * K_PER_SPLIT
+    acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    for k0 in range(k_lo, tl.minimum(k_lo + K_PER_SPLIT, K), BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        xt = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
+        at = tl.load(a_rows + k[None, :], mask=col_ok[:, None] & (k < K)[None, :], other=0.0)
+        acc = tl.dot(xt, tl.trans(at), acc, input_precision=PRECISION)
+    part = part_ptr + (tl.program_id(2) * capacity + pos[:, None]).to(tl.int64) * (N_SLICES * R) + cols[None, :]
+    tl.store(part, acc, mask=row_ok[:, None] & col_ok[None, :])
+
+
+@jit(do_not_specialize=["m_blocks", "capacity"])
+def _expand_kernel(
+    part_ptr, b_ptr, ranks_ptr, order_ptr, starts_ptr, slots_ptr, out_ptr,
+    N, S1, S2, S3, m_blocks, capacity, stride_om,
+    N_SLICES: tl.constexpr, R: tl.constexpr, R_PAD: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Program (segment * m_blocks + M-block, N-block): out[tokens, n-block] += t @ lora_b[slot, n-block, :r].T
+    with t the SPLIT_K partial sums of the block's slice j added in split order. S1..S3: the
+    slice boundaries after slices 0..2 (N where there are fewer slices); BLOCK_N divides them,
+    so the whole block is in slice j."""
+    seg = tl.program_id(0) // m_blocks
+    slot = tl.load(slots_ptr + seg)
+    if slot < 0:
+        return
+    start = tl.load(starts_ptr + seg) + (tl.program_id(0) % m_blocks) * BLOCK_M
+    end = tl.load(starts_ptr + seg + 1)
+    if start >= end:
+        return
+    n0 = tl.program_id(1) * BLOCK_N
+    j = (n0 >= S1).to(tl.int32) + (n0 >= S2).to(tl.int32) + (n0 >= S3).to(tl.int32)
+    rank = tl.load(ranks_ptr + slot * N_SLICES + j)
+    if rank == 0:
+        return
+    pos = start + tl.arange(0, BLOCK_M)
+    row_ok = pos < end
+    ranks_i = tl.arange(0, R_PAD)
+    t_mask = row_ok[:, None] & (ranks_i < rank)[None, :]
+    t_ptrs = part_ptr + pos[:, None].to(tl.int64) * (N_SLICES * R) + j * R + ranks_i[None, :]
+    t = tl.zeros([BLOCK_M, R_PAD], dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        t += tl.load(t_ptrs + s * capacity * (N_SLICES * R), mask=t_mask, other=0.0)
+    n = n0 + tl.arange(0, BLOCK_N)
+    b = tl.load(b_ptr + slot.to(tl.int64) * N * R + n[:, None] * R + ranks_i[None, :],
+                mask=(ranks_i < rank)[None, :], other=0.0)  # (BLOCK_N, R_PAD)
+    acc = tl.dot(t, tl.trans(b.to(tl.float32)), input_precision=PRECISION)
+    tokens = tl.load(order_ptr + pos, mask=row_ok, other=0).to(tl.int64)
+    o_ptrs = out_ptr + tokens[:, None] * stride_om + n[None, :]
+    o = tl.load(o_ptrs, mask=row_ok[:, None], other=0.0)
+    tl.store(o_ptrs, (o.to(tl.float32) + acc).to(o.dtype), mask=row_ok[:, None])
+
+
+@dataclass(frozen=True)
+class LoraLaunch:
+    """Tile shapes of one add_lora call, chosen from host ints only (graph-safe)."""
+
+    block_m: int
+    block_r: int  # shrink columns (of the J * R flattened slice-rank columns) per program
+    block_k: int
+    split_k: int
+    k_per_split: int
+    block_n: int  # expand output columns per program: a power of 2 dividing every slice boundary
+    num_warps: int
+
+
+def choose_launch(max_segment_tokens: int, in_features: int, n_slices: int, max_rank: int,
+                  slice_starts: tuple[int, ...]) -> LoraLaunch:
+    """Decode-sized segments (<= DECODE_MAX_TOKENS tokens) stream weights: small M tiles and the
+    shrink's K split ~16 ways so a (J * R, I) lora_a read is spread over many SMs. Prefill-sized
+    segments are tensor-core GEMMs: 64-row tiles, no split, all slice-rank columns of a token block
+    in one or two programs so x is read about once."""
+    cols = n_slices * max_rank
+    boundary_gcd = math.gcd(*slice_starts)
+    block_n = min(128, boundary_gcd & -boundary_gcd)  # largest power of 2 dividing every boundary
+    if max_segment_tokens <= DECODE_MAX_TOKENS:
+        block_m = max(16, triton.next_power_of_2(max_segment_tokens))
+        block_r = min(64, max(16, triton.next_power_of_2(max_rank)))
+        block_k = 128
+        split_k = min(16, triton.cdiv(in_features, 256))
+        num_warps = 4
+    else:
+        block_m, block_k, split_k, num_warps = 64, 64, 1, 8
+        block_r = min(128, max(16, triton.next_power_of_2(cols)))
+    k_per_split = triton.cdiv(triton.cdiv(in_features, split_k), block_k) * block_k
+    split_k = triton.cdiv(in_features, k_per_split)  # no empty splits
+    return LoraLaunch(block_m, block_r, block_k, split_k, k_per_split, block_n, num_warps)
+
+
+def check_shapes(x: torch.Tensor, out: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                 ranks: torch.Tensor, slice_starts: tuple[int, ...]) -> None:
+    num_slots, n_slices, max_rank, in_features = lora_a.shape
+    if not 1 <= n_slices <= MAX_SLICES:
+        raise ValueError(f"{n_slices} slices: the kernels take 1..{MAX_SLICES}")
+    if len(slice_starts) != n_slices + 1 or slice_starts[0] != 0 or slice_starts[-1] != out.shape[1]:
+        raise ValueError(f"slice_starts {slice_starts} do not cut {out.shape[1]} columns into {n_slices} slices")
+    if in_features % 16 or any(s % 16 for s in slice_starts):
+        raise ValueError(f"in_features {in_features} and slice_starts {slice_starts} must be multiples of 16")
+    if max_rank > 128:
+        raise ValueError(f"max rank {max_rank} > 128")
+    assert x.shape == (out.shape[0], in_features) and x.dtype == out.dtype == lora_a.dtype == lora_b.dtype
+    assert lora_b.shape == (num_slots, out.shape[1], max_rank) and ranks.shape == (num_slots, n_slices)
+    assert ranks.dtype == torch.int32 and x.stride(1) == 1 and out.stride(1) == 1
+    assert lora_a.is_contiguous() and lora_b.is_contiguous() and ranks.is_contiguous()
+
+
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, ranks: torch.Tensor, batch: LoraBatch,
+                launch: LoraLaunch) -> torch.Tensor:
+    """-> part (split_k, capacity_tokens, n_slices * R) float32; entries the expand does not read
+    (columns past a rank, positions in no segment) are left uninitialised."""
+    _, n_slices, max_rank, in_features = lora_a.shape
+    capacity = batch.token_order.shape[0]
+    part = torch.empty(launch.split_k, capacity, n_slices * max_rank, dtype=torch.float32, device=x.device)
+    m_blocks = triton.cdiv(batch.max_segment_tokens, launch.block_m)
+    grid = (batch.num_segments * m_blocks, triton.cdiv(n_slices * max_rank, launch.block_r), launch.split_k)
+    _shrink_kernel[grid](
+        x, lora_a, ranks, batch.token_order, batch.segment_starts, batch.segment_slots, part,
+        in_features, launch.k_per_split, m_blocks, capacity, x.stride(0),
+        N_SLICES=n_slices, R=max_rank, BLOCK_M=launch.block_m, BLOCK_R=launch.block_r, BLOCK_K=launch.block_k,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=launch.num_warps, num_stages=3,
+    )
+    return part
+
+
+def lora_expand(part: torch.Tensor, out: torch.Tensor, lora_b: torch.Tensor, ranks: torch.Tensor,
+                slice_starts: tuple[int, ...], batch: LoraBatch, launch: LoraLaunch) -> None:
+    n_slices, max_rank = ranks.shape[1], lora_b.shape[2]
+    out_features = out.shape[1]
+    bounds = list(slice_starts[1:-1]) + [out_features] * (MAX_SLICES - n_slices)
+    m_blocks = triton.cdiv(batch.max_segment_tokens, launch.block_m)
+    grid = (batch.num_segments * m_blocks, out_features // launch.block_n)
+    _expand_kernel[grid](
+        part, lora_b, ranks, batch.token_order, batch.segment_starts, batch.segment_slots, out,
+        out_features, *bounds, m_blocks, part.shape[1], out.stride(0),
+        N_SLICES=n_slices, R=max_rank, R_PAD=max(16, triton.next_power_of_2(max_rank)), SPLIT_K=launch.split_k,
+        BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
+        # fp32 engines get fp32 dots; otherwise t (float32) meets lora_b in a tf32 dot (10-bit
+        # mantissa, finer than bf16's 7 and equal to fp16's, so lora_b is exact).
+        PRECISION="ieee" if out.dtype == torch.float32 else "tf32",
+        num_warps=4, num_stages=1,
+    )
+
+
+def add_lora_triton(x: torch.Tensor, out: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                    ranks: torch.Tensor, slice_starts: tuple[int, ...], batch: LoraBatch,
+                    launch: LoraLaunch | None = None) -> None:
+    check_shapes(x, out, lora_a, lora_b, ranks, slice_starts)
+    if batch.max_segment_tokens == 0 or batch.num_segments == 0 or x.shape[0] == 0:
+        return
+    if launch is None:
+        launch = choose_launch(batch.max_segment_tokens, x.shape[1], ranks.shape[1], lora_a.shape[2], slice_starts)
+    part = lora_shrink(x, lora_a, ranks, batch, launch)
+    lora_expand(part, out, lora_b, ranks, slice_starts, batch, launch)
+
+
+def add_lora(x: torch.Tensor, out: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, ranks: torch.Tensor,
+             slice_starts: tuple[int, ...], batch: LoraBatch) -> None:
+    """In place: out[t] += each adapted slice's (x[t] @ A.T) @ B.T for every token t of a segment
+    (module docstring). x, out (num_tokens, ·) in the model dtype (fp32/fp16/bf16), out with
+    contiguous rows; lora_a (S, J, R, I), lora_b (S, O, R) in the model dtype; ranks (S, J) int32 on
+    x's device (0: slice not adapted); slice_starts J + 1 host ints. Rows of tokens without an
+    adapter are untouched. The products accumulate in float32 and are added to out once."""
+    if use_triton(x):
+        add_lora_triton(x, out, lora_a, lora_b, ranks, slice_starts, batch)
+    else:
+        add_lora_ref(x, out, lora_a, lora_b, ranks, slice_starts, batch)
