@@ -23,7 +23,8 @@ STORAGE_TYPES = ("float32", "float16", "bfloat16")  # TensorRT-LLM's choices; bf
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description="Convert a PEFT LoRA directory to TensorRT-LLM's "
+                                     "model.lora_weights.npy and model.lora_config.npy.")
     parser.add_argument("-i", "--in-file", required=True, help="PEFT adapter directory (adapter_config.json + weights)")
     parser.add_argument("-o", "--out-dir", required=True, help="where model.lora_weights.npy and model.lora_config.npy go")
     parser.add_argument("--storage-type", choices=STORAGE_TYPES, default="float16",

@@ -92,11 +92,15 @@ def read_peft_modules(path: str, config: dict) -> list[PeftModule]:
     paths: dict[tuple[int, str], str] = {}
     for key, tensor in tensors.items():
         match = _match_key(key, file)
-        slot = (int(match["layer"]), match["name"])
-        pairs.setdefault(slot, {})[match["ab"]] = (key, tensor)
+        slot, ab = (int(match["layer"]), match["name"]), match["ab"]
+        if ab in pairs.setdefault(slot, {}):
+            raise LoraError(f"{file}: tensors {pairs[slot][ab][0]} and {key} are both lora_{ab} of layer {slot[0]} "
+                            f"{slot[1]}; one adapter holds one per projection")
+        pairs[slot][ab] = (key, tensor)
         paths[slot] = match["path"]
     if not pairs:
         raise LoraError(f"{file} holds no LoRA tensors")
+
     def position(slot):  # layer, then the place of the projection's first module in MODULES
         return slot[0], MODULES.index(HF_MODULES[slot[1]][0])
     return [_module(slot, pairs[slot], paths[slot], config, file) for slot in sorted(pairs, key=position)]
@@ -141,9 +145,14 @@ def _check_supported(config: dict, file: str) -> None:
         value = config.get(field, 8)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
             raise LoraError(f"{file}: {field} must be a positive number, got {value!r}")
-    for field in ("rank_pattern", "alpha_pattern"):
-        if not isinstance(config.get(field) or {}, dict):
-            raise LoraError(f"{file}: {field} must be an object (module pattern -> value), got {config[field]!r}")
+    for field, kinds in (("rank_pattern", int), ("alpha_pattern", (int, float))):
+        patterns = config.get(field) or {}
+        if not isinstance(patterns, dict):
+            raise LoraError(f"{file}: {field} must be an object (module pattern -> value), got {patterns!r}")
+        for pattern, value in patterns.items():
+            if isinstance(value, bool) or not isinstance(value, kinds) or value <= 0:
+                raise LoraError(f"{file}: {field}[{pattern!r}] must be a positive "
+                                f"{'integer' if kinds is int else 'number'}, got {value!r}")
 
 
 def _read_tensors(path: str) -> tuple[str, dict[str, torch.Tensor]]:

@@ -48,6 +48,9 @@ def adapter_from_trtllm(weights: np.ndarray, lora_config: np.ndarray, config: Mo
         if not 0 <= layer < config.num_layers:
             raise LoraError(f"{where}: layer index {layer} is out of range [0, {config.num_layers})")
         check_rank(rank, max_rank, f"module {_ID_NAMES[module_id]} in layer {layer}", where)
+        if config.is_moe_layer(layer) and ID_MODULES[module_id][0] in ("gate", "up", "down"):
+            raise LoraError(f"{where}: layer {layer} is a mixture-of-experts layer; LoRA on its MLP "
+                            f"({_ID_NAMES[module_id]}) is not supported, only on attention (ids 0-4)")
         for module, a, b in _row_modules(values, row, module_id, rank, config, source):
             if (layer, module) in row_of:
                 raise LoraError(f"{where}: module {module} of layer {layer} is already set by row "
@@ -125,6 +128,8 @@ def _row_modules(values, row: int, module_id: int, rank: int, config: ModelConfi
                         f"{needed} (in {in_features} * r + r * out {sum(out_sizes)})")
     data = values[row, :needed]
     data = data.clone() if isinstance(data, torch.Tensor) else torch.from_numpy(np.array(data))
+    if data.dtype == torch.float64:  # no kernel wants it: keep float64 input as float32
+        data = data.float()
     if not torch.isfinite(data).all():
         raise LoraError(f"{where} holds non-finite values (inf or nan)")
     a = data[:rank * in_features].view(rank, in_features)

@@ -34,7 +34,7 @@ FAMILIES = {  # Qwen3's default head_dim is 128: q is 512 wide on a 64-wide mode
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),  # fused qkv_proj and gate_up_proj
 }
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-# Our module -> (the HF projection holding it, its row block within a fused B, or None)
+# Our module -> the unfused HF projection that holds it (fused ones: see peft_deltas)
 HF_NAMES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj", "up": "up_proj",
             "down": "down_proj"}
 TRTLLM_IDS = {"q_proj": 1, "k_proj": 2, "v_proj": 3, "o_proj": 4, "gate_proj": 5, "down_proj": 6, "up_proj": 7}
@@ -242,6 +242,8 @@ LAYER0 = "base_model.model.model.layers.0"
     ({"peft_type": "IA3"}, "peft_type 'IA3' is not supported"),
     ({"r": 128}, "rank 128 of adapter_config.json field r .* exceeds max_lora_rank 64"),
     ({"rank_pattern": {"q_proj": 65}}, r"rank 65 of adapter_config.json rank_pattern\['q_proj'\].* exceeds"),
+    ({"alpha_pattern": {"q_proj": "big"}}, r"alpha_pattern\['q_proj'\] must be a positive number, got 'big'"),
+    ({"lora_alpha": 0}, "lora_alpha must be a positive number, got 0"),
 ])
 def test_refused_configs(saved, tmp_path, edit, match):
     path = broken_copy(saved, tmp_path, config_edit=edit)
@@ -271,6 +273,8 @@ def _put(key: str, shape: tuple[int, ...]):
     (lambda t: t.update({f"{LAYER0}.self_attn.v_proj.lora_A.weight": torch.full((8, 64), float("nan"))}),
      "v_proj.lora_A.weight .* non-finite"),
     (lambda t: t.clear() or t.update({"unrelated": torch.zeros(1)}), "unrelated .* is not a lora_A/lora_B weight"),
+    (lambda t: t.clear(), "adapter_model.safetensors holds no LoRA tensors"),
+    (_put("model.layers.0.self_attn.o_proj.lora_A.weight", (8, 64)), "are both lora_A of layer 0 o_proj"),
 ])
 def test_refused_tensors(saved, tmp_path, edit, match):
     path = broken_copy(saved, tmp_path, tensors_edit=edit)
@@ -334,6 +338,15 @@ def test_trtllm_rank_above_max_names_module_layer_and_limit(saved, arrays):
     table = _with_row(table, 12, [7, 3, 128])  # up_proj is TRT-LLM's mlp_gate
     with pytest.raises(LoraError, match="lora_task_id 7: lora_config row 12: rank 128 of module mlp_gate in layer 3 exceeds max_lora_rank 64"):
         adapter_from_trtllm(weights, table, replace(saved[1], num_layers=4), 64, "lora_task_id 7")
+
+
+def test_trtllm_mlp_rows_on_moe_layers_are_refused(arrays):
+    config = model_config_from_hf(transformers.MixtralConfig(**_SHAPE, num_local_experts=4, num_experts_per_tok=2))
+    weights, table = arrays
+    attention = np.isin(table[:, 0], [1, 2, 3, 4])
+    assert len(adapter_from_trtllm(weights[attention], table[attention], config, 64, "t").weights) == 8
+    with pytest.raises(LoraError, match="row 4: layer 0 is a mixture-of-experts layer; LoRA on its MLP"):
+        adapter_from_trtllm(weights, table, config, 64, "t")
 
 
 def test_storage_dtypes(saved):
