@@ -23,9 +23,9 @@ The Triton path is two kernels, both gridded over (segment, M-block of that segm
    in float32; lora_a[slot] is read as one (J * R, I) matrix, so one program covers every slice.
    Few tokens per segment (decode) split the reduction over I across programs (split-K), so a
    batch-1 shrink is not one program streaming a (R, I) matrix alone.
-2. expand: out[token_order[i], n] += sum over splits of part[., i, j(n), :r] @ lora_b[slot, n, :r],
-   an N-block at a time (N-blocks never straddle a slice boundary). Each output element belongs
-   to one program: no atomics, and the split-K sum has a fixed order.
+2. expand: out[token_order[i], n] += (sum over splits of part[., i, j, :r]) @ lora_b[slot, n, :r],
+   for a chunk of output columns n inside one slice j (chunks never straddle a slice boundary).
+   Each output element belongs to one program: no atomics, and the split-K sum has a fixed order.
 Programs of an unused segment (slot -1), of an M-block past the segment's end, or of a slice of
 rank 0 exit at once; weights past a slot's rank are never loaded. Grid sizes come from host ints
 only (num_segments, max_segment_tokens, shapes), so a step is capturable in a CUDA graph:
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels._triton import jit, tl, triton, use_triton
+from kernels._triton import jit, num_sms, tl, triton, use_triton
 
 MAX_SLICES = 4  # the expand kernel takes the slice boundaries as scalars (S1..S3)
 DECODE_MAX_TOKENS = 64  # a batch whose segments all hold at most this many tokens splits the shrink's K
@@ -177,8 +177,7 @@ def _shrink_kernel(
     """Program (segment * m_blocks + M-block, column block, split): BLOCK_M tokens of the segment
     times BLOCK_R columns of lora_a[slot] viewed as (N_SLICES * R, K) (column c = slice c // R,
     rank c % R), over K range [split * K_PER_SPLIT, + K_PER_SPLIT).
-    part (SPLIT_K, capacity, N_SLICES * R) float32: row i is token_order position i; only columns
-    below their slice's rank are written."""
+    part (SPLIT_K, capacity, N_SLICES * R) float32: row i is token_order position i."""
     seg = tl.program_id(0) // m_blocks
     slot = tl.load(slots_ptr + seg)
     if slot < 0:
@@ -204,21 +203,27 @@ def _shrink_kernel(
         xt = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
         at = tl.load(a_rows + k[None, :], mask=col_ok[:, None] & (k < K)[None, :], other=0.0)
         acc = tl.dot(xt, tl.trans(at), acc, input_precision=PRECISION)
+    # Columns past a rank hold 0 (their lora_a rows loaded as 0); storing them keeps the store a
+    # whole-row vector store.
     part = part_ptr + (tl.program_id(2) * capacity + pos[:, None]).to(tl.int64) * (N_SLICES * R) + cols[None, :]
-    tl.store(part, acc, mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(part, acc, mask=row_ok[:, None] & (cols < N_SLICES * R)[None, :])
 
 
 @jit(do_not_specialize=["m_blocks", "capacity"])
 def _expand_kernel(
     part_ptr, b_ptr, ranks_ptr, order_ptr, starts_ptr, slots_ptr, out_ptr,
     N, S1, S2, S3, m_blocks, capacity, stride_om,
-    N_SLICES: tl.constexpr, R: tl.constexpr, R_PAD: tl.constexpr, SPLIT_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    N_SLICES: tl.constexpr, R: tl.constexpr, R_PAD: tl.constexpr, SPLIT_K: tl.constexpr, SPLIT_PAD: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK_N: tl.constexpr,
+    VEC_B: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Program (segment * m_blocks + M-block, N-block): out[tokens, n-block] += t @ lora_b[slot, n-block, :r].T
-    with t the SPLIT_K partial sums of the block's slice j added in split order. S1..S3: the
-    slice boundaries after slices 0..2 (N where there are fewer slices); BLOCK_N divides them,
-    so the whole block is in slice j."""
+    """Program (segment * m_blocks + M-block, N-chunk): out[tokens, chunk] += t @ lora_b[slot, chunk, :r].T,
+    BLOCK_N columns at a time, with t (BLOCK_M, R_PAD) the sum of the SPLIT_K partials of the
+    chunk's slice j, loaded once. S1..S3: the slice boundaries after slices 0..2 (N where there are
+    fewer slices); CHUNK_N divides them, so the whole chunk is in slice j.
+    Rank masks are rounded up to 16-byte vectors (VEC_B lora_b elements, 4 float32 partials) so the
+    loads vectorize; what that reads past the rank (same sectors, never past the row's R) is
+    replaced by 0 with ``where``."""
     seg = tl.program_id(0) // m_blocks
     slot = tl.load(slots_ptr + seg)
     if slot < 0:
@@ -227,27 +232,36 @@ def _expand_kernel(
     end = tl.load(starts_ptr + seg + 1)
     if start >= end:
         return
-    n0 = tl.program_id(1) * BLOCK_N
-    j = (n0 >= S1).to(tl.int32) + (n0 >= S2).to(tl.int32) + (n0 >= S3).to(tl.int32)
+    n_lo = tl.program_id(1) * CHUNK_N
+    j = (n_lo >= S1).to(tl.int32) + (n_lo >= S2).to(tl.int32) + (n_lo >= S3).to(tl.int32)
     rank = tl.load(ranks_ptr + slot * N_SLICES + j)
     if rank == 0:
         return
     pos = start + tl.arange(0, BLOCK_M)
     row_ok = pos < end
     ranks_i = tl.arange(0, R_PAD)
-    t_mask = row_ok[:, None] & (ranks_i < rank)[None, :]
-    t_ptrs = part_ptr + pos[:, None].to(tl.int64) * (N_SLICES * R) + j * R + ranks_i[None, :]
+    rank_ok = ranks_i < rank
+    # The partials of SPLIT_CHUNK splits in one (SPLIT_CHUNK, BLOCK_M, R_PAD) load: issued together,
+    # not one L2 round trip per split.
     t = tl.zeros([BLOCK_M, R_PAD], dtype=tl.float32)
-    for s in tl.static_range(SPLIT_K):
-        t += tl.load(t_ptrs + s * capacity * (N_SLICES * R), mask=t_mask, other=0.0)
-    n = n0 + tl.arange(0, BLOCK_N)
-    b = tl.load(b_ptr + slot.to(tl.int64) * N * R + n[:, None] * R + ranks_i[None, :],
-                mask=(ranks_i < rank)[None, :], other=0.0)  # (BLOCK_N, R_PAD)
-    acc = tl.dot(t, tl.trans(b.to(tl.float32)), input_precision=PRECISION)
+    t_mask = row_ok[:, None] & ((ranks_i // 4 * 4 < rank) & (ranks_i < R))[None, :]
+    for s0 in tl.static_range(0, SPLIT_PAD, SPLIT_CHUNK):
+        s = s0 + tl.arange(0, SPLIT_CHUNK)
+        rows = (s[:, None, None] * capacity + pos[None, :, None]).to(tl.int64) * (N_SLICES * R)
+        mask = (s < SPLIT_K)[:, None, None] & t_mask[None, :, :]
+        t += tl.sum(tl.load(part_ptr + rows + j * R + ranks_i[None, None, :], mask=mask, other=0.0), axis=0)
+    t = tl.where(rank_ok[None, :], t, 0.0)
     tokens = tl.load(order_ptr + pos, mask=row_ok, other=0).to(tl.int64)
-    o_ptrs = out_ptr + tokens[:, None] * stride_om + n[None, :]
-    o = tl.load(o_ptrs, mask=row_ok[:, None], other=0.0)
-    tl.store(o_ptrs, (o.to(tl.float32) + acc).to(o.dtype), mask=row_ok[:, None])
+    b_rows = b_ptr + slot.to(tl.int64) * N * R + ranks_i[None, :]
+    b_mask = ((ranks_i // VEC_B * VEC_B < rank) & (ranks_i < R))[None, :]
+    for n0 in range(n_lo, n_lo + CHUNK_N, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        b = tl.load(b_rows + n[:, None] * R, mask=b_mask, other=0.0)  # (BLOCK_N, R_PAD)
+        b = tl.where(rank_ok[None, :], b, 0.0)
+        acc = tl.dot(t, tl.trans(b.to(tl.float32)), input_precision=PRECISION)
+        o_ptrs = out_ptr + tokens[:, None] * stride_om + n[None, :]
+        o = tl.load(o_ptrs, mask=row_ok[:, None], other=0.0)
+        tl.store(o_ptrs, (o.to(tl.float32) + acc).to(o.dtype), mask=row_ok[:, None])
 
 
 @dataclass(frozen=True)
@@ -259,31 +273,38 @@ class LoraLaunch:
     block_k: int
     split_k: int
     k_per_split: int
-    block_n: int  # expand output columns per program: a power of 2 dividing every slice boundary
+    block_n: int  # expand output columns per tile
+    chunk_n: int  # expand output columns per program: a multiple of block_n dividing every slice boundary
     num_warps: int
 
 
-def choose_launch(max_segment_tokens: int, in_features: int, n_slices: int, max_rank: int,
-                  slice_starts: tuple[int, ...]) -> LoraLaunch:
-    """Decode-sized segments (<= DECODE_MAX_TOKENS tokens) stream weights: small M tiles and the
-    shrink's K split ~16 ways so a (J * R, I) lora_a read is spread over many SMs. Prefill-sized
-    segments are tensor-core GEMMs: 64-row tiles, no split, all slice-rank columns of a token block
-    in one or two programs so x is read about once."""
-    cols = n_slices * max_rank
+def choose_launch(max_segment_tokens: int, num_segments: int, in_features: int, n_slices: int, max_rank: int,
+                  slice_starts: tuple[int, ...], sms: int = 132, max_tiles_per_program: int = 4) -> LoraLaunch:
+    """Decode-sized segments (<= DECODE_MAX_TOKENS tokens) stream weights: 16-row tiles and the
+    shrink's K split into ~512-column shares, so a (J * R, I) lora_a read is spread over many SMs
+    (on an H100, bf16 rank 16, batch 1: 8 splits of I = 4096 and 28 of 14336 timed best,
+    benchmarks/lora_kernel_bench.py --sweep). Prefill-sized segments are tensor-core GEMMs: 64-row
+    tiles, no split, all slice-rank columns of a token block in one or two programs so x is read
+    about once. The expand gives a program up to ``max_tiles_per_program`` column tiles (loading
+    its t once) when there are more than ~4 tiles per SM."""
     boundary_gcd = math.gcd(*slice_starts)
-    block_n = min(128, boundary_gcd & -boundary_gcd)  # largest power of 2 dividing every boundary
+    pow2_gcd = boundary_gcd & -boundary_gcd  # the largest power of 2 dividing every slice boundary
+    block_n = min(128, pow2_gcd)
     if max_segment_tokens <= DECODE_MAX_TOKENS:
-        block_m = max(16, triton.next_power_of_2(max_segment_tokens))
-        block_r = min(64, max(16, triton.next_power_of_2(max_rank)))
-        block_k = 128
-        split_k = min(16, triton.cdiv(in_features, 256))
+        # 16-row tiles even for a 64-token segment: in a captured graph max_segment_tokens is the
+        # capacity, and most segments hold a token or two.
+        block_m, block_r, block_k = 16, min(64, max(16, triton.next_power_of_2(max_rank))), 128
+        split_k = min(32, triton.cdiv(in_features, 512))
         num_warps = 4
     else:
         block_m, block_k, split_k, num_warps = 64, 64, 1, 8
-        block_r = min(128, max(16, triton.next_power_of_2(cols)))
+        block_r = min(128, max(16, triton.next_power_of_2(n_slices * max_rank)))
     k_per_split = triton.cdiv(triton.cdiv(in_features, split_k), block_k) * block_k
     split_k = triton.cdiv(in_features, k_per_split)  # no empty splits
-    return LoraLaunch(block_m, block_r, block_k, split_k, k_per_split, block_n, num_warps)
+    tiles = num_segments * triton.cdiv(max_segment_tokens, block_m) * (slice_starts[-1] // block_n)
+    tiles_per_program = min(max_tiles_per_program, pow2_gcd // block_n, max(1, tiles // (4 * sms)))
+    chunk_n = block_n * (1 << (tiles_per_program.bit_length() - 1))  # a power of 2 times block_n
+    return LoraLaunch(block_m, block_r, block_k, split_k, k_per_split, block_n, chunk_n, num_warps)
 
 
 def check_shapes(x: torch.Tensor, out: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
@@ -328,16 +349,21 @@ def lora_expand(part: torch.Tensor, out: torch.Tensor, lora_b: torch.Tensor, ran
     out_features = out.shape[1]
     bounds = list(slice_starts[1:-1]) + [out_features] * (MAX_SLICES - n_slices)
     m_blocks = triton.cdiv(batch.max_segment_tokens, launch.block_m)
-    grid = (batch.num_segments * m_blocks, out_features // launch.block_n)
+    grid = (batch.num_segments * m_blocks, out_features // launch.chunk_n)
+    r_pad = max(16, triton.next_power_of_2(max_rank))
+    split_pad = triton.next_power_of_2(launch.split_k)
+    # Splits summed per load: at most 4096 float32 (32 registers a thread at 4 warps).
+    split_chunk = min(split_pad, max(1, 4096 // (launch.block_m * r_pad)))
     _expand_kernel[grid](
         part, lora_b, ranks, batch.token_order, batch.segment_starts, batch.segment_slots, out,
         out_features, *bounds, m_blocks, part.shape[1], out.stride(0),
-        N_SLICES=n_slices, R=max_rank, R_PAD=max(16, triton.next_power_of_2(max_rank)), SPLIT_K=launch.split_k,
-        BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
+        N_SLICES=n_slices, R=max_rank, R_PAD=r_pad, SPLIT_K=launch.split_k, SPLIT_PAD=split_pad,
+        SPLIT_CHUNK=split_chunk, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, CHUNK_N=launch.chunk_n,
+        VEC_B=16 // lora_b.element_size(),
         # fp32 engines get fp32 dots; otherwise t (float32) meets lora_b in a tf32 dot (10-bit
         # mantissa, finer than bf16's 7 and equal to fp16's, so lora_b is exact).
         PRECISION="ieee" if out.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=1,
+        num_warps=4, num_stages=2,
     )
 
 
@@ -348,7 +374,8 @@ def add_lora_triton(x: torch.Tensor, out: torch.Tensor, lora_a: torch.Tensor, lo
     if batch.max_segment_tokens == 0 or batch.num_segments == 0 or x.shape[0] == 0:
         return
     if launch is None:
-        launch = choose_launch(batch.max_segment_tokens, x.shape[1], ranks.shape[1], lora_a.shape[2], slice_starts)
+        launch = choose_launch(batch.max_segment_tokens, batch.num_segments, x.shape[1], ranks.shape[1],
+                               lora_a.shape[2], slice_starts, num_sms(x.device))
     part = lora_shrink(x, lora_a, ranks, batch, launch)
     lora_expand(part, out, lora_b, ranks, slice_starts, batch, launch)
 

@@ -7,6 +7,8 @@ that reads them, even to multiply by zero, fails.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from kernel_testing import TOLERANCE, low_precision_dtypes, relative_error
@@ -16,6 +18,7 @@ from kernels.lora import (
     add_lora,
     add_lora_ref,
     add_lora_triton,
+    choose_launch,
     lora_batch,
 )
 
@@ -226,6 +229,27 @@ def test_triton_mixed_ranks(device, num_tokens, num_adapters, max_rank):
                          random_ranks(num_adapters, 3, choices, seed=8), seed=9, dtype=dtype, device=device)
         batch = lora_batch(row_slots, seq_lens, device)
         check(*run_both(x, out, *pool, slice_starts, batch), dtype, batch.token_order.long())
+
+
+@pytest.mark.parametrize("variant", [
+    {"split_k": 1, "k_per_split": 256},  # no split
+    {"split_k": 3, "k_per_split": 128, "block_k": 64},  # splits not a power of 2, two K steps each
+    {"block_n": 32, "chunk_n": 128},  # four column tiles per expand program
+    {"block_m": 64, "block_r": 128, "block_k": 64, "split_k": 1, "k_per_split": 256, "num_warps": 8},  # prefill tiles
+])
+def test_triton_launch_variants(device, variant):
+    """Tilings choose_launch picks for other shapes, forced on a small one (mixed ranks, NaN past them)."""
+    slice_starts = (0, 256, 384, 512)
+    row_slots, seq_lens = mixed_sequences(40, 5)
+    x, out = make_rows(sum(seq_lens), 256, 512, seed=18, device=device)
+    pool = make_pool(5, 256, slice_starts, 16, random_ranks(5, 3, [0, 4, 16], seed=19), seed=20, device=device)
+    batch = lora_batch(row_slots, seq_lens, device)
+    launch = dataclasses.replace(choose_launch(batch.max_segment_tokens, batch.num_segments, 256, 3, 16,
+                                               slice_starts), **variant)
+    expected = out.clone()
+    add_lora_ref(x, expected, *pool, slice_starts, batch)
+    add_lora_triton(x, out, *pool, slice_starts, batch, launch)
+    check(out, expected, torch.float32, batch.token_order.long())
 
 
 LLAMA_8B = {"qkv": (4096, QKV_8B), "gate_up": (4096, GATE_UP_8B), "o": (4096, (0, 4096)), "down": (14336, (0, 4096))}
