@@ -7,8 +7,12 @@ Shapes and invariants: kernels/attention.py's module docstring.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from kernels.lora import LoraBatch
 
 
 @dataclass
@@ -30,6 +34,10 @@ class AttentionMetadata:
     # int32. The grid is then max_tiles programs per KV head, whatever the batch holds.
     tile_seq: torch.Tensor | None = None
     tile_m: torch.Tensor | None = None
+    # LoRA (kernels/lora.py): which adapter slot each token uses, grouped by slot; None when no
+    # token of the forward uses an adapter (the projections then skip LoRA entirely). It rides
+    # here because every layer already receives this object.
+    lora: "LoraBatch | None" = None
 
     @property
     def num_seqs(self) -> int:

@@ -54,7 +54,9 @@ def default_substitutions(engine_dir: str, *, max_batch_size: int = 8, decoupled
                          "batch_scheduler_policy": "guaranteed_no_evict", "enable_kv_cache_reuse": "True",
                          "max_beam_width": "2", "cancellation_check_period_ms": "100",
                          "stats_check_period_ms": "100", "tokenizer_dir": engine_dir,
-                         "guided_decoding_backend": "xgrammar"},
+                         "guided_decoding_backend": "xgrammar",
+                         # LoRA on (README "LoRA adapters"): 4 device slots of rank up to 64
+                         "enable_lora": "true", "max_loras": "4", "lora_cache_max_adapter_size": "64"},
         "postprocessing": {**common, "tokenizer_dir": engine_dir, "skip_special_tokens": "True",
                            "postprocessing_instance_count": "1"},
         "tensorrt_llm_bls": {**common, "logits_datatype": "TYPE_FP32", "decoupled_mode": str(decoupled).lower(),

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from serving.requests import (UnsupportedFeature, any_nonzero, any_text, guided_decoding, non_empty,
+from serving.requests import (UnsupportedFeature, any_nonzero, any_text, guided_decoding, lora_adapter, non_empty,
                               refuse_unsupported, without)
 from serving.tokenization import REPLACEMENT_CHAR, DecodeWindow, TextDeltas
 
@@ -31,6 +31,7 @@ LLM_INPUTS_FROM_REQUEST = {
     "return_perf_metrics": "return_perf_metrics", "exclude_input_in_output": "exclude_input_in_output",
     "num_return_sequences": "num_return_sequences", "prompt_vocab_size": "prompt_vocab_size",
     "lora_task_id": "lora_task_id", "lora_weights": "lora_weights", "lora_config": "lora_config",
+    "lora_id": "lora_id", "lora_name": "lora_name", "lora_path": "lora_path",  # beyond the reference
     "guided_decoding_guide_type": "guided_decoding_guide_type",
     "guided_decoding_guide": "guided_decoding_guide",
     "prompt_embedding_table": "prompt_embedding_table",
@@ -70,17 +71,13 @@ def wants_token_ids(tensors: dict[str, np.ndarray]) -> bool:
 
 # The BLS's inputs of features this backend does not have, refused under the BLS's own names with
 # the same kind of rules as tensorrt_llm's (serving/requests.py): absent, empty (size 0) or "off"
-# values pass. Refused when: lora_task_id, lora_weights, lora_config, prompt_embedding_table,
+# values pass. Refused when: prompt_embedding_table,
 # image_input, image_bytes_input, video_bytes_input: any element; prompt_table_extra_id,
 # prompt_vocab_size: non-zero; image_url_input: a non-empty string; decoder_text_input: a
 # non-empty string (an empty one is no decoder prompt); num_draft_tokens: > 0. use_draft_logits is
 # accepted: it only matters with draft tokens. guided_decoding_guide_type/guided_decoding_guide go
 # to tensorrt_llm as they are (not ragged here, (B, 1) both), after the same check it makes.
 UNSUPPORTED_FEATURES = (
-    UnsupportedFeature(
-        "LoRA adapters are", without("lora_task_id", "lora_weights", "lora_config"),
-        {"lora_task_id": non_empty("lora_task_id"), "lora_weights": non_empty("lora_weights"),
-         "lora_config": non_empty("lora_config")}),
     UnsupportedFeature(
         "prompt tuning (prompt embedding tables) is",
         without("prompt_embedding_table", "prompt_table_extra_id", "prompt_vocab_size")
@@ -109,7 +106,7 @@ UNSUPPORTED_FEATURES = (
 
 def validate(tensors: dict[str, np.ndarray]) -> None:
     """The reference BLS checks, with its texts; then inputs of features this backend lacks, and
-    the guided-decoding pair (serving/requests.py guided_decoding)."""
+    the guided-decoding pair and the LoRA inputs (serving/requests.py guided_decoding, lora_adapter)."""
     text = tensors.get("text_input")
     if text is None or text.size == 0:
         raise ValueError("text_input is required")
@@ -119,6 +116,7 @@ def validate(tensors: dict[str, np.ndarray]) -> None:
     refuse_unsupported(tensors, text.shape[0], UNSUPPORTED_FEATURES)
     for row in range(text.shape[0]):  # before preprocessing runs; tensorrt_llm checks the same
         guided_decoding(tensors, text.shape[0], row)
+        lora_adapter(tensors, text.shape[0], row)
 
 
 def with_batch_dim(array: np.ndarray, batch_size: int) -> np.ndarray:

@@ -39,6 +39,8 @@ SIMPLE_SETTINGS = {
     "lora_cache_gpu_memory_fraction": ("lora_cache_gpu_memory_fraction", float),
     "lora_cache_host_memory_bytes": ("lora_cache_host_memory_bytes", int),
     "lora_prefetch_dir": ("lora_prefetch_dir", str),
+    "enable_lora": ("enable_lora", bool),  # beyond the reference (our engines take adapters at run time)
+    "max_loras": ("max_loras", int),  # beyond the reference (vLLM's name): device slots for adapters
     "enable_context_fmha_fp32_acc": ("enable_context_fmha_fp32_acc", bool),
     "multi_block_mode": ("multi_block_mode", bool),
     "cuda_graph_mode": ("cuda_graph_mode", bool),
@@ -100,6 +102,8 @@ def executor_settings(params: dict[str, str], model_config: dict) -> dict[str, A
     settings["medusa_choices"] = parse_choices(get_parameter(params, "medusa_choices", str))
     settings["eagle_choices"] = parse_choices(get_parameter(params, "eagle_choices", str))
     settings.update(guided_decoding_settings(params))
+    if settings["enable_lora"] is None and any(settings[name] is not None for name in LORA_SETTINGS):
+        settings["enable_lora"] = True
     queue_policy = model_config.get("dynamic_batching", {}).get("default_queue_policy", {})
     max_queue_size = int(queue_policy.get("max_queue_size", 0) or 0)
     settings["max_queue_size"] = max_queue_size if max_queue_size > 0 else None
@@ -128,6 +132,12 @@ def guided_decoding_settings(params: dict[str, str]) -> dict[str, Any]:
             "grammar_cache_size": get_parameter(params, "grammar_cache_size", int)}
 
 
+# Filling any of these turns LoRA on unless enable_lora says false: the reference's engines take
+# adapters when built for them, ours at run time, and a user who sizes the adapter cache wants one.
+LORA_SETTINGS = ("lora_cache_max_adapter_size", "lora_cache_gpu_memory_fraction", "lora_cache_host_memory_bytes",
+                 "lora_prefetch_dir", "max_loras")
+
+
 # Our setting names -> other spellings an ExecutorConfig may use for the same thing.
 ALIASES = {
     "batch_scheduler_policy": ("scheduler_policy", "batch_scheduler_policy"),
@@ -136,6 +146,7 @@ ALIASES = {
                                        "free_mem_fraction"),
     "enable_block_reuse": ("enable_block_reuse", "enable_kv_cache_reuse"),
     "max_attention_window": ("max_attention_window", "max_attention_window_size"),
+    "lora_cache_max_adapter_size": ("max_lora_rank", "lora_cache_max_adapter_size"),
 }
 
 

@@ -63,6 +63,29 @@ GAUGES: list[GaugeSpec] = [
     }),
 ]
 
+# LoRA (beyond the reference): adapters resident in the cache (engine/lora/cache.py); absent while
+# LoRA is off (the getters then fail and gauge_values skips them).
+GAUGES.append(("tritonllm_lora_adapters", "LoRA adapters resident in the adapter cache", "location", {
+    "gpu": lambda s: s.lora_cache_stats.adapters_in_gpu, "host": lambda s: s.lora_cache_stats.adapters_in_host,
+}))
+# Cumulative LoRA counts, published as counters by their growth: cache events by kind, and
+# requests per adapter (labelled by lora_name, or "lora_task_id N").
+LORA_EVENTS_FAMILY = ("tritonllm_lora_cache_events_total", "LoRA adapter cache events", "event")
+LORA_REQUESTS_FAMILY = ("tritonllm_lora_requests_total", "Requests served with each LoRA adapter", "adapter")
+LORA_EVENTS = {"gpu_load": "gpu_loads", "gpu_eviction": "gpu_evictions", "gpu_hit": "gpu_hits",
+               "host_load": "host_loads", "host_eviction": "host_evictions"}
+
+
+def lora_counts(stats: Any) -> dict[tuple[str, str], int]:
+    """{(family, label value): cumulative count} of the LoRA counters; {} while LoRA is off."""
+    lora = getattr(stats, "lora_cache_stats", None)
+    if lora is None:
+        return {}
+    counts = {(LORA_EVENTS_FAMILY[0], event): getattr(lora, field) for event, field in LORA_EVENTS.items()}
+    counts.update({(LORA_REQUESTS_FAMILY[0], name): count for name, count in lora.requests.items()})
+    return counts
+
+
 # With static batching (gpt_model_type v1) this family replaces the in-flight batcher one.
 V1_GAUGE: GaugeSpec = ("nv_trt_llm_v1_metrics", "TRT LLM v1-specific metrics", "v1_specific_metric", {
     "total_context_tokens": _stat("num_ctx_tokens"),

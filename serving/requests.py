@@ -48,8 +48,6 @@ IGNORED_INPUTS = (
 # "off". A plain request through the ensemble delivers preprocessing's decoder_input_ids ([[pad_id]]
 # per item) and decoder_input_lengths ([[1]]), and prompt_table_extra_ids (0 at every ordinary
 # token) when the client sent prompt_table_extra_id; those pass. Rule per input (refused when):
-#   lora_task_id, lora_weights, lora_config: any element. No task id means "no adapter": the
-#       reference builds a LoRA config for every id sent, and NVIDIA's clients leave it out instead.
 #   prompt_embedding_table: any element. prompt_table_extra_ids: a non-zero id (ids are 1.. per
 #       NVIDIA's clients; 0 marks ordinary tokens). prompt_vocab_size: non-zero.
 #   draft_input_ids, draft_logits, draft_acceptance_threshold: any element (a threshold only says
@@ -188,10 +186,6 @@ def without(*names: str) -> str:
 
 UNSUPPORTED_FEATURES = (
     UnsupportedFeature(
-        "LoRA adapters are", without("lora_task_id", "lora_weights", "lora_config"),
-        {"lora_task_id": non_empty("lora_task_id"), "lora_weights": non_empty("lora_weights"),
-         "lora_config": non_empty("lora_config")}),
-    UnsupportedFeature(
         "prompt tuning (prompt embedding tables) is",
         without("prompt_embedding_table", "prompt_table_extra_ids", "prompt_vocab_size")
         + " (an empty table, extra ids 0 and prompt_vocab_size 0 are accepted)",
@@ -296,6 +290,51 @@ def guided_decoding(tensors: Mapping[str, np.ndarray], batch_size: int, row: int
     return guide_type, guide
 
 
+# ----------------------------------------------------------------------------- LoRA adapters
+#
+# Two ways to name a request's adapter (engine.executor.request.LoraRequest):
+# - the reference's lora_task_id (UINT64), with lora_weights (FP16 (rows, in*r + r*out)) and
+#   lora_config (INT32 (rows, 3)) on the task's first request; later ones send the id alone;
+# - beyond the reference, TensorRT-LLM's LLM-API inputs: lora_id (UINT64), lora_path (a PEFT
+#   directory on the server's filesystem, read on first use) and lora_name (for metrics).
+# An absent or empty tensor is not sent. The adapter itself is checked by the engine, which answers
+# a bad one with a per-request error naming the tensor.
+LORA_INPUTS = ("lora_task_id", "lora_weights", "lora_config", "lora_id", "lora_name", "lora_path")
+
+
+def lora_adapter(tensors: Mapping[str, np.ndarray], batch_size: int, row: int) -> dict[str, Any] | None:
+    """Item `row`'s adapter as LoraRequest fields, or None for the base model; ValueError naming
+    the input when the combination is wrong."""
+    task_id = read_scalar(tensors, "lora_task_id", batch_size, row) if _present(tensors.get("lora_task_id")) else None
+    lora_id = read_scalar(tensors, "lora_id", batch_size, row) if _present(tensors.get("lora_id")) else None
+    weights = read_row(tensors, "lora_weights", batch_size, row) if _present(tensors.get("lora_weights")) else None
+    config = read_row(tensors, "lora_config", batch_size, row) if _present(tensors.get("lora_config")) else None
+    path = read_text(tensors, "lora_path", batch_size, row)
+    name = read_text(tensors, "lora_name", batch_size, row)
+    if task_id is not None and lora_id is not None and int(task_id) != int(lora_id):
+        raise ValueError(f"lora_task_id ({int(task_id)}) and lora_id ({int(lora_id)}) differ; send one of them")
+    key = task_id if task_id is not None else lora_id
+    if key is None:
+        sent = [n for n, v in (("lora_weights", weights), ("lora_config", config), ("lora_path", path),
+                               ("lora_name", name)) if v is not None]
+        if sent:
+            raise ValueError(f"{sent[0]} was sent without lora_task_id (or lora_id); the adapter's id "
+                             "names it in the cache and must come with it")
+        return None
+    if (weights is None) != (config is None):
+        given, missing = ("lora_weights", "lora_config") if config is None else ("lora_config", "lora_weights")
+        raise ValueError(f"{given} was sent without {missing}; a LoRA task's first request sends "
+                         "lora_task_id, lora_weights and lora_config together")
+    if weights is not None and path is not None:
+        raise ValueError("lora_weights and lora_path were both sent; name the adapter one way "
+                         "(TensorRT-LLM's rows or a PEFT directory)")
+    key = int(key)
+    if key < 0:
+        raise ValueError(f"lora_task_id must be a non-negative integer, got {key}")
+    return {"task_id": key, "weights": None if weights is None else weights[0],
+            "config": None if config is None else config[0], "path": path, "name": name}
+
+
 @dataclass
 class RequestSpec:
     """Everything needed to build one executor `Request` for one batch row."""
@@ -312,6 +351,7 @@ class RequestSpec:
     sampling: dict[str, Any] = field(default_factory=dict)
     output: dict[str, Any] = field(default_factory=dict)
     guided_decoding: tuple[str, str | None] | None = None  # (guide type, guide)
+    lora: dict[str, Any] | None = None  # LoraRequest fields (lora_adapter)
 
     @property
     def num_return_sequences(self) -> int:
@@ -443,6 +483,7 @@ def convert_row(tensors: Mapping[str, np.ndarray], row: int, batch_size: int, *,
         sampling=_sampling(tensors, batch_size, row),
         output=_output(tensors, batch_size, row, exclude_input_default),
         guided_decoding=guided_decoding(tensors, batch_size, row),
+        lora=lora_adapter(tensors, batch_size, row),
     )
 
 
@@ -466,7 +507,7 @@ def is_stop_request(tensors: Mapping[str, np.ndarray]) -> bool:
 
 def to_executor_request(spec: RequestSpec):
     """Build the engine's `Request` (imported here so this module loads without the engine)."""
-    from engine.executor.request import GuidedDecodingParams, OutputConfig, Request, SamplingConfig
+    from engine.executor.request import GuidedDecodingParams, LoraRequest, OutputConfig, Request, SamplingConfig
 
     return Request(
         input_token_ids=spec.input_token_ids, max_tokens=spec.max_tokens, end_id=spec.end_id,
@@ -474,4 +515,5 @@ def to_executor_request(spec: RequestSpec):
         output=OutputConfig(**spec.output), stop_words=spec.stop_words, bad_words=spec.bad_words,
         embedding_bias=spec.embedding_bias,
         guided_decoding=None if spec.guided_decoding is None else GuidedDecodingParams(*spec.guided_decoding),
+        lora=None if spec.lora is None else LoraRequest(**spec.lora),
     )

@@ -9,7 +9,7 @@ _EXPORTS = {
     "Executor": "executor", "ExecutorConfig": "executor", "ExecutorConfigError": "executor",
     "IterationStats": "stats", "KvCacheStats": "stats",
     "Request": "request", "Response": "request", "Result": "request", "SamplingConfig": "request",
-    "OutputConfig": "request", "FinishReason": "request", "RequestPerfMetrics": "request",
+    "OutputConfig": "request", "FinishReason": "request", "RequestPerfMetrics": "request", "LoraRequest": "request",
 }
 
 

@@ -30,6 +30,7 @@ from engine.executor.overlap import resolve_placeholders
 from kernels._triton import PDL_ALLOWED, PDL_ENV, pdl_supported, set_pdl
 from kernels.attention_metadata import AttentionMetadata
 from kernels.linear import replay_time_ms
+from kernels.lora import LoraBatch, LoraBatchBuffers
 
 
 def default_buckets(max_batch_size: int) -> list[int]:
@@ -47,8 +48,11 @@ class DecodeGraphs:
 
     def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, *, tokens_per_block: int,
                  max_seq_len: int, max_batch_size: int, buckets: list[int] | None = None,
-                 sampled_tokens: torch.Tensor | None = None):
+                 sampled_tokens: torch.Tensor | None = None, lora_slots: int = 0):
         self.model = model
+        # LoRA (``lora_slots`` adapter slots): a second graph per bucket runs the adapters, over
+        # static segment buffers (kernels/lora.py); steps without adapter rows keep the plain one.
+        self.lora_slots = lora_slots
         # The runner's ring of sampled tokens that placeholder ids name; its address is captured.
         self.sampled_tokens = (sampled_tokens if sampled_tokens is not None
                                else torch.zeros(1, dtype=torch.int64, device=kv_cache.device))
@@ -61,6 +65,10 @@ class DecodeGraphs:
         self.max_blocks = -(-max_seq_len // tokens_per_block)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[int, torch.Tensor] = {}
+        self.lora_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.lora_hidden: dict[int, torch.Tensor] = {}
+        self.lora_buffers = (LoraBatchBuffers(self.max_batch_size, min(self.max_batch_size, lora_slots), kv_cache.device)
+                             if lora_slots else None)
         self._allocate_buffers()
 
     def _allocate_buffers(self) -> None:
@@ -79,12 +87,21 @@ class DecodeGraphs:
         self._copied = torch.cuda.Event()
         self._copied.record()
 
-    def _meta(self, bs: int) -> AttentionMetadata:
+    def _meta(self, bs: int, lora: bool = False) -> AttentionMetadata:
         return AttentionMetadata(
             slot_mapping=self.dev_i64[2, :bs], block_tables=self.dev_tables[:bs],
             cu_seqlens_q=self.cu_seqlens[:bs + 1], context_lens=self.dev_ctx[:bs],
             max_seqlen_q=1, max_context_len=self.max_seq_len, is_decode_only=True,
+            lora=self._lora_batch(bs) if lora else None,
         )
+
+    def _lora_batch(self, bs: int) -> LoraBatch:
+        """The static segment buffers seen by bucket ``bs``: a step fills segments from the front,
+        and one of bs rows uses at most min(bs, slots) adapters, each at most bs tokens."""
+        full = self.lora_buffers.batch()
+        segments = min(bs, self.lora_slots)
+        return LoraBatch(token_order=full.token_order[:bs], segment_starts=full.segment_starts[:segments + 1],
+                         segment_slots=full.segment_slots[:segments], max_segment_tokens=bs)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -93,6 +110,9 @@ class DecodeGraphs:
         for bs in reversed(self.buckets):
             args = (self.dev_i64[0, :bs], self.dev_i64[1, :bs], self.kv_cache, self._meta(bs))
             self.graphs[bs], self.hidden[bs] = capture_forward(self.model, args, self.sampled_tokens, pool)
+            if self.lora_buffers is not None:
+                args = args[:3] + (self._meta(bs, lora=True),)
+                self.lora_graphs[bs], self.lora_hidden[bs] = capture_forward(self.model, args, self.sampled_tokens, pool)
         torch.cuda.synchronize()
 
     def try_run(self, batch) -> torch.Tensor | None:
@@ -102,7 +122,10 @@ class DecodeGraphs:
         if not (0 < num_seqs <= self.max_batch_size and len(batch.token_ids) == num_seqs
                 and all(n == 1 for n in batch.seq_lens_q)):
             return None
-        hidden = self.run(batch.token_ids, batch.positions, batch.context_lens, batch.block_tables)
+        if batch.lora_slots is not None and self.lora_buffers is None:
+            return None
+        hidden = self.run(batch.token_ids, batch.positions, batch.context_lens, batch.block_tables,
+                          batch.lora_slots)
         if hidden is None:
             return None
         if len(batch.logits_indices) != num_seqs or batch.logits_indices != list(range(num_seqs)):
@@ -113,10 +136,11 @@ class DecodeGraphs:
         return self.buckets[bisect.bisect_left(self.buckets, num_seqs)]
 
     def run(self, token_ids: list[int], positions: list[int], context_lens: list[int],
-            block_tables: list[list[int]]) -> torch.Tensor | None:
+            block_tables: list[list[int]], lora_slots: list[int] | None = None) -> torch.Tensor | None:
         """One decode step of len(token_ids) sequences -> hidden (num_seqs, hidden), a view that the
         next ``run`` overwrites (consume it, e.g. compute logits, before the next step); None when a
-        block table is wider than the graphs allow."""
+        block table is wider than the graphs allow. ``lora_slots``: each row's adapter slot (-1:
+        none), replayed through the LoRA graphs."""
         bs = len(token_ids)
         if max(map(len, block_tables)) > self.max_blocks:
             return None
@@ -129,6 +153,10 @@ class DecodeGraphs:
         self.dev_ctx[:bucket].copy_(self.host_ctx[:bucket], non_blocking=True)
         self.dev_tables[:bucket].copy_(self.host_tables[:bucket], non_blocking=True)
         self._copied.record()
+        if lora_slots is not None:
+            self.lora_buffers.fill(lora_slots, [1] * bs)
+            self.lora_graphs[bucket].replay()
+            return self.lora_hidden[bucket][:bs]
         self.graphs[bucket].replay()
         return self.hidden[bucket][:bs]
 

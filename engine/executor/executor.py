@@ -27,6 +27,9 @@ import torch
 
 from engine.executor import beam_search
 from engine.executor.guided import GrammarCache, GuideError, TokenMasks, make_matcher
+from engine.lora.adapter import LoraError
+from engine.lora.cache import AdapterCache, RunnerSlots
+from engine.lora.prefetch import prefetch_adapters
 from engine.executor.kv_cache import BlockManager
 from engine.executor.output import ResponseQueue, responses_for
 from engine.executor.overlap import (
@@ -46,6 +49,8 @@ from engine.executor.stats import (  # noqa: F401
 )
 
 GPU_MEMORY_READ_PERIOD_S = 0.1  # IterationStats.gpu_mem_usage is at most this old
+MAX_LORA_RANK = 256
+CPU_LORA_SLOTS = 8
 
 
 class ExecutorConfigError(ValueError):
@@ -90,6 +95,17 @@ class ExecutorConfig:
     guided_decoding_backend: str | None = None
     tokenizer_dir: str | None = None
     grammar_cache_size: int = 512
+    # LoRA (engine/lora/): enable_lora allocates device slots for adapters of rank up to
+    # max_lora_rank (the reference's lora_cache_max_adapter_size) on every adapted projection:
+    # max_loras of them, or else as many as lora_cache_gpu_memory_fraction of the free device
+    # memory holds (CPU: 8), at most max_batch_size. Parsed adapters stay in a host tier of
+    # lora_cache_host_memory_bytes. lora_prefetch_dir: adapters loaded at start (engine/lora/prefetch.py).
+    enable_lora: bool = False
+    max_lora_rank: int = 64
+    max_loras: int | None = None
+    lora_cache_gpu_memory_fraction: float = 0.05
+    lora_cache_host_memory_bytes: int = 1 << 30
+    lora_prefetch_dir: str | None = None
 
     def validate(self) -> "ExecutorConfig":
         def require(ok: bool, message: str) -> None:
@@ -126,6 +142,14 @@ class ExecutorConfig:
                 "allowed: xgrammar (or leave it unset to refuse guided requests)")
         require(isinstance(self.grammar_cache_size, int) and self.grammar_cache_size >= 1,
                 f"ExecutorConfig.grammar_cache_size must be an integer >= 1, got {self.grammar_cache_size!r}")
+        require(isinstance(self.max_lora_rank, int) and 1 <= self.max_lora_rank <= MAX_LORA_RANK,
+                f"ExecutorConfig.max_lora_rank must be an integer in 1..{MAX_LORA_RANK}, got {self.max_lora_rank!r}")
+        require(self.max_loras is None or (isinstance(self.max_loras, int) and self.max_loras >= 1),
+                f"ExecutorConfig.max_loras must be a positive integer or None, got {self.max_loras!r}")
+        require(0 < self.lora_cache_gpu_memory_fraction <= 1,
+                f"ExecutorConfig.lora_cache_gpu_memory_fraction must be in (0, 1], got {self.lora_cache_gpu_memory_fraction!r}")
+        require(isinstance(self.lora_cache_host_memory_bytes, int) and self.lora_cache_host_memory_bytes >= 0,
+                f"ExecutorConfig.lora_cache_host_memory_bytes must be an integer >= 0, got {self.lora_cache_host_memory_bytes!r}")
         require(self.iter_stats_max_iterations >= 1,
                 f"ExecutorConfig.iter_stats_max_iterations must be >= 1, got {self.iter_stats_max_iterations!r}")
         return self
@@ -158,12 +182,32 @@ class Executor:
                                           f"({getattr(build, name)}); rebuild the engine or lower it")
         self.max_batch_size = cfg.max_batch_size or build.max_batch_size
         self.max_num_tokens = max(cfg.max_num_tokens or build.max_num_tokens, self.max_batch_size)
+        self._init_lora()  # the adapter slots come before the KV pool, which takes what is left
         num_blocks = self.runner.num_kv_blocks_for(free_mem_fraction=cfg.kv_cache_free_gpu_mem_fraction,
                                                    max_tokens=cfg.max_tokens_in_paged_kv_cache,
                                                    kv_cache_dtype=cfg.kv_cache_dtype)
         self.runner.allocate_kv_cache(num_blocks, kv_cache_dtype=cfg.kv_cache_dtype)
         self.runner.capture_cuda_graphs()  # CUDA: GEMM choice + decode graphs (the "compiled engine"); CPU: no-op
         self.runner.warmup()  # CUDA: compile the prefill kernels before the first request; CPU: no-op
+
+    def _init_lora(self) -> None:
+        self.adapters: AdapterCache | None = None
+        cfg = self.config
+        if not cfg.enable_lora:
+            return
+        if cfg.max_loras is not None:
+            num_slots = cfg.max_loras
+        elif self.runner.device.type == "cuda":
+            free_bytes, _ = torch.cuda.mem_get_info(self.runner.device)
+            num_slots = int(free_bytes * cfg.lora_cache_gpu_memory_fraction) // self.runner.lora_slot_bytes(cfg.max_lora_rank)
+        else:
+            num_slots = CPU_LORA_SLOTS
+        num_slots = max(1, min(num_slots, self.max_batch_size))
+        self.runner.enable_lora(num_slots, cfg.max_lora_rank)
+        self.adapters = AdapterCache(RunnerSlots(self.runner), self.runner.model_config, max_rank=cfg.max_lora_rank,
+                                     host_bytes=cfg.lora_cache_host_memory_bytes)
+        if cfg.lora_prefetch_dir:
+            prefetch_adapters(self.adapters, cfg.lora_prefetch_dir)
 
     def _init_scheduler(self) -> None:
         self.blocks = BlockManager(self.runner.num_kv_blocks, self.runner.tokens_per_block,
@@ -172,7 +216,8 @@ class Executor:
                                    max_num_tokens=self.max_num_tokens, policy=self.config.batch_scheduler_policy,
                                    enable_chunked_context=self.config.enable_chunked_context,
                                    static_batching=self.config.batching_type == "static",
-                                   kv_window=self.runner.model_config.kv_window)  # frees blocks that left it
+                                   kv_window=self.runner.model_config.kv_window,  # frees blocks that left it
+                                   acquire_adapter=self._acquire_adapter)
         build = self.runner.build_config
         self.limits = RequestLimits(
             vocab_size=self.runner.vocab_size, max_seq_len=build.max_seq_len,
@@ -286,6 +331,8 @@ class Executor:
                 self._iteration_log = None
         if self.grammars is not None:
             self.grammars.shutdown()
+        if self.adapters is not None:
+            self.adapters.shutdown()
         if hasattr(self.runner, "shutdown") and not self._runner_released:  # leader mode: release the workers
             self._runner_released = True
             self.runner.shutdown()
@@ -303,6 +350,9 @@ class Executor:
             return ("guided_decoding_guide_type: guided decoding is not enabled on this model; set the "
                     "tensorrt_llm parameter guided_decoding_backend to xgrammar, or send the request "
                     "without guided_decoding_guide_type/guided_decoding_guide")
+        if request.lora is not None and self.adapters is None:
+            return ("lora_task_id: LoRA is not enabled on this model; set the tensorrt_llm parameter enable_lora "
+                    "to true, or send the request without lora_task_id/lora_weights/lora_config/lora_path")
         limit = self.config.max_queue_size
         if limit and len(self._inbox) + self._num_unscheduled >= limit:
             return f"Maximum queue size of {limit} has been reached, rejecting request"
@@ -387,10 +437,49 @@ class Executor:
                 seq.can_reuse_prefix = not state.request.output.return_context_logits
                 seq.seed = self._seed_for(state, index)
                 state.sequences.append(seq)
-            if state.request.guided_decoding is None:
-                self._schedule_sequences(state)
-            else:
-                self._compile_guide(state)
+            if state.request.lora is not None and not self._prepare_adapter(state):
+                continue
+            self._prepare(state)
+
+    def _prepare(self, state: RequestState) -> None:
+        """A request joins the queue once what it waits for is ready, off the loop: its adapter's
+        parse (engine/lora/cache.py), then its grammar (engine/executor/guided.py)."""
+        if state.adapter_future is not None:
+            self._wait_for(state, state.adapter_future)
+        elif state.request.guided_decoding is not None and state.grammar_future is None:
+            self._compile_guide(state)
+        else:
+            self._schedule_sequences(state)
+
+    def _prepare_adapter(self, state: RequestState) -> bool:
+        """Find or start loading the request's adapter; False (the request failed) if it cannot be."""
+        lora = state.request.lora
+        try:
+            state.adapter_future = self.adapters.prepare(lora)
+        except LoraError as err:
+            self._fail(state, str(err))
+            return False
+        self.adapters.note_request(lora.task_id)
+        state.lora_key = lora.task_id
+        return True
+
+    def _acquire_adapter(self, state: RequestState) -> bool:
+        """The scheduler admits ``state``'s first sequence: it needs its adapter in a slot. False:
+        every slot is held by running requests; it waits."""
+        if state.lora_slot >= 0 or state.request.lora is None:
+            return True
+        slot = self.adapters.acquire(state.lora_key)
+        if slot is None:
+            return False
+        state.lora_slot = slot
+        return True
+
+    def _wait_for(self, state: RequestState, future) -> None:
+        self._compiling[state.request_id] = state
+        if future.done():
+            self._admit_compiled([state])
+        else:
+            future.add_done_callback(lambda _, state=state: self._grammar_ready(state))
 
     def _schedule_sequences(self, state: RequestState) -> None:
         for index, seq in enumerate(state.sequences):
@@ -401,11 +490,7 @@ class Executor:
     def _compile_guide(self, state: RequestState) -> None:
         """The request waits (queued, unscheduled) until its grammar is compiled off the loop."""
         state.grammar_future = self.grammars.compile(state.request.guided_decoding)
-        self._compiling[state.request_id] = state
-        if state.grammar_future.done():  # cached
-            self._admit_compiled([state])
-        else:
-            state.grammar_future.add_done_callback(lambda _, state=state: self._grammar_ready(state))
+        self._wait_for(state, state.grammar_future)
 
     def _grammar_ready(self, state: RequestState) -> None:
         with self._cv:  # (on a compile thread)
@@ -413,12 +498,22 @@ class Executor:
             self._cv.notify()
 
     def _admit_compiled(self, ready: list[RequestState]) -> None:
-        """Guided requests whose grammar compiled get a matcher per sequence and join the queue; a
+        """Requests whose adapter was parsed go on to their grammar (or the queue); guided requests
+        whose grammar compiled get a matcher per sequence and join the queue. A bad adapter or a
         guide that failed to compile fails its request."""
         for state in ready:
             if self._compiling.pop(state.request_id, None) is None or state.request_id not in self._active:
                 continue  # cancelled, failed or shut down meanwhile
             if state.is_cancelled or all(seq.is_finished for seq in state.sequences):
+                continue
+            if state.adapter_future is not None:
+                future, state.adapter_future = state.adapter_future, None
+                try:
+                    self.adapters.loaded(state.lora_key, future)
+                except Exception as err:
+                    self._fail(state, str(err) if isinstance(err, LoraError) else f"LoRA adapter: {err!r}")
+                    continue
+                self._prepare(state)
                 continue
             try:
                 compiled = state.grammar_future.result()
@@ -525,6 +620,7 @@ class Executor:
         or more); sampling = (sequence, logits row) of each non-beam sequence that samples."""
         token_ids, positions, seq_lens, context_lens, tables, logits_indices, rows = [], [], [], [], [], [], []
         sampling = []
+        lora_slots = [item.seq.state.lora_slot for item in plan.scheduled] if self.adapters is not None else []
         T = self.blocks.tokens_per_block
         for item in plan.scheduled:  # runs once per sequence per step: kept free of calls in the decode case
             seq, start, n = item.seq, item.start, item.num_new_tokens
@@ -547,7 +643,9 @@ class Executor:
             if item.samples and seq.state.request.sampling.beam_width <= 1:  # not is_beam_search
                 sampling.append((seq, len(logits_indices) - 1))
         slot = self._parity * self.runner.sampled_tokens.shape[0] // 2 if sampling else -1
-        return ForwardBatch(token_ids, positions, seq_lens, context_lens, tables, logits_indices, slot), rows, sampling
+        batch = ForwardBatch(token_ids, positions, seq_lens, context_lens, tables, logits_indices, slot,
+                             lora_slots if any(s >= 0 for s in lora_slots) else None)
+        return batch, rows, sampling
 
     def _logit_positions(self, item) -> list[int]:
         """Chunk-relative tokens whose logits are needed: new prompt positions for context logits, then the last."""
@@ -777,6 +875,12 @@ class Executor:
 
     def _retire(self, state: RequestState) -> None:
         """The request has ended (every sequence finished, or failed): forget it."""
+        if state.lora_key is not None:  # its adapter slot (or its claim on one) goes back
+            if state.lora_slot >= 0:
+                self.adapters.release(state.lora_key)
+            else:
+                self.adapters.forget_request(state.lora_key)
+            state.lora_key, state.lora_slot = None, -1
         self._leave_queue(state)  # e.g. cancelled while still queued
         self._active.pop(state.request_id, None)
         self._sync_request_ids.discard(state.request_id)
@@ -819,7 +923,8 @@ class Executor:
             num_paused_requests=len(plan.preempted), num_preempted_requests=self.scheduler.num_preemptions,
             cpu_mem_usage=0 if on_gpu else kv_bytes,
             gpu_mem_usage=self._gpu_memory_allocated() if on_gpu else 0,
-            kv_cache_stats=kv_cache_stats(self.blocks))
+            kv_cache_stats=kv_cache_stats(self.blocks),
+            lora_cache_stats=None if self.adapters is None else self.adapters.snapshot())
         self._stats_history.append(stats)
         if self._iteration_log is not None:
             self._iteration_log.write(stats, self._deliver_ms)

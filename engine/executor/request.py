@@ -111,6 +111,24 @@ class GuidedDecodingParams:
 
 
 @dataclass
+class LoraRequest:
+    """The LoRA adapter a request runs with (engine/lora/), keyed by ``task_id``.
+
+    Three ways to name it: TensorRT-LLM's rows (``weights`` (rows, in*r + r*out) and ``config``
+    (rows, 3) ``[module_id, layer_idx, adapter_size]``, sent with the task's first request; later
+    ones send the id alone), a PEFT directory (``path``: adapter_config.json and the weights,
+    read on first use; TensorRT-LLM's LLM-API ``lora_id``/``lora_name``/``lora_path``), or the
+    id alone of an adapter already cached. ``name`` labels it in metrics.
+    """
+
+    task_id: int
+    weights: Any = None  # numpy/torch (rows, row_len) or (1, rows, row_len)
+    config: Any = None  # numpy/torch int (rows, 3) or (1, rows, 3)
+    path: str | None = None
+    name: str | None = None
+
+
+@dataclass
 class Request:
     """One generation request, as the Triton model hands it to ``Executor.enqueue_request``.
 
@@ -130,6 +148,7 @@ class Request:
     bad_words: list[list[int]] | None = None
     embedding_bias: Any = None  # torch.Tensor | list[float] | numpy array of shape (vocab,)
     guided_decoding: GuidedDecodingParams | None = None  # constrains every returned sequence
+    lora: LoraRequest | None = None  # the adapter every returned sequence runs with
 
 
 @dataclass
@@ -283,6 +302,9 @@ class RequestState:
         self.context_logits_parts: list[torch.Tensor] = []
         self.finished_streams: set[int] = set()  # sequence_index values whose final response went out
         self.grammar_future = None  # guided decoding: Future of the CompiledGrammar (engine/executor/guided.py)
+        self.adapter_future = None  # LoRA: Future of the adapter's parse, until the cache has it (engine/lora/cache.py)
+        self.lora_key = None  # LoRA: the adapter's cache key while this request counts as its user
+        self.lora_slot = -1  # LoRA: the device slot this request holds, -1 while it holds none
 
     @property
     def is_beam_search(self) -> bool:
@@ -363,6 +385,20 @@ def _guide_error(guide: GuidedDecodingParams, beam_width: int) -> str | None:
     return error
 
 
+def _lora_error(lora: LoraRequest) -> str | None:
+    """The request-level checks of a LoRA request; the adapter's own are engine/lora/'s."""
+    if not isinstance(lora, LoraRequest):
+        return f"lora must be a LoraRequest, got {type(lora).__name__}"
+    if isinstance(lora.task_id, bool) or not isinstance(lora.task_id, int) or lora.task_id < 0:
+        return f"lora_task_id must be a non-negative integer, got {lora.task_id!r}"
+    if (lora.weights is None) != (lora.config is None):
+        given, missing = ("lora_weights", "lora_config") if lora.config is None else ("lora_config", "lora_weights")
+        return f"{given} was sent without {missing}; a LoRA task's first request sends lora_task_id, lora_weights and lora_config together"
+    if lora.weights is not None and lora.path:
+        return "lora_weights and lora_path were both sent; name the adapter one way (TensorRT-LLM rows or a PEFT directory)"
+    return None
+
+
 def validate_request(request: Request, limits: RequestLimits) -> str | None:
     """The reason ``request`` cannot run (naming field, value and what is allowed), or None."""
     prompt = list(request.input_token_ids) if request.input_token_ids is not None else []
@@ -394,6 +430,8 @@ def validate_request(request: Request, limits: RequestLimits) -> str | None:
     error = error or _output_error(request.output or OutputConfig(), beams)
     if error is None and request.guided_decoding is not None:
         error = _guide_error(request.guided_decoding, beams)
+    if error is None and request.lora is not None:
+        error = _lora_error(request.lora)
     if error is None and request.embedding_bias is not None:
         size = torch.as_tensor(request.embedding_bias).numel()
         if size != limits.vocab_size:
@@ -435,4 +473,7 @@ def normalize_request(request: Request) -> Request:
         output=_normalized_output(request.output or OutputConfig()),
         stop_words=words("stop_words", request.stop_words),
         bad_words=words("bad_words", request.bad_words),
+        lora=None if request.lora is None else replace(
+            request.lora, task_id=request.lora.task_id if isinstance(request.lora.task_id, bool)
+            else operator.index(request.lora.task_id)),
     )

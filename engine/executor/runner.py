@@ -22,12 +22,14 @@ from engine.executor.cuda_graphs import DecodeGraphs, choose_programmatic_launch
 from engine.executor.overlap import resolve_placeholders
 from engine.executor.prefill_graphs import PrefillGraphs
 from engine.executor.random_weights import has_random_weights, materialize_random_weights
+from engine.lora.pool import LoraPools
 from engine.models.layers import Linear, enable_one_shot_all_reduce
 from kernels.attention import KV_FP8_DTYPE
 from kernels.attention_metadata import AttentionMetadata
 from kernels.triton_attention import prefill_tokens_per_tile
 from kernels.fp8 import FP8_DTYPE, choose_fp8_skinny_variants
 from kernels.linear import choose_gated_weights, choose_skinny_weights
+from kernels.lora import lora_batch
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 CPU_KV_BUDGET_BYTES = 256 * 1024 * 1024  # a CPU pool never grows past this on its own
@@ -56,6 +58,9 @@ class ForwardBatch:
     # Where this step's sampled tokens go in the runner's sampled_tokens ring (first slot; -1: the
     # step samples nothing). Leader mode: the workers receive them there too.
     sampled_tokens_slot: int = -1
+    # LoRA: the adapter pool slot of each sequence (-1: the base model); None when no sequence
+    # of the step uses an adapter.
+    lora_slots: list[int] | None = None
 
 
 class ModelRunner:
@@ -85,6 +90,7 @@ class ModelRunner:
         # next step's inputs can name them before they reach the host (engine/executor/overlap.py).
         self.sampled_tokens = torch.zeros(2 * self.build_config.max_batch_size, dtype=torch.int64, device=self.device)
         self.decode_graphs: DecodeGraphs | None = None  # captured by capture_cuda_graphs() on CUDA
+        self.lora_pools: LoraPools | None = None  # enable_lora(): adapter slots on every adapted projection
         self.prefill_graphs: PrefillGraphs | None = None  # steps with prompt tokens (engine/executor/prefill_graphs.py)
 
     def _load_model(self, engine_dir: str, tp_group) -> torch.nn.Module:
@@ -113,6 +119,29 @@ class ModelRunner:
             raise EngineFormatError(f"rank{self.rank}.safetensors has wrong tensor shapes: {err}") from None
         model.init_buffers(self.device)
         return model.eval()
+
+    # ---- LoRA -------------------------------------------------------------------------------
+
+    def lora_slot_bytes(self, max_rank: int) -> int:
+        return LoraPools.slot_bytes(self.model, max_rank, self.dtype)
+
+    def enable_lora(self, num_slots: int, max_rank: int) -> None:
+        """Allocate ``num_slots`` adapter slots of rank up to ``max_rank`` on every adapted
+        projection (engine/lora/pool.py). Before the KV pool and the CUDA graphs: the graphs
+        capture the pools' addresses, and the pools come out of the memory the KV pool sizes from."""
+        if not getattr(self.model, "supports_lora", False):
+            raise ValueError(f"LoRA adapters are not supported for {self.model_config.architecture} yet; "
+                             "supported: the Llama-family models (Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3; "
+                             "attention only on mixture-of-experts layers)")
+        self.lora_pools = LoraPools(self.model, num_slots=num_slots, max_rank=max_rank, tp_rank=self.rank,
+                                    tp_size=self.build_config.tp_size, dtype=self.dtype, device=self.device)
+
+    def load_adapter(self, slot: int, adapter) -> None:
+        """Copy ``adapter`` (engine.lora.adapter.LoraAdapter) into pool slot ``slot``."""
+        self.lora_pools.write(slot, adapter)
+
+    def check_adapter(self, adapter) -> None:
+        self.lora_pools.check(adapter)
 
     # ---- KV pool --------------------------------------------------------------------------
 
@@ -195,7 +224,8 @@ class ModelRunner:
             sampled_tokens=self.sampled_tokens)
         self.decode_graphs = DecodeGraphs(self.model, self.kv_cache, tokens_per_block=self.tokens_per_block,
                                           max_seq_len=build.max_seq_len, max_batch_size=build.max_batch_size,
-                                          sampled_tokens=self.sampled_tokens)
+                                          sampled_tokens=self.sampled_tokens,
+                                          lora_slots=0 if self.lora_pools is None else self.lora_pools.num_slots)
         self.decode_graphs.capture()
         if self.prefill_graphs_enabled():
             cfg = self.model_config
@@ -258,7 +288,7 @@ class ModelRunner:
             hidden = self.decode_graphs.try_run(batch)
             if hidden is not None:  # a decode-only batch, replayed from its bucket's graph
                 return self.model.compute_logits(hidden)
-        if self.prefill_graphs is not None and not all_logits:
+        if self.prefill_graphs is not None and not all_logits and batch.lora_slots is None:
             hidden = self.prefill_graphs.try_run(batch)
             if hidden is not None:  # a batch with prompt tokens, replayed from its token bucket's graph
                 return self.model.compute_logits(hidden)
@@ -300,6 +330,7 @@ class ModelRunner:
             is_decode_only=all(n == 1 for n in batch.seq_lens_q),
             cu_seqlens_q_host=cu_seqlens,
             context_lens_host=list(batch.context_lens),
+            lora=None if batch.lora_slots is None else lora_batch(batch.lora_slots, batch.seq_lens_q, self.device),
         )
         return self._to_device(batch.token_ids, torch.int64), self._to_device(batch.positions, torch.int64), meta
 

@@ -90,7 +90,7 @@ class Scheduler:
 
     def __init__(self, block_manager: BlockManager, *, max_batch_size: int, max_num_tokens: int,
                  policy: str = "guaranteed_no_evict", enable_chunked_context: bool = False,
-                 static_batching: bool = False, kv_window: int | None = None):
+                 static_batching: bool = False, kv_window: int | None = None, acquire_adapter=None):
         if policy not in POLICIES:
             raise ValueError(f"batch_scheduler_policy {policy!r} is not supported; allowed: {', '.join(POLICIES)}")
         self.blocks = block_manager
@@ -100,6 +100,9 @@ class Scheduler:
         self.enable_chunked_context = enable_chunked_context
         self.static_batching = static_batching  # TRT-LLM "v1": a batch runs to completion before the next forms
         self.kv_window = kv_window  # every layer's attention window (ModelConfig.kv_window); None: keep all blocks
+        # LoRA: acquire_adapter(request_state) -> False while every adapter slot is held (the
+        # newcomer waits at the head of the queue, as for blocks); None: no adapters here.
+        self.acquire_adapter = acquire_adapter
         self.num_window_freed_blocks = 0  # cumulative blocks returned early by the window
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # sorted by arrival_order: the tail is the newest
@@ -201,6 +204,8 @@ class Scheduler:
         while self.waiting and budget.seqs > 0 and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
             if self.policy == "guaranteed_no_evict" and not self._can_reserve(seq, promised):
+                return
+            if self.acquire_adapter is not None and not self.acquire_adapter(seq.state):
                 return
             reused = 0 if seq.block_ids else self.blocks.acquire_cached_prefix(seq)  # a fork holds its prefix
             num_new = self._num_tokens_to_schedule(seq, budget)

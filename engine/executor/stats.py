@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.executor.kv_cache import BlockManager
 
@@ -39,6 +40,8 @@ class IterationStats:
     gpu_mem_usage: int = 0
     pinned_mem_usage: int = 0
     kv_cache_stats: KvCacheStats = field(default_factory=KvCacheStats)
+    # LoRA: a snapshot of engine.lora.cache.LoraCacheStats (None when LoRA is off).
+    lora_cache_stats: Any = None
 
 
 def kv_cache_stats(blocks: BlockManager) -> KvCacheStats:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -30,8 +31,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.fp8 import FP8_DTYPE, QuantizedRows, fp8_gated_linear, fp8_linear, quantizes_activations, rms_norm_quantized
+from kernels.activation import silu_and_mul
 from kernels.linear import gated_linear, linear, linear_float32_out
 from kernels.rmsnorm import rms_norm
+
+if TYPE_CHECKING:
+    from engine.lora.pool import LinearLora
+    from kernels.lora import LoraBatch
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +121,10 @@ class Linear(nn.Module):
 
     ``quantization="fp8"``: weight is float8_e4m3fn with ``weight_scale`` (out_local,) float32 per
     output channel, and the product runs the FP8 scheme of kernels/fp8.py (the bias stays in dtype).
+
+    ``lora``: this projection's slots of the adapter pool (engine/lora/pool.py), set when the
+    executor enables LoRA; a plain attribute, so the state dict keeps the engine-directory names.
+    A forward given a LoraBatch adds each token's adapter product to the base output.
     """
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype: torch.dtype, device=None,
@@ -126,9 +136,13 @@ class Linear(nn.Module):
         self.weight = _empty(out_features, in_features, dtype=weight_dtype, device=device)
         self.weight_scale = _empty(out_features, dtype=torch.float32, device=device) if quantization else None
         self.bias = _empty(out_features, dtype=dtype, device=device) if bias else None
+        self.lora: LinearLora | None = None
 
-    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
-        return self._product(x, self.bias)
+    def forward(self, x: torch.Tensor | QuantizedRows, lora: LoraBatch | None = None) -> torch.Tensor:
+        out = self._product(x, self.bias)
+        if lora is not None and self.lora is not None:
+            self.lora.add(x, out, lora)
+        return out
 
     def _product(self, x: torch.Tensor | QuantizedRows, bias: torch.Tensor | None) -> torch.Tensor:
         if self.weight_scale is not None:
@@ -137,12 +151,20 @@ class Linear(nn.Module):
 
     def takes_quantized_rows(self, x: torch.Tensor) -> bool:
         """Whether this layer would quantize x per token itself (an FP8 weight on the W8A8 path),
-        so that the kernel making x may hand it QuantizedRows instead."""
-        return self.weight_scale is not None and quantizes_activations(x.device)
+        so that the kernel making x may hand it QuantizedRows instead. Not with LoRA slots: the
+        adapters read x in the model dtype."""
+        return self.weight_scale is not None and self.lora is None and quantizes_activations(x.device)
 
-    def gated(self, x: torch.Tensor | QuantizedRows, *, quantize_output: bool = False) -> torch.Tensor | QuantizedRows:
+    def gated(self, x: torch.Tensor | QuantizedRows, *, quantize_output: bool = False,
+              lora: LoraBatch | None = None) -> torch.Tensor | QuantizedRows:
         """silu(x @ gate.T) * (x @ up.T) for a fused [gate | up] weight (2 * inter, in).
-        ``quantize_output``: the result feeds an FP8 layer; it may come back as QuantizedRows."""
+        ``quantize_output``: the result feeds an FP8 layer; it may come back as QuantizedRows.
+        With a LoraBatch the adapters' products join gate and up before the activation, so the
+        fused gated kernels give way to the plain product."""
+        if lora is not None and self.lora is not None:
+            gate_up = self._product(x, None)
+            self.lora.add(x, gate_up, lora)
+            return silu_and_mul(gate_up)
         if self.weight_scale is not None:
             return fp8_gated_linear(x, self.weight, self.weight_scale, quantize_output=quantize_output)
         return gated_linear(x, self.weight)  # one fused skinny kernel for decode batches when chosen at load
@@ -156,8 +178,12 @@ class RowParallelLinear(Linear):
         super().__init__(in_local, out_features, bias=bias, dtype=dtype, device=device, quantization=quantization)
         self.tp_group = tp_group
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
         out = self._product(x, None)
+        if lora is not None and self.lora is not None:
+            # A holds this rank's input columns: B(A_r x_r) summed over ranks is B(A x), so the
+            # adapter's partial product joins the base one before the all-reduce.
+            self.lora.add(x, out, lora)
         if self.tp_group is not None:
             out = tp_all_reduce(out, self.tp_group)
         return out if self.bias is None else out + self.bias

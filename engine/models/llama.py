@@ -20,6 +20,8 @@ kernels handle whole heads.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -31,6 +33,9 @@ from kernels.attention import paged_attention, write_kv_cache
 from kernels.rmsnorm import rms_norm
 from kernels.rope_attention import rope_paged_attention
 from kernels.rotary import build_cos_sin_cache
+
+if TYPE_CHECKING:
+    from kernels.lora import LoraBatch
 
 
 class LlamaLayer(nn.Module):
@@ -76,7 +81,7 @@ class LlamaLayer(nn.Module):
         self.down_proj = RowParallelLinear(inter_local, config.hidden_size, bias=False, tp_group=tp_group, **quant)
 
     def attention(self, x, positions, cos_sin_cache, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = qkv_heads(self.qkv_proj(x), self.num_heads, self.num_kv_heads, self.head_dim,
+        q, k, v = qkv_heads(self.qkv_proj(x, meta.lora), self.num_heads, self.num_kv_heads, self.head_dim,
                             self.q_norm, self.k_norm, self.eps)
         k_cache, v_cache = kv_cache[self.layer_index, 0], kv_cache[self.layer_index, 1]
         if self.use_rope:
@@ -86,10 +91,13 @@ class LlamaLayer(nn.Module):
         else:
             write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
             out = paged_attention(q, k_cache, v_cache, meta, self.scale, sliding_window=self.sliding_window)
-        return self.o_proj(out.reshape(out.shape[0], -1))
+        return self.o_proj(out.reshape(out.shape[0], -1), meta.lora)
 
-    def mlp(self, h: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj.gated(h, quantize_output=self.down_proj.weight_scale is not None))
+    def mlp(self, h: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
+        """``lora``: the forward's adapter rows (engine/lora/pool.py); down_proj then takes its
+        input unquantized (its adapter reads it in the model dtype)."""
+        quantize = self.down_proj.weight_scale is not None and (lora is None or self.down_proj.lora is None)
+        return self.down_proj(self.gate_up_proj.gated(h, quantize_output=quantize, lora=lora), lora)
 
     def forward(self, x, residual, positions, cos_sin_cache, kv_cache, meta):
         """x, residual: (num_tokens, hidden); residual None on the first layer. Returns both, updated.
@@ -101,7 +109,7 @@ class LlamaLayer(nn.Module):
         # A sparse MoE layer keeps its experts' weights in self.moe: it has no gate_up_proj.
         h, residual = rms_norm_into(getattr(self, "gate_up_proj", None), h, self.post_attn_norm.weight, self.eps,
                                     residual)
-        return self.mlp(h), residual
+        return self.mlp(h, meta.lora), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -111,6 +119,8 @@ class LlamaForCausalLM(nn.Module):
     # Steps with prompt tokens may replay CUDA graphs (engine/executor/prefill_graphs.py): checked
     # against the eager forward in tests/engine/test_cuda_graphs.py.
     supports_prefill_graphs = True
+    # Adapters on the attention and dense MLP projections (engine/lora/pool.py attaches them).
+    supports_lora = True
 
     def __init__(self, config: ModelConfig, *, tp_rank: int = 0, tp_size: int = 1, tp_group=None,
                  dtype: torch.dtype = torch.float32, device=None, max_positions: int | None = None,

@@ -68,8 +68,9 @@ class MoeLayer(LlamaLayer):
             return
         self.moe = SparseMoeBlock(config, tp_size=tp_size, tp_group=tp_group, dtype=dtype, device=device)
 
-    def mlp(self, h: torch.Tensor) -> torch.Tensor:
-        return super().mlp(h) if self.moe is None else self.moe(h)
+    def mlp(self, h: torch.Tensor, lora=None) -> torch.Tensor:
+        # LoRA reaches the dense layers' MLP; the experts take none (engine/lora/pool.py says so).
+        return super().mlp(h, lora) if self.moe is None else self.moe(h)
 
 
 class MoeForCausalLM(LlamaForCausalLM):

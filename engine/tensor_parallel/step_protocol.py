@@ -40,13 +40,16 @@ class Op(enum.IntEnum):
 
 
 def _field_kind(field: dataclasses.Field) -> str:
-    """'nested' (list[list[int]]), 'list' (list[int]) or 'scalar' (int/bool), from the annotation."""
+    """'nested' (list[list[int]]), 'list' (list[int]), 'optional' (list[int] | None) or 'scalar'
+    (int/bool), from the annotation."""
     text = field.type if isinstance(field.type, str) else repr(field.type)
     text = text.replace(" ", "")
     if text == "list[list[int]]":
         return "nested"
     if text == "list[int]":
         return "list"
+    if text == "list[int]|None":
+        return "optional"
     if text in ("int", "bool", "<class'int'>", "<class'bool'>"):
         return "scalar"
     raise TypeError(f"ForwardBatch field {field.name!r} has type {text}, which the step protocol cannot send")
@@ -56,7 +59,8 @@ def encode_batch(batch) -> torch.Tensor:
     """Pack a ForwardBatch into one flat int32 tensor, field by field in declaration order.
 
     list[int] -> [len, v0, v1, ...]; list[list[int]] -> [rows, len_0, ..., len_{rows-1}, flat...];
-    int/bool -> [v]. Example: block_tables [[3, 4], [7]] -> [2, 2, 1, 3, 4, 7].
+    int/bool -> [v]; list[int] | None -> like list[int], None as [-1]. Example: block_tables
+    [[3, 4], [7]] -> [2, 2, 1, 3, 4, 7].
     """
     flat: list[int] = []
     for field in dataclasses.fields(batch):
@@ -64,7 +68,9 @@ def encode_batch(batch) -> torch.Tensor:
         kind = _field_kind(field)
         if kind == "scalar":
             flat.append(int(value))
-        elif kind == "list":
+        elif kind == "optional" and value is None:
+            flat.append(-1)
+        elif kind in ("list", "optional"):
             flat.append(len(value))
             flat.extend(value)
         else:
@@ -88,7 +94,10 @@ def decode_batch(payload: torch.Tensor, batch_class):
             continue
         count = values[cursor]
         cursor += 1
-        if kind == "list":
+        if kind == "optional" and count < 0:
+            kwargs[field.name] = None
+            continue
+        if kind in ("list", "optional"):
             kwargs[field.name] = values[cursor:cursor + count]
             cursor += count
             continue

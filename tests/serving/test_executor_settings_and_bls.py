@@ -34,8 +34,9 @@ def test_every_parameter_maps_to_the_executor_config():
     assert config.disable_overlap_scheduler is True and config.stream_interval == 3
     # accepted, but the executor has no such knob
     assert not set(ignored) & {field.name for field in dataclasses.fields(ExecutorConfig)}
-    assert {"device_ids", "max_attention_window", "lora_cache_max_adapter_size", "multi_block_mode",
-            "decoding_mode"} <= set(ignored)
+    assert {"device_ids", "max_attention_window", "multi_block_mode", "decoding_mode"} <= set(ignored)
+    # the LoRA cache's size is ours to honour: filling it turns LoRA on (serving/executor_config.py)
+    assert config.max_lora_rank == 64 and config.enable_lora is True
 
 
 def test_unfilled_template_gives_executor_defaults():

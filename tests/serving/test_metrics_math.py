@@ -2,8 +2,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from collections import Counter
+
 from serving.metrics import (GAUGES, RequestLatency, TOKEN_LEN_BUCKETS, gauge_values,
-                             generated_token_count, timestamp_seconds)
+                             generated_token_count, lora_counts, timestamp_seconds)
 
 
 def stats(**overrides):
@@ -12,7 +14,10 @@ def stats(**overrides):
     base = dict(timestamp=1715988519.0, iter=42, num_active_requests=5, max_num_active_requests=64,
                 num_queued_requests=1, num_scheduled_requests=3, num_context_requests=1,
                 num_gen_requests=2, num_ctx_tokens=30, num_paused_requests=0, cpu_mem_usage=1000,
-                gpu_mem_usage=0, pinned_mem_usage=0, kv_cache_stats=kv)
+                gpu_mem_usage=0, pinned_mem_usage=0, kv_cache_stats=kv,
+                lora_cache_stats=SimpleNamespace(adapters_in_gpu=2, adapters_in_host=3, gpu_loads=4, gpu_evictions=1,
+                                                 gpu_hits=7, host_loads=3, host_evictions=0,
+                                                 requests=Counter({"sql": 5, "lora_task_id 3": 6})))
     base.update(overrides)
     return SimpleNamespace(**base)
 
@@ -25,8 +30,20 @@ def test_gauge_values_follow_the_reference_mapping():
     assert values[("nv_trt_llm_kv_cache_block_metrics", "tokens_per")] == 16
     assert values[("nv_trt_llm_inflight_batcher_metrics", "total_context_tokens")] == 30
     assert values[("nv_trt_llm_general_metrics", "iteration_counter")] == 42
+    assert values[("tritonllm_lora_adapters", "gpu")] == 2 and values[("tritonllm_lora_adapters", "host")] == 3
     expected = sum(len(getters) for *_, getters in GAUGES)
     assert len(values) == expected
+
+
+def test_lora_counters_come_from_the_cache_stats_and_are_absent_while_lora_is_off():
+    counts = lora_counts(stats())
+    assert counts[("tritonllm_lora_cache_events_total", "gpu_load")] == 4
+    assert counts[("tritonllm_lora_cache_events_total", "gpu_eviction")] == 1
+    assert counts[("tritonllm_lora_cache_events_total", "gpu_hit")] == 7
+    assert counts[("tritonllm_lora_requests_total", "sql")] == 5
+    assert counts[("tritonllm_lora_requests_total", "lora_task_id 3")] == 6
+    assert lora_counts(stats(lora_cache_stats=None)) == {}
+    assert ("tritonllm_lora_adapters", "gpu") not in gauge_values(stats(lora_cache_stats=None))
 
 
 def test_missing_stats_are_skipped_and_empty_pool_fraction_is_zero():

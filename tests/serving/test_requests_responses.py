@@ -94,8 +94,8 @@ def test_retention_hints_are_ignored_and_unsupported_features_refused():
     # the rule of every refused input)
     tensors = minimal(**{name: np.zeros((1, 1), np.int32) for name in IGNORED_INPUTS})
     assert convert_request(tensors, decoupled=False) == convert_request(minimal(), decoupled=False)
-    with pytest.raises(ValueError, match="^lora_task_id: LoRA adapters are not supported by this backend"):
-        convert_request(minimal(lora_task_id=np.array([[1]], np.uint64)), decoupled=False)
+    with pytest.raises(ValueError, match="^prompt_embedding_table: prompt tuning .* is not supported by this backend"):
+        convert_request(minimal(prompt_embedding_table=np.ones((1, 4, 8), np.float16)), decoupled=False)
 
 
 def test_stop_detection_and_error_wrapping():

@@ -12,7 +12,7 @@ import pytest
 
 from serving.bls import (LLM_INPUTS_FROM_PREPROCESSING, LLM_INPUTS_FROM_REQUEST, PREPROCESSING_INPUTS,
                          validate, with_batch_dim)
-from serving.requests import (GUIDED_INPUTS, IGNORED_INPUTS, UNSUPPORTED_INPUTS, conversion_error_message,
+from serving.requests import (GUIDED_INPUTS, IGNORED_INPUTS, LORA_INPUTS, UNSUPPORTED_INPUTS, conversion_error_message,
                               convert_request)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -40,9 +40,6 @@ def minimal(**extra):
 
 # input -> (its value in a request that really uses the feature, other inputs that request sends)
 USED = {
-    "lora_task_id": (np.array([[3]], np.uint64), {}),
-    "lora_weights": (np.ones((1, 2, 16), np.float16), {}),
-    "lora_config": (np.array([[[0, 0, 8], [1, 0, 8]]], np.int32), {}),
     "prompt_embedding_table": (np.ones((1, 4, 8), np.float16), {}),
     "prompt_table_extra_ids": (np.array([[0, 0, 7]], np.uint64), {}),
     "prompt_vocab_size": (i32([4]), {}),
@@ -78,7 +75,7 @@ def test_every_unsupported_input_has_a_case_and_every_declared_input_a_rule():
             "repetition_penalty", "min_tokens", "presence_penalty", "frequency_penalty", "seed",
             "return_log_probs", "return_context_logits", "return_generation_logits",
             "return_perf_metrics", "exclude_input_in_output", "stop", "streaming", "num_top_log_probs",
-            *GUIDED_INPUTS}
+            *GUIDED_INPUTS, *LORA_INPUTS}
     assert declared == read | set(UNSUPPORTED_INPUTS) | set(IGNORED_INPUTS)
     assert not set(UNSUPPORTED_INPUTS) & set(IGNORED_INPUTS)
 
@@ -97,13 +94,11 @@ def test_a_used_unsupported_input_is_refused_by_name(name):
 
 def test_error_text_names_what_is_wrong_and_what_is_allowed():
     with pytest.raises(ValueError) as raised:
-        convert_request(minimal(lora_task_id=np.array([[3]], np.uint64)), decoupled=False)
-    assert str(raised.value) == ("lora_task_id: LoRA adapters are not supported by this backend; "
-                                 "send the request without lora_task_id/lora_weights/lora_config")
-    with pytest.raises(ValueError, match=r"^lora_task_id, lora_weights, lora_config: LoRA"):
-        convert_request(minimal(lora_task_id=np.array([[3]], np.uint64),
-                                lora_weights=USED["lora_weights"][0],
-                                lora_config=USED["lora_config"][0]), decoupled=False)
+        convert_request(minimal(prompt_embedding_table=USED["prompt_embedding_table"][0]), decoupled=False)
+    assert str(raised.value) == (
+        "prompt_embedding_table: prompt tuning (prompt embedding tables) is not supported by this backend; "
+        "send the request without prompt_embedding_table/prompt_table_extra_ids/prompt_vocab_size "
+        "(an empty table, extra ids 0 and prompt_vocab_size 0 are accepted)")
 
 
 # input -> values that must pass: empty tensors, the "off" values clients and the pipeline send
@@ -265,7 +260,6 @@ def test_plain_ensemble_batch_passes(preprocess):
 
 @pytest.mark.parametrize("extra,name", [
     ({"decoder_text_input": text("Translate to German: good morning")}, "decoder_input_ids"),
-    ({"lora_task_id": np.array([[3]], np.uint64)}, "lora_task_id"),
     ({"prompt_embedding_table": np.ones((1, 4, 8), np.float16)}, "prompt_embedding_table"),
 ])
 def test_real_uses_through_the_ensemble_are_refused(preprocess, extra, name):
@@ -280,9 +274,6 @@ BLS_PLAIN = {"text_input": text("What is the capital of France?"), "max_tokens":
              "exclude_input_in_output": np.array([False]), "num_return_sequences": np.array([1], np.int32)}
 
 BLS_USED = {
-    "lora_task_id": np.array([3], np.uint64),
-    "lora_weights": np.ones((1, 2, 16), np.float16),
-    "lora_config": np.array([[[0, 0, 8]]], np.int32),
     "prompt_embedding_table": np.ones((1, 4, 8), np.float16),
     "prompt_table_extra_id": np.array([[7]], np.uint64),
     "prompt_vocab_size": i32([4]),

@@ -1,0 +1,241 @@
+"""LoRA adapters through a real tritonserver serving SmolLM2, the three ways users know:
+
+1. the backend's lora_task_id / lora_weights / lora_config (FP16 rows as TensorRT-LLM's
+   hf_lora_convert.py writes them; here tools/hf_lora_convert.py), sent as NVIDIA's
+   inflight_batcher_llm_client.py (--lora-path --lora-task-id) and end_to_end_grpc_client.py send
+   them: the first request all three, later ones the id alone;
+2. a PEFT directory named by lora_id / lora_name / lora_path (TensorRT-LLM's LLM-API inputs);
+3. the OpenAI frontend's --lora_modules, selected by model name.
+
+The same adapter must give the same greedy tokens every way, other than the base model's; base
+requests sent alongside keep the base model's tokens. The engine-level equality with
+transformers + PEFT is tests/engine/test_lora_executor.py's. The session server has LoRA on
+(scripts/serve_default.py: 4 slots, rank up to 64).
+"""
+import json
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import requests
+import torch
+import tritonclient.grpc as grpcclient
+from safetensors.torch import save_file
+from tritonclient.utils import np_to_triton_dtype
+
+from triton_helpers import running_frontend, wait_for
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+PEFT_NAMES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+              "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+PROMPT = [1, 504, 3458, 282, 4649, 314]  # SmolLM2 ids; any prompt does
+NEW_TOKENS = 12
+
+
+def write_peft_adapter(engine_dir: str, path: Path, rank: int, seed: int) -> Path:
+    """A PEFT LoRA directory for the engine's model (every projection, random weights large
+    enough to move greedy decoding), as peft's save_pretrained lays it out."""
+    from engine.config import EngineConfig
+    from engine.lora.adapter import module_shape
+
+    config = EngineConfig.load(engine_dir).model
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config.num_layers):
+        for module, name in PEFT_NAMES.items():
+            fan_in, fan_out = module_shape(config, module)
+            prefix = f"base_model.model.model.layers.{layer}.{name}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, fan_in, generator=generator) / fan_in ** 0.5
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, rank, generator=generator) * 0.05
+    path.mkdir(parents=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0,
+        "target_modules": [name.split(".")[1] for name in PEFT_NAMES.values()], "bias": "none",
+        "use_rslora": False, "use_dora": False, "modules_to_save": None, "fan_in_fan_out": False,
+        "base_model_name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct"}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def adapters(smollm2_engine_dir, tmp_path_factory):
+    """Two PEFT adapters (ranks 8 and 16) and the first converted to TensorRT-LLM's two .npy files."""
+    tmp = tmp_path_factory.mktemp("lora")
+    peft_dirs = [write_peft_adapter(smollm2_engine_dir, tmp / f"r{rank}", rank, seed=rank) for rank in (8, 16)]
+    converted = tmp / "r8_trtllm"
+    run = subprocess.run([sys.executable, str(ROOT / "tools" / "hf_lora_convert.py"), "-i", str(peft_dirs[0]),
+                          "-o", str(converted), "--storage-type", "float16"], capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 0, run.stdout + run.stderr
+    return peft_dirs, converted
+
+
+def infer(grpc_url: str, model: str, tensors: dict[str, np.ndarray], output: str = "output_ids"):
+    """One request over a gRPC stream, as NVIDIA's clients send it; (the output of its responses
+    concatenated, error text or None)."""
+    client = grpcclient.InferenceServerClient(grpc_url)
+    results = []
+    client.start_stream(callback=lambda result, error: results.append((result, error)))
+    inputs = []
+    for name, array in tensors.items():
+        tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    client.async_stream_infer(model, inputs, outputs=[grpcclient.InferRequestedOutput(output)])
+    client.stop_stream()
+    client.close()
+    errors = [str(error) for _, error in results if error is not None]
+    if errors:
+        return None, errors[0]
+    arrays = [result.as_numpy(output) for result, _ in results if result is not None]
+    if output == "output_ids":
+        return [int(t) for a in arrays for t in a.reshape(-1) if t >= 0], None
+    return "".join(a.reshape(-1)[0].decode() for a in arrays), None
+
+
+def llm_tensors(**extra) -> dict[str, np.ndarray]:
+    """inflight_batcher_llm_client.py's tensors (gRPC, streaming, greedy: top-k 1), plus ``extra``."""
+    tensors = {"input_ids": np.array([PROMPT], np.int32), "input_lengths": np.array([[len(PROMPT)]], np.int32),
+               "request_output_len": np.array([[NEW_TOKENS]], np.int32), "beam_width": np.array([[1]], np.int32),
+               "temperature": np.array([[1.0]], np.float32), "streaming": np.array([[True]]),
+               "end_id": np.array([[-1]], np.int32), "pad_id": np.array([[2]], np.int32),
+               "runtime_top_k": np.array([[1]], np.int32), "runtime_top_p": np.array([[0.0]], np.float32),
+               "exclude_input_in_output": np.array([[True]])}
+    tensors.update(extra)
+    return tensors
+
+
+def task_id(value: int) -> dict[str, np.ndarray]:
+    return {"lora_task_id": np.array([[value]], np.uint64)}
+
+
+def peft_inputs(lora_id: int, path: Path, name: str) -> dict[str, np.ndarray]:
+    return {"lora_id": np.array([[lora_id]], np.uint64), "lora_name": np.array([[name.encode()]], dtype=object),
+            "lora_path": np.array([[str(path).encode()]], dtype=object)}
+
+
+def test_the_three_ways_in_give_the_same_tokens(triton_server, adapters):
+    peft_dirs, converted = adapters
+    url = triton_server.grpc_url
+    weights = np.load(converted / "model.lora_weights.npy")
+    config = np.load(converted / "model.lora_config.npy")
+    assert weights.dtype == np.float16 and weights.ndim == 3 and config.shape[2] == 3
+    base, error = infer(url, "tensorrt_llm", llm_tensors())
+    assert error is None and len(base) == NEW_TOKENS
+    # 1. --lora-path --lora-task-id: the first request sends all three
+    first, error = infer(url, "tensorrt_llm", llm_tensors(**task_id(101), lora_weights=weights, lora_config=config))
+    assert error is None and first != base
+    again, error = infer(url, "tensorrt_llm", llm_tensors(**task_id(101)))  # later: the id alone
+    assert error is None and again == first
+    # 2. the PEFT directory the rows came from (its float32 weights; the rows are float16 and still agree)
+    via_path, error = infer(url, "tensorrt_llm", llm_tensors(**peft_inputs(102, peft_dirs[0], "r8")))
+    assert error is None and via_path == first
+    # another adapter answers differently, and base requests in the same batches stay the base's
+    with ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(infer, url, "tensorrt_llm", llm_tensors(**extra)) for extra in
+                   [{}, task_id(101), peft_inputs(103, peft_dirs[1], "r16"), {}, task_id(101), {}]]
+        results = [f.result() for f in futures]
+    assert all(error is None for _, error in results), results
+    tokens = [t for t, _ in results]
+    assert tokens[0] == tokens[3] == tokens[5] == base and tokens[1] == tokens[4] == first
+    assert tokens[2] not in (base, first)
+
+
+def test_end_to_end_grpc_client_with_a_task_id(triton_server, adapters):
+    """end_to_end_grpc_client.py -p ... --lora-path DIR --lora-task-id N: its tensors to the ensemble
+    and to the BLS; both give the text of the same tokens."""
+    _, converted = adapters
+    weights = np.load(converted / "model.lora_weights.npy")
+    config = np.load(converted / "model.lora_config.npy")
+    prompt = "The capital of France is"
+    tensors = {"text_input": np.array([[prompt]], dtype=object), "max_tokens": np.array([[NEW_TOKENS]], np.int32),
+               "stream": np.array([[False]]), "beam_width": np.array([[1]], np.int32),
+               "temperature": np.array([[1.0]], np.float32), "top_k": np.array([[1]], np.int32),
+               "exclude_input_in_output": np.array([[True]]), "lora_task_id": np.array([[201]], np.uint64),
+               "lora_weights": weights, "lora_config": config}
+    with_adapter, error = infer(triton_server.grpc_url, "ensemble", tensors, output="text_output")
+    assert error is None, error
+    base_tensors = {k: v for k, v in tensors.items() if not k.startswith("lora")}
+    base, error = infer(triton_server.grpc_url, "ensemble", base_tensors, output="text_output")
+    assert error is None and base != with_adapter
+    for model in ("ensemble", "tensorrt_llm_bls"):
+        again, error = infer(triton_server.grpc_url, model, {**base_tensors, "lora_task_id": np.array([[201]], np.uint64)},
+                             output="text_output")
+        assert error is None and again == with_adapter, model
+
+
+def test_bad_lora_inputs_fail_only_their_request(triton_server, adapters, tmp_path):
+    url = triton_server.grpc_url
+    _, error = infer(url, "tensorrt_llm", llm_tensors(**task_id(999)))
+    assert "lora_task_id 999 is not in the LoRA cache" in error
+    _, error = infer(url, "tensorrt_llm", llm_tensors(**peft_inputs(998, tmp_path / "missing", "x")))
+    assert "does not exist" in error
+    (tmp_path / "big").mkdir()
+    write_peft_adapter_config = adapters[0][1] / "adapter_config.json"
+    big = json.loads(write_peft_adapter_config.read_text())
+    big["r"] = 128
+    (tmp_path / "big" / "adapter_config.json").write_text(json.dumps(big))
+    _, error = infer(url, "tensorrt_llm", llm_tensors(**peft_inputs(997, tmp_path / "big", "big")))
+    assert "max_lora_rank 64" in error
+    _, error = infer(url, "tensorrt_llm", llm_tensors(**task_id(996), lora_config=np.array([[[1, 0, 8]]], np.int32)))
+    assert "lora_config was sent without lora_weights" in error
+    tokens, error = infer(url, "tensorrt_llm", llm_tensors())
+    assert error is None and len(tokens) == NEW_TOKENS
+
+
+def test_more_adapters_than_slots_cycle(triton_server, smollm2_engine_dir, tmp_path):
+    """Eight adapters through the four device slots, twice around, all at once: none fails, and an
+    adapter's two requests agree (an evicted adapter comes back intact)."""
+    dirs = [write_peft_adapter(smollm2_engine_dir, tmp_path / f"a{i}", 4, seed=100 + i) for i in range(8)]
+    with ThreadPoolExecutor(16) as pool:
+        futures = [pool.submit(infer, triton_server.grpc_url, "tensorrt_llm",
+                               llm_tensors(**peft_inputs(300 + i, dirs[i], f"a{i}"))) for _ in range(2) for i in range(8)]
+        results = [f.result() for f in futures]
+    assert all(error is None for _, error in results), [e for _, e in results if e]
+    assert [t for t, _ in results[:8]] == [t for t, _ in results[8:]]
+    assert len({tuple(t) for t, _ in results[:8]}) >= 6
+
+
+def test_openai_clients_select_adapters_by_name(triton_server, smollm2_engine_dir, adapters, tmp_path):
+    from openai import OpenAI
+
+    peft_dirs, _ = adapters
+    with running_frontend(triton_server.grpc_url, smollm2_engine_dir, tmp_path,
+                          "--lora_modules", f"sql={peft_dirs[0]}", f"chat16={peft_dirs[1]}") as url:
+        client = OpenAI(base_url=f"{url}/v1", api_key="none")
+        models = {m.id: m for m in client.models.list().data}
+        assert set(models) == {"smollm2", "sql", "chat16"}
+        assert models["sql"].model_extra.get("parent") == "smollm2"
+
+        prompt = "The capital of France is"
+
+        def complete(model):
+            return client.completions.create(model=model, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0)
+
+        with ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(complete, ["sql", "smollm2", "chat16", "sql", "smollm2", "chat16"]))
+        texts = [a.choices[0].text for a in answers]
+        assert [a.model for a in answers] == ["sql", "smollm2", "chat16", "sql", "smollm2", "chat16"]
+        assert texts[0] == texts[3] and texts[1] == texts[4] and texts[2] == texts[5]
+        assert len({texts[0], texts[1], texts[2]}) == 3
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(smollm2_engine_dir)
+        ids = tokenizer(prompt).input_ids
+        first, error = infer(triton_server.grpc_url, "tensorrt_llm",  # the same adapter directory, by lora_path
+                             llm_tensors(**peft_inputs(104, peft_dirs[0], "r8"), input_ids=np.array([ids], np.int32),
+                                         input_lengths=np.array([[len(ids)]], np.int32)))
+        assert error is None, error
+        assert texts[0] == tokenizer.decode(first, skip_special_tokens=True)
+        chat = client.chat.completions.create(model="chat16", messages=[{"role": "user", "content": "Hi"}],
+                                              max_tokens=8, temperature=0)
+        assert chat.model == "chat16" and chat.choices[0].message.content
+        with pytest.raises(Exception, match="model_not_found|does not exist|not found"):
+            complete("nope")
+    metrics = requests.get(f"{triton_server.metrics}/metrics", timeout=10).text
+    assert wait_for(lambda: 'tritonllm_lora_requests_total{' in requests.get(f"{triton_server.metrics}/metrics",
+                                                                            timeout=10).text, timeout=10), metrics
