@@ -15,6 +15,10 @@ program p runs the query tile the map names, built on the host from the batch's 
 and programs past them return at once. Token ids may be placeholders for tokens the previous step
 sampled; the graph resolves them itself, as the decode graphs do (engine/executor/overlap.py).
 
+LoRA: with ``lora_slots`` adapter slots, every bucket has a twin graph that runs the adapters over
+static segment buffers (kernels/lora.py LoraBatchBuffers, at most min(max_batch_size, slots)
+segments); a step with adapter rows replays the twin.
+
 Invariants: the KV pool tensor is never reallocated after capture; block tables are at most
 ``ceil(max_seq_len / tokens_per_block)`` wide; a bucket of T tokens has ``cdiv(T,
 tokens_per_tile) + max_batch_size`` tile-map entries, enough for any batch of at most T tokens in
@@ -29,6 +33,7 @@ import torch
 
 from engine.executor.cuda_graphs import capture_forward
 from kernels.attention_metadata import AttentionMetadata
+from kernels.lora import LoraBatch, LoraBatchBuffers
 
 
 def token_buckets(max_num_tokens: int) -> list[int]:
@@ -63,8 +68,9 @@ class PrefillGraphs:
 
     def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, *, tokens_per_block: int, max_seq_len: int,
                  max_batch_size: int, max_num_tokens: int, tokens_per_tile: int,
-                 sampled_tokens: torch.Tensor | None = None, buckets: list[int] | None = None):
+                 sampled_tokens: torch.Tensor | None = None, buckets: list[int] | None = None, lora_slots: int = 0):
         self.model = model
+        self.lora_slots = lora_slots
         self.kv_cache = kv_cache
         self.device = kv_cache.device
         self.sampled_tokens = (sampled_tokens if sampled_tokens is not None
@@ -77,6 +83,10 @@ class PrefillGraphs:
         self.buckets = sorted(buckets or token_buckets(max_num_tokens))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[int, torch.Tensor] = {}
+        self.lora_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.lora_hidden: dict[int, torch.Tensor] = {}
+        self.lora_buffers = (LoraBatchBuffers(self.buckets[-1], min(max_batch_size, lora_slots), kv_cache.device)
+                             if lora_slots else None)
         self._allocate_buffers()
 
     def num_tiles(self, bucket: int) -> int:
@@ -102,14 +112,22 @@ class PrefillGraphs:
         self._copied = torch.cuda.Event()
         self._copied.record()
 
-    def _meta(self, bucket: int) -> AttentionMetadata:
+    def _meta(self, bucket: int, lora: bool = False) -> AttentionMetadata:
         tiles = self.num_tiles(bucket)
         return AttentionMetadata(
             slot_mapping=self.dev_i64[2, :bucket], block_tables=self.dev_tables,
             cu_seqlens_q=self.dev_seq[0], context_lens=self.dev_seq[1, :self.max_seqs],
             max_seqlen_q=bucket, max_context_len=self.max_seq_len, is_decode_only=False,
             tile_seq=self.dev_tiles[0, :tiles], tile_m=self.dev_tiles[1, :tiles],
+            lora=self._lora_batch(bucket) if lora else None,
         )
+
+    def _lora_batch(self, bucket: int) -> LoraBatch:
+        """The static segment buffers as bucket ``bucket`` sees them: a step fills segments from
+        the front; each holds at most ``bucket`` tokens."""
+        full = self.lora_buffers.batch()
+        return LoraBatch(token_order=full.token_order[:bucket], segment_starts=full.segment_starts,
+                         segment_slots=full.segment_slots, max_segment_tokens=bucket)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -119,6 +137,10 @@ class PrefillGraphs:
         for bucket in reversed(self.buckets):
             args = (self.dev_i64[0, :bucket], self.dev_i64[1, :bucket], self.kv_cache, self._meta(bucket))
             self.graphs[bucket], self.hidden[bucket] = capture_forward(self.model, args, self.sampled_tokens, pool)
+            if self.lora_buffers is not None:
+                args = args[:3] + (self._meta(bucket, lora=True),)
+                self.lora_graphs[bucket], self.lora_hidden[bucket] = capture_forward(
+                    self.model, args, self.sampled_tokens, pool)
         torch.cuda.synchronize()
 
     def bucket_for(self, num_tokens: int) -> int:
@@ -129,7 +151,8 @@ class PrefillGraphs:
         the batch is decode-only (the decode graphs' job) or does not fit (the caller runs it eagerly)."""
         num_tokens, num_seqs = len(batch.token_ids), len(batch.seq_lens_q)
         if (num_tokens == 0 or num_tokens > self.buckets[-1] or num_seqs > self.max_seqs
-                or num_tokens == num_seqs or max(map(len, batch.block_tables)) > self.max_blocks):
+                or num_tokens == num_seqs or max(map(len, batch.block_tables)) > self.max_blocks
+                or (batch.lora_slots is not None and self.lora_buffers is None)):
             return None
         bucket = self.bucket_for(num_tokens)
         self._copied.synchronize()  # the previous step's copies have left the pinned buffers
@@ -141,8 +164,13 @@ class PrefillGraphs:
         self.dev_tables[:num_seqs].copy_(self.host_tables[:num_seqs], non_blocking=True)
         self.dev_tiles[:, :tiles].copy_(self.host_tiles[:, :tiles], non_blocking=True)
         self._copied.record()
-        self.graphs[bucket].replay()
-        hidden = self.hidden[bucket]
+        if batch.lora_slots is not None:
+            self.lora_buffers.fill(batch.lora_slots, batch.seq_lens_q)
+            self.lora_graphs[bucket].replay()
+            hidden = self.lora_hidden[bucket]
+        else:
+            self.graphs[bucket].replay()
+            hidden = self.hidden[bucket]
         # Pinned, so the copy does not wait for the replay (a pageable one would block the host).
         rows = torch.tensor(batch.logits_indices, dtype=torch.int64).pin_memory()
         return hidden[rows.to(hidden.device, non_blocking=True)]

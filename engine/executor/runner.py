@@ -233,7 +233,8 @@ class ModelRunner:
                 self.model, self.kv_cache, tokens_per_block=self.tokens_per_block, max_seq_len=build.max_seq_len,
                 max_batch_size=build.max_batch_size, max_num_tokens=build.max_num_tokens,
                 tokens_per_tile=prefill_tokens_per_tile(cfg.num_heads // cfg.num_kv_heads),
-                sampled_tokens=self.sampled_tokens)
+                sampled_tokens=self.sampled_tokens,
+                lora_slots=0 if self.lora_pools is None else self.lora_pools.num_slots)
             try:
                 self.prefill_graphs.capture()
             except torch.cuda.OutOfMemoryError:  # the KV pool left too little room: such steps stay eager
@@ -288,7 +289,7 @@ class ModelRunner:
             hidden = self.decode_graphs.try_run(batch)
             if hidden is not None:  # a decode-only batch, replayed from its bucket's graph
                 return self.model.compute_logits(hidden)
-        if self.prefill_graphs is not None and not all_logits and batch.lora_slots is None:
+        if self.prefill_graphs is not None and not all_logits:
             hidden = self.prefill_graphs.try_run(batch)
             if hidden is not None:  # a batch with prompt tokens, replayed from its token bucket's graph
                 return self.model.compute_logits(hidden)

@@ -1,0 +1,98 @@
+"""An adapter served at run time equals its merge into the weights (W + scale * B @ A), on the CPU
+(torch reference) and on a GPU (the Triton kernels, decode in CUDA graphs with their LoRA twins).
+
+Needs no ``peft``: the adapter is a PEFT directory written directly (the GPU machine has no peft;
+tests/engine/test_lora_executor.py checks the PEFT format itself against ``peft``). Every batch
+mixes adapter rows, rows of a second adapter and base rows.
+"""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from engine.executor import Executor, ExecutorConfig, LoraRequest, OutputConfig, Request
+from engine_testing import make_engine, random_tokens, tiny_hf
+
+HF_NAMES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+            "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def write_adapter(hf, path, rank: int, alpha: int, seed: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """A PEFT directory with random A, B on every projection; returns {hf module path: (a, b)}."""
+    generator = torch.Generator().manual_seed(seed)
+    weights, tensors = {}, {}
+    for layer in range(hf.config.num_hidden_layers):
+        for name in HF_NAMES.values():
+            module = hf.get_submodule(f"model.layers.{layer}.{name}")
+            a = torch.randn(rank, module.in_features, generator=generator) * 0.3
+            b = torch.randn(module.out_features, rank, generator=generator) * 0.3
+            weights[f"model.layers.{layer}.{name}"] = (a, b)
+            tensors[f"base_model.model.model.layers.{layer}.{name}.lora_A.weight"] = a
+            tensors[f"base_model.model.model.layers.{layer}.{name}.lora_B.weight"] = b
+    path.mkdir()
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": alpha, "bias": "none", "use_dora": False,
+        "target_modules": sorted({n.split(".")[1] for n in HF_NAMES.values()})}))
+    return weights
+
+
+def merged(hf, weights, scale: float):
+    model = copy.deepcopy(hf)
+    with torch.no_grad():
+        for name, (a, b) in weights.items():
+            model.get_submodule(name).weight += scale * b @ a
+    return model
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("merged")
+    hf = tiny_hf("llama")
+    first = write_adapter(hf, tmp / "a", rank=8, alpha=16, seed=1)
+    second = write_adapter(hf, tmp / "b", rank=16, alpha=8, seed=2)
+    return {"base": make_engine(hf, tmp / "base"), "a": make_engine(merged(hf, first, 2.0), tmp / "merged_a"),
+            "b": make_engine(merged(hf, second, 0.5), tmp / "merged_b"), "dirs": (tmp / "a", tmp / "b")}
+
+
+def greedy(executor, items) -> list[list[int]]:
+    """items: (prompt, LoraRequest | None), enqueued at once -> generated ids of each."""
+    ids = executor.enqueue_requests([Request(prompt, 12, lora=lora, output=OutputConfig(exclude_input_from_output=True))
+                                     for prompt, lora in items])
+    tokens = {i: [] for i in ids}
+    pending = set(ids)
+    while pending:
+        for response in executor.await_responses(timeout=1.0):
+            assert response.error is None, response.error
+            tokens[response.request_id] += response.result.output_token_ids[0]
+            if response.result.is_final:
+                pending.discard(response.request_id)
+    return [tokens[i] for i in ids]
+
+
+# A small pool: several executors come and go in one process (on a GPU the default would take 90%).
+POOL = {"max_tokens_in_paged_kv_cache": 4096}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_served_adapters_equal_their_merged_weights(engines, device):
+    prompts = [random_tokens(5 + 3 * i, seed=20 + i) for i in range(4)]
+    wanted = {}
+    for key in ("base", "a", "b"):
+        with Executor(engines[key], ExecutorConfig(**POOL), device=device) as executor:
+            wanted[key] = greedy(executor, [(p, None) for p in prompts])
+    assert wanted["a"] != wanted["base"] and wanted["b"] != wanted["base"]
+    a, b = (LoraRequest(task_id=i + 1, path=str(path)) for i, path in enumerate(engines["dirs"]))
+    with Executor(engines["base"], ExecutorConfig(enable_lora=True, max_loras=2, max_lora_rank=16, **POOL),
+                  device=device) as executor:
+        items = [(p, lora) for p in prompts for lora in (a, None, b)]
+        got = greedy(executor, items)
+        # decode-only steps of 3 rows after the prefill: on CUDA the LoRA graph twins replay them
+        assert got == [wanted[key][i] for i in range(len(prompts)) for key in ("a", "base", "b")]
+        if device == "cuda":
+            assert executor.runner.decode_graphs.lora_graphs, "LoRA decode graphs were not captured"
