@@ -73,6 +73,8 @@ class LoraPools:
         cfg = self.config
         self.rotary_order = None if cfg.rotary_dim == cfg.head_dim else partial_rotary_order(cfg.head_dim, cfg.rotary_dim)
         self.kinds: dict[str, _Kind] = {}
+        self._copy_stream = None
+        self._in_transit: list = []  # (event, pinned staging) of copies that may still run
         for name, modules in PROJECTIONS.items():
             layers = [i for i, layer in enumerate(model.layers) if getattr(layer, name, None) is not None]
             if not layers:
@@ -132,22 +134,58 @@ class LoraPools:
 
     @torch.inference_mode()
     def write(self, slot: int, adapter: LoraAdapter) -> None:
-        """Load ``adapter`` into ``slot`` (this rank's shards). Stream-ordered with the forwards, so
-        a step already queued still reads what the slot held before (it never reads this slot:
-        the slot was free)."""
+        """Load ``adapter`` into ``slot`` (this rank's shards). The adapter is staged per projection
+        kind on the host in the pool's dtype, then copied with one transfer per tensor (a few
+        instead of one per layer and module). Stream-ordered with the forwards, so a step already
+        queued still reads what the slot held before (it never reads this slot: the slot was free)."""
         self.check(adapter)
-        for kind in self.kinds.values():
-            kind.ranks[:, slot] = 0
-        for (layer, module), (a, b) in adapter.weights.items():
-            name = next(n for n in self.kinds if module in PROJECTIONS[n])
-            kind = self.kinds[name]
-            row, j = kind.layers.index(layer), PROJECTIONS[name].index(module)
-            a_local, b_local = self._shard(name, module, layer, a, b)
-            r = a_local.shape[0]
-            kind.a[row, slot, j, :r].copy_(a_local)
+        staged = {name: self._stage(kind, adapter) for name, kind in self.kinds.items()}
+        if self.device.type != "cuda":
+            self._copy(slot, staged)
+            return
+        # On a side stream, so the copy does not queue behind the step in flight (which never
+        # reads this slot); the compute stream waits for it before the next forward is queued.
+        # The pinned staging stays referenced until the copy has finished.
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        compute = torch.cuda.current_stream(self.device)
+        self._copy_stream.wait_stream(compute)  # what earlier forwards wrote stays ordered (pool reuse)
+        with torch.cuda.stream(self._copy_stream):
+            self._copy(slot, staged)
+            done = torch.cuda.Event()
+            done.record()
+        compute.wait_event(done)
+        self._in_transit = [(e, t) for e, t in self._in_transit if not e.query()] + [(done, staged)]
+
+    def _copy(self, slot: int, staged: dict) -> None:
+        for name, kind in self.kinds.items():
+            a, b, ranks = staged[name]
+            r = a.shape[2]
+            if r:
+                kind.a[:, slot, :, :r].copy_(a, non_blocking=True)
+                kind.b[:, slot, :, :r].copy_(b, non_blocking=True)
+            kind.ranks[:, slot].copy_(ranks, non_blocking=True)
+
+    def _stage(self, kind: _Kind, adapter: LoraAdapter) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(a (layers, n_slices, r, in_local), b (layers, out_local, r), ranks (layers, n_slices))
+        on the host for ``kind``, r the adapter's largest rank there; zeros where it has nothing."""
+        modules = PROJECTIONS[kind.name]
+        entries = [(layer, module, w) for (layer, module), w in adapter.weights.items() if module in modules]
+        r = max((a.shape[0] for _, _, (a, _) in entries), default=0)
+        pin = self.device.type == "cuda"
+        dtype = kind.a.dtype
+        a_host = torch.zeros(len(kind.layers), len(modules), r, kind.a.shape[-1], dtype=dtype, pin_memory=pin)
+        b_host = torch.zeros(len(kind.layers), kind.b.shape[2], r, dtype=dtype, pin_memory=pin)
+        ranks = torch.zeros(len(kind.layers), len(modules), dtype=torch.int32, pin_memory=pin)
+        for layer, module, (a, b) in entries:
+            row, j = kind.layers.index(layer), modules.index(module)
+            a_local, b_local = self._shard(kind.name, module, layer, a, b)
+            rank = a_local.shape[0]
+            a_host[row, j, :rank] = a_local
             start = sum(kind.slice_sizes[:j])
-            kind.b[row, slot, start:start + kind.slice_sizes[j], :r].copy_(b_local)
-            kind.ranks[row, slot, j] = r
+            b_host[row, start:start + kind.slice_sizes[j], :rank] = b_local
+            ranks[row, j] = rank
+        return a_host, b_host, ranks
 
     def clear(self, slot: int) -> None:
         for kind in self.kinds.values():

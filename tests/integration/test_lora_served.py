@@ -13,65 +13,20 @@ transformers + PEFT is tests/engine/test_lora_executor.py's. The session server 
 (scripts/serve_default.py: 4 slots, rank up to 64).
 """
 import json
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import pytest
 import requests
-import torch
 import tritonclient.grpc as grpcclient
-from safetensors.torch import save_file
 from tritonclient.utils import np_to_triton_dtype
 
-from triton_helpers import running_frontend, wait_for
+from triton_helpers import wait_for, write_peft_adapter
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[2]
-PEFT_NAMES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
-              "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
 PROMPT = [1, 504, 3458, 282, 4649, 314]  # SmolLM2 ids; any prompt does
 NEW_TOKENS = 12
-
-
-def write_peft_adapter(engine_dir: str, path: Path, rank: int, seed: int) -> Path:
-    """A PEFT LoRA directory for the engine's model (every projection, random weights large
-    enough to move greedy decoding), as peft's save_pretrained lays it out."""
-    from engine.config import EngineConfig
-    from engine.lora.adapter import module_shape
-
-    config = EngineConfig.load(engine_dir).model
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(config.num_layers):
-        for module, name in PEFT_NAMES.items():
-            fan_in, fan_out = module_shape(config, module)
-            prefix = f"base_model.model.model.layers.{layer}.{name}"
-            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, fan_in, generator=generator) / fan_in ** 0.5
-            tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, rank, generator=generator) * 0.05
-    path.mkdir(parents=True)
-    save_file(tensors, str(path / "adapter_model.safetensors"))
-    (path / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0,
-        "target_modules": [name.split(".")[1] for name in PEFT_NAMES.values()], "bias": "none",
-        "use_rslora": False, "use_dora": False, "modules_to_save": None, "fan_in_fan_out": False,
-        "base_model_name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct"}))
-    return path
-
-
-@pytest.fixture(scope="module")
-def adapters(smollm2_engine_dir, tmp_path_factory):
-    """Two PEFT adapters (ranks 8 and 16) and the first converted to TensorRT-LLM's two .npy files."""
-    tmp = tmp_path_factory.mktemp("lora")
-    peft_dirs = [write_peft_adapter(smollm2_engine_dir, tmp / f"r{rank}", rank, seed=rank) for rank in (8, 16)]
-    converted = tmp / "r8_trtllm"
-    run = subprocess.run([sys.executable, str(ROOT / "tools" / "hf_lora_convert.py"), "-i", str(peft_dirs[0]),
-                          "-o", str(converted), "--storage-type", "float16"], capture_output=True, text=True, cwd=ROOT)
-    assert run.returncode == 0, run.stdout + run.stderr
-    return peft_dirs, converted
 
 
 def infer(grpc_url: str, model: str, tensors: dict[str, np.ndarray], output: str = "output_ids"):
@@ -113,13 +68,13 @@ def task_id(value: int) -> dict[str, np.ndarray]:
     return {"lora_task_id": np.array([[value]], np.uint64)}
 
 
-def peft_inputs(lora_id: int, path: Path, name: str) -> dict[str, np.ndarray]:
+def peft_inputs(lora_id: int, path, name: str) -> dict[str, np.ndarray]:
     return {"lora_id": np.array([[lora_id]], np.uint64), "lora_name": np.array([[name.encode()]], dtype=object),
             "lora_path": np.array([[str(path).encode()]], dtype=object)}
 
 
-def test_the_three_ways_in_give_the_same_tokens(triton_server, adapters):
-    peft_dirs, converted = adapters
+def test_the_three_ways_in_give_the_same_tokens(triton_server, lora_adapters):
+    peft_dirs, converted = lora_adapters
     url = triton_server.grpc_url
     weights = np.load(converted / "model.lora_weights.npy")
     config = np.load(converted / "model.lora_config.npy")
@@ -145,10 +100,10 @@ def test_the_three_ways_in_give_the_same_tokens(triton_server, adapters):
     assert tokens[2] not in (base, first)
 
 
-def test_end_to_end_grpc_client_with_a_task_id(triton_server, adapters):
+def test_end_to_end_grpc_client_with_a_task_id(triton_server, lora_adapters):
     """end_to_end_grpc_client.py -p ... --lora-path DIR --lora-task-id N: its tensors to the ensemble
     and to the BLS; both give the text of the same tokens."""
-    _, converted = adapters
+    _, converted = lora_adapters
     weights = np.load(converted / "model.lora_weights.npy")
     config = np.load(converted / "model.lora_config.npy")
     prompt = "The capital of France is"
@@ -168,14 +123,14 @@ def test_end_to_end_grpc_client_with_a_task_id(triton_server, adapters):
         assert error is None and again == with_adapter, model
 
 
-def test_bad_lora_inputs_fail_only_their_request(triton_server, adapters, tmp_path):
+def test_bad_lora_inputs_fail_only_their_request(triton_server, lora_adapters, tmp_path):
     url = triton_server.grpc_url
     _, error = infer(url, "tensorrt_llm", llm_tensors(**task_id(999)))
     assert "lora_task_id 999 is not in the LoRA cache" in error
     _, error = infer(url, "tensorrt_llm", llm_tensors(**peft_inputs(998, tmp_path / "missing", "x")))
     assert "does not exist" in error
     (tmp_path / "big").mkdir()
-    write_peft_adapter_config = adapters[0][1] / "adapter_config.json"
+    write_peft_adapter_config = lora_adapters[0][1] / "adapter_config.json"
     big = json.loads(write_peft_adapter_config.read_text())
     big["r"] = 128
     (tmp_path / "big" / "adapter_config.json").write_text(json.dumps(big))
@@ -187,8 +142,8 @@ def test_bad_lora_inputs_fail_only_their_request(triton_server, adapters, tmp_pa
     assert error is None and len(tokens) == NEW_TOKENS
 
 
-def test_more_adapters_than_slots_cycle(triton_server, smollm2_engine_dir, tmp_path):
-    """Eight adapters through the four device slots, twice around, all at once: none fails, and an
+def test_more_lora_adapters_than_slots_cycle(triton_server, smollm2_engine_dir, tmp_path):
+    """Eight lora_adapters through the four device slots, twice around, all at once: none fails, and an
     adapter's two requests agree (an evicted adapter comes back intact)."""
     dirs = [write_peft_adapter(smollm2_engine_dir, tmp_path / f"a{i}", 4, seed=100 + i) for i in range(8)]
     with ThreadPoolExecutor(16) as pool:
@@ -200,42 +155,41 @@ def test_more_adapters_than_slots_cycle(triton_server, smollm2_engine_dir, tmp_p
     assert len({tuple(t) for t, _ in results[:8]}) >= 6
 
 
-def test_openai_clients_select_adapters_by_name(triton_server, smollm2_engine_dir, adapters, tmp_path):
+def test_openai_clients_select_adapters_by_name(triton_server, frontend, smollm2_engine_dir, lora_adapters):
     from openai import OpenAI
 
-    peft_dirs, _ = adapters
-    with running_frontend(triton_server.grpc_url, smollm2_engine_dir, tmp_path,
-                          "--lora_modules", f"sql={peft_dirs[0]}", f"chat16={peft_dirs[1]}") as url:
-        client = OpenAI(base_url=f"{url}/v1", api_key="none")
-        models = {m.id: m for m in client.models.list().data}
-        assert set(models) == {"smollm2", "sql", "chat16"}
-        assert models["sql"].model_extra.get("parent") == "smollm2"
+    peft_dirs, _ = lora_adapters
+    # the session frontend serves both adapters (conftest.py: --lora_modules sql=... chat16=...)
+    client = OpenAI(base_url=f"{frontend}/v1", api_key="none")
+    models = {m.id: m for m in client.models.list().data}
+    assert set(models) == {"smollm2", "sql", "chat16"}
+    assert models["sql"].model_extra.get("parent") == "smollm2"
 
-        prompt = "The capital of France is"
+    prompt = "The capital of France is"
 
-        def complete(model):
-            return client.completions.create(model=model, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0)
+    def complete(model):
+        return client.completions.create(model=model, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0)
 
-        with ThreadPoolExecutor(6) as pool:
-            answers = list(pool.map(complete, ["sql", "smollm2", "chat16", "sql", "smollm2", "chat16"]))
-        texts = [a.choices[0].text for a in answers]
-        assert [a.model for a in answers] == ["sql", "smollm2", "chat16", "sql", "smollm2", "chat16"]
-        assert texts[0] == texts[3] and texts[1] == texts[4] and texts[2] == texts[5]
-        assert len({texts[0], texts[1], texts[2]}) == 3
-        from transformers import AutoTokenizer
+    with ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(complete, ["sql", "smollm2", "chat16", "sql", "smollm2", "chat16"]))
+    texts = [a.choices[0].text for a in answers]
+    assert [a.model for a in answers] == ["sql", "smollm2", "chat16", "sql", "smollm2", "chat16"]
+    assert texts[0] == texts[3] and texts[1] == texts[4] and texts[2] == texts[5]
+    assert len({texts[0], texts[1], texts[2]}) == 3
+    from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(smollm2_engine_dir)
-        ids = tokenizer(prompt).input_ids
-        first, error = infer(triton_server.grpc_url, "tensorrt_llm",  # the same adapter directory, by lora_path
-                             llm_tensors(**peft_inputs(104, peft_dirs[0], "r8"), input_ids=np.array([ids], np.int32),
-                                         input_lengths=np.array([[len(ids)]], np.int32)))
-        assert error is None, error
-        assert texts[0] == tokenizer.decode(first, skip_special_tokens=True)
-        chat = client.chat.completions.create(model="chat16", messages=[{"role": "user", "content": "Hi"}],
-                                              max_tokens=8, temperature=0)
-        assert chat.model == "chat16" and chat.choices[0].message.content
-        with pytest.raises(Exception, match="model_not_found|does not exist|not found"):
-            complete("nope")
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_engine_dir)
+    ids = tokenizer(prompt).input_ids
+    first, error = infer(triton_server.grpc_url, "tensorrt_llm",  # the same adapter directory, by lora_path
+                         llm_tensors(**peft_inputs(104, peft_dirs[0], "r8"), input_ids=np.array([ids], np.int32),
+                                     input_lengths=np.array([[len(ids)]], np.int32)))
+    assert error is None, error
+    assert texts[0] == tokenizer.decode(first, skip_special_tokens=True)
+    chat = client.chat.completions.create(model="chat16", messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=8, temperature=0)
+    assert chat.model == "chat16" and chat.choices[0].message.content
+    with pytest.raises(Exception, match="model_not_found|does not exist|not found"):
+        complete("nope")
     metrics = requests.get(f"{triton_server.metrics}/metrics", timeout=10).text
     assert wait_for(lambda: 'tritonllm_lora_requests_total{' in requests.get(f"{triton_server.metrics}/metrics",
                                                                             timeout=10).text, timeout=10), metrics

@@ -50,7 +50,8 @@ def rendered_prompt_tokens(tokenizer, messages):
 
 
 def test_models_lists_the_served_model(client):
-    assert [model.id for model in client.models.list()] == [MODEL]
+    # the base model, then the session frontend's two LoRA adapters (conftest.py --lora_modules)
+    assert [model.id for model in client.models.list()] == [MODEL, "sql", "chat16"]
 
 
 def test_chat_answers_the_capital_question(client, tokenizer):
