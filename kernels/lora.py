@@ -30,6 +30,21 @@ Programs of an unused segment (slot -1), of an M-block past the segment's end, o
 rank 0 exit at once; weights past a slot's rank are never loaded. Grid sizes come from host ints
 only (num_segments, max_segment_tokens, shapes), so a step is capturable in a CUDA graph:
 ``LoraBatchBuffers`` keeps the metadata in static buffers for that.
+
+Decode tiles. A grid of segments x M-blocks is sized for the worst case: a captured graph of 64
+rows over 64 slots has 64 x 4 row blocks, of which a step uses at most 64, often 4. Decode
+batches also carry ``tiles``: each segment cut into DECODE_BLOCK_M-row pieces, (slot, start, end)
+into token_order, listed from the front (lora_batch when every segment holds at most
+DECODE_MAX_TOKENS tokens; LoraBatchBuffers views of at most that many rows, or of any size when
+the buffers serve decode steps). The kernels then grid over tiles,
+not segments x M-blocks; the worked example's tiles (DECODE_BLOCK_M = 4 for the picture):
+
+    tiles: (2, 0, 4) (0, 4, 8) (0, 8, 9)
+
+Rows of T tokens in at most S segments make at most min(T, (T + S * (DECODE_BLOCK_M - 1)) //
+DECODE_BLOCK_M) tiles (``max_tiles``), the grid of a captured graph: 64 for 64 rows over 64
+slots. Both kernels launch with programmatic dependent launch (kernels/_triton.py) where the
+engine enables it and the grid has at most PDL_MAX_ROW_BLOCKS row blocks (``LoraLaunch.pdl``).
 """
 from __future__ import annotations
 
@@ -38,10 +53,16 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels._triton import jit, num_sms, tl, triton, use_triton
+from kernels._triton import jit, num_sms, pdl_options, pdl_prologue, tl, triton, use_triton
 
 MAX_SLICES = 4  # the expand kernel takes the slice boundaries as scalars (S1..S3)
 DECODE_MAX_TOKENS = 64  # a batch whose segments all hold at most this many tokens splits the shrink's K
+DECODE_BLOCK_M = 16  # rows of a decode tile (LoraBatch.tiles)
+# Grids of at most this many row blocks launch with PDL (where the engine enables it). On an H100
+# (bf16, rank 16, benchmarks/lora_kernel_bench.py --graphs, LoRA calls back to back) PDL saved
+# ~0.7 us a call at batch 1, changed nothing at 64 decode rows over 1-4 adapters and cost 1-5 us
+# a call over 16-64 adapters (and at 256 rows).
+PDL_MAX_ROW_BLOCKS = 16
 
 
 @dataclass
@@ -54,10 +75,27 @@ class LoraBatch:
     max_segment_tokens: int  # host: upper bound of any segment's token count (sizes the grid)
     # Host copy for the torch reference, so it never syncs: [(slot, start, end)] into token_order.
     host_segments: list[tuple[int, int, int]] | None = None
+    # (num_tiles, 3) int32 rows (slot, start, end) into token_order, DECODE_BLOCK_M rows at most,
+    # unused rows slot -1; when set, the kernels grid over these tiles (decode tilings).
+    tiles: torch.Tensor | None = None
 
     @property
     def num_segments(self) -> int:
         return self.segment_slots.shape[0]
+
+
+def max_tiles(num_tokens: int, num_segments: int) -> int:
+    """Most decode tiles num_tokens rows in at most num_segments segments can make."""
+    return min(num_tokens, (num_tokens + num_segments * (DECODE_BLOCK_M - 1)) // DECODE_BLOCK_M)
+
+
+def cut_tiles(starts: list[int], slots: list[int]) -> list[int]:
+    """Segments -> their decode tiles, flattened (slot, start, end, slot, start, end, ...)."""
+    flat = []
+    for slot, start, end in zip(slots, starts, starts[1:]):
+        for lo in range(start, end, DECODE_BLOCK_M):
+            flat += [slot, lo, min(lo + DECODE_BLOCK_M, end)]
+    return flat
 
 
 def group_rows(row_slots: list[int], seq_lens: list[int]) -> tuple[list[int], list[int], list[int]]:
@@ -76,20 +114,24 @@ def group_rows(row_slots: list[int], seq_lens: list[int]) -> tuple[list[int], li
     return order, starts, list(rows_of)
 
 
-def lora_batch(row_slots: list[int], seq_lens: list[int], device) -> LoraBatch | None:
+def lora_batch(row_slots: list[int], seq_lens: list[int], device, tiles: bool | None = None) -> LoraBatch | None:
     """Sequence i has seq_lens[i] consecutive token rows (packed, in order) and uses pool slot
     row_slots[i] (-1: no adapter). None when no sequence uses an adapter. Exact sizes: capacity is
-    what is used and max_segment_tokens is the largest segment."""
+    what is used and max_segment_tokens is the largest segment. ``tiles``: give the batch decode
+    tiles (None: when max_segment_tokens <= DECODE_MAX_TOKENS)."""
     order, starts, slots = group_rows(row_slots, seq_lens)
     if not slots:
         return None
+    longest = max(b - a for a, b in zip(starts, starts[1:]))
+    flat_tiles = cut_tiles(starts, slots) if (longest <= DECODE_MAX_TOKENS if tiles is None else tiles) else []
     # One host-to-device copy, then views.
-    packed = torch.tensor(order + starts + slots, dtype=torch.int32).to(device)
+    packed = torch.tensor(order + starts + slots + flat_tiles, dtype=torch.int32).to(device)
     t, s = len(order), len(slots)
     return LoraBatch(
-        token_order=packed[:t], segment_starts=packed[t:t + s + 1], segment_slots=packed[t + s + 1:],
-        max_segment_tokens=max(b - a for a, b in zip(starts, starts[1:])),
+        token_order=packed[:t], segment_starts=packed[t:t + s + 1], segment_slots=packed[t + s + 1:t + 2 * s + 1],
+        max_segment_tokens=longest,
         host_segments=[(slot, starts[i], starts[i + 1]) for i, slot in enumerate(slots)],
+        tiles=packed[t + 2 * s + 1:].view(-1, 3) if flat_tiles else None,
     )
 
 
@@ -97,18 +139,27 @@ class LoraBatchBuffers:
     """Static device buffers for CUDA-graph replay: capacity_tokens rows, capacity_segments segments.
 
     ``fill`` writes a step's metadata into pinned host staging and copies it without blocking into
-    the device buffers (unused segments: slot -1 and an empty range). ``batch`` returns a LoraBatch
-    over the static buffers with max_segment_tokens = capacity_tokens, since the grid is fixed at
-    capture; its host_segments is None (a captured graph outlives any one step's metadata).
-    Layout of the one int32 buffer: [token_order (Ct) | segment_starts (Cs + 1) | segment_slots (Cs)].
-    On a CPU device (tests) the staging is plain memory and the copy synchronous.
+    the device buffers (unused segments and tiles: slot -1 and an empty range). ``batch`` returns a
+    LoraBatch over the static buffers with max_segment_tokens = capacity_tokens, since the grid is
+    fixed at capture; its host_segments is None (a captured graph outlives any one step's
+    metadata). ``batch(n)`` is the view a graph of n rows captures: n tokens, min(n, Cs) segments,
+    max_tiles(n, that) tiles (a step fills all three from the front).
+    ``fill`` also cuts the segments into decode tiles. A view of n tokens carries them (the
+    kernels' decode path) when n <= DECODE_MAX_TOKENS or the buffers were made with
+    ``decode=True``: the graphs of decode steps, where a segment holds one token per sequence
+    whatever n is. (Prefill-sized segments run faster on the segment grid's 64-row tiles.)
+    Layout of the one int32 buffer: [token_order (Ct) | segment_starts (Cs + 1) | segment_slots (Cs)
+    | tiles (3 * max_tiles(Ct, Cs))]. On a CPU device (tests) the staging is plain memory and the
+    copy synchronous.
     """
 
-    def __init__(self, capacity_tokens: int, capacity_segments: int, device):
+    def __init__(self, capacity_tokens: int, capacity_segments: int, device, decode: bool = False):
         self.capacity_tokens = capacity_tokens
         self.capacity_segments = capacity_segments
+        self.capacity_tiles = max_tiles(capacity_tokens, capacity_segments)
+        self.decode = decode
         self.device = torch.device(device)
-        size = capacity_tokens + 2 * capacity_segments + 1
+        size = capacity_tokens + 2 * capacity_segments + 1 + 3 * self.capacity_tiles
         is_cuda = self.device.type == "cuda"
         self._host = torch.zeros(size, dtype=torch.int32, pin_memory=is_cuda)
         self._dev = torch.zeros(size, dtype=torch.int32, device=self.device)
@@ -122,22 +173,35 @@ class LoraBatchBuffers:
         if len(order) > self.capacity_tokens or len(slots) > self.capacity_segments:
             raise ValueError(f"{len(order)} adapter tokens in {len(slots)} segments exceed the buffers' "
                              f"capacity ({self.capacity_tokens} tokens, {self.capacity_segments} segments)")
+        flat_tiles = cut_tiles(starts, slots)
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copy has left the pinned staging
         ct, cs = self.capacity_tokens, self.capacity_segments
+        tiles_at = ct + 2 * cs + 1
         self._np[:len(order)] = order
         self._np[ct + len(starts):ct + cs + 1] = len(order)  # unused segments: empty ranges ...
         self._np[ct:ct + len(starts)] = starts
-        self._np[ct + cs + 1:] = -1  # ... and no slot
+        self._np[ct + cs + 1:tiles_at] = -1  # ... and no slot
         self._np[ct + cs + 1:ct + cs + 1 + len(slots)] = slots
+        self._np[tiles_at:] = 0  # unused tiles: (-1, 0, 0)
+        self._np[tiles_at::3] = -1
+        self._np[tiles_at:tiles_at + len(flat_tiles)] = flat_tiles
         self._dev.copy_(self._host, non_blocking=self._copied is not None)
         if self._copied is not None:
             self._copied.record()
 
-    def batch(self) -> LoraBatch:
+    def batch(self, num_tokens: int | None = None) -> LoraBatch:
         ct, cs = self.capacity_tokens, self.capacity_segments
-        return LoraBatch(token_order=self._dev[:ct], segment_starts=self._dev[ct:ct + cs + 1],
-                         segment_slots=self._dev[ct + cs + 1:], max_segment_tokens=ct)
+        n = ct if num_tokens is None else num_tokens
+        if not 0 < n <= ct:
+            raise ValueError(f"a view of {n} tokens of buffers of {ct}")
+        segments = min(n, cs)
+        tiles_at = ct + 2 * cs + 1
+        with_tiles = self.decode or n <= DECODE_MAX_TOKENS
+        tiles = self._dev[tiles_at:].view(-1, 3)[:max_tiles(n, segments)] if with_tiles else None
+        return LoraBatch(token_order=self._dev[:n], segment_starts=self._dev[ct:ct + segments + 1],
+                         segment_slots=self._dev[ct + cs + 1:ct + cs + 1 + segments], max_segment_tokens=n,
+                         tiles=tiles)
 
 
 # ---- torch reference ----------------------------------------------------------------------------
@@ -167,23 +231,38 @@ def add_lora_ref(x: torch.Tensor, out: torch.Tensor, lora_a: torch.Tensor, lora_
 
 # ---- Triton kernels -----------------------------------------------------------------------------
 
+@jit
+def _program_rows(tiles_ptr, starts_ptr, slots_ptr, m_blocks, BLOCK_M: tl.constexpr, TILED: tl.constexpr):
+    """-> (slot, start, end) of this program's rows in token_order: decode tile program_id(0), or
+    M-block program_id(0) % m_blocks of segment program_id(0) // m_blocks."""
+    if TILED:
+        tile = tiles_ptr + tl.program_id(0) * 3
+        slot = tl.load(tile)
+        start = tl.load(tile + 1)
+        end = tl.load(tile + 2)
+    else:
+        seg = tl.program_id(0) // m_blocks
+        slot = tl.load(slots_ptr + seg)
+        start = tl.load(starts_ptr + seg) + (tl.program_id(0) % m_blocks) * BLOCK_M
+        end = tl.load(starts_ptr + seg + 1)
+    return slot, start, end
+
+
 @jit(do_not_specialize=["m_blocks", "capacity"])
 def _shrink_kernel(
-    x_ptr, a_ptr, ranks_ptr, order_ptr, starts_ptr, slots_ptr, part_ptr,
+    x_ptr, a_ptr, ranks_ptr, order_ptr, starts_ptr, slots_ptr, tiles_ptr, part_ptr,
     K, K_PER_SPLIT, m_blocks, capacity, stride_xm,
     N_SLICES: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, TILED: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Program (segment * m_blocks + M-block, column block, split): BLOCK_M tokens of the segment
-    times BLOCK_R columns of lora_a[slot] viewed as (N_SLICES * R, K) (column c = slice c // R,
-    rank c % R), over K range [split * K_PER_SPLIT, + K_PER_SPLIT).
+    """Program (row block, column block, split): the row block's tokens (``_program_rows``, at
+    most BLOCK_M) times BLOCK_R columns of lora_a[slot] viewed as (N_SLICES * R, K) (column c =
+    slice c // R, rank c % R), over K range [split * K_PER_SPLIT, + K_PER_SPLIT).
     part (SPLIT_K, capacity, N_SLICES * R) float32: row i is token_order position i."""
-    seg = tl.program_id(0) // m_blocks
-    slot = tl.load(slots_ptr + seg)
+    pdl_prologue(PDL)  # before the early returns too: every program must wait (kernels/_triton.py)
+    slot, start, end = _program_rows(tiles_ptr, starts_ptr, slots_ptr, m_blocks, BLOCK_M, TILED)
     if slot < 0:
         return
-    start = tl.load(starts_ptr + seg) + (tl.program_id(0) % m_blocks) * BLOCK_M
-    end = tl.load(starts_ptr + seg + 1)
     if start >= end:
         return
     cols = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -211,25 +290,23 @@ def _shrink_kernel(
 
 @jit(do_not_specialize=["m_blocks", "capacity"])
 def _expand_kernel(
-    part_ptr, b_ptr, ranks_ptr, order_ptr, starts_ptr, slots_ptr, out_ptr,
+    part_ptr, b_ptr, ranks_ptr, order_ptr, starts_ptr, slots_ptr, tiles_ptr, out_ptr,
     N, S1, S2, S3, m_blocks, capacity, stride_om,
     N_SLICES: tl.constexpr, R: tl.constexpr, R_PAD: tl.constexpr, SPLIT_K: tl.constexpr, SPLIT_PAD: tl.constexpr,
     SPLIT_CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK_N: tl.constexpr,
-    VEC_B: tl.constexpr, PRECISION: tl.constexpr,
+    VEC_B: tl.constexpr, PRECISION: tl.constexpr, TILED: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Program (segment * m_blocks + M-block, N-chunk): out[tokens, chunk] += t @ lora_b[slot, chunk, :r].T,
+    """Program (row block, N-chunk): out[tokens, chunk] += t @ lora_b[slot, chunk, :r].T,
     BLOCK_N columns at a time, with t (BLOCK_M, R_PAD) the sum of the SPLIT_K partials of the
     chunk's slice j, loaded once. S1..S3: the slice boundaries after slices 0..2 (N where there are
     fewer slices); CHUNK_N divides them, so the whole chunk is in slice j.
     Rank masks are rounded up to 16-byte vectors (VEC_B lora_b elements, 4 float32 partials) so the
     loads vectorize; what that reads past the rank (same sectors, never past the row's R) is
     replaced by 0 with ``where``."""
-    seg = tl.program_id(0) // m_blocks
-    slot = tl.load(slots_ptr + seg)
+    pdl_prologue(PDL)
+    slot, start, end = _program_rows(tiles_ptr, starts_ptr, slots_ptr, m_blocks, BLOCK_M, TILED)
     if slot < 0:
         return
-    start = tl.load(starts_ptr + seg) + (tl.program_id(0) % m_blocks) * BLOCK_M
-    end = tl.load(starts_ptr + seg + 1)
     if start >= end:
         return
     n_lo = tl.program_id(1) * CHUNK_N
@@ -276,24 +353,27 @@ class LoraLaunch:
     block_n: int  # expand output columns per tile
     chunk_n: int  # expand output columns per program: a multiple of block_n dividing every slice boundary
     num_warps: int
+    pdl: bool = True  # launch with PDL when kernels/_triton.py enables it
 
 
 def choose_launch(max_segment_tokens: int, num_segments: int, in_features: int, n_slices: int, max_rank: int,
-                  slice_starts: tuple[int, ...], sms: int = 132, max_tiles_per_program: int = 4) -> LoraLaunch:
+                  slice_starts: tuple[int, ...], sms: int = 132, max_tiles_per_program: int = 4,
+                  num_tiles: int | None = None) -> LoraLaunch:
     """Decode-sized segments (<= DECODE_MAX_TOKENS tokens) stream weights: 16-row tiles and the
     shrink's K split into ~512-column shares, so a (J * R, I) lora_a read is spread over many SMs
     (on an H100, bf16 rank 16, batch 1: 8 splits of I = 4096 and 28 of 14336 timed best,
     benchmarks/lora_kernel_bench.py --sweep). Prefill-sized segments are tensor-core GEMMs: 64-row
     tiles, no split, all slice-rank columns of a token block in one or two programs so x is read
     about once. The expand gives a program up to ``max_tiles_per_program`` column tiles (loading
-    its t once) when there are more than ~4 tiles per SM."""
+    its t once) when there are more than ~4 tiles per SM. ``num_tiles``: the batch's decode tiles
+    (LoraBatch.tiles), which take the decode tilings whatever max_segment_tokens is."""
     boundary_gcd = math.gcd(*slice_starts)
     pow2_gcd = boundary_gcd & -boundary_gcd  # the largest power of 2 dividing every slice boundary
     block_n = min(128, pow2_gcd)
-    if max_segment_tokens <= DECODE_MAX_TOKENS:
+    if num_tiles is not None or max_segment_tokens <= DECODE_MAX_TOKENS:
         # 16-row tiles even for a 64-token segment: in a captured graph max_segment_tokens is the
         # capacity, and most segments hold a token or two.
-        block_m, block_r, block_k = 16, min(64, max(16, triton.next_power_of_2(max_rank))), 128
+        block_m, block_r, block_k = DECODE_BLOCK_M, min(64, max(16, triton.next_power_of_2(max_rank))), 128
         split_k = min(32, triton.cdiv(in_features, 512))
         num_warps = 4
     else:
@@ -301,10 +381,12 @@ def choose_launch(max_segment_tokens: int, num_segments: int, in_features: int, 
         block_r = min(128, max(16, triton.next_power_of_2(n_slices * max_rank)))
     k_per_split = triton.cdiv(triton.cdiv(in_features, split_k), block_k) * block_k
     split_k = triton.cdiv(in_features, k_per_split)  # no empty splits
-    tiles = num_segments * triton.cdiv(max_segment_tokens, block_m) * (slice_starts[-1] // block_n)
+    row_blocks = num_segments * triton.cdiv(max_segment_tokens, block_m) if num_tiles is None else num_tiles
+    tiles = row_blocks * (slice_starts[-1] // block_n)
     tiles_per_program = min(max_tiles_per_program, pow2_gcd // block_n, max(1, tiles // (4 * sms)))
     chunk_n = block_n * (1 << (tiles_per_program.bit_length() - 1))  # a power of 2 times block_n
-    return LoraLaunch(block_m, block_r, block_k, split_k, k_per_split, block_n, chunk_n, num_warps)
+    return LoraLaunch(block_m, block_r, block_k, split_k, k_per_split, block_n, chunk_n, num_warps,
+                      pdl=row_blocks <= PDL_MAX_ROW_BLOCKS)
 
 
 def check_shapes(x: torch.Tensor, out: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
@@ -324,6 +406,20 @@ def check_shapes(x: torch.Tensor, out: torch.Tensor, lora_a: torch.Tensor, lora_
     assert lora_a.is_contiguous() and lora_b.is_contiguous() and ranks.is_contiguous()
 
 
+def launch_options(t: torch.Tensor, launch: LoraLaunch) -> dict:
+    return pdl_options(t) if launch.pdl else {"PDL": False, "launch_pdl": False}
+
+
+def row_grid(batch: LoraBatch, launch: LoraLaunch) -> tuple[int, int, torch.Tensor]:
+    """-> (m_blocks, grid rows, tiles argument): one grid row per decode tile when the batch has
+    them (each at most DECODE_BLOCK_M <= block_m rows), else per segment M-block."""
+    if batch.tiles is not None:
+        assert launch.block_m >= DECODE_BLOCK_M
+        return 1, batch.tiles.shape[0], batch.tiles
+    m_blocks = triton.cdiv(batch.max_segment_tokens, launch.block_m)
+    return m_blocks, batch.num_segments * m_blocks, batch.segment_slots
+
+
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, ranks: torch.Tensor, batch: LoraBatch,
                 launch: LoraLaunch) -> torch.Tensor:
     """-> part (split_k, capacity_tokens, n_slices * R) float32; entries the expand does not read
@@ -331,14 +427,14 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, ranks: torch.Tensor, batc
     _, n_slices, max_rank, in_features = lora_a.shape
     capacity = batch.token_order.shape[0]
     part = torch.empty(launch.split_k, capacity, n_slices * max_rank, dtype=torch.float32, device=x.device)
-    m_blocks = triton.cdiv(batch.max_segment_tokens, launch.block_m)
-    grid = (batch.num_segments * m_blocks, triton.cdiv(n_slices * max_rank, launch.block_r), launch.split_k)
+    m_blocks, row_blocks, tiles = row_grid(batch, launch)
+    grid = (row_blocks, triton.cdiv(n_slices * max_rank, launch.block_r), launch.split_k)
     _shrink_kernel[grid](
-        x, lora_a, ranks, batch.token_order, batch.segment_starts, batch.segment_slots, part,
+        x, lora_a, ranks, batch.token_order, batch.segment_starts, batch.segment_slots, tiles, part,
         in_features, launch.k_per_split, m_blocks, capacity, x.stride(0),
         N_SLICES=n_slices, R=max_rank, BLOCK_M=launch.block_m, BLOCK_R=launch.block_r, BLOCK_K=launch.block_k,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=launch.num_warps, num_stages=3,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", TILED=batch.tiles is not None,
+        num_warps=launch.num_warps, num_stages=3, **launch_options(x, launch),
     )
     return part
 
@@ -348,22 +444,22 @@ def lora_expand(part: torch.Tensor, out: torch.Tensor, lora_b: torch.Tensor, ran
     n_slices, max_rank = ranks.shape[1], lora_b.shape[2]
     out_features = out.shape[1]
     bounds = list(slice_starts[1:-1]) + [out_features] * (MAX_SLICES - n_slices)
-    m_blocks = triton.cdiv(batch.max_segment_tokens, launch.block_m)
-    grid = (batch.num_segments * m_blocks, out_features // launch.chunk_n)
+    m_blocks, row_blocks, tiles = row_grid(batch, launch)
+    grid = (row_blocks, out_features // launch.chunk_n)
     r_pad = max(16, triton.next_power_of_2(max_rank))
     split_pad = triton.next_power_of_2(launch.split_k)
     # Splits summed per load: at most 4096 float32 (32 registers a thread at 4 warps).
     split_chunk = min(split_pad, max(1, 4096 // (launch.block_m * r_pad)))
     _expand_kernel[grid](
-        part, lora_b, ranks, batch.token_order, batch.segment_starts, batch.segment_slots, out,
+        part, lora_b, ranks, batch.token_order, batch.segment_starts, batch.segment_slots, tiles, out,
         out_features, *bounds, m_blocks, part.shape[1], out.stride(0),
         N_SLICES=n_slices, R=max_rank, R_PAD=r_pad, SPLIT_K=launch.split_k, SPLIT_PAD=split_pad,
         SPLIT_CHUNK=split_chunk, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, CHUNK_N=launch.chunk_n,
         VEC_B=16 // lora_b.element_size(),
         # fp32 engines get fp32 dots; otherwise t (float32) meets lora_b in a tf32 dot (10-bit
         # mantissa, finer than bf16's 7 and equal to fp16's, so lora_b is exact).
-        PRECISION="ieee" if out.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=2,
+        PRECISION="ieee" if out.dtype == torch.float32 else "tf32", TILED=batch.tiles is not None,
+        num_warps=4, num_stages=2, **launch_options(out, launch),
     )
 
 
@@ -373,9 +469,12 @@ def add_lora_triton(x: torch.Tensor, out: torch.Tensor, lora_a: torch.Tensor, lo
     check_shapes(x, out, lora_a, lora_b, ranks, slice_starts)
     if batch.max_segment_tokens == 0 or batch.num_segments == 0 or x.shape[0] == 0:
         return
+    if batch.tiles is not None and batch.tiles.shape[0] == 0:
+        return
     if launch is None:
         launch = choose_launch(batch.max_segment_tokens, batch.num_segments, x.shape[1], ranks.shape[1],
-                               lora_a.shape[2], slice_starts, num_sms(x.device))
+                               lora_a.shape[2], slice_starts, num_sms(x.device),
+                               num_tiles=None if batch.tiles is None else batch.tiles.shape[0])
     part = lora_shrink(x, lora_a, ranks, batch, launch)
     lora_expand(part, out, lora_b, ranks, slice_starts, batch, launch)
 

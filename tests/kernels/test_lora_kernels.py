@@ -1,6 +1,7 @@
 """Batched multi-adapter LoRA: the torch reference against a per-token loop and the segment
 metadata (CPU); the Triton kernels against the reference (GPU, or Triton's CPU interpreter with
-TRITON_INTERPRET=1), eagerly and replayed from a CUDA graph over LoraBatchBuffers.
+TRITON_INTERPRET=1), eagerly, on the segment grid and on decode tiles, and replayed from a CUDA
+graph over LoraBatchBuffers (the full buffers and a decode bucket view).
 
 Weights past a slot's rank hold NaN here (the pool promises zeros there): a kernel or reference
 that reads them, even to multiply by zero, fails.
@@ -14,12 +15,15 @@ import torch
 from kernel_testing import TOLERANCE, low_precision_dtypes, relative_error
 
 from kernels.lora import (
+    DECODE_BLOCK_M,
+    LoraBatch,
     LoraBatchBuffers,
     add_lora,
     add_lora_ref,
     add_lora_triton,
     choose_launch,
     lora_batch,
+    max_tiles,
 )
 
 QKV_SMALL = (0, 64, 96, 128)  # 3 slices, in 80: widths 64/32/32 (not multiples of a 128 block)
@@ -77,6 +81,29 @@ def test_lora_batch_groups_interleaved_sequences():
     assert batch.token_order.dtype == batch.segment_starts.dtype == batch.segment_slots.dtype == torch.int32
 
 
+def test_lora_batch_decode_tiles():
+    """Decode-sized segments are cut into DECODE_BLOCK_M-row tiles (slot, start, end) into token_order."""
+    batch = lora_batch([2, -1, 0, 2], [3, 1, 5, 1], "cpu")
+    assert batch.tiles.tolist() == [[2, 0, 4], [0, 4, 9]]
+    batch = lora_batch([1, 0, 1], [DECODE_BLOCK_M + 3, 2, 1], "cpu")
+    m = DECODE_BLOCK_M
+    assert batch.tiles.tolist() == [[1, 0, m], [1, m, m + 4], [0, m + 4, m + 6]]
+    assert lora_batch([0], [65], "cpu").tiles is None  # a prefill segment: the segment grid
+    assert lora_batch([0], [65], "cpu", tiles=True).tiles.shape == (5, 3)
+    assert lora_batch([0], [3], "cpu", tiles=False).tiles is None
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_max_tiles_bounds_any_split(seed):
+    gen = torch.Generator().manual_seed(seed)
+    num_tokens = int(torch.randint(1, 300, (1,), generator=gen))
+    num_segments = int(torch.randint(1, min(num_tokens, 70) + 1, (1,), generator=gen))
+    cuts = sorted(torch.randperm(num_tokens - 1, generator=gen)[:num_segments - 1].add(1).tolist())
+    seq_lens = [b - a for a, b in zip([0] + cuts, cuts + [num_tokens])]
+    batch = lora_batch(list(range(num_segments)), seq_lens, "cpu", tiles=True)
+    assert batch.tiles.shape[0] <= max_tiles(num_tokens, num_segments)
+
+
 def test_lora_batch_none_without_adapters():
     assert lora_batch([-1, -1], [4, 1], "cpu") is None
     assert lora_batch([], [], "cpu") is None
@@ -118,6 +145,23 @@ def test_buffers_fill_pads_unused_segments():
         buffers.fill([0, 1, 2, 3, 4], [1] * 5)
     with pytest.raises(ValueError, match="capacity"):
         buffers.fill([0], [13])
+
+
+def test_buffers_decode_views():
+    """batch(n): the view a graph of n rows captures; tiles from the front, unused ones slot -1."""
+    buffers = LoraBatchBuffers(capacity_tokens=256, capacity_segments=64, device="cpu", decode=True)
+    assert buffers.capacity_tiles == max_tiles(256, 64) == 76
+    buffers.fill([5, 5, -1, 3] + [5] * 20, [1] * 24)
+    view = buffers.batch(4)
+    assert view.token_order.shape == (4,) and view.num_segments == 4 and view.max_segment_tokens == 4
+    assert view.tiles.shape == (max_tiles(4, 4), 3) == (4, 3)
+    m = DECODE_BLOCK_M
+    assert view.tiles.tolist() == [[5, 0, m], [5, m, 22], [3, 22, 23], [-1, 0, 0]]
+    assert buffers.batch(1).tiles.shape == (1, 3) and buffers.batch(256).tiles.shape == (76, 3)
+    prefill = LoraBatchBuffers(capacity_tokens=256, capacity_segments=8, device="cpu")
+    assert prefill.batch().tiles is None and prefill.batch(64).tiles is not None
+    with pytest.raises(ValueError):
+        buffers.batch(257)
 
 
 # ---- reference (CPU) ----------------------------------------------------------------------------
@@ -231,6 +275,23 @@ def test_triton_mixed_ranks(device, num_tokens, num_adapters, max_rank):
         check(*run_both(x, out, *pool, slice_starts, batch), dtype, batch.token_order.long())
 
 
+@pytest.mark.parametrize("num_tokens,num_adapters", [(1, 1), (8, 4), (64, 4), (64, 64), (300, 3)])
+def test_triton_tiles_forced_other_way(device, num_tokens, num_adapters):
+    """The path lora_batch does not pick by default: segments for decode batches, decode tiles
+    (16-row pieces of 100-token segments) for a prefill batch."""
+    if device != "cuda" and num_tokens > 64:
+        pytest.skip("interpreter: too slow")
+    slice_starts = (0, 256, 320, 384)
+    row_slots, seq_lens = mixed_sequences(num_tokens, num_adapters)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    x, out = make_rows(sum(seq_lens), 256, 384, seed=21, dtype=dtype, device=device)
+    pool = make_pool(num_adapters, 256, slice_starts, 16, random_ranks(num_adapters, 3, [0, 4, 16], seed=22),
+                     seed=23, dtype=dtype, device=device)
+    batch = lora_batch(row_slots, seq_lens, device, tiles=num_tokens > 64)
+    assert (batch.tiles is not None) == (num_tokens > 64)
+    check(*run_both(x, out, *pool, slice_starts, batch), dtype, batch.token_order.long())
+
+
 @pytest.mark.parametrize("variant", [
     {"split_k": 1, "k_per_split": 256},  # no split
     {"split_k": 3, "k_per_split": 128, "block_k": 64},  # splits not a power of 2, two K steps each
@@ -282,27 +343,40 @@ def test_triton_8192_token_prefill_segment(device):
     check(*run_both(x, out, *pool, QKV_8B, batch), torch.bfloat16, batch.token_order.long())
 
 
-def test_buffers_in_a_cuda_graph(device):
+def graph_batch(buffers: LoraBatchBuffers, view: str, num_tokens: int) -> LoraBatch:
+    if view == "segments":  # what a caller that knows no tiles builds: the segment grid
+        full = buffers.batch()
+        return LoraBatch(token_order=full.token_order[:num_tokens], segment_starts=full.segment_starts,
+                         segment_slots=full.segment_slots, max_segment_tokens=num_tokens)
+    return buffers.batch() if view == "tiles" else buffers.batch(num_tokens)
+
+
+@pytest.mark.parametrize("view,capacity_tokens", [("tiles", 64), ("segments", 64), ("bucket", 256)])
+def test_buffers_in_a_cuda_graph(device, view, capacity_tokens):
     """Capture add_lora once over LoraBatchBuffers, then fill different steps' metadata and replay:
-    each replay must equal the reference over that step's own lora_batch."""
+    each replay must equal the reference over that step's own lora_batch. Views: the full buffers
+    (decode tiles), the segment grid, and a 64-row bucket of decode buffers of 256."""
     if device != "cuda":
         pytest.skip("CUDA graphs: GPU only")
     dtype, num_tokens = torch.bfloat16, 64
     x, out = make_rows(num_tokens, 4096, 6144, seed=15, dtype=dtype, device=device)
     out0 = out.clone()
     pool = make_pool(8, 4096, QKV_8B, 16, random_ranks(8, 3, [0, 8, 16], seed=16), seed=17, dtype=dtype, device=device)
-    buffers = LoraBatchBuffers(capacity_tokens=num_tokens, capacity_segments=8, device=device)
+    buffers = LoraBatchBuffers(capacity_tokens=capacity_tokens, capacity_segments=8, device=device,
+                               decode=view == "bucket")
     buffers.fill([0], [num_tokens])
+    batch = graph_batch(buffers, view, num_tokens)
+    assert (batch.tiles is None) == (view == "segments")
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # compile outside the capture
-        add_lora(x, out, *pool, QKV_8B, buffers.batch())
+        add_lora(x, out, *pool, QKV_8B, batch)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        add_lora(x, out, *pool, QKV_8B, buffers.batch())
+        add_lora(x, out, *pool, QKV_8B, batch)
     steps = [([3, -1, 0, 3, 7], [10, 4, 20, 5, 25]), ([5] * 64, [1] * 64), (list(range(8)) * 8, [1] * 64),
-             ([-1, 2], [63, 1]), ([-1], [64])]
+             ([-1, 2], [63, 1]), ([-1], [64]), ([1, 1, -1, 6] * 16, [1] * 64)]
     for row_slots, seq_lens in steps:
         buffers.fill(row_slots, seq_lens)
         out.copy_(out0)
