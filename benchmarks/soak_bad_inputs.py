@@ -104,8 +104,14 @@ BAD_INPUTS: list[BadInput] = [
     BadInput("stop_words invalid UTF-8", "ensemble", "grpc",
              lambda: text_request(stop_words=_one(b"\xff\xff", object))),
     BadInput("seed of FP32", "ensemble", "grpc", lambda: text_request(seed=_one(1.5, np.float32))),
-    BadInput("LoRA task id (not supported)", "ensemble", "grpc",
+    # LoRA (on in make serve's repository): an id the cache does not hold, rows without their
+    # config, a PEFT directory that is not there
+    BadInput("LoRA task id not in the cache", "ensemble", "grpc",
              lambda: text_request(lora_task_id=_one(3, np.uint64))),
+    BadInput("LoRA weights without lora_config", "ensemble", "grpc",
+             lambda: text_request(lora_task_id=_one(4, np.uint64), lora_weights=np.ones((1, 2, 16), np.float16))),
+    BadInput("LoRA path that does not exist", "ensemble", "grpc", lambda: text_request(
+        lora_id=_one(5, np.uint64), lora_path=_one(b"/nonexistent/adapter", object))),
     # guided decoding: the serving layer refuses an unknown guide type, the executor a guide it cannot compile
     BadInput("guided decoding: unknown guide type", "ensemble", "grpc", lambda: text_request(
         guided_decoding_guide_type=_one(b"yaml", object), guided_decoding_guide=_one(b"{}", object))),

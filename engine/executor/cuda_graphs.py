@@ -67,8 +67,8 @@ class DecodeGraphs:
         self.hidden: dict[int, torch.Tensor] = {}
         self.lora_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.lora_hidden: dict[int, torch.Tensor] = {}
-        self.lora_buffers = (LoraBatchBuffers(self.max_batch_size, min(self.max_batch_size, lora_slots), kv_cache.device)
-                             if lora_slots else None)
+        self.lora_buffers = (LoraBatchBuffers(self.max_batch_size, min(self.max_batch_size, lora_slots),
+                                              kv_cache.device, decode=True) if lora_slots else None)
         self._allocate_buffers()
 
     def _allocate_buffers(self) -> None:
@@ -96,12 +96,9 @@ class DecodeGraphs:
         )
 
     def _lora_batch(self, bs: int) -> LoraBatch:
-        """The static segment buffers seen by bucket ``bs``: a step fills segments from the front,
-        and one of bs rows uses at most min(bs, slots) adapters, each at most bs tokens."""
-        full = self.lora_buffers.batch()
-        segments = min(bs, self.lora_slots)
-        return LoraBatch(token_order=full.token_order[:bs], segment_starts=full.segment_starts[:segments + 1],
-                         segment_slots=full.segment_slots[:segments], max_segment_tokens=bs)
+        """The static buffers as bucket ``bs`` sees them: bs tokens, min(bs, slots) segments, and
+        the 16-row tiles (kernels/lora.py) its grid runs over, so no program waits on empty work."""
+        return self.lora_buffers.batch(bs)
 
     @torch.inference_mode()
     def capture(self) -> None:

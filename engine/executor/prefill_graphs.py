@@ -85,8 +85,8 @@ class PrefillGraphs:
         self.hidden: dict[int, torch.Tensor] = {}
         self.lora_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.lora_hidden: dict[int, torch.Tensor] = {}
-        self.lora_buffers = (LoraBatchBuffers(self.buckets[-1], min(max_batch_size, lora_slots), kv_cache.device)
-                             if lora_slots else None)
+        self.lora_buffers = (LoraBatchBuffers(self.buckets[-1], min(max_batch_size, lora_slots), kv_cache.device,
+                                              decode=True) if lora_slots else None)
         self._allocate_buffers()
 
     def num_tiles(self, bucket: int) -> int:
@@ -123,11 +123,10 @@ class PrefillGraphs:
         )
 
     def _lora_batch(self, bucket: int) -> LoraBatch:
-        """The static segment buffers as bucket ``bucket`` sees them: a step fills segments from
-        the front; each holds at most ``bucket`` tokens."""
-        full = self.lora_buffers.batch()
-        return LoraBatch(token_order=full.token_order[:bucket], segment_starts=full.segment_starts,
-                         segment_slots=full.segment_slots, max_segment_tokens=bucket)
+        """The static buffers as bucket ``bucket`` sees them, over 16-row tiles of the segments
+        (kernels/lora.py): a grid of about bucket / 16 + segments programs, all with work, where
+        segments x M-blocks would be mostly empty at a bucket of thousands of tokens."""
+        return self.lora_buffers.batch(bucket)
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -137,16 +137,18 @@ class LeaderModeServer:
         return self.server_pids() + self.worker_pids()
 
     def generate(self, text: str, *, stream: bool = False, max_tokens: int = MAX_TOKENS, timeout: float = 120,
-                 suffix: str = ""):
-        body = {"text_input": text, "max_tokens": max_tokens, "exclude_input_in_output": True, "stream": stream}
+                 suffix: str = "", extra: dict | None = None):
+        body = {"text_input": text, "max_tokens": max_tokens, "exclude_input_in_output": True, "stream": stream,
+                **(extra or {})}
         endpoint = "generate_stream" if stream else "generate"
         return requests.post(f"{self.http}/v2/models/ensemble{suffix}/{endpoint}", json=body, timeout=timeout,
                              stream=stream)
 
-    def answers(self, prompts: list[str], suffix: str = "") -> list[str]:
-        """All prompts at once (so the leader batches them), in prompt order."""
+    def answers(self, prompts: list[str], suffix: str = "", extra: dict | None = None) -> list[str]:
+        """All prompts at once (so the leader batches them), in prompt order; ``extra``: more JSON
+        fields for every request (a LoRA adapter's, say)."""
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-            responses = list(pool.map(lambda p: self.generate(p, suffix=suffix), prompts))
+            responses = list(pool.map(lambda p: self.generate(p, suffix=suffix, extra=extra), prompts))
         for response in responses:
             assert response.status_code == 200, f"{response.text}\n{self.log()[-4000:]}"
         return [response.json()["text_output"] for response in responses]
@@ -201,17 +203,29 @@ def engines(smollm2_hf, smollm2_engine_dir, tmp_path_factory):
     }
 
 
+@pytest.fixture(scope="module")
+def tiny_adapter(engines, tmp_path_factory) -> dict:
+    """A rank-16 PEFT adapter of the tiny Llama, as the ensemble's LoRA inputs (lora_id, lora_path)."""
+    sys.path.insert(0, str(ROOT / "tests" / "integration"))
+    from triton_helpers import write_peft_adapter
+
+    path = write_peft_adapter(engines["tiny_tp1"], tmp_path_factory.mktemp("tiny_lora") / "adapter", 16, seed=7)
+    return {"lora_id": 11, "lora_path": str(path), "lora_name": "tiny16"}
+
+
 SMOLLM2_PROMPTS = [CHAT.format(q) for q in QUESTIONS]
 TINY_PROMPTS = [CHAT.format(q) for q in QUESTIONS[:2]]
 
 
 @pytest.fixture(scope="module")
-def single_rank_answers(engines, tmp_path_factory, short_timeouts):
-    """World size 1: both tp-1 engines behind one server (tiny under the suffix _tiny)."""
+def single_rank_answers(engines, tiny_adapter, tmp_path_factory, short_timeouts):
+    """World size 1: both tp-1 engines behind one server (tiny under the suffix _tiny); the tiny
+    model also with its LoRA adapter."""
     server = LeaderModeServer({"": engines["smollm2_tp1"], "_tiny": engines["tiny_tp1"]}, 1,
                               tmp_path_factory.mktemp("world1"))
     try:
-        return {"smollm2": server.answers(SMOLLM2_PROMPTS), "tiny": server.answers(TINY_PROMPTS, suffix="_tiny")}
+        return {"smollm2": server.answers(SMOLLM2_PROMPTS), "tiny": server.answers(TINY_PROMPTS, suffix="_tiny"),
+                "tiny_lora": server.answers(TINY_PROMPTS, suffix="_tiny", extra=tiny_adapter)}
     finally:
         server.stop()
         server.kill_leftovers()
@@ -250,11 +264,16 @@ def test_launcher_refuses_an_engine_built_for_another_world_size(engines, tmp_pa
         launcher.launch(args)
 
 
-def test_tiny_llama_on_two_ranks_answers_like_one(engines, single_rank_answers, tmp_path, short_timeouts):
+def test_tiny_llama_on_two_ranks_answers_like_one(engines, single_rank_answers, tiny_adapter, tmp_path,
+                                                  short_timeouts):
+    """Also with a LoRA adapter: the leader loads it into the same slot on both ranks (each its
+    shards of A and B) and sends each step's adapter slots in the plan."""
     server = LeaderModeServer({"": engines["tiny_tp2"]}, 2, tmp_path)
     ranks = []
     try:
         assert server.answers(TINY_PROMPTS) == single_rank_answers["tiny"]
+        assert single_rank_answers["tiny_lora"] != single_rank_answers["tiny"]
+        assert server.answers(TINY_PROMPTS, extra=tiny_adapter) == single_rank_answers["tiny_lora"]
         ranks = server.rank_pids()
         assert len(ranks) == 2 and len(server.worker_pids()) == 1
     finally:
