@@ -168,14 +168,15 @@ class LoraPools:
 
     def _stage(self, kind: _Kind, adapter: LoraAdapter) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(a (layers, n_slices, r, in_local), b (layers, out_local, r), ranks (layers, n_slices))
-        on the host for ``kind``, r the adapter's largest rank there; zeros where it has nothing."""
+        on the host for ``kind``, r the adapter's largest rank there. Entries past a module's rank
+        are left unset: the kernels read A and B only up to ``ranks`` (kernels/lora.py)."""
         modules = PROJECTIONS[kind.name]
         entries = [(layer, module, w) for (layer, module), w in adapter.weights.items() if module in modules]
         r = max((a.shape[0] for _, _, (a, _) in entries), default=0)
         pin = self.device.type == "cuda"
         dtype = kind.a.dtype
-        a_host = torch.zeros(len(kind.layers), len(modules), r, kind.a.shape[-1], dtype=dtype, pin_memory=pin)
-        b_host = torch.zeros(len(kind.layers), kind.b.shape[2], r, dtype=dtype, pin_memory=pin)
+        a_host = torch.empty(len(kind.layers), len(modules), r, kind.a.shape[-1], dtype=dtype, pin_memory=pin)
+        b_host = torch.empty(len(kind.layers), kind.b.shape[2], r, dtype=dtype, pin_memory=pin)
         ranks = torch.zeros(len(kind.layers), len(modules), dtype=torch.int32, pin_memory=pin)
         for layer, module, (a, b) in entries:
             row, j = kind.layers.index(layer), modules.index(module)
