@@ -96,3 +96,33 @@ def test_served_adapters_equal_their_merged_weights(engines, device):
         assert got == [wanted[key][i] for i in range(len(prompts)) for key in ("a", "base", "b")]
         if device == "cuda":
             assert executor.runner.decode_graphs.lora_graphs, "LoRA decode graphs were not captured"
+
+
+# ---- tensor parallelism: A and B split like the weights they attach to -------------------------
+
+def test_tp2_with_adapters_equals_tp1(tmp_path):
+    """Column-parallel projections take their rows of B, row-parallel ones their columns of A
+    (their partial products join the all-reduce): both ranks' logits equal TP 1's, and the base
+    sequence's logits equal those of an engine without LoRA."""
+    import torch.multiprocessing as mp
+
+    from engine.executor.runner import ModelRunner
+    from engine_testing import tp_reference_steps
+    from lora_tp_worker import lora_reference_steps
+
+    hf = tiny_hf("qwen3")  # GQA 6/2 heads, head_dim 14: q and kv slices shard by heads
+    write_adapter(hf, tmp_path / "adapter", rank=8, alpha=16, seed=2)
+    tp1 = make_engine(hf, tmp_path / "tp1")
+    expected = lora_reference_steps(ModelRunner(tp1), str(tmp_path / "adapter"))
+    base = tp_reference_steps(ModelRunner(tp1))
+    rows_of_seq0 = list(range(6)) + list(range(19, 22))  # tp_reference_steps: 6 + 13 tokens, then 3 + 1
+    assert (expected[rows_of_seq0] - base[rows_of_seq0]).abs().max() > 1e-3  # the adapter matters
+    assert (expected[6:19] - base[6:19]).abs().max() <= 1e-5 and (expected[22:] - base[22:]).abs().max() <= 1e-5
+    engine = make_engine(hf, tmp_path / "tp2", tp_size=2)
+    from lora_tp_worker import lora_tp_worker
+
+    mp.spawn(lora_tp_worker, args=(2, str(tmp_path / "init"), engine, str(tmp_path / "adapter"), str(tmp_path)),
+             nprocs=2, join=True)
+    for rank in range(2):
+        error = (torch.load(tmp_path / f"rank{rank}.pt") - expected).abs().max().item()
+        assert error <= 1e-5, f"rank {rank}: max abs error {error:.3g} vs tp 1"
