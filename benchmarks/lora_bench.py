@@ -4,7 +4,7 @@ the same executor and lease (issue 29).
     python benchmarks/lora_bench.py [--model llama8b] [--dtype bfloat16] [--quantization fp8]
         [--rank 16] [--sections decode,offline,first_use,mixed] [--results-md benchmarks/RESULTS.md]
 
-One executor with LoRA on (``max_loras`` slots of rank ``--rank``; random-weight engine of the
+An executor with LoRA on (``--adapters`` slots of rank ``--rank``, 64 for ``mixed``; random-weight engine of the
 model's shape, as benchmarks/engine_bench.py makes it). Random adapters of rank ``--rank`` on all
 seven projections (q, k, v, o, gate, up, down), weights in the model dtype, loaded through the
 executor's own path (a PEFT directory per adapter, written first). Base rows on that executor
@@ -112,31 +112,52 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def offline(executor, vocab: int, loras: list, label: str) -> tuple[float, dict]:
+    """128/128, all requests at once: (output tok/s, where the steps' time went)."""
+    requests = make_requests(vocab, loras, 128, 128, seed=3)
+    since_ns = time.time_ns()
+    started = time.perf_counter()
+    done = run_requests(executor, requests)
+    elapsed = time.perf_counter() - started
+    return sum(len(r.output_token_ids[0]) for r in done) / elapsed, iteration_breakdown(executor, since_ns)
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    import gc
+
     from engine.executor.executor import Executor, ExecutorConfig
     from engine.executor.request import LoraRequest
+    from engine.lora.adapter import load_peft_adapter
 
     sections = args.sections.split(",")
-    max_loras = 64 if "mixed" in sections else max(args.adapters, 2)
     engine_dir = write_config_only_engine(args.model, args.dtype, args.max_batch_size, 2048, 8192, 32, args.quantization)
-    config = ExecutorConfig(kv_cache_free_gpu_mem_fraction=0.85, enable_kv_cache_reuse=False, enable_lora=True,
-                            max_loras=max_loras, max_lora_rank=args.rank, iter_stats_max_iterations=5000,
-                            lora_cache_host_memory_bytes=32 << 30)
-    started = time.perf_counter()
-    executor = Executor(engine_dir, config, device=args.device)
-    load_s = time.perf_counter() - started
+
+    def start(max_loras: int):
+        config = ExecutorConfig(kv_cache_free_gpu_mem_fraction=0.4, enable_kv_cache_reuse=False, enable_lora=True,
+                                max_loras=max_loras, max_lora_rank=args.rank, iter_stats_max_iterations=5000,
+                                lora_cache_host_memory_bytes=32 << 30)
+        started = time.perf_counter()
+        executor = Executor(engine_dir, config, device=args.device)
+        return executor, time.perf_counter() - started
+
+    max_loras = max(args.adapters, 2)
+    executor, load_s = start(max_loras)
     model_config, vocab = executor.runner.model_config, executor.runner.vocab_size
     dtype = executor.runner.dtype
     work = tempfile.mkdtemp(prefix="lora-bench-")
     started = time.perf_counter()
     dirs = [write_peft_adapter(model_config, os.path.join(work, f"a{i}"), args.rank, seed=i, dtype=dtype)
-            for i in range(max(max_loras, args.adapters) + 2)]
+            for i in range(max(64, args.adapters) + 2)]
     print(f"engine loaded in {load_s:.1f} s; {len(dirs)} adapters written in {time.perf_counter() - started:.1f} s",
           flush=True)
 
     def lora(i: int):
         return LoraRequest(task_id=i + 1, path=dirs[i], name=f"a{i}")
+
+    def warm_up(executor, count: int) -> None:
+        """Prefill and decode kernels compiled, ``count`` adapters parsed and in slots."""
+        run_requests(executor, make_requests(vocab, [None] * 4 + [lora(i) for i in range(count)], 64, 8, seed=1))
 
     results = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
@@ -144,9 +165,7 @@ def main(argv=None) -> dict:
                "rank": args.rank, "max_loras": max_loras, "engine_load_s": load_s,
                "slot_mib": executor.runner.lora_slot_bytes(args.rank) / 2**20,
                "command": "python benchmarks/lora_bench.py " + " ".join(argv or sys.argv[1:])}
-    # Warm-up: prefill and decode kernels, the LoRA kernels, every adapter parsed into the host tier
-    # (first_use uses two adapters kept apart).
-    run_requests(executor, make_requests(vocab, [None] * 4 + [lora(i) for i in range(max_loras)], 64, 8, seed=1))
+    warm_up(executor, max_loras)
 
     if "decode" in sections:
         base = decode_tok_s(run_requests(executor, make_requests(vocab, [None], 128, 256, seed=2)))
@@ -158,17 +177,11 @@ def main(argv=None) -> dict:
 
     if "offline" in sections:
         rows = {}
-        for label, loras in (("base", [None] * args.requests),
-                             ("lora", [lora(i % args.adapters) for i in range(args.requests)])):
-            requests = make_requests(vocab, loras, 128, 128, seed=3)
-            since_ns = time.time_ns()
-            started = time.perf_counter()
-            done = run_requests(executor, requests)
-            elapsed = time.perf_counter() - started
-            rows[label] = sum(len(r.output_token_ids[0]) for r in done) / elapsed
-            rows[f"{label}_steps"] = iteration_breakdown(executor, since_ns)
+        rows["base"], rows["base_steps"] = offline(executor, vocab, [None] * args.requests, "base")
+        rows["lora"], rows["lora_steps"] = offline(
+            executor, vocab, [lora(i % args.adapters) for i in range(args.requests)], "lora")
         rows["ratio"] = rows["lora"] / rows["base"]
-        results["offline"] = {"requests": args.requests, "adapters": args.adapters, **rows}
+        results["offline"] = {"requests": args.requests, "adapters": args.adapters, "slots": max_loras, **rows}
         print("offline", results["offline"], flush=True)
 
     if "first_use" in sections:
@@ -177,23 +190,36 @@ def main(argv=None) -> dict:
             return (result.perf.first_token_time_ns - result.perf.arrival_time_ns) / 1e6
 
         fresh = len(dirs) - 1
-        from engine.lora.adapter import load_peft_adapter
-
         started = time.perf_counter()  # the parse alone (a loader thread's part), of the spare adapter
         load_peft_adapter(dirs[fresh - 1], model_config, args.rank)
         parse_ms = (time.perf_counter() - started) * 1e3
-        results["first_use"] = {"parse_ms": parse_ms, "base_ttft_ms": ttft_ms(None), "new_adapter_ttft_ms": ttft_ms(lora(fresh)),
+        results["first_use"] = {"parse_ms": parse_ms, "base_ttft_ms": ttft_ms(None),
+                                "new_adapter_ttft_ms": ttft_ms(lora(fresh)),
                                 "cached_adapter_ttft_ms": ttft_ms(lora(fresh)),
                                 "adapter_file_mib": os.path.getsize(os.path.join(dirs[fresh], "adapter_model.safetensors")) / 2**20}
         print("first_use", results["first_use"], flush=True)
 
-    if "mixed" in sections:
+    if "mixed" in sections:  # 64 adapters need 64 slots: an executor of its own
+        executor.shutdown()
+        del executor
+        gc.collect()
+        torch.cuda.empty_cache()
+        executor, _ = start(64)
+        warm_up(executor, 64)
         mixed = {"base": decode_tok_s(run_requests(executor, make_requests(vocab, [None] * 64, 128, 128, seed=5)))}
         for count in (1, 4, 16, 64):
             done = run_requests(executor, make_requests(vocab, [lora(i % count) for i in range(64)], 128, 128, seed=5))
             mixed[count] = decode_tok_s(done)
         results["mixed_64_rows"] = mixed
         print("mixed", mixed, flush=True)
+        if "offline" in sections:  # the same offline run with 64 slots
+            rows = {}
+            rows["base"], rows["base_steps"] = offline(executor, vocab, [None] * args.requests, "base")
+            rows["lora"], rows["lora_steps"] = offline(
+                executor, vocab, [lora(i % args.adapters) for i in range(args.requests)], "lora")
+            rows["ratio"] = rows["lora"] / rows["base"]
+            results["offline_64_slots"] = rows
+            print("offline_64_slots", rows, flush=True)
     executor.shutdown()
     with open(args.out, "w") as f:
         json.dump(results, f, indent=2)
@@ -215,8 +241,11 @@ def markdown(r: dict) -> str:
                      f"{' / '.join(f'{v:.1f}' for v in d['base_tok_s'])} | {d['lora_tok_s']:.1f} | {d['ratio']:.3f} |")
     if "offline" in r:
         o = r["offline"]
-        lines.append(f"| 128/128 offline, {o['requests']} requests over {o['adapters']} adapters, output tok/s | "
-                     f"{o['base']:.0f} | {o['lora']:.0f} | {o['ratio']:.3f} |")
+        lines.append(f"| 128/128 offline, {o['requests']} requests over {o['adapters']} adapters ({o['slots']} slots), "
+                     f"output tok/s | {o['base']:.0f} | {o['lora']:.0f} | {o['ratio']:.3f} |")
+    if "offline_64_slots" in r:
+        o = r["offline_64_slots"]
+        lines.append(f"| the same with 64 slots, output tok/s | {o['base']:.0f} | {o['lora']:.0f} | {o['ratio']:.3f} |")
     if "mixed_64_rows" in r:
         m = r["mixed_64_rows"]
         for count in (1, 4, 16, 64):

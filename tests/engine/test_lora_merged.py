@@ -22,15 +22,15 @@ HF_NAMES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
-def write_adapter(hf, path, rank: int, alpha: int, seed: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def write_adapter(hf, path, rank: int, alpha: int, seed: int, std: float = 0.3) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """A PEFT directory with random A, B on every projection; returns {hf module path: (a, b)}."""
     generator = torch.Generator().manual_seed(seed)
     weights, tensors = {}, {}
     for layer in range(hf.config.num_hidden_layers):
         for name in HF_NAMES.values():
             module = hf.get_submodule(f"model.layers.{layer}.{name}")
-            a = torch.randn(rank, module.in_features, generator=generator) * 0.3
-            b = torch.randn(module.out_features, rank, generator=generator) * 0.3
+            a = torch.randn(rank, module.in_features, generator=generator) * std
+            b = torch.randn(module.out_features, rank, generator=generator) * std
             weights[f"model.layers.{layer}.{name}"] = (a, b)
             tensors[f"base_model.model.model.layers.{layer}.{name}.lora_A.weight"] = a
             tensors[f"base_model.model.model.layers.{layer}.{name}.lora_B.weight"] = b
@@ -126,3 +126,36 @@ def test_tp2_with_adapters_equals_tp1(tmp_path):
     for rank in range(2):
         error = (torch.load(tmp_path / f"rank{rank}.pt") - expected).abs().max().item()
         assert error <= 1e-5, f"rank {rank}: max abs error {error:.3g} vs tp 1"
+
+
+def prefill_logits(runner, ids: list[int], lora_slots: list[int] | None = None) -> torch.Tensor:
+    """Logits of every position of ``ids`` in one prefill (n, vocab), on ``lora_slots``' adapter."""
+    from engine.executor.runner import ForwardBatch
+
+    blocks = -(-len(ids) // runner.tokens_per_block)
+    runner.allocate_kv_cache(blocks)
+    n = len(ids)
+    return runner.forward(ForwardBatch(ids, list(range(n)), [n], [n], [list(range(blocks))], list(range(n)),
+                                       lora_slots=lora_slots), all_logits=True)
+
+
+def test_an_adapter_on_fp8_weights_keeps_to_the_fp8_rounding_bound(tmp_path):
+    """Base weights in FP8 (W8A8), adapters in the model dtype: the served adapter's logits stay
+    within test_fp8_engine's 10% bound of the float32 merged model, while the adapter itself moves
+    them far more than that (so the check tells an applied adapter from a lost one)."""
+    from engine.executor.runner import ModelRunner
+    from engine.lora.adapter import load_peft_adapter
+    from test_fp8_engine import build, llama_of_trained_scale
+
+    hf = llama_of_trained_scale()
+    weights = write_adapter(hf, tmp_path / "adapter", rank=8, alpha=16, seed=5, std=0.05)
+    ids = [3, 17, 5, 99, 42, 8, 1, 77, 23, 64, 11, 90, 31, 7, 120, 56]
+    base = prefill_logits(ModelRunner(build(hf, str(tmp_path / "fp32"), None)), ids)
+    wanted = prefill_logits(ModelRunner(build(merged(hf, weights, 2.0), str(tmp_path / "merged"), None)), ids)
+    runner = ModelRunner(build(hf, str(tmp_path / "fp8"), "fp8"))
+    runner.enable_lora(2, 8)
+    runner.load_adapter(1, load_peft_adapter(str(tmp_path / "adapter"), runner.model_config, 8))
+    got = prefill_logits(runner, ids, lora_slots=[1])
+    relative = lambda x, y: ((x - y).norm() / y.norm()).item()  # noqa: E731
+    assert relative(wanted, base) > 0.3
+    assert relative(got, wanted) < 0.10
