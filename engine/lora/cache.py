@@ -67,6 +67,8 @@ class AdapterCache:
         self.max_rank = max_rank
         self.host_bytes = host_bytes
         self.host: OrderedDict[int, LoraAdapter] = OrderedDict()
+        self.host_sizes: dict[int, int] = {}  # key -> its adapter's bytes (LoraAdapter.nbytes walks every tensor)
+        self.host_total = 0
         self.paths: dict[int, str] = {}  # key -> the PEFT directory it came from (kept after eviction)
         self.names: dict[int, str] = {}
         self.loading: dict[int, Future] = {}
@@ -124,21 +126,15 @@ class AdapterCache:
         adapter = future.result()
         if key in self.host or key in self.slot_of:
             return  # another request's parse of the same id got there first
-        self.pools.check(adapter)
-        self.host[key] = adapter
-        self.stats.host_loads += 1
-        self._trim_host()
+        self._put_host(key, adapter)
 
     def add(self, key: int, adapter: LoraAdapter, *, name: str | None = None, path: str | None = None) -> None:
         """Put a parsed adapter in the host tier directly (lora_prefetch_dir)."""
-        self.pools.check(adapter)
-        self.host[key] = adapter
         if name:
             self.names[key] = name
         if path:
             self.paths[key] = path
-        self.stats.host_loads += 1
-        self._trim_host()
+        self._put_host(key, adapter)
 
     def name_of(self, key: int) -> str:
         return self.names.get(key) or f"lora_task_id {key}"
@@ -190,6 +186,14 @@ class AdapterCache:
         self._drop_user(key)
 
     # ----- host tier -----
+    def _put_host(self, key: int, adapter: LoraAdapter) -> None:
+        self.pools.check(adapter)
+        self.host[key] = adapter
+        self.host_sizes[key] = adapter.nbytes
+        self.host_total += self.host_sizes[key]
+        self.stats.host_loads += 1
+        self._trim_host()
+
     def _drop_user(self, key: int) -> None:
         self.users[key] -= 1
         if self.users[key] <= 0:
@@ -198,15 +202,16 @@ class AdapterCache:
 
     def _trim_host(self) -> None:
         """Drop least recently used host entries over ``host_bytes``, but never one in a slot or
-        one an active request uses."""
-        total = sum(a.nbytes for a in self.host.values())
-        for key in list(self.host):
-            if total <= self.host_bytes:
-                break
-            if self.users.get(key) or key in self.slot_of:
-                continue
-            total -= self.host.pop(key).nbytes
-            self.stats.host_evictions += 1
+        one an active request uses. It runs whenever a request ends: cheap unless over the bound."""
+        if self.host_total > self.host_bytes:
+            for key in list(self.host):
+                if self.host_total <= self.host_bytes:
+                    break
+                if self.users.get(key) or key in self.slot_of:
+                    continue
+                del self.host[key]
+                self.host_total -= self.host_sizes.pop(key)
+                self.stats.host_evictions += 1
         self._update_gauges()
 
     def _update_gauges(self) -> None:
