@@ -116,18 +116,22 @@ class LoraPools:
 
     @property
     def modules(self) -> set[str]:
-        """The adapter modules this model can take."""
+        """The adapter modules this model can take (on some layer)."""
         return {m for name in self.kinds for m in PROJECTIONS[name]}
+
+    def modules_of(self, layer: int) -> set[str]:
+        return {m for name, kind in self.kinds.items() if layer in kind.layers for m in PROJECTIONS[name]}
 
     def check(self, adapter: LoraAdapter) -> None:
         """LoraError unless every module/layer of ``adapter`` has a place here and fits max_rank."""
         for (layer, module), (a, _) in adapter.weights.items():
             kind = next((k for n, k in self.kinds.items() if module in PROJECTIONS[n]), None)
             if kind is None or layer not in kind.layers:
-                where = "" if kind is None else f" of layer {layer}"
-                raise LoraError(f"{adapter.source}: module {module}{where} cannot take an adapter on "
-                                f"{self.config.architecture} (adaptable here: {', '.join(sorted(self.modules))}"
-                                f"{'; a mixture-of-experts MLP takes none' if kind is not None else ''})")
+                # A model layer without this projection: a mixture-of-experts MLP (the routed
+                # experts take no adapter); the attention projections exist on every layer.
+                raise LoraError(f"{adapter.source}: module {module} of layer {layer} cannot take an adapter on "
+                                f"{self.config.architecture}: that layer's MLP is a mixture of experts, which "
+                                f"takes no adapter (adaptable there: {', '.join(sorted(self.modules_of(layer)))})")
             if a.shape[0] > self.max_rank:
                 raise LoraError(f"{adapter.source}: rank {a.shape[0]} of module {module} in layer {layer} "
                                 f"exceeds max_lora_rank {self.max_rank}")

@@ -22,23 +22,25 @@ HF_NAMES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
-def write_adapter(hf, path, rank: int, alpha: int, seed: int, std: float = 0.3) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """A PEFT directory with random A, B on every projection; returns {hf module path: (a, b)}."""
+def write_adapter(hf, path, rank: int, alpha: int, seed: int, std: float = 0.3,
+                  modules: tuple[str, ...] = tuple(HF_NAMES)) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """A PEFT directory with random A, B on ``modules`` (default: every projection); returns
+    {hf module path: (a, b)}."""
     generator = torch.Generator().manual_seed(seed)
     weights, tensors = {}, {}
     for layer in range(hf.config.num_hidden_layers):
-        for name in HF_NAMES.values():
+        for name in (HF_NAMES[m] for m in modules):
             module = hf.get_submodule(f"model.layers.{layer}.{name}")
             a = torch.randn(rank, module.in_features, generator=generator) * std
             b = torch.randn(module.out_features, rank, generator=generator) * std
             weights[f"model.layers.{layer}.{name}"] = (a, b)
             tensors[f"base_model.model.model.layers.{layer}.{name}.lora_A.weight"] = a
             tensors[f"base_model.model.model.layers.{layer}.{name}.lora_B.weight"] = b
-    path.mkdir()
+    path.mkdir(parents=True)
     save_file(tensors, str(path / "adapter_model.safetensors"))
     (path / "adapter_config.json").write_text(json.dumps({
         "peft_type": "LORA", "r": rank, "lora_alpha": alpha, "bias": "none", "use_dora": False,
-        "target_modules": sorted({n.split(".")[1] for n in HF_NAMES.values()})}))
+        "target_modules": sorted({HF_NAMES[m].split(".")[1] for m in modules})}))
     return weights
 
 
@@ -159,3 +161,56 @@ def test_an_adapter_on_fp8_weights_keeps_to_the_fp8_rounding_bound(tmp_path):
     relative = lambda x, y: ((x - y).norm() / y.norm()).item()  # noqa: E731
     assert relative(wanted, base) > 0.3
     assert relative(got, wanted) < 0.10
+
+
+def test_mixture_of_experts_layers_take_attention_adapters_only(tmp_path):
+    """Mixtral: an adapter on q/k/v/o equals its merge; one on the MLP is refused by name (the
+    routed experts take no adapter)."""
+    hf = tiny_hf("mixtral")
+    attention = ("q", "k", "v", "o")
+    weights = write_adapter(hf, tmp_path / "attn", rank=4, alpha=8, seed=3, modules=attention)
+    mlp = tmp_path / "mlp"  # a gate_proj adapter of Mixtral's dense shape (what a Llama-style adapter would bring)
+    mlp.mkdir()
+    hidden, inter = hf.config.hidden_size, hf.config.intermediate_size
+    save_file({"base_model.model.model.layers.0.mlp.gate_proj.lora_A.weight": torch.randn(4, hidden),
+               "base_model.model.model.layers.0.mlp.gate_proj.lora_B.weight": torch.randn(inter, 4)},
+              str(mlp / "adapter_model.safetensors"))
+    (mlp / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8,
+                                                         "target_modules": ["gate_proj"]}))
+    prompts = [random_tokens(6 + i, seed=40 + i) for i in range(2)]
+    with Executor(make_engine(merged(hf, weights, 2.0), tmp_path / "merged"), ExecutorConfig(**POOL)) as executor:
+        wanted = greedy(executor, [(p, None) for p in prompts])
+    with Executor(make_engine(hf, tmp_path / "base"), ExecutorConfig(enable_lora=True, max_loras=2, **POOL)) as executor:
+        assert greedy(executor, [(p, LoraRequest(task_id=1, path=str(tmp_path / "attn"))) for p in prompts]) == wanted
+        (request_id,) = executor.enqueue_requests([Request(prompts[0], 4, lora=LoraRequest(task_id=2, path=str(tmp_path / "mlp")))])
+        (response,) = [r for r in executor.await_responses(timeout=30) if r.request_id == request_id]
+        assert "module gate of layer 0" in response.error and "mixture of experts" in response.error
+
+
+def test_lora_prefetch_dir_loads_adapters_at_start(tmp_path):
+    """Subdirectories <id>-<name> of TensorRT-LLM's two arrays or of a PEFT adapter: in the cache
+    (and the free slots) before any request, so a request may send the id alone."""
+    import numpy as np
+
+    from engine.lora.adapter import peft_to_trtllm
+
+    hf = tiny_hf("llama")
+    first = write_adapter(hf, tmp_path / "peft_a", rank=8, alpha=16, seed=1)
+    second = write_adapter(hf, tmp_path / "prefetch" / "7-sql", rank=4, alpha=4, seed=2)
+    rows, config = peft_to_trtllm(str(tmp_path / "peft_a"), "float32")
+    (tmp_path / "prefetch" / "3").mkdir()
+    np.save(tmp_path / "prefetch" / "3" / "model.lora_weights.npy", rows)
+    np.save(tmp_path / "prefetch" / "3" / "model.lora_config.npy", config)
+    prompts = [random_tokens(7, seed=50)]
+    wanted = {}
+    for key, engine_weights, scale in (("a", first, 2.0), ("b", second, 1.0)):
+        with Executor(make_engine(merged(hf, engine_weights, scale), tmp_path / f"merged_{key}"),
+                      ExecutorConfig(**POOL)) as executor:
+            wanted[key] = greedy(executor, [(p, None) for p in prompts])
+    config = ExecutorConfig(enable_lora=True, max_loras=2, lora_prefetch_dir=str(tmp_path / "prefetch"), **POOL)
+    with Executor(make_engine(hf, tmp_path / "base"), config) as executor:
+        stats = executor.adapters.stats
+        assert stats.host_loads == 2 and stats.gpu_loads == 2 and stats.adapters_in_gpu == 2
+        got = greedy(executor, [(prompts[0], LoraRequest(task_id=3)), (prompts[0], LoraRequest(task_id=7))])
+        assert got == wanted["a"] + wanted["b"]
+        assert executor.adapters.stats.gpu_hits == 2 and executor.adapters.stats.requests["sql"] == 1
