@@ -13,6 +13,9 @@ transformers + PEFT is tests/engine/test_lora_executor.py's. The session server 
 (scripts/serve_default.py: 4 slots, rank up to 64).
 """
 import json
+import os
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -193,3 +196,25 @@ def test_openai_clients_select_adapters_by_name(triton_server, frontend, smollm2
     metrics = requests.get(f"{triton_server.metrics}/metrics", timeout=10).text
     assert wait_for(lambda: 'tritonllm_lora_requests_total{' in requests.get(f"{triton_server.metrics}/metrics",
                                                                             timeout=10).text, timeout=10), metrics
+
+
+REFERENCE_CLIENTS = os.environ.get("TRITONLLM_REFERENCE_CLIENTS")  # tensorrtllm_backend's inflight_batcher_llm/client
+
+
+@pytest.mark.skipif(not REFERENCE_CLIENTS, reason="set TRITONLLM_REFERENCE_CLIENTS to the folder of "
+                    "tensorrtllm_backend's inflight_batcher_llm/client to run NVIDIA's clients themselves")
+def test_nvidias_clients_with_lora_path_and_task_id(triton_server, smollm2_engine_dir, lora_adapters):
+    """inflight_batcher_llm_client.py and end_to_end_grpc_client.py, unchanged, with --lora-path
+    (the two .npy files tools/hf_lora_convert.py wrote) and --lora-task-id; then the id alone."""
+    _, converted = lora_adapters
+    common = ["-u", triton_server.grpc_url, "--lora-path", str(converted), "--lora-task-id", "501"]
+    runs = [
+        [os.path.join(REFERENCE_CLIENTS, "inflight_batcher_llm_client.py"), *common, "--tokenizer-dir",
+         smollm2_engine_dir, "--streaming", "--request-output-len", "12", "--end-id", "2", "--pad-id", "2"],
+        [os.path.join(REFERENCE_CLIENTS, "end_to_end_grpc_client.py"), *common, "-p", "The capital of France is",
+         "-o", "12", "--model-name", "ensemble"],
+    ]
+    for command in runs:
+        run = subprocess.run([sys.executable, *command], capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert "error" not in run.stdout.lower(), run.stdout
