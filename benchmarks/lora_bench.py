@@ -45,8 +45,11 @@ PEFT_NAMES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.
 RESULTS_HEADING = "## LoRA adapters (`benchmarks/lora_bench.py`, issue 29)"
 
 
-def write_peft_adapter(config, path: str, rank: int, seed: int, dtype: torch.dtype) -> str:
-    """A PEFT directory (adapter_config.json + adapter_model.safetensors) with random weights."""
+def write_peft_adapter(config, path: str, rank: int, seed: int, dtype: torch.dtype, b_std: float = 0.01) -> str:
+    """A PEFT directory (adapter_config.json + adapter_model.safetensors) with random weights on
+    every projection of ``config``'s model: A ~ N(0, 1/in_features), B ~ N(0, b_std^2), as peft's
+    save_pretrained lays them out. (The integration tests use it too, with a B large enough to
+    move greedy decoding.)"""
     from engine.lora.adapter import module_shape
 
     generator = torch.Generator().manual_seed(seed)
@@ -56,7 +59,7 @@ def write_peft_adapter(config, path: str, rank: int, seed: int, dtype: torch.dty
             fan_in, fan_out = module_shape(config, module)
             prefix = f"base_model.model.model.layers.{layer}.{name}"
             tensors[f"{prefix}.lora_A.weight"] = (torch.randn(rank, fan_in, generator=generator) / fan_in ** 0.5).to(dtype)
-            tensors[f"{prefix}.lora_B.weight"] = (torch.randn(fan_out, rank, generator=generator) * 0.01).to(dtype)
+            tensors[f"{prefix}.lora_B.weight"] = (torch.randn(fan_out, rank, generator=generator) * b_std).to(dtype)
     os.makedirs(path, exist_ok=True)
     save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
     with open(os.path.join(path, "adapter_config.json"), "w") as f:

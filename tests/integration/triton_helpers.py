@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import importlib.util
-import json
 import re
 import subprocess
 import sys
@@ -128,33 +127,13 @@ def running_frontend(grpc_url, engine_dir, work, *extra_args, model: str = "smol
         process.wait(timeout=10)
 
 
-PEFT_NAMES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
-              "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
-
-
 def write_peft_adapter(engine_dir: str, path: Path, rank: int, seed: int) -> Path:
-    """A PEFT LoRA directory for the engine's model (every projection, random weights large
-    enough to move greedy decoding), as peft's save_pretrained lays it out."""
+    """A random PEFT LoRA directory for the engine's model, every projection, B large enough to
+    move greedy decoding (benchmarks/lora_bench.py writes it)."""
     import torch
-    from safetensors.torch import save_file
 
+    from benchmarks.lora_bench import write_peft_adapter as write_random_adapter
     from engine.config import EngineConfig
-    from engine.lora.adapter import module_shape
 
-    config = EngineConfig.load(engine_dir).model
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(config.num_layers):
-        for module, name in PEFT_NAMES.items():
-            fan_in, fan_out = module_shape(config, module)
-            prefix = f"base_model.model.model.layers.{layer}.{name}"
-            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, fan_in, generator=generator) / fan_in ** 0.5
-            tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, rank, generator=generator) * 0.05
-    path.mkdir(parents=True)
-    save_file(tensors, str(path / "adapter_model.safetensors"))
-    (path / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0,
-        "target_modules": [name.split(".")[1] for name in PEFT_NAMES.values()], "bias": "none",
-        "use_rslora": False, "use_dora": False, "modules_to_save": None, "fan_in_fan_out": False,
-        "base_model_name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct"}))
+    write_random_adapter(EngineConfig.load(engine_dir).model, str(path), rank, seed, torch.float32, b_std=0.05)
     return path
