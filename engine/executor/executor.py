@@ -463,11 +463,14 @@ class Executor:
         state.lora_key = lora.task_id
         return True
 
-    def _acquire_adapter(self, state: RequestState) -> bool:
+    def _acquire_adapter(self, state: RequestState, behind_a_waiter: bool = False) -> bool:
         """The scheduler admits ``state``'s first sequence: it needs its adapter in a slot. False:
-        every slot is held by running requests; it waits."""
+        every slot is held by running requests, or an earlier adapter request waits for one
+        (``behind_a_waiter``: it gets the next slot first); it waits."""
         if state.lora_slot >= 0 or state.request.lora is None:
             return True
+        if behind_a_waiter:
+            return False
         slot = self.adapters.acquire(state.lora_key)
         if slot is None:
             return False

@@ -100,8 +100,8 @@ class Scheduler:
         self.enable_chunked_context = enable_chunked_context
         self.static_batching = static_batching  # TRT-LLM "v1": a batch runs to completion before the next forms
         self.kv_window = kv_window  # every layer's attention window (ModelConfig.kv_window); None: keep all blocks
-        # LoRA: acquire_adapter(request_state) -> False while every adapter slot is held (the
-        # newcomer waits at the head of the queue, as for blocks); None: no adapters here.
+        # LoRA: acquire_adapter(request_state, behind_a_waiter) -> False while the request must wait
+        # for an adapter slot (_admit_waiting lets base-model requests pass); None: no adapters.
         self.acquire_adapter = acquire_adapter
         self.num_window_freed_blocks = 0  # cumulative blocks returned early by the window
         self.waiting: deque[Sequence] = deque()
@@ -201,24 +201,30 @@ class Scheduler:
         if self.static_batching and any(s.num_generated_tokens for s in self.running):
             return  # the current static batch is decoding: nobody joins it
         promised = self._promised_blocks() if self.waiting and self.policy == "guaranteed_no_evict" else 0
+        # A request whose adapter finds every slot held waits for one (acquire_adapter); base-model
+        # requests behind it go on meanwhile, adapter requests behind it wait in their order (were
+        # they to take slots, the first might never get one), and all keep their place at the head.
+        passed_over: list[Sequence] = []
         while self.waiting and budget.seqs > 0 and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
             if self.policy == "guaranteed_no_evict" and not self._can_reserve(seq, promised):
-                return
-            if self.acquire_adapter is not None and not self.acquire_adapter(seq.state):
-                return
+                break
+            if self.acquire_adapter is not None and not self.acquire_adapter(seq.state, bool(passed_over)):
+                passed_over.append(self.waiting.popleft())
+                continue
             reused = 0 if seq.block_ids else self.blocks.acquire_cached_prefix(seq)  # a fork holds its prefix
             num_new = self._num_tokens_to_schedule(seq, budget)
             new_blocks = self.blocks.append_slots(seq, num_new) if num_new and self._leaves_headroom(seq, num_new) else None
             if new_blocks is None:
                 self.blocks.release(seq)  # hand back the prefix hits; they stay cached
-                return
+                break
             self.waiting.popleft()
             self._count_allocation(seq, new_blocks, reused)
             self._start_running(seq)
             promised += self.blocks.blocks_for_tokens(seq.max_total_tokens) - len(seq.block_ids)
             out.scheduled.append(ScheduledSequence(seq, num_new, True))
             budget.take(num_new)
+        self.waiting.extendleft(reversed(passed_over))
 
     # ----- helpers -----
     def _free_blocks_outside_window(self) -> None:

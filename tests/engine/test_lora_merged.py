@@ -214,3 +214,29 @@ def test_lora_prefetch_dir_loads_adapters_at_start(tmp_path):
         got = greedy(executor, [(prompts[0], LoraRequest(task_id=3)), (prompts[0], LoraRequest(task_id=7))])
         assert got == wanted["a"] + wanted["b"]
         assert executor.adapters.stats.gpu_hits == 2 and executor.adapters.stats.requests["sql"] == 1
+
+
+def test_base_requests_pass_an_adapter_request_waiting_for_a_slot(tmp_path):
+    """One slot, held by a long adapter request: a second adapter's request waits for it, and a
+    base-model request sent after that one is served meanwhile (it needs no slot)."""
+    hf = tiny_hf("llama")
+    write_adapter(hf, tmp_path / "a", rank=4, alpha=8, seed=1)
+    write_adapter(hf, tmp_path / "b", rank=4, alpha=8, seed=2)
+    config = ExecutorConfig(enable_lora=True, max_loras=1, **POOL)
+    with Executor(make_engine(hf, tmp_path / "engine", max_seq_len=256), config) as executor:
+        (long_a,) = executor.enqueue_requests([Request(random_tokens(6, seed=1), 120, streaming=True,
+                                                       lora=LoraRequest(task_id=1, path=str(tmp_path / "a")))])
+        first = []
+        while not first:  # A runs (its adapter holds the one slot) before the others arrive
+            first = [r for r in executor.await_responses(timeout=1.0) if r.request_id == long_a]
+        short_b, base = executor.enqueue_requests([
+            Request(random_tokens(6, seed=2), 4, lora=LoraRequest(task_id=2, path=str(tmp_path / "b"))),
+            Request(random_tokens(6, seed=3), 4)])
+        finished = []
+        while len(finished) < 3:
+            for response in executor.await_responses(timeout=1.0):
+                assert response.error is None, response.error
+                if response.result.is_final:
+                    finished.append(response.request_id)
+        assert finished == [base, long_a, short_b]
+        assert executor.adapters.stats.gpu_evictions == 1
