@@ -247,7 +247,8 @@ def _gpt2_config(c) -> ModelConfig:
 
 # ---- weights --------------------------------------------------------------------------------
 
-def _shard(t: torch.Tensor, dim: int, rank: int, tp_size: int) -> torch.Tensor:
+def shard(t: torch.Tensor, dim: int, rank: int, tp_size: int) -> torch.Tensor:
+    """Rank ``rank``'s 1/tp_size of ``t`` along ``dim`` (engine/lora/pool.py splits adapters so too)."""
     return t.chunk(tp_size, dim=dim)[rank]
 
 
@@ -276,7 +277,13 @@ def unfused_phi3_getter(get: TensorGetter, cfg: ModelConfig) -> TensorGetter:
     return get_unfused
 
 
-def _rotary_order(t: torch.Tensor, order: torch.Tensor | None, head_dim: int) -> torch.Tensor:
+def rotary_dim_order(cfg: ModelConfig) -> torch.Tensor | None:
+    """The engine's order of each q/k head's dims (kernels.rotary.partial_rotary_order) when rope
+    rotates only part of a head; None when it rotates all of it (no reorder)."""
+    return None if cfg.rotary_dim == cfg.head_dim else partial_rotary_order(cfg.head_dim, cfg.rotary_dim)
+
+
+def reorder_rotary_dims(t: torch.Tensor, order: torch.Tensor | None, head_dim: int) -> torch.Tensor:
     """Reorder the dims of every head of a q/k weight (heads * head_dim, ...) or bias/norm weight."""
     if order is None:
         return t
@@ -292,8 +299,8 @@ def llama_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: 
     """
     if cfg.architecture == "Phi3ForCausalLM":
         get = unfused_phi3_getter(get, cfg)
-    order = None if cfg.rotary_dim == cfg.head_dim else partial_rotary_order(cfg.head_dim, cfg.rotary_dim)
-    yield "embed_tokens.weight", _shard(get("model.embed_tokens.weight"), 0, rank, tp_size)
+    order = rotary_dim_order(cfg)
+    yield "embed_tokens.weight", shard(get("model.embed_tokens.weight"), 0, rank, tp_size)
     for i in range(cfg.num_layers):
         hf = f"model.layers.{i}."
         rope_order = None if i in cfg.layers_without_rope else order
@@ -303,16 +310,16 @@ def llama_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: 
             yield f"layers.{i}.qkv_proj.bias", _fused_qkv(get, hf, "bias", rope_order, cfg, rank, tp_size)
         if cfg.qk_norm:
             for p in "qk":
-                yield f"layers.{i}.{p}_norm.weight", _rotary_order(get(hf + f"self_attn.{p}_norm.weight"),
+                yield f"layers.{i}.{p}_norm.weight", reorder_rotary_dims(get(hf + f"self_attn.{p}_norm.weight"),
                                                                    rope_order, cfg.head_dim)
-        yield f"layers.{i}.o_proj.weight", _shard(get(hf + "self_attn.o_proj.weight"), 1, rank, tp_size)
+        yield f"layers.{i}.o_proj.weight", shard(get(hf + "self_attn.o_proj.weight"), 1, rank, tp_size)
         yield f"layers.{i}.post_attn_norm.weight", get(hf + "post_attention_layernorm.weight")
-        gate_up = [_shard(get(hf + f"mlp.{p}_proj.weight"), 0, rank, tp_size) for p in ("gate", "up")]
+        gate_up = [shard(get(hf + f"mlp.{p}_proj.weight"), 0, rank, tp_size) for p in ("gate", "up")]
         yield f"layers.{i}.gate_up_proj.weight", torch.cat(gate_up, dim=0)
-        yield f"layers.{i}.down_proj.weight", _shard(get(hf + "mlp.down_proj.weight"), 1, rank, tp_size)
+        yield f"layers.{i}.down_proj.weight", shard(get(hf + "mlp.down_proj.weight"), 1, rank, tp_size)
     yield "norm.weight", get("model.norm.weight")
     if not cfg.tie_word_embeddings:
-        yield "lm_head.weight", _shard(get("lm_head.weight"), 0, rank, tp_size)
+        yield "lm_head.weight", shard(get("lm_head.weight"), 0, rank, tp_size)
 
 
 def gemma_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: int) -> Iterator[tuple[str, torch.Tensor]]:
@@ -321,7 +328,7 @@ def gemma_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: 
     def norm(name: str) -> torch.Tensor:
         return get(name).float() + 1.0
 
-    yield "embed_tokens.weight", _shard(get("model.embed_tokens.weight"), 0, rank, tp_size)
+    yield "embed_tokens.weight", shard(get("model.embed_tokens.weight"), 0, rank, tp_size)
     norms = {"input_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm",
              "pre_ffn_norm": "pre_feedforward_layernorm", "post_ffn_norm": "post_feedforward_layernorm"}
     if cfg.architecture == "Gemma3ForCausalLM":
@@ -330,20 +337,20 @@ def gemma_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: 
         hf = f"model.layers.{i}."
         for engine_name, hf_name in norms.items():
             yield f"layers.{i}.{engine_name}.weight", norm(hf + hf_name + ".weight")
-        qkv = [_shard(get(hf + f"self_attn.{p}_proj.weight"), 0, rank, tp_size) for p in "qkv"]
+        qkv = [shard(get(hf + f"self_attn.{p}_proj.weight"), 0, rank, tp_size) for p in "qkv"]
         yield f"layers.{i}.qkv_proj.weight", torch.cat(qkv, dim=0)
-        yield f"layers.{i}.o_proj.weight", _shard(get(hf + "self_attn.o_proj.weight"), 1, rank, tp_size)
-        gate_up = [_shard(get(hf + f"mlp.{p}_proj.weight"), 0, rank, tp_size) for p in ("gate", "up")]
+        yield f"layers.{i}.o_proj.weight", shard(get(hf + "self_attn.o_proj.weight"), 1, rank, tp_size)
+        gate_up = [shard(get(hf + f"mlp.{p}_proj.weight"), 0, rank, tp_size) for p in ("gate", "up")]
         yield f"layers.{i}.gate_up_proj.weight", torch.cat(gate_up, dim=0)
-        yield f"layers.{i}.down_proj.weight", _shard(get(hf + "mlp.down_proj.weight"), 1, rank, tp_size)
+        yield f"layers.{i}.down_proj.weight", shard(get(hf + "mlp.down_proj.weight"), 1, rank, tp_size)
     yield "norm.weight", norm("model.norm.weight")
     if not cfg.tie_word_embeddings:
-        yield "lm_head.weight", _shard(get("lm_head.weight"), 0, rank, tp_size)
+        yield "lm_head.weight", shard(get("lm_head.weight"), 0, rank, tp_size)
 def _fused_qkv(get: TensorGetter, hf: str, kind: str, order, cfg: ModelConfig, rank: int, tp_size: int) -> torch.Tensor:
     """This rank's [q_r | k_r | v_r] rows of a layer's q/k/v ``kind`` ("weight" or "bias")."""
     q, k, v = (get(hf + f"self_attn.{p}_proj.{kind}") for p in "qkv")
-    q, k = _rotary_order(q, order, cfg.head_dim), _rotary_order(k, order, cfg.head_dim)
-    return torch.cat([_shard(t, 0, rank, tp_size) for t in (q, k, v)], dim=0)
+    q, k = reorder_rotary_dims(q, order, cfg.head_dim), reorder_rotary_dims(k, order, cfg.head_dim)
+    return torch.cat([shard(t, 0, rank, tp_size) for t in (q, k, v)], dim=0)
 
 
 def moe_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: int) -> Iterator[tuple[str, torch.Tensor]]:
@@ -351,7 +358,7 @@ def moe_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: in
     family's tensors, with each sparse layer's MLP as its router (replicated) and its experts
     stacked and sliced along their width (engine/models/moe.py says why). Neither family has
     partial rotary or q/k/v biases (ModelConfig.validate refuses them for these architectures)."""
-    yield "embed_tokens.weight", _shard(get("model.embed_tokens.weight"), 0, rank, tp_size)
+    yield "embed_tokens.weight", shard(get("model.embed_tokens.weight"), 0, rank, tp_size)
     for i in range(cfg.num_layers):
         hf = f"model.layers.{i}."
         yield f"layers.{i}.input_norm.weight", get(hf + "input_layernorm.weight")
@@ -359,22 +366,22 @@ def moe_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: in
         if cfg.qk_norm:  # Qwen3-MoE
             for p in "qk":
                 yield f"layers.{i}.{p}_norm.weight", get(hf + f"self_attn.{p}_norm.weight")
-        yield f"layers.{i}.o_proj.weight", _shard(get(hf + "self_attn.o_proj.weight"), 1, rank, tp_size)
+        yield f"layers.{i}.o_proj.weight", shard(get(hf + "self_attn.o_proj.weight"), 1, rank, tp_size)
         yield f"layers.{i}.post_attn_norm.weight", get(hf + "post_attention_layernorm.weight")
         if not cfg.is_moe_layer(i):
-            gate_up = [_shard(get(hf + f"mlp.{p}_proj.weight"), 0, rank, tp_size) for p in ("gate", "up")]
+            gate_up = [shard(get(hf + f"mlp.{p}_proj.weight"), 0, rank, tp_size) for p in ("gate", "up")]
             yield f"layers.{i}.gate_up_proj.weight", torch.cat(gate_up, dim=0)
-            yield f"layers.{i}.down_proj.weight", _shard(get(hf + "mlp.down_proj.weight"), 1, rank, tp_size)
+            yield f"layers.{i}.down_proj.weight", shard(get(hf + "mlp.down_proj.weight"), 1, rank, tp_size)
             continue
         yield f"layers.{i}.moe.router.weight", _first_present(get, hf + "mlp.gate.weight",
                                                                 hf + "block_sparse_moe.gate.weight")
         gate, up, down = _stacked_experts(get, hf, cfg.num_experts)
-        yield f"layers.{i}.moe.gate_up_proj", torch.cat([_shard(gate, 1, rank, tp_size),
-                                                          _shard(up, 1, rank, tp_size)], dim=1)
-        yield f"layers.{i}.moe.down_proj", _shard(down, 2, rank, tp_size)
+        yield f"layers.{i}.moe.gate_up_proj", torch.cat([shard(gate, 1, rank, tp_size),
+                                                          shard(up, 1, rank, tp_size)], dim=1)
+        yield f"layers.{i}.moe.down_proj", shard(down, 2, rank, tp_size)
     yield "norm.weight", get("model.norm.weight")
     if not cfg.tie_word_embeddings:
-        yield "lm_head.weight", _shard(get("lm_head.weight"), 0, rank, tp_size)
+        yield "lm_head.weight", shard(get("lm_head.weight"), 0, rank, tp_size)
 
 
 # Per-expert tensor names of the checkpoints on disk, (gate, up, down) under a layer's prefix.
@@ -418,7 +425,7 @@ def _first_present(get: TensorGetter, *names: str) -> torch.Tensor:
 def gpt2_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: int) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (engine name, tensor) for one rank of GPT-2; HF Conv1D weights are (in, out), so transposed."""
     hidden = cfg.hidden_size
-    yield "wte.weight", _shard(get("transformer.wte.weight"), 0, rank, tp_size)
+    yield "wte.weight", shard(get("transformer.wte.weight"), 0, rank, tp_size)
     yield "wpe.weight", get("transformer.wpe.weight")
     for i in range(cfg.num_layers):
         hf, out = f"transformer.h.{i}.", f"layers.{i}."
@@ -427,13 +434,13 @@ def gpt2_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: i
             yield out + f"{norm}.bias", get(hf + f"{norm}.bias")
         qkv_w = get(hf + "attn.c_attn.weight").t().split(hidden, dim=0)
         qkv_b = get(hf + "attn.c_attn.bias").split(hidden, dim=0)
-        yield out + "qkv_proj.weight", torch.cat([_shard(w, 0, rank, tp_size) for w in qkv_w])
-        yield out + "qkv_proj.bias", torch.cat([_shard(b, 0, rank, tp_size) for b in qkv_b])
-        yield out + "o_proj.weight", _shard(get(hf + "attn.c_proj.weight").t(), 1, rank, tp_size)
+        yield out + "qkv_proj.weight", torch.cat([shard(w, 0, rank, tp_size) for w in qkv_w])
+        yield out + "qkv_proj.bias", torch.cat([shard(b, 0, rank, tp_size) for b in qkv_b])
+        yield out + "o_proj.weight", shard(get(hf + "attn.c_proj.weight").t(), 1, rank, tp_size)
         yield out + "o_proj.bias", get(hf + "attn.c_proj.bias")
-        yield out + "fc_in.weight", _shard(get(hf + "mlp.c_fc.weight").t(), 0, rank, tp_size)
-        yield out + "fc_in.bias", _shard(get(hf + "mlp.c_fc.bias"), 0, rank, tp_size)
-        yield out + "fc_out.weight", _shard(get(hf + "mlp.c_proj.weight").t(), 1, rank, tp_size)
+        yield out + "fc_in.weight", shard(get(hf + "mlp.c_fc.weight").t(), 0, rank, tp_size)
+        yield out + "fc_in.bias", shard(get(hf + "mlp.c_fc.bias"), 0, rank, tp_size)
+        yield out + "fc_out.weight", shard(get(hf + "mlp.c_proj.weight").t(), 1, rank, tp_size)
         yield out + "fc_out.bias", get(hf + "mlp.c_proj.bias")
     yield "ln_f.weight", get("transformer.ln_f.weight")
     yield "ln_f.bias", get("transformer.ln_f.bias")

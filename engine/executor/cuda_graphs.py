@@ -30,7 +30,7 @@ from engine.executor.overlap import resolve_placeholders
 from kernels._triton import PDL_ALLOWED, PDL_ENV, pdl_supported, set_pdl
 from kernels.attention_metadata import AttentionMetadata
 from kernels.linear import replay_time_ms
-from kernels.lora import LoraBatch, LoraBatchBuffers
+from kernels.lora import LoraBatchBuffers
 
 
 def default_buckets(max_batch_size: int) -> list[int]:
@@ -92,13 +92,8 @@ class DecodeGraphs:
             slot_mapping=self.dev_i64[2, :bs], block_tables=self.dev_tables[:bs],
             cu_seqlens_q=self.cu_seqlens[:bs + 1], context_lens=self.dev_ctx[:bs],
             max_seqlen_q=1, max_context_len=self.max_seq_len, is_decode_only=True,
-            lora=self._lora_batch(bs) if lora else None,
+            lora=self.lora_buffers.batch(bs) if lora else None,  # this bucket's view: kernels/lora.py
         )
-
-    def _lora_batch(self, bs: int) -> LoraBatch:
-        """The static buffers as bucket ``bs`` sees them: bs tokens, min(bs, slots) segments, and
-        the 16-row tiles (kernels/lora.py) its grid runs over, so no program waits on empty work."""
-        return self.lora_buffers.batch(bs)
 
     @torch.inference_mode()
     def capture(self) -> None:

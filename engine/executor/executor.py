@@ -217,7 +217,7 @@ class Executor:
                                    enable_chunked_context=self.config.enable_chunked_context,
                                    static_batching=self.config.batching_type == "static",
                                    kv_window=self.runner.model_config.kv_window,  # frees blocks that left it
-                                   acquire_adapter=self._acquire_adapter)
+                                   acquire_adapter=None if self.adapters is None else self._acquire_adapter)
         build = self.runner.build_config
         self.limits = RequestLimits(
             vocab_size=self.runner.vocab_size, max_seq_len=build.max_seq_len,

@@ -33,7 +33,7 @@ import torch
 
 from engine.executor.cuda_graphs import capture_forward
 from kernels.attention_metadata import AttentionMetadata
-from kernels.lora import LoraBatch, LoraBatchBuffers
+from kernels.lora import LoraBatchBuffers
 
 
 def token_buckets(max_num_tokens: int) -> list[int]:
@@ -119,14 +119,8 @@ class PrefillGraphs:
             cu_seqlens_q=self.dev_seq[0], context_lens=self.dev_seq[1, :self.max_seqs],
             max_seqlen_q=bucket, max_context_len=self.max_seq_len, is_decode_only=False,
             tile_seq=self.dev_tiles[0, :tiles], tile_m=self.dev_tiles[1, :tiles],
-            lora=self._lora_batch(bucket) if lora else None,
+            lora=self.lora_buffers.batch(bucket) if lora else None,  # this bucket's view: kernels/lora.py
         )
-
-    def _lora_batch(self, bucket: int) -> LoraBatch:
-        """The static buffers as bucket ``bucket`` sees them, over 16-row tiles of the segments
-        (kernels/lora.py): a grid of about bucket / 16 + segments programs, all with work, where
-        segments x M-blocks would be mostly empty at a bucket of thousands of tokens."""
-        return self.lora_buffers.batch(bucket)
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -54,7 +54,7 @@ class RunnerSlots:
         self.runner.load_adapter(slot, adapter)
 
     def check(self, adapter: LoraAdapter) -> None:
-        self.runner.lora_pools.check(adapter)
+        self.runner.check_adapter(adapter)
 
 
 class AdapterCache:
@@ -135,6 +135,14 @@ class AdapterCache:
         if path:
             self.paths[key] = path
         self._put_host(key, adapter)
+
+    def preload(self, key: int) -> None:
+        """Put a host-tier adapter into a slot without holding it (lora_prefetch_dir): a later
+        request hits it. Nothing when every slot is held."""
+        slot = self.acquire(key)
+        if slot is not None:
+            self.holders[slot] -= 1
+            self.unheld[slot] = None
 
     def name_of(self, key: int) -> str:
         return self.names.get(key) or f"lora_task_id {key}"

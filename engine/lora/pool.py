@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.convert import reorder_rotary_dims, rotary_dim_order, shard
 from engine.lora.adapter import LoraAdapter, LoraError
 from kernels.lora import LoraBatch, add_lora
-from kernels.rotary import partial_rotary_order
 
 # Engine projection -> the adapter modules it fuses, in its output-row order.
 PROJECTIONS = {"qkv_proj": ("q", "k", "v"), "o_proj": ("o",), "gate_up_proj": ("gate", "up"), "down_proj": ("down",)}
@@ -71,7 +71,7 @@ class LoraPools:
         self.config = model.config
         self.device = torch.device(device)
         cfg = self.config
-        self.rotary_order = None if cfg.rotary_dim == cfg.head_dim else partial_rotary_order(cfg.head_dim, cfg.rotary_dim)
+        self.rotary_order = rotary_dim_order(cfg)
         self.kinds: dict[str, _Kind] = {}
         self._copy_stream = None
         self._in_transit: list = []  # (event, pinned staging) of copies that may still run
@@ -79,9 +79,9 @@ class LoraPools:
             layers = [i for i, layer in enumerate(model.layers) if getattr(layer, name, None) is not None]
             if not layers:
                 continue
-            weight = getattr(model.layers[layers[0]], name).weight
-            out_local, in_local = weight.shape
-            sizes = self._slice_sizes(name, out_local)
+            first = model.layers[layers[0]]
+            out_local, in_local = getattr(first, name).weight.shape
+            sizes = _slice_sizes(first, name, out_local)
             kind = _Kind(name, layers, sizes,
                          a=torch.zeros(len(layers), num_slots, len(modules), max_rank, in_local, dtype=dtype, device=device),
                          b=torch.zeros(len(layers), num_slots, out_local, max_rank, dtype=dtype, device=device),
@@ -90,16 +90,6 @@ class LoraPools:
             for row, index in enumerate(layers):
                 getattr(model.layers[index], name).lora = LinearLora(kind.a[row], kind.b[row], kind.ranks[row], starts)
             self.kinds[name] = kind
-
-    def _slice_sizes(self, name: str, out_local: int) -> tuple[int, ...]:
-        cfg = self.config
-        if name == "qkv_proj":
-            q = cfg.num_heads // self.tp_size * cfg.head_dim
-            kv = cfg.num_kv_heads // self.tp_size * cfg.head_dim
-            return (q, kv, kv)
-        if name == "gate_up_proj":
-            return (out_local // 2, out_local // 2)
-        return (out_local,)
 
     @staticmethod
     def slot_bytes(model: torch.nn.Module, max_rank: int, dtype: torch.dtype) -> int:
@@ -113,11 +103,6 @@ class LoraPools:
                     out_local, in_local = linear.weight.shape
                     total += max_rank * (len(modules) * in_local + out_local) * size
         return total
-
-    @property
-    def modules(self) -> set[str]:
-        """The adapter modules this model can take (on some layer)."""
-        return {m for name in self.kinds for m in PROJECTIONS[name]}
 
     def modules_of(self, layer: int) -> set[str]:
         return {m for name, kind in self.kinds.items() if layer in kind.layers for m in PROJECTIONS[name]}
@@ -192,21 +177,22 @@ class LoraPools:
             ranks[row, j] = rank
         return a_host, b_host, ranks
 
-    def clear(self, slot: int) -> None:
-        for kind in self.kinds.values():
-            kind.ranks[:, slot] = 0
-
     def _shard(self, name: str, module: str, layer: int, a: torch.Tensor, b: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """(a (r, in_local), b (out_local, r)) of this rank, in the base weight's row order."""
-        cfg, rank, tp = self.config, self.tp_rank, self.tp_size
-        if module in ("q", "k") and self.rotary_order is not None and layer not in cfg.layers_without_rope:
-            b = b.unflatten(0, (-1, cfg.head_dim))[:, self.rotary_order].flatten(0, 1)
-        if tp > 1:
-            if name in ROW_PARALLEL:
-                width = a.shape[1] // tp
-                a = a[:, rank * width:(rank + 1) * width]
-            else:
-                height = b.shape[0] // tp
-                b = b[rank * height:(rank + 1) * height]
-        return a, b
+        cfg = self.config
+        if module in ("q", "k") and layer not in cfg.layers_without_rope:
+            b = reorder_rotary_dims(b, self.rotary_order, cfg.head_dim)
+        if name in ROW_PARALLEL:
+            return shard(a, 1, self.tp_rank, self.tp_size), b
+        return a, shard(b, 0, self.tp_rank, self.tp_size)
+
+
+def _slice_sizes(layer: torch.nn.Module, name: str, out_local: int) -> tuple[int, ...]:
+    """This rank's output rows of each module a projection fuses: q, k, v from the layer's
+    local head counts, gate and up halves, else one slice."""
+    if name == "qkv_proj":
+        return (layer.num_heads * layer.head_dim,) + (layer.num_kv_heads * layer.head_dim,) * 2
+    if name == "gate_up_proj":
+        return (out_local // 2, out_local // 2)
+    return (out_local,)

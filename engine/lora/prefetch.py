@@ -45,8 +45,6 @@ def prefetch_adapters(cache, directory: str) -> list[int]:
             cache.add(key, load_peft_adapter(path, cache.model_config, cache.max_rank), name=name,
                       path=os.path.abspath(path))
         keys.append(key)
-    for key in keys[:cache.pools.num_slots]:  # into the free slots, then let go: a request will hit them
-        cache.acquire(key)
-        cache.users[key] += 1  # (release counts a user off)
-        cache.release(key)
+    for key in keys[:cache.pools.num_slots]:  # into the free slots: a request will hit them
+        cache.preload(key)
     return keys
