@@ -24,6 +24,17 @@ Activations stay in the model dtype (float16/bfloat16); products accumulate in f
 ``prepare_wna16`` turns a layer's stored tensors into a ``WNA16Weight``, once at load: the layout
 the kernels read. On CPU (and as the oracle of the kernel tests) the layout is the dequantized
 weight in the activations' dtype, so the CPU path multiplies exactly the "dequantized model".
+
+On CUDA (with Triton) the weight stays packed, in kernels/wna16_gemm.py's layout (no dequantized
+copy: the point is memory and bandwidth), and ``wna16_linear`` runs, by row count M:
+- M <= MAX_SKINNY_ROWS (decode): the product kernel with 16-row tiles and the tiling timed for the
+  weight's shape at load (``choose_wna16_variants``; split-K where N gives too few programs);
+- up to DENSE_MIN_ROWS: the same kernel with the row tiles of GEMM_TILES (dequantized in
+  registers into tensor-core dots);
+- from DENSE_MIN_ROWS rows: the weight dequantized into a temporary (N, K) in x's dtype, then
+  cuBLAS: there the dequantizing pass is a few percent of the product's time.
+Every path dequantizes each weight to (code - zero) * scale rounded once to x's dtype (with the
+scale as held: float16 by default) and accumulates in float32.
 """
 from __future__ import annotations
 
@@ -31,6 +42,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from kernels import wna16_gemm
+from kernels._triton import use_triton
 
 SUPPORTED_BITS = (4, 8)
 
@@ -117,6 +131,8 @@ class WNA16Weight:
     ``out_features``/``in_features``: N and K; ``bits``/``group_size``: the scheme. ``dense``: the
     dequantized weight (N, K) in the activations' dtype, for the reference path (CPU). ``kernel``:
     the tensors of the CUDA kernels' layout, by name; empty where the reference path runs.
+    ``variant``: the decode tiling chosen at load, {"skinny": (block_n, block_m, num_warps,
+    num_stages, split_k)} (``choose_wna16_variants``); empty: SKINNY_DEFAULT.
     """
 
     out_features: int
@@ -129,14 +145,30 @@ class WNA16Weight:
     variant: dict = field(default_factory=dict)  # chosen at load per row count (kernel timings)
 
 
+# Kernel tilings: (block_n, block_m, num_warps, num_stages, split_k).
+MAX_SKINNY_ROWS = 16
+SKINNY_DEFAULT = (64, 16, 4, 4, 2)
+SKINNY_VARIANTS = ((64, 16, 4, 4, 1), (64, 16, 4, 4, 2), (64, 16, 4, 4, 4), (64, 16, 4, 6, 2),
+                   (128, 16, 4, 4, 1), (128, 16, 4, 4, 2), (128, 16, 8, 4, 2), (128, 16, 8, 3, 4),
+                   (64, 16, 4, 3, 8), (32, 16, 4, 4, 4))
+# The tiling for M rows past MAX_SKINNY_ROWS: the first (bound, tiling) with M <= bound.
+GEMM_TILES = ((32, (64, 32, 4, 4, 1)), (64, (128, 64, 4, 4, 1)), (1 << 62, (128, 128, 8, 3, 1)))
+DENSE_MIN_ROWS = 2048
+
+
 def prepare_wna16(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
-                  dtype: torch.dtype) -> WNA16Weight:
+                  dtype: torch.dtype, *, scale_dtype: torch.dtype = torch.float16) -> WNA16Weight:
     """A layer's stored weight, scale and zero (module docstring) -> its WNA16Weight for
-    activations of ``dtype``."""
+    activations of ``dtype``: on CUDA with Triton the kernels' packed layout (scales held in
+    ``scale_dtype``), elsewhere (or for a grouping the kernels do not take) the dequantized weight."""
     n, groups = scale.shape
     k = unpack_codes(weight[:1], bits).shape[-1]
-    return WNA16Weight(out_features=n, in_features=k, bits=bits, group_size=k // groups, dtype=dtype,
-                       dense=dequantize(weight, scale, zero, bits, dtype))
+    prepared = WNA16Weight(out_features=n, in_features=k, bits=bits, group_size=k // groups, dtype=dtype)
+    if use_triton(weight) and wna16_gemm.supports(k, k // groups):
+        prepared.kernel = wna16_gemm.pack_kernel_layout(unpack_codes(weight, bits), scale, zero, bits, scale_dtype)
+    else:
+        prepared.dense = dequantize(weight, scale, zero, bits, dtype)
+    return prepared
 
 
 def wna16_linear_ref(x: torch.Tensor, weight: WNA16Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -145,5 +177,70 @@ def wna16_linear_ref(x: torch.Tensor, weight: WNA16Weight, bias: torch.Tensor | 
 
 
 def wna16_linear(x: torch.Tensor, weight: WNA16Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (M, K) in the model dtype @ the quantized weight (N, K).T (+ bias) -> (M, N) in x's dtype."""
-    return wna16_linear_ref(x, weight, bias)
+    """x (..., K) in the model dtype @ the quantized weight (N, K).T (+ bias) -> (..., N) in x's dtype,
+    by the paths of the module docstring."""
+    if not weight.kernel:
+        return wna16_linear_ref(x, weight, bias)
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
+    if rows.shape[0] >= DENSE_MIN_ROWS:
+        out = F.linear(rows, dequantized_weight(weight, x.dtype), bias)
+    else:
+        out = wna16_gemm.wna16_matmul(rows, weight.kernel, weight.out_features, weight.bits, weight.group_size, bias,
+                                      **tile_options(tiling_for(weight, rows.shape[0])))
+    return out.reshape(*x.shape[:-1], weight.out_features)
+
+
+def dequantized_weight(weight: WNA16Weight, dtype: torch.dtype) -> torch.Tensor:
+    """The (N, K) weight in ``dtype``: the reference's copy, or one made from the kernel layout."""
+    if weight.dense is not None:
+        return weight.dense.to(dtype)
+    return wna16_gemm.dequantize_layout(weight.kernel, weight.out_features, weight.in_features, weight.bits,
+                                        weight.group_size, dtype)
+
+
+def tiling_for(weight: WNA16Weight, rows: int) -> tuple:
+    """The kernel tiling for ``rows`` rows: the decode tiling chosen at load, or GEMM_TILES'."""
+    if rows <= MAX_SKINNY_ROWS:
+        return weight.variant.get("skinny", SKINNY_DEFAULT)
+    return next(tiling for bound, tiling in GEMM_TILES if rows <= bound)
+
+
+def tile_options(tiling: tuple) -> dict:
+    """wna16_matmul's keyword arguments for a (block_n, block_m, num_warps, num_stages, split_k) tiling."""
+    return dict(zip(("block_n", "block_m", "num_warps", "num_stages", "split_k"), tiling))
+
+
+@torch.inference_mode()
+def choose_wna16_variants(weights: list[WNA16Weight], rows: tuple[int, ...] = (1, 8)) -> dict[tuple, dict]:
+    """Per distinct (bits, group size, N, K), the SKINNY_VARIANTS tiling with the least device time
+    summed over ``rows`` (from CUDA graph replays, on copies of the weight that together exceed the
+    L2 cache), set on each weight as ``variant["skinny"]``. Returns per key the timings
+    (microseconds) and the choice, for the load log. A no-op for weights without the kernel layout (CPU)."""
+    report: dict[tuple, dict] = {}
+    for weight in weights:
+        if not weight.kernel:
+            continue
+        key = (weight.bits, weight.group_size, weight.out_features, weight.in_features)
+        if key not in report:
+            report[key] = _time_skinny_variants(weight, rows)
+        weight.variant["skinny"] = report[key]["variant"]
+    return report
+
+
+def _time_skinny_variants(weight: WNA16Weight, rows: tuple[int, ...]) -> dict:
+    from kernels.fp8 import l2_defeating_copies
+    from kernels.linear import graph_time_ms
+
+    layouts = [{**weight.kernel, "words": words} for words in l2_defeating_copies(weight.kernel["words"])]
+    turn = iter(range(1 << 40))
+    times = {variant: {} for variant in SKINNY_VARIANTS}
+    for m in rows:
+        x = torch.randn(m, weight.in_features, dtype=weight.dtype, device=weight.kernel["words"].device)
+        for variant, by_rows in times.items():
+            by_rows[m] = 1e3 * graph_time_ms(lambda: wna16_gemm.wna16_matmul(
+                x, layouts[next(turn) % len(layouts)], weight.out_features, weight.bits, weight.group_size,
+                **tile_options(variant)))
+    best = min(times, key=lambda v: sum(times[v].values()))
+    return {"variant": best, "us": times[best], "all_us": times}
