@@ -10,7 +10,9 @@ that contradicts the model (more positions than it has) is an error naming both 
 writes ``config.json`` (EngineConfig), ``rank{r}.safetensors`` for every tensor-parallel rank,
 and the tokenizer files (so ``AutoTokenizer.from_pretrained(engine_dir)`` works).
 ``--quantization fp8`` stores the decoder blocks' linear weights in FP8 E4M3 with per-output-channel
-scales (kernels/fp8.py).
+scales (kernels/fp8.py). ``--quantization int8_wo / int4_wo / int4_awq`` stores them as integer codes
+with per-group scales and zeros (kernels/wna16.py; engine/weight_only/), as do checkpoints that ship
+AWQ, GPTQ or compressed-tensors integer weights (their codes are kept as they are).
 """
 from __future__ import annotations
 
@@ -44,20 +46,26 @@ from engine.convert import (
 )
 from engine.fp8_checkpoint import dequantizing_getter, fp8_checkpoint_strategy, rank_row_scales
 from engine.models import MODEL_FAMILIES, get_family, get_model_class
+from engine.weight_only.checkpoint_formats import QuantizedLinearReader, checkpoint_weight_quant
+from engine.weight_only.convert import CheckpointStandIns, build_time_quantize, checkpoint_integer_weights
 from kernels.fp8 import quantize_weight
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def expected_tensor_names(model: ModelConfig, tp_size: int, quantization: str | None = None) -> list[str]:
+def expected_tensor_names(model: ModelConfig, build: BuildConfig) -> list[str]:
     """The state-dict names one rank's engine model declares (built on the meta device, no memory)."""
     model_class = get_model_class(model.architecture)
-    if quantization is None:
-        return list(model_class(model, tp_size=tp_size, device="meta").state_dict())
-    if not get_family(model.architecture).fp8:
-        raise ConfigError(f"quantization {quantization} is not supported for {model.architecture}; it is for "
-                          + ", ".join(family.architecture for family in MODEL_FAMILIES if family.fp8))
-    return list(model_class(model, tp_size=tp_size, device="meta", quantization=quantization).state_dict())
+    if build.quantization is None:
+        return list(model_class(model, tp_size=build.tp_size, device="meta").state_dict())
+    weight_only = build.weight_only
+    family = get_family(model.architecture)
+    if not (family.weight_only if weight_only else family.fp8):
+        supported = [f.architecture for f in MODEL_FAMILIES if (f.weight_only if weight_only else f.fp8)]
+        raise ConfigError(f"quantization {build.quantization} is not supported for {model.architecture}; it is for "
+                          + ", ".join(supported))
+    quantization = weight_only or build.quantization
+    return list(model_class(model, tp_size=build.tp_size, device="meta", quantization=quantization).state_dict())
 
 
 def quantize_rank_weights(weights: dict[str, torch.Tensor], names: list[str],
@@ -79,12 +87,14 @@ def quantize_rank_weights(weights: dict[str, torch.Tensor], names: list[str],
 
 def write_engine(output_dir: str, model: ModelConfig, build: BuildConfig, get: TensorGetter, *,
                  tokenizer=None, extra: dict | None = None, progress: bool = True,
-                 fp8_source: TensorGetter | None = None) -> EngineConfig:
+                 fp8_source: TensorGetter | None = None,
+                 integer_source: CheckpointStandIns | None = None) -> EngineConfig:
     """Convert every rank's weights through ``get`` and write a complete engine directory.
     ``fp8_source``: the raw getter of an FP8 checkpoint (``get`` dequantizes it), whose scales the
-    engine keeps."""
+    engine keeps. ``integer_source``: the stand-ins of a checkpoint with integer weights (``get``
+    dequantizes it), whose codes, scales and zeros the engine keeps."""
     engine_config = EngineConfig(model=model, build=build, extra=dict(extra or {})).validate()
-    names = expected_tensor_names(model, build.tp_size, build.quantization)
+    names = expected_tensor_names(model, build)
     _clear_old_engine(output_dir)
     bar = tqdm(total=len(names) * build.tp_size, unit="tensor", desc="converting", disable=not progress)
     for rank in range(build.tp_size):
@@ -95,6 +105,10 @@ def write_engine(output_dir: str, model: ModelConfig, build: BuildConfig, get: T
         if build.quantization == "fp8":
             source_scales = rank_row_scales(fp8_source, model, rank, build.tp_size) if fp8_source else None
             weights = quantize_rank_weights(weights, names, source_scales)
+        elif build.weight_only is not None:
+            carried = checkpoint_integer_weights(integer_source, model, build, rank, names) if integer_source else {}
+            weights = build_time_quantize(weights, names, build.weight_only, skip=set(carried))
+            weights.update(carried)
         if sorted(weights) != sorted(names):  # a converter bug, never a user error
             raise AssertionError(f"converter produced {sorted(set(weights) ^ set(names))[:5]} mismatching the model")
         save_file(weights, os.path.join(output_dir, f"rank{rank}.safetensors"), metadata={"format": "pt"})
@@ -174,8 +188,20 @@ def build_from_hf(hf_config, get: TensorGetter, tokenizer, output_dir: str, buil
     check_tp_divides(model, build.tp_size)
     build = resolve_build_limits(build, model)
     extra = {"source": os.path.abspath(source) if source else "", "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    fp8_source = None
-    strategy = fp8_checkpoint_strategy(hf_config)
+    fp8_source = integer_source = None
+    integer_quant = checkpoint_weight_quant(hf_config)
+    strategy = None if integer_quant is not None else fp8_checkpoint_strategy(hf_config)
+    if integer_quant is not None:
+        # Codes, scales and zeros are carried into the engine exactly; requantizing them into
+        # another scheme would round the weights a second time.
+        build = with_checkpoint_scheme(build, integer_quant, source)
+        extra["source_quantization"] = integer_quant.describe()
+        reader = QuantizedLinearReader(get, integer_quant)
+        integer_source = CheckpointStandIns(reader, get, build.weight_only, build.tp_size)
+        get = reader.dequantized_getter()
+    elif build.quantization == "int4_awq":
+        get = awq_getter(hf_config, get, tokenizer, build)
+        extra["source_quantization"] = "AWQ scales calibrated at build (engine/weight_only/awq.py)"
     if strategy is not None:
         # An FP8 checkpoint builds an FP8 engine: its weights exist only as E4M3 values, and
         # widening them to --dtype would double the bytes without adding a digit.
@@ -186,7 +212,51 @@ def build_from_hf(hf_config, get: TensorGetter, tokenizer, output_dir: str, buil
         extra["source_quantization"] = f"fp8 per {strategy}"
         fp8_source, get = get, dequantizing_getter(get)
     return write_engine(output_dir, model, build, get, tokenizer=tokenizer, extra=extra, progress=progress,
-                        fp8_source=fp8_source)
+                        fp8_source=fp8_source, integer_source=integer_source)
+
+
+def with_checkpoint_scheme(build: BuildConfig, quant, source: str) -> BuildConfig:
+    """``build`` with the integer scheme of a checkpoint that ships one (checkpoint_formats.py);
+    a different --quantization or --group_size asked for is an error naming both."""
+    quantization = "int8_wo" if quant.bits == 8 else ("int4_awq" if quant.method == "awq" else "int4_wo")
+    if build.quantization not in (None, quantization):
+        raise ConfigError(f"{source or 'the checkpoint'} holds {quant.describe()} weights, which build as "
+                          f"--quantization {quantization}; --quantization {build.quantization} would round them "
+                          "again: leave --quantization out")
+    if build.quant_group_size not in (None, quant.group_size):
+        raise ConfigError(f"{source or 'the checkpoint'} holds {quant.describe()} weights; --group_size "
+                          f"{build.quant_group_size} cannot change that: leave --group_size out")
+    if build.quantization is None:
+        print(f"note: {source or 'the checkpoint'} holds {quant.describe()} weights; building with "
+              f"--quantization {quantization}", file=sys.stderr)
+    return dataclasses.replace(build, quantization=quantization, quant_group_size=quant.group_size,
+                               quant_act_order=quant.act_order).validate()
+
+
+def awq_getter(hf_config, get: TensorGetter, tokenizer, build: BuildConfig) -> TensorGetter:
+    """The float weights with AWQ's activation-aware scales folded in (engine/weight_only/awq.py),
+    calibrated on the model itself in float32: on the GPU when there is one."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.weight_only.awq import awq_transform
+
+    if tokenizer is None:
+        raise ConfigError("--quantization int4_awq calibrates on text, and the checkpoint has no tokenizer; "
+                          "add the tokenizer files, or use --quantization int4_wo")
+    hf_model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    state = {}
+    for name in hf_model.state_dict():
+        try:
+            state[name] = get(name).float()
+        except CheckpointError:
+            if name != "lm_head.weight":  # tied embeddings store no lm_head
+                raise
+    hf_model.load_state_dict(state, strict=False)
+    hf_model.tie_weights()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    group = build.weight_only.group_size or None
+    transformed = awq_transform(hf_model.to(device), tokenizer, bits=4, group_size=group or 128, device=device)
+    return getter_from_state_dict({k: v.cpu() for k, v in transformed.items()}, "AWQ-scaled weights")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -204,10 +274,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max_num_tokens", type=int, default=None,
                    help="tokens per forward step; default: max(8192, max_input_len), at most "
                         "max_batch_size * max_seq_len")
-    p.add_argument("--quantization", choices=["fp8"], default=None,
+    p.add_argument("--quantization", choices=["fp8", "int8_wo", "int4_wo", "int4_awq"], default=None,
                    help="fp8: FP8 E4M3 weights with per-output-channel scales for every linear layer of the "
                         "decoder blocks, activations quantized per token at run time (Llama family); "
-                        "embeddings, norms and lm_head stay in --dtype")
+                        "int8_wo: INT8 weight-only, per output channel, symmetric; int4_wo: INT4 weight-only, "
+                        "groups of 128 input columns with zero points, round to nearest; int4_awq: int4_wo after "
+                        "AWQ's activation-aware scaling, calibrated on a built-in text (Llama family and "
+                        "mixture-of-experts models). Embeddings, norms and lm_head stay in --dtype. A checkpoint "
+                        "that ships AWQ, GPTQ or compressed-tensors integer weights builds in its own scheme")
+    p.add_argument("--group_size", type=int, default=None,
+                   help="int8_wo/int4_wo/int4_awq: input columns per scale group (32, 64, 128, 256) or 0 for one "
+                        "group per output channel; default: 128 for int4, per channel for int8")
     p.add_argument("--kv_cache_dtype", choices=["auto", "fp8"], default="auto",
                    help="fp8: the paged KV pool in FP8 E4M3 (scale 1, saturating), half the bytes per block; "
                         "the tensorrt_llm model parameter kv_cache_dtype may override it")
@@ -220,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         dtype=args.dtype, max_batch_size=args.max_batch_size, max_input_len=args.max_input_len,
         max_seq_len=args.max_seq_len, max_num_tokens=args.max_num_tokens,
         tokens_per_block=args.tokens_per_block, tp_size=args.tp_size, quantization=args.quantization,
+        quant_group_size=args.group_size,
         kv_cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
     )
     try:

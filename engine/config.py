@@ -13,9 +13,15 @@ import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-FORMAT_VERSION = 2  # 2: build.quantization (fp8 weights); engines of version 1 still load
-READABLE_FORMAT_VERSIONS = (1, 2)
-QUANTIZATIONS = ("fp8",)
+FORMAT_VERSION = 3  # 2: build.quantization (fp8 weights); 3: integer weight-only schemes
+READABLE_FORMAT_VERSIONS = (1, 2, 3)
+# Weight-only integer schemes (kernels/wna16.py): bits of the codes, and whether the build's own
+# round-to-nearest quantization stores zero points (asymmetric) or not.
+WEIGHT_ONLY_BITS = {"int8_wo": 8, "int4_wo": 4, "int4_awq": 4}
+QUANTIZATIONS = ("fp8",) + tuple(WEIGHT_ONLY_BITS)
+# Group sizes the kernels take (columns of K sharing a scale and zero); 0 = one group per output row.
+WEIGHT_ONLY_GROUP_SIZES = (0, 32, 64, 128, 256)
+DEFAULT_GROUP_SIZE = {8: 0, 4: 128}
 KV_CACHE_DTYPES = ("fp8",)
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "GPT2LMHeadModel",
                            "Qwen3ForCausalLM", "Phi3ForCausalLM", "SmolLM3ForCausalLM")
@@ -284,6 +290,21 @@ class ModelConfig:
         return _from_known_fields(cls, data).validate()
 
 
+@dataclass(frozen=True)
+class WeightOnlyScheme:
+    """Integer weight-only linear layers (kernels/wna16.py): ``bits`` 4 or 8, ``group_size`` input
+    columns per scale and zero (0: one group per output row, i.e. the layer's whole K), and
+    ``act_order``: layers hold an ``input_perm`` that reorders their input columns into group order."""
+
+    bits: int
+    group_size: int
+    act_order: bool = False
+
+    def groups(self, in_features: int) -> int:
+        """Scale groups per row of a layer with ``in_features`` input columns (on this rank)."""
+        return 1 if self.group_size == 0 else in_features // self.group_size
+
+
 @dataclass
 class BuildConfig:
     """Limits fixed at build time, and the parallel mapping the weights were sharded for."""
@@ -305,6 +326,12 @@ class BuildConfig:
     # weights with per-output-channel scales; activations are quantized per token at run time
     # (kernels/fp8.py). Embeddings, norms and the lm_head stay in ``dtype``.
     quantization: str | None = None
+    # Integer weight-only schemes (int8_wo, int4_wo, int4_awq; or read from an AWQ/GPTQ/compressed-
+    # tensors checkpoint): input columns per scale group, 0 = per output channel; None = the
+    # scheme's default (int4: 128, int8: per channel). ``quant_act_order``: the linear layers carry
+    # an ``input_perm`` (a GPTQ act-order checkpoint's group order, engine/weight_only/convert.py).
+    quant_group_size: int | None = None
+    quant_act_order: bool = False
     # None: the KV pool in ``dtype``. "fp8": K and V stored as FP8 E4M3 (scale 1, saturating at
     # +-448), half the bytes per block; the executor's kv_cache_dtype may override it.
     kv_cache_dtype: str | None = None
@@ -325,7 +352,23 @@ class BuildConfig:
                  f"unsupported kv_cache_dtype {self.kv_cache_dtype!r}; supported: auto, {', '.join(KV_CACHE_DTYPES)}")
         _require(self.quantization is None or self.quantization in QUANTIZATIONS,
                  f"unsupported quantization {self.quantization!r}; supported: none, {', '.join(QUANTIZATIONS)}")
+        weight_only = self.quantization in WEIGHT_ONLY_BITS
+        _require(self.quant_group_size is None or weight_only,
+                 f"quant_group_size applies to {', '.join(WEIGHT_ONLY_BITS)}, not to quantization {self.quantization}")
+        _require(self.quant_group_size is None or self.quant_group_size in WEIGHT_ONLY_GROUP_SIZES,
+                 f"unsupported quant_group_size {self.quant_group_size}; supported: "
+                 f"{', '.join(map(str, WEIGHT_ONLY_GROUP_SIZES[1:]))} or 0 (per output channel)")
+        _require(not self.quant_act_order or weight_only, "quant_act_order applies only to integer weight-only schemes")
         return self
+
+    @property
+    def weight_only(self) -> "WeightOnlyScheme | None":
+        """The integer weight-only scheme of the linear layers, None for model-dtype or FP8 weights."""
+        if self.quantization not in WEIGHT_ONLY_BITS:
+            return None
+        bits = WEIGHT_ONLY_BITS[self.quantization]
+        group = DEFAULT_GROUP_SIZE[bits] if self.quant_group_size is None else self.quant_group_size
+        return WeightOnlyScheme(bits=bits, group_size=group, act_order=self.quant_act_order)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -38,9 +38,12 @@ def materialize_random_weights(model: torch.nn.Module, device: torch.device, see
     model = model.to_empty(device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
     for name, param in model.named_parameters():
+        owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+        if getattr(owner, "weight_only", None) is not None and not name.endswith((".bias", "router.weight")):
+            _random_integer_weights(name, param, owner.weight_only.bits, generator)
+            continue
         if name.endswith(".weight_scale"):
             continue  # set with its FP8 weight
-        owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
         if name.endswith(".weight") and getattr(owner, "weight_scale", None) is not None:
             # An FP8 linear layer: random weights in float32, quantized per output channel.
             full = torch.empty(param.shape, dtype=torch.float32, device=device).normal_(0.0, 0.02, generator=generator)
@@ -54,3 +57,17 @@ def materialize_random_weights(model: torch.nn.Module, device: torch.device, see
         else:
             param.normal_(0.0, 0.02, generator=generator)
     return model
+
+
+def _random_integer_weights(name: str, param: torch.Tensor, bits: int, generator: torch.Generator) -> None:
+    """One tensor of an integer weight-only layer (kernels/wna16.py): uniform random codes (every
+    byte uniform is every 4-bit code uniform too), zero points mid-range, and scales that give the
+    weights a standard deviation of 0.02 (a uniform code has std 2**bits / sqrt(12) steps)."""
+    if name.endswith("_scale"):
+        param.fill_(0.02 * 12**0.5 / (1 << bits))
+    elif name.endswith("_zero"):
+        param.fill_(1 << (bits - 1))
+    elif name.endswith("input_perm"):
+        param.copy_(torch.arange(param.numel(), device=param.device))
+    else:
+        param.copy_(torch.randint(0, 256, param.shape, generator=generator, device=param.device, dtype=torch.int32))

@@ -23,7 +23,7 @@ from engine.executor.overlap import resolve_placeholders
 from engine.executor.prefill_graphs import PrefillGraphs
 from engine.executor.random_weights import has_random_weights, materialize_random_weights
 from engine.lora.pool import LoraPools
-from engine.models.layers import Linear, enable_one_shot_all_reduce
+from engine.models.layers import Linear, enable_one_shot_all_reduce, prepare_weights
 from kernels.attention import KV_FP8_DTYPE
 from kernels.attention_metadata import AttentionMetadata
 from kernels.triton_attention import prefill_tokens_per_tile
@@ -96,13 +96,14 @@ class ModelRunner:
     def _load_model(self, engine_dir: str, tp_group) -> torch.nn.Module:
         cfg, build = self.model_config, self.build_config
         model_class = get_model_class(cfg.architecture)
-        quantization = {"quantization": build.quantization} if build.quantization else {}
+        quantization = {"quantization": build.weight_only or build.quantization} if build.quantization else {}
         model = model_class(
             cfg, tp_rank=self.rank, tp_size=build.tp_size, tp_group=tp_group, dtype=self.dtype,
             device="meta", max_positions=max(build.max_seq_len, 1), **quantization,
         )
         if has_random_weights(self.engine_config.extra):  # a config-only benchmark engine
             model = materialize_random_weights(model, self.device, self.engine_config.extra["random_weights_seed"] + self.rank)
+            prepare_weights(model)
             model.init_buffers(self.device)
             return model.eval()
         weights = load_rank_weights(engine_dir, self.rank, self.device)
@@ -117,6 +118,8 @@ class ModelRunner:
             model.load_state_dict({k: keep_or_cast(k, v, self.dtype) for k, v in weights.items()}, assign=True)
         except RuntimeError as err:
             raise EngineFormatError(f"rank{self.rank}.safetensors has wrong tensor shapes: {err}") from None
+        del weights
+        prepare_weights(model)
         model.init_buffers(self.device)
         return model.eval()
 
@@ -346,9 +349,10 @@ class ModelRunner:
 
 
 def keep_or_cast(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A tensor of a rank file in the dtype the model holds it in: FP8 weights and their float32
-    scales stay as stored, everything else is cast to the engine's dtype."""
-    if tensor.dtype == FP8_DTYPE or name.endswith(".weight_scale"):
+    """A tensor of a rank file in the dtype the model holds it in: FP8 weights, integer codes,
+    zero points and permutations, and float32 scales stay as stored; everything else is cast to
+    the engine's dtype."""
+    if tensor.dtype == FP8_DTYPE or not tensor.dtype.is_floating_point or name.endswith("_scale"):
         return tensor
     return tensor.to(dtype)
 

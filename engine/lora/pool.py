@@ -80,7 +80,8 @@ class LoraPools:
             if not layers:
                 continue
             first = model.layers[layers[0]]
-            out_local, in_local = getattr(first, name).weight.shape
+            linear = getattr(first, name)
+            out_local, in_local = linear.out_features, linear.in_features
             sizes = _slice_sizes(first, name, out_local)
             kind = _Kind(name, layers, sizes,
                          a=torch.zeros(len(layers), num_slots, len(modules), max_rank, in_local, dtype=dtype, device=device),
@@ -100,7 +101,7 @@ class LoraPools:
             for layer in model.layers:
                 linear = getattr(layer, name, None)
                 if linear is not None:
-                    out_local, in_local = linear.weight.shape
+                    out_local, in_local = linear.out_features, linear.in_features
                     total += max_rank * (len(modules) * in_local + out_local) * size
         return total
 

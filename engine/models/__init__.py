@@ -27,25 +27,27 @@ class ModelFamily:
     checkpoints: str  # the models users know by name, with what the engine does for them
     tensor_parallel: bool = True
     fp8: bool = False  # --quantization fp8 (FP8 weights)
+    # Integer weight-only linears (int8_wo, int4_wo, int4_awq; AWQ/GPTQ/compressed-tensors checkpoints)
+    weight_only: bool = False
     sliding_window: bool = False  # the checkpoint's sliding-window attention is applied (kernels/attention.py)
 
 
 MODEL_FAMILIES = (
     ModelFamily("LlamaForCausalLM", "engine.models.llama", "LlamaForCausalLM",
-                "Llama 2/3/3.1/3.2, SmolLM2, TinyLlama (rope scaling llama3, linear, yarn, dynamic)", fp8=True),
+                "Llama 2/3/3.1/3.2, SmolLM2, TinyLlama (rope scaling llama3, linear, yarn, dynamic)", fp8=True, weight_only=True),
     ModelFamily("MistralForCausalLM", "engine.models.llama", "LlamaForCausalLM",
-                "Mistral 7B, Mistral Nemo (sliding window, out-of-window KV blocks freed)", fp8=True,
+                "Mistral 7B, Mistral Nemo (sliding window, out-of-window KV blocks freed)", fp8=True, weight_only=True,
                 sliding_window=True),
     ModelFamily("Qwen2ForCausalLM", "engine.models.llama", "LlamaForCausalLM",
-                "Qwen2, Qwen2.5 (q/k/v bias; use_sliding_window)", fp8=True, sliding_window=True),
+                "Qwen2, Qwen2.5 (q/k/v bias; use_sliding_window)", fp8=True, weight_only=True, sliding_window=True),
     ModelFamily("GPT2LMHeadModel", "engine.models.gpt2", "GPT2LMHeadModel", "GPT-2 (learned positions)"),
     ModelFamily("Qwen3ForCausalLM", "engine.models.llama", "LlamaForCausalLM",
-                "Qwen3 dense (per-head q/k RMSNorm; yarn)", fp8=True, sliding_window=True),
+                "Qwen3 dense (per-head q/k RMSNorm; yarn)", fp8=True, weight_only=True, sliding_window=True),
     ModelFamily("Phi3ForCausalLM", "engine.models.llama", "LlamaForCausalLM",
-                "Phi-3, Phi-3.5-mini, Phi-4, Phi-4-mini (fused qkv/gate_up, LongRoPE, partial rotary)", fp8=True,
+                "Phi-3, Phi-3.5-mini, Phi-4, Phi-4-mini (fused qkv/gate_up, LongRoPE, partial rotary)", fp8=True, weight_only=True,
                 sliding_window=True),
     ModelFamily("SmolLM3ForCausalLM", "engine.models.llama", "LlamaForCausalLM",
-                "SmolLM3 (NoPE layers without rope)", fp8=True, sliding_window=True),
+                "SmolLM3 (NoPE layers without rope)", fp8=True, weight_only=True, sliding_window=True),
     ModelFamily("Gemma2ForCausalLM", "engine.models.gemma", "GemmaForCausalLM",
                 "Gemma 2 (soft-capped attention and logits; alternating sliding/global layers)",
                 sliding_window=True),
@@ -54,10 +56,10 @@ MODEL_FAMILIES = (
                 "local rope base, 5:1 sliding/global layers)", sliding_window=True),
                     ModelFamily("MixtralForCausalLM", "engine.models.moe", "MoeForCausalLM",
                 "Mixtral 8x7B, 8x22B (top-2 routed experts, fused-MoE kernel; experts split across TP ranks)",
-                sliding_window=True),
+                sliding_window=True, weight_only=True),
     ModelFamily("Qwen3MoeForCausalLM", "engine.models.moe", "MoeForCausalLM",
                 "Qwen3-30B-A3B, Qwen3-235B-A22B (top-8 of 128 experts, norm_topk_prob, q/k RMSNorm)",
-                sliding_window=True),
+                sliding_window=True, weight_only=True),
 )
 _REGISTRY = {family.architecture: family for family in MODEL_FAMILIES}
 SUPPORTED_ARCHITECTURES = tuple(_REGISTRY)
@@ -89,8 +91,8 @@ def supported_models_markdown() -> str:
     def mark(flag: bool) -> str:
         return "yes" if flag else "no"
 
-    rows = ["| architecture | checkpoints | tensor parallel | FP8 weights | sliding-window attention |",
-            "|---|---|---|---|---|"]
+    rows = ["| architecture | checkpoints | tensor parallel | FP8 weights | INT8 / INT4 weights | "
+            "sliding-window attention |", "|---|---|---|---|---|---|"]
     rows += [f"| `{f.architecture}` | {f.checkpoints} | {mark(f.tensor_parallel)} | {mark(f.fp8)} | "
-             f"{mark(f.sliding_window)} |" for f in MODEL_FAMILIES]
+             f"{mark(f.weight_only)} | {mark(f.sliding_window)} |" for f in MODEL_FAMILIES]
     return "\n".join(rows)

@@ -30,10 +30,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from engine.config import WeightOnlyScheme
 from kernels.fp8 import FP8_DTYPE, QuantizedRows, fp8_gated_linear, fp8_linear, quantizes_activations, rms_norm_quantized
 from kernels.activation import silu_and_mul
 from kernels.linear import gated_linear, linear, linear_float32_out
 from kernels.rmsnorm import rms_norm
+from kernels.wna16 import WNA16Weight, prepare_wna16, stored_columns, wna16_linear
 
 if TYPE_CHECKING:
     from engine.lora.pool import LinearLora
@@ -113,7 +115,7 @@ def _empty(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
-QUANTIZATIONS = (None, "fp8")
+LinearQuantization = str | WeightOnlyScheme | None  # None, "fp8", or an integer weight-only scheme
 
 
 class Linear(nn.Module):
@@ -122,21 +124,62 @@ class Linear(nn.Module):
     ``quantization="fp8"``: weight is float8_e4m3fn with ``weight_scale`` (out_local,) float32 per
     output channel, and the product runs the FP8 scheme of kernels/fp8.py (the bias stays in dtype).
 
+    ``quantization=WeightOnlyScheme``: integer codes (kernels/wna16.py): ``weight`` uint8
+    (out_local, in_local * bits / 8), ``weight_scale`` float32 and ``weight_zero`` uint8, both
+    (out_local, groups), and with act-order ``input_perm`` int32 (in_local,): column j of the stored
+    weight multiplies input column input_perm[j]. ``prepare_weights()`` (once, after loading) turns
+    them into the kernels' layout; the stored tensors are then released on CUDA.
+
     ``lora``: this projection's slots of the adapter pool (engine/lora/pool.py), set when the
     executor enables LoRA; a plain attribute, so the state dict keeps the engine-directory names.
     A forward given a LoraBatch adds each token's adapter product to the base output.
     """
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype: torch.dtype, device=None,
-                 quantization: str | None = None):
+                 quantization: LinearQuantization = None):
         super().__init__()
-        if quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization {quantization!r} is not supported; allowed: fp8 or none")
-        weight_dtype = FP8_DTYPE if quantization == "fp8" else dtype
-        self.weight = _empty(out_features, in_features, dtype=weight_dtype, device=device)
-        self.weight_scale = _empty(out_features, dtype=torch.float32, device=device) if quantization else None
+        if not (quantization in (None, "fp8") or isinstance(quantization, WeightOnlyScheme)):
+            raise ValueError(f"quantization {quantization!r} is not supported; allowed: fp8, a weight-only "
+                             "integer scheme, or none")
+        self.in_features, self.out_features = in_features, out_features
+        self.weight_only = quantization if isinstance(quantization, WeightOnlyScheme) else None
+        self.input_perm = None
+        self.wna16: WNA16Weight | None = None  # the kernels' layout, made by prepare_weights()
+        if self.weight_only is not None:
+            scheme, groups = self.weight_only, self.weight_only.groups(in_features)
+            self.weight = _empty(out_features, stored_columns(in_features, scheme.bits), dtype=torch.uint8,
+                                 device=device)
+            self.weight_scale = _empty(out_features, groups, dtype=torch.float32, device=device)
+            self.weight_zero = _empty(out_features, groups, dtype=torch.uint8, device=device)
+            if scheme.act_order:
+                self.input_perm = _empty(in_features, dtype=torch.int32, device=device)
+        else:
+            weight_dtype = FP8_DTYPE if quantization == "fp8" else dtype
+            self.weight = _empty(out_features, in_features, dtype=weight_dtype, device=device)
+            self.weight_scale = _empty(out_features, dtype=torch.float32, device=device) if quantization else None
+        self.dtype = dtype
         self.bias = _empty(out_features, dtype=dtype, device=device) if bias else None
         self.lora: LinearLora | None = None
+        self._permutes_input = True
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.weight_scale is not None and self.weight_only is None
+
+    @torch.no_grad()
+    def prepare_weights(self) -> None:
+        """Integer weights -> the kernels' layout (kernels/wna16.py); a no-op for other layers.
+        An act-order permutation that is the identity is dropped (no gather per forward)."""
+        if self.weight_only is None or self.wna16 is not None:
+            return
+        self.wna16 = prepare_wna16(self.weight, self.weight_scale, self.weight_zero, self.weight_only.bits, self.dtype)
+        if self.input_perm is not None:
+            identity = torch.arange(self.in_features, device=self.input_perm.device, dtype=self.input_perm.dtype)
+            self._permutes_input = not torch.equal(self.input_perm, identity)
+            self.input_perm = nn.Parameter(self.input_perm.long(), requires_grad=False)
+        if self.weight.is_cuda:  # the kernels hold their own copy; keep only the shapes
+            for name in ("weight", "weight_scale", "weight_zero"):
+                setattr(self, name, nn.Parameter(getattr(self, name).new_empty(0), requires_grad=False))
 
     def forward(self, x: torch.Tensor | QuantizedRows, lora: LoraBatch | None = None) -> torch.Tensor:
         out = self._product(x, self.bias)
@@ -145,6 +188,12 @@ class Linear(nn.Module):
         return out
 
     def _product(self, x: torch.Tensor | QuantizedRows, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.weight_only is not None:
+            if self.wna16 is None:
+                self.prepare_weights()
+            if self.input_perm is not None and self._permutes_input:
+                x = x.index_select(-1, self.input_perm)
+            return wna16_linear(x, self.wna16, bias)
         if self.weight_scale is not None:
             return fp8_linear(x, self.weight, self.weight_scale, bias)
         return linear(x, self.weight, bias)  # F.linear, or a skinny Triton GEMM chosen at engine load
@@ -153,7 +202,7 @@ class Linear(nn.Module):
         """Whether this layer would quantize x per token itself (an FP8 weight on the W8A8 path),
         so that the kernel making x may hand it QuantizedRows instead. Not with LoRA slots: the
         adapters read x in the model dtype."""
-        return self.weight_scale is not None and self.lora is None and quantizes_activations(x.device)
+        return self.is_fp8 and self.lora is None and quantizes_activations(x.device)
 
     def gated(self, x: torch.Tensor | QuantizedRows, *, quantize_output: bool = False,
               lora: LoraBatch | None = None) -> torch.Tensor | QuantizedRows:
@@ -165,6 +214,8 @@ class Linear(nn.Module):
             gate_up = self._product(x, None)
             self.lora.add(x, gate_up, lora)
             return silu_and_mul(gate_up)
+        if self.weight_only is not None:
+            return silu_and_mul(self._product(x, None))
         if self.weight_scale is not None:
             return fp8_gated_linear(x, self.weight, self.weight_scale, quantize_output=quantize_output)
         return gated_linear(x, self.weight)  # one fused skinny kernel for decode batches when chosen at load
@@ -174,7 +225,7 @@ class RowParallelLinear(Linear):
     """Partial product on each rank, all-reduced; the (replicated) bias is added after the reduce."""
 
     def __init__(self, in_local: int, out_features: int, *, bias: bool, tp_group, dtype, device=None,
-                 quantization: str | None = None):
+                 quantization: LinearQuantization = None):
         super().__init__(in_local, out_features, bias=bias, dtype=dtype, device=device, quantization=quantization)
         self.tp_group = tp_group
 
@@ -256,3 +307,11 @@ def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, tp_group) 
     shards = [torch.empty_like(logits) for _ in range(dist.get_world_size(tp_group))]
     dist.all_gather(shards, logits.contiguous(), group=tp_group)
     return torch.cat(shards, dim=-1)
+
+
+def prepare_weights(model: nn.Module) -> None:
+    """Once after loading: every module with integer weights (a Linear, a block of experts) lays
+    them out for its kernels (kernels/wna16.py, kernels/fused_moe_wna16.py)."""
+    for module in model.modules():
+        if getattr(module, "weight_only", None) is not None:
+            module.prepare_weights()

@@ -96,7 +96,7 @@ class LlamaLayer(nn.Module):
     def mlp(self, h: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
         """``lora``: the forward's adapter rows (engine/lora/pool.py); down_proj then takes its
         input unquantized (its adapter reads it in the model dtype)."""
-        quantize = self.down_proj.weight_scale is not None and (lora is None or self.down_proj.lora is None)
+        quantize = self.down_proj.is_fp8 and (lora is None or self.down_proj.lora is None)
         return self.down_proj(self.gate_up_proj.gated(h, quantize_output=quantize, lora=lora), lora)
 
     def forward(self, x, residual, positions, cos_sin_cache, kv_cache, meta):

@@ -22,38 +22,76 @@ it costs skinnier GEMMs per rank (Qwen3-30B-A3B at TP 8: 96 columns per expert s
 Weights per rank of a sparse layer i (names = engine-directory names): ``layers.{i}.moe.router.weight``
 (E, H), ``layers.{i}.moe.gate_up_proj`` (E, 2 * I_r, H), ``layers.{i}.moe.down_proj`` (E, H, I_r).
 A dense layer keeps the Llama names (``gate_up_proj.weight``, ``down_proj.weight``).
+
+Integer weight-only experts (kernels/fused_moe_wna16.py): ``gate_up_proj`` uint8 (E, 2 * I_r, stored H)
+with ``gate_up_proj_scale`` float32 and ``gate_up_proj_zero`` uint8 (E, 2 * I_r, groups of H), and
+``down_proj`` likewise over I_r. The router stays in the model dtype.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from engine.config import ModelConfig
-from engine.models.layers import Linear, tp_all_reduce
+from engine.config import ModelConfig, WeightOnlyScheme
+from engine.models.layers import Linear, LinearQuantization, tp_all_reduce
 from engine.models.llama import LlamaForCausalLM, LlamaLayer
 from kernels.fused_moe import ALIGN_KERNEL_MAX_ASSIGNMENTS, moe_forward
+from kernels.fused_moe_wna16 import WNA16Experts, moe_forward_wna16, prepare_wna16_experts
+from kernels.wna16 import stored_columns
 
 
 class SparseMoeBlock(nn.Module):
     """Router + every expert's slice for one tensor-parallel rank; output all-reduced over ranks."""
 
-    def __init__(self, config: ModelConfig, *, tp_size: int, tp_group, dtype, device):
+    def __init__(self, config: ModelConfig, *, tp_size: int, tp_group, dtype, device,
+                 weight_only: WeightOnlyScheme | None = None):
         super().__init__()
         hidden, experts = config.hidden_size, config.num_experts
         inter_local = config.moe_intermediate_size // tp_size
         self.top_k = config.num_experts_per_tok
         self.renormalize = config.norm_topk_prob
         self.tp_group = tp_group
+        self.dtype = dtype
+        self.weight_only = weight_only
+        self.experts: tuple[WNA16Experts, WNA16Experts] | None = None  # prepare_weights(): (gate_up, down)
         self.router = Linear(hidden, experts, bias=False, dtype=dtype, device=device)
-        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * inter_local, hidden, dtype=dtype, device=device),
-                                         requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(experts, hidden, inter_local, dtype=dtype, device=device),
-                                      requires_grad=False)
+        for name, (rows, cols) in {"gate_up_proj": (2 * inter_local, hidden), "down_proj": (hidden, inter_local)}.items():
+            if weight_only is None:
+                setattr(self, name, _parameter(experts, rows, cols, dtype=dtype, device=device))
+                continue
+            groups = weight_only.groups(cols)
+            setattr(self, name, _parameter(experts, rows, stored_columns(cols, weight_only.bits), dtype=torch.uint8,
+                                           device=device))
+            setattr(self, name + "_scale", _parameter(experts, rows, groups, dtype=torch.float32, device=device))
+            setattr(self, name + "_zero", _parameter(experts, rows, groups, dtype=torch.uint8, device=device))
+
+    @torch.no_grad()
+    def prepare_weights(self) -> None:
+        """Integer experts -> the kernels' layout (kernels/fused_moe_wna16.py); the stored tensors
+        are then released on CUDA. A no-op for model-dtype experts."""
+        if self.weight_only is None or self.experts is not None:
+            return
+        self.experts = tuple(prepare_wna16_experts(getattr(self, name), getattr(self, name + "_scale"),
+                                                   getattr(self, name + "_zero"), self.weight_only.bits, self.dtype)
+                             for name in ("gate_up_proj", "down_proj"))
+        if self.gate_up_proj.is_cuda:
+            for name in ("gate_up_proj", "down_proj"):
+                for suffix in ("", "_scale", "_zero"):
+                    setattr(self, name + suffix, nn.Parameter(getattr(self, name + suffix).new_empty(0),
+                                                              requires_grad=False))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (num_tokens, hidden) -> the routed experts' output (num_tokens, hidden)."""
-        out = moe_forward(x, self.router(x), self.gate_up_proj, self.down_proj, self.top_k, self.renormalize)
+        if self.weight_only is not None:
+            self.prepare_weights()
+            out = moe_forward_wna16(x, self.router(x), *self.experts, self.top_k, self.renormalize)
+        else:
+            out = moe_forward(x, self.router(x), self.gate_up_proj, self.down_proj, self.top_k, self.renormalize)
         return out if self.tp_group is None else tp_all_reduce(out, self.tp_group)
+
+
+def _parameter(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
 class MoeLayer(LlamaLayer):
@@ -66,7 +104,9 @@ class MoeLayer(LlamaLayer):
             super()._init_mlp(config, tp_size=tp_size, tp_group=tp_group, dtype=dtype, device=device,
                               quantization=quantization)
             return
-        self.moe = SparseMoeBlock(config, tp_size=tp_size, tp_group=tp_group, dtype=dtype, device=device)
+        weight_only = quantization if isinstance(quantization, WeightOnlyScheme) else None
+        self.moe = SparseMoeBlock(config, tp_size=tp_size, tp_group=tp_group, dtype=dtype, device=device,
+                                  weight_only=weight_only)
 
     def mlp(self, h: torch.Tensor, lora=None) -> torch.Tensor:
         # LoRA reaches the dense layers' MLP; the experts take none (engine/lora/pool.py says so).
@@ -75,15 +115,20 @@ class MoeLayer(LlamaLayer):
 
 class MoeForCausalLM(LlamaForCausalLM):
     """The Llama-family model with MoeLayer blocks (Mixtral, Qwen3-MoE) for one tensor-parallel
-    rank. No ``quantization`` argument: FP8 experts are not supported (engine.build says so)."""
+    rank. ``quantization``: None or an integer weight-only scheme (attention and experts); FP8
+    experts are not supported (engine.build says so)."""
 
     layer_class = MoeLayer
     supports_prefill_graphs = False  # the routed experts' kernels are not checked in a mixed-step graph yet
 
     def __init__(self, config: ModelConfig, *, tp_rank: int = 0, tp_size: int = 1, tp_group=None,
-                 dtype: torch.dtype = torch.float32, device=None, max_positions: int | None = None):
+                 dtype: torch.dtype = torch.float32, device=None, max_positions: int | None = None,
+                 quantization: LinearQuantization = None):
+        if quantization == "fp8":
+            raise ValueError("FP8 experts are not supported; mixture-of-experts models take integer weight-only "
+                             "schemes (int8_wo, int4_wo, int4_awq) or none")
         super().__init__(config, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group, dtype=dtype, device=device,
-                         max_positions=max_positions)
+                         max_positions=max_positions, quantization=quantization)
 
     @torch.inference_mode()
     def warm_up_kernels(self) -> None:
@@ -94,10 +139,14 @@ class MoeForCausalLM(LlamaForCausalLM):
         block = next((layer.moe for layer in self.layers if layer.moe is not None), None)
         if block is None:
             return
-        experts, top_k = block.gate_up_proj.shape[0], block.top_k
+        experts, top_k = block.router.out_features, block.top_k
         per_expert = (1, 17, 65)  # average rows per expert where choose_block_m picks 16, 32, 64
         counts = {1, 2, -(-ALIGN_KERNEL_MAX_ASSIGNMENTS // top_k) + 1}
         counts |= {-(-n * experts // top_k) for n in per_expert}
         for num_tokens in sorted(counts):
-            x = block.gate_up_proj.new_zeros(num_tokens, block.gate_up_proj.shape[2])
-            moe_forward(x, block.router(x), block.gate_up_proj, block.down_proj, top_k, block.renormalize)
+            x = torch.zeros(num_tokens, block.router.in_features, dtype=block.dtype, device=block.router.weight.device)
+            if block.weight_only is not None:
+                block.prepare_weights()
+                moe_forward_wna16(x, block.router(x), *block.experts, top_k, block.renormalize)
+            else:
+                moe_forward(x, block.router(x), block.gate_up_proj, block.down_proj, top_k, block.renormalize)

@@ -1,0 +1,222 @@
+"""Integer weight-only engines (kernels/wna16.py's scheme): one rank's tensors, either quantized at
+build from float weights (``--quantization int8_wo / int4_wo / int4_awq``) or carried over from a
+checkpoint that ships integer weights (AWQ, GPTQ, compressed-tensors; checkpoint_formats.py).
+
+Which engine tensors are integer: every ``<linear>.weight`` whose model declares a
+``<linear>.weight_zero`` (the decoder blocks' projections), and every block of experts
+``<moe>.gate_up_proj`` / ``<moe>.down_proj`` with a ``_zero`` beside it. Embeddings, norms, routers
+and the lm_head stay in the model dtype.
+
+Build-time quantization is round-to-nearest per group: 4-bit asymmetric (zero points, as AWQ
+stores them: a group's [min, max] spans the 16 codes), 8-bit symmetric (zero 128, TensorRT-LLM's
+INT8 weight-only). It runs on each rank's shard, which gives the same codes as quantizing the
+whole weight, because a shard holds whole groups (``check_groups``).
+
+Checkpoint weights keep their exact codes, scales and zeros. They are carried through the
+family's ordinary conversion (fusing q/k/v and gate/up, tensor-parallel splits, partial-rotary
+row reorders) by converting stand-ins shaped like the weight: the codes (N, K) themselves, the
+scales and zeros (N, groups), and with act-order the permutation repeated on every row. Every
+fuse concatenates rows and every split cuts rows or columns, so each stand-in lands where its
+weight lands. A per-channel scale (N, 1) stands in widened to (N, tp_size), so a row-parallel
+split leaves each rank its (N, 1). Parts a checkpoint left unquantized stand in as NaN; an engine
+tensor with any NaN part is quantized afresh from the dequantized conversion (printed).
+
+Act-order (GPTQ ``desc_act``): a layer's groups are sets of input columns named by ``g_idx``. The
+codes are stored sorted by group (``perm = argsort(g_idx)``, so each group is contiguous again) and
+the layer gathers its input by the same permutation (``input_perm``). Fused parts must share it
+(q/k/v, gate/up see the same input, and GPTQ's order depends only on that input). A row-parallel
+layer's permutation must stay within each rank's columns, else the build says so.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from engine.config import BuildConfig, ConfigError, ModelConfig, WeightOnlyScheme
+from engine.convert import TensorGetter, rank_weights
+from kernels.wna16 import pack_codes, quantize
+
+
+def integer_tensor_names(names: list[str]) -> list[str]:
+    """The engine names (of one rank) whose tensors hold integer codes: a weight with a zero beside it."""
+    present = set(names)
+    out = []
+    for name in names:
+        base = name[: -len(".weight")] + ".weight_zero" if name.endswith(".weight") else name + "_zero"
+        if base in present:
+            out.append(name)
+    return out
+
+
+def _scale_name(name: str) -> str:
+    return name + "_scale"
+
+
+def _zero_name(name: str) -> str:
+    return name + "_zero"
+
+
+def build_time_quantize(weights: dict[str, torch.Tensor], names: list[str], scheme: WeightOnlyScheme,
+                        *, skip: set[str] = frozenset()) -> dict[str, torch.Tensor]:
+    """Round-to-nearest quantization of this rank's float weights into the scheme (module docstring).
+    ``skip``: integer names already carried from a checkpoint."""
+    out = dict(weights)
+    for name in integer_tensor_names(names):
+        if name in skip:
+            continue
+        tensor = weights[name]
+        group = tensor.shape[-1] if scheme.group_size == 0 else scheme.group_size
+        check_groups(name, tensor.shape[-1], group)
+        codes, scale, zero = quantize(tensor, scheme.bits, group, symmetric=scheme.bits == 8)
+        out[name], out[_scale_name(name)], out[_zero_name(name)] = codes, scale, zero
+        if scheme.act_order and name.endswith(".weight"):
+            out[name[: -len("weight")] + "input_perm"] = torch.arange(tensor.shape[-1], dtype=torch.int32)
+    return out
+
+
+def check_groups(name: str, columns: int, group_size: int) -> None:
+    if columns % group_size:
+        raise ConfigError(f"{name}: {columns} input columns on this rank do not divide into groups of {group_size}; "
+                          "the group size must divide every layer's input width after the tensor-parallel split")
+
+
+# ---- checkpoints with integer weights -------------------------------------------------------
+
+class CheckpointStandIns:
+    """Getters that stand in for a checkpoint's linear weights during conversion (module docstring).
+
+    ``reader``: engine.weight_only.checkpoint_formats.QuantizedLinearReader of the checkpoint;
+    ``get``: its raw tensor getter."""
+
+    def __init__(self, reader, get: TensorGetter, scheme: WeightOnlyScheme, tp_size: int):
+        self.reader, self.get, self.scheme, self.tp_size = reader, get, scheme, tp_size
+        self._last: dict[str, object] = {}
+
+    def _module(self, name: str) -> str | None:
+        """The module of a 2-D ``.weight`` the checkpoint quantized, else None."""
+        if not name.endswith(".weight"):
+            return None
+        module = name[: -len(".weight")]
+        return module if self.reader.is_quantized(module) else None
+
+    def _read(self, module: str):
+        """(codes sorted by group, scale, zero, perm or None), the last few modules kept."""
+        if module not in self._last:
+            if len(self._last) > 8:
+                self._last.clear()
+            q = self.reader.read(module)
+            codes, perm = q.codes, None
+            if q.g_idx is not None:
+                perm = torch.argsort(q.g_idx.long(), stable=True)
+                sizes = torch.bincount(q.g_idx.long(), minlength=q.scale.shape[1])
+                if not bool((sizes == sizes[0]).all()):
+                    raise ConfigError(f"{module}.g_idx puts {sizes.min()}..{sizes.max()} columns in a group; "
+                                      "supported: act-order with every group the same size")
+                codes = codes[:, perm]
+            self._last[module] = (codes, q.scale, q.zero, perm)
+        return self._last[module]
+
+    def _unquantized(self, name: str, width) -> torch.Tensor:
+        rows = self.get(name).shape[0]
+        return torch.full((rows, width), float("nan"))
+
+    def _groups_wide(self, t: torch.Tensor) -> torch.Tensor:
+        return t.float().expand(t.shape[0], self.tp_size) if t.shape[1] == 1 else t.float()
+
+    def codes(self, name: str) -> torch.Tensor:
+        module = self._module(name)
+        if module is None:
+            raw = self.get(name)
+            return self._unquantized(name, raw.shape[1]) if raw.dim() == 2 and name.endswith(".weight") else raw
+        return self._read(module)[0].float()
+
+    def scale(self, name: str) -> torch.Tensor:
+        return self._side(name, 1)
+
+    def zero(self, name: str) -> torch.Tensor:
+        return self._side(name, 2)
+
+    def _side(self, name: str, index: int) -> torch.Tensor:
+        module = self._module(name)
+        if module is None:
+            raw = self.get(name)
+            if raw.dim() != 2 or not name.endswith(".weight"):
+                return raw
+            return self._unquantized(name, self._groups(raw.shape[1]))
+        return self._groups_wide(self._read(module)[index])
+
+    def perm(self, name: str) -> torch.Tensor:
+        """The act-order permutation on every row (N, K), identity where there is none."""
+        module = self._module(name)
+        raw_shape = self.get(name).shape if module is None else None
+        if module is None:
+            if len(raw_shape) != 2 or not name.endswith(".weight"):
+                return self.get(name)
+            return torch.arange(raw_shape[1], dtype=torch.float32).expand(raw_shape[0], raw_shape[1])
+        codes, _, _, perm = self._read(module)
+        if perm is None:
+            perm = torch.arange(codes.shape[1])
+        return perm.float().expand(codes.shape[0], codes.shape[1])
+
+    def _groups(self, columns: int) -> int:
+        return self.tp_size if self.scheme.group_size == 0 else columns // self.scheme.group_size
+
+
+def checkpoint_integer_weights(stand_ins: CheckpointStandIns, model: ModelConfig, build: BuildConfig, rank: int,
+                               names: list[str]) -> dict[str, torch.Tensor]:
+    """This rank's integer tensors carried from the checkpoint: for each integer engine name whose
+    parts the checkpoint all quantized, its codes (stored), scale, zero and (act-order) input_perm.
+    Names missing from the result are to be quantized afresh (``build_time_quantize``)."""
+    scheme, tp = stand_ins.scheme, build.tp_size
+    integer = integer_tensor_names(names)
+    codes = _converted(stand_ins.codes, model, rank, tp, integer)
+    scales = _converted(stand_ins.scale, model, rank, tp, integer)
+    zeros = _converted(stand_ins.zero, model, rank, tp, integer)
+    perms = _converted(stand_ins.perm, model, rank, tp, integer) if scheme.act_order else {}
+    out: dict[str, torch.Tensor] = {}
+    for name in integer:
+        c, s, z = codes[name], scales[name], zeros[name]
+        if torch.isnan(c).any() or torch.isnan(s).any():
+            print(f"note: {name} is not quantized (or only in part) in the checkpoint; quantizing it to "
+                  f"{scheme.bits} bits with round-to-nearest", file=sys.stderr)
+            continue
+        if scheme.group_size == 0:
+            s, z = s[..., :1], z[..., :1]
+        group = c.shape[-1] // s.shape[-1]
+        if s.shape[-1] * group != c.shape[-1] or (scheme.group_size and group != scheme.group_size):
+            raise ConfigError(f"{name}: {c.shape[-1]} input columns on rank {rank} hold {s.shape[-1]} scale groups; "
+                              f"the checkpoint's group size {scheme.group_size or 'per channel'} must divide each "
+                              f"rank's columns (tp_size {tp})")
+        out[name] = pack_codes(c.to(torch.uint8), scheme.bits)
+        out[_scale_name(name)], out[_zero_name(name)] = s.contiguous(), z.to(torch.uint8).contiguous()
+        if name in perms:
+            _add_input_perm(out, name, perms[name], c.shape[-1], rank)
+    return out
+
+
+# Engine linears split along their input columns (the Llama-family names; engine/models/layers.py).
+ROW_PARALLEL_SUFFIXES = ("o_proj.weight", "down_proj.weight")
+
+
+def _converted(getter: TensorGetter, model: ModelConfig, rank: int, tp_size: int, keep: list[str]) -> dict:
+    tensors = rank_weights(getter, model, rank, tp_size, torch.float32)
+    return {name: tensors[name] for name in keep}
+
+
+def _add_input_perm(out: dict, name: str, perm_rows: torch.Tensor, columns: int, rank: int) -> None:
+    if not name.endswith(".weight"):  # a block of experts: no input gather there
+        if not torch.equal(perm_rows, torch.arange(columns, dtype=perm_rows.dtype).expand_as(perm_rows)):
+            raise ConfigError(f"{name}: act-order (desc_act) experts are not supported; supported: act-order on "
+                              "attention and dense MLP layers, experts quantized without it")
+        return
+    perm = perm_rows[0]
+    if not bool((perm_rows == perm).all()):
+        raise ConfigError(f"{name}: its fused parts were quantized with different act-order (g_idx) orders; "
+                          "supported: q/k/v and gate/up sharing one order")
+    local = perm.long()
+    low = rank * columns if name.endswith(ROW_PARALLEL_SUFFIXES) else 0
+    if not torch.equal(torch.sort(local).values, torch.arange(low, low + columns)):
+        raise ConfigError(f"{name}: the act-order (g_idx) of a row-parallel layer crosses tensor-parallel ranks; "
+                          "supported: such checkpoints at tp_size 1, or quantized without desc_act")
+    out[name[: -len("weight")] + "input_perm"] = (local - low).to(torch.int32)
