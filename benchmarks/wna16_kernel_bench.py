@@ -31,10 +31,10 @@ from kernels.wna16 import (choose_wna16_variants, dequantized_weight, prepare_wn
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 LM_HEAD = (128256, 4096)
 GEMM_ROWS = (16, 64, 256, 1024, 8192)
-GEMM_CANDIDATES = {64: [(64, 32, 4, 4, 1), (128, 64, 4, 4, 1), (64, 64, 4, 4, 1), (128, 64, 8, 3, 1)],
-                   256: [(128, 64, 4, 4, 1), (128, 128, 8, 3, 1), (128, 128, 4, 4, 1), (256, 128, 8, 3, 1)],
-                   1024: [(128, 128, 8, 3, 1), (128, 128, 4, 4, 1), (256, 128, 8, 3, 1), (128, 256, 8, 3, 1)],
-                   8192: [(128, 128, 8, 3, 1), (256, 128, 8, 3, 1)]}
+GEMM_CANDIDATES = {16: [(64, 16, 4, 4, 4, 0), (64, 16, 4, 4, 1, 0), (64, 16, 4, 4, 2, 0)],
+                   64: [(64, 64, 4, 4, 1, 0), (64, 64, 4, 4, 2, 0), (128, 64, 8, 3, 1, 0), (64, 32, 4, 4, 2, 0)],
+                   256: [(128, 128, 8, 3, 1, 0), (128, 64, 8, 3, 1, 0)],
+                   1024: [(128, 256, 8, 3, 1, 0)]}
 
 
 def quantized_weight(shape, bits: int, group_size: int, scale_dtype=torch.float16):
@@ -50,7 +50,8 @@ def weight_bytes(weight) -> int:
 
 
 def decode_table(lines: list[str]) -> None:
-    lines += ["", "Decode (the tiling choose_wna16_variants picks; weights streamed from HBM):", "",
+    lines += ["", "Decode (the tilings choose_wna16_variants picks at M=1 / M=8, (block_n, block_m, warps, stages, "
+              "split_k, fma); weights streamed from HBM):", "",
               "| weight | shape (N, K) | tiling | M=1 us | M=1 GB/s | M=8 us | M=8 GB/s | cuBLAS bf16 M=1 us |",
               "|---|---|---|---|---|---|---|---|"]
     for bits, group in ((4, 128), (8, None)):
@@ -67,7 +68,7 @@ def decode_table(lines: list[str]) -> None:
             us1, us8 = choice["us"][1], choice["us"][8]
             step_us += us1
             label = f"W{bits} g{group}" if group else f"W{bits} per-channel"
-            lines.append(f"| {name} {label} | {shape} | {choice['variant']} | {us1:.1f} | {nbytes / us1 / 1e3:.0f} | "
+            lines.append(f"| {name} {label} | {shape} | {choice['variant'][1]} / {choice['variant'][8]} | {us1:.1f} | {nbytes / us1 / 1e3:.0f} | "
                          f"{us8:.1f} | {nbytes / us8 / 1e3:.0f} | {cublas:.1f} |")
             print(lines[-1], flush=True)
             del weight, dense

@@ -131,8 +131,9 @@ class WNA16Weight:
     ``out_features``/``in_features``: N and K; ``bits``/``group_size``: the scheme. ``dense``: the
     dequantized weight (N, K) in the activations' dtype, for the reference path (CPU). ``kernel``:
     the tensors of the CUDA kernels' layout, by name; empty where the reference path runs.
-    ``variant``: the decode tiling chosen at load, {"skinny": (block_n, block_m, num_warps,
-    num_stages, split_k)} (``choose_wna16_variants``); empty: SKINNY_DEFAULT.
+    ``variant``: the decode tilings chosen at load, {rows: (block_n, block_m, num_warps, num_stages,
+    split_k, fma)} (``choose_wna16_variants``): M rows take that of the least timed row count >= M;
+    none: SKINNY_DEFAULT.
     """
 
     out_features: int
@@ -145,15 +146,17 @@ class WNA16Weight:
     variant: dict = field(default_factory=dict)  # chosen at load per row count (kernel timings)
 
 
-# Kernel tilings: (block_n, block_m, num_warps, num_stages, split_k).
+# Kernel tilings: (block_n, block_m, num_warps, num_stages, split_k, fma); fma 1: the FMA kernel
+# (kernels/wna16_gemm.py) instead of the tensor-core one.
 MAX_SKINNY_ROWS = 16
-SKINNY_DEFAULT = (64, 16, 4, 4, 2)
-SKINNY_VARIANTS = ((64, 16, 4, 4, 1), (64, 16, 4, 4, 2), (64, 16, 4, 4, 4), (64, 16, 4, 6, 2),
-                   (128, 16, 4, 4, 1), (128, 16, 4, 4, 2), (128, 16, 8, 4, 2), (128, 16, 8, 3, 4),
-                   (64, 16, 4, 3, 8), (32, 16, 4, 4, 4))
+SKINNY_DEFAULT = (64, 16, 4, 4, 4, 0)
+SKINNY_VARIANTS = ((64, 16, 4, 4, 4, 0), (64, 16, 4, 3, 8, 0), (128, 16, 8, 4, 2, 0),
+                   (64, 1, 4, 4, 1, 1), (64, 1, 4, 4, 2, 1), (64, 1, 4, 4, 4, 1), (128, 1, 4, 4, 2, 1),
+                   (128, 1, 8, 4, 4, 1), (32, 1, 4, 4, 4, 1), (64, 2, 4, 4, 4, 1), (64, 4, 4, 4, 4, 1),
+                   (64, 8, 4, 4, 4, 1), (64, 8, 4, 3, 8, 1), (32, 8, 4, 4, 4, 1))
 # The tiling for M rows past MAX_SKINNY_ROWS: the first (bound, tiling) with M <= bound.
-GEMM_TILES = ((32, (64, 32, 4, 4, 1)), (64, (128, 64, 4, 4, 1)), (1 << 62, (128, 128, 8, 3, 1)))
-DENSE_MIN_ROWS = 2048
+GEMM_TILES = ((32, (64, 32, 4, 4, 1, 0)), (1 << 62, (64, 64, 4, 4, 2, 0)))
+DENSE_MIN_ROWS = 128
 
 
 def prepare_wna16(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
@@ -203,21 +206,25 @@ def dequantized_weight(weight: WNA16Weight, dtype: torch.dtype) -> torch.Tensor:
 def tiling_for(weight: WNA16Weight, rows: int) -> tuple:
     """The kernel tiling for ``rows`` rows: the decode tiling chosen at load, or GEMM_TILES'."""
     if rows <= MAX_SKINNY_ROWS:
-        return weight.variant.get("skinny", SKINNY_DEFAULT)
+        timed = [m for m in sorted(weight.variant) if m >= rows]
+        return weight.variant[timed[0]] if timed else SKINNY_DEFAULT
     return next(tiling for bound, tiling in GEMM_TILES if rows <= bound)
 
 
 def tile_options(tiling: tuple) -> dict:
-    """wna16_matmul's keyword arguments for a (block_n, block_m, num_warps, num_stages, split_k) tiling."""
-    return dict(zip(("block_n", "block_m", "num_warps", "num_stages", "split_k"), tiling))
+    """wna16_matmul's keyword arguments for a (block_n, block_m, num_warps, num_stages, split_k, fma) tiling."""
+    options = dict(zip(("block_n", "block_m", "num_warps", "num_stages", "split_k"), tiling))
+    return {**options, "fma": bool(tiling[5]) if len(tiling) > 5 else False}
 
 
 @torch.inference_mode()
 def choose_wna16_variants(weights: list[WNA16Weight], rows: tuple[int, ...] = (1, 8)) -> dict[tuple, dict]:
-    """Per distinct (bits, group size, N, K), the SKINNY_VARIANTS tiling with the least device time
-    summed over ``rows`` (from CUDA graph replays, on copies of the weight that together exceed the
-    L2 cache), set on each weight as ``variant["skinny"]``. Returns per key the timings
-    (microseconds) and the choice, for the load log. A no-op for weights without the kernel layout (CPU)."""
+    """Per distinct (bits, group size, N, K) and row count in ``rows``, the SKINNY_VARIANTS tiling
+    with the least device time (from CUDA graph replays, on copies of the weight that together
+    exceed twice the L2 cache), set on each weight as ``variant[rows]``; FMA tilings of fewer rows
+    than timed are skipped (they would read the weight once per row tile). Returns per key the
+    timings (microseconds) and the choices, for the load log. A no-op for weights without the
+    kernel layout (CPU)."""
     report: dict[tuple, dict] = {}
     for weight in weights:
         if not weight.kernel:
@@ -225,7 +232,7 @@ def choose_wna16_variants(weights: list[WNA16Weight], rows: tuple[int, ...] = (1
         key = (weight.bits, weight.group_size, weight.out_features, weight.in_features)
         if key not in report:
             report[key] = _time_skinny_variants(weight, rows)
-        weight.variant["skinny"] = report[key]["variant"]
+        weight.variant.update(report[key]["variant"])
     return report
 
 
@@ -235,12 +242,11 @@ def _time_skinny_variants(weight: WNA16Weight, rows: tuple[int, ...]) -> dict:
 
     layouts = [{**weight.kernel, "words": words} for words in l2_defeating_copies(weight.kernel["words"])]
     turn = iter(range(1 << 40))
-    times = {variant: {} for variant in SKINNY_VARIANTS}
+    chosen, times = {}, {}
     for m in rows:
         x = torch.randn(m, weight.in_features, dtype=weight.dtype, device=weight.kernel["words"].device)
-        for variant, by_rows in times.items():
-            by_rows[m] = 1e3 * graph_time_ms(lambda: wna16_gemm.wna16_matmul(
-                x, layouts[next(turn) % len(layouts)], weight.out_features, weight.bits, weight.group_size,
-                **tile_options(variant)))
-    best = min(times, key=lambda v: sum(times[v].values()))
-    return {"variant": best, "us": times[best], "all_us": times}
+        times[m] = {variant: 1e3 * graph_time_ms(lambda: wna16_gemm.wna16_matmul(
+            x, layouts[next(turn) % len(layouts)], weight.out_features, weight.bits, weight.group_size,
+            **tile_options(variant))) for variant in SKINNY_VARIANTS if not (variant[5] and variant[1] < m)}
+        chosen[m] = min(times[m], key=times[m].get)
+    return {"variant": chosen, "us": {m: times[m][chosen[m]] for m in rows}, "all_us": times}

@@ -81,14 +81,15 @@ def _unit_tile_pointers(w_ptr, cols, K, UNIT: tl.constexpr):
 @jit
 def _dequantized_slice(words, scale_ptr, zero_ptr, cols, col_ok, k0, N, K, GROUP, j: tl.constexpr,
                        BITS: tl.constexpr, dtype: tl.constexpr):
-    """Slice j of a (BLOCK_N, UNIT_WORDS) word tile as weights in ``dtype``: columns k0 .. k0 + 15."""
+    """Slice j of a word tile (.., BLOCK_N, UNIT_WORDS) as weights in ``dtype``: columns k0 .. k0 + 15.
+    ``cols``/``col_ok``: the tile's output features, shaped to broadcast against it (.., BLOCK_N, 1)."""
     group_ok = col_ok & (cols * 0 + k0 < K)  # (a tensor, as the interpreter wants)
     g = k0 // GROUP
     scale = tl.load(scale_ptr + g * N + cols, mask=group_ok, other=0.0).to(tl.float32)
     zero = tl.load(zero_ptr + g * N + cols, mask=group_ok, other=0).to(tl.float32) + 8388608.0
     codes = (words >> (BITS * j)) & ((1 << BITS) - 1)
     f = (codes | 0x4B000000).to(tl.float32, bitcast=True)  # 2^23 + code, exactly
-    return ((f - zero[:, None]) * scale[:, None]).to(dtype)
+    return ((f - zero) * scale).to(dtype)
 
 
 @jit(do_not_specialize=["M"])  # one compile for every row count
@@ -118,11 +119,57 @@ def _wna16_kernel(
         words = tl.load(w_base + u * (64 * 16), mask=col_ok[:, None], other=0)
         for j in tl.static_range(PER_WORD):
             k0 = u * UNIT + j * 16
-            w = _dequantized_slice(words, scale_ptr, zero_ptr, cols, col_ok, k0, N, K, GROUP, j, BITS,
+            w = _dequantized_slice(words, scale_ptr, zero_ptr, cols[:, None], col_ok[:, None], k0, N, K, GROUP, j, BITS,
                                    x_ptr.dtype.element_ty)
             x = tl.load(x_base + k0, mask=row_ok[:, None] & (k0 + r < K)[None, :], other=0.0)
             acc = tl.dot(w, tl.trans(x), acc)
-    acc = tl.trans(acc)  # (BLOCK_M, BLOCK_N)
+    _finish(tl.trans(acc), rows, cols, row_ok, col_ok, bias_ptr, out_ptr, part_ptr, arrivals_ptr, M, N, stride_om, tile,
+            HAS_BIAS, BLOCK_M, BLOCK_N, SPLIT_K)
+
+
+@jit(do_not_specialize=["M"])
+def _wna16_fma_kernel(
+    x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, part_ptr, arrivals_ptr,
+    M, N, K, GROUP, UNITS_PER_SPLIT, stride_xm, stride_om,
+    BITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+    SPLIT_K: tl.constexpr, PDL: tl.constexpr,
+):
+    """_wna16_kernel for a few rows on the FMA units instead of the tensor cores: the weights are
+    dequantized to float32 in the layout they are loaded in and multiplied into (BLOCK_M, BLOCK_N,
+    16) float32 sums, reduced over the 16 once at the end. No layout change of the weight tile
+    (which the tensor-core operand needs), at BLOCK_M FMAs a weight."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    UNIT: tl.constexpr = PER_WORD * 16
+    m_tiles = tl.cdiv(M, BLOCK_M)
+    tile = tl.program_id(0)
+    cols = (tile // m_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = (tile % m_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+    col_ok, row_ok = cols < N, rows < M
+    r = tl.arange(0, 16)[None, None, :]
+    w_base = _unit_tile_pointers(w_ptr, cols, K, UNIT)[None, :, :]  # (1, BLOCK_N, 16)
+    x_base = x_ptr + rows.to(tl.int64)[:, None, None] * stride_xm + r  # (BLOCK_M, 1, 16)
+    acc = tl.zeros([BLOCK_M, BLOCK_N, 16], dtype=tl.float32)
+    u_begin = tl.program_id(1) * UNITS_PER_SPLIT
+    u_end = tl.minimum(u_begin + UNITS_PER_SPLIT, tl.cdiv(K, UNIT))
+    pdl_prologue(PDL)
+    for u in range(u_begin, u_end):
+        words = tl.load(w_base + u * (64 * 16), mask=col_ok[None, :, None], other=0)
+        for j in tl.static_range(PER_WORD):
+            k0 = u * UNIT + j * 16
+            w = _dequantized_slice(words, scale_ptr, zero_ptr, cols[None, :, None], col_ok[None, :, None], k0, N, K,
+                                   GROUP, j, BITS, tl.float32)
+            x = tl.load(x_base + k0, mask=row_ok[:, None, None] & (k0 + r < K), other=0.0).to(tl.float32)
+            acc += x * w
+    _finish(tl.sum(acc, axis=2), rows, cols, row_ok, col_ok, bias_ptr, out_ptr, part_ptr, arrivals_ptr, M, N,
+            stride_om, tile, HAS_BIAS, BLOCK_M, BLOCK_N, SPLIT_K)
+
+
+@jit
+def _finish(acc, rows, cols, row_ok, col_ok, bias_ptr, out_ptr, part_ptr, arrivals_ptr, M, N, stride_om, tile,
+            HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):
+    """acc (BLOCK_M, BLOCK_N): this program's sums. SPLIT_K > 1: stored to part (SPLIT_K, M, N); the
+    tile's last program to arrive adds the SPLIT_K sums in split order (so the result does not depend
+    on which finished last) and stores the output, then sets the tile's counter back to 0."""
     mask = row_ok[:, None] & col_ok[None, :]
     if SPLIT_K > 1:
         tl.store(part_ptr + (tl.program_id(1) * M + rows)[:, None] * N + cols[None, :], acc, mask=mask)
@@ -151,8 +198,9 @@ def _store_output(acc, rows, cols, col_ok, mask, bias_ptr, out_ptr, stride_om, H
 
 def wna16_matmul(x: torch.Tensor, layout: dict[str, torch.Tensor], n: int, bits: int, group_size: int,
                  bias: torch.Tensor | None = None, *, block_n: int = 64, block_m: int = 16, num_warps: int = 4,
-                 num_stages: int = 4, split_k: int = 1) -> torch.Tensor:
-    """x (M, K) with unit column stride @ the weight (N, K) in ``layout``.T (+ bias) -> (M, N) in x's dtype."""
+                 num_stages: int = 4, split_k: int = 1, fma: bool = False) -> torch.Tensor:
+    """x (M, K) with unit column stride @ the weight (N, K) in ``layout``.T (+ bias) -> (M, N) in x's dtype.
+    ``fma``: the FMA kernel (a few rows) instead of the tensor-core one."""
     m, k = x.shape
     assert x.stride(1) == 1
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -165,7 +213,8 @@ def wna16_matmul(x: torch.Tensor, layout: dict[str, torch.Tensor], n: int, bits:
     tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     part = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if split_k > 1 else out
     arrivals = _arrival_counters(x.device, tiles) if split_k > 1 else out
-    _wna16_kernel[(tiles, split_k)](
+    kernel = _wna16_fma_kernel if fma else _wna16_kernel
+    kernel[(tiles, split_k)](
         x, layout["words"], layout["scale"], layout["zero"], bias if bias is not None else out, out, part, arrivals,
         m, n, k, group_size, units_per_split, x.stride(0), out.stride(0),
         BITS=bits, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_M=block_m, SPLIT_K=split_k,
@@ -187,7 +236,7 @@ def _dequantize_kernel(w_ptr, scale_ptr, zero_ptr, out_ptr, N, K, GROUP, BITS: t
     words = tl.load(_unit_tile_pointers(w_ptr, cols, K, UNIT) + u * (64 * 16), mask=col_ok[:, None], other=0)
     for j in tl.static_range(PER_WORD):
         k0 = u * UNIT + j * 16
-        w = _dequantized_slice(words, scale_ptr, zero_ptr, cols, col_ok, k0, N, K, GROUP, j, BITS,
+        w = _dequantized_slice(words, scale_ptr, zero_ptr, cols[:, None], col_ok[:, None], k0, N, K, GROUP, j, BITS,
                                out_ptr.dtype.element_ty)
         tl.store(out_ptr + cols.to(tl.int64)[:, None] * K + k0 + r[None, :], w,
                  mask=col_ok[:, None] & (k0 + r < K)[None, :])
