@@ -227,6 +227,7 @@ class QuantizedLinearReader:
             raise ConfigError(f"quantization method {quant.method!r} is not supported; supported: {', '.join(METHODS)}")
         self.get, self.quant = get, quant
         self._naive = quant.method == "compressed-tensors" and quant.version in ("naive-quantized", "int-quantized")
+        self._quantized: dict[str, bool] = {}  # module -> is_quantized: a lookup loads the tensor
 
     def _packed_name(self, module: str) -> str:
         if self.quant.method == "compressed-tensors":
@@ -247,8 +248,10 @@ class QuantizedLinearReader:
             return None
 
     def is_quantized(self, module: str) -> bool:
-        tensor = self._optional(self._packed_name(module))
-        return tensor is not None and (not self._naive or tensor.dtype == torch.int8)
+        if module not in self._quantized:
+            tensor = self._optional(self._packed_name(module))
+            self._quantized[module] = tensor is not None and (not self._naive or tensor.dtype == torch.int8)
+        return self._quantized[module]
 
     def read(self, module: str) -> QuantizedLinear:
         readers = {"awq": self._read_awq, "gptq": self._read_gptq, "compressed-tensors": self._read_ct}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -58,6 +59,24 @@ def on_disk_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
+def transformers_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of ``on_disk_state``: per-expert tensors stacked again, to load a reference
+    (``Written.reference``, in checkpoint names) into a transformers 5 model."""
+    stacked, experts = {}, {}
+    for name, tensor in state.items():
+        match = re.fullmatch(r"(.*mlp\.experts\.)(\d+)\.(gate_proj|up_proj|down_proj)\.weight", name)
+        if match is None:
+            stacked[name] = tensor
+        else:
+            experts.setdefault(match[1], {})[int(match[2]), match[3]] = tensor
+    for prefix, parts in experts.items():
+        count = 1 + max(e for e, _ in parts)
+        stacked[prefix + "gate_up_proj"] = torch.stack(
+            [torch.cat([parts[e, "gate_proj"], parts[e, "up_proj"]]) for e in range(count)])
+        stacked[prefix + "down_proj"] = torch.stack([parts[e, "down_proj"] for e in range(count)])
+    return stacked
+
+
 def quantized_modules(state: dict[str, torch.Tensor]) -> list[str]:
     """Modules a quantizer converts: every decoder linear (lm_head, embeddings and the router stay)."""
     return [n.removesuffix(".weight") for n in state if n.endswith(".weight") and n.split(".")[-2] in LINEARS]
@@ -100,17 +119,26 @@ def round_to_nearest(weight: torch.Tensor, bits: int, g_idx: torch.Tensor, symme
     return codes.to(torch.uint8), scale, zero.to(torch.uint8)
 
 
+_INPUT_OF = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
+
+
 def _quantize_all(state, bits, group_size, symmetric, scale_dtype, act_order=False, seed=0):
     """module -> Expected for every quantized module, and the reference state dict."""
     written = Written(reference=dict(state))
     generator = torch.Generator().manual_seed(seed)
+    orders: dict[str, torch.Tensor] = {}
     for module in quantized_modules(state):
         weight = state[module + ".weight"]
         k = weight.shape[1]
         group = group_size or k
         g_idx = torch.arange(k) // group
         if act_order:  # GPTQ's act-order: column perm[j] is the j-th quantized, in group j // G
-            perm = torch.randperm(k, generator=generator)
+            # The order comes from the layer input's statistics (its Hessian's diagonal), so modules
+            # that read the same input (q/k/v, gate/up) get the same one, as GPTQ gives them.
+            shared_input = module.rsplit(".", 1)[0] + "." + _INPUT_OF.get(module.rsplit(".", 1)[1], module)
+            if shared_input not in orders:
+                orders[shared_input] = torch.randperm(k, generator=generator)
+            perm = orders[shared_input]
             g_idx = torch.empty(k, dtype=torch.long)
             g_idx[perm] = torch.arange(k) // group
         codes, scale, zero = round_to_nearest(weight, bits, g_idx, symmetric, scale_dtype)

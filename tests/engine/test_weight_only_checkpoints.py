@@ -20,7 +20,9 @@ from engine.config import ConfigError
 from engine.convert import CheckpointError, getter_from_safetensors_dir, getter_from_state_dict
 from engine.weight_only.checkpoint_formats import (
     CheckpointWeightQuant, QuantizedLinearReader, checkpoint_weight_quant, unpack_int32)
-from quantized_checkpoints import VARIANTS, ct_compressor, ct_scheme, pack_awq, pack_sequential, write_variant
+from quantized_checkpoints import (
+    VARIANTS, ct_compressor, ct_scheme, on_disk_state, pack_awq, pack_sequential, tiny_qwen3_moe, transformers_state,
+    write_variant)
 
 MODULES = {"llama": ("model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.v_proj", "model.layers.0.mlp.down_proj"),
            "moe": ("model.layers.0.self_attn.o_proj", "model.layers.0.mlp.experts.3.gate_proj",
@@ -115,6 +117,13 @@ def test_read_gives_codes_scale_zero_and_g_idx(checkpoint, variant, family):
             assert got.g_idx is None, module
         else:
             assert got.g_idx.dtype == torch.int32 and torch.equal(got.g_idx, want.g_idx), module
+
+
+def test_transformers_state_restacks_experts():
+    model = tiny_qwen3_moe()
+    state = transformers_state(on_disk_state(model))
+    assert state.keys() == model.state_dict().keys()
+    assert all(torch.equal(state[n], t) for n, t in model.state_dict().items())
 
 
 def test_asymmetric_checkpoints_hold_a_zero_of_0(checkpoint):
