@@ -27,8 +27,9 @@ weight in the activations' dtype, so the CPU path multiplies exactly the "dequan
 
 On CUDA (with Triton) the weight stays packed, in kernels/wna16_gemm.py's layout (no dequantized
 copy: the point is memory and bandwidth), and ``wna16_linear`` runs, by row count M:
-- M <= MAX_SKINNY_ROWS (decode): the product kernel with 16-row tiles and the tiling timed for the
-  weight's shape at load (``choose_wna16_variants``; split-K where N gives too few programs);
+- M <= MAX_SKINNY_ROWS (decode): the tilings timed for the weight's shape at load per row count
+  (``choose_wna16_variants``): the FMA kernel for a few rows or the tensor-core kernel with
+  16-row tiles, split-K where N gives too few programs;
 - up to DENSE_MIN_ROWS: the same kernel with the row tiles of GEMM_TILES (dequantized in
   registers into tensor-core dots);
 - from DENSE_MIN_ROWS rows: the weight dequantized into a temporary (N, K) in x's dtype, then
@@ -156,7 +157,7 @@ SKINNY_VARIANTS = ((64, 16, 4, 4, 4, 0), (64, 16, 4, 3, 8, 0), (128, 16, 8, 4, 2
                    (64, 8, 4, 4, 4, 1), (64, 8, 4, 3, 8, 1), (32, 8, 4, 4, 4, 1))
 # The tiling for M rows past MAX_SKINNY_ROWS: the first (bound, tiling) with M <= bound.
 GEMM_TILES = ((32, (64, 32, 4, 4, 1, 0)), (1 << 62, (64, 64, 4, 4, 2, 0)))
-DENSE_MIN_ROWS = 128
+DENSE_MIN_ROWS = 64  # from 64 rows dequantize + cuBLAS beat the Triton tiles (H200, benchmarks/RESULTS.md)
 
 
 def prepare_wna16(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
