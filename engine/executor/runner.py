@@ -29,6 +29,7 @@ from kernels.attention_metadata import AttentionMetadata
 from kernels.triton_attention import prefill_tokens_per_tile
 from kernels.fp8 import FP8_DTYPE, choose_fp8_skinny_variants
 from kernels.linear import choose_gated_weights, choose_skinny_weights
+from kernels.wna16 import choose_wna16_variants
 from kernels.lora import lora_batch
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -221,6 +222,9 @@ class ModelRunner:
         fp8 = choose_fp8_skinny_variants(
             [w for w in linears if w.dtype == FP8_DTYPE and not any(w is g for g in fp8_gate_ups)], gated=fp8_gate_ups)
         self.gemm_choices.update({("fp8",) + key: {"variant": variant} for key, variant in fp8.items()})
+        integer = choose_wna16_variants([m.wna16 for m in self.model.modules()
+                                         if isinstance(m, Linear) and m.wna16 is not None])
+        self.gemm_choices.update({("wna16",) + key: report["variant"] for key, report in integer.items()})
         build = self.build_config
         self.launch_choice = choose_programmatic_launch(
             self.model, self.kv_cache, tokens_per_block=self.tokens_per_block, max_seq_len=build.max_seq_len,

@@ -1,7 +1,9 @@
 """New families end to end, as a user brings them: a Qwen3 and a Qwen3-MoE checkpoint directory
-(the MoE with one tensor per expert on disk), each built with `python -m engine.build` and no length
-flag and served through `tensorrt_llm`; greedy ids equal transformers' `generate`. One extra server
-per family, started in turn (module-scoped, parametrized)."""
+(the MoE with one tensor per expert on disk), and a GPTQ act-order INT4 Llama checkpoint (written
+from the format's definition, tests/engine/quantized_checkpoints.py), each built with
+`python -m engine.build` and no length or quantization flag and served through `tensorrt_llm`;
+greedy ids equal transformers' `generate` (for GPTQ: on the checkpoint's dequantized weights). One
+extra server per family, started in turn (module-scoped, parametrized)."""
 import os
 import shutil
 import subprocess
@@ -37,18 +39,25 @@ def _qwen3_moe() -> transformers.PreTrainedModel:
     return transformers.Qwen3MoeForCausalLM(config)
 
 
-@pytest.fixture(scope="module", params=[_qwen3, _qwen3_moe], ids=["qwen3", "qwen3_moe"])
+def _gptq_llama() -> transformers.PreTrainedModel:
+    """Marker: the checkpoint is written by the GPTQ writer (4-bit, asymmetric, desc_act, group 32)."""
+
+
+@pytest.fixture(scope="module", params=[_qwen3, _qwen3_moe, _gptq_llama], ids=["qwen3", "qwen3_moe", "gptq_llama"])
 def served_family(request, smollm2_engine_dir, tmp_path_factory):
     """(transformers model, server): the model saved as a HF safetensors directory with SmolLM2's
     tokenizer (so the repository's text models load), built with no length flag, served."""
-    torch.manual_seed(0)
-    model = request.param().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_((1.0 if "norm" in name else 0.0) + 0.1 * torch.randn_like(p))
     name = request.param.__name__.strip("_")
     checkpoint = tmp_path_factory.mktemp(f"{name}_ckpt")
-    model.save_pretrained(checkpoint)
+    if request.param is _gptq_llama:
+        model = _write_gptq_checkpoint(str(checkpoint))
+    else:
+        torch.manual_seed(0)
+        model = request.param().eval()
+        with torch.no_grad():
+            for param_name, p in model.named_parameters():
+                p.copy_((1.0 if "norm" in param_name else 0.0) + 0.1 * torch.randn_like(p))
+        model.save_pretrained(checkpoint)
     for tokenizer_file in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         source = os.path.join(smollm2_engine_dir, tokenizer_file)
         if os.path.exists(source):
@@ -60,6 +69,18 @@ def served_family(request, smollm2_engine_dir, tmp_path_factory):
     assert build.returncode == 0, build.stderr
     with running_server(str(engine_dir), tmp_path_factory.mktemp(f"{name}_triton"), decoupled=False) as server:
         yield model, server
+
+
+def _write_gptq_checkpoint(path: str) -> transformers.PreTrainedModel:
+    """A GPTQ v1 act-order INT4 checkpoint of a tiny Llama; returns the float model it stands for."""
+    sys.path.insert(0, os.path.join(ROOT, "tests", "engine"))
+    from quantized_checkpoints import tiny_llama, transformers_state, write_variant
+
+    written = write_variant(path, "gptq_v1_asym_desc_act")
+    model = tiny_llama()
+    model.load_state_dict(transformers_state(written.reference), strict=False)
+    model.generation_config.eos_token_id = model.generation_config.bos_token_id = None
+    return model.eval()
 
 
 def test_greedy_ids_equal_transformers_generate(served_family):
