@@ -173,3 +173,28 @@ def test_random_weight_engines_hold_valid_codes(tmp_path):
     prepare_weights(model)
     dense = model.layers[0].gate_up_proj.wna16.dense
     assert 0.015 < dense.std().item() < 0.025 and dense.abs().max().item() < 0.05
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the W4A16 kernels need a CUDA device")
+@pytest.mark.parametrize("family,quantization,group_size", [("groupable_llama", "int4_wo", 32),
+                                                            ("groupable_llama", "int8_wo", None),
+                                                            ("qwen3_moe", "int4_wo", 0)])
+def test_cuda_engine_with_graphs_matches_the_cpu_reference(family, quantization, group_size, tmp_path):
+    """The kernels' layout (made at load), the decode tilings timed at load and the decode CUDA
+    graphs give the CPU reference's logits (the dequantized model) within bf16 rounding."""
+    hf = groupable_llama() if family == "groupable_llama" else tiny_hf(family)
+    build = BuildConfig(dtype="bfloat16", max_batch_size=4, max_input_len=128, max_seq_len=128, max_num_tokens=512,
+                        tokens_per_block=16, quantization=quantization, quant_group_size=group_size)
+    engine_dir = str(tmp_path / "engine")
+    build_from_hf(hf.config, getter_from_state_dict(hf.state_dict(), "tiny"), None, engine_dir, build, progress=False)
+    tokens = random_tokens(14, seed=5)
+    expected = engine_logits(engine_dir, tokens)  # CPU: the dequantized weights in bf16
+    runner = ModelRunner(engine_dir, device="cuda")
+    session = PagedSession(runner)
+    runner.capture_cuda_graphs()
+    runner.warmup()
+    assert runner.decode_graphs is not None
+    got = torch.cat([session.step([(0, tokens[:-2])])[0]] + [session.step([(0, [t])])[0] for t in tokens[-2:]])
+    error = ((got.float().cpu() - expected.float()).norm() / expected.float().norm()).item()
+    assert error < 2e-2, f"{family} {quantization}: relative error {error:.2e} against the CPU reference"
