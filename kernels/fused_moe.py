@@ -217,6 +217,47 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
 # ---- grouped GEMMs ---------------------------------------------------------------------------
 
 @jit
+def block_rows(block, sorted_ids_ptr, block_expert_ptr, topk_ids_ptr, topk_weights_ptr, logits_ptr, num_experts,
+               num_assignments, TOP_K: tl.constexpr, ONE_PER_BLOCK: tl.constexpr, ROUTE_IN_KERNEL: tl.constexpr,
+               RENORMALIZE: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(ids (BLOCK_M,) int32 assignments, row_ok (BLOCK_M,), expert int64) of block ``block`` of a
+    grouped GEMM (_grouped_gemm_kernel's ONE_PER_BLOCK and ROUTE_IN_KERNEL; with moe_align's blocks
+    the caller has already returned for a block past num_padded)."""
+    if ONE_PER_BLOCK:
+        ids = block + tl.arange(0, BLOCK_M) * 0
+        row_ok = tl.arange(0, BLOCK_M) == 0
+        if ROUTE_IN_KERNEL:
+            chosen_w, chosen_id = _top_k_of_row(logits_ptr, num_experts, TOP_K, K_PAD, E_PAD, RENORMALIZE)
+            slots = tl.arange(0, K_PAD)
+            expert = tl.sum(tl.where(slots == block, chosen_id, 0), 0).to(tl.int64)
+            write = (slots < TOP_K) & (slots * 0 + block + tl.program_id(1) == 0)  # program (0, 0) only
+            tl.store(topk_weights_ptr + slots, chosen_w, mask=write)
+            tl.store(topk_ids_ptr + slots, chosen_id, mask=write)
+        else:
+            expert = tl.load(topk_ids_ptr + block).to(tl.int64)
+    else:
+        ids = tl.load(sorted_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+        row_ok = ids < num_assignments
+        expert = tl.load(block_expert_ptr + block).to(tl.int64)
+    return ids, row_ok, expert
+
+
+@jit
+def store_rows(acc, acc_up, out_ptr, ids, row_ok, cols, col_ok, topk_weights_ptr, stride_om,
+               GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr):
+    """A grouped GEMM's epilogue: acc (BLOCK_M, BLOCK_N) float32 (and acc_up when GATED) -> out rows
+    ``ids``, columns ``cols`` (see _grouped_gemm_kernel's GATED and MUL_WEIGHT)."""
+    if GATED:
+        gate = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+        up = acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
+        acc = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32) * up
+    if MUL_WEIGHT:
+        acc *= tl.load(topk_weights_ptr + ids, mask=row_ok, other=0.0)[:, None]
+    tl.store(out_ptr + ids.to(tl.int64)[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+@jit
 def _grouped_gemm_kernel(
     a_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, topk_ids_ptr, topk_weights_ptr,
     logits_ptr, num_experts, N, K, num_assignments, stride_am, stride_we, stride_wn, stride_om,
@@ -240,24 +281,12 @@ def _grouped_gemm_kernel(
     MUL_WEIGHT: each row is scaled by topk_weights[a] (float32) before the one rounding to out.
     """
     block = tl.program_id(0)
-    if ONE_PER_BLOCK:
-        ids = block + tl.arange(0, BLOCK_M) * 0
-        row_ok = tl.arange(0, BLOCK_M) == 0
-        if ROUTE_IN_KERNEL:
-            chosen_w, chosen_id = _top_k_of_row(logits_ptr, num_experts, TOP_K, K_PAD, E_PAD, RENORMALIZE)
-            slots = tl.arange(0, K_PAD)
-            expert = tl.sum(tl.where(slots == block, chosen_id, 0), 0).to(tl.int64)
-            write = (slots < TOP_K) & (slots * 0 + block + tl.program_id(1) == 0)  # program (0, 0) only
-            tl.store(topk_weights_ptr + slots, chosen_w, mask=write)
-            tl.store(topk_ids_ptr + slots, chosen_id, mask=write)
-        else:
-            expert = tl.load(topk_ids_ptr + block).to(tl.int64)
-    else:
+    if not ONE_PER_BLOCK:
         if block * BLOCK_M >= tl.load(num_padded_ptr):
             return  # past the last expert's padded run (the grid covers the worst case)
-        ids = tl.load(sorted_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
-        row_ok = ids < num_assignments
-        expert = tl.load(block_expert_ptr + block).to(tl.int64)
+    ids, row_ok, expert = block_rows(block, sorted_ids_ptr, block_expert_ptr, topk_ids_ptr, topk_weights_ptr,
+                                     logits_ptr, num_experts, num_assignments, TOP_K, ONE_PER_BLOCK,
+                                     ROUTE_IN_KERNEL, RENORMALIZE, K_PAD, E_PAD, BLOCK_M)
     a_rows = (ids // TOP_K if ROWS_PER_TOKEN else ids).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -274,14 +303,7 @@ def _grouped_gemm_kernel(
         if GATED:
             w_up = tl.load(w_base + N * stride_wn + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             acc_up = tl.dot(a, tl.trans(w_up), acc_up, input_precision=DOT_PRECISION)
-    if GATED:
-        gate = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
-        up = acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
-        acc = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32) * up
-    if MUL_WEIGHT:
-        acc *= tl.load(topk_weights_ptr + ids, mask=row_ok, other=0.0)[:, None]
-    tl.store(out_ptr + ids.to(tl.int64)[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])
+    store_rows(acc, acc_up, out_ptr, ids, row_ok, cols, col_ok, topk_weights_ptr, stride_om, GATED, MUL_WEIGHT)
 
 
 def choose_block_m(num_assignments: int, num_experts: int) -> int:

@@ -1,0 +1,177 @@
+"""Fused MoE with weight-only integer experts: the reference is kernels/fused_moe.py's reference on
+the dequantized experts (CPU); the kernel layout holds the stored codes (CPU); the Triton kernels
+equal the reference (GPU, or Triton's CPU interpreter with TRITON_INTERPRET=1), also replayed
+from a CUDA graph.
+
+Tolerances (||kernel - reference|| / ||reference||, kernel_testing.TOLERANCE): each weight tile
+is dequantized in float32 and rounded once to the activations' dtype, as kernels/wna16.dequantize
+rounds, so the kernel multiplies exactly the reference's weights; what is left is the order of
+accumulation, as for the model-dtype kernels (tests/kernels/test_fused_moe.py): products that land
+one rounding apart in bf16 (2^-8) or fp16 (2^-11), a few of them carried into the down GEMM.
+bf16 1e-2 and fp16 2e-3 are ~4x what that gives; fp32 (interpreter, IEEE dots) 1e-5.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_testing import TOLERANCE, low_precision_dtypes, relative_error
+
+from kernels.fused_moe import fused_moe_ref, route_tokens_ref
+from kernels.fused_moe_wna16 import kernel_layout, moe_forward_wna16, prepare_wna16_experts, tile_k
+from kernels.wna16 import dequantize, pack_codes, quantize, unpack_codes
+
+
+def randn(*shape, seed, scale=1.0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def distinct_logits(num_tokens, num_experts, *, seed):
+    """Router logits distinct even in bf16 (steps of 0.05), so no tie at the k-th place."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(num_experts, generator=gen) * 0.05 - 3.0 for _ in range(num_tokens)])
+
+
+def quantized_problem(num_tokens, hidden, inter, num_experts, *, bits, group_size, seed):
+    """x, router logits, and the stored (weight, scale, zero) of gate_up (E, 2I, H) and down (E, H, I);
+    group_size 0: per channel. Gate_up asymmetric, down symmetric, so both zero schemes run."""
+    x = randn(num_tokens, hidden, seed=seed)
+    gate_up = quantize(randn(num_experts, 2 * inter, hidden, seed=seed + 1, scale=hidden**-0.5), bits,
+                       group_size or hidden, symmetric=False)
+    down = quantize(randn(num_experts, hidden, inter, seed=seed + 2, scale=inter**-0.5), bits,
+                    group_size or inter, symmetric=True)
+    return x, distinct_logits(num_tokens, num_experts, seed=seed + 3), gate_up, down
+
+
+# ---- CPU: the reference and the layout -----------------------------------------------------------
+
+@pytest.mark.parametrize("bits,group_size", [(4, 32), (8, 64), (4, 0), (8, 0)])
+@pytest.mark.parametrize("num_tokens", [1, 11])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_reference_is_fused_moe_ref_on_dequantized_experts(bits, group_size, num_tokens, renormalize):
+    x, logits, gate_up, down = quantized_problem(num_tokens, 128, 64, 8, bits=bits, group_size=group_size, seed=bits)
+    experts = [prepare_wna16_experts(*stored, bits, torch.float32) for stored in (gate_up, down)]
+    assert experts[0].kernel == {} and experts[0].group_size == (group_size or 128)
+    dense = [dequantize(*stored, bits) for stored in (gate_up, down)]
+    expected = fused_moe_ref(x, *dense, *route_tokens_ref(logits, 2, renormalize))
+    assert torch.equal(moe_forward_wna16(x, logits, *experts, 2, renormalize), expected)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_kernel_layout_holds_the_stored_codes(bits):
+    """4 bits: byte j of a row = column j (low nibble) | column K/2 + j (high); scale and zero
+    transposed to (E, groups, N); no dequantized copy is kept."""
+    weight, scale, zero = quantize(randn(3, 10, 64, seed=1), bits, 16, symmetric=False)
+    experts = prepare_wna16_experts(weight, scale, zero, bits, torch.bfloat16, for_kernel=True)
+    assert experts.dense is None and (experts.in_features, experts.group_size) == (64, 16)
+    layout = experts.kernel
+    codes = unpack_codes(weight, bits)
+    if bits == 4:
+        halves = torch.cat([layout["weight"] & 0xF, layout["weight"] >> 4], dim=-1)
+        assert torch.equal(halves, codes)
+    else:
+        assert torch.equal(layout["weight"], pack_codes(codes, bits))
+    assert layout["scale"].shape == (3, 4, 10) and torch.equal(layout["scale"], scale.transpose(1, 2))
+    assert layout["zero"].dtype == torch.uint8 and torch.equal(layout["zero"], zero.transpose(1, 2))
+    assert all(t.is_contiguous() for t in layout.values())
+    assert kernel_layout(weight, scale, zero, bits)["weight"].shape == weight.shape
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("in_features,group_size", [(2048, 128), (768, 128), (384, 128), (96, 32), (160, 32),
+                                                    (512, 64), (200, 200), (48, 16), (72, 24), (1536, 1536)])
+@pytest.mark.parametrize("block_k", [32, 64, 128])
+def test_tile_k_keeps_each_tile_in_one_group(bits, in_features, group_size, block_k):
+    """Where tile_k says one group per tile, every tile the kernel reads (stored bytes k0 + [0, BLOCK_K);
+    4 bits: columns k and K/2 + k) lies within the group of its first column."""
+    if bits == 4 and in_features % 2:
+        return
+    size, one_group = tile_k(block_k, bits, in_features, group_size)
+    assert size <= block_k and (size >= 16 or not one_group)
+    if group_size % 16 == 0 and (bits == 8 or (in_features // 2) % 16 == 0):
+        assert one_group  # every group size the engine builds (32, 64, 128, per channel)
+    if not one_group:
+        return
+    stored = in_features // 2 if bits == 4 else in_features
+    starts = [0, stored] if bits == 4 else [0]
+    for k0 in range(0, stored, size):
+        for start in starts:
+            columns = [start + k for k in range(k0, min(k0 + size, stored))]
+            assert {c // group_size for c in columns} == {(start + k0) // group_size}
+
+
+# ---- Triton kernels (GPU; or TRITON_INTERPRET=1 on CPU) -----------------------------------------------
+
+SHAPES = {  # (hidden, inter, num_experts, top_k): widths that take group size 128
+    "E8_K2": (384, 128, 8, 2),     # Mixtral-like top-2; H/2 = 192, three g128 groups a row
+    "E128_K8": (256, 128, 128, 8),  # Qwen3-MoE-like top-8 of 128: most experts get a token or two
+}
+
+
+def kernel_result(device, dtype, x, logits, stored, bits, top_k, renormalize=True):
+    """(Triton output, reference output) on one problem: the single-token entry (routing in the
+    kernel) for one token, else the routed entry with the reference's routing."""
+    from kernels.fused_moe_wna16 import fused_moe_wna16_triton, moe_single_token_wna16_triton
+
+    x, logits = x.to(dtype), logits.to(dtype)
+    experts = [prepare_wna16_experts(*[t.to(device) for t in s], bits, dtype, for_kernel=True) for s in stored]
+    dense = [dequantize(*s, bits, dtype) for s in stored]
+    weights, ids = route_tokens_ref(logits, top_k, renormalize)
+    expected = fused_moe_ref(x, *dense, weights, ids)
+    if x.shape[0] == 1:
+        out = moe_single_token_wna16_triton(x.to(device), logits.to(device), *experts, top_k, renormalize)
+    else:
+        out = fused_moe_wna16_triton(x.to(device), *experts, weights.to(device), ids.to(device))
+    assert out.dtype == dtype and out.shape == x.shape
+    return out, expected
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("num_tokens", [1, 3, 64, 700])  # routing in gate_up; blocks of 16; 16; 32 or 64
+@pytest.mark.parametrize("group_size", [32, 128, 0])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_kernel_equals_reference(device, shape, num_tokens, group_size, bits):
+    hidden, inter, num_experts, top_k = SHAPES[shape]
+    x, logits, *stored = quantized_problem(num_tokens, hidden, inter, num_experts, bits=bits, group_size=group_size,
+                                           seed=num_tokens + group_size)
+    dtypes = low_precision_dtypes(device)
+    if device == "cuda" and group_size != 128:
+        dtypes = [torch.bfloat16]  # fp16 at every shape and size with group 128 (compile time)
+    for dtype in dtypes:
+        out, expected = kernel_result(device, dtype, x, logits, stored, bits, top_k)
+        assert relative_error(out, expected) < TOLERANCE[dtype], dtype
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits,group_size,hidden,inter", [(4, 16, 48, 80), (8, 24, 72, 48), (4, 0, 200, 72), (8, 40, 200, 80)])
+@pytest.mark.parametrize("num_tokens", [1, 9])
+def test_kernel_odd_widths_and_groups(device, bits, group_size, hidden, inter, num_tokens):
+    """Group sizes whose tiles straddle groups (the per-element scale lookup), and widths that are
+    not multiples of a tile (H = 200: the last tile is part padding; per channel)."""
+    x, logits, *stored = quantized_problem(num_tokens, hidden, inter, 8, bits=bits, group_size=group_size, seed=7)
+    for dtype in low_precision_dtypes(device)[:1]:
+        out, expected = kernel_result(device, dtype, x, logits, stored, bits, 2, renormalize=False)
+        assert relative_error(out, expected) < TOLERANCE[dtype], dtype
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="captures a CUDA graph")
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("num_tokens", [1, 4, 600])  # routing in gate_up, the align kernel, torch-ops alignment
+def test_moe_forward_wna16_replays_from_a_cuda_graph(bits, num_tokens):
+    """The public entry on CUDA (kernel layout, dense None) captures whole and replays with new
+    router logits (other experts chosen) to the new answers."""
+    x, _, *stored = quantized_problem(num_tokens, 256, 128, 32, bits=bits, group_size=128, seed=5)
+    experts = [prepare_wna16_experts(*[t.cuda() for t in s], bits, torch.bfloat16) for s in stored]
+    assert experts[0].dense is None and experts[0].kernel
+    dense = [dequantize(*s, bits, torch.bfloat16) for s in stored]
+    x = x.to("cuda", torch.bfloat16)
+    logits = distinct_logits(num_tokens, 32, seed=5).to("cuda", torch.bfloat16)
+    moe_forward_wna16(x, logits, *experts, 4, True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_forward_wna16(x, logits, *experts, 4, True)
+    for seed in (6, 7):
+        logits.copy_(distinct_logits(num_tokens, 32, seed=seed))
+        graph.replay()
+        expected = fused_moe_ref(x.cpu(), *dense, *route_tokens_ref(logits.cpu(), 4, True))
+        assert relative_error(out, expected) < TOLERANCE[torch.bfloat16]
