@@ -135,13 +135,14 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def write_config_only_engine(model: str, dtype: str, max_batch_size: int, max_seq_len: int, max_num_tokens: int,
-                             tokens_per_block: int, quantization: str | None = None) -> str:
+                             tokens_per_block: int, quantization: str | None = None,
+                             group_size: int | None = None) -> str:
     """An engine directory holding only config.json; the runner makes random weights for it
     (``quantization="fp8"``: quantized from random float weights as engine.build quantizes)."""
     engine_dir = tempfile.mkdtemp(prefix=f"bench-{model}-")
     build = BuildConfig(dtype=dtype, max_batch_size=max_batch_size, max_input_len=min(max_seq_len, 4096),
                         max_seq_len=max_seq_len, max_num_tokens=max_num_tokens, tokens_per_block=tokens_per_block,
-                        quantization=quantization)
+                        quantization=quantization, quant_group_size=group_size)
     config = EngineConfig(model=ModelConfig(**MODELS[model]), build=build, extra={"random_weights_seed": 0})
     config.validate().save(engine_dir)
     return engine_dir
@@ -190,10 +191,11 @@ def bench_bandwidth(results: dict, model_cfg: ModelConfig, dtype_bytes: int, qua
     all_params = blocks_all + lm_head + embed + c.hidden_size
     kv_per_token = c.num_layers * 2 * c.num_kv_heads * c.head_dim * dtype_bytes
     weight_bytes = read_params * dtype_bytes
-    if quantization == "fp8":  # the blocks' linear weights at 1 byte; norms, lm_head and the embedding row stay
+    if quantization is not None:  # the blocks' linear weights quantized; norms, lm_head and the embedding row stay
         linear_params = blocks_read - c.num_layers * 2 * c.hidden_size
-        weight_bytes = linear_params + (read_params - linear_params) * dtype_bytes
-        all_params_bytes = linear_params + (all_params - linear_params) * dtype_bytes
+        linear_bytes = linear_params * QUANTIZED_BYTES_PER_WEIGHT[quantization]
+        weight_bytes = linear_bytes + (read_params - linear_params) * dtype_bytes
+        all_params_bytes = linear_bytes + (all_params - linear_params) * dtype_bytes
     else:
         all_params_bytes = all_params * dtype_bytes
     results["bandwidth"] = {
@@ -208,6 +210,11 @@ def bench_bandwidth(results: dict, model_cfg: ModelConfig, dtype_bytes: int, qua
         "quantization": quantization,
         "moe": bool(c.num_experts),
     }
+
+
+# Bytes a decode step reads per linear weight: FP8 1; INT8 per channel 1; INT4 group 128 half a
+# byte plus a float16 scale and a uint8 zero per 128 weights (the kernels' layout, kernels/wna16.py).
+QUANTIZED_BYTES_PER_WEIGHT = {"fp8": 1.0, "int8_wo": 1.0, "int4_wo": 0.5 + 3 / 128, "int4_awq": 0.5 + 3 / 128}
 
 
 def decoder_block_params(c: ModelConfig) -> tuple[int, int]:
@@ -970,8 +977,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="executor_decode: > 0 makes every request sample at this temperature (0: greedy)")
     parser.add_argument("--executor-decode-top-p", type=float, default=1.0,
                         help="executor_decode: nucleus top-p of the sampled requests (1.0: none)")
-    parser.add_argument("--quantization", choices=["fp8"], default=None,
-                        help="fp8: the model's linear weights in FP8 E4M3 (as engine.build --quantization fp8)")
+    parser.add_argument("--quantization", choices=["fp8", "int8_wo", "int4_wo"], default=None,
+                        help="fp8: the model's linear weights in FP8 E4M3 (as engine.build --quantization fp8); "
+                             "int8_wo / int4_wo: integer weight-only codes (per channel / group 128)")
+    parser.add_argument("--group-size", type=int, default=None,
+                        help="int8_wo/int4_wo: input columns per scale group (0: per channel); default per scheme")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                         help="the executor's KV pool: auto (the model dtype) or fp8 (E4M3)")
     parser.add_argument("--disable-overlap", action="store_true",
@@ -1020,7 +1030,7 @@ class SectionRunner:
     def _runner(self, max_batch_size: int, max_tokens: int) -> ModelRunner:
         a = self.args
         engine_dir = write_config_only_engine(a.model, a.dtype, max_batch_size, a.max_seq_len, a.max_num_tokens,
-                                              a.tokens_per_block, a.quantization)
+                                              a.tokens_per_block, a.quantization, a.group_size)
         return make_runner(engine_dir, a.device, max_tokens=max_tokens)
 
     def section_decode(self) -> None:
@@ -1116,7 +1126,8 @@ def start_executor(args):
     from engine.executor.executor import Executor, ExecutorConfig
 
     engine_dir = write_config_only_engine(args.model, args.dtype, args.max_batch_size, args.max_seq_len,
-                                          args.max_num_tokens, args.tokens_per_block, args.quantization)
+                                          args.max_num_tokens, args.tokens_per_block, args.quantization,
+                                          args.group_size)
     import engine.executor.executor as executor_module
     from step_timeline import timed
 

@@ -64,7 +64,9 @@ def expected_tensor_names(model: ModelConfig, build: BuildConfig) -> list[str]:
         supported = [f.architecture for f in MODEL_FAMILIES if (f.weight_only if weight_only else f.fp8)]
         raise ConfigError(f"quantization {build.quantization} is not supported for {model.architecture}; it is for "
                           + ", ".join(supported))
-    quantization = weight_only or build.quantization
+    # The names do not depend on the group size: a per-channel stand-in keeps the meta model from
+    # refusing a group size before the quantizer can name the layer it does not divide.
+    quantization = dataclasses.replace(weight_only, group_size=0) if weight_only else build.quantization
     return list(model_class(model, tp_size=build.tp_size, device="meta", quantization=quantization).state_dict())
 
 

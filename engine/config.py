@@ -302,6 +302,9 @@ class WeightOnlyScheme:
 
     def groups(self, in_features: int) -> int:
         """Scale groups per row of a layer with ``in_features`` input columns (on this rank)."""
+        _require(self.group_size == 0 or in_features % self.group_size == 0,
+                 f"a layer with {in_features} input columns (on one tensor-parallel rank) does not divide into "
+                 f"groups of {self.group_size}; use a group size that divides every layer's input width, or 0")
         return 1 if self.group_size == 0 else in_features // self.group_size
 
 
