@@ -51,7 +51,7 @@ def weight_bytes(weight) -> int:
 
 def decode_table(lines: list[str]) -> None:
     lines += ["", "Decode (the tilings choose_wna16_variants picks at M=1 / M=8, (block_n, block_m, warps, stages, "
-              "split_k, fma); weights streamed from HBM):", "",
+              "split_k, kind); weights streamed from HBM):", "",
               "| weight | shape (N, K) | tiling | M=1 us | M=1 GB/s | M=8 us | M=8 GB/s | cuBLAS bf16 M=1 us |",
               "|---|---|---|---|---|---|---|---|"]
     for bits, group in ((4, 128), (8, None)):

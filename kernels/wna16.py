@@ -133,7 +133,7 @@ class WNA16Weight:
     dequantized weight (N, K) in the activations' dtype, for the reference path (CPU). ``kernel``:
     the tensors of the CUDA kernels' layout, by name; empty where the reference path runs.
     ``variant``: the decode tilings chosen at load, {rows: (block_n, block_m, num_warps, num_stages,
-    split_k, fma)} (``choose_wna16_variants``): M rows take that of the least timed row count >= M;
+    split_k, kind)} (``choose_wna16_variants``): M rows take that of the least timed row count >= M;
     none: SKINNY_DEFAULT.
     """
 
@@ -147,14 +147,24 @@ class WNA16Weight:
     variant: dict = field(default_factory=dict)  # chosen at load per row count (kernel timings)
 
 
-# Kernel tilings: (block_n, block_m, num_warps, num_stages, split_k, fma); fma 1: the FMA kernel
-# (kernels/wna16_gemm.py) instead of the tensor-core one.
+# Kernel tilings: (block_n, block_m, num_warps, num_stages, split_k, kind); kind (kernels/wna16_gemm.py
+# wna16_matmul): 0 the tensor-core kernel, 1 the FMA kernel, 2 / 3 the factored FMA / tensor-core
+# kernels of kernels/wna16_decode.py (scale and zero applied per unit of words, not per weight),
+# which fall back to 1 / 0 for groups smaller than a unit (32, 64 columns at 4 bits).
 MAX_SKINNY_ROWS = 16
-SKINNY_DEFAULT = (64, 16, 4, 4, 4, 0)
-SKINNY_VARIANTS = ((64, 16, 4, 4, 4, 0), (64, 16, 4, 3, 8, 0), (128, 16, 8, 4, 2, 0),
-                   (64, 1, 4, 4, 1, 1), (64, 1, 4, 4, 2, 1), (64, 1, 4, 4, 4, 1), (128, 1, 4, 4, 2, 1),
-                   (128, 1, 8, 4, 4, 1), (32, 1, 4, 4, 4, 1), (64, 2, 4, 4, 4, 1), (64, 4, 4, 4, 4, 1),
-                   (64, 8, 4, 4, 4, 1), (64, 8, 4, 3, 8, 1), (32, 8, 4, 4, 4, 1))
+SKINNY_DEFAULT = (128, 16, 4, 3, 4, 3)
+SKINNY_VARIANTS = ((64, 16, 4, 4, 4, 0), (64, 16, 4, 3, 8, 0), (64, 1, 4, 4, 4, 1), (128, 1, 8, 4, 4, 1),
+                   (64, 8, 4, 4, 4, 1),
+                   (64, 1, 4, 2, 4, 2), (64, 1, 4, 2, 8, 2), (64, 1, 4, 2, 16, 2), (128, 1, 4, 2, 8, 2),
+                   (128, 1, 8, 2, 4, 2), (128, 1, 8, 2, 8, 2),
+                   (128, 16, 4, 3, 4, 3), (128, 16, 4, 3, 8, 3), (64, 16, 4, 3, 4, 3), (64, 16, 4, 3, 2, 3))
+
+
+def is_fma_tiling(tiling: tuple) -> bool:
+    """An FMA tiling (kind 1 or 2): its block_m rows are all it multiplies per weight read."""
+    return len(tiling) > 5 and tiling[5] in (1, 2)
+
+
 # The tiling for M rows past MAX_SKINNY_ROWS: the first (bound, tiling) with M <= bound.
 GEMM_TILES = ((32, (64, 32, 4, 4, 1, 0)), (1 << 62, (64, 64, 4, 4, 2, 0)))
 DENSE_MIN_ROWS = 64  # from 64 rows dequantize + cuBLAS beat the Triton tiles (H200, benchmarks/RESULTS.md)
@@ -213,9 +223,9 @@ def tiling_for(weight: WNA16Weight, rows: int) -> tuple:
 
 
 def tile_options(tiling: tuple) -> dict:
-    """wna16_matmul's keyword arguments for a (block_n, block_m, num_warps, num_stages, split_k, fma) tiling."""
+    """wna16_matmul's keyword arguments for a (block_n, block_m, num_warps, num_stages, split_k, kind) tiling."""
     options = dict(zip(("block_n", "block_m", "num_warps", "num_stages", "split_k"), tiling))
-    return {**options, "fma": bool(tiling[5]) if len(tiling) > 5 else False}
+    return {**options, "kind": tiling[5] if len(tiling) > 5 else 0}
 
 
 @torch.inference_mode()
@@ -248,6 +258,6 @@ def _time_skinny_variants(weight: WNA16Weight, rows: tuple[int, ...]) -> dict:
         x = torch.randn(m, weight.in_features, dtype=weight.dtype, device=weight.kernel["words"].device)
         times[m] = {variant: 1e3 * graph_time_ms(lambda: wna16_gemm.wna16_matmul(
             x, layouts[next(turn) % len(layouts)], weight.out_features, weight.bits, weight.group_size,
-            **tile_options(variant))) for variant in SKINNY_VARIANTS if not (variant[5] and variant[1] < m)}
+            **tile_options(variant))) for variant in SKINNY_VARIANTS if not (is_fma_tiling(variant) and variant[1] < m)}
         chosen[m] = min(times[m], key=times[m].get)
     return {"variant": chosen, "us": {m: times[m][chosen[m]] for m in rows}, "all_us": times}

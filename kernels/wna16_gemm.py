@@ -198,9 +198,22 @@ def _store_output(acc, rows, cols, col_ok, mask, bias_ptr, out_ptr, stride_om, H
 
 def wna16_matmul(x: torch.Tensor, layout: dict[str, torch.Tensor], n: int, bits: int, group_size: int,
                  bias: torch.Tensor | None = None, *, block_n: int = 64, block_m: int = 16, num_warps: int = 4,
-                 num_stages: int = 4, split_k: int = 1, fma: bool = False) -> torch.Tensor:
+                 num_stages: int = 4, split_k: int = 1, fma: bool = False, kind: int | None = None) -> torch.Tensor:
     """x (M, K) with unit column stride @ the weight (N, K) in ``layout``.T (+ bias) -> (M, N) in x's dtype.
-    ``fma``: the FMA kernel (a few rows) instead of the tensor-core one."""
+    ``kind``: 0 the tensor-core kernel, 1 the FMA kernel (a few rows), 2 / 3 the factored FMA /
+    tensor-core kernels of kernels/wna16_decode.py where the grouping allows (else 1 / 0);
+    ``fma``: kind 1 (when ``kind`` is not given)."""
+    if kind is None:
+        kind = 1 if fma else 0
+    if kind >= 2:
+        from kernels import wna16_decode
+
+        if wna16_decode.supports(x.shape[1], group_size, bits):
+            return wna16_decode.factored_matmul(x, layout, n, bits, group_size, bias, block_n=block_n, block_m=block_m,
+                                                num_warps=num_warps, num_stages=num_stages, split_k=split_k,
+                                                dot=kind == 3)
+        kind -= 2
+    fma = kind == 1
     m, k = x.shape
     assert x.stride(1) == 1
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)

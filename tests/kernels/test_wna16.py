@@ -16,9 +16,10 @@ import torch.nn.functional as F
 from kernel_testing import TOLERANCE, low_precision_dtypes, relative_error
 
 from kernels import wna16_gemm
+from kernels import wna16_decode
 from kernels.wna16 import (DENSE_MIN_ROWS, SKINNY_VARIANTS, WNA16Weight, choose_wna16_variants, dequantize,
-                           pack_codes, pack_int4, prepare_wna16, quantize, stored_columns, tile_options, unpack_codes,
-                           unpack_int4, wna16_linear, wna16_linear_ref)
+                           is_fma_tiling, pack_codes, pack_int4, prepare_wna16, quantize, stored_columns, tile_options,
+                           unpack_codes, unpack_int4, wna16_linear, wna16_linear_ref)
 
 GROUPS = [32, 64, 128, None]  # None: per channel (group_size == K)
 ROWS = [1, 3, 8, 16, 33, 200]
@@ -144,11 +145,34 @@ def test_every_decode_tiling_matches_the_reference(device, variant):
     weight = kernel_weight(stored, scale, zero, bits, dtype, device)
     ref = reference_weight(stored, scale, zero, bits, dtype, device)
     for m in (1, 5, 16):
-        if variant[5] and variant[1] < m and m > 5:
+        if is_fma_tiling(variant) and variant[1] < m and m > 5:
             continue  # an FMA tiling is never chosen for more rows than its tile (it works, slowly)
         x = torch.randn(m, k, device=device).to(dtype)
         out = wna16_gemm.wna16_matmul(x, weight.kernel, n, bits, 128, **tile_options(variant))
         assert relative_error(out, wna16_linear_ref(x, ref)) < TOLERANCE[dtype], m
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [128, 256, None])
+def test_factored_kernels_match_the_reference(device, bits, group_size):
+    """kernels/wna16_decode.py (scale and zero per unit of words) on the groupings it takes, both
+    kernels, split-K and not; on CUDA the tensor-core one with and without its PTX dequantization."""
+    n, k = 150, 768
+    stored, scale, zero = quantized(n, k, bits, group_size)
+    assert wna16_decode.supports(k, group_size or k, bits)
+    for dtype in low_precision_dtypes(device):
+        weight = kernel_weight(stored, scale, zero, bits, dtype, device)
+        ref = reference_weight(stored, scale, zero, bits, dtype, device)
+        for m in (1, 5, 16):
+            x = torch.randn(m, k, device=device).to(dtype)
+            bias = torch.randn(n, device=device).to(dtype) if m == 5 else None
+            options = [dict(block_m={1: 1, 5: 8, 16: 16}[m], split_k=2), dict(block_m=16, dot=True, split_k=1),
+                       dict(block_m=16, dot=True, split_k=4, block_n=128)]
+            if device == "cuda":
+                options.append(dict(block_m=16, dot=True, split_k=2, use_asm=True))
+            for option in options:
+                out = wna16_decode.factored_matmul(x, weight.kernel, n, bits, group_size or k, bias, **option)
+                assert relative_error(out, wna16_linear_ref(x, ref, bias)) < TOLERANCE[dtype], (dtype, m, option)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -199,7 +223,7 @@ def test_choose_variants_sets_a_tiling(device):
     report = choose_wna16_variants(weights, rows=(1, 4))
     assert list(report) == [(4, 128, 512, 1024)]
     assert set(weights[0].variant) == {1, 4} and weights[1].variant == weights[0].variant
-    assert all(v in SKINNY_VARIANTS and (not v[5] or v[1] >= m) for m, v in weights[0].variant.items())
+    assert all(v in SKINNY_VARIANTS and (not is_fma_tiling(v) or v[1] >= m) for m, v in weights[0].variant.items())
     x = torch.randn(1, 1024, device=device, dtype=torch.bfloat16)
     ref = reference_weight(stored, scale, zero, 4, torch.bfloat16, device)
     assert relative_error(wna16_linear(x, weights[0]), F.linear(x, ref.dense)) < TOLERANCE[torch.bfloat16]

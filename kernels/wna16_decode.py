@@ -1,0 +1,201 @@
+"""Decode kernels of the weight-only integer linear layers with the scale and zero factored out of
+the inner product (kernels/wna16_gemm.py's layout, unchanged):
+
+    sum_k (q_k - z) s x_k = s * sum_k (q_k - z) x_k    over the columns of one group,
+
+so a weight costs no multiply by its scale: the scale is applied once per unit of words (U = 128
+columns for 4 bits, 64 for 8) and row, which needs every unit inside one group (the group a whole
+number of units, or per channel). kernels/wna16_gemm.wna16_matmul sends the tilings of kind 2 and
+3 here and the other groupings to its own kernels.
+
+- ``_factored_fma_kernel`` (kind 2, a few rows, FMA units): codes are never shifted into place.
+  A 16-bit half of a word holds P / 2 fields; field i masked in place is the integer q * 2^(b*i)
+  (b the bit width), under 2^23, so OR-ing it into the mantissa of 2^23 gives the float32
+  2^23 + q * 2^(b*i) exactly, and subtracting 2^23 + z * 2^(b*i) (one constant per row and field
+  position, per unit) gives (q - z) * 2^(b*i) exactly. The activations of that slice are
+  multiplied by 2^-(b*i) once per program (exact: a power of two), so a weight costs one LOP3
+  (mask and OR), one FADD and one FFMA per row of x; the high half costs one shift per word.
+- ``_factored_dot_kernel`` (kind 3, tensor cores, 16-row tiles): 4-bit codes become 16-bit
+  floats OFF + q by OR-ing them into the mantissa of OFF (128 in bfloat16: 0x4300, 1024 in
+  float16: 0x6400), exact; on CUDA one PTX block turns two words into eight packed pairs (two
+  PRMTs, then a shift and a LOP3 a pair: Marlin's dequantization without the subtraction). The
+  dot sums (OFF + q) x in float32; per unit and row, s * (that - (OFF + z) * sum x) is added.
+  8-bit codes go through float32 (2^23 + q - 2^23, exact) to the activations' dtype.
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels._triton import jit, pdl_options, pdl_prologue, tl, triton
+from kernels.linear import _arrival_counters
+from kernels.wna16_gemm import _finish, _unit_tile_pointers, unit_columns
+
+
+def supports(in_features: int, group_size: int, bits: int) -> bool:
+    """Whether every unit of words lies inside one group (the factored kernels' condition)."""
+    return group_size == in_features or group_size % unit_columns(bits) == 0
+
+
+@jit(do_not_specialize=["M"])
+def _factored_fma_kernel(
+    x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, part_ptr, arrivals_ptr,
+    M, N, K, GROUP, UNITS_PER_SPLIT, stride_xm, stride_om,
+    BITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+    SPLIT_K: tl.constexpr, PDL: tl.constexpr,
+):
+    PER_WORD: tl.constexpr = 32 // BITS
+    HALF: tl.constexpr = PER_WORD // 2
+    UNIT: tl.constexpr = PER_WORD * 16
+    MASK: tl.constexpr = (1 << BITS) - 1
+    m_tiles = tl.cdiv(M, BLOCK_M)
+    tile = tl.program_id(0)
+    cols = (tile // m_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = (tile % m_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+    col_ok, row_ok = cols < N, rows < M
+    r = tl.arange(0, 16)[None, None, :]
+    w_base = _unit_tile_pointers(w_ptr, cols, K, UNIT)[None, :, :]  # (1, BLOCK_N, 16)
+    x_base = x_ptr + rows.to(tl.int64)[:, None, None] * stride_xm + r  # (BLOCK_M, 1, 16)
+    acc = tl.zeros([BLOCK_M, BLOCK_N, 16], dtype=tl.float32)
+    u_begin = tl.program_id(1) * UNITS_PER_SPLIT
+    u_end = tl.minimum(u_begin + UNITS_PER_SPLIT, tl.cdiv(K, UNIT))
+    pdl_prologue(PDL)
+    for u in range(u_begin, u_end):
+        words = tl.load(w_base + u * (64 * 16), mask=col_ok[None, :, None], other=0)
+        g = (u * UNIT) // GROUP
+        scale = tl.load(scale_ptr + g * N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :, None]
+        zero = tl.load(zero_ptr + g * N + cols, mask=col_ok, other=0).to(tl.int32)[None, :, None]
+        part = tl.zeros([BLOCK_M, BLOCK_N, 16], dtype=tl.float32)
+        for i in tl.static_range(HALF):
+            # 2^23 + z * 2^(BITS * i), built as bits (exact)
+            c = ((zero << (BITS * i)) | 0x4B000000).to(tl.float32, bitcast=True)
+            for h in tl.static_range(2):
+                k0 = u * UNIT + (h * HALF + i) * 16
+                x = tl.load(x_base + k0, mask=row_ok[:, None, None] & (k0 + r < K), other=0.0).to(tl.float32)
+                x = x * (1.0 / (1 << (BITS * i)))
+                if h == 0:
+                    field = words & (MASK << (BITS * i))
+                else:
+                    field = (words >> 16) & (MASK << (BITS * i))
+                f = (field | 0x4B000000).to(tl.float32, bitcast=True) - c  # (q - z) * 2^(BITS * i)
+                part += f * x
+        acc += part * scale
+    _finish(tl.sum(acc, axis=2), rows, cols, row_ok, col_ok, bias_ptr, out_ptr, part_ptr, arrivals_ptr, M, N,
+            stride_om, tile, HAS_BIAS, BLOCK_M, BLOCK_N, SPLIT_K)
+
+
+def _pairs_asm(magic2: str) -> str:
+    """Two words ($8, $9) -> eight packed pairs $0..$7: field j of both words OR-ed into the mantissa
+    of the 16-bit float whose two copies make ``magic2``. PRMT gathers the words' low (high) halves
+    into one register; fields 0..3 (4..7) are then a shift and a LOP3 ((a & 0x000F000F) | magic2) each."""
+    lines = ["{", ".reg .b32 lo, hi, t;", "prmt.b32 lo, $8, $9, 0x5410;", "prmt.b32 hi, $8, $9, 0x7632;"]
+    for j in range(8):
+        src = "lo" if j < 4 else "hi"
+        if j % 4:
+            lines.append(f"shr.u32 t, {src}, {4 * (j % 4)};")
+            src = "t"
+        lines.append(f"lop3.b32 ${j}, {src}, 0x000f000f, {magic2}, 0xea;")
+    return "\n".join(lines + ["}"])
+
+
+if tl is not None:  # (Triton reads module globals that are constexprs)
+    _PAIRS_ASM_BF16 = tl.constexpr(_pairs_asm("0x43004300"))
+    _PAIRS_ASM_F16 = tl.constexpr(_pairs_asm("0x64006400"))
+
+
+@jit
+def _int4_pairs_asm(words, MAGIC: tl.constexpr, dtype: tl.constexpr):
+    """Eight tensors like ``words`` in ``dtype``: field j of each word OR-ed into the mantissa of the
+    16-bit MAGIC (OFF + q); two words an asm block (``_pairs_asm``)."""
+    if MAGIC == 0x4300:
+        return tl.inline_asm_elementwise(_PAIRS_ASM_BF16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [words],
+                                         dtype=(dtype, dtype, dtype, dtype, dtype, dtype, dtype, dtype),
+                                         is_pure=True, pack=2)
+    else:
+        return tl.inline_asm_elementwise(_PAIRS_ASM_F16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [words],
+                                         dtype=(dtype, dtype, dtype, dtype, dtype, dtype, dtype, dtype),
+                                         is_pure=True, pack=2)
+
+
+@jit(do_not_specialize=["M"])
+def _factored_dot_kernel(
+    x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, part_ptr, arrivals_ptr,
+    M, N, K, GROUP, UNITS_PER_SPLIT, stride_xm, stride_om,
+    BITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+    SPLIT_K: tl.constexpr, PDL: tl.constexpr, MAGIC: tl.constexpr, USE_ASM: tl.constexpr,
+):
+    """MAGIC: 0x4300 (bfloat16 x) or 0x6400 (float16), 0 for the float32 path (8 bits, float32 x)."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    UNIT: tl.constexpr = PER_WORD * 16
+    OFF: tl.constexpr = 0.0 if MAGIC == 0 else 128.0 if MAGIC == 0x4300 else 1024.0
+    dtype = x_ptr.dtype.element_ty
+    m_tiles = tl.cdiv(M, BLOCK_M)
+    tile = tl.program_id(0)
+    cols = (tile // m_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = (tile % m_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+    col_ok, row_ok = cols < N, rows < M
+    r = tl.arange(0, 16)
+    w_base = _unit_tile_pointers(w_ptr, cols, K, UNIT)
+    x_base = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + r[None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    u_begin = tl.program_id(1) * UNITS_PER_SPLIT
+    u_end = tl.minimum(u_begin + UNITS_PER_SPLIT, tl.cdiv(K, UNIT))
+    pdl_prologue(PDL)
+    for u in range(u_begin, u_end):
+        words = tl.load(w_base + u * (64 * 16), mask=col_ok[:, None], other=0)
+        g = (u * UNIT) // GROUP
+        scale = tl.load(scale_ptr + g * N + cols, mask=col_ok, other=0.0).to(tl.float32)
+        zero = tl.load(zero_ptr + g * N + cols, mask=col_ok, other=0).to(tl.float32)
+        part = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        x_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if MAGIC != 0 and USE_ASM:
+            qs = _int4_pairs_asm(words, MAGIC, dtype)
+            for j in tl.static_range(PER_WORD):
+                k0 = u * UNIT + j * 16
+                x = tl.load(x_base + k0, mask=row_ok[:, None] & (k0 + r < K)[None, :], other=0.0)
+                x_sum += tl.sum(x.to(tl.float32), axis=1)
+                part = tl.dot(qs[j], tl.trans(x), part)
+        else:
+            for j in tl.static_range(PER_WORD):
+                k0 = u * UNIT + j * 16
+                x = tl.load(x_base + k0, mask=row_ok[:, None] & (k0 + r < K)[None, :], other=0.0)
+                field = (words >> (BITS * j)) & ((1 << BITS) - 1)
+                if MAGIC != 0:
+                    q = (field | MAGIC).to(tl.int16).to(dtype, bitcast=True)  # OFF + q, exactly
+                else:
+                    q = ((field | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0).to(dtype)
+                x_sum += tl.sum(x.to(tl.float32), axis=1)
+                part = tl.dot(q, tl.trans(x), part)
+        acc += scale[:, None] * (part - (zero + OFF)[:, None] * x_sum[None, :])
+    _finish(tl.trans(acc), rows, cols, row_ok, col_ok, bias_ptr, out_ptr, part_ptr, arrivals_ptr, M, N, stride_om,
+            tile, HAS_BIAS, BLOCK_M, BLOCK_N, SPLIT_K)
+
+
+def factored_matmul(x: torch.Tensor, layout: dict[str, torch.Tensor], n: int, bits: int, group_size: int,
+                    bias: torch.Tensor | None = None, *, block_n: int = 64, block_m: int = 1, num_warps: int = 4,
+                    num_stages: int = 4, split_k: int = 1, dot: bool = False, use_asm: bool = False
+                    ) -> torch.Tensor:
+    """wna16_gemm.wna16_matmul's product by the factored kernels (``dot``: the tensor-core one;
+    ``use_asm``: its PTX dequantization of 4-bit codes, CUDA only, off by default: not yet measured)."""
+    m, k = x.shape
+    assert x.stride(1) == 1 and supports(k, group_size, bits)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    units = triton.cdiv(k, unit_columns(bits))
+    split_k = max(1, min(split_k, units))
+    units_per_split = triton.cdiv(units, split_k)
+    split_k = triton.cdiv(units, units_per_split)
+    tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
+    part = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if split_k > 1 else out
+    arrivals = _arrival_counters(x.device, tiles) if split_k > 1 else out
+    args = (x, layout["words"], layout["scale"], layout["zero"], bias if bias is not None else out, out, part, arrivals,
+            m, n, k, group_size, units_per_split, x.stride(0), out.stride(0))
+    meta = dict(BITS=bits, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_M=block_m, SPLIT_K=split_k,
+                num_warps=num_warps, num_stages=num_stages, **pdl_options(x))
+    if dot:
+        use_asm = use_asm and x.is_cuda
+        magic = {torch.bfloat16: 0x4300, torch.float16: 0x6400}.get(x.dtype, 0) if bits == 4 else 0
+        _factored_dot_kernel[(tiles, split_k)](*args, MAGIC=magic, USE_ASM=use_asm, **meta)
+    else:
+        _factored_fma_kernel[(tiles, split_k)](*args, **meta)
+    return out
