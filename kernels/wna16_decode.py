@@ -17,8 +17,8 @@ number of units, or per channel). kernels/wna16_gemm.wna16_matmul sends the tili
   (mask and OR), one FADD and one FFMA per row of x; the high half costs one shift per word.
 - ``_factored_dot_kernel`` (kind 3, tensor cores, 16-row tiles): 4-bit codes become 16-bit
   floats OFF + q by OR-ing them into the mantissa of OFF (128 in bfloat16: 0x4300, 1024 in
-  float16: 0x6400), exact; on CUDA one PTX block turns two words into eight packed pairs (two
-  PRMTs, then a shift and a LOP3 a pair: Marlin's dequantization without the subtraction). The
+  float16: 0x6400), exact, with Triton's shift, AND/OR and 16-bit bitcast (a PTX block turning two
+  words into eight packed pairs, ``use_asm``, is written but does not compile yet). The
   dot sums (OFF + q) x in float32; per unit and row, s * (that - (OFF + z) * sum x) is added.
   8-bit codes go through float32 (2^23 + q - 2^23, exact) to the activations' dtype.
 """
@@ -175,7 +175,8 @@ def factored_matmul(x: torch.Tensor, layout: dict[str, torch.Tensor], n: int, bi
                     num_stages: int = 4, split_k: int = 1, dot: bool = False, use_asm: bool = False
                     ) -> torch.Tensor:
     """wna16_gemm.wna16_matmul's product by the factored kernels (``dot``: the tensor-core one;
-    ``use_asm``: its PTX dequantization of 4-bit codes, CUDA only, off by default: not yet measured)."""
+    ``use_asm``: its PTX dequantization of 4-bit codes, CUDA only, off: the call does not compile yet
+    under Triton 3.6 (H200, 2026-11-26; to debug: the pack=2 tuple of eight outputs))."""
     m, k = x.shape
     assert x.stride(1) == 1 and supports(k, group_size, bits)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)

@@ -156,7 +156,7 @@ def test_every_decode_tiling_matches_the_reference(device, variant):
 @pytest.mark.parametrize("group_size", [128, 256, None])
 def test_factored_kernels_match_the_reference(device, bits, group_size):
     """kernels/wna16_decode.py (scale and zero per unit of words) on the groupings it takes, both
-    kernels, split-K and not; on CUDA the tensor-core one with and without its PTX dequantization."""
+    kernels, split-K and not."""
     n, k = 150, 768
     stored, scale, zero = quantized(n, k, bits, group_size)
     assert wna16_decode.supports(k, group_size or k, bits)
@@ -168,8 +168,6 @@ def test_factored_kernels_match_the_reference(device, bits, group_size):
             bias = torch.randn(n, device=device).to(dtype) if m == 5 else None
             options = [dict(block_m={1: 1, 5: 8, 16: 16}[m], split_k=2), dict(block_m=16, dot=True, split_k=1),
                        dict(block_m=16, dot=True, split_k=4, block_n=128)]
-            if device == "cuda":
-                options.append(dict(block_m=16, dot=True, split_k=2, use_asm=True))
             for option in options:
                 out = wna16_decode.factored_matmul(x, weight.kernel, n, bits, group_size or k, bias, **option)
                 assert relative_error(out, wna16_linear_ref(x, ref, bias)) < TOLERANCE[dtype], (dtype, m, option)
