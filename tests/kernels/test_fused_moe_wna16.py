@@ -154,6 +154,25 @@ def test_kernel_odd_widths_and_groups(device, bits, group_size, hidden, inter, n
         assert relative_error(out, expected) < TOLERANCE[dtype], dtype
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_m", [16, 32, 64])
+@pytest.mark.parametrize("swap_ab", [False, True])
+def test_every_block_size_and_operand_order(device, block_m, swap_ab):
+    """fused_moe_wna16_triton picks block_m, tiles and the operand order by size; each choice must
+    compute the same thing."""
+    from kernels.fused_moe_wna16 import fused_moe_wna16_triton, wna16_gemm_config
+
+    x, logits, *stored = quantized_problem(45, 256, 128, 12, bits=4, group_size=64, seed=block_m)
+    dtype = low_precision_dtypes(device)[0]
+    experts = [prepare_wna16_experts(*[t.to(device) for t in s], 4, dtype, for_kernel=True) for s in stored]
+    weights, ids = route_tokens_ref(logits, 3, False)
+    expected = fused_moe_ref(x.to(dtype), *[dequantize(*s, 4, dtype) for s in stored], weights, ids)
+    config = {**wna16_gemm_config(block_m, 4), "SWAP_AB": swap_ab}
+    out = fused_moe_wna16_triton(x.to(device, dtype), *experts, weights.to(device), ids.to(device), block_m=block_m,
+                                 config=config)
+    assert relative_error(out, expected) < TOLERANCE[dtype]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="captures a CUDA graph")
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("num_tokens", [1, 4, 600])  # routing in gate_up, the align kernel, torch-ops alignment
