@@ -47,7 +47,8 @@ from engine.convert import (
 from engine.fp8_checkpoint import dequantizing_getter, fp8_checkpoint_strategy, rank_row_scales
 from engine.models import MODEL_FAMILIES, get_family, get_model_class
 from engine.weight_only.checkpoint_formats import QuantizedLinearReader, checkpoint_weight_quant
-from engine.weight_only.convert import CheckpointStandIns, build_time_quantize, checkpoint_integer_weights
+from engine.weight_only.convert import (CheckpointStandIns, build_time_quantize, checkpoint_integer_weights,
+                                       resolve_group_size)
 from kernels.fp8 import quantize_weight
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -201,7 +202,9 @@ def build_from_hf(hf_config, get: TensorGetter, tokenizer, output_dir: str, buil
         reader = QuantizedLinearReader(get, integer_quant)
         integer_source = CheckpointStandIns(reader, get, build.weight_only, build.tp_size)
         get = reader.dequantized_getter()
-    elif build.quantization == "int4_awq":
+    else:
+        build = resolve_group_size(build, model)
+    if build.quantization == "int4_awq" and integer_quant is None:
         get = awq_getter(hf_config, get, tokenizer, build)
         extra["source_quantization"] = "AWQ scales calibrated at build (engine/weight_only/awq.py)"
     if strategy is not None:
@@ -286,7 +289,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "that ships AWQ, GPTQ or compressed-tensors integer weights builds in its own scheme")
     p.add_argument("--group_size", type=int, default=None,
                    help="int8_wo/int4_wo/int4_awq: input columns per scale group (32, 64, 128, 256) or 0 for one "
-                        "group per output channel; default: 128 for int4, per channel for int8")
+                        "group per output channel; default: 128 for int4 (64 or 32 where 128 does not divide a "
+                        "layer's width), per channel for int8")
     p.add_argument("--kv_cache_dtype", choices=["auto", "fp8"], default="auto",
                    help="fp8: the paged KV pool in FP8 E4M3 (scale 1, saturating), half the bytes per block; "
                         "the tensorrt_llm model parameter kv_cache_dtype may override it")

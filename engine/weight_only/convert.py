@@ -30,6 +30,7 @@ layer's permutation must stay within each rank's columns, else the build says so
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 import torch
 
@@ -73,6 +74,30 @@ def build_time_quantize(weights: dict[str, torch.Tensor], names: list[str], sche
         if scheme.act_order and name.endswith(".weight"):
             out[name[: -len("weight")] + "input_perm"] = torch.arange(tensor.shape[-1], dtype=torch.int32)
     return out
+
+
+def input_widths(model: ModelConfig, tp_size: int) -> list[int]:
+    """Input columns of every integer layer on one rank: qkv/gate_up read the hidden state, o_proj
+    the local heads, down_proj the local MLP (dense or expert) width."""
+    widths = [model.hidden_size, model.num_heads * model.head_dim // tp_size, model.intermediate_size // tp_size]
+    if model.num_experts:
+        widths.append(model.moe_intermediate_size // tp_size)
+    return widths
+
+
+def resolve_group_size(build: BuildConfig, model: ModelConfig) -> BuildConfig:
+    """A 4-bit build without --group_size takes groups of 128, or of 64 or 32 where 128 does not
+    divide every layer's input width on a rank (SmolLM2-135M's 576); said on stderr. Anything else
+    is left for the quantizer to check and name."""
+    scheme = build.weight_only
+    if scheme is None or build.quant_group_size is not None or scheme.bits != 4:
+        return build
+    widths = input_widths(model, build.tp_size)
+    group = next((g for g in (128, 64, 32) if all(w % g == 0 for w in widths)), 128)
+    if group != 128:
+        print(f"note: groups of 128 do not divide this model's layer widths {sorted(set(widths))}; "
+              f"quantizing with groups of {group}", file=sys.stderr)
+    return replace(build, quant_group_size=group)
 
 
 def check_groups(name: str, columns: int, group_size: int) -> None:
