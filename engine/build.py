@@ -194,6 +194,9 @@ def build_from_hf(hf_config, get: TensorGetter, tokenizer, output_dir: str, buil
     fp8_source = integer_source = None
     integer_quant = checkpoint_weight_quant(hf_config)
     strategy = None if integer_quant is not None else fp8_checkpoint_strategy(hf_config)
+    if strategy is not None and build.weight_only is not None:
+        raise ConfigError(f"{source or 'the checkpoint'} holds FP8 weights (per {strategy}); --quantization "
+                          f"{build.quantization} would round them again: leave --quantization out (an FP8 engine)")
     if integer_quant is not None:
         # Codes, scales and zeros are carried into the engine exactly; requantizing them into
         # another scheme would round the weights a second time.

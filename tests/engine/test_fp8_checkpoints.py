@@ -135,13 +135,21 @@ def test_fp8_checkpoint_logits_differ_from_its_dequantized_model_by_activation_r
 
 @pytest.mark.parametrize("quantization_config, message", [
     ({"quant_method": "fp8", "weight_block_size": [128, 128]}, r"block-wise FP8 checkpoints \(weight_block_size \[128, 128\]\)"),
-    ({"quant_method": "gptq", "bits": 4}, r"checkpoint quantization 'gptq' is not supported; supported: unquantized"),
-    ({"quant_method": "compressed-tensors", "config_groups": {"group_0": {"weights": {"type": "int", "num_bits": 4,
-      "strategy": "group"}}}}, r"group 'group_0' quantizes weights as int 4-bit; supported: float 8-bit"),
+    ({"quant_method": "hqq"}, r"quant_method 'hqq' is not supported; supported: AWQ GEMM int4; GPTQ int4/int8"),
 ])
 def test_other_checkpoint_quantizations_are_refused_by_name(tmp_path, quantization_config, message):
+    """As engine.build reads a checkpoint's scheme: integer formats first (engine/weight_only), then FP8."""
     from engine.fp8_checkpoint import fp8_checkpoint_strategy
+    from engine.weight_only.checkpoint_formats import checkpoint_weight_quant
 
     config = transformers.LlamaConfig(quantization_config=quantization_config)
     with pytest.raises(ConfigError, match=message):
-        fp8_checkpoint_strategy(config)
+        checkpoint_weight_quant(config) or fp8_checkpoint_strategy(config)
+
+
+def test_an_fp8_checkpoint_is_not_requantized_to_integers(tmp_path, capsys):
+    write_fp8_checkpoint(str(tmp_path / "ckpt"), "compressed-tensors/channel")
+    args = ["--checkpoint", str(tmp_path / "ckpt"), "--output", str(tmp_path / "engine"), "--quantization", "int4_wo",
+            "--group_size", "32"]
+    assert build_main(args) == 2
+    assert "holds FP8 weights (per channel); --quantization int4_wo would round them again" in capsys.readouterr().err
