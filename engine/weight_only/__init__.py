@@ -1,0 +1,1 @@
+"""Weight-only quantization at engine build: calibration transforms applied before round-to-nearest."""
