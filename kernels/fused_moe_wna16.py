@@ -122,6 +122,14 @@ def wna16_gemm_config(block_m: int, bits: int) -> dict:
     return {**config, "BLOCK_K": block_k, "SWAP_AB": block_m > 16}
 
 
+def factored_magic(dtype: torch.dtype, bits: int) -> int:
+    """The 16-bit pattern whose mantissa takes a code exactly (_codes_as): bfloat16 128 (7 bits of
+    mantissa: 4-bit codes), float16 1024 (10 bits: 4- and 8-bit codes); 0: the code through float32."""
+    if dtype == torch.bfloat16 and bits == 4:
+        return 0x4300
+    return 0x6400 if dtype == torch.float16 else 0
+
+
 @jit
 def _dequantize(codes, scale_ptr, zero_ptr, rows, row_ok, first_col, cols, col_ok, num_rows, group_size,
                 ONE_GROUP: tl.constexpr):
@@ -151,14 +159,56 @@ def _tile_dot(acc, w, a, SWAP_AB: tl.constexpr, DOT_PRECISION: tl.constexpr):
 
 
 @jit
-def _quantized_dot(acc, a, a_high, w_ptrs, scale_ptr, zero_ptr, rows, row_ok, k0, k, k_ok, stored_k, num_rows,
-                   group_size, BITS: tl.constexpr, ONE_GROUP: tl.constexpr, SWAP_AB: tl.constexpr,
+def _codes_as(codes, MAGIC: tl.constexpr, dtype: tl.constexpr):
+    """Integer codes -> ``dtype`` exactly: OFF + code by OR-ing the code into the mantissa of OFF
+    (MAGIC 0x4300: bfloat16 128, 4-bit codes; 0x6400: float16 1024, 4- or 8-bit codes), else the
+    code itself through float32 (MAGIC 0: float32 activations, or 8 bits with bfloat16)."""
+    if MAGIC != 0:
+        return (codes.to(tl.int16) | MAGIC).to(dtype, bitcast=True)
+    else:
+        return codes.to(tl.float32).to(dtype)
+
+
+@jit
+def _factored_dot(acc, codes, a, a_sum, scale_ptr, zero_ptr, rows, row_ok, first_col, num_rows, group_size,
+                  MAGIC: tl.constexpr, OFF: tl.constexpr, SWAP_AB: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc + the product of a and the tile of codes (one group a row: the tile lies within
+    first_col's group), scale and zero factored out of the dot:
+    sum_k (q - z) s x_k = s * (sum_k (OFF + q) x_k - (OFF + z) * sum_k x_k), the dot over the exact
+    16-bit OFF + q, the correction in float32 once per tile and row. a_sum: a's sums over the tile."""
+    at = (first_col // group_size) * num_rows + rows
+    scale = tl.load(scale_ptr + at, mask=row_ok, other=0.0)
+    zoff = tl.load(zero_ptr + at, mask=row_ok, other=0).to(tl.float32) + OFF
+    w = _codes_as(codes, MAGIC, a.dtype)
+    if SWAP_AB:
+        part = tl.dot(w, a, input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
+        acc += scale[:, None] * (part - zoff[:, None] * a_sum[None, :])
+    else:
+        part = tl.dot(a, tl.trans(w), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
+        acc += scale[None, :] * (part - a_sum[:, None] * zoff[None, :])
+    return acc
+
+
+@jit
+def _quantized_dot(acc, a, a_high, a_sum, a_high_sum, w_ptrs, scale_ptr, zero_ptr, rows, row_ok, k0, k, k_ok,
+                   stored_k, num_rows, group_size, BITS: tl.constexpr, ONE_GROUP: tl.constexpr,
+                   FACTORED: tl.constexpr, MAGIC: tl.constexpr, OFF: tl.constexpr, SWAP_AB: tl.constexpr,
                    DOT_PRECISION: tl.constexpr):
-    """acc plus the product of a and the dequantized tile of weight rows ``rows``, stored columns k
-    (w_ptrs: those rows' starts). 4 bits: the low nibbles are columns k (with a), the high ones
-    columns stored_k + k (with a_high)."""
+    """acc plus the product of a and the tile of weight rows ``rows``, stored columns k (w_ptrs:
+    those rows' starts). 4 bits: the low nibbles are columns k (with a), the high ones columns
+    stored_k + k (with a_high). FACTORED (needs ONE_GROUP): _factored_dot; else each weight
+    dequantized in float32 and rounded to a's dtype before the dot."""
     packed = tl.load(w_ptrs + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0)
-    if BITS == 4:
+    if FACTORED:
+        if BITS == 4:
+            acc = _factored_dot(acc, packed & 0xF, a, a_sum, scale_ptr, zero_ptr, rows, row_ok, k0, num_rows,
+                                group_size, MAGIC, OFF, SWAP_AB, DOT_PRECISION)
+            acc = _factored_dot(acc, packed >> 4, a_high, a_high_sum, scale_ptr, zero_ptr, rows, row_ok,
+                                stored_k + k0, num_rows, group_size, MAGIC, OFF, SWAP_AB, DOT_PRECISION)
+        else:
+            acc = _factored_dot(acc, packed, a, a_sum, scale_ptr, zero_ptr, rows, row_ok, k0, num_rows, group_size,
+                                MAGIC, OFF, SWAP_AB, DOT_PRECISION)
+    elif BITS == 4:
         w = _dequantize(packed & 0xF, scale_ptr, zero_ptr, rows, row_ok, k0, k, k_ok, num_rows, group_size, ONE_GROUP)
         acc = _tile_dot(acc, w, a, SWAP_AB, DOT_PRECISION)
         w = _dequantize(packed >> 4, scale_ptr, zero_ptr, rows, row_ok, stored_k + k0, stored_k + k, k_ok, num_rows,
@@ -175,7 +225,8 @@ def _wna16_grouped_gemm_kernel(
     a_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, topk_ids_ptr,
     topk_weights_ptr, logits_ptr, num_experts, N, stored_k, group_size, num_assignments,
     stride_am, stride_we, stride_wn, stride_se, stride_om,
-    BITS: tl.constexpr, ONE_GROUP: tl.constexpr, TOP_K: tl.constexpr, ROWS_PER_TOKEN: tl.constexpr,
+    BITS: tl.constexpr, ONE_GROUP: tl.constexpr, FACTORED: tl.constexpr, MAGIC: tl.constexpr, OFF: tl.constexpr,
+    TOP_K: tl.constexpr, ROWS_PER_TOKEN: tl.constexpr,
     GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, ONE_PER_BLOCK: tl.constexpr, ROUTE_IN_KERNEL: tl.constexpr,
     RENORMALIZE: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SWAP_AB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -218,12 +269,19 @@ def _wna16_grouped_gemm_kernel(
             a_ok = row_ok[:, None] & k_ok[None, :]
         a = tl.load(a_at, mask=a_ok, other=0.0)
         a_high = tl.load(a_at + stored_k, mask=a_ok, other=0.0) if BITS == 4 else a
-        acc = _quantized_dot(acc, a, a_high, w_base, scale_base, zero_base, cols, col_ok, k0, k, k_ok, stored_k,
-                             num_rows, group_size, BITS, ONE_GROUP, SWAP_AB, DOT_PRECISION)
+        if FACTORED:  # the tiles' sums over k, per row of a
+            a_sum = tl.sum(a.to(tl.float32), axis=0 if SWAP_AB else 1)
+            a_high_sum = tl.sum(a_high.to(tl.float32), axis=0 if SWAP_AB else 1) if BITS == 4 else a_sum
+        else:
+            a_sum = 0.0
+            a_high_sum = 0.0
+        acc = _quantized_dot(acc, a, a_high, a_sum, a_high_sum, w_base, scale_base, zero_base, cols, col_ok, k0, k,
+                             k_ok, stored_k, num_rows, group_size, BITS, ONE_GROUP, FACTORED, MAGIC, OFF, SWAP_AB,
+                             DOT_PRECISION)
         if GATED:
-            acc_up = _quantized_dot(acc_up, a, a_high, w_base + N * stride_wn, scale_base, zero_base, cols + N,
-                                    col_ok, k0, k, k_ok, stored_k, num_rows, group_size, BITS, ONE_GROUP, SWAP_AB,
-                                    DOT_PRECISION)
+            acc_up = _quantized_dot(acc_up, a, a_high, a_sum, a_high_sum, w_base + N * stride_wn, scale_base,
+                                    zero_base, cols + N, col_ok, k0, k, k_ok, stored_k, num_rows, group_size, BITS,
+                                    ONE_GROUP, FACTORED, MAGIC, OFF, SWAP_AB, DOT_PRECISION)
     if SWAP_AB:
         acc, acc_up = tl.trans(acc), tl.trans(acc_up)
     store_rows(acc, acc_up, out_ptr, ids, row_ok, cols, col_ok, topk_weights_ptr, stride_om, GATED, MUL_WEIGHT)
@@ -233,9 +291,11 @@ def _wna16_grouped_gemm(a, experts: WNA16Experts, out, blocks, topk_ids, topk_we
                         rows_per_token: bool, gated: bool, mul_weight: bool, block_m: int, config: dict,
                         router_logits: torch.Tensor | None = None, renormalize: bool = False) -> None:
     """kernels/fused_moe._grouped_gemm over quantized experts (same arguments)."""
-    cfg = {"SWAP_AB": False, **config}
+    cfg = {"SWAP_AB": False, "FACTORED": True, **config}
     block_n = cfg.pop("BLOCK_N")
     block_k, one_group = tile_k(cfg.pop("BLOCK_K"), experts.bits, experts.in_features, experts.group_size)
+    factored = cfg.pop("FACTORED") and one_group
+    magic = factored_magic(a.dtype, experts.bits) if factored else 0
     weight, scale, zero = experts.kernel["weight"], experts.kernel["scale"], experts.kernel["zero"]
     assert a.shape[1] == experts.in_features and a.stride(1) == 1
     num_blocks = topk_ids.numel() if blocks is None else blocks[0].numel() // block_m
@@ -245,13 +305,136 @@ def _wna16_grouped_gemm(a, experts: WNA16Experts, out, blocks, topk_ids, topk_we
         router_logits if router_logits is not None else topk_weights, experts.num_experts,
         n, weight.shape[2], experts.group_size, out.shape[0],
         a.stride(0), weight.stride(0), weight.stride(1), scale.stride(0), out.stride(0),
-        BITS=experts.bits, ONE_GROUP=one_group, TOP_K=top_k, ROWS_PER_TOKEN=rows_per_token, GATED=gated,
+        BITS=experts.bits, ONE_GROUP=one_group, FACTORED=factored, MAGIC=magic,
+        OFF={0x4300: 128.0, 0x6400: 1024.0}.get(magic, 0.0), TOP_K=top_k, ROWS_PER_TOKEN=rows_per_token, GATED=gated,
         MUL_WEIGHT=mul_weight, ONE_PER_BLOCK=blocks is None, ROUTE_IN_KERNEL=router_logits is not None,
         RENORMALIZE=renormalize, K_PAD=triton.next_power_of_2(top_k),
         E_PAD=triton.next_power_of_2(experts.num_experts),
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **cfg,
     )
+
+
+@jit
+def _nibble_field(half, zero, I: tl.constexpr):
+    """Field I (bits 4I..4I+3) of each 16-bit half (the low 16 bits of ``half``) minus ``zero``, times
+    2^(4I), as float32, exactly: the field masked in place and OR-ed into the mantissa of 2^23 is
+    2^23 + q 2^(4I); 2^23 + z 2^(4I) (built as bits) subtracted."""
+    c = ((zero << (4 * I)) | 0x4B000000).to(tl.float32, bitcast=True)
+    return ((half & (0xF << (4 * I))) | 0x4B000000).to(tl.float32, bitcast=True) - c
+
+
+@jit
+def _single_token_int4_kernel(
+    a_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, topk_ids_ptr, topk_weights_ptr, logits_ptr, num_experts, N,
+    stored_words, group_size, stride_am, stride_we, stride_wn, stride_se, stride_om,
+    TOP_K: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, ROUTE_IN_KERNEL: tl.constexpr,
+    RENORMALIZE: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+):
+    """One token's product with its K 4-bit experts on the FMA units (one row: no tensor-core tile
+    to fill), program (slot, column tile): out[slot, cols] = a_row . w[expert, cols, :] with the
+    blocks, routing and epilogue of _wna16_grouped_gemm_kernel's ONE_PER_BLOCK. The weight is read
+    as int32 words (four stored bytes: columns 4w + b in the low nibbles, K/2 + 4w + b in the high
+    ones); a 16-bit half holds four fields, each made (q - z) 2^(4I) exactly (_nibble_field: one
+    LOP3 and one FADD a weight) and multiplied by an activation scaled by 2^-(4I) (FFMA); the scale
+    is applied per word column once per tile (BLOCK_W words, 4 BLOCK_W bytes, inside one group of
+    the low and one of the high nibbles)."""
+    slot = tl.program_id(0)
+    _, _, expert = block_rows(slot, topk_ids_ptr, topk_ids_ptr, topk_ids_ptr, topk_weights_ptr, logits_ptr,
+                              num_experts, 1, TOP_K, True, ROUTE_IN_KERNEL, RENORMALIZE, K_PAD, E_PAD, 16)
+    if GATED:  # gate_up: x's one row
+        a_row = a_ptr
+    else:  # down: act's row `slot`
+        a_row = a_ptr + slot * stride_am
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    num_rows = 2 * N if GATED else N
+    stored_k = 4 * stored_words
+    w_base = w_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn
+    scale_base = scale_ptr + expert * stride_se
+    zero_base = zero_ptr + expert * stride_se
+    acc = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
+    for w0 in range(0, stored_words, BLOCK_W):
+        wk = w0 + tl.arange(0, BLOCK_W)
+        wk_ok = wk < stored_words
+        ok = col_ok[:, None] & wk_ok[None, :]
+        words = tl.load(w_base + wk[None, :], mask=ok, other=0)
+        at_lo = ((4 * w0) // group_size) * num_rows + cols
+        at_hi = ((stored_k + 4 * w0) // group_size) * num_rows + cols
+        s_lo = tl.load(scale_base + at_lo, mask=col_ok, other=0.0)[:, None]
+        s_hi = tl.load(scale_base + at_hi, mask=col_ok, other=0.0)[:, None]
+        z_lo = tl.load(zero_base + at_lo, mask=col_ok, other=0).to(tl.int32)[:, None]
+        z_hi = tl.load(zero_base + at_hi, mask=col_ok, other=0).to(tl.int32)[:, None]
+        part_lo = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
+        part_hi = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
+        if GATED:
+            up_words = tl.load(w_base + N * stride_wn + wk[None, :], mask=ok, other=0)
+            up_s_lo = tl.load(scale_base + at_lo + N, mask=col_ok, other=0.0)[:, None]
+            up_s_hi = tl.load(scale_base + at_hi + N, mask=col_ok, other=0.0)[:, None]
+            up_z_lo = tl.load(zero_base + at_lo + N, mask=col_ok, other=0).to(tl.int32)[:, None]
+            up_z_hi = tl.load(zero_base + at_hi + N, mask=col_ok, other=0).to(tl.int32)[:, None]
+            up_lo = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
+            up_hi = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
+        for h in tl.static_range(2):
+            for i in tl.static_range(4):
+                # field i of half h: byte 2h + i // 2, low nibble (i even: column 4w + b) or high (K/2 + 4w + b)
+                x = tl.load(a_row + (i % 2) * stored_k + 4 * wk + (2 * h + i // 2), mask=wk_ok, other=0.0)
+                x = (x.to(tl.float32) * (1.0 / (1 << (4 * i))))[None, :]
+                half = words if h == 0 else words >> 16
+                if i % 2 == 0:
+                    part_lo += _nibble_field(half, z_lo, i) * x
+                else:
+                    part_hi += _nibble_field(half, z_hi, i) * x
+                if GATED:
+                    up_half = up_words if h == 0 else up_words >> 16
+                    if i % 2 == 0:
+                        up_lo += _nibble_field(up_half, up_z_lo, i) * x
+                    else:
+                        up_hi += _nibble_field(up_half, up_z_hi, i) * x
+        acc += part_lo * s_lo + part_hi * s_hi
+        if GATED:
+            acc_up += up_lo * up_s_lo + up_hi * up_s_hi
+    out = tl.sum(acc, axis=1)
+    dtype = out_ptr.dtype.element_ty
+    if GATED:
+        gate = out.to(dtype).to(tl.float32)
+        up = tl.sum(acc_up, axis=1).to(dtype).to(tl.float32)
+        out = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up
+    if MUL_WEIGHT:
+        out *= tl.load(topk_weights_ptr + slot)
+    tl.store(out_ptr + slot * stride_om + cols, out.to(dtype), mask=col_ok)
+
+
+# Single-token FMA kernel tiles (BLOCK_N rows, BLOCK_W words, warps) of gate_up and down.
+SINGLE_TOKEN_TILES = {"gate_up": (16, 32, 4), "down": (32, 32, 4)}
+
+
+def single_token_words(experts: WNA16Experts, block_w: int) -> int:
+    """BLOCK_W of the single-token FMA kernel for these experts, 0 where it does not apply (8 bits,
+    odd widths, or tiles of 4 BLOCK_W bytes that straddle groups)."""
+    if experts.bits != 4 or experts.in_features % 8:
+        return 0
+    size, one_group = tile_k(4 * block_w, 4, experts.in_features, experts.group_size)
+    return size // 4 if one_group else 0
+
+
+def _single_token_int4(a, experts: WNA16Experts, out, topk_ids, topk_weights, *, n: int, top_k: int, gated: bool,
+                       mul_weight: bool, tiles: tuple, router_logits=None, renormalize: bool = False) -> None:
+    block_n, block_w, warps = tiles
+    block_w = single_token_words(experts, block_w)
+    weight = experts.kernel["weight"]
+    words = weight.view(torch.int32)
+    scale, zero = experts.kernel["scale"], experts.kernel["zero"]
+    assert a.is_contiguous() and a.shape[1] == experts.in_features
+    _single_token_int4_kernel[(top_k, triton.cdiv(n, block_n))](
+        a, words, scale, zero, out, topk_ids, topk_weights,
+        router_logits if router_logits is not None else topk_weights, experts.num_experts, n,
+        words.shape[2], experts.group_size, a.stride(0), words.stride(0), words.stride(1), scale.stride(0), out.stride(0),
+        TOP_K=top_k, GATED=gated, MUL_WEIGHT=mul_weight, ROUTE_IN_KERNEL=router_logits is not None,
+        RENORMALIZE=renormalize, K_PAD=triton.next_power_of_2(top_k),
+        E_PAD=triton.next_power_of_2(experts.num_experts), BLOCK_N=block_n, BLOCK_W=block_w, num_warps=warps)
 
 
 def moe_single_token_wna16_triton(x: torch.Tensor, router_logits: torch.Tensor, gate_up: WNA16Experts,
@@ -264,14 +447,31 @@ def moe_single_token_wna16_triton(x: torch.Tensor, router_logits: torch.Tensor, 
     ids = torch.empty(top_k, dtype=torch.int32, device=x.device)
     weights = torch.empty(top_k, dtype=torch.float32, device=x.device)
     act = torch.empty(top_k, inter, dtype=x.dtype, device=x.device)
-    _wna16_grouped_gemm(x, gate_up, act, None, ids, weights, n=inter, top_k=top_k, rows_per_token=True, gated=True,
-                        mul_weight=False, block_m=16, config=config or wna16_gemm_config(16, gate_up.bits),
-                        router_logits=router_logits, renormalize=renormalize)
     out_k = torch.empty(top_k, down.out_features, dtype=x.dtype, device=x.device)
-    _wna16_grouped_gemm(act, down, out_k, None, ids, weights, n=down.out_features, top_k=top_k,
-                        rows_per_token=False, gated=False, mul_weight=True, block_m=16,
-                        config=config or wna16_gemm_config(16, down.bits))
+    tiles = SINGLE_TOKEN_TILES if config is None else config.get("single_token", {})
+    if "gate_up" in tiles and single_token_words(gate_up, tiles["gate_up"][1]):
+        _single_token_int4(x.contiguous(), gate_up, act, ids, weights, n=inter, top_k=top_k, gated=True,
+                           mul_weight=False, tiles=tiles["gate_up"], router_logits=router_logits,
+                           renormalize=renormalize)
+    else:
+        _wna16_grouped_gemm(x, gate_up, act, None, ids, weights, n=inter, top_k=top_k, rows_per_token=True,
+                            gated=True, mul_weight=False, block_m=16, config=_config(config, 16, gate_up.bits),
+                            router_logits=router_logits, renormalize=renormalize)
+    if "down" in tiles and single_token_words(down, tiles["down"][1]):
+        _single_token_int4(act, down, out_k, ids, weights, n=down.out_features, top_k=top_k, gated=False,
+                           mul_weight=True, tiles=tiles["down"])
+    else:
+        _wna16_grouped_gemm(act, down, out_k, None, ids, weights, n=down.out_features, top_k=top_k,
+                            rows_per_token=False, gated=False, mul_weight=True, block_m=16,
+                            config=_config(config, 16, down.bits))
     return out_k.sum(dim=0, keepdim=True)
+
+
+def _config(config: dict | None, block_m: int, bits: int) -> dict:
+    """The grouped GEMM's options: ``config`` where given (its single-token tiles dropped), else the table's."""
+    if config is None:
+        return wna16_gemm_config(block_m, bits)
+    return {key: value for key, value in config.items() if key != "single_token"}
 
 
 def fused_moe_wna16_triton(x: torch.Tensor, gate_up: WNA16Experts, down: WNA16Experts, topk_weights: torch.Tensor,
