@@ -48,9 +48,9 @@ def candidates(tokens: int) -> dict[str, dict]:
     if tokens == 1:
         out = {"grouped": {**wna16_gemm_config(16, 4), "single_token": {}},
                "unfactored": {**wna16_gemm_config(16, 4), "FACTORED": False, "single_token": {}}}
-        for gu in ((16, 32, 4), (32, 32, 4), (8, 32, 2), (16, 16, 2)):
-            for dn in ((32, 32, 4), (16, 32, 2), (64, 32, 4)):
-                out[f"fma gu{gu} dn{dn}"] = {**wna16_gemm_config(16, 4), "single_token": {"gate_up": gu, "down": dn}}
+        for gu, dn in (((16, 32, 4), (32, 32, 4)), ((32, 32, 4), (64, 32, 4)), ((8, 32, 2), (16, 32, 2)),
+                       ((16, 16, 2), (32, 16, 2)), ((16, 32, 2), (32, 32, 2)), ((8, 64, 4), (16, 64, 4))):
+            out[f"fma gu{gu} dn{dn}"] = {**wna16_gemm_config(16, 4), "single_token": {"gate_up": gu, "down": dn}}
         return out
     block_m = choose_block_m(tokens * TOP_K, E)
     base = wna16_gemm_config(block_m, 4)
@@ -58,9 +58,9 @@ def candidates(tokens: int) -> dict[str, dict]:
     for bn in (32, 64, 128):
         for bk in (32, 64, 128):
             for swap in (False, True):
-                if block_m == 16 and (swap or bn == 128):
+                if block_m == 16 and (swap or bn == 128 or bk == 32):
                     continue
-                if block_m > 16 and not swap and bn != base["BLOCK_N"]:
+                if block_m > 16 and (not swap or bn == 32):
                     continue
                 warps = 8 if bn == 128 and block_m == 64 else 4
                 out[f"bn{bn} bk{bk} swap{int(swap)} w{warps}"] = {
