@@ -3,12 +3,14 @@ the dequantized experts (CPU); the kernel layout holds the stored codes (CPU); t
 equal the reference (GPU, or Triton's CPU interpreter with TRITON_INTERPRET=1), also replayed
 from a CUDA graph.
 
-Tolerances (||kernel - reference|| / ||reference||, kernel_testing.TOLERANCE): each weight tile
-is dequantized in float32 and rounded once to the activations' dtype, as kernels/wna16.dequantize
-rounds, so the kernel multiplies exactly the reference's weights; what is left is the order of
-accumulation, as for the model-dtype kernels (tests/kernels/test_fused_moe.py): products that land
-one rounding apart in bf16 (2^-8) or fp16 (2^-11), a few of them carried into the down GEMM.
-bf16 1e-2 and fp16 2e-3 are ~4x what that gives; fp32 (interpreter, IEEE dots) 1e-5.
+Tolerances (||kernel - reference|| / ||reference||, kernel_testing.TOLERANCE): the reference
+multiplies the dequantized weights rounded to the activations' dtype (kernels/wna16.dequantize);
+the kernels factor scale and zero out of the dot (OFF + code, exact in 16 bits, then
+s * (dot - (OFF + z) * sum x) in float32, or on the FMA units for one token), so they multiply the
+unrounded weights: they differ from the reference by its weights' rounding (2^-9 relative in bf16,
+2^-12 in fp16, random in sign) and the order of accumulation, as for the model-dtype kernels
+(tests/kernels/test_fused_moe.py). bf16 1e-2 and fp16 2e-3 are several times what that gives; fp32
+(interpreter, IEEE dots) 1e-5.
 """
 from __future__ import annotations
 
@@ -157,9 +159,10 @@ def test_kernel_odd_widths_and_groups(device, bits, group_size, hidden, inter, n
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_m", [16, 32, 64])
 @pytest.mark.parametrize("swap_ab", [False, True])
-def test_every_block_size_and_operand_order(device, block_m, swap_ab):
-    """fused_moe_wna16_triton picks block_m, tiles and the operand order by size; each choice must
-    compute the same thing."""
+@pytest.mark.parametrize("factored", [True, False])
+def test_every_block_size_and_operand_order(device, block_m, swap_ab, factored):
+    """fused_moe_wna16_triton picks block_m, tiles, the operand order and the factored or
+    dequantizing inner product by size; each choice must compute the same thing."""
     from kernels.fused_moe_wna16 import fused_moe_wna16_triton, wna16_gemm_config
 
     x, logits, *stored = quantized_problem(45, 256, 128, 12, bits=4, group_size=64, seed=block_m)
@@ -167,9 +170,26 @@ def test_every_block_size_and_operand_order(device, block_m, swap_ab):
     experts = [prepare_wna16_experts(*[t.to(device) for t in s], 4, dtype, for_kernel=True) for s in stored]
     weights, ids = route_tokens_ref(logits, 3, False)
     expected = fused_moe_ref(x.to(dtype), *[dequantize(*s, 4, dtype) for s in stored], weights, ids)
-    config = {**wna16_gemm_config(block_m, 4), "SWAP_AB": swap_ab}
+    config = {**wna16_gemm_config(block_m, 4), "SWAP_AB": swap_ab, "FACTORED": factored}
     out = fused_moe_wna16_triton(x.to(device, dtype), *experts, weights.to(device), ids.to(device), block_m=block_m,
                                  config=config)
+    assert relative_error(out, expected) < TOLERANCE[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiles", [{}, {"gate_up": (16, 32, 4), "down": (64, 16, 2)}, {"down": (8, 64, 4)}])
+def test_single_token_paths(device, tiles):
+    """One token: the FMA kernel (4 bits) for gate_up and / or down, or the grouped GEMM for either,
+    over groups of 32 (BLOCK_W cut to 8 or 4 words) and widths with a part tile (H = 416)."""
+    from kernels.fused_moe_wna16 import moe_single_token_wna16_triton, wna16_gemm_config
+
+    x, logits, *stored = quantized_problem(1, 416, 96, 8, bits=4, group_size=32, seed=3)
+    dtype = low_precision_dtypes(device)[0]
+    experts = [prepare_wna16_experts(*[t.to(device) for t in s], 4, dtype, for_kernel=True) for s in stored]
+    x, logits = x.to(dtype), logits.to(dtype)
+    expected = fused_moe_ref(x, *[dequantize(*s, 4, dtype) for s in stored], *route_tokens_ref(logits, 2, True))
+    out = moe_single_token_wna16_triton(x.to(device), logits.to(device), *experts, 2, True,
+                                        config={**wna16_gemm_config(16, 4), "single_token": tiles})
     assert relative_error(out, expected) < TOLERANCE[dtype]
 
 
