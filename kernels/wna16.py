@@ -150,19 +150,22 @@ class WNA16Weight:
 # Kernel tilings: (block_n, block_m, num_warps, num_stages, split_k, kind); kind (kernels/wna16_gemm.py
 # wna16_matmul): 0 the tensor-core kernel, 1 the FMA kernel, 2 / 3 the factored FMA / tensor-core
 # kernels of kernels/wna16_decode.py (scale and zero applied per unit of words, not per weight),
-# which fall back to 1 / 0 for groups smaller than a unit (32, 64 columns at 4 bits).
+# which fall back to 1 / 0 for groups smaller than a unit (32, 64 columns at 4 bits); 4 / 5 those
+# two with the next unit's words prefetched into registers while this one is multiplied.
 MAX_SKINNY_ROWS = 16
 SKINNY_DEFAULT = (128, 16, 4, 3, 4, 3)
 SKINNY_VARIANTS = ((64, 16, 4, 4, 4, 0), (64, 16, 4, 3, 8, 0), (64, 1, 4, 4, 4, 1), (128, 1, 8, 4, 4, 1),
                    (64, 8, 4, 4, 4, 1),
                    (64, 1, 4, 2, 4, 2), (64, 1, 4, 2, 8, 2), (64, 1, 4, 2, 16, 2), (128, 1, 4, 2, 8, 2),
                    (128, 1, 8, 2, 4, 2), (128, 1, 8, 2, 8, 2),
-                   (128, 16, 4, 3, 4, 3), (128, 16, 4, 3, 8, 3), (64, 16, 4, 3, 4, 3), (64, 16, 4, 3, 2, 3))
+                   (128, 16, 4, 3, 4, 3), (128, 16, 4, 3, 8, 3), (64, 16, 4, 3, 4, 3), (64, 16, 4, 3, 2, 3),
+                   (128, 1, 4, 2, 4, 4), (128, 1, 4, 2, 8, 4), (256, 1, 4, 2, 8, 4), (256, 1, 4, 2, 16, 4),
+                   (128, 16, 4, 3, 8, 5), (128, 16, 4, 3, 16, 5))
 
 
 def is_fma_tiling(tiling: tuple) -> bool:
-    """An FMA tiling (kind 1 or 2): its block_m rows are all it multiplies per weight read."""
-    return len(tiling) > 5 and tiling[5] in (1, 2)
+    """An FMA tiling (kind 1, 2 or 4): its block_m rows are all it multiplies per weight read."""
+    return len(tiling) > 5 and tiling[5] in (1, 2, 4)
 
 
 # The tiling for M rows past MAX_SKINNY_ROWS: the first (bound, tiling) with M <= bound.

@@ -36,17 +36,54 @@ def supports(in_features: int, group_size: int, bits: int) -> bool:
     return group_size == in_features or group_size % unit_columns(bits) == 0
 
 
+@jit
+def _fma_unit(words, scale, zero, x_base, u, row_ok, K, BITS: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr):
+    """One unit's (BLOCK_M, BLOCK_N, 16) float32 sums, scale applied (the FMA kernel's body)."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    HALF: tl.constexpr = PER_WORD // 2
+    UNIT: tl.constexpr = PER_WORD * 16
+    MASK: tl.constexpr = (1 << BITS) - 1
+    r = tl.arange(0, 16)[None, None, :]
+    high = words >> 16
+    part = tl.zeros([BLOCK_M, BLOCK_N, 16], dtype=tl.float32)
+    for i in tl.static_range(HALF):
+        # 2^23 + z * 2^(BITS * i), built as bits (exact)
+        c = ((zero << (BITS * i)) | 0x4B000000).to(tl.float32, bitcast=True)
+        for h in tl.static_range(2):
+            k0 = u * UNIT + (h * HALF + i) * 16
+            x = tl.load(x_base + k0, mask=row_ok[:, None, None] & (k0 + r < K), other=0.0).to(tl.float32)
+            x = x * (1.0 / (1 << (BITS * i)))
+            if h == 0:
+                field = words & (MASK << (BITS * i))
+            else:
+                field = high & (MASK << (BITS * i))
+            f = (field | 0x4B000000).to(tl.float32, bitcast=True) - c  # (q - z) * 2^(BITS * i)
+            part += f * x
+    return part * scale
+
+
+@jit
+def _unit_scale_zero(scale_ptr, zero_ptr, u, cols, col_ok, N, GROUP, UNIT: tl.constexpr):
+    g = (u * UNIT) // GROUP
+    scale = tl.load(scale_ptr + g * N + cols, mask=col_ok, other=0.0).to(tl.float32)
+    zero = tl.load(zero_ptr + g * N + cols, mask=col_ok, other=0).to(tl.int32)
+    return scale, zero
+
+
 @jit(do_not_specialize=["M"])
 def _factored_fma_kernel(
     x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, part_ptr, arrivals_ptr,
     M, N, K, GROUP, UNITS_PER_SPLIT, stride_xm, stride_om,
     BITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-    SPLIT_K: tl.constexpr, PDL: tl.constexpr,
+    SPLIT_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = 0, LOOP_STAGES: tl.constexpr = 0,
 ):
+    """PREFETCH 1: the next unit's words, scales and zeros are loaded (into registers) before this
+    unit is multiplied, so every program keeps a load in flight while it computes (without it the
+    programs, all resident at once, alternate load and compute in step). LOOP_STAGES > 0: Triton's
+    pipeliner on the unit loop instead (tl.range num_stages)."""
     PER_WORD: tl.constexpr = 32 // BITS
-    HALF: tl.constexpr = PER_WORD // 2
     UNIT: tl.constexpr = PER_WORD * 16
-    MASK: tl.constexpr = (1 << BITS) - 1
     m_tiles = tl.cdiv(M, BLOCK_M)
     tile = tl.program_id(0)
     cols = (tile // m_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -59,26 +96,29 @@ def _factored_fma_kernel(
     u_begin = tl.program_id(1) * UNITS_PER_SPLIT
     u_end = tl.minimum(u_begin + UNITS_PER_SPLIT, tl.cdiv(K, UNIT))
     pdl_prologue(PDL)
-    for u in range(u_begin, u_end):
-        words = tl.load(w_base + u * (64 * 16), mask=col_ok[None, :, None], other=0)
-        g = (u * UNIT) // GROUP
-        scale = tl.load(scale_ptr + g * N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :, None]
-        zero = tl.load(zero_ptr + g * N + cols, mask=col_ok, other=0).to(tl.int32)[None, :, None]
-        part = tl.zeros([BLOCK_M, BLOCK_N, 16], dtype=tl.float32)
-        for i in tl.static_range(HALF):
-            # 2^23 + z * 2^(BITS * i), built as bits (exact)
-            c = ((zero << (BITS * i)) | 0x4B000000).to(tl.float32, bitcast=True)
-            for h in tl.static_range(2):
-                k0 = u * UNIT + (h * HALF + i) * 16
-                x = tl.load(x_base + k0, mask=row_ok[:, None, None] & (k0 + r < K), other=0.0).to(tl.float32)
-                x = x * (1.0 / (1 << (BITS * i)))
-                if h == 0:
-                    field = words & (MASK << (BITS * i))
-                else:
-                    field = (words >> 16) & (MASK << (BITS * i))
-                f = (field | 0x4B000000).to(tl.float32, bitcast=True) - c  # (q - z) * 2^(BITS * i)
-                part += f * x
-        acc += part * scale
+    if PREFETCH:
+        ok = col_ok & (cols * 0 + u_begin < u_end)  # (a tensor, as the interpreter wants)
+        words = tl.load(w_base + u_begin * (64 * 16), mask=ok[None, :, None], other=0)
+        scale, zero = _unit_scale_zero(scale_ptr, zero_ptr, u_begin, cols, ok, N, GROUP, UNIT)
+        for u in range(u_begin, u_end):
+            ok = col_ok & (cols * 0 + u + 1 < u_end)
+            words_next = tl.load(w_base + (u + 1) * (64 * 16), mask=ok[None, :, None], other=0)
+            scale_next, zero_next = _unit_scale_zero(scale_ptr, zero_ptr, u + 1, cols, ok, N, GROUP, UNIT)
+            acc += _fma_unit(words, scale[None, :, None], zero[None, :, None], x_base, u, row_ok, K, BITS, BLOCK_M,
+                             BLOCK_N)
+            words, scale, zero = words_next, scale_next, zero_next
+    elif LOOP_STAGES > 0:
+        for u in tl.range(u_begin, u_end, num_stages=LOOP_STAGES):
+            words = tl.load(w_base + u * (64 * 16), mask=col_ok[None, :, None], other=0)
+            scale, zero = _unit_scale_zero(scale_ptr, zero_ptr, u, cols, col_ok, N, GROUP, UNIT)
+            acc += _fma_unit(words, scale[None, :, None], zero[None, :, None], x_base, u, row_ok, K, BITS, BLOCK_M,
+                             BLOCK_N)
+    else:
+        for u in range(u_begin, u_end):
+            words = tl.load(w_base + u * (64 * 16), mask=col_ok[None, :, None], other=0)
+            scale, zero = _unit_scale_zero(scale_ptr, zero_ptr, u, cols, col_ok, N, GROUP, UNIT)
+            acc += _fma_unit(words, scale[None, :, None], zero[None, :, None], x_base, u, row_ok, K, BITS, BLOCK_M,
+                             BLOCK_N)
     _finish(tl.sum(acc, axis=2), rows, cols, row_ok, col_ok, bias_ptr, out_ptr, part_ptr, arrivals_ptr, M, N,
             stride_om, tile, HAS_BIAS, BLOCK_M, BLOCK_N, SPLIT_K)
 
@@ -116,18 +156,50 @@ def _int4_pairs_asm(words, MAGIC: tl.constexpr, dtype: tl.constexpr):
                                          is_pure=True, pack=2)
 
 
+@jit
+def _dot_unit(words, scale, zero, x_base, u, row_ok, K, BITS: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, MAGIC: tl.constexpr, USE_ASM: tl.constexpr):
+    """One unit's (BLOCK_N, BLOCK_M) float32 sums, scale and zero applied (the dot kernel's body)."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    UNIT: tl.constexpr = PER_WORD * 16
+    OFF: tl.constexpr = 0.0 if MAGIC == 0 else 128.0 if MAGIC == 0x4300 else 1024.0
+    dtype = x_base.dtype.element_ty
+    r = tl.arange(0, 16)
+    part = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    x_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if MAGIC != 0 and USE_ASM:
+        qs = _int4_pairs_asm(words, MAGIC, dtype)
+        for j in tl.static_range(PER_WORD):
+            k0 = u * UNIT + j * 16
+            x = tl.load(x_base + k0, mask=row_ok[:, None] & (k0 + r < K)[None, :], other=0.0)
+            x_sum += tl.sum(x.to(tl.float32), axis=1)
+            part = tl.dot(qs[j], tl.trans(x), part)
+    else:
+        for j in tl.static_range(PER_WORD):
+            k0 = u * UNIT + j * 16
+            x = tl.load(x_base + k0, mask=row_ok[:, None] & (k0 + r < K)[None, :], other=0.0)
+            field = (words >> (BITS * j)) & ((1 << BITS) - 1)
+            if MAGIC != 0:
+                q = (field | MAGIC).to(tl.int16).to(dtype, bitcast=True)  # OFF + q, exactly
+            else:
+                q = ((field | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0).to(dtype)
+            x_sum += tl.sum(x.to(tl.float32), axis=1)
+            part = tl.dot(q, tl.trans(x), part)
+    return scale[:, None] * (part - (zero.to(tl.float32) + OFF)[:, None] * x_sum[None, :])
+
+
 @jit(do_not_specialize=["M"])
 def _factored_dot_kernel(
     x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, part_ptr, arrivals_ptr,
     M, N, K, GROUP, UNITS_PER_SPLIT, stride_xm, stride_om,
     BITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
     SPLIT_K: tl.constexpr, PDL: tl.constexpr, MAGIC: tl.constexpr, USE_ASM: tl.constexpr,
+    PREFETCH: tl.constexpr = 0,
 ):
-    """MAGIC: 0x4300 (bfloat16 x) or 0x6400 (float16), 0 for the float32 path (8 bits, float32 x)."""
+    """MAGIC: 0x4300 (bfloat16 x) or 0x6400 (float16), 0 for the float32 path (8 bits, float32 x).
+    PREFETCH: as in _factored_fma_kernel."""
     PER_WORD: tl.constexpr = 32 // BITS
     UNIT: tl.constexpr = PER_WORD * 16
-    OFF: tl.constexpr = 0.0 if MAGIC == 0 else 128.0 if MAGIC == 0x4300 else 1024.0
-    dtype = x_ptr.dtype.element_ty
     m_tiles = tl.cdiv(M, BLOCK_M)
     tile = tl.program_id(0)
     cols = (tile // m_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -140,40 +212,29 @@ def _factored_dot_kernel(
     u_begin = tl.program_id(1) * UNITS_PER_SPLIT
     u_end = tl.minimum(u_begin + UNITS_PER_SPLIT, tl.cdiv(K, UNIT))
     pdl_prologue(PDL)
-    for u in range(u_begin, u_end):
-        words = tl.load(w_base + u * (64 * 16), mask=col_ok[:, None], other=0)
-        g = (u * UNIT) // GROUP
-        scale = tl.load(scale_ptr + g * N + cols, mask=col_ok, other=0.0).to(tl.float32)
-        zero = tl.load(zero_ptr + g * N + cols, mask=col_ok, other=0).to(tl.float32)
-        part = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        x_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-        if MAGIC != 0 and USE_ASM:
-            qs = _int4_pairs_asm(words, MAGIC, dtype)
-            for j in tl.static_range(PER_WORD):
-                k0 = u * UNIT + j * 16
-                x = tl.load(x_base + k0, mask=row_ok[:, None] & (k0 + r < K)[None, :], other=0.0)
-                x_sum += tl.sum(x.to(tl.float32), axis=1)
-                part = tl.dot(qs[j], tl.trans(x), part)
-        else:
-            for j in tl.static_range(PER_WORD):
-                k0 = u * UNIT + j * 16
-                x = tl.load(x_base + k0, mask=row_ok[:, None] & (k0 + r < K)[None, :], other=0.0)
-                field = (words >> (BITS * j)) & ((1 << BITS) - 1)
-                if MAGIC != 0:
-                    q = (field | MAGIC).to(tl.int16).to(dtype, bitcast=True)  # OFF + q, exactly
-                else:
-                    q = ((field | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0).to(dtype)
-                x_sum += tl.sum(x.to(tl.float32), axis=1)
-                part = tl.dot(q, tl.trans(x), part)
-        acc += scale[:, None] * (part - (zero + OFF)[:, None] * x_sum[None, :])
+    if PREFETCH:
+        ok = col_ok & (cols * 0 + u_begin < u_end)  # (a tensor, as the interpreter wants)
+        words = tl.load(w_base + u_begin * (64 * 16), mask=ok[:, None], other=0)
+        scale, zero = _unit_scale_zero(scale_ptr, zero_ptr, u_begin, cols, ok, N, GROUP, UNIT)
+        for u in range(u_begin, u_end):
+            ok = col_ok & (cols * 0 + u + 1 < u_end)
+            words_next = tl.load(w_base + (u + 1) * (64 * 16), mask=ok[:, None], other=0)
+            scale_next, zero_next = _unit_scale_zero(scale_ptr, zero_ptr, u + 1, cols, ok, N, GROUP, UNIT)
+            acc += _dot_unit(words, scale, zero, x_base, u, row_ok, K, BITS, BLOCK_M, BLOCK_N, MAGIC, USE_ASM)
+            words, scale, zero = words_next, scale_next, zero_next
+    else:
+        for u in range(u_begin, u_end):
+            words = tl.load(w_base + u * (64 * 16), mask=col_ok[:, None], other=0)
+            scale, zero = _unit_scale_zero(scale_ptr, zero_ptr, u, cols, col_ok, N, GROUP, UNIT)
+            acc += _dot_unit(words, scale, zero, x_base, u, row_ok, K, BITS, BLOCK_M, BLOCK_N, MAGIC, USE_ASM)
     _finish(tl.trans(acc), rows, cols, row_ok, col_ok, bias_ptr, out_ptr, part_ptr, arrivals_ptr, M, N, stride_om,
             tile, HAS_BIAS, BLOCK_M, BLOCK_N, SPLIT_K)
 
 
 def factored_matmul(x: torch.Tensor, layout: dict[str, torch.Tensor], n: int, bits: int, group_size: int,
                     bias: torch.Tensor | None = None, *, block_n: int = 64, block_m: int = 1, num_warps: int = 4,
-                    num_stages: int = 4, split_k: int = 1, dot: bool = False, use_asm: bool = False
-                    ) -> torch.Tensor:
+                    num_stages: int = 4, split_k: int = 1, dot: bool = False, use_asm: bool = False,
+                    prefetch: int = 0, loop_stages: int = 0) -> torch.Tensor:
     """wna16_gemm.wna16_matmul's product by the factored kernels (``dot``: the tensor-core one;
     ``use_asm``: its PTX dequantization of 4-bit codes, CUDA only, off: the call does not compile yet
     under Triton 3.6 (H200, 2026-11-26; to debug: the pack=2 tuple of eight outputs))."""
@@ -196,7 +257,7 @@ def factored_matmul(x: torch.Tensor, layout: dict[str, torch.Tensor], n: int, bi
     if dot:
         use_asm = use_asm and x.is_cuda
         magic = {torch.bfloat16: 0x4300, torch.float16: 0x6400}.get(x.dtype, 0) if bits == 4 else 0
-        _factored_dot_kernel[(tiles, split_k)](*args, MAGIC=magic, USE_ASM=use_asm, **meta)
+        _factored_dot_kernel[(tiles, split_k)](*args, MAGIC=magic, USE_ASM=use_asm, PREFETCH=prefetch, **meta)
     else:
-        _factored_fma_kernel[(tiles, split_k)](*args, **meta)
+        _factored_fma_kernel[(tiles, split_k)](*args, PREFETCH=prefetch, LOOP_STAGES=loop_stages, **meta)
     return out

@@ -179,7 +179,7 @@ def _finish(acc, rows, cols, row_ok, col_ok, bias_ptr, out_ptr, part_ptr, arriva
         arrived = tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT_K - 1:
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for split in range(SPLIT_K):
+            for split in tl.static_range(SPLIT_K):  # unrolled: every load issued at once
                 acc += tl.load(part_ptr + (split * M + rows)[:, None] * N + cols[None, :], mask=mask, other=0.0,
                                cache_modifier=".cg")
             _store_output(acc, rows, cols, col_ok, mask, bias_ptr, out_ptr, stride_om, HAS_BIAS)
@@ -201,18 +201,20 @@ def wna16_matmul(x: torch.Tensor, layout: dict[str, torch.Tensor], n: int, bits:
                  num_stages: int = 4, split_k: int = 1, fma: bool = False, kind: int | None = None) -> torch.Tensor:
     """x (M, K) with unit column stride @ the weight (N, K) in ``layout``.T (+ bias) -> (M, N) in x's dtype.
     ``kind``: 0 the tensor-core kernel, 1 the FMA kernel (a few rows), 2 / 3 the factored FMA /
-    tensor-core kernels of kernels/wna16_decode.py where the grouping allows (else 1 / 0);
+    tensor-core kernels of kernels/wna16_decode.py where the grouping allows (else 1 / 0), 4 / 5
+    the same with the next unit's words loaded before this one is multiplied (``prefetch``);
     ``fma``: kind 1 (when ``kind`` is not given)."""
     if kind is None:
         kind = 1 if fma else 0
     if kind >= 2:
         from kernels import wna16_decode
 
+        dot = kind in (3, 5)
         if wna16_decode.supports(x.shape[1], group_size, bits):
             return wna16_decode.factored_matmul(x, layout, n, bits, group_size, bias, block_n=block_n, block_m=block_m,
                                                 num_warps=num_warps, num_stages=num_stages, split_k=split_k,
-                                                dot=kind == 3)
-        kind -= 2
+                                                dot=dot, prefetch=int(kind >= 4))
+        kind = 0 if dot else 1
     fma = kind == 1
     m, k = x.shape
     assert x.stride(1) == 1

@@ -156,7 +156,7 @@ def test_every_decode_tiling_matches_the_reference(device, variant):
 @pytest.mark.parametrize("group_size", [128, 256, None])
 def test_factored_kernels_match_the_reference(device, bits, group_size):
     """kernels/wna16_decode.py (scale and zero per unit of words) on the groupings it takes, both
-    kernels, split-K and not."""
+    kernels, split-K and not, with and without the prefetch of the next unit."""
     n, k = 150, 768
     stored, scale, zero = quantized(n, k, bits, group_size)
     assert wna16_decode.supports(k, group_size or k, bits)
@@ -167,7 +167,9 @@ def test_factored_kernels_match_the_reference(device, bits, group_size):
             x = torch.randn(m, k, device=device).to(dtype)
             bias = torch.randn(n, device=device).to(dtype) if m == 5 else None
             options = [dict(block_m={1: 1, 5: 8, 16: 16}[m], split_k=2), dict(block_m=16, dot=True, split_k=1),
-                       dict(block_m=16, dot=True, split_k=4, block_n=128)]
+                       dict(block_m=16, dot=True, split_k=4, block_n=128),
+                       dict(block_m={1: 1, 5: 8, 16: 16}[m], split_k=3, block_n=256, prefetch=1),  # kind 4
+                       dict(block_m=16, dot=True, split_k=2, block_n=128, prefetch=1)]  # kind 5
             for option in options:
                 out = wna16_decode.factored_matmul(x, weight.kernel, n, bits, group_size or k, bias, **option)
                 assert relative_error(out, wna16_linear_ref(x, ref, bias)) < TOLERANCE[dtype], (dtype, m, option)
