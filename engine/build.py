@@ -167,7 +167,8 @@ def load_hf_dir(path: str):
     return hf_config, get, tokenizer
 
 
-def build_engine(checkpoint: str, output_dir: str, build: BuildConfig, *, progress: bool = True) -> EngineConfig:
+def build_engine(checkpoint: str, output_dir: str, build: BuildConfig, *, progress: bool = True,
+                 calibration_tokens: int = 512) -> EngineConfig:
     """Build ``output_dir`` from a HF directory or a ``.gguf`` file."""
     build.validate()
     if os.path.isfile(checkpoint) and checkpoint.endswith(".gguf"):
@@ -180,12 +181,14 @@ def build_engine(checkpoint: str, output_dir: str, build: BuildConfig, *, progre
             f"checkpoint {checkpoint!r} does not exist or is neither a directory nor a .gguf file; "
             "allowed inputs: a HF directory with config.json + *.safetensors, or a .gguf file"
         )
-    return build_from_hf(hf_config, get, tokenizer, output_dir, build, source=checkpoint, progress=progress)
+    return build_from_hf(hf_config, get, tokenizer, output_dir, build, source=checkpoint, progress=progress,
+                         calibration_tokens=calibration_tokens)
 
 
 def build_from_hf(hf_config, get: TensorGetter, tokenizer, output_dir: str, build: BuildConfig, *,
-                  source: str = "", progress: bool = True) -> EngineConfig:
-    """Build from an already-loaded HF config + tensor getter (lets callers reuse a loaded model)."""
+                  source: str = "", progress: bool = True, calibration_tokens: int = 512) -> EngineConfig:
+    """Build from an already-loaded HF config + tensor getter (lets callers reuse a loaded model).
+    ``calibration_tokens``: tokens of the built-in text ``int4_awq`` calibrates on."""
     model = model_config_from_hf(hf_config)
     get = language_model_getter(hf_config, get)  # a multimodal checkpoint: its language model's tensors
     check_tp_divides(model, build.tp_size)
@@ -208,7 +211,7 @@ def build_from_hf(hf_config, get: TensorGetter, tokenizer, output_dir: str, buil
     else:
         build = resolve_group_size(build, model)
     if build.quantization == "int4_awq" and integer_quant is None:
-        get = awq_getter(hf_config, get, tokenizer, build)
+        get = awq_getter(hf_config, get, tokenizer, build, calibration_tokens)
         extra["source_quantization"] = "AWQ scales calibrated at build (engine/weight_only/awq.py)"
     if strategy is not None:
         # An FP8 checkpoint builds an FP8 engine: its weights exist only as E4M3 values, and
@@ -241,7 +244,7 @@ def with_checkpoint_scheme(build: BuildConfig, quant, source: str) -> BuildConfi
                                quant_act_order=quant.act_order).validate()
 
 
-def awq_getter(hf_config, get: TensorGetter, tokenizer, build: BuildConfig) -> TensorGetter:
+def awq_getter(hf_config, get: TensorGetter, tokenizer, build: BuildConfig, calibration_tokens: int) -> TensorGetter:
     """The float weights with AWQ's activation-aware scales folded in (engine/weight_only/awq.py),
     calibrated on the model itself in float32: on the GPU when there is one."""
     from transformers import AutoModelForCausalLM
@@ -262,8 +265,10 @@ def awq_getter(hf_config, get: TensorGetter, tokenizer, build: BuildConfig) -> T
     hf_model.load_state_dict(state, strict=False)
     hf_model.tie_weights()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    group = build.weight_only.group_size or None
-    transformed = awq_transform(hf_model.to(device), tokenizer, bits=4, group_size=group or 128, device=device)
+    if build.weight_only.group_size == 0:
+        raise ConfigError("--quantization int4_awq searches scales per group; give --group_size 32, 64, 128 or 256")
+    transformed = awq_transform(hf_model.to(device), tokenizer, bits=4, group_size=build.weight_only.group_size,
+                                max_tokens=calibration_tokens, device=device)
     return getter_from_state_dict({k: v.cpu() for k, v in transformed.items()}, "AWQ-scaled weights")
 
 
@@ -294,6 +299,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="int8_wo/int4_wo/int4_awq: input columns per scale group (32, 64, 128, 256) or 0 for one "
                         "group per output channel; default: 128 for int4 (64 or 32 where 128 does not divide a "
                         "layer's width), per channel for int8")
+    p.add_argument("--calib_tokens", type=int, default=512,
+                   help="int4_awq: tokens of the built-in calibration text the scales are searched on")
     p.add_argument("--kv_cache_dtype", choices=["auto", "fp8"], default="auto",
                    help="fp8: the paged KV pool in FP8 E4M3 (scale 1, saturating), half the bytes per block; "
                         "the tensorrt_llm model parameter kv_cache_dtype may override it")
@@ -310,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         kv_cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
     )
     try:
-        build_engine(args.checkpoint, args.output, build)
+        build_engine(args.checkpoint, args.output, build, calibration_tokens=args.calib_tokens)
     except (ConfigError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
