@@ -1,10 +1,10 @@
 """AWQ calibration (engine.weight_only.awq): folding the scales keeps the float model's function on
-every supported layout, clipping leaves q/k alone and only shrinks, experts stay untouched, and on
-the embedded SmolLM2 an AWQ model agrees with the float one at least as often as plain RTN."""
+every supported layout, clipping leaves q/k alone and only shrinks, and experts stay untouched. What
+AWQ buys on real weights is measured through the build, on the embedded SmolLM2
+(tests/engine/test_smollm2_int4.py)."""
 from __future__ import annotations
 
 import copy
-import time
 
 import pytest
 import torch
@@ -30,24 +30,6 @@ FAMILIES = {
         shared_expert_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[])),
 }
 GROUP = 32
-# Not the calibration text: a held-out passage for the real-model comparison (~300 tokens).
-HELD_OUT = """\
-The lighthouse keeper kept a logbook for thirty-one years. Each entry began with the weather, the height of the tide \
-and the state of the lamp, and only then, if there was room, did he write about anything else. On calm nights he noted \
-the ships that passed: a grain carrier heading for Rotterdam, a ferry running late, once a tall ship with every sail \
-set, lit from below by the beam as it swept across the water. In winter the entries grew shorter. Storms would cut the \
-telephone line for days, and the supply boat could not land, so he rationed the paraffin and read the same six books \
-again.
-
-When the light was automated in 1987, an engineer from the mainland came to install the new equipment. "It will run \
-itself," she told him. "Sensors for the fog, a backup generator, and an alarm that rings in the harbour office if \
-anything fails." He asked what would happen to the logbooks. She said they would probably go to the county archive, \
-where researchers studying old weather records might find them useful. He seemed pleased by that.
-
-Today the keeper's cottage is rented to visitors in the summer. A framed page from the logbook hangs by the door. It \
-records a gale from the south-west, a barometer falling fast, and a single line at the bottom in smaller handwriting: \
-saw the first swallows today, three of them, on the gallery rail.
-"""
 
 
 class ByteTokenizer:
@@ -165,42 +147,3 @@ def test_unsupported_layouts_and_group_sizes_are_refused():
         awq_transform(gpt2, ByteTokenizer(), group_size=GROUP)
     with pytest.raises(ConfigError, match="group size 48"):
         awq_transform(tiny_model("llama"), ByteTokenizer(), group_size=48)
-
-
-# ---- the embedded real model ----------------------------------------------------------------
-
-def _quantized_decoder(model, state: dict, prefix: str, group_size: int):
-    """A copy of ``model`` holding ``state`` with every decoder linear weight RTN int4 fake-quantized."""
-    state = {name: fake_quantize(tensor, 4, group_size) if name.startswith(prefix) and name.endswith("_proj.weight")
-             else tensor for name, tensor in state.items()}
-    clone = copy.deepcopy(model)
-    clone.load_state_dict(state)
-    return clone
-
-
-@torch.no_grad()
-def _predictions(model, ids: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """(teacher-forced top-1 next tokens, mean NLL of the text)."""
-    logits = model(ids).logits[0, :-1]
-    return logits.argmax(-1), torch.nn.functional.cross_entropy(logits, ids[0, 1:]).item()
-
-
-def test_awq_agrees_with_the_float_model_at_least_as_often_as_rtn(smollm2_hf):
-    model, tokenizer = smollm2_hf
-    # SmolLM2-135M's 576 hidden columns are not a multiple of 128: group 64 is the nearest that fits.
-    group_size = 64
-    prefix = decoder_layers(model)[0] + "."
-    ids = torch.tensor([tokenizer(HELD_OUT)["input_ids"]])
-    float_top, float_nll = _predictions(model, ids)
-    state = {name: tensor.float() for name, tensor in model.state_dict().items()}
-    rtn_top, rtn_nll = _predictions(_quantized_decoder(model, state, prefix, group_size), ids)
-    start = time.perf_counter()
-    awq_state = awq_transform(model, tokenizer, group_size=group_size, max_tokens=256)
-    seconds = time.perf_counter() - start
-    awq_top, awq_nll = _predictions(_quantized_decoder(model, awq_state, prefix, group_size), ids)
-    rtn_agreement = (rtn_top == float_top).float().mean().item()
-    awq_agreement = (awq_top == float_top).float().mean().item()
-    print(f"\n{ids.shape[1]} held-out tokens, int4 g{group_size}: top-1 agreement with float RTN {rtn_agreement:.3f}, "
-          f"AWQ {awq_agreement:.3f}; NLL float {float_nll:.4f}, RTN {rtn_nll:.4f}, AWQ {awq_nll:.4f}; "
-          f"AWQ calibration {seconds:.1f} s")
-    assert awq_agreement >= rtn_agreement
