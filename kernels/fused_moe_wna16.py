@@ -114,12 +114,15 @@ def tile_k(block_k: int, bits: int, in_features: int, group_size: int) -> tuple[
 def wna16_gemm_config(block_m: int, bits: int) -> dict:
     """kernels/fused_moe.gemm_config with BLOCK_K counted in stored bytes a row (4 bits: two codes
     a byte), so a step covers as many columns as the model-dtype kernel's; SWAP_AB (the kernel's)
-    for blocks of 32 and 64 rows. Measured on an H200 with Qwen3-30B-A3B's experts (int4, g128):
+    for blocks of 32 and 64 rows; FACTORED off: on an H200 (Qwen3-30B-A3B int4 g128) the factored
+    inner product (_factored_dot) was slower at every size and tiling tried (8 tokens 174-250 us
+    against 145 us dequantizing, 512 tokens 1375-1546 against 1344, 4096 tokens 14.0-15.3 ms
+    against 13.6): its per-tile correction costs more than it saves on tiles this thin. Measured on an H200 with Qwen3-30B-A3B's experts (int4, g128):
     swapped, 4096 tokens took 13.0 ms instead of 16.3 and 512 tokens 1.32 ms instead of 1.38;
     decode blocks of 16 were faster unswapped (one token 43 us instead of 48-61)."""
     config = gemm_config(block_m)
     block_k = config["BLOCK_K"] // 2 if bits == 4 else config["BLOCK_K"]
-    return {**config, "BLOCK_K": block_k, "SWAP_AB": block_m > 16}
+    return {**config, "BLOCK_K": block_k, "SWAP_AB": block_m > 16, "FACTORED": False}
 
 
 def factored_magic(dtype: torch.dtype, bits: int) -> int:
@@ -291,7 +294,7 @@ def _wna16_grouped_gemm(a, experts: WNA16Experts, out, blocks, topk_ids, topk_we
                         rows_per_token: bool, gated: bool, mul_weight: bool, block_m: int, config: dict,
                         router_logits: torch.Tensor | None = None, renormalize: bool = False) -> None:
     """kernels/fused_moe._grouped_gemm over quantized experts (same arguments)."""
-    cfg = {"SWAP_AB": False, "FACTORED": True, **config}
+    cfg = {"SWAP_AB": False, "FACTORED": False, **config}
     block_n = cfg.pop("BLOCK_N")
     block_k, one_group = tile_k(cfg.pop("BLOCK_K"), experts.bits, experts.in_features, experts.group_size)
     factored = cfg.pop("FACTORED") and one_group
@@ -332,9 +335,10 @@ def _single_token_int4_kernel(
     RENORMALIZE: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_W: tl.constexpr,
 ):
-    """One token's product with its K 4-bit experts on the FMA units (one row: no tensor-core tile
-    to fill), program (slot, column tile): out[slot, cols] = a_row . w[expert, cols, :] with the
-    blocks, routing and epilogue of _wna16_grouped_gemm_kernel's ONE_PER_BLOCK. The weight is read
+    """A few tokens' products with their 4-bit experts on the FMA units (one row: no tensor-core tile
+    to fill), program (assignment slot, column tile): out[slot, cols] = a_row . w[expert, cols, :] with
+    the blocks, routing and epilogue of _wna16_grouped_gemm_kernel's ONE_PER_BLOCK (gate_up: row
+    slot // TOP_K of x). The weight is read
     as int32 words (four stored bytes: columns 4w + b in the low nibbles, K/2 + 4w + b in the high
     ones); a 16-bit half holds four fields, each made (q - z) 2^(4I) exactly (_nibble_field: one
     LOP3 and one FADD a weight) and multiplied by an activation scaled by 2^-(4I) (FFMA); the scale
@@ -343,8 +347,8 @@ def _single_token_int4_kernel(
     slot = tl.program_id(0)
     _, _, expert = block_rows(slot, topk_ids_ptr, topk_ids_ptr, topk_ids_ptr, topk_weights_ptr, logits_ptr,
                               num_experts, 1, TOP_K, True, ROUTE_IN_KERNEL, RENORMALIZE, K_PAD, E_PAD, 16)
-    if GATED:  # gate_up: x's one row
-        a_row = a_ptr
+    if GATED:  # gate_up: the token's row of x
+        a_row = a_ptr + (slot // TOP_K) * stride_am
     else:  # down: act's row `slot`
         a_row = a_ptr + slot * stride_am
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -407,8 +411,13 @@ def _single_token_int4_kernel(
     tl.store(out_ptr + slot * stride_om + cols, out.to(dtype), mask=col_ok)
 
 
-# Single-token FMA kernel tiles (BLOCK_N rows, BLOCK_W words, warps) of gate_up and down.
-SINGLE_TOKEN_TILES = {"gate_up": (16, 32, 4), "down": (32, 32, 4)}
+# FMA kernel tiles (BLOCK_N rows, BLOCK_W words, warps) of gate_up and down, the fastest of a sweep on
+# an H200 (benchmarks/moe_wna16_bench.py --sweep, Qwen3-30B-A3B int4 g128, one token: 25.7 us, the
+# grouped GEMM 43.6 us, bf16 28.6 us).
+SINGLE_TOKEN_TILES = {"gate_up": (8, 32, 2), "down": (16, 32, 2)}
+# Up to this many assignments (T * K) every assignment is a program of the FMA kernel, reading its
+# expert's weight on its own (few tokens: most experts chosen once), instead of the grouped GEMM.
+FMA_MAX_ASSIGNMENTS = 64
 
 
 def single_token_words(experts: WNA16Experts, block_w: int) -> int:
@@ -421,14 +430,15 @@ def single_token_words(experts: WNA16Experts, block_w: int) -> int:
 
 
 def _single_token_int4(a, experts: WNA16Experts, out, topk_ids, topk_weights, *, n: int, top_k: int, gated: bool,
-                       mul_weight: bool, tiles: tuple, router_logits=None, renormalize: bool = False) -> None:
+                       mul_weight: bool, tiles: tuple, router_logits=None, renormalize: bool = False,
+                       slots: int | None = None) -> None:
     block_n, block_w, warps = tiles
     block_w = single_token_words(experts, block_w)
     weight = experts.kernel["weight"]
     words = weight.view(torch.int32)
     scale, zero = experts.kernel["scale"], experts.kernel["zero"]
     assert a.is_contiguous() and a.shape[1] == experts.in_features
-    _single_token_int4_kernel[(top_k, triton.cdiv(n, block_n))](
+    _single_token_int4_kernel[(slots or top_k, triton.cdiv(n, block_n))](
         a, words, scale, zero, out, topk_ids, topk_weights,
         router_logits if router_logits is not None else topk_weights, experts.num_experts, n,
         words.shape[2], experts.group_size, a.stride(0), words.stride(0), words.stride(1), scale.stride(0), out.stride(0),
@@ -484,6 +494,19 @@ def fused_moe_wna16_triton(x: torch.Tensor, gate_up: WNA16Experts, down: WNA16Ex
     num_assignments = num_tokens * top_k
     if num_tokens == 0:
         return torch.empty_like(x)
+    tiles = SINGLE_TOKEN_TILES if config is None else config.get("single_token", {})
+    if (num_assignments <= FMA_MAX_ASSIGNMENTS and block_m is None and "gate_up" in tiles and "down" in tiles
+            and single_token_words(gate_up, tiles["gate_up"][1]) and single_token_words(down, tiles["down"][1])):
+        flat_ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
+        weights = topk_weights.reshape(-1).float().contiguous()
+        act = torch.empty(num_assignments, inter, dtype=x.dtype, device=x.device)
+        _single_token_int4(x.contiguous(), gate_up, act, flat_ids, weights, n=inter, top_k=top_k, gated=True,
+                           mul_weight=False, tiles=tiles["gate_up"], slots=num_assignments)
+        out_k = torch.empty(num_assignments, hidden, dtype=x.dtype, device=x.device)
+        _single_token_int4(act, down, out_k, flat_ids, weights, n=hidden, top_k=top_k, gated=False, mul_weight=True,
+                           tiles=tiles["down"], slots=num_assignments)
+        return out_k.view(num_tokens, top_k, hidden).sum(dim=1)
+    config = None if config is None else _config(config, 0, 0)
     block_m = block_m or choose_block_m(num_assignments, gate_up.num_experts)
     blocks = None if num_tokens == 1 else moe_align(topk_ids, gate_up.num_experts, block_m)
     flat_ids = topk_ids.reshape(-1).contiguous()
