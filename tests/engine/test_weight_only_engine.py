@@ -198,3 +198,30 @@ def test_cuda_engine_with_graphs_matches_the_cpu_reference(family, quantization,
     got = torch.cat([session.step([(0, tokens[:-2])])[0]] + [session.step([(0, [t])])[0] for t in tokens[-2:]])
     error = ((got.float().cpu() - expected.float()).norm() / expected.float().norm()).item()
     assert error < 2e-2, f"{family} {quantization}: relative error {error:.2e} against the CPU reference"
+
+
+def test_lora_adapters_on_integer_base_weights(tmp_path):
+    """An adapter served on an INT4 engine equals the dequantized model with the adapter merged in
+    (greedy ids, mixed adapter and base rows in one batch): the adapters read the layer's input in
+    the model dtype, beside the integer product."""
+    from engine.executor import Executor, ExecutorConfig, LoraRequest
+    from engine_testing import make_engine
+    from test_lora_merged import POOL, greedy, merged, write_adapter
+
+    hf = groupable_llama()
+    weights = write_adapter(hf, tmp_path / "adapter", rank=8, alpha=16, seed=1)
+    dequantized = dequantized_hf(hf, 4, 32)
+    expected_base = make_engine(dequantized, tmp_path / "base")
+    expected_adapter = make_engine(merged(dequantized, weights, 2.0), tmp_path / "merged")
+    prompts = [random_tokens(6 + 3 * i, seed=40 + i) for i in range(2)]
+    wanted = {}
+    for key, engine_dir in (("base", expected_base), ("adapter", expected_adapter)):
+        with Executor(engine_dir, ExecutorConfig(**POOL), device="cpu") as executor:
+            wanted[key] = greedy(executor, [(p, None) for p in prompts])
+    assert wanted["adapter"] != wanted["base"]
+    quantized = build_quantized(hf, tmp_path / "int4", "int4_wo", 32)
+    adapter = LoraRequest(task_id=1, path=str(tmp_path / "adapter"))
+    with Executor(quantized, ExecutorConfig(enable_lora=True, max_loras=1, max_lora_rank=8, **POOL),
+                  device="cpu") as executor:
+        got = greedy(executor, [(p, lora) for p in prompts for lora in (adapter, None)])
+    assert got == [wanted[key][i] for i in range(len(prompts)) for key in ("adapter", "base")]
