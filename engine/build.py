@@ -210,6 +210,7 @@ def build_from_hf(hf_config, get: TensorGetter, tokenizer, output_dir: str, buil
         get = reader.dequantized_getter()
     else:
         build = resolve_group_size(build, model)
+    expected_tensor_names(model, build)  # refuses an unsupported family before any calibration runs
     if build.quantization == "int4_awq" and integer_quant is None:
         get = awq_getter(hf_config, get, tokenizer, build, calibration_tokens)
         extra["source_quantization"] = "AWQ scales calibrated at build (engine/weight_only/awq.py)"

@@ -225,3 +225,11 @@ def test_lora_adapters_on_integer_base_weights(tmp_path):
                   device="cpu") as executor:
         got = greedy(executor, [(p, lora) for p in prompts for lora in (adapter, None)])
     assert got == [wanted[key][i] for i in range(len(prompts)) for key in ("adapter", "base")]
+
+
+def test_int4_awq_refuses_an_unsupported_family_before_calibrating(tmp_path, monkeypatch):
+    import engine.weight_only.awq as awq
+
+    monkeypatch.setattr(awq, "awq_transform", lambda *a, **k: pytest.fail("calibrated a family it then refuses"))
+    with pytest.raises(ConfigError, match=r"quantization int4_awq is not supported for GPT2LMHeadModel"):
+        build_quantized(tiny_hf("gpt2"), tmp_path / "bad", "int4_awq", 32)
