@@ -28,7 +28,7 @@ import torch
 
 from kernels._triton import jit, pdl_options, pdl_prologue, tl, triton
 from kernels.linear import _arrival_counters
-from kernels.wna16_gemm import _finish, _unit_tile_pointers, unit_columns
+from kernels.wna16_gemm import _finish, _program_tile, _unit_tile_pointers, unit_columns
 
 
 def supports(in_features: int, group_size: int, bits: int) -> bool:
@@ -84,17 +84,12 @@ def _factored_fma_kernel(
     pipeliner on the unit loop instead (tl.range num_stages)."""
     PER_WORD: tl.constexpr = 32 // BITS
     UNIT: tl.constexpr = PER_WORD * 16
-    m_tiles = tl.cdiv(M, BLOCK_M)
-    tile = tl.program_id(0)
-    cols = (tile // m_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = (tile % m_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
-    col_ok, row_ok = cols < N, rows < M
+    tile, cols, rows, col_ok, row_ok, u_begin, u_end = _program_tile(M, N, K, UNITS_PER_SPLIT, BLOCK_N, BLOCK_M,
+                                                                       UNIT)
     r = tl.arange(0, 16)[None, None, :]
     w_base = _unit_tile_pointers(w_ptr, cols, K, UNIT)[None, :, :]  # (1, BLOCK_N, 16)
     x_base = x_ptr + rows.to(tl.int64)[:, None, None] * stride_xm + r  # (BLOCK_M, 1, 16)
     acc = tl.zeros([BLOCK_M, BLOCK_N, 16], dtype=tl.float32)
-    u_begin = tl.program_id(1) * UNITS_PER_SPLIT
-    u_end = tl.minimum(u_begin + UNITS_PER_SPLIT, tl.cdiv(K, UNIT))
     pdl_prologue(PDL)
     if PREFETCH:
         ok = col_ok & (cols * 0 + u_begin < u_end)  # (a tensor, as the interpreter wants)
@@ -200,17 +195,12 @@ def _factored_dot_kernel(
     PREFETCH: as in _factored_fma_kernel."""
     PER_WORD: tl.constexpr = 32 // BITS
     UNIT: tl.constexpr = PER_WORD * 16
-    m_tiles = tl.cdiv(M, BLOCK_M)
-    tile = tl.program_id(0)
-    cols = (tile // m_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = (tile % m_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
-    col_ok, row_ok = cols < N, rows < M
+    tile, cols, rows, col_ok, row_ok, u_begin, u_end = _program_tile(M, N, K, UNITS_PER_SPLIT, BLOCK_N, BLOCK_M,
+                                                                       UNIT)
     r = tl.arange(0, 16)
     w_base = _unit_tile_pointers(w_ptr, cols, K, UNIT)
     x_base = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + r[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    u_begin = tl.program_id(1) * UNITS_PER_SPLIT
-    u_end = tl.minimum(u_begin + UNITS_PER_SPLIT, tl.cdiv(K, UNIT))
     pdl_prologue(PDL)
     if PREFETCH:
         ok = col_ok & (cols * 0 + u_begin < u_end)  # (a tensor, as the interpreter wants)

@@ -79,6 +79,20 @@ def _unit_tile_pointers(w_ptr, cols, K, UNIT: tl.constexpr):
 
 
 @jit
+def _program_tile(M, N, K, UNITS_PER_SPLIT, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, UNIT: tl.constexpr):
+    """What one program of the decode/GEMM kernels covers: (tile, output columns, rows, their masks,
+    and its units [u_begin, u_end) of K (program_id(1) of the split)). Programs along axis 0 go row
+    tile first, so the programs that read one weight tile run together."""
+    m_tiles = tl.cdiv(M, BLOCK_M)
+    tile = tl.program_id(0)
+    cols = (tile // m_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = (tile % m_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+    u_begin = tl.program_id(1) * UNITS_PER_SPLIT
+    u_end = tl.minimum(u_begin + UNITS_PER_SPLIT, tl.cdiv(K, UNIT))
+    return tile, cols, rows, cols < N, rows < M, u_begin, u_end
+
+
+@jit
 def _dequantized_slice(words, scale_ptr, zero_ptr, cols, col_ok, k0, N, K, GROUP, j: tl.constexpr,
                        BITS: tl.constexpr, dtype: tl.constexpr):
     """Slice j of a word tile (.., BLOCK_N, UNIT_WORDS) as weights in ``dtype``: columns k0 .. k0 + 15.
@@ -99,21 +113,16 @@ def _wna16_kernel(
     BITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
     SPLIT_K: tl.constexpr, PDL: tl.constexpr,
 ):
-    """One program: out[rows, cols].T over its share of K's units (program_id(1) of SPLIT_K).
-    Programs along axis 0 go row tile first, so the programs that read one weight tile run together."""
+    """One program: out[rows, cols].T over its share of K's units (program_id(1) of SPLIT_K), tiles
+    as _program_tile assigns them."""
     PER_WORD: tl.constexpr = 32 // BITS
     UNIT: tl.constexpr = PER_WORD * 16
-    m_tiles = tl.cdiv(M, BLOCK_M)
-    tile = tl.program_id(0)
-    cols = (tile // m_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = (tile % m_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
-    col_ok, row_ok = cols < N, rows < M
+    tile, cols, rows, col_ok, row_ok, u_begin, u_end = _program_tile(M, N, K, UNITS_PER_SPLIT, BLOCK_N, BLOCK_M,
+                                                                       UNIT)
     r = tl.arange(0, 16)
     w_base = _unit_tile_pointers(w_ptr, cols, K, UNIT)
     x_base = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + r[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    u_begin = tl.program_id(1) * UNITS_PER_SPLIT
-    u_end = tl.minimum(u_begin + UNITS_PER_SPLIT, tl.cdiv(K, UNIT))
     pdl_prologue(PDL)
     for u in range(u_begin, u_end):
         words = tl.load(w_base + u * (64 * 16), mask=col_ok[:, None], other=0)
@@ -140,17 +149,12 @@ def _wna16_fma_kernel(
     (which the tensor-core operand needs), at BLOCK_M FMAs a weight."""
     PER_WORD: tl.constexpr = 32 // BITS
     UNIT: tl.constexpr = PER_WORD * 16
-    m_tiles = tl.cdiv(M, BLOCK_M)
-    tile = tl.program_id(0)
-    cols = (tile // m_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = (tile % m_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
-    col_ok, row_ok = cols < N, rows < M
+    tile, cols, rows, col_ok, row_ok, u_begin, u_end = _program_tile(M, N, K, UNITS_PER_SPLIT, BLOCK_N, BLOCK_M,
+                                                                       UNIT)
     r = tl.arange(0, 16)[None, None, :]
     w_base = _unit_tile_pointers(w_ptr, cols, K, UNIT)[None, :, :]  # (1, BLOCK_N, 16)
     x_base = x_ptr + rows.to(tl.int64)[:, None, None] * stride_xm + r  # (BLOCK_M, 1, 16)
     acc = tl.zeros([BLOCK_M, BLOCK_N, 16], dtype=tl.float32)
-    u_begin = tl.program_id(1) * UNITS_PER_SPLIT
-    u_end = tl.minimum(u_begin + UNITS_PER_SPLIT, tl.cdiv(K, UNIT))
     pdl_prologue(PDL)
     for u in range(u_begin, u_end):
         words = tl.load(w_base + u * (64 * 16), mask=col_ok[None, :, None], other=0)
