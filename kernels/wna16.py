@@ -30,12 +30,15 @@ copy: the point is memory and bandwidth), and ``wna16_linear`` runs, by row coun
 - M <= MAX_SKINNY_ROWS (decode): the tilings timed for the weight's shape at load per row count
   (``choose_wna16_variants``): the FMA kernel for a few rows or the tensor-core kernel with
   16-row tiles, split-K where N gives too few programs;
-- up to DENSE_MIN_ROWS: the same kernel with the row tiles of GEMM_TILES (dequantized in
-  registers into tensor-core dots);
-- from DENSE_MIN_ROWS rows: the weight dequantized into a temporary (N, K) in x's dtype, then
-  cuBLAS: there the dequantizing pass is a few percent of the product's time.
-Every path dequantizes each weight to (code - zero) * scale rounded once to x's dtype (with the
-scale as held: float16 by default) and accumulates in float32.
+- up to MID_ROWS[-1] (256) rows: the tiling timed at load for the next timed row count (32, 64, 128,
+  256) among the factored tensor-core kernel's row tiles, the GEMM tiles (dequantized in registers
+  into tensor-core dots) and dequantize + cuBLAS; without timings (CPU-made weights, tests) the GEMM
+  tiles below DENSE_MIN_ROWS and dequantize + cuBLAS from there;
+- more rows: the weight dequantized into a temporary (N, K) in x's dtype, then cuBLAS: there the
+  dequantizing pass is a few percent of the product's time.
+The GEMM tiles and the dense path dequantize each weight to (code - zero) * scale rounded once to
+x's dtype (with the scale as held: float16 by default); the factored kernels sum code * x exactly
+and apply scale * (sum - zero * sum x) once per 128-column unit. All accumulate in float32.
 """
 from __future__ import annotations
 
@@ -165,12 +168,21 @@ SKINNY_VARIANTS = ((64, 16, 4, 4, 4, 0), (64, 16, 4, 3, 8, 0), (64, 1, 4, 4, 4, 
 
 def is_fma_tiling(tiling: tuple) -> bool:
     """An FMA tiling (kind 1, 2 or 4): its block_m rows are all it multiplies per weight read."""
-    return len(tiling) > 5 and tiling[5] in (1, 2, 4)
+    return isinstance(tiling, tuple) and len(tiling) > 5 and tiling[5] in (1, 2, 4)
 
 
-# The tiling for M rows past MAX_SKINNY_ROWS: the first (bound, tiling) with M <= bound.
+# The tiling for M rows past MAX_SKINNY_ROWS when none was timed: the first (bound, tiling) with M <= bound.
 GEMM_TILES = ((32, (64, 32, 4, 4, 1, 0)), (1 << 62, (64, 64, 4, 4, 2, 0)))
 DENSE_MIN_ROWS = 64  # from 64 rows dequantize + cuBLAS beat the Triton tiles (H200, benchmarks/RESULTS.md)
+# Batches past MAX_SKINNY_ROWS up to MID_ROWS[-1] (decode at serving concurrency): timed at load at
+# each of MID_ROWS among MID_VARIANTS and DENSE (dequantize + cuBLAS). Dequantizing writes and
+# re-reads the whole weight in the model dtype whatever the batch, so at 32-128 rows it costs more
+# than the product; the factored tensor-core kernel (kind 3) reads the packed codes once per row tile.
+DENSE = "dense"
+MID_ROWS = (32, 64, 128, 256)
+MID_VARIANTS = ((64, 32, 4, 3, 1, 3), (128, 32, 4, 3, 1, 3), (128, 32, 4, 3, 2, 3), (64, 64, 4, 3, 1, 3),
+                (128, 64, 8, 3, 1, 3), (128, 64, 4, 3, 1, 3), (64, 32, 4, 4, 1, 0), (64, 64, 4, 4, 2, 0),
+                (128, 64, 8, 3, 1, 0), DENSE)
 
 
 def prepare_wna16(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
@@ -201,11 +213,12 @@ def wna16_linear(x: torch.Tensor, weight: WNA16Weight, bias: torch.Tensor | None
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(1) != 1:
         rows = rows.contiguous()
-    if rows.shape[0] >= DENSE_MIN_ROWS:
+    tiling = tiling_for(weight, rows.shape[0])
+    if tiling == DENSE:
         out = F.linear(rows, dequantized_weight(weight, x.dtype), bias)
     else:
         out = wna16_gemm.wna16_matmul(rows, weight.kernel, weight.out_features, weight.bits, weight.group_size, bias,
-                                      **tile_options(tiling_for(weight, rows.shape[0])))
+                                      **tile_options(tiling))
     return out.reshape(*x.shape[:-1], weight.out_features)
 
 
@@ -217,11 +230,18 @@ def dequantized_weight(weight: WNA16Weight, dtype: torch.dtype) -> torch.Tensor:
                                         weight.group_size, dtype)
 
 
-def tiling_for(weight: WNA16Weight, rows: int) -> tuple:
-    """The kernel tiling for ``rows`` rows: the decode tiling chosen at load, or GEMM_TILES'."""
-    if rows <= MAX_SKINNY_ROWS:
-        timed = [m for m in sorted(weight.variant) if m >= rows]
-        return weight.variant[timed[0]] if timed else SKINNY_DEFAULT
+def tiling_for(weight: WNA16Weight, rows: int) -> tuple | str:
+    """The kernel tiling for ``rows`` rows, or DENSE: the one chosen at load for the fewest timed
+    rows >= ``rows`` (decode sizes among the skinny tilings, MID_ROWS among MID_VARIANTS); past the
+    timed sizes, DENSE from DENSE_MIN_ROWS rows, else GEMM_TILES'."""
+    skinny = rows <= MAX_SKINNY_ROWS
+    timed = [m for m in sorted(weight.variant) if m >= rows and (m <= MAX_SKINNY_ROWS) == skinny]
+    if timed:
+        return weight.variant[timed[0]]
+    if skinny:
+        return SKINNY_DEFAULT
+    if rows >= DENSE_MIN_ROWS:
+        return DENSE
     return next(tiling for bound, tiling in GEMM_TILES if rows <= bound)
 
 
@@ -232,9 +252,10 @@ def tile_options(tiling: tuple) -> dict:
 
 
 @torch.inference_mode()
-def choose_wna16_variants(weights: list[WNA16Weight], rows: tuple[int, ...] = (1, 8)) -> dict[tuple, dict]:
+def choose_wna16_variants(weights: list[WNA16Weight], rows: tuple[int, ...] = (1, 8),
+                          mid_rows: tuple[int, ...] = MID_ROWS) -> dict[tuple, dict]:
     """Per distinct (bits, group size, N, K) and row count in ``rows``, the SKINNY_VARIANTS tiling
-    with the least device time (from CUDA graph replays, on copies of the weight that together
+    (MID_VARIANTS, DENSE included, for the counts in ``mid_rows``) with the least device time (from CUDA graph replays, on copies of the weight that together
     exceed twice the L2 cache), set on each weight as ``variant[rows]``; FMA tilings of fewer rows
     than timed are skipped (they would read the weight once per row tile). Returns per key the
     timings (microseconds) and the choices, for the load log. A no-op for weights without the
@@ -245,7 +266,7 @@ def choose_wna16_variants(weights: list[WNA16Weight], rows: tuple[int, ...] = (1
             continue
         key = (weight.bits, weight.group_size, weight.out_features, weight.in_features)
         if key not in report:
-            report[key] = _time_skinny_variants(weight, rows)
+            report[key] = _time_skinny_variants(weight, tuple(rows) + tuple(mid_rows))
         weight.variant.update(report[key]["variant"])
     return report
 
@@ -259,8 +280,17 @@ def _time_skinny_variants(weight: WNA16Weight, rows: tuple[int, ...]) -> dict:
     chosen, times = {}, {}
     for m in rows:
         x = torch.randn(m, weight.in_features, dtype=weight.dtype, device=weight.kernel["words"].device)
-        times[m] = {variant: 1e3 * graph_time_ms(lambda: wna16_gemm.wna16_matmul(
-            x, layouts[next(turn) % len(layouts)], weight.out_features, weight.bits, weight.group_size,
-            **tile_options(variant))) for variant in SKINNY_VARIANTS if not (is_fma_tiling(variant) and variant[1] < m)}
+        candidates = SKINNY_VARIANTS if m <= MAX_SKINNY_ROWS else MID_VARIANTS
+        times[m] = {variant: 1e3 * graph_time_ms(lambda: _timed_product(x, weight, layouts[next(turn) % len(layouts)],
+                                                                        variant))
+                    for variant in candidates if not (is_fma_tiling(variant) and variant[1] < m)}
         chosen[m] = min(times[m], key=times[m].get)
     return {"variant": chosen, "us": {m: times[m][chosen[m]] for m in rows}, "all_us": times}
+
+
+def _timed_product(x: torch.Tensor, weight: WNA16Weight, layout: dict, tiling: tuple | str) -> torch.Tensor:
+    if tiling == DENSE:
+        return F.linear(x, wna16_gemm.dequantize_layout(layout, weight.out_features, weight.in_features, weight.bits,
+                                                        weight.group_size, x.dtype))
+    return wna16_gemm.wna16_matmul(x, layout, weight.out_features, weight.bits, weight.group_size,
+                                   **tile_options(tiling))

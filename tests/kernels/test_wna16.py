@@ -163,13 +163,16 @@ def test_factored_kernels_match_the_reference(device, bits, group_size):
     for dtype in low_precision_dtypes(device):
         weight = kernel_weight(stored, scale, zero, bits, dtype, device)
         ref = reference_weight(stored, scale, zero, bits, dtype, device)
-        for m in (1, 5, 16):
+        for m in (1, 5, 16, 70):
             x = torch.randn(m, k, device=device).to(dtype)
-            bias = torch.randn(n, device=device).to(dtype) if m == 5 else None
-            options = [dict(block_m={1: 1, 5: 8, 16: 16}[m], split_k=2), dict(block_m=16, dot=True, split_k=1),
-                       dict(block_m=16, dot=True, split_k=4, block_n=128),
-                       dict(block_m={1: 1, 5: 8, 16: 16}[m], split_k=3, block_n=256, prefetch=1),  # kind 4
-                       dict(block_m=16, dot=True, split_k=2, block_n=128, prefetch=1)]  # kind 5
+            bias = torch.randn(n, device=device).to(dtype) if m in (5, 70) else None
+            if m == 70:  # serving-size batches: the tensor-core kernel's 32- and 64-row tiles (MID_VARIANTS)
+                options = [dict(block_m=32, dot=True, split_k=1), dict(block_m=64, dot=True, split_k=2, block_n=128)]
+            else:
+                options = [dict(block_m={1: 1, 5: 8, 16: 16}[m], split_k=2), dict(block_m=16, dot=True, split_k=1),
+                           dict(block_m=16, dot=True, split_k=4, block_n=128),
+                           dict(block_m={1: 1, 5: 8, 16: 16}[m], split_k=3, block_n=256, prefetch=1),  # kind 4
+                           dict(block_m=16, dot=True, split_k=2, block_n=128, prefetch=1)]  # kind 5
             for option in options:
                 out = wna16_decode.factored_matmul(x, weight.kernel, n, bits, group_size or k, bias, **option)
                 assert relative_error(out, wna16_linear_ref(x, ref, bias)) < TOLERANCE[dtype], (dtype, m, option)
@@ -227,3 +230,17 @@ def test_choose_variants_sets_a_tiling(device):
     x = torch.randn(1, 1024, device=device, dtype=torch.bfloat16)
     ref = reference_weight(stored, scale, zero, 4, torch.bfloat16, device)
     assert relative_error(wna16_linear(x, weights[0]), F.linear(x, ref.dense)) < TOLERANCE[torch.bfloat16]
+
+
+def test_tiling_for_follows_the_timed_row_counts():
+    """Decode sizes take the skinny tiling timed for the next timed count; serving sizes (17-256) the
+    mid tiling or DENSE timed for the next of MID_ROWS; past them, or untimed, DENSE from
+    DENSE_MIN_ROWS rows and the GEMM tiles below."""
+    from kernels.wna16 import DENSE, DENSE_MIN_ROWS, GEMM_TILES, SKINNY_DEFAULT, WNA16Weight, tiling_for
+
+    weight = WNA16Weight(out_features=64, in_features=128, bits=4, group_size=128, dtype=torch.float16)
+    assert tiling_for(weight, 1) == SKINNY_DEFAULT and tiling_for(weight, 40) == GEMM_TILES[1][1]
+    assert tiling_for(weight, DENSE_MIN_ROWS) == DENSE
+    weight.variant.update({1: "one", 8: "eight", 32: "thirty-two", 64: DENSE, 128: "mid", 256: "mid"})
+    assert [tiling_for(weight, m) for m in (1, 2, 8, 16, 17, 32, 33, 64, 100, 256, 257)] == \
+        ["one", "eight", "eight", SKINNY_DEFAULT, "thirty-two", "thirty-two", DENSE, DENSE, "mid", "mid", DENSE]
