@@ -212,7 +212,7 @@ def build_from_hf(hf_config, get: TensorGetter, tokenizer, output_dir: str, buil
         build = resolve_group_size(build, model)
     expected_tensor_names(model, build)  # refuses an unsupported family before any calibration runs
     if build.quantization == "int4_awq" and integer_quant is None:
-        get = awq_getter(hf_config, get, tokenizer, build, calibration_tokens)
+        get = awq_getter(hf_config, get, tokenizer, build, calibration_tokens, source)
         extra["source_quantization"] = "AWQ scales calibrated at build (engine/weight_only/awq.py)"
     if strategy is not None:
         # An FP8 checkpoint builds an FP8 engine: its weights exist only as E4M3 values, and
@@ -245,29 +245,35 @@ def with_checkpoint_scheme(build: BuildConfig, quant, source: str) -> BuildConfi
                                quant_act_order=quant.act_order).validate()
 
 
-def awq_getter(hf_config, get: TensorGetter, tokenizer, build: BuildConfig, calibration_tokens: int) -> TensorGetter:
+def awq_getter(hf_config, get: TensorGetter, tokenizer, build: BuildConfig, calibration_tokens: int,
+               source: str = "") -> TensorGetter:
     """The float weights with AWQ's activation-aware scales folded in (engine/weight_only/awq.py),
-    calibrated on the model itself in float32: on the GPU when there is one."""
+    calibrated on the model itself in float32: on the GPU when there is one. A checkpoint directory
+    loads through transformers (which stacks per-expert tensors as its MoE modules hold them);
+    other sources (a GGUF's model, a state dict) fill a model of ``hf_config`` through ``get``."""
     from transformers import AutoModelForCausalLM
 
     from engine.weight_only.awq import awq_transform
 
+    if build.weight_only.group_size == 0:
+        raise ConfigError("--quantization int4_awq searches scales per group; give --group_size 32, 64, 128 or 256")
     if tokenizer is None:
         raise ConfigError("--quantization int4_awq calibrates on text, and the checkpoint has no tokenizer; "
                           "add the tokenizer files, or use --quantization int4_wo")
-    hf_model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    state = {}
-    for name in hf_model.state_dict():
-        try:
-            state[name] = get(name).float()
-        except CheckpointError:
-            if name != "lm_head.weight":  # tied embeddings store no lm_head
-                raise
-    hf_model.load_state_dict(state, strict=False)
-    hf_model.tie_weights()
+    if source and os.path.isdir(source):
+        hf_model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    else:
+        hf_model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+        state = {}
+        for name in hf_model.state_dict():
+            try:
+                state[name] = get(name).float()
+            except CheckpointError:
+                if name != "lm_head.weight":  # tied embeddings store no lm_head
+                    raise
+        hf_model.load_state_dict(state, strict=False)
+        hf_model.tie_weights()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    if build.weight_only.group_size == 0:
-        raise ConfigError("--quantization int4_awq searches scales per group; give --group_size 32, 64, 128 or 256")
     transformed = awq_transform(hf_model.to(device), tokenizer, bits=4, group_size=build.weight_only.group_size,
                                 max_tokens=calibration_tokens, device=device)
     return getter_from_state_dict({k: v.cpu() for k, v in transformed.items()}, "AWQ-scaled weights")

@@ -233,3 +233,34 @@ def test_int4_awq_refuses_an_unsupported_family_before_calibrating(tmp_path, mon
     monkeypatch.setattr(awq, "awq_transform", lambda *a, **k: pytest.fail("calibrated a family it then refuses"))
     with pytest.raises(ConfigError, match=r"quantization int4_awq is not supported for GPT2LMHeadModel"):
         build_quantized(tiny_hf("gpt2"), tmp_path / "bad", "int4_awq", 32)
+
+
+class _ByteTokenizer:
+    """Bytes as ids within a tiny vocabulary: enough text for AWQ to calibrate a random model."""
+
+    def __call__(self, text: str, **_kwargs) -> dict:
+        return {"input_ids": [1] + [2 + b % (VOCAB - 2) for b in text.encode()]}
+
+    def save_pretrained(self, _path) -> None:
+        pass
+
+
+def test_int4_awq_builds_a_moe_checkpoint_directory(tmp_path, monkeypatch):
+    """A Qwen3-MoE directory on disk (one tensor per expert) calibrates through transformers' own
+    loading (stacked experts), gets AWQ on attention and round-to-nearest experts, and runs."""
+    import engine.build as build_module
+    from engine.build import build_engine
+
+    config = transformers.Qwen3MoeConfig(**{**_GROUPABLE, "intermediate_size": 128}, head_dim=16, num_experts=4,
+                                         num_experts_per_tok=2, moe_intermediate_size=64, mlp_only_layers=[1])
+    torch.manual_seed(0)
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(tmp_path / "ckpt")
+    load_hf_dir = build_module.load_hf_dir
+    monkeypatch.setattr(build_module, "load_hf_dir", lambda path: (*load_hf_dir(path)[:2], _ByteTokenizer()))
+    build = BuildConfig(dtype="float32", max_batch_size=2, max_seq_len=64, quantization="int4_awq",
+                        quant_group_size=32)
+    build_engine(str(tmp_path / "ckpt"), str(tmp_path / "engine"), build, progress=False, calibration_tokens=64)
+    weights = load_file(f"{tmp_path}/engine/rank0.safetensors")
+    assert weights["layers.0.moe.gate_up_proj"].dtype == torch.uint8 and "layers.0.moe.down_proj_zero" in weights
+    logits = engine_logits(str(tmp_path / "engine"), random_tokens(8, seed=1))
+    assert torch.isfinite(logits).all() and logits.std() > 0
