@@ -66,8 +66,14 @@ def test_stack_dump_signal_writes_every_thread_and_leaves_the_stub_running(tmp_p
     stub = start_stub(tmp_path, "triton_python_backend_stub")
     try:
         os.kill(stub.pid, STACK_DUMP_SIGNAL)
-        dump = wait_for_text(tmp_path / "triton_python_backend_stub.err", "waiting_for_a_bls_response")
+        err = tmp_path / "triton_python_backend_stub.err"
+        dump = wait_for_text(err, "waiting_for_a_bls_response")
         assert "waiting_for_a_bls_response" in dump  # the blocked side thread, not only the main one
+        # The dump is written thread by thread: the side thread's part may land before the main one's.
+        deadline = time.monotonic() + 10.0
+        while dump.count("Thread 0x") + dump.count("Current thread 0x") < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+            dump = err.read_text()
         assert dump.count("Thread 0x") + dump.count("Current thread 0x") >= 2
         time.sleep(0.2)
         assert stub.poll() is None  # a dump, not the signal's default (terminate)
