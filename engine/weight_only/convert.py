@@ -42,12 +42,7 @@ from kernels.wna16 import pack_codes, quantize
 def integer_tensor_names(names: list[str]) -> list[str]:
     """The engine names (of one rank) whose tensors hold integer codes: a weight with a zero beside it."""
     present = set(names)
-    out = []
-    for name in names:
-        base = name[: -len(".weight")] + ".weight_zero" if name.endswith(".weight") else name + "_zero"
-        if base in present:
-            out.append(name)
-    return out
+    return [name for name in names if _zero_name(name) in present]
 
 
 def _scale_name(name: str) -> str:
@@ -56,6 +51,10 @@ def _scale_name(name: str) -> str:
 
 def _zero_name(name: str) -> str:
     return name + "_zero"
+
+
+def _perm_name(weight_name: str) -> str:
+    return weight_name[: -len("weight")] + "input_perm"
 
 
 def build_time_quantize(weights: dict[str, torch.Tensor], names: list[str], scheme: WeightOnlyScheme,
@@ -72,7 +71,7 @@ def build_time_quantize(weights: dict[str, torch.Tensor], names: list[str], sche
         codes, scale, zero = quantize(tensor, scheme.bits, group, symmetric=scheme.bits == 8)
         out[name], out[_scale_name(name)], out[_zero_name(name)] = codes, scale, zero
         if scheme.act_order and name.endswith(".weight"):
-            out[name[: -len("weight")] + "input_perm"] = torch.arange(tensor.shape[-1], dtype=torch.int32)
+            out[_perm_name(name)] = torch.arange(tensor.shape[-1], dtype=torch.int32)
     return out
 
 
@@ -142,47 +141,40 @@ class CheckpointStandIns:
             self._last[module] = (codes, q.scale, q.zero, perm)
         return self._last[module]
 
-    def _unquantized(self, name: str, width) -> torch.Tensor:
-        rows = self.get(name).shape[0]
-        return torch.full((rows, width), float("nan"))
+    def _stand_in(self, name: str, quantized, unquantized) -> torch.Tensor:
+        """``quantized(parts)`` of a quantized module's weight (parts: ``_read``'s tuple);
+        ``unquantized(rows, columns)`` for another 2-D ``.weight``; any other tensor as it is."""
+        module = self._module(name)
+        if module is not None:
+            return quantized(self._read(module))
+        raw = self.get(name)
+        if raw.dim() != 2 or not name.endswith(".weight"):
+            return raw
+        return unquantized(*raw.shape)
 
     def _groups_wide(self, t: torch.Tensor) -> torch.Tensor:
         return t.float().expand(t.shape[0], self.tp_size) if t.shape[1] == 1 else t.float()
 
     def codes(self, name: str) -> torch.Tensor:
-        module = self._module(name)
-        if module is None:
-            raw = self.get(name)
-            return self._unquantized(name, raw.shape[1]) if raw.dim() == 2 and name.endswith(".weight") else raw
-        return self._read(module)[0].float()
+        return self._stand_in(name, lambda parts: parts[0].float(), lambda rows, columns: _nan(rows, columns))
 
     def scale(self, name: str) -> torch.Tensor:
-        return self._side(name, 1)
+        return self._stand_in(name, lambda parts: self._groups_wide(parts[1]),
+                              lambda rows, columns: _nan(rows, self._groups(columns)))
 
     def zero(self, name: str) -> torch.Tensor:
-        return self._side(name, 2)
-
-    def _side(self, name: str, index: int) -> torch.Tensor:
-        module = self._module(name)
-        if module is None:
-            raw = self.get(name)
-            if raw.dim() != 2 or not name.endswith(".weight"):
-                return raw
-            return self._unquantized(name, self._groups(raw.shape[1]))
-        return self._groups_wide(self._read(module)[index])
+        return self._stand_in(name, lambda parts: self._groups_wide(parts[2]),
+                              lambda rows, columns: _nan(rows, self._groups(columns)))
 
     def perm(self, name: str) -> torch.Tensor:
         """The act-order permutation on every row (N, K), identity where there is none."""
-        module = self._module(name)
-        raw_shape = self.get(name).shape if module is None else None
-        if module is None:
-            if len(raw_shape) != 2 or not name.endswith(".weight"):
-                return self.get(name)
-            return torch.arange(raw_shape[1], dtype=torch.float32).expand(raw_shape[0], raw_shape[1])
-        codes, _, _, perm = self._read(module)
-        if perm is None:
-            perm = torch.arange(codes.shape[1])
-        return perm.float().expand(codes.shape[0], codes.shape[1])
+        def of_module(parts) -> torch.Tensor:
+            codes, perm = parts[0], parts[3]
+            perm = torch.arange(codes.shape[1]) if perm is None else perm
+            return perm.float().expand(codes.shape[0], codes.shape[1])
+
+        return self._stand_in(name, of_module,
+                              lambda rows, columns: torch.arange(columns, dtype=torch.float32).expand(rows, columns))
 
     def _groups(self, columns: int) -> int:
         return self.tp_size if self.scheme.group_size == 0 else columns // self.scheme.group_size
@@ -220,6 +212,11 @@ def checkpoint_integer_weights(stand_ins: CheckpointStandIns, model: ModelConfig
     return out
 
 
+def _nan(rows: int, columns: int) -> torch.Tensor:
+    """The stand-in of a part the checkpoint left unquantized."""
+    return torch.full((rows, columns), float("nan"))
+
+
 # Engine linears split along their input columns (the Llama-family names; engine/models/layers.py).
 ROW_PARALLEL_SUFFIXES = ("o_proj.weight", "down_proj.weight")
 
@@ -244,4 +241,4 @@ def _add_input_perm(out: dict, name: str, perm_rows: torch.Tensor, columns: int,
     if not torch.equal(torch.sort(local).values, torch.arange(low, low + columns)):
         raise ConfigError(f"{name}: the act-order (g_idx) of a row-parallel layer crosses tensor-parallel ranks; "
                           "supported: such checkpoints at tp_size 1, or quantized without desc_act")
-    out[name[: -len("weight")] + "input_perm"] = (local - low).to(torch.int32)
+    out[_perm_name(name)] = (local - low).to(torch.int32)
