@@ -54,17 +54,23 @@ from kernels.fp8 import quantize_weight
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+def check_quantization_supported(model: ModelConfig, build: BuildConfig) -> None:
+    """ConfigError naming the families that take ``build.quantization`` when this one does not."""
+    if build.quantization is None:
+        return
+    takes = (lambda f: f.weight_only) if build.weight_only else (lambda f: f.fp8)
+    if not takes(get_family(model.architecture)):
+        raise ConfigError(f"quantization {build.quantization} is not supported for {model.architecture}; it is for "
+                          + ", ".join(f.architecture for f in MODEL_FAMILIES if takes(f)))
+
+
 def expected_tensor_names(model: ModelConfig, build: BuildConfig) -> list[str]:
     """The state-dict names one rank's engine model declares (built on the meta device, no memory)."""
     model_class = get_model_class(model.architecture)
     if build.quantization is None:
         return list(model_class(model, tp_size=build.tp_size, device="meta").state_dict())
+    check_quantization_supported(model, build)
     weight_only = build.weight_only
-    family = get_family(model.architecture)
-    if not (family.weight_only if weight_only else family.fp8):
-        supported = [f.architecture for f in MODEL_FAMILIES if (f.weight_only if weight_only else f.fp8)]
-        raise ConfigError(f"quantization {build.quantization} is not supported for {model.architecture}; it is for "
-                          + ", ".join(supported))
     # The names do not depend on the group size: a per-channel stand-in keeps the meta model from
     # refusing a group size before the quantizer can name the layer it does not divide.
     quantization = dataclasses.replace(weight_only, group_size=0) if weight_only else build.quantization
@@ -210,7 +216,7 @@ def build_from_hf(hf_config, get: TensorGetter, tokenizer, output_dir: str, buil
         get = reader.dequantized_getter()
     else:
         build = resolve_group_size(build, model)
-    expected_tensor_names(model, build)  # refuses an unsupported family before any calibration runs
+    check_quantization_supported(model, build)  # before any calibration runs
     if build.quantization == "int4_awq" and integer_quant is None:
         get = awq_getter(hf_config, get, tokenizer, build, calibration_tokens, source)
         extra["source_quantization"] = "AWQ scales calibrated at build (engine/weight_only/awq.py)"
