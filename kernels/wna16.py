@@ -213,13 +213,20 @@ def wna16_linear(x: torch.Tensor, weight: WNA16Weight, bias: torch.Tensor | None
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(1) != 1:
         rows = rows.contiguous()
-    tiling = tiling_for(weight, rows.shape[0])
-    if tiling == DENSE:
-        out = F.linear(rows, dequantized_weight(weight, x.dtype), bias)
-    else:
-        out = wna16_gemm.wna16_matmul(rows, weight.kernel, weight.out_features, weight.bits, weight.group_size, bias,
-                                      **tile_options(tiling))
+    out = _product(rows, weight, weight.kernel, tiling_for(weight, rows.shape[0]), bias)
     return out.reshape(*x.shape[:-1], weight.out_features)
+
+
+def _product(rows: torch.Tensor, weight: WNA16Weight, layout: dict[str, torch.Tensor], tiling: tuple | str,
+             bias: torch.Tensor | None = None) -> torch.Tensor:
+    """rows (M, K) @ the weight held in ``layout`` (``weight.kernel`` or a copy of it) by ``tiling``:
+    a kernel tiling, or DENSE (dequantized into a temporary, then cuBLAS)."""
+    if tiling == DENSE:
+        dense = wna16_gemm.dequantize_layout(layout, weight.out_features, weight.in_features, weight.bits,
+                                             weight.group_size, rows.dtype)
+        return F.linear(rows, dense, bias)
+    return wna16_gemm.wna16_matmul(rows, layout, weight.out_features, weight.bits, weight.group_size, bias,
+                                   **tile_options(tiling))
 
 
 def dequantized_weight(weight: WNA16Weight, dtype: torch.dtype) -> torch.Tensor:
@@ -281,16 +288,9 @@ def _time_skinny_variants(weight: WNA16Weight, rows: tuple[int, ...]) -> dict:
     for m in rows:
         x = torch.randn(m, weight.in_features, dtype=weight.dtype, device=weight.kernel["words"].device)
         candidates = SKINNY_VARIANTS if m <= MAX_SKINNY_ROWS else MID_VARIANTS
-        times[m] = {variant: 1e3 * graph_time_ms(lambda: _timed_product(x, weight, layouts[next(turn) % len(layouts)],
-                                                                        variant))
+        times[m] = {variant: 1e3 * graph_time_ms(lambda: _product(x, weight, layouts[next(turn) % len(layouts)],
+                                                                  variant))
                     for variant in candidates if not (is_fma_tiling(variant) and variant[1] < m)}
         chosen[m] = min(times[m], key=times[m].get)
     return {"variant": chosen, "us": {m: times[m][chosen[m]] for m in rows}, "all_us": times}
 
-
-def _timed_product(x: torch.Tensor, weight: WNA16Weight, layout: dict, tiling: tuple | str) -> torch.Tensor:
-    if tiling == DENSE:
-        return F.linear(x, wna16_gemm.dequantize_layout(layout, weight.out_features, weight.in_features, weight.bits,
-                                                        weight.group_size, x.dtype))
-    return wna16_gemm.wna16_matmul(x, layout, weight.out_features, weight.bits, weight.group_size,
-                                   **tile_options(tiling))
