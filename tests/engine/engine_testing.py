@@ -2,10 +2,12 @@
 
 ``tiny_hf(family)`` builds a transformers model (fp32, eager attention, every weight random
 including norms and biases, so no term of the math can hide behind an init of 0 or 1).
-``make_engine(hf, tmp, tokens_per_block=16, dtype="float32", tp_size=1)`` converts it to an
-engine directory through the real build path. ``PagedSession`` feeds a ModelRunner step by step
-from shuffled (non-contiguous) KV blocks, the way the executor does. ``assert_tp2_matches_tp1``
-runs engines on two gloo ranks against their TP 1 logits.
+``make_engine(hf, tmp, tokens_per_block=16, dtype="float32", tp_size=1, quantization=None,
+group_size=None)`` converts it to an engine directory through the real build path.
+``PagedSession`` feeds a ModelRunner step by step from shuffled (non-contiguous) KV blocks, the
+way the executor does. ``assert_tp2_matches_tp1``
+(or ``assert_tp2_engines_match_tp1`` for engines already built) runs engines on two gloo ranks
+against their TP 1 logits.
 """
 from __future__ import annotations
 
@@ -22,6 +24,9 @@ from engine.executor.runner import ForwardBatch, ModelRunner
 VOCAB = 96
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
+
+# Widths that divide by 32 (intermediate 128: 64 a rank at tp 2), for grouped integer weights.
+GROUPABLE = {**_COMMON, "intermediate_size": 128}
 
 _ODD = dict(vocab_size=VOCAB, hidden_size=72, intermediate_size=86, num_hidden_layers=3, num_attention_heads=6,
             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
@@ -72,6 +77,8 @@ FAMILIES = {
                                                      num_experts_per_tok=2, moe_intermediate_size=22,
                                                      norm_topk_prob=False, mlp_only_layers=[1]),
 }
+# Configs beyond the families every family test runs: tiny_hf builds them too.
+EXTRA_CONFIGS = {"llama_groupable": lambda: transformers.LlamaConfig(**GROUPABLE, rope_theta=10000.0)}
 ARCHITECTURES = {"gpt2": transformers.GPT2LMHeadModel, "mistral": transformers.MistralForCausalLM,
                  "qwen2_qkv_bias": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
                  "phi3_longrope": transformers.Phi3ForCausalLM, "phi4_mini_partial_rotary": transformers.Phi3ForCausalLM,
@@ -86,7 +93,7 @@ def random_tokens(n: int, seed: int) -> list[int]:
 
 
 def tiny_hf(family: str, seed: int = 0) -> torch.nn.Module:
-    config = FAMILIES[family]()
+    config = (FAMILIES | EXTRA_CONFIGS)[family]()
     config._attn_implementation = "eager"
     config._experts_implementation = "eager"  # the per-expert loop: grouped_mm needs 16-byte-aligned widths
     torch.manual_seed(seed)
@@ -99,9 +106,11 @@ def tiny_hf(family: str, seed: int = 0) -> torch.nn.Module:
     return model
 
 
-def make_engine(hf_model, out_dir, *, tokens_per_block=16, dtype="float32", tp_size=1, max_seq_len=256) -> str:
+def make_engine(hf_model, out_dir, *, tokens_per_block=16, dtype="float32", tp_size=1, max_seq_len=256,
+                quantization=None, group_size=None) -> str:
     build = BuildConfig(dtype=dtype, max_batch_size=4, max_input_len=max_seq_len, max_seq_len=max_seq_len,
-                        max_num_tokens=1024, tokens_per_block=tokens_per_block, tp_size=tp_size)
+                        max_num_tokens=1024, tokens_per_block=tokens_per_block, tp_size=tp_size,
+                        quantization=quantization, quant_group_size=group_size)
     get = getter_from_state_dict(hf_model.state_dict(), "tiny")
     build_from_hf(hf_model.config, get, None, str(out_dir), build, progress=False)
     return str(out_dir)
@@ -182,14 +191,20 @@ def tp_reference_steps(runner: ModelRunner) -> torch.Tensor:
 def assert_tp2_matches_tp1(hf_models: dict, tmp_path) -> None:
     """Each model's engine at TP 2 over gloo (two spawned ranks) gives its TP 1 logits within 1e-5
     on both ranks, over tp_reference_steps' prefill and mixed chunk + decode step."""
+    engines = {family: (make_engine(hf, tmp_path / f"{family}-tp1"),
+                        make_engine(hf, tmp_path / f"{family}-tp2", tp_size=2)) for family, hf in hf_models.items()}
+    assert_tp2_engines_match_tp1(engines, tmp_path)
+
+
+def assert_tp2_engines_match_tp1(engines: dict[str, tuple[str, str]], tmp_path) -> None:
+    """name -> (tp 1 engine dir, tp 2 engine dir): the tp 2 engine on two spawned gloo ranks gives
+    the tp 1 engine's logits within 1e-5 on both ranks, over tp_reference_steps."""
     import torch.multiprocessing as mp
 
-    engine_dirs, expected = {}, {}
-    for family, hf in hf_models.items():
-        engine_dirs[family] = make_engine(hf, tmp_path / f"{family}-tp2", tp_size=2)
-        expected[family] = tp_reference_steps(ModelRunner(make_engine(hf, tmp_path / f"{family}-tp1")))
-    mp.spawn(tp_worker, args=(2, str(tmp_path / "init"), engine_dirs, str(tmp_path)), nprocs=2, join=True)
-    for family, reference in expected.items():
+    expected = {name: tp_reference_steps(ModelRunner(tp1)) for name, (tp1, _) in engines.items()}
+    tp2_dirs = {name: tp2 for name, (_, tp2) in engines.items()}
+    mp.spawn(tp_worker, args=(2, str(tmp_path / "init"), tp2_dirs, str(tmp_path)), nprocs=2, join=True)
+    for name, reference in expected.items():
         for rank in range(2):
-            error = (torch.load(tmp_path / f"{family}-rank{rank}.pt") - reference).abs().max().item()
-            assert error <= 1e-5, f"{family} rank {rank}: max abs error {error:.3g} vs tp 1"
+            error = (torch.load(tmp_path / f"{name}-rank{rank}.pt") - reference).abs().max().item()
+            assert error <= 1e-5, f"{name} rank {rank}: max abs error {error:.3g} vs tp 1"

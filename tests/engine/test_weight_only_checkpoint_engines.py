@@ -15,8 +15,7 @@ from safetensors.torch import load_file
 
 from engine.build import build_engine
 from engine.config import BuildConfig, ConfigError, EngineConfig
-from engine.executor.runner import ModelRunner
-from engine_testing import tp_reference_steps, tp_worker
+from engine_testing import assert_tp2_engines_match_tp1
 from kernels.wna16 import unpack_codes
 from quantized_checkpoints import VARIANTS, tiny_llama, tiny_qwen3_moe, transformers_state, write_variant
 from test_weight_only_engine import engine_logits, reference_logits
@@ -85,14 +84,9 @@ def test_act_order_crossing_tensor_parallel_ranks_is_refused_by_name(tmp_path):
 
 def test_tp2_carries_groups_split_along_input_columns(tmp_path):
     """A group-32 GPTQ checkpoint at tp 2: two gloo ranks give tp 1's logits."""
-    import torch.multiprocessing as mp
-
     write_variant(str(tmp_path / "ckpt"), "gptq_v1_asym")
     tp1, tp2 = build(tmp_path / "ckpt", tmp_path / "tp1"), build(tmp_path / "ckpt", tmp_path / "tp2", tp_size=2)
-    expected = tp_reference_steps(ModelRunner(tp1))
-    mp.spawn(tp_worker, args=(2, str(tmp_path / "init"), {"gptq": tp2}, str(tmp_path)), nprocs=2, join=True)
-    for rank in range(2):
-        assert (torch.load(tmp_path / f"gptq-rank{rank}.pt") - expected).abs().max().item() <= 1e-5
+    assert_tp2_engines_match_tp1({"gptq": (tp1, tp2)}, tmp_path)
 
 
 def test_requantizing_a_quantized_checkpoint_is_refused(tmp_path):

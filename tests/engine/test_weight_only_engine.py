@@ -16,30 +16,15 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from engine.build import build_from_hf
 from engine.config import BuildConfig, ConfigError, EngineConfig
-from engine.convert import getter_from_state_dict
 from engine.executor.runner import ModelRunner
-from engine_testing import VOCAB, PagedSession, random_tokens, tiny_hf, tp_reference_steps, tp_worker
+from engine_testing import (GROUPABLE, VOCAB, PagedSession, assert_tp2_engines_match_tp1, make_engine, random_tokens,
+                            tiny_hf)
 from kernels.wna16 import dequantize, quantize, unpack_codes
 
-# Widths that divide by 32, so grouped schemes apply at tp 1 and 2 (inter 128 / 2 ranks = 2 groups).
-_GROUPABLE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
 LINEAR_SUFFIXES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
                    "up_proj.weight", "down_proj.weight", "qkv_proj.weight", "gate_up_proj.weight",
                    "experts.gate_up_proj", "experts.down_proj")
-
-
-def groupable_llama(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(**_GROUPABLE)
-    config._attn_implementation = "eager"
-    model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_((1.0 if "norm" in name else 0.0) + 0.1 * torch.randn_like(p))
-    return model
 
 
 def dequantized_hf(hf, bits: int, group_size: int) -> torch.nn.Module:
@@ -51,14 +36,6 @@ def dequantized_hf(hf, bits: int, group_size: int) -> torch.nn.Module:
                 group = p.shape[-1] if group_size == 0 else group_size
                 p.copy_(dequantize(*quantize(p, bits, group, symmetric=bits == 8), bits))
     return model
-
-
-def build_quantized(hf, out_dir, quantization: str, group_size: int | None = None, tp_size: int = 1) -> str:
-    build = BuildConfig(dtype="float32", max_batch_size=4, max_input_len=256, max_seq_len=256, max_num_tokens=1024,
-                        tokens_per_block=16, tp_size=tp_size, quantization=quantization, quant_group_size=group_size)
-    build_from_hf(hf.config, getter_from_state_dict(hf.state_dict(), "tiny"), None, str(out_dir), build,
-                  progress=False)
-    return str(out_dir)
 
 
 def engine_logits(engine_dir: str, tokens: list[int]) -> torch.Tensor:
@@ -74,9 +51,9 @@ def reference_logits(hf, tokens: list[int]) -> torch.Tensor:
 
 
 CASES = [  # (model, quantization, group size, bits)
-    ("groupable_llama", "int4_wo", 32, 4),
-    ("groupable_llama", "int4_wo", 0, 4),
-    ("groupable_llama", "int8_wo", None, 8),  # int8 default: per channel
+    ("llama_groupable", "int4_wo", 32, 4),
+    ("llama_groupable", "int4_wo", 0, 4),
+    ("llama_groupable", "int8_wo", None, 8),  # int8 default: per channel
     ("qwen2_qkv_bias", "int8_wo", 32, 8),
     ("phi4_mini_partial_rotary", "int4_wo", 0, 4),  # fused qkv in the checkpoint, partial-rotary row order
     ("qwen3_moe", "int4_wo", 0, 4),  # experts and a dense layer
@@ -86,8 +63,8 @@ CASES = [  # (model, quantization, group size, bits)
 
 @pytest.mark.parametrize("family,quantization,group_size,bits", CASES)
 def test_engine_equals_the_dequantized_model(family, quantization, group_size, bits, tmp_path):
-    hf = groupable_llama() if family == "groupable_llama" else tiny_hf(family)
-    engine_dir = build_quantized(hf, tmp_path / "engine", quantization, group_size)
+    hf = tiny_hf(family)
+    engine_dir = make_engine(hf, tmp_path / "engine", quantization=quantization, group_size=group_size)
     tokens = random_tokens(12, seed=3)
     expected = reference_logits(dequantized_hf(hf, bits, group_size or 0), tokens)
     error = (engine_logits(engine_dir, tokens) - expected).abs().max().item()
@@ -97,8 +74,8 @@ def test_engine_equals_the_dequantized_model(family, quantization, group_size, b
 
 
 def test_stored_tensors_follow_the_format(tmp_path):
-    hf = groupable_llama()
-    engine_dir = build_quantized(hf, tmp_path / "engine", "int4_wo", 32)
+    hf = tiny_hf("llama_groupable")
+    engine_dir = make_engine(hf, tmp_path / "engine", quantization="int4_wo", group_size=32)
     config, weights = EngineConfig.load(engine_dir), load_file(f"{engine_dir}/rank0.safetensors")
     assert (config.build.quantization, config.build.quant_group_size) == ("int4_wo", 32)
     qkv = weights["layers.0.qkv_proj.weight"]
@@ -114,33 +91,27 @@ def test_stored_tensors_follow_the_format(tmp_path):
 def test_tp2_equals_tp1_with_groups_split_along_input_columns(tmp_path):
     """int4 group 32 at tp 2: o_proj and down_proj split their groups across ranks (64/2 and 128/2
     columns: 1 and 2 groups a rank); two gloo ranks give tp 1's logits."""
-    import torch.multiprocessing as mp
-
-    hf = groupable_llama()
-    tp1 = build_quantized(hf, tmp_path / "tp1", "int4_wo", 32)
-    tp2 = build_quantized(hf, tmp_path / "tp2", "int4_wo", 32, tp_size=2)
+    hf = tiny_hf("llama_groupable")
+    tp1 = make_engine(hf, tmp_path / "tp1", quantization="int4_wo", group_size=32)
+    tp2 = make_engine(hf, tmp_path / "tp2", quantization="int4_wo", group_size=32, tp_size=2)
     ranks = [load_file(f"{tp2}/rank{r}.safetensors") for r in range(2)]
     full = load_file(f"{tp1}/rank0.safetensors")
     for suffix in ("weight", "weight_scale", "weight_zero"):  # row-parallel: split along K and along the groups
         name = f"layers.1.down_proj.{suffix}"
         assert torch.equal(torch.cat([r[name] for r in ranks], dim=1), full[name]), name
-    expected = tp_reference_steps(ModelRunner(tp1))
-    mp.spawn(tp_worker, args=(2, str(tmp_path / "init"), {"int4": tp2}, str(tmp_path)), nprocs=2, join=True)
-    for rank in range(2):
-        error = (torch.load(tmp_path / f"int4-rank{rank}.pt") - expected).abs().max().item()
-        assert error <= 1e-5, f"rank {rank}: max abs error {error:.3g} vs tp 1"
+    assert_tp2_engines_match_tp1({"int4": (tp1, tp2)}, tmp_path)
 
 
 def test_group_size_must_divide_every_layer(tmp_path):
     hf = tiny_hf("qwen3")  # hidden 72: no 64-column groups
     with pytest.raises(ConfigError, match=r"layers\.0\.qkv_proj\.weight: 72 input columns .* groups of 64"):
-        build_quantized(hf, tmp_path / "bad", "int4_wo", 64)
+        make_engine(hf, tmp_path / "bad", quantization="int4_wo", group_size=64)
 
 
 def test_groups_must_not_straddle_tensor_parallel_ranks(tmp_path):
-    hf = groupable_llama()  # o_proj: 64 columns, 32 a rank: a group of 64 would straddle the ranks
+    hf = tiny_hf("llama_groupable")  # o_proj: 64 columns, 32 a rank: a group of 64 would straddle the ranks
     with pytest.raises(ConfigError, match=r"o_proj\.weight: 32 input columns .* groups of 64"):
-        build_quantized(hf, tmp_path / "bad", "int4_wo", 64, tp_size=2)
+        make_engine(hf, tmp_path / "bad", quantization="int4_wo", group_size=64, tp_size=2)
 
 
 @pytest.mark.parametrize("quantization,group_size,message", [
@@ -149,13 +120,13 @@ def test_groups_must_not_straddle_tensor_parallel_ranks(tmp_path):
 ])
 def test_bad_schemes_are_refused_by_name(quantization, group_size, message, tmp_path):
     with pytest.raises(ConfigError, match=message):
-        build_quantized(groupable_llama(), tmp_path / "bad", quantization, group_size)
+        make_engine(tiny_hf("llama_groupable"), tmp_path / "bad", quantization=quantization, group_size=group_size)
 
 
 def test_families_without_integer_linears_are_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"quantization int4_wo is not supported for GPT2LMHeadModel; it is for "
                                           r"LlamaForCausalLM"):
-        build_quantized(tiny_hf("gpt2"), tmp_path / "bad", "int4_wo")
+        make_engine(tiny_hf("gpt2"), tmp_path / "bad", quantization="int4_wo")
 
 
 def test_random_weight_engines_hold_valid_codes(tmp_path):
@@ -166,7 +137,7 @@ def test_random_weight_engines_hold_valid_codes(tmp_path):
     from engine.models.llama import LlamaForCausalLM
     from engine.convert import model_config_from_hf
 
-    cfg = model_config_from_hf(groupable_llama().config)
+    cfg = model_config_from_hf(tiny_hf("llama_groupable").config)
     scheme = BuildConfig(quantization="int4_wo", quant_group_size=32).weight_only
     model = materialize_random_weights(LlamaForCausalLM(cfg, device="meta", quantization=scheme),
                                        torch.device("cpu"), seed=0)
@@ -177,17 +148,15 @@ def test_random_weight_engines_hold_valid_codes(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the W4A16 kernels need a CUDA device")
-@pytest.mark.parametrize("family,quantization,group_size", [("groupable_llama", "int4_wo", 32),
-                                                            ("groupable_llama", "int8_wo", None),
+@pytest.mark.parametrize("family,quantization,group_size", [("llama_groupable", "int4_wo", 32),
+                                                            ("llama_groupable", "int8_wo", None),
                                                             ("qwen3_moe", "int4_wo", 0)])
 def test_cuda_engine_with_graphs_matches_the_cpu_reference(family, quantization, group_size, tmp_path):
     """The kernels' layout (made at load), the decode tilings timed at load and the decode CUDA
     graphs give the CPU reference's logits (the dequantized model) within bf16 rounding."""
-    hf = groupable_llama() if family == "groupable_llama" else tiny_hf(family)
-    build = BuildConfig(dtype="bfloat16", max_batch_size=4, max_input_len=128, max_seq_len=128, max_num_tokens=512,
-                        tokens_per_block=16, quantization=quantization, quant_group_size=group_size)
-    engine_dir = str(tmp_path / "engine")
-    build_from_hf(hf.config, getter_from_state_dict(hf.state_dict(), "tiny"), None, engine_dir, build, progress=False)
+    hf = tiny_hf(family)
+    engine_dir = make_engine(hf, tmp_path / "engine", dtype="bfloat16", max_seq_len=128, quantization=quantization,
+                             group_size=group_size)
     tokens = random_tokens(14, seed=5)
     expected = engine_logits(engine_dir, tokens)  # CPU: the dequantized weights in bf16
     runner = ModelRunner(engine_dir, device="cuda")
@@ -205,10 +174,9 @@ def test_lora_adapters_on_integer_base_weights(tmp_path):
     (greedy ids, mixed adapter and base rows in one batch): the adapters read the layer's input in
     the model dtype, beside the integer product."""
     from engine.executor import Executor, ExecutorConfig, LoraRequest
-    from engine_testing import make_engine
     from test_lora_merged import POOL, greedy, merged, write_adapter
 
-    hf = groupable_llama()
+    hf = tiny_hf("llama_groupable")
     weights = write_adapter(hf, tmp_path / "adapter", rank=8, alpha=16, seed=1)
     dequantized = dequantized_hf(hf, 4, 32)
     expected_base = make_engine(dequantized, tmp_path / "base")
@@ -219,7 +187,7 @@ def test_lora_adapters_on_integer_base_weights(tmp_path):
         with Executor(engine_dir, ExecutorConfig(**POOL), device="cpu") as executor:
             wanted[key] = greedy(executor, [(p, None) for p in prompts])
     assert wanted["adapter"] != wanted["base"]
-    quantized = build_quantized(hf, tmp_path / "int4", "int4_wo", 32)
+    quantized = make_engine(hf, tmp_path / "int4", quantization="int4_wo", group_size=32)
     adapter = LoraRequest(task_id=1, path=str(tmp_path / "adapter"))
     with Executor(quantized, ExecutorConfig(enable_lora=True, max_loras=1, max_lora_rank=8, **POOL),
                   device="cpu") as executor:
@@ -232,7 +200,7 @@ def test_int4_awq_refuses_an_unsupported_family_before_calibrating(tmp_path, mon
 
     monkeypatch.setattr(awq, "awq_transform", lambda *a, **k: pytest.fail("calibrated a family it then refuses"))
     with pytest.raises(ConfigError, match=r"quantization int4_awq is not supported for GPT2LMHeadModel"):
-        build_quantized(tiny_hf("gpt2"), tmp_path / "bad", "int4_awq", 32)
+        make_engine(tiny_hf("gpt2"), tmp_path / "bad", quantization="int4_awq", group_size=32)
 
 
 class _ByteTokenizer:
@@ -251,7 +219,7 @@ def test_int4_awq_builds_a_moe_checkpoint_directory(tmp_path, monkeypatch):
     import engine.build as build_module
     from engine.build import build_engine
 
-    config = transformers.Qwen3MoeConfig(**{**_GROUPABLE, "intermediate_size": 128}, head_dim=16, num_experts=4,
+    config = transformers.Qwen3MoeConfig(**GROUPABLE, head_dim=16, num_experts=4,
                                          num_experts_per_tok=2, moe_intermediate_size=64, mlp_only_layers=[1])
     torch.manual_seed(0)
     transformers.Qwen3MoeForCausalLM(config).save_pretrained(tmp_path / "ckpt")
