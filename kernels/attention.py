@@ -25,6 +25,9 @@ Per-layer options (one AttentionMetadata serves every layer, so they are argumen
   engine/executor/kv_cache.py).
 - ``logit_softcap`` c (Gemma 2): scores become ``c * tanh(scores / c)`` after the softmax scale and
   before the causal/window mask, as transformers' eager Gemma 2 attention does.
+- ``sinks`` (gpt-oss): a learned logit per query head, (num_heads,) on this rank, that joins each
+  query's softmax denominator as one more column and is then dropped, so a row's weights sum to
+  less than 1: ``p_k = exp(s_k) / (sum_j exp(s_j) + exp(sink_h))``. It has no value row.
 
 The public functions dispatch on the tensors' device: OpenAI Triton kernels on CUDA (when
 Triton is installed), the plain-torch references (``*_ref``) elsewhere. The test is two
@@ -82,9 +85,18 @@ def first_visible_key(first_query_pos: int, sliding_window: int | None) -> int:
     return 0 if sliding_window is None else max(0, first_query_pos - sliding_window + 1)
 
 
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dim of float32 ``scores``; with ``sinks`` (broadcastable to
+    ``scores[..., :1]``: each row's head's sink logit) as one more column, dropped afterwards."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    sink_column = sinks.float().expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, sink_column], dim=-1), dim=-1)[..., :-1]
+
+
 def paged_attention_ref(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-    *, sliding_window: int | None = None, logit_softcap: float | None = None,
+    *, sliding_window: int | None = None, logit_softcap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged KV; plain torch, fp32 math.
 
@@ -123,14 +135,14 @@ def paged_attention_ref(
         if sliding_window is not None:
             hidden |= k_pos <= q_pos - sliding_window
         scores.masked_fill_(hidden, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        probs = softmax_with_sinks(scores, None if sinks is None else sinks.view(num_heads, 1, 1))
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)
     return out
 
 
 def decode_attention_ref(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-    *, logit_softcap: float | None = None,
+    *, logit_softcap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``paged_attention_ref``'s math for a batch in which every sequence has exactly one new token
     and no window, in one pass over the batch: the sequences' blocks are gathered side by side
@@ -157,7 +169,7 @@ def decode_attention_ref(
     lengths = torch.tensor(ctx, device=q.device)[:, None]
     hidden = torch.arange(width * block_size, device=q.device)[None, :] >= lengths  # (num_seqs, keys)
     scores.masked_fill_(hidden[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    probs = softmax_with_sinks(scores, None if sinks is None else sinks.view(1, num_kv_heads, group, 1))
     out = torch.einsum("bhgk,bkhd->bhgd", probs, values)
     return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
@@ -178,13 +190,14 @@ def write_kv_cache(
 
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-    *, sliding_window: int | None = None, logit_softcap: float | None = None,
+    *, sliding_window: int | None = None, logit_softcap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``sliding_window`` / ``logit_softcap``: per layer, None when the layer has none (module docstring)."""
+    """``sliding_window`` / ``logit_softcap`` / ``sinks``: per layer, None when the layer has none
+    (module docstring)."""
+    options = {"logit_softcap": logit_softcap, "sinks": sinks}
     if use_triton(q):
         return triton_attention.paged_attention_triton(q, k_cache, v_cache, meta, scale, sliding_window=sliding_window,
-                                                       logit_softcap=logit_softcap)
+                                                       **options)
     if sliding_window is None and _is_plain_decode(q, meta):
-        return decode_attention_ref(q, k_cache, v_cache, meta, scale, logit_softcap=logit_softcap)
-    return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window=sliding_window,
-                               logit_softcap=logit_softcap)
+        return decode_attention_ref(q, k_cache, v_cache, meta, scale, **options)
+    return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window=sliding_window, **options)

@@ -32,13 +32,14 @@ def rope_paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, *,
     sliding_window: int | None = None, logit_softcap: float | None = None, is_neox: bool = True,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: (num_tokens, heads, dim), k and v: (num_tokens, kv_heads, dim) unrotated, last dim
-    contiguous (column views of the fused qkv output are fine) -> out: (num_tokens, heads, dim)."""
+    contiguous (column views of the fused qkv output are fine) -> out: (num_tokens, heads, dim).
+    ``sliding_window``, ``logit_softcap``, ``sinks``: kernels/attention.py."""
+    options = {"sliding_window": sliding_window, "logit_softcap": logit_softcap, "sinks": sinks}
     if fuses_rotary_into_attention(q, meta, is_neox):
-        return triton_attention.paged_attention_triton(
-            q, k_cache, v_cache, meta, scale, sliding_window=sliding_window, logit_softcap=logit_softcap,
-            new_kv=(k, v, positions, cos_sin_cache))
+        return triton_attention.paged_attention_triton(q, k_cache, v_cache, meta, scale,
+                                                       new_kv=(k, v, positions, cos_sin_cache), **options)
     q = rotary_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping, is_neox=is_neox)
-    return paged_attention(q, k_cache, v_cache, meta, scale, sliding_window=sliding_window,
-                           logit_softcap=logit_softcap)
+    return paged_attention(q, k_cache, v_cache, meta, scale, **options)

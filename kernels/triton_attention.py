@@ -20,6 +20,12 @@ and each row masks the keys of the walk that are older than its own window. Logi
 (Gemma 2) maps the base-2 scores z to ``C * tanh(z / C)`` with ``C = cap * log2(e)``, which is
 ``cap * tanh(s / cap)`` of the natural-base scores s, before the mask.
 
+Attention sinks (gpt-oss): a row's sink logit joins its softmax denominator only. The online
+softmax starts from it instead of from nothing (running max ``sink * log2(e)``, running sum 1,
+accumulator 0), which is the softmax over [scores..., sink] without the sink's column. With
+split-K only split 0 starts so; the merge by log-sum-exp then counts the sink once. A layer
+without sinks compiles without them (HAS_SINKS is a constexpr).
+
 Decode (one new token per sequence) uses a 16-row tile and, for long contexts or small
 batches, splits the keys of each (sequence, KV head) into NUM_SPLITS contiguous ranges run by
 separate programs ("split-K" / flash-decoding); a second kernel merges the partial results by
@@ -135,6 +141,7 @@ def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr, tile_seq_ptr, tile_m_ptr,
     k_new_ptr, v_new_ptr, positions_ptr, cos_sin_ptr, slot_ptr,  # read when ROTARY_APPEND
+    sinks_ptr,  # (num_heads,) sink logits, natural base (read when HAS_SINKS)
     qk_scale,  # softmax scale * log2(e): scores live in base 2
     window,  # sliding window W (read when HAS_WINDOW): row at position p sees keys p - W < k <= p
     softcap_log2,  # logit soft-cap * log2(e) (read when HAS_SOFTCAP)
@@ -145,7 +152,8 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
     FP16_MATH: tl.constexpr, ROTARY_APPEND: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TILE_MAP: tl.constexpr, PDL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TILE_MAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)  # before the early returns too: every program must wait (kernels/_triton.py)
     TOKENS_PER_TILE: tl.constexpr = BLOCK_M // GROUP
@@ -234,6 +242,10 @@ def _paged_attention_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_SINKS:
+        if split == 0:  # the sink's one term of the denominator: exp2(sink - m_i) * l_i = 1
+            m_i = tl.load(sinks_ptr + head, mask=row_valid, other=0.0).to(tl.float32) * 1.4426950408889634
+            l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, DIM_PAD], dtype=tl.float32)
     block_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     cols = tl.arange(0, BLOCK_N)
@@ -371,12 +383,13 @@ def paged_attention_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
     *, num_splits: int | None = None, sliding_window: int | None = None, logit_softcap: float | None = None,
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: (num_tokens, num_heads, head_dim), last dim contiguous -> out: (num_tokens, num_heads, head_dim).
 
     ``num_splits`` overrides the decode split count (a power of two; tests use it to force
-    the split path at short contexts); prefill batches never split. ``sliding_window`` and
-    ``logit_softcap``: kernels/attention.py (None: the layer has none).
+    the split path at short contexts); prefill batches never split. ``sliding_window``,
+    ``logit_softcap`` and ``sinks`` (num_heads,): kernels/attention.py (None: the layer has none).
 
     ``new_kv = (k, v, positions, cos_sin_cache)``, decode-only batches with power-of-two heads:
     q and k arrive unrotated; the kernel rotates them (neox halves, kernels/rotary.py's table and
@@ -396,6 +409,7 @@ def paged_attention_triton(
                                                                          sliding_window, dim_pad,
                                                                          k_cache.element_size())
     tokens_per_tile = block_m // group
+    assert sinks is None or (sinks.shape == (num_heads,) and sinks.is_contiguous())
     tile_map = meta.tile_seq is not None and not meta.is_decode_only
     if new_kv is not None:
         new_k, new_v, positions, cos_sin_cache = new_kv
@@ -420,7 +434,7 @@ def paged_attention_triton(
         q, k_cache, v_cache, out, part_out, part_lse,
         meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
         meta.tile_seq if tile_map else meta.cu_seqlens_q, meta.tile_m if tile_map else meta.cu_seqlens_q,
-        new_k, new_v, positions, cos_sin_cache, meta.slot_mapping,
+        new_k, new_v, positions, cos_sin_cache, meta.slot_mapping, q if sinks is None else sinks,
         scale * _LOG2E, sliding_window or 0, (logit_softcap or 1.0) * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -432,7 +446,7 @@ def paged_attention_triton(
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 engines get fp32 dots
         FP16_MATH=k_cache.element_size() == 1 and q.dtype != torch.float32, ROTARY_APPEND=new_kv is not None,
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=logit_softcap is not None, HAS_TILE_MAP=tile_map,
-        num_warps=num_warps, num_stages=num_stages, **pdl_options(q),
+        HAS_SINKS=sinks is not None, num_warps=num_warps, num_stages=num_stages, **pdl_options(q),
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
