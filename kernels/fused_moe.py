@@ -41,10 +41,16 @@ import torch
 import torch.nn.functional as F
 
 from kernels._triton import jit, tl, triton, use_triton
+from kernels.moe_epilogue import ACTIVATIONS, PLAIN_SILU, ExpertEpilogue, activate_ref
+from kernels.moe_grouped_mm import fused_moe_grouped_mm, grouped_mm_supported
 
 # Assignments (T * K) up to which the single-program Triton align kernel sorts; beyond it (large
 # prefill chunks) the torch ops of moe_align_torch do it in a handful of parallel launches.
 ALIGN_KERNEL_MAX_ASSIGNMENTS = 2048
+# Assignments (T * K) from which the sorted rows and grouped GEMMs of kernels/moe_grouped_mm.py
+# run instead of this file's block-tiled kernel (benchmarks/moe_kernel_bench.py measures both).
+GROUPED_MM_MIN_ASSIGNMENTS = 4096
+
 
 
 # ---- routing ---------------------------------------------------------------------------------
@@ -243,14 +249,27 @@ def block_rows(block, sorted_ids_ptr, block_expert_ptr, topk_ids_ptr, topk_weigh
 
 
 @jit
-def store_rows(acc, acc_up, out_ptr, ids, row_ok, cols, col_ok, topk_weights_ptr, stride_om,
-               GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr):
+def store_rows(acc, acc_up, out_ptr, ids, row_ok, cols, col_ok, topk_weights_ptr, stride_om, bias_ptr, expert,
+               stride_be, N, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+               ACTIVATION: tl.constexpr, SWIGLU_LIMIT: tl.constexpr):
     """A grouped GEMM's epilogue: acc (BLOCK_M, BLOCK_N) float32 (and acc_up when GATED) -> out rows
-    ``ids``, columns ``cols`` (see _grouped_gemm_kernel's GATED and MUL_WEIGHT)."""
+    ``ids``, columns ``cols`` (see _grouped_gemm_kernel's GATED and MUL_WEIGHT). HAS_BIAS: expert
+    ``expert``'s bias row (bias_ptr + expert * stride_be; GATED: [gate (N) | up (N)]) joins the
+    products first. ACTIVATION (GATED): kernels/moe_epilogue.py ACTIVATIONS, as activate_ref computes it."""
+    if HAS_BIAS:
+        bias_row = bias_ptr + expert * stride_be
+        acc += tl.load(bias_row + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(bias_row + N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if GATED:
         gate = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
         up = acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
-        acc = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32) * up
+        if ACTIVATION == 0:
+            acc = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32) * up
+        else:
+            gate = tl.minimum(gate, SWIGLU_LIMIT)
+            up = tl.minimum(tl.maximum(up, -SWIGLU_LIMIT), SWIGLU_LIMIT)
+            acc = (up + 1.0) * gate / (1.0 + tl.exp(-1.702 * gate))  # SWIGLU_ALPHA
     if MUL_WEIGHT:
         acc *= tl.load(topk_weights_ptr + ids, mask=row_ok, other=0.0)[:, None]
     tl.store(out_ptr + ids.to(tl.int64)[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -260,8 +279,9 @@ def store_rows(acc, acc_up, out_ptr, ids, row_ok, cols, col_ok, topk_weights_ptr
 @jit
 def _grouped_gemm_kernel(
     a_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, topk_ids_ptr, topk_weights_ptr,
-    logits_ptr, num_experts, N, K, num_assignments, stride_am, stride_we, stride_wn, stride_om,
+    logits_ptr, bias_ptr, num_experts, N, K, num_assignments, stride_am, stride_we, stride_wn, stride_om, stride_be,
     TOP_K: tl.constexpr, ROWS_PER_TOKEN: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, SWIGLU_LIMIT: tl.constexpr,
     ONE_PER_BLOCK: tl.constexpr, ROUTE_IN_KERNEL: tl.constexpr, RENORMALIZE: tl.constexpr,
     K_PAD: tl.constexpr, E_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -279,6 +299,7 @@ def _grouped_gemm_kernel(
     GATED: w has 2N rows per expert [gate | up]; out = silu(gate) * up, rounded as the unfused
     path rounds (each product to the output dtype, then silu, then the mul).
     MUL_WEIGHT: each row is scaled by topk_weights[a] (float32) before the one rounding to out.
+    HAS_BIAS, ACTIVATION, SWIGLU_LIMIT: store_rows'.
     """
     block = tl.program_id(0)
     if not ONE_PER_BLOCK:
@@ -303,7 +324,8 @@ def _grouped_gemm_kernel(
         if GATED:
             w_up = tl.load(w_base + N * stride_wn + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             acc_up = tl.dot(a, tl.trans(w_up), acc_up, input_precision=DOT_PRECISION)
-    store_rows(acc, acc_up, out_ptr, ids, row_ok, cols, col_ok, topk_weights_ptr, stride_om, GATED, MUL_WEIGHT)
+    store_rows(acc, acc_up, out_ptr, ids, row_ok, cols, col_ok, topk_weights_ptr, stride_om, bias_ptr, expert,
+               stride_be, N, GATED, MUL_WEIGHT, HAS_BIAS, ACTIVATION, SWIGLU_LIMIT)
 
 
 def choose_block_m(num_assignments: int, num_experts: int) -> int:
@@ -326,10 +348,12 @@ def gemm_config(block_m: int) -> dict:
 
 def _grouped_gemm(a, w, out, blocks, topk_ids, topk_weights, *, n: int, top_k: int, rows_per_token: bool,
                   gated: bool, mul_weight: bool, block_m: int, config: dict,
-                  router_logits: torch.Tensor | None = None, renormalize: bool = False) -> None:
+                  router_logits: torch.Tensor | None = None, renormalize: bool = False,
+                  bias: torch.Tensor | None = None, epilogue: ExpertEpilogue = PLAIN_SILU) -> None:
     """blocks: moe_align's (sorted_ids, block_expert, num_padded), or None for one block per
     assignment (a single token). router_logits (1, E) (with blocks None): route in the kernel
-    and write topk_weights / topk_ids (flat, K) instead of reading them."""
+    and write topk_weights / topk_ids (flat, K) instead of reading them. bias: this GEMM's
+    per-expert bias rows (E, n or 2n), or None."""
     cfg = dict(config)
     block_n = cfg.pop("BLOCK_N")
     num_blocks = topk_ids.numel() if blocks is None else blocks[0].numel() // block_m
@@ -337,9 +361,12 @@ def _grouped_gemm(a, w, out, blocks, topk_ids, topk_weights, *, n: int, top_k: i
     num_experts = w.shape[0]
     _grouped_gemm_kernel[(num_blocks, triton.cdiv(n, block_n))](
         a, w, out, sorted_ids, block_expert, num_padded, topk_ids, topk_weights,
-        router_logits if router_logits is not None else topk_weights, num_experts,
-        n, a.shape[1], out.shape[0], a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        router_logits if router_logits is not None else topk_weights, bias if bias is not None else topk_weights,
+        num_experts, n, a.shape[1], out.shape[0], a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        bias.stride(0) if bias is not None else 0,
         TOP_K=top_k, ROWS_PER_TOKEN=rows_per_token, GATED=gated, MUL_WEIGHT=mul_weight,
+        HAS_BIAS=bias is not None, ACTIVATION=ACTIVATIONS[epilogue.activation],
+        SWIGLU_LIMIT=float(epilogue.swiglu_limit or 0.0),
         ONE_PER_BLOCK=blocks is None, ROUTE_IN_KERNEL=router_logits is not None, RENORMALIZE=renormalize,
         K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(num_experts),
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
@@ -349,7 +376,7 @@ def _grouped_gemm(a, w, out, blocks, topk_ids, topk_weights, *, n: int, top_k: i
 
 def moe_single_token_triton(x: torch.Tensor, router_logits: torch.Tensor, gate_up: torch.Tensor,
                             down: torch.Tensor, top_k: int, renormalize: bool, *,
-                            config: dict | None = None) -> torch.Tensor:
+                            config: dict | None = None, epilogue: ExpertEpilogue = PLAIN_SILU) -> torch.Tensor:
     """route_tokens + fused_moe for one token (batch-1 decode) in three launches: gate_up with
     the routing inside, down, and the sum over the K experts."""
     hidden = x.shape[1]
@@ -361,15 +388,17 @@ def moe_single_token_triton(x: torch.Tensor, router_logits: torch.Tensor, gate_u
     weights = torch.empty(top_k, dtype=torch.float32, device=x.device)
     act = torch.empty(top_k, inter, dtype=x.dtype, device=x.device)
     _grouped_gemm(x, gate_up, act, None, ids, weights, n=inter, top_k=top_k, rows_per_token=True, gated=True,
-                  mul_weight=False, block_m=16, config=config, router_logits=router_logits, renormalize=renormalize)
+                  mul_weight=False, block_m=16, config=config, router_logits=router_logits, renormalize=renormalize,
+                  bias=epilogue.gate_up_bias, epilogue=epilogue)
     out_k = torch.empty(top_k, hidden, dtype=x.dtype, device=x.device)
     _grouped_gemm(act, down, out_k, None, ids, weights, n=hidden, top_k=top_k, rows_per_token=False,
-                  gated=False, mul_weight=True, block_m=16, config=config)
+                  gated=False, mul_weight=True, block_m=16, config=config, bias=epilogue.down_bias, epilogue=epilogue)
     return out_k.sum(dim=0, keepdim=True)
 
 
 def fused_moe_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
-                     topk_ids: torch.Tensor, *, block_m: int | None = None, config: dict | None = None) -> torch.Tensor:
+                     topk_ids: torch.Tensor, *, block_m: int | None = None, config: dict | None = None,
+                     epilogue: ExpertEpilogue = PLAIN_SILU) -> torch.Tensor:
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = gate_up.shape
     inter, top_k = two_inter // 2, topk_ids.shape[1]
@@ -387,20 +416,23 @@ def fused_moe_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     weights = topk_weights.reshape(-1).float().contiguous()
     act = torch.empty(num_assignments, inter, dtype=x.dtype, device=x.device)
     _grouped_gemm(x, gate_up, act, blocks, flat_ids, weights, n=inter, top_k=top_k, rows_per_token=True,
-                  gated=True, mul_weight=False, block_m=block_m, config=config)
+                  gated=True, mul_weight=False, block_m=block_m, config=config, bias=epilogue.gate_up_bias,
+                  epilogue=epilogue)
     out_k = torch.empty(num_assignments, hidden, dtype=x.dtype, device=x.device)
     _grouped_gemm(act, down, out_k, blocks, flat_ids, weights, n=hidden, top_k=top_k, rows_per_token=False,
-                  gated=False, mul_weight=True, block_m=block_m, config=config)
+                  gated=False, mul_weight=True, block_m=block_m, config=config, bias=epilogue.down_bias,
+                  epilogue=epilogue)
     return out_k.view(num_tokens, top_k, hidden).sum(dim=1)
 
 
 # ---- reference and public entry --------------------------------------------------------------
 
 def fused_moe_ref(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor) -> torch.Tensor:
+                  topk_ids: torch.Tensor, epilogue: ExpertEpilogue = PLAIN_SILU) -> torch.Tensor:
     """The module docstring's sum in plain torch, grouped by expert like the kernel: experts no
     token chose are skipped; each routed product is scaled in float32 and rounded once, and the
-    K products of a token are summed in float32."""
+    K products of a token are summed in float32. With an ExpertEpilogue's biases each GEMM adds
+    its expert's bias row (before the activation, before the routing weight)."""
     num_tokens, hidden = x.shape
     num_experts, top_k = gate_up.shape[0], topk_ids.shape[1]
     flat_ids = topk_ids.reshape(-1).long()
@@ -408,31 +440,45 @@ def fused_moe_ref(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, to
     order = torch.argsort(flat_ids, stable=True)
     counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
     out_k = x.new_zeros(num_tokens * top_k, hidden)
+    gate_up_bias, down_bias = epilogue.gate_up_bias, epilogue.down_bias
     start = 0
     for expert, count in enumerate(counts):
         if count == 0:
             continue
         assignments = order[start:start + count]
         start += count
-        gate, up = F.linear(x[assignments // top_k], gate_up[expert]).chunk(2, dim=-1)
-        product = F.linear(F.silu(gate) * up, down[expert])
+        gate_up_rows = F.linear(x[assignments // top_k], gate_up[expert],
+                                None if gate_up_bias is None else gate_up_bias[expert])
+        product = F.linear(activate_ref(gate_up_rows, epilogue), down[expert],
+                           None if down_bias is None else down_bias[expert])
         out_k[assignments] = (product.float() * flat_weights[assignments, None]).to(x.dtype)
     return out_k.view(num_tokens, top_k, hidden).sum(dim=1)
 
 
 def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
-    """The routed experts' output (T, H) (module docstring): Triton on CUDA, else the reference."""
-    if use_triton(x):
-        return fused_moe_triton(x, gate_up, down, topk_weights, topk_ids)
-    return fused_moe_ref(x, gate_up, down, topk_weights, topk_ids)
+              topk_ids: torch.Tensor, *, gate_up_bias: torch.Tensor | None = None,
+              down_bias: torch.Tensor | None = None, activation: str = "silu",
+              swiglu_limit: float | None = None) -> torch.Tensor:
+    """The routed experts' output (T, H) (module docstring): Triton on CUDA, else the reference.
+    gate_up_bias (E, 2I), down_bias (E, H), activation, swiglu_limit: ExpertEpilogue's."""
+    epilogue = ExpertEpilogue(gate_up_bias, down_bias, activation, swiglu_limit)
+    if not use_triton(x):
+        return fused_moe_ref(x, gate_up, down, topk_weights, topk_ids, epilogue)
+    if topk_ids.numel() >= GROUPED_MM_MIN_ASSIGNMENTS and grouped_mm_supported(x, gate_up, down):
+        return fused_moe_grouped_mm(x, gate_up, down, topk_weights, topk_ids, epilogue)
+    return fused_moe_triton(x, gate_up, down, topk_weights, topk_ids, epilogue=epilogue)
 
 
 def moe_forward(x: torch.Tensor, router_logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                top_k: int, renormalize: bool) -> torch.Tensor:
+                top_k: int, renormalize: bool, *, gate_up_bias: torch.Tensor | None = None,
+                down_bias: torch.Tensor | None = None, activation: str = "silu",
+                swiglu_limit: float | None = None) -> torch.Tensor:
     """A sparse MLP after its router: route_tokens then fused_moe; one token on CUDA (batch-1
-    decode) routes inside the gate_up launch (moe_single_token_triton)."""
+    decode) routes inside the gate_up launch (moe_single_token_triton). Biases and activation:
+    fused_moe's."""
     if use_triton(x) and x.shape[0] == 1:
-        return moe_single_token_triton(x, router_logits, gate_up, down, top_k, renormalize)
+        epilogue = ExpertEpilogue(gate_up_bias, down_bias, activation, swiglu_limit)
+        return moe_single_token_triton(x, router_logits, gate_up, down, top_k, renormalize, epilogue=epilogue)
     topk_weights, topk_ids = route_tokens(router_logits, top_k, renormalize)
-    return fused_moe(x, gate_up, down, topk_weights, topk_ids)
+    return fused_moe(x, gate_up, down, topk_weights, topk_ids, gate_up_bias=gate_up_bias, down_bias=down_bias,
+                     activation=activation, swiglu_limit=swiglu_limit)

@@ -287,7 +287,8 @@ def _wna16_grouped_gemm_kernel(
                                     ONE_GROUP, FACTORED, MAGIC, OFF, SWAP_AB, DOT_PRECISION)
     if SWAP_AB:
         acc, acc_up = tl.trans(acc), tl.trans(acc_up)
-    store_rows(acc, acc_up, out_ptr, ids, row_ok, cols, col_ok, topk_weights_ptr, stride_om, GATED, MUL_WEIGHT)
+    store_rows(acc, acc_up, out_ptr, ids, row_ok, cols, col_ok, topk_weights_ptr, stride_om, topk_weights_ptr, expert,
+               0, N, GATED, MUL_WEIGHT, False, 0, 0.0)  # no biases; silu
 
 
 def _wna16_grouped_gemm(a, experts: WNA16Experts, out, blocks, topk_ids, topk_weights, *, n: int, top_k: int,

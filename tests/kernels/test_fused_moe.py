@@ -234,7 +234,7 @@ def test_every_block_size_and_tile_config(device, block_m):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="captures a CUDA graph")
-@pytest.mark.parametrize("num_tokens", [1, 4, 600])  # routing in gate_up, the align kernel, torch-ops alignment
+@pytest.mark.parametrize("num_tokens", [1, 4, 600, 1100])  # ... and 1100 x top-4: sorted rows + grouped GEMMs  # routing in gate_up, the align kernel, torch-ops alignment
 def test_moe_forward_replays_from_a_cuda_graph(num_tokens):
     """No host synchronisation inside: the whole routed MLP captures, and replays with new router
     logits (other experts chosen) give the new answers."""
@@ -252,3 +252,117 @@ def test_moe_forward_replays_from_a_cuda_graph(num_tokens):
         graph.replay()
         expected = fused_moe_ref(x.cpu(), gate_up.cpu(), down.cpu(), *route_tokens_ref(logits.cpu(), 4, True))
         assert relative_error(out, expected) < TOLERANCE[torch.bfloat16]
+
+
+# ---- biases and gpt-oss's clamped SwiGLU (kernels/moe_epilogue.py) ----------------------------
+
+def gpt_oss_epilogue(num_experts, hidden, inter, *, seed, dtype=torch.float32):
+    """Biases large enough to move the products past the clamp (limit 7 on products of ~N(0, 1))."""
+    from kernels.moe_epilogue import ExpertEpilogue
+
+    return ExpertEpilogue(randn(num_experts, 2 * inter, seed=seed, scale=4.0).to(dtype),
+                          randn(num_experts, hidden, seed=seed + 1).to(dtype), "swiglu_clamped", 7.0)
+
+
+def test_reference_with_biases_and_clamped_swiglu_equals_the_definition():
+    from kernels.moe_epilogue import SWIGLU_ALPHA
+
+    x, gate_up, down, logits = make_problem(11, 24, 16, 6, 3, seed=12)
+    epilogue = gpt_oss_epilogue(6, 24, 16, seed=13)
+    weights, ids = route_tokens_ref(logits, 3, True)
+    expected = torch.zeros(11, 24, dtype=torch.float64)
+    for t in range(11):
+        for k in range(3):
+            e = int(ids[t, k])
+            h = gate_up[e].double() @ x[t].double() + epilogue.gate_up_bias[e].double()
+            gate, up = h[:16].clamp(max=7.0), h[16:].clamp(-7.0, 7.0)
+            act = (up + 1) * gate * torch.sigmoid(SWIGLU_ALPHA * gate)
+            expected[t] += weights[t, k].double() * (down[e].double() @ act + epilogue.down_bias[e].double())
+    got = fused_moe_ref(x, gate_up, down, weights, ids, epilogue)
+    assert relative_error(got, expected) < 1e-5
+    assert (gate_up[ids[:, 0].long()] @ x[:, :, None]).abs().max() < 7 < (epilogue.gate_up_bias.abs().max())
+
+
+def test_epilogue_refuses_unknown_activations_and_stray_limits():
+    from kernels.moe_epilogue import ExpertEpilogue
+
+    with pytest.raises(ValueError, match="activation 'gelu' is not supported; allowed: silu, swiglu_clamped"):
+        ExpertEpilogue(activation="gelu")
+    with pytest.raises(ValueError, match="swiglu_limit"):
+        ExpertEpilogue(swiglu_limit=7.0)
+    with pytest.raises(ValueError, match="swiglu_limit"):
+        ExpertEpilogue(activation="swiglu_clamped")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 3, 200])  # single token (routing in the launch), small and 64-row blocks
+def test_kernel_epilogue_with_biases_and_clamped_swiglu(device, num_tokens):
+    from kernels.fused_moe import moe_forward
+
+    x, gate_up, down, _ = make_problem(num_tokens, 96, 40, 8, 2, seed=num_tokens)
+    logits = distinct_logits(num_tokens, 8, seed=num_tokens)
+    for dtype in kernel_dtypes(device):
+        epilogue = gpt_oss_epilogue(8, 96, 40, seed=3, dtype=dtype)
+        args = [t.to(dtype) for t in (x, gate_up, down)]
+        expected = fused_moe_ref(*args, *route_tokens_ref(logits.to(dtype), 2, True), epilogue)
+        out = moe_forward(*[t.to(device) for t in (args[0], logits.to(dtype), args[1], args[2])], 2, True,
+                          gate_up_bias=epilogue.gate_up_bias.to(device), down_bias=epilogue.down_bias.to(device),
+                          activation="swiglu_clamped", swiglu_limit=7.0)
+        assert relative_error(out, expected) < TOLERANCE[dtype], dtype
+
+
+# ---- large batches: sorted rows and grouped GEMMs (kernels/moe_grouped_mm.py) ------------------
+
+def test_sort_assignments_groups_rows_by_expert():
+    from kernels.moe_grouped_mm import sort_assignments
+
+    _, _, _, logits = make_problem(29, 8, 8, 10, 3, seed=2, used_experts=(0, 2, 3, 7, 9))
+    _, ids = route_tokens_ref(logits, 3, False)
+    dest, order, offs = sort_assignments(ids, 10)
+    flat = ids.reshape(-1).long()
+    assert torch.equal(order[dest], torch.arange(flat.numel()))
+    assert torch.equal(offs.long(), torch.cumsum(torch.bincount(flat, minlength=10), 0))
+    assert torch.equal(flat[order], torch.sort(flat, stable=True).values)  # experts in order ...
+    for expert in range(10):  # ... each expert's assignments in their own order
+        assert torch.equal(torch.sort(order[flat[order] == expert]).values, order[flat[order] == expert])
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without _grouped_mm")
+@pytest.mark.parametrize("with_epilogue", [False, True])
+def test_grouped_mm_path_equals_reference_on_cpu(with_epilogue):
+    """torch's CPU grouped GEMM runs the same code path as CUDA's: sorting, the activation, the combine."""
+    from kernels.moe_epilogue import PLAIN_SILU
+    from kernels.moe_grouped_mm import fused_moe_grouped_mm
+
+    x, gate_up, down, logits = make_problem(57, 64, 32, 8, 2, seed=8, used_experts=(0, 1, 4, 5, 6))
+    args = [t.bfloat16() for t in (x, gate_up, down)]
+    weights, ids = route_tokens_ref(logits, 2, True)
+    epilogue = gpt_oss_epilogue(8, 64, 32, seed=9, dtype=torch.bfloat16) if with_epilogue else PLAIN_SILU
+    expected = fused_moe_ref(*args, weights, ids, epilogue)
+    got = fused_moe_grouped_mm(*args, weights, ids, epilogue)
+    assert got.dtype == torch.bfloat16 and relative_error(got, expected) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens,hidden,inter,num_experts,top_k", [
+    (1024, 2048, 768, 128, 8),  # Qwen3-30B-A3B's experts at a prefill chunk
+    (700, 256, 96, 16, 4),      # some experts get no rows
+])
+def test_grouped_mm_path_equals_reference_on_gpu(device, num_tokens, hidden, inter, num_experts, top_k):
+    from kernels.moe_grouped_mm import fused_moe_grouped_mm, grouped_mm_supported
+
+    x, gate_up, down, logits = make_problem(num_tokens, hidden, inter, num_experts, top_k, seed=inter,
+                                            used_experts=range(0, num_experts, 2) if num_experts == 16 else None)
+    args = [t.to(device, torch.bfloat16) for t in (x, gate_up, down)]
+    if not grouped_mm_supported(*args):
+        pytest.skip("torch._grouped_mm needs sm90+ here")
+    weights, ids = route_tokens_ref(logits, top_k, True)
+    for epilogue_seed in (None, 4):
+        from kernels.moe_epilogue import PLAIN_SILU
+        epilogue = PLAIN_SILU if epilogue_seed is None else gpt_oss_epilogue(
+            num_experts, hidden, inter, seed=epilogue_seed, dtype=torch.bfloat16)
+        expected = fused_moe_ref(*[t.cpu() for t in args], weights, ids, epilogue)
+        on_device = epilogue if epilogue_seed is None else type(epilogue)(
+            epilogue.gate_up_bias.to(device), epilogue.down_bias.to(device), epilogue.activation, epilogue.swiglu_limit)
+        got = fused_moe_grouped_mm(*args, weights.to(device), ids.to(device), on_device)
+        assert relative_error(got, expected) < TOLERANCE[torch.bfloat16]

@@ -1,0 +1,112 @@
+"""Routed experts in the model dtype (bf16), each path of kernels/fused_moe.py at every batch size:
+the block-tiled Triton kernel (``triton``), sorted rows + torch._grouped_mm
+(kernels/moe_grouped_mm.py, ``grouped_mm``) and what moe_forward picks (``default``).
+Microseconds a call from CUDA-graph replays (``REPEAT`` calls a graph on different tokens, so the
+experts come from HBM), routing included; achieved TFLOPS (6 * H * I flops an assignment) and the
+bytes of the experts hit over the time.
+
+    python benchmarks/moe_kernel_bench.py [--shape qwen3_30b_a3b|gpt_oss_20b] [--tokens 1 8 64 ...]
+        [--stages]   # also time the grouped path's stages one by one at the largest size
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from kernels.fused_moe import fused_moe_ref, fused_moe_triton, moe_forward, route_tokens  # noqa: E402
+from kernels.linear import replay_time_ms  # noqa: E402
+from kernels.moe_epilogue import PLAIN_SILU, expert_activation  # noqa: E402
+from kernels.moe_grouped_mm import combine, fused_moe_grouped_mm, sort_assignments  # noqa: E402
+
+SHAPES = {  # experts, top-k, hidden, expert width
+    "qwen3_30b_a3b": (128, 8, 2048, 768),
+    "gpt_oss_20b": (32, 4, 2880, 2880),
+}
+REPEAT = 6
+
+
+def graph_us(fn, inputs) -> float:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn(*inputs[0])
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for args in inputs:
+            fn(*args)
+    return replay_time_ms(graph, replays=3) / len(inputs) * 1000
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3_30b_a3b")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 256, 512, 1024, 2048, 8192])
+    parser.add_argument("--stages", action="store_true")
+    args = parser.parse_args()
+    experts, top_k, hidden, inter = SHAPES[args.shape]
+    torch.manual_seed(0)
+    gate_up = (torch.randn(experts, 2 * inter, hidden, device="cuda") * hidden**-0.5).bfloat16()
+    down = (torch.randn(experts, hidden, inter, device="cuda") * inter**-0.5).bfloat16()
+    print(f"device: {torch.cuda.get_device_name()}  shape {args.shape}: E={experts} top-{top_k} H={hidden} I={inter}")
+
+    def routed(path):
+        def fn(x, logits):
+            weights, ids = route_tokens(logits, top_k, True)
+            return path(x, gate_up, down, weights, ids)
+        return fn
+
+    paths = {"triton": routed(fused_moe_triton), "grouped_mm": routed(fused_moe_grouped_mm),
+             "default": lambda x, logits: moe_forward(x, logits, gate_up, down, top_k, True)}
+    print("| tokens | path | us | TFLOPS | experts' bytes GB/s | rel. diff vs reference |")
+    print("|---:|---|---:|---:|---:|---:|")
+    for tokens in args.tokens:
+        inputs = [(torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16),
+                   torch.randn(tokens, experts, device="cuda", dtype=torch.bfloat16)) for _ in range(REPEAT)]
+        x, logits = inputs[0]
+        weights, ids = route_tokens(logits, top_k, True)
+        reference = fused_moe_ref(x, gate_up, down, weights, ids).float()
+        hit = int(torch.unique(ids).numel())
+        flops = tokens * top_k * 6 * hidden * inter
+        for name, fn in paths.items():
+            if name == "grouped_mm" and tokens == 1:
+                continue
+            diff = ((fn(x, logits).float() - reference).norm() / reference.norm()).item()
+            us = graph_us(fn, inputs)
+            print(f"| {tokens} | {name} | {us:.1f} | {flops / us / 1e6:.0f} | "
+                  f"{hit * 6 * hidden * inter / us / 1e3:.0f} | {diff:.1e} |", flush=True)
+    if args.stages:
+        tokens = max(args.tokens)
+        x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+        weights, ids = route_tokens(torch.randn(tokens, experts, device="cuda", dtype=torch.bfloat16), top_k, True)
+        dest, order, offs = sort_assignments(ids, experts)
+        rows = x.index_select(0, order // top_k)
+        h = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offs)
+        row_expert = ids.reshape(-1)[order]
+        act = expert_activation(h, row_expert, PLAIN_SILU)
+        y = torch._grouped_mm(act, down.transpose(1, 2), offs=offs)
+        assignments = tokens * top_k
+        stages = {
+            "sort_assignments": (lambda: sort_assignments(ids, experts), 0),
+            "gather rows": (lambda: x.index_select(0, order // top_k), 0),
+            "grouped_mm gate_up": (lambda: torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offs),
+                                   assignments * 4 * hidden * inter),
+            "activation": (lambda: expert_activation(h, row_expert, PLAIN_SILU), 0),
+            "grouped_mm down": (lambda: torch._grouped_mm(act, down.transpose(1, 2), offs=offs),
+                                assignments * 2 * hidden * inter),
+            "combine": (lambda: combine(y, dest, ids, weights, None), 0),
+        }
+        print(f"\nstages of the grouped path at {tokens} tokens:")
+        for name, (fn, stage_flops) in stages.items():
+            us = graph_us(lambda: fn(), [()] * 3)
+            extra = f", {stage_flops / us / 1e6:.0f} TFLOPS" if stage_flops else ""
+            print(f"  {name}: {us:.1f} us{extra}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
