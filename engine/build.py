@@ -46,6 +46,7 @@ from engine.convert import (
 )
 from engine.fp8_checkpoint import dequantizing_getter, fp8_checkpoint_strategy, rank_row_scales
 from engine.models import MODEL_FAMILIES, get_family, get_model_class
+from engine.mxfp4 import is_mxfp4_checkpoint, widen_mxfp4_checkpoint
 from engine.weight_only.checkpoint_formats import QuantizedLinearReader, checkpoint_weight_quant
 from engine.weight_only.convert import (CheckpointStandIns, build_time_quantize, checkpoint_integer_weights,
                                        resolve_group_size)
@@ -200,6 +201,9 @@ def build_from_hf(hf_config, get: TensorGetter, tokenizer, output_dir: str, buil
     check_tp_divides(model, build.tp_size)
     build = resolve_build_limits(build, model)
     extra = {"source": os.path.abspath(source) if source else "", "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    if is_mxfp4_checkpoint(hf_config):  # gpt-oss's experts: widened to bfloat16, exactly (engine/mxfp4.py)
+        hf_config, get = widen_mxfp4_checkpoint(hf_config, get, model.architecture)
+        extra["source_quantization"] = "mxfp4 experts, widened at build"
     fp8_source = integer_source = None
     integer_quant = checkpoint_weight_quant(hf_config)
     strategy = None if integer_quant is not None else fp8_checkpoint_strategy(hf_config)

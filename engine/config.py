@@ -26,7 +26,7 @@ KV_CACHE_DTYPES = ("fp8",)
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "GPT2LMHeadModel",
                            "Qwen3ForCausalLM", "Phi3ForCausalLM", "SmolLM3ForCausalLM")
 # Mixture-of-experts families (engine/models/moe.py): the only ones whose num_experts may be > 0.
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM")
 SUPPORTED_ARCHITECTURES += MOE_ARCHITECTURES
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_new", "gelu_pytorch_tanh", "gelu")
@@ -78,7 +78,7 @@ def _from_known_fields(cls, data: dict[str, Any]):
 
 
 _OPTIONAL_WHEN_NONE = ("sliding_window", "layer_types", "query_pre_attn_scalar", "attn_logit_softcapping",
-                       "final_logit_softcapping", "rope_local_theta")
+                       "final_logit_softcapping", "rope_local_theta", "swiglu_limit")
 
 
 @dataclass
@@ -150,6 +150,9 @@ class ModelConfig:
     norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1 (Mixtral: always)
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
+    # gpt-oss (engine/models/gpt_oss.py): its experts' clamped SwiGLU, gate clamped above and up on
+    # both sides at this limit (kernels/moe_epilogue.py); None for the plain SwiGLU of other families.
+    swiglu_limit: float | None = None
 
     def is_moe_layer(self, layer_index: int) -> bool:
         return (self.num_experts > 0 and layer_index not in self.mlp_only_layers
@@ -222,8 +225,11 @@ class ModelConfig:
                  f"num_experts_per_tok ({self.num_experts_per_tok}) must be <= num_experts ({self.num_experts})")
         _require(all(isinstance(i, int) and 0 <= i < self.num_layers for i in self.mlp_only_layers),
                  f"mlp_only_layers must hold layer indices in [0, {self.num_layers}), got {self.mlp_only_layers!r}")
-        _require(not self.qkv_bias and self.rotary_dim == self.head_dim and not self.layers_without_rope,
+        _require((not self.qkv_bias or self.architecture == "GptOssForCausalLM") and self.rotary_dim == self.head_dim
+                 and not self.layers_without_rope,
                  f"{self.architecture} with q/k/v bias, partial rotary or layers without rope is not supported")
+        _require(self.swiglu_limit is None or (isinstance(self.swiglu_limit, (int, float)) and self.swiglu_limit > 0),
+                 f"swiglu_limit must be a positive number or null, got {self.swiglu_limit!r}")
 
     def _validate_rope_scaling_keys(self) -> None:
         """The keys each scaling's frequencies need (engine.convert fills them in from the HF config)."""

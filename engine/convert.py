@@ -13,7 +13,11 @@ the engine model declares (names in docs/INTERFACES.md):
   the engine's plain RMSNorm applies them.
 - Phi-3's fused qkv_proj/gate_up_proj are split back into their parts first (unfused_phi3_getter),
   so they shard like the rest; Qwen3's q_norm/k_norm are replicated;
-- with partial rotary, q/k head dims are reordered (kernels.rotary.partial_rotary_order).
+- with partial rotary, q/k head dims are reordered (kernels.rotary.partial_rotary_order);
+- gpt-oss's experts come as transformers holds them, (E, in, out) with gate and up interleaved
+  columns (gate 0, up 0, gate 1, ...): they are transposed to the engine's (E, out, in) and split
+  into [gate_r | up_r] rows per rank, their biases likewise (gpt_oss_rank_weights); MXFP4 experts
+  are widened first (engine/mxfp4.py).
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ import torch
 
 from engine.config import GEMMA_ARCHITECTURES, MOE_ARCHITECTURES, ConfigError, ModelConfig, check_tp_divides
 from engine.models import SUPPORTED_ARCHITECTURES, UnsupportedArchitectureError
+from kernels.moe_epilogue import SWIGLU_ALPHA
 from kernels.rotary import partial_rotary_order
 
 TensorGetter = Callable[[str], torch.Tensor]  # HF tensor name -> tensor (any dtype, on CPU)
@@ -54,6 +59,8 @@ def model_config_from_hf(hf_config) -> ModelConfig:
         return _gpt2_config(hf_config)
     if architecture in GEMMA_ARCHITECTURES:
         return _gemma_config(hf_config, architecture)
+    if architecture == "GptOssForCausalLM":
+        return _gpt_oss_config(hf_config)
     if architecture in MOE_ARCHITECTURES:
         return _moe_config(hf_config, architecture)
     return _llama_family_config(hf_config, architecture)
@@ -64,7 +71,7 @@ def _architecture_from_model_type(hf_config) -> str:
                "gpt2": "GPT2LMHeadModel", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
                "smollm3": "SmolLM3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                "gemma3": "Gemma3ForConditionalGeneration", "mixtral": "MixtralForCausalLM",
-               "qwen3_moe": "Qwen3MoeForCausalLM"}
+               "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in by_type:
         raise UnsupportedArchitectureError(
@@ -220,6 +227,33 @@ def _moe_config(c, architecture: str) -> ModelConfig:
                        decoder_sparse_step=c.decoder_sparse_step or 1,
                        mlp_only_layers=sorted(getattr(c, "mlp_only_layers", None) or []))
     return _llama_family_config(c, architecture, **experts)
+
+
+def _gpt_oss_config(c) -> ModelConfig:
+    """gpt-oss: every layer sparse (experts of width intermediate_size, top-k of the router's
+    logits softmaxed over the chosen: softmax then top-k then renormalise is the same), q/k/v and
+    o_proj biases, attention sinks, sliding and full layers alternating (layer_types), yarn."""
+    alpha = getattr(c, "swiglu_alpha", SWIGLU_ALPHA)
+    if alpha != SWIGLU_ALPHA:
+        raise ConfigError(f"GptOssForCausalLM with swiglu_alpha {alpha} is not supported; the experts' kernels "
+                          f"use gpt-oss's {SWIGLU_ALPHA}")
+    if not getattr(c, "attention_bias", True):
+        raise ConfigError("GptOssForCausalLM without attention_bias is not supported")
+    theta, scaling, _ = _rope(c)
+    return ModelConfig(
+        architecture="GptOssForCausalLM",
+        **_decoder_shape(c, tie_word_embeddings_default=False),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        qkv_bias=True,
+        hidden_act=c.hidden_act,
+        num_experts=c.num_local_experts,
+        num_experts_per_tok=c.num_experts_per_tok,
+        moe_intermediate_size=c.intermediate_size,
+        norm_topk_prob=True,
+        swiglu_limit=float(c.swiglu_limit),
+        **sliding_window_fields(c),
+    ).validate()
 
 
 def _gpt2_config(c) -> ModelConfig:
@@ -422,6 +456,42 @@ def _first_present(get: TensorGetter, *names: str) -> torch.Tensor:
     return get(names[0])
 
 
+def gpt_oss_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (engine name, tensor) for one rank of gpt-oss (engine/models/gpt_oss.py): the Llama
+    attention with biases on q/k/v and o_proj and each rank's heads' sinks; every layer's router
+    (with its bias) replicated, its experts transposed from transformers' (E, in, out), gate and up
+    de-interleaved and sliced along their width like moe_rank_weights', gate_up_bias likewise, and
+    down_bias replicated (the model adds it on rank 0 only)."""
+    yield "embed_tokens.weight", shard(get("model.embed_tokens.weight"), 0, rank, tp_size)
+    for i in range(cfg.num_layers):
+        hf, out = f"model.layers.{i}.", f"layers.{i}."
+        yield out + "input_norm.weight", get(hf + "input_layernorm.weight")
+        for kind in ("weight", "bias"):
+            yield out + f"qkv_proj.{kind}", _fused_qkv(get, hf, kind, None, cfg, rank, tp_size)
+        yield out + "sinks", shard(get(hf + "self_attn.sinks"), 0, rank, tp_size)
+        yield out + "o_proj.weight", shard(get(hf + "self_attn.o_proj.weight"), 1, rank, tp_size)
+        yield out + "o_proj.bias", get(hf + "self_attn.o_proj.bias")
+        yield out + "post_attn_norm.weight", get(hf + "post_attention_layernorm.weight")
+        for kind in ("weight", "bias"):
+            yield out + f"moe.router.{kind}", get(hf + f"mlp.router.{kind}")
+        experts = hf + "mlp.experts."
+        gate_up = get(experts + "gate_up_proj").transpose(1, 2)  # (E, 2I, H), rows gate 0, up 0, gate 1, ...
+        bias = get(experts + "gate_up_proj_bias")  # (E, 2I), the same order
+        yield out + "moe.gate_up_proj", _gate_up_rows(gate_up, rank, tp_size)
+        yield out + "moe.gate_up_bias", _gate_up_rows(bias, rank, tp_size)
+        yield out + "moe.down_proj", shard(get(experts + "down_proj").transpose(1, 2), 2, rank, tp_size)
+        yield out + "moe.down_bias", get(experts + "down_proj_bias")
+    yield "norm.weight", get("model.norm.weight")
+    if not cfg.tie_word_embeddings:
+        yield "lm_head.weight", shard(get("lm_head.weight"), 0, rank, tp_size)
+
+
+def _gate_up_rows(interleaved: torch.Tensor, rank: int, tp_size: int) -> torch.Tensor:
+    """(E, 2I, ...) with gate and up alternating along dim 1 -> this rank's (E, 2 * I_r, ...) [gate_r | up_r]."""
+    gate, up = interleaved[:, 0::2], interleaved[:, 1::2]
+    return torch.cat([shard(gate, 1, rank, tp_size), shard(up, 1, rank, tp_size)], dim=1)
+
+
 def gpt2_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: int) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (engine name, tensor) for one rank of GPT-2; HF Conv1D weights are (in, out), so transposed."""
     hidden = cfg.hidden_size
@@ -454,7 +524,7 @@ def iter_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: i
     if cfg.architecture in GEMMA_ARCHITECTURES:
         convert = gemma_rank_weights
     if cfg.architecture in MOE_ARCHITECTURES:
-        convert = moe_rank_weights
+        convert = gpt_oss_rank_weights if cfg.architecture == "GptOssForCausalLM" else moe_rank_weights
     for name, tensor in convert(get, cfg, rank, tp_size):
         yield name, tensor.to(dtype).contiguous()
 

@@ -60,6 +60,9 @@ MODEL_FAMILIES = (
     ModelFamily("Qwen3MoeForCausalLM", "engine.models.moe", "MoeForCausalLM",
                 "Qwen3-30B-A3B, Qwen3-235B-A22B (top-8 of 128 experts, norm_topk_prob, q/k RMSNorm)",
                 sliding_window=True, weight_only=True),
+    ModelFamily("GptOssForCausalLM", "engine.models.gpt_oss", "GptOssForCausalLM",
+                "gpt-oss-20b, gpt-oss-120b (attention sinks, alternating sliding/full layers, top-4 experts with "
+                "biases and clamped SwiGLU; MXFP4 experts widened to the model dtype at build)", sliding_window=True),
 )
 _REGISTRY = {family.architecture: family for family in MODEL_FAMILIES}
 SUPPORTED_ARCHITECTURES = tuple(_REGISTRY)

@@ -76,6 +76,13 @@ FAMILIES = {
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**_ODD, head_dim=14, rope_theta=1000000.0, num_experts=10,
                                                      num_experts_per_tok=2, moe_intermediate_size=22,
                                                      norm_topk_prob=False, mlp_only_layers=[1]),
+    # 12 experts of width 32, top-4 with biases and a clamp low enough to bite (0.5), sinks, a window of
+    # 6 on layer 0 (layer 1 full), yarn without truncation (gpt-oss's rope), q/k/v and o_proj biases.
+    "gpt_oss": lambda: transformers.GptOssConfig(
+        **{**_COMMON, "intermediate_size": 32}, head_dim=16, num_local_experts=12, num_experts_per_tok=4,
+        swiglu_limit=0.5, sliding_window=6, rope_parameters={
+            "rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+            "original_max_position_embeddings": 64, "rope_theta": 150000.0}),
 }
 # Configs beyond the families every family test runs: tiny_hf builds them too.
 EXTRA_CONFIGS = {"llama_groupable": lambda: transformers.LlamaConfig(**GROUPABLE, rope_theta=10000.0)}
@@ -83,7 +90,7 @@ ARCHITECTURES = {"gpt2": transformers.GPT2LMHeadModel, "mistral": transformers.M
                  "qwen2_qkv_bias": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
                  "phi3_longrope": transformers.Phi3ForCausalLM, "phi4_mini_partial_rotary": transformers.Phi3ForCausalLM,
                  "smollm3_nope": transformers.SmolLM3ForCausalLM, "mixtral": transformers.MixtralForCausalLM,
-                 "qwen3_moe": transformers.Qwen3MoeForCausalLM}
+                 "qwen3_moe": transformers.Qwen3MoeForCausalLM, "gpt_oss": transformers.GptOssForCausalLM}
 
 
 def random_tokens(n: int, seed: int) -> list[int]:

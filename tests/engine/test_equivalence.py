@@ -33,7 +33,7 @@ DEVICES = [
 # discrete change no tolerance covers. They are compared in float32 here; the fused-MoE kernel
 # is compared in bf16 with its reference in tests/kernels/test_fused_moe.py, and the engine on
 # CUDA in tests/engine/test_moe.py.
-ROUTED_FAMILIES = {"mixtral", "qwen3_moe"}
+ROUTED_FAMILIES = {"mixtral", "qwen3_moe", "gpt_oss"}
 
 
 @pytest.fixture(scope="module")

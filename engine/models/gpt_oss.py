@@ -1,0 +1,126 @@
+"""gpt-oss (gpt-oss-20b, gpt-oss-120b): the Llama block with attention sinks, biases everywhere and
+routed experts with a clamped SwiGLU, following transformers' GptOssForCausalLM:
+
+- attention: GQA with head_dim 64 and biases on q/k/v and o_proj; each head's learned sink logit
+  joins its softmax denominator (kernels/attention.py ``sinks``); sliding-window (128) and full
+  layers alternate (``layer_types``); yarn rope;
+- every layer's MLP is sparse: router = linear with bias, the top-k (4) logits softmaxed over the
+  chosen experts (the same as softmax, top-k, renormalise: kernels/fused_moe.py routes so), and
+
+      h   = x @ gate_up[e].T + gate_up_bias[e]                       [gate | up]
+      act = (clamp(up, -L, L) + 1) * g * sigmoid(1.702 * g),  g = min(gate, L),  L = swiglu_limit
+      out = sum over the chosen e of  w_e * (act @ down[e].T + down_bias[e])
+
+  (kernels/moe_epilogue.py ``swiglu_clamped``).
+
+Tensor parallelism: attention as the Llama block (each rank its heads, and its heads' sinks); the
+experts sliced along their width as Mixtral's (engine/models/moe.py), gate_up_bias with them. The
+down bias of each chosen expert joins that expert's output before its routing weight scales it, a
+term per (token, expert) that a single vector added after the all-reduce cannot be; so rank 0
+alone passes ``down_bias`` to the kernel, and the layer's all-reduce brings it to every rank once.
+
+Weights per rank of layer i (engine-directory names), beyond the Llama block's: ``qkv_proj.bias``,
+``o_proj.bias``, ``sinks`` (heads_r,), ``moe.router.weight`` (E, H) and ``.bias`` (E,),
+``moe.gate_up_proj`` (E, 2 * I_r, H) rows [gate_r | up_r], ``moe.gate_up_bias`` (E, 2 * I_r),
+``moe.down_proj`` (E, H, I_r), ``moe.down_bias`` (E, H) replicated. An MXFP4 checkpoint's experts
+are widened to the model dtype at build (engine/mxfp4.py).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.models.layers import Linear, RowParallelLinear, qkv_heads, tp_all_reduce
+from engine.models.llama import LlamaForCausalLM, LlamaLayer
+from kernels.attention_metadata import AttentionMetadata
+from kernels.fused_moe import ALIGN_KERNEL_MAX_ASSIGNMENTS, moe_forward
+from kernels.rope_attention import rope_paged_attention
+
+
+def _parameter(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class GptOssExperts(nn.Module):
+    """Router + every expert's slice for one tensor-parallel rank; output all-reduced over ranks."""
+
+    def __init__(self, config: ModelConfig, *, tp_size: int, tp_group, dtype, device):
+        super().__init__()
+        hidden, experts = config.hidden_size, config.num_experts
+        inter_local = config.moe_intermediate_size // tp_size
+        self.top_k = config.num_experts_per_tok
+        self.swiglu_limit = config.swiglu_limit
+        self.tp_group = tp_group
+        self.adds_down_bias = True  # rank 0 only (module docstring); set by GptOssForCausalLM
+        self.router = Linear(hidden, experts, bias=True, dtype=dtype, device=device)
+        self.gate_up_proj = _parameter(experts, 2 * inter_local, hidden, dtype=dtype, device=device)
+        self.gate_up_bias = _parameter(experts, 2 * inter_local, dtype=dtype, device=device)
+        self.down_proj = _parameter(experts, hidden, inter_local, dtype=dtype, device=device)
+        self.down_bias = _parameter(experts, hidden, dtype=dtype, device=device)
+
+    def routed(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum of the chosen experts' outputs (num_tokens, hidden)."""
+        return moe_forward(x, self.router(x), self.gate_up_proj, self.down_proj, self.top_k, True,
+                           gate_up_bias=self.gate_up_bias, down_bias=self.down_bias if self.adds_down_bias else None,
+                           activation="swiglu_clamped", swiglu_limit=self.swiglu_limit)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.routed(x)
+        return out if self.tp_group is None else tp_all_reduce(out, self.tp_group)
+
+
+class GptOssLayer(LlamaLayer):
+    """The Llama layer with an o_proj bias, attention sinks and GptOssExperts as its MLP."""
+
+    def _init_attention(self, config: ModelConfig, *, tp_size: int, tp_group, dtype, device, quantization) -> None:
+        super()._init_attention(config, tp_size=tp_size, tp_group=tp_group, dtype=dtype, device=device,
+                                quantization=quantization)
+        self.o_proj = RowParallelLinear(self.num_heads * self.head_dim, config.hidden_size, bias=True,
+                                        tp_group=tp_group, dtype=dtype, device=device)
+        self.sinks = _parameter(self.num_heads, dtype=dtype, device=device)
+
+    def _init_mlp(self, config: ModelConfig, *, tp_size: int, tp_group, dtype, device, quantization) -> None:
+        self.moe = GptOssExperts(config, tp_size=tp_size, tp_group=tp_group, dtype=dtype, device=device)
+
+    def attention(self, x, positions, cos_sin_cache, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = qkv_heads(self.qkv_proj(x), self.num_heads, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = kv_cache[self.layer_index, 0], kv_cache[self.layer_index, 1]
+        out = rope_paged_attention(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta, self.scale,
+                                   sliding_window=self.sliding_window, sinks=self.sinks)
+        return self.o_proj(out.reshape(out.shape[0], -1))
+
+    def mlp(self, h: torch.Tensor, lora=None) -> torch.Tensor:
+        return self.moe(h)
+
+
+class GptOssForCausalLM(LlamaForCausalLM):
+    """gpt-oss for one tensor-parallel rank; weights in the model dtype (no FP8 or integer schemes)."""
+
+    layer_class = GptOssLayer
+    supports_prefill_graphs = False  # the routed experts' kernels are not checked in a mixed-step graph yet
+    supports_lora = False
+
+    def __init__(self, config: ModelConfig, *, tp_rank: int = 0, tp_size: int = 1, tp_group=None,
+                 dtype: torch.dtype = torch.float32, device=None, max_positions: int | None = None,
+                 quantization: str | None = None):
+        if quantization is not None:
+            raise ValueError(f"quantization {quantization!r} is not supported for GptOssForCausalLM; weights stay "
+                             "in the model dtype (MXFP4 checkpoints are widened at build)")
+        super().__init__(config, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group, dtype=dtype, device=device,
+                         max_positions=max_positions)
+        for layer in self.layers:
+            layer.moe.adds_down_bias = tp_rank == 0
+
+    @torch.inference_mode()
+    def warm_up_kernels(self) -> None:
+        """Compile the fused-MoE kernels (biases, clamped SwiGLU) for every variant a forward may
+        pick, as MoeForCausalLM.warm_up_kernels does: the first layer's experts on zeros, without
+        the all-reduce (ranks may warm up apart)."""
+        block = self.layers[0].moe
+        experts, top_k = block.router.out_features, block.top_k
+        counts = {1, 2, -(-ALIGN_KERNEL_MAX_ASSIGNMENTS // top_k) + 1}
+        counts |= {-(-n * experts // top_k) for n in (1, 17, 65)}  # rows per expert where block sizes 16, 32, 64 win
+        for num_tokens in sorted(counts):
+            block.routed(torch.zeros(num_tokens, block.router.in_features, dtype=block.router.weight.dtype,
+                                     device=block.router.weight.device))
