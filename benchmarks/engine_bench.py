@@ -78,6 +78,16 @@ MODELS = {
         max_position_embeddings=40960, qk_norm=True, num_experts=128, num_experts_per_tok=8,
         moe_intermediate_size=768, norm_topk_prob=True,
     ),
+    "gpt_oss_20b": dict(  # gpt-oss-20b: 24 sparse layers of 32 experts (width 2880), 4 active per token;
+        # attention sinks, a 128-token window on every other layer, yarn; random bf16 experts (no MXFP4 yet)
+        architecture="GptOssForCausalLM", vocab_size=201088, hidden_size=2880, num_layers=24, num_heads=64,
+        num_kv_heads=8, head_dim=64, intermediate_size=2880, norm_eps=1e-5, rope_theta=150000.0,
+        rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                      "original_max_position_embeddings": 4096, "max_position_embeddings": 131072},
+        max_position_embeddings=131072, qkv_bias=True, num_experts=32, num_experts_per_tok=4,
+        moe_intermediate_size=2880, norm_topk_prob=True, swiglu_limit=7.0, sliding_window=128,
+        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(24)],
+    ),
     "tiny_moe": dict(  # smoke tests of this script with experts (CPU works for decode/offline)
         architecture="MixtralForCausalLM", vocab_size=512, hidden_size=64, num_layers=2, num_heads=4,
         num_kv_heads=2, head_dim=16, intermediate_size=96, max_position_embeddings=4096, num_experts=8,
