@@ -42,14 +42,17 @@ import torch.nn.functional as F
 
 from kernels._triton import jit, tl, triton, use_triton
 from kernels.moe_epilogue import ACTIVATIONS, PLAIN_SILU, ExpertEpilogue, activate_ref
-from kernels.moe_grouped_mm import fused_moe_grouped_mm, grouped_mm_supported
+from kernels.moe_grouped_mm import expert_counts_and_ranks, fused_moe_grouped_mm, grouped_mm_supported
 
 # Assignments (T * K) up to which the single-program Triton align kernel sorts; beyond it (large
 # prefill chunks) the torch ops of moe_align_torch do it in a handful of parallel launches.
 ALIGN_KERNEL_MAX_ASSIGNMENTS = 2048
-# Assignments (T * K) from which the sorted rows and grouped GEMMs of kernels/moe_grouped_mm.py
-# run instead of this file's block-tiled kernel (benchmarks/moe_kernel_bench.py measures both).
-GROUPED_MM_MIN_ASSIGNMENTS = 4096
+# Average rows per expert (T * K / E) from which the sorted rows and grouped GEMMs of
+# kernels/moe_grouped_mm.py run instead of this file's block-tiled kernel. Measured on an H200
+# (benchmarks/moe_kernel_bench.py, Qwen3-30B-A3B's experts): at 32 rows an expert (512 tokens)
+# the block-tiled kernel takes 434 us and the grouped path 502; at 64 (1,024 tokens) 593 against
+# 540; at 8,192 tokens 2,142 against 1,616.
+GROUPED_MM_MIN_ROWS_PER_EXPERT = 64
 
 
 
@@ -142,15 +145,13 @@ def moe_align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int
     to E - 1, never read); num_padded (1,) int32.
 
     No sort and no host synchronisation, so it is captured in CUDA graphs as it is: an
-    assignment's place within its expert is the count of earlier assignments of that expert,
-    a cumulative sum down a (T * K, E) one-hot (8 M int32 at 8192 tokens x top-8 of 128).
+    assignment's place within its expert is the count of earlier assignments of that expert
+    (expert_counts_and_ranks).
     """
     flat = topk_ids.reshape(-1).to(torch.int64)
     num_assignments, device = flat.numel(), flat.device
     max_padded = max_padded_assignments(num_assignments, num_experts, block_m)
-    one_hot = (flat[:, None] == torch.arange(num_experts, device=device)[None, :]).to(torch.int32)
-    counts = one_hot.sum(dim=0)
-    before = (torch.cumsum(one_hot, dim=0) - one_hot).gather(1, flat[:, None]).squeeze(1)
+    counts, before = expert_counts_and_ranks(flat, num_experts)
     padded = (counts + block_m - 1) // block_m * block_m
     padded_ends = torch.cumsum(padded, dim=0)
     destination = (padded_ends - padded)[flat] + before
@@ -464,7 +465,8 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_w
     epilogue = ExpertEpilogue(gate_up_bias, down_bias, activation, swiglu_limit)
     if not use_triton(x):
         return fused_moe_ref(x, gate_up, down, topk_weights, topk_ids, epilogue)
-    if topk_ids.numel() >= GROUPED_MM_MIN_ASSIGNMENTS and grouped_mm_supported(x, gate_up, down):
+    many_rows = topk_ids.numel() >= GROUPED_MM_MIN_ROWS_PER_EXPERT * gate_up.shape[0]
+    if many_rows and grouped_mm_supported(x, gate_up, down):
         return fused_moe_grouped_mm(x, gate_up, down, topk_weights, topk_ids, epilogue)
     return fused_moe_triton(x, gate_up, down, topk_weights, topk_ids, epilogue=epilogue)
 
