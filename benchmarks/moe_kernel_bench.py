@@ -7,6 +7,7 @@ bytes of the experts hit over the time.
 
     python benchmarks/moe_kernel_bench.py [--shape qwen3_30b_a3b|gpt_oss_20b] [--tokens 1 8 64 ...]
         [--stages]   # also time the grouped path's stages one by one at the largest size
+        [--sweep]    # also time the block-tiled kernel's block sizes and tilings at each size
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from kernels.fused_moe import fused_moe_ref, fused_moe_triton, moe_forward, route_tokens  # noqa: E402
+from kernels.fused_moe import (fused_moe_ref, fused_moe_triton, gemm_config, model_dtype_tiling,  # noqa: E402
+                               moe_forward, route_tokens)
 from kernels.linear import replay_time_ms  # noqa: E402
 from kernels.moe_epilogue import PLAIN_SILU, expert_activation  # noqa: E402
 from kernels.moe_grouped_mm import combine, fused_moe_grouped_mm, sort_assignments  # noqa: E402
@@ -43,11 +45,22 @@ def graph_us(fn, inputs) -> float:
     return replay_time_ms(graph, replays=3) / len(inputs) * 1000
 
 
+def sweep_configs():
+    """(block_m, tile config) candidates of the block-tiled kernel, the current table's first."""
+    for block_m in (16, 32, 64):
+        yield block_m, gemm_config(block_m)
+    for block_m in (32, 64):
+        for block_n, block_k, warps, stages in ((64, 128, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 5),
+                                                (128, 64, 8, 4), (32, 128, 4, 4), (64, 256, 4, 2)):
+            yield block_m, {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": warps, "num_stages": stages}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3_30b_a3b")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 256, 512, 1024, 2048, 8192])
     parser.add_argument("--stages", action="store_true")
+    parser.add_argument("--sweep", action="store_true")
     args = parser.parse_args()
     experts, top_k, hidden, inter = SHAPES[args.shape]
     torch.manual_seed(0)
@@ -80,6 +93,19 @@ def main() -> None:
             us = graph_us(fn, inputs)
             print(f"| {tokens} | {name} | {us:.1f} | {flops / us / 1e6:.0f} | "
                   f"{hit * 6 * hidden * inter / us / 1e3:.0f} | {diff:.1e} |", flush=True)
+        if args.sweep and tokens > 1:
+            print(f"    block-tiled kernel at {tokens} tokens (default "
+                  f"{model_dtype_tiling(tokens * top_k, experts)}):")
+            for block_m, config in sweep_configs():
+                def fn(x, logits, block_m=block_m, config=config):
+                    weights, ids = route_tokens(logits, top_k, True)
+                    return fused_moe_triton(x, gate_up, down, weights, ids, block_m=block_m, config=config)
+                try:
+                    us = graph_us(fn, inputs)
+                except Exception as exc:  # a tiling that does not fit shared memory
+                    print(f"    block_m {block_m} {config}: failed {type(exc).__name__}")
+                    continue
+                print(f"    block_m {block_m} {config}: {us:.1f} us", flush=True)
     if args.stages:
         tokens = max(args.tokens)
         x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)

@@ -347,6 +347,23 @@ def gemm_config(block_m: int) -> dict:
     return {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
 
 
+# The model-dtype kernel's (block_m, tiles) by average rows an expert: (most rows, block_m,
+# BLOCK_N, BLOCK_K, warps, stages). From benchmarks/moe_kernel_bench.py --sweep on an H200
+# (2026-11-26, Qwen3-30B-A3B's experts): 256 tokens (16 rows an expert) 377 us against 400 with
+# the (16, 32, 128) tiles; 512 tokens (32) 417 against 434; 768 tokens (48) 445 against 521.
+# Past GROUPED_MM_MIN_ROWS_PER_EXPERT the grouped-GEMM path runs instead where it can.
+MODEL_DTYPE_TILINGS = ((8, 16, 32, 128, 4, 4), (24, 32, 64, 128, 4, 3), (None, 64, 128, 64, 8, 4))
+
+
+def model_dtype_tiling(num_assignments: int, num_experts: int) -> tuple[int, dict]:
+    """(block_m, tile config) of fused_moe_triton for this many assignments (MODEL_DTYPE_TILINGS)."""
+    per_expert = num_assignments / num_experts
+    for most_rows, block_m, block_n, block_k, warps, stages in MODEL_DTYPE_TILINGS:
+        if most_rows is None or per_expert <= most_rows:
+            return block_m, {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": warps, "num_stages": stages}
+    raise AssertionError("the table ends with a catch-all row")
+
+
 def _grouped_gemm(a, w, out, blocks, topk_ids, topk_weights, *, n: int, top_k: int, rows_per_token: bool,
                   gated: bool, mul_weight: bool, block_m: int, config: dict,
                   router_logits: torch.Tensor | None = None, renormalize: bool = False,
@@ -408,8 +425,9 @@ def fused_moe_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     num_assignments = num_tokens * top_k
     if num_tokens == 0:
         return torch.empty_like(x)
-    block_m = block_m or choose_block_m(num_assignments, num_experts)
-    config = config or gemm_config(block_m)
+    default_block_m, default_config = model_dtype_tiling(num_assignments, num_experts)
+    block_m = block_m or default_block_m
+    config = config or (default_config if block_m == default_block_m else gemm_config(block_m))
     # One token (batch-1 decode): its K experts are distinct, so each assignment is its own block
     # and the alignment launch is skipped. Otherwise blocks of tokens grouped by expert.
     blocks = None if num_tokens == 1 else moe_align(topk_ids, num_experts, block_m)
