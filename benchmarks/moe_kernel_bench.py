@@ -119,6 +119,7 @@ def main() -> None:
         assignments = tokens * top_k
         stages = {
             "sort_assignments": (lambda: sort_assignments(ids, experts), 0),
+            "sort_assignments (torch.sort)": (lambda: sort_assignments(ids, experts, by_sort=True), 0),
             "gather rows": (lambda: x.index_select(0, order // top_k), 0),
             "grouped_mm gate_up": (lambda: torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offs),
                                    assignments * 4 * hidden * inter),

@@ -126,9 +126,9 @@ def use_random_weights() -> None:
     runner_module.load_rank_weights = random_rank_weights
 
 
-def write_engine_config(root: str, model: str, dtype: str, tp_size: int) -> str:
+def write_engine_config(root: str, model: str, dtype: str, tp_size: int, max_batch_size: int = 64) -> str:
     engine_dir = os.path.join(root, f"{model}-{dtype}-tp{tp_size}")
-    build = BuildConfig(dtype=dtype, max_batch_size=64, max_input_len=2048, max_seq_len=4096, max_num_tokens=8192,
+    build = BuildConfig(dtype=dtype, max_batch_size=max_batch_size, max_input_len=2048, max_seq_len=4096, max_num_tokens=8192,
                         tokens_per_block=32, tp_size=tp_size)
     EngineConfig(model=ModelConfig(**MODELS[model]), build=build, extra={"tp_bench_seed": 0}).validate().save(engine_dir)
     return engine_dir
@@ -426,7 +426,7 @@ def orchestrate(args) -> dict:
                "gpus": (f"2x {torch.cuda.get_device_name(0)}" if args.device == "cuda" else "cpu (gloo)")}
     for phase in args.phases:
         dtype = "float32" if phase.startswith("greedy") else args.dtype
-        engine_dir = write_engine_config(workdir, args.model, dtype, int(phase[-1]))
+        engine_dir = write_engine_config(workdir, args.model, dtype, int(phase[-1]), args.max_batch_size)
         try:
             results[phase] = run_phase(args, phase, engine_dir, workdir)
         finally:  # whatever ran is kept, even when a later phase fails or times out
@@ -454,6 +454,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="bfloat16", help="dtype of the perf phases (greedy runs float32)")
     parser.add_argument("--device", default="cuda", help="cuda (rank r uses GPU r) or cpu (gloo smoke test)")
     parser.add_argument("--greedy_steps", type=int, default=32)
+    parser.add_argument("--max_batch_size", type=int, default=64, help="the engines' (and executors') batch limit")
     parser.add_argument("--offline", default="128x128x256,512x256x128", help="input x output x requests, comma list")
     parser.add_argument("--no_graphs", action="store_true",
                         help="eager decode (no CUDA graphs) in the perf phases (the greedy check is always eager)")

@@ -55,13 +55,23 @@ def expert_counts_and_ranks(flat_ids: torch.Tensor, num_experts: int) -> tuple[t
     return running[:, -1], ranks
 
 
-def sort_assignments(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dest, order, offs) of the module docstring, step 1. dest, order int64 (A,); offs int32 (E,)."""
+def sort_assignments(topk_ids: torch.Tensor, num_experts: int, *, by_sort: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dest, order, offs) of the module docstring, step 1. dest, order int64 (A,); offs int32 (E,).
+    ``by_sort``: order from a stable torch.sort of the experts instead of expert_counts_and_ranks
+    (the same result; which is faster is measured by benchmarks/moe_kernel_bench.py --stages)."""
     flat = topk_ids.reshape(-1).long()
+    positions = torch.arange(flat.numel(), device=flat.device)
+    if by_sort:
+        order = torch.sort(flat, stable=True).indices
+        dest = torch.empty_like(order).scatter_(0, order, positions)
+        ends = torch.cumsum(torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+                            .scatter_add_(0, flat, torch.ones_like(flat)), dim=0)
+        return dest, order, ends.to(torch.int32)
     counts, before = expert_counts_and_ranks(flat, num_experts)
     ends = torch.cumsum(counts, dim=0)
     dest = (ends - counts)[flat] + before
-    order = torch.empty_like(dest).scatter_(0, dest, torch.arange(flat.numel(), device=flat.device))
+    order = torch.empty_like(dest).scatter_(0, dest, positions)
     return dest, order, ends.to(torch.int32)
 
 

@@ -319,6 +319,8 @@ def test_sort_assignments_groups_rows_by_expert():
     _, _, _, logits = make_problem(29, 8, 8, 10, 3, seed=2, used_experts=(0, 2, 3, 7, 9))
     _, ids = route_tokens_ref(logits, 3, False)
     dest, order, offs = sort_assignments(ids, 10)
+    for got, expected in zip(sort_assignments(ids, 10, by_sort=True), (dest, order, offs)):
+        assert torch.equal(got, expected)
     flat = ids.reshape(-1).long()
     assert torch.equal(order[dest], torch.arange(flat.numel()))
     assert torch.equal(offs.long(), torch.cumsum(torch.bincount(flat, minlength=10), 0))
