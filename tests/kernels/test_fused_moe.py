@@ -368,3 +368,19 @@ def test_grouped_mm_path_equals_reference_on_gpu(device, num_tokens, hidden, int
             epilogue.gate_up_bias.to(device), epilogue.down_bias.to(device), epilogue.activation, epilogue.swiglu_limit)
         got = fused_moe_grouped_mm(*args, weights.to(device), ids.to(device), on_device)
         assert relative_error(got, expected) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Qwen3-30B-A3B-sized experts: GPU only")
+@pytest.mark.parametrize("num_tokens", [1, 8, 64, 512, 2048, 8192])
+def test_every_batch_size_of_qwen3_30b_a3b_experts(num_tokens):
+    """What moe_forward picks at each size (single token, block-tiled tilings, sorted rows and
+    grouped GEMMs) against the reference, bf16, on Qwen3-30B-A3B's expert shape."""
+    from kernels.fused_moe import moe_forward
+
+    gen = torch.Generator(device="cuda").manual_seed(num_tokens)
+    x = torch.randn(num_tokens, 2048, device="cuda", generator=gen).bfloat16()
+    gate_up = (torch.randn(128, 1536, 2048, device="cuda", generator=gen) * 2048**-0.5).bfloat16()
+    down = (torch.randn(128, 2048, 768, device="cuda", generator=gen) * 768**-0.5).bfloat16()
+    logits = torch.randn(num_tokens, 128, device="cuda", generator=gen).bfloat16()
+    expected = fused_moe_ref(x, gate_up, down, *route_tokens_ref(logits, 8, True))
+    assert relative_error(moe_forward(x, logits, gate_up, down, 8, True), expected) < TOLERANCE[torch.bfloat16]
