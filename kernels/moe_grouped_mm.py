@@ -128,7 +128,8 @@ def fused_moe_grouped_mm(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Ten
                          topk_ids: torch.Tensor, epilogue: ExpertEpilogue = PLAIN_SILU) -> torch.Tensor:
     """The routed experts' output (T, H) through sorted rows and two grouped GEMMs (module docstring)."""
     num_tokens, top_k = topk_ids.shape
-    dest, order, offs = sort_assignments(topk_ids, gate_up.shape[0])
+    # torch.sort: 108 us at 8,192 tokens x top-8 of 128 on an H200, the scan 251 us.
+    dest, order, offs = sort_assignments(topk_ids, gate_up.shape[0], by_sort=x.is_cuda)
     rows = x.index_select(0, order // top_k)  # (A, H), expert runs back to back
     h = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offs)  # (A, 2I)
     row_expert = topk_ids.reshape(-1)[order]
