@@ -8,6 +8,7 @@ bytes of the experts hit over the time.
     python benchmarks/moe_kernel_bench.py [--shape qwen3_30b_a3b|gpt_oss_20b] [--tokens 1 8 64 ...]
         [--stages]   # also time the grouped path's stages one by one at the largest size
         [--sweep]    # also time the block-tiled kernel's block sizes and tilings at each size
+        [--sweep-projections]  # ... and each projection's tilings alone (gate_up, down)
 """
 from __future__ import annotations
 
@@ -51,8 +52,43 @@ def sweep_configs():
         yield block_m, gemm_config(block_m)
     for block_m in (32, 64):
         for block_n, block_k, warps, stages in ((64, 128, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 5),
-                                                (128, 64, 8, 4), (32, 128, 4, 4), (64, 256, 4, 2)):
+                                                (128, 64, 8, 4), (32, 128, 4, 4), (64, 256, 4, 2),
+                                                (128, 128, 4, 3), (256, 64, 8, 3), (64, 128, 4, 4)):
             yield block_m, {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": warps, "num_stages": stages}
+
+
+def sweep_projections(token_counts, gate_up, down, top_k) -> None:
+    """Each projection's grouped GEMM alone per tiling: the best tiles of gate_up (K = H, gated)
+    and of down (K = I) need not be the same."""
+    from kernels.fused_moe import _grouped_gemm, moe_align
+
+    experts, two_inter, hidden = gate_up.shape
+    inter = two_inter // 2
+    for tokens in token_counts:
+        if tokens == 1:
+            continue
+        for block_m, config in sweep_configs():
+            results = []
+            for name, weight, n, k in (("gate_up", gate_up, inter, hidden), ("down", down, hidden, inter)):
+                calls = []
+                for _ in range(REPEAT):
+                    logits = torch.randn(tokens, experts, device="cuda", dtype=torch.bfloat16)
+                    weights, ids = route_tokens(logits, top_k, True)
+                    blocks = moe_align(ids, experts, block_m)
+                    rows = tokens if name == "gate_up" else tokens * top_k
+                    a = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+                    out = torch.empty(tokens * top_k, n, device="cuda", dtype=torch.bfloat16)
+                    calls.append((a, out, blocks, ids.reshape(-1).contiguous(), weights.reshape(-1).contiguous()))
+
+                def fn(a, out, blocks, ids, weights, name=name, weight=weight, n=n, block_m=block_m, config=config):
+                    _grouped_gemm(a, weight, out, blocks, ids, weights, n=n, top_k=top_k,
+                                  rows_per_token=name == "gate_up", gated=name == "gate_up",
+                                  mul_weight=name == "down", block_m=block_m, config=config)
+                try:
+                    results.append(f"{name} {graph_us(fn, calls):.1f}")
+                except Exception as exc:
+                    results.append(f"{name} failed {type(exc).__name__}")
+            print(f"  {tokens} tokens, block_m {block_m} {config}: {', '.join(results)} us", flush=True)
 
 
 def main() -> None:
@@ -61,6 +97,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 256, 512, 1024, 2048, 8192])
     parser.add_argument("--stages", action="store_true")
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--sweep-projections", action="store_true")
     args = parser.parse_args()
     experts, top_k, hidden, inter = SHAPES[args.shape]
     torch.manual_seed(0)
@@ -106,7 +143,18 @@ def main() -> None:
                     print(f"    block_m {block_m} {config}: failed {type(exc).__name__}")
                     continue
                 print(f"    block_m {block_m} {config}: {us:.1f} us", flush=True)
+    if args.sweep_projections:
+        sweep_projections(args.tokens, gate_up, down, top_k)
     if args.stages:
+        from kernels.moe_align import moe_align_parallel, moe_align_torch, moe_align_triton
+
+        print("\nalignment (block_m 64), us:")
+        for tokens in args.tokens:
+            _, ids = route_tokens(torch.randn(tokens, experts, device="cuda", dtype=torch.bfloat16), top_k, True)
+            times = {name: graph_us(lambda fn=fn: fn(ids, experts, 64), [()] * 3)
+                     for name, fn in (("torch ops", moe_align_torch), ("one program", moe_align_triton),
+                                      ("parallel", moe_align_parallel))}
+            print(f"  {tokens} tokens: " + ", ".join(f"{name} {us:.1f}" for name, us in times.items()), flush=True)
         tokens = max(args.tokens)
         x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
         weights, ids = route_tokens(torch.randn(tokens, experts, device="cuda", dtype=torch.bfloat16), top_k, True)

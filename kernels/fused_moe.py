@@ -11,7 +11,7 @@ An "assignment" is one (token, slot) pair, numbered a = t * K + k (T * K of them
 The Triton path (CUDA):
 1. ``route_tokens``: router logits (T, E) -> softmax in float32 -> top-k -> optional renormalisation
    (one program per token; for a single token, inside the gate_up launch: ``moe_forward``).
-2. ``moe_align``: the assignments sorted by expert, each expert's run padded to a multiple of
+2. ``moe_align`` (kernels/moe_align.py): the assignments sorted by expert, each expert's run padded to a multiple of
    BLOCK_M with the sentinel T * K, so every BLOCK_M-row block of the sorted list belongs to one
    expert. Worked example, K = 2, E = 3, BLOCK_M = 4, topk_ids = [[2, 0], [0, 2], [1, 0]]:
 
@@ -21,12 +21,17 @@ The Triton path (CUDA):
        block_expert:     0          | 1          | 2
        num_padded:       12 (the grid covers the worst case; blocks past num_padded exit at once)
 
-   An expert no token chose gets no block at all.
+   An expert no token chose gets no block at all. (On CUDA past a few assignments the order
+   within an expert may differ: kernels/moe_align.py says why that changes nothing.)
 3. ``_grouped_gemm_kernel`` twice: program (block b, column tile n) multiplies the rows of block b
    by column tile n of expert block_expert[b]'s weight, so each weight tile is streamed once per
    block of tokens that chose it. gate_up reads token rows x[a // K] and applies SiLU-and-mul in
    its epilogue: act (T * K, I). down reads act[a], scales by topk_weights[a]: out_k (T * K, H).
 4. out = out_k.view(T, K, H).sum(1), accumulated in float32.
+
+From 64 rows an expert on average (GROUPED_MM_MIN_ROWS_PER_EXPERT: prefill chunks), steps 2-4 give
+way to sorted rows and torch._grouped_mm (kernels/moe_grouped_mm.py), where torch has it for the
+dtype and GPU.
 
 A single token (batch-1 decode) skips step 2: its K experts are distinct, so each assignment is
 a block of its own. Nothing in the Triton path waits on the device (grids depend on T, K, E only), so a decode step
@@ -42,11 +47,10 @@ import torch.nn.functional as F
 
 from kernels._triton import jit, tl, triton, use_triton
 from kernels.moe_epilogue import ACTIVATIONS, PLAIN_SILU, ExpertEpilogue, activate_ref
-from kernels.moe_grouped_mm import expert_counts_and_ranks, fused_moe_grouped_mm, grouped_mm_supported
+from kernels.moe_align import (  # noqa: F401  (re-exported: the other expert kernels align through here)
+    ALIGN_KERNEL_MAX_ASSIGNMENTS, max_padded_assignments, moe_align, moe_align_torch, moe_align_triton)
+from kernels.moe_grouped_mm import fused_moe_grouped_mm, grouped_mm_supported
 
-# Assignments (T * K) up to which the single-program Triton align kernel sorts; beyond it (large
-# prefill chunks) the torch ops of moe_align_torch do it in a handful of parallel launches.
-ALIGN_KERNEL_MAX_ASSIGNMENTS = 2048
 # Average rows per expert (T * K / E) from which the sorted rows and grouped GEMMs of
 # kernels/moe_grouped_mm.py run instead of this file's block-tiled kernel. Measured on an H200
 # (benchmarks/moe_kernel_bench.py, Qwen3-30B-A3B's experts): at 32 rows an expert (512 tokens)
@@ -124,101 +128,6 @@ def route_tokens(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> 
     if use_triton(router_logits):
         return route_tokens_triton(router_logits, top_k, renormalize)
     return route_tokens_ref(router_logits, top_k, renormalize)
-
-
-# ---- alignment: assignments grouped by expert, in blocks of BLOCK_M --------------------------
-
-def max_padded_assignments(num_assignments: int, num_experts: int, block_m: int) -> int:
-    """The longest sorted_ids can get: each expert that has any assignment (at most
-    min(E, T * K) of them) wastes at most BLOCK_M - 1 padding rows."""
-    padded = num_assignments + min(num_experts, num_assignments) * (block_m - 1)
-    return -(-padded // block_m) * block_m
-
-
-def moe_align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(sorted_ids, block_expert, num_padded) of the module docstring, in torch ops.
-
-    sorted_ids (max_padded,) int32: assignment ids grouped by expert (ascending within an
-    expert), each group padded to a multiple of block_m with T * K; block_expert
-    (max_padded // block_m,) int32: the expert of each block (blocks past num_padded: clamped
-    to E - 1, never read); num_padded (1,) int32.
-
-    No sort and no host synchronisation, so it is captured in CUDA graphs as it is: an
-    assignment's place within its expert is the count of earlier assignments of that expert
-    (expert_counts_and_ranks).
-    """
-    flat = topk_ids.reshape(-1).to(torch.int64)
-    num_assignments, device = flat.numel(), flat.device
-    max_padded = max_padded_assignments(num_assignments, num_experts, block_m)
-    counts, before = expert_counts_and_ranks(flat, num_experts)
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_ends = torch.cumsum(padded, dim=0)
-    destination = (padded_ends - padded)[flat] + before
-    sorted_ids = torch.full((max_padded,), num_assignments, dtype=torch.int32, device=device)
-    sorted_ids.scatter_(0, destination, torch.arange(num_assignments, dtype=torch.int32, device=device))
-    block_rows = torch.arange(0, max_padded, block_m, dtype=padded_ends.dtype, device=device)
-    block_expert = torch.searchsorted(padded_ends, block_rows, right=True).clamp_(max=num_experts - 1)
-    return sorted_ids, block_expert.to(torch.int32), padded_ends[-1:].to(torch.int32)
-
-
-@jit
-def _moe_align_kernel(topk_ids_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
-                      num_assignments, num_experts, max_padded,
-                      BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
-    """One program does it all (small T * K: decode steps), in three passes over the assignments'
-    experts, CHUNK at a time: count per expert; write the padding and each block's expert; then
-    place each assignment at its expert's padded start + how many of that expert came before it
-    (a cumulative sum over a (CHUNK, E_PAD) one-hot)."""
-    experts = tl.arange(0, E_PAD)
-    chunk = tl.arange(0, CHUNK)
-    counts = tl.zeros([E_PAD], dtype=tl.int32)
-    for start in range(0, num_assignments, CHUNK):
-        e = tl.load(topk_ids_ptr + start + chunk, mask=start + chunk < num_assignments, other=E_PAD)
-        counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    padded_ends = tl.cumsum(padded, axis=0)
-    padded_starts = padded_ends - padded
-    tl.store(num_padded_ptr, tl.sum(padded, axis=0))
-    for start in range(0, max_padded, CHUNK):
-        tl.store(sorted_ids_ptr + start + chunk, num_assignments + chunk * 0, mask=start + chunk < max_padded)
-    for start in range(0, max_padded // BLOCK_M, CHUNK):
-        rows = (start + chunk) * BLOCK_M
-        # A block's expert = how many experts end at or before its first row (empty experts included).
-        owner = tl.sum((padded_ends[None, :] <= rows[:, None]).to(tl.int32), axis=1)
-        tl.store(block_expert_ptr + start + chunk, tl.minimum(owner, num_experts - 1),
-                 mask=rows < max_padded)
-    tl.debug_barrier()  # the padding is written before any assignment lands on it
-    seen = tl.zeros([E_PAD], dtype=tl.int32)
-    for start in range(0, num_assignments, CHUNK):
-        ok = start + chunk < num_assignments
-        e = tl.load(topk_ids_ptr + start + chunk, mask=ok, other=E_PAD)
-        one_hot = (e[:, None] == experts[None, :]).to(tl.int32)  # (CHUNK, E_PAD)
-        before_in_chunk = tl.cumsum(one_hot, axis=0) - one_hot
-        slot = tl.sum(one_hot * (before_in_chunk + (padded_starts + seen)[None, :]), axis=1)
-        tl.store(sorted_ids_ptr + slot, start + chunk, mask=ok)
-        seen += tl.sum(one_hot, axis=0)
-
-
-def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """moe_align_torch's layout in one kernel launch (one program: for small T * K only)."""
-    num_assignments, device = topk_ids.numel(), topk_ids.device
-    max_padded = max_padded_assignments(num_assignments, num_experts, block_m)
-    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=device)
-    block_expert = torch.empty(max_padded // block_m, dtype=torch.int32, device=device)
-    num_padded = torch.empty(1, dtype=torch.int32, device=device)
-    e_pad = triton.next_power_of_2(num_experts)
-    _moe_align_kernel[(1,)](topk_ids.reshape(-1).contiguous(), sorted_ids, block_expert, num_padded,
-                            num_assignments, num_experts, max_padded,
-                            BLOCK_M=block_m, E_PAD=e_pad, CHUNK=max(16, min(256, 8192 // e_pad)), num_warps=4)
-    return sorted_ids, block_expert, num_padded
-
-
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if use_triton(topk_ids) and 0 < topk_ids.numel() <= ALIGN_KERNEL_MAX_ASSIGNMENTS:
-        return moe_align_triton(topk_ids, num_experts, block_m)
-    return moe_align_torch(topk_ids, num_experts, block_m)
 
 
 # ---- grouped GEMMs ---------------------------------------------------------------------------
@@ -427,7 +336,8 @@ def fused_moe_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
         return torch.empty_like(x)
     default_block_m, default_config = model_dtype_tiling(num_assignments, num_experts)
     block_m = block_m or default_block_m
-    config = config or (default_config if block_m == default_block_m else gemm_config(block_m))
+    if config is None:  # the table's tiles are sized for 2-byte operands (float32 ones overflow shared memory)
+        config = default_config if block_m == default_block_m and x.element_size() == 2 else gemm_config(block_m)
     # One token (batch-1 decode): its K experts are distinct, so each assignment is its own block
     # and the alignment launch is skipped. Otherwise blocks of tokens grouped by expert.
     blocks = None if num_tokens == 1 else moe_align(topk_ids, num_experts, block_m)

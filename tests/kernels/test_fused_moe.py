@@ -99,14 +99,16 @@ def test_routing_reference():
     torch.testing.assert_close(normalized.sum(-1), torch.ones(5))
 
 
-def check_alignment(topk_ids, num_experts, block_m, sorted_ids, block_expert, num_padded):
-    """The layout of kernels/fused_moe.py's docstring, checked element by element."""
+def check_alignment(topk_ids, num_experts, block_m, sorted_ids, block_expert, num_padded, *, ordered=True):
+    """The layout of kernels/moe_align.py's docstring, checked element by element. ``ordered``:
+    assignments ascending within each expert, and the rows past num_padded hold the sentinel
+    (the torch ops and the one-program kernel; the parallel kernels promise neither)."""
     flat = topk_ids.flatten().tolist()
     n = len(flat)
     sorted_ids, block_expert = sorted_ids.cpu().tolist(), block_expert.cpu().tolist()
     total = int(num_padded.item())
     assert len(sorted_ids) == max_padded_assignments(n, num_experts, block_m) >= total
-    assert total % block_m == 0 and all(a == n for a in sorted_ids[total:])
+    assert total % block_m == 0 and (not ordered or all(a == n for a in sorted_ids[total:]))
     counts = [flat.count(e) for e in range(num_experts)]
     assert total == sum(-(-c // block_m) * block_m for c in counts)
     placed = [a for a in sorted_ids[:total] if a != n]
@@ -116,7 +118,8 @@ def check_alignment(topk_ids, num_experts, block_m, sorted_ids, block_expert, nu
         real = [a for a in rows if a != n]
         assert real, f"block {b} holds only padding"
         assert all(flat[a] == block_expert[b] for a in real)
-        assert real == sorted(real) and rows[:len(real)] == real  # ascending, padding at the end
+        assert rows[:len(real)] == real  # padding at the end
+        assert not ordered or real == sorted(real)
     blocks_of = [block_expert[b] for b in range(total // block_m)]
     assert blocks_of == sorted(blocks_of)
     assert {e for e in range(num_experts) if counts[e] == 0}.isdisjoint(blocks_of)
@@ -150,6 +153,26 @@ def test_align_kernel_equals_torch_ops(device, num_tokens, num_experts, top_k):
         check_alignment(ids, num_experts, block_m, *kernel)
         for got, expected in zip(kernel, moe_align_torch(ids, num_experts, block_m)):
             assert torch.equal(got.cpu(), expected.cpu())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens,num_experts,top_k", [(1, 8, 2), (40, 128, 8), (300, 10, 2), (512, 128, 8),
+                                                          (1500, 32, 4), (33, 60, 4)])
+def test_parallel_align_kernels_lay_out_every_assignment(device, num_tokens, num_experts, top_k):
+    """Chunks of 128 assignments racing for their experts' rows: the same blocks, in whatever
+    order within an expert."""
+    from kernels.moe_align import moe_align_parallel
+
+    _, _, _, logits = make_problem(num_tokens, 8, 8, num_experts, top_k, seed=num_tokens + 1,
+                                   used_experts=range(1, num_experts, 3) if num_experts > top_k * 3 else None)
+    _, ids = route_tokens_ref(logits, top_k, True)
+    for block_m in (16, 64):
+        sorted_ids, block_expert, num_padded = moe_align_parallel(ids.to(device), num_experts, block_m)
+        check_alignment(ids, num_experts, block_m, sorted_ids, block_expert, num_padded, ordered=False)
+        _, torch_blocks, torch_padded = moe_align_torch(ids, num_experts, block_m)
+        assert torch.equal(num_padded.cpu(), torch_padded)
+        used = int(torch_padded) // block_m
+        assert torch.equal(block_expert.cpu()[:used], torch_blocks[:used])
 
 
 @pytest.mark.gpu
