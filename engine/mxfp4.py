@@ -31,7 +31,6 @@ from engine.convert import CheckpointError, TensorGetter
 
 FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 VALUES_PER_SCALE = 32
-SCALE_BIAS = 127
 MXFP4_ARCHITECTURES = ("GptOssForCausalLM",)
 _ROWS_PER_CHUNK = 1 << 18  # 32-value rows widened at once: bounds the int64 byte indices to 32 MB
 
@@ -63,7 +62,8 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, name: str = "te
     if bool((scales == 255).any()):
         raise CheckpointError(f"MXFP4 tensor {name}: _scales holds 255, which is NaN in the E8M0 format")
     byte_rows = blocks.reshape(-1, VALUES_PER_SCALE // 2)
-    # 2^(s - 127) as float32 bits: exponent field s for s >= 1, the subnormal 2^-127 for s = 0.
+    # 2^(s - 127) as float32 bits (E8M0's bias is float32's): exponent field s for s >= 1, the
+    # subnormal 2^-127 for s = 0.
     exponents = scales.reshape(-1, 1).to(torch.int32)
     factors = torch.where(exponents > 0, exponents << 23, torch.full_like(exponents, 1 << 22)).view(torch.float32)
     pairs = _byte_pairs()

@@ -84,14 +84,14 @@ class GptOssLayer(LlamaLayer):
         self.moe = GptOssExperts(config, tp_size=tp_size, tp_group=tp_group, dtype=dtype, device=device)
 
     def attention(self, x, positions, cos_sin_cache, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = qkv_heads(self.qkv_proj(x), self.num_heads, self.num_kv_heads, self.head_dim)
+        q, k, v = qkv_heads(self.qkv_proj(x, meta.lora), self.num_heads, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache[self.layer_index, 0], kv_cache[self.layer_index, 1]
         out = rope_paged_attention(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta, self.scale,
                                    sliding_window=self.sliding_window, sinks=self.sinks)
-        return self.o_proj(out.reshape(out.shape[0], -1))
+        return self.o_proj(out.reshape(out.shape[0], -1), meta.lora)
 
     def mlp(self, h: torch.Tensor, lora=None) -> torch.Tensor:
-        return self.moe(h)
+        return self.moe(h)  # the routed experts take no adapter (engine/lora/pool.py says so)
 
 
 class GptOssForCausalLM(LlamaForCausalLM):
@@ -99,7 +99,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
 
     layer_class = GptOssLayer
     supports_prefill_graphs = False  # the routed experts' kernels are not checked in a mixed-step graph yet
-    supports_lora = False
+    supports_lora = True  # on the attention projections, as for Mixtral and Qwen3-MoE
 
     def __init__(self, config: ModelConfig, *, tp_rank: int = 0, tp_size: int = 1, tp_group=None,
                  dtype: torch.dtype = torch.float32, device=None, max_positions: int | None = None,

@@ -136,6 +136,23 @@ def test_two_gloo_ranks_compute_tp1_logits(tmp_path):
     assert_tp2_matches_tp1({"gpt_oss": tiny_hf("gpt_oss")}, tmp_path)
 
 
+def test_attention_adapters_equal_their_merge(tmp_path):
+    """A LoRA adapter on q/k/v/o (served by default: `make serve` turns LoRA on) equals its merge
+    into the weights; the experts take none, as on the other mixture-of-experts families."""
+    from engine.executor import Executor, ExecutorConfig, LoraRequest
+    from test_lora_merged import POOL, greedy, merged, write_adapter
+
+    hf = tiny_hf("gpt_oss")
+    weights = write_adapter(hf, tmp_path / "attn", rank=4, alpha=8, seed=3, modules=("q", "k", "v", "o"))
+    prompts = [random_tokens(6 + 3 * i, seed=40 + i) for i in range(2)]
+    with Executor(make_engine(merged(hf, weights, 2.0), tmp_path / "merged"), ExecutorConfig(**POOL)) as executor:
+        wanted = greedy(executor, [(p, None) for p in prompts])
+    with Executor(make_engine(hf, tmp_path / "base"), ExecutorConfig(enable_lora=True, max_loras=2, **POOL)) as executor:
+        adapter = LoraRequest(task_id=1, path=str(tmp_path / "attn"))
+        got = greedy(executor, [(p, adapter) for p in prompts] + [(p, None) for p in prompts])
+    assert got[:2] == wanted and got[2:] != wanted  # adapter rows as merged; base rows in the same steps differ
+
+
 HARMONY_LIKE = ("{% for m in messages %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>{% endfor %}"
                 "{% if add_generation_prompt %}<|start|>assistant{% endif %}")
 

@@ -1,9 +1,11 @@
 """New families end to end, as a user brings them: a Qwen3 and a Qwen3-MoE checkpoint directory
-(the MoE with one tensor per expert on disk), and a GPTQ act-order INT4 Llama checkpoint (written
-from the format's definition, tests/engine/quantized_checkpoints.py), each built with
+(the MoE with one tensor per expert on disk), a GPTQ act-order INT4 Llama checkpoint (written
+from the format's definition, tests/engine/quantized_checkpoints.py) and a gpt-oss checkpoint with
+MXFP4 experts as OpenAI ships them (tests/engine/mxfp4_checkpoints.py), each built with
 `python -m engine.build` and no length or quantization flag and served through `tensorrt_llm`;
-greedy ids equal transformers' `generate` (for GPTQ: on the checkpoint's dequantized weights). One
-extra server per family, started in turn (module-scoped, parametrized)."""
+greedy ids equal transformers' `generate` (for GPTQ: on the checkpoint's dequantized weights; for
+gpt-oss: transformers loading the checkpoint with Mxfp4Config(dequantize=True)). One extra server
+per family, started in turn (module-scoped, parametrized)."""
 import os
 import shutil
 import subprocess
@@ -43,7 +45,12 @@ def _gptq_llama() -> transformers.PreTrainedModel:
     """Marker: the checkpoint is written by the GPTQ writer (4-bit, asymmetric, desc_act, group 32)."""
 
 
-@pytest.fixture(scope="module", params=[_qwen3, _qwen3_moe, _gptq_llama], ids=["qwen3", "qwen3_moe", "gptq_llama"])
+def _gpt_oss() -> transformers.PreTrainedModel:
+    """Marker: the checkpoint is written with MXFP4 experts (_write_gpt_oss_checkpoint)."""
+
+
+@pytest.fixture(scope="module", params=[_qwen3, _qwen3_moe, _gptq_llama, _gpt_oss],
+                ids=["qwen3", "qwen3_moe", "gptq_llama", "gpt_oss"])
 def served_family(request, smollm2_engine_dir, tmp_path_factory):
     """(transformers model, server): the model saved as a HF safetensors directory with SmolLM2's
     tokenizer (so the repository's text models load), built with no length flag, served."""
@@ -51,6 +58,8 @@ def served_family(request, smollm2_engine_dir, tmp_path_factory):
     checkpoint = tmp_path_factory.mktemp(f"{name}_ckpt")
     if request.param is _gptq_llama:
         model = _write_gptq_checkpoint(str(checkpoint))
+    elif request.param is _gpt_oss:
+        model = _write_gpt_oss_checkpoint(str(checkpoint))
     else:
         torch.manual_seed(0)
         model = request.param().eval()
@@ -81,6 +90,30 @@ def _write_gptq_checkpoint(path: str) -> transformers.PreTrainedModel:
     model.load_state_dict(transformers_state(written.reference), strict=False)
     model.generation_config.eos_token_id = model.generation_config.bos_token_id = None
     return model.eval()
+
+
+def _write_gpt_oss_checkpoint(path: str) -> transformers.PreTrainedModel:
+    """A gpt-oss checkpoint with MXFP4 experts: sinks, a window of 8 on alternate layers (the prompts
+    and their outputs outgrow it), yarn, top-4 of 8 experts with biases and a clamp that bites;
+    returns transformers' model of it (experts dequantized)."""
+    sys.path.insert(0, os.path.join(ROOT, "tests", "engine"))
+    from mxfp4_checkpoints import transformers_mxfp4_model, write_mxfp4_checkpoint
+
+    config = transformers.GptOssConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=128, num_local_experts=8, num_experts_per_tok=4,
+        sliding_window=8, swiglu_limit=1.0, eos_token_id=None, bos_token_id=None, pad_token_id=None,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 32, "rope_theta": 150000.0})
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(config)
+    with torch.no_grad():
+        for param_name, p in model.named_parameters():
+            p.copy_((1.0 if "norm" in param_name else 0.0) + 0.1 * torch.randn_like(p))
+    write_mxfp4_checkpoint(model, path)
+    reference = transformers_mxfp4_model(path)
+    reference.generation_config.eos_token_id = reference.generation_config.bos_token_id = None
+    return reference
 
 
 def test_greedy_ids_equal_transformers_generate(served_family):
