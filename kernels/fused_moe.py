@@ -53,10 +53,10 @@ from kernels.moe_grouped_mm import fused_moe_grouped_mm, grouped_mm_supported
 
 # Average rows per expert (T * K / E) from which the sorted rows and grouped GEMMs of
 # kernels/moe_grouped_mm.py run instead of this file's block-tiled kernel. Measured on an H200
-# (benchmarks/moe_kernel_bench.py, Qwen3-30B-A3B's experts): at 32 rows an expert (512 tokens)
-# the block-tiled kernel takes 434 us and the grouped path 502; at 64 (1,024 tokens) 593 against
-# 540; at 8,192 tokens 2,142 against 1,616.
-GROUPED_MM_MIN_ROWS_PER_EXPERT = 64
+# (benchmarks/moe_kernel_bench.py, Qwen3-30B-A3B's experts, with the parallel alignment): at 64
+# rows an expert (1,024 tokens) the block-tiled kernel takes 422 us and the grouped path 555; at
+# 512 (8,192 tokens) 1,781 against 1,526; the two meet near 192 (~3,000 tokens).
+GROUPED_MM_MIN_ROWS_PER_EXPERT = 192
 
 
 
