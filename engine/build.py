@@ -9,8 +9,10 @@ that contradicts the model (more positions than it has) is an error naming both 
 
 writes ``config.json`` (EngineConfig), ``rank{r}.safetensors`` for every tensor-parallel rank,
 and the tokenizer files (so ``AutoTokenizer.from_pretrained(engine_dir)`` works).
-``--quantization fp8`` stores the decoder blocks' linear weights in FP8 E4M3 with per-output-channel
-scales (kernels/fp8.py). ``--quantization int8_wo / int4_wo / int4_awq`` stores them as integer codes
+``--quantization fp8`` stores the decoder blocks' linear weights (and experts) in FP8 E4M3 with
+per-output-channel scales (kernels/fp8.py); ``fp8_block`` with one scale per 128 x 128 block
+(kernels/fp8_block.py), the scheme block-FP8 checkpoints build with, their codes and scales kept.
+``--quantization int8_wo / int4_wo / int4_awq`` stores them as integer codes
 with per-group scales and zeros (kernels/wna16.py; engine/weight_only/), as do checkpoints that ship
 AWQ, GPTQ or compressed-tensors integer weights (their codes are kept as they are).
 """
@@ -44,13 +46,14 @@ from engine.convert import (
     model_config_from_hf,
     iter_rank_weights,
 )
-from engine.fp8_checkpoint import dequantizing_getter, fp8_checkpoint_strategy, rank_row_scales
+from engine.fp8_checkpoint import dequantizing_getter, fp8_checkpoint_strategy, rank_block_scales, rank_row_scales
 from engine.models import MODEL_FAMILIES, get_family, get_model_class
 from engine.mxfp4 import is_mxfp4_checkpoint, widen_mxfp4_checkpoint
 from engine.weight_only.checkpoint_formats import QuantizedLinearReader, checkpoint_weight_quant
 from engine.weight_only.convert import (CheckpointStandIns, build_time_quantize, checkpoint_integer_weights,
                                        resolve_group_size)
 from kernels.fp8 import quantize_weight
+from kernels.fp8_block import blocks, quantize_blocks
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -65,34 +68,82 @@ def check_quantization_supported(model: ModelConfig, build: BuildConfig) -> None
                           + ", ".join(f.architecture for f in MODEL_FAMILIES if takes(f)))
 
 
-def expected_tensor_names(model: ModelConfig, build: BuildConfig) -> list[str]:
-    """The state-dict names one rank's engine model declares (built on the meta device, no memory)."""
+def expected_tensor_shapes(model: ModelConfig, build: BuildConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor one rank's engine model declares (built on the meta device, no memory)."""
     model_class = get_model_class(model.architecture)
     if build.quantization is None:
-        return list(model_class(model, tp_size=build.tp_size, device="meta").state_dict())
-    check_quantization_supported(model, build)
-    weight_only = build.weight_only
-    # The names do not depend on the group size: a per-channel stand-in keeps the meta model from
-    # refusing a group size before the quantizer can name the layer it does not divide.
-    quantization = dataclasses.replace(weight_only, group_size=0) if weight_only else build.quantization
-    return list(model_class(model, tp_size=build.tp_size, device="meta", quantization=quantization).state_dict())
+        state = model_class(model, tp_size=build.tp_size, device="meta").state_dict()
+    else:
+        check_quantization_supported(model, build)
+        weight_only = build.weight_only
+        # The names do not depend on the group size: a per-channel stand-in keeps the meta model from
+        # refusing a group size before the quantizer can name the layer it does not divide.
+        quantization = dataclasses.replace(weight_only, group_size=0) if weight_only else build.quantization
+        state = model_class(model, tp_size=build.tp_size, device="meta", quantization=quantization).state_dict()
+    return {name: tuple(t.shape) for name, t in state.items()}
+
+
+def expected_tensor_names(model: ModelConfig, build: BuildConfig) -> list[str]:
+    """The state-dict names one rank's engine model declares."""
+    return list(expected_tensor_shapes(model, build))
+
+
+def fp8_weight_names(names) -> list[str]:
+    """The weights an FP8 model declares a ``<name>_scale`` for (linears' ``.weight``, experts' stacks)."""
+    names = set(names)
+    return sorted(name[:-len("_scale")] for name in names if name.endswith("_scale") and name[:-len("_scale")] in names)
 
 
 def quantize_rank_weights(weights: dict[str, torch.Tensor], names: list[str],
                           source_scales: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """FP8: every weight the model declares a ``<name>_scale`` for becomes E4M3 with per-output-channel
-    scales (kernels/fp8.py), quantized from this rank's shard; the rest is left as converted.
-    ``source_scales``: row scales of weights that were FP8 in the checkpoint (engine/fp8_checkpoint.py),
-    kept as they are so those weights' values are not rounded a second time."""
-    scaled = {name[:-len("_scale")] for name in names if name.endswith(".weight_scale")}
+    scales (kernels/fp8.py; experts (E, N, K): per row of each expert), quantized from this rank's
+    shard; the rest is left as converted. ``source_scales``: row scales of weights that were FP8 in the
+    checkpoint (engine/fp8_checkpoint.py), kept as they are so those weights' values are not rounded a
+    second time."""
+    scaled = set(fp8_weight_names(names))
     source_scales = source_scales or {}
     out = {}
     for name, tensor in weights.items():
         if name in scaled:
-            out[name], out[name + "_scale"] = quantize_weight(tensor, source_scales.get(name))
+            scale = source_scales.get(name)
+            codes, row_scales = quantize_weight(tensor.reshape(-1, tensor.shape[-1]),
+                                                None if scale is None else scale.reshape(-1))
+            out[name], out[name + "_scale"] = codes.view(tensor.shape), row_scales.view(tensor.shape[:-1])
         else:
             out[name] = tensor
     return out
+
+
+def block_quantized_rank_weights(converted, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype,
+                                 source_scales: dict[str, torch.Tensor | None] | None = None):
+    """fp8_block: yield (name, tensor) for one rank, from ``converted`` (its (name, float32 tensor)
+    pairs): every weight with a declared scale becomes E4M3 codes with 128 x 128 block scales
+    (kernels/fp8_block.py), the checkpoint's own where ``source_scales`` (rank_block_scales) has
+    them, so its codes come back exactly; a weight the checkpoint left unquantized (None there) stays
+    in ``dtype`` with ones as its unread scales; the rest is cast to ``dtype``."""
+    scaled = set(fp8_weight_names(shapes))
+    for name, tensor in converted:
+        if name not in scaled:
+            yield name, tensor.to(dtype)
+        elif source_scales is not None and source_scales[name] is None:
+            yield name, tensor.to(dtype)
+            yield name + "_scale", torch.ones(shapes[name + "_scale"])
+        else:
+            codes, scale = quantize_blocks(tensor, None if source_scales is None else source_scales[name])
+            yield name, codes
+            yield name + "_scale", scale
+
+
+def _with_expert_pairs_alike(scales: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
+    """Block scales with a sparse layer's gate_up and down both carried or both left in the model
+    dtype (the FP8 expert kernels take the two projections in one format)."""
+    scales = dict(scales)
+    for name in [n for n in scales if n.endswith(".moe.gate_up_proj")]:
+        down = name.replace(".moe.gate_up_proj", ".moe.down_proj")
+        if scales[name] is None or scales[down] is None:
+            scales[name] = scales[down] = None
+    return scales
 
 
 def write_engine(output_dir: str, model: ModelConfig, build: BuildConfig, get: TensorGetter, *,
@@ -104,14 +155,33 @@ def write_engine(output_dir: str, model: ModelConfig, build: BuildConfig, get: T
     engine keeps. ``integer_source``: the stand-ins of a checkpoint with integer weights (``get``
     dequantizes it), whose codes, scales and zeros the engine keeps."""
     engine_config = EngineConfig(model=model, build=build, extra=dict(extra or {})).validate()
-    names = expected_tensor_names(model, build)
+    shapes = expected_tensor_shapes(model, build)
+    names = list(shapes)
+    block_scales = None
+    if build.quantization == "fp8_block" and fp8_source is not None:  # checked for every rank before writing
+        weights_with_scales = {name: shapes[name] for name in fp8_weight_names(names)}
+        block_scales = [_with_expert_pairs_alike(rank_block_scales(fp8_source, model, rank, build.tp_size,
+                                                                   weights_with_scales))
+                        for rank in range(build.tp_size)]
+        kept = [name for name, scale in block_scales[0].items() if scale is None]
+        if kept:
+            print(f"note: {len(kept)} weights the checkpoint leaves unquantized (wholly or in part) keep --dtype "
+                  f"{build.dtype}: {', '.join(kept[:4])}{', ...' if len(kept) > 4 else ''}", file=sys.stderr)
     _clear_old_engine(output_dir)
     bar = tqdm(total=len(names) * build.tp_size, unit="tensor", desc="converting", disable=not progress)
     for rank in range(build.tp_size):
         weights = {}
-        for name, tensor in iter_rank_weights(get, model, rank, build.tp_size, TORCH_DTYPES[build.dtype]):
-            weights[name] = tensor
-            bar.update(1)
+        if build.quantization == "fp8_block":
+            converted = iter_rank_weights(get, model, rank, build.tp_size, torch.float32)
+            source_scales = None if block_scales is None else block_scales[rank]
+            for name, tensor in block_quantized_rank_weights(converted, shapes, TORCH_DTYPES[build.dtype],
+                                                             source_scales):
+                weights[name] = tensor
+                bar.update(1)
+        else:
+            for name, tensor in iter_rank_weights(get, model, rank, build.tp_size, TORCH_DTYPES[build.dtype]):
+                weights[name] = tensor
+                bar.update(1)
         if build.quantization == "fp8":
             source_scales = rank_row_scales(fp8_source, model, rank, build.tp_size) if fp8_source else None
             weights = quantize_rank_weights(weights, names, source_scales)
@@ -227,14 +297,27 @@ def build_from_hf(hf_config, get: TensorGetter, tokenizer, output_dir: str, buil
     if strategy is not None:
         # An FP8 checkpoint builds an FP8 engine: its weights exist only as E4M3 values, and
         # widening them to --dtype would double the bytes without adding a digit.
-        if build.quantization != "fp8":
-            print(f"note: {source or 'the checkpoint'} holds FP8 weights (per {strategy}); building with "
-                  "--quantization fp8", file=sys.stderr)
-            build = dataclasses.replace(build, quantization="fp8")
-        extra["source_quantization"] = f"fp8 per {strategy}"
-        fp8_source, get = get, dequantizing_getter(get)
+        build = with_fp8_checkpoint_scheme(build, strategy, source)
+        check_quantization_supported(model, build)
+        extra["source_quantization"] = "fp8 per 128 x 128 block" if strategy == "block" else f"fp8 per {strategy}"
+        fp8_source, get = get, dequantizing_getter(get, strategy)
     return write_engine(output_dir, model, build, get, tokenizer=tokenizer, extra=extra, progress=progress,
                         fp8_source=fp8_source, integer_source=integer_source)
+
+
+def with_fp8_checkpoint_scheme(build: BuildConfig, strategy: str, source: str) -> BuildConfig:
+    """``build`` with the FP8 scheme of an FP8 checkpoint: fp8_block for block-wise scales, fp8 for
+    per-channel and per-tensor ones; another FP8 scheme asked for is an error naming both."""
+    quantization = "fp8_block" if strategy == "block" else "fp8"
+    described = "per 128 x 128 block" if strategy == "block" else f"per {strategy}"
+    if build.quantization not in (None, quantization):
+        raise ConfigError(f"{source or 'the checkpoint'} holds FP8 weights ({described}), which build as "
+                          f"--quantization {quantization}; --quantization {build.quantization} would round them "
+                          "again: leave --quantization out")
+    if build.quantization is None:
+        print(f"note: {source or 'the checkpoint'} holds FP8 weights ({described}); building with "
+              f"--quantization {quantization}", file=sys.stderr)
+    return dataclasses.replace(build, quantization=quantization)
 
 
 def with_checkpoint_scheme(build: BuildConfig, quant, source: str) -> BuildConfig:
@@ -304,9 +387,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max_num_tokens", type=int, default=None,
                    help="tokens per forward step; default: max(8192, max_input_len), at most "
                         "max_batch_size * max_seq_len")
-    p.add_argument("--quantization", choices=["fp8", "int8_wo", "int4_wo", "int4_awq"], default=None,
+    p.add_argument("--quantization", choices=["fp8", "fp8_block", "int8_wo", "int4_wo", "int4_awq"], default=None,
                    help="fp8: FP8 E4M3 weights with per-output-channel scales for every linear layer of the "
-                        "decoder blocks, activations quantized per token at run time (Llama family); "
+                        "decoder blocks and the experts, activations quantized per token at run time (Llama "
+                        "family, mixture-of-experts models); fp8_block: FP8 E4M3 with one scale per 128 x 128 "
+                        "block, activations per token and 128-column group (what block-FP8 checkpoints build "
+                        "as); "
                         "int8_wo: INT8 weight-only, per output channel, symmetric; int4_wo: INT4 weight-only, "
                         "groups of 128 input columns with zero points, round to nearest; int4_awq: int4_wo after "
                         "AWQ's activation-aware scaling, calibrated on a built-in text (Llama family and "

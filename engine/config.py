@@ -13,12 +13,15 @@ import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-FORMAT_VERSION = 3  # 2: build.quantization (fp8 weights); 3: integer weight-only schemes
-READABLE_FORMAT_VERSIONS = (1, 2, 3)
+# 2: build.quantization (fp8 weights); 3: integer weight-only schemes; 4: fp8_block (128 x 128 block
+# scales, from block-FP8 checkpoints) and FP8 experts of mixture-of-experts models
+FORMAT_VERSION = 4
+READABLE_FORMAT_VERSIONS = (1, 2, 3, 4)
 # Weight-only integer schemes (kernels/wna16.py): bits of the codes, and whether the build's own
 # round-to-nearest quantization stores zero points (asymmetric) or not.
 WEIGHT_ONLY_BITS = {"int8_wo": 8, "int4_wo": 4, "int4_awq": 4}
-QUANTIZATIONS = ("fp8",) + tuple(WEIGHT_ONLY_BITS)
+FP8_QUANTIZATIONS = ("fp8", "fp8_block")
+QUANTIZATIONS = FP8_QUANTIZATIONS + tuple(WEIGHT_ONLY_BITS)
 # Group sizes the kernels take (columns of K sharing a scale and zero); 0 = one group per output row.
 WEIGHT_ONLY_GROUP_SIZES = (0, 32, 64, 128, 256)
 DEFAULT_GROUP_SIZE = {8: 0, 4: 128}
@@ -331,9 +334,12 @@ class BuildConfig:
     tokens_per_block: int = 64
     tp_size: int = 1
     pp_size: int = 1
-    # None: weights in ``dtype``. "fp8": every linear layer of the decoder blocks holds FP8 E4M3
-    # weights with per-output-channel scales; activations are quantized per token at run time
-    # (kernels/fp8.py). Embeddings, norms and the lm_head stay in ``dtype``.
+    # None: weights in ``dtype``. "fp8": every linear layer of the decoder blocks (and the experts)
+    # holds FP8 E4M3 weights with per-output-channel scales; activations are quantized per token at
+    # run time (kernels/fp8.py). "fp8_block": the scheme of block-FP8 checkpoints (DeepSeek-V3,
+    # Qwen3-*-FP8): one scale per 128 x 128 block of each weight, activations quantized per token
+    # and 128-column group (kernels/fp8_block.py); a layer the checkpoint left unquantized keeps its
+    # weight in ``dtype``. Embeddings, norms, routers and the lm_head stay in ``dtype``.
     quantization: str | None = None
     # Integer weight-only schemes (int8_wo, int4_wo, int4_awq; or read from an AWQ/GPTQ/compressed-
     # tensors checkpoint): input columns per scale group, 0 = per output channel; None = the

@@ -26,7 +26,7 @@ class ModelFamily:
     class_name: str
     checkpoints: str  # the models users know by name, with what the engine does for them
     tensor_parallel: bool = True
-    fp8: bool = False  # --quantization fp8 (FP8 weights)
+    fp8: bool = False  # --quantization fp8 (FP8 weights), and block-FP8 checkpoints (fp8_block)
     # Integer weight-only linears (int8_wo, int4_wo, int4_awq; AWQ/GPTQ/compressed-tensors checkpoints)
     weight_only: bool = False
     sliding_window: bool = False  # the checkpoint's sliding-window attention is applied (kernels/attention.py)
@@ -56,10 +56,10 @@ MODEL_FAMILIES = (
                 "local rope base, 5:1 sliding/global layers)", sliding_window=True),
                     ModelFamily("MixtralForCausalLM", "engine.models.moe", "MoeForCausalLM",
                 "Mixtral 8x7B, 8x22B (top-2 routed experts, fused-MoE kernel; experts split across TP ranks)",
-                sliding_window=True, weight_only=True),
+                fp8=True, sliding_window=True, weight_only=True),
     ModelFamily("Qwen3MoeForCausalLM", "engine.models.moe", "MoeForCausalLM",
                 "Qwen3-30B-A3B, Qwen3-235B-A22B (top-8 of 128 experts, norm_topk_prob, q/k RMSNorm)",
-                sliding_window=True, weight_only=True),
+                fp8=True, sliding_window=True, weight_only=True),
     ModelFamily("GptOssForCausalLM", "engine.models.gpt_oss", "GptOssForCausalLM",
                 "gpt-oss-20b, gpt-oss-120b (attention sinks, alternating sliding/full layers, top-4 experts with "
                 "biases and clamped SwiGLU; MXFP4 experts widened to the model dtype at build)", sliding_window=True),

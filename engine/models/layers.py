@@ -32,6 +32,7 @@ from torch import nn
 
 from engine.config import WeightOnlyScheme
 from kernels.fp8 import FP8_DTYPE, QuantizedRows, fp8_gated_linear, fp8_linear, quantizes_activations, rms_norm_quantized
+from kernels.fp8_block import blocks, fp8_block_linear
 from kernels.activation import silu_and_mul
 from kernels.linear import gated_linear, linear, linear_float32_out
 from kernels.rmsnorm import rms_norm
@@ -115,7 +116,7 @@ def _empty(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
-LinearQuantization = str | WeightOnlyScheme | None  # None, "fp8", or an integer weight-only scheme
+LinearQuantization = str | WeightOnlyScheme | None  # None, "fp8", "fp8_block", or an integer weight-only scheme
 
 
 class Linear(nn.Module):
@@ -123,6 +124,12 @@ class Linear(nn.Module):
 
     ``quantization="fp8"``: weight is float8_e4m3fn with ``weight_scale`` (out_local,) float32 per
     output channel, and the product runs the FP8 scheme of kernels/fp8.py (the bias stays in dtype).
+
+    ``quantization="fp8_block"``: weight is float8_e4m3fn with ``weight_scale`` float32
+    (ceil(out_local / 128), ceil(in_local / 128)), one per 128 x 128 block, and the product runs
+    kernels/fp8_block.py (activations per token and 128-column group). A layer the checkpoint left
+    unquantized is loaded with its weight in the model dtype (its weight_scale, all ones, is unread):
+    the weight's dtype says which product runs.
 
     ``quantization=WeightOnlyScheme``: integer codes (kernels/wna16.py): ``weight`` uint8
     (out_local, in_local * bits / 8), ``weight_scale`` float32 and ``weight_zero`` uint8, both
@@ -138,9 +145,9 @@ class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype: torch.dtype, device=None,
                  quantization: LinearQuantization = None):
         super().__init__()
-        if not (quantization in (None, "fp8") or isinstance(quantization, WeightOnlyScheme)):
-            raise ValueError(f"quantization {quantization!r} is not supported; allowed: fp8, a weight-only "
-                             "integer scheme, or none")
+        if not (quantization in (None, "fp8", "fp8_block") or isinstance(quantization, WeightOnlyScheme)):
+            raise ValueError(f"quantization {quantization!r} is not supported; allowed: fp8, fp8_block, a "
+                             "weight-only integer scheme, or none")
         self.in_features, self.out_features = in_features, out_features
         self.weight_only = quantization if isinstance(quantization, WeightOnlyScheme) else None
         self.input_perm = None
@@ -154,9 +161,12 @@ class Linear(nn.Module):
             if scheme.act_order:
                 self.input_perm = _empty(in_features, dtype=torch.int32, device=device)
         else:
-            weight_dtype = FP8_DTYPE if quantization == "fp8" else dtype
+            weight_dtype = FP8_DTYPE if quantization in ("fp8", "fp8_block") else dtype
             self.weight = _empty(out_features, in_features, dtype=weight_dtype, device=device)
-            self.weight_scale = _empty(out_features, dtype=torch.float32, device=device) if quantization else None
+            blocked = quantization == "fp8_block"
+            scale_shape = (blocks(out_features), blocks(in_features)) if blocked else (out_features,)
+            self.weight_scale = _empty(*scale_shape, dtype=torch.float32, device=device) if quantization else None
+        self.block_scales = quantization == "fp8_block"
         self.dtype = dtype
         self.bias = _empty(out_features, dtype=dtype, device=device) if bias else None
         self.lora: LinearLora | None = None
@@ -164,7 +174,8 @@ class Linear(nn.Module):
 
     @property
     def is_fp8(self) -> bool:
-        return self.weight_scale is not None and self.weight_only is None
+        """Per-channel FP8 (the W8A8 path whose input may come as QuantizedRows)."""
+        return self.weight_scale is not None and self.weight_only is None and not self.block_scales
 
     @torch.no_grad()
     def prepare_weights(self) -> None:
@@ -194,7 +205,9 @@ class Linear(nn.Module):
             if self.input_perm is not None and self._permutes_input:
                 x = x.index_select(-1, self.input_perm)
             return wna16_linear(x, self.wna16, bias)
-        if self.weight_scale is not None:
+        if self.block_scales and self.weight.dtype == FP8_DTYPE:
+            return fp8_block_linear(x, self.weight, self.weight_scale, bias)
+        if self.weight_scale is not None and not self.block_scales:
             return fp8_linear(x, self.weight, self.weight_scale, bias)
         return linear(x, self.weight, bias)  # F.linear, or a skinny Triton GEMM chosen at engine load
 
@@ -214,7 +227,7 @@ class Linear(nn.Module):
             gate_up = self._product(x, None)
             self.lora.add(x, gate_up, lora)
             return silu_and_mul(gate_up)
-        if self.weight_only is not None:
+        if self.weight_only is not None or self.block_scales:
             return silu_and_mul(self._product(x, None))
         if self.weight_scale is not None:
             return fp8_gated_linear(x, self.weight, self.weight_scale, quantize_output=quantize_output)

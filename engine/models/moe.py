@@ -25,7 +25,12 @@ A dense layer keeps the Llama names (``gate_up_proj.weight``, ``down_proj.weight
 
 Integer weight-only experts (kernels/fused_moe_wna16.py): ``gate_up_proj`` uint8 (E, 2 * I_r, stored H)
 with ``gate_up_proj_scale`` float32 and ``gate_up_proj_zero`` uint8 (E, 2 * I_r, groups of H), and
-``down_proj`` likewise over I_r. The router stays in the model dtype.
+``down_proj`` likewise over I_r. FP8 experts (kernels/fused_moe_fp8.py): ``gate_up_proj``
+float8_e4m3fn (E, 2 * I_r, H) with ``gate_up_proj_scale`` float32 (E, 2 * I_r) per channel
+(``fp8``) or (E, ceil(2 * I_r / 128), ceil(H / 128)) per 128 x 128 block (``fp8_block``), and
+``down_proj`` (E, H, I_r) with ``down_proj_scale`` (E, H) or (E, ceil(H / 128), ceil(I_r / 128));
+in an ``fp8_block`` engine, experts the checkpoint left unquantized keep the model dtype (ones as
+their unread scales). The router stays in the model dtype.
 """
 from __future__ import annotations
 
@@ -35,7 +40,10 @@ from torch import nn
 from engine.config import ModelConfig, WeightOnlyScheme
 from engine.models.layers import Linear, LinearQuantization, tp_all_reduce
 from engine.models.llama import LlamaForCausalLM, LlamaLayer
+from kernels.fp8 import FP8_DTYPE
+from kernels.fp8_block import blocks
 from kernels.fused_moe import ALIGN_KERNEL_MAX_ASSIGNMENTS, moe_forward
+from kernels.fused_moe_fp8 import moe_forward_fp8
 from kernels.fused_moe_wna16 import WNA16Experts, moe_forward_wna16, prepare_wna16_experts
 from kernels.wna16 import stored_columns
 
@@ -44,7 +52,7 @@ class SparseMoeBlock(nn.Module):
     """Router + every expert's slice for one tensor-parallel rank; output all-reduced over ranks."""
 
     def __init__(self, config: ModelConfig, *, tp_size: int, tp_group, dtype, device,
-                 weight_only: WeightOnlyScheme | None = None):
+                 weight_only: WeightOnlyScheme | None = None, fp8: str | None = None):
         super().__init__()
         hidden, experts = config.hidden_size, config.num_experts
         inter_local = config.moe_intermediate_size // tp_size
@@ -56,6 +64,11 @@ class SparseMoeBlock(nn.Module):
         self.experts: tuple[WNA16Experts, WNA16Experts] | None = None  # prepare_weights(): (gate_up, down)
         self.router = Linear(hidden, experts, bias=False, dtype=dtype, device=device)
         for name, (rows, cols) in {"gate_up_proj": (2 * inter_local, hidden), "down_proj": (hidden, inter_local)}.items():
+            if fp8 is not None:  # "fp8" (a scale per row) or "fp8_block" (per 128 x 128 block)
+                setattr(self, name, _parameter(experts, rows, cols, dtype=FP8_DTYPE, device=device))
+                scale = (rows,) if fp8 == "fp8" else (blocks(rows), blocks(cols))
+                setattr(self, name + "_scale", _parameter(experts, *scale, dtype=torch.float32, device=device))
+                continue
             if weight_only is None:
                 setattr(self, name, _parameter(experts, rows, cols, dtype=dtype, device=device))
                 continue
@@ -82,12 +95,19 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (num_tokens, hidden) -> the routed experts' output (num_tokens, hidden)."""
+        out = self.routed_experts(x, self.router(x))
+        return out if self.tp_group is None else tp_all_reduce(out, self.tp_group)
+
+    def routed_experts(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum of the chosen experts, before the all-reduce: the kernels of the
+        experts' storage (model dtype, integer codes, or FP8 codes and scales)."""
         if self.weight_only is not None:
             self.prepare_weights()
-            out = moe_forward_wna16(x, self.router(x), *self.experts, self.top_k, self.renormalize)
-        else:
-            out = moe_forward(x, self.router(x), self.gate_up_proj, self.down_proj, self.top_k, self.renormalize)
-        return out if self.tp_group is None else tp_all_reduce(out, self.tp_group)
+            return moe_forward_wna16(x, router_logits, *self.experts, self.top_k, self.renormalize)
+        if self.gate_up_proj.dtype == FP8_DTYPE:
+            return moe_forward_fp8(x, router_logits, self.gate_up_proj, self.gate_up_proj_scale, self.down_proj,
+                                   self.down_proj_scale, self.top_k, self.renormalize)
+        return moe_forward(x, router_logits, self.gate_up_proj, self.down_proj, self.top_k, self.renormalize)
 
 
 def _parameter(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
@@ -105,8 +125,9 @@ class MoeLayer(LlamaLayer):
                               quantization=quantization)
             return
         weight_only = quantization if isinstance(quantization, WeightOnlyScheme) else None
+        fp8 = quantization if quantization in ("fp8", "fp8_block") else None
         self.moe = SparseMoeBlock(config, tp_size=tp_size, tp_group=tp_group, dtype=dtype, device=device,
-                                  weight_only=weight_only)
+                                  weight_only=weight_only, fp8=fp8)
 
     def mlp(self, h: torch.Tensor, lora=None) -> torch.Tensor:
         # LoRA reaches the dense layers' MLP; the experts take none (engine/lora/pool.py says so).
@@ -115,8 +136,8 @@ class MoeLayer(LlamaLayer):
 
 class MoeForCausalLM(LlamaForCausalLM):
     """The Llama-family model with MoeLayer blocks (Mixtral, Qwen3-MoE) for one tensor-parallel
-    rank. ``quantization``: None or an integer weight-only scheme (attention and experts); FP8
-    experts are not supported (engine.build says so)."""
+    rank. ``quantization``: None, an integer weight-only scheme, "fp8" or "fp8_block" (attention,
+    dense MLPs and experts; the routers stay in the model dtype)."""
 
     layer_class = MoeLayer
     supports_prefill_graphs = False  # the routed experts' kernels are not checked in a mixed-step graph yet
@@ -124,9 +145,6 @@ class MoeForCausalLM(LlamaForCausalLM):
     def __init__(self, config: ModelConfig, *, tp_rank: int = 0, tp_size: int = 1, tp_group=None,
                  dtype: torch.dtype = torch.float32, device=None, max_positions: int | None = None,
                  quantization: LinearQuantization = None):
-        if quantization == "fp8":
-            raise ValueError("FP8 experts are not supported; mixture-of-experts models take integer weight-only "
-                             "schemes (int8_wo, int4_wo, int4_awq) or none")
         super().__init__(config, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group, dtype=dtype, device=device,
                          max_positions=max_positions, quantization=quantization)
 
@@ -145,8 +163,4 @@ class MoeForCausalLM(LlamaForCausalLM):
         counts |= {-(-n * experts // top_k) for n in per_expert}
         for num_tokens in sorted(counts):
             x = torch.zeros(num_tokens, block.router.in_features, dtype=block.dtype, device=block.router.weight.device)
-            if block.weight_only is not None:
-                block.prepare_weights()
-                moe_forward_wna16(x, block.router(x), *block.experts, top_k, block.renormalize)
-            else:
-                moe_forward(x, block.router(x), block.gate_up_proj, block.down_proj, top_k, block.renormalize)
+            block.routed_experts(x, block.router(x))

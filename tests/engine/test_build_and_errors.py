@@ -148,7 +148,7 @@ def _edit_config(engine_dir, edit) -> None:
 
 def test_engine_of_another_format_version(engine_dir):
     _edit_config(engine_dir, lambda d: d.update(format_version=99))
-    with pytest.raises(EngineFormatError, match="format_version 99 is not supported; this build reads format_version 1, 2, 3"):
+    with pytest.raises(EngineFormatError, match="format_version 99 is not supported; this build reads format_version 1, 2, 3, 4"):
         ModelRunner(engine_dir)
 
 

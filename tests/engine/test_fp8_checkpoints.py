@@ -134,7 +134,8 @@ def test_fp8_checkpoint_logits_differ_from_its_dequantized_model_by_activation_r
 
 
 @pytest.mark.parametrize("quantization_config, message", [
-    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, r"block-wise FP8 checkpoints \(weight_block_size \[128, 128\]\)"),
+    ({"quant_method": "fp8", "weight_block_size": [64, 64]},
+     r"block-wise FP8 checkpoints with weight_block_size \[64, 64\] are not supported; supported: \[128, 128\]"),
     ({"quant_method": "hqq"}, r"quant_method 'hqq' is not supported; supported: AWQ GEMM int4; GPTQ int4/int8"),
 ])
 def test_other_checkpoint_quantizations_are_refused_by_name(tmp_path, quantization_config, message):

@@ -14,7 +14,7 @@ import transformers
 from transformers import AutoTokenizer
 
 from engine.build import build_from_hf, main as build_main
-from engine.config import BuildConfig, EngineConfig
+from engine.config import FORMAT_VERSION, BuildConfig, EngineConfig
 from engine.convert import getter_from_state_dict
 from engine.executor.runner import ForwardBatch, ModelRunner
 from kernels.fp8 import FP8_DTYPE
@@ -72,7 +72,7 @@ def test_fp8_engine_directory_records_the_scheme(tiny_engines):
 
     _, fp8_dir = tiny_engines
     config = json.load(open(os.path.join(fp8_dir, "config.json")))
-    assert config["format_version"] == 3 and config["build"]["quantization"] == "fp8"
+    assert config["format_version"] == FORMAT_VERSION and config["build"]["quantization"] == "fp8"
     with safe_open(os.path.join(fp8_dir, "rank0.safetensors"), "pt") as f:
         names = set(f.keys())
         for proj in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):

@@ -96,18 +96,6 @@ def test_qwen3_moe_dense_layers_follow_mlp_only_layers(tmp_path):
     assert config.norm_topk_prob is False and config.qk_norm
 
 
-def test_fp8_is_refused_for_experts(tmp_path):
-    from engine.build import build_from_hf
-    from engine.config import BuildConfig
-    from engine.convert import getter_from_state_dict
-
-    hf = tiny_hf("mixtral")
-    build = BuildConfig(dtype="float32", max_batch_size=2, max_seq_len=64, quantization="fp8")
-    with pytest.raises(ConfigError, match="quantization fp8 is not supported for MixtralForCausalLM"):
-        build_from_hf(hf.config, getter_from_state_dict(hf.state_dict(), "tiny"), None, str(tmp_path / "e"), build,
-                      progress=False)
-
-
 def test_tp_size_must_divide_the_expert_width(tmp_path):
     hf = tiny_hf("qwen3_moe")  # moe_intermediate_size 22
     hf.config.moe_intermediate_size = 21
