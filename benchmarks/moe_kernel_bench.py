@@ -24,6 +24,7 @@ from kernels.fused_moe import (fused_moe_ref, fused_moe_triton, gemm_config, mod
                                moe_forward, route_tokens)
 from kernels.linear import replay_time_ms  # noqa: E402
 from kernels.moe_epilogue import PLAIN_SILU, expert_activation  # noqa: E402
+from kernels.fused_moe import moe_single_token_triton  # noqa: E402
 from kernels.moe_grouped_mm import combine, fused_moe_grouped_mm, sort_assignments  # noqa: E402
 
 SHAPES = {  # experts, top-k, hidden, expert width
@@ -31,6 +32,7 @@ SHAPES = {  # experts, top-k, hidden, expert width
     "gpt_oss_20b": (32, 4, 2880, 2880),
 }
 REPEAT = 6
+SINGLE = ("tensor-core single",)  # one-token paths
 
 
 def graph_us(fn, inputs) -> float:
@@ -112,6 +114,7 @@ def main() -> None:
         return fn
 
     paths = {"triton": routed(fused_moe_triton), "grouped_mm": routed(fused_moe_grouped_mm),
+             "tensor-core single": lambda x, logits: moe_single_token_triton(x, logits, gate_up, down, top_k, True),
              "default": lambda x, logits: moe_forward(x, logits, gate_up, down, top_k, True)}
     print("| tokens | path | us | TFLOPS | experts' bytes GB/s | rel. diff vs reference |")
     print("|---:|---|---:|---:|---:|---:|")
@@ -124,7 +127,7 @@ def main() -> None:
         hit = int(torch.unique(ids).numel())
         flops = tokens * top_k * 6 * hidden * inter
         for name, fn in paths.items():
-            if name == "grouped_mm" and tokens == 1:
+            if (tokens == 1 and name == "grouped_mm") or (tokens > 1 and name in SINGLE):
                 continue
             diff = ((fn(x, logits).float() - reference).norm() / reference.norm()).item()
             us = graph_us(fn, inputs)

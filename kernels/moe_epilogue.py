@@ -69,6 +69,20 @@ def expert_activation_ref(h: torch.Tensor, row_expert: torch.Tensor, epilogue: E
 
 
 @jit
+def gated_activation(gate, up, OUT_DTYPE: tl.constexpr, ACTIVATION: tl.constexpr, SWIGLU_LIMIT: tl.constexpr):
+    """activate_ref inside a kernel: gate, up float32 tiles (their products, bias included) ->
+    the float32 activation, rounded to OUT_DTYPE where activate_ref rounds (the caller rounds the
+    result once more when it stores it)."""
+    gate = gate.to(OUT_DTYPE).to(tl.float32)
+    up = up.to(OUT_DTYPE).to(tl.float32)
+    if ACTIVATION == 0:
+        return (gate / (1.0 + tl.exp(-gate))).to(OUT_DTYPE).to(tl.float32) * up
+    gate = tl.minimum(gate, SWIGLU_LIMIT)
+    up = tl.minimum(tl.maximum(up, -SWIGLU_LIMIT), SWIGLU_LIMIT)
+    return (up + 1.0) * gate / (1.0 + tl.exp(-1.702 * gate))  # SWIGLU_ALPHA
+
+
+@jit
 def _expert_activation_kernel(h_ptr, out_ptr, row_expert_ptr, bias_ptr, inter, stride_h, stride_o, stride_b,
                               HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, SWIGLU_LIMIT: tl.constexpr,
                               BLOCK: tl.constexpr):
@@ -82,14 +96,8 @@ def _expert_activation_kernel(h_ptr, out_ptr, row_expert_ptr, bias_ptr, inter, s
         bias_row = bias_ptr + tl.load(row_expert_ptr + row).to(tl.int64) * stride_b
         gate = (gate.to(tl.float32) + tl.load(bias_row + cols, mask=ok, other=0.0).to(tl.float32)).to(gate.dtype)
         up = (up.to(tl.float32) + tl.load(bias_row + inter + cols, mask=ok, other=0.0).to(tl.float32)).to(up.dtype)
-    gate = gate.to(tl.float32)
-    up = up.to(tl.float32)
-    if ACTIVATION == 0:
-        act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32) * up
-    else:
-        gate = tl.minimum(gate, SWIGLU_LIMIT)
-        up = tl.minimum(tl.maximum(up, -SWIGLU_LIMIT), SWIGLU_LIMIT)
-        act = (up + 1.0) * gate / (1.0 + tl.exp(-1.702 * gate))  # SWIGLU_ALPHA
+    act = gated_activation(gate.to(tl.float32), up.to(tl.float32), out_ptr.dtype.element_ty, ACTIVATION,
+                           SWIGLU_LIMIT)
     tl.store(out_ptr + row * stride_o + cols, act.to(out_ptr.dtype.element_ty), mask=ok)
 
 

@@ -409,3 +409,4 @@ def test_every_batch_size_of_qwen3_30b_a3b_experts(num_tokens):
     logits = torch.randn(num_tokens, 128, device="cuda", generator=gen).bfloat16()
     expected = fused_moe_ref(x, gate_up, down, *route_tokens_ref(logits, 8, True))
     assert relative_error(moe_forward(x, logits, gate_up, down, 8, True), expected) < TOLERANCE[torch.bfloat16]
+
