@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.fp8 import quantize_weight
+from kernels.fp8 import FP8_DTYPE, quantize_weight
+from kernels.fp8_block import quantize_blocks
 
 
 # Gemma-3-12B (google/gemma-3-12b-pt text model): five sliding-window layers (1024 tokens, local
@@ -42,14 +43,12 @@ def materialize_random_weights(model: torch.nn.Module, device: torch.device, see
         if getattr(owner, "weight_only", None) is not None and not name.endswith((".bias", "router.weight")):
             _random_integer_weights(name, param, owner.weight_only.bits, generator)
             continue
-        if name.endswith(".weight_scale"):
-            continue  # set with its FP8 weight
-        if name.endswith(".weight") and getattr(owner, "weight_scale", None) is not None:
-            # An FP8 linear layer: random weights in float32, quantized per output channel.
-            full = torch.empty(param.shape, dtype=torch.float32, device=device).normal_(0.0, 0.02, generator=generator)
-            quantized, scale = quantize_weight(full)
-            param.copy_(quantized)
-            owner.weight_scale.copy_(scale)
+        if name.endswith("_scale") and param.dtype == torch.float32:
+            continue  # set with its FP8 weight (a Linear's weight_scale, an expert block's *_scale)
+        if param.dtype == FP8_DTYPE:
+            leaf = name.rsplit(".", 1)[-1]
+            _random_fp8_weights(param, getattr(owner, "weight_scale" if leaf == "weight" else leaf + "_scale"),
+                                generator)
         elif "norm" in name.rsplit(".", 2)[-2]:
             param.fill_(1.0)
         elif name.endswith(".bias"):
@@ -57,6 +56,20 @@ def materialize_random_weights(model: torch.nn.Module, device: torch.device, see
         else:
             param.normal_(0.0, 0.02, generator=generator)
     return model
+
+
+def _random_fp8_weights(param: torch.Tensor, scale: torch.Tensor, generator: torch.Generator) -> None:
+    """An FP8 weight (a Linear's (N, K) or an expert block's (E, N, K)): N(0, 0.02) in float32,
+    quantized as engine.build quantizes, per output channel (scale (..., N)) or per 128 x 128
+    block (scale (..., ceil(N / 128), ceil(K / 128))); one expert at a time, so the float32
+    copy stays one expert's size."""
+    per_block = scale.dim() == param.dim()
+    for index in range(param.shape[0]) if param.dim() == 3 else [None]:
+        target = param if index is None else param[index]
+        full = torch.empty(target.shape, dtype=torch.float32, device=param.device).normal_(0.0, 0.02, generator=generator)
+        quantized, values = quantize_blocks(full) if per_block else quantize_weight(full)
+        target.copy_(quantized)
+        (scale if index is None else scale[index]).copy_(values)
 
 
 def _random_integer_weights(name: str, param: torch.Tensor, bits: int, generator: torch.Generator) -> None:

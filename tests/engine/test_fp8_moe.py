@@ -119,3 +119,25 @@ def test_fp8_moe_engine_on_cuda_with_decode_graphs(engines, quantization, tmp_pa
     got = torch.stack(rows)
     assert ((got - reference).norm() / reference.norm()).item() < 0.12
     assert ((other[0].float().cpu() - reference[:9]).norm() / reference[:9].norm()).item() < 0.12
+
+
+@pytest.mark.parametrize("quantization", ["fp8", "fp8_block"])
+def test_random_weight_engines_hold_valid_fp8_experts(quantization):
+    """Benchmark engines (config only, weights made at load): FP8 experts and linears quantized from
+    N(0, 0.02) per channel or per block, so they dequantize to weights of that spread."""
+    from engine.convert import model_config_from_hf
+    from engine.executor.random_weights import materialize_random_weights
+    from engine.models.moe import MoeForCausalLM
+    from kernels.fp8_block import dequantize_blocks
+
+    cfg = model_config_from_hf(moe_of_trained_scale("qwen3_moe").config)
+    model = materialize_random_weights(MoeForCausalLM(cfg, device="meta", quantization=quantization),
+                                       torch.device("cpu"), seed=0)
+    moe = model.layers[0].moe
+    qkv = model.layers[0].qkv_proj
+    for weight, scale in ((moe.gate_up_proj, moe.gate_up_proj_scale), (moe.down_proj, moe.down_proj_scale),
+                          (qkv.weight, qkv.weight_scale)):
+        assert weight.dtype == FP8_DTYPE and (scale > 0).all()
+        values = (dequantize_blocks(weight, scale) if quantization == "fp8_block"
+                  else weight.float() * scale.unsqueeze(-1))
+        assert 0.017 < values.std().item() < 0.023
