@@ -198,6 +198,19 @@ def model_dtype_tiling(num_assignments: int, num_experts: int) -> tuple[int, dic
     raise AssertionError("the table ends with a catch-all row")
 
 
+def warm_up_token_counts(num_experts: int, top_k: int, max_tokens: int) -> list[int]:
+    """Token counts at which a forward over routed experts takes each of its variants, here and in
+    the other expert kernels that share this file's routing and alignment: one token; the
+    one-program and the parallel alignment; each block size of MODEL_DTYPE_TILINGS and of
+    choose_block_m; the sorted-rows grouped GEMMs (GROUPED_MM_MIN_ROWS_PER_EXPERT); FP8's grouped
+    GEMM from 16,384 assignments. Those above ``max_tokens`` (no forward gets them) are left out.
+    A warm-up runs each once, so no request waits for a kernel to compile."""
+    counts = {1, 2, -(-ALIGN_KERNEL_MAX_ASSIGNMENTS // top_k) + 1, -(-16384 // top_k)}
+    rows_per_expert = (1, 9, 17, 25, 65, GROUPED_MM_MIN_ROWS_PER_EXPERT + 1)
+    counts |= {-(-rows * num_experts // top_k) for rows in rows_per_expert}
+    return sorted(count for count in counts if count <= max_tokens)
+
+
 def _grouped_gemm(a, w, out, blocks, topk_ids, topk_weights, *, n: int, top_k: int, rows_per_token: bool,
                   gated: bool, mul_weight: bool, block_m: int, config: dict,
                   router_logits: torch.Tensor | None = None, renormalize: bool = False,

@@ -278,7 +278,7 @@ class ModelRunner:
         run_warmup_batch(self.model, self.kv_cache, self.tokens_per_block)
         warm_up_kernels = getattr(self.model, "warm_up_kernels", None)
         if warm_up_kernels is not None:  # kernels whose variants depend on the batch (the MoE block sizes)
-            warm_up_kernels()
+            warm_up_kernels(self.build_config.max_num_tokens)
 
     @property
     def num_kv_blocks(self) -> int:

@@ -34,7 +34,7 @@ from engine.config import ModelConfig
 from engine.models.layers import Linear, RowParallelLinear, qkv_heads, tp_all_reduce
 from engine.models.llama import LlamaForCausalLM, LlamaLayer
 from kernels.attention_metadata import AttentionMetadata
-from kernels.fused_moe import ALIGN_KERNEL_MAX_ASSIGNMENTS, moe_forward
+from kernels.fused_moe import moe_forward, warm_up_token_counts
 from kernels.rope_attention import rope_paged_attention
 
 
@@ -113,14 +113,11 @@ class GptOssForCausalLM(LlamaForCausalLM):
             layer.moe.adds_down_bias = tp_rank == 0
 
     @torch.inference_mode()
-    def warm_up_kernels(self) -> None:
-        """Compile the fused-MoE kernels (biases, clamped SwiGLU) for every variant a forward may
-        pick, as MoeForCausalLM.warm_up_kernels does: the first layer's experts on zeros, without
-        the all-reduce (ranks may warm up apart)."""
+    def warm_up_kernels(self, max_tokens: int = 8192) -> None:
+        """Compile the fused-MoE kernels (biases, clamped SwiGLU) for every variant a forward of at
+        most ``max_tokens`` may pick, as MoeForCausalLM.warm_up_kernels does: the first layer's
+        experts on zeros, without the all-reduce (ranks may warm up apart)."""
         block = self.layers[0].moe
-        experts, top_k = block.router.out_features, block.top_k
-        counts = {1, 2, -(-ALIGN_KERNEL_MAX_ASSIGNMENTS // top_k) + 1}
-        counts |= {-(-n * experts // top_k) for n in (1, 17, 65)}  # rows per expert where block sizes 16, 32, 64 win
-        for num_tokens in sorted(counts):
+        for num_tokens in warm_up_token_counts(block.router.out_features, block.top_k, max_tokens):
             block.routed(torch.zeros(num_tokens, block.router.in_features, dtype=block.router.weight.dtype,
                                      device=block.router.weight.device))

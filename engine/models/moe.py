@@ -42,7 +42,7 @@ from engine.models.layers import Linear, LinearQuantization, tp_all_reduce
 from engine.models.llama import LlamaForCausalLM, LlamaLayer
 from kernels.fp8 import FP8_DTYPE
 from kernels.fp8_block import blocks
-from kernels.fused_moe import ALIGN_KERNEL_MAX_ASSIGNMENTS, moe_forward
+from kernels.fused_moe import moe_forward, warm_up_token_counts
 from kernels.fused_moe_fp8 import moe_forward_fp8
 from kernels.fused_moe_wna16 import WNA16Experts, moe_forward_wna16, prepare_wna16_experts
 from kernels.wna16 import stored_columns
@@ -149,18 +149,14 @@ class MoeForCausalLM(LlamaForCausalLM):
                          max_positions=max_positions, quantization=quantization)
 
     @torch.inference_mode()
-    def warm_up_kernels(self) -> None:
-        """Compile the fused-MoE kernels for every variant a forward may pick (one token; block
-        sizes 16, 32 and 64; the align kernel and the torch-ops alignment), so the first long
-        prefill does not compile them in a request's time. The experts of the first sparse
+    def warm_up_kernels(self, max_tokens: int = 8192) -> None:
+        """Compile the fused-MoE kernels for every variant a forward of at most ``max_tokens`` may
+        pick (kernels.fused_moe.warm_up_token_counts), so the first long prefill does not compile
+        them in a request's time. The experts of the first sparse
         layer run on zeros, without the all-reduce (no collective: ranks may warm up apart)."""
         block = next((layer.moe for layer in self.layers if layer.moe is not None), None)
         if block is None:
             return
-        experts, top_k = block.router.out_features, block.top_k
-        per_expert = (1, 17, 65)  # average rows per expert where choose_block_m picks 16, 32, 64
-        counts = {1, 2, -(-ALIGN_KERNEL_MAX_ASSIGNMENTS // top_k) + 1}
-        counts |= {-(-n * experts // top_k) for n in per_expert}
-        for num_tokens in sorted(counts):
+        for num_tokens in warm_up_token_counts(block.router.out_features, block.top_k, max_tokens):
             x = torch.zeros(num_tokens, block.router.in_features, dtype=block.dtype, device=block.router.weight.device)
             block.routed_experts(x, block.router(x))
