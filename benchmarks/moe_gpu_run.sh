@@ -1,0 +1,20 @@
+#!/bin/bash
+# Issue 31's GPU figures in one lease: Qwen3-30B-A3B shape in bf16, FP8 per channel and FP8 per
+# 128 x 128 block; gpt-oss-20b shape; the expert kernels alone. Writes JSON and logs under $1.
+#   bash benchmarks/moe_gpu_run.sh OUT_DIR
+set -u
+out=${1:-/tmp/moe_gpu_run}
+mkdir -p "$out"
+cd "$(dirname "$0")"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+common="--model qwen3_30b_a3b --max-batch-size 512 --sections bandwidth,decode,offline --offline 128x128x1024"
+for quant in none fp8 fp8_block; do
+  flag=$([ "$quant" = none ] || echo "--quantization $quant")
+  timeout 150 python engine_bench.py $common $flag --out "$out/qwen3_$quant.json" > "$out/qwen3_$quant.log" 2>&1
+  grep -E "^\| (batch-1|offline|\.\.\.|executor|decode roofline)" "$out/qwen3_$quant.log"
+done
+timeout 150 python engine_bench.py --model gpt_oss_20b --max-batch-size 512 --sections bandwidth,decode,offline \
+  --offline 128x128x1024 --out "$out/gpt_oss.json" > "$out/gpt_oss.log" 2>&1
+grep -E "^\| (batch-1|offline|\.\.\.|executor|decode roofline)" "$out/gpt_oss.log"
+timeout 90 python moe_kernel_bench.py --stages --tokens 1 8 64 512 2048 8192 > "$out/moe_kernels.log" 2>&1
+cat "$out/moe_kernels.log"
