@@ -14,7 +14,9 @@ per-output-channel scales (kernels/fp8.py); ``fp8_block`` with one scale per 128
 (kernels/fp8_block.py), the scheme block-FP8 checkpoints build with, their codes and scales kept.
 ``--quantization int8_wo / int4_wo / int4_awq`` stores them as integer codes
 with per-group scales and zeros (kernels/wna16.py; engine/weight_only/), as do checkpoints that ship
-AWQ, GPTQ or compressed-tensors integer weights (their codes are kept as they are).
+AWQ, GPTQ or compressed-tensors integer weights (their codes are kept as they are). A checkpoint
+with MXFP4 experts (gpt-oss) keeps them as MXFP4 codes and scales (engine/mxfp4.py);
+``--mxfp4_experts widen`` widens them to --dtype instead.
 """
 from __future__ import annotations
 
@@ -48,7 +50,7 @@ from engine.convert import (
 )
 from engine.fp8_checkpoint import dequantizing_getter, fp8_checkpoint_strategy, rank_block_scales, rank_row_scales
 from engine.models import MODEL_FAMILIES, get_family, get_model_class
-from engine.mxfp4 import is_mxfp4_checkpoint, widen_mxfp4_checkpoint
+from engine.mxfp4 import MXFP4_EXPERTS, is_mxfp4_checkpoint, mxfp4_checkpoint
 from engine.weight_only.checkpoint_formats import QuantizedLinearReader, checkpoint_weight_quant
 from engine.weight_only.convert import (CheckpointStandIns, build_time_quantize, checkpoint_integer_weights,
                                        resolve_group_size)
@@ -245,7 +247,7 @@ def load_hf_dir(path: str):
 
 
 def build_engine(checkpoint: str, output_dir: str, build: BuildConfig, *, progress: bool = True,
-                 calibration_tokens: int = 512) -> EngineConfig:
+                 calibration_tokens: int = 512, mxfp4_experts: str = "keep") -> EngineConfig:
     """Build ``output_dir`` from a HF directory or a ``.gguf`` file."""
     build.validate()
     if os.path.isfile(checkpoint) and checkpoint.endswith(".gguf"):
@@ -259,21 +261,23 @@ def build_engine(checkpoint: str, output_dir: str, build: BuildConfig, *, progre
             "allowed inputs: a HF directory with config.json + *.safetensors, or a .gguf file"
         )
     return build_from_hf(hf_config, get, tokenizer, output_dir, build, source=checkpoint, progress=progress,
-                         calibration_tokens=calibration_tokens)
+                         calibration_tokens=calibration_tokens, mxfp4_experts=mxfp4_experts)
 
 
 def build_from_hf(hf_config, get: TensorGetter, tokenizer, output_dir: str, build: BuildConfig, *,
-                  source: str = "", progress: bool = True, calibration_tokens: int = 512) -> EngineConfig:
+                  source: str = "", progress: bool = True, calibration_tokens: int = 512,
+                  mxfp4_experts: str = "keep") -> EngineConfig:
     """Build from an already-loaded HF config + tensor getter (lets callers reuse a loaded model).
-    ``calibration_tokens``: tokens of the built-in text ``int4_awq`` calibrates on."""
+    ``calibration_tokens``: tokens of the built-in text ``int4_awq`` calibrates on. ``mxfp4_experts``:
+    an MXFP4 checkpoint's experts kept as MXFP4 ("keep") or widened to --dtype ("widen")."""
     model = model_config_from_hf(hf_config)
     get = language_model_getter(hf_config, get)  # a multimodal checkpoint: its language model's tensors
     check_tp_divides(model, build.tp_size)
     build = resolve_build_limits(build, model)
     extra = {"source": os.path.abspath(source) if source else "", "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    if is_mxfp4_checkpoint(hf_config):  # gpt-oss's experts: widened to bfloat16, exactly (engine/mxfp4.py)
-        hf_config, get = widen_mxfp4_checkpoint(hf_config, get, model.architecture)
-        extra["source_quantization"] = "mxfp4 experts, widened at build"
+    if is_mxfp4_checkpoint(hf_config):  # gpt-oss's experts: kept as MXFP4, or widened exactly (engine/mxfp4.py)
+        hf_config, get, model, extra["source_quantization"] = mxfp4_checkpoint(hf_config, get, model, build.tp_size,
+                                                                               mxfp4_experts)
     fp8_source = integer_source = None
     integer_quant = checkpoint_weight_quant(hf_config)
     strategy = None if integer_quant is not None else fp8_checkpoint_strategy(hf_config)
@@ -404,6 +408,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "layer's width), per channel for int8")
     p.add_argument("--calib_tokens", type=int, default=512,
                    help="int4_awq: tokens of the built-in calibration text the scales are searched on")
+    p.add_argument("--mxfp4_experts", choices=MXFP4_EXPERTS, default="keep",
+                   help="a checkpoint with MXFP4 experts (gpt-oss): keep them as MXFP4 codes and scales "
+                        "(~4.25 bits a weight, kernels/fused_moe_mxfp4.py), or widen them to --dtype, exactly")
     p.add_argument("--kv_cache_dtype", choices=["auto", "fp8"], default="auto",
                    help="fp8: the paged KV pool in FP8 E4M3 (scale 1, saturating), half the bytes per block; "
                         "the tensorrt_llm model parameter kv_cache_dtype may override it")
@@ -420,7 +427,8 @@ def main(argv: list[str] | None = None) -> int:
         kv_cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
     )
     try:
-        build_engine(args.checkpoint, args.output, build, calibration_tokens=args.calib_tokens)
+        build_engine(args.checkpoint, args.output, build, calibration_tokens=args.calib_tokens,
+                     mxfp4_experts=args.mxfp4_experts)
     except (ConfigError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -81,7 +81,7 @@ def _from_known_fields(cls, data: dict[str, Any]):
 
 
 _OPTIONAL_WHEN_NONE = ("sliding_window", "layer_types", "query_pre_attn_scalar", "attn_logit_softcapping",
-                       "final_logit_softcapping", "rope_local_theta", "swiglu_limit")
+                       "final_logit_softcapping", "rope_local_theta", "swiglu_limit", "expert_quantization")
 
 
 @dataclass
@@ -156,6 +156,10 @@ class ModelConfig:
     # gpt-oss (engine/models/gpt_oss.py): its experts' clamped SwiGLU, gate clamped above and up on
     # both sides at this limit (kernels/moe_epilogue.py); None for the plain SwiGLU of other families.
     swiglu_limit: float | None = None
+    # gpt-oss: "mxfp4" when the experts stay as the checkpoint's MXFP4 codes and E8M0 scales
+    # (kernels/fused_moe_mxfp4.py; engine/mxfp4.py); None: experts in the model dtype. Left out of
+    # config.json when None, so an engine with MXFP4 experts is refused by readers that predate it.
+    expert_quantization: str | None = None
 
     def is_moe_layer(self, layer_index: int) -> bool:
         return (self.num_experts > 0 and layer_index not in self.mlp_only_layers
@@ -233,6 +237,10 @@ class ModelConfig:
                  f"{self.architecture} with q/k/v bias, partial rotary or layers without rope is not supported")
         _require(self.swiglu_limit is None or (isinstance(self.swiglu_limit, (int, float)) and self.swiglu_limit > 0),
                  f"swiglu_limit must be a positive number or null, got {self.swiglu_limit!r}")
+        _require(self.expert_quantization is None or (self.expert_quantization == "mxfp4"
+                                                      and self.architecture == "GptOssForCausalLM"),
+                 f"expert_quantization must be null, or 'mxfp4' for GptOssForCausalLM; got "
+                 f"{self.expert_quantization!r} for {self.architecture}")
 
     def _validate_rope_scaling_keys(self) -> None:
         """The keys each scaling's frequencies need (engine.convert fills them in from the HF config)."""

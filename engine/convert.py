@@ -17,7 +17,8 @@ the engine model declares (names in docs/INTERFACES.md):
 - gpt-oss's experts come as transformers holds them, (E, in, out) with gate and up interleaved
   columns (gate 0, up 0, gate 1, ...): they are transposed to the engine's (E, out, in) and split
   into [gate_r | up_r] rows per rank, their biases likewise (gpt_oss_rank_weights); MXFP4 experts
-  are widened first (engine/mxfp4.py).
+  are kept as their codes and scales (rows de-interleaved and split the same way, down's input
+  columns split on 32-value groups) or widened first (engine/mxfp4.py).
 """
 from __future__ import annotations
 
@@ -475,15 +476,33 @@ def gpt_oss_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size
         for kind in ("weight", "bias"):
             yield out + f"moe.router.{kind}", get(hf + f"mlp.router.{kind}")
         experts = hf + "mlp.experts."
-        gate_up = get(experts + "gate_up_proj").transpose(1, 2)  # (E, 2I, H), rows gate 0, up 0, gate 1, ...
-        bias = get(experts + "gate_up_proj_bias")  # (E, 2I), the same order
-        yield out + "moe.gate_up_proj", _gate_up_rows(gate_up, rank, tp_size)
+        if cfg.expert_quantization == "mxfp4":
+            yield from _mxfp4_experts(get, experts, out, rank, tp_size)
+        else:
+            gate_up = get(experts + "gate_up_proj").transpose(1, 2)  # (E, 2I, H), rows gate 0, up 0, gate 1, ...
+            yield out + "moe.gate_up_proj", _gate_up_rows(gate_up, rank, tp_size)
+            yield out + "moe.down_proj", shard(get(experts + "down_proj").transpose(1, 2), 2, rank, tp_size)
+        bias = get(experts + "gate_up_proj_bias")  # (E, 2I), gate and up alternating
         yield out + "moe.gate_up_bias", _gate_up_rows(bias, rank, tp_size)
-        yield out + "moe.down_proj", shard(get(experts + "down_proj").transpose(1, 2), 2, rank, tp_size)
         yield out + "moe.down_bias", get(experts + "down_proj_bias")
     yield "norm.weight", get("model.norm.weight")
     if not cfg.tie_word_embeddings:
         yield "lm_head.weight", shard(get("lm_head.weight"), 0, rank, tp_size)
+
+
+def _mxfp4_experts(get: TensorGetter, experts: str, out: str, rank: int, tp_size: int):
+    """A layer's MXFP4 experts for one rank, kept (engine/mxfp4.py serves ``_blocks`` as codes
+    (E, rows, K/2) and ``_scales`` (E, rows, K/32), rows = output features): gate_up's rows
+    de-interleaved into [gate_r | up_r], down's input columns split, bytes and scales alike (the
+    split falls on a 32-value group: keep_mxfp4_checkpoint checked)."""
+    for name in ("gate_up_proj", "down_proj"):
+        codes, scales = get(experts + name + "_blocks"), get(experts + name + "_scales")
+        if name == "gate_up_proj":
+            codes, scales = _gate_up_rows(codes, rank, tp_size), _gate_up_rows(scales, rank, tp_size)
+        else:
+            codes, scales = shard(codes, 2, rank, tp_size), shard(scales, 2, rank, tp_size)
+        yield out + f"moe.{name}", codes
+        yield out + f"moe.{name}_scale", scales
 
 
 def _gate_up_rows(interleaved: torch.Tensor, rank: int, tp_size: int) -> torch.Tensor:
@@ -518,7 +537,8 @@ def gpt2_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: i
 
 def iter_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: int,
                       dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield every engine tensor of ``rank``: fused, sharded, cast to ``dtype``, contiguous."""
+    """Yield every engine tensor of ``rank``: fused, sharded, cast to ``dtype`` (floating-point
+    tensors: kept MXFP4 codes and exponents stay uint8), contiguous."""
     check_tp_divides(cfg, tp_size)
     convert = gpt2_rank_weights if cfg.architecture == "GPT2LMHeadModel" else llama_rank_weights
     if cfg.architecture in GEMMA_ARCHITECTURES:
@@ -526,7 +546,7 @@ def iter_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: i
     if cfg.architecture in MOE_ARCHITECTURES:
         convert = gpt_oss_rank_weights if cfg.architecture == "GptOssForCausalLM" else moe_rank_weights
     for name, tensor in convert(get, cfg, rank, tp_size):
-        yield name, tensor.to(dtype).contiguous()
+        yield name, (tensor.to(dtype) if tensor.is_floating_point() else tensor).contiguous()
 
 
 def rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -22,8 +22,15 @@ alone passes ``down_bias`` to the kernel, and the layer's all-reduce brings it t
 Weights per rank of layer i (engine-directory names), beyond the Llama block's: ``qkv_proj.bias``,
 ``o_proj.bias``, ``sinks`` (heads_r,), ``moe.router.weight`` (E, H) and ``.bias`` (E,),
 ``moe.gate_up_proj`` (E, 2 * I_r, H) rows [gate_r | up_r], ``moe.gate_up_bias`` (E, 2 * I_r),
-``moe.down_proj`` (E, H, I_r), ``moe.down_bias`` (E, H) replicated. An MXFP4 checkpoint's experts
-are widened to the model dtype at build (engine/mxfp4.py).
+``moe.down_proj`` (E, H, I_r), ``moe.down_bias`` (E, H) replicated.
+
+MXFP4 experts (``config.expert_quantization == "mxfp4"``, an MXFP4 checkpoint built with
+``--mxfp4_experts keep``, the default; engine/mxfp4.py): ``moe.gate_up_proj`` uint8 (E, 2 * I_r, H/2),
+two E2M1 codes a byte (value 2j low nibble), with ``moe.gate_up_proj_scale`` uint8 (E, 2 * I_r, H/32)
+E8M0 exponents, and ``moe.down_proj`` (E, H, I_r/2) with ``moe.down_proj_scale`` (E, H, I_r/32);
+the biases as above. kernels/fused_moe_mxfp4.py multiplies them (laid out for its kernels once,
+``prepare_weights``), so gpt-oss-20b's weights take ~14 GB instead of ~42. Built with
+``--mxfp4_experts widen``, the experts are in the model dtype, exactly the same values.
 """
 from __future__ import annotations
 
@@ -35,6 +42,7 @@ from engine.models.layers import Linear, RowParallelLinear, qkv_heads, tp_all_re
 from engine.models.llama import LlamaForCausalLM, LlamaLayer
 from kernels.attention_metadata import AttentionMetadata
 from kernels.fused_moe import moe_forward, warm_up_token_counts
+from kernels.fused_moe_mxfp4 import MXFP4Experts, moe_forward_mxfp4, prepare_mxfp4_experts
 from kernels.rope_attention import rope_paged_attention
 
 
@@ -52,18 +60,43 @@ class GptOssExperts(nn.Module):
         self.top_k = config.num_experts_per_tok
         self.swiglu_limit = config.swiglu_limit
         self.tp_group = tp_group
+        self.dtype = dtype
         self.adds_down_bias = True  # rank 0 only (module docstring); set by GptOssForCausalLM
+        self.mxfp4 = config.expert_quantization == "mxfp4"
+        self.experts: tuple[MXFP4Experts, MXFP4Experts] | None = None  # prepare_weights(): (gate_up, down)
         self.router = Linear(hidden, experts, bias=True, dtype=dtype, device=device)
-        self.gate_up_proj = _parameter(experts, 2 * inter_local, hidden, dtype=dtype, device=device)
+        for name, (rows, cols) in {"gate_up_proj": (2 * inter_local, hidden), "down_proj": (hidden, inter_local)}.items():
+            if not self.mxfp4:
+                setattr(self, name, _parameter(experts, rows, cols, dtype=dtype, device=device))
+                continue
+            if cols % 32:
+                raise ValueError(f"MXFP4 experts of {cols} input columns a rank (tp_size {tp_size}) cut a 32-value "
+                                 "scale group")
+            setattr(self, name, _parameter(experts, rows, cols // 2, dtype=torch.uint8, device=device))
+            setattr(self, name + "_scale", _parameter(experts, rows, cols // 32, dtype=torch.uint8, device=device))
         self.gate_up_bias = _parameter(experts, 2 * inter_local, dtype=dtype, device=device)
-        self.down_proj = _parameter(experts, hidden, inter_local, dtype=dtype, device=device)
         self.down_bias = _parameter(experts, hidden, dtype=dtype, device=device)
+
+    @torch.no_grad()
+    def prepare_weights(self) -> None:
+        """MXFP4 experts -> the kernels' layout (kernels/fused_moe_mxfp4.py; on CPU widened to the
+        model dtype); the stored tensors are then released on CUDA. A no-op for model-dtype experts."""
+        if not self.mxfp4 or self.experts is not None:
+            return
+        self.experts = tuple(prepare_mxfp4_experts(getattr(self, name), getattr(self, name + "_scale"), self.dtype)
+                             for name in ("gate_up_proj", "down_proj"))
+        if self.gate_up_proj.is_cuda:
+            for name in ("gate_up_proj", "gate_up_proj_scale", "down_proj", "down_proj_scale"):
+                setattr(self, name, nn.Parameter(getattr(self, name).new_empty(0), requires_grad=False))
 
     def routed(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum of the chosen experts' outputs (num_tokens, hidden)."""
-        return moe_forward(x, self.router(x), self.gate_up_proj, self.down_proj, self.top_k, True,
-                           gate_up_bias=self.gate_up_bias, down_bias=self.down_bias if self.adds_down_bias else None,
-                           activation="swiglu_clamped", swiglu_limit=self.swiglu_limit)
+        epilogue = dict(gate_up_bias=self.gate_up_bias, down_bias=self.down_bias if self.adds_down_bias else None,
+                        activation="swiglu_clamped", swiglu_limit=self.swiglu_limit)
+        if self.mxfp4:
+            self.prepare_weights()
+            return moe_forward_mxfp4(x, self.router(x), *self.experts, self.top_k, True, **epilogue)
+        return moe_forward(x, self.router(x), self.gate_up_proj, self.down_proj, self.top_k, True, **epilogue)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.routed(x)
@@ -95,7 +128,8 @@ class GptOssLayer(LlamaLayer):
 
 
 class GptOssForCausalLM(LlamaForCausalLM):
-    """gpt-oss for one tensor-parallel rank; weights in the model dtype (no FP8 or integer schemes)."""
+    """gpt-oss for one tensor-parallel rank; weights in the model dtype (no FP8 or integer schemes),
+    the experts in MXFP4 when ``config.expert_quantization`` says so (module docstring)."""
 
     layer_class = GptOssLayer
     supports_prefill_graphs = False  # the routed experts' kernels are not checked in a mixed-step graph yet
@@ -106,11 +140,18 @@ class GptOssForCausalLM(LlamaForCausalLM):
                  quantization: str | None = None):
         if quantization is not None:
             raise ValueError(f"quantization {quantization!r} is not supported for GptOssForCausalLM; weights stay "
-                             "in the model dtype (MXFP4 checkpoints are widened at build)")
+                             "in the model dtype, the experts of MXFP4 checkpoints in MXFP4 (or widened at build)")
         super().__init__(config, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group, dtype=dtype, device=device,
                          max_positions=max_positions)
         for layer in self.layers:
             layer.moe.adds_down_bias = tp_rank == 0
+
+    def init_buffers(self, device: torch.device) -> None:
+        """The Llama model's buffers, and MXFP4 experts laid out for their kernels (once, after
+        loading: never inside a CUDA-graph capture)."""
+        super().init_buffers(device)
+        for layer in self.layers:
+            layer.moe.prepare_weights()
 
     @torch.inference_mode()
     def warm_up_kernels(self, max_tokens: int = 8192) -> None:

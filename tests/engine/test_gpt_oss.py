@@ -1,9 +1,11 @@
 """gpt-oss beyond the shared family tests (test_equivalence.py runs the tiny "gpt_oss" config of
 engine_testing: sinks, a window of 6 on alternate layers, yarn, biases, top-4 of 12 experts with a
 clamped SwiGLU, against transformers through the paged cache): checkpoints with MXFP4 experts as
-OpenAI ships them, the widening's exactness against transformers' own dequantization, malformed
-MXFP4 tensors refused by name, the config mapping, two gloo ranks, and the harmony chat template
-carried into the engine directory.
+OpenAI ships them, built keeping the experts in MXFP4 (the default) or widening them, against
+transformers and against each other; the kept engine's bytes are the checkpoint's, the widening's
+exactness against transformers' own dequantization, malformed MXFP4 tensors and scale-group-cutting
+splits refused by name, gpt-oss-20b's weight bytes either way, the config mapping, two gloo ranks,
+and the harmony chat template carried into the engine directory.
 """
 from __future__ import annotations
 
@@ -14,11 +16,13 @@ from safetensors.torch import load_file, save_file
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from engine.build import main
-from engine.config import ConfigError, EngineConfig
+from engine.config import ConfigError, EngineConfig, ModelConfig
 from engine.convert import CheckpointError, getter_from_state_dict, model_config_from_hf
 from engine.executor.runner import ModelRunner
-from engine.mxfp4 import dequantize_mxfp4, mxfp4_getter, widen_mxfp4_checkpoint
-from engine_testing import PagedSession, VOCAB, assert_tp2_matches_tp1, hf_logits, make_engine, random_tokens, tiny_hf
+from engine.models import get_model_class
+from engine.mxfp4 import dequantize_mxfp4, mxfp4_getter, mxfp4_keeping_getter, widen_mxfp4_checkpoint
+from engine_testing import (PagedSession, VOCAB, assert_tp2_engines_match_tp1, assert_tp2_matches_tp1, hf_logits,
+                            make_engine, random_tokens, tiny_hf)
 from mxfp4_checkpoints import transformers_mxfp4_model, write_mxfp4_checkpoint
 
 EXPERTS = "model.layers.0.mlp.experts.gate_up_proj"
@@ -46,29 +50,124 @@ def test_other_swiglu_alpha_is_refused():
         model_config_from_hf(hf_config)
 
 
-def test_mxfp4_checkpoint_equals_transformers(mxfp4_checkpoint, tmp_path):
-    """`python -m engine.build` of a checkpoint with MXFP4 experts (float32 engine) against transformers
-    loading the same directory with Mxfp4Config(dequantize=True): a prompt past the window, then
-    decode steps through pages of 4, within 1e-4."""
-    engine = str(tmp_path / "engine")
-    assert main(["--checkpoint", mxfp4_checkpoint, "--output", engine, "--dtype", "float32",
-                 "--tokens_per_block", "4"]) == 0
-    assert EngineConfig.load(engine).extra["source_quantization"] == "mxfp4 experts, widened at build"
+def _build(checkpoint, engine, *args) -> str:
+    assert main(["--checkpoint", str(checkpoint), "--output", str(engine), *args]) == 0
+    return str(engine)
+
+
+def _session_logits(engine: str, sequence: list[int], *, device=None) -> torch.Tensor:
+    """A prompt past the window (14 tokens), then decode steps: every position's logits, on CPU."""
+    session = PagedSession(ModelRunner(engine, device=device) if device else ModelRunner(engine), num_blocks=16)
+    if device == "cuda":
+        session.runner.capture_cuda_graphs()
+    steps = session.step([(0, sequence[:14])]) + [session.step([(0, [token])])[0] for token in sequence[14:]]
+    return torch.cat(steps).cpu()
+
+
+@pytest.mark.parametrize("experts,described", [("keep", "mxfp4 experts, kept"),
+                                               ("widen", "mxfp4 experts, widened at build")])
+def test_mxfp4_checkpoint_equals_transformers(mxfp4_checkpoint, tmp_path, experts, described):
+    """`python -m engine.build` of a checkpoint with MXFP4 experts (float32 engine), its experts kept
+    as MXFP4 or widened, against transformers loading the same directory with
+    Mxfp4Config(dequantize=True): a prompt past the window, then decode steps through pages of 4,
+    within 1e-4."""
+    engine = _build(mxfp4_checkpoint, tmp_path / "engine", "--dtype", "float32", "--tokens_per_block", "4",
+                    "--mxfp4_experts", experts)
+    config = EngineConfig.load(engine)
+    assert config.extra["source_quantization"] == described
+    assert config.model.expert_quantization == ("mxfp4" if experts == "keep" else None)
     sequence = random_tokens(24, seed=5)
     expected = hf_logits(transformers_mxfp4_model(mxfp4_checkpoint), sequence)
-    session = PagedSession(ModelRunner(engine), num_blocks=16)
-    (prefill,) = session.step([(0, sequence[:14])])
-    assert (prefill - expected[:14]).abs().max().item() <= 1e-4
-    for pos in range(14, 24):
-        (decode,) = session.step([(0, [sequence[pos]])])
-        assert (decode - expected[pos:pos + 1]).abs().max().item() <= 1e-4
+    assert (_session_logits(engine, sequence) - expected).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("dtype,tolerance", [("float32", 1e-5), ("bfloat16", 2e-2)])
+def test_kept_mxfp4_experts_equal_the_widened_build(mxfp4_checkpoint, tmp_path, dtype, tolerance):
+    """The same weights either way (the kept experts widen exactly to what the widening build
+    stores), so the same logits up to the CPU GEMMs' accumulation, which may differ with the
+    operands' alignment (the widened experts are read from the rank file, the kept ones widened at
+    load): float32 within 1e-5, bf16 (logits O(1), ulp 2^-8) within 2e-2."""
+    sequence = random_tokens(20, seed=8)
+    engine = _build(mxfp4_checkpoint, tmp_path / "kept", "--dtype", dtype)
+    model = ModelRunner(engine).model
+    widened_engine = _build(mxfp4_checkpoint, tmp_path / "widened", "--dtype", dtype, "--mxfp4_experts", "widen")
+    widened_model = ModelRunner(widened_engine).model
+    for kept_layer, widened_layer in zip(model.layers, widened_model.layers):
+        assert torch.equal(kept_layer.moe.experts[0].dense, widened_layer.moe.gate_up_proj)
+        assert torch.equal(kept_layer.moe.experts[1].dense, widened_layer.moe.down_proj)
+    kept, widened = _session_logits(engine, sequence), _session_logits(widened_engine, sequence)
+    assert (kept - widened).abs().max().item() <= tolerance
+
+
+def test_kept_engine_holds_the_checkpoint_bytes(mxfp4_checkpoint, tmp_path):
+    """The engine's codes and exponents are the checkpoint's bytes, the rows de-interleaved into
+    [gate | up] (a copy, no re-encoding), beside the model-dtype biases."""
+    weights = load_file(f"{_build(mxfp4_checkpoint, tmp_path / 'engine', '--dtype', 'bfloat16')}/rank0.safetensors")
+    checkpoint = load_file(f"{mxfp4_checkpoint}/model.safetensors")
+    for i in range(2):
+        experts = f"model.layers.{i}.mlp.experts."
+        codes = checkpoint[experts + "gate_up_proj_blocks"].flatten(-2)  # (E, 2I, H/2), gate and up alternating
+        scales = checkpoint[experts + "gate_up_proj_scales"]
+        assert torch.equal(weights[f"layers.{i}.moe.gate_up_proj"], torch.cat([codes[:, 0::2], codes[:, 1::2]], 1))
+        assert torch.equal(weights[f"layers.{i}.moe.gate_up_proj_scale"], torch.cat([scales[:, 0::2], scales[:, 1::2]], 1))
+        assert torch.equal(weights[f"layers.{i}.moe.down_proj"], checkpoint[experts + "down_proj_blocks"].flatten(-2))
+        assert torch.equal(weights[f"layers.{i}.moe.down_proj_scale"], checkpoint[experts + "down_proj_scales"])
+        assert weights[f"layers.{i}.moe.down_proj"].dtype == torch.uint8
+        assert weights[f"layers.{i}.moe.gate_up_bias"].dtype == torch.bfloat16
+
+
+def test_kept_mxfp4_experts_on_two_gloo_ranks(tmp_path):
+    """Experts of width 64 split over two ranks (32 a rank: one scale group each): rank r holds
+    down's bytes [16r, 16r + 16) and exponent r of every row; TP 2 gives TP 1's logits."""
+    hf_config = tiny_hf("gpt_oss").config
+    hf_config.intermediate_size = 64
+    torch.manual_seed(3)
+    hf = transformers.GptOssForCausalLM(hf_config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_((1.0 if "norm" in name and name.endswith("weight") else 0.0) + 0.1 * torch.randn_like(p))
+    checkpoint = write_mxfp4_checkpoint(hf, tmp_path / "ckpt")
+    fp32 = ("--dtype", "float32")
+    engines = {"kept": (_build(checkpoint, tmp_path / "tp1", *fp32),
+                        _build(checkpoint, tmp_path / "tp2", *fp32, "--tp_size", "2"))}
+    rank1 = load_file(f"{engines['kept'][1]}/rank1.safetensors")
+    down = load_file(f"{checkpoint}/model.safetensors")["model.layers.0.mlp.experts.down_proj_blocks"].flatten(-2)
+    assert torch.equal(rank1["layers.0.moe.down_proj"], down[:, :, 16:])
+    assert_tp2_engines_match_tp1(engines, tmp_path)
+
+
+def test_a_split_that_cuts_a_scale_group_is_refused(mxfp4_checkpoint, tmp_path, capsys):
+    """Experts of width 32 at TP 2 would leave 16 values of a 32-value group on each rank: kept
+    MXFP4 is refused naming the numbers and the way out; widened, the same split builds."""
+    assert main(["--checkpoint", mxfp4_checkpoint, "--output", str(tmp_path / "e"), "--tp_size", "2"]) == 2
+    assert ("error: MXFP4 experts kept: tp_size 2 splits the experts' width (moe_intermediate_size 32) into slices "
+            "of 16, which cuts a scale group of 32 values" in capsys.readouterr().err)
+    assert main(["--checkpoint", mxfp4_checkpoint, "--output", str(tmp_path / "e"), "--tp_size", "2",
+                 "--mxfp4_experts", "widen"]) == 0
+
+
+def test_gpt_oss_20b_weight_bytes_kept_and_widened():
+    """gpt-oss-20b's shape in bf16 (meta device, no memory): ~13.8 GB with its experts in MXFP4
+    (4.25 bits a weight), ~41.8 GB widened."""
+    shape = dict(architecture="GptOssForCausalLM", vocab_size=201088, hidden_size=2880, num_layers=24, num_heads=64,
+                 num_kv_heads=8, head_dim=64, intermediate_size=2880, max_position_embeddings=131072, qkv_bias=True,
+                 num_experts=32, num_experts_per_tok=4, moe_intermediate_size=2880, swiglu_limit=7.0)
+    sizes = {}
+    for quantization in (None, "mxfp4"):
+        config = ModelConfig(**shape, expert_quantization=quantization).validate()
+        model = get_model_class(config.architecture)(config, dtype=torch.bfloat16, device="meta")
+        sizes[quantization] = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    expert_values = 24 * 32 * 3 * 2880 * 2880
+    assert sizes[None] - sizes["mxfp4"] == expert_values * 2 - expert_values * 17 // 32  # 16 bits -> 4.25
+    assert 13.5e9 < sizes["mxfp4"] < 14e9 and 41.5e9 < sizes[None] < 42e9
 
 
 def test_bf16_engine_holds_transformers_dequantized_experts_exactly(mxfp4_checkpoint, tmp_path):
-    """A bf16 build's experts equal, bit for bit, what transformers' bf16 dequantization holds
-    (transposed to (E, out, in), gate and up de-interleaved into [gate | up] rows)."""
+    """A bf16 build's widened experts equal, bit for bit, what transformers' bf16 dequantization
+    holds (transposed to (E, out, in), gate and up de-interleaved into [gate | up] rows)."""
     engine = str(tmp_path / "engine")
-    assert main(["--checkpoint", mxfp4_checkpoint, "--output", engine, "--dtype", "bfloat16"]) == 0
+    assert main(["--checkpoint", mxfp4_checkpoint, "--output", engine, "--dtype", "bfloat16",
+                 "--mxfp4_experts", "widen"]) == 0
     weights = load_file(f"{engine}/rank0.safetensors")
     reference = transformers_mxfp4_model(mxfp4_checkpoint, torch.bfloat16).model.layers
     for i, layer in enumerate(reference):
@@ -110,6 +209,16 @@ def test_malformed_mxfp4_tensors_are_refused_by_name(tensors, message):
     with pytest.raises(CheckpointError, match=message) as raised:
         get(EXPERTS)
     assert EXPERTS in str(raised.value)
+    if "_scales" in "".join(tensors) and message != "a value reaches 2\\^128":  # the same checks keeping them
+        with pytest.raises(CheckpointError, match=message):
+            mxfp4_keeping_getter(getter_from_state_dict(tensors, "ckpt"))(EXPERTS + "_blocks")
+
+
+def test_exponents_the_kernels_do_not_take_are_refused_when_kept():
+    tensors = _malformed(scales=torch.full((2, 4, 1), 241, dtype=torch.uint8))
+    with pytest.raises(CheckpointError, match=f"MXFP4 tensor {EXPERTS}: _scales up to 241; MXFP4 experts are kept "
+                                              "with exponents up to 240 .*: build with --mxfp4_experts widen"):
+        mxfp4_keeping_getter(getter_from_state_dict(tensors, "ckpt"))(EXPERTS + "_scales")
 
 
 def test_a_corrupt_mxfp4_checkpoint_fails_the_build_naming_the_tensor(mxfp4_checkpoint, tmp_path, capsys):
@@ -176,6 +285,29 @@ def test_engine_directory_carries_the_checkpoint_chat_template(tmp_path):
     assert (tmp_path / "engine" / "chat_template.jinja").read_text() == HARMONY_LIKE
     text = PromptBuilder(str(tmp_path / "engine")).render_chat([{"role": "user", "content": "w5 w6"}])
     assert text == "<|start|>user<|message|>w5 w6<|end|><|start|>assistant"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype,tolerance", [("float32", 1e-3), ("bfloat16", 0.15)])
+def test_kept_mxfp4_engine_on_cuda(mxfp4_checkpoint, tmp_path, dtype, tolerance):
+    """The MXFP4 kernels in an engine on CUDA (prefill through the FMA kernel, decode steps replayed
+    from CUDA graphs with the routing inside the launch, then a packed step of 41 tokens through the
+    grouped GEMM): float32 against transformers within 1e-3 as the model-dtype engine is; bf16
+    against the widened bf16 engine (the same weights) within bf16's roundings."""
+    sequence = random_tokens(20, seed=6)
+    engine = _build(mxfp4_checkpoint, tmp_path / "kept", "--dtype", dtype)
+    if dtype == "float32":
+        expected = hf_logits(transformers_mxfp4_model(mxfp4_checkpoint), sequence)
+    else:
+        expected = _session_logits(_build(mxfp4_checkpoint, tmp_path / "widened", "--dtype", dtype, "--mxfp4_experts",
+                                          "widen"), sequence, device="cuda")
+    assert (_session_logits(engine, sequence, device="cuda") - expected).abs().max().item() <= tolerance
+    session = PagedSession(ModelRunner(engine, device="cuda"), num_blocks=32)
+    other = random_tokens(40, seed=9)
+    outs = session.step([(1, other), (0, sequence[:1])])
+    reference = hf_logits(transformers_mxfp4_model(mxfp4_checkpoint), other)
+    assert (outs[0].cpu() - reference).abs().max().item() <= max(tolerance, 1e-3) * (1 if dtype == "float32" else 4)
 
 
 @pytest.mark.gpu
