@@ -43,7 +43,7 @@ import torch
 
 import engine.executor.runner as runner_module
 from engine.config import BuildConfig, EngineConfig, ModelConfig
-from engine.convert import iter_rank_weights
+from engine.convert import CheckpointError, iter_rank_weights
 from engine.tensor_parallel.distributed import make_runner, run_worker
 from engine.executor.overlap import placeholder
 from engine.executor.runner import ForwardBatch, ModelRunner
@@ -59,7 +59,8 @@ DECODE_BATCHES = (1, 8, 32)
 
 
 def hf_llama_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Hugging Face tensor name -> shape for a Llama-family checkpoint of ``cfg`` (no biases)."""
+    """Hugging Face tensor name -> shape for a Llama-family checkpoint of ``cfg`` (no biases; Qwen3's
+    q/k norms; a mixture of experts' router and stacked experts on its sparse layers)."""
     h, q, kv, inter = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
     shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,), "lm_head.weight": (cfg.vocab_size, h)}
     for i in range(cfg.num_layers):
@@ -68,9 +69,17 @@ def hf_llama_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
             p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
             p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter),
         })
+        if cfg.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (cfg.head_dim,), p + "self_attn.k_norm.weight": (cfg.head_dim,)})
+        if cfg.num_experts and cfg.is_moe_layer(i):  # transformers 5's stacked experts, [gate | up] rows
+            experts, expert_inter = cfg.num_experts, cfg.moe_intermediate_size
+            shapes.update({p + "mlp.gate.weight": (experts, h),
+                           p + "mlp.experts.gate_up_proj": (experts, 2 * expert_inter, h),
+                           p + "mlp.experts.down_proj": (experts, h, expert_inter)})
+        else:
+            shapes.update({p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+                           p + "mlp.down_proj.weight": (h, inter)})
     return shapes
 
 
@@ -83,6 +92,8 @@ def random_getter(cfg: ModelConfig, device: torch.device, seed: int):
     shapes = hf_llama_shapes(cfg)
 
     def get(name: str) -> torch.Tensor:
+        if name not in shapes:
+            raise CheckpointError(f"random checkpoint has no tensor {name!r}")
         shape = shapes[name]
         generator = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         values = torch.randn(shape, generator=generator, device=device, dtype=torch.float32)
@@ -90,7 +101,7 @@ def random_getter(cfg: ModelConfig, device: torch.device, seed: int):
             return 1.0 + 0.05 * values
         if name == "model.embed_tokens.weight":
             return values
-        scale = (4.0 if name == "lm_head.weight" else 1.0) / shape[1] ** 0.5
+        scale = (4.0 if name == "lm_head.weight" else 1.0) / shape[-1] ** 0.5
         return values * scale
 
     return get
