@@ -22,7 +22,8 @@ also the oracle of the kernel tests. Nothing waits on the host: the decode CUDA 
 Measured on an H200 (benchmarks/fp8_block_bench.py, Llama-3.1-8B's four projections of a layer,
 2026-11-26): 95.9 / 101.0 / 125.0 us at 1 / 16 / 64 rows against bf16's 113.5 / 115.3 / 123.7, but
 461 / 3,450 us at 512 / 4,096 rows against 293 / 2,313: prefill-size products are slower than bf16
-(the per-step scaling keeps the tensor cores' accumulator from running on). Quantizing the
+(the per-step scaling keeps the tensor cores' accumulator from running on), so from
+DEQUANTIZED_MIN_ROWS rows the weight is dequantized in one pass and multiplied by cuBLAS. Quantizing the
 activation tiles inside the GEMM instead of the quantize launch measured slower at every size
 (150 us at 1 row, 7,298 at 4,096), so it is not kept.
 """
@@ -192,9 +193,40 @@ def fp8_block_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale:
     return out.reshape(*x.shape[:-1], n)
 
 
+@jit
+def _dequantize_blocks_kernel(w_ptr, scale_ptr, out_ptr, N, K, stride_w, stride_s, stride_o, BLOCK_N: tl.constexpr):
+    """Program (row tile, 128-column block): weight * its block's scale, in out's dtype."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = (rows < N)[:, None] & (cols < K)[None, :]
+    scale = tl.load(scale_ptr + (rows // BLOCK)[:, None] * stride_s + tl.program_id(1), mask=(rows < N)[:, None])
+    w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_w + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_o + cols[None, :], (w * scale).to(out_ptr.dtype.element_ty),
+             mask=ok)
+
+
+def dequantize_blocks_triton(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """dequantize_blocks of a 2-D weight in one pass (read E4M3, write ``dtype``)."""
+    n, k = weight.shape
+    out = torch.empty(n, k, dtype=dtype, device=weight.device)
+    _dequantize_blocks_kernel[(triton.cdiv(n, 32), blocks(k))](weight, scale, out, n, k, weight.stride(0),
+                                                               scale.stride(0), out.stride(0), BLOCK_N=32, num_warps=4)
+    return out
+
+
+# Rows from which fp8_block_linear dequantizes the weight for cuBLAS instead of running the block
+# GEMM: from the H200 figures in the module docstring, writing Llama-8B's four projections of a
+# layer in bf16 costs ~140 us (654 MB), against the block GEMM's 168 us deficit at 512 rows and
+# ~1,100 at 4,096. Those rows then keep their activations unquantized (more exact, not less).
+DEQUANTIZED_MIN_ROWS = 512
+
+
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                      bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (..., K) @ the block-dequantized weight (N, K).T (+ bias): Triton on CUDA, else the reference."""
+    """x (..., K) @ the block-dequantized weight (N, K).T (+ bias): Triton on CUDA (the block GEMM;
+    from DEQUANTIZED_MIN_ROWS rows the weight dequantized for cuBLAS), else the reference."""
     if use_triton(x) and x.stride(-1) == 1:
+        if x.numel() // x.shape[-1] >= DEQUANTIZED_MIN_ROWS and x.dtype in (torch.bfloat16, torch.float16):
+            return F.linear(x, dequantize_blocks_triton(weight, weight_scale, x.dtype), bias)
         return fp8_block_linear_triton(x, weight, weight_scale, bias)
     return fp8_block_linear_ref(x, weight, weight_scale, bias)

@@ -92,6 +92,30 @@ def test_kernel_equals_reference(device, rows, n, k):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(256, 384), (300, 320)])
+def test_dequantize_kernel_equals_reference(device, n, k):
+    """The prefill-size path's one-pass dequantization: exactly dequantize_blocks, rounded once."""
+    from kernels.fp8_block import dequantize_blocks, dequantize_blocks_triton
+
+    w_q, w_scale = quantize_blocks(randn(n, k, seed=9, scale=k**-0.5))
+    # bf16 on CUDA only: the interpreter truncates float32 -> bf16 instead of rounding.
+    for dtype in (torch.bfloat16, torch.float32) if device == "cuda" else (torch.float32,):
+        out = dequantize_blocks_triton(w_q.to(device), w_scale.to(device), dtype)
+        assert torch.equal(out.cpu(), dequantize_blocks(w_q, w_scale, dtype))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLAS on prefill-size rows: GPU only")
+def test_prefill_rows_take_the_dequantized_weight():
+    from kernels.fp8_block import DEQUANTIZED_MIN_ROWS, fp8_block_linear
+
+    w_q, w_scale = quantize_blocks(randn(300, 320, seed=10, scale=320**-0.5))
+    x = randn(DEQUANTIZED_MIN_ROWS + 3, 320, seed=11).bfloat16()
+    expected = x.float() @ dequantize_blocks(w_q, w_scale).T
+    out = fp8_block_linear(x.cuda(), w_q.cuda(), w_scale.cuda())
+    assert relative_error(out, expected) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the interpreter's E4M3 conversion is wrong (docstring)")
 def test_group_quantizer_equals_the_reference(device):
     from kernels.fp8_block import quantize_groups_triton
