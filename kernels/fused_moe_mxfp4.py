@@ -61,7 +61,7 @@ import torch
 
 from kernels._triton import jit, tl, triton, use_triton
 from kernels.fused_moe import block_rows, choose_block_m, fused_moe, fused_moe_ref, moe_align, moe_forward, \
-    route_tokens, store_rows
+    route_tokens, store_rows, warm_up_token_counts
 from kernels.moe_epilogue import ACTIVATIONS, PLAIN_SILU, ExpertEpilogue
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -286,12 +286,15 @@ def _mxfp4_grouped_gemm_kernel(
 
 def mxfp4_gemm_config(block_m: int) -> dict:
     """The grouped GEMM's tiles by block_m: BLOCK_K in bytes a row (2 BLOCK_K columns a step);
-    SWAP_AB (the widened tile from registers) for prefill blocks, as kernels/fused_moe_wna16.py."""
+    SWAP_AB (the widened tile from registers) for prefill blocks, as kernels/fused_moe_wna16.py.
+    From benchmarks/moe_mxfp4_bench.py --sweep on an H200 (gpt-oss-20b's experts, 2026-11-26): blocks
+    of 16, (64, 32) tiles: 8 tokens 280 us against 298-328 with the others, 64 tokens 405 against
+    450-478; blocks of 32 and 64 swapped (64, 32): 512 tokens 965 us against 1,101-1,670, 2,048
+    tokens 2,162 against 2,808-3,548 (one scale group a step: two groups' select costs more than the
+    longer loop saves)."""
     if block_m <= 16:
-        return {"BLOCK_N": 32, "BLOCK_K": 64, "SWAP_AB": False, "num_warps": 4, "num_stages": 4}
-    if block_m <= 32:
-        return {"BLOCK_N": 64, "BLOCK_K": 64, "SWAP_AB": True, "num_warps": 4, "num_stages": 4}
-    return {"BLOCK_N": 128, "BLOCK_K": 64, "SWAP_AB": True, "num_warps": 8, "num_stages": 3}
+        return {"BLOCK_N": 64, "BLOCK_K": 32, "SWAP_AB": False, "num_warps": 4, "num_stages": 4}
+    return {"BLOCK_N": 64, "BLOCK_K": 32, "SWAP_AB": True, "num_warps": 4, "num_stages": 4}
 
 
 def _bias_args(bias: torch.Tensor | None, fallback: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -404,14 +407,19 @@ def _mxfp4_fma_kernel(
                stride_be, N, GATED, MUL_WEIGHT, HAS_BIAS, ACTIVATION, SWIGLU_LIMIT)
 
 
-# FMA kernel tiles (BLOCK_N rows, groups a step, warps) of gate_up and down.
-FMA_TILES = {"gate_up": (16, 2, 4), "down": (16, 2, 4)}
+# FMA kernel tiles (BLOCK_N rows, groups a step, warps) of gate_up and down: the fastest of a sweep on
+# an H200 (benchmarks/moe_mxfp4_bench.py --sweep, gpt-oss-20b's experts, one token: 70.5 us, others
+# 76.8-97.9, the grouped GEMM 86.3-118.3).
+FMA_TILES = {"gate_up": (16, 2, 2), "down": (16, 2, 2)}
 # Up to this many assignments (T * K) every assignment is a program of the FMA kernel, reading its
-# expert's weight on its own (few tokens: most experts chosen once), instead of the grouped GEMM.
-FMA_MAX_ASSIGNMENTS = 64
+# expert's weight on its own, instead of the grouped GEMM: one token of top-4. (8 tokens, 32
+# assignments, on the same H200: the FMA kernel 392-512 us, the grouped GEMM 280.)
+FMA_MAX_ASSIGNMENTS = 4
 # From this many rows an expert on average, widen the experts into a scratch buffer and run the
-# model-dtype grouped GEMMs (module docstring); None: never.
-DEQUANTIZE_MIN_ROWS_PER_EXPERT: int | None = None
+# model-dtype grouped GEMMs (module docstring); None: never. The same H200: at 64 rows an expert
+# (512 tokens) widening costs 1,428 us against the grouped GEMM's 965; at 256 (2,048 tokens) 1,946
+# against 2,162; at 1,024 (8,192 tokens) 3,705 against 8,735.
+DEQUANTIZE_MIN_ROWS_PER_EXPERT: int | None = 128
 
 
 def _mxfp4_fma(a, experts: MXFP4Experts, out, topk_ids, topk_weights, *, n: int, top_k: int, gated: bool,
@@ -513,7 +521,8 @@ def fused_moe_mxfp4_triton(x: torch.Tensor, gate_up: MXFP4Experts, down: MXFP4Ex
                            topk_ids: torch.Tensor, *, block_m: int | None = None, config: dict | None = None,
                            epilogue: ExpertEpilogue = PLAIN_SILU) -> torch.Tensor:
     """kernels/fused_moe.fused_moe_triton with MXFP4 experts (routing given). config: {"fma": tiles
-    or None, "gemm": the grouped GEMM's options, "dequantize_min_rows": rows an expert or None}."""
+    or None, "fma_max_assignments", "gemm": the grouped GEMM's options, "dequantize_min_rows": rows
+    an expert or None}; each left out: this file's defaults."""
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     assert down.out_features == hidden and down.in_features == gate_up.out_features // 2
@@ -530,7 +539,8 @@ def fused_moe_mxfp4_triton(x: torch.Tensor, gate_up: MXFP4Experts, down: MXFP4Ex
     flat_ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
     weights = topk_weights.reshape(-1).float().contiguous()
     fma_tiles = config.get("fma", FMA_TILES)
-    if fma_tiles is not None and block_m is None and num_assignments <= FMA_MAX_ASSIGNMENTS:
+    if fma_tiles is not None and block_m is None and num_assignments <= config.get("fma_max_assignments",
+                                                                                   FMA_MAX_ASSIGNMENTS):
         out_k = _pair(x, gate_up, down, num_assignments, flat_ids, weights, top_k=top_k, epilogue=epilogue,
                       fma_tiles=fma_tiles)
     else:
@@ -539,6 +549,15 @@ def fused_moe_mxfp4_triton(x: torch.Tensor, gate_up: MXFP4Experts, down: MXFP4Ex
         out_k = _pair(x, gate_up, down, num_assignments, flat_ids, weights, top_k=top_k, epilogue=epilogue,
                       fma_tiles=None, blocks=blocks, block_m=block_m, config=config.get("gemm"))
     return out_k.view(num_tokens, top_k, hidden).sum(dim=1)
+
+
+def mxfp4_warm_up_token_counts(num_experts: int, top_k: int, max_tokens: int) -> list[int]:
+    """kernels.fused_moe.warm_up_token_counts and the first count that widens the experts
+    (DEQUANTIZE_MIN_ROWS_PER_EXPERT), up to ``max_tokens``."""
+    counts = set(warm_up_token_counts(num_experts, top_k, max_tokens))
+    if DEQUANTIZE_MIN_ROWS_PER_EXPERT is not None:
+        counts.add(-(-DEQUANTIZE_MIN_ROWS_PER_EXPERT * num_experts // top_k))
+    return sorted(count for count in counts if count <= max_tokens)
 
 
 # ---- public entry ------------------------------------------------------------------------------

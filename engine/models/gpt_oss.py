@@ -42,7 +42,7 @@ from engine.models.layers import Linear, RowParallelLinear, qkv_heads, tp_all_re
 from engine.models.llama import LlamaForCausalLM, LlamaLayer
 from kernels.attention_metadata import AttentionMetadata
 from kernels.fused_moe import moe_forward, warm_up_token_counts
-from kernels.fused_moe_mxfp4 import MXFP4Experts, moe_forward_mxfp4, prepare_mxfp4_experts
+from kernels.fused_moe_mxfp4 import MXFP4Experts, moe_forward_mxfp4, mxfp4_warm_up_token_counts, prepare_mxfp4_experts
 from kernels.rope_attention import rope_paged_attention
 
 
@@ -159,6 +159,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
         most ``max_tokens`` may pick, as MoeForCausalLM.warm_up_kernels does: the first layer's
         experts on zeros, without the all-reduce (ranks may warm up apart)."""
         block = self.layers[0].moe
-        for num_tokens in warm_up_token_counts(block.router.out_features, block.top_k, max_tokens):
+        counts = mxfp4_warm_up_token_counts if block.mxfp4 else warm_up_token_counts
+        for num_tokens in counts(block.router.out_features, block.top_k, max_tokens):
             block.routed(torch.zeros(num_tokens, block.router.in_features, dtype=block.router.weight.dtype,
                                      device=block.router.weight.device))
