@@ -81,12 +81,26 @@ def candidates(tokens: int) -> dict[str, dict]:
     return out
 
 
+def widen_sweep(experts, dense) -> None:
+    """Microseconds to widen both projections' experts per _dequantize_kernel tiling (checked equal)."""
+    print(f"device: {torch.cuda.get_device_name()}")
+    for tiles in ((32, 64, 4), (32, 32, 4), (64, 32, 4), (64, 64, 4), (64, 64, 8), (128, 32, 4), (128, 64, 8),
+                  (16, 64, 2), (32, 32, 2), (128, 32, 8)):
+        try:
+            same = all(torch.equal(dequantize_mxfp4_triton(e, torch.bfloat16, tiles), d) for e, d in zip(experts, dense))
+            us = graph_us(lambda: [dequantize_mxfp4_triton(e, torch.bfloat16, tiles) for e in experts], [()])
+            print(f"    widen tiles {tiles}: {us:.1f} us (equal: {same})", flush=True)
+        except Exception as exc:  # a tiling that does not compile or fit
+            print(f"    widen tiles {tiles}: failed {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512, 2048, 8192])
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--sweep_seconds", type=float, default=1e9)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--widen_sweep", action="store_true", help="time only the widening kernel's tiles")
     args = parser.parse_args()
     generator = torch.Generator(device="cuda").manual_seed(0)
     stored = [random_experts(2 * I, H, generator), random_experts(H, I, generator)]
@@ -98,6 +112,9 @@ def main() -> None:
     kwargs = dict(gate_up_bias=bias[0], down_bias=bias[1], activation="swiglu_clamped", swiglu_limit=SWIGLU_LIMIT)
     epilogue = ExpertEpilogue(*bias, "swiglu_clamped", SWIGLU_LIMIT)
     device = torch.cuda.get_device_name()
+    if args.widen_sweep:
+        widen_sweep(experts, dense)
+        return
     results = {"device": device, "rows": []}
     print(f"device: {device}")
     print("| T | bf16 us | mxfp4 us | mxfp4/bf16 | rel diff |")

@@ -504,16 +504,22 @@ def _dequantize_kernel(w_ptr, scale_ptr, out_ptr, num_rows, K, half_k, stride_we
              mask=in_half & (half_k + k < K)[None, :])
 
 
-def dequantize_mxfp4_triton(experts: MXFP4Experts, dtype: torch.dtype) -> torch.Tensor:
+# (BLOCK_N rows, BLOCK_K bytes: 32 or 64, warps) of _dequantize_kernel. On an H200 (benchmarks/
+# moe_mxfp4_bench.py --widen_sweep, both projections of gpt-oss-20b's experts, 1.6 GB written) every
+# tiling of 64 bytes took 1,009-1,019 us and every one of 32 bytes 1,256-1,273.
+WIDEN_TILES = (32, 64, 4)
+
+
+def dequantize_mxfp4_triton(experts: MXFP4Experts, dtype: torch.dtype, tiles: tuple = WIDEN_TILES) -> torch.Tensor:
     """The experts widened to (E, N, K) in ``dtype`` from the kernel layout (as dequantize_mxfp4_experts
     widens the stored ones): one pass, a scratch buffer for the model-dtype GEMMs."""
     codes, scales = experts.kernel["codes"], experts.kernel["scales"]
     num_experts, rows, half = codes.shape
     out = torch.empty(num_experts, rows, experts.in_features, dtype=dtype, device=codes.device)
-    block_n = 32
-    _dequantize_kernel[(num_experts, triton.cdiv(rows, block_n), triton.cdiv(half, 64))](
+    block_n, block_k, warps = tiles
+    _dequantize_kernel[(num_experts, triton.cdiv(rows, block_n), triton.cdiv(half, block_k))](
         codes, scales, out, rows, experts.in_features, half, codes.stride(0), codes.stride(1), scales.stride(0),
-        out.stride(0), out.stride(1), BLOCK_N=block_n, BLOCK_K=64, num_warps=4)
+        out.stride(0), out.stride(1), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
     return out
 
 
