@@ -194,12 +194,13 @@ def fp8_block_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale:
 
 
 @jit
-def _dequantize_blocks_kernel(w_ptr, scale_ptr, out_ptr, N, K, stride_w, stride_s, stride_o, BLOCK_N: tl.constexpr):
-    """Program (row tile, 128-column block): weight * its block's scale, in out's dtype."""
+def _dequantize_blocks_kernel(w_ptr, scale_ptr, out_ptr, N, K, stride_w, stride_s, stride_o, BLOCK_N: tl.constexpr,
+                              SCALE_BLOCK: tl.constexpr):
+    """Program (row tile, SCALE_BLOCK-column block): weight * its block's scale, in out's dtype."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.program_id(1) * SCALE_BLOCK + tl.arange(0, SCALE_BLOCK)
     ok = (rows < N)[:, None] & (cols < K)[None, :]
-    scale = tl.load(scale_ptr + (rows // BLOCK)[:, None] * stride_s + tl.program_id(1), mask=(rows < N)[:, None])
+    scale = tl.load(scale_ptr + (rows // SCALE_BLOCK)[:, None] * stride_s + tl.program_id(1), mask=(rows < N)[:, None])
     w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_w + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_o + cols[None, :], (w * scale).to(out_ptr.dtype.element_ty),
              mask=ok)
@@ -210,7 +211,8 @@ def dequantize_blocks_triton(weight: torch.Tensor, scale: torch.Tensor, dtype: t
     n, k = weight.shape
     out = torch.empty(n, k, dtype=dtype, device=weight.device)
     _dequantize_blocks_kernel[(triton.cdiv(n, 32), blocks(k))](weight, scale, out, n, k, weight.stride(0),
-                                                               scale.stride(0), out.stride(0), BLOCK_N=32, num_warps=4)
+                                                               scale.stride(0), out.stride(0), BLOCK_N=32,
+                                                               SCALE_BLOCK=BLOCK, num_warps=4)
     return out
 
 
