@@ -62,7 +62,8 @@ MODEL_FAMILIES = (
                 fp8=True, sliding_window=True, weight_only=True),
     ModelFamily("GptOssForCausalLM", "engine.models.gpt_oss", "GptOssForCausalLM",
                 "gpt-oss-20b, gpt-oss-120b (attention sinks, alternating sliding/full layers, top-4 experts with "
-                "biases and clamped SwiGLU; MXFP4 experts widened to the model dtype at build)", sliding_window=True),
+                "biases and clamped SwiGLU; MXFP4 experts kept as 4 bits, or widened with --mxfp4_experts widen)",
+                sliding_window=True),
 )
 _REGISTRY = {family.architecture: family for family in MODEL_FAMILIES}
 SUPPORTED_ARCHITECTURES = tuple(_REGISTRY)
