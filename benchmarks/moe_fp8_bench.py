@@ -38,25 +38,10 @@ from kernels.fused_moe import moe_forward, route_tokens  # noqa: E402
 from kernels.fused_moe_fp8 import (dequantize_experts, fused_moe_fp8_grouped_mm, fused_moe_fp8_triton,  # noqa: E402
                                    moe_forward_fp8, moe_single_token_fp8_triton, scaled_grouped_mm_supported)
 from kernels.fp8 import quantize_rows  # noqa: E402
-from kernels.linear import replay_time_ms  # noqa: E402
+from graph_timing import graph_call_us  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 E, TOP_K, H, I = 128, 8, 2048, 768
 REPEAT = 10
-
-
-def graph_us(fn, inputs) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn(*inputs[0])
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for args in inputs:
-            fn(*args)
-    us = replay_time_ms(graph, replays=3) / len(inputs) * 1000
-    del graph
-    return us
 
 
 def per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,7 +76,7 @@ def sweep(tokens_list, experts: dict) -> dict:
                     fn = (lambda f: lambda x, lg: f(x, lg, stored))(routed(fused_moe_fp8_triton, config=config))
                 name = f"T{tokens} {granularity} bn{config['BLOCK_N']} w{config['num_warps']} s{config['num_stages']}"
                 try:
-                    out[name] = graph_us(fn, inputs)
+                    out[name] = graph_call_us(fn, inputs)
                     print(f"    {name}: {out[name]:.1f} us", flush=True)
                 except Exception as exc:  # a tiling that does not compile or fit
                     print(f"    {name}: failed {type(exc).__name__}: {str(exc)[:120]}", flush=True)
@@ -128,15 +113,15 @@ def main() -> None:
         inputs = [(torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16),
                    torch.randn(tokens, E, device="cuda", dtype=torch.bfloat16)) for _ in range(REPEAT)]
         row = {"T": tokens}
-        row["bf16"] = graph_us(lambda x, lg: moe_forward(x, lg, *dense, TOP_K, True), inputs)
+        row["bf16"] = graph_call_us(lambda x, lg: moe_forward(x, lg, *dense, TOP_K, True), inputs)
         if tokens > 1:  # one token: its own path (routing inside gate_up), which the engine column times
             fn = routed(fused_moe_fp8_triton)
-            row["channel_triton"] = graph_us(lambda x, lg: fn(x, lg, channel), inputs)
+            row["channel_triton"] = graph_call_us(lambda x, lg: fn(x, lg, channel), inputs)
             if scaled_grouped_mm_supported(inputs[0][0], *channel[:2]):
                 fn = routed(fused_moe_fp8_grouped_mm)
-                row["channel_scaled_grouped_mm"] = graph_us(lambda x, lg: fn(x, lg, channel), inputs)
-        row["channel"] = graph_us(lambda x, lg: moe_forward_fp8(x, lg, *channel, TOP_K, True), inputs)
-        row["block"] = graph_us(lambda x, lg: moe_forward_fp8(x, lg, *block, TOP_K, True), inputs)
+                row["channel_scaled_grouped_mm"] = graph_call_us(lambda x, lg: fn(x, lg, channel), inputs)
+        row["channel"] = graph_call_us(lambda x, lg: moe_forward_fp8(x, lg, *channel, TOP_K, True), inputs)
+        row["block"] = graph_call_us(lambda x, lg: moe_forward_fp8(x, lg, *block, TOP_K, True), inputs)
         x, lg = inputs[0]
         ref = moe_forward(x, lg, *dense, TOP_K, True).float()
         got = moe_forward_fp8(x, lg, *channel, TOP_K, True).float()

@@ -22,7 +22,7 @@ import torch  # noqa: E402
 
 from kernels.fused_moe import (fused_moe_ref, fused_moe_triton, gemm_config, model_dtype_tiling,  # noqa: E402
                                moe_forward, route_tokens)
-from kernels.linear import replay_time_ms  # noqa: E402
+from graph_timing import graph_call_us  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 from kernels.moe_epilogue import PLAIN_SILU, expert_activation  # noqa: E402
 from kernels.fused_moe import moe_single_token_triton  # noqa: E402
 from kernels.moe_grouped_mm import combine, fused_moe_grouped_mm, sort_assignments  # noqa: E402
@@ -33,19 +33,6 @@ SHAPES = {  # experts, top-k, hidden, expert width
 }
 REPEAT = 6
 SINGLE = ("tensor-core single",)  # one-token paths
-
-
-def graph_us(fn, inputs) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn(*inputs[0])
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for args in inputs:
-            fn(*args)
-    return replay_time_ms(graph, replays=3) / len(inputs) * 1000
 
 
 def sweep_configs():
@@ -87,7 +74,7 @@ def sweep_projections(token_counts, gate_up, down, top_k) -> None:
                                   rows_per_token=name == "gate_up", gated=name == "gate_up",
                                   mul_weight=name == "down", block_m=block_m, config=config)
                 try:
-                    results.append(f"{name} {graph_us(fn, calls):.1f}")
+                    results.append(f"{name} {graph_call_us(fn, calls):.1f}")
                 except Exception as exc:
                     results.append(f"{name} failed {type(exc).__name__}")
             print(f"  {tokens} tokens, block_m {block_m} {config}: {', '.join(results)} us", flush=True)
@@ -130,7 +117,7 @@ def main() -> None:
             if (tokens == 1 and name == "grouped_mm") or (tokens > 1 and name in SINGLE):
                 continue
             diff = ((fn(x, logits).float() - reference).norm() / reference.norm()).item()
-            us = graph_us(fn, inputs)
+            us = graph_call_us(fn, inputs)
             print(f"| {tokens} | {name} | {us:.1f} | {flops / us / 1e6:.0f} | "
                   f"{hit * 6 * hidden * inter / us / 1e3:.0f} | {diff:.1e} |", flush=True)
         if args.sweep and tokens > 1:
@@ -141,7 +128,7 @@ def main() -> None:
                     weights, ids = route_tokens(logits, top_k, True)
                     return fused_moe_triton(x, gate_up, down, weights, ids, block_m=block_m, config=config)
                 try:
-                    us = graph_us(fn, inputs)
+                    us = graph_call_us(fn, inputs)
                 except Exception as exc:  # a tiling that does not fit shared memory
                     print(f"    block_m {block_m} {config}: failed {type(exc).__name__}")
                     continue
@@ -154,7 +141,7 @@ def main() -> None:
         print("\nalignment (block_m 64), us:")
         for tokens in args.tokens:
             _, ids = route_tokens(torch.randn(tokens, experts, device="cuda", dtype=torch.bfloat16), top_k, True)
-            times = {name: graph_us(lambda fn=fn: fn(ids, experts, 64), [()] * 3)
+            times = {name: graph_call_us(lambda fn=fn: fn(ids, experts, 64), [()] * 3)
                      for name, fn in (("torch ops", moe_align_torch), ("one program", moe_align_triton),
                                       ("parallel", moe_align_parallel))}
             print(f"  {tokens} tokens: " + ", ".join(f"{name} {us:.1f}" for name, us in times.items()), flush=True)
@@ -181,7 +168,7 @@ def main() -> None:
         }
         print(f"\nstages of the grouped path at {tokens} tokens:")
         for name, (fn, stage_flops) in stages.items():
-            us = graph_us(lambda: fn(), [()] * 3)
+            us = graph_call_us(lambda: fn(), [()] * 3)
             extra = f", {stage_flops / us / 1e6:.0f} TFLOPS" if stage_flops else ""
             print(f"  {name}: {us:.1f} us{extra}", flush=True)
 

@@ -25,27 +25,12 @@ from kernels.fused_moe import choose_block_m, moe_forward, route_tokens  # noqa:
 from kernels.fused_moe_mxfp4 import (FMA_MAX_ASSIGNMENTS, dequantize_mxfp4_triton,  # noqa: E402
                                      fused_moe_mxfp4_triton, moe_forward_mxfp4, moe_single_token_mxfp4_triton,
                                      prepare_mxfp4_experts)
-from kernels.linear import replay_time_ms  # noqa: E402
+from graph_timing import graph_call_us  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 from kernels.moe_epilogue import ExpertEpilogue  # noqa: E402
 
 E, TOP_K, H, I = 32, 4, 2880, 2880
 SWIGLU_LIMIT = 7.0
 REPEAT = 10
-
-
-def graph_us(fn, inputs) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn(*inputs[0])
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for args in inputs:
-            fn(*args)
-    us = replay_time_ms(graph, replays=3) / len(inputs) * 1000
-    del graph
-    return us
 
 
 def random_experts(rows: int, cols: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,7 +73,7 @@ def widen_sweep(experts, dense) -> None:
                   (16, 64, 2), (32, 32, 2), (128, 32, 8)):
         try:
             same = all(torch.equal(dequantize_mxfp4_triton(e, torch.bfloat16, tiles), d) for e, d in zip(experts, dense))
-            us = graph_us(lambda: [dequantize_mxfp4_triton(e, torch.bfloat16, tiles) for e in experts], [()])
+            us = graph_call_us(lambda: [dequantize_mxfp4_triton(e, torch.bfloat16, tiles) for e in experts], [()])
             print(f"    widen tiles {tiles}: {us:.1f} us (equal: {same})", flush=True)
         except Exception as exc:  # a tiling that does not compile or fit
             print(f"    widen tiles {tiles}: failed {type(exc).__name__}: {str(exc)[:200]}", flush=True)
@@ -122,8 +107,8 @@ def main() -> None:
     for tokens in args.tokens:
         inputs = [(torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16),
                    torch.randn(tokens, E, device="cuda", dtype=torch.bfloat16)) for _ in range(REPEAT)]
-        bf16 = graph_us(lambda x, lg: moe_forward(x, lg, *dense, TOP_K, True, **kwargs), inputs)
-        mxfp4 = graph_us(lambda x, lg: moe_forward_mxfp4(x, lg, *experts, TOP_K, True, **kwargs), inputs)
+        bf16 = graph_call_us(lambda x, lg: moe_forward(x, lg, *dense, TOP_K, True, **kwargs), inputs)
+        mxfp4 = graph_call_us(lambda x, lg: moe_forward_mxfp4(x, lg, *experts, TOP_K, True, **kwargs), inputs)
         x, lg = inputs[0]
         ref = moe_forward(x, lg, *dense, TOP_K, True, **kwargs).float()
         diff = ((moe_forward_mxfp4(x, lg, *experts, TOP_K, True, **kwargs).float() - ref).norm() / ref.norm()).item()
@@ -145,7 +130,7 @@ def main() -> None:
                             w, ids = route_tokens(lg, TOP_K, True)
                             return fused_moe_mxfp4_triton(x, *experts, w, ids, config=c, epilogue=epilogue)
                     err = ((fn(x, lg).float() - ref).norm() / ref.norm()).item()
-                    us = graph_us(fn, inputs)
+                    us = graph_call_us(fn, inputs)
                     row["sweep"][name] = [us, err]
                     print(f"    {name}: {us:.1f} us (err {err:.1e})", flush=True)
                 except Exception as exc:  # a tiling that does not compile or fit
@@ -155,7 +140,7 @@ def main() -> None:
                 json.dump(results, f, indent=1)
         del inputs
     if tokens >= 2048:
-        widen = graph_us(lambda: [dequantize_mxfp4_triton(e, torch.bfloat16) for e in experts], [()])
+        widen = graph_call_us(lambda: [dequantize_mxfp4_triton(e, torch.bfloat16) for e in experts], [()])
         print(f"widening both projections' experts: {widen:.1f} us")
 
 

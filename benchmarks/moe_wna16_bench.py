@@ -23,24 +23,11 @@ import torch  # noqa: E402
 from kernels.fused_moe import choose_block_m, moe_forward, route_tokens  # noqa: E402
 from kernels.fused_moe_wna16 import (SINGLE_TOKEN_TILES, fused_moe_wna16_triton, moe_forward_wna16,  # noqa: E402
                                      moe_single_token_wna16_triton, prepare_wna16_experts, wna16_gemm_config)
-from kernels.linear import replay_time_ms  # noqa: E402
+from graph_timing import graph_call_us  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 from kernels.wna16 import dequantize, quantize  # noqa: E402
 
 E, TOP_K, H, I, GROUP = 128, 8, 2048, 768, 128
 REPEAT = 10
-
-
-def graph_us(fn, inputs) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn(*inputs[0])
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for args in inputs:
-            fn(*args)
-    return replay_time_ms(graph, replays=3) / len(inputs) * 1000
 
 
 def candidates(tokens: int) -> dict[str, dict]:
@@ -91,8 +78,8 @@ def main() -> None:
     for tokens in args.tokens:
         inputs = [(torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16),
                    torch.randn(tokens, E, device="cuda", dtype=torch.bfloat16)) for _ in range(REPEAT)]
-        bf16 = graph_us(lambda x, lg: moe_forward(x, lg, *dense, TOP_K, True), inputs)
-        int4 = graph_us(lambda x, lg: moe_forward_wna16(x, lg, *experts, TOP_K, True), inputs)
+        bf16 = graph_call_us(lambda x, lg: moe_forward(x, lg, *dense, TOP_K, True), inputs)
+        int4 = graph_call_us(lambda x, lg: moe_forward_wna16(x, lg, *experts, TOP_K, True), inputs)
         x, lg = inputs[0]
         ref = moe_forward(x, lg, *dense, TOP_K, True).float()
         diff = ((moe_forward_wna16(x, lg, *experts, TOP_K, True).float() - ref).norm() / ref.norm()).item()
@@ -109,7 +96,7 @@ def main() -> None:
                             return fused_moe_wna16_triton(x, *experts, w, ids, config=c)
                     got = fn(x, lg).float()
                     err = ((got - ref).norm() / ref.norm()).item()
-                    us = graph_us(fn, inputs)
+                    us = graph_call_us(fn, inputs)
                     row["sweep"][name] = [us, err]
                     print(f"    {name}: {us:.1f} us (err {err:.1e})", flush=True)
                 except Exception as exc:  # a tiling that does not compile or fit

@@ -109,15 +109,22 @@ def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """moe_align_torch's layout in one kernel launch (one program: for small T * K only)."""
     num_assignments, device = topk_ids.numel(), topk_ids.device
-    max_padded = max_padded_assignments(num_assignments, num_experts, block_m)
-    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=device)
-    block_expert = torch.empty(max_padded // block_m, dtype=torch.int32, device=device)
-    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    sorted_ids, block_expert, num_padded = _empty_layout(num_assignments, num_experts, block_m, device)
+    max_padded = sorted_ids.numel()
     e_pad = triton.next_power_of_2(num_experts)
     _moe_align_kernel[(1,)](topk_ids.reshape(-1).contiguous(), sorted_ids, block_expert, num_padded,
                             num_assignments, num_experts, max_padded,
                             BLOCK_M=block_m, E_PAD=e_pad, CHUNK=max(16, min(256, 8192 // e_pad)), num_warps=4)
     return sorted_ids, block_expert, num_padded
+
+
+def _empty_layout(num_assignments: int, num_experts: int, block_m: int, device
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Uninitialised (sorted_ids, block_expert, num_padded) of the module docstring's sizes."""
+    max_padded = max_padded_assignments(num_assignments, num_experts, block_m)
+    return (torch.empty(max_padded, dtype=torch.int32, device=device),
+            torch.empty(max_padded // block_m, dtype=torch.int32, device=device),
+            torch.empty(1, dtype=torch.int32, device=device))
 
 
 @jit
@@ -178,10 +185,8 @@ def moe_align_parallel(topk_ids: torch.Tensor, num_experts: int, block_m: int
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The module docstring's layout in three launches (plus one memset) over chunks of assignments."""
     num_assignments, device = topk_ids.numel(), topk_ids.device
-    max_padded = max_padded_assignments(num_assignments, num_experts, block_m)
-    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=device)
-    block_expert = torch.empty(max_padded // block_m, dtype=torch.int32, device=device)
-    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    sorted_ids, block_expert, num_padded = _empty_layout(num_assignments, num_experts, block_m, device)
+    max_padded = sorted_ids.numel()
     counts_and_cursor = torch.zeros(2, num_experts, dtype=torch.int32, device=device)
     flat = topk_ids.reshape(-1).contiguous()
     e_pad = triton.next_power_of_2(num_experts)
