@@ -79,7 +79,7 @@ MODELS = {
         moe_intermediate_size=768, norm_topk_prob=True,
     ),
     "gpt_oss_20b": dict(  # gpt-oss-20b: 24 sparse layers of 32 experts (width 2880), 4 active per token;
-        # attention sinks, a 128-token window on every other layer, yarn; random bf16 experts (no MXFP4 yet)
+        # attention sinks, a 128-token window on every other layer, yarn; random bf16 experts (gpt_oss_20b_mxfp4: 4-bit)
         architecture="GptOssForCausalLM", vocab_size=201088, hidden_size=2880, num_layers=24, num_heads=64,
         num_kv_heads=8, head_dim=64, intermediate_size=2880, norm_eps=1e-5, rope_theta=150000.0,
         rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
@@ -109,6 +109,8 @@ MODELS = {
         layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(6)],
     ),
 }
+# gpt-oss-20b with its experts as OpenAI ships them: MXFP4 codes and E8M0 scales, 4.25 bits a weight.
+MODELS["gpt_oss_20b_mxfp4"] = dict(MODELS["gpt_oss_20b"], expert_quantization="mxfp4")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -208,6 +210,12 @@ def bench_bandwidth(results: dict, model_cfg: ModelConfig, dtype_bytes: int, qua
         all_params_bytes = linear_bytes + (all_params - linear_params) * dtype_bytes
     else:
         all_params_bytes = all_params * dtype_bytes
+    if getattr(c, "expert_quantization", None) == "mxfp4":  # the experts' 4-bit codes and E8M0 scales
+        expert = 3 * c.hidden_size * c.moe_intermediate_size
+        sparse_layers = sum(c.is_moe_layer(layer) for layer in range(c.num_layers))
+        saved = dtype_bytes - MXFP4_BYTES_PER_WEIGHT
+        weight_bytes -= sparse_layers * c.num_experts_per_tok * expert * saved
+        all_params_bytes -= sparse_layers * c.num_experts * expert * saved
     results["bandwidth"] = {
         "copy_GBps": bandwidth / 1e9,
         "params": all_params,
@@ -224,6 +232,7 @@ def bench_bandwidth(results: dict, model_cfg: ModelConfig, dtype_bytes: int, qua
 
 # Bytes a decode step reads per linear weight: FP8 1; INT8 per channel 1; INT4 group 128 half a
 # byte plus a float16 scale and a uint8 zero per 128 weights (the kernels' layout, kernels/wna16.py).
+MXFP4_BYTES_PER_WEIGHT = 0.5 + 1 / 32  # two codes a byte, one E8M0 scale byte a 32 values
 QUANTIZED_BYTES_PER_WEIGHT = {"fp8": 1.0, "fp8_block": 1.0, "int8_wo": 1.0, "int4_wo": 0.5 + 3 / 128, "int4_awq": 0.5 + 3 / 128}
 
 

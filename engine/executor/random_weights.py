@@ -43,6 +43,9 @@ def materialize_random_weights(model: torch.nn.Module, device: torch.device, see
         if getattr(owner, "weight_only", None) is not None and not name.endswith((".bias", "router.weight")):
             _random_integer_weights(name, param, owner.weight_only.bits, generator)
             continue
+        if getattr(owner, "mxfp4", False) and param.dtype == torch.uint8:
+            _random_mxfp4_weights(name, param, generator)
+            continue
         if name.endswith("_scale") and param.dtype == torch.float32:
             continue  # set with its FP8 weight (a Linear's weight_scale, an expert block's *_scale)
         if param.dtype == FP8_DTYPE:
@@ -70,6 +73,16 @@ def _random_fp8_weights(param: torch.Tensor, scale: torch.Tensor, generator: tor
         quantized, values = quantize_blocks(full) if per_block else quantize_weight(full)
         target.copy_(quantized)
         (scale if index is None else scale[index]).copy_(values)
+
+
+def _random_mxfp4_weights(name: str, param: torch.Tensor, generator: torch.Generator) -> None:
+    """One tensor of gpt-oss's MXFP4 experts (kernels/fused_moe_mxfp4.py): uniform random bytes (two
+    E2M1 codes each, whose values have a root mean square of 2.93) and E8M0 scales of 2^-7, so the
+    weights have a standard deviation of ~0.023."""
+    if name.endswith("_scale"):
+        param.fill_(127 - 7)
+    else:
+        param.copy_(torch.randint(0, 256, param.shape, generator=generator, device=param.device, dtype=torch.int32))
 
 
 def _random_integer_weights(name: str, param: torch.Tensor, bits: int, generator: torch.Generator) -> None:

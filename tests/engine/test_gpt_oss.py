@@ -332,3 +332,19 @@ def test_engine_on_cuda_equals_transformers(tmp_path):
     outs = session.step([(1, other), (0, [7])])
     assert (outs[0].cpu() - hf_logits(hf, other)).abs().max().item() <= 1e-3
     assert (outs[1].cpu() - hf_logits(hf, sequence + [7])[-1:]).abs().max().item() <= 1e-3
+
+
+def test_random_weight_engines_hold_valid_mxfp4_experts():
+    """Benchmark engines (config only, weights made at load): MXFP4 experts of random codes and
+    scales 2^-7, widening to weights of std ~0.02, so a forward is finite."""
+    from engine.executor.random_weights import materialize_random_weights
+    from kernels.fused_moe_mxfp4 import dequantize_mxfp4_experts
+
+    config = ModelConfig.from_dict({**model_config_from_hf(tiny_hf("gpt_oss").config).to_dict(),
+                                    "expert_quantization": "mxfp4"}).validate()
+    model = materialize_random_weights(get_model_class(config.architecture)(config, device="meta"),
+                                       torch.device("cpu"), seed=0)
+    experts = model.layers[0].moe
+    assert (experts.gate_up_proj_scale == 120).all() and (experts.down_proj_scale == 120).all()
+    widened = dequantize_mxfp4_experts(experts.gate_up_proj, experts.gate_up_proj_scale, torch.float32)
+    assert 0.018 < widened.std().item() < 0.028 and widened.abs().max().item() <= 6 * 2**-7
