@@ -306,12 +306,13 @@ def fused_moe_fp8_grouped_mm(x: torch.Tensor, gate_up: torch.Tensor, gate_up_sca
     of (E, N, K)) around silu_and_mul, then combine (routing weights, sum over each token's K). No
     host synchronisation."""
     top_k = topk_ids.shape[1]
-    dest, order, offs = sort_assignments(topk_ids, gate_up.shape[0])
+    dest, order, offs = sort_assignments(topk_ids, gate_up.shape[0], by_sort=True)  # as fused_moe_grouped_mm
     x_q, x_scale = quantize_rows_triton(x)
     tokens = order // top_k
     h = torch._scaled_grouped_mm(x_q[tokens], gate_up.transpose(-2, -1), x_scale[tokens], gate_up_scale, offs=offs,
                                  out_dtype=x.dtype, use_fast_accum=FAST_ACCUM)
     act_q, act_scale = quantize_rows_triton(silu_and_mul(h))
+    del h  # the peak stays one step's temporaries (fused_moe_grouped_mm says why)
     y = torch._scaled_grouped_mm(act_q, down.transpose(-2, -1), act_scale, down_scale, offs=offs, out_dtype=x.dtype,
                                  use_fast_accum=FAST_ACCUM)
     return combine(y, dest, topk_ids, topk_weights, None)
