@@ -1,17 +1,22 @@
 #!/usr/bin/env python3
-"""`make serve`: build the embedded SmolLM2 engine if missing, fill a model repository outside the
-source tree, and serve it with tritonserver on 127.0.0.1 until interrupted, with the
-OpenAI-compatible frontend beside it (127.0.0.1:9000, model name `smollm2`).
+"""`make serve`: build an engine if missing, fill a model repository outside the source tree, and
+serve it with tritonserver on 127.0.0.1 until interrupted, with the OpenAI-compatible frontend
+beside it (127.0.0.1:9000). With no checkpoint it serves the embedded SmolLM2 (model name
+`smollm2`); `make serve MODEL=<checkpoint>` (`--model`) serves a Hugging Face checkpoint directory
+or a .gguf file, its engine built once into a cache keyed by the checkpoint and the options
+(`$TRITONLLM_CACHE`, default ~/.cache/tritonllm) and reused while neither changes.
 
-    python scripts/serve_default.py [--http_port 8000 --grpc_port 8001 --metrics_port 8002]
-        [--openai_port 9000] [--engine_dir engines/smollm2] [--repo build/triton_repo]
-        [--tool_call_parser hermes|llama3_json|mistral]
+    python scripts/serve_default.py [--model CHECKPOINT [--served_model_name NAME] [--quantization fp8]
+        [--kv_cache_dtype fp8] [--tp N] [--max_seq_len N] [--max_batch_size N] [--lora_modules NAME=PATH ...]]
+        [--http_port 8000 --grpc_port 8001 --metrics_port 8002] [--openai_port 9000] [--host 127.0.0.1]
+        [--engine_dir engines/smollm2] [--repo build/triton_repo] [--tool_call_parser hermes|llama3_json|mistral]
 
 `prepare_model_repo` is also how the integration tests build their repository.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
 import json
 import os
@@ -108,6 +113,75 @@ def ensure_engine(engine_dir: str) -> None:
                    check=True, cwd=REPO_ROOT)
 
 
+def engine_cache_root() -> Path:
+    """Where checkpoint engines are built: $TRITONLLM_CACHE/engines (default ~/.cache/tritonllm)."""
+    return Path(os.environ.get("TRITONLLM_CACHE", Path.home() / ".cache" / "tritonllm")) / "engines"
+
+
+def checkpoint_fingerprint(checkpoint: Path) -> list[tuple[str, int, int]]:
+    """(file, size, mtime in ns) of every file of a checkpoint directory (or of the one .gguf file):
+    a changed, added or removed file changes the engine cache key."""
+    files = [checkpoint] if checkpoint.is_file() else sorted(p for p in checkpoint.rglob("*") if p.is_file())
+    return [(str(p.relative_to(checkpoint) if checkpoint.is_dir() else p.name), p.stat().st_size, p.stat().st_mtime_ns)
+            for p in files]
+
+
+def cached_engine_dir(checkpoint: str, build_args: list[str]) -> Path:
+    """The cache directory of ``checkpoint``'s engine built with ``build_args``:
+    <cache>/<checkpoint name>-<16 hex digits of the key>, the key hashing the checkpoint's absolute
+    path, its files' fingerprint, the build arguments and the engine format version."""
+    from engine.config import FORMAT_VERSION
+
+    path = Path(checkpoint).resolve()
+    key = json.dumps({"checkpoint": str(path), "files": checkpoint_fingerprint(path), "build": build_args,
+                      "format_version": FORMAT_VERSION})
+    return engine_cache_root() / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def ensure_checkpoint_engine(checkpoint: str, build_args: list[str]) -> Path:
+    """The cached engine of ``checkpoint`` and ``build_args`` (cached_engine_dir), built with
+    ``python -m engine.build`` when it is missing. The build writes into a temporary directory that
+    is renamed into place once complete, so an interrupted build is never taken for an engine."""
+    if not Path(checkpoint).exists():
+        sys.exit(f"serve_default: checkpoint {checkpoint} does not exist (a Hugging Face directory or a .gguf file)")
+    engine = cached_engine_dir(checkpoint, build_args)
+    if (engine / "config.json").exists():
+        print(f"serve_default: reusing the cached engine {engine}", flush=True)
+        return engine
+    engine.parent.mkdir(parents=True, exist_ok=True)
+    partial = engine.with_name(engine.name + f".partial-{os.getpid()}")
+    print(f"serve_default: building {checkpoint} into {engine} ...", flush=True)
+    build = subprocess.run([sys.executable, "-m", "engine.build", "--checkpoint", str(checkpoint), "--output",
+                            str(partial), *build_args], cwd=REPO_ROOT)
+    if build.returncode != 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        sys.exit(f"serve_default: building {checkpoint} failed (see above)")
+    if (engine / "config.json").exists():  # another start built it meanwhile
+        shutil.rmtree(partial, ignore_errors=True)
+    else:
+        shutil.rmtree(engine, ignore_errors=True)
+        partial.rename(engine)
+    return engine
+
+
+def checkpoint_build_args(args: argparse.Namespace) -> list[str]:
+    """engine.build's flags for ``--model``: the dtype for this machine and the options given;
+    everything else (lengths, block size) the build takes from the checkpoint."""
+    import torch
+
+    dtype = args.dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
+    build = ["--dtype", dtype, "--max_batch_size", str(args.max_batch_size), "--tp_size", str(args.tp)]
+    for name in ("max_seq_len", "quantization", "kv_cache_dtype"):
+        if getattr(args, name) is not None:
+            build += [f"--{name}", str(getattr(args, name))]
+    return build
+
+
+def served_name(checkpoint: str) -> str:
+    """The model name the OpenAI API serves a checkpoint under: its directory's (or file's) name."""
+    return Path(checkpoint).resolve().stem
+
+
 def wait_for_200(process: subprocess.Popen, url: str, timeout: float) -> bool:
     """Poll ``url`` until it answers 200, the server process dies, or time runs out."""
     deadline = time.time() + timeout
@@ -139,10 +213,11 @@ def wait_until_frontend_ready(process: subprocess.Popen, port: str, timeout: flo
 
 
 def ready_message(http_port: str, grpc_port: str, metrics_port: str, openai_port: str | None = None,
-                  model_name: str = "smollm2") -> str:
+                  model_name: str = "smollm2", served: str = "SmolLM2-135M-Instruct",
+                  prompt: str = CHAT_PROMPT) -> str:
     body = json.dumps({"text_input": "@PROMPT@", "max_tokens": 32, "exclude_input_in_output": True})
-    body = body.replace("@PROMPT@", CHAT_PROMPT)
-    message = (f"READY: tritonserver serves SmolLM2-135M-Instruct on 127.0.0.1 "
+    body = body.replace("@PROMPT@", prompt)
+    message = (f"READY: tritonserver serves {served} on 127.0.0.1 "
                f"(HTTP {http_port}, gRPC {grpc_port}, metrics {metrics_port})")
     message += f", OpenAI API on http://127.0.0.1:{openai_port}/v1 (model {model_name}). Try:\n" if openai_port \
         else ". Try:\n"
@@ -170,16 +245,42 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tool_call_parser", default=None,
                         help="passed to the OpenAI frontend: how tool calls are read from the model's text "
                              "(hermes, llama3_json, mistral; default: the chat template's format)")
+    parser.add_argument("--host", default="127.0.0.1", help="address the servers listen on")
+    model = parser.add_argument_group("serving a checkpoint (--model; the rest come from the checkpoint and GPU)")
+    model.add_argument("--model", default=None,
+                       help="a Hugging Face checkpoint directory or a .gguf file (default: the embedded SmolLM2)")
+    model.add_argument("--served_model_name", default=None, help="the OpenAI API's model name (default: the "
+                                                                 "checkpoint's directory or file name)")
+    model.add_argument("--quantization", choices=["fp8", "fp8_block", "int8_wo", "int4_wo", "int4_awq"], default=None)
+    model.add_argument("--kv_cache_dtype", choices=["auto", "fp8"], default=None)
+    model.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (leader mode through the launcher)")
+    model.add_argument("--max_seq_len", type=int, default=None, help="default: the checkpoint's, at most 32768")
+    model.add_argument("--max_batch_size", type=int, default=64)
+    model.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
+                       help="default: bfloat16 on a GPU, float32 on CPU")
+    model.add_argument("--lora_modules", nargs="+", default=[], metavar="NAME=PATH",
+                       help="LoRA adapters the OpenAI API serves by name (turns LoRA on)")
     args = parser.parse_args(argv)
 
-    ensure_engine(args.engine_dir)
-    repo = prepare_model_repo(args.engine_dir, args.repo, bls_instances=args.bls_instances)
     launcher = _load_script("launch_triton_server")
-    model_name = Path(args.engine_dir).name
+    if args.model:
+        engine_dir = str(ensure_checkpoint_engine(args.model, checkpoint_build_args(args)))
+        model_name = args.served_model_name or served_name(args.model)
+        repo = prepare_model_repo(engine_dir, args.repo, bls_instances=args.bls_instances,
+                                  max_batch_size=args.max_batch_size,
+                                  overrides={"tensorrt_llm": {"enable_lora": str(bool(args.lora_modules)).lower()}})
+        served, prompt = model_name, "The capital of France is"
+    else:
+        ensure_engine(args.engine_dir)
+        engine_dir, model_name = args.engine_dir, Path(args.engine_dir).name
+        repo = prepare_model_repo(args.engine_dir, args.repo, bls_instances=args.bls_instances)
+        served, prompt = "SmolLM2-135M-Instruct", CHAT_PROMPT
+    ranks = ["--no-mpi"] if args.tp == 1 else [f"--world_size={args.tp}", f"--engine_dir={engine_dir}"]
     launch_args = launcher.parse_arguments([
-        f"--model_repo={repo}", "--no-mpi", "--host=127.0.0.1", f"--http_port={args.http_port}",
+        f"--model_repo={repo}", *ranks, f"--host={args.host}", f"--http_port={args.http_port}",
         f"--grpc_port={args.grpc_port}", f"--metrics_port={args.metrics_port}",
-        *([f"--openai_port={args.openai_port}", f"--openai_model_name={model_name}"] if args.openai_port else [])])
+        *([f"--openai_port={args.openai_port}", f"--openai_model_name={model_name}"] if args.openai_port else []),
+        *(["--lora_modules", *args.lora_modules] if args.lora_modules else [])])
     try:
         process = launcher.launch(launch_args)
     except RuntimeError as error:
@@ -199,8 +300,8 @@ def main(argv: list[str] | None = None) -> None:
         if frontend is not None and not wait_until_frontend_ready(frontend, args.openai_port):
             process.terminate()
             sys.exit("serve_default: the OpenAI frontend did not become ready; see its log above")
-        print(ready_message(args.http_port, args.grpc_port, args.metrics_port, args.openai_port, model_name),
-              flush=True)
+        print(ready_message(args.http_port, args.grpc_port, args.metrics_port, args.openai_port, model_name, served,
+                            prompt), flush=True)
         process.wait()
     except KeyboardInterrupt:
         process.terminate()
