@@ -9,8 +9,8 @@ import os
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# A package may import its own layer or lower; openai_frontend is the top: nothing imports it.
-LAYERS = {"kernels": 0, "engine": 1, "serving": 2, "openai_frontend": 3}
+# A package may import its own layer or lower; tritonllm (the command line) is the top: nothing imports it.
+LAYERS = {"kernels": 0, "engine": 1, "serving": 2, "openai_frontend": 3, "tritonllm": 4}
 TRITON_SERVER_MODULES = ("triton_python_backend_utils", "tritonclient", "tritonserver")
 
 
