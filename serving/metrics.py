@@ -76,6 +76,27 @@ LORA_EVENTS = {"gpu_load": "gpu_loads", "gpu_eviction": "gpu_evictions", "gpu_hi
                "host_load": "host_loads", "host_eviction": "host_evictions"}
 
 
+# Cumulative KV-cache blocks given to requests, by where they came from: "reused" from the prefix
+# cache (a prompt's blocks another request already computed) or "new" (beyond the reference: the
+# prefix-cache hit rate is reused / (reused + new)).
+KV_BLOCKS_FAMILY = ("tritonllm_kv_cache_blocks_total",
+                    "KV cache blocks given to requests: reused from the prefix cache or newly allocated", "source")
+COUNTER_FAMILIES = (KV_BLOCKS_FAMILY, LORA_EVENTS_FAMILY, LORA_REQUESTS_FAMILY)
+
+
+def kv_block_counts(stats: Any) -> dict[tuple[str, str], int]:
+    """{(family, source): cumulative count} of KV_BLOCKS_FAMILY; {} where the stats have no such counts."""
+    kv = getattr(stats, "kv_cache_stats", None)
+    if kv is None or not hasattr(kv, "reused_blocks") or not hasattr(kv, "alloc_new_blocks"):
+        return {}
+    return {(KV_BLOCKS_FAMILY[0], "reused"): kv.reused_blocks, (KV_BLOCKS_FAMILY[0], "new"): kv.alloc_new_blocks}
+
+
+def cumulative_counts(stats: Any) -> dict[tuple[str, str], int]:
+    """Every counter published by its growth: kv_block_counts and lora_counts."""
+    return {**kv_block_counts(stats), **lora_counts(stats)}
+
+
 def lora_counts(stats: Any) -> dict[tuple[str, str], int]:
     """{(family, label value): cumulative count} of the LoRA counters; {} while LoRA is off."""
     lora = getattr(stats, "lora_cache_stats", None)

@@ -287,4 +287,3 @@ class Scheduler:
         perf.kv_cache_alloc_new_blocks += new_blocks
         perf.kv_cache_reused_blocks += reused
         perf.kv_cache_alloc_total_blocks += new_blocks + reused
-        self.blocks.total_reused_blocks += reused

@@ -140,6 +140,8 @@ def test_preempted_request_reuses_its_own_cached_blocks():
     out = sched.schedule()
     assert plan(out) == [(b.seq_id, 5)]  # 9 tokens, the first 4 from the cache
     assert b.block_ids[0] == 1 and b.state.perf.kv_cache_reused_blocks == 1
+    # The pool's cumulative count (the reused-blocks metric) counts that hit once.
+    assert sched.blocks.total_reused_blocks == 1
 
 
 def test_finish_of_a_waiting_sequence_frees_nothing_twice():

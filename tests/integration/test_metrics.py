@@ -101,3 +101,19 @@ def test_32_concurrent_clients_all_answered_and_no_blocks_leaked(triton_server):
     total = value(samples, "nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="max", **LLM)
     free = value(samples, "nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="free", **LLM)
     assert free == total
+
+
+def test_prefix_cache_hits_are_counted(triton_server):
+    """tritonllm_kv_cache_blocks_total: a prompt sent twice takes its full blocks from the prefix
+    cache the second time (reused), fresh ones the first (new)."""
+    body = {"text_input": chat("Say something about caches. " * 6), "max_tokens": 2}
+
+    def counts():
+        samples = scrape(triton_server)
+        return tuple(value(samples, "tritonllm_kv_cache_blocks_total", source=source, **LLM) or 0.0
+                     for source in ("reused", "new"))
+
+    reused_before, new_before = counts()
+    for _ in range(2):
+        assert triton_server.generate("ensemble", body, timeout=120).status_code == 200
+    assert wait_for(lambda: counts()[0] - reused_before >= 2 and counts()[1] > new_before)

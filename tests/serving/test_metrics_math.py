@@ -4,8 +4,8 @@ import pytest
 
 from collections import Counter
 
-from serving.metrics import (GAUGES, RequestLatency, TOKEN_LEN_BUCKETS, gauge_values,
-                             generated_token_count, lora_counts, timestamp_seconds)
+from serving.metrics import (GAUGES, RequestLatency, TOKEN_LEN_BUCKETS, cumulative_counts, gauge_values,
+                             generated_token_count, kv_block_counts, lora_counts, timestamp_seconds)
 
 
 def stats(**overrides):
@@ -44,6 +44,15 @@ def test_lora_counters_come_from_the_cache_stats_and_are_absent_while_lora_is_of
     assert counts[("tritonllm_lora_requests_total", "lora_task_id 3")] == 6
     assert lora_counts(stats(lora_cache_stats=None)) == {}
     assert ("tritonllm_lora_adapters", "gpu") not in gauge_values(stats(lora_cache_stats=None))
+
+
+def test_kv_block_counters_count_reused_and_new_blocks():
+    kv = SimpleNamespace(max_num_blocks=100, free_num_blocks=75, used_num_blocks=25, tokens_per_block=16,
+                         reused_blocks=12, alloc_new_blocks=30)
+    counts = kv_block_counts(stats(kv_cache_stats=kv))
+    assert counts == {("tritonllm_kv_cache_blocks_total", "reused"): 12, ("tritonllm_kv_cache_blocks_total", "new"): 30}
+    assert counts.items() <= cumulative_counts(stats(kv_cache_stats=kv)).items()
+    assert kv_block_counts(stats()) == {}  # stats without the cumulative counts publish none
 
 
 def test_missing_stats_are_skipped_and_empty_pool_fraction_is_zero():

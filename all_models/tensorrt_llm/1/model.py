@@ -34,8 +34,8 @@ if os.environ.get("TRITONLLM_ROOT"):  # a source checkout not installed into the
     sys.path.insert(0, os.environ["TRITONLLM_ROOT"])
 from serving.executor_config import executor_settings, to_executor_config  # noqa: E402
 from serving.inflight import InflightRequests  # noqa: E402
-from serving.metrics import (HISTOGRAMS, LORA_EVENTS_FAMILY, LORA_REQUESTS_FAMILY, gauge_specs,  # noqa: E402
-                             gauge_values, lora_counts)
+from serving.metrics import (COUNTER_FAMILIES, HISTOGRAMS, gauge_specs,  # noqa: E402
+                             gauge_values, cumulative_counts)
 from serving.params import get_parameter, model_parameters  # noqa: E402
 from serving.responses import requested_outputs, wants_errors_as_output  # noqa: E402
 from serving.requests import (MISSING_STOP_ID, conversion_error_message, convert_request,  # noqa: E402
@@ -84,7 +84,7 @@ class TritonMetrics:
     def __init__(self, model_name, model_version, static_batching=False, restarts=0):
         labels = {"model": model_name, "version": model_version}
         self.labels = labels
-        self.lora_families, self.lora_counters = {}, {}  # created when LoRA stats first arrive
+        self.counter_families, self.counters = {}, {}  # created when their stats first arrive
         self.static_batching = static_batching
         self.families = []  # kept alive: a family must outlive its metrics
         restarts_family = pb_utils.MetricFamily(
@@ -120,23 +120,23 @@ class TritonMetrics:
     def update_gauges(self, stats):
         for key, value in gauge_values(stats, self.static_batching).items():
             self.gauges[key].set(value)
-        self._publish_lora_counts(stats)
+        self._publish_counts(stats)
 
-    def _publish_lora_counts(self, stats):
-        """LoRA counters by their growth; a new adapter name gets its metric on first sight."""
-        for key, value in lora_counts(stats).items():
-            if key not in self.lora_counters:
+    def _publish_counts(self, stats):
+        """Cumulative counts (KV blocks by source, LoRA) as counters by their growth; a new label
+        value (an adapter name) gets its metric on first sight."""
+        for key, value in cumulative_counts(stats).items():
+            if key not in self.counters:
                 family_name = key[0]
-                if family_name not in self.lora_families:
-                    _, description, label = next(spec for spec in (LORA_EVENTS_FAMILY, LORA_REQUESTS_FAMILY)
-                                                 if spec[0] == family_name)
+                if family_name not in self.counter_families:
+                    _, description, label = next(spec for spec in COUNTER_FAMILIES if spec[0] == family_name)
                     family = pb_utils.MetricFamily(name=family_name, description=description,
                                                    kind=pb_utils.MetricFamily.COUNTER)
                     self.families.append(family)
-                    self.lora_families[family_name] = (family, label)
-                family, label = self.lora_families[family_name]
-                self.lora_counters[key] = [family.Metric(labels={**self.labels, label: key[1]}), 0]
-            counter = self.lora_counters[key]
+                    self.counter_families[family_name] = (family, label)
+                family, label = self.counter_families[family_name]
+                self.counters[key] = [family.Metric(labels={**self.labels, label: key[1]}), 0]
+            counter = self.counters[key]
             if value > counter[1]:
                 counter[0].increment(value - counter[1])
                 counter[1] = value
