@@ -1,0 +1,140 @@
+#!/usr/bin/env python3
+"""Multi-turn chat through the in-process executor: what the prefix cache buys.
+
+    python benchmarks/multiturn_bench.py --model llama8b [--conversations 64 --turns 6 --system_len 1500]
+        [--user_len 60 --output_len 64] [--reuse on,off] [--out multiturn.json]
+
+``--conversations`` conversations share one ``--system_len``-token system prompt; each runs
+``--turns`` turns in a closed loop: its next request is sent when the previous answer is complete,
+and carries the whole history (system prompt, every earlier user message and answer) plus a new
+``--user_len``-token user message; the answer is exactly ``--output_len`` tokens (end_id -1).
+Streaming, so the time to first token (enqueue to the first streamed token) is the client's. Token
+ids are random (a random-weight engine of ``--model``'s shape, made on the device at load; see
+benchmarks/engine_bench.py), the same for every setting.
+
+For each ``--reuse`` setting (the executor's ``enable_kv_cache_reuse``) one executor runs the whole
+load; reported: TTFT p50/p90/p99 over all turns and per turn, the KV hit rate (prompt blocks taken
+from the prefix cache over all prompt blocks, from each request's perf metrics:
+``kv_cache_reused_blocks`` / ``kv_cache_alloc_total_blocks``), output tokens/s and wall time.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from engine_bench import MODELS, write_config_only_engine  # noqa: E402  (benchmarks/ is on sys.path as a script)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+
+def run_conversations(executor, vocab: int, args) -> dict:
+    """The closed loop of the module docstring on one executor -> its measurements."""
+    from engine.executor.request import OutputConfig, Request
+
+    rng = random.Random(0)
+    system = [rng.randrange(vocab) for _ in range(args.system_len)]
+    histories = {c: list(system) for c in range(args.conversations)}
+    # One generator a conversation: its user messages do not depend on the order answers finish in.
+    user_rngs = {c: random.Random(c + 1) for c in histories}
+    turn_of = dict.fromkeys(histories, 0)
+    in_flight: dict[int, dict] = {}  # request id -> {conversation, sent_ns, first_ns, tokens, perf}
+    ttft_ms: dict[int, list[float]] = {t: [] for t in range(args.turns)}
+    reused = total_blocks = output_tokens = 0
+
+    def send(conversation: int) -> None:
+        history = histories[conversation]
+        history += [user_rngs[conversation].randrange(vocab) for _ in range(args.user_len)]
+        request = Request(input_token_ids=list(history), max_tokens=args.output_len, end_id=-1, streaming=True,
+                          output=OutputConfig(exclude_input_from_output=True, return_perf_metrics=True))
+        (request_id,) = executor.enqueue_requests([request])
+        in_flight[request_id] = {"conversation": conversation, "sent_ns": time.perf_counter_ns(), "first_ns": None,
+                                 "tokens": []}
+
+    started = time.perf_counter()
+    for conversation in histories:
+        send(conversation)
+    while in_flight:
+        for response in executor.await_responses(timeout=1.0):
+            if response.error:
+                raise RuntimeError(f"request {response.request_id} failed: {response.error}")
+            state = in_flight[response.request_id]
+            tokens = response.result.output_token_ids[0]
+            if tokens and state["first_ns"] is None:
+                state["first_ns"] = time.perf_counter_ns()
+            state["tokens"] += tokens
+            if not response.result.is_final:
+                continue
+            del in_flight[response.request_id]
+            conversation = state["conversation"]
+            ttft_ms[turn_of[conversation]].append((state["first_ns"] - state["sent_ns"]) / 1e6)
+            perf = response.result.perf
+            if perf is not None:
+                reused += perf.kv_cache_reused_blocks
+                total_blocks += perf.kv_cache_alloc_total_blocks
+            output_tokens += len(state["tokens"])
+            histories[conversation] += state["tokens"]
+            turn_of[conversation] += 1
+            if turn_of[conversation] < args.turns:
+                send(conversation)
+    elapsed = time.perf_counter() - started
+    every = [t for turn in ttft_ms.values() for t in turn]
+    return {"seconds": elapsed, "output_tok_s": output_tokens / elapsed,
+            "ttft_ms": {"p50": percentile(every, 50), "p90": percentile(every, 90), "p99": percentile(every, 99)},
+            "ttft_ms_median_by_turn": [statistics.median(ttft_ms[t]) for t in range(args.turns)],
+            "kv_hit_rate": reused / total_blocks if total_blocks else 0.0,
+            "reused_blocks": reused, "prompt_blocks": total_blocks,
+            "conversations": [histories[c] for c in sorted(histories)]}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="llama8b")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--conversations", type=int, default=64)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--system_len", type=int, default=1500)
+    parser.add_argument("--user_len", type=int, default=60)
+    parser.add_argument("--output_len", type=int, default=64)
+    parser.add_argument("--reuse", default="on,off", help="comma list of on/off: the executor's enable_kv_cache_reuse")
+    parser.add_argument("--max_batch_size", type=int, default=64)
+    parser.add_argument("--max_seq_len", type=int, default=4096)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+
+    from engine.executor.executor import Executor, ExecutorConfig
+
+    engine_dir = write_config_only_engine(args.model, args.dtype, args.max_batch_size, args.max_seq_len, 8192, 32)
+    vocab = MODELS[args.model]["vocab_size"]
+    results = {"args": vars(args), "runs": {}}
+    for setting in args.reuse.split(","):
+        config = ExecutorConfig(enable_kv_cache_reuse=setting == "on", kv_cache_free_gpu_mem_fraction=0.9)
+        executor = Executor(engine_dir, config, device=args.device)
+        try:
+            run = run_conversations(executor, vocab, args)
+        finally:
+            executor.shutdown()
+        results["runs"][setting] = run
+        print(f"reuse {setting}: TTFT p50 {run['ttft_ms']['p50']:.1f} ms, p99 {run['ttft_ms']['p99']:.1f} ms, "
+              f"by turn {[round(t, 1) for t in run['ttft_ms_median_by_turn']]}, KV hit rate "
+              f"{run['kv_hit_rate']:.1%}, {run['output_tok_s']:.0f} output tok/s, {run['seconds']:.1f} s", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({**results, "runs": {k: {n: v for n, v in run.items() if n != "conversations"}
+                                           for k, run in results["runs"].items()}}, f, indent=1)
+    return results
+
+
+if __name__ == "__main__":
+    main()
