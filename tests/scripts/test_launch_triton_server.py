@@ -162,3 +162,14 @@ def test_rendezvous_port_is_free_and_below_the_ephemeral_range():
     for port in ports:
         with socket.socket() as sock:
             sock.bind(("", port))  # free when chosen (nothing else binds in this test)
+
+
+def test_openai_workers_default_to_one_per_four_cores(monkeypatch):
+    assert [launcher.default_openai_workers(cores) for cores in (1, 2, 7, 8, 16, 64)] == [1, 1, 1, 2, 4, 4]
+    monkeypatch.setattr(launcher.os, "cpu_count", lambda: 16)
+    assert "--workers=4" in launcher.openai_frontend_command(args_for("--openai_port=9100"))
+    assert not any(part.startswith("--workers") for part in launcher.openai_frontend_command(
+        args_for("--openai_port=9100", "--openai_workers=1")))
+    monkeypatch.setattr(launcher.os, "cpu_count", lambda: 2)
+    assert not any(part.startswith("--workers") for part in launcher.openai_frontend_command(
+        args_for("--openai_port=9100")))
