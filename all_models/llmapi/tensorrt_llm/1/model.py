@@ -1,0 +1,170 @@
+"""Triton `tensorrt_llm` model of the LLM-API repository (TensorRT-LLM's all_models/llmapi interface):
+text in (`text_input`, `sampling_param_*`), text out (`text_output`, `finish_reason`, ...), served by
+this project's engine.
+
+Glue only. It is the five-model repository's `tensorrt_llm` model (all_models/tensorrt_llm/1/model.py,
+loaded from the source tree and subclassed: one executor or engine process, response forwarding,
+cancellation, stop requests, stats, graceful shutdown, restart after an engine death) with three
+changes: `initialize` reads model.yaml (serving/llmapi_yaml.py) and builds or reuses the
+checkpoint's engine (scripts/serve_default.py's engine cache) before the usual start; `execute`
+tokenizes the prompt and reads the LLM-API inputs (serving/llmapi_params.py parse_request); and
+each response's token ids become text, incrementally for streams, cut at `sampling_param_stop`
+strings (serving/llmapi_params.py response_tensors).
+
+Refused per request, naming the input: `image_url` (no multimodal input), `sampling_param_best_of`
+> 1 (no best-of or beam search), `lora_ckpt_source` other than "hf". LoRA (`lora_id`, `lora_name`,
+`lora_path`, a PEFT directory) runs when model.yaml sets `enable_lora`; otherwise the engine
+answers such a request with an error saying LoRA is off. Refused at load, naming the key:
+`tensor_parallel_size` or `pipeline_parallel_size` > 1, unknown keys and bad values in model.yaml.
+"""
+import argparse
+import dataclasses
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import triton_python_backend_utils as pb_utils
+
+if os.environ.get("TRITONLLM_ROOT"):  # a source checkout not installed into the environment
+    sys.path.insert(0, os.environ["TRITONLLM_ROOT"])
+import serving  # noqa: E402
+from serving.llmapi_params import ResponseState, TextStream, parse_request, response_tensors  # noqa: E402
+from serving.llmapi_yaml import (build_options, check_triton_config, executor_parameters, is_engine_dir,  # noqa: E402
+                                 load_llmapi_config)
+from serving.requests import conversion_error_message, is_stop_request  # noqa: E402
+from serving.responses import only_requested, requested_outputs  # noqa: E402
+from serving.tokenization import fast_decoder, first_token_id, load_tokenizer  # noqa: E402
+
+SOURCE_ROOT = Path(os.environ.get("TRITONLLM_ROOT") or Path(serving.__file__).resolve().parents[1])
+CONFIG_FILE = os.environ.get("LLM_CONFIG_PATH", "model.yaml")  # TensorRT-LLM's variable, in this directory
+
+
+def _load_source(name, relative_path):
+    spec = importlib.util.spec_from_file_location(name, SOURCE_ROOT / relative_path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+base = _load_source("tritonllm_tensorrt_llm_model", "all_models/tensorrt_llm/1/model.py")
+
+
+def _config_path():
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), CONFIG_FILE)
+
+
+def _engine_dir(config):
+    """The engine of model.yaml's `model`: an engine directory as it is, else the checkpoint's
+    cached engine (built now when missing)."""
+    if is_engine_dir(config.model):
+        return config.model
+    import torch
+
+    serve = _load_source("serve_default", "scripts/serve_default.py")
+    options = build_options(config, torch.cuda.is_available())
+    extra = options.pop("extra")
+    build_args = serve.checkpoint_build_args(argparse.Namespace(**options)) + extra
+    try:
+        return str(serve.ensure_checkpoint_engine(config.model, build_args))
+    except SystemExit as error:  # the script's way of failing
+        raise RuntimeError(f"model.yaml: model: {error.code}") from None
+
+
+class TritonPythonModel(base.TritonPythonModel):
+    @classmethod
+    def auto_complete_config(cls, auto_complete_model_config):
+        """model.yaml's triton_config, where the server auto-completes configurations (a value
+        config.pbtxt already sets is left to `initialize`'s check, which names the key)."""
+        try:
+            config = load_llmapi_config(_config_path())
+        except Exception:  # initialize reports it
+            return auto_complete_model_config
+        current = auto_complete_model_config.as_dict()
+        if "decoupled" not in (current.get("model_transaction_policy") or {}):
+            auto_complete_model_config.set_model_transaction_policy(dict(decoupled=config.decoupled))
+        if not current.get("max_batch_size"):
+            auto_complete_model_config.set_max_batch_size(config.triton_max_batch_size)
+        return auto_complete_model_config
+
+    def initialize(self, args):
+        from engine.config import EngineConfig
+
+        config = load_llmapi_config(_config_path())
+        model_config = json.loads(args["model_config"])
+        check_triton_config(config, pb_utils.using_decoupled_model_transaction_policy(model_config),
+                            int(model_config.get("max_batch_size", 0) or 0))
+        engine_dir = _engine_dir(config)
+        parameters = model_config.setdefault("parameters", {})
+        for name, value in executor_parameters(config, engine_dir).items():
+            parameters[name] = {"string_value": value}
+        super().initialize({**args, "model_config": json.dumps(model_config)})
+        tokenizer = load_tokenizer(config.tokenizer or engine_dir)
+        self.encode = lambda text: tokenizer.encode(text, add_special_tokens=True)
+        self.encode_word = lambda text: tokenizer.encode(text, add_special_tokens=False)
+        self.end_id = first_token_id(tokenizer, tokenizer.eos_token)
+        self.pad_id = first_token_id(tokenizer, tokenizer.pad_token)
+        self.decode = fast_decoder(tokenizer, skip_special_tokens=True)
+        self.tokens_per_block = EngineConfig.load(engine_dir).build.tokens_per_block
+        self.batched = bool(model_config.get("max_batch_size", 0))
+        self.states = {}  # Triton request key (serving/inflight.py) -> ResponseState
+        forward = self.inflight.on_response
+
+        def on_response(response):  # under self.lock: keep what the output tensors do not carry
+            exec_request = self.inflight.by_exec_id.get(response.request_id)
+            state = exec_request and self.states.get(exec_request.triton.key)
+            if state and response.result is not None:
+                state.on_result(response.result)
+            return forward(response)
+
+        self.inflight.on_response = on_response
+        pb_utils.Logger.log_info(f"tensorrt_llm (LLM-API): serving {config.model} with engine {engine_dir}")
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                tensors = base.read_inputs(request, self.input_names)
+                if is_stop_request(tensors):
+                    self._stop(request.request_id(), sender)
+                    continue
+                if self._server_stopping():
+                    raise RuntimeError("the server is shutting down and admits no new requests")
+                parsed = parse_request(tensors, decoupled=self.decoupled, encode=self.encode,
+                                       encode_word=self.encode_word, end_id=self.end_id, pad_id=self.pad_id,
+                                       max_input_len=self.max_input_len)
+                executor_request = self._executor_request(parsed.spec)
+            except Exception as error:
+                self._send_error(sender, conversion_error_message(request.request_id(), error))
+                continue
+            state = ResponseState(parsed, TextStream(self.decode, parsed.stop_strings), self.tokens_per_block,
+                                  requested=requested_outputs(request))
+            with self.lock:
+                try:
+                    exec_ids = self.executor.enqueue_requests([executor_request])
+                except Exception as error:  # e.g. the executor is shut down
+                    self._send_error(sender, f"tensorrt_llm could not accept the request: {error}")
+                    continue
+                self.inflight.add(sender, request.request_id(), [parsed.spec], exec_ids)
+                self.states[self.inflight.by_exec_id[exec_ids[0]].triton.key] = state
+        return None
+
+    def _deliver(self, send):
+        """Token ids -> the LLM-API outputs; a stream that reached a stop string ends its generation."""
+        state = self.states.get(send.key)
+        if state is not None and send.tensors is not None:
+            stopped_before = state.text.stopped
+            tensors = response_tensors(state, send.tensors, send.final, batched=self.batched)
+            if state.text.stopped and not stopped_before and not send.final:
+                with self.lock:
+                    exec_ids = self.inflight.cancel_key(send.key)
+                for exec_id in exec_ids:
+                    self.executor.cancel_request(exec_id)
+            if tensors is None:
+                return
+            send = dataclasses.replace(send, tensors=only_requested(tensors, state.requested))
+        if send.final:
+            self.states.pop(send.key, None)
+        super()._deliver(send)

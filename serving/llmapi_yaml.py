@@ -1,0 +1,286 @@
+"""`model.yaml` of the LLM-API model repository (all_models/llmapi/tensorrt_llm/1/model.yaml) ->
+what our engine and the `tensorrt_llm` model need (plain Python; no Triton import).
+
+TensorRT-LLM's LLM-API repository describes its model in a YAML file of `tensorrt_llm.LLM`
+arguments plus a `triton_config` section. Here the same keys choose a checkpoint (a Hugging Face
+directory, a .gguf file, or an engine directory built by ``python -m engine.build``), the build
+options of its cached engine, and the executor settings (the `tensorrt_llm` model's parameter
+names). Every key is checked: an unknown key, a bad value or a feature this backend does not have
+is a ValueError naming the key and what is allowed, so the model fails to load with that text.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+BACKENDS = ("pytorch", "tensorrt", "trt")  # accepted names; our engine serves all of them the same
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+QUANT_ALGOS = {"FP8": "fp8", "FP8_BLOCK_SCALES": "fp8_block", "W8A16": "int8_wo", "W4A16": "int4_wo",
+               "W4A16_AWQ": "int4_awq"}
+KV_CACHE_QUANT_ALGOS = {"FP8": "fp8"}
+KV_CACHE_KEYS = ("free_gpu_memory_fraction", "enable_block_reuse", "max_tokens", "dtype")
+CUDA_GRAPH_KEYS = ("batch_sizes", "max_batch_size", "enable_padding")
+TRITON_KEYS = ("max_batch_size", "decoupled", "cancellation_check_period_ms", "stats_check_period_ms")
+QUANT_KEYS = ("quant_algo", "kv_cache_quant_algo")
+TOP_KEYS = ("model", "tokenizer", "backend", "tensor_parallel_size", "pipeline_parallel_size", "dtype",
+            "max_batch_size", "max_seq_len", "max_input_len", "max_num_tokens", "max_beam_width",
+            "quant_config", "kv_cache_config", "cuda_graph_config", "use_cuda_graph",
+            "disable_overlap_scheduler", "enable_chunked_prefill", "logits_post_processors",
+            "skip_tokenizer_init", "trust_remote_code", "enable_lora", "lora_config", "triton_config")
+LORA_KEYS = ("max_lora_rank", "max_loras")
+
+
+@dataclass
+class LlmapiConfig:
+    model: str
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    max_batch_size: int = 64  # the engine's (serve_default's default), not Triton's
+    max_seq_len: int | None = None
+    max_input_len: int | None = None
+    max_num_tokens: int | None = None
+    quantization: str | None = None
+    kv_cache_dtype: str | None = None
+    decoupled: bool = True
+    triton_max_batch_size: int = 0
+    parameters: dict[str, str] = field(default_factory=dict)  # tensorrt_llm model parameters
+
+
+def _fail(key: str, message: str) -> ValueError:
+    return ValueError(f"model.yaml: {key}: {message}")
+
+
+def _mapping(value: Any, key: str, allowed: tuple[str, ...]) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise _fail(key, f"expected a mapping of {', '.join(allowed)}, got {value!r}")
+    for name in value:
+        if name not in allowed:
+            raise _fail(f"{key}.{name}", f"unknown key; allowed: {', '.join(allowed)}")
+    return value
+
+
+def _int(value: Any, key: str, minimum: int = 0, maximum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum or \
+            (maximum is not None and value > maximum):
+        bound = f"{minimum}..{maximum}" if maximum is not None else f">= {minimum}"
+        raise _fail(key, f"expected an integer {bound}, got {value!r}")
+    return value
+
+
+def _bool(value: Any, key: str) -> bool:
+    if not isinstance(value, bool):
+        raise _fail(key, f"expected true or false, got {value!r}")
+    return value
+
+
+def _choice(value: Any, key: str, allowed) -> str:
+    if value not in allowed:
+        raise _fail(key, f"{value!r} is not supported; allowed: {', '.join(map(str, allowed))}")
+    return value
+
+
+def _fraction(value: Any, key: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise _fail(key, f"expected a number in (0, 1], got {value!r}")
+    return float(value)
+
+
+def parse_llmapi_config(data: Any, base_dir: str | None = None) -> LlmapiConfig:
+    """Validate a loaded model.yaml; relative paths are taken from `base_dir` (the model's dir)."""
+    if not isinstance(data, dict):
+        raise ValueError(f"model.yaml: expected a mapping of {', '.join(TOP_KEYS)}, got {data!r}")
+    for key in data:
+        if key not in TOP_KEYS:
+            raise _fail(key, f"unknown key; allowed: {', '.join(TOP_KEYS)}")
+    model = data.get("model")
+    if not isinstance(model, str) or not model:
+        raise _fail("model", "required: a Hugging Face checkpoint directory, a .gguf file or an engine "
+                             "directory on this machine")
+    if base_dir and not os.path.isabs(model):
+        model = os.path.join(base_dir, model)
+    if not os.path.exists(model):
+        raise _fail("model", f"{model} does not exist (this backend reads local checkpoints only: a Hugging "
+                             "Face directory, a .gguf file or an engine directory; Hub names are not fetched)")
+    config = LlmapiConfig(model=model)
+    tokenizer = data.get("tokenizer")
+    if tokenizer is not None:
+        if not isinstance(tokenizer, str) or not os.path.isdir(tokenizer):
+            raise _fail("tokenizer", f"expected a tokenizer directory on this machine, got {tokenizer!r}")
+        config.tokenizer = tokenizer
+        config.parameters["tokenizer_dir"] = tokenizer
+    if "backend" in data:
+        _choice(data["backend"], "backend", BACKENDS)
+    tp = _int(data.get("tensor_parallel_size", 1), "tensor_parallel_size", 1)
+    if tp != 1:
+        raise _fail("tensor_parallel_size", f"{tp} is not supported by the LLM-API model here; allowed: 1 (for "
+                                            "tensor parallelism serve the five-model repository with "
+                                            "scripts/launch_triton_server.py --world_size N)")
+    pp = _int(data.get("pipeline_parallel_size", 1), "pipeline_parallel_size", 1)
+    if pp != 1:
+        raise _fail("pipeline_parallel_size", f"{pp} is not supported: this backend has no pipeline "
+                                              "parallelism; allowed: 1")
+    config.dtype = _choice(data.get("dtype", "auto"), "dtype", DTYPES)
+    if "max_batch_size" in data:
+        config.max_batch_size = _int(data["max_batch_size"], "max_batch_size", 1)
+    for name in ("max_seq_len", "max_input_len", "max_num_tokens"):
+        if data.get(name) is not None:
+            setattr(config, name, _int(data[name], name, 1))
+    if "max_beam_width" in data:
+        config.parameters["max_beam_width"] = str(_int(data["max_beam_width"], "max_beam_width", 1))
+    quant = _mapping(data.get("quant_config"), "quant_config", QUANT_KEYS)
+    if quant.get("quant_algo") is not None:
+        config.quantization = QUANT_ALGOS[_choice(quant["quant_algo"], "quant_config.quant_algo", QUANT_ALGOS)]
+    if quant.get("kv_cache_quant_algo") is not None:
+        config.kv_cache_dtype = KV_CACHE_QUANT_ALGOS[_choice(quant["kv_cache_quant_algo"],
+                                                             "quant_config.kv_cache_quant_algo",
+                                                             KV_CACHE_QUANT_ALGOS)]
+    _kv_cache(data.get("kv_cache_config"), config)
+    _cuda_graphs(data, config)
+    for name, parameter in (("disable_overlap_scheduler", "disable_overlap_scheduler"),
+                            ("enable_chunked_prefill", "enable_chunked_context")):
+        if name in data:
+            config.parameters[parameter] = str(_bool(data[name], name)).lower()
+    if data.get("logits_post_processors"):
+        raise _fail("logits_post_processors", "custom logits post-processors are not supported by this backend; "
+                                              "leave the key out or empty")
+    if data.get("skip_tokenizer_init"):
+        raise _fail("skip_tokenizer_init", "true is not supported: this model takes text and needs the "
+                                           "tokenizer; allowed: false")
+    if "trust_remote_code" in data:
+        _bool(data["trust_remote_code"], "trust_remote_code")
+    _lora(data, config)
+    _triton(data.get("triton_config"), config)
+    return config
+
+
+def _lora(data: dict, config: LlmapiConfig) -> None:
+    """enable_lora and lora_config (max_lora_rank, max_loras): requests may then name a PEFT adapter
+    with lora_id/lora_name/lora_path (the tensorrt_llm parameters enable_lora,
+    lora_cache_max_adapter_size, max_loras)."""
+    lora = _mapping(data.get("lora_config"), "lora_config", LORA_KEYS)
+    enable = _bool(data["enable_lora"], "enable_lora") if "enable_lora" in data else bool(lora)
+    config.parameters["enable_lora"] = str(enable).lower()
+    if lora.get("max_lora_rank") is not None:
+        config.parameters["lora_cache_max_adapter_size"] = str(_int(lora["max_lora_rank"], "lora_config.max_lora_rank", 1))
+    if lora.get("max_loras") is not None:
+        config.parameters["max_loras"] = str(_int(lora["max_loras"], "lora_config.max_loras", 1))
+
+
+def _kv_cache(value: Any, config: LlmapiConfig) -> None:
+    kv = _mapping(value, "kv_cache_config", KV_CACHE_KEYS)
+    if kv.get("free_gpu_memory_fraction") is not None:
+        config.parameters["kv_cache_free_gpu_mem_fraction"] = str(
+            _fraction(kv["free_gpu_memory_fraction"], "kv_cache_config.free_gpu_memory_fraction"))
+    if kv.get("enable_block_reuse") is not None:
+        config.parameters["enable_kv_cache_reuse"] = str(
+            _bool(kv["enable_block_reuse"], "kv_cache_config.enable_block_reuse")).lower()
+    if kv.get("max_tokens") is not None:
+        config.parameters["max_tokens_in_paged_kv_cache"] = str(
+            _int(kv["max_tokens"], "kv_cache_config.max_tokens", 1))
+    if kv.get("dtype") is not None:
+        dtype = _choice(kv["dtype"], "kv_cache_config.dtype", ("auto", "fp8"))
+        if dtype == "fp8":
+            config.kv_cache_dtype = "fp8"
+
+
+def _cuda_graphs(data: dict, config: LlmapiConfig) -> None:
+    """cuda_graph_config (a mapping, or null for none) or the older use_cuda_graph flag: the
+    `tensorrt_llm` model's cuda_graph_mode / cuda_graph_cache_size parameters."""
+    if "use_cuda_graph" in data:
+        config.parameters["cuda_graph_mode"] = str(_bool(data["use_cuda_graph"], "use_cuda_graph")).lower()
+    if "cuda_graph_config" not in data:
+        return
+    graphs = data["cuda_graph_config"]
+    if graphs is None:
+        config.parameters["cuda_graph_mode"] = "false"
+        return
+    graphs = _mapping(graphs, "cuda_graph_config", CUDA_GRAPH_KEYS)
+    config.parameters["cuda_graph_mode"] = "true"
+    sizes = graphs.get("batch_sizes")
+    if sizes is not None:
+        if not isinstance(sizes, list) or not sizes:
+            raise _fail("cuda_graph_config.batch_sizes", f"expected a list of integers >= 1, got {sizes!r}")
+        sizes = [_int(size, "cuda_graph_config.batch_sizes", 1) for size in sizes]
+        config.parameters["cuda_graph_cache_size"] = str(len(sizes))
+    if graphs.get("max_batch_size") is not None:
+        _int(graphs["max_batch_size"], "cuda_graph_config.max_batch_size", 1)
+    if graphs.get("enable_padding") is not None:
+        _bool(graphs["enable_padding"], "cuda_graph_config.enable_padding")
+
+
+def _triton(value: Any, config: LlmapiConfig) -> None:
+    triton = _mapping(value, "triton_config", TRITON_KEYS)
+    if "max_batch_size" in triton:
+        config.triton_max_batch_size = _int(triton["max_batch_size"], "triton_config.max_batch_size", 0)
+    if "decoupled" in triton:
+        config.decoupled = _bool(triton["decoupled"], "triton_config.decoupled")
+    for name in ("cancellation_check_period_ms", "stats_check_period_ms"):
+        if name in triton:
+            config.parameters[name] = str(_int(triton[name], f"triton_config.{name}", 1))
+
+
+def load_llmapi_config(path: str) -> LlmapiConfig:
+    """Read and validate a model.yaml file (ValueError naming the file or the key)."""
+    import yaml
+
+    if not os.path.isfile(path):
+        raise ValueError(f"model.yaml: {path} not found (the LLM-API model reads its settings from it; "
+                         "LLM_CONFIG_PATH names another file in the model's directory)")
+    with open(path) as f:
+        try:
+            data = yaml.safe_load(f)
+        except yaml.YAMLError as error:
+            raise ValueError(f"model.yaml: {path} is not valid YAML: {error}") from None
+    return parse_llmapi_config(data, os.path.dirname(os.path.abspath(path)))
+
+
+def is_engine_dir(path: str) -> bool:
+    """An engine directory written by ``python -m engine.build`` (used as it is, nothing built)."""
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and "format_version" in data and "build" in data
+
+
+def build_options(config: LlmapiConfig, has_gpu: bool) -> dict[str, Any]:
+    """Options of scripts/serve_default.py's checkpoint_build_args for this model (dtype auto:
+    bfloat16 with a GPU, float32 without), and engine.build flags beyond them."""
+    dtype = None if config.dtype == "auto" else config.dtype
+    options = {"dtype": dtype or ("bfloat16" if has_gpu else "float32"), "max_batch_size": config.max_batch_size,
+               "tp": 1, "max_seq_len": config.max_seq_len, "quantization": config.quantization,
+               "kv_cache_dtype": config.kv_cache_dtype}
+    extra = []
+    for name in ("max_input_len", "max_num_tokens"):
+        if getattr(config, name) is not None:
+            extra += [f"--{name}", str(getattr(config, name))]
+    options["extra"] = extra
+    return options
+
+
+def check_triton_config(config: LlmapiConfig, decoupled: bool, max_batch_size: int) -> None:
+    """model.yaml's triton_config against the configuration Triton loaded. Triton applies
+    triton_config through the model's auto_complete_config; a server started with
+    --disable-auto-complete-config (scripts/launch_triton_server.py passes it) reads config.pbtxt
+    alone, so both must say the same."""
+    for key, wanted, loaded, where in (
+            ("decoupled", config.decoupled, decoupled, "model_transaction_policy { decoupled }"),
+            ("max_batch_size", config.triton_max_batch_size, max_batch_size, "max_batch_size")):
+        if wanted != loaded:
+            raise _fail(f"triton_config.{key}", f"{json.dumps(wanted)} here, but Triton loaded the model with "
+                                                f"{where} {json.dumps(loaded)} from config.pbtxt (auto-complete is "
+                                                "off, as scripts/launch_triton_server.py runs tritonserver); "
+                                                "set both to the same value")
+
+
+def executor_parameters(config: LlmapiConfig, engine_dir: str) -> dict[str, str]:
+    """The `tensorrt_llm` model's parameters (config.pbtxt names, string values) for this model."""
+    params = {"gpt_model_path": engine_dir, "batch_scheduler_policy": "guaranteed_no_evict",
+              "tokenizer_dir": engine_dir}
+    params.update(config.parameters)
+    return params

@@ -1,0 +1,156 @@
+"""The LLM-API model repository (all_models/llmapi) on a real tritonserver: model.yaml points at the
+embedded SmolLM2's .gguf, the engine is built into a cache under the test's tmp dir at load, and
+the anchor's documented requests answer (generate with sampling_param_max_tokens, with perf
+metrics, generate_stream), stop strings cut the text, unsupported inputs are refused by name, and
+a bad model.yaml value fails the load naming the key."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from triton_helpers import ROOT, Server, chat, free_port, load_script
+
+PROMPT = chat("What is the capital of France?")
+ENGINE_OPTIONS = "dtype: float32\nmax_batch_size: 4\nmax_seq_len: 1024\nmax_num_tokens: 2048\n"
+
+
+def model_yaml(model: str, extra: str = "") -> str:
+    return (f"model: {model}\nbackend: pytorch\ntensor_parallel_size: 1\npipeline_parallel_size: 1\n"
+            f"{ENGINE_OPTIONS}kv_cache_config:\n  enable_block_reuse: true\n{extra}"
+            "triton_config:\n  max_batch_size: 0\n  decoupled: true\n")
+
+
+@contextmanager
+def llmapi_server(work: Path, yaml_text: str, expect_ready: bool = True):
+    """Serve a copy of all_models/llmapi with `yaml_text` as model.yaml; yields (Server, process)."""
+    serve, launcher = load_script("serve_default"), load_script("launch_triton_server")
+    repo = work / "repo"
+    shutil.copytree(ROOT / "all_models" / "llmapi", repo, ignore=shutil.ignore_patterns("__pycache__"))
+    (repo / "tensorrt_llm" / "1" / "model.yaml").write_text(yaml_text)
+    ports = [str(free_port()) for _ in range(3)]
+    args = launcher.parse_arguments([f"--model_repo={repo}", "--no-mpi", "--host=127.0.0.1", "--force",
+                                     f"--http_port={ports[0]}", f"--grpc_port={ports[1]}",
+                                     f"--metrics_port={ports[2]}", f"--cache_dir={work / 'cache'}"])
+    log_path = work / "server.log"
+    with open(log_path, "w") as log:
+        process = launcher.launch(args, stdout=log, stderr=log)
+    try:
+        if expect_ready and not serve.wait_until_ready(process, ports[0], timeout=300):
+            pytest.fail(f"tritonserver did not become ready:\n{log_path.read_text()[-5000:]}")
+        yield Server(http=f"http://127.0.0.1:{ports[0]}", grpc_url=f"127.0.0.1:{ports[1]}",
+                     metrics=f"http://127.0.0.1:{ports[2]}", log_path=log_path, pid=process.pid), process
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@pytest.fixture(scope="module")
+def engine_cache(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("tritonllm_cache")
+    old = os.environ.get("TRITONLLM_CACHE")
+    os.environ["TRITONLLM_CACHE"] = str(cache)  # the server inherits it: the engine lands in tmp
+    yield cache
+    if old is None:
+        del os.environ["TRITONLLM_CACHE"]
+    else:
+        os.environ["TRITONLLM_CACHE"] = old
+
+
+@pytest.fixture(scope="module")
+def llmapi(smollm2_gguf, engine_cache, tmp_path_factory):
+    with llmapi_server(tmp_path_factory.mktemp("llmapi"), model_yaml(smollm2_gguf)) as (server, _):
+        yield server
+
+
+def generate(server, body, stream=False):
+    response = server.generate("tensorrt_llm", body, stream=stream)
+    if stream:
+        assert response.status_code == 200, response.text
+        events = [json.loads(line[len(b"data: "):]) for line in response.iter_lines() if line.startswith(b"data: ")]
+        errors = [event for event in events if "error" in event]
+        assert not errors, errors
+        return events
+    return response
+
+
+def test_generate_answers_the_documented_request_and_builds_the_engine_into_the_cache(llmapi, engine_cache):
+    response = generate(llmapi, {"text_input": PROMPT, "sampling_param_max_tokens": 16,
+                                 "return_finish_reason": True, "return_stop_reason": True})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["model_name"] == "tensorrt_llm"
+    assert "Paris" in body["text_output"], body
+    assert not body["text_output"].startswith("<|im_start|>")  # generated text only
+    assert body["finish_reason"] in ("stop", "length") and body["stop_reason"] == "None"
+    assert [p.name for p in (engine_cache / "engines").iterdir() if (p / "config.json").exists()]
+
+
+def test_perf_metrics_come_from_the_executor(llmapi):
+    body = generate(llmapi, {"text_input": PROMPT, "sampling_param_max_tokens": 8,
+                             "sampling_param_return_perf_metrics": True}).json()
+    for name in ("kv_cache_reused_block", "kv_cache_missed_block", "kv_cache_alloc_new_blocks",
+                 "kv_cache_alloc_total_blocks", "kv_cache_hit_rate", "arrival_time_ns", "first_scheduled_time_ns",
+                 "first_token_time_ns", "last_token_time_ns", "acceptance_rate", "total_accepted_draft_tokens",
+                 "total_draft_tokens"):
+        assert name in body, (name, body)
+    value = {name: body[name][0] if isinstance(body[name], list) else body[name] for name in body}
+    assert 0 < value["arrival_time_ns"] <= value["first_scheduled_time_ns"] <= value["first_token_time_ns"] \
+        <= value["last_token_time_ns"]
+    assert value["kv_cache_alloc_total_blocks"] >= 1
+    assert value["kv_cache_reused_block"] + value["kv_cache_missed_block"] >= 1
+    assert value["total_draft_tokens"] == 0
+
+
+def test_stream_adds_up_to_the_unary_text(llmapi):
+    body = {"text_input": PROMPT, "sampling_param_max_tokens": 24}
+    unary = generate(llmapi, body).json()["text_output"]
+    events = generate(llmapi, {**body, "streaming": True, "return_finish_reason": True}, stream=True)
+    assert len(events) > 2
+    assert "".join(event["text_output"] for event in events) == unary
+    assert events[-1]["finish_reason"] in ("stop", "length")
+    assert all(event["finish_reason"] == "None" for event in events[:-1])
+
+
+def test_stop_string_ends_the_text_before_it(llmapi):
+    body = {"text_input": PROMPT, "sampling_param_max_tokens": 24}
+    unary = generate(llmapi, body).json()["text_output"]
+    stop = "Paris"
+    assert stop in unary
+    expected = unary[:unary.index(stop)]
+    stopped = generate(llmapi, {**body, "sampling_param_stop": [stop], "return_finish_reason": True,
+                                "return_stop_reason": True}).json()
+    assert stopped["text_output"] == expected
+    assert stopped["finish_reason"] == "stop" and stopped["stop_reason"] == stop
+    events = generate(llmapi, {**body, "sampling_param_stop": [stop], "streaming": True,
+                               "return_stop_reason": True}, stream=True)
+    assert "".join(event["text_output"] for event in events) == expected
+    assert events[-1]["stop_reason"] == stop
+
+
+@pytest.mark.parametrize("extra, named", [({"image_url": ["https://example.com/cat.png"]}, "image_url"),
+                                          ({"sampling_param_best_of": 2}, "sampling_param_best_of")])
+def test_unsupported_inputs_are_refused_by_name(llmapi, extra, named):
+    response = generate(llmapi, {"text_input": PROMPT, "sampling_param_max_tokens": 4, **extra})
+    assert response.status_code != 200
+    assert named in response.json()["error"]
+
+
+def test_a_bad_model_yaml_value_fails_the_load_naming_the_key(smollm2_gguf, engine_cache, tmp_path):
+    yaml_text = model_yaml(smollm2_gguf).replace("tensor_parallel_size: 1", "tensor_parallel_size: 2")
+    with llmapi_server(tmp_path, yaml_text, expect_ready=False) as (server, process):
+        try:
+            process.wait(timeout=60)  # a model that fails to load at start ends tritonserver
+        except subprocess.TimeoutExpired:
+            pass
+        log = server.log()
+    assert "tensor_parallel_size" in log and "allowed: 1" in log, log[-3000:]
