@@ -80,7 +80,8 @@ def prepare_model_repo(engine_dir: str, repo_dir: str, overrides: dict[str, dict
     repo = Path(repo_dir)
     if repo.exists():
         shutil.rmtree(repo)
-    shutil.copytree(REPO_ROOT / "all_models", repo, ignore=shutil.ignore_patterns("__pycache__"))
+    # all_models/llmapi is a repository of its own (README "LLM-API model repository"), not a model
+    shutil.copytree(REPO_ROOT / "all_models", repo, ignore=shutil.ignore_patterns("__pycache__", "llmapi"))
     for model in MODELS:
         config = repo / model / "config.pbtxt"
         text = config.read_text()

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import subprocess
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -137,6 +138,40 @@ def test_stop_string_ends_the_text_before_it(llmapi):
     assert events[-1]["stop_reason"] == stop
 
 
+def test_greedy_text_equals_the_ensembles(llmapi, triton_server):
+    """The same prompt through the five-model repository (its engine built in-process from the same
+    .gguf) gives the same greedy text."""
+    ours = generate(llmapi, {"text_input": PROMPT, "sampling_param_max_tokens": 24}).json()["text_output"]
+    theirs = triton_server.generate("ensemble", {"text_input": PROMPT, "max_tokens": 24,
+                                                 "exclude_input_in_output": True}).json()["text_output"]
+    assert ours == theirs
+
+
+def test_a_stop_request_ends_a_stream_and_cumulative_logprob_comes_back(llmapi):
+    events, first = [], threading.Event()
+
+    def read():
+        response = llmapi.generate("tensorrt_llm", {"id": "llmapi-stop", "text_input": PROMPT, "streaming": True,
+                                                    "sampling_param_max_tokens": 400, "sampling_param_temperature": 1.0,
+                                                    "sampling_param_top_k": 50, "return_finish_reason": True,
+                                                    "return_cumulative_logprob": True}, stream=True)
+        for line in response.iter_lines():
+            if line.startswith(b"data: "):
+                events.append(json.loads(line[len(b"data: "):]))
+                first.set()
+        first.set()
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert first.wait(60)
+    stop = llmapi.generate("tensorrt_llm", {"id": "llmapi-stop", "text_input": "", "stop": True})
+    assert stop.status_code == 200, stop.text
+    reader.join(60)
+    assert not reader.is_alive() and events and len(events) < 400
+    assert events[-1]["finish_reason"] == "cancelled", events[-1]
+    assert all(event["cumulative_logprob"] <= 0 for event in events if "cumulative_logprob" in event)
+
+
 @pytest.mark.parametrize("extra, named", [({"image_url": ["https://example.com/cat.png"]}, "image_url"),
                                           ({"sampling_param_best_of": 2}, "sampling_param_best_of")])
 def test_unsupported_inputs_are_refused_by_name(llmapi, extra, named):
@@ -145,12 +180,18 @@ def test_unsupported_inputs_are_refused_by_name(llmapi, extra, named):
     assert named in response.json()["error"]
 
 
-def test_a_bad_model_yaml_value_fails_the_load_naming_the_key(smollm2_gguf, engine_cache, tmp_path):
-    yaml_text = model_yaml(smollm2_gguf).replace("tensor_parallel_size: 1", "tensor_parallel_size: 2")
+@pytest.mark.parametrize("old, new, message", [
+    ("tensor_parallel_size: 1", "tensor_parallel_size: 2", "allowed: 1"),
+    ("decoupled: true", "decoupled: false", "triton_config.decoupled: false here, but Triton loaded"),
+])
+def test_a_bad_model_yaml_value_fails_the_load_naming_the_key(smollm2_gguf, engine_cache, tmp_path, old, new,
+                                                              message):
+    yaml_text = model_yaml(smollm2_gguf).replace(old, new)
     with llmapi_server(tmp_path, yaml_text, expect_ready=False) as (server, process):
         try:
             process.wait(timeout=60)  # a model that fails to load at start ends tritonserver
         except subprocess.TimeoutExpired:
             pass
         log = server.log()
-    assert "tensor_parallel_size" in log and "allowed: 1" in log, log[-3000:]
+    assert f"model.yaml: {new.split(':')[0]}" in log or "triton_config.decoupled" in log, log[-3000:]
+    assert message in log, log[-3000:]
