@@ -59,7 +59,8 @@ def _scalar(tensors: Mapping[str, np.ndarray], name: str):
 def _strings(array: np.ndarray | None) -> list[str]:
     if array is None:
         return []
-    values = [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in np.asarray(array, dtype=object).reshape(-1)]
+    values = [v.decode("utf-8") if isinstance(v, bytes) else str(v)
+              for v in np.asarray(array, dtype=object).reshape(-1)]
     return [v for v in values if v]
 
 

@@ -165,7 +165,8 @@ def _lora(data: dict, config: LlmapiConfig) -> None:
     enable = _bool(data["enable_lora"], "enable_lora") if "enable_lora" in data else bool(lora)
     config.parameters["enable_lora"] = str(enable).lower()
     if lora.get("max_lora_rank") is not None:
-        config.parameters["lora_cache_max_adapter_size"] = str(_int(lora["max_lora_rank"], "lora_config.max_lora_rank", 1))
+        rank = _int(lora["max_lora_rank"], "lora_config.max_lora_rank", 1)
+        config.parameters["lora_cache_max_adapter_size"] = str(rank)
     if lora.get("max_loras") is not None:
         config.parameters["max_loras"] = str(_int(lora["max_loras"], "lora_config.max_loras", 1))
 
@@ -188,8 +189,9 @@ def _kv_cache(value: Any, config: LlmapiConfig) -> None:
 
 
 def _cuda_graphs(data: dict, config: LlmapiConfig) -> None:
-    """cuda_graph_config (a mapping, or null for none) or the older use_cuda_graph flag: the
-    `tensorrt_llm` model's cuda_graph_mode / cuda_graph_cache_size parameters."""
+    """cuda_graph_config (a mapping, or null for none) or the older use_cuda_graph flag: checked,
+    and passed on as the `tensorrt_llm` model's cuda_graph_mode / cuda_graph_cache_size parameters,
+    which our executor accepts and ignores (logged at load): on a GPU it always captures its graphs."""
     if "use_cuda_graph" in data:
         config.parameters["cuda_graph_mode"] = str(_bool(data["use_cuda_graph"], "use_cuda_graph")).lower()
     if "cuda_graph_config" not in data:

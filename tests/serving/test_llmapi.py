@@ -51,7 +51,8 @@ def test_defaults_and_dtype_auto(checkpoint):
     assert build_options(config, has_gpu=False)["dtype"] == "float32"
     assert build_options(config, has_gpu=True)["dtype"] == "bfloat16"
     assert executor_parameters(config, "/e")["enable_lora"] == "false"
-    assert parse_llmapi_config({"model": checkpoint, "cuda_graph_config": None}).parameters["cuda_graph_mode"] == "false"
+    no_graphs = parse_llmapi_config({"model": checkpoint, "cuda_graph_config": None})
+    assert no_graphs.parameters["cuda_graph_mode"] == "false"
 
 
 @pytest.mark.parametrize("change, key, allowed", [
