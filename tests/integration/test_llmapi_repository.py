@@ -15,10 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from triton_helpers import ROOT, Server, chat, free_port, load_script
+from triton_helpers import ROOT, Server, chat, free_port, load_script, running_server, write_peft_adapter
 
 PROMPT = chat("What is the capital of France?")
 ENGINE_OPTIONS = "dtype: float32\nmax_batch_size: 4\nmax_seq_len: 1024\nmax_num_tokens: 2048\n"
+
+
+LORA = "enable_lora: true\nlora_config:\n  max_lora_rank: 8\n  max_loras: 2\n"
 
 
 def model_yaml(model: str, extra: str = "") -> str:
@@ -69,8 +72,16 @@ def engine_cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llmapi(smollm2_gguf, engine_cache, tmp_path_factory):
-    with llmapi_server(tmp_path_factory.mktemp("llmapi"), model_yaml(smollm2_gguf)) as (server, _):
+    with llmapi_server(tmp_path_factory.mktemp("llmapi"), model_yaml(smollm2_gguf, LORA)) as (server, _):
         yield server
+
+
+@pytest.fixture(scope="module")
+def cached_engine(llmapi, engine_cache) -> str:
+    """The engine the llmapi server built from the .gguf into the cache."""
+    engines = [p for p in (engine_cache / "engines").iterdir() if (p / "config.json").exists()]
+    assert len(engines) == 1, engines
+    return str(engines[0])
 
 
 def generate(server, body, stream=False):
@@ -138,12 +149,13 @@ def test_stop_string_ends_the_text_before_it(llmapi):
     assert events[-1]["stop_reason"] == stop
 
 
-def test_greedy_text_equals_the_ensembles(llmapi, triton_server):
-    """The same prompt through the five-model repository (its engine built in-process from the same
-    .gguf) gives the same greedy text."""
+def test_greedy_text_equals_the_ensembles(llmapi, cached_engine, tmp_path):
+    """The five-model repository serving the same engine gives the same greedy text for the same prompt
+    (its preprocessing/postprocessing tokenize and detokenize; here the LLM-API model does)."""
     ours = generate(llmapi, {"text_input": PROMPT, "sampling_param_max_tokens": 24}).json()["text_output"]
-    theirs = triton_server.generate("ensemble", {"text_input": PROMPT, "max_tokens": 24,
-                                                 "exclude_input_in_output": True}).json()["text_output"]
+    with running_server(cached_engine, tmp_path) as ensemble:
+        theirs = ensemble.generate("ensemble", {"text_input": PROMPT, "max_tokens": 24,
+                                                "exclude_input_in_output": True}).json()["text_output"]
     assert ours == theirs
 
 
@@ -170,6 +182,19 @@ def test_a_stop_request_ends_a_stream_and_cumulative_logprob_comes_back(llmapi):
     assert not reader.is_alive() and events and len(events) < 400
     assert events[-1]["finish_reason"] == "cancelled", events[-1]
     assert all(event["cumulative_logprob"] <= 0 for event in events if "cumulative_logprob" in event)
+
+
+def test_a_lora_adapter_named_by_lora_id_name_and_path_changes_the_text(llmapi, cached_engine, tmp_path):
+    adapter = write_peft_adapter(cached_engine, tmp_path / "r8", rank=8, seed=8)
+    body = {"text_input": "Once upon a time", "sampling_param_max_tokens": 12, "return_cumulative_logprob": True}
+    base = generate(llmapi, body).json()
+    lora = {"lora_id": 7, "lora_name": "r8", "lora_path": str(adapter)}
+    adapted = generate(llmapi, {**body, **lora})
+    assert adapted.status_code == 200, adapted.text
+    adapted = adapted.json()
+    assert (adapted["text_output"], adapted["cumulative_logprob"]) != (base["text_output"], base["cumulative_logprob"])
+    refused = generate(llmapi, {**body, **lora, "lora_ckpt_source": "nemo"})
+    assert refused.status_code != 200 and "lora_ckpt_source" in refused.json()["error"]
 
 
 @pytest.mark.parametrize("extra, named", [({"image_url": ["https://example.com/cat.png"]}, "image_url"),
