@@ -259,9 +259,7 @@ class TritonPythonModel:
                     continue
                 if self._server_stopping():
                     raise RuntimeError("the server is shutting down and admits no new requests")
-                specs = convert_request(tensors, decoupled=self.decoupled,
-                                        exclude_input_default=self.exclude_input_default,
-                                        max_input_len=self.max_input_len)
+                specs, registration, tracked = self._convert(request, tensors)
                 executor_requests = [self._executor_request(spec) for spec in specs]
             except Exception as error:
                 self._send_error(sender, conversion_error_message(request.request_id(), error))
@@ -273,10 +271,23 @@ class TritonPythonModel:
                 except Exception as error:  # e.g. the executor is shut down
                     self._send_error(sender, f"tensorrt_llm could not accept the request: {error}")
                     continue
-                self.inflight.add(sender, request.request_id(), specs, exec_ids,
-                                  errors_as_output=wants_errors_as_output(request.parameters()),
-                                  requested_outputs=requested_outputs(request))
+                self.inflight.add(sender, request.request_id(), specs, exec_ids, **registration)
+                if tracked is not None:
+                    self._track(exec_ids, tracked)
         return None
+
+    def _convert(self, request, tensors):
+        """A Triton request's input tensors -> (its RequestSpecs, keyword arguments of
+        InflightRequests.add, per-request state for ``_track`` or None). Another interface over the
+        same executor (all_models/llmapi) overrides this and ``_track``."""
+        specs = convert_request(tensors, decoupled=self.decoupled, exclude_input_default=self.exclude_input_default,
+                                max_input_len=self.max_input_len)
+        registration = {"errors_as_output": wants_errors_as_output(request.parameters()),
+                        "requested_outputs": requested_outputs(request)}
+        return specs, registration, None
+
+    def _track(self, exec_ids, tracked) -> None:
+        """Keep ``_convert``'s per-request state once the request is registered (under self.lock)."""
 
     @staticmethod
     def _executor_request(spec):

@@ -33,7 +33,6 @@ import serving  # noqa: E402
 from serving.llmapi_params import ResponseState, TextStream, parse_request, response_tensors  # noqa: E402
 from serving.llmapi_yaml import (build_options, check_triton_config, executor_parameters, is_engine_dir,  # noqa: E402
                                  load_llmapi_config)
-from serving.requests import conversion_error_message, is_stop_request  # noqa: E402
 from serving.responses import only_requested, requested_outputs  # noqa: E402
 from serving.tokenization import fast_decoder, first_token_id, load_tokenizer  # noqa: E402
 
@@ -122,34 +121,17 @@ class TritonPythonModel(base.TritonPythonModel):
         self.inflight.on_response = on_response
         pb_utils.Logger.log_info(f"tensorrt_llm (LLM-API): serving {config.model} with engine {engine_dir}")
 
-    def execute(self, requests):
-        for request in requests:
-            sender = request.get_response_sender()
-            try:
-                tensors = base.read_inputs(request, self.input_names)
-                if is_stop_request(tensors):
-                    self._stop(request.request_id(), sender)
-                    continue
-                if self._server_stopping():
-                    raise RuntimeError("the server is shutting down and admits no new requests")
-                parsed = parse_request(tensors, decoupled=self.decoupled, encode=self.encode,
-                                       encode_word=self.encode_word, end_id=self.end_id, pad_id=self.pad_id,
-                                       max_input_len=self.max_input_len)
-                executor_request = self._executor_request(parsed.spec)
-            except Exception as error:
-                self._send_error(sender, conversion_error_message(request.request_id(), error))
-                continue
-            state = ResponseState(parsed, TextStream(self.decode, parsed.stop_strings), self.tokens_per_block,
-                                  requested=requested_outputs(request))
-            with self.lock:
-                try:
-                    exec_ids = self.executor.enqueue_requests([executor_request])
-                except Exception as error:  # e.g. the executor is shut down
-                    self._send_error(sender, f"tensorrt_llm could not accept the request: {error}")
-                    continue
-                self.inflight.add(sender, request.request_id(), [parsed.spec], exec_ids)
-                self.states[self.inflight.by_exec_id[exec_ids[0]].triton.key] = state
-        return None
+    def _convert(self, request, tensors):
+        """The LLM-API inputs (text, sampling_param_*) -> the executor request, and the state that
+        turns its token ids back into text (kept by _track)."""
+        parsed = parse_request(tensors, decoupled=self.decoupled, encode=self.encode, encode_word=self.encode_word,
+                               end_id=self.end_id, pad_id=self.pad_id, max_input_len=self.max_input_len)
+        state = ResponseState(parsed, TextStream(self.decode, parsed.stop_strings), self.tokens_per_block,
+                              requested=requested_outputs(request))
+        return [parsed.spec], {}, state
+
+    def _track(self, exec_ids, tracked) -> None:
+        self.states[self.inflight.by_exec_id[exec_ids[0]].triton.key] = tracked
 
     def _deliver(self, send):
         """Token ids -> the LLM-API outputs; a stream that reached a stop string ends its generation."""
