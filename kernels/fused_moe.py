@@ -59,6 +59,12 @@ from kernels.moe_routing import (  # noqa: F401  (re-exported: the other expert 
 # rows an expert (1,024 tokens) the block-tiled kernel takes 422 us and the grouped path 555; at
 # 512 (8,192 tokens) 1,781 against 1,526; the two meet near 192 (~3,000 tokens).
 GROUPED_MM_MIN_ROWS_PER_EXPERT = 192
+# Assignments (tokens x top-k) from which per-channel FP8 experts on an sm90 GPU take
+# torch._scaled_grouped_mm instead of their Triton kernel (kernels/fused_moe_fp8.py; defined here
+# so that warm_up_token_counts covers it). benchmarks/moe_fp8_bench.py, H200: Triton (activations
+# quantized once) 302.9 / 530.9 / 1528.3 us at 512 / 2048 / 8192 tokens x top-8, _scaled_grouped_mm
+# 346.1 / 522.4 / 1296.6: even from 2048 tokens (16384 assignments), ahead beyond.
+SCALED_GROUPED_MM_MIN_ASSIGNMENTS = 16384
 
 
 
@@ -203,9 +209,11 @@ def warm_up_token_counts(num_experts: int, top_k: int, max_tokens: int) -> list[
     the other expert kernels that share this file's routing and alignment: one token; the
     one-program and the parallel alignment; each block size of MODEL_DTYPE_TILINGS and of
     choose_block_m; the sorted-rows grouped GEMMs (GROUPED_MM_MIN_ROWS_PER_EXPERT); FP8's grouped
-    GEMM from 16,384 assignments. Those above ``max_tokens`` (no forward gets them) are left out.
+    GEMM (SCALED_GROUPED_MM_MIN_ASSIGNMENTS). Those above ``max_tokens`` (no forward gets them) are
+    left out.
     A warm-up runs each once, so no request waits for a kernel to compile."""
-    counts = {1, 2, -(-ALIGN_KERNEL_MAX_ASSIGNMENTS // top_k) + 1, -(-16384 // top_k)}
+    counts = {1, 2, -(-ALIGN_KERNEL_MAX_ASSIGNMENTS // top_k) + 1,
+              -(-SCALED_GROUPED_MM_MIN_ASSIGNMENTS // top_k)}
     rows_per_expert = (1, 9, 17, 25, 65, GROUPED_MM_MIN_ROWS_PER_EXPERT + 1)
     counts |= {-(-rows * num_experts // top_k) for rows in rows_per_expert}
     return sorted(count for count in counts if count <= max_tokens)

@@ -33,7 +33,8 @@ does.
 
 Prefill-size batches of per-channel experts on Hopper run ``torch._scaled_grouped_mm`` (CUTLASS's
 grouped FP8 GEMM with row-wise scales) over kernels/moe_grouped_mm.py's sorted rows instead, from
-``SCALED_GROUPED_MM_MIN_ASSIGNMENTS`` (set from benchmarks/moe_fp8_bench.py). Block-scaled experts
+``SCALED_GROUPED_MM_MIN_ASSIGNMENTS`` (kernels/fused_moe.py, beside the other expert-kernel
+thresholds warm_up_token_counts covers). Block-scaled experts
 always take the Triton kernel. Nothing anywhere waits on the host, so the decode CUDA graphs capture
 every path.
 
@@ -48,14 +49,9 @@ from kernels._triton import jit, tl, triton, use_triton
 from kernels.activation import silu_and_mul
 from kernels.fp8 import FAST_ACCUM, FP8_DTYPE, dequantize_rows, quantize_rows, quantize_rows_triton
 from kernels.fp8_block import BLOCK, dequantize_blocks, dequantize_groups, quantize_groups, quantize_groups_triton
-from kernels.fused_moe import block_rows, choose_block_m, moe_align, route_tokens, store_rows
+from kernels.fused_moe import (SCALED_GROUPED_MM_MIN_ASSIGNMENTS, block_rows, choose_block_m, moe_align,
+                               route_tokens, store_rows)
 from kernels.moe_grouped_mm import combine, sort_assignments
-
-# Assignments (tokens x top-k) from which per-channel experts on an sm90 GPU take
-# torch._scaled_grouped_mm instead of the Triton kernel. Same benchmark: Triton (activations
-# quantized once) 302.9 / 530.9 / 1528.3 us at 512 / 2048 / 8192 tokens x top-8, _scaled_grouped_mm
-# 346.1 / 522.4 / 1296.6: even from 2048 tokens (16384 assignments), ahead beyond.
-SCALED_GROUPED_MM_MIN_ASSIGNMENTS = 16384
 
 
 def scale_groups(weight: torch.Tensor, scale: torch.Tensor) -> tuple[int, int]:
