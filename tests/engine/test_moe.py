@@ -123,10 +123,11 @@ def test_expert_fields_are_validated(changes, message):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("family", MOE_FAMILIES)
+@pytest.mark.parametrize("family", MOE_FAMILIES + ["gpt_oss"])
 def test_engine_on_cuda_equals_transformers(family, tmp_path):
     """fp32 on CUDA (IEEE dots in every Triton kernel, so routing matches fp32 transformers): a
-    prompt, then decode steps replayed from CUDA graphs, then a packed mixed step."""
+    prompt, then decode steps replayed from CUDA graphs, then a packed mixed step. gpt-oss adds the
+    sinks in the prefill and decode attention kernels and the experts' biases and clamp."""
     hf = tiny_hf(family)
     runner = ModelRunner(make_engine(hf, tmp_path / "engine"), device="cuda")
     session = PagedSession(runner, num_blocks=64)
