@@ -43,6 +43,7 @@ from engine.tensor_parallel.step_protocol import RankFailureError
 from engine.executor.runner import ForwardBatch, ModelRunner
 from engine.executor.sampler import build_sampling_metadata, process_logits, sample
 from engine.executor.scheduler import POLICIES, Scheduler, SchedulerOutput
+from engine.executor.speculative import DraftProposer, Verified, draft_room, make_proposer, verify_drafts
 # KvCacheStats and IterationStats are part of this module's public surface (re-exported).
 from engine.executor.stats import (  # noqa: F401
     ITERATION_LOG_ENV, STATS_TIME_FORMAT, IterationLog, IterationStats, KvCacheStats, kv_cache_stats,
@@ -55,6 +56,43 @@ CPU_LORA_SLOTS = 8
 
 class ExecutorConfigError(ValueError):
     """An ExecutorConfig value is out of range; the message names field, value and rule."""
+
+
+SPECULATIVE_MODES = ("ngram", "draft_model")
+MAX_SPECULATIVE_DRAFT_LEN = 64  # a verify step is a (k + 1)-token chunk per sequence; past this it is a prefill
+
+
+@dataclass
+class SpeculativeConfig:
+    """Per-step drafts for decoding sequences (engine/executor/speculative/).
+
+    ``mode``: "ngram" (prompt lookup: the tokens that followed the latest earlier occurrence of the
+    sequence's last n tokens, n = max_matching_ngram_size down to 1) or "draft_model" (a second,
+    smaller engine in ``draft_engine_dir``; not built yet). Each step verifies up to
+    ``max_draft_len`` drafts per sequence.
+    """
+
+    mode: str
+    max_draft_len: int = 4
+    max_matching_ngram_size: int = 3
+    draft_engine_dir: str | None = None
+
+    def validate(self) -> "SpeculativeConfig":
+        def require(ok: bool, message: str) -> None:
+            if not ok:
+                raise ExecutorConfigError(message)
+
+        self.mode = str(self.mode).lower()
+        require(self.mode in SPECULATIVE_MODES,
+                f"SpeculativeConfig.mode value of '{self.mode}' is not supported; allowed: {', '.join(SPECULATIVE_MODES)}")
+        require(self.mode != "draft_model",
+                "SpeculativeConfig.mode value of 'draft_model' is not supported by the executor yet; allowed: ngram")
+        require(isinstance(self.max_draft_len, int) and 1 <= self.max_draft_len <= MAX_SPECULATIVE_DRAFT_LEN,
+                f"SpeculativeConfig.max_draft_len must be an integer in 1..{MAX_SPECULATIVE_DRAFT_LEN}, "
+                f"got {self.max_draft_len!r}")
+        require(isinstance(self.max_matching_ngram_size, int) and self.max_matching_ngram_size >= 1,
+                f"SpeculativeConfig.max_matching_ngram_size must be an integer >= 1, got {self.max_matching_ngram_size!r}")
+        return self
 
 
 @dataclass
@@ -106,6 +144,10 @@ class ExecutorConfig:
     lora_cache_gpu_memory_fraction: float = 0.05
     lora_cache_host_memory_bytes: int = 1 << 30
     lora_prefetch_dir: str | None = None
+    # Speculative decoding (engine/executor/speculative/): per-step drafts (None: off), and the most
+    # draft tokens a request may send itself (Request.external_draft; TensorRT-LLM's max_draft_len).
+    speculative: SpeculativeConfig | None = None
+    max_draft_len: int = 8
 
     def validate(self) -> "ExecutorConfig":
         def require(ok: bool, message: str) -> None:
@@ -150,6 +192,12 @@ class ExecutorConfig:
                 f"ExecutorConfig.lora_cache_gpu_memory_fraction must be in (0, 1], got {self.lora_cache_gpu_memory_fraction!r}")
         require(isinstance(self.lora_cache_host_memory_bytes, int) and self.lora_cache_host_memory_bytes >= 0,
                 f"ExecutorConfig.lora_cache_host_memory_bytes must be an integer >= 0, got {self.lora_cache_host_memory_bytes!r}")
+        require(self.speculative is None or isinstance(self.speculative, SpeculativeConfig),
+                f"ExecutorConfig.speculative must be a SpeculativeConfig or None, got {type(self.speculative).__name__}")
+        if self.speculative is not None:
+            self.speculative.validate()
+        require(isinstance(self.max_draft_len, int) and 0 <= self.max_draft_len <= MAX_SPECULATIVE_DRAFT_LEN,
+                f"ExecutorConfig.max_draft_len must be an integer in 0..{MAX_SPECULATIVE_DRAFT_LEN}, got {self.max_draft_len!r}")
         require(self.iter_stats_max_iterations >= 1,
                 f"ExecutorConfig.iter_stats_max_iterations must be >= 1, got {self.iter_stats_max_iterations!r}")
         return self
@@ -224,7 +272,12 @@ class Executor:
             max_beam_width=self.config.max_beam_width, max_num_tokens=self.max_num_tokens,
             enable_chunked_context=self.config.enable_chunked_context,
             num_kv_blocks=self.blocks.num_blocks, tokens_per_block=self.blocks.tokens_per_block,
-            max_batch_size=self.max_batch_size)
+            max_batch_size=self.max_batch_size, max_draft_len=self.config.max_draft_len)
+        speculative = self.config.speculative
+        self.proposer: DraftProposer | None = None if speculative is None else make_proposer(
+            speculative.mode, max_matching_ngram_size=speculative.max_matching_ngram_size)
+        self._num_draft_tokens_total = 0  # cumulative, for IterationStats
+        self._num_accepted_draft_tokens_total = 0
 
     def _init_queues(self, response_callback) -> None:
         self._cv = threading.Condition()
@@ -350,6 +403,9 @@ class Executor:
             return ("guided_decoding_guide_type: guided decoding is not enabled on this model; set the "
                     "tensorrt_llm parameter guided_decoding_backend to xgrammar, or send the request "
                     "without guided_decoding_guide_type/guided_decoding_guide")
+        if self.config.speculative is not None and (request.sampling.beam_width or 1) > 1:
+            return (f"beam_width {request.sampling.beam_width}: beam search is not supported with speculative "
+                    f"decoding (speculative mode '{self.config.speculative.mode}' is on); send beam_width 1")
         if request.lora is not None and self.adapters is None:
             return ("lora_task_id: LoRA is not enabled on this model; set the tensorrt_llm parameter enable_lora "
                     "to true, or send the request without lora_task_id/lora_weights/lora_config/lora_path")
@@ -401,6 +457,8 @@ class Executor:
         self._cancel(cancels)
         if self._must_sync():
             self._finish_in_flight()
+        if self.proposer is not None:
+            self._propose_drafts()
         plan = self.scheduler.schedule()
         launched = None if plan.is_empty else self._launch(plan, started)
         if self._emit_after_launch:
@@ -413,21 +471,23 @@ class Executor:
         if launched is not None and launched.pending_sample is not None:  # (nothing was in flight)
             self._sample_guided(launched)
         self._in_flight = None if launched is None or launched.failed else launched
-        if launched is not None and self._must_sync():
-            finished = self._finish_in_flight()
+        if launched is not None and (self._must_sync() or launched.verified):
+            finished = self._finish_in_flight()  # (a drafted step's tokens decide the next schedule)
         if not self._emit_after_launch or self._in_flight is None:
             self._emit()  # cancellations and errors of this iteration
         if plan.is_empty and not finished and not new and not cancels:
             time.sleep(0.001)  # nothing runnable right now; do not spin
 
     def _must_sync(self) -> bool:
-        return self.config.disable_overlap_scheduler or bool(self._sync_request_ids)
+        # With a proposer every step is read before the next is scheduled: drafts are made from
+        # the tokens on the host, so overlap would leave the newest token unknown to it.
+        return self.config.disable_overlap_scheduler or bool(self._sync_request_ids) or self.proposer is not None
 
     def _admit(self, new: list[RequestState]) -> None:
         for state in new:
             self._active[state.request_id] = state
-            if needs_tokens_on_host(state.request):
-                self._sync_request_ids.add(state.request_id)
+            if needs_tokens_on_host(state.request) or _has_external_drafts(state.request):
+                self._sync_request_ids.add(state.request_id)  # (external drafts: until they are verified)
             state.is_queued = True
             self._num_unscheduled += 1
             beam_width = state.request.sampling.beam_width or 1
@@ -436,6 +496,7 @@ class Executor:
                                beam_index=index if beam_width > 1 else 0)
                 seq.can_reuse_prefix = not state.request.output.return_context_logits
                 seq.seed = self._seed_for(state, index)
+                self._attach_external_draft(seq)
                 state.sequences.append(seq)
             if state.request.lora is not None and not self._prepare_adapter(state):
                 continue
@@ -547,11 +608,12 @@ class Executor:
         placeholder token each. On failure, fail exactly the requests the batch carried."""
         num_active = len(self._active)  # in flight this step, those that finish in it included
         try:
-            batch, rows, sampling = self._forward_batch(plan)
+            batch, rows, sampling, drafted = self._forward_batch(plan)
             logits = self.runner.forward(batch)
             # A constrained row samples after the previous step's tokens reach its matcher (_sample_guided).
             guided = self.token_masks is not None and any(seq.grammar is not None for seq, _ in sampling)
             transfer = self._sample(logits, sampling, batch) if sampling and not guided else None
+            verified = self._verify(logits, drafted) if drafted else None
         except Exception as err:
             self._fail_step(plan, err, "forward failed")
             return None
@@ -562,7 +624,8 @@ class Executor:
                 self._note_scheduled(state, now)
             item.seq.num_computed_tokens += item.num_new_tokens
         keep_logits = bool(self._sync_request_ids)  # context/generation logits and beams read them later
-        step = InFlightStep(plan, rows, logits if keep_logits else None, [], transfer, started, num_active)
+        step = InFlightStep(plan, rows, logits if keep_logits else None, [], transfer, started, num_active,
+                            verified=verified)
         if guided:
             step.pending_sample = (logits, sampling, batch)
         else:
@@ -618,11 +681,14 @@ class Executor:
         for state in {s.seq.state.request_id: s.seq.state for s in plan.scheduled}.values():
             self._fail(state, message)
 
-    def _forward_batch(self, plan: SchedulerOutput) -> tuple[ForwardBatch, list[tuple[int, int]], list[tuple[Sequence, int]]]:
+    def _forward_batch(self, plan: SchedulerOutput) -> tuple[ForwardBatch, list[tuple[int, int]],
+                                                              list[tuple[Sequence, int]], list[tuple[Sequence, int, int]]]:
         """Pack the plan. rows[i] = (first, end) logits rows of scheduled sequence i (end - first: 0
-        or more); sampling = (sequence, logits row) of each non-beam sequence that samples."""
+        or more); sampling = (sequence, logits row) of each non-beam sequence that samples;
+        drafted = (sequence, first logits row, k) of each sequence verifying k drafts: its k + 1
+        rows are its last known token's and its drafts' (speculative decoding)."""
         token_ids, positions, seq_lens, context_lens, tables, logits_indices, rows = [], [], [], [], [], [], []
-        sampling = []
+        sampling, drafted = [], []
         lora_slots = [item.seq.state.lora_slot for item in plan.scheduled] if self.adapters is not None else []
         T = self.blocks.tokens_per_block
         for item in plan.scheduled:  # runs once per sequence per step: kept free of calls in the decode case
@@ -638,6 +704,13 @@ class Executor:
             context_lens.append(end)
             tables.append(seq.block_ids[:-(-end // T)])
             first = len(logits_indices)
+            if item.num_draft_tokens:  # known tokens, then the drafts; logits from the last known one on
+                k = item.num_draft_tokens
+                token_ids[offset + n - k:] = seq.draft_token_ids[:k]
+                logits_indices += range(offset + n - k - 1, offset + n)
+                rows.append((first, len(logits_indices)))
+                drafted.append((seq, first, k))
+                continue
             if seq.state.request.output.return_context_logits:
                 logits_indices += [offset + i for i in self._logit_positions(item)]
             elif item.samples:  # the chunk reaches the end: its last logits sample
@@ -648,7 +721,7 @@ class Executor:
         slot = self._parity * self.runner.sampled_tokens.shape[0] // 2 if sampling else -1
         batch = ForwardBatch(token_ids, positions, seq_lens, context_lens, tables, logits_indices, slot,
                              lora_slots if any(s >= 0 for s in lora_slots) else None)
-        return batch, rows, sampling
+        return batch, rows, sampling, drafted
 
     def _logit_positions(self, item) -> list[int]:
         """Chunk-relative tokens whose logits are needed: new prompt positions for context logits, then the last."""
@@ -705,8 +778,13 @@ class Executor:
             state = seq.state
             if state.request.output.return_context_logits:  # slicing a tensor per sequence costs ~2 us
                 self._collect_context_logits(item, step.logits[first:end])
+            if item.num_draft_tokens:  # before registering: no block holding a rejected token is registered
+                self._take_verified(item, step.verified[seq.seq_id])
             self.blocks.register_computed_blocks(seq)
-            if item.samples and len(state.sequences) > 1 and item.start + item.num_new_tokens == seq.num_prompt_tokens:
+            if item.num_draft_tokens:
+                self._resolve_verified(seq, step.verified[seq.seq_id], step.logits, first, now)
+            if item.samples and len(state.sequences) > 1 and (item.start + item.num_new_tokens - item.num_draft_tokens
+                                                               == seq.num_prompt_tokens):
                 self._fork_siblings(seq)
             if item.samples and state.is_beam_search:
                 beam_rows.append((seq, step.logits[end - 1]))
@@ -730,6 +808,66 @@ class Executor:
                            step.num_active)
         self._last_step_finished = finished_at
         return True
+
+    # ----- speculative decoding (engine/executor/speculative/) -----
+    def _attach_external_draft(self, seq: Sequence) -> None:
+        """The request's own drafts ride with each sequence's first sampling chunk (the prompt's
+        last), cut so that keeping them all stays within max_tokens."""
+        draft = seq.state.request.external_draft
+        if draft is None or not draft.token_ids:
+            return
+        room = draft_room(seq, len(draft.token_ids))
+        seq.draft_token_ids = list(draft.token_ids[:room])
+        seq.draft_logits = None if draft.logits is None else torch.as_tensor(draft.logits)[:room]
+        seq.draft_acceptance_threshold = draft.acceptance_threshold
+
+    def _propose_drafts(self) -> None:
+        """Ask the proposer for drafts for every running sequence about to decode one token."""
+        seqs = [seq for seq in self.scheduler.running if seq.num_uncomputed_tokens == 1 and _may_draft(seq)]
+        if not seqs:
+            return
+        for seq, drafts in zip(seqs, self.proposer.propose(seqs, self.config.speculative.max_draft_len)):
+            seq.draft_token_ids = drafts
+
+    def _verify(self, logits: torch.Tensor, drafted: list[tuple[Sequence, int, int]]) -> dict[int, Verified]:
+        """Decide, per drafted sequence, which drafts the step keeps (applied when it finishes)."""
+        return {seq.seq_id: verify_drafts(seq, seq.draft_token_ids[:k], logits[first:first + k + 1],
+                                          self.runner.vocab_size, self.config.normalize_log_probs)
+                for seq, first, k in drafted}
+
+    def _take_verified(self, item, verified: Verified) -> None:
+        """Roll a drafted sequence back to its accepted tokens: they join token_ids (as unresolved
+        tokens, until _resolve_verified checks stops on each), the KV of rejected positions is
+        forgotten (num_computed_tokens stops after the last accepted draft; the target's own
+        token has no KV yet), and blocks that held only rejected positions go back to the pool."""
+        seq, state = item.seq, item.seq.state
+        seq.num_computed_tokens = len(seq.token_ids) + verified.num_accepted
+        seq.token_ids += verified.token_ids
+        seq.num_unresolved_tokens += len(verified.token_ids)
+        seq.draft_token_ids, seq.draft_logits, seq.draft_acceptance_threshold = [], None, None
+        surplus = seq.block_ids[self.blocks.blocks_for_tokens(len(seq.token_ids)):]
+        if surplus:  # fresh, unregistered blocks of this step (nothing else is in flight: synchronous)
+            del seq.block_ids[-len(surplus):]
+            self.blocks.free(surplus)
+        perf = state.perf
+        perf.total_draft_tokens += verified.num_draft_tokens
+        perf.total_accepted_draft_tokens += verified.num_accepted
+        perf.acceptance_rate = perf.total_accepted_draft_tokens / max(1, perf.total_draft_tokens)
+        self._num_draft_tokens_total += verified.num_draft_tokens
+        self._num_accepted_draft_tokens_total += verified.num_accepted
+        if state.request_id in self._sync_request_ids and not needs_tokens_on_host(state.request) and not any(
+                s.draft_token_ids for s in state.sequences if not s.is_finished):
+            self._sync_request_ids.discard(state.request_id)  # its external drafts are all verified
+
+    def _resolve_verified(self, seq: Sequence, verified: Verified, logits: torch.Tensor | None, first: int,
+                          now: int) -> None:
+        """Stop checks on each emitted token in order; a stop drops the tokens after it."""
+        start = len(seq.token_ids) - len(verified.token_ids)
+        for j, token in enumerate(verified.token_ids):
+            if seq.is_finished:
+                return
+            log_prob = None if verified.log_probs is None else verified.log_probs[j]
+            self._resolve_token(seq, start + j, token, log_prob, logits, first + j, now)
 
     def _fork_siblings(self, first: Sequence) -> None:
         """num_return_sequences > 1: sequences 1..n-1 take references on sequence 0's full prompt
@@ -885,6 +1023,9 @@ class Executor:
                 self.adapters.forget_request(state.lora_key)
             state.lora_key, state.lora_slot = None, -1
         self._leave_queue(state)  # e.g. cancelled while still queued
+        if self.proposer is not None:
+            for seq in state.sequences:
+                self.proposer.release(seq)
         self._active.pop(state.request_id, None)
         self._sync_request_ids.discard(state.request_id)
 
@@ -927,7 +1068,9 @@ class Executor:
             cpu_mem_usage=0 if on_gpu else kv_bytes,
             gpu_mem_usage=self._gpu_memory_allocated() if on_gpu else 0,
             kv_cache_stats=kv_cache_stats(self.blocks),
-            lora_cache_stats=None if self.adapters is None else self.adapters.snapshot())
+            lora_cache_stats=None if self.adapters is None else self.adapters.snapshot(),
+            num_draft_tokens_total=self._num_draft_tokens_total,
+            num_accepted_draft_tokens_total=self._num_accepted_draft_tokens_total)
         self._stats_history.append(stats)
         if self._iteration_log is not None:
             self._iteration_log.write(stats, self._deliver_ms)
@@ -938,3 +1081,15 @@ class Executor:
             stats = replace(stats, num_active_requests=0, num_scheduled_requests=0, num_context_requests=0,
                             num_gen_requests=0, num_ctx_tokens=0, num_gen_tokens=0, num_paused_requests=0)
         self._latest_stats = stats
+
+
+def _has_external_drafts(request: Request) -> bool:
+    return request.external_draft is not None and bool(request.external_draft.token_ids)
+
+
+def _may_draft(seq: Sequence) -> bool:
+    """Per-step drafts are for plain decoding: not beams (refused with a proposer), grammars (the
+    matcher would need to follow each draft), top log-probs or context logits."""
+    output = seq.state.request.output
+    return (seq.grammar is None and not seq.state.is_beam_search and not output.num_top_log_probs
+            and not output.return_context_logits)

@@ -82,6 +82,9 @@ class InFlightStep:
     # previous step's tokens (Executor._sample_guided); None once sampled, or when nothing waits.
     pending_sample: tuple | None = None
     failed: bool = False  # its requests failed (guided sampling raised); it is not in flight
+    # Speculative decoding: seq_id -> Verified (engine/executor/speculative/verify.py) of each drafted
+    # sequence; decided at launch, applied when the step finishes, which is before the next schedule.
+    verified: dict | None = None
 
 
 class TokenTransfer:

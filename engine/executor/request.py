@@ -1,7 +1,7 @@
 """Requests, responses, and the per-sequence state the executor keeps between iterations.
 
 Public types (the Triton ``tensorrt_llm`` model builds and reads these): ``Request`` with its
-``SamplingConfig`` and ``OutputConfig``; ``Response`` with its ``Result``, ``FinishReason`` and
+``SamplingConfig``, ``OutputConfig`` and ``ExternalDraftTokens``; ``Response`` with its ``Result``, ``FinishReason`` and
 ``RequestPerfMetrics``.
 
 Internal types: ``Sequence`` is the unit the scheduler schedules. A request owns one sequence
@@ -129,6 +129,23 @@ class LoraRequest:
 
 
 @dataclass
+class ExternalDraftTokens:
+    """Draft tokens sent with a request (TensorRT-LLM's ExternalDraftTokensConfig), verified at the
+    request's first generation step (engine/executor/speculative/).
+
+    ``logits`` (len(token_ids), vocab) float: the draft model's logits at each draft position;
+    given, sampled requests use rejection sampling against them. ``acceptance_threshold``: without
+    logits, a sampled request accepts a draft whose target probability is at least this; None
+    treats each draft as certain (a point mass), which keeps the target's distribution exactly.
+    Greedy requests accept a draft iff it is the target's argmax, whatever these two hold.
+    """
+
+    token_ids: list[int]
+    logits: Any = None  # torch.Tensor (len(token_ids), vocab) float, or None
+    acceptance_threshold: float | None = None
+
+
+@dataclass
 class Request:
     """One generation request, as the Triton model hands it to ``Executor.enqueue_request``.
 
@@ -149,6 +166,7 @@ class Request:
     embedding_bias: Any = None  # torch.Tensor | list[float] | numpy array of shape (vocab,)
     guided_decoding: GuidedDecodingParams | None = None  # constrains every returned sequence
     lora: LoraRequest | None = None  # the adapter every returned sequence runs with
+    external_draft: ExternalDraftTokens | None = None  # drafts verified at the first generation step
 
 
 @dataclass
@@ -160,6 +178,10 @@ class RequestPerfMetrics:
     kv_cache_alloc_new_blocks: int = 0
     kv_cache_reused_blocks: int = 0
     kv_cache_alloc_total_blocks: int = 0
+    # Speculative decoding (the reference's names): drafts verified, and how many were accepted.
+    acceptance_rate: float = 0.0  # total_accepted_draft_tokens / total_draft_tokens
+    total_accepted_draft_tokens: int = 0
+    total_draft_tokens: int = 0
 
 
 @dataclass
@@ -252,6 +274,11 @@ class Sequence:
         self.seed = 0  # sampling stream of this sequence (request seed + sequence_index, or random)
         self.pending_logprobs = None  # beam search: (vocab,) log-probs waiting for sibling beams
         self.grammar = None  # guided decoding: this sequence's xgrammar GrammarMatcher (engine/executor/guided.py)
+        # Speculative decoding: tokens proposed to follow token_ids, verified by the next step that
+        # samples this sequence (never part of token_ids until accepted; engine/executor/speculative/).
+        self.draft_token_ids: list[int] = []
+        self.draft_logits = None  # (len(draft_token_ids), vocab) the draft's logits, when they came with the drafts
+        self.draft_acceptance_threshold: float | None = None  # sampled drafts without logits (acceptance.py)
 
     @property
     def request_id(self) -> int:
@@ -327,6 +354,7 @@ class RequestLimits:
     num_kv_blocks: int
     tokens_per_block: int
     max_batch_size: int = 1 << 30
+    max_draft_len: int = 8  # the most external draft tokens a request may carry
 
 
 def _token_ids_in_vocab(name: str, token_ids, vocab_size: int) -> str | None:
@@ -399,6 +427,39 @@ def _lora_error(lora: LoraRequest) -> str | None:
     return None
 
 
+def external_draft_error(request: Request, limits: RequestLimits) -> str | None:
+    """Why a request's external drafts cannot be verified (naming the Triton input), or None."""
+    draft = request.external_draft
+    if not isinstance(draft, ExternalDraftTokens):
+        return f"external_draft must be an ExternalDraftTokens, got {type(draft).__name__}"
+    ids = draft.token_ids
+    if len(ids) > limits.max_draft_len:
+        return (f"draft_input_ids has {len(ids)} tokens; allowed: at most {limits.max_draft_len} "
+                "(max_draft_len of the executor)")
+    error = _token_ids_in_vocab("draft_input_ids", ids, limits.vocab_size)
+    if error:
+        return error
+    if draft.logits is not None:
+        shape = tuple(torch.as_tensor(draft.logits).shape)
+        if shape != (len(ids), limits.vocab_size):
+            return (f"draft_logits has shape {shape}; it must be (number of draft_input_ids, vocab_size) = "
+                    f"({len(ids)}, {limits.vocab_size})")
+    threshold = draft.acceptance_threshold
+    if threshold is not None and not (math.isfinite(threshold) and 0 <= threshold <= 1):
+        return f"draft_acceptance_threshold must be in [0, 1], got {threshold}"
+    refusals = [
+        ((request.sampling.beam_width or 1) > 1, f"beam search (beam_width {request.sampling.beam_width})"),
+        (request.guided_decoding is not None, "guided decoding"),
+        (request.output.return_context_logits, "return_context_logits"),
+        (bool(request.output.num_top_log_probs), "num_top_log_probs"),
+    ]
+    for refused, what in refusals:
+        if refused and ids:
+            return (f"draft_input_ids are not supported with {what}; send the request without "
+                    f"draft_input_ids/draft_logits, or without {what}")
+    return None
+
+
 def validate_request(request: Request, limits: RequestLimits) -> str | None:
     """The reason ``request`` cannot run (naming field, value and what is allowed), or None."""
     prompt = list(request.input_token_ids) if request.input_token_ids is not None else []
@@ -432,6 +493,8 @@ def validate_request(request: Request, limits: RequestLimits) -> str | None:
         error = _guide_error(request.guided_decoding, beams)
     if error is None and request.lora is not None:
         error = _lora_error(request.lora)
+    if error is None and request.external_draft is not None:
+        error = external_draft_error(request, limits)
     if error is None and request.embedding_bias is not None:
         size = torch.as_tensor(request.embedding_bias).numel()
         if size != limits.vocab_size:
@@ -473,6 +536,8 @@ def normalize_request(request: Request) -> Request:
         output=_normalized_output(request.output or OutputConfig()),
         stop_words=words("stop_words", request.stop_words),
         bad_words=words("bad_words", request.bad_words),
+        external_draft=None if request.external_draft is None else replace(
+            request.external_draft, token_ids=_int_list("draft_input_ids", request.external_draft.token_ids)),
         lora=None if request.lora is None else replace(
             request.lora, task_id=request.lora.task_id if isinstance(request.lora.task_id, bool)
             else operator.index(request.lora.task_id)),

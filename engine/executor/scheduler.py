@@ -26,6 +26,11 @@ blocks instead of its whole length. Not for requests with several sequences (num
 reads every block. Admission under ``guaranteed_no_evict`` still reserves each sequence's full
 length (a freed block is only returned early), so the policy's guarantee is unchanged.
 
+Speculative decoding: a sequence may carry draft tokens (``Sequence.draft_token_ids``) to
+verify after its known tokens; the chunk that reaches the end of those (a decode, or a prompt's
+last chunk) takes them too, as many as the token budget allows (``num_draft_tokens``). Blocks
+are allocated for them like any token; the executor hands back what the rejected ones used.
+
 The scheduler never sees a tensor; the executor turns ``SchedulerOutput`` into a ForwardBatch.
 """
 from __future__ import annotations
@@ -45,12 +50,15 @@ class ScheduledSequence:
     seq: Sequence
     num_new_tokens: int  # tokens computed this step: positions start ... start + num_new_tokens - 1
     is_prefill: bool  # the chunk covers prompt tokens (context phase) rather than one decode token
+    # Speculative decoding: the last num_draft_tokens of the chunk are seq.draft_token_ids[:n], placed
+    # after the known tokens; the step verifies them (logits at each, and at the last known token).
+    num_draft_tokens: int = 0
     start: int = field(init=False)  # seq.num_computed_tokens when scheduled
     samples: bool = field(init=False)  # the chunk reaches the end of the known tokens: its last logits give the next token
 
     def __post_init__(self) -> None:
         self.start = self.seq.num_computed_tokens
-        self.samples = self.start + self.num_new_tokens == len(self.seq.token_ids)
+        self.samples = self.start + self.num_new_tokens - self.num_draft_tokens == len(self.seq.token_ids)
 
 
 @dataclass
@@ -159,9 +167,10 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted above to make room for an older sequence
             num_new = self._num_tokens_to_schedule(seq, budget)
-            if num_new and self._append_or_preempt(seq, num_new, budget, out):
-                out.scheduled.append(ScheduledSequence(seq, num_new, self._is_prefill(seq)))
-                budget.take(num_new)
+            num_drafts = self._num_drafts_to_schedule(seq, num_new, budget)
+            if num_new and self._append_or_preempt(seq, num_new + num_drafts, budget, out):
+                out.scheduled.append(ScheduledSequence(seq, num_new + num_drafts, self._is_prefill(seq), num_drafts))
+                budget.take(num_new + num_drafts)
 
     def _schedule_decodes(self, decodes: list[Sequence], budget: _Budget, out: SchedulerOutput) -> None:
         """One token each, oldest first: the loop above for num_new == 1, inlined because it runs
@@ -172,6 +181,13 @@ class Scheduler:
                 return  # the budget only shrinks: nobody after this one fits either
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted above to make room for an older sequence
+            if seq.draft_token_ids:  # speculative: 1 + k tokens, the drafts cut to the budget
+                num_drafts = min(len(seq.draft_token_ids), budget.tokens - 1)
+                if not self._append_or_preempt(seq, 1 + num_drafts, budget, out):
+                    continue
+                out.scheduled.append(ScheduledSequence(seq, 1 + num_drafts, False, num_drafts))
+                budget.take(1 + num_drafts)
+                continue
             if len(seq.block_ids) * T <= seq.num_computed_tokens and not self._append_or_preempt(seq, 1, budget, out):
                 continue
             out.scheduled.append(ScheduledSequence(seq, 1, False))
@@ -214,6 +230,8 @@ class Scheduler:
                 continue
             reused = 0 if seq.block_ids else self.blocks.acquire_cached_prefix(seq)  # a fork holds its prefix
             num_new = self._num_tokens_to_schedule(seq, budget)
+            num_drafts = self._num_drafts_to_schedule(seq, num_new, budget)
+            num_new += num_drafts
             new_blocks = self.blocks.append_slots(seq, num_new) if num_new and self._leaves_headroom(seq, num_new) else None
             if new_blocks is None:
                 self.blocks.release(seq)  # hand back the prefix hits; they stay cached
@@ -222,7 +240,7 @@ class Scheduler:
             self._count_allocation(seq, new_blocks, reused)
             self._start_running(seq)
             promised += self.blocks.blocks_for_tokens(seq.max_total_tokens) - len(seq.block_ids)
-            out.scheduled.append(ScheduledSequence(seq, num_new, True))
+            out.scheduled.append(ScheduledSequence(seq, num_new, True, num_drafts))
             budget.take(num_new)
         self.waiting.extendleft(reversed(passed_over))
 
@@ -246,6 +264,14 @@ class Scheduler:
         if self.enable_chunked_context or remaining > self.max_num_tokens:
             return budget.tokens
         return 0
+
+    @staticmethod
+    def _num_drafts_to_schedule(seq: Sequence, num_new: int, budget: _Budget) -> int:
+        """Drafts ride with a chunk that reaches the end of the known tokens, as many as the token
+        budget leaves room for (speculative decoding; none when the chunk stops short)."""
+        if not seq.draft_token_ids or num_new != seq.num_uncomputed_tokens:
+            return 0
+        return max(0, min(len(seq.draft_token_ids), budget.tokens - num_new))
 
     def _leaves_headroom(self, seq: Sequence, num_new: int) -> bool:
         """max_utilization admits a newcomer only if a block per running sequence stays free, so the

@@ -42,6 +42,9 @@ class IterationStats:
     kv_cache_stats: KvCacheStats = field(default_factory=KvCacheStats)
     # LoRA: a snapshot of engine.lora.cache.LoraCacheStats (None when LoRA is off).
     lora_cache_stats: Any = None
+    # Speculative decoding, cumulative since the executor started: draft tokens verified, and accepted.
+    num_draft_tokens_total: int = 0
+    num_accepted_draft_tokens_total: int = 0
 
 
 def kv_cache_stats(blocks: BlockManager) -> KvCacheStats:

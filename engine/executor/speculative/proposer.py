@@ -1,0 +1,36 @@
+"""Where per-step drafts come from: the ``DraftProposer`` interface the executor calls before each
+schedule, and the room a sequence has for drafts.
+
+A proposer sees the sequences about to decode, with every token on the host (the executor runs
+synchronously while one is configured), and returns up to ``max_draft_len`` tokens per sequence to
+verify in the next step. It keeps whatever per-sequence state it likes (an n-gram index; a draft
+model's KV blocks) and drops it in ``release`` when the sequence ends. The executor knows nothing
+else about it: a draft-model proposer with its own ModelRunner and KV pool fits the same two calls.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+from engine.executor.request import Sequence
+
+
+class DraftProposer(Protocol):
+    def propose(self, seqs: list[Sequence], max_draft_len: int) -> list[list[int]]:
+        """Drafts for each of ``seqs`` (same order), each at most ``draft_room(seq, max_draft_len)`` long."""
+
+    def release(self, seq: Sequence) -> None:
+        """``seq`` ended (finished, cancelled, failed): forget it."""
+
+
+def draft_room(seq: Sequence, max_draft_len: int) -> int:
+    """How many drafts ``seq`` may verify next step: a step that keeps all k drafts emits k + 1
+    tokens, which must stay within prompt + max_tokens (itself within max_seq_len)."""
+    return max(0, min(max_draft_len, seq.max_total_tokens - len(seq.token_ids) - 1))
+
+
+def make_proposer(mode: str, *, max_matching_ngram_size: int) -> DraftProposer:
+    if mode == "ngram":
+        from engine.executor.speculative.ngram import NgramProposer
+
+        return NgramProposer(max_matching_ngram_size)
+    raise ValueError(f"speculative mode {mode!r} has no proposer in the executor yet; allowed: ngram")

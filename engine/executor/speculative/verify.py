@@ -1,0 +1,96 @@
+"""A verify step's logits -> the tokens each drafted sequence emits (engine/executor/speculative/acceptance.py).
+
+The target's law at each verified position is the one the sampler would draw from there, had
+the drafts before it been accepted: bias, penalties and bans see the sequence's tokens plus
+those drafts (``_Drafted``), then temperature, top-k and top-p. Greedy requests take the argmax
+of the same processed logits, so their ids are plain decoding's.
+
+Sampled requests draw from a torch.Generator seeded by the sequence's seed and its step: the
+draws are reproducible for a seeded request, but they are not the Gumbel stream plain decoding
+uses, so a seeded sampled request gives other (equally distributed) tokens with drafts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.executor.request import Sequence
+from engine.executor.sampler import apply_top_k_top_p, build_sampling_metadata, process_logits
+from engine.executor.speculative.acceptance import accept_by_rejection, accept_by_threshold, accept_greedy
+
+
+@dataclass
+class Verified:
+    """What one drafted sequence emits after a verify step."""
+
+    token_ids: list[int]  # the accepted drafts, then one token of the target's own
+    num_draft_tokens: int  # drafts that were verified
+    log_probs: list[float] | None  # per emitted token, as the sampler reports them; None unless asked
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.token_ids) - 1
+
+
+class _Drafted:
+    """``seq`` as it would be with ``extra`` tokens accepted: what the sampling metadata reads."""
+
+    def __init__(self, seq: Sequence, extra: list[int]):
+        self.state, self.seed, self.grammar = seq.state, seq.seed, None
+        self.num_prompt_tokens = seq.num_prompt_tokens
+        self.token_ids = seq.token_ids + extra if extra else seq.token_ids
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def generated_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+
+def verify_drafts(seq: Sequence, draft_ids: list[int], logits: torch.Tensor, vocab_size: int,
+                  normalize_log_probs: bool = True) -> Verified:
+    """logits (k + 1, vocab): the target's at the sequence's last known token and at each of its
+    k drafts. Draft logits and the acceptance threshold come from ``seq`` (external drafts)."""
+    k = len(draft_ids)
+    views = [_Drafted(seq, draft_ids[:j]) for j in range(k + 1)]
+    md = build_sampling_metadata(views, vocab_size, logits.device, return_log_probs=False)
+    processed = process_logits(logits, md)
+    want_log_probs = seq.state.request.output.return_log_probs
+    if md.all_greedy:
+        token_ids = accept_greedy(processed.argmax(dim=-1).tolist(), draft_ids)
+        scores = processed
+    else:
+        scores = processed / md.temperature.unsqueeze(1)  # a sampled row's temperature is > 0
+        candidates = apply_top_k_top_p(scores, md.top_k, md.top_p) if md.needs_top_k_top_p else scores
+        token_ids = _accept_sampled(seq, draft_ids, candidates.softmax(dim=-1).cpu(), md)
+    log_probs = None
+    if want_log_probs:
+        if normalize_log_probs:
+            scores = scores.log_softmax(dim=-1)
+        rows = torch.arange(len(token_ids), device=scores.device)
+        log_probs = scores[rows, torch.tensor(token_ids, device=scores.device)].tolist()
+    return Verified(token_ids, k, log_probs)
+
+
+def _accept_sampled(seq: Sequence, draft_ids: list[int], target_probs: torch.Tensor, md) -> list[int]:
+    generator = torch.Generator().manual_seed((seq.seed * 1_000_003 + seq.num_generated_tokens) % (1 << 63))
+    if seq.draft_logits is not None:
+        return accept_by_rejection(target_probs, draft_ids, _draft_probs(seq.draft_logits[:len(draft_ids)], md),
+                                   generator)
+    if seq.draft_acceptance_threshold is not None:
+        return accept_by_threshold(target_probs, draft_ids, seq.draft_acceptance_threshold, generator)
+    return accept_by_rejection(target_probs, draft_ids, None, generator)  # drafts as point masses
+
+
+def _draft_probs(draft_logits, md) -> torch.Tensor:
+    """The draft's law at each draft position: its logits under the request's temperature, top-k
+    and top-p (the draft model sampled with the request's settings), on the CPU."""
+    logits = torch.as_tensor(draft_logits, dtype=torch.float32).cpu()
+    k = logits.shape[0]
+    scores = logits / md.temperature[:k].cpu().unsqueeze(1)
+    if md.needs_top_k_top_p:
+        scores = apply_top_k_top_p(scores, md.top_k[:k].cpu(), md.top_p[:k].cpu())
+    return scores.softmax(dim=-1)
