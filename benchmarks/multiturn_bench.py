@@ -38,6 +38,16 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
 
+def release_device_memory() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def run_conversations(executor, vocab: int, args) -> dict:
     """The closed loop of the module docstring on one executor -> its measurements."""
     from engine.executor.request import OutputConfig, Request
@@ -125,6 +135,10 @@ def main(argv: list[str] | None = None) -> dict:
             run = run_conversations(executor, vocab, args)
         finally:
             executor.shutdown()
+            # The next setting's executor sizes its KV pool from the free memory: this one's pool
+            # and weights must be gone first (shutdown stops the loop, the references keep them).
+            del executor
+            release_device_memory()
         results["runs"][setting] = run
         print(f"reuse {setting}: TTFT p50 {run['ttft_ms']['p50']:.1f} ms, p99 {run['ttft_ms']['p99']:.1f} ms, "
               f"by turn {[round(t, 1) for t in run['ttft_ms_median_by_turn']]}, KV hit rate "
