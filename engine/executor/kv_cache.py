@@ -20,10 +20,20 @@ the attention kernels never read entries before the window (kernels/attention.py
 on, only blocks already registered are freed, so a freed block stays findable by its hash until
 it is evicted, like any block whose sequence finished.
 
+Host tier (``host_tier``, engine/executor/kv_host_tier.py): an optional hook that keeps evicted
+registered blocks in host memory. At eviction (``allocate``) the manager hands it the evicted
+blocks' ids and hashes in one call (it copies their KV out); at prefix matching
+(``acquire_cached_prefix``) a block missing on the GPU but held by the tier is "onboarded": the tier
+gives up the entry, a free GPU block is allocated, the tier copies the KV into it, and the block is
+registered and used like a GPU hit. The manager itself still never touches a tensor. Each hash is in
+at most one tier: registering a hash on the GPU drops the tier's copy.
+
 Invariants (checked by tests/executor/test_kv_cache.py and the hypothesis property test):
 - a block is in the free queue iff its ref_count is 0;
 - ``hash_to_block`` maps only to blocks whose ``block_hash`` is that hash;
-- num_free_blocks + blocks with ref_count > 0 == num_blocks.
+- num_free_blocks + blocks with ref_count > 0 == num_blocks;
+- with a host tier: no hash is both in ``hash_to_block`` and in the tier, and no slot stays claimed
+  between calls (tests/executor/test_kv_host_tier.py).
 """
 from __future__ import annotations
 
@@ -65,6 +75,17 @@ class SequenceBlocks(Protocol):
     num_window_freed_blocks: int  # block_ids[:n] are FREED_BLOCK: they fell out of the attention window
 
 
+class HostTier(Protocol):
+    """What the manager needs from a second tier (engine.executor.kv_host_tier.HostKVTier has it).
+    Blocks are (block id, hash, tokens); the tier copies KV itself, in call order."""
+
+    def offload(self, blocks: list[tuple[int, int, tuple[int, ...]]]) -> int: ...  # -> how many it kept
+    def contains(self, block_hash: int, tokens: tuple[int, ...]) -> bool: ...
+    def claim(self, block_hashes: list[int]) -> list[int]: ...  # found entries -> their slots, reserved
+    def onboard(self, slots: list[int], block_ids: list[int]) -> None: ...  # copy back, free the slots
+    def discard(self, block_hash: int) -> None: ...
+
+
 class BlockManager:
     """Ref-counted blocks, a hash -> block map for prefix reuse, and an LRU free queue.
 
@@ -75,7 +96,8 @@ class BlockManager:
     (least likely to be shared) are evicted before its first ones.
     """
 
-    def __init__(self, num_blocks: int, tokens_per_block: int, enable_reuse: bool = True):
+    def __init__(self, num_blocks: int, tokens_per_block: int, enable_reuse: bool = True,
+                 host_tier: HostTier | None = None):
         if num_blocks <= 0 or tokens_per_block <= 0:
             raise ValueError(f"num_blocks ({num_blocks}) and tokens_per_block ({tokens_per_block}) must be > 0")
         self.num_blocks = num_blocks
@@ -84,8 +106,11 @@ class BlockManager:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
-        self.total_reused_blocks = 0  # cumulative prefix hits
-        self.total_new_blocks = 0  # cumulative fresh allocations
+        self.host_tier = host_tier if enable_reuse else None  # only registered (reusable) blocks go there
+        self.total_reused_blocks = 0  # cumulative prefix hits, onboarded ones included
+        self.total_new_blocks = 0  # cumulative fresh allocations (onboarding allocations are hits, not new)
+        self.total_onboarded_blocks = 0  # cumulative prefix hits brought back from the host tier
+        self.total_offloaded_blocks = 0  # cumulative evicted blocks the host tier kept
 
     # ----- integer API -----
     @property
@@ -121,18 +146,28 @@ class BlockManager:
             block.ref_count += 1
 
     def allocate(self, num_blocks: int) -> list[int]:
-        """Take ``num_blocks`` blocks off the front of the free queue, evicting their cached hashes."""
+        """Take ``num_blocks`` blocks off the front of the free queue, evicting their cached hashes
+        (to the host tier, when there is one)."""
+        block_ids = self._take_free_blocks(num_blocks)
+        self.total_new_blocks += num_blocks
+        return block_ids
+
+    def _take_free_blocks(self, num_blocks: int) -> list[int]:
         if num_blocks > len(self.free_queue):
             raise ValueError(f"cannot allocate {num_blocks} blocks: only {len(self.free_queue)} are free")
         block_ids = []
+        evicted: list[tuple[int, int, tuple[int, ...]]] = []  # registered blocks losing their hash
         for _ in range(num_blocks):
             block_id, _ = self.free_queue.popitem(last=False)
             block = self.blocks[block_id]
             assert block.ref_count == 0, f"block {block_id} in the free queue has refs"
+            if block.block_hash is not None and self.host_tier is not None:
+                evicted.append((block_id, block.block_hash, block.token_ids))
             self._evict_hash(block)
             block.ref_count = 1
             block_ids.append(block_id)
-        self.total_new_blocks += num_blocks
+        if evicted:  # one call: the tier copies the batch together, before anything can write these blocks
+            self.total_offloaded_blocks += self.host_tier.offload(evicted)
         return block_ids
 
     def free(self, block_ids: list[int]) -> None:
@@ -156,6 +191,8 @@ class BlockManager:
             return
         block.block_hash, block.token_ids = block_hash, token_ids
         self.hash_to_block[block_hash] = block_id
+        if self.host_tier is not None:
+            self.host_tier.discard(block_hash)  # recomputed here: the host copy is redundant
 
     def _evict_hash(self, block: KVBlock) -> None:
         if block.block_hash is not None:
@@ -181,11 +218,51 @@ class BlockManager:
             max_blocks = 0
         hits = self.match_prefix(seq.block_hashes, seq.token_ids, max_blocks)
         self.acquire(hits)
+        if self.host_tier is not None and len(hits) < max_blocks:
+            hits += self._continue_from_host(seq.block_hashes, seq.token_ids, len(hits), max_blocks)
         self.total_reused_blocks += len(hits)
         seq.block_ids = hits
         seq.num_computed_tokens = len(hits) * self.tokens_per_block
         seq.num_registered_blocks = len(hits)
         return len(hits)
+
+    def _continue_from_host(self, block_hashes: list[int], token_ids: list[int], start: int,
+                            max_blocks: int) -> list[int]:
+        """Extend a prefix hit that ended on the GPU at block ``start`` through both tiers: each next
+        block from the GPU if it is there, else onboarded from the host tier, up to the first block
+        in neither. Returns the block ids (GPU hits acquired, onboarded blocks allocated with one
+        ref). Onboarding takes free blocks, so the chain also stops where the free queue would run out.
+        """
+        T = self.tokens_per_block
+        chain: list[int | None] = []  # a GPU block id, or None: filled by onboarding below
+        host_hashes: list[int] = []
+        for i in range(start, max_blocks):
+            tokens = tuple(token_ids[i * T:(i + 1) * T])
+            block_id = self.hash_to_block.get(block_hashes[i])
+            if block_id is not None and self.blocks[block_id].token_ids == tokens:
+                takes_a_free_block = self.blocks[block_id].ref_count == 0
+                if takes_a_free_block and self.num_free_blocks - 1 < len(host_hashes):
+                    break  # acquiring it would leave too few free blocks for the onboarding before it
+                self.acquire([block_id])  # off the free queue: the allocation below cannot evict it
+                chain.append(block_id)
+            elif len(host_hashes) < self.num_free_blocks and self.host_tier.contains(block_hashes[i], tokens):
+                host_hashes.append(block_hashes[i])
+                chain.append(None)
+            else:
+                break
+        if host_hashes:
+            # Claim before allocating: the allocation may offload evicted blocks, and those must not
+            # take the slots being read. The tier's copies run in call order: offloads, then onboard.
+            slots = self.host_tier.claim(host_hashes)
+            onboarded = self._take_free_blocks(len(slots))
+            self.host_tier.onboard(slots, onboarded)
+            self.total_onboarded_blocks += len(onboarded)
+            fill = iter(onboarded)
+            chain = [next(fill) if block_id is None else block_id for block_id in chain]
+            for i, block_id in enumerate(chain, start):
+                if self.blocks[block_id].block_hash is None:
+                    self.register(block_id, block_hashes[i], tuple(token_ids[i * T:(i + 1) * T]))
+        return chain
 
     def append_slots(self, seq: SequenceBlocks, num_new_tokens: int) -> int | None:
         """Give ``seq`` blocks for ``num_new_tokens`` more tokens; None (nothing taken) if the pool is short."""
@@ -242,3 +319,8 @@ class BlockManager:
             assert (block.ref_count == 0) == (block.block_id in self.free_queue), block
         for block_hash, block_id in self.hash_to_block.items():
             assert self.blocks[block_id].block_hash == block_hash
+        if self.host_tier is not None:
+            assert not self.host_tier.claimed, "an onboarding left claimed host slots"
+            both = set(self.hash_to_block) & set(self.host_tier.entries)
+            assert not both, f"hashes in both tiers: {sorted(both)[:5]}"
+            self.host_tier.check_invariants()

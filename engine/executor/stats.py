@@ -15,9 +15,15 @@ class KvCacheStats:
     free_num_blocks: int = 0
     used_num_blocks: int = 0
     tokens_per_block: int = 0
-    reused_blocks: int = 0  # cumulative prefix-cache hits
+    reused_blocks: int = 0  # cumulative prefix-cache hits (onboarded ones included)
     alloc_new_blocks: int = 0  # cumulative fresh allocations
     alloc_total_blocks: int = 0
+    # KV host tier (engine/executor/kv_host_tier.py), cumulative: prefix hits copied back from host
+    # memory (part of reused_blocks), and evicted reusable blocks copied out to it.
+    onboarded_blocks: int = 0
+    offloaded_blocks: int = 0
+    max_num_host_blocks: int = 0  # host tier slots (0: no tier)
+    used_num_host_blocks: int = 0
 
 
 @dataclass
@@ -48,11 +54,15 @@ class IterationStats:
 
 
 def kv_cache_stats(blocks: BlockManager) -> KvCacheStats:
+    host = blocks.host_tier
     return KvCacheStats(
         max_num_blocks=blocks.num_blocks, free_num_blocks=blocks.num_free_blocks,
         used_num_blocks=blocks.num_used_blocks, tokens_per_block=blocks.tokens_per_block,
         reused_blocks=blocks.total_reused_blocks, alloc_new_blocks=blocks.total_new_blocks,
-        alloc_total_blocks=blocks.total_new_blocks + blocks.total_reused_blocks)
+        alloc_total_blocks=blocks.total_new_blocks + blocks.total_reused_blocks,
+        onboarded_blocks=blocks.total_onboarded_blocks, offloaded_blocks=blocks.total_offloaded_blocks,
+        max_num_host_blocks=0 if host is None else host.num_slots,
+        used_num_host_blocks=0 if host is None else host.num_used_slots)
 
 
 # Diagnostics: with $TRITONLLM_ITERATION_LOG set to a file path, every executor appends one line per
