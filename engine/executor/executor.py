@@ -31,6 +31,7 @@ from engine.lora.adapter import LoraError
 from engine.lora.cache import AdapterCache, RunnerSlots
 from engine.lora.prefetch import prefetch_adapters
 from engine.executor.kv_cache import BlockManager
+from engine.executor.kv_host_tier import make_host_tier
 from engine.executor.output import ResponseQueue, responses_for
 from engine.executor.overlap import (
     InFlightStep, TokenTransfer, needs_tokens_on_host, pinned_token_buffers, placeholder,
@@ -113,6 +114,12 @@ class ExecutorConfig:
     kv_cache_free_gpu_mem_fraction: float = 0.9
     max_tokens_in_paged_kv_cache: int | None = None
     enable_kv_cache_reuse: bool = True
+    # KV host tier (engine/executor/kv_host_tier.py, TRT-LLM's names): with reuse on, reusable blocks
+    # evicted from the device pool are kept in this many bytes of host memory (pinned on CUDA) and
+    # copied back on a prefix hit; 0: none. kv_cache_onboard_blocks False: host hits are not brought
+    # back, which here (kernels read KV from the device pool only) makes them misses: no tier is made.
+    kv_cache_host_memory_bytes: int = 0
+    kv_cache_onboard_blocks: bool = True
     enable_chunked_context: bool = False
     exclude_input_from_output: bool = False
     normalize_log_probs: bool = True
@@ -198,6 +205,11 @@ class ExecutorConfig:
             self.speculative.validate()
         require(isinstance(self.max_draft_len, int) and 0 <= self.max_draft_len <= MAX_SPECULATIVE_DRAFT_LEN,
                 f"ExecutorConfig.max_draft_len must be an integer in 0..{MAX_SPECULATIVE_DRAFT_LEN}, got {self.max_draft_len!r}")
+        require(isinstance(self.kv_cache_host_memory_bytes, int) and not isinstance(self.kv_cache_host_memory_bytes, bool)
+                and self.kv_cache_host_memory_bytes >= 0,
+                f"ExecutorConfig.kv_cache_host_memory_bytes must be an integer >= 0, got {self.kv_cache_host_memory_bytes!r}")
+        require(isinstance(self.kv_cache_onboard_blocks, bool),
+                f"ExecutorConfig.kv_cache_onboard_blocks must be true or false, got {self.kv_cache_onboard_blocks!r}")
         require(self.iter_stats_max_iterations >= 1,
                 f"ExecutorConfig.iter_stats_max_iterations must be >= 1, got {self.iter_stats_max_iterations!r}")
         return self
@@ -258,8 +270,14 @@ class Executor:
             prefetch_adapters(self.adapters, cfg.lora_prefetch_dir)
 
     def _init_scheduler(self) -> None:
+        cfg = self.config
+        try:
+            host_tier = make_host_tier(self.runner, host_memory_bytes=cfg.kv_cache_host_memory_bytes,
+                                       onboard_blocks=cfg.kv_cache_onboard_blocks, enable_reuse=cfg.enable_kv_cache_reuse)
+        except ValueError as err:  # e.g. tensor parallelism: refused by name
+            raise ExecutorConfigError(str(err)) from None
         self.blocks = BlockManager(self.runner.num_kv_blocks, self.runner.tokens_per_block,
-                                   self.config.enable_kv_cache_reuse)
+                                   cfg.enable_kv_cache_reuse, host_tier=host_tier)
         self.scheduler = Scheduler(self.blocks, max_batch_size=self.max_batch_size,
                                    max_num_tokens=self.max_num_tokens, policy=self.config.batch_scheduler_policy,
                                    enable_chunked_context=self.config.enable_chunked_context,
