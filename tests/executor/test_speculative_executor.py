@@ -1,0 +1,232 @@
+"""Speculative decoding in the executor: greedy ids identical to plain decoding, KV rolled back, bad drafts refused.
+
+Real weights (the embedded SmolLM2) on the 20 prompts of benchmarks/speculative_acceptance.py
+(summaries and code edits: their answers copy the prompt, so n-gram drafts hit); one plain
+executor gives the reference ids. The KV and refusal tests use the tiny random engine (4-token
+blocks: drafts fill whole blocks).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from executor_testing import collect, final_tokens
+
+from benchmarks.speculative_acceptance import PROMPT_SETS, chat_prompt
+from engine.executor.executor import Executor, ExecutorConfig, ExecutorConfigError, SpeculativeConfig
+from engine.executor.request import (
+    ExternalDraftTokens, FinishReason, OutputConfig, Request, SamplingConfig,
+)
+
+MAX_TOKENS = 40
+PROMPTS = PROMPT_SETS["summarisation"] + PROMPT_SETS["code_edit"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_engine_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_engine_dir)
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer) -> list[list[int]]:
+    assert len(PROMPTS) == 20
+    return [chat_prompt(tokenizer, text) for text in PROMPTS]
+
+
+def config(**kw) -> ExecutorConfig:
+    return ExecutorConfig(exclude_input_from_output=True, max_tokens_in_paged_kv_cache=16384, **kw)
+
+
+def run(executor, requests: list[Request]) -> list[list]:
+    ids = executor.enqueue_requests(requests)
+    got = collect(executor, ids, timeout=300)
+    return [got[i] for i in ids]
+
+
+def assert_no_blocks_held(executor) -> None:
+    blocks = executor.blocks
+    blocks.check_invariants()
+    assert blocks.num_free_blocks == blocks.num_blocks, "a finished request left KV blocks behind"
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_engine_dir, prompts, tokenizer) -> list[list[int]]:
+    """Plain greedy ids of every prompt (no end_id: every answer is MAX_TOKENS long)."""
+    with Executor(smollm2_engine_dir, config()) as executor:
+        return [final_tokens(r) for r in run(executor, [Request(p, MAX_TOKENS) for p in prompts])]
+
+
+@pytest.fixture(scope="module")
+def ngram_executor(smollm2_engine_dir):
+    with Executor(smollm2_engine_dir, config(speculative=SpeculativeConfig("ngram", max_draft_len=4))) as executor:
+        yield executor
+
+
+def test_ngram_drafts_give_the_plain_greedy_ids_and_are_often_accepted(ngram_executor, prompts, reference):
+    requests = [Request(p, MAX_TOKENS, output=OutputConfig(return_perf_metrics=True)) for p in prompts]
+    responses = run(ngram_executor, requests)
+    assert [final_tokens(r) for r in responses] == reference
+    perf = [r[-1].result.perf for r in responses]
+    drafted, accepted = sum(p.total_draft_tokens for p in perf), sum(p.total_accepted_draft_tokens for p in perf)
+    assert drafted > 100 and accepted > drafted // 5  # summaries and edits copy their prompt
+    for p in perf:
+        assert p.acceptance_rate == pytest.approx(p.total_accepted_draft_tokens / max(1, p.total_draft_tokens))
+    stats = ngram_executor.get_latest_iteration_stats()
+    assert stats.num_draft_tokens_total >= drafted and stats.num_accepted_draft_tokens_total >= accepted
+    assert_no_blocks_held(ngram_executor)
+
+
+def test_ngram_streams_carry_every_token_accepted_in_a_step(ngram_executor, prompts, reference):
+    responses = run(ngram_executor, [Request(p, MAX_TOKENS, streaming=True) for p in prompts[:8]])
+    assert [final_tokens(r) for r in responses] == reference[:8]
+    assert max(len(r.result.output_token_ids[0]) for rs in responses for r in rs) > 1
+
+
+def test_ngram_respects_max_tokens_and_stop_words(ngram_executor, prompts, reference):
+    stop = [ref[12:14] for ref in reference[:6]]
+    requests = [Request(p, 7) for p in prompts[:6]] + [Request(p, MAX_TOKENS, stop_words=[s])
+                                                       for p, s in zip(prompts, stop)]
+    responses = run(ngram_executor, requests)
+    for ref, r in zip(reference[:6], responses[:6]):
+        assert final_tokens(r) == ref[:7] and r[-1].result.finish_reasons == [FinishReason.LENGTH]
+    for ref, s, r in zip(reference, stop, responses[6:]):
+        end = next(i + 2 for i in range(len(ref)) if ref[i:i + 2] == s)
+        assert final_tokens(r) == ref[:end] and r[-1].result.finish_reasons == [FinishReason.STOP_WORDS]
+    assert_no_blocks_held(ngram_executor)
+
+
+def test_external_drafts_right_wrong_or_partly_right_give_the_plain_greedy_ids(smollm2_engine_dir, prompts, reference):
+    """Mixed in one batch with requests without drafts; streaming and non-streaming."""
+    requests, expected = [], []
+    for i, (prompt, ref) in enumerate(zip(prompts, reference)):
+        wrong = [(t + 1) % 49152 for t in ref[:5]]
+        variants = {"right": ref[:6], "wrong": wrong, "partly": ref[:3] + wrong[3:], "none": None}
+        kind = list(variants)[i % 4]
+        drafts = variants[kind] if i < 16 else ref[:8]  # (the last four: the longest drafts allowed)
+        requests.append(Request(prompt, MAX_TOKENS, streaming=i % 2 == 1, output=OutputConfig(return_perf_metrics=True),
+                                external_draft=None if drafts is None else ExternalDraftTokens(drafts)))
+        expected.append(ref)
+    with Executor(smollm2_engine_dir, config(max_batch_size=8)) as executor:
+        responses = run(executor, requests)
+        assert [final_tokens(r) for r in responses] == expected
+        assert_no_blocks_held(executor)
+    perf = [r[-1].result.perf for r in responses]
+    assert (perf[0].total_draft_tokens, perf[0].total_accepted_draft_tokens, perf[0].acceptance_rate) == (6, 6, 1.0)
+    assert (perf[1].total_draft_tokens, perf[1].total_accepted_draft_tokens) == (5, 0)
+    assert (perf[2].total_draft_tokens, perf[2].total_accepted_draft_tokens) == (5, 3)
+    assert perf[3].total_draft_tokens == 0
+
+
+def test_external_drafts_past_max_tokens_or_a_stop_word_are_trimmed(smollm2_engine_dir, prompts, reference):
+    ref = reference[0]
+    requests = [Request(prompts[0], 3, external_draft=ExternalDraftTokens(ref[:8])),
+                Request(prompts[0], MAX_TOKENS, stop_words=[ref[2:4]], external_draft=ExternalDraftTokens(ref[:8])),
+                Request(prompts[0], MAX_TOKENS, end_id=ref[5], external_draft=ExternalDraftTokens(ref[:8]))]
+    with Executor(smollm2_engine_dir, config()) as executor:
+        short, stopped, ended = run(executor, requests)
+        assert_no_blocks_held(executor)
+    assert final_tokens(short) == ref[:3] and short[-1].result.finish_reasons == [FinishReason.LENGTH]
+    assert final_tokens(stopped) == ref[:4] and stopped[-1].result.finish_reasons == [FinishReason.STOP_WORDS]
+    assert final_tokens(ended) == ref[:ref.index(ref[5])]
+    assert ended[-1].result.finish_reasons == [FinishReason.END_ID]
+
+
+# ----- the tiny random engine: KV rollback, sampled requests, refusals -----
+
+@pytest.fixture(scope="module")
+def tiny_executor(tiny_engine):
+    with Executor(tiny_engine, ExecutorConfig(exclude_input_from_output=True, max_beam_width=2)) as executor:
+        yield executor
+
+
+def plain_ids(executor, prompt: list[int], max_tokens: int) -> list[int]:
+    return final_tokens(run(executor, [Request(prompt, max_tokens)])[0])
+
+
+def test_rejected_drafts_never_reach_the_prefix_cache(tiny_executor, tiny_engine):
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]  # two full 4-token blocks; eight drafts fill two more
+    ref = plain_ids(tiny_executor, prompt, 12)
+    wrong = next(t for t in range(128) if t not in prompt + ref)
+    run(tiny_executor, [Request(prompt, 12, external_draft=ExternalDraftTokens([wrong] * 8))])
+    blocks = tiny_executor.blocks
+    assert all(wrong not in block.token_ids for block in blocks.blocks if block.token_ids is not None)
+    assert_no_blocks_held(tiny_executor)
+    # A prompt that continues with the rejected drafts reuses only the true prompt's blocks, and
+    # its tokens are those of an executor that never saw the drafts.
+    (responses,) = run(tiny_executor, [Request(prompt + [wrong] * 8, 4, output=OutputConfig(return_perf_metrics=True))])
+    assert responses[-1].result.perf.kv_cache_reused_blocks <= len(prompt) // 4
+    with Executor(tiny_engine, ExecutorConfig(exclude_input_from_output=True, enable_kv_cache_reuse=False)) as fresh:
+        assert final_tokens(responses) == plain_ids(fresh, prompt + [wrong] * 8, 4)
+
+
+def test_sampled_requests_with_drafts_run_to_their_length_and_count_acceptance(tiny_executor):
+    prompt = [5, 6, 7, 8, 9]
+    sampled = SamplingConfig(top_k=20, temperature=0.8, seed=3)
+    logits = torch.randn(4, 128)
+    drafts = [int(t) for t in logits.argmax(dim=-1)]
+    requests = [Request(prompt, 16, sampling=sampled, output=OutputConfig(return_perf_metrics=True,
+                                                                           return_log_probs=True),
+                        external_draft=ExternalDraftTokens(drafts, logits=logits if i == 0 else None,
+                                                           acceptance_threshold=0.01 if i == 1 else None))
+                for i in range(3)]
+    for responses in run(tiny_executor, requests):
+        result = responses[-1].result
+        assert len(result.output_token_ids[0]) == 16 and len(result.log_probs[0]) == 16
+        assert all(lp <= 0 for lp in result.log_probs[0])
+        assert result.perf.total_draft_tokens == 4
+    assert_no_blocks_held(tiny_executor)
+
+
+@pytest.mark.parametrize("draft, named", [
+    (ExternalDraftTokens([1, 128]), "draft_input_ids contains token id 128 outside the vocabulary"),
+    (ExternalDraftTokens(list(range(9))), "draft_input_ids has 9 tokens; allowed: at most 8"),
+    (ExternalDraftTokens([1, 2], logits=torch.zeros(3, 128)), "draft_logits has shape (3, 128)"),
+    (ExternalDraftTokens([1, 2], logits=torch.zeros(2, 64)), "draft_logits has shape (2, 64)"),
+    (ExternalDraftTokens([1], acceptance_threshold=1.5), "draft_acceptance_threshold must be in [0, 1]"),
+])
+def test_bad_drafts_fail_their_request_only(tiny_executor, draft, named):
+    bad, good = run(tiny_executor, [Request([1, 2, 3], 4, external_draft=draft), Request([1, 2, 3], 4)])
+    assert bad[-1].error is not None and named in bad[-1].error
+    assert len(final_tokens(good)) == 4
+
+
+def test_drafts_with_beam_search_are_refused_by_name(tiny_executor, tiny_engine):
+    beams = SamplingConfig(beam_width=2)
+    (bad,) = run(tiny_executor, [Request([1, 2, 3], 4, sampling=beams, external_draft=ExternalDraftTokens([4]))])
+    assert "draft_input_ids are not supported with beam search (beam_width 2)" in bad[-1].error
+    with Executor(tiny_engine, ExecutorConfig(max_beam_width=2, speculative=SpeculativeConfig("ngram"))) as executor:
+        bad, good = run(executor, [Request([1, 2, 3], 4, sampling=beams), Request([1, 2, 3], 4)])
+    assert "beam search is not supported with speculative decoding" in bad[-1].error
+    assert good[-1].error is None
+
+
+@pytest.mark.parametrize("speculative, named", [
+    (SpeculativeConfig("medusa"), "SpeculativeConfig.mode value of 'medusa' is not supported"),
+    (SpeculativeConfig("ngram", max_draft_len=0), "SpeculativeConfig.max_draft_len must be an integer in 1..64"),
+    (SpeculativeConfig("ngram", max_matching_ngram_size=0), "SpeculativeConfig.max_matching_ngram_size"),
+    (SpeculativeConfig("draft_model"), "'draft_model' is not supported by the executor yet"),
+])
+def test_bad_speculative_configs_are_refused_by_name(speculative, named):
+    with pytest.raises(ExecutorConfigError, match=named.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+        ExecutorConfig(speculative=speculative).validate()
+
+
+@pytest.mark.parametrize("options", [
+    dict(sampling=SamplingConfig(repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.3)),
+    dict(bad_words=[[7, 8], [9]], end_id=11, sampling=SamplingConfig(min_tokens=6)),
+    dict(embedding_bias=torch.linspace(-1, 1, 128), output=OutputConfig(return_log_probs=True)),
+], ids=["penalties", "bans", "bias_and_log_probs"])
+def test_right_drafts_under_penalties_bans_and_bias_give_the_plain_ids(tiny_executor, options):
+    """Each verified position sees the drafts before it as generated tokens (penalties, bans)."""
+    prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
+    (plain,) = run(tiny_executor, [Request(prompt, 16, **options)])
+    ref = final_tokens(plain)
+    drafted = run(tiny_executor, [Request(prompt, 16, external_draft=ExternalDraftTokens(ref[:8]),
+                                          output=OutputConfig(return_perf_metrics=True,
+                                                              return_log_probs=bool(plain[-1].result.log_probs)),
+                                          **{k: v for k, v in options.items() if k != "output"})])[0]
+    assert final_tokens(drafted) == ref
+    assert drafted[-1].result.perf.total_accepted_draft_tokens == min(8, len(ref) - 1)
+    if plain[-1].result.log_probs:
+        assert drafted[-1].result.log_probs[0] == pytest.approx(plain[-1].result.log_probs[0], abs=1e-4)
