@@ -76,20 +76,26 @@ LORA_EVENTS = {"gpu_load": "gpu_loads", "gpu_eviction": "gpu_evictions", "gpu_hi
                "host_load": "host_loads", "host_eviction": "host_evictions"}
 
 
-# Cumulative KV-cache blocks given to requests, by where they came from: "reused" from the prefix
-# cache (a prompt's blocks another request already computed) or "new" (beyond the reference: the
-# prefix-cache hit rate is reused / (reused + new)).
+# Cumulative KV-cache blocks given to requests, by where they came from (beyond the reference): "reused"
+# from the prefix cache in device memory (a prompt's blocks another request already computed),
+# "host" brought back from the KV host tier (kv_cache_host_memory_bytes; engine/executor/kv_host_tier.py),
+# or "new". The sources do not overlap: the prefix-cache hit rate is (reused + host) / (reused + host + new).
 KV_BLOCKS_FAMILY = ("tritonllm_kv_cache_blocks_total",
-                    "KV cache blocks given to requests: reused from the prefix cache or newly allocated", "source")
+                    "KV cache blocks given to requests: reused from the prefix cache in device memory, "
+                    "brought back from host memory, or newly allocated", "source")
 COUNTER_FAMILIES = (KV_BLOCKS_FAMILY, LORA_EVENTS_FAMILY, LORA_REQUESTS_FAMILY)
 
 
 def kv_block_counts(stats: Any) -> dict[tuple[str, str], int]:
-    """{(family, source): cumulative count} of KV_BLOCKS_FAMILY; {} where the stats have no such counts."""
+    """{(family, source): cumulative count} of KV_BLOCKS_FAMILY; {} where the stats have no such counts.
+    The stats' reused_blocks include the onboarded ones; here they are split off as "host"."""
     kv = getattr(stats, "kv_cache_stats", None)
     if kv is None or not hasattr(kv, "reused_blocks") or not hasattr(kv, "alloc_new_blocks"):
         return {}
-    return {(KV_BLOCKS_FAMILY[0], "reused"): kv.reused_blocks, (KV_BLOCKS_FAMILY[0], "new"): kv.alloc_new_blocks}
+    onboarded = getattr(kv, "onboarded_blocks", 0)
+    family = KV_BLOCKS_FAMILY[0]
+    return {(family, "reused"): kv.reused_blocks - onboarded, (family, "host"): onboarded,
+            (family, "new"): kv.alloc_new_blocks}
 
 
 def cumulative_counts(stats: Any) -> dict[tuple[str, str], int]:

@@ -50,9 +50,19 @@ def test_kv_block_counters_count_reused_and_new_blocks():
     kv = SimpleNamespace(max_num_blocks=100, free_num_blocks=75, used_num_blocks=25, tokens_per_block=16,
                          reused_blocks=12, alloc_new_blocks=30)
     counts = kv_block_counts(stats(kv_cache_stats=kv))
-    assert counts == {("tritonllm_kv_cache_blocks_total", "reused"): 12, ("tritonllm_kv_cache_blocks_total", "new"): 30}
+    assert counts == {("tritonllm_kv_cache_blocks_total", "reused"): 12, ("tritonllm_kv_cache_blocks_total", "host"): 0,
+                      ("tritonllm_kv_cache_blocks_total", "new"): 30}
     assert counts.items() <= cumulative_counts(stats(kv_cache_stats=kv)).items()
     assert kv_block_counts(stats()) == {}  # stats without the cumulative counts publish none
+
+
+def test_kv_block_counter_splits_blocks_brought_back_from_host_memory_off_reused():
+    """With the KV host tier, reused_blocks include the onboarded ones: the sources partition them."""
+    kv = SimpleNamespace(max_num_blocks=100, free_num_blocks=75, used_num_blocks=25, tokens_per_block=16,
+                         reused_blocks=12, alloc_new_blocks=30, onboarded_blocks=5)
+    assert kv_block_counts(stats(kv_cache_stats=kv)) == {
+        ("tritonllm_kv_cache_blocks_total", "reused"): 7, ("tritonllm_kv_cache_blocks_total", "host"): 5,
+        ("tritonllm_kv_cache_blocks_total", "new"): 30}
 
 
 def test_missing_stats_are_skipped_and_empty_pool_fraction_is_zero():
