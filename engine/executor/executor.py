@@ -468,7 +468,11 @@ class Executor:
         the host is active (``needs_tokens_on_host``), or with ``disable_overlap_scheduler``,
         each step is finished before the next is scheduled. A step with guided rows samples
         only once step N-1's tokens have reached their grammars, and step N-1's responses then
-        wait until step N+1 is launched (engine/executor/guided.py).
+        wait until step N+1 is launched (engine/executor/guided.py). Speculative decoding
+        (engine/executor/speculative/): a step that verifies drafts is finished before the next
+        schedule (how many tokens it keeps decides the next step's inputs), and with a proposer
+        every step is, so the proposer sees every token; drafted steps run eagerly or, on CUDA,
+        through the prefill graphs' token buckets (they are not 1-token decodes).
         """
         started = time.perf_counter()
         self._admit(new)
@@ -799,13 +803,13 @@ class Executor:
             if item.num_draft_tokens:  # before registering: no block holding a rejected token is registered
                 self._take_verified(item, step.verified[seq.seq_id])
             self.blocks.register_computed_blocks(seq)
-            if item.num_draft_tokens:
-                self._resolve_verified(seq, step.verified[seq.seq_id], step.logits, first, now)
             if item.samples and len(state.sequences) > 1 and (item.start + item.num_new_tokens - item.num_draft_tokens
                                                                == seq.num_prompt_tokens):
                 self._fork_siblings(seq)
             if item.samples and state.is_beam_search:
                 beam_rows.append((seq, step.logits[end - 1]))
+            if item.num_draft_tokens:  # (after the fork: a stop here frees the blocks siblings share)
+                self._resolve_verified(seq, step.verified[seq.seq_id], step.logits, first, now)
         for i, (seq, index, row) in enumerate(step.placeholders):
             if not seq.is_finished:
                 self._resolve_token(seq, index, token_ids[i], None if log_probs is None else log_probs[i],

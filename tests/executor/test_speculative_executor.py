@@ -7,6 +7,8 @@ blocks: drafts fill whole blocks).
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from executor_testing import collect, final_tokens
@@ -175,6 +177,14 @@ def test_sampled_requests_with_drafts_run_to_their_length_and_count_acceptance(t
         assert len(result.output_token_ids[0]) == 16 and len(result.log_probs[0]) == 16
         assert all(lp <= 0 for lp in result.log_probs[0])
         assert result.perf.total_draft_tokens == 4
+    # Returned sequences share the prompt's blocks; each verifies the drafts at its first step.
+    several = replace(sampled, num_return_sequences=3)
+    ids = tiny_executor.enqueue_requests([Request(prompt, 16, sampling=several, external_draft=ExternalDraftTokens(drafts),
+                                                  output=OutputConfig(return_perf_metrics=True))])
+    finals = [r for r in collect(tiny_executor, ids, timeout=60, streams={ids[0]: 3})[ids[0]] if r.result.is_final]
+    assert sorted(r.result.sequence_index for r in finals) == [0, 1, 2]
+    assert all(len(r.result.output_token_ids[0]) == 16 for r in finals)
+    assert finals[-1].result.perf.total_draft_tokens == 12
     assert_no_blocks_held(tiny_executor)
 
 

@@ -34,16 +34,18 @@ class Verified:
 
 
 class _Drafted:
-    """``seq`` as it would be with ``extra`` tokens accepted: what the sampling metadata reads."""
+    """``seq`` as it would be with ``extra`` tokens accepted: what the sampling metadata reads.
+    The token list is built only when read (penalties, bad words), not for every verify step."""
 
     def __init__(self, seq: Sequence, extra: list[int]):
         self.state, self.seed, self.grammar = seq.state, seq.seed, None
         self.num_prompt_tokens = seq.num_prompt_tokens
-        self.token_ids = seq.token_ids + extra if extra else seq.token_ids
+        self.num_generated_tokens = seq.num_generated_tokens + len(extra)
+        self._seq, self._extra = seq, extra
 
     @property
-    def num_generated_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+    def token_ids(self) -> list[int]:
+        return self._seq.token_ids + self._extra
 
     @property
     def generated_token_ids(self) -> list[int]:
