@@ -2,7 +2,8 @@
 """Multi-turn chat through the in-process executor: what the prefix cache buys.
 
     python benchmarks/multiturn_bench.py --model llama8b [--conversations 64 --turns 6 --system_len 1500]
-        [--user_len 60 --output_len 64] [--reuse on,off] [--out multiturn.json]
+        [--user_len 60 --output_len 64] [--reuse on,off,host] [--working_set_over_gpu_pool 2]
+        [--kv-cache-host-memory-bytes N] [--out multiturn.json]
 
 ``--conversations`` conversations share one ``--system_len``-token system prompt; each runs
 ``--turns`` turns in a closed loop: its next request is sent when the previous answer is complete,
@@ -12,10 +13,22 @@ Streaming, so the time to first token (enqueue to the first streamed token) is t
 ids are random (a random-weight engine of ``--model``'s shape, made on the device at load; see
 benchmarks/engine_bench.py), the same for every setting.
 
-For each ``--reuse`` setting (the executor's ``enable_kv_cache_reuse``) one executor runs the whole
-load; reported: TTFT p50/p90/p99 over all turns and per turn, the KV hit rate (prompt blocks taken
-from the prefix cache over all prompt blocks, from each request's perf metrics:
-``kv_cache_reused_blocks`` / ``kv_cache_alloc_total_blocks``), output tokens/s and wall time.
+For each ``--reuse`` setting one executor runs the whole load: ``off`` and ``on`` are the executor's
+``enable_kv_cache_reuse``; ``host`` is reuse plus the KV host tier (``kv_cache_host_memory_bytes``:
+``--kv-cache-host-memory-bytes``, by default room for the whole working set), which keeps reusable
+blocks evicted from the device pool in pinned host memory and brings them back on a prefix hit.
+Reported: TTFT p50/p90/p99 over all turns and per turn, the KV hit rate (prompt blocks taken from
+the prefix cache over all prompt blocks, from each request's perf metrics:
+``kv_cache_reused_blocks`` / ``kv_cache_alloc_total_blocks``; an onboarded block counts as reused),
+the same rate from the executor's cumulative counters (what ``tritonllm_kv_cache_blocks_total``
+publishes: (reused + host) / (reused + host + new)), the blocks onboarded from and offloaded to host
+memory, output tokens/s and wall time.
+
+The working set is the KV of every conversation's final history, the shared system prompt once:
+``system_len + conversations * turns * (user_len + output_len)`` tokens. ``--working_set_over_gpu_pool
+R`` sizes the device pool (``max_tokens_in_paged_kv_cache``) to 1/R of it (never below the longest
+request), so that with R = 2 half of what the conversations could reuse fits on the device: the
+setting in which the host tier matters. Unset, the pool takes 90% of the free device memory.
 """
 from __future__ import annotations
 
@@ -33,6 +46,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from engine_bench import MODELS, write_config_only_engine  # noqa: E402  (benchmarks/ is on sys.path as a script)
 
 
+TOKENS_PER_BLOCK = 32
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
@@ -46,6 +62,28 @@ def release_device_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def working_set_tokens(args) -> int:
+    """Tokens of KV the conversations could reuse: every final history, the system prompt once."""
+    return args.system_len + args.conversations * args.turns * (args.user_len + args.output_len)
+
+
+def longest_request_tokens(args) -> int:
+    """Prompt + answer of a conversation's last turn: a device pool must hold at least this."""
+    return args.system_len + args.turns * (args.user_len + args.output_len)
+
+
+def kv_block_bytes(engine_dir: str) -> int:
+    """Bytes of one KV block of the engine's pool (every layer's K and V, the engine's dtype)."""
+    import torch
+
+    from engine.config import EngineConfig
+
+    config = EngineConfig.load(engine_dir)
+    model, build = config.model, config.build
+    element = torch.empty((), dtype=getattr(torch, build.dtype)).element_size()
+    return model.num_layers * 2 * build.tokens_per_block * model.num_kv_heads * model.head_dim * element
 
 
 def run_conversations(executor, vocab: int, args) -> dict:
@@ -99,11 +137,16 @@ def run_conversations(executor, vocab: int, args) -> dict:
                 send(conversation)
     elapsed = time.perf_counter() - started
     every = [t for turn in ttft_ms.values() for t in turn]
+    kv = executor.get_latest_iteration_stats().kv_cache_stats  # cumulative counters of the pool
+    counted = kv.reused_blocks + kv.alloc_new_blocks
     return {"seconds": elapsed, "output_tok_s": output_tokens / elapsed,
             "ttft_ms": {"p50": percentile(every, 50), "p90": percentile(every, 90), "p99": percentile(every, 99)},
             "ttft_ms_median_by_turn": [statistics.median(ttft_ms[t]) for t in range(args.turns)],
             "kv_hit_rate": reused / total_blocks if total_blocks else 0.0,
             "reused_blocks": reused, "prompt_blocks": total_blocks,
+            "counter_hit_rate": kv.reused_blocks / counted if counted else 0.0,
+            "onboarded_blocks": kv.onboarded_blocks, "offloaded_blocks": kv.offloaded_blocks,
+            "gpu_pool_blocks": kv.max_num_blocks, "host_tier_blocks": kv.max_num_host_blocks,
             "conversations": [histories[c] for c in sorted(histories)]}
 
 
@@ -117,7 +160,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--system_len", type=int, default=1500)
     parser.add_argument("--user_len", type=int, default=60)
     parser.add_argument("--output_len", type=int, default=64)
-    parser.add_argument("--reuse", default="on,off", help="comma list of on/off: the executor's enable_kv_cache_reuse")
+    parser.add_argument("--reuse", default="on,off",
+                        help="comma list of off, on (the executor's enable_kv_cache_reuse) and host (reuse plus the "
+                             "KV host tier)")
+    parser.add_argument("--kv_cache_host_memory_bytes", "--kv-cache-host-memory-bytes", type=int, default=None,
+                        help="the host tier's bytes in the 'host' setting (default: room for the whole working set)")
+    parser.add_argument("--working_set_over_gpu_pool", "--working-set-over-gpu-pool", type=float, default=None,
+                        help="size the device KV pool to the working set / this (2: the working set is twice the "
+                             "pool); default: 90%% of the free device memory")
     parser.add_argument("--max_batch_size", type=int, default=64)
     parser.add_argument("--max_seq_len", type=int, default=4096)
     parser.add_argument("--out", default=None)
@@ -125,11 +175,27 @@ def main(argv: list[str] | None = None) -> dict:
 
     from engine.executor.executor import Executor, ExecutorConfig
 
-    engine_dir = write_config_only_engine(args.model, args.dtype, args.max_batch_size, args.max_seq_len, 8192, 32)
+    engine_dir = write_config_only_engine(args.model, args.dtype, args.max_batch_size, args.max_seq_len, 8192,
+                                          TOKENS_PER_BLOCK)
     vocab = MODELS[args.model]["vocab_size"]
-    results = {"args": vars(args), "runs": {}}
-    for setting in args.reuse.split(","):
-        config = ExecutorConfig(enable_kv_cache_reuse=setting == "on", kv_cache_free_gpu_mem_fraction=0.9)
+    settings = args.reuse.split(",")
+    unknown = set(settings) - {"on", "off", "host"}
+    if unknown:
+        parser.error(f"--reuse: unknown settings {sorted(unknown)}; allowed: on, off, host")
+    pool_tokens = None
+    if args.working_set_over_gpu_pool:
+        pool_tokens = max(-(-working_set_tokens(args) // args.working_set_over_gpu_pool), longest_request_tokens(args))
+        pool_tokens = int(pool_tokens)
+    block_bytes = kv_block_bytes(engine_dir)
+    host_bytes = args.kv_cache_host_memory_bytes
+    if host_bytes is None:  # the whole working set (+ a block per conversation for partial tails)
+        host_bytes = (-(-working_set_tokens(args) // TOKENS_PER_BLOCK) + args.conversations) * block_bytes
+    results = {"args": vars(args), "working_set_tokens": working_set_tokens(args), "gpu_pool_tokens": pool_tokens,
+               "kv_block_bytes": block_bytes, "runs": {}}
+    for setting in settings:
+        config = ExecutorConfig(enable_kv_cache_reuse=setting != "off", kv_cache_free_gpu_mem_fraction=0.9,
+                                max_tokens_in_paged_kv_cache=pool_tokens,
+                                kv_cache_host_memory_bytes=host_bytes if setting == "host" else 0)
         executor = Executor(engine_dir, config, device=args.device)
         try:
             run = run_conversations(executor, vocab, args)
@@ -142,7 +208,9 @@ def main(argv: list[str] | None = None) -> dict:
         results["runs"][setting] = run
         print(f"reuse {setting}: TTFT p50 {run['ttft_ms']['p50']:.1f} ms, p99 {run['ttft_ms']['p99']:.1f} ms, "
               f"by turn {[round(t, 1) for t in run['ttft_ms_median_by_turn']]}, KV hit rate "
-              f"{run['kv_hit_rate']:.1%}, {run['output_tok_s']:.0f} output tok/s, {run['seconds']:.1f} s", flush=True)
+              f"{run['kv_hit_rate']:.1%} (counters {run['counter_hit_rate']:.1%}; {run['onboarded_blocks']} blocks "
+              f"onboarded from host, {run['offloaded_blocks']} offloaded), {run['output_tok_s']:.0f} output tok/s, "
+              f"{run['seconds']:.1f} s", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({**results, "runs": {k: {n: v for n, v in run.items() if n != "conversations"}
