@@ -44,7 +44,7 @@ from engine.tensor_parallel.step_protocol import RankFailureError
 from engine.executor.runner import ForwardBatch, ModelRunner
 from engine.executor.sampler import build_sampling_metadata, process_logits, sample
 from engine.executor.scheduler import POLICIES, Scheduler, SchedulerOutput
-from engine.executor.speculative import DraftProposer, Verified, draft_room, make_proposer, verify_drafts
+from engine.executor.speculative import DraftProposer, Verified, draft_room, make_proposer, verify_batch
 # KvCacheStats and IterationStats are part of this module's public surface (re-exported).
 from engine.executor.stats import (  # noqa: F401
     ITERATION_LOG_ENV, STATS_TIME_FORMAT, IterationLog, IterationStats, KvCacheStats, kv_cache_stats,
@@ -116,8 +116,9 @@ class ExecutorConfig:
     enable_kv_cache_reuse: bool = True
     # KV host tier (engine/executor/kv_host_tier.py, TRT-LLM's names): with reuse on, reusable blocks
     # evicted from the device pool are kept in this many bytes of host memory (pinned on CUDA) and
-    # copied back on a prefix hit; 0: none. kv_cache_onboard_blocks False: host hits are not brought
-    # back, which here (kernels read KV from the device pool only) makes them misses: no tier is made.
+    # copied back on a prefix hit; 0: none (leader mode: bytes per rank, each keeping its shard).
+    # kv_cache_onboard_blocks False: host hits are not brought back, which here (kernels read KV from
+    # the device pool only) makes them misses: no tier is made.
     kv_cache_host_memory_bytes: int = 0
     kv_cache_onboard_blocks: bool = True
     enable_chunked_context: bool = False
@@ -271,11 +272,8 @@ class Executor:
 
     def _init_scheduler(self) -> None:
         cfg = self.config
-        try:
-            host_tier = make_host_tier(self.runner, host_memory_bytes=cfg.kv_cache_host_memory_bytes,
-                                       onboard_blocks=cfg.kv_cache_onboard_blocks, enable_reuse=cfg.enable_kv_cache_reuse)
-        except ValueError as err:  # e.g. tensor parallelism: refused by name
-            raise ExecutorConfigError(str(err)) from None
+        host_tier = make_host_tier(self.runner, host_memory_bytes=cfg.kv_cache_host_memory_bytes,
+                                   onboard_blocks=cfg.kv_cache_onboard_blocks, enable_reuse=cfg.enable_kv_cache_reuse)
         self.blocks = BlockManager(self.runner.num_kv_blocks, self.runner.tokens_per_block,
                                    cfg.enable_kv_cache_reuse, host_tier=host_tier)
         self.scheduler = Scheduler(self.blocks, max_batch_size=self.max_batch_size,
@@ -853,9 +851,8 @@ class Executor:
 
     def _verify(self, logits: torch.Tensor, drafted: list[tuple[Sequence, int, int]]) -> dict[int, Verified]:
         """Decide, per drafted sequence, which drafts the step keeps (applied when it finishes)."""
-        return {seq.seq_id: verify_drafts(seq, seq.draft_token_ids[:k], logits[first:first + k + 1],
-                                          self.runner.vocab_size, self.config.normalize_log_probs)
-                for seq, first, k in drafted}
+        return verify_batch([(seq, seq.draft_token_ids[:k], first) for seq, first, k in drafted], logits,
+                            self.runner.vocab_size, self.config.normalize_log_probs)
 
     def _take_verified(self, item, verified: Verified) -> None:
         """Roll a drafted sequence back to its accepted tokens: they join token_ids (as unresolved

@@ -240,3 +240,33 @@ def test_right_drafts_under_penalties_bans_and_bias_give_the_plain_ids(tiny_exec
     assert drafted[-1].result.perf.total_accepted_draft_tokens == min(8, len(ref) - 1)
     if plain[-1].result.log_probs:
         assert drafted[-1].result.log_probs[0] == pytest.approx(plain[-1].result.log_probs[0], abs=1e-4)
+
+
+CHI2_CRITICAL_4_DOF = 18.47  # p = 0.001: a correct sampler fails one run in a thousand
+
+
+@pytest.mark.parametrize("with_logits", [False, True], ids=["fixed_draft", "drafts_drawn_from_draft_logits"])
+def test_sampled_first_tokens_follow_the_targets_law_whatever_the_draft(tiny_executor, with_logits):
+    """Thousands of seeded requests verify a draft at their first step: the first token's
+    frequencies match the target's top-5 law at temperature 0.7 (chi-square), as plain sampling's
+    would. Without logits the draft is one fixed token (a point mass); with them each request's
+    draft is drawn from the draft's law (the premise of rejection sampling), a noisy copy of the target's."""
+    prompt = [9, 8, 7, 6, 5]
+    (context,) = run(tiny_executor, [Request(prompt, 1, output=OutputConfig(return_context_logits=True))])
+    raw = context[-1].result.context_logits[-1]
+    top = (raw / 0.7).topk(5)
+    law = torch.softmax(top.values, dim=-1)
+    trials = 3000
+    generator = torch.Generator().manual_seed(0)
+    draft_logits = (raw + torch.randn(128, generator=generator)).unsqueeze(0)
+    draft_top = (draft_logits[0] / 0.7).topk(5)  # the draft's law as the executor sees it (same settings)
+    draws = draft_top.indices[torch.multinomial(torch.softmax(draft_top.values, -1), trials, True, generator=generator)]
+    requests = [Request(prompt, 2, sampling=SamplingConfig(top_k=5, temperature=0.7, seed=seed),
+                        external_draft=ExternalDraftTokens([int(draws[seed])], logits=draft_logits) if with_logits
+                        else ExternalDraftTokens([int(top.indices[1])]))  # often rejected, often kept
+                for seed in range(trials)]
+    firsts = [final_tokens(r)[0] for r in run(tiny_executor, requests)]
+    counts = torch.tensor([firsts.count(int(t)) for t in top.indices], dtype=torch.float32)
+    assert counts.sum() == trials  # nothing outside the top 5
+    expected = law * trials
+    assert float(((counts - expected) ** 2 / expected).sum()) < CHI2_CRITICAL_4_DOF

@@ -52,6 +52,39 @@ class _Drafted:
         return self.token_ids[self.num_prompt_tokens:]
 
 
+def verify_batch(drafted: list[tuple[Sequence, list[int], int]], logits: torch.Tensor, vocab_size: int,
+                 normalize_log_probs: bool = True) -> dict[int, Verified]:
+    """Every drafted sequence of a step: (sequence, drafts, first logits row) -> seq_id -> Verified.
+    logits (rows, vocab): the step's; sequence i's k + 1 rows start at its first row. Plain greedy
+    sequences (nothing changes their logits) share one argmax and one copy to the host."""
+    verified, plain = {}, []
+    for seq, draft_ids, first in drafted:
+        if _is_plain_greedy(seq):
+            plain.append((seq, draft_ids, first))
+        else:
+            verified[seq.seq_id] = verify_drafts(seq, draft_ids, logits[first:first + len(draft_ids) + 1],
+                                                 vocab_size, normalize_log_probs)
+    if plain:
+        rows = [first + j for _, draft_ids, first in plain for j in range(len(draft_ids) + 1)]
+        argmax = logits[torch.tensor(rows, device=logits.device)].argmax(dim=-1).tolist()
+        offset = 0
+        for seq, draft_ids, _ in plain:
+            k = len(draft_ids)
+            verified[seq.seq_id] = Verified(accept_greedy(argmax[offset:offset + k + 1], draft_ids), k, None)
+            offset += k + 1
+    return verified
+
+
+def _is_plain_greedy(seq: Sequence) -> bool:
+    """Greedy, and the sampler would take the raw argmax: no bias, penalty, ban or log-prob."""
+    request = seq.state.request
+    s = request.sampling
+    return (s.is_greedy and request.embedding_bias is None and not request.bad_words
+            and not (request.end_id is not None and s.min_tokens)
+            and (s.repetition_penalty is None or s.repetition_penalty == 1.0)
+            and not s.presence_penalty and not s.frequency_penalty and not request.output.return_log_probs)
+
+
 def verify_drafts(seq: Sequence, draft_ids: list[int], logits: torch.Tensor, vocab_size: int,
                   normalize_log_probs: bool = True) -> Verified:
     """logits (k + 1, vocab): the target's at the sequence's last known token and at each of its
