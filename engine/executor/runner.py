@@ -204,6 +204,24 @@ class ModelRunner:
         self.decode_graphs = self.prefill_graphs = None  # graphs hold the old pool's address
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
 
+    def copy_kv_host_blocks(self, num_host_slots: int, direction: str, block_ids: list[int], slots: list[int]) -> None:
+        """KV host tier (engine/executor/kv_host_tier.py) on this rank: keep a host pool of
+        ``num_host_slots`` blocks of this rank's KV shard (made by the first call), then copy pool
+        block ``block_ids[i]`` to host slot ``slots[i]`` ("to_host") or back ("to_device"); ""
+        copies nothing. Leader mode runs it on every rank through the step plan (a CALL), in the
+        same order relative to the forwards as on rank 0."""
+        from engine.executor.kv_host_tier import HostKVPool
+
+        pool = getattr(self, "kv_host_pool", None)
+        if pool is None or pool.num_slots != num_host_slots:
+            self.kv_host_pool = pool = HostKVPool(lambda: self.kv_cache, num_host_slots)
+        if direction == "to_host":
+            pool.copy_to_host(block_ids, slots)
+        elif direction == "to_device":
+            pool.copy_to_device(slots, block_ids)
+        elif direction:
+            raise ValueError(f"copy_kv_host_blocks: direction must be to_host, to_device or empty, got {direction!r}")
+
     # ---- engine load on CUDA: kernels chosen and compiled, decode graphs captured ----------
 
     def capture_cuda_graphs(self) -> None:
