@@ -27,8 +27,13 @@ the step it plans. So:
   program order on the one stream);
 - a host slot freed by onboarding is reused by a later offload that is queued after the onboard.
 The host pool is never read or written by the CPU, so non-blocking copies into and out of pinned
-memory need no event. (Leader mode would need the copy lists in the step plan so that every rank
-copies its shard; it is refused for now, see ``make_host_tier``.)
+memory need no event.
+
+Leader mode (tensor parallelism): the BlockManager runs on rank 0 only, so each copy goes to every
+rank as a CALL of ModelRunner.copy_kv_host_blocks in the step plan (``LeaderCopies``); every rank
+keeps a host pool of the same slots for its own KV shard (``kv_cache_host_memory_bytes`` is per
+rank). Plans reach the workers in order, so on each rank a copy lands between the same two
+forwards as on rank 0 and the invariant above holds there too.
 """
 from __future__ import annotations
 
@@ -217,6 +222,24 @@ class HostKVTier:
         assert set(self.slot_tokens) == indexed | self.claimed
 
 
+class LeaderCopies:
+    """The copier of leader mode: each copy runs on every rank (``runner.call_on_all_ranks``), each
+    rank on its own shard's pool and host pool; the host pools are made on every rank here."""
+
+    def __init__(self, leader_runner, num_slots: int, block_bytes: int):
+        self._runner = leader_runner
+        self.num_slots = num_slots
+        self.block_bytes = block_bytes  # one rank's share of a block
+        self.nbytes = num_slots * block_bytes  # per rank
+        self._runner.call_on_all_ranks("copy_kv_host_blocks", num_slots, "", [], [])
+
+    def copy_to_host(self, block_ids: list[int], slots: list[int]) -> None:
+        self._runner.call_on_all_ranks("copy_kv_host_blocks", self.num_slots, "to_host", list(block_ids), list(slots))
+
+    def copy_to_device(self, slots: list[int], block_ids: list[int]) -> None:
+        self._runner.call_on_all_ranks("copy_kv_host_blocks", self.num_slots, "to_device", list(block_ids), list(slots))
+
+
 def make_host_tier(runner, *, host_memory_bytes: int, onboard_blocks: bool, enable_reuse: bool) -> HostKVTier | None:
     """The host tier the executor's BlockManager uses, or None when there is none.
 
@@ -224,16 +247,15 @@ def make_host_tier(runner, *, host_memory_bytes: int, onboard_blocks: bool, enab
     when the budget is below one block, or when ``onboard_blocks`` is False: TRT-LLM then lets its
     kernels read such blocks from host memory; ours read KV only from the device pool, so a host hit
     that is not brought back is a miss, and keeping blocks there would only cost copies.
+    ``runner``: a ModelRunner, or leader mode's LeaderRunner (the budget is then per rank).
     """
     if host_memory_bytes <= 0 or not enable_reuse or not onboard_blocks:
         return None
-    tp_size = runner.build_config.tp_size
-    if tp_size > 1:
-        raise ValueError(f"kv_cache_host_memory_bytes ({host_memory_bytes}) is not supported with tensor "
-                         f"parallelism yet (this engine has tp_size {tp_size}); set it to 0")
     if runner.kv_cache is None:
         raise RuntimeError("the runner's KV pool must be allocated before the host tier")
     num_slots = host_memory_bytes // runner.kv_block_bytes
     if num_slots == 0:
         return None
+    if runner.build_config.tp_size > 1:
+        return HostKVTier(num_slots, LeaderCopies(runner, num_slots, runner.kv_block_bytes))
     return HostKVTier(num_slots, HostKVPool(lambda: runner.kv_cache, num_slots))

@@ -253,8 +253,10 @@ def test_onboarded_blocks_give_the_same_logits(tiny_engine):
 
 def fake_runner(tp_size: int = 1, block_bytes: int = 1000):
     pool = torch.zeros(1, 2, 4, 5, 5, 5)  # 1000 bytes a block in float32
+    calls = []
     return types.SimpleNamespace(build_config=types.SimpleNamespace(tp_size=tp_size), kv_cache=pool,
-                                 kv_block_bytes=block_bytes)
+                                 kv_block_bytes=block_bytes, calls=calls,
+                                 call_on_all_ranks=lambda method, *args: calls.append((method, *args)))
 
 
 def test_byte_budget_and_when_there_is_no_tier():
@@ -265,8 +267,33 @@ def test_byte_budget_and_when_there_is_no_tier():
     assert make_host_tier(fake_runner(), host_memory_bytes=10**6, onboard_blocks=True, enable_reuse=False) is None
     # onboard_blocks False: a host hit could not be used (kernels read the device pool only): no tier.
     assert make_host_tier(fake_runner(), host_memory_bytes=10**6, onboard_blocks=False, enable_reuse=True) is None
-    with pytest.raises(ValueError, match="kv_cache_host_memory_bytes .*tensor parallelism"):
-        make_host_tier(fake_runner(tp_size=2), host_memory_bytes=10**6, onboard_blocks=True, enable_reuse=True)
+
+
+
+def test_leader_mode_sends_every_copy_to_every_rank():
+    """tp_size > 1: the host pools are made on every rank at once, and each copy is a call that the
+    step plan carries to every rank (ModelRunner.copy_kv_host_blocks on each shard)."""
+    runner = fake_runner(tp_size=2)
+    tier = make_host_tier(runner, host_memory_bytes=4000, onboard_blocks=True, enable_reuse=True)
+    assert tier.num_slots == 4 and tier.copier.nbytes == 4000
+    assert runner.calls == [("copy_kv_host_blocks", 4, "", [], [])]
+    tier.offload([(7, 70, (1,)), (3, 30, (2,))])
+    tier.onboard(tier.claim([30]), [5])
+    assert runner.calls[1:] == [("copy_kv_host_blocks", 4, "to_host", [7, 3], [0, 1]),
+                                ("copy_kv_host_blocks", 4, "to_device", [5], [1])]
+
+
+def test_runner_copies_its_shard_through_its_host_pool(tiny_engine):
+    runner = tiny_runner(tiny_engine, num_blocks=4)
+    runner.kv_cache.normal_()
+    block = runner.kv_cache[:, :, 1].clone()
+    runner.copy_kv_host_blocks(2, "", [], [])  # the pool is made
+    assert runner.kv_host_pool.num_slots == 2
+    runner.copy_kv_host_blocks(2, "to_host", [1], [1])
+    runner.copy_kv_host_blocks(2, "to_device", [3], [1])
+    assert torch.equal(runner.kv_cache[:, :, 3], block)
+    with pytest.raises(ValueError, match="direction"):
+        runner.copy_kv_host_blocks(2, "sideways", [], [])
 
 
 @pytest.mark.parametrize("field,value", [("kv_cache_host_memory_bytes", -1), ("kv_cache_host_memory_bytes", 1.5),

@@ -1,0 +1,48 @@
+"""The KV host tier in leader mode (real processes, gloo on CPU): rank 0's BlockManager decides the
+copies, every rank makes them on its own shard (ModelRunner.copy_kv_host_blocks through the step
+plan), so conversations whose prefixes came back from host memory answer on two ranks exactly as
+one rank without reuse does."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+from kv_host_tier_driver import PROMPTS, converse
+from tp_testing import build_tiny_engine, start_ranks, stop, tiny_llama
+
+from engine.executor.executor import Executor, ExecutorConfig
+
+DRIVER = os.path.join(os.path.dirname(__file__), "kv_host_tier_driver.py")
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    hf = tiny_llama()
+    root = tmp_path_factory.mktemp("host_tier_engines")
+    return {tp: build_tiny_engine(hf, str(root / f"tp{tp}"), tp_size=tp) for tp in (1, 2)}
+
+
+@pytest.mark.parametrize("plans", ["gloo", "shared memory"])
+def test_two_ranks_with_the_host_tier_answer_like_one_rank_without_reuse(engines, tmp_path, plans):
+    with Executor(engines[1], ExecutorConfig(max_tokens_in_paged_kv_cache=96, enable_kv_cache_reuse=False),
+                  device="cpu") as executor:
+        want = converse(executor, PROMPTS)
+    out = str(tmp_path / "tp2.json")
+    leader, workers = start_ranks([sys.executable, DRIVER, "--engine_dir", engines[2], "--out", out], engines[2], 2,
+                                  TRITONLLM_SHM_PLANS="1" if plans == "shared memory" else "0")
+    try:
+        leader_log, _ = leader.communicate(timeout=180)
+        assert leader.returncode == 0, leader_log
+        for worker in workers:
+            worker_log, _ = worker.communicate(timeout=30)
+            assert worker.returncode == 0, worker_log
+    finally:
+        stop([leader, *workers])
+    with open(out) as f:
+        result = json.load(f)
+    assert result["runner"] == "LeaderRunner" and result["leaked"] == 0
+    assert result["onboarded"] > 0 and result["offloaded"] >= result["onboarded"]
+    assert result["histories"] == want
