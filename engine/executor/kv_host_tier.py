@@ -73,8 +73,10 @@ class HostKVPool:
     def nbytes(self) -> int:
         return self.host.numel() * self.host.element_size()
 
-    def _pool(self) -> torch.Tensor:
-        return self._device_pool().view(self.int_dtype)
+    def _by_block(self) -> torch.Tensor:
+        """The device pool seen block-major, (num_blocks, L, 2, T, H, D): a view, no copy; indexing
+        its first dimension gathers or scatters whole blocks in one kernel."""
+        return self._device_pool().view(self.int_dtype).permute(2, 0, 1, 3, 4, 5)
 
     def _index(self, ids: list[int], device: torch.device) -> torch.Tensor:
         host = torch.tensor(ids, dtype=torch.int64)
@@ -85,33 +87,33 @@ class HostKVPool:
     @torch.inference_mode()
     def copy_to_host(self, block_ids: list[int], slots: list[int]) -> None:
         """host[slots[i]] = pool[:, :, block_ids[i]] for every i (slots distinct)."""
-        pool = self._pool()
-        if pool.device.type != "cuda":
-            gathered = pool.index_select(2, self._index(block_ids, pool.device))  # (L, 2, n, T, H, D)
-            self.host.index_copy_(0, torch.tensor(slots), gathered.permute(2, 0, 1, 3, 4, 5))
+        by_block = self._by_block()
+        if by_block.device.type != "cuda":
+            self.host.index_copy_(0, torch.tensor(slots), by_block.index_select(0, torch.tensor(block_ids)))
             return
         for start in range(0, len(block_ids), self._chunk):
             blocks, dest = block_ids[start:start + self._chunk], slots[start:start + self._chunk]
-            # One gather for the chunk: (n, L, 2, T, H, D) contiguous on the device ...
-            staged = pool.index_select(2, self._index(blocks, pool.device)).permute(2, 0, 1, 3, 4, 5).contiguous()
-            for first, count, at in _runs(dest):  # ... then one memcpy per run of consecutive slots
+            # One gather for the chunk, (n, L, 2, T, H, D) contiguous on the device, then one async
+            # memcpy into pinned memory per run of consecutive slots.
+            staged = by_block.index_select(0, self._index(blocks, by_block.device))
+            for first, count, at in _runs(dest):
                 self.host[first:first + count].copy_(staged[at:at + count], non_blocking=True)
 
     @torch.inference_mode()
     def copy_to_device(self, slots: list[int], block_ids: list[int]) -> None:
         """pool[:, :, block_ids[i]] = host[slots[i]] for every i (block ids distinct)."""
-        pool = self._pool()
-        if pool.device.type != "cuda":
-            loaded = self.host.index_select(0, torch.tensor(slots))  # (n, L, 2, T, H, D)
-            pool.index_copy_(2, self._index(block_ids, pool.device), loaded.permute(1, 2, 0, 3, 4, 5))
+        by_block = self._by_block()
+        if by_block.device.type != "cuda":
+            by_block.index_copy_(0, torch.tensor(block_ids), self.host.index_select(0, torch.tensor(slots)))
             return
         for start in range(0, len(slots), self._chunk):
             src, blocks = slots[start:start + self._chunk], block_ids[start:start + self._chunk]
-            staged = torch.empty((len(src),) + tuple(self.host.shape[1:]), dtype=self.int_dtype, device=pool.device)
-            for first, count, at in _runs(src):  # one memcpy per run of consecutive slots ...
+            # One async memcpy per run of consecutive slots into a device staging buffer, then one
+            # scatter of the chunk into the pool.
+            staged = torch.empty((len(src),) + tuple(self.host.shape[1:]), dtype=self.int_dtype, device=by_block.device)
+            for first, count, at in _runs(src):
                 staged[at:at + count].copy_(self.host[first:first + count], non_blocking=True)
-            # ... then one scatter into the pool for the chunk
-            pool.index_copy_(2, self._index(blocks, pool.device), staged.permute(1, 2, 0, 3, 4, 5))
+            by_block.index_copy_(0, self._index(blocks, by_block.device), staged)
 
 
 def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
