@@ -270,3 +270,19 @@ def test_sampled_first_tokens_follow_the_targets_law_whatever_the_draft(tiny_exe
     assert counts.sum() == trials  # nothing outside the top 5
     expected = law * trials
     assert float(((counts - expected) ** 2 / expected).sum()) < CHI2_CRITICAL_4_DOF
+
+
+@pytest.mark.parametrize("options", [
+    dict(enable_chunked_context=True, max_num_tokens=8, max_batch_size=4),  # drafts ride with the last chunk
+    dict(batch_scheduler_policy="max_utilization", max_tokens_in_paged_kv_cache=48),  # verify steps preempt
+], ids=["chunked_prompt", "preemption"])
+def test_drafts_with_chunked_prompts_and_preemption_give_the_plain_ids(tiny_executor, tiny_engine, options):
+    prompts = [[(7 * i + j) % 128 for j in range(10 + i)] for i in range(6)]
+    refs = [plain_ids(tiny_executor, p, 14) for p in prompts]
+    requests = [Request(p, 14, external_draft=ExternalDraftTokens(ref[:2 + i % 5] + [0] * (i % 2)))
+                for i, (p, ref) in enumerate(zip(prompts, refs))]
+    with Executor(tiny_engine, ExecutorConfig(exclude_input_from_output=True, **options)) as executor:
+        assert [final_tokens(r) for r in run(executor, requests)] == refs
+        assert_no_blocks_held(executor)
+        if options.get("batch_scheduler_policy") == "max_utilization":
+            assert executor.scheduler.num_preemptions > 0
