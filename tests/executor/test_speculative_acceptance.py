@@ -152,3 +152,10 @@ def test_a_decode_without_budget_for_drafts_runs_plain(budget):
     a.draft_token_ids = [7, 7]
     (item,) = sched.schedule().scheduled
     assert (item.num_new_tokens, item.num_draft_tokens) == (budget, budget - 1)
+
+
+def test_a_draft_its_own_law_rules_out_is_judged_as_a_fixed_draft():
+    target, draft = random_law(11, 2), random_law(12, 1)
+    draft[0, 4] = 0  # the draft is token 4, which the draft's law says it never proposes
+    counts = first_token_counts(target, lambda generator: [4], draft, seed=13)
+    assert chi_square(counts, target[0]) < CHI2_CRITICAL_5_DOF

@@ -18,7 +18,8 @@ Rules:
   normalized residual max(0, p_j - q_j). The emitted tokens then follow the target's law exactly,
   whatever the draft law q. Without draft logits q_j is the point mass on d_j (a deterministic
   proposer: n-gram lookup, or client drafts without logits): kept with probability p_j(d_j), else
-  drawn from p_j with d_j removed.
+  drawn from p_j with d_j removed. So is a draft whose q_j(d_j) is 0 (it cannot have been drawn
+  from q_j, e.g. a draft model that sampled with other settings): min(1, p/0) would keep it always.
 - ``accept_by_threshold`` (the reference's "typical acceptance" with draft_acceptance_threshold):
   d_j is kept iff p_j(d_j) >= threshold, else the token is drawn from p_j. Cheaper to reason
   about than rejection sampling but not distribution-preserving: it favours likely drafts.
@@ -44,12 +45,15 @@ def accept_by_rejection(target_probs: torch.Tensor, draft_ids: list[int], draft_
     uniforms = torch.rand(k, generator=generator, dtype=torch.float64).tolist()
     for j, draft in enumerate(draft_ids):
         p = float(target_probs[j, draft])
-        q = 1.0 if draft_probs is None else float(draft_probs[j, draft])
-        if uniforms[j] * q < p:  # u < p / q without dividing by a zero q (then any p > 0 keeps it)
+        q = 0.0 if draft_probs is None else float(draft_probs[j, draft])
+        point_mass = not q > 0  # no law, or one that rules the draft out (it was not drawn from it)
+        if uniforms[j] * (1.0 if point_mass else q) < p:  # u < p / q, without dividing
             continue
-        residual = target_probs[j].clone() if draft_probs is None else (target_probs[j] - draft_probs[j]).clamp_(min=0)
-        if draft_probs is None:
+        if point_mass:
+            residual = target_probs[j].clone()
             residual[draft] = 0
+        else:
+            residual = (target_probs[j] - draft_probs[j]).clamp_(min=0)
         return list(draft_ids[:j]) + [_draw(residual, target_probs[j], generator)]
     return list(draft_ids) + [_draw(target_probs[k], target_probs[k], generator)]
 
