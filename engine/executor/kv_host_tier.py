@@ -19,9 +19,9 @@ BlockManager asks for it, on the current CUDA stream of the executor thread, the
 forward runs on. The BlockManager runs inside ``Scheduler.schedule``, which precedes the launch of
 the step it plans. So:
 - an offload (device -> host) of a block evicted while planning step N+1 is queued after step N's
-  kernels (overlap scheduler: step N may still be running; it never writes a block that is in the
-  free queue, and the copy waits behind it on the stream anyway) and before step N+1's forward, the
-  first one that can write the reallocated block;
+  kernels and before step N+1's forward, the first one that can write the reallocated block. With
+  the overlap scheduler step N may still be running; it does not write an evicted block's positions
+  (a registered block was complete before registration), and the copy waits behind it anyway;
 - an onboard (host -> device) is queued before the forward that reads the block, and after every
   earlier offload into the slot it reads (host slots are only ever written by these copies, in
   program order on the one stream);
