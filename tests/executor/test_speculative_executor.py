@@ -7,6 +7,7 @@ blocks: drafts fill whole blocks).
 """
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import pytest
@@ -286,3 +287,20 @@ def test_drafts_with_chunked_prompts_and_preemption_give_the_plain_ids(tiny_exec
         assert_no_blocks_held(executor)
         if options.get("batch_scheduler_policy") == "max_utilization":
             assert executor.scheduler.num_preemptions > 0
+
+
+def test_a_streamed_response_carries_every_token_a_step_accepted(tiny_executor, tiny_engine):
+    """Responses as the executor delivers them (a callback: no queue coalescing them): the
+    prompt's step keeps 5 right drafts, so the first response carries 6 tokens."""
+    prompt = [2, 7, 1, 8, 2, 8]
+    ref = plain_ids(tiny_executor, prompt, 10)
+    delivered = []
+    with Executor(tiny_engine, ExecutorConfig(exclude_input_from_output=True),
+                  response_callback=delivered.extend) as executor:
+        executor.enqueue_request(Request(prompt, 10, streaming=True, external_draft=ExternalDraftTokens(ref[:5])))
+        deadline = time.monotonic() + 60
+        while not (delivered and delivered[-1].is_final):
+            assert time.monotonic() < deadline, "no final response in 60 s"
+            time.sleep(0.01)
+    chunks = [r.result.output_token_ids[0] for r in delivered]
+    assert chunks[0] == ref[:6] and [t for c in chunks for t in c] == ref
