@@ -1,0 +1,102 @@
+"""benchmarks/throughput_bench.py on CPU (tiny shape): two of TensorRT-LLM's shapes through the executor
+print trtllm-bench's fields and the table against TensorRT-LLM's figure, with numbers that add up;
+the steady-state check tells a run of many waves from one of two; request counts and batch bounds."""
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from benchmarks.throughput_bench import (TRT_LLM_H100_FP8_TOK_S, batch_bounds, main, parse_args, parse_shapes,
+                                         request_count, steady_state)
+
+
+def test_two_tiny_shapes_print_the_fields_and_the_table(tmp_path, capsys):
+    out, md = tmp_path / "throughput.json", tmp_path / "throughput.md"
+    results = main(["--tiny", "--shapes", "128/128,2048/128", "--dtype", "both", "--max-requests", "4",
+                    "--max-batch-size", "2", "--out", str(out), "--markdown", str(md)])
+    printed = capsys.readouterr().out
+    rows = results["rows"]
+    assert [(r["isl"], r["osl"], r["dtype"]) for r in rows] == [(128, 128, "fp8"), (2048, 128, "fp8"),
+                                                                (128, 128, "bf16"), (2048, 128, "bf16")]
+    for row in rows:
+        assert "error" not in row, row
+        assert row["requests"] == 4 and row["count_reason"] == "capped by --max-requests 4"
+        assert row["output_tokens"] == 4 * row["osl"] and row["output_tokens_min"] == row["output_tokens_max"] == row["osl"]
+        assert row["input_tokens"] == 4 * row["isl"]
+        assert row["output_tok_s"] == pytest.approx(row["request_tok_s"] * row["osl"])
+        assert row["total_tok_s"] == pytest.approx(row["request_tok_s"] * (row["isl"] + row["osl"]))
+        assert min(row["per_user_output_tok_s"], row["per_user_speed_tok_s"], row["seconds"]) > 0
+        for name in ("ttft_ms", "tpot_ms"):
+            stats = row[name]
+            assert 0 < stats["p50"] <= stats["p90"] <= stats["p99"] and stats["avg"] > 0
+        # A request's latency is its TTFT plus OSL - 1 token gaps: the averages agree.
+        assert row["latency_ms_avg"] == pytest.approx(row["ttft_ms"]["avg"] + (row["osl"] - 1) * row["tpot_ms"]["avg"],
+                                                      rel=0.05)
+        steady = row["steady"]
+        assert steady["plateau_batch"] == 2 and steady["max_batch"] == 2 and steady["cap"] == 2
+        # Two waves of two: half the run is the drain, far from a steady state.
+        assert not steady["reached"] and steady["steady_share"] < 0.8 and steady["drain_share"] > 0.2
+        assert steady["steady_share"] + steady["ramp_share"] + steady["drain_share"] <= 1.0 + 1e-6
+        time = row["time"]
+        assert time["context_steps"] >= 2 and time["decode_steps"] > 0 and time["prefill_tok_s"] > 0
+        assert time["context_tokens"] == 4 * row["isl"]
+        assert 0.5 < time["context_share"] + time["decode_share"] <= 1.0 + 1e-6
+        assert time["bucket"] == 2 and "bucket_graph_ms" not in time  # no CUDA graph on the CPU
+    for field in ("Request Throughput (req/sec)", "Total Output Throughput (tokens/sec)", "Per User Output Speed",
+                  "TTFT avg / p50 / p90 / p99 (ms)", "TPOT avg / p50 / p90 / p99 (ms)", "Steady state: no",
+                  "Where the time went: context steps"):
+        assert field in printed
+    table = md.read_text()
+    fp8_row = next(line for line in table.splitlines() if line.startswith("| 128/128 | fp8 | 4 |"))
+    ratio = rows[0]["output_tok_s"] / TRT_LLM_H100_FP8_TOK_S[(128, 128)]
+    assert "| 28,312 |" in fp8_row and f"| {ratio:.2f} |" in fp8_row
+    bf16_row = next(line for line in table.splitlines() if line.startswith("| 2048/128 | bf16 | 4 |"))
+    assert "| n/a | n/a |" in bf16_row
+    assert f"Commit {results['commit']}, cpu, " in table and table.strip() in printed
+    # A run cut short is rendered again from its JSON.
+    assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(rows))
+    main(["--report", str(out)])
+    assert table.strip() in capsys.readouterr().out
+
+
+def test_many_waves_reach_a_steady_state(tmp_path):
+    results = main(["--tiny", "--shapes", "16/4:40", "--dtype", "bf16", "--max-batch-size", "2",
+                    "--out", str(tmp_path / "t.json")])
+    (row,) = results["rows"]
+    assert row["requests"] == 40 and row["output_tokens"] == 160 and row["count_reason"] == "given in --shapes"
+    assert row["steady"]["plateau_batch"] == 2 and row["steady"]["reached"], row["steady"]
+
+
+def history(batches_and_queues, step_ms=10.0):
+    return [SimpleNamespace(num_context_requests=0, num_gen_requests=batch, num_queued_requests=queued,
+                            iter_latency_ms=step_ms) for batch, queued in batches_and_queues]
+
+
+def test_steady_state_shares_of_ramp_plateau_and_drain():
+    # 10 steps ramping up, 80 at the plateau of 100 with requests queued, 10 draining.
+    steps = [(10 * (i + 1), 500) for i in range(9)] + [(100, 400)] * 80 + [(100 - 10 * i, 0) for i in range(10)]
+    steady = steady_state(history(steps), wall_seconds=1.0, cap=128)
+    assert steady["plateau_batch"] == 100 and steady["max_batch"] == 100
+    assert steady["ramp_share"] == pytest.approx(0.09) and steady["steady_share"] == pytest.approx(0.80)
+    assert steady["drain_share"] == pytest.approx(0.10) and steady["cap_share"] == 0.0
+    # Every request admitted at once (no queue): no steady state at all.
+    assert steady_state(history([(50, 0)] * 20), 0.2, cap=50)["steady_share"] == 0.0
+
+
+def test_request_counts_and_batch_bounds():
+    assert parse_shapes("all")[0] == (128, 128, None) and len(parse_shapes("")) == 10
+    assert parse_shapes("128/128, 5000/500:64") == [(128, 128, None), (5000, 500, 64)]
+    with pytest.raises(SystemExit):
+        parse_shapes("128x128")
+    # 2048/128: each step's 8,192 tokens feed decodes and prefill, so ~481 sequences run at once.
+    bounds = batch_bounds(2048, 128, 1024, kv_tokens=2 << 20, tokens_per_block=32, max_num_tokens=8192)
+    assert bounds["expected_batch"] == 481 and bounds["bound"] == "prefill budget"
+    bounds = batch_bounds(20000, 2000, 1024, kv_tokens=1 << 20, tokens_per_block=32, max_num_tokens=8192)
+    assert bounds["expected_batch"] == 47 and bounds["bound"] == "KV pool"
+    args = parse_args(["--num-requests-scale", "0.1"])
+    assert request_count(128, 128, None, args, 1024, None, None) == (3000, "TensorRT-LLM's count x 0.1")
+    args = parse_args(["--waves", "4", "--max-requests", "10000"])
+    assert request_count(2048, 128, None, args, 481, None, None)[0] == 1924
+    args = parse_args([])
+    count, why = request_count(2048, 128, None, args, 481, prior=2762.0, seconds_cap=60)
+    assert count == 1294 and why.startswith("capped to ~60 s")
