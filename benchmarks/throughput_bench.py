@@ -22,7 +22,10 @@ Request counts: TensorRT-LLM's (30,000 for 128/128 ... 1,000 for 20000/2000) tim
 ``--num-requests-scale``; or ``--waves W``: W times the batch the shape can hold (the smallest of
 max batch size, the KV pool's room at ISL + OSL a request, and the prefill bound
 max_num_tokens x OSL / (ISL + OSL)); capped by ``--max-requests`` and by
-``--max-seconds-per-shape`` (at the rate issue 32 measured on an H100; bf16 at 0.6 of it).
+``--max-seconds-per-shape`` (at the rate issue 32 measured on an H100, bf16 at 0.6 of it, both
+corrected by how the shapes before ran against it); ``--time-budget`` gives each remaining shape
+its share of what is left (after ``--engine-seconds`` per engine still to load) and skips a shape
+whose share is under 10 s.
 
 Printed per shape, with trtllm-bench's names and definitions (tensorrt_llm/bench: wall time = first
 arrival to last token; per-request TTFT = first token - arrival, TPOT = (last - first token) /
@@ -42,7 +45,7 @@ arrival to last token; per-request TTFT = first token - arrival, TPOT = (last - 
 A markdown table (stdout, and appended to ``--markdown``) carries TensorRT-LLM 1.0's FP8 figure per
 shape and our ratio to it (bf16: n/a, none is published), with commit, GPU and date. ``--out``
 (JSON) is rewritten after every shape, so a run cut short keeps what it measured; ``--report``
-renders the tables from it.
+renders the tables from it (several files, comma-separated: one table, e.g. one run per dtype).
 """
 from __future__ import annotations
 
@@ -442,8 +445,10 @@ def describe_row(row: dict, threshold: float) -> str:
     ]
     if s.get("steps"):
         b = row["bounds"]
+        trt_count = TRT_LLM_REQUESTS.get((row["isl"], row["osl"]))
+        trt_waves = f" (TensorRT-LLM's {trt_count:,} requests: {trt_count / max(s['plateau_batch'], 1):.1f})" if trt_count else ""
         lines.append(f"  batch: plateau {s['plateau_batch']:,.0f}, max {s['max_batch']:,}, mean {s['mean_batch']:,.1f}; "
-                     f"{row['requests'] / max(s['plateau_batch'], 1):.1f} waves; requests queued {s['queued_share']:.0%} of "
+                     f"{row['requests'] / max(s['plateau_batch'], 1):.1f} waves{trt_waves}; requests queued {s['queued_share']:.0%} of "
                      f"the time; at the limit {s['cap']:,} (max batch / KV room) {s['cap_share']:.0%} of the time; "
                      f"expected {b['expected_batch']:,} (bound: {b['bound']}; KV room {b['kv_room_requests']:,} "
                      f"requests, prefill bound {b['prefill_bound_batch']:,})")
@@ -515,7 +520,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--tokens-per-block", type=int, default=32)
     parser.add_argument("--kv-fraction", type=float, default=0.95,
                         help="of free device memory for the KV pool (0.90 after an out-of-memory error)")
-    parser.add_argument("--steady-threshold", type=float, default=0.8,
+    parser.add_argument("--steady-threshold", type=float, default=0.75,
                         help="steady state: the batch at its plateau with requests queued this share of the time")
     parser.add_argument("--stall-seconds", type=float, default=300.0, help="fail a shape when no request ends this long")
     parser.add_argument("--out", default="throughput_bench.json")

@@ -35,7 +35,7 @@ def test_two_tiny_shapes_print_the_fields_and_the_table(tmp_path, capsys):
         steady = row["steady"]
         assert steady["plateau_batch"] == 2 and steady["max_batch"] == 2 and steady["cap"] == 2
         # Two waves of two: half the run is the drain, far from a steady state.
-        assert not steady["reached"] and steady["steady_share"] < 0.8 and steady["drain_share"] > 0.2
+        assert not steady["reached"] and steady["steady_share"] < 0.75 and steady["drain_share"] > 0.2
         assert steady["steady_share"] + steady["ramp_share"] + steady["drain_share"] <= 1.0 + 1e-6
         time = row["time"]
         assert time["context_steps"] >= 2 and time["decode_steps"] > 0 and time["prefill_tok_s"] > 0
