@@ -173,8 +173,9 @@ class Scheduler:
                 budget.take(num_new + num_drafts)
 
     def _schedule_decodes(self, decodes: list[Sequence], budget: _Budget, out: SchedulerOutput) -> None:
-        """One token each, oldest first: the loop above for num_new == 1, inlined because it runs
-        once per sequence per step. A decode whose last block has a free slot needs no allocation."""
+        """One token each (plus its drafts, if it has any), oldest first: the loop above for
+        num_new == 1, inlined because it runs once per sequence per step. A decode whose last block
+        has a free slot needs no allocation."""
         T = self.blocks.tokens_per_block
         for seq in decodes:
             if budget.seqs == 0 or budget.tokens == 0:
