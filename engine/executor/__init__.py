@@ -7,6 +7,7 @@ from __future__ import annotations
 
 _EXPORTS = {
     "Executor": "executor", "ExecutorConfig": "executor", "ExecutorConfigError": "executor",
+    "SpeculativeConfig": "executor", "ExternalDraftTokens": "request",
     "IterationStats": "stats", "KvCacheStats": "stats",
     "Request": "request", "Response": "request", "Result": "request", "SamplingConfig": "request",
     "OutputConfig": "request", "FinishReason": "request", "RequestPerfMetrics": "request", "LoraRequest": "request",
