@@ -15,7 +15,9 @@
 #   stub_site.tar.xz      numpy 1.26.4 (the 2.51 stub reads tensors through the numpy 1 ABI; the
 #                         torch venv there has numpy 2.5) and the gRPC client: tritonclient 2.73,
 #                         grpcio 1.85.1 and protobuf 6.33.6 (its generated code refuses older
-#                         ones), python-rapidjson, ml-dtypes 0.5.4 (numpy-1 compatible);
+#                         ones), python-rapidjson, ml-dtypes 0.5.4 (numpy-1 compatible), xgrammar 0.2.8
+#                         with apache-tvm-ffi and pydantic (the served repository turns guided decoding
+#                         on; the torch venv there has transformers and triton, its other needs);
 #   smollm2_tokenizer.tar.xz  SmolLM2's tokenizer files (the GGUF itself is too big to carry).
 #
 # The stub venv (Python 3.12, no pip) puts those packages first and the torch venv's
@@ -44,7 +46,7 @@
 #     stacks then go to the tritonserver log, which is copied to $OUT)
 #   CLIENT_PROCESSES=0 (processes the benchmark's clients run in; 0: one per 32 streams, up to cores/4)
 #   PATHS=http,grpc,engine (serving_bench.py --paths; add grpc_bls,openai for the OpenAI frontend,
-#   which runs from this checkout on the same python3; OPENAI_API=completions|chat; OPENAI_WORKERS=1: its processes)
+#   which runs from this checkout on the same python3; OPENAI_API=completions|chat; OPENAI_WORKERS: its processes, default the launcher's: one per 4 cores)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 CARRY=${CARRY:-.carry}
@@ -59,7 +61,9 @@ make_carry() {
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$pyver" --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$wheels" \
-    numpy==1.26.4 tritonclient==2.73.0 python-rapidjson==1.25 grpcio==1.85.1 protobuf==6.33.6 ml-dtypes==0.5.4
+    numpy==1.26.4 tritonclient==2.73.0 python-rapidjson==1.25 grpcio==1.85.1 protobuf==6.33.6 ml-dtypes==0.5.4 \
+    xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
+    typing-inspection==0.4.5 typing-extensions==4.16.0
   for w in "$wheels"/*.whl; do python3 -m zipfile -e "$w" "$site"; done
   rm -rf "$site"/numpy/*/tests "$site"/numpy/tests "$site"/numpy/f2py "$site"/numpy/distutils "$site"/ml_dtypes/tests
   find "$site" -name __pycache__ -prune -exec rm -rf {} +
@@ -179,7 +183,7 @@ for model in $MODELS; do
     --tensorrt_llm_instances "${TENSORRT_LLM_INSTANCES:-1}" --client_processes "${CLIENT_PROCESSES:-0}" \
     --stall_timeout "${STALL_TIMEOUT_S:-120}" \
     --paths "${PATHS:-http,grpc,engine}" --openai_api "${OPENAI_API:-completions}" \
-    --openai_workers "${OPENAI_WORKERS:-1}" \
+    ${OPENAI_WORKERS:+--openai_workers "$OPENAI_WORKERS"} \
     ${VARIANTS:+--variants "$VARIANTS"}
   rc=$?
   if [ $rc -ne 0 ]; then

@@ -372,7 +372,7 @@ class ServedEnsemble:
     """A tritonserver over a filled repository, started by the project's launcher; a context manager."""
 
     def __init__(self, repo: str, work: Path, ready_timeout: float, openai: bool = False,
-                 openai_bls: bool = False, openai_workers: int = 1, environment: dict[str, str] | None = None):
+                 openai_bls: bool = False, openai_workers: int | None = None, environment: dict[str, str] | None = None):
         self.serve = load_script("serve_default")
         self.launcher = load_script("launch_triton_server")
         ports = [str(self.launcher.free_port()) for _ in range(5)]
@@ -381,8 +381,10 @@ class ServedEnsemble:
         self.log_path = work / "tritonserver.log"
         self.iteration_log = work / "engine_iterations.log"  # the served engine's steps (serving_diagnostics)
         self.frontend_log_path = work / "openai_frontend.log"
+        # No --openai_workers: the launcher's own default (one per 4 cores), as a user gets it.
         openai_flags = ([f"--openai_port={ports[3]}", f"--openai_model_name={OPENAI_MODEL_NAME}",
-                         f"--openai_workers={openai_workers}"] if openai or openai_bls else [])
+                         *([f"--openai_workers={openai_workers}"] if openai_workers else [])]
+                        if openai or openai_bls else [])
         self.args = self.launcher.parse_arguments([
             f"--model_repo={repo}", "--no-mpi", "--host=127.0.0.1", "--force", f"--http_port={ports[0]}",
             f"--grpc_port={ports[1]}", f"--metrics_port={ports[2]}", f"--cache_dir={work / 'cache'}", *openai_flags])
@@ -1240,8 +1242,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=1,
                         help="repeat every setting, paths interleaved; the best round of each is reported")
     parser.add_argument("--paths", default="http,grpc,engine", help="subset of " + ",".join(ALL_PATHS))
-    parser.add_argument("--openai_workers", type=int, default=1,
-                        help="OpenAI frontend processes (the launcher's --openai_workers), for both frontends")
+    parser.add_argument("--openai_workers", type=int, default=None,
+                        help="OpenAI frontend processes (the launcher's --openai_workers), for both frontends; "
+                             "default: the launcher's default (one per 4 CPU cores, 1 to 4)")
     parser.add_argument("--openai_api", default="completions", choices=["completions", "chat"],
                         help="openai path: /v1/completions (prompts of exactly input_len tokens) or "
                              "/v1/chat/completions (the chat template adds tokens: needs an engine with room)")
