@@ -8,7 +8,11 @@
 ``--conversations`` conversations share one ``--system_len``-token system prompt; each runs
 ``--turns`` turns in a closed loop: its next request is sent when the previous answer is complete,
 and carries the whole history (system prompt, every earlier user message and answer) plus a new
-``--user_len``-token user message; the answer is exactly ``--output_len`` tokens (end_id -1).
+``--user_len``-token user message; the answer is exactly ``--output_len`` tokens (end_id -1), or,
+with ``--vary_output_len``, a length drawn per turn from [output_len / 2, 3 * output_len / 2] (the
+same draws for every setting). Why the option: with equal answer lengths the conversations stay in
+lockstep when the prefix cache makes their prompts cheap, so every turn's requests arrive together
+and queue behind one another's prefills; varied answers spread the arrivals as real chats do.
 Streaming, so the time to first token (enqueue to the first streamed token) is the client's. Token
 ids are random (a random-weight engine of ``--model``'s shape, made on the device at load; see
 benchmarks/engine_bench.py), the same for every setting.
@@ -71,7 +75,8 @@ def working_set_tokens(args) -> int:
 
 def longest_request_tokens(args) -> int:
     """Prompt + answer of a conversation's last turn: a device pool must hold at least this."""
-    return args.system_len + args.turns * (args.user_len + args.output_len)
+    longest_answer = args.output_len * 3 // 2 if getattr(args, "vary_output_len", False) else args.output_len
+    return args.system_len + args.turns * (args.user_len + longest_answer)
 
 
 def kv_block_bytes(engine_dir: str) -> int:
@@ -95,6 +100,12 @@ def run_conversations(executor, vocab: int, args) -> dict:
     histories = {c: list(system) for c in range(args.conversations)}
     # One generator a conversation: its user messages do not depend on the order answers finish in.
     user_rngs = {c: random.Random(c + 1) for c in histories}
+    length_rngs = {c: random.Random(10_000 + c) for c in histories}
+
+    def answer_length(conversation: int) -> int:
+        if not getattr(args, "vary_output_len", False):
+            return args.output_len
+        return length_rngs[conversation].randint(max(1, args.output_len // 2), args.output_len * 3 // 2)
     turn_of = dict.fromkeys(histories, 0)
     in_flight: dict[int, dict] = {}  # request id -> {conversation, sent_ns, first_ns, tokens, perf}
     ttft_ms: dict[int, list[float]] = {t: [] for t in range(args.turns)}
@@ -103,7 +114,8 @@ def run_conversations(executor, vocab: int, args) -> dict:
     def send(conversation: int) -> None:
         history = histories[conversation]
         history += [user_rngs[conversation].randrange(vocab) for _ in range(args.user_len)]
-        request = Request(input_token_ids=list(history), max_tokens=args.output_len, end_id=-1, streaming=True,
+        request = Request(input_token_ids=list(history), max_tokens=answer_length(conversation), end_id=-1,
+                          streaming=True,
                           output=OutputConfig(exclude_input_from_output=True, return_perf_metrics=True))
         (request_id,) = executor.enqueue_requests([request])
         in_flight[request_id] = {"conversation": conversation, "sent_ns": time.perf_counter_ns(), "first_ns": None,
@@ -160,6 +172,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--system_len", type=int, default=1500)
     parser.add_argument("--user_len", type=int, default=60)
     parser.add_argument("--output_len", type=int, default=64)
+    parser.add_argument("--vary_output_len", action="store_true",
+                        help="answer lengths drawn per turn from [output_len/2, 3*output_len/2] (module docstring)")
     parser.add_argument("--reuse", default="on,off",
                         help="comma list of off, on (the executor's enable_kv_cache_reuse) and host (reuse plus the "
                              "KV host tier)")

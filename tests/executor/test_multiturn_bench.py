@@ -29,3 +29,14 @@ def test_host_tier_with_a_working_set_twice_the_device_pool():
     assert host["onboarded_blocks"] > 0 and host["offloaded_blocks"] >= host["onboarded_blocks"]
     assert host["kv_hit_rate"] > on["kv_hit_rate"]
     assert host["counter_hit_rate"] > 0 and host["host_tier_blocks"] > 0
+
+
+def test_varied_answer_lengths_are_the_same_draws_for_every_setting():
+    results = main(["--model", "tiny", "--device", "cpu", "--dtype", "float32", "--conversations", "4", "--turns",
+                    "3", "--system_len", "40", "--user_len", "6", "--output_len", "8", "--max_batch_size", "8",
+                    "--max_seq_len", "512", "--vary_output_len"])
+    on, off = results["runs"]["on"], results["runs"]["off"]
+    assert on["conversations"] == off["conversations"]
+    lengths = {len(history) for history in on["conversations"]}
+    assert len(lengths) > 1  # not all equal: the answers varied
+    assert all(40 + 3 * (6 + 4) <= n <= 40 + 3 * (6 + 12) for n in lengths)
