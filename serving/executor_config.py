@@ -17,6 +17,15 @@ SCHEDULER_POLICIES = {"max_utilization": "max_utilization", "guaranteed_no_evict
 BATCHING_TYPES = {"inflight_fused_batching": "inflight", "inflight_batching": "inflight", "v1": "static"}
 DECODING_MODES = ("auto", "top_k", "top_p", "top_k_top_p", "beam_search", "medusa", "redrafter",
                   "lookahead", "eagle")
+# Beyond the reference: decoding_mode values that turn on speculative decoding with per-step drafts
+# (engine/executor/speculative/), named after TensorRT-LLM's NGram and Draft-Target modes ->
+# SpeculativeConfig.mode. draft_model is accepted as another name for draft_target.
+SPECULATIVE_DECODING_MODES = {"ngram": "ngram", "draft_target": "draft_model", "draft_model": "draft_model"}
+# With them: max_draft_len (TensorRT-LLM's name: drafts verified per step; also the most
+# draft_input_ids a request may send, with any decoding_mode), max_matching_ngram_size (TensorRT-LLM's
+# NGram name: the longest suffix looked up in the sequence) and draft_model_path <- ${draft_engine_dir}
+# (the draft engine, named like gpt_model_path <- ${engine_dir}).
+SPECULATIVE_SETTINGS = {"max_draft_len": int, "max_matching_ngram_size": int, "draft_engine_dir": str}
 
 # parameter name -> (setting name, type)
 SIMPLE_SETTINGS = {
@@ -95,7 +104,7 @@ def executor_settings(params: dict[str, str], model_config: dict) -> dict[str, A
         settings[setting] = get_parameter(params, name, kind)
     settings["batch_scheduler_policy"] = _choice(params, "batch_scheduler_policy", SCHEDULER_POLICIES)
     settings["batching_type"] = _choice(params, "gpt_model_type", BATCHING_TYPES)
-    settings["decoding_mode"] = _choice(params, "decoding_mode", DECODING_MODES)
+    settings.update(decoding_mode_settings(params))
     window = parse_int_list(params.get("max_attention_window_size"))
     settings["max_attention_window"] = window
     settings["device_ids"] = parse_int_list(params.get("gpu_device_ids"))
@@ -111,6 +120,24 @@ def executor_settings(params: dict[str, str], model_config: dict) -> dict[str, A
         raise ValueError("Orchestrator mode is not supported by this backend; use leader mode "
                          "(scripts/launch_triton_server.py --world_size N)")
     return {key: value for key, value in settings.items() if value is not None}
+
+
+def decoding_mode_settings(params: dict[str, str]) -> dict[str, Any]:
+    """decoding_mode (the reference's values are accepted and left to the engine's defaults) and
+    the speculative-decoding settings; a speculative mode becomes speculative_mode."""
+    settings: dict[str, Any] = {
+        "max_draft_len": get_parameter(params, "max_draft_len", int),
+        "max_matching_ngram_size": get_parameter(params, "max_matching_ngram_size", int),
+        "draft_engine_dir": get_parameter(params, "draft_model_path", str),
+    }
+    mode = _choice(params, "decoding_mode", {**{m: m for m in DECODING_MODES}, **{m: m for m in SPECULATIVE_DECODING_MODES}})
+    if mode in SPECULATIVE_DECODING_MODES:
+        settings["speculative_mode"] = SPECULATIVE_DECODING_MODES[mode]
+        if settings["speculative_mode"] == "draft_model" and settings["draft_engine_dir"] is None:
+            raise ValueError(f"decoding_mode {mode} needs the draft engine: set draft_model_path (${{draft_engine_dir}})")
+    else:
+        settings["decoding_mode"] = mode
+    return settings
 
 
 def guided_decoding_settings(params: dict[str, str]) -> dict[str, Any]:
@@ -157,7 +184,21 @@ def to_executor_config(config_cls, settings: dict[str, Any]):
     are filled the same way from the same flat settings.
     """
     kwargs, used = _fill(config_cls, settings)
+    if settings.get("speculative_mode") is not None and "speculative" in {f.name for f in dataclasses.fields(config_cls)}:
+        kwargs["speculative"] = _speculative_config(config_cls, settings)
+        used |= {"speculative_mode"} | (set(SPECULATIVE_SETTINGS) & set(settings))
     return config_cls(**kwargs), sorted(set(settings) - used)
+
+
+def _speculative_config(config_cls, settings: dict[str, Any]):
+    """The engine's SpeculativeConfig (the type of config_cls's optional `speculative` field)."""
+    import typing
+
+    hint = typing.get_type_hints(config_cls)["speculative"]
+    spec_cls = next(t for t in (hint, *typing.get_args(hint)) if dataclasses.is_dataclass(t))
+    names = {f.name for f in dataclasses.fields(spec_cls)}
+    return spec_cls(mode=settings["speculative_mode"],
+                    **{k: v for k, v in settings.items() if k in SPECULATIVE_SETTINGS and k in names})
 
 
 def _fill(config_cls, settings) -> tuple[dict[str, Any], set[str]]:
