@@ -244,7 +244,7 @@ def response_tensors(state: ResponseState, tensors: Mapping[str, np.ndarray], fi
 def perf_values(tensors: Mapping[str, np.ndarray], prompt_tokens: int, tokens_per_block: int) -> dict[str, tuple]:
     """The LLM-API perf outputs from the executor's RequestPerfMetrics tensors (serving/responses.py
     perf_tensors). Missed blocks and the hit rate are derived: the prompt's blocks not reused. The
-    speculative-decoding ones are 0: this engine has no draft model."""
+    speculative-decoding ones are the executor's (0 while no drafts were verified)."""
     def value(name):
         array = tensors.get(name)
         return 0 if array is None else np.asarray(array).reshape(-1)[0].item()
@@ -262,6 +262,7 @@ def perf_values(tensors: Mapping[str, np.ndarray], prompt_tokens: int, tokens_pe
         "first_scheduled_time_ns": (int(value("first_scheduled_time_ns")), np.int64),
         "first_token_time_ns": (int(value("first_token_time_ns")), np.int64),
         "last_token_time_ns": (int(value("last_token_time_ns")), np.int64),
-        "acceptance_rate": (0.0, np.float32), "total_accepted_draft_tokens": (0, np.int32),
-        "total_draft_tokens": (0, np.int32),
+        "acceptance_rate": (float(value("acceptance_rate")), np.float32),
+        "total_accepted_draft_tokens": (int(value("total_accepted_draft_tokens")), np.int32),
+        "total_draft_tokens": (int(value("total_draft_tokens")), np.int32),
     }

@@ -83,7 +83,16 @@ LORA_EVENTS = {"gpu_load": "gpu_loads", "gpu_eviction": "gpu_evictions", "gpu_hi
 KV_BLOCKS_FAMILY = ("tritonllm_kv_cache_blocks_total",
                     "KV cache blocks given to requests: reused from the prefix cache in device memory, "
                     "brought back from host memory, or newly allocated", "source")
-COUNTER_FAMILIES = (KV_BLOCKS_FAMILY, LORA_EVENTS_FAMILY, LORA_REQUESTS_FAMILY)
+# Speculative decoding (beyond the reference), cumulative over every request and draft source (the
+# request's draft_input_ids, n-gram lookup, a draft model): draft tokens verified by the target,
+# and those it accepted. Their ratio is the acceptance rate; accepted / verify steps the tokens a
+# step gains. No label: one series per model.
+SPECULATIVE_DRAFT_FAMILY = ("tritonllm_speculative_draft_tokens_total",
+                            "Draft tokens verified by the target model (speculative decoding)", None)
+SPECULATIVE_ACCEPTED_FAMILY = ("tritonllm_speculative_accepted_draft_tokens_total",
+                               "Draft tokens the target model accepted (speculative decoding)", None)
+COUNTER_FAMILIES = (KV_BLOCKS_FAMILY, LORA_EVENTS_FAMILY, LORA_REQUESTS_FAMILY, SPECULATIVE_DRAFT_FAMILY,
+                    SPECULATIVE_ACCEPTED_FAMILY)
 
 
 def kv_block_counts(stats: Any) -> dict[tuple[str, str], int]:
@@ -99,8 +108,17 @@ def kv_block_counts(stats: Any) -> dict[tuple[str, str], int]:
 
 
 def cumulative_counts(stats: Any) -> dict[tuple[str, str], int]:
-    """Every counter published by its growth: kv_block_counts and lora_counts."""
-    return {**kv_block_counts(stats), **lora_counts(stats)}
+    """Every counter published by its growth: kv_block_counts, lora_counts and speculative_counts."""
+    return {**kv_block_counts(stats), **lora_counts(stats), **speculative_counts(stats)}
+
+
+def speculative_counts(stats: Any) -> dict[tuple[str, str], int]:
+    """{(family, ""): cumulative count} of the two speculative-decoding counters (label-less);
+    {} where the stats have no such counts."""
+    if not hasattr(stats, "num_draft_tokens_total"):
+        return {}
+    return {(SPECULATIVE_DRAFT_FAMILY[0], ""): stats.num_draft_tokens_total,
+            (SPECULATIVE_ACCEPTED_FAMILY[0], ""): getattr(stats, "num_accepted_draft_tokens_total", 0)}
 
 
 def lora_counts(stats: Any) -> dict[tuple[str, str], int]:

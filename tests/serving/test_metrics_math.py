@@ -104,3 +104,24 @@ def test_static_batching_publishes_v1_metrics_instead():
     assert values[("nv_trt_llm_v1_metrics", "total_generation_tokens")] == 7
     assert values[("nv_trt_llm_v1_metrics", "total_context_tokens")] == 30
     assert not any(family == "nv_trt_llm_inflight_batcher_metrics" for family, _ in values)
+
+
+def test_speculative_counters_come_from_the_iteration_stats_without_a_label():
+    from serving.metrics import COUNTER_FAMILIES, speculative_counts
+
+    counts = speculative_counts(stats(num_draft_tokens_total=40, num_accepted_draft_tokens_total=31))
+    assert counts == {("tritonllm_speculative_draft_tokens_total", ""): 40,
+                      ("tritonllm_speculative_accepted_draft_tokens_total", ""): 31}
+    assert counts.items() <= cumulative_counts(stats(num_draft_tokens_total=40,
+                                                     num_accepted_draft_tokens_total=31)).items()
+    assert speculative_counts(stats()) == {}  # stats without the counts publish none
+    labels = {name: label for name, _, label in COUNTER_FAMILIES}
+    assert labels["tritonllm_speculative_draft_tokens_total"] is None
+    assert labels["tritonllm_speculative_accepted_draft_tokens_total"] is None
+
+
+def test_speculative_counters_read_the_executors_stats():
+    from engine.executor.stats import IterationStats
+    from serving.metrics import speculative_counts
+
+    assert set(speculative_counts(IterationStats(num_draft_tokens_total=3, num_accepted_draft_tokens_total=2)).values()) == {3, 2}

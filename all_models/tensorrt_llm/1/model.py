@@ -135,7 +135,8 @@ class TritonMetrics:
                     self.families.append(family)
                     self.counter_families[family_name] = (family, label)
                 family, label = self.counter_families[family_name]
-                self.counters[key] = [family.Metric(labels={**self.labels, label: key[1]}), 0]
+                extra = {label: key[1]} if label else {}  # a label-less family has one series
+                self.counters[key] = [family.Metric(labels={**self.labels, **extra}), 0]
             counter = self.counters[key]
             if value > counter[1]:
                 counter[0].increment(value - counter[1])
