@@ -74,9 +74,9 @@ def wants_token_ids(tensors: dict[str, np.ndarray]) -> bool:
 # values pass. Refused when: prompt_embedding_table,
 # image_input, image_bytes_input, video_bytes_input: any element; prompt_table_extra_id,
 # prompt_vocab_size: non-zero; image_url_input: a non-empty string; decoder_text_input: a
-# non-empty string (an empty one is no decoder prompt); num_draft_tokens: > 0. use_draft_logits is
-# accepted: it only matters with draft tokens. guided_decoding_guide_type/guided_decoding_guide go
-# to tensorrt_llm as they are (not ragged here, (B, 1) both), after the same check it makes.
+# non-empty string (an empty one is no decoder prompt). guided_decoding_guide_type/
+# guided_decoding_guide go to tensorrt_llm as they are (not ragged here, (B, 1) both), after the
+# same check it makes. num_draft_tokens > 0 runs speculative decoding (speculative_generate).
 UNSUPPORTED_FEATURES = (
     UnsupportedFeature(
         "prompt tuning (prompt embedding tables) is",
@@ -85,10 +85,6 @@ UNSUPPORTED_FEATURES = (
         {"prompt_embedding_table": non_empty("prompt_embedding_table"),
          "prompt_table_extra_id": any_nonzero("prompt_table_extra_id"),
          "prompt_vocab_size": any_nonzero("prompt_vocab_size")}),
-    UnsupportedFeature(
-        "speculative decoding (num_draft_tokens) is",  # the text this check had before
-        "send num_draft_tokens 0 or leave num_draft_tokens/use_draft_logits out",
-        {"num_draft_tokens": lambda tensors, batch_size: bool(np.any(tensors["num_draft_tokens"] > 0))}),
     UnsupportedFeature(
         "encoder-decoder models are",
         "the engine is decoder-only and the prompt goes in text_input; "
@@ -104,7 +100,24 @@ UNSUPPORTED_FEATURES = (
 )
 
 
-def validate(tensors: dict[str, np.ndarray]) -> None:
+# The reference BLS's texts for speculative decoding requests it cannot serve.
+NO_SPECULATIVE_STREAMING = "streaming is not supported with speculative decoding"
+NO_SPECULATIVE_CONTEXT_LOGITS = "context logits are not supported with speculative decoding"
+NO_DRAFT_MODEL = "cannot perform speculative decoding without draft model"
+
+
+def num_draft_tokens(tensors: dict[str, np.ndarray]) -> int:
+    """The request's num_draft_tokens (0, no speculative decoding, when absent or empty)."""
+    value = tensors.get("num_draft_tokens")
+    return 0 if value is None or value.size == 0 else max(int(np.asarray(value).reshape(-1)[0]), 0)
+
+
+def _flag(tensors: dict[str, np.ndarray], name: str) -> bool:
+    value = tensors.get(name)
+    return value is not None and value.size > 0 and bool(np.any(value))
+
+
+def validate(tensors: dict[str, np.ndarray], draft_model_name: str | None = None) -> None:
     """The reference BLS checks, with its texts; then inputs of features this backend lacks, and
     the guided-decoding pair and the LoRA inputs (serving/requests.py guided_decoding, lora_adapter)."""
     text = tensors.get("text_input")
@@ -113,6 +126,16 @@ def validate(tensors: dict[str, np.ndarray]) -> None:
     max_tokens = tensors.get("max_tokens")
     if max_tokens is None or max_tokens.size != text.shape[0] or np.any(max_tokens <= 0):
         raise ValueError("max_tokens must be a single value > 0")
+    if num_draft_tokens(tensors) > 0:
+        if _flag(tensors, "stream"):
+            raise ValueError(NO_SPECULATIVE_STREAMING)
+        if _flag(tensors, "return_context_logits"):
+            raise ValueError(NO_SPECULATIVE_CONTEXT_LOGITS)
+        if not draft_model_name:
+            raise ValueError(NO_DRAFT_MODEL + " (set the tensorrt_llm_bls parameter tensorrt_llm_draft_model_name)")
+        if text.shape[0] != 1:
+            raise ValueError(f"speculative decoding (num_draft_tokens) serves one text_input per request, got a "
+                             f"batch of {text.shape[0]}; send one request per prompt")
     refuse_unsupported(tensors, text.shape[0], UNSUPPORTED_FEATURES)
     for row in range(text.shape[0]):  # before preprocessing runs; tensorrt_llm checks the same
         guided_decoding(tensors, text.shape[0], row)
@@ -207,3 +230,117 @@ class GuardedSender:
                 self._sender.send(flags=self._final_flag)
             else:
                 self._sender.send(response, flags=self._final_flag)
+
+
+# ----------------------------------------------------------------------------- speculative decoding
+#
+# The reference BLS's draft-model loop (num_draft_tokens > 0, tensorrt_llm_draft_model_name): the
+# draft tensorrt_llm model proposes k tokens after the ids so far, the target tensorrt_llm model is
+# sent the same ids with those k as draft_input_ids (and the draft's generation logits as
+# draft_logits with use_draft_logits) and max k + 1 new tokens; it keeps the drafts it accepts plus
+# tokens of its own, and its output is the next round's ids. Both calls return the prompt with the
+# output (exclude_input_in_output false), as e2e_grpc_speculative_decoding_client.py's do; the
+# request's own exclusion is applied to the final ids.
+#
+# The loop ends when the ids reach prompt + max_tokens, when the target stopped by itself (fewer
+# than k + 1 new tokens: end_id or a stop word; beyond the reference, which notices it one round
+# later), when the target's output equals the draft's or did not grow (the reference's criteria),
+# or when the ids end with a token-level stop word. Greedy requests get plain decoding's tokens
+# whatever the draft proposes. Penalties (repetition, presence, frequency) see each round's ids as
+# prompt, as in the reference; min_tokens is carried over the rounds (the reference resets it).
+
+# Inputs the draft and target calls set themselves.
+_ROUND_INPUTS = ("input_ids", "input_lengths", "request_output_len", "draft_input_ids", "draft_logits",
+                 "streaming", "exclude_input_in_output", "return_generation_logits", "return_context_logits",
+                 "return_perf_metrics", "num_return_sequences", "min_tokens")
+_SUMMED_PERF = ("total_draft_tokens", "total_accepted_draft_tokens")
+
+
+def _ids(response: dict[str, np.ndarray]) -> np.ndarray:
+    """Beam 0 of item 0 of a tensorrt_llm response: its sequence_length ids."""
+    length = int(response["sequence_length"].reshape(-1)[0])
+    return np.asarray(response["output_ids"])[0, 0, :length].astype(np.int32)
+
+
+def _ends_with_stop_word(ids: np.ndarray, stop_words_list: np.ndarray | None) -> bool:
+    from serving.word_lists import decode_word_list
+
+    words = decode_word_list(stop_words_list[:1]) if stop_words_list is not None and stop_words_list.size else None
+    return any(word and len(ids) >= len(word) and ids[-len(word):].tolist() == list(word) for word in words or ())
+
+
+def round_inputs(llm_inputs: dict[str, np.ndarray], ids: np.ndarray, max_new: int, *, min_tokens: int | None,
+                 drafts: np.ndarray | None = None, draft_logits: np.ndarray | None = None,
+                 generation_logits: bool = False, perf: bool = False) -> dict[str, np.ndarray]:
+    """One draft or target call's tensorrt_llm inputs: the request's, with these ids and lengths."""
+    inputs = {name: value for name, value in llm_inputs.items() if name not in _ROUND_INPUTS}
+    inputs.update({
+        "input_ids": ids.reshape(1, -1).astype(np.int32), "input_lengths": np.array([[len(ids)]], np.int32),
+        "request_output_len": np.array([[max_new]], np.int32), "streaming": np.array([[False]]),
+        "exclude_input_in_output": np.array([[False]]), "return_context_logits": np.array([[False]]),
+        "return_generation_logits": np.array([[generation_logits]]), "return_perf_metrics": np.array([[perf]]),
+    })
+    if min_tokens:
+        inputs["min_tokens"] = np.array([[min_tokens]], np.int32)
+    if drafts is not None and len(drafts):
+        inputs["draft_input_ids"] = drafts.reshape(1, -1).astype(np.int32)
+        if draft_logits is not None:
+            inputs["draft_logits"] = draft_logits[None]
+    return inputs
+
+
+async def speculative_generate(llm_inputs: dict[str, np.ndarray], *, max_tokens: int, num_draft_tokens: int,
+                               use_draft_logits: bool, exclude_input: bool, want_perf: bool,
+                               call_draft, call_target, cancelled=lambda: False) -> dict[str, np.ndarray]:
+    """Run the draft/target loop for one prompt (llm_inputs: what tensorrt_llm would be sent for a
+    plain request, batch 1); the final response, shaped like tensorrt_llm's non-streamed one.
+
+    call_draft / call_target: async (inputs) -> tensorrt_llm response tensors. With want_perf the
+    perf outputs are the last target call's, with the draft counts summed over all target calls
+    and the arrival and first-token times of the first."""
+    prompt = np.asarray(llm_inputs["input_ids"]).reshape(-1)
+    if "input_lengths" in llm_inputs:
+        prompt = prompt[: int(np.asarray(llm_inputs["input_lengths"]).reshape(-1)[0])]
+    prompt = prompt.astype(np.int32)
+    min_tokens = int(np.asarray(llm_inputs["min_tokens"]).reshape(-1)[0]) if "min_tokens" in llm_inputs else 0
+    stop_words = llm_inputs.get("stop_words_list")
+    end = len(prompt) + max_tokens
+    ids, target, first_target, sums = prompt, None, None, dict.fromkeys(_SUMMED_PERF, 0)
+    while True:
+        k = min(num_draft_tokens, end - len(ids) - 1)
+        generated = len(ids) - len(prompt)
+        drafted, drafts, logits = None, None, None
+        if k > 0:
+            draft = await call_draft(round_inputs(llm_inputs, ids, k, min_tokens=max(min_tokens - generated, 0),
+                                                  generation_logits=use_draft_logits))
+            drafted = _ids(draft)
+            drafts = drafted[len(ids):]
+            if use_draft_logits and len(drafts) and draft.get("generation_logits") is not None:
+                logits = np.asarray(draft["generation_logits"])[0, 0][-len(drafts):]
+        max_new = (0 if drafts is None else len(drafts)) + 1
+        target = await call_target(round_inputs(llm_inputs, ids, max_new, min_tokens=max(min_tokens - generated, 0),
+                                                drafts=drafts, draft_logits=logits, perf=want_perf))
+        first_target = first_target or target
+        for name in _SUMMED_PERF:
+            if name in target:
+                sums[name] += int(np.asarray(target[name]).reshape(-1)[0])
+        previous, ids = ids, _ids(target)
+        if (len(ids) >= end or len(ids) - len(previous) < max_new
+                or (drafted is not None and np.array_equal(drafted, ids)) or np.array_equal(previous, ids)
+                or _ends_with_stop_word(ids, stop_words) or cancelled()):
+            break
+    out = {name: value for name, value in target.items() if name not in ("output_ids", "sequence_length")}
+    final = ids[len(prompt):] if exclude_input else ids
+    out["output_ids"] = final.reshape(1, 1, -1)
+    out["sequence_length"] = np.array([[len(final)]], np.int32)
+    if want_perf and "total_draft_tokens" in target:
+        for name in ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns"):
+            if name in first_target:
+                out[name] = first_target[name]
+        out["total_draft_tokens"] = np.array([[sums["total_draft_tokens"]]], np.int32)
+        out["total_accepted_draft_tokens"] = np.array([[sums["total_accepted_draft_tokens"]]], np.int32)
+        rate = sums["total_accepted_draft_tokens"] / sums["total_draft_tokens"] if sums["total_draft_tokens"] else 0.0
+        out["acceptance_rate"] = np.array([[rate]], np.float32)
+    for name in ("generation_logits", "context_logits", "cum_log_probs", "output_log_probs"):
+        out.pop(name, None)  # they would cover only the last round's tokens
+    return out

@@ -43,15 +43,14 @@ IGNORED_INPUTS = (
 #
 # Inputs of features this backend does not implement are refused per request (a ValueError naming
 # the input, what is not supported and what may be sent instead), so that nobody gets base-model
-# text back for a request that asked for an adapter, a draft model or a prompt table. Only a real use is
+# text back for a request that asked for a feature it does not have, such as a prompt table. Only a real use is
 # refused: an absent or empty (size 0) tensor is not "sent", and neither is a value that means
 # "off". A plain request through the ensemble delivers preprocessing's decoder_input_ids ([[pad_id]]
 # per item) and decoder_input_lengths ([[1]]), and prompt_table_extra_ids (0 at every ordinary
 # token) when the client sent prompt_table_extra_id; those pass. Rule per input (refused when):
 #   prompt_embedding_table: any element. prompt_table_extra_ids: a non-zero id (ids are 1.. per
 #       NVIDIA's clients; 0 marks ordinary tokens). prompt_vocab_size: non-zero.
-#   draft_input_ids, draft_logits, draft_acceptance_threshold: any element (a threshold only says
-#       how to accept draft tokens). lookahead_window_size, lookahead_ngram_size,
+#   lookahead_window_size, lookahead_ngram_size,
 #       lookahead_verification_set_size: any element (the reference refuses them too unless the
 #       model is configured for lookahead, which this backend never is).
 #   decoder_input_ids: an item with 2+ tokens (counted by decoder_input_lengths when given, else the
@@ -193,12 +192,6 @@ UNSUPPORTED_FEATURES = (
          "prompt_table_extra_ids": any_nonzero("prompt_table_extra_ids"),
          "prompt_vocab_size": any_nonzero("prompt_vocab_size")}),
     UnsupportedFeature(
-        "speculative decoding with draft tokens is",
-        without("draft_input_ids", "draft_logits", "draft_acceptance_threshold")
-        + " (empty tensors are accepted)",
-        {"draft_input_ids": non_empty("draft_input_ids"), "draft_logits": non_empty("draft_logits"),
-         "draft_acceptance_threshold": non_empty("draft_acceptance_threshold")}),
-    UnsupportedFeature(
         "lookahead decoding is",
         without("lookahead_window_size", "lookahead_ngram_size", "lookahead_verification_set_size"),
         {name: non_empty(name) for name in
@@ -335,6 +328,41 @@ def lora_adapter(tensors: Mapping[str, np.ndarray], batch_size: int, row: int) -
             "config": None if config is None else config[0], "path": path, "name": name}
 
 
+# ----------------------------------------------------------------------------- external draft tokens
+#
+# Speculative decoding with drafts from outside (TensorRT-LLM's ExternalDraftTokensConfig):
+# draft_input_ids (INT32, (B, k)), draft_logits (logits dtype, (B, k, vocab)) and
+# draft_acceptance_threshold (FP32, (B,)) of item b become the request's ExternalDraftTokens, only
+# when one of them is sent (an absent or empty tensor is not). The target verifies the k drafts at
+# the request's first generation step; greedy requests keep exactly their plain tokens. Here only
+# the layout is checked; the executor checks the values (vocabulary, max_draft_len, the logits'
+# shape, the threshold's range, beam search) and answers with an error naming the input.
+DRAFT_INPUTS = ("draft_input_ids", "draft_logits", "draft_acceptance_threshold")
+
+
+def external_draft(tensors: Mapping[str, np.ndarray], batch_size: int, row: int) -> dict[str, Any] | None:
+    """Item `row`'s ExternalDraftTokens fields, or None when no draft input was sent."""
+    ids = read_row(tensors, "draft_input_ids", batch_size, row) if _present(tensors.get("draft_input_ids")) else None
+    logits = read_row(tensors, "draft_logits", batch_size, row) if _present(tensors.get("draft_logits")) else None
+    threshold = (read_scalar(tensors, "draft_acceptance_threshold", batch_size, row)
+                 if _present(tensors.get("draft_acceptance_threshold")) else None)
+    if ids is None and logits is None and threshold is None:
+        return None
+    if ids is not None and ids.ndim != 2:
+        raise ValueError(f"draft_input_ids has shape {tuple(tensors['draft_input_ids'].shape)}; "
+                         "send one row of draft token ids per item: [batch, num_draft_tokens]")
+    if logits is not None:
+        if ids is None:
+            raise ValueError("draft_logits was sent without draft_input_ids; send the draft tokens the "
+                             "logits belong to with them, or leave draft_logits out")
+        if logits.ndim != 3:
+            raise ValueError(f"draft_logits has shape {tuple(tensors['draft_logits'].shape)}; send one "
+                             "(num_draft_tokens, vocab_size) matrix per item: [batch, num_draft_tokens, vocab_size]")
+    return {"token_ids": [] if ids is None else [int(t) for t in ids[0]],
+            "logits": None if logits is None else logits[0],
+            "acceptance_threshold": None if threshold is None else float(threshold)}
+
+
 @dataclass
 class RequestSpec:
     """Everything needed to build one executor `Request` for one batch row."""
@@ -352,6 +380,7 @@ class RequestSpec:
     output: dict[str, Any] = field(default_factory=dict)
     guided_decoding: tuple[str, str | None] | None = None  # (guide type, guide)
     lora: dict[str, Any] | None = None  # LoraRequest fields (lora_adapter)
+    external_draft: dict[str, Any] | None = None  # ExternalDraftTokens fields (external_draft)
 
     @property
     def num_return_sequences(self) -> int:
@@ -484,6 +513,7 @@ def convert_row(tensors: Mapping[str, np.ndarray], row: int, batch_size: int, *,
         output=_output(tensors, batch_size, row, exclude_input_default),
         guided_decoding=guided_decoding(tensors, batch_size, row),
         lora=lora_adapter(tensors, batch_size, row),
+        external_draft=external_draft(tensors, batch_size, row),
     )
 
 
@@ -507,7 +537,8 @@ def is_stop_request(tensors: Mapping[str, np.ndarray]) -> bool:
 
 def to_executor_request(spec: RequestSpec):
     """Build the engine's `Request` (imported here so this module loads without the engine)."""
-    from engine.executor.request import GuidedDecodingParams, LoraRequest, OutputConfig, Request, SamplingConfig
+    from engine.executor.request import (ExternalDraftTokens, GuidedDecodingParams, LoraRequest, OutputConfig, Request,
+                                         SamplingConfig)
 
     return Request(
         input_token_ids=spec.input_token_ids, max_tokens=spec.max_tokens, end_id=spec.end_id,
@@ -516,4 +547,14 @@ def to_executor_request(spec: RequestSpec):
         embedding_bias=spec.embedding_bias,
         guided_decoding=None if spec.guided_decoding is None else GuidedDecodingParams(*spec.guided_decoding),
         lora=None if spec.lora is None else LoraRequest(**spec.lora),
+        external_draft=None if spec.external_draft is None else _draft_tokens(ExternalDraftTokens, spec.external_draft),
     )
+
+
+def _draft_tokens(cls, fields: dict[str, Any]):
+    logits = fields["logits"]
+    if logits is not None:  # the executor compares them with its float32 logits
+        import torch
+
+        logits = torch.tensor(np.asarray(logits), dtype=torch.float32)  # a copy: Triton's buffers are read-only
+    return cls(token_ids=fields["token_ids"], logits=logits, acceptance_threshold=fields["acceptance_threshold"])

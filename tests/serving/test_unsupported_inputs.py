@@ -1,6 +1,6 @@
 """Inputs of features this backend does not have: refused when really used, accepted when absent,
 empty or neutral, and never in the way of a plain request through the ensemble or the BLS.
-(Guided decoding is supported: tests/serving/test_guided_inputs.py.)"""
+(Guided decoding and draft tokens are supported: tests/serving/test_guided_inputs.py, test_speculative_serving.py.)"""
 import importlib.util
 import os
 import re
@@ -12,8 +12,8 @@ import pytest
 
 from serving.bls import (LLM_INPUTS_FROM_PREPROCESSING, LLM_INPUTS_FROM_REQUEST, PREPROCESSING_INPUTS,
                          validate, with_batch_dim)
-from serving.requests import (GUIDED_INPUTS, IGNORED_INPUTS, LORA_INPUTS, UNSUPPORTED_INPUTS, conversion_error_message,
-                              convert_request)
+from serving.requests import (DRAFT_INPUTS, GUIDED_INPUTS, IGNORED_INPUTS, LORA_INPUTS, UNSUPPORTED_INPUTS,
+                              conversion_error_message, convert_request)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -43,9 +43,6 @@ USED = {
     "prompt_embedding_table": (np.ones((1, 4, 8), np.float16), {}),
     "prompt_table_extra_ids": (np.array([[0, 0, 7]], np.uint64), {}),
     "prompt_vocab_size": (i32([4]), {}),
-    "draft_input_ids": (i32([8, 9]), {}),
-    "draft_logits": (np.ones((1, 2, 16), np.float32), {}),
-    "draft_acceptance_threshold": (f32([0.5]), {}),
     "lookahead_window_size": (i32([7]), {}),
     "lookahead_ngram_size": (i32([7]), {}),
     "lookahead_verification_set_size": (i32([7]), {}),
@@ -75,7 +72,7 @@ def test_every_unsupported_input_has_a_case_and_every_declared_input_a_rule():
             "repetition_penalty", "min_tokens", "presence_penalty", "frequency_penalty", "seed",
             "return_log_probs", "return_context_logits", "return_generation_logits",
             "return_perf_metrics", "exclude_input_in_output", "stop", "streaming", "num_top_log_probs",
-            *GUIDED_INPUTS, *LORA_INPUTS}
+            *GUIDED_INPUTS, *LORA_INPUTS, *DRAFT_INPUTS}
     assert declared == read | set(UNSUPPORTED_INPUTS) | set(IGNORED_INPUTS)
     assert not set(UNSUPPORTED_INPUTS) & set(IGNORED_INPUTS)
 
@@ -277,7 +274,6 @@ BLS_USED = {
     "prompt_embedding_table": np.ones((1, 4, 8), np.float16),
     "prompt_table_extra_id": np.array([[7]], np.uint64),
     "prompt_vocab_size": i32([4]),
-    "num_draft_tokens": i32([4]),
     "decoder_text_input": text("Translate: good morning"),
     "image_input": np.ones((1, 1, 3, 2, 2), np.float16),
     "image_bytes_input": np.ones((1, 1, 2, 2, 3), np.uint8),
@@ -301,8 +297,7 @@ def test_bls_refuses_a_used_input_by_its_own_name(name):
 
 
 def test_bls_keeps_its_texts():
-    with pytest.raises(ValueError, match=r"^num_draft_tokens: speculative decoding \(num_draft_tokens\) "
-                                         r"is not supported by this backend"):
+    with pytest.raises(ValueError, match=r"^cannot perform speculative decoding without draft model"):
         validate({**BLS_PLAIN, "num_draft_tokens": i32([2])})
     with pytest.raises(ValueError, match="text_input is required"):
         validate({"max_tokens": i32([4]), "lora_task_id": np.array([3], np.uint64)})

@@ -1,6 +1,8 @@
 """Triton `tensorrt_llm_bls` model: the ensemble's pipeline as Business Logic Scripting.
 
-preprocessing -> tensorrt_llm -> postprocessing, with the ensemble's inputs and outputs. A stream
+preprocessing -> tensorrt_llm -> postprocessing, with the ensemble's inputs and outputs; with
+`num_draft_tokens` > 0, a draft tensorrt_llm model (`tensorrt_llm_draft_model_name`) and the target
+take turns (speculative decoding, serving/bls.py speculative_generate). A stream
 (decoupled model and `stream` true) decodes each chunk's ids in a short window with one token
 of context and sends the new text, or the whole text so far with `accumulate_tokens`; string stop
 words cut the text and stop generation. Glue only: the rules live in serving/bls.py.
@@ -26,7 +28,7 @@ if os.environ.get("TRITONLLM_ROOT"):  # a source checkout not installed into the
     sys.path.insert(0, os.environ["TRITONLLM_ROOT"])
 from serving.bls import (LLM_INPUTS_FROM_PREPROCESSING, LLM_INPUTS_FROM_REQUEST,  # noqa: E402
                          PASS_THROUGH_OUTPUTS, PREPROCESSING_INPUTS, TOKEN_IDS_OUTPUT, GuardedSender, StreamText,
-                         validate, wants_token_ids, with_batch_dim)
+                         num_draft_tokens, speculative_generate, validate, wants_token_ids, with_batch_dim)
 from serving.cancellation import stop_request_inputs  # noqa: E402
 from serving.params import get_parameter, model_parameters  # noqa: E402
 from serving.stub_watchdog import start_server_watchdog, stop_crash_dumps  # noqa: E402
@@ -66,9 +68,8 @@ class TritonPythonModel:
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(self.model_config)
         self.accumulate = bool(get_parameter(params, "accumulate_tokens", bool))
         self.llm_name = get_parameter(params, "tensorrt_llm_model_name", str) or "tensorrt_llm"
-        if get_parameter(params, "tensorrt_llm_draft_model_name", str):
-            pb_utils.Logger.log_warn("tensorrt_llm_bls: speculative decoding is not supported; "
-                                     "tensorrt_llm_draft_model_name is ignored")
+        # Requests with num_draft_tokens > 0 run the draft/target loop (serving/bls.py speculative_generate).
+        self.draft_name = get_parameter(params, "tensorrt_llm_draft_model_name", str)
         self.input_names = [tensor["name"] for tensor in self.model_config["input"]]
         # Threads that wait on blocking Triton calls for the event loop: one per live stream (its
         # response iterator) plus stop requests. The cap only queues work beyond it.
@@ -97,7 +98,7 @@ class TritonPythonModel:
             tensor = pb_utils.get_input_tensor_by_name(request, name)
             if tensor is not None:
                 tensors[name] = _numpy(tensor)
-        validate(tensors)
+        validate(tensors, self.draft_name)
         batch_size = tensors["text_input"].shape[0]
         stream = self.decoupled and bool(np.any(tensors.get("stream", np.array([False]))))
         llm_request_id = str(uuid.uuid4())
@@ -113,7 +114,7 @@ class TritonPythonModel:
         # nothing until the end, is seen by this watcher within one check period.
         watcher = asyncio.ensure_future(self._watch_cancellation(sender, stopper))
         try:
-            async for llm_out in self._call_llm(llm_inputs, llm_request_id):
+            async for llm_out in self._generate(tensors, llm_inputs, llm_request_id, stopper):
                 if "output_ids" not in llm_out or stopper.client_gone:
                     continue  # drain: tensorrt_llm ends the request within a step of the stop
                 out = await self._postprocess(llm_out, streams, stop_words, queries, stream)
@@ -159,6 +160,32 @@ class TritonPythonModel:
             sender.send_final(response)
         except Exception as error:
             pb_utils.Logger.log_verbose(f"tensorrt_llm_bls: final response not delivered: {error}")
+
+    async def _generate(self, tensors, llm_inputs, request_id, stopper):
+        """tensorrt_llm's responses: one call, or with num_draft_tokens the speculative loop's final one."""
+        k = num_draft_tokens(tensors)
+        if k <= 0:
+            async for out in self._call_llm(llm_inputs, request_id):
+                yield out
+            return
+        flag = lambda name: bool(np.any(tensors[name])) if name in tensors and tensors[name].size else False  # noqa: E731
+        yield await speculative_generate(
+            llm_inputs, max_tokens=int(tensors["max_tokens"].reshape(-1)[0]), num_draft_tokens=k,
+            use_draft_logits=flag("use_draft_logits"), exclude_input=flag("exclude_input_in_output"),
+            want_perf=flag("return_perf_metrics"),
+            call_draft=lambda inputs: self._call_once(self.draft_name, inputs, request_id),
+            call_target=lambda inputs: self._call_once(self.llm_name, inputs, request_id),
+            cancelled=lambda: stopper.client_gone)
+
+    async def _call_once(self, model_name, inputs, request_id):
+        """The response of a non-streamed tensorrt_llm call (the last one holding output_ids)."""
+        last = None
+        async for out in self._call_llm(inputs, request_id, model_name):
+            if "output_ids" in out:
+                last = out
+        if last is None:
+            raise RuntimeError(f"tensorrt_llm_bls: {model_name} answered without output_ids")
+        return last
 
     async def _llm_inputs(self, tensors, batch_size, stream):
         pre_inputs = {PREPROCESSING_INPUTS[name]: value for name, value in tensors.items()
@@ -255,10 +282,10 @@ class TritonPythonModel:
             inputs=[pb_utils.Tensor(name, value) for name, value in inputs.items()])
         return response_tensors(await request.async_exec())
 
-    async def _call_llm(self, inputs, request_id):
+    async def _call_llm(self, inputs, request_id, model_name=None):
         outputs = ["output_ids", "sequence_length", *PASS_THROUGH_OUTPUTS, ERROR_MESSAGE_OUTPUT]
         request = pb_utils.InferenceRequest(
-            model_name=self.llm_name, requested_output_names=outputs, request_id=request_id,
+            model_name=model_name or self.llm_name, requested_output_names=outputs, request_id=request_id,
             inputs=[pb_utils.Tensor(name, value) for name, value in inputs.items()],
             parameters={ERRORS_AS_OUTPUT: True})  # serving/responses.py says why
         if not self.decoupled:
