@@ -45,6 +45,7 @@ from engine.executor.runner import ForwardBatch, ModelRunner
 from engine.executor.sampler import build_sampling_metadata, process_logits, sample
 from engine.executor.scheduler import POLICIES, Scheduler, SchedulerOutput
 from engine.executor.speculative import DraftProposer, Verified, draft_room, make_proposer, verify_batch
+from engine.executor.speculative.proposer import ProposerConfigError
 # KvCacheStats and IterationStats are part of this module's public surface (re-exported).
 from engine.executor.stats import (  # noqa: F401
     ITERATION_LOG_ENV, STATS_TIME_FORMAT, IterationLog, IterationStats, KvCacheStats, kv_cache_stats,
@@ -69,8 +70,9 @@ class SpeculativeConfig:
 
     ``mode``: "ngram" (prompt lookup: the tokens that followed the latest earlier occurrence of the
     sequence's last n tokens, n = max_matching_ngram_size down to 1) or "draft_model" (a second,
-    smaller engine in ``draft_engine_dir``; not built yet). Each step verifies up to
-    ``max_draft_len`` drafts per sequence.
+    smaller engine in ``draft_engine_dir`` with the target's tokenizer, drafting greedily with its
+    own KV pool, as many tokens as the target's, and CUDA graphs: speculative/draft_model.py). Each
+    step verifies up to ``max_draft_len`` drafts per sequence.
     """
 
     mode: str
@@ -86,8 +88,9 @@ class SpeculativeConfig:
         self.mode = str(self.mode).lower()
         require(self.mode in SPECULATIVE_MODES,
                 f"SpeculativeConfig.mode value of '{self.mode}' is not supported; allowed: {', '.join(SPECULATIVE_MODES)}")
-        require(self.mode != "draft_model",
-                "SpeculativeConfig.mode value of 'draft_model' is not supported by the executor yet; allowed: ngram")
+        require(self.mode != "draft_model" or (isinstance(self.draft_engine_dir, str) and bool(self.draft_engine_dir)),
+                f"SpeculativeConfig.draft_engine_dir must name the draft engine's directory with mode 'draft_model', "
+                f"got {self.draft_engine_dir!r}")
         require(isinstance(self.max_draft_len, int) and 1 <= self.max_draft_len <= MAX_SPECULATIVE_DRAFT_LEN,
                 f"SpeculativeConfig.max_draft_len must be an integer in 1..{MAX_SPECULATIVE_DRAFT_LEN}, "
                 f"got {self.max_draft_len!r}")
@@ -244,12 +247,29 @@ class Executor:
         self.max_batch_size = cfg.max_batch_size or build.max_batch_size
         self.max_num_tokens = max(cfg.max_num_tokens or build.max_num_tokens, self.max_batch_size)
         self._init_lora()  # the adapter slots come before the KV pool, which takes what is left
-        num_blocks = self.runner.num_kv_blocks_for(free_mem_fraction=cfg.kv_cache_free_gpu_mem_fraction,
+        self.proposer = self._make_proposer(engine_dir)  # a draft model loads before the KV pools share the memory
+        kv_share = getattr(self.proposer, "target_kv_share", 1.0)  # the rest is the draft model's pool
+        num_blocks = self.runner.num_kv_blocks_for(free_mem_fraction=cfg.kv_cache_free_gpu_mem_fraction * kv_share,
                                                    max_tokens=cfg.max_tokens_in_paged_kv_cache,
                                                    kv_cache_dtype=cfg.kv_cache_dtype)
         self.runner.allocate_kv_cache(num_blocks, kv_cache_dtype=cfg.kv_cache_dtype)
+        if hasattr(self.proposer, "start"):  # the draft model's pool (as many tokens) and CUDA graphs
+            self.proposer.start(num_blocks * self.runner.tokens_per_block, self.max_batch_size,
+                                cfg.speculative.max_draft_len)
         self.runner.capture_cuda_graphs()  # CUDA: GEMM choice + decode graphs (the "compiled engine"); CPU: no-op
         self.runner.warmup()  # CUDA: compile the prefill kernels before the first request; CPU: no-op
+
+    def _make_proposer(self, engine_dir: str) -> DraftProposer | None:
+        spec = self.config.speculative
+        if spec is None:
+            return None
+        try:
+            return make_proposer(spec.mode, max_matching_ngram_size=spec.max_matching_ngram_size,
+                                 draft_engine_dir=spec.draft_engine_dir, target_engine_dir=engine_dir,
+                                 target_runner=self.runner, enable_reuse=self.config.enable_kv_cache_reuse,
+                                 kv_cache_dtype=self.config.kv_cache_dtype)
+        except ProposerConfigError as err:
+            raise ExecutorConfigError(str(err)) from None
 
     def _init_lora(self) -> None:
         self.adapters: AdapterCache | None = None
@@ -289,9 +309,6 @@ class Executor:
             enable_chunked_context=self.config.enable_chunked_context,
             num_kv_blocks=self.blocks.num_blocks, tokens_per_block=self.blocks.tokens_per_block,
             max_batch_size=self.max_batch_size, max_draft_len=self.config.max_draft_len)
-        speculative = self.config.speculative
-        self.proposer: DraftProposer | None = None if speculative is None else make_proposer(
-            speculative.mode, max_matching_ngram_size=speculative.max_matching_ngram_size)
         self._num_draft_tokens_total = 0  # cumulative, for IterationStats
         self._num_accepted_draft_tokens_total = 0
 
