@@ -238,15 +238,20 @@ def test_an_unverified_proposal_costs_one_recomputed_position(proposer):
     proposer.release(seq)
 
 
-def test_a_short_pool_gives_fewer_drafts_never_wrong_ones(tiny_engine, plain, reference):
+def test_a_short_pool_gives_fewer_drafts_never_wrong_ones_and_idle_sequences_give_theirs_back(
+        tiny_engine, plain, reference):
     p = DraftModelProposer(tiny_engine, target_engine_dir=tiny_engine, target_runner=plain.runner)
     p.start(num_target_kv_tokens=16, max_batch_size=1, max_draft_len=1)  # 4 + 2 blocks: 24 positions
     seqs = make_seqs([PROMPTS[3], PROMPTS[0]])  # 18 and 3 tokens
     out = p.propose(seqs, 8)
     assert out[0] == reference[3][:7]  # 18 + 7 - 1 = 24 positions: the pool's last
     assert out[1] == []  # nothing left for the second
-    p.release(seqs[0])
+    # The first one stops asking (preempted, say): the second takes back its blocks.
     assert p.propose(seqs[1:], 8)[0] == reference[0][:8]
+    assert p.num_sequences == 1
+    p.release(seqs[1])
+    p.release(seqs[0])  # (already let go: nothing to free)
+    assert p.blocks.num_free_blocks == p.blocks.num_blocks
 
 
 class RecordingGraphs:

@@ -107,6 +107,7 @@ class DraftModelProposer:
     def propose(self, seqs: list[Sequence], max_draft_len: int) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in seqs]
         planned = []  # (index in seqs, its _DraftSeq, L, k)
+        reclaimed = False
         for i, seq in enumerate(seqs):
             L = len(seq.token_ids)
             room = min(draft_room(seq, max_draft_len), self.max_seq_len - L + 1)  # positions < draft max_seq_len
@@ -117,6 +118,10 @@ class DraftModelProposer:
                 continue
             state = self._sync(seq, L)
             k = self._reserve(state, L, room)
+            if k < room and not reclaimed:  # the pool is short: take back what idle sequences hold, once
+                reclaimed = True
+                self._reclaim({s.seq_id for s in seqs})
+                k = self._reserve(state, L, room)
             if k:
                 planned.append((i, state, L, k))
         if not planned:
@@ -160,7 +165,8 @@ class DraftModelProposer:
 
     def _reserve(self, state: _DraftSeq, L: int, room: int) -> int:
         """Blocks for positions [0, L + k - 1) (k drafts leave k - 1 with KV); k <= room, fewer when
-        the pool is short (0: no drafts this step, nothing taken)."""
+        the pool is short (0: no drafts this step). Returns k; blocks already held for positions
+        past L + k - 1 stay held (a second call after ``_reclaim`` only adds)."""
         T = self.blocks.tokens_per_block
         k = min(room, (len(state.block_ids) + self.blocks.num_free_blocks) * T - L + 1)
         if k <= 0:
@@ -169,6 +175,13 @@ class DraftModelProposer:
         if needed > 0:
             state.block_ids += self.blocks.allocate(needed)
         return k
+
+    def _reclaim(self, asking: set[int]) -> None:
+        """Free the draft KV of every sequence not asking for drafts now (preempted, or waiting for
+        room): the pool is sized for the running sequences, and an idle one would otherwise keep its
+        blocks until it ends. If it decodes again it starts over (prefix reuse may spare its prompt)."""
+        for seq_id in [seq_id for seq_id in self._seqs if seq_id not in asking]:
+            self.blocks.release(self._seqs.pop(seq_id))
 
     def _register(self, state: _DraftSeq, L: int) -> None:
         """Make the full blocks of true tokens before the last one findable (reuse on). The last
@@ -179,7 +192,8 @@ class DraftModelProposer:
         num_full = min(L - 1, state.num_true) // T
         if num_full <= state.num_registered_blocks:
             return
-        state.block_hashes = chain_block_hashes(state.token_ids[:num_full * T], T, state.block_hashes)
+        # (hashes of every full block of the target's tokens: all true; only the first num_full get registered)
+        state.block_hashes = chain_block_hashes(state.token_ids, T, state.block_hashes)
         for i in range(state.num_registered_blocks, num_full):
             self.blocks.register(state.block_ids[i], state.block_hashes[i], tuple(state.token_ids[i * T:(i + 1) * T]))
         state.num_registered_blocks = num_full
