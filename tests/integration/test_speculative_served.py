@@ -1,0 +1,217 @@
+"""Speculative decoding through a real tritonserver serving SmolLM2 (one server for the module).
+
+The repository is non-decoupled, as e2e_grpc_speculative_decoding_client.py needs (unary calls
+with the prompt in output_ids), and serves three `tensorrt_llm` models on the same engine: the
+target `tensorrt_llm`, a draft `tensorrt_llm_draft` (the BLS's tensorrt_llm_draft_model_name) and
+`tensorrt_llm_ngram` (decoding_mode ngram). Greedy decoding must give plain decoding's ids
+whatever the drafts: right ones (the draft is the target's own engine, so everything is accepted),
+deliberately wrong ones sent straight to the target, and n-gram lookups. The engine-level proofs
+(20 prompts, sampling laws) are tests/executor/test_speculative*.py's.
+"""
+import os
+import re
+import shutil
+import subprocess
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+import requests
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+
+from triton_helpers import Server, chat, free_port, load_script, wait_for
+
+pytestmark = pytest.mark.integration
+
+DRAFT, NGRAM = "tensorrt_llm_draft", "tensorrt_llm_ngram"
+END_ID = 2  # SmolLM2's <|im_end|>
+REFERENCE_CLIENTS = os.environ.get("TRITONLLM_REFERENCE_CLIENTS")  # tensorrtllm_backend's inflight_batcher_llm/client
+
+
+def _copy_model(repo: Path, source: str, name: str, config_text: str) -> None:
+    shutil.copytree(repo / source / "1", repo / name / "1", ignore=shutil.ignore_patterns("__pycache__"))
+    text, count = re.subn(rf'^name: "{source}"', f'name: "{name}"', config_text, count=1, flags=re.M)
+    assert count == 1
+    (repo / name / "config.pbtxt").write_text(text)
+
+
+@contextmanager
+def speculative_server(engine_dir: str, work: Path):
+    """The five-model repository (non-decoupled, the BLS naming the draft model) plus the draft
+    and n-gram copies of tensorrt_llm, served on free ports."""
+    serve = load_script("serve_default")
+    launcher = load_script("launch_triton_server")
+    repo = Path(serve.prepare_model_repo(engine_dir, str(work / "repo"), decoupled=False, bls_instances=2,
+                                         overrides={"tensorrt_llm_bls": {"tensorrt_llm_draft_model_name": DRAFT}}))
+    _copy_model(repo, "tensorrt_llm", DRAFT, (repo / "tensorrt_llm" / "config.pbtxt").read_text())
+    # the n-gram model: the template filled like tensorrt_llm's, with decoding_mode ngram
+    fill = serve._load_script("fill_template")
+    values = {**serve.default_substitutions(os.path.abspath(engine_dir), decoupled=False)["tensorrt_llm"],
+              "decoding_mode": "ngram", "max_draft_len": "4", "max_matching_ngram_size": "3"}
+    template = serve.REPO_ROOT / "all_models" / "tensorrt_llm" / "config.pbtxt"
+    pairs = ",".join(f"{k}:{serve._escape(v)}" for k, v in values.items())
+    _copy_model(repo, "tensorrt_llm", NGRAM, fill.fill_template(template.read_text(), pairs, str(template)))
+    ports = [str(free_port()) for _ in range(3)]
+    args = launcher.parse_arguments([f"--model_repo={repo}", "--no-mpi", "--host=127.0.0.1", f"--http_port={ports[0]}",
+                                     f"--grpc_port={ports[1]}", f"--metrics_port={ports[2]}", "--force",
+                                     f"--cache_dir={work / 'cache'}"])
+    log_path = work / "server.log"
+    with open(log_path, "w") as log:
+        process = launcher.launch(args, stdout=log, stderr=log)
+    try:
+        if not serve.wait_until_ready(process, ports[0], timeout=300):
+            pytest.fail(f"tritonserver did not become ready:\n{log_path.read_text()[-5000:]}")
+        yield Server(http=f"http://127.0.0.1:{ports[0]}", grpc_url=f"127.0.0.1:{ports[1]}",
+                     metrics=f"http://127.0.0.1:{ports[2]}", log_path=log_path, pid=process.pid)
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except Exception:
+            process.kill()
+            process.wait()
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_engine_dir, tmp_path_factory):
+    with speculative_server(smollm2_engine_dir, tmp_path_factory.mktemp("speculative")) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_engine_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_engine_dir)
+
+
+def infer(server, model, tensors):
+    """One unary gRPC call (all outputs); name -> numpy."""
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        inputs = []
+        for name, array in tensors.items():
+            tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+            tensor.set_data_from_numpy(array)
+            inputs.append(tensor)
+        result = client.infer(model, inputs)
+        return {output.name: result.as_numpy(output.name) for output in result.get_response().outputs}
+    finally:
+        client.close()
+
+
+def generate(server, prompt_ids, new_tokens, model="tensorrt_llm", **extra):
+    """Greedy ids (prompt included, as NVIDIA's speculative client reads them) and the perf outputs."""
+    tensors = {"input_ids": np.array([prompt_ids], np.int32), "input_lengths": np.array([[len(prompt_ids)]], np.int32),
+               "request_output_len": np.array([[new_tokens]], np.int32), "end_id": np.array([[END_ID]], np.int32),
+               "pad_id": np.array([[END_ID]], np.int32), "return_perf_metrics": np.array([[True]]), **extra}
+    out = infer(server, model, tensors)
+    ids = out["output_ids"][0, 0, : int(out["sequence_length"][0, 0])].tolist()
+    perf = {name: out[name].item() for name in ("total_draft_tokens", "total_accepted_draft_tokens", "acceptance_rate")}
+    return ids, perf
+
+
+def test_drafts_sent_to_the_target_keep_plain_decodings_ids(server, tokenizer):
+    prompt = tokenizer.encode(chat("Write two sentences about the sea."))
+    plain, perf = generate(server, prompt, 24)
+    assert perf == {"total_draft_tokens": 0, "total_accepted_draft_tokens": 0, "acceptance_rate": 0.0}
+    completion = plain[len(prompt):]
+    assert len(completion) == 24
+    right = np.array([completion[:4]], np.int32)
+    wrong = np.array([[(t + 1) % 49152 for t in completion[:4]]], np.int32)
+    half = np.array([completion[:2] + [(t + 1) % 49152 for t in completion[2:4]]], np.int32)
+    for drafts, accepted in ((right, 4), (wrong, 0), (half, 2)):
+        ids, perf = generate(server, prompt, 24, draft_input_ids=drafts)
+        assert ids == plain, drafts
+        assert perf["total_draft_tokens"] == 4 and perf["total_accepted_draft_tokens"] == accepted, perf
+        assert perf["acceptance_rate"] == pytest.approx(accepted / 4)
+    # with the draft model's logits (one-hot on the drafts), and a threshold: greedy ignores both
+    logits = np.full((1, 4, 49152), -10.0, np.float32)
+    logits[0, np.arange(4), wrong[0]] = 10.0
+    ids, perf = generate(server, prompt, 24, draft_input_ids=wrong, draft_logits=logits,
+                         draft_acceptance_threshold=np.array([[0.5]], np.float32))
+    assert ids == plain and perf["total_accepted_draft_tokens"] == 0
+
+
+@pytest.mark.parametrize("extra,message", [
+    ({"draft_input_ids": np.array([[5, 60000]], np.int32)}, "draft_input_ids contains token id 60000 outside the vocabulary"),
+    ({"draft_input_ids": np.array([[5, 6]], np.int32), "draft_logits": np.zeros((1, 2, 16), np.float32)},
+     "draft_logits has shape (2, 16)"),
+    ({"draft_logits": np.zeros((1, 2, 49152), np.float32)}, "draft_logits was sent without draft_input_ids"),
+    ({"draft_input_ids": np.array([[5] * 9], np.int32)}, "draft_input_ids has 9 tokens; allowed: at most 8"),
+])
+def test_bad_drafts_fail_their_request_naming_the_input(server, extra, message):
+    with pytest.raises(InferenceServerException) as raised:
+        generate(server, [1, 504, 3458], 4, **extra)
+    assert message in str(raised.value)
+    ids, _ = generate(server, [1, 504, 3458], 4)  # the model keeps serving
+    assert len(ids) == 7
+
+
+def bls_body(question, **extra):
+    return {"text_input": chat(question), "max_tokens": 32, "exclude_input_in_output": True, **extra}
+
+
+def counter(server, family, model):
+    """The model's value of a label-less counter family, 0 while absent."""
+    found = re.search(rf'{family}\{{model="{model}",version="1"\}} (\d+)', server.metrics_text())
+    return int(found.group(1)) if found else 0
+
+
+def value(outputs, name):
+    return np.asarray(outputs[name]).reshape(-1)[0]
+
+
+def test_bls_with_a_draft_model_answers_the_ensembles_greedy_text(server):
+    question = "Name three colours and say why the sky is blue."
+    expected = server.generate("ensemble", bls_body(question)).json()["text_output"]
+    for use_draft_logits in (False, True):
+        response = server.generate("tensorrt_llm_bls", bls_body(question, num_draft_tokens=4, return_perf_metrics=True,
+                                                                use_draft_logits=use_draft_logits))
+        assert response.status_code == 200, response.text
+        out = response.json()
+        assert out["text_output"] == expected
+        drafted, accepted = value(out, "total_draft_tokens"), value(out, "total_accepted_draft_tokens")
+        # the draft is the target's own engine: (nearly) every draft is accepted, ~5 tokens a round
+        assert drafted >= 16 and accepted >= drafted - 4, out
+        assert value(out, "acceptance_rate") == pytest.approx(accepted / drafted, rel=1e-6)
+    # counters are published every stats period
+    assert wait_for(lambda: counter(server, "tritonllm_speculative_accepted_draft_tokens_total", "tensorrt_llm")
+                    >= accepted, timeout=10)
+
+
+def test_bls_speculative_refusals(server):
+    response = server.generate("tensorrt_llm_bls", bls_body("Hi", num_draft_tokens=4, stream=True))
+    assert response.status_code != 200 and "streaming is not supported with speculative decoding" in response.text
+    response = server.generate("tensorrt_llm_bls", bls_body("Hi", num_draft_tokens=4, return_context_logits=True))
+    assert response.status_code != 200 and "context logits are not supported with speculative decoding" in response.text
+
+
+def test_ngram_decoding_mode_keeps_the_greedy_ids(server, tokenizer):
+    prompt = tokenizer.encode(chat("Repeat this sentence twice: the quick brown fox jumps over the lazy dog."))
+    plain, _ = generate(server, prompt, 40)
+    ids, perf = generate(server, prompt, 40, model=NGRAM)
+    assert ids == plain
+    assert perf["total_draft_tokens"] > 0 and perf["total_accepted_draft_tokens"] > 0, perf
+    assert wait_for(lambda: counter(server, "tritonllm_speculative_draft_tokens_total", NGRAM)
+                    >= perf["total_draft_tokens"], timeout=10)
+    assert counter(server, "tritonllm_speculative_accepted_draft_tokens_total", NGRAM) >= perf["total_accepted_draft_tokens"]
+
+
+@pytest.mark.skipif(not REFERENCE_CLIENTS, reason="set TRITONLLM_REFERENCE_CLIENTS to the folder of "
+                    "tensorrtllm_backend's inflight_batcher_llm/client to run NVIDIA's clients themselves")
+def test_nvidias_speculative_decoding_client(server):
+    """e2e_grpc_speculative_decoding_client.py, unchanged: the draft model drafts, the target
+    verifies; its final text is the ensemble's greedy one (prompt included)."""
+    question = "Name three colours and say why the sky is blue."
+    expected = server.generate("ensemble", {"text_input": chat(question), "max_tokens": 24}).json()["text_output"]
+    run = subprocess.run([sys.executable, os.path.join(REFERENCE_CLIENTS, "e2e_grpc_speculative_decoding_client.py"),
+                          "--url-target", server.grpc_url, "--draft-tensorrt-llm-model-name", DRAFT,
+                          "--target-tensorrt-llm-model-name", "tensorrt_llm", "-p", chat(question), "-o", "24",
+                          "--num-draft-tokens", "4"], capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "Received an error" not in run.stdout and "Final text" in run.stdout, run.stdout
+    assert expected.strip() in run.stdout, (expected, run.stdout)
