@@ -251,6 +251,9 @@ def bench_verify(executor, args, graphs: bool) -> list[dict]:
     runner = executor.runner
     page, vocab = runner.tokens_per_block, runner.vocab_size
     blocks_per_seq = -(-(args.context + max(args.ks)) // page)
+    if not graphs:  # the first steps of a process run slower (allocator, thread pools), whatever the shape
+        with_blocks(executor, 1, blocks_per_seq, lambda tables: time_step(
+            runner, verify_batch(tables, args.context, 0, random.Random(0), vocab, page), 10, 1))
     rows = []
     for batch_size in args.batches:
         rng = random.Random(batch_size)
@@ -521,9 +524,10 @@ def run_dtype(args, label: str, results: dict, save, t0: float) -> None:
             executor.shutdown()
         executor = graph_runner_executor = None
         free_memory(args.device)
-    entry["projections"] = projections(entry, args)
-    entry["goals"] = goals(entry, args)
-    save()
+        # From whatever was measured, also when a later section failed.
+        entry["projections"] = projections(entry, args)
+        entry["goals"] = goals(entry, args)
+        save()
 
 
 def goals(entry: dict, args) -> dict:
@@ -555,6 +559,8 @@ def markdown(results: dict) -> str:
              f"Commit {results['commit']}, {results['gpu']}, {results['date']}. `{results['command']}`.",
              f"Context {results['context']} tokens; greedy; KV pool {results.get('kv_cache_dtype', 'auto')}; prefix reuse on."]
     for label, entry in results["dtypes"].items():
+        if entry.get("error"):
+            lines.append(f"- {label}: FAILED: {entry['error'][:300]}")
         for e in entry.get("engines", []):
             lines.append(f"- {label} engine{' (' + e['speculative'] + ')' if e.get('speculative') else ''}: loaded in "
                          f"{e['load_seconds']:.0f} s, prefill graphs {'on' if e['prefill_graphs'] else 'off'}, "
@@ -681,10 +687,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.ks = sorted(args.ks + [args.ngram_k])
     args.acceptance = {name: float(value) for name, value in (p.split("=") for p in args.acceptance.split(",") if p)}
     # Engine limits from what the sections ask for: section 1's widest step is max batch x (max k + 1)
-    # tokens (the prefill graphs go up to max_num_tokens, so it is replayed, not run eagerly).
+    # tokens (the prefill graphs go up to max_num_tokens, so it is replayed, not run eagerly); without
+    # chunked context a prompt must fit one step, and section 2's last calls send context + output
+    # tokens as their prompt (only its last block's tail is computed: the rest is in the prefix cache).
     page = args.tokens_per_block
     args.max_batch_size = max(args.batches + [1])
-    args.max_num_tokens = max(args.max_batch_size * (max(args.ks) + 1), args.context + max(args.loop_ks + [0]) + 1, 256)
+    needed = max(args.max_batch_size * (max(args.ks) + 1), args.context + args.output_len + max(args.loop_ks + [0]) + 1)
+    args.max_num_tokens = -(-needed // 64) * 64
     args.max_seq_len = -(-(args.context + args.output_len + max(args.ks + args.loop_ks) + 2) // page) * page
     blocks = args.max_batch_size * -(-(args.context + max(args.ks)) // page) + 4 * (args.max_seq_len // page)
     args.kv_tokens = blocks * page
@@ -729,15 +738,23 @@ def main(argv=None) -> dict:
             json.dump(results, f, indent=2)
 
     save()
-    for label in args.dtype_labels:
-        try:
-            run_dtype(args, label, results, save, t0)
-        except Exception as error:  # noqa: BLE001  (one dtype failing must not cost the other)
-            import traceback
+    # CPU (the smoke run): one intra-op thread. On a machine whose cores other processes share, a
+    # thread pool's barriers wait for descheduled threads and a tiny step's time swings 100x.
+    threads = torch.get_num_threads()
+    if not on_gpu:
+        torch.set_num_threads(1)
+    try:
+        for label in args.dtype_labels:
+            try:
+                run_dtype(args, label, results, save, t0)
+            except Exception as error:  # noqa: BLE001  (one dtype failing must not cost the other)
+                import traceback
 
-            traceback.print_exc()
-            results["dtypes"].setdefault(label, {})["error"] = f"{type(error).__name__}: {error}"
-            save()
+                traceback.print_exc()
+                results["dtypes"].setdefault(label, {})["error"] = f"{type(error).__name__}: {error}"
+                save()
+    finally:
+        torch.set_num_threads(threads)
     table = markdown(results)
     print(table)
     if args.markdown:
