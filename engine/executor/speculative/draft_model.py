@@ -41,8 +41,6 @@ import hashlib
 import json
 import os
 
-import torch
-
 from engine.config import EngineConfig, EngineFormatError
 from engine.executor.kv_cache import BlockManager, chain_block_hashes
 from engine.executor.request import Sequence
