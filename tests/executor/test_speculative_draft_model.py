@@ -193,6 +193,22 @@ def test_returned_sequences_and_a_shared_prompt_reuse_the_draft_pool(tiny_engine
     assert all(r.result.output_token_ids[0] == reference[6] for r in finals)
 
 
+def test_cancelled_requests_give_back_their_draft_blocks(tiny_engine, drafts, reference):
+    with drafted(tiny_engine, drafts["noisy_copy"]) as executor:
+        ids = executor.enqueue_requests([Request(p, 100, streaming=True) for p in PROMPTS[:4]])
+        seen = set()
+        deadline = time.monotonic() + 60
+        while len(seen) < 4:  # every request has drafted at least once when it has streamed twice
+            assert time.monotonic() < deadline, "no responses in 60 s"
+            seen |= {r.request_id for r in executor.await_responses(timeout=0.5)
+                     if r.request_id in ids and len(r.result.output_token_ids[0]) > 1}
+        assert executor.proposer.num_sequences > 0
+        for request_id in ids:
+            executor.cancel_request(request_id)
+        collect(executor, ids, timeout=60)
+        assert_no_blocks_held(executor)
+
+
 # ----- the proposer on its own: rollback, pool limits, the CUDA-graph path -----
 
 @pytest.fixture()
