@@ -50,6 +50,9 @@ prefix reuse on). Sections:
    the n-gram executor), and beside it from section 1's step costs (L x plain / verify) and from
    section 2's curve (interpolated at L).
 
+Order per dtype: 1, 2, section 1 again as single CUDA graphs (``graphs``), then 3 (a second engine
+load: what ``--time-budget`` drops first).
+
 Output: a markdown table per section (stdout, appended to ``--markdown``) with commit, GPU and date;
 ``--out`` JSON rewritten after every section, so a run cut short keeps what it measured.
 ``--time-budget`` skips what no longer fits (the n-gram executor is a second engine load).
@@ -455,6 +458,10 @@ def projections(entry: dict, args) -> list[dict]:
 
 
 def run_dtype(args, label: str, results: dict, save, t0: float) -> None:
+    """The sections of one dtype, cheapest and most wanted first: verify steps, client drafts and the
+    verify steps as CUDA graphs on the plain executor, then the n-gram executor (a second engine
+    load), which a short budget drops first. The graphs run on the plain executor, after the loops:
+    a capture failing there costs at most the n-gram runs."""
     from engine.executor.executor import SpeculativeConfig
 
     entry = results["dtypes"].setdefault(label, {"engines": []})
@@ -469,7 +476,6 @@ def run_dtype(args, label: str, results: dict, save, t0: float) -> None:
     entry["engines"].append(info)
     save()
     print(f"    loaded in {info['load_seconds']:.0f} s; prefill graphs {'on' if info['prefill_graphs'] else 'off'}", flush=True)
-    graph_runner_executor = executor
     try:
         if "verify" in args.sections:
             print(f"--- {label}: verify steps", flush=True)
@@ -479,27 +485,39 @@ def run_dtype(args, label: str, results: dict, save, t0: float) -> None:
         if "external" in args.sections:
             print(f"--- {label}: client drafts at fixed acceptance", flush=True)
             entry["external"] = {}
-            # The loops stop early enough to leave the n-gram runs (about one more engine load) their time.
-            reserve = (info["load_seconds"] + 30) if "ngram" in args.sections else 15
-            bench_external(executor, args, vocab, entry["external"], deadline - reserve if deadline else 0.0, save)
+            # The loops leave 20 s for the graphs and the shutdown; the n-gram runs get what is left.
+            bench_external(executor, args, vocab, entry["external"], deadline - 20 if deadline else 0.0, save)
+            save()
+        if "graphs" in args.sections and "verify" in args.sections and args.device.startswith("cuda"):
+            if left() > 10:
+                print(f"--- {label}: verify steps as single CUDA graphs", flush=True)
+                try:
+                    entry["verify_graphs"] = bench_verify(executor, args, graphs=True)
+                except Exception as error:  # noqa: BLE001  (a capture failure must not lose the rest)
+                    entry["verify_graphs_error"] = f"{type(error).__name__}: {error}"
+                entry["verify_rows"] = verify_table_rows(entry["verify"], entry.get("verify_graphs"))
+            else:
+                entry["verify_graphs_error"] = "skipped: time budget"
             save()
         prompts = repetitive_prompts(args.ngram_prompts, args.context, vocab)
-        ngram_fits = "ngram" in args.sections and left() > info["load_seconds"] + 20
-        if "ngram" in args.sections and not ngram_fits:
-            entry["ngram_skipped"] = f"time budget: {left():.0f} s left, an engine load took {info['load_seconds']:.0f} s"
-        if ngram_fits:
+        # Another engine load (assumed as long as the first: the kernels it compiled stay compiled),
+        # the prompt set twice, each prompt about as long as one draft loop.
+        needed = info["load_seconds"] + 2 * args.ngram_prompts * max(2.0, plain_seconds(entry)) + 10
+        if "ngram" in args.sections and left() < needed:
+            entry["ngram_skipped"] = f"time budget: {left():.0f} s left, ~{needed:.0f} s needed"
+        elif "ngram" in args.sections:
             print(f"--- {label}: plain decoding of the n-gram prompt set", flush=True)
             entry["ngram_plain"] = run_prompt_set(executor, prompts, args.output_len)
             save()
             executor.shutdown()
-            executor = graph_runner_executor = None
+            executor = None
             print(f"--- {label}: engine (n-gram, k={args.ngram_k})", flush=True)
             speculative = SpeculativeConfig("ngram", max_draft_len=args.ngram_k,
                                             max_matching_ngram_size=args.max_matching_ngram_size)
             executor, info2 = start_executor(args, label, speculative)
-            graph_runner_executor = executor
             entry["engines"].append(info2)
-            run_prompt_set(executor, prompts[:1], 8)  # warm: the drafted steps' shapes compiled
+            print(f"    loaded in {info2['load_seconds']:.0f} s", flush=True)
+            run_prompt_set(executor, prompts[:1], 8)  # warm-up
             entry["ngram"] = run_prompt_set(executor, prompts, args.output_len)
             entry["ngram"]["ids_equal_plain"] = entry["ngram"]["output_ids"] == entry["ngram_plain"]["output_ids"]
             entry["ngram"]["speedup"] = entry["ngram"]["decode_tok_s"] / entry["ngram_plain"]["decode_tok_s"]
@@ -507,27 +525,21 @@ def run_dtype(args, label: str, results: dict, save, t0: float) -> None:
             n = entry["ngram"]
             print(f"    mean acceptance length {n['mean_acceptance_length']:.2f}, {n['decode_tok_s']:,.1f} tok/s "
                   f"({n['speedup']:.2f}x plain), ids equal plain: {n['ids_equal_plain']}", flush=True)
-        # Last: a capture that fails would leave nothing else unmeasured.
-        if "graphs" in args.sections and "verify" in args.sections and args.device.startswith("cuda"):
-            if left() > 15:
-                print(f"--- {label}: verify steps as single CUDA graphs", flush=True)
-                try:
-                    entry["verify_graphs"] = bench_verify(graph_runner_executor, args, graphs=True)
-                except Exception as error:  # noqa: BLE001  (a capture failure must not lose the rest)
-                    entry["verify_graphs_error"] = f"{type(error).__name__}: {error}"
-                entry["verify_rows"] = verify_table_rows(entry["verify"], entry.get("verify_graphs"))
-            else:
-                entry["verify_graphs_error"] = "skipped: time budget"
-            save()
     finally:
         if executor is not None:
             executor.shutdown()
-        executor = graph_runner_executor = None
+        executor = None
         free_memory(args.device)
         # From whatever was measured, also when a later section failed.
         entry["projections"] = projections(entry, args)
         entry["goals"] = goals(entry, args)
         save()
+
+
+def plain_seconds(entry: dict) -> float:
+    """Seconds one plain run of --output-len tokens took in section 2 (0 when it did not run)."""
+    plain = (entry.get("external") or {}).get("plain") or {}
+    return plain["tokens"] / plain["decode_tok_s"] if plain.get("decode_tok_s") else 0.0
 
 
 def goals(entry: dict, args) -> dict:
