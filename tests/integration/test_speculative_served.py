@@ -2,10 +2,12 @@
 
 The repository is non-decoupled, as e2e_grpc_speculative_decoding_client.py needs (unary calls
 with the prompt in output_ids), and serves three `tensorrt_llm` models on the same engine: the
-target `tensorrt_llm`, a draft `tensorrt_llm_draft` (the BLS's tensorrt_llm_draft_model_name) and
-`tensorrt_llm_ngram` (decoding_mode ngram). Greedy decoding must give plain decoding's ids
-whatever the drafts: right ones (the draft is the target's own engine, so everything is accepted),
-deliberately wrong ones sent straight to the target, and n-gram lookups. The engine-level proofs
+target `tensorrt_llm`; `tensorrt_llm_draft`, the BLS's tensorrt_llm_draft_model_name, which itself
+runs with decoding_mode ngram (one model for two roles: n-gram drafting keeps its greedy ids, so it
+drafts what plain decoding would); and `tensorrt_llm_draft_target` (decoding_mode draft_target,
+the same engine as its own draft model). Greedy decoding must give plain decoding's ids whatever
+the drafts: right ones (the draft is the target's own engine, so everything is accepted),
+deliberately wrong ones sent straight to the target, n-gram lookups and draft-model drafts. The engine-level proofs
 (20 prompts, sampling laws) are tests/executor/test_speculative*.py's.
 """
 import os
@@ -26,7 +28,8 @@ from triton_helpers import Server, chat, free_port, load_script, wait_for
 
 pytestmark = pytest.mark.integration
 
-DRAFT, NGRAM = "tensorrt_llm_draft", "tensorrt_llm_ngram"
+DRAFT = NGRAM = "tensorrt_llm_draft"
+DRAFT_TARGET = "tensorrt_llm_draft_target"
 END_ID = 2  # SmolLM2's <|im_end|>
 REFERENCE_CLIENTS = os.environ.get("TRITONLLM_REFERENCE_CLIENTS")  # tensorrtllm_backend's inflight_batcher_llm/client
 
@@ -41,19 +44,20 @@ def _copy_model(repo: Path, source: str, name: str, config_text: str) -> None:
 @contextmanager
 def speculative_server(engine_dir: str, work: Path):
     """The five-model repository (non-decoupled, the BLS naming the draft model) plus the draft
-    and n-gram copies of tensorrt_llm, served on free ports."""
+    (decoding_mode ngram) and draft_target copies of tensorrt_llm, served on free ports."""
     serve = load_script("serve_default")
     launcher = load_script("launch_triton_server")
     repo = Path(serve.prepare_model_repo(engine_dir, str(work / "repo"), decoupled=False, bls_instances=2,
                                          overrides={"tensorrt_llm_bls": {"tensorrt_llm_draft_model_name": DRAFT}}))
-    _copy_model(repo, "tensorrt_llm", DRAFT, (repo / "tensorrt_llm" / "config.pbtxt").read_text())
-    # the n-gram model: the template filled like tensorrt_llm's, with decoding_mode ngram
+    # the copies: the template filled like tensorrt_llm's, with their decoding modes
     fill = serve._load_script("fill_template")
-    values = {**serve.default_substitutions(os.path.abspath(engine_dir), decoupled=False)["tensorrt_llm"],
-              "decoding_mode": "ngram", "max_draft_len": "4", "max_matching_ngram_size": "3"}
     template = serve.REPO_ROOT / "all_models" / "tensorrt_llm" / "config.pbtxt"
-    pairs = ",".join(f"{k}:{serve._escape(v)}" for k, v in values.items())
-    _copy_model(repo, "tensorrt_llm", NGRAM, fill.fill_template(template.read_text(), pairs, str(template)))
+    base = serve.default_substitutions(os.path.abspath(engine_dir), decoupled=False)["tensorrt_llm"]
+    for name, values in ((DRAFT, {"decoding_mode": "ngram", "max_draft_len": "4", "max_matching_ngram_size": "3"}),
+                         (DRAFT_TARGET, {"decoding_mode": "draft_target", "max_draft_len": "4",
+                                         "draft_engine_dir": os.path.abspath(engine_dir)})):
+        pairs = ",".join(f"{k}:{serve._escape(v)}" for k, v in {**base, **values}.items())
+        _copy_model(repo, "tensorrt_llm", name, fill.fill_template(template.read_text(), pairs, str(template)))
     ports = [str(free_port()) for _ in range(3)]
     args = launcher.parse_arguments([f"--model_repo={repo}", "--no-mpi", "--host=127.0.0.1", f"--http_port={ports[0]}",
                                      f"--grpc_port={ports[1]}", f"--metrics_port={ports[2]}", "--force",
@@ -193,12 +197,14 @@ def test_bls_speculative_refusals(server):
 def test_ngram_decoding_mode_keeps_the_greedy_ids(server, tokenizer):
     prompt = tokenizer.encode(chat("Repeat this sentence twice: the quick brown fox jumps over the lazy dog."))
     plain, _ = generate(server, prompt, 40)
+    families = ("tritonllm_speculative_draft_tokens_total", "tritonllm_speculative_accepted_draft_tokens_total")
+    before = [counter(server, family, NGRAM) for family in families]  # (the BLS tests drafted through it too)
     ids, perf = generate(server, prompt, 40, model=NGRAM)
     assert ids == plain
     assert perf["total_draft_tokens"] > 0 and perf["total_accepted_draft_tokens"] > 0, perf
-    assert wait_for(lambda: counter(server, "tritonllm_speculative_draft_tokens_total", NGRAM)
-                    >= perf["total_draft_tokens"], timeout=10)
-    assert counter(server, "tritonllm_speculative_accepted_draft_tokens_total", NGRAM) >= perf["total_accepted_draft_tokens"]
+    grown = (perf["total_draft_tokens"], perf["total_accepted_draft_tokens"])
+    assert wait_for(lambda: all(counter(server, family, NGRAM) >= start + by
+                                for family, start, by in zip(families, before, grown)), timeout=10)
 
 
 @pytest.mark.skipif(not REFERENCE_CLIENTS, reason="set TRITONLLM_REFERENCE_CLIENTS to the folder of "
@@ -215,3 +221,13 @@ def test_nvidias_speculative_decoding_client(server):
     assert run.returncode == 0, run.stdout + run.stderr
     assert "Received an error" not in run.stdout and "Final text" in run.stdout, run.stdout
     assert expected.strip() in run.stdout, (expected, run.stdout)
+
+
+def test_draft_target_decoding_mode_keeps_the_greedy_ids(server, tokenizer):
+    """decoding_mode draft_target with draft_model_path: the executor's own draft model (here the
+    target's engine, so it drafts the target's tokens) gives the plain ids, most drafts accepted."""
+    prompt = tokenizer.encode(chat("Write two sentences about the sea."))
+    plain, _ = generate(server, prompt, 24)
+    ids, perf = generate(server, prompt, 24, model=DRAFT_TARGET)
+    assert ids == plain
+    assert perf["total_draft_tokens"] >= 12 and perf["total_accepted_draft_tokens"] >= perf["total_draft_tokens"] - 4, perf
