@@ -231,3 +231,11 @@ def test_draft_target_decoding_mode_keeps_the_greedy_ids(server, tokenizer):
     ids, perf = generate(server, prompt, 24, model=DRAFT_TARGET)
     assert ids == plain
     assert perf["total_draft_tokens"] >= 12 and perf["total_accepted_draft_tokens"] >= perf["total_draft_tokens"] - 4, perf
+
+
+def test_a_bls_without_a_draft_model_refuses_num_draft_tokens(triton_server):
+    """The session's (decoupled) repository names no draft model: the reference's refusal."""
+    response = triton_server.generate("tensorrt_llm_bls", bls_body("Hi", num_draft_tokens=4))
+    assert response.status_code != 200 and "cannot perform speculative decoding without draft model" in response.text
+    response = triton_server.generate("tensorrt_llm_bls", bls_body("Hi", num_draft_tokens=0))  # 0: off
+    assert response.status_code == 200 and response.json()["text_output"]
