@@ -27,10 +27,14 @@ def test_tiny_run_measures_every_section_and_keeps_plain_ids(tmp_path, capsys):
         # Section 2: every (k, a) loop gives plain decoding's ids, one verify step per call.
         ext = entry["external"]
         assert ext["plain"]["decode_tok_s"] > 0 and ext["plain"]["repeat_identical"]
+        # The reference (one-token calls) is plain decoding's ids on the CPU, where steps round alike.
+        assert ext["reference_ids"] == ext["plain_ids"] and len(ext["plain_ids"]) == 12
+        assert ext["one_token_calls"]["ids_equal_plain"] and ext["one_token_calls"]["first_difference_from_plain"] is None
         loops = {(r["k"], r["accepted_drafts"]): r for r in ext["loops"]}
         assert set(loops) == {(4, a) for a in range(5)} | {(2, a) for a in range(3)}
         for (k, a), r in loops.items():
-            assert r["ids_equal_plain"] and not r["mismatches"] and r["output_ids"] == ext["plain_ids"]
+            assert r["ids_equal_plain"] and r["ids_equal_reference"] and r["output_ids"] == ext["plain_ids"]
+            assert not r["mismatches"] and not r["stopped_early"]
             assert r["tokens"] == 12 and r["tok_s"] > 0 and r["speedup"] == r["tok_s"] / ext["plain"]["decode_tok_s"]
             # Each call emits its accepted drafts and one token of the target's own, and no more.
             assert r["accepted_draft_tokens"] == r["tokens"] - r["calls"]
