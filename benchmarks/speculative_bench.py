@@ -160,10 +160,18 @@ def plain_run(executor, prompt: list[int], max_tokens: int) -> tuple[list[int], 
     return ids, (len(ids) - 1) / max(decode_seconds(result), 1e-9)
 
 
-def steps_between(executor, windows: list[tuple[int, int]]) -> list:
-    """The executor's iterations (IterationStats) that ended inside one of ``windows`` (ns)."""
-    history = executor.get_iteration_stats_history()
-    return [h for h in history if h.num_scheduled_requests and any(a <= h.timestamp_ns <= b for a, b in windows)]
+def steps_since(executor, since_ns: int) -> list:
+    """The executor's iterations (IterationStats) with work since ``since_ns``. Only this script's
+    requests run, one at a time; a step's stats are recorded just after its responses go out, so
+    this first waits for the history to stop growing (the last step's record may trail its response)."""
+    history, deadline = executor.get_iteration_stats_history(), time.monotonic() + 0.5
+    while time.monotonic() < deadline:
+        time.sleep(0.02)
+        newer = executor.get_iteration_stats_history()
+        if (newer[-1].iter if newer else 0) == (history[-1].iter if history else 0):
+            break
+        history = newer
+    return [h for h in history if h.num_scheduled_requests and h.timestamp_ns >= since_ns]
 
 
 def median_or_none(values):
@@ -328,9 +336,9 @@ def draft_loop(executor, prompt: list[int], truth: list[int], k: int, a: int, vo
 
     n = len(truth)
     truth = list(truth)
-    out, windows, call_ms, mismatches = [], [], [], []
+    out, call_ms, mismatches = [], [], []
     drafted = accepted = 0
-    elapsed = 0.0
+    elapsed, since_ns = 0.0, time.time_ns()
     while len(out) < n:
         pos = len(out)
         kk = min(k, n - pos - 1)  # the last calls: no drafts past the tokens wanted
@@ -341,11 +349,10 @@ def draft_loop(executor, prompt: list[int], truth: list[int], k: int, a: int, vo
         # the step emits) ends the call after its verify step instead of k - a plain steps more.
         request = greedy_request(prompt + out, kk + 1, stop_words=[expected] if aa < kk else None,
                                  external_draft=ExternalDraftTokens(drafts) if kk else None)
-        started_ns, started = time.time_ns(), time.perf_counter()
+        started = time.perf_counter()
         result = run_one(executor, request)
-        elapsed += time.perf_counter() - started
-        windows.append((started_ns, time.time_ns()))
-        call_ms.append(windows[-1][1] / 1e6 - started_ns / 1e6)
+        call_ms.append((time.perf_counter() - started) * 1e3)
+        elapsed += call_ms[-1] / 1e3
         got = list(result.output_token_ids[0])
         drafted += result.perf.total_draft_tokens
         accepted += result.perf.total_accepted_draft_tokens
@@ -358,9 +365,9 @@ def draft_loop(executor, prompt: list[int], truth: list[int], k: int, a: int, vo
             if len(out) < n:
                 rest, _ = one_token_calls(executor, prompt + out, n - len(out))
                 truth = out + rest
-    steps = steps_between(executor, windows)
-    return {"k": k, "accepted_drafts": a, "acceptance_length": a + 1, "tokens": len(out), "calls": len(windows),
-            "measured_acceptance_length": len(out) / len(windows), "seconds": elapsed, "tok_s": len(out) / elapsed,
+    steps = steps_since(executor, since_ns)  # (the steps of replans, if any, among them)
+    return {"k": k, "accepted_drafts": a, "acceptance_length": a + 1, "tokens": len(out), "calls": len(call_ms),
+            "measured_acceptance_length": len(out) / len(call_ms), "seconds": elapsed, "tok_s": len(out) / elapsed,
             "draft_tokens": drafted, "accepted_draft_tokens": accepted, "mismatches": mismatches,
             "stopped_early": len(out) < n, "output_ids": out, "call_ms_median": statistics.median(call_ms),
             "step_ms_median": median_or_none([h.iter_latency_ms for h in steps]), "steps": len(steps)}
@@ -449,17 +456,15 @@ def repetitive_prompts(count: int, length: int, vocab: int) -> list[list[int]]:
 
 def run_prompt_set(executor, prompts: list[list[int]], max_tokens: int) -> dict:
     """One request at a time (batch 1) -> ids, decode tokens/s, acceptance, step times by kind."""
-    ids, decode_s, generated, drafted, accepted, windows = [], 0.0, 0, 0, 0, []
+    ids, decode_s, generated, drafted, accepted, since_ns = [], 0.0, 0, 0, 0, time.time_ns()
     for prompt in prompts:
-        started_ns = time.time_ns()
         result = run_one(executor, greedy_request(prompt, max_tokens))
-        windows.append((started_ns, time.time_ns()))
         ids.append(list(result.output_token_ids[0]))
         decode_s += decode_seconds(result)
         generated += len(ids[-1])
         drafted += result.perf.total_draft_tokens
         accepted += result.perf.total_accepted_draft_tokens
-    steps = [h for h in steps_between(executor, windows) if not h.num_context_requests]
+    steps = [h for h in steps_since(executor, since_ns) if not h.num_context_requests]
     decode_steps = generated - len(prompts) - accepted  # the first token of each comes from its prompt's step
     return {"prompts": len(prompts), "generated_tokens": generated, "draft_tokens": drafted,
             "accepted_draft_tokens": accepted, "acceptance_rate": accepted / max(1, drafted),
