@@ -68,3 +68,24 @@ def test_curve_interpolates_between_measured_acceptance_lengths():
              {"k": 2, "measured_acceptance_length": 2.0, "speedup": 9.0}]
     assert curve_at(loops, 4, 2.0) == 1.0
     assert curve_at(loops, 4, 3.5) is None
+
+
+def test_a_loop_whose_reference_is_wrong_records_it_and_goes_on_from_its_own_tokens():
+    """What a verify step rounding a near-tie the other way looks like (the GPU, random weights):
+    the loop notes the call, remakes its reference from its own tokens and still emits the
+    target's ids."""
+    from benchmarks.speculative_bench import draft_loop, one_token_calls, parse_args, start_executor
+
+    args = parse_args(["--tiny", "--context", "40", "--output-len", "20", "--batches", "1", "--ks", "4",
+                       "--loop-ks", "4"])
+    executor, _ = start_executor(args, "bf16")
+    try:
+        prompt = list(range(3, 43))
+        truth, _ = one_token_calls(executor, prompt, 20)
+        bad = list(truth)
+        bad[7] = (bad[7] + 5) % 512  # a "right" draft the target will not take
+        row = draft_loop(executor, prompt, bad, 4, 2, 512)
+        assert row["mismatches"] == [7] and not row["stopped_early"]
+        assert row["output_ids"] == truth and row["tokens"] == 20
+    finally:
+        executor.shutdown()
