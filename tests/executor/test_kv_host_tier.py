@@ -205,16 +205,21 @@ def test_runs_of_consecutive_ids():
 
 # ---- the copies ----------------------------------------------------------------------------------
 
+ON_CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                            reason="needs a CUDA device")])
+
+
+@pytest.mark.parametrize("device", ["cpu", ON_CUDA])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, KV_FP8_DTYPE])
-def test_pool_copies_are_bit_exact_for_every_kv_dtype(dtype):
+def test_pool_copies_are_bit_exact_for_every_kv_dtype(dtype, device):
     shape = (3, 2, 10, 4, 2, 8)  # (layers, K/V, blocks, tokens per block, kv heads, head dim)
-    device_pool = torch.randn(shape).to(dtype)
+    device_pool = torch.randn(shape).to(dtype).to(device)
     original = device_pool.clone()
     pool = HostKVPool(lambda: device_pool, num_slots=6)
     assert pool.block_bytes == 3 * 2 * 4 * 2 * 8 * device_pool.element_size()
-    assert pool.nbytes == 6 * pool.block_bytes and not pool.host.is_pinned()
+    assert pool.nbytes == 6 * pool.block_bytes and pool.host.is_pinned() == (device == "cuda")
     pool.copy_to_host([7, 2, 5], [4, 0, 1])
-    device_pool.view(pool.int_dtype).zero_()
+    device_pool.view(pool.int_dtype).zero_()  # queued after the copy on the same stream
     pool.copy_to_device([0, 4, 1], [9, 3, 6])  # back into other blocks
     same = device_pool.view(pool.int_dtype)
     want = original.view(pool.int_dtype)
@@ -223,16 +228,17 @@ def test_pool_copies_are_bit_exact_for_every_kv_dtype(dtype):
     assert not same[:, :, [0, 1, 2, 4, 5, 7, 8]].any()
 
 
-def tiny_runner(engine_dir: str, num_blocks: int) -> ModelRunner:
-    runner = ModelRunner(engine_dir)
+def tiny_runner(engine_dir: str, num_blocks: int, device: str = "cpu") -> ModelRunner:
+    runner = ModelRunner(engine_dir, device=device)
     runner.allocate_kv_cache(num_blocks)
     return runner
 
 
-def test_onboarded_blocks_give_the_same_logits(tiny_engine):
+@pytest.mark.parametrize("device", ["cpu", ON_CUDA])
+def test_onboarded_blocks_give_the_same_logits(tiny_engine, device):
     """Prefill 12 tokens into blocks 0-2, copy them to host, wipe the device pool, bring them back
     into blocks 5-7: a decode step over the onboarded blocks gives bit-identical logits."""
-    runner = tiny_runner(tiny_engine, num_blocks=8)
+    runner = tiny_runner(tiny_engine, num_blocks=8, device=device)
     size = runner.tokens_per_block
     ids = [(7 * i + 3) % 128 for i in range(12)]
     runner.forward(ForwardBatch(ids, list(range(12)), [12], [12], [[0, 1, 2]], [11]))
