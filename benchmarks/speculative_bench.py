@@ -483,21 +483,21 @@ def run_prompt_set(executor, prompts: list[list[int]], max_tokens: int) -> dict:
             "plain_steps": sum(1 for h in steps if h.num_gen_tokens == 1)}
 
 
-def projections(entry: dict, args) -> list[dict]:
+def projections(entry: dict, acceptance: dict[str, float], ngram_k: int) -> list[dict]:
     """Projected batch-1 speed-ups at the real-weight acceptance lengths (module docstring, section 3)."""
     ngram, plain = entry.get("ngram"), (entry.get("ngram_plain") or {})
     verify = {(r["batch"], r["k"]): r for r in entry.get("verify_rows", [])}
     loops = (entry.get("external") or {}).get("loops", [])
     rows = []
-    for name, length in args.acceptance.items():
-        row = {"set": name, "acceptance_length": length, "k": args.ngram_k}
+    for name, length in acceptance.items():
+        row = {"set": name, "acceptance_length": length, "k": ngram_k}
         if ngram and ngram.get("drafted_step_ms") and plain.get("decode_tok_s"):
             row["ngram_tok_s"] = length * 1e3 / ngram["drafted_step_ms"]
             row["ngram_speedup"] = row["ngram_tok_s"] / plain["decode_tok_s"]
-        v = verify.get((1, args.ngram_k))
+        v = verify.get((1, ngram_k))
         if v:
             row["verify_cost_speedup"] = length / v["ratio"]
-        row["client_loop_speedup"] = curve_at(loops, args.ngram_k, length)
+        row["client_loop_speedup"] = curve_at(loops, ngram_k, length)
         rows.append(row)
     return rows
 
@@ -581,8 +581,8 @@ def run_dtype(args, label: str, results: dict, save, t0: float) -> None:
         executor = None
         free_memory(args.device)
         # From whatever was measured, also when a later section failed.
-        entry["projections"] = projections(entry, args)
-        entry["goals"] = goals(entry, args)
+        entry["projections"] = projections(entry, args.acceptance, args.ngram_k)
+        entry["goals"] = goals(entry)
         save()
 
 
@@ -592,7 +592,7 @@ def plain_seconds(entry: dict) -> float:
     return plain["tokens"] / plain["decode_tok_s"] if plain.get("decode_tok_s") else 0.0
 
 
-def goals(entry: dict, args) -> dict:
+def goals(entry: dict) -> dict:
     out = {}
     v = next((r for r in entry.get("verify_rows", []) if r["batch"] == 1 and r["k"] == 4), None)
     if v:
@@ -786,6 +786,10 @@ def main(argv=None) -> dict:
             else:
                 results["dtypes"].update(part["dtypes"])
                 results["command"] += "; " + part["command"]
+        for entry in results["dtypes"].values():  # a run killed by its time limit never made these
+            if "projections" not in entry:
+                entry["projections"] = projections(entry, results["acceptance"], results["ngram_k"])
+                entry["goals"] = goals(entry)
         table = markdown(results)
         print(table)
         if args.markdown:
@@ -839,4 +843,9 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
+    import signal
+
+    # `timeout` ends a run with SIGTERM: raised as SystemExit, the dtype's finally block still adds
+    # the projections and goals to the JSON and shuts its executor down.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     main()
