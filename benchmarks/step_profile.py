@@ -1,0 +1,145 @@
+#!/usr/bin/env python3
+"""Kernel profile of one engine step: where a prefill step's or a long-context decode step's device
+time goes, by kernel family (GEMMs, attention, norms and rotary, the rest).
+
+    python benchmarks/step_profile.py --model llama8b --quantization fp8 --kv_cache_dtype fp8 \\
+        --prefill 4x2048 --decode 194x5250 [--out profile.json]
+
+``--prefill NxL``: one step of N fresh prompts of L tokens (chunked-context shapes: N * L tokens).
+``--decode BxC``: one decode step of B sequences with C tokens of context each, run eagerly (not
+from a CUDA graph, so the profiler sees each kernel; a graph replays the same kernels).
+Random weights of the named shape (benchmarks/engine_bench.py), made on the device. Each step runs
+twice to warm up, then once under torch.profiler; kernels are grouped by name patterns
+(``FAMILIES``), and the table gives each family's device time and share, with the step's wall time
+from CUDA events for comparison. This is what issue 32's "where the time went" names per shape.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from engine_bench import write_config_only_engine  # noqa: E402
+
+# First match wins; names are lower-cased kernel names as the profiler reports them.
+FAMILIES = [
+    ("attention", ("attention", "attn", "flash", "fmha", "paged", "decode_kernel", "prefill_kernel")),
+    ("gemm", ("gemm", "sm90_xmma", "cutlass", "scaled_mm", "matmul", "nvjet", "skinny", "linear", "gemv")),
+    ("quantize", ("quantize", "e4m3", "amax")),
+    ("norm+rotary+activation", ("rms", "norm", "rotary", "rope", "silu", "gelu", "act_and_mul")),
+    ("kv write", ("write_kv", "kv_cache", "reshape_and_cache")),
+]
+
+
+def family_of(name: str) -> str:
+    lowered = name.lower()
+    for family, patterns in FAMILIES:
+        if any(p in lowered for p in patterns):
+            return family
+    return "other"
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    count, length = text.lower().split("x")
+    return int(count), int(length)
+
+
+def step_batch(runner, batch_size: int, new_tokens: int, context: int):
+    """One step of ``batch_size`` sequences, each with ``new_tokens`` new tokens ending at ``context``."""
+    from engine.executor.runner import ForwardBatch
+
+    per_seq = -(-context // runner.tokens_per_block)
+    token_ids, positions, tables = [], [], []
+    for i in range(batch_size):
+        token_ids += [(7 * i + p) % 1000 for p in range(context - new_tokens, context)]
+        positions += range(context - new_tokens, context)
+        tables.append(list(range(i * per_seq, (i + 1) * per_seq)))
+    ends = [(i + 1) * new_tokens - 1 for i in range(batch_size)]
+    return ForwardBatch(token_ids, positions, [new_tokens] * batch_size, [context] * batch_size, tables, ends)
+
+
+def profile_step(runner, batch) -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(2):
+        runner.forward(batch)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start.record()
+        runner.forward(batch)
+        end.record()
+        torch.cuda.synchronize()
+    by_family: dict[str, float] = {}
+    top: dict[str, float] = {}
+    for event in prof.key_averages():
+        device_us = getattr(event, "self_device_time_total", None)
+        if device_us is None:
+            device_us = event.self_cuda_time_total
+        if device_us <= 0:
+            continue
+        family = family_of(event.key)
+        by_family[family] = by_family.get(family, 0.0) + device_us / 1000
+        top[event.key] = top.get(event.key, 0.0) + device_us / 1000
+    kernels_ms = sum(by_family.values())
+    return {"step_ms": start.elapsed_time(end), "kernels_ms": kernels_ms,
+            "families_ms": dict(sorted(by_family.items(), key=lambda kv: -kv[1])),
+            "top_kernels_ms": dict(sorted(top.items(), key=lambda kv: -kv[1])[:12])}
+
+
+def print_profile(title: str, result: dict) -> None:
+    print(f"\n{title}: step {result['step_ms']:.2f} ms (CUDA events), kernels {result['kernels_ms']:.2f} ms")
+    print("| family | ms | share |\n|---|---|---|")
+    for family, ms in result["families_ms"].items():
+        print(f"| {family} | {ms:.2f} | {ms / result['kernels_ms']:.0%} |")
+    print("top kernels:")
+    for name, ms in result["top_kernels_ms"].items():
+        print(f"  {ms:8.2f} ms  {name[:110]}")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama8b")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--quantization", default=None, help="e.g. fp8")
+    parser.add_argument("--kv_cache_dtype", default=None, help="fp8: an FP8 KV pool")
+    parser.add_argument("--prefill", action="append", default=[], help="NxL, repeatable")
+    parser.add_argument("--decode", action="append", default=[], help="BxC, repeatable")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from engine.executor.runner import ModelRunner
+
+    shapes = [("prefill", *parse_shape(s)) for s in args.prefill] + [("decode", *parse_shape(s)) for s in args.decode]
+    max_context = max(length for _, _, length in shapes)
+    max_tokens = max(count * length if kind == "prefill" else count for kind, count, length in shapes)
+    max_batch = max(count for _, count, _ in shapes)
+    engine_dir = write_config_only_engine(args.model, args.dtype, max(max_batch, 8), max_context + 64,
+                                          max(max_tokens, 8192), 32, quantization=args.quantization)
+    runner = ModelRunner(engine_dir, device="cuda")
+    blocks = max(count * -(-length // runner.tokens_per_block) for _, count, length in shapes)
+    runner.allocate_kv_cache(blocks, args.kv_cache_dtype)
+    print(f"{torch.cuda.get_device_name()}, {args.model} {args.dtype} quantization={args.quantization} "
+          f"kv={args.kv_cache_dtype or args.dtype}, commit {os.environ.get('BENCH_COMMIT', '?')}")
+    results = {}
+    for kind, count, length in shapes:
+        new_tokens = length if kind == "prefill" else 1
+        result = profile_step(runner, step_batch(runner, count, new_tokens, length))
+        title = f"{kind} {count}x{length}"
+        print_profile(title, result)
+        results[title] = result
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=1)
+    return results
+
+
+if __name__ == "__main__":
+    main()
