@@ -142,7 +142,13 @@ def cached_engine_dir(checkpoint: str, build_args: list[str]) -> Path:
 def ensure_checkpoint_engine(checkpoint: str, build_args: list[str]) -> Path:
     """The cached engine of ``checkpoint`` and ``build_args`` (cached_engine_dir), built with
     ``python -m engine.build`` when it is missing. The build writes into a temporary directory that
-    is renamed into place once complete, so an interrupted build is never taken for an engine."""
+    is renamed into place once complete, so an interrupted build is never taken for an engine.
+
+    Several processes may ask for the same entry at once (the launcher and its server, model
+    instances loading in parallel): an exclusive lock on ``<entry>.lock`` beside it lets one build
+    while the others wait, then find the entry and reuse it."""
+    import fcntl
+
     if not Path(checkpoint).exists():
         sys.exit(f"serve_default: checkpoint {checkpoint} does not exist (a Hugging Face directory or a .gguf file)")
     engine = cached_engine_dir(checkpoint, build_args)
@@ -150,17 +156,25 @@ def ensure_checkpoint_engine(checkpoint: str, build_args: list[str]) -> Path:
         print(f"serve_default: reusing the cached engine {engine}", flush=True)
         return engine
     engine.parent.mkdir(parents=True, exist_ok=True)
-    partial = engine.with_name(engine.name + f".partial-{os.getpid()}")
-    print(f"serve_default: building {checkpoint} into {engine} ...", flush=True)
-    build = subprocess.run([sys.executable, "-m", "engine.build", "--checkpoint", str(checkpoint), "--output",
-                            str(partial), *build_args], cwd=REPO_ROOT)
-    if build.returncode != 0:
-        shutil.rmtree(partial, ignore_errors=True)
-        sys.exit(f"serve_default: building {checkpoint} failed (see above)")
-    if (engine / "config.json").exists():  # another start built it meanwhile
-        shutil.rmtree(partial, ignore_errors=True)
-    else:
-        shutil.rmtree(engine, ignore_errors=True)
+    # The lock file stays: removing it would let a process that opened it before the removal hold
+    # a lock on a file no newcomer sees. The kernel drops the lock when its holder dies.
+    with open(engine.with_name(engine.name + ".lock"), "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"serve_default: waiting for another process building {engine} ...", flush=True)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if (engine / "config.json").exists():  # built by the process we waited for
+            print(f"serve_default: reusing the cached engine {engine}", flush=True)
+            return engine
+        partial = engine.with_name(engine.name + f".partial-{os.getpid()}")
+        print(f"serve_default: building {checkpoint} into {engine} ...", flush=True)
+        build = subprocess.run([sys.executable, "-m", "engine.build", "--checkpoint", str(checkpoint), "--output",
+                                str(partial), *build_args], cwd=REPO_ROOT)
+        if build.returncode != 0:
+            shutil.rmtree(partial, ignore_errors=True)
+            sys.exit(f"serve_default: building {checkpoint} failed (see above)")
+        shutil.rmtree(engine, ignore_errors=True)  # a leftover without config.json
         partial.rename(engine)
     return engine
 
