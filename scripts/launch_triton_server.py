@@ -318,6 +318,32 @@ def engine_dir_from_repo(model_repo: str, model_name: str) -> str | None:
     return match.group(1)
 
 
+def engine_dir_from_llmapi(model_repo: str, model_name: str, world_size: int) -> str | None:
+    """For an LLM-API repository (all_models/llmapi: ``<model>/1/model.yaml`` names a checkpoint,
+    no gpt_model_path): check its tensor_parallel_size against ``world_size`` and build or reuse
+    the engine in the cache, so the worker ranks get its directory. The model on rank 0 then finds
+    the same cache entry. None when the model has no model.yaml."""
+    path = Path(model_repo) / model_name / "1" / os.environ.get("LLM_CONFIG_PATH", "model.yaml")
+    if not path.is_file():
+        return None
+    import importlib.util
+
+    import torch
+
+    from serving.llmapi_yaml import check_world_size, engine_dir_for, load_llmapi_config
+
+    spec = importlib.util.spec_from_file_location("serve_default_for_launcher",
+                                                  REPO_ROOT / "scripts" / "serve_default.py")
+    serve_default = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serve_default)
+    try:
+        config = load_llmapi_config(str(path))
+        check_world_size(config, world_size)
+    except ValueError as error:
+        raise RuntimeError(f"{path}: {error}") from None
+    return engine_dir_for(config, torch.cuda.is_available(), serve_default)
+
+
 def check_engine_world_size(engine_dir: str, world_size: int) -> None:
     """The engine must have been sharded for exactly ``world_size`` ranks (tp_size x pp_size)."""
     config_path = Path(engine_dir) / "config.json"
@@ -377,6 +403,8 @@ def prepare_leader_mode(args: argparse.Namespace, env: dict[str, str]) -> None:
     """Resolve the engine dir, check its tp_size, and put the rendezvous address into ``env``."""
     names = args.tensorrt_llm_model_name.split(",")
     args.engine_dir = args.engine_dir or engine_dir_from_repo(args.model_repo, names[0])
+    if not args.engine_dir and args.world_size > 1:
+        args.engine_dir = engine_dir_from_llmapi(args.model_repo, names[0], args.world_size)
     if args.engine_dir:
         args.engine_dir = os.path.abspath(args.engine_dir)  # the workers may start in another directory
         check_engine_world_size(args.engine_dir, args.world_size)

@@ -45,6 +45,7 @@ class LlmapiConfig:
     kv_cache_dtype: str | None = None
     decoupled: bool = True
     triton_max_batch_size: int = 0
+    tensor_parallel_size: int = 1  # ranks of the launcher's leader-mode job (--world_size)
     parameters: dict[str, str] = field(default_factory=dict)  # tensorrt_llm model parameters
 
 
@@ -114,11 +115,8 @@ def parse_llmapi_config(data: Any, base_dir: str | None = None) -> LlmapiConfig:
         config.parameters["tokenizer_dir"] = tokenizer
     if "backend" in data:
         _choice(data["backend"], "backend", BACKENDS)
-    tp = _int(data.get("tensor_parallel_size", 1), "tensor_parallel_size", 1)
-    if tp != 1:
-        raise _fail("tensor_parallel_size", f"{tp} is not supported by the LLM-API model here; allowed: 1 (for "
-                                            "tensor parallelism serve the five-model repository with "
-                                            "scripts/launch_triton_server.py --world_size N)")
+    # N > 1 runs in leader mode: the launcher's --world_size N starts the ranks (check_world_size)
+    config.tensor_parallel_size = _int(data.get("tensor_parallel_size", 1), "tensor_parallel_size", 1)
     pp = _int(data.get("pipeline_parallel_size", 1), "pipeline_parallel_size", 1)
     if pp != 1:
         raise _fail("pipeline_parallel_size", f"{pp} is not supported: this backend has no pipeline "
@@ -255,14 +253,42 @@ def build_options(config: LlmapiConfig, has_gpu: bool) -> dict[str, Any]:
     bfloat16 with a GPU, float32 without), and engine.build flags beyond them."""
     dtype = None if config.dtype == "auto" else config.dtype
     options = {"dtype": dtype or ("bfloat16" if has_gpu else "float32"), "max_batch_size": config.max_batch_size,
-               "tp": 1, "max_seq_len": config.max_seq_len, "quantization": config.quantization,
-               "kv_cache_dtype": config.kv_cache_dtype}
+               "tp": config.tensor_parallel_size, "max_seq_len": config.max_seq_len,
+               "quantization": config.quantization, "kv_cache_dtype": config.kv_cache_dtype}
     extra = []
     for name in ("max_input_len", "max_num_tokens"):
         if getattr(config, name) is not None:
             extra += [f"--{name}", str(getattr(config, name))]
     options["extra"] = extra
     return options
+
+
+def check_world_size(config: LlmapiConfig, world_size: int) -> None:
+    """tensor_parallel_size against the ranks this server was started with (MPI's world size;
+    1 without MPI). Checked before anything is built: a mismatch would build an engine no rank
+    of this job can load."""
+    if config.tensor_parallel_size != world_size:
+        raise _fail("tensor_parallel_size", f"{config.tensor_parallel_size}, but the server runs with world size "
+                                            f"{world_size}; start it with scripts/launch_triton_server.py "
+                                            f"--world_size {config.tensor_parallel_size} (one rank per GPU), "
+                                            f"or set tensor_parallel_size: {world_size}")
+
+
+def engine_dir_for(config: LlmapiConfig, has_gpu: bool, serve_default) -> str:
+    """The engine of model.yaml's `model`: an engine directory as it is, else the checkpoint's
+    engine in scripts/serve_default.py's cache (`serve_default`, that module: built now when
+    missing, once however many processes ask at once). RuntimeError naming `model` on failure."""
+    import argparse
+
+    if is_engine_dir(config.model):
+        return config.model
+    options = build_options(config, has_gpu)
+    extra = options.pop("extra")
+    build_args = serve_default.checkpoint_build_args(argparse.Namespace(**options)) + extra
+    try:
+        return str(serve_default.ensure_checkpoint_engine(config.model, build_args))
+    except SystemExit as error:  # the script's way of failing
+        raise RuntimeError(f"model.yaml: model: {error.code}") from None
 
 
 def check_triton_config(config: LlmapiConfig, decoupled: bool, max_batch_size: int) -> None:

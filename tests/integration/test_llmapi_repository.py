@@ -5,6 +5,7 @@ metrics, generate_stream), stop strings cut the text, unsupported inputs are ref
 a bad model.yaml value fails the load naming the key."""
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import shutil
@@ -31,12 +32,16 @@ def model_yaml(model: str, extra: str = "") -> str:
 
 
 @contextmanager
-def llmapi_server(work: Path, yaml_text: str, expect_ready: bool = True):
-    """Serve a copy of all_models/llmapi with `yaml_text` as model.yaml; yields (Server, process)."""
+def llmapi_server(work: Path, yaml_text: str, expect_ready: bool = True, edit_config=None):
+    """Serve a copy of all_models/llmapi with `yaml_text` as model.yaml (and config.pbtxt passed
+    through `edit_config`, a text -> text function, when given); yields (Server, process)."""
     serve, launcher = load_script("serve_default"), load_script("launch_triton_server")
     repo = work / "repo"
     shutil.copytree(ROOT / "all_models" / "llmapi", repo, ignore=shutil.ignore_patterns("__pycache__"))
     (repo / "tensorrt_llm" / "1" / "model.yaml").write_text(yaml_text)
+    if edit_config is not None:
+        config = repo / "tensorrt_llm" / "config.pbtxt"
+        config.write_text(edit_config(config.read_text()))
     ports = [str(free_port()) for _ in range(3)]
     args = launcher.parse_arguments([f"--model_repo={repo}", "--no-mpi", "--host=127.0.0.1", "--force",
                                      f"--http_port={ports[0]}", f"--grpc_port={ports[1]}",
@@ -205,13 +210,52 @@ def test_unsupported_inputs_are_refused_by_name(llmapi, extra, named):
     assert named in response.json()["error"]
 
 
-def test_a_bad_model_yaml_value_fails_the_load_naming_the_key(smollm2_gguf, engine_cache, tmp_path):
-    """(triton_config differing from config.pbtxt fails the same way: tests/serving/test_llmapi.py)"""
-    yaml_text = model_yaml(smollm2_gguf).replace("tensor_parallel_size: 1", "tensor_parallel_size: 2")
-    with llmapi_server(tmp_path, yaml_text, expect_ready=False) as (server, process):
+def failed_load_log(work: Path, yaml_text: str, edit_config=None) -> str:
+    with llmapi_server(work, yaml_text, expect_ready=False, edit_config=edit_config) as (server, process):
         try:
             process.wait(timeout=60)  # a model that fails to load at start ends tritonserver
         except subprocess.TimeoutExpired:
             pass
+        return server.log()
+
+
+def test_a_bad_model_yaml_value_fails_the_load_naming_the_key(smollm2_gguf, engine_cache, tmp_path):
+    """(triton_config differing from config.pbtxt fails the same way: tests/serving/test_llmapi.py)
+    Here tensor_parallel_size 2 on a server started without --world_size 2: refused before any build."""
+    yaml_text = model_yaml(smollm2_gguf).replace("tensor_parallel_size: 1", "tensor_parallel_size: 2")
+    log = failed_load_log(tmp_path, yaml_text)
+    assert "model.yaml: tensor_parallel_size: 2, but the server runs with world size 1" in log, log[-3000:]
+    assert "scripts/launch_triton_server.py --world_size 2" in log
+
+
+def instances(count: int, gpu_device_ids: str | None = None):
+    """config.pbtxt with `count` instances (and gpu_device_ids when given)."""
+    def edit(text: str) -> str:
+        group = "instance_group [\n  {\n    count: "
+        assert group + "1\n" in text
+        text = text.replace(group + "1\n", f"{group}{count}\n", 1)
+        if gpu_device_ids is not None:
+            text += f'parameters: {{ key: "gpu_device_ids" value: {{ string_value: "{gpu_device_ids}" }} }}\n'
+        return text
+    return edit
+
+
+def test_two_instances_without_gpu_device_ids_share_one_engine_and_answer(smollm2_gguf, engine_cache, tmp_path):
+    """Triton names them tensorrt_llm_0_0 and tensorrt_llm_0_1 (the names gpu_device_ids is
+    matched by); without gpu_device_ids both relay one engine's responses."""
+    with llmapi_server(tmp_path, model_yaml(smollm2_gguf), edit_config=instances(2)) as (server, _):
+        bodies = [{"text_input": PROMPT, "sampling_param_max_tokens": 12} for _ in range(4)]
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            responses = list(pool.map(lambda body: generate(server, body), bodies))
+        assert all(response.status_code == 200 for response in responses), [r.text for r in responses]
+        texts = {response.json()["text_output"] for response in responses}
+        assert len(texts) == 1 and "Paris" in texts.pop()
         log = server.log()
-    assert "model.yaml: tensor_parallel_size: 2 is not supported" in log and "allowed: 1" in log, log[-3000:]
+    for name in ("tensorrt_llm_0_0", "tensorrt_llm_0_1"):
+        assert f"tensorrt_llm (LLM-API) instance {name}: serving" in log, log[-3000:]
+    assert "on GPU(s)" not in log  # no gpu_device_ids: the shared engine
+
+
+def test_gpu_device_ids_that_do_not_place_every_instance_fail_the_load(smollm2_gguf, engine_cache, tmp_path):
+    log = failed_load_log(tmp_path, model_yaml(smollm2_gguf), edit_config=instances(2, "0;1;2"))
+    assert "gpu_device_ids: '0;1;2' places 3 instance(s), but instance_group has 2" in log, log[-3000:]

@@ -9,8 +9,8 @@ import pytest
 
 from serving.llmapi_params import (DEFAULT_MAX_TOKENS, ResponseState, TextStream, parse_request, perf_values,
                                    response_tensors)
-from serving.llmapi_yaml import (build_options, check_triton_config, executor_parameters, is_engine_dir,
-                                 load_llmapi_config, parse_llmapi_config)
+from serving.llmapi_yaml import (build_options, check_triton_config, check_world_size, engine_dir_for,
+                                 executor_parameters, is_engine_dir, load_llmapi_config, parse_llmapi_config)
 
 
 @pytest.fixture
@@ -56,7 +56,7 @@ def test_defaults_and_dtype_auto(checkpoint):
 
 
 @pytest.mark.parametrize("change, key, allowed", [
-    ({"tensor_parallel_size": 2}, "tensor_parallel_size", "allowed: 1"),
+    ({"tensor_parallel_size": 0}, "tensor_parallel_size", ">= 1"),
     ({"pipeline_parallel_size": 4}, "pipeline_parallel_size", "allowed: 1"),
     ({"max_num_tokenz": 4}, "max_num_tokenz", "allowed: model"),
     ({"dtype": "int8"}, "dtype", "allowed: auto, float32"),
@@ -97,6 +97,39 @@ def test_triton_config_must_match_what_triton_loaded(checkpoint):
     with pytest.raises(ValueError, match="triton_config.max_batch_size: 0 here"):
         check_triton_config(config, decoupled=False, max_batch_size=8)
     check_triton_config(config, decoupled=False, max_batch_size=0)
+
+
+def test_tensor_parallel_size_builds_with_tp_and_must_match_the_world_size(checkpoint):
+    config = parse_llmapi_config({"model": checkpoint, "tensor_parallel_size": 2})
+    assert build_options(config, has_gpu=True)["tp"] == 2
+    check_world_size(config, 2)
+    with pytest.raises(ValueError) as error:
+        check_world_size(config, 1)
+    message = str(error.value)
+    assert message.startswith("model.yaml: tensor_parallel_size: 2, but the server runs with world size 1")
+    assert "scripts/launch_triton_server.py --world_size 2" in message
+    with pytest.raises(ValueError, match="tensor_parallel_size: 1, but the server runs with world size 4"):
+        check_world_size(parse_llmapi_config({"model": checkpoint}), 4)
+
+
+def test_the_checkpoint_engine_is_built_with_tp_size(checkpoint):
+    """engine_dir_for hands serve_default the build arguments; --tp_size carries N."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "serve_default_for_llmapi_tests", Path(__file__).resolve().parents[2] / "scripts" / "serve_default.py")
+    serve = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serve)
+    asked = []
+    serve.ensure_checkpoint_engine = lambda model, build_args: asked.append((model, build_args)) or "/cache/x"
+    config = parse_llmapi_config({"model": checkpoint, "tensor_parallel_size": 2, "max_num_tokens": 512})
+    assert engine_dir_for(config, False, serve) == "/cache/x"
+    (model, build_args), = asked
+    assert model == checkpoint
+    assert build_args[build_args.index("--tp_size") + 1] == "2"
+    assert build_args[build_args.index("--dtype") + 1] == "float32"
+    assert build_args[-2:] == ["--max_num_tokens", "512"]
 
 
 def test_engine_directories_are_told_from_checkpoints(tmp_path):

@@ -5,8 +5,10 @@ this project's engine.
 Glue only. It is the five-model repository's `tensorrt_llm` model (all_models/tensorrt_llm/1/model.py,
 loaded from the source tree and subclassed: one executor or engine process, response forwarding,
 cancellation, stop requests, stats, graceful shutdown, restart after an engine death) with three
-changes: `initialize` reads model.yaml (serving/llmapi_yaml.py) and builds or reuses the
-checkpoint's engine (scripts/serve_default.py's engine cache) before the usual start; `execute`
+changes: `initialize` reads model.yaml (serving/llmapi_yaml.py), checks tensor_parallel_size
+against the launcher's world size, and builds or reuses the checkpoint's engine
+(scripts/serve_default.py's engine cache) before the usual start, this instance on its own GPU(s)
+when config.pbtxt sets gpu_device_ids (serving/llmapi_instances.py); `execute`
 tokenizes the prompt and reads the LLM-API inputs (serving/llmapi_params.py parse_request); and
 each response's token ids become text, incrementally for streams, cut at `sampling_param_stop`
 strings (serving/llmapi_params.py response_tensors).
@@ -15,9 +17,13 @@ Refused per request, naming the input: `image_url` (no multimodal input), `sampl
 > 1 (no best-of or beam search), `lora_ckpt_source` other than "hf". LoRA (`lora_id`, `lora_name`,
 `lora_path`, a PEFT directory) runs when model.yaml sets `enable_lora`; otherwise the engine
 answers such a request with an error saying LoRA is off. Refused at load, naming the key:
-`tensor_parallel_size` or `pipeline_parallel_size` > 1, unknown keys and bad values in model.yaml.
+`tensor_parallel_size` other than the world size, `pipeline_parallel_size` > 1, unknown keys and bad
+values in model.yaml, `gpu_device_ids` that do not place every instance.
+
+tensor_parallel_size N runs in leader mode (scripts/launch_triton_server.py --world_size N): this
+model is rank 0's, the leader; ranks 1..N-1 are engine workers started by the launcher on the same
+cached engine (it resolves model.yaml before starting them).
 """
-import argparse
 import dataclasses
 import importlib.util
 import json
@@ -31,8 +37,9 @@ if os.environ.get("TRITONLLM_ROOT"):  # a source checkout not installed into the
     sys.path.insert(0, os.environ["TRITONLLM_ROOT"])
 import serving  # noqa: E402
 from serving.llmapi_params import ResponseState, TextStream, parse_request, response_tensors  # noqa: E402
-from serving.llmapi_yaml import (build_options, check_triton_config, executor_parameters, is_engine_dir,  # noqa: E402
-                                 load_llmapi_config)
+from serving.llmapi_instances import instance_gpu_ids  # noqa: E402
+from serving.llmapi_yaml import (check_triton_config, check_world_size, engine_dir_for,  # noqa: E402
+                                 executor_parameters, load_llmapi_config)
 from serving.responses import only_requested, requested_outputs  # noqa: E402
 from serving.tokenization import fast_decoder, first_token_id, load_tokenizer  # noqa: E402
 
@@ -56,20 +63,11 @@ def _config_path():
 
 
 def _engine_dir(config):
-    """The engine of model.yaml's `model`: an engine directory as it is, else the checkpoint's
-    cached engine (built now when missing)."""
-    if is_engine_dir(config.model):
-        return config.model
+    """The engine of model.yaml's `model` (an engine directory, or the checkpoint's cached engine)."""
     import torch
 
-    serve = _load_source("serve_default", "scripts/serve_default.py")
-    options = build_options(config, torch.cuda.is_available())
-    extra = options.pop("extra")
-    build_args = serve.checkpoint_build_args(argparse.Namespace(**options)) + extra
-    try:
-        return str(serve.ensure_checkpoint_engine(config.model, build_args))
-    except SystemExit as error:  # the script's way of failing
-        raise RuntimeError(f"model.yaml: model: {error.code}") from None
+    serve_default = _load_source("serve_default", "scripts/serve_default.py")
+    return engine_dir_for(config, torch.cuda.is_available(), serve_default)
 
 
 class TritonPythonModel(base.TritonPythonModel):
@@ -90,13 +88,23 @@ class TritonPythonModel(base.TritonPythonModel):
 
     def initialize(self, args):
         from engine.config import EngineConfig
+        from engine.tensor_parallel.distributed import rank_info_from_env
 
         config = load_llmapi_config(_config_path())
         model_config = json.loads(args["model_config"])
         check_triton_config(config, pb_utils.using_decoupled_model_transaction_policy(model_config),
                             int(model_config.get("max_batch_size", 0) or 0))
+        check_world_size(config, rank_info_from_env().world_size)
+        gpu_ids = instance_gpu_ids(model_config, args["model_name"], args.get("model_instance_name", ""),
+                                   config.tensor_parallel_size)
         engine_dir = _engine_dir(config)
         parameters = model_config.setdefault("parameters", {})
+        parameters.pop("gpu_device_ids", None)  # ';' between instances here; the base reads one ',' list
+        if gpu_ids is not None:
+            parameters["gpu_device_ids"] = {"string_value": ",".join(map(str, gpu_ids))}
+            # This instance owns its engine: the base model, counting one instance, starts its own
+            # engine process instead of joining the other instances' shared one.
+            model_config["instance_group"] = [{"count": 1, "kind": "KIND_CPU"}]
         for name, value in executor_parameters(config, engine_dir).items():
             parameters[name] = {"string_value": value}
         super().initialize({**args, "model_config": json.dumps(model_config)})
@@ -119,7 +127,9 @@ class TritonPythonModel(base.TritonPythonModel):
             return forward(response)
 
         self.inflight.on_response = on_response
-        pb_utils.Logger.log_info(f"tensorrt_llm (LLM-API): serving {config.model} with engine {engine_dir}")
+        placement = f" on GPU(s) {','.join(map(str, gpu_ids))}" if gpu_ids is not None else ""
+        pb_utils.Logger.log_info(f"tensorrt_llm (LLM-API) instance {args.get('model_instance_name')}: serving "
+                                 f"{config.model} with engine {engine_dir}{placement}")
 
     def _convert(self, request, tensors):
         """The LLM-API inputs (text, sampling_param_*) -> the executor request, and the state that
