@@ -35,6 +35,8 @@ from kernels.lora import lora_batch
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 CPU_KV_BUDGET_BYTES = 256 * 1024 * 1024  # a CPU pool never grows past this on its own
 PREFILL_GRAPHS_ENV = "TRITONLLM_PREFILL_GRAPHS"  # 0: steps with prompt tokens run eagerly
+# Weight schemes whose mixed steps are checked graphed against eager (None: the model dtype).
+PREFILL_GRAPH_QUANTIZATIONS = (None, "fp8")
 
 
 @dataclass
@@ -271,10 +273,14 @@ class ModelRunner:
     def prefill_graphs_enabled(self) -> bool:
         """Steps with prompt tokens replay CUDA graphs (engine/executor/prefill_graphs.py) for the
         model families whose forward has been checked against its eager run that way (a class
-        attribute), on one GPU, with weights and KV pool in the model dtype (FP8 weights or an FP8
-        pool are not checked in such graphs yet), unless $TRITONLLM_PREFILL_GRAPHS is 0."""
+        attribute), on one GPU, with weights in the model dtype or FP8 and a KV pool in the model
+        dtype or FP8 (tests/engine/test_cuda_graphs.py checks each against eager; the integer
+        weight-only schemes are not checked in such graphs yet), unless $TRITONLLM_PREFILL_GRAPHS
+        is 0. Why FP8 matters here: speculative verify steps (k + 1 tokens a row) and chunked
+        prompts run through these graphs; eagerly, an FP8 8B verify step at batch 1 cost 4.7x a
+        graphed decode step on an H100 (benchmarks/RESULTS.md, issue 34)."""
         return (getattr(self.model, "supports_prefill_graphs", False) and self.build_config.tp_size == 1
-                and not self.build_config.quantization and self.kv_cache.dtype == self.dtype
+                and self.build_config.quantization in PREFILL_GRAPH_QUANTIZATIONS
                 and os.environ.get(PREFILL_GRAPHS_ENV, "1") != "0")
 
     def release_cuda_graphs(self) -> None:

@@ -25,9 +25,9 @@ TINY = dict(architecture="LlamaForCausalLM", vocab_size=1000, hidden_size=256, n
             num_kv_heads=2, head_dim=32, intermediate_size=512, max_position_embeddings=512)
 
 
-def config_only_engine(tmp_path, dtype: str, max_batch_size: int = 24) -> str:
+def config_only_engine(tmp_path, dtype: str, max_batch_size: int = 24, quantization: str | None = None) -> str:
     build = BuildConfig(dtype=dtype, max_batch_size=max_batch_size, max_input_len=128, max_seq_len=256,
-                        max_num_tokens=1024, tokens_per_block=16)
+                        max_num_tokens=1024, tokens_per_block=16, quantization=quantization)
     EngineConfig(model=ModelConfig(**TINY), build=build, extra={"random_weights_seed": 3}).validate().save(str(tmp_path))
     return str(tmp_path)
 
@@ -86,7 +86,10 @@ def test_graph_decode_matches_eager_decode(tmp_path, num_seqs):
         eager = runner.forward(batch)
         runner.decode_graphs = graphs
         err = ((graphed - eager).norm() / eager.norm()).item()
-        assert err < 2e-2, f"step {step}: relative error {err:.2e}"
+        # FP8 weights: a step's GEMMs take another path graphed (the bucket's padded row count goes
+        # to cuBLASLt with fast accumulation) than eagerly (few rows: the skinny Triton kernel), so
+        # the same W8A8 scheme accumulates in another order; 3e-2 seen on this tiny random model.
+        assert err < (5e-2 if quantization else 2e-2), f"step {step}: relative error {err:.2e}"
         same = (graphed.argmax(-1) == eager.argmax(-1)).float().mean().item()
         assert same >= 0.95, f"step {step}: only {same:.0%} of greedy tokens agree"
 
@@ -147,10 +150,11 @@ def prompt_chunk_batches(num_seqs: int, page: int):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("quantization,kv_cache_dtype", [(None, None), ("fp8", None), ("fp8", "fp8")])
 @pytest.mark.parametrize("num_seqs", [1, 5, 24])
-def test_graph_mixed_steps_match_eager(tmp_path, num_seqs):
-    runner = ModelRunner(config_only_engine(tmp_path, "bfloat16"), device="cuda")
-    runner.allocate_kv_cache(400)
+def test_graph_mixed_steps_match_eager(tmp_path, num_seqs, quantization, kv_cache_dtype):
+    runner = ModelRunner(config_only_engine(tmp_path, "bfloat16", quantization=quantization), device="cuda")
+    runner.allocate_kv_cache(400, kv_cache_dtype)
     runner.capture_cuda_graphs()
     runner.warmup()
     graphs = runner.prefill_graphs
@@ -165,7 +169,10 @@ def test_graph_mixed_steps_match_eager(tmp_path, num_seqs):
         runner.prefill_graphs = graphs
         assert graphed.shape == eager.shape == (len(batch.logits_indices), 1000)
         err = ((graphed - eager).norm() / eager.norm()).item()
-        assert err < 2e-2, f"step {step}: relative error {err:.2e}"
+        # FP8 weights: a step's GEMMs take another path graphed (the bucket's padded row count goes
+        # to cuBLASLt with fast accumulation) than eagerly (few rows: the skinny Triton kernel), so
+        # the same W8A8 scheme accumulates in another order; 3e-2 seen on this tiny random model.
+        assert err < (5e-2 if quantization else 2e-2), f"step {step}: relative error {err:.2e}"
         same = (graphed.argmax(-1) == eager.argmax(-1)).float().mean().item()
         assert same >= 0.95, f"step {step}: only {same:.0%} of greedy tokens agree"
 
