@@ -8,6 +8,8 @@ time goes, by kernel family (GEMMs, attention, norms and rotary, the rest).
 ``--prefill NxL``: one step of N fresh prompts of L tokens (chunked-context shapes: N * L tokens).
 ``--decode BxC``: one decode step of B sequences with C tokens of context each, run eagerly (not
 from a CUDA graph, so the profiler sees each kernel; a graph replays the same kernels).
+``--sweep_splits 1,2,4,8``: for each decode shape, the step's time (CUDA events, median of 5) with the
+decode attention's key splits forced to each count, beside the count the kernel chooses itself.
 Random weights of the named shape (benchmarks/engine_bench.py), made on the device. Each step runs
 twice to warm up, then once under torch.profiler; kernels are grouped by name patterns
 (``FAMILIES``), and the table gives each family's device time and share, with the step's wall time
@@ -92,6 +94,45 @@ def profile_step(runner, batch) -> dict:
             "top_kernels_ms": dict(sorted(top.items(), key=lambda kv: -kv[1])[:12])}
 
 
+def time_step_ms(runner, batch, repeats: int = 5) -> float:
+    import statistics
+
+    import torch
+
+    runner.forward(batch)
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        runner.forward(batch)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def sweep_splits(runner, batch, counts: list[int]) -> dict:
+    """Step time with the decode key splits forced to each count (None: the kernel's own choice)."""
+    import kernels.triton_attention as attention
+
+    chosen = attention._decode_num_splits
+    picked = []
+    results = {}
+    try:
+        def record_choice(*args):
+            picked.append(chosen(*args))
+            return picked[-1]
+        attention._decode_num_splits = record_choice
+        results["auto"] = time_step_ms(runner, batch)
+        results["auto_splits"] = picked[-1] if picked else None
+        for count in counts:
+            attention._decode_num_splits = lambda *args, count=count: count
+            results[count] = time_step_ms(runner, batch)
+    finally:
+        attention._decode_num_splits = chosen
+    return results
+
+
 def print_profile(title: str, result: dict) -> None:
     print(f"\n{title}: step {result['step_ms']:.2f} ms (CUDA events), kernels {result['kernels_ms']:.2f} ms")
     print("| family | ms | share |\n|---|---|---|")
@@ -110,6 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--kv_cache_dtype", default=None, help="fp8: an FP8 KV pool")
     parser.add_argument("--prefill", action="append", default=[], help="NxL, repeatable")
     parser.add_argument("--decode", action="append", default=[], help="BxC, repeatable")
+    parser.add_argument("--sweep_splits", default=None, help="comma list of decode key-split counts")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
@@ -134,6 +176,10 @@ def main(argv: list[str] | None = None) -> dict:
         result = profile_step(runner, step_batch(runner, count, new_tokens, length))
         title = f"{kind} {count}x{length}"
         print_profile(title, result)
+        if kind == "decode" and args.sweep_splits:
+            result["splits_ms"] = sweep_splits(runner, step_batch(runner, count, 1, length),
+                                               [int(c) for c in args.sweep_splits.split(",")])
+            print(f"{title} step ms by decode key splits: {result['splits_ms']}")
         results[title] = result
     if args.out:
         with open(args.out, "w") as f:
