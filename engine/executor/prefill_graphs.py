@@ -37,11 +37,14 @@ from kernels.lora import LoraBatchBuffers
 
 
 def token_buckets(max_num_tokens: int) -> list[int]:
-    """64, 128, 192, then eight steps per doubling from 256 (256, 288, ..., 480, 512, 576, ...): a
-    step pads at most an eighth of its tokens. Padding is paid in GPU time, which decides a large
-    model's big prefill steps (an 8B model's padding tokens cost as much as Python's launches);
-    the largest bucket is max_num_tokens."""
-    sizes, power = [64, 128, 192], 256
+    """16, 32, 64, 128, 192, then eight steps per doubling from 256 (256, 288, ..., 480, 512, 576,
+    ...): a step pads at most an eighth of its tokens. Padding is paid in GPU time, which decides a
+    large model's big prefill steps (an 8B model's padding tokens cost as much as Python's launches);
+    the largest bucket is max_num_tokens. The 16- and 32-token buckets are for speculative verify
+    steps (k + 1 tokens a drafted row): up to 16 rows the linear layers take the skinny decode
+    kernels, which at batch 1 read an FP8 8B model's weights in ~3.5 ms where the 64-row bucket's
+    cuBLASLt GEMMs took ~5.6 (H100, benchmarks/RESULTS.md "Speculative decoding")."""
+    sizes, power = [16, 32, 64, 128, 192], 256
     while power < max_num_tokens:
         sizes += [power + i * power // 8 for i in range(8)]
         power *= 2
