@@ -20,11 +20,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import requests
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
-from triton_helpers import Server, chat, free_port, load_script, wait_for
+from triton_helpers import chat, load_script, serving_repository, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -46,7 +45,6 @@ def speculative_server(engine_dir: str, work: Path):
     """The five-model repository (non-decoupled, the BLS naming the draft model) plus the draft
     (decoding_mode ngram) and draft_target copies of tensorrt_llm, served on free ports."""
     serve = load_script("serve_default")
-    launcher = load_script("launch_triton_server")
     repo = Path(serve.prepare_model_repo(engine_dir, str(work / "repo"), decoupled=False, bls_instances=2,
                                          overrides={"tensorrt_llm_bls": {"tensorrt_llm_draft_model_name": DRAFT}}))
     # the copies: the template filled like tensorrt_llm's, with their decoding modes
@@ -58,25 +56,8 @@ def speculative_server(engine_dir: str, work: Path):
                                          "draft_engine_dir": os.path.abspath(engine_dir)})):
         pairs = ",".join(f"{k}:{serve._escape(v)}" for k, v in {**base, **values}.items())
         _copy_model(repo, "tensorrt_llm", name, fill.fill_template(template.read_text(), pairs, str(template)))
-    ports = [str(free_port()) for _ in range(3)]
-    args = launcher.parse_arguments([f"--model_repo={repo}", "--no-mpi", "--host=127.0.0.1", f"--http_port={ports[0]}",
-                                     f"--grpc_port={ports[1]}", f"--metrics_port={ports[2]}", "--force",
-                                     f"--cache_dir={work / 'cache'}"])
-    log_path = work / "server.log"
-    with open(log_path, "w") as log:
-        process = launcher.launch(args, stdout=log, stderr=log)
-    try:
-        if not serve.wait_until_ready(process, ports[0], timeout=300):
-            pytest.fail(f"tritonserver did not become ready:\n{log_path.read_text()[-5000:]}")
-        yield Server(http=f"http://127.0.0.1:{ports[0]}", grpc_url=f"127.0.0.1:{ports[1]}",
-                     metrics=f"http://127.0.0.1:{ports[2]}", log_path=log_path, pid=process.pid)
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except Exception:
-            process.kill()
-            process.wait()
+    with serving_repository(repo, work) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")

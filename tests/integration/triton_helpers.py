@@ -60,7 +60,6 @@ def running_server(engine_dir: str, work: Path, decoupled: bool = True, mpi: boo
     as `make serve` runs it. `tensorrt_llm_instances`: its instance_group count (they share one
     engine process). `tensorrt_llm_parameters`: template values of that model to override."""
     serve = load_script("serve_default")
-    launcher = load_script("launch_triton_server")
     repo = serve.prepare_model_repo(engine_dir, str(work / "repo"), bls_instances=2, decoupled=decoupled,
                                     overrides={"tensorrt_llm": dict(tensorrt_llm_parameters or {})})
     if tensorrt_llm_instances != 1:
@@ -69,6 +68,15 @@ def running_server(engine_dir: str, work: Path, decoupled: bool = True, mpi: boo
                                  rf"\g<1>{tensorrt_llm_instances}", config.read_text())
         assert replaced == 1, "no instance_group count in the tensorrt_llm template"
         config.write_text(text)
+    with serving_repository(repo, work, mpi=mpi) as server:
+        yield server
+
+
+@contextmanager
+def serving_repository(repo: str | Path, work: Path, mpi: bool = False):
+    """Serve an already filled repository on free ports through the launcher, yield a Server, stop it."""
+    serve = load_script("serve_default")
+    launcher = load_script("launch_triton_server")
     ports = [str(free_port()) for _ in range(3)]
     args = launcher.parse_arguments([f"--model_repo={repo}", *([] if mpi else ["--no-mpi"]), "--host=127.0.0.1",
                                      f"--http_port={ports[0]}", f"--grpc_port={ports[1]}",
