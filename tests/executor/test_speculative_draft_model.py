@@ -358,11 +358,14 @@ def smollm2_prompts(smollm2_engine_dir) -> list[list[int]]:
 
 @pytest.mark.slow
 def test_smollm2_as_its_own_draft_keeps_every_draft_and_the_plain_ids(smollm2_engine_dir, smollm2_prompts):
-    """The 20 prompts, greedy: ids identical to plain decoding, acceptance 1.0 (the draft is the
-    target; its argmax after the same tokens is the target's), and both pools empty at the end."""
+    """Four prompts of each set, greedy: ids identical to plain decoding, acceptance 1.0 (the draft
+    is the target; its argmax after the same tokens is the target's), and both pools empty at the
+    end. (All 20 prompts go through the n-gram and external-draft tests of test_speculative_executor;
+    eight keep this one under 15 s on CI's two cores.)"""
     config = dict(exclude_input_from_output=True, max_tokens_in_paged_kv_cache=8192)
+    prompts = smollm2_prompts[:4] + smollm2_prompts[-4:]  # summaries, then code edits
     requests = [Request(p, SMOLLM2_MAX_TOKENS, streaming=i % 3 == 0, output=OutputConfig(return_perf_metrics=True))
-                for i, p in enumerate(smollm2_prompts)]
+                for i, p in enumerate(prompts)]
     with Executor(smollm2_engine_dir, ExecutorConfig(**config)) as executor:
         reference = [final_tokens(r) for r in run(executor, requests)]
     spec = SpeculativeConfig("draft_model", max_draft_len=4, draft_engine_dir=smollm2_engine_dir)
@@ -372,6 +375,6 @@ def test_smollm2_as_its_own_draft_keeps_every_draft_and_the_plain_ids(smollm2_en
         assert_no_blocks_held(executor)
     perf = [r[-1].result.perf for r in responses]
     drafted_tokens = sum(p.total_draft_tokens for p in perf)
-    assert drafted_tokens >= 20 * (SMOLLM2_MAX_TOKENS // 5)
+    assert drafted_tokens >= len(prompts) * (SMOLLM2_MAX_TOKENS // 5)
     assert sum(p.total_accepted_draft_tokens for p in perf) == drafted_tokens
     assert all(p.acceptance_rate == 1.0 for p in perf)
