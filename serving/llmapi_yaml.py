@@ -20,7 +20,8 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANT_ALGOS = {"FP8": "fp8", "FP8_BLOCK_SCALES": "fp8_block", "W8A16": "int8_wo", "W4A16": "int4_wo",
                "W4A16_AWQ": "int4_awq"}
 KV_CACHE_QUANT_ALGOS = {"FP8": "fp8"}
-KV_CACHE_KEYS = ("free_gpu_memory_fraction", "enable_block_reuse", "max_tokens", "dtype")
+KV_CACHE_KEYS = ("free_gpu_memory_fraction", "enable_block_reuse", "max_tokens", "dtype", "host_cache_size",
+                 "onboard_blocks")
 CUDA_GRAPH_KEYS = ("batch_sizes", "max_batch_size", "enable_padding")
 TRITON_KEYS = ("max_batch_size", "decoupled", "cancellation_check_period_ms", "stats_check_period_ms")
 QUANT_KEYS = ("quant_algo", "kv_cache_quant_algo")
@@ -28,8 +29,14 @@ TOP_KEYS = ("model", "tokenizer", "backend", "tensor_parallel_size", "pipeline_p
             "max_batch_size", "max_seq_len", "max_input_len", "max_num_tokens", "max_beam_width",
             "quant_config", "kv_cache_config", "cuda_graph_config", "use_cuda_graph",
             "disable_overlap_scheduler", "enable_chunked_prefill", "logits_post_processors",
-            "skip_tokenizer_init", "trust_remote_code", "enable_lora", "lora_config", "triton_config")
+            "skip_tokenizer_init", "trust_remote_code", "enable_lora", "lora_config", "triton_config",
+            "speculative_config")
 LORA_KEYS = ("max_lora_rank", "max_loras")
+SPECULATIVE_KEYS = ("decoding_type", "max_draft_len", "max_matching_ngram_size", "speculative_model_dir",
+                    "speculative_model")
+# TensorRT-LLM's decoding_type names (its NGramDecodingConfig / DraftTargetDecodingConfig) -> the
+# tensorrt_llm model's decoding_mode values (serving/executor_config.py).
+DECODING_TYPES = {"ngram": "ngram", "drafttarget": "draft_target", "draft_target": "draft_target"}
 
 
 @dataclass
@@ -47,6 +54,7 @@ class LlmapiConfig:
     triton_max_batch_size: int = 0
     tensor_parallel_size: int = 1  # ranks of the launcher's leader-mode job (--world_size)
     parameters: dict[str, str] = field(default_factory=dict)  # tensorrt_llm model parameters
+    draft_model: str | None = None  # speculative_config's draft: an engine dir or a checkpoint (built like `model`)
 
 
 def _fail(key: str, message: str) -> ValueError:
@@ -151,8 +159,48 @@ def parse_llmapi_config(data: Any, base_dir: str | None = None) -> LlmapiConfig:
     if "trust_remote_code" in data:
         _bool(data["trust_remote_code"], "trust_remote_code")
     _lora(data, config)
+    _speculative(data.get("speculative_config"), config, base_dir)
     _triton(data.get("triton_config"), config)
     return config
+
+
+def _speculative(value: Any, config: LlmapiConfig, base_dir: str | None) -> None:
+    """speculative_config, TensorRT-LLM's names: decoding_type NGram (max_draft_len,
+    max_matching_ngram_size) or DraftTarget (max_draft_len, speculative_model_dir: the draft's
+    checkpoint or engine directory, same tokenizer) -> the tensorrt_llm model's decoding_mode,
+    max_draft_len, max_matching_ngram_size and draft_model_path (README "Speculative decoding")."""
+    spec = _mapping(value, "speculative_config", SPECULATIVE_KEYS)
+    if not spec:
+        return
+    kind = spec.get("decoding_type")
+    mode = DECODING_TYPES.get(kind.lower()) if isinstance(kind, str) else None
+    if mode is None:
+        raise _fail("speculative_config.decoding_type", f"{kind!r} is not supported; allowed: NGram, DraftTarget")
+    config.parameters["decoding_mode"] = mode
+    if spec.get("max_draft_len") is not None:
+        config.parameters["max_draft_len"] = str(_int(spec["max_draft_len"], "speculative_config.max_draft_len", 1, 64))
+    if spec.get("max_matching_ngram_size") is not None:
+        if mode != "ngram":
+            raise _fail("speculative_config.max_matching_ngram_size", "only for decoding_type NGram")
+        config.parameters["max_matching_ngram_size"] = str(
+            _int(spec["max_matching_ngram_size"], "speculative_config.max_matching_ngram_size", 1))
+    draft = spec.get("speculative_model_dir", spec.get("speculative_model"))
+    if mode == "ngram":
+        if draft is not None:
+            raise _fail("speculative_config.speculative_model_dir", "NGram drafts from the request's own tokens: "
+                                                                   "leave the draft model out")
+        return
+    if not isinstance(draft, str) or not draft:
+        raise _fail("speculative_config.speculative_model_dir", "required for DraftTarget: the draft model's "
+                                                               "checkpoint or engine directory (same tokenizer)")
+    if base_dir and not os.path.isabs(draft):
+        draft = os.path.join(base_dir, draft)
+    if not os.path.exists(draft):
+        raise _fail("speculative_config.speculative_model_dir", f"{draft} does not exist")
+    if config.tensor_parallel_size > 1:
+        raise _fail("speculative_config.decoding_type", "DraftTarget runs its draft on one GPU beside the target, "
+                                                        "so it needs tensor_parallel_size 1; NGram works with any")
+    config.draft_model = draft
 
 
 def _lora(data: dict, config: LlmapiConfig) -> None:
@@ -180,6 +228,12 @@ def _kv_cache(value: Any, config: LlmapiConfig) -> None:
     if kv.get("max_tokens") is not None:
         config.parameters["max_tokens_in_paged_kv_cache"] = str(
             _int(kv["max_tokens"], "kv_cache_config.max_tokens", 1))
+    if kv.get("host_cache_size") is not None:  # bytes of pinned host memory for evicted reusable blocks
+        config.parameters["kv_cache_host_memory_bytes"] = str(
+            _int(kv["host_cache_size"], "kv_cache_config.host_cache_size", 0))
+    if kv.get("onboard_blocks") is not None:
+        config.parameters["kv_cache_onboard_blocks"] = str(
+            _bool(kv["onboard_blocks"], "kv_cache_config.onboard_blocks")).lower()
     if kv.get("dtype") is not None:
         dtype = _choice(kv["dtype"], "kv_cache_config.dtype", ("auto", "fp8"))
         if dtype == "fp8":
@@ -306,9 +360,12 @@ def check_triton_config(config: LlmapiConfig, decoupled: bool, max_batch_size: i
                                                 "set both to the same value")
 
 
-def executor_parameters(config: LlmapiConfig, engine_dir: str) -> dict[str, str]:
-    """The `tensorrt_llm` model's parameters (config.pbtxt names, string values) for this model."""
+def executor_parameters(config: LlmapiConfig, engine_dir: str, draft_engine_dir: str | None = None) -> dict[str, str]:
+    """The `tensorrt_llm` model's parameters (config.pbtxt names, string values) for this model;
+    `draft_engine_dir`: the engine of speculative_config's draft model, when it has one."""
     params = {"gpt_model_path": engine_dir, "batch_scheduler_policy": "guaranteed_no_evict",
               "tokenizer_dir": engine_dir}
     params.update(config.parameters)
+    if draft_engine_dir is not None:
+        params["draft_model_path"] = draft_engine_dir
     return params

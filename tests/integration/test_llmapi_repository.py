@@ -23,6 +23,8 @@ ENGINE_OPTIONS = "dtype: float32\nmax_batch_size: 4\nmax_seq_len: 1024\nmax_num_
 
 
 LORA = "enable_lora: true\nlora_config:\n  max_lora_rank: 8\n  max_loras: 2\n"
+# n-gram drafts (greedy ids stay plain decoding's, so every text check below still holds)
+NGRAM = "speculative_config:\n  decoding_type: NGram\n  max_draft_len: 4\n  max_matching_ngram_size: 3\n"
 
 
 def model_yaml(model: str, extra: str = "") -> str:
@@ -77,7 +79,7 @@ def engine_cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llmapi(smollm2_gguf, engine_cache, tmp_path_factory):
-    with llmapi_server(tmp_path_factory.mktemp("llmapi"), model_yaml(smollm2_gguf, LORA)) as (server, _):
+    with llmapi_server(tmp_path_factory.mktemp("llmapi"), model_yaml(smollm2_gguf, LORA + NGRAM)) as (server, _):
         yield server
 
 
@@ -125,7 +127,20 @@ def test_perf_metrics_come_from_the_executor(llmapi):
         <= value["last_token_time_ns"]
     assert value["kv_cache_alloc_total_blocks"] >= 1
     assert value["kv_cache_reused_block"] + value["kv_cache_missed_block"] >= 1
-    assert value["total_draft_tokens"] == 0
+    # speculative_config NGram: the executor's draft counts come through (8 tokens: drafts only where
+    # the answer repeats a span; the counts must agree with the rate whatever they are)
+    drafted, accepted = value["total_draft_tokens"], value["total_accepted_draft_tokens"]
+    assert 0 <= accepted <= drafted
+    assert value["acceptance_rate"] == pytest.approx(accepted / drafted if drafted else 0.0)
+
+
+def test_ngram_drafts_from_speculative_config_are_verified_and_counted(llmapi):
+    """A prompt whose answer copies it: n-gram drafts are proposed and accepted."""
+    text = "one two three four five six seven eight nine ten"
+    body = generate(llmapi, {"text_input": chat(f"Repeat exactly, three times: {text}"),
+                             "sampling_param_max_tokens": 48, "sampling_param_return_perf_metrics": True}).json()
+    value = {name: body[name][0] if isinstance(body[name], list) else body[name] for name in body}
+    assert value["total_draft_tokens"] > 0 and value["total_accepted_draft_tokens"] > 0, body
 
 
 def test_stream_adds_up_to_the_unary_text(llmapi):

@@ -45,6 +45,30 @@ def test_a_full_model_yaml_becomes_build_options_and_executor_parameters(checkpo
     assert config.decoupled is False and config.triton_max_batch_size == 0
 
 
+def test_speculative_config_and_the_host_kv_tier_become_tensorrt_llm_parameters(checkpoint, tmp_path):
+    """TensorRT-LLM's LLM-API names: speculative_config NGram / DraftTarget -> decoding_mode and its
+    parameters (the draft's engine as draft_model_path); kv_cache_config host_cache_size /
+    onboard_blocks -> the KV host tier's parameters."""
+    config = parse_llmapi_config({"model": checkpoint, "kv_cache_config": {"host_cache_size": 1 << 30,
+                                                                          "onboard_blocks": True},
+                                  "speculative_config": {"decoding_type": "NGram", "max_draft_len": 4,
+                                                         "max_matching_ngram_size": 2}})
+    params = executor_parameters(config, "/engines/x")
+    assert params["decoding_mode"] == "ngram" and params["max_draft_len"] == "4"
+    assert params["max_matching_ngram_size"] == "2" and "draft_model_path" not in params
+    assert params["kv_cache_host_memory_bytes"] == str(1 << 30) and params["kv_cache_onboard_blocks"] == "true"
+    assert config.draft_model is None
+    (tmp_path / "draft").mkdir()
+    config = parse_llmapi_config({"model": checkpoint, "speculative_config": {
+        "decoding_type": "DraftTarget", "max_draft_len": 3, "speculative_model_dir": "draft"}}, str(tmp_path))
+    assert config.draft_model == str(tmp_path / "draft")
+    params = executor_parameters(config, "/engines/x", draft_engine_dir="/engines/draft")
+    assert params["decoding_mode"] == "draft_target" and params["draft_model_path"] == "/engines/draft"
+    with pytest.raises(ValueError, match="speculative_config.decoding_type: DraftTarget runs its draft on one GPU"):
+        parse_llmapi_config({"model": checkpoint, "tensor_parallel_size": 2, "speculative_config": {
+            "decoding_type": "DraftTarget", "speculative_model_dir": str(tmp_path / "draft")}})
+
+
 def test_defaults_and_dtype_auto(checkpoint):
     config = parse_llmapi_config({"model": checkpoint})
     assert config.decoupled is True and config.triton_max_batch_size == 0
@@ -62,7 +86,18 @@ def test_defaults_and_dtype_auto(checkpoint):
     ({"dtype": "int8"}, "dtype", "allowed: auto, float32"),
     ({"kv_cache_config": {"free_gpu_memory_fraction": 1.5}}, "kv_cache_config.free_gpu_memory_fraction", "(0, 1]"),
     ({"kv_cache_config": {"enable_block_reuse": "yes"}}, "kv_cache_config.enable_block_reuse", "true or false"),
-    ({"kv_cache_config": {"host_cache_size": 1}}, "kv_cache_config.host_cache_size", "allowed: free_gpu"),
+    ({"kv_cache_config": {"secondary_offload_min_priority": 1}}, "kv_cache_config.secondary_offload_min_priority",
+     "allowed: free_gpu"),
+    ({"kv_cache_config": {"host_cache_size": -1}}, "kv_cache_config.host_cache_size", ">= 0"),
+    ({"speculative_config": {"decoding_type": "Eagle3"}}, "speculative_config.decoding_type",
+     "allowed: NGram, DraftTarget"),
+    ({"speculative_config": {"decoding_type": "DraftTarget"}}, "speculative_config.speculative_model_dir",
+     "required for DraftTarget"),
+    ({"speculative_config": {"decoding_type": "NGram", "max_draft_len": 0}}, "speculative_config.max_draft_len",
+     "1..64"),
+    ({"speculative_config": {"decoding_type": "DraftTarget", "max_matching_ngram_size": 2,
+                             "speculative_model_dir": "."}}, "speculative_config.max_matching_ngram_size",
+     "only for decoding_type NGram"),
     ({"quant_config": {"quant_algo": "NVFP4"}}, "quant_config.quant_algo", "allowed: FP8"),
     ({"cuda_graph_config": {"batch_sizes": []}}, "cuda_graph_config.batch_sizes", "a list of integers"),
     ({"triton_config": {"decoupled": "true"}}, "triton_config.decoupled", "true or false"),

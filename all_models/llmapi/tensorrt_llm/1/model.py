@@ -70,6 +70,11 @@ def _engine_dir(config):
     return engine_dir_for(config, torch.cuda.is_available(), serve_default)
 
 
+def _draft_engine_dir(config):
+    """speculative_config's draft model, built like `model` (same build options), or None."""
+    return None if config.draft_model is None else _engine_dir(dataclasses.replace(config, model=config.draft_model))
+
+
 class TritonPythonModel(base.TritonPythonModel):
     @classmethod
     def auto_complete_config(cls, auto_complete_model_config):
@@ -105,7 +110,7 @@ class TritonPythonModel(base.TritonPythonModel):
             # This instance owns its engine: the base model, counting one instance, starts its own
             # engine process instead of joining the other instances' shared one.
             model_config["instance_group"] = [{"count": 1, "kind": "KIND_CPU"}]
-        for name, value in executor_parameters(config, engine_dir).items():
+        for name, value in executor_parameters(config, engine_dir, _draft_engine_dir(config)).items():
             parameters[name] = {"string_value": value}
         super().initialize({**args, "model_config": json.dumps(model_config)})
         tokenizer = load_tokenizer(config.tokenizer or engine_dir)
