@@ -25,47 +25,18 @@ exec > >(tee -a "$out/console.log") 2>&1
 
 DTYPES=${DTYPES:-bf16 fp8}
 BUDGET_S=${BUDGET_S:-480}
-if [ -z "${PYTHON:-}" ]; then  # the torch venv of the GPU machine, else the checkout's, else PATH's
-  PYTHON=/opt/torch/.venv/bin/python3
-  [ -x "$PYTHON" ] || PYTHON=.venv/bin/python
-  [ -x "$PYTHON" ] || PYTHON=$(command -v python3 || command -v python)
-fi
-export PYTHONUNBUFFERED=1
-export BENCH_COMMIT=${BENCH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-t0=$(date +%s)
-date -u
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
-if [ "${SMOKE:-0}" = 1 ]; then  # a check of this script off the GPU: the tiny model on the CPU
-  EXTRA="--tiny --context 128 --output-len 16 --batches 1,4 --ks 1,4 --loop-ks 4 --ngram-prompts 2 ${EXTRA:-}"
-else
-  "$PYTHON" -c 'import torch; assert torch.cuda.is_available(), "no CUDA device"; print(torch.__version__, torch.cuda.get_device_name())' \
-    || { echo "speculative_gpu_run: $PYTHON has no torch with a CUDA device"; exit 1; }
-fi
+# shellcheck source=benchmarks/gpu_run_common.sh
+. benchmarks/gpu_run_common.sh
+gpu_run_start speculative_gpu_run "--tiny --context 128 --output-len 16 --batches 1,4 --ks 1,4 --loop-ks 4 --ngram-prompts 2"
 
-read -r -a dtypes <<< "$DTYPES"
-jsons=()
-status=0
-for i in "${!dtypes[@]}"; do
-  dtype=${dtypes[$i]}
-  left=$(( BUDGET_S - ($(date +%s) - t0) - 15 ))  # 15 s kept for the report at the end
-  share=$(( left / (${#dtypes[@]} - i) ))
-  if [ "$share" -lt 90 ]; then
-    echo "=== $dtype: skipped, ${left} s of the budget left"; status=1; continue
-  fi
-  json=$out/speculative_$dtype.json
-  echo "=== $dtype: limit ${share} s ==="
+run_speculative() {  # DTYPE SHARE JSON LOG
+  echo "=== $1: limit $2 s ==="
   # The bench plans for 20 s less than the limit: the process start (torch, CUDA) and the shutdown.
-  timeout -k 15 "$share" "$PYTHON" benchmarks/speculative_bench.py --dtypes "$dtype" --time-budget $(( share - 20 )) \
-    ${EXTRA:-} --out "$json" > "$out/speculative_$dtype.log" 2>&1
-  rc=$?
-  [ $rc -eq 0 ] || { status=$rc; echo "speculative_gpu_run: $dtype exited with $rc (124: the time limit); its log ends:"; tail -n 30 "$out/speculative_$dtype.log"; }
-  grep -E "^(---|    )" "$out/speculative_$dtype.log"
-  [ -f "$json" ] && jsons+=("$json")
-done
-if [ ${#jsons[@]} -gt 0 ]; then  # one table of every dtype, also from a run the limit cut short
-  "$PYTHON" benchmarks/speculative_bench.py --report "$(IFS=,; echo "${jsons[*]}")" --markdown "$out/speculative_results.md" > /dev/null
-  cat "$out/speculative_results.md"
-fi
-echo "done in $(( $(date +%s) - t0 )) s; results in $out"
-sleep 1  # let tee flush console.log
-exit $status
+  timeout -k 15 "$2" "$PYTHON" benchmarks/speculative_bench.py --dtypes "$1" --time-budget $(( $2 - 20 )) \
+    ${EXTRA:-} --out "$3" > "$4" 2>&1
+  local rc=$?
+  grep -E "^(---|    )" "$4"
+  return $rc
+}
+run_dtypes speculative 90 run_speculative
+report_dtypes benchmarks/speculative_bench.py "$out/speculative_results.md"

@@ -33,49 +33,20 @@ SHAPES=${SHAPES:-128/128,2048/128}
 DTYPES=${DTYPES:-fp8 bf16}
 BUDGET_S=${BUDGET_S:-540}
 ENGINE_S=${ENGINE_S:-120}
-if [ -z "${PYTHON:-}" ]; then  # the torch venv of the GPU machine (../shared/gpu/README.md), else PATH's
-  PYTHON=/opt/torch/.venv/bin/python3
-  [ -x "$PYTHON" ] || PYTHON=$(command -v python3 || command -v python)
-fi
-export PYTHONUNBUFFERED=1
-export BENCH_COMMIT=${BENCH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-t0=$(date +%s)
-date -u
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
-if [ "${SMOKE:-0}" = 1 ]; then  # a check of this script off the GPU: the tiny model on the CPU
-  EXTRA="--tiny --max-requests 4 --max-batch-size 2 ${EXTRA:-}"
-else
-  "$PYTHON" -c 'import torch; assert torch.cuda.is_available(), "no CUDA device"; print(torch.__version__, torch.cuda.get_device_name())' \
-    || { echo "throughput_gpu_run: $PYTHON has no torch with a CUDA device"; exit 1; }
-fi
+# shellcheck source=benchmarks/gpu_run_common.sh
+. benchmarks/gpu_run_common.sh
+gpu_run_start throughput_gpu_run "--tiny --max-requests 4 --max-batch-size 2"
 
-read -r -a dtypes <<< "$DTYPES"
-jsons=()
-status=0
-for i in "${!dtypes[@]}"; do
-  dtype=${dtypes[$i]}
-  left=$(( BUDGET_S - ($(date +%s) - t0) - 15 ))  # 15 s kept for the report at the end
-  share=$(( left / (${#dtypes[@]} - i) ))
-  if [ "$share" -lt $(( ENGINE_S + 30 )) ]; then
-    echo "=== $dtype: skipped, ${left} s of the budget left"; status=1; continue
-  fi
-  json=$out/throughput_$dtype.json
-  echo "=== $dtype: shapes $SHAPES, limit ${share} s ==="
+run_throughput() {  # DTYPE SHARE JSON LOG
+  echo "=== $1: shapes $SHAPES, limit $2 s ==="
   # The bench plans for 10 s less than the limit: the process start and the engine's shutdown.
-  timeout -k 20 "$share" "$PYTHON" benchmarks/throughput_bench.py --dtype "$dtype" --shapes "$SHAPES" \
-    --max-seq-len max --time-budget $(( share - 10 )) --engine-seconds "$ENGINE_S" \
+  timeout -k 20 "$2" "$PYTHON" benchmarks/throughput_bench.py --dtype "$1" --shapes "$SHAPES" \
+    --max-seq-len max --time-budget $(( $2 - 10 )) --engine-seconds "$ENGINE_S" \
     --max-batch-size "${MAX_BATCH_SIZE:-1024}" --max-num-tokens "${MAX_NUM_TOKENS:-8192}" \
-    --kv-fraction "${KV_FRACTION:-0.95}" ${EXTRA:-} --out "$json" > "$out/throughput_$dtype.log" 2>&1
-  rc=$?
-  [ $rc -eq 0 ] || { status=$rc; echo "throughput_gpu_run: $dtype exited with $rc (124: the time limit); its log ends:"; tail -n 30 "$out/throughput_$dtype.log"; }
-  # The per-shape blocks (trtllm-bench's fields, steady state, where the time went).
-  sed -n '/^=== /,/^Where the time went/p' "$out/throughput_$dtype.log"
-  [ -f "$json" ] && jsons+=("$json")
-done
-if [ ${#jsons[@]} -gt 0 ]; then  # one table of every dtype, also from a run the limit cut short
-  "$PYTHON" benchmarks/throughput_bench.py --report "$(IFS=,; echo "${jsons[*]}")" --markdown "$out/throughput_results.md" > /dev/null
-  cat "$out/throughput_results.md"
-fi
-echo "done in $(( $(date +%s) - t0 )) s; results in $out"
-sleep 1  # let tee flush console.log
-exit $status
+    --kv-fraction "${KV_FRACTION:-0.95}" ${EXTRA:-} --out "$3" > "$4" 2>&1
+  local rc=$?
+  sed -n '/^=== /,/^Where the time went/p' "$4"  # the per-shape blocks (trtllm-bench's fields, ...)
+  return $rc
+}
+run_dtypes throughput $(( ENGINE_S + 30 )) run_throughput
+report_dtypes benchmarks/throughput_bench.py "$out/throughput_results.md"
