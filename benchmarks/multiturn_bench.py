@@ -47,7 +47,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from engine_bench import MODELS, write_config_only_engine  # noqa: E402  (benchmarks/ is on sys.path as a script)
+from engine_bench import MODELS, free_device_memory, write_config_only_engine  # noqa: E402  (benchmarks/ is on sys.path as a script)
 
 
 TOKENS_PER_BLOCK = 32
@@ -56,16 +56,6 @@ TOKENS_PER_BLOCK = 32
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
-
-
-def release_device_memory() -> None:
-    import gc
-
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def working_set_tokens(args) -> int:
@@ -218,7 +208,7 @@ def main(argv: list[str] | None = None) -> dict:
             # The next setting's executor sizes its KV pool from the free memory: this one's pool
             # and weights must be gone first (shutdown stops the loop, the references keep them).
             del executor
-            release_device_memory()
+            free_device_memory(args.device)
         results["runs"][setting] = run
         print(f"reuse {setting}: TTFT p50 {run['ttft_ms']['p50']:.1f} ms, p99 {run['ttft_ms']['p99']:.1f} ms, "
               f"by turn {[round(t, 1) for t in run['ttft_ms_median_by_turn']]}, KV hit rate "

@@ -65,7 +65,6 @@ Output: a markdown table per section (stdout, appended to ``--markdown``) with c
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import random
@@ -77,7 +76,7 @@ from datetime import datetime, timezone
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from engine_bench import MODELS, git_commit, write_config_only_engine  # noqa: E402  (benchmarks/ on sys.path)
+from engine_bench import MODELS, free_device_memory, git_commit, write_config_only_engine  # noqa: E402  (benchmarks/ on sys.path)
 
 DTYPES = {  # label -> write_config_only_engine's quantization (the KV pool stays in the model dtype)
     "bf16": None,
@@ -104,7 +103,7 @@ def start_executor(args, label: str, speculative=None):
 
     from engine.executor.executor import Executor, ExecutorConfig
 
-    free_memory(args.device)
+    free_device_memory(args.device)
     started = time.perf_counter()
     engine_dir = write_config_only_engine(args.model, args.model_dtype, args.max_batch_size, args.max_seq_len,
                                           args.max_num_tokens, args.tokens_per_block, DTYPES[label])
@@ -122,14 +121,6 @@ def start_executor(args, label: str, speculative=None):
     if args.device.startswith("cuda"):
         info["gpu_memory_allocated"] = torch.cuda.memory_allocated()
     return executor, info
-
-
-def free_memory(device: str) -> None:
-    import torch
-
-    gc.collect()
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
 
 
 def run_one(executor, request) -> object:
@@ -579,7 +570,7 @@ def run_dtype(args, label: str, results: dict, save, t0: float) -> None:
         if executor is not None:
             executor.shutdown()
         executor = None
-        free_memory(args.device)
+        free_device_memory(args.device)
         # From whatever was measured, also when a later section failed.
         entry["projections"] = projections(entry, args.acceptance, args.ngram_k)
         entry["goals"] = goals(entry)

@@ -98,6 +98,15 @@ def _fraction(value: Any, key: str) -> float:
     return float(value)
 
 
+def _existing_path(path: str, key: str, base_dir: str | None, why_local: str = "") -> str:
+    """`path` taken from `base_dir` when relative; it must exist (ValueError naming `key`)."""
+    if base_dir and not os.path.isabs(path):
+        path = os.path.join(base_dir, path)
+    if not os.path.exists(path):
+        raise _fail(key, f"{path} does not exist{why_local}")
+    return path
+
+
 def parse_llmapi_config(data: Any, base_dir: str | None = None) -> LlmapiConfig:
     """Validate a loaded model.yaml; relative paths are taken from `base_dir` (the model's dir)."""
     if not isinstance(data, dict):
@@ -109,11 +118,9 @@ def parse_llmapi_config(data: Any, base_dir: str | None = None) -> LlmapiConfig:
     if not isinstance(model, str) or not model:
         raise _fail("model", "required: a Hugging Face checkpoint directory, a .gguf file or an engine "
                              "directory on this machine")
-    if base_dir and not os.path.isabs(model):
-        model = os.path.join(base_dir, model)
-    if not os.path.exists(model):
-        raise _fail("model", f"{model} does not exist (this backend reads local checkpoints only: a Hugging "
-                             "Face directory, a .gguf file or an engine directory; Hub names are not fetched)")
+    model = _existing_path(model, "model", base_dir, " (this backend reads local checkpoints only: a Hugging "
+                                                      "Face directory, a .gguf file or an engine directory; Hub "
+                                                      "names are not fetched)")
     config = LlmapiConfig(model=model)
     tokenizer = data.get("tokenizer")
     if tokenizer is not None:
@@ -193,10 +200,7 @@ def _speculative(value: Any, config: LlmapiConfig, base_dir: str | None) -> None
     if not isinstance(draft, str) or not draft:
         raise _fail("speculative_config.speculative_model_dir", "required for DraftTarget: the draft model's "
                                                                "checkpoint or engine directory (same tokenizer)")
-    if base_dir and not os.path.isabs(draft):
-        draft = os.path.join(base_dir, draft)
-    if not os.path.exists(draft):
-        raise _fail("speculative_config.speculative_model_dir", f"{draft} does not exist")
+    draft = _existing_path(draft, "speculative_config.speculative_model_dir", base_dir)
     if config.tensor_parallel_size > 1:
         raise _fail("speculative_config.decoding_type", "DraftTarget runs its draft on one GPU beside the target, "
                                                         "so it needs tensor_parallel_size 1; NGram works with any")
