@@ -26,6 +26,12 @@ accumulator 0), which is the softmax over [scores..., sink] without the sink's c
 split-K only split 0 starts so; the merge by log-sum-exp then counts the sink once. A layer
 without sinks compiles without them (HAS_SINKS is a constexpr).
 
+A mixed batch runs in two launches of the kernel: one over its prompt chunks (sequences with
+several new tokens) with prefill tiles, one over its decode rows with decode tiles; each launch's
+programs return at once on the other kind's sequences. Within a program, the key tiles that every
+row sees whole are walked without masks; only the tiles at the causal diagonal or past the
+context (and every tile of a windowed layer) are masked.
+
 Decode (one new token per sequence) uses a 16-row tile and, for long contexts or small
 batches, splits the keys of each (sequence, KV head) into NUM_SPLITS contiguous ranges run by
 separate programs ("split-K" / flash-decoding); a second kernel merges the partial results by
@@ -58,6 +64,9 @@ from kernels._triton import jit, num_sms, pdl_options, pdl_prologue, tl, triton
 from kernels.attention_metadata import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
+# Which sequences one launch of the attention kernel serves (SEQ_KIND): a mixed batch runs its
+# prompt chunks with prefill tiles and its decode rows with decode tiles, in two launches.
+ALL_SEQS, MULTI_TOKEN, ONE_TOKEN = 0, 1, 2
 # ----------------------------------------------------------------------------------------------
 # KV write
 # ----------------------------------------------------------------------------------------------
@@ -136,6 +145,61 @@ def rotate_neox(x, partner, cos, sin, first_half):
     return tl.where(first_half, as_first, as_second).to(x.dtype)
 
 
+@jit
+def _attend_keys(
+    q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_row, kv_head, lo, hi, kv_hi,
+    qk_scale, window, softcap_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr, FP16_MATH: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """The online softmax over keys [lo, hi) in tiles of BLOCK_N -> (m_i, l_i, acc). MASKED: some key
+    of a tile may lie at or past kv_hi, or be hidden from some row (causality, window); unmasked
+    walks cover whole tiles every row sees, so they load and score without masks."""
+    cols = tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, DIM_PAD)
+    for start in range(lo, hi, BLOCK_N):
+        k_pos = start + cols
+        if MASKED:
+            k_valid = k_pos < kv_hi
+            block_id = tl.load(block_row + k_pos // PAGE_SIZE, mask=k_valid, other=0).to(tl.int64)
+            kv_mask = k_valid[:, None] & (dims < HEAD_DIM)[None, :]
+        else:
+            block_id = tl.load(block_row + k_pos // PAGE_SIZE).to(tl.int64)
+            kv_mask = (cols < BLOCK_N)[:, None] & (dims < HEAD_DIM)[None, :]
+        k_rows = block_id[:, None] * stride_kb + (k_pos % PAGE_SIZE)[:, None] * stride_ks + kv_head * stride_kh
+        v_rows = block_id[:, None] * stride_vb + (k_pos % PAGE_SIZE)[:, None] * stride_vs + kv_head * stride_vh
+        if MASKED or HEAD_DIM != DIM_PAD:
+            k = tl.load(k_cache_ptr + k_rows + dims[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_cache_ptr + v_rows + dims[None, :], mask=kv_mask, other=0.0)
+        else:
+            k = tl.load(k_cache_ptr + k_rows + dims[None, :])
+            v = tl.load(v_cache_ptr + v_rows + dims[None, :])
+        k = k.to(q.dtype)  # an FP8 pool is widened here (a no-op otherwise)
+        v = v.to(q.dtype)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if not FP16_MATH:  # (fp16 math scaled q instead)
+            scores = scores * qk_scale
+        if HAS_SOFTCAP:  # C * tanh(z / C), tanh(x) = 2 * sigmoid(2x) - 1
+            scores = softcap_log2 * (2.0 * tl.sigmoid(2.0 * scores / softcap_log2) - 1.0)
+        if MASKED:
+            visible = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
+            if HAS_WINDOW:
+                visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
+            scores = tl.where(visible, scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
+        else:
+            m_new = tl.maximum(m_i, tl.max(scores, 1))  # finite: every score of the tile is
+            m_safe = m_new
+        p = tl.math.exp2(scores - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
 @jit(do_not_specialize=["stride_bt"])  # the block-table width changes every batch: one compile
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
@@ -153,6 +217,7 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
     FP16_MATH: tl.constexpr, ROTARY_APPEND: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TILE_MAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    SEQ_KIND: tl.constexpr,  # ALL_SEQS, or only the sequences with several (MULTI_TOKEN) or one (ONE_TOKEN) new tokens
     PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)  # before the early returns too: every program must wait (kernels/_triton.py)
@@ -177,6 +242,12 @@ def _paged_attention_kernel(
     first_token = m_tile * TOKENS_PER_TILE
     if first_token >= q_len:
         return
+    if SEQ_KIND == 1:  # MULTI_TOKEN (a jit function reads no module globals)
+        if q_len == 1:
+            return
+    if SEQ_KIND == 2:  # ONE_TOKEN
+        if q_len != 1:
+            return
     context_len = tl.load(context_lens_ptr + seq)
     prefix_len = context_len - q_len
 
@@ -248,41 +319,21 @@ def _paged_attention_kernel(
             l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, DIM_PAD], dtype=tl.float32)
     block_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    cols = tl.arange(0, BLOCK_N)
-    for start in range(kv_lo, kv_hi, BLOCK_N):
-        k_pos = start + cols
-        k_valid = k_pos < kv_hi
-        block_id = tl.load(block_row + k_pos // PAGE_SIZE, mask=k_valid, other=0).to(tl.int64)
-        offset = k_pos % PAGE_SIZE
-        kv_mask = k_valid[:, None] & dim_valid[None, :]
-        k = tl.load(
-            k_cache_ptr + block_id[:, None] * stride_kb + offset[:, None] * stride_ks
-            + kv_head * stride_kh + dims[None, :],
-            mask=kv_mask, other=0.0,
-        )
-        v = tl.load(
-            v_cache_ptr + block_id[:, None] * stride_vb + offset[:, None] * stride_vs
-            + kv_head * stride_vh + dims[None, :],
-            mask=kv_mask, other=0.0,
-        )
-        k = k.to(q.dtype)  # an FP8 pool is widened here (a no-op otherwise)
-        v = v.to(q.dtype)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        if not FP16_MATH:  # (fp16 math scaled q instead)
-            scores = scores * qk_scale
-        if HAS_SOFTCAP:  # C * tanh(z / C), tanh(x) = 2 * sigmoid(2x) - 1
-            scores = softcap_log2 * (2.0 * tl.sigmoid(2.0 * scores / softcap_log2) - 1.0)
-        visible = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
-        if HAS_WINDOW:
-            visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
-        scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
-        p = tl.math.exp2(scores - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+    # Every row sees the keys up to its tile's first position (without a window): the whole tiles
+    # of this split below that bound skip the causal and length masks, the rest of the walk keeps them.
+    # A decode tile (one token) is then unmasked but for its last partial tile.
+    unmasked_end = kv_lo
+    if not HAS_WINDOW:
+        seen_by_all = tl.minimum(prefix_len + first_token + 1, kv_hi)
+        unmasked_end = kv_lo + tl.maximum(seen_by_all - kv_lo, 0) // BLOCK_N * BLOCK_N
+    m_i, l_i, acc = _attend_keys(
+        q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_row, kv_head, kv_lo, unmasked_end, kv_hi,
+        qk_scale, window, softcap_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        HEAD_DIM, DIM_PAD, PAGE_SIZE, BLOCK_N, PRECISION, FP16_MATH, HAS_WINDOW, HAS_SOFTCAP, False)
+    m_i, l_i, acc = _attend_keys(
+        q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_row, kv_head, unmasked_end, kv_hi, kv_hi,
+        qk_scale, window, softcap_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        HEAD_DIM, DIM_PAD, PAGE_SIZE, BLOCK_N, PRECISION, FP16_MATH, HAS_WINDOW, HAS_SOFTCAP, True)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -303,13 +354,24 @@ def _paged_attention_kernel(
 
 @jit
 def _merge_splits_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr,
+    part_out_ptr, part_lse_ptr, out_ptr, cu_seqlens_q_ptr,
     stride_ps, stride_pt, stride_ph, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, BY_SEQUENCE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    """One program per (token, head): softmax-weighted sum of the splits' normalized outputs."""
+    """One program per (token, head): softmax-weighted sum of the splits' normalized outputs.
+    BY_SEQUENCE (the decode rows of a mixed batch): one program per (sequence, head) instead, which
+    merges the sequence's token if it has exactly one new token and returns otherwise (the prompt
+    chunks' rows were never split)."""
     pdl_prologue(PDL)
-    token = tl.program_id(0).to(tl.int64)
+    if BY_SEQUENCE:
+        seq = tl.program_id(0)
+        first = tl.load(cu_seqlens_q_ptr + seq)
+        if tl.load(cu_seqlens_q_ptr + seq + 1) - first != 1:
+            return
+        token = first.to(tl.int64)
+    else:
+        token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, NUM_SPLITS)
     dims = tl.arange(0, DIM_PAD)
@@ -340,43 +402,52 @@ def _decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, n
 MAX_DECODE_SPLITS = 16
 
 
-def _prefill_block_m(group: int) -> int:
-    return 64 if group <= 64 else triton.next_power_of_2(group)
-
-
-def prefill_tokens_per_tile(group: int) -> int:
+def prefill_tokens_per_tile(group: int, head_dim: int = 128, kv_itemsize: int = 2) -> int:
     """New tokens of one sequence that one prefill program covers (the tile map's unit)."""
-    return _prefill_block_m(group) // group
+    return _prefill_config(group, triton.next_power_of_2(head_dim), kv_itemsize)[0] // group
 
 
-def _launch_config(meta: AttentionMetadata, group: int, num_kv_heads: int, device: torch.device,
-                   num_splits: int | None, sliding_window: int | None = None,
-                   dim_pad: int = 128, kv_itemsize: int = 2) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M rows, BLOCK_N keys, warps, stages, splits). Decode: the smallest row tile that holds
-    a GQA group (16, the tensor-core minimum) and key splits to fill the GPU (a window caps the keys a
-    token reads, so it caps the splits too; a Python constant per layer, so CUDA graphs keep one grid
-    per layer); prefill: 64-row tiles (64 // group tokens of every head of a group), never split.
+def _decode_config(meta: AttentionMetadata, group: int, num_kv_heads: int, device: torch.device,
+                   num_splits: int | None, sliding_window: int | None, dim_pad: int,
+                   kv_itemsize: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M rows, BLOCK_N keys, warps, stages, splits) of decode rows: the smallest row tile that
+    holds a GQA group (16, the tensor-core minimum) and key splits to fill the GPU (a window caps the
+    keys a token reads, so it caps the splits too; a Python constant per layer, so CUDA graphs keep
+    one grid per layer).
 
-    Heads of 256 (Gemma) double every tile's bytes: decode pipelines 2 K/V stages instead of 3 (3
-    stages of 64 x 256 K and V tiles would nearly fill an H100's 227 KB of shared memory), prefill
-    walks 32 keys at a time with 8 warps (a 64 x 256 fp32 accumulator over 4 warps would spill).
-    An FP8 pool with heads up to 128 wide decodes 32 keys at a time with one warp over 3 stages: on
-    an H100 (2026-11-25, Llama-8B heads, a sweep of 27 tilings) that took batch 1024 at context 192
-    from 267 to 198 us per layer and batch 256 at context 1024 from 290 to 245 us (small programs,
-    so more of them fit on an SM to keep reads in flight). A bf16 pool already reads at ~2.8 TB/s
-    with the default tiling; heads of 256 keep 4 warps (one warp's accumulator would spill)."""
+    Heads of 256 (Gemma) double every tile's bytes: 2 K/V stages instead of 3 (3 stages of 64 x 256
+    K and V tiles would nearly fill an H100's 227 KB of shared memory). An FP8 pool with heads up to
+    128 wide walks 32 keys at a time with one warp over 3 stages: on an H100 (2026-11-25, Llama-8B
+    heads, a sweep of 27 tilings) that took batch 1024 at context 192 from 267 to 198 us per layer
+    and batch 256 at context 1024 from 290 to 245 us (small programs, so more of them fit on an SM to
+    keep reads in flight). A bf16 pool already reads at ~2.8 TB/s with the default tiling; heads of
+    256 keep 4 warps (one warp's accumulator would spill)."""
     wide = dim_pad > 128
-    if meta.is_decode_only:
-        block_m = max(16, triton.next_power_of_2(group))
-        if num_splits is None:
-            keys_read = meta.max_context_len if sliding_window is None else min(meta.max_context_len, sliding_window)
-            num_splits = _decode_num_splits(meta.context_lens.shape[0], num_kv_heads, keys_read,
-                                            num_sms(device), 64)
-        if kv_itemsize == 1:
-            return (block_m, 32, 1, 3, num_splits) if block_m <= 16 and not wide else (block_m, 32, 4, 2, num_splits)
-        return block_m, 64, 4, (2 if wide else 3), num_splits
-    block_m = _prefill_block_m(group)
-    return (block_m, 32, 8, 2, 1) if wide else (block_m, 64, 4, 2, 1)
+    block_m = max(16, triton.next_power_of_2(group))
+    if num_splits is None:
+        keys_read = meta.max_context_len if sliding_window is None else min(meta.max_context_len, sliding_window)
+        num_splits = _decode_num_splits(meta.num_seqs, num_kv_heads, keys_read, num_sms(device), 64)
+    if kv_itemsize == 1:
+        return (block_m, 32, 1, 3, num_splits) if block_m <= 16 and not wide else (block_m, 32, 4, 2, num_splits)
+    return block_m, 64, 4, (2 if wide else 3), num_splits
+
+
+def _prefill_config(group: int, dim_pad: int, kv_itemsize: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M rows, BLOCK_N keys, warps, stages, 1) of prompt chunks (BLOCK_M // group tokens of
+    every head of a group a tile), never split.
+
+    H100, Llama-8B heads (benchmarks/attention_kernel_bench.py, 2026-11-26): an FP8 pool takes
+    128 x 128 tiles over 8 warps, 2 stages: four 2,048-token prompts 574 -> 502 us a layer and an
+    8,192-token chunk over a 12k prefix 7.5 -> 5.9 ms against 64 x 64 over 4 warps (its fp16 math
+    has room for the larger tile; 128 x 64 over 4 warps, 3 stages, came second). A bf16 pool keeps
+    64 x 64 over 4 warps, 2 stages: no tiling of the sweep beat it on the 2k prompts. Heads of 256
+    walk 32 keys at a time with 8 warps (a 64 x 256 fp32 accumulator over 4 warps would spill)."""
+    block_m = 64 if group <= 64 else triton.next_power_of_2(group)
+    if dim_pad > 128:
+        return block_m, 32, 8, 2, 1
+    if kv_itemsize == 1:
+        return max(block_m, 128), 128, 8, 2, 1
+    return block_m, 64, 4, 2, 1
 
 
 def paged_attention_triton(
@@ -387,8 +458,8 @@ def paged_attention_triton(
 ) -> torch.Tensor:
     """q: (num_tokens, num_heads, head_dim), last dim contiguous -> out: (num_tokens, num_heads, head_dim).
 
-    ``num_splits`` overrides the decode split count (a power of two; tests use it to force
-    the split path at short contexts); prefill batches never split. ``sliding_window``,
+    ``num_splits`` overrides the decode rows' split count (a power of two; tests use it to force
+    the split path at short contexts), in mixed batches too; prompt chunks never split. ``sliding_window``,
     ``logit_softcap`` and ``sinks`` (num_heads,): kernels/attention.py (None: the layer has none).
 
     ``new_kv = (k, v, positions, cos_sin_cache)``, decode-only batches with power-of-two heads:
@@ -405,52 +476,69 @@ def paged_attention_triton(
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     dim_pad = triton.next_power_of_2(head_dim)
-    block_m, block_n, num_warps, num_stages, num_splits = _launch_config(meta, group, num_kv_heads, q.device, num_splits,
-                                                                         sliding_window, dim_pad,
-                                                                         k_cache.element_size())
-    tokens_per_tile = block_m // group
     assert sinks is None or (sinks.shape == (num_heads,) and sinks.is_contiguous())
-    tile_map = meta.tile_seq is not None and not meta.is_decode_only
     if new_kv is not None:
         new_k, new_v, positions, cos_sin_cache = new_kv
         assert meta.is_decode_only and dim_pad == head_dim and cos_sin_cache.shape[1] == head_dim
         assert new_k.stride(-1) == 1 and new_v.stride(-1) == 1 and cos_sin_cache.dtype == torch.float32
-        knt, knh, vnt, vnh = new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1)
+        new_kv_strides = (new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1))
     else:
         new_k = new_v = positions = cos_sin_cache = q  # unused
-        knt = knh = vnt = vnh = 0
-    if tile_map:
-        assert tokens_per_tile == prefill_tokens_per_tile(group), "tile map built for another tiling"
-        grid = (meta.tile_seq.shape[0], 1, num_kv_heads * num_splits)
-    else:
-        grid = (triton.cdiv(meta.max_seqlen_q, tokens_per_tile), num_seqs, num_kv_heads * num_splits)
-    if num_splits > 1:
-        part_out = torch.empty(num_splits, num_tokens, num_heads, dim_pad, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(num_splits, num_tokens, num_heads, dtype=torch.float32, device=q.device)
-    else:
-        part_out = part_lse = out  # unused
-    ps, pt, ph = (part_out.stride(0), part_out.stride(1), part_out.stride(2)) if num_splits > 1 else (0, 0, 0)
-    _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, part_out, part_lse,
-        meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
-        meta.tile_seq if tile_map else meta.cu_seqlens_q, meta.tile_m if tile_map else meta.cu_seqlens_q,
-        new_k, new_v, positions, cos_sin_cache, meta.slot_mapping, q if sinks is None else sinks,
-        scale * _LOG2E, sliding_window or 0, (logit_softcap or 1.0) * _LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        meta.block_tables.stride(0), ps, pt, ph,
-        knt, knh, vnt, vnh, cos_sin_cache.stride(0),
-        GROUP=group, HEAD_DIM=head_dim, DIM_PAD=dim_pad, PAGE_SIZE=page_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 engines get fp32 dots
-        FP16_MATH=k_cache.element_size() == 1 and q.dtype != torch.float32, ROTARY_APPEND=new_kv is not None,
-        HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=logit_softcap is not None, HAS_TILE_MAP=tile_map,
-        HAS_SINKS=sinks is not None, num_warps=num_warps, num_stages=num_stages, **pdl_options(q),
-    )
-    if num_splits > 1:
-        _merge_splits_kernel[(num_tokens, num_heads)](
-            part_out, part_lse, out, ps, pt, ph, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, DIM_PAD=dim_pad, NUM_SPLITS=num_splits, num_warps=1, **pdl_options(q),
+        new_kv_strides = (0, 0, 0, 0)
+    kv_itemsize = k_cache.element_size()
+
+    def launch(config: tuple[int, int, int, int, int], grid: tuple[int, int, int], seq_kind: int,
+               tile_map: bool) -> None:
+        block_m, block_n, num_warps, num_stages, num_splits = config
+        if num_splits > 1:
+            part_out = torch.empty(num_splits, num_tokens, num_heads, dim_pad, dtype=torch.float32, device=q.device)
+            part_lse = torch.empty(num_splits, num_tokens, num_heads, dtype=torch.float32, device=q.device)
+            ps, pt, ph = part_out.stride(0), part_out.stride(1), part_out.stride(2)
+        else:
+            part_out = part_lse = out  # unused
+            ps = pt = ph = 0
+        _paged_attention_kernel[grid[0], grid[1], grid[2] * num_splits](
+            q, k_cache, v_cache, out, part_out, part_lse,
+            meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
+            meta.tile_seq if tile_map else meta.cu_seqlens_q, meta.tile_m if tile_map else meta.cu_seqlens_q,
+            new_k, new_v, positions, cos_sin_cache, meta.slot_mapping, q if sinks is None else sinks,
+            scale * _LOG2E, sliding_window or 0, (logit_softcap or 1.0) * _LOG2E,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            meta.block_tables.stride(0), ps, pt, ph, *new_kv_strides, cos_sin_cache.stride(0),
+            GROUP=group, HEAD_DIM=head_dim, DIM_PAD=dim_pad, PAGE_SIZE=page_size,
+            BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 engines get fp32 dots
+            FP16_MATH=kv_itemsize == 1 and q.dtype != torch.float32, ROTARY_APPEND=new_kv is not None,
+            HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=logit_softcap is not None, HAS_TILE_MAP=tile_map,
+            HAS_SINKS=sinks is not None, SEQ_KIND=seq_kind, num_warps=num_warps, num_stages=num_stages,
+            **pdl_options(q),
         )
+        if num_splits > 1:
+            by_sequence = seq_kind == ONE_TOKEN
+            _merge_splits_kernel[(num_seqs if by_sequence else num_tokens, num_heads)](
+                part_out, part_lse, out, meta.cu_seqlens_q, ps, pt, ph, out.stride(0), out.stride(1),
+                HEAD_DIM=head_dim, DIM_PAD=dim_pad, NUM_SPLITS=num_splits, BY_SEQUENCE=by_sequence, num_warps=1,
+                **pdl_options(q),
+            )
+
+    decode_config = _decode_config(meta, group, num_kv_heads, q.device, num_splits, sliding_window, dim_pad,
+                                   kv_itemsize)
+    if meta.is_decode_only:
+        launch(decode_config, (1, num_seqs, num_kv_heads), ALL_SEQS, tile_map=False)
+        return out
+    # A mixed batch: its prompt chunks take prefill tiles, its decode rows (sequences with one new
+    # token) decode tiles in a second launch. One prefill tiling for all would spend a 64-row tile's
+    # dots and softmax on each decode row's 1-8 rows: on an H100 the ~480 decode rows of a 2048/128
+    # step (2k-token contexts) took longer than its four 2,048-token prompts.
+    prefill_config = _prefill_config(group, dim_pad, kv_itemsize)
+    tokens_per_tile = prefill_config[0] // group
+    if meta.tile_seq is not None:  # a CUDA graph's fixed grid
+        assert tokens_per_tile == prefill_tokens_per_tile(group, head_dim, kv_itemsize), "tile map of another tiling"
+        launch(prefill_config, (meta.tile_seq.shape[0], 1, num_kv_heads), MULTI_TOKEN, tile_map=True)
+    else:
+        launch(prefill_config, (triton.cdiv(meta.max_seqlen_q, tokens_per_tile), num_seqs, num_kv_heads),
+               MULTI_TOKEN, tile_map=False)
+    launch(decode_config, (1, num_seqs, num_kv_heads), ONE_TOKEN, tile_map=False)
     return out

@@ -223,6 +223,64 @@ def test_decode_matches_reference(device, heads, num_splits):
         run_attention_case(device, dtype, heads, 16, batch, num_splits=num_splits)
 
 
+# A mixed batch whose decode rows read contexts long enough to split, between and after prompt
+# chunks, and one prompt chunk of a single token (a chunked prompt's last token: a decode row to the
+# kernel, which is the same attention).
+MIXED_BATCH = [(0, 37), (299, 1), (32, 17), (40, 1), (170, 1), (15, 64), (64, 1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", HEAD_SHAPES)
+@pytest.mark.parametrize("num_splits", [None, 1, 4])
+def test_mixed_batch_decode_rows_in_their_own_launch_match_reference(device, heads, num_splits):
+    """A mixed batch runs its prompt chunks and its decode rows in two launches (decode rows with
+    decode tiles, split and merged per sequence when num_splits > 1): every row matches the reference."""
+    for dtype in low_precision_dtypes(device):
+        run_attention_case(device, dtype, heads, 16, MIXED_BATCH, num_splits=num_splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, 24])
+@pytest.mark.parametrize("fp8_pool", [False, True])
+def test_mixed_batch_through_a_tile_map_with_padding_sequences(device, window, fp8_pool):
+    """The CUDA-graph form of a mixed step (engine/executor/prefill_graphs.py): a fixed-length tile map
+    with unused entries (-1), and sequence rows past the batch with no new tokens and no context. Both
+    launches skip those; the batch's rows match the reference."""
+    from engine.executor.prefill_graphs import tile_map
+    from kernels.triton_attention import paged_attention_triton, prefill_tokens_per_tile, write_kv_cache_triton
+
+    num_heads, num_kv_heads, head_dim = 32, 8, 128
+    dtype = low_precision_dtypes(device)[0]
+    if fp8_pool and device != "cuda":
+        pytest.skip("FP8 pools need the GPU")
+    k, v, k_cache, v_cache, meta = make_batch(MIXED_BATCH, num_kv_heads, head_dim, 16, dtype, device, seed=7)
+    if fp8_pool:  # its prompt chunks take other tiles (kernels/triton_attention.py _prefill_config)
+        k_cache, v_cache = k_cache.to(KV_FP8_DTYPE), v_cache.to(KV_FP8_DTYPE)
+    write_kv_cache_triton(k, v, k_cache, v_cache, meta.slot_mapping)
+    if window is not None:
+        free_out_of_window_entries(meta, window, 16)
+    q = torch.randn(k.shape[0], num_heads, head_dim, generator=torch.Generator().manual_seed(8)).to(dtype).to(device)
+    scale = head_dim**-0.5
+    ref = paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window=window)
+
+    padding_seqs = 3
+    q_lens = [new for _, new in MIXED_BATCH] + [0] * padding_seqs
+    per_tile = prefill_tokens_per_tile(num_heads // num_kv_heads, head_dim, k_cache.element_size())
+    tile_seq, tile_m = tile_map(q_lens, per_tile, 64)
+    cu = meta.cu_seqlens_q_host + [meta.cu_seqlens_q_host[-1]] * padding_seqs
+    table = meta.block_tables
+    graph_meta = AttentionMetadata(
+        slot_mapping=meta.slot_mapping,
+        block_tables=torch.cat([table, torch.zeros(padding_seqs, table.shape[1], dtype=table.dtype, device=device)]),
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
+        context_lens=torch.tensor(meta.context_lens_host + [0] * padding_seqs, dtype=torch.int32, device=device),
+        max_seqlen_q=k.shape[0], max_context_len=4096, is_decode_only=False,
+        tile_seq=torch.from_numpy(tile_seq).to(device), tile_m=torch.from_numpy(tile_m).to(device),
+    )
+    out = paged_attention_triton(q, k_cache, v_cache, graph_meta, scale, sliding_window=window)
+    assert relative_error(out, ref) < TOLERANCE[dtype]
+
+
 # Windows shorter than, equal to and longer than a page, one that cuts a page in the middle, and a
 # window of 1 (each token sees itself only); soft-caps small enough to bend the scores.
 WINDOW_CASES = [(8, None), (16, None), (37, 5.0), (1, None), (None, 2.0), (100, 50.0)]

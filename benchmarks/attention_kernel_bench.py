@@ -1,0 +1,188 @@
+#!/usr/bin/env python3
+"""Paged attention alone, at the shapes of TensorRT-LLM's throughput table (issue 32): one layer of
+Llama-3.1-8B's heads (32 query heads, 8 KV heads, 128 dims), FP8 or bf16 pool.
+
+    PYTHONPATH=$PWD python benchmarks/attention_kernel_bench.py [--pool fp8,bf16] [--cases ...]
+        [--sweep_prefill 64:64:4:2,128:64:8:3,...] [--sweep_decode 32:1:3,64:4:3,...] [--markdown FILE]
+
+Cases (``CASES``): prompt chunks alone (4 x 2,048, 8 x 1,000, an 8,192-token chunk over a 12k prefix),
+the mixed step of 2048/128 (four 2,048-token prompts beside 480 decode rows over 2.1k contexts), and
+decode-only steps (532 rows over 1.5k, 194 over 5.25k, 1,024 over 192). Steps with prompt tokens pass
+a tile map, as the executor's CUDA graphs of such steps do (engine/executor/prefill_graphs.py; an eager
+step's grid also spans every sequence's would-be prompt tiles). Each case is timed as a CUDA
+graph of 10 calls (no launch overhead), median of 3 replays; the pool's blocks are handed out
+shuffled and it is far larger than L2, so the keys come from HBM as in a served step.
+
+Reported per case: microseconds per call (one layer), the dot-product work rate (4 * head_dim flops
+per visible query-key pair and query head: QK^T and PV) and the rate at which the pool's K/V bytes of
+the batch's contexts are read once (what bounds decode).
+
+``--sweep_prefill BM:BN:WARPS:STAGES,...`` and ``--sweep_decode BN:WARPS:STAGES,...`` time the cases
+again with the prompt-chunk or decode-row tiling forced to each entry (kernels/triton_attention.py's
+``_prefill_config`` / ``_decode_config`` replaced for the run), to choose those tables. To compare
+against another commit, run this file with PYTHONPATH at that commit's tree (its kernels are timed).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 32
+
+# name -> [(cached tokens, new tokens), ...]
+CASES: dict[str, list[tuple[int, int]]] = {
+    "prefill 4x2048": [(0, 2048)] * 4,
+    "prefill 8x1000": [(0, 1000)] * 8,
+    "chunk 8192 over 12k": [(11808, 8192)],
+    "mixed 2048/128 (4x2048 + 480x2.1k decode)": [(0, 2048)] * 4 + [(2100, 1)] * 480,
+    "decode 532x1500": [(1499, 1)] * 532,
+    "decode 194x5250": [(5249, 1)] * 194,
+    "decode 1024x192": [(191, 1)] * 1024,
+}
+
+
+def build_case(batch: list[tuple[int, int]], pool_dtype: torch.dtype, seed: int = 0):
+    """(q, k_cache, v_cache, meta) on CUDA: contexts in shuffled pages of one pool, random values."""
+    from kernels.attention_metadata import AttentionMetadata
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    pages = [-(-(c + n) // PAGE) for c, n in batch]
+    num_blocks = sum(pages) + 1
+    order = torch.randperm(num_blocks - 1, generator=gen, device="cuda") + 1  # block 0: table padding
+    width = max(pages)
+    tables = torch.zeros(len(batch), width, dtype=torch.int32, device="cuda")
+    start = 0
+    for i, count in enumerate(pages):
+        tables[i, :count] = order[start:start + count].int()
+        start += count
+    shape = (num_blocks, PAGE, NUM_KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen).to(pool_dtype)
+    v_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen).to(pool_dtype)
+    q_lens = [n for _, n in batch]
+    contexts = [c + n for c, n in batch]
+    cu = [0]
+    for n in q_lens:
+        cu.append(cu[-1] + n)
+    q = torch.randn(cu[-1], NUM_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((cu[-1],), -1, dtype=torch.int64, device="cuda"),
+        block_tables=tables,
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device="cuda"),
+        context_lens=torch.tensor(contexts, dtype=torch.int32, device="cuda"),
+        max_seqlen_q=max(q_lens), max_context_len=max(contexts), is_decode_only=all(n == 1 for n in q_lens),
+        cu_seqlens_q_host=cu, context_lens_host=contexts,
+    )
+    if not meta.is_decode_only:  # as a served mixed step runs: from a CUDA graph, with a tile map
+        from engine.executor.prefill_graphs import tile_map
+        from kernels.triton_attention import prefill_tokens_per_tile
+
+        try:
+            per_tile = prefill_tokens_per_tile(NUM_HEADS // NUM_KV_HEADS, HEAD_DIM, k_cache.element_size())
+        except TypeError:  # kernels before 2026-11-26 (one prefill tiling for every pool)
+            per_tile = prefill_tokens_per_tile(NUM_HEADS // NUM_KV_HEADS)
+        tile_seq, tile_m = tile_map(q_lens, per_tile, -(-cu[-1] // per_tile) + len(batch))
+        meta.tile_seq, meta.tile_m = torch.from_numpy(tile_seq).cuda(), torch.from_numpy(tile_m).cuda()
+    return q, k_cache, v_cache, meta
+
+
+def work(batch: list[tuple[int, int]], kv_itemsize: int) -> tuple[float, float]:
+    """(dot flops, K/V bytes of the contexts) of one call."""
+    pairs = sum(n * c + n * (n + 1) // 2 for c, n in batch)  # visible (query token, key) pairs
+    flops = 4.0 * HEAD_DIM * NUM_HEADS * pairs
+    kv_bytes = 2.0 * sum(c + n for c, n in batch) * NUM_KV_HEADS * HEAD_DIM * kv_itemsize
+    return flops, kv_bytes
+
+
+def time_us(fn, calls: int = 10) -> float:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(3):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end) * 1000.0 / calls)
+    return statistics.median(times)
+
+
+def run_case(name: str, pool: str, tiling: str = "default") -> dict:
+    from kernels import triton_attention
+
+    batch = CASES[name]
+    pool_dtype = torch.float8_e4m3fn if pool == "fp8" else torch.bfloat16
+    q, k_cache, v_cache, meta = build_case(batch, pool_dtype)
+    scale = HEAD_DIM**-0.5
+    us = time_us(lambda: triton_attention.paged_attention_triton(q, k_cache, v_cache, meta, scale))
+    flops, kv_bytes = work(batch, k_cache.element_size())
+    del q, k_cache, v_cache, meta
+    torch.cuda.empty_cache()
+    return {"case": name, "pool": pool, "tiling": tiling, "us": round(us, 1),
+            "tflops": round(flops / us / 1e6, 1), "kv_tb_s": round(kv_bytes / us / 1e6, 2)}
+
+
+def forced(attr: str, config_of):
+    """Context manager: kernels.triton_attention.<attr> returns config_of(default config) for the run."""
+    from kernels import triton_attention
+
+    class _Forced:
+        def __enter__(self):
+            self.chosen = getattr(triton_attention, attr)
+            setattr(triton_attention, attr, lambda *a, **k: config_of(self.chosen(*a, **k)))
+
+        def __exit__(self, *exc):
+            setattr(triton_attention, attr, self.chosen)
+
+    return _Forced()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pool", default="fp8,bf16")
+    parser.add_argument("--cases", default=",".join(CASES), help="comma list of case names (see CASES)")
+    parser.add_argument("--sweep_prefill", default="", help="BM:BN:WARPS:STAGES,... for prompt chunks")
+    parser.add_argument("--sweep_decode", default="", help="BN:WARPS:STAGES,... for decode rows")
+    parser.add_argument("--markdown", default=None, help="append the table to this file")
+    args = parser.parse_args()
+    cases = [c for c in args.cases.split(",") if c]
+    rows = []
+    for pool in args.pool.split(","):
+        for name in cases:
+            rows.append(run_case(name, pool))
+            print(rows[-1], flush=True)
+        for entry in filter(None, args.sweep_prefill.split(",")):
+            bm, bn, warps, stages = map(int, entry.split(":"))
+            with forced("_prefill_config", lambda default: (bm, bn, warps, stages, 1)):
+                for name in cases:
+                    if any(n > 1 for _, n in CASES[name]):
+                        rows.append(run_case(name, pool, f"prefill {entry}"))
+                        print(rows[-1], flush=True)
+        for entry in filter(None, args.sweep_decode.split(",")):
+            bn, warps, stages = map(int, entry.split(":"))
+            with forced("_decode_config", lambda default: (default[0], bn, warps, stages, default[4])):
+                for name in cases:
+                    if any(n == 1 for _, n in CASES[name]):
+                        rows.append(run_case(name, pool, f"decode {entry}"))
+                        print(rows[-1], flush=True)
+    table = ["| case | pool | tiling | us / layer | TFLOPS | K/V TB/s |", "|---|---|---|---:|---:|---:|"]
+    table += [f"| {r['case']} | {r['pool']} | {r['tiling']} | {r['us']:,} | {r['tflops']} | {r['kv_tb_s']} |"
+              for r in rows]
+    print("\n".join(table))
+    if args.markdown:
+        with open(args.markdown, "a") as f:
+            f.write("\n".join(table) + "\n")
+
+
+if __name__ == "__main__":
+    main()
