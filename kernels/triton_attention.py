@@ -421,15 +421,29 @@ def _decode_config(meta: AttentionMetadata, group: int, num_kv_heads: int, devic
     heads, a sweep of 27 tilings) that took batch 1024 at context 192 from 267 to 198 us per layer
     and batch 256 at context 1024 from 290 to 245 us (small programs, so more of them fit on an SM to
     keep reads in flight). A bf16 pool already reads at ~2.8 TB/s with the default tiling; heads of
-    256 keep 4 warps (one warp's accumulator would spill)."""
+    256 keep 4 warps (one warp's accumulator would spill). Smaller FP8 batches: FP8_SHORT_CONTEXT_BATCH."""
     wide = dim_pad > 128
     block_m = max(16, triton.next_power_of_2(group))
     if num_splits is None:
         keys_read = meta.max_context_len if sliding_window is None else min(meta.max_context_len, sliding_window)
         num_splits = _decode_num_splits(meta.num_seqs, num_kv_heads, keys_read, num_sms(device), 64)
     if kv_itemsize == 1:
-        return (block_m, 32, 1, 3, num_splits) if block_m <= 16 and not wide else (block_m, 32, 4, 2, num_splits)
+        if block_m > 16 or wide:
+            return block_m, 32, 4, 2, num_splits
+        if meta.num_seqs >= FP8_SHORT_CONTEXT_BATCH:
+            return block_m, 32, 1, 3, num_splits
+        return block_m, 64, 2, 5, num_splits
     return block_m, 64, 4, (2 if wide else 3), num_splits
+
+
+# FP8 pools, heads up to 128 wide: decode batches of at least this many sequences walk 32 keys at a
+# time with one warp over 3 stages, smaller ones 64 keys with two warps over 5 stages. A CUDA graph
+# fixes the tiling for every context it will serve, so the choice goes by the batch, which the pool
+# bounds the contexts of (an 8B FP8 pool of ~1M tokens holds 768 sequences of at most ~1.4k): on an
+# H100 (benchmarks/attention_kernel_bench.py, 2026-11-26) 64 x 2 x 5 read 194 x 5,250 contexts at
+# 2.74 TB/s against 2.48 and 532 x 1,500 at 2.60 against 2.48, but 1,024 x 192 at 2.05 against 2.32
+# (three 64-key tiles leave a 5-stage pipeline empty).
+FP8_SHORT_CONTEXT_BATCH = 768
 
 
 def _prefill_config(group: int, dim_pad: int, kv_itemsize: int) -> tuple[int, int, int, int, int]:

@@ -329,14 +329,20 @@ def test_long_context_decode_and_prefill(dtype):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FP8 pools are read by the Triton kernel on CUDA only")
 @pytest.mark.parametrize("q_magnitude,equal_keys", [(1.0, False), (1e5, True)])
 @pytest.mark.parametrize("batch", [PREFILL_BATCH, [(0, 1), (16, 1), (299, 1)]], ids=["prefill", "decode"])
-def test_fp8_pool_fp16_math_matches_reference(batch, q_magnitude, equal_keys):
+@pytest.mark.parametrize("large_batch_tiles", [False, True])
+def test_fp8_pool_fp16_math_matches_reference(batch, q_magnitude, equal_keys, large_batch_tiles, monkeypatch):
     """An FP8 pool is read with fp16 math (E4M3 widens to fp16 exactly, q carries the softmax
     scale): prompt chunks over cached prefixes and decode rows match the reference, which works in
     fp32. Queries of 1e5 are beyond fp16's 65504 and would become inf if q were cast before it is
     scaled; with every key equal the scores tie whatever q is, so the output is the mean of the
-    visible values, which the reference computes too."""
+    visible values, which the reference computes too. Decode rows take other tiles from
+    FP8_SHORT_CONTEXT_BATCH sequences on: large_batch_tiles lowers that bound to 1."""
+    from kernels import triton_attention
     from kernels.attention import KV_FP8_DTYPE
     from kernels.triton_attention import paged_attention_triton, write_kv_cache_triton
+
+    if large_batch_tiles:
+        monkeypatch.setattr(triton_attention, "FP8_SHORT_CONTEXT_BATCH", 1)
 
     num_heads, num_kv_heads, head_dim = 32, 8, 128
     k, v, k_cache, v_cache, meta = make_batch(batch, num_kv_heads, head_dim, 16, torch.bfloat16, "cuda", seed=3)
