@@ -17,6 +17,9 @@ Reported per case: microseconds per call (one layer), the dot-product work rate 
 per visible query-key pair and query head: QK^T and PV) and the rate at which the pool's K/V bytes of
 the batch's contexts are read once (what bounds decode).
 
+``--rotary_append``: decode cases once more in the form a served decode step runs them (kernels/
+rope_attention.py: q and the new k arrive unrotated; the kernel rotates them and writes the new K/V).
+
 ``--sweep_prefill BM:BN:WARPS:STAGES,...`` and ``--sweep_decode BN:WARPS:STAGES,...`` time the cases
 again with the prompt-chunk or decode-row tiling forced to each entry (kernels/triton_attention.py's
 ``_prefill_config`` / ``_decode_config`` replaced for the run), to choose those tables. To compare
@@ -117,14 +120,32 @@ def time_us(fn, calls: int = 10) -> float:
     return statistics.median(times)
 
 
-def run_case(name: str, pool: str, tiling: str = "default") -> dict:
+def rotary_append_inputs(q: torch.Tensor, meta) -> tuple:
+    """new_kv for a decode-only case (the form a served decode step runs, kernels/rope_attention.py):
+    unrotated k and v of each sequence's new token, its position, and Llama-3's cos/sin table; the
+    token's slot in meta.slot_mapping becomes its real one (the kernel writes it there)."""
+    from kernels.rotary import build_cos_sin_cache
+
+    positions = (meta.context_lens - 1).long()
+    pages = meta.block_tables.gather(1, (positions // PAGE).unsqueeze(1)).squeeze(1).long()
+    meta.slot_mapping = pages * PAGE + positions % PAGE
+    k = torch.randn(q.shape[0], NUM_KV_HEADS, HEAD_DIM, device="cuda", dtype=q.dtype)
+    v = torch.randn_like(k)
+    cos_sin = build_cos_sin_cache(meta.max_context_len + 1, HEAD_DIM, 500000.0, device="cuda")
+    return k, v, positions, cos_sin
+
+
+def run_case(name: str, pool: str, tiling: str = "default", rotary_append: bool = False) -> dict:
     from kernels import triton_attention
 
     batch = CASES[name]
     pool_dtype = torch.float8_e4m3fn if pool == "fp8" else torch.bfloat16
     q, k_cache, v_cache, meta = build_case(batch, pool_dtype)
     scale = HEAD_DIM**-0.5
-    us = time_us(lambda: triton_attention.paged_attention_triton(q, k_cache, v_cache, meta, scale))
+    new_kv = rotary_append_inputs(q, meta) if rotary_append and meta.is_decode_only else None
+    if new_kv is not None:
+        tiling += " +rotary append"
+    us = time_us(lambda: triton_attention.paged_attention_triton(q, k_cache, v_cache, meta, scale, new_kv=new_kv))
     flops, kv_bytes = work(batch, k_cache.element_size())
     del q, k_cache, v_cache, meta
     torch.cuda.empty_cache()
@@ -153,6 +174,8 @@ def main() -> None:
     parser.add_argument("--cases", default=",".join(CASES), help="comma list of case names (see CASES)")
     parser.add_argument("--sweep_prefill", default="", help="BM:BN:WARPS:STAGES,... for prompt chunks")
     parser.add_argument("--sweep_decode", default="", help="BN:WARPS:STAGES,... for decode rows")
+    parser.add_argument("--rotary_append", action="store_true",
+                        help="decode cases also in the served form: q and k rotated and the new K/V written in-kernel")
     parser.add_argument("--markdown", default=None, help="append the table to this file")
     args = parser.parse_args()
     cases = [c for c in args.cases.split(",") if c]
@@ -161,6 +184,9 @@ def main() -> None:
         for name in cases:
             rows.append(run_case(name, pool))
             print(rows[-1], flush=True)
+            if args.rotary_append and all(n == 1 for _, n in CASES[name]):
+                rows.append(run_case(name, pool, rotary_append=True))
+                print(rows[-1], flush=True)
         for entry in filter(None, args.sweep_prefill.split(",")):
             bm, bn, warps, stages = map(int, entry.split(":"))
             with forced("_prefill_config", lambda default: (bm, bn, warps, stages, 1)):
