@@ -20,9 +20,10 @@ the batch's contexts are read once (what bounds decode).
 ``--rotary_append``: decode cases once more in the form a served decode step runs them (kernels/
 rope_attention.py: q and the new k arrive unrotated; the kernel rotates them and writes the new K/V).
 
-``--sweep_prefill BM:BN:WARPS:STAGES,...`` and ``--sweep_decode BN:WARPS:STAGES,...`` time the cases
+``--sweep_prefill BM:BN:WARPS:STAGES,...`` and ``--sweep_decode BN:WARPS:STAGES[:KV_HEADS],...`` time the cases
 again with the prompt-chunk or decode-row tiling forced to each entry (kernels/triton_attention.py's
-``_prefill_config`` / ``_decode_config`` replaced for the run), to choose those tables. To compare
+``_prefill_config`` / ``_decode_config`` replaced for the run), to choose those tables. KV_HEADS: adjacent
+KV heads one decode program reads (an FP8 pool's key row of one head is 128 bytes, of two 256). To compare
 against another commit, run this file with PYTHONPATH at that commit's tree (its kernels are timed).
 """
 from __future__ import annotations
@@ -173,7 +174,7 @@ def main() -> None:
     parser.add_argument("--pool", default="fp8,bf16")
     parser.add_argument("--cases", default=",".join(CASES), help="comma list of case names (see CASES)")
     parser.add_argument("--sweep_prefill", default="", help="BM:BN:WARPS:STAGES,... for prompt chunks")
-    parser.add_argument("--sweep_decode", default="", help="BN:WARPS:STAGES,... for decode rows")
+    parser.add_argument("--sweep_decode", default="", help="BN:WARPS:STAGES[:KV_HEADS],... for decode rows")
     parser.add_argument("--rotary_append", action="store_true",
                         help="decode cases also in the served form: q and k rotated and the new K/V written in-kernel")
     parser.add_argument("--markdown", default=None, help="append the table to this file")
@@ -189,14 +190,14 @@ def main() -> None:
                 print(rows[-1], flush=True)
         for entry in filter(None, args.sweep_prefill.split(",")):
             bm, bn, warps, stages = map(int, entry.split(":"))
-            with forced("_prefill_config", lambda default: (bm, bn, warps, stages, 1)):
+            with forced("_prefill_config", lambda default: (bm, bn, warps, stages, 1, 1)):
                 for name in cases:
                     if any(n > 1 for _, n in CASES[name]):
                         rows.append(run_case(name, pool, f"prefill {entry}"))
                         print(rows[-1], flush=True)
         for entry in filter(None, args.sweep_decode.split(",")):
-            bn, warps, stages = map(int, entry.split(":"))
-            with forced("_decode_config", lambda default: (default[0], bn, warps, stages, default[4])):
+            bn, warps, stages, kv_heads = (list(map(int, entry.split(":"))) + [1])[:4]
+            with forced("_decode_config", lambda default: (default[0], bn, warps, stages, default[4], kv_heads)):
                 for name in cases:
                     if any(n == 1 for _, n in CASES[name]):
                         rows.append(run_case(name, pool, f"decode {entry}"))
