@@ -7,7 +7,8 @@ Llama-3.1-8B's heads (32 query heads, 8 KV heads, 128 dims), FP8 or bf16 pool.
 
 Cases (``CASES``): prompt chunks alone (4 x 2,048, 8 x 1,000, an 8,192-token chunk over a 12k prefix),
 the mixed step of 2048/128 (four 2,048-token prompts beside 480 decode rows over 2.1k contexts), and
-decode-only steps (532 rows over 1.5k, 194 over 5.25k, 1,024 over 192). Steps with prompt tokens pass
+decode-only steps (532 rows over 1.5k, 194 over 5.25k, 1,024 over 192), over pages shuffled through
+the pool (``--page_order in_order``: each sequence's pages adjacent). Steps with prompt tokens pass
 a tile map, as the executor's CUDA graphs of such steps do (engine/executor/prefill_graphs.py; an eager
 step's grid also spans every sequence's would-be prompt tiles). Each case is timed as a CUDA
 graph of 10 calls (no launch overhead), median of 3 replays; the pool's blocks are handed out
@@ -47,14 +48,22 @@ CASES: dict[str, list[tuple[int, int]]] = {
 }
 
 
+PAGE_ORDER = "shuffled"  # or "in_order": --page_order
+
+
 def build_case(batch: list[tuple[int, int]], pool_dtype: torch.dtype, seed: int = 0):
-    """(q, k_cache, v_cache, meta) on CUDA: contexts in shuffled pages of one pool, random values."""
+    """(q, k_cache, v_cache, meta) on CUDA: contexts in pages of one pool, random values. Pages are
+    shuffled over the pool, or handed out in order (each sequence's pages adjacent, as a served pool's
+    first-in-first-out free list mostly leaves a prompt's pages)."""
     from kernels.attention_metadata import AttentionMetadata
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     pages = [-(-(c + n) // PAGE) for c, n in batch]
     num_blocks = sum(pages) + 1
-    order = torch.randperm(num_blocks - 1, generator=gen, device="cuda") + 1  # block 0: table padding
+    if PAGE_ORDER == "in_order":
+        order = torch.arange(1, num_blocks, device="cuda")
+    else:
+        order = torch.randperm(num_blocks - 1, generator=gen, device="cuda") + 1  # block 0: table padding
     width = max(pages)
     tables = torch.zeros(len(batch), width, dtype=torch.int32, device="cuda")
     start = 0
@@ -177,8 +186,12 @@ def main() -> None:
     parser.add_argument("--sweep_decode", default="", help="BN:WARPS:STAGES[:KV_HEADS],... for decode rows")
     parser.add_argument("--rotary_append", action="store_true",
                         help="decode cases also in the served form: q and k rotated and the new K/V written in-kernel")
+    parser.add_argument("--page_order", choices=["shuffled", "in_order"], default="shuffled",
+                        help="pages of the contexts: shuffled over the pool, or each sequence's adjacent")
     parser.add_argument("--markdown", default=None, help="append the table to this file")
     args = parser.parse_args()
+    global PAGE_ORDER
+    PAGE_ORDER = args.page_order
     cases = [c for c in args.cases.split(",") if c]
     rows = []
     for pool in args.pool.split(","):
