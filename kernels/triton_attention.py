@@ -373,7 +373,10 @@ def _paged_attention_kernel(
     else:
         # Base-2 log-sum-exp of this split's scores; -inf when the split saw no key.
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
-        part = split * stride_ps + token_rows * stride_pt + head * stride_ph
+        # Partial results are rows of part_out by token; a ONE_TOKEN launch's by sequence (its sequences
+        # have one row each, so its buffers hold num_seqs rows, not every token of the mixed batch).
+        part_row = seq.to(tl.int64) + token_rows * 0 if SEQ_KIND == 2 else token_rows
+        part = split * stride_ps + part_row * stride_pt + head * stride_ph
         tl.store(part_out_ptr + part[:, None] + head_dims[None, :], out, mask=out_mask)
         # part_lse is part_out without its last axis, so its offsets are part's over DIM_PAD.
         tl.store(part_lse_ptr + part // DIM_PAD, lse, mask=row_valid)
@@ -387,9 +390,9 @@ def _merge_splits_kernel(
     PDL: tl.constexpr,
 ):
     """One program per (token, head): softmax-weighted sum of the splits' normalized outputs.
-    BY_SEQUENCE (the decode rows of a mixed batch): one program per (sequence, head) instead, which
-    merges the sequence's token if it has exactly one new token and returns otherwise (the prompt
-    chunks' rows were never split)."""
+    BY_SEQUENCE (the decode rows of a mixed batch, whose partial results are rows by sequence): one
+    program per (sequence, head) instead, which merges the sequence's token if it has exactly one new
+    token and returns otherwise (the prompt chunks' rows were never split)."""
     pdl_prologue(PDL)
     if BY_SEQUENCE:
         seq = tl.program_id(0)
@@ -397,12 +400,14 @@ def _merge_splits_kernel(
         if tl.load(cu_seqlens_q_ptr + seq + 1) - first != 1:
             return
         token = first.to(tl.int64)
+        part_row = seq.to(tl.int64)
     else:
         token = tl.program_id(0).to(tl.int64)
+        part_row = token
     head = tl.program_id(1)
     splits = tl.arange(0, NUM_SPLITS)
     dims = tl.arange(0, DIM_PAD)
-    base = splits * stride_ps + token * stride_pt + head * stride_ph
+    base = splits * stride_ps + part_row * stride_pt + head * stride_ph
     lse = tl.load(part_lse_ptr + base // DIM_PAD)
     lse_max = tl.max(lse, 0)  # split 0 saw the first visible key, so this is finite
     weights = tl.math.exp2(lse - lse_max)
@@ -539,8 +544,9 @@ def paged_attention_triton(
             assert new_kv is None or new_kv_strides[1] == new_kv_strides[3] == head_dim
             block_m = max(block_m, triton.next_power_of_2(kv_heads * group))
         if num_splits > 1:
-            part_out = torch.empty(num_splits, num_tokens, num_heads, dim_pad, dtype=torch.float32, device=q.device)
-            part_lse = torch.empty(num_splits, num_tokens, num_heads, dtype=torch.float32, device=q.device)
+            rows = num_seqs if seq_kind == ONE_TOKEN else num_tokens  # (see the kernel's part_row)
+            part_out = torch.empty(num_splits, rows, num_heads, dim_pad, dtype=torch.float32, device=q.device)
+            part_lse = torch.empty(num_splits, rows, num_heads, dtype=torch.float32, device=q.device)
             ps, pt, ph = part_out.stride(0), part_out.stride(1), part_out.stride(2)
         else:
             part_out = part_lse = out  # unused
