@@ -40,7 +40,9 @@ def test_two_tiny_shapes_print_the_fields_and_the_table(tmp_path, capsys):
         time = row["time"]
         assert time["context_steps"] >= 2 and time["decode_steps"] > 0 and time["prefill_tok_s"] > 0
         assert time["context_tokens"] == 4 * row["isl"]
-        assert 0.5 < time["context_share"] + time["decode_share"] <= 1.0 + 1e-6
+        # Step latencies against the wall clock of the requests: the step that sends the last response
+        # ends a little after that response is timed, so the shares may sum to a hair over 1.
+        assert 0.5 < time["context_share"] + time["decode_share"] <= 1.01
         assert time["bucket"] == 2 and "bucket_graph_ms" not in time  # no CUDA graph on the CPU
     for field in ("Request Throughput (req/sec)", "Total Output Throughput (tokens/sec)", "Per User Output Speed",
                   "TTFT avg / p50 / p90 / p99 (ms)", "TPOT avg / p50 / p90 / p99 (ms)", "Steady state: no",
