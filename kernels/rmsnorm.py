@@ -10,6 +10,10 @@ Shapes: x, residual, out, new_residual: (num_tokens, hidden); weight: (hidden,).
 
 On CUDA one Triton program per row reads x (+ residual) once, writes the new residual and the
 normalized row: one pass over the activations instead of the reference's five.
+
+``qk_rms_norm`` is the per-head norm of q and k (Qwen3, Gemma 3: a (head_dim,) weight each) read
+straight from the fused qkv output: one launch for both, where normalizing the q and k column views
+took a copy of each first and a launch each (four kernels a layer at every step).
 """
 from __future__ import annotations
 
@@ -101,3 +105,67 @@ def rms_norm(
     if use_triton(x):
         return rms_norm_triton(x, weight, eps, residual)
     return rms_norm_ref(x, weight, eps, residual)
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-head q/k norms (Qwen3, Gemma 3) straight from the fused qkv output
+# ----------------------------------------------------------------------------------------------
+
+
+def qk_rms_norm_ref(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, q_weight: torch.Tensor,
+                    k_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """qkv (num_tokens, (num_heads + 2 * num_kv_heads) * head_dim), rows [q | k | v] -> q (num_tokens,
+    num_heads, head_dim) and k (num_tokens, num_kv_heads, head_dim), each head RMS-normalized over
+    head_dim and scaled by its weight (head_dim,), as rms_norm_ref does a row."""
+    tokens, q_size, kv_size = qkv.shape[0], num_heads * head_dim, num_kv_heads * head_dim
+    q = rms_norm_ref(qkv[:, :q_size].reshape(-1, head_dim), q_weight, eps)[0]
+    k = rms_norm_ref(qkv[:, q_size:q_size + kv_size].reshape(-1, head_dim), k_weight, eps)[0]
+    return q.view(tokens, num_heads, head_dim), k.view(tokens, num_kv_heads, head_dim)
+
+
+@jit
+def _qk_rms_norm_kernel(qkv_ptr, q_weight_ptr, k_weight_ptr, out_ptr, stride_qkv, stride_out, eps,
+                        NUM_HEADS: tl.constexpr, NUM_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                        ROWS_PAD: tl.constexpr, DIM_PAD: tl.constexpr, PDL: tl.constexpr):
+    """One program per token: its NUM_ROWS = q heads + k heads (adjacent in the qkv row) as a
+    (ROWS_PAD, DIM_PAD) tile, each row normalized with the q or the k weight."""
+    pdl_prologue(PDL)
+    token = tl.program_id(0).to(tl.int64)
+    rows = tl.arange(0, ROWS_PAD)
+    dims = tl.arange(0, DIM_PAD)
+    mask = (rows < NUM_ROWS)[:, None] & (dims < HEAD_DIM)[None, :]
+    offsets = rows[:, None] * HEAD_DIM + dims[None, :]
+    x = tl.load(qkv_ptr + token * stride_qkv + offsets, mask=mask, other=0.0)
+    xf = x.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(xf * xf, 1) / HEAD_DIM + eps)
+    normed = (xf * inv_rms[:, None]).to(qkv_ptr.dtype.element_ty).to(tl.float32)
+    is_q = (rows < NUM_HEADS)[:, None]
+    q_w = tl.load(q_weight_ptr + dims, mask=dims < HEAD_DIM, other=0.0).to(tl.float32)
+    k_w = tl.load(k_weight_ptr + dims, mask=dims < HEAD_DIM, other=0.0).to(tl.float32)
+    weight = tl.where(is_q, q_w[None, :], k_w[None, :])
+    tl.store(out_ptr + token * stride_out + offsets, (weight * normed).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def qk_rms_norm_triton(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, q_weight: torch.Tensor,
+                       k_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``qk_rms_norm_ref`` in one launch, reading the q and k columns of qkv in place (no copies of
+    the column views first): q and k come back as views of one (num_tokens, heads + kv_heads,
+    head_dim) buffer, last dim contiguous."""
+    assert qkv.stride(1) == 1 and q_weight.is_contiguous() and k_weight.is_contiguous()
+    tokens, num_rows = qkv.shape[0], num_heads + num_kv_heads
+    out = torch.empty(tokens, num_rows, head_dim, dtype=qkv.dtype, device=qkv.device)
+    if tokens:
+        rows_pad, dim_pad = triton.next_power_of_2(num_rows), triton.next_power_of_2(head_dim)
+        _qk_rms_norm_kernel[(tokens,)](
+            qkv, q_weight, k_weight, out, qkv.stride(0), out.stride(0), eps,
+            NUM_HEADS=num_heads, NUM_ROWS=num_rows, HEAD_DIM=head_dim, ROWS_PAD=rows_pad, DIM_PAD=dim_pad,
+            num_warps=min(8, max(1, rows_pad * dim_pad // 1024)), **pdl_options(qkv),
+        )
+    return out[:, :num_heads], out[:, num_heads:]
+
+
+def qk_rms_norm(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, q_weight: torch.Tensor,
+                k_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    if use_triton(qkv):
+        return qk_rms_norm_triton(qkv, num_heads, num_kv_heads, head_dim, q_weight, k_weight, eps)
+    return qk_rms_norm_ref(qkv, num_heads, num_kv_heads, head_dim, q_weight, k_weight, eps)

@@ -35,7 +35,7 @@ from kernels.fp8 import FP8_DTYPE, QuantizedRows, fp8_gated_linear, fp8_linear, 
 from kernels.fp8_block import blocks, fp8_block_linear
 from kernels.activation import silu_and_mul
 from kernels.linear import gated_linear, linear, linear_float32_out
-from kernels.rmsnorm import rms_norm
+from kernels.rmsnorm import qk_rms_norm, rms_norm
 from kernels.wna16 import WNA16Weight, prepare_wna16, stored_columns, wna16_linear
 
 if TYPE_CHECKING:
@@ -271,13 +271,6 @@ class Norm(nn.Module):
         self.bias = _empty(size, dtype=dtype, device=device) if bias else None
 
 
-def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over head_dim of every head (Qwen3's and Gemma 3's q/k norms): x (num_tokens, heads,
-    head_dim), any strides, weight (head_dim,) -> (num_tokens, heads, head_dim), contiguous."""
-    num_tokens, heads, head_dim = x.shape
-    return rms_norm(x.reshape(num_tokens * heads, head_dim), weight, eps)[0].view(num_tokens, heads, head_dim)
-
-
 def qkv_heads(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
               q_norm: Norm | None = None, k_norm: Norm | None = None, eps: float = 0.0
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -286,11 +279,10 @@ def qkv_heads(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: in
     q and k through their per-head RMSNorms where the family has them (Qwen3, Gemma 3)."""
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-    q = q.view(-1, num_heads, head_dim)
-    k = k.view(-1, num_kv_heads, head_dim)
     if q_norm is not None:
-        q, k = rms_norm_heads(q, q_norm.weight, eps), rms_norm_heads(k, k_norm.weight, eps)
-    return q, k, v.view(-1, num_kv_heads, head_dim)
+        q, k = qk_rms_norm(qkv, num_heads, num_kv_heads, head_dim, q_norm.weight, k_norm.weight, eps)
+        return q, k, v.view(-1, num_kv_heads, head_dim)
+    return q.view(-1, num_heads, head_dim), k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim)
 
 
 class VocabParallelEmbedding(nn.Module):

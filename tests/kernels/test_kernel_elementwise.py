@@ -24,6 +24,29 @@ def randn(*shape, dtype, device, seed):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 5])
+@pytest.mark.parametrize("heads,head_dim", [((32, 4), 128), ((9, 3), 64), ((6, 6), 96)])
+def test_qk_rms_norm_reads_the_qkv_columns_in_place(device, num_tokens, heads, head_dim):
+    """Qwen3's shape (32 q and 4 k heads of 128), a group of 3, and a head_dim that is not a power of
+    two: q and k of the fused qkv output, each head normalized with its own weight, equal the reference
+    (which copies the column views first); v's columns are left alone."""
+    from kernels.rmsnorm import qk_rms_norm_ref, qk_rms_norm_triton
+
+    num_heads, num_kv_heads = heads
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    for dtype in low_precision_dtypes(device):
+        qkv = randn(num_tokens, width, dtype=dtype, device=device, seed=1)
+        q_weight = randn(head_dim, dtype=dtype, device=device, seed=2)
+        k_weight = randn(head_dim, dtype=dtype, device=device, seed=3)
+        before = qkv.clone()
+        q, k = qk_rms_norm_triton(qkv, num_heads, num_kv_heads, head_dim, q_weight, k_weight, 1e-6)
+        q_ref, k_ref = qk_rms_norm_ref(qkv, num_heads, num_kv_heads, head_dim, q_weight, k_weight, 1e-6)
+        assert q.shape == q_ref.shape and k.shape == k_ref.shape and q.stride(-1) == k.stride(-1) == 1
+        assert relative_error(q, q_ref) < ROUNDING[dtype] and relative_error(k, k_ref) < ROUNDING[dtype]
+        assert torch.equal(qkv, before)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens,hidden", [(1, 4096), (7, 576), (33, 2048)])
 def test_rms_norm_with_and_without_residual(device, num_tokens, hidden):
     from kernels.rmsnorm import rms_norm_triton
