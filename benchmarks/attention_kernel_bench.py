@@ -11,7 +11,7 @@ decode-only steps (532 rows over 1.5k, 194 over 5.25k, 1,024 over 192), over pag
 the pool (``--page_order in_order``: each sequence's pages adjacent). Steps with prompt tokens pass
 a tile map, as the executor's CUDA graphs of such steps do (engine/executor/prefill_graphs.py; an eager
 step's grid also spans every sequence's would-be prompt tiles). Each case is timed as a CUDA
-graph of 10 calls (no launch overhead), median of 3 replays; the pool's blocks are handed out
+graph of 10 calls (no launch overhead), mean of 3 replays after a warm-up one; the pool's blocks are handed out
 shuffled and it is far larger than L2, so the keys come from HBM as in a served step.
 
 Reported per case: microseconds per call (one layer), the dot-product work rate (4 * head_dim flops
@@ -30,9 +30,10 @@ against another commit, run this file with PYTHONPATH at that commit's tree (its
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
+
+from kernels.linear import graph_time_ms
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 32
 
@@ -109,25 +110,9 @@ def work(batch: list[tuple[int, int]], kv_itemsize: int) -> tuple[float, float]:
 
 
 def time_us(fn, calls: int = 10) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(3):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end) * 1000.0 / calls)
-    return statistics.median(times)
+    """Device microseconds of one fn() call (kernels/linear.py graph_time_ms: a CUDA graph of ``calls``
+    calls, replayed 3 times after a warm-up replay)."""
+    return graph_time_ms(fn, repeat=calls) * 1000.0
 
 
 def rotary_append_inputs(q: torch.Tensor, meta) -> tuple:
