@@ -18,13 +18,16 @@ Reported per case: microseconds per call (one layer), the dot-product work rate 
 per visible query-key pair and query head: QK^T and PV) and the rate at which the pool's K/V bytes of
 the batch's contexts are read once (what bounds decode).
 
+``--pool_layout head_major``: the pool stored as (blocks, KV heads, PAGE, HEAD_DIM), each head's page one
+contiguous run, and handed to the kernels as a permuted view (they read the pool through its strides);
+the default is the engine's (blocks, PAGE, KV heads, HEAD_DIM).
+
 ``--rotary_append``: decode cases once more in the form a served decode step runs them (kernels/
 rope_attention.py: q and the new k arrive unrotated; the kernel rotates them and writes the new K/V).
 
-``--sweep_prefill BM:BN:WARPS:STAGES,...`` and ``--sweep_decode BN:WARPS:STAGES[:KV_HEADS],...`` time the cases
+``--sweep_prefill BM:BN:WARPS:STAGES,...`` and ``--sweep_decode BN:WARPS:STAGES,...`` time the cases
 again with the prompt-chunk or decode-row tiling forced to each entry (kernels/triton_attention.py's
-``_prefill_config`` / ``_decode_config`` replaced for the run), to choose those tables. KV_HEADS: adjacent
-KV heads one decode program reads (an FP8 pool's key row of one head is 128 bytes, of two 256). To compare
+``_prefill_config`` / ``_decode_config`` replaced for the run), to choose those tables. To compare
 against another commit, run this file with PYTHONPATH at that commit's tree (its kernels are timed).
 """
 from __future__ import annotations
@@ -50,6 +53,7 @@ CASES: dict[str, list[tuple[int, int]]] = {
 
 
 PAGE_ORDER = "shuffled"  # or "in_order": --page_order
+POOL_LAYOUT = "token_major"  # or "head_major": --pool_layout
 
 
 def build_case(batch: list[tuple[int, int]], pool_dtype: torch.dtype, seed: int = 0):
@@ -71,9 +75,15 @@ def build_case(batch: list[tuple[int, int]], pool_dtype: torch.dtype, seed: int 
     for i, count in enumerate(pages):
         tables[i, :count] = order[start:start + count].int()
         start += count
+    # Kernels take the pool as (blocks, PAGE, KV heads, HEAD_DIM) through its strides; head_major stores
+    # each head's page as one contiguous run (PAGE * HEAD_DIM values) and hands the kernels a permuted view.
     shape = (num_blocks, PAGE, NUM_KV_HEADS, HEAD_DIM)
+    if POOL_LAYOUT == "head_major":
+        shape = (num_blocks, NUM_KV_HEADS, PAGE, HEAD_DIM)
     k_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen).to(pool_dtype)
     v_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen).to(pool_dtype)
+    if POOL_LAYOUT == "head_major":
+        k_cache, v_cache = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
     q_lens = [n for _, n in batch]
     contexts = [c + n for c, n in batch]
     cu = [0]
@@ -168,15 +178,17 @@ def main() -> None:
     parser.add_argument("--pool", default="fp8,bf16")
     parser.add_argument("--cases", default=",".join(CASES), help="comma list of case names (see CASES)")
     parser.add_argument("--sweep_prefill", default="", help="BM:BN:WARPS:STAGES,... for prompt chunks")
-    parser.add_argument("--sweep_decode", default="", help="BN:WARPS:STAGES[:KV_HEADS],... for decode rows")
+    parser.add_argument("--sweep_decode", default="", help="BN:WARPS:STAGES,... for decode rows")
     parser.add_argument("--rotary_append", action="store_true",
                         help="decode cases also in the served form: q and k rotated and the new K/V written in-kernel")
+    parser.add_argument("--pool_layout", choices=["token_major", "head_major"], default="token_major",
+                        help="head_major: each KV head's page contiguous (the kernels read it through strides)")
     parser.add_argument("--page_order", choices=["shuffled", "in_order"], default="shuffled",
                         help="pages of the contexts: shuffled over the pool, or each sequence's adjacent")
     parser.add_argument("--markdown", default=None, help="append the table to this file")
     args = parser.parse_args()
-    global PAGE_ORDER
-    PAGE_ORDER = args.page_order
+    global PAGE_ORDER, POOL_LAYOUT
+    PAGE_ORDER, POOL_LAYOUT = args.page_order, args.pool_layout
     cases = [c for c in args.cases.split(",") if c]
     rows = []
     for pool in args.pool.split(","):
@@ -188,14 +200,14 @@ def main() -> None:
                 print(rows[-1], flush=True)
         for entry in filter(None, args.sweep_prefill.split(",")):
             bm, bn, warps, stages = map(int, entry.split(":"))
-            with forced("_prefill_config", lambda default: (bm, bn, warps, stages, 1, 1)):
+            with forced("_prefill_config", lambda default: (bm, bn, warps, stages, 1)):
                 for name in cases:
                     if any(n > 1 for _, n in CASES[name]):
                         rows.append(run_case(name, pool, f"prefill {entry}"))
                         print(rows[-1], flush=True)
         for entry in filter(None, args.sweep_decode.split(",")):
-            bn, warps, stages, kv_heads = (list(map(int, entry.split(":"))) + [1])[:4]
-            with forced("_decode_config", lambda default: (default[0], bn, warps, stages, default[4], kv_heads)):
+            bn, warps, stages = map(int, entry.split(":"))
+            with forced("_decode_config", lambda default: (default[0], bn, warps, stages, default[4])):
                 for name in cases:
                     if any(n == 1 for _, n in CASES[name]):
                         rows.append(run_case(name, pool, f"decode {entry}"))

@@ -79,6 +79,7 @@ def profile_step(runner, batch) -> dict:
         torch.cuda.synchronize()
     by_family: dict[str, float] = {}
     top: dict[str, float] = {}
+    launches: dict[str, int] = {}  # kernel -> launches in the step (a batch-1 step is bound by these)
     for event in prof.key_averages():
         device_us = getattr(event, "self_device_time_total", None)
         if device_us is None:
@@ -88,10 +89,12 @@ def profile_step(runner, batch) -> dict:
         family = family_of(event.key)
         by_family[family] = by_family.get(family, 0.0) + device_us / 1000
         top[event.key] = top.get(event.key, 0.0) + device_us / 1000
+        launches[event.key] = launches.get(event.key, 0) + event.count
     kernels_ms = sum(by_family.values())
-    return {"step_ms": start.elapsed_time(end), "kernels_ms": kernels_ms,
+    ranked = sorted(top.items(), key=lambda kv: -kv[1])[:16]
+    return {"step_ms": start.elapsed_time(end), "kernels_ms": kernels_ms, "launches": sum(launches.values()),
             "families_ms": dict(sorted(by_family.items(), key=lambda kv: -kv[1])),
-            "top_kernels_ms": dict(sorted(top.items(), key=lambda kv: -kv[1])[:12])}
+            "top_kernels_ms": dict(ranked), "top_kernels_launches": {name: launches[name] for name, _ in ranked}}
 
 
 def time_step_ms(runner, batch, repeats: int = 5) -> float:
@@ -134,13 +137,15 @@ def sweep_splits(runner, batch, counts: list[int]) -> dict:
 
 
 def print_profile(title: str, result: dict) -> None:
-    print(f"\n{title}: step {result['step_ms']:.2f} ms (CUDA events), kernels {result['kernels_ms']:.2f} ms")
+    print(f"\n{title}: step {result['step_ms']:.2f} ms (CUDA events), kernels {result['kernels_ms']:.2f} ms "
+          f"in {result['launches']} launches")
     print("| family | ms | share |\n|---|---|---|")
     for family, ms in result["families_ms"].items():
         print(f"| {family} | {ms:.2f} | {ms / result['kernels_ms']:.0%} |")
     print("top kernels:")
     for name, ms in result["top_kernels_ms"].items():
-        print(f"  {ms:8.2f} ms  {name[:110]}")
+        count = result["top_kernels_launches"][name]
+        print(f"  {ms:8.2f} ms  {count:5d} x {1000 * ms / count:7.1f} us  {name[:100]}")
 
 
 def main(argv: list[str] | None = None) -> dict:

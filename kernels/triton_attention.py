@@ -39,12 +39,6 @@ their log-sum-exp. The grid depends only on the batch size and on ``meta.max_con
 (never on device values), so a decode step can be captured in a CUDA graph: the runner captures
 with ``max_context_len`` set to the longest context the graph will serve.
 
-Decode programs may also read KV_HEADS > 1 adjacent KV heads (each key's rows of those heads are
-one contiguous run of the pool: 256 bytes for two 128-wide FP8 heads instead of 128): row r is then
-query head ``first KV head * GROUP + r``, and a row's q is zero outside its own head's columns, so
-one dot over the run scores every row against its own head (benchmarks/attention_kernel_bench.py
-sweeps it; the default tilings read one head).
-
 A decode-only batch of a rope layer may pass its q, k and v unrotated (``new_kv``,
 kernels/rope_attention.py): each program rotates its query rows, and the split that holds the new
 token's position writes its rotated K and its V to the token's slot, then reads them back with the
@@ -224,7 +218,6 @@ def _paged_attention_kernel(
     FP16_MATH: tl.constexpr, ROTARY_APPEND: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TILE_MAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     SEQ_KIND: tl.constexpr,  # ALL_SEQS, or only the sequences with several (MULTI_TOKEN) or one (ONE_TOKEN) new tokens
-    KV_HEADS: tl.constexpr,  # adjacent KV heads one program reads (decode only when > 1; see the wrapper)
     PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)  # before the early returns too: every program must wait (kernels/_triton.py)
@@ -237,7 +230,7 @@ def _paged_attention_kernel(
     else:
         m_tile = tl.program_id(0)
         seq = tl.program_id(1)
-    kv_head = tl.program_id(2) // NUM_SPLITS * KV_HEADS  # this program's first KV head
+    kv_head = tl.program_id(2) // NUM_SPLITS
     split = tl.program_id(2) % NUM_SPLITS
 
     if ROTARY_APPEND:  # decode only: sequence i's one new token is row i (cu_seqlens_q is 0, 1, 2, ...)
@@ -259,46 +252,30 @@ def _paged_attention_kernel(
     prefix_len = context_len - q_len
 
     rows = tl.arange(0, BLOCK_M)
-    if KV_HEADS > 1:  # decode: row r is query head kv_head * GROUP + r of the sequence's one new token
-        token_in_seq = rows * 0
-        head = kv_head * GROUP + rows
-        row_valid = rows < KV_HEADS * GROUP
-    else:
-        token_in_seq = first_token + rows // GROUP
-        head = kv_head * GROUP + rows % GROUP
-        row_valid = (rows < TOKENS_PER_TILE * GROUP) & (token_in_seq < q_len)
+    token_in_seq = first_token + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_valid = (rows < TOKENS_PER_TILE * GROUP) & (token_in_seq < q_len)
     # Padding rows take the tile's last valid position, so they never see an all-masked row.
     last_token = tl.minimum(first_token + TOKENS_PER_TILE, q_len) - 1
     q_pos = prefix_len + tl.where(row_valid, token_in_seq, last_token)
-    # Columns: KV_HEADS heads side by side (as the pool stores a key's heads). A row's q is zero
-    # outside its own head's columns, so one dot over all of them scores each row against its own
-    # head's keys, and of P @ V only the row's own columns are kept (the rest is discarded work,
-    # cheap next to the key bytes a decode step waits for).
-    DIM_EXT: tl.constexpr = KV_HEADS * DIM_PAD
-    dims = tl.arange(0, DIM_EXT)
-    if KV_HEADS > 1:
-        head_dims = dims % DIM_PAD  # the column's dim within its head
-    else:  # (the same, in the form the one-head kernels were measured in)
-        head_dims = dims
-    dim_valid = head_dims < HEAD_DIM
+    dims = tl.arange(0, DIM_PAD)
+    dim_valid = dims < HEAD_DIM
 
     token_rows = (q_start + token_in_seq).to(tl.int64)
     q_rows = q_ptr + token_rows[:, None] * stride_qt + head[:, None] * stride_qh
     q_mask = row_valid[:, None] & dim_valid[None, :]
-    if KV_HEADS > 1:
-        q_mask = q_mask & ((dims // DIM_PAD)[None, :] == (rows // GROUP)[:, None])
-    q = tl.load(q_rows + head_dims[None, :], mask=q_mask, other=0.0)
+    q = tl.load(q_rows + dims[None, :], mask=q_mask, other=0.0)
     if ROTARY_APPEND:
         # Decode only (one new token, at cache position prefix_len): rotate the query rows here
         # instead of in kernels/rotary.py's kernel, and have the one split whose keys end at that
         # position put the token's rotated K and its V into the cache before reading its keys.
         # HEAD_DIM == DIM_PAD here (the wrapper checks), so every dim has its partner.
         HALF: tl.constexpr = HEAD_DIM // 2
-        first_half = head_dims < HALF
-        partner = (head_dims + HALF) % HEAD_DIM
+        first_half = dims < HALF
+        partner = (dims + HALF) % HEAD_DIM
         position = tl.load(positions_ptr + q_start).to(tl.int64)
-        cos = tl.load(cos_sin_ptr + position * stride_cos + head_dims % HALF)
-        sin = tl.load(cos_sin_ptr + position * stride_cos + HALF + head_dims % HALF)
+        cos = tl.load(cos_sin_ptr + position * stride_cos + dims % HALF)
+        sin = tl.load(cos_sin_ptr + position * stride_cos + HALF + dims % HALF)
         q = rotate_neox(q, tl.load(q_rows + partner[None, :], mask=q_mask, other=0.0),
                         cos[None, :], sin[None, :], first_half[None, :])
     if FP16_MATH:
@@ -321,17 +298,13 @@ def _paged_attention_kernel(
         slot = tl.load(slot_ptr + q_start).to(tl.int64)
         if (kv_lo <= prefix_len) & (prefix_len < kv_hi) & (slot >= 0):  # slot -1: a graph's padding row
             new_row = q_start.to(tl.int64)
-            if KV_HEADS > 1:
-                heads = kv_head + dims // DIM_PAD  # each column's KV head
-            else:
-                heads = kv_head
-            k_row = k_new_ptr + new_row * stride_knt + heads * stride_knh
-            k_new = rotate_neox(tl.load(k_row + head_dims), tl.load(k_row + partner), cos, sin, first_half)
-            v_new = tl.load(v_new_ptr + new_row * stride_vnt + heads * stride_vnh + head_dims)
+            k_row = k_new_ptr + new_row * stride_knt + kv_head * stride_knh
+            k_new = rotate_neox(tl.load(k_row + dims), tl.load(k_row + partner), cos, sin, first_half)
+            v_new = tl.load(v_new_ptr + new_row * stride_vnt + kv_head * stride_vnh + dims)
             page, offset = slot // PAGE_SIZE, slot % PAGE_SIZE
-            tl.store(k_cache_ptr + page * stride_kb + offset * stride_ks + heads * stride_kh + head_dims,
+            tl.store(k_cache_ptr + page * stride_kb + offset * stride_ks + kv_head * stride_kh + dims,
                      cache_value(k_new, k_cache_ptr))
-            tl.store(v_cache_ptr + page * stride_vb + offset * stride_vs + heads * stride_vh + head_dims,
+            tl.store(v_cache_ptr + page * stride_vb + offset * stride_vs + kv_head * stride_vh + dims,
                      cache_value(v_new, v_cache_ptr))
         # The walk below reads that slot back: a block barrier orders this program's stores before
         # its loads (no other program reads this key of this KV head in this step). Adding the key
@@ -344,7 +317,7 @@ def _paged_attention_kernel(
         if split == 0:  # the sink's one term of the denominator: exp2(sink - m_i) * l_i = 1
             m_i = tl.load(sinks_ptr + head, mask=row_valid, other=0.0).to(tl.float32) * 1.4426950408889634
             l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, DIM_EXT], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, DIM_PAD], dtype=tl.float32)
     block_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     # Every row sees the keys up to its tile's first position (without a window): the whole tiles
     # of this split below that bound skip the causal and length masks, the rest of the walk keeps them.
@@ -356,18 +329,18 @@ def _paged_attention_kernel(
     m_i, l_i, acc = _attend_keys(
         q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_row, kv_head, kv_lo, unmasked_end, kv_hi,
         qk_scale, window, softcap_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-        KV_HEADS * HEAD_DIM, DIM_EXT, PAGE_SIZE, BLOCK_N, PRECISION, FP16_MATH, HAS_WINDOW, HAS_SOFTCAP, False)
+        HEAD_DIM, DIM_PAD, PAGE_SIZE, BLOCK_N, PRECISION, FP16_MATH, HAS_WINDOW, HAS_SOFTCAP, False)
     m_i, l_i, acc = _attend_keys(
         q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_row, kv_head, unmasked_end, kv_hi, kv_hi,
         qk_scale, window, softcap_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-        KV_HEADS * HEAD_DIM, DIM_EXT, PAGE_SIZE, BLOCK_N, PRECISION, FP16_MATH, HAS_WINDOW, HAS_SOFTCAP, True)
+        HEAD_DIM, DIM_PAD, PAGE_SIZE, BLOCK_N, PRECISION, FP16_MATH, HAS_WINDOW, HAS_SOFTCAP, True)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
-    out_mask = q_mask  # each valid row's own head's columns
+    out_mask = row_valid[:, None] & dim_valid[None, :]
     if NUM_SPLITS == 1:
         tl.store(
-            out_ptr + token_rows[:, None] * stride_ot + head[:, None] * stride_oh + head_dims[None, :],
+            out_ptr + token_rows[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
             out.to(out_ptr.dtype.element_ty), mask=out_mask,
         )
     else:
@@ -377,7 +350,7 @@ def _paged_attention_kernel(
         # have one row each, so its buffers hold num_seqs rows, not every token of the mixed batch).
         part_row = seq.to(tl.int64) + token_rows * 0 if SEQ_KIND == 2 else token_rows
         part = split * stride_ps + part_row * stride_pt + head * stride_ph
-        tl.store(part_out_ptr + part[:, None] + head_dims[None, :], out, mask=out_mask)
+        tl.store(part_out_ptr + part[:, None] + dims[None, :], out, mask=out_mask)
         # part_lse is part_out without its last axis, so its offsets are part's over DIM_PAD.
         tl.store(part_lse_ptr + part // DIM_PAD, lse, mask=row_valid)
 
@@ -441,8 +414,8 @@ def prefill_tokens_per_tile(group: int, head_dim: int = 128, kv_itemsize: int = 
 
 def _decode_config(meta: AttentionMetadata, group: int, num_kv_heads: int, device: torch.device,
                    num_splits: int | None, sliding_window: int | None, dim_pad: int,
-                   kv_itemsize: int) -> tuple[int, int, int, int, int, int]:
-    """(BLOCK_M rows, BLOCK_N keys, warps, stages, splits, KV heads a program) of decode rows: the smallest row tile that
+                   kv_itemsize: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M rows, BLOCK_N keys, warps, stages, splits) of decode rows: the smallest row tile that
     holds a GQA group (16, the tensor-core minimum) and key splits to fill the GPU (a window caps the
     keys a token reads, so it caps the splits too; a Python constant per layer, so CUDA graphs keep
     one grid per layer).
@@ -461,11 +434,11 @@ def _decode_config(meta: AttentionMetadata, group: int, num_kv_heads: int, devic
         num_splits = _decode_num_splits(meta.num_seqs, num_kv_heads, keys_read, num_sms(device), 64)
     if kv_itemsize == 1:
         if block_m > 16 or wide:
-            return block_m, 32, 4, 2, num_splits, 1
+            return block_m, 32, 4, 2, num_splits
         if meta.num_seqs >= FP8_SHORT_CONTEXT_BATCH:
-            return block_m, 32, 1, 3, num_splits, 1
-        return block_m, 64, 2, 5, num_splits, 1
-    return block_m, 64, 4, (2 if wide else 3), num_splits, 1
+            return block_m, 32, 1, 3, num_splits
+        return block_m, 64, 2, 5, num_splits
+    return block_m, 64, 4, (2 if wide else 3), num_splits
 
 
 # FP8 pools, heads up to 128 wide: decode batches of at least this many sequences walk 32 keys at a
@@ -478,8 +451,8 @@ def _decode_config(meta: AttentionMetadata, group: int, num_kv_heads: int, devic
 FP8_SHORT_CONTEXT_BATCH = 768
 
 
-def _prefill_config(group: int, dim_pad: int, kv_itemsize: int) -> tuple[int, int, int, int, int, int]:
-    """(BLOCK_M rows, BLOCK_N keys, warps, stages, 1 split, 1 KV head a program) of prompt chunks (BLOCK_M // group tokens of
+def _prefill_config(group: int, dim_pad: int, kv_itemsize: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M rows, BLOCK_N keys, warps, stages, 1) of prompt chunks (BLOCK_M // group tokens of
     every head of a group a tile), never split.
 
     H100, Llama-8B heads (benchmarks/attention_kernel_bench.py, 2026-11-26): an FP8 pool takes
@@ -490,10 +463,10 @@ def _prefill_config(group: int, dim_pad: int, kv_itemsize: int) -> tuple[int, in
     walk 32 keys at a time with 8 warps (a 64 x 256 fp32 accumulator over 4 warps would spill)."""
     block_m = 64 if group <= 64 else triton.next_power_of_2(group)
     if dim_pad > 128:
-        return block_m, 32, 8, 2, 1, 1
+        return block_m, 32, 8, 2, 1
     if kv_itemsize == 1:
-        return max(block_m, 128), 128, 8, 2, 1, 1
-    return block_m, 64, 4, 2, 1, 1
+        return max(block_m, 128), 128, 8, 2, 1
+    return block_m, 64, 4, 2, 1
 
 
 def paged_attention_triton(
@@ -533,16 +506,9 @@ def paged_attention_triton(
         new_kv_strides = (0, 0, 0, 0)
     kv_itemsize = k_cache.element_size()
 
-    def launch(config: tuple[int, int, int, int, int, int], grid: tuple[int, int, int], seq_kind: int,
+    def launch(config: tuple[int, int, int, int, int], grid: tuple[int, int, int], seq_kind: int,
                tile_map: bool) -> None:
-        block_m, block_n, num_warps, num_stages, num_splits, kv_heads = config
-        if kv_heads > 1:
-            # Decode rows only; a key's kv_heads heads must be one contiguous run of the pool (and of
-            # the new k / v rows) and whole heads (no padded dims inside the run).
-            assert seq_kind != MULTI_TOKEN and not tile_map and num_kv_heads % kv_heads == 0
-            assert dim_pad == head_dim and k_cache.stride(2) == v_cache.stride(2) == head_dim
-            assert new_kv is None or new_kv_strides[1] == new_kv_strides[3] == head_dim
-            block_m = max(block_m, triton.next_power_of_2(kv_heads * group))
+        block_m, block_n, num_warps, num_stages, num_splits = config
         if num_splits > 1:
             rows = num_seqs if seq_kind == ONE_TOKEN else num_tokens  # (see the kernel's part_row)
             part_out = torch.empty(num_splits, rows, num_heads, dim_pad, dtype=torch.float32, device=q.device)
@@ -551,7 +517,7 @@ def paged_attention_triton(
         else:
             part_out = part_lse = out  # unused
             ps = pt = ph = 0
-        _paged_attention_kernel[grid[0], grid[1], grid[2] // kv_heads * num_splits](
+        _paged_attention_kernel[grid[0], grid[1], grid[2] * num_splits](
             q, k_cache, v_cache, out, part_out, part_lse,
             meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
             meta.tile_seq if tile_map else meta.cu_seqlens_q, meta.tile_m if tile_map else meta.cu_seqlens_q,
@@ -566,8 +532,7 @@ def paged_attention_triton(
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 engines get fp32 dots
             FP16_MATH=kv_itemsize == 1 and q.dtype != torch.float32, ROTARY_APPEND=new_kv is not None,
             HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=logit_softcap is not None, HAS_TILE_MAP=tile_map,
-            HAS_SINKS=sinks is not None, SEQ_KIND=seq_kind, KV_HEADS=kv_heads, num_warps=num_warps,
-            num_stages=num_stages,
+            HAS_SINKS=sinks is not None, SEQ_KIND=seq_kind, num_warps=num_warps, num_stages=num_stages,
             **pdl_options(q),
         )
         if num_splits > 1:

@@ -118,19 +118,6 @@ def test_decode_with_sinks_counts_the_sink_once_over_the_splits(device, num_spli
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_splits", [None, 4])
-def test_decode_programs_over_two_kv_heads_take_each_rows_own_sink(device, num_splits, monkeypatch):
-    """Decode programs that read two adjacent KV heads (kernels/triton_attention.py KV_HEADS) give each
-    query row the sink of its own head: gpt-oss's 64-wide heads in groups of 8."""
-    from kernels import triton_attention
-
-    chosen = triton_attention._decode_config
-    monkeypatch.setattr(triton_attention, "_decode_config", lambda *a, **k: chosen(*a, **k)[:5] + (2,))
-    for dtype in low_precision_dtypes(device):
-        run_sinks_case(device, dtype, (16, 2, 64), [(0, 1), (15, 1), (16, 1), (299, 1)], num_splits=num_splits)
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_decode_with_rotary_append_and_sinks_matches_the_two_step_path(device, num_splits):
     """The decode kernel that rotates q/k and appends K/V itself (kernels/rope_attention.py) with

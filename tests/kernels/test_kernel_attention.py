@@ -281,30 +281,6 @@ def test_mixed_batch_through_a_tile_map_with_padding_sequences(device, window, f
     assert relative_error(out, ref) < TOLERANCE[dtype]
 
 
-def force_kv_heads_per_program(monkeypatch, kv_heads: int) -> None:
-    """Decode rows read kv_heads adjacent KV heads a program (kernels/triton_attention.py KV_HEADS)."""
-    from kernels import triton_attention
-
-    chosen = triton_attention._decode_config
-    monkeypatch.setattr(triton_attention, "_decode_config", lambda *a, **k: chosen(*a, **k)[:5] + (kv_heads,))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("kv_heads", [2, 4])
-@pytest.mark.parametrize("num_splits", [None, 1, 4])
-@pytest.mark.parametrize("window,softcap", [(None, None), (37, 5.0)])
-def test_decode_programs_over_several_kv_heads_match_reference(device, kv_heads, num_splits, window, softcap,
-                                                               monkeypatch):
-    """A decode program may read 2 or 4 adjacent KV heads (one contiguous run of each key's row): decode
-    batches, split or not, windowed and soft-capped, and the decode rows of a mixed batch."""
-    force_kv_heads_per_program(monkeypatch, kv_heads)
-    for dtype in low_precision_dtypes(device):
-        run_attention_case(device, dtype, (32, 8, 128), 16, [(0, 1), (15, 1), (16, 1), (299, 1), (40, 1)],
-                           num_splits=num_splits, sliding_window=window, logit_softcap=softcap)
-        run_attention_case(device, dtype, (16, 4, 64), 16, MIXED_BATCH, num_splits=num_splits,
-                           sliding_window=window, logit_softcap=softcap)
-
-
 # Windows shorter than, equal to and longer than a page, one that cuts a page in the middle, and a
 # window of 1 (each token sees itself only); soft-caps small enough to bend the scores.
 WINDOW_CASES = [(8, None), (16, None), (37, 5.0), (1, None), (None, 2.0), (100, 50.0)]
@@ -398,18 +374,15 @@ def test_decode_split_count_is_a_bounded_power_of_two():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("heads,kv_heads", [((32, 8, 128), 1), ((9, 3, 64), 1), ((8, 4, 256), 1), ((32, 8, 128), 2),
-                                            ((16, 4, 64), 4)])
+@pytest.mark.parametrize("heads", [(32, 8, 128), (9, 3, 64), (8, 4, 256)])
 @pytest.mark.parametrize("num_splits", [None, 1, 4])
 @pytest.mark.parametrize("fp8_pool", [False, True])
-def test_decode_with_rotary_and_kv_append_matches_separate_kernels(device, heads, kv_heads, num_splits, fp8_pool,
-                                                                   monkeypatch):
+def test_decode_with_rotary_and_kv_append_matches_separate_kernels(device, heads, num_splits, fp8_pool):
     """At decode the attention kernel rotates q and k and appends k and v itself
     (kernels/rope_attention.py). Against rotary_and_write_kv + paged_attention as two kernels: the same
     cache bytes and the same output; against the torch references: within the dots' rounding. The new
     key ends a page (context 16), starts one (17), is the only key (1), lies deep in a split (300), and
-    one row has slot -1 (a CUDA graph's padding row), which must write nothing (its output is unused).
-    kv_heads > 1: the fused kernel's programs read (and append) several adjacent KV heads each."""
+    one row has slot -1 (a CUDA graph's padding row), which must write nothing (its output is unused)."""
     from kernels.attention import KV_FP8_DTYPE
     from kernels.rotary import build_cos_sin_cache, rotary_and_write_kv_ref, rotary_and_write_kv_triton
     from kernels.triton_attention import paged_attention_triton
@@ -432,8 +405,6 @@ def test_decode_with_rotary_and_kv_append_matches_separate_kernels(device, heads
     rotated = rotary_and_write_kv_triton(q_split, k, v, positions, cos_sin, k_split, v_split, meta.slot_mapping)
     out_split = paged_attention_triton(rotated, k_split, v_split, meta, scale, num_splits=num_splits)
 
-    if kv_heads > 1:
-        force_kv_heads_per_program(monkeypatch, kv_heads)
     k_fused, v_fused, q_before, k_before = k_cache.clone(), v_cache.clone(), q.clone(), k.clone()
     out = paged_attention_triton(q, k_fused, v_fused, meta, scale, num_splits=num_splits,
                                  new_kv=(k, v, positions, cos_sin))
