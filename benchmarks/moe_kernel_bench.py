@@ -7,7 +7,7 @@ bytes of the experts hit over the time.
 
     python benchmarks/moe_kernel_bench.py [--shape qwen3_30b_a3b|gpt_oss_20b] [--tokens 1 8 64 ...]
         [--stages]   # also time the grouped path's stages one by one at the largest size
-        [--sweep]    # also time the block-tiled kernel's block sizes and tilings at each size
+        [--sweep]    # also time the block-tiled kernel's block sizes and tilings at each size (one token: each projection's tiles)
         [--sweep-projections]  # ... and each projection's tilings alone (gate_up, down)
 """
 from __future__ import annotations
@@ -44,6 +44,14 @@ def sweep_configs():
                                                 (128, 64, 8, 4), (32, 128, 4, 4), (64, 256, 4, 2),
                                                 (128, 128, 4, 3), (256, 64, 8, 3), (64, 128, 4, 4)):
             yield block_m, {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": warps, "num_stages": stages}
+
+
+def single_token_configs():
+    """Tile candidates of a single token's grouped GEMMs (kernels/fused_moe.py SINGLE_TOKEN_TILES)."""
+    for block_n, block_k, warps, stages in ((32, 128, 4, 4), (16, 128, 4, 4), (16, 256, 4, 3), (32, 256, 4, 3),
+                                            (64, 128, 4, 4), (32, 64, 4, 6), (16, 128, 2, 5), (32, 128, 2, 4),
+                                            (64, 64, 4, 5), (16, 512, 4, 2)):
+        yield {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": warps, "num_stages": stages}
 
 
 def sweep_projections(token_counts, gate_up, down, top_k) -> None:
@@ -120,6 +128,19 @@ def main() -> None:
             us = graph_call_us(fn, inputs)
             print(f"| {tokens} | {name} | {us:.1f} | {flops / us / 1e6:.0f} | "
                   f"{hit * 6 * hidden * inter / us / 1e3:.0f} | {diff:.1e} |", flush=True)
+        if args.sweep and tokens == 1:
+            print("    single token, each projection's tiles (the other's default):")
+            for config in single_token_configs():
+                for projection in ("gate_up", "down"):
+                    key = "config" if projection == "gate_up" else "down_config"
+                    def fn(x, logits, key=key, config=config):
+                        return moe_single_token_triton(x, logits, gate_up, down, top_k, True, **{key: config})
+                    try:
+                        us = graph_call_us(fn, inputs)
+                    except Exception as exc:  # a tiling that does not fit shared memory
+                        print(f"    {projection} {config}: failed {type(exc).__name__}")
+                        continue
+                    print(f"    {projection} {config}: {us:.1f} us", flush=True)
         if args.sweep and tokens > 1:
             print(f"    block-tiled kernel at {tokens} tokens (default "
                   f"{model_dtype_tiling(tokens * top_k, experts)}):")

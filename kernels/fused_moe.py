@@ -27,7 +27,8 @@ The Triton path (CUDA):
    by column tile n of expert block_expert[b]'s weight, so each weight tile is streamed once per
    block of tokens that chose it. gate_up reads token rows x[a // K] and applies SiLU-and-mul in
    its epilogue: act (T * K, I). down reads act[a], scales by topk_weights[a]: out_k (T * K, H).
-4. out = out_k.view(T, K, H).sum(1), accumulated in float32.
+4. out = out_k.view(T, K, H).sum(1), accumulated in float32; or, with ``sum_experts=False``, out_k
+   as (T, K, H) for the norm after the layer to sum in its own pass (kernels/rmsnorm.py).
 
 From 64 rows an expert on average (GROUPED_MM_MIN_ROWS_PER_EXPERT: prefill chunks), steps 2-4 give
 way to sorted rows and torch._grouped_mm (kernels/moe_grouped_mm.py), where torch has it for the
@@ -187,6 +188,10 @@ def gemm_config(block_m: int) -> dict:
     return {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
 
 
+# A single token's (gate_up, down) tiles: each of its K assignments is a block of its own
+# (moe_single_token_triton). Qwen3-30B-A3B: gate_up 8 blocks x 24 column tiles, down 8 x 64.
+SINGLE_TOKEN_TILES = (gemm_config(16), gemm_config(16))
+
 # The model-dtype kernel's (block_m, tiles) by average rows an expert: (most rows, block_m,
 # BLOCK_N, BLOCK_K, warps, stages). From benchmarks/moe_kernel_bench.py --sweep on an H200
 # (2026-11-26, Qwen3-30B-A3B's experts): 256 tokens (16 rows an expert) 377 us against 400 with
@@ -249,14 +254,17 @@ def _grouped_gemm(a, w, out, blocks, topk_ids, topk_weights, *, n: int, top_k: i
 
 def moe_single_token_triton(x: torch.Tensor, router_logits: torch.Tensor, gate_up: torch.Tensor,
                             down: torch.Tensor, top_k: int, renormalize: bool, *,
-                            config: dict | None = None, epilogue: ExpertEpilogue = PLAIN_SILU) -> torch.Tensor:
+                            config: dict | None = None, down_config: dict | None = None,
+                            epilogue: ExpertEpilogue = PLAIN_SILU, sum_experts: bool = True) -> torch.Tensor:
     """route_tokens + fused_moe for one token (batch-1 decode) in three launches: gate_up with
-    the routing inside, down, and the sum over the K experts."""
+    the routing inside, down, and the sum over the K experts (two with ``sum_experts=False``:
+    moe_forward). ``config`` / ``down_config``: the two GEMMs' tiles (SINGLE_TOKEN_TILES)."""
     hidden = x.shape[1]
     inter = gate_up.shape[1] // 2
     assert x.shape[0] == 1 and x.stride(1) == 1 and router_logits.is_contiguous()
     assert gate_up.is_contiguous() and down.is_contiguous()
-    config = config or gemm_config(16)
+    config = config or SINGLE_TOKEN_TILES[0]
+    down_config = down_config or SINGLE_TOKEN_TILES[1]
     ids = torch.empty(top_k, dtype=torch.int32, device=x.device)
     weights = torch.empty(top_k, dtype=torch.float32, device=x.device)
     act = torch.empty(top_k, inter, dtype=x.dtype, device=x.device)
@@ -265,13 +273,14 @@ def moe_single_token_triton(x: torch.Tensor, router_logits: torch.Tensor, gate_u
                   bias=epilogue.gate_up_bias, epilogue=epilogue)
     out_k = torch.empty(top_k, hidden, dtype=x.dtype, device=x.device)
     _grouped_gemm(act, down, out_k, None, ids, weights, n=hidden, top_k=top_k, rows_per_token=False,
-                  gated=False, mul_weight=True, block_m=16, config=config, bias=epilogue.down_bias, epilogue=epilogue)
-    return out_k.sum(dim=0, keepdim=True)
+                  gated=False, mul_weight=True, block_m=16, config=down_config, bias=epilogue.down_bias,
+                  epilogue=epilogue)
+    return out_k.sum(dim=0, keepdim=True) if sum_experts else out_k.unsqueeze(0)
 
 
 def fused_moe_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
                      topk_ids: torch.Tensor, *, block_m: int | None = None, config: dict | None = None,
-                     epilogue: ExpertEpilogue = PLAIN_SILU) -> torch.Tensor:
+                     epilogue: ExpertEpilogue = PLAIN_SILU, sum_experts: bool = True) -> torch.Tensor:
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = gate_up.shape
     inter, top_k = two_inter // 2, topk_ids.shape[1]
@@ -297,7 +306,8 @@ def fused_moe_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     _grouped_gemm(act, down, out_k, blocks, flat_ids, weights, n=hidden, top_k=top_k, rows_per_token=False,
                   gated=False, mul_weight=True, block_m=block_m, config=config, bias=epilogue.down_bias,
                   epilogue=epilogue)
-    return out_k.view(num_tokens, top_k, hidden).sum(dim=1)
+    out_k = out_k.view(num_tokens, top_k, hidden)
+    return out_k.sum(dim=1) if sum_experts else out_k
 
 
 # ---- reference and public entry --------------------------------------------------------------
@@ -333,28 +343,32 @@ def fused_moe_ref(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, to
 def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, *, gate_up_bias: torch.Tensor | None = None,
               down_bias: torch.Tensor | None = None, activation: str = "silu",
-              swiglu_limit: float | None = None) -> torch.Tensor:
+              swiglu_limit: float | None = None, sum_experts: bool = True) -> torch.Tensor:
     """The routed experts' output (T, H) (module docstring): Triton on CUDA, else the reference.
-    gate_up_bias (E, 2I), down_bias (E, H), activation, swiglu_limit: ExpertEpilogue's."""
+    gate_up_bias (E, 2I), down_bias (E, H), activation, swiglu_limit: ExpertEpilogue's.
+    ``sum_experts=False``: the block-tiled path returns the K weighted rows of each token unsummed,
+    (T, K, H), for a consumer that sums them in its own pass (kernels/rmsnorm.py takes them as its x);
+    the other paths sum as before and return (T, H)."""
     epilogue = ExpertEpilogue(gate_up_bias, down_bias, activation, swiglu_limit)
     if not use_triton(x):
         return fused_moe_ref(x, gate_up, down, topk_weights, topk_ids, epilogue)
     many_rows = topk_ids.numel() >= GROUPED_MM_MIN_ROWS_PER_EXPERT * gate_up.shape[0]
     if many_rows and grouped_mm_supported(x, gate_up, down):
         return fused_moe_grouped_mm(x, gate_up, down, topk_weights, topk_ids, epilogue)
-    return fused_moe_triton(x, gate_up, down, topk_weights, topk_ids, epilogue=epilogue)
+    return fused_moe_triton(x, gate_up, down, topk_weights, topk_ids, epilogue=epilogue, sum_experts=sum_experts)
 
 
 def moe_forward(x: torch.Tensor, router_logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                 top_k: int, renormalize: bool, *, gate_up_bias: torch.Tensor | None = None,
                 down_bias: torch.Tensor | None = None, activation: str = "silu",
-                swiglu_limit: float | None = None) -> torch.Tensor:
+                swiglu_limit: float | None = None, sum_experts: bool = True) -> torch.Tensor:
     """A sparse MLP after its router: route_tokens then fused_moe; one token on CUDA (batch-1
-    decode) routes inside the gate_up launch (moe_single_token_triton). Biases and activation:
-    fused_moe's."""
+    decode) routes inside the gate_up launch (moe_single_token_triton). Biases, activation and
+    ``sum_experts`` (then (T, H) or (T, K, H)): fused_moe's."""
     if use_triton(x) and x.shape[0] == 1:
         epilogue = ExpertEpilogue(gate_up_bias, down_bias, activation, swiglu_limit)
-        return moe_single_token_triton(x, router_logits, gate_up, down, top_k, renormalize, epilogue=epilogue)
+        return moe_single_token_triton(x, router_logits, gate_up, down, top_k, renormalize, epilogue=epilogue,
+                                       sum_experts=sum_experts)
     topk_weights, topk_ids = route_tokens(router_logits, top_k, renormalize)
     return fused_moe(x, gate_up, down, topk_weights, topk_ids, gate_up_bias=gate_up_bias, down_bias=down_bias,
-                     activation=activation, swiglu_limit=swiglu_limit)
+                     activation=activation, swiglu_limit=swiglu_limit, sum_experts=sum_experts)

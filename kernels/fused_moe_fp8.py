@@ -236,9 +236,11 @@ def _check_experts(x, gate_up, gate_up_scale, down, down_scale) -> tuple[int, in
 
 def moe_single_token_fp8_triton(x: torch.Tensor, router_logits: torch.Tensor, gate_up: torch.Tensor,
                                 gate_up_scale: torch.Tensor, down: torch.Tensor, down_scale: torch.Tensor,
-                                top_k: int, renormalize: bool, *, config: dict | None = None) -> torch.Tensor:
+                                top_k: int, renormalize: bool, *, config: dict | None = None,
+                                sum_experts: bool = True) -> torch.Tensor:
     """route_tokens + fused_moe_fp8 for one token: x quantized, gate_up with the routing inside, the
-    SwiGLU output quantized, down, and the sum over the K experts (five launches)."""
+    SwiGLU output quantized, down, and the sum over the K experts (five launches; four with
+    ``sum_experts=False``, kernels/fused_moe.py's fused_moe)."""
     inter, group_k = _check_experts(x, gate_up, gate_up_scale, down, down_scale)
     assert x.shape[0] == 1 and router_logits.is_contiguous()
     config = config or fp8_gemm_config(16)
@@ -253,13 +255,14 @@ def moe_single_token_fp8_triton(x: torch.Tensor, router_logits: torch.Tensor, ga
     a, a_scale = quantize_activations(act, group_k)
     _fp8_grouped_gemm(a, a_scale, down, down_scale, out_k, None, ids, weights, n=x.shape[1], top_k=top_k,
                       rows_per_token=False, gated=False, mul_weight=True, block_m=16, config=config)
-    return out_k.sum(dim=0, keepdim=True)
+    return out_k.sum(dim=0, keepdim=True) if sum_experts else out_k.unsqueeze(0)
 
 
 def fused_moe_fp8_triton(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.Tensor, down: torch.Tensor,
                          down_scale: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
-                         block_m: int | None = None, config: dict | None = None) -> torch.Tensor:
-    """fused_moe_fp8_ref on the Triton grouped GEMMs (routing given)."""
+                         block_m: int | None = None, config: dict | None = None,
+                         sum_experts: bool = True) -> torch.Tensor:
+    """fused_moe_fp8_ref on the Triton grouped GEMMs (routing given); ``sum_experts``: fused_moe's."""
     num_tokens, hidden = x.shape
     inter, group_k = _check_experts(x, gate_up, gate_up_scale, down, down_scale)
     num_experts, top_k = gate_up.shape[0], topk_ids.shape[1]
@@ -279,7 +282,8 @@ def fused_moe_fp8_triton(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: 
     out_k = torch.empty(num_assignments, hidden, dtype=x.dtype, device=x.device)
     _fp8_grouped_gemm(a, a_scale, down, down_scale, out_k, blocks, flat_ids, weights, n=hidden, top_k=top_k,
                       rows_per_token=False, gated=False, mul_weight=True, block_m=block_m, config=config)
-    return out_k.view(num_tokens, top_k, hidden).sum(dim=1)
+    out_k = out_k.view(num_tokens, top_k, hidden)
+    return out_k.sum(dim=1) if sum_experts else out_k
 
 
 # ---- torch._scaled_grouped_mm (per-channel experts, prefill sizes) ------------------------------
@@ -317,22 +321,26 @@ def fused_moe_fp8_grouped_mm(x: torch.Tensor, gate_up: torch.Tensor, gate_up_sca
 # ---- public entry ----------------------------------------------------------------------------
 
 def fused_moe_fp8(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.Tensor, down: torch.Tensor,
-                  down_scale: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+                  down_scale: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+                  sum_experts: bool = True) -> torch.Tensor:
     """The routed FP8 experts' output (T, H): on CUDA the Triton kernels (or, per-channel from
-    SCALED_GROUPED_MM_MIN_ASSIGNMENTS assignments on sm90, torch._scaled_grouped_mm), else the reference."""
+    SCALED_GROUPED_MM_MIN_ASSIGNMENTS assignments on sm90, torch._scaled_grouped_mm), else the reference.
+    ``sum_experts=False``: the Triton kernels' (T, K, H) unsummed (kernels/fused_moe.py's fused_moe)."""
     if not use_triton(x):
         return fused_moe_fp8_ref(x, gate_up, gate_up_scale, down, down_scale, topk_weights, topk_ids)
     if topk_ids.numel() >= SCALED_GROUPED_MM_MIN_ASSIGNMENTS and scaled_grouped_mm_supported(x, gate_up, gate_up_scale):
         return fused_moe_fp8_grouped_mm(x, gate_up, gate_up_scale, down, down_scale, topk_weights, topk_ids)
-    return fused_moe_fp8_triton(x, gate_up, gate_up_scale, down, down_scale, topk_weights, topk_ids)
+    return fused_moe_fp8_triton(x, gate_up, gate_up_scale, down, down_scale, topk_weights, topk_ids,
+                                sum_experts=sum_experts)
 
 
 def moe_forward_fp8(x: torch.Tensor, router_logits: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.Tensor,
-                    down: torch.Tensor, down_scale: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
+                    down: torch.Tensor, down_scale: torch.Tensor, top_k: int, renormalize: bool, *,
+                    sum_experts: bool = True) -> torch.Tensor:
     """A sparse MLP with FP8 experts after its router: route_tokens then fused_moe_fp8; one token on
-    CUDA routes inside the gate_up launch (moe_single_token_fp8_triton)."""
+    CUDA routes inside the gate_up launch (moe_single_token_fp8_triton). ``sum_experts``: fused_moe_fp8's."""
     if use_triton(x) and x.shape[0] == 1:
         return moe_single_token_fp8_triton(x, router_logits, gate_up, gate_up_scale, down, down_scale, top_k,
-                                           renormalize)
+                                           renormalize, sum_experts=sum_experts)
     topk_weights, topk_ids = route_tokens(router_logits, top_k, renormalize)
-    return fused_moe_fp8(x, gate_up, gate_up_scale, down, down_scale, topk_weights, topk_ids)
+    return fused_moe_fp8(x, gate_up, gate_up_scale, down, down_scale, topk_weights, topk_ids, sum_experts=sum_experts)

@@ -8,6 +8,11 @@ Hugging Face's LlamaRMSNorm does, so fp32 results match it bit-for-bit in spirit
 
 Shapes: x, residual, out, new_residual: (num_tokens, hidden); weight: (hidden,).
 
+x may also be (num_tokens, parts, hidden): rows to sum first (in fp32, rounded once to x's dtype,
+as ``x.sum(dim=1)`` does), such as the K weighted expert rows of a mixture-of-experts layer
+(kernels/fused_moe.py ``sum_experts=False``): the norm after the layer sums them in its own pass, so
+the sum costs no launch and no (num_tokens, hidden) round trip through memory of its own.
+
 On CUDA one Triton program per row reads x (+ residual) once, writes the new residual and the
 normalized row: one pass over the activations instead of the reference's five.
 
@@ -26,6 +31,8 @@ from kernels.e4m3_rows import e4m3_row_scale, to_e4m3
 def rms_norm_ref(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.dim() == 3:
+        x = x.sum(dim=1)
     if residual is not None:
         x = x + residual
     hidden = x.float()
@@ -36,20 +43,29 @@ def rms_norm_ref(
 @jit
 def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, scale_ptr,
-    stride_x, stride_r, stride_o, stride_ro, hidden, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, QUANTIZE: tl.constexpr,
+    stride_x, stride_xp, stride_r, stride_o, stride_ro, hidden, eps,
+    HAS_RESIDUAL: tl.constexpr, NUM_PARTS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    QUANTIZE: tl.constexpr,
 ):
-    """QUANTIZE: out is float8_e4m3fn and the normalized row, rounded to x's dtype, is quantized
-    per row as kernels/fp8.py's quantize_rows does (kernels/e4m3_rows.py)."""
+    """NUM_PARTS > 1: row ``row`` of x is the sum of NUM_PARTS rows stride_xp apart (module
+    docstring). QUANTIZE: out is float8_e4m3fn and the normalized row, rounded to x's dtype, is
+    quantized per row as kernels/fp8.py's quantize_rows does (kernels/e4m3_rows.py)."""
     pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if NUM_PARTS > 1:
+        total = tl.zeros([BLOCK], dtype=tl.float32)
+        for part in tl.static_range(NUM_PARTS):
+            total += tl.load(x_ptr + row * stride_x + part * stride_xp + cols, mask=mask, other=0.0).to(tl.float32)
+        x = total.to(x_ptr.dtype.element_ty)
+    else:
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         # Rounded to the activation dtype before the statistics, as the reference's ``x + residual``.
         x = (x.to(tl.float32) + tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32))
         x = x.to(x_ptr.dtype.element_ty)
+    if HAS_RESIDUAL or NUM_PARTS > 1:
         tl.store(residual_out_ptr + row * stride_ro + cols, x, mask=mask)
     xf = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(xf * xf, 0) / hidden + eps)
@@ -82,19 +98,21 @@ def rms_norm_quantized_triton(
 
 
 def _launch_rms_norm(x, weight, eps, residual, *, quantize: bool):
-    num_tokens, hidden = x.shape
-    assert x.stride(1) == 1 and (residual is None or residual.stride(1) == 1)
-    out = torch.empty_like(x, dtype=torch.float8_e4m3fn if quantize else x.dtype)
+    num_tokens, hidden = x.shape[0], x.shape[-1]
+    parts = x.shape[1] if x.dim() == 3 else 1  # (num_tokens, parts, hidden): rows summed first
+    assert x.stride(-1) == 1 and (residual is None or residual.stride(1) == 1)
+    out = torch.empty(num_tokens, hidden, dtype=torch.float8_e4m3fn if quantize else x.dtype, device=x.device)
     scale = torch.empty(num_tokens, dtype=torch.float32, device=x.device) if quantize else out
-    residual_out = torch.empty_like(x) if residual is not None else x
+    residual_out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device) \
+        if residual is not None or parts > 1 else x
     if num_tokens == 0:
         return out, scale, residual_out
     block = triton.next_power_of_2(hidden)
     _rms_norm_kernel[(num_tokens,)](
         x, residual if residual is not None else x, weight, out, residual_out, scale,
-        x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), residual_out.stride(0),
-        hidden, eps, HAS_RESIDUAL=residual is not None, BLOCK=block, QUANTIZE=quantize,
-        num_warps=min(16, max(1, block // 512)), **pdl_options(x),
+        x.stride(0), x.stride(1) if parts > 1 else 0, residual.stride(0) if residual is not None else 0,
+        out.stride(0), residual_out.stride(0), hidden, eps, HAS_RESIDUAL=residual is not None, NUM_PARTS=parts,
+        BLOCK=block, QUANTIZE=quantize, num_warps=min(16, max(1, block // 512)), **pdl_options(x),
     )
     return out, scale, residual_out
 

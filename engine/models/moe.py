@@ -94,20 +94,26 @@ class SparseMoeBlock(nn.Module):
                                                               requires_grad=False))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (num_tokens, hidden) -> the routed experts' output (num_tokens, hidden)."""
-        out = self.routed_experts(x, self.router(x))
+        """x (num_tokens, hidden) -> the routed experts' output (num_tokens, hidden); on one rank
+        possibly (num_tokens, top_k, hidden), each token's weighted expert rows unsummed, which the
+        next layer's (or the final) residual-add RMSNorm sums in its own pass (kernels/rmsnorm.py):
+        one launch and one round trip of the layer's output less. With tensor parallelism the
+        all-reduce takes the summed rows."""
+        out = self.routed_experts(x, self.router(x), sum_experts=self.tp_group is not None)
         return out if self.tp_group is None else tp_all_reduce(out, self.tp_group)
 
-    def routed_experts(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+    def routed_experts(self, x: torch.Tensor, router_logits: torch.Tensor, sum_experts: bool = True) -> torch.Tensor:
         """This rank's partial sum of the chosen experts, before the all-reduce: the kernels of the
-        experts' storage (model dtype, integer codes, or FP8 codes and scales)."""
+        experts' storage (model dtype, integer codes, or FP8 codes and scales). ``sum_experts=False``:
+        kernels/fused_moe.py's fused_moe (the result may be (T, K, H))."""
         if self.weight_only is not None:
             self.prepare_weights()
             return moe_forward_wna16(x, router_logits, *self.experts, self.top_k, self.renormalize)
         if self.gate_up_proj.dtype == FP8_DTYPE:
             return moe_forward_fp8(x, router_logits, self.gate_up_proj, self.gate_up_proj_scale, self.down_proj,
-                                   self.down_proj_scale, self.top_k, self.renormalize)
-        return moe_forward(x, router_logits, self.gate_up_proj, self.down_proj, self.top_k, self.renormalize)
+                                   self.down_proj_scale, self.top_k, self.renormalize, sum_experts=sum_experts)
+        return moe_forward(x, router_logits, self.gate_up_proj, self.down_proj, self.top_k, self.renormalize,
+                           sum_experts=sum_experts)
 
 
 def _parameter(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:

@@ -211,6 +211,8 @@ def test_fused_moe_kernel_equals_reference(device, num_tokens, hidden, inter, nu
         out = fused_moe_triton(*[t.to(device) for t in args], weights.to(device), ids.to(device))
         assert out.dtype == dtype and out.shape == x.shape
         assert relative_error(out, expected) < TOLERANCE[dtype], dtype
+        rows = fused_moe_triton(*[t.to(device) for t in args], weights.to(device), ids.to(device), sum_experts=False)
+        assert rows.shape == (num_tokens, top_k, hidden) and torch.equal(rows.sum(dim=1), out)
 
 
 @pytest.mark.gpu
@@ -230,6 +232,9 @@ def test_single_token_routes_inside_the_gate_up_launch(device, hidden, inter, nu
                                       args[2].to(device), top_k, renormalize)
         assert out.dtype == dtype and out.shape == (1, hidden)
         assert relative_error(out, expected) < TOLERANCE[dtype], dtype
+        rows = moe_single_token_triton(args[0].to(device), logits.to(dtype).to(device), args[1].to(device),
+                                       args[2].to(device), top_k, renormalize, sum_experts=False)
+        assert rows.shape == (1, top_k, hidden) and torch.equal(rows.sum(dim=1), out)
 
 
 def test_moe_forward_is_routing_then_fused_moe():

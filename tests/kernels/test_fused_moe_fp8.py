@@ -122,6 +122,9 @@ def test_kernel_equals_reference(device, shape, num_tokens, granularity):
                                    weights.to(device), ids.to(device))
         assert out.dtype == dtype and out.shape == x.shape
         assert relative_error(out, expected) < TOLERANCES[dtype]
+        rows = fused_moe_fp8_triton(x.to(dtype).to(device), *[t.to(device) for t in gate_up + down],
+                                    weights.to(device), ids.to(device), sum_experts=False)
+        assert rows.shape == (num_tokens, top_k, hidden) and torch.equal(rows.sum(dim=1), out)
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -139,6 +142,9 @@ def test_single_token_routes_inside_the_kernel(device, granularity, shape):
         out = moe_single_token_fp8_triton(x.to(dtype).to(device), logits.to(dtype).to(device),
                                           *[t.to(device) for t in gate_up + down], top_k, False)
         assert relative_error(out, expected) < TOLERANCES[dtype]
+        rows = moe_single_token_fp8_triton(x.to(dtype).to(device), logits.to(dtype).to(device),
+                                           *[t.to(device) for t in gate_up + down], top_k, False, sum_experts=False)
+        assert rows.shape == (1, top_k, hidden) and torch.equal(rows.sum(dim=1), out)
 
 
 @pytest.mark.gpu

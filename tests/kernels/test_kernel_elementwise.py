@@ -65,6 +65,36 @@ def test_rms_norm_with_and_without_residual(device, num_tokens, hidden):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens,parts,hidden", [(1, 8, 2048), (5, 2, 576), (3, 4, 200)])
+def test_rms_norm_sums_each_tokens_rows_first(device, num_tokens, parts, hidden):
+    """x (tokens, parts, hidden), e.g. a mixture-of-experts layer's K weighted expert rows: the norm
+    sums each token's rows (fp32, one rounding) before the residual add, plain and quantized to E4M3;
+    the new residual is the summed rows plus the residual (or the summed rows alone)."""
+    from kernels.fp8 import dequantize_rows
+    from kernels.rmsnorm import rms_norm_quantized_triton, rms_norm_triton
+
+    for dtype in low_precision_dtypes(device):
+        # A strided view, as fused_moe's (T * K, H) output viewed (T, K, H) is not: rows parts apart.
+        buffer = randn(num_tokens, parts + 1, hidden, dtype=dtype, device=device, seed=1)
+        x = buffer[:, 1:]
+        residual = randn(num_tokens, hidden, dtype=dtype, device=device, seed=2)
+        weight = (1 + 0.1 * randn(hidden, dtype=torch.float32, device=device, seed=3)).to(dtype)
+        summed = x.float().sum(dim=1).to(dtype)
+        for res in (residual, None):
+            out, new_residual = rms_norm_triton(x, weight, 1e-5, res)
+            ref_out, ref_residual = rms_norm_ref(x, weight, 1e-5, res)
+            assert out.shape == new_residual.shape == (num_tokens, hidden)
+            expected_residual = summed if res is None else (summed.float() + res.float()).to(dtype)
+            assert relative_error(new_residual, expected_residual) < ROUNDING[dtype]
+            assert relative_error(new_residual, ref_residual) < ROUNDING[dtype]
+            assert relative_error(out, ref_out) < 2 * ROUNDING[dtype]
+        values, scale, new_residual = rms_norm_quantized_triton(x, weight, 1e-5, residual)
+        ref_out, ref_residual = rms_norm_ref(x, weight, 1e-5, residual)
+        assert relative_error(dequantize_rows(values, scale), ref_out.float()) < 0.07  # E4M3's 3-bit mantissa
+        assert relative_error(new_residual, ref_residual) < ROUNDING[dtype]
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("is_neox", [True, False])
 @pytest.mark.parametrize("heads,head_dim", [((32, 8), 128), ((9, 3), 64)])
 def test_rotary_in_place_on_qkv_views(device, is_neox, heads, head_dim):
