@@ -46,7 +46,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import jit, tl, triton, use_triton
+from kernels._triton import jit, pdl_options, pdl_prologue, tl, triton, use_triton
 from kernels.moe_epilogue import ACTIVATIONS, PLAIN_SILU, ExpertEpilogue, activate_ref, gated_activation
 from kernels.moe_align import (  # noqa: F401  (re-exported: the other expert kernels align through here)
     ALIGN_KERNEL_MAX_ASSIGNMENTS, max_padded_assignments, moe_align, moe_align_torch, moe_align_triton)
@@ -126,7 +126,7 @@ def _grouped_gemm_kernel(
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, SWIGLU_LIMIT: tl.constexpr,
     ONE_PER_BLOCK: tl.constexpr, ROUTE_IN_KERNEL: tl.constexpr, RENORMALIZE: tl.constexpr,
     K_PAD: tl.constexpr, E_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[a, n] = a_row(a) . w[expert, n, :] for the BLOCK_M assignments of block program_id(0)
     and the BLOCK_N columns of tile program_id(1).
@@ -143,6 +143,7 @@ def _grouped_gemm_kernel(
     MUL_WEIGHT: each row is scaled by topk_weights[a] (float32) before the one rounding to out.
     HAS_BIAS, ACTIVATION, SWIGLU_LIMIT: store_rows'.
     """
+    pdl_prologue(PDL)  # before the early return too: every program must wait (kernels/_triton.py)
     block = tl.program_id(0)
     if not ONE_PER_BLOCK:
         if block * BLOCK_M >= tl.load(num_padded_ptr):
@@ -248,7 +249,7 @@ def _grouped_gemm(a, w, out, blocks, topk_ids, topk_weights, *, n: int, top_k: i
         ONE_PER_BLOCK=blocks is None, ROUTE_IN_KERNEL=router_logits is not None, RENORMALIZE=renormalize,
         K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(num_experts),
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        BLOCK_M=block_m, BLOCK_N=block_n, **cfg,
+        BLOCK_M=block_m, BLOCK_N=block_n, **cfg, **pdl_options(a),
     )
 
 

@@ -45,7 +45,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import jit, tl, triton, use_triton
+from kernels._triton import jit, pdl_options, pdl_prologue, tl, triton, use_triton
 from kernels.activation import silu_and_mul
 from kernels.fp8 import FAST_ACCUM, FP8_DTYPE, dequantize_rows, quantize_rows, quantize_rows_triton
 from kernels.fp8_block import BLOCK, dequantize_blocks, dequantize_groups, quantize_groups, quantize_groups_triton
@@ -146,12 +146,13 @@ def _fp8_grouped_gemm_kernel(
     TOP_K: tl.constexpr, ROWS_PER_TOKEN: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
     ONE_PER_BLOCK: tl.constexpr, ROUTE_IN_KERNEL: tl.constexpr, RENORMALIZE: tl.constexpr,
     K_PAD: tl.constexpr, E_PAD: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """kernels/fused_moe.py's _grouped_gemm_kernel (same blocks, routing and epilogue) on E4M3
     operands: out[a, n] = s_a . s_w . (a_q(a) . w[expert, n, :]), with the scale granularity of the
     module docstring (GROUP_N, GROUP_K; BLOCK_K == GROUP_K when GROUP_K). a is E4M3 with scales
     a_scale (rows, ceil(K / GROUP_K), or 1 when GROUP_K is 0)."""
+    pdl_prologue(PDL)  # before the early return too: every program must wait (kernels/_triton.py)
     block = tl.program_id(0)
     if not ONE_PER_BLOCK:
         if block * BLOCK_M >= tl.load(num_padded_ptr):
@@ -220,7 +221,7 @@ def _fp8_grouped_gemm(a, a_scale, w, w_scale, out, blocks, topk_ids, topk_weight
         ONE_PER_BLOCK=blocks is None, ROUTE_IN_KERNEL=router_logits is not None, RENORMALIZE=renormalize,
         K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(num_experts),
         GROUP_N=group_n, GROUP_K=group_k,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK, **cfg,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK, **cfg, **pdl_options(a),
     )
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import jit, tl, triton, use_triton
+from kernels._triton import jit, pdl_options, pdl_prologue, tl, triton, use_triton
 from kernels.moe_grouped_mm import expert_counts_and_ranks
 
 # Assignments up to which the one-program kernel aligns (a few decode tokens); past it the
@@ -129,8 +129,9 @@ def _empty_layout(num_assignments: int, num_experts: int, block_m: int, device
 
 @jit
 def _count_experts_kernel(topk_ids_ptr, counts_ptr, num_assignments, num_experts,
-                          E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+                          E_PAD: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
     """counts[e] += assignments of expert e among this program's CHUNK (one atomic an expert)."""
+    pdl_prologue(PDL)
     start = tl.program_id(0) * CHUNK
     chunk = start + tl.arange(0, CHUNK)
     e = tl.load(topk_ids_ptr + chunk, mask=chunk < num_assignments, other=E_PAD)
@@ -142,9 +143,10 @@ def _count_experts_kernel(topk_ids_ptr, counts_ptr, num_assignments, num_experts
 @jit
 def _plan_blocks_kernel(counts_ptr, cursor_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, num_assignments,
                         num_experts, max_blocks, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
-                        BLOCK_CHUNK: tl.constexpr):
+                        BLOCK_CHUNK: tl.constexpr, PDL: tl.constexpr):
     """One program: each expert's padded start (into cursor, where the placing kernel reserves
     rows), num_padded, the sentinel in each run's padding tail, and every block's expert."""
+    pdl_prologue(PDL)
     experts = tl.arange(0, E_PAD)
     counts = tl.load(counts_ptr + experts, mask=experts < num_experts, other=0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
@@ -165,9 +167,10 @@ def _plan_blocks_kernel(counts_ptr, cursor_ptr, sorted_ids_ptr, block_expert_ptr
 
 @jit
 def _place_assignments_kernel(topk_ids_ptr, cursor_ptr, sorted_ids_ptr, num_assignments, num_experts,
-                              E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+                              E_PAD: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
     """This program's CHUNK assignments into their experts' runs: one atomic add an expert reserves
     the chunk's rows of that expert; within the chunk, assignments keep their order."""
+    pdl_prologue(PDL)
     start = tl.program_id(0) * CHUNK
     chunk = start + tl.arange(0, CHUNK)
     ok = chunk < num_assignments
@@ -193,12 +196,12 @@ def moe_align_parallel(topk_ids: torch.Tensor, num_experts: int, block_m: int
     chunk = PARALLEL_ALIGN_CHUNK
     grid = (triton.cdiv(num_assignments, chunk),)
     _count_experts_kernel[grid](flat, counts_and_cursor[0], num_assignments, num_experts, E_PAD=e_pad, CHUNK=chunk,
-                                num_warps=4)
+                                num_warps=4, **pdl_options(flat))
     _plan_blocks_kernel[(1,)](counts_and_cursor[0], counts_and_cursor[1], sorted_ids, block_expert, num_padded,
                               num_assignments, num_experts, max_padded // block_m, BLOCK_M=block_m, E_PAD=e_pad,
-                              BLOCK_CHUNK=max(16, 8192 // e_pad), num_warps=4)
+                              BLOCK_CHUNK=max(16, 8192 // e_pad), num_warps=4, **pdl_options(flat))
     _place_assignments_kernel[grid](flat, counts_and_cursor[1], sorted_ids, num_assignments, num_experts,
-                                    E_PAD=e_pad, CHUNK=chunk, num_warps=4)
+                                    E_PAD=e_pad, CHUNK=chunk, num_warps=4, **pdl_options(flat))
     return sorted_ids, block_expert, num_padded
 
 

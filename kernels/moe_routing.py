@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import jit, tl, triton, use_triton
+from kernels._triton import jit, pdl_options, pdl_prologue, tl, triton, use_triton
 
 
 def route_tokens_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,8 +52,10 @@ def _top_k_of_row(row_ptr, num_experts, TOP_K: tl.constexpr, K_PAD: tl.constexpr
 
 @jit
 def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
-                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr):
+                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
+                  PDL: tl.constexpr):
     """One program per token: its top-k (_top_k_of_row) into weights / ids (T, K)."""
+    pdl_prologue(PDL)
     token = tl.program_id(0).to(tl.int64)
     chosen_w, chosen_id = _top_k_of_row(logits_ptr + token * stride_l, num_experts, TOP_K, K_PAD, E_PAD, RENORMALIZE)
     slots = tl.arange(0, K_PAD)
@@ -70,7 +72,7 @@ def route_tokens_triton(router_logits: torch.Tensor, top_k: int, renormalize: bo
         _route_kernel[(num_tokens,)](router_logits, weights, ids, num_experts, router_logits.stride(0),
                                      TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
                                      E_PAD=triton.next_power_of_2(num_experts), RENORMALIZE=renormalize,
-                                     num_warps=1 if num_experts <= 128 else 4)
+                                     num_warps=1 if num_experts <= 128 else 4, **pdl_options(router_logits))
     return weights, ids
 
 
