@@ -49,6 +49,7 @@ CASES: dict[str, list[tuple[int, int]]] = {
     "decode 532x1500": [(1499, 1)] * 532,
     "decode 194x5250": [(5249, 1)] * 194,
     "decode 1024x192": [(191, 1)] * 1024,
+    "decode 48x21000": [(20999, 1)] * 48,  # 20000/2000's plateau
 }
 
 
