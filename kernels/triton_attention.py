@@ -393,33 +393,17 @@ def _merge_splits_kernel(
 
 def _decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, num_sms: int, block_n: int) -> int:
     """Enough programs to cover the GPU twice, but no split shorter than 2 key tiles, and at most
-    MAX_DECODE_SPLITS. Then, while splits stay at least LONG_SPLIT_KEYS keys, twice as many as long
-    as the last wave of programs would leave the GPU mostly idle: two decode programs fit an SM, so
-    48 sequences x 8 KV heads over 21k-token contexts are 384 long programs, 1.45 waves of an
-    H100's 264, whose second wave runs 45% full (20000/2000's decode steps); in 2 splits they are
-    2.9 waves."""
+    MAX_DECODE_SPLITS."""
     programs = num_seqs * num_kv_heads
-    slots = 2 * num_sms  # programs resident at once (two an SM: the decode tilings' shared memory)
-    wanted = max(1, (slots + programs - 1) // programs)
+    wanted = max(1, (2 * num_sms + programs - 1) // programs)
     useful = max(1, max_context_len // (2 * block_n))
-    limit = min(triton.next_power_of_2(useful), MAX_DECODE_SPLITS)
-    splits = min(triton.next_power_of_2(wanted), limit)
-    while (splits < limit and max_context_len // (2 * splits) >= LONG_SPLIT_KEYS
-           and _wave_fill(programs * splits, slots) < 0.9):
-        splits *= 2
-    return splits
+    return min(triton.next_power_of_2(wanted), triton.next_power_of_2(useful), MAX_DECODE_SPLITS)
 
 
-def _wave_fill(programs: int, slots: int) -> float:
-    """Busy share of the GPU over the waves of ``programs`` equal programs, ``slots`` at a time."""
-    return programs / (-(-programs // slots) * slots)
-
-
-# Extra splits for a balanced last wave only while each keeps at least this many keys (the merge
-# and the extra programs' prologues then cost little next to the keys each reads).
-LONG_SPLIT_KEYS = 1024
-
-
+# More splits for long contexts at mid-size batches measured slower, not faster (H100, FP8 pool,
+# step_profile.py --sweep_splits, eager steps): 48 sequences over 21k keys 32.7-34.5 ms a step with
+# 1 split, 36.9-38.1 with 2, 31.8-32.2 with 4; 100 sequences over 4k keys 18.9 ms with 1, 21.8 with
+# 2, 21.3 with 4. So the rule below stays.
 # A cap on the decode splits. H100, Llama-8B shape, FP8 pool, contexts 128-384 in a graph captured
 # for 4,096 (2026-11-25, one lease each): at batch 1, 16 splits made the decode step 1% faster than
 # 32 (the merge reads half the partial results; 128 programs are one wave) and 8 splits slower; at

@@ -368,10 +368,6 @@ def test_decode_split_count_is_a_bounded_power_of_two():
     assert _decode_num_splits(8, 8, 8192, 132, 64) == 8  # 64 programs a split: 5 cover the GPU twice, 8 a power of 2
     assert _decode_num_splits(1, 8, 100, 132, 64) == 1  # too short to split
     assert _decode_num_splits(256, 8, 8192, 132, 64) == 1  # the batch fills the GPU already
-    # 384 long programs are 1.45 waves of 264 (two an SM): split in 2 they are 2.9, the last one 90% full
-    assert _decode_num_splits(48, 8, 22016, 132, 64) == 2
-    assert _decode_num_splits(48, 8, 1500, 132, 64) == 1  # ... but not into splits under 1,024 keys
-    assert _decode_num_splits(194, 8, 22016, 132, 64) == 1  # 1,552 programs: 5.9 waves, the last 88% full
     for n in (1, 3, 17, 64):
         splits = _decode_num_splits(n, 8, 2000, 132, 64)
         assert splits & (splits - 1) == 0 and 1 <= splits <= 16
