@@ -53,7 +53,9 @@ def write_mxfp4_checkpoint(hf_model, path) -> str:
 
 
 def transformers_mxfp4_model(path, dtype: torch.dtype = torch.float32):
-    """transformers' model of an MXFP4 checkpoint, experts dequantized to ``dtype`` (eager attention)."""
+    """transformers' model of an MXFP4 checkpoint, experts dequantized to ``dtype`` (eager attention).
+    The final ``.to(dtype)``: some transformers releases (5.17) leave the dequantized experts in bf16
+    whatever ``dtype`` says, and their float32 forward then fails on the mixed operands."""
     return transformers.AutoModelForCausalLM.from_pretrained(
         path, quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=dtype,
-        attn_implementation="eager", experts_implementation="eager").eval()
+        attn_implementation="eager", experts_implementation="eager").to(dtype).eval()
