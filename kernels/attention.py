@@ -65,12 +65,13 @@ def write_kv_cache_ref(
 ) -> None:
     """Scatter new K/V rows into their cache slots.
 
-    k, v: (num_tokens, kv_heads, head_dim); k_cache, v_cache: (num_blocks, block, kv_heads, head_dim).
+    k, v: (num_tokens, kv_heads, head_dim); k_cache, v_cache: (num_blocks, block, kv_heads, head_dim),
+    any strides (the runner's pool is a head-major view: engine/executor/runner.py allocate_kv_cache).
     """
-    num_blocks, block_size = k_cache.shape[:2]
+    block_size = k_cache.shape[1]
+    blocks, rows_in_block = slot_mapping // block_size, slot_mapping % block_size
     for new, cache in ((k, k_cache), (v, v_cache)):
-        rows = _as_bytes_if_fp8(to_cache_dtype(new, cache.dtype))
-        _as_bytes_if_fp8(cache).view(num_blocks * block_size, *cache.shape[2:]).index_copy_(0, slot_mapping, rows)
+        _as_bytes_if_fp8(cache)[blocks, rows_in_block] = _as_bytes_if_fp8(to_cache_dtype(new, cache.dtype))
 
 
 def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:

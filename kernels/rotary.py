@@ -241,11 +241,13 @@ def apply_rotary_triton(
 def _rotary_write_kv_kernel(
     q_ptr, k_ptr, v_ptr, positions_ptr, cache_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cache,
-    stride_kc_slot, stride_kc_head, stride_vc_slot, stride_vc_head, num_q_heads, num_kv_heads,
-    HALF: tl.constexpr, HALF_PAD: tl.constexpr, DIM_PAD: tl.constexpr, Q_HEADS_PAD: tl.constexpr,
-    K_HEADS_PAD: tl.constexpr, IS_NEOX: tl.constexpr, PDL: tl.constexpr,
+    stride_kc_block, stride_kc_slot, stride_kc_head, stride_vc_block, stride_vc_slot, stride_vc_head,
+    num_q_heads, num_kv_heads,
+    PAGE_SIZE: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
+    Q_HEADS_PAD: tl.constexpr, K_HEADS_PAD: tl.constexpr, IS_NEOX: tl.constexpr, PDL: tl.constexpr,
 ):
-    """One program per token: rotate q in place; write rotated k and plain v to the token's cache slot."""
+    """One program per token: rotate q in place; write rotated k and plain v to the token's cache slot
+    (block slot // PAGE_SIZE, row slot % PAGE_SIZE: the pool's strides say where that is)."""
     pdl_prologue(PDL)
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token)
@@ -269,13 +271,14 @@ def _rotary_write_kv_kernel(
         # Rounded to k's dtype first (the reference rotates k, then the KV write casts to the cache).
         out1 = cache_value(out1.to(k_ptr.dtype.element_ty), k_cache_ptr)
         out2 = cache_value(out2.to(k_ptr.dtype.element_ty), k_cache_ptr)
-        k_slot = k_cache_ptr + slot * stride_kc_slot + heads * stride_kc_head
+        block, row = slot // PAGE_SIZE, slot % PAGE_SIZE
+        k_slot = k_cache_ptr + block * stride_kc_block + row * stride_kc_slot + heads * stride_kc_head
         tl.store(k_slot + first, out1, mask=mask)
         tl.store(k_slot + second, out2, mask=mask)
         dims = tl.arange(0, DIM_PAD)[None, :]
         v_mask = (heads < num_kv_heads) & (dims < 2 * HALF)
         v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims, mask=v_mask)
-        tl.store(v_cache_ptr + slot * stride_vc_slot + heads * stride_vc_head + dims,
+        tl.store(v_cache_ptr + block * stride_vc_block + row * stride_vc_slot + heads * stride_vc_head + dims,
                  cache_value(v, v_cache_ptr), mask=v_mask)
 
 
@@ -293,14 +296,14 @@ def rotary_and_write_kv_triton(q, k, v, positions, cos_sin_cache, k_cache, v_cac
     num_kv_heads = k.shape[1]
     assert cos_sin_cache.shape[1] == head_dim, "partial rotary is not supported"
     assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1 and k_cache.stride(-1) == 1
-    assert k_cache.stride(0) == k_cache.shape[1] * k_cache.stride(1), "cache blocks must be contiguous slots"
+    assert v_cache.stride(-1) == 1
     if num_tokens == 0:
         return q
     half = head_dim // 2
     _rotary_write_kv_kernel[(num_tokens,)](
         q, k, v, positions, cos_sin_cache, slot_mapping, k_cache, v_cache,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
-        k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2), num_q_heads, num_kv_heads,
+        *k_cache.stride()[:3], *v_cache.stride()[:3], num_q_heads, num_kv_heads, PAGE_SIZE=k_cache.shape[1],
         HALF=half, HALF_PAD=triton.next_power_of_2(half), DIM_PAD=triton.next_power_of_2(head_dim),
         Q_HEADS_PAD=triton.next_power_of_2(num_q_heads), K_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         IS_NEOX=is_neox, num_warps=4, **pdl_options(q),

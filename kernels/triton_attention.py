@@ -84,22 +84,26 @@ def cache_value(x, cache_ptr):
 def _write_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_cslot, stride_ch, stride_vcslot, stride_vch,
-    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    stride_cb, stride_cs, stride_ch, stride_vcb, stride_vcs, stride_vch,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
 ):
-    """One program per new token: copy its (kv_heads, head_dim) K and V rows to its slot."""
+    """One program per new token: copy its (kv_heads, head_dim) K and V rows to its slot (block
+    slot // PAGE_SIZE, row slot % PAGE_SIZE of it: the pool's strides say where that is)."""
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot < 0:
         return
+    block, row = slot // PAGE_SIZE, slot % PAGE_SIZE
     heads = tl.arange(0, HEADS_PAD)[:, None]
     dims = tl.arange(0, DIM_PAD)[None, :]
     mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM)
     k = tl.load(k_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
     v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
-    tl.store(k_cache_ptr + slot * stride_cslot + heads * stride_ch + dims, cache_value(k, k_cache_ptr), mask=mask)
-    tl.store(v_cache_ptr + slot * stride_vcslot + heads * stride_vch + dims, cache_value(v, v_cache_ptr), mask=mask)
+    tl.store(k_cache_ptr + block * stride_cb + row * stride_cs + heads * stride_ch + dims, cache_value(k, k_cache_ptr),
+             mask=mask)
+    tl.store(v_cache_ptr + block * stride_vcb + row * stride_vcs + heads * stride_vch + dims,
+             cache_value(v, v_cache_ptr), mask=mask)
 
 
 def write_kv_cache_triton(
@@ -110,12 +114,12 @@ def write_kv_cache_triton(
     if num_tokens == 0:
         return
     assert k.stride(-1) == 1 and v.stride(-1) == 1, "K/V rows must be contiguous in head_dim"
-    assert k_cache.stride(-1) == 1 and k_cache.stride(0) == k_cache.shape[1] * k_cache.stride(1)
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     _write_kv_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        *k_cache.stride()[:3], *v_cache.stride()[:3],
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=k_cache.shape[1],
         HEADS_PAD=triton.next_power_of_2(num_kv_heads), DIM_PAD=triton.next_power_of_2(head_dim),
         num_warps=4,
     )

@@ -141,17 +141,52 @@ def test_reference_window_and_softcap_match_dense_masked_attention(window, softc
         start = end
 
 
+def head_major(cache: torch.Tensor) -> torch.Tensor:
+    """The same (blocks, page, kv_heads, head_dim) values stored as the runner stores its pool: each
+    KV head's page one contiguous run (engine/executor/runner.py allocate_kv_cache)."""
+    return cache.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("page_size", [16, 32])
-def test_write_kv_cache_matches_reference(device, page_size):
+@pytest.mark.parametrize("layout", ["token_major", "head_major"])
+def test_write_kv_cache_matches_reference(device, page_size, layout):
     from kernels.triton_attention import write_kv_cache_triton
 
     for dtype in low_precision_dtypes(device):
         k, v, k_cache, v_cache, meta = make_batch([(5, 27), (0, 1), (31, 33)], 8, 128, page_size, dtype, device)
         k_ref, v_ref = k_cache.clone(), v_cache.clone()
         write_kv_cache_ref(k, v, k_ref, v_ref, meta.slot_mapping)
+        if layout == "head_major":
+            k_cache, v_cache = head_major(k_cache), head_major(v_cache)
+            k_ref_hm, v_ref_hm = head_major(k_cache), head_major(v_cache)
+            write_kv_cache_ref(k, v, k_ref_hm, v_ref_hm, meta.slot_mapping)  # the reference writes through strides too
+            assert torch.equal(k_ref_hm, k_ref) and torch.equal(v_ref_hm, v_ref)
         write_kv_cache_triton(k, v, k_cache, v_cache, meta.slot_mapping)
         assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8_pool", [False, True])
+def test_attention_reads_a_head_major_pool_as_a_token_major_one(device, fp8_pool):
+    """The runner's pool layout (each KV head's page contiguous) through the kernels' strides: prompt
+    chunks, decode rows and a mixed batch give exactly what the same values in a token-major pool give."""
+    from kernels.triton_attention import paged_attention_triton, write_kv_cache_triton
+
+    if fp8_pool and device == "cpu":
+        pytest.skip("the interpreter has no float8 loads")
+    for batch in ([(0, 37), (20, 45)], [(40, 1), (90, 1), (3, 1)], [(0, 30), (70, 1), (33, 1)]):
+        k, v, k_cache, v_cache, meta = make_batch(batch, 2, 64, 16, torch.bfloat16 if device != "cpu" else
+                                                  torch.float32, device)
+        if fp8_pool:
+            k_cache, v_cache = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
+        k_hm, v_hm = head_major(k_cache), head_major(v_cache)
+        write_kv_cache_triton(k, v, k_cache, v_cache, meta.slot_mapping)
+        write_kv_cache_triton(k, v, k_hm, v_hm, meta.slot_mapping)
+        assert torch.equal(k_hm.view(torch.uint8), k_cache.view(torch.uint8))
+        q = torch.randn(k.shape[0], 8, 64, generator=torch.Generator().manual_seed(3)).to(k.dtype).to(device)
+        expected = paged_attention_triton(q, k_cache, v_cache, meta, 0.125)
+        assert torch.equal(paged_attention_triton(q, k_hm, v_hm, meta, 0.125), expected)
 
 
 @pytest.mark.gpu

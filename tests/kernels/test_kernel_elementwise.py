@@ -141,7 +141,8 @@ def test_public_entries_use_the_reference_on_cpu():
 @pytest.mark.parametrize("is_neox", [True, False])
 @pytest.mark.parametrize("heads,head_dim", [((32, 8), 128), ((9, 3), 64)])
 def test_fused_rotary_and_kv_write(device, is_neox, heads, head_dim):
-    """rotary_and_write_kv == apply_rotary + write_kv_cache: same q, same cache; slot -1 writes nothing."""
+    """rotary_and_write_kv == apply_rotary + write_kv_cache: same q, same cache; slot -1 writes nothing.
+    The kernel's pool is stored head-major (each KV head's page contiguous), as the runner stores it."""
     from kernels.rotary import rotary_and_write_kv_ref, rotary_and_write_kv_triton
 
     num_q, num_k = heads
@@ -156,6 +157,7 @@ def test_fused_rotary_and_kv_write(device, is_neox, heads, head_dim):
         k_cache = randn(num_blocks, page, num_k, head_dim, dtype=dtype, device=device, seed=8)
         v_cache = randn(num_blocks, page, num_k, head_dim, dtype=dtype, device=device, seed=9)
         k_ref, v_ref, q_ref_in = k_cache.clone(), v_cache.clone(), q.clone()
+        k_cache, v_cache = (c.transpose(1, 2).contiguous().transpose(1, 2) for c in (k_cache, v_cache))
         keep = slots >= 0
         q_ref = rotary_and_write_kv_ref(q_ref_in[keep], k[keep], v[keep], positions[keep], cache, k_ref, v_ref,
                                         slots[keep], is_neox)
