@@ -2,7 +2,9 @@
 
 The KV pool of a rank is one tensor ``(num_layers, 2, num_blocks, tokens_per_block,
 num_kv_heads, head_dim)``; a layer reads ``pool[layer, 0]`` (K) and ``pool[layer, 1]`` (V),
-each ``(num_blocks, tokens_per_block, num_kv_heads, head_dim)``.
+each ``(num_blocks, tokens_per_block, num_kv_heads, head_dim)``. Every function here reads and
+writes it through its strides: the runner's pool is a view whose memory is head-major within a
+block (engine/executor/runner.py allocate_kv_cache).
 
 A batch is packed and ragged: sequence i contributes ``q_len_i = cu_seqlens_q[i+1] -
 cu_seqlens_q[i]`` new tokens (a prefill chunk, or 1 for decode), and after this step holds

@@ -51,7 +51,8 @@ STAGING_BYTES = 64 << 20  # the device staging buffer of one batched copy stays 
 class HostKVPool:
     """The host copy of KV blocks and the copies to and from the device pool.
 
-    Device pool (runner.kv_cache): (num_layers, 2, num_blocks, tokens_per_block, kv_heads, head_dim).
+    Device pool (runner.kv_cache): (num_layers, 2, num_blocks, tokens_per_block, kv_heads, head_dim), a
+    view of head-major blocks (runner.allocate_kv_cache); the gathers and scatters below go through it.
     Host pool: (num_slots, num_layers, 2, tokens_per_block, kv_heads, head_dim), slot-major so that
     one slot is one contiguous run of bytes (a device <-> pinned-host copy of it is one async memcpy;
     a non-contiguous host side would make torch stage it through pageable memory and block).
