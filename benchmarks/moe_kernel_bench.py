@@ -46,6 +46,16 @@ def sweep_configs():
             yield block_m, {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": warps, "num_stages": stages}
 
 
+def print_tiling_time(label: str, fn, inputs) -> None:
+    """One sweep line: fn's microseconds a call, or why it failed (a tiling too big for shared memory)."""
+    try:
+        us = graph_call_us(fn, inputs)
+    except Exception as exc:
+        print(f"    {label}: failed {type(exc).__name__}")
+        return
+    print(f"    {label}: {us:.1f} us", flush=True)
+
+
 def single_token_configs():
     """Tile candidates of a single token's grouped GEMMs (kernels/fused_moe.py SINGLE_TOKEN_TILES)."""
     for block_n, block_k, warps, stages in ((32, 128, 4, 4), (16, 128, 4, 4), (16, 256, 4, 3), (32, 256, 4, 3),
@@ -135,12 +145,7 @@ def main() -> None:
                     key = "config" if projection == "gate_up" else "down_config"
                     def fn(x, logits, key=key, config=config):
                         return moe_single_token_triton(x, logits, gate_up, down, top_k, True, **{key: config})
-                    try:
-                        us = graph_call_us(fn, inputs)
-                    except Exception as exc:  # a tiling that does not fit shared memory
-                        print(f"    {projection} {config}: failed {type(exc).__name__}")
-                        continue
-                    print(f"    {projection} {config}: {us:.1f} us", flush=True)
+                    print_tiling_time(f"{projection} {config}", fn, inputs)
         if args.sweep and tokens > 1:
             print(f"    block-tiled kernel at {tokens} tokens (default "
                   f"{model_dtype_tiling(tokens * top_k, experts)}):")
@@ -148,12 +153,7 @@ def main() -> None:
                 def fn(x, logits, block_m=block_m, config=config):
                     weights, ids = route_tokens(logits, top_k, True)
                     return fused_moe_triton(x, gate_up, down, weights, ids, block_m=block_m, config=config)
-                try:
-                    us = graph_call_us(fn, inputs)
-                except Exception as exc:  # a tiling that does not fit shared memory
-                    print(f"    block_m {block_m} {config}: failed {type(exc).__name__}")
-                    continue
-                print(f"    block_m {block_m} {config}: {us:.1f} us", flush=True)
+                print_tiling_time(f"block_m {block_m} {config}", fn, inputs)
     if args.sweep_projections:
         sweep_projections(args.tokens, gate_up, down, top_k)
     if args.stages:
