@@ -356,18 +356,19 @@ def steady_state(history: list, wall_seconds: float, cap: int) -> dict:
 
 
 def where_time_went(history: list, wall_seconds: float, executor, context: int) -> dict:
-    """Steps carrying context vs pure decode steps, and the decode step against its CUDA graph."""
-    context = [h for h in history if h.num_context_requests > 0]
+    """Steps carrying context vs pure decode steps, and the decode step against its CUDA graph
+    replayed at ``context`` tokens a row."""
+    with_context = [h for h in history if h.num_context_requests > 0]
     decode = [h for h in history if h.num_context_requests == 0 and h.num_gen_requests > 0]
-    context_seconds = sum(h.iter_latency_ms for h in context) / 1e3
+    context_seconds = sum(h.iter_latency_ms for h in with_context) / 1e3
     decode_seconds = sum(h.iter_latency_ms for h in decode) / 1e3
     wall = max(wall_seconds, 1e-9)
-    out = {"context_steps": len(context), "context_seconds": context_seconds, "context_share": context_seconds / wall,
-           "context_tokens": sum(h.num_ctx_tokens for h in context),
+    out = {"context_steps": len(with_context), "context_seconds": context_seconds,
+           "context_share": context_seconds / wall, "context_tokens": sum(h.num_ctx_tokens for h in with_context),
            "decode_steps": len(decode), "decode_seconds": decode_seconds, "decode_share": decode_seconds / wall}
     if context_seconds > 0:
         out["prefill_tok_s"] = out["context_tokens"] / context_seconds
-        out["context_step_ms_mean"] = context_seconds * 1e3 / len(context)
+        out["context_step_ms_mean"] = context_seconds * 1e3 / len(with_context)
     if not decode:
         return out
     out["decode_step_ms_mean"] = statistics.fmean(h.iter_latency_ms for h in decode)
