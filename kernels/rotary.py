@@ -22,7 +22,7 @@ import math
 import torch
 
 from kernels._triton import jit, pdl_options, pdl_prologue, tl, triton, use_triton
-from kernels.triton_attention import cache_value, rotate_pair
+from kernels.triton_attention import cache_value, rotate_pair, slot_row
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
@@ -271,15 +271,14 @@ def _rotary_write_kv_kernel(
         # Rounded to k's dtype first (the reference rotates k, then the KV write casts to the cache).
         out1 = cache_value(out1.to(k_ptr.dtype.element_ty), k_cache_ptr)
         out2 = cache_value(out2.to(k_ptr.dtype.element_ty), k_cache_ptr)
-        block, row = slot // PAGE_SIZE, slot % PAGE_SIZE
-        k_slot = k_cache_ptr + block * stride_kc_block + row * stride_kc_slot + heads * stride_kc_head
+        k_slot = slot_row(k_cache_ptr, slot, stride_kc_block, stride_kc_slot, PAGE_SIZE) + heads * stride_kc_head
         tl.store(k_slot + first, out1, mask=mask)
         tl.store(k_slot + second, out2, mask=mask)
         dims = tl.arange(0, DIM_PAD)[None, :]
         v_mask = (heads < num_kv_heads) & (dims < 2 * HALF)
         v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims, mask=v_mask)
-        tl.store(v_cache_ptr + block * stride_vc_block + row * stride_vc_slot + heads * stride_vc_head + dims,
-                 cache_value(v, v_cache_ptr), mask=v_mask)
+        v_slot = slot_row(v_cache_ptr, slot, stride_vc_block, stride_vc_slot, PAGE_SIZE) + heads * stride_vc_head
+        tl.store(v_slot + dims, cache_value(v, v_cache_ptr), mask=v_mask)
 
 
 def rotary_and_write_kv_ref(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, is_neox=True):

@@ -81,6 +81,13 @@ def cache_value(x, cache_ptr):
 
 
 @jit
+def slot_row(cache_ptr, slot, stride_block, stride_row, PAGE_SIZE: tl.constexpr):
+    """Where slot ``slot`` of a pool (block slot // PAGE_SIZE, row slot % PAGE_SIZE) starts, through
+    the pool's strides (the runner's pool is a head-major view); its KV heads follow at the head stride."""
+    return cache_ptr + slot // PAGE_SIZE * stride_block + slot % PAGE_SIZE * stride_row
+
+
+@jit
 def _write_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
@@ -94,15 +101,14 @@ def _write_kv_kernel(
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot < 0:
         return
-    block, row = slot // PAGE_SIZE, slot % PAGE_SIZE
     heads = tl.arange(0, HEADS_PAD)[:, None]
     dims = tl.arange(0, DIM_PAD)[None, :]
     mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM)
     k = tl.load(k_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
     v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
-    tl.store(k_cache_ptr + block * stride_cb + row * stride_cs + heads * stride_ch + dims, cache_value(k, k_cache_ptr),
-             mask=mask)
-    tl.store(v_cache_ptr + block * stride_vcb + row * stride_vcs + heads * stride_vch + dims,
+    tl.store(slot_row(k_cache_ptr, slot, stride_cb, stride_cs, PAGE_SIZE) + heads * stride_ch + dims,
+             cache_value(k, k_cache_ptr), mask=mask)
+    tl.store(slot_row(v_cache_ptr, slot, stride_vcb, stride_vcs, PAGE_SIZE) + heads * stride_vch + dims,
              cache_value(v, v_cache_ptr), mask=mask)
 
 
@@ -305,10 +311,9 @@ def _paged_attention_kernel(
             k_row = k_new_ptr + new_row * stride_knt + kv_head * stride_knh
             k_new = rotate_neox(tl.load(k_row + dims), tl.load(k_row + partner), cos, sin, first_half)
             v_new = tl.load(v_new_ptr + new_row * stride_vnt + kv_head * stride_vnh + dims)
-            page, offset = slot // PAGE_SIZE, slot % PAGE_SIZE
-            tl.store(k_cache_ptr + page * stride_kb + offset * stride_ks + kv_head * stride_kh + dims,
+            tl.store(slot_row(k_cache_ptr, slot, stride_kb, stride_ks, PAGE_SIZE) + kv_head * stride_kh + dims,
                      cache_value(k_new, k_cache_ptr))
-            tl.store(v_cache_ptr + page * stride_vb + offset * stride_vs + kv_head * stride_vh + dims,
+            tl.store(slot_row(v_cache_ptr, slot, stride_vb, stride_vs, PAGE_SIZE) + kv_head * stride_vh + dims,
                      cache_value(v_new, v_cache_ptr))
         # The walk below reads that slot back: a block barrier orders this program's stores before
         # its loads (no other program reads this key of this KV head in this step). Adding the key
