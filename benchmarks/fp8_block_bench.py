@@ -1,19 +1,18 @@
-"""Block-scaled FP8 linear (kernels/fp8_block.py: group quantize launch + Triton GEMM) against bf16
-``F.linear`` on Llama-3.1-8B's projections (qkv 6144 x 4096, o 4096 x 4096, gate_up 28672 x 4096,
-down 4096 x 14336), microseconds of the four per layer from CUDA graphs.
+"""Block-scaled FP8 linear (kernels/fp8_block.py) against bf16 ``F.linear``, microseconds from CUDA
+graphs, per projection and per layer (the sum). Columns: bf16; the Triton block GEMM (group quantize
+launch + GEMM); cuBLAS's block-scaled GEMM through torch._scaled_mm (CUDA 12.9+ on sm90, else blank);
+the weight dequantized in one pass for bf16 cuBLAS; what fp8_block_linear picks.
 
-    python benchmarks/fp8_block_bench.py [--rows 1 16 64 512 4096]
+    python benchmarks/fp8_block_bench.py [--rows 1 16 64 256 512 2048 8192] [--model llama8b|qwen3_moe]
 
-H200, 2026-11-26 (the kernel then also had an in-kernel activation quantization, timed beside:
-149.9 / 149.6 / 304.7 / 981.4 / 7,298.1 us, slower everywhere, since removed):
+llama8b: Llama-3.1-8B's projections (qkv 6144 x 4096, o 4096 x 4096, gate_up 28672 x 4096, down
+4096 x 14336); qwen3_moe: Qwen3-30B-A3B's dense ones (qkv 5120 x 2048, o 2048 x 4096).
 
-| rows | bf16 | fp8_block |
-|---:|---:|---:|
-| 1 | 113.5 | 95.9 |
-| 16 | 115.3 | 101.0 |
-| 64 | 123.7 | 125.0 |
-| 512 | 293.1 | 461.2 |
-| 4096 | 2,313.1 | 3,449.5 |
+H200, 2026-11-26, llama8b layer (the kernel then also had an in-kernel activation quantization,
+149.9 / 149.6 / 304.7 / 981.4 / 7,298.1 us, slower everywhere, since removed): bf16 113.5 / 115.3 /
+123.7 / 293.1 / 2,313.1 us at 1 / 16 / 64 / 512 / 4,096 rows, Triton block 95.9 / 101.0 / 125.0 /
+461.2 / 3,449.5. H100 figures with cuBLAS's block-scaled GEMM: kernels/fp8_block.py, beside
+CUBLAS_BLOCK_SCALED_MIN_ROWS.
 """
 from __future__ import annotations
 
@@ -26,30 +25,44 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from kernels.fp8_block import fp8_block_linear_triton, quantize_blocks  # noqa: E402
+from kernels.fp8_block import (cublas_block_scaled_supported, dequantize_blocks_triton, fp8_block_linear,  # noqa: E402
+                               fp8_block_linear_cublas, fp8_block_linear_triton, quantize_blocks)
 from kernels.linear import graph_time_ms  # noqa: E402
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+MODELS = {"llama8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)},
+          "qwen3_moe": {"qkv": (5120, 2048), "o": (2048, 4096)}}
+COLUMNS = ("bf16", "triton", "cublas_block", "dequantized", "picked")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 512, 4096])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256, 512, 2048, 8192])
+    parser.add_argument("--model", default="llama8b", choices=sorted(MODELS))
     args = parser.parse_args()
     torch.manual_seed(0)
-    weights = {name: torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5
-               for name, (n, k) in SHAPES.items()}
+    shapes = MODELS[args.model]
+    weights = {name: torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5 for name, (n, k) in shapes.items()}
     blocks = {name: quantize_blocks(w) for name, w in weights.items()}
-    print(f"device: {torch.cuda.get_device_name()}; us per layer (four projections), CUDA graphs")
-    print("| rows | bf16 | fp8_block |")
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__} (CUDA {torch.version.cuda}); "
+          f"us from CUDA graphs, {args.model}")
+    print("| rows | projection | " + " | ".join(COLUMNS) + " |\n|---:|---|" + "---:|" * len(COLUMNS))
     for rows in args.rows:
-        xs = {name: torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) for name, (_, k) in SHAPES.items()}
-        times = {"bf16": 0.0, "fp8_block": 0.0}
-        for name in SHAPES:
-            x, (w_q, w_s) = xs[name], blocks[name]
-            times["bf16"] += graph_time_ms(lambda: F.linear(x, weights[name])) * 1000
-            times["fp8_block"] += graph_time_ms(lambda: fp8_block_linear_triton(x, w_q, w_s)) * 1000
-        print(f"| {rows} | {times['bf16']:.1f} | {times['fp8_block']:.1f} |", flush=True)
+        layer = dict.fromkeys(COLUMNS, 0.0)
+        for name, (n, k) in shapes.items():
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            w, (w_q, w_s) = weights[name], blocks[name]
+            paths = {"bf16": lambda: F.linear(x, w), "triton": lambda: fp8_block_linear_triton(x, w_q, w_s),
+                     "dequantized": lambda: F.linear(x, dequantize_blocks_triton(w_q, w_s, x.dtype)),
+                     "picked": lambda: fp8_block_linear(x, w_q, w_s)}
+            if cublas_block_scaled_supported(x, w_q) and rows > 1:  # cuBLAS has no algorithm for one row
+                paths["cublas_block"] = lambda: fp8_block_linear_cublas(x, w_q, w_s)
+            cells = []
+            for column in COLUMNS:
+                us = graph_time_ms(paths[column]) * 1000 if column in paths else float("nan")
+                layer[column] += us
+                cells.append(f"{us:.1f}")
+            print(f"| {rows} | {name} {n} x {k} | " + " | ".join(cells) + " |", flush=True)
+        print(f"| {rows} | layer | " + " | ".join(f"{layer[c]:.1f}" for c in COLUMNS) + " |", flush=True)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ the faster of the two by SCALED_GROUPED_MM_MIN_ASSIGNMENTS); FP8 with 128 x 128 
     python benchmarks/moe_fp8_bench.py [--tokens 1 8 64 512 2048 8192] [--json out.json] [--sweep 1 8]
 
 --sweep T...: instead, time candidate tilings of the Triton grouped GEMM at those token counts (both
-granularities).
+granularities). --sweep_prefill T...: the block-scaled kernel's prefill-size tilings (PREFILL_TILES),
+block_m included.
 
 H200, 2026-11-26, one lease. Full run (the decode tiles then 32 x 4 warps x 4 stages, and activations
 of up to 16 tokens quantized inside the GEMM, since removed): bf16 29.6 / 132.1 / 308.7 / 433.7 /
@@ -61,6 +62,29 @@ SWEEP_TILES = [{"BLOCK_N": bn, "num_warps": w, "num_stages": st}
                for bn, w, st in ((32, 4, 4), (16, 2, 4), (16, 4, 3), (32, 2, 5), (32, 4, 6), (64, 4, 4), (64, 8, 3))]
 
 
+# Prefill-size tilings of the block-scaled kernel: (block_m, BLOCK_N, warps, stages).
+PREFILL_TILES = [(64, 128, 8, 3), (64, 64, 4, 3), (64, 64, 4, 4), (64, 32, 4, 4), (128, 64, 8, 3), (128, 128, 8, 2),
+                 (32, 64, 4, 4), (32, 64, 4, 3)]
+
+
+def sweep_prefill(tokens_list, block_experts) -> dict:
+    """Tilings of the block-scaled Triton path at prefill-size token counts (PREFILL_TILES): name -> us."""
+    out = {}
+    for tokens in tokens_list:
+        inputs = [(torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16),
+                   torch.randn(tokens, E, device="cuda", dtype=torch.bfloat16)) for _ in range(REPEAT)]
+        for block_m, block_n, warps, stages in PREFILL_TILES:
+            config = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
+            run = routed(fused_moe_fp8_triton, block_m=block_m, config=config)
+            name = f"T{tokens} block m{block_m} bn{block_n} w{warps} s{stages}"
+            try:
+                out[name] = graph_call_us(lambda x, lg: run(x, lg, block_experts), inputs)
+                print(f"    {name}: {out[name]:.1f} us", flush=True)
+            except Exception as exc:  # a tiling that does not compile or fit
+                print(f"    {name}: failed {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+    return out
+
+
 def sweep(tokens_list, experts: dict) -> dict:
     """Candidate tilings of the Triton path at small token counts: name -> us."""
     out = {}
@@ -88,6 +112,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512, 2048, 8192])
     parser.add_argument("--json", default=None)
     parser.add_argument("--sweep", type=int, nargs="*", default=None)
+    parser.add_argument("--sweep_prefill", type=int, nargs="*", default=None,
+                        help="token counts: time PREFILL_TILES of the block-scaled kernel")
     args = parser.parse_args()
     torch.manual_seed(0)
     channel, block = [], []
@@ -97,9 +123,10 @@ def main() -> None:
         block += quantize_blocks(w)
         del w
     device = torch.cuda.get_device_name()
-    if args.sweep:
+    if args.sweep or args.sweep_prefill:
         print(f"device: {device}; us per call (CUDA graphs of {REPEAT} calls)")
-        times = sweep(args.sweep, {"channel": channel, "block": block})
+        times = sweep(args.sweep or [], {"channel": channel, "block": block})
+        times.update(sweep_prefill(args.sweep_prefill or [], block))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"device": device, "sweep": times}, f, indent=1)

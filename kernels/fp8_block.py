@@ -16,16 +16,18 @@ integrations/finegrained_fp8.py runs the same one):
 
 Paths: on CUDA ``quantize_groups_triton`` (the rounding of ``quantize_groups``) and one Triton GEMM
 (``fp8_block_linear_triton``) whose K step is one 128-column block, so both scales apply once per
-step. Elsewhere ``fp8_block_linear_ref`` (plain torch: quantize, dequantize both, float32 matmul),
-also the oracle of the kernel tests. Nothing waits on the host: the decode CUDA graphs capture it.
+step; from CUBLAS_BLOCK_SCALED_MIN_ROWS rows cuBLAS's own block-scaled GEMM (``fp8_block_linear_cublas``,
+torch._scaled_mm with 1 x 128 and 128 x 128 scales, CUDA 12.9+ on Hopper), which keeps the tensor
+cores' accumulator running where the Triton GEMM's per-step scaling stops it (prefill-size rows
+ran at ~2/3 of bf16's speed on it); prefill-size rows of narrow outputs, or every row from
+DEQUANTIZED_MIN_ROWS where cuBLAS lacks that scaling, take the weight dequantized in one pass for
+bf16 cuBLAS. Elsewhere ``fp8_block_linear_ref`` (plain torch: quantize, dequantize both, float32
+matmul), also the oracle of the kernel tests. Nothing waits on the host: the decode CUDA graphs
+capture every path.
 
-Measured on an H200 (benchmarks/fp8_block_bench.py, Llama-3.1-8B's four projections of a layer,
-2026-11-26): 95.9 / 101.0 / 125.0 us at 1 / 16 / 64 rows against bf16's 113.5 / 115.3 / 123.7, but
-461 / 3,450 us at 512 / 4,096 rows against 293 / 2,313: prefill-size products are slower than bf16
-(the per-step scaling keeps the tensor cores' accumulator from running on), so from
-DEQUANTIZED_MIN_ROWS rows the weight is dequantized in one pass and multiplied by cuBLAS. Quantizing the
-activation tiles inside the GEMM instead of the quantize launch measured slower at every size
-(150 us at 1 row, 7,298 at 4,096), so it is not kept.
+Measured: benchmarks/fp8_block_bench.py (figures beside CUBLAS_BLOCK_SCALED_MIN_ROWS). Quantizing the
+activation tiles inside the Triton GEMM instead of the quantize launch measured slower at every size
+(H200: 150 us at 1 row, 7,298 at 4,096, for Llama-3.1-8B's four projections), so it is not kept.
 """
 from __future__ import annotations
 
@@ -104,26 +106,36 @@ def dequantize_groups(x_q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 # ---- Triton ----------------------------------------------------------------------------------
 
 @jit
-def _quantize_groups_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, stride_s, BLOCK_K: tl.constexpr):
-    """Program (row, group): one 1 x BLOCK_K group of x quantized (quantize_groups)."""
+def _quantize_groups_kernel(x_ptr, q_ptr, scale_ptr, M, K, stride_x, stride_q, stride_s_row, stride_s_group,
+                            BLOCK_K: tl.constexpr):
+    """Program (row, group): one 1 x BLOCK_K group of x quantized (quantize_groups); rows from M on
+    (padding) quantize zeros."""
     row = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
     cols = group * BLOCK_K + tl.arange(0, BLOCK_K)
-    x = tl.load(x_ptr + row * stride_x + cols, mask=cols < K, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=(cols < K) & (row < M), other=0.0).to(tl.float32)
     scale = e4m3_row_scale(tl.max(tl.abs(x), axis=0))
-    tl.store(scale_ptr + row * stride_s + group, scale)
+    tl.store(scale_ptr + row * stride_s_row + group * stride_s_group, scale)
     tl.store(q_ptr + row * stride_q + cols, to_e4m3(x, scale), mask=cols < K)
 
 
-def quantize_groups_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quantize_groups`` in one launch (x (R, C) with unit column stride)."""
+def quantize_groups_triton(x: torch.Tensor, *, scale_column_major: bool = False,
+                           padded_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_groups`` in one launch (x (R, C) with unit column stride). ``scale_column_major``:
+    the (R, ceil(C / 128)) scales laid out with unit row stride, as cuBLAS's block-scaled GEMM reads
+    them. ``padded_rows`` (>= R): both outputs have that many rows, the ones past R quantized zeros."""
     rows, cols = x.shape
     assert x.stride(1) == 1
-    x_q = torch.empty(rows, cols, dtype=FP8_DTYPE, device=x.device)
-    scale = torch.empty(rows, blocks(cols), dtype=torch.float32, device=x.device)
-    if rows:
-        _quantize_groups_kernel[(rows, blocks(cols))](x, x_q, scale, cols, x.stride(0), x_q.stride(0), scale.stride(0),
-                                                      BLOCK_K=BLOCK, num_warps=1)
+    out_rows = padded_rows or rows
+    assert out_rows >= rows
+    x_q = torch.empty(out_rows, cols, dtype=FP8_DTYPE, device=x.device)
+    if scale_column_major:
+        scale = torch.empty(blocks(cols), out_rows, dtype=torch.float32, device=x.device).t()
+    else:
+        scale = torch.empty(out_rows, blocks(cols), dtype=torch.float32, device=x.device)
+    if out_rows:
+        _quantize_groups_kernel[(out_rows, blocks(cols))](x, x_q, scale, rows, cols, x.stride(0), x_q.stride(0),
+                                                          scale.stride(0), scale.stride(1), BLOCK_K=BLOCK, num_warps=1)
     return x_q, scale
 
 
@@ -216,19 +228,77 @@ def dequantize_blocks_triton(weight: torch.Tensor, scale: torch.Tensor, dtype: t
     return out
 
 
-# Rows from which fp8_block_linear dequantizes the weight for cuBLAS instead of running the block
-# GEMM: from the H200 figures in the module docstring, writing Llama-8B's four projections of a
-# layer in bf16 costs ~140 us (654 MB), against the block GEMM's 168 us deficit at 512 rows and
-# ~1,100 at 4,096. Those rows then keep their activations unquantized (more exact, not less).
+# ---- cuBLAS's block-scaled GEMM (CUDA 12.9+, sm90) -----------------------------------------------
+
+def cublas_block_scaled_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether torch._scaled_mm takes this layer's scales as 1 x 128 activation groups and 128 x 128
+    weight blocks: cuBLAS 12.9 added that scaling (torch 2.9 passes it through) for Hopper; whole
+    blocks only (N and K multiples of 128)."""
+    if not (x.is_cuda and hasattr(torch, "_scaled_mm") and torch.version.cuda):
+        return False
+    n, k = weight.shape
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    cuda = tuple(int(part) for part in torch.version.cuda.split(".")[:2])
+    return (cuda >= (12, 9) and torch.cuda.get_device_capability(index) == (9, 0) and n % BLOCK == 0
+            and k % BLOCK == 0)
+
+
+# cuBLAS finds no block-scaled algorithm for some row counts (1 and 129 on an H100, CUDA 13.0; 16,
+# 64, 128, 256, ... all ran): the activations are padded to a multiple of this many rows.
+CUBLAS_BLOCK_SCALED_ROW_MULTIPLE = 16
+
+
+def fp8_block_linear_cublas(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                            bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The scheme on cuBLAS (cublas_block_scaled_supported): x quantized per 1 x 128 group with its
+    scales column-major (rows padded with zeros to CUBLAS_BLOCK_SCALED_ROW_MULTIPLE), then one
+    torch._scaled_mm with the weight's block scales transposed with the weight (a (K / 128, N / 128)
+    view of the stored (N / 128, K / 128))."""
+    rows = x.reshape(-1, x.shape[-1])
+    m = rows.shape[0]
+    padded = -(-m // CUBLAS_BLOCK_SCALED_ROW_MULTIPLE) * CUBLAS_BLOCK_SCALED_ROW_MULTIPLE
+    a, a_scale = quantize_groups_triton(rows, scale_column_major=True, padded_rows=padded)
+    out = torch._scaled_mm(a, weight.t(), scale_a=a_scale, scale_b=weight_scale.t(), out_dtype=x.dtype)[:m]
+    if bias is not None:
+        out += bias
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+# From these rows fp8_block_linear leaves the Triton block GEMM for cuBLAS's block-scaled one (H100,
+# `benchmarks/fp8_block_bench.py`, 2026-11-26, us; Llama-3.1-8B's four projections of a layer):
+# 64 rows Triton 143 / cuBLAS block-scaled 130, 128 rows 235 / 137, 512 rows 484 / 259 (bf16 303;
+# the weight dequantized for bf16 cuBLAS 535), 8,192 rows 7,306 / 4,204 (dequantized 5,360; bf16 5,085).
+CUBLAS_BLOCK_SCALED_MIN_ROWS = 128
+# But narrow outputs run faster on the dequantized weight from some rows on: (widest N, from rows).
+# Same runs: 2048 x 4096 (Qwen3-30B-A3B's o_proj) at 512 rows 24.8 us block-scaled / 24.0 dequantized,
+# 2,048 rows 69.4 / 52.4, 8,192 rows 274.9 / 184.0; Llama's 4096 x 4096 and 4096 x 14336 at 8,192 rows
+# 380 / 357 and 1,313 / 1,228; wider outputs gain (5120 x 2048 at 8,192 rows 230.6 / 239.2, 28672 x
+# 4096 1,723 / 2,499). Dequantized rows keep their activations unquantized: more exact, not less.
+DEQUANTIZED_NARROW_OUTPUTS = ((2048, 512), (4096, 4096))
+# Without cuBLAS's block-scaled GEMM, the weight is dequantized from these rows (H200 figures of the
+# module docstring's first version: the Triton GEMM 461 / 3,450 us against bf16 293 / 2,313 at 512 /
+# 4,096 rows, Llama-3.1-8B's layer).
 DEQUANTIZED_MIN_ROWS = 512
+
+
+def _dequantize_for_cublas(rows: int, n: int, block_scaled: bool) -> bool:
+    """Whether rows x (N = n) runs on bf16 cuBLAS over the dequantized weight (the figures above)."""
+    if not block_scaled:
+        return rows >= DEQUANTIZED_MIN_ROWS
+    return any(n <= widest and rows >= from_rows for widest, from_rows in DEQUANTIZED_NARROW_OUTPUTS)
 
 
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                      bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (..., K) @ the block-dequantized weight (N, K).T (+ bias): Triton on CUDA (the block GEMM;
-    from DEQUANTIZED_MIN_ROWS rows the weight dequantized for cuBLAS), else the reference."""
+    """x (..., K) @ the block-dequantized weight (N, K).T (+ bias): on CUDA the Triton block GEMM,
+    from CUBLAS_BLOCK_SCALED_MIN_ROWS rows cuBLAS's block-scaled GEMM, and the dequantized weight on
+    bf16 cuBLAS where _dequantize_for_cublas says; else the reference."""
     if use_triton(x) and x.stride(-1) == 1:
-        if x.numel() // x.shape[-1] >= DEQUANTIZED_MIN_ROWS and x.dtype in (torch.bfloat16, torch.float16):
+        rows = x.numel() // x.shape[-1]
+        block_scaled = cublas_block_scaled_supported(x, weight)
+        if _dequantize_for_cublas(rows, weight.shape[0], block_scaled) and x.dtype in (torch.bfloat16, torch.float16):
             return F.linear(x, dequantize_blocks_triton(weight, weight_scale, x.dtype), bias)
+        if rows >= CUBLAS_BLOCK_SCALED_MIN_ROWS and block_scaled:
+            return fp8_block_linear_cublas(x, weight, weight_scale, bias)
         return fp8_block_linear_triton(x, weight, weight_scale, bias)
     return fp8_block_linear_ref(x, weight, weight_scale, bias)

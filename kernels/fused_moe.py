@@ -62,10 +62,11 @@ from kernels.moe_routing import (  # noqa: F401  (re-exported: the other expert 
 GROUPED_MM_MIN_ROWS_PER_EXPERT = 192
 # Assignments (tokens x top-k) from which per-channel FP8 experts on an sm90 GPU take
 # torch._scaled_grouped_mm instead of their Triton kernel (kernels/fused_moe_fp8.py; defined here
-# so that warm_up_token_counts covers it). benchmarks/moe_fp8_bench.py, H200: Triton (activations
-# quantized once) 302.9 / 530.9 / 1528.3 us at 512 / 2048 / 8192 tokens x top-8, _scaled_grouped_mm
-# 346.1 / 522.4 / 1296.6: even from 2048 tokens (16384 assignments), ahead beyond.
-SCALED_GROUPED_MM_MIN_ASSIGNMENTS = 16384
+# so that warm_up_token_counts covers it). benchmarks/moe_fp8_bench.py, Qwen3-30B-A3B's experts:
+# H100 (2026-11-26) Triton 471.9 / 633.0 / 797.3 / 1,460.7 us at 2,048 / 3,072 / 4,096 / 8,192 tokens x
+# top-8, _scaled_grouped_mm 566.7 / 632.8 / 784.6 / 1,279.5: even from 3,072 tokens (24,576
+# assignments), ahead beyond. (H200: 530.9 / 522.4 at 2,048 tokens, 1,528.3 / 1,296.6 at 8,192.)
+SCALED_GROUPED_MM_MIN_ASSIGNMENTS = 24576
 
 
 

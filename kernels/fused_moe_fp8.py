@@ -190,10 +190,25 @@ def _fp8_grouped_gemm_kernel(
                0, N, GATED, MUL_WEIGHT, False, 0, 0.0)  # no biases; silu
 
 
-def fp8_gemm_config(block_m: int) -> dict:
-    """Tiles per block_m (kernels.fused_moe.choose_block_m). K steps are one 128-column scale block;
-    decode blocks stream weights (narrow column tiles, programs for every SM), prefill blocks reuse
-    each weight tile over more rows."""
+def fp8_block_m(num_assignments: int, num_experts: int, group_k: int) -> int:
+    """Rows per block: kernels.fused_moe.choose_block_m's, but block-scaled experts take 64 from 17
+    rows an expert (H100, `moe_fp8_bench.py --sweep_prefill`, 2026-11-26: 512 tokens 298.5 us
+    against 327.9 with 32-row blocks)."""
+    if group_k and num_assignments > 16 * num_experts:
+        return 64
+    return choose_block_m(num_assignments, num_experts)
+
+
+def fp8_gemm_config(block_m: int, group_k: int = 0) -> dict:
+    """Tiles per block_m (fp8_block_m). K steps are one 128-column scale block; decode blocks
+    stream weights (narrow column tiles, programs for every SM), prefill blocks reuse each weight
+    tile over more rows. Block-scaled 64-row blocks take 64-column tiles over 4 warps: each K step's
+    dot is scaled before it joins the accumulator, and the smaller tile keeps more programs in
+    flight around that (H100 sweep, Qwen3-30B-A3B's experts: 512 / 2,048 / 8,192 tokens 298.5 /
+    569.7 / 2,087.3 us against 322.1 / 653.0 / 2,236.2 with 128 columns over 8 warps; two scale
+    groups a K step, both dots issued before either is scaled, were slower at every size)."""
+    if group_k and block_m == 64:
+        return {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
     if block_m <= 16:  # H200 sweep (benchmarks/moe_fp8_bench.py --sweep 1 8), the best of 7 at 1 and 8 tokens
         return {"BLOCK_N": 32, "num_warps": 2, "num_stages": 5}
     if block_m <= 32:
@@ -270,8 +285,8 @@ def fused_moe_fp8_triton(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: 
     num_assignments = num_tokens * top_k
     if num_tokens == 0:
         return torch.empty_like(x)
-    block_m = block_m or choose_block_m(num_assignments, num_experts)
-    config = config or fp8_gemm_config(block_m)
+    block_m = block_m or fp8_block_m(num_assignments, num_experts, group_k)
+    config = config or fp8_gemm_config(block_m, group_k)
     blocks = None if num_tokens == 1 else moe_align(topk_ids, num_experts, block_m)
     flat_ids = topk_ids.reshape(-1).contiguous()
     weights = topk_weights.reshape(-1).float().contiguous()

@@ -116,13 +116,44 @@ def test_prefill_rows_take_the_dequantized_weight():
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLAS's block-scaled GEMM: GPU only")
+@pytest.mark.parametrize("rows", [128, 129, 300, 1000])
+def test_cublas_block_scaled_gemm_equals_the_reference(rows):
+    """torch._scaled_mm with the column-major 1 x 128 scales and the transposed 128 x 128 ones,
+    at row counts a scheduler hands out (odd ones, which cuBLAS only takes padded, included), with a
+    bias; and fp8_block_linear at those rows (cuBLAS's block-scaled GEMM or the dequantized weight)."""
+    from kernels.fp8_block import (CUBLAS_BLOCK_SCALED_MIN_ROWS, _dequantize_for_cublas, cublas_block_scaled_supported,
+                                   fp8_block_linear, fp8_block_linear_cublas)
+
+    w_q, w_scale = quantize_blocks(randn(384, 512, seed=12, scale=512**-0.5))
+    x, bias = randn(rows, 512, seed=13).bfloat16(), randn(384, seed=14).bfloat16()
+    if not cublas_block_scaled_supported(x.cuda(), w_q.cuda()):
+        pytest.skip("this cuBLAS has no block-scaled FP8 GEMM (CUDA < 12.9 or not sm90)")
+    expected = fp8_block_linear_ref(x, w_q, w_scale, bias)
+    out = fp8_block_linear_cublas(x.cuda(), w_q.cuda(), w_scale.cuda(), bias.cuda())
+    assert out.shape == (rows, 384) and out.dtype == torch.bfloat16
+    assert relative_error(out, expected) < TOLERANCE[torch.bfloat16]
+    assert rows >= CUBLAS_BLOCK_SCALED_MIN_ROWS
+    picked = fp8_block_linear(x.cuda(), w_q.cuda(), w_scale.cuda(), bias.cuda())
+    if _dequantize_for_cublas(rows, 384, block_scaled=True):  # the dequantized weight, activations unquantized
+        unquantized = x.float() @ dequantize_blocks(w_q, w_scale).T + bias.float()
+        assert relative_error(picked, unquantized) < TOLERANCE[torch.bfloat16]
+    else:
+        assert torch.equal(picked, out)
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the interpreter's E4M3 conversion is wrong (docstring)")
-def test_group_quantizer_equals_the_reference(device):
+@pytest.mark.parametrize("column_major", [False, True])
+def test_group_quantizer_equals_the_reference(device, column_major):
     from kernels.fp8_block import quantize_groups_triton
 
     x = randn(7, 300, seed=8, scale=3.0)
     x[2, 128:256] = 0.0
-    x_q, scale = quantize_groups_triton(x.to(device))
+    x_q, scale = quantize_groups_triton(x.to(device), scale_column_major=column_major, padded_rows=16)
+    assert x_q.shape == (16, 300) and scale.stride() == ((1, 16) if column_major else (3, 1))
+    assert not x_q[7:].cpu().float().any()  # padding rows quantize zeros
+    x_q, scale = x_q[:7], scale[:7]
     ref_q, ref_scale = quantize_groups(x)
     torch.testing.assert_close(scale.cpu(), ref_scale)  # Triton's float32 division may differ in the last bit
     assert torch.equal(x_q.cpu().view(torch.uint8), ref_q.view(torch.uint8))
