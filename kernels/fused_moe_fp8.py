@@ -205,8 +205,9 @@ def fp8_gemm_config(block_m: int, group_k: int = 0) -> dict:
     tile over more rows. Block-scaled 64-row blocks take 64-column tiles over 4 warps: each K step's
     dot is scaled before it joins the accumulator, and the smaller tile keeps more programs in
     flight around that (H100 sweep, Qwen3-30B-A3B's experts: 512 / 2,048 / 8,192 tokens 298.5 /
-    569.7 / 2,087.3 us against 322.1 / 653.0 / 2,236.2 with 128 columns over 8 warps; two scale
-    groups a K step, both dots issued before either is scaled, were slower at every size)."""
+    569.7 / 2,087.3 us against 322.1 / 653.0 / 2,236.2 with 128 columns over 8 warps). Tried and
+    slower at every size: two scale groups a K step, both dots issued before either is scaled
+    (2,479-4,675 us at 8,192 tokens), and each step's dot scaled one step later (2,716-4,138)."""
     if group_k and block_m == 64:
         return {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
     if block_m <= 16:  # H200 sweep (benchmarks/moe_fp8_bench.py --sweep 1 8), the best of 7 at 1 and 8 tokens
