@@ -274,7 +274,7 @@ CUBLAS_BLOCK_SCALED_MIN_ROWS = 128
 # 2,048 rows 69.4 / 52.4, 8,192 rows 274.9 / 184.0; Llama's 4096 x 4096 and 4096 x 14336 at 8,192 rows
 # 380 / 357 and 1,313 / 1,228; wider outputs gain (5120 x 2048 at 8,192 rows 230.6 / 239.2, 28672 x
 # 4096 1,723 / 2,499). Dequantized rows keep their activations unquantized: more exact, not less.
-DEQUANTIZED_NARROW_OUTPUTS = ((2048, 512), (4096, 4096))
+DEQUANTIZED_NARROW_OUTPUTS = ((2048, 2048), (4096, 4096))
 # Without cuBLAS's block-scaled GEMM, the weight is dequantized from these rows (H200 figures of the
 # module docstring's first version: the Triton GEMM 461 / 3,450 us against bf16 293 / 2,313 at 512 /
 # 4,096 rows, Llama-3.1-8B's layer).
