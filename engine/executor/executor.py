@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import os
 import random
+import sys
 import threading
 import time
 import traceback
@@ -30,6 +31,7 @@ from engine.executor.guided import GrammarCache, GuideError, TokenMasks, make_ma
 from engine.lora.adapter import LoraError
 from engine.lora.cache import AdapterCache, RunnerSlots
 from engine.lora.prefetch import prefetch_adapters
+from engine.executor import memory_profile
 from engine.executor.kv_cache import BlockManager
 from engine.executor.kv_host_tier import make_host_tier
 from engine.executor.output import ResponseQueue, responses_for
@@ -251,13 +253,28 @@ class Executor:
         kv_share = getattr(self.proposer, "target_kv_share", 1.0)  # the rest is the draft model's pool
         num_blocks = self.runner.num_kv_blocks_for(free_mem_fraction=cfg.kv_cache_free_gpu_mem_fraction * kv_share,
                                                    max_tokens=cfg.max_tokens_in_paged_kv_cache,
-                                                   kv_cache_dtype=cfg.kv_cache_dtype)
+                                                   kv_cache_dtype=cfg.kv_cache_dtype,
+                                                   reserve_bytes=self._step_memory_reserve())
         self.runner.allocate_kv_cache(num_blocks, kv_cache_dtype=cfg.kv_cache_dtype)
         if hasattr(self.proposer, "start"):  # the draft model's pool (as many tokens) and CUDA graphs
             self.proposer.start(num_blocks * self.runner.tokens_per_block, self.max_batch_size,
                                 cfg.speculative.max_draft_len)
         self.runner.capture_cuda_graphs()  # CUDA: GEMM choice + decode graphs (the "compiled engine"); CPU: no-op
         self.runner.warmup()  # CUDA: compile the prefill kernels before the first request; CPU: no-op
+
+    def _step_memory_reserve(self) -> int:
+        """Bytes the KV pool must leave free for the steps (engine/executor/memory_profile.py):
+        measured on one CUDA device, 0 elsewhere (leader mode keeps the fraction alone)."""
+        if not isinstance(self.runner, ModelRunner) or self.runner.device.type != "cuda":
+            return 0
+        memory = memory_profile.measure_step_memory(self.runner, max_num_tokens=self.max_num_tokens,
+                                                    max_batch_size=self.max_batch_size,
+                                                    kv_cache_dtype=self.config.kv_cache_dtype)
+        reserve = memory_profile.reserve_bytes(memory, cuda_graphs=True)
+        print(f"[executor] a worst-case step ({self.max_num_tokens} tokens, {self.max_batch_size} sampled rows) "
+              f"peaks at {memory.step / 2**30:.2f} GiB (its forward {memory.forward / 2**30:.2f}); the KV pool "
+              f"leaves at least {reserve / 2**30:.2f} GiB free", file=sys.stderr, flush=True)
+        return reserve
 
     def _make_proposer(self, engine_dir: str) -> DraftProposer | None:
         spec = self.config.speculative

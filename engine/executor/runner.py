@@ -172,10 +172,11 @@ class ModelRunner:
         return elems * torch.empty((), dtype=dtype).element_size()
 
     def num_kv_blocks_for(self, *, free_mem_fraction: float | None = None, max_tokens: int | None = None,
-                          kv_cache_dtype: str | None = None) -> int:
+                          kv_cache_dtype: str | None = None, reserve_bytes: int = 0) -> int:
         """How many KV blocks to allocate.
 
-        CUDA: ``free_mem_fraction`` (default 0.9) of the currently free device memory, capped by
+        CUDA: ``free_mem_fraction`` (default 0.9) of the currently free device memory, but leaving
+        at least ``reserve_bytes`` free (engine/executor/memory_profile.py), capped by
         ``max_tokens`` when given. CPU: ``max_tokens`` when given, else room for
         ``max_batch_size * max_seq_len`` tokens within a 256 MiB budget (never less than one
         full-length sequence).
@@ -187,7 +188,7 @@ class ModelRunner:
             if not 0 < fraction <= 1:
                 raise ValueError(f"free_mem_fraction must be in (0, 1], got {fraction}")
             free_bytes, _ = torch.cuda.mem_get_info(self.device)
-            blocks = int(free_bytes * fraction) // per_block
+            blocks = min(int(free_bytes * fraction), free_bytes - reserve_bytes) // per_block
             return max(1, blocks if cap is None else min(blocks, cap))
         if cap is not None:
             return max(1, cap)

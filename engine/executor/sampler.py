@@ -205,8 +205,26 @@ def process_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     return logits
 
 
+# Logits per top-k / top-p pass. The sort, its int64 order and the nucleus masks take ~30 bytes a
+# logit: 1,024 rows of a 128k vocabulary at once would want ~4 GB beside the KV pool; passes over
+# chunks of rows keep that to ~0.5 GB (engine/executor/memory_profile.py reserves what a step needs).
+TOP_K_TOP_P_CHUNK_LOGITS = 1 << 24
+
+
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Mask to -inf every token outside the row's top-k and outside its top-p nucleus (the top token always stays)."""
+    """Mask to -inf every token outside the row's top-k and outside its top-p nucleus (the top token
+    always stays); in passes of at most TOP_K_TOP_P_CHUNK_LOGITS logits."""
+    rows_per_pass = max(1, TOP_K_TOP_P_CHUNK_LOGITS // max(1, logits.shape[1]))
+    if logits.shape[0] <= rows_per_pass:
+        return _top_k_top_p_rows(logits, top_k, top_p)
+    out = torch.empty_like(logits)
+    for start in range(0, logits.shape[0], rows_per_pass):
+        rows = slice(start, start + rows_per_pass)
+        out[rows] = _top_k_top_p_rows(logits[rows], top_k[rows], top_p[rows])
+    return out
+
+
+def _top_k_top_p_rows(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0)
     drop = ranks >= top_k.unsqueeze(1)
@@ -215,6 +233,21 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     drop |= mass_before >= top_p.unsqueeze(1)
     drop[:, 0] = False
     return logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+
+
+def worst_case_metadata(rows: int, vocab_size: int, device) -> SamplingMetadata:
+    """Every row sampled (temperature 0.7) from a top-p nucleus, with normalized log-probs and the
+    five top log-probs: the sampler's largest temporaries for ``rows`` logits rows (the memory
+    profile's, engine/executor/memory_profile.py). Penalties, biases and grammar masks add (rows,
+    vocab) passes of the same size as these."""
+    full = lambda value, dtype: torch.full((rows,), value, dtype=dtype, device=device)  # noqa: E731
+    return SamplingMetadata(
+        all_greedy=False, is_greedy=full(False, torch.bool), temperature=full(0.7, torch.float32),
+        top_k=full(vocab_size, torch.int64), top_p=full(0.9, torch.float32),
+        draw_temperature=full(1.0, torch.float32), needs_top_k_top_p=True, seeds=full(0, torch.int64),
+        offsets=full(0, torch.int64), repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
+        prompt_token_ids=None, output_token_ids=None, banned=None, embedding_bias=None, return_log_probs=True,
+        top_log_prob_rows=tuple(range(rows)), max_top_log_probs=min(5, vocab_size))
 
 
 def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:

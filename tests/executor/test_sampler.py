@@ -68,6 +68,27 @@ def test_top_k_top_p_masks():
     assert kept(1, 1.0) == [0]
 
 
+def test_top_k_top_p_in_row_chunks_equals_one_pass(monkeypatch):
+    """A large batch is masked in passes of rows (bounded temporaries); each row's mask is its own."""
+    import engine.executor.sampler as sampler
+
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(11, VOCAB, generator=generator) * 3
+    top_k = torch.randint(1, VOCAB + 1, (11,), generator=generator)
+    top_p = torch.rand(11, generator=generator)
+    whole = apply_top_k_top_p(logits, top_k, top_p)
+    monkeypatch.setattr(sampler, "TOP_K_TOP_P_CHUNK_LOGITS", 3 * VOCAB)  # passes of 3 rows, the last of 2
+    assert torch.equal(apply_top_k_top_p(logits, top_k, top_p), whole)
+
+
+def test_worst_case_metadata_samples_every_row_with_log_probs():
+    from engine.executor.sampler import worst_case_metadata
+
+    out = sample(torch.randn(4, VOCAB), worst_case_metadata(4, VOCAB, "cpu"))
+    assert out.token_ids.shape == (4,) and out.log_probs.shape == (4,)
+    assert out.top_log_probs.shape == (4, min(5, VOCAB))
+
+
 def test_greedy_rows_take_the_argmax_and_log_probs_are_log_softmax():
     logits = torch.randn(3, VOCAB)
     seqs = [make_seq([0]), make_seq([1], top_k=1, temperature=0.5), make_seq([2], temperature=0.0, top_p=0.9)]

@@ -1,0 +1,90 @@
+"""How much device memory a step needs beside the KV pool, measured before the pool is allocated.
+
+Why: the pool takes ``kv_cache_free_gpu_mem_fraction`` of the free memory, and what is left must
+hold every step's temporaries (a max_num_tokens prefill's activations, a MoE layer's sorted rows,
+the logits of max_batch_size rows and the sampler's sort of them) and the CUDA graphs' private
+pools. With 61 GB of bf16 weights (Qwen3-30B-A3B's shape on an 80 GB H100) the 10% left at 0.9
+is ~1.7 GB: an engine of max_batch_size 768 ran out of memory in its first prefill step, and the
+request failed (benchmarks/RESULTS.md, issue 31).
+
+How (``measure_step_memory``): with a provisional pool just large enough, one eager step of
+max_num_tokens prompt tokens spread over max_batch_size sequences (so its logits have
+max_batch_size rows), then the sampler's worst case on those logits
+(engine/executor/sampler.py ``worst_case_metadata``), each peak of allocated memory taken above
+the start. ``reserve_bytes`` turns that into what the pool leaves free: the step's peak for the
+caching allocator, plus, with CUDA graphs, the forward's activations again (the graphs captured
+later keep a private pool of about one max_num_tokens forward; logits are computed outside them),
+plus a margin for the allocator's fragmentation. The pool then takes ``min(fraction * free, free -
+reserve)``: a fraction that leaves enough keeps its pool, a large model's pool shrinks to what its
+steps leave.
+
+One GPU only (a leader-mode step runs on every rank together; those keep the fraction alone).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.executor.runner import ForwardBatch
+from engine.executor.sampler import sample, worst_case_metadata
+
+# The caching allocator rounds and splits blocks: what a step needs is not all it can get.
+FRAGMENTATION_MARGIN_BYTES = 512 << 20
+
+
+def profile_batch(max_num_tokens: int, max_batch_size: int, max_seq_len: int,
+                  tokens_per_block: int) -> ForwardBatch:
+    """max_num_tokens prompt tokens (fewer when max_batch_size sequences of max_seq_len hold fewer)
+    in max_batch_size fresh sequences, each on blocks of its own; a logits row for every sequence."""
+    per_seq = max(1, min(max_num_tokens // max_batch_size, max_seq_len))
+    lens = [per_seq] * max_batch_size
+    lens[0] = max(1, min(max_seq_len, max_num_tokens - per_seq * (max_batch_size - 1)))
+    token_ids, positions, tables, ends, next_block = [], [], [], [], 0
+    for length in lens:
+        token_ids += [(7 * p + 3) % 1000 for p in range(length)]
+        positions += range(length)
+        blocks = -(-length // tokens_per_block)
+        tables.append(list(range(next_block, next_block + blocks)))
+        next_block += blocks
+        ends.append(len(token_ids) - 1)
+    return ForwardBatch(token_ids, positions, lens, list(lens), tables, ends)
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """Peaks of one worst-case step, in bytes above what was allocated before it."""
+
+    forward: int  # the forward, its logits included
+    logits: int  # the logits alone (max_batch_size x vocab float32)
+    step: int  # the whole step: the forward or the sampler over its logits, whichever peaked higher
+
+
+def measure_step_memory(runner, *, max_num_tokens: int, max_batch_size: int,
+                        kv_cache_dtype: str | None) -> StepMemory:
+    """One eager worst-case step (profile_batch, then the sampler); the runner is left without a KV
+    pool."""
+    device = runner.device
+    batch = profile_batch(max_num_tokens, max_batch_size, runner.build_config.max_seq_len, runner.tokens_per_block)
+    runner.allocate_kv_cache(sum(len(t) for t in batch.block_tables), kv_cache_dtype)
+    try:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        start = torch.cuda.memory_allocated(device)
+        logits = runner.forward(batch)
+        torch.cuda.synchronize(device)
+        forward = torch.cuda.max_memory_allocated(device) - start
+        torch.cuda.reset_peak_memory_stats(device)
+        sample(logits, worst_case_metadata(logits.shape[0], logits.shape[1], logits.device))
+        torch.cuda.synchronize(device)
+        sampler = torch.cuda.max_memory_allocated(device) - start
+        return StepMemory(forward=forward, logits=logits.numel() * logits.element_size(), step=max(forward, sampler))
+    finally:
+        runner.kv_cache = None
+        torch.cuda.empty_cache()
+
+
+def reserve_bytes(memory: StepMemory, *, cuda_graphs: bool) -> int:
+    """Memory the KV pool leaves free for such steps (module docstring)."""
+    graph_pool = memory.forward - memory.logits if cuda_graphs else 0
+    return memory.step + graph_pool + FRAGMENTATION_MARGIN_BYTES

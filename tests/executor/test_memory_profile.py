@@ -1,0 +1,60 @@
+"""The KV pool leaves room for a step's temporaries (engine/executor/memory_profile.py): the profile
+batch's shape (CPU), and on a GPU the measured reserve, the pool that leaves it free, and an
+executor whose pool takes all the free memory (fraction 1.0) still serving the largest step with
+top-p sampling."""
+from __future__ import annotations
+
+import pytest
+import torch
+from executor_testing import collect, final_tokens
+
+from engine.executor.executor import Executor, ExecutorConfig
+from engine.executor.memory_profile import measure_step_memory, profile_batch, reserve_bytes
+from engine.executor.request import OutputConfig, Request, SamplingConfig
+from engine.executor.runner import ModelRunner
+
+
+@pytest.mark.parametrize("max_num_tokens,max_batch_size,max_seq_len", [(8192, 1024, 4096), (256, 16, 128),
+                                                                       (8192, 8, 512), (100, 7, 128)])
+def test_profile_batch_spreads_the_tokens_over_every_sequence(max_num_tokens, max_batch_size, max_seq_len):
+    batch = profile_batch(max_num_tokens, max_batch_size, max_seq_len, tokens_per_block=32)
+    assert len(batch.seq_lens_q) == len(batch.logits_indices) == max_batch_size  # a logits row each
+    assert sum(batch.seq_lens_q) == len(batch.token_ids) == len(batch.positions)
+    assert sum(batch.seq_lens_q) == min(max_num_tokens, max_batch_size * max_seq_len)
+    assert all(1 <= n <= max_seq_len for n in batch.seq_lens_q) and batch.context_lens == batch.seq_lens_q
+    blocks = [b for table in batch.block_tables for b in table]
+    assert len(blocks) == len(set(blocks))  # fresh sequences, blocks of their own
+    assert all(len(t) == -(-n // 32) for t, n in zip(batch.block_tables, batch.seq_lens_q))
+    assert batch.logits_indices[-1] == len(batch.token_ids) - 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="device memory: GPU only")
+def test_pool_leaves_the_measured_reserve_free(tiny_engine):
+    runner = ModelRunner(tiny_engine, device="cuda")
+    build = runner.build_config
+    memory = measure_step_memory(runner, max_num_tokens=build.max_num_tokens, max_batch_size=build.max_batch_size,
+                                 kv_cache_dtype=None)
+    assert runner.kv_cache is None
+    assert memory.step >= memory.forward > memory.logits == build.max_batch_size * runner.vocab_size * 4
+    reserve = reserve_bytes(memory, cuda_graphs=True)
+    assert reserve > reserve_bytes(memory, cuda_graphs=False) > memory.step
+    blocks = runner.num_kv_blocks_for(free_mem_fraction=1.0, reserve_bytes=reserve)
+    runner.allocate_kv_cache(blocks)
+    free, _ = torch.cuda.mem_get_info()
+    assert free >= reserve - (64 << 20)  # the allocator rounds the pool up to whole segments
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="device memory: GPU only")
+def test_a_pool_of_all_free_memory_still_serves_the_largest_step(tiny_engine):
+    """Fraction 1.0 took every free byte before the reserve; a full-size prefill with top-p
+    sampling then had nothing left for its activations."""
+    config = ExecutorConfig(kv_cache_free_gpu_mem_fraction=1.0)
+    with Executor(tiny_engine, config, device="cuda") as ex:
+        prompts = [[(7 * i + j) % 120 + 1 for j in range(100)] for i in range(8)]
+        requests = [Request(p, 8, output=OutputConfig(exclude_input_from_output=True),
+                            sampling=SamplingConfig(temperature=0.8, top_p=0.9, seed=i)) for i, p in enumerate(prompts)]
+        ids = ex.enqueue_requests(requests)
+        responses = collect(ex, ids)
+        assert all(len(final_tokens(responses[i])) == 8 for i in ids)
