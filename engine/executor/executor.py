@@ -272,7 +272,8 @@ class Executor:
                                                     kv_cache_dtype=self.config.kv_cache_dtype)
         reserve = memory_profile.reserve_bytes(memory, cuda_graphs=True)
         print(f"[executor] a worst-case step ({self.max_num_tokens} tokens, {self.max_batch_size} sampled rows) "
-              f"peaks at {memory.step / 2**30:.2f} GiB (its forward {memory.forward / 2**30:.2f}); the KV pool "
+              f"peaks at {memory.step / 2**30:.2f} GiB (its forward {memory.forward / 2**30:.2f}; outside the "
+              f"caching allocator {memory.outside_allocator / 2**30:.2f}); the KV pool "
               f"leaves at least {reserve / 2**30:.2f} GiB free", file=sys.stderr, flush=True)
         return reserve
 

@@ -14,7 +14,10 @@ max_batch_size rows), then the sampler's worst case on those logits
 the start. ``reserve_bytes`` turns that into what the pool leaves free: the step's peak for the
 caching allocator, plus, with CUDA graphs, the forward's activations again (the graphs captured
 later keep a private pool of about one max_num_tokens forward; logits are computed outside them),
-plus a margin for the allocator's fragmentation. The pool then takes ``min(fraction * free, free -
+plus the memory the step made the driver take outside the caching allocator (the kernels' code
+and local-memory pool, this thread's cuBLAS handle) twice over (the graphs and later steps load
+more kernel variants, and the executor's loop thread gets a cuBLAS handle of its own), plus a
+margin for the allocator's fragmentation. The pool then takes ``min(fraction * free, free -
 reserve)``: a fraction that leaves enough keeps its pool, a large model's pool shrinks to what its
 steps leave.
 
@@ -58,6 +61,7 @@ class StepMemory:
     forward: int  # the forward, its logits included
     logits: int  # the logits alone (max_batch_size x vocab float32)
     step: int  # the whole step: the forward or the sampler over its logits, whichever peaked higher
+    outside_allocator: int  # what the driver took beside the caching allocator while the step ran
 
 
 def measure_step_memory(runner, *, max_num_tokens: int, max_batch_size: int,
@@ -71,6 +75,7 @@ def measure_step_memory(runner, *, max_num_tokens: int, max_batch_size: int,
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         start = torch.cuda.memory_allocated(device)
+        driver_before = _outside_allocator(device)
         logits = runner.forward(batch)
         torch.cuda.synchronize(device)
         forward = torch.cuda.max_memory_allocated(device) - start
@@ -78,13 +83,21 @@ def measure_step_memory(runner, *, max_num_tokens: int, max_batch_size: int,
         sample(logits, worst_case_metadata(logits.shape[0], logits.shape[1], logits.device))
         torch.cuda.synchronize(device)
         sampler = torch.cuda.max_memory_allocated(device) - start
-        return StepMemory(forward=forward, logits=logits.numel() * logits.element_size(), step=max(forward, sampler))
+        outside = max(0, _outside_allocator(device) - driver_before)
+        return StepMemory(forward=forward, logits=logits.numel() * logits.element_size(), step=max(forward, sampler),
+                          outside_allocator=outside)
     finally:
         runner.kv_cache = None
         torch.cuda.empty_cache()
 
 
+def _outside_allocator(device) -> int:
+    """Device memory in use that the caching allocator does not hold (the driver's, other libraries')."""
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free - torch.cuda.memory_reserved(device)
+
+
 def reserve_bytes(memory: StepMemory, *, cuda_graphs: bool) -> int:
     """Memory the KV pool leaves free for such steps (module docstring)."""
     graph_pool = memory.forward - memory.logits if cuda_graphs else 0
-    return memory.step + graph_pool + FRAGMENTATION_MARGIN_BYTES
+    return memory.step + graph_pool + 2 * memory.outside_allocator + FRAGMENTATION_MARGIN_BYTES
