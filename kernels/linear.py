@@ -283,9 +283,23 @@ def linear_float32_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return linear(x, weight).float()
 
 
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def side_stream() -> torch.cuda.Stream:
+    """One side stream per device for the warm-up runs before a CUDA graph capture. Why one: torch
+    keeps a cuBLAS workspace (32 MiB on Hopper) for every stream a GEMM ever ran on, for the life of
+    the process, and a new torch.cuda.Stream() per capture cycles through its pool of 32 streams,
+    so an engine's ~100 graph captures held ~1 GiB of workspaces beside its KV pool."""
+    device = torch.cuda.current_device()
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
+
+
 def graph_time_ms(fn, repeat: int = 20) -> float:
     """Device time of one fn() call, replayed from a CUDA graph of ``repeat`` calls (no launch overhead)."""
-    stream = torch.cuda.Stream()
+    stream = side_stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         fn()

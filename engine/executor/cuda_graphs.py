@@ -29,7 +29,7 @@ import torch
 from engine.executor.overlap import resolve_placeholders
 from kernels._triton import PDL_ALLOWED, PDL_ENV, pdl_supported, set_pdl
 from kernels.attention_metadata import AttentionMetadata
-from kernels.linear import replay_time_ms
+from kernels.linear import replay_time_ms, side_stream
 from kernels.lora import LoraBatchBuffers
 
 
@@ -189,7 +189,7 @@ def capture_forward(model: torch.nn.Module, args: tuple, sampled_tokens: torch.T
     into ``pool`` after two warm-up runs on a side stream (they compile the Triton kernels for the
     shape and settle the allocator). The graph resolves placeholder ids from ``sampled_tokens``
     itself. Returns (graph, its output hidden states)."""
-    stream = torch.cuda.Stream()
+    stream = side_stream()  # one for every capture (kernels/linear.py says why)
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(2):

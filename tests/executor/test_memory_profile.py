@@ -1,13 +1,16 @@
 """The KV pool leaves room for a step's temporaries (engine/executor/memory_profile.py): the profile
-batch's shape (CPU), and on a GPU the measured reserve and the pool that leaves it free. (An
-executor at fraction 1.0 on the tiny engine still runs out: its CUDA graphs and its loop thread's
-cuBLAS handle take memory outside the measured step; the engine's own runs are issue 31's.)"""
+batch's shape (CPU), and on a GPU the measured reserve, the pool that leaves it free, and an
+executor whose pool takes all the free memory (fraction 1.0) still serving the largest step with
+top-p sampling."""
 from __future__ import annotations
 
 import pytest
 import torch
+from executor_testing import collect, final_tokens
 
+from engine.executor.executor import Executor, ExecutorConfig
 from engine.executor.memory_profile import measure_step_memory, profile_batch, reserve_bytes
+from engine.executor.request import OutputConfig, Request, SamplingConfig
 from engine.executor.runner import ModelRunner
 
 
@@ -40,3 +43,18 @@ def test_pool_leaves_the_measured_reserve_free(tiny_engine):
     runner.allocate_kv_cache(blocks)
     free, _ = torch.cuda.mem_get_info()
     assert free >= reserve - (64 << 20)  # the allocator rounds the pool up to whole segments
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="device memory: GPU only")
+def test_a_pool_of_all_free_memory_still_serves_the_largest_step(tiny_engine):
+    """Fraction 1.0 took every free byte before the reserve; a full-size prefill with top-p
+    sampling then had nothing left for its activations."""
+    config = ExecutorConfig(kv_cache_free_gpu_mem_fraction=1.0)
+    with Executor(tiny_engine, config, device="cuda") as ex:
+        prompts = [[(7 * i + j) % 120 + 1 for j in range(100)] for i in range(8)]
+        requests = [Request(p, 8, output=OutputConfig(exclude_input_from_output=True),
+                            sampling=SamplingConfig(temperature=0.8, top_p=0.9, seed=i)) for i, p in enumerate(prompts)]
+        ids = ex.enqueue_requests(requests)
+        responses = collect(ex, ids)
+        assert all(len(final_tokens(responses[i])) == 8 for i in ids)
