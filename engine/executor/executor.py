@@ -267,10 +267,13 @@ class Executor:
         measured on one CUDA device, 0 elsewhere (leader mode keeps the fraction alone)."""
         if not isinstance(self.runner, ModelRunner) or self.runner.device.type != "cuda":
             return 0
+        spec = self.config.speculative  # a verify step scores each sequence's drafts too
+        logits_rows = self.max_batch_size * (1 + (spec.max_draft_len if spec is not None else 0))
         try:
             memory = memory_profile.measure_step_memory(self.runner, max_num_tokens=self.max_num_tokens,
                                                         max_batch_size=self.max_batch_size,
-                                                        kv_cache_dtype=self.config.kv_cache_dtype)
+                                                        kv_cache_dtype=self.config.kv_cache_dtype,
+                                                        logits_rows=min(logits_rows, self.max_num_tokens))
         except torch.OutOfMemoryError:
             free, total = torch.cuda.mem_get_info(self.runner.device)
             raise ExecutorConfigError(
@@ -278,7 +281,7 @@ class Executor:
                 f"sequences does not fit in the {free / 2**30:.1f} GiB the weights leave free of {total / 2**30:.1f} "
                 f"GiB, before any KV cache; lower max_num_tokens or max_batch_size") from None
         reserve = memory_profile.reserve_bytes(memory, cuda_graphs=True)
-        print(f"[executor] a worst-case step ({self.max_num_tokens} tokens, {self.max_batch_size} sampled rows) "
+        print(f"[executor] a worst-case step ({self.max_num_tokens} tokens, {memory.logits_rows} sampled rows) "
               f"peaks at {memory.step / 2**30:.2f} GiB (its forward {memory.forward / 2**30:.2f}; outside the "
               f"caching allocator {memory.outside_allocator / 2**30:.2f}); the KV pool "
               f"leaves at least {reserve / 2**30:.2f} GiB free", file=sys.stderr, flush=True)

@@ -36,10 +36,12 @@ from engine.executor.sampler import sample, worst_case_metadata
 FRAGMENTATION_MARGIN_BYTES = 512 << 20
 
 
-def profile_batch(max_num_tokens: int, max_batch_size: int, max_seq_len: int,
-                  tokens_per_block: int) -> ForwardBatch:
+def profile_batch(max_num_tokens: int, max_batch_size: int, max_seq_len: int, tokens_per_block: int,
+                  logits_rows: int | None = None) -> ForwardBatch:
     """max_num_tokens prompt tokens (fewer when max_batch_size sequences of max_seq_len hold fewer)
-    in max_batch_size fresh sequences, each on blocks of its own; a logits row for every sequence."""
+    in max_batch_size fresh sequences, each on blocks of its own; a logits row for every sequence,
+    or for the last ``logits_rows`` tokens when that is more (speculative verify steps score every
+    draft)."""
     per_seq = max(1, min(max_num_tokens // max_batch_size, max_seq_len))
     lens = [per_seq] * max_batch_size
     lens[0] = max(1, min(max_seq_len, max_num_tokens - per_seq * (max_batch_size - 1)))
@@ -51,6 +53,8 @@ def profile_batch(max_num_tokens: int, max_batch_size: int, max_seq_len: int,
         tables.append(list(range(next_block, next_block + blocks)))
         next_block += blocks
         ends.append(len(token_ids) - 1)
+    if logits_rows is not None and logits_rows > len(ends):
+        ends = list(range(max(0, len(token_ids) - logits_rows), len(token_ids)))
     return ForwardBatch(token_ids, positions, lens, list(lens), tables, ends)
 
 
@@ -59,17 +63,19 @@ class StepMemory:
     """Peaks of one worst-case step, in bytes above what was allocated before it."""
 
     forward: int  # the forward, its logits included
-    logits: int  # the logits alone (max_batch_size x vocab float32)
+    logits: int  # the logits alone (logits_rows x vocab float32)
+    logits_rows: int
     step: int  # the whole step: the forward or the sampler over its logits, whichever peaked higher
     outside_allocator: int  # what the driver took beside the caching allocator while the step ran
 
 
-def measure_step_memory(runner, *, max_num_tokens: int, max_batch_size: int,
-                        kv_cache_dtype: str | None) -> StepMemory:
+def measure_step_memory(runner, *, max_num_tokens: int, max_batch_size: int, kv_cache_dtype: str | None,
+                        logits_rows: int | None = None) -> StepMemory:
     """One eager worst-case step (profile_batch, then the sampler); the runner is left without a KV
     pool."""
     device = runner.device
-    batch = profile_batch(max_num_tokens, max_batch_size, runner.build_config.max_seq_len, runner.tokens_per_block)
+    batch = profile_batch(max_num_tokens, max_batch_size, runner.build_config.max_seq_len, runner.tokens_per_block,
+                          logits_rows)
     runner.allocate_kv_cache(sum(len(t) for t in batch.block_tables), kv_cache_dtype)
     try:
         torch.cuda.synchronize(device)
@@ -84,8 +90,8 @@ def measure_step_memory(runner, *, max_num_tokens: int, max_batch_size: int,
         torch.cuda.synchronize(device)
         sampler = torch.cuda.max_memory_allocated(device) - start
         outside = max(0, _outside_allocator(device) - driver_before)
-        return StepMemory(forward=forward, logits=logits.numel() * logits.element_size(), step=max(forward, sampler),
-                          outside_allocator=outside)
+        return StepMemory(forward=forward, logits=logits.numel() * logits.element_size(), logits_rows=logits.shape[0],
+                          step=max(forward, sampler), outside_allocator=outside)
     finally:
         runner.kv_cache = None
         torch.cuda.empty_cache()

@@ -28,6 +28,12 @@ def test_profile_batch_spreads_the_tokens_over_every_sequence(max_num_tokens, ma
     assert batch.logits_indices[-1] == len(batch.token_ids) - 1
 
 
+def test_profile_batch_scores_the_last_tokens_for_verify_steps():
+    batch = profile_batch(256, 16, 128, tokens_per_block=4, logits_rows=16 * 5)
+    assert batch.logits_indices == list(range(256 - 80, 256))
+    assert profile_batch(256, 16, 128, 4, logits_rows=8).logits_indices == profile_batch(256, 16, 128, 4).logits_indices
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="device memory: GPU only")
 def test_pool_leaves_the_measured_reserve_free(tiny_engine):
