@@ -420,7 +420,8 @@ def test_every_batch_size_of_qwen3_30b_a3b_experts(num_tokens):
 def test_warm_up_covers_every_variant_a_forward_may_pick():
     """Qwen3-30B-A3B's experts: one token, both alignments, each tiling's rows an expert, the
     grouped GEMMs, FP8's grouped GEMM; nothing past the engine's max_num_tokens."""
-    from kernels.fused_moe import GROUPED_MM_MIN_ROWS_PER_EXPERT, MODEL_DTYPE_TILINGS, warm_up_token_counts
+    from kernels.fused_moe import (GROUPED_MM_MIN_ROWS_PER_EXPERT, MODEL_DTYPE_TILINGS, SCALED_GROUPED_MM_MIN_ASSIGNMENTS,
+                                   warm_up_token_counts)
     from kernels.moe_align import ALIGN_KERNEL_MAX_ASSIGNMENTS
 
     counts = warm_up_token_counts(128, 8, max_tokens=8192)
@@ -430,5 +431,5 @@ def test_warm_up_covers_every_variant_a_forward_may_pick():
     for most_rows, *_ in MODEL_DTYPE_TILINGS[:-1]:  # each tiling: some count at or under its limit, some over
         assert any(n * 8 / 128 <= most_rows for n in counts) and any(n * 8 / 128 > most_rows for n in counts)
     assert any(n * 8 / 128 >= GROUPED_MM_MIN_ROWS_PER_EXPERT for n in counts)
-    assert 2048 in counts  # FP8's torch._scaled_grouped_mm from 16,384 assignments
+    assert SCALED_GROUPED_MM_MIN_ASSIGNMENTS // 8 in counts  # FP8's torch._scaled_grouped_mm from its first count
     assert warm_up_token_counts(128, 8, max_tokens=64)[-1] <= 64
