@@ -31,6 +31,8 @@ activation tiles inside the Triton GEMM instead of the quantize launch measured 
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -230,17 +232,25 @@ def dequantize_blocks_triton(weight: torch.Tensor, scale: torch.Tensor, dtype: t
 
 # ---- cuBLAS's block-scaled GEMM (CUDA 12.9+, sm90) -----------------------------------------------
 
+@functools.lru_cache(maxsize=None)
+def _cublas_block_scaled_device(index: int) -> bool:
+    """cuBLAS 12.9 added DeepSeek-style block scaling (torch 2.9 passes it through) for Hopper."""
+    if not (hasattr(torch, "_scaled_mm") and torch.version.cuda):
+        return False
+    cuda = tuple(int(part) for part in torch.version.cuda.split(".")[:2])
+    return cuda >= (12, 9) and torch.cuda.get_device_capability(index) == (9, 0)
+
+
 def cublas_block_scaled_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether torch._scaled_mm takes this layer's scales as 1 x 128 activation groups and 128 x 128
-    weight blocks: cuBLAS 12.9 added that scaling (torch 2.9 passes it through) for Hopper; whole
-    blocks only (N and K multiples of 128)."""
-    if not (x.is_cuda and hasattr(torch, "_scaled_mm") and torch.version.cuda):
+    weight blocks: bf16 or fp16 activations on such a device, whole blocks only (N and K multiples
+    of 128). Called per layer per eager step, so the device part is cached."""
+    if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
         return False
     n, k = weight.shape
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    cuda = tuple(int(part) for part in torch.version.cuda.split(".")[:2])
-    return (cuda >= (12, 9) and torch.cuda.get_device_capability(index) == (9, 0) and n % BLOCK == 0
-            and k % BLOCK == 0)
+    if n % BLOCK or k % BLOCK:
+        return False
+    return _cublas_block_scaled_device(x.device.index if x.device.index is not None else torch.cuda.current_device())
 
 
 # cuBLAS finds no block-scaled algorithm for some row counts (1 and 129 on an H100, CUDA 13.0; 16,
