@@ -1,6 +1,7 @@
 #!/bin/bash
 # Issue 31's GPU figures in one lease: Qwen3-30B-A3B shape in bf16, FP8 per channel and FP8 per
-# 128 x 128 block; gpt-oss-20b shape; the expert kernels alone. Writes JSON and logs under $1.
+# 128 x 128 block, and bf16 weights with an FP8 KV cache at batch 1,024; gpt-oss-20b shape; the
+# expert kernels alone. Writes JSON and logs under $1.
 #   bash benchmarks/moe_gpu_run.sh OUT_DIR
 set -u
 out=${1:-/tmp/moe_gpu_run}
@@ -13,6 +14,10 @@ for quant in none fp8 fp8_block; do
   timeout 150 python engine_bench.py $common $flag --out "$out/qwen3_$quant.json" > "$out/qwen3_$quant.log" 2>&1
   grep -E "^\| (batch-1|offline|\.\.\.|executor|decode roofline)" "$out/qwen3_$quant.log"
 done
+# bf16 weights with an FP8 KV cache: all 1,024 requests of 128/128 in one wave (RESULTS, issue 31)
+timeout 150 python engine_bench.py --model qwen3_30b_a3b --max-batch-size 1024 --kv-cache-dtype fp8 --sections offline \
+  --offline 128x128x1024 --out "$out/qwen3_none_kvfp8.json" > "$out/qwen3_none_kvfp8.log" 2>&1
+grep -E "^\| (offline|\.\.\.|executor)" "$out/qwen3_none_kvfp8.log"
 timeout 150 python engine_bench.py --model gpt_oss_20b --max-batch-size 512 --sections bandwidth,decode,offline \
   --offline 128x128x1024 --out "$out/gpt_oss.json" > "$out/gpt_oss.log" 2>&1
 grep -E "^\| (batch-1|offline|\.\.\.|executor|decode roofline)" "$out/gpt_oss.log"
