@@ -37,17 +37,17 @@ FRAGMENTATION_MARGIN_BYTES = 512 << 20
 
 
 def profile_batch(max_num_tokens: int, max_batch_size: int, max_seq_len: int, tokens_per_block: int,
-                  logits_rows: int | None = None) -> ForwardBatch:
+                  logits_rows: int | None = None, vocab_size: int = 1000) -> ForwardBatch:
     """max_num_tokens prompt tokens (fewer when max_batch_size sequences of max_seq_len hold fewer)
-    in max_batch_size fresh sequences, each on blocks of its own; a logits row for every sequence,
-    or for the last ``logits_rows`` tokens when that is more (speculative verify steps score every
-    draft)."""
+    in max_batch_size fresh sequences, each on blocks of its own, ids below ``vocab_size``; a logits
+    row for every sequence, or for the last ``logits_rows`` tokens when that is more (speculative
+    verify steps score every draft)."""
     per_seq = max(1, min(max_num_tokens // max_batch_size, max_seq_len))
     lens = [per_seq] * max_batch_size
     lens[0] = max(1, min(max_seq_len, max_num_tokens - per_seq * (max_batch_size - 1)))
     token_ids, positions, tables, ends, next_block = [], [], [], [], 0
     for length in lens:
-        token_ids += [(7 * p + 3) % 1000 for p in range(length)]
+        token_ids += [(7 * p + 3) % min(vocab_size, 1000) for p in range(length)]
         positions += range(length)
         blocks = -(-length // tokens_per_block)
         tables.append(list(range(next_block, next_block + blocks)))
@@ -75,7 +75,7 @@ def measure_step_memory(runner, *, max_num_tokens: int, max_batch_size: int, kv_
     pool."""
     device = runner.device
     batch = profile_batch(max_num_tokens, max_batch_size, runner.build_config.max_seq_len, runner.tokens_per_block,
-                          logits_rows)
+                          logits_rows, runner.vocab_size)
     runner.allocate_kv_cache(sum(len(t) for t in batch.block_tables), kv_cache_dtype)
     try:
         torch.cuda.synchronize(device)

@@ -26,6 +26,8 @@ def test_profile_batch_spreads_the_tokens_over_every_sequence(max_num_tokens, ma
     assert len(blocks) == len(set(blocks))  # fresh sequences, blocks of their own
     assert all(len(t) == -(-n // 32) for t, n in zip(batch.block_tables, batch.seq_lens_q))
     assert batch.logits_indices[-1] == len(batch.token_ids) - 1
+    small_vocab = profile_batch(max_num_tokens, max_batch_size, max_seq_len, 32, vocab_size=50)
+    assert max(small_vocab.token_ids) < 50  # a tiny model's embedding takes every id
 
 
 def test_profile_batch_scores_the_last_tokens_for_verify_steps():
