@@ -175,3 +175,18 @@ def test_replayed_from_a_cuda_graph():
     graph.replay()
     for x, out in zip(inputs, outs):
         assert relative_error(out, fp8_block_linear_ref(x.cpu(), w_q.cpu(), w_scale.cpu())) < 1e-2
+
+
+def test_prefill_rows_of_narrow_outputs_take_the_dequantized_weight():
+    """fp8_block_linear's routing (the H100 figures beside DEQUANTIZED_NARROW_OUTPUTS): with cuBLAS's
+    block-scaled GEMM, outputs of up to 2,048 columns dequantize from 2,048 rows and of up to 4,096
+    from 4,096; wider ones never. Without it, every output from DEQUANTIZED_MIN_ROWS rows."""
+    from kernels.fp8_block import DEQUANTIZED_MIN_ROWS, _dequantize_for_cublas
+
+    assert not _dequantize_for_cublas(512, 2048, block_scaled=True)
+    assert _dequantize_for_cublas(2048, 2048, block_scaled=True)
+    assert not _dequantize_for_cublas(2048, 4096, block_scaled=True)
+    assert _dequantize_for_cublas(4096, 4096, block_scaled=True)
+    assert not _dequantize_for_cublas(8192, 5120, block_scaled=True)
+    assert _dequantize_for_cublas(DEQUANTIZED_MIN_ROWS, 28672, block_scaled=False)
+    assert not _dequantize_for_cublas(DEQUANTIZED_MIN_ROWS - 1, 2048, block_scaled=False)
