@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch  # noqa: E402
 
-from kernels.linear import replay_time_ms  # noqa: E402
+from kernels.linear import replay_time_ms, side_stream  # noqa: E402
 
 LLAMA3_VOCAB = 128256
 
@@ -73,7 +73,7 @@ def packed_mask(rows: int, vocab: int, density: float, device) -> torch.Tensor:
 
 def graph_us(fn, calls: int = 50, replays: int = 20) -> float:
     """Device microseconds per fn() call, replayed from a CUDA graph holding ``calls`` of them."""
-    stream = torch.cuda.Stream()
+    stream = side_stream()  # one for every call: torch keeps a cuBLAS workspace per stream (kernels/linear.py)
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         fn()

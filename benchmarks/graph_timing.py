@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from kernels.linear import replay_time_ms
+from kernels.linear import replay_time_ms, side_stream
 
 
 def graph_call_us(fn, inputs, replays: int = 3) -> float:
     """Device microseconds per fn(*args) call (module docstring); one eager call first, on a side
     stream, compiles whatever the call compiles."""
-    stream = torch.cuda.Stream()
+    stream = side_stream()  # one for every call: torch keeps a cuBLAS workspace per stream (kernels/linear.py)
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         fn(*inputs[0])
