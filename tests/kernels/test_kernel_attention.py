@@ -458,3 +458,50 @@ def test_decode_with_rotary_and_kv_append_matches_separate_kernels(device, heads
                                     meta.slot_mapping[keep])
     ref = paged_attention_ref(torch.cat([q_ref, rotated[~keep]]), k_ref, v_ref, meta, scale)
     assert relative_error(out[:4], ref[:4]) < TOLERANCE[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [16, 32])
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("fp8_pool", [False, True])
+@pytest.mark.parametrize("rotary_append", [False, True])
+def test_decode_reads_a_head_major_pool_through_tma_as_through_pointers(
+        device, page_size, num_splits, fp8_pool, rotary_append, monkeypatch):
+    """Decode tiles of one page's rows read a head-major pool through TMA descriptors
+    (kernels/triton_attention.py _tma_descriptors): the same output as the pointer loads
+    ($TRITONLLM_DECODE_TMA=0) and as the reference, the same cache bytes with the in-kernel
+    append. Contexts end on a tile (16, 32, 64: with the append, the new key closes a whole tile,
+    which must take the pointer walk), start one (17, 33) and run long (300, split 4 ways)."""
+    from kernels import triton_attention
+    from kernels.rotary import build_cos_sin_cache
+
+    if fp8_pool and device != "cuda":
+        pytest.skip("FP8 pools need the GPU")
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    batch = [(0, 1), (15, 1), (16, 1), (31, 1), (32, 1), (63, 1), (299, 1)]
+    k, v, k_cache, v_cache, meta = make_batch(batch, 8, 128, page_size, dtype, device, seed=9)
+    if fp8_pool:
+        k_cache, v_cache = k_cache.to(KV_FP8_DTYPE), v_cache.to(KV_FP8_DTYPE)
+    k_cache, v_cache = head_major(k_cache), head_major(v_cache)
+    chosen = triton_attention._decode_config
+    monkeypatch.setattr(triton_attention, "_decode_config",
+                        lambda *a, **kw: (16, page_size, 2, 3, chosen(*a, **kw)[4]))
+    assert triton_attention._tma_descriptors(k_cache, v_cache, page_size) is not None
+    q = torch.randn(len(batch), 32, 128, generator=torch.Generator().manual_seed(2)).to(dtype).to(device)
+    new_kv = None
+    if rotary_append:
+        new_kv = (k, v, (meta.context_lens - 1).long(), build_cos_sin_cache(512, 128, 500000.0, device=device))
+    else:
+        triton_attention.write_kv_cache_triton(k, v, k_cache, v_cache, meta.slot_mapping)
+    outs, caches = [], []
+    for tma in ("1", "0"):
+        monkeypatch.setenv(triton_attention.DECODE_TMA_ENV, tma)
+        k_run, v_run = k_cache.clone(), v_cache.clone()
+        outs.append(triton_attention.paged_attention_triton(q, k_run, v_run, meta, 128**-0.5, num_splits=num_splits,
+                                                            new_kv=new_kv))
+        caches.append((k_run.view(torch.uint8), v_run.view(torch.uint8)))
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    assert relative_error(outs[0], outs[1]) < 1e-6
+    if not rotary_append:
+        ref = paged_attention_ref(q, k_cache, v_cache, meta, 128**-0.5)
+        assert relative_error(outs[0], ref) < TOLERANCE[dtype]
