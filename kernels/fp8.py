@@ -30,6 +30,17 @@ is the same scheme):
 - elsewhere: ``fp8_linear_ref``, the plain-torch reference of the W8A8 scheme (quantize x per
   token, dequantize both, matmul in float32), also the oracle of the kernel tests.
 
+Deferred scales (``ScaledProduct``): cuBLASLt's kernels for row-wise scales are chosen apart from
+its tensor-wise ones, and at some decode batch sizes they are much slower (H100, Llama-8B's shapes,
+fast accumulation, 544 rows: o_proj 28.5 us against 17.7 tensor-wise, down_proj 78.8 against 46.4,
+gate_up 123.6 against 112.1; at 512 or 1,024 rows the two are within a few percent). Where a caller
+allows it (``defer_scales``) and a timing at engine load chose it for that row count
+(``choose_fp8_scaling``), the product runs tensor-wise with unit scales and returns its unscaled
+values with the two scale vectors; the kernel that reads the product next applies them (the
+SiLU-and-quantize of the gated MLP, the residual-add RMSNorm after o_proj and down_proj). The
+values are those of the row-wise path but for one more bf16 rounding (of the unscaled product).
+bf16 models only: an unscaled product of E4M3 values overflows fp16 (448^2 * K).
+
 Where the W8A8 path will run (``quantizes_activations``: on CUDA), the kernel that makes a product's input
 may quantize it on the way out and hand over ``QuantizedRows`` instead: ``rms_norm_quantized``
 (the norms before qkv and gate_up) and ``silu_and_mul_quantized`` (the activation before
@@ -115,6 +126,22 @@ class QuantizedRows(NamedTuple):
     dtype: torch.dtype  # the activations' dtype, which the product returns
 
 
+class ScaledProduct(NamedTuple):
+    """An FP8 product whose scales are not applied yet (module docstring, "Deferred scales"): the
+    product is ``values * row_scale[:, None] * col_scale[None, :]``, rounded to values.dtype."""
+
+    values: torch.Tensor  # (M, N) bf16: the unscaled product of the E4M3 operands
+    row_scale: torch.Tensor  # (M,) float32: the activations' per-token scales
+    col_scale: torch.Tensor  # (N,) float32: the weight's per-channel scales
+
+
+def apply_scales(x: torch.Tensor | ScaledProduct) -> torch.Tensor:
+    """The product itself (x when it is a tensor already): for readers that take no ScaledProduct."""
+    if not isinstance(x, ScaledProduct):
+        return x
+    return (x.values.float() * x.row_scale[:, None] * x.col_scale[None, :]).to(x.values.dtype)
+
+
 def quantizes_activations(device: torch.device) -> bool:
     """Whether fp8_linear quantizes activations on ``device`` itself (W8A8 on the skinny kernel or
     cuBLASLt: CUDA with Triton, at every batch size), so that the kernel making its input may hand
@@ -131,20 +158,32 @@ def as_quantized_rows(x: torch.Tensor | QuantizedRows) -> QuantizedRows:
     return QuantizedRows(x_q, x_scale, x.dtype)
 
 
-def rms_norm_quantized(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-                       ) -> tuple[QuantizedRows, torch.Tensor]:
-    """kernels.rmsnorm.rms_norm with its output quantized per row: (QuantizedRows, new_residual)."""
+def rms_norm_quantized(x: torch.Tensor | ScaledProduct, weight: torch.Tensor, eps: float,
+                       residual: torch.Tensor | None = None) -> tuple[QuantizedRows, torch.Tensor]:
+    """kernels.rmsnorm.rms_norm with its output quantized per row: (QuantizedRows, new_residual).
+    A ScaledProduct x has its scales applied in the same kernel."""
+    scales = None
+    if isinstance(x, ScaledProduct):
+        x, scales = x.values, (x.row_scale, x.col_scale)
     if use_triton(x):
-        values, scale, residual = rms_norm_quantized_triton(x, weight, eps, residual)
+        values, scale, residual = rms_norm_quantized_triton(x, weight, eps, residual, x_scales=scales)
         return QuantizedRows(values, scale, x.dtype), residual
+    if scales is not None:
+        x = apply_scales(ScaledProduct(x, *scales))
     out, residual = rms_norm_ref(x, weight, eps, residual)
     return as_quantized_rows(out), residual
 
 
-def silu_and_mul_quantized(x: torch.Tensor) -> QuantizedRows:
-    """kernels.activation.silu_and_mul with its output quantized per row."""
+def silu_and_mul_quantized(x: torch.Tensor | ScaledProduct) -> QuantizedRows:
+    """kernels.activation.silu_and_mul with its output quantized per row; a ScaledProduct x has its
+    scales applied in the same kernel."""
+    scales = None
+    if isinstance(x, ScaledProduct):
+        x, scales = x.values, (x.row_scale, x.col_scale)
     if use_triton(x):
-        return QuantizedRows(*silu_and_mul_quantized_triton(x), x.dtype)
+        return QuantizedRows(*silu_and_mul_quantized_triton(x, x_scales=scales), x.dtype)
+    if scales is not None:
+        x = apply_scales(ScaledProduct(x, *scales))
     return as_quantized_rows(silu_and_mul(x))
 
 
@@ -191,9 +230,17 @@ def fp8_linear_scaled_mm(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, 
 
 
 def fp8_linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
+               bias: torch.Tensor | None = None, *, defer_scales: bool = False) -> torch.Tensor | ScaledProduct:
     """x (M, K) @ dequantized weight (N, K).T (+ bias), by the paths in the module docstring.
-    QuantizedRows (from rms_norm_quantized / silu_and_mul_quantized) are multiplied as they are."""
+    QuantizedRows (from rms_norm_quantized / silu_and_mul_quantized) are multiplied as they are.
+    ``defer_scales``: the caller's next kernel takes a ScaledProduct; one comes back where
+    ``choose_fp8_scaling`` found the tensor-wise product faster for this row count."""
+    if defer_scales and bias is None and _defers_scales(x, weight):
+        x = as_quantized_rows(x)
+        unit = _UNIT_SCALES[x.values.device]
+        values = torch._scaled_mm(x.values, weight.t(), scale_a=unit, scale_b=unit, out_dtype=x.dtype,
+                                  use_fast_accum=FAST_ACCUM)
+        return ScaledProduct(values, x.scale, weight_scale)
     if _takes_skinny_kernel(x):
         return _skinny_w8a8(as_quantized_rows(x), weight, weight_scale, bias)
     if (x.values if isinstance(x, QuantizedRows) else x).is_cuda:
@@ -224,10 +271,11 @@ def fp8_gated_linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weig
         # down projection wants it (a row's scale needs the whole row, which no one program sees).
         out = _skinny_w8a8(as_quantized_rows(x), weight, weight_scale, gated=True)
         return as_quantized_rows(out) if quantize_output else out
-    product = fp8_linear(x, weight, weight_scale)
-    if quantize_output and quantizes_activations(product.device):
+    product = fp8_linear(x, weight, weight_scale, defer_scales=quantize_output)
+    if quantize_output and quantizes_activations(product.values.device if isinstance(product, ScaledProduct)
+                                                 else product.device):
         return silu_and_mul_quantized(product)
-    return silu_and_mul(product)
+    return silu_and_mul(apply_scales(product))
 
 
 # (block_n, block_k, num_warps, num_stages[, split_k[, swap_ab]]) of the skinny kernel for FP8
@@ -285,3 +333,57 @@ def l2_defeating_copies(weight: torch.Tensor) -> list[torch.Tensor]:
     l2_bytes = getattr(torch.cuda.get_device_properties(weight.device), "L2_cache_size", 50 << 20)
     count = min(8, max(1, -(-2 * l2_bytes // (weight.numel() * weight.element_size()))))
     return [weight] + [weight.clone() for _ in range(count - 1)]
+
+
+# Products that run tensor-wise with their scales deferred: (device index, rows, N, K) -> True, set at
+# engine load by choose_fp8_scaling (a row count never timed keeps the row-wise path).
+_DEFERRED_SCALING: set[tuple[int, int, int, int]] = set()
+_UNIT_SCALES: dict[torch.device, torch.Tensor] = {}  # the tensor-wise path's scale 1.0, per device
+# Deferral pays only where the tensor-wise product is this much faster: the reader's scaling costs a
+# little too (a multiply per value in a kernel that reads the product anyway).
+DEFER_MIN_GAIN = 0.97
+
+
+def _defers_scales(x: torch.Tensor | QuantizedRows, weight: torch.Tensor) -> bool:
+    values = x.values if isinstance(x, QuantizedRows) else x
+    if not values.is_cuda or values.dtype not in (torch.bfloat16, FP8_DTYPE):
+        return False
+    if isinstance(x, QuantizedRows) and x.dtype != torch.bfloat16:
+        return False
+    return (values.device.index, values.shape[0], *weight.shape) in _DEFERRED_SCALING
+
+
+@torch.inference_mode()
+def choose_fp8_scaling(weights: list[torch.Tensor], rows: list[int]) -> dict[tuple[int, int, int], bool]:
+    """For each distinct FP8 weight shape (N, K) and row count of ``rows`` above MAX_SKINNY_ROWS,
+    whether the tensor-wise product with deferred scales beats the row-wise one (device time from
+    CUDA graphs, over copies of the weight that defeat the L2 cache); the winners are kept for
+    fp8_linear's ``defer_scales``. Returns {(rows, N, K): deferred}. CUDA, bf16 activations only."""
+    results: dict[tuple[int, int, int], bool] = {}
+    if not weights:
+        return results
+    device = weights[0].device
+    _UNIT_SCALES.setdefault(device, torch.ones((), dtype=torch.float32, device=device))
+    unit = _UNIT_SCALES[device]
+    shapes = {tuple(w.shape): w for w in weights}
+    for (n, k), weight in shapes.items():
+        copies = l2_defeating_copies(weight)
+        col_scale = torch.ones(1, n, dtype=torch.float32, device=device)
+        turn = iter(range(1 << 40))
+        for m in sorted({r for r in rows if r > MAX_SKINNY_ROWS}):
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16).to(FP8_DTYPE)
+            row_scale = torch.ones(m, 1, dtype=torch.float32, device=device)
+            row_wise = graph_time_ms(lambda: torch._scaled_mm(
+                x, copies[next(turn) % len(copies)].t(), scale_a=row_scale, scale_b=col_scale,
+                out_dtype=torch.bfloat16, use_fast_accum=FAST_ACCUM))
+            tensor_wise = graph_time_ms(lambda: torch._scaled_mm(
+                x, copies[next(turn) % len(copies)].t(), scale_a=unit, scale_b=unit,
+                out_dtype=torch.bfloat16, use_fast_accum=FAST_ACCUM))
+            deferred = tensor_wise < DEFER_MIN_GAIN * row_wise
+            results[(m, n, k)] = deferred
+            key = (device.index, m, n, k)
+            if deferred:
+                _DEFERRED_SCALING.add(key)
+            else:
+                _DEFERRED_SCALING.discard(key)
+    return results

@@ -42,14 +42,16 @@ def rms_norm_ref(
 
 @jit
 def _rms_norm_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, scale_ptr,
+    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, scale_ptr, x_row_scale_ptr, x_col_scale_ptr,
     stride_x, stride_xp, stride_r, stride_o, stride_ro, hidden, eps,
     HAS_RESIDUAL: tl.constexpr, NUM_PARTS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
-    QUANTIZE: tl.constexpr,
+    QUANTIZE: tl.constexpr, SCALED_X: tl.constexpr,
 ):
     """NUM_PARTS > 1: row ``row`` of x is the sum of NUM_PARTS rows stride_xp apart (module
     docstring). QUANTIZE: out is float8_e4m3fn and the normalized row, rounded to x's dtype, is
-    quantized per row as kernels/fp8.py's quantize_rows does (kernels/e4m3_rows.py)."""
+    quantized per row as kernels/fp8.py's quantize_rows does (kernels/e4m3_rows.py). SCALED_X: x is
+    an unscaled FP8 product (kernels/fp8.py ScaledProduct), scaled by its row's and columns' scales
+    and rounded to x's dtype first (what the row-wise product would have stored)."""
     pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -61,11 +63,15 @@ def _rms_norm_kernel(
         x = total.to(x_ptr.dtype.element_ty)
     else:
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if SCALED_X:
+        # In kernels/fp8.py apply_scales' order, (x * row) * column, so the two agree bit for bit.
+        x = (x.to(tl.float32) * tl.load(x_row_scale_ptr + row)
+             * tl.load(x_col_scale_ptr + cols, mask=mask, other=0.0)).to(x_ptr.dtype.element_ty)
     if HAS_RESIDUAL:
         # Rounded to the activation dtype before the statistics, as the reference's ``x + residual``.
         x = (x.to(tl.float32) + tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32))
         x = x.to(x_ptr.dtype.element_ty)
-    if HAS_RESIDUAL or NUM_PARTS > 1:
+    if HAS_RESIDUAL or NUM_PARTS > 1 or SCALED_X:
         tl.store(residual_out_ptr + row * stride_ro + cols, x, mask=mask)
     xf = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(xf * xf, 0) / hidden + eps)
@@ -89,15 +95,18 @@ def rms_norm_triton(
 
 
 def rms_norm_quantized_triton(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+    x_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``rms_norm`` whose output row is quantized to E4M3 per row in the same pass (the input of an
     FP8 product): returns (out (num_tokens, hidden) float8_e4m3fn, scale (num_tokens,) float32,
-    new_residual); out * scale equals kernels.fp8.quantize_rows of rms_norm's output exactly."""
-    return _launch_rms_norm(x, weight, eps, residual, quantize=True)
+    new_residual); out * scale equals kernels.fp8.quantize_rows of rms_norm's output exactly.
+    ``x_scales`` = (row_scale (num_tokens,), col_scale (hidden,)) float32: x (2-D) is an unscaled FP8
+    product standing for x[i, j] * row_scale[i] * col_scale[j] (kernels/fp8.py ScaledProduct)."""
+    return _launch_rms_norm(x, weight, eps, residual, quantize=True, x_scales=x_scales)
 
 
-def _launch_rms_norm(x, weight, eps, residual, *, quantize: bool):
+def _launch_rms_norm(x, weight, eps, residual, *, quantize: bool, x_scales=None):
     num_tokens, hidden = x.shape[0], x.shape[-1]
     parts = x.shape[1] if x.dim() == 3 else 1  # (num_tokens, parts, hidden): rows summed first
     assert x.stride(-1) == 1 and (residual is None or residual.stride(1) == 1)
@@ -108,11 +117,17 @@ def _launch_rms_norm(x, weight, eps, residual, *, quantize: bool):
     if num_tokens == 0:
         return out, scale, residual_out
     block = triton.next_power_of_2(hidden)
+    row_scale, col_scale = x_scales if x_scales is not None else (weight, weight)
+    assert x_scales is None or (parts == 1 and row_scale.is_contiguous() and col_scale.is_contiguous()
+                                and row_scale.numel() == num_tokens and col_scale.numel() == hidden)
+    if x_scales is not None and residual is None:  # the scaled x is the new residual: write it
+        residual_out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
     _rms_norm_kernel[(num_tokens,)](
-        x, residual if residual is not None else x, weight, out, residual_out, scale,
+        x, residual if residual is not None else x, weight, out, residual_out, scale, row_scale, col_scale,
         x.stride(0), x.stride(1) if parts > 1 else 0, residual.stride(0) if residual is not None else 0,
         out.stride(0), residual_out.stride(0), hidden, eps, HAS_RESIDUAL=residual is not None, NUM_PARTS=parts,
-        BLOCK=block, QUANTIZE=quantize, num_warps=min(16, max(1, block // 512)), **pdl_options(x),
+        BLOCK=block, QUANTIZE=quantize, SCALED_X=x_scales is not None, num_warps=min(16, max(1, block // 512)),
+        **pdl_options(x),
     )
     return out, scale, residual_out
 

@@ -27,7 +27,7 @@ from engine.models.layers import Linear, enable_one_shot_all_reduce, prepare_wei
 from kernels.attention import KV_FP8_DTYPE
 from kernels.attention_metadata import AttentionMetadata
 from kernels.triton_attention import prefill_tokens_per_tile
-from kernels.fp8 import FP8_DTYPE, choose_fp8_skinny_variants
+from kernels.fp8 import FP8_DTYPE, choose_fp8_scaling, choose_fp8_skinny_variants
 from kernels.linear import choose_gated_weights, choose_skinny_weights
 from kernels.wna16 import choose_wna16_variants
 from kernels.lora import lora_batch
@@ -37,6 +37,9 @@ CPU_KV_BUDGET_BYTES = 256 * 1024 * 1024  # a CPU pool never grows past this on i
 PREFILL_GRAPHS_ENV = "TRITONLLM_PREFILL_GRAPHS"  # 0: steps with prompt tokens run eagerly
 # Weight schemes whose mixed steps are checked graphed against eager (None: the model dtype).
 PREFILL_GRAPH_QUANTIZATIONS = (None, "fp8")
+# Decode buckets up to this many rows time the FP8 products' deferred scales (kernels/fp8.py): on an
+# H100 the row-wise and tensor-wise products were within a few percent from 1,024 rows on.
+MAX_DEFERRED_SCALING_ROWS = 1024
 
 
 @dataclass
@@ -260,6 +263,10 @@ class ModelRunner:
                                           max_seq_len=build.max_seq_len, max_batch_size=build.max_batch_size,
                                           sampled_tokens=self.sampled_tokens,
                                           lora_slots=0 if self.lora_pools is None else self.lora_pools.num_slots)
+        if self.dtype == torch.bfloat16:  # (an fp16 product of E4M3 values unscaled could overflow)
+            scaling = choose_fp8_scaling([m.weight for m in self.model.modules() if isinstance(m, Linear) and m.is_fp8],
+                                         [b for b in self.decode_graphs.buckets if b <= MAX_DEFERRED_SCALING_ROWS])
+            self.gemm_choices[("fp8_deferred_scales",)] = sorted(key for key, deferred in scaling.items() if deferred)
         self.decode_graphs.capture()
         if self.prefill_graphs_enabled():
             cfg = self.model_config

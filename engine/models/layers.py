@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import WeightOnlyScheme
-from kernels.fp8 import FP8_DTYPE, QuantizedRows, fp8_gated_linear, fp8_linear, quantizes_activations, rms_norm_quantized
+from kernels.fp8 import (FP8_DTYPE, QuantizedRows, ScaledProduct, apply_scales, fp8_gated_linear, fp8_linear,
+                         quantizes_activations, rms_norm_quantized)
 from kernels.fp8_block import blocks, fp8_block_linear
 from kernels.activation import silu_and_mul
 from kernels.linear import gated_linear, linear, linear_float32_out
@@ -242,7 +243,13 @@ class RowParallelLinear(Linear):
         super().__init__(in_local, out_features, bias=bias, dtype=dtype, device=device, quantization=quantization)
         self.tp_group = tp_group
 
-    def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None = None, *,
+                defer_scales: bool = False) -> torch.Tensor | ScaledProduct:
+        """``defer_scales``: the caller reads the output with ``rms_norm_into`` (which takes a
+        ScaledProduct, kernels/fp8.py); honoured on one rank without a bias or an adapter in the batch."""
+        if (defer_scales and self.is_fp8 and self.tp_group is None and self.bias is None
+                and (lora is None or self.lora is None)):
+            return fp8_linear(x, self.weight, self.weight_scale, defer_scales=True)
         out = self._product(x, None)
         if lora is not None and self.lora is not None:
             # A holds this rank's input columns: B(A_r x_r) summed over ranks is B(A x), so the
@@ -253,13 +260,15 @@ class RowParallelLinear(Linear):
         return out if self.bias is None else out + self.bias
 
 
-def rms_norm_into(linear: Linear | None, x: torch.Tensor, weight: torch.Tensor, eps: float,
+def rms_norm_into(linear: Linear | None, x: torch.Tensor | ScaledProduct, weight: torch.Tensor, eps: float,
                   residual: torch.Tensor | None) -> tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
     """kernels.rmsnorm.rms_norm for a norm whose output only ``linear`` reads: with an FP8 layer on
-    the W8A8 path the norm quantizes its output per token in the same kernel."""
-    if linear is not None and linear.takes_quantized_rows(x):
+    the W8A8 path the norm quantizes its output per token in the same kernel. x may be a
+    ScaledProduct (an FP8 projection's deferred scales): the quantizing norm applies them itself."""
+    values = x.values if isinstance(x, ScaledProduct) else x
+    if linear is not None and linear.takes_quantized_rows(values):
         return rms_norm_quantized(x, weight, eps, residual)
-    return rms_norm(x, weight, eps, residual)
+    return rms_norm(apply_scales(x), weight, eps, residual)
 
 
 class Norm(nn.Module):

@@ -30,6 +30,7 @@ from engine.models.layers import (Linear, Norm, RowParallelLinear, VocabParallel
                                   vocab_parallel_logits)
 from kernels.attention_metadata import AttentionMetadata
 from kernels.attention import paged_attention, write_kv_cache
+from kernels.fp8 import ScaledProduct, apply_scales
 from kernels.rmsnorm import rms_norm
 from kernels.rope_attention import rope_paged_attention
 from kernels.rotary import build_cos_sin_cache
@@ -91,13 +92,18 @@ class LlamaLayer(nn.Module):
         else:
             write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
             out = paged_attention(q, k_cache, v_cache, meta, self.scale, sliding_window=self.sliding_window)
-        return self.o_proj(out.reshape(out.shape[0], -1), meta.lora)
+        # Read only by forward's post-attention norm, which applies deferred FP8 scales itself
+        # (kernels/fp8.py ScaledProduct) when it quantizes for an FP8 gate_up_proj.
+        defer = getattr(self, "gate_up_proj", None) is not None and self.gate_up_proj.is_fp8
+        return self.o_proj(out.reshape(out.shape[0], -1), meta.lora, defer_scales=defer)
 
-    def mlp(self, h: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
+    def mlp(self, h: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor | ScaledProduct:
         """``lora``: the forward's adapter rows (engine/lora/pool.py); down_proj then takes its
-        input unquantized (its adapter reads it in the model dtype)."""
+        input unquantized (its adapter reads it in the model dtype). The output may be a
+        ScaledProduct: only the next layer's input norm or the model's final norm reads it."""
         quantize = self.down_proj.is_fp8 and (lora is None or self.down_proj.lora is None)
-        return self.down_proj(self.gate_up_proj.gated(h, quantize_output=quantize, lora=lora), lora)
+        return self.down_proj(self.gate_up_proj.gated(h, quantize_output=quantize, lora=lora), lora,
+                              defer_scales=True)
 
     def forward(self, x, residual, positions, cos_sin_cache, kv_cache, meta):
         """x, residual: (num_tokens, hidden); residual None on the first layer. Returns both, updated.
@@ -162,7 +168,7 @@ class LlamaForCausalLM(nn.Module):
         x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             x, residual = layer(x, residual, positions, cos_sin_cache, kv_cache, attn_meta)
-        return rms_norm(x, self.norm.weight, self.config.norm_eps, residual)[0]
+        return rms_norm(apply_scales(x), self.norm.weight, self.config.norm_eps, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: (n, hidden) rows to score -> float32 logits (n, vocab)."""

@@ -176,3 +176,56 @@ def test_gelu_tanh_and_mul(device, num_tokens, inter):
     for dtype in low_precision_dtypes(device):
         x = 2 * randn(num_tokens, 2 * inter, dtype=dtype, device=device, seed=7)  # gates well into both tails
         assert relative_error(gelu_tanh_and_mul_triton(x), gelu_tanh_and_mul_ref(x)) < ROUNDING[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,hidden", [(1, 4096), (37, 576), (5, 1000)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_quantized_norm_applies_deferred_fp8_scales_as_the_product_would(device, rows, hidden, with_residual):
+    """An FP8 product handed over unscaled (kernels/fp8.py ScaledProduct): the quantizing norm scales
+    each value by its row's and column's scale in-kernel, bit for bit what it gives on the scaled
+    product (apply_scales), and the new residual is the scaled product (plus the residual)."""
+    from kernels.fp8 import ScaledProduct, apply_scales
+    from kernels.rmsnorm import rms_norm_quantized_triton
+
+    values = randn(rows, hidden, dtype=torch.bfloat16, device=device, seed=11) * 3000
+    row_scale = torch.rand(rows, generator=torch.Generator().manual_seed(12)).to(device) * 1e-3 + 1e-4
+    col_scale = torch.rand(hidden, generator=torch.Generator().manual_seed(13)).to(device) * 1e-3 + 1e-4
+    residual = randn(rows, hidden, dtype=torch.bfloat16, device=device, seed=14) if with_residual else None
+    weight = (1 + 0.1 * randn(hidden, dtype=torch.float32, device=device, seed=15)).to(torch.bfloat16)
+    product = apply_scales(ScaledProduct(values, row_scale, col_scale))
+    q, scale, new_residual = rms_norm_quantized_triton(values, weight, 1e-5, residual, x_scales=(row_scale, col_scale))
+    want_q, want_scale, want_residual = rms_norm_quantized_triton(product, weight, 1e-5, residual)
+    assert_same_quantized_rows((q, scale), (want_q, want_scale), device)
+    want_residual = want_residual if with_residual else product
+    if device == "cuda":
+        assert torch.equal(new_residual, want_residual)
+    else:
+        assert relative_error(new_residual, want_residual) < 2.0**-7  # one bf16 step
+
+
+def assert_same_quantized_rows(got, want, device):
+    """Bit for bit on the GPU. Triton's CPU interpreter rounds float32 to bf16 toward zero (the GPU to
+    nearest), so there the scaled values may sit one bf16 step apart before quantization."""
+    from kernels.fp8 import dequantize_rows
+
+    if device == "cuda":
+        assert torch.equal(got[1], want[1]) and torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+    else:
+        assert relative_error(dequantize_rows(*got), dequantize_rows(*want)) < 0.07  # an E4M3 step at most
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,inter", [(1, 14336), (3, 1000), (2, 20000)])  # 20000: the two-pass form
+def test_quantized_silu_applies_deferred_fp8_scales_as_the_product_would(device, rows, inter):
+    """The gated MLP's [gate | up] product handed over unscaled: the SiLU-and-quantize kernel scales
+    gate and up in-kernel, bit for bit what it gives on the scaled product."""
+    from kernels.activation import silu_and_mul_quantized_triton
+    from kernels.fp8 import ScaledProduct, apply_scales
+
+    values = randn(rows, 2 * inter, dtype=torch.bfloat16, device=device, seed=21) * 3000
+    row_scale = torch.rand(rows, generator=torch.Generator().manual_seed(22)).to(device) * 1e-3 + 1e-4
+    col_scale = torch.rand(2 * inter, generator=torch.Generator().manual_seed(23)).to(device) * 1e-3 + 1e-4
+    got = silu_and_mul_quantized_triton(values, x_scales=(row_scale, col_scale))
+    want = silu_and_mul_quantized_triton(apply_scales(ScaledProduct(values, row_scale, col_scale)))
+    assert_same_quantized_rows(got, want, device)
