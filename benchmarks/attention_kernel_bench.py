@@ -48,6 +48,7 @@ CASES: dict[str, list[tuple[int, int]]] = {
     "mixed 2048/128 (4x2048 + 480x2.1k decode)": [(0, 2048)] * 4 + [(2100, 1)] * 480,
     "decode 532x1500": [(1499, 1)] * 532,
     "decode 194x5250": [(5249, 1)] * 194,
+    "decode 264x2500": [(2499, 1)] * 264,  # 2048/2048's plateau
     "decode 1024x192": [(191, 1)] * 1024,
     "decode 48x21000": [(20999, 1)] * 48,  # 20000/2000's plateau
 }
@@ -141,10 +142,20 @@ def rotary_append_inputs(q: torch.Tensor, meta) -> tuple:
     return k, v, positions, cos_sin
 
 
+def case_batch(name: str) -> list[tuple[int, int]]:
+    """CASES[name], or for a name "decode BxC" not in it, B decode rows over C tokens of context each."""
+    if name in CASES:
+        return CASES[name]
+    kind, shape = name.split()
+    count, context = (int(n) for n in shape.split("x"))
+    assert kind == "decode", f"unknown case {name!r}: a CASES key or 'decode BxC'"
+    return [(context - 1, 1)] * count
+
+
 def run_case(name: str, pool: str, tiling: str = "default", rotary_append: bool = False) -> dict:
     from kernels import triton_attention
 
-    batch = CASES[name]
+    batch = case_batch(name)
     pool_dtype = torch.float8_e4m3fn if pool == "fp8" else torch.bfloat16
     q, k_cache, v_cache, meta = build_case(batch, pool_dtype)
     scale = HEAD_DIM**-0.5
@@ -177,7 +188,8 @@ def forced(attr: str, config_of):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pool", default="fp8,bf16")
-    parser.add_argument("--cases", default=",".join(CASES), help="comma list of case names (see CASES)")
+    parser.add_argument("--cases", default=",".join(CASES),
+                        help="comma list of case names (see CASES; 'decode BxC' for any other decode batch)")
     parser.add_argument("--sweep_prefill", default="", help="BM:BN:WARPS:STAGES,... for prompt chunks")
     parser.add_argument("--sweep_decode", default="", help="BN:WARPS:STAGES,... for decode rows")
     parser.add_argument("--rotary_append", action="store_true",
@@ -196,21 +208,21 @@ def main() -> None:
         for name in cases:
             rows.append(run_case(name, pool))
             print(rows[-1], flush=True)
-            if args.rotary_append and all(n == 1 for _, n in CASES[name]):
+            if args.rotary_append and all(n == 1 for _, n in case_batch(name)):
                 rows.append(run_case(name, pool, rotary_append=True))
                 print(rows[-1], flush=True)
         for entry in filter(None, args.sweep_prefill.split(",")):
             bm, bn, warps, stages = map(int, entry.split(":"))
             with forced("_prefill_config", lambda default: (bm, bn, warps, stages, 1)):
                 for name in cases:
-                    if any(n > 1 for _, n in CASES[name]):
+                    if any(n > 1 for _, n in case_batch(name)):
                         rows.append(run_case(name, pool, f"prefill {entry}"))
                         print(rows[-1], flush=True)
         for entry in filter(None, args.sweep_decode.split(",")):
             bn, warps, stages = map(int, entry.split(":"))
             with forced("_decode_config", lambda default: (default[0], bn, warps, stages, default[4])):
                 for name in cases:
-                    if any(n == 1 for _, n in CASES[name]):
+                    if any(n == 1 for _, n in case_batch(name)):
                         rows.append(run_case(name, pool, f"decode {entry}"))
                         print(rows[-1], flush=True)
     table = ["| case | pool | tiling | us / layer | TFLOPS | K/V TB/s |", "|---|---|---|---:|---:|---:|"]
