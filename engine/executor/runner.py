@@ -266,7 +266,8 @@ class ModelRunner:
         if self.dtype == torch.bfloat16:  # (an fp16 product of E4M3 values unscaled could overflow)
             scaling = choose_fp8_scaling([m.weight for m in self.model.modules() if isinstance(m, Linear) and m.is_fp8],
                                          [b for b in self.decode_graphs.buckets if b <= MAX_DEFERRED_SCALING_ROWS])
-            self.gemm_choices[("fp8_deferred_scales",)] = sorted(key for key, deferred in scaling.items() if deferred)
+            self.gemm_choices[("fp8_deferred_scales",)] = {
+                "deferred": sorted(key for key, deferred in scaling.items() if deferred)}  # (rows, N, K)
         self.decode_graphs.capture()
         if self.prefill_graphs_enabled():
             cfg = self.model_config
