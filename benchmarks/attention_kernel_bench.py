@@ -25,7 +25,7 @@ the default is the engine's (blocks, PAGE, KV heads, HEAD_DIM).
 ``--rotary_append``: decode cases once more in the form a served decode step runs them (kernels/
 rope_attention.py: q and the new k arrive unrotated; the kernel rotates them and writes the new K/V).
 
-``--sweep_prefill BM:BN:WARPS:STAGES,...`` and ``--sweep_decode BN:WARPS:STAGES,...`` time the cases
+``--sweep_prefill BM:BN:WARPS:STAGES,...`` and ``--sweep_decode BN:WARPS:STAGES[:tma],...`` time the cases
 again with the prompt-chunk or decode-row tiling forced to each entry (kernels/triton_attention.py's
 ``_prefill_config`` / ``_decode_config`` replaced for the run), to choose those tables. To compare
 against another commit, run this file with PYTHONPATH at that commit's tree (its kernels are timed).
@@ -191,7 +191,8 @@ def main() -> None:
     parser.add_argument("--cases", default=",".join(CASES),
                         help="comma list of case names (see CASES; 'decode BxC' for any other decode batch)")
     parser.add_argument("--sweep_prefill", default="", help="BM:BN:WARPS:STAGES,... for prompt chunks")
-    parser.add_argument("--sweep_decode", default="", help="BN:WARPS:STAGES,... for decode rows")
+    parser.add_argument("--sweep_decode", default="",
+                        help="BN:WARPS:STAGES[:tma],... for decode rows (:tma: whole tiles through TMA where they fit a page)")
     parser.add_argument("--rotary_append", action="store_true",
                         help="decode cases also in the served form: q and k rotated and the new K/V written in-kernel")
     parser.add_argument("--pool_layout", choices=["token_major", "head_major"], default="token_major",
@@ -219,8 +220,9 @@ def main() -> None:
                         rows.append(run_case(name, pool, f"prefill {entry}"))
                         print(rows[-1], flush=True)
         for entry in filter(None, args.sweep_decode.split(",")):
-            bn, warps, stages = map(int, entry.split(":"))
-            with forced("_decode_config", lambda default: (default[0], bn, warps, stages, default[4])):
+            bn, warps, stages, *tma = entry.split(":")
+            bn, warps, stages, tma = int(bn), int(warps), int(stages), tma == ["tma"]
+            with forced("_decode_config", lambda default: (default[0], bn, warps, stages, default[4], tma)):
                 for name in cases:
                     if any(n == 1 for _, n in case_batch(name)):
                         rows.append(run_case(name, pool, f"decode {entry}"))

@@ -455,8 +455,8 @@ def prefill_tokens_per_tile(group: int, head_dim: int = 128, kv_itemsize: int = 
 
 def _decode_config(meta: AttentionMetadata, group: int, num_kv_heads: int, device: torch.device,
                    num_splits: int | None, sliding_window: int | None, dim_pad: int,
-                   kv_itemsize: int, tma_pages: bool = False) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M rows, BLOCK_N keys, warps, stages, splits) of decode rows: the smallest row tile that
+                   kv_itemsize: int, tma_pages: bool = False) -> tuple[int, int, int, int, int, bool]:
+    """(BLOCK_M rows, BLOCK_N keys, warps, stages, splits, TMA) of decode rows: the smallest row tile that
     holds a GQA group (16, the tensor-core minimum) and key splits to fill the GPU (a window caps the
     keys a token reads, so it caps the splits too; a Python constant per layer, so CUDA graphs keep
     one grid per layer).
@@ -475,13 +475,13 @@ def _decode_config(meta: AttentionMetadata, group: int, num_kv_heads: int, devic
         num_splits = _decode_num_splits(meta.num_seqs, num_kv_heads, keys_read, num_sms(device), 64)
     if kv_itemsize == 1:
         if block_m > 16 or wide:
-            return block_m, 32, 4, 2, num_splits
+            return block_m, 32, 4, 2, num_splits, False
         if tma_pages and FP8_TMA_BATCH <= meta.num_seqs < FP8_SHORT_CONTEXT_BATCH:
-            return block_m, 32, 1, 6, num_splits
+            return block_m, 32, 1, 6, num_splits, True
         if meta.num_seqs >= FP8_SHORT_CONTEXT_BATCH:
-            return block_m, 32, 1, 3, num_splits
-        return block_m, 64, 2, 5, num_splits
-    return block_m, 64, 4, (2 if wide else 3), num_splits
+            return block_m, 32, 1, 3, num_splits, False
+        return block_m, 64, 2, 5, num_splits, False
+    return block_m, 64, 4, (2 if wide else 3), num_splits, False
 
 
 # FP8 pools, heads up to 128 wide: decode batches of at least this many sequences walk 32 keys at a
@@ -527,7 +527,8 @@ try:
 except ImportError:  # no Triton, or one without host-side tensor descriptors
     TensorDescriptor = None
 
-# "0": decode tiles never read the pool through TMA descriptors (A/B switch; read at every call).
+# "0": decode tiles never read the pool through TMA descriptors; "all": every decode tiling that fits
+# in a page does (sweeps); else the rule of _decode_config. An A/B switch, read at every call.
 DECODE_TMA_ENV = "TRITONLLM_DECODE_TMA"
 
 
@@ -614,9 +615,12 @@ def paged_attention_triton(
         new_kv_strides = (0, 0, 0, 0)
     kv_itemsize = k_cache.element_size()
 
-    def launch(config: tuple[int, int, int, int, int], grid: tuple[int, int, int], seq_kind: int,
-               tile_map: bool) -> None:
-        block_m, block_n, num_warps, num_stages, num_splits = config
+    def launch(config: tuple, grid: tuple[int, int, int], seq_kind: int, tile_map: bool) -> None:
+        block_m, block_n, num_warps, num_stages, num_splits = config[:5]
+        # A decode config's sixth element asks for TMA reads; $TRITONLLM_DECODE_TMA=all has every
+        # decode tiling that fits a page take them (benchmarks/attention_kernel_bench.py's sweeps).
+        wants_tma = seq_kind != MULTI_TOKEN and (
+            (len(config) > 5 and config[5]) or os.environ.get(DECODE_TMA_ENV) == "all")
         if num_splits > 1:
             rows = num_seqs if seq_kind == ONE_TOKEN else num_tokens  # (see the kernel's part_row)
             part_out = torch.empty(num_splits, rows, num_heads, dim_pad, dtype=torch.float32, device=q.device)
@@ -625,7 +629,7 @@ def paged_attention_triton(
         else:
             part_out = part_lse = out  # unused
             ps = pt = ph = 0
-        descs = _tma_descriptors(k_cache, v_cache, block_n) if seq_kind != MULTI_TOKEN else None
+        descs = _tma_descriptors(k_cache, v_cache, block_n) if wants_tma else None
         _paged_attention_kernel[grid[0], grid[1], grid[2] * num_splits](
             q, k_cache, v_cache, out, part_out, part_lse, *(descs or (k_cache, v_cache)),
             meta.block_tables, meta.cu_seqlens_q, meta.context_lens,

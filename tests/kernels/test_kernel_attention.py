@@ -408,6 +408,32 @@ def test_decode_split_count_is_a_bounded_power_of_two():
         assert splits & (splits - 1) == 0 and 1 <= splits <= 16
 
 
+def test_decode_reads_through_tma_only_where_measured_faster(monkeypatch):
+    """The decode tiling's TMA flag (kernels/triton_attention.py FP8_TMA_BATCH): FP8 pools the TMA unit
+    can read, 16-row tiles of 128-wide heads, 384-767 sequences; never bf16 pools, wide heads, larger
+    GQA groups, smaller or larger batches, or a pool it cannot read."""
+    pytest.importorskip("triton")
+    from kernels import triton_attention
+    from kernels.triton_attention import FP8_SHORT_CONTEXT_BATCH, FP8_TMA_BATCH, _decode_config
+
+    monkeypatch.setattr(triton_attention, "num_sms", lambda device: 132)
+
+    def config(num_seqs, group=4, dim_pad=128, kv_itemsize=1, tma_pages=True):
+        meta = AttentionMetadata(slot_mapping=None, block_tables=None, cu_seqlens_q=None,
+                                 context_lens=torch.zeros(num_seqs), max_seqlen_q=1, max_context_len=1500,
+                                 is_decode_only=True)
+        return _decode_config(meta, group, 8, torch.device("cpu"), None, None, dim_pad, kv_itemsize, tma_pages)
+
+    for num_seqs in (FP8_TMA_BATCH, 544, FP8_SHORT_CONTEXT_BATCH - 1):
+        assert config(num_seqs)[1:] == (32, 1, 6, 1, True)
+    for num_seqs in (1, 48, FP8_TMA_BATCH - 1, FP8_SHORT_CONTEXT_BATCH, 1024):
+        assert config(num_seqs)[5] is False
+    assert config(544, tma_pages=False)[5] is False
+    assert config(544, kv_itemsize=2)[5] is False
+    assert config(544, dim_pad=256)[5] is False
+    assert config(544, group=32)[5] is False
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads", [(32, 8, 128), (9, 3, 64), (8, 4, 256)])
 @pytest.mark.parametrize("num_splits", [None, 1, 4])
@@ -485,7 +511,7 @@ def test_decode_reads_a_head_major_pool_through_tma_as_through_pointers(
     k_cache, v_cache = head_major(k_cache), head_major(v_cache)
     chosen = triton_attention._decode_config
     monkeypatch.setattr(triton_attention, "_decode_config",
-                        lambda *a, **kw: (16, page_size, 2, 3, chosen(*a, **kw)[4]))
+                        lambda *a, **kw: (16, page_size, 2, 3, chosen(*a, **kw)[4], True))
     assert triton_attention._tma_descriptors(k_cache, v_cache, page_size) is not None
     q = torch.randn(len(batch), 32, 128, generator=torch.Generator().manual_seed(2)).to(dtype).to(device)
     new_kv = None
