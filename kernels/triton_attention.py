@@ -658,7 +658,7 @@ def paged_attention_triton(
             )
 
     decode_config = _decode_config(meta, group, num_kv_heads, q.device, num_splits, sliding_window, dim_pad,
-                                   kv_itemsize, tma_pages=_tma_readable(k_cache, v_cache, 32))
+                                   kv_itemsize, tma_pages=kv_itemsize == 1 and _tma_readable(k_cache, v_cache, 32))
     if meta.is_decode_only:
         launch(decode_config, (1, num_seqs, num_kv_heads), ALL_SEQS, tile_map=False)
         return out
