@@ -36,6 +36,11 @@ except ImportError:  # CPU-only: references only
 
         return stub if fn is not None else (lambda f: stub)
 
+try:  # host-side TMA descriptors (kernels/triton_attention.py); None without Triton or in one without them
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:
+    TensorDescriptor = None
+
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
@@ -57,7 +62,7 @@ PDL_ENV = "TRITONLLM_PDL"  # "0": never launch with PDL
 # machines and 3-4% slower on two others (2026-11-25), so it is timed, not assumed.
 PDL_ALLOWED = os.environ.get(PDL_ENV, "1") != "0"
 _pdl_enabled = PDL_ALLOWED
-_PDL_DEVICES: dict[int, bool] = {}
+_HOPPER_DEVICES: dict[int, bool] = {}  # device index -> compute capability >= 9.0
 
 
 @jit
@@ -69,16 +74,22 @@ def pdl_prologue(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-def pdl_supported(t) -> bool:
-    """This Triton has grid dependency control and ``t`` is on a GPU of compute capability >= 9.0."""
-    if not (HAVE_GDC and t.is_cuda):
+def hopper_or_later(t) -> bool:
+    """``t`` is on a GPU of compute capability >= 9.0 (grid dependency control, the tensor-memory
+    accelerator); read once per device."""
+    if not t.is_cuda:
         return False
     index = t.device.index if t.device.index is not None else 0
-    if index not in _PDL_DEVICES:
+    if index not in _HOPPER_DEVICES:
         import torch
 
-        _PDL_DEVICES[index] = torch.cuda.get_device_capability(index)[0] >= 9
-    return _PDL_DEVICES[index]
+        _HOPPER_DEVICES[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    return _HOPPER_DEVICES[index]
+
+
+def pdl_supported(t) -> bool:
+    """This Triton has grid dependency control and ``t`` is on a GPU of compute capability >= 9.0."""
+    return HAVE_GDC and hopper_or_later(t)
 
 
 def set_pdl(enabled: bool) -> None:

@@ -69,7 +69,7 @@ import os
 
 import torch
 
-from kernels._triton import jit, num_sms, pdl_options, pdl_prologue, tl, triton
+from kernels._triton import TensorDescriptor, hopper_or_later, jit, num_sms, pdl_options, pdl_prologue, tl, triton
 from kernels.attention_metadata import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
@@ -522,25 +522,9 @@ def _prefill_config(group: int, dim_pad: int, kv_itemsize: int) -> tuple[int, in
     return block_m, 64, 4, 2, 1
 
 
-try:
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # no Triton, or one without host-side tensor descriptors
-    TensorDescriptor = None
-
 # "0": decode tiles never read the pool through TMA descriptors; "all": every decode tiling that fits
 # in a page does (sweeps); else the rule of _decode_config. An A/B switch, read at every call.
 DECODE_TMA_ENV = "TRITONLLM_DECODE_TMA"
-
-
-_TMA_DEVICES: dict[int, bool] = {}
-
-
-def _has_tma(device: torch.device) -> bool:
-    """Compute capability 9.0 or later (the tensor-memory accelerator), read once per device."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _TMA_DEVICES:
-        _TMA_DEVICES[index] = torch.cuda.get_device_capability(index)[0] >= 9
-    return _TMA_DEVICES[index]
 
 
 def _tma_readable(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) -> bool:
@@ -551,7 +535,7 @@ def _tma_readable(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) ->
     (or Triton's interpreter). $TRITONLLM_DECODE_TMA=0 turns it off (read at every call)."""
     if TensorDescriptor is None or os.environ.get(DECODE_TMA_ENV, "1") == "0":
         return False
-    if k_cache.is_cuda and not _has_tma(k_cache.device):
+    if k_cache.is_cuda and not hopper_or_later(k_cache):
         return False
     page_size, _, head_dim = k_cache.shape[1:]
     if page_size % block_n or head_dim != triton.next_power_of_2(head_dim):
