@@ -342,6 +342,10 @@ _UNIT_SCALES: dict[torch.device, torch.Tensor] = {}  # the tensor-wise path's sc
 # Deferral pays only where the tensor-wise product is this much faster: the reader's scaling costs a
 # little too (a multiply per value in a kernel that reads the product anyway).
 DEFER_MIN_GAIN = 0.97
+# Calls in each timing's CUDA graph: ~40 decode buckets x 4 shapes x 2 ways are timed at every engine
+# load, and graphs of 20 calls (graph_time_ms' default) added ~30-40 s to an 8B FP8 engine's load on
+# an H100 (74-88 s against 42 s before, 2026-11-26). Five keep it to a few seconds.
+SCALING_TIMING_CALLS = 5
 
 
 def _defers_scales(x: torch.Tensor | QuantizedRows, weight: torch.Tensor) -> bool:
@@ -375,10 +379,10 @@ def choose_fp8_scaling(weights: list[torch.Tensor], rows: list[int]) -> dict[tup
             row_scale = torch.ones(m, 1, dtype=torch.float32, device=device)
             row_wise = graph_time_ms(lambda: torch._scaled_mm(
                 x, copies[next(turn) % len(copies)].t(), scale_a=row_scale, scale_b=col_scale,
-                out_dtype=torch.bfloat16, use_fast_accum=FAST_ACCUM))
+                out_dtype=torch.bfloat16, use_fast_accum=FAST_ACCUM), repeat=SCALING_TIMING_CALLS)
             tensor_wise = graph_time_ms(lambda: torch._scaled_mm(
                 x, copies[next(turn) % len(copies)].t(), scale_a=unit, scale_b=unit,
-                out_dtype=torch.bfloat16, use_fast_accum=FAST_ACCUM))
+                out_dtype=torch.bfloat16, use_fast_accum=FAST_ACCUM), repeat=SCALING_TIMING_CALLS)
             deferred = tensor_wise < DEFER_MIN_GAIN * row_wise
             results[(m, n, k)] = deferred
             key = (device.index, m, n, k)
