@@ -343,8 +343,9 @@ _UNIT_SCALES: dict[torch.device, torch.Tensor] = {}  # the tensor-wise path's sc
 # little too (a multiply per value in a kernel that reads the product anyway).
 DEFER_MIN_GAIN = 0.97
 # Calls in each timing's CUDA graph: ~40 decode buckets x 4 shapes x 2 ways are timed at every engine
-# load, and graphs of 20 calls (graph_time_ms' default) added ~30-40 s to an 8B FP8 engine's load on
-# an H100 (74-88 s against 42 s before, 2026-11-26). Five keep it to a few seconds.
+# load. With graphs of 20 calls (graph_time_ms' default) an 8B FP8 engine loaded in 74-88 s on an H100
+# against 42 s for the tree before (2026-11-26; that includes compiling the new attention variants, not
+# measured apart). Five calls cut the timings' share by ~4x.
 SCALING_TIMING_CALLS = 5
 
 
