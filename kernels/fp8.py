@@ -272,10 +272,10 @@ def fp8_gated_linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weig
         out = _skinny_w8a8(as_quantized_rows(x), weight, weight_scale, gated=True)
         return as_quantized_rows(out) if quantize_output else out
     product = fp8_linear(x, weight, weight_scale, defer_scales=quantize_output)
-    if quantize_output and quantizes_activations(product.values.device if isinstance(product, ScaledProduct)
-                                                 else product.device):
+    # A ScaledProduct comes back only for quantize_output, and only the quantizing SiLU takes one.
+    if isinstance(product, ScaledProduct) or (quantize_output and quantizes_activations(product.device)):
         return silu_and_mul_quantized(product)
-    return silu_and_mul(apply_scales(product))
+    return silu_and_mul(product)
 
 
 # (block_n, block_k, num_warps, num_stages[, split_k[, swap_ab]]) of the skinny kernel for FP8
@@ -351,9 +351,7 @@ SCALING_TIMING_CALLS = 5
 
 def _defers_scales(x: torch.Tensor | QuantizedRows, weight: torch.Tensor) -> bool:
     values = x.values if isinstance(x, QuantizedRows) else x
-    if not values.is_cuda or values.dtype not in (torch.bfloat16, FP8_DTYPE):
-        return False
-    if isinstance(x, QuantizedRows) and x.dtype != torch.bfloat16:
+    if not values.is_cuda or x.dtype != torch.bfloat16:  # (a QuantizedRows' dtype: its activations')
         return False
     return (values.device.index, values.shape[0], *weight.shape) in _DEFERRED_SCALING
 

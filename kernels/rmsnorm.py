@@ -112,16 +112,15 @@ def _launch_rms_norm(x, weight, eps, residual, *, quantize: bool, x_scales=None)
     assert x.stride(-1) == 1 and (residual is None or residual.stride(1) == 1)
     out = torch.empty(num_tokens, hidden, dtype=torch.float8_e4m3fn if quantize else x.dtype, device=x.device)
     scale = torch.empty(num_tokens, dtype=torch.float32, device=x.device) if quantize else out
+    # x itself is the new residual only when nothing is added to it, summed into it or scaled.
     residual_out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device) \
-        if residual is not None or parts > 1 else x
+        if residual is not None or parts > 1 or x_scales is not None else x
     if num_tokens == 0:
         return out, scale, residual_out
     block = triton.next_power_of_2(hidden)
     row_scale, col_scale = x_scales if x_scales is not None else (weight, weight)
     assert x_scales is None or (parts == 1 and row_scale.is_contiguous() and col_scale.is_contiguous()
                                 and row_scale.numel() == num_tokens and col_scale.numel() == hidden)
-    if x_scales is not None and residual is None:  # the scaled x is the new residual: write it
-        residual_out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
     _rms_norm_kernel[(num_tokens,)](
         x, residual if residual is not None else x, weight, out, residual_out, scale, row_scale, col_scale,
         x.stride(0), x.stride(1) if parts > 1 else 0, residual.stride(0) if residual is not None else 0,
