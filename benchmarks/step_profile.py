@@ -8,6 +8,9 @@ time goes, by kernel family (GEMMs, attention, norms and rotary, the rest).
 ``--prefill NxL``: one step of N fresh prompts of L tokens (chunked-context shapes: N * L tokens).
 ``--decode BxC``: one decode step of B sequences with C tokens of context each, run eagerly (not
 from a CUDA graph, so the profiler sees each kernel; a graph replays the same kernels).
+``--graph``: decode shapes as the executor serves them, the step's CUDA graph replayed 10 times under
+the profiler (figures per replay; a graph's kernels are what the served step runs, e.g. the Triton
+skinny GEMMs an eager step leaves to cuBLAS).
 ``--sweep_splits 1,2,4,8``: for each decode shape, the step's time (CUDA events, median of 5) with the
 decode attention's key splits forced to each count, beside the count the kernel chooses itself.
 Random weights of the named shape (benchmarks/engine_bench.py), made on the device. Each step runs
@@ -65,16 +68,44 @@ def step_batch(runner, batch_size: int, new_tokens: int, context: int):
 
 
 def profile_step(runner, batch) -> dict:
+    for _ in range(2):
+        runner.forward(batch)
+    return profile_calls(lambda: runner.forward(batch), calls=1)
+
+
+def profile_decode_graph(runner, batch_size: int, context: int, replays: int = 10) -> dict:
+    """The decode step as the executor serves it: one CUDA graph of ``batch_size`` sequences at
+    ``context`` tokens, replayed ``replays`` times under the profiler; figures are per replay."""
+    import torch
+
+    from engine.executor.cuda_graphs import DecodeGraphs
+
+    per_seq = -(-(context + 1) // runner.tokens_per_block)
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch_size)]
+    graphs = DecodeGraphs(runner.model, runner.kv_cache, tokens_per_block=runner.tokens_per_block,
+                          max_seq_len=runner.build_config.max_seq_len, max_batch_size=batch_size, buckets=[batch_size])
+    graphs.capture()
+    graphs.run([1] * batch_size, [context] * batch_size, [context + 1] * batch_size, tables)
+    graph = graphs.graphs[batch_size]
+    for _ in range(3):
+        graph.replay()
+    result = profile_calls(graph.replay, calls=replays)
+    del graphs, graph
+    torch.cuda.empty_cache()
+    return result
+
+
+def profile_calls(call, calls: int) -> dict:
+    """Kernel families, the top kernels and launches of ``calls`` calls of ``call``, per call."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    for _ in range(2):
-        runner.forward(batch)
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         start.record()
-        runner.forward(batch)
+        for _ in range(calls):
+            call()
         end.record()
         torch.cuda.synchronize()
     by_family: dict[str, float] = {}
@@ -86,13 +117,15 @@ def profile_step(runner, batch) -> dict:
             device_us = event.self_cuda_time_total
         if device_us <= 0:
             continue
+        if event.key.startswith("cuda"):  # runtime API rows (cudaGraphLaunch ...), not kernels
+            continue
         family = family_of(event.key)
-        by_family[family] = by_family.get(family, 0.0) + device_us / 1000
-        top[event.key] = top.get(event.key, 0.0) + device_us / 1000
-        launches[event.key] = launches.get(event.key, 0) + event.count
+        by_family[family] = by_family.get(family, 0.0) + device_us / 1000 / calls
+        top[event.key] = top.get(event.key, 0.0) + device_us / 1000 / calls
+        launches[event.key] = launches.get(event.key, 0) + event.count // calls
     kernels_ms = sum(by_family.values())
-    ranked = sorted(top.items(), key=lambda kv: -kv[1])[:16]
-    return {"step_ms": start.elapsed_time(end), "kernels_ms": kernels_ms, "launches": sum(launches.values()),
+    ranked = sorted(top.items(), key=lambda kv: -kv[1])[:24]
+    return {"step_ms": start.elapsed_time(end) / calls, "kernels_ms": kernels_ms, "launches": sum(launches.values()),
             "families_ms": dict(sorted(by_family.items(), key=lambda kv: -kv[1])),
             "top_kernels_ms": dict(ranked), "top_kernels_launches": {name: launches[name] for name, _ in ranked}}
 
@@ -157,6 +190,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--prefill", action="append", default=[], help="NxL, repeatable")
     parser.add_argument("--decode", action="append", default=[], help="BxC, repeatable")
     parser.add_argument("--sweep_splits", default=None, help="comma list of decode key-split counts")
+    parser.add_argument("--graph", action="store_true",
+                        help="decode shapes as served: the step's CUDA graph replayed under the profiler")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
@@ -171,14 +206,18 @@ def main(argv: list[str] | None = None) -> dict:
     engine_dir = write_config_only_engine(args.model, args.dtype, max(max_batch, 8), max_context + 64,
                                           max(max_tokens, 8192), 32, quantization=args.quantization)
     runner = ModelRunner(engine_dir, device="cuda")
-    blocks = max(count * -(-length // runner.tokens_per_block) for _, count, length in shapes)
+    blocks = max(count * -(-(length + 1) // runner.tokens_per_block) for _, count, length in shapes)
     runner.allocate_kv_cache(blocks, args.kv_cache_dtype)
     print(f"{torch.cuda.get_device_name()}, {args.model} {args.dtype} quantization={args.quantization} "
           f"kv={args.kv_cache_dtype or args.dtype}, commit {os.environ.get('BENCH_COMMIT', '?')}")
     results = {}
     for kind, count, length in shapes:
         new_tokens = length if kind == "prefill" else 1
-        result = profile_step(runner, step_batch(runner, count, new_tokens, length))
+        if kind == "decode" and args.graph:
+            result = profile_decode_graph(runner, count, length)
+            kind = "decode graph"
+        else:
+            result = profile_step(runner, step_batch(runner, count, new_tokens, length))
         title = f"{kind} {count}x{length}"
         print_profile(title, result)
         if kind == "decode" and args.sweep_splits:
