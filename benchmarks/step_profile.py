@@ -8,8 +8,8 @@ time goes, by kernel family (GEMMs, attention, norms and rotary, the rest).
 ``--prefill NxL``: one step of N fresh prompts of L tokens (chunked-context shapes: N * L tokens).
 ``--decode BxC``: one decode step of B sequences with C tokens of context each, run eagerly (not
 from a CUDA graph, so the profiler sees each kernel; a graph replays the same kernels).
-``--graph``: decode shapes as the executor serves them, the step's CUDA graph replayed 10 times under
-the profiler (figures per replay; a graph's kernels are what the served step runs, e.g. the Triton
+``--graph``: decode shapes as the executor serves them (its load-time kernel choices first), the
+step's CUDA graph replayed 10 times under the profiler (figures per replay; a graph's kernels are what the served step runs, e.g. the Triton
 skinny GEMMs an eager step leaves to cuBLAS).
 ``--sweep_splits 1,2,4,8``: for each decode shape, the step's time (CUDA events, median of 5) with the
 decode attention's key splits forced to each count, beside the count the kernel chooses itself.
@@ -211,6 +211,9 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{torch.cuda.get_device_name()}, {args.model} {args.dtype} quantization={args.quantization} "
           f"kv={args.kv_cache_dtype or args.dtype}, commit {os.environ.get('BENCH_COMMIT', '?')}")
     results = {}
+    if args.graph:  # what the executor's load chooses before it captures (skinny GEMMs, PDL, FP8 scaling)
+        runner.choose_kernels(sorted({count for kind, count, _ in shapes if kind == "decode"}))
+        print(f"launch choice: {runner.launch_choice}")
     for kind, count, length in shapes:
         new_tokens = length if kind == "prefill" else 1
         if kind == "decode" and args.graph:

@@ -242,32 +242,12 @@ class ModelRunner:
         Runs after allocate_kv_cache (on every rank in leader mode)."""
         if self.device.type != "cuda" or self.kv_cache is None:
             return
-        linears = [m.weight for m in self.model.modules() if isinstance(m, Linear)]
-        self.gemm_choices = choose_skinny_weights([w for w in linears if w.dtype != FP8_DTYPE])
-        gate_ups = [layer.gate_up_proj.weight for layer in getattr(self.model, "layers", [])
-                    if hasattr(layer, "gate_up_proj") and layer.gate_up_proj.weight.dtype != FP8_DTYPE]
-        self.gemm_choices.update({("gated",) + shape: choice for shape, choice in choose_gated_weights(gate_ups).items()})
-        fp8_gate_ups = [layer.gate_up_proj.weight for layer in getattr(self.model, "layers", [])
-                        if hasattr(layer, "gate_up_proj") and layer.gate_up_proj.weight.dtype == FP8_DTYPE]
-        fp8 = choose_fp8_skinny_variants(
-            [w for w in linears if w.dtype == FP8_DTYPE and not any(w is g for g in fp8_gate_ups)], gated=fp8_gate_ups)
-        self.gemm_choices.update({("fp8",) + key: {"variant": variant} for key, variant in fp8.items()})
-        integer = choose_wna16_variants([m.wna16 for m in self.model.modules()
-                                         if isinstance(m, Linear) and m.wna16 is not None])
-        self.gemm_choices.update({("wna16",) + key: report["variant"] for key, report in integer.items()})
         build = self.build_config
-        self.launch_choice = choose_programmatic_launch(
-            self.model, self.kv_cache, tokens_per_block=self.tokens_per_block, max_seq_len=build.max_seq_len,
-            sampled_tokens=self.sampled_tokens)
         self.decode_graphs = DecodeGraphs(self.model, self.kv_cache, tokens_per_block=self.tokens_per_block,
                                           max_seq_len=build.max_seq_len, max_batch_size=build.max_batch_size,
                                           sampled_tokens=self.sampled_tokens,
                                           lora_slots=0 if self.lora_pools is None else self.lora_pools.num_slots)
-        if self.dtype == torch.bfloat16:  # (an fp16 product of E4M3 values unscaled could overflow)
-            scaling = choose_fp8_scaling([m.weight for m in self.model.modules() if isinstance(m, Linear) and m.is_fp8],
-                                         [b for b in self.decode_graphs.buckets if b <= MAX_DEFERRED_SCALING_ROWS])
-            self.gemm_choices[("fp8_deferred_scales",)] = {
-                "deferred": sorted(key for key, deferred in scaling.items() if deferred)}  # (rows, N, K)
+        self.choose_kernels(self.decode_graphs.buckets)
         self.decode_graphs.capture()
         if self.prefill_graphs_enabled():
             cfg = self.model_config
@@ -285,6 +265,33 @@ class ModelRunner:
                 torch.cuda.empty_cache()
                 print("engine: no memory left for the CUDA graphs of steps with prompt tokens; they run "
                       "eagerly (lower kv_cache_free_gpu_mem_fraction to make room)", file=sys.stderr, flush=True)
+
+    def choose_kernels(self, decode_batches: list[int]) -> None:
+        """The load-time kernel choices that graphs capture (read at capture): the skinny-GEMM kernel
+        per weight shape, PDL or not, and which FP8 products defer their scales at each of
+        ``decode_batches`` rows. CUDA only; capture_cuda_graphs runs it, benchmarks that capture
+        graphs of their own call it first to time what the executor serves."""
+        linears = [m.weight for m in self.model.modules() if isinstance(m, Linear)]
+        self.gemm_choices = choose_skinny_weights([w for w in linears if w.dtype != FP8_DTYPE])
+        gate_ups = [layer.gate_up_proj.weight for layer in getattr(self.model, "layers", [])
+                    if hasattr(layer, "gate_up_proj") and layer.gate_up_proj.weight.dtype != FP8_DTYPE]
+        self.gemm_choices.update({("gated",) + shape: choice for shape, choice in choose_gated_weights(gate_ups).items()})
+        fp8_gate_ups = [layer.gate_up_proj.weight for layer in getattr(self.model, "layers", [])
+                        if hasattr(layer, "gate_up_proj") and layer.gate_up_proj.weight.dtype == FP8_DTYPE]
+        fp8 = choose_fp8_skinny_variants(
+            [w for w in linears if w.dtype == FP8_DTYPE and not any(w is g for g in fp8_gate_ups)], gated=fp8_gate_ups)
+        self.gemm_choices.update({("fp8",) + key: {"variant": variant} for key, variant in fp8.items()})
+        integer = choose_wna16_variants([m.wna16 for m in self.model.modules()
+                                         if isinstance(m, Linear) and m.wna16 is not None])
+        self.gemm_choices.update({("wna16",) + key: report["variant"] for key, report in integer.items()})
+        self.launch_choice = choose_programmatic_launch(
+            self.model, self.kv_cache, tokens_per_block=self.tokens_per_block,
+            max_seq_len=self.build_config.max_seq_len, sampled_tokens=self.sampled_tokens)
+        if self.dtype == torch.bfloat16:  # (an fp16 product of E4M3 values unscaled could overflow)
+            scaling = choose_fp8_scaling([m.weight for m in self.model.modules() if isinstance(m, Linear) and m.is_fp8],
+                                         [b for b in decode_batches if b <= MAX_DEFERRED_SCALING_ROWS])
+            self.gemm_choices[("fp8_deferred_scales",)] = {
+                "deferred": sorted(key for key, deferred in scaling.items() if deferred)}  # (rows, N, K)
 
     def prefill_graphs_enabled(self) -> bool:
         """Steps with prompt tokens replay CUDA graphs (engine/executor/prefill_graphs.py) for the
