@@ -74,25 +74,6 @@ def pdl_prologue(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-# Weight prefetch under PDL: a PDL-launched kernel is resident (where the SMs have room) while the
-# kernel before it still runs, and its weights are no earlier kernel's output, so it may ask for
-# them before its wait. "0": never (A/B runs; benchmarks/step_profile.py --graph).
-WEIGHT_PREFETCH_ENV = "TRITONLLM_WEIGHT_PREFETCH"
-WEIGHT_PREFETCH_ALLOWED = os.environ.get(WEIGHT_PREFETCH_ENV, "1") != "0"
-
-
-@jit
-def prefetch_l2(ptr, nbytes):
-    """Hint: bring ``nbytes`` bytes from ``ptr`` into L2 (one bulk prefetch of the tensor-memory
-    accelerator, sm90+; ``ptr`` 16-byte aligned, ``nbytes`` a multiple of 16). Thread 0 of the
-    program issues it; nothing waits for it, and the loads that follow find the lines in L2 or
-    in flight. Scalars only: one instruction per contiguous run."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [ptr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
-
-
 def hopper_or_later(t) -> bool:
     """``t`` is on a GPU of compute capability >= 9.0 (grid dependency control, the tensor-memory
     accelerator); read once per device."""

@@ -18,8 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import (WEIGHT_PREFETCH_ALLOWED, jit, pdl_options, pdl_prologue, prefetch_l2, tl, triton,
-                             use_triton)
+from kernels._triton import jit, pdl_options, pdl_prologue, tl, triton, use_triton
 
 MAX_SKINNY_ROWS = 16
 _SKINNY_ATTR = "_use_skinny_gemm"  # on a weight: its chosen variant (see SKINNY_VARIANTS), or False
@@ -49,7 +48,6 @@ def _skinny_gemm_kernel(
     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, HAS_SCALE: tl.constexpr, X_SCALE: tl.constexpr,
     SWAP_AB: tl.constexpr, M_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     """One program: BLOCK_N output features for all M rows, streaming its (BLOCK_N, K) weight rows once.
 
@@ -60,9 +58,6 @@ def _skinny_gemm_kernel(
     X_SCALE (with HAS_SCALE): x is FP8 too, row m standing for x[m] * x_scale[m] (kernels/fp8.py's
     W8A8 scheme): the tiles meet in an FP8 tensor-core dot, with no widening, and row m of the
     sums is multiplied by x_scale[m] with the weight scales.
-    PREFETCH (with PDL): before its wait the program asks for its weight rows' K range into L2, one
-    bulk prefetch a row (weight_prefetch_ok says when the rows are aligned for it): the kernel
-    before it is still running, and the weight is nobody's output.
     SWAP_AB: the dot is w (BLOCK_N, BLOCK_K) @ x.T (BLOCK_K, M_PAD) instead of x @ w.T: the weight
     tile, the large operand, is the MMA's first operand in the layout it is loaded in (K-major, as
     FP8 tensor-core dots want), and BLOCK_N may be 64 or more (one warpgroup MMA). The accumulators
@@ -88,14 +83,6 @@ def _skinny_gemm_kernel(
     x_base = x_ptr + rows[:, None] * stride_xm
     k_begin = tl.program_id(1) * K_PER_SPLIT
     k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
-    if PREFETCH:
-        w_bytes = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-        run_bytes = (k_end - k_begin) * w_bytes // 16 * 16
-        for i in tl.static_range(BLOCK_N):
-            row = tl.minimum(tl.program_id(0) * BLOCK_N + i, N - 1).to(tl.int64)  # past N: the last row again
-            prefetch_l2(w_ptr + row * stride_wn + k_begin, run_bytes)
-            if GATED:
-                prefetch_l2(w_ptr + (row + N) * stride_wn + k_begin, run_bytes)
     pdl_prologue(PDL)
     for k0 in range(k_begin, k_end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
@@ -233,10 +220,9 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     bias_arg = bias if bias is not None else weight
     scale_arg = weight_scale if weight_scale is not None else weight
     x_scale_arg = x_scale if x_scale is not None else scale_arg
-    launch = pdl_options(x)
     flags = dict(HAS_BIAS=bias is not None, GATED=gated, HAS_SCALE=weight_scale is not None,
                  X_SCALE=x_scale is not None, SWAP_AB=swap_ab, M_PAD=16, BLOCK_N=block_n,
-                 SPLIT_K=split_k, PREFETCH=launch["PDL"] and weight_prefetch_ok(weight, k_per_split), **launch)
+                 SPLIT_K=split_k, **pdl_options(x))
     tiles = triton.cdiv(n, block_n)
     arrivals = _arrival_counters(x.device, tiles) if split_k > 1 else part
     _skinny_gemm_kernel[(tiles, split_k)](
@@ -245,15 +231,6 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         num_warps=num_warps, num_stages=num_stages, **flags,
     )
     return out
-
-
-def weight_prefetch_ok(weight: torch.Tensor, k_per_split: int) -> bool:
-    """The skinny kernel's PREFETCH may run on ``weight``: allowed ($TRITONLLM_WEIGHT_PREFETCH), and
-    every row's K range starts 16-byte aligned (the bulk prefetch's rule; the kernel rounds each
-    run's length down to 16 bytes)."""
-    size = weight.element_size()
-    return (WEIGHT_PREFETCH_ALLOWED and weight.data_ptr() % 16 == 0 and weight.stride(0) * size % 16 == 0
-            and k_per_split * size % 16 == 0)
 
 
 def gated_linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
