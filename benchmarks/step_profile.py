@@ -214,6 +214,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.graph:  # what the executor's load chooses before it captures (skinny GEMMs, PDL, FP8 scaling)
         runner.choose_kernels(sorted({count for kind, count, _ in shapes if kind == "decode"}))
         print(f"launch choice: {runner.launch_choice}")
+        picked = {key: report.get("variant") if isinstance(report, dict) else report
+                  for key, report in runner.gemm_choices.items()}
+        print(f"skinny GEMM choices (shape: variant, False = cuBLAS): {picked}")
     for kind, count, length in shapes:
         new_tokens = length if kind == "prefill" else 1
         if kind == "decode" and args.graph:
