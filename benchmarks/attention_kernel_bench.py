@@ -25,6 +25,8 @@ the default is the engine's (blocks, PAGE, KV heads, HEAD_DIM).
 ``--rotary_append``: decode cases once more in the form a served decode step runs them (kernels/
 rope_attention.py: q and the new k arrive unrotated; the kernel rotates them and writes the new K/V).
 
+``--splits 1,2,4``: decode cases again with the key splits forced to each count (what the default
+tiling does with them: wave quantization of long-context batches).
 ``--sweep_prefill BM:BN:WARPS:STAGES,...`` and ``--sweep_decode BN:WARPS:STAGES[:tma],...`` time the cases
 again with the prompt-chunk or decode-row tiling forced to each entry (kernels/triton_attention.py's
 ``_prefill_config`` / ``_decode_config`` replaced for the run), to choose those tables. To compare
@@ -193,6 +195,8 @@ def main() -> None:
     parser.add_argument("--sweep_prefill", default="", help="BM:BN:WARPS:STAGES,... for prompt chunks")
     parser.add_argument("--sweep_decode", default="",
                         help="BN:WARPS:STAGES[:tma],... for decode rows (:tma: whole tiles through TMA where they fit a page)")
+    parser.add_argument("--splits", default="",
+                        help="N,...: decode cases again with the key splits forced to each count (the tiling kept)")
     parser.add_argument("--rotary_append", action="store_true",
                         help="decode cases also in the served form: q and k rotated and the new K/V written in-kernel")
     parser.add_argument("--pool_layout", choices=["token_major", "head_major"], default="token_major",
@@ -227,10 +231,20 @@ def main() -> None:
                     if any(n == 1 for _, n in case_batch(name)):
                         rows.append(run_case(name, pool, f"decode {entry}"))
                         print(rows[-1], flush=True)
+        for count in filter(None, args.splits.split(",")):
+            count = int(count)
+            with forced("_decode_config", lambda default: default[:4] + (count,) + default[5:]):
+                for name in cases:
+                    if any(n == 1 for _, n in case_batch(name)):
+                        rows.append(run_case(name, pool, f"{count} splits"))
+                        print(rows[-1], flush=True)
     table = ["| case | pool | tiling | us / layer | TFLOPS | K/V TB/s |", "|---|---|---|---:|---:|---:|"]
     table += [f"| {r['case']} | {r['pool']} | {r['tiling']} | {r['us']:,} | {r['tflops']} | {r['kv_tb_s']} |"
               for r in rows]
     print("\n".join(table))
+    from kernels import triton_attention
+
+    print("decode programs an SM holds, by tiling:", getattr(triton_attention, "_DECODE_RESIDENT", "?"))
     if args.markdown:
         with open(args.markdown, "a") as f:
             f.write("\n".join(table) + "\n")

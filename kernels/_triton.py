@@ -121,6 +121,25 @@ def num_sms(device) -> int:
     return _NUM_SMS[index]
 
 
+def resident_programs(compiled, device) -> int | None:
+    """Programs of a launched Triton kernel that one SM of ``device`` holds at once, by its registers,
+    shared memory and warps (registers are allocated 256 to a warp; the driver keeps 1 KB of shared
+    memory per program); None when the compiled kernel does not say (Triton's interpreter)."""
+    metadata = getattr(compiled, "metadata", None)
+    n_regs = getattr(compiled, "n_regs", None)
+    if metadata is None or not n_regs:
+        return None
+    import torch
+
+    props = torch.cuda.get_device_properties(device)
+    warps = metadata.num_warps
+    regs_per_warp = -(-n_regs * 32 // 256) * 256
+    by_registers = getattr(props, "regs_per_multiprocessor", 65536) // (regs_per_warp * warps)
+    by_shared = getattr(props, "shared_memory_per_multiprocessor", 233472) // (metadata.shared + 1024)
+    by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // (32 * warps)
+    return max(1, min(by_registers, by_shared, by_threads, 32))
+
+
 def use_triton(t) -> bool:
     """The dispatch rule every public kernel entry follows: Triton on CUDA tensors, else the reference."""
     return HAVE_TRITON and t.is_cuda

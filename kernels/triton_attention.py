@@ -69,7 +69,8 @@ import os
 
 import torch
 
-from kernels._triton import TensorDescriptor, hopper_or_later, jit, num_sms, pdl_options, pdl_prologue, tl, triton
+from kernels._triton import (TensorDescriptor, hopper_or_later, jit, num_sms, pdl_options, pdl_prologue,
+                             resident_programs, tl, triton)
 from kernels.attention_metadata import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
@@ -428,19 +429,70 @@ def _merge_splits_kernel(
              mask=dims < HEAD_DIM)
 
 
-def _decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, num_sms: int, block_n: int) -> int:
-    """Enough programs to cover the GPU twice, but no split shorter than 2 key tiles, and at most
-    MAX_DECODE_SPLITS."""
+def _decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, num_sms: int, block_n: int,
+                       resident_per_sm: int | None = None) -> int:
+    """Key splits of a decode launch: a power of two, at most MAX_DECODE_SPLITS, no split shorter than
+    2 key tiles. With ``resident_per_sm`` (the tiling's programs one SM holds, known once it has
+    run: _DECODE_RESIDENT) the count of least _decode_split_cost, unless the batch alone makes
+    UNSPLIT_WAVES waves (its last partial wave is a small share of the time, and so many sequences
+    in one pool have short contexts, which splits only slow down); before that, enough programs to
+    cover the GPU twice."""
     programs = num_seqs * num_kv_heads
-    wanted = max(1, (2 * num_sms + programs - 1) // programs)
-    useful = max(1, max_context_len // (2 * block_n))
-    return min(triton.next_power_of_2(wanted), triton.next_power_of_2(useful), MAX_DECODE_SPLITS)
+    most = min(triton.next_power_of_2(max(1, max_context_len // (2 * block_n))), MAX_DECODE_SPLITS)
+    if resident_per_sm is None:
+        wanted = max(1, (2 * num_sms + programs - 1) // programs)
+        return min(triton.next_power_of_2(wanted), most)
+    capacity = resident_per_sm * num_sms
+    if programs >= UNSPLIT_WAVES * capacity:
+        return 1
+    counts = [1 << i for i in range(most.bit_length())]  # 1, 2, 4, ... most
+    return min(counts, key=lambda splits: _decode_split_cost(programs, splits, capacity, max_context_len))
 
 
-# More splits for long contexts at mid-size batches measured slower, not faster (H100, FP8 pool,
-# step_profile.py --sweep_splits, eager steps): 48 sequences over 21k keys 32.7-34.5 ms a step with
-# 1 split, 36.9-38.1 with 2, 31.8-32.2 with 4; 100 sequences over 4k keys 18.9 ms with 1, 21.8 with
-# 2, 21.3 with 4. So the rule below stays.
+def _decode_split_cost(programs: int, splits: int, capacity: int, keys: int) -> float:
+    """Relative time of a decode launch of ``programs`` (sequence, KV head) pairs over ``splits`` key
+    ranges each, on a GPU that holds ``capacity`` programs at once, for contexts of ``keys`` keys (a
+    CUDA graph's launch is sized for its longest: the case that matters, short contexts taking
+    little time whatever the split).
+
+    Equal programs run in waves of ``capacity``; a wave of n programs takes as long as
+    max(n, SATURATING_SHARE * capacity) programs' worth of HBM bytes (fewer keep too few reads in
+    flight to use the bandwidth), each program 1 / splits of a whole range's bytes; every doubling
+    of the splits adds SPLIT_COST_KEYS / keys (the merge, each program's start and partials).
+
+    On an H100 (2026-11-26, benchmarks/attention_kernel_bench.py --splits, FP8 pool, 64-key tiles
+    over 2 warps and 5 stages: 4 programs an SM, 528 on the GPU) one split over 5,250 keys read
+    2.83-2.90 TB/s at 128, 194 and 256 sequences (1,024, 1,552 and 2,048 programs: nearly whole
+    waves) but 2.51 at 208 (1,664: three waves and 80 programs) and 2.55 at 160; 4 splits took 208
+    to 2.78, 2 splits 160 to 2.78 and 96 x 6,000 from 2.35 to 2.74, 4 splits 48 x 21,000 from
+    2.58 to 2.92. SATURATING_SHARE and SPLIT_COST_KEYS were fitted to these 11 cases; the cost then
+    picks the fastest of 1, 2 and 4 splits in each."""
+    total = programs * splits
+    full_waves, rest = divmod(total, capacity)
+    slots = full_waves * capacity + (max(rest, SATURATING_SHARE * capacity) if rest else 0)
+    return slots / splits * (1.0 + SPLIT_COST_KEYS / max(keys, 1) * (splits.bit_length() - 1))
+
+
+# A partial wave of fewer programs than this share of the GPU's capacity takes as long as one of
+# this many (their reads in flight do not fill HBM): with one split, 384 programs of 48 x 21,000
+# read 2.58 TB/s where whole waves read 2.9, i.e. ~0.8 of a 528-program wave saturates.
+SATURATING_SHARE = 0.8
+# Each doubling of the key splits costs about this many keys of every sequence's walk: at 5,250
+# keys, 128 and 256 sequences (whole waves either way) took 3.3-3.9% longer with 2 splits than 1.
+SPLIT_COST_KEYS = 210
+# Batches of at least this many waves of programs are never split.
+UNSPLIT_WAVES = 4
+
+# Decode programs one SM holds, per (device index, tiling): read from the compiled kernel after a
+# tiling's first decode launch (kernels/_triton.py resident_programs). Until then that tiling's
+# launches take the covering rule; a decode graph's warm-up runs launch it before the capture.
+_DECODE_RESIDENT: dict[tuple, int] = {}
+
+
+# Eager steps had shown the waves before the cost above explained them (H100, FP8 pool,
+# step_profile.py --sweep_splits): 48 sequences over 21k keys 32.7-34.5 ms a step with 1 split,
+# 36.9-38.1 with 2, 31.8-32.2 with 4 (384, 768 and 1,536 programs on a GPU that holds 528); 100
+# sequences over 4k keys 18.9 ms with 1, 21.8 with 2, 21.3 with 4 (the cost picks 1 there too).
 # A cap on the decode splits. H100, Llama-8B shape, FP8 pool, contexts 128-384 in a graph captured
 # for 4,096 (2026-11-25, one lease each): at batch 1, 16 splits made the decode step 1% faster than
 # 32 (the merge reads half the partial results; 128 programs are one wave) and 8 splits slower; at
@@ -470,18 +522,32 @@ def _decode_config(meta: AttentionMetadata, group: int, num_kv_heads: int, devic
     256 keep 4 warps (one warp's accumulator would spill). Smaller FP8 batches: FP8_SHORT_CONTEXT_BATCH."""
     wide = dim_pad > 128
     block_m = max(16, triton.next_power_of_2(group))
+    tiling = _decode_tiling(meta.num_seqs, block_m, wide, kv_itemsize, tma_pages)
     if num_splits is None:
         keys_read = meta.max_context_len if sliding_window is None else min(meta.max_context_len, sliding_window)
-        num_splits = _decode_num_splits(meta.num_seqs, num_kv_heads, keys_read, num_sms(device), 64)
+        resident = _DECODE_RESIDENT.get(_decode_tiling_key(device, block_m, tiling, dim_pad, kv_itemsize))
+        num_splits = _decode_num_splits(meta.num_seqs, num_kv_heads, keys_read, num_sms(device), 64, resident)
+    block_n, warps, stages, tma = tiling
+    return block_m, block_n, warps, stages, num_splits, tma
+
+
+def _decode_tiling(num_seqs: int, block_m: int, wide: bool, kv_itemsize: int,
+                   tma_pages: bool) -> tuple[int, int, int, bool]:
+    """(BLOCK_N keys, warps, stages, TMA) of _decode_config."""
     if kv_itemsize == 1:
         if block_m > 16 or wide:
-            return block_m, 32, 4, 2, num_splits, False
-        if tma_pages and FP8_TMA_BATCH <= meta.num_seqs < FP8_SHORT_CONTEXT_BATCH:
-            return block_m, 32, 1, 6, num_splits, True
-        if meta.num_seqs >= FP8_SHORT_CONTEXT_BATCH:
-            return block_m, 32, 1, 3, num_splits, False
-        return block_m, 64, 2, 5, num_splits, False
-    return block_m, 64, 4, (2 if wide else 3), num_splits, False
+            return 32, 4, 2, False
+        if tma_pages and FP8_TMA_BATCH <= num_seqs < FP8_SHORT_CONTEXT_BATCH:
+            return 32, 1, 6, True
+        if num_seqs >= FP8_SHORT_CONTEXT_BATCH:
+            return 32, 1, 3, False
+        return 64, 2, 5, False
+    return 64, 4, (2 if wide else 3), False
+
+
+def _decode_tiling_key(device: torch.device, block_m: int, tiling: tuple, dim_pad: int, kv_itemsize: int) -> tuple:
+    """_DECODE_RESIDENT's key: what decides a decode program's registers and shared memory."""
+    return (device.index, block_m, *tiling, dim_pad, kv_itemsize)
 
 
 # FP8 pools, heads up to 128 wide: decode batches of at least this many sequences walk 32 keys at a
@@ -614,7 +680,7 @@ def paged_attention_triton(
             part_out = part_lse = out  # unused
             ps = pt = ph = 0
         descs = _tma_descriptors(k_cache, v_cache, block_n) if wants_tma else None
-        _paged_attention_kernel[grid[0], grid[1], grid[2] * num_splits](
+        compiled = _paged_attention_kernel[grid[0], grid[1], grid[2] * num_splits](
             q, k_cache, v_cache, out, part_out, part_lse, *(descs or (k_cache, v_cache)),
             meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
             meta.tile_seq if tile_map else meta.cu_seqlens_q, meta.tile_m if tile_map else meta.cu_seqlens_q,
@@ -633,6 +699,13 @@ def paged_attention_triton(
             num_stages=num_stages,
             **pdl_options(q),
         )
+        if seq_kind != MULTI_TOKEN and q.is_cuda:  # a decode tiling: how many of its programs an SM holds
+            tiling = (block_n, num_warps, num_stages, len(config) > 5 and bool(config[5]))
+            key = _decode_tiling_key(q.device, block_m, tiling, dim_pad, kv_itemsize)
+            if key not in _DECODE_RESIDENT:
+                resident = resident_programs(compiled, q.device)
+                if resident is not None:
+                    _DECODE_RESIDENT[key] = resident
         if num_splits > 1:
             by_sequence = seq_kind == ONE_TOKEN
             _merge_splits_kernel[(num_seqs if by_sequence else num_tokens, num_heads)](

@@ -361,6 +361,20 @@ def test_long_context_decode_and_prefill(dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a compiled kernel's resources exist on CUDA only")
+def test_decode_launch_records_its_tilings_residency_and_splits_by_waves_after():
+    """The first decode launch of a tiling records how many of its programs an SM holds; the launch
+    after it chooses its splits by waves (_decode_split_cost) and still matches the reference."""
+    from kernels import triton_attention
+
+    triton_attention._DECODE_RESIDENT.clear()
+    run_attention_case("cuda", torch.bfloat16, (32, 8, 128), 16, [(3000, 1)] * 40)
+    assert triton_attention._DECODE_RESIDENT, "no residency recorded"
+    assert all(1 <= n <= 32 for n in triton_attention._DECODE_RESIDENT.values())
+    run_attention_case("cuda", torch.bfloat16, (32, 8, 128), 16, [(3000, 1)] * 40)
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FP8 pools are read by the Triton kernel on CUDA only")
 @pytest.mark.parametrize("q_magnitude,equal_keys", [(1.0, False), (1e5, True)])
 @pytest.mark.parametrize("batch", [PREFILL_BATCH, [(0, 1), (16, 1), (299, 1)]], ids=["prefill", "decode"])
@@ -406,6 +420,28 @@ def test_decode_split_count_is_a_bounded_power_of_two():
     for n in (1, 3, 17, 64):
         splits = _decode_num_splits(n, 8, 2000, 132, 64)
         assert splits & (splits - 1) == 0 and 1 <= splits <= 16
+
+
+def test_decode_splits_fill_whole_waves():
+    """Once a decode tiling has run, its split count is the one whose programs fill their waves best
+    (kernels/triton_attention.py _decode_split_cost). The cases are the H100's measured ones: 4
+    programs of the FP8 pool's 64-key tiling an SM, 132 SMs, Llama-8B's 8 KV heads."""
+    pytest.importorskip("triton")
+    from kernels.triton_attention import _decode_num_splits
+
+    def splits(seqs, keys, resident=4):
+        return _decode_num_splits(seqs, 8, keys, 132, 64, resident)
+
+    assert [splits(n, 5250) for n in (128, 194, 256)] == [1, 1, 1]  # whole waves of 528 programs
+    assert splits(208, 5250) == 4  # 1,664 programs: a fourth wave of 80; 4 splits measured 10% faster
+    assert splits(160, 5250) == 2 and splits(224, 5250) == 2
+    assert splits(96, 6000) == 2 and splits(48, 21000) == 4  # one part-filled wave
+    assert splits(264, 2500) == 1
+    assert splits(1, 8192) == 16 and splits(1, 100) == 1  # fill the GPU, but not past 2 tiles a split
+    assert splits(1024, 22000, resident=12) == 1  # 4 waves or more: never split
+    for n in (1, 3, 17, 64, 100, 300):
+        count = splits(n, 9000)
+        assert count & (count - 1) == 0 and 1 <= count <= 16
 
 
 def test_decode_reads_through_tma_only_where_measured_faster(monkeypatch):
