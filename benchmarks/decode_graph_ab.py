@@ -6,8 +6,10 @@ products' deferred scales (kernels/fp8.py ``choose_fp8_scaling``). Issue 32's de
     PYTHONPATH=$PWD python benchmarks/decode_graph_ab.py --cases 544x1500,512x1100,208x5250 \\
         [--model llama8b] [--quantization fp8] [--kv_cache_dtype fp8]
 
-Each case BxC is one graph of B sequences with C tokens of context each (pages in order, random
-weights of the named shape made on the device), captured once per combination (the choices are
+Each case BxC is B sequences with C tokens of context each (pages in order, random weights of the
+named shape made on the device) replayed from the graph the executor would serve them with: the
+smallest of its batch buckets (cuda_graphs.default_buckets) that holds B, padding rows included
+(``--exact``: a graph of exactly B rows). It is captured once per combination (the choices are
 read at capture) and replayed 10 times back to back, the least of 3 such means. For each case the
 products that the load-time timing would defer at B rows are printed first (the executor captures
 its graphs after that timing). Device time only: the lm_head, sampling and the host's share of a
@@ -33,6 +35,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--model", default="llama8b")
     parser.add_argument("--quantization", default="fp8")
     parser.add_argument("--kv_cache_dtype", default="fp8")
+    parser.add_argument("--exact", action="store_true", help="graphs of exactly B rows, not the served bucket")
     parser.add_argument("--as_served", action="store_true",
                         help="only the engine's own choices (TMA on, deferred scales as timed): one graph a case")
     args = parser.parse_args(argv)
@@ -40,7 +43,7 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
 
     import kernels.fp8 as fp8
-    from engine.executor.cuda_graphs import DecodeGraphs
+    from engine.executor.cuda_graphs import DecodeGraphs, default_buckets
     from engine.executor.runner import ModelRunner
     from engine.models.layers import Linear
     from kernels.linear import replay_time_ms
@@ -53,14 +56,32 @@ def main(argv: list[str] | None = None) -> dict:
     runner = ModelRunner(engine_dir, device="cuda")
     per_seq = {c: -(-(c + 1) // runner.tokens_per_block) for _, c in cases}
     runner.allocate_kv_cache(max(b * per_seq[c] for b, c in cases) + 1, args.kv_cache_dtype)
+    import kernels.triton_attention as attention
+
+    picked = attention._decode_num_splits
+
+    def logged_splits(*args, **kwargs):  # what each captured bucket's attention chose
+        splits = picked(*args, **kwargs)
+        if len(args) > 5 and args[5] is not None and splits not in logged.setdefault((args[0], kwargs.get("fewest_seqs")), set()):
+            logged[(args[0], kwargs.get("fewest_seqs"))].add(splits)
+            print(f"  attention of {args[0]} rows (serving from {kwargs.get('fewest_seqs')}): {splits} splits")
+        return splits
+
+    logged: dict = {}
+    attention._decode_num_splits = logged_splits
     fp8_weights = [m.weight for m in runner.model.modules() if isinstance(m, Linear) and m.is_fp8]
     print(f"{torch.cuda.get_device_name()}, {args.model} quantization={args.quantization} kv={args.kv_cache_dtype}")
     results = {}
     for batch, context in cases:
         tables = [list(range(1 + i * per_seq[context], 1 + (i + 1) * per_seq[context])) for i in range(batch)]
-        chosen = fp8.choose_fp8_scaling(fp8_weights, [batch])
-        deferred = {key for key in fp8._DEFERRED_SCALING if key[1] == batch}
-        print(f"{batch} rows: deferred products (rows, N, K) {sorted(k for k, v in chosen.items() if v)}")
+        served = default_buckets(4096)
+        bucket = batch if args.exact else next(b for b in served if b >= batch)
+        # The bucket below sets the batches the graph serves (its attention splits weigh them all).
+        buckets = ([batch - 1] if args.exact and batch > 1 else [b for b in served if b < bucket][-1:]) + [bucket]
+        chosen = fp8.choose_fp8_scaling(fp8_weights, [bucket])
+        deferred = {key for key in fp8._DEFERRED_SCALING if key[1] == bucket}
+        print(f"{batch} rows in the graph of {bucket}: deferred products (rows, N, K) "
+              f"{sorted(k for k, v in chosen.items() if v)}")
         times = {}
         combinations = [(True, True)] if args.as_served else itertools.product((True, False), (True, False))
         for tma, defer in combinations:
@@ -69,10 +90,10 @@ def main(argv: list[str] | None = None) -> dict:
             if defer:
                 fp8._DEFERRED_SCALING.update(deferred)
             graphs = DecodeGraphs(runner.model, runner.kv_cache, tokens_per_block=runner.tokens_per_block,
-                                  max_seq_len=max_context + 64, max_batch_size=batch, buckets=[batch])
+                                  max_seq_len=max_context + 64, max_batch_size=bucket, buckets=buckets)
             graphs.capture()
             graphs.run([1] * batch, [context] * batch, [context + 1] * batch, tables)
-            times[(tma, defer)] = min(replay_time_ms(graphs.graphs[batch], replays=10) for _ in range(3))
+            times[(tma, defer)] = min(replay_time_ms(graphs.graphs[bucket], replays=10) for _ in range(3))
             del graphs
             torch.cuda.empty_cache()
         os.environ.pop(DECODE_TMA_ENV, None)

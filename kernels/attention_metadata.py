@@ -38,6 +38,10 @@ class AttentionMetadata:
     # token of the forward uses an adapter (the projections then skip LoRA entirely). It rides
     # here because every layer already receives this object.
     lora: "LoraBatch | None" = None
+    # A decode CUDA graph's launch serves every batch from this many sequences up to num_seqs (the
+    # rest padding rows, whose programs return at once): the decode key splits weigh each of them
+    # (kernels/triton_attention.py _decode_num_splits). None: the batch is exactly num_seqs.
+    fewest_seqs: int | None = None
 
     @property
     def num_seqs(self) -> int:

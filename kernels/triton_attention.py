@@ -430,13 +430,14 @@ def _merge_splits_kernel(
 
 
 def _decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, num_sms: int, block_n: int,
-                       resident_per_sm: int | None = None) -> int:
+                       resident_per_sm: int | None = None, *, fewest_seqs: int | None = None) -> int:
     """Key splits of a decode launch: a power of two, at most MAX_DECODE_SPLITS, no split shorter than
     2 key tiles. With ``resident_per_sm`` (the tiling's programs one SM holds, known once it has
-    run: _DECODE_RESIDENT) the count of least _decode_split_cost, unless the batch alone makes
-    UNSPLIT_WAVES waves (its last partial wave is a small share of the time, and so many sequences
-    in one pool have short contexts, which splits only slow down); before that, enough programs to
-    cover the GPU twice."""
+    run: _DECODE_RESIDENT) the count of least _decode_split_cost, summed over every batch from
+    ``fewest_seqs`` to ``num_seqs`` that the launch serves (a CUDA graph's bucket), unless the batch
+    alone makes UNSPLIT_WAVES waves (its last partial wave is a small share of the time, and so
+    many sequences in one pool have short contexts, which splits only slow down); before that,
+    enough programs to cover the GPU twice."""
     programs = num_seqs * num_kv_heads
     most = min(triton.next_power_of_2(max(1, max_context_len // (2 * block_n))), MAX_DECODE_SPLITS)
     if resident_per_sm is None:
@@ -446,7 +447,9 @@ def _decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, n
     if programs >= UNSPLIT_WAVES * capacity:
         return 1
     counts = [1 << i for i in range(most.bit_length())]  # 1, 2, 4, ... most
-    return min(counts, key=lambda splits: _decode_split_cost(programs, splits, capacity, max_context_len))
+    served = range(min(fewest_seqs or num_seqs, num_seqs), num_seqs + 1)
+    return min(counts, key=lambda splits: sum(_decode_split_cost(n * num_kv_heads, splits, capacity, max_context_len)
+                                              for n in served))
 
 
 def _decode_split_cost(programs: int, splits: int, capacity: int, keys: int) -> float:
@@ -526,7 +529,8 @@ def _decode_config(meta: AttentionMetadata, group: int, num_kv_heads: int, devic
     if num_splits is None:
         keys_read = meta.max_context_len if sliding_window is None else min(meta.max_context_len, sliding_window)
         resident = _DECODE_RESIDENT.get(_decode_tiling_key(device, block_m, tiling, dim_pad, kv_itemsize))
-        num_splits = _decode_num_splits(meta.num_seqs, num_kv_heads, keys_read, num_sms(device), 64, resident)
+        num_splits = _decode_num_splits(meta.num_seqs, num_kv_heads, keys_read, num_sms(device), 64, resident,
+                                        fewest_seqs=meta.fewest_seqs)
     block_n, warps, stages, tma = tiling
     return block_m, block_n, warps, stages, num_splits, tma
 

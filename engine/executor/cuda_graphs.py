@@ -88,11 +88,13 @@ class DecodeGraphs:
         self._copied.record()
 
     def _meta(self, bs: int, lora: bool = False) -> AttentionMetadata:
+        smaller = [b for b in self.buckets if b < bs]
         return AttentionMetadata(
             slot_mapping=self.dev_i64[2, :bs], block_tables=self.dev_tables[:bs],
             cu_seqlens_q=self.cu_seqlens[:bs + 1], context_lens=self.dev_ctx[:bs],
             max_seqlen_q=1, max_context_len=self.max_seq_len, is_decode_only=True,
             lora=self.lora_buffers.batch(bs) if lora else None,  # this bucket's view: kernels/lora.py
+            fewest_seqs=max(smaller, default=0) + 1,  # the batches this bucket's graph serves
         )
 
     @torch.inference_mode()
