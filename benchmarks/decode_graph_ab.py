@@ -56,19 +56,6 @@ def main(argv: list[str] | None = None) -> dict:
     runner = ModelRunner(engine_dir, device="cuda")
     per_seq = {c: -(-(c + 1) // runner.tokens_per_block) for _, c in cases}
     runner.allocate_kv_cache(max(b * per_seq[c] for b, c in cases) + 1, args.kv_cache_dtype)
-    import kernels.triton_attention as attention
-
-    picked = attention._decode_num_splits
-
-    def logged_splits(*args, **kwargs):  # what each captured bucket's attention chose
-        splits = picked(*args, **kwargs)
-        if len(args) > 5 and args[5] is not None and splits not in logged.setdefault((args[0], kwargs.get("fewest_seqs")), set()):
-            logged[(args[0], kwargs.get("fewest_seqs"))].add(splits)
-            print(f"  attention of {args[0]} rows (serving from {kwargs.get('fewest_seqs')}): {splits} splits")
-        return splits
-
-    logged: dict = {}
-    attention._decode_num_splits = logged_splits
     fp8_weights = [m.weight for m in runner.model.modules() if isinstance(m, Linear) and m.is_fp8]
     print(f"{torch.cuda.get_device_name()}, {args.model} quantization={args.quantization} kv={args.kv_cache_dtype}")
     results = {}
@@ -93,12 +80,13 @@ def main(argv: list[str] | None = None) -> dict:
                                   max_seq_len=max_context + 64, max_batch_size=bucket, buckets=buckets)
             graphs.capture()
             graphs.run([1] * batch, [context] * batch, [context + 1] * batch, tables)
+            active = int(graphs.host_splits[0]) if hasattr(graphs, "host_splits") else None
             times[(tma, defer)] = min(replay_time_ms(graphs.graphs[bucket], replays=10) for _ in range(3))
             del graphs
             torch.cuda.empty_cache()
         os.environ.pop(DECODE_TMA_ENV, None)
         fp8._DEFERRED_SCALING.update(deferred)
-        print(f"decode graph {batch}x{context}: " + ", ".join(
+        print(f"decode graph {batch}x{context} (bucket {bucket}, attention splits {active}): " + ", ".join(
             f"tma={'on' if tma else 'off'} deferred={'on' if defer else 'off'}: {ms:.2f} ms"
             for (tma, defer), ms in times.items()), flush=True)
         results[f"{batch}x{context}"] = {f"tma={tma},deferred={defer}": ms for (tma, defer), ms in times.items()}

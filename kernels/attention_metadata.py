@@ -38,10 +38,13 @@ class AttentionMetadata:
     # token of the forward uses an adapter (the projections then skip LoRA entirely). It rides
     # here because every layer already receives this object.
     lora: "LoraBatch | None" = None
-    # A decode CUDA graph's launch serves every batch from this many sequences up to num_seqs (the
-    # rest padding rows, whose programs return at once): the decode key splits weigh each of them
-    # (kernels/triton_attention.py _decode_num_splits). None: the batch is exactly num_seqs.
-    fewest_seqs: int | None = None
+    # Decode CUDA graphs (engine/executor/cuda_graphs.py): a (1,) int32 device buffer the host writes
+    # before each replay, how many of the key splits captured in the grid the replay's decode
+    # attention uses (kernels/triton_attention.py decode_active_splits); None: the grid's all.
+    decode_splits: torch.Tensor | None = None
+    # Set by the decode attention launch that captures with ``decode_splits``: (KV heads, programs
+    # the GPU holds at once), what decode_active_splits needs; None until then.
+    decode_split_plan: tuple[int, int] | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -240,6 +240,7 @@ def _paged_attention_kernel(
     block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr, tile_seq_ptr, tile_m_ptr,
     k_new_ptr, v_new_ptr, positions_ptr, cos_sin_ptr, slot_ptr,  # read when ROTARY_APPEND
     sinks_ptr,  # (num_heads,) sink logits, natural base (read when HAS_SINKS)
+    active_splits_ptr,  # (1,) int32 (read when DYNAMIC_SPLITS)
     qk_scale,  # softmax scale * log2(e): scores live in base 2
     window,  # sliding window W (read when HAS_WINDOW): row at position p sees keys p - W < k <= p
     softcap_log2,  # logit soft-cap * log2(e) (read when HAS_SOFTCAP)
@@ -253,6 +254,7 @@ def _paged_attention_kernel(
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TILE_MAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     SEQ_KIND: tl.constexpr,  # ALL_SEQS, or only the sequences with several (MULTI_TOKEN) or one (ONE_TOKEN) new tokens
     TMA: tl.constexpr,  # the unmasked key tiles come through k_desc / v_desc (decode tiles within a page)
+    DYNAMIC_SPLITS: tl.constexpr,  # the splits in use are min(active_splits_ptr[0], NUM_SPLITS) (a decode graph's)
     PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)  # before the early returns too: every program must wait (kernels/_triton.py)
@@ -267,6 +269,11 @@ def _paged_attention_kernel(
         seq = tl.program_id(1)
     kv_head = tl.program_id(2) // NUM_SPLITS
     split = tl.program_id(2) % NUM_SPLITS
+    active_splits = NUM_SPLITS
+    if DYNAMIC_SPLITS:  # the merge reads only these splits' partials
+        active_splits = tl.minimum(tl.load(active_splits_ptr), NUM_SPLITS)
+        if split >= active_splits:
+            return
 
     if ROTARY_APPEND:  # decode only: sequence i's one new token is row i (cu_seqlens_q is 0, 1, 2, ...)
         q_start = seq
@@ -326,7 +333,7 @@ def _paged_attention_kernel(
     kv_start = 0
     if HAS_WINDOW:
         kv_start = tl.maximum(prefix_len + first_token - window + 1, 0)
-    tiles_per_split = tl.cdiv(tl.cdiv(kv_end - kv_start, BLOCK_N), NUM_SPLITS)
+    tiles_per_split = tl.cdiv(tl.cdiv(kv_end - kv_start, BLOCK_N), active_splits)
     kv_lo = kv_start + split * tiles_per_split * BLOCK_N
     kv_hi = tl.minimum(kv_end, kv_lo + tiles_per_split * BLOCK_N)
     if ROTARY_APPEND:
@@ -395,12 +402,14 @@ def _paged_attention_kernel(
 
 @jit
 def _merge_splits_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, cu_seqlens_q_ptr,
+    part_out_ptr, part_lse_ptr, out_ptr, cu_seqlens_q_ptr, active_splits_ptr,
     stride_ps, stride_pt, stride_ph, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, BY_SEQUENCE: tl.constexpr,
-    PDL: tl.constexpr,
+    DYNAMIC_SPLITS: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program per (token, head): softmax-weighted sum of the splits' normalized outputs.
+    DYNAMIC_SPLITS: only the first min(active_splits_ptr[0], NUM_SPLITS) splits ran (the attention
+    kernel's).
     BY_SEQUENCE (the decode rows of a mixed batch, whose partial results are rows by sequence): one
     program per (sequence, head) instead, which merges the sequence's token if it has exactly one new
     token and returns otherwise (the prompt chunks' rows were never split)."""
@@ -419,7 +428,10 @@ def _merge_splits_kernel(
     splits = tl.arange(0, NUM_SPLITS)
     dims = tl.arange(0, DIM_PAD)
     base = splits * stride_ps + part_row * stride_pt + head * stride_ph
-    lse = tl.load(part_lse_ptr + base // DIM_PAD)
+    if DYNAMIC_SPLITS:
+        lse = tl.load(part_lse_ptr + base // DIM_PAD, mask=splits < tl.load(active_splits_ptr), other=float("-inf"))
+    else:
+        lse = tl.load(part_lse_ptr + base // DIM_PAD)
     lse_max = tl.max(lse, 0)  # split 0 saw the first visible key, so this is finite
     weights = tl.math.exp2(lse - lse_max)
     weights = weights / tl.sum(weights, 0)
@@ -430,14 +442,14 @@ def _merge_splits_kernel(
 
 
 def _decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, num_sms: int, block_n: int,
-                       resident_per_sm: int | None = None, *, fewest_seqs: int | None = None) -> int:
+                       resident_per_sm: int | None = None) -> int:
     """Key splits of a decode launch: a power of two, at most MAX_DECODE_SPLITS, no split shorter than
     2 key tiles. With ``resident_per_sm`` (the tiling's programs one SM holds, known once it has
-    run: _DECODE_RESIDENT) the count of least _decode_split_cost, summed over every batch from
-    ``fewest_seqs`` to ``num_seqs`` that the launch serves (a CUDA graph's bucket), unless the batch
-    alone makes UNSPLIT_WAVES waves (its last partial wave is a small share of the time, and so
-    many sequences in one pool have short contexts, which splits only slow down); before that,
-    enough programs to cover the GPU twice."""
+    run: _DECODE_RESIDENT) the count of least _decode_split_cost, unless the batch alone makes
+    UNSPLIT_WAVES waves (its last partial wave is a small share of the time, and so many sequences
+    in one pool have short contexts, which splits only slow down); before that, enough programs to
+    cover the GPU twice. A decode graph's launch instead captures the most splits any of its replays
+    may use and lets each use decode_active_splits' count (_decode_config)."""
     programs = num_seqs * num_kv_heads
     most = min(triton.next_power_of_2(max(1, max_context_len // (2 * block_n))), MAX_DECODE_SPLITS)
     if resident_per_sm is None:
@@ -447,9 +459,22 @@ def _decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, n
     if programs >= UNSPLIT_WAVES * capacity:
         return 1
     counts = [1 << i for i in range(most.bit_length())]  # 1, 2, 4, ... most
-    served = range(min(fewest_seqs or num_seqs, num_seqs), num_seqs + 1)
-    return min(counts, key=lambda splits: sum(_decode_split_cost(n * num_kv_heads, splits, capacity, max_context_len)
-                                              for n in served))
+    return min(counts, key=lambda splits: _decode_split_cost(programs, splits, capacity, max_context_len))
+
+
+def decode_active_splits(plan: tuple[int, int], num_seqs: int, longest_context: int) -> int:
+    """The key splits a decode graph's replay uses for ``num_seqs`` real sequences whose longest
+    context is ``longest_context``: _decode_num_splits' choice by waves for exactly that batch
+    (a graph's padding rows return at once) and those keys, not for the bucket it was captured for
+    and the longest context it may serve. ``plan``: AttentionMetadata.decode_split_plan. Each
+    launch clamps the count to the splits its grid holds (DYNAMIC_SPLITS)."""
+    num_kv_heads, capacity = plan
+    programs = num_seqs * num_kv_heads
+    most = min(triton.next_power_of_2(max(1, longest_context // 128)), MAX_DECODE_SPLITS)
+    if programs >= UNSPLIT_WAVES * capacity:
+        return 1
+    counts = [1 << i for i in range(most.bit_length())]
+    return min(counts, key=lambda splits: _decode_split_cost(programs, splits, capacity, longest_context))
 
 
 def _decode_split_cost(programs: int, splits: int, capacity: int, keys: int) -> float:
@@ -485,6 +510,10 @@ SATURATING_SHARE = 0.8
 SPLIT_COST_KEYS = 210
 # Batches of at least this many waves of programs are never split.
 UNSPLIT_WAVES = 4
+# The key splits a decode graph of a mid-size batch captures in its grid (its replays use up to
+# this many): the most the cost above chose at 48-256 sequences on an H100. A replay that uses
+# fewer leaves the rest of the grid's programs to return at once.
+DYNAMIC_SPLITS_CAPTURED = 4
 
 # Decode programs one SM holds, per (device index, tiling): read from the compiled kernel after a
 # tiling's first decode launch (kernels/_triton.py resident_programs). Until then that tiling's
@@ -529,8 +558,16 @@ def _decode_config(meta: AttentionMetadata, group: int, num_kv_heads: int, devic
     if num_splits is None:
         keys_read = meta.max_context_len if sliding_window is None else min(meta.max_context_len, sliding_window)
         resident = _DECODE_RESIDENT.get(_decode_tiling_key(device, block_m, tiling, dim_pad, kv_itemsize))
-        num_splits = _decode_num_splits(meta.num_seqs, num_kv_heads, keys_read, num_sms(device), 64, resident,
-                                        fewest_seqs=meta.fewest_seqs)
+        num_splits = _decode_num_splits(meta.num_seqs, num_kv_heads, keys_read, num_sms(device), 64, resident)
+        if meta.decode_splits is not None and resident is not None:
+            # A decode graph: its grid holds the most splits a replay may ask for (decode_active_splits
+            # over the batches and contexts it serves); this capture's own count covers its small
+            # batches, DYNAMIC_SPLITS_CAPTURED its mid-size ones. Past UNSPLIT_WAVES, one.
+            capacity = resident * num_sms(device)
+            meta.decode_split_plan = (num_kv_heads, capacity)
+            if meta.num_seqs * num_kv_heads < UNSPLIT_WAVES * capacity:
+                most = min(triton.next_power_of_2(max(1, keys_read // 128)), DYNAMIC_SPLITS_CAPTURED)
+                num_splits = max(num_splits, most)
     block_n, warps, stages, tma = tiling
     return block_m, block_n, warps, stages, num_splits, tma
 
@@ -673,6 +710,8 @@ def paged_attention_triton(
         block_m, block_n, num_warps, num_stages, num_splits = config[:5]
         # A decode config's sixth element asks for TMA reads; $TRITONLLM_DECODE_TMA=all has every
         # decode tiling that fits a page take them (benchmarks/attention_kernel_bench.py's sweeps).
+        # A decode graph's launch uses the splits its replay's host asks for (decode_active_splits).
+        dynamic = seq_kind != MULTI_TOKEN and num_splits > 1 and meta.decode_splits is not None
         wants_tma = seq_kind != MULTI_TOKEN and (
             (len(config) > 5 and config[5]) or os.environ.get(DECODE_TMA_ENV) == "all")
         if num_splits > 1:
@@ -689,7 +728,7 @@ def paged_attention_triton(
             meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
             meta.tile_seq if tile_map else meta.cu_seqlens_q, meta.tile_m if tile_map else meta.cu_seqlens_q,
             new_k, new_v, positions, cos_sin_cache, meta.slot_mapping, q if sinks is None else sinks,
-            scale * _LOG2E, sliding_window or 0, (logit_softcap or 1.0) * _LOG2E,
+            meta.decode_splits if dynamic else meta.context_lens, scale * _LOG2E, sliding_window or 0, (logit_softcap or 1.0) * _LOG2E,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -699,7 +738,8 @@ def paged_attention_triton(
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 engines get fp32 dots
             FP16_MATH=kv_itemsize == 1 and q.dtype != torch.float32, ROTARY_APPEND=new_kv is not None,
             HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=logit_softcap is not None, HAS_TILE_MAP=tile_map,
-            HAS_SINKS=sinks is not None, SEQ_KIND=seq_kind, TMA=descs is not None, num_warps=num_warps,
+            HAS_SINKS=sinks is not None, SEQ_KIND=seq_kind, TMA=descs is not None, DYNAMIC_SPLITS=dynamic,
+            num_warps=num_warps,
             num_stages=num_stages,
             **pdl_options(q),
         )
@@ -713,8 +753,10 @@ def paged_attention_triton(
         if num_splits > 1:
             by_sequence = seq_kind == ONE_TOKEN
             _merge_splits_kernel[(num_seqs if by_sequence else num_tokens, num_heads)](
-                part_out, part_lse, out, meta.cu_seqlens_q, ps, pt, ph, out.stride(0), out.stride(1),
-                HEAD_DIM=head_dim, DIM_PAD=dim_pad, NUM_SPLITS=num_splits, BY_SEQUENCE=by_sequence, num_warps=1,
+                part_out, part_lse, out, meta.cu_seqlens_q, meta.decode_splits if dynamic else meta.cu_seqlens_q,
+                ps, pt, ph, out.stride(0), out.stride(1),
+                HEAD_DIM=head_dim, DIM_PAD=dim_pad, NUM_SPLITS=num_splits, BY_SEQUENCE=by_sequence,
+                DYNAMIC_SPLITS=dynamic, num_warps=1,
                 **pdl_options(q),
             )
 

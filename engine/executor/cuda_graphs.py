@@ -31,6 +31,7 @@ from kernels._triton import PDL_ALLOWED, PDL_ENV, pdl_supported, set_pdl
 from kernels.attention_metadata import AttentionMetadata
 from kernels.linear import replay_time_ms, side_stream
 from kernels.lora import LoraBatchBuffers
+from kernels.triton_attention import MAX_DECODE_SPLITS, decode_active_splits
 
 
 def default_buckets(max_batch_size: int) -> list[int]:
@@ -81,6 +82,11 @@ class DecodeGraphs:
         self.dev_ctx = torch.ones(n, dtype=torch.int32, device=dev)
         self.dev_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=dev)
         self.cu_seqlens = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        # Key splits of decode attention a replay uses (kernels/triton_attention.py decode_active_splits);
+        # the warm-ups and captures see the most (each launch clamps it to its grid's splits).
+        self.host_splits = torch.full((1,), MAX_DECODE_SPLITS, dtype=torch.int32).pin_memory()
+        self.dev_splits = torch.full((1,), MAX_DECODE_SPLITS, dtype=torch.int32, device=dev)
+        self.metas: dict[int, AttentionMetadata] = {}
         self.host_i64[2].fill_(-1)
         self.dev_i64[2].fill_(-1)
         self._np_i64, self._np_ctx, self._np_tables = self.host_i64.numpy(), self.host_ctx.numpy(), self.host_tables.numpy()
@@ -88,14 +94,15 @@ class DecodeGraphs:
         self._copied.record()
 
     def _meta(self, bs: int, lora: bool = False) -> AttentionMetadata:
-        smaller = [b for b in self.buckets if b < bs]
-        return AttentionMetadata(
+        meta = AttentionMetadata(
             slot_mapping=self.dev_i64[2, :bs], block_tables=self.dev_tables[:bs],
             cu_seqlens_q=self.cu_seqlens[:bs + 1], context_lens=self.dev_ctx[:bs],
             max_seqlen_q=1, max_context_len=self.max_seq_len, is_decode_only=True,
             lora=self.lora_buffers.batch(bs) if lora else None,  # this bucket's view: kernels/lora.py
-            fewest_seqs=max(smaller, default=0) + 1,  # the batches this bucket's graph serves
+            decode_splits=self.dev_splits,
         )
+        self.metas[bs] = meta  # its decode_split_plan is set when the capture launches attention
+        return meta
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -142,10 +149,13 @@ class DecodeGraphs:
         self._copied.synchronize()  # the previous step's copies have left the pinned buffers
         fill_decode_inputs(self._np_i64, self._np_ctx, self._np_tables, token_ids, positions, context_lens,
                            block_tables, self.tokens_per_block, bucket)
+        plan = self.metas[bucket].decode_split_plan
+        self.host_splits[0] = MAX_DECODE_SPLITS if plan is None else decode_active_splits(plan, bs, max(context_lens))
         # Contiguous spans only: a strided pinned source would make torch stage it synchronously.
         self.dev_i64.copy_(self.host_i64, non_blocking=True)
         self.dev_ctx[:bucket].copy_(self.host_ctx[:bucket], non_blocking=True)
         self.dev_tables[:bucket].copy_(self.host_tables[:bucket], non_blocking=True)
+        self.dev_splits.copy_(self.host_splits, non_blocking=True)
         self._copied.record()
         if lora_slots is not None:
             self.lora_buffers.fill(lora_slots, [1] * bs)

@@ -207,7 +207,7 @@ def test_write_kv_cache_reads_strided_views_and_skips_negative_slots(device):
 
 
 def run_attention_case(device, dtype, heads, page_size, cached_and_new, num_splits=None, seed=0,
-                       sliding_window=None, logit_softcap=None):
+                       sliding_window=None, logit_softcap=None, decode_splits=None):
     from kernels.triton_attention import paged_attention_triton, write_kv_cache_triton
 
     num_heads, num_kv_heads, head_dim = heads
@@ -219,6 +219,8 @@ def run_attention_case(device, dtype, heads, page_size, cached_and_new, num_spli
     q = torch.randn(k.shape[0], num_heads, head_dim, generator=gen).to(dtype).to(device)
     scale = head_dim**-0.5
     options = dict(sliding_window=sliding_window, logit_softcap=logit_softcap)
+    if decode_splits is not None:  # as a decode graph's replay asks (engine/executor/cuda_graphs.py)
+        meta.decode_splits = torch.tensor([decode_splits], dtype=torch.int32, device=device)
     ref = paged_attention_ref(q, k_cache, v_cache, meta, scale, **options)
     out = paged_attention_triton(q, k_cache, v_cache, meta, scale, num_splits=num_splits, **options)
     err = relative_error(out, ref)
@@ -256,6 +258,17 @@ def test_decode_matches_reference(device, heads, num_splits):
     batch = [(0, 1), (15, 1), (16, 1), (299, 1)]
     for dtype in low_precision_dtypes(device):
         run_attention_case(device, dtype, heads, 16, batch, num_splits=num_splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("active", [1, 2, 3, 4, 16])
+def test_decode_runs_the_splits_a_graph_replay_asks_for(device, active):
+    """A decode graph's launch captures 4 splits; its replay uses min(active, 4) of them (the others
+    return at once, the merge reads only those): every count matches the reference, with the
+    in-kernel merge of empty splits too (contexts 1 and 16 have fewer tiles than splits)."""
+    batch = [(0, 1), (15, 1), (299, 1), (700, 1)]
+    for dtype in low_precision_dtypes(device):
+        run_attention_case(device, dtype, (8, 2, 64), 16, batch, num_splits=4, decode_splits=active)
 
 
 # A mixed batch whose decode rows read contexts long enough to split, between and after prompt
