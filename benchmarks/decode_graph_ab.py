@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import random
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -36,6 +37,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quantization", default="fp8")
     parser.add_argument("--kv_cache_dtype", default="fp8")
     parser.add_argument("--exact", action="store_true", help="graphs of exactly B rows, not the served bucket")
+    parser.add_argument("--shuffled", action="store_true",
+                        help="each sequence's pages drawn at random from the pool (a served pool's), not in order")
     parser.add_argument("--as_served", action="store_true",
                         help="only the engine's own choices (TMA on, deferred scales as timed): one graph a case")
     args = parser.parse_args(argv)
@@ -60,7 +63,10 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{torch.cuda.get_device_name()}, {args.model} quantization={args.quantization} kv={args.kv_cache_dtype}")
     results = {}
     for batch, context in cases:
-        tables = [list(range(1 + i * per_seq[context], 1 + (i + 1) * per_seq[context])) for i in range(batch)]
+        pages = list(range(1, 1 + batch * per_seq[context]))
+        if args.shuffled:
+            random.Random(0).shuffle(pages)
+        tables = [pages[i * per_seq[context]:(i + 1) * per_seq[context]] for i in range(batch)]
         served = default_buckets(4096)
         bucket = batch if args.exact else next(b for b in served if b >= batch)
         # The bucket below sets the batches the graph serves (its attention splits weigh them all).

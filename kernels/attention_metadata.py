@@ -43,8 +43,8 @@ class AttentionMetadata:
     # attention uses (kernels/triton_attention.py decode_active_splits); None: the grid's all.
     decode_splits: torch.Tensor | None = None
     # Set by the decode attention launch that captures with ``decode_splits``: (KV heads, programs
-    # the GPU holds at once), what decode_active_splits needs; None until then.
-    decode_split_plan: tuple[int, int] | None = None
+    # the GPU holds at once, SMs), what decode_active_splits needs; None until then.
+    decode_split_plan: tuple[int, int, int] | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -271,6 +271,11 @@ def _paged_attention_kernel(
     split = tl.program_id(2) % NUM_SPLITS
     active_splits = NUM_SPLITS
     if DYNAMIC_SPLITS:  # the merge reads only these splits' partials
+        # Split-major here: the programs of splits past the active count come last in launch order,
+        # so they return in the tail of the launch, not between the programs that read keys.
+        num_kv_heads = tl.num_programs(2) // NUM_SPLITS
+        kv_head = tl.program_id(2) % num_kv_heads
+        split = tl.program_id(2) // num_kv_heads
         active_splits = tl.minimum(tl.load(active_splits_ptr), NUM_SPLITS)
         if split >= active_splits:
             return
@@ -445,36 +450,33 @@ def _decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, n
                        resident_per_sm: int | None = None) -> int:
     """Key splits of a decode launch: a power of two, at most MAX_DECODE_SPLITS, no split shorter than
     2 key tiles. With ``resident_per_sm`` (the tiling's programs one SM holds, known once it has
-    run: _DECODE_RESIDENT) the count of least _decode_split_cost, unless the batch alone makes
-    UNSPLIT_WAVES waves (its last partial wave is a small share of the time, and so many sequences
-    in one pool have short contexts, which splits only slow down); before that, enough programs to
-    cover the GPU twice. A decode graph's launch instead captures the most splits any of its replays
+    run: _DECODE_RESIDENT) and a batch of more programs than the GPU holds at once, the count of
+    least _decode_split_cost, unless the batch alone makes UNSPLIT_WAVES waves (its last partial
+    wave is a small share of the time, and so many sequences in one pool have short contexts, which
+    splits only slow down); otherwise enough programs to cover the GPU twice. (Within one wave the
+    cost's choice did not hold up as served: 48 x 21,000's kernel alone went from 800 to 707 us a
+    layer with 4 splits, but its decode graph in the bucket of 56 took 30.31 ms against 29.25.) A decode graph's launch instead captures the most splits any of its replays
     may use and lets each use decode_active_splits' count (_decode_config)."""
     programs = num_seqs * num_kv_heads
     most = min(triton.next_power_of_2(max(1, max_context_len // (2 * block_n))), MAX_DECODE_SPLITS)
-    if resident_per_sm is None:
+    capacity = None if resident_per_sm is None else resident_per_sm * num_sms
+    if capacity is None or programs <= capacity:
         wanted = max(1, (2 * num_sms + programs - 1) // programs)
         return min(triton.next_power_of_2(wanted), most)
-    capacity = resident_per_sm * num_sms
     if programs >= UNSPLIT_WAVES * capacity:
         return 1
     counts = [1 << i for i in range(most.bit_length())]  # 1, 2, 4, ... most
     return min(counts, key=lambda splits: _decode_split_cost(programs, splits, capacity, max_context_len))
 
 
-def decode_active_splits(plan: tuple[int, int], num_seqs: int, longest_context: int) -> int:
+def decode_active_splits(plan: tuple[int, int, int], num_seqs: int, longest_context: int) -> int:
     """The key splits a decode graph's replay uses for ``num_seqs`` real sequences whose longest
     context is ``longest_context``: _decode_num_splits' choice by waves for exactly that batch
     (a graph's padding rows return at once) and those keys, not for the bucket it was captured for
     and the longest context it may serve. ``plan``: AttentionMetadata.decode_split_plan. Each
     launch clamps the count to the splits its grid holds (DYNAMIC_SPLITS)."""
-    num_kv_heads, capacity = plan
-    programs = num_seqs * num_kv_heads
-    most = min(triton.next_power_of_2(max(1, longest_context // 128)), MAX_DECODE_SPLITS)
-    if programs >= UNSPLIT_WAVES * capacity:
-        return 1
-    counts = [1 << i for i in range(most.bit_length())]
-    return min(counts, key=lambda splits: _decode_split_cost(programs, splits, capacity, longest_context))
+    num_kv_heads, capacity, num_sms = plan
+    return _decode_num_splits(num_seqs, num_kv_heads, longest_context, num_sms, 64, capacity // num_sms)
 
 
 def _decode_split_cost(programs: int, splits: int, capacity: int, keys: int) -> float:
@@ -564,7 +566,7 @@ def _decode_config(meta: AttentionMetadata, group: int, num_kv_heads: int, devic
             # over the batches and contexts it serves); this capture's own count covers its small
             # batches, DYNAMIC_SPLITS_CAPTURED its mid-size ones. Past UNSPLIT_WAVES, one.
             capacity = resident * num_sms(device)
-            meta.decode_split_plan = (num_kv_heads, capacity)
+            meta.decode_split_plan = (num_kv_heads, capacity, num_sms(device))
             if meta.num_seqs * num_kv_heads < UNSPLIT_WAVES * capacity:
                 most = min(triton.next_power_of_2(max(1, keys_read // 128)), DYNAMIC_SPLITS_CAPTURED)
                 num_splits = max(num_splits, most)

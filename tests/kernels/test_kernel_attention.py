@@ -448,7 +448,8 @@ def test_decode_splits_fill_whole_waves():
     assert [splits(n, 5250) for n in (128, 194, 256)] == [1, 1, 1]  # whole waves of 528 programs
     assert splits(208, 5250) == 4  # 1,664 programs: a fourth wave of 80; 4 splits measured 10% faster
     assert splits(160, 5250) == 2 and splits(224, 5250) == 2
-    assert splits(96, 6000) == 2 and splits(48, 21000) == 4  # one part-filled wave
+    assert splits(96, 6000) == 2  # 768 programs: one whole wave and a part-filled one
+    assert splits(48, 21000) == 1 and splits(32, 21000) == 2  # within one wave: enough programs to cover the GPU twice
     assert splits(264, 2500) == 1
     assert splits(1, 8192) == 16 and splits(1, 100) == 1  # fill the GPU, but not past 2 tiles a split
     assert splits(1024, 22000, resident=12) == 1  # 4 waves or more: never split
