@@ -561,15 +561,15 @@ def _decode_config(meta: AttentionMetadata, group: int, num_kv_heads: int, devic
         keys_read = meta.max_context_len if sliding_window is None else min(meta.max_context_len, sliding_window)
         resident = _DECODE_RESIDENT.get(_decode_tiling_key(device, block_m, tiling, dim_pad, kv_itemsize))
         num_splits = _decode_num_splits(meta.num_seqs, num_kv_heads, keys_read, num_sms(device), 64, resident)
-        if meta.decode_splits is not None and resident is not None:
-            # A decode graph: its grid holds the most splits a replay may ask for (decode_active_splits
-            # over the batches and contexts it serves); this capture's own count covers its small
-            # batches, DYNAMIC_SPLITS_CAPTURED its mid-size ones. Past UNSPLIT_WAVES, one.
-            capacity = resident * num_sms(device)
+        capacity = None if resident is None else resident * num_sms(device)
+        if meta.decode_splits is not None and capacity is not None and (
+                capacity < meta.num_seqs * num_kv_heads < UNSPLIT_WAVES * capacity):
+            # A decode graph of a mid-size bucket: its grid holds the most splits a replay may ask
+            # for, and each replay uses decode_active_splits' count for its real batch and contexts.
+            # (Small buckets keep their one count: reading it from memory cost a batch-1 step 2-3%.)
             meta.decode_split_plan = (num_kv_heads, capacity, num_sms(device))
-            if meta.num_seqs * num_kv_heads < UNSPLIT_WAVES * capacity:
-                most = min(triton.next_power_of_2(max(1, keys_read // 128)), DYNAMIC_SPLITS_CAPTURED)
-                num_splits = max(num_splits, most)
+            most = min(triton.next_power_of_2(max(1, keys_read // 128)), DYNAMIC_SPLITS_CAPTURED)
+            num_splits = max(num_splits, most)
     block_n, warps, stages, tma = tiling
     return block_m, block_n, warps, stages, num_splits, tma
 
@@ -713,7 +713,7 @@ def paged_attention_triton(
         # A decode config's sixth element asks for TMA reads; $TRITONLLM_DECODE_TMA=all has every
         # decode tiling that fits a page take them (benchmarks/attention_kernel_bench.py's sweeps).
         # A decode graph's launch uses the splits its replay's host asks for (decode_active_splits).
-        dynamic = seq_kind != MULTI_TOKEN and num_splits > 1 and meta.decode_splits is not None
+        dynamic = seq_kind != MULTI_TOKEN and num_splits > 1 and meta.decode_split_plan is not None
         wants_tma = seq_kind != MULTI_TOKEN and (
             (len(config) > 5 and config[5]) or os.environ.get(DECODE_TMA_ENV) == "all")
         if num_splits > 1:

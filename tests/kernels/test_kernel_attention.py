@@ -221,6 +221,7 @@ def run_attention_case(device, dtype, heads, page_size, cached_and_new, num_spli
     options = dict(sliding_window=sliding_window, logit_softcap=logit_softcap)
     if decode_splits is not None:  # as a decode graph's replay asks (engine/executor/cuda_graphs.py)
         meta.decode_splits = torch.tensor([decode_splits], dtype=torch.int32, device=device)
+        meta.decode_split_plan = (num_kv_heads, 528, 132)  # as the capture of a mid-size bucket sets it
     ref = paged_attention_ref(q, k_cache, v_cache, meta, scale, **options)
     out = paged_attention_triton(q, k_cache, v_cache, meta, scale, num_splits=num_splits, **options)
     err = relative_error(out, ref)
