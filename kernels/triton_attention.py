@@ -455,8 +455,9 @@ def _decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, n
     wave is a small share of the time, and so many sequences in one pool have short contexts, which
     splits only slow down); otherwise enough programs to cover the GPU twice. (Within one wave the
     cost's choice did not hold up as served: 48 x 21,000's kernel alone went from 800 to 707 us a
-    layer with 4 splits, but its decode graph in the bucket of 56 took 30.31 ms against 29.25.) A decode graph's launch instead captures the most splits any of its replays
-    may use and lets each use decode_active_splits' count (_decode_config)."""
+    layer with 4 splits, but its decode graph in the bucket of 56 took 30.31 ms against 29.25.)
+    A decode graph of a mid-size bucket instead captures DYNAMIC_SPLITS_CAPTURED splits and lets
+    each replay use decode_active_splits' count (_decode_config)."""
     programs = num_seqs * num_kv_heads
     most = min(triton.next_power_of_2(max(1, max_context_len // (2 * block_n))), MAX_DECODE_SPLITS)
     capacity = None if resident_per_sm is None else resident_per_sm * num_sms
@@ -568,8 +569,7 @@ def _decode_config(meta: AttentionMetadata, group: int, num_kv_heads: int, devic
             # for, and each replay uses decode_active_splits' count for its real batch and contexts.
             # (Small buckets keep their one count: reading it from memory cost a batch-1 step 2-3%.)
             meta.decode_split_plan = (num_kv_heads, capacity, num_sms(device))
-            most = min(triton.next_power_of_2(max(1, keys_read // 128)), DYNAMIC_SPLITS_CAPTURED)
-            num_splits = max(num_splits, most)
+            num_splits = min(triton.next_power_of_2(max(1, keys_read // 128)), DYNAMIC_SPLITS_CAPTURED)
     block_n, warps, stages, tma = tiling
     return block_m, block_n, warps, stages, num_splits, tma
 
@@ -730,7 +730,8 @@ def paged_attention_triton(
             meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
             meta.tile_seq if tile_map else meta.cu_seqlens_q, meta.tile_m if tile_map else meta.cu_seqlens_q,
             new_k, new_v, positions, cos_sin_cache, meta.slot_mapping, q if sinks is None else sinks,
-            meta.decode_splits if dynamic else meta.context_lens, scale * _LOG2E, sliding_window or 0, (logit_softcap or 1.0) * _LOG2E,
+            meta.decode_splits if dynamic else meta.context_lens,
+            scale * _LOG2E, sliding_window or 0, (logit_softcap or 1.0) * _LOG2E,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
