@@ -10,8 +10,13 @@ PY := $(VENV)/bin/python
 setup:
 	./scripts/setup_env.sh
 
+# The suite on PYTEST_WORKERS pytest-xdist workers (0: in this process, one test at a time).
+# --dist loadfile: each file's tests on one worker, so a module's servers and engines are built
+# once; --no-loadscope-reorder: files in collection order, so the many quick serving/ and tools/
+# files come last and both workers finish together.
+PYTEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -q -x -ra tests
+	$(PY) -m pytest -q -x -ra -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 serve: setup
 	$(PY) scripts/serve_default.py $(if $(MODEL),--model "$(MODEL)")

