@@ -67,10 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
         if args.shuffled:
             random.Random(0).shuffle(pages)
         tables = [pages[i * per_seq[context]:(i + 1) * per_seq[context]] for i in range(batch)]
-        served = default_buckets(4096)
-        bucket = batch if args.exact else next(b for b in served if b >= batch)
-        # The bucket below sets the batches the graph serves (its attention splits weigh them all).
-        buckets = ([batch - 1] if args.exact and batch > 1 else [b for b in served if b < bucket][-1:]) + [bucket]
+        bucket = batch if args.exact else next(b for b in default_buckets(4096) if b >= batch)
         chosen = fp8.choose_fp8_scaling(fp8_weights, [bucket])
         deferred = {key for key in fp8._DEFERRED_SCALING if key[1] == bucket}
         print(f"{batch} rows in the graph of {bucket}: deferred products (rows, N, K) "
@@ -83,9 +80,10 @@ def main(argv: list[str] | None = None) -> dict:
             if defer:
                 fp8._DEFERRED_SCALING.update(deferred)
             graphs = DecodeGraphs(runner.model, runner.kv_cache, tokens_per_block=runner.tokens_per_block,
-                                  max_seq_len=max_context + 64, max_batch_size=bucket, buckets=buckets)
+                                  max_seq_len=max_context + 64, max_batch_size=bucket, buckets=[bucket])
             graphs.capture()
             graphs.run([1] * batch, [context] * batch, [context + 1] * batch, tables)
+            # the attention splits this replay asked for (trees before per-replay splits have none)
             active = int(graphs.host_splits[0]) if hasattr(graphs, "host_splits") else None
             times[(tma, defer)] = min(replay_time_ms(graphs.graphs[bucket], replays=10) for _ in range(3))
             del graphs

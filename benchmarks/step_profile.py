@@ -9,8 +9,8 @@ time goes, by kernel family (GEMMs, attention, norms and rotary, the rest).
 ``--decode BxC``: one decode step of B sequences with C tokens of context each, run eagerly (not
 from a CUDA graph, so the profiler sees each kernel; a graph replays the same kernels).
 ``--graph``: decode shapes as the executor serves them (its load-time kernel choices first), the
-step's CUDA graph replayed 10 times under the profiler (figures per replay; a graph's kernels are what the served step runs, e.g. the Triton
-skinny GEMMs an eager step leaves to cuBLAS).
+step's CUDA graph replayed 10 times under the profiler (figures per replay; a graph's kernels are
+what the served step runs, e.g. the Triton skinny GEMMs an eager step leaves to cuBLAS).
 ``--sweep_splits 1,2,4,8``: for each decode shape, the step's time (CUDA events, median of 5) with the
 decode attention's key splits forced to each count, beside the count the kernel chooses itself.
 Random weights of the named shape (benchmarks/engine_bench.py), made on the device. Each step runs
