@@ -1,10 +1,18 @@
 """serving_bench's diagnostics (benchmarks/serving_diagnostics.py): CPU by role over a timed run,
 and the engine's step medians from its iteration log."""
+import os
 import subprocess
 import sys
 import time
 
 from benchmarks.serving_diagnostics import RunDiagnostics, describe, engine_step_summary, histogram_totals
+
+
+def _reap_with_cpu_seconds(process: subprocess.Popen) -> float:
+    """Waits for the child and returns the CPU seconds it used over its whole life (rusage)."""
+    _, status, usage = os.wait4(process.pid, 0)
+    process.returncode = os.waitstatus_to_exitcode(status)
+    return usage.ru_utime + usage.ru_stime
 
 
 def test_cores_busy_counts_each_role_over_the_run():
@@ -13,15 +21,21 @@ def test_cores_busy_counts_each_role_over_the_run():
     try:
         diagnostics = RunDiagnostics(lambda: [(spinner.pid, "spinner"), (sleeper.pid, "sleeper")], None)
         time.sleep(0.2)  # both interpreters started
+        window_start = time.perf_counter()
         diagnostics.begin()
         time.sleep(1.0)
         row = diagnostics.end()
+        window_s = time.perf_counter() - window_start
     finally:
-        spinner.wait()
+        spinner_cpu_s = _reap_with_cpu_seconds(spinner)
         sleeper.wait()
-    assert row["cores_busy"]["spinner"] > 0.5  # a busy loop, on a loaded 2-core CI machine too
-    assert row["cores_busy"]["sleeper"] < 0.1
-    assert list(row["cores_busy"]) == ["spinner", "sleeper"]  # busiest first
+    # The spinner's share depends on what else the machine runs (0.26 of a core was seen beside another
+    # xdist worker on 2 cores), so it is bounded from both sides instead of held to a fixed share: it
+    # cannot exceed the CPU the child used over its whole life, and a busy loop gets some of a core.
+    busy = row["cores_busy"]
+    assert 0.1 < busy["spinner"] <= spinner_cpu_s / window_s + 0.03  # +0.03: rounding and clock ticks
+    assert busy["sleeper"] < 0.1
+    assert list(busy) == ["spinner", "sleeper"]  # busiest first
     assert "engine step" not in describe(row) and "spinner" in describe(row)
 
 
