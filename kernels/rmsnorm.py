@@ -41,6 +41,15 @@ def rms_norm_ref(
 
 
 @jit
+def _rms_normalized(x, n, eps, AXIS: tl.constexpr):
+    """x / rms(x) over AXIS (n elements; masked ones loaded as 0) in float32, rounded to x's dtype
+    as the reference rounds before the weight multiplies it, and returned in float32."""
+    xf = x.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(xf * xf, AXIS, keep_dims=True) / n + eps)
+    return (xf * inv_rms).to(x.dtype).to(tl.float32)
+
+
+@jit
 def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, scale_ptr, x_row_scale_ptr, x_col_scale_ptr,
     stride_x, stride_xp, stride_r, stride_o, stride_ro, hidden, eps,
@@ -73,9 +82,7 @@ def _rms_norm_kernel(
         x = x.to(x_ptr.dtype.element_ty)
     if HAS_RESIDUAL or NUM_PARTS > 1 or SCALED_X:
         tl.store(residual_out_ptr + row * stride_ro + cols, x, mask=mask)
-    xf = x.to(tl.float32)
-    inv_rms = tl.rsqrt(tl.sum(xf * xf, 0) / hidden + eps)
-    normed = (xf * inv_rms).to(x_ptr.dtype.element_ty).to(tl.float32)
+    normed = _rms_normalized(x, hidden, eps, 0)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if QUANTIZE:
         y = (weight * normed).to(x_ptr.dtype.element_ty).to(tl.float32)
@@ -168,9 +175,7 @@ def _qk_rms_norm_kernel(qkv_ptr, q_weight_ptr, k_weight_ptr, out_ptr, stride_qkv
     mask = (rows < NUM_ROWS)[:, None] & (dims < HEAD_DIM)[None, :]
     offsets = rows[:, None] * HEAD_DIM + dims[None, :]
     x = tl.load(qkv_ptr + token * stride_qkv + offsets, mask=mask, other=0.0)
-    xf = x.to(tl.float32)
-    inv_rms = tl.rsqrt(tl.sum(xf * xf, 1) / HEAD_DIM + eps)
-    normed = (xf * inv_rms[:, None]).to(qkv_ptr.dtype.element_ty).to(tl.float32)
+    normed = _rms_normalized(x, HEAD_DIM, eps, 1)
     is_q = (rows < NUM_HEADS)[:, None]
     q_w = tl.load(q_weight_ptr + dims, mask=dims < HEAD_DIM, other=0.0).to(tl.float32)
     k_w = tl.load(k_weight_ptr + dims, mask=dims < HEAD_DIM, other=0.0).to(tl.float32)

@@ -561,14 +561,15 @@ def _decode_config(meta: AttentionMetadata, group: int, num_kv_heads: int, devic
     if num_splits is None:
         keys_read = meta.max_context_len if sliding_window is None else min(meta.max_context_len, sliding_window)
         resident = _DECODE_RESIDENT.get(_decode_tiling_key(device, block_m, tiling, dim_pad, kv_itemsize))
-        num_splits = _decode_num_splits(meta.num_seqs, num_kv_heads, keys_read, num_sms(device), 64, resident)
-        capacity = None if resident is None else resident * num_sms(device)
+        sms = num_sms(device)
+        num_splits = _decode_num_splits(meta.num_seqs, num_kv_heads, keys_read, sms, 64, resident)
+        capacity = None if resident is None else resident * sms
         if meta.decode_splits is not None and capacity is not None and (
                 capacity < meta.num_seqs * num_kv_heads < UNSPLIT_WAVES * capacity):
             # A decode graph of a mid-size bucket: its grid holds the most splits a replay may ask
             # for, and each replay uses decode_active_splits' count for its real batch and contexts.
             # (Small buckets keep their one count: reading it from memory cost a batch-1 step 2-3%.)
-            meta.decode_split_plan = (num_kv_heads, capacity, num_sms(device))
+            meta.decode_split_plan = (num_kv_heads, capacity, sms)
             num_splits = min(triton.next_power_of_2(max(1, keys_read // 128)), DYNAMIC_SPLITS_CAPTURED)
     block_n, warps, stages, tma = tiling
     return block_m, block_n, warps, stages, num_splits, tma
