@@ -126,7 +126,21 @@ def make_engine(hf_model, out_dir, *, tokens_per_block=16, dtype="float32", tp_s
 @torch.no_grad()
 def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
     """transformers' float32 logits (len(token_ids), vocab) for one sequence."""
+    follow_config_swiglu_limit(hf_model)
     return hf_model(torch.tensor([token_ids])).logits[0].float()
+
+
+def follow_config_swiglu_limit(hf_model) -> None:
+    """Make transformers' gpt-oss experts clamp at ``config.swiglu_limit``, as recent releases do
+    (5.24, CI's). Older ones (5.17, the GPU machine's) fix the clamp at gpt-oss's 7.0 and ignore the
+    config, so with the tiny config's 0.5 (low enough to bite) they compute another model: every
+    gpt-oss comparison failed there by ~1.8 in the logits, with nothing wrong in the engine."""
+    limit = getattr(hf_model.config, "swiglu_limit", None)
+    if limit is None:
+        return
+    for module in hf_model.modules():
+        if type(module).__name__ == "GptOssExperts" and getattr(module, "limit", limit) != limit:
+            module.limit = limit
 
 
 class PagedSession:
