@@ -5,13 +5,17 @@
 #   BUDGET_S=480 bash tests/gpu_run.sh "$OUT"        (the device tool's $OUT comes back here)
 #
 # tests/kernels runs on KERNEL_WORKERS pytest-xdist workers (default 8: its tests hold little GPU
-# memory, and its time goes mostly to Triton compiling); tests/engine and tests/executor run one
-# test at a time (an executor without a token bound takes 90% of the free GPU memory for its KV
-# pool, as a served one does, so workers sharing the GPU would run each other out of memory).
-# The kernels get KERNEL_SHARE percent of the budget (default 40), the rest what is left.
+# memory, and its time goes mostly to Triton compiling); tests/engine on ENGINE_WORKERS (default 0:
+# one test at a time, as it was checked; its executors have bounded pools, engine_testing.EXECUTOR_POOL).
+# Of tests/executor only the tests marked gpu run (one at a time): its other executors take the
+# default 90% of the free GPU memory for their KV pools, as served ones do, tens of millions of
+# blocks for its tiny model.
+# The kernels get KERNEL_SHARE percent of the budget (default 40), the engine tests what is left
+# but 60 s, which the executor's few GPU tests get.
 # OUT/failures.txt: each failure and error with its traceback as it happens (tests/conftest.py);
 # OUT/<part>.log: every test's outcome (-v) and, when the part finished, pytest's summary.
-# KERNEL_TESTS / ENGINE_TESTS override the paths (e.g. a few files, or a CPU check of the script).
+# KERNEL_TESTS / ENGINE_TESTS override the paths (files or directories under tests/, whose
+# conftest.py writes the failure log).
 set -u
 out=${1:?usage: tests/gpu_run.sh OUT}
 mkdir -p "$out"
@@ -50,7 +54,8 @@ kernel_s=$(( (budget - 10) * ${KERNEL_SHARE:-40} / 100 ))
 # shellcheck disable=SC2086  # the path lists split on spaces
 run_part kernels "$kernel_s" "${KERNEL_WORKERS:-8}" ${KERNEL_TESTS:-tests/kernels}
 # shellcheck disable=SC2086
-run_part engine "$(( budget - 10 - ($(date +%s) - t0) ))" 0 ${ENGINE_TESTS:-tests/engine tests/executor}
+run_part engine "$(( budget - 60 - ($(date +%s) - t0) ))" "${ENGINE_WORKERS:-0}" ${ENGINE_TESTS:-tests/engine}
+run_part executor "$(( budget - 10 - ($(date +%s) - t0) ))" 0 -m gpu tests/executor
 echo "failures and errors (tracebacks in $out/failures.txt):"
 grep -E '^(FAILED|ERROR)' "$TRITONLLM_TEST_FAILURE_LOG" || echo "  none"
 echo "done in $(( $(date +%s) - t0 )) s"

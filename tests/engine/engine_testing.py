@@ -93,6 +93,13 @@ ARCHITECTURES = {"gpt2": transformers.GPT2LMHeadModel, "mistral": transformers.M
                  "qwen3_moe": transformers.Qwen3MoeForCausalLM, "gpt_oss": transformers.GptOssForCausalLM}
 
 
+# The KV pool of an Executor made by a test. Without a token bound an executor on CUDA takes 90% of
+# the free GPU memory, as a served one does: for these tiny models tens of millions of blocks (a
+# Python object each in the block manager) and nothing left for a second pytest worker on the GPU.
+# On CPU the default would be max_batch_size x max_seq_len (1,024 tokens for make_engine's engines).
+EXECUTOR_POOL = {"max_tokens_in_paged_kv_cache": 4096}
+
+
 def random_tokens(n: int, seed: int) -> list[int]:
     """n token ids below VOCAB, the same for the same seed."""
     rng = random.Random(seed)

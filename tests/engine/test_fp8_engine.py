@@ -219,13 +219,14 @@ def test_fp8_kv_cache_holds_four_times_the_blocks_of_float32_and_stays_close(tin
 
 def test_executor_serves_with_an_fp8_kv_cache_and_frees_every_block(tiny_engines):
     from engine.executor.executor import Executor, ExecutorConfig
+    from engine_testing import EXECUTOR_POOL
     from engine.executor.request import OutputConfig, Request
 
     fp32_dir, _ = tiny_engines
     requests = [Request([3, 17, 5, 99, 42], 8, output=OutputConfig(exclude_input_from_output=True)) for _ in range(3)]
     outputs = {}
     for kv in ("auto", "fp8"):
-        with Executor(fp32_dir, ExecutorConfig(kv_cache_dtype=kv)) as ex:
+        with Executor(fp32_dir, ExecutorConfig(kv_cache_dtype=kv, **EXECUTOR_POOL)) as ex:
             assert ex.runner.kv_cache.dtype == (torch.float8_e4m3fn if kv == "fp8" else torch.float32)
             ids = ex.enqueue_requests(requests)
             finals = {}

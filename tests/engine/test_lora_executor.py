@@ -19,7 +19,7 @@ peft = pytest.importorskip("peft")
 
 from engine.executor import Executor, ExecutorConfig, LoraRequest, Request  # noqa: E402
 from engine.lora.adapter import peft_to_trtllm  # noqa: E402
-from engine_testing import make_engine, random_tokens, tiny_hf  # noqa: E402
+from engine_testing import EXECUTOR_POOL, make_engine, random_tokens, tiny_hf  # noqa: E402
 
 ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RANKS = (4, 8, 16)
@@ -100,7 +100,7 @@ def test_adapters_and_base_rows_in_one_batch_match_peft(family):
             items.append((prompt, LoraRequest(task_id=index + 1, path=str(path), name=f"r{RANKS[index]}")))
             expected.append(greedy(model, prompt))
     assert len({tuple(e) for e in expected[:4]}) == 4, "each adapter must change the output"
-    with Executor(engine, ExecutorConfig(enable_lora=True, max_loras=4)) as executor:
+    with Executor(engine, ExecutorConfig(enable_lora=True, max_loras=4, **EXECUTOR_POOL)) as executor:
         ids = enqueue(executor, items)
         got = collect(executor, ids)
         assert [generated(got[i]) for i in ids] == expected
@@ -117,7 +117,7 @@ def test_tensorrt_llm_rows_then_the_id_alone(family, tmp_path):
     weights, config = peft_to_trtllm(str(adapters[1]), "float32")
     prompt = random_tokens(9, seed=11)
     want = greedy(models[1], prompt)
-    with Executor(engine, ExecutorConfig(enable_lora=True, max_loras=2)) as executor:
+    with Executor(engine, ExecutorConfig(enable_lora=True, max_loras=2, **EXECUTOR_POOL)) as executor:
         first = enqueue(executor, [(prompt, LoraRequest(task_id=7, weights=weights, config=config))])
         assert generated(collect(executor, first)[first[0]]) == want
         again = enqueue(executor, [(prompt, LoraRequest(task_id=7)), (prompt, None)])
@@ -134,7 +134,7 @@ def test_twice_as_many_adapters_as_slots_cycle_without_errors(family):
     hf, engine, adapters, models = family
     prompt = random_tokens(10, seed=5)
     wanted = [greedy(model, prompt) for model in models]
-    with Executor(engine, ExecutorConfig(enable_lora=True, max_loras=2)) as executor:
+    with Executor(engine, ExecutorConfig(enable_lora=True, max_loras=2, **EXECUTOR_POOL)) as executor:
         items = [(prompt, LoraRequest(task_id=index + 1, path=str(adapters[index])))
                  for _ in range(3) for index in range(3)]
         ids = enqueue(executor, items)
@@ -164,7 +164,7 @@ def error_of(executor, lora) -> str:
 def test_bad_adapters_get_a_per_request_error_and_the_server_goes_on(llama, tmp_path):
     hf, engine, path = llama
     (tmp_path / "empty").mkdir()
-    with Executor(engine, ExecutorConfig(enable_lora=True, max_loras=2, max_lora_rank=8)) as executor:
+    with Executor(engine, ExecutorConfig(enable_lora=True, max_loras=2, max_lora_rank=8, **EXECUTOR_POOL)) as executor:
         assert "lora_task_id 42 is not in the LoRA cache" in error_of(executor, LoraRequest(task_id=42))
         assert "exceeds max_lora_rank 8" in error_of(executor, LoraRequest(task_id=1, path=str(path)))
         assert "adapter_config.json" in error_of(executor, LoraRequest(task_id=2, path=str(tmp_path / "empty")))
@@ -183,13 +183,13 @@ def test_bad_adapters_get_a_per_request_error_and_the_server_goes_on(llama, tmp_
         (ok,) = enqueue(executor, [(prompt, None)])
         assert generated(collect(executor, [ok])[ok]) == greedy(hf, prompt)
         assert_no_slot_held(executor)
-    with Executor(engine, ExecutorConfig()) as executor:
+    with Executor(engine, ExecutorConfig(**EXECUTOR_POOL)) as executor:
         assert "LoRA is not enabled" in error_of(executor, LoraRequest(task_id=1, path=str(path)))
 
 
 def test_a_cancelled_or_failed_adapter_request_releases_its_slot(llama):
     hf, engine, path = llama
-    with Executor(engine, ExecutorConfig(enable_lora=True, max_loras=1)) as executor:
+    with Executor(engine, ExecutorConfig(enable_lora=True, max_loras=1, **EXECUTOR_POOL)) as executor:
         ids = executor.enqueue_requests([Request(random_tokens(8, seed=i), 200, lora=LoraRequest(task_id=1, path=str(path)))
                                          for i in range(3)])
         for request_id in ids:

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from engine.build import main as build_main
 from engine.config import ConfigError, ModelConfig
 from engine.executor.runner import ModelRunner
-from engine_testing import PagedSession, hf_logits, make_engine, random_tokens, tiny_hf
+from engine_testing import EXECUTOR_POOL, PagedSession, hf_logits, make_engine, random_tokens, tiny_hf
 from kernels.fused_moe import route_tokens_ref
 
 MOE_FAMILIES = ["mixtral", "qwen3_moe"]
@@ -66,14 +66,15 @@ def test_a_batch_where_some_experts_get_no_token(family, tmp_path):
 def test_executor_greedy_equals_transformers_generate(family, tmp_path):
     """Three prompts in flight at once through the in-flight-batching executor (their prefills and
     decodes share MoE steps): each one's greedy tokens equal transformers' generate."""
-    from engine.executor.executor import Executor
+    from engine.executor.executor import Executor, ExecutorConfig
     from engine.executor.request import OutputConfig, Request
 
     hf = tiny_hf(family)
     hf.generation_config.eos_token_id = None
     hf.generation_config.pad_token_id = 0
     prompts = [random_tokens(5, 11), random_tokens(12, 12), random_tokens(1, 13)]
-    with Executor(make_engine(hf, tmp_path / "engine", tokens_per_block=4)) as executor:
+    engine_dir = make_engine(hf, tmp_path / "engine", tokens_per_block=4)
+    with Executor(engine_dir, ExecutorConfig(**EXECUTOR_POOL)) as executor:
         ids = executor.enqueue_requests([Request(p, 12, output=OutputConfig(exclude_input_from_output=True))
                                          for p in prompts])
         finals = {}

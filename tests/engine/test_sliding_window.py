@@ -17,7 +17,8 @@ import transformers
 
 from engine.config import EngineConfig
 from engine.executor.runner import ModelRunner
-from engine_testing import PagedSession, VOCAB, assert_tp2_matches_tp1, hf_logits, make_engine, random_tokens
+from engine_testing import (EXECUTOR_POOL, PagedSession, VOCAB, assert_tp2_matches_tp1, hf_logits, make_engine,
+                            random_tokens)
 
 WINDOW = 8
 _SHAPE = dict(vocab_size=VOCAB, hidden_size=60, intermediate_size=88, num_attention_heads=4,
@@ -192,7 +193,7 @@ def test_executor_greedy_equals_transformers(family, hf_models, tmp_path):
     hf = hf_models(family)
     engine_dir = make_engine(hf, tmp_path / "e", tokens_per_block=4)
     prompts = [random_tokens(19, 20), random_tokens(5, 21), random_tokens(19, 20)[:12] + random_tokens(3, 22)]
-    config = ExecutorConfig(enable_chunked_context=True, max_num_tokens=16)
+    config = ExecutorConfig(enable_chunked_context=True, max_num_tokens=16, **EXECUTOR_POOL)
     with Executor(engine_dir, config) as executor:
         ids = executor.enqueue_requests(
             [Request(p, 12, output=OutputConfig(exclude_input_from_output=True)) for p in prompts])
