@@ -6,8 +6,8 @@ not pull in the whole executor.
 from __future__ import annotations
 
 _EXPORTS = {
-    "Executor": "executor", "ExecutorConfig": "executor", "ExecutorConfigError": "executor",
-    "SpeculativeConfig": "executor", "ExternalDraftTokens": "request",
+    "Executor": "executor", "ExecutorConfig": "executor_config", "ExecutorConfigError": "executor_config",
+    "SpeculativeConfig": "executor_config", "ExternalDraftTokens": "request",
     "IterationStats": "stats", "KvCacheStats": "stats",
     "Request": "request", "Response": "request", "Result": "request", "SamplingConfig": "request",
     "OutputConfig": "request", "FinishReason": "request", "RequestPerfMetrics": "request", "LoraRequest": "request",

@@ -1,0 +1,176 @@
+"""The executor's runtime settings: ``ExecutorConfig`` (the Triton model maps its parameters onto
+these names: serving/executor_config.py), ``SpeculativeConfig``, and the checks that refuse a
+value out of range with a message naming the field, the value and the rule (``ExecutorConfigError``).
+
+Re-exported by engine/executor/executor.py and ``engine.executor``, where callers import them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.executor.scheduler import POLICIES
+
+MAX_LORA_RANK = 256
+
+
+class ExecutorConfigError(ValueError):
+    """An ExecutorConfig value is out of range; the message names field, value and rule."""
+
+
+SPECULATIVE_MODES = ("ngram", "draft_model")
+MAX_SPECULATIVE_DRAFT_LEN = 64  # a verify step is a (k + 1)-token chunk per sequence; past this it is a prefill
+
+
+@dataclass
+class SpeculativeConfig:
+    """Per-step drafts for decoding sequences (engine/executor/speculative/).
+
+    ``mode``: "ngram" (prompt lookup: the tokens that followed the latest earlier occurrence of the
+    sequence's last n tokens, n = max_matching_ngram_size down to 1) or "draft_model" (a second,
+    smaller engine in ``draft_engine_dir`` with the target's tokenizer, drafting greedily with its
+    own KV pool, as many tokens as the target's, and CUDA graphs: speculative/draft_model.py). Each
+    step verifies up to ``max_draft_len`` drafts per sequence.
+    """
+
+    mode: str
+    max_draft_len: int = 4
+    max_matching_ngram_size: int = 3
+    draft_engine_dir: str | None = None
+
+    def validate(self) -> "SpeculativeConfig":
+        def require(ok: bool, message: str) -> None:
+            if not ok:
+                raise ExecutorConfigError(message)
+
+        self.mode = str(self.mode).lower()
+        require(self.mode in SPECULATIVE_MODES,
+                f"SpeculativeConfig.mode value of '{self.mode}' is not supported; allowed: {', '.join(SPECULATIVE_MODES)}")
+        require(self.mode != "draft_model" or (isinstance(self.draft_engine_dir, str) and bool(self.draft_engine_dir)),
+                f"SpeculativeConfig.draft_engine_dir must name the draft engine's directory with mode 'draft_model', "
+                f"got {self.draft_engine_dir!r}")
+        require(isinstance(self.max_draft_len, int) and 1 <= self.max_draft_len <= MAX_SPECULATIVE_DRAFT_LEN,
+                f"SpeculativeConfig.max_draft_len must be an integer in 1..{MAX_SPECULATIVE_DRAFT_LEN}, "
+                f"got {self.max_draft_len!r}")
+        require(isinstance(self.max_matching_ngram_size, int) and self.max_matching_ngram_size >= 1,
+                f"SpeculativeConfig.max_matching_ngram_size must be an integer >= 1, got {self.max_matching_ngram_size!r}")
+        return self
+
+
+@dataclass
+class ExecutorConfig:
+    """Runtime knobs of the executor (the Triton model maps its parameters onto these names).
+
+    ``max_batch_size``/``max_num_tokens`` default to (and may not exceed) the engine's build
+    limits. The KV pool holds ``max_tokens_in_paged_kv_cache`` tokens when set, else
+    ``kv_cache_free_gpu_mem_fraction`` of the free device memory (CPU: the runner's default).
+    """
+
+    max_batch_size: int | None = None
+    max_num_tokens: int | None = None
+    max_queue_size: int | None = None  # None or 0: unbounded
+    max_beam_width: int = 1
+    batch_scheduler_policy: str = "guaranteed_no_evict"
+    batching_type: str = "inflight"  # or "static" (TRT-LLM's gpt_model_type v1): batches run to completion
+    kv_cache_free_gpu_mem_fraction: float = 0.9
+    max_tokens_in_paged_kv_cache: int | None = None
+    enable_kv_cache_reuse: bool = True
+    # KV host tier (engine/executor/kv_host_tier.py, TRT-LLM's names): with reuse on, reusable blocks
+    # evicted from the device pool are kept in this many bytes of host memory (pinned on CUDA) and
+    # copied back on a prefix hit; 0: none (leader mode: bytes per rank, each keeping its shard).
+    # kv_cache_onboard_blocks False: host hits are not brought back, which here (kernels read KV from
+    # the device pool only) makes them misses: no tier is made.
+    kv_cache_host_memory_bytes: int = 0
+    kv_cache_onboard_blocks: bool = True
+    enable_chunked_context: bool = False
+    exclude_input_from_output: bool = False
+    normalize_log_probs: bool = True
+    # The KV pool's element type: None/"auto" (the engine's build choice) or "fp8" (E4M3, half the bytes).
+    kv_cache_dtype: str | None = None
+    # Overlapped scheduling (engine/executor/overlap.py) is on unless this is set (TRT-LLM's name).
+    disable_overlap_scheduler: bool = False
+    # A streaming response carries at least this many new tokens (SGLang's and vLLM's name). The
+    # first token and the final response go out at once; between them a stream's tokens wait until
+    # this many are ready. 1 sends every token. Larger values cut the responses each stream costs
+    # the serving path, for small fast models whose streams outrun it.
+    stream_interval: int = 1
+    iter_stats_max_iterations: int = 1000
+    device: str | None = None
+    # Guided decoding (engine/executor/guided.py): "xgrammar" enables it; unset, a guided request is
+    # refused. The grammar vocabulary comes from tokenizer_dir (default: the engine directory's
+    # tokenizer files); grammar_cache_size compiled grammars are kept (LRU).
+    guided_decoding_backend: str | None = None
+    tokenizer_dir: str | None = None
+    grammar_cache_size: int = 512
+    # LoRA (engine/lora/): enable_lora allocates device slots for adapters of rank up to
+    # max_lora_rank (the reference's lora_cache_max_adapter_size) on every adapted projection:
+    # max_loras of them, or else as many as lora_cache_gpu_memory_fraction of the free device
+    # memory holds (CPU: 8), at most max_batch_size. Parsed adapters stay in a host tier of
+    # lora_cache_host_memory_bytes. lora_prefetch_dir: adapters loaded at start (engine/lora/prefetch.py).
+    enable_lora: bool = False
+    max_lora_rank: int = 64
+    max_loras: int | None = None
+    lora_cache_gpu_memory_fraction: float = 0.05
+    lora_cache_host_memory_bytes: int = 1 << 30
+    lora_prefetch_dir: str | None = None
+    # Speculative decoding (engine/executor/speculative/): per-step drafts (None: off), and the most
+    # draft tokens a request may send itself (Request.external_draft; TensorRT-LLM's max_draft_len).
+    speculative: SpeculativeConfig | None = None
+    max_draft_len: int = 8
+
+    def validate(self) -> "ExecutorConfig":
+        def require(ok: bool, message: str) -> None:
+            if not ok:
+                raise ExecutorConfigError(message)
+
+        for name in ("max_batch_size", "max_num_tokens", "max_tokens_in_paged_kv_cache"):
+            value = getattr(self, name)
+            require(value is None or (isinstance(value, int) and value > 0),
+                    f"ExecutorConfig.{name} must be a positive integer or None, got {value!r}")
+        require(self.max_queue_size is None or self.max_queue_size >= 0,
+                f"ExecutorConfig.max_queue_size must be >= 0 (0 or None: unbounded), got {self.max_queue_size!r}")
+        require(isinstance(self.max_beam_width, int) and self.max_beam_width >= 1,
+                f"ExecutorConfig.max_beam_width must be an integer >= 1, got {self.max_beam_width!r}")
+        self.batch_scheduler_policy = str(self.batch_scheduler_policy).lower()
+        require(self.batch_scheduler_policy in POLICIES,
+                f"batch_scheduler_policy value of '{self.batch_scheduler_policy}' is not supported; "
+                f"allowed: {', '.join(POLICIES)}")
+        self.batching_type = {"inflight_fused_batching": "inflight", "inflight_batching": "inflight",
+                              "v1": "static"}.get(str(self.batching_type).lower(), str(self.batching_type).lower())
+        require(self.batching_type in ("inflight", "static"),
+                f"batching_type value of '{self.batching_type}' is not supported; allowed: inflight, static")
+        require(0 < self.kv_cache_free_gpu_mem_fraction <= 1,
+                f"ExecutorConfig.kv_cache_free_gpu_mem_fraction must be in (0, 1], got {self.kv_cache_free_gpu_mem_fraction!r}")
+        require(self.kv_cache_dtype in (None, "auto", "fp8"),
+                f"kv_cache_dtype value of '{self.kv_cache_dtype}' is not supported; allowed: auto, fp8")
+        require(isinstance(self.stream_interval, int) and self.stream_interval >= 1,
+                f"ExecutorConfig.stream_interval must be an integer >= 1 (tokens per streamed response), "
+                f"got {self.stream_interval!r}")
+        self.guided_decoding_backend = (str(self.guided_decoding_backend).lower()
+                                        if self.guided_decoding_backend else None)
+        require(self.guided_decoding_backend in (None, "xgrammar"),
+                f"guided_decoding_backend value of '{self.guided_decoding_backend}' is not supported; "
+                "allowed: xgrammar (or leave it unset to refuse guided requests)")
+        require(isinstance(self.grammar_cache_size, int) and self.grammar_cache_size >= 1,
+                f"ExecutorConfig.grammar_cache_size must be an integer >= 1, got {self.grammar_cache_size!r}")
+        require(isinstance(self.max_lora_rank, int) and 1 <= self.max_lora_rank <= MAX_LORA_RANK,
+                f"ExecutorConfig.max_lora_rank must be an integer in 1..{MAX_LORA_RANK}, got {self.max_lora_rank!r}")
+        require(self.max_loras is None or (isinstance(self.max_loras, int) and self.max_loras >= 1),
+                f"ExecutorConfig.max_loras must be a positive integer or None, got {self.max_loras!r}")
+        require(0 < self.lora_cache_gpu_memory_fraction <= 1,
+                f"ExecutorConfig.lora_cache_gpu_memory_fraction must be in (0, 1], got {self.lora_cache_gpu_memory_fraction!r}")
+        require(isinstance(self.lora_cache_host_memory_bytes, int) and self.lora_cache_host_memory_bytes >= 0,
+                f"ExecutorConfig.lora_cache_host_memory_bytes must be an integer >= 0, got {self.lora_cache_host_memory_bytes!r}")
+        require(self.speculative is None or isinstance(self.speculative, SpeculativeConfig),
+                f"ExecutorConfig.speculative must be a SpeculativeConfig or None, got {type(self.speculative).__name__}")
+        if self.speculative is not None:
+            self.speculative.validate()
+        require(isinstance(self.max_draft_len, int) and 0 <= self.max_draft_len <= MAX_SPECULATIVE_DRAFT_LEN,
+                f"ExecutorConfig.max_draft_len must be an integer in 0..{MAX_SPECULATIVE_DRAFT_LEN}, got {self.max_draft_len!r}")
+        require(isinstance(self.kv_cache_host_memory_bytes, int) and not isinstance(self.kv_cache_host_memory_bytes, bool)
+                and self.kv_cache_host_memory_bytes >= 0,
+                f"ExecutorConfig.kv_cache_host_memory_bytes must be an integer >= 0, got {self.kv_cache_host_memory_bytes!r}")
+        require(isinstance(self.kv_cache_onboard_blocks, bool),
+                f"ExecutorConfig.kv_cache_onboard_blocks must be true or false, got {self.kv_cache_onboard_blocks!r}")
+        require(self.iter_stats_max_iterations >= 1,
+                f"ExecutorConfig.iter_stats_max_iterations must be >= 1, got {self.iter_stats_max_iterations!r}")
+        return self
