@@ -31,9 +31,10 @@ def test_each_failure_is_logged_with_its_traceback(tmp_path):
     # The outer run may be an xdist worker, whose variables would make the inner run act as one.
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
     env["TRITONLLM_TEST_FAILURE_LOG"] = str(log)
+    # --rootdir: node ids relative to tmp_path, whatever directory holds the checkout.
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.conftest",
-                          str(tmp_path / "test_cases.py")], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=300)
+                          f"--rootdir={tmp_path}", str(tmp_path / "test_cases.py")], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
     assert run.returncode == 1, run.stdout + run.stderr
     text = log.read_text()
     assert "FAILED test_cases.py::test_fails" in text and "arithmetic went wrong" in text
