@@ -1,13 +1,16 @@
 #!/usr/bin/env python3
-"""How often n-gram (prompt lookup) drafts are accepted on real weights: SmolLM2-135M-Instruct.
+"""How often drafts are accepted on real weights: SmolLM2-135M-Instruct.
 
     python benchmarks/speculative_acceptance.py [--engine_dir engines/smollm2] [--max_tokens 96]
         [--max_draft_len 4] [--max_matching_ngram_size 3] [--out acceptance.json]
+    python benchmarks/speculative_acceptance.py --draft_engine_dir DIR [--temperature 0.7 --top_k 40]
 
 Two prompt sets (``PROMPT_SETS``): summarisation (an article, then "summarise it") and code edit
 (a function, then "rewrite it with a change"), where the answer copies long spans of the prompt.
-Each prompt runs greedy, as a chat turn, through one executor with ``SpeculativeConfig("ngram")``;
-the engine is built from the embedded GGUF when ``--engine_dir`` has none (CPU is fine).
+Each prompt runs as a chat turn through one executor with ``SpeculativeConfig("ngram")``, or with
+``--draft_engine_dir`` ``SpeculativeConfig("draft_model")`` (e.g. an INT4 build of the same
+checkpoint); greedy, or with ``--temperature``/``--top_k``/``--top_p`` sampled (seeded per prompt).
+The engine is built from the embedded GGUF when ``--engine_dir`` has none (CPU is fine).
 
 Reported per set, from the requests' perf metrics:
 - acceptance rate: accepted drafts / drafts verified (``total_accepted_draft_tokens`` /
@@ -69,13 +72,15 @@ def chat_prompt(tokenizer, text: str) -> list[int]:
                                               return_dict=False))
 
 
-def measure(executor, tokenizer, prompts: list[str], max_tokens: int) -> dict:
-    """Run ``prompts`` greedy through ``executor`` -> acceptance figures of the set."""
-    from engine.executor.request import OutputConfig, Request
+def measure(executor, tokenizer, prompts: list[str], max_tokens: int, sampling: dict | None = None) -> dict:
+    """Run ``prompts`` through ``executor`` (greedy, or sampled with ``sampling``'s SamplingConfig
+    fields and seed i for prompt i) -> acceptance figures of the set."""
+    from engine.executor.request import OutputConfig, Request, SamplingConfig
 
     requests = [Request(chat_prompt(tokenizer, text), max_tokens, end_id=tokenizer.eos_token_id,
+                        sampling=SamplingConfig(seed=i, **sampling) if sampling else SamplingConfig(),
                         output=OutputConfig(exclude_input_from_output=True, return_perf_metrics=True))
-                for text in prompts]
+                for i, text in enumerate(prompts)]
     ids = executor.enqueue_requests(requests)
     finals, pending = {}, set(ids)
     while pending:
@@ -100,8 +105,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--max_tokens", type=int, default=96)
     parser.add_argument("--max_draft_len", type=int, default=4)
     parser.add_argument("--max_matching_ngram_size", type=int, default=3)
+    parser.add_argument("--draft_engine_dir", default=None, help="draft with this engine instead of n-grams")
+    parser.add_argument("--temperature", type=float, default=None, help="sample (with --top_k/--top_p)")
+    parser.add_argument("--top_k", type=int, default=None)
+    parser.add_argument("--top_p", type=float, default=None)
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
     args = parser.parse_args(argv)
+    sampling = {name: getattr(args, name) for name in ("temperature", "top_k", "top_p")
+                if getattr(args, name) is not None}
 
     from transformers import AutoTokenizer
 
@@ -110,16 +121,23 @@ def main(argv=None) -> dict:
 
     ensure_engine(args.engine_dir)
     tokenizer = AutoTokenizer.from_pretrained(args.engine_dir)
-    config = ExecutorConfig(max_batch_size=8, max_tokens_in_paged_kv_cache=16384, speculative=SpeculativeConfig(
-        "ngram", max_draft_len=args.max_draft_len, max_matching_ngram_size=args.max_matching_ngram_size))
+    if args.draft_engine_dir:
+        speculative = SpeculativeConfig("draft_model", max_draft_len=args.max_draft_len,
+                                        draft_engine_dir=args.draft_engine_dir)
+        what = f"draft model {args.draft_engine_dir} (max_draft_len {args.max_draft_len})"
+    else:
+        speculative = SpeculativeConfig("ngram", max_draft_len=args.max_draft_len,
+                                        max_matching_ngram_size=args.max_matching_ngram_size)
+        what = f"n-gram drafts (max_draft_len {args.max_draft_len}, max_matching_ngram_size {args.max_matching_ngram_size})"
+    config = ExecutorConfig(max_batch_size=8, max_tokens_in_paged_kv_cache=16384, speculative=speculative)
     results = {}
     with Executor(args.engine_dir, config) as executor:
         for name, prompts in PROMPT_SETS.items():
             started = time.perf_counter()
-            results[name] = measure(executor, tokenizer, prompts, args.max_tokens)
+            results[name] = measure(executor, tokenizer, prompts, args.max_tokens, sampling)
             results[name]["wall_s"] = round(time.perf_counter() - started, 1)
-    print(f"n-gram drafts (max_draft_len {args.max_draft_len}, max_matching_ngram_size "
-          f"{args.max_matching_ngram_size}), SmolLM2-135M-Instruct greedy, max_tokens {args.max_tokens}")
+    how = ", ".join(f"{k} {v}" for k, v in sampling.items()) if sampling else "greedy"
+    print(f"{what}, SmolLM2-135M-Instruct {how}, max_tokens {args.max_tokens}")
     print(f"{'set':<14} {'prompts':>7} {'generated':>9} {'drafted':>8} {'accepted':>8} {'rate':>6} {'mean acc. len':>13}")
     for name, r in results.items():
         print(f"{name:<14} {r['prompts']:>7} {r['generated_tokens']:>9} {r['draft_tokens']:>8} "

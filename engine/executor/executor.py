@@ -748,7 +748,7 @@ class Executor:
         seq.num_computed_tokens = len(seq.token_ids) + verified.num_accepted
         seq.token_ids += verified.token_ids
         seq.num_unresolved_tokens += len(verified.token_ids)
-        seq.draft_token_ids, seq.draft_logits, seq.draft_acceptance_threshold = [], None, None
+        seq.draft_token_ids, seq.draft_logits, seq.draft_probs, seq.draft_acceptance_threshold = [], None, None, None
         surplus = seq.block_ids[self.blocks.blocks_for_tokens(len(seq.token_ids)):]
         if surplus:  # fresh, unregistered blocks of this step (nothing else is in flight: synchronous)
             del seq.block_ids[-len(surplus):]

@@ -278,6 +278,7 @@ class Sequence:
         # samples this sequence (never part of token_ids until accepted; engine/executor/speculative/).
         self.draft_token_ids: list[int] = []
         self.draft_logits = None  # (len(draft_token_ids), vocab) the draft's logits, when they came with the drafts
+        self.draft_probs = None  # (len(draft_token_ids), vocab) on the CPU: the law a draft model drew them from
         self.draft_acceptance_threshold: float | None = None  # sampled drafts without logits (acceptance.py)
 
     @property

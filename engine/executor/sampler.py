@@ -115,18 +115,23 @@ def _may_ban(request) -> bool:
     return bool(request.bad_words) or (request.end_id is not None and bool(request.sampling.min_tokens))
 
 
+def draw_settings(config, vocab_size: int) -> tuple[float, int, float]:
+    """(temperature, top_k, top_p) a sampled row is drawn with: an unset temperature is 1, an unset
+    top-k the whole vocabulary, an unset top-p 1 (what the request's SamplingConfig leaves open)."""
+    return config.temperature or 1.0, config.top_k or vocab_size, 1.0 if config.top_p is None else config.top_p
+
+
 def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, device, return_log_probs: bool) -> SamplingMetadata:
     """Gather per-sequence settings into batch tensors (one sequence per logits row)."""
     configs = [s.state.request.sampling for s in seqs]
     greedy = [c.is_greedy or s.state.is_beam_search for c, s in zip(configs, seqs)]
     temperature = top_k = top_p = draw_temperature = seeds = offsets = None
-    limits = []
+    settings = []
     if not all(greedy):
-        temperature = _on_device([1.0 if g else c.temperature or 1.0 for c, g in zip(configs, greedy)], torch.float32, device)
-        limits = [(vocab_size, 1.0) if g else (c.top_k or vocab_size, 1.0 if c.top_p is None else c.top_p)
-                  for c, g in zip(configs, greedy)]
-        top_k = _on_device([k for k, _ in limits], torch.int64, device)
-        top_p = _on_device([p for _, p in limits], torch.float32, device)
+        settings = [(1.0, vocab_size, 1.0) if g else draw_settings(c, vocab_size) for c, g in zip(configs, greedy)]
+        temperature = _on_device([t for t, _, _ in settings], torch.float32, device)
+        top_k = _on_device([k for _, k, _ in settings], torch.int64, device)
+        top_p = _on_device([p for _, _, p in settings], torch.float32, device)
         draw_temperature = _on_device([0.0 if g else 1.0 for g in greedy], torch.float32, device)
         seeds = _on_device([s.seed for s in seqs], torch.int64, device)
         offsets = _on_device([s.num_generated_tokens for s in seqs], torch.int64, device)
@@ -146,7 +151,7 @@ def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, device, retur
         is_greedy=None if all(greedy) else _on_device(greedy, torch.bool, device),
         temperature=temperature, top_k=top_k, top_p=top_p,
         draw_temperature=draw_temperature,
-        needs_top_k_top_p=any(k < vocab_size or p < 1.0 for k, p in limits),
+        needs_top_k_top_p=any(k < vocab_size or p < 1.0 for _, k, p in settings),
         seeds=seeds, offsets=offsets,
         repetition_penalty=_on_device(rep, torch.float32, device) if has_penalty else None,
         presence_penalty=_on_device(pres, torch.float32, device) if has_penalty else None,

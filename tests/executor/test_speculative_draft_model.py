@@ -254,6 +254,69 @@ def test_an_unverified_proposal_costs_one_recomputed_position(proposer):
     proposer.release(seq)
 
 
+def test_a_sampled_requests_drafts_are_drawn_and_carry_their_law(proposer):
+    """Greedy: argmax drafts, no law. Sampled (top-k 5): each draft is drawn from the draft's law at
+    its position, which comes with it: rows summing to 1, five tokens each, the draft among them;
+    the same seed and step draw the same drafts."""
+    from executor_testing import make_seq
+
+    greedy = make_seq(PROMPTS[4], MAX_TOKENS)
+    assert len(proposer.propose([greedy], 4)[0]) == 4 and greedy.draft_probs is None
+    laws = []
+    for _ in range(2):
+        seq = make_seq(PROMPTS[4], MAX_TOKENS, top_k=5, temperature=0.8)
+        seq.seed = 17
+        (draft_ids,) = proposer.propose([seq], 4)
+        q = seq.draft_probs
+        assert q.shape == (4, VOCAB) and torch.allclose(q.sum(dim=1), torch.ones(4), atol=1e-5)
+        assert ((q > 0).sum(dim=1) == 5).all() and all(q[j, d] > 0 for j, d in enumerate(draft_ids))
+        laws.append((draft_ids, q))
+        proposer.release(seq)
+    assert laws[0][0] == laws[1][0] and torch.equal(laws[0][1], laws[1][1])
+    proposer.release(greedy)
+
+
+CHI2_CRITICAL_4_DOF = 18.47  # p = 0.001
+
+
+def _sampled_runs(engine_dir: str, draft_dir: str, prompt: list[int], trials: int) -> tuple[list[list[int]], float]:
+    """``trials`` seeded requests of 3 tokens (top-k 5, temperature 0.7), one draft a step:
+    (their tokens, the share of drafts kept)."""
+    perf = OutputConfig(return_perf_metrics=True)
+    requests = [Request(prompt, 3, sampling=SamplingConfig(seed=seed, top_k=5, temperature=0.7), output=perf)
+                for seed in range(trials)]
+    with drafted(engine_dir, draft_dir, max_draft_len=1, max_tokens_in_paged_kv_cache=4096) as executor:
+        responses = run(executor, requests)
+        assert_no_blocks_held(executor)
+    metrics = [r[-1].result.perf for r in responses]
+    drafted_tokens = sum(m.total_draft_tokens for m in metrics)
+    assert drafted_tokens >= trials  # the second token of each was a verified draft
+    return [final_tokens(r) for r in responses], sum(m.total_accepted_draft_tokens for m in metrics) / drafted_tokens
+
+
+def test_sampled_drafts_keep_the_targets_law_and_a_faithful_draft_is_kept_every_time(tiny_engine, tiny_hf, drafts,
+                                                                                     tmp_path, plain):
+    """Drafted by a noisy copy of the target (q != p), 2,000 seeded requests' second token, the
+    first a verify step decides, follows the target's law after the most common first token
+    (chi-square). Drafted by the target itself (q = p), nearly every draft is kept, where argmax
+    drafts judged as point masses would be kept with the top token's probability only (~0.5 here)."""
+    prompt = [9, 8, 7, 6, 5]
+    tokens, _ = _sampled_runs(tiny_engine, build_tiny_engine(tmp_path / "noisy", perturbed(tiny_hf, 0.02, seed=3)),
+                              prompt, 2000)
+    firsts = [t[0] for t in tokens]
+    first = max(set(firsts), key=firsts.count)
+    seconds = [t[1] for t in tokens if t[0] == first]
+    (context,) = run(plain, [Request(prompt + [first], 1, output=OutputConfig(return_context_logits=True))])
+    top = (context[-1].result.context_logits[-1] / 0.7).topk(5)
+    law = torch.softmax(top.values, dim=-1)
+    counts = torch.tensor([seconds.count(int(t)) for t in top.indices], dtype=torch.float32)
+    assert counts.sum() == len(seconds) >= 300  # nothing outside the top 5
+    expected = law * len(seconds)
+    assert float(((counts - expected) ** 2 / expected).sum()) < CHI2_CRITICAL_4_DOF
+    _, self_rate = _sampled_runs(tiny_engine, drafts["self"], prompt, 500)
+    assert self_rate > 0.97 > float(law.max()) + 0.3, (self_rate, float(law.max()))
+
+
 def test_a_short_pool_gives_fewer_drafts_never_wrong_ones_and_idle_sequences_give_theirs_back(
         tiny_engine, plain, reference):
     p = DraftModelProposer(tiny_engine, target_engine_dir=tiny_engine, target_runner=plain.runner)

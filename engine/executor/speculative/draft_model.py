@@ -11,8 +11,8 @@ drafts of the last proposal. Each ``propose``:
                     past it freed), exactly as the target rolls back rejected drafts;
     2. catch up:    one batched forward over t(c) ... t(L-1) of every sequence (the prompt the first
                     time; afterwards the tokens accepted/emitted since: 1, or 2 when all k drafts
-                    were kept), chunked by the draft's max_num_tokens; the last row's argmax is d1;
-    3. decode:      k - 1 batched 1-token greedy steps (d1 -> d2 -> ... -> dk), which on CUDA
+                    were kept), chunked by the draft's max_num_tokens; the last row's logits give d1;
+    3. decode:      k - 1 batched 1-token steps (d1 -> d2 -> ... -> dk), which on CUDA
                     replay the draft's decode graphs (ModelRunner.forward picks them for 1-token
                     batches of at most the draft's max_batch_size rows, so steps are cut to that).
 
@@ -21,10 +21,14 @@ always runs again in step 2 (c <= L - 1): its logits give d1, so a proposal the 
 verified (its drafts cut by the token budget, or the sequence preempted) costs one recomputed
 position, never a wrong one.
 
-Drafts are the draft model's argmax whatever the request's sampling: a sampled request judges them
-as point masses (acceptance.py: kept with probability p(d), else drawn from p without d), which
-keeps the target's law; passing draft logits instead would need the draft to sample with the
-request's settings.
+A greedy request's drafts are the draft model's argmax. A sampled request's are drawn from the draft
+model's own law under the request's temperature, top-k and top-p (q: softmax of the draft's logits
+over temperature, outside the top-k and the top-p nucleus masked), each with a generator seeded by
+the sequence's seed and step, apart from the verify step's; q rides with them (Sequence.draft_probs)
+and the verify step keeps draft d with probability min(1, p(d) / q(d)) (acceptance.py), which keeps
+the target's law whatever q is and accepts 1 - TV(p, q) of the drafts on average. Argmax drafts,
+judged as point masses, are accepted with probability p(d) only: for a draft close to its target at
+temperature 1 that is far less (tests/executor/test_speculative_draft_model.py measures both).
 
 The pool (``start``): as many tokens as the target's pool, so every sequence the target holds fits
 (the target's pool bounds the running sequences' tokens), plus one proposal's drafts and a partial
@@ -41,13 +45,19 @@ import hashlib
 import json
 import os
 
+import torch
+
 from engine.config import EngineConfig, EngineFormatError
 from engine.executor.kv_cache import BlockManager, chain_block_hashes
 from engine.executor.request import Sequence
 from engine.executor.runner import ForwardBatch, ModelRunner
+from engine.executor.sampler import apply_top_k_top_p, draw_settings
 from engine.executor.speculative.proposer import ProposerConfigError, draft_room
 
 FIELD = "SpeculativeConfig.draft_engine_dir"
+# Added to a sampled sequence's seed stream for its drafts, so the drafts' draws and the verify
+# step's (verify.py: seed * 1_000_003 + tokens generated) never share a generator state.
+DRAFT_STREAM_OFFSET = 0x5DEECE66D
 
 
 class _DraftSeq:
@@ -67,6 +77,11 @@ class _DraftSeq:
         self.block_hashes: list[int] = []
         self.num_registered_blocks = 0
         self.num_window_freed_blocks = 0  # (never freed by window here: the kernels mask it)
+        # The proposal under way, for a sampled request (None: greedy, argmax drafts): its
+        # (temperature, top_k, top_p), generator, and the law of each draft drawn so far (vocab,) on the CPU.
+        self.law: tuple[float, int, float] | None = None
+        self.generator: torch.Generator | None = None
+        self.draft_probs: list[torch.Tensor] = []
 
 
 class DraftModelProposer:
@@ -121,13 +136,51 @@ class DraftModelProposer:
                 self._reclaim({s.seq_id for s in seqs})
                 k = self._reserve(state, L, room)
             if k:
+                self._begin_proposal(state, seq)
                 planned.append((i, state, L, k))
         if not planned:
             return drafts
         for (i, _, _, _), first in zip(planned, self._catch_up([(state, L) for _, state, L, _ in planned])):
             drafts[i].append(first)
         self._decode([(drafts[i], state, L, k) for i, state, L, k in planned])
+        for i, state, _, _ in planned:
+            seqs[i].draft_probs = torch.stack(state.draft_probs) if state.law is not None else None
+            state.generator, state.draft_probs = None, []
         return drafts
+
+    def _begin_proposal(self, state: _DraftSeq, seq: Sequence) -> None:
+        """How this proposal's drafts are chosen: argmax for a greedy request (or a beam), else drawn
+        with the request's settings from a generator of the sequence's own stream."""
+        sampling = seq.state.request.sampling
+        if sampling.is_greedy or seq.state.is_beam_search:
+            state.law = None
+            return
+        state.law = draw_settings(sampling, self.vocab_size)
+        seed = (seq.seed * 1_000_003 + seq.num_generated_tokens + DRAFT_STREAM_OFFSET) % (1 << 63)
+        state.generator = torch.Generator().manual_seed(seed)
+        state.draft_probs = []
+
+    def _pick(self, states: list[_DraftSeq], logits: torch.Tensor) -> list[int]:
+        """Each row's next draft (logits (rows, vocab), row i that of states[i]): the argmax, or for a
+        sampled request a draw from q = softmax(top-k/top-p-masked logits / temperature), whose row
+        joins the state's draft_probs. The laws of a step's sampled rows are computed in one batch on
+        the device and copied to the host once (the draws use the sequences' CPU generators)."""
+        tokens = logits.argmax(dim=-1).tolist()
+        sampled = [row for row, state in enumerate(states) if state.law is not None]
+        if not sampled:
+            return tokens
+        laws = [states[row].law for row in sampled]
+        device = logits.device
+        scores = logits[torch.tensor(sampled, device=device), :self.vocab_size].float()
+        scores = scores / torch.tensor([t for t, _, _ in laws], device=device).unsqueeze(1)
+        scores = apply_top_k_top_p(scores, torch.tensor([k for _, k, _ in laws], device=device),
+                                   torch.tensor([p for _, _, p in laws], device=device, dtype=torch.float32))
+        probs = scores.softmax(dim=-1).cpu()
+        for row, q in zip(sampled, probs):
+            state = states[row]
+            tokens[row] = int(torch.multinomial(q.double(), 1, generator=state.generator))
+            state.draft_probs.append(q)
+        return tokens
 
     def release(self, seq: Sequence) -> None:
         state = self._seqs.pop(seq.seq_id, None)
@@ -200,7 +253,7 @@ class DraftModelProposer:
     def _catch_up(self, work: list[tuple[_DraftSeq, int]]) -> list[int]:
         """Run each sequence's positions [num_computed_tokens, L) (at least one), batched in forwards
         of at most max_num_tokens tokens and max_batch_size sequences (a long prompt is chunked);
-        returns each sequence's first draft: the argmax after its last true token."""
+        returns each sequence's first draft, chosen (``_pick``) from the logits after its last true token."""
         T = self.blocks.tokens_per_block
         firsts: list[int] = [-1] * len(work)
         pending = list(range(len(work)))
@@ -225,15 +278,15 @@ class DraftModelProposer:
                     ending.append(j)
             logits = self.runner.forward(ForwardBatch(token_ids, positions, seq_lens, context_lens, tables,
                                                       logits_indices))
-            for j, token in zip(ending, logits.argmax(dim=-1).tolist() if ending else []):
+            for j, token in zip(ending, self._pick([work[j][0] for j in ending], logits) if ending else []):
                 firsts[j] = token
                 self._register(*work[j])
             pending = [j for j in pending if firsts[j] < 0]
         return firsts
 
     def _decode(self, work: list[tuple[list[int], _DraftSeq, int, int]]) -> None:
-        """k - 1 greedy 1-token steps: each row feeds its newest draft (its KV joins the pool at
-        position L + len(drafts) - 1) and appends the argmax. Rows whose k is reached drop out;
+        """k - 1 1-token steps: each row feeds its newest draft (its KV joins the pool at
+        position L + len(drafts) - 1) and appends the next (``_pick``). Rows whose k is reached drop out;
         steps are cut to max_batch_size rows so each is one decode-graph replay on CUDA."""
         T = self.blocks.tokens_per_block
         step = 1
@@ -253,7 +306,7 @@ class DraftModelProposer:
                 n = len(chunk)
                 logits = self.runner.forward(ForwardBatch(token_ids, positions, [1] * n, context_lens, tables,
                                                           list(range(n))))
-                for (out, state, _), token in zip(chunk, logits.argmax(dim=-1).tolist()):
+                for (out, state, _), token in zip(chunk, self._pick([state for _, state, _ in chunk], logits)):
                     state.drafts.append(out[-1])
                     state.num_computed_tokens += 1
                     out.append(token)

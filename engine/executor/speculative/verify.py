@@ -112,6 +112,8 @@ def verify_drafts(seq: Sequence, draft_ids: list[int], logits: torch.Tensor, voc
 
 def _accept_sampled(seq: Sequence, draft_ids: list[int], target_probs: torch.Tensor, md) -> list[int]:
     generator = torch.Generator().manual_seed((seq.seed * 1_000_003 + seq.num_generated_tokens) % (1 << 63))
+    if seq.draft_probs is not None:  # a draft model drew them from this law (speculative/draft_model.py)
+        return accept_by_rejection(target_probs, draft_ids, seq.draft_probs[:len(draft_ids)], generator)
     if seq.draft_logits is not None:
         return accept_by_rejection(target_probs, draft_ids, _draft_probs(seq.draft_logits[:len(draft_ids)], md),
                                    generator)
