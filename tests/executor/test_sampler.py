@@ -143,3 +143,23 @@ def test_unnormalized_log_probs_are_the_processed_logits():
     md.normalize_log_probs = False
     out = sample(logits, md)
     torch.testing.assert_close(out.log_probs, logits.max(-1).values)
+
+
+def test_sampled_rows_draw_only_inside_their_top_k_and_top_p():
+    """Through build_sampling_metadata, as the executor samples: a row with top-k 2 draws only its two
+    best tokens, a row with top-p 0.5 only its nucleus, a row without limits anything, over many
+    seeded draws of a flat-ish distribution."""
+    logits = torch.tensor([[3.0, 2.5, 2.0, 1.5, 1.0, 0.5, 0.0, -0.5]]).repeat(3, 1)
+    seqs = [make_seq([0], top_k=2, temperature=1.0), make_seq([0], top_p=0.5, temperature=1.0),
+            make_seq([0], top_p=1.0, temperature=1.0)]
+    md = metadata(seqs)
+    assert md.needs_top_k_top_p
+    drawn = [set(), set(), set()]
+    for step in range(300):
+        md.offsets = torch.tensor([step] * 3)
+        for row, token in enumerate(sample(logits, md).token_ids.tolist()):
+            drawn[row].add(token)
+    nucleus = torch.softmax(logits[0], 0).cumsum(0)
+    assert drawn[0] == {0, 1}
+    assert drawn[1] == set(range(int((nucleus < 0.5).sum()) + 1))
+    assert len(drawn[2]) > 4
