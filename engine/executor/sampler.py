@@ -121,6 +121,16 @@ def draw_settings(config, vocab_size: int) -> tuple[float, int, float]:
     return config.temperature or 1.0, config.top_k or vocab_size, 1.0 if config.top_p is None else config.top_p
 
 
+def sampling_law(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | None = None,
+                 top_p: torch.Tensor | None = None) -> torch.Tensor:
+    """(rows, vocab) -> each row's law: softmax(logits / temperature) over its top-k and its top-p
+    nucleus (limits skipped when None). What a draft is drawn from and judged by (speculative/)."""
+    scores = logits / temperature.unsqueeze(1)
+    if top_k is not None:
+        scores = apply_top_k_top_p(scores, top_k, top_p)
+    return scores.softmax(dim=-1)
+
+
 def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, device, return_log_probs: bool) -> SamplingMetadata:
     """Gather per-sequence settings into batch tensors (one sequence per logits row)."""
     configs = [s.state.request.sampling for s in seqs]

@@ -257,7 +257,7 @@ def test_an_unverified_proposal_costs_one_recomputed_position(proposer):
 def test_a_sampled_requests_drafts_are_drawn_and_carry_their_law(proposer):
     """Greedy: argmax drafts, no law. Sampled (top-k 5): each draft is drawn from the draft's law at
     its position, which comes with it: rows summing to 1, five tokens each, the draft among them;
-    the same seed and step draw the same drafts."""
+    the same seed and step draw the same drafts. Sampled without a top-k or top-p: the whole law."""
     from executor_testing import make_seq
 
     greedy = make_seq(PROMPTS[4], MAX_TOKENS)
@@ -273,6 +273,11 @@ def test_a_sampled_requests_drafts_are_drawn_and_carry_their_law(proposer):
         laws.append((draft_ids, q))
         proposer.release(seq)
     assert laws[0][0] == laws[1][0] and torch.equal(laws[0][1], laws[1][1])
+    unlimited = make_seq(PROMPTS[4], MAX_TOKENS, top_p=1.0, temperature=1.0)  # sampled, no top-k or top-p cut
+    proposer.propose([unlimited], 4)
+    q = unlimited.draft_probs
+    assert torch.allclose(q.sum(dim=1), torch.ones(4), atol=1e-5) and ((q > 0).sum(dim=1) > 5).all()
+    proposer.release(unlimited)
     proposer.release(greedy)
 
 

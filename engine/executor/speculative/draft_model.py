@@ -51,7 +51,7 @@ from engine.config import EngineConfig, EngineFormatError
 from engine.executor.kv_cache import BlockManager, chain_block_hashes
 from engine.executor.request import Sequence
 from engine.executor.runner import ForwardBatch, ModelRunner
-from engine.executor.sampler import apply_top_k_top_p, draw_settings
+from engine.executor.sampler import draw_settings, sampling_law
 from engine.executor.speculative.proposer import ProposerConfigError, draft_room
 
 FIELD = "SpeculativeConfig.draft_engine_dir"
@@ -171,11 +171,12 @@ class DraftModelProposer:
             return tokens
         laws = [states[row].law for row in sampled]
         device = logits.device
-        scores = logits[torch.tensor(sampled, device=device), :self.vocab_size].float()
-        scores = scores / torch.tensor([t for t, _, _ in laws], device=device).unsqueeze(1)
-        scores = apply_top_k_top_p(scores, torch.tensor([k for _, k, _ in laws], device=device),
-                                   torch.tensor([p for _, _, p in laws], device=device, dtype=torch.float32))
-        probs = scores.softmax(dim=-1).cpu()
+        limits = (None, None)  # (no sort over the vocabulary when no row has a top-k or top-p)
+        if any(k < self.vocab_size or p < 1.0 for _, k, p in laws):
+            limits = (torch.tensor([k for _, k, _ in laws], device=device),
+                      torch.tensor([p for _, _, p in laws], device=device, dtype=torch.float32))
+        probs = sampling_law(logits[torch.tensor(sampled, device=device), :self.vocab_size].float(),
+                             torch.tensor([t for t, _, _ in laws], device=device), *limits).cpu()
         for row, q in zip(sampled, probs):
             state = states[row]
             tokens[row] = int(torch.multinomial(q.double(), 1, generator=state.generator))

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.executor.request import Sequence
-from engine.executor.sampler import apply_top_k_top_p, build_sampling_metadata, process_logits
+from engine.executor.sampler import apply_top_k_top_p, build_sampling_metadata, process_logits, sampling_law
 from engine.executor.speculative.acceptance import accept_by_rejection, accept_by_threshold, accept_greedy
 
 
@@ -127,7 +127,5 @@ def _draft_probs(draft_logits, md) -> torch.Tensor:
     and top-p (the draft model sampled with the request's settings), on the CPU."""
     logits = torch.as_tensor(draft_logits, dtype=torch.float32).cpu()
     k = logits.shape[0]
-    scores = logits / md.temperature[:k].cpu().unsqueeze(1)
-    if md.needs_top_k_top_p:
-        scores = apply_top_k_top_p(scores, md.top_k[:k].cpu(), md.top_p[:k].cpu())
-    return scores.softmax(dim=-1)
+    limits = (md.top_k[:k].cpu(), md.top_p[:k].cpu()) if md.needs_top_k_top_p else (None, None)
+    return sampling_law(logits, md.temperature[:k].cpu(), *limits)
