@@ -459,7 +459,7 @@ def _decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, n
     A decode graph of a mid-size bucket instead captures DYNAMIC_SPLITS_CAPTURED splits and lets
     each replay use decode_active_splits' count (_decode_config)."""
     programs = num_seqs * num_kv_heads
-    most = min(triton.next_power_of_2(max(1, max_context_len // (2 * block_n))), MAX_DECODE_SPLITS)
+    most = _most_decode_splits(max_context_len, block_n)
     capacity = None if resident_per_sm is None else resident_per_sm * num_sms
     if capacity is None or programs <= capacity:
         wanted = max(1, (2 * num_sms + programs - 1) // programs)
@@ -468,6 +468,12 @@ def _decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, n
         return 1
     counts = [1 << i for i in range(most.bit_length())]  # 1, 2, 4, ... most
     return min(counts, key=lambda splits: _decode_split_cost(programs, splits, capacity, max_context_len))
+
+
+def _most_decode_splits(keys: int, block_n: int) -> int:
+    """The most key splits worth launching over ``keys`` keys: a power of two, none shorter than 2
+    tiles of ``block_n`` keys, at most MAX_DECODE_SPLITS."""
+    return min(triton.next_power_of_2(max(1, keys // (2 * block_n))), MAX_DECODE_SPLITS)
 
 
 def decode_active_splits(plan: tuple[int, int, int], num_seqs: int, longest_context: int) -> int:
@@ -570,7 +576,7 @@ def _decode_config(meta: AttentionMetadata, group: int, num_kv_heads: int, devic
             # for, and each replay uses decode_active_splits' count for its real batch and contexts.
             # (Small buckets keep their one count: reading it from memory cost a batch-1 step 2-3%.)
             meta.decode_split_plan = (num_kv_heads, capacity, sms)
-            num_splits = min(triton.next_power_of_2(max(1, keys_read // 128)), DYNAMIC_SPLITS_CAPTURED)
+            num_splits = min(_most_decode_splits(keys_read, 64), DYNAMIC_SPLITS_CAPTURED)
     block_n, warps, stages, tma = tiling
     return block_m, block_n, warps, stages, num_splits, tma
 
