@@ -1,61 +1,117 @@
 #!/usr/bin/env bash
-# The GPU tests on a leased CUDA machine within a time budget, run so that a run the budget cuts
-# short still names what failed and why.
+# Every GPU test (tests/kernels, tests/engine, tests/executor) on a leased CUDA machine in one device
+# call of at most 10 minutes, run so that a run cut short still names what failed and why.
 #
-#   BUDGET_S=480 bash tests/gpu_run.sh "$OUT"        (the device tool's $OUT comes back here)
+#   here:  bash tests/gpu_wheels.sh                       (once: .gpu_stash/ and .gpu_wheels/)
+#   call 1 (carry .gpu_stash):   true                      (part of the embedded model stays on the warm machine)
+#   call 2 (carry .gpu_wheels):  BUDGET_S=540 bash tests/gpu_run.sh "$OUT"
 #
-# tests/kernels runs on KERNEL_WORKERS pytest-xdist workers (default 8: its tests hold little GPU
-# memory, and its time goes mostly to Triton compiling); tests/engine on ENGINE_WORKERS (default 0:
-# one test at a time, as it was checked; its executors have bounded pools, engine_testing.EXECUTOR_POOL).
-# Of tests/executor only the tests marked gpu run (one at a time): its other executors take the
-# default 90% of the free GPU memory for their KV pools, as served ones do, tens of millions of
-# blocks for its tiny model.
-# The kernels get KERNEL_SHARE percent of the budget (default 40), the engine tests what is left
-# but 60 s, which the executor's few GPU tests get.
-# OUT/failures.txt: each failure and error with its traceback as it happens (tests/conftest.py);
-# OUT/<part>.log: every test's outcome (-v) and, when the part finished, pytest's summary.
-# KERNEL_TESTS / ENGINE_TESTS override the paths (files or directories under tests/, whose
-# conftest.py writes the failure log).
+# The wheels the machine lacks (tests/gpu_wheels.sh) are installed first, so no test errors for a
+# missing package; without .gpu_stash the embedded model's tests fail at their fixture, by name.
+#
+# The three parts run at the same time, each pytest on its own xdist workers (KERNEL_WORKERS,
+# ENGINE_WORKERS, EXECUTOR_WORKERS; their sum within the machine's cores: Triton's compiles take
+# the CPU, and its cache on disk is shared, so a kernel compiles once for all workers). On one GPU
+# every process that makes a model runner caps its allocator at $TRITONLLM_GPU_MEMORY_FRACTION of
+# the device (engine/executor/device_memory.py), so an executor's "90% of the free memory" KV pool
+# is 90% of its share and the workers fit together. With several GPUs the parts go to GPUs of their
+# own (CUDA_VISIBLE_DEVICES), round robin.
+#
+# Prints one summary line per part, then each failure and error with its traceback (written as it
+# happens by tests/conftest.py, so a part cut by the budget still reports them).
+# OUT/<part>.log: each test's outcome (-v), the 25 slowest and pytest's summary; OUT/failures.txt: the
+# tracebacks of all parts (at most 8 files come back from a device call).
 set -u
 out=${1:?usage: tests/gpu_run.sh OUT}
 mkdir -p "$out"
-PYTHON=${PYTHON:-/opt/torch/.venv/bin/python3}  # the GPU machine's torch venv (../shared/gpu/README.md)
-[ -x "$PYTHON" ] || PYTHON=.venv/bin/python
-budget=${BUDGET_S:-480}
 t0=$(date +%s)
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-export TRITONLLM_TEST_FAILURE_LOG=$out/failures.txt
-: > "$TRITONLLM_TEST_FAILURE_LOG"
-date -u
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
-"$PYTHON" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "CUDA:", torch.cuda.is_available())'
+budget=${BUDGET_S:-540}
+if [ -z "${PYTHON:-}" ]; then  # the GPU machine's torch venv (../shared/gpu/README.md), else the project's
+  for PYTHON in /opt/torch/.venv/bin/python3 .venv/bin/python python3; do [ -x "$PYTHON" ] || command -v "$PYTHON" >/dev/null && break; done
+fi
+site=/tmp/gpu_test_site
+work=$(mktemp -d)  # per part: its exit status and its failure log
 
-run_part() {  # NAME SECONDS WORKERS PATHS...
-  local name=$1 seconds=$2 workers=$3 start rc
-  shift 3
-  start=$(date +%s)
-  local distribute=()
-  [ "$workers" -gt 0 ] && distribute=(-n "$workers")
-  timeout "$seconds" "$PYTHON" -m pytest -v -rfE --tb=short -p no:cacheprovider "${distribute[@]}" "$@" \
-    > "$out/$name.log" 2>&1
-  rc=$?
-  local how="exit $rc"
-  [ "$rc" -eq 124 ] && how="cut by its $seconds s limit"
-  printf '%s: %s after %s s: %s passed, %s skipped, %s failed, %s errors\n' \
-    "$name" "$how" "$(( $(date +%s) - start ))" \
-    "$(outcomes "$name" PASSED)" "$(outcomes "$name" SKIPPED)" "$(outcomes "$name" FAILED)" "$(outcomes "$name" ERROR)"
+install_wheels() {
+  local wheels=() part1 part2 whole
+  part2=$(ls .gpu_wheels/*.part2 2>/dev/null | head -1)
+  if [ -n "$part2" ]; then
+    whole=$(basename "${part2%.part2}")
+    part1=.gpu_stash/$whole.part1
+    if [ -f "$part1" ]; then
+      cat "$part1" "$part2" > "/tmp/$whole"
+      if [ "$(sha256sum "/tmp/$whole" | cut -d' ' -f1)" = "$(cat ".gpu_wheels/$whole.sha256")" ]; then
+        wheels+=("/tmp/$whole")
+      else
+        echo "wheels: $whole does not match its sha256 once joined; not installed"
+      fi
+    else
+      echo "wheels: $part1 did not stay on this machine (carry .gpu_stash in a call just before): $whole not installed"
+    fi
+  fi
+  wheels+=(.gpu_wheels/*.whl)
+  [ -e "${wheels[-1]}" ] || { echo "wheels: none in .gpu_wheels (bash tests/gpu_wheels.sh here, then carry it)"; return; }
+  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "${wheels[@]}" \
+    && echo "wheels: installed $(printf '%s\n' "${wheels[@]}" | sed 's|.*/||; s/-[0-9].*//' | tr '\n' ' ')"
 }
 
-outcomes() {  # PART OUTCOME: the -v lines of that outcome (not the summary's lines, which start with it)
+install_wheels
+export PYTHONPATH=$site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+date -u
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
+"$PYTHON" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "CUDA:", torch.cuda.is_available(), "GPUs:", torch.cuda.device_count(), "cores:", __import__("os").cpu_count())'
+gpus=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+
+outcomes() {  # PART OUTCOME: how many -v lines of that outcome (the summary's lines start with it instead)
   grep -E "^(tests/|\[gw).* $2( |\$)" "$out/$1.log" | grep -c "$2"
 }
 
-kernel_s=$(( (budget - 10) * ${KERNEL_SHARE:-40} / 100 ))
+run_part() {  # NAME GPU WORKERS MEMORY_FRACTION DIST PATHS...: in the background; writes $work/NAME.rc when done
+  local name=$1 gpu=$2 workers=$3 fraction=$4 dist=$5 limit
+  shift 5
+  limit=$(( budget - ($(date +%s) - t0) - 15 ))
+  (
+    [ "$gpus" -gt 1 ] && export CUDA_VISIBLE_DEVICES=$gpu
+    export TRITONLLM_GPU_MEMORY_FRACTION=$fraction
+    export TRITONLLM_TEST_FAILURE_LOG=$work/failures-$name.txt
+    : > "$TRITONLLM_TEST_FAILURE_LOG"
+    start=$(date +%s)
+    timeout "$limit" "$PYTHON" -m pytest -v -rfEs --tb=short -p no:cacheprovider -n "$workers" --dist "$dist" \
+      --durations=25 "$@" > "$out/$name.log" 2>&1
+    echo "$? $(( $(date +%s) - start ))" > "$work/$name.rc"
+  ) &
+}
+
+# Memory caps per process: the engine tests' executors have bounded pools (engine_testing.EXECUTOR_POOL),
+# the cap only keeps a stray one in its share; the executor tests' pools take 90% of theirs, which
+# 0.01 (1.4 GB of an H200) keeps at about a million blocks for their tiny model (a block manager
+# makes one object a block: ~1 s for a million).
 # shellcheck disable=SC2086  # the path lists split on spaces
-run_part kernels "$kernel_s" "${KERNEL_WORKERS:-8}" ${KERNEL_TESTS:-tests/kernels}
+run_part kernels 0 "${KERNEL_WORKERS:-7}" 1 load ${KERNEL_TESTS:-tests/kernels}
 # shellcheck disable=SC2086
-run_part engine "$(( budget - 60 - ($(date +%s) - t0) ))" "${ENGINE_WORKERS:-0}" ${ENGINE_TESTS:-tests/engine}
-run_part executor "$(( budget - 10 - ($(date +%s) - t0) ))" 0 -m gpu tests/executor
-echo "failures and errors (tracebacks in $out/failures.txt):"
-grep -E '^(FAILED|ERROR)' "$TRITONLLM_TEST_FAILURE_LOG" || echo "  none"
+run_part engine $(( 1 % (gpus > 0 ? gpus : 1) )) "${ENGINE_WORKERS:-5}" 0.03 loadfile ${ENGINE_TESTS:-tests/engine}
+# shellcheck disable=SC2086
+run_part executor $(( 2 % (gpus > 0 ? gpus : 1) )) "${EXECUTOR_WORKERS:-3}" 0.01 loadfile ${EXECUTOR_TESTS:-tests/executor}
+wait
+
+for name in kernels engine executor; do
+  read -r rc seconds < "$work/$name.rc"
+  how="exit $rc"
+  [ "$rc" -eq 124 ] && how="CUT by the budget"
+  printf '%-9s %s after %s s: %s passed, %s skipped, %s failed, %s errors\n' "$name:" "$how" "$seconds" \
+    "$(outcomes "$name" PASSED)" "$(outcomes "$name" SKIPPED)" "$(outcomes "$name" FAILED)" "$(outcomes "$name" ERROR)"
+done
+for name in kernels engine executor; do
+  echo "slowest of $name:"
+  sed -n '/slowest .* durations/,/^$/p' "$out/$name.log" | sed -n '2,7p'
+done
+echo "skipped, by reason (count):"
+grep -h '^SKIPPED' "$out"/kernels.log "$out"/engine.log "$out"/executor.log \
+  | sed -E 's/^SKIPPED \[([0-9]+)\] [^:]+:[0-9]+: /\1\t/' \
+  | awk -F'\t' '{n[$2] += $1} END {for (r in n) printf "%6d  %s\n", n[r], r}' | sort -rn | head -20
+echo "failures and errors:"
+cat "$work"/failures-*.txt > "$out/failures.txt"
+grep -E '^(FAILED|ERROR)' "$out/failures.txt" || echo "  none"
+head -c 6000 "$out/failures.txt"
 echo "done in $(( $(date +%s) - t0 )) s"

@@ -32,6 +32,7 @@ from engine.lora.adapter import LoraError
 from engine.lora.cache import AdapterCache, RunnerSlots
 from engine.lora.prefetch import prefetch_adapters
 from engine.executor import memory_profile
+from engine.executor.device_memory import free_device_bytes, is_capped
 from engine.executor.kv_cache import BlockManager
 # The settings are part of this module's public surface (re-exported).
 from engine.executor.executor_config import (  # noqa: F401
@@ -115,12 +116,13 @@ class Executor:
                                                         kv_cache_dtype=self.config.kv_cache_dtype,
                                                         logits_rows=min(logits_rows, self.max_num_tokens))
         except torch.OutOfMemoryError:
-            free, total = torch.cuda.mem_get_info(self.runner.device)
+            free, total = free_device_bytes(self.runner.device), torch.cuda.mem_get_info(self.runner.device)[1]
             raise ExecutorConfigError(
                 f"a step of max_num_tokens={self.max_num_tokens} tokens over max_batch_size={self.max_batch_size} "
                 f"sequences does not fit in the {free / 2**30:.1f} GiB the weights leave free of {total / 2**30:.1f} "
                 f"GiB, before any KV cache; lower max_num_tokens or max_batch_size") from None
-        reserve = memory_profile.reserve_bytes(memory, cuda_graphs=True)
+        reserve = memory_profile.reserve_bytes(memory, cuda_graphs=True,
+                                               count_outside=not is_capped(self.runner.device))
         print(f"[executor] a worst-case step ({self.max_num_tokens} tokens, {memory.logits_rows} sampled rows) "
               f"peaks at {memory.step / 2**30:.2f} GiB (its forward {memory.forward / 2**30:.2f}; outside the "
               f"caching allocator {memory.outside_allocator / 2**30:.2f}); the KV pool "
@@ -147,7 +149,7 @@ class Executor:
         if cfg.max_loras is not None:
             num_slots = cfg.max_loras
         elif self.runner.device.type == "cuda":
-            free_bytes, _ = torch.cuda.mem_get_info(self.runner.device)
+            free_bytes = free_device_bytes(self.runner.device)
             num_slots = int(free_bytes * cfg.lora_cache_gpu_memory_fraction) // self.runner.lora_slot_bytes(cfg.max_lora_rank)
         else:
             num_slots = CPU_LORA_SLOTS

@@ -103,7 +103,10 @@ def _outside_allocator(device) -> int:
     return total - free - torch.cuda.memory_reserved(device)
 
 
-def reserve_bytes(memory: StepMemory, *, cuda_graphs: bool) -> int:
-    """Memory the KV pool leaves free for such steps (module docstring)."""
+def reserve_bytes(memory: StepMemory, *, cuda_graphs: bool, count_outside: bool = True) -> int:
+    """Memory the KV pool leaves free for such steps (module docstring). ``count_outside=False``
+    under a per-process cap (engine/executor/device_memory.py): the cap bounds the caching
+    allocator alone, and the driver's memory beside it is not taken from it."""
     graph_pool = memory.forward - memory.logits if cuda_graphs else 0
-    return memory.step + graph_pool + 2 * memory.outside_allocator + FRAGMENTATION_MARGIN_BYTES
+    outside = 2 * memory.outside_allocator if count_outside else 0
+    return memory.step + graph_pool + outside + FRAGMENTATION_MARGIN_BYTES

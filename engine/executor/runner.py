@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from engine.config import EngineConfig, EngineFormatError
 from engine.models import get_model_class
+from engine.executor.device_memory import apply_memory_fraction_from_env, free_device_bytes
 from engine.executor.cuda_graphs import DecodeGraphs, choose_programmatic_launch, run_warmup_batch
 from engine.executor.overlap import resolve_placeholders
 from engine.executor.prefill_graphs import PrefillGraphs
@@ -78,6 +79,8 @@ class ModelRunner:
         self.build_config = self.engine_config.build
         self.vocab_size = self.model_config.vocab_size
         self.device = torch.device(device)
+        if self.device.type == "cuda":
+            apply_memory_fraction_from_env(self.device)
         self.dtype = TORCH_DTYPES[self.build_config.dtype]
         self.rank = rank
         tp_size = self.build_config.tp_size
@@ -178,7 +181,8 @@ class ModelRunner:
                           kv_cache_dtype: str | None = None, reserve_bytes: int = 0) -> int:
         """How many KV blocks to allocate.
 
-        CUDA: ``free_mem_fraction`` (default 0.9) of the currently free device memory, but leaving
+        CUDA: ``free_mem_fraction`` (default 0.9) of the device memory this process may still take
+        (engine/executor/device_memory.py: the free memory, under a per-process cap), but leaving
         at least ``reserve_bytes`` free (engine/executor/memory_profile.py), capped by
         ``max_tokens`` when given. CPU: ``max_tokens`` when given, else room for
         ``max_batch_size * max_seq_len`` tokens within a 256 MiB budget (never less than one
@@ -190,7 +194,7 @@ class ModelRunner:
             fraction = 0.9 if free_mem_fraction is None else free_mem_fraction
             if not 0 < fraction <= 1:
                 raise ValueError(f"free_mem_fraction must be in (0, 1], got {fraction}")
-            free_bytes, _ = torch.cuda.mem_get_info(self.device)
+            free_bytes = free_device_bytes(self.device)
             blocks = min(int(free_bytes * fraction), free_bytes - reserve_bytes) // per_block
             return max(1, blocks if cap is None else min(blocks, cap))
         if cap is not None:

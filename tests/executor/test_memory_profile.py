@@ -8,6 +8,7 @@ import pytest
 import torch
 from executor_testing import collect, final_tokens
 
+from engine.executor.device_memory import MEMORY_FRACTION_ENV, apply_memory_fraction_from_env, free_device_bytes
 from engine.executor.executor import Executor, ExecutorConfig
 from engine.executor.memory_profile import measure_step_memory, profile_batch, reserve_bytes
 from engine.executor.request import OutputConfig, Request, SamplingConfig
@@ -49,8 +50,7 @@ def test_pool_leaves_the_measured_reserve_free(tiny_engine):
     assert reserve > reserve_bytes(memory, cuda_graphs=False) > memory.step
     blocks = runner.num_kv_blocks_for(free_mem_fraction=1.0, reserve_bytes=reserve)
     runner.allocate_kv_cache(blocks)
-    free, _ = torch.cuda.mem_get_info()
-    assert free >= reserve - (64 << 20)  # the allocator rounds the pool up to whole segments
+    assert free_device_bytes(runner.device) >= reserve - (64 << 20)  # the allocator rounds the pool up to whole segments
 
 
 @pytest.mark.gpu
@@ -66,3 +66,35 @@ def test_a_pool_of_all_free_memory_still_serves_the_largest_step(tiny_engine):
         ids = ex.enqueue_requests(requests)
         responses = collect(ex, ids)
         assert all(len(final_tokens(responses[i])) == 8 for i in ids)
+
+
+@pytest.mark.parametrize("value", ["0", "1.5", "-0.2", "half"])
+def test_a_bad_memory_fraction_is_refused_by_name(monkeypatch, value):
+    monkeypatch.setenv(MEMORY_FRACTION_ENV, value)
+    with pytest.raises(ValueError, match=rf"\${MEMORY_FRACTION_ENV} must be a number in \(0, 1\], got '{value}'"):
+        apply_memory_fraction_from_env(torch.device("cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="device memory: GPU only")
+def test_a_capped_process_sizes_its_pool_under_its_cap(tiny_engine, monkeypatch):
+    """$TRITONLLM_GPU_MEMORY_FRACTION caps the caching allocator: a pool of all the free memory
+    (fraction 1.0) takes what the cap leaves, not the device's free memory, which the allocator would
+    refuse, and still serves its largest step."""
+    device = torch.device("cuda")
+    previous = torch.cuda.get_per_process_memory_fraction(device)
+    _, total = torch.cuda.mem_get_info(device)
+    cap = min(previous, (torch.cuda.memory_reserved(device) + (3 << 30)) / total)
+    monkeypatch.setenv(MEMORY_FRACTION_ENV, str(cap))
+    try:
+        with Executor(tiny_engine, ExecutorConfig(kv_cache_free_gpu_mem_fraction=1.0), device="cuda") as ex:
+            pool_bytes = ex.runner.kv_cache.numel() * ex.runner.kv_cache.element_size()
+            assert torch.cuda.get_per_process_memory_fraction(device) == pytest.approx(cap)
+            assert pool_bytes <= cap * total - (256 << 20) and free_device_bytes(device) <= cap * total
+            prompts = [[(5 * i + j) % 120 + 1 for j in range(100)] for i in range(8)]
+            ids = ex.enqueue_requests([Request(p, 8, output=OutputConfig(exclude_input_from_output=True))
+                                       for p in prompts])
+            responses = collect(ex, ids)
+            assert all(len(final_tokens(responses[i])) == 8 for i in ids)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(previous, device)

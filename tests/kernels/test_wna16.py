@@ -219,17 +219,26 @@ def test_kernels_inside_a_cuda_graph(device):
 
 
 def test_choose_variants_sets_a_tiling(device):
+    """Each timed row count gets a tiling of its candidates (which one wins is the GPU's business: the
+    H100 and the H200 differ), shared by the weights of one shape, and the chosen tiling computes the
+    product at that row count."""
     if device != "cuda":
         pytest.skip("timing on CUDA")
+    from kernels.wna16 import MAX_SKINNY_ROWS, MID_ROWS, MID_VARIANTS
+
     stored, scale, zero = quantized(512, 1024, 4, 128)
     weights = [kernel_weight(stored, scale, zero, 4, torch.bfloat16, device) for _ in range(2)]
     report = choose_wna16_variants(weights, rows=(1, 4))
     assert list(report) == [(4, 128, 512, 1024)]
-    assert set(weights[0].variant) == {1, 4} and weights[1].variant == weights[0].variant
-    assert all(v in SKINNY_VARIANTS and (not is_fma_tiling(v) or v[1] >= m) for m, v in weights[0].variant.items())
-    x = torch.randn(1, 1024, device=device, dtype=torch.bfloat16)
+    chosen = weights[0].variant
+    assert set(chosen) == {1, 4, *MID_ROWS} and weights[1].variant == chosen
+    for m, tiling in chosen.items():
+        assert tiling in (SKINNY_VARIANTS if m <= MAX_SKINNY_ROWS else MID_VARIANTS), (m, tiling)
+        assert not is_fma_tiling(tiling) or tiling[1] >= m, (m, tiling)  # an FMA tile holds all m rows
     ref = reference_weight(stored, scale, zero, 4, torch.bfloat16, device)
-    assert relative_error(wna16_linear(x, weights[0]), F.linear(x, ref.dense)) < TOLERANCE[torch.bfloat16]
+    for m in chosen:
+        x = torch.randn(m, 1024, device=device, dtype=torch.bfloat16)
+        assert relative_error(wna16_linear(x, weights[0]), F.linear(x, ref.dense)) < TOLERANCE[torch.bfloat16], m
 
 
 def test_tiling_for_follows_the_timed_row_counts():
