@@ -221,7 +221,28 @@ def load_gguf(path: str):
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     except (OSError, ValueError, KeyError) as err:
         raise CheckpointError(f"cannot load GGUF file {path}: {err}") from None
+    _set_gguf_special_tokens(path, tokenizer)
     return hf_model, tokenizer
+
+
+# GGUF metadata key -> tokenizer attribute of the special tokens the file names by id.
+_GGUF_SPECIAL_TOKENS = {"bos": "bos_token", "eos": "eos_token", "unknown": "unk_token", "padding": "pad_token"}
+
+
+def _set_gguf_special_tokens(path: str, tokenizer) -> None:
+    """The special tokens as the file's ``tokenizer.ggml.<kind>_token_id`` names them. Why: the
+    tokenizer transformers makes from a GGUF depends on its version (5.17 gave SmolLM2's eos as
+    '<|im_start|>', id 1, where the file says id 2, '<|im_end|>'; 5.24 reads it right), and the
+    served end_id is the engine tokenizer's eos."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(path).fields
+    for kind, attribute in _GGUF_SPECIAL_TOKENS.items():
+        field = fields.get(f"tokenizer.ggml.{kind}_token_id")
+        if field is not None and field.data:
+            token_id = int(field.parts[field.data[0]][0])
+            if 0 <= token_id < len(tokenizer):
+                setattr(tokenizer, attribute, tokenizer.convert_ids_to_tokens(token_id))
 
 
 def load_hf_dir(path: str):

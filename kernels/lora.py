@@ -389,6 +389,15 @@ def choose_launch(max_segment_tokens: int, num_segments: int, in_features: int, 
                       pdl=row_blocks <= PDL_MAX_ROW_BLOCKS)
 
 
+# The kernels' K and N tiles: in_features and every slice boundary must be multiples of it.
+KERNEL_ALIGNMENT = 16
+
+
+def kernels_take(in_features: int, slice_starts: tuple[int, ...]) -> bool:
+    """Whether the Triton kernels can run a projection of these widths (KERNEL_ALIGNMENT)."""
+    return in_features % KERNEL_ALIGNMENT == 0 and all(s % KERNEL_ALIGNMENT == 0 for s in slice_starts)
+
+
 def check_shapes(x: torch.Tensor, out: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                  ranks: torch.Tensor, slice_starts: tuple[int, ...]) -> None:
     num_slots, n_slices, max_rank, in_features = lora_a.shape
@@ -396,8 +405,9 @@ def check_shapes(x: torch.Tensor, out: torch.Tensor, lora_a: torch.Tensor, lora_
         raise ValueError(f"{n_slices} slices: the kernels take 1..{MAX_SLICES}")
     if len(slice_starts) != n_slices + 1 or slice_starts[0] != 0 or slice_starts[-1] != out.shape[1]:
         raise ValueError(f"slice_starts {slice_starts} do not cut {out.shape[1]} columns into {n_slices} slices")
-    if in_features % 16 or any(s % 16 for s in slice_starts):
-        raise ValueError(f"in_features {in_features} and slice_starts {slice_starts} must be multiples of 16")
+    if not kernels_take(in_features, slice_starts):
+        raise ValueError(f"in_features {in_features} and slice_starts {slice_starts} must be multiples of "
+                         f"{KERNEL_ALIGNMENT}")
     if max_rank > 128:
         raise ValueError(f"max rank {max_rank} > 128")
     assert x.shape == (out.shape[0], in_features) and x.dtype == out.dtype == lora_a.dtype == lora_b.dtype

@@ -30,6 +30,37 @@ def _cores() -> int:
 
 
 def pytest_configure(config):
+    _split_cores_between_workers()
+    _size_gpu_pools_as_on_cpu()
+
+
+def _size_gpu_pools_as_on_cpu():
+    """On a GPU, the KV pool of an executor that a test makes with the default fraction of free
+    memory and no token bound is sized as on the CPU (max_batch_size full-length sequences within
+    256 MiB), not from 90% of the free memory. Why: a test process holds several executors at once
+    (module fixtures beside a test's own), and the first would take 90% of what the process may use,
+    leaving the next one block (seen on the H200 with $TRITONLLM_GPU_MEMORY_FRACTION); and the tests
+    were written for pools that a few requests can fill (preemption, 'cannot fit' refusals). The
+    device rule itself is tested by the executors that ask for fraction 1.0 (test_memory_profile.py);
+    engine processes and ranks that tests start keep it, under the fraction tests/gpu_run.sh sets."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    from engine.executor.runner import ModelRunner
+
+    device_rule = ModelRunner.num_kv_blocks_for
+
+    def num_kv_blocks_for(self, *, free_mem_fraction=None, max_tokens=None, kv_cache_dtype=None, reserve_bytes=0):
+        if self.device.type == "cuda" and max_tokens is None and (free_mem_fraction or 0.9) < 1.0:
+            return self.host_default_kv_blocks(self.kv_block_bytes_for(kv_cache_dtype or "auto"))
+        return device_rule(self, free_mem_fraction=free_mem_fraction, max_tokens=max_tokens,
+                           kv_cache_dtype=kv_cache_dtype, reserve_bytes=reserve_bytes)
+
+    ModelRunner.num_kv_blocks_for = num_kv_blocks_for
+
+
+def _split_cores_between_workers():
     """Under pytest-xdist, split the cores between the workers: each worker's torch, and what it
     starts (tritonserver's engine processes, ranks), gets cores // workers threads instead of all
     of them, so n workers do not oversubscribe the machine (with 2 workers on 2 cores, 2 torch

@@ -88,7 +88,7 @@ run_part() {  # NAME GPU WORKERS MEMORY_FRACTION DIST PATHS...: in the backgroun
 # 0.01 (1.4 GB of an H200) keeps at about a million blocks for their tiny model (a block manager
 # makes one object a block: ~1 s for a million).
 # shellcheck disable=SC2086  # the path lists split on spaces
-run_part kernels 0 "${KERNEL_WORKERS:-7}" 1 load ${KERNEL_TESTS:-tests/kernels}
+run_part kernels 0 "${KERNEL_WORKERS:-8}" 1 load ${KERNEL_TESTS:-tests/kernels}
 # shellcheck disable=SC2086
 run_part engine $(( 1 % (gpus > 0 ? gpus : 1) )) "${ENGINE_WORKERS:-5}" 0.03 loadfile ${ENGINE_TESTS:-tests/engine}
 # shellcheck disable=SC2086

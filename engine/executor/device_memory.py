@@ -35,7 +35,7 @@ def apply_memory_fraction_from_env(device: torch.device) -> None:
         fraction = -1.0
     if not 0 < fraction <= 1:
         raise ValueError(f"${MEMORY_FRACTION_ENV} must be a number in (0, 1], got {value!r}")
-    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    torch.cuda.set_per_process_memory_fraction(fraction, _index(device))
 
 
 def free_device_bytes(device: torch.device | str | int) -> int:
@@ -57,4 +57,10 @@ def is_capped(device: torch.device | str | int) -> bool:
 
 def _per_process_fraction(device) -> float:
     getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.9
-    return 1.0 if getter is None else float(getter(device))
+    return 1.0 if getter is None else float(getter(_index(device)))
+
+
+def _index(device) -> int:
+    """The device's index ("cuda" alone: the current device), which torch's fraction calls require."""
+    device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    return device.index if device.index is not None else torch.cuda.current_device()

@@ -199,6 +199,11 @@ class ModelRunner:
             return max(1, blocks if cap is None else min(blocks, cap))
         if cap is not None:
             return max(1, cap)
+        return self.host_default_kv_blocks(per_block)
+
+    def host_default_kv_blocks(self, per_block: int) -> int:
+        """The pool without device memory to size it from (CPU): room for max_batch_size full-length
+        sequences within CPU_KV_BUDGET_BYTES, never less than one full-length sequence."""
         build = self.build_config
         one_seq = -(-build.max_seq_len // self.tokens_per_block)
         wanted = build.max_batch_size * one_seq

@@ -25,7 +25,7 @@ import torch
 
 from engine.convert import reorder_rotary_dims, rotary_dim_order, shard
 from engine.lora.adapter import LoraAdapter, LoraError
-from kernels.lora import LoraBatch, add_lora
+from kernels.lora import KERNEL_ALIGNMENT, LoraBatch, add_lora, kernels_take
 
 # Engine projection -> the adapter modules it fuses, in its output-row order.
 PROJECTIONS = {"qkv_proj": ("q", "k", "v"), "o_proj": ("o",), "gate_up_proj": ("gate", "up"), "down_proj": ("down",)}
@@ -88,6 +88,10 @@ class LoraPools:
                          b=torch.zeros(len(layers), num_slots, out_local, max_rank, dtype=dtype, device=device),
                          ranks=torch.zeros(len(layers), num_slots, len(modules), dtype=torch.int32, device=device))
             starts = tuple(sum(sizes[:j]) for j in range(len(sizes) + 1))
+            if self.device.type == "cuda" and not kernels_take(in_local, starts):
+                raise ValueError(f"LoRA on CUDA needs adapted projections whose widths are multiples of "
+                                 f"{KERNEL_ALIGNMENT} (the kernels' tiles); {cfg.architecture}'s {name} has "
+                                 f"in_features {in_local} and output slices at {starts}")
             for row, index in enumerate(layers):
                 getattr(model.layers[index], name).lora = LinearLora(kind.a[row], kind.b[row], kind.ranks[row], starts)
             self.kinds[name] = kind

@@ -85,9 +85,12 @@ FAMILIES = {
             "original_max_position_embeddings": 64, "rope_theta": 150000.0}),
 }
 # Configs beyond the families every family test runs: tiny_hf builds them too.
-EXTRA_CONFIGS = {"llama_groupable": lambda: transformers.LlamaConfig(**GROUPABLE, rope_theta=10000.0)}
+EXTRA_CONFIGS = {"llama_groupable": lambda: transformers.LlamaConfig(**GROUPABLE, rope_theta=10000.0),
+                 # Widths in multiples of 16 (q 64, k/v 32 each): what LoRA's CUDA kernels take.
+                 "qwen3_aligned": lambda: transformers.Qwen3Config(**_COMMON, head_dim=16, rope_theta=1000000.0)}
 ARCHITECTURES = {"gpt2": transformers.GPT2LMHeadModel, "mistral": transformers.MistralForCausalLM,
                  "qwen2_qkv_bias": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
+                 "qwen3_aligned": transformers.Qwen3ForCausalLM,
                  "phi3_longrope": transformers.Phi3ForCausalLM, "phi4_mini_partial_rotary": transformers.Phi3ForCausalLM,
                  "smollm3_nope": transformers.SmolLM3ForCausalLM, "mixtral": transformers.MixtralForCausalLM,
                  "qwen3_moe": transformers.Qwen3MoeForCausalLM, "gpt_oss": transformers.GptOssForCausalLM}

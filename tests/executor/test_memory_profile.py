@@ -81,7 +81,7 @@ def test_a_capped_process_sizes_its_pool_under_its_cap(tiny_engine, monkeypatch)
     """$TRITONLLM_GPU_MEMORY_FRACTION caps the caching allocator: a pool of all the free memory
     (fraction 1.0) takes what the cap leaves, not the device's free memory, which the allocator would
     refuse, and still serves its largest step."""
-    device = torch.device("cuda")
+    device = torch.device("cuda", torch.cuda.current_device())  # torch's fraction calls need an index
     previous = torch.cuda.get_per_process_memory_fraction(device)
     _, total = torch.cuda.mem_get_info(device)
     cap = min(previous, (torch.cuda.memory_reserved(device) + (3 << 30)) / total)
