@@ -83,16 +83,17 @@ run_part() {  # NAME GPU WORKERS MEMORY_FRACTION DIST PATHS...: in the backgroun
   ) &
 }
 
-# Memory caps per process: the engine tests' executors have bounded pools (engine_testing.EXECUTOR_POOL),
-# the cap only keeps a stray one in its share; the executor tests' pools take 90% of theirs, which
-# 0.01 (1.4 GB of an H200) keeps at about a million blocks for their tiny model (a block manager
-# makes one object a block: ~1 s for a million).
+# Memory caps per process ($TRITONLLM_GPU_MEMORY_FRACTION): tests size their executors' pools as on
+# the CPU (tests/conftest.py), so a worker's cap holds its models (SmolLM2 in float32 is 0.5 GB; a
+# worker may hold three executors at once: 1.4 GB ran out); the engine processes that executor tests
+# start take 90% of their cap, 0.04 (5.6 GB of an H200): ~5 million blocks of the tiny model's 1 KB,
+# ~5 s of a block manager's set-up each.
 # shellcheck disable=SC2086  # the path lists split on spaces
 run_part kernels 0 "${KERNEL_WORKERS:-8}" 1 load ${KERNEL_TESTS:-tests/kernels}
 # shellcheck disable=SC2086
 run_part engine $(( 1 % (gpus > 0 ? gpus : 1) )) "${ENGINE_WORKERS:-5}" 0.03 loadfile ${ENGINE_TESTS:-tests/engine}
 # shellcheck disable=SC2086
-run_part executor $(( 2 % (gpus > 0 ? gpus : 1) )) "${EXECUTOR_WORKERS:-3}" 0.01 loadfile ${EXECUTOR_TESTS:-tests/executor}
+run_part executor $(( 2 % (gpus > 0 ? gpus : 1) )) "${EXECUTOR_WORKERS:-3}" 0.04 loadfile ${EXECUTOR_TESTS:-tests/executor}
 wait
 
 for name in kernels engine executor; do

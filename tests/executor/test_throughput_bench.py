@@ -34,8 +34,10 @@ def test_two_tiny_shapes_print_the_fields_and_the_table(tmp_path, capsys):
                                                       rel=0.05)
         steady = row["steady"]
         assert steady["plateau_batch"] == 2 and steady["max_batch"] == 2 and steady["cap"] == 2
-        # Two waves of two: half the run is the drain, far from a steady state.
-        assert not steady["reached"] and steady["steady_share"] < 0.75 and steady["drain_share"] > 0.2
+        # Two waves of two: the second runs with nothing queued (a drain), so the run is not all plateau.
+        # How long each part took moves with the machine's load (one wave 3x slower than the other was
+        # seen among 15 test workers), so the shares' sizes are checked on a made-up history below.
+        assert steady["drain_share"] > 0 and steady["steady_share"] < 1
         assert steady["steady_share"] + steady["ramp_share"] + steady["drain_share"] <= 1.0 + 1e-6
         time = row["time"]
         assert time["context_steps"] >= 2 and time["decode_steps"] > 0 and time["prefill_tok_s"] > 0
