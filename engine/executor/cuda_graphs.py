@@ -208,7 +208,11 @@ def capture_forward(model: torch.nn.Module, args: tuple, sampled_tokens: torch.T
             model(*args)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    # thread_local: a capture is invalidated only by this thread's unsafe calls, not by another
+    # thread of the process (an adapter copy, a kernel loaded, pinned memory freed) in the meantime:
+    # a LoRA executor's prefill capture failed so on the H200 (cudaErrorStreamCaptureInvalidated)
+    # right after another executor of the same process had closed.
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         hidden = model(resolve_placeholders(args[0], sampled_tokens), *args[1:])
     return graph, hidden
 
