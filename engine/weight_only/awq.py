@@ -52,7 +52,6 @@ from tqdm import tqdm
 
 from engine.config import ConfigError
 from engine.weight_only.calibration_text import CALIBRATION_TEXT
-from kernels.wna16 import dequantize, quantize
 
 SCALE_GRID = 20  # alpha in 0, 1/20, ..., 19/20
 CLIP_GRID = 20
@@ -65,8 +64,18 @@ CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value")
 
 
 def fake_quantize(weight: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
-    """The weight (N, K) after asymmetric RTN quantization and dequantization, float32."""
-    return dequantize(*quantize(weight, bits, group_size, symmetric=False), bits)
+    """The weight (N, K) after asymmetric RTN quantization and dequantization, float32: exactly
+    ``dequantize(*quantize(weight, bits, group_size, symmetric=False), bits)``, without packing and
+    unpacking the codes (the searches call it ~8,000 times for a 135M model: 30% of the build)."""
+    n, k = weight.shape
+    top = (1 << bits) - 1
+    groups = weight.float().reshape(n, k // group_size, group_size)
+    low = groups.amin(dim=-1).clamp(max=0.0)
+    high = groups.amax(dim=-1).clamp(min=0.0)
+    scale = ((high - low) / top).clamp_(min=1e-10)[..., None]
+    zero = (-low[..., None] / scale).round_().clamp_(0, top)
+    codes = (groups / scale + zero).round_().clamp_(0, top)
+    return ((codes - zero) * scale).reshape(n, k)
 
 
 # ---- which modules feed which ---------------------------------------------------------------

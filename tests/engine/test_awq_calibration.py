@@ -147,3 +147,15 @@ def test_unsupported_layouts_and_group_sizes_are_refused():
         awq_transform(gpt2, ByteTokenizer(), group_size=GROUP)
     with pytest.raises(ConfigError, match="group size 48"):
         awq_transform(tiny_model("llama"), ByteTokenizer(), group_size=48)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_fake_quantize_is_exactly_the_stored_weights_dequantized(bits):
+    """The searches' fast form (no packing) against the round trip through the stored format."""
+    from kernels.wna16 import dequantize, quantize
+
+    torch.manual_seed(bits)
+    weight = torch.randn(48, 256) * torch.rand(48, 1) * 3
+    weight[0, :64] = 0.0  # an all-zero group: the scale's floor
+    weight[1, 64:128] = weight[1, 64:128].abs()  # an all-positive group: its minimum widened to 0
+    assert torch.equal(fake_quantize(weight, bits, 64), dequantize(*quantize(weight, bits, 64, symmetric=False), bits))

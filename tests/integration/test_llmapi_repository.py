@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from triton_helpers import ROOT, Server, chat, free_port, load_script, running_server, write_peft_adapter
+from triton_helpers import ROOT, Server, chat, free_port, load_script, running_server, stop, write_peft_adapter
 
 PROMPT = chat("What is the capital of France?")
 ENGINE_OPTIONS = "dtype: float32\nmax_batch_size: 4\nmax_seq_len: 1024\nmax_num_tokens: 2048\n"
@@ -57,12 +57,7 @@ def llmapi_server(work: Path, yaml_text: str, expect_ready: bool = True, edit_co
         yield Server(http=f"http://127.0.0.1:{ports[0]}", grpc_url=f"127.0.0.1:{ports[1]}",
                      metrics=f"http://127.0.0.1:{ports[2]}", log_path=log_path, pid=process.pid), process
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop(process)
 
 
 @pytest.fixture(scope="module")

@@ -91,12 +91,23 @@ def serving_repository(repo: str | Path, work: Path, mpi: bool = False):
         yield Server(http=f"http://127.0.0.1:{ports[0]}", grpc_url=f"127.0.0.1:{ports[1]}",
                      metrics=f"http://127.0.0.1:{ports[2]}", log_path=log_path, pid=process.pid)
     finally:
-        process.terminate()
-        try:  # tritonserver waits up to 30 s for open client connections; do not
-            process.wait(timeout=10)
-        except Exception:
-            process.kill()
-            process.wait()
+        stop(process)
+
+
+# A stopping tritonserver waits for its clients' idle keep-alive connections (a test's requests and
+# tritonclient sessions hold some) up to its exit timeout, 30 s, before it unloads the models. A
+# test's server has nothing left to finish when it is stopped, so it gets this long, then SIGKILL
+# (its Python stubs and engine process see their parent go and leave).
+STOP_WAIT_S = 3.0
+
+
+def stop(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=STOP_WAIT_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def wait_for(predicate, timeout: float = 20.0, interval: float = 0.2):
@@ -131,8 +142,7 @@ def running_frontend(grpc_url, engine_dir, work, *extra_args, model: str = "smol
         assert wait_for(up, timeout=120) and process.poll() is None, log_path.read_text()
         yield url
     finally:
-        process.terminate()
-        process.wait(timeout=10)
+        stop(process)
 
 
 def write_peft_adapter(engine_dir: str, path: Path, rank: int, seed: int) -> Path:
