@@ -69,8 +69,9 @@ QUESTIONS = {
     "review": "Review {} as JSON.",
     "grid": "A 2x2 grid for {} as JSON.",
 }
-SUBJECTS = ["Alice", "Bob", "a pirate", "Marie", "a robot", "Tokyo", "the moon", "a teacher", "Lagos", "a cat",
-            "Lyon", "an old man", "a phone", "Paris", "tea", "a bike", "Nairobi", "a chef", "Kyoto", "a dog"]
+# 10 subjects x 5 schemas (20 until 2026-11-28: the grammar guarantees conformance, so 50 completions
+# prove what 100 did, in half the CI time).
+SUBJECTS = ["Alice", "a pirate", "Marie", "Tokyo", "the moon", "Lagos", "a cat", "an old man", "Nairobi", "a chef"]
 SAMPLING = {"temperature": 1.0, "top_k": 40, "top_p": 0.95}
 
 
@@ -92,8 +93,8 @@ def guided_body(question, guide_type, guide=None, max_tokens=96, **extra):
     return body
 
 
-def test_100_json_schema_completions_parse_and_validate(triton_server):
-    """5 schemas x 20 prompts, half greedy and half sampled at temperature 1 (top_k, top_p, seed)."""
+def test_50_json_schema_completions_parse_and_validate(triton_server):
+    """5 schemas x 10 prompts, half greedy and half sampled at temperature 1 (top_k, top_p, seed)."""
     jobs = []
     for name, schema in SCHEMAS.items():
         for i, subject in enumerate(SUBJECTS):
@@ -115,7 +116,7 @@ def test_100_json_schema_completions_parse_and_validate(triton_server):
     assert not failures, f"{len(failures)} of {len(jobs)} did not conform:\n" + "\n".join(failures[:10])
     outputs = {reply["text_output"] for _, reply in results}
     assert len(outputs) > 20, "the completions should differ across prompts and seeds"
-    print(f"100 json_schema completions in {elapsed:.1f} s")
+    print(f"{len(jobs)} json_schema completions in {elapsed:.1f} s")
 
 
 REGEXES = [
