@@ -48,6 +48,7 @@ from engine.convert import (
     model_config_from_hf,
     iter_rank_weights,
 )
+from engine.gguf_header import read_gguf_scalars
 from engine.fp8_checkpoint import dequantizing_getter, fp8_checkpoint_strategy, rank_block_scales, rank_row_scales
 from engine.models import MODEL_FAMILIES, get_family, get_model_class
 from engine.mxfp4 import MXFP4_EXPERTS, is_mxfp4_checkpoint, mxfp4_checkpoint
@@ -234,15 +235,10 @@ def _set_gguf_special_tokens(path: str, tokenizer) -> None:
     tokenizer transformers makes from a GGUF depends on its version (5.17 gave SmolLM2's eos as
     '<|im_start|>', id 1, where the file says id 2, '<|im_end|>'; 5.24 reads it right), and the
     served end_id is the engine tokenizer's eos."""
-    from gguf import GGUFReader
-
-    fields = GGUFReader(path).fields
-    for kind, attribute in _GGUF_SPECIAL_TOKENS.items():
-        field = fields.get(f"tokenizer.ggml.{kind}_token_id")
-        if field is not None and field.data:
-            token_id = int(field.parts[field.data[0]][0])
-            if 0 <= token_id < len(tokenizer):
-                setattr(tokenizer, attribute, tokenizer.convert_ids_to_tokens(token_id))
+    keys = {f"tokenizer.ggml.{kind}_token_id": attribute for kind, attribute in _GGUF_SPECIAL_TOKENS.items()}
+    for key, token_id in read_gguf_scalars(path, set(keys)).items():
+        if isinstance(token_id, int) and 0 <= token_id < len(tokenizer):
+            setattr(tokenizer, keys[key], tokenizer.convert_ids_to_tokens(token_id))
 
 
 def load_hf_dir(path: str):

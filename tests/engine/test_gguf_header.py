@@ -1,0 +1,56 @@
+"""engine/gguf_header.py against gguf's own reader and writer: every scalar of the embedded model's
+header, a file written with each value type (arrays of numbers and of strings skipped in between),
+and a clear error for a file that is not GGUF."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+
+from engine.gguf_header import GGUFHeaderError, read_gguf_scalars  # noqa: E402
+
+
+def _scalar(field):
+    value = field.parts[field.data[0]]
+    if field.types[0] == gguf.GGUFValueType.STRING:
+        return bytes(value).decode("utf-8")
+    return value[0].item()
+
+
+def test_every_scalar_of_the_embedded_model_as_gguf_reads_it(smollm2_gguf):
+    fields = gguf.GGUFReader(smollm2_gguf).fields
+    scalars = {key: _scalar(field) for key, field in fields.items()
+               if len(field.types) == 1 and key.count(".") and not key.startswith("GGUF.")}
+    assert "tokenizer.ggml.eos_token_id" in scalars and len(scalars) > 10
+    assert read_gguf_scalars(smollm2_gguf, set(scalars)) == pytest.approx(scalars)
+
+
+def test_each_value_type_between_arrays(tmp_path):
+    path = str(tmp_path / "kinds.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_array("a.tokens", ["<s>", "é", "a longer token"])  # strings to skip
+    writer.add_uint8("k.u8", 7)
+    writer.add_int16("k.i16", -300)
+    writer.add_uint32("k.u32", 4_000_000_000)
+    writer.add_array("a.numbers", [1.5, 2.5, 3.5])  # fixed-size elements to skip
+    writer.add_int64("k.i64", -(1 << 40))
+    writer.add_float32("k.f32", 0.25)
+    writer.add_float64("k.f64", 1e-300)
+    writer.add_bool("k.bool", True)
+    writer.add_string("k.str", "ünïcode")
+    writer.add_tensor("w", np.zeros((2, 2), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    wanted = {"k.u8": 7, "k.i16": -300, "k.u32": 4_000_000_000, "k.i64": -(1 << 40), "k.f32": 0.25, "k.f64": 1e-300,
+              "k.bool": True, "k.str": "ünïcode"}
+    assert read_gguf_scalars(path, set(wanted) | {"a.tokens", "a.numbers", "k.absent"}) == wanted
+
+
+def test_a_file_that_is_not_gguf_is_refused_by_name(tmp_path):
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+    with pytest.raises(GGUFHeaderError, match="model.safetensors is not a GGUF file"):
+        read_gguf_scalars(str(path), {"general.name"})
