@@ -214,16 +214,27 @@ def _clear_old_engine(output_dir: str) -> None:
 
 def load_gguf(path: str):
     """(hf_model, tokenizer) of a GGUF file, dequantized to float32 by transformers (~18 s for 135M)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     folder, name = os.path.split(os.path.abspath(path))
     try:
         hf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    except (OSError, ValueError, KeyError) as err:
+        raise CheckpointError(f"cannot load GGUF file {path}: {err}") from None
+    return hf_model, load_gguf_tokenizer(path)
+
+
+def load_gguf_tokenizer(path: str):
+    """The tokenizer of a GGUF file, its special tokens as the file names them."""
+    from transformers import AutoTokenizer
+
+    folder, name = os.path.split(os.path.abspath(path))
+    try:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     except (OSError, ValueError, KeyError) as err:
         raise CheckpointError(f"cannot load GGUF file {path}: {err}") from None
     _set_gguf_special_tokens(path, tokenizer)
-    return hf_model, tokenizer
+    return tokenizer
 
 
 # GGUF metadata key -> tokenizer attribute of the special tokens the file names by id.

@@ -105,12 +105,34 @@ def smollm2_gguf() -> str:
 
 
 @pytest.fixture(scope="session")
-def smollm2_hf(smollm2_gguf):
-    """(transformers model in float32, tokenizer) of the GGUF, loaded once per session."""
-    from engine.build import load_gguf
+def smollm2_hf(smollm2_gguf, tmp_path_factory):
+    """(transformers model in float32, tokenizer) of the GGUF, loaded once per session. Under
+    pytest-xdist every worker is a session: the first to get here dequantizes the GGUF (~20 s on 2
+    cores) and saves the float32 model beside the workers' temporary folders, the others load that
+    copy (~2 s). The tokenizer is the GGUF's in every worker (the build saves it into the engine
+    directory either way)."""
+    from engine.build import load_gguf, load_gguf_tokenizer
 
-    model, tokenizer = load_gguf(smollm2_gguf)
-    return model.eval(), tokenizer
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        model, tokenizer = load_gguf(smollm2_gguf)
+        return model.eval(), tokenizer
+    import torch
+    import transformers
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp().parent / "smollm2_hf_float32"  # pytest-N/, the workers' parent
+    with FileLock(f"{shared}.lock"):
+        if (shared / "config.json").exists():
+            model = transformers.AutoModelForCausalLM.from_pretrained(shared, dtype=torch.float32)
+            return model.eval(), load_gguf_tokenizer(smollm2_gguf)
+        model, tokenizer = load_gguf(smollm2_gguf)
+        # save_pretrained refuses a GGUF-loaded model; its weights in a fresh model of its config save.
+        config = transformers.LlamaConfig.from_dict({k: v for k, v in model.config.to_dict().items()
+                                                     if k != "quantization_config"})
+        copy = transformers.LlamaForCausalLM(config)
+        copy.load_state_dict(model.state_dict())
+        copy.save_pretrained(shared)
+        return model.eval(), tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -98,7 +98,7 @@ def serving_repository(repo: str | Path, work: Path, mpi: bool = False):
 # tritonclient sessions hold some) up to its exit timeout, 30 s, before it unloads the models. A
 # test's server has nothing left to finish when it is stopped, so it gets this long, then SIGKILL
 # (its Python stubs and engine process see their parent go and leave).
-STOP_WAIT_S = 3.0
+STOP_WAIT_S = 1.0
 
 
 def stop(process: subprocess.Popen) -> None:
