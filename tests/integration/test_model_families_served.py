@@ -4,20 +4,23 @@ from the format's definition, tests/engine/quantized_checkpoints.py) and a gpt-o
 MXFP4 experts as OpenAI ships them (tests/engine/mxfp4_checkpoints.py), each built with
 `python -m engine.build` and no length or quantization flag and served through `tensorrt_llm`;
 greedy ids equal transformers' `generate` (for GPTQ: on the checkpoint's dequantized weights; for
-gpt-oss: transformers loading the checkpoint with Mxfp4Config(dequantize=True)). One extra server
-per family, started in turn (module-scoped, parametrized)."""
+gpt-oss: transformers loading the checkpoint with Mxfp4Config(dequantize=True)). One server for the
+four: its repository holds the `tensorrt_llm` model of each family as `tensorrt_llm_<family>` (the
+tests send token ids, so no text model; one server instead of four saves ~40 s of CI)."""
 import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import transformers
+import tritonclient.grpc as grpcclient
 
-from test_non_decoupled import infer
-from triton_helpers import ROOT, running_server
+from test_grpc_stream import tensor
+from triton_helpers import ROOT, load_script, serving_repository
 
 pytestmark = pytest.mark.integration
 
@@ -49,20 +52,18 @@ def _gpt_oss() -> transformers.PreTrainedModel:
     """Marker: the checkpoint is written with MXFP4 experts (_write_gpt_oss_checkpoint)."""
 
 
-@pytest.fixture(scope="module", params=[_qwen3, _qwen3_moe, _gptq_llama, _gpt_oss],
-                ids=["qwen3", "qwen3_moe", "gptq_llama", "gpt_oss"])
-def served_family(request, smollm2_engine_dir, tmp_path_factory):
-    """(transformers model, server): the model saved as a HF safetensors directory with SmolLM2's
-    tokenizer (so the repository's text models load), built with no length flag, served."""
-    name = request.param.__name__.strip("_")
+def _build_family(make, smollm2_engine_dir, tmp_path_factory) -> tuple[transformers.PreTrainedModel, str]:
+    """(transformers model, engine dir): the model saved as a HF safetensors directory with SmolLM2's
+    tokenizer (so the repository's text models could load), built with no length flag."""
+    name = make.__name__.strip("_")
     checkpoint = tmp_path_factory.mktemp(f"{name}_ckpt")
-    if request.param is _gptq_llama:
+    if make is _gptq_llama:
         model = _write_gptq_checkpoint(str(checkpoint))
-    elif request.param is _gpt_oss:
+    elif make is _gpt_oss:
         model = _write_gpt_oss_checkpoint(str(checkpoint))
     else:
         torch.manual_seed(0)
-        model = request.param().eval()
+        model = make().eval()
         with torch.no_grad():
             for param_name, p in model.named_parameters():
                 p.copy_((1.0 if "norm" in param_name else 0.0) + 0.1 * torch.randn_like(p))
@@ -76,8 +77,32 @@ def served_family(request, smollm2_engine_dir, tmp_path_factory):
                             "--output", str(engine_dir), "--dtype", "float32"],
                            capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert build.returncode == 0, build.stderr
-    with running_server(str(engine_dir), tmp_path_factory.mktemp(f"{name}_triton"), decoupled=False) as server:
-        yield model, server
+    return model, str(engine_dir)
+
+
+FAMILIES = {"qwen3": _qwen3, "qwen3_moe": _qwen3_moe, "gptq_llama": _gptq_llama, "gpt_oss": _gpt_oss}
+
+
+@pytest.fixture(scope="module")
+def served_families(smollm2_engine_dir, tmp_path_factory):
+    """({family: transformers model}, server): one tritonserver whose repository holds each family's
+    `tensorrt_llm` model, filled as serve_default fills it (non-decoupled), as `tensorrt_llm_<family>`."""
+    serve = load_script("serve_default")
+    work = tmp_path_factory.mktemp("families_triton")
+    repo = work / "repo"
+    repo.mkdir()
+    models = {}
+    for name, make in FAMILIES.items():
+        models[name], engine_dir = _build_family(make, smollm2_engine_dir, tmp_path_factory)
+        filled = Path(serve.prepare_model_repo(engine_dir, str(work / f"filled_{name}"), decoupled=False))
+        target = repo / f"tensorrt_llm_{name}"
+        shutil.copytree(filled / "tensorrt_llm", target)
+        config = target / "config.pbtxt"
+        text, renamed = config.read_text(), f'name: "tensorrt_llm_{name}"'
+        config.write_text(text.replace('name: "tensorrt_llm"', renamed, 1))
+        assert renamed in config.read_text()
+    with serving_repository(repo, work) as server:
+        yield models, server
 
 
 def _write_gptq_checkpoint(path: str) -> transformers.PreTrainedModel:
@@ -116,15 +141,23 @@ def _write_gpt_oss_checkpoint(path: str) -> transformers.PreTrainedModel:
     return reference
 
 
-def test_greedy_ids_equal_transformers_generate(served_family):
-    model, server = served_family
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_greedy_ids_equal_transformers_generate(served_families, family):
+    models, server = served_families
+    model = models[family]
     width = max(map(len, PROMPTS))
     inputs = {"input_ids": np.array([p + [0] * (width - len(p)) for p in PROMPTS], np.int32),
               "input_lengths": np.array([[len(p)] for p in PROMPTS], np.int32),
               "request_output_len": np.full((len(PROMPTS), 1), NEW_TOKENS, np.int32),
               "end_id": np.full((len(PROMPTS), 1), -1, np.int32),
               "exclude_input_in_output": np.full((len(PROMPTS), 1), True)}
-    result = infer(server, inputs, ["output_ids", "sequence_length", "batch_index"])
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        result = client.infer(f"tensorrt_llm_{family}", [tensor(n, a) for n, a in inputs.items()],
+                              outputs=[grpcclient.InferRequestedOutput(o)
+                                       for o in ("output_ids", "sequence_length", "batch_index")])
+    finally:
+        client.close()
     output_ids, lengths = result.as_numpy("output_ids"), result.as_numpy("sequence_length")
     rows = result.as_numpy("batch_index").reshape(-1).tolist()
     for i, prompt in enumerate(PROMPTS):
