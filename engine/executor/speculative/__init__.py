@@ -10,5 +10,6 @@ rest: ``num_computed_tokens`` stops after the last accepted draft, the blocks th
 rejected positions go back to the pool, and a block is registered for prefix reuse only once all
 its tokens are accepted ones (the executor registers after the rollback).
 """
-from engine.executor.speculative.proposer import DraftProposer, draft_room, make_proposer  # noqa: F401
+from engine.executor.speculative.proposers import make_proposer  # noqa: F401
+from engine.executor.speculative.proposer import DraftProposer, draft_room  # noqa: F401
 from engine.executor.speculative.verify import Verified, verify_batch, verify_drafts  # noqa: F401
