@@ -95,15 +95,10 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bi
     return values.to(dtype)
 
 
-def quantize(weight: torch.Tensor, bits: int, group_size: int, *, symmetric: bool
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Round-to-nearest quantization of a float weight (..., N, K) -> (stored weight, scale, zero).
-
-    Asymmetric: each group's [min, max] (widened to include 0) maps onto [0, 2**bits - 1]:
-    scale = (max - min) / (2**bits - 1), zero = round(-min / scale). Symmetric: zero = 2**(bits-1)
-    and scale = max|w| / (2**(bits-1) - 1), so +-max|w| are codes 1 and 2**bits - 1 (the most
-    negative code stays unused, as in TensorRT-LLM's and GPTQ's symmetric modes).
-    """
+def round_to_nearest(weight: torch.Tensor, bits: int, group_size: int, *, symmetric: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``quantize``'s arithmetic before the codes are stored: (codes (..., N, K // G, G), scale and
+    zero (..., N, K // G)), all float32. AWQ's searches dequantize from here without packing."""
     *lead, n, k = weight.shape
     if bits not in SUPPORTED_BITS:
         raise ValueError(f"{bits}-bit weights are not supported; supported: {SUPPORTED_BITS}")
@@ -122,6 +117,20 @@ def quantize(weight: torch.Tensor, bits: int, group_size: int, *, symmetric: boo
         scale = ((high - low) / top).clamp_(min=1e-10)
         zero = (-low / scale).round_().clamp_(0, top)
     codes = (groups / scale[..., None] + zero[..., None]).round_().clamp_(0, top)
+    return codes, scale, zero
+
+
+def quantize(weight: torch.Tensor, bits: int, group_size: int, *, symmetric: bool
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round-to-nearest quantization of a float weight (..., N, K) -> (stored weight, scale, zero).
+
+    Asymmetric: each group's [min, max] (widened to include 0) maps onto [0, 2**bits - 1]:
+    scale = (max - min) / (2**bits - 1), zero = round(-min / scale). Symmetric: zero = 2**(bits-1)
+    and scale = max|w| / (2**(bits-1) - 1), so +-max|w| are codes 1 and 2**bits - 1 (the most
+    negative code stays unused, as in TensorRT-LLM's and GPTQ's symmetric modes).
+    """
+    *lead, n, k = weight.shape
+    codes, scale, zero = round_to_nearest(weight, bits, group_size, symmetric=symmetric)
     codes = codes.reshape(*lead, n, k).to(torch.uint8)
     return pack_codes(codes, bits), scale, zero.to(torch.uint8)
 

@@ -13,9 +13,9 @@
 # ENGINE_WORKERS, EXECUTOR_WORKERS; their sum within the machine's cores: Triton's compiles take
 # the CPU, and its cache on disk is shared, so a kernel compiles once for all workers). On one GPU
 # every process that makes a model runner caps its allocator at $TRITONLLM_GPU_MEMORY_FRACTION of
-# the device (engine/executor/device_memory.py), so an executor's "90% of the free memory" KV pool
-# is 90% of its share and the workers fit together. With several GPUs the parts go to GPUs of their
-# own (CUDA_VISIBLE_DEVICES), round robin.
+# the device (engine/executor/device_memory.py), so the workers fit together: the tests' own
+# executors get the CPU's pool size (tests/conftest.py), the engine processes they start 90% of
+# their share. With several GPUs the parts go to GPUs of their own (CUDA_VISIBLE_DEVICES), round robin.
 #
 # Prints one summary line per part, then each failure and error with its traceback (written as it
 # happens by tests/conftest.py, so a part cut by the budget still reports them).

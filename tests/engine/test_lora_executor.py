@@ -200,7 +200,6 @@ def test_a_cancelled_or_failed_adapter_request_releases_its_slot(llama):
         assert_no_slot_held(executor)
 
 
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA kernels' widths")
 def test_odd_widths_are_refused_on_cuda(tmp_path):
