@@ -5,7 +5,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup test serve bench clean
+.PHONY: setup test serve bench docs clean
 
 setup:
 	./scripts/setup_env.sh
@@ -23,6 +23,10 @@ serve: setup
 
 bench: setup
 	$(PY) benchmarks/executor_bench.py
+
+# The documentation site (mkdocs.yml, docs/) into site/; tests/tools/test_docs.py builds it strictly.
+docs: setup
+	$(PY) -m mkdocs build --strict --site-dir site
 
 clean:
 	rm -rf $(VENV) engines build *.egg-info
