@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from serving.requests import (UnsupportedFeature, any_nonzero, any_text, guided_decoding, lora_adapter, non_empty,
+from serving.requests import (UnsupportedFeature, any_text, guided_decoding, lora_adapter, non_empty,
                               refuse_unsupported, without)
 from serving.tokenization import REPLACEMENT_CHAR, DecodeWindow, TextDeltas
 
@@ -42,7 +42,7 @@ LLM_INPUTS_FROM_PREPROCESSING = {
     "INPUT_ID": "input_ids", "REQUEST_INPUT_LEN": "input_lengths",
     "REQUEST_OUTPUT_LEN": "request_output_len", "BAD_WORDS_IDS": "bad_words_list",
     "STOP_WORDS_IDS": "stop_words_list", "EMBEDDING_BIAS": "embedding_bias",
-    "OUT_END_ID": "end_id", "OUT_PAD_ID": "pad_id",
+    "OUT_END_ID": "end_id", "OUT_PAD_ID": "pad_id", "OUT_PROMPT_TABLE_EXTRA_IDS": "prompt_table_extra_ids",
 }
 # BLS input -> preprocessing input
 PREPROCESSING_INPUTS = {
@@ -71,33 +71,32 @@ def wants_token_ids(tensors: dict[str, np.ndarray]) -> bool:
 
 # The BLS's inputs of features this backend does not have, refused under the BLS's own names with
 # the same kind of rules as tensorrt_llm's (serving/requests.py): absent, empty (size 0) or "off"
-# values pass. Refused when: prompt_embedding_table,
-# image_input, image_bytes_input, video_bytes_input: any element; prompt_table_extra_id,
-# prompt_vocab_size: non-zero; image_url_input: a non-empty string; decoder_text_input: a
-# non-empty string (an empty one is no decoder prompt). guided_decoding_guide_type/
+# values pass. Refused when: decoder_text_input: a non-empty string (an empty one is no decoder
+# prompt). Without multimodal_encoders_name (a text-only model): image_input, image_bytes_input,
+# video_bytes_input: any element; image_url_input: a non-empty string. prompt_embedding_table,
+# prompt_table_extra_id and prompt_vocab_size go to tensorrt_llm. guided_decoding_guide_type/
 # guided_decoding_guide go to tensorrt_llm as they are (not ragged here, (B, 1) both), after the
 # same check it makes. num_draft_tokens > 0 runs speculative decoding (speculative_generate).
+IMAGE_INPUTS = ("image_input", "image_bytes_input", "image_url_input", "video_bytes_input")
+TEXT_ONLY_MODEL = UnsupportedFeature(
+    "images and video sent to a text-only model (this tensorrt_llm_bls has no multimodal_encoders_name) are",
+    without(*IMAGE_INPUTS) + ", or serve a vision-language model's repository with multimodal_encoders "
+    "(empty tensors and an empty image_url_input are accepted)",
+    {"image_input": non_empty("image_input"), "image_bytes_input": non_empty("image_bytes_input"),
+     "image_url_input": any_text("image_url_input"), "video_bytes_input": non_empty("video_bytes_input")})
 UNSUPPORTED_FEATURES = (
-    UnsupportedFeature(
-        "prompt tuning (prompt embedding tables) is",
-        without("prompt_embedding_table", "prompt_table_extra_id", "prompt_vocab_size")
-        + " (an empty table, prompt_table_extra_id 0 and prompt_vocab_size 0 are accepted)",
-        {"prompt_embedding_table": non_empty("prompt_embedding_table"),
-         "prompt_table_extra_id": any_nonzero("prompt_table_extra_id"),
-         "prompt_vocab_size": any_nonzero("prompt_vocab_size")}),
     UnsupportedFeature(
         "encoder-decoder models are",
         "the engine is decoder-only and the prompt goes in text_input; "
         "send decoder_text_input empty or leave it out",
         {"decoder_text_input": any_text("decoder_text_input")}),
-    UnsupportedFeature(
-        "multimodal inputs (images, video) are",
-        without("image_input", "image_bytes_input", "image_url_input", "video_bytes_input")
-        + " (empty tensors and an empty image_url_input are accepted)",
-        {"image_input": non_empty("image_input"), "image_bytes_input": non_empty("image_bytes_input"),
-         "image_url_input": any_text("image_url_input"),
-         "video_bytes_input": non_empty("video_bytes_input")}),
+    TEXT_ONLY_MODEL,
 )
+
+
+def has_images(tensors: dict[str, np.ndarray]) -> bool:
+    """The request carries an image or a video (empty tensors and an empty URL are none)."""
+    return any(TEXT_ONLY_MODEL.inputs[name](tensors, 1) for name in IMAGE_INPUTS if name in tensors)
 
 
 # The reference BLS's texts for speculative decoding requests it cannot serve.
@@ -117,7 +116,8 @@ def _flag(tensors: dict[str, np.ndarray], name: str) -> bool:
     return value is not None and value.size > 0 and bool(np.any(value))
 
 
-def validate(tensors: dict[str, np.ndarray], draft_model_name: str | None = None) -> None:
+def validate(tensors: dict[str, np.ndarray], draft_model_name: str | None = None,
+             multimodal_encoders_name: str | None = None) -> None:
     """The reference BLS checks, with its texts; then inputs of features this backend lacks, and
     the guided-decoding pair and the LoRA inputs (serving/requests.py guided_decoding, lora_adapter)."""
     text = tensors.get("text_input")
@@ -136,7 +136,12 @@ def validate(tensors: dict[str, np.ndarray], draft_model_name: str | None = None
         if text.shape[0] != 1:
             raise ValueError(f"speculative decoding (num_draft_tokens) serves one text_input per request, got a "
                              f"batch of {text.shape[0]}; send one request per prompt")
-    refuse_unsupported(tensors, text.shape[0], UNSUPPORTED_FEATURES)
+    features = UNSUPPORTED_FEATURES
+    if multimodal_encoders_name:
+        features = tuple(f for f in UNSUPPORTED_FEATURES if f is not TEXT_ONLY_MODEL)
+        if has_images(tensors) and num_draft_tokens(tensors) > 0:
+            raise ValueError("Multimodal and speculative decoding is not currently supported")
+    refuse_unsupported(tensors, text.shape[0], features)
     for row in range(text.shape[0]):  # before preprocessing runs; tensorrt_llm checks the same
         guided_decoding(tensors, text.shape[0], row)
         lora_adapter(tensors, text.shape[0], row)

@@ -46,10 +46,8 @@ IGNORED_INPUTS = (
 # text back for a request that asked for a feature it does not have, such as a prompt table. Only a real use is
 # refused: an absent or empty (size 0) tensor is not "sent", and neither is a value that means
 # "off". A plain request through the ensemble delivers preprocessing's decoder_input_ids ([[pad_id]]
-# per item) and decoder_input_lengths ([[1]]), and prompt_table_extra_ids (0 at every ordinary
-# token) when the client sent prompt_table_extra_id; those pass. Rule per input (refused when):
-#   prompt_embedding_table: any element. prompt_table_extra_ids: a non-zero id (ids are 1.. per
-#       NVIDIA's clients; 0 marks ordinary tokens). prompt_vocab_size: non-zero.
+# per item) and decoder_input_lengths ([[1]]); those pass. (Prompt-embedding tables are supported:
+# see prompt_table below.) Rule per input (refused when):
 #   lookahead_window_size, lookahead_ngram_size,
 #       lookahead_verification_set_size: any element (the reference refuses them too unless the
 #       model is configured for lookahead, which this backend never is).
@@ -184,13 +182,6 @@ def without(*names: str) -> str:
 
 
 UNSUPPORTED_FEATURES = (
-    UnsupportedFeature(
-        "prompt tuning (prompt embedding tables) is",
-        without("prompt_embedding_table", "prompt_table_extra_ids", "prompt_vocab_size")
-        + " (an empty table, extra ids 0 and prompt_vocab_size 0 are accepted)",
-        {"prompt_embedding_table": non_empty("prompt_embedding_table"),
-         "prompt_table_extra_ids": any_nonzero("prompt_table_extra_ids"),
-         "prompt_vocab_size": any_nonzero("prompt_vocab_size")}),
     UnsupportedFeature(
         "lookahead decoding is",
         without("lookahead_window_size", "lookahead_ngram_size", "lookahead_verification_set_size"),
@@ -363,6 +354,40 @@ def external_draft(tensors: Mapping[str, np.ndarray], batch_size: int, row: int)
             "acceptance_threshold": None if threshold is None else float(threshold)}
 
 
+# ----------------------------------------------------------------------------- prompt-embedding tables
+#
+# prompt_embedding_table (FP16 (B, rows, hidden), ragged: an item's rows) holds rows that stand in
+# for the prompt ids >= vocab_size (id vocab_size + r takes row r: image features from
+# multimodal_encoders, or a soft prompt); prompt_table_extra_ids (UINT64 (B, L), 0 at ordinary
+# tokens) tell apart images whose fake ids are equal, for KV reuse; cut to the item's input length
+# as the reference's model.py does. prompt_vocab_size is read by no backend (the reference's
+# neither): accepted, ignored. An empty table is no table. The engine checks the rest (width, rows,
+# fake ids) and answers with an error naming the input (engine/executor/prompt_table.py).
+PROMPT_TABLE_INPUTS = ("prompt_embedding_table", "prompt_table_extra_ids", "prompt_vocab_size")
+
+
+def prompt_table(tensors: Mapping[str, np.ndarray], batch_size: int, row: int,
+                 input_length: int) -> dict[str, Any] | None:
+    """Item `row`'s PromptTable fields, or None when it sent no table."""
+    table = read_row(tensors, "prompt_embedding_table", batch_size, row) if _present(
+        tensors.get("prompt_embedding_table")) else None
+    extra = read_row(tensors, "prompt_table_extra_ids", batch_size, row) if _present(
+        tensors.get("prompt_table_extra_ids")) else None
+    if table is None:
+        if extra is not None and np.any(extra != 0):
+            raise ValueError("prompt_table_extra_ids was sent without prompt_embedding_table; an extra id "
+                             "tells apart prompt-table rows, so send the table with it (or send extra ids 0)")
+        return None
+    embeddings = table[0]
+    if embeddings.ndim != 2:
+        raise ValueError(f"prompt_embedding_table has shape {tuple(tensors['prompt_embedding_table'].shape)}; "
+                         "send one (rows, hidden_size) table per item: [batch, rows, hidden_size]")
+    extra_ids = None
+    if extra is not None and np.any(extra != 0):
+        extra_ids = [int(v) for v in extra.reshape(-1)[:input_length]]
+    return {"embeddings": embeddings, "extra_ids": extra_ids}
+
+
 @dataclass
 class RequestSpec:
     """Everything needed to build one executor `Request` for one batch row."""
@@ -381,6 +406,7 @@ class RequestSpec:
     guided_decoding: tuple[str, str | None] | None = None  # (guide type, guide)
     lora: dict[str, Any] | None = None  # LoraRequest fields (lora_adapter)
     external_draft: dict[str, Any] | None = None  # ExternalDraftTokens fields (external_draft)
+    prompt_table: dict[str, Any] | None = None  # PromptTable fields (prompt_table)
 
     @property
     def num_return_sequences(self) -> int:
@@ -499,9 +525,10 @@ def convert_row(tensors: Mapping[str, np.ndarray], row: int, batch_size: int, *,
     bias = read_row(tensors, "embedding_bias", batch_size, row)
     end_id = read_scalar(tensors, "end_id", batch_size, row)
     pad_id = read_scalar(tensors, "pad_id", batch_size, row)
+    input_token_ids = _input_token_ids(tensors, batch_size, row, max_input_len)
     return RequestSpec(
         batch_index=row,
-        input_token_ids=_input_token_ids(tensors, batch_size, row, max_input_len),
+        input_token_ids=input_token_ids,
         max_tokens=int(max_tokens),
         streaming=streaming,
         end_id=None if end_id is None else int(end_id),
@@ -514,6 +541,7 @@ def convert_row(tensors: Mapping[str, np.ndarray], row: int, batch_size: int, *,
         guided_decoding=guided_decoding(tensors, batch_size, row),
         lora=lora_adapter(tensors, batch_size, row),
         external_draft=external_draft(tensors, batch_size, row),
+        prompt_table=prompt_table(tensors, batch_size, row, len(input_token_ids)),
     )
 
 
@@ -537,6 +565,7 @@ def is_stop_request(tensors: Mapping[str, np.ndarray]) -> bool:
 
 def to_executor_request(spec: RequestSpec):
     """Build the engine's `Request` (imported here so this module loads without the engine)."""
+    from engine.executor.prompt_table import PromptTable
     from engine.executor.request import (ExternalDraftTokens, GuidedDecodingParams, LoraRequest, OutputConfig, Request,
                                          SamplingConfig)
 
@@ -548,6 +577,7 @@ def to_executor_request(spec: RequestSpec):
         guided_decoding=None if spec.guided_decoding is None else GuidedDecodingParams(*spec.guided_decoding),
         lora=None if spec.lora is None else LoraRequest(**spec.lora),
         external_draft=None if spec.external_draft is None else _draft_tokens(ExternalDraftTokens, spec.external_draft),
+        prompt_table=None if spec.prompt_table is None else PromptTable(**spec.prompt_table),
     )
 
 

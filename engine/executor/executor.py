@@ -39,6 +39,8 @@ from engine.executor.executor_config import (  # noqa: F401
     ExecutorConfig, ExecutorConfigError, SpeculativeConfig,
 )
 from engine.executor.kv_host_tier import make_host_tier
+from engine.executor.prompt_table import gather_prompt_embeds, prompt_cache_keys
+from engine.models.prompt_embeds import PromptEmbeds
 from engine.executor.output import ResponseQueue, responses_for
 from engine.executor.overlap import (
     InFlightStep, TokenTransfer, needs_tokens_on_host, pinned_token_buffers, placeholder,
@@ -178,7 +180,12 @@ class Executor:
             max_beam_width=self.config.max_beam_width, max_num_tokens=self.max_num_tokens,
             enable_chunked_context=self.config.enable_chunked_context,
             num_kv_blocks=self.blocks.num_blocks, tokens_per_block=self.blocks.tokens_per_block,
-            max_batch_size=self.max_batch_size, max_draft_len=self.config.max_draft_len)
+            max_batch_size=self.max_batch_size, max_draft_len=self.config.max_draft_len,
+            hidden_size=self.runner.model_config.hidden_size,
+            # One rank only: the step protocol sends token ids, not the table rows the splice needs.
+            supports_prompt_tables=build.tp_size == 1
+            and getattr(getattr(self.runner, "model", None), "supports_prompt_tables", False))
+        self._table_request_ids: set[int] = set()  # active requests with a prompt table
         self._num_draft_tokens_total = 0  # cumulative, for IterationStats
         self._num_accepted_draft_tokens_total = 0
 
@@ -398,10 +405,16 @@ class Executor:
             state.is_queued = True
             self._num_unscheduled += 1
             beam_width = state.request.sampling.beam_width or 1
+            table = state.request.prompt_table
+            cache_keys = None
+            if table is not None:  # the prefix cache sees each fake id as its table's content
+                self._table_request_ids.add(state.request_id)
+                cache_keys = prompt_cache_keys(state.request.input_token_ids, table, self.limits.vocab_size)
             for index in range(state.num_streams if beam_width == 1 else beam_width):
                 seq = Sequence(next(self._seq_ids), state, sequence_index=0 if beam_width > 1 else index,
                                beam_index=index if beam_width > 1 else 0)
                 seq.can_reuse_prefix = not state.request.output.return_context_logits
+                seq.prompt_cache_keys = cache_keys
                 seq.seed = self._seed_for(state, index)
                 self._attach_external_draft(seq)
                 state.sequences.append(seq)
@@ -516,7 +529,9 @@ class Executor:
         num_active = len(self._active)  # in flight this step, those that finish in it included
         try:
             batch, rows, sampling, drafted = self._forward_batch(plan)
-            logits = self.runner.forward(batch)
+            prompt_embeds = self._prompt_embeds(plan) if self._table_request_ids else None
+            logits = (self.runner.forward(batch) if prompt_embeds is None
+                      else self.runner.forward(batch, prompt_embeds=prompt_embeds))
             # A constrained row samples after the previous step's tokens reach its matcher (_sample_guided).
             guided = self.token_masks is not None and any(seq.grammar is not None for seq, _ in sampling)
             transfer = self._sample(logits, sampling, batch) if sampling and not guided else None
@@ -629,6 +644,18 @@ class Executor:
         batch = ForwardBatch(token_ids, positions, seq_lens, context_lens, tables, logits_indices, slot,
                              lora_slots if any(s >= 0 for s in lora_slots) else None)
         return batch, rows, sampling, drafted
+
+    def _prompt_embeds(self, plan: SchedulerOutput) -> PromptEmbeds | None:
+        """The prompt-table rows of this step's chunks (in _forward_batch's packing order): every
+        scheduled prompt token whose id is vocab_size + row takes that row of its request's table."""
+        pieces, offset = [], 0
+        for item in plan.scheduled:
+            seq, start, n = item.seq, item.start, item.num_new_tokens
+            table = seq.state.request.prompt_table
+            if table is not None and start < seq.num_prompt_tokens:
+                pieces.append((offset, seq.token_ids[start:min(start + n, seq.num_prompt_tokens)], table))
+            offset += n
+        return gather_prompt_embeds(pieces, self.limits.vocab_size) if pieces else None
 
     def _logit_positions(self, item) -> list[int]:
         """Chunk-relative tokens whose logits are needed: new prompt positions for context logits, then the last."""
@@ -934,6 +961,7 @@ class Executor:
                 self.proposer.release(seq)
         self._active.pop(state.request_id, None)
         self._sync_request_ids.discard(state.request_id)
+        self._table_request_ids.discard(state.request_id)
 
     def _deliver(self, responses: list[Response]) -> None:
         started = time.perf_counter()

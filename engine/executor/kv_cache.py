@@ -44,6 +44,13 @@ from typing import Protocol
 FREED_BLOCK = -1  # a block-table entry whose block went back to the pool (outside every layer's window)
 
 
+def cache_token_ids(seq) -> list:
+    """What blocks of ``seq`` are keyed by: its token ids, except that a prompt with table rows
+    (``prompt_cache_keys``, engine/executor/prompt_table.py) is keyed by the rows' content."""
+    keys = getattr(seq, "prompt_cache_keys", None)
+    return seq.token_ids if keys is None else keys + seq.token_ids[len(keys):]
+
+
 def chain_block_hashes(token_ids: list[int], tokens_per_block: int, known: list[int]) -> list[int]:
     """Extend ``known`` (hashes of the first len(known) full blocks) to every full block of token_ids."""
     if (len(known) + 1) * tokens_per_block > len(token_ids):
@@ -212,14 +219,15 @@ class BlockManager:
         block holding the last token is never shared, so a shared block is never written again.
         """
         assert not seq.block_ids and seq.num_computed_tokens == 0
-        seq.block_hashes = chain_block_hashes(seq.token_ids, self.tokens_per_block, seq.block_hashes)
+        token_ids = cache_token_ids(seq)
+        seq.block_hashes = chain_block_hashes(token_ids, self.tokens_per_block, seq.block_hashes)
         max_blocks = (len(seq.token_ids) - 1) // self.tokens_per_block
         if not getattr(seq, "can_reuse_prefix", True):  # e.g. context logits need every prompt position
             max_blocks = 0
-        hits = self.match_prefix(seq.block_hashes, seq.token_ids, max_blocks)
+        hits = self.match_prefix(seq.block_hashes, token_ids, max_blocks)
         self.acquire(hits)
         if self.host_tier is not None and len(hits) < max_blocks:
-            hits += self._continue_from_host(seq.block_hashes, seq.token_ids, len(hits), max_blocks)
+            hits += self._continue_from_host(seq.block_hashes, token_ids, len(hits), max_blocks)
         self.total_reused_blocks += len(hits)
         seq.block_ids = hits
         seq.num_computed_tokens = len(hits) * self.tokens_per_block
@@ -280,9 +288,10 @@ class BlockManager:
         num_full = min(seq.num_computed_tokens // T, len(seq.block_ids))
         if num_full <= seq.num_registered_blocks:
             return
-        seq.block_hashes = chain_block_hashes(seq.token_ids, T, seq.block_hashes)
+        token_ids = cache_token_ids(seq)
+        seq.block_hashes = chain_block_hashes(token_ids, T, seq.block_hashes)
         for i in range(seq.num_registered_blocks, num_full):
-            self.register(seq.block_ids[i], seq.block_hashes[i], tuple(seq.token_ids[i * T:(i + 1) * T]))
+            self.register(seq.block_ids[i], seq.block_hashes[i], tuple(token_ids[i * T:(i + 1) * T]))
         seq.num_registered_blocks = num_full
 
     def free_blocks_outside_window(self, seq: SequenceBlocks, window: int) -> int:

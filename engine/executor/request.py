@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from engine.executor.prompt_table import PromptTable, normalize_prompt_table, prompt_table_error
 from engine.executor.top_log_probs import MAX_TOP_LOG_PROBS, num_top_log_probs_error
 
 
@@ -167,6 +168,8 @@ class Request:
     guided_decoding: GuidedDecodingParams | None = None  # constrains every returned sequence
     lora: LoraRequest | None = None  # the adapter every returned sequence runs with
     external_draft: ExternalDraftTokens | None = None  # drafts verified at the first generation step
+    # Prompt ids >= vocab_size take rows of this table (image features; engine/executor/prompt_table.py).
+    prompt_table: PromptTable | None = None
 
 
 @dataclass
@@ -258,6 +261,9 @@ class Sequence:
         self.block_hashes: list[int] = []  # chained hashes of the full blocks of token_ids, in order
         self.num_registered_blocks = 0  # block_ids[:n] are findable by hash (or reuse is off)
         self.num_window_freed_blocks = 0  # block_ids[:n] are FREED_BLOCK (left the attention window)
+        # With a prompt table: the prompt as the prefix cache keys it (fake ids -> table content;
+        # engine/executor/prompt_table.py); None: token_ids themselves.
+        self.prompt_cache_keys: list | None = None
         self.status = SequenceStatus.WAITING
         self.finish_reason = FinishReason.NOT_FINISHED
         self.arrival_order = 0  # set by the scheduler; preemption picks the largest (newest)
@@ -356,6 +362,8 @@ class RequestLimits:
     tokens_per_block: int
     max_batch_size: int = 1 << 30
     max_draft_len: int = 8  # the most external draft tokens a request may carry
+    hidden_size: int = 0  # the width a prompt_embedding_table's rows must have
+    supports_prompt_tables: bool = True  # the model's forward splices table rows (engine/executor/prompt_table.py)
 
 
 def _token_ids_in_vocab(name: str, token_ids, vocab_size: int) -> str | None:
@@ -484,7 +492,10 @@ def validate_request(request: Request, limits: RequestLimits) -> str | None:
     for name, token in (("end_id", request.end_id), ("pad_id", request.pad_id)):
         if token is not None and token != -1 and not 0 <= token < limits.vocab_size:
             return f"{name} must be -1 (none) or a token id 0..{limits.vocab_size - 1}, got {token}"
-    error = _token_ids_in_vocab("input_token_ids", prompt, limits.vocab_size)
+    error = prompt_table_error(prompt, request.prompt_table, limits.vocab_size, limits.hidden_size,
+                               limits.supports_prompt_tables)
+    ordinary = prompt if request.prompt_table is None else [t for t in prompt if t < limits.vocab_size]
+    error = error or _token_ids_in_vocab("input_token_ids", ordinary, limits.vocab_size)
     for name, words in (("stop_words", request.stop_words), ("bad_words", request.bad_words)):
         for word in words or ():
             error = error or _token_ids_in_vocab(name, word, limits.vocab_size)
@@ -539,6 +550,7 @@ def normalize_request(request: Request) -> Request:
         bad_words=words("bad_words", request.bad_words),
         external_draft=None if request.external_draft is None else replace(
             request.external_draft, token_ids=_int_list("draft_input_ids", request.external_draft.token_ids)),
+        prompt_table=None if request.prompt_table is None else normalize_prompt_table(request.prompt_table),
         lora=None if request.lora is None else replace(
             request.lora, task_id=request.lora.task_id if isinstance(request.lora.task_id, bool)
             else operator.index(request.lora.task_id)),

@@ -22,6 +22,7 @@ from engine.executor.device_memory import apply_memory_fraction_from_env, free_d
 from engine.executor.cuda_graphs import DecodeGraphs, choose_programmatic_launch, run_warmup_batch
 from engine.executor.overlap import resolve_placeholders
 from engine.executor.prefill_graphs import PrefillGraphs
+from engine.models.prompt_embeds import PromptEmbeds, embeddable_ids
 from engine.executor.random_weights import has_random_weights, materialize_random_weights
 from engine.lora.pool import LoraPools
 from engine.models.layers import Linear, enable_one_shot_all_reduce, prepare_weights
@@ -343,11 +344,22 @@ class ModelRunner:
     # ---- forward --------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, *, all_logits: bool = False) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, *, all_logits: bool = False,
+                prompt_embeds: PromptEmbeds | None = None) -> torch.Tensor:
         """Run one packed step; float32 logits (len(logits_indices), vocab), or (num_tokens, vocab)
-        for every new token when ``all_logits`` (context logits)."""
+        for every new token when ``all_logits`` (context logits). ``prompt_embeds``: rows of prompt
+        tables that replace the embeddings of some of the batch's tokens (engine/executor/prompt_table.py);
+        such steps run eagerly."""
         if self.kv_cache is None:
             raise RuntimeError("allocate_kv_cache() must run before forward()")
+        if prompt_embeds is not None:
+            input_ids, positions, meta = self._prepare(batch)
+            input_ids = embeddable_ids(input_ids, self.vocab_size)
+            hidden = self.model(resolve_placeholders(input_ids, self.sampled_tokens), positions, self.kv_cache, meta,
+                                prompt_embeds=prompt_embeds)
+            if not all_logits:
+                hidden = hidden[self._to_device(batch.logits_indices, torch.int64)]
+            return self.model.compute_logits(hidden)
         if self.decode_graphs is not None and not all_logits:
             hidden = self.decode_graphs.try_run(batch)
             if hidden is not None:  # a decode-only batch, replayed from its bucket's graph

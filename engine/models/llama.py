@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.models.prompt_embeds import PromptEmbeds, splice_prompt_embeds
 from engine.models.layers import (Linear, Norm, RowParallelLinear, VocabParallelEmbedding, qkv_heads, rms_norm_into,
                                   vocab_parallel_logits)
 from kernels.attention_metadata import AttentionMetadata
@@ -127,6 +128,8 @@ class LlamaForCausalLM(nn.Module):
     supports_prefill_graphs = True
     # Adapters on the attention and dense MLP projections (engine/lora/pool.py attaches them).
     supports_lora = True
+    # forward() takes prompt_embeds (prompt-embedding tables, image features).
+    supports_prompt_tables = True
 
     def __init__(self, config: ModelConfig, *, tp_rank: int = 0, tp_size: int = 1, tp_group=None,
                  dtype: torch.dtype = torch.float32, device=None, max_positions: int | None = None,
@@ -162,10 +165,11 @@ class LlamaForCausalLM(nn.Module):
         return self.cos_sin_cache
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                attn_meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: (num_tokens,) -> final-normed hidden states (num_tokens, hidden)."""
+                attn_meta: AttentionMetadata, prompt_embeds: PromptEmbeds | None = None) -> torch.Tensor:
+        """input_ids, positions: (num_tokens,) -> final-normed hidden states (num_tokens, hidden).
+        ``prompt_embeds``: prompt-table rows that replace some tokens' embeddings (image features)."""
         cos_sin_cache = self._rotary_table(input_ids.device)
-        x, residual = self.embed_tokens(input_ids), None
+        x, residual = splice_prompt_embeds(self.embed_tokens(input_ids), prompt_embeds), None
         for layer in self.layers:
             x, residual = layer(x, residual, positions, cos_sin_cache, kv_cache, attn_meta)
         return rms_norm(apply_scales(x), self.norm.weight, self.config.norm_eps, residual)[0]

@@ -12,8 +12,8 @@ import pytest
 
 from serving.bls import (LLM_INPUTS_FROM_PREPROCESSING, LLM_INPUTS_FROM_REQUEST, PREPROCESSING_INPUTS,
                          validate, with_batch_dim)
-from serving.requests import (DRAFT_INPUTS, GUIDED_INPUTS, IGNORED_INPUTS, LORA_INPUTS, UNSUPPORTED_INPUTS,
-                              conversion_error_message, convert_request)
+from serving.requests import (DRAFT_INPUTS, GUIDED_INPUTS, IGNORED_INPUTS, LORA_INPUTS, PROMPT_TABLE_INPUTS,
+                              UNSUPPORTED_INPUTS, conversion_error_message, convert_request)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -40,9 +40,6 @@ def minimal(**extra):
 
 # input -> (its value in a request that really uses the feature, other inputs that request sends)
 USED = {
-    "prompt_embedding_table": (np.ones((1, 4, 8), np.float16), {}),
-    "prompt_table_extra_ids": (np.array([[0, 0, 7]], np.uint64), {}),
-    "prompt_vocab_size": (i32([4]), {}),
     "lookahead_window_size": (i32([7]), {}),
     "lookahead_ngram_size": (i32([7]), {}),
     "lookahead_verification_set_size": (i32([7]), {}),
@@ -72,7 +69,7 @@ def test_every_unsupported_input_has_a_case_and_every_declared_input_a_rule():
             "repetition_penalty", "min_tokens", "presence_penalty", "frequency_penalty", "seed",
             "return_log_probs", "return_context_logits", "return_generation_logits",
             "return_perf_metrics", "exclude_input_in_output", "stop", "streaming", "num_top_log_probs",
-            *GUIDED_INPUTS, *LORA_INPUTS, *DRAFT_INPUTS}
+            *GUIDED_INPUTS, *LORA_INPUTS, *DRAFT_INPUTS, *PROMPT_TABLE_INPUTS}
     assert declared == read | set(UNSUPPORTED_INPUTS) | set(IGNORED_INPUTS)
     assert not set(UNSUPPORTED_INPUTS) & set(IGNORED_INPUTS)
 
@@ -91,11 +88,10 @@ def test_a_used_unsupported_input_is_refused_by_name(name):
 
 def test_error_text_names_what_is_wrong_and_what_is_allowed():
     with pytest.raises(ValueError) as raised:
-        convert_request(minimal(prompt_embedding_table=USED["prompt_embedding_table"][0]), decoupled=False)
+        convert_request(minimal(context_phase_params=USED["context_phase_params"][0]), decoupled=False)
     assert str(raised.value) == (
-        "prompt_embedding_table: prompt tuning (prompt embedding tables) is not supported by this backend; "
-        "send the request without prompt_embedding_table/prompt_table_extra_ids/prompt_vocab_size "
-        "(an empty table, extra ids 0 and prompt_vocab_size 0 are accepted)")
+        "context_phase_params: disaggregated serving (context/generation phase split) is not supported by this "
+        "backend; send the request without context_phase_params")
 
 
 # input -> values that must pass: empty tensors, the "off" values clients and the pipeline send
@@ -257,7 +253,6 @@ def test_plain_ensemble_batch_passes(preprocess):
 
 @pytest.mark.parametrize("extra,name", [
     ({"decoder_text_input": text("Translate to German: good morning")}, "decoder_input_ids"),
-    ({"prompt_embedding_table": np.ones((1, 4, 8), np.float16)}, "prompt_embedding_table"),
 ])
 def test_real_uses_through_the_ensemble_are_refused(preprocess, extra, name):
     tensors = ensemble_llm_tensors(preprocess, {**E2E_CLIENT, **extra})
@@ -270,10 +265,7 @@ BLS_PLAIN = {"text_input": text("What is the capital of France?"), "max_tokens":
              "stream": np.array([[False]]), "beam_width": i32([1]), "temperature": f32([1.0]),
              "exclude_input_in_output": np.array([False]), "num_return_sequences": np.array([1], np.int32)}
 
-BLS_USED = {
-    "prompt_embedding_table": np.ones((1, 4, 8), np.float16),
-    "prompt_table_extra_id": np.array([[7]], np.uint64),
-    "prompt_vocab_size": i32([4]),
+BLS_USED = {  # (images: refused by a BLS without multimodal_encoders_name, i.e. over a text-only model)
     "decoder_text_input": text("Translate: good morning"),
     "image_input": np.ones((1, 1, 3, 2, 2), np.float16),
     "image_bytes_input": np.ones((1, 1, 2, 2, 3), np.uint8),

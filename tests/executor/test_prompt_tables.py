@@ -1,0 +1,112 @@
+"""Prompt-embedding tables through the executor: ids >= vocab_size take rows of the request's table
+(image features), equal to transformers fed the same embeddings, through chunked prefill, preemption,
+beside text-only requests; the prefix cache keys table rows by content; bad tables get named errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.executor import Executor, ExecutorConfig, OutputConfig, Request
+from engine.executor.prompt_table import PromptTable
+from tests.executor.conftest import VOCAB
+from tests.executor.executor_testing import collect, final_tokens
+
+HIDDEN = 64
+EXCLUDE = OutputConfig(exclude_input_from_output=True, return_perf_metrics=True)
+
+
+def image_table(seed: int, rows: int = 6) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, HIDDEN, generator=generator)
+
+
+def image_prompt(rows: int = 6, before=(3, 17, 5), after=(9, 42)) -> list[int]:
+    """A prompt whose image slot is ids vocab_size .. vocab_size + rows - 1 (the anchor's layout)."""
+    return [*before, *range(VOCAB, VOCAB + rows), *after]
+
+
+def transformers_greedy(hf, prompt: list[int], table: torch.Tensor, max_new_tokens: int) -> list[int]:
+    """Greedy continuation with the fake ids' embeddings replaced by the table rows."""
+    embed = hf.get_input_embeddings()
+    tokens = torch.tensor([t if t < VOCAB else 0 for t in prompt])
+    embeds = embed(tokens).detach().clone()
+    for position, token in enumerate(prompt):
+        if token >= VOCAB:
+            embeds[position] = table[token - VOCAB]
+    out = []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            logits = hf(inputs_embeds=embeds.unsqueeze(0)).logits[0, -1]
+            token = int(logits.argmax())
+            out.append(token)
+            embeds = torch.cat([embeds, embed(torch.tensor([token]))])
+    return out
+
+
+def run(executor, requests: list[Request]) -> list:
+    ids = executor.enqueue_requests(requests)
+    responses = collect(executor, ids)
+    return [responses[i] for i in ids]
+
+
+def test_table_rows_replace_fake_ids_as_transformers_does(tiny_engine, tiny_hf):
+    prompt, table = image_prompt(), image_table(1)
+    expected = transformers_greedy(tiny_hf, prompt, table, 8)
+    text_prompt = [3, 17, 5, 11, 12, 13]
+    with Executor(tiny_engine, ExecutorConfig()) as executor:
+        image, text = run(executor, [Request(prompt, 8, output=EXCLUDE, prompt_table=PromptTable(table)),
+                                     Request(text_prompt, 8, output=EXCLUDE)])
+    assert final_tokens(image) == expected
+    plain = tiny_hf.generate(torch.tensor([text_prompt]), max_new_tokens=8, do_sample=False)[0, len(text_prompt):]
+    assert final_tokens(text) == plain.tolist()  # a text-only request in the same batch
+
+
+def test_chunked_prefill_splits_the_image_and_preemption_recomputes_it(tiny_engine, tiny_hf):
+    # max_num_tokens 8 cuts the 11-token prompt inside the image; a pool of 10 blocks of 4 tokens cannot
+    # hold six 30-token requests at once, so max_utilization preempts and recomputes some.
+    tables = [image_table(10 + i) for i in range(6)]
+    prompt = image_prompt()
+    expected = [transformers_greedy(tiny_hf, prompt, t, 19) for t in tables]
+    config = ExecutorConfig(enable_chunked_context=True, max_num_tokens=8, batch_scheduler_policy="max_utilization",
+                            max_tokens_in_paged_kv_cache=40, enable_kv_cache_reuse=False)
+    with Executor(tiny_engine, config) as executor:
+        responses = run(executor, [Request(prompt, 19, output=EXCLUDE, prompt_table=PromptTable(t)) for t in tables])
+        preempted = sum(s.num_preempted_requests for s in executor.get_iteration_stats_history())
+    assert [final_tokens(r) for r in responses] == expected
+    assert preempted > 0
+
+
+def test_prefix_cache_keys_table_blocks_by_content(tiny_engine, tiny_hf):
+    prompt = image_prompt(rows=8, before=(3, 17, 5, 6), after=(9, 42, 1, 2, 7))  # 17 tokens: 4 full blocks
+    first, other = image_table(2, rows=8), image_table(3, rows=8)
+    with Executor(tiny_engine, ExecutorConfig()) as executor:
+        sent = run(executor, [Request(prompt, 4, output=EXCLUDE, prompt_table=PromptTable(first))])[0]
+        again = run(executor, [Request(prompt, 4, output=EXCLUDE, prompt_table=PromptTable(first.clone()))])[0]
+        different = run(executor, [Request(prompt, 4, output=EXCLUDE, prompt_table=PromptTable(other))])[0]
+        extra = run(executor, [Request(prompt, 4, output=EXCLUDE,
+                                       prompt_table=PromptTable(first, extra_ids=[0] * 4 + [7] * 8 + [0] * 5))])[0]
+    assert again[-1].result.perf.kv_cache_reused_blocks == 4
+    assert final_tokens(again) == final_tokens(sent)
+    assert different[-1].result.perf.kv_cache_reused_blocks == 1  # the text block before the image only
+    assert final_tokens(different) == transformers_greedy(tiny_hf, prompt, other, 4)
+    assert extra[-1].result.perf.kv_cache_reused_blocks == 1  # another extra id: another image
+
+
+@pytest.mark.parametrize("request_fields, message", [
+    (dict(prompt_table=PromptTable(torch.ones(6, 32))),
+     "prompt_embedding_table has rows of width 32; they must have the model's hidden size (64)"),
+    (dict(input_token_ids=image_prompt(rows=7), prompt_table=PromptTable(torch.ones(6, HIDDEN))),
+     f"input_ids contains id {VOCAB + 6}, which names row 6 of a prompt_embedding_table of 6 rows"),
+    (dict(input_token_ids=[3, 4, 5], prompt_table=PromptTable(torch.ones(6, HIDDEN))),
+     "prompt_embedding_table was sent but input_ids hold no id >= vocab_size (128)"),
+    (dict(), f"input_token_ids contains token id {VOCAB} outside the vocabulary; allowed ids are 0..127 "
+             "(ids from vocab_size on name rows of a prompt_embedding_table, and the request sent none)"),
+    (dict(prompt_table=PromptTable(torch.ones(6, HIDDEN), extra_ids=[1, 2])),
+     "prompt_table_extra_ids has 2 values for 11 prompt tokens"),
+])
+def test_bad_tables_get_named_errors_and_the_next_request_runs(tiny_engine, request_fields, message):
+    fields = dict(input_token_ids=image_prompt(), max_tokens=2) | request_fields
+    with Executor(tiny_engine, ExecutorConfig()) as executor:
+        bad, good = run(executor, [Request(**fields), Request([3, 4, 5], 2)])
+    assert message in bad[-1].error
+    assert good[-1].error is None
