@@ -20,7 +20,7 @@ import tempfile
 # (openai_frontend.app is imported in main, after PROMETHEUS_MULTIPROC_DIR is set for --workers:
 # prometheus_client picks its value storage when it is first imported.)
 from openai_frontend.lora_modules import parse_lora_modules
-from openai_frontend.repository import tokenizer_settings
+from openai_frontend.repository import lora_off_reason, tokenizer_settings
 from openai_frontend.tool_parsers import PARSERS
 from openai_frontend.workers import serve, worker
 
@@ -72,6 +72,10 @@ def config_from_arguments(args: argparse.Namespace):
         raise ValueError("pass --model_repo or --tokenizer_dir (the engine directory)")
     name = args.served_model_name or os.path.basename(os.path.normpath(tokenizer_dir))
     lora_modules = parse_lora_modules(args.lora_modules, name)
+    if lora_modules and args.model_repo:  # without the repository, the frontend cannot tell
+        reason = lora_off_reason(args.model_repo, args.llm_model)
+        if reason is not None:
+            raise ValueError(reason)
     from openai_frontend.app import FrontendConfig
 
     return FrontendConfig(grpc_url=args.grpc_url, tokenizer_dir=tokenizer_dir, served_model_name=name,

@@ -1,4 +1,5 @@
 """The aiohttp application: /v1/models, /v1/chat/completions, /v1/completions, /health, /metrics.
+/health and /v1/models agree: both answer 503 (model_not_ready) until Triton and its models are ready.
 
 Why aiohttp (not FastAPI + uvicorn): it is already installed with ``tritonclient[all]`` (its
 HTTP aio client), so the frontend adds no dependency; it needs no request-model layer, whose
@@ -159,15 +160,20 @@ def _model_card(frontend: Frontend, lora: LoraModule | None = None) -> dict:
     return card
 
 
+# /v1/models answers as /health does: 503 model_not_ready until Triton and its models are ready. A
+# client waiting for the model list to appear then never gets a 503 for the first request it sends.
 async def list_models(request: web.Request) -> web.Response:
     frontend = request.app[FRONTEND]
+    await frontend.client.ensure_ready()
     cards = [_model_card(frontend)] + [_model_card(frontend, lora) for lora in frontend.config.lora_modules.values()]
     return web.json_response({"object": "list", "data": cards})
 
 
 async def get_model(request: web.Request) -> web.Response:
     frontend = request.app[FRONTEND]
-    return web.json_response(_model_card(frontend, frontend.check_model(request.match_info["model"])))
+    lora = frontend.check_model(request.match_info["model"])
+    await frontend.client.ensure_ready()
+    return web.json_response(_model_card(frontend, lora))
 
 
 async def health(request: web.Request) -> web.Response:

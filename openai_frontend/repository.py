@@ -1,22 +1,59 @@
 """What the frontend reads from a filled model repository: the tokenizer directory and the
-``add_special_tokens`` flag of ``preprocessing`` (so prompts are counted as they are encoded)."""
+``add_special_tokens`` flag of ``preprocessing`` (so prompts are counted as they are encoded), and
+whether the engine's model takes LoRA adapters (so ``--lora_modules`` over a model with LoRA off is
+refused at start, by the frontend and by the launcher, not answered with a 500 per request)."""
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
+
+PARAMETER = re.compile(r'key:\s*"([^"]+)"\s*value:\s*\{\s*string_value:\s*"([^"]*)"')
+
+
+def model_parameters(repo: str, model: str) -> dict[str, str] | None:
+    """Every ``parameters { key: "..." value: { string_value: "..." } }`` of
+    ``<repo>/<model>/config.pbtxt``, as written (placeholders included); None without that file."""
+    path = Path(repo) / model / "config.pbtxt"
+    if not path.is_file():
+        return None
+    return dict(PARAMETER.findall(path.read_text()))
 
 
 def model_parameter(repo: str, model: str, key: str) -> str | None:
     """``parameters { key: "<key>" value: { string_value: "..." } }`` of ``<repo>/<model>/config.pbtxt``;
     None when absent or still a ``${placeholder}``."""
-    path = Path(repo) / model / "config.pbtxt"
-    if not path.is_file():
+    value = (model_parameters(repo, model) or {}).get(key)
+    if not value or value.startswith("${"):
         return None
-    pattern = r'key:\s*"' + re.escape(key) + r'"\s*value:\s*\{\s*string_value:\s*"([^"]*)"'
-    match = re.search(pattern, path.read_text())
-    if match is None or not match.group(1) or match.group(1).startswith("${"):
+    return value
+
+
+def lora_off_reason(repo: str, model: str) -> str | None:
+    """Why ``--lora_modules`` cannot be served by ``<repo>/<model>`` (the model holding the engine),
+    naming the setting to change; None when LoRA is on, or when the repository does not say (no
+    such model, or an LLM-API model.yaml that does not load: the server reports that itself)."""
+    from serving.executor_config import lora_enabled
+
+    model_dir = Path(repo) / model
+    model_yaml = model_dir / "1" / os.environ.get("LLM_CONFIG_PATH", "model.yaml")
+    if model_yaml.is_file():  # the LLM-API repository (all_models/llmapi): model.yaml holds the settings
+        from serving.llmapi_yaml import load_llmapi_config
+
+        try:
+            parameters = load_llmapi_config(str(model_yaml)).parameters
+        except ValueError:
+            return None
+        if lora_enabled(parameters):
+            return None
+        return (f"--lora_modules: LoRA is not enabled on the model {model} of {repo}; set enable_lora: true "
+                f"in {model_yaml}")
+    parameters = model_parameters(repo, model)
+    if parameters is None or lora_enabled(parameters):
         return None
-    return match.group(1)
+    return (f"--lora_modules: LoRA is not enabled on the model {model} of {repo}; set the {model} parameter "
+            f"enable_lora to true in {model_dir / 'config.pbtxt'} (fill_template: enable_lora:true; "
+            "`tritonllm serve --lora_modules ...` fills it so)")
 
 
 def tokenizer_settings(repo: str) -> tuple[str, bool]:

@@ -11,7 +11,7 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PIP="$VENV/bin/python -m pip"
 stamp="$VENV/.setup-stamp"
-want=$(cat pyproject.toml scripts/setup_env.sh | sha256sum | cut -c1-16)
+want=$(cat pyproject.toml setup.py scripts/setup_env.sh | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi

@@ -111,7 +111,7 @@ def executor_settings(params: dict[str, str], model_config: dict) -> dict[str, A
     settings["medusa_choices"] = parse_choices(get_parameter(params, "medusa_choices", str))
     settings["eagle_choices"] = parse_choices(get_parameter(params, "eagle_choices", str))
     settings.update(guided_decoding_settings(params))
-    if settings["enable_lora"] is None and any(settings[name] is not None for name in LORA_SETTINGS):
+    if settings["enable_lora"] is None and lora_enabled(params):
         settings["enable_lora"] = True
     queue_policy = model_config.get("dynamic_batching", {}).get("default_queue_policy", {})
     max_queue_size = int(queue_policy.get("max_queue_size", 0) or 0)
@@ -163,6 +163,16 @@ def guided_decoding_settings(params: dict[str, str]) -> dict[str, Any]:
 # adapters when built for them, ours at run time, and a user who sizes the adapter cache wants one.
 LORA_SETTINGS = ("lora_cache_max_adapter_size", "lora_cache_gpu_memory_fraction", "lora_cache_host_memory_bytes",
                  "lora_prefetch_dir", "max_loras")
+
+
+def lora_enabled(params: dict[str, str]) -> bool:
+    """Whether a `tensorrt_llm` model with these parameters takes LoRA adapters: enable_lora, or
+    when it is unset, any of LORA_SETTINGS filled. The launcher and the OpenAI frontend ask this of
+    the repository before serving --lora_modules (openai_frontend/repository.py)."""
+    enabled = get_parameter(params, "enable_lora", bool)
+    if enabled is not None:
+        return enabled
+    return any(get_parameter(params, name, SIMPLE_SETTINGS[name][1]) is not None for name in LORA_SETTINGS)
 
 
 # Our setting names -> other spellings an ExecutorConfig may use for the same thing.

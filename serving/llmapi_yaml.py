@@ -44,7 +44,7 @@ class LlmapiConfig:
     model: str
     tokenizer: str | None = None
     dtype: str = "auto"
-    max_batch_size: int = 64  # the engine's (serve_default's default), not Triton's
+    max_batch_size: int = 64  # the engine's (`tritonllm serve`'s default), not Triton's
     max_seq_len: int | None = None
     max_input_len: int | None = None
     max_num_tokens: int | None = None
@@ -307,7 +307,7 @@ def is_engine_dir(path: str) -> bool:
 
 
 def build_options(config: LlmapiConfig, has_gpu: bool) -> dict[str, Any]:
-    """Options of scripts/serve_default.py's checkpoint_build_args for this model (dtype auto:
+    """Options of serving/engine_cache.py's checkpoint_build_args for this model (dtype auto:
     bfloat16 with a GPU, float32 without), and engine.build flags beyond them."""
     dtype = None if config.dtype == "auto" else config.dtype
     options = {"dtype": dtype or ("bfloat16" if has_gpu else "float32"), "max_batch_size": config.max_batch_size,
@@ -332,20 +332,21 @@ def check_world_size(config: LlmapiConfig, world_size: int) -> None:
                                             f"or set tensor_parallel_size: {world_size}")
 
 
-def engine_dir_for(config: LlmapiConfig, has_gpu: bool, serve_default) -> str:
+def engine_dir_for(config: LlmapiConfig, has_gpu: bool, engine_cache) -> str:
     """The engine of model.yaml's `model`: an engine directory as it is, else the checkpoint's
-    engine in scripts/serve_default.py's cache (`serve_default`, that module: built now when
-    missing, once however many processes ask at once). RuntimeError naming `model` on failure."""
+    engine in the engine cache (`engine_cache`: serving/engine_cache.py, or a module with its
+    names; built now when missing, once however many processes ask at once). RuntimeError naming
+    `model` on failure."""
     import argparse
 
     if is_engine_dir(config.model):
         return config.model
     options = build_options(config, has_gpu)
     extra = options.pop("extra")
-    build_args = serve_default.checkpoint_build_args(argparse.Namespace(**options)) + extra
+    build_args = engine_cache.checkpoint_build_args(argparse.Namespace(**options)) + extra
     try:
-        return str(serve_default.ensure_checkpoint_engine(config.model, build_args))
-    except SystemExit as error:  # the script's way of failing
+        return str(engine_cache.ensure_checkpoint_engine(config.model, build_args))
+    except SystemExit as error:  # the cache's way of failing
         raise RuntimeError(f"model.yaml: model: {error.code}") from None
 
 

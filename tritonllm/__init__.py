@@ -1,3 +1,4 @@
-"""The project's command line (``tritonllm``, installed by pip): the top of the house, above the
-OpenAI frontend; it starts what scripts/ and all_models/ hold, so it runs from a source checkout
-(``pip install -e .``, as scripts/setup_env.sh installs it)."""
+"""The project's command line (``tritonllm``, tritonllm/cli.py), the top of the house, above the
+OpenAI frontend: ``serve`` (serve.py), ``launch`` (launcher.py), ``fill-template``
+(fill_template.py) and ``templates``. It runs from an installed wheel as from a source checkout;
+paths.py says where the model-repository templates are in each."""

@@ -1,7 +1,8 @@
-#!/usr/bin/env python3
 """Fill `${name}` placeholders of a model-repository config.pbtxt.
 
-    python3 tools/fill_template.py [-i] <file_path> key1:value1,key2:value2,...
+    tritonllm fill-template [-i] <file_path> key1:value1,key2:value2,...
+
+(in a source checkout also ``python3 tools/fill_template.py ...``, the path NVIDIA's docs use).
 
 Semantics (kept identical to tensorrtllm_backend so existing scripts work unchanged):
 - a backslash escapes the next character and is removed (`gpu_device_ids:0\\,1` gives `0,1`);
@@ -54,8 +55,8 @@ def fill_template(text: str, substitutions: str, file_path: str = "<text>") -> s
     return Template(text).safe_substitute({**DEFAULT_SUBSTITUTIONS, **values})
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("file_path", help="path of the config.pbtxt template")
     parser.add_argument("substitutions", help="key1:value1,key2:value2,...")
     parser.add_argument("-i", "--in_place", action="store_true", help="rewrite the file in place")

@@ -1,9 +1,10 @@
-#!/usr/bin/env python3
 """Launch tritonserver on a model repository (tensorrtllm_backend-compatible flags).
 
-    python3 scripts/launch_triton_server.py --model_repo=/path/to/repo [--world_size=1]
+    tritonllm launch --model_repo=/path/to/repo [--world_size=1]
         [--http_port=8000 --grpc_port=8001 --metrics_port=8002] [--log --log-file=triton_log.txt]
         [--openai_port=9000 [--lora_modules sql=/adapters/sql ...]]
+
+(in a source checkout also ``python3 scripts/launch_triton_server.py ...``, the path NVIDIA's docs use).
 
 Finds the server binary (`--tritonserver`, else `tritonserver` on PATH, else the one bundled in the
 `nvidia-pytriton` wheel), gives the Python-backend stub this project's Python environment, and
@@ -30,8 +31,10 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
+from openai_frontend.repository import lora_off_reason
+from tritonllm.paths import model_templates_dir, subprocess_environment
+
 DEFAULT_TRITONSERVER = "/opt/tritonserver/bin/tritonserver"
-REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tritonllm"
 
 
@@ -44,8 +47,8 @@ class ServerInstall:
     library_dirs: tuple[str, ...] = ()
 
 
-def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_arguments(argv: list[str] | None = None, prog: str | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--world_size", type=int, default=1, help="number of ranks (TP x PP)")
     parser.add_argument("--tritonserver", type=str, default=DEFAULT_TRITONSERVER,
                         help="server binary; when it does not exist, PATH and nvidia-pytriton are searched")
@@ -77,7 +80,8 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--log", action="store_true", help="rank 0 logs verbosely to --log-file")
     parser.add_argument("--log-file", type=str, default="triton_log.txt")
     parser.add_argument("--no-mpi", action="store_true", help="run tritonserver directly (world_size 1)")
-    parser.add_argument("--model_repo", type=str, default=str(REPO_ROOT / "all_models"))
+    parser.add_argument("--model_repo", type=str, default=str(model_templates_dir()),
+                        help="the filled model repository (default: the unfilled templates, all_models)")
     parser.add_argument("--tensorrt_llm_model_name", type=str, default="tensorrt_llm",
                         help="comma list of the models non-zero ranks load")
     parser.add_argument("--multi-model", action="store_true", help="orchestrator mode (not supported)")
@@ -290,6 +294,10 @@ def preflight(args: argparse.Namespace) -> None:
                            "give each model its own launch instead")
     if args.lora_modules and not args.openai_port:
         raise RuntimeError("--lora_modules are served by the OpenAI frontend: pass --openai_port too")
+    if args.lora_modules:  # else the adapters would be listed, and every request for one fail
+        reason = lora_off_reason(args.model_repo, args.tensorrt_llm_model_name.split(",")[0])
+        if reason is not None:
+            raise RuntimeError(reason)
     pids = running_tritonserver_pids()
     if pids:
         message = (f"tritonserver is already running (PIDs {pids}); stop it with `kill {pids[0]}` "
@@ -326,22 +334,17 @@ def engine_dir_from_llmapi(model_repo: str, model_name: str, world_size: int) ->
     path = Path(model_repo) / model_name / "1" / os.environ.get("LLM_CONFIG_PATH", "model.yaml")
     if not path.is_file():
         return None
-    import importlib.util
-
     import torch
 
+    from serving import engine_cache
     from serving.llmapi_yaml import check_world_size, engine_dir_for, load_llmapi_config
 
-    spec = importlib.util.spec_from_file_location("serve_default_for_launcher",
-                                                  REPO_ROOT / "scripts" / "serve_default.py")
-    serve_default = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(serve_default)
     try:
         config = load_llmapi_config(str(path))
         check_world_size(config, world_size)
     except ValueError as error:
         raise RuntimeError(f"{path}: {error}") from None
-    return engine_dir_for(config, torch.cuda.is_available(), serve_default)
+    return engine_dir_for(config, torch.cuda.is_available(), engine_cache)
 
 
 def check_engine_world_size(engine_dir: str, world_size: int) -> None:
@@ -466,9 +469,9 @@ def default_openai_workers(cpu_count: int | None = None) -> int:
 
 
 def absolute_lora_module(item: str) -> str:
-    """A --lora_modules item with its path made absolute: the frontend runs from the repository
-    root, and the server reads the path it is sent. An item this cannot read goes on unchanged,
-    for the frontend to refuse with its own message."""
+    """A --lora_modules item with its path made absolute: the server reads the path it is sent,
+    from its own working directory. An item this cannot read goes on unchanged, for the frontend
+    to refuse with its own message."""
     if item.lstrip().startswith("{"):
         try:
             fields = json.loads(item)
@@ -482,17 +485,17 @@ def absolute_lora_module(item: str) -> str:
 
 
 def launch_openai_frontend(args: argparse.Namespace, **popen_kwargs) -> subprocess.Popen:
-    """Start the frontend in the background (from this checkout, so it runs uninstalled too).
-    It answers 503 until tritonserver's models are ready."""
-    return subprocess.Popen(openai_frontend_command(args), cwd=REPO_ROOT, **popen_kwargs)
+    """Start the frontend in the background (finding this project's packages, so a checkout runs
+    it uninstalled too). It answers 503 until tritonserver's models are ready."""
+    return subprocess.Popen(openai_frontend_command(args), env=subprocess_environment(), **popen_kwargs)
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_arguments(argv)
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    args = parse_arguments(argv, prog)
     try:
         process = launch(args)
     except RuntimeError as error:
-        sys.exit(f"launch_triton_server: {error}")
+        sys.exit(f"{prog or 'launch_triton_server'}: {error}")
     print(f"tritonserver started (pid {process.pid}): HTTP {args.http_port}, gRPC {args.grpc_port}, "
           f"metrics {args.metrics_port}")
     if args.openai_port:

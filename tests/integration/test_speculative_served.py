@@ -48,14 +48,13 @@ def speculative_server(engine_dir: str, work: Path):
     repo = Path(serve.prepare_model_repo(engine_dir, str(work / "repo"), decoupled=False, bls_instances=2,
                                          overrides={"tensorrt_llm_bls": {"tensorrt_llm_draft_model_name": DRAFT}}))
     # the copies: the template filled like tensorrt_llm's, with their decoding modes
-    fill = serve._load_script("fill_template")
-    template = serve.REPO_ROOT / "all_models" / "tensorrt_llm" / "config.pbtxt"
+    template = serve.model_templates_dir() / "tensorrt_llm" / "config.pbtxt"
     base = serve.default_substitutions(os.path.abspath(engine_dir), decoupled=False)["tensorrt_llm"]
     for name, values in ((DRAFT, {"decoding_mode": "ngram", "max_draft_len": "4", "max_matching_ngram_size": "3"}),
                          (DRAFT_TARGET, {"decoding_mode": "draft_target", "max_draft_len": "4",
                                          "draft_engine_dir": os.path.abspath(engine_dir)})):
         pairs = ",".join(f"{k}:{serve._escape(v)}" for k, v in {**base, **values}.items())
-        _copy_model(repo, "tensorrt_llm", name, fill.fill_template(template.read_text(), pairs, str(template)))
+        _copy_model(repo, "tensorrt_llm", name, serve.fill_template(template.read_text(), pairs, str(template)))
     with serving_repository(repo, work) as running:
         yield running
 

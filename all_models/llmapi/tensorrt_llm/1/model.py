@@ -7,7 +7,7 @@ loaded from the source tree and subclassed: one executor or engine process, resp
 cancellation, stop requests, stats, graceful shutdown, restart after an engine death) with three
 changes: `initialize` reads model.yaml (serving/llmapi_yaml.py), checks tensor_parallel_size
 against the launcher's world size, and builds or reuses the checkpoint's engine
-(scripts/serve_default.py's engine cache) before the usual start, this instance on its own GPU(s)
+(serving/engine_cache.py, the cache `tritonllm serve` uses) before the usual start, this instance on its own GPU(s)
 when config.pbtxt sets gpu_device_ids (serving/llmapi_instances.py); `execute`
 tokenizes the prompt and reads the LLM-API inputs (serving/llmapi_params.py parse_request); and
 each response's token ids become text, incrementally for streams, cut at `sampling_param_stop`
@@ -36,6 +36,7 @@ import triton_python_backend_utils as pb_utils
 if os.environ.get("TRITONLLM_ROOT"):  # a source checkout not installed into the environment
     sys.path.insert(0, os.environ["TRITONLLM_ROOT"])
 import serving  # noqa: E402
+from serving import engine_cache  # noqa: E402
 from serving.llmapi_params import ResponseState, TextStream, parse_request, response_tensors  # noqa: E402
 from serving.llmapi_instances import instance_gpu_ids  # noqa: E402
 from serving.llmapi_yaml import (check_triton_config, check_world_size, engine_dir_for,  # noqa: E402
@@ -43,19 +44,23 @@ from serving.llmapi_yaml import (check_triton_config, check_world_size, engine_d
 from serving.responses import only_requested, requested_outputs  # noqa: E402
 from serving.tokenization import fast_decoder, first_token_id, load_tokenizer  # noqa: E402
 
-SOURCE_ROOT = Path(os.environ.get("TRITONLLM_ROOT") or Path(serving.__file__).resolve().parents[1])
+# The folder holding the project's packages: a source checkout (all_models/ at its root), or
+# site-packages of an installed wheel (the templates are tritonllm's package data there).
+PACKAGES_ROOT = Path(os.environ.get("TRITONLLM_ROOT") or Path(serving.__file__).resolve().parents[1])
+TEMPLATES = next((folder for folder in (PACKAGES_ROOT / "all_models", PACKAGES_ROOT / "tritonllm" / "all_models")
+                  if folder.is_dir()), PACKAGES_ROOT / "all_models")
 CONFIG_FILE = os.environ.get("LLM_CONFIG_PATH", "model.yaml")  # TensorRT-LLM's variable, in this directory
 
 
-def _load_source(name, relative_path):
-    spec = importlib.util.spec_from_file_location(name, SOURCE_ROOT / relative_path)
+def _load_source(name, path):
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
 
 
-base = _load_source("tritonllm_tensorrt_llm_model", "all_models/tensorrt_llm/1/model.py")
+base = _load_source("tritonllm_tensorrt_llm_model", TEMPLATES / "tensorrt_llm" / "1" / "model.py")
 
 
 def _config_path():
@@ -66,8 +71,7 @@ def _engine_dir(config):
     """The engine of model.yaml's `model` (an engine directory, or the checkpoint's cached engine)."""
     import torch
 
-    serve_default = _load_source("serve_default", "scripts/serve_default.py")
-    return engine_dir_for(config, torch.cuda.is_available(), serve_default)
+    return engine_dir_for(config, torch.cuda.is_available(), engine_cache)
 
 
 def _draft_engine_dir(config):
