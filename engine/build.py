@@ -16,13 +16,16 @@ per-output-channel scales (kernels/fp8.py); ``fp8_block`` with one scale per 128
 with per-group scales and zeros (kernels/wna16.py; engine/weight_only/), as do checkpoints that ship
 AWQ, GPTQ or compressed-tensors integer weights (their codes are kept as they are). A checkpoint
 with MXFP4 experts (gpt-oss) keeps them as MXFP4 codes and scales (engine/mxfp4.py);
-``--mxfp4_experts widen`` widens them to --dtype instead.
+``--mxfp4_experts widen`` widens them to --dtype instead. A vision-language checkpoint
+(engine/vision/registry.py: LLaVA) builds its language model as above and writes its image encoder
+to ``vision_encoder/`` inside the engine directory (engine/vision/encoder_dir.py).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import os
+import shutil
 import sys
 import time
 
@@ -52,6 +55,8 @@ from engine.gguf_header import read_gguf_scalars
 from engine.fp8_checkpoint import dequantizing_getter, fp8_checkpoint_strategy, rank_block_scales, rank_row_scales
 from engine.models import MODEL_FAMILIES, get_family, get_model_class
 from engine.mxfp4 import MXFP4_EXPERTS, is_mxfp4_checkpoint, mxfp4_checkpoint
+from engine.vision.encoder_dir import VISION_ENCODER_DIR, write_vision_encoder
+from engine.vision.registry import vision_family
 from engine.weight_only.checkpoint_formats import QuantizedLinearReader, checkpoint_weight_quant
 from engine.weight_only.convert import (CheckpointStandIns, build_time_quantize, checkpoint_integer_weights,
                                        resolve_group_size)
@@ -298,6 +303,9 @@ def build_from_hf(hf_config, get: TensorGetter, tokenizer, output_dir: str, buil
     """Build from an already-loaded HF config + tensor getter (lets callers reuse a loaded model).
     ``calibration_tokens``: tokens of the built-in text ``int4_awq`` calibrates on. ``mxfp4_experts``:
     an MXFP4 checkpoint's experts kept as MXFP4 ("keep") or widened to --dtype ("widen")."""
+    vision, vision_config, checkpoint_get = vision_family(hf_config), hf_config, get
+    if vision is not None:  # a vision-language checkpoint: its language model here, its encoder below
+        hf_config, get = vision.text_config(hf_config), vision.language_getter(get)
     model = model_config_from_hf(hf_config)
     get = language_model_getter(hf_config, get)  # a multimodal checkpoint: its language model's tensors
     check_tp_divides(model, build.tp_size)
@@ -333,8 +341,16 @@ def build_from_hf(hf_config, get: TensorGetter, tokenizer, output_dir: str, buil
         check_quantization_supported(model, build)
         extra["source_quantization"] = "fp8 per 128 x 128 block" if strategy == "block" else f"fp8 per {strategy}"
         fp8_source, get = get, dequantizing_getter(get, strategy)
-    return write_engine(output_dir, model, build, get, tokenizer=tokenizer, extra=extra, progress=progress,
-                        fp8_source=fp8_source, integer_source=integer_source)
+    if vision is not None:
+        extra["vision_encoder"] = VISION_ENCODER_DIR
+    engine_config = write_engine(output_dir, model, build, get, tokenizer=tokenizer, extra=extra, progress=progress,
+                                 fp8_source=fp8_source, integer_source=integer_source)
+    encoder_dir = os.path.join(output_dir, VISION_ENCODER_DIR)
+    if vision is not None:
+        write_vision_encoder(vision, vision_config, checkpoint_get, encoder_dir, build.dtype, source)
+    elif os.path.isdir(encoder_dir):  # a previous build's: this engine has none
+        shutil.rmtree(encoder_dir)
+    return engine_config
 
 
 def with_fp8_checkpoint_scheme(build: BuildConfig, strategy: str, source: str) -> BuildConfig:

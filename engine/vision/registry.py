@@ -1,0 +1,62 @@
+"""Vision-language families, keyed by the checkpoint's HF architecture.
+
+A family says how its checkpoint splits into a language model (built as any text engine) and an
+image encoder (``engine/vision/<family>.py``): the text config, where the language tensors live,
+the encoder's config and weights, and the encoder module. Families to come (Qwen2.5-VL, Gemma 3,
+BLIP-2, LLaVA-NeXT/OneVision) add one entry each.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from engine.convert import CheckpointError, TensorGetter
+from engine.vision import llava
+
+
+@dataclass(frozen=True)
+class VisionFamily:
+    architecture: str  # the checkpoint's config.architectures[0]
+    model_type: str  # builder_config.model_type of the encoder directory (the anchor's names)
+    encoder_config: Callable[[object], dict]  # hf_config -> the encoder directory's config
+    encoder_weights: Callable[[TensorGetter, dict], dict]  # (getter, encoder config) -> engine weights
+    encoder_class: type  # (config, dtype, device) -> nn.Module with encode() and num_image_tokens
+    language_prefixes: tuple[tuple[str, str], ...]  # (text-model name prefix, checkpoint prefixes to try)
+
+    def text_config(self, hf_config):
+        return hf_config.text_config
+
+    def language_getter(self, get: TensorGetter) -> TensorGetter:
+        """A getter that finds the language model's tensors under text-model names."""
+        def get_text(name: str):
+            for prefix, candidates in self.language_prefixes:
+                if name.startswith(prefix):
+                    rest = name[len(prefix):]
+                    names = [candidate + rest for candidate in candidates]
+                    for candidate in names[:-1]:
+                        try:
+                            return get(candidate)
+                        except CheckpointError:
+                            continue
+                    return get(names[-1])
+            return get(name)
+        return get_text
+
+
+# transformers 4 (and 5's saved files) keep LLaVA's text model under language_model.model.* and
+# language_model.lm_head.*; transformers 5 in memory under model.language_model.* and lm_head.*.
+_LLAVA_LANGUAGE = (("model.", ("language_model.model.", "model.language_model.")),
+                   ("lm_head.", ("language_model.lm_head.", "lm_head.")))
+
+VISION_FAMILIES = {
+    "LlavaForConditionalGeneration": VisionFamily(
+        "LlavaForConditionalGeneration", llava.MODEL_TYPE, llava.encoder_config, llava.encoder_weights,
+        llava.LlavaVisionEncoder, _LLAVA_LANGUAGE),
+}
+FAMILIES_BY_MODEL_TYPE = {family.model_type: family for family in VISION_FAMILIES.values()}
+
+
+def vision_family(hf_config) -> VisionFamily | None:
+    """The family of a vision-language checkpoint's config, or None for a text model."""
+    architectures = getattr(hf_config, "architectures", None) or []
+    return VISION_FAMILIES.get(architectures[0]) if architectures else None

@@ -1,0 +1,81 @@
+"""A tiny random LLaVA-1.5 checkpoint made by transformers (CLIP tower + projector + Llama), with a
+word-level tokenizer that has an ``<image>`` token and a CLIP image processor, and test images.
+No network: everything is made here. Shared by the engine, serving and integration tests."""
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import torch
+
+IMAGE_TOKEN_INDEX = 3
+IMAGE_SIZE = 28  # 4 x 4 patches of 7 pixels: 16 image tokens per image
+WORDS = ["<unk>", "<s>", "</s>", "<image>", "<pad>", "USER:", "ASSISTANT:", "What", "is", "in", "the", "image?",
+         "Describe", "this", "picture", "Question:", "which", "city", "Answer:"]
+VOCAB = 128  # WORDS, then filler words w19 .. w127
+
+
+def tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = WORDS + [f"w{i}" for i in range(len(WORDS), VOCAB)]
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   pad_token="<pad>", additional_special_tokens=["<image>"])
+
+
+def hf_model(seed: int = 0):
+    import transformers
+
+    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                           num_attention_heads=4, image_size=IMAGE_SIZE, patch_size=7,
+                                           projection_dim=16)
+    text = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                    bos_token_id=1, eos_token_id=2, pad_token_id=4)
+    config = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN_INDEX,
+                                      vision_feature_layer=-2, vision_feature_select_strategy="default")
+    torch.manual_seed(seed)
+    model = transformers.LlavaForConditionalGeneration(config).eval()
+    with torch.no_grad():  # weights far from ties, so greedy decoding is stable across implementations
+        for name, p in model.named_parameters():
+            base = 1.0 if "norm" in name and name.endswith("weight") else 0.0
+            p.copy_(base + 0.2 * torch.randn_like(p))
+    model.generation_config.eos_token_id = None  # run to max_new_tokens, as the engine without end_id
+    model.generation_config.pad_token_id = 4
+    return model
+
+
+def image_processor():
+    from transformers import CLIPImageProcessor
+
+    return CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+
+
+def write_checkpoint(path: Path, seed: int = 0) -> Path:
+    """The checkpoint directory (config, safetensors, tokenizer, preprocessor_config.json)."""
+    model = hf_model(seed)
+    model.save_pretrained(path)
+    tokenizer().save_pretrained(path)
+    image_processor().save_pretrained(path)
+    return path
+
+
+def make_image(seed: int, size: tuple[int, int] = (40, 52)):
+    """A PIL RGB image of random blocks (width x height = size)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (size[1] // 4 + 1, size[0] // 4 + 1, 3), dtype=np.uint8)
+    pixels = np.repeat(np.repeat(blocks, 4, axis=0), 4, axis=1)[:size[1], :size[0]]
+    return Image.fromarray(pixels, "RGB")
+
+
+def encoded(image, format: str = "PNG") -> bytes:
+    out = io.BytesIO()
+    image.save(out, format=format)
+    return out.getvalue()
