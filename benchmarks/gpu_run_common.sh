@@ -1,4 +1,4 @@
-# Sourced by the per-dtype GPU scripts (throughput_gpu_run.sh, speculative_gpu_run.sh): the machine
+# Sourced by the per-dtype GPU scripts (engine/throughput_gpu_run.sh, speculative/speculative_gpu_run.sh): the machine
 # check and the loop that gives each dtype its own process under its share of one time budget.
 #
 #   gpu_run_start NAME "SMOKE FLAGS"     PYTHON (the GPU machine's torch venv, else the checkout's, else

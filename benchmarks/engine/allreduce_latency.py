@@ -1,6 +1,6 @@
 """All-reduce latency between 2 GPUs through torch.distributed (NCCL), eager and inside a CUDA graph.
 
-    python benchmarks/allreduce_latency.py            # starts its 2 ranks itself; rank 0 prints
+    python benchmarks/engine/allreduce_latency.py            # starts its 2 ranks itself; rank 0 prints
 
 Decode under tensor parallelism runs two all-reduces per layer on tiny messages (batch x hidden
 values), so their latency, not bandwidth, bounds how much TP saves per step. Sizes are bf16
@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
-import subprocess
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: engine, kernels, benchmarks
+
+from benchmarks.common import run_two_ranks  # noqa: E402
 
 SIZES = (4096, 4096 * 8, 4096 * 32)
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # engine, kernels
 
 
 def eager_and_graph_us(all_reduce, iters: int) -> tuple[float, float]:
@@ -90,14 +92,7 @@ def main() -> None:
     if args.rank is not None:
         measure(args.rank, args.port, args.iters)
         return
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ranks = [subprocess.Popen([sys.executable, __file__, "--rank", str(r), "--port", str(port), "--iters", str(args.iters)])
-             for r in (0, 1)]
-    codes = [p.wait(timeout=300) for p in ranks]
-    if any(codes):
-        raise SystemExit(f"ranks exited with {codes}")
+    run_two_ranks(__file__, ["--iters", str(args.iters)])
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Engine benchmark on one GPU, against the memory roofline and against transformers, in one run.
 
-    python benchmarks/engine_bench.py --out bench.json --results-md benchmarks/RESULTS.md
+    python benchmarks/engine/engine_bench.py --out bench.json --results-md benchmarks/results/engine.md
 
 Sections (``--sections``, all by default), in the order they run:
 
@@ -33,24 +33,24 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import os
 import random
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
-from datetime import datetime, timezone
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: engine, kernels, benchmarks
 
-from engine.config import BuildConfig, EngineConfig, ModelConfig  # noqa: E402
-from engine.executor.random_weights import GEMMA3_12B_SHAPE  # noqa: E402
+from benchmarks.common import (MODELS, command_line, cuda_time_ms, device_name, free_device_memory,  # noqa: E402
+                               git_commit, insert_before_marker, percentile, utc_now,
+                               write_config_only_engine)
+from benchmarks.engine.step_timeline import profile_device, reset, summarize, timed  # noqa: E402
+from engine.config import ModelConfig  # noqa: E402
 from engine.executor.runner import ForwardBatch, ModelRunner  # noqa: E402
 
 SECTIONS = ["bandwidth", "kernels", "gemm", "fp8_gemm", "sampling", "moe_kernel", "decode", "engine_offline", "offline", "executor_decode", "latency", "hf"]
@@ -64,100 +64,9 @@ GOALS = {
     "itl_ms": 12.0,
 }
 
-MODELS = {
-    "llama8b": dict(
-        architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32,
-        num_kv_heads=8, head_dim=128, intermediate_size=14336, norm_eps=1e-5, rope_theta=500000.0,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 8192},
-        max_position_embeddings=131072,
-    ),
-    "qwen3_30b_a3b": dict(  # Qwen3-30B-A3B: 48 sparse layers of 128 experts (width 768), 8 active per token
-        architecture="Qwen3MoeForCausalLM", vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32,
-        num_kv_heads=4, head_dim=128, intermediate_size=6144, norm_eps=1e-6, rope_theta=1000000.0,
-        max_position_embeddings=40960, qk_norm=True, num_experts=128, num_experts_per_tok=8,
-        moe_intermediate_size=768, norm_topk_prob=True,
-    ),
-    "gpt_oss_20b": dict(  # gpt-oss-20b: 24 sparse layers of 32 experts (width 2880), 4 active per token;
-        # attention sinks, a 128-token window on every other layer, yarn; random bf16 experts (gpt_oss_20b_mxfp4: 4-bit)
-        architecture="GptOssForCausalLM", vocab_size=201088, hidden_size=2880, num_layers=24, num_heads=64,
-        num_kv_heads=8, head_dim=64, intermediate_size=2880, norm_eps=1e-5, rope_theta=150000.0,
-        rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-                      "original_max_position_embeddings": 4096, "max_position_embeddings": 131072},
-        max_position_embeddings=131072, qkv_bias=True, num_experts=32, num_experts_per_tok=4,
-        moe_intermediate_size=2880, norm_topk_prob=True, swiglu_limit=7.0, sliding_window=128,
-        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(24)],
-    ),
-    "tiny_moe": dict(  # smoke tests of this script with experts (CPU works for decode/offline)
-        architecture="MixtralForCausalLM", vocab_size=512, hidden_size=64, num_layers=2, num_heads=4,
-        num_kv_heads=2, head_dim=16, intermediate_size=96, max_position_embeddings=4096, num_experts=8,
-        num_experts_per_tok=2, moe_intermediate_size=96,
-    ),
-    "tiny": dict(  # smoke tests of this script (CPU works for decode/offline/latency)
-        architecture="LlamaForCausalLM", vocab_size=512, hidden_size=64, num_layers=2, num_heads=4,
-        num_kv_heads=2, head_dim=16, intermediate_size=128, max_position_embeddings=4096,
-    ),
-    "smollm2": dict(
-        architecture="LlamaForCausalLM", vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9,
-        num_kv_heads=3, head_dim=64, intermediate_size=1536, norm_eps=1e-5, rope_theta=100000.0,
-        max_position_embeddings=8192, tie_word_embeddings=True,
-    ),
-    "gemma3_12b": GEMMA3_12B_SHAPE,
-    "gemma3_tiny": dict(  # smoke tests of this script with the Gemma 3 model on CPU
-        GEMMA3_12B_SHAPE, vocab_size=512, hidden_size=64, num_layers=6, num_heads=4, num_kv_heads=2, head_dim=16,
-        intermediate_size=128, sliding_window=16, max_position_embeddings=4096,
-        layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(6)],
-    ),
-}
-# gpt-oss-20b with its experts as OpenAI ships them: MXFP4 codes and E8M0 scales, 4.25 bits a weight.
-MODELS["gpt_oss_20b_mxfp4"] = dict(MODELS["gpt_oss_20b"], expert_quantization="mxfp4")
-
-
 # ------------------------------------------------------------------------------------------------
-# timing helpers
+# the engine under test: random weights made on the GPU (benchmarks.common), decode through CUDA graphs
 # ------------------------------------------------------------------------------------------------
-
-
-def cuda_time_ms(fn, *, warmup: int = 3, repeat: int = 20) -> float:
-    """Median milliseconds of fn() timed with CUDA events (device time, launch gaps included)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    index = min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))
-    return ordered[index]
-
-
-# ------------------------------------------------------------------------------------------------
-# the engine under test: random weights made on the GPU, decode through CUDA graphs
-# ------------------------------------------------------------------------------------------------
-
-
-def write_config_only_engine(model: str, dtype: str, max_batch_size: int, max_seq_len: int, max_num_tokens: int,
-                             tokens_per_block: int, quantization: str | None = None,
-                             group_size: int | None = None) -> str:
-    """An engine directory holding only config.json; the runner makes random weights for it
-    (``quantization="fp8"``: quantized from random float weights as engine.build quantizes)."""
-    engine_dir = tempfile.mkdtemp(prefix=f"bench-{model}-")
-    build = BuildConfig(dtype=dtype, max_batch_size=max_batch_size, max_input_len=min(max_seq_len, 4096),
-                        max_seq_len=max_seq_len, max_num_tokens=max_num_tokens, tokens_per_block=tokens_per_block,
-                        quantization=quantization, quant_group_size=group_size)
-    config = EngineConfig(model=ModelConfig(**MODELS[model]), build=build, extra={"random_weights_seed": 0})
-    config.validate().save(engine_dir)
-    return engine_dir
 
 
 def make_runner(engine_dir: str, device: str, max_tokens: int) -> ModelRunner:
@@ -168,10 +77,6 @@ def make_runner(engine_dir: str, device: str, max_tokens: int) -> ModelRunner:
     runner.capture_cuda_graphs()
     runner.warmup()
     return runner
-
-
-def use_bench_runner() -> None:
-    """Kept for benchmarks/executor_bench.py: the engine's runner now makes random weights itself."""
 
 
 def param_bytes(model: torch.nn.Module) -> tuple[int, int]:
@@ -603,11 +508,10 @@ def bench_executor_decode(executor, vocab: int, batch: int, prompt_len: int = 12
     """``batch`` requests enqueued at once (random prompts of ``prompt_len``, ``out_len`` tokens
     each) through the executor. decode_tok_s: ``batch`` over the median step period of the step
     timeline (else x the median request's decode rate, from its first- and last-token times);
-    output_tok_s: all tokens over the wall time. With a timed runner (benchmarks/step_timeline.py) the step timeline is attached,
+    output_tok_s: all tokens over the wall time. With a timed runner (benchmarks/engine/step_timeline.py) the step timeline is attached,
     and with ``profile_seconds`` a profiler window of the steady decode (exact device idle time).
     ``temperature`` > 0: every request samples (seeded per request), with nucleus ``top_p`` (1.0: none)."""
     from engine.executor.request import OutputConfig, Request, SamplingConfig
-    from step_timeline import profile_device, summarize
 
     rng = random.Random(batch * 7 + prompt_len)
     output = OutputConfig(exclude_input_from_output=True, return_perf_metrics=True)
@@ -921,19 +825,7 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-RESULTS_MARKER = "<!-- engine_bench:end -->"
-
-
-def append_to_results(path: str, table: str) -> None:
-    """Insert the table at the end of this benchmark's section of RESULTS.md (just before its
-    end marker, so other benchmarks' sections stay whole), or append when there is no marker."""
-    text = open(path).read() if os.path.exists(path) else ""
-    if RESULTS_MARKER in text:
-        text = text.replace(RESULTS_MARKER, table.strip("\n") + "\n\n" + RESULTS_MARKER, 1)
-    else:
-        text += table
-    with open(path, "w") as f:
-        f.write(text)
+RESULTS_MARKER = "<!-- engine_bench:end -->"  # the end of its section in benchmarks/results/engine.md
 
 
 def plot_latency(results: dict, path: str) -> None:
@@ -961,16 +853,6 @@ def plot_latency(results: dict, path: str) -> None:
     fig.suptitle(f"{results['model']} on {results['gpu']}, 128 in / 128 out")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-
-
-def git_commit() -> str:
-    if os.environ.get("BENCH_COMMIT"):
-        return os.environ["BENCH_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1078,7 +960,6 @@ class SectionRunner:
                       self.args.profile_executor)
 
     def section_executor_decode(self) -> None:
-        from step_timeline import reset
 
         reset(self._started_executor().runner)  # the steps of this section only
         rows = []
@@ -1104,12 +985,6 @@ class SectionRunner:
             self.executor = None
 
 
-def free_device_memory(device: str) -> None:
-    gc.collect()
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
-
-
 def main(argv=None) -> dict:
     args = parse_args(argv)
     sections = [s for s in args.sections.split(",") if s]
@@ -1119,10 +994,9 @@ def main(argv=None) -> dict:
     from kernels._triton import triton
 
     results = {
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu", "commit": git_commit(),
+        "date": utc_now(), "gpu": device_name(args.device), "commit": git_commit(),
         "torch": torch.__version__, "triton": triton.__version__ if triton else "none", "model": args.model,
-        "dtype": args.dtype, "command": "python benchmarks/engine_bench.py " + " ".join(argv or sys.argv[1:]),
+        "dtype": args.dtype, "command": command_line(__file__, argv),
         "overlap_scheduler": not args.disable_overlap, "quantization": args.quantization,
     }
     runner = SectionRunner(args, results)
@@ -1137,7 +1011,7 @@ def main(argv=None) -> dict:
     table = markdown(results)
     print(table)
     if args.results_md:
-        append_to_results(args.results_md, table)
+        insert_before_marker(args.results_md, table, RESULTS_MARKER)
     plot_latency(results, os.path.splitext(args.out)[0] + "_latency.png")
     return results
 
@@ -1149,9 +1023,8 @@ def start_executor(args):
                                           args.max_num_tokens, args.tokens_per_block, args.quantization,
                                           args.group_size)
     import engine.executor.executor as executor_module
-    from step_timeline import timed
 
-    # Every decode step of the executor timed with CUDA events (benchmarks/step_timeline.py).
+    # Every decode step of the executor timed with CUDA events (benchmarks/engine/step_timeline.py).
     executor_module.ModelRunner = timed(ModelRunner)
     config = ExecutorConfig(kv_cache_free_gpu_mem_fraction=0.9, enable_kv_cache_reuse=False,
                             disable_overlap_scheduler=args.disable_overlap, kv_cache_dtype=args.kv_cache_dtype)

@@ -1,7 +1,7 @@
 """In-flight batching against static batching, same executor, same mixed-length workload, one run.
 
-    python benchmarks/executor_bench.py                       # CPU, the embedded SmolLM2 engine
-    python benchmarks/executor_bench.py --device cuda --random-weights llama8b --num-requests 256 \
+    python benchmarks/engine/executor_bench.py                       # CPU, the embedded SmolLM2 engine
+    python benchmarks/engine/executor_bench.py --device cuda --random-weights llama8b --num-requests 256 \
         --max-batch-size 64
 
 Both modes run the same requests through the same ``Executor`` (greedy, identical outputs):
@@ -28,17 +28,18 @@ import dataclasses
 import importlib.util
 import json
 import os
-import platform
 import random
 import statistics
 import subprocess
 import sys
 import time
 from datetime import datetime, timezone
+from pathlib import Path
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO_ROOT)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: engine, kernels, benchmarks
 
+from benchmarks.common import (REPO_ROOT, git_commit, int_list, machine_summary, results_page,  # noqa: E402
+                               write_config_only_engine)
 from engine.executor.executor import Executor, ExecutorConfig  # noqa: E402
 from engine.executor.request import OutputConfig, Request  # noqa: E402
 
@@ -133,28 +134,8 @@ def ensure_smollm2_engine(engine_dir: str) -> None:
 
 def random_weight_engine(shape: str, args) -> str:
     """A config-only engine of a named shape with random weights (the engine benchmark's runner)."""
-    spec = importlib.util.spec_from_file_location("engine_bench", os.path.join(REPO_ROOT, "benchmarks", "engine_bench.py"))
-    engine_bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(engine_bench)
-    engine_bench.use_bench_runner()
-    return engine_bench.write_config_only_engine(shape, args.dtype, args.max_batch_size, args.max_seq_len,
-                                                 args.max_num_tokens, args.tokens_per_block)
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=REPO_ROOT, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def machine(device: str) -> str:
-    import torch
-
-    if device.startswith("cuda"):
-        return f"{torch.cuda.get_device_name()} (torch {torch.__version__})"
-    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores (torch {torch.__version__})"
+    return write_config_only_engine(shape, args.dtype, args.max_batch_size, args.max_seq_len, args.max_num_tokens,
+                                    args.tokens_per_block)
 
 
 def markdown(report: dict) -> str:
@@ -166,7 +147,7 @@ def markdown(report: dict) -> str:
     w = report["workload"]
     return (
         f"### {report['date']}, {report['machine']}, commit {report['commit']}\n\n"
-        f"`python benchmarks/executor_bench.py {report['argv']}`. "
+        f"`python benchmarks/engine/executor_bench.py {report['argv']}`. "
         f"Model: {report['model']}; {w['num_requests']} requests, prompts {w['prompt_range']} tokens, outputs "
         f"{w['output_range']} tokens (3/4 short, 1/4 long), greedy, max_batch_size {report['max_batch_size']}; "
         f"all requests arrive at t=0. `static`: the same executor fed batches of max_batch_size, each run to "
@@ -185,7 +166,7 @@ def markdown(report: dict) -> str:
 
 
 SECTION_HEADER = (
-    "## Executor: in-flight vs static batching (`benchmarks/executor_bench.py`)\n\n"
+    "## Executor: in-flight vs static batching (`benchmarks/engine/executor_bench.py`)\n\n"
     "Same executor, same seeded mixed-length workload, all modes in one run. Runs are appended below.\n\n"
 )
 
@@ -290,7 +271,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu")
     p.add_argument("--engine-dir", default=os.path.join(REPO_ROOT, "engines", "smollm2"),
                    help="engine to run (CPU default: the embedded SmolLM2, built if missing)")
-    p.add_argument("--random-weights", default=None, help="a named shape of benchmarks/engine_bench.py (llama8b, ...)")
+    p.add_argument("--random-weights", default=None, help="a named shape of benchmarks/engine/engine_bench.py (llama8b, ...)")
     p.add_argument("--dtype", default="bfloat16", help="dtype of a --random-weights engine")
     p.add_argument("--num-requests", type=int, default=24)
     p.add_argument("--max-batch-size", type=int, default=8)
@@ -303,7 +284,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-top-log-probs", type=int, default=0,
                    help="every request asks for this many top log-probs per token (0: none), to measure their cost")
     p.add_argument("--repeats", type=int, default=2, help="runs per mode (interleaved); the fastest is reported")
-    p.add_argument("--results-md", default=os.path.join(REPO_ROOT, "benchmarks", "RESULTS.md"))
+    p.add_argument("--results-md", default=results_page("engine"))
     p.add_argument("--no-results-md", action="store_true")
     p.add_argument("--host-profile", default=None, metavar="B1,B2",
                    help="only measure host ms per decode iteration at these batch sizes (tiny model, CPU)")
@@ -315,7 +296,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.host_profile:
-        return host_profile([int(b) for b in args.host_profile.split(",")], args)
+        return host_profile(int_list(args.host_profile), args)
     commit, started = git_commit(), datetime.now(timezone.utc)  # what ran, not what HEAD is at the end
     if args.random_weights:
         engine_dir = random_weight_engine(args.random_weights, args)
@@ -333,7 +314,7 @@ def main(argv=None) -> dict:
         modes = best_of(executor, requests, args.max_batch_size, args.repeats)
         model += f", {executor.runner.dtype}".replace("torch.", "") if not args.random_weights else ""
     report = {
-        "date": started.strftime("%Y-%m-%d %H:%M UTC"), "machine": machine(args.device),
+        "date": started.strftime("%Y-%m-%d %H:%M UTC"), "machine": machine_summary(args.device),
         "commit": commit, "model": model, "max_batch_size": args.max_batch_size,
         "argv": " ".join(sys.argv[1:] if argv is None else argv),
         "workload": {"num_requests": args.num_requests, "prompt_range": f"8..{args.max_prompt}",

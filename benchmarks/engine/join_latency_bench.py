@@ -8,13 +8,12 @@ the median period of the steps that carried prompt tokens (the iteration log). B
 overlapped scheduling (the default) and without it, where a step's period is its own work.
 Engines are built in this process one after another, with ``TRITONLLM_PREFILL_GRAPHS`` set for each.
 
-    python benchmarks/join_latency_bench.py --model smollm2 --results_md benchmarks/RESULTS.md
+    python benchmarks/engine/join_latency_bench.py --model smollm2 --results_md benchmarks/results/engine.md
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import sys
@@ -23,12 +22,13 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: engine, kernels, benchmarks
+
+from benchmarks.common import (command_line, environment_set, git_commit, int_list,  # noqa: E402
+                               machine_description, print_table, utc_now, write_config_only_engine)
 
 from engine.executor.runner import PREFILL_GRAPHS_ENV  # noqa: E402
 from engine.executor.stats import ITERATION_LOG_ENV, read_iteration_log  # noqa: E402
-from serving_bench import environment_set, git_commit, machine_description, write_random_engine  # noqa: E402
 
 
 def measure(engine_dir: str, args, *, graphs: bool, overlap: bool, log_path: str) -> dict[int, dict]:
@@ -107,7 +107,7 @@ def markdown(results: dict) -> str:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2", help="a shape of benchmarks/engine_bench.py MODELS")
+    parser.add_argument("--model", default="smollm2", help="a shape of benchmarks/engine/engine_bench.py MODELS")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--decoding", type=int, default=56, help="streams generating while requests join")
     parser.add_argument("--joining", default="1,4,16,32,64", help="group sizes k")
@@ -120,17 +120,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", default="join_latency_bench.json")
     parser.add_argument("--results_md", default=None, help="append the dated table to this file")
     args = parser.parse_args(argv)
-    args.joining = [int(k) for k in args.joining.split(",") if k]
-    from datetime import datetime, timezone
+    args.joining = int_list(args.joining)
 
     work = Path(tempfile.mkdtemp(prefix="join-latency-"))
     engine_dir = work / "engine"
     engine_dir.mkdir()
-    write_random_engine(engine_dir, args.model, args.dtype, max_batch_size=args.max_batch_size,
-                        max_seq_len=args.max_seq_len, max_num_tokens=8192, tokens_per_block=32)
-    results = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": git_commit(),
-               "machine": machine_description(), "command": "python benchmarks/join_latency_bench.py "
-               + " ".join(argv or sys.argv[1:]), "model": args.model, "decoding": args.decoding,
+    write_config_only_engine(args.model, args.dtype, args.max_batch_size, args.max_seq_len, 8192, 32,
+                             engine_dir=str(engine_dir), max_input_len=args.max_seq_len)
+    results = {"date": utc_now(), "commit": git_commit(), "machine": machine_description(),
+               "command": command_line(__file__, argv), "model": args.model, "decoding": args.decoding,
                "joining": args.joining, "prompt_len": args.prompt_len, "repeats": args.repeats, "runs": {}}
     for overlap in (True, False):
         for graphs in (False, True):
@@ -138,11 +136,7 @@ def main(argv=None) -> dict:
             found = measure(str(engine_dir), args, graphs=graphs, overlap=overlap, log_path=str(work / f"{name}.log"))
             results["runs"][name] = {str(k): v for k, v in found.items()}
     Path(args.out).write_text(json.dumps(results, indent=1))
-    table = markdown(results)
-    print(table)
-    if args.results_md:
-        with open(args.results_md, "a") as out:
-            out.write("\n" + table)
+    print_table(markdown(results), args.results_md)
     return results
 
 

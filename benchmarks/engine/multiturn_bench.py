@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Multi-turn chat through the in-process executor: what the prefix cache buys.
 
-    python benchmarks/multiturn_bench.py --model llama8b [--conversations 64 --turns 6 --system_len 1500]
+    python benchmarks/engine/multiturn_bench.py --model llama8b [--conversations 64 --turns 6 --system_len 1500]
         [--user_len 60 --output_len 64] [--reuse on,off,host] [--working_set_over_gpu_pool 2]
         [--kv-cache-host-memory-bytes N] [--out multiturn.json]
 
@@ -15,7 +15,7 @@ lockstep when the prefix cache makes their prompts cheap, so every turn's reques
 and queue behind one another's prefills; varied answers spread the arrivals as real chats do.
 Streaming, so the time to first token (enqueue to the first streamed token) is the client's. Token
 ids are random (a random-weight engine of ``--model``'s shape, made on the device at load; see
-benchmarks/engine_bench.py), the same for every setting.
+benchmarks/engine/engine_bench.py), the same for every setting.
 
 For each ``--reuse`` setting one executor runs the whole load: ``off`` and ``on`` are the executor's
 ``enable_kv_cache_reuse``; ``host`` is reuse plus the KV host tier (``kv_cache_host_memory_bytes``:
@@ -38,24 +38,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import sys
 import time
+from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: engine, kernels, benchmarks
 
-from engine_bench import MODELS, free_device_memory, write_config_only_engine  # noqa: E402  (benchmarks/ is on sys.path as a script)
+from benchmarks.common import MODELS, free_device_memory, percentile, write_config_only_engine  # noqa: E402
 
 
 TOKENS_PER_BLOCK = 32
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
 
 def working_set_tokens(args) -> int:

@@ -2,7 +2,7 @@
 """Kernel profile of one engine step: where a prefill step's or a long-context decode step's device
 time goes, by kernel family (GEMMs, attention, norms and rotary, the rest).
 
-    python benchmarks/step_profile.py --model llama8b --quantization fp8 --kv_cache_dtype fp8 \\
+    python benchmarks/engine/step_profile.py --model llama8b --quantization fp8 --kv_cache_dtype fp8 \\
         --prefill 4x2048 --decode 194x5250 [--out profile.json]
 
 ``--prefill NxL``: one step of N fresh prompts of L tokens (chunked-context shapes: N * L tokens).
@@ -13,7 +13,7 @@ step's CUDA graph replayed 10 times under the profiler (figures per replay; a gr
 what the served step runs, e.g. the Triton skinny GEMMs an eager step leaves to cuBLAS).
 ``--sweep_splits 1,2,4,8``: for each decode shape, the step's time (CUDA events, median of 5) with the
 decode attention's key splits forced to each count, beside the count the kernel chooses itself.
-Random weights of the named shape (benchmarks/engine_bench.py), made on the device. Each step runs
+Random weights of the named shape (benchmarks/engine/engine_bench.py), made on the device. Each step runs
 twice to warm up, then once under torch.profiler; kernels are grouped by name patterns
 (``FAMILIES``), and the table gives each family's device time and share, with the step's wall time
 from CUDA events for comparison. This is what issue 32's "where the time went" names per shape.
@@ -24,11 +24,11 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: engine, kernels, benchmarks
 
-from engine_bench import write_config_only_engine  # noqa: E402
+from benchmarks.common import dims, int_list, write_config_only_engine  # noqa: E402
 
 # First match wins; names are lower-cased kernel names as the profiler reports them.
 FAMILIES = [
@@ -46,11 +46,6 @@ def family_of(name: str) -> str:
         if any(p in lowered for p in patterns):
             return family
     return "other"
-
-
-def parse_shape(text: str) -> tuple[int, int]:
-    count, length = text.lower().split("x")
-    return int(count), int(length)
 
 
 def step_batch(runner, batch_size: int, new_tokens: int, context: int):
@@ -199,7 +194,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from engine.executor.runner import ModelRunner
 
-    shapes = [("prefill", *parse_shape(s)) for s in args.prefill] + [("decode", *parse_shape(s)) for s in args.decode]
+    shapes = [("prefill", *dims(s)) for s in args.prefill] + [("decode", *dims(s)) for s in args.decode]
     max_context = max(length for _, _, length in shapes)
     max_tokens = max(count * length if kind == "prefill" else count for kind, count, length in shapes)
     max_batch = max(count for _, count, _ in shapes)
@@ -228,7 +223,7 @@ def main(argv: list[str] | None = None) -> dict:
         print_profile(title, result)
         if kind == "decode" and args.sweep_splits:
             result["splits_ms"] = sweep_splits(runner, step_batch(runner, count, 1, length),
-                                               [int(c) for c in args.sweep_splits.split(",")])
+                                               int_list(args.sweep_splits))
             print(f"{title} step ms by decode key splits: {result['splits_ms']}")
         results[title] = result
     if args.out:

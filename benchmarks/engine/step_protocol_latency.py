@@ -1,6 +1,6 @@
 """Cost of leader mode's per-step plan broadcast (engine/tensor_parallel/distributed.py StepChannel) on 2 ranks.
 
-    python benchmarks/step_protocol_latency.py [--device cuda]     # starts its 2 ranks itself
+    python benchmarks/engine/step_protocol_latency.py [--device cuda]     # starts its 2 ranks itself
 
 The channel is the one the engine would use on that device (shared memory on GPUs, gloo on CPU);
 TRITONLLM_SHM_PLANS=1 or 0 forces one.
@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
-import subprocess
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: engine, kernels, benchmarks
+
+from benchmarks.common import run_two_ranks  # noqa: E402
 
 
 def run_rank(rank: int, port: int, device: str, iters: int) -> None:
@@ -67,14 +70,7 @@ def main() -> None:
     if args.rank is not None:
         run_rank(args.rank, args.port, args.device, args.iters)
         return
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ranks = [subprocess.Popen([sys.executable, __file__, "--rank", str(r), "--port", str(port), "--device", args.device,
-                               "--iters", str(args.iters)]) for r in (0, 1)]
-    codes = [p.wait(timeout=300) for p in ranks]
-    if any(codes):
-        raise SystemExit(f"ranks exited with {codes}")
+    run_two_ranks(__file__, ["--device", args.device, "--iters", str(args.iters)])
 
 
 if __name__ == "__main__":

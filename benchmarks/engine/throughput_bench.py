@@ -1,16 +1,16 @@
 #!/usr/bin/env python3
 """TensorRT-LLM 1.0's offline throughput table, shape by shape, through the in-process executor (issue 32).
 
-    python benchmarks/throughput_bench.py [--shapes 128/128,2048/128] [--dtype fp8|bf16|both]
+    python benchmarks/engine/throughput_bench.py [--shapes 128/128,2048/128] [--dtype fp8|bf16|both]
         [--num-requests-scale F | --waves W | --max-requests N | --max-seconds-per-shape S]
         [--max-batch-size 1024] [--max-num-tokens 8192] [--kv-fraction 0.95] [--max-seq-len shape|max|N]
         [--out throughput.json] [--markdown PATH]
-    python benchmarks/throughput_bench.py --tiny --shapes 128/128,2048/128 --max-requests 8   # CPU, seconds
-    python benchmarks/throughput_bench.py --report throughput.json [--markdown PATH]        # tables again
+    python benchmarks/engine/throughput_bench.py --tiny --shapes 128/128,2048/128 --max-requests 8   # CPU, seconds
+    python benchmarks/engine/throughput_bench.py --report throughput.json [--markdown PATH]        # tables again
 
 What runs, per ``--dtype`` (fp8: FP8 E4M3 linear weights and an FP8 KV pool, as TensorRT-LLM's
 ModelOpt checkpoint runs; bf16: bfloat16 weights and pool) and per shape: a random-weight engine of
-``--model``'s shape (Llama-3.1-8B by default; benchmarks/engine_bench.py's builders), an Executor with
+``--model``'s shape (Llama-3.1-8B by default; benchmarks/engine/engine_bench.py's builders), an Executor with
 chunked context on (as a served model runs), ``--kv-fraction`` of the free device memory for the
 KV pool (0.95 as TensorRT-LLM's tables; on an out-of-memory error 0.90, as their docs fall back),
 no prefix reuse, CUDA graphs up to ``--max-batch-size``; ``max_seq_len`` = ISL + OSL per shape
@@ -53,17 +53,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
+from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: engine, kernels, benchmarks
 
-from engine_bench import (MODELS, cuda_time_ms, free_device_memory, git_commit,  # noqa: E402  (benchmarks/ on sys.path)
-                          percentile, write_config_only_engine)
+from benchmarks.common import (MODELS, command_line, cuda_time_ms, device_name, free_device_memory,  # noqa: E402
+                               git_commit, percentile, print_table, utc_now, write_config_only_engine)
 
 # TensorRT-LLM performance overview v1.0 (NVIDIA/TensorRT-LLM docs/source/performance/perf-overview.md,
 # stored commit 00f37686aa85; ../shared/reference/peers.md §2a): Llama-3.1-8B FP8
@@ -607,21 +605,14 @@ def main(argv=None) -> dict:
                 results["engines"] += part["engines"]
                 results["rows"] += part["rows"]
                 results["command"] += "; " + part["command"]
-        table = markdown(results)
-        print(table)
-        if args.markdown:
-            with open(args.markdown, "a") as f:
-                f.write("\n" + table)
+        print_table(markdown(results), args.markdown)
         return results
-    import torch
-
     t0 = time.monotonic()
     shapes = parse_shapes(args.shapes)
     labels = ["fp8", "bf16"] if args.dtype == "both" else [args.dtype]
     on_gpu = args.device.startswith("cuda")
-    results = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": git_commit(),
-               "gpu": torch.cuda.get_device_name() if on_gpu else "cpu", "model": args.model,
-               "command": "python benchmarks/throughput_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    results = {"date": utc_now(), "commit": git_commit(), "gpu": device_name(args.device), "model": args.model,
+               "command": command_line(__file__, argv),
                "max_batch_size": args.max_batch_size, "max_num_tokens": args.max_num_tokens,
                "kv_fraction": args.kv_fraction, "steady_threshold": args.steady_threshold, "engines": [], "rows": []}
     print(f"throughput_bench: {results['model']} on {results['gpu']}, commit {results['commit']}", flush=True)
@@ -707,11 +698,7 @@ def main(argv=None) -> dict:
         save()
     if executor is not None:
         executor.shutdown()
-    table = markdown(results)
-    print(table)
-    if args.markdown:
-        with open(args.markdown, "a") as f:
-            f.write("\n" + table)
+    print_table(markdown(results), args.markdown)
     print(f"throughput_bench: done in {time.monotonic() - t0:,.0f} s; results in {args.out}", flush=True)
     return results
 

@@ -1,10 +1,9 @@
 """Tensor parallelism on 2 GPUs: TP 2 must equal TP 1 on greedy outputs; decode and offline speed of both.
 
-    PYTHONPATH=$PWD python benchmarks/tp_bench.py --out benchmarks/tp_bench.json --results-md benchmarks/RESULTS.md
+    python benchmarks/engine/tp_bench.py --out tp_bench.json --results-md benchmarks/results/engine.md
 
-One command, from the checkout's root, on a machine with 2 GPUs (PYTHONPATH only where the
-project is not pip-installed; no mpirun or torchrun needed: it starts every rank itself, with the
-variables mpirun would set). Four phases, each a fresh set of processes (``--phase_timeout`` each):
+One command, from the checkout's root, on a machine with 2 GPUs (no mpirun or torchrun needed: it
+starts every rank itself, with the variables mpirun would set). Four phases, each a fresh set of processes (``--phase_timeout`` each):
 
 1. ``greedy_tp1`` / ``greedy_tp2`` (float32): 8 prompts of random token ids, 32 greedy tokens each,
    straight through ``make_runner`` (rank 0) and ``engine.tensor_parallel.worker``'s loop (rank 1),
@@ -31,25 +30,27 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import zlib
-from datetime import datetime, timezone
+from pathlib import Path
 
 import torch
 
-import engine.executor.runner as runner_module
-from engine.config import BuildConfig, EngineConfig, ModelConfig
-from engine.convert import CheckpointError, iter_rank_weights
-from engine.tensor_parallel.distributed import make_runner, run_worker
-from engine.executor.overlap import placeholder
-from engine.executor.runner import ForwardBatch, ModelRunner
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: engine, kernels, benchmarks
 
-from engine_bench import MODELS, bench_executor_decode, drain_offline  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
-from step_timeline import describe, reset, summarize, timed  # noqa: E402
+import engine.executor.runner as runner_module  # noqa: E402
+from benchmarks.common import MODELS, command_line, free_port, git_commit, print_table, utc_now  # noqa: E402
+from benchmarks.engine.engine_bench import bench_executor_decode, drain_offline  # noqa: E402
+from benchmarks.engine.step_timeline import describe, reset, summarize, timed  # noqa: E402
+from engine.config import BuildConfig, EngineConfig, ModelConfig  # noqa: E402
+from engine.convert import CheckpointError, iter_rank_weights  # noqa: E402
+from engine.executor.overlap import placeholder  # noqa: E402
+from engine.executor.runner import ForwardBatch, ModelRunner  # noqa: E402
+from engine.tensor_parallel.distributed import make_runner, run_worker  # noqa: E402
+
 
 PHASES = ("greedy_tp1", "greedy_tp2", "perf_tp1", "perf_tp2")
 DECODE_BATCHES = (1, 8, 32)
@@ -322,12 +323,6 @@ STARTED = time.monotonic()
 # ---- the orchestrator: one process per rank, the environment mpirun would give ----------------------
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
     # Only the variables set here may say which rank this is (engine.tensor_parallel.distributed reads several kinds).
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_COMM_WORLD", "PMI_", "PMIX_", "SLURM_"))}
@@ -418,22 +413,11 @@ def greedy_sentence(greedy: dict | None) -> str:
             f"{greedy['first_step_logits_max_abs_diff']:.2e} (max |logit| {greedy['first_step_logits_max_abs']:.1f}).")
 
 
-def git_commit() -> str:
-    if os.environ.get("BENCH_COMMIT"):  # a copied checkout (the GPU machine's) may carry a stale .git
-        return os.environ["BENCH_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except OSError:
-        return "unknown"
-
-
 def orchestrate(args) -> dict:
     if args.device == "cuda" and torch.cuda.device_count() < 2:
         raise SystemExit(f"tp_bench needs 2 GPUs, found {torch.cuda.device_count()}")
     workdir = tempfile.mkdtemp(prefix="tp_bench-")
-    results = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "model": args.model,
-               "commit": git_commit(), "command": "python benchmarks/tp_bench.py " + " ".join(sys.argv[1:]),
+    results = {"date": utc_now(), "model": args.model, "commit": git_commit(), "command": command_line(__file__),
                "gpus": (f"2x {torch.cuda.get_device_name(0)}" if args.device == "cuda" else "cpu (gloo)")}
     for phase in args.phases:
         dtype = "float32" if phase.startswith("greedy") else args.dtype
@@ -449,11 +433,7 @@ def orchestrate(args) -> dict:
     with open(args.out, "w") as f:
         json.dump(results, f, indent=2)
     if "perf_tp1" in results and "perf_tp2" in results:
-        table = markdown(results)
-        print(table)
-        if args.results_md:
-            with open(args.results_md, "a") as f:
-                f.write(table)
+        print_table(markdown(results), args.results_md)
     if "greedy" in results and not results["greedy"]["passed"]:
         raise SystemExit("[tp_bench] FAILED: TP 2 greedy outputs differ from TP 1")
     return results
@@ -471,7 +451,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="eager decode (no CUDA graphs) in the perf phases (the greedy check is always eager)")
     parser.add_argument("--skip_perf", action="store_true", help="only the greedy check")
     parser.add_argument("--timing", action="store_true",
-                        help="perf phases: per-rank timeline of the executor's decode steps (benchmarks/step_timeline.py)")
+                        help="perf phases: per-rank timeline of the executor's decode steps (benchmarks/engine/step_timeline.py)")
     parser.add_argument("--phases", default=",".join(PHASES),
                         help=f"comma list of phases to run, in order (default: all of {','.join(PHASES)})")
     parser.add_argument("--phase_timeout", type=float, default=240, help="seconds per phase (4 phases)")

@@ -2,10 +2,10 @@
 (kernels/grammar_mask.py against xgrammar's own kernels), and filling the masks on the host with
 xgrammar (one BatchGrammarMatcher call against a loop of GrammarMatcher.fill_next_token_bitmask).
 
-    .venv/bin/python benchmarks/grammar_mask_bench.py                 # both parts (device part on CUDA only)
-    .venv/bin/python benchmarks/grammar_mask_bench.py --skip-host --dtype bfloat16
-    .venv/bin/python benchmarks/grammar_mask_bench.py --skip-host --blocks 1024,2048,4096   # BLOCK sweep
-    .venv/bin/python benchmarks/grammar_mask_bench.py --skip-device --tokenizer /models/Meta-Llama-3-8B-Instruct
+    .venv/bin/python benchmarks/features/grammar_mask_bench.py                 # both parts (device part on CUDA only)
+    .venv/bin/python benchmarks/features/grammar_mask_bench.py --skip-host --dtype bfloat16
+    .venv/bin/python benchmarks/features/grammar_mask_bench.py --skip-host --blocks 1024,2048,4096   # BLOCK sweep
+    .venv/bin/python benchmarks/features/grammar_mask_bench.py --skip-device --tokenizer /models/Meta-Llama-3-8B-Instruct
 
 xgrammar's 'cuda' backend JIT-compiles a torch extension with nvcc on first use (skipped, with a
 message, where that fails); ``--xgrammar-backends triton`` leaves it out.
@@ -38,11 +38,13 @@ import statistics
 import sys
 import time
 import warnings
+from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # kernels
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: engine, kernels, benchmarks
 
 import torch  # noqa: E402
 
+from benchmarks.common import int_list  # noqa: E402
 from kernels.linear import replay_time_ms, side_stream  # noqa: E402
 
 LLAMA3_VOCAB = 128256
@@ -55,10 +57,6 @@ def xgrammar_version() -> str:
         return importlib.metadata.version("xgrammar")
     except importlib.metadata.PackageNotFoundError:
         return "?"
-
-
-def ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
 
 
 # ---- device part ------------------------------------------------------------------------------
@@ -131,7 +129,7 @@ def device_part(args) -> None:
     print("| allowed | B | rows constrained | implementation | graph us/call | eager us/call | GB/s (graph) |")
     print("|---:|---:|---|---|---:|---:|---:|")
     for density in [float(x) for x in args.densities.split(",")]:
-        for batch in ints(args.batches):
+        for batch in int_list(args.batches):
             for mode in ("all", "half") if batch > 1 else ("all",):
                 time_case(args, xgr, backends, dtype, density, batch, mode)
     print()
@@ -161,7 +159,7 @@ def time_case(args, xgr, backends, dtype, density: float, batch: int, mode: str)
     expected = apply_token_bitmask_(fresh.clone(), compact, rows)
     variants = [(f"ours (block {choose_block(batch, vocab, logits.device)})",
                  lambda: apply_token_bitmask_(logits, compact, rows))]
-    for block in ints(args.blocks):
+    for block in int_list(args.blocks):
         variants.append((f"ours, block {block}",
                          lambda block=block: apply_token_bitmask_triton(logits, compact, rows, block=block)))
     for backend in backends:
@@ -260,7 +258,7 @@ def host_part(args) -> None:
     print("| B | loop of fill_next_token_bitmask ms | batch_fill_next_token_bitmask ms | speedup | us per matcher (batch) |")
     print("|---:|---:|---:|---:|---:|")
     batcher = xgr.BatchGrammarMatcher(threads)
-    for batch in ints(args.host_batches):
+    for batch in int_list(args.host_batches):
         matchers = []
         for i in range(batch):
             matcher = xgr.GrammarMatcher(compiled)

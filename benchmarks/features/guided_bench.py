@@ -1,6 +1,6 @@
 """Guided decoding's cost: constrained streams against the same streams unconstrained, in one run.
 
-    python benchmarks/guided_bench.py --streams 64 --requests 256 --results-md benchmarks/RESULTS.md
+    python benchmarks/features/guided_bench.py --streams 64 --requests 256 --results-md benchmarks/results/features.md
 
 What it measures, on a random-weight model of a real shape (``--model llama8b``, as engine_bench):
 
@@ -32,11 +32,12 @@ import statistics
 import sys
 import threading
 import time
+from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: engine, kernels, benchmarks
 
-from engine_bench import percentile  # noqa: E402  (nearest rank, as the other benchmarks report)
+from benchmarks.common import (MODELS, command_line, device_name, git_commit, name_list, percentile,  # noqa: E402
+                               print_table, utc_now, write_config_only_engine)
 
 SCHEMAS = [
     {"type": "object", "properties": {
@@ -208,7 +209,7 @@ def step_periods(executor, since_ns: int, batch: int) -> dict:
 
 
 def bench_streams(executor, vocab: int, end_id: int, args) -> dict:
-    from engine_bench import profile_executor_loop
+    from benchmarks.engine.engine_bench import profile_executor_loop
 
     guided_requests = make_requests(args.requests, vocab, args.prompt_len, args.max_tokens, end_id, True)
     since = time.time_ns()
@@ -235,7 +236,7 @@ def bench_streams(executor, vocab: int, end_id: int, args) -> dict:
 
 
 def bench_masks(executor, vocab: int, end_id: int, args) -> dict:
-    from engine_bench import drain_offline
+    from benchmarks.engine.engine_bench import drain_offline
 
     masks = executor.token_masks
     batch = args.mask_batch
@@ -340,20 +341,14 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     global TOKENIZER_DIR
     TOKENIZER_DIR = args.tokenizer
-    import torch
-    from datetime import datetime, timezone
-
     from engine.executor.executor import Executor, ExecutorConfig
     from engine.executor.request import Request
-    from engine_bench import MODELS, git_commit, write_config_only_engine
 
-    sections = args.sections.split(",")
+    sections = name_list(args.sections)
     vocab = MODELS[args.model]["vocab_size"]
     end_id = vocab - 2  # the synthetic vocabulary's stop token (random weights: any id is as good)
-    results = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-               "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-               "commit": git_commit(), "model": args.model, "dtype": args.dtype, "vocab_size": vocab,
-               "command": "python benchmarks/guided_bench.py " + " ".join(argv or sys.argv[1:])}
+    results = {"date": utc_now(), "gpu": device_name(args.device), "commit": git_commit(), "model": args.model, "dtype": args.dtype, "vocab_size": vocab,
+               "command": command_line(__file__, argv)}
     if "compile" in sections:
         results["compile"] = bench_compile(vocab, end_id)
         print(json.dumps(results["compile"]), flush=True)
@@ -381,11 +376,7 @@ def main(argv=None) -> dict:
                 print(json.dumps(results["masks"]), flush=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=2)
-    table = markdown(results)
-    print(table)
-    if args.results_md:
-        with open(args.results_md, "a") as f:
-            f.write("\n" + table)
+    print_table(markdown(results), args.results_md)
     return results
 
 

@@ -1,11 +1,11 @@
 """What LoRA adapters cost through the executor, each figure beside its base-model baseline from
 the same executor and lease (issue 29).
 
-    python benchmarks/lora_bench.py [--model llama8b] [--dtype bfloat16] [--quantization fp8]
-        [--rank 16] [--sections decode,offline,first_use,mixed] [--results-md benchmarks/RESULTS.md]
+    python benchmarks/features/lora_bench.py [--model llama8b] [--dtype bfloat16] [--quantization fp8]
+        [--rank 16] [--sections decode,offline,first_use,mixed] [--results-md benchmarks/results/features.md]
 
 An executor with LoRA on (``--adapters`` slots of rank ``--rank``, 64 for ``mixed``; random-weight engine of the
-model's shape, as benchmarks/engine_bench.py makes it). Random adapters of rank ``--rank`` on all
+model's shape, as benchmarks/engine/engine_bench.py makes it). Random adapters of rank ``--rank`` on all
 seven projections (q, k, v, o, gate, up, down), weights in the model dtype, loaded through the
 executor's own path (a PEFT directory per adapter, written first). Base rows on that executor
 replay the plain decode graphs, the path of an engine without LoRA.
@@ -29,20 +29,19 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: engine, kernels, benchmarks
 
-from engine_bench import (MODELS, append_to_results, git_commit, iteration_breakdown,  # noqa: E402
-                          write_config_only_engine)
+from benchmarks.common import (MODELS, command_line, device_name, git_commit, print_table, utc_now,  # noqa: E402
+                               write_config_only_engine)
+from benchmarks.engine.engine_bench import iteration_breakdown  # noqa: E402
 
 PEFT_NAMES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
               "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
-RESULTS_HEADING = "## LoRA adapters (`benchmarks/lora_bench.py`, issue 29)"
 
 
 def write_peft_adapter(config, path: str, rank: int, seed: int, dtype: torch.dtype, b_std: float = 0.01) -> str:
@@ -162,12 +161,10 @@ def main(argv=None) -> dict:
         """Prefill and decode kernels compiled, ``count`` adapters parsed and in slots."""
         run_requests(executor, make_requests(vocab, [None] * 4 + [lora(i) for i in range(count)], 64, 8, seed=1))
 
-    results = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-               "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-               "commit": git_commit(), "model": args.model, "dtype": args.dtype, "quantization": args.quantization,
+    results = {"date": utc_now(), "gpu": device_name(args.device), "commit": git_commit(), "model": args.model, "dtype": args.dtype, "quantization": args.quantization,
                "rank": args.rank, "max_loras": max_loras, "engine_load_s": load_s,
                "slot_mib": executor.runner.lora_slot_bytes(args.rank) / 2**20,
-               "command": "python benchmarks/lora_bench.py " + " ".join(argv or sys.argv[1:])}
+               "command": command_line(__file__, argv)}
     warm_up(executor, max_loras)
 
     if "decode" in sections:
@@ -226,10 +223,7 @@ def main(argv=None) -> dict:
     executor.shutdown()
     with open(args.out, "w") as f:
         json.dump(results, f, indent=2)
-    table = markdown(results)
-    print(table)
-    if args.results_md:
-        append_to_results(args.results_md, table)
+    print_table(markdown(results), args.results_md)
     return results
 
 

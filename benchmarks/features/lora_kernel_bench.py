@@ -2,8 +2,8 @@
 expand, and both (one add_lora call), per Llama-8B projection, replayed from CUDA graphs
 (kernels.linear.graph_time_ms: no launch overhead).
 
-    python benchmarks/lora_kernel_bench.py                      # bf16, rank 16
-    python benchmarks/lora_kernel_bench.py --rank 64 --sweep    # also time a few decode tilings
+    python benchmarks/features/lora_kernel_bench.py                      # bf16, rank 16
+    python benchmarks/features/lora_kernel_bench.py --rank 64 --sweep    # also time a few decode tilings
 
 Decode-sized batches: 1, 8, 64 tokens (one per sequence) spread round-robin over 1, 4, 16, 64
 adapters of a 64-slot pool; then one 8192-token prefill segment of one adapter. Every slice of
@@ -11,7 +11,7 @@ every slot has the same rank. Two rows per projection put batch 1 and batch 64 (
 LoraBatchBuffers of capacity 64 tokens / 64 segments, the grid a captured decode graph has.
 "base" is the projection itself (F.linear through cuBLAS) at the same token count, for scale.
 
-    python benchmarks/lora_kernel_bench.py --graphs             # decode-graph buckets only
+    python benchmarks/features/lora_kernel_bench.py --graphs             # decode-graph buckets only
 
 --graphs times one add_lora call the way a captured decode graph of bucket b runs it: b rows (one
 per sequence, round-robin over the adapters) in LoraBatchBuffers(b, min(b, 64), decode=True),
@@ -24,14 +24,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
+from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # kernels
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: engine, kernels, benchmarks
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from benchmarks.common import int_list  # noqa: E402
 from kernels._triton import num_sms  # noqa: E402
 from kernels.linear import graph_time_ms  # noqa: E402
 from kernels.lora import (  # noqa: E402
@@ -52,10 +53,6 @@ PROJECTIONS = {
     "down": (14336, (0, 4096)),
 }
 POOL_SLOTS = 64
-
-
-def ints(text: str) -> list[int]:
-    return [int(v) for v in text.split(",") if v.strip()]
 
 
 def make_pool(in_features, slice_starts, rank, dtype):
@@ -202,8 +199,8 @@ def main(tokens: list[int], adapters: list[int], rank: int, dtype_name: str, pre
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=ints, default=[1, 8, 64])
-    parser.add_argument("--adapters", type=ints, default=[1, 4, 16, 64])
+    parser.add_argument("--tokens", type=int_list, default=[1, 8, 64])
+    parser.add_argument("--adapters", type=int_list, default=[1, 4, 16, 64])
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--prefill-tokens", type=int, default=8192)

@@ -2,7 +2,7 @@
 """Paged attention alone, at the shapes of TensorRT-LLM's throughput table (issue 32): one layer of
 Llama-3.1-8B's heads (32 query heads, 8 KV heads, 128 dims), FP8 or bf16 pool.
 
-    PYTHONPATH=$PWD python benchmarks/attention_kernel_bench.py [--pool fp8,bf16] [--cases ...]
+    PYTHONPATH=$PWD python benchmarks/kernels/attention_kernel_bench.py [--pool fp8,bf16] [--cases ...]
         [--sweep_prefill 64:64:4:2,128:64:8:3,...] [--sweep_decode 32:1:3,64:4:3,...] [--markdown FILE]
 
 Cases (``CASES``): prompt chunks alone (4 x 2,048, 8 x 1,000, an 8,192-token chunk over a 12k prefix),

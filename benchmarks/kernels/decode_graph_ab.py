@@ -3,7 +3,7 @@
 the TMA reads of decode attention (kernels/triton_attention.py, $TRITONLLM_DECODE_TMA) and the FP8
 products' deferred scales (kernels/fp8.py ``choose_fp8_scaling``). Issue 32's decode-bound shapes.
 
-    PYTHONPATH=$PWD python benchmarks/decode_graph_ab.py --cases 544x1500,512x1100,208x5250 \\
+    PYTHONPATH=$PWD python benchmarks/kernels/decode_graph_ab.py --cases 544x1500,512x1100,208x5250 \\
         [--model llama8b] [--quantization fp8] [--kv_cache_dtype fp8]
 
 Each case BxC is B sequences with C tokens of context each (pages in order, random weights of the
@@ -13,7 +13,7 @@ smallest of its batch buckets (cuda_graphs.default_buckets) that holds B, paddin
 read at capture) and replayed 10 times back to back, the least of 3 such means. For each case the
 products that the load-time timing would defer at B rows are printed first (the executor captures
 its graphs after that timing). Device time only: the lm_head, sampling and the host's share of a
-served step are not in it (benchmarks/throughput_bench.py's "vs graph" figure is that difference).
+served step are not in it (benchmarks/engine/throughput_bench.py's "vs graph" figure is that difference).
 """
 from __future__ import annotations
 
@@ -22,11 +22,11 @@ import itertools
 import os
 import random
 import sys
+from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: engine, kernels, benchmarks
 
-from engine_bench import write_config_only_engine  # noqa: E402
+from benchmarks.common import dims_list, write_config_only_engine  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> dict:
     from kernels.linear import replay_time_ms
     from kernels.triton_attention import DECODE_TMA_ENV
 
-    cases = [tuple(int(n) for n in case.split("x")) for case in args.cases.split(",")]
+    cases = dims_list(args.cases)
     max_batch, max_context = max(b for b, _ in cases), max(c for _, c in cases)
     engine_dir = write_config_only_engine(args.model, "bfloat16", max_batch, max_context + 64, 8192, 32,
                                           quantization=args.quantization)

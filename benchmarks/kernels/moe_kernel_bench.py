@@ -5,7 +5,7 @@ Microseconds a call from CUDA-graph replays (``REPEAT`` calls a graph on differe
 experts come from HBM), routing included; achieved TFLOPS (6 * H * I flops an assignment) and the
 bytes of the experts hit over the time.
 
-    python benchmarks/moe_kernel_bench.py [--shape qwen3_30b_a3b|gpt_oss_20b] [--tokens 1 8 64 ...]
+    python benchmarks/kernels/moe_kernel_bench.py [--shape qwen3_30b_a3b|gpt_oss_20b] [--tokens 1 8 64 ...]
         [--stages]   # also time the grouped path's stages one by one at the largest size
         [--sweep]    # also time the block-tiled kernel's block sizes and tilings at each size (one token: each projection's tiles)
         [--sweep-projections]  # ... and each projection's tilings alone (gate_up, down)
@@ -13,16 +13,16 @@ bytes of the experts hit over the time.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
+from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: engine, kernels, benchmarks
 
 import torch  # noqa: E402
 
+from benchmarks.common import graph_call_us  # noqa: E402
 from kernels.fused_moe import (fused_moe_ref, fused_moe_triton, gemm_config, model_dtype_tiling,  # noqa: E402
                                moe_forward, route_tokens)
-from graph_timing import graph_call_us  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 from kernels.moe_epilogue import PLAIN_SILU, expert_activation  # noqa: E402
 from kernels.fused_moe import moe_single_token_triton  # noqa: E402
 from kernels.moe_grouped_mm import combine, fused_moe_grouped_mm, sort_assignments  # noqa: E402

@@ -1,9 +1,9 @@
 """Where SmolLM2's FP8 accuracy goes: greedy next-token agreement with float32, perplexity and KL,
 teacher-forced over tests/engine/data/fp8_eval_text.txt (the text of tests/engine/test_fp8_engine.py),
 for float32, weight-only FP8, activation-only FP8, W8A8 (the engine's CPU path), and W8A8 with
-projection kinds or layers kept in float32. Figures: benchmarks/RESULTS.md, "FP8 accuracy on CPU".
+projection kinds or layers kept in float32. Figures: benchmarks/results/quantization.md, "FP8 accuracy on CPU".
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fp8_accuracy.py [--rows "name;name"] [--jitters 4] \
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/quantization/fp8_accuracy.py [--rows "name;name"] [--jitters 4] \
         [--engine-check] [--gptq-tokens 8192]
 
 CPU only: about 15 s per row after the ~20 s model load (5 minutes with both options). The FP8 rows
@@ -29,18 +29,20 @@ import math
 import os
 import sys
 import tempfile
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: engine, kernels, benchmarks
+
+from benchmarks.common import REPO_ROOT  # noqa: E402
 
 from engine.build import load_gguf  # noqa: E402
 from kernels.fp8 import (FP8_DTYPE, FP8_MAX, MIN_SCALE, dequantize_rows, quantize_rows,  # noqa: E402
                          quantize_weight)
 
-EVAL_TEXT = os.path.join(ROOT, "tests", "engine", "data", "fp8_eval_text.txt")
+EVAL_TEXT = os.path.join(REPO_ROOT, "tests", "engine", "data", "fp8_eval_text.txt")
 # The engine's projection kinds -> the transformers Linears they fuse.
 CALIBRATION_FILES = ("README.md", os.path.join("docs", "INTERFACES.md"))
 KINDS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
@@ -140,7 +142,7 @@ def gptq_round(weight: torch.Tensor, hessian: torch.Tensor, damp: float = 0.1, b
 def gptq_weights(model, tokenizer, tokens: int) -> dict:
     """(layer, Linear name) -> GPTQ-rounded weight, calibrated on the first ``tokens`` tokens of the
     repository's README.md and docs/INTERFACES.md (technical English: not the evaluation text)."""
-    text = "".join(open(os.path.join(ROOT, name)).read() for name in CALIBRATION_FILES)
+    text = "".join(open(os.path.join(REPO_ROOT, name)).read() for name in CALIBRATION_FILES)
     hessians = calibration_hessians(model, tokenizer(text)["input_ids"][:tokens])
     return {(index, name): gptq_round(model.model.layers[index].get_submodule(name).weight, hessian)
             for (index, name), hessian in hessians.items()}

@@ -3,7 +3,7 @@ graphs, per projection and per layer (the sum). Columns: bf16; the Triton block 
 launch + GEMM); cuBLAS's block-scaled GEMM through torch._scaled_mm (CUDA 12.9+ on sm90, else blank);
 the weight dequantized in one pass for bf16 cuBLAS; what fp8_block_linear picks.
 
-    python benchmarks/fp8_block_bench.py [--rows 1 16 64 256 512 2048 8192] [--model llama8b|qwen3_moe]
+    python benchmarks/quantization/fp8_block_bench.py [--rows 1 16 64 256 512 2048 8192] [--model llama8b|qwen3_moe]
 
 llama8b: Llama-3.1-8B's projections (qkv 6144 x 4096, o 4096 x 4096, gate_up 28672 x 4096, down
 4096 x 14336); qwen3_moe: Qwen3-30B-A3B's dense ones (qkv 5120 x 2048, o 2048 x 4096).
@@ -17,10 +17,10 @@ CUBLAS_BLOCK_SCALED_MIN_ROWS.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
+from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: engine, kernels, benchmarks
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

@@ -8,7 +8,7 @@ Columns: bf16 (kernels.fused_moe.moe_forward); FP8 per channel on the Triton gro
 channel on torch._scaled_grouped_mm (sm90); FP8 per channel as the engine dispatches it (moe_forward_fp8:
 the faster of the two by SCALED_GROUPED_MM_MIN_ASSIGNMENTS); FP8 with 128 x 128 block scales (Triton).
 
-    python benchmarks/moe_fp8_bench.py [--tokens 1 8 64 512 2048 8192] [--json out.json] [--sweep 1 8]
+    python benchmarks/quantization/moe_fp8_bench.py [--tokens 1 8 64 512 2048 8192] [--json out.json] [--sweep 1 8]
 
 --sweep T...: instead, time candidate tilings of the Triton grouped GEMM at those token counts (both
 granularities). --sweep_prefill T...: the block-scaled kernel's prefill-size tilings (PREFILL_TILES),
@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
+from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: engine, kernels, benchmarks
 
 import torch  # noqa: E402
 
@@ -39,7 +39,7 @@ from kernels.fused_moe import moe_forward, route_tokens  # noqa: E402
 from kernels.fused_moe_fp8 import (dequantize_experts, fused_moe_fp8_grouped_mm, fused_moe_fp8_triton,  # noqa: E402
                                    moe_forward_fp8, moe_single_token_fp8_triton, scaled_grouped_mm_supported)
 from kernels.fp8 import quantize_rows  # noqa: E402
-from graph_timing import graph_call_us  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from benchmarks.common import graph_call_us  # noqa: E402
 
 E, TOP_K, H, I = 128, 8, 2048, 768
 REPEAT = 10

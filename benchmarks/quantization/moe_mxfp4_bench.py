@@ -4,7 +4,7 @@ from CUDA graph replays, routing included. Each graph holds ``REPEAT`` calls on 
 router logits (so different experts: the weights come from HBM, not L2). The bf16 experts are the
 MXFP4 experts widened, so both compute the same MLP; the relative difference is printed.
 
-    python benchmarks/moe_mxfp4_bench.py [--sweep] [--tokens 1 8 64 512 2048 8192] [--json out.json]
+    python benchmarks/quantization/moe_mxfp4_bench.py [--sweep] [--tokens 1 8 64 512 2048 8192] [--json out.json]
 
 --sweep also times candidate tilings of each size (FMA tiles for few assignments, grouped-GEMM
 tiles, the widen-then-bf16-GEMMs path), stopping after --sweep_seconds.
@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
+from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: engine, kernels, benchmarks
 
 import torch  # noqa: E402
 
@@ -25,7 +25,7 @@ from kernels.fused_moe import choose_block_m, moe_forward, route_tokens  # noqa:
 from kernels.fused_moe_mxfp4 import (FMA_MAX_ASSIGNMENTS, dequantize_mxfp4_triton,  # noqa: E402
                                      fused_moe_mxfp4_triton, moe_forward_mxfp4, moe_single_token_mxfp4_triton,
                                      prepare_mxfp4_experts)
-from graph_timing import graph_call_us  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from benchmarks.common import graph_call_us  # noqa: E402
 from kernels.moe_epilogue import ExpertEpilogue  # noqa: E402
 
 E, TOP_K, H, I = 32, 4, 2880, 2880

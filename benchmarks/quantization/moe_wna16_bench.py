@@ -4,7 +4,7 @@ CUDA graph replays, routing included. Each graph holds ``REPEAT`` calls on diffe
 router logits (so different experts: the weights come from HBM, not L2). The bf16 experts are the
 int4 experts dequantized, so both compute the same MLP; the relative difference is printed.
 
-    python benchmarks/moe_wna16_bench.py [--sweep] [--tokens 1 8 64 512 4096]
+    python benchmarks/quantization/moe_wna16_bench.py [--sweep] [--tokens 1 8 64 512 4096]
 
 --sweep also times the candidate tilings of each size (the table in wna16_gemm_config and
 SINGLE_TOKEN_TILES comes from such a run) and the unfactored kernels (dequantize each weight).
@@ -13,17 +13,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
+from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: engine, kernels, benchmarks
 
 import torch  # noqa: E402
 
 from kernels.fused_moe import choose_block_m, moe_forward, route_tokens  # noqa: E402
 from kernels.fused_moe_wna16 import (SINGLE_TOKEN_TILES, fused_moe_wna16_triton, moe_forward_wna16,  # noqa: E402
                                      moe_single_token_wna16_triton, prepare_wna16_experts, wna16_gemm_config)
-from graph_timing import graph_call_us  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from benchmarks.common import graph_call_us  # noqa: E402
 from kernels.wna16 import dequantize, quantize  # noqa: E402
 
 E, TOP_K, H, I, GROUP = 128, 8, 2048, 768, 128

@@ -1,7 +1,7 @@
 """Weight-only integer linear kernels (kernels/wna16.py, kernels/wna16_gemm.py) on Llama-3.1-8B's
 TP1 shapes: device time from CUDA graph replays (kernels.linear.graph_time_ms: no launch overhead).
 
-    python benchmarks/wna16_kernel_bench.py --commit $(git rev-parse --short HEAD) --out results.md
+    python benchmarks/quantization/wna16_kernel_bench.py --commit $(git rev-parse --short HEAD) --out results.md
 
 - decode: the tiling choose_wna16_variants picks per shape at 1 and 8 rows (timed on copies of the
   weight that together exceed twice the L2 cache, so from HBM), as GB/s = (packed weight bytes +
@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import sys
+from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # kernels
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: engine, kernels, benchmarks
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -114,7 +114,7 @@ def main() -> None:
     torch.manual_seed(0)
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [f"### {now}, {torch.cuda.get_device_name()}, commit {args.commit}", "",
-             "`python benchmarks/wna16_kernel_bench.py`"]
+             "`python benchmarks/quantization/wna16_kernel_bench.py`"]
     with torch.inference_mode():
         decode_table(lines)
         if not args.skip_gemm:

@@ -2,14 +2,14 @@
 kernels.wna16.choose_wna16_variants over MID_VARIANTS and DENSE (dequantize + cuBLAS), beside
 cuBLAS on bf16 weights, for Llama-3.1-8B's four shapes (int4, groups of 128).
 
-    python benchmarks/wna16_mid_rows_probe.py
+    python benchmarks/quantization/wna16_mid_rows_probe.py
 """
 from __future__ import annotations
 
-import os
 import sys
+from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: engine, kernels, benchmarks
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

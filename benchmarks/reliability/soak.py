@@ -1,7 +1,7 @@
 """Soak: many streamed requests with hang-ups, cancellations, stops and bad inputs; then check that
 nothing was lost or leaked.
 
-    python benchmarks/soak.py --requests 2000 --concurrency 64 --hang-up-share 0.2 --bad-share 0.05
+    python benchmarks/reliability/soak.py --requests 2000 --concurrency 64 --hang-up-share 0.2 --bad-share 0.05
 
 By default it starts the embedded default model as `make serve` does (scripts/serve_default.py,
 free ports, its own process group) and Ctrl-C's it at the end; `--http/--grpc/--metrics` use a
@@ -11,7 +11,7 @@ Each request is one of:
   normal     streamed through the ensemble, gRPC or HTTP SSE (half each): must end within --deadline
   hang-up    SSE connection closed, or gRPC stream cancelled, after 1-4 chunks of a long generation
   stop       a streamed tensorrt_llm request stopped by a second request naming its id: must end
-  bad        one of benchmarks/soak_bad_inputs.py's kinds: must end with its own error (or normally,
+  bad        one of benchmarks/reliability/soak_bad_inputs.py's kinds: must end with its own error (or normally,
              where the input is legal), never hang
 
 Checked afterwards (each failing check makes the exit status 1):
@@ -48,10 +48,10 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: engine, kernels, benchmarks
 
-from benchmarks.soak_bad_inputs import BAD_INPUTS, BadInput, ids_request  # noqa: E402
+from benchmarks.common import REPO_ROOT, free_port, process_tree  # noqa: E402
+from benchmarks.reliability.soak_bad_inputs import BAD_INPUTS, BadInput, ids_request  # noqa: E402
 from serving.cancellation import stop_request_inputs  # noqa: E402
 
 PROMPTS = ["Write a haiku about the sea in Japanese.", "用中文写一首关于大海的短诗。",
@@ -119,11 +119,11 @@ class OwnServer:
     """scripts/serve_default.py on free ports in its own process group (as `make serve`)."""
 
     def __init__(self, engine_dir: str | None, work: Path):
-        ports = [str(_free_port()) for _ in range(3)]
+        ports = [str(free_port()) for _ in range(3)]
         self.http, self.grpc = f"http://127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}"
         self.metrics = f"http://127.0.0.1:{ports[2]}/metrics"
         self.log_path = work / "serve.log"
-        command = [sys.executable, str(ROOT / "scripts" / "serve_default.py"), "--repo", str(work / "repo"),
+        command = [sys.executable, str(REPO_ROOT / "scripts" / "serve_default.py"), "--repo", str(work / "repo"),
                    "--http_port", ports[0], "--grpc_port", ports[1], "--metrics_port", ports[2]]
         if engine_dir:
             command += ["--engine_dir", engine_dir]
@@ -164,52 +164,6 @@ class OwnServer:
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def process_tree(root: int) -> list[tuple[int, str]]:
-    """(pid, "name (pid)") of every process below `root`; names: tritonserver, stub:<model>,
-    engine_process, sh (a stub's watchdog), ..."""
-    children: dict[int, list[int]] = {}
-    names = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            names[int(entry.name)] = _process_name((entry / "cmdline").read_bytes().split(b"\0"))
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(parent, []).append(int(entry.name))
-    found, todo = [], [(root, "")]
-    while todo:
-        pid, parent_name = todo.pop()
-        if names.get(pid) == "sh" and parent_name.startswith("stub:"):
-            # A stub's watchdog (serving/stub_watchdog.py): its children (the `$(cut ...)` subshell,
-            # cut, the one-second sleep) live for milliseconds to a second, so a snapshot that
-            # catches one would see it "gone" in the next.
-            continue
-        for child in children.get(pid, []):
-            found.append((child, f"{names.get(child, '?')} ({child})"))
-            todo.append((child, names.get(pid, "?")))
-    return found
-
-
-def _process_name(words: list[bytes]) -> str:
-    line = b" ".join(words).decode(errors="replace")
-    if "triton_python_backend_stub" in line:
-        return "stub:" + line.split("/1/model.py")[0].rsplit("/", 1)[-1]
-    for known in ("tritonserver", "engine_process", "serve_default"):
-        if known in line:
-            return known
-    if line.startswith("sleep"):
-        return "sleep"
-    return "sh" if line.startswith("/bin/sh") else line[:40]
 
 
 def _usage(pid: int) -> tuple[float, int] | None:

@@ -1,4 +1,4 @@
-"""The bad requests the soak (benchmarks/soak.py) mixes in: each kind must end with its own clear
+"""The bad requests the soak (benchmarks/reliability/soak.py) mixes in: each kind must end with its own clear
 error (or, where the input is odd but legal, a normal end), and must not disturb the requests
 around it.
 

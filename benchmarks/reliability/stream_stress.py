@@ -2,13 +2,13 @@
 lifetimes; reports whether tritonserver survived (its heap, its process) and what each process of
 the server spends per response.
 
-    python benchmarks/stream_stress.py --model tiny --entries ensemble,tensorrt_llm_bls,tensorrt_llm \
+    python benchmarks/reliability/stream_stress.py --model tiny --entries ensemble,tensorrt_llm_bls,tensorrt_llm \
         --clients 64 --requests_per_client 4 --output_len 128 --servers 8
 
 Why it exists: at 64 streams on a 2-core CPU machine, Triton 2.51 (nvidia-pytriton 0.7.0) aborted
 with "malloc(): unaligned tcache chunk detected" in about a third of server lifetimes that served the
 `ensemble`, mid-run or at shutdown, while the same load straight into `tensorrt_llm` never broke it
-(benchmarks/RESULTS.md, "Stream stress"). A crash is a lost stream for every client connected, so
+(benchmarks/results/reliability.md, "Stream stress"). A crash is a lost stream for every client connected, so
 this is the check to run on a new Triton build, a new machine or a change to a model's stub.
 
 Each server lifetime: start the repository with the project's launcher (as serving_bench does),
@@ -16,7 +16,7 @@ run `clients` threads, each one gRPC stream sending `requests_per_client` stream
 after another (each until its final response), stop the server, then read its log for a fatal
 signal or a glibc heap check. CPU per response: /proc times of every process of the server tree,
 before and after the load, over the responses the clients received. Engine: random weights of a
-benchmarks/engine_bench.py shape with a synthetic tokenizer (one word per id), max batch = clients.
+benchmarks/engine/engine_bench.py shape with a synthetic tokenizer (one word per id), max batch = clients.
 """
 from __future__ import annotations
 
@@ -29,21 +29,21 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
 
-BENCH_DIR = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH_DIR))
-import serving_bench  # noqa: E402  (a sibling script: ServedEnsemble, engines, process trees)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: engine, kernels, benchmarks
+
+import benchmarks.serving.serving_bench as serving_bench  # noqa: E402  (ServedEnsemble, engines, the repository)
+from benchmarks.common import (REPO_ROOT, command_line, cpu_seconds, descendant_pids, git_commit,  # noqa: E402
+                               load_script, machine_description, utc_now)
 
 # What a dying tritonserver writes to its log: a fatal signal (6 abort, 11 segfault, 7 bus error)
 # or glibc's heap consistency messages.
 FATAL_LOG = re.compile(r"Signal \((?:6|7|11)\) received|malloc|free\(\)|corrupted|double free")
 ENTRIES = ("ensemble", "tensorrt_llm_bls", "tensorrt_llm")
 CLIENT_TIMEOUT_S = 120.0
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass
@@ -108,12 +108,14 @@ def process_cpu_seconds(root: int) -> dict[str, float]:
     """CPU seconds (user + system) so far of the server and each process below it, summed by role:
     tritonserver, stub:<model>, engine_process, other."""
     totals: dict[str, float] = {}
-    for pid in [root, *serving_bench.descendant_pids(root)]:
+    for pid in [root, *descendant_pids(root)]:
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue  # ended meanwhile
+        seconds = cpu_seconds(pid)
+        if seconds is None:
+            continue
         program = os.path.basename(argv[0].decode(errors="replace"))
         if "stub" in program:  # the stub's arguments name its model.py: .../<model>/<version>/model.py
             model_py = next((a.decode() for a in argv if a.endswith(b"model.py")), "?/?/?")
@@ -124,7 +126,7 @@ def process_cpu_seconds(root: int) -> dict[str, float]:
             role = "tritonserver"
         else:
             role = "other"
-        totals[role] = totals.get(role, 0.0) + (int(stat[11]) + int(stat[12])) / CLOCK_TICKS
+        totals[role] = totals.get(role, 0.0) + seconds
     return totals
 
 
@@ -161,22 +163,22 @@ def prepare_repo(args: argparse.Namespace, work: Path) -> str:
     seq_len = args.input_len + args.output_len
     serving_bench.write_random_engine(engine_dir, args.model, "bfloat16", max_batch_size=args.clients,
                                       max_seq_len=seq_len, max_num_tokens=max(8192, seq_len), tokens_per_block=32)
-    from engine_bench import MODELS
+    from benchmarks.common import MODELS  # made on first use: the engine's shapes import torch
 
     serving_bench.write_synthetic_tokenizer(engine_dir, MODELS[args.model]["vocab_size"])
     tokens_per_sequence = -(-seq_len // 32) * 32 + 32
     overrides = serving_bench.repo_overrides(
         {"engine_process": "true", "preprocessing_instances": "1", "postprocessing_instances": "1"},
         kv_tokens=args.clients * tokens_per_sequence)
-    return serving_bench.load_script("serve_default").prepare_model_repo(
+    return load_script("serve_default").prepare_model_repo(
         str(engine_dir), str(work / "repo"), overrides=overrides, max_batch_size=args.clients, decoupled=True,
         bls_instances=args.bls_instances)
 
 
 def markdown(args: argparse.Namespace, lifetimes: list[Lifetime], date: str) -> str:
-    lines = [f"### Stream stress, {args.model}: {date}, {serving_bench.machine_description()['device']}, "
-             f"commit {serving_bench.git_commit()}", "",
-             f"`python benchmarks/stream_stress.py {' '.join(sys.argv[1:])}`  ",
+    lines = [f"### Stream stress, {args.model}: {date}, {machine_description()['device']}, "
+             f"commit {git_commit()}", "",
+             f"`{command_line(__file__)}`  ",
              f"{args.clients} gRPC streams, {args.requests_per_client} streamed requests each of "
              f"{args.input_len} + {args.output_len} tokens, per server lifetime; {args.bls_instances} "
              "tensorrt_llm_bls instances.", "",
@@ -206,7 +208,7 @@ def markdown(args: argparse.Namespace, lifetimes: list[Lifetime], date: str) -> 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="tiny", help="a shape from benchmarks/engine_bench.py MODELS")
+    parser.add_argument("--model", default="tiny", help="a shape from benchmarks/engine/engine_bench.py MODELS")
     parser.add_argument("--entries", default=",".join(ENTRIES), help=f"comma-separated, of {', '.join(ENTRIES)}")
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--requests_per_client", type=int, default=4)
@@ -228,9 +230,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="stream-stress-"))
-    os.environ.setdefault("TRITONLLM_ROOT", str(serving_bench.REPO_ROOT))
+    os.environ.setdefault("TRITONLLM_ROOT", str(REPO_ROOT))
     repo = prepare_repo(args, work)
-    date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    date = utc_now()
     lifetimes = []
     for entry in args.entries:
         for index in range(args.servers):

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The serving benchmark (benchmarks/serving_bench.py) on the GPU machine: a real tritonserver
+# The serving benchmark (benchmarks/serving/serving_bench.py) on the GPU machine: a real tritonserver
 # serving the ensemble, HTTP generate_stream and gRPC streaming, beside the in-process engine,
 # for the SmolLM2 shape and the Llama-3.1-8B shape (random weights made on the GPU).
 #
-#   bash benchmarks/gpu_serving_run.sh --make-carry   # here: builds .carry/ (about 44 MB)
-#   bash benchmarks/gpu_serving_run.sh                # there, from the repo root, .carry carried
+#   bash benchmarks/serving/gpu_serving_run.sh --make-carry   # here: builds .carry/ (about 44 MB)
+#   bash benchmarks/serving/gpu_serving_run.sh                # there, from the repo root, .carry carried
 #
 # What .carry holds, and why (the GPU machine has no network; see ../shared/gpu/README.md):
 #   tritonserver.tar.xz   the tritonserver 2.51 of the nvidia-pytriton wheel with its Python 3.12
@@ -30,7 +30,7 @@
 # detokenize) is measured for both models.
 #
 # Outputs (in $OUT, which the device tool brings back; else $WORK/out): serving_<model>.json,
-# serving_results.md (the dated tables to append to benchmarks/RESULTS.md), console.log, and
+# serving_results.md (the dated tables to append to benchmarks/results/serving.md), console.log, and
 # the tritonserver log of a model whose run failed.
 #
 # Knobs (environment; defaults are for the GPU machine, the small values were used on CPU):
@@ -48,7 +48,7 @@
 #   PATHS=http,grpc,engine (serving_bench.py --paths; add grpc_bls,openai for the OpenAI frontend,
 #   which runs from this checkout on the same python3; OPENAI_API=completions|chat; OPENAI_WORKERS: its processes, default the launcher's: one per 4 cores)
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."  # the checkout's root
 CARRY=${CARRY:-.carry}
 
 make_carry() {
@@ -112,7 +112,7 @@ date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,no
 
 fail() { echo "gpu_serving_run: $*" >&2; exit 1; }
 for f in tritonserver.tar.xz stub_site.tar.xz smollm2_tokenizer.tar.xz; do
-  [ -f "$CARRY/$f" ] || fail "$CARRY/$f is missing: carry .carry (made here by: bash benchmarks/gpu_serving_run.sh --make-carry)"
+  [ -f "$CARRY/$f" ] || fail "$CARRY/$f is missing: carry .carry (made here by: bash benchmarks/serving/gpu_serving_run.sh --make-carry)"
 done
 
 # 1. The stub venv: carried packages first, the torch venv's site-packages after them.
@@ -175,7 +175,7 @@ for model in $MODELS; do
     *) tokenizer=(--tokenizer_dir "$WORK/smollm2_tokenizer") ;;
   esac
   echo "=== $model (limit ${budget} s) ==="
-  timeout -k 30 "$budget" "$PY" benchmarks/serving_bench.py --model "$model" --dtype "$DTYPE" "${tokenizer[@]}" \
+  timeout -k 30 "$budget" "$PY" benchmarks/serving/serving_bench.py --model "$model" --dtype "$DTYPE" "${tokenizer[@]}" \
     --clients "$CLIENTS" --input_len "$INPUT_LEN" --output_len "$OUTPUT_LEN" --requests_per_client "$RPC" \
     --min_requests "$MIN_REQUESTS" --rounds "$ROUNDS" --work_dir "$WORK/$model" --out "$RESULTS/serving_$model.json" \
     --results_md "$RESULTS/serving_results.md" --engine_process "${ENGINE_PROCESS:-true}" \

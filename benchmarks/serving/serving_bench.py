@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """End-to-end serving benchmark: what the Triton serving layer costs next to the in-process engine.
 
-    python benchmarks/serving_bench.py --engine_dir engines/smollm2 --clients 1,4 \\
-        --input_len 32 --output_len 16 --requests_per_client 2 --out serving.json --results_md benchmarks/RESULTS.md
-    python benchmarks/serving_bench.py --model llama8b --dtype bfloat16 --synthetic_tokenizer ...
+    python benchmarks/serving/serving_bench.py --engine_dir engines/smollm2 --clients 1,4 \\
+        --input_len 32 --output_len 16 --requests_per_client 2 --out serving.json --results_md benchmarks/results/serving.md
+    python benchmarks/serving/serving_bench.py --model llama8b --dtype bfloat16 --synthetic_tokenizer ...
 
 One engine, one executor configuration, one run; for each number of concurrent clients, these paths
 (``--paths``, default http,grpc,engine):
@@ -32,7 +32,7 @@ The server and the in-process executor stay loaded side by side (fixed, equal KV
 being measured is idle) and the paths run interleaved per setting, ``--rounds`` times, the best
 round of each reported: slow drift (other load on a shared CPU) does not land on one path only.
 On CPU both engines get one torch thread (``--cpu_threads``). The GPU recipe is
-benchmarks/gpu_serving_run.sh. The load is a closed loop: ``clients`` clients each send ``requests_per_client`` requests one
+benchmarks/serving/gpu_serving_run.sh. The load is a closed loop: ``clients`` clients each send ``requests_per_client`` requests one
 after another, every prompt exactly ``input_len`` tokens, ``end_id`` -1 (never produced, so each
 request makes exactly ``output_len`` tokens), greedy. The baseline gets the very token ids the
 preprocessing model makes of the same prompts. All times are taken by the client:
@@ -52,7 +52,7 @@ engine with random weights of a named shape (``--model``, weights made on the de
 A random-weight model emits any id below its vocab size, so its tokenizer must cover the whole
 vocab: ``--tokenizer_dir`` (a real one of that size) or ``--synthetic_tokenizer`` (one word per id).
 
-A second table says where each timed run's time went (benchmarks/serving_diagnostics.py): the
+A second table says where each timed run's time went (benchmarks/serving/serving_diagnostics.py): the
 engine's step medians from its iteration log, the CPU each process used, and Triton's per-model
 queue and execute times.
 """
@@ -60,11 +60,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import json
 import os
-import platform
 import queue
 import random
 import re
@@ -77,15 +75,16 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
-sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: engine, kernels, benchmarks
 
 from engine.executor.stats import ITERATION_LOG_ENV  # noqa: E402
-from serving_diagnostics import RunDiagnostics, describe as describe_diagnostics, metric_totals  # noqa: E402
+from benchmarks.common import (REPO_ROOT, command_line, descendant_pids, environment_set, git_commit,  # noqa: E402
+                               load_script, machine_description, percentile, process_tree, utc_now,
+                               write_config_only_engine)
+from benchmarks.serving.serving_diagnostics import (RunDiagnostics, describe as describe_diagnostics,  # noqa: E402
+                                                    metric_totals)
 
 GOALS = {"throughput_ratio": 0.90, "added_ttft_ms": 5.0,
          "openai_throughput_ratio": 0.95, "openai_added_ttft_ms": 3.0}  # openai vs grpc (issue 15)
@@ -106,17 +105,6 @@ class StallError(RuntimeError):
 
 def stall_timeout_s() -> float:
     return float(os.environ.get(STALL_TIMEOUT_ENV, DEFAULT_STALL_TIMEOUT_S))
-
-
-def load_script(name: str, folder: str = "scripts"):
-    """Import scripts/<name>.py (not a package) as a module."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / folder / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 # ------------------------------------------------------------------------------------------------
@@ -142,12 +130,6 @@ class Timing:
     @property
     def gaps(self) -> list[float]:
         return [b - a for a, b in zip(self.events, self.events[1:])]
-
-
-def percentile(values: list[float], q: float) -> float:
-    from engine_bench import percentile as engine_bench_percentile
-
-    return engine_bench_percentile(values, q)
 
 
 def own_response_fraction(timings: list[Timing], output_len: int) -> float | None:
@@ -187,14 +169,10 @@ def summarize(timings: list[Timing], output_len: int, clients: int, path: str) -
 
 def write_random_engine(engine_dir: Path, model: str, dtype: str, max_batch_size: int, max_seq_len: int,
                         max_num_tokens: int, tokens_per_block: int) -> None:
-    """A config-only engine directory (random weights made on the device at load, seed 0)."""
-    from engine.config import BuildConfig, EngineConfig, ModelConfig
-    from engine_bench import MODELS
-
-    build = BuildConfig(dtype=dtype, max_batch_size=max_batch_size, max_input_len=max_seq_len,
-                        max_seq_len=max_seq_len, max_num_tokens=max_num_tokens, tokens_per_block=tokens_per_block)
-    EngineConfig(model=ModelConfig(**MODELS[model]), build=build,
-                 extra={"random_weights_seed": 0}).validate().save(str(engine_dir))
+    """A config-only engine directory (random weights made on the device at load, seed 0) whose
+    prompts may fill the whole sequence (max_input_len = max_seq_len)."""
+    write_config_only_engine(model, dtype, max_batch_size, max_seq_len, max_num_tokens, tokens_per_block,
+                             engine_dir=str(engine_dir), max_input_len=max_seq_len)
 
 
 def write_synthetic_tokenizer(folder: Path, vocab_size: int) -> None:
@@ -227,7 +205,7 @@ def prepare_engine(args: argparse.Namespace, work: Path) -> str:
     write_random_engine(engine_dir, args.model, args.dtype, max_batch_size=max_clients, max_seq_len=seq_len,
                         max_num_tokens=max(args.max_num_tokens, seq_len), tokens_per_block=args.tokens_per_block)
     if args.synthetic_tokenizer:
-        from engine_bench import MODELS
+        from benchmarks.common import MODELS
 
         write_synthetic_tokenizer(engine_dir, MODELS[args.model]["vocab_size"])
     elif args.tokenizer_dir:
@@ -315,21 +293,6 @@ def repo_overrides(settings: dict[str, str], kv_tokens: int) -> dict[str, dict[s
         "postprocessing": {"postprocessing_instance_count": settings["postprocessing_instances"]},
         "preprocessing": {"preprocessing_instance_count": settings["preprocessing_instances"]},
     }
-
-
-@contextlib.contextmanager
-def environment_set(values: dict[str, str]):
-    """os.environ with ``values`` for the block (for what starts in it), then as it was."""
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def server_environment(settings: dict[str, str]) -> dict[str, str]:
@@ -974,8 +937,6 @@ def run_variant(results: dict, args: argparse.Namespace, feed: PromptFeed, execu
 def run_diagnostics(results: dict, server, executor, pool) -> dict:
     """RunDiagnostics for the in-process engine ("engine": this process) and for the served paths
     ("served": the server's processes by role, and the client processes)."""
-    from soak import process_tree
-
     def client_pids() -> list[tuple[int, str]]:
         return [(worker.pid, "clients") for worker in pool.workers] if pool is not None else [(os.getpid(), "clients")]
 
@@ -989,23 +950,6 @@ def run_diagnostics(results: dict, server, executor, pool) -> dict:
             return [(server.process.pid, "tritonserver")] + tree + client_pids()
 
         found["served"] = RunDiagnostics(served_pids, str(server.iteration_log), server.http_url, server.metrics_url)
-    return found
-
-
-def descendant_pids(root: int) -> list[int]:
-    """Every process below ``root`` (read from /proc; [] where there is no /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue  # gone meanwhile
-        children.setdefault(parent, []).append(int(entry.name))
-    found, todo = [], [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
     return found
 
 
@@ -1135,34 +1079,8 @@ def frontend_markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def machine_description() -> dict:
-    import torch
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
-    return {"gpu": gpu, "cpu": f"{cpu} x{os.cpu_count()}", "device": gpu or f"CPU ({cpu}, {os.cpu_count()} cores)",
-            "torch": torch.__version__, "python": platform.python_version()}
-
-
-def git_commit() -> str:
-    if os.environ.get("BENCH_COMMIT"):
-        return os.environ["BENCH_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=REPO_ROOT).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def markdown(results: dict) -> str:
-    """The dated table for RESULTS.md: every row, its throughput ratio and added TTFT, the goals."""
+    """The dated table for benchmarks/results/serving.md: every row, its throughput ratio and added TTFT, the goals."""
     ratios = {(o["path"], o.get("variant", ""), o["clients"]): o for o in results["overheads"]}
     lines = [
         f"\n### Serving overhead, {results['model']}: {results['date']}, {results['machine']['device']}, "
@@ -1227,7 +1145,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     engine = parser.add_mutually_exclusive_group(required=True)
     engine.add_argument("--engine_dir", help="an engine directory with its tokenizer files (e.g. engines/smollm2)")
-    engine.add_argument("--model", help="a shape from benchmarks/engine_bench.py MODELS (random weights)")
+    engine.add_argument("--model", help="a shape from benchmarks/engine/engine_bench.py MODELS (random weights)")
     parser.add_argument("--dtype", default="bfloat16", help="--model only: engine dtype")
     parser.add_argument("--tokenizer_dir", help="--model only: copy this tokenizer (must cover the vocab)")
     parser.add_argument("--synthetic_tokenizer", action="store_true", help="--model only: one word per id")
@@ -1320,8 +1238,8 @@ def main(argv=None) -> dict:
         set_instance_count(repo, "tensorrt_llm", int(settings["tensorrt_llm_instances"]))
         variants.append((variant, repo, server_environment(settings)))
     results = {
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": git_commit(),
-        "machine": machine_description(), "command": "python benchmarks/serving_bench.py " + " ".join(argv or sys.argv[1:]),
+        "date": utc_now(), "commit": git_commit(),
+        "machine": machine_description(), "command": command_line(__file__, argv),
         "model": args.model or os.path.basename(engine_dir.rstrip("/")), "engine": engine_config.to_dict(),
         "tokenizer": "synthetic (one word per id)" if args.synthetic_tokenizer else f"{type(tokenizer).__name__}, "
                      f"{len(tokenizer)} ids", "input_len": args.input_len, "output_len": args.output_len,

@@ -16,25 +16,12 @@ Two questions decide where a served path loses against the in-process engine:
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import time
 import urllib.request
-from pathlib import Path
 
+from benchmarks.common import cpu_seconds
 from engine.executor.stats import read_iteration_log
-
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU time of a live process (None once it is gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime (fields 14 and 15 of stat)
-
 
 def engine_step_summary(rows: list[dict]) -> dict:
     """Medians of an iteration log's steps: all, decode-only and mixed (prefill tokens in them)."""

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """How often drafts are accepted on real weights: SmolLM2-135M-Instruct.
 
-    python benchmarks/speculative_acceptance.py [--engine_dir engines/smollm2] [--max_tokens 96]
+    python benchmarks/speculative/speculative_acceptance.py [--engine_dir engines/smollm2] [--max_tokens 96]
         [--max_draft_len 4] [--max_matching_ngram_size 3] [--out acceptance.json]
-    python benchmarks/speculative_acceptance.py --draft_engine_dir DIR [--temperature 0.7 --top_k 40]
+    python benchmarks/speculative/speculative_acceptance.py --draft_engine_dir DIR [--temperature 0.7 --top_k 40]
 
 Two prompt sets (``PROMPT_SETS``): summarisation (an article, then "summarise it") and code edit
 (a function, then "rewrite it with a change"), where the answer copies long spans of the prompt.
@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
+from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: engine, kernels, benchmarks
+
+from benchmarks.common import REPO_ROOT  # noqa: E402
 
 ARTICLES = [
     "The city council met on Tuesday to discuss the new public library. The library will have three floors, "
@@ -100,8 +102,7 @@ def measure(executor, tokenizer, prompts: list[str], max_tokens: int, sampling: 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--engine_dir", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                                              "engines", "smollm2"))
+    parser.add_argument("--engine_dir", default=str(REPO_ROOT / "engines" / "smollm2"))
     parser.add_argument("--max_tokens", type=int, default=96)
     parser.add_argument("--max_draft_len", type=int, default=4)
     parser.add_argument("--max_matching_ngram_size", type=int, default=3)

@@ -2,17 +2,17 @@
 """Speculative decoding on the Llama-3.1-8B shape (issue 34's GPU figures): what a verify step costs,
 and the batch-1 speed-up it buys, bf16 and FP8, on random weights.
 
-    python benchmarks/speculative_bench.py [--dtypes bf16,fp8] [--batches 1,8,64] [--ks 1,2,4,8]
+    python benchmarks/speculative/speculative_bench.py [--dtypes bf16,fp8] [--batches 1,8,64] [--ks 1,2,4,8]
         [--context 512] [--loop-ks 4,2,8] [--output-len 120] [--ngram-k 4] [--time-budget S]
         [--kv-cache-dtype auto|fp8]
         [--out speculative.json] [--markdown PATH]
-    python benchmarks/speculative_bench.py --tiny            # the tiny model on the CPU, seconds
-    python benchmarks/speculative_bench.py --report a.json,b.json [--markdown PATH]   # tables again
+    python benchmarks/speculative/speculative_bench.py --tiny            # the tiny model on the CPU, seconds
+    python benchmarks/speculative/speculative_bench.py --report a.json,b.json [--markdown PATH]   # tables again
 
 Per ``--dtypes`` label (bf16: bfloat16 weights; fp8: FP8 E4M3 linear weights as engine.build
 quantizes them; the KV pool in bf16 for both unless ``--kv-cache-dtype fp8``, as engine_bench's
 ``--quantization fp8`` that gave the issue's 272 tok/s), one random-weight engine of ``--model``'s
-shape (benchmarks/engine_bench.py's config-only engine) runs in an in-process Executor (CUDA graphs,
+shape (benchmarks/engine/engine_bench.py's config-only engine) runs in an in-process Executor (CUDA graphs,
 prefix reuse on). Sections:
 
 1. ``verify``: the cost of one target forward in which each of B sequences carries 1 + k tokens (its
@@ -23,7 +23,7 @@ prefix reuse on). Sections:
    prefill graph of a token bucket, or eager), followed by the argmax copied to the host that both
    a greedy verify and batch-1 sampling wait for. ``step_ms``: median wall time of that. ``graph_ms``
    (section ``graphs``, CUDA): the same forward captured into one CUDA graph at exactly its tokens,
-   device time per replay (benchmarks/graph_timing.py): the GPU's floor, what a verify step would
+   device time per replay (benchmarks/common.py ``graph_call_us``): the GPU's floor, what a verify step would
    cost with no host work and no bucket padding. The goal: k = 4 at batch 1 costs <= 1.2x plain.
 2. ``external``: batch 1, greedy, through the Executor with client drafts
    (``Request.external_draft``) at a fixed acceptance. External drafts are verified only at a
@@ -50,7 +50,7 @@ prefix reuse on). Sections:
    are plain decoding's (on the GPU the near-ties above may make them differ: a verify step is not
    a decode step), and the n-gram executor's step times with and without drafts. On random
    weights the acceptance says nothing about real text, so the speed-up at the acceptance lengths
-   that benchmarks/speculative_acceptance.py measured on SmolLM2's real weights (``--acceptance``:
+   that benchmarks/speculative/speculative_acceptance.py measured on SmolLM2's real weights (``--acceptance``:
    summarisation 3.01, code edit 1.85 at k = 4) is *projected*: from section 2's curve (interpolated
    at L), as tokens/s = L / (a drafted step of the n-gram executor), and from section 1's step costs
    (L x plain / verify).
@@ -66,24 +66,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
+from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: engine, kernels, benchmarks
 
-from engine_bench import MODELS, free_device_memory, git_commit, write_config_only_engine  # noqa: E402  (benchmarks/ on sys.path)
+from benchmarks.common import (MODELS, command_line, device_name, free_device_memory, git_commit, graph_call_us,  # noqa: E402
+                               int_list, print_table, utc_now, write_config_only_engine)
 
 DTYPES = {  # label -> write_config_only_engine's quantization (the KV pool stays in the model dtype)
     "bf16": None,
     "fp8": "fp8",
 }
 SECTIONS = ["verify", "external", "ngram", "graphs"]
-# Mean acceptance lengths of n-gram drafts on real weights: benchmarks/speculative_acceptance.py,
+# Mean acceptance lengths of n-gram drafts on real weights: benchmarks/speculative/speculative_acceptance.py,
 # SmolLM2-135M-Instruct greedy, max_draft_len 4, max_matching_ngram_size 3 (issue 34).
 REAL_WEIGHT_ACCEPTANCE = {"summarisation": 3.01, "code_edit": 1.85}
 GOAL_VERIFY_RATIO = 1.2  # k = 4 at batch 1, against a plain step
@@ -229,10 +228,8 @@ def time_step(runner, batch, warmup: int, repeat: int) -> float:
 
 def graph_ms(runner, batch) -> float:
     """Device milliseconds of batch's forward + logits captured as one CUDA graph at exactly its
-    tokens (no bucket padding, no host work): graph_timing.graph_call_us over the runner's packing."""
+    tokens (no bucket padding, no host work): graph_call_us over the runner's packing."""
     import torch
-
-    from graph_timing import graph_call_us
 
     with torch.inference_mode():
         input_ids, positions, meta = runner._prepare(batch)
@@ -674,7 +671,7 @@ def markdown(results: dict) -> str:
         elif entry.get("ngram_skipped"):
             lines.append(f"| {label} | skipped: {entry['ngram_skipped']} | | | | | | | | |")
     lines += ["", "**Projected batch-1 speed-up at real-weight acceptance lengths L** (n-gram drafts on SmolLM2, "
-              "benchmarks/speculative_acceptance.py). PROJECTED, not measured, three ways: section 2's client-loop "
+              "benchmarks/speculative/speculative_acceptance.py). PROJECTED, not measured, three ways: section 2's client-loop "
               "curve interpolated at L (per-call overhead included: the low one); L tokens per drafted step of the "
               "n-gram executor (section 3's median step with drafts) against plain decoding; L / the verify-step "
               "ratio of section 1 (batch 1, k as shown).", "",
@@ -701,10 +698,6 @@ def markdown(results: dict) -> str:
 # ------------------------------------------------------------------------------------------------
 # main
 # ------------------------------------------------------------------------------------------------
-
-
-def int_list(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -781,20 +774,14 @@ def main(argv=None) -> dict:
             if "projections" not in entry:
                 entry["projections"] = projections(entry, results["acceptance"], results["ngram_k"])
                 entry["goals"] = goals(entry)
-        table = markdown(results)
-        print(table)
-        if args.markdown:
-            with open(args.markdown, "a") as f:
-                f.write("\n" + table)
+        print_table(markdown(results), args.markdown)
         return results
     import torch
 
     t0 = time.monotonic()
     on_gpu = args.device.startswith("cuda")
-    results = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": git_commit(),
-               "gpu": torch.cuda.get_device_name() if on_gpu else "cpu", "model": args.model,
-               "model_dtype": args.model_dtype, "torch": torch.__version__,
-               "command": "python benchmarks/speculative_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    results = {"date": utc_now(), "commit": git_commit(), "gpu": device_name(args.device), "model": args.model,
+               "model_dtype": args.model_dtype, "torch": torch.__version__, "command": command_line(__file__, argv),
                "context": args.context, "batches": args.batches, "ks": args.ks, "loop_ks": args.loop_ks,
                "output_len": args.output_len, "ngram_k": args.ngram_k, "acceptance": args.acceptance,
                "kv_cache_dtype": args.kv_cache_dtype, "max_num_tokens": args.max_num_tokens,
@@ -824,11 +811,7 @@ def main(argv=None) -> dict:
                 save()
     finally:
         torch.set_num_threads(threads)
-    table = markdown(results)
-    print(table)
-    if args.markdown:
-        with open(args.markdown, "a") as f:
-            f.write("\n" + table)
+    print_table(markdown(results), args.markdown)
     print(f"speculative_bench: done in {time.monotonic() - t0:,.0f} s; results in {args.out}", flush=True)
     return results
 

@@ -20,7 +20,7 @@ from engine.executor.runner import ForwardBatch, ModelRunner
 from kernels.fp8 import FP8_DTYPE
 from test_smollm2 import _chat_ids, _engine_greedy
 
-# A fixed English text of about 500 SmolLM2 tokens (written for this test; benchmarks/fp8_accuracy.py
+# A fixed English text of about 500 SmolLM2 tokens (written for this test; benchmarks/quantization/fp8_accuracy.py
 # reads it too, to break the FP8 error down by projection).
 with open(os.path.join(os.path.dirname(__file__), "data", "fp8_eval_text.txt")) as text_file:
     TEXT = text_file.read().rstrip("\n")
@@ -168,8 +168,8 @@ def test_smollm2_fp8_keeps_the_float32_answer_within_its_near_tie(smollm2_fp8_en
 
 
 def test_smollm2_fp8_agrees_with_float32_on_most_next_tokens(smollm2_fp8_engine_dir, smollm2_engine_dir):
-    """Measured 2026-11-24 on CPU (W8A8 reference path, benchmarks/fp8_accuracy.py; table in
-    benchmarks/RESULTS.md): 91.2% greedy agreement with float32 (90.4-92.8% when the inputs move by a
+    """Measured 2026-11-24 on CPU (W8A8 reference path, benchmarks/quantization/fp8_accuracy.py; table in
+    benchmarks/results/quantization.md): 91.2% greedy agreement with float32 (90.4-92.8% when the inputs move by a
     float32 rounding: which side of an E4M3 rounding boundary an activation lands on flips with
     the CPU's summation order), perplexity 25.99 (float32) against 26.98, mean KL 0.024.
 

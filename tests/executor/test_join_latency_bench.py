@@ -1,7 +1,7 @@
-"""benchmarks/join_latency_bench.py on CPU (tiny shape): every configuration measures every group
+"""benchmarks/engine/join_latency_bench.py on CPU (tiny shape): every configuration measures every group
 size, and the table has a row per group size. (The graphs themselves need a GPU; on CPU both
 "eager" and "graphs" runs are eager, so only the harness is checked here.)"""
-from benchmarks.join_latency_bench import main
+from benchmarks.engine.join_latency_bench import main
 
 
 def test_join_latency_bench_measures_every_configuration(tmp_path):

@@ -1,9 +1,9 @@
-"""benchmarks/multiturn_bench.py on CPU (tiny shape, float32): with the prefix cache on, later turns
+"""benchmarks/engine/multiturn_bench.py on CPU (tiny shape, float32): with the prefix cache on, later turns
 take the shared system prompt and their own history from the cache (a KV hit rate above zero, none
 with it off), and every conversation's tokens are exactly those of the run without reuse. With the
 device pool half the working set, the host tier brings evicted histories back (blocks onboarded,
 a higher hit rate than reuse alone) without changing a token."""
-from benchmarks.multiturn_bench import main
+from benchmarks.engine.multiturn_bench import main
 
 
 def test_prefix_reuse_keeps_every_answer_and_hits_the_cache():

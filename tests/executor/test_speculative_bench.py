@@ -1,11 +1,11 @@
-"""benchmarks/speculative_bench.py on CPU (tiny shape, float32), bf16 and fp8 labels: the verify step
+"""benchmarks/speculative/speculative_bench.py on CPU (tiny shape, float32), bf16 and fp8 labels: the verify step
 is timed against a plain step at every (batch, k); the client-draft loop (the BLS's: one verify step
 per call, a of k drafts right) emits exactly plain decoding's ids at every acceptance, with the
 acceptance it was built for; the n-gram executor's ids are plain decoding's too; the projections
 and goals are filled, the tables printed with commit, device and date, and --report renders the JSON."""
 import json
 
-from benchmarks.speculative_bench import curve_at, main
+from benchmarks.speculative.speculative_bench import curve_at, main
 
 ARGS = ["--tiny", "--dtypes", "bf16,fp8", "--context", "96", "--output-len", "12", "--batches", "1,4", "--ks", "1,4",
         "--loop-ks", "4,2", "--ngram-prompts", "2", "--warmup", "2", "--repeat", "3"]
@@ -74,7 +74,7 @@ def test_a_loop_whose_reference_is_wrong_records_it_and_goes_on_from_its_own_tok
     """What a verify step rounding a near-tie the other way looks like (the GPU, random weights):
     the loop notes the call, remakes its reference from its own tokens and still emits the
     target's ids."""
-    from benchmarks.speculative_bench import draft_loop, one_token_calls, parse_args, start_executor
+    from benchmarks.speculative.speculative_bench import draft_loop, one_token_calls, parse_args, start_executor
 
     args = parse_args(["--tiny", "--context", "40", "--output-len", "20", "--batches", "1", "--ks", "4",
                        "--loop-ks", "4"])

@@ -418,7 +418,7 @@ SMOLLM2_MAX_TOKENS = 40
 def smollm2_prompts(smollm2_engine_dir) -> list[list[int]]:
     from transformers import AutoTokenizer
 
-    from benchmarks.speculative_acceptance import PROMPT_SETS, chat_prompt
+    from benchmarks.speculative.speculative_acceptance import PROMPT_SETS, chat_prompt
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_engine_dir)
     return [chat_prompt(tokenizer, text) for text in PROMPT_SETS["summarisation"] + PROMPT_SETS["code_edit"]]

@@ -1,6 +1,6 @@
 """Speculative decoding in the executor: greedy ids identical to plain decoding, KV rolled back, bad drafts refused.
 
-Real weights (the embedded SmolLM2) on the 20 prompts of benchmarks/speculative_acceptance.py
+Real weights (the embedded SmolLM2) on the 20 prompts of benchmarks/speculative/speculative_acceptance.py
 (summaries and code edits: their answers copy the prompt, so n-gram drafts hit); one plain
 executor gives the reference ids. The KV and refusal tests use the tiny random engine (4-token
 blocks: drafts fill whole blocks).
@@ -14,7 +14,7 @@ import pytest
 import torch
 from executor_testing import collect, final_tokens
 
-from benchmarks.speculative_acceptance import PROMPT_SETS, chat_prompt
+from benchmarks.speculative.speculative_acceptance import PROMPT_SETS, chat_prompt
 from engine.executor.executor import Executor, ExecutorConfig, ExecutorConfigError, SpeculativeConfig
 from engine.executor.request import (
     ExternalDraftTokens, FinishReason, OutputConfig, Request, SamplingConfig,

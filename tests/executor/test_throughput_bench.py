@@ -1,4 +1,4 @@
-"""benchmarks/throughput_bench.py on CPU (tiny shape): two of TensorRT-LLM's shapes through the executor
+"""benchmarks/engine/throughput_bench.py on CPU (tiny shape): two of TensorRT-LLM's shapes through the executor
 print trtllm-bench's fields and the table against TensorRT-LLM's figure, with numbers that add up;
 the steady-state check tells a run of many waves from one of two; request counts and batch bounds."""
 import json
@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks.throughput_bench import (TRT_LLM_H100_FP8_TOK_S, batch_bounds, main, parse_args, parse_shapes,
+from benchmarks.engine.throughput_bench import (TRT_LLM_H100_FP8_TOK_S, batch_bounds, main, parse_args, parse_shapes,
                                          request_count, steady_state)
 
 

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import requests
 
-from benchmarks.soak import process_tree
+from benchmarks.common import process_tree
 from test_grpc_stream import Stream, text_inputs
 from test_hangups import PROMPTS, hang_up_after, idle_within
 from test_metrics import kv_and_requests, scrape, value

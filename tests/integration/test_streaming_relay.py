@@ -187,7 +187,7 @@ def test_a_killed_shared_engine_fails_every_instance_and_the_model_comes_back(tw
         for stream in streams:
             stream.close()
     assert wait_for(lambda: ready(server) and ready(server, "tensorrt_llm"), timeout=90, interval=0.25)
-    from benchmarks.soak import process_tree
+    from benchmarks.common import process_tree
 
     new_engines = wait_for(lambda: engine_pids(server.pid), timeout=10)
     assert len(new_engines) == 1 and new_engines != [engine], process_tree(server.pid)

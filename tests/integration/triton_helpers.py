@@ -147,10 +147,10 @@ def running_frontend(grpc_url, engine_dir, work, *extra_args, model: str = "smol
 
 def write_peft_adapter(engine_dir: str, path: Path, rank: int, seed: int) -> Path:
     """A random PEFT LoRA directory for the engine's model, every projection, B large enough to
-    move greedy decoding (benchmarks/lora_bench.py writes it)."""
+    move greedy decoding (benchmarks/features/lora_bench.py writes it)."""
     import torch
 
-    from benchmarks.lora_bench import write_peft_adapter as write_random_adapter
+    from benchmarks.features.lora_bench import write_peft_adapter as write_random_adapter
     from engine.config import EngineConfig
 
     write_random_adapter(EngineConfig.load(engine_dir).model, str(path), rank, seed, torch.float32, b_std=0.05)

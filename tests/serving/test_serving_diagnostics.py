@@ -1,11 +1,11 @@
-"""serving_bench's diagnostics (benchmarks/serving_diagnostics.py): CPU by role over a timed run,
+"""serving_bench's diagnostics (benchmarks/serving/serving_diagnostics.py): CPU by role over a timed run,
 and the engine's step medians from its iteration log."""
 import os
 import subprocess
 import sys
 import time
 
-from benchmarks.serving_diagnostics import RunDiagnostics, describe, engine_step_summary, histogram_totals
+from benchmarks.serving.serving_diagnostics import RunDiagnostics, describe, engine_step_summary, histogram_totals
 
 
 def _reap_with_cpu_seconds(process: subprocess.Popen) -> float:

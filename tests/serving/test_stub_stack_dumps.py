@@ -31,7 +31,7 @@ time.sleep(60)
 
 
 def load_serving_bench():
-    spec = importlib.util.spec_from_file_location("serving_bench_under_test", REPO_ROOT / "benchmarks" / "serving_bench.py")
+    spec = importlib.util.spec_from_file_location("serving_bench_under_test", REPO_ROOT / "benchmarks" / "serving" / "serving_bench.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)

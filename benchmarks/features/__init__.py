@@ -1,0 +1,1 @@
+"""benchmarks/features: see benchmarks/README.md."""

@@ -1,0 +1,1 @@
+"""benchmarks/quantization: see benchmarks/README.md."""

@@ -1,0 +1,1 @@
+"""benchmarks/reliability: see benchmarks/README.md."""

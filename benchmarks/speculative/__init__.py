@@ -1,0 +1,1 @@
+"""benchmarks/speculative: see benchmarks/README.md."""
