@@ -132,9 +132,9 @@ def running_frontend(grpc_url, engine_dir, work, *extra_args, model: str = "smol
             cwd=ROOT, stdout=log, stderr=log)
     url = f"http://127.0.0.1:{port}"
 
-    def up():
+    def up():  # it answers, ready (200) or not yet, like /health (503 while Triton is not ready)
         try:
-            return requests.get(f"{url}/v1/models", timeout=2).status_code == 200
+            return requests.get(f"{url}/health", timeout=2).status_code in (200, 503)
         except requests.ConnectionError:
             return process.poll() is not None
 
