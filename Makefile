@@ -21,8 +21,9 @@ test: setup
 serve: setup
 	$(PY) scripts/serve_default.py $(if $(MODEL),--model "$(MODEL)")
 
+# In-flight against static batching on CPU (the embedded engine); the table goes to benchmarks/results/engine.md.
 bench: setup
-	$(PY) benchmarks/executor_bench.py
+	$(PY) benchmarks/engine/executor_bench.py
 
 # The documentation site (mkdocs.yml, docs/) into site/; tests/tools/test_docs.py builds it strictly.
 docs: setup
