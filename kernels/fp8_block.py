@@ -25,7 +25,7 @@ bf16 cuBLAS. Elsewhere ``fp8_block_linear_ref`` (plain torch: quantize, dequanti
 matmul), also the oracle of the kernel tests. Nothing waits on the host: the decode CUDA graphs
 capture every path.
 
-Measured: benchmarks/fp8_block_bench.py (figures beside CUBLAS_BLOCK_SCALED_MIN_ROWS). Quantizing the
+Measured: benchmarks/quantization/fp8_block_bench.py (figures beside CUBLAS_BLOCK_SCALED_MIN_ROWS). Quantizing the
 activation tiles inside the Triton GEMM instead of the quantize launch measured slower at every size
 (H200: 150 us at 1 row, 7,298 at 4,096, for Llama-3.1-8B's four projections), so it is not kept.
 """
@@ -275,7 +275,7 @@ def fp8_block_linear_cublas(x: torch.Tensor, weight: torch.Tensor, weight_scale:
 
 
 # From these rows fp8_block_linear leaves the Triton block GEMM for cuBLAS's block-scaled one (H100,
-# `benchmarks/fp8_block_bench.py`, 2026-11-26, us; Llama-3.1-8B's four projections of a layer):
+# `benchmarks/quantization/fp8_block_bench.py`, 2026-11-26, us; Llama-3.1-8B's four projections of a layer):
 # 64 rows Triton 143 / cuBLAS block-scaled 130, 128 rows 235 / 137, 512 rows 484 / 259 (bf16 303;
 # the weight dequantized for bf16 cuBLAS 535), 8,192 rows 7,306 / 4,204 (dequantized 5,360; bf16 5,085).
 CUBLAS_BLOCK_SCALED_MIN_ROWS = 128

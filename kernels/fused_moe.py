@@ -56,13 +56,13 @@ from kernels.moe_routing import (  # noqa: F401  (re-exported: the other expert 
 
 # Average rows per expert (T * K / E) from which the sorted rows and grouped GEMMs of
 # kernels/moe_grouped_mm.py run instead of this file's block-tiled kernel. Measured on an H200
-# (benchmarks/moe_kernel_bench.py, Qwen3-30B-A3B's experts, with the parallel alignment): at 64
+# (benchmarks/kernels/moe_kernel_bench.py, Qwen3-30B-A3B's experts, with the parallel alignment): at 64
 # rows an expert (1,024 tokens) the block-tiled kernel takes 422 us and the grouped path 555; at
 # 512 (8,192 tokens) 1,781 against 1,526; the two meet near 192 (~3,000 tokens).
 GROUPED_MM_MIN_ROWS_PER_EXPERT = 192
 # Assignments (tokens x top-k) from which per-channel FP8 experts on an sm90 GPU take
 # torch._scaled_grouped_mm instead of their Triton kernel (kernels/fused_moe_fp8.py; defined here
-# so that warm_up_token_counts covers it). benchmarks/moe_fp8_bench.py, Qwen3-30B-A3B's experts:
+# so that warm_up_token_counts covers it). benchmarks/quantization/moe_fp8_bench.py, Qwen3-30B-A3B's experts:
 # H100 (2026-11-26) Triton 471.9 / 633.0 / 797.3 / 1,460.7 us at 2,048 / 3,072 / 4,096 / 8,192 tokens x
 # top-8, _scaled_grouped_mm 566.7 / 632.8 / 784.6 / 1,279.5: even from 3,072 tokens (24,576
 # assignments), ahead beyond. (H200: 530.9 / 522.4 at 2,048 tokens, 1,528.3 / 1,296.6 at 8,192.)
@@ -195,7 +195,7 @@ def gemm_config(block_m: int) -> dict:
 SINGLE_TOKEN_TILES = (gemm_config(16), gemm_config(16))
 
 # The model-dtype kernel's (block_m, tiles) by average rows an expert: (most rows, block_m,
-# BLOCK_N, BLOCK_K, warps, stages). From benchmarks/moe_kernel_bench.py --sweep on an H200
+# BLOCK_N, BLOCK_K, warps, stages). From benchmarks/kernels/moe_kernel_bench.py --sweep on an H200
 # (2026-11-26, Qwen3-30B-A3B's experts): 256 tokens (16 rows an expert) 377 us against 400 with
 # the (16, 32, 128) tiles; 512 tokens (32) 417 against 434; 768 tokens (48) 445 against 521.
 # Past GROUPED_MM_MIN_ROWS_PER_EXPERT the grouped-GEMM path runs instead where it can.

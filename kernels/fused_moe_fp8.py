@@ -210,7 +210,7 @@ def fp8_gemm_config(block_m: int, group_k: int = 0) -> dict:
     (2,479-4,675 us at 8,192 tokens), and each step's dot scaled one step later (2,716-4,138)."""
     if group_k and block_m == 64:
         return {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
-    if block_m <= 16:  # H200 sweep (benchmarks/moe_fp8_bench.py --sweep 1 8), the best of 7 at 1 and 8 tokens
+    if block_m <= 16:  # H200 sweep (benchmarks/quantization/moe_fp8_bench.py --sweep 1 8), the best of 7 at 1 and 8 tokens
         return {"BLOCK_N": 32, "num_warps": 2, "num_stages": 5}
     if block_m <= 32:
         return {"BLOCK_N": 64, "num_warps": 4, "num_stages": 4}

@@ -287,7 +287,7 @@ def _mxfp4_grouped_gemm_kernel(
 def mxfp4_gemm_config(block_m: int) -> dict:
     """The grouped GEMM's tiles by block_m: BLOCK_K in bytes a row (2 BLOCK_K columns a step);
     SWAP_AB (the widened tile from registers) for prefill blocks, as kernels/fused_moe_wna16.py.
-    From benchmarks/moe_mxfp4_bench.py --sweep on an H200 (gpt-oss-20b's experts, 2026-11-26): blocks
+    From benchmarks/quantization/moe_mxfp4_bench.py --sweep on an H200 (gpt-oss-20b's experts, 2026-11-26): blocks
     of 16, (64, 32) tiles: 8 tokens 280 us against 298-328 with the others, 64 tokens 405 against
     450-478; blocks of 32 and 64 swapped (64, 32): 512 tokens 965 us against 1,101-1,670, 2,048
     tokens 2,162 against 2,808-3,548 (one scale group a step: two groups' select costs more than the
@@ -408,7 +408,7 @@ def _mxfp4_fma_kernel(
 
 
 # FMA kernel tiles (BLOCK_N rows, groups a step, warps) of gate_up and down: the fastest of a sweep on
-# an H200 (benchmarks/moe_mxfp4_bench.py --sweep, gpt-oss-20b's experts, one token: 70.5 us, others
+# an H200 (benchmarks/quantization/moe_mxfp4_bench.py --sweep, gpt-oss-20b's experts, one token: 70.5 us, others
 # 76.8-97.9, the grouped GEMM 86.3-118.3).
 FMA_TILES = {"gate_up": (16, 2, 2), "down": (16, 2, 2)}
 # Up to this many assignments (T * K) every assignment is a program of the FMA kernel, reading its

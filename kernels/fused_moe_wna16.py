@@ -413,7 +413,7 @@ def _single_token_int4_kernel(
 
 
 # FMA kernel tiles (BLOCK_N rows, BLOCK_W words, warps) of gate_up and down, the fastest of a sweep on
-# an H200 (benchmarks/moe_wna16_bench.py --sweep, Qwen3-30B-A3B int4 g128, one token: 25.7 us, the
+# an H200 (benchmarks/quantization/moe_wna16_bench.py --sweep, Qwen3-30B-A3B int4 g128, one token: 25.7 us, the
 # grouped GEMM 43.6 us, bf16 28.6 us).
 SINGLE_TOKEN_TILES = {"gate_up": (8, 32, 2), "down": (16, 32, 2)}
 # Up to this many assignments (T * K) every assignment is a program of the FMA kernel, reading its

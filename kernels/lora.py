@@ -59,7 +59,7 @@ MAX_SLICES = 4  # the expand kernel takes the slice boundaries as scalars (S1..S
 DECODE_MAX_TOKENS = 64  # a batch whose segments all hold at most this many tokens splits the shrink's K
 DECODE_BLOCK_M = 16  # rows of a decode tile (LoraBatch.tiles)
 # Grids of at most this many row blocks launch with PDL (where the engine enables it). On an H100
-# (bf16, rank 16, benchmarks/lora_kernel_bench.py --graphs, LoRA calls back to back) PDL saved
+# (bf16, rank 16, benchmarks/features/lora_kernel_bench.py --graphs, LoRA calls back to back) PDL saved
 # ~0.7 us a call at batch 1, changed nothing at 64 decode rows over 1-4 adapters and cost 1-5 us
 # a call over 16-64 adapters (and at 256 rows).
 PDL_MAX_ROW_BLOCKS = 16
@@ -362,7 +362,7 @@ def choose_launch(max_segment_tokens: int, num_segments: int, in_features: int, 
     """Decode-sized segments (<= DECODE_MAX_TOKENS tokens) stream weights: 16-row tiles and the
     shrink's K split into ~512-column shares, so a (J * R, I) lora_a read is spread over many SMs
     (on an H100, bf16 rank 16, batch 1: 8 splits of I = 4096 and 28 of 14336 timed best,
-    benchmarks/lora_kernel_bench.py --sweep). Prefill-sized segments are tensor-core GEMMs: 64-row
+    benchmarks/features/lora_kernel_bench.py --sweep). Prefill-sized segments are tensor-core GEMMs: 64-row
     tiles, no split, all slice-rank columns of a token block in one or two programs so x is read
     about once. The expand gives a program up to ``max_tiles_per_program`` column tiles (loading
     its t once) when there are more than ~4 tiles per SM. ``num_tiles``: the batch's decode tiles

@@ -18,7 +18,7 @@ within an expert depends on which chunk got there first. Harmless: a row of a bl
 from its own token and weights alone, so where in its expert's run it lands changes nothing in
 the output. Measured on an H200 at 512 tokens x top-8 of 128 experts (block_m 64): the torch
 ops 71 us, the one-program kernel 133 us; the three launches are timed by
-benchmarks/moe_kernel_bench.py --stages.
+benchmarks/kernels/moe_kernel_bench.py --stages.
 """
 from __future__ import annotations
 

@@ -59,7 +59,7 @@ def sort_assignments(topk_ids: torch.Tensor, num_experts: int, *, by_sort: bool 
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dest, order, offs) of the module docstring, step 1. dest, order int64 (A,); offs int32 (E,).
     ``by_sort``: order from a stable torch.sort of the experts instead of expert_counts_and_ranks
-    (the same result; which is faster is measured by benchmarks/moe_kernel_bench.py --stages)."""
+    (the same result; which is faster is measured by benchmarks/kernels/moe_kernel_bench.py --stages)."""
     flat = topk_ids.reshape(-1).long()
     positions = torch.arange(flat.numel(), device=flat.device)
     if by_sort:

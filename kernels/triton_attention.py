@@ -497,7 +497,7 @@ def _decode_split_cost(programs: int, splits: int, capacity: int, keys: int) -> 
     flight to use the bandwidth), each program 1 / splits of a whole range's bytes; every doubling
     of the splits adds SPLIT_COST_KEYS / keys (the merge, each program's start and partials).
 
-    On an H100 (2026-11-26, benchmarks/attention_kernel_bench.py --splits, FP8 pool, 64-key tiles
+    On an H100 (2026-11-26, benchmarks/kernels/attention_kernel_bench.py --splits, FP8 pool, 64-key tiles
     over 2 warps and 5 stages: 4 programs an SM, 528 on the GPU) one split over 5,250 keys read
     2.83-2.90 TB/s at 128, 194 and 256 sequences (1,024, 1,552 and 2,048 programs: nearly whole
     waves) but 2.51 at 208 (1,664: three waves and 80 programs) and 2.55 at 160; 4 splits took 208
@@ -604,7 +604,7 @@ def _decode_tiling_key(device: torch.device, block_m: int, tiling: tuple, dim_pa
 # time with one warp over 3 stages, smaller ones 64 keys with two warps over 5 stages. A CUDA graph
 # fixes the tiling for every context it will serve, so the choice goes by the batch, which the pool
 # bounds the contexts of (an 8B FP8 pool of ~1M tokens holds 768 sequences of at most ~1.4k): on an
-# H100 (benchmarks/attention_kernel_bench.py, 2026-11-26) 64 x 2 x 5 read 194 x 5,250 contexts at
+# H100 (benchmarks/kernels/attention_kernel_bench.py, 2026-11-26) 64 x 2 x 5 read 194 x 5,250 contexts at
 # 2.74 TB/s against 2.48 and 532 x 1,500 at 2.60 against 2.48, but 1,024 x 192 at 2.05 against 2.32
 # (three 64-key tiles leave a 5-stage pipeline empty).
 FP8_SHORT_CONTEXT_BATCH = 768
@@ -624,7 +624,7 @@ def _prefill_config(group: int, dim_pad: int, kv_itemsize: int) -> tuple[int, in
     """(BLOCK_M rows, BLOCK_N keys, warps, stages, 1) of prompt chunks (BLOCK_M // group tokens of
     every head of a group a tile), never split.
 
-    H100, Llama-8B heads (benchmarks/attention_kernel_bench.py, 2026-11-26): an FP8 pool takes
+    H100, Llama-8B heads (benchmarks/kernels/attention_kernel_bench.py, 2026-11-26): an FP8 pool takes
     128 x 128 tiles over 8 warps, 2 stages: four 2,048-token prompts 574 -> 502 us a layer and an
     8,192-token chunk over a 12k prefix 7.5 -> 5.9 ms against 64 x 64 over 4 warps (its fp16 math
     has room for the larger tile; 128 x 64 over 4 warps, 3 stages, came second). A bf16 pool keeps
@@ -718,7 +718,7 @@ def paged_attention_triton(
     def launch(config: tuple, grid: tuple[int, int, int], seq_kind: int, tile_map: bool) -> None:
         block_m, block_n, num_warps, num_stages, num_splits = config[:5]
         # A decode config's sixth element asks for TMA reads; $TRITONLLM_DECODE_TMA=all has every
-        # decode tiling that fits a page take them (benchmarks/attention_kernel_bench.py's sweeps).
+        # decode tiling that fits a page take them (benchmarks/kernels/attention_kernel_bench.py's sweeps).
         # A decode graph's launch uses the splits its replay's host asks for (decode_active_splits).
         dynamic = seq_kind != MULTI_TOKEN and num_splits > 1 and meta.decode_split_plan is not None
         wants_tma = seq_kind != MULTI_TOKEN and (

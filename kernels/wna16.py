@@ -182,7 +182,7 @@ def is_fma_tiling(tiling: tuple) -> bool:
 
 # The tiling for M rows past MAX_SKINNY_ROWS when none was timed: the first (bound, tiling) with M <= bound.
 GEMM_TILES = ((32, (64, 32, 4, 4, 1, 0)), (1 << 62, (64, 64, 4, 4, 2, 0)))
-DENSE_MIN_ROWS = 64  # from 64 rows dequantize + cuBLAS beat the Triton tiles (H200, benchmarks/RESULTS.md)
+DENSE_MIN_ROWS = 64  # from 64 rows dequantize + cuBLAS beat the Triton tiles (H200, benchmarks/results/quantization.md)
 # Batches past MAX_SKINNY_ROWS up to MID_ROWS[-1] (decode at serving concurrency): timed at load at
 # each of MID_ROWS among MID_VARIANTS and DENSE (dequantize + cuBLAS). Dequantizing writes and
 # re-reads the whole weight in the model dtype whatever the batch, so at 32-128 rows it costs more

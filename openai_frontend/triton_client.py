@@ -7,7 +7,7 @@ prompt's token ids and reads the generated ids, which it decodes itself
 leaving the stream cancels the request. One Triton hop per token instead of the BLS's
 preprocessing call and postprocessing call per chunk in Python stubs: on an H100 (8B shape) 1-4%
 more throughput up to 64 streams, 22% more at 256, half the inter-token latency at 64
-(benchmarks/RESULTS.md). Batching, metrics and leader mode stay in the ``tensorrt_llm`` model
+(benchmarks/results/serving.md). Batching, metrics and leader mode stay in the ``tensorrt_llm`` model
 either way.
 
 ``--triton_model tensorrt_llm_bls`` sends text instead (the rest of this note is about that path).

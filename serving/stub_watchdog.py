@@ -17,7 +17,7 @@ its calls) writes every thread's Python stack to the log too, until ``stop_crash
 The same call makes the stub dump every thread's Python stack to its stderr (the server's log) on
 SIGUSR1 (``faulthandler``: it runs in the signal handler, so it works while a thread blocks in the
 backend's IPC holding the GIL). That is how a stalled stub is read without a debugger:
-benchmarks/serving_bench.py sends it to the server's stubs when a stream stalls.
+benchmarks/serving/serving_bench.py sends it to the server's stubs when a stream stalls.
 """
 from __future__ import annotations
 

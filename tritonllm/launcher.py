@@ -461,7 +461,7 @@ def openai_frontend_command(args: argparse.Namespace) -> list[str]:
 
 def default_openai_workers(cpu_count: int | None = None) -> int:
     """Frontend processes when --openai_workers is not given: one per 4 CPU cores, from 1 to 4.
-    On an H100 host (16 cores, 8B shape, benchmarks/RESULTS.md "OpenAI-compatible frontend") one
+    On an H100 host (16 cores, 8B shape, benchmarks/results/serving.md "OpenAI-compatible frontend") one
     worker served 0.902 of the in-process engine at 64 streams and 0.59 at 256, four 0.948 and
     0.924; a 2-core machine keeps one (the workers would compete with the server for cores)."""
     cores = cpu_count if cpu_count is not None else (os.cpu_count() or 1)

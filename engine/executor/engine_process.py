@@ -70,7 +70,7 @@ PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(_
 # behind the readers it wakes. With nobody blocked, a write only copies into the socket buffer.
 # Measured on the H100 (SmolLM2 shape, 64 streams, 8 clients): the loop's time in those writes fell
 # from 0.75 to 0.31 ms a step. Each poll costs the stub a little CPU, so by default only machines
-# with cores to spare poll (benchmarks/RESULTS.md, "Streaming at 64 streams, this session").
+# with cores to spare poll (benchmarks/results/serving.md, "Streaming at 64 streams, this session").
 READ_POLL_ENV = "TRITONLLM_READ_POLL_US"
 POLL_MIN_CORES = 8
 
@@ -597,7 +597,7 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # SIGUSR1: every thread's Python stack to stderr (the server's log), also while the loop is
-    # stuck in a device call; benchmarks/serving_bench.py asks for it when a served stream stalls.
+    # stuck in a device call; benchmarks/serving/serving_bench.py asks for it when a served stream stalls.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     code = serve(Connection(args.fd), args.listen)
     sys.stdout.flush()

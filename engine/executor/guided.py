@@ -23,7 +23,7 @@ stalling the GPU, and unconstrained requests keep the overlapped loop unchanged.
 step's responses go out after the next step's forward is launched, so that what stands between
 the previous step's tokens and the next forward's launch is only: accepting the tokens, filling
 the masks, sampling, scheduling and packing. The GPU idles only when that takes longer than a
-forward (H100, 8B model, 64 streams: ~5 of ~7 ms; benchmarks/RESULTS.md, guided decoding).
+forward (H100, 8B model, 64 streams: ~5 of ~7 ms; benchmarks/results/features.md, guided decoding).
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ BITS_PER_WORD = 32  # xgrammar's bitmask: int32 words, bit j of word w allows to
 # fixed cost on a 16-core H100 host); below, one matcher after another. A row's fill costs from
 # a few us (a valid document's states) to ~100 us (a random-weight model's states, inside long
 # strings) on that host, so the pool decides a step's time at any batch worth the name: at 64
-# streams the loop took 7 ms per step and doubled it (benchmarks/RESULTS.md, guided decoding).
+# streams the loop took 7 ms per step and doubled it (benchmarks/results/features.md, guided decoding).
 BATCH_FILL_MIN_ROWS = 4
 # The pool's threads. Few: the fill runs beside the executor's own thread, the response path and
 # (in leader mode) the other ranks' processes. H100 host (16 cores), 8B model, 64 constrained

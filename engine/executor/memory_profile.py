@@ -5,7 +5,7 @@ hold every step's temporaries (a max_num_tokens prefill's activations, a MoE lay
 the logits of max_batch_size rows and the sampler's sort of them) and the CUDA graphs' private
 pools. With 61 GB of bf16 weights (Qwen3-30B-A3B's shape on an 80 GB H100) the 10% left at 0.9
 is ~1.7 GB: an engine of max_batch_size 768 ran out of memory in its first prefill step, and the
-request failed (benchmarks/RESULTS.md, issue 31).
+request failed (benchmarks/results/kernels.md, issue 31).
 
 How (``measure_step_memory``): with a provisional pool just large enough, one eager step of
 max_num_tokens prompt tokens spread over max_batch_size sequences (so its logits have

@@ -43,7 +43,7 @@ def token_buckets(max_num_tokens: int) -> list[int]:
     the largest bucket is max_num_tokens. The 16- and 32-token buckets are for speculative verify
     steps (k + 1 tokens a drafted row): up to 16 rows the linear layers take the skinny decode
     kernels, which at batch 1 read an FP8 8B model's weights in ~3.5 ms where the 64-row bucket's
-    cuBLASLt GEMMs took ~5.6 (H100, benchmarks/RESULTS.md "Speculative decoding")."""
+    cuBLASLt GEMMs took ~5.6 (H100, benchmarks/results/speculative.md "Speculative decoding")."""
     sizes, power = [16, 32, 64, 128, 192], 256
     while power < max_num_tokens:
         sizes += [power + i * power // 8 for i in range(8)]

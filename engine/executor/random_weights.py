@@ -7,7 +7,7 @@ disk. Norm weights are 1 (for Gemma, whose engines store 1 + w, that is w = 0, i
 other weight is N(0, 0.02), which keeps activations O(1) through dozens of layers, so no NaN or
 overflow path is timed. Rank r draws from seed + r.
 
-Real shapes for benchmarks (ModelConfig fields; benchmarks/engine_bench.py ``--model``) are below.
+Real shapes for benchmarks (ModelConfig fields; benchmarks/engine/engine_bench.py ``--model``) are below.
 """
 from __future__ import annotations
 

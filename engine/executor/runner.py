@@ -311,7 +311,7 @@ class ModelRunner:
         weight-only schemes are not checked in such graphs yet), unless $TRITONLLM_PREFILL_GRAPHS
         is 0. Why FP8 matters here: speculative verify steps (k + 1 tokens a row) and chunked
         prompts run through these graphs; eagerly, an FP8 8B verify step at batch 1 cost 4.7x a
-        graphed decode step on an H100 (benchmarks/RESULTS.md, issue 34)."""
+        graphed decode step on an H100 (benchmarks/results/speculative.md, issue 34)."""
         return (getattr(self.model, "supports_prefill_graphs", False) and self.build_config.tp_size == 1
                 and self.build_config.quantization in PREFILL_GRAPH_QUANTIZATIONS
                 and os.environ.get(PREFILL_GRAPHS_ENV, "1") != "0")

@@ -66,7 +66,7 @@ def kv_cache_stats(blocks: BlockManager) -> KvCacheStats:
 
 
 # Diagnostics: with $TRITONLLM_ITERATION_LOG set to a file path, every executor appends one line per
-# iteration there (benchmarks/serving_bench.py reads it to tell a slow engine step from a slow relay).
+# iteration there (benchmarks/serving/serving_bench.py reads it to tell a slow engine step from a slow relay).
 ITERATION_LOG_ENV = "TRITONLLM_ITERATION_LOG"
 ITERATION_LOG_FIELDS = ("timestamp_ns", "iter", "latency_ms", "num_ctx_tokens", "num_gen_tokens",
                         "num_active_requests", "deliver_ms")

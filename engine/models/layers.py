@@ -16,7 +16,7 @@ All-reduces go through ``tp_all_reduce``: NCCL, or for small messages on GPUs (d
 batch x hidden values) a one-shot all-reduce over symmetric memory (each rank stages its partial
 sums in a buffer every peer can read over NVLink, and one kernel sums the peers' copies). NCCL
 inside a CUDA graph cost ~21 us per 8 KB all-reduce on 2 H200s, the one-shot ~8 us; a decode step
-of an 8B model runs 65 of them (benchmarks/RESULTS.md, "Tensor parallelism").
+of an 8B model runs 65 of them (benchmarks/results/engine.md, "Tensor parallelism").
 """
 from __future__ import annotations
 

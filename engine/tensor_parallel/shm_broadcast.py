@@ -2,7 +2,7 @@
 
 Leader mode sends every step's plan from rank 0 to the other ranks before they can launch their
 half of the step. Over the gloo control group that costs ~240 us per plan on 2x H200 (two
-broadcasts, TCP on loopback: benchmarks/step_protocol_latency.py), all on the step's critical
+broadcasts, TCP on loopback: benchmarks/engine/step_protocol_latency.py), all on the step's critical
 path. Here a plan is a memcpy and two 8-byte stores; a waiting reader sees it within
 microseconds while it polls.
 
