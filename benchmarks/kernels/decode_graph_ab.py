@@ -3,7 +3,7 @@
 the TMA reads of decode attention (kernels/triton_attention.py, $TRITONLLM_DECODE_TMA) and the FP8
 products' deferred scales (kernels/fp8.py ``choose_fp8_scaling``). Issue 32's decode-bound shapes.
 
-    PYTHONPATH=$PWD python benchmarks/kernels/decode_graph_ab.py --cases 544x1500,512x1100,208x5250 \\
+    python benchmarks/kernels/decode_graph_ab.py --cases 544x1500,512x1100,208x5250 \\
         [--model llama8b] [--quantization fp8] [--kv_cache_dtype fp8]
 
 Each case BxC is B sequences with C tokens of context each (pages in order, random weights of the
