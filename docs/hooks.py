@@ -9,6 +9,8 @@
   table the README carries too (tests/engine/test_model_families.py keeps that one equal).
 - `<!-- generated: file PATH -->` becomes the file at PATH (relative to the repository root) in a
   code block.
+- `<!-- generated: results-index -->` becomes the table of `benchmarks/RESULTS.md`: one row per
+  results page with its newest headline figures.
 - The benchmark results pages (`benchmarks/results/*.md`, outside docs/) join the site as
   generated pages under `results/`; their links to files outside the site become plain code.
 """
@@ -240,8 +242,7 @@ def parameters_markdown() -> str:
 
 
 def supported_models() -> str:
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT))  # this checkout's engine/, whatever else is installed
     from engine.models import supported_models_markdown
 
     return supported_models_markdown()
@@ -256,6 +257,21 @@ def include_file(relative: str) -> str:
     return f"```{language}\n{path.read_text().rstrip()}\n```"
 
 
+RESULTS_INDEX = ROOT / "benchmarks" / "RESULTS.md"
+
+
+def results_index() -> str:
+    """The table of benchmarks/RESULTS.md (one row per results page, with its newest headline
+    figures); its `results/<topic>.md` links resolve from a page at the site's root."""
+    if not RESULTS_INDEX.is_file():
+        log.warning("generated: results-index: benchmarks/RESULTS.md does not exist")
+        return ""
+    rows = [line for line in RESULTS_INDEX.read_text().splitlines() if line.startswith("|")]
+    if not rows:
+        log.warning("generated: results-index: benchmarks/RESULTS.md has no table")
+    return "\n".join(rows)
+
+
 GENERATED = re.compile(r"<!-- generated: ([\w-]+)(?: ([^ ]+))? -->")
 
 
@@ -268,6 +284,10 @@ def on_page_markdown(markdown, page, config, files):
             return supported_models()
         if kind == "file":
             return include_file(argument)
+        if kind == "results-index":
+            if page.file.src_uri.count("/"):
+                log.warning(f"{page.file.src_uri}: the results index belongs on a page at the site's root")
+            return results_index()
         log.warning(f"{page.file.src_uri}: unknown generated block '{kind}'")
         return match.group(0)
 
