@@ -27,7 +27,7 @@ bench: setup
 
 # The documentation site (mkdocs.yml, docs/) into site/; tests/tools/test_docs.py builds it strictly.
 docs: setup
-	$(PY) -m mkdocs build --strict --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 
 clean:
 	rm -rf $(VENV) engines build *.egg-info

@@ -2,9 +2,10 @@
 
 - `<!-- generated: parameters -->` in a page becomes, for each model of `all_models/`, the table of
   its config.pbtxt template's placeholders (what `tools/fill_template.py` fills), where each one
-  lands in the config, and its description from `docs/parameters.yml`; then the model's inputs and
-  outputs. A placeholder without a description, or a description of a placeholder no template
-  has, is a warning, which fails `mkdocs build --strict` (`make docs` and tests/tools/test_docs.py).
+  lands in the config, and its description from `docs/parameters.yml` (else the comment written
+  above the parameter in the template); then the model's inputs and outputs. A placeholder with
+  neither, or a description of a placeholder no template has, is a warning, which fails
+  `mkdocs build --strict` (`make docs` and tests/tools/test_docs.py).
 - `<!-- generated: supported-models -->` becomes `engine.models.supported_models_markdown()`, the
   table the README carries too (tests/engine/test_model_families.py keeps that one equal).
 - `<!-- generated: file PATH -->` becomes the file at PATH (relative to the repository root) in a
@@ -146,6 +147,34 @@ def placeholder_sites(config) -> dict[str, list[str]]:
     return sites
 
 
+def parameter_comments(text: str) -> dict[str, str]:
+    """parameter key -> the comment block written above it in the template: a block of top-level
+    `#` lines covers the `parameters` entries that follow it, up to a blank line, another top-level
+    field or the next block."""
+    comments: dict[str, str] = {}
+    block: list[str] = []
+    previous_was_comment = False
+    lines = text.splitlines()
+    for number, line in enumerate(lines):
+        if line.startswith("#"):
+            if not previous_was_comment:
+                block = []
+            block.append(line.lstrip("#").strip())
+            previous_was_comment = True
+            continue
+        previous_was_comment = False
+        if not line.strip():
+            block = []
+        elif line.startswith("parameters"):
+            key = next((re.search(r'key:\s*"([^"]+)"', later) for later in lines[number:number + 4]
+                        if "key:" in later), None)
+            if key and block:
+                comments[key.group(1)] = " ".join(block)
+        elif not line.startswith((" ", "}")):
+            block = []
+    return comments
+
+
 def fixed_parameters(config) -> list[tuple[str, str]]:
     """Parameters whose value is no placeholder: (key, value)."""
     out = []
@@ -195,12 +224,16 @@ def parameters_markdown() -> str:
         own = descriptions.get(model) or {}
         sites = placeholder_sites(config)
         fixed = fixed_parameters(config)
+        comments = parameter_comments(path.read_text())
         rows = []
         for name, where in sites.items():
             text = own.get(name)
             if text is None and name in shared:
                 text = shared[name]
                 used_shared.add(name)
+            keys = [site.split("`")[1] for site in where if site.startswith("parameter `")]
+            if text is None and keys and keys[0] in comments:  # the template's own words
+                text = comments[keys[0]]
             if text is None:
                 log.warning(f"all_models/{model}/config.pbtxt: placeholder ${{{name}}} has no description "
                             f"in docs/parameters.yml (under '{model}:' or 'shared:')")
