@@ -32,7 +32,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM")
 SUPPORTED_ARCHITECTURES += MOE_ARCHITECTURES
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
-SUPPORTED_ACTIVATIONS = ("silu", "gelu_new", "gelu_pytorch_tanh", "gelu")
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_new", "gelu_pytorch_tanh", "gelu", "relu")
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn", "dynamic", "longrope")
 # A default max_seq_len (one taken from the checkpoint's max_position_embeddings) never exceeds this:
 # models that advertise 128k-1M positions would otherwise get decode CUDA graphs, block tables and
@@ -46,6 +46,21 @@ MIN_DEFAULT_MAX_NUM_TOKENS = 8192
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 SUPPORTED_ARCHITECTURES += GEMMA_ARCHITECTURES
 LAYER_TYPES = ("sliding_attention", "full_attention")  # transformers' names, per layer
+
+# The configurable decoder (engine/models/decoder.py): families that differ from one another only in
+# the block options of ModelConfig (norm_kind, positions, residual, biases, MLP form, ...).
+DECODER_ARCHITECTURES = ("GPTNeoXForCausalLM", "FalconForCausalLM", "GPTJForCausalLM", "OPTForCausalLM",
+                         "Starcoder2ForCausalLM", "Glm4ForCausalLM")
+SUPPORTED_ARCHITECTURES += DECODER_ARCHITECTURES
+NORM_KINDS = ("rmsnorm", "layernorm")
+POSITION_KINDS = ("rope", "learned", "alibi")
+# sequential: x += attn(norm1(x)); x += mlp(norm2(x)). parallel: x += attn(norm1(x)) + mlp(norm1(x))
+# (GPT-J, Falcon-7B: one norm). parallel_two_norms: x += attn(norm1(x)) + mlp(norm2(x)) (GPT-NeoX,
+# Falcon's new decoder architecture). post_norm: x = norm1(x + attn(x)); x = norm2(x + mlp(x)) (OPT-350m).
+RESIDUAL_KINDS = ("sequential", "parallel", "parallel_two_norms", "post_norm")
+# How ALiBi's per-head slopes are made: BLOOM's (closest power of two, then the odd powers of the next
+# one) or MPT's (alibi_bias_max spread over the next power of two, then interleaved).
+ALIBI_SLOPE_KINDS = ("bloom", "mpt")
 
 
 class ConfigError(ValueError):
@@ -82,6 +97,12 @@ def _from_known_fields(cls, data: dict[str, Any]):
 
 _OPTIONAL_WHEN_NONE = ("sliding_window", "layer_types", "query_pre_attn_scalar", "attn_logit_softcapping",
                        "final_logit_softcapping", "rope_local_theta", "swiglu_limit", "expert_quantization")
+# The configurable decoder's block options: left out of config.json at their (the Llama block's)
+# defaults, so the engines of the other families keep the config.json older readers accept.
+_OPTIONAL_AT_DEFAULT = ("norm_kind", "norm_bias", "positions", "learned_position_offset", "alibi_slopes",
+                        "alibi_bias_max", "residual", "post_sublayer_norms", "attention_out_bias", "mlp_bias",
+                        "mlp_gated", "embedding_norm", "word_embed_proj_dim", "final_norm", "lm_head_bias", "clip_qkv",
+                        "rotary_interleaved")
 
 
 @dataclass
@@ -160,6 +181,27 @@ class ModelConfig:
     # (kernels/fused_moe_mxfp4.py; engine/mxfp4.py); None: experts in the model dtype. Left out of
     # config.json when None, so an engine with MXFP4 experts is refused by readers that predate it.
     expert_quantization: str | None = None
+    # ---- block options of the configurable decoder (DECODER_ARCHITECTURES; the Llama block's values
+    # are the defaults, and to_dict leaves a field at its default out of config.json) ----
+    norm_kind: str = "rmsnorm"
+    norm_bias: bool = False  # LayerNorm with a bias (MPT's has none)
+    positions: str = "rope"  # POSITION_KINDS; "learned": a (max_position_embeddings + offset, hidden) table
+    learned_position_offset: int = 0  # OPT looks position p up at row p + 2
+    alibi_slopes: str | None = None  # ALIBI_SLOPE_KINDS, with positions "alibi"
+    alibi_bias_max: float = 8.0  # MPT's; BLOOM's slopes are MPT's at 8 for a power-of-two head count
+    residual: str = "sequential"  # RESIDUAL_KINDS
+    post_sublayer_norms: bool = False  # GLM-4: each sub-block's output is normed before it joins the residual
+    attention_out_bias: bool = False  # a bias on o_proj
+    mlp_bias: bool = False  # biases on the MLP's two projections
+    mlp_gated: bool = True  # act(gate) * up over a fused [gate | up] projection; False: act(fc_in(x))
+    embedding_norm: bool = False  # BLOOM: a LayerNorm right after the token embeddings
+    word_embed_proj_dim: int | None = None  # OPT-350m: embeddings of this width, projected in and out
+    final_norm: bool = True  # a norm before the lm_head (OPT's post-norm models have none)
+    lm_head_bias: bool = False  # GPT-J
+    clip_qkv: float | None = None  # MPT: q, k and v clamped to [-clip_qkv, clip_qkv]
+    # GPT-J, GLM-4: rope rotates adjacent pairs (2i, 2i + 1) in the checkpoint; engine.convert reorders
+    # each q/k head's dims so the kernels' halves (i, i + rotary_dim / 2) rotate exactly those pairs.
+    rotary_interleaved: bool = False
 
     def is_moe_layer(self, layer_index: int) -> bool:
         return (self.num_experts > 0 and layer_index not in self.mlp_only_layers
@@ -190,6 +232,8 @@ class ModelConfig:
                 self.hidden_act in ("gelu_pytorch_tanh", "gelu"),
                 f"{self.architecture} needs hidden_act 'gelu_pytorch_tanh' or 'gelu' (GeGLU MLP), got {self.hidden_act!r}",
             )
+        elif self.architecture in DECODER_ARCHITECTURES:
+            self._validate_decoder_options()
         elif self.architecture != "GPT2LMHeadModel":  # the Llama block is SwiGLU, nothing else
             _require(
                 self.hidden_act == "silu",
@@ -206,6 +250,25 @@ class ModelConfig:
         self._validate_rotary_layout()
         self._validate_rope_scaling_keys()
         return self
+
+    def _validate_decoder_options(self) -> None:
+        for name, allowed in (("norm_kind", NORM_KINDS), ("positions", POSITION_KINDS), ("residual", RESIDUAL_KINDS)):
+            _require(getattr(self, name) in allowed,
+                     f"unsupported {name} {getattr(self, name)!r}; supported: {', '.join(allowed)}")
+        if self.positions == "alibi":
+            _require(self.alibi_slopes in ALIBI_SLOPE_KINDS,
+                     f"positions 'alibi' needs alibi_slopes in {', '.join(ALIBI_SLOPE_KINDS)}, got {self.alibi_slopes!r}")
+            _require(self.alibi_bias_max > 0, f"alibi_bias_max must be > 0, got {self.alibi_bias_max!r}")
+            _require(self.rope_scaling is None,
+                     f"{self.architecture}: ALiBi positions with rope_scaling {self.rope_scaling!r} cannot work "
+                     "(the model has no rotary embedding to scale); remove rope_scaling")
+        _require(not self.mlp_gated or self.hidden_act == "silu",
+                 f"{self.architecture}: a gated MLP needs hidden_act 'silu', got {self.hidden_act!r}")
+        _require(self.word_embed_proj_dim is None or self.word_embed_proj_dim > 0,
+                 f"word_embed_proj_dim must be a positive integer or null, got {self.word_embed_proj_dim!r}")
+        _require(self.clip_qkv is None or self.clip_qkv > 0, f"clip_qkv must be > 0 or null, got {self.clip_qkv!r}")
+        _require(self.learned_position_offset >= 0,
+                 f"learned_position_offset must be >= 0, got {self.learned_position_offset!r}")
 
     def _validate_window_and_caps(self) -> None:
         if self.sliding_window is not None:
@@ -299,6 +362,10 @@ class ModelConfig:
         data = asdict(self)
         for name in _OPTIONAL_WHEN_NONE:
             if data[name] is None:
+                del data[name]
+        defaults = {f.name: f.default for f in fields(self) if f.name in _OPTIONAL_AT_DEFAULT}
+        for name, default in defaults.items():
+            if data[name] == default:
                 del data[name]
         return data
 
@@ -458,10 +525,10 @@ class EngineConfig:
             self.build = resolve_build_limits(self.build, self.model)
         self.build.validate()
         check_tp_divides(self.model, self.build.tp_size)
-        if self.model.architecture == "GPT2LMHeadModel":  # learned positions: no extrapolation
+        if self.model.architecture == "GPT2LMHeadModel" or self.model.positions == "learned":  # no extrapolation
             _require(
                 self.build.max_seq_len <= self.model.max_position_embeddings,
-                f"max_seq_len ({self.build.max_seq_len}) exceeds GPT-2's learned positions "
+                f"max_seq_len ({self.build.max_seq_len}) exceeds {self.model.architecture}'s learned positions "
                 f"({self.model.max_position_embeddings})",
             )
         return self

@@ -27,7 +27,8 @@ from typing import Callable, Iterator, Mapping
 
 import torch
 
-from engine.config import GEMMA_ARCHITECTURES, MOE_ARCHITECTURES, ConfigError, ModelConfig, check_tp_divides
+from engine.config import (DECODER_ARCHITECTURES, GEMMA_ARCHITECTURES, MOE_ARCHITECTURES, ConfigError, ModelConfig,
+                           check_tp_divides)
 from engine.models import SUPPORTED_ARCHITECTURES, UnsupportedArchitectureError
 from kernels.moe_epilogue import SWIGLU_ALPHA
 from kernels.rotary import partial_rotary_order
@@ -45,6 +46,15 @@ class CheckpointError(ValueError):
 # the vision tower and projector are not converted): architecture -> the text model's.
 MULTIMODAL_TEXT_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
 
+# Remote-code checkpoints (their modeling files ship in the directory) that have no converter yet:
+# architecture -> what the converter would have to read, named so users know what is missing.
+UNCONVERTED_REMOTE_CODE = {
+    "BaichuanForCausalLM": "Baichuan 2 (remote code): its fused model.layers.N.self_attn.W_pack.weight "
+                           "(q/k/v) and its NormHead lm_head (weights normalised per row at load) have no converter",
+    "QWenLMHeadModel": "Qwen (v1, remote code): its transformer.h.N.attn.c_attn fused q/k/v and its tiktoken "
+                       "vocabulary (qwen.tiktoken) have no converter; Qwen1.5 and later are Qwen2ForCausalLM",
+}
+
 
 def model_config_from_hf(hf_config) -> ModelConfig:
     """Map a transformers config object (v4 or v5 layout) to a validated ModelConfig."""
@@ -52,10 +62,18 @@ def model_config_from_hf(hf_config) -> ModelConfig:
     architecture = architectures[0] if architectures else _architecture_from_model_type(hf_config)
     if architecture in MULTIMODAL_TEXT_MODELS:
         hf_config, architecture = hf_config.text_config, MULTIMODAL_TEXT_MODELS[architecture]
+    if architecture in UNCONVERTED_REMOTE_CODE:
+        raise UnsupportedArchitectureError(
+            f"unsupported architecture {architecture!r}: {UNCONVERTED_REMOTE_CODE[architecture]}"
+        )
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedArchitectureError(
             f"unsupported architecture {architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    if architecture in DECODER_ARCHITECTURES:
+        from engine.convert_decoder import decoder_config_from_hf
+
+        return decoder_config_from_hf(hf_config, architecture)
     if architecture == "GPT2LMHeadModel":
         return _gpt2_config(hf_config)
     if architecture in GEMMA_ARCHITECTURES:
@@ -72,7 +90,11 @@ def _architecture_from_model_type(hf_config) -> str:
                "gpt2": "GPT2LMHeadModel", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
                "smollm3": "SmolLM3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                "gemma3": "Gemma3ForConditionalGeneration", "mixtral": "MixtralForCausalLM",
-               "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
+               "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
+               "baichuan": "BaichuanForCausalLM", "qwen": "QWenLMHeadModel"}
+    from engine.convert_decoder import MODEL_TYPES
+
+    by_type.update(MODEL_TYPES)
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in by_type:
         raise UnsupportedArchitectureError(
@@ -545,6 +567,8 @@ def iter_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: i
         convert = gemma_rank_weights
     if cfg.architecture in MOE_ARCHITECTURES:
         convert = gpt_oss_rank_weights if cfg.architecture == "GptOssForCausalLM" else moe_rank_weights
+    if cfg.architecture in DECODER_ARCHITECTURES:
+        from engine.convert_decoder import decoder_rank_weights as convert
     for name, tensor in convert(get, cfg, rank, tp_size):
         yield name, (tensor.to(dtype) if tensor.is_floating_point() else tensor).contiguous()
 

@@ -54,7 +54,7 @@ MODEL_FAMILIES = (
     ModelFamily("Gemma3ForCausalLM", "engine.models.gemma", "GemmaForCausalLM",
                 "Gemma 3 text, and the language model of Gemma3ForConditionalGeneration (q/k norms, "
                 "local rope base, 5:1 sliding/global layers)", sliding_window=True),
-                    ModelFamily("MixtralForCausalLM", "engine.models.moe", "MoeForCausalLM",
+    ModelFamily("MixtralForCausalLM", "engine.models.moe", "MoeForCausalLM",
                 "Mixtral 8x7B, 8x22B (top-2 routed experts, fused-MoE kernel; experts split across TP ranks)",
                 fp8=True, sliding_window=True, weight_only=True),
     ModelFamily("Qwen3MoeForCausalLM", "engine.models.moe", "MoeForCausalLM",
@@ -64,6 +64,26 @@ MODEL_FAMILIES = (
                 "gpt-oss-20b, gpt-oss-120b (attention sinks, alternating sliding/full layers, top-4 experts with "
                 "biases and clamped SwiGLU; MXFP4 experts kept as 4 bits, or widened with --mxfp4_experts widen)",
                 sliding_window=True),
+    # The configurable decoder (engine/models/decoder.py): each family is a set of block options.
+    ModelFamily("GPTNeoXForCausalLM", "engine.models.decoder", "DecoderForCausalLM",
+                "GPT-NeoX-20B, Pythia (partial rotary, parallel or sequential residual, LayerNorm, biases)",
+                fp8=True, weight_only=True),
+    ModelFamily("FalconForCausalLM", "engine.models.decoder", "DecoderForCausalLM",
+                "Falcon-7B (multi-query), Falcon-40B/180B (new decoder architecture, grouped KV); parallel "
+                "attention and MLP, with or without biases (tensor parallel needs tp_size to divide the KV heads)",
+                fp8=True, weight_only=True),
+    ModelFamily("GPTJForCausalLM", "engine.models.decoder", "DecoderForCausalLM",
+                "GPT-J-6B (partial rotary in interleaved pairs, parallel residual, lm_head bias)",
+                fp8=True, weight_only=True),
+    ModelFamily("OPTForCausalLM", "engine.models.decoder", "DecoderForCausalLM",
+                "OPT-125m to OPT-66B, OPT-350m (learned positions at offset 2, ReLU, pre- or post-norm, "
+                "projected embeddings)", fp8=True, weight_only=True),
+    ModelFamily("Starcoder2ForCausalLM", "engine.models.decoder", "DecoderForCausalLM",
+                "StarCoder2-3B/7B/15B (sliding window, LayerNorm, biases, GELU-tanh MLP)", fp8=True, weight_only=True,
+                sliding_window=True),
+    ModelFamily("Glm4ForCausalLM", "engine.models.decoder", "DecoderForCausalLM",
+                "GLM-4-9B, GLM-4-0414 (partial rotary in GLM's interleaved pairs, post-sublayer norms, q/k/v bias)",
+                fp8=True, weight_only=True),
 )
 _REGISTRY = {family.architecture: family for family in MODEL_FAMILIES}
 SUPPORTED_ARCHITECTURES = tuple(_REGISTRY)

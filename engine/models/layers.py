@@ -313,9 +313,13 @@ class VocabParallelEmbedding(nn.Module):
         return tp_all_reduce(out, self.tp_group)
 
 
-def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, tp_group) -> torch.Tensor:
-    """hidden: (n, hidden) -> float32 logits (n, vocab), gathering each rank's vocab slice."""
+def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, tp_group,
+                          bias: torch.Tensor | None = None) -> torch.Tensor:
+    """hidden: (n, hidden) -> float32 logits (n, vocab), gathering each rank's vocab slice;
+    ``bias``: this rank's (vocab / tp,) slice of an lm_head bias (GPT-J), or None."""
     logits = linear_float32_out(hidden, weight)
+    if bias is not None:
+        logits = logits + bias.float()
     if tp_group is None:
         return logits
     shards = [torch.empty_like(logits) for _ in range(dist.get_world_size(tp_group))]

@@ -261,11 +261,13 @@ def test_bad_rotary_layouts_are_named():
 # ---- the registry ---------------------------------------------------------------------------
 
 def test_registry_config_and_test_families_agree():
+    from decoder_testing import DECODER_FAMILIES
     from test_sliding_window import FAMILIES as WINDOWED_FAMILIES  # Gemma's equivalence tests live there
 
     assert set(SUPPORTED_ARCHITECTURES) == set(engine.config.SUPPORTED_ARCHITECTURES)
     tested = {type(tiny_hf(family)).__name__ for family in FAMILIES}  # every family is tested
     tested |= {type(make()).__name__ for make in WINDOWED_FAMILIES.values()}
+    tested |= {type(make()).__name__ for make in DECODER_FAMILIES.values()}  # test_decoder_families.py
     assert {family.architecture for family in MODEL_FAMILIES} <= tested
 
 

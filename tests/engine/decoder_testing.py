@@ -1,0 +1,71 @@
+"""Tiny random checkpoints of the configurable-decoder families (engine/models/decoder.py), made by
+transformers itself, shared by tests/engine/test_decoder_families.py and the served test.
+
+Each entry covers one form of its family (both residual forms of GPT-NeoX, both Falcon
+architectures, OPT with and without projected embeddings, ...). Every weight is random, norms
+around 1 and biases too, so no term of the math hides behind an init of 0 or 1. Shapes are small
+but not trivial: GQA where the family has it, partial rotary, odd head counts for ALiBi.
+"""
+from __future__ import annotations
+
+import torch
+import transformers
+
+VOCAB = 96
+POSITIONS = 256  # room for a 150-token prompt and its generated tokens
+
+DECODER_FAMILIES = {
+    # Pythia-like: parallel residual with two norms, rotary on a quarter of each head (4 of 16 dims).
+    "gpt_neox_parallel": lambda: transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96,
+        max_position_embeddings=POSITIONS, rotary_pct=0.25, use_parallel_residual=True)),
+    # GPT-NeoX with the sequential residual, half of each head rotated.
+    "gpt_neox_sequential": lambda: transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96,
+        max_position_embeddings=POSITIONS, rotary_pct=0.5, use_parallel_residual=False, rotary_emb_base=500.0)),
+    # Falcon-7B's form: multi-query (one KV head), attention and MLP in parallel off one norm, no biases.
+    "falcon_7b_multi_query": lambda: transformers.FalconForCausalLM(transformers.FalconConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, multi_query=True,
+        parallel_attn=True, new_decoder_architecture=False, bias=False, max_position_embeddings=POSITIONS)),
+    # Falcon-40B/180B's new decoder architecture: KV groups (6 q heads over 2 KV heads), two norms; with biases.
+    "falcon_new_grouped_kv": lambda: transformers.FalconForCausalLM(transformers.FalconConfig(
+        vocab_size=VOCAB, hidden_size=72, num_hidden_layers=2, num_attention_heads=6, num_kv_heads=2,
+        new_decoder_architecture=True, bias=True, ffn_hidden_size=80, max_position_embeddings=POSITIONS,
+        rope_theta=20000.0)),
+    # GPT-J: interleaved pairs on the first 6 of 16 dims of each head, parallel residual, lm_head bias.
+    "gptj": lambda: transformers.GPTJForCausalLM(transformers.GPTJConfig(
+        vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, rotary_dim=6, n_inner=96, n_positions=POSITIONS)),
+    # OPT-125m's form: pre-norm, learned positions at offset 2, ReLU, a final norm.
+    "opt_pre_norm": lambda: transformers.OPTForCausalLM(transformers.OPTConfig(
+        vocab_size=VOCAB, hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=4,
+        word_embed_proj_dim=64, max_position_embeddings=POSITIONS, do_layer_norm_before=True)),
+    # OPT-350m's form: post-norm (no final norm), embeddings of width 32 projected in and out.
+    "opt_350m_projected": lambda: transformers.OPTForCausalLM(transformers.OPTConfig(
+        vocab_size=VOCAB, hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=4,
+        word_embed_proj_dim=32, max_position_embeddings=POSITIONS, do_layer_norm_before=False)),
+    # StarCoder2: GQA 4/2, LayerNorm with biases, GELU-tanh MLP with biases, a window of 24 tokens.
+    "starcoder2": lambda: transformers.Starcoder2ForCausalLM(transformers.Starcoder2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=POSITIONS, sliding_window=24, bos_token_id=None,
+        eos_token_id=None)),
+    # GLM-4: half of each head rotated in interleaved pairs, q/k/v biases, post-sublayer RMSNorms, SwiGLU.
+    "glm4": lambda: transformers.Glm4ForCausalLM(transformers.Glm4Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=POSITIONS, pad_token_id=0,
+        eos_token_id=None, bos_token_id=None)),
+}
+
+
+def tiny_decoder(family: str, seed: int = 0) -> torch.nn.Module:
+    """The family's transformers model, float32, eager attention, every weight random."""
+    torch.manual_seed(seed)
+    model = DECODER_FAMILIES[family]()
+    model.config._attn_implementation = "eager"
+    model.config.eos_token_id = model.config.bos_token_id = model.config.pad_token_id = None
+    model.generation_config.eos_token_id = model.generation_config.bos_token_id = None
+    model.generation_config.pad_token_id = None
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            is_norm_weight = ("norm" in name or "ln_" in name) and name.endswith("weight")
+            p.copy_((1.0 if is_norm_weight else 0.0) + 0.1 * torch.randn_like(p))
+    return model.eval()
