@@ -191,6 +191,17 @@ def dims_list(text: str) -> list[tuple[int, ...]]:
     return [dims(item) for item in text.split(",") if item.strip()]
 
 
+def add_model_arguments(parser, *, model: str = "llama8b", dtype: str = "bfloat16", device: str = "cuda",
+                        dtype_choices: list[str] | None = None, dtype_help: str | None = None,
+                        device_help: str | None = None) -> None:
+    """``--model`` (a shape of ``MODELS``: random weights), ``--dtype`` and ``--device``, as every
+    script with a random-weight engine takes them."""
+    parser.add_argument("--model", choices=sorted(__getattr__("MODELS")), default=model,
+                        help="the shape of the random-weight engine (benchmarks/common.py MODELS)")
+    parser.add_argument("--dtype", choices=dtype_choices, default=dtype, help=dtype_help)
+    parser.add_argument("--device", default=device, help=device_help)
+
+
 # ------------------------------------------------------------------------------------------------
 # results: the markdown a run prints and adds to its page under benchmarks/results/
 # ------------------------------------------------------------------------------------------------
@@ -334,6 +345,15 @@ def process_tree(root: int) -> list[tuple[int, str]]:
             found.append((child, f"{names.get(child, '?')} ({child})"))
             todo.append((child, names.get(pid, "?")))
     return found
+
+
+def is_final_response(result) -> bool:
+    """Whether a streamed gRPC result (tritonclient's InferResult, the stream started with
+    enable_empty_final_response) is its request's last one."""
+    if result is None:
+        return False
+    params = result.get_response().parameters
+    return "triton_final_response" in params and params["triton_final_response"].bool_param
 
 
 def load_script(name: str, folder: str = "scripts"):

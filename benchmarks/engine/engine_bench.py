@@ -46,8 +46,8 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: engine, kernels, benchmarks
 
-from benchmarks.common import (MODELS, command_line, cuda_time_ms, device_name, free_device_memory,  # noqa: E402
-                               git_commit, insert_before_marker, percentile, utc_now,
+from benchmarks.common import (MODELS, add_model_arguments, command_line, cuda_time_ms, device_name,  # noqa: E402
+                               free_device_memory, git_commit, insert_before_marker, percentile, utc_now,
                                write_config_only_engine)
 from benchmarks.engine.step_timeline import profile_device, reset, summarize, timed  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
@@ -862,9 +862,8 @@ def plot_latency(results: dict, path: str) -> None:
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", choices=sorted(MODELS), default="llama8b")
-    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
-    parser.add_argument("--device", default="cuda", help="cpu only for smoke tests of decode/offline/latency")
+    add_model_arguments(parser, dtype_choices=["bfloat16", "float16", "float32"],
+                        device_help="cpu only for smoke tests of decode/offline/latency")
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
     parser.add_argument("--max-batch-size", type=int, default=512)
     parser.add_argument("--max-num-tokens", type=int, default=8192)

@@ -271,7 +271,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu")
     p.add_argument("--engine-dir", default=os.path.join(REPO_ROOT, "engines", "smollm2"),
                    help="engine to run (CPU default: the embedded SmolLM2, built if missing)")
-    p.add_argument("--random-weights", default=None, help="a named shape of benchmarks/engine/engine_bench.py (llama8b, ...)")
+    p.add_argument("--random-weights", default=None, help="a named shape of benchmarks/common.py MODELS (llama8b, ...)")
     p.add_argument("--dtype", default="bfloat16", help="dtype of a --random-weights engine")
     p.add_argument("--num-requests", type=int, default=24)
     p.add_argument("--max-batch-size", type=int, default=8)

@@ -107,7 +107,7 @@ def markdown(results: dict) -> str:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2", help="a shape of benchmarks/engine/engine_bench.py MODELS")
+    parser.add_argument("--model", default="smollm2", help="a shape of benchmarks/common.py MODELS")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--decoding", type=int, default=56, help="streams generating while requests join")
     parser.add_argument("--joining", default="1,4,16,32,64", help="group sizes k")

@@ -15,7 +15,7 @@ lockstep when the prefix cache makes their prompts cheap, so every turn's reques
 and queue behind one another's prefills; varied answers spread the arrivals as real chats do.
 Streaming, so the time to first token (enqueue to the first streamed token) is the client's. Token
 ids are random (a random-weight engine of ``--model``'s shape, made on the device at load; see
-benchmarks/engine/engine_bench.py), the same for every setting.
+benchmarks/common.py MODELS), the same for every setting.
 
 For each ``--reuse`` setting one executor runs the whole load: ``off`` and ``on`` are the executor's
 ``enable_kv_cache_reuse``; ``host`` is reuse plus the KV host tier (``kv_cache_host_memory_bytes``:
@@ -46,7 +46,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: engine, kernels, benchmarks
 
-from benchmarks.common import MODELS, free_device_memory, percentile, write_config_only_engine  # noqa: E402
+from benchmarks.common import (MODELS, add_model_arguments, free_device_memory, percentile,  # noqa: E402
+                               write_config_only_engine)
 
 
 TOKENS_PER_BLOCK = 32
@@ -148,9 +149,7 @@ def run_conversations(executor, vocab: int, args) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=sorted(MODELS), default="llama8b")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--device", default="cuda")
+    add_model_arguments(parser)
     parser.add_argument("--conversations", type=int, default=64)
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--system_len", type=int, default=1500)

@@ -13,7 +13,7 @@ step's CUDA graph replayed 10 times under the profiler (figures per replay; a gr
 what the served step runs, e.g. the Triton skinny GEMMs an eager step leaves to cuBLAS).
 ``--sweep_splits 1,2,4,8``: for each decode shape, the step's time (CUDA events, median of 5) with the
 decode attention's key splits forced to each count, beside the count the kernel chooses itself.
-Random weights of the named shape (benchmarks/engine/engine_bench.py), made on the device. Each step runs
+Random weights of the named shape (benchmarks/common.py MODELS), made on the device. Each step runs
 twice to warm up, then once under torch.profiler; kernels are grouped by name patterns
 (``FAMILIES``), and the table gives each family's device time and share, with the step's wall time
 from CUDA events for comparison. This is what issue 32's "where the time went" names per shape.

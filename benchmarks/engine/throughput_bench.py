@@ -10,7 +10,7 @@
 
 What runs, per ``--dtype`` (fp8: FP8 E4M3 linear weights and an FP8 KV pool, as TensorRT-LLM's
 ModelOpt checkpoint runs; bf16: bfloat16 weights and pool) and per shape: a random-weight engine of
-``--model``'s shape (Llama-3.1-8B by default; benchmarks/engine/engine_bench.py's builders), an Executor with
+``--model``'s shape (Llama-3.1-8B by default; benchmarks/common.py's MODELS and write_config_only_engine), an Executor with
 chunked context on (as a served model runs), ``--kv-fraction`` of the free device memory for the
 KV pool (0.95 as TensorRT-LLM's tables; on an out-of-memory error 0.90, as their docs fall back),
 no prefix reuse, CUDA graphs up to ``--max-batch-size``; ``max_seq_len`` = ISL + OSL per shape

@@ -42,7 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: engine, kernels, benchmarks
 
 import engine.executor.runner as runner_module  # noqa: E402
-from benchmarks.common import MODELS, command_line, free_port, git_commit, print_table, utc_now  # noqa: E402
+from benchmarks.common import MODELS, add_model_arguments, command_line, free_port, git_commit, print_table, utc_now  # noqa: E402
 from benchmarks.engine.engine_bench import bench_executor_decode, drain_offline  # noqa: E402
 from benchmarks.engine.step_timeline import describe, reset, summarize, timed  # noqa: E402
 from engine.config import BuildConfig, EngineConfig, ModelConfig  # noqa: E402
@@ -441,9 +441,8 @@ def orchestrate(args) -> dict:
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", choices=sorted(MODELS), default="llama8b")
-    parser.add_argument("--dtype", default="bfloat16", help="dtype of the perf phases (greedy runs float32)")
-    parser.add_argument("--device", default="cuda", help="cuda (rank r uses GPU r) or cpu (gloo smoke test)")
+    add_model_arguments(parser, dtype_help="dtype of the perf phases (greedy runs float32)",
+                        device_help="cuda (rank r uses GPU r) or cpu (gloo smoke test)")
     parser.add_argument("--greedy_steps", type=int, default=32)
     parser.add_argument("--max_batch_size", type=int, default=64, help="the engines' (and executors') batch limit")
     parser.add_argument("--offline", default="128x128x256,512x256x128", help="input x output x requests, comma list")

@@ -36,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: engine, kernels, benchmarks
 
-from benchmarks.common import (MODELS, command_line, device_name, git_commit, name_list, percentile,  # noqa: E402
+from benchmarks.common import (MODELS, add_model_arguments, command_line, device_name, git_commit, name_list, percentile,  # noqa: E402
                                print_table, utc_now, write_config_only_engine)
 
 SCHEMAS = [
@@ -321,10 +321,8 @@ def markdown(results: dict) -> str:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="llama8b")
-    parser.add_argument("--dtype", default="bfloat16")
+    add_model_arguments(parser)
     parser.add_argument("--quantization", choices=["fp8"], default=None)
-    parser.add_argument("--device", default="cuda")
     parser.add_argument("--sections", default="compile,streams,masks")
     parser.add_argument("--streams", type=int, default=64)
     parser.add_argument("--requests", type=int, default=256)

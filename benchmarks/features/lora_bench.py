@@ -5,7 +5,7 @@ the same executor and lease (issue 29).
         [--rank 16] [--sections decode,offline,first_use,mixed] [--results-md benchmarks/results/features.md]
 
 An executor with LoRA on (``--adapters`` slots of rank ``--rank``, 64 for ``mixed``; random-weight engine of the
-model's shape, as benchmarks/engine/engine_bench.py makes it). Random adapters of rank ``--rank`` on all
+model's shape, as benchmarks/common.py write_config_only_engine makes it). Random adapters of rank ``--rank`` on all
 seven projections (q, k, v, o, gate, up, down), weights in the model dtype, loaded through the
 executor's own path (a PEFT directory per adapter, written first). Base rows on that executor
 replay the plain decode graphs, the path of an engine without LoRA.
@@ -36,7 +36,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: engine, kernels, benchmarks
 
-from benchmarks.common import (MODELS, command_line, device_name, git_commit, print_table, utc_now,  # noqa: E402
+from benchmarks.common import (add_model_arguments, command_line, device_name, git_commit, print_table, utc_now,  # noqa: E402
                                write_config_only_engine)
 from benchmarks.engine.engine_bench import iteration_breakdown  # noqa: E402
 
@@ -100,10 +100,8 @@ def decode_tok_s(results) -> float:
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="llama8b", choices=sorted(MODELS))
-    parser.add_argument("--dtype", default="bfloat16")
+    add_model_arguments(parser)
     parser.add_argument("--quantization", default=None, choices=[None, "fp8"])
-    parser.add_argument("--device", default="cuda")
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--adapters", type=int, default=16, help="adapters the offline requests spread over")
     parser.add_argument("--requests", type=int, default=1024)

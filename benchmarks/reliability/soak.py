@@ -50,7 +50,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: engine, kernels, benchmarks
 
-from benchmarks.common import REPO_ROOT, free_port, process_tree  # noqa: E402
+from benchmarks.common import REPO_ROOT, free_port, is_final_response, process_tree  # noqa: E402
 from benchmarks.reliability.soak_bad_inputs import BAD_INPUTS, BadInput, ids_request  # noqa: E402
 from serving.cancellation import stop_request_inputs  # noqa: E402
 
@@ -204,11 +204,7 @@ class GrpcStream:
         self.client.start_stream(callback=self._on_response)
 
     def _on_response(self, result, error):
-        final = False
-        if result is not None:
-            params = result.get_response().parameters
-            final = "triton_final_response" in params and params["triton_final_response"].bool_param
-        self.responses.put((result, error, final))
+        self.responses.put((result, error, is_final_response(result)))
 
     def send(self, model: str, tensors: dict[str, np.ndarray], request_id: str = ""):
         from tritonclient.utils import np_to_triton_dtype

@@ -16,7 +16,7 @@ run `clients` threads, each one gRPC stream sending `requests_per_client` stream
 after another (each until its final response), stop the server, then read its log for a fatal
 signal or a glibc heap check. CPU per response: /proc times of every process of the server tree,
 before and after the load, over the responses the clients received. Engine: random weights of a
-benchmarks/engine/engine_bench.py shape with a synthetic tokenizer (one word per id), max batch = clients.
+benchmarks/common.py MODELS shape with a synthetic tokenizer (one word per id), max batch = clients.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: en
 
 import benchmarks.serving.serving_bench as serving_bench  # noqa: E402  (ServedEnsemble, engines, the repository)
 from benchmarks.common import (REPO_ROOT, command_line, cpu_seconds, descendant_pids, git_commit,  # noqa: E402
-                               load_script, machine_description, utc_now)
+                               is_final_response, load_script, machine_description, utc_now)
 
 # What a dying tritonserver writes to its log: a fatal signal (6 abort, 11 segfault, 7 bus error)
 # or glibc's heap consistency messages.
@@ -94,8 +94,7 @@ def stream_client(url: str, entry: str, args: argparse.Namespace, received: list
                 if error is not None:
                     raise RuntimeError(str(error))
                 received.append(1)
-                params = result.get_response().parameters
-                if "triton_final_response" in params and params["triton_final_response"].bool_param:
+                if is_final_response(result):
                     break
     except Exception as error:  # noqa: BLE001 - reported per lifetime
         errors.append(f"{type(error).__name__}: {error}" if str(error) else type(error).__name__)
@@ -208,7 +207,7 @@ def markdown(args: argparse.Namespace, lifetimes: list[Lifetime], date: str) -> 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="tiny", help="a shape from benchmarks/engine/engine_bench.py MODELS")
+    parser.add_argument("--model", default="tiny", help="a shape of benchmarks/common.py MODELS")
     parser.add_argument("--entries", default=",".join(ENTRIES), help=f"comma-separated, of {', '.join(ENTRIES)}")
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--requests_per_client", type=int, default=4)

@@ -81,8 +81,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: en
 
 from engine.executor.stats import ITERATION_LOG_ENV  # noqa: E402
 from benchmarks.common import (REPO_ROOT, command_line, descendant_pids, environment_set, git_commit,  # noqa: E402
-                               load_script, machine_description, percentile, process_tree, utc_now,
-                               write_config_only_engine)
+                               is_final_response, load_script, machine_description, percentile, process_tree,
+                               utc_now, write_config_only_engine)
 from benchmarks.serving.serving_diagnostics import (RunDiagnostics, describe as describe_diagnostics,  # noqa: E402
                                                     metric_totals)
 
@@ -568,8 +568,7 @@ def grpc_client(url: str, feed: PromptFeed, requests: int, output_len: int, timi
                     timing.events.append(when)  # (the BLS's empty final-chunk text is no token)
                     if count_words:
                         timing.event_tokens.append(len(text.reshape(-1)[0].split()))
-                params = result.get_response().parameters
-                if "triton_final_response" in params and params["triton_final_response"].bool_param:
+                if is_final_response(result):
                     break
             timings.append(timing)
     except Exception as error:  # noqa: BLE001 - reported by the caller after all threads end
@@ -1145,7 +1144,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     engine = parser.add_mutually_exclusive_group(required=True)
     engine.add_argument("--engine_dir", help="an engine directory with its tokenizer files (e.g. engines/smollm2)")
-    engine.add_argument("--model", help="a shape from benchmarks/engine/engine_bench.py MODELS (random weights)")
+    engine.add_argument("--model", help="a shape of benchmarks/common.py MODELS (random weights)")
     parser.add_argument("--dtype", default="bfloat16", help="--model only: engine dtype")
     parser.add_argument("--tokenizer_dir", help="--model only: copy this tokenizer (must cover the vocab)")
     parser.add_argument("--synthetic_tokenizer", action="store_true", help="--model only: one word per id")

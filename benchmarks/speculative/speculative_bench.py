@@ -12,7 +12,7 @@ and the batch-1 speed-up it buys, bf16 and FP8, on random weights.
 Per ``--dtypes`` label (bf16: bfloat16 weights; fp8: FP8 E4M3 linear weights as engine.build
 quantizes them; the KV pool in bf16 for both unless ``--kv-cache-dtype fp8``, as engine_bench's
 ``--quantization fp8`` that gave the issue's 272 tok/s), one random-weight engine of ``--model``'s
-shape (benchmarks/engine/engine_bench.py's config-only engine) runs in an in-process Executor (CUDA graphs,
+shape (benchmarks/common.py's config-only engine) runs in an in-process Executor (CUDA graphs,
 prefix reuse on). Sections:
 
 1. ``verify``: the cost of one target forward in which each of B sequences carries 1 + k tokens (its

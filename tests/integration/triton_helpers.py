@@ -1,7 +1,6 @@
 """Helpers of the integration tests: start a real tritonserver on a filled repository, talk to it."""
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
 import sys
@@ -13,19 +12,12 @@ from pathlib import Path
 import pytest
 import requests
 
+from benchmarks.common import load_script  # tests also import it from here
 from free_ports import free_port  # tests also import it from here
 
 ROOT = Path(__file__).resolve().parents[2]
 CHAT_PROMPT = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
                "<|im_end|>\n<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n")
-
-
-def load_script(name: str, folder: str = "scripts"):
-    spec = importlib.util.spec_from_file_location(name, ROOT / folder / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 @dataclass
