@@ -51,6 +51,22 @@ PREPROCESSING_INPUTS = {
     "embedding_bias_words": "EMBEDDING_BIAS_WORDS", "embedding_bias_weights": "EMBEDDING_BIAS_WEIGHTS",
     "end_id": "END_ID", "pad_id": "PAD_ID", "prompt_table_extra_id": "PROMPT_TABLE_EXTRA_ID",
 }
+# Images (a BLS with multimodal_encoders_name): BLS input -> preprocessing input (image_input for
+# its number of images: the prompt's image slots), and multimodal_encoders output -> tensorrt_llm input.
+IMAGE_PREPROCESSING_INPUTS = {"image_input": "IMAGE", "image_bytes_input": "IMAGE_BYTES",
+                              "image_url_input": "IMAGE_URL", "video_bytes_input": "VIDEO_BYTES"}
+LLM_INPUTS_FROM_ENCODERS = {"OUT_PROMPT_EMBEDDING_TABLE": "prompt_embedding_table",
+                            "OUT_PROMPT_VOCAB_SIZE": "prompt_vocab_size"}
+
+
+def encoder_inputs(tensors: dict[str, np.ndarray], pre_out: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """multimodal_encoders' inputs: preprocessing's PIXEL_VALUES (images it decoded), else the client's
+    image_input, as the reference's BLS sends them."""
+    if "PIXEL_VALUES" in pre_out and pre_out["PIXEL_VALUES"].size:
+        return {"pixel_values": pre_out["PIXEL_VALUES"]}
+    return {"IMAGE": tensors["image_input"].astype(np.float16)}
+
+
 PASS_THROUGH_OUTPUTS = (
     "cum_log_probs", "output_log_probs", "context_logits", "generation_logits", "batch_index",
     "sequence_index", "kv_cache_alloc_new_blocks", "kv_cache_reused_blocks",

@@ -20,10 +20,13 @@ def tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    words = WORDS + [f"w{i}" for i in range(len(WORDS), VOCAB)]
+    # SentencePiece-style words ("\u2581" marks a space before them), so text decodes the same whole
+    # or a few tokens at a time, as streams decode it; special tokens have no mark.
+    words = [w if w.startswith("<") else "\u2581" + w for w in WORDS + [f"w{i}" for i in range(len(WORDS), VOCAB)]]
     core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    core.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    core.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")])
+    core.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always", split=True)
     return PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
                                    pad_token="<pad>", additional_special_tokens=["<image>"])
 

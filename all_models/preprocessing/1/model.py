@@ -1,6 +1,8 @@
-"""Triton `preprocessing` model: text -> token ids, word lists and ids for `tensorrt_llm`.
+"""Triton `preprocessing` model: text -> token ids, word lists and ids for `tensorrt_llm`; with
+`multimodal_model_path` (a vision-language engine's vision_encoder/), images -> image slots in the
+prompt and PIXEL_VALUES.
 
-Glue only; the tokenization rules live in serving/text.py and serving/tokenization.py.
+Glue only; the rules live in serving/text.py, serving/tokenization.py and serving/multimodal.py.
 """
 import json
 import os
@@ -13,13 +15,16 @@ if os.environ.get("TRITONLLM_ROOT"):  # a source checkout not installed into the
     sys.path.insert(0, os.environ["TRITONLLM_ROOT"])
 from serving.params import get_parameter, model_parameters  # noqa: E402
 from serving.text import (embedding_bias_tensor, encode_queries, per_item_ids,  # noqa: E402
-                          word_list_tensor)
+                          string_rows, word_list_tensor)
 from serving.stub_watchdog import start_server_watchdog, stop_crash_dumps  # noqa: E402
 from serving.tokenization import first_token_id, load_tokenizer  # noqa: E402
+from serving.multimodal import (ImagePrompts, engine_vocab_size, image_limits, prepare_batch,  # noqa: E402
+                                refuse_images_on_text_model)
 
 TEXT_OUTPUTS = ("INPUT_ID", "REQUEST_INPUT_LEN", "DECODER_INPUT_ID", "REQUEST_DECODER_INPUT_LEN",
                 "BAD_WORDS_IDS", "STOP_WORDS_IDS", "EMBEDDING_BIAS", "REQUEST_OUTPUT_LEN",
-                "OUT_END_ID", "OUT_PAD_ID", "OUT_PROMPT_TABLE_EXTRA_IDS")
+                "OUT_END_ID", "OUT_PAD_ID", "OUT_PROMPT_TABLE_EXTRA_IDS", "PIXEL_VALUES")
+IMAGE_INPUTS = ("IMAGE", "IMAGE_BYTES", "IMAGE_URL", "VIDEO_BYTES")
 
 
 def _input(request, name):
@@ -28,6 +33,8 @@ def _input(request, name):
 
 
 class TritonPythonModel:
+    images = None  # ImagePrompts of a vision-language model (initialize sets it)
+
     def initialize(self, args):
         config = json.loads(args["model_config"])
         params = model_parameters(config)
@@ -42,6 +49,14 @@ class TritonPythonModel:
         self.end_id = first_token_id(self.tokenizer, self.tokenizer.eos_token)
         self.pad_id = first_token_id(self.tokenizer, self.tokenizer.pad_token)
         self.vocab_size = self.tokenizer.vocab_size
+        encoder_dir = get_parameter(params, "multimodal_model_path", str)
+        if encoder_dir:
+            engine_dir = get_parameter(params, "gpt_model_path", str) or os.path.dirname(encoder_dir.rstrip("/"))
+            self.vocab_size = engine_vocab_size(engine_dir)  # fake ids start at the engine's vocab_size
+            limits = image_limits(get_parameter(params, "max_image_pixels", int),
+                                  get_parameter(params, "allowed_image_url_hosts", str))
+            self.images = ImagePrompts(encoder_dir, self.tokenizer, self.vocab_size, limits=limits,
+                                       max_num_images=get_parameter(params, "max_num_images", int))
         self.output_dtypes = {
             name: pb_utils.triton_string_to_numpy(pb_utils.get_output_config_by_name(config, name)["data_type"])
             for name in TEXT_OUTPUTS}
@@ -62,7 +77,15 @@ class TritonPythonModel:
     def _preprocess(self, request):
         query = _input(request, "QUERY")
         batch_size = query.shape[0]
-        input_ids, lengths = encode_queries(self.tokenizer, query, self.add_special_tokens, self.pad_id)
+        images = {name: _input(request, name) for name in IMAGE_INPUTS}
+        if self.images is None:
+            refuse_images_on_text_model(images)
+            input_ids, lengths = encode_queries(self.tokenizer, query, self.add_special_tokens, self.pad_id)
+            multimodal = {}
+        else:
+            multimodal = prepare_batch(self.images, images, [row[0] for row in string_rows(query)],
+                                       self.add_special_tokens, self.pad_id)
+            input_ids, lengths = multimodal.pop("INPUT_ID"), multimodal.pop("REQUEST_INPUT_LEN")
         decoder_query = _input(request, "DECODER_QUERY")
         if decoder_query is not None:
             decoder_ids, decoder_lengths = encode_queries(self.tokenizer, decoder_query,
@@ -80,6 +103,7 @@ class TritonPythonModel:
             "REQUEST_OUTPUT_LEN": _input(request, "REQUEST_OUTPUT_LEN"),
             "OUT_END_ID": per_item_ids(_input(request, "END_ID"), self.end_id, batch_size),
             "OUT_PAD_ID": per_item_ids(_input(request, "PAD_ID"), self.pad_id, batch_size),
+            **multimodal,
         }
         extra_id = _input(request, "PROMPT_TABLE_EXTRA_ID")
         if extra_id is not None:

@@ -26,8 +26,9 @@ import triton_python_backend_utils as pb_utils
 
 if os.environ.get("TRITONLLM_ROOT"):  # a source checkout not installed into the environment
     sys.path.insert(0, os.environ["TRITONLLM_ROOT"])
-from serving.bls import (LLM_INPUTS_FROM_PREPROCESSING, LLM_INPUTS_FROM_REQUEST,  # noqa: E402
-                         PASS_THROUGH_OUTPUTS, PREPROCESSING_INPUTS, TOKEN_IDS_OUTPUT, GuardedSender, StreamText,
+from serving.bls import (IMAGE_PREPROCESSING_INPUTS, LLM_INPUTS_FROM_ENCODERS,  # noqa: E402
+                         LLM_INPUTS_FROM_PREPROCESSING, LLM_INPUTS_FROM_REQUEST, PASS_THROUGH_OUTPUTS,
+                         PREPROCESSING_INPUTS, TOKEN_IDS_OUTPUT, GuardedSender, StreamText, encoder_inputs, has_images,
                          num_draft_tokens, speculative_generate, validate, wants_token_ids, with_batch_dim)
 from serving.cancellation import stop_request_inputs  # noqa: E402
 from serving.params import get_parameter, model_parameters  # noqa: E402
@@ -70,6 +71,8 @@ class TritonPythonModel:
         self.llm_name = get_parameter(params, "tensorrt_llm_model_name", str) or "tensorrt_llm"
         # Requests with num_draft_tokens > 0 run the draft/target loop (serving/bls.py speculative_generate).
         self.draft_name = get_parameter(params, "tensorrt_llm_draft_model_name", str)
+        # A vision-language model's image encoder (all_models/multimodal/multimodal_encoders); unset: text only.
+        self.encoders_name = get_parameter(params, "multimodal_encoders_name", str)
         self.input_names = [tensor["name"] for tensor in self.model_config["input"]]
         # Threads that wait on blocking Triton calls for the event loop: one per live stream (its
         # response iterator) plus stop requests. The cap only queues work beyond it.
@@ -98,7 +101,7 @@ class TritonPythonModel:
             tensor = pb_utils.get_input_tensor_by_name(request, name)
             if tensor is not None:
                 tensors[name] = _numpy(tensor)
-        validate(tensors, self.draft_name)
+        validate(tensors, self.draft_name, self.encoders_name)
         batch_size = tensors["text_input"].shape[0]
         stream = self.decoupled and bool(np.any(tensors.get("stream", np.array([False]))))
         llm_request_id = str(uuid.uuid4())
@@ -191,9 +194,17 @@ class TritonPythonModel:
         pre_inputs = {PREPROCESSING_INPUTS[name]: value for name, value in tensors.items()
                       if name in PREPROCESSING_INPUTS}
         pre_inputs["REQUEST_OUTPUT_LEN"] = with_batch_dim(pre_inputs["REQUEST_OUTPUT_LEN"], batch_size)
-        pre_out = await self._call("preprocessing", pre_inputs, list(LLM_INPUTS_FROM_PREPROCESSING))
+        images = bool(self.encoders_name) and has_images(tensors)
+        if images:
+            pre_inputs.update({IMAGE_PREPROCESSING_INPUTS[name]: value for name, value in tensors.items()
+                               if name in IMAGE_PREPROCESSING_INPUTS})
+        pre_out = await self._call("preprocessing", pre_inputs,
+                                   list(LLM_INPUTS_FROM_PREPROCESSING) + (["PIXEL_VALUES"] if images else []))
         llm_inputs = {llm: pre_out[name] for name, llm in LLM_INPUTS_FROM_PREPROCESSING.items()
                       if name in pre_out}
+        if images:
+            encoded = await self._call(self.encoders_name, encoder_inputs(tensors, pre_out), list(LLM_INPUTS_FROM_ENCODERS))
+            llm_inputs.update({llm: encoded[name] for name, llm in LLM_INPUTS_FROM_ENCODERS.items() if name in encoded})
         for name, llm in LLM_INPUTS_FROM_REQUEST.items():
             if name in tensors:
                 llm_inputs[llm] = with_batch_dim(tensors[name], batch_size)

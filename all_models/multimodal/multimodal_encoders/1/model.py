@@ -1,0 +1,70 @@
+"""Triton `multimodal_encoders` model: a request's images -> its prompt-embedding table.
+
+Glue only; the encoder is engine/vision/ and the request rules serving/multimodal.py. Every image of
+the requests Triton hands over at once runs as one batch.
+"""
+import json
+import os
+import sys
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+if os.environ.get("TRITONLLM_ROOT"):  # a source checkout not installed into the environment
+    sys.path.insert(0, os.environ["TRITONLLM_ROOT"])
+from serving.multimodal import VisionEncoderRunner, rows_pixels  # noqa: E402
+from serving.params import get_parameter, model_parameters  # noqa: E402
+from serving.stub_watchdog import start_server_watchdog, stop_crash_dumps  # noqa: E402
+
+
+def _input(request, name):
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return None if tensor is None else tensor.as_numpy()
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        params = model_parameters(json.loads(args["model_config"]))
+        encoder_dir = get_parameter(params, "multimodal_model_path", str)
+        if not encoder_dir:
+            raise ValueError("multimodal_encoders: the multimodal_model_path parameter must name a vision-encoder "
+                             "directory (<engine>/vision_encoder, written by engine.build)")
+        self.runner = VisionEncoderRunner(encoder_dir)
+        start_server_watchdog()
+
+    def execute(self, requests):
+        rows, errors = [], {}
+        for index, request in enumerate(requests):
+            try:
+                rows.append(rows_pixels(_input(request, "pixel_values"), _input(request, "IMAGE")))
+            except Exception as error:  # this request's error, never the model's
+                errors[index] = str(error)
+                rows.append([None])
+        try:
+            flat = self.runner.tables([pixels for request_rows in rows for pixels in request_rows])
+        except Exception as error:  # the batch failed: every request in it gets the error
+            return [pb_utils.InferenceResponse(error=pb_utils.TritonError(f"multimodal_encoders: {error}"))
+                    for _ in requests]
+        responses, start = [], 0
+        for index, request_rows in enumerate(rows):
+            tables, start = flat[start:start + len(request_rows)], start + len(request_rows)
+            if index in errors:
+                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(errors[index])))
+            elif any(table is None for table in tables):  # no image: tensorrt_llm gets no table
+                responses.append(pb_utils.InferenceResponse(output_tensors=[]))
+            else:
+                responses.append(pb_utils.InferenceResponse(output_tensors=self._tables(tables)))
+        return responses
+
+    @staticmethod
+    def _tables(tables):
+        """(B, rows, hidden) FP16, rows zero-padded to the longest item, and each item's row count."""
+        width = max(len(table) for table in tables)
+        stacked = np.zeros((len(tables), width, tables[0].shape[1]), dtype=np.float16)
+        for b, table in enumerate(tables):
+            stacked[b, :len(table)] = table
+        sizes = np.array([[len(table)] for table in tables], dtype=np.int32)
+        return [pb_utils.Tensor("OUT_PROMPT_EMBEDDING_TABLE", stacked), pb_utils.Tensor("OUT_PROMPT_VOCAB_SIZE", sizes)]
+
+    def finalize(self):
+        stop_crash_dumps()
