@@ -30,6 +30,12 @@ Per-layer options (one AttentionMetadata serves every layer, so they are argumen
 - ``sinks`` (gpt-oss): a learned logit per query head, (num_heads,) on this rank, that joins each
   query's softmax denominator as one more column and is then dropped, so a row's weights sum to
   less than 1: ``p_k = exp(s_k) / (sum_j exp(s_j) + exp(sink_h))``. It has no value row.
+- ``alibi_slopes`` (BLOOM, MPT): a slope m_h per query head, (num_heads,) float32 on this rank
+  (kernels/alibi.py); the score of the query at position p and the key at position k gains
+  ``m_h * (k - p)`` (<= 0) after the softmax scale and any soft-cap. transformers adds ``m_h * k``
+  (BLOOM) or ``m_h * (k - (L - 1))`` (MPT) instead: both differ from this by a constant of each
+  query row, which the softmax cancels. The bias depends only on absolute positions, so a prompt
+  in chunks, or after a reused cached prefix, gets exactly the scores of a whole prompt.
 
 The public functions dispatch on the tensors' device: OpenAI Triton kernels on CUDA (when
 Triton is installed), the plain-torch references (``*_ref``) elsewhere. The test is two
@@ -100,6 +106,7 @@ def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torc
 def paged_attention_ref(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
     *, sliding_window: int | None = None, logit_softcap: float | None = None, sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged KV; plain torch, fp32 math.
 
@@ -134,6 +141,8 @@ def paged_attention_ref(
         # (with a window: its W most recent positions).
         q_pos = torch.arange(context_len - q_len, context_len, device=q.device)[:, None]
         k_pos = torch.arange(first_key, context_len, device=q.device)[None, :]
+        if alibi_slopes is not None:  # (num_heads, 1, 1) * (q_len, num_keys)
+            scores += alibi_slopes.float().view(num_heads, 1, 1) * (k_pos - q_pos).float()
         hidden = k_pos > q_pos
         if sliding_window is not None:
             hidden |= k_pos <= q_pos - sliding_window
@@ -145,7 +154,7 @@ def paged_attention_ref(
 
 def decode_attention_ref(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-    *, logit_softcap: float | None = None, sinks: torch.Tensor | None = None,
+    *, logit_softcap: float | None = None, sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``paged_attention_ref``'s math for a batch in which every sequence has exactly one new token
     and no window, in one pass over the batch: the sequences' blocks are gathered side by side
@@ -170,7 +179,11 @@ def decode_attention_ref(
     if logit_softcap is not None:
         scores = torch.tanh(scores / logit_softcap) * logit_softcap
     lengths = torch.tensor(ctx, device=q.device)[:, None]
-    hidden = torch.arange(width * block_size, device=q.device)[None, :] >= lengths  # (num_seqs, keys)
+    key_pos = torch.arange(width * block_size, device=q.device)[None, :]
+    if alibi_slopes is not None:  # each sequence's one query sits at position context_len - 1
+        distance = (key_pos - (lengths - 1)).float()  # (num_seqs, keys)
+        scores += alibi_slopes.float().view(1, num_kv_heads, group, 1) * distance[:, None, None, :]
+    hidden = key_pos >= lengths  # (num_seqs, keys)
     scores.masked_fill_(hidden[:, None, None, :], float("-inf"))
     probs = softmax_with_sinks(scores, None if sinks is None else sinks.view(1, num_kv_heads, group, 1))
     out = torch.einsum("bhgk,bkhd->bhgd", probs, values)
@@ -194,10 +207,13 @@ def write_kv_cache(
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
     *, sliding_window: int | None = None, logit_softcap: float | None = None, sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``sliding_window`` / ``logit_softcap`` / ``sinks``: per layer, None when the layer has none
-    (module docstring)."""
+    """``sliding_window`` / ``logit_softcap`` / ``sinks`` / ``alibi_slopes``: per layer, None when
+    the layer has none (module docstring)."""
     options = {"logit_softcap": logit_softcap, "sinks": sinks}
+    if alibi_slopes is not None:  # only ALiBi layers pass it: other callers' kernels stay as they were
+        options["alibi_slopes"] = alibi_slopes
     if use_triton(q):
         return triton_attention.paged_attention_triton(q, k_cache, v_cache, meta, scale, sliding_window=sliding_window,
                                                        **options)

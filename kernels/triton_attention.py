@@ -26,6 +26,12 @@ accumulator 0), which is the softmax over [scores..., sink] without the sink's c
 split-K only split 0 starts so; the merge by log-sum-exp then counts the sink once. A layer
 without sinks compiles without them (HAS_SINKS is a constexpr).
 
+ALiBi (BLOOM, MPT): each score gains ``slope_h * (k_pos - q_pos)`` (kernels/attention.py), added in
+base 2 (the slope times log2(e)) after the scale and soft-cap, on masked and unmasked tiles alike;
+the bias is finite, so an unmasked tile's running max stays finite. Split-K needs nothing more: each
+split's partial log-sum-exp already holds its keys' biases. HAS_ALIBI is a constexpr, so the kernels
+of layers without ALiBi compile as before.
+
 A mixed batch runs in two launches of the kernel: one over its prompt chunks (sequences with
 several new tokens) with prefill tiles, one over its decode rows with decode tiles; each launch's
 programs return at once on the other kind's sequences. Within a program, the key tiles that every
@@ -168,10 +174,10 @@ def rotate_neox(x, partner, cos, sin, first_half):
 @jit
 def _attend_keys(
     q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_desc, v_desc, block_row, kv_head, lo, hi, kv_hi,
-    qk_scale, window, softcap_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    qk_scale, window, softcap_log2, alibi_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, FP16_MATH: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    MASKED: tl.constexpr, TMA: tl.constexpr,
+    MASKED: tl.constexpr, TMA: tl.constexpr, HAS_ALIBI: tl.constexpr,
 ):
     """The online softmax over keys [lo, hi) in tiles of BLOCK_N -> (m_i, l_i, acc). MASKED: some key
     of a tile may lie at or past kv_hi, or be hidden from some row (causality, window); unmasked
@@ -215,6 +221,8 @@ def _attend_keys(
             scores = scores * qk_scale
         if HAS_SOFTCAP:  # C * tanh(z / C), tanh(x) = 2 * sigmoid(2x) - 1
             scores = softcap_log2 * (2.0 * tl.sigmoid(2.0 * scores / softcap_log2) - 1.0)
+        if HAS_ALIBI:  # alibi_log2: (BLOCK_M,) each row's head's slope * log2(e)
+            scores += alibi_log2[:, None] * (k_pos[None, :] - q_pos[:, None]).to(tl.float32)
         if MASKED:
             visible = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
             if HAS_WINDOW:
@@ -240,6 +248,7 @@ def _paged_attention_kernel(
     block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr, tile_seq_ptr, tile_m_ptr,
     k_new_ptr, v_new_ptr, positions_ptr, cos_sin_ptr, slot_ptr,  # read when ROTARY_APPEND
     sinks_ptr,  # (num_heads,) sink logits, natural base (read when HAS_SINKS)
+    alibi_ptr,  # (num_heads,) float32 ALiBi slopes, natural base (read when HAS_ALIBI)
     active_splits_ptr,  # (1,) int32 (read when DYNAMIC_SPLITS)
     qk_scale,  # softmax scale * log2(e): scores live in base 2
     window,  # sliding window W (read when HAS_WINDOW): row at position p sees keys p - W < k <= p
@@ -252,6 +261,7 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
     FP16_MATH: tl.constexpr, ROTARY_APPEND: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TILE_MAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
     SEQ_KIND: tl.constexpr,  # ALL_SEQS, or only the sequences with several (MULTI_TOKEN) or one (ONE_TOKEN) new tokens
     TMA: tl.constexpr,  # the unmasked key tiles come through k_desc / v_desc (decode tiles within a page)
     DYNAMIC_SPLITS: tl.constexpr,  # the splits in use are min(active_splits_ptr[0], NUM_SPLITS) (a decode graph's)
@@ -364,6 +374,9 @@ def _paged_attention_kernel(
             m_i = tl.load(sinks_ptr + head, mask=row_valid, other=0.0).to(tl.float32) * 1.4426950408889634
             l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, DIM_PAD], dtype=tl.float32)
+    alibi_log2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_ALIBI:
+        alibi_log2 = tl.load(alibi_ptr + head, mask=row_valid, other=0.0).to(tl.float32) * 1.4426950408889634
     block_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     # Every row sees the keys up to its tile's first position (without a window): the whole tiles
     # of this split below that bound skip the causal and length masks, the rest of the walk keeps them.
@@ -378,12 +391,14 @@ def _paged_attention_kernel(
         unmasked_end = kv_lo + tl.maximum(seen_by_all - kv_lo, 0) // BLOCK_N * BLOCK_N
     m_i, l_i, acc = _attend_keys(
         q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_desc, v_desc, block_row, kv_head, kv_lo, unmasked_end,
-        kv_hi, qk_scale, window, softcap_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-        HEAD_DIM, DIM_PAD, PAGE_SIZE, BLOCK_N, PRECISION, FP16_MATH, HAS_WINDOW, HAS_SOFTCAP, False, TMA)
+        kv_hi, qk_scale, window, softcap_log2, alibi_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+        stride_vh, HEAD_DIM, DIM_PAD, PAGE_SIZE, BLOCK_N, PRECISION, FP16_MATH, HAS_WINDOW, HAS_SOFTCAP, False, TMA,
+        HAS_ALIBI)
     m_i, l_i, acc = _attend_keys(
         q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_desc, v_desc, block_row, kv_head, unmasked_end, kv_hi,
-        kv_hi, qk_scale, window, softcap_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-        HEAD_DIM, DIM_PAD, PAGE_SIZE, BLOCK_N, PRECISION, FP16_MATH, HAS_WINDOW, HAS_SOFTCAP, True, False)
+        kv_hi, qk_scale, window, softcap_log2, alibi_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+        stride_vh, HEAD_DIM, DIM_PAD, PAGE_SIZE, BLOCK_N, PRECISION, FP16_MATH, HAS_WINDOW, HAS_SOFTCAP, True, False,
+        HAS_ALIBI)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -682,13 +697,14 @@ def paged_attention_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
     *, num_splits: int | None = None, sliding_window: int | None = None, logit_softcap: float | None = None,
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    sinks: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: (num_tokens, num_heads, head_dim), last dim contiguous -> out: (num_tokens, num_heads, head_dim).
 
     ``num_splits`` overrides the decode rows' split count (a power of two; tests use it to force
     the split path at short contexts), in mixed batches too; prompt chunks never split. ``sliding_window``,
-    ``logit_softcap`` and ``sinks`` (num_heads,): kernels/attention.py (None: the layer has none).
+    ``logit_softcap``, ``sinks`` (num_heads,) and ``alibi_slopes`` (num_heads,) float32:
+    kernels/attention.py (None: the layer has none).
 
     ``new_kv = (k, v, positions, cos_sin_cache)``, decode-only batches with power-of-two heads:
     q and k arrive unrotated; the kernel rotates them (neox halves, kernels/rotary.py's table and
@@ -705,6 +721,7 @@ def paged_attention_triton(
     group = num_heads // num_kv_heads
     dim_pad = triton.next_power_of_2(head_dim)
     assert sinks is None or (sinks.shape == (num_heads,) and sinks.is_contiguous())
+    assert alibi_slopes is None or (alibi_slopes.shape == (num_heads,) and alibi_slopes.is_contiguous())
     if new_kv is not None:
         new_k, new_v, positions, cos_sin_cache = new_kv
         assert meta.is_decode_only and dim_pad == head_dim and cos_sin_cache.shape[1] == head_dim
@@ -737,6 +754,7 @@ def paged_attention_triton(
             meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
             meta.tile_seq if tile_map else meta.cu_seqlens_q, meta.tile_m if tile_map else meta.cu_seqlens_q,
             new_k, new_v, positions, cos_sin_cache, meta.slot_mapping, q if sinks is None else sinks,
+            q if alibi_slopes is None else alibi_slopes,
             meta.decode_splits if dynamic else meta.context_lens,
             scale * _LOG2E, sliding_window or 0, (logit_softcap or 1.0) * _LOG2E,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -748,7 +766,7 @@ def paged_attention_triton(
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 engines get fp32 dots
             FP16_MATH=kv_itemsize == 1 and q.dtype != torch.float32, ROTARY_APPEND=new_kv is not None,
             HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=logit_softcap is not None, HAS_TILE_MAP=tile_map,
-            HAS_SINKS=sinks is not None, SEQ_KIND=seq_kind, TMA=descs is not None, DYNAMIC_SPLITS=dynamic,
+            HAS_SINKS=sinks is not None, HAS_ALIBI=alibi_slopes is not None, SEQ_KIND=seq_kind, TMA=descs is not None, DYNAMIC_SPLITS=dynamic,
             num_warps=num_warps,
             num_stages=num_stages,
             **pdl_options(q),

@@ -84,6 +84,11 @@ MODEL_FAMILIES = (
     ModelFamily("Glm4ForCausalLM", "engine.models.decoder", "DecoderForCausalLM",
                 "GLM-4-9B, GLM-4-0414 (partial rotary in GLM's interleaved pairs, post-sublayer norms, q/k/v bias)",
                 fp8=True, weight_only=True),
+    ModelFamily("BloomForCausalLM", "engine.models.decoder", "DecoderForCausalLM",
+                "BLOOM, BLOOMZ (ALiBi in the paged attention kernels, any head count; embedding LayerNorm)",
+                fp8=True, weight_only=True),
+    ModelFamily("MptForCausalLM", "engine.models.decoder", "DecoderForCausalLM",
+                "MPT-7B, MPT-30B (ALiBi with alibi_bias_max, clip_qkv, no biases)", fp8=True, weight_only=True),
 )
 _REGISTRY = {family.architecture: family for family in MODEL_FAMILIES}
 SUPPORTED_ARCHITECTURES = tuple(_REGISTRY)

@@ -53,6 +53,16 @@ DECODER_FAMILIES = {
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, max_position_embeddings=POSITIONS, pad_token_id=0,
         eos_token_id=None, bos_token_id=None)),
+    # BLOOM: ALiBi over 6 heads (not a power of two: the slopes' second series), embedding LayerNorm,
+    # fused q/k/v per head, biases everywhere.
+    "bloom": lambda: transformers.BloomForCausalLM(transformers.BloomConfig(
+        vocab_size=VOCAB, hidden_size=72, n_layer=2, n_head=6, bos_token_id=None, eos_token_id=None,
+        pad_token_id=None)),
+    # MPT: ALiBi over 5 heads (MPT's interleaved slopes), no biases, LayerNorm without bias, clip_qkv
+    # low enough to bite. (transformers' MPT MLP is 4 x d_model whatever expansion_ratio says: keep 4.)
+    "mpt": lambda: transformers.MptForCausalLM(transformers.MptConfig(
+        vocab_size=VOCAB, d_model=80, n_heads=5, n_layers=2, expansion_ratio=4, max_seq_len=POSITIONS,
+        attn_config={"clip_qkv": 0.3, "alibi_bias_max": 8})),
 }
 
 

@@ -111,7 +111,7 @@ def test_remote_code_checkpoints_without_a_converter_are_refused_by_name(archite
 
 # One family of each kind whose split needs care: a parallel residual (two all-reduces per block
 # summed into one stream) and ALiBi (each rank's slice of the slopes).
-TP_FAMILIES = ["gpt_neox_parallel"]
+TP_FAMILIES = ["gpt_neox_parallel", "bloom"]
 
 
 def test_two_gloo_ranks_compute_tp1_logits(tmp_path):
@@ -120,7 +120,25 @@ def test_two_gloo_ranks_compute_tp1_logits(tmp_path):
     assert_tp2_matches_tp1({family: tiny_decoder(family) for family in TP_FAMILIES}, tmp_path)
 
 
-QUANTIZED_FAMILIES = [family for family in DECODER_FAMILIES if family.endswith(("_parallel", "_sequential"))][:1]
+def test_a_multi_query_falcon_refuses_a_tp_that_would_split_its_one_kv_head(tmp_path):
+    from engine.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"tp_size 2 does not divide num_kv_heads \(1\)"):
+        make_engine(tiny_decoder("falcon_7b_multi_query"), tmp_path / "tp2", tp_size=2)
+
+
+def test_alibi_with_rope_scaling_is_refused_by_name():
+    from engine.config import ConfigError, ModelConfig
+
+    config = ModelConfig(architecture="BloomForCausalLM", vocab_size=96, hidden_size=72, num_layers=2, num_heads=6,
+                         num_kv_heads=6, head_dim=12, intermediate_size=288, norm_kind="layernorm", norm_bias=True,
+                         mlp_gated=False, hidden_act="gelu", positions="alibi", alibi_slopes="bloom",
+                         rope_scaling={"rope_type": "linear", "factor": 2.0})
+    with pytest.raises(ConfigError, match="ALiBi positions with rope_scaling .* cannot work"):
+        config.validate()
+
+
+QUANTIZED_FAMILIES = ["gpt_neox_parallel"]
 
 
 @pytest.mark.parametrize("quantization,group_size,bound", [("fp8", None, 0.10), ("int8_wo", None, 0.05),
