@@ -761,6 +761,9 @@ class Executor:
         if not seqs:
             return
         for seq, drafts in zip(seqs, self.proposer.propose(seqs, self.config.speculative.max_draft_len)):
+            if seq.state.request.prompt_table is not None:  # an n-gram may copy a prompt's image placeholders
+                vocab = self.limits.vocab_size
+                drafts = drafts[:next((i for i, t in enumerate(drafts) if t >= vocab), len(drafts))]
             seq.draft_token_ids = drafts
 
     def _verify(self, logits: torch.Tensor, drafted: list[tuple[Sequence, int, int]]) -> dict[int, Verified]:
