@@ -81,9 +81,10 @@ def prepare_model_repo(engine_dir: str, repo_dir: str, overrides: dict[str, dict
     repo = Path(repo_dir)
     if repo.exists():
         shutil.rmtree(repo)
-    # all_models/llmapi and all_models/multimodal hold other repositories' models (README "LLM-API model
-    # repository"; tools/assemble_repository.py assembles any kind), not models of this one
-    shutil.copytree(model_templates_dir(), repo, ignore=shutil.ignore_patterns("__pycache__", "llmapi", "multimodal"))
+    # Only the five models: all_models/llmapi and all_models/multimodal hold other repositories' models
+    # (README "LLM-API model repository"; tools/assemble_repository.py assembles any kind).
+    for model in MODELS:
+        shutil.copytree(model_templates_dir() / model, repo / model, ignore=shutil.ignore_patterns("__pycache__"))
     for model in MODELS:
         config = repo / model / "config.pbtxt"
         text = config.read_text()
