@@ -261,6 +261,8 @@ def load_hf_dir(path: str):
     """(hf_config, lazy tensor getter, tokenizer or None) of a HF safetensors directory."""
     from transformers import AutoConfig, AutoTokenizer
 
+    from engine.convert_decoder import remote_code_config
+
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise CheckpointError(
             f"checkpoint directory {path!r} has no config.json; allowed inputs: a HF directory with "
@@ -269,7 +271,10 @@ def load_hf_dir(path: str):
     try:
         hf_config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError, KeyError) as err:
-        raise CheckpointError(f"cannot read {os.path.join(path, 'config.json')}: {err}") from None
+        # Baichuan 2, Qwen (v1): remote-code configs, read as data (engine/convert_decoder.py)
+        hf_config = remote_code_config(os.path.join(path, "config.json"))
+        if hf_config is None:
+            raise CheckpointError(f"cannot read {os.path.join(path, 'config.json')}: {err}") from None
     get = getter_from_safetensors_dir(path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)

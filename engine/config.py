@@ -50,7 +50,8 @@ LAYER_TYPES = ("sliding_attention", "full_attention")  # transformers' names, pe
 # The configurable decoder (engine/models/decoder.py): families that differ from one another only in
 # the block options of ModelConfig (norm_kind, positions, residual, biases, MLP form, ...).
 DECODER_ARCHITECTURES = ("GPTNeoXForCausalLM", "FalconForCausalLM", "GPTJForCausalLM", "OPTForCausalLM",
-                         "Starcoder2ForCausalLM", "Glm4ForCausalLM", "BloomForCausalLM", "MptForCausalLM")
+                         "Starcoder2ForCausalLM", "Glm4ForCausalLM", "BloomForCausalLM", "MptForCausalLM",
+                         "BaichuanForCausalLM", "QWenLMHeadModel")
 SUPPORTED_ARCHITECTURES += DECODER_ARCHITECTURES
 NORM_KINDS = ("rmsnorm", "layernorm")
 POSITION_KINDS = ("rope", "learned", "alibi")

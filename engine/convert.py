@@ -46,13 +46,10 @@ class CheckpointError(ValueError):
 # the vision tower and projector are not converted): architecture -> the text model's.
 MULTIMODAL_TEXT_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
 
-# Remote-code checkpoints (their modeling files ship in the directory) that have no converter yet:
+# Remote-code checkpoints (their modeling files ship in the directory) that have no converter:
 # architecture -> what the converter would have to read, named so users know what is missing.
 UNCONVERTED_REMOTE_CODE = {
-    "BaichuanForCausalLM": "Baichuan 2 (remote code): its fused model.layers.N.self_attn.W_pack.weight "
-                           "(q/k/v) and its NormHead lm_head (weights normalised per row at load) have no converter",
-    "QWenLMHeadModel": "Qwen (v1, remote code): its transformer.h.N.attn.c_attn fused q/k/v and its tiktoken "
-                       "vocabulary (qwen.tiktoken) have no converter; Qwen1.5 and later are Qwen2ForCausalLM",
+    "BaiChuanForCausalLM": "Baichuan (v1) 7B (remote code) has no converter; Baichuan 2 7B (BaichuanForCausalLM) has",
 }
 
 
@@ -90,8 +87,7 @@ def _architecture_from_model_type(hf_config) -> str:
                "gpt2": "GPT2LMHeadModel", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
                "smollm3": "SmolLM3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                "gemma3": "Gemma3ForConditionalGeneration", "mixtral": "MixtralForCausalLM",
-               "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
-               "baichuan": "BaichuanForCausalLM", "qwen": "QWenLMHeadModel"}
+               "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
     from engine.convert_decoder import MODEL_TYPES
 
     by_type.update(MODEL_TYPES)

@@ -170,12 +170,74 @@ def _mpt(c) -> ModelConfig:
     ).validate()
 
 
+# Baichuan 2's vocabulary: its checkpoints (and only they, among Baichuan's) have a NormHead lm_head.
+BAICHUAN2_VOCAB_SIZE = 125696
+
+
+def _baichuan(c) -> ModelConfig:
+    """Baichuan 2 7B (remote code, no transformers class): the Llama block with q/k/v fused as
+    ``W_pack`` ([q | k | v]) and, for Baichuan 2's vocabulary, a NormHead lm_head (rows normalised to
+    unit length at load; engine.convert stores them normalised). The 13B form uses ALiBi and names
+    no max_position_embeddings."""
+    if getattr(c, "max_position_embeddings", None) is None:
+        raise ConfigError("BaichuanForCausalLM without max_position_embeddings (Baichuan 2 13B: ALiBi on the Llama "
+                          "block) is not supported; Baichuan 2 7B (rotary) is")
+    return ModelConfig(
+        architecture="BaichuanForCausalLM",
+        **_shape(c.vocab_size, c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_attention_heads,
+                 c.intermediate_size, c.rms_norm_eps, c.max_position_embeddings,
+                 getattr(c, "tie_word_embeddings", False)),
+        rope_theta=10000.0, hidden_act=getattr(c, "hidden_act", "silu"),
+    ).validate()
+
+
+def _qwen1(c) -> ModelConfig:
+    """Qwen (v1, remote code): the Llama block with a fused, biased ``c_attn`` ([q | k | v]), an MLP
+    of w2 (gate) and w1 (up) each intermediate_size / 2 wide. Its logn attention scaling and dynamic
+    NTK apply only past ``seq_length``, which therefore bounds the engine's positions."""
+    for flag in ("use_logn_attn", "use_dynamic_ntk"):
+        if getattr(c, flag, False) and getattr(c, "seq_length", None) is None:
+            raise ConfigError(f"QWenLMHeadModel with {flag} needs seq_length (the length past which it applies)")
+    positions = min(c.max_position_embeddings, getattr(c, "seq_length", None) or c.max_position_embeddings)
+    if getattr(c, "rotary_pct", 1.0) != 1.0:
+        raise ConfigError(f"QWenLMHeadModel with rotary_pct {c.rotary_pct} is not supported; allowed: 1.0")
+    return ModelConfig(
+        architecture="QWenLMHeadModel",
+        **_shape(c.vocab_size, c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_attention_heads,
+                 c.intermediate_size // 2, c.layer_norm_epsilon, positions, getattr(c, "tie_word_embeddings", False),
+                 head_dim=getattr(c, "kv_channels", None)),
+        rope_theta=float(getattr(c, "rotary_emb_base", 10000.0)), hidden_act="silu", qkv_bias=True,
+        attention_out_bias=not getattr(c, "no_bias", True), mlp_bias=not getattr(c, "no_bias", True),
+    ).validate()
+
+
 _CONFIGS = {"GPTNeoXForCausalLM": _gpt_neox, "FalconForCausalLM": _falcon, "GPTJForCausalLM": _gptj,
             "OPTForCausalLM": _opt, "Starcoder2ForCausalLM": _starcoder2, "Glm4ForCausalLM": _glm4,
-            "BloomForCausalLM": _bloom, "MptForCausalLM": _mpt}
+            "BloomForCausalLM": _bloom, "MptForCausalLM": _mpt, "BaichuanForCausalLM": _baichuan,
+            "QWenLMHeadModel": _qwen1}
 MODEL_TYPES = {"gpt_neox": "GPTNeoXForCausalLM", "falcon": "FalconForCausalLM", "gptj": "GPTJForCausalLM",
                "opt": "OPTForCausalLM", "starcoder2": "Starcoder2ForCausalLM", "glm4": "Glm4ForCausalLM",
-               "bloom": "BloomForCausalLM", "mpt": "MptForCausalLM"}
+               "bloom": "BloomForCausalLM", "mpt": "MptForCausalLM", "baichuan": "BaichuanForCausalLM",
+               "qwen": "QWenLMHeadModel"}
+
+
+# Remote-code checkpoints: transformers has no config class for them (AutoConfig wants their code).
+REMOTE_CODE_ARCHITECTURES = ("BaichuanForCausalLM", "QWenLMHeadModel")
+
+
+def remote_code_config(config_path: str):
+    """A transformers PretrainedConfig holding every field of a remote-code checkpoint's config.json
+    (read as data, its code never run), or None when the file names no architecture converted here."""
+    import json
+
+    import transformers
+
+    with open(config_path) as f:
+        data = json.load(f)
+    if not set(data.get("architectures") or []) & set(REMOTE_CODE_ARCHITECTURES):
+        return None
+    data.pop("auto_map", None)
+    return transformers.PretrainedConfig(**data)
 
 
 def decoder_config_from_hf(hf_config, architecture: str) -> ModelConfig:
@@ -211,6 +273,8 @@ class _Layout:
 
     names: dict[str, str]
     qkv: Callable[[TensorGetter, int, str], QKV]  # (get, layer, "weight" | "bias") -> full q, k, v
+    # Baichuan 2's NormHead: the lm_head's rows are normalised to unit L2 norm before use.
+    normalized_lm_head: bool = False
 
 
 def _fused_qkv_reader(name: str, split: Callable[[torch.Tensor], QKV]):
@@ -286,6 +350,21 @@ def _layout(cfg: ModelConfig) -> _Layout:
                         "up_proj": layer + "ffn.up_proj", "down_proj": layer + "ffn.down_proj",
                         "norm": "transformer.norm_f", "lm_head": "lm_head"},
                        _fused_qkv_reader(layer + "attn.Wqkv", lambda t: _concatenated(t, cfg)))
+    if a == "BaichuanForCausalLM":
+        layer = "model.layers.{i}."
+        return _Layout({"embed_tokens": "model.embed_tokens", "input_norm": layer + "input_layernorm",
+                        "o_proj": layer + "self_attn.o_proj", "post_attn_norm": layer + "post_attention_layernorm",
+                        "gate_proj": layer + "mlp.gate_proj", "up_proj": layer + "mlp.up_proj",
+                        "down_proj": layer + "mlp.down_proj", "norm": "model.norm", "lm_head": "lm_head"},
+                       _fused_qkv_reader(layer + "self_attn.W_pack", lambda t: _concatenated(t, cfg)),
+                       normalized_lm_head=cfg.vocab_size == BAICHUAN2_VOCAB_SIZE)
+    if a == "QWenLMHeadModel":
+        layer = "transformer.h.{i}."
+        return _Layout({"embed_tokens": "transformer.wte", "input_norm": layer + "ln_1",
+                        "o_proj": layer + "attn.c_proj", "post_attn_norm": layer + "ln_2",
+                        "gate_proj": layer + "mlp.w2", "up_proj": layer + "mlp.w1",
+                        "down_proj": layer + "mlp.c_proj", "norm": "transformer.ln_f", "lm_head": "lm_head"},
+                       _fused_qkv_reader(layer + "attn.c_attn", lambda t: _concatenated(t, cfg)))
     raise ConfigError(f"{a} is not a configurable-decoder family")
 
 
@@ -350,7 +429,9 @@ def decoder_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size
             yield from norm(out + "mlp_out_norm", hf["mlp_out_norm"])
         for kind in ("weight", "bias") if cfg.mlp_bias else ("weight",):
             up = get(f"{hf['up_proj']}.{kind}")
-            if cfg.mlp_gated:  # [gate | up] -> this rank's [gate_r | up_r]
+            if "gate_proj" in hf:  # gate and up as separate tensors: this rank's [gate_r | up_r]
+                up = torch.cat([shard(get(f"{hf['gate_proj']}.{kind}"), 0, rank, tp_size), shard(up, 0, rank, tp_size)])
+            elif cfg.mlp_gated:  # [gate | up] -> this rank's [gate_r | up_r]
                 up = torch.cat([shard(part, 0, rank, tp_size) for part in up.chunk(2, dim=0)])
             else:
                 up = shard(up, 0, rank, tp_size)
@@ -361,7 +442,9 @@ def decoder_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size
     if cfg.final_norm:
         yield from norm("norm", names["norm"])
     if not cfg.tie_word_embeddings:
-        yield "lm_head.weight", shard(get_any("|".join(n + ".weight" for n in names["lm_head"].split("|"))), 0,
-                                      rank, tp_size)
+        lm_head = get_any("|".join(n + ".weight" for n in names["lm_head"].split("|")))
+        if layout.normalized_lm_head:  # in float32, as the checkpoint's NormHead does before its cast
+            lm_head = torch.nn.functional.normalize(lm_head.float(), dim=1)
+        yield "lm_head.weight", shard(lm_head, 0, rank, tp_size)
         if cfg.lm_head_bias:
             yield "lm_head.bias", shard(get(names["lm_head"] + ".bias"), 0, rank, tp_size)

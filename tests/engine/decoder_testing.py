@@ -79,3 +79,88 @@ def tiny_decoder(family: str, seed: int = 0) -> torch.nn.Module:
             is_norm_weight = ("norm" in name or "ln_" in name) and name.endswith("weight")
             p.copy_((1.0 if is_norm_weight else 0.0) + 0.1 * torch.randn_like(p))
     return model.eval()
+
+
+# ---- remote-code checkpoints, written from transformers models of the same math ------------------
+
+def _random_weights(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_((1.0 if "norm" in name and name.endswith("weight") else 0.0) + 0.1 * torch.randn_like(p))
+    model.config._attn_implementation = "eager"
+    model.generation_config.eos_token_id = model.generation_config.bos_token_id = None
+    model.generation_config.pad_token_id = None
+    return model.eval()
+
+
+def _write(path, config: dict, tensors: dict) -> None:
+    import json
+    import os
+
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    save_file({name: t.contiguous() for name, t in tensors.items()}, os.path.join(path, "model.safetensors"))
+
+
+BAICHUAN2_VOCAB = 125696  # Baichuan 2's vocabulary: what tells its NormHead checkpoints apart
+
+
+def write_baichuan2_checkpoint(path, seed: int = 0) -> torch.nn.Module:
+    """A Baichuan 2 7B-form checkpoint (remote code: model_type "baichuan", q/k/v fused as W_pack,
+    a NormHead lm_head stored unnormalised, rows of different norms); returns transformers' Llama
+    with the same weights and the lm_head rows normalised, which is the model the checkpoint means."""
+    config = transformers.LlamaConfig(vocab_size=BAICHUAN2_VOCAB, hidden_size=32, intermediate_size=48,
+                                      num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=POSITIONS,
+                                      rms_norm_eps=1e-6, tie_word_embeddings=False)
+    reference = _random_weights(transformers.LlamaForCausalLM(config), seed)
+    state = {name: t.clone() for name, t in reference.state_dict().items()}
+    for i in range(2):
+        layer = f"model.layers.{i}.self_attn."
+        state[layer + "W_pack.weight"] = torch.cat([state.pop(layer + f"{p}_proj.weight") for p in "qkv"])
+    row_norms = torch.linspace(0.5, 3.0, BAICHUAN2_VOCAB)[:, None]
+    state["lm_head.weight"] = torch.nn.functional.normalize(state["lm_head.weight"], dim=1) * row_norms
+    with torch.no_grad():
+        reference.lm_head.weight.copy_(torch.nn.functional.normalize(state["lm_head.weight"], dim=1))
+    _write(path, {"architectures": ["BaichuanForCausalLM"], "model_type": "baichuan",
+                  "auto_map": {"AutoConfig": "configuration_baichuan.BaichuanConfig",
+                               "AutoModelForCausalLM": "modeling_baichuan.BaichuanForCausalLM"},
+                  "vocab_size": BAICHUAN2_VOCAB, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+                  "num_attention_heads": 4, "max_position_embeddings": POSITIONS, "model_max_length": POSITIONS,
+                  "rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": False}, state)
+    return reference
+
+
+def write_qwen1_checkpoint(path, seed: int = 0) -> torch.nn.Module:
+    """A Qwen (v1) checkpoint (remote code: model_type "qwen", biased c_attn [q | k | v], an MLP of
+    w2 (gate) and w1 (up) with intermediate_size twice their width); returns transformers' Qwen2
+    (q/k/v biases, MHA) with the same weights."""
+    config = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=POSITIONS,
+                                      rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False)
+    reference = _random_weights(transformers.Qwen2ForCausalLM(config), seed)
+    src = reference.state_dict()
+    state = {"transformer.wte.weight": src["model.embed_tokens.weight"], "transformer.ln_f.weight": src["model.norm.weight"],
+             "lm_head.weight": src["lm_head.weight"]}
+    for i in range(2):
+        hf, out = f"model.layers.{i}.", f"transformer.h.{i}."
+        for kind in ("weight", "bias"):
+            state[out + f"attn.c_attn.{kind}"] = torch.cat([src[hf + f"self_attn.{p}_proj.{kind}"] for p in "qkv"])
+        state[out + "attn.c_proj.weight"] = src[hf + "self_attn.o_proj.weight"]
+        state[out + "ln_1.weight"] = src[hf + "input_layernorm.weight"]
+        state[out + "ln_2.weight"] = src[hf + "post_attention_layernorm.weight"]
+        state[out + "mlp.w2.weight"] = src[hf + "mlp.gate_proj.weight"]
+        state[out + "mlp.w1.weight"] = src[hf + "mlp.up_proj.weight"]
+        state[out + "mlp.c_proj.weight"] = src[hf + "mlp.down_proj.weight"]
+    _write(path, {"architectures": ["QWenLMHeadModel"], "model_type": "qwen",
+                  "auto_map": {"AutoConfig": "configuration_qwen.QWenConfig",
+                               "AutoModelForCausalLM": "modeling_qwen.QWenLMHeadModel"},
+                  "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+                  "num_attention_heads": 4, "kv_channels": 16, "max_position_embeddings": POSITIONS,
+                  "seq_length": POSITIONS, "layer_norm_epsilon": 1e-6, "rotary_emb_base": 10000, "rotary_pct": 1.0,
+                  "use_logn_attn": True, "use_dynamic_ntk": True, "no_bias": True, "tie_word_embeddings": False},
+           state)
+    return reference

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decoder_testing import DECODER_FAMILIES, tiny_decoder
+from decoder_testing import DECODER_FAMILIES, tiny_decoder, write_baichuan2_checkpoint, write_qwen1_checkpoint
 from engine.build import build_from_hf
 from engine.config import BuildConfig
 from engine.convert import CheckpointError, getter_from_state_dict
@@ -97,14 +97,47 @@ def test_an_unknown_model_type_is_named(tmp_path):
         _build(hf.config, hf.state_dict(), tmp_path / "engine")
 
 
-@pytest.mark.parametrize("architecture,named", [
-    ("BaichuanForCausalLM", "W_pack"), ("QWenLMHeadModel", "c_attn"),
-])
-def test_remote_code_checkpoints_without_a_converter_are_refused_by_name(architecture, named, tmp_path):
+def test_baichuan_v1_and_the_baichuan2_13b_alibi_form_are_refused_by_name(tmp_path):
+    from engine.config import ConfigError
+    from engine.convert import model_config_from_hf
+
     hf = tiny_decoder("gpt_neox_parallel")
-    hf.config.architectures = [architecture]
-    with pytest.raises(UnsupportedArchitectureError, match=named):
+    hf.config.architectures = ["BaiChuanForCausalLM"]
+    with pytest.raises(UnsupportedArchitectureError, match="Baichuan \\(v1\\) 7B .* has no converter"):
         _build(hf.config, hf.state_dict(), tmp_path / "engine")
+    write_baichuan2_checkpoint(tmp_path / "ckpt")
+    from engine.convert_decoder import remote_code_config
+
+    config = remote_code_config(str(tmp_path / "ckpt" / "config.json"))
+    del config.max_position_embeddings
+    with pytest.raises(ConfigError, match="Baichuan 2 13B: ALiBi"):
+        model_config_from_hf(config)
+
+
+# ---- remote-code checkpoints: Baichuan 2, Qwen (v1) -----------------------------------------
+
+@pytest.mark.parametrize("write", [write_baichuan2_checkpoint, write_qwen1_checkpoint])
+def test_remote_code_checkpoint_builds_from_its_directory_and_equals_transformers(write, tmp_path):
+    """The directory as the hub ships it (config.json naming remote code that is not there,
+    safetensors in the checkpoint's own names): `engine.build` reads the config as data; logits of a
+    chunked prompt and greedy ids at 5, 40 and 150 tokens equal the transformers model it means."""
+    from engine.build import main
+
+    reference = write(tmp_path / "ckpt")
+    assert main(["--checkpoint", str(tmp_path / "ckpt"), "--output", str(tmp_path / "engine"),
+                 "--dtype", "float32"]) == 0
+    vocab = reference.config.vocab_size
+    sequence = [t % vocab for t in random_tokens(48, seed=3)]
+    session = PagedSession(ModelRunner(str(tmp_path / "engine")), num_blocks=64)
+    logits = torch.cat(session.step([(0, sequence[:30])]) + session.step([(0, sequence[30:])]))
+    error = (logits - hf_logits(reference, sequence)).abs().max().item()
+    assert error <= TOLERANCE, f"max abs error {error:.3g}"
+    for prompt_len in (5, 40, 150):
+        prompt = random_tokens(prompt_len, seed=prompt_len)
+        with torch.no_grad():
+            expected = reference.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS,
+                                          min_new_tokens=NEW_TOKENS, do_sample=False)[0, prompt_len:].tolist()
+        assert greedy_ids(str(tmp_path / "engine"), prompt, NEW_TOKENS) == expected, prompt_len
 
 
 # ---- tensor parallelism and quantized weights -----------------------------------------------

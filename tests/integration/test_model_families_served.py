@@ -4,9 +4,12 @@ from the format's definition, tests/engine/quantized_checkpoints.py) and a gpt-o
 MXFP4 experts as OpenAI ships them (tests/engine/mxfp4_checkpoints.py), each built with
 `python -m engine.build` and no length or quantization flag and served through `tensorrt_llm`;
 greedy ids equal transformers' `generate` (for GPTQ: on the checkpoint's dequantized weights; for
-gpt-oss: transformers loading the checkpoint with Mxfp4Config(dequantize=True)). One server for the
-four: its repository holds the `tensorrt_llm` model of each family as `tensorrt_llm_<family>` (the
-tests send token ids, so no text model; one server instead of four saves ~40 s of CI)."""
+gpt-oss: transformers loading the checkpoint with Mxfp4Config(dequantize=True)). The same server
+serves one form of each configurable-decoder family (GPT-NeoX, Falcon, GPT-J, OPT, StarCoder2, GLM-4,
+BLOOM, MPT; tests/engine/decoder_testing.py), at prompts of 5, 40 and 150 tokens in one batch. One
+server for all: its repository holds the `tensorrt_llm` model of each family as
+`tensorrt_llm_<family>` (the tests send token ids, so no text model; one server instead of one per
+family saves ~10 s of CI each)."""
 import os
 import shutil
 import subprocess
@@ -68,10 +71,7 @@ def _build_family(make, smollm2_engine_dir, tmp_path_factory) -> tuple[transform
             for param_name, p in model.named_parameters():
                 p.copy_((1.0 if "norm" in param_name else 0.0) + 0.1 * torch.randn_like(p))
         model.save_pretrained(checkpoint)
-    for tokenizer_file in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        source = os.path.join(smollm2_engine_dir, tokenizer_file)
-        if os.path.exists(source):
-            shutil.copy(source, checkpoint)
+    _copy_tokenizer(smollm2_engine_dir, checkpoint)
     engine_dir = tmp_path_factory.mktemp(f"{name}_engine")
     build = subprocess.run([sys.executable, "-m", "engine.build", "--checkpoint", str(checkpoint),
                             "--output", str(engine_dir), "--dtype", "float32"],
@@ -80,7 +80,38 @@ def _build_family(make, smollm2_engine_dir, tmp_path_factory) -> tuple[transform
     return model, str(engine_dir)
 
 
+def _copy_tokenizer(smollm2_engine_dir: str, checkpoint) -> None:
+    for tokenizer_file in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        source = os.path.join(smollm2_engine_dir, tokenizer_file)
+        if os.path.exists(source):
+            shutil.copy(source, checkpoint)
+
+
 FAMILIES = {"qwen3": _qwen3, "qwen3_moe": _qwen3_moe, "gptq_llama": _gptq_llama, "gpt_oss": _gpt_oss}
+# The configurable-decoder families (tests/engine/decoder_testing.py), in the same server. They are
+# built in this process (engine.build.main, ~0.2 s each) rather than by a subprocess (~4 s each).
+sys.path.insert(0, os.path.join(ROOT, "tests", "engine"))
+from decoder_testing import tiny_decoder  # noqa: E402
+
+# One form of each family (each is a model instance and an engine process of this server, on CI's
+# two cores); the other forms (GPT-NeoX's sequential residual, multi-query Falcon, OPT-125m's
+# pre-norm) are held to transformers' generate at the engine in tests/engine/test_decoder_families.py.
+DECODER_FAMILIES = ("gpt_neox_parallel", "falcon_new_grouped_kv", "gptj", "opt_350m_projected", "starcoder2",
+                    "glm4", "bloom", "mpt")
+
+DECODER_PROMPT_LENGTHS = (5, 40, 150)
+
+
+def _build_decoder_family(family: str, smollm2_engine_dir, tmp_path_factory) -> tuple[transformers.PreTrainedModel, str]:
+    from engine.build import main as build_main
+
+    model = tiny_decoder(family)
+    checkpoint = tmp_path_factory.mktemp(f"{family}_ckpt")
+    model.save_pretrained(checkpoint)
+    _copy_tokenizer(smollm2_engine_dir, checkpoint)
+    engine_dir = tmp_path_factory.mktemp(f"{family}_engine")
+    assert build_main(["--checkpoint", str(checkpoint), "--output", str(engine_dir), "--dtype", "float32"]) == 0
+    return model, str(engine_dir)
 
 
 @pytest.fixture(scope="module")
@@ -92,9 +123,16 @@ def served_families(smollm2_engine_dir, tmp_path_factory):
     repo = work / "repo"
     repo.mkdir()
     models = {}
-    for name, make in FAMILIES.items():
-        models[name], engine_dir = _build_family(make, smollm2_engine_dir, tmp_path_factory)
-        filled = Path(serve.prepare_model_repo(engine_dir, str(work / f"filled_{name}"), decoupled=False))
+    builds = [(name, lambda make=make: _build_family(make, smollm2_engine_dir, tmp_path_factory))
+              for name, make in FAMILIES.items()]
+    builds += [(name, lambda name=name: _build_decoder_family(name, smollm2_engine_dir, tmp_path_factory)) for name in DECODER_FAMILIES]
+    for name, build in builds:
+        models[name], engine_dir = build()
+        # LoRA adapters are for the Llama-block families only (engine/executor/runner.py enable_lora);
+        # `tritonllm serve` turns them off unless --lora_modules asks, so do the same here.
+        overrides = {"tensorrt_llm": {"enable_lora": "false"}} if name in DECODER_FAMILIES else None
+        filled = Path(serve.prepare_model_repo(engine_dir, str(work / f"filled_{name}"), overrides=overrides,
+                                               decoupled=False))
         target = repo / f"tensorrt_llm_{name}"
         shutil.copytree(filled / "tensorrt_llm", target)
         config = target / "config.pbtxt"
@@ -144,23 +182,36 @@ def _write_gpt_oss_checkpoint(path: str) -> transformers.PreTrainedModel:
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_greedy_ids_equal_transformers_generate(served_families, family):
     models, server = served_families
-    model = models[family]
-    width = max(map(len, PROMPTS))
-    inputs = {"input_ids": np.array([p + [0] * (width - len(p)) for p in PROMPTS], np.int32),
-              "input_lengths": np.array([[len(p)] for p in PROMPTS], np.int32),
-              "request_output_len": np.full((len(PROMPTS), 1), NEW_TOKENS, np.int32),
-              "end_id": np.full((len(PROMPTS), 1), -1, np.int32),
-              "exclude_input_in_output": np.full((len(PROMPTS), 1), True)}
+    _assert_served_greedy_ids(server, f"tensorrt_llm_{family}", models[family], PROMPTS)
+
+
+@pytest.mark.parametrize("family", list(DECODER_FAMILIES))
+def test_decoder_family_greedy_ids_equal_transformers_generate(served_families, family):
+    """Prompts of 5, 40 and 150 tokens in one batch (in-flight batched on the served model)."""
+    import random
+
+    models, server = served_families
+    prompts = [[random.Random(n).randrange(96) for _ in range(n)] for n in DECODER_PROMPT_LENGTHS]
+    _assert_served_greedy_ids(server, f"tensorrt_llm_{family}", models[family], prompts)
+
+
+def _assert_served_greedy_ids(server, model_name: str, model, prompts: list[list[int]]) -> None:
+    width = max(map(len, prompts))
+    inputs = {"input_ids": np.array([p + [0] * (width - len(p)) for p in prompts], np.int32),
+              "input_lengths": np.array([[len(p)] for p in prompts], np.int32),
+              "request_output_len": np.full((len(prompts), 1), NEW_TOKENS, np.int32),
+              "end_id": np.full((len(prompts), 1), -1, np.int32),
+              "exclude_input_in_output": np.full((len(prompts), 1), True)}
     client = grpcclient.InferenceServerClient(server.grpc_url)
     try:
-        result = client.infer(f"tensorrt_llm_{family}", [tensor(n, a) for n, a in inputs.items()],
+        result = client.infer(model_name, [tensor(n, a) for n, a in inputs.items()],
                               outputs=[grpcclient.InferRequestedOutput(o)
                                        for o in ("output_ids", "sequence_length", "batch_index")])
     finally:
         client.close()
     output_ids, lengths = result.as_numpy("output_ids"), result.as_numpy("sequence_length")
     rows = result.as_numpy("batch_index").reshape(-1).tolist()
-    for i, prompt in enumerate(PROMPTS):
+    for i, prompt in enumerate(prompts):
         row = rows.index(i)
         served = output_ids[row, 0, :lengths[row, 0]].tolist()
         with torch.no_grad():
