@@ -171,12 +171,14 @@ def test_alibi_with_rope_scaling_is_refused_by_name():
         config.validate()
 
 
-QUANTIZED_FAMILIES = ["gpt_neox_parallel"]
+# Every form takes FP8 and per-channel INT8 (the registry's flags); INT4 in groups of 32 on one (the
+# other tiny widths are not multiples of 32; the linears' code is the same).
+QUANTIZED_CASES = [(family, quantization, None, bound) for family in DECODER_FAMILIES
+                   for quantization, bound in (("fp8", 0.10), ("int8_wo", 0.05))]
+QUANTIZED_CASES.append(("gpt_neox_parallel", "int4_wo", 32, 0.25))
 
 
-@pytest.mark.parametrize("quantization,group_size,bound", [("fp8", None, 0.10), ("int8_wo", None, 0.05),
-                                                            ("int4_wo", 32, 0.25)])
-@pytest.mark.parametrize("family", QUANTIZED_FAMILIES)
+@pytest.mark.parametrize("family,quantization,group_size,bound", QUANTIZED_CASES)
 def test_quantized_engine_stays_within_the_rounding_bound(family, quantization, group_size, bound, tmp_path):
     """Weights at a trained scale, N(0, 0.02); the engine's logits within ``bound`` (relative) of its
     float32 build and the same argmax at >= 80% of positions: the quantized linears are wired in."""
@@ -193,3 +195,40 @@ def test_quantized_engine_stays_within_the_rounding_bound(family, quantization, 
     error = ((quantized - reference).norm() / reference.norm()).item()
     assert 0 < error < bound, error
     assert (quantized.argmax(-1) == reference.argmax(-1)).float().mean().item() >= 0.8
+
+
+# ---- ALiBi through the executor: chunked context, prefix reuse, preemption -------------------
+
+@pytest.mark.parametrize("family", ["bloom", "mpt"])
+def test_alibi_batch_with_prefix_reuse_chunks_and_preemption_equals_transformers(family, tmp_path):
+    """10 requests, half sharing a 12-token prefix, in a pool of 14 blocks of 4 with 16-token steps:
+    prompts are chunked, cached prefixes are reused (their K/V computed under other requests), and the
+    pool (room for about one whole sequence) makes max_utilization preempt and recompute; every output
+    equals transformers' greedy ids, as the bias depends only on absolute positions."""
+    import random
+    import sys
+    from pathlib import Path
+
+    from engine.executor.executor import Executor, ExecutorConfig
+    from engine.executor.request import OutputConfig, Request
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "executor"))
+    from executor_testing import collect, final_tokens
+
+    hf = tiny_decoder(family)
+    engine_dir = make_engine(hf, tmp_path / "engine", tokens_per_block=4, max_seq_len=128)
+    rng = random.Random(7)
+    shared = [rng.randrange(96) for _ in range(12)]
+    prompts = [(shared if i % 2 else []) + [rng.randrange(96) for _ in range(rng.randrange(9, 24))] for i in range(10)]
+    config = ExecutorConfig(batch_scheduler_policy="max_utilization", enable_kv_cache_reuse=True,
+                            enable_chunked_context=True, max_num_tokens=16, max_tokens_in_paged_kv_cache=14 * 4)
+    with Executor(engine_dir, config) as executor:
+        ids = executor.enqueue_requests([Request(p, NEW_TOKENS, output=OutputConfig(exclude_input_from_output=True))
+                                         for p in prompts])
+        responses = collect(executor, ids)
+        stats = executor.get_latest_iteration_stats()
+    with torch.no_grad():
+        expected = [hf.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                do_sample=False)[0, len(p):].tolist() for p in prompts]
+    assert [final_tokens(responses[i]) for i in ids] == expected
+    assert stats.kv_cache_stats.reused_blocks > 0
