@@ -18,12 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-# The folder holding the project's packages (a source checkout, or site-packages for an installed
-# wheel): ``python -m engine.build`` runs with it on PYTHONPATH unless this interpreter finds the
-# packages there already, so the build works from a checkout that is not installed too (and an
-# installed wheel's site-packages never goes ahead of the standard library).
-PACKAGES_ROOT = Path(__file__).resolve().parents[1]
-
+from serving.child_python import child_environment
 
 def engine_cache_root() -> Path:
     """Where checkpoint engines are built: $TRITONLLM_CACHE/engines (default ~/.cache/tritonllm)."""
@@ -53,11 +48,8 @@ def cached_engine_dir(checkpoint: str, build_args: list[str]) -> Path:
 def build_engine(checkpoint: str, output: str, build_args: list[str]) -> subprocess.CompletedProcess:
     """``python -m engine.build --checkpoint CHECKPOINT --output OUTPUT *build_args``, its output on
     this process's; paths are made absolute, so the caller's working directory does not matter."""
-    env = dict(os.environ)
-    if str(PACKAGES_ROOT) not in {os.path.abspath(p) for p in sys.path if p}:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PACKAGES_ROOT), env.get("PYTHONPATH")) if p)
     return subprocess.run([sys.executable, "-m", "engine.build", "--checkpoint", os.path.abspath(checkpoint),
-                           "--output", os.path.abspath(output), *build_args], env=env)
+                           "--output", os.path.abspath(output), *build_args], env=child_environment())
 
 
 def ensure_checkpoint_engine(checkpoint: str, build_args: list[str]) -> Path:

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from openai_frontend.repository import lora_off_reason
-from tritonllm.paths import model_templates_dir, subprocess_environment
+from serving.child_python import child_environment
+from tritonllm.paths import model_templates_dir
 
 DEFAULT_TRITONSERVER = "/opt/tritonserver/bin/tritonserver"
 DEFAULT_CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tritonllm"
@@ -487,7 +488,7 @@ def absolute_lora_module(item: str) -> str:
 def launch_openai_frontend(args: argparse.Namespace, **popen_kwargs) -> subprocess.Popen:
     """Start the frontend in the background (finding this project's packages, so a checkout runs
     it uninstalled too). It answers 503 until tritonserver's models are ready."""
-    return subprocess.Popen(openai_frontend_command(args), env=subprocess_environment(), **popen_kwargs)
+    return subprocess.Popen(openai_frontend_command(args), env=child_environment(), **popen_kwargs)
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:

@@ -8,7 +8,6 @@ has no room of its own for them.
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -41,14 +40,3 @@ def state_dir() -> Path:
     if root is not None:
         return root
     return Path(os.environ.get("TRITONLLM_CACHE", Path.home() / ".cache" / "tritonllm"))
-
-
-def subprocess_environment(base: dict[str, str] | None = None) -> dict[str, str]:
-    """An environment in which ``python -m openai_frontend`` / ``-m engine...`` find this
-    project's packages: PACKAGES_ROOT goes on PYTHONPATH unless this interpreter already finds
-    them there by itself (an installed wheel: site-packages), i.e. for a checkout, installed in
-    editable mode (an import hook the child would also have) or not installed at all."""
-    env = dict(os.environ if base is None else base)
-    if str(PACKAGES_ROOT) not in {os.path.abspath(p) for p in sys.path if p}:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PACKAGES_ROOT), env.get("PYTHONPATH")) if p)
-    return env

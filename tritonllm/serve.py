@@ -34,11 +34,12 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from serving.child_python import child_environment
 from serving.engine_cache import (cached_engine_dir, checkpoint_build_args, checkpoint_fingerprint,  # noqa: F401
                                   engine_cache_root, ensure_checkpoint_engine)
 from tritonllm import launcher
 from tritonllm.fill_template import fill_template
-from tritonllm.paths import FIVE_MODELS, model_templates_dir, state_dir, subprocess_environment
+from tritonllm.paths import FIVE_MODELS, model_templates_dir, state_dir
 
 # (The engine cache's names above are this module's too: callers of scripts/serve_default.py use them.)
 MODELS = FIVE_MODELS
@@ -236,7 +237,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         command = launcher.openai_frontend_command(launch_args)
         if args.tool_call_parser:
             command.append(f"--tool_call_parser={args.tool_call_parser}")
-        frontend = subprocess.Popen(command, env=subprocess_environment())
+        frontend = subprocess.Popen(command, env=child_environment())
     signal.signal(signal.SIGTERM, lambda *_: process.terminate())
     try:
         if not wait_until_ready(process, args.http_port):
