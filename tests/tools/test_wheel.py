@@ -6,7 +6,7 @@ model-repository templates and answers a request, and whose ``launch``, ``fill-t
 Kept cheap: the fresh environment gets no dependencies of its own (a .pth file lists this
 environment's site-packages, whose own .pth files, among them the checkout's editable install, are
 not processed from there), the wheel is installed with ``--no-deps --no-index``, and the served model
-is the session's SmolLM2 engine (``smollm2_engine_dir``) without the OpenAI frontend.
+is the session's SmolLM2 engine (``smollm2_engine_dir``).
 """
 from __future__ import annotations
 
@@ -105,15 +105,22 @@ def test_the_commands_work_without_the_checkout(installed, tmp_path):
     assert (tmp_path / "llmapi" / "tensorrt_llm" / "1" / "model.yaml").is_file()
 
 
+def post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.loads(response.read())
+
+
 def test_serve_answers_a_request(installed, smollm2_engine_dir, tmp_path):
     """``tritonllm serve`` from the wheel, in a directory without the checkout: the packaged templates
-    filled, tritonserver's Python models running the installed packages, one HTTP generate answered."""
-    http, grpc, metrics = (str(free_port()) for _ in range(3))
+    filled, tritonserver's Python models and the OpenAI frontend running the installed packages; one
+    HTTP generate and one OpenAI chat completion answered."""
+    http, grpc, metrics, openai_port = (str(free_port()) for _ in range(4))
     env = {**os.environ, "TRITONLLM_CACHE": str(tmp_path / "cache")}
     env.pop("PYTHONPATH", None)
     process = subprocess.Popen(
         [str(installed / "tritonllm"), "serve", "--engine_dir", smollm2_engine_dir, "--repo", "repo",
-         "--bls_instances", "1", "--openai_port", "", "--http_port", http, "--grpc_port", grpc,
+         "--bls_instances", "1", "--openai_port", openai_port, "--http_port", http, "--grpc_port", grpc,
          "--metrics_port", metrics], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True, start_new_session=True)
     lines: list[str] = []
@@ -123,10 +130,14 @@ def test_serve_answers_a_request(installed, smollm2_engine_dir, tmp_path):
         while not any(line.startswith("READY:") for line in lines):
             assert process.poll() is None and time.time() < deadline, "".join(lines[-60:])
             time.sleep(0.2)
-        body = json.dumps({"text_input": CHAT, "max_tokens": 8, "exclude_input_in_output": True}).encode()
-        request = urllib.request.Request(f"http://127.0.0.1:{http}/v2/models/ensemble/generate", data=body)
-        with urllib.request.urlopen(request, timeout=60) as response:
-            assert "Paris" in json.loads(response.read())["text_output"]
+        generated = post(f"http://127.0.0.1:{http}/v2/models/ensemble/generate",
+                         {"text_input": CHAT, "max_tokens": 8, "exclude_input_in_output": True})
+        assert "Paris" in generated["text_output"]
+        model = Path(smollm2_engine_dir).name  # the OpenAI name of the embedded model's engine
+        chat = post(f"http://127.0.0.1:{openai_port}/v1/chat/completions", {
+            "model": model, "max_tokens": 8, "temperature": 0,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+        assert "Paris" in chat["choices"][0]["message"]["content"]
     finally:  # Ctrl-C, then (a graceful stop is not what this test is about) a kill after STOP_WAIT_S
         signal_group(process.pid, signal.SIGINT)
         try:
