@@ -195,7 +195,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address the servers listen on")
     model = parser.add_argument_group("serving a checkpoint (--model; the rest come from the checkpoint and GPU)")
     model.add_argument("--model", default=None,
-                       help="a Hugging Face checkpoint directory or a .gguf file (default: the embedded SmolLM2)")
+                       help="a Hugging Face checkpoint directory or a .gguf file (default: the embedded SmolLM2); "
+                            "`tritonllm serve CHECKPOINT` takes it as the first argument")
     model.add_argument("--served_model_name", default=None, help="the OpenAI API's model name (default: the "
                                                                  "checkpoint's directory or file name)")
     model.add_argument("--quantization", choices=["fp8", "fp8_block", "int8_wo", "int4_wo", "int4_awq"], default=None)
