@@ -108,16 +108,18 @@ class ImagePrompts:
         return PreparedItem(self.prompt_ids(query, num_images, add_special_tokens), pixel_values)
 
     def prompt_ids(self, query: str, num_images: int, add_special_tokens: bool) -> list[int]:
-        encode = lambda text, special: self.tokenizer.encode(text, add_special_tokens=special) if text else (  # noqa: E731
-            self.tokenizer.encode("", add_special_tokens=True) if special else [])
-        slot = lambda i: list(range(self.vocab_size + i * self.num_image_tokens,  # noqa: E731
-                                    self.vocab_size + (i + 1) * self.num_image_tokens))
+        def encode(text: str, special: bool) -> list[int]:  # (an empty first piece keeps the special tokens)
+            return self.tokenizer.encode(text, add_special_tokens=special) if text or special else []
+
+        def slot(i: int) -> list[int]:  # image i's fake ids: table rows [i * n, (i + 1) * n)
+            return list(range(self.vocab_size + i * self.num_image_tokens, self.vocab_size + (i + 1) * self.num_image_tokens))
+
         pieces = query.split(self.placeholder)
         if len(pieces) > 1:
             if len(pieces) - 1 != num_images:
-                raise ValueError(f"text_input has {len(pieces) - 1} {self.placeholder} placeholders but {num_images} "
-                                 f"images were sent; send one image per placeholder (or none, and the image goes "
-                                 "before the text)")
+                raise ValueError(f"text_input has {len(pieces) - 1} {self.placeholder} placeholder(s) but {num_images} "
+                                 "image(s) were sent; send one image per placeholder (or no placeholder: the image "
+                                 "goes before the text)")
             ids = encode(pieces[0], add_special_tokens)
             for i, piece in enumerate(pieces[1:]):
                 ids += slot(i) + encode(piece, False)

@@ -71,8 +71,8 @@ def prompt_table_error(prompt: list[int], table: PromptTable | None, vocab_size:
                 "positions that take table rows with ids vocab_size + row")
     beyond = [t for t in fake if t - vocab_size >= shape[0]]
     if beyond:
-        return (f"input_ids contains id {beyond[0]}, which names row {beyond[0] - vocab_size} of a prompt_embedding_table "
-                f"of {shape[0]} rows; allowed: ids {vocab_size}..{vocab_size + shape[0] - 1}")
+        return (f"input_ids contains id {beyond[0]}, which names row {beyond[0] - vocab_size} of a "
+                f"prompt_embedding_table of {shape[0]} rows; allowed: ids {vocab_size}..{vocab_size + shape[0] - 1}")
     if table.extra_ids is not None:
         if len(table.extra_ids) != len(prompt):
             return (f"prompt_table_extra_ids has {len(table.extra_ids)} values for {len(prompt)} prompt tokens; "

@@ -167,8 +167,8 @@ def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, device, retur
         presence_penalty=_on_device(pres, torch.float32, device) if has_penalty else None,
         frequency_penalty=_on_device(freq, torch.float32, device) if has_penalty else None,
         # (clamped: a prompt-table position's fake id >= vocab_size counts as padding, no token)
-        prompt_token_ids=_padded([s.token_ids[:s.num_prompt_tokens] for s in seqs], vocab_size, device).clamp_(max=vocab_size)
-        if has_penalty else None,
+        prompt_token_ids=_padded([s.token_ids[:s.num_prompt_tokens] for s in seqs], vocab_size, device)
+        .clamp_(max=vocab_size) if has_penalty else None,
         output_token_ids=_padded([s.generated_token_ids for s in seqs], vocab_size, device) if has_penalty else None,
         banned=_on_device(banned, torch.int64, device).T if banned else None,
         embedding_bias=_embedding_bias(seqs, vocab_size, device),

@@ -90,7 +90,8 @@ def oracle(llava_engine):
 
     def expected(seed: int, query: str = QUERY) -> str:
         if (seed, query) not in cache:
-            ids = (tokenizer.encode("USER:\n") + [IMAGE_TOKEN_INDEX] * 16 + tokenizer.encode(query, add_special_tokens=False)
+            ids = (tokenizer.encode("USER:\n") + [IMAGE_TOKEN_INDEX] * 16
+                   + tokenizer.encode(query, add_special_tokens=False)
                    + tokenizer.encode(" ASSISTANT:", add_special_tokens=False))
             pixels = torch.from_numpy(fp16_pixels(seed)[0].astype(np.float32))
             out = hf.generate(input_ids=torch.tensor([ids]), pixel_values=pixels, max_new_tokens=MAX_TOKENS,
@@ -211,6 +212,6 @@ def test_bad_images_get_named_errors_and_the_server_keeps_serving(server, oracle
         assert error is not None and message in error, (model, message, error)
     mismatch = inputs(image_as("image_input", 1), False, "<image> one <image> two")
     text, error = generate(server, "ensemble", mismatch)
-    assert error is not None and "text_input has 2 <image> placeholders but 1 images were sent" in error
+    assert error is not None and "text_input has 2 <image> placeholder(s) but 1 image(s) were sent" in error
     text, error = generate(server, "ensemble", inputs(image_as("image_input", 1), False))
     assert error is None and text.split() == oracle(1).split()

@@ -126,9 +126,9 @@ def test_bad_images_get_errors_naming_the_input(encoder_dir, images, message):
 
 
 def test_placeholders_must_match_the_images(encoder_dir):
-    with pytest.raises(ValueError, match="text_input has 2 <image> placeholders but 1 images were sent"):
+    with pytest.raises(ValueError, match="text_input has 2 <image> placeholder\\(s\\) but 1 image\\(s\\) were sent"):
         prepare_batch(prompts(encoder_dir), {"IMAGE_BYTES": png()}, ["<image> a <image> b"], True, 4)
-    with pytest.raises(ValueError, match="text_input has 1 <image> placeholders but 0 images were sent"):
+    with pytest.raises(ValueError, match="text_input has 1 <image> placeholder\\(s\\) but 0 image\\(s\\) were sent"):
         prepare_batch(prompts(encoder_dir), {}, ["<image> a"], True, 4)
 
 

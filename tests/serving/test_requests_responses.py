@@ -94,8 +94,8 @@ def test_retention_hints_are_ignored_and_unsupported_features_refused():
     # the rule of every refused input)
     tensors = minimal(**{name: np.zeros((1, 1), np.int32) for name in IGNORED_INPUTS})
     assert convert_request(tensors, decoupled=False) == convert_request(minimal(), decoupled=False)
-    with pytest.raises(ValueError, match="^prompt_embedding_table: prompt tuning .* is not supported by this backend"):
-        convert_request(minimal(prompt_embedding_table=np.ones((1, 4, 8), np.float16)), decoupled=False)
+    with pytest.raises(ValueError, match="^context_phase_params: disaggregated serving .* is not supported by this backend"):
+        convert_request(minimal(context_phase_params=np.ones((1, 8), np.uint8)), decoupled=False)
 
 
 def test_stop_detection_and_error_wrapping():

@@ -203,7 +203,8 @@ class TritonPythonModel:
         llm_inputs = {llm: pre_out[name] for name, llm in LLM_INPUTS_FROM_PREPROCESSING.items()
                       if name in pre_out}
         if images:
-            encoded = await self._call(self.encoders_name, encoder_inputs(tensors, pre_out), list(LLM_INPUTS_FROM_ENCODERS))
+            encoded = await self._call(self.encoders_name, encoder_inputs(tensors, pre_out),
+                                       list(LLM_INPUTS_FROM_ENCODERS))
             llm_inputs.update({llm: encoded[name] for name, llm in LLM_INPUTS_FROM_ENCODERS.items() if name in encoded})
         for name, llm in LLM_INPUTS_FROM_REQUEST.items():
             if name in tensors:
