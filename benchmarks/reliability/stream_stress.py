@@ -167,7 +167,8 @@ def prepare_repo(args: argparse.Namespace, work: Path) -> str:
     serving_bench.write_synthetic_tokenizer(engine_dir, MODELS[args.model]["vocab_size"])
     tokens_per_sequence = -(-seq_len // 32) * 32 + 32
     overrides = serving_bench.repo_overrides(
-        {"engine_process": "true", "preprocessing_instances": "1", "postprocessing_instances": "1"},
+        {"engine_process": "true", "preprocessing_instances": "1", "postprocessing_instances": "1",
+         "stream_interval": "1"},  # every token its own response: the most responses per stream
         kv_tokens=args.clients * tokens_per_sequence)
     return load_script("serve_default").prepare_model_repo(
         str(engine_dir), str(work / "repo"), overrides=overrides, max_batch_size=args.clients, decoupled=True,
