@@ -152,7 +152,14 @@ def test_tp2_shards_reassemble_exactly_to_tp1(family, tmp_path):
 
 
 def test_two_gloo_ranks_compute_tp1_logits(tmp_path):
-    assert_tp2_matches_tp1({family: tiny_hf(family) for family in NEW_FAMILIES}, tmp_path)
+    """With the configurable decoder's parallel-residual and ALiBi forms (test_decoder_families.py
+    TP_FAMILIES) in the same two spawned ranks: one spawn, not two."""
+    from decoder_testing import tiny_decoder
+    from test_decoder_families import TP_FAMILIES
+
+    models = {family: tiny_hf(family) for family in NEW_FAMILIES}
+    models.update({family: tiny_decoder(family) for family in TP_FAMILIES})
+    assert_tp2_matches_tp1(models, tmp_path)
 
 
 # ---- builds whose limits come from the checkpoint --------------------------------------------
