@@ -20,17 +20,14 @@ from typing import Callable, Iterator
 import torch
 
 from engine.config import ConfigError, ModelConfig
+from engine.hf_checkpoint import TensorGetter, first_present, read_rope, shard, sliding_window_fields
 from kernels.rotary import partial_rotary_order
-
-TensorGetter = Callable[[str], torch.Tensor]
 
 
 # ---- config ---------------------------------------------------------------------------------
 
 def _rope_fields(c, default_theta: float = 10000.0) -> dict:
-    from engine.convert import _rope  # the shared rope reader (v4 and v5 layouts)
-
-    theta, scaling, partial = _rope(c)
+    theta, scaling, partial = read_rope(c)  # the shared rope reader (v4 and v5 layouts)
     return {"rope_theta": theta or default_theta, "rope_scaling": scaling, "partial_rotary_factor": partial}
 
 
@@ -107,8 +104,6 @@ def _opt(c) -> ModelConfig:
 
 
 def _starcoder2(c) -> ModelConfig:
-    from engine.convert import sliding_window_fields
-
     bias = bool(getattr(c, "use_bias", True))
     return ModelConfig(
         architecture="Starcoder2ForCausalLM",
@@ -175,19 +170,19 @@ BAICHUAN2_VOCAB_SIZE = 125696
 
 
 def _baichuan(c) -> ModelConfig:
-    """Baichuan 2 7B (remote code, no transformers class): the Llama block with q/k/v fused as
+    """Baichuan 2 (remote code, no transformers class): the Llama block with q/k/v fused as
     ``W_pack`` ([q | k | v]) and, for Baichuan 2's vocabulary, a NormHead lm_head (rows normalised to
-    unit length at load; engine.convert stores them normalised). The 13B form uses ALiBi and names
-    no max_position_embeddings."""
-    if getattr(c, "max_position_embeddings", None) is None:
-        raise ConfigError("BaichuanForCausalLM without max_position_embeddings (Baichuan 2 13B: ALiBi on the Llama "
-                          "block) is not supported; Baichuan 2 7B (rotary) is")
+    unit length at load; engine.convert stores them normalised). 7B is rotary; 13B names no
+    max_position_embeddings (only model_max_length) and uses ALiBi, with BLOOM's slopes (its
+    ``_get_interleave`` is the same series)."""
+    rotary = getattr(c, "max_position_embeddings", None) is not None
+    positions = c.max_position_embeddings if rotary else getattr(c, "model_max_length", None) or 4096
+    position_fields = {"rope_theta": 10000.0} if rotary else {"positions": "alibi", "alibi_slopes": "bloom"}
     return ModelConfig(
         architecture="BaichuanForCausalLM",
         **_shape(c.vocab_size, c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_attention_heads,
-                 c.intermediate_size, c.rms_norm_eps, c.max_position_embeddings,
-                 getattr(c, "tie_word_embeddings", False)),
-        rope_theta=10000.0, hidden_act=getattr(c, "hidden_act", "silu"),
+                 c.intermediate_size, c.rms_norm_eps, positions, getattr(c, "tie_word_embeddings", False)),
+        **position_fields, hidden_act=getattr(c, "hidden_act", "silu"),
     ).validate()
 
 
@@ -387,16 +382,12 @@ def _reorder(t: torch.Tensor, order: torch.Tensor | None, head_dim: int) -> torc
 def decoder_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: int
                          ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (engine name, tensor) for one rank of a configurable-decoder checkpoint."""
-    from engine.convert import shard
-
     layout, order = _layout(cfg), rotary_order(cfg)
     names = layout.names
 
     def get_any(alternatives: str) -> torch.Tensor:
         """The first present of 'a|b' names (a CheckpointError naming the first when none is)."""
-        from engine.convert import _first_present
-
-        return _first_present(get, *alternatives.split("|"))
+        return first_present(get, *alternatives.split("|"))
 
     def norm(engine: str, hf: str):
         yield f"{engine}.weight", get(f"{hf}.weight")

@@ -90,7 +90,7 @@ MODEL_FAMILIES = (
     ModelFamily("MptForCausalLM", "engine.models.decoder", "DecoderForCausalLM",
                 "MPT-7B, MPT-30B (ALiBi with alibi_bias_max, clip_qkv, no biases)", fp8=True, weight_only=True),
     ModelFamily("BaichuanForCausalLM", "engine.models.decoder", "DecoderForCausalLM",
-                "Baichuan 2 7B (remote code read as data: W_pack, NormHead; the 13B ALiBi form is refused)",
+                "Baichuan 2 7B (rotary) and 13B (ALiBi); remote code read as data: W_pack, NormHead",
                 fp8=True, weight_only=True),
     ModelFamily("QWenLMHeadModel", "engine.models.decoder", "DecoderForCausalLM",
                 "Qwen (v1) 1.8B/7B/14B (remote code read as data: c_attn, w1/w2; up to seq_length; the tiktoken "

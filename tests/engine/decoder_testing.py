@@ -113,8 +113,33 @@ def write_baichuan2_checkpoint(path, seed: int = 0) -> torch.nn.Module:
     """A Baichuan 2 7B-form checkpoint (remote code: model_type "baichuan", q/k/v fused as W_pack,
     a NormHead lm_head stored unnormalised, rows of different norms); returns transformers' Llama
     with the same weights and the lm_head rows normalised, which is the model the checkpoint means."""
-    config = transformers.LlamaConfig(vocab_size=BAICHUAN2_VOCAB, hidden_size=32, intermediate_size=48,
-                                      num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=POSITIONS,
+    return _write_baichuan2(path, seed, alibi=False)
+
+
+def write_baichuan2_13b_checkpoint(path, seed: int = 0) -> torch.nn.Module:
+    """The 13B form: ALiBi over 5 heads instead of rope (its config names no max_position_embeddings).
+    Returns transformers' Llama of the same weights; run it through ``alibi_llama_logits``."""
+    return _write_baichuan2(path, seed, alibi=True)
+
+
+def alibi_llama_logits(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
+    """transformers' Llama as Baichuan 2 13B: every position id 0 (rope at angle 0 is the identity)
+    and a 4-D additive mask of BLOOM's ALiBi slopes times (k - q), -inf above the diagonal."""
+    from kernels.alibi import bloom_alibi_slopes
+
+    n, heads = len(token_ids), model.config.num_attention_heads
+    pos = torch.arange(n)
+    bias = bloom_alibi_slopes(heads)[:, None, None] * (pos[None, :] - pos[:, None]).float()
+    bias = bias.masked_fill(pos[None, :] > pos[:, None], float("-inf"))[None]
+    with torch.no_grad():
+        return model(torch.tensor([token_ids]), attention_mask=bias,
+                     position_ids=torch.zeros(1, n, dtype=torch.long)).logits[0].float()
+
+
+def _write_baichuan2(path, seed: int, alibi: bool) -> torch.nn.Module:
+    heads, hidden = (5, 40) if alibi else (4, 32)
+    config = transformers.LlamaConfig(vocab_size=BAICHUAN2_VOCAB, hidden_size=hidden, intermediate_size=48,
+                                      num_hidden_layers=2, num_attention_heads=heads, max_position_embeddings=POSITIONS,
                                       rms_norm_eps=1e-6, tie_word_embeddings=False)
     reference = _random_weights(transformers.LlamaForCausalLM(config), seed)
     state = {name: t.clone() for name, t in reference.state_dict().items()}
@@ -125,11 +150,12 @@ def write_baichuan2_checkpoint(path, seed: int = 0) -> torch.nn.Module:
     state["lm_head.weight"] = torch.nn.functional.normalize(state["lm_head.weight"], dim=1) * row_norms
     with torch.no_grad():
         reference.lm_head.weight.copy_(torch.nn.functional.normalize(state["lm_head.weight"], dim=1))
+    positions = {} if alibi else {"max_position_embeddings": POSITIONS}
     _write(path, {"architectures": ["BaichuanForCausalLM"], "model_type": "baichuan",
                   "auto_map": {"AutoConfig": "configuration_baichuan.BaichuanConfig",
                                "AutoModelForCausalLM": "modeling_baichuan.BaichuanForCausalLM"},
-                  "vocab_size": BAICHUAN2_VOCAB, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
-                  "num_attention_heads": 4, "max_position_embeddings": POSITIONS, "model_max_length": POSITIONS,
+                  "vocab_size": BAICHUAN2_VOCAB, "hidden_size": hidden, "intermediate_size": 48,
+                  "num_hidden_layers": 2, "num_attention_heads": heads, **positions, "model_max_length": POSITIONS,
                   "rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": False}, state)
     return reference
 

@@ -97,21 +97,11 @@ def test_an_unknown_model_type_is_named(tmp_path):
         _build(hf.config, hf.state_dict(), tmp_path / "engine")
 
 
-def test_baichuan_v1_and_the_baichuan2_13b_alibi_form_are_refused_by_name(tmp_path):
-    from engine.config import ConfigError
-    from engine.convert import model_config_from_hf
-
+def test_baichuan_v1_is_refused_by_name(tmp_path):
     hf = tiny_decoder("gpt_neox_parallel")
     hf.config.architectures = ["BaiChuanForCausalLM"]
     with pytest.raises(UnsupportedArchitectureError, match="Baichuan \\(v1\\) 7B .* has no converter"):
         _build(hf.config, hf.state_dict(), tmp_path / "engine")
-    write_baichuan2_checkpoint(tmp_path / "ckpt")
-    from engine.convert_decoder import remote_code_config
-
-    config = remote_code_config(str(tmp_path / "ckpt" / "config.json"))
-    del config.max_position_embeddings
-    with pytest.raises(ConfigError, match="Baichuan 2 13B: ALiBi"):
-        model_config_from_hf(config)
 
 
 # ---- remote-code checkpoints: Baichuan 2, Qwen (v1) -----------------------------------------
@@ -138,6 +128,28 @@ def test_remote_code_checkpoint_builds_from_its_directory_and_equals_transformer
             expected = reference.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS,
                                           min_new_tokens=NEW_TOKENS, do_sample=False)[0, prompt_len:].tolist()
         assert greedy_ids(str(tmp_path / "engine"), prompt, NEW_TOKENS) == expected, prompt_len
+
+
+def test_baichuan2_13b_alibi_checkpoint_equals_transformers_llama_with_the_alibi_mask(tmp_path):
+    """Baichuan 2 13B's form (ALiBi on the Llama block, 5 heads): against transformers' Llama run with
+    rope at angle 0 and the ALiBi bias as its 4-D additive mask; logits of a chunked prompt, and greedy
+    ids (one full forward per token) at 5, 40 and 150 tokens."""
+    from decoder_testing import alibi_llama_logits, write_baichuan2_13b_checkpoint
+    from engine.build import main
+
+    reference = write_baichuan2_13b_checkpoint(tmp_path / "ckpt")
+    assert main(["--checkpoint", str(tmp_path / "ckpt"), "--output", str(tmp_path / "engine"),
+                 "--dtype", "float32"]) == 0
+    sequence = random_tokens(48, seed=3)
+    session = PagedSession(ModelRunner(str(tmp_path / "engine")), num_blocks=64)
+    logits = torch.cat(session.step([(0, sequence[:30])]) + session.step([(0, sequence[30:])]))
+    error = (logits - alibi_llama_logits(reference, sequence)).abs().max().item()
+    assert error <= TOLERANCE, f"max abs error {error:.3g}"
+    for prompt_len in (5, 40, 150):
+        tokens = random_tokens(prompt_len, seed=prompt_len)
+        for _ in range(NEW_TOKENS):
+            tokens.append(int(alibi_llama_logits(reference, tokens)[-1].argmax()))
+        assert greedy_ids(str(tmp_path / "engine"), tokens[:prompt_len], NEW_TOKENS) == tokens[prompt_len:]
 
 
 # ---- tensor parallelism and quantized weights -----------------------------------------------
