@@ -32,11 +32,21 @@ def model_templates_dir() -> Path:
     return root / "all_models" if root is not None else PACKAGE_DIR / "all_models"
 
 
-def state_dir() -> Path:
-    """Where `tritonllm serve` keeps what it builds and fills when no folder is given: the
-    checkout (engines/, build/, as `make serve` always did), else $TRITONLLM_CACHE (default
-    ~/.cache/tritonllm), since an installed package must not write into site-packages."""
-    root = checkout_root()
-    if root is not None:
-        return root
+def cache_dir() -> Path:
+    """$TRITONLLM_CACHE (default ~/.cache/tritonllm): where an installed package keeps what it
+    builds, since it must not write into site-packages."""
     return Path(os.environ.get("TRITONLLM_CACHE", Path.home() / ".cache" / "tritonllm"))
+
+
+def default_engine_dir() -> Path:
+    """Where `tritonllm serve` builds the embedded SmolLM2's engine: engines/smollm2 of a checkout
+    (as `make serve` always did), else in the cache."""
+    root = checkout_root()
+    return (root if root is not None else cache_dir()) / "engines" / "smollm2"
+
+
+def default_repo_dir() -> Path:
+    """Where `tritonllm serve` fills its model repository: build/triton_repo of a checkout, else
+    triton_repo in the cache."""
+    root = checkout_root()
+    return root / "build" / "triton_repo" if root is not None else cache_dir() / "triton_repo"

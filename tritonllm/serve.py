@@ -15,7 +15,7 @@ reused while neither changes.
 
 (in a source checkout also ``python scripts/serve_default.py [--model CHECKPOINT] ...``). The embedded
 engine and the filled repository go to engines/smollm2 and build/triton_repo of a source checkout,
-else under $TRITONLLM_CACHE.
+else to engines/smollm2 and triton_repo under $TRITONLLM_CACHE.
 
 `prepare_model_repo` is also how the integration tests build their repository.
 """
@@ -39,7 +39,7 @@ from serving.engine_cache import (cached_engine_dir, checkpoint_build_args, chec
                                   engine_cache_root, ensure_checkpoint_engine)
 from tritonllm import launcher
 from tritonllm.fill_template import fill_template
-from tritonllm.paths import FIVE_MODELS, model_templates_dir, state_dir
+from tritonllm.paths import FIVE_MODELS, default_engine_dir, default_repo_dir, model_templates_dir
 
 # (The engine cache's names above are this module's too: callers of scripts/serve_default.py use them.)
 MODELS = FIVE_MODELS
@@ -177,9 +177,9 @@ def ready_message(http_port: str, grpc_port: str, metrics_port: str, openai_port
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
-    parser.add_argument("--engine_dir", default=str(state_dir() / "engines" / "smollm2"),
+    parser.add_argument("--engine_dir", default=str(default_engine_dir()),
                         help="the embedded SmolLM2's engine, built there when missing (default: %(default)s)")
-    parser.add_argument("--repo", default=str(state_dir() / "build" / "triton_repo"),
+    parser.add_argument("--repo", default=str(default_repo_dir()),
                         help="where the model repository is filled, replacing what is there (default: %(default)s)")
     parser.add_argument("--http_port", default=os.environ.get("HTTP_PORT", "8000"))
     parser.add_argument("--grpc_port", default=os.environ.get("GRPC_PORT", "8001"))

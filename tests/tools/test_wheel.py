@@ -79,13 +79,17 @@ def installed(tmp_path_factory) -> Path:
 
 
 def test_the_package_is_imported_from_the_fresh_environment(installed, tmp_path):
+    env = {**os.environ, "TRITONLLM_CACHE": str(tmp_path / "cache")}
     where = json.loads(run([str(installed / "python"), "-c", (
         "import json, engine, openai_frontend, serving, tritonllm.paths as p;"
-        "print(json.dumps([p.__file__, str(p.model_templates_dir()), str(p.checkout_root()),"
-        " engine.__file__, serving.__file__, openai_frontend.__file__]))")], cwd=tmp_path))
+        "print(json.dumps([p.__file__, str(p.model_templates_dir()), engine.__file__, serving.__file__,"
+        " openai_frontend.__file__, str(p.checkout_root()), str(p.default_engine_dir()), str(p.default_repo_dir())]))")],
+        cwd=tmp_path, env=env))
     site_packages = str(installed.parent / "lib")
-    assert all(path.startswith(site_packages) for path in where[:2] + where[3:]), where
-    assert where[2] == "None" and not any(path.startswith(str(ROOT)) for path in where), where
+    assert all(path.startswith(site_packages) for path in where[:5]), where
+    assert where[5] == "None" and not any(path.startswith(str(ROOT)) for path in where), where
+    # what `tritonllm serve` builds and fills goes to the cache, not into site-packages
+    assert where[6:] == [str(tmp_path / "cache" / "engines" / "smollm2"), str(tmp_path / "cache" / "triton_repo")]
 
 
 def test_the_commands_work_without_the_checkout(installed, tmp_path):
