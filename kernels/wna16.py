@@ -25,7 +25,7 @@ Activations stay in the model dtype (float16/bfloat16); products accumulate in f
 the kernels read. On CPU (and as the oracle of the kernel tests) the layout is the dequantized
 weight in the activations' dtype, so the CPU path multiplies exactly the "dequantized model".
 
-On CUDA (with Triton) the weight stays packed, in kernels/wna16_gemm.py's layout (no dequantized
+On CUDA (with Triton) the weight stays packed, in kernels/wna16_layout.py's layout (no dequantized
 copy: the point is memory and bandwidth), and ``wna16_linear`` runs, by row count M:
 - M <= MAX_SKINNY_ROWS (decode): the tilings timed for the weight's shape at load per row count
   (``choose_wna16_variants``): the FMA kernel for a few rows or the tensor-core kernel with
@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kernels import wna16_gemm
+from kernels import wna16_decode, wna16_gemm, wna16_layout
 from kernels._triton import use_triton
 
 SUPPORTED_BITS = (4, 8)
@@ -159,8 +159,8 @@ class WNA16Weight:
     variant: dict = field(default_factory=dict)  # chosen at load per row count (kernel timings)
 
 
-# Kernel tilings: (block_n, block_m, num_warps, num_stages, split_k, kind); kind (kernels/wna16_gemm.py
-# wna16_matmul): 0 the tensor-core kernel, 1 the FMA kernel, 2 / 3 the factored FMA / tensor-core
+# Kernel tilings: (block_n, block_m, num_warps, num_stages, split_k, kind); kind (``wna16_matmul``):
+# 0 the tensor-core kernel, 1 the FMA kernel of kernels/wna16_gemm.py, 2 / 3 the factored FMA / tensor-core
 # kernels of kernels/wna16_decode.py (scale and zero applied per unit of words, not per weight),
 # which fall back to 1 / 0 for groups smaller than a unit (32, 64 columns at 4 bits); 4 / 5 those
 # two with the next unit's words prefetched into registers while this one is multiplied.
@@ -202,8 +202,8 @@ def prepare_wna16(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
     n, groups = scale.shape
     k = unpack_codes(weight[:1], bits).shape[-1]
     prepared = WNA16Weight(out_features=n, in_features=k, bits=bits, group_size=k // groups, dtype=dtype)
-    if use_triton(weight) and wna16_gemm.supports(k, k // groups):
-        prepared.kernel = wna16_gemm.pack_kernel_layout(unpack_codes(weight, bits), scale, zero, bits, scale_dtype)
+    if use_triton(weight) and wna16_layout.supports(k, k // groups):
+        prepared.kernel = wna16_layout.pack_kernel_layout(unpack_codes(weight, bits), scale, zero, bits, scale_dtype)
     else:
         prepared.dense = dequantize(weight, scale, zero, bits, dtype)
     return prepared
@@ -234,8 +234,25 @@ def _product(rows: torch.Tensor, weight: WNA16Weight, layout: dict[str, torch.Te
         dense = wna16_gemm.dequantize_layout(layout, weight.out_features, weight.in_features, weight.bits,
                                              weight.group_size, rows.dtype)
         return F.linear(rows, dense, bias)
-    return wna16_gemm.wna16_matmul(rows, layout, weight.out_features, weight.bits, weight.group_size, bias,
-                                   **tile_options(tiling))
+    return wna16_matmul(rows, layout, weight.out_features, weight.bits, weight.group_size, bias, **tile_options(tiling))
+
+
+def wna16_matmul(x: torch.Tensor, layout: dict[str, torch.Tensor], n: int, bits: int, group_size: int,
+                 bias: torch.Tensor | None = None, *, block_n: int = 64, block_m: int = 16, num_warps: int = 4,
+                 num_stages: int = 4, split_k: int = 1, kind: int = 0) -> torch.Tensor:
+    """x (M, K) with unit column stride @ the weight (N, K) in ``layout``.T (+ bias) -> (M, N) in x's dtype,
+    by the kernel of ``kind``: 0 the tensor-core kernel, 1 the FMA kernel (a few rows), both of
+    kernels/wna16_gemm.py; 2 / 3 the factored FMA / tensor-core kernels of kernels/wna16_decode.py
+    where the grouping allows (else 1 / 0), 4 / 5 the same with the next unit's words loaded before
+    this one is multiplied (``prefetch``)."""
+    tiling = dict(block_n=block_n, block_m=block_m, num_warps=num_warps, num_stages=num_stages, split_k=split_k)
+    if kind >= 2:
+        dot = kind in (3, 5)
+        if wna16_decode.supports(x.shape[1], group_size, bits):
+            return wna16_decode.factored_matmul(x, layout, n, bits, group_size, bias, **tiling, dot=dot,
+                                                prefetch=int(kind >= 4))
+        kind = 0 if dot else 1
+    return wna16_gemm.dequantizing_matmul(x, layout, n, bits, group_size, bias, **tiling, fma=kind == 1)
 
 
 def dequantized_weight(weight: WNA16Weight, dtype: torch.dtype) -> torch.Tensor:

@@ -1,12 +1,13 @@
 """Decode kernels of the weight-only integer linear layers with the scale and zero factored out of
-the inner product (kernels/wna16_gemm.py's layout, unchanged):
+the inner product (kernels/wna16_layout.py's layout, tiles and split-K finish, as the kernels of
+kernels/wna16_gemm.py use them):
 
     sum_k (q_k - z) s x_k = s * sum_k (q_k - z) x_k    over the columns of one group,
 
 so a weight costs no multiply by its scale: the scale is applied once per unit of words (U = 128
 columns for 4 bits, 64 for 8) and row, which needs every unit inside one group (the group a whole
-number of units, or per channel). kernels/wna16_gemm.wna16_matmul sends the tilings of kind 2 and
-3 here and the other groupings to its own kernels.
+number of units, or per channel). kernels/wna16.wna16_matmul sends the tilings of kinds 2 to 5
+here where the grouping allows, and to kernels/wna16_gemm.py's kernels otherwise.
 
 - ``_factored_fma_kernel`` (kind 2, a few rows, FMA units): codes are never shifted into place.
   A 16-bit half of a word holds P / 2 fields; field i masked in place is the integer q * 2^(b*i)
@@ -26,9 +27,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import jit, pdl_options, pdl_prologue, tl, triton
-from kernels.linear import _arrival_counters
-from kernels.wna16_gemm import _finish, _program_tile, _unit_tile_pointers, unit_columns
+from kernels._triton import jit, pdl_prologue, tl
+from kernels.wna16_layout import finish_tile, launch_product, program_tile, unit_columns, unit_tile_pointers
 
 
 def supports(in_features: int, group_size: int, bits: int) -> bool:
@@ -84,10 +84,9 @@ def _factored_fma_kernel(
     pipeliner on the unit loop instead (tl.range num_stages)."""
     PER_WORD: tl.constexpr = 32 // BITS
     UNIT: tl.constexpr = PER_WORD * 16
-    tile, cols, rows, col_ok, row_ok, u_begin, u_end = _program_tile(M, N, K, UNITS_PER_SPLIT, BLOCK_N, BLOCK_M,
-                                                                       UNIT)
+    tile, cols, rows, col_ok, row_ok, u_begin, u_end = program_tile(M, N, K, UNITS_PER_SPLIT, BLOCK_N, BLOCK_M, UNIT)
     r = tl.arange(0, 16)[None, None, :]
-    w_base = _unit_tile_pointers(w_ptr, cols, K, UNIT)[None, :, :]  # (1, BLOCK_N, 16)
+    w_base = unit_tile_pointers(w_ptr, cols, K, UNIT)[None, :, :]  # (1, BLOCK_N, 16)
     x_base = x_ptr + rows.to(tl.int64)[:, None, None] * stride_xm + r  # (BLOCK_M, 1, 16)
     acc = tl.zeros([BLOCK_M, BLOCK_N, 16], dtype=tl.float32)
     pdl_prologue(PDL)
@@ -114,8 +113,8 @@ def _factored_fma_kernel(
             scale, zero = _unit_scale_zero(scale_ptr, zero_ptr, u, cols, col_ok, N, GROUP, UNIT)
             acc += _fma_unit(words, scale[None, :, None], zero[None, :, None], x_base, u, row_ok, K, BITS, BLOCK_M,
                              BLOCK_N)
-    _finish(tl.sum(acc, axis=2), rows, cols, row_ok, col_ok, bias_ptr, out_ptr, part_ptr, arrivals_ptr, M, N,
-            stride_om, tile, HAS_BIAS, BLOCK_M, BLOCK_N, SPLIT_K)
+    finish_tile(tl.sum(acc, axis=2), rows, cols, row_ok, col_ok, bias_ptr, out_ptr, part_ptr, arrivals_ptr, M, N,
+                stride_om, tile, HAS_BIAS, BLOCK_M, BLOCK_N, SPLIT_K)
 
 
 def _pairs_asm(magic2: str) -> str:
@@ -195,10 +194,9 @@ def _factored_dot_kernel(
     PREFETCH: as in _factored_fma_kernel."""
     PER_WORD: tl.constexpr = 32 // BITS
     UNIT: tl.constexpr = PER_WORD * 16
-    tile, cols, rows, col_ok, row_ok, u_begin, u_end = _program_tile(M, N, K, UNITS_PER_SPLIT, BLOCK_N, BLOCK_M,
-                                                                       UNIT)
+    tile, cols, rows, col_ok, row_ok, u_begin, u_end = program_tile(M, N, K, UNITS_PER_SPLIT, BLOCK_N, BLOCK_M, UNIT)
     r = tl.arange(0, 16)
-    w_base = _unit_tile_pointers(w_ptr, cols, K, UNIT)
+    w_base = unit_tile_pointers(w_ptr, cols, K, UNIT)
     x_base = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + r[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     pdl_prologue(PDL)
@@ -217,37 +215,22 @@ def _factored_dot_kernel(
             words = tl.load(w_base + u * (64 * 16), mask=col_ok[:, None], other=0)
             scale, zero = _unit_scale_zero(scale_ptr, zero_ptr, u, cols, col_ok, N, GROUP, UNIT)
             acc += _dot_unit(words, scale, zero, x_base, u, row_ok, K, BITS, BLOCK_M, BLOCK_N, MAGIC, USE_ASM)
-    _finish(tl.trans(acc), rows, cols, row_ok, col_ok, bias_ptr, out_ptr, part_ptr, arrivals_ptr, M, N, stride_om,
-            tile, HAS_BIAS, BLOCK_M, BLOCK_N, SPLIT_K)
+    finish_tile(tl.trans(acc), rows, cols, row_ok, col_ok, bias_ptr, out_ptr, part_ptr, arrivals_ptr, M, N, stride_om,
+                tile, HAS_BIAS, BLOCK_M, BLOCK_N, SPLIT_K)
 
 
 def factored_matmul(x: torch.Tensor, layout: dict[str, torch.Tensor], n: int, bits: int, group_size: int,
                     bias: torch.Tensor | None = None, *, block_n: int = 64, block_m: int = 1, num_warps: int = 4,
                     num_stages: int = 4, split_k: int = 1, dot: bool = False, use_asm: bool = False,
                     prefetch: int = 0, loop_stages: int = 0) -> torch.Tensor:
-    """wna16_gemm.wna16_matmul's product by the factored kernels (``dot``: the tensor-core one;
+    """kernels/wna16.wna16_matmul's product by the factored kernels (``dot``: the tensor-core one;
     ``use_asm``: its PTX dequantization of 4-bit codes, CUDA only, off: the call does not compile yet
     under Triton 3.6 (H200, 2026-11-26; to debug: the pack=2 tuple of eight outputs))."""
-    m, k = x.shape
-    assert x.stride(1) == 1 and supports(k, group_size, bits)
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m == 0:
-        return out
-    units = triton.cdiv(k, unit_columns(bits))
-    split_k = max(1, min(split_k, units))
-    units_per_split = triton.cdiv(units, split_k)
-    split_k = triton.cdiv(units, units_per_split)
-    tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
-    part = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if split_k > 1 else out
-    arrivals = _arrival_counters(x.device, tiles) if split_k > 1 else out
-    args = (x, layout["words"], layout["scale"], layout["zero"], bias if bias is not None else out, out, part, arrivals,
-            m, n, k, group_size, units_per_split, x.stride(0), out.stride(0))
-    meta = dict(BITS=bits, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_M=block_m, SPLIT_K=split_k,
-                num_warps=num_warps, num_stages=num_stages, **pdl_options(x))
+    assert supports(x.shape[1], group_size, bits)
+    tiling = dict(block_n=block_n, block_m=block_m, num_warps=num_warps, num_stages=num_stages, split_k=split_k)
     if dot:
-        use_asm = use_asm and x.is_cuda
         magic = {torch.bfloat16: 0x4300, torch.float16: 0x6400}.get(x.dtype, 0) if bits == 4 else 0
-        _factored_dot_kernel[(tiles, split_k)](*args, MAGIC=magic, USE_ASM=use_asm, PREFETCH=prefetch, **meta)
-    else:
-        _factored_fma_kernel[(tiles, split_k)](*args, PREFETCH=prefetch, LOOP_STAGES=loop_stages, **meta)
-    return out
+        return launch_product(_factored_dot_kernel, x, layout, n, bits, group_size, bias, **tiling, MAGIC=magic,
+                              USE_ASM=use_asm and x.is_cuda, PREFETCH=prefetch)
+    return launch_product(_factored_fma_kernel, x, layout, n, bits, group_size, bias, **tiling, PREFETCH=prefetch,
+                          LOOP_STAGES=loop_stages)

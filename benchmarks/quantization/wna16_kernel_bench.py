@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: en
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from kernels import wna16_gemm  # noqa: E402
+from kernels.wna16 import wna16_matmul  # noqa: E402
 from kernels.fp8 import l2_defeating_copies  # noqa: E402
 from kernels.linear import graph_time_ms  # noqa: E402
 from kernels.wna16 import (choose_wna16_variants, dequantized_weight, prepare_wna16, quantize, tile_options,  # noqa: E402
@@ -96,7 +96,7 @@ def gemm_table(lines: list[str]) -> None:
             cublas = tflops(graph_time_ms(lambda: F.linear(x, dense), repeat))
             dispatch = tflops(graph_time_ms(lambda: wna16_linear(x, weight), repeat))
             via_dense = tflops(graph_time_ms(lambda: F.linear(x, dequantized_weight(weight, x.dtype)), repeat))
-            tiles = {t: tflops(graph_time_ms(lambda: wna16_gemm.wna16_matmul(
+            tiles = {t: tflops(graph_time_ms(lambda: wna16_matmul(
                 x, weight.kernel, shape[0], 4, 128, **tile_options(t)), repeat)) for t in GEMM_CANDIDATES.get(m, [])}
             best = max(tiles, key=tiles.get) if tiles else None
             lines.append(f"| {name} {shape} | {m} | {cublas:.0f} | {dispatch:.0f} | {via_dense:.0f} | "

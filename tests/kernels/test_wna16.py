@@ -1,5 +1,6 @@
-"""Weight-only integer linear layers (kernels/wna16.py, kernels/wna16_gemm.py): the storage format
-on CPU, the kernel layout's packing, and every kernel path against the reference.
+"""Weight-only integer linear layers (kernels/wna16.py; its kernels in wna16_layout.py, wna16_gemm.py
+and wna16_decode.py): the storage format on CPU, the kernel layout's packing, and every kernel path
+against the reference.
 
 Tolerance of the kernel paths: kernel_testing.TOLERANCE on ||out - ref|| / ||ref|| (bf16 1e-2,
 fp16 2e-3). The kernels and the reference multiply the same dequantized weights, (code - zero) *
@@ -15,11 +16,10 @@ import torch
 import torch.nn.functional as F
 from kernel_testing import TOLERANCE, low_precision_dtypes, relative_error
 
-from kernels import wna16_gemm
-from kernels import wna16_decode
+from kernels import wna16_decode, wna16_gemm, wna16_layout
 from kernels.wna16 import (DENSE_MIN_ROWS, SKINNY_VARIANTS, WNA16Weight, choose_wna16_variants, dequantize,
                            is_fma_tiling, pack_codes, pack_int4, prepare_wna16, quantize, stored_columns, tile_options,
-                           unpack_codes, unpack_int4, wna16_linear, wna16_linear_ref)
+                           unpack_codes, unpack_int4, wna16_linear, wna16_linear_ref, wna16_matmul)
 
 GROUPS = [32, 64, 128, None]  # None: per channel (group_size == K)
 ROWS = [1, 3, 8, 16, 33, 200]
@@ -89,12 +89,12 @@ def test_reference_multiplies_the_dequantized_weight():
 @pytest.mark.parametrize("k", [256, 200])
 def test_kernel_layout_holds_every_code_once(bits, k):
     """Word r of unit u of row n, bits [bits*j, bits*(j+1)): the code of column u*U + j*16 + r."""
-    n, per_word, unit = 70, 32 // bits, wna16_gemm.unit_columns(bits)
+    n, per_word, unit = 70, 32 // bits, wna16_layout.unit_columns(bits)
     codes = torch.randint(0, 1 << bits, (n, k), dtype=torch.uint8)
     scale, zero = torch.rand(n, 2), torch.randint(0, 1 << bits, (n, 2), dtype=torch.uint8)
-    layout = wna16_gemm.pack_kernel_layout(codes, scale, zero, bits)
+    layout = wna16_layout.pack_kernel_layout(codes, scale, zero, bits)
     units = -(-k // unit)
-    words = layout["words"].view(-1, units, wna16_gemm.BLOCK_ROWS, 16).transpose(1, 2).reshape(-1, units, 16).long()
+    words = layout["words"].view(-1, units, wna16_layout.BLOCK_ROWS, 16).transpose(1, 2).reshape(-1, units, 16).long()
     fields = torch.stack([(words >> (bits * j)) & ((1 << bits) - 1) for j in range(per_word)], dim=2)
     unpacked = fields.reshape(-1, units * unit)  # (rows, units, P, 16) in column order
     assert torch.equal(unpacked[:n, :k], codes.long())
@@ -110,8 +110,8 @@ def kernel_weight(stored, scale, zero, bits: int, dtype: torch.dtype, device: st
         return prepare_wna16(stored.cuda(), scale.cuda(), zero.cuda(), bits, dtype)
     k = unpack_codes(stored[:1], bits).shape[-1]
     return WNA16Weight(scale.shape[0], k, bits, k // scale.shape[1], dtype,
-                       kernel=wna16_gemm.pack_kernel_layout(unpack_codes(stored, bits), scale, zero, bits,
-                                                            scale_dtype=torch.float32))
+                       kernel=wna16_layout.pack_kernel_layout(unpack_codes(stored, bits), scale, zero, bits,
+                                                              scale_dtype=torch.float32))
 
 
 def reference_weight(stored, scale, zero, bits: int, dtype: torch.dtype, device: str) -> WNA16Weight:
@@ -148,7 +148,7 @@ def test_every_decode_tiling_matches_the_reference(device, variant):
         if is_fma_tiling(variant) and variant[1] < m and m > 5:
             continue  # an FMA tiling is never chosen for more rows than its tile (it works, slowly)
         x = torch.randn(m, k, device=device).to(dtype)
-        out = wna16_gemm.wna16_matmul(x, weight.kernel, n, bits, 128, **tile_options(variant))
+        out = wna16_matmul(x, weight.kernel, n, bits, 128, **tile_options(variant))
         assert relative_error(out, wna16_linear_ref(x, ref)) < TOLERANCE[dtype], m
 
 
