@@ -240,3 +240,25 @@ def test_alibi_batch_with_prefix_reuse_chunks_and_preemption_equals_transformers
                                 do_sample=False)[0, len(p):].tolist() for p in prompts]
     assert [final_tokens(responses[i]) for i in ids] == expected
     assert stats.kv_cache_stats.reused_blocks > 0
+
+
+# ---- CUDA (the H200 run; skipped here) ----------------------------------------------------------
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("family", list(DECODER_FAMILIES))
+def test_cuda_bf16_prefill_and_graphed_batched_decode_within_the_bf16_bound(family, built, tmp_path):
+    """bf16 on CUDA: the Triton kernels (rotary with partial/reordered dims, ALiBi in prefill and in
+    the split decode kernel, windows) against transformers' float32 logits within
+    test_equivalence.py's bf16 bound, two sequences decoded together through captured CUDA graphs."""
+    hf, _ = built(family)
+    runner = ModelRunner(make_engine(hf, tmp_path / "bf16", dtype="bfloat16"), device="cuda")
+    first, second = random_tokens(48, seed=1), random_tokens(30, seed=2)
+    session = PagedSession(runner, num_blocks=64)
+    prefill_first, prefill_second = session.step([(0, first[:40]), (1, second[:22])])
+    runner.capture_cuda_graphs()
+    decoded = [session.step([(0, [first[p]]), (1, [second[p - 18]])]) for p in range(40, 48)]
+    actual_first = torch.cat([prefill_first] + [step[0] for step in decoded]).float().cpu()
+    actual_second = torch.cat([prefill_second] + [step[1] for step in decoded]).float().cpu()
+    for actual, expected in ((actual_first, hf_logits(hf, first)), (actual_second, hf_logits(hf, second))):
+        error = (actual - expected).abs().max().item()
+        assert error <= 0.15, f"max abs error {error:.3g}"
