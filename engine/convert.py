@@ -23,22 +23,18 @@ the engine model declares (names in docs/INTERFACES.md):
 from __future__ import annotations
 
 import os
-from typing import Callable, Iterator, Mapping
+from typing import Iterator, Mapping
 
 import torch
 
 from engine.config import (DECODER_ARCHITECTURES, GEMMA_ARCHITECTURES, MOE_ARCHITECTURES, ConfigError, ModelConfig,
                            check_tp_divides)
+from engine.convert_decoder import MODEL_TYPES, decoder_config_from_hf, decoder_rank_weights
+from engine.hf_checkpoint import (CheckpointError, TensorGetter, first_present, has_tensor, read_rope, shard,
+                                  sliding_window_fields)
 from engine.models import SUPPORTED_ARCHITECTURES, UnsupportedArchitectureError
 from kernels.moe_epilogue import SWIGLU_ALPHA
 from kernels.rotary import partial_rotary_order
-
-TensorGetter = Callable[[str], torch.Tensor]  # HF tensor name -> tensor (any dtype, on CPU)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, incomplete or unreadable; the message names the file."""
-
 
 # ---- config ---------------------------------------------------------------------------------
 
@@ -68,8 +64,6 @@ def model_config_from_hf(hf_config) -> ModelConfig:
             f"unsupported architecture {architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     if architecture in DECODER_ARCHITECTURES:
-        from engine.convert_decoder import decoder_config_from_hf
-
         return decoder_config_from_hf(hf_config, architecture)
     if architecture == "GPT2LMHeadModel":
         return _gpt2_config(hf_config)
@@ -88,8 +82,6 @@ def _architecture_from_model_type(hf_config) -> str:
                "smollm3": "SmolLM3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                "gemma3": "Gemma3ForConditionalGeneration", "mixtral": "MixtralForCausalLM",
                "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
-    from engine.convert_decoder import MODEL_TYPES
-
     by_type.update(MODEL_TYPES)
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in by_type:
@@ -97,52 +89,6 @@ def _architecture_from_model_type(hf_config) -> str:
             f"unsupported model_type {model_type!r}; supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     return by_type[model_type]
-
-
-def sliding_window_fields(hf_config) -> dict:
-    """``sliding_window`` and ``layer_types`` of a ModelConfig, as transformers applies them:
-    Mistral (and Mixtral, Phi-3) window every layer when ``sliding_window`` is set; configs with a
-    ``use_sliding_window`` flag (Qwen2, Qwen3, SmolLM3) only when it is true, on the layers their
-    ``layer_types`` lists (Qwen: from ``max_window_layers`` on); Gemma alternates."""
-    window = getattr(hf_config, "sliding_window", None)
-    if hasattr(hf_config, "use_sliding_window") and not hf_config.use_sliding_window:
-        window = None
-    if not window:
-        return {"sliding_window": None, "layer_types": None}
-    layer_types = getattr(hf_config, "layer_types", None)
-    if layer_types is not None and all(t == "sliding_attention" for t in layer_types):
-        layer_types = None  # None: every layer
-    return {"sliding_window": int(window), "layer_types": list(layer_types) if layer_types is not None else None}
-
-
-def _rope(hf_config) -> tuple[float, dict | None, float]:
-    """(theta, scaling, partial_rotary_factor) from transformers 5's ``rope_parameters`` or 4's
-    ``rope_theta``/``rope_scaling``/``partial_rotary_factor``.
-
-    The scaling dict is completed with what its frequencies depend on outside it (so the engine
-    needs no HF config): ``original_max_position_embeddings`` for yarn/longrope/llama3 (Phi-3 keeps
-    it beside the dict, and that value wins as in transformers), ``max_position_embeddings`` for
-    dynamic, longrope and yarn (their default factor and attention factor come from it). Phi-3's
-    older names "su" and "yarn" for LongRoPE become "longrope".
-    """
-    params = dict(getattr(hf_config, "rope_parameters", None) or {})
-    theta = params.pop("rope_theta", None) or getattr(hf_config, "rope_theta", None) or 10000.0
-    partial = params.pop("partial_rotary_factor", None) or getattr(hf_config, "partial_rotary_factor", None) or 1.0
-    scaling = dict(params or getattr(hf_config, "rope_scaling", None) or {})
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type in (None, "default"):
-        return float(theta), None, float(partial)
-    if getattr(hf_config, "model_type", "") == "phi3" and rope_type in ("su", "yarn"):
-        rope_type = "longrope"
-    scaling.pop("type", None)
-    scaling["rope_type"] = rope_type
-    if rope_type in ("llama3", "yarn", "longrope"):
-        original = getattr(hf_config, "original_max_position_embeddings", None)
-        scaling["original_max_position_embeddings"] = (
-            original or scaling.get("original_max_position_embeddings") or hf_config.max_position_embeddings)
-    if rope_type in ("dynamic", "yarn", "longrope"):
-        scaling["max_position_embeddings"] = hf_config.max_position_embeddings
-    return float(theta), scaling, float(partial)
 
 
 # Llama-block architectures and what each adds to the block (the weights differ only for Phi-3,
@@ -171,7 +117,7 @@ def _decoder_shape(c, *, tie_word_embeddings_default: bool) -> dict:
 def _llama_family_config(c, architecture: str, **moe_fields) -> ModelConfig:
     if getattr(c, "mlp_bias", False) or (architecture not in _QKV_BIAS_ARCHITECTURES and getattr(c, "attention_bias", False)):
         raise ConfigError(f"{architecture} with attention_bias/mlp_bias is not supported")
-    theta, scaling, partial_rotary_factor = _rope(c)
+    theta, scaling, partial_rotary_factor = read_rope(c)
     return ModelConfig(
         architecture=architecture,
         **_decoder_shape(c, tie_word_embeddings_default=False),
@@ -206,10 +152,10 @@ def _gemma_config(c, architecture: str) -> ModelConfig:
                                   f"({local_params['rope_type']!r}) is not supported; allowed: default")
             local_theta = float(local_params.get("rope_theta", 10000.0))
         else:  # transformers 4 layout
-            theta, scaling, _ = _rope(c)
+            theta, scaling, _ = read_rope(c)
             local_theta = float(getattr(c, "rope_local_base_freq", 10000.0))
     else:
-        theta, scaling, _ = _rope(c)
+        theta, scaling, _ = read_rope(c)
     return ModelConfig(
         architecture=architecture,
         **_decoder_shape(c, tie_word_embeddings_default=True),
@@ -258,7 +204,7 @@ def _gpt_oss_config(c) -> ModelConfig:
                           f"use gpt-oss's {SWIGLU_ALPHA}")
     if not getattr(c, "attention_bias", True):
         raise ConfigError("GptOssForCausalLM without attention_bias is not supported")
-    theta, scaling, _ = _rope(c)
+    theta, scaling, _ = read_rope(c)
     return ModelConfig(
         architecture="GptOssForCausalLM",
         **_decoder_shape(c, tie_word_embeddings_default=False),
@@ -299,11 +245,6 @@ def _gpt2_config(c) -> ModelConfig:
 
 
 # ---- weights --------------------------------------------------------------------------------
-
-def shard(t: torch.Tensor, dim: int, rank: int, tp_size: int) -> torch.Tensor:
-    """Rank ``rank``'s 1/tp_size of ``t`` along ``dim`` (engine/lora/pool.py splits adapters so too)."""
-    return t.chunk(tp_size, dim=dim)[rank]
-
 
 def unfused_phi3_getter(get: TensorGetter, cfg: ModelConfig) -> TensorGetter:
     """Serve Phi-3's fused ``qkv_proj`` (rows [q | k | v]) and ``gate_up_proj`` (rows [gate | up])
@@ -426,8 +367,8 @@ def moe_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: in
             yield f"layers.{i}.gate_up_proj.weight", torch.cat(gate_up, dim=0)
             yield f"layers.{i}.down_proj.weight", shard(get(hf + "mlp.down_proj.weight"), 1, rank, tp_size)
             continue
-        yield f"layers.{i}.moe.router.weight", _first_present(get, hf + "mlp.gate.weight",
-                                                                hf + "block_sparse_moe.gate.weight")
+        yield f"layers.{i}.moe.router.weight", first_present(get, hf + "mlp.gate.weight",
+                                                             hf + "block_sparse_moe.gate.weight")
         gate, up, down = _stacked_experts(get, hf, cfg.num_experts)
         yield f"layers.{i}.moe.gate_up_proj", torch.cat([shard(gate, 1, rank, tp_size),
                                                           shard(up, 1, rank, tp_size)], dim=1)
@@ -455,24 +396,8 @@ def _stacked_experts(get: TensorGetter, hf_layer: str, num_experts: int) -> tupl
     else:
         gate, up = gate_up.chunk(2, dim=1)
         return gate, up, get(hf_layer + "mlp.experts.down_proj")
-    names = _EXPERT_NAMES_MLP if _has(get, hf_layer + _EXPERT_NAMES_MLP[0].format(0)) else _EXPERT_NAMES
+    names = _EXPERT_NAMES_MLP if has_tensor(get, hf_layer + _EXPERT_NAMES_MLP[0].format(0)) else _EXPERT_NAMES
     return tuple(torch.stack([get(hf_layer + name.format(e)) for e in range(num_experts)]) for name in names)
-
-
-def _has(get: TensorGetter, name: str) -> bool:
-    try:
-        get(name)
-    except CheckpointError:
-        return False
-    return True
-
-
-def _first_present(get: TensorGetter, *names: str) -> torch.Tensor:
-    """The first of ``names`` the checkpoint holds; a CheckpointError naming the first when none."""
-    for name in names:
-        if _has(get, name):
-            return get(name)
-    return get(names[0])
 
 
 def gpt_oss_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: int) -> Iterator[tuple[str, torch.Tensor]]:
@@ -564,7 +489,7 @@ def iter_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: i
     if cfg.architecture in MOE_ARCHITECTURES:
         convert = gpt_oss_rank_weights if cfg.architecture == "GptOssForCausalLM" else moe_rank_weights
     if cfg.architecture in DECODER_ARCHITECTURES:
-        from engine.convert_decoder import decoder_rank_weights as convert
+        convert = decoder_rank_weights
     for name, tensor in convert(get, cfg, rank, tp_size):
         yield name, (tensor.to(dtype) if tensor.is_floating_point() else tensor).contiguous()
 

@@ -1,0 +1,87 @@
+"""What converting any Hugging Face checkpoint needs, whatever the family (engine/convert.py for the
+Llama-block, Gemma, MoE, gpt-oss and GPT-2 families, engine/convert_decoder.py for the configurable
+decoders): the tensor getter and its error, reading tensors that go by more than one name, the
+tensor-parallel split, and the config fields every family reads the same way (rope, sliding window).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+TensorGetter = Callable[[str], torch.Tensor]  # HF tensor name -> tensor (any dtype, on CPU)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, incomplete or unreadable; the message names the file."""
+
+
+# ---- config ---------------------------------------------------------------------------------
+
+def sliding_window_fields(hf_config) -> dict:
+    """``sliding_window`` and ``layer_types`` of a ModelConfig, as transformers applies them:
+    Mistral (and Mixtral, Phi-3) window every layer when ``sliding_window`` is set; configs with a
+    ``use_sliding_window`` flag (Qwen2, Qwen3, SmolLM3) only when it is true, on the layers their
+    ``layer_types`` lists (Qwen: from ``max_window_layers`` on); Gemma alternates."""
+    window = getattr(hf_config, "sliding_window", None)
+    if hasattr(hf_config, "use_sliding_window") and not hf_config.use_sliding_window:
+        window = None
+    if not window:
+        return {"sliding_window": None, "layer_types": None}
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None and all(t == "sliding_attention" for t in layer_types):
+        layer_types = None  # None: every layer
+    return {"sliding_window": int(window), "layer_types": list(layer_types) if layer_types is not None else None}
+
+
+def read_rope(hf_config) -> tuple[float, dict | None, float]:
+    """(theta, scaling, partial_rotary_factor) from transformers 5's ``rope_parameters`` or 4's
+    ``rope_theta``/``rope_scaling``/``partial_rotary_factor``.
+
+    The scaling dict is completed with what its frequencies depend on outside it (so the engine
+    needs no HF config): ``original_max_position_embeddings`` for yarn/longrope/llama3 (Phi-3 keeps
+    it beside the dict, and that value wins as in transformers), ``max_position_embeddings`` for
+    dynamic, longrope and yarn (their default factor and attention factor come from it). Phi-3's
+    older names "su" and "yarn" for LongRoPE become "longrope".
+    """
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    theta = params.pop("rope_theta", None) or getattr(hf_config, "rope_theta", None) or 10000.0
+    partial = params.pop("partial_rotary_factor", None) or getattr(hf_config, "partial_rotary_factor", None) or 1.0
+    scaling = dict(params or getattr(hf_config, "rope_scaling", None) or {})
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type in (None, "default"):
+        return float(theta), None, float(partial)
+    if getattr(hf_config, "model_type", "") == "phi3" and rope_type in ("su", "yarn"):
+        rope_type = "longrope"
+    scaling.pop("type", None)
+    scaling["rope_type"] = rope_type
+    if rope_type in ("llama3", "yarn", "longrope"):
+        original = getattr(hf_config, "original_max_position_embeddings", None)
+        scaling["original_max_position_embeddings"] = (
+            original or scaling.get("original_max_position_embeddings") or hf_config.max_position_embeddings)
+    if rope_type in ("dynamic", "yarn", "longrope"):
+        scaling["max_position_embeddings"] = hf_config.max_position_embeddings
+    return float(theta), scaling, float(partial)
+
+
+# ---- weights --------------------------------------------------------------------------------
+
+def shard(t: torch.Tensor, dim: int, rank: int, tp_size: int) -> torch.Tensor:
+    """Rank ``rank``'s 1/tp_size of ``t`` along ``dim`` (engine/lora/pool.py splits adapters so too)."""
+    return t.chunk(tp_size, dim=dim)[rank]
+
+
+def has_tensor(get: TensorGetter, name: str) -> bool:
+    try:
+        get(name)
+    except CheckpointError:
+        return False
+    return True
+
+
+def first_present(get: TensorGetter, *names: str) -> torch.Tensor:
+    """The first of ``names`` the checkpoint holds; a CheckpointError naming the first when none."""
+    for name in names:
+        if has_tensor(get, name):
+            return get(name)
+    return get(names[0])
