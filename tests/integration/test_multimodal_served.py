@@ -1,7 +1,8 @@
 """A vision-language model served by a real tritonserver: the multimodal repository
 (tools/assemble_repository.py --kind multimodal) of a tiny random LLaVA-1.5 built by engine.build.
 
-Greedy text through `ensemble` and `tensorrt_llm_bls`, streamed and unary, with the image as
+Greedy text through `ensemble` and `tensorrt_llm_bls`, streamed and unary, with the tensors the
+anchor's tools/multimodal/client.py sends for llava (text_output the only output asked for) and the image as
 image_input (pixel values, as the anchor's llava client sends), image_bytes_input (an encoded PNG)
 and image_url_input (a data: URL, also over HTTP generate), equals transformers' generate on the
 same processor outputs; a re-sent image hits the prefix cache; bad images get named per-request
@@ -116,8 +117,13 @@ def data_url(seed: int) -> str:
 
 
 def inputs(image: dict, stream: bool, query: str = QUERY) -> dict:
-    return {"text_input": np.array([[query.encode()]], dtype=object),
-            "max_tokens": np.array([[MAX_TOKENS]], np.int32), "stream": np.array([[stream]]), **image}
+    """The tensors the anchor's tools/multimodal/client.py sends for llava (its CI's --end-id 2; pad_id the
+    tiny tokenizer's), with the image given."""
+    scalar = lambda value, dtype: np.array([[value]], dtype)  # noqa: E731
+    return {"text_input": np.array([[query.encode()]], dtype=object), "max_tokens": scalar(MAX_TOKENS, np.int32),
+            "beam_width": scalar(1, np.int32), "temperature": scalar(1.0, np.float32), "end_id": scalar(END_ID, np.int32),
+            "pad_id": scalar(4, np.int32), "top_k": scalar(1, np.int32), "top_p": scalar(0.0, np.float32),
+            "repetition_penalty": scalar(1.0, np.float32), "stream": scalar(stream, np.bool_), **image}
 
 
 def image_as(kind: str, seed: int) -> dict:
@@ -130,7 +136,7 @@ def generate(server, model: str, request: dict) -> tuple[str, str | None]:
     """(text, error) of one request over a gRPC stream (unary when its stream input is false)."""
     stream = Stream(server)
     try:
-        stream.send(model, request)
+        stream.send(model, request, outputs=["text_output"])  # all the anchor's client asks for
         items = stream.until_final()
     finally:
         stream.close()
