@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.convert import CheckpointError, TensorGetter
+from engine.hf_checkpoint import CheckpointError, TensorGetter
 
 ACTIVATIONS = {
     "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),

@@ -23,7 +23,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from engine.config import EngineFormatError
-from engine.convert import TensorGetter
+from engine.hf_checkpoint import TensorGetter
 from engine.vision.registry import FAMILIES_BY_MODEL_TYPE, VisionFamily
 
 VISION_ENCODER_DIR = "vision_encoder"  # under the engine directory

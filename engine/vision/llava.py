@@ -15,7 +15,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from engine.convert import CheckpointError, TensorGetter
+from engine.hf_checkpoint import CheckpointError, TensorGetter
 from engine.vision.clip import ClipTowerConfig, ClipVisionTower, activation, first_found, tower_weights
 
 MODEL_TYPE = "llava"  # builder_config.model_type, as the anchor's preprocessing reads it

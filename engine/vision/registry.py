@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from engine.convert import CheckpointError, TensorGetter
+from engine.hf_checkpoint import CheckpointError, TensorGetter
 from engine.vision import llava
 
 
