@@ -99,6 +99,14 @@ def oracle(llava_engine):
                               do_sample=False, eos_token_id=END_ID)[0, len(ids):]
             cache[(seed, query)] = tokenizer.decode(out, skip_special_tokens=True)
         return cache[(seed, query)]
+
+    def text_only(query: str) -> str:
+        ids = tokenizer.encode(query)
+        out = hf.generate(input_ids=torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                          eos_token_id=END_ID)[0, len(ids):]
+        return tokenizer.decode(out, skip_special_tokens=True)
+
+    expected.text_only = text_only
     return expected
 
 
@@ -165,8 +173,9 @@ def test_http_generate_with_a_data_url_and_a_text_only_request(server, oracle):
     response = server.generate("ensemble", body)
     assert response.status_code == 200, response.text
     assert response.json()["text_output"].split() == oracle(7).split()
-    text_only, error = generate(server, "tensorrt_llm_bls", inputs({}, False, "Describe this picture"))
-    assert error is None and isinstance(text_only, str)
+    for model in ("ensemble", "tensorrt_llm_bls"):  # text only: no image slot, no prompt table
+        text_only, error = generate(server, model, inputs({}, False, "Describe this picture"))
+        assert error is None and text_only.split() == oracle.text_only("Describe this picture").split()
 
 
 def _reused_blocks_metric(server) -> float | None:
