@@ -178,6 +178,21 @@ def test_http_generate_with_a_data_url_and_a_text_only_request(server, oracle):
         assert error is None and text_only.split() == oracle.text_only("Describe this picture").split()
 
 
+@pytest.mark.parametrize("use_processor, extra", [(True, ["--streaming"]), (False, ["--use_bls"])])
+def test_the_multimodal_client(server, oracle, llava_engine, tmp_path, capsys, use_processor, extra):
+    """tools/multimodal/client.py as the anchor's docs run it: the image processed by the client
+    (--hf_model_dir: image_input) or by the server (a file: image_bytes_input)."""
+    path = tmp_path / "image.png"
+    make_image(10).save(path)
+    client = _load_tool("multimodal/client")
+    args = ["-u", server.grpc_url, "--model_type", "llava", "--text", QUERY, "--image", str(path),
+            "--request-output-len", str(MAX_TOKENS), "--end-id", str(END_ID), "--pad-id", "4", *extra]
+    if use_processor:
+        args += ["--hf_model_dir", str(Path(llava_engine) / "vision_encoder")]
+    assert client.main(args) == 0
+    assert capsys.readouterr().out.split() == oracle(10).split()
+
+
 def _reused_blocks_metric(server) -> float | None:
     return value(scrape(server), "tritonllm_kv_cache_blocks_total", source="reused", model="tensorrt_llm",
                  version="1")

@@ -1,0 +1,150 @@
+#!/usr/bin/env python3
+"""Send one image + text request to the multimodal repository's `ensemble` (or `tensorrt_llm_bls`)
+over gRPC and print the generated text, with the flags of tensorrtllm_backend's
+tools/multimodal/client.py:
+
+    python3 tools/multimodal/client.py --model_type llava --text "What is in the image?" \
+        --image cat.png [--hf_model_dir CHECKPOINT] [--streaming] [--use_bls] [--request-output-len 16]
+
+--image is a file, an http(s) or data: URL, or a comma-separated list of them. With --hf_model_dir
+the image is processed here by that checkpoint's image processor and sent as image_input (FP16
+[1, n, 3, H, W]), as the reference's client does for llava; without it, files go as
+image_bytes_input (the encoded file) and URLs as image_url_input, and the server's preprocessing
+model processes them. Served families: llava (tools/assemble_repository.py --kind multimodal).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # serving/
+
+MODEL_TYPES = ("blip2", "llava", "vila", "mllama", "llava_onevision", "qwen2_vl")
+SERVED_MODEL_TYPES = ("llava",)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("-u", "--url", default="localhost:8001", help="the server's gRPC address")
+    p.add_argument("--text", default="Question: which city is this? Answer:")
+    p.add_argument("--image", default=None, help="a file, an http(s)/data: URL, or a comma-separated list")
+    p.add_argument("--video", default=None, help="not served yet (llava_onevision)")
+    p.add_argument("--video_num_frames", type=int, default=None)
+    p.add_argument("--end-id", type=int, default=-1)
+    p.add_argument("--pad-id", type=int, default=1)
+    p.add_argument("-b", "--beam-width", type=int, default=1)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--presence-penalty", type=float, default=None)
+    p.add_argument("--request-output-len", type=int, default=16)
+    p.add_argument("--top-k", type=int, default=1)
+    p.add_argument("--top-p", type=float, default=0.0)
+    p.add_argument("--streaming", action="store_true")
+    p.add_argument("--use_bls", action="store_true", help="send to tensorrt_llm_bls instead of ensemble")
+    p.add_argument("--prompt_table_extra_id", type=int, default=None, help="KV reuse across requests of one image")
+    p.add_argument("--hf_model_dir", default=None, help="process the image here with this checkpoint's processor")
+    p.add_argument("--model_type", required=True, choices=MODEL_TYPES)
+    return p.parse_args(argv)
+
+
+def image_tensors(images: list[str], hf_model_dir: str | None) -> dict[str, np.ndarray]:
+    """The request's image input: image_input (processed here), or image_bytes_input / image_url_input."""
+    if hf_model_dir:
+        from PIL import Image
+        from transformers import AutoImageProcessor
+
+        from serving.images import ImageLimits, decode_file, url_bytes
+
+        def load(source: str):
+            if "://" in source or source.startswith("data:"):
+                return decode_file(url_bytes(source, "--image", ImageLimits(allowed_url_hosts=())), "--image",
+                                   ImageLimits())
+            return Image.open(source).convert("RGB")
+
+        pixels = AutoImageProcessor.from_pretrained(hf_model_dir)([load(s) for s in images],
+                                                                 return_tensors="np")["pixel_values"]
+        return {"image_input": pixels.astype(np.float16)[None]}
+    urls = [s for s in images if "://" in s or s.startswith("data:")]
+    files = [s for s in images if s not in urls]
+    if urls and files:
+        raise SystemExit("--image: send files or URLs, not both (or pass --hf_model_dir)")
+    if urls:
+        return {"image_url_input": np.array([[u.encode() for u in urls]], dtype=object)}
+    blobs = [open(path, "rb").read() for path in files]
+    width = max(len(b) for b in blobs)  # one run of bytes per image, zero-padded to the longest
+    data = np.zeros((1, len(blobs), 1, 1, width), np.uint8)
+    for i, blob in enumerate(blobs):
+        data[0, i, 0, 0, :len(blob)] = np.frombuffer(blob, np.uint8)
+    return {"image_bytes_input": data}
+
+
+def request_tensors(args: argparse.Namespace) -> dict[str, np.ndarray]:
+    scalar = lambda value, dtype: np.array([[value]], dtype)  # noqa: E731
+    tensors = {"text_input": np.array([[args.text.encode()]], dtype=object),
+               "max_tokens": scalar(args.request_output_len, np.int32), "beam_width": scalar(args.beam_width, np.int32),
+               "temperature": scalar(args.temperature, np.float32), "end_id": scalar(args.end_id, np.int32),
+               "pad_id": scalar(args.pad_id, np.int32), "top_k": scalar(args.top_k, np.int32),
+               "top_p": scalar(args.top_p, np.float32), "stream": scalar(args.streaming, np.bool_),
+               "repetition_penalty": scalar(args.repetition_penalty, np.float32)}
+    if args.presence_penalty is not None:
+        tensors["presence_penalty"] = scalar(args.presence_penalty, np.float32)
+    if args.prompt_table_extra_id is not None:
+        tensors["prompt_table_extra_id"] = scalar(args.prompt_table_extra_id, np.uint64)
+    if args.image:
+        tensors.update(image_tensors([s.strip() for s in args.image.split(",") if s.strip()], args.hf_model_dir))
+    return tensors
+
+
+def generate(url: str, model: str, tensors: dict[str, np.ndarray], verbose: bool = False) -> str:
+    """The text of one request over a gRPC stream (decoupled models answer only there)."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import np_to_triton_dtype
+
+    responses: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(url, verbose=verbose)
+    inputs = []
+    for name, array in tensors.items():
+        tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    try:
+        client.async_stream_infer(model, inputs, outputs=[grpcclient.InferRequestedOutput("text_output")],
+                                  enable_empty_final_response=True)
+        text = []
+        while True:
+            result, error = responses.get(timeout=600)
+            if error is not None:
+                raise SystemExit(f"error: {error}")
+            output = result.as_numpy("text_output")
+            if output is not None and output.size:
+                text.append(output.reshape(-1)[0].decode())
+            final = result.get_response().parameters.get("triton_final_response")
+            if final is not None and final.bool_param:
+                return "".join(text)
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.model_type not in SERVED_MODEL_TYPES:
+        print(f"error: --model_type {args.model_type} is not served yet; served: {', '.join(SERVED_MODEL_TYPES)}",
+              file=sys.stderr)
+        return 2
+    if args.video:
+        print("error: --video is not served yet (llava_onevision)", file=sys.stderr)
+        return 2
+    text = generate(args.url, "tensorrt_llm_bls" if args.use_bls else "ensemble", request_tensors(args), args.verbose)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
