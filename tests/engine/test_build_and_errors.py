@@ -66,9 +66,9 @@ def test_config_json_round_trip():
 # ---- bad input ------------------------------------------------------------------------------
 
 def test_unknown_architecture_lists_the_supported_ones():
-    falcon = transformers.LlamaConfig(architectures=["FalconForCausalLM"])
-    with pytest.raises(UnsupportedArchitectureError, match=f"'FalconForCausalLM'; supported: {SUPPORTED}"):
-        model_config_from_hf(falcon)
+    rwkv = transformers.LlamaConfig(architectures=["RwkvForCausalLM"])
+    with pytest.raises(UnsupportedArchitectureError, match=f"'RwkvForCausalLM'; supported: {SUPPORTED}"):
+        model_config_from_hf(rwkv)
     with pytest.raises(UnsupportedArchitectureError, match="supported: LlamaForCausalLM"):
         get_model_class("BertModel")
 
@@ -153,8 +153,8 @@ def test_engine_of_another_format_version(engine_dir):
 
 
 def test_engine_with_unknown_architecture(engine_dir):
-    _edit_config(engine_dir, lambda d: d["model"].update(architecture="FalconForCausalLM"))
-    with pytest.raises(EngineFormatError, match=f"'FalconForCausalLM'; supported: {SUPPORTED}"):
+    _edit_config(engine_dir, lambda d: d["model"].update(architecture="RwkvForCausalLM"))
+    with pytest.raises(EngineFormatError, match=f"'RwkvForCausalLM'; supported: {SUPPORTED}"):
         EngineConfig.load(engine_dir)
 
 
