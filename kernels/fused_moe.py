@@ -47,12 +47,14 @@ import torch
 import torch.nn.functional as F
 
 from kernels._triton import jit, pdl_options, pdl_prologue, tl, triton, use_triton
-from kernels.moe_epilogue import ACTIVATIONS, PLAIN_SILU, ExpertEpilogue, activate_ref, gated_activation
+from kernels.moe_epilogue import ACTIVATIONS, PLAIN_SILU, ExpertEpilogue, activate_ref
 from kernels.moe_align import (  # noqa: F401  (re-exported: the other expert kernels align through here)
     ALIGN_KERNEL_MAX_ASSIGNMENTS, max_padded_assignments, moe_align, moe_align_torch, moe_align_triton)
+from kernels.moe_blocks import (activation_tiles, expert_block_launch, expert_block_tile, past_padded_blocks,
+                                 store_rows)
 from kernels.moe_grouped_mm import fused_moe_grouped_mm, grouped_mm_supported
 from kernels.moe_routing import (  # noqa: F401  (re-exported: the other expert kernels route through here)
-    _top_k_of_row, route_tokens, route_tokens_ref, route_tokens_triton)
+    route_tokens, route_tokens_ref, route_tokens_triton)
 
 # Average rows per expert (T * K / E) from which the sorted rows and grouped GEMMs of
 # kernels/moe_grouped_mm.py run instead of this file's block-tiled kernel. Measured on an H200
@@ -73,53 +75,6 @@ SCALED_GROUPED_MM_MIN_ASSIGNMENTS = 24576
 # ---- grouped GEMMs ---------------------------------------------------------------------------
 
 @jit
-def block_rows(block, sorted_ids_ptr, block_expert_ptr, topk_ids_ptr, topk_weights_ptr, logits_ptr, num_experts,
-               num_assignments, TOP_K: tl.constexpr, ONE_PER_BLOCK: tl.constexpr, ROUTE_IN_KERNEL: tl.constexpr,
-               RENORMALIZE: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
-    """(ids (BLOCK_M,) int32 assignments, row_ok (BLOCK_M,), expert int64) of block ``block`` of a
-    grouped GEMM (_grouped_gemm_kernel's ONE_PER_BLOCK and ROUTE_IN_KERNEL; with moe_align's blocks
-    the caller has already returned for a block past num_padded)."""
-    if ONE_PER_BLOCK:
-        ids = block + tl.arange(0, BLOCK_M) * 0
-        row_ok = tl.arange(0, BLOCK_M) == 0
-        if ROUTE_IN_KERNEL:
-            chosen_w, chosen_id = _top_k_of_row(logits_ptr, num_experts, TOP_K, K_PAD, E_PAD, RENORMALIZE)
-            slots = tl.arange(0, K_PAD)
-            expert = tl.sum(tl.where(slots == block, chosen_id, 0), 0).to(tl.int64)
-            write = (slots < TOP_K) & (slots * 0 + block + tl.program_id(1) == 0)  # program (0, 0) only
-            tl.store(topk_weights_ptr + slots, chosen_w, mask=write)
-            tl.store(topk_ids_ptr + slots, chosen_id, mask=write)
-        else:
-            expert = tl.load(topk_ids_ptr + block).to(tl.int64)
-    else:
-        ids = tl.load(sorted_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
-        row_ok = ids < num_assignments
-        expert = tl.load(block_expert_ptr + block).to(tl.int64)
-    return ids, row_ok, expert
-
-
-@jit
-def store_rows(acc, acc_up, out_ptr, ids, row_ok, cols, col_ok, topk_weights_ptr, stride_om, bias_ptr, expert,
-               stride_be, N, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-               ACTIVATION: tl.constexpr, SWIGLU_LIMIT: tl.constexpr):
-    """A grouped GEMM's epilogue: acc (BLOCK_M, BLOCK_N) float32 (and acc_up when GATED) -> out rows
-    ``ids``, columns ``cols`` (see _grouped_gemm_kernel's GATED and MUL_WEIGHT). HAS_BIAS: expert
-    ``expert``'s bias row (bias_ptr + expert * stride_be; GATED: [gate (N) | up (N)]) joins the
-    products first. ACTIVATION (GATED): kernels/moe_epilogue.py ACTIVATIONS, as activate_ref computes it."""
-    if HAS_BIAS:
-        bias_row = bias_ptr + expert * stride_be
-        acc += tl.load(bias_row + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        if GATED:
-            acc_up += tl.load(bias_row + N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    if GATED:
-        acc = gated_activation(acc, acc_up, out_ptr.dtype.element_ty, ACTIVATION, SWIGLU_LIMIT)
-    if MUL_WEIGHT:
-        acc *= tl.load(topk_weights_ptr + ids, mask=row_ok, other=0.0)[:, None]
-    tl.store(out_ptr + ids.to(tl.int64)[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])
-
-
-@jit
 def _grouped_gemm_kernel(
     a_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, topk_ids_ptr, topk_weights_ptr,
     logits_ptr, bias_ptr, num_experts, N, K, num_assignments, stride_am, stride_we, stride_wn, stride_om, stride_be,
@@ -130,35 +85,18 @@ def _grouped_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[a, n] = a_row(a) . w[expert, n, :] for the BLOCK_M assignments of block program_id(0)
-    and the BLOCK_N columns of tile program_id(1).
-
-    Blocks come from moe_align (sorted_ids, block_expert, num_padded), or with ONE_PER_BLOCK
-    (a single token: its K experts are distinct) block b is assignment b alone, of expert
-    topk_ids[b], and no alignment runs at all. ROUTE_IN_KERNEL (with ONE_PER_BLOCK): every
-    program finds the token's top-k from its router logits itself (E values: nothing next to
-    the weight tiles) and takes the b-th; program (0, 0) writes them to topk_weights / topk_ids
-    for the down GEMM, so the single token's routing costs no launch of its own.
-    a_row(a) = a_ptr row a // TOP_K when ROWS_PER_TOKEN (x: one row per token), else row a (act).
-    GATED: w has 2N rows per expert [gate | up]; out = silu(gate) * up, rounded as the unfused
-    path rounds (each product to the output dtype, then silu, then the mul).
-    MUL_WEIGHT: each row is scaled by topk_weights[a] (float32) before the one rounding to out.
-    HAS_BIAS, ACTIVATION, SWIGLU_LIMIT: store_rows'.
-    """
+    and the BLOCK_N columns of tile program_id(1): blocks, ONE_PER_BLOCK and ROUTE_IN_KERNEL as
+    kernels/moe_blocks.py makes them (expert_block_tile), a_row(a) = a_ptr row a // TOP_K when
+    ROWS_PER_TOKEN (x: one row per token), else row a (act). GATED, MUL_WEIGHT, HAS_BIAS,
+    ACTIVATION, SWIGLU_LIMIT: store_rows' (GATED: w has 2N rows per expert [gate | up])."""
     pdl_prologue(PDL)  # before the early return too: every program must wait (kernels/_triton.py)
-    block = tl.program_id(0)
-    if not ONE_PER_BLOCK:
-        if block * BLOCK_M >= tl.load(num_padded_ptr):
-            return  # past the last expert's padded run (the grid covers the worst case)
-    ids, row_ok, expert = block_rows(block, sorted_ids_ptr, block_expert_ptr, topk_ids_ptr, topk_weights_ptr,
-                                     logits_ptr, num_experts, num_assignments, TOP_K, ONE_PER_BLOCK,
-                                     ROUTE_IN_KERNEL, RENORMALIZE, K_PAD, E_PAD, BLOCK_M)
-    a_rows = (ids // TOP_K if ROWS_PER_TOKEN else ids).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    w_base = w_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn
-    a_base = a_ptr + a_rows[:, None] * stride_am
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if past_padded_blocks(num_padded_ptr, ONE_PER_BLOCK, BLOCK_M):
+        return
+    ids, row_ok, expert, a_rows, cols, col_ok, w_base = expert_block_tile(
+        w_ptr, sorted_ids_ptr, block_expert_ptr, topk_ids_ptr, topk_weights_ptr, logits_ptr, num_experts, N,
+        num_assignments, stride_we, stride_wn, TOP_K, ROWS_PER_TOKEN, ONE_PER_BLOCK, ROUTE_IN_KERNEL, RENORMALIZE,
+        K_PAD, E_PAD, BLOCK_M, BLOCK_N)
+    a_base, acc, acc_up = activation_tiles(a_ptr, a_rows, stride_am, False, BLOCK_M, BLOCK_N)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
@@ -230,27 +168,19 @@ def _grouped_gemm(a, w, out, blocks, topk_ids, topk_weights, *, n: int, top_k: i
                   gated: bool, mul_weight: bool, block_m: int, config: dict,
                   router_logits: torch.Tensor | None = None, renormalize: bool = False,
                   bias: torch.Tensor | None = None, epilogue: ExpertEpilogue = PLAIN_SILU) -> None:
-    """blocks: moe_align's (sorted_ids, block_expert, num_padded), or None for one block per
-    assignment (a single token). router_logits (1, E) (with blocks None): route in the kernel
-    and write topk_weights / topk_ids (flat, K) instead of reading them. bias: this GEMM's
+    """blocks, router_logits: kernels/moe_blocks.expert_block_launch's. bias: this GEMM's
     per-expert bias rows (E, n or 2n), or None."""
     cfg = dict(config)
-    block_n = cfg.pop("BLOCK_N")
-    num_blocks = topk_ids.numel() if blocks is None else blocks[0].numel() // block_m
-    sorted_ids, block_expert, num_padded = blocks if blocks is not None else (topk_ids,) * 3  # unread
-    num_experts = w.shape[0]
-    _grouped_gemm_kernel[(num_blocks, triton.cdiv(n, block_n))](
-        a, w, out, sorted_ids, block_expert, num_padded, topk_ids, topk_weights,
-        router_logits if router_logits is not None else topk_weights, bias if bias is not None else topk_weights,
-        num_experts, n, a.shape[1], out.shape[0], a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+    launch = expert_block_launch(blocks, topk_ids, topk_weights, n=n, num_experts=w.shape[0], top_k=top_k,
+                                 rows_per_token=rows_per_token, gated=gated, mul_weight=mul_weight, block_m=block_m,
+                                 block_n=cfg.pop("BLOCK_N"), router_logits=router_logits, renormalize=renormalize)
+    _grouped_gemm_kernel[launch.grid](
+        a, w, out, *launch.pointers, bias if bias is not None else topk_weights,
+        w.shape[0], n, a.shape[1], out.shape[0], a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         bias.stride(0) if bias is not None else 0,
-        TOP_K=top_k, ROWS_PER_TOKEN=rows_per_token, GATED=gated, MUL_WEIGHT=mul_weight,
         HAS_BIAS=bias is not None, ACTIVATION=ACTIVATIONS[epilogue.activation],
-        SWIGLU_LIMIT=float(epilogue.swiglu_limit or 0.0),
-        ONE_PER_BLOCK=blocks is None, ROUTE_IN_KERNEL=router_logits is not None, RENORMALIZE=renormalize,
-        K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(num_experts),
-        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        BLOCK_M=block_m, BLOCK_N=block_n, **cfg, **pdl_options(a),
+        SWIGLU_LIMIT=float(epilogue.swiglu_limit or 0.0), DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        **launch.constexprs, **cfg, **pdl_options(a),
     )
 
 

@@ -16,12 +16,12 @@ K, or 128). With GROUP_K = 128 each 128-column K step's E4M3 dot is scaled by th
 and the weight block's scales and added to a float32 accumulator; with GROUP_K = 0 the dots
 accumulate unscaled and the epilogue applies s_x[row] * s_w[col] once.
 
-Routing, alignment and the epilogues are kernels/fused_moe.py's (``route_tokens``, ``moe_align``,
-the ``block_rows`` / ``store_rows`` jit helpers): tokens grouped by expert in blocks of BLOCK_M,
-gate_up with SiLU-and-mul in its epilogue, down scaled by the routing weights, the K products of a
-token summed in float32. The SwiGLU output (rounded to the model dtype, as the bf16 kernels do) is
-quantized again for down. W8A8 at every batch size, so a sequence is rounded the same way in any
-batch, as for the dense FP8 layers.
+Routing and alignment are kernels/fused_moe.py's (``route_tokens``, ``moe_align``), the blocks
+and the epilogue kernels/moe_blocks.py's (``expert_block_tile``, ``store_rows``): tokens grouped by
+expert in blocks of BLOCK_M, gate_up with SiLU-and-mul in its epilogue, down scaled by the routing
+weights, the K products of a token summed in float32. The SwiGLU output (rounded to the model
+dtype, as the bf16 kernels do) is quantized again for down. W8A8 at every batch size, so a
+sequence is rounded the same way in any batch, as for the dense FP8 layers.
 
 Activations are quantized by a quantize launch before each GEMM (kernels.fp8.quantize_rows_triton or
 kernels.fp8_block.quantize_groups_triton, exactly the references' rounding). Quantizing inside the
@@ -45,12 +45,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import jit, pdl_options, pdl_prologue, tl, triton, use_triton
+from kernels._triton import jit, pdl_options, pdl_prologue, tl, use_triton
 from kernels.activation import silu_and_mul
 from kernels.fp8 import FAST_ACCUM, FP8_DTYPE, dequantize_rows, quantize_rows, quantize_rows_triton
 from kernels.fp8_block import BLOCK, dequantize_blocks, dequantize_groups, quantize_groups, quantize_groups_triton
-from kernels.fused_moe import (SCALED_GROUPED_MM_MIN_ASSIGNMENTS, block_rows, choose_block_m, moe_align,
-                               route_tokens, store_rows)
+from kernels.fused_moe import SCALED_GROUPED_MM_MIN_ASSIGNMENTS, choose_block_m, moe_align, route_tokens
+from kernels.moe_blocks import (activation_tiles, expert_block_launch, expert_block_tile, past_padded_blocks,
+                                 store_rows)
 from kernels.moe_grouped_mm import combine, sort_assignments
 
 
@@ -153,24 +154,17 @@ def _fp8_grouped_gemm_kernel(
     module docstring (GROUP_N, GROUP_K; BLOCK_K == GROUP_K when GROUP_K). a is E4M3 with scales
     a_scale (rows, ceil(K / GROUP_K), or 1 when GROUP_K is 0)."""
     pdl_prologue(PDL)  # before the early return too: every program must wait (kernels/_triton.py)
-    block = tl.program_id(0)
-    if not ONE_PER_BLOCK:
-        if block * BLOCK_M >= tl.load(num_padded_ptr):
-            return  # past the last expert's padded run (the grid covers the worst case)
-    ids, row_ok, expert = block_rows(block, sorted_ids_ptr, block_expert_ptr, topk_ids_ptr, topk_weights_ptr,
-                                     logits_ptr, num_experts, num_assignments, TOP_K, ONE_PER_BLOCK,
-                                     ROUTE_IN_KERNEL, RENORMALIZE, K_PAD, E_PAD, BLOCK_M)
-    a_rows = (ids // TOP_K if ROWS_PER_TOKEN else ids).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    w_base = w_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn
+    if past_padded_blocks(num_padded_ptr, ONE_PER_BLOCK, BLOCK_M):
+        return
+    ids, row_ok, expert, a_rows, cols, col_ok, w_base = expert_block_tile(
+        w_ptr, sorted_ids_ptr, block_expert_ptr, topk_ids_ptr, topk_weights_ptr, logits_ptr, num_experts, N,
+        num_assignments, stride_we, stride_wn, TOP_K, ROWS_PER_TOKEN, ONE_PER_BLOCK, ROUTE_IN_KERNEL, RENORMALIZE,
+        K_PAD, E_PAD, BLOCK_M, BLOCK_N)
     ws_base = w_scale_ptr + expert * stride_wse + (cols // GROUP_N) * stride_wsn
     ws_up = w_scale_ptr + expert * stride_wse + ((cols + N) // GROUP_N) * stride_wsn
-    a_base = a_ptr + a_rows[:, None] * stride_am
+    a_base, acc, acc_up = activation_tiles(a_ptr, a_rows, stride_am, False, BLOCK_M, BLOCK_N)
     if GROUP_K == 0:  # one scale per row over all of K
         a_scale = tl.load(a_scale_ptr + a_rows * stride_as, mask=row_ok, other=0.0)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
@@ -223,21 +217,15 @@ def _fp8_grouped_gemm(a, a_scale, w, w_scale, out, blocks, topk_ids, topk_weight
     """One grouped GEMM (kernels.fused_moe._grouped_gemm's arguments) on E4M3 ``a`` with its scales."""
     group_n, group_k = scale_groups(w, w_scale)
     cfg = dict(config)
-    block_n = cfg.pop("BLOCK_N")
-    num_blocks = topk_ids.numel() if blocks is None else blocks[0].numel() // block_m
-    sorted_ids, block_expert, num_padded = blocks if blocks is not None else (topk_ids,) * 3  # unread
-    num_experts = w.shape[0]
+    launch = expert_block_launch(blocks, topk_ids, topk_weights, n=n, num_experts=w.shape[0], top_k=top_k,
+                                 rows_per_token=rows_per_token, gated=gated, mul_weight=mul_weight, block_m=block_m,
+                                 block_n=cfg.pop("BLOCK_N"), router_logits=router_logits, renormalize=renormalize)
     scale_3d = w_scale if group_k else w_scale[..., None]
-    _fp8_grouped_gemm_kernel[(num_blocks, triton.cdiv(n, block_n))](
-        a, a_scale, w, w_scale, out, sorted_ids, block_expert, num_padded,
-        topk_ids, topk_weights, router_logits if router_logits is not None else topk_weights, num_experts,
+    _fp8_grouped_gemm_kernel[launch.grid](
+        a, a_scale, w, w_scale, out, *launch.pointers, w.shape[0],
         n, a.shape[1], out.shape[0], a.stride(0), a_scale.stride(0),
         w.stride(0), w.stride(1), scale_3d.stride(0), scale_3d.stride(1), out.stride(0),
-        TOP_K=top_k, ROWS_PER_TOKEN=rows_per_token, GATED=gated, MUL_WEIGHT=mul_weight,
-        ONE_PER_BLOCK=blocks is None, ROUTE_IN_KERNEL=router_logits is not None, RENORMALIZE=renormalize,
-        K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(num_experts),
-        GROUP_N=group_n, GROUP_K=group_k,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK, **cfg, **pdl_options(a),
+        GROUP_N=group_n, GROUP_K=group_k, BLOCK_K=BLOCK, **launch.constexprs, **cfg, **pdl_options(a),
     )
 
 

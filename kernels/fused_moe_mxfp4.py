@@ -18,7 +18,7 @@ down (E, H, I), as for model-dtype experts.
 
 On CUDA no widened copy is kept: ``kernel_layout`` reorders the codes once at load, and the
 grouped GEMMs of kernels/fused_moe.py (same routing, same blocks of assignments sorted by expert,
-same epilogue: store_rows) widen each weight tile in registers before its tensor-core dot:
+same epilogue: kernels/moe_blocks.py) widen each weight tile in registers before its tensor-core dot:
 
 - K is padded to K_pad, a multiple of 64 (zero codes), and byte j of a row holds columns j (low
   nibble) and K_pad/2 + j (high nibble): a row's halves, not neighbours. A step reads 32 or 64
@@ -60,8 +60,10 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels._triton import jit, tl, triton, use_triton
-from kernels.fused_moe import block_rows, choose_block_m, fused_moe, fused_moe_ref, moe_align, moe_forward, \
-    route_tokens, store_rows, warm_up_token_counts
+from kernels.fused_moe import choose_block_m, fused_moe, fused_moe_ref, moe_align, moe_forward, route_tokens, \
+    warm_up_token_counts
+from kernels.moe_blocks import (activation_tiles, block_rows, expert_block_launch, expert_block_tile,
+                                 past_padded_blocks, store_rows, tile_dot)
 from kernels.moe_epilogue import ACTIVATIONS, PLAIN_SILU, ExpertEpilogue
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -207,16 +209,6 @@ def _tile_factors(scale_base, first_group, rows, row_ok, num_rows, num_groups, B
 
 
 @jit
-def _tile_dot(acc, w, a, SWAP_AB: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """acc + w . a (SWAP_AB: w (BLOCK_N, BLOCK_K), a (BLOCK_K, BLOCK_M)) or acc + a . w.T."""
-    if SWAP_AB:
-        acc = tl.dot(w, a, acc, input_precision=DOT_PRECISION)
-    else:
-        acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
-    return acc
-
-
-@jit
 def _mxfp4_dot(acc, a_lo, a_hi, w_rows, scale_base, rows, row_ok, k0, k, half_k, num_rows,
                SWAP_AB: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc plus the product of the activations and the tile of weight rows ``rows`` (w_rows: their
@@ -224,8 +216,8 @@ def _mxfp4_dot(acc, a_lo, a_hi, w_rows, scale_base, rows, row_ok, k0, k, half_k,
     packed = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & (k < half_k)[None, :], other=0).to(tl.uint16)
     f_lo = _tile_factors(scale_base, k0 // 32, rows, row_ok, num_rows, half_k // 16, BLOCK_K)
     f_hi = _tile_factors(scale_base, (half_k + k0) // 32, rows, row_ok, num_rows, half_k // 16, BLOCK_K)
-    acc = _tile_dot(acc, _widen(_low_codes(packed), f_lo, a_lo.dtype), a_lo, SWAP_AB, DOT_PRECISION)
-    acc = _tile_dot(acc, _widen(_high_codes(packed), f_hi, a_lo.dtype), a_hi, SWAP_AB, DOT_PRECISION)
+    acc = tile_dot(acc, _widen(_low_codes(packed), f_lo, a_lo.dtype), a_lo, SWAP_AB, DOT_PRECISION)
+    acc = tile_dot(acc, _widen(_high_codes(packed), f_hi, a_lo.dtype), a_hi, SWAP_AB, DOT_PRECISION)
     return acc
 
 
@@ -245,26 +237,15 @@ def _mxfp4_grouped_gemm_kernel(
     columns), each tile widened in registers. K: the activations' columns; half_k: K_pad / 2.
     SWAP_AB: the transposed product, out.T = w . a.T, accumulated (BLOCK_N, BLOCK_M): the widened
     tile is the dot's first operand, which Hopper's tensor cores (wgmma) take from registers."""
-    block = tl.program_id(0)
-    if not ONE_PER_BLOCK:
-        if block * BLOCK_M >= tl.load(num_padded_ptr):
-            return  # past the last expert's padded run (the grid covers the worst case)
-    ids, row_ok, expert = block_rows(block, sorted_ids_ptr, block_expert_ptr, topk_ids_ptr, topk_weights_ptr,
-                                     logits_ptr, num_experts, num_assignments, TOP_K, ONE_PER_BLOCK,
-                                     ROUTE_IN_KERNEL, RENORMALIZE, K_PAD, E_PAD, BLOCK_M)
-    a_rows = (ids // TOP_K if ROWS_PER_TOKEN else ids).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
+    if past_padded_blocks(num_padded_ptr, ONE_PER_BLOCK, BLOCK_M):
+        return
+    ids, row_ok, expert, a_rows, cols, col_ok, w_base = expert_block_tile(
+        w_ptr, sorted_ids_ptr, block_expert_ptr, topk_ids_ptr, topk_weights_ptr, logits_ptr, num_experts, N,
+        num_assignments, stride_we, stride_wn, TOP_K, ROWS_PER_TOKEN, ONE_PER_BLOCK, ROUTE_IN_KERNEL, RENORMALIZE,
+        K_PAD, E_PAD, BLOCK_M, BLOCK_N)
     num_rows = 2 * N if GATED else N  # rows of an expert: scales (groups, num_rows)
-    w_base = w_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn
     scale_base = scale_ptr + expert * stride_se
-    if SWAP_AB:  # activation tiles (BLOCK_K, BLOCK_M)
-        a_base = a_ptr + a_rows[None, :] * stride_am
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    else:  # (BLOCK_M, BLOCK_K)
-        a_base = a_ptr + a_rows[:, None] * stride_am
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros_like(acc)
+    a_base, acc, acc_up = activation_tiles(a_ptr, a_rows, stride_am, SWAP_AB, BLOCK_M, BLOCK_N)
     for k0 in range(0, half_k, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         if SWAP_AB:
@@ -310,21 +291,17 @@ def _mxfp4_grouped_gemm(a, experts: MXFP4Experts, out, blocks, topk_ids, topk_we
     block_n = cfg.pop("BLOCK_N")
     assert cfg["BLOCK_K"] in (32, 64) and a.shape[1] == experts.in_features and a.stride(1) == 1
     codes, scales = experts.kernel["codes"], experts.kernel["scales"]
-    num_blocks = topk_ids.numel() if blocks is None else blocks[0].numel() // block_m
-    sorted_ids, block_expert, num_padded = blocks if blocks is not None else (topk_ids,) * 3  # unread
+    launch = expert_block_launch(blocks, topk_ids, topk_weights, n=n, num_experts=experts.num_experts, top_k=top_k,
+                                 rows_per_token=rows_per_token, gated=gated, mul_weight=mul_weight, block_m=block_m,
+                                 block_n=block_n, router_logits=router_logits, renormalize=renormalize)
     bias, stride_be = _bias_args(bias, topk_weights)
-    _mxfp4_grouped_gemm_kernel[(num_blocks, triton.cdiv(n, block_n))](
-        a, codes, scales, out, sorted_ids, block_expert, num_padded, topk_ids, topk_weights,
-        router_logits if router_logits is not None else topk_weights, bias, experts.num_experts,
+    _mxfp4_grouped_gemm_kernel[launch.grid](
+        a, codes, scales, out, *launch.pointers, bias, experts.num_experts,
         n, experts.in_features, experts.half_k, out.shape[0],
         a.stride(0), codes.stride(0), codes.stride(1), scales.stride(0), out.stride(0), stride_be,
-        TOP_K=top_k, ROWS_PER_TOKEN=rows_per_token, GATED=gated, MUL_WEIGHT=mul_weight,
         HAS_BIAS=bias is not topk_weights, ACTIVATION=ACTIVATIONS[epilogue.activation],
-        SWIGLU_LIMIT=float(epilogue.swiglu_limit or 0.0),
-        ONE_PER_BLOCK=blocks is None, ROUTE_IN_KERNEL=router_logits is not None, RENORMALIZE=renormalize,
-        K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(experts.num_experts),
-        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        BLOCK_M=block_m, BLOCK_N=block_n, **cfg,
+        SWIGLU_LIMIT=float(epilogue.swiglu_limit or 0.0), DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        **launch.constexprs, **cfg,
     )
 
 

@@ -38,15 +38,9 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels._triton import jit, tl, triton, use_triton
-from kernels.fused_moe import (
-    block_rows,
-    choose_block_m,
-    gemm_config,
-    moe_align,
-    moe_forward,
-    route_tokens,
-    store_rows,
-)
+from kernels.fused_moe import choose_block_m, gemm_config, moe_align, moe_forward, route_tokens
+from kernels.moe_blocks import (activation_tiles, block_rows, expert_block_launch, expert_block_tile,
+                                 past_padded_blocks, store_rows, tile_dot)
 from kernels.wna16 import dequantize, unpack_codes, unpack_int4
 
 
@@ -152,16 +146,6 @@ def _dequantize(codes, scale_ptr, zero_ptr, rows, row_ok, first_col, cols, col_o
 
 
 @jit
-def _tile_dot(acc, w, a, SWAP_AB: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """acc + w . a (SWAP_AB: w (BLOCK_N, BLOCK_K), a (BLOCK_K, BLOCK_M)) or acc + a . w.T."""
-    if SWAP_AB:
-        acc = tl.dot(w.to(a.dtype), a, acc, input_precision=DOT_PRECISION)
-    else:
-        acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc, input_precision=DOT_PRECISION)
-    return acc
-
-
-@jit
 def _codes_as(codes, MAGIC: tl.constexpr, dtype: tl.constexpr):
     """Integer codes -> ``dtype`` exactly: OFF + code by OR-ing the code into the mantissa of OFF
     (MAGIC 0x4300: bfloat16 128, 4-bit codes; 0x6400: float16 1024, 4- or 8-bit codes), else the
@@ -213,13 +197,13 @@ def _quantized_dot(acc, a, a_high, a_sum, a_high_sum, w_ptrs, scale_ptr, zero_pt
                                 MAGIC, OFF, SWAP_AB, DOT_PRECISION)
     elif BITS == 4:
         w = _dequantize(packed & 0xF, scale_ptr, zero_ptr, rows, row_ok, k0, k, k_ok, num_rows, group_size, ONE_GROUP)
-        acc = _tile_dot(acc, w, a, SWAP_AB, DOT_PRECISION)
+        acc = tile_dot(acc, w, a, SWAP_AB, DOT_PRECISION)
         w = _dequantize(packed >> 4, scale_ptr, zero_ptr, rows, row_ok, stored_k + k0, stored_k + k, k_ok, num_rows,
                         group_size, ONE_GROUP)
-        acc = _tile_dot(acc, w, a_high, SWAP_AB, DOT_PRECISION)
+        acc = tile_dot(acc, w, a_high, SWAP_AB, DOT_PRECISION)
     else:
         w = _dequantize(packed, scale_ptr, zero_ptr, rows, row_ok, k0, k, k_ok, num_rows, group_size, ONE_GROUP)
-        acc = _tile_dot(acc, w, a, SWAP_AB, DOT_PRECISION)
+        acc = tile_dot(acc, w, a, SWAP_AB, DOT_PRECISION)
     return acc
 
 
@@ -240,27 +224,16 @@ def _wna16_grouped_gemm_kernel(
     SWAP_AB: the transposed product, out.T = w . a.T, accumulated (BLOCK_N, BLOCK_M): the dequantized
     tile is the dot's first operand, which Hopper's tensor cores (wgmma) take from registers (the
     second must go through shared memory). Faster for prefill blocks (wna16_gemm_config)."""
-    block = tl.program_id(0)
-    if not ONE_PER_BLOCK:
-        if block * BLOCK_M >= tl.load(num_padded_ptr):
-            return  # past the last expert's padded run (the grid covers the worst case)
-    ids, row_ok, expert = block_rows(block, sorted_ids_ptr, block_expert_ptr, topk_ids_ptr, topk_weights_ptr,
-                                     logits_ptr, num_experts, num_assignments, TOP_K, ONE_PER_BLOCK,
-                                     ROUTE_IN_KERNEL, RENORMALIZE, K_PAD, E_PAD, BLOCK_M)
-    a_rows = (ids // TOP_K if ROWS_PER_TOKEN else ids).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
+    if past_padded_blocks(num_padded_ptr, ONE_PER_BLOCK, BLOCK_M):
+        return
+    ids, row_ok, expert, a_rows, cols, col_ok, w_base = expert_block_tile(
+        w_ptr, sorted_ids_ptr, block_expert_ptr, topk_ids_ptr, topk_weights_ptr, logits_ptr, num_experts, N,
+        num_assignments, stride_we, stride_wn, TOP_K, ROWS_PER_TOKEN, ONE_PER_BLOCK, ROUTE_IN_KERNEL, RENORMALIZE,
+        K_PAD, E_PAD, BLOCK_M, BLOCK_N)
     num_rows = 2 * N if GATED else N  # rows of an expert: scale / zero (groups, num_rows)
-    w_base = w_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn
     scale_base = scale_ptr + expert * stride_se
     zero_base = zero_ptr + expert * stride_se
-    if SWAP_AB:  # a tiles (BLOCK_K, BLOCK_M)
-        a_base = a_ptr + a_rows[None, :] * stride_am
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    else:  # (BLOCK_M, BLOCK_K)
-        a_base = a_ptr + a_rows[:, None] * stride_am
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros_like(acc)
+    a_base, acc, acc_up = activation_tiles(a_ptr, a_rows, stride_am, SWAP_AB, BLOCK_M, BLOCK_N)
     for k0 in range(0, stored_k, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < stored_k
@@ -302,20 +275,16 @@ def _wna16_grouped_gemm(a, experts: WNA16Experts, out, blocks, topk_ids, topk_we
     magic = factored_magic(a.dtype, experts.bits) if factored else 0
     weight, scale, zero = experts.kernel["weight"], experts.kernel["scale"], experts.kernel["zero"]
     assert a.shape[1] == experts.in_features and a.stride(1) == 1
-    num_blocks = topk_ids.numel() if blocks is None else blocks[0].numel() // block_m
-    sorted_ids, block_expert, num_padded = blocks if blocks is not None else (topk_ids,) * 3  # unread
-    _wna16_grouped_gemm_kernel[(num_blocks, triton.cdiv(n, block_n))](
-        a, weight, scale, zero, out, sorted_ids, block_expert, num_padded, topk_ids, topk_weights,
-        router_logits if router_logits is not None else topk_weights, experts.num_experts,
+    launch = expert_block_launch(blocks, topk_ids, topk_weights, n=n, num_experts=experts.num_experts, top_k=top_k,
+                                 rows_per_token=rows_per_token, gated=gated, mul_weight=mul_weight, block_m=block_m,
+                                 block_n=block_n, router_logits=router_logits, renormalize=renormalize)
+    _wna16_grouped_gemm_kernel[launch.grid](
+        a, weight, scale, zero, out, *launch.pointers, experts.num_experts,
         n, weight.shape[2], experts.group_size, out.shape[0],
         a.stride(0), weight.stride(0), weight.stride(1), scale.stride(0), out.stride(0),
         BITS=experts.bits, ONE_GROUP=one_group, FACTORED=factored, MAGIC=magic,
-        OFF={0x4300: 128.0, 0x6400: 1024.0}.get(magic, 0.0), TOP_K=top_k, ROWS_PER_TOKEN=rows_per_token, GATED=gated,
-        MUL_WEIGHT=mul_weight, ONE_PER_BLOCK=blocks is None, ROUTE_IN_KERNEL=router_logits is not None,
-        RENORMALIZE=renormalize, K_PAD=triton.next_power_of_2(top_k),
-        E_PAD=triton.next_power_of_2(experts.num_experts),
-        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **cfg,
+        OFF={0x4300: 128.0, 0x6400: 1024.0}.get(magic, 0.0), BLOCK_K=block_k,
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32", **launch.constexprs, **cfg,
     )
 
 
