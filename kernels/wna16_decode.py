@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from kernels._triton import jit, pdl_prologue, tl
-from kernels.wna16_layout import finish_tile, launch_product, program_tile, unit_columns, unit_tile_pointers
+from kernels.wna16_layout import finish_tile, launch_product, product_tile, unit_columns
 
 
 def supports(in_features: int, group_size: int, bits: int) -> bool:
@@ -84,11 +84,8 @@ def _factored_fma_kernel(
     pipeliner on the unit loop instead (tl.range num_stages)."""
     PER_WORD: tl.constexpr = 32 // BITS
     UNIT: tl.constexpr = PER_WORD * 16
-    tile, cols, rows, col_ok, row_ok, u_begin, u_end = program_tile(M, N, K, UNITS_PER_SPLIT, BLOCK_N, BLOCK_M, UNIT)
-    r = tl.arange(0, 16)[None, None, :]
-    w_base = unit_tile_pointers(w_ptr, cols, K, UNIT)[None, :, :]  # (1, BLOCK_N, 16)
-    x_base = x_ptr + rows.to(tl.int64)[:, None, None] * stride_xm + r  # (BLOCK_M, 1, 16)
-    acc = tl.zeros([BLOCK_M, BLOCK_N, 16], dtype=tl.float32)
+    tile, cols, rows, col_ok, row_ok, u_begin, u_end, w_base, x_base, acc = product_tile(
+        x_ptr, w_ptr, M, N, K, UNITS_PER_SPLIT, stride_xm, UNIT, True, BLOCK_N, BLOCK_M)
     pdl_prologue(PDL)
     if PREFETCH:
         ok = col_ok & (cols * 0 + u_begin < u_end)  # (a tensor, as the interpreter wants)
@@ -194,11 +191,8 @@ def _factored_dot_kernel(
     PREFETCH: as in _factored_fma_kernel."""
     PER_WORD: tl.constexpr = 32 // BITS
     UNIT: tl.constexpr = PER_WORD * 16
-    tile, cols, rows, col_ok, row_ok, u_begin, u_end = program_tile(M, N, K, UNITS_PER_SPLIT, BLOCK_N, BLOCK_M, UNIT)
-    r = tl.arange(0, 16)
-    w_base = unit_tile_pointers(w_ptr, cols, K, UNIT)
-    x_base = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + r[None, :]
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    tile, cols, rows, col_ok, row_ok, u_begin, u_end, w_base, x_base, acc = product_tile(
+        x_ptr, w_ptr, M, N, K, UNITS_PER_SPLIT, stride_xm, UNIT, False, BLOCK_N, BLOCK_M)
     pdl_prologue(PDL)
     if PREFETCH:
         ok = col_ok & (cols * 0 + u_begin < u_end)  # (a tensor, as the interpreter wants)

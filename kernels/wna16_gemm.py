@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from kernels._triton import jit, pdl_options, pdl_prologue, tl, triton
-from kernels.wna16_layout import finish_tile, launch_product, program_tile, unit_columns, unit_tile_pointers
+from kernels.wna16_layout import finish_tile, launch_product, product_tile, unit_columns, unit_tile_pointers
 
 
 @jit
@@ -44,14 +44,12 @@ def _wna16_kernel(
     SPLIT_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program: out[rows, cols].T over its share of K's units (program_id(1) of SPLIT_K), tiles
-    as program_tile assigns them."""
+    as product_tile assigns them."""
     PER_WORD: tl.constexpr = 32 // BITS
     UNIT: tl.constexpr = PER_WORD * 16
-    tile, cols, rows, col_ok, row_ok, u_begin, u_end = program_tile(M, N, K, UNITS_PER_SPLIT, BLOCK_N, BLOCK_M, UNIT)
+    tile, cols, rows, col_ok, row_ok, u_begin, u_end, w_base, x_base, acc = product_tile(
+        x_ptr, w_ptr, M, N, K, UNITS_PER_SPLIT, stride_xm, UNIT, False, BLOCK_N, BLOCK_M)
     r = tl.arange(0, 16)
-    w_base = unit_tile_pointers(w_ptr, cols, K, UNIT)
-    x_base = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + r[None, :]
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     pdl_prologue(PDL)
     for u in range(u_begin, u_end):
         words = tl.load(w_base + u * (64 * 16), mask=col_ok[:, None], other=0)
@@ -78,11 +76,9 @@ def _wna16_fma_kernel(
     (which the tensor-core operand needs), at BLOCK_M FMAs a weight."""
     PER_WORD: tl.constexpr = 32 // BITS
     UNIT: tl.constexpr = PER_WORD * 16
-    tile, cols, rows, col_ok, row_ok, u_begin, u_end = program_tile(M, N, K, UNITS_PER_SPLIT, BLOCK_N, BLOCK_M, UNIT)
+    tile, cols, rows, col_ok, row_ok, u_begin, u_end, w_base, x_base, acc = product_tile(
+        x_ptr, w_ptr, M, N, K, UNITS_PER_SPLIT, stride_xm, UNIT, True, BLOCK_N, BLOCK_M)
     r = tl.arange(0, 16)[None, None, :]
-    w_base = unit_tile_pointers(w_ptr, cols, K, UNIT)[None, :, :]  # (1, BLOCK_N, 16)
-    x_base = x_ptr + rows.to(tl.int64)[:, None, None] * stride_xm + r  # (BLOCK_M, 1, 16)
-    acc = tl.zeros([BLOCK_M, BLOCK_N, 16], dtype=tl.float32)
     pdl_prologue(PDL)
     for u in range(u_begin, u_end):
         words = tl.load(w_base + u * (64 * 16), mask=col_ok[None, :, None], other=0)

@@ -74,17 +74,34 @@ def unit_tile_pointers(w_ptr, cols, K, UNIT: tl.constexpr):
 
 
 @jit
-def program_tile(M, N, K, UNITS_PER_SPLIT, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, UNIT: tl.constexpr):
-    """What one program of the product kernels covers: (tile, output columns, rows, their masks,
-    and its units [u_begin, u_end) of K (program_id(1) of the split)). Programs along axis 0 go row
-    tile first, so the programs that read one weight tile run together."""
+def product_tile(x_ptr, w_ptr, M, N, K, UNITS_PER_SPLIT, stride_xm, UNIT: tl.constexpr, FMA: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """What one program of the product kernels covers, and where it starts: (tile, cols (BLOCK_N,)
+    output columns, rows (BLOCK_M,), col_ok, row_ok, [u_begin, u_end) its units of K (program_id(1)
+    of the split), w_base, x_base: unit 0's weight words of ``cols`` and x's first 16 columns of
+    ``rows``, acc: float32 zeros). Programs along axis 0 go row tile first, so the programs that
+    read one weight tile run together. Shapes: FMA (sums on the FMA units, reduced over the 16 at
+    the end): w_base (1, BLOCK_N, 16), x_base (BLOCK_M, 1, 16), acc (BLOCK_M, BLOCK_N, 16); else
+    (tensor-core dots of out.T): w_base (BLOCK_N, 16), x_base (BLOCK_M, 16), acc (BLOCK_N, BLOCK_M)."""
     m_tiles = tl.cdiv(M, BLOCK_M)
     tile = tl.program_id(0)
     cols = (tile // m_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = (tile % m_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
     u_begin = tl.program_id(1) * UNITS_PER_SPLIT
     u_end = tl.minimum(u_begin + UNITS_PER_SPLIT, tl.cdiv(K, UNIT))
-    return tile, cols, rows, cols < N, rows < M, u_begin, u_end
+    col_ok = cols < N
+    row_ok = rows < M
+    if FMA:
+        r = tl.arange(0, 16)[None, None, :]
+        w_base = unit_tile_pointers(w_ptr, cols, K, UNIT)[None, :, :]
+        x_base = x_ptr + rows.to(tl.int64)[:, None, None] * stride_xm + r
+        acc = tl.zeros([BLOCK_M, BLOCK_N, 16], dtype=tl.float32)
+    else:
+        r = tl.arange(0, 16)
+        w_base = unit_tile_pointers(w_ptr, cols, K, UNIT)
+        x_base = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + r[None, :]
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    return tile, cols, rows, col_ok, row_ok, u_begin, u_end, w_base, x_base, acc
 
 
 @jit
