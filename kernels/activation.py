@@ -19,19 +19,35 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+SILU, GELU_TANH = 0, 1  # the ACTIVATION constexpr of the gated kernels
+
+
 @jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.constexpr):
+def _activated_gate(gate, ACTIVATION: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """silu(gate) (ACTIVATION 0) or gelu_tanh(gate) (1) of a float32 tile, rounded to OUT_DTYPE as the
+    references' F.silu(gate) / F.gelu(gate) are before their product with up; in float32."""
+    if ACTIVATION == 0:
+        act = gate / (1.0 + tl.exp(-gate))
+    else:  # 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), with tanh(z) = 2 sigmoid(2z) - 1
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        act = 0.5 * gate * (2.0 * tl.sigmoid(2.0 * inner))
+    return act.to(OUT_DTYPE).to(tl.float32)
+
+
+@jit
+def _gated_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, ACTIVATION: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (row, column tile): act(gate) * up of BLOCK columns of one [gate | up] row."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    # silu rounded to the activation dtype first, as the reference's F.silu(gate) * up does.
-    act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    act = _activated_gate(gate, ACTIVATION, out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_o + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
+def _gated_and_mul_triton(x: torch.Tensor, activation: int) -> torch.Tensor:
+    """x (num_tokens, 2 * inter) [gate | up] -> activation(gate) * up (num_tokens, inter), in one pass."""
     num_tokens, width = x.shape
     inter = width // 2
     assert x.stride(1) == 1
@@ -39,8 +55,13 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     if num_tokens == 0:
         return out
     block = 1024
-    _silu_and_mul_kernel[(num_tokens, -(-inter // block))](x, out, x.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4)
+    _gated_and_mul_kernel[(num_tokens, -(-inter // block))](x, out, x.stride(0), out.stride(0), inter,
+                                                           ACTIVATION=activation, BLOCK=block, num_warps=4)
     return out
+
+
+def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
+    return _gated_and_mul_triton(x, SILU)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -52,7 +73,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 @jit
 def _silu_and_mul_quantized_kernel(x_ptr, q_ptr, scale_ptr, row_scale_ptr, col_scale_ptr, stride_x, stride_q, inter,
                                    BLOCK: tl.constexpr, OUT_DTYPE: tl.constexpr, SCALED: tl.constexpr):
-    """One program per row: silu(gate) * up rounded to OUT_DTYPE (as _silu_and_mul_kernel stores
+    """One program per row: silu(gate) * up rounded to OUT_DTYPE (as _gated_and_mul_kernel stores
     it), its absolute maximum over the row, then the row quantized to E4M3 (kernels/e4m3_rows.py).
     A row that fits one BLOCK is read once and kept in registers; a longer one is read twice (the
     second pass finds it in L2). SCALED: x is an unscaled FP8 product (kernels/fp8.py
@@ -80,7 +101,7 @@ def _silu_and_mul_quantized_kernel(x_ptr, q_ptr, scale_ptr, row_scale_ptr, col_s
 
 @jit
 def _silu_mul_chunk(row_ptr, cols, inter, OUT_DTYPE: tl.constexpr, row_scale, col_scale_ptr, SCALED: tl.constexpr):
-    """silu(gate[cols]) * up[cols] of one [gate | up] row, rounded as _silu_and_mul_kernel rounds, in float32
+    """silu(gate[cols]) * up[cols] of one [gate | up] row, rounded as _gated_and_mul_kernel rounds, in float32
     (SCALED: gate and up scaled first, see _silu_and_mul_quantized_kernel)."""
     mask = cols < inter
     gate = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
@@ -88,7 +109,7 @@ def _silu_mul_chunk(row_ptr, cols, inter, OUT_DTYPE: tl.constexpr, row_scale, co
     if SCALED:
         gate = (gate * row_scale * tl.load(col_scale_ptr + cols, mask=mask, other=0.0)).to(OUT_DTYPE).to(tl.float32)
         up = (up * row_scale * tl.load(col_scale_ptr + inter + cols, mask=mask, other=0.0)).to(OUT_DTYPE).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(OUT_DTYPE).to(tl.float32)
+    act = _activated_gate(gate, 0, OUT_DTYPE)  # silu
     return (act * up).to(OUT_DTYPE).to(tl.float32)
 
 
@@ -123,32 +144,8 @@ def gelu_tanh_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
-@jit
-def _gelu_tanh_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < inter
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    # 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), with tanh(z) = 2 sigmoid(2z) - 1; the gelu
-    # rounded to the activation dtype first, as the reference's F.gelu(gate) * up does.
-    inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
-    act = 0.5 * gate * (2.0 * tl.sigmoid(2.0 * inner))
-    act = act.to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
-
-
 def gelu_tanh_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
-    num_tokens, width = x.shape
-    inter = width // 2
-    assert x.stride(1) == 1
-    out = torch.empty(num_tokens, inter, dtype=x.dtype, device=x.device)
-    if num_tokens == 0:
-        return out
-    block = 1024
-    _gelu_tanh_and_mul_kernel[(num_tokens, -(-inter // block))](x, out, x.stride(0), out.stride(0), inter,
-                                                               BLOCK=block, num_warps=4)
-    return out
+    return _gated_and_mul_triton(x, GELU_TANH)
 
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -324,7 +324,6 @@ def replay_time_ms(graph: torch.cuda.CUDAGraph, replays: int) -> float:
     return start.elapsed_time(end) / replays
 
 
-@torch.inference_mode()
 def choose_skinny_weights(weights: list[torch.Tensor], rows: tuple[int, ...] = (1, 8)) -> dict[tuple[int, int], dict]:
     """Per distinct (N, K) weight shape, time cuBLAS and every SKINNY_VARIANTS tiling at each row
     count in ``rows``; a weight gets the best variant when it beats cuBLAS by 1% at every row count
@@ -334,29 +333,28 @@ def choose_skinny_weights(weights: list[torch.Tensor], rows: tuple[int, ...] = (
     L2. Returns per shape the timings (microseconds) and the choice, for the load log. A no-op
     off CUDA or without Triton.
     """
-    report: dict[tuple[int, int], dict] = {}
-    for weight in weights:
-        if not use_triton(weight) or weight.dim() != 2 or weight.dtype not in (torch.float16, torch.bfloat16):
-            continue
-        shape = tuple(weight.shape)
-        if shape not in report:
-            report[shape] = _time_shape(shape, weight.dtype, weight.device, rows)
-        setattr(weight, _SKINNY_ATTR, report[shape]["variant"])
-    return report
+    return _choose_weights(weights, rows, _SKINNY_ATTR, gated=False)
 
 
-@torch.inference_mode()
 def choose_gated_weights(weights: list[torch.Tensor], rows: tuple[int, ...] = (1, 8)) -> dict[tuple[int, int], dict]:
     """Like choose_skinny_weights for gate_up weights: the fused gated kernel against the unfused
     product + silu_and_mul; marks a weight with the best tiling when it wins by 1% at every size."""
+    return _choose_weights(weights, rows, _GATED_ATTR, gated=True)
+
+
+@torch.inference_mode()
+def _choose_weights(weights: list[torch.Tensor], rows: tuple[int, ...], attr: str, *, gated: bool
+                    ) -> dict[tuple[int, int], dict]:
+    """choose_skinny_weights / choose_gated_weights: each 2-D float16/bfloat16 CUDA weight marked
+    (attribute ``attr``) with the choice timed once per shape (``_time_shape``)."""
     report: dict[tuple[int, int], dict] = {}
     for weight in weights:
         if not use_triton(weight) or weight.dim() != 2 or weight.dtype not in (torch.float16, torch.bfloat16):
             continue
         shape = tuple(weight.shape)
         if shape not in report:
-            report[shape] = _time_shape(shape, weight.dtype, weight.device, rows, gated=True)
-        setattr(weight, _GATED_ATTR, report[shape]["variant"])
+            report[shape] = _time_shape(shape, weight.dtype, weight.device, rows, gated=gated)
+        setattr(weight, attr, report[shape]["variant"])
     return report
 
 

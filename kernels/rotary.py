@@ -184,8 +184,24 @@ def apply_rotary_ref(
 
 
 @jit
-def _rotate_heads(x_ptr, token, stride_t, stride_h, num_heads, cos, sin, half_idx, half_mask,
-                  HEADS_PAD: tl.constexpr, HALF: tl.constexpr, IS_NEOX: tl.constexpr):
+def _position_cos_sin(positions_ptr, cache_ptr, token, stride_cache, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+    """(cos, sin) (1, HALF_PAD) float32 of the token's position from the cos/sin cache (position rows
+    [cos | sin]), and (half_idx (HALF_PAD,), half_mask): the pair indices and which are real. Padded
+    pairs read cos 1, sin 0."""
+    position = tl.load(positions_ptr + token)
+    half_idx = tl.arange(0, HALF_PAD)
+    half_mask = half_idx < HALF
+    cos = tl.load(cache_ptr + position * stride_cache + half_idx, mask=half_mask, other=1.0)[None, :]
+    sin = tl.load(cache_ptr + position * stride_cache + HALF + half_idx, mask=half_mask, other=0.0)[None, :]
+    return cos, sin, half_idx, half_mask
+
+
+@jit
+def _rotated_heads(x_ptr, token, stride_t, stride_h, num_heads, cos, sin, half_idx, half_mask,
+                   HEADS_PAD: tl.constexpr, HALF: tl.constexpr, IS_NEOX: tl.constexpr):
+    """The token's heads of x rotated, in float32: (heads (HEADS_PAD, 1), mask (HEADS_PAD, HALF_PAD),
+    first, second (1, HALF_PAD): each pair's two dims (neox: j and j + HALF; else 2j and 2j + 1),
+    out1, out2 (HEADS_PAD, HALF_PAD): the pairs' rotated values)."""
     heads = tl.arange(0, HEADS_PAD)[:, None]
     mask = (heads < num_heads) & half_mask[None, :]
     if IS_NEOX:
@@ -195,6 +211,16 @@ def _rotate_heads(x_ptr, token, stride_t, stride_h, num_heads, cos, sin, half_id
     base = x_ptr + token * stride_t + heads * stride_h
     out1, out2 = rotate_pair(tl.load(base + first, mask=mask, other=0.0), tl.load(base + second, mask=mask, other=0.0),
                              cos, sin)
+    return heads, mask, first, second, out1, out2
+
+
+@jit
+def _rotate_heads(x_ptr, token, stride_t, stride_h, num_heads, cos, sin, half_idx, half_mask,
+                  HEADS_PAD: tl.constexpr, HALF: tl.constexpr, IS_NEOX: tl.constexpr):
+    """The token's heads of x rotated in place."""
+    heads, mask, first, second, out1, out2 = _rotated_heads(x_ptr, token, stride_t, stride_h, num_heads, cos, sin,
+                                                            half_idx, half_mask, HEADS_PAD, HALF, IS_NEOX)
+    base = x_ptr + token * stride_t + heads * stride_h
     tl.store(base + first, out1.to(x_ptr.dtype.element_ty), mask=mask)
     tl.store(base + second, out2.to(x_ptr.dtype.element_ty), mask=mask)
 
@@ -207,11 +233,7 @@ def _rotary_kernel(
     IS_NEOX: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
-    position = tl.load(positions_ptr + token)
-    half_idx = tl.arange(0, HALF_PAD)
-    half_mask = half_idx < HALF
-    cos = tl.load(cache_ptr + position * stride_cache + half_idx, mask=half_mask, other=1.0)[None, :]
-    sin = tl.load(cache_ptr + position * stride_cache + HALF + half_idx, mask=half_mask, other=0.0)[None, :]
+    cos, sin, half_idx, half_mask = _position_cos_sin(positions_ptr, cache_ptr, token, stride_cache, HALF, HALF_PAD)
     _rotate_heads(q_ptr, token, stride_qt, stride_qh, num_q_heads, cos, sin, half_idx, half_mask,
                   Q_HEADS_PAD, HALF, IS_NEOX)
     _rotate_heads(k_ptr, token, stride_kt, stride_kh, num_k_heads, cos, sin, half_idx, half_mask,
@@ -250,24 +272,13 @@ def _rotary_write_kv_kernel(
     (block slot // PAGE_SIZE, row slot % PAGE_SIZE: the pool's strides say where that is)."""
     pdl_prologue(PDL)
     token = tl.program_id(0).to(tl.int64)
-    position = tl.load(positions_ptr + token)
-    half_idx = tl.arange(0, HALF_PAD)
-    half_mask = half_idx < HALF
-    cos = tl.load(cache_ptr + position * stride_cache + half_idx, mask=half_mask, other=1.0)[None, :]
-    sin = tl.load(cache_ptr + position * stride_cache + HALF + half_idx, mask=half_mask, other=0.0)[None, :]
+    cos, sin, half_idx, half_mask = _position_cos_sin(positions_ptr, cache_ptr, token, stride_cache, HALF, HALF_PAD)
     _rotate_heads(q_ptr, token, stride_qt, stride_qh, num_q_heads, cos, sin, half_idx, half_mask,
                   Q_HEADS_PAD, HALF, IS_NEOX)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot >= 0:  # slot -1: CUDA-graph padding row, writes nothing
-        heads = tl.arange(0, K_HEADS_PAD)[:, None]
-        mask = (heads < num_kv_heads) & half_mask[None, :]
-        if IS_NEOX:
-            first, second = half_idx[None, :], half_idx[None, :] + HALF
-        else:
-            first, second = 2 * half_idx[None, :], 2 * half_idx[None, :] + 1
-        k_row = k_ptr + token * stride_kt + heads * stride_kh
-        out1, out2 = rotate_pair(tl.load(k_row + first, mask=mask, other=0.0),
-                                 tl.load(k_row + second, mask=mask, other=0.0), cos, sin)
+        heads, mask, first, second, out1, out2 = _rotated_heads(k_ptr, token, stride_kt, stride_kh, num_kv_heads, cos,
+                                                                sin, half_idx, half_mask, K_HEADS_PAD, HALF, IS_NEOX)
         # Rounded to k's dtype first (the reference rotates k, then the KV write casts to the cache).
         out1 = cache_value(out1.to(k_ptr.dtype.element_ty), k_cache_ptr)
         out2 = cache_value(out2.to(k_ptr.dtype.element_ty), k_cache_ptr)
