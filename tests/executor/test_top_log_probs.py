@@ -97,7 +97,10 @@ def test_k_0_leaves_the_outputs_as_they_were(executor):
 def test_streamed_entries_concatenate_to_the_unary_ones(executor):
     unary, streamed = run(executor, Request(PROMPT, 9, sampling=GREEDY, output=top_output(3)),
                           Request(PROMPT, 9, sampling=GREEDY, output=top_output(3), streaming=True))
-    assert len(streamed) > 1
+    # How many responses carry the 9 tokens depends on timing: the response queue coalesces the
+    # chunks of a stream whose reader lags (output.py), so a loaded machine may see one. The
+    # entries must concatenate to the unary ones however the stream was split.
+    assert streamed[-1].result.is_final
     assert final_tokens(streamed) == final_tokens(unary)
     assert joined(streamed, "top_log_prob_ids") == unary[-1].result.top_log_prob_ids[0]
     same_log_probs([joined(streamed, "log_probs")], [unary[-1].result.log_probs[0]])
