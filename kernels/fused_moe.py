@@ -92,10 +92,10 @@ def _grouped_gemm_kernel(
     pdl_prologue(PDL)  # before the early return too: every program must wait (kernels/_triton.py)
     if past_padded_blocks(num_padded_ptr, ONE_PER_BLOCK, BLOCK_M):
         return
-    ids, row_ok, expert, a_rows, cols, col_ok, w_base = expert_block_tile(
+    ids, row_ok, expert, a_rows, cols, col_ok, _, w_base = expert_block_tile(
         w_ptr, sorted_ids_ptr, block_expert_ptr, topk_ids_ptr, topk_weights_ptr, logits_ptr, num_experts, N,
-        num_assignments, stride_we, stride_wn, TOP_K, ROWS_PER_TOKEN, ONE_PER_BLOCK, ROUTE_IN_KERNEL, RENORMALIZE,
-        K_PAD, E_PAD, BLOCK_M, BLOCK_N)
+        num_assignments, stride_we, stride_wn, TOP_K, ROWS_PER_TOKEN, GATED, ONE_PER_BLOCK, ROUTE_IN_KERNEL,
+        RENORMALIZE, K_PAD, E_PAD, BLOCK_M, BLOCK_N)
     a_base, acc, acc_up = activation_tiles(a_ptr, a_rows, stride_am, False, BLOCK_M, BLOCK_N)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)

@@ -226,11 +226,10 @@ def _wna16_grouped_gemm_kernel(
     second must go through shared memory). Faster for prefill blocks (wna16_gemm_config)."""
     if past_padded_blocks(num_padded_ptr, ONE_PER_BLOCK, BLOCK_M):
         return
-    ids, row_ok, expert, a_rows, cols, col_ok, w_base = expert_block_tile(
+    ids, row_ok, expert, a_rows, cols, col_ok, num_rows, w_base = expert_block_tile(
         w_ptr, sorted_ids_ptr, block_expert_ptr, topk_ids_ptr, topk_weights_ptr, logits_ptr, num_experts, N,
-        num_assignments, stride_we, stride_wn, TOP_K, ROWS_PER_TOKEN, ONE_PER_BLOCK, ROUTE_IN_KERNEL, RENORMALIZE,
-        K_PAD, E_PAD, BLOCK_M, BLOCK_N)
-    num_rows = 2 * N if GATED else N  # rows of an expert: scale / zero (groups, num_rows)
+        num_assignments, stride_we, stride_wn, TOP_K, ROWS_PER_TOKEN, GATED, ONE_PER_BLOCK, ROUTE_IN_KERNEL,
+        RENORMALIZE, K_PAD, E_PAD, BLOCK_M, BLOCK_N)
     scale_base = scale_ptr + expert * stride_se
     zero_base = zero_ptr + expert * stride_se
     a_base, acc, acc_up = activation_tiles(a_ptr, a_rows, stride_am, SWAP_AB, BLOCK_M, BLOCK_N)

@@ -67,25 +67,27 @@ def past_padded_blocks(num_padded_ptr, ONE_PER_BLOCK: tl.constexpr, BLOCK_M: tl.
 @jit
 def expert_block_tile(w_ptr, sorted_ids_ptr, block_expert_ptr, topk_ids_ptr, topk_weights_ptr, logits_ptr,
                       num_experts, N, num_assignments, stride_we, stride_wn,
-                      TOP_K: tl.constexpr, ROWS_PER_TOKEN: tl.constexpr, ONE_PER_BLOCK: tl.constexpr,
-                      ROUTE_IN_KERNEL: tl.constexpr, RENORMALIZE: tl.constexpr, K_PAD: tl.constexpr,
-                      E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                      TOP_K: tl.constexpr, ROWS_PER_TOKEN: tl.constexpr, GATED: tl.constexpr,
+                      ONE_PER_BLOCK: tl.constexpr, ROUTE_IN_KERNEL: tl.constexpr, RENORMALIZE: tl.constexpr,
+                      K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The grouped GEMMs' prologue, after ``past_padded_blocks``: what program (block program_id(0),
-    column tile program_id(1)) covers. Returns (ids, row_ok, expert, a_rows, cols, col_ok, w_base):
+    column tile program_id(1)) covers. Returns (ids, row_ok, expert, a_rows, cols, col_ok, num_rows, w_base):
 
     - ids (BLOCK_M,) int32 assignments, row_ok (BLOCK_M,), expert int64: ``block_rows``;
     - a_rows (BLOCK_M,) int64: the rows of ``a`` the assignments read, ids // TOP_K when
       ROWS_PER_TOKEN (x: one row per token), else ids (act: one row per assignment);
-    - cols (BLOCK_N,), col_ok: the output columns; w_base (BLOCK_N, 1): the expert's weight rows
-      ``cols`` (w_ptr + expert * stride_we + cols * stride_wn)."""
+    - cols (BLOCK_N,), col_ok: the output columns; num_rows: the rows of an expert's weight, 2N when
+      GATED ([gate | up]: up's row of column c is N + c), else N; w_base (BLOCK_N, 1): the expert's
+      weight rows ``cols`` (w_ptr + expert * stride_we + cols * stride_wn)."""
     ids, row_ok, expert = block_rows(tl.program_id(0), sorted_ids_ptr, block_expert_ptr, topk_ids_ptr,
                                      topk_weights_ptr, logits_ptr, num_experts, num_assignments, TOP_K,
                                      ONE_PER_BLOCK, ROUTE_IN_KERNEL, RENORMALIZE, K_PAD, E_PAD, BLOCK_M)
     a_rows = (ids // TOP_K if ROWS_PER_TOKEN else ids).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
+    num_rows = 2 * N if GATED else N
     w_base = w_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn
-    return ids, row_ok, expert, a_rows, cols, col_ok, w_base
+    return ids, row_ok, expert, a_rows, cols, col_ok, num_rows, w_base
 
 
 @jit
