@@ -11,7 +11,7 @@ Activations (``ACTIVATIONS``; the integer is the kernels' constexpr):
     silu:            silu(gate) * up
     swiglu_clamped:  (clamp(up, -L, L) + 1) * g * sigmoid(1.702 * g),  g = min(gate, L), L = swiglu_limit
 
-Shared by the grouped-GEMM kernels' epilogue (kernels/fused_moe.py store_rows) and the
+Shared by the grouped-GEMM kernels' epilogue (kernels/moe_blocks.py store_rows) and the
 sorted-rows path (kernels/moe_grouped_mm.py), which applies it in ``expert_activation``.
 """
 from __future__ import annotations
