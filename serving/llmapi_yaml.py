@@ -175,7 +175,7 @@ def _speculative(value: Any, config: LlmapiConfig, base_dir: str | None) -> None
     """speculative_config, TensorRT-LLM's names: decoding_type NGram (max_draft_len,
     max_matching_ngram_size) or DraftTarget (max_draft_len, speculative_model_dir: the draft's
     checkpoint or engine directory, same tokenizer) -> the tensorrt_llm model's decoding_mode,
-    max_draft_len, max_matching_ngram_size and draft_model_path (README "Speculative decoding")."""
+    max_draft_len, max_matching_ngram_size and draft_model_path (docs/features/speculative-decoding.md)."""
     spec = _mapping(value, "speculative_config", SPECULATIVE_KEYS)
     if not spec:
         return

@@ -63,7 +63,7 @@ def default_substitutions(engine_dir: str, *, max_batch_size: int = 8, decoupled
                          "max_beam_width": "2", "cancellation_check_period_ms": "100",
                          "stats_check_period_ms": "100", "tokenizer_dir": engine_dir,
                          "guided_decoding_backend": "xgrammar",
-                         # LoRA on (README "LoRA adapters"): 4 device slots of rank up to 64
+                         # LoRA on (docs/features/lora.md): 4 device slots of rank up to 64
                          "enable_lora": "true", "max_loras": "4", "lora_cache_max_adapter_size": "64"},
         "postprocessing": {**common, "tokenizer_dir": engine_dir, "skip_special_tokens": "True",
                            "postprocessing_instance_count": "1"},
@@ -83,7 +83,7 @@ def prepare_model_repo(engine_dir: str, repo_dir: str, overrides: dict[str, dict
     if repo.exists():
         shutil.rmtree(repo)
     # Only the five models: all_models/llmapi and all_models/multimodal hold other repositories' models
-    # (README "LLM-API model repository"; tools/assemble_repository.py assembles any kind).
+    # (docs/llmapi.md; tools/assemble_repository.py assembles any kind).
     for model in MODELS:
         shutil.copytree(model_templates_dir() / model, repo / model, ignore=shutil.ignore_patterns("__pycache__"))
     for model in MODELS:
