@@ -7,7 +7,7 @@ group_size=None)`` converts it to an engine directory through the real build pat
 ``PagedSession`` feeds a ModelRunner step by step from shuffled (non-contiguous) KV blocks, the
 way the executor does. ``assert_tp2_matches_tp1``
 (or ``assert_tp2_engines_match_tp1`` for engines already built) runs engines on two gloo ranks
-against their TP 1 logits.
+(gloo_ranks.py's pair, which the tests of one process share) against their TP 1 logits.
 """
 from __future__ import annotations
 
@@ -194,19 +194,13 @@ class PagedSession:
 
 
 
-def tp_worker(rank: int, world_size: int, init_file: str, engine_dirs: dict, out_dir: str) -> None:
-    """One rank of the gloo tensor-parallel test: runs a packed batch, saves its logits per family."""
+def tp_rank_logits(rank: int, engine_dirs: dict) -> dict:
+    """One rank's job of the gloo tensor-parallel test (gloo_ranks.py's shared pair): each tp 2
+    engine's tp_reference_steps logits on this rank, by name."""
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    try:
-        for family, engine_dir in engine_dirs.items():
-            runner = ModelRunner(engine_dir, rank=rank, tp_group=dist.group.WORLD)
-            logits = tp_reference_steps(runner)
-            torch.save(logits, f"{out_dir}/{family}-rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    return {name: tp_reference_steps(ModelRunner(engine_dir, rank=rank, tp_group=dist.group.WORLD))
+            for name, engine_dir in engine_dirs.items()}
 
 
 def tp_reference_steps(runner: ModelRunner) -> torch.Tensor:
@@ -220,7 +214,7 @@ def tp_reference_steps(runner: ModelRunner) -> torch.Tensor:
 
 
 def assert_tp2_matches_tp1(hf_models: dict, tmp_path) -> None:
-    """Each model's engine at TP 2 over gloo (two spawned ranks) gives its TP 1 logits within 1e-5
+    """Each model's engine at TP 2 over gloo (two ranks) gives its TP 1 logits within 1e-5
     on both ranks, over tp_reference_steps' prefill and mixed chunk + decode step."""
     engines = {family: (make_engine(hf, tmp_path / f"{family}-tp1"),
                         make_engine(hf, tmp_path / f"{family}-tp2", tp_size=2)) for family, hf in hf_models.items()}
@@ -228,14 +222,15 @@ def assert_tp2_matches_tp1(hf_models: dict, tmp_path) -> None:
 
 
 def assert_tp2_engines_match_tp1(engines: dict[str, tuple[str, str]], tmp_path) -> None:
-    """name -> (tp 1 engine dir, tp 2 engine dir): the tp 2 engine on two spawned gloo ranks gives
-    the tp 1 engine's logits within 1e-5 on both ranks, over tp_reference_steps."""
-    import torch.multiprocessing as mp
+    """name -> (tp 1 engine dir, tp 2 engine dir): the tp 2 engine on two gloo ranks (this test
+    process's shared pair, gloo_ranks.py) gives the tp 1 engine's logits within 1e-5 on both ranks,
+    over tp_reference_steps."""
+    from gloo_ranks import shared_pair
 
     expected = {name: tp_reference_steps(ModelRunner(tp1)) for name, (tp1, _) in engines.items()}
     tp2_dirs = {name: tp2 for name, (_, tp2) in engines.items()}
-    mp.spawn(tp_worker, args=(2, str(tmp_path / "init"), tp2_dirs, str(tmp_path)), nprocs=2, join=True)
+    ranks = shared_pair().run(tp_rank_logits, tp2_dirs)
     for name, reference in expected.items():
         for rank in range(2):
-            error = (torch.load(tmp_path / f"{name}-rank{rank}.pt") - reference).abs().max().item()
+            error = (ranks[rank][name] - reference).abs().max().item()
             assert error <= 1e-5, f"{name} rank {rank}: max abs error {error:.3g} vs tp 1"

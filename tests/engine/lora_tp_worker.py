@@ -1,8 +1,7 @@
-"""The ranks of test_lora_merged.py's tensor-parallel test, in a module of their own: a spawned
-rank imports the module its function lives in, and this one imports only what a rank needs."""
+"""The rank job of test_lora_merged.py's tensor-parallel test, in a module of their own: a rank
+imports the module its job lives in (jobs are pickled by reference), and this one imports only
+what a rank needs."""
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -21,16 +20,10 @@ def lora_reference_steps(runner, adapter_dir: str) -> torch.Tensor:
     return tp_reference_steps(runner)
 
 
-def lora_tp_worker(rank: int, world_size: int, init_file: str, engine_dir: str, adapter_dir: str, out_dir: str) -> None:
+def lora_rank_logits(rank: int, engine_dir: str, adapter_dir: str) -> torch.Tensor:
+    """One rank's job (gloo_ranks.py's shared pair): lora_reference_steps on this rank's tp 2 shard."""
     import torch.distributed as dist
 
     from engine.executor.runner import ModelRunner
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    runner = ModelRunner(engine_dir, rank=rank, tp_group=dist.group.WORLD)
-    torch.save(lora_reference_steps(runner, adapter_dir), f"{out_dir}/rank{rank}.pt")
-    dist.barrier()  # both ranks are done
-    # Leave without tearing gloo down: its pair threads could race the peer's teardown and abort
-    # this process at exit ("terminate called without an active exception", about 1 run in 12).
-    os._exit(0)
+    return lora_reference_steps(ModelRunner(engine_dir, rank=rank, tp_group=dist.group.WORLD), adapter_dir)

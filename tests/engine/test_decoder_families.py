@@ -156,8 +156,8 @@ def test_baichuan2_13b_alibi_checkpoint_equals_transformers_llama_with_the_alibi
 
 # One family of each kind whose split needs care: a parallel residual (two all-reduces per block
 # summed into one stream) and ALiBi (each rank's slice of the slopes). TP 2 equals TP 1 for them in
-# test_model_families.py's test_two_gloo_ranks_compute_tp1_logits (one spawn of two gloo ranks for
-# every family it holds).
+# test_model_families.py's test_two_gloo_ranks_compute_tp1_logits (one job of the shared gloo ranks,
+# gloo_ranks.py, for every family it holds).
 TP_FAMILIES = ["gpt_neox_parallel", "bloom"]
 
 

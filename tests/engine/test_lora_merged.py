@@ -106,8 +106,6 @@ def test_tp2_with_adapters_equals_tp1(tmp_path):
     """Column-parallel projections take their rows of B, row-parallel ones their columns of A
     (their partial products join the all-reduce): both ranks' logits equal TP 1's, and the base
     sequence's logits equal those of an engine without LoRA."""
-    import torch.multiprocessing as mp
-
     from engine.executor.runner import ModelRunner
     from engine_testing import tp_reference_steps
     from lora_tp_worker import lora_reference_steps
@@ -121,12 +119,12 @@ def test_tp2_with_adapters_equals_tp1(tmp_path):
     assert (expected[rows_of_seq0] - base[rows_of_seq0]).abs().max() > 1e-3  # the adapter matters
     assert (expected[6:19] - base[6:19]).abs().max() <= 1e-5 and (expected[22:] - base[22:]).abs().max() <= 1e-5
     engine = make_engine(hf, tmp_path / "tp2", tp_size=2)
-    from lora_tp_worker import lora_tp_worker
+    from gloo_ranks import shared_pair
+    from lora_tp_worker import lora_rank_logits
 
-    mp.spawn(lora_tp_worker, args=(2, str(tmp_path / "init"), engine, str(tmp_path / "adapter"), str(tmp_path)),
-             nprocs=2, join=True)
+    ranks = shared_pair().run(lora_rank_logits, engine, str(tmp_path / "adapter"))
     for rank in range(2):
-        error = (torch.load(tmp_path / f"rank{rank}.pt") - expected).abs().max().item()
+        error = (ranks[rank] - expected).abs().max().item()
         assert error <= 1e-5, f"rank {rank}: max abs error {error:.3g} vs tp 1"
 
 

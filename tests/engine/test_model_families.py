@@ -153,7 +153,7 @@ def test_tp2_shards_reassemble_exactly_to_tp1(family, tmp_path):
 
 def test_two_gloo_ranks_compute_tp1_logits(tmp_path):
     """With the configurable decoder's parallel-residual and ALiBi forms (test_decoder_families.py
-    TP_FAMILIES) in the same two spawned ranks: one spawn, not two."""
+    TP_FAMILIES) in the same job of the shared gloo ranks (gloo_ranks.py)."""
     from decoder_testing import tiny_decoder
     from test_decoder_families import TP_FAMILIES
 

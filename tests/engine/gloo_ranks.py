@@ -1,0 +1,179 @@
+"""Two long-lived gloo ranks that the engine tests' tensor-parallel checks share.
+
+Spawning two ranks costs a torch import, a gloo init and the ranks' imports (~5-8 s on 2 cores)
+before any logits are computed; with a fresh pair per test that fixed cost was most of each such
+test. ``shared_pair()`` starts one pair per test process (so one per pytest-xdist worker), on its
+first use, and every test sends it jobs: ``pair.run(fn, *args)`` calls ``fn(rank, *args)`` on both
+ranks at once (fn is pickled by reference, so it lives in an importable helper module, not a test
+module) and returns ``[result of rank 0, result of rank 1]``. The ranks share the default process
+group (``dist.group.WORLD``, world size 2) from one job to the next; nothing else is kept.
+
+A job that raises on either rank, a rank that dies, or a job that outlives its timeout fails the
+calling test with each rank's traceback (or exit code, or "no reply"), and the pair is killed: the
+next job starts a fresh pair, so one test's broken collective cannot leak into the next test.
+"""
+from __future__ import annotations
+
+import atexit
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import shutil
+import tempfile
+import time
+import traceback
+
+WORLD_SIZE = 2
+JOB_TIMEOUT_S = 300.0  # a job's compute on a loaded 2-core machine is seconds; this only bounds a hang
+START_TIMEOUT_S = 120.0
+GRACE_S = 10.0  # once a rank failed, how long the other may still take to say why (it may sit in a collective)
+
+
+class RankFailure(AssertionError):
+    """A job failed on a rank (its traceback), a rank died, or a rank did not answer in time."""
+
+
+def _rank_main(rank: int, init_file: str, conn) -> None:
+    """A rank: join the gloo group, then run jobs from the pipe until told to stop or the test
+    process goes away."""
+    try:
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE,
+                                timeout=datetime.timedelta(seconds=JOB_TIMEOUT_S))
+        conn.send_bytes(pickle.dumps(("ok", "ready")))
+    except BaseException:
+        conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
+        os._exit(1)
+    while True:
+        try:
+            message = conn.recv_bytes()
+        except (EOFError, OSError):  # the test process is gone
+            os._exit(0)
+        if message == b"stop":
+            try:
+                dist.barrier()  # both ranks are done
+            finally:
+                # Leave without tearing gloo down: its pair threads could race the peer's teardown
+                # and abort this process at exit ("terminate called without an active exception").
+                os._exit(0)
+        try:
+            fn, args = pickle.loads(message)
+            reply = pickle.dumps(("ok", fn(rank, *args)))
+        except BaseException:
+            reply = pickle.dumps(("error", traceback.format_exc()))
+        conn.send_bytes(reply)
+
+
+class GlooPair:
+    """Two spawned gloo ranks fed jobs over pipes; see the module docstring."""
+
+    def __init__(self):
+        context = multiprocessing.get_context("spawn")
+        self._dir = tempfile.mkdtemp(prefix="gloo_pair_")
+        self.conns, self.procs = [], []
+        for rank in range(WORLD_SIZE):
+            mine, theirs = context.Pipe()
+            proc = context.Process(target=_rank_main, args=(rank, f"{self._dir}/init", theirs), daemon=True,
+                                   name=f"gloo-rank{rank}")
+            proc.start()
+            theirs.close()
+            self.conns.append(mine)
+            self.procs.append(proc)
+        self._collect("start", START_TIMEOUT_S)
+
+    def run(self, fn, *args, timeout: float = JOB_TIMEOUT_S) -> list:
+        """fn(rank, *args) on both ranks together; [rank 0's result, rank 1's result]."""
+        message = pickle.dumps((fn, args))
+        for conn in self.conns:
+            conn.send_bytes(message)
+        return self._collect(getattr(fn, "__qualname__", repr(fn)), timeout)
+
+    def _collect(self, job: str, timeout: float) -> list:
+        replies: list = [None] * WORLD_SIZE
+        deadline = time.monotonic() + timeout
+        while any(reply is None for reply in replies):
+            waiting = {}
+            for rank, reply in enumerate(replies):
+                if reply is None:
+                    waiting[self.conns[rank]] = rank
+                    waiting[self.procs[rank].sentinel] = rank
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            for ready in multiprocessing.connection.wait(list(waiting), timeout=left):
+                rank = waiting[ready]
+                if replies[rank] is not None:
+                    continue
+                conn = self.conns[rank]
+                try:
+                    if ready is conn or conn.poll():
+                        replies[rank] = pickle.loads(conn.recv_bytes())
+                        continue
+                except (EOFError, OSError):
+                    pass
+                self.procs[rank].join(5)
+                replies[rank] = ("died", f"rank {rank} died, exit code {self.procs[rank].exitcode}")
+            if any(reply is not None and reply[0] != "ok" for reply in replies):
+                deadline = min(deadline, time.monotonic() + GRACE_S)
+        if all(reply is not None and reply[0] == "ok" for reply in replies):
+            return [reply[1] for reply in replies]
+        self.close(kill=True)
+        report = []
+        for rank, reply in enumerate(replies):
+            if reply is None:
+                report.append(f"rank {rank}: no reply within the time allowed (killed)")
+            elif reply[0] == "ok":
+                report.append(f"rank {rank}: ok")
+            else:
+                report.append(f"rank {rank}:\n{reply[1]}")
+        raise RankFailure(f"gloo job {job} failed:\n" + "\n".join(report))
+
+    def alive(self) -> bool:
+        return all(proc.is_alive() for proc in self.procs)
+
+    def close(self, kill: bool = False) -> None:
+        if not kill and self.alive():
+            for conn in self.conns:
+                try:
+                    conn.send_bytes(b"stop")
+                except OSError:
+                    pass
+            for proc in self.procs:
+                proc.join(10)
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+        for conn in self.conns:
+            conn.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+        global _shared
+        if _shared is self:
+            _shared = None
+
+
+_shared: GlooPair | None = None
+
+
+def shared_pair() -> GlooPair:
+    """This process's pair, started on first use (and again after a failed job killed it)."""
+    global _shared
+    if _shared is None or not _shared.alive():
+        if _shared is not None:
+            _shared.close(kill=True)
+        _shared = GlooPair()
+    return _shared
+
+
+def close_shared() -> None:
+    if _shared is not None:
+        _shared.close()
+
+
+atexit.register(close_shared)
