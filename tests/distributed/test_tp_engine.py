@@ -33,6 +33,13 @@ def engines(tmp_path_factory):
     return {tp: build_tiny_engine(hf, str(root / f"tp{tp}"), tp_size=tp) for tp in (1, 2)}
 
 
+@pytest.fixture(scope="module")
+def tp1_run(engines, tmp_path_factory) -> dict:
+    """The driver's plain greedy decoding on one rank, once for the module: the reference of every
+    TP 2 run below (deterministic; plan channels and overlapping are TP 2 matters)."""
+    return run_driver(engines[1], 1, str(tmp_path_factory.mktemp("tp1_run") / "tp1.json"))
+
+
 def run_driver(engine_dir: str, world_size: int, out: str, *extra: str, timeout: float = 120) -> dict:
     cmd = [sys.executable, DRIVER, "--engine_dir", engine_dir, "--prompts", json.dumps(PROMPTS),
            "--max_tokens", str(MAX_TOKENS), "--out", out, *extra]
@@ -103,8 +110,8 @@ def plans(request, monkeypatch):
     return request.param
 
 
-def test_tp2_greedy_equals_tp1(engines, tmp_path, plans):
-    single = run_driver(engines[1], 1, str(tmp_path / "tp1.json"))
+def test_tp2_greedy_equals_tp1(engines, tp1_run, tmp_path, plans):
+    single = tp1_run
     double = run_driver(engines[2], 2, str(tmp_path / "tp2.json"))
     assert (single["runner"], double["runner"]) == ("ModelRunner", "LeaderRunner")
     assert double["plans"] == plans
@@ -115,10 +122,10 @@ def test_tp2_greedy_equals_tp1(engines, tmp_path, plans):
     assert len({tuple(t) for t in single["tokens"]}) > 1  # the prompts really lead different ways
 
 
-def test_tp2_overlapped_decoding_equals_tp1(engines, tmp_path, plans):
+def test_tp2_overlapped_decoding_equals_tp1(engines, tp1_run, tmp_path, plans):
     """Placeholder ids in the plans: every rank resolves them from the tokens the leader sampled
     and broadcast (LeaderRunner.store_sampled_tokens), so TP 2 still equals plain TP 1 decoding."""
-    single = run_driver(engines[1], 1, str(tmp_path / "tp1.json"))
+    single = tp1_run
     overlapped = run_driver(engines[2], 2, str(tmp_path / "tp2_overlapped.json"), "--overlapped")
     assert overlapped["tokens"] == single["tokens"]
 
