@@ -122,9 +122,10 @@ def write_baichuan2_13b_checkpoint(path, seed: int = 0) -> torch.nn.Module:
     return _write_baichuan2(path, seed, alibi=True)
 
 
-def alibi_llama_logits(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
+def alibi_llama_logits(model: torch.nn.Module, token_ids: list[int], last_only: bool = False) -> torch.Tensor:
     """transformers' Llama as Baichuan 2 13B: every position id 0 (rope at angle 0 is the identity)
-    and a 4-D additive mask of BLOOM's ALiBi slopes times (k - q), -inf above the diagonal."""
+    and a 4-D additive mask of BLOOM's ALiBi slopes times (k - q), -inf above the diagonal.
+    ``last_only``: the last position's logits only (the (T, 125696) lm_head is most of a call)."""
     from kernels.alibi import bloom_alibi_slopes
 
     n, heads = len(token_ids), model.config.num_attention_heads
@@ -132,8 +133,8 @@ def alibi_llama_logits(model: torch.nn.Module, token_ids: list[int]) -> torch.Te
     bias = bloom_alibi_slopes(heads)[:, None, None] * (pos[None, :] - pos[:, None]).float()
     bias = bias.masked_fill(pos[None, :] > pos[:, None], float("-inf"))[None]
     with torch.no_grad():
-        return model(torch.tensor([token_ids]), attention_mask=bias,
-                     position_ids=torch.zeros(1, n, dtype=torch.long)).logits[0].float()
+        return model(torch.tensor([token_ids]), attention_mask=bias, position_ids=torch.zeros(1, n, dtype=torch.long),
+                     logits_to_keep=1 if last_only else 0).logits[0].float()
 
 
 def _write_baichuan2(path, seed: int, alibi: bool) -> torch.nn.Module:

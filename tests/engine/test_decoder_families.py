@@ -148,7 +148,7 @@ def test_baichuan2_13b_alibi_checkpoint_equals_transformers_llama_with_the_alibi
     for prompt_len in (5, 40, 150):
         tokens = random_tokens(prompt_len, seed=prompt_len)
         for _ in range(NEW_TOKENS):
-            tokens.append(int(alibi_llama_logits(reference, tokens)[-1].argmax()))
+            tokens.append(int(alibi_llama_logits(reference, tokens, last_only=True)[-1].argmax()))
         assert greedy_ids(str(tmp_path / "engine"), tokens[:prompt_len], NEW_TOKENS) == tokens[prompt_len:]
 
 
