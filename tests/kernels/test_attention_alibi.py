@@ -17,8 +17,7 @@ import torch
 from kernel_testing import TOLERANCE, low_precision_dtypes, relative_error
 from kernels.alibi import alibi_slopes
 from kernels.attention import decode_attention_ref, paged_attention, paged_attention_ref, write_kv_cache_ref
-from kernels.attention_metadata import AttentionMetadata
-from test_kernel_attention import PREFILL_BATCH, make_batch
+from test_kernel_attention import PREFILL_BATCH, make_batch, one_sequence_chunk
 
 HEAD_COUNTS = [1, 2, 5, 6, 8, 12, 16, 20, 32, 40]
 
@@ -70,11 +69,7 @@ def test_reference_equals_dense_attention_with_transformers_bias(window, chunks)
     start = 0
     for n in chunks:
         end = start + n
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor([table[p // page] * page + p % page for p in range(start, end)]),
-            block_tables=torch.tensor([table[:-(-end // page)]], dtype=torch.int32), cu_seqlens_q=torch.tensor([0, n]),
-            context_lens=torch.tensor([end]), max_seqlen_q=n, max_context_len=end, is_decode_only=n == 1,
-            cu_seqlens_q_host=[0, n], context_lens_host=[end])
+        meta = one_sequence_chunk(start, end, table, page)
         write_kv_cache_ref(k[start:end], v[start:end], k_cache, v_cache, meta.slot_mapping)
         out = paged_attention_ref(q[start:end], k_cache, v_cache, meta, 0.25, sliding_window=window,
                                   alibi_slopes=slopes)

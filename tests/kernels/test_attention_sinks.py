@@ -15,8 +15,7 @@ import torch
 
 from kernel_testing import TOLERANCE, low_precision_dtypes, relative_error
 from kernels.attention import decode_attention_ref, paged_attention, paged_attention_ref, write_kv_cache_ref
-from kernels.attention_metadata import AttentionMetadata
-from test_kernel_attention import PREFILL_BATCH, free_out_of_window_entries, make_batch
+from test_kernel_attention import PREFILL_BATCH, free_out_of_window_entries, make_batch, one_sequence_chunk
 
 
 def dense_attention_with_sinks(q, k, v, scale, sinks, sliding_window=None):
@@ -50,11 +49,7 @@ def test_reference_equals_dense_softmax_with_the_sink_column(window, chunks):
     start = 0
     for n in chunks:
         end = start + n
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor([table[p // page] * page + p % page for p in range(start, end)]),
-            block_tables=torch.tensor([table[:-(-end // page)]], dtype=torch.int32), cu_seqlens_q=torch.tensor([0, n]),
-            context_lens=torch.tensor([end]), max_seqlen_q=n, max_context_len=end, is_decode_only=n == 1,
-            cu_seqlens_q_host=[0, n], context_lens_host=[end])
+        meta = one_sequence_chunk(start, end, table, page)
         write_kv_cache_ref(k[start:end], v[start:end], k_cache, v_cache, meta.slot_mapping)
         out = paged_attention_ref(q[start:end], k_cache, v_cache, meta, 0.3, sliding_window=window, sinks=sinks)
         assert relative_error(out, dense[start:end]) < 1e-5, (start, end)

@@ -127,13 +127,7 @@ def test_reference_window_and_softcap_match_dense_masked_attention(window, softc
     for n in chunks:
         end = start + n
         dead = 0 if window is None else max(0, start - window + 1) // page
-        block_table = [-1] * dead + table[dead:-(-end // page)]
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor([table[p // page] * page + p % page for p in range(start, end)]),
-            block_tables=torch.tensor([block_table], dtype=torch.int32), cu_seqlens_q=torch.tensor([0, n]),
-            context_lens=torch.tensor([end]), max_seqlen_q=n, max_context_len=end, is_decode_only=n == 1,
-            cu_seqlens_q_host=[0, n], context_lens_host=[end],
-        )
+        meta = one_sequence_chunk(start, end, table, page, dead_blocks=dead)
         write_kv_cache_ref(k[start:end], v[start:end], k_cache, v_cache, meta.slot_mapping)
         out = paged_attention_ref(q[start:end], k_cache, v_cache, meta, 0.3, sliding_window=window,
                                   logit_softcap=softcap)
@@ -227,6 +221,19 @@ def run_attention_case(device, dtype, heads, page_size, cached_and_new, num_spli
     err = relative_error(out, ref)
     assert err < TOLERANCE[dtype], (f"{dtype} {heads} page={page_size} splits={num_splits} {options}: "
                                     f"rel err {err:.2e}")
+
+
+def one_sequence_chunk(start: int, end: int, table: list[int], page: int, dead_blocks: int = 0) -> AttentionMetadata:
+    """Metadata of one sequence's tokens start..end-1, after a cached prefix of ``start`` tokens, on the
+    pages ``table`` (page i holds positions i*page .. i*page+page-1). The first ``dead_blocks`` entries
+    of the block table are freed (-1), as the executor frees blocks wholly outside a sliding window."""
+    n = end - start
+    block_table = [-1] * dead_blocks + table[dead_blocks:-(-end // page)]
+    return AttentionMetadata(
+        slot_mapping=torch.tensor([table[p // page] * page + p % page for p in range(start, end)]),
+        block_tables=torch.tensor([block_table], dtype=torch.int32), cu_seqlens_q=torch.tensor([0, n]),
+        context_lens=torch.tensor([end]), max_seqlen_q=n, max_context_len=end, is_decode_only=n == 1,
+        cu_seqlens_q_host=[0, n], context_lens_host=[end])
 
 
 def free_out_of_window_entries(meta: AttentionMetadata, sliding_window: int, page_size: int) -> None:
