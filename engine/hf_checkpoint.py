@@ -80,8 +80,12 @@ def has_tensor(get: TensorGetter, name: str) -> bool:
 
 
 def first_present(get: TensorGetter, *names: str) -> torch.Tensor:
-    """The first of ``names`` the checkpoint holds; a CheckpointError naming the first when none."""
+    """The first of ``names`` the checkpoint holds; a CheckpointError naming the first when none.
+    Each name is read once (has_tensor then get would read the found tensor twice)."""
+    first_error = None
     for name in names:
-        if has_tensor(get, name):
+        try:
             return get(name)
-    return get(names[0])
+        except CheckpointError as error:
+            first_error = first_error or error
+    raise first_error
