@@ -352,24 +352,22 @@ class ModelRunner:
         such steps run eagerly."""
         if self.kv_cache is None:
             raise RuntimeError("allocate_kv_cache() must run before forward()")
-        if prompt_embeds is not None:
-            input_ids, positions, meta = self._prepare(batch)
-            input_ids = embeddable_ids(input_ids, self.vocab_size)
-            hidden = self.model(resolve_placeholders(input_ids, self.sampled_tokens), positions, self.kv_cache, meta,
-                                prompt_embeds=prompt_embeds)
-            if not all_logits:
-                hidden = hidden[self._to_device(batch.logits_indices, torch.int64)]
-            return self.model.compute_logits(hidden)
-        if self.decode_graphs is not None and not all_logits:
+        graphs_may_run = not all_logits and prompt_embeds is None
+        if self.decode_graphs is not None and graphs_may_run:
             hidden = self.decode_graphs.try_run(batch)
             if hidden is not None:  # a decode-only batch, replayed from its bucket's graph
                 return self.model.compute_logits(hidden)
-        if self.prefill_graphs is not None and not all_logits:
+        if self.prefill_graphs is not None and graphs_may_run:
             hidden = self.prefill_graphs.try_run(batch)
             if hidden is not None:  # a batch with prompt tokens, replayed from its token bucket's graph
                 return self.model.compute_logits(hidden)
         input_ids, positions, meta = self._prepare(batch)
-        hidden = self.model(resolve_placeholders(input_ids, self.sampled_tokens), positions, self.kv_cache, meta)
+        table_rows = {}  # only models with supports_prompt_tables take the keyword
+        if prompt_embeds is not None:
+            input_ids = embeddable_ids(input_ids, self.vocab_size)
+            table_rows = {"prompt_embeds": prompt_embeds}
+        hidden = self.model(resolve_placeholders(input_ids, self.sampled_tokens), positions, self.kv_cache, meta,
+                            **table_rows)
         if not all_logits:
             hidden = hidden[self._to_device(batch.logits_indices, torch.int64)]
         return self.model.compute_logits(hidden)
