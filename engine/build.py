@@ -7,8 +7,9 @@ Length limits left out come from the checkpoint (engine.config.resolve_build_lim
 = max_position_embeddings (at most MAX_DEFAULT_SEQ_LEN), max_input_len = max_seq_len; a limit
 that contradicts the model (more positions than it has) is an error naming both numbers.
 
-writes ``config.json`` (EngineConfig), ``rank{r}.safetensors`` for every tensor-parallel rank,
-and the tokenizer files (so ``AutoTokenizer.from_pretrained(engine_dir)`` works).
+writes ``config.json`` (EngineConfig), ``rank{r}.safetensors`` for every rank (tp_size x pp_size
+of them; ``--pp_size N`` splits the decoder layers into N pipeline stages, evenly or as
+``--pp_layers 8,12,14,14`` says, engine/pipeline/layout.py), and the tokenizer files (so ``AutoTokenizer.from_pretrained(engine_dir)`` works).
 ``--quantization fp8`` stores the decoder blocks' linear weights (and experts) in FP8 E4M3 with
 per-output-channel scales (kernels/fp8.py); ``fp8_block`` with one scale per 128 x 128 block
 (kernels/fp8_block.py), the scheme block-FP8 checkpoints build with, their codes and scales kept.
@@ -55,6 +56,8 @@ from engine.gguf_header import read_gguf_scalars
 from engine.fp8_checkpoint import dequantizing_getter, fp8_checkpoint_strategy, rank_block_scales, rank_row_scales
 from engine.models import MODEL_FAMILIES, get_family, get_model_class
 from engine.mxfp4 import MXFP4_EXPERTS, is_mxfp4_checkpoint, mxfp4_checkpoint
+from engine.pipeline.layout import parse_pp_layers, split_rank_weights, stages_of
+from engine.pipeline.stage import check_pipeline_supported
 from engine.vision.encoder_dir import VISION_ENCODER_DIR, write_vision_encoder
 from engine.vision.registry import vision_family
 from engine.weight_only.checkpoint_formats import QuantizedLinearReader, checkpoint_weight_quant
@@ -199,12 +202,25 @@ def write_engine(output_dir: str, model: ModelConfig, build: BuildConfig, get: T
             weights.update(carried)
         if sorted(weights) != sorted(names):  # a converter bug, never a user error
             raise AssertionError(f"converter produced {sorted(set(weights) ^ set(names))[:5]} mismatching the model")
-        save_file(weights, os.path.join(output_dir, f"rank{rank}.safetensors"), metadata={"format": "pt"})
+        _save_rank_files(output_dir, weights, rank, model, build)
     bar.close()
     if tokenizer is not None:
         tokenizer.save_pretrained(output_dir)
     engine_config.save(output_dir)  # last: a directory with config.json is complete
     return engine_config
+
+
+def _save_rank_files(output_dir: str, weights: dict[str, torch.Tensor], tp_rank: int, model: ModelConfig,
+                     build: BuildConfig) -> None:
+    """Tensor-parallel rank ``tp_rank``'s weights as its files: one, or with pipeline stages one
+    per stage, rank{stage * tp_size + tp_rank} (engine/pipeline/layout.py)."""
+    if build.pp_size == 1:
+        save_file(weights, os.path.join(output_dir, f"rank{tp_rank}.safetensors"), metadata={"format": "pt"})
+        return
+    all_stages = stages_of(model, build)
+    for stage, held in zip(all_stages, split_rank_weights(weights, all_stages, model.tie_word_embeddings)):
+        rank = stage.index * build.tp_size + tp_rank
+        save_file(held, os.path.join(output_dir, f"rank{rank}.safetensors"), metadata={"format": "pt"})
 
 
 def _clear_old_engine(output_dir: str) -> None:
@@ -314,7 +330,12 @@ def build_from_hf(hf_config, get: TensorGetter, tokenizer, output_dir: str, buil
     model = model_config_from_hf(hf_config)
     get = language_model_getter(hf_config, get)  # a multimodal checkpoint: its language model's tensors
     check_tp_divides(model, build.tp_size)
+    if build.pp_size > 1:  # before any weight is read: the family, and the split
+        check_pipeline_supported(model)
+        if vision is not None:
+            raise ConfigError("pipeline parallelism (pp_size > 1) is not supported for vision-language models yet")
     build = resolve_build_limits(build, model)
+    EngineConfig(model=model, build=build).validate()  # the layer split, named, before any weight is converted
     extra = {"source": os.path.abspath(source) if source else "", "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if is_mxfp4_checkpoint(hf_config):  # gpt-oss's experts: kept as MXFP4, or widened exactly (engine/mxfp4.py)
         hf_config, get, model, extra["source_quantization"] = mxfp4_checkpoint(hf_config, get, model, build.tp_size,
@@ -433,6 +454,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default=defaults.dtype, choices=sorted(TORCH_DTYPES))
     for name in ("tp_size", "max_batch_size", "tokens_per_block"):
         p.add_argument(f"--{name}", type=int, default=getattr(defaults, name))
+    p.add_argument("--pp_size", type=int, default=defaults.pp_size,
+                   help="pipeline stages: the decoder layers split over pp_size groups of tp_size ranks "
+                        "(world size = tp_size x pp_size); Llama-family and MoE models")
+    p.add_argument("--pp_layers", type=str, default=None,
+                   help="layers per stage, comma-separated in stage order (e.g. 8,12,14,14); default: even, "
+                        "the first stages one more when pp_size does not divide the layers")
     p.add_argument("--max_seq_len", type=int, default=None,
                    help="longest sequence (prompt + output); default: the checkpoint's max_position_embeddings, "
                         f"at most {MAX_DEFAULT_SEQ_LEN}")
@@ -471,11 +498,13 @@ def main(argv: list[str] | None = None) -> int:
     build = BuildConfig(
         dtype=args.dtype, max_batch_size=args.max_batch_size, max_input_len=args.max_input_len,
         max_seq_len=args.max_seq_len, max_num_tokens=args.max_num_tokens,
-        tokens_per_block=args.tokens_per_block, tp_size=args.tp_size, quantization=args.quantization,
+        tokens_per_block=args.tokens_per_block, tp_size=args.tp_size, pp_size=args.pp_size,
+        quantization=args.quantization,
         quant_group_size=args.group_size,
         kv_cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
     )
     try:
+        build = dataclasses.replace(build, pp_layers=parse_pp_layers(args.pp_layers))
         build_engine(args.checkpoint, args.output, build, calibration_tokens=args.calib_tokens,
                      mxfp4_experts=args.mxfp4_experts)
     except (ConfigError, CheckpointError) as err:

@@ -410,6 +410,9 @@ class BuildConfig:
     tokens_per_block: int = 64
     tp_size: int = 1
     pp_size: int = 1
+    # Layers per pipeline stage, in stage order (e.g. [8, 12, 14, 14]); None: the even split
+    # (pipeline_layer_counts). Ranks = tp_size * pp_size (engine/pipeline/layout.py).
+    pp_layers: list[int] | None = None
     # None: weights in ``dtype``. "fp8": every linear layer of the decoder blocks (and the experts)
     # holds FP8 E4M3 weights with per-output-channel scales; activations are quantized per token at
     # run time (kernels/fp8.py). "fp8_block": the scheme of block-FP8 checkpoints (DeepSeek-V3,
@@ -438,7 +441,8 @@ class BuildConfig:
             None in (self.max_input_len, self.max_seq_len) or self.max_input_len <= self.max_seq_len,
             f"max_input_len ({self.max_input_len}) must be <= max_seq_len ({self.max_seq_len})",
         )
-        _require(self.pp_size == 1, f"pp_size must be 1 (pipeline parallelism is not supported), got {self.pp_size}")
+        _require(self.pp_layers is None or len(self.pp_layers) == self.pp_size,
+                 f"pp_layers {self.pp_layers} must give one layer count per stage (pp_size {self.pp_size})")
         _require(self.kv_cache_dtype is None or self.kv_cache_dtype in KV_CACHE_DTYPES,
                  f"unsupported kv_cache_dtype {self.kv_cache_dtype!r}; supported: auto, {', '.join(KV_CACHE_DTYPES)}")
         _require(self.quantization is None or self.quantization in QUANTIZATIONS,
@@ -461,8 +465,17 @@ class BuildConfig:
         group = DEFAULT_GROUP_SIZE[bits] if self.quant_group_size is None else self.quant_group_size
         return WeightOnlyScheme(bits=bits, group_size=group, act_order=self.quant_act_order)
 
+    @property
+    def world_size(self) -> int:
+        """Ranks an engine of this mapping runs on: tp_size x pp_size."""
+        return self.tp_size * self.pp_size
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """asdict, without pp_layers when unset (the even split): a config.json an older reader takes."""
+        data = asdict(self)
+        if data["pp_layers"] is None:
+            del data["pp_layers"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "BuildConfig":
@@ -493,6 +506,22 @@ def resolve_build_limits(build: BuildConfig, model: ModelConfig) -> BuildConfig:
     max_num_tokens = build.max_num_tokens or min(max(MIN_DEFAULT_MAX_NUM_TOKENS, max_input_len),
                                                  build.max_batch_size * max_seq_len)
     return replace(build, max_seq_len=max_seq_len, max_input_len=max_input_len, max_num_tokens=max_num_tokens)
+
+
+def pipeline_layer_counts(num_layers: int, pp_size: int, pp_layers: list[int] | None = None) -> list[int]:
+    """Decoder layers per pipeline stage. None: even, the first ``num_layers % pp_size`` stages one
+    layer more (32 over 3: 11, 11, 10); a list is checked (one positive count per stage, summing to
+    the model's layers). ConfigError names the numbers and what is allowed."""
+    _require(pp_size <= num_layers,
+             f"pp_size {pp_size} is larger than the model's {num_layers} layers; every pipeline stage needs at "
+             f"least one layer: allowed pp_size 1..{num_layers}")
+    if pp_layers is None:
+        base, extra = divmod(num_layers, pp_size)
+        return [base + (1 if stage < extra else 0) for stage in range(pp_size)]
+    _require(len(pp_layers) == pp_size and sum(pp_layers) == num_layers and min(pp_layers) >= 1,
+             f"pp_layers {','.join(map(str, pp_layers))} must give {pp_size} positive layer counts (one per stage, "
+             f"pp_size {pp_size}) adding up to the model's {num_layers} layers")
+    return list(pp_layers)
 
 
 def check_tp_divides(model: ModelConfig, tp_size: int) -> None:
@@ -526,6 +555,7 @@ class EngineConfig:
             self.build = resolve_build_limits(self.build, self.model)
         self.build.validate()
         check_tp_divides(self.model, self.build.tp_size)
+        pipeline_layer_counts(self.model.num_layers, self.build.pp_size, self.build.pp_layers)
         if self.model.architecture == "GPT2LMHeadModel" or self.model.positions == "learned":  # no extrapolation
             _require(
                 self.build.max_seq_len <= self.model.max_position_embeddings,
@@ -535,10 +565,17 @@ class EngineConfig:
         return self
 
     def to_dict(self) -> dict[str, Any]:
+        """``pretrained_config.mapping`` repeats the build's parallel mapping where TensorRT-LLM's
+        engines keep it, with the resolved layers per stage; it is written for readers and tools,
+        never read back (``build`` is the source)."""
+        build = self.build
         return {
             "format_version": self.format_version,
             "model": self.model.to_dict(),
-            "build": self.build.to_dict(),
+            "build": build.to_dict(),
+            "pretrained_config": {"mapping": {
+                "world_size": build.world_size, "tp_size": build.tp_size, "pp_size": build.pp_size,
+                "pp_layers": pipeline_layer_counts(self.model.num_layers, build.pp_size, build.pp_layers)}},
             "extra": dict(self.extra),
         }
 

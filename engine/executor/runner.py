@@ -107,31 +107,45 @@ class ModelRunner:
         cfg, build = self.model_config, self.build_config
         model_class = get_model_class(cfg.architecture)
         quantization = {"quantization": build.weight_only or build.quantization} if build.quantization else {}
-        model = model_class(
+        model = self.shape_model(model_class(
             cfg, tp_rank=self.rank, tp_size=build.tp_size, tp_group=tp_group, dtype=self.dtype,
             device="meta", max_positions=max(build.max_seq_len, 1), **quantization,
-        )
+        ))
+        file_rank = self.weights_rank
         if has_random_weights(self.engine_config.extra):  # a config-only benchmark engine
-            model = materialize_random_weights(model, self.device, self.engine_config.extra["random_weights_seed"] + self.rank)
+            model = materialize_random_weights(model, self.device, self.engine_config.extra["random_weights_seed"] + file_rank)
             prepare_weights(model)
             model.init_buffers(self.device)
             return model.eval()
-        weights = load_rank_weights(engine_dir, self.rank, self.device)
+        weights = load_rank_weights(engine_dir, file_rank, self.device)
         expected = set(model.state_dict())
         missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
         if missing or unexpected:
             raise EngineFormatError(
-                f"rank{self.rank}.safetensors in {engine_dir!r} does not match {cfg.architecture}: "
+                f"rank{file_rank}.safetensors in {engine_dir!r} does not match {cfg.architecture}: "
                 f"missing {missing[:5]}, unexpected {unexpected[:5]}"
             )
         try:
             model.load_state_dict({k: keep_or_cast(k, v, self.dtype) for k, v in weights.items()}, assign=True)
         except RuntimeError as err:
-            raise EngineFormatError(f"rank{self.rank}.safetensors has wrong tensor shapes: {err}") from None
+            raise EngineFormatError(f"rank{file_rank}.safetensors has wrong tensor shapes: {err}") from None
         del weights
         prepare_weights(model)
         model.init_buffers(self.device)
         return model.eval()
+
+    # Hooks for a pipeline stage (engine/pipeline/runner.py): the file its weights are in, the
+    # model cut to its layers, and how many layers its KV pool holds.
+    @property
+    def weights_rank(self) -> int:
+        return self.rank
+
+    def shape_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model
+
+    @property
+    def kv_layers(self) -> int:
+        return self.model_config.num_layers
 
     # ---- LoRA -------------------------------------------------------------------------------
 
@@ -173,7 +187,7 @@ class ModelRunner:
 
     def kv_block_bytes_for(self, kv_cache_dtype: str | None = None) -> int:
         cfg = self.model_config
-        elems = cfg.num_layers * 2 * self.tokens_per_block * self.num_kv_heads_local * cfg.head_dim
+        elems = self.kv_layers * 2 * self.tokens_per_block * self.num_kv_heads_local * cfg.head_dim
         dtype = self.kv_cache.dtype if self.kv_cache is not None and kv_cache_dtype is None else \
             self.kv_cache_torch_dtype(kv_cache_dtype)
         return elems * torch.empty((), dtype=dtype).element_size()
@@ -220,7 +234,7 @@ class ModelRunner:
         head's keys and values at a time, which then come in runs of a page instead of 128- or
         256-byte rows 1-2 KB apart: FP8 decode attention 4-5% faster on an H100 (RESULTS.md, issue 32)."""
         cfg = self.model_config
-        shape = (cfg.num_layers, 2, num_blocks, self.num_kv_heads_local, self.tokens_per_block, cfg.head_dim)
+        shape = (self.kv_layers, 2, num_blocks, self.num_kv_heads_local, self.tokens_per_block, cfg.head_dim)
         dtype = self.kv_cache_torch_dtype(kv_cache_dtype)
         self.kv_cache = None  # free the old pool before allocating the new one
         self.decode_graphs = self.prefill_graphs = None  # graphs hold the old pool's address

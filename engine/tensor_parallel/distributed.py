@@ -146,16 +146,28 @@ def resolve_device(device: str | torch.device | None, local_rank: int) -> torch.
 
 
 def check_world_matches_engine(engine_dir: str, world_size: int) -> EngineConfig:
-    """Load the engine header and insist that it was sharded for exactly ``world_size`` ranks."""
+    """Load the engine header and insist that it was sharded for exactly ``world_size`` ranks
+    (tp_size x pp_size)."""
     config = EngineConfig.load(engine_dir)
-    tp_size = config.build.tp_size
-    if tp_size != world_size:
+    build = config.build
+    if build.world_size != world_size:
+        mapping = f"tp_size {build.tp_size}" + (f" x pp_size {build.pp_size}" if build.pp_size > 1 else "")
         raise ValueError(
-            f"engine {engine_dir!r} was built with tp_size {tp_size} but is running on world_size "
-            f"{world_size}; launch with --world_size {tp_size} or rebuild with "
-            f"python -m engine.build --tp_size {world_size}"
+            f"engine {engine_dir!r} was built with {mapping} but is running on world_size "
+            f"{world_size}; launch with --world_size {build.world_size} or rebuild with "
+            f"python -m engine.build --tp_size/--pp_size whose product is {world_size}"
         )
     return config
+
+
+def _rank_runner(engine_dir: str, ctx: "DistContext", config: EngineConfig, runner_class):
+    """This rank's local runner: its tensor-parallel shard, or with pp_size > 1 its pipeline
+    stage (engine/pipeline/runner.py; runner_class is then not used)."""
+    if config.build.pp_size > 1:
+        from engine.pipeline.runner import make_stage_runner
+
+        return make_stage_runner(engine_dir, ctx, config)
+    return runner_class(engine_dir, rank=ctx.rank, device=ctx.device, tp_group=ctx.tp_group)
 
 
 # ---- process groups -------------------------------------------------------------------------
@@ -536,7 +548,7 @@ def make_runner(engine_dir: str, *, device: str | torch.device | None = None, ru
     if info.rank != 0:
         raise ValueError(f"make_runner runs on rank 0 only; rank {info.rank} must run python -m engine.tensor_parallel.worker")
     ctx = init_distributed(info, resolved, DistSettings.from_env(info, environ))
-    runner = runner_class(engine_dir, rank=0, device=resolved, tp_group=ctx.tp_group)
+    runner = _rank_runner(engine_dir, ctx, config, runner_class)
     agree_on_engine(ctx, config)
     ctx.use_step_timeout()
     return LeaderRunner(runner, ctx)
@@ -555,7 +567,7 @@ def run_worker(engine_dir: str, *, device: str | torch.device | None = None, run
     ctx = init_distributed(info, resolve_device(device, info.local_rank), DistSettings.from_env(info, environ))
     runner, channel = None, None
     try:
-        runner = runner_class(engine_dir, rank=info.rank, device=ctx.device, tp_group=ctx.tp_group)
+        runner = _rank_runner(engine_dir, ctx, config, runner_class)
         agree_on_engine(ctx, config)
         ctx.use_step_timeout()
         channel = StepChannel(ctx, batch_class=ForwardBatch)

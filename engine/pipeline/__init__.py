@@ -1,0 +1,10 @@
+"""Pipeline parallelism: an engine's decoder layers split into ``pp_size`` stages, one per group of
+``tp_size`` ranks (rank = stage * tp_size + tp_rank, as TensorRT-LLM's mapping numbers them).
+
+    layout.py   which layers each stage holds (even, or an explicit split), rank <-> (stage, tp rank),
+                and the build's split of one tensor-parallel rank's weights into its stages' files
+    stage.py    a model trimmed to one stage, and its forward (embed on the first stage, the final
+                norm and logits on the last, hidden states in between)
+    runner.py   StageRunner: one rank's stage with its own KV pool (its layers only), running each
+                step as micro-batches that flow stage to stage over torch.distributed send/recv
+"""

@@ -1,0 +1,218 @@
+"""StageRunner: one rank of a pipeline-parallel job (its stage's layers, its own KV pool), and the
+micro-batched step that moves hidden states from stage to stage.
+
+Every rank receives every step's plan (engine/tensor_parallel: the leader broadcasts it); all
+stages share the leader's block tables, each stage's pool holding only its own layers, so a block
+costs each rank 1/pp of the bytes and the KV capacity grows with pp. One step runs as micro-batches
+(contiguous runs of the step's sequences, ``micro_batch_count``):
+
+    stage 0 (ranks 0..tp-1)    embed + layers(mb0) -> isend | embed + layers(mb1) -> isend | ...
+    stage 1                    recv(mb0) -> layers -> isend | recv(mb1) -> layers -> isend | ...
+    last stage                 recv(mb0) -> layers, norm, logits -> isend to rank 0 | ...
+    rank 0 (after its sends)   recv each micro-batch's logits, in order -> the sampler
+
+so stage s works on micro-batch m while stage s+1 works on m-1: with M micro-batches the pipeline
+idles (pp - 1) / (M + pp - 1) of a step (the fill and drain), rather than (pp - 1) / pp when the
+step runs whole. Each tensor-parallel rank of a stage sends to the same tp rank of the next (the
+stream is replicated within a stage); the last stage's tp rank 0 sends the logits (float32, the full
+vocabulary) to rank 0, which samples, so sampling, penalties, guided decoding and log-probs work
+as on one rank. Sends are asynchronous and complete before the step returns; nothing is left in
+flight between steps, so the step protocol's heartbeats and CALLs never interleave with
+activations. Over gloo (CPU) and NCCL (GPU) alike; a lost peer raises in the send/recv like any
+other collective, and the leader's LeaderRunner turns that into its rank failure.
+
+Not with pipeline stages (refused by name): LoRA adapters, prompt tables. Steps run eagerly (no
+CUDA graphs per stage yet), and each step's micro-batches drain before the next step starts:
+the executor does not yet keep several steps in flight across stages.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+from engine.config import EngineConfig
+from engine.executor.overlap import resolve_placeholders
+from engine.executor.runner import ForwardBatch, ModelRunner
+from engine.pipeline.layout import Stage, stage_of_rank
+from engine.pipeline.stage import check_pipeline_supported, stage_forward, trim_to_stage
+
+MICRO_BATCHES_ENV = "TRITONLLM_PP_MICRO_BATCHES"  # micro-batches per step (default: pp_size); same on every rank
+
+
+@dataclass(frozen=True)
+class PipelinePlace:
+    """Where this rank sits: its global rank, stage and tp rank, and its peers' global ranks."""
+
+    rank: int
+    tp_size: int
+    stage: Stage
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_size
+
+    @property
+    def prev_rank(self) -> int:
+        return self.rank - self.tp_size
+
+    @property
+    def next_rank(self) -> int:
+        return self.rank + self.tp_size
+
+    @property
+    def sends_logits(self) -> bool:
+        """The last stage's tp rank 0 sends the logits to rank 0 (unless it is rank 0: pp 1)."""
+        return self.stage.is_last and self.tp_rank == 0 and self.rank != 0
+
+
+@dataclass
+class MicroBatch:
+    batch: ForwardBatch
+    logits_rows: list[int]   # rows of the step's logits this micro-batch's logits fill, in order
+
+
+def micro_batch_count(pp_size: int, environ=os.environ) -> int:
+    return max(1, int(environ.get(MICRO_BATCHES_ENV, pp_size)))
+
+
+def split_micro_batches(batch: ForwardBatch, count: int, *, all_logits: bool = False) -> list[MicroBatch]:
+    """The step's sequences in ``count`` (at most one per sequence) contiguous runs of about equal
+    token counts. Each keeps its sequences' tokens, positions and tables; its ``logits_indices``
+    are rebased to its own tokens, and ``logits_rows`` says where its logits go in the step's
+    (all_logits: its token rows). Deterministic: every rank splits the same plan alike."""
+    num_seqs = len(batch.seq_lens_q)
+    count = max(1, min(count, num_seqs))
+    total = sum(batch.seq_lens_q)
+    bounds, seq, tokens = [0], 0, 0
+    for part in range(1, count):
+        target = total * part / count
+        # Advance while the next sequence's midpoint is below the target, leaving a sequence for
+        # every later part.
+        while seq < num_seqs - (count - part) and tokens + batch.seq_lens_q[seq] / 2 < target:
+            tokens += batch.seq_lens_q[seq]
+            seq += 1
+        if seq == bounds[-1]:  # each part gets at least one sequence
+            tokens += batch.seq_lens_q[seq]
+            seq += 1
+        bounds.append(seq)
+    bounds.append(num_seqs)
+    out, token_start = [], 0
+    for first, end in zip(bounds, bounds[1:]):
+        token_end = token_start + sum(batch.seq_lens_q[first:end])
+        rows = [row for row, index in enumerate(batch.logits_indices) if token_start <= index < token_end]
+        part = replace(
+            batch,
+            token_ids=batch.token_ids[token_start:token_end], positions=batch.positions[token_start:token_end],
+            seq_lens_q=batch.seq_lens_q[first:end], context_lens=batch.context_lens[first:end],
+            block_tables=batch.block_tables[first:end],
+            logits_indices=[batch.logits_indices[row] - token_start for row in rows],
+            sampled_tokens_slot=-1,
+            lora_slots=None if batch.lora_slots is None else batch.lora_slots[first:end])
+        out.append(MicroBatch(part, list(range(token_start, token_end)) if all_logits else rows))
+        token_start = token_end
+    return out
+
+
+class StageRunner(ModelRunner):
+    """ModelRunner for one pipeline stage (module docstring). ``forward`` returns the step's logits
+    on rank 0 and None on every other rank."""
+
+    def __init__(self, engine_dir: str, *, rank: int, device, tp_group=None, config: EngineConfig | None = None):
+        config = config or EngineConfig.load(engine_dir)
+        check_pipeline_supported(config.model)
+        stage, tp_rank = stage_of_rank(config.model, config.build, rank)
+        self.place = PipelinePlace(rank, config.build.tp_size, stage)
+        self.micro_batches = micro_batch_count(config.build.pp_size)
+        super().__init__(engine_dir, rank=tp_rank, device=device, tp_group=tp_group)
+
+    # -- the ModelRunner hooks
+
+    @property
+    def weights_rank(self) -> int:
+        return self.place.rank
+
+    def shape_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        return trim_to_stage(model, self.place.stage)
+
+    @property
+    def kv_layers(self) -> int:
+        return self.place.stage.num_layers
+
+    # -- what a stage does not do (yet)
+
+    def enable_lora(self, num_slots: int, max_rank: int) -> None:
+        raise ValueError("LoRA adapters are not supported with pipeline parallelism (pp_size > 1) yet; "
+                         "build the engine with --pp_size 1 (tensor parallelism serves adapters)")
+
+    def capture_cuda_graphs(self) -> None:
+        """Stages run eagerly: their graphs would end in a send, which is not captured yet."""
+
+    def warmup(self) -> None:
+        """The warm-up batch runs a whole model; a stage's kernels compile on its first step."""
+
+    # -- the step
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, *, all_logits: bool = False, prompt_embeds=None) -> torch.Tensor | None:
+        if prompt_embeds is not None:
+            raise ValueError("prompt tables (prompt_embedding_table, image inputs) are not supported with pipeline "
+                             "parallelism (pp_size > 1) yet")
+        if self.kv_cache is None:
+            raise RuntimeError("allocate_kv_cache() must run before forward()")
+        place, stage = self.place, self.place.stage
+        parts = split_micro_batches(batch, self.micro_batches, all_logits=all_logits)
+        prepared = [self._prepare(part.batch) for part in parts]  # may raise ValueError: before any send
+        hidden_size = self.model_config.hidden_size
+        sends = []  # (work, tensor): the tensors stay alive until their sends complete
+        for part, (input_ids, positions, meta) in zip(parts, prepared):
+            carried = None
+            if stage.is_first:
+                input_ids = resolve_placeholders(input_ids, self.sampled_tokens)
+            else:
+                carried = torch.empty(2, len(part.batch.token_ids), hidden_size, dtype=self.dtype, device=self.device)
+                dist.recv(carried, src=place.prev_rank)
+            out = stage_forward(self.model, stage, input_ids, carried, positions, self.kv_cache, meta)
+            if not stage.is_last:
+                out = out.contiguous()
+                sends.append((dist.isend(out, dst=place.next_rank), out))
+                continue
+            if not all_logits:
+                out = out[self._to_device(part.batch.logits_indices, torch.int64)]
+            logits = self.model.compute_logits(out)  # a collective within the stage's tp group
+            if place.sends_logits and logits.shape[0]:
+                logits = logits.contiguous()
+                sends.append((dist.isend(logits, dst=0), logits))
+        result = self._receive_logits(parts, all_logits) if place.rank == 0 else None
+        for work, _ in sends:
+            work.wait()
+        return result
+
+    def _receive_logits(self, parts: list[MicroBatch], all_logits: bool) -> torch.Tensor:
+        """Rank 0: every micro-batch's logits from the last stage's tp rank 0, into step order."""
+        source = (self.place.stage.pp_size - 1) * self.place.tp_size
+        rows = sum(len(part.logits_rows) for part in parts)
+        logits = torch.empty(rows, self.vocab_size, dtype=torch.float32, device=self.device)
+        for part in parts:
+            if not part.logits_rows:
+                continue
+            received = torch.empty(len(part.logits_rows), self.vocab_size, dtype=torch.float32, device=self.device)
+            dist.recv(received, src=source)
+            logits[self._to_device(part.logits_rows, torch.int64)] = received
+        return logits
+
+
+def make_stage_runner(engine_dir: str, ctx, config: EngineConfig) -> StageRunner:
+    """This rank's StageRunner inside a job whose world is tp_size x pp_size ranks. Collective:
+    every rank creates every stage's tensor-parallel group, in stage order (torch.distributed's
+    rule for new_group), and gives its model its own stage's (None at tp_size 1)."""
+    tp_size, pp_size = config.build.tp_size, config.build.pp_size
+    tp_group = None
+    if tp_size > 1:
+        for stage in range(pp_size):
+            group = dist.new_group(ranks=list(range(stage * tp_size, (stage + 1) * tp_size)))
+            if stage == ctx.rank // tp_size:
+                tp_group = group
+    return StageRunner(engine_dir, rank=ctx.rank, device=ctx.device, tp_group=tp_group, config=config)

@@ -1,0 +1,42 @@
+"""The job the pipeline-parallel engine test sends gloo_ranks.py's shared pair: an engine built
+with pp_size 2 (tp_size 1), rank r running stage r, driven through engine_testing.tp_reference_steps
+(a prefill of two sequences on shuffled blocks, then a mixed chunk + decode step)."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from engine_testing import tp_reference_steps
+
+
+class _LogitsOnEveryRank:
+    """A StageRunner whose forward gives zeros where it returns None (ranks other than 0), so the
+    same session code drives every rank; only rank 0's logits are compared."""
+
+    def __init__(self, runner):
+        self.runner = runner
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+    def forward(self, batch, **kwargs):
+        logits = self.runner.forward(batch, **kwargs)
+        return torch.zeros(len(batch.logits_indices), self.runner.vocab_size) if logits is None else logits
+
+
+def pp_rank_logits(rank: int, engine_dirs: dict, micro_batches: int) -> dict:
+    """name -> this rank's tp_reference_steps logits (rank 0: the step's; rank 1: zeros) and the
+    layers its KV pool holds."""
+    from engine.pipeline.runner import MICRO_BATCHES_ENV, StageRunner
+
+    os.environ[MICRO_BATCHES_ENV] = str(micro_batches)
+    try:
+        out = {}
+        for name, engine_dir in engine_dirs.items():
+            runner = StageRunner(engine_dir, rank=rank, device="cpu")
+            logits = tp_reference_steps(_LogitsOnEveryRank(runner))
+            out[name] = (logits, runner.kv_cache.shape[0])
+        return out
+    finally:
+        os.environ.pop(MICRO_BATCHES_ENV, None)

@@ -1,0 +1,104 @@
+"""Pipeline parallelism at the engine: layer splits, rank files, refusals, and pp 2 on two gloo
+ranks (gloo_ranks.py's shared pair) giving pp 1's logits, micro-batched or not.
+
+The pp 1 engines are held to transformers by test_equivalence.py / test_moe.py; here each pp 2
+engine must give its pp 1 logits within 1e-5 (micro-batches change which sequences attend in one
+kernel call, not the math)."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from safetensors import safe_open
+
+from engine.build import build_from_hf, main as build_main
+from engine.config import BuildConfig, ConfigError, pipeline_layer_counts
+from engine.convert import getter_from_state_dict
+from engine.executor.runner import ForwardBatch, ModelRunner
+from engine.pipeline.runner import split_micro_batches
+from engine.tensor_parallel.distributed import check_world_matches_engine
+from engine_testing import tiny_hf, tp_reference_steps
+
+# family -> pp_layers of its pp 2 build (None: even). qwen3_moe has 3 layers, layer 1 dense.
+PP_FAMILIES = {"llama": None, "smollm2_tied": None, "qwen3_moe": [1, 2]}
+
+
+def build(hf, out_dir, *, pp_size=1, pp_layers=None, tp_size=1) -> str:
+    config = BuildConfig(dtype="float32", max_batch_size=4, max_input_len=128, max_seq_len=128, max_num_tokens=512,
+                         tokens_per_block=16, tp_size=tp_size, pp_size=pp_size, pp_layers=pp_layers)
+    build_from_hf(hf.config, getter_from_state_dict(hf.state_dict(), "tiny"), None, str(out_dir), config,
+                  progress=False)
+    return str(out_dir)
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("pp_engines")
+    out = {}
+    for family, layers in PP_FAMILIES.items():
+        hf = tiny_hf(family)
+        out[family] = (build(hf, root / f"{family}-pp1"), build(hf, root / f"{family}-pp2", pp_size=2, pp_layers=layers))
+    return out
+
+
+def test_layer_split_even_and_explicit():
+    assert pipeline_layer_counts(32, 3) == [11, 11, 10]
+    assert pipeline_layer_counts(48, 4, [8, 12, 14, 14]) == [8, 12, 14, 14]
+    with pytest.raises(ConfigError, match=r"pp_size 5 is larger than the model's 4 layers.*allowed pp_size 1\.\.4"):
+        pipeline_layer_counts(4, 5)
+    with pytest.raises(ConfigError, match=r"pp_layers 8,12 must give 2 positive layer counts .* adding up to the "
+                                          r"model's 24 layers"):
+        pipeline_layer_counts(24, 2, [8, 12])
+
+
+def test_rank_files_hold_their_stage(engines):
+    _, pp2 = engines["smollm2_tied"]
+    config = json.load(open(os.path.join(pp2, "config.json")))
+    assert config["pretrained_config"]["mapping"] == {"world_size": 2, "tp_size": 1, "pp_size": 2, "pp_layers": [1, 1]}
+    names = []
+    for rank in range(2):
+        with safe_open(os.path.join(pp2, f"rank{rank}.safetensors"), "pt") as f:
+            names.append(set(f.keys()))
+    assert "embed_tokens.weight" in names[0] and "norm.weight" not in names[0]
+    assert {"embed_tokens.weight", "norm.weight"} <= names[1]  # tied: the last stage's LM head is the embedding
+    assert all(not n.startswith("layers.1.") for n in names[0] | names[1])  # one layer each, renumbered from 0
+    with pytest.raises(ValueError, match=r"built with tp_size 1 x pp_size 2 .*world_size 1; launch with --world_size 2"):
+        check_world_matches_engine(pp2, 1)
+
+
+def test_build_refuses_bad_splits_and_unsupported_families(engines, tmp_path, capsys):
+    with pytest.raises(ConfigError, match="pipeline parallelism .* not supported for GPT2LMHeadModel"):
+        build(tiny_hf("gpt2"), tmp_path / "gpt2", pp_size=2)
+    with pytest.raises(ConfigError, match="pp_size 3 is larger than the model's 2 layers"):
+        build(tiny_hf("llama"), tmp_path / "deep", pp_size=3)
+    _, pp2 = engines["llama"]
+    code = build_main(["--checkpoint", pp2, "--output", str(tmp_path / "x"), "--pp_size", "2", "--pp_layers", "1,x"])
+    assert code == 2 and "--pp_layers '1,x' must be comma-separated layer counts" in capsys.readouterr().err
+
+
+def test_micro_batches_split_sequences_and_route_logits():
+    batch = ForwardBatch(token_ids=list(range(10)), positions=[0, 1, 2, 3, 0, 0, 1, 2, 3, 4], seq_lens_q=[4, 1, 5],
+                         context_lens=[4, 9, 5], block_tables=[[0], [1, 2], [3]], logits_indices=[3, 4, 7, 9])
+    parts = split_micro_batches(batch, 2)
+    assert [p.batch.seq_lens_q for p in parts] == [[4, 1], [5]]
+    assert [p.batch.logits_indices for p in parts] == [[3, 4], [2, 4]]
+    assert [p.logits_rows for p in parts] == [[0, 1], [2, 3]]
+    assert parts[1].batch.token_ids == [5, 6, 7, 8, 9] and parts[1].batch.block_tables == [[3]]
+    assert [len(p.batch.seq_lens_q) for p in split_micro_batches(batch, 8)] == [1, 1, 1]  # at most one per sequence
+    assert [p.logits_rows for p in split_micro_batches(batch, 3, all_logits=True)] == [[0, 1, 2, 3], [4], [5, 6, 7, 8, 9]]
+
+
+def test_pp2_on_two_ranks_matches_pp1(engines):
+    from gloo_ranks import shared_pair
+    from pipeline_ranks import pp_rank_logits
+
+    expected = {name: tp_reference_steps(ModelRunner(pp1)) for name, (pp1, _) in engines.items()}
+    pp2_dirs = {name: pp2 for name, (_, pp2) in engines.items()}
+    for micro_batches in (1, 2):
+        rank0, rank1 = shared_pair().run(pp_rank_logits, pp2_dirs, micro_batches)
+        for name, reference in expected.items():
+            error = (rank0[name][0] - reference).abs().max().item()
+            assert error <= 1e-5, f"{name}, {micro_batches} micro-batches: max abs error {error:.3g} vs pp 1"
+            layers = PP_FAMILIES[name] or [1, 1]
+            assert [rank0[name][1], rank1[name][1]] == layers  # each stage's KV pool holds its layers only
