@@ -53,6 +53,10 @@ DECODER_ARCHITECTURES = ("GPTNeoXForCausalLM", "FalconForCausalLM", "GPTJForCaus
                          "Starcoder2ForCausalLM", "Glm4ForCausalLM", "BloomForCausalLM", "MptForCausalLM",
                          "BaichuanForCausalLM", "QWenLMHeadModel")
 SUPPORTED_ARCHITECTURES += DECODER_ARCHITECTURES
+# Hybrid Mamba-2 / attention models (engine/ssm/): their ModelConfig.ssm holds the Mamba shape and
+# the order of the blocks (engine/ssm/spec.py); hidden_act is the Mamba layers' SiLU.
+HYBRID_ARCHITECTURES = ("BambaForCausalLM", "NemotronHForCausalLM")
+SUPPORTED_ARCHITECTURES += HYBRID_ARCHITECTURES
 NORM_KINDS = ("rmsnorm", "layernorm")
 POSITION_KINDS = ("rope", "learned", "alibi")
 # sequential: x += attn(norm1(x)); x += mlp(norm2(x)). parallel: x += attn(norm1(x)) + mlp(norm1(x))
@@ -97,7 +101,7 @@ def _from_known_fields(cls, data: dict[str, Any]):
 
 
 _OPTIONAL_WHEN_NONE = ("sliding_window", "layer_types", "query_pre_attn_scalar", "attn_logit_softcapping",
-                       "final_logit_softcapping", "rope_local_theta", "swiglu_limit", "expert_quantization")
+                       "final_logit_softcapping", "rope_local_theta", "swiglu_limit", "expert_quantization", "ssm")
 # The configurable decoder's block options: left out of config.json at their (the Llama block's)
 # defaults, so the engines of the other families keep the config.json older readers accept.
 _OPTIONAL_AT_DEFAULT = ("norm_kind", "norm_bias", "positions", "learned_position_offset", "alibi_slopes",
@@ -203,6 +207,8 @@ class ModelConfig:
     # GPT-J, GLM-4: rope rotates adjacent pairs (2i, 2i + 1) in the checkpoint; engine.convert reorders
     # each q/k head's dims so the kernels' halves (i, i + rotary_dim / 2) rotate exactly those pairs.
     rotary_interleaved: bool = False
+    # Hybrid Mamba models (HYBRID_ARCHITECTURES): engine/ssm/spec.py SsmSpec as a dict; None otherwise.
+    ssm: dict[str, Any] | None = None
 
     def is_moe_layer(self, layer_index: int) -> bool:
         return (self.num_experts > 0 and layer_index not in self.mlp_only_layers
@@ -242,6 +248,9 @@ class ModelConfig:
             )
         self._validate_window_and_caps()
         self._validate_experts()
+        _require((self.ssm is not None) == (self.architecture in HYBRID_ARCHITECTURES),
+                 f"{self.architecture}: ssm must be set exactly for the hybrid Mamba architectures "
+                 f"({', '.join(HYBRID_ARCHITECTURES)}), got {self.ssm!r}")
         if self.rope_scaling is not None:
             rope_type = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
             _require(

@@ -27,9 +27,10 @@ from typing import Iterator, Mapping
 
 import torch
 
-from engine.config import (DECODER_ARCHITECTURES, GEMMA_ARCHITECTURES, MOE_ARCHITECTURES, ConfigError, ModelConfig,
-                           check_tp_divides)
+from engine.config import (DECODER_ARCHITECTURES, GEMMA_ARCHITECTURES, HYBRID_ARCHITECTURES, MOE_ARCHITECTURES,
+                           ConfigError, ModelConfig, check_tp_divides)
 from engine.convert_decoder import MODEL_TYPES, decoder_config_from_hf, decoder_rank_weights
+from engine.ssm.convert import MODEL_TYPES as HYBRID_MODEL_TYPES, hybrid_config_from_hf, hybrid_rank_weights
 from engine.hf_checkpoint import (CheckpointError, TensorGetter, first_present, has_tensor, read_rope, shard,
                                   sliding_window_fields)
 from engine.models import SUPPORTED_ARCHITECTURES, UnsupportedArchitectureError
@@ -65,6 +66,8 @@ def model_config_from_hf(hf_config) -> ModelConfig:
         )
     if architecture in DECODER_ARCHITECTURES:
         return decoder_config_from_hf(hf_config, architecture)
+    if architecture in HYBRID_ARCHITECTURES:
+        return hybrid_config_from_hf(hf_config, architecture)
     if architecture == "GPT2LMHeadModel":
         return _gpt2_config(hf_config)
     if architecture in GEMMA_ARCHITECTURES:
@@ -83,6 +86,7 @@ def _architecture_from_model_type(hf_config) -> str:
                "gemma3": "Gemma3ForConditionalGeneration", "mixtral": "MixtralForCausalLM",
                "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
     by_type.update(MODEL_TYPES)
+    by_type.update(HYBRID_MODEL_TYPES)
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in by_type:
         raise UnsupportedArchitectureError(
@@ -490,6 +494,8 @@ def iter_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: i
         convert = gpt_oss_rank_weights if cfg.architecture == "GptOssForCausalLM" else moe_rank_weights
     if cfg.architecture in DECODER_ARCHITECTURES:
         convert = decoder_rank_weights
+    if cfg.architecture in HYBRID_ARCHITECTURES:
+        convert = hybrid_rank_weights
     for name, tensor in convert(get, cfg, rank, tp_size):
         yield name, (tensor.to(dtype) if tensor.is_floating_point() else tensor).contiguous()
 

@@ -45,6 +45,10 @@ class AttentionMetadata:
     # Set by the decode attention launch that captures with ``decode_splits``: (KV heads, programs
     # the GPU holds at once, SMs), what decode_active_splits needs; None until then.
     decode_split_plan: tuple[int, int, int] | None = None
+    # Models with Mamba layers (engine/ssm/): each sequence's state slot (engine/executor/state_cache.py),
+    # (num_seqs,) int32 on the device and as a host list; None for models without recurrent state.
+    state_slots: torch.Tensor | None = None
+    state_slots_host: list[int] | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -40,6 +40,7 @@ from engine.executor.executor_config import (  # noqa: F401
 )
 from engine.executor.kv_host_tier import make_host_tier
 from engine.executor.prompt_table import gather_prompt_embeds, prompt_cache_keys
+from engine.executor import state_cache
 from engine.models.prompt_embeds import PromptEmbeds
 from engine.executor.output import ResponseQueue, responses_for
 from engine.executor.overlap import (
@@ -92,6 +93,7 @@ class Executor:
         self.max_batch_size = cfg.max_batch_size or build.max_batch_size
         self.max_num_tokens = max(cfg.max_num_tokens or build.max_num_tokens, self.max_batch_size)
         self._init_lora()  # the adapter slots come before the KV pool, which takes what is left
+        self.state_slots = state_cache.start_state_cache(self.runner, self.max_batch_size, cfg)  # so do Mamba states
         self.proposer = self._make_proposer(engine_dir)  # a draft model loads before the KV pools share the memory
         kv_share = getattr(self.proposer, "target_kv_share", 1.0)  # the rest is the draft model's pool
         num_blocks = self.runner.num_kv_blocks_for(free_mem_fraction=cfg.kv_cache_free_gpu_mem_fraction * kv_share,
@@ -164,6 +166,8 @@ class Executor:
 
     def _init_scheduler(self) -> None:
         cfg = self.config
+        if self.state_slots is not None:  # a cached KV prefix has no Mamba state at its end (state_cache.py)
+            cfg = replace(cfg, enable_kv_cache_reuse=False)
         host_tier = make_host_tier(self.runner, host_memory_bytes=cfg.kv_cache_host_memory_bytes,
                                    onboard_blocks=cfg.kv_cache_onboard_blocks, enable_reuse=cfg.enable_kv_cache_reuse)
         self.blocks = BlockManager(self.runner.num_kv_blocks, self.runner.tokens_per_block,
@@ -173,7 +177,8 @@ class Executor:
                                    enable_chunked_context=self.config.enable_chunked_context,
                                    static_batching=self.config.batching_type == "static",
                                    kv_window=self.runner.model_config.kv_window,  # frees blocks that left it
-                                   acquire_adapter=None if self.adapters is None else self._acquire_adapter)
+                                   acquire_adapter=None if self.adapters is None else self._acquire_adapter,
+                                   state_slots=self.state_slots)
         build = self.runner.build_config
         self.limits = RequestLimits(
             vocab_size=self.runner.vocab_size, max_seq_len=build.max_seq_len,
@@ -319,6 +324,10 @@ class Executor:
         if request.lora is not None and self.adapters is None:
             return ("lora_task_id: LoRA is not enabled on this model; set the tensorrt_llm parameter enable_lora "
                     "to true, or send the request without lora_task_id/lora_weights/lora_config/lora_path")
+        if self.state_slots is not None:
+            error = state_cache.request_error(request, self.runner.model_config.architecture)
+            if error is not None:
+                return error
         limit = self.config.max_queue_size
         if limit and len(self._inbox) + self._num_unscheduled >= limit:
             return f"Maximum queue size of {limit} has been reached, rejecting request"
@@ -643,6 +652,8 @@ class Executor:
         slot = self._parity * self.runner.sampled_tokens.shape[0] // 2 if sampling else -1
         batch = ForwardBatch(token_ids, positions, seq_lens, context_lens, tables, logits_indices, slot,
                              lora_slots if any(s >= 0 for s in lora_slots) else None)
+        if self.state_slots is not None:
+            batch.state_slots = self.state_slots.slots_of(plan.scheduled)
         return batch, rows, sampling, drafted
 
     def _prompt_embeds(self, plan: SchedulerOutput) -> PromptEmbeds | None:

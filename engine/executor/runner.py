@@ -69,6 +69,8 @@ class ForwardBatch:
     # LoRA: the adapter pool slot of each sequence (-1: the base model); None when no sequence
     # of the step uses an adapter.
     lora_slots: list[int] | None = None
+    # Models with Mamba layers: each sequence's state slot (engine/executor/state_cache.py); else None.
+    state_slots: list[int] | None = None
 
 
 class ModelRunner:
@@ -145,7 +147,8 @@ class ModelRunner:
 
     @property
     def kv_layers(self) -> int:
-        return self.model_config.num_layers
+        """Layers the KV pool holds: every layer, or a hybrid model's attention layers only."""
+        return getattr(self.model, "num_kv_layers", self.model_config.num_layers)
 
     # ---- LoRA -------------------------------------------------------------------------------
 
@@ -170,7 +173,12 @@ class ModelRunner:
     def check_adapter(self, adapter) -> None:
         self.lora_pools.check(adapter)
 
-    # ---- KV pool --------------------------------------------------------------------------
+    # ---- KV pool and state slots ----------------------------------------------------------
+
+    def allocate_state_cache(self, num_slots: int) -> None:
+        """A model with Mamba layers: its state slots (engine/executor/state_cache.py), before the KV
+        pool is sized so the pool takes what they leave."""
+        self.model.allocate_states(num_slots, self.device)
 
     def kv_cache_torch_dtype(self, kv_cache_dtype: str | None = None) -> torch.dtype:
         """The pool's element type: ``kv_cache_dtype`` ("fp8", or "auto"/None for the engine's
@@ -265,6 +273,10 @@ class ModelRunner:
         every batch-size bucket up to max_batch_size (engine/executor/cuda_graphs.py). CPU: no-op.
         Runs after allocate_kv_cache (on every rank in leader mode)."""
         if self.device.type != "cuda" or self.kv_cache is None:
+            return
+        if getattr(self.model, "uses_state_cache", False):
+            # Hybrid Mamba models run eagerly for now: their decode kernels take static shapes and slot
+            # indices, but the graphs' buffers do not carry the state slots yet.
             return
         build = self.build_config
         self.decode_graphs = DecodeGraphs(self.model, self.kv_cache, tokens_per_block=self.tokens_per_block,
@@ -420,6 +432,9 @@ class ModelRunner:
             context_lens_host=list(batch.context_lens),
             lora=None if batch.lora_slots is None else lora_batch(batch.lora_slots, batch.seq_lens_q, self.device),
         )
+        if batch.state_slots is not None:
+            meta.state_slots = self._to_device(batch.state_slots, torch.int32)
+            meta.state_slots_host = batch.state_slots
         return self._to_device(batch.token_ids, torch.int64), self._to_device(batch.positions, torch.int64), meta
 
     def _slot_mapping(self, batch: ForwardBatch, cu_seqlens: list[int]) -> list[int]:

@@ -98,7 +98,8 @@ class Scheduler:
 
     def __init__(self, block_manager: BlockManager, *, max_batch_size: int, max_num_tokens: int,
                  policy: str = "guaranteed_no_evict", enable_chunked_context: bool = False,
-                 static_batching: bool = False, kv_window: int | None = None, acquire_adapter=None):
+                 static_batching: bool = False, kv_window: int | None = None, acquire_adapter=None,
+                 state_slots=None):
         if policy not in POLICIES:
             raise ValueError(f"batch_scheduler_policy {policy!r} is not supported; allowed: {', '.join(POLICIES)}")
         self.blocks = block_manager
@@ -111,6 +112,9 @@ class Scheduler:
         # LoRA: acquire_adapter(request_state, behind_a_waiter) -> False while the request must wait
         # for an adapter slot (_admit_waiting lets base-model requests pass); None: no adapters.
         self.acquire_adapter = acquire_adapter
+        # Models with Mamba layers: a running sequence holds a state slot (engine/executor/state_cache.py
+        # StateSlots), taken when it starts running, given back when it finishes or is preempted.
+        self.state_slots = state_slots
         self.num_window_freed_blocks = 0  # cumulative blocks returned early by the window
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # sorted by arrival_order: the tail is the newest
@@ -132,6 +136,8 @@ class Scheduler:
             self.waiting.remove(seq)
         if seq.block_ids:
             self.blocks.free(seq.block_ids)
+        if self.state_slots is not None:
+            self.state_slots.release(seq)
         seq.block_ids = []
         seq.num_registered_blocks = 0
         seq.num_window_freed_blocks = 0
@@ -299,12 +305,16 @@ class Scheduler:
 
     def _start_running(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.RUNNING
+        if self.state_slots is not None:
+            self.state_slots.acquire(seq)
         keys = [s.arrival_order for s in self.running]
         self.running.insert(bisect.bisect(keys, seq.arrival_order), seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.release(seq)
+        if self.state_slots is not None:  # it recomputes from position 0, from a fresh state
+            self.state_slots.release(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

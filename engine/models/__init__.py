@@ -95,6 +95,14 @@ MODEL_FAMILIES = (
     ModelFamily("QWenLMHeadModel", "engine.models.decoder", "DecoderForCausalLM",
                 "Qwen (v1) 1.8B/7B/14B (remote code read as data: c_attn, w1/w2; up to seq_length; the tiktoken "
                 "vocabulary is not converted)", fp8=True, weight_only=True),
+    # Hybrid Mamba-2 / attention models (engine/ssm/): a state slot per running sequence beside the KV pool.
+    ModelFamily("BambaForCausalLM", "engine.ssm.hybrid", "HybridForCausalLM",
+                "Bamba-9B (Mamba-2 layers with a per-request state, "
+                "a few rope attention layers; no prefix caching, beams or speculative decoding)",
+                tensor_parallel=False),
+    ModelFamily("NemotronHForCausalLM", "engine.ssm.hybrid", "HybridForCausalLM",
+                "Nemotron-H 4B/8B/47B/56B dense (Mamba-2, attention without positions and relu^2 MLP layers; "
+                "MoE layers refused)", tensor_parallel=False),
 )
 _REGISTRY = {family.architecture: family for family in MODEL_FAMILIES}
 SUPPORTED_ARCHITECTURES = tuple(_REGISTRY)

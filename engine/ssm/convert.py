@@ -1,0 +1,134 @@
+"""Hugging Face hybrid checkpoints -> ModelConfig (with its ``ssm`` spec) and engine weights.
+
+Bamba (``BambaForCausalLM``; IBM's Bamba-9B and the Granite 4.0 hybrids saved in Bamba's layout):
+each decoder layer is a Mamba-2 layer or rope attention (partial rotary 0.5, layers in
+``attn_layer_indices``), then a gated SiLU MLP: two engine blocks per layer.
+Nemotron-H (``NemotronHForCausalLM``): each layer is one block, Mamba-2, attention without
+positions, or a relu^2 MLP, in the order of ``hybrid_override_pattern`` / ``layers_block_type``;
+its MoE layers (Nemotron-3 Nano) are refused by name. The SSM state is kept in float32
+(``mamba_ssm_cache_dtype``), prompt chunks clamp dt at ``time_step_min`` as transformers does.
+
+Weights: q/k/v fused into ``qkv_proj`` (with partial rotary each q/k head's dims reordered, as
+for the Llama family), gate/up fused into ``up_proj``, the conv's (C, 1, K) weight stored (C, K).
+One rank only: tensor parallelism is refused (the build says so by name).
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+from engine.config import ConfigError, ModelConfig
+from engine.hf_checkpoint import TensorGetter, read_rope
+from kernels.rotary import partial_rotary_order
+
+MODEL_TYPES = {"bamba": "BambaForCausalLM", "nemotron_h": "NemotronHForCausalLM"}
+
+
+def _refuse(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def hybrid_config_from_hf(c, architecture: str) -> ModelConfig:
+    from engine.ssm.spec import SsmSpec
+
+    if architecture == "BambaForCausalLM":
+        _refuse(not getattr(c, "attention_bias", False) and not getattr(c, "mlp_bias", False),
+                "BambaForCausalLM with attention_bias/mlp_bias is not supported")
+        _refuse(c.hidden_act == "silu", f"BambaForCausalLM needs hidden_act 'silu', got {c.hidden_act!r}")
+        kinds = list(c.layers_block_type)
+        blocks = [b for kind in kinds for b in ("mamba" if kind == "linear_attention" else "attention", "mlp")]
+        low, high = tuple(c.time_step_limit or (0.0, float("inf")))
+        spec = SsmSpec(blocks=blocks, num_heads=c.mamba_n_heads, head_dim=c.mamba_d_head, d_state=c.mamba_d_state,
+                       n_groups=c.mamba_n_groups, d_conv=c.mamba_d_conv, conv_bias=bool(c.mamba_conv_bias),
+                       proj_bias=bool(c.mamba_proj_bias), dt_limit=[float(low), None if high == float("inf") else high],
+                       mlp_act="silu", attention_rope=True)
+        theta, scaling, partial = read_rope(c)
+        rope = {"rope_theta": theta, "rope_scaling": scaling, "partial_rotary_factor": partial}
+        eps, head_dim = c.rms_norm_eps, getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    else:
+        kinds = list(c.layers_block_type)
+        moe = [i for i, kind in enumerate(kinds) if kind == "moe"]
+        _refuse(not moe, f"NemotronHForCausalLM with mixture-of-experts layers ({moe}) is not supported yet; "
+                         "the dense Nemotron-H models (Mamba-2, attention and MLP layers) are")
+        _refuse(not getattr(c, "mlp_bias", False) and not getattr(c, "attention_bias", False),
+                "NemotronHForCausalLM with mlp_bias/attention_bias is not supported")
+        _refuse(c.mlp_hidden_act == "relu2" and c.mamba_hidden_act == "silu",
+                f"NemotronHForCausalLM needs mlp_hidden_act 'relu2' and mamba_hidden_act 'silu', got "
+                f"{c.mlp_hidden_act!r} and {c.mamba_hidden_act!r}")
+        by_kind = {"linear_attention": "mamba", "full_attention": "attention", "mlp": "mlp"}
+        spec = SsmSpec(blocks=[by_kind[k] for k in kinds], num_heads=c.mamba_num_heads, head_dim=c.mamba_head_dim,
+                       d_state=c.ssm_state_size, n_groups=c.n_groups, d_conv=c.conv_kernel,
+                       conv_bias=bool(c.use_conv_bias), proj_bias=bool(c.use_bias),
+                       dt_limit=[float(c.time_step_min), None], mlp_act="relu2", attention_rope=False,
+                       state_dtype=getattr(c, "mamba_ssm_cache_dtype", None) or None)
+        rope = {}
+        eps, head_dim = c.layer_norm_epsilon, c.head_dim
+    spec.validate()
+    return ModelConfig(
+        architecture=architecture, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+        num_layers=c.num_hidden_layers, num_heads=c.num_attention_heads,
+        num_kv_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads, head_dim=head_dim,
+        intermediate_size=c.intermediate_size, norm_eps=float(eps), max_position_embeddings=c.max_position_embeddings,
+        tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)), hidden_act="silu",
+        ssm=spec.to_dict(), **rope,
+    ).validate()
+
+
+def _hf_blocks(cfg: ModelConfig) -> list[tuple[str, str]]:
+    """(engine block kind, the checkpoint's prefix of that block's norm and mixer) per block:
+    prefixes name norm and mixer as "<norm>|<mixer>"."""
+    blocks = cfg.ssm["blocks"]
+    if cfg.architecture == "BambaForCausalLM":
+        out = []
+        for i in range(cfg.num_layers):
+            layer = f"model.layers.{i}."
+            mixer = "mamba" if blocks[2 * i] == "mamba" else "self_attn"
+            out.append((blocks[2 * i], f"{layer}input_layernorm|{layer}{mixer}."))
+            out.append(("mlp", f"{layer}pre_ff_layernorm|{layer}feed_forward."))
+        return out
+    return [(kind, f"model.layers.{i}.norm|model.layers.{i}.mixer.") for i, kind in enumerate(blocks)]
+
+
+def hybrid_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: int
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
+    _refuse(tp_size == 1, f"{cfg.architecture}: tensor parallelism is not supported for hybrid Mamba models yet "
+                          f"(got tp_size {tp_size}); build with tp_size 1")
+    bamba = cfg.architecture == "BambaForCausalLM"
+    yield "embed_tokens.weight", get("model.embed_tokens.weight" if bamba else "model.embeddings.weight")
+    yield "norm.weight", get("model.final_layernorm.weight" if bamba else "model.norm_f.weight")
+    if not cfg.tie_word_embeddings:
+        yield "lm_head.weight", get("lm_head.weight")
+    order = None if cfg.rotary_dim == cfg.head_dim else partial_rotary_order(cfg.head_dim, cfg.rotary_dim)
+
+    def rotary(t: torch.Tensor) -> torch.Tensor:
+        return t if order is None else t.unflatten(0, (-1, cfg.head_dim))[:, order].flatten(0, 1)
+
+    for i, (kind, names) in enumerate(_hf_blocks(cfg)):
+        norm, hf = names.split("|")
+        out = f"blocks.{i}."
+        yield out + "norm.weight", get(norm + ".weight")
+        m = out + "mixer."
+        if kind == "mamba":
+            yield m + "in_proj.weight", get(hf + "in_proj.weight")
+            yield m + "conv_weight", get(hf + "conv1d.weight").squeeze(1)
+            for name in ("dt_bias", "A_log", "D"):
+                yield m + name, get(hf + name)
+            yield m + "gate_norm.weight", get(hf + "norm.weight")
+            yield m + "out_proj.weight", get(hf + "out_proj.weight")
+            if cfg.ssm["conv_bias"]:
+                yield m + "conv_bias", get(hf + "conv1d.bias")
+            if cfg.ssm["proj_bias"]:
+                yield m + "in_proj.bias", get(hf + "in_proj.bias")
+                yield m + "out_proj.bias", get(hf + "out_proj.bias")
+        elif kind == "attention":
+            q, k, v = (get(hf + f"{p}_proj.weight") for p in "qkv")
+            yield m + "qkv_proj.weight", torch.cat([rotary(q), rotary(k), v])
+            yield m + "o_proj.weight", get(hf + "o_proj.weight")
+        elif cfg.ssm["mlp_act"] == "silu":
+            yield m + "up_proj.weight", torch.cat([get(hf + "gate_proj.weight"), get(hf + "up_proj.weight")])
+            yield m + "down_proj.weight", get(hf + "down_proj.weight")
+        else:
+            yield m + "up_proj.weight", get(hf + "up_proj.weight")
+            yield m + "down_proj.weight", get(hf + "down_proj.weight")

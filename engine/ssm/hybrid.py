@@ -1,0 +1,181 @@
+"""Hybrid Mamba-2 / attention decoders (Bamba, Granite 4.0 hybrids' Bamba layout, Nemotron-H).
+
+The model is a stack of pre-norm residual blocks ``x += mixer(rmsnorm(x))`` (engine/ssm/spec.py
+names the mixers), then a final RMSNorm and the lm_head. Attention blocks use the paged KV pool,
+which holds only them: ``num_kv_layers`` tells the runner how many layers the pool has, and
+attention block i reads pool layer ``kv_index[i]``. Mamba blocks keep their per-sequence state in
+``conv_states`` / ``ssm_states`` (one slot per running sequence, engine/executor/state_cache.py),
+allocated by ``allocate_states`` before the KV pool; the step's slots come in the attention
+metadata (``state_slots``).
+
+Weights per engine directory (tensor parallelism is refused, so there is one rank):
+``embed_tokens.weight``, ``norm.weight``, ``lm_head.weight`` (unless tied), and per block i
+``blocks.{i}.norm.weight`` and the mixer's: Mamba (engine/ssm/mamba2.py), attention
+``qkv_proj.weight`` (rows [q | k | v]; with partial rotary each q/k head's dims in
+kernels.rotary.partial_rotary_order) and ``o_proj.weight``, MLP ``up_proj.weight`` ([gate | up]
+rows when gated) and ``down_proj.weight``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ConfigError, ModelConfig
+from engine.models.layers import Linear, Norm, VocabParallelEmbedding, qkv_heads, vocab_parallel_logits
+from engine.ssm.mamba2 import Mamba2Mixer, StepStates, step_states
+from engine.ssm.spec import SsmSpec
+from kernels.activation import silu_and_mul
+from kernels.attention import paged_attention, write_kv_cache
+from kernels.attention_metadata import AttentionMetadata
+from kernels.rmsnorm import rms_norm
+from kernels.rope_attention import rope_paged_attention
+from kernels.rotary import build_cos_sin_cache
+
+TORCH_STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, kv_index: int, rope: bool, *, dtype, device):
+        super().__init__()
+        c = config
+        self.kv_index, self.rope = kv_index, rope
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.scale = c.head_dim**-0.5
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.qkv_proj = Linear(c.hidden_size, q_size + 2 * kv_size, bias=False, dtype=dtype, device=device)
+        self.o_proj = Linear(q_size, c.hidden_size, bias=False, dtype=dtype, device=device)
+
+    def forward(self, h, positions, cos_sin_cache, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = qkv_heads(self.qkv_proj(h), self.num_heads, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = kv_cache[self.kv_index, 0], kv_cache[self.kv_index, 1]
+        if self.rope:
+            out = rope_paged_attention(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta, self.scale)
+        else:  # Nemotron-H: no position encoding in its attention layers
+            write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+            out = paged_attention(q, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(out.shape[0], -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig, act: str, *, dtype, device):
+        super().__init__()
+        self.gated = act == "silu"
+        rows = 2 * config.intermediate_size if self.gated else config.intermediate_size
+        self.up_proj = Linear(config.hidden_size, rows, bias=False, dtype=dtype, device=device)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype, device=device)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        up = self.up_proj(h)
+        return self.down_proj(silu_and_mul(up) if self.gated else F.relu(up).square())
+
+
+class Block(nn.Module):
+    def __init__(self, kind: str, mixer: nn.Module, hidden_size: int, *, dtype, device):
+        super().__init__()
+        self.kind = kind
+        self.norm = Norm(hidden_size, bias=False, dtype=dtype, device=device)
+        self.mixer = mixer
+
+
+class HybridForCausalLM(nn.Module):
+    """The one rank of a hybrid model (module docstring)."""
+
+    uses_state_cache = True  # the executor gives each sequence a state slot (engine/executor/state_cache.py)
+
+    def __init__(self, config: ModelConfig, *, tp_rank: int = 0, tp_size: int = 1, tp_group=None,
+                 dtype: torch.dtype = torch.float32, device=None, max_positions: int | None = None,
+                 quantization=None):
+        super().__init__()
+        if tp_size != 1 or quantization is not None:
+            raise ConfigError(f"{config.architecture}: tensor parallelism and quantized weights are not supported "
+                              f"for hybrid Mamba models yet (got tp_size {tp_size}, quantization {quantization!r}); "
+                              "build with tp_size 1 and no quantization")
+        c = self.config = config
+        spec = self.spec = SsmSpec.from_dict(config.ssm)
+        kw = {"dtype": dtype, "device": device}
+        self.dtype = dtype
+        self.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, tp_rank=0, tp_group=None, **kw)
+        blocks, kv_index, mamba_index = [], 0, 0
+        for kind in spec.blocks:
+            if kind == "mamba":
+                mixer = Mamba2Mixer(spec, c.hidden_size, c.norm_eps, **kw)
+                mixer.state_index = mamba_index
+                mamba_index += 1
+            elif kind == "attention":
+                mixer = Attention(c, kv_index, spec.attention_rope, **kw)
+                kv_index += 1
+            else:
+                mixer = MLP(c, spec.mlp_act, **kw)
+            blocks.append(Block(kind, mixer, c.hidden_size, **kw))
+        self.blocks = nn.ModuleList(blocks)
+        self.num_kv_layers = max(1, kv_index)  # the paged pool's layers: the attention blocks only
+        self.num_state_layers = mamba_index
+        self.norm = Norm(c.hidden_size, bias=False, **kw)
+        if not c.tie_word_embeddings:
+            self.lm_head = Linear(c.hidden_size, c.vocab_size, bias=False, **kw)
+        self.max_positions = max_positions or c.max_position_embeddings
+        self.cos_sin_cache: torch.Tensor | None = None
+        self.conv_states: torch.Tensor | None = None  # (mamba blocks, slots, conv_dim, d_conv - 1)
+        self.ssm_states: torch.Tensor | None = None  # (mamba blocks, slots, H, head_dim, d_state)
+
+    # ---- state pool ----
+    def state_dtype(self) -> torch.dtype:
+        return TORCH_STATE_DTYPES[self.spec.state_dtype] if self.spec.state_dtype else self.dtype
+
+    def state_slot_bytes(self) -> int:
+        """Bytes one sequence's states take over every Mamba block."""
+        s = self.spec
+        conv = s.conv_dim * (s.d_conv - 1) * torch.empty((), dtype=self.dtype).element_size()
+        ssm = s.num_heads * s.head_dim * s.d_state * torch.empty((), dtype=self.state_dtype()).element_size()
+        return self.num_state_layers * (conv + ssm)
+
+    def allocate_states(self, num_slots: int, device) -> None:
+        s = self.spec
+        self.conv_states = torch.zeros(self.num_state_layers, num_slots, s.conv_dim, s.d_conv - 1, dtype=self.dtype,
+                                       device=device)
+        self.ssm_states = torch.zeros(self.num_state_layers, num_slots, s.num_heads, s.head_dim, s.d_state,
+                                      dtype=self.state_dtype(), device=device)
+
+    def init_buffers(self, device: torch.device) -> None:
+        c = self.config
+        if self.spec.attention_rope:
+            self.cos_sin_cache = build_cos_sin_cache(self.max_positions, c.head_dim, c.rope_theta, c.rope_scaling,
+                                                     device, rotary_dim=c.rotary_dim)
+        for block in self.blocks:
+            if block.kind == "mamba":
+                block.mixer.init_buffers()
+
+    def _states(self, meta: AttentionMetadata, device) -> tuple[torch.Tensor, torch.Tensor, StepStates]:
+        if meta.state_slots_host is not None and self.conv_states is not None:
+            return self.conv_states, self.ssm_states, step_states(meta, 0)
+        # No slots (warm-up, memory profiling): scratch states, one per sequence, dropped after.
+        num_seqs = len(meta.cu_seqlens_q_host) - 1
+        s = self.spec
+        conv = torch.zeros(self.num_state_layers, num_seqs, s.conv_dim, s.d_conv - 1, dtype=self.dtype, device=device)
+        ssm = torch.zeros(self.num_state_layers, num_seqs, s.num_heads, s.head_dim, s.d_state,
+                          dtype=self.state_dtype(), device=device)
+        return conv, ssm, step_states(meta, num_seqs)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                attn_meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: (num_tokens,) -> final-normed hidden states (num_tokens, hidden)."""
+        if self.cos_sin_cache is None and self.spec.attention_rope:
+            self.init_buffers(input_ids.device)
+        conv_states, ssm_states, step = self._states(attn_meta, input_ids.device)
+        x, residual = self.embed_tokens(input_ids), None
+        eps = self.config.norm_eps
+        for block in self.blocks:
+            h, residual = rms_norm(x, block.norm.weight, eps, residual)
+            if block.kind == "mamba":
+                i = block.mixer.state_index
+                x = block.mixer(h, conv_states[i], ssm_states[i], step)
+            elif block.kind == "attention":
+                x = block.mixer(h, positions, self.cos_sin_cache, kv_cache, attn_meta)
+            else:
+                x = block.mixer(h)
+        return rms_norm(x, self.norm.weight, eps, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        return vocab_parallel_logits(hidden, weight, None)

@@ -1,0 +1,107 @@
+"""SsmSpec: what a hybrid model's ``ModelConfig.ssm`` holds, validated once.
+
+A hybrid model is a stack of pre-norm residual blocks, ``x += mixer(norm(x))``, each mixer one of:
+
+- "mamba": a Mamba-2 layer (engine/ssm/mamba2.py), with a per-request state;
+- "attention": GQA attention over the paged KV cache, with rope (Bamba: partial rotary) or none
+  (Nemotron-H);
+- "mlp": the feed-forward, gated SiLU (Bamba: ``down(silu(gate) * up)``) or not
+  (Nemotron-H: ``down(relu(up)^2)``).
+
+Bamba's decoder layer is two such blocks (mixer, then MLP); a Nemotron-H layer is one. ``blocks``
+lists the kinds in order; ``ModelConfig.num_layers`` stays the checkpoint's layer count.
+
+Mamba-2 shape: ``num_heads`` x ``head_dim`` channels (the layer's inner width), ``n_groups``
+groups of B and C of ``d_state`` each, a ``d_conv``-tap causal conv over x|B|C, ``dt_limit``
+[min, max or null] clamping dt in prompt chunks (kernels/ssd_scan.py), ``state_dtype`` the SSM
+state's dtype (null: the model's; Nemotron-H keeps it in float32).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+from engine.config import ConfigError
+
+BLOCK_KINDS = ("mamba", "attention", "mlp")
+MLP_ACTIVATIONS = ("silu", "relu2")  # silu: gated [gate | up]; relu2: relu(up)^2, not gated
+STATE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class SsmSpec:
+    blocks: list
+    num_heads: int
+    head_dim: int
+    d_state: int
+    n_groups: int
+    d_conv: int
+    conv_bias: bool = True
+    proj_bias: bool = False
+    dt_limit: list = (0.0, None)
+    mlp_act: str = "silu"
+    attention_rope: bool = True
+    state_dtype: str | None = None
+
+    @property
+    def inner(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels the conv runs over: x (inner), B and C (n_groups * d_state each)."""
+        return self.inner + 2 * self.n_groups * self.d_state
+
+    @property
+    def mamba_blocks(self) -> list[int]:
+        return [i for i, kind in enumerate(self.blocks) if kind == "mamba"]
+
+    @property
+    def attention_blocks(self) -> list[int]:
+        return [i for i, kind in enumerate(self.blocks) if kind == "attention"]
+
+    def dt_range(self) -> tuple[float, float]:
+        low, high = self.dt_limit
+        return float(low), float("inf") if high is None else float(high)
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["blocks"], data["dt_limit"] = list(self.blocks), list(self.dt_limit)
+        return data
+
+    @classmethod
+    def from_dict(cls, data) -> "SsmSpec":
+        if not isinstance(data, dict):
+            raise ConfigError(f"ModelConfig.ssm must be a JSON object, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"ModelConfig.ssm: unknown keys {unknown}; allowed keys are {sorted(known)}")
+        try:
+            spec = cls(**data)
+        except TypeError as err:
+            raise ConfigError(f"ModelConfig.ssm: {err}") from None
+        return spec.validate()
+
+    def validate(self) -> "SsmSpec":
+        def require(ok: bool, message: str) -> None:
+            if not ok:
+                raise ConfigError(f"ModelConfig.ssm: {message}")
+
+        require(isinstance(self.blocks, (list, tuple)) and self.blocks and all(k in BLOCK_KINDS for k in self.blocks),
+                f"blocks must list one of {', '.join(BLOCK_KINDS)} per residual block, got {self.blocks!r}")
+        require("mamba" in self.blocks, "blocks must hold at least one mamba block")
+        for name in ("num_heads", "head_dim", "d_state", "n_groups", "d_conv"):
+            value = getattr(self, name)
+            require(isinstance(value, int) and not isinstance(value, bool) and value > 0,
+                    f"{name} must be a positive integer, got {value!r}")
+        require(self.d_conv >= 2, f"d_conv must be >= 2, got {self.d_conv}")
+        require(self.num_heads % self.n_groups == 0,
+                f"num_heads ({self.num_heads}) must be a multiple of n_groups ({self.n_groups})")
+        require(isinstance(self.dt_limit, (list, tuple)) and len(self.dt_limit) == 2 and self.dt_limit[0] >= 0
+                and (self.dt_limit[1] is None or self.dt_limit[1] > self.dt_limit[0]),
+                f"dt_limit must be [min >= 0, max > min or null], got {self.dt_limit!r}")
+        require(self.mlp_act in MLP_ACTIVATIONS,
+                f"mlp_act must be one of {', '.join(MLP_ACTIVATIONS)}, got {self.mlp_act!r}")
+        require(self.state_dtype is None or self.state_dtype in STATE_DTYPES,
+                f"state_dtype must be null or one of {', '.join(STATE_DTYPES)}, got {self.state_dtype!r}")
+        return self

@@ -1,0 +1,53 @@
+"""Tiny random hybrid Mamba-2 checkpoints made by transformers itself (Bamba, Nemotron-H).
+
+Sizes are the smallest the kernels' tiles take whole (head_dim and d_state 16); two groups of B/C
+so heads really share them; one attention layer among Mamba layers (Bamba: rope, partial 0.5;
+Nemotron-H: no positions) and Nemotron-H's relu^2 MLP block.
+"""
+from __future__ import annotations
+
+import torch
+import transformers
+
+VOCAB = 96
+
+
+def bamba_config() -> transformers.BambaConfig:
+    return transformers.BambaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2,
+        mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16, max_position_embeddings=1024,
+        pad_token_id=0, eos_token_id=None, bos_token_id=None)
+
+
+def nemotron_h_config() -> transformers.NemotronHConfig:
+    return transformers.NemotronHConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, layers_block_type=["linear_attention", "mlp", "full_attention",
+                                                              "linear_attention"],
+        mamba_num_heads=4, mamba_head_dim=16, n_groups=2, ssm_state_size=16, conv_kernel=4, chunk_size=16,
+        max_position_embeddings=1024, pad_token_id=0, eos_token_id=None, bos_token_id=None)
+
+
+HYBRIDS = {"bamba": (transformers.BambaForCausalLM, bamba_config),
+           "nemotron_h": (transformers.NemotronHForCausalLM, nemotron_h_config)}
+
+
+def tiny_hybrid(family: str, seed: int = 0) -> torch.nn.Module:
+    model_class, make_config = HYBRIDS[family]
+    config = make_config()
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = model_class(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            base = 1.0 if "norm" in name and name.endswith("weight") else 0.0  # norms near 1, the rest small
+            p.copy_(base + 0.1 * torch.randn_like(p))
+    return model
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                         min_new_tokens=max_new_tokens, pad_token_id=0)
+    return out[0, len(prompt):].tolist()

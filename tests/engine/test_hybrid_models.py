@@ -1,0 +1,132 @@
+"""Hybrid Mamba-2 / attention models (Bamba, Nemotron-H) against transformers, and their state cache.
+
+- The runner's logits equal transformers' (CPU float32, 1e-4) for a prompt prefilled in chunks
+  whose edges fall inside SSD chunks and conv windows, then decoded token by token: chunked prefill
+  carries each Mamba layer's state between chunks, and decode continues it.
+- Through the executor (in-flight batching, chunked context under a small token budget, so prompt
+  chunks and decodes of other requests share steps), greedy ids of prompts of 5, 17, 40 and 300
+  tokens equal transformers' ``generate``; after they finish, and after cancels, every state slot
+  is free again. Under max_utilization with a KV pool too small for all, sequences are preempted
+  (their slots freed) and recompute from a fresh state, with the same ids.
+- What a state cannot serve is refused by name: beams, several returned sequences, speculative
+  decoding; prefix caching is off for these models.
+"""
+from __future__ import annotations
+
+import random
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.build import build_from_hf
+from engine.config import BuildConfig
+from engine.convert import getter_from_state_dict
+from engine.executor.executor import Executor, ExecutorConfig, ExecutorConfigError, SpeculativeConfig
+from engine.executor.request import Request, SamplingConfig
+from engine.executor.runner import ForwardBatch, ModelRunner
+
+from hybrid_testing import HYBRIDS, VOCAB, hf_greedy, tiny_hybrid
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "executor"))
+from executor_testing import collect, final_tokens  # noqa: E402
+
+FAMILIES = list(HYBRIDS)
+PROMPT_LENGTHS = (5, 17, 40, 300)
+NEW_TOKENS = 6
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, VOCAB) for _ in range(n)]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def hybrid(request, tmp_path_factory):
+    """(family, transformers model, engine dir, expected greedy ids per prompt length)."""
+    family = request.param
+    model = tiny_hybrid(family)
+    build = BuildConfig(dtype="float32", max_batch_size=4, max_input_len=320, max_seq_len=320, max_num_tokens=512,
+                        tokens_per_block=16)
+    engine_dir = str(tmp_path_factory.mktemp(family))
+    build_from_hf(model.config, getter_from_state_dict(model.state_dict(), family), None, engine_dir, build,
+                  progress=False)
+    expected = {n: hf_greedy(model, _tokens(n, n), NEW_TOKENS) for n in PROMPT_LENGTHS}
+    return family, model, engine_dir, expected
+
+
+def test_chunked_prefill_then_decode_equal_transformers_logits(hybrid):
+    _, model, engine_dir, _ = hybrid
+    runner = ModelRunner(engine_dir)
+    runner.allocate_state_cache(4)
+    runner.allocate_kv_cache(32)
+    prompt = _tokens(40, 1)
+    with torch.no_grad():
+        expected = model(torch.tensor([prompt])).logits[0]
+    blocks = [7, 3, 12]  # scattered pool blocks: attention must go through the table
+    outs = []
+    for start, end in [(0, 11), (11, 30), (30, 36)] + [(p, p + 1) for p in range(36, 40)]:
+        n = end - start
+        batch = ForwardBatch(prompt[start:end], list(range(start, end)), [n], [end], [blocks[:-(-end // 16)]],
+                             list(range(n)), state_slots=[2])
+        outs.append(runner.forward(batch))
+    assert (torch.cat(outs) - expected).abs().max().item() <= 1e-4
+
+
+def _wait_until(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("policy,kv_tokens", [("guaranteed_no_evict", 4096), ("max_utilization", 336)])
+def test_in_flight_batching_greedy_equals_transformers(hybrid, policy, kv_tokens):
+    _, _, engine_dir, expected = hybrid
+    config = ExecutorConfig(enable_chunked_context=True, max_num_tokens=64, batch_scheduler_policy=policy,
+                            max_tokens_in_paged_kv_cache=kv_tokens)
+    with Executor(engine_dir, config) as executor:
+        requests = [Request(_tokens(n, n), max_tokens=NEW_TOKENS, streaming=n == 40) for n in PROMPT_LENGTHS]
+        ids = executor.enqueue_requests(requests)
+        responses = collect(executor, ids)
+        got = {n: final_tokens(responses[i])[-NEW_TOKENS:] for n, i in zip(PROMPT_LENGTHS, ids)}
+        stats = executor.get_iteration_stats_history()
+        _wait_until(lambda: executor.state_slots.num_used == 0)
+        assert not executor.blocks.enable_reuse  # a cached KV prefix has no Mamba state at its end
+        preemptions = executor.scheduler.num_preemptions
+    assert got == expected
+    assert max(s.num_scheduled_requests for s in stats) >= 3  # prompt chunks and decodes shared steps
+    if policy == "max_utilization":
+        assert preemptions > 0  # the 300-token prompt cannot keep its blocks beside the others
+
+
+def test_cancel_frees_state_slots_and_refusals(hybrid):
+    family, _, engine_dir, _ = hybrid
+    with Executor(engine_dir, ExecutorConfig(max_num_tokens=64, enable_chunked_context=True)) as executor:
+        ids = executor.enqueue_requests([Request(_tokens(300, i), max_tokens=10) for i in range(3)])
+        _wait_until(lambda: executor.state_slots.num_used > 0)
+        for request_id in ids:
+            executor.cancel_request(request_id)
+        collect(executor, ids)
+        _wait_until(lambda: executor.state_slots.num_used == 0)
+        beams = Request([1, 2, 3], 4, sampling=SamplingConfig(beam_width=2))
+        pair = Request([1, 2, 3], 4, sampling=SamplingConfig(num_return_sequences=2))
+        bad = collect(executor, executor.enqueue_requests([beams, pair]))
+    errors = [responses[-1].error for responses in bad.values()]
+    assert "beam_width 2: beam search is not supported" in errors[0]
+    assert "num_return_sequences 2" in errors[1]
+    with pytest.raises(ExecutorConfigError, match="speculative decoding"):
+        Executor(engine_dir, ExecutorConfig(speculative=SpeculativeConfig("ngram")))
+
+
+def test_tensor_parallel_build_is_refused(tmp_path):
+    from engine.config import ConfigError
+
+    model = tiny_hybrid("bamba")
+    build = BuildConfig(dtype="float32", max_batch_size=2, max_input_len=64, max_seq_len=64, max_num_tokens=64,
+                        tp_size=2)
+    with pytest.raises(ConfigError, match="tensor parallelism"):
+        build_from_hf(model.config, getter_from_state_dict(model.state_dict(), "t"), None, str(tmp_path), build,
+                      progress=False)
