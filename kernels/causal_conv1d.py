@@ -25,16 +25,17 @@ import torch
 import torch.nn.functional as F
 
 from kernels._triton import jit, tl, triton, use_triton
+from kernels.ssm_chunks import SequenceChunks
 
 
 # ---- references ------------------------------------------------------------------------------
 
 def causal_conv1d_prefill_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                              conv_states: torch.Tensor, slots: list[int], cu_seqlens: list[int],
-                              has_state: list[bool]) -> torch.Tensor:
+                              conv_states: torch.Tensor, chunks: SequenceChunks) -> torch.Tensor:
     K = weight.shape[1]
+    cu_seqlens, has_state = chunks.cu_seqlens, chunks.has_state
     out = torch.empty_like(x)
-    for i, slot in enumerate(slots):
+    for i, slot in enumerate(chunks.slots):
         start, end = cu_seqlens[i], cu_seqlens[i + 1]
         init = conv_states[slot] if has_state[i] else x.new_zeros(x.shape[1], K - 1)
         full = torch.cat([init.to(x.dtype), x[start:end].t()], dim=1)  # (C, K - 1 + L)
@@ -123,30 +124,25 @@ def _block_c(C: int) -> int:
     return min(256, triton.next_power_of_2(C))
 
 
-def causal_conv1d_prefill_triton(x, weight, bias, conv_states, slots, cu_seqlens, has_state) -> torch.Tensor:
+def causal_conv1d_prefill_triton(x, weight, bias, conv_states, chunks: SequenceChunks) -> torch.Tensor:
     """The Triton path of causal_conv1d_prefill (also runs under TRITON_INTERPRET=1 on CPU)."""
     num_tokens, C = x.shape
     K = weight.shape[1]
-    starts, slot_of_token = [], []
-    for i, slot in enumerate(slots):
-        n = cu_seqlens[i + 1] - cu_seqlens[i]
-        starts += [cu_seqlens[i]] * n
-        slot_of_token += [slot if has_state[i] else -1] * n
-    tok_start = torch.tensor(starts, dtype=torch.int32).to(x.device)
-    tok_slot = torch.tensor(slot_of_token, dtype=torch.int32).to(x.device)
+    tok_start, tok_slot = chunks.token_tensors
     out = torch.empty_like(x)
     BLOCK_T, BLOCK_C = 16, _block_c(C)
     grid = (triton.cdiv(num_tokens, BLOCK_T), triton.cdiv(C, BLOCK_C))
     _conv_prefill_kernel[grid](x, weight, bias if bias is not None else weight, conv_states, out, tok_start, tok_slot,
                                num_tokens, C, x.stride(0), conv_states.stride(0), conv_states.stride(1),
                                K=K, HAS_BIAS=bias is not None, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C)
-    _store_final_states(x, conv_states, slots, cu_seqlens, has_state, K)
+    _store_final_states(x, conv_states, chunks, K)
     return out
 
 
-def _store_final_states(x, conv_states, slots, cu_seqlens, has_state, K) -> None:
+def _store_final_states(x, conv_states, chunks: SequenceChunks, K) -> None:
     """After the kernel has read the old states: each slot keeps its sequence's last K - 1 inputs."""
-    for i, slot in enumerate(slots):
+    cu_seqlens, has_state = chunks.cu_seqlens, chunks.has_state
+    for i, slot in enumerate(chunks.slots):
         start, end = cu_seqlens[i], cu_seqlens[i + 1]
         tail = x[max(start, end - (K - 1)):end].t()
         short = (K - 1) - tail.shape[1]
@@ -170,13 +166,12 @@ def causal_conv1d_decode_triton(x, weight, bias, conv_states, slots) -> torch.Te
 # ---- public entries ----------------------------------------------------------------------------
 
 def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                          conv_states: torch.Tensor, slots: list[int], cu_seqlens: list[int],
-                          has_state: list[bool]) -> torch.Tensor:
-    """silu(conv(x)) per sequence, continuing from / updating each sequence's state (module docstring).
-    ``slots``, ``cu_seqlens``, ``has_state``: host lists, one entry per sequence (cu_seqlens one more)."""
+                          conv_states: torch.Tensor, chunks: SequenceChunks) -> torch.Tensor:
+    """silu(conv(x)) per sequence, continuing from / updating each sequence's state (module
+    docstring); ``chunks``: the packed sequences (kernels/ssm_chunks.py)."""
     if use_triton(x):
-        return causal_conv1d_prefill_triton(x, weight, bias, conv_states, slots, cu_seqlens, has_state)
-    return causal_conv1d_prefill_ref(x, weight, bias, conv_states, slots, cu_seqlens, has_state)
+        return causal_conv1d_prefill_triton(x, weight, bias, conv_states, chunks)
+    return causal_conv1d_prefill_ref(x, weight, bias, conv_states, chunks)
 
 
 def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

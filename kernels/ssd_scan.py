@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels._triton import jit, tl, triton, use_triton
+from kernels.ssm_chunks import SequenceChunks
 
 SSD_CHUNK = 64  # tokens per chunk of the Triton prefill (the result does not depend on it)
 
@@ -67,12 +68,12 @@ def ssd_sequence_ref(x, dt, A, B, C, init: torch.Tensor | None, chunk: int) -> t
     return torch.cat(ys), state
 
 
-def ssd_prefill_ref(x, dt, A, B, C, D, dt_bias, ssm_states, slots: list[int], cu_seqlens: list[int],
-                    has_state: list[bool], dt_limit: tuple[float, float] = (0.0, float("inf")),
-                    chunk: int = SSD_CHUNK) -> torch.Tensor:
+def ssd_prefill_ref(x, dt, A, B, C, D, dt_bias, ssm_states, chunks: SequenceChunks,
+                    dt_limit: tuple[float, float] = (0.0, float("inf")), chunk: int = SSD_CHUNK) -> torch.Tensor:
     H = x.shape[1]
+    cu_seqlens, has_state = chunks.cu_seqlens, chunks.has_state
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    for i, slot in enumerate(slots):
+    for i, slot in enumerate(chunks.slots):
         s, e = cu_seqlens[i], cu_seqlens[i + 1]
         xs = x[s:e].float()
         y, final = ssd_sequence_ref(xs, _dt(dt[s:e], dt_bias, *dt_limit), A.float(), _heads(B[s:e], H),
@@ -189,18 +190,15 @@ def _tiles(P: int, N: int) -> tuple[int, int]:
     return max(16, min(64, triton.next_power_of_2(P))), max(16, triton.next_power_of_2(N))
 
 
-def ssd_prefill_triton(x, dt, A, B, C, D, dt_bias, ssm_states, slots, cu_seqlens, has_state,
+def ssd_prefill_triton(x, dt, A, B, C, D, dt_bias, ssm_states, chunks: SequenceChunks,
                        dt_limit=(0.0, float("inf"))) -> torch.Tensor:
     """The Triton path of ssd_prefill (also runs under TRITON_INTERPRET=1 on CPU)."""
     _, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
-    device = x.device
-    out = torch.empty(x.shape, dtype=x.dtype, device=device)
-    cu = torch.tensor(cu_seqlens, dtype=torch.int32).to(device)
-    slot_t = torch.tensor(slots, dtype=torch.int32).to(device)
-    has_t = torch.tensor([int(h) for h in has_state], dtype=torch.int32).to(device)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    cu, slot_t, has_t = chunks.sequence_tensors
     BLOCK_P, BLOCK_N = _tiles(P, N)
-    grid = (len(slots), H, triton.cdiv(P, BLOCK_P))
+    grid = (chunks.num_seqs, H, triton.cdiv(P, BLOCK_P))
     _ssd_prefill_kernel[grid](x, dt, A, B, C, D, dt_bias, ssm_states, out, cu, slot_t, has_t,
                               float(dt_limit[0]), float(dt_limit[1]),
                               x.stride(0), dt.stride(0), B.stride(0), C.stride(0), out.stride(0),
@@ -224,13 +222,14 @@ def ssm_decode_triton(x, dt, A, B, C, D, dt_bias, ssm_states, slots) -> torch.Te
 
 # ---- public entries ----------------------------------------------------------------------------
 
-def ssd_prefill(x, dt, A, B, C, D, dt_bias, ssm_states, slots: list[int], cu_seqlens: list[int],
-                has_state: list[bool], dt_limit: tuple[float, float] = (0.0, float("inf"))) -> torch.Tensor:
+def ssd_prefill(x, dt, A, B, C, D, dt_bias, ssm_states, chunks: SequenceChunks,
+                dt_limit: tuple[float, float] = (0.0, float("inf"))) -> torch.Tensor:
     """y (num_tokens, H, P) of every sequence's chunk, each continuing from / updating its slot's
-    state (module docstring). x, B, C: the rows' head/group views; inner dims contiguous."""
+    state (module docstring); ``chunks``: the packed sequences (kernels/ssm_chunks.py). x, B, C:
+    the rows' head/group views; inner dims contiguous."""
     if use_triton(x):
-        return ssd_prefill_triton(x, dt, A, B, C, D, dt_bias, ssm_states, slots, cu_seqlens, has_state, dt_limit)
-    return ssd_prefill_ref(x, dt, A, B, C, D, dt_bias, ssm_states, slots, cu_seqlens, has_state, dt_limit)
+        return ssd_prefill_triton(x, dt, A, B, C, D, dt_bias, ssm_states, chunks, dt_limit)
+    return ssd_prefill_ref(x, dt, A, B, C, D, dt_bias, ssm_states, chunks, dt_limit)
 
 
 def ssm_decode(x, dt, A, B, C, D, dt_bias, ssm_states, slots: torch.Tensor) -> torch.Tensor:

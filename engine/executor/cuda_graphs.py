@@ -51,6 +51,9 @@ class DecodeGraphs:
                  max_seq_len: int, max_batch_size: int, buckets: list[int] | None = None,
                  sampled_tokens: torch.Tensor | None = None, lora_slots: int = 0):
         self.model = model
+        # Models with Mamba layers: each row's state slot rides in a static buffer too (-1 on padding
+        # rows: the state kernels skip them); engine/executor/state_cache.py.
+        self.state_slots = getattr(model, "uses_state_cache", False)
         # LoRA (``lora_slots`` adapter slots): a second graph per bucket runs the adapters, over
         # static segment buffers (kernels/lora.py); steps without adapter rows keep the plain one.
         self.lora_slots = lora_slots
@@ -87,6 +90,9 @@ class DecodeGraphs:
         self.host_splits = torch.full((1,), MAX_DECODE_SPLITS, dtype=torch.int32).pin_memory()
         self.dev_splits = torch.full((1,), MAX_DECODE_SPLITS, dtype=torch.int32, device=dev)
         self.metas: dict[int, AttentionMetadata] = {}
+        self.host_state_slots = torch.full((n,), -1, dtype=torch.int32).pin_memory()
+        self.dev_state_slots = torch.full((n,), -1, dtype=torch.int32, device=dev)
+        self._np_state_slots = self.host_state_slots.numpy()
         self.host_i64[2].fill_(-1)
         self.dev_i64[2].fill_(-1)
         self._np_i64, self._np_ctx, self._np_tables = self.host_i64.numpy(), self.host_ctx.numpy(), self.host_tables.numpy()
@@ -100,6 +106,7 @@ class DecodeGraphs:
             max_seqlen_q=1, max_context_len=self.max_seq_len, is_decode_only=True,
             lora=self.lora_buffers.batch(bs) if lora else None,  # this bucket's view: kernels/lora.py
             decode_splits=self.dev_splits,
+            state_slots=self.dev_state_slots[:bs] if self.state_slots else None,
         )
         self.metas[bs] = meta  # its decode_split_plan is set when the capture launches attention
         return meta
@@ -125,8 +132,10 @@ class DecodeGraphs:
             return None
         if batch.lora_slots is not None and self.lora_buffers is None:
             return None
+        if self.state_slots and (batch.state_slots is None or 0 in batch.positions):
+            return None  # a 1-token prompt starts from a zero state: the eager path knows it, the graph does not
         hidden = self.run(batch.token_ids, batch.positions, batch.context_lens, batch.block_tables,
-                          batch.lora_slots)
+                          batch.lora_slots, batch.state_slots)
         if hidden is None:
             return None
         if len(batch.logits_indices) != num_seqs or batch.logits_indices != list(range(num_seqs)):
@@ -137,7 +146,8 @@ class DecodeGraphs:
         return self.buckets[bisect.bisect_left(self.buckets, num_seqs)]
 
     def run(self, token_ids: list[int], positions: list[int], context_lens: list[int],
-            block_tables: list[list[int]], lora_slots: list[int] | None = None) -> torch.Tensor | None:
+            block_tables: list[list[int]], lora_slots: list[int] | None = None,
+            state_slots: list[int] | None = None) -> torch.Tensor | None:
         """One decode step of len(token_ids) sequences -> hidden (num_seqs, hidden), a view that the
         next ``run`` overwrites (consume it, e.g. compute logits, before the next step); None when a
         block table is wider than the graphs allow. ``lora_slots``: each row's adapter slot (-1:
@@ -156,6 +166,10 @@ class DecodeGraphs:
         self.dev_ctx[:bucket].copy_(self.host_ctx[:bucket], non_blocking=True)
         self.dev_tables[:bucket].copy_(self.host_tables[:bucket], non_blocking=True)
         self.dev_splits.copy_(self.host_splits, non_blocking=True)
+        if self.state_slots:
+            self._np_state_slots[:bs] = state_slots if state_slots is not None else -1
+            self._np_state_slots[bs:bucket] = -1
+            self.dev_state_slots[:bucket].copy_(self.host_state_slots[:bucket], non_blocking=True)
         self._copied.record()
         if lora_slots is not None:
             self.lora_buffers.fill(lora_slots, [1] * bs)

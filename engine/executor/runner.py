@@ -274,10 +274,6 @@ class ModelRunner:
         Runs after allocate_kv_cache (on every rank in leader mode)."""
         if self.device.type != "cuda" or self.kv_cache is None:
             return
-        if getattr(self.model, "uses_state_cache", False):
-            # Hybrid Mamba models run eagerly for now: their decode kernels take static shapes and slot
-            # indices, but the graphs' buffers do not carry the state slots yet.
-            return
         build = self.build_config
         self.decode_graphs = DecodeGraphs(self.model, self.kv_cache, tokens_per_block=self.tokens_per_block,
                                           max_seq_len=build.max_seq_len, max_batch_size=build.max_batch_size,

@@ -147,15 +147,23 @@ class HybridForCausalLM(nn.Module):
                 block.mixer.init_buffers()
 
     def _states(self, meta: AttentionMetadata, device) -> tuple[torch.Tensor, torch.Tensor, StepStates]:
-        if meta.state_slots_host is not None and self.conv_states is not None:
-            return self.conv_states, self.ssm_states, step_states(meta, 0)
-        # No slots (warm-up, memory profiling): scratch states, one per sequence, dropped after.
+        """This forward's state pools and StepStates. A CUDA graph's meta has no host lists: a
+        decode-only step over ``meta.state_slots`` (padding rows -1, skipped). Without slots (engine
+        warm-up, memory profiling, before any request) sequence i uses slot i of the pool, or of
+        scratch states when the pool is smaller or not allocated yet."""
+        if meta.cu_seqlens_q_host is None:
+            return self.conv_states, self.ssm_states, StepStates(decode_slots=meta.state_slots)
+        if meta.state_slots_host is not None:
+            return self.conv_states, self.ssm_states, step_states(meta, meta.state_slots_host, meta.state_slots)
         num_seqs = len(meta.cu_seqlens_q_host) - 1
-        s = self.spec
-        conv = torch.zeros(self.num_state_layers, num_seqs, s.conv_dim, s.d_conv - 1, dtype=self.dtype, device=device)
-        ssm = torch.zeros(self.num_state_layers, num_seqs, s.num_heads, s.head_dim, s.d_state,
-                          dtype=self.state_dtype(), device=device)
-        return conv, ssm, step_states(meta, num_seqs)
+        conv, ssm = self.conv_states, self.ssm_states
+        if conv is None or conv.shape[1] < num_seqs:
+            s = self.spec
+            conv = torch.zeros(self.num_state_layers, num_seqs, s.conv_dim, s.d_conv - 1, dtype=self.dtype,
+                               device=device)
+            ssm = torch.zeros(self.num_state_layers, num_seqs, s.num_heads, s.head_dim, s.d_state,
+                              dtype=self.state_dtype(), device=device)
+        return conv, ssm, step_states(meta, list(range(num_seqs)), None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 attn_meta: AttentionMetadata) -> torch.Tensor:

@@ -29,38 +29,49 @@ from engine.models.layers import Linear, Norm
 from engine.ssm.spec import SsmSpec
 from kernels.causal_conv1d import causal_conv1d_decode, causal_conv1d_prefill
 from kernels.ssd_scan import ssd_prefill, ssm_decode
+from kernels.ssm_chunks import SequenceChunks
 
 
 @dataclass
 class StepStates:
-    """What every Mamba layer of one forward needs to find its sequences' states.
+    """What every Mamba layer of one forward needs to find its sequences' states, made once per
+    forward (engine/ssm/hybrid.py) and shared by the layers.
 
-    ``slots`` (num_seqs,) int32 on the device and ``slots_host``: each sequence's slot;
-    ``has_state``: its chunk continues a state (it starts after position 0); ``decode_rows``:
-    the sequences taking the one-token update (all of them when ``decode_only``)."""
+    ``decode_slots`` (device int32): the slot of each row taking the one-token update, at packed
+    rows ``decode_rows`` (None: every row, in order: a decode-only step); ``prefill``: the other
+    sequences' chunks (kernels/ssm_chunks.py) at packed rows ``prefill_rows`` (None: every row).
+    A sequence takes the one-token update when it has one new token after a state."""
 
-    slots: torch.Tensor
-    slots_host: list[int]
-    cu_seqlens: list[int]
-    has_state: list[bool]
-    decode_only: bool
-    decode_rows: list[int]
+    decode_slots: torch.Tensor | None = None
+    decode_rows: torch.Tensor | None = None
+    prefill: SequenceChunks | None = None
+    prefill_rows: torch.Tensor | None = None
 
 
-def step_states(meta, num_slots_fallback: int) -> StepStates:
-    """StepStates from the attention metadata (the runner's ``state_slots``). Without slots (engine
-    warm-up, memory profiling) sequence i uses scratch slot i."""
+def step_states(meta, slots_host: list[int], slots: torch.Tensor | None) -> StepStates:
+    """StepStates of an eager forward (``meta`` has its host lists): sequence i uses ``slots_host[i]``
+    (``slots``: the same on the device, or None to copy them)."""
     cu = meta.cu_seqlens_q_host
+    device = meta.context_lens.device
     lens = [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
     has_state = [ctx > n for ctx, n in zip(meta.context_lens_host, lens)]
-    slots_host = meta.state_slots_host
-    if slots_host is None:
-        slots_host = list(range(min(len(lens), num_slots_fallback)))
-        slots = torch.tensor(slots_host, dtype=torch.int32, device=meta.context_lens.device)
-    else:
-        slots = meta.state_slots
-    decode_rows = [i for i, (n, has) in enumerate(zip(lens, has_state)) if n == 1 and has]
-    return StepStates(slots, slots_host, cu, has_state, len(decode_rows) == len(lens), decode_rows)
+    decode = [i for i, (n, has) in enumerate(zip(lens, has_state)) if n == 1 and has]
+    if len(decode) == len(lens):  # a decode-only step
+        if slots is None:
+            slots = torch.tensor(slots_host, dtype=torch.int32, device=device)
+        return StepStates(decode_slots=slots)
+    prefill = [i for i in range(len(lens)) if i not in set(decode)]
+    chunk_cu = [0]
+    for i in prefill:
+        chunk_cu.append(chunk_cu[-1] + lens[i])
+    step = StepStates(prefill=SequenceChunks([slots_host[i] for i in prefill], chunk_cu,
+                                             [has_state[i] for i in prefill], device))
+    if decode:  # a mixed step: each path over its own rows
+        step.decode_slots = torch.tensor([slots_host[i] for i in decode], dtype=torch.int32, device=device)
+        step.decode_rows = torch.tensor([cu[i] for i in decode], device=device)
+        rows = [r for i in prefill for r in range(cu[i], cu[i + 1])]
+        step.prefill_rows = torch.tensor(rows, device=device)
+    return step
 
 
 def gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float) -> torch.Tensor:
@@ -101,18 +112,15 @@ class Mamba2Mixer(nn.Module):
         if self.A is None:
             self.init_buffers()
         z, xbc, dt = self.in_proj(h).split([s.inner, s.conv_dim, s.num_heads], dim=-1)
-        if step.decode_only:
-            y = self._decode(xbc, dt, conv_states, ssm_states, step.slots)
-        elif not step.decode_rows:
-            y = self._prefill(xbc, dt, conv_states, ssm_states, step, list(range(len(step.slots_host))))
-        else:  # a mixed step: decodes and prompt chunks each through their own path
+        if step.prefill is None:  # decode-only (CUDA graphs replay this path: no host data in it)
+            y = self._decode(xbc, dt, conv_states, ssm_states, step.decode_slots)
+        elif step.decode_slots is None:
+            y = self._prefill(xbc, dt, conv_states, ssm_states, step.prefill)
+        else:
             y = xbc.new_empty(xbc.shape[0], s.inner)
-            rows = torch.tensor([step.cu_seqlens[i] for i in step.decode_rows], device=h.device)
-            y[rows] = self._decode(xbc[rows], dt[rows], conv_states, ssm_states, step.slots[step.decode_rows])
-            chunks = [i for i in range(len(step.slots_host)) if i not in set(step.decode_rows)]
-            token_rows = torch.cat([torch.arange(step.cu_seqlens[i], step.cu_seqlens[i + 1]) for i in chunks])
-            token_rows = token_rows.to(h.device)
-            y[token_rows] = self._prefill(xbc[token_rows], dt[token_rows], conv_states, ssm_states, step, chunks)
+            rows, chunk_rows = step.decode_rows, step.prefill_rows
+            y[rows] = self._decode(xbc[rows], dt[rows], conv_states, ssm_states, step.decode_slots)
+            y[chunk_rows] = self._prefill(xbc[chunk_rows], dt[chunk_rows], conv_states, ssm_states, step.prefill)
         return self.out_proj(gated_rms_norm(y, z, self.gate_norm.weight, s.inner // s.n_groups, self.eps))
 
     def _split(self, xbc: torch.Tensor):
@@ -128,17 +136,8 @@ class Mamba2Mixer(nn.Module):
         y = ssm_decode(x, dt, self.A, B, C, self.D, self.dt_bias, ssm_states, slots)
         return y.reshape(y.shape[0], -1)
 
-    def _prefill(self, xbc, dt, conv_states, ssm_states, step: StepStates, seqs: list[int]) -> torch.Tensor:
-        """The chunks of sequences ``seqs`` (their tokens packed in xbc in that order)."""
-        lens = [step.cu_seqlens[i + 1] - step.cu_seqlens[i] for i in seqs]
-        cu = [0]
-        for n in lens:
-            cu.append(cu[-1] + n)
-        slots = [step.slots_host[i] for i in seqs]
-        has_state = [step.has_state[i] for i in seqs]
-        xbc = causal_conv1d_prefill(xbc.contiguous(), self.conv_weight, self.conv_bias, conv_states, slots, cu,
-                                    has_state)
+    def _prefill(self, xbc, dt, conv_states, ssm_states, chunks: SequenceChunks) -> torch.Tensor:
+        xbc = causal_conv1d_prefill(xbc.contiguous(), self.conv_weight, self.conv_bias, conv_states, chunks)
         x, B, C = self._split(xbc)
-        y = ssd_prefill(x, dt, self.A, B, C, self.D, self.dt_bias, ssm_states, slots, cu, has_state,
-                        self.spec.dt_range())
+        y = ssd_prefill(x, dt, self.A, B, C, self.D, self.dt_bias, ssm_states, chunks, self.spec.dt_range())
         return y.reshape(y.shape[0], -1)

@@ -130,3 +130,40 @@ def test_tensor_parallel_build_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="tensor parallelism"):
         build_from_hf(model.config, getter_from_state_dict(model.state_dict(), "t"), None, str(tmp_path), build,
                       progress=False)
+
+
+# ---- CUDA: the Triton kernels and the decode CUDA graphs (the lead's GPU suite) --------------
+
+# bf16: the equivalence tests' bound (test_equivalence.py says why); float32: the SSD kernel's dots
+# run in tf32 on the GPU (~1e-3 relative).
+CUDA_TOLERANCE = {"float32": 1e-2, "bfloat16": 0.15}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_chunks_mixed_step_and_graphed_decodes_equal_transformers(hybrid, dtype, tmp_path):
+    family, model, _, _ = hybrid
+    build = BuildConfig(dtype=dtype, max_batch_size=4, max_input_len=320, max_seq_len=320, max_num_tokens=512,
+                        tokens_per_block=16)
+    build_from_hf(model.config, getter_from_state_dict(model.state_dict(), family), None, str(tmp_path), build,
+                  progress=False)
+    runner = ModelRunner(str(tmp_path), device="cuda")
+    runner.allocate_state_cache(4)
+    runner.allocate_kv_cache(64)
+    runner.capture_cuda_graphs()
+    assert runner.decode_graphs is not None
+    a, b = _tokens(150, 3), _tokens(30, 4)
+    with torch.no_grad():
+        expected_a, expected_b = (model(torch.tensor([p])).logits[0] for p in (a, b))
+    table_a, table_b = [5, 9, 1, 30, 2, 17, 8, 40, 41, 42], [11, 12]
+    outs_a = [runner.forward(ForwardBatch(a[:100], list(range(100)), [100], [100], [table_a[:7]], list(range(100)),
+                                          state_slots=[1]))]
+    mixed = runner.forward(ForwardBatch([a[100]] + b, [100] + list(range(30)), [1, 30], [101, 30],
+                                        [table_a[:7], table_b], list(range(31)), state_slots=[1, 3]))
+    outs_a.append(mixed[:1])
+    for p in range(101, 150):  # decode-only steps: replayed from the bucket-1 graph
+        outs_a.append(runner.forward(ForwardBatch([a[p]], [p], [1], [p + 1], [table_a[:-(-(p + 1) // 16)]], [0],
+                                                  state_slots=[1])))
+    bound = CUDA_TOLERANCE[dtype]
+    assert (torch.cat(outs_a).float().cpu() - expected_a).abs().max().item() <= bound
+    assert (mixed[1:].float().cpu() - expected_b).abs().max().item() <= bound

@@ -18,6 +18,7 @@ from kernel_testing import relative_error
 from kernels.causal_conv1d import (causal_conv1d_decode_ref, causal_conv1d_decode_triton, causal_conv1d_prefill_ref,
                                    causal_conv1d_prefill_triton)
 from kernels.ssd_scan import ssd_prefill_ref, ssd_prefill_triton, ssm_decode_ref, ssm_decode_triton
+from kernels.ssm_chunks import SequenceChunks
 
 H, P, G, N, CONV, K, SLOTS = 4, 16, 2, 16, 40, 4, 6
 LENS = [20, 1, 70, 9]  # the 70 spans two Triton chunks of 64 and several reference chunks
@@ -62,10 +63,14 @@ def _recurrence(t, dt_limit=(0.0, float("inf"))):
     return y, states
 
 
+def _chunks(device="cpu") -> SequenceChunks:
+    return SequenceChunks(SLOT_OF, _cu(LENS), HAS_STATE, torch.device(device))
+
+
 def _prefill(fn, t, dt_limit=(0.0, float("inf")), **kw):
     states = t["states"].clone()
-    y = fn(t["x"], t["dt"], t["A"], t["B"], t["C"], t["D"], t["dt_bias"], states, SLOT_OF, _cu(LENS), HAS_STATE,
-           dt_limit, **kw)
+    y = fn(t["x"], t["dt"], t["A"], t["B"], t["C"], t["D"], t["dt_bias"], states, _chunks(t["x"].device), dt_limit,
+           **kw)
     return y, states
 
 
@@ -111,11 +116,11 @@ def test_conv_reference_chunks_equal_one_chunk():
     t = _conv_inputs()
     x = t["x"][:70]
     one = torch.zeros(1, CONV, K - 1)
-    out = causal_conv1d_prefill_ref(x, t["w"], t["b"], one, [0], [0, 70], [False])
+    out = causal_conv1d_prefill_ref(x, t["w"], t["b"], one, SequenceChunks([0], [0, 70], [False]))
     parts, chunked = [], torch.zeros(1, CONV, K - 1)
     for start, end in [(0, 1), (1, 3), (3, 70)]:
-        parts.append(causal_conv1d_prefill_ref(x[start:end], t["w"], t["b"], chunked, [0], [0, end - start],
-                                               [start > 0]))
+        parts.append(causal_conv1d_prefill_ref(x[start:end], t["w"], t["b"], chunked,
+                                               SequenceChunks([0], [0, end - start], [start > 0])))
     assert relative_error(torch.cat(parts), out) < 1e-6 and torch.equal(chunked, one)
     expected = F.silu(F.conv1d(x.t()[None], t["w"][:, None], t["b"], padding=K - 1, groups=CONV)[0, :, :70]).t()
     assert relative_error(out, expected) < 1e-6
@@ -149,6 +154,6 @@ def test_decode_kernels_match_references(device):
 def test_conv_prefill_kernel_matches_reference(device):
     c = _conv_inputs(4, device)
     c1, c2 = c["states"].clone(), c["states"].clone()
-    o1 = causal_conv1d_prefill_triton(c["x"], c["w"], c["b"], c1, SLOT_OF, _cu(LENS), HAS_STATE)
-    o2 = causal_conv1d_prefill_ref(c["x"], c["w"], c["b"], c2, SLOT_OF, _cu(LENS), HAS_STATE)
+    o1 = causal_conv1d_prefill_triton(c["x"], c["w"], c["b"], c1, _chunks(device))
+    o2 = causal_conv1d_prefill_ref(c["x"], c["w"], c["b"], c2, _chunks(device))
     assert relative_error(o1, o2) < 1e-5 and torch.equal(c1, c2)
