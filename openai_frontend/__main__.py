@@ -4,7 +4,9 @@
         [--host 127.0.0.1 --port 9000 --served_model_name smollm2] [--lora_modules sql=/adapters/sql]
 
 The tokenizer (chat template, token counts) comes from ``--tokenizer_dir``, else from the
-repository's ``preprocessing`` config. The frontend may start before Triton is ready: it answers
+repository's ``preprocessing`` config. A vision-language engine (one with ``vision_encoder/``)
+takes ``image_url`` parts in chat messages, its encoder run in this process (vision.py), with the
+repository's ``preprocessing`` image limits. The frontend may start before Triton is ready: it answers
 503 until the models are.
 """
 from __future__ import annotations
@@ -20,7 +22,7 @@ import tempfile
 # (openai_frontend.app is imported in main, after PROMETHEUS_MULTIPROC_DIR is set for --workers:
 # prometheus_client picks its value storage when it is first imported.)
 from openai_frontend.lora_modules import parse_lora_modules
-from openai_frontend.repository import lora_off_reason, tokenizer_settings
+from openai_frontend.repository import lora_off_reason, tokenizer_settings, vision_settings
 from openai_frontend.tool_parsers import PARSERS
 from openai_frontend.workers import serve, worker
 
@@ -81,7 +83,7 @@ def config_from_arguments(args: argparse.Namespace):
     return FrontendConfig(grpc_url=args.grpc_url, tokenizer_dir=tokenizer_dir, served_model_name=name,
                           triton_model=args.triton_model or args.llm_model, llm_model=args.llm_model,
                           add_special_tokens=add_special_tokens, tool_call_parser=args.tool_call_parser,
-                          lora_modules=lora_modules)
+                          lora_modules=lora_modules, vision=vision_settings(args.model_repo, tokenizer_dir))
 
 
 def main(argv: list[str] | None = None) -> None:

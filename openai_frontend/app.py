@@ -31,11 +31,12 @@ from openai_frontend.generation import ChoiceEvent, choice_specs, generate_choic
 from openai_frontend.logprobs import TokenNamer
 from openai_frontend.lora_modules import LoraModule
 from openai_frontend.metrics import FrontendMetrics
-from openai_frontend.protocol import GenerationRequest, parse_chat_request, parse_completion_request
+from openai_frontend.protocol import GenerationRequest, image_parts, parse_chat_request, parse_completion_request
 from openai_frontend.responses import ResponseShape
 from openai_frontend.tool_calls import finish_reason, keep_markers_decoder, output_parsers
 from openai_frontend.tool_parsers import ToolParser, coalesce, get_parser, merge_calls, parser_for_template
 from openai_frontend.triton_client import TritonClient
+from openai_frontend.vision import ChatImages, VisionSettings, text_only_error
 from serving.tokenization import first_token_id
 
 log = logging.getLogger("openai_frontend")
@@ -56,6 +57,8 @@ class FrontendConfig:
     tool_call_parser: str | None = None  # tool_parsers.PARSERS name; None: the one the chat template teaches
     # LoRA adapters served as models of their own (lora_modules.py): name -> adapter, in flag order
     lora_modules: dict[str, LoraModule] = field(default_factory=dict)
+    # A vision-language engine's encoder and image limits (openai_frontend/vision.py); None: text only
+    vision: VisionSettings | None = None
 
 
 @dataclass
@@ -70,6 +73,7 @@ class Frontend:
     # ids -> text that keeps tool_parser's special-token markers (None: ``decode`` keeps them)
     tool_decode: Callable[[list[int]], str] | None = None
     client: TritonClient | None = None  # made on startup, inside the running event loop
+    images: ChatImages | None = None  # image_url parts, encoded in this process (vision models only)
 
     def check_model(self, model: str) -> LoraModule | None:
         """The adapter ``model`` names (None: the base model); a 404 listing the served models
@@ -91,7 +95,11 @@ def create_app(config: FrontendConfig) -> web.Application:
              "--tool_call_parser" if config.tool_call_parser else "from the chat template")
     frontend = Frontend(config, prompts, TokenNamer(prompts.tokenizer), fast_decode(prompts.tokenizer),
                         FrontendMetrics(), started=int(time.time()), tool_parser=tool_parser,
-                        tool_decode=keep_markers_decoder(prompts.tokenizer, tool_parser.special_tokens))
+                        tool_decode=keep_markers_decoder(prompts.tokenizer, tool_parser.special_tokens),
+                        images=ChatImages(config.vision, prompts.tokenizer) if config.vision else None)
+    if frontend.images is not None:
+        log.info("images: %s encoder from %s, at most %d per request", frontend.images.prompts.model_type,
+                 config.vision.encoder_dir, frontend.images.prompts.max_num_images)
     app = web.Application(middlewares=[_errors_and_metrics], client_max_size=64 * 2**20)
     app[FRONTEND] = frontend
     app.router.add_get("/v1/models", list_models)
@@ -116,6 +124,8 @@ async def _open_client(app: web.Application) -> None:
 
 async def _close_client(app: web.Application) -> None:
     await app[FRONTEND].client.close()
+    if app[FRONTEND].images is not None:
+        app[FRONTEND].images.close()
 
 
 @web.middleware
@@ -206,14 +216,18 @@ async def _json_body(request: web.Request):
 def _prompts(frontend: Frontend, parsed: GenerationRequest, chat: bool) -> list[tuple[str, list[int], int]]:
     """(prompt text, its token ids, tokens to generate) per prompt."""
     builder = frontend.prompts
+    images = frontend.images if chat else None
     if chat:
         tools = parsed.tools.shown if parsed.tools is not None else None
-        texts = [builder.render_chat(parsed.messages, tools, frontend.tool_parser)]
+        texts = [builder.render_chat(parsed.messages, tools, frontend.tool_parser,
+                                     images.placeholder if images is not None else None)]
     else:
         texts = parsed.prompts
     prompts = []
     for text in texts:
         ids = builder.encode(text)
+        if images is not None:  # each image placeholder -> its image's fake ids (vision.py)
+            ids = images.expand(ids, len(image_parts(parsed.messages)))
         max_tokens = builder.max_tokens_for(len(ids), parsed.params.max_tokens, "messages" if chat else "prompt",
                                             parsed.max_tokens_field)
         prompts.append((text, ids, max_tokens))
@@ -225,11 +239,17 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     body = await _json_body(request)
     parsed = parse_chat_request(body) if chat else parse_completion_request(body)
     lora = frontend.check_model(parsed.model)
+    parts = image_parts(parsed.messages) if chat else []
+    _check_images(frontend, parts)
     await frontend.client.ensure_ready()
     prompts = _prompts(frontend, parsed, chat)  # an adapter's prompts too: the base model's template and tokenizer
     prompt_tokens = sum(len(ids) for _, ids, _ in prompts)
     shape = ResponseShape(chat=chat, model=parsed.model)
     specs = choice_specs(prompts, parsed.params)
+    if parts:  # every choice gets the request's prompt-embedding table
+        table = await frontend.images.table(parts)
+        for spec in specs:
+            spec.prompt_table = table
     parsers = output_parsers(parsed.tools, frontend.tool_parser) if chat else None
     decode = frontend.decode
     if parsers is not None and parsed.tools.choice == "auto" and frontend.tool_decode is not None:
@@ -239,6 +259,20 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         if parsed.stream:
             return await _stream(request, events, shape, prompt_tokens, parsed.include_usage, parsers)
         return await _whole(events, shape, len(specs), prompt_tokens, parsers)
+
+
+def _check_images(frontend: Frontend, parts: list[dict]) -> None:
+    """Image parts need a vision encoder, the direct path (the table travels beside the ids) and
+    at most max_num_images of them."""
+    if not parts:
+        return
+    if frontend.images is None:
+        raise text_only_error(parts)
+    if not frontend.client.direct:
+        raise bad_request(parts[0]["field"], f"images go to the engine's own model: start the frontend with "
+                                             f"--triton_model {frontend.config.llm_model} (the default), not "
+                                             f"{frontend.config.triton_model}", code="invalid_image")
+    frontend.images.check_count(parts)
 
 
 async def _whole(events, shape: ResponseShape, num_choices: int, prompt_tokens: int,

@@ -43,7 +43,8 @@ class PromptBuilder:
         self.add_special_tokens = add_special_tokens  # preprocessing's parameter of the same name
         self.limits = EngineLimits.from_engine_dir(tokenizer_dir)
 
-    def render_chat(self, messages: list[dict], tools: list[dict] | None = None, tool_format=None) -> str:
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None, tool_format=None,
+                    image_placeholder: str | None = None) -> str:
         """The prompt text to send. A template that writes the BOS token itself (Llama 3's
         ``<|begin_of_text|>``) would get a second one from preprocessing's add_special_tokens, so
         that leading BOS is left to preprocessing: the engine sees exactly one.
@@ -51,7 +52,10 @@ class PromptBuilder:
         ``tools`` (OpenAI function tools) go to the template; ``tool_format`` is the tool-call
         parser (openai_frontend/tool_parsers/) whose format the model is told, for a template
         that knows nothing of tools: then the tools are described in the system message and past
-        calls and their results are written as text (tools.py)."""
+        calls and their results are written as text (tools.py).
+
+        ``image_placeholder`` (a vision-language model's, e.g. ``<image>``): messages may hold
+        image parts (protocol.py), given to the template as it reads them (image_parts_for)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise bad_request("messages", "this model's tokenizer has no chat template; "
                                           "use /v1/completions with a prompt instead")
@@ -65,6 +69,8 @@ class PromptBuilder:
             # message, Hermes-style, with the parser's call format, so the model sees them.
             messages = with_tools_system_prompt(messages, tools, tool_format.instructions)
             tools = None
+        if image_placeholder is not None:
+            messages = [self.image_parts_for(m, image_placeholder) for m in messages]
         try:
             text = self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
                                                       add_generation_prompt=True)
@@ -74,6 +80,35 @@ class PromptBuilder:
         if bos and text.startswith(bos) and self._encoding_adds_bos():
             text = text[len(bos):]
         return text
+
+    def image_parts_for(self, message: dict, placeholder: str) -> dict:
+        """A message as a vision-language model's template reads it. Templates that iterate over
+        content parts (LLaVA's and Qwen2-VL's on the Hub) get parts, an image as ``{"type":
+        "image"}`` (the template writes its own image tokens), and plain-string content as one text
+        part when they render no strings; other templates get a string with ``placeholder`` and a
+        newline where each image was (LLaVA's prompt layout)."""
+        content = message.get("content")
+        if isinstance(content, list):
+            if self.template_renders_parts:
+                return {**message, "content": [{"type": "image"} if part["type"] == "image" else part
+                                               for part in content]}
+            return {**message, "content": "".join(placeholder + "\n" if part["type"] == "image" else part["text"]
+                                                  for part in content)}
+        if isinstance(content, str) and self.template_renders_parts and not self.template_renders_strings:
+            return {**message, "content": [{"type": "text", "text": content}]}
+        return message
+
+    @cached_property
+    def template_renders_parts(self) -> bool:
+        """Whether the chat template writes content given as a list of {"type": "text"} parts (the
+        part's text, not the list's repr, which a template that prints content as is would write)."""
+        text = self._try_render([{"role": "user", "content": [{"type": "text", "text": "probe_part_zq"}]}])
+        return "probe_part_zq" in text and "'type'" not in text and '"type"' not in text
+
+    @cached_property
+    def template_renders_strings(self) -> bool:
+        """Whether the chat template writes content given as a plain string."""
+        return "probe_text_zq" in self._try_render([{"role": "user", "content": "probe_text_zq"}])
 
     @cached_property
     def template_renders_tools(self) -> bool:

@@ -254,23 +254,59 @@ def _message(message: Any, where: str) -> dict:
             raise bad_request(f"{where}.tool_call_id", f"{where}.tool_call_id must name the call this message "
                                                        f"answers (its id); got {call_id!r}")
         out["tool_call_id"] = call_id
-    out["content"] = _content(message.get("content"), f"{where}.content")
+    out["content"] = _content(message.get("content"), f"{where}.content", images=role == "user")
     return out
 
 
-def _content(content: Any, where: str) -> str:
+def _content(content: Any, where: str, images: bool = False) -> str | list[dict]:
+    """Text parts joined into one string; with an image part (user messages only) the parts in
+    order instead: {"type": "text", "text"} and {"type": "image", "url", "field"} (``field`` names
+    the part's url for errors; chat_template.py renders them, vision.py fetches the images)."""
     if isinstance(content, str):
         return content
+    allowed = "text and image_url parts" if images else "text parts"
     if not isinstance(content, list):
-        raise bad_request(where, f"{where} must be a string or a list of text parts, got {content!r}")
-    texts = []
+        raise bad_request(where, f"{where} must be a string or a list of {allowed}, got {content!r}")
+    parts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind != "text" or not isinstance(part.get("text"), str):
-            raise bad_request(f"{where}[{j}]", f"{where}[{j}] must be a text part "
-                              f'{{"type": "text", "text": "..."}}; got type {kind!r} (only text is supported)')
-        texts.append(part["text"])
-    return "".join(texts)
+        if kind == "image_url" and images:
+            parts.append(_image_part(part, f"{where}[{j}]"))
+        elif kind == "text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        else:
+            shapes = '{"type": "text", "text": "..."}' + (
+                ' or {"type": "image_url", "image_url": {"url": "..."}}' if images else "")
+            only = "text and image_url (user messages)" if images or kind == "image_url" else "text"
+            raise bad_request(f"{where}[{j}]", f"{where}[{j}] must be a part {shapes}; got type {kind!r} "
+                                               f"(supported: {only})")
+    if not any(part["type"] == "image" for part in parts):
+        return "".join(part["text"] for part in parts)
+    return parts
+
+
+IMAGE_DETAILS = ("auto", "low", "high")  # OpenAI's; the image is encoded the model's one way whatever it says
+
+
+def _image_part(part: dict, where: str) -> dict:
+    """``{"type": "image_url", "image_url": {"url": ..., "detail": ...}}`` (or the url as a string,
+    as vLLM accepts) -> {"type": "image", "url", "field"}."""
+    image_url = part.get("image_url")
+    url = image_url.get("url") if isinstance(image_url, dict) else image_url
+    if not isinstance(url, str) or not url:
+        raise bad_request(f"{where}.image_url", f"{where}.image_url must be an object with url: a data: URL "
+                                                "(data:image/png;base64,...) or an http(s) URL")
+    detail = image_url.get("detail") if isinstance(image_url, dict) else None
+    if detail is not None and detail not in IMAGE_DETAILS:
+        raise bad_request(f"{where}.image_url.detail", f"{where}.image_url.detail must be one of "
+                                                       f"{', '.join(IMAGE_DETAILS)}, got {detail!r}")
+    return {"type": "image", "url": url, "field": f"{where}.image_url.url"}
+
+
+def image_parts(messages: list[dict] | None) -> list[dict]:
+    """The image parts of chat messages, in prompt order."""
+    return [part for message in messages or [] if isinstance(message.get("content"), list)
+            for part in message["content"] if part["type"] == "image"]
 
 
 def _prompts(prompt: Any) -> list[str]:

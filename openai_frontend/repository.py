@@ -1,11 +1,13 @@
 """What the frontend reads from a filled model repository: the tokenizer directory and the
-``add_special_tokens`` flag of ``preprocessing`` (so prompts are counted as they are encoded), and
+``add_special_tokens`` flag of ``preprocessing`` (so prompts are counted as they are encoded),
 whether the engine's model takes LoRA adapters (so ``--lora_modules`` over a model with LoRA off is
-refused at start, by the frontend and by the launcher, not answered with a 500 per request)."""
+refused at start, by the frontend and by the launcher, not answered with a 500 per request), and a
+vision-language engine's encoder and image limits (``preprocessing``'s, so both paths share them)."""
 from __future__ import annotations
 
 import os
 import re
+from dataclasses import replace
 from pathlib import Path
 
 PARAMETER = re.compile(r'key:\s*"([^"]+)"\s*value:\s*\{\s*string_value:\s*"([^"]*)"')
@@ -64,3 +66,25 @@ def tokenizer_settings(repo: str) -> tuple[str, bool]:
                          "pass --tokenizer_dir")
     add_special = model_parameter(repo, "preprocessing", "add_special_tokens")
     return tokenizer_dir, (add_special or "true").lower() in ("true", "1", "yes")
+
+
+def vision_settings(repo: str | None, tokenizer_dir: str):
+    """The vision encoder the frontend runs for image parts (openai_frontend/vision.py), or None for a
+    text-only engine: preprocessing's multimodal_model_path and image limits when ``repo`` fills them,
+    else the engine's own ``vision_encoder/`` (``tokenizer_dir`` is the engine directory) with the
+    defaults (one image per request, data: URLs only)."""
+    from engine.vision.encoder_dir import vision_encoder_dir
+    from openai_frontend.vision import VisionSettings
+
+    def number(key: str) -> int | None:
+        value = model_parameter(repo, "preprocessing", key) if repo else None
+        return int(value) if value and value.strip().isdigit() else None
+
+    encoder_dir = (model_parameter(repo, "preprocessing", "multimodal_model_path") if repo else None) or \
+        vision_encoder_dir(tokenizer_dir)
+    if not encoder_dir:
+        return None
+    settings = VisionSettings(encoder_dir, max_image_pixels=number("max_image_pixels"),
+                              allowed_image_url_hosts=model_parameter(repo, "preprocessing", "allowed_image_url_hosts")
+                              if repo else None)
+    return replace(settings, max_num_images=number("max_num_images") or settings.max_num_images)

@@ -131,9 +131,11 @@ def generation_inputs(prompt: str, params: SamplingParams, max_tokens: int,
 
 
 def direct_inputs(prompt_ids: list[int], params: SamplingParams, max_tokens: int, seed: int | None,
-                  end_id: int, pad_id: int, lora: LoraModule | None = None) -> dict[str, np.ndarray]:
+                  end_id: int, pad_id: int, lora: LoraModule | None = None,
+                  prompt_table: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """``tensorrt_llm``'s own inputs for one choice (the direct path: the frontend has tokenized
-    the prompt and decodes the ids itself; stop strings are cut here, which cancels the call)."""
+    the prompt and decodes the ids itself; stop strings are cut here, which cancels the call).
+    ``prompt_table`` (rows, hidden) FP16: the rows the prompt's ids >= vocab_size take (images)."""
     inputs = {
         "input_ids": np.array([prompt_ids], dtype=np.int32),
         "input_lengths": _scalar(len(prompt_ids), np.int32),
@@ -148,6 +150,9 @@ def direct_inputs(prompt_ids: list[int], params: SamplingParams, max_tokens: int
     if params.logprobs is not None:
         inputs["return_log_probs"] = _scalar(True, np.bool_)
         inputs["num_top_log_probs"] = _scalar(params.logprobs, np.int32)
+    if prompt_table is not None:
+        inputs["prompt_embedding_table"] = np.ascontiguousarray(prompt_table, dtype=np.float16)[None]
+        inputs["prompt_vocab_size"] = _scalar(len(prompt_table), np.int32)
     return inputs
 
 
@@ -275,11 +280,13 @@ class TritonClient:
         self._ready_until = time.monotonic() + READINESS_TTL_S
 
     async def generate(self, prompt: str, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
-                       seed: int | None, request_id: str, lora: LoraModule | None = None) -> AsyncIterator[Chunk]:
-        """Streams one choice, with the LoRA adapter ``lora`` when given. Leaving the iteration
-        early (or being cancelled) cancels the call."""
+                       seed: int | None, request_id: str, lora: LoraModule | None = None,
+                       prompt_table: np.ndarray | None = None) -> AsyncIterator[Chunk]:
+        """Streams one choice, with the LoRA adapter ``lora`` and the image features
+        ``prompt_table`` (direct path only) when given. Leaving the iteration early (or being
+        cancelled) cancels the call."""
         if self.direct:
-            inputs = direct_inputs(prompt_ids, params, max_tokens, seed, self.end_id, self.pad_id, lora)
+            inputs = direct_inputs(prompt_ids, params, max_tokens, seed, self.end_id, self.pad_id, lora, prompt_table)
         else:
             inputs = generation_inputs(prompt, params, max_tokens, seed, lora)
         request = infer_request(self.model, inputs, request_id)

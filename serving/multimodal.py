@@ -80,6 +80,9 @@ class ImagePrompts:
         image_token = config.get("image_token_index")
         self.placeholder = (tokenizer.convert_ids_to_tokens(image_token) if image_token is not None
                             and image_token < len(tokenizer) else None) or "<image>"
+        # The placeholder's one token id (None when the tokenizer splits it): expand_placeholders
+        placeholder_ids = tokenizer.encode(self.placeholder, add_special_tokens=False)
+        self.placeholder_id = placeholder_ids[0] if len(placeholder_ids) == 1 else None
         self.wrapper = PROMPT_WRAPPERS.get(self.model_type, ("", ""))
         from transformers import AutoImageProcessor
 
@@ -107,13 +110,30 @@ class ImagePrompts:
             pixel_values = np.asarray(self.image_processor(images, return_tensors="np")["pixel_values"], np.float32)
         return PreparedItem(self.prompt_ids(query, num_images, add_special_tokens), pixel_values)
 
+    def slot(self, i: int) -> list[int]:
+        """Image i's fake ids: table rows [i * n, (i + 1) * n)."""
+        return list(range(self.vocab_size + i * self.num_image_tokens, self.vocab_size + (i + 1) * self.num_image_tokens))
+
+    def expand_placeholders(self, ids: list[int], num_images: int, where: str = "text_input") -> list[int]:
+        """Token ids of a whole prompt (a chat template wrote one placeholder per image) -> each
+        placeholder id replaced by its image's slot, in order. A count that differs from
+        ``num_images`` is the request's error (ValueError naming ``where``)."""
+        positions = [p for p, token in enumerate(ids) if token == self.placeholder_id] if (
+            self.placeholder_id is not None) else []
+        if len(positions) != num_images:
+            raise ValueError(f"{where}: the prompt holds {len(positions)} {self.placeholder} placeholder(s) but "
+                             f"{num_images} image(s) were sent; send one image per placeholder")
+        out, start = [], 0
+        for i, position in enumerate(positions):
+            out += ids[start:position] + self.slot(i)
+            start = position + 1
+        return out + ids[start:]
+
     def prompt_ids(self, query: str, num_images: int, add_special_tokens: bool) -> list[int]:
         def encode(text: str, special: bool) -> list[int]:  # (an empty first piece keeps the special tokens)
             return self.tokenizer.encode(text, add_special_tokens=special) if text or special else []
 
-        def slot(i: int) -> list[int]:  # image i's fake ids: table rows [i * n, (i + 1) * n)
-            return list(range(self.vocab_size + i * self.num_image_tokens, self.vocab_size + (i + 1) * self.num_image_tokens))
-
+        slot = self.slot
         pieces = query.split(self.placeholder)
         if len(pieces) > 1:
             if len(pieces) - 1 != num_images:

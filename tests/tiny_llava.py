@@ -28,7 +28,16 @@ def tokenizer():
         pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")])
     core.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always", split=True)
     return PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                                   pad_token="<pad>", additional_special_tokens=["<image>"])
+                                   pad_token="<pad>", additional_special_tokens=["<image>"],
+                                   chat_template=CHAT_TEMPLATE)
+
+
+# LLaVA-1.5's prompt layout as the Hub's llava-hf templates write it from content parts: "USER: "
+# then each image's placeholder and a newline, then the text; "ASSISTANT:" to generate.
+CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'].upper() + ': ' }}"
+                 "{% for part in message['content'] if part['type'] == 'image' %}{{ '<image>\n' }}{% endfor %}"
+                 "{% for part in message['content'] if part['type'] == 'text' %}{{ part['text'] + ' ' }}{% endfor %}"
+                 "{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}")
 
 
 def hf_model(seed: int = 0):

@@ -4,15 +4,9 @@
     python3 tools/assemble_repository.py --kind text|multimodal|llmapi --engine_dir ENGINE --output REPO \
         [--set MODEL:KEY=VALUE ...]
 
-all_models/ holds the five text models at its top (a plain copy of them is the text repository) and,
-in folders of their own that are not models, the other repositories' parts:
-- text: ensemble, preprocessing, tensorrt_llm, postprocessing, tensorrt_llm_bls;
-- multimodal: the text models with multimodal/ensemble in place of the text ensemble, plus
-  multimodal/multimodal_encoders (a vision-language engine from engine.build, whose
-  vision_encoder/ the preprocessing and multimodal_encoders models read);
-- llmapi: llmapi/tensorrt_llm (TensorRT-LLM's LLM-API model; its model.yaml is edited, not filled).
-Every config.pbtxt is filled as tritonllm serve fills the text repository (tritonllm/serve.py
-default_substitutions), plus each kind's own values; ``--set`` overrides any of them. Then launch:
+The layouts and values are tritonllm/repository.py's (``tritonllm serve`` assembles the same way):
+text (the five models of all_models/), multimodal (with multimodal/ensemble and
+multimodal/multimodal_encoders), llmapi (llmapi/tensorrt_llm). ``--set`` overrides any value. Then launch:
 
     python3 scripts/launch_triton_server.py --model_repo REPO --tensorrt_llm_model_name tensorrt_llm,multimodal_encoders
 """
@@ -20,78 +14,22 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
-from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project's packages
 
-from tritonllm.fill_template import fill_template  # noqa: E402
-from tritonllm.paths import FIVE_MODELS, model_templates_dir  # noqa: E402
-
-# kind -> (model name in the repository, its template folder under all_models/)
-LAYOUTS = {
-    "text": [(name, name) for name in FIVE_MODELS],
-    "multimodal": [(name, name) for name in FIVE_MODELS if name != "ensemble"]
-                  + [("ensemble", "multimodal/ensemble"), ("multimodal_encoders", "multimodal/multimodal_encoders")],
-    "llmapi": [("tensorrt_llm", "llmapi/tensorrt_llm")],
-}
-VISION_ENCODER_DIR = "vision_encoder"  # engine/vision/encoder_dir.py: where engine.build writes it
-
-
-def kind_substitutions(kind: str, engine_dir: str, max_batch_size: int) -> dict[str, dict[str, str]]:
-    """Per-model values of ``kind`` besides tritonllm serve's text ones."""
-    if kind != "multimodal":
-        return {}
-    encoder_dir = os.path.join(engine_dir, VISION_ENCODER_DIR)
-    return {
-        "preprocessing": {"multimodal_model_path": encoder_dir, "max_num_images": "1"},
-        # The prompt holds image placeholders (ids past the vocabulary): outputs carry only new tokens.
-        "tensorrt_llm": {"exclude_input_in_output": "True"},
-        "tensorrt_llm_bls": {"multimodal_encoders_name": "multimodal_encoders"},
-        "multimodal_encoders": {"triton_max_batch_size": str(max_batch_size), "multimodal_model_path": encoder_dir,
-                                "hf_model_path": engine_dir, "encoder_input_features_data_type": "TYPE_FP16",
-                                "max_queue_delay_microseconds": "0"},
-    }
-
-
-def substitutions(kind: str, engine_dir: str, max_batch_size: int = 8,
-                  overrides: dict[str, dict[str, str]] | None = None) -> dict[str, dict[str, str]]:
-    from tritonllm.serve import default_substitutions
-
-    values = default_substitutions(engine_dir, max_batch_size=max_batch_size)
-    for source in (kind_substitutions(kind, engine_dir, max_batch_size), overrides or {}):
-        for model, pairs in source.items():
-            values.setdefault(model, {}).update(pairs)
-    return values
+from tritonllm.repository import LAYOUTS  # noqa: E402
+from tritonllm.repository import assemble_repository as assemble_kind  # noqa: E402
 
 
 def assemble_repository(kind: str, engine_dir: str, output: str, *, max_batch_size: int = 8,
                         overrides: dict[str, dict[str, str]] | None = None) -> str:
-    """Copy ``kind``'s templates to ``output`` (replacing it) and fill them; returns ``output``."""
-    if kind not in LAYOUTS:
-        raise ValueError(f"--kind {kind!r} is not a repository kind; allowed: {', '.join(LAYOUTS)}")
-    engine_dir = os.path.abspath(engine_dir)
-    if kind == "multimodal" and not os.path.isfile(os.path.join(engine_dir, VISION_ENCODER_DIR, "config.json")):
-        raise ValueError(f"{engine_dir} has no {VISION_ENCODER_DIR}/: build a vision-language checkpoint "
-                         "(LlavaForConditionalGeneration) with python -m engine.build")
-    values = substitutions(kind, engine_dir, max_batch_size, overrides)
-    repo, templates = Path(output), model_templates_dir()
-    if repo.exists():
-        shutil.rmtree(repo)
-    for name, folder in LAYOUTS[kind]:
-        shutil.copytree(templates / folder, repo / name, ignore=shutil.ignore_patterns("__pycache__"))
-        config = repo / name / "config.pbtxt"
-        text = config.read_text()
-        # fill_template refuses keys a file lacks: the shared defaults name every model's keys
-        pairs = {k: v for k, v in values.get(name, {}).items() if "${" + k + "}" in text}
-        config.write_text(fill_template(text, ",".join(f"{k}:{_escape(v)}" for k, v in pairs.items()), str(config)))
-    return str(repo)
+    """Copy ``kind``'s templates to ``output`` (replacing it) and fill them (tritonllm/repository.py)
+    over tritonllm serve's text values; returns ``output``."""
+    from tritonllm.serve import default_substitutions
 
-
-def _escape(value: str) -> str:
-    """fill_template escaping: `\\,` for a comma; `\\\\:` for a colon (two split levels)."""
-    return value.replace("\\", "\\\\\\\\").replace(",", "\\,").replace(":", "\\\\:")
+    base = default_substitutions(os.path.abspath(engine_dir), max_batch_size=max_batch_size)
+    return assemble_kind(kind, engine_dir, output, base, max_batch_size=max_batch_size, overrides=overrides)
 
 
 def _overrides(items: list[str]) -> dict[str, dict[str, str]]:

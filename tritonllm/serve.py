@@ -12,6 +12,11 @@ reused while neither changes.
         [--kv_cache_dtype fp8] [--tp N] [--max_seq_len N] [--max_batch_size N] [--lora_modules NAME=PATH ...]
         [--http_port 8000 --grpc_port 8001 --metrics_port 8002] [--openai_port 9000] [--host 127.0.0.1]
         [--engine_dir DIR] [--repo DIR] [--tool_call_parser hermes|llama3_json|mistral]
+        [--max_num_images N] [--max_image_pixels N] [--allowed_image_url_hosts HOSTS]
+
+A vision-language checkpoint (LLaVA) is served through the multimodal repository
+(tritonllm/repository.py): images through the ensemble and the BLS, and ``image_url`` parts in the
+OpenAI API's chat messages (the frontend runs the vision encoder itself).
 
 (in a source checkout also ``python scripts/serve_default.py [--model CHECKPOINT] ...``). The embedded
 engine and the filled repository go to engines/smollm2 and build/triton_repo of a source checkout,
@@ -40,8 +45,10 @@ from serving.engine_cache import (cached_engine_dir, checkpoint_build_args, chec
 from tritonllm import launcher
 from tritonllm.fill_template import fill_template
 from tritonllm.paths import FIVE_MODELS, default_engine_dir, default_repo_dir, model_templates_dir
+from tritonllm.repository import ENGINE_MODELS, assemble_repository, escape, has_vision_encoder
 
 # (The engine cache's names above are this module's too: callers of scripts/serve_default.py use them.)
+_escape = escape
 MODELS = FIVE_MODELS
 CHAT_PROMPT = ("<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
                "<|im_end|>\\n<|im_start|>user\\nWhat is the capital of France?<|im_end|>\\n"
@@ -94,9 +101,23 @@ def prepare_model_repo(engine_dir: str, repo_dir: str, overrides: dict[str, dict
     return str(repo)
 
 
-def _escape(value: str) -> str:
-    """fill_template escaping: `\\,` for a comma; `\\\\:` for a colon (two split levels)."""
-    return value.replace("\\", "\\\\\\\\").replace(",", "\\,").replace(":", "\\\\:")
+def checkpoint_repository(engine_dir: str, repo_dir: str, *, bls_instances: int = 2, max_batch_size: int = 8,
+                          lora: bool = False, images: dict[str, str | None] | None = None) -> tuple[str, str]:
+    """(the filled repository serving a checkpoint's engine, the models holding the engine as the
+    launcher's --tensorrt_llm_model_name takes them). A vision-language engine (engine.build wrote
+    its vision_encoder/) gets the multimodal repository (tritonllm/repository.py), its preprocessing
+    parameters ``images`` (max_num_images, max_image_pixels, allowed_image_url_hosts) where given;
+    any other engine the text repository."""
+    overrides = {"tensorrt_llm": {"enable_lora": str(lora).lower()}}
+    if not has_vision_encoder(engine_dir):
+        return prepare_model_repo(engine_dir, repo_dir, bls_instances=bls_instances, max_batch_size=max_batch_size,
+                                  overrides=overrides), "tensorrt_llm"
+    overrides["preprocessing"] = {key: str(value) for key, value in (images or {}).items() if value is not None}
+    base = default_substitutions(os.path.abspath(engine_dir), max_batch_size=max_batch_size,
+                                 bls_instances=bls_instances)
+    repo = assemble_repository("multimodal", engine_dir, repo_dir, base, max_batch_size=max_batch_size,
+                               overrides=overrides)
+    return repo, ENGINE_MODELS["multimodal"]
 
 
 def ensure_engine(engine_dir: str) -> None:
@@ -208,24 +229,35 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
                        help="default: bfloat16 on a GPU, float32 on CPU")
     model.add_argument("--lora_modules", nargs="+", default=[], metavar="NAME=PATH",
                        help="LoRA adapters the OpenAI API serves by name (turns LoRA on)")
+    vision = parser.add_argument_group("vision-language checkpoints (LLaVA: served through the multimodal "
+                                       "repository; docs/features/vision.md)")
+    vision.add_argument("--max_num_images", type=int, default=None, help="images per request (default 1)")
+    vision.add_argument("--max_image_pixels", type=int, default=None,
+                        help="width x height of one image (default 4096 x 4096)")
+    vision.add_argument("--allowed_image_url_hosts", default=None,
+                        help="hosts whose http(s) image URLs the server fetches: 'a,b' or '*' (default: none, "
+                             "data: URLs only)")
     args = parser.parse_args(argv)
 
     if args.model:
         engine_dir = str(ensure_checkpoint_engine(args.model, checkpoint_build_args(args)))
         model_name = args.served_model_name or served_name(args.model)
-        repo = prepare_model_repo(engine_dir, args.repo, bls_instances=args.bls_instances,
-                                  max_batch_size=args.max_batch_size,
-                                  overrides={"tensorrt_llm": {"enable_lora": str(bool(args.lora_modules)).lower()}})
+        repo, engine_models = checkpoint_repository(
+            engine_dir, args.repo, bls_instances=args.bls_instances, max_batch_size=args.max_batch_size,
+            lora=bool(args.lora_modules), images={"max_num_images": args.max_num_images,
+                                                  "max_image_pixels": args.max_image_pixels,
+                                                  "allowed_image_url_hosts": args.allowed_image_url_hosts})
         served, prompt = model_name, "The capital of France is"
     else:
         ensure_engine(args.engine_dir)
         engine_dir, model_name = args.engine_dir, Path(args.engine_dir).name
         repo = prepare_model_repo(args.engine_dir, args.repo, bls_instances=args.bls_instances)
-        served, prompt = "SmolLM2-135M-Instruct", CHAT_PROMPT
+        served, prompt, engine_models = "SmolLM2-135M-Instruct", CHAT_PROMPT, "tensorrt_llm"
     ranks = ["--no-mpi"] if args.tp == 1 else [f"--world_size={args.tp}", f"--engine_dir={engine_dir}"]
     launch_args = launcher.parse_arguments([
         f"--model_repo={repo}", *ranks, f"--host={args.host}", f"--http_port={args.http_port}",
         f"--grpc_port={args.grpc_port}", f"--metrics_port={args.metrics_port}",
+        f"--tensorrt_llm_model_name={engine_models}",
         *([f"--openai_port={args.openai_port}", f"--openai_model_name={model_name}"] if args.openai_port else []),
         *(["--lora_modules", *args.lora_modules] if args.lora_modules else [])])
     try:

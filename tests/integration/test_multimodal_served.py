@@ -1,5 +1,6 @@
 """A vision-language model served by a real tritonserver: the multimodal repository
-(tools/assemble_repository.py --kind multimodal) of a tiny random LLaVA-1.5 built by engine.build.
+`tritonllm serve` assembles (tritonllm/repository.py) for a tiny random LLaVA-1.5 built by engine.build,
+and the OpenAI frontend beside it (image_url parts, the encoder run in the frontend).
 
 Greedy text through `ensemble` and `tensorrt_llm_bls`, streamed and unary, with the tensors the
 anchor's tools/multimodal/client.py sends for llava (text_output the only output asked for) and the image as
@@ -16,7 +17,9 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import openai
 import pytest
+import requests
 import torch
 
 pytest.importorskip("PIL")
@@ -29,6 +32,7 @@ from triton_helpers import ROOT, Server, free_port, stop, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.integration
 QUERY = "What is in the image?"
+SERVED = "tiny-llava"  # the OpenAI API's model name
 MAX_TOKENS = 6
 END_ID = 2  # the tiny tokenizer's </s>
 
@@ -55,30 +59,56 @@ def llava_engine(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def server(llava_engine, tmp_path_factory):
+def launched(llava_engine, tmp_path_factory):
+    """tritonserver on the repository `tritonllm serve` fills for a vision-language engine (the
+    multimodal one), and the OpenAI frontend beside it as the launcher starts it: (Server, its URL)."""
     from tritonllm import launcher
-    from tritonllm.serve import wait_until_ready
+    from tritonllm.serve import checkpoint_repository, wait_until_ready
 
     work = tmp_path_factory.mktemp("llava_triton")
-    repo = Path(_load_tool("assemble_repository").assemble_repository(
-        "multimodal", llava_engine, str(work / "repo"),
-        overrides={"preprocessing": {"max_image_pixels": "10000", "allowed_image_url_hosts": "127.0.0.1"},
-                   "tensorrt_llm_bls": {"bls_instance_count": "1"}}))  # fewer stubs: a faster start
-    ports = [str(free_port()) for _ in range(3)]
+    repo, engine_models = checkpoint_repository(
+        llava_engine, str(work / "repo"), bls_instances=1,  # fewer stubs: a faster start
+        images={"max_image_pixels": 10000, "allowed_image_url_hosts": "127.0.0.1"})
+    ports = [str(free_port()) for _ in range(4)]
     args = launcher.parse_arguments([f"--model_repo={repo}", "--no-mpi", "--host=127.0.0.1", f"--http_port={ports[0]}",
                                      f"--grpc_port={ports[1]}", f"--metrics_port={ports[2]}", "--force",
-                                     f"--cache_dir={work / 'cache'}",
-                                     "--tensorrt_llm_model_name=tensorrt_llm,multimodal_encoders"])
-    log_path = work / "server.log"
-    with open(log_path, "w") as log:
+                                     f"--cache_dir={work / 'cache'}", f"--tensorrt_llm_model_name={engine_models}",
+                                     f"--openai_port={ports[3]}", f"--openai_model_name={SERVED}",
+                                     "--openai_workers=1"])
+    log_path, frontend_log = work / "server.log", work / "frontend.log"
+    with open(log_path, "w") as log, open(frontend_log, "w") as frontend_out:
         process = launcher.launch(args, stdout=log, stderr=log)
+        frontend = launcher.launch_openai_frontend(args, stdout=frontend_out, stderr=frontend_out)
     try:
         if not wait_until_ready(process, ports[0], timeout=300):
             pytest.fail(f"tritonserver did not become ready:\n{log_path.read_text()[-5000:]}")
-        yield Server(http=f"http://127.0.0.1:{ports[0]}", grpc_url=f"127.0.0.1:{ports[1]}",
-                     metrics=f"http://127.0.0.1:{ports[2]}", log_path=log_path, pid=process.pid)
+        server = Server(http=f"http://127.0.0.1:{ports[0]}", grpc_url=f"127.0.0.1:{ports[1]}",
+                        metrics=f"http://127.0.0.1:{ports[2]}", log_path=log_path, pid=process.pid)
+        url = f"http://127.0.0.1:{ports[3]}"
+        if not wait_for(lambda: _health(url) == 200, timeout=120):
+            pytest.fail(f"the OpenAI frontend did not become ready:\n{frontend_log.read_text()[-5000:]}")
+        yield server, url
     finally:
+        stop(frontend)
         stop(process)
+
+
+def _health(url: str) -> int | None:
+    try:
+        return requests.get(f"{url}/health", timeout=2).status_code
+    except requests.ConnectionError:
+        return None
+
+
+@pytest.fixture(scope="module")
+def server(launched):
+    return launched[0]
+
+
+@pytest.fixture(scope="module")
+def openai_client(launched):
+    with openai.OpenAI(base_url=f"{launched[1]}/v1", api_key="unused", max_retries=0) as client:
+        yield client
 
 
 @pytest.fixture(scope="module")
@@ -245,3 +275,101 @@ def test_bad_images_get_named_errors_and_the_server_keeps_serving(server, oracle
     assert error is not None and "text_input has 2 <image> placeholder(s) but 1 image(s) were sent" in error
     text, error = generate(server, "ensemble", inputs(image_as("image_input", 1), False))
     assert error is None and text.split() == oracle(1).split()
+
+
+# ----------------------------------------------------------------------------- OpenAI chat with image_url parts
+
+@pytest.fixture(scope="module")
+def image_host():
+    """An HTTP server on 127.0.0.1 (an allowed host) serving /image<seed>.png; its base URL."""
+    import http.server
+    import threading
+
+    class Images(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            body = encoded(make_image(int(self.path.removeprefix("/image").removesuffix(".png"))))
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Images)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+
+
+@pytest.fixture(scope="module")
+def chat_oracle(llava_engine):
+    """(content parts with {"type": "image"} for each image, image seeds) -> (the text transformers'
+    greedy generate gives for the prompt the checkpoint's chat template writes, its prompt length
+    with each <image> expanded to the image's 16 tokens), the image's float32 processor outputs."""
+    from transformers import AutoTokenizer
+
+    hf, tokenizer = hf_model(), AutoTokenizer.from_pretrained(llava_engine)
+
+    def expected(parts: list[dict], seeds: list[int]) -> tuple[str, int]:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": parts}], tokenize=False,
+                                             add_generation_prompt=True)
+        ids = [i for token in tokenizer.encode(text) for i in ([token] * 16 if token == IMAGE_TOKEN_INDEX else [token])]
+        images = {"pixel_values": torch.from_numpy(image_processor()([make_image(s) for s in seeds],
+                                                                     return_tensors="np")["pixel_values"])} if seeds else {}
+        out = hf.generate(input_ids=torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                          eos_token_id=END_ID, **images)[0, len(ids):]
+        return tokenizer.decode(out, skip_special_tokens=True), len(ids)
+
+    return expected
+
+
+def chat_parts(url: str | None, query: str = QUERY) -> list[dict]:
+    image = [{"type": "image_url", "image_url": {"url": url}}] if url else []
+    return image + [{"type": "text", "text": query}]
+
+
+@pytest.mark.parametrize("source, stream, seed", [("data", False, 11), ("http", True, 12)])
+def test_openai_chat_with_an_image_equals_transformers(openai_client, chat_oracle, image_host, source, stream, seed):
+    """The official client, an image_url part (a data: URL, or an http URL on an allowed host),
+    greedy: the text and prompt tokens transformers gives for the same chat template and pixels."""
+    url = data_url(seed) if source == "data" else f"{image_host}/image{seed}.png"
+    text, prompt_tokens = chat_oracle([{"type": "image"}, {"type": "text", "text": QUERY}], [seed])
+    request = dict(model=SERVED, messages=[{"role": "user", "content": chat_parts(url)}], max_tokens=MAX_TOKENS,
+                   temperature=0)
+    if stream:
+        chunks = list(openai_client.chat.completions.create(**request, stream=True,
+                                                            stream_options={"include_usage": True}))
+        answer = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        usage = chunks[-1].usage
+    else:
+        completion = openai_client.chat.completions.create(**request)
+        answer, usage = completion.choices[0].message.content, completion.usage
+    assert answer.split() == text.split()
+    assert usage.prompt_tokens == prompt_tokens and usage.completion_tokens == MAX_TOKENS
+
+
+def _refused(openai_client, parts: list[dict]) -> dict:
+    with pytest.raises(openai.BadRequestError) as raised:
+        openai_client.chat.completions.create(model=SERVED, messages=[{"role": "user", "content": parts}],
+                                              max_tokens=MAX_TOKENS, temperature=0)
+    return raised.value.body if "message" in raised.value.body else raised.value.body["error"]
+
+
+def test_openai_bad_images_get_named_errors_and_text_still_works(openai_client, chat_oracle):
+    field = "messages[0].content[0].image_url.url"
+    for url, words in [("http://example.com/cat.png", "fetching images from host 'example.com' is not allowed"),
+                       ("data:image/png;base64,bm90IGFuIGltYWdl", "cannot be decoded as an image"),
+                       ("file:///etc/passwd", "URL scheme 'file' is not allowed")]:
+        error = _refused(openai_client, chat_parts(url))
+        assert error["param"] == field and words in error["message"], error
+    error = _refused(openai_client, chat_parts(data_url(1)) + chat_parts(data_url(2)))
+    assert error["param"] == "messages[0].content[2].image_url.url" and "at most 1 per request" in error["message"]
+    error = _refused(openai_client, chat_parts(data_url(1), "<image> and one more"))  # a placeholder of its own
+    assert error["param"] == "messages" and "2 <image> placeholder(s) but 1 image(s)" in error["message"]
+    text, _ = chat_oracle([{"type": "text", "text": "Describe this picture"}], [])  # text only: no table
+    completion = openai_client.chat.completions.create(model=SERVED, max_tokens=MAX_TOKENS, temperature=0,
+                                                       messages=[{"role": "user", "content": "Describe this picture"}])
+    assert completion.choices[0].message.content.split() == text.split()

@@ -53,3 +53,29 @@ def test_limits_name_the_field(engine_dir):
     with pytest.raises(APIError) as raised:
         builder.max_tokens_for(9, 1, "prompt", "max_tokens")
     assert raised.value.param == "prompt" and "at most 8 prompt tokens" in raised.value.message
+
+
+IMAGE_MESSAGE = {"role": "user", "content": [{"type": "image", "url": "data:,", "field": "f"},
+                                             {"type": "text", "text": "hello"}]}
+
+
+def test_image_parts_as_a_string_template_reads_them(engine_dir):
+    """A template that writes content as a string: each image becomes the placeholder and a newline."""
+    builder = PromptBuilder(engine_dir)
+    assert not builder.template_renders_parts and builder.template_renders_strings
+    text = builder.render_chat([IMAGE_MESSAGE, {"role": "assistant", "content": "there"}],
+                               image_placeholder="<image>")
+    assert text == "<user> <image>\nhello <assistant> there <assistant> "
+
+
+def test_image_parts_as_a_parts_template_reads_them(engine_dir):
+    """A template that iterates over content parts (LLaVA's on the Hub): images as {"type": "image"},
+    plain strings as one text part, since it writes no strings."""
+    builder = PromptBuilder(engine_dir)
+    builder.tokenizer.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}> {% for p in m['content'] %}{% if p['type'] == 'image' %}<image> "
+        "{% else %}{{ p['text'] }} {% endif %}{% endfor %}{% endfor %}<assistant> ")
+    assert builder.template_renders_parts and not builder.template_renders_strings
+    text = builder.render_chat([IMAGE_MESSAGE, {"role": "assistant", "content": "there"}],
+                               image_placeholder="<image>")
+    assert text == "<user> <image> hello <assistant> there <assistant> "

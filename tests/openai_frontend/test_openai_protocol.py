@@ -3,7 +3,7 @@ import pytest
 
 from openai_frontend.errors import APIError
 from openai_frontend.generation import choice_specs
-from openai_frontend.protocol import parse_chat_request, parse_completion_request
+from openai_frontend.protocol import image_parts, parse_chat_request, parse_completion_request
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}
 
@@ -58,11 +58,26 @@ def test_bad_fields_are_named(field, value, words):
 @pytest.mark.parametrize("messages,param", [
     ([], "messages"), ("hi", "messages"), ([{"role": "robot", "content": "x"}], "messages[0].role"),
     ([{"role": "tool", "content": "x"}], "messages[0].tool_call_id"),
-    ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "messages[0].content[0]"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "messages[0].content[0].image_url"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,", "detail": "max"}}]}],
+     "messages[0].content[0].image_url.detail"),
+    ([{"role": "system", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}], "messages[0].content[0]"),
+    ([{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}], "messages[0].content[0]"),
     ([{"role": "user", "content": "x", "tool_calls": []}], "messages[0].tool_calls"),
 ])
 def test_bad_messages_are_named(messages, param):
     assert rejected(parse_chat_request, {**CHAT, "messages": messages}).param == param
+
+
+def test_image_parts_are_kept_in_order_with_the_field_that_names_them():
+    request = parse_chat_request({**CHAT, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "data:x", "detail": "low"}},
+        {"type": "image_url", "image_url": "https://h/i.png"}]}]})
+    assert request.messages[0]["content"] == [
+        {"type": "text", "text": "a"},
+        {"type": "image", "url": "data:x", "field": "messages[0].content[1].image_url.url"},
+        {"type": "image", "url": "https://h/i.png", "field": "messages[0].content[2].image_url.url"}]
+    assert [part["url"] for part in image_parts(request.messages)] == ["data:x", "https://h/i.png"]
 
 
 def test_stream_options_need_stream_and_min_tokens_fit():

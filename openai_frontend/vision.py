@@ -1,0 +1,89 @@
+"""Images in chat requests (OpenAI ``image_url`` content parts) for a vision-language engine, its
+vision encoder run in this process: the direct path needs no ``multimodal_encoders`` model.
+
+Per request: every image part's URL (``data:`` always; http(s) only for the hosts the repository's
+``preprocessing`` allows, ``allowed_image_url_hosts``) -> RGB image (serving/images.py, with the
+same pixel and byte limits) -> the checkpoint's own image processor -> the encoder
+(engine/vision/) -> the prompt-embedding table, (images x image tokens, hidden) FP16, sent to
+``tensorrt_llm`` as ``prompt_embedding_table`` beside ids in which each image placeholder the chat
+template wrote is replaced by its image's slot of fake ids (vocab_size + row), as the
+preprocessing model lays them out (serving/multimodal.py). Fetching, decoding and encoding run on
+one worker thread, off the event loop; a bad image is a 400 naming its content part.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from openai_frontend.errors import bad_request
+from serving.images import decode_file, url_bytes
+from serving.multimodal import DEFAULT_MAX_NUM_IMAGES, ImagePrompts, VisionEncoderRunner, engine_vocab_size, image_limits
+
+
+@dataclass(frozen=True)
+class VisionSettings:
+    """Where the encoder is and the image limits (the preprocessing model's parameters of the same names)."""
+
+    encoder_dir: str  # <engine>/vision_encoder, written by engine.build
+    max_num_images: int = DEFAULT_MAX_NUM_IMAGES  # per request
+    max_image_pixels: int | None = None  # None: serving/images.py's default
+    allowed_image_url_hosts: str | None = None  # "*", "a,b", or None: data: URLs only
+
+
+class ChatImages:
+    """The vision side of one served vision-language engine."""
+
+    def __init__(self, settings: VisionSettings, tokenizer, device: str | None = None):
+        engine_dir = os.path.dirname(os.path.normpath(settings.encoder_dir))
+        self.limits = image_limits(settings.max_image_pixels, settings.allowed_image_url_hosts)
+        self.prompts = ImagePrompts(settings.encoder_dir, tokenizer, engine_vocab_size(engine_dir),
+                                    max_num_images=settings.max_num_images, limits=self.limits)
+        self.runner = VisionEncoderRunner(settings.encoder_dir, device)
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vision_encoder")
+
+    @property
+    def placeholder(self) -> str:
+        """The image placeholder of the model's prompts (``<image>`` for LLaVA)."""
+        return self.prompts.placeholder
+
+    def check_count(self, parts: list[dict]) -> None:
+        if len(parts) > self.prompts.max_num_images:
+            raise bad_request(parts[self.prompts.max_num_images]["field"],
+                              f"{len(parts)} images were sent; allowed: at most {self.prompts.max_num_images} per "
+                              "request (max_num_images of the preprocessing model; `tritonllm serve "
+                              "--max_num_images`)")
+
+    def expand(self, ids: list[int], num_images: int) -> list[int]:
+        try:
+            return self.prompts.expand_placeholders(ids, num_images, where="messages")
+        except ValueError as error:
+            raise bad_request("messages", str(error)) from None
+
+    async def table(self, parts: list[dict]) -> np.ndarray:
+        """The request's prompt-embedding table, (len(parts) * image tokens, hidden) float16."""
+        return await asyncio.get_running_loop().run_in_executor(self._worker, self._table, parts)
+
+    def _table(self, parts: list[dict]) -> np.ndarray:
+        images = []
+        for part in parts:
+            try:
+                images.append(decode_file(url_bytes(part["url"], part["field"], self.limits), part["field"],
+                                          self.limits))
+            except ValueError as error:  # ImageError: names the part, says what is allowed
+                raise bad_request(part["field"], str(error), code="invalid_image") from None
+        pixels = np.asarray(self.prompts.image_processor(images, return_tensors="np")["pixel_values"], np.float32)
+        return self.runner.tables([pixels])[0]
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=False, cancel_futures=True)
+
+
+def text_only_error(parts: list[dict]):
+    """Images sent to a model without a vision encoder."""
+    return bad_request(parts[0]["field"], "this model takes no images (its engine has no vision encoder); send "
+                                          "text only, or serve a vision-language checkpoint (LLaVA)",
+                       code="invalid_image")

@@ -1,0 +1,87 @@
+"""Filled model repositories of each kind, from the templates in all_models/ (``tritonllm serve``
+and tools/assemble_repository.py assemble them here).
+
+all_models/ holds the five text models at its top (a plain copy of them is the text repository) and,
+in folders of their own that are not models, the other repositories' parts:
+- text: ensemble, preprocessing, tensorrt_llm, postprocessing, tensorrt_llm_bls;
+- multimodal: the text models with multimodal/ensemble in place of the text ensemble, plus
+  multimodal/multimodal_encoders (a vision-language engine from engine.build, whose
+  vision_encoder/ the preprocessing and multimodal_encoders models read);
+- llmapi: llmapi/tensorrt_llm (TensorRT-LLM's LLM-API model; its model.yaml is edited, not filled).
+Every config.pbtxt is filled with the text repository's values (``base``: tritonllm/serve.py
+default_substitutions), plus each kind's own, then the caller's overrides.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from tritonllm.fill_template import fill_template
+from tritonllm.paths import FIVE_MODELS, model_templates_dir
+
+# kind -> (model name in the repository, its template folder under all_models/)
+LAYOUTS = {
+    "text": [(name, name) for name in FIVE_MODELS],
+    "multimodal": [(name, name) for name in FIVE_MODELS if name != "ensemble"]
+                  + [("ensemble", "multimodal/ensemble"), ("multimodal_encoders", "multimodal/multimodal_encoders")],
+    "llmapi": [("tensorrt_llm", "llmapi/tensorrt_llm")],
+}
+VISION_ENCODER_DIR = "vision_encoder"  # engine/vision/encoder_dir.py: where engine.build writes it
+# The models tritonserver's non-zero ranks load, as the reference's launch names them
+# (--tensorrt_llm_model_name); the first holds the engine.
+ENGINE_MODELS = {"multimodal": "tensorrt_llm,multimodal_encoders"}
+
+
+def has_vision_encoder(engine_dir: str) -> bool:
+    """Whether engine.build wrote a vision encoder beside the language engine (a vision-language checkpoint)."""
+    return os.path.isfile(os.path.join(engine_dir, VISION_ENCODER_DIR, "config.json"))
+
+
+def kind_substitutions(kind: str, engine_dir: str, max_batch_size: int) -> dict[str, dict[str, str]]:
+    """Per-model values of ``kind`` besides the text repository's."""
+    if kind != "multimodal":
+        return {}
+    encoder_dir = os.path.join(engine_dir, VISION_ENCODER_DIR)
+    return {
+        "preprocessing": {"multimodal_model_path": encoder_dir, "max_num_images": "1"},
+        # The prompt holds image placeholders (ids past the vocabulary): outputs carry only new tokens.
+        "tensorrt_llm": {"exclude_input_in_output": "True"},
+        "tensorrt_llm_bls": {"multimodal_encoders_name": "multimodal_encoders"},
+        "multimodal_encoders": {"triton_max_batch_size": str(max_batch_size), "multimodal_model_path": encoder_dir,
+                                "hf_model_path": engine_dir, "encoder_input_features_data_type": "TYPE_FP16",
+                                "max_queue_delay_microseconds": "0"},
+    }
+
+
+def assemble_repository(kind: str, engine_dir: str, output: str, base: dict[str, dict[str, str]], *,
+                        max_batch_size: int = 8, overrides: dict[str, dict[str, str]] | None = None) -> str:
+    """Copy ``kind``'s templates to ``output`` (replacing it) and fill them with ``base`` (the text
+    repository's values), ``kind``'s and ``overrides``; returns ``output``. ValueError for an unknown
+    kind or a multimodal repository of an engine without a vision encoder."""
+    if kind not in LAYOUTS:
+        raise ValueError(f"--kind {kind!r} is not a repository kind; allowed: {', '.join(LAYOUTS)}")
+    engine_dir = os.path.abspath(engine_dir)
+    if kind == "multimodal" and not has_vision_encoder(engine_dir):
+        raise ValueError(f"{engine_dir} has no {VISION_ENCODER_DIR}/: build a vision-language checkpoint "
+                         "(LlavaForConditionalGeneration) with python -m engine.build")
+    values = {model: dict(pairs) for model, pairs in base.items()}
+    for source in (kind_substitutions(kind, engine_dir, max_batch_size), overrides or {}):
+        for model, pairs in source.items():
+            values.setdefault(model, {}).update(pairs)
+    repo, templates = Path(output), model_templates_dir()
+    if repo.exists():
+        shutil.rmtree(repo)
+    for name, folder in LAYOUTS[kind]:
+        shutil.copytree(templates / folder, repo / name, ignore=shutil.ignore_patterns("__pycache__"))
+        config = repo / name / "config.pbtxt"
+        text = config.read_text()
+        # fill_template refuses keys a file lacks: the shared defaults name every model's keys
+        pairs = {k: v for k, v in values.get(name, {}).items() if "${" + k + "}" in text}
+        config.write_text(fill_template(text, ",".join(f"{k}:{escape(v)}" for k, v in pairs.items()), str(config)))
+    return str(repo)
+
+
+def escape(value: str) -> str:
+    """fill_template escaping: `\\,` for a comma; `\\\\:` for a colon (two split levels)."""
+    return value.replace("\\", "\\\\\\\\").replace(",", "\\,").replace(":", "\\\\:")
