@@ -52,6 +52,8 @@ from engine.convert import (
     model_config_from_hf,
     iter_rank_weights,
 )
+from engine.encoder_decoder.build import build_encoder_decoder
+from engine.encoder_decoder.spec import is_encoder_decoder_config
 from engine.gguf_header import read_gguf_scalars
 from engine.fp8_checkpoint import dequantizing_getter, fp8_checkpoint_strategy, rank_block_scales, rank_row_scales
 from engine.models import MODEL_FAMILIES, get_family, get_model_class
@@ -301,14 +303,19 @@ def load_hf_dir(path: str):
 
 
 def build_engine(checkpoint: str, output_dir: str, build: BuildConfig, *, progress: bool = True,
-                 calibration_tokens: int = 512, mxfp4_experts: str = "keep") -> EngineConfig:
-    """Build ``output_dir`` from a HF directory or a ``.gguf`` file."""
+                 calibration_tokens: int = 512, mxfp4_experts: str = "keep",
+                 max_encoder_input_len: int | None = None) -> EngineConfig:
+    """Build ``output_dir`` from a HF directory or a ``.gguf`` file. An encoder-decoder checkpoint
+    (T5, BART) writes ``output_dir/encoder`` and ``output_dir/decoder`` (engine/encoder_decoder/build.py)."""
     build.validate()
     if os.path.isfile(checkpoint) and checkpoint.endswith(".gguf"):
         hf_model, tokenizer = load_gguf(checkpoint)
         hf_config, get = hf_model.config, getter_from_state_dict(hf_model.state_dict(), checkpoint)
     elif os.path.isdir(checkpoint):
         hf_config, get, tokenizer = load_hf_dir(checkpoint)
+        if is_encoder_decoder_config(hf_config):
+            return build_encoder_decoder(hf_config, get, tokenizer, output_dir, build, source=checkpoint,
+                                         max_encoder_input_len=max_encoder_input_len)
     else:
         raise CheckpointError(
             f"checkpoint {checkpoint!r} does not exist or is neither a directory nor a .gguf file; "
@@ -487,6 +494,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mxfp4_experts", choices=MXFP4_EXPERTS, default="keep",
                    help="a checkpoint with MXFP4 experts (gpt-oss): keep them as MXFP4 codes and scales "
                         "(~4.25 bits a weight, kernels/fused_moe_mxfp4.py), or widen them to --dtype, exactly")
+    p.add_argument("--max_encoder_input_len", type=int, default=None,
+                   help="encoder-decoder checkpoints (T5, BART): the longest encoder input; default: the model's "
+                        "positions (T5: n_positions, BART: max_position_embeddings)")
     p.add_argument("--kv_cache_dtype", choices=["auto", "fp8"], default="auto",
                    help="fp8: the paged KV pool in FP8 E4M3 (scale 1, saturating), half the bytes per block; "
                         "the tensorrt_llm model parameter kv_cache_dtype may override it")
@@ -506,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         build = dataclasses.replace(build, pp_layers=parse_pp_layers(args.pp_layers))
         build_engine(args.checkpoint, args.output, build, calibration_tokens=args.calib_tokens,
-                     mxfp4_experts=args.mxfp4_experts)
+                     mxfp4_experts=args.mxfp4_experts, max_encoder_input_len=args.max_encoder_input_len)
     except (ConfigError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

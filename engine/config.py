@@ -66,6 +66,10 @@ RESIDUAL_KINDS = ("sequential", "parallel", "parallel_two_norms", "post_norm")
 # How ALiBi's per-head slopes are made: BLOOM's (closest power of two, then the odd powers of the next
 # one) or MPT's (alibi_bias_max spread over the next power of two, then interleaved).
 ALIBI_SLOPE_KINDS = ("bloom", "mpt")
+# Encoder-decoder families (engine/encoder_decoder/): a ModelConfig of theirs describes the decoder
+# stack (its paged self-attention KV); the block options live in engine/encoder_decoder/spec.py.
+ENCODER_DECODER_ARCHITECTURES = ("T5ForConditionalGeneration", "BartForConditionalGeneration",
+                                 "MBartForConditionalGeneration")
 
 
 class ConfigError(ValueError):
@@ -216,8 +220,9 @@ class ModelConfig:
 
     def validate(self) -> "ModelConfig":
         _require(
-            self.architecture in SUPPORTED_ARCHITECTURES,
-            f"unsupported architecture {self.architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}",
+            self.architecture in SUPPORTED_ARCHITECTURES + ENCODER_DECODER_ARCHITECTURES,
+            f"unsupported architecture {self.architecture!r}; supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES + ENCODER_DECODER_ARCHITECTURES)}",
         )
         _positive_ints(
             self,
@@ -241,7 +246,7 @@ class ModelConfig:
             )
         elif self.architecture in DECODER_ARCHITECTURES:
             self._validate_decoder_options()
-        elif self.architecture != "GPT2LMHeadModel":  # the Llama block is SwiGLU, nothing else
+        elif self.architecture not in ("GPT2LMHeadModel",) + ENCODER_DECODER_ARCHITECTURES:  # Llama: SwiGLU
             _require(
                 self.hidden_act == "silu",
                 f"{self.architecture} needs hidden_act 'silu' (gated SiLU MLP), got {self.hidden_act!r}",

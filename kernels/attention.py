@@ -106,12 +106,14 @@ def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torc
 def paged_attention_ref(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
     *, sliding_window: int | None = None, logit_softcap: float | None = None, sinks: torch.Tensor | None = None,
-    alibi_slopes: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None, position_bias=None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged KV; plain torch, fp32 math.
 
     q: (num_tokens, num_heads, head_dim) -> out: same shape and dtype as q. With a window, only
-    the blocks from the one holding the first visible key on are gathered.
+    the blocks from the one holding the first visible key on are gathered. ``position_bias``:
+    (query positions (q,), key positions (k,)) -> (num_heads, q, k) float32 added to the scaled
+    scores (T5's relative bias, kernels/relative_position_bias.py); reference only.
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -143,6 +145,8 @@ def paged_attention_ref(
         k_pos = torch.arange(first_key, context_len, device=q.device)[None, :]
         if alibi_slopes is not None:  # (num_heads, 1, 1) * (q_len, num_keys)
             scores += alibi_slopes.float().view(num_heads, 1, 1) * (k_pos - q_pos).float()
+        if position_bias is not None:
+            scores += position_bias(q_pos.view(-1), k_pos.view(-1))
         hidden = k_pos > q_pos
         if sliding_window is not None:
             hidden |= k_pos <= q_pos - sliding_window

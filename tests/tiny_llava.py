@@ -16,20 +16,27 @@ WORDS = ["<unk>", "<s>", "</s>", "<image>", "<pad>", "USER:", "ASSISTANT:", "Wha
 VOCAB = 128  # WORDS, then filler words w19 .. w127
 
 
-def tokenizer():
+def word_level_tokenizer(words: list[str], vocab: int, post_processor=None, **special_tokens):
+    """A word-level tokenizer of ``words`` then filler words w<i> up to ``vocab`` (<s>, </s>, <unk>
+    and <pad> are its special tokens; ``special_tokens``: more tokenizer arguments). SentencePiece-style
+    words ("\u2581" marks a space before them), so text decodes the same whole or a few tokens at a
+    time, as streams decode it; special tokens have no mark. Also used by tests/tiny_encdec.py."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    # SentencePiece-style words ("\u2581" marks a space before them), so text decodes the same whole
-    # or a few tokens at a time, as streams decode it; special tokens have no mark.
-    words = [w if w.startswith("<") else "\u2581" + w for w in WORDS + [f"w{i}" for i in range(len(WORDS), VOCAB)]]
+    words = [w if w.startswith("<") else "\u2581" + w for w in words + [f"w{i}" for i in range(len(words), vocab)]]
     core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")])
     core.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always", split=True)
+    if post_processor is not None:
+        core.post_processor = post_processor
     return PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                                   pad_token="<pad>", additional_special_tokens=["<image>"],
-                                   chat_template=CHAT_TEMPLATE)
+                                   pad_token="<pad>", **special_tokens)
+
+
+def tokenizer():
+    return word_level_tokenizer(WORDS, VOCAB, additional_special_tokens=["<image>"], chat_template=CHAT_TEMPLATE)
 
 
 # LLaVA-1.5's prompt layout as the Hub's llava-hf templates write it from content parts: "USER: "

@@ -39,6 +39,7 @@ from engine.executor.executor_config import (  # noqa: F401
     ExecutorConfig, ExecutorConfigError, SpeculativeConfig,
 )
 from engine.executor.kv_host_tier import make_host_tier
+from engine.encoder_decoder.encoder_stage import EncoderStage, encoder_decoder_runner, encoder_input_error
 from engine.executor.prompt_table import gather_prompt_embeds, prompt_cache_keys
 from engine.executor import state_cache
 from engine.models.prompt_embeds import PromptEmbeds
@@ -82,7 +83,8 @@ class Executor:
     def _init_runner(self, engine_dir: str, device: str | None) -> None:
         from engine.tensor_parallel.distributed import make_runner  # one rank: a ModelRunner; rank 0 of N: a LeaderRunner
 
-        self.runner = make_runner(engine_dir, device=device, runner_class=ModelRunner)
+        self.runner = make_runner(engine_dir, device=device,
+                                  runner_class=encoder_decoder_runner(engine_dir, self.config) or ModelRunner)
         build = self.runner.build_config
         cfg = self.config
         for name in ("max_batch_size", "max_num_tokens"):
@@ -106,6 +108,8 @@ class Executor:
                                 cfg.speculative.max_draft_len)
         self.runner.capture_cuda_graphs()  # CUDA: GEMM choice + decode graphs (the "compiled engine"); CPU: no-op
         self.runner.warmup()  # CUDA: compile the prefill kernels before the first request; CPU: no-op
+        # Encoder-decoder engines: encoder runs and the cross-KV pool (engine/encoder_decoder/encoder_stage.py)
+        self.encoder_stage = EncoderStage(self.runner) if hasattr(self.runner, "encode_into") else None
 
     def _step_memory_reserve(self) -> int:
         """Bytes the KV pool must leave free for the steps (engine/executor/memory_profile.py):
@@ -251,6 +255,8 @@ class Executor:
                 ids.append(request_id)
                 try:
                     request = normalize_request(request)
+                    if self.encoder_stage is not None:
+                        request = self.encoder_stage.complete(request)
                     error = self._rejection(request)
                 except (TypeError, ValueError, AttributeError) as err:
                     error = f"invalid request: {err}"
@@ -328,6 +334,9 @@ class Executor:
             error = state_cache.request_error(request, self.runner.model_config.architecture)
             if error is not None:
                 return error
+        encoder_error = encoder_input_error(request, self.encoder_stage)
+        if encoder_error is not None:
+            return encoder_error
         limit = self.config.max_queue_size
         if limit and len(self._inbox) + self._num_unscheduled >= limit:
             return f"Maximum queue size of {limit} has been reached, rejecting request"
@@ -341,7 +350,8 @@ class Executor:
         while True:
             with self._cv:
                 while not (self._inbox or self._cancel_ids or self.scheduler.has_unfinished or self._stopping
-                           or self._in_flight is not None or self._compiled):
+                           or self._in_flight is not None or self._compiled
+                           or (self.encoder_stage is not None and self.encoder_stage.has_pending)):
                     self._cv.wait()
                 if self._stopping:
                     break
@@ -378,6 +388,9 @@ class Executor:
         started = time.perf_counter()
         self._admit(new)
         self._cancel(cancels)
+        if self.encoder_stage is not None:  # encoder runs of waiting requests, then they queue
+            for state in self.encoder_stage.encode_pending(self._fail):
+                self._schedule_sequences(state)
         if self._must_sync():
             self._finish_in_flight()
         if self.proposer is not None:
@@ -475,6 +488,8 @@ class Executor:
             future.add_done_callback(lambda _, state=state: self._grammar_ready(state))
 
     def _schedule_sequences(self, state: RequestState) -> None:
+        if self.encoder_stage is not None and self.encoder_stage.take(state):
+            return  # it waits for its encoder run (_step)
         for index, seq in enumerate(state.sequences):
             if index == 0 or state.is_beam_search:
                 self.scheduler.add(seq)
@@ -538,6 +553,8 @@ class Executor:
         num_active = len(self._active)  # in flight this step, those that finish in it included
         try:
             batch, rows, sampling, drafted = self._forward_batch(plan)
+            if self.encoder_stage is not None:
+                batch.cross_block_tables, batch.cross_lengths = self.encoder_stage.cross_rows(plan)
             prompt_embeds = self._prompt_embeds(plan) if self._table_request_ids else None
             logits = (self.runner.forward(batch) if prompt_embeds is None
                       else self.runner.forward(batch, prompt_embeds=prompt_embeds))
@@ -970,6 +987,8 @@ class Executor:
                 self.adapters.forget_request(state.lora_key)
             state.lora_key, state.lora_slot = None, -1
         self._leave_queue(state)  # e.g. cancelled while still queued
+        if self.encoder_stage is not None:  # its cross-KV blocks go back
+            self.encoder_stage.release(state)
         if self.proposer is not None:
             for seq in state.sequences:
                 self.proposer.release(seq)

@@ -116,6 +116,11 @@ class ExecutorConfig:
     # draft tokens a request may send itself (Request.external_draft; TensorRT-LLM's max_draft_len).
     speculative: SpeculativeConfig | None = None
     max_draft_len: int = 8
+    # Encoder-decoder engines (engine/encoder_decoder/): the encoder's engine directory (None: the one
+    # the decoder's config.json names, ../encoder) and the share of the KV memory that holds the
+    # requests' cross-attention K/V (None: 0.5; the rest is the decoder's self-attention pool).
+    encoder_engine_dir: str | None = None
+    cross_kv_cache_fraction: float | None = None
 
     def validate(self) -> "ExecutorConfig":
         def require(ok: bool, message: str) -> None:
@@ -140,6 +145,8 @@ class ExecutorConfig:
                 f"batching_type value of '{self.batching_type}' is not supported; allowed: inflight, static")
         require(0 < self.kv_cache_free_gpu_mem_fraction <= 1,
                 f"ExecutorConfig.kv_cache_free_gpu_mem_fraction must be in (0, 1], got {self.kv_cache_free_gpu_mem_fraction!r}")
+        require(self.cross_kv_cache_fraction is None or 0 < self.cross_kv_cache_fraction < 1,
+                f"ExecutorConfig.cross_kv_cache_fraction must be in (0, 1), got {self.cross_kv_cache_fraction!r}")
         require(self.kv_cache_dtype in (None, "auto", "fp8"),
                 f"kv_cache_dtype value of '{self.kv_cache_dtype}' is not supported; allowed: auto, fp8")
         require(isinstance(self.stream_interval, int) and self.stream_interval >= 1,

@@ -170,6 +170,9 @@ class Request:
     external_draft: ExternalDraftTokens | None = None  # drafts verified at the first generation step
     # Prompt ids >= vocab_size take rows of this table (image features; engine/executor/prompt_table.py).
     prompt_table: PromptTable | None = None
+    # Encoder-decoder engines (engine/encoder_decoder/): the encoder's input tokens; input_token_ids is
+    # then the decoder prompt (empty: [decoder_start_token_id]).
+    encoder_input_ids: list[int] | None = None
 
 
 @dataclass
@@ -551,6 +554,8 @@ def normalize_request(request: Request) -> Request:
         external_draft=None if request.external_draft is None else replace(
             request.external_draft, token_ids=_int_list("draft_input_ids", request.external_draft.token_ids)),
         prompt_table=None if request.prompt_table is None else normalize_prompt_table(request.prompt_table),
+        encoder_input_ids=None if request.encoder_input_ids is None
+        else _int_list("encoder_input_ids", request.encoder_input_ids),
         lora=None if request.lora is None else replace(
             request.lora, task_id=request.lora.task_id if isinstance(request.lora.task_id, bool)
             else operator.index(request.lora.task_id)),

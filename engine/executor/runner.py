@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 
 import torch
@@ -71,6 +71,10 @@ class ForwardBatch:
     lora_slots: list[int] | None = None
     # Models with Mamba layers: each sequence's state slot (engine/executor/state_cache.py); else None.
     state_slots: list[int] | None = None
+    # Encoder-decoder engines (engine/encoder_decoder/runner.py): each sequence's encoder output
+    # length and its request's cross-KV blocks; None / [] for decoder-only engines.
+    cross_lengths: list[int] | None = None
+    cross_block_tables: list[list[int]] = field(default_factory=list)
 
 
 class ModelRunner:

@@ -1,0 +1,67 @@
+"""Build a T5 / BART checkpoint into two engine directories, the anchor's layout:
+
+    OUTPUT/encoder/  config.json, rank0.safetensors (embeddings, encoder layers)
+    OUTPUT/decoder/  config.json, rank0.safetensors (embeddings, decoder layers with cross-attention,
+                     lm_head), and the tokenizer files
+
+The Triton fill points ``engine_dir`` at OUTPUT/decoder and ``encoder_engine_dir`` at
+OUTPUT/encoder; the decoder's config.json names its encoder as ``../encoder`` so an executor
+given only the decoder finds it. Both config.json files are EngineConfigs whose ModelConfig
+describes the decoder stack (the paged KV shape), with the family's options in
+``extra.encoder_decoder`` (engine/encoder_decoder/spec.py), ``extra.stack`` ("encoder" or
+"decoder") and ``extra.max_encoder_input_len``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+import torch
+from safetensors.torch import save_file
+
+from engine.config import BuildConfig, ConfigError, EngineConfig, resolve_build_limits
+from engine.encoder_decoder.convert import check_complete, checkpoint_names, convert_stack
+from engine.encoder_decoder.model import Decoder, Encoder
+from engine.encoder_decoder.spec import spec_from_hf
+
+ENCODER_DIR, DECODER_DIR = "encoder", "decoder"
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def build_encoder_decoder(hf_config, get, tokenizer, output_dir: str, build: BuildConfig, *, source: str = "",
+                          max_encoder_input_len: int | None = None) -> EngineConfig:
+    """Write OUTPUT/encoder and OUTPUT/decoder; returns the decoder's EngineConfig."""
+    spec = spec_from_hf(hf_config)
+    for name, value, allowed in (("tp_size", build.tp_size, 1), ("pp_size", build.pp_size, 1)):
+        if value != allowed:
+            raise ConfigError(f"{name} {value}: {spec.architecture} (encoder-decoder) builds for one GPU only; "
+                              f"use {name} 1")
+    if build.quantization is not None or build.kv_cache_dtype is not None:
+        raise ConfigError(f"--quantization / --kv_cache_dtype: not supported for {spec.architecture} "
+                          "(encoder-decoder) engines yet; leave them out")
+    longest = max_encoder_input_len or spec.max_positions
+    if longest <= 0 or (spec.positions == "learned" and longest > spec.max_positions):
+        raise ConfigError(f"max_encoder_input_len {longest}: allowed 1..{spec.max_positions} for {spec.architecture} "
+                          "(its learned position table)")
+    model = spec.decoder_model_config()
+    build = resolve_build_limits(build, model)
+    dtype = TORCH_DTYPES[build.dtype]
+    encoder_names, decoder_names = checkpoint_names(spec)
+    extra = {"source": os.path.abspath(source) if source else "",
+             "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+             "encoder_decoder": spec.to_dict(), "max_encoder_input_len": longest}
+    stacks = ((ENCODER_DIR, Encoder, encoder_names, {"stack": "encoder"}),
+              (DECODER_DIR, Decoder, decoder_names, {"stack": "decoder", "encoder_engine_dir": f"../{ENCODER_DIR}"}))
+    config = None
+    for directory, cls, names, more in stacks:
+        path = os.path.join(output_dir, directory)
+        os.makedirs(path, exist_ok=True)
+        weights = convert_stack(get, names, dtype)
+        check_complete(cls(spec, device="meta"), weights, f"{spec.architecture} {directory}")
+        save_file(weights, os.path.join(path, "rank0.safetensors"), metadata={"format": "pt"})
+        config = EngineConfig(model=model, build=dataclasses.replace(build), extra={**extra, **more}).validate()
+        if tokenizer is not None and directory == DECODER_DIR:
+            tokenizer.save_pretrained(path)
+        config.save(path)  # last: a directory with config.json is complete
+    return config

@@ -1,0 +1,246 @@
+"""The encoder and the decoder of a T5 / BART model (options: engine/encoder_decoder/spec.py).
+
+Encoder: a padded batch of whole inputs at once (each request's encoder runs once), dense
+bidirectional attention with a key-padding mask; its output (per request (L_enc, d_model)) is
+projected by every decoder layer's cross-attention into K/V once (``Decoder.cross_kv``) and kept
+in the cross-KV pool (engine/encoder_decoder/cross_kv.py).
+
+Decoder: the executor's packed, ragged step like any decoder-only model: self-attention through
+the paged KV pool (kernels/attention.py; T5's relative bias: kernels/relative_position_bias.py),
+then cross-attention of every new token over its request's cross K/V, read from the cross pool
+by block table. Cross-attention is not causal: each new token is handed to the paged attention
+as its own one-token sequence whose context is the whole encoder output (``cross_metadata``),
+the shape decode attention already has.
+
+Math is in the model dtype except norms, softmax and scores (float32), as transformers does.
+One rank only (the build refuses tp_size > 1 for these families).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.encoder_decoder.spec import EncDecSpec
+from kernels.attention import paged_attention, write_kv_cache
+from kernels.attention_metadata import AttentionMetadata
+from kernels.relative_position_bias import paged_attention_bias_ref, position_bias
+
+
+class Norm(nn.Module):
+    def __init__(self, spec: EncDecSpec, dtype, device):
+        super().__init__()
+        self.rms, self.eps = spec.norm == "rms", spec.norm_eps
+        self.weight = nn.Parameter(torch.ones(spec.d_model, dtype=dtype, device=device))
+        self.bias = None if self.rms else nn.Parameter(torch.zeros(spec.d_model, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rms:  # T5: no mean subtraction, no bias
+            x32 = x.float()
+            return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+        return F.layer_norm(x.float(), (x.shape[-1],), self.weight.float(), self.bias.float(), self.eps).to(x.dtype)
+
+
+def _linear(n_in: int, n_out: int, bias: bool, dtype, device) -> nn.Linear:
+    return nn.Linear(n_in, n_out, bias=bias, dtype=dtype, device=device)
+
+
+class Attention(nn.Module):
+    """q, k, v, o projections of ``heads`` heads of ``head_dim``."""
+
+    def __init__(self, spec: EncDecSpec, heads: int, head_dim: int, dtype, device):
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        self.scale = head_dim ** -0.5 if spec.scale_scores else 1.0
+        inner = heads * head_dim
+        self.q, self.k, self.v = (_linear(spec.d_model, inner, spec.bias, dtype, device) for _ in range(3))
+        self.o = _linear(inner, spec.d_model, spec.bias, dtype, device)
+
+    def heads_of(self, proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        return proj(x).view(*x.shape[:-1], self.heads, self.head_dim)
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: EncDecSpec, width: int, dtype, device):
+        super().__init__()
+        self.gate = _linear(spec.d_model, width, spec.bias, dtype, device) if spec.gated_mlp else None
+        self.up = _linear(spec.d_model, width, spec.bias, dtype, device)
+        self.down = _linear(width, spec.d_model, spec.bias, dtype, device)
+        self.activation = {"relu": F.relu, "gelu": F.gelu,
+                           "gelu_new": lambda x: F.gelu(x, approximate="tanh")}[spec.activation]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate is not None:
+            return self.down(self.activation(self.gate(x)) * self.up(x))
+        return self.down(self.activation(self.up(x)))
+
+
+def _sublayer(norm: Norm, pre_norm: bool, x: torch.Tensor, fn) -> torch.Tensor:
+    """Pre-norm: x + fn(norm(x)); post-norm (BART): norm(x + fn(x))."""
+    return x + fn(norm(x)) if pre_norm else norm(x + fn(x))
+
+
+class _Stack(nn.Module):
+    """What both stacks hold: token embeddings (times embed_scale), learned positions or a
+    relative-bias table of ``heads`` columns, an embedding norm, ``layers`` and a final norm."""
+
+    def __init__(self, spec: EncDecSpec, layers: list[nn.Module], heads: int, dtype, device):
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.d_model, dtype=dtype, device=device)
+        self.embed_positions = nn.Embedding(spec.max_positions + spec.position_offset, spec.d_model, dtype=dtype,
+                                            device=device) if spec.positions == "learned" else None
+        self.position_bias = nn.Embedding(spec.relative_buckets, heads, dtype=dtype, device=device) \
+            if spec.positions == "relative" else None
+        self.embedding_norm = Norm(spec, dtype, device) if spec.embedding_norm else None
+        self.layers = nn.ModuleList(layers)
+        self.final_norm = Norm(spec, dtype, device) if spec.final_norm else None
+
+    def embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(ids)
+        if self.spec.embed_scale != 1.0:
+            x = x * self.spec.embed_scale
+        if self.embed_positions is not None:
+            x = x + self.embed_positions(positions + self.spec.position_offset)
+        return x if self.embedding_norm is None else self.embedding_norm(x)
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, spec: EncDecSpec, dtype, device):
+        super().__init__()
+        self.pre_norm = spec.pre_norm
+        self.attn_norm, self.mlp_norm = Norm(spec, dtype, device), Norm(spec, dtype, device)
+        self.attn = Attention(spec, spec.encoder_heads, spec.encoder_head_dim, dtype, device)
+        self.mlp = MLP(spec, spec.encoder_ffn, dtype, device)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """x: (B, L, d); bias: (B or 1, heads, L, L) float32, -inf at padded keys."""
+        def attend(h):
+            q, k, v = (self.attn.heads_of(p, h).float() for p in (self.attn.q, self.attn.k, self.attn.v))
+            scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * self.attn.scale + bias
+            out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, dim=-1), v).to(h.dtype)
+            return self.attn.o(out.flatten(2))
+        x = _sublayer(self.attn_norm, self.pre_norm, x, attend)
+        return _sublayer(self.mlp_norm, self.pre_norm, x, self.mlp)
+
+
+class Encoder(_Stack):
+    """The encoder stack; ``encode`` takes whole inputs and returns their outputs."""
+
+    def __init__(self, spec: EncDecSpec, *, dtype=torch.float32, device="cpu"):
+        super().__init__(spec, [EncoderLayer(spec, dtype, device) for _ in range(spec.encoder_layers)],
+                         spec.encoder_heads, dtype, device)
+
+    @torch.inference_mode()
+    def encode(self, inputs: list[list[int]]) -> list[torch.Tensor]:
+        """Each input's encoder output (L_i, d_model), from one padded pass over all of them."""
+        device = self.embed_tokens.weight.device
+        longest = max(len(ids) for ids in inputs)
+        ids = torch.tensor([list(t) + [0] * (longest - len(t)) for t in inputs], device=device)
+        lengths = torch.tensor([len(t) for t in inputs], device=device)
+        positions = torch.arange(longest, device=device)
+        x = self.embed(ids, positions.expand(len(inputs), -1))
+        padded = positions.view(1, -1) >= lengths.view(-1, 1)  # (B, L) keys beyond each input
+        bias = torch.zeros(len(inputs), 1, longest, longest, device=device)
+        bias.masked_fill_(padded.view(len(inputs), 1, 1, longest), float("-inf"))
+        if self.position_bias is not None:
+            bias = bias + position_bias(self.position_bias.weight, positions, positions, bidirectional=True,
+                                        max_distance=self.spec.relative_max_distance).unsqueeze(0)
+        for layer in self.layers:
+            x = layer(x, bias)
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        return [x[i, :len(t)] for i, t in enumerate(inputs)]
+
+
+@dataclass
+class CrossAttentionBatch:
+    """A decoder step's cross-attention inputs: the cross pool (num_layers, 2, blocks,
+    tokens_per_block, heads, head_dim) and one-token-sequence metadata (``cross_metadata``)."""
+
+    pool: torch.Tensor
+    meta: AttentionMetadata
+
+
+def cross_metadata(block_tables: list[list[int]], encoder_lengths: list[int], device) -> AttentionMetadata:
+    """Metadata making each new token (row i) its own sequence of one query over its request's
+    encoder output: ``block_tables[i]`` holds its cross blocks, ``encoder_lengths[i]`` its length."""
+    width = max(len(t) for t in block_tables)
+    n = len(block_tables)
+    return AttentionMetadata(
+        slot_mapping=torch.empty(0, dtype=torch.int64, device=device),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32,
+                                  device=device),
+        cu_seqlens_q=torch.arange(n + 1, dtype=torch.int32, device=device),
+        context_lens=torch.tensor(encoder_lengths, dtype=torch.int32, device=device),
+        max_seqlen_q=1, max_context_len=max(encoder_lengths), is_decode_only=True,
+        cu_seqlens_q_host=list(range(n + 1)), context_lens_host=list(encoder_lengths))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: EncDecSpec, dtype, device):
+        super().__init__()
+        self.pre_norm = spec.pre_norm
+        self.self_norm, self.cross_norm, self.mlp_norm = (Norm(spec, dtype, device) for _ in range(3))
+        self.self_attn = Attention(spec, spec.decoder_heads, spec.head_dim, dtype, device)
+        self.cross_attn = Attention(spec, spec.decoder_heads, spec.head_dim, dtype, device)
+        self.mlp = MLP(spec, spec.decoder_ffn, dtype, device)
+
+
+class Decoder(_Stack):
+    """The decoder stack with the model surface the runner drives (engine/models/__init__.py),
+    plus the cross-attention inputs of each step."""
+
+    def __init__(self, spec: EncDecSpec, *, dtype=torch.float32, device="cpu"):
+        super().__init__(spec, [DecoderLayer(spec, dtype, device) for _ in range(spec.decoder_layers)],
+                         spec.decoder_heads, dtype, device)
+        self.lm_head = nn.Linear(spec.d_model, spec.vocab_size, bias=False, dtype=dtype, device=device)
+        if spec.final_logits_bias:
+            self.final_logits_bias = nn.Parameter(torch.zeros(spec.vocab_size, dtype=dtype, device=device))
+        else:
+            self.final_logits_bias = None
+
+    def init_buffers(self, device) -> None:  # (the model surface; nothing to make)
+        pass
+
+    def cross_kv(self, encoder_out: torch.Tensor) -> torch.Tensor:
+        """(num_layers, 2, L_enc, heads, head_dim): every layer's cross K and V of one encoder output."""
+        return torch.stack([torch.stack([layer.cross_attn.heads_of(layer.cross_attn.k, encoder_out),
+                                         layer.cross_attn.heads_of(layer.cross_attn.v, encoder_out)])
+                            for layer in self.layers])
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, *, cross: CrossAttentionBatch) -> torch.Tensor:
+        """input_ids, positions: (num_tokens,); kv_cache: the paged self-attention pool -> (num_tokens, d)."""
+        x = self.embed(input_ids, positions)
+        for index, layer in enumerate(self.layers):
+            def attend_self(h, layer=layer, index=index):
+                attn = layer.self_attn
+                q, k, v = (attn.heads_of(p, h) for p in (attn.q, attn.k, attn.v))
+                k_cache, v_cache = kv_cache[index, 0], kv_cache[index, 1]
+                write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+                if self.position_bias is None:
+                    out = paged_attention(q, k_cache, v_cache, meta, attn.scale)
+                else:
+                    out = paged_attention_bias_ref(q, k_cache, v_cache, meta, attn.scale, self.position_bias.weight,
+                                                   self.spec.relative_max_distance)
+                return attn.o(out.flatten(1))
+
+            def attend_encoder(h, layer=layer, index=index):
+                attn = layer.cross_attn
+                out = paged_attention(attn.heads_of(attn.q, h), cross.pool[index, 0], cross.pool[index, 1],
+                                      cross.meta, attn.scale)
+                return attn.o(out.flatten(1))
+
+            x = _sublayer(layer.self_norm, layer.pre_norm, x, attend_self)
+            x = _sublayer(layer.cross_norm, layer.pre_norm, x, attend_encoder)
+            x = _sublayer(layer.mlp_norm, layer.pre_norm, x, layer.mlp)
+        return x if self.final_norm is None else self.final_norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.spec.logits_scale != 1.0:
+            hidden = hidden * self.spec.logits_scale
+        logits = self.lm_head(hidden).float()
+        return logits if self.final_logits_bias is None else logits + self.final_logits_bias.float()

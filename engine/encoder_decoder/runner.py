@@ -1,0 +1,139 @@
+"""EncDecRunner: a ModelRunner whose model is an encoder-decoder's decoder, plus its encoder and cross-KV pool.
+
+The decoder steps are the executor's ordinary packed steps (paged self-attention KV, in-flight
+batching); what differs:
+
+- ``encode_into``: a batch of requests' encoder inputs runs through the encoder once, and every
+  decoder layer's cross K/V of each output is written into the request's blocks of the cross pool;
+- ``forward``: a step's ``ForwardBatch.cross_block_tables`` / ``cross_lengths`` (each scheduled
+  sequence's cross blocks and encoder length) say where each new token's cross K/V is;
+- the KV memory is split: ``cross_kv_cache_fraction`` f of it (default 0.5) is the cross pool,
+  the rest the self-attention pool. Without device memory to size from (CPU) or with
+  max_tokens_in_paged_kv_cache, the self pool is sized as for any engine and the cross pool
+  f / (1 - f) times it, never less than one longest encoder input.
+
+Cross and self blocks have the same shape (decoder layers x 2 x tokens_per_block x heads x
+head_dim). Decoder steps run eagerly (no CUDA graphs yet); one rank only.
+"""
+from __future__ import annotations
+
+import os
+import torch
+
+from engine.config import EngineFormatError
+from engine.encoder_decoder.convert import check_complete
+from engine.encoder_decoder.model import CrossAttentionBatch, Decoder, Encoder, cross_metadata
+from engine.encoder_decoder.spec import EncDecSpec
+from engine.executor.overlap import resolve_placeholders
+from engine.executor.runner import ForwardBatch, ModelRunner, keep_or_cast, load_rank_weights
+from kernels.attention import write_kv_cache
+
+DEFAULT_CROSS_KV_FRACTION = 0.5
+
+
+def encoder_engine_dir(decoder_dir: str, extra: dict, override: str | None = None) -> str:
+    """Where the encoder engine is: ``override`` (the encoder_engine_dir parameter), else the path the
+    decoder's config.json names (relative to the decoder directory)."""
+    path = override or os.path.join(decoder_dir, extra.get("encoder_engine_dir", "../encoder"))
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise EngineFormatError(f"encoder engine directory {path!r} has no config.json; build the checkpoint with "
+                                "python -m engine.build (it writes encoder/ and decoder/) and point "
+                                "encoder_engine_dir at its encoder/")
+    return os.path.normpath(path)
+
+
+class EncDecRunner(ModelRunner):
+    def __init__(self, engine_dir: str, *, rank: int = 0, device="cpu", tp_group=None,
+                 encoder_engine_dir: str | None = None, cross_kv_cache_fraction: float | None = None):
+        self._encoder_dir_override = encoder_engine_dir
+        self.cross_kv_fraction = cross_kv_cache_fraction or DEFAULT_CROSS_KV_FRACTION
+        self.cross_pool: torch.Tensor | None = None
+        self.num_cross_blocks = 0
+        super().__init__(engine_dir, rank=rank, device=device, tp_group=tp_group)
+
+    def _load_model(self, engine_dir: str, tp_group) -> torch.nn.Module:
+        extra = self.engine_config.extra
+        if extra.get("stack") != "decoder" or "encoder_decoder" not in extra:
+            raise EngineFormatError(f"{engine_dir!r} is not the decoder of an encoder-decoder engine "
+                                    "(config.json extra.stack must be 'decoder')")
+        self.spec = EncDecSpec.from_dict(extra["encoder_decoder"])
+        self.max_encoder_input_len = int(extra["max_encoder_input_len"])
+        self.encoder_dir = encoder_engine_dir(engine_dir, extra, self._encoder_dir_override)
+        self.encoder = self._load_stack(Encoder, self.encoder_dir)
+        return self._load_stack(Decoder, engine_dir)
+
+    def _load_stack(self, cls, directory: str) -> torch.nn.Module:
+        module = cls(self.spec, dtype=self.dtype, device="meta")
+        weights = load_rank_weights(directory, 0, self.device)
+        try:
+            check_complete(module, weights, f"rank0.safetensors in {directory!r}")
+        except ValueError as err:
+            raise EngineFormatError(str(err)) from None
+        module.load_state_dict({k: keep_or_cast(k, v, self.dtype) for k, v in weights.items()}, assign=True)
+        return module.eval()
+
+    # ---- KV memory: the self-attention pool and the cross pool ----------------------------------
+
+    def num_kv_blocks_for(self, *, free_mem_fraction=None, max_tokens=None, kv_cache_dtype=None,
+                          reserve_bytes: int = 0) -> int:
+        """Blocks of the self-attention pool; sets ``num_cross_blocks`` (module docstring)."""
+        total = super().num_kv_blocks_for(free_mem_fraction=free_mem_fraction, max_tokens=max_tokens,
+                                          kv_cache_dtype=kv_cache_dtype, reserve_bytes=reserve_bytes)
+        f = self.cross_kv_fraction
+        one_input = -(-self.max_encoder_input_len // self.tokens_per_block)
+        if self.device.type == "cuda" and max_tokens is None:
+            self.num_cross_blocks = max(one_input, int(total * f))
+            return max(1, total - self.num_cross_blocks)
+        self.num_cross_blocks = max(one_input, int(total * f / (1 - f)))
+        return total
+
+    def allocate_kv_cache(self, num_blocks: int, kv_cache_dtype: str | None = None) -> None:
+        super().allocate_kv_cache(num_blocks, kv_cache_dtype)
+        if not self.num_cross_blocks:  # allocated without num_kv_blocks_for: as many as self blocks
+            self.num_cross_blocks = max(num_blocks, -(-self.max_encoder_input_len // self.tokens_per_block))
+        shape = list(self.kv_cache.shape)
+        shape[2] = self.num_cross_blocks
+        self.cross_pool = None
+        self.cross_pool = torch.zeros(shape, dtype=self.kv_cache.dtype, device=self.device)
+
+    def capture_cuda_graphs(self) -> None:  # decoder steps run eagerly (the cross rows vary per step)
+        pass
+
+    def warmup(self) -> None:
+        pass
+
+    # ---- encoder ------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def encode_into(self, inputs: list[list[int]], block_tables: list[list[int]]) -> None:
+        """Run the encoder over ``inputs`` at once and write each one's cross K/V (every decoder
+        layer) into its cross blocks ``block_tables[i]`` (covering len(inputs[i]) tokens)."""
+        T = self.tokens_per_block
+        for output, blocks in zip(self.encoder.encode(inputs), block_tables):
+            kv = self.model.cross_kv(output)  # (layers, 2, L, heads, head_dim)
+            positions = torch.arange(output.shape[0])
+            slots = (torch.tensor(blocks)[positions // T] * T + positions % T).to(self.device)
+            for layer in range(kv.shape[0]):
+                write_kv_cache(kv[layer, 0], kv[layer, 1], self.cross_pool[layer, 0], self.cross_pool[layer, 1], slots)
+
+    # ---- decoder step -------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, *, all_logits: bool = False, prompt_embeds=None) -> torch.Tensor:
+        block_tables, lengths = batch.cross_block_tables, batch.cross_lengths
+        if lengths is None:  # the executor always names them; the memory profile's step reads the worst case
+            lengths = [self.max_encoder_input_len] * len(batch.seq_lens_q)
+            block_tables = [list(range(-(-lengths[0] // self.tokens_per_block)))] * len(lengths)
+        if prompt_embeds is not None:
+            raise ValueError("prompt tables are not supported by encoder-decoder engines")
+        input_ids, positions, meta = self._prepare(batch)
+        token_tables, token_lengths = [], []  # one row per new token: its sequence's
+        for table, length, n in zip(block_tables, lengths, batch.seq_lens_q):
+            token_tables += [table] * n
+            token_lengths += [length] * n
+        cross = CrossAttentionBatch(self.cross_pool, cross_metadata(token_tables, token_lengths, self.device))
+        hidden = self.model(resolve_placeholders(input_ids, self.sampled_tokens), positions, self.kv_cache, meta,
+                            cross=cross)
+        if not all_logits:
+            hidden = hidden[self._to_device(batch.logits_indices, torch.int64)]
+        return self.model.compute_logits(hidden)

@@ -1,0 +1,133 @@
+"""Encoder-decoder engines (engine/encoder_decoder/): tiny random T5 v1.0, T5 v1.1 and BART made by
+transformers, built by engine.build into encoder/ + decoder/, run by the executor with in-flight
+batching: greedy ids and logits equal transformers' generate; the cross-KV pool makes requests wait
+when full and is all free after cancels; bad encoder inputs get named errors."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from engine.build import main
+from engine.config import EngineFormatError
+from engine.executor import Executor, ExecutorConfig, OutputConfig, Request
+from tests.executor.executor_testing import collect, final_tokens
+from tiny_encdec import FAMILIES, generate, write_checkpoint
+
+INPUTS = [[4, 5, 6, 7, 8, 9, 10, 1], [11, 12, 13, 1], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 1]]
+MAX_ENCODER_LEN = 16
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def built(request, tmp_path_factory):
+    """(family, transformers model, engine root): OUTPUT/encoder and OUTPUT/decoder."""
+    root = tmp_path_factory.mktemp(request.param)
+    model = write_checkpoint(request.param, root / "checkpoint")
+    assert main(["--checkpoint", str(root / "checkpoint"), "--output", str(root / "engine"), "--dtype", "float32",
+                 "--max_seq_len", "48", "--tokens_per_block", "4", "--max_batch_size", "4",
+                 "--max_encoder_input_len", str(MAX_ENCODER_LEN)]) == 0
+    return request.param, model, root / "engine"
+
+
+@pytest.fixture(scope="module")
+def executor(built):
+    with Executor(str(built[2] / "decoder"), ExecutorConfig(max_batch_size=4)) as ex:
+        yield ex
+
+
+def test_layout(built):
+    _, _, engine = built
+    decoder = json.loads((engine / "decoder" / "config.json").read_text())
+    encoder = json.loads((engine / "encoder" / "config.json").read_text())
+    assert decoder["extra"]["stack"] == "decoder" and encoder["extra"]["stack"] == "encoder"
+    assert decoder["extra"]["encoder_engine_dir"] == "../encoder"
+    assert (engine / "decoder" / "tokenizer.json").is_file()
+
+
+def test_greedy_ids_and_logits_equal_transformers(built, executor):
+    """Three encoder inputs of different lengths and a request with a 3-token decoder prompt, in
+    flight together (one of them streamed); the generation logits of one against transformers'."""
+    family, model, _ = built
+    start = model.config.decoder_start_token_id
+    cases = [(ids, None) for ids in INPUTS] + [(INPUTS[0], [start, 30, 31])]
+    output = OutputConfig(exclude_input_from_output=True, return_generation_logits=True)
+    requests = [Request(input_token_ids=prompt or [], encoder_input_ids=ids, max_tokens=10, end_id=1,
+                        streaming=index == 1, output=output) for index, (ids, prompt) in enumerate(cases)]
+    responses = collect(executor, executor.enqueue_requests(requests))
+    for (ids, prompt), request_id, request in zip(cases, responses, requests):
+        expected, logits = generate(model, ids, 10, prompt)
+        got = final_tokens(responses[request_id])
+        assert got == expected[len(prompt or [start]):], (family, ids, prompt)
+        if not request.streaming:
+            ours = responses[request_id][-1].result.generation_logits[0]
+            torch.testing.assert_close(ours.float(), logits[:len(ours)].float(), rtol=1e-4, atol=1e-4)
+
+
+def test_missing_decoder_prompt_is_decoder_start(built, executor):
+    _, model, _ = built
+    request = Request(input_token_ids=[], encoder_input_ids=INPUTS[1], max_tokens=3)
+    [responses] = collect(executor, [executor.enqueue_request(request)]).values()
+    assert final_tokens(responses)[0] == model.config.decoder_start_token_id
+
+
+def test_bad_encoder_inputs_are_named(executor):
+    cases = {
+        "encoder_input_ids: an encoder-decoder engine needs": Request(input_token_ids=[0], max_tokens=2),
+        "exceed the engine's max_encoder_input_len (16)": Request([], 2, encoder_input_ids=[5] * 17),
+        "outside the vocabulary (0..63)": Request([], 2, encoder_input_ids=[5, 64]),
+        "input_token_ids": Request([0, 99], 2, encoder_input_ids=[5]),
+    }
+    ids = executor.enqueue_requests(list(cases.values()))
+    responses = collect(executor, ids)
+    for (text, _), request_id in zip(cases.items(), ids):
+        assert text in responses[request_id][-1].error
+    # the engine keeps serving
+    [ok] = collect(executor, [executor.enqueue_request(Request([], 2, encoder_input_ids=INPUTS[1]))]).values()
+    assert ok[-1].error is None
+
+
+def test_small_cross_pool_queues_requests_and_cancel_frees_it(built):
+    """A cross pool of one longest input: requests wait for their encoder run and still equal
+    transformers; cancelled mid-decode, every cross block is back in the pool."""
+    family, model, engine = built
+    if family != "t5_v1_1":
+        pytest.skip("one family exercises the pool")
+    config = ExecutorConfig(max_batch_size=4, max_tokens_in_paged_kv_cache=192, cross_kv_cache_fraction=0.01)
+    with Executor(str(engine / "decoder"), config) as ex:
+        stage = ex.encoder_stage
+        assert stage.num_blocks == MAX_ENCODER_LEN // 4
+        out = OutputConfig(exclude_input_from_output=True)
+        ids = ex.enqueue_requests([Request([], 6, end_id=1, encoder_input_ids=i, output=out) for i in INPUTS])
+        responses = collect(ex, ids)
+        for encoder_ids, request_id in zip(INPUTS, ids):
+            expected, _ = generate(model, encoder_ids, 6)
+            assert final_tokens(responses[request_id]) == expected[1:]
+        long = [ex.enqueue_request(Request([], 40, encoder_input_ids=INPUTS[1], streaming=True)) for _ in range(2)]
+        deadline = time.monotonic() + 30
+        while not stage.held and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for request_id in long:
+            ex.cancel_request(request_id)
+        collect(ex, long)
+        deadline = time.monotonic() + 10
+        while (len(stage.free_blocks) < stage.num_blocks or stage.pending) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sorted(stage.free_blocks) == list(range(stage.num_blocks)) and not stage.held
+
+
+def test_decoder_only_engine_refuses_encoder_input():
+    from engine.encoder_decoder.encoder_stage import encoder_input_error
+
+    assert "decoder-only" in encoder_input_error(Request([1, 2], 2, encoder_input_ids=[3]), None)
+    assert encoder_input_error(Request([1, 2], 2), None) is None
+
+
+def test_build_refusals_and_missing_encoder(built, tmp_path, capsys):
+    _, _, engine = built
+    checkpoint = engine.parent / "checkpoint"
+    assert main(["--checkpoint", str(checkpoint), "--output", str(tmp_path / "e"), "--tp_size", "2"]) == 2
+    assert "builds for one GPU only" in capsys.readouterr().err
+    with pytest.raises(EngineFormatError, match="encoder engine directory"):
+        Executor(str(engine / "decoder"), ExecutorConfig(encoder_engine_dir=str(tmp_path)))

@@ -1,0 +1,70 @@
+"""Tiny random T5 (v1.0: ReLU, tied heads; v1.1: gated GELU, untied) and BART checkpoints made by
+transformers, with a word-level tokenizer (T5's ids: <pad> 0, </s> 1, <unk> 2; a T5-style
+post-processor appends </s>). No network: everything is made here. Shared by the engine and
+integration tests."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tiny_llava import word_level_tokenizer
+
+WORDS = ["<pad>", "</s>", "<unk>", "<s>", "translate", "English", "to", "German:", "This", "is", "good",
+         "Summarize:", "the", "news", "Das", "ist", "gut."]
+VOCAB = 64  # WORDS, then filler words w17 .. w63
+FAMILIES = ("t5_v1_0", "t5_v1_1", "bart")
+
+
+def tokenizer():
+    from tokenizers import processors
+
+    return word_level_tokenizer(WORDS, VOCAB, processors.TemplateProcessing(single="$A </s>",
+                                                                            special_tokens=[("</s>", 1)]))
+
+
+def hf_model(family: str, seed: int | None = None):
+    """A transformers model of ``family`` with weights drawn wide enough (std 0.5; norms left at
+    1 / 0) that greedy decoding does not settle on one token at once."""
+    import transformers
+
+    torch.manual_seed((1 if family == "bart" else 0) if seed is None else seed)  # (seeds whose greedy ids vary)
+    if family.startswith("t5"):
+        gated = family == "t5_v1_1"
+        config = transformers.T5Config(
+            vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=2, num_heads=4,
+            relative_attention_num_buckets=8, relative_attention_max_distance=16,
+            feed_forward_proj="gated-gelu" if gated else "relu", tie_word_embeddings=not gated,
+            decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+        model = transformers.T5ForConditionalGeneration(config)
+    else:
+        config = transformers.BartConfig(
+            vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=48, decoder_ffn_dim=48, max_position_embeddings=64,
+            forced_eos_token_id=None, pad_token_id=0, eos_token_id=1, bos_token_id=3, decoder_start_token_id=1)
+        model = transformers.BartForConditionalGeneration(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" not in name:
+                param.normal_(std=0.5)
+        if family == "bart":
+            model.final_logits_bias.normal_(std=0.5)
+    return model.eval()
+
+
+def write_checkpoint(family: str, path: Path):
+    """Save ``family``'s model and the tokenizer to ``path``; returns the model."""
+    model = hf_model(family)
+    model.save_pretrained(path)
+    tokenizer().save_pretrained(path)
+    return model
+
+
+def generate(model, encoder_ids: list[int], max_new_tokens: int, decoder_prompt: list[int] | None = None,
+             eos: int | None = 1) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy ids (the decoder prompt included) and raw logits per generated token."""
+    kwargs = {} if decoder_prompt is None else {"decoder_input_ids": torch.tensor([decoder_prompt])}
+    out = model.generate(torch.tensor([encoder_ids]), max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
+                         eos_token_id=eos, min_length=0, forced_bos_token_id=None, forced_eos_token_id=None,
+                         output_logits=True, return_dict_in_generate=True, **kwargs)
+    return out.sequences[0].tolist(), torch.stack(out.logits)[:, 0]
