@@ -57,6 +57,14 @@ SUPPORTED_ARCHITECTURES += DECODER_ARCHITECTURES
 # the order of the blocks (engine/ssm/spec.py); hidden_act is the Mamba layers' SiLU.
 HYBRID_ARCHITECTURES = ("BambaForCausalLM", "NemotronHForCausalLM")
 SUPPORTED_ARCHITECTURES += HYBRID_ARCHITECTURES
+# DeepSeek-V2/V3 (engine/models/deepseek.py): multi-head latent attention over a latent KV pool,
+# shared + routed experts with DeepSeek's routing (MLA_TOPK_METHODS).
+MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+SUPPORTED_ARCHITECTURES += MLA_ARCHITECTURES
+# DeepSeek's names for how a token picks its experts: greedy (softmax, top-k: V2), group_limited_greedy
+# (softmax, the best topk_group groups by their best expert, top-k among them: V2), noaux_tc (sigmoid,
+# plus e_score_correction_bias for the choice only, groups ranked by their two best: V3).
+MLA_TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 NORM_KINDS = ("rmsnorm", "layernorm")
 POSITION_KINDS = ("rope", "learned", "alibi")
 # sequential: x += attn(norm1(x)); x += mlp(norm2(x)). parallel: x += attn(norm1(x)) + mlp(norm1(x))
@@ -105,13 +113,15 @@ def _from_known_fields(cls, data: dict[str, Any]):
 
 
 _OPTIONAL_WHEN_NONE = ("sliding_window", "layer_types", "query_pre_attn_scalar", "attn_logit_softcapping",
-                       "final_logit_softcapping", "rope_local_theta", "swiglu_limit", "expert_quantization", "ssm")
+                       "final_logit_softcapping", "rope_local_theta", "swiglu_limit", "expert_quantization", "ssm",
+                       "q_lora_rank")
 # The configurable decoder's block options: left out of config.json at their (the Llama block's)
 # defaults, so the engines of the other families keep the config.json older readers accept.
 _OPTIONAL_AT_DEFAULT = ("norm_kind", "norm_bias", "positions", "learned_position_offset", "alibi_slopes",
                         "alibi_bias_max", "residual", "post_sublayer_norms", "attention_out_bias", "mlp_bias",
                         "mlp_gated", "embedding_norm", "word_embed_proj_dim", "final_norm", "lm_head_bias", "clip_qkv",
-                        "rotary_interleaved")
+                        "rotary_interleaved", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim",
+                        "n_shared_experts", "n_group", "topk_group", "routed_scaling_factor", "topk_method")
 
 
 @dataclass
@@ -213,6 +223,18 @@ class ModelConfig:
     rotary_interleaved: bool = False
     # Hybrid Mamba models (HYBRID_ARCHITECTURES): engine/ssm/spec.py SsmSpec as a dict; None otherwise.
     ssm: dict[str, Any] | None = None
+    # ---- DeepSeek-V2/V3 (MLA_ARCHITECTURES; engine/models/deepseek.py). head_dim is the rope part of
+    # a q/k head (qk_rope_head_dim), num_kv_heads == num_heads; the dense layers are mlp_only_layers
+    # (first_k_dense_replace of them) ----
+    q_lora_rank: int | None = None  # q through a low-rank (hidden -> q_lora_rank -> heads) path; None: one q_proj
+    kv_lora_rank: int = 0  # width of the compressed latent the KV pool holds (0: not MLA)
+    qk_nope_head_dim: int = 0  # the part of each q/k head without rope
+    v_head_dim: int = 0
+    n_shared_experts: int = 0  # a dense MLP of width n_shared_experts * moe_intermediate_size beside the routed experts
+    n_group: int = 1  # experts in n_group groups; a token chooses among the best topk_group groups
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0  # the routed experts' weights are multiplied by it
+    topk_method: str = "greedy"  # MLA_TOPK_METHODS
 
     def is_moe_layer(self, layer_index: int) -> bool:
         return (self.num_experts > 0 and layer_index not in self.mlp_only_layers
@@ -301,6 +323,9 @@ class ModelConfig:
                      f"{name} must be a positive number or null, got {value!r}")
 
     def _validate_experts(self) -> None:
+        if self.architecture in MLA_ARCHITECTURES:
+            self._validate_mla()
+            return
         if self.architecture not in MOE_ARCHITECTURES:
             _require(self.num_experts == 0, f"{self.architecture} has no experts; num_experts must be 0, "
                                             f"got {self.num_experts!r}")
@@ -319,6 +344,28 @@ class ModelConfig:
                                                       and self.architecture == "GptOssForCausalLM"),
                  f"expert_quantization must be null, or 'mxfp4' for GptOssForCausalLM; got "
                  f"{self.expert_quantization!r} for {self.architecture}")
+
+    def _validate_mla(self) -> None:
+        _positive_ints(self, ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "num_experts", "num_experts_per_tok",
+                              "moe_intermediate_size", "n_group", "topk_group"))
+        _require(self.q_lora_rank is None or (isinstance(self.q_lora_rank, int) and self.q_lora_rank > 0),
+                 f"q_lora_rank must be a positive integer or null, got {self.q_lora_rank!r}")
+        _require(self.num_kv_heads == self.num_heads, f"{self.architecture}: num_kv_heads ({self.num_kv_heads}) must "
+                                                      f"equal num_heads ({self.num_heads}) (MLA has no KV heads)")
+        _require(self.topk_method in MLA_TOPK_METHODS,
+                 f"unsupported topk_method {self.topk_method!r}; supported: {', '.join(MLA_TOPK_METHODS)}")
+        _require(self.num_experts % self.n_group == 0 and self.topk_group <= self.n_group,
+                 f"num_experts ({self.num_experts}) must split into n_group ({self.n_group}) groups, and topk_group "
+                 f"({self.topk_group}) must be <= n_group")
+        _require(self.num_experts_per_tok <= self.num_experts // self.n_group * self.topk_group,
+                 f"num_experts_per_tok ({self.num_experts_per_tok}) must be <= the experts of topk_group groups")
+        _require(self.topk_method != "noaux_tc" or self.num_experts // self.n_group >= 2,
+                 "topk_method noaux_tc ranks groups by their two best experts: groups need >= 2 experts")
+        _require(self.n_shared_experts >= 0 and self.routed_scaling_factor > 0,
+                 f"n_shared_experts must be >= 0 and routed_scaling_factor > 0, got {self.n_shared_experts!r}, "
+                 f"{self.routed_scaling_factor!r}")
+        _require(not self.qkv_bias and not self.layers_without_rope and self.rotary_dim == self.head_dim,
+                 f"{self.architecture} with attention bias, partial rotary or layers without rope is not supported")
 
     def _validate_rope_scaling_keys(self) -> None:
         """The keys each scaling's frequencies need (engine.convert fills them in from the HF config)."""

@@ -27,12 +27,13 @@ from typing import Iterator, Mapping
 
 import torch
 
-from engine.config import (DECODER_ARCHITECTURES, GEMMA_ARCHITECTURES, HYBRID_ARCHITECTURES, MOE_ARCHITECTURES,
-                           ConfigError, ModelConfig, check_tp_divides)
+from engine.config import (DECODER_ARCHITECTURES, GEMMA_ARCHITECTURES, HYBRID_ARCHITECTURES, MLA_ARCHITECTURES,
+                           MOE_ARCHITECTURES, ConfigError, ModelConfig, check_tp_divides)
 from engine.convert_decoder import MODEL_TYPES, decoder_config_from_hf, decoder_rank_weights
 from engine.ssm.convert import MODEL_TYPES as HYBRID_MODEL_TYPES, hybrid_config_from_hf, hybrid_rank_weights
+from engine.convert_deepseek import deepseek_config_from_hf, deepseek_rank_weights
 from engine.hf_checkpoint import (CheckpointError, TensorGetter, first_present, has_tensor, read_rope, shard,
-                                  sliding_window_fields)
+                                  sliding_window_fields, stacked_experts)
 from engine.models import SUPPORTED_ARCHITECTURES, UnsupportedArchitectureError
 from kernels.moe_epilogue import SWIGLU_ALPHA
 from kernels.rotary import partial_rotary_order
@@ -68,6 +69,8 @@ def model_config_from_hf(hf_config) -> ModelConfig:
         return decoder_config_from_hf(hf_config, architecture)
     if architecture in HYBRID_ARCHITECTURES:
         return hybrid_config_from_hf(hf_config, architecture)
+    if architecture in MLA_ARCHITECTURES:
+        return deepseek_config_from_hf(hf_config, architecture)
     if architecture == "GPT2LMHeadModel":
         return _gpt2_config(hf_config)
     if architecture in GEMMA_ARCHITECTURES:
@@ -84,7 +87,8 @@ def _architecture_from_model_type(hf_config) -> str:
                "gpt2": "GPT2LMHeadModel", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
                "smollm3": "SmolLM3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                "gemma3": "Gemma3ForConditionalGeneration", "mixtral": "MixtralForCausalLM",
-               "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
+               "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
+               "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
     by_type.update(MODEL_TYPES)
     by_type.update(HYBRID_MODEL_TYPES)
     model_type = getattr(hf_config, "model_type", None)
@@ -373,35 +377,13 @@ def moe_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: in
             continue
         yield f"layers.{i}.moe.router.weight", first_present(get, hf + "mlp.gate.weight",
                                                              hf + "block_sparse_moe.gate.weight")
-        gate, up, down = _stacked_experts(get, hf, cfg.num_experts)
+        gate, up, down = stacked_experts(get, hf, cfg.num_experts)
         yield f"layers.{i}.moe.gate_up_proj", torch.cat([shard(gate, 1, rank, tp_size),
                                                           shard(up, 1, rank, tp_size)], dim=1)
         yield f"layers.{i}.moe.down_proj", shard(down, 2, rank, tp_size)
     yield "norm.weight", get("model.norm.weight")
     if not cfg.tie_word_embeddings:
         yield "lm_head.weight", shard(get("lm_head.weight"), 0, rank, tp_size)
-
-
-# Per-expert tensor names of the checkpoints on disk, (gate, up, down) under a layer's prefix.
-_EXPERT_NAMES = ("block_sparse_moe.experts.{}.w1.weight", "block_sparse_moe.experts.{}.w3.weight",
-                 "block_sparse_moe.experts.{}.w2.weight")  # Mixtral
-_EXPERT_NAMES_MLP = ("mlp.experts.{}.gate_proj.weight", "mlp.experts.{}.up_proj.weight",
-                     "mlp.experts.{}.down_proj.weight")  # Qwen3-MoE
-
-
-def _stacked_experts(get: TensorGetter, hf_layer: str, num_experts: int) -> tuple[torch.Tensor, ...]:
-    """(gate (E, I, H), up (E, I, H), down (E, H, I)) of one layer, from either layout: the
-    per-expert tensors of a checkpoint on disk, or transformers 5's in-memory stacked
-    ``mlp.experts.gate_up_proj`` (E, 2I, H) = [gate | up] and ``mlp.experts.down_proj``."""
-    try:
-        gate_up = get(hf_layer + "mlp.experts.gate_up_proj")
-    except CheckpointError:
-        pass
-    else:
-        gate, up = gate_up.chunk(2, dim=1)
-        return gate, up, get(hf_layer + "mlp.experts.down_proj")
-    names = _EXPERT_NAMES_MLP if has_tensor(get, hf_layer + _EXPERT_NAMES_MLP[0].format(0)) else _EXPERT_NAMES
-    return tuple(torch.stack([get(hf_layer + name.format(e)) for e in range(num_experts)]) for name in names)
 
 
 def gpt_oss_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: int) -> Iterator[tuple[str, torch.Tensor]]:
@@ -496,6 +478,8 @@ def iter_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: i
         convert = decoder_rank_weights
     if cfg.architecture in HYBRID_ARCHITECTURES:
         convert = hybrid_rank_weights
+    if cfg.architecture in MLA_ARCHITECTURES:
+        convert = deepseek_rank_weights
     for name, tensor in convert(get, cfg, rank, tp_size):
         yield name, (tensor.to(dtype) if tensor.is_floating_point() else tensor).contiguous()
 

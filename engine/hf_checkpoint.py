@@ -89,3 +89,25 @@ def first_present(get: TensorGetter, *names: str) -> torch.Tensor:
         except CheckpointError as error:
             first_error = first_error or error
     raise first_error
+
+
+# Per-expert tensor names of the checkpoints on disk, (gate, up, down) under a layer's prefix.
+_EXPERT_NAMES = ("block_sparse_moe.experts.{}.w1.weight", "block_sparse_moe.experts.{}.w3.weight",
+                 "block_sparse_moe.experts.{}.w2.weight")  # Mixtral
+_EXPERT_NAMES_MLP = ("mlp.experts.{}.gate_proj.weight", "mlp.experts.{}.up_proj.weight",
+                     "mlp.experts.{}.down_proj.weight")  # Qwen3-MoE
+
+
+def stacked_experts(get: TensorGetter, hf_layer: str, num_experts: int) -> tuple[torch.Tensor, ...]:
+    """(gate (E, I, H), up (E, I, H), down (E, H, I)) of one layer, from either layout: the
+    per-expert tensors of a checkpoint on disk, or transformers 5's in-memory stacked
+    ``mlp.experts.gate_up_proj`` (E, 2I, H) = [gate | up] and ``mlp.experts.down_proj``."""
+    try:
+        gate_up = get(hf_layer + "mlp.experts.gate_up_proj")
+    except CheckpointError:
+        pass
+    else:
+        gate, up = gate_up.chunk(2, dim=1)
+        return gate, up, get(hf_layer + "mlp.experts.down_proj")
+    names = _EXPERT_NAMES_MLP if has_tensor(get, hf_layer + _EXPERT_NAMES_MLP[0].format(0)) else _EXPERT_NAMES
+    return tuple(torch.stack([get(hf_layer + name.format(e)) for e in range(num_experts)]) for name in names)

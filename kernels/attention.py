@@ -118,14 +118,9 @@ def paged_attention_ref(
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    cu = meta.cu_seqlens_q_host if meta.cu_seqlens_q_host is not None else meta.cu_seqlens_q.tolist()
-    ctx = meta.context_lens_host if meta.context_lens_host is not None else meta.context_lens.tolist()
     out = torch.empty_like(q)
-    for i, context_len in enumerate(ctx):
-        start, end = cu[i], cu[i + 1]
+    for i, start, end, context_len in meta.host_sequences():
         q_len = end - start
-        if q_len == 0:
-            continue
         first_block = first_visible_key(context_len - q_len, sliding_window) // block_size
         num_blocks = -(-context_len // block_size)
         blocks = meta.block_tables[i, first_block:num_blocks].long()

@@ -7,7 +7,7 @@ Shapes and invariants: kernels/attention.py's module docstring.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
@@ -53,3 +53,12 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return self.context_lens.shape[0]
+
+    def host_sequences(self) -> Iterator[tuple[int, int, int, int]]:
+        """(index, first row, end row, context_len) of every sequence with new tokens, from the host
+        copies when the runner made them (the torch references then never sync the device)."""
+        cu = self.cu_seqlens_q_host if self.cu_seqlens_q_host is not None else self.cu_seqlens_q.tolist()
+        ctx = self.context_lens_host if self.context_lens_host is not None else self.context_lens.tolist()
+        for i, context_len in enumerate(ctx):
+            if cu[i + 1] > cu[i]:
+                yield i, cu[i], cu[i + 1], context_len

@@ -7,6 +7,7 @@ frees blocks and trusts the block tables it is given.
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -198,8 +199,7 @@ class ModelRunner:
         return self.kv_block_bytes_for()
 
     def kv_block_bytes_for(self, kv_cache_dtype: str | None = None) -> int:
-        cfg = self.model_config
-        elems = self.kv_layers * 2 * self.tokens_per_block * self.num_kv_heads_local * cfg.head_dim
+        elems = math.prod(self.kv_pool_shape(1))
         dtype = self.kv_cache.dtype if self.kv_cache is not None and kv_cache_dtype is None else \
             self.kv_cache_torch_dtype(kv_cache_dtype)
         return elems * torch.empty((), dtype=dtype).element_size()
@@ -236,6 +236,14 @@ class ModelRunner:
         wanted = build.max_batch_size * one_seq
         return max(one_seq, min(wanted, CPU_KV_BUDGET_BYTES // per_block))
 
+    def kv_pool_shape(self, num_blocks: int) -> tuple[int, int, int, int, int, int]:
+        """(layers, planes, blocks, heads, tokens_per_block, width) before allocate_kv_cache's transpose:
+        K and V planes of the KV heads, or what a model with a cache of its own kind says through
+        ``kv_pool_dims`` (planes, heads, width): DeepSeek's latent pool is (1, 1, kv_lora_rank + rope)."""
+        cfg = self.model_config
+        planes, heads, width = getattr(self.model, "kv_pool_dims", (2, self.num_kv_heads_local, cfg.head_dim))
+        return self.kv_layers, planes, num_blocks, heads, self.tokens_per_block, width
+
     def allocate_kv_cache(self, num_blocks: int, kv_cache_dtype: str | None = None) -> None:
         """Allocate the pool (num_layers, 2, num_blocks, tokens_per_block, kv_heads_local, head_dim)
         in ``kv_cache_torch_dtype(kv_cache_dtype)``.
@@ -245,8 +253,7 @@ class ModelRunner:
         head), and every kernel reads the pool through its strides. Decode attention reads one KV
         head's keys and values at a time, which then come in runs of a page instead of 128- or
         256-byte rows 1-2 KB apart: FP8 decode attention 4-5% faster on an H100 (RESULTS.md, issue 32)."""
-        cfg = self.model_config
-        shape = (self.kv_layers, 2, num_blocks, self.num_kv_heads_local, self.tokens_per_block, cfg.head_dim)
+        shape = self.kv_pool_shape(num_blocks)
         dtype = self.kv_cache_torch_dtype(kv_cache_dtype)
         self.kv_cache = None  # free the old pool before allocating the new one
         self.decode_graphs = self.prefill_graphs = None  # graphs hold the old pool's address

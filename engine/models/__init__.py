@@ -64,6 +64,13 @@ MODEL_FAMILIES = (
                 "gpt-oss-20b, gpt-oss-120b (attention sinks, alternating sliding/full layers, top-4 experts with "
                 "biases and clamped SwiGLU; MXFP4 experts kept as 4 bits, or widened with --mxfp4_experts widen)",
                 sliding_window=True),
+    ModelFamily("DeepseekV3ForCausalLM", "engine.models.deepseek", "DeepseekForCausalLM",
+                "DeepSeek-V3, R1, Kimi-K2, Moonlight (multi-head latent attention over a latent KV pool, absorbed "
+                "decode kernel; sigmoid group-limited routing with e_score_correction_bias, shared experts; "
+                "block-FP8 checkpoints as shipped)", fp8=True),
+    ModelFamily("DeepseekV2ForCausalLM", "engine.models.deepseek", "DeepseekForCausalLM",
+                "DeepSeek-V2, V2-Lite (multi-head latent attention, optional q-lora; softmax greedy or "
+                "group-limited routing, shared experts)", fp8=True),
     # The configurable decoder (engine/models/decoder.py): each family is a set of block options.
     ModelFamily("GPTNeoXForCausalLM", "engine.models.decoder", "DecoderForCausalLM",
                 "GPT-NeoX-20B, Pythia (partial rotary, parallel or sequential residual, LayerNorm, biases)",

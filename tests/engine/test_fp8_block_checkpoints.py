@@ -85,10 +85,16 @@ def is_quantized_linear(name: str, unquantized: list[str]) -> bool:
 def write_block_checkpoint(path: str, family: str, *, quantization_config: dict | None = None, **changes):
     """A tiny model saved in the block-FP8 layout; returns (model loaded with the dequantized weights,
     the dequantized tensors under their on-disk names, the raw tensors written)."""
-    model = tiny_model(family, **changes)
+    return save_block_checkpoint(path, tiny_model(family, **changes), UNQUANTIZED[family], quantization_config)
+
+
+def save_block_checkpoint(path: str, model: torch.nn.Module, unquantized: list[str],
+                          quantization_config: dict | None = None):
+    """``model`` saved in the block-FP8 layout (every ``*_proj`` Linear but the ``unquantized`` modules);
+    returns write_block_checkpoint's triple, the model now holding the dequantized weights."""
     tensors, dequantized = {}, {}
     for name, t in on_disk(model).items():
-        if is_quantized_linear(name, UNQUANTIZED[family]):
+        if is_quantized_linear(name, unquantized):
             codes, scale = quantize_like_a_checkpoint(t)
             tensors[name], tensors[name + "_scale_inv"] = codes, scale
             dequantized[name] = dequantize_blocks(codes, scale)
@@ -97,7 +103,7 @@ def write_block_checkpoint(path: str, family: str, *, quantization_config: dict 
     config = model.config.to_dict()
     config["quantization_config"] = quantization_config or {
         "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
-        "modules_to_not_convert": UNQUANTIZED[family]}
+        "modules_to_not_convert": unquantized}
     os.makedirs(path, exist_ok=True)
     json.dump(config, open(os.path.join(path, "config.json"), "w"))
     save_file({n: t.contiguous() for n, t in tensors.items()}, os.path.join(path, "model.safetensors"),
@@ -112,12 +118,12 @@ def _in_memory(tensors: dict[str, torch.Tensor], model) -> dict[str, torch.Tenso
     for name in model.state_dict():
         if name.endswith("mlp.experts.gate_up_proj"):
             prefix = name[: -len("gate_up_proj")]
-            experts = range(model.config.num_experts)
+            experts = range(model.state_dict()[name].shape[0])
             state[name] = torch.stack([torch.cat([tensors[f"{prefix}{e}.gate_proj.weight"],
                                                   tensors[f"{prefix}{e}.up_proj.weight"]]) for e in experts])
         elif name.endswith("mlp.experts.down_proj"):
             prefix = name[: -len("down_proj")]
-            experts = range(model.config.num_experts)
+            experts = range(model.state_dict()[name].shape[0])
             state[name] = torch.stack([tensors[f"{prefix}{e}.down_proj.weight"] for e in experts])
         else:
             state[name] = tensors[name]

@@ -1,0 +1,272 @@
+"""DeepSeek-V2 / V3 (and the models built like them: V2-Lite, R1, Moonlight, Kimi-K2): multi-head
+latent attention over a latent KV pool, and shared + routed experts, following transformers'
+DeepseekV2ForCausalLM / DeepseekV3ForCausalLM.
+
+Attention (MLA), per layer, H heads on this rank, R = kv_lora_rank, P = qk_rope_head_dim (=
+config.head_dim), N = qk_nope_head_dim, V = v_head_dim::
+
+    q            = q_b_proj(rmsnorm(q_a_proj(x)))   or  q_proj(x)         (T, H, N + P)
+    [c | k_r]    = kv_a_proj(x);  c = rmsnorm(c)                          (T, R), (T, P)  replicated
+    q_r, k_r     = rope(q_r), rope(k_r)       (yarn with DeepSeek's mscale: kernels/rotary.py)
+    pool[slot]   = [c | k_r]                  one row a token a layer (kernels/mla_attention.py)
+    q_lat        = q_nope @ W_UK_h            (T, H, R)   W_UK / W_UV: kv_b_proj's halves, absorbed
+    out_lat      = softmax(scale (q_lat . c + q_r . k_r)) c          over the latent rows
+    out          = o_proj(out_lat @ W_UV_h^T)                        (T, H * V) -> (T, hidden)
+
+``scale`` = (N + P)^-0.5, times mscale(factor, mscale_all_dim)^2 under yarn (as transformers). The
+absorbed form serves prefill chunks and decode rows alike (the same sums in another order); the
+expanded form (per-head K/V from kv_b_proj) is not built: on CPU and for the chunk sizes served,
+the absorbed one does less work per cached token.
+
+MLP: the first ``first_k_dense_replace`` layers (config.mlp_only_layers) are dense SwiGLU of width
+intermediate_size; the others route each token to num_experts_per_tok of num_experts experts
+(kernels/moe_grouped_routing.py: V2's softmax greedy / group-limited, V3's sigmoid with
+e_score_correction_bias and group-limited top-k, norm_topk_prob, routed_scaling_factor) run by the
+fused expert kernels (kernels/fused_moe.py, kernels/fused_moe_fp8.py), plus the shared experts: a
+dense SwiGLU of width n_shared_experts * moe_intermediate_size that every token goes through.
+
+Tensor parallelism: each rank holds H / tp heads (q_b_proj / q_proj and kv_b_proj rows, o_proj
+columns), the replicated latent path (q_a_proj, kv_a_proj and their norms) and a replicated latent
+pool; the experts and shared experts sliced along their width as Mixtral's (engine/models/moe.py).
+The routed and shared partial sums meet in the layer's one all-reduce.
+
+Weights per rank of layer i (engine-directory names): ``input_norm.weight``, ``attn.q_a_proj``,
+``attn.q_a_norm``, ``attn.q_b_proj`` (or ``attn.q_proj``), ``attn.kv_a_proj``, ``attn.kv_a_norm``,
+``attn.kv_b_proj``, ``attn.o_proj``, ``post_attn_norm.weight``; dense ``mlp.gate_up_proj`` /
+``mlp.down_proj``; sparse ``moe.router.weight`` (E, hidden), ``moe.score_bias`` (E,) (noaux_tc),
+``moe.gate_up_proj`` (E, 2 I_r, hidden), ``moe.down_proj`` (E, hidden, I_r),
+``moe.shared_gate_up_proj`` / ``moe.shared_down_proj``. The rope dims of q heads and of k_r are
+stored in the kernels' halves order (engine/convert_deepseek.py de-interleaves DeepSeek's pairs).
+``fp8_block`` engines (DeepSeek's block-FP8 checkpoints as shipped, or bf16 ones quantized at
+build) hold every projection and expert as E4M3 with 128 x 128 block scales; kv_b_proj is
+dequantized once at load into the absorbed matrices.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from engine.config import ConfigError, ModelConfig
+from engine.models.layers import Linear, Norm, RowParallelLinear, VocabParallelEmbedding, tp_all_reduce, \
+    vocab_parallel_logits
+from kernels.activation import silu_and_mul
+from kernels.attention_metadata import AttentionMetadata
+from kernels.fp8 import FP8_DTYPE
+from kernels.fp8_block import blocks, dequantize_blocks
+from kernels.fused_moe import fused_moe
+from kernels.fused_moe_fp8 import fused_moe_fp8
+from kernels.mla_attention import mla_attention, write_latent_cache
+from kernels.moe_grouped_routing import route_grouped
+from kernels.rmsnorm import rms_norm
+from kernels.rotary import apply_rotary, build_cos_sin_cache
+
+
+def _parameter(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+def softmax_scale(config: ModelConfig) -> float:
+    """(N + P)^-0.5, times yarn's mscale(factor, mscale_all_dim)^2 (transformers' yarn_apply_mscale)."""
+    scale = (config.qk_nope_head_dim + config.head_dim) ** -0.5
+    scaling = config.rope_scaling or {}
+    mscale_all_dim = scaling.get("mscale_all_dim") or 0
+    factor = scaling.get("factor") or 1.0
+    if config.rope_type != "default" and mscale_all_dim and factor > 1:
+        mscale = 0.1 * mscale_all_dim * math.log(factor) + 1.0
+        scale *= mscale * mscale
+    return scale
+
+
+class MlaAttention(nn.Module):
+    """Multi-head latent attention for one rank (module docstring)."""
+
+    def __init__(self, config: ModelConfig, layer_index: int, *, tp_size: int, tp_group, dtype, device,
+                 quantization):
+        super().__init__()
+        c = config
+        self.layer_index = layer_index
+        self.eps = c.norm_eps
+        self.num_heads = c.num_heads // tp_size
+        self.nope, self.rope, self.rank, self.v_dim = c.qk_nope_head_dim, c.head_dim, c.kv_lora_rank, c.v_head_dim
+        self.scale = softmax_scale(c)
+        linear = {"dtype": dtype, "device": device, "quantization": quantization}
+        q_width = self.num_heads * (self.nope + self.rope)
+        if c.q_lora_rank is not None:
+            self.q_a_proj = Linear(c.hidden_size, c.q_lora_rank, bias=False, **linear)
+            self.q_a_norm = Norm(c.q_lora_rank, bias=False, dtype=dtype, device=device)
+            self.q_b_proj = Linear(c.q_lora_rank, q_width, bias=False, **linear)
+        else:
+            self.q_proj = Linear(c.hidden_size, q_width, bias=False, **linear)
+        self.kv_a_proj = Linear(c.hidden_size, self.rank + self.rope, bias=False, **linear)
+        self.kv_a_norm = Norm(self.rank, bias=False, dtype=dtype, device=device)
+        self.kv_b_proj = Linear(self.rank, self.num_heads * (self.nope + self.v_dim), bias=False, **linear)
+        self.o_proj = RowParallelLinear(self.num_heads * self.v_dim, c.hidden_size, bias=False, tp_group=tp_group,
+                                        **linear)
+        self.dtype = dtype
+        self.w_uk: torch.Tensor | None = None  # (H, N, R), absorbed into the query; made by init_buffers
+        self.w_uv: torch.Tensor | None = None  # (H, V, R), applied to the attention's latent output
+
+    def init_buffers(self) -> None:
+        """kv_b_proj's two halves per head, in the model dtype (dequantized once when FP8)."""
+        weight = self.kv_b_proj.weight
+        if weight.dtype == FP8_DTYPE:
+            weight = dequantize_blocks(weight, self.kv_b_proj.weight_scale, self.dtype)
+        per_head = weight.view(self.num_heads, self.nope + self.v_dim, self.rank)
+        self.w_uk = per_head[:, :self.nope].contiguous()
+        self.w_uv = per_head[:, self.nope:].contiguous()
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """x (T, hidden) normed -> this rank's attention output (T, hidden), all-reduced."""
+        if hasattr(self, "q_a_proj"):
+            q = self.q_b_proj(rms_norm(self.q_a_proj(x), self.q_a_norm.weight, self.eps)[0])
+        else:
+            q = self.q_proj(x)
+        q = q.view(-1, self.num_heads, self.nope + self.rope)
+        q_nope, q_rope = q[..., :self.nope], q[..., self.nope:].contiguous()
+        latent, k_rope = self.kv_a_proj(x).split([self.rank, self.rope], dim=-1)
+        latent = rms_norm(latent.contiguous(), self.kv_a_norm.weight, self.eps)[0]
+        q_rope, k_rope = apply_rotary(q_rope, k_rope.contiguous().unsqueeze(1), positions, cos_sin_cache)
+        cache = kv_cache[self.layer_index, 0, :, :, 0]  # (num_blocks, tokens_per_block, R + P)
+        write_latent_cache(latent, k_rope.squeeze(1), cache, meta.slot_mapping)
+        q_latent = torch.einsum("thn,hnr->thr", q_nope, self.w_uk)  # (T, H, R)
+        out_latent = mla_attention(q_latent, q_rope, cache, meta, self.scale)
+        out = torch.einsum("thr,hvr->thv", out_latent, self.w_uv)  # (T, H, V)
+        return self.o_proj(out.reshape(out.shape[0], -1))
+
+
+class DeepseekExperts(nn.Module):
+    """Router, routed experts and shared experts of one sparse layer, for one rank (module docstring)."""
+
+    def __init__(self, config: ModelConfig, *, tp_size: int, tp_group, dtype, device, quantization):
+        super().__init__()
+        c = config
+        hidden, experts = c.hidden_size, c.num_experts
+        inter_local = c.moe_intermediate_size // tp_size
+        self.tp_group = tp_group
+        self.top_k, self.method = c.num_experts_per_tok, c.topk_method
+        self.routing = dict(n_group=c.n_group, topk_group=c.topk_group, renormalize=c.norm_topk_prob,
+                            scaling=c.routed_scaling_factor)
+        self.router = Linear(hidden, experts, bias=False, dtype=dtype, device=device)  # model dtype, always
+        self.score_bias = _parameter(experts, dtype=dtype, device=device) if c.topk_method == "noaux_tc" else None
+        fp8 = quantization == "fp8_block"
+        for name, (rows, cols) in {"gate_up_proj": (2 * inter_local, hidden), "down_proj": (hidden, inter_local)}.items():
+            setattr(self, name, _parameter(experts, rows, cols, dtype=FP8_DTYPE if fp8 else dtype, device=device))
+            if fp8:
+                setattr(self, name + "_scale", _parameter(experts, blocks(rows), blocks(cols), dtype=torch.float32,
+                                                          device=device))
+        self.shared = None
+        if c.n_shared_experts:
+            shared_local = c.n_shared_experts * c.moe_intermediate_size // tp_size
+            linear = {"dtype": dtype, "device": device, "quantization": quantization}
+            # down is a plain (partial-sum) Linear: the layer's one all-reduce sums it with the routed part.
+            self.shared_gate_up_proj = Linear(hidden, 2 * shared_local, bias=False, **linear)
+            self.shared_down_proj = Linear(shared_local, hidden, bias=False, **linear)
+            self.shared = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route_grouped(self.router(x), self.top_k, self.method, score_bias=self.score_bias,
+                                     **self.routing)
+        if self.gate_up_proj.dtype == FP8_DTYPE:
+            out = fused_moe_fp8(x, self.gate_up_proj, self.gate_up_proj_scale, self.down_proj, self.down_proj_scale,
+                                weights, ids)
+        else:
+            out = fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids)
+        if self.shared:
+            out = out + self.shared_down_proj(silu_and_mul(self.shared_gate_up_proj(x)))
+        return out if self.tp_group is None else tp_all_reduce(out, self.tp_group)
+
+
+class DenseMlp(nn.Module):
+    """SwiGLU of width intermediate_size (the first_k_dense_replace layers), column/row parallel."""
+
+    def __init__(self, config: ModelConfig, *, tp_size: int, tp_group, dtype, device, quantization):
+        super().__init__()
+        inter_local = config.intermediate_size // tp_size
+        linear = {"dtype": dtype, "device": device, "quantization": quantization}
+        self.gate_up_proj = Linear(config.hidden_size, 2 * inter_local, bias=False, **linear)
+        self.down_proj = RowParallelLinear(inter_local, config.hidden_size, bias=False, tp_group=tp_group, **linear)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DeepseekLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int, *, tp_size: int, tp_group, dtype, device,
+                 quantization):
+        super().__init__()
+        kw = {"tp_size": tp_size, "tp_group": tp_group, "dtype": dtype, "device": device, "quantization": quantization}
+        self.eps = config.norm_eps
+        self.input_norm = Norm(config.hidden_size, bias=False, dtype=dtype, device=device)
+        self.attn = MlaAttention(config, layer_index, **kw)
+        self.post_attn_norm = Norm(config.hidden_size, bias=False, dtype=dtype, device=device)
+        if config.is_moe_layer(layer_index):
+            self.moe = DeepseekExperts(config, **kw)
+        else:
+            self.mlp = DenseMlp(config, **kw)
+
+    def forward(self, x, residual, positions, cos_sin_cache, kv_cache, meta):
+        """(x, residual) -> (this block's output, the residual stream before it): the next norm adds them."""
+        h, residual = rms_norm(x, self.input_norm.weight, self.eps, residual)
+        h = self.attn(h, positions, cos_sin_cache, kv_cache, meta)
+        h, residual = rms_norm(h, self.post_attn_norm.weight, self.eps, residual)
+        return (self.moe(h) if hasattr(self, "moe") else self.mlp(h)), residual
+
+
+class DeepseekForCausalLM(nn.Module):
+    """DeepSeek-V2/V3 for one tensor-parallel rank. ``quantization``: None or "fp8_block"."""
+
+    supports_prefill_graphs = False  # not checked against eager in a mixed-step graph yet
+
+    def __init__(self, config: ModelConfig, *, tp_rank: int = 0, tp_size: int = 1, tp_group=None,
+                 dtype: torch.dtype = torch.float32, device=None, max_positions: int | None = None,
+                 quantization: str | None = None):
+        super().__init__()
+        if quantization not in (None, "fp8_block"):
+            raise ConfigError(f"quantization {quantization!r} is not supported for {config.architecture}; allowed: "
+                             "fp8_block (DeepSeek's block-FP8 checkpoints, or --quantization fp8_block) or none")
+        self.config = config
+        self.tp_group = tp_group
+        vocab_local = config.vocab_size // tp_size
+        self.embed_tokens = VocabParallelEmbedding(vocab_local, config.hidden_size, tp_rank=tp_rank, tp_group=tp_group,
+                                                   dtype=dtype, device=device)
+        self.layers = nn.ModuleList(
+            DeepseekLayer(config, i, tp_size=tp_size, tp_group=tp_group, dtype=dtype, device=device,
+                          quantization=quantization)
+            for i in range(config.num_layers))
+        self.norm = Norm(config.hidden_size, bias=False, dtype=dtype, device=device)
+        if not config.tie_word_embeddings:
+            self.lm_head = Linear(config.hidden_size, vocab_local, bias=False, dtype=dtype, device=device)
+        self.max_positions = max_positions or config.max_position_embeddings
+        self.cos_sin_cache: torch.Tensor | None = None
+
+    # The runner's KV pool (engine/executor/runner.py kv_pool_dims): one plane, one "head" of
+    # kv_lora_rank + qk_rope_head_dim values, i.e. one latent row per token per layer.
+    @property
+    def kv_pool_dims(self) -> tuple[int, int, int]:
+        return 1, 1, self.config.kv_lora_rank + self.config.head_dim
+
+    def init_buffers(self, device: torch.device) -> None:
+        """The rope table (qk_rope_head_dim wide, yarn's attention factor in it) and each layer's
+        absorbed kv_b_proj halves; once, after loading."""
+        c = self.config
+        self.cos_sin_cache = build_cos_sin_cache(self.max_positions, c.head_dim, c.rope_theta, c.rope_scaling, device)
+        for layer in self.layers:
+            layer.attn.init_buffers()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                attn_meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: (num_tokens,) -> final-normed hidden states (num_tokens, hidden)."""
+        if self.cos_sin_cache is None or self.cos_sin_cache.device != input_ids.device:
+            self.init_buffers(input_ids.device)
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(x, residual, positions, self.cos_sin_cache, kv_cache, attn_meta)
+        return rms_norm(x, self.norm.weight, self.config.norm_eps, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: (n, hidden) rows to score -> float32 logits (n, vocab)."""
+        weight = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        return vocab_parallel_logits(hidden, weight, self.tp_group)

@@ -1,0 +1,186 @@
+"""Multi-head latent attention (DeepSeek-V2/V3) over a paged pool of latents, in the absorbed form.
+
+The pool of one layer holds one vector per token, not one per head: the token's compressed latent
+c (kv_lora_rank = R values, already through kv_a_layernorm) followed by its shared rope key k_r
+(qk_rope_head_dim = P values, already rotated)::
+
+    cache: (num_blocks, tokens_per_block, R + P)    row = [ c (R) | k_r (P) ]
+
+A head's key is [W_UK_h c | k_r] and its value W_UV_h c (W_UK, W_UV: the two halves of kv_b_proj).
+Absorbing W_UK into the query (q_lat_h = W_UK_h^T q_nope_h, R values) makes every head attend over
+the same latent rows, multi-query style, and leaves W_UV for after the weighted sum::
+
+    score(h, t, k) = scale * (q_lat[t, h] . c[k] + q_rope[t, h] . k_r[k])
+    out_lat[t, h]  = sum_k softmax_k(score) c[k]          (R values; the caller applies W_UV_h)
+
+This is exact algebra (the same sums in another order), so one function serves prefill chunks,
+decode rows and cached prefixes alike: the new tokens of sequence i sit at positions
+context_len - q_len ... context_len - 1 and see every key up to their own position (the paged
+layout of kernels/attention.py: block tables, cu_seqlens_q, context_lens, slot_mapping).
+A decode step reads R + P values a token a layer (576 for DeepSeek-V3, 1,152 bytes in bf16) where
+per-head K/V would read 2 x 128 heads x 128-192 values.
+
+``mla_attention`` dispatches: the Triton kernel on CUDA, the plain-torch reference elsewhere (the
+CPU path and the kernel tests' oracle). FP8 pools hold the rows unscaled (kernels/attention.py
+``to_cache_dtype``).
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels._triton import jit, tl, triton, use_triton
+from kernels.attention import KV_FP8_DTYPE, _as_bytes_if_fp8, gather_blocks, to_cache_dtype
+from kernels.attention_metadata import AttentionMetadata
+
+
+def write_latent_cache_ref(latent: torch.Tensor, k_rope: torch.Tensor, cache: torch.Tensor,
+                           slot_mapping: torch.Tensor) -> None:
+    """cache[slot] = [latent | k_rope] for every new token; latent (T, R), k_rope (T, P), cache
+    (num_blocks, tokens_per_block, R + P) with any strides. Slots < 0 (padding rows) are skipped."""
+    keep = slot_mapping >= 0
+    rows, slot_mapping = torch.cat([latent, k_rope], dim=-1)[keep], slot_mapping[keep]
+    block_size = cache.shape[1]
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    _as_bytes_if_fp8(cache)[blocks, offsets] = _as_bytes_if_fp8(to_cache_dtype(rows, cache.dtype))
+
+
+@jit
+def _write_latent_kernel(latent_ptr, k_rope_ptr, cache_ptr, slots_ptr, stride_l, stride_r, stride_cb, stride_cs,
+                         RANK: tl.constexpr, ROPE: tl.constexpr, RANK_PAD: tl.constexpr, ROPE_PAD: tl.constexpr,
+                         PAGE: tl.constexpr, FP8: tl.constexpr):
+    """Program t: token t's row into its slot; a slot < 0 (a CUDA graph's padding row) writes nothing."""
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + token)
+    if slot >= 0:
+        row = cache_ptr + (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs
+        r = tl.arange(0, RANK_PAD)
+        p = tl.arange(0, ROPE_PAD)
+        c = tl.load(latent_ptr + token * stride_l + r, mask=r < RANK, other=0.0).to(tl.float32)
+        k = tl.load(k_rope_ptr + token * stride_r + p, mask=p < ROPE, other=0.0).to(tl.float32)
+        if FP8:  # E4M3 has no infinity: clamp first (kernels/attention.py to_cache_dtype)
+            c = tl.minimum(tl.maximum(c, -448.0), 448.0)
+            k = tl.minimum(tl.maximum(k, -448.0), 448.0)
+        tl.store(row + r, c.to(cache_ptr.dtype.element_ty), mask=r < RANK)
+        tl.store(row + RANK + p, k.to(cache_ptr.dtype.element_ty), mask=p < ROPE)
+
+
+def write_latent_cache_triton(latent: torch.Tensor, k_rope: torch.Tensor, cache: torch.Tensor,
+                              slot_mapping: torch.Tensor) -> None:
+    num_tokens, rank = latent.shape
+    rope = k_rope.shape[-1]
+    assert latent.stride(-1) == 1 and k_rope.stride(-1) == 1 and cache.stride(-1) == 1
+    if num_tokens:
+        _write_latent_kernel[(num_tokens,)](
+            latent, k_rope, cache, slot_mapping, latent.stride(0), k_rope.stride(0), cache.stride(0), cache.stride(1),
+            RANK=rank, ROPE=rope, RANK_PAD=triton.next_power_of_2(rank), ROPE_PAD=triton.next_power_of_2(rope),
+            PAGE=cache.shape[1], FP8=cache.dtype == KV_FP8_DTYPE, num_warps=1)
+
+
+def write_latent_cache(latent: torch.Tensor, k_rope: torch.Tensor, cache: torch.Tensor,
+                       slot_mapping: torch.Tensor) -> None:
+    """Write the new tokens' latent rows (write_latent_cache_ref): Triton on CUDA, else the reference."""
+    if use_triton(latent):
+        return write_latent_cache_triton(latent, k_rope, cache, slot_mapping)
+    return write_latent_cache_ref(latent, k_rope, cache, slot_mapping)
+
+
+def mla_attention_ref(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
+                      scale: float) -> torch.Tensor:
+    """The module docstring's sums in plain torch, float32 math, one sequence at a time.
+
+    q_latent (T, H, R), q_rope (T, H, P), cache (num_blocks, tokens_per_block, R + P) -> out_lat
+    (T, H, R) in q_latent's dtype."""
+    rank = q_latent.shape[-1]
+    block_size = cache.shape[1]
+    out = torch.empty_like(q_latent)
+    for i, start, end, context_len in meta.host_sequences():
+        q_len = end - start
+        blocks = meta.block_tables[i, :-(-context_len // block_size)].long()
+        rows = gather_blocks(cache, blocks).reshape(-1, cache.shape[-1])[:context_len].float()  # (keys, R + P)
+        latent, k_rope = rows[:, :rank], rows[:, rank:]
+        scores = (torch.einsum("qhr,kr->hqk", q_latent[start:end].float(), latent)
+                  + torch.einsum("qhp,kp->hqk", q_rope[start:end].float(), k_rope)) * scale
+        q_pos = torch.arange(context_len - q_len, context_len, device=q_latent.device)[:, None]
+        k_pos = torch.arange(context_len, device=q_latent.device)[None, :]
+        scores.masked_fill_(k_pos > q_pos, float("-inf"))
+        out[start:end] = torch.einsum("hqk,kr->qhr", torch.softmax(scores, dim=-1), latent).to(q_latent.dtype)
+    return out
+
+
+@jit
+def _mla_attention_kernel(q_lat_ptr, q_rope_ptr, cache_ptr, out_ptr, block_tables_ptr, token_seq_ptr, cu_ptr,
+                          ctx_ptr, num_heads, scale,
+                          stride_lt, stride_lh, stride_rt, stride_rh, stride_cb, stride_cs, stride_ot, stride_oh,
+                          stride_bt,
+                          RANK: tl.constexpr, ROPE: tl.constexpr, RANK_PAD: tl.constexpr, ROPE_PAD: tl.constexpr,
+                          PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program (t, hb): token t's heads hb * BLOCK_H ... over its sequence's latent rows 0..its
+    position, BLOCK_N rows a step, online softmax in float32. The latent tile read for a step
+    serves all BLOCK_H heads (the score GEMM and the value GEMM both take it)."""
+    token = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_ok = heads < num_heads
+    seq = tl.load(token_seq_ptr + token).to(tl.int64)
+    context_len = tl.load(ctx_ptr + seq)
+    q_end = tl.load(cu_ptr + seq + 1)
+    q_pos = context_len - (q_end - token)  # this token's position: it sees keys 0 .. q_pos
+    r = tl.arange(0, RANK_PAD)
+    p = tl.arange(0, ROPE_PAD)
+    q_lat = tl.load(q_lat_ptr + token * stride_lt + heads[:, None] * stride_lh + r[None, :],
+                    mask=head_ok[:, None] & (r < RANK)[None, :], other=0.0)  # (BLOCK_H, RANK_PAD)
+    q_rope = tl.load(q_rope_ptr + token * stride_rt + heads[:, None] * stride_rh + p[None, :],
+                     mask=head_ok[:, None] & (p < ROPE)[None, :], other=0.0)  # (BLOCK_H, ROPE_PAD)
+    m = tl.full([BLOCK_H], -float("inf"), dtype=tl.float32)
+    denom = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, RANK_PAD], dtype=tl.float32)
+    for start in range(0, q_pos + 1, BLOCK_N):
+        keys = start + tl.arange(0, BLOCK_N)
+        key_ok = keys <= q_pos
+        block = tl.load(block_tables_ptr + seq * stride_bt + keys // PAGE, mask=key_ok, other=0).to(tl.int64)
+        row = block * stride_cb + (keys % PAGE).to(tl.int64) * stride_cs
+        latent = tl.load(cache_ptr + row[:, None] + r[None, :], mask=key_ok[:, None] & (r < RANK)[None, :],
+                         other=0.0).to(q_lat.dtype)  # (BLOCK_N, RANK_PAD)
+        k_rope = tl.load(cache_ptr + row[:, None] + RANK + p[None, :], mask=key_ok[:, None] & (p < ROPE)[None, :],
+                         other=0.0).to(q_lat.dtype)  # (BLOCK_N, ROPE_PAD)
+        scores = tl.dot(q_lat, tl.trans(latent)) + tl.dot(q_rope, tl.trans(k_rope))  # (BLOCK_H, BLOCK_N) float32
+        scores = tl.where(key_ok[None, :], scores * scale, -float("inf"))
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        alpha = tl.exp(m - m_new)
+        probs = tl.exp(scores - m_new[:, None])
+        denom = denom * alpha + tl.sum(probs, 1)
+        acc = acc * alpha[:, None] + tl.dot(probs.to(latent.dtype), latent)
+        m = m_new
+    out = acc / denom[:, None]
+    tl.store(out_ptr + token * stride_ot + heads[:, None] * stride_oh + r[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=head_ok[:, None] & (r < RANK)[None, :])
+
+
+def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
+                         scale: float, *, block_h: int = 16, block_n: int = 32) -> torch.Tensor:
+    """mla_attention_ref on the GPU (or Triton's interpreter): one program per (token, BLOCK_H heads).
+    No host sync (CUDA-graph safe): each token's sequence comes from cu_seqlens_q on the device."""
+    num_tokens, num_heads, rank = q_latent.shape
+    rope = q_rope.shape[-1]
+    assert q_latent.stride(-1) == 1 and q_rope.stride(-1) == 1 and cache.stride(-1) == 1
+    out = torch.empty_like(q_latent)
+    if num_tokens == 0:
+        return out
+    token_ids = torch.arange(num_tokens, device=q_latent.device, dtype=meta.cu_seqlens_q.dtype)
+    token_seq = torch.searchsorted(meta.cu_seqlens_q[1:].contiguous(), token_ids, right=True).to(torch.int32)
+    grid = (num_tokens, triton.cdiv(num_heads, block_h))
+    _mla_attention_kernel[grid](
+        q_latent, q_rope, cache, out, meta.block_tables, token_seq, meta.cu_seqlens_q, meta.context_lens,
+        num_heads, scale, q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
+        cache.stride(0), cache.stride(1), out.stride(0), out.stride(1), meta.block_tables.stride(0),
+        RANK=rank, ROPE=rope, RANK_PAD=max(16, triton.next_power_of_2(rank)),
+        ROPE_PAD=max(16, triton.next_power_of_2(rope)), PAGE=cache.shape[1], BLOCK_H=block_h, BLOCK_N=block_n,
+        num_warps=4)
+    return out
+
+
+def mla_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
+                  scale: float) -> torch.Tensor:
+    """Latent attention (module docstring): Triton on CUDA, else the reference."""
+    if use_triton(q_latent):
+        return mla_attention_triton(q_latent, q_rope, cache, meta, scale)
+    return mla_attention_ref(q_latent, q_rope, cache, meta, scale)

@@ -1,0 +1,121 @@
+"""Latent attention (kernels/mla_attention.py): the torch reference against per-head attention with
+the up-projections expanded (what transformers computes), over prefill chunks on shuffled pages and
+cached prefixes; then the Triton kernels (GPU, or TRITON_INTERPRET=1 on CPU) against the reference,
+decode rows and mixed chunks, model dtypes and an FP8 pool, and the latent write skipping slot -1.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kernel_testing import TOLERANCE, low_precision_dtypes, relative_error
+from kernels.attention import KV_FP8_DTYPE
+from kernels.attention_metadata import AttentionMetadata
+from kernels.mla_attention import (mla_attention_ref, mla_attention_triton, write_latent_cache_ref,
+                                   write_latent_cache_triton)
+
+HEADS, RANK, ROPE, NOPE, V_DIM, PAGE = 5, 24, 8, 12, 10, 4
+
+
+def paged_batch(context_lens: list[int], q_lens: list[int], *, device: str = "cpu", num_blocks: int = 64,
+                seed: int = 0, dtype=torch.float32, cache_dtype=None):
+    """Sequences whose new tokens are the last q_len of context_len, on shuffled pages; every cached
+    row (prefix and new) written through write_latent_cache_ref. Returns (rows (keys, R + P) per
+    sequence, cache, meta)."""
+    gen = torch.Generator().manual_seed(seed)
+    free = list(range(num_blocks))
+    random.Random(seed).shuffle(free)
+    tables, slots, rows = [], [], []
+    for context_len in context_lens:
+        table = [free.pop() for _ in range(-(-context_len // PAGE))]
+        tables.append(table)
+        seq_rows = torch.randn(context_len, RANK + ROPE, generator=gen).to(dtype)
+        rows.append(seq_rows)
+        slots.append(torch.tensor([table[p // PAGE] * PAGE + p % PAGE for p in range(context_len)]))
+    cache = torch.zeros(num_blocks, PAGE, RANK + ROPE, dtype=cache_dtype or dtype)
+    for seq_rows, seq_slots in zip(rows, slots):
+        write_latent_cache_ref(seq_rows[:, :RANK], seq_rows[:, RANK:], cache, seq_slots)
+    width = max(len(t) for t in tables)
+    cu = [0]
+    for q_len in q_lens:
+        cu.append(cu[-1] + q_len)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(cu[-1], dtype=torch.int64, device=device),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device),
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+        max_seqlen_q=max(q_lens), max_context_len=max(context_lens), is_decode_only=max(q_lens) == 1,
+        cu_seqlens_q_host=cu, context_lens_host=list(context_lens))
+    return rows, cache.to(device), meta
+
+
+def expanded_attention(q_nope, q_rope, rows, w_uk, w_uv, scale):
+    """One sequence, per-head K = [W_UK c | k_r], V = W_UV c, float64, causal over the last q_len."""
+    latent, k_rope = rows[:, :RANK].double(), rows[:, RANK:].double()
+    keys = torch.cat([torch.einsum("hnr,kr->khn", w_uk.double(), latent),
+                      k_rope[:, None, :].expand(-1, HEADS, -1)], dim=-1)
+    values = torch.einsum("hvr,kr->khv", w_uv.double(), latent)
+    query = torch.cat([q_nope.double(), q_rope.double()], dim=-1)
+    scores = torch.einsum("qhd,khd->hqk", query, keys) * scale
+    q_len, num_keys = query.shape[0], keys.shape[0]
+    q_pos = torch.arange(num_keys - q_len, num_keys)[:, None]
+    scores = scores.masked_fill(torch.arange(num_keys)[None, :] > q_pos, float("-inf"))
+    return torch.einsum("hqk,khv->qhv", scores.softmax(-1), values)
+
+
+@pytest.mark.parametrize("context_lens,q_lens", [([13, 7, 1], [13, 7, 1]), ([22, 9, 5], [6, 1, 1])])
+def test_reference_equals_expanded_per_head_attention(context_lens, q_lens):
+    """Absorbing W_UK into the query and W_UV after the sum is the same attention (float32 within
+    1e-5 of float64): whole prompts, then chunks over cached prefixes with decode rows beside them."""
+    rows, cache, meta = paged_batch(context_lens, q_lens)
+    gen = torch.Generator().manual_seed(1)
+    w_uk, w_uv = torch.randn(HEADS, NOPE, RANK, generator=gen) * 0.3, torch.randn(HEADS, V_DIM, RANK, generator=gen)
+    q_nope = torch.randn(sum(q_lens), HEADS, NOPE, generator=gen)
+    q_rope = torch.randn(sum(q_lens), HEADS, ROPE, generator=gen)
+    scale = (NOPE + ROPE) ** -0.5
+    out = mla_attention_ref(torch.einsum("thn,hnr->thr", q_nope, w_uk), q_rope, cache, meta, scale)
+    out = torch.einsum("thr,hvr->thv", out, w_uv)
+    for i, seq_rows in enumerate(rows):
+        start, end = meta.cu_seqlens_q_host[i], meta.cu_seqlens_q_host[i + 1]
+        want = expanded_attention(q_nope[start:end], q_rope[start:end], seq_rows, w_uk, w_uv, scale)
+        assert (out[start:end].double() - want).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, None), (torch.float16, None), (torch.bfloat16, None),
+                                               (torch.bfloat16, KV_FP8_DTYPE)])
+@pytest.mark.parametrize("context_lens,q_lens", [([37, 5, 70], [1, 1, 1]), ([30, 9, 2], [11, 1, 2])])
+def test_triton_kernel_equals_reference(device, dtype, cache_dtype, context_lens, q_lens):
+    """Decode rows (contexts across several 32-key steps) and mixed chunks; heads not a multiple of
+    the kernel's 16, latent and rope widths not powers of two; bf16 and an FP8 pool."""
+    if dtype not in low_precision_dtypes(device) + [torch.float32]:
+        pytest.skip("the interpreter emulates bf16 dots loosely (kernel_testing.low_precision_dtypes); GPU only")
+    _, cache, meta = paged_batch(context_lens, q_lens, device=device, dtype=dtype, cache_dtype=cache_dtype)
+    gen = torch.Generator().manual_seed(2)
+    q_latent = torch.randn(sum(q_lens), HEADS, RANK, generator=gen).to(dtype).to(device)
+    q_rope = torch.randn(sum(q_lens), HEADS, ROPE, generator=gen).to(dtype).to(device)
+    want = mla_attention_ref(q_latent.cpu(), q_rope.cpu(), cache.cpu(), _on_cpu(meta), 0.2)
+    out = mla_attention_triton(q_latent, q_rope, cache, meta, 0.2)
+    assert relative_error(out.cpu().float(), want.float()) < TOLERANCE[dtype] * (3 if cache_dtype else 1)
+
+
+def test_triton_latent_write_skips_padding_rows(device):
+    """Rows with slot -1 (a CUDA graph's padding) leave the pool as it was; the others land whole."""
+    cache = torch.full((4, PAGE, RANK + ROPE), 7.0, device=device)
+    latent, k_rope = torch.randn(3, RANK, device=device), torch.randn(3, ROPE, device=device)
+    slots = torch.tensor([5, -1, 14], device=device)
+    write_latent_cache_triton(latent, k_rope, cache, slots)
+    flat = cache.view(-1, RANK + ROPE).cpu()
+    assert torch.equal(flat[5], torch.cat([latent[0], k_rope[0]]).cpu())
+    assert torch.equal(flat[14], torch.cat([latent[2], k_rope[2]]).cpu())
+    untouched = [s for s in range(flat.shape[0]) if s not in (5, 14)]
+    assert bool((flat[untouched] == 7.0).all())
+
+
+def _on_cpu(meta: AttentionMetadata) -> AttentionMetadata:
+    return AttentionMetadata(slot_mapping=meta.slot_mapping.cpu(), block_tables=meta.block_tables.cpu(),
+                             cu_seqlens_q=meta.cu_seqlens_q.cpu(), context_lens=meta.context_lens.cpu(),
+                             max_seqlen_q=meta.max_seqlen_q, max_context_len=meta.max_context_len,
+                             is_decode_only=meta.is_decode_only, cu_seqlens_q_host=meta.cu_seqlens_q_host,
+                             context_lens_host=meta.context_lens_host)
