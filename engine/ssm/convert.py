@@ -3,7 +3,8 @@
 Bamba (``BambaForCausalLM``; IBM's Bamba-9B and the Granite 4.0 hybrids saved in Bamba's layout):
 each decoder layer is a Mamba-2 layer or rope attention (partial rotary 0.5, layers in
 ``attn_layer_indices``), then a gated SiLU MLP: two engine blocks per layer.
-Nemotron-H (``NemotronHForCausalLM``): each layer is one block, Mamba-2, attention without
+Nemotron-H (``NemotronHForCausalLM``; tensors under ``backbone.`` as NVIDIA ships them, or
+``model.``): each layer is one block, Mamba-2, attention without
 positions, or a relu^2 MLP, in the order of ``hybrid_override_pattern`` / ``layers_block_type``;
 its MoE layers (Nemotron-3 Nano) are refused by name. The SSM state is kept in float32
 (``mamba_ssm_cache_dtype``), prompt chunks clamp dt at ``time_step_min`` as transformers does.
@@ -19,7 +20,7 @@ from typing import Iterator
 import torch
 
 from engine.config import ConfigError, ModelConfig
-from engine.hf_checkpoint import TensorGetter, read_rope
+from engine.hf_checkpoint import TensorGetter, has_tensor, read_rope
 from kernels.rotary import partial_rotary_order
 
 MODEL_TYPES = {"bamba": "BambaForCausalLM", "nemotron_h": "NemotronHForCausalLM"}
@@ -96,6 +97,11 @@ def hybrid_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size:
     _refuse(tp_size == 1, f"{cfg.architecture}: tensor parallelism is not supported for hybrid Mamba models yet "
                           f"(got tp_size {tp_size}); build with tp_size 1")
     bamba = cfg.architecture == "BambaForCausalLM"
+    if not bamba and not has_tensor(get, "model.embeddings.weight"):
+        # NVIDIA's checkpoints (and transformers' save_pretrained) name Nemotron-H's stack "backbone";
+        # transformers' in-memory state dict names it "model".
+        stored = get
+        get = lambda name: stored("backbone." + name[len("model."):] if name.startswith("model.") else name)  # noqa: E731
     yield "embed_tokens.weight", get("model.embed_tokens.weight" if bamba else "model.embeddings.weight")
     yield "norm.weight", get("model.final_layernorm.weight" if bamba else "model.norm_f.weight")
     if not cfg.tie_word_embeddings:

@@ -7,7 +7,10 @@ served through `tensorrt_llm`; greedy ids equal transformers' `generate` (for GP
 gpt-oss: transformers loading the checkpoint with Mxfp4Config(dequantize=True)). The same server
 serves two configurable-decoder families (tests/engine/decoder_testing.py) whose forms differ most from
 the Llama block: BLOOM (ALiBi, no rotary) and GPT-NeoX (parallel residual, partial rotary), at prompts
-of 5, 40 and 150 tokens in one batch. One
+of 5, 40 and 150 tokens in one batch, and a hybrid Mamba-2 model (Nemotron-H, saved as NVIDIA ships it:
+its stack under `backbone.`; tests/engine/hybrid_testing.py) at 5, 40 and 300 tokens, whose requests hold
+state slots beside the KV cache (tests/engine/test_hybrid_models.py holds Bamba and Nemotron-H to
+transformers through the executor). One
 server for all: its repository holds the `tensorrt_llm` model of each family as
 `tensorrt_llm_<family>` (the tests send token ids, so no text model; one server instead of one per
 family saves ~10 s of CI each)."""
@@ -103,12 +106,15 @@ from decoder_testing import tiny_decoder  # noqa: E402
 DECODER_FAMILIES = ("gpt_neox_parallel", "bloom")
 
 DECODER_PROMPT_LENGTHS = (5, 40, 150)
+HYBRID_FAMILIES = ("nemotron_h",)  # engine/ssm/: one representative; both hybrids meet transformers at the engine
+HYBRID_PROMPT_LENGTHS = (5, 40, 300)
 
 
 def _build_decoder_family(family: str, smollm2_engine_dir, tmp_path_factory) -> tuple[transformers.PreTrainedModel, str]:
     from engine.build import main as build_main
+    from hybrid_testing import tiny_hybrid
 
-    model = tiny_decoder(family)
+    model = tiny_hybrid(family) if family in HYBRID_FAMILIES else tiny_decoder(family)
     checkpoint = tmp_path_factory.mktemp(f"{family}_ckpt")
     model.save_pretrained(checkpoint)
     _copy_tokenizer(smollm2_engine_dir, checkpoint)
@@ -128,12 +134,13 @@ def served_families(smollm2_engine_dir, tmp_path_factory):
     models = {}
     builds = [(name, lambda make=make: _build_family(make, smollm2_engine_dir, tmp_path_factory))
               for name, make in FAMILIES.items()]
-    builds += [(name, lambda name=name: _build_decoder_family(name, smollm2_engine_dir, tmp_path_factory)) for name in DECODER_FAMILIES]
+    builds += [(name, lambda name=name: _build_decoder_family(name, smollm2_engine_dir, tmp_path_factory))
+               for name in DECODER_FAMILIES + HYBRID_FAMILIES]
     for name, build in builds:
         models[name], engine_dir = build()
         # LoRA adapters are for the Llama-block families only (engine/executor/runner.py enable_lora);
         # `tritonllm serve` turns them off unless --lora_modules asks, so do the same here.
-        overrides = {"tensorrt_llm": {"enable_lora": "false"}} if name in DECODER_FAMILIES else None
+        overrides = {"tensorrt_llm": {"enable_lora": "false"}} if name in DECODER_FAMILIES + HYBRID_FAMILIES else None
         filled = Path(serve.prepare_model_repo(engine_dir, str(work / f"filled_{name}"), overrides=overrides,
                                                decoupled=False))
         target = repo / f"tensorrt_llm_{name}"
@@ -195,6 +202,17 @@ def test_decoder_family_greedy_ids_equal_transformers_generate(served_families, 
 
     models, server = served_families
     prompts = [[random.Random(n).randrange(96) for _ in range(n)] for n in DECODER_PROMPT_LENGTHS]
+    _assert_served_greedy_ids(server, f"tensorrt_llm_{family}", models[family], prompts)
+
+
+@pytest.mark.parametrize("family", list(HYBRID_FAMILIES))
+def test_hybrid_family_greedy_ids_equal_transformers_generate(served_families, family):
+    """Prompts of 5, 40 and 300 tokens in one batch: chunks and decodes of different requests share
+    steps, each request with its own Mamba state slot."""
+    import random
+
+    models, server = served_families
+    prompts = [[random.Random(n).randrange(1, 96) for _ in range(n)] for n in HYBRID_PROMPT_LENGTHS]
     _assert_served_greedy_ids(server, f"tensorrt_llm_{family}", models[family], prompts)
 
 
