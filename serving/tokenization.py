@@ -7,6 +7,8 @@ alone yields U+FFFD).
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Callable, Sequence
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -16,14 +18,40 @@ MAX_HELD_TOKENS = 8
 
 
 def load_tokenizer(tokenizer_dir: str):
-    """AutoTokenizer as the reference models load it; pad falls back to eos."""
-    from transformers import AutoTokenizer
+    """AutoTokenizer as the reference models load it; pad falls back to eos.
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, legacy=False, padding_side="left",
-                                              trust_remote_code=True)
+    A folder whose tokenizer_config.json names the generic fast tokenizer (``TokenizersBackend``,
+    what transformers writes for a tokenizer.json-only tokenizer: the embedded default model's
+    engine) and nothing that could make AutoTokenizer choose another class (no ``auto_map``, no
+    model type in config.json, as in an engine directory) gets that class directly: the one
+    AutoTokenizer would return, without AutoConfig, whose import takes torch in (2-3 s of CPU and
+    ~200 MiB in each of the preprocessing and postprocessing stubs, which never use torch)."""
+    if _plain_fast_tokenizer(tokenizer_dir):
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        tokenizer = TokenizersBackend.from_pretrained(tokenizer_dir, legacy=False, padding_side="left")
+    else:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, legacy=False, padding_side="left",
+                                                  trust_remote_code=True)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def _plain_fast_tokenizer(tokenizer_dir: str) -> bool:
+    """Whether AutoTokenizer.from_pretrained(tokenizer_dir) resolves to TokenizersBackend by the
+    tokenizer_config.json's class name alone (see load_tokenizer)."""
+    folder = Path(tokenizer_dir)
+    try:
+        tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
+        config = json.loads((folder / "config.json").read_text()) if (folder / "config.json").exists() else {}
+    except (OSError, ValueError):
+        return False
+    return (tokenizer_config.get("tokenizer_class") == "TokenizersBackend" and "auto_map" not in tokenizer_config
+            and (folder / "tokenizer.json").exists() and not config.get("model_type")
+            and not config.get("tokenizer_class"))
 
 
 def first_token_id(tokenizer, token: str | None) -> int | None:

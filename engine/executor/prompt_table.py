@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
-from engine.models.prompt_embeds import PromptEmbeds
+if TYPE_CHECKING:  # torch where tables are read: requests.py's checks (the BLS's) import this without it
+    import torch
+
+    from engine.models.prompt_embeds import PromptEmbeds
 
 
 @dataclass
@@ -37,6 +39,8 @@ class PromptTable:
 def normalize_prompt_table(table: PromptTable) -> PromptTable:
     """A copy with the embeddings as a contiguous float torch tensor on the CPU (Triton's numpy
     buffers are read-only) and the extra ids as plain ints."""
+    import torch
+
     if not isinstance(table, PromptTable):
         raise TypeError(f"prompt_table must be a PromptTable, got {type(table).__name__}")
     embeddings = torch.as_tensor(np.array(table.embeddings) if isinstance(table.embeddings, np.ndarray)
@@ -84,6 +88,8 @@ def prompt_table_error(prompt: list[int], table: PromptTable | None, vocab_size:
 
 def table_digest(embeddings: torch.Tensor) -> bytes:
     """A digest of the table's content (its dtype and shape included): equal tables, equal digests."""
+    import torch
+
     data = embeddings.contiguous().view(torch.uint8).numpy().tobytes() if embeddings.numel() else b""
     header = f"{embeddings.dtype}:{tuple(embeddings.shape)}".encode()
     return hashlib.blake2b(header + data, digest_size=16).digest()
@@ -100,6 +106,10 @@ def prompt_cache_keys(prompt: list[int], table: PromptTable, vocab_size: int) ->
 def gather_prompt_embeds(pieces: list[tuple[int, list[int], PromptTable]], vocab_size: int) -> PromptEmbeds | None:
     """The rows one step splices: ``pieces`` holds, per scheduled chunk that has fake ids,
     (offset of the chunk in the packed batch, the chunk's token ids, its request's table)."""
+    import torch
+
+    from engine.models.prompt_embeds import PromptEmbeds
+
     token_indices, rows = [], []
     for offset, chunk, table in pieces:
         picked = [(offset + i, t - vocab_size) for i, t in enumerate(chunk) if t >= vocab_size]

@@ -15,12 +15,13 @@ import math
 import operator
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from engine.executor.prompt_table import PromptTable, normalize_prompt_table, prompt_table_error
 from engine.executor.top_log_probs import MAX_TOP_LOG_PROBS, num_top_log_probs_error
+
+if TYPE_CHECKING:  # torch only where a tensor is read: serving/requests.py (and so the BLS's
+    import torch  # stubs, which never run the engine) converts Triton inputs without importing it
 
 
 class FinishReason(str, enum.Enum):
@@ -452,6 +453,8 @@ def external_draft_error(request: Request, limits: RequestLimits) -> str | None:
     if error:
         return error
     if draft.logits is not None:
+        import torch
+
         shape = tuple(torch.as_tensor(draft.logits).shape)
         if shape != (len(ids), limits.vocab_size):
             return (f"draft_logits has shape {shape}; it must be (number of draft_input_ids, vocab_size) = "
@@ -511,6 +514,8 @@ def validate_request(request: Request, limits: RequestLimits) -> str | None:
     if error is None and request.external_draft is not None:
         error = external_draft_error(request, limits)
     if error is None and request.embedding_bias is not None:
+        import torch
+
         size = torch.as_tensor(request.embedding_bias).numel()
         if size != limits.vocab_size:
             error = f"embedding_bias has {size} values; it must have vocab_size ({limits.vocab_size})"

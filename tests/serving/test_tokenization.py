@@ -1,3 +1,5 @@
+import os
+
 import pytest
 
 from serving.tokenization import (REPLACEMENT_CHAR, DecodeWindow, TextDeltas, Utf8Holdback, decode_tokens,
@@ -90,3 +92,48 @@ def test_decode_window_adds_up_to_the_whole_decode_and_stays_short(smollm2_token
     assert "".join(pieces) == decode_tokens(smollm2_tokenizer, ids)
     assert not any(REPLACEMENT_CHAR in piece for piece in pieces)
     assert longest <= 8 < len(ids)  # a split character's few pieces plus one id of context
+
+
+def test_a_plain_fast_tokenizer_loads_as_auto_tokenizer_would_and_without_torch(smollm2_tokenizer_dir, tmp_path):
+    """load_tokenizer's shortcut for a folder whose tokenizer_config.json names TokenizersBackend (the
+    default engine's): AutoTokenizer's class, settings and ids; a config.json with a model type takes
+    AutoTokenizer's path; and the stubs that only tokenize or only route (preprocessing,
+    postprocessing, the BLS) import no torch (2-3 s of CPU each at every server start)."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from serving.tokenization import _plain_fast_tokenizer, load_tokenizer
+
+    assert _plain_fast_tokenizer(smollm2_tokenizer_dir)
+    fast = load_tokenizer(smollm2_tokenizer_dir)
+    auto = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir, legacy=False, padding_side="left",
+                                         trust_remote_code=True)
+    auto.pad_token = auto.pad_token or auto.eos_token
+    assert type(fast) is type(auto) and fast.init_kwargs == auto.init_kwargs
+    assert (fast.special_tokens_map, fast.pad_token_id, fast.padding_side) == \
+        (auto.special_tokens_map, auto.pad_token_id, auto.padding_side)
+    for text in TEXTS + ["<|im_start|>user\nHi<|im_end|>\n", "  two  spaces\tand a tab"]:
+        ids = auto.encode(text)
+        assert fast.encode(text) == ids and fast.decode(ids) == auto.decode(ids)
+        assert fast.encode(text, add_special_tokens=False) == auto.encode(text, add_special_tokens=False)
+    messages = [{"role": "user", "content": "Hi"}]
+    assert fast.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
+        auto.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    checkpoint = Path(shutil.copytree(smollm2_tokenizer_dir, tmp_path / "checkpoint"))
+    (checkpoint / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert not _plain_fast_tokenizer(str(checkpoint))  # AutoTokenizer may pick the model type's class
+
+    root = Path(__file__).resolve().parents[2]
+    check = ("import sys; from serving.tokenization import load_tokenizer; "
+             f"load_tokenizer({smollm2_tokenizer_dir!r}); import serving.bls, serving.responses, serving.text, "
+             "serving.cancellation, serving.params, serving.multimodal; "
+             "assert 'torch' not in sys.modules, 'torch was imported'")
+    run = subprocess.run([sys.executable, "-c", check], cwd=root, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(root)})
+    assert run.returncode == 0, run.stderr[-2000:]
