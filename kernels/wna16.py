@@ -47,7 +47,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kernels import wna16_decode, wna16_gemm, wna16_layout
+import os
+
+from kernels import wna16_decode, wna16_gemm, wna16_layout, wna16_mma
 from kernels._triton import use_triton
 
 SUPPORTED_BITS = (4, 8)
@@ -180,6 +182,23 @@ def is_fma_tiling(tiling: tuple) -> bool:
     return isinstance(tiling, tuple) and len(tiling) > 5 and tiling[5] in (1, 2, 4)
 
 
+# Kind 6: kernels/wna16_mma.py (4 bits, bf16/fp16 x, groups of whole 64-column blocks), which reads its
+# own copy of the weight in the tensor cores' operand order (``kernel["mma_words"]``); block_n = warps x
+# row tiles x 16, block_m 16 (M <= 16), num_stages 2: the next chunk's words read before this chunk's
+# MMAs (1: not). Timed beside SKINNY_VARIANTS where the layout exists. Splits 1-2 never won on the
+# Llama-8B shapes (H200, benchmarks/results/quantization.md), so they are not timed.
+MMA_KIND = 6
+MMA_VARIANTS = tuple((block_n, 16, warps, stages, split, MMA_KIND)
+                     for block_n, warps, splits in ((64, 4, (8, 16)), (128, 4, (4, 8, 16)), (128, 8, (8, 16)),
+                                                    (256, 4, (4, 8, 16)))
+                     for split in splits for stages in (1, 2))
+MMA_ENV = "TRITONLLM_WNA16_MMA"  # "0": no operand-order layout, the kernels before it (comparisons, a fallback)
+
+
+def mma_enabled() -> bool:
+    return os.environ.get(MMA_ENV, "1") != "0"
+
+
 # The tiling for M rows past MAX_SKINNY_ROWS when none was timed: the first (bound, tiling) with M <= bound.
 GEMM_TILES = ((32, (64, 32, 4, 4, 1, 0)), (1 << 62, (64, 64, 4, 4, 2, 0)))
 DENSE_MIN_ROWS = 64  # from 64 rows dequantize + cuBLAS beat the Triton tiles (H200, benchmarks/results/quantization.md)
@@ -203,7 +222,11 @@ def prepare_wna16(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
     k = unpack_codes(weight[:1], bits).shape[-1]
     prepared = WNA16Weight(out_features=n, in_features=k, bits=bits, group_size=k // groups, dtype=dtype)
     if use_triton(weight) and wna16_layout.supports(k, k // groups):
-        prepared.kernel = wna16_layout.pack_kernel_layout(unpack_codes(weight, bits), scale, zero, bits, scale_dtype)
+        codes = unpack_codes(weight, bits)
+        prepared.kernel = wna16_layout.pack_kernel_layout(codes, scale, zero, bits, scale_dtype)
+        if mma_enabled() and wna16_mma.supports(k, k // groups, bits, dtype):
+            mma = wna16_mma.pack_mma_layout(codes, scale, zero)
+            prepared.kernel.update(mma_words=mma["words"], mma_meta=mma["meta"])
     else:
         prepared.dense = dequantize(weight, scale, zero, bits, dtype)
     return prepared
@@ -244,8 +267,15 @@ def wna16_matmul(x: torch.Tensor, layout: dict[str, torch.Tensor], n: int, bits:
     by the kernel of ``kind``: 0 the tensor-core kernel, 1 the FMA kernel (a few rows), both of
     kernels/wna16_gemm.py; 2 / 3 the factored FMA / tensor-core kernels of kernels/wna16_decode.py
     where the grouping allows (else 1 / 0), 4 / 5 the same with the next unit's words loaded before
-    this one is multiplied (``prefetch``)."""
+    this one is multiplied (``prefetch``); 6 kernels/wna16_mma.py's operand-order kernel where the layout
+    holds its words and M <= 16 (else SKINNY_DEFAULT)."""
     tiling = dict(block_n=block_n, block_m=block_m, num_warps=num_warps, num_stages=num_stages, split_k=split_k)
+    if kind == MMA_KIND:
+        if "mma_words" in layout and x.shape[0] <= 16:
+            return wna16_mma.mma_matmul(x, {"words": layout["mma_words"], "meta": layout["mma_meta"]}, n, group_size,
+                                        bias, tiles=block_n // (16 * num_warps), num_warps=num_warps, split_k=split_k,
+                                        prefetch=num_stages > 1)
+        return wna16_matmul(x, layout, n, bits, group_size, bias, **tile_options(SKINNY_DEFAULT))
     if kind >= 2:
         dot = kind in (3, 5)
         if wna16_decode.supports(x.shape[1], group_size, bits):
@@ -309,11 +339,16 @@ def _time_skinny_variants(weight: WNA16Weight, rows: tuple[int, ...]) -> dict:
     from kernels.linear import graph_time_ms
 
     layouts = [{**weight.kernel, "words": words} for words in l2_defeating_copies(weight.kernel["words"])]
+    if "mma_words" in weight.kernel:
+        layouts = [{**layout, "mma_words": words}
+                   for layout, words in zip(layouts, l2_defeating_copies(weight.kernel["mma_words"]))]
     turn = iter(range(1 << 40))
     chosen, times = {}, {}
     for m in rows:
         x = torch.randn(m, weight.in_features, dtype=weight.dtype, device=weight.kernel["words"].device)
         candidates = SKINNY_VARIANTS if m <= MAX_SKINNY_ROWS else MID_VARIANTS
+        if m <= MAX_SKINNY_ROWS and "mma_words" in weight.kernel:
+            candidates = candidates + MMA_VARIANTS
         times[m] = {variant: 1e3 * graph_time_ms(lambda: _product(x, weight, layouts[next(turn) % len(layouts)],
                                                                   variant))
                     for variant in candidates if not (is_fma_tiling(variant) and variant[1] < m)}
