@@ -60,12 +60,13 @@ def test_special_token_ids(smollm2_tokenizer):
     assert decode_tokens(smollm2_tokenizer, ids, skip_special_tokens=False).endswith("<|im_end|>")
 
 
-from hypothesis import assume, given, settings, strategies as st  # noqa: E402
+from hypothesis import assume, example, given, settings, strategies as st  # noqa: E402
 
 
 @settings(max_examples=60, deadline=None)
 @given(text=st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=40),
        chunk=st.integers(min_value=1, max_value=4))
+@example(text="a \ufffd b", chunk=1)  # U+FFFD in the text itself: it round-trips and streams back
 def test_any_text_streams_back_exactly(smollm2_tokenizer, text, chunk):
     ids = smollm2_tokenizer.encode(text, add_special_tokens=False)
     whole = decode_tokens(smollm2_tokenizer, ids)
@@ -74,7 +75,8 @@ def test_any_text_streams_back_exactly(smollm2_tokenizer, text, chunk):
     assume(whole == text)
     pieces = stream_in_chunks(smollm2_tokenizer, ids, chunk)
     assert "".join(pieces) == text
-    assert not any(REPLACEMENT_CHAR in piece for piece in pieces)
+    # no piece ends inside a character: every U+FFFD sent is one of the text's own (hypothesis draws it too)
+    assert sum(piece.count(REPLACEMENT_CHAR) for piece in pieces) == text.count(REPLACEMENT_CHAR)
 
 
 @pytest.mark.parametrize("text", TEXTS)
