@@ -110,6 +110,9 @@ MODEL_FAMILIES = (
     ModelFamily("NemotronHForCausalLM", "engine.ssm.hybrid", "HybridForCausalLM",
                 "Nemotron-H 4B/8B/47B/56B dense (Mamba-2, attention without positions and relu^2 MLP layers; "
                 "MoE layers refused)", tensor_parallel=False),
+    ModelFamily("GraniteMoeHybridForCausalLM", "engine.ssm.hybrid", "HybridForCausalLM",
+                "Granite 4.0 dense hybrids (H-Micro: Mamba-2 and attention layers, muP multipliers; the MoE "
+                "variants H-Tiny and H-Small refused)", tensor_parallel=False),
 )
 _REGISTRY = {family.architecture: family for family in MODEL_FAMILIES}
 SUPPORTED_ARCHITECTURES = tuple(_REGISTRY)

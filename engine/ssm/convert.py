@@ -3,6 +3,9 @@
 Bamba (``BambaForCausalLM``; IBM's Bamba-9B and the Granite 4.0 hybrids saved in Bamba's layout):
 each decoder layer is a Mamba-2 layer or rope attention (partial rotary 0.5, layers in
 ``attn_layer_indices``), then a gated SiLU MLP: two engine blocks per layer.
+Granite 4.0 dense hybrids (``GraniteMoeHybridForCausalLM`` with no routed experts: H-Micro): Bamba's
+layer (the MLP is the "shared" one, ``input_linear`` already [gate | up]), rope or no positions, and
+its scalars (embedding, residual and attention multipliers, logits scaling); MoE variants refused.
 Nemotron-H (``NemotronHForCausalLM``; tensors under ``backbone.`` as NVIDIA ships them, or
 ``model.``): each layer is one block, Mamba-2, attention without
 positions, or a relu^2 MLP, in the order of ``hybrid_override_pattern`` / ``layers_block_type``;
@@ -23,7 +26,8 @@ from engine.config import ConfigError, ModelConfig
 from engine.hf_checkpoint import TensorGetter, has_tensor, read_rope
 from kernels.rotary import partial_rotary_order
 
-MODEL_TYPES = {"bamba": "BambaForCausalLM", "nemotron_h": "NemotronHForCausalLM"}
+MODEL_TYPES = {"bamba": "BambaForCausalLM", "nemotron_h": "NemotronHForCausalLM",
+               "granitemoehybrid": "GraniteMoeHybridForCausalLM"}
 
 
 def _refuse(ok: bool, message: str) -> None:
@@ -34,17 +38,15 @@ def _refuse(ok: bool, message: str) -> None:
 def hybrid_config_from_hf(c, architecture: str) -> ModelConfig:
     from engine.ssm.spec import SsmSpec
 
+    if architecture == "GraniteMoeHybridForCausalLM":
+        return _granite_config(c)
     if architecture == "BambaForCausalLM":
         _refuse(not getattr(c, "attention_bias", False) and not getattr(c, "mlp_bias", False),
                 "BambaForCausalLM with attention_bias/mlp_bias is not supported")
         _refuse(c.hidden_act == "silu", f"BambaForCausalLM needs hidden_act 'silu', got {c.hidden_act!r}")
         kinds = list(c.layers_block_type)
         blocks = [b for kind in kinds for b in ("mamba" if kind == "linear_attention" else "attention", "mlp")]
-        low, high = tuple(c.time_step_limit or (0.0, float("inf")))
-        spec = SsmSpec(blocks=blocks, num_heads=c.mamba_n_heads, head_dim=c.mamba_d_head, d_state=c.mamba_d_state,
-                       n_groups=c.mamba_n_groups, d_conv=c.mamba_d_conv, conv_bias=bool(c.mamba_conv_bias),
-                       proj_bias=bool(c.mamba_proj_bias), dt_limit=[float(low), None if high == float("inf") else high],
-                       mlp_act="silu", attention_rope=True)
+        spec = SsmSpec(blocks=blocks, **_mamba_fields(c), mlp_act="silu", attention_rope=True)
         theta, scaling, partial = read_rope(c)
         rope = {"rope_theta": theta, "rope_scaling": scaling, "partial_rotary_factor": partial}
         eps, head_dim = c.rms_norm_eps, getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -77,17 +79,57 @@ def hybrid_config_from_hf(c, architecture: str) -> ModelConfig:
     ).validate()
 
 
+def _mamba_fields(c) -> dict:
+    """The Mamba-2 shape as Bamba and Granite 4.0 name it (mamba_*)."""
+    low, high = tuple(c.time_step_limit or (0.0, float("inf")))
+    return dict(num_heads=c.mamba_n_heads, head_dim=c.mamba_d_head, d_state=c.mamba_d_state, n_groups=c.mamba_n_groups,
+                d_conv=c.mamba_d_conv, conv_bias=bool(c.mamba_conv_bias), proj_bias=bool(c.mamba_proj_bias),
+                dt_limit=[float(low), None if high == float("inf") else high])
+
+
+def _granite_config(c) -> ModelConfig:
+    """Granite 4.0 hybrids: Bamba's two blocks per layer (mixer, then the gated "shared" MLP of width
+    shared_intermediate_size), rope or no positions (position_embedding_type), and muP scalars."""
+    from engine.ssm.spec import SsmSpec
+
+    arch = "GraniteMoeHybridForCausalLM"
+    _refuse(not (c.num_local_experts or 0), f"{arch} with {c.num_local_experts} routed experts (Granite 4.0 H-Tiny, "
+                                            "H-Small) is not supported yet; the dense hybrids (num_local_experts 0, "
+                                            "Granite 4.0 H-Micro) are")
+    _refuse(not getattr(c, "attention_bias", False), f"{arch} with attention_bias is not supported")
+    _refuse(c.hidden_act == "silu", f"{arch} needs hidden_act 'silu', got {c.hidden_act!r}")
+    _refuse(c.position_embedding_type in (None, "rope", "nope"),
+            f"{arch}: position_embedding_type {c.position_embedding_type!r} is not supported; allowed: rope, nope")
+    rope = c.position_embedding_type == "rope"
+    blocks = [b for kind in c.layers_block_type for b in ("mamba" if kind == "linear_attention" else "attention", "mlp")]
+    spec = SsmSpec(blocks=blocks, **_mamba_fields(c), mlp_act="silu", attention_rope=rope,
+                   embedding_multiplier=float(c.embedding_multiplier), residual_multiplier=float(c.residual_multiplier),
+                   attention_scale=float(c.attention_multiplier), logits_scaling=float(c.logits_scaling)).validate()
+    theta, scaling, partial = read_rope(c) if rope else (10000.0, None, 1.0)
+    return ModelConfig(
+        architecture=arch, vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_layers=c.num_hidden_layers,
+        num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads or c.num_attention_heads,
+        head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+        intermediate_size=c.shared_intermediate_size,
+        norm_eps=float(c.rms_norm_eps), max_position_embeddings=c.max_position_embeddings,
+        tie_word_embeddings=bool(c.tie_word_embeddings), hidden_act="silu", ssm=spec.to_dict(), rope_theta=theta,
+        rope_scaling=scaling, partial_rotary_factor=partial,
+    ).validate()
+
+
 def _hf_blocks(cfg: ModelConfig) -> list[tuple[str, str]]:
     """(engine block kind, the checkpoint's prefix of that block's norm and mixer) per block:
     prefixes name norm and mixer as "<norm>|<mixer>"."""
     blocks = cfg.ssm["blocks"]
-    if cfg.architecture == "BambaForCausalLM":
+    if cfg.architecture in ("BambaForCausalLM", "GraniteMoeHybridForCausalLM"):
+        bamba = cfg.architecture == "BambaForCausalLM"
         out = []
         for i in range(cfg.num_layers):
             layer = f"model.layers.{i}."
             mixer = "mamba" if blocks[2 * i] == "mamba" else "self_attn"
             out.append((blocks[2 * i], f"{layer}input_layernorm|{layer}{mixer}."))
-            out.append(("mlp", f"{layer}pre_ff_layernorm|{layer}feed_forward."))
+            out.append(("mlp", f"{layer}pre_ff_layernorm|{layer}feed_forward." if bamba else
+                        f"{layer}post_attention_layernorm|{layer}shared_mlp."))
         return out
     return [(kind, f"model.layers.{i}.norm|model.layers.{i}.mixer.") for i, kind in enumerate(blocks)]
 
@@ -96,14 +138,15 @@ def hybrid_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size:
                         ) -> Iterator[tuple[str, torch.Tensor]]:
     _refuse(tp_size == 1, f"{cfg.architecture}: tensor parallelism is not supported for hybrid Mamba models yet "
                           f"(got tp_size {tp_size}); build with tp_size 1")
-    bamba = cfg.architecture == "BambaForCausalLM"
-    if not bamba and not has_tensor(get, "model.embeddings.weight"):
+    nemotron = cfg.architecture == "NemotronHForCausalLM"
+    if nemotron and not has_tensor(get, "model.embeddings.weight"):
         # NVIDIA's checkpoints (and transformers' save_pretrained) name Nemotron-H's stack "backbone";
         # transformers' in-memory state dict names it "model".
         stored = get
         get = lambda name: stored("backbone." + name[len("model."):] if name.startswith("model.") else name)  # noqa: E731
-    yield "embed_tokens.weight", get("model.embed_tokens.weight" if bamba else "model.embeddings.weight")
-    yield "norm.weight", get("model.final_layernorm.weight" if bamba else "model.norm_f.weight")
+    yield "embed_tokens.weight", get("model.embeddings.weight" if nemotron else "model.embed_tokens.weight")
+    yield "norm.weight", get({"BambaForCausalLM": "model.final_layernorm.weight", "NemotronHForCausalLM": "model.norm_f.weight",
+                              "GraniteMoeHybridForCausalLM": "model.norm.weight"}[cfg.architecture])
     if not cfg.tie_word_embeddings:
         yield "lm_head.weight", get("lm_head.weight")
     order = None if cfg.rotary_dim == cfg.head_dim else partial_rotary_order(cfg.head_dim, cfg.rotary_dim)
@@ -132,6 +175,9 @@ def hybrid_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size:
             q, k, v = (get(hf + f"{p}_proj.weight") for p in "qkv")
             yield m + "qkv_proj.weight", torch.cat([rotary(q), rotary(k), v])
             yield m + "o_proj.weight", get(hf + "o_proj.weight")
+        elif cfg.architecture == "GraniteMoeHybridForCausalLM":  # input_linear: rows [gate | up] already
+            yield m + "up_proj.weight", get(hf + "input_linear.weight")
+            yield m + "down_proj.weight", get(hf + "output_linear.weight")
         elif cfg.ssm["mlp_act"] == "silu":
             yield m + "up_proj.weight", torch.cat([get(hf + "gate_proj.weight"), get(hf + "up_proj.weight")])
             yield m + "down_proj.weight", get(hf + "down_proj.weight")

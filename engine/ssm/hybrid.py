@@ -1,4 +1,4 @@
-"""Hybrid Mamba-2 / attention decoders (Bamba, Granite 4.0 hybrids' Bamba layout, Nemotron-H).
+"""Hybrid Mamba-2 / attention decoders (Bamba, Granite 4.0 dense hybrids, Nemotron-H).
 
 The model is a stack of pre-norm residual blocks ``x += mixer(rmsnorm(x))`` (engine/ssm/spec.py
 names the mixers), then a final RMSNorm and the lm_head. Attention blocks use the paged KV pool,
@@ -36,12 +36,12 @@ TORCH_STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "flo
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, kv_index: int, rope: bool, *, dtype, device):
+    def __init__(self, config: ModelConfig, kv_index: int, rope: bool, *, dtype, device, scale: float | None = None):
         super().__init__()
         c = config
         self.kv_index, self.rope = kv_index, rope
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
-        self.scale = c.head_dim**-0.5
+        self.scale = c.head_dim**-0.5 if scale is None else scale
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         self.qkv_proj = Linear(c.hidden_size, q_size + 2 * kv_size, bias=False, dtype=dtype, device=device)
         self.o_proj = Linear(q_size, c.hidden_size, bias=False, dtype=dtype, device=device)
@@ -103,7 +103,7 @@ class HybridForCausalLM(nn.Module):
                 mixer.state_index = mamba_index
                 mamba_index += 1
             elif kind == "attention":
-                mixer = Attention(c, kv_index, spec.attention_rope, **kw)
+                mixer = Attention(c, kv_index, spec.attention_rope, scale=spec.attention_scale, **kw)
                 kv_index += 1
             else:
                 mixer = MLP(c, spec.mlp_act, **kw)
@@ -172,7 +172,9 @@ class HybridForCausalLM(nn.Module):
             self.init_buffers(input_ids.device)
         conv_states, ssm_states, step = self._states(attn_meta, input_ids.device)
         x, residual = self.embed_tokens(input_ids), None
-        eps = self.config.norm_eps
+        if self.spec.embedding_multiplier != 1.0:
+            x = x * self.spec.embedding_multiplier
+        eps, scale_out = self.config.norm_eps, self.spec.residual_multiplier
         for block in self.blocks:
             h, residual = rms_norm(x, block.norm.weight, eps, residual)
             if block.kind == "mamba":
@@ -182,8 +184,11 @@ class HybridForCausalLM(nn.Module):
                 x = block.mixer(h, positions, self.cos_sin_cache, kv_cache, attn_meta)
             else:
                 x = block.mixer(h)
+            if scale_out != 1.0:  # Granite 4.0: before the residual add (the norm below makes it)
+                x = x * scale_out
         return rms_norm(x, self.norm.weight, eps, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        return vocab_parallel_logits(hidden, weight, None)
+        logits = vocab_parallel_logits(hidden, weight, None)
+        return logits if self.spec.logits_scaling == 1.0 else logits / self.spec.logits_scaling

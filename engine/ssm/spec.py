@@ -8,7 +8,8 @@ A hybrid model is a stack of pre-norm residual blocks, ``x += mixer(norm(x))``, 
 - "mlp": the feed-forward, gated SiLU (Bamba: ``down(silu(gate) * up)``) or not
   (Nemotron-H: ``down(relu(up)^2)``).
 
-Bamba's decoder layer is two such blocks (mixer, then MLP); a Nemotron-H layer is one. ``blocks``
+Bamba's and Granite 4.0's decoder layers are two such blocks (mixer, then MLP); a Nemotron-H
+layer is one. ``blocks``
 lists the kinds in order; ``ModelConfig.num_layers`` stays the checkpoint's layer count.
 
 Mamba-2 shape: ``num_heads`` x ``head_dim`` channels (the layer's inner width), ``n_groups``
@@ -41,6 +42,13 @@ class SsmSpec:
     mlp_act: str = "silu"
     attention_rope: bool = True
     state_dtype: str | None = None
+    # Granite 4.0 (muP-style scalars; 1.0 / None elsewhere): embeddings times embedding_multiplier,
+    # every block's output times residual_multiplier before it joins the residual, attention scores
+    # times attention_scale (None: head_dim ** -0.5), logits divided by logits_scaling.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_scale: float | None = None
+    logits_scaling: float = 1.0
 
     @property
     def inner(self) -> int:
@@ -102,6 +110,11 @@ class SsmSpec:
                 f"dt_limit must be [min >= 0, max > min or null], got {self.dt_limit!r}")
         require(self.mlp_act in MLP_ACTIVATIONS,
                 f"mlp_act must be one of {', '.join(MLP_ACTIVATIONS)}, got {self.mlp_act!r}")
+        for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
+            value = getattr(self, name)
+            require(isinstance(value, (int, float)) and value > 0, f"{name} must be a positive number, got {value!r}")
+        require(self.attention_scale is None or (isinstance(self.attention_scale, (int, float)) and self.attention_scale > 0),
+                f"attention_scale must be a positive number or null, got {self.attention_scale!r}")
         require(self.state_dtype is None or self.state_dtype in STATE_DTYPES,
                 f"state_dtype must be null or one of {', '.join(STATE_DTYPES)}, got {self.state_dtype!r}")
         return self

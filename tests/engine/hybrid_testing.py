@@ -1,4 +1,4 @@
-"""Tiny random hybrid Mamba-2 checkpoints made by transformers itself (Bamba, Nemotron-H).
+"""Tiny random hybrid Mamba-2 checkpoints made by transformers itself (Bamba, Nemotron-H, Granite 4.0).
 
 Sizes are the smallest the kernels' tiles take whole (head_dim and d_state 16); two groups of B/C
 so heads really share them; one attention layer among Mamba layers (Bamba: rope, partial 0.5;
@@ -29,8 +29,20 @@ def nemotron_h_config() -> transformers.NemotronHConfig:
         max_position_embeddings=1024, pad_token_id=0, eos_token_id=None, bos_token_id=None)
 
 
+def granite_hybrid_config() -> transformers.GraniteMoeHybridConfig:
+    """Granite 4.0's dense hybrid (H-Micro's form): rope attention and muP scalars that bite."""
+    return transformers.GraniteMoeHybridConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, shared_intermediate_size=40, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=0,
+        layer_types=["mamba", "attention", "mamba"], mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2,
+        mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16, position_embedding_type="rope",
+        embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.3, logits_scaling=4.0,
+        max_position_embeddings=1024, pad_token_id=0, eos_token_id=None, bos_token_id=None)
+
+
 HYBRIDS = {"bamba": (transformers.BambaForCausalLM, bamba_config),
-           "nemotron_h": (transformers.NemotronHForCausalLM, nemotron_h_config)}
+           "nemotron_h": (transformers.NemotronHForCausalLM, nemotron_h_config),
+           "granite_hybrid": (transformers.GraniteMoeHybridForCausalLM, granite_hybrid_config)}
 
 
 def tiny_hybrid(family: str, seed: int = 0) -> torch.nn.Module:
