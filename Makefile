@@ -1,6 +1,7 @@
 # Two commands for a newcomer on a fresh machine:
 #   make serve   set everything up, build the embedded default engine, serve it on 127.0.0.1
-#                (MODEL=<HF checkpoint dir or .gguf>: that checkpoint, its engine built once into a cache)
+#                (MODEL=<HF checkpoint dir or .gguf>: that checkpoint, its engine built once into a cache;
+#                TP=<n> PP=<n>: tensor-parallel ranks x pipeline stages, one rank per GPU)
 #   make test    set everything up and run the test suite (CPU only)
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -19,7 +20,7 @@ test: setup
 	$(PY) -m pytest -q -x -ra -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 serve: setup
-	$(PY) scripts/serve_default.py $(if $(MODEL),--model "$(MODEL)")
+	$(PY) scripts/serve_default.py $(if $(MODEL),--model "$(MODEL)") $(if $(TP),--tp $(TP)) $(if $(PP),--pp_size $(PP))
 
 # In-flight against static batching on CPU (the embedded engine); the table goes to benchmarks/results/engine.md.
 bench: setup

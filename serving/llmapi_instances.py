@@ -28,7 +28,9 @@ def is_unset(value: str | None) -> bool:
 
 def parse_gpu_device_ids(value: str, instance_count: int, tensor_parallel_size: int = 1) -> list[list[int]]:
     """"0;1" -> [[0], [1]]: one list of GPU ids per instance, checked against the instance count
-    and tensor_parallel_size (ValueError naming gpu_device_ids and the fix)."""
+    and tensor_parallel_size (ValueError naming gpu_device_ids and the fix). With pipeline stages
+    the caller passes the instance's whole world, tensor_parallel_size x pipeline_parallel_size:
+    an instance lists every device of its ranks."""
     groups = []
     for index, text in enumerate(value.split(";")):
         ids = []

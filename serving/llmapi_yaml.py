@@ -52,7 +52,12 @@ class LlmapiConfig:
     kv_cache_dtype: str | None = None
     decoupled: bool = True
     triton_max_batch_size: int = 0
-    tensor_parallel_size: int = 1  # ranks of the launcher's leader-mode job (--world_size)
+    tensor_parallel_size: int = 1  # with pipeline_parallel_size, the ranks of the leader-mode job (--world_size)
+    pipeline_parallel_size: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
     parameters: dict[str, str] = field(default_factory=dict)  # tensorrt_llm model parameters
     draft_model: str | None = None  # speculative_config's draft: an engine dir or a checkpoint (built like `model`)
 
@@ -132,10 +137,8 @@ def parse_llmapi_config(data: Any, base_dir: str | None = None) -> LlmapiConfig:
         _choice(data["backend"], "backend", BACKENDS)
     # N > 1 runs in leader mode: the launcher's --world_size N starts the ranks (check_world_size)
     config.tensor_parallel_size = _int(data.get("tensor_parallel_size", 1), "tensor_parallel_size", 1)
-    pp = _int(data.get("pipeline_parallel_size", 1), "pipeline_parallel_size", 1)
-    if pp != 1:
-        raise _fail("pipeline_parallel_size", f"{pp} is not supported: this backend has no pipeline "
-                                              "parallelism; allowed: 1")
+    # Pipeline stages: the engine is built with --pp_size; the job has tp x pp ranks.
+    config.pipeline_parallel_size = _int(data.get("pipeline_parallel_size", 1), "pipeline_parallel_size", 1)
     config.dtype = _choice(data.get("dtype", "auto"), "dtype", DTYPES)
     if "max_batch_size" in data:
         config.max_batch_size = _int(data["max_batch_size"], "max_batch_size", 1)
@@ -311,7 +314,7 @@ def build_options(config: LlmapiConfig, has_gpu: bool) -> dict[str, Any]:
     bfloat16 with a GPU, float32 without), and engine.build flags beyond them."""
     dtype = None if config.dtype == "auto" else config.dtype
     options = {"dtype": dtype or ("bfloat16" if has_gpu else "float32"), "max_batch_size": config.max_batch_size,
-               "tp": config.tensor_parallel_size, "max_seq_len": config.max_seq_len,
+               "tp": config.tensor_parallel_size, "pp": config.pipeline_parallel_size, "max_seq_len": config.max_seq_len,
                "quantization": config.quantization, "kv_cache_dtype": config.kv_cache_dtype}
     extra = []
     for name in ("max_input_len", "max_num_tokens"):
@@ -322,14 +325,17 @@ def build_options(config: LlmapiConfig, has_gpu: bool) -> dict[str, Any]:
 
 
 def check_world_size(config: LlmapiConfig, world_size: int) -> None:
-    """tensor_parallel_size against the ranks this server was started with (MPI's world size;
-    1 without MPI). Checked before anything is built: a mismatch would build an engine no rank
-    of this job can load."""
-    if config.tensor_parallel_size != world_size:
-        raise _fail("tensor_parallel_size", f"{config.tensor_parallel_size}, but the server runs with world size "
+    """tensor_parallel_size x pipeline_parallel_size against the ranks this server was started
+    with (MPI's world size; 1 without MPI). Checked before anything is built: a mismatch would
+    build an engine no rank of this job can load."""
+    if config.world_size != world_size:
+        pp = config.pipeline_parallel_size
+        product = (f"{config.tensor_parallel_size}" if pp == 1 else
+                   f"{config.tensor_parallel_size} (x pipeline_parallel_size {pp} = {config.world_size})")
+        raise _fail("tensor_parallel_size", f"{product}, but the server runs with world size "
                                             f"{world_size}; start it with scripts/launch_triton_server.py "
-                                            f"--world_size {config.tensor_parallel_size} (one rank per GPU), "
-                                            f"or set tensor_parallel_size: {world_size}")
+                                            f"--world_size {config.world_size} (one rank per GPU), "
+                                            f"or set tensor_parallel_size x pipeline_parallel_size to {world_size}")
 
 
 def engine_dir_for(config: LlmapiConfig, has_gpu: bool, engine_cache) -> str:

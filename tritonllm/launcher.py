@@ -50,7 +50,8 @@ class ServerInstall:
 
 def parse_arguments(argv: list[str] | None = None, prog: str | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
-    parser.add_argument("--world_size", type=int, default=1, help="number of ranks (TP x PP)")
+    parser.add_argument("--world_size", type=int, default=1,
+                        help="number of ranks: the engine's tp_size x pp_size (one rank per GPU)")
     parser.add_argument("--tritonserver", type=str, default=DEFAULT_TRITONSERVER,
                         help="server binary; when it does not exist, PATH and nvidia-pytriton are searched")
     parser.add_argument("--grpc_port", type=str, default="8001")
@@ -101,6 +102,10 @@ def parse_arguments(argv: list[str] | None = None, prog: str | None = None) -> a
                         help="rank 0's address for the ranks' rendezvous (default: first hostfile "
                              "host, else 127.0.0.1)")
     parser.add_argument("--dist_port", type=int, default=0, help="rendezvous port (default: a free one)")
+    parser.add_argument("--worker_ranks", choices=["engine", "tritonserver"], default="engine",
+                        help="what ranks 1..N-1 run: the engine worker alone (python -m engine.tensor_parallel.worker), "
+                             "or a tritonserver each, as NVIDIA's Slurm/Kubernetes recipes start every rank (their "
+                             "tensorrt_llm model runs the same worker inside initialize() and never serves)")
     return parser.parse_args(argv)
 
 
@@ -155,14 +160,16 @@ def build_command(args: argparse.Namespace, install: ServerInstall) -> list[str]
 RANK_ENV_VARS = ("PATH", "LD_LIBRARY_PATH", "TRITONLLM_DIST_ADDR", "TRITONLLM_DIST_PORT")
 MPIRUN_SIGKILL_TIMEOUT_S = 10
 OPTIONAL_RANK_ENV_VARS = ("TRITONLLM_DIST_TIMEOUT_S", "TRITONLLM_DIST_STARTUP_TIMEOUT_S", "TRITONLLM_DIST_HEARTBEAT_S",
-                          "NCCL_SOCKET_IFNAME", "NCCL_DEBUG", "CUDA_VISIBLE_DEVICES")
+                          "TRITONLLM_PP_MICRO_BATCHES", "NCCL_SOCKET_IFNAME", "NCCL_DEBUG", "CUDA_VISIBLE_DEVICES")
 
 
 def leader_mode_arguments(args: argparse.Namespace, install: ServerInstall) -> list[str]:
     """mpirun arguments after the launcher options for world_size > 1 (leader mode).
 
     Rank 0 is tritonserver (its tensorrt_llm model is the leader); ranks 1..N-1 are one app,
-    ``python -m engine.tensor_parallel.worker``. ``--bind-to none`` because OpenMPI would otherwise pin each rank
+    ``python -m engine.tensor_parallel.worker``, or with ``--worker_ranks tritonserver`` a
+    tritonserver each (its own ``shm-region-prefix-name=prefix{rank}_``) whose tensorrt_llm model
+    runs that worker inside initialize() (serving/worker_rank.py), NVIDIA's recipe shape. ``--bind-to none`` because OpenMPI would otherwise pin each rank
     to one core (tritonserver is multi-threaded); ``orte_enable_recovery`` keeps the job (and so
     the server, which then answers with errors and reports not ready) alive when a worker dies.
     On SIGTERM/SIGINT mpirun sends every rank SIGCONT, then SIGTERM after
@@ -178,8 +185,12 @@ def leader_mode_arguments(args: argparse.Namespace, install: ServerInstall) -> l
         cmd += ["--hostfile", args.hostfile]
     for name in RANK_ENV_VARS + tuple(n for n in OPTIONAL_RANK_ENV_VARS if n in os.environ):
         cmd += ["-x", name]
-    worker = [sys.executable, "-m", "engine.tensor_parallel.worker", f"--engine_dir={args.engine_dir}"]
     leader = rank_arguments(0, args, install)
+    if args.worker_ranks == "tritonserver":  # one app per rank: each its own shm-region prefix
+        for rank in range(1, args.world_size):
+            leader += [":", "-n", "1", *rank_arguments(rank, args, install)]
+        return cmd + ["-n", "1", *leader]
+    worker = [sys.executable, "-m", "engine.tensor_parallel.worker", f"--engine_dir={args.engine_dir}"]
     return cmd + ["-n", "1", *leader, ":", "-n", str(args.world_size - 1), *worker]
 
 
@@ -361,7 +372,7 @@ def check_engine_world_size(engine_dir: str, world_size: int) -> None:
             f"the engine {engine_dir} was built with tp_size {build.get('tp_size', 1)} "
             f"(pp_size {build.get('pp_size', 1)}), which needs --world_size {ranks}, but --world_size is "
             f"{world_size}; launch with --world_size {ranks} or rebuild with "
-            f"python -m engine.build --tp_size {world_size}")
+            f"python -m engine.build --tp_size T --pp_size P, T x P = {world_size}")
 
 
 def first_hostfile_host(hostfile: str) -> str:
@@ -404,7 +415,7 @@ def free_port(host: str = "", tries: int = 500) -> int:
 
 
 def prepare_leader_mode(args: argparse.Namespace, env: dict[str, str]) -> None:
-    """Resolve the engine dir, check its tp_size, and put the rendezvous address into ``env``."""
+    """Resolve the engine dir, check its tp_size x pp_size, and put the rendezvous address into ``env``."""
     names = args.tensorrt_llm_model_name.split(",")
     args.engine_dir = args.engine_dir or engine_dir_from_repo(args.model_repo, names[0])
     if not args.engine_dir and args.world_size > 1:

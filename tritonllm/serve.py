@@ -9,7 +9,7 @@ cache keyed by the checkpoint and the options (`$TRITONLLM_CACHE`, default ~/.ca
 reused while neither changes.
 
     tritonllm serve [CHECKPOINT] [--served_model_name NAME] [--quantization fp8]
-        [--kv_cache_dtype fp8] [--tp N] [--max_seq_len N] [--max_batch_size N] [--lora_modules NAME=PATH ...]
+        [--kv_cache_dtype fp8] [--tp N] [--pp_size N] [--max_seq_len N] [--max_batch_size N] [--lora_modules NAME=PATH ...]
         [--http_port 8000 --grpc_port 8001 --metrics_port 8002] [--openai_port 9000] [--host 127.0.0.1]
         [--engine_dir DIR] [--repo DIR] [--tool_call_parser hermes|llama3_json|mistral]
         [--max_num_images N] [--max_image_pixels N] [--allowed_image_url_hosts HOSTS]
@@ -82,8 +82,12 @@ def default_substitutions(engine_dir: str, *, max_batch_size: int = 8, decoupled
 
 def prepare_model_repo(engine_dir: str, repo_dir: str, overrides: dict[str, dict[str, str]] | None = None,
                        **substitution_options) -> str:
-    """Copy the templates (all_models) to `repo_dir` (replacing it) and fill every config.pbtxt in place."""
+    """Copy the templates (all_models) to `repo_dir` (replacing it) and fill every config.pbtxt in place.
+    An engine with pipeline stages gets LoRA off (its stages take no adapters yet, and refuse
+    enable_lora by name)."""
     substitutions = default_substitutions(os.path.abspath(engine_dir), **substitution_options)
+    if engine_pp_size(engine_dir) > 1:
+        substitutions["tensorrt_llm"].update(enable_lora="false")
     for model, values in (overrides or {}).items():
         substitutions[model].update(values)
     repo = Path(repo_dir)
@@ -99,6 +103,15 @@ def prepare_model_repo(engine_dir: str, repo_dir: str, overrides: dict[str, dict
         pairs = ",".join(f"{k}:{_escape(v)}" for k, v in substitutions[model].items())
         config.write_text(fill_template(text, pairs, str(config)))
     return str(repo)
+
+
+def engine_pp_size(engine_dir: str) -> int:
+    """The engine's pipeline stages (config.json's build.pp_size); 1 when it cannot be read."""
+    try:
+        return int(json.loads((Path(engine_dir) / "config.json").read_text())["build"].get("pp_size", 1))
+    except (OSError, ValueError, KeyError, TypeError):
+        return 1
+
 
 
 def checkpoint_repository(engine_dir: str, repo_dir: str, *, bls_instances: int = 2, max_batch_size: int = 8,
@@ -120,8 +133,9 @@ def checkpoint_repository(engine_dir: str, repo_dir: str, *, bls_instances: int 
     return repo, ENGINE_MODELS["multimodal"]
 
 
-def ensure_engine(engine_dir: str) -> None:
-    """Build the embedded SmolLM2-135M-Instruct engine into `engine_dir` unless one is there."""
+def ensure_engine(engine_dir: str, mapping: list[str] | None = None) -> None:
+    """Build the embedded SmolLM2-135M-Instruct engine into `engine_dir` unless one is there;
+    ``mapping``: engine.build's --tp_size/--pp_size flags of a multi-rank engine."""
     if (Path(engine_dir) / "config.json").exists():
         return
     import torch
@@ -138,7 +152,7 @@ def ensure_engine(engine_dir: str) -> None:
     print(f"tritonllm serve: building {engine_dir} from {gguf.name} ({dtype}) ...", flush=True)
     build = build_engine(str(gguf), engine_dir, ["--dtype", dtype, "--max_batch_size", "32", "--max_input_len", "1024",
                                                  "--max_seq_len", "2048", "--max_num_tokens", "4096",
-                                                 "--tokens_per_block", "16"])
+                                                 "--tokens_per_block", "16", *(mapping or [])])
     if build.returncode != 0:
         sys.exit(f"tritonllm serve: building {engine_dir} failed (see above)")
 
@@ -222,7 +236,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
                                                                  "checkpoint's directory or file name)")
     model.add_argument("--quantization", choices=["fp8", "fp8_block", "int8_wo", "int4_wo", "int4_awq"], default=None)
     model.add_argument("--kv_cache_dtype", choices=["auto", "fp8"], default=None)
-    model.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (leader mode through the launcher)")
+    model.add_argument("--tp", "--tp_size", dest="tp", type=int, default=1,
+                       help="tensor-parallel ranks (leader mode through the launcher)")
+    model.add_argument("--pp_size", "--pp", dest="pp", type=int, default=1,
+                       help="pipeline stages (the layers split evenly; Llama-family and MoE models): the job runs "
+                            "tp x pp ranks, one per GPU")
     model.add_argument("--max_seq_len", type=int, default=None, help="default: the checkpoint's, at most 32768")
     model.add_argument("--max_batch_size", type=int, default=64)
     model.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
@@ -249,11 +267,16 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
                                                   "allowed_image_url_hosts": args.allowed_image_url_hosts})
         served, prompt = model_name, "The capital of France is"
     else:
-        ensure_engine(args.engine_dir)
-        engine_dir, model_name = args.engine_dir, Path(args.engine_dir).name
+        model_name = Path(args.engine_dir).name
+        if args.tp * args.pp > 1 and args.engine_dir == str(default_engine_dir()):
+            # the embedded model, built for this mapping beside the one-rank engine
+            args.engine_dir = f"{args.engine_dir}_tp{args.tp}_pp{args.pp}"
+        ensure_engine(args.engine_dir, ["--tp_size", str(args.tp), "--pp_size", str(args.pp)])
+        engine_dir = args.engine_dir
         repo = prepare_model_repo(args.engine_dir, args.repo, bls_instances=args.bls_instances)
         served, prompt, engine_models = "SmolLM2-135M-Instruct", CHAT_PROMPT, "tensorrt_llm"
-    ranks = ["--no-mpi"] if args.tp == 1 else [f"--world_size={args.tp}", f"--engine_dir={engine_dir}"]
+    world_size = args.tp * args.pp
+    ranks = ["--no-mpi"] if world_size == 1 else [f"--world_size={world_size}", f"--engine_dir={engine_dir}"]
     launch_args = launcher.parse_arguments([
         f"--model_repo={repo}", *ranks, f"--host={args.host}", f"--http_port={args.http_port}",
         f"--grpc_port={args.grpc_port}", f"--metrics_port={args.metrics_port}",

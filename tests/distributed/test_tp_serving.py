@@ -2,7 +2,9 @@
 
 SmolLM2 (9 q / 3 kv heads) built with tp_size 3 runs on 3 ranks (mpirun, oversubscribed on
 the 2-core CI machine; gloo) and must answer a set of prompts through the ensemble exactly as
-world size 1 does; a tiny random Llama built with tp_size 2 does the same on 2 ranks. Killing
+world size 1 does; a tiny random Llama built with tp_size 2 does the same on 2 ranks, and so
+does the tiny Llama built with pp_size 2 (a pipeline stage per rank, every rank a tritonserver,
+launched over a hostfile as a job spanning nodes is). Killing
 a worker rank turns in-flight and new requests into error responses within seconds, and
 the model and the ensemble then report not ready. SIGTERM to mpirun stops every rank.
 """
@@ -54,9 +56,9 @@ serve_default = load_script("serve_default", "scripts")
 launcher = load_script("launch_triton_server", "scripts")
 
 
-def build_engine(hf_model, tokenizer, out_dir: Path, tp_size: int) -> str:
+def build_engine(hf_model, tokenizer, out_dir: Path, tp_size: int, pp_size: int = 1) -> str:
     build = BuildConfig(dtype="float32", max_batch_size=4, max_input_len=256, max_seq_len=512,
-                        max_num_tokens=512, tokens_per_block=16, tp_size=tp_size)
+                        max_num_tokens=512, tokens_per_block=16, tp_size=tp_size, pp_size=pp_size)
     build_from_hf(hf_model.config, getter_from_state_dict(hf_model.state_dict(), "test"), tokenizer, str(out_dir),
                   build, progress=False)
     return str(out_dir)
@@ -101,7 +103,7 @@ def prepare_repo(engines_by_suffix: dict[str, str], work: Path) -> str:
 class LeaderModeServer:
     """One launch of the launcher; ``stop()`` sends SIGTERM to mpirun (or tritonserver) and waits."""
 
-    def __init__(self, engines_by_suffix: dict[str, str], world_size: int, work: Path):
+    def __init__(self, engines_by_suffix: dict[str, str], world_size: int, work: Path, extra_flags=()):
         self.work = work
         self.world_size = world_size
         repo = prepare_repo(engines_by_suffix, work)
@@ -111,6 +113,7 @@ class LeaderModeServer:
                  f"--grpc_port={self.ports[1]}", f"--metrics_port={self.ports[2]}", "--force",
                  f"--cache_dir={work / 'cache'}"]
         flags += ["--no-mpi"] if world_size == 1 else [f"--world_size={world_size}", "--oversubscribe"]
+        flags += list(extra_flags)
         self.log_path = work / "server.log"
         with open(self.log_path, "w") as log:
             self.process = launcher.launch(launcher.parse_arguments(flags), stdout=log, stderr=log)
@@ -200,6 +203,7 @@ def engines(smollm2_hf, smollm2_engine_dir, tmp_path_factory):
         "smollm2_tp3": build_engine(model, tokenizer, root / "smollm2_tp3", 3),
         "tiny_tp1": build_engine(tiny, tokenizer, root / "tiny_tp1", 1),
         "tiny_tp2": build_engine(tiny, tokenizer, root / "tiny_tp2", 2),
+        "tiny_pp2": build_engine(tiny, tokenizer, root / "tiny_pp2", 1, pp_size=2),
     }
 
 
@@ -297,15 +301,34 @@ def test_smollm2_on_three_ranks_answers_like_one_and_survives_a_dead_rank(engine
         server.kill_leftovers()
 
 
-def assert_dead_rank_fails_requests_fast(server: LeaderModeServer) -> None:
+def test_tiny_llama_in_two_pipeline_stages_over_a_hostfile_answers_like_one(engines, single_rank_answers, tmp_path,
+                                                                           short_timeouts):
+    """pp 2: rank 0 embeds and runs layer 0, rank 1 runs layer 1 and the logits. Started as a job
+    across nodes is: over a hostfile (this machine's two slots; the ranks meet at its first host),
+    every rank a tritonserver with its own shared-memory prefix, as NVIDIA's Slurm and Kubernetes
+    recipes start them (rank 1's tensorrt_llm model runs its worker inside initialize() and never
+    serves). A killed stage fails requests within seconds, as a killed tensor-parallel rank does."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=2\n")
+    server = LeaderModeServer({"": engines["tiny_pp2"]}, 2, tmp_path,
+                              extra_flags=[f"--hostfile={hostfile}", "--worker_ranks=tritonserver"])
+    try:
+        assert server.answers(TINY_PROMPTS) == single_rank_answers["tiny"]
+        assert_dead_rank_fails_requests_fast(server, workers=1)
+    finally:
+        server.stop()
+        server.kill_leftovers()
+
+
+def assert_dead_rank_fails_requests_fast(server: LeaderModeServer, workers: int = 2) -> None:
     stream = server.generate(CHAT.format("Tell me a long story about a dragon."), stream=True, max_tokens=400)
     lines = stream.iter_lines()
     first = next(line for line in lines if line.startswith(b"data: "))
     assert "error" not in json.loads(first[len(b"data: "):])  # generating, across 3 ranks
-    workers = server.worker_pids()
-    assert len(workers) == 2
+    pids = server.worker_pids()
+    assert len(pids) == workers
     killed_at = time.monotonic()
-    os.kill(workers[0], signal.SIGKILL)
+    os.kill(pids[0], signal.SIGKILL)
     # In flight: the stream ends with an error event, within seconds.
     events = [json.loads(line[len(b"data: "):]) for line in lines if line.startswith(b"data: ")]
     assert events and "error" in events[-1], events[-3:]

@@ -54,6 +54,20 @@ def test_mpirun_shape_for_three_ranks():
     assert workers.split() == ["2", sys.executable, "-m", "engine.tensor_parallel.worker", "--engine_dir=/engines/tp3"]
 
 
+def test_every_rank_a_tritonserver_as_nvidia_recipes_start_them():
+    # --worker_ranks tritonserver: one app per rank, each its own shared-memory prefix; ranks != 0
+    # load only tensorrt_llm, whose initialize() runs the rank's worker (serving/worker_rank.py).
+    cmd = launcher.build_command(args_for("--world_size=4", "--engine_dir=/engines/tp2pp2", "--worker_ranks=tritonserver"),
+                                 INSTALL)
+    apps = " ".join(cmd).split(" -n ")[1:]
+    assert len(apps) == 4 and all(app.split()[:2] == ["1", "/opt/ts/bin/tritonserver"] for app in apps)
+    for rank, app in enumerate(apps):
+        words = app.split()
+        assert f"--backend-config=python,shm-region-prefix-name=prefix{rank}_" in words
+        assert ("--load-model=*" if rank == 0 else "--load-model=tensorrt_llm") in words
+    assert "engine.tensor_parallel.worker" not in " ".join(cmd)
+
+
 def test_leader_mode_needs_an_engine_dir():
     with pytest.raises(RuntimeError, match="--engine_dir"):
         launcher.build_command(args_for("--world_size=2"), INSTALL)

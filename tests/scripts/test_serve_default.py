@@ -38,3 +38,16 @@ def test_ready_line_has_an_openai_curl_example():
     message = serve.ready_message("8000", "8001", "8002", "9000", "smollm2")
     assert "OpenAI API on http://127.0.0.1:9000/v1 (model smollm2)" in message.splitlines()[0]
     assert "curl -s http://127.0.0.1:9000/v1/chat/completions" in message and '"model": "smollm2"' in message
+
+
+def test_an_engine_with_pipeline_stages_gets_lora_off(tmp_path):
+    """Its stages take no adapters yet and refuse enable_lora by name; the default repository has it on."""
+    def enable_lora(pp_size: int) -> str:
+        engine = tmp_path / f"pp{pp_size}"
+        engine.mkdir()
+        (engine / "config.json").write_text(f'{{"build": {{"tp_size": 1, "pp_size": {pp_size}}}}}')
+        repo = Path(serve.prepare_model_repo(str(engine), str(tmp_path / f"repo{pp_size}")))
+        text = (repo / "tensorrt_llm" / "config.pbtxt").read_text()
+        return re.search(r'key: "enable_lora"\s*value: \{\s*string_value: "(\w+)"', text).group(1)
+
+    assert (enable_lora(1), enable_lora(2)) == ("true", "false")

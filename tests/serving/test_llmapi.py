@@ -2,11 +2,13 @@
 requests/responses (serving/llmapi_params.py)."""
 from __future__ import annotations
 
+import argparse
 import json
 
 import numpy as np
 import pytest
 
+from serving.engine_cache import checkpoint_build_args
 from serving.llmapi_params import (DEFAULT_MAX_TOKENS, ResponseState, TextStream, parse_request, perf_values,
                                    response_tensors)
 from serving.llmapi_yaml import (build_options, check_triton_config, check_world_size, engine_dir_for,
@@ -32,7 +34,7 @@ def test_a_full_model_yaml_becomes_build_options_and_executor_parameters(checkpo
         "enable_chunked_prefill": True, "enable_lora": True, "lora_config": {"max_lora_rank": 16, "max_loras": 2},
         "triton_config": {"max_batch_size": 0, "decoupled": False, "cancellation_check_period_ms": 50}})
     options = build_options(config, has_gpu=True)
-    assert options == {"dtype": "bfloat16", "max_batch_size": 16, "tp": 1, "max_seq_len": 4096,
+    assert options == {"dtype": "bfloat16", "max_batch_size": 16, "tp": 1, "pp": 1, "max_seq_len": 4096,
                        "quantization": "fp8", "kv_cache_dtype": "fp8", "extra": ["--max_num_tokens", "8192"]}
     params = executor_parameters(config, "/engines/x")
     assert params["gpt_model_path"] == "/engines/x" and params["tokenizer_dir"] == "/engines/x"
@@ -81,7 +83,7 @@ def test_defaults_and_dtype_auto(checkpoint):
 
 @pytest.mark.parametrize("change, key, allowed", [
     ({"tensor_parallel_size": 0}, "tensor_parallel_size", ">= 1"),
-    ({"pipeline_parallel_size": 4}, "pipeline_parallel_size", "allowed: 1"),
+    ({"pipeline_parallel_size": 0}, "pipeline_parallel_size", ">= 1"),
     ({"max_num_tokenz": 4}, "max_num_tokenz", "allowed: model"),
     ({"dtype": "int8"}, "dtype", "allowed: auto, float32"),
     ({"kv_cache_config": {"free_gpu_memory_fraction": 1.5}}, "kv_cache_config.free_gpu_memory_fraction", "(0, 1]"),
@@ -145,6 +147,13 @@ def test_tensor_parallel_size_builds_with_tp_and_must_match_the_world_size(check
     assert "scripts/launch_triton_server.py --world_size 2" in message
     with pytest.raises(ValueError, match="tensor_parallel_size: 1, but the server runs with world size 4"):
         check_world_size(parse_llmapi_config({"model": checkpoint}), 4)
+    staged = parse_llmapi_config({"model": checkpoint, "tensor_parallel_size": 2, "pipeline_parallel_size": 2})
+    assert (build_options(staged, has_gpu=True)["tp"], build_options(staged, has_gpu=True)["pp"]) == (2, 2)
+    assert "--pp_size" in checkpoint_build_args(argparse.Namespace(**build_options(staged, has_gpu=True)))
+    check_world_size(staged, 4)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size: 2 \(x pipeline_parallel_size 2 = 4\), but the server "
+                                         r"runs with world size 2; .*--world_size 4"):
+        check_world_size(staged, 2)
 
 
 def test_the_checkpoint_engine_is_built_with_tp_size(checkpoint):

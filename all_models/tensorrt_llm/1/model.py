@@ -185,6 +185,7 @@ class TritonPythonModel:
         engine_dir = get_parameter(params, "gpt_model_path", str)
         if engine_dir is None:
             raise ValueError("tensorrt_llm: the gpt_model_path parameter (engine_dir) must be set")
+        self._run_as_worker_rank_unless_leader(engine_dir)
         self.max_input_len = EngineConfig.load(engine_dir).build.max_input_len
         config, ignored = to_executor_config(ExecutorConfig, settings)
         if ignored:
@@ -470,6 +471,22 @@ class TritonPythonModel:
         action = "restarting the engine process" if self.restartable else "unloading the model (not ready)"
         pb_utils.Logger.log_error(f"tensorrt_llm: {failure}; {action}")
         threading.Thread(target=self._unload_self, daemon=True, name="unload-on-engine-failure").start()
+
+    @staticmethod
+    def _run_as_worker_rank_unless_leader(engine_dir):
+        """On a rank other than 0 of a leader-mode job started as tritonservers (NVIDIA's Slurm and
+        Kubernetes recipes), be that rank's engine worker: blocks, then raises (serving/worker_rank.py)."""
+        from engine.tensor_parallel.distributed import rank_info_from_env
+
+        rank = rank_info_from_env().rank
+        if rank == 0:
+            return
+        from engine.executor.engine_process import engine_python
+        from serving.worker_rank import run_worker_rank
+
+        pb_utils.Logger.log_info(f"tensorrt_llm: rank {rank} of a leader-mode job: running its engine worker here; "
+                                 "this server never serves (rank 0 does)")
+        run_worker_rank(engine_dir, rank, engine_python())
 
     @staticmethod
     def _leader_mode_world_size():

@@ -5,8 +5,8 @@ this project's engine.
 Glue only. It is the five-model repository's `tensorrt_llm` model (all_models/tensorrt_llm/1/model.py,
 loaded from the source tree and subclassed: one executor or engine process, response forwarding,
 cancellation, stop requests, stats, graceful shutdown, restart after an engine death) with three
-changes: `initialize` reads model.yaml (serving/llmapi_yaml.py), checks tensor_parallel_size
-against the launcher's world size, and builds or reuses the checkpoint's engine
+changes: `initialize` reads model.yaml (serving/llmapi_yaml.py), checks tensor_parallel_size x
+pipeline_parallel_size against the launcher's world size, and builds or reuses the checkpoint's engine
 (serving/engine_cache.py, the cache `tritonllm serve` uses) before the usual start, this instance on its own GPU(s)
 when config.pbtxt sets gpu_device_ids (serving/llmapi_instances.py); `execute`
 tokenizes the prompt and reads the LLM-API inputs (serving/llmapi_params.py parse_request); and
@@ -17,11 +17,11 @@ Refused per request, naming the input: `image_url` (no multimodal input), `sampl
 > 1 (no best-of or beam search), `lora_ckpt_source` other than "hf". LoRA (`lora_id`, `lora_name`,
 `lora_path`, a PEFT directory) runs when model.yaml sets `enable_lora`; otherwise the engine
 answers such a request with an error saying LoRA is off. Refused at load, naming the key:
-`tensor_parallel_size` other than the world size, `pipeline_parallel_size` > 1, unknown keys and bad
+`tensor_parallel_size` x `pipeline_parallel_size` other than the world size, unknown keys and bad
 values in model.yaml, `gpu_device_ids` that do not place every instance.
 
-tensor_parallel_size N runs in leader mode (scripts/launch_triton_server.py --world_size N): this
-model is rank 0's, the leader; ranks 1..N-1 are engine workers started by the launcher on the same
+tensor_parallel_size x pipeline_parallel_size = N > 1 runs in leader mode
+(scripts/launch_triton_server.py --world_size N): this model is rank 0's, the leader; ranks 1..N-1 are engine workers started by the launcher on the same
 cached engine (it resolves model.yaml before starting them).
 """
 import dataclasses
@@ -105,7 +105,7 @@ class TritonPythonModel(base.TritonPythonModel):
                             int(model_config.get("max_batch_size", 0) or 0))
         check_world_size(config, rank_info_from_env().world_size)
         gpu_ids = instance_gpu_ids(model_config, args["model_name"], args.get("model_instance_name", ""),
-                                   config.tensor_parallel_size)
+                                   config.world_size)
         engine_dir = _engine_dir(config)
         parameters = model_config.setdefault("parameters", {})
         parameters.pop("gpu_device_ids", None)  # ';' between instances here; the base reads one ',' list
