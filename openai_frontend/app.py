@@ -213,8 +213,10 @@ async def _json_body(request: web.Request):
         raise bad_request(None, f"the request body is not valid JSON: {error}", code="invalid_json") from None
 
 
-def _prompts(frontend: Frontend, parsed: GenerationRequest, chat: bool) -> list[tuple[str, list[int], int]]:
-    """(prompt text, its token ids, tokens to generate) per prompt."""
+def _prompts(frontend: Frontend, parsed: GenerationRequest, chat: bool,
+             image_rows: list[int] | None = None) -> list[tuple[str, list[int], int]]:
+    """(prompt text, its token ids, tokens to generate) per prompt; ``image_rows``: each image's
+    table rows (a chat request's images, in order)."""
     builder = frontend.prompts
     images = frontend.images if chat else None
     if chat:
@@ -227,7 +229,7 @@ def _prompts(frontend: Frontend, parsed: GenerationRequest, chat: bool) -> list[
     for text in texts:
         ids = builder.encode(text)
         if images is not None:  # each image placeholder -> its image's fake ids (vision.py)
-            ids = images.expand(ids, len(image_parts(parsed.messages)))
+            ids = images.expand(ids, image_rows or [])
         max_tokens = builder.max_tokens_for(len(ids), parsed.params.max_tokens, "messages" if chat else "prompt",
                                             parsed.max_tokens_field)
         prompts.append((text, ids, max_tokens))
@@ -242,14 +244,14 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     parts = image_parts(parsed.messages) if chat else []
     _check_images(frontend, parts)
     await frontend.client.ensure_ready()
-    prompts = _prompts(frontend, parsed, chat)  # an adapter's prompts too: the base model's template and tokenizer
+    table, image_rows = await frontend.images.encode(parts) if parts else (None, None)
+    # an adapter's prompts too: the base model's template and tokenizer
+    prompts = _prompts(frontend, parsed, chat, image_rows)
     prompt_tokens = sum(len(ids) for _, ids, _ in prompts)
     shape = ResponseShape(chat=chat, model=parsed.model)
     specs = choice_specs(prompts, parsed.params)
-    if parts:  # every choice gets the request's prompt-embedding table
-        table = await frontend.images.table(parts)
-        for spec in specs:
-            spec.prompt_table = table
+    for spec in specs:  # every choice gets the request's prompt-embedding table (images only)
+        spec.prompt_table = table
     parsers = output_parsers(parsed.tools, frontend.tool_parser) if chat else None
     decode = frontend.decode
     if parsers is not None and parsed.tools.choice == "auto" and frontend.tool_decode is not None:

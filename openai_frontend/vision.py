@@ -57,17 +57,19 @@ class ChatImages:
                               "request (max_num_images of the preprocessing model; `tritonllm serve "
                               "--max_num_images`)")
 
-    def expand(self, ids: list[int], num_images: int) -> list[int]:
+    def expand(self, ids: list[int], counts: list[int]) -> list[int]:
+        """``counts``: each image's rows (``encode``)."""
         try:
-            return self.prompts.expand_placeholders(ids, num_images, where="messages")
+            return self.prompts.expand_placeholders(ids, counts, where="messages")
         except ValueError as error:
             raise bad_request("messages", str(error)) from None
 
-    async def table(self, parts: list[dict]) -> np.ndarray:
-        """The request's prompt-embedding table, (len(parts) * image tokens, hidden) float16."""
-        return await asyncio.get_running_loop().run_in_executor(self._worker, self._table, parts)
+    async def encode(self, parts: list[dict]) -> tuple[np.ndarray, list[int]]:
+        """The request's prompt-embedding table, (rows of every image, hidden) float16, and each
+        image's rows (their number depends on the image's size for LLaVA-NeXT/OneVision)."""
+        return await asyncio.get_running_loop().run_in_executor(self._worker, self._encode, parts)
 
-    def _table(self, parts: list[dict]) -> np.ndarray:
+    def _encode(self, parts: list[dict]) -> tuple[np.ndarray, list[int]]:
         images = []
         for part in parts:
             try:
@@ -75,8 +77,9 @@ class ChatImages:
                                           self.limits))
             except ValueError as error:  # ImageError: names the part, says what is allowed
                 raise bad_request(part["field"], str(error), code="invalid_image") from None
-        pixels = np.asarray(self.prompts.image_processor(images, return_tensors="np")["pixel_values"], np.float32)
-        return self.runner.tables([pixels])[0]
+        pixels, sizes = self.prompts.pixels(images)
+        counts = self.prompts.token_counts(sizes, len(images))
+        return self.runner.tables([pixels], [sizes])[0], counts
 
     def close(self) -> None:
         self._worker.shutdown(wait=False, cancel_futures=True)

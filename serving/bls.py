@@ -54,17 +54,20 @@ PREPROCESSING_INPUTS = {
 # Images (a BLS with multimodal_encoders_name): BLS input -> preprocessing input (image_input for
 # its number of images: the prompt's image slots), and multimodal_encoders output -> tensorrt_llm input.
 IMAGE_PREPROCESSING_INPUTS = {"image_input": "IMAGE", "image_bytes_input": "IMAGE_BYTES",
-                              "image_url_input": "IMAGE_URL", "video_bytes_input": "VIDEO_BYTES"}
+                              "image_url_input": "IMAGE_URL", "video_bytes_input": "VIDEO_BYTES",
+                              "image_sizes_input": "IMAGE_SIZES"}
+IMAGE_PREPROCESSING_OUTPUTS = ["PIXEL_VALUES", "IMAGE_SIZES"]
 LLM_INPUTS_FROM_ENCODERS = {"OUT_PROMPT_EMBEDDING_TABLE": "prompt_embedding_table",
                             "OUT_PROMPT_VOCAB_SIZE": "prompt_vocab_size"}
 
 
 def encoder_inputs(tensors: dict[str, np.ndarray], pre_out: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """multimodal_encoders' inputs: preprocessing's PIXEL_VALUES (images it decoded), else the client's
-    image_input, as the reference's BLS sends them."""
+    image_input, as the reference's BLS sends them; with preprocessing's IMAGE_SIZES (LLaVA-NeXT/OneVision)."""
+    sizes = {"image_sizes": pre_out["IMAGE_SIZES"]} if "IMAGE_SIZES" in pre_out and pre_out["IMAGE_SIZES"].size else {}
     if "PIXEL_VALUES" in pre_out and pre_out["PIXEL_VALUES"].size:
-        return {"pixel_values": pre_out["PIXEL_VALUES"]}
-    return {"IMAGE": tensors["image_input"].astype(np.float16)}
+        return {"pixel_values": pre_out["PIXEL_VALUES"], **sizes}
+    return {"IMAGE": tensors["image_input"].astype(np.float16), **sizes}
 
 
 PASS_THROUGH_OUTPUTS = (

@@ -30,8 +30,11 @@ import numpy as np
 from serving.images import ImageLimits, images_from_bytes, images_from_urls
 from serving.text import string_rows
 
-# builder_config.model_type -> (pre-prompt, post-prompt) around the image slots and the text.
-PROMPT_WRAPPERS = {"llava": ("USER:\n", " ASSISTANT:")}
+# builder_config.model_type -> (pre-prompt, after the image slots, post-prompt) around the image
+# slots and the text, as the anchor's preprocessing writes them (LLaVA-NeXT has none there: its
+# prompt is the chat template of its language model, so send the text with <image> placeholders).
+PROMPT_WRAPPERS = {"llava": ("USER:\n", "", " ASSISTANT:"),
+                   "llava_onevision": ("<|im_start|>user ", "\n", "<|im_end|><|im_start|>assistant\n")}
 DEFAULT_MAX_NUM_IMAGES = 1
 TEXT_ONLY = ("images and video were sent to a text-only model (the preprocessing parameter multimodal_model_path "
              "is not set); send {name} only to a vision-language model's repository (all_models/multimodal)")
@@ -61,7 +64,10 @@ def refuse_images_on_text_model(tensors: dict) -> None:
 @dataclass
 class PreparedItem:
     input_ids: list[int]
-    pixel_values: np.ndarray | None  # (n, 3, H, W) float32 for images decoded here
+    # images decoded here: (n, 3, H, W) float32, or for anyres families (engine/vision/anyres.py)
+    # every image's tiles one after another, (total tiles, 3, S, S)
+    pixel_values: np.ndarray | None
+    image_sizes: np.ndarray | None = None  # (n, 2) int64 (height, width) before processing: anyres families
 
 
 class ImagePrompts:
@@ -71,8 +77,10 @@ class ImagePrompts:
                  limits: ImageLimits = ImageLimits()):
         with open(os.path.join(encoder_dir, "config.json")) as f:
             config = json.load(f)
+        self.config = config
         self.model_type = config["builder_config"]["model_type"]
         self.num_image_tokens = config["num_image_tokens"]
+        self.anyres = "anyres" in config  # LLaVA-NeXT / OneVision: rows per image depend on its size
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_num_images = max_num_images or DEFAULT_MAX_NUM_IMAGES
@@ -83,7 +91,7 @@ class ImagePrompts:
         # The placeholder's one token id (None when the tokenizer splits it): expand_placeholders
         placeholder_ids = tokenizer.encode(self.placeholder, add_special_tokens=False)
         self.placeholder_id = placeholder_ids[0] if len(placeholder_ids) == 1 else None
-        self.wrapper = PROMPT_WRAPPERS.get(self.model_type, ("", ""))
+        self.wrapper = PROMPT_WRAPPERS.get(self.model_type, ("", "", ""))
         from transformers import AutoImageProcessor
 
         self.image_processor = AutoImageProcessor.from_pretrained(encoder_dir)
@@ -96,8 +104,11 @@ class ImagePrompts:
         if _present(tensors.get("IMAGE_BYTES")):
             images += images_from_bytes(tensors["IMAGE_BYTES"][row], self.limits)
         images += images_from_urls(_urls(tensors.get("IMAGE_URL"), row), self.limits)
-        sent_pixels = tensors.get("IMAGE")
+        sent_pixels, sent_sizes = tensors.get("IMAGE"), None
         num_pixel_images = int(np.asarray(sent_pixels).shape[1]) if _present(sent_pixels) else 0
+        if num_pixel_images and self.anyres:  # image_input holds tiles; image_sizes_input counts the images
+            sent_sizes = _sizes_row(tensors.get("IMAGE_SIZES"), row, self.model_type)
+            num_pixel_images = len(sent_sizes)
         if images and num_pixel_images:
             raise ValueError("image_input and image_bytes_input/image_url_input were both sent; send each request's "
                              "images one way")
@@ -105,35 +116,63 @@ class ImagePrompts:
         if num_images > self.max_num_images:
             raise ValueError(f"{num_images} images were sent; allowed: at most {self.max_num_images} per request "
                              "(max_num_images of the preprocessing model)")
-        pixel_values = None
+        pixel_values = image_sizes = None
         if images:
-            pixel_values = np.asarray(self.image_processor(images, return_tensors="np")["pixel_values"], np.float32)
-        return PreparedItem(self.prompt_ids(query, num_images, add_special_tokens), pixel_values)
+            pixel_values, image_sizes = self.pixels(images)
+        else:
+            image_sizes = sent_sizes
+        counts = self.token_counts(image_sizes, num_images)
+        return PreparedItem(self.prompt_ids(query, counts, add_special_tokens), pixel_values, image_sizes)
 
-    def slot(self, i: int) -> list[int]:
-        """Image i's fake ids: table rows [i * n, (i + 1) * n)."""
-        return list(range(self.vocab_size + i * self.num_image_tokens, self.vocab_size + (i + 1) * self.num_image_tokens))
+    def pixels(self, images: list) -> tuple[np.ndarray, np.ndarray | None]:
+        """Decoded images -> (pixel values, (n, 2) sizes or None) by the checkpoint's processor; an
+        anyres family's tiles without the processor's padding to the longest image's tile count."""
+        if not self.anyres:
+            return np.asarray(self.image_processor(images, return_tensors="np")["pixel_values"], np.float32), None
+        from engine.vision.anyres import is_tiled, num_tiles
 
-    def expand_placeholders(self, ids: list[int], num_images: int, where: str = "text_input") -> list[int]:
+        tiled = is_tiled(self.model_type, len(images))
+        batch = self.image_processor([images] if not tiled else images, return_tensors="np")
+        sizes = np.asarray(batch["image_sizes"], np.int64).reshape(len(images), 2)
+        padded = np.asarray(batch["pixel_values"], np.float32).reshape(len(images), -1, *batch["pixel_values"].shape[-3:])
+        anyres = self.config["anyres"]
+        counts = [num_tiles(tuple(size), anyres["pinpoints"], anyres["tile"]) if tiled else 1 for size in sizes.tolist()]
+        return np.concatenate([tiles[:count] for tiles, count in zip(padded, counts)]), sizes
+
+    def token_counts(self, image_sizes, num_images: int) -> list[int]:
+        """Rows of each image (engine/vision/anyres.py, torch-free); a missing size is the request's error."""
+        from engine.vision.anyres import image_token_counts
+
+        return image_token_counts(self.config, None if image_sizes is None else np.asarray(image_sizes).tolist(),
+                                  num_images)
+
+    def slots(self, counts: list[int]) -> list[list[int]]:
+        """Each image's fake ids: image i takes the table rows after the images before it."""
+        starts = np.cumsum([0, *counts]).tolist()
+        return [list(range(self.vocab_size + start, self.vocab_size + start + count))
+                for start, count in zip(starts, counts)]
+
+    def expand_placeholders(self, ids: list[int], counts: list[int], where: str = "text_input") -> list[int]:
         """Token ids of a whole prompt (a chat template wrote one placeholder per image) -> each
-        placeholder id replaced by its image's slot, in order. A count that differs from
-        ``num_images`` is the request's error (ValueError naming ``where``)."""
+        placeholder id replaced by its image's slot (``counts``: each image's rows), in order. A
+        placeholder count that differs from the images' is the request's error (ValueError naming ``where``)."""
         positions = [p for p, token in enumerate(ids) if token == self.placeholder_id] if (
             self.placeholder_id is not None) else []
-        if len(positions) != num_images:
+        if len(positions) != len(counts):
             raise ValueError(f"{where}: the prompt holds {len(positions)} {self.placeholder} placeholder(s) but "
-                             f"{num_images} image(s) were sent; send one image per placeholder")
+                             f"{len(counts)} image(s) were sent; send one image per placeholder")
         out, start = [], 0
-        for i, position in enumerate(positions):
-            out += ids[start:position] + self.slot(i)
+        for slot, position in zip(self.slots(counts), positions):
+            out += ids[start:position] + slot
             start = position + 1
         return out + ids[start:]
 
-    def prompt_ids(self, query: str, num_images: int, add_special_tokens: bool) -> list[int]:
+    def prompt_ids(self, query: str, counts: list[int], add_special_tokens: bool) -> list[int]:
+        """``counts``: each image's rows (token_counts)."""
         def encode(text: str, special: bool) -> list[int]:  # (an empty first piece keeps the special tokens)
             return self.tokenizer.encode(text, add_special_tokens=special) if text or special else []
 
-        slot = self.slot
+        num_images, slot = len(counts), self.slots(counts).__getitem__
         pieces = query.split(self.placeholder)
         if len(pieces) > 1:
             if len(pieces) - 1 != num_images:
@@ -146,11 +185,24 @@ class ImagePrompts:
             return ids
         if num_images == 0:
             return encode(query, add_special_tokens)
-        pre, post = self.wrapper
+        pre, after_images, post = self.wrapper
         ids = encode(pre, add_special_tokens)
         for i in range(num_images):
             ids += slot(i)
-        return ids + encode(query, False) + encode(post, False)
+        return ids + encode(after_images, False) + encode(query, False) + encode(post, False)
+
+
+def _sizes_row(sizes, row: int, model_type: str) -> np.ndarray:
+    """image_sizes_input of item ``row``: its image_input images' (height, width), (n, 2) (rows of
+    zeros: padding). Missing or malformed is the request's error."""
+    if not _present(sizes):
+        raise ValueError(f"image_sizes_input is required with image_input for {model_type} models: each image's "
+                         "(height, width) before processing, (batch, images, 2)")
+    sizes = np.asarray(sizes, np.int64)
+    if sizes.ndim != 3 or sizes.shape[-1] != 2 or row >= len(sizes):
+        raise ValueError(f"image_sizes_input must be (batch, images, 2): each image's (height, width) before "
+                         f"processing; got shape {sizes.shape}")
+    return np.array([size for size in sizes[row] if size.any()], np.int64).reshape(-1, 2)
 
 
 def pad_rows(rows: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
@@ -180,6 +232,18 @@ def stack_pixel_values(items: list[PreparedItem]) -> np.ndarray | None:
     return out
 
 
+def stack_image_sizes(items: list[PreparedItem]) -> np.ndarray | None:
+    """IMAGE_SIZES (B, n_max, 2) INT64 of the items' images (zero rows where an item has fewer), or None."""
+    arrays = [item.image_sizes for item in items if item.image_sizes is not None]
+    if not arrays:
+        return None
+    out = np.zeros((len(items), max(len(a) for a in arrays), 2), dtype=np.int64)
+    for b, item in enumerate(items):
+        if item.image_sizes is not None:
+            out[b, :len(item.image_sizes)] = item.image_sizes
+    return out
+
+
 def engine_vocab_size(engine_dir: str) -> int:
     """The language engine's vocab_size: fake ids start there (not at the tokenizer's length)."""
     from engine.config import EngineConfig
@@ -190,7 +254,8 @@ def engine_vocab_size(engine_dir: str) -> int:
 # ----------------------------------------------------------------------------- multimodal_encoders
 
 class VisionEncoderRunner:
-    """The engine's vision encoder for the `multimodal_encoders` model: requests' pixel values -> tables."""
+    """The engine's vision encoder for the `multimodal_encoders` model and the OpenAI frontend:
+    requests' pixel values -> tables."""
 
     def __init__(self, encoder_dir: str, device: str | None = None):
         import torch
@@ -200,52 +265,91 @@ class VisionEncoderRunner:
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.encoder = load_vision_encoder(encoder_dir, self.device)
         self.num_image_tokens = self.encoder.num_image_tokens
+        self.anyres = hasattr(self.encoder, "anyres")
 
-    def tables(self, per_request_pixels: list[np.ndarray | None]) -> list[np.ndarray | None]:
-        """Each request's images, (n, 3, H, W) float (None or n == 0: no image), -> its table
-        (n * num_image_tokens, hidden) float16, or None. All images run as one batch."""
+    def tables(self, per_request_pixels: list[np.ndarray | None],
+               per_request_sizes: list[np.ndarray | None] | None = None) -> list[np.ndarray | None]:
+        """Each request's images, (n, 3, H, W) float, or an anyres family's tiles (T, 3, S, S) with
+        the images' (n, 2) sizes (rows of zeros: no image; tiles past the images': padding), ->
+        its table (rows of every image, hidden) float16; None for a request without images. All
+        images of all requests run as one batch."""
         import torch
 
-        counts = [0 if p is None else len(p) for p in per_request_pixels]
-        if not sum(counts):
-            return [None] * len(counts)
-        sizes = {tuple(p.shape[1:]) for p in per_request_pixels if p is not None and len(p)}
-        if len(sizes) > 1:  # Triton batched requests with images of different sizes: one forward each
-            return [self.tables([p])[0] for p in per_request_pixels]
-        batch = torch.from_numpy(np.concatenate([p for p in per_request_pixels if p is not None and len(p)]))
-        features = self.encoder.encode(batch.to(self.device, torch.float32)).float().cpu()
+        sizes = per_request_sizes or [None] * len(per_request_pixels)
+        pixels, image_sizes, tiled, per_request_images = [], [], [], []
+        for p, s in zip(per_request_pixels, sizes):
+            p, s, t = self._request_images(p, s)
+            pixels.append(p)
+            image_sizes += s
+            tiled += t
+            per_request_images.append(len(s) if self.anyres else 0 if p is None else len(p))
+        if not sum(per_request_images):
+            return [None] * len(per_request_pixels)
+        shapes = {tuple(p.shape[1:]) for p in pixels if p is not None}
+        if len(shapes) > 1:  # Triton batched requests with images of different sizes: one forward each
+            return [self.tables([p], [s])[0] for p, s in zip(per_request_pixels, sizes)]
+        batch = torch.from_numpy(np.concatenate([p for p in pixels if p is not None])).to(self.device, torch.float32)
+        with torch.inference_mode():
+            rows = self.encoder.image_features(batch, image_sizes, tiled)  # one (rows, hidden) per image
         tables, start = [], 0
-        for count in counts:
-            rows = features[start:start + count].reshape(-1, features.shape[-1])
-            tables.append(rows.numpy().astype(np.float16) if count else None)
+        for count in per_request_images:
+            tables.append(torch.cat(rows[start:start + count]).float().cpu().numpy().astype(np.float16)
+                          if count else None)
             start += count
         return tables
 
+    def _request_images(self, pixels, sizes) -> tuple[np.ndarray | None, list, list]:
+        """(its pixels, its images' sizes, whether each is tiled); an anyres family's padding
+        tiles and images cut off. A tile count that does not match the sizes is the request's error."""
+        if pixels is None or not len(pixels):
+            return None, [], []
+        if not self.anyres:
+            return pixels, [], []
+        from engine.vision.anyres import is_tiled
 
-def rows_pixels(pixel_values: np.ndarray | None, image: np.ndarray | None) -> list[np.ndarray | None]:
-    """One multimodal_encoders request's images per batch row, each (n, 3, H, W): pixel_values
-    (preprocessing's, preferred, as the anchor) or IMAGE (the client's image_input), (B, n, 3, H, W)
-    or (B, 3, H, W) for one image per row. [None] when the request has neither."""
+        sizes = [] if sizes is None else [tuple(size) for size in np.asarray(sizes, np.int64).tolist() if any(size)]
+        if not sizes:
+            raise ValueError(f"{self.encoder.model_type} images need their sizes: send image_sizes_input "
+                             "(batch, images, 2), each image's (height, width) before processing")
+        tiled = [is_tiled(self.encoder.model_type, len(sizes))] * len(sizes)
+        needed = sum(self.encoder.tiles(size, t) for size, t in zip(sizes, tiled))
+        if needed > len(pixels):
+            raise ValueError(f"images of sizes {sizes} make {needed} tiles, but the pixel values hold {len(pixels)}; "
+                             "send each image's tiles as the checkpoint's image processor makes them")
+        return pixels[:needed], sizes, tiled
+
+
+def rows_pixels(pixel_values: np.ndarray | None, image: np.ndarray | None,
+                image_sizes: np.ndarray | None = None) -> list[tuple[np.ndarray | None, np.ndarray | None]]:
+    """One multimodal_encoders request's (images, their sizes) per batch row: pixel_values
+    (preprocessing's, preferred, as the anchor) or IMAGE (the client's image_input), (B, n, 3, H,
+    W) or (B, 3, H, W) for one image per row (an anyres family: (B, tiles, 3, S, S)), and
+    image_sizes (B, n, 2) or None. [(None, None)] when the request has no pixels."""
     chosen = pixel_values if _present(pixel_values) else image if _present(image) else None
     if chosen is None:
-        return [None]
+        return [(None, None)]
     chosen = np.asarray(chosen)
     if chosen.ndim == 4:
         chosen = chosen[:, None]
     if chosen.ndim != 5 or chosen.shape[2] != 3:
         raise ValueError(f"image_input has shape {chosen.shape}; send pixel values (batch, images, 3, height, width)")
-    return list(chosen)
+    sizes = np.asarray(image_sizes, np.int64).reshape(len(chosen), -1, 2) if _present(image_sizes) else None
+    return [(row, None if sizes is None else sizes[b]) for b, row in enumerate(chosen)]
 
 
 def prepare_batch(prompts: ImagePrompts, tensors: dict, queries: list[str], add_special_tokens: bool,
                   pad_id: int) -> dict[str, np.ndarray]:
-    """preprocessing's INPUT_ID, REQUEST_INPUT_LEN and (for images decoded here) PIXEL_VALUES."""
+    """preprocessing's INPUT_ID, REQUEST_INPUT_LEN and (for images decoded here) PIXEL_VALUES, plus
+    IMAGE_SIZES for an anyres family (the images' own, or image_sizes_input's for image_input)."""
     items = [prompts.prepare(query, tensors, row, add_special_tokens) for row, query in enumerate(queries)]
     input_ids, lengths = pad_rows([item.input_ids for item in items], pad_id)
     outputs = {"INPUT_ID": input_ids, "REQUEST_INPUT_LEN": lengths}
     pixel_values = stack_pixel_values(items)
     if pixel_values is not None:
         outputs["PIXEL_VALUES"] = pixel_values
+    image_sizes = stack_image_sizes(items)
+    if image_sizes is not None:
+        outputs["IMAGE_SIZES"] = image_sizes
     return outputs
 
 

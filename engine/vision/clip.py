@@ -1,7 +1,8 @@
-"""The CLIP ViT vision tower (LLaVA-1.5's encoder; SigLIP-style towers differ only in details).
+"""The CLIP ViT vision tower (LLaVA-1.5's encoder) and SigLIP's (LLaVA-OneVision's), which differs
+only in details: no class token, no norm before the layers, a bias on the patch embedding.
 
 Batch layout: ``pixel_values`` (num_images, 3, image_size, image_size) -> hidden states after
-each layer, (num_images, 1 + num_patches, hidden): a class token, then the patches row by row.
+each layer, (num_images, [1 +] num_patches, hidden): the class token (CLIP), then the patches row by row.
 Plain torch: the patch embedding is a strided convolution, attention is bidirectional over one
 image's tokens (torch SDPA; images are independent and equally long, so no masks or packing).
 
@@ -45,13 +46,21 @@ class ClipTowerConfig:
     num_heads: int
     layer_norm_eps: float = 1e-5
     hidden_act: str = "quick_gelu"
+    class_token: bool = True  # CLIP's; SigLIP has none
+    pre_norm: bool = True  # CLIP's pre_layrnorm over the embeddings; SigLIP has none
+    patch_bias: bool = False  # SigLIP's patch embedding has a bias
 
     @classmethod
     def from_hf(cls, vision_config) -> "ClipTowerConfig":
+        kind = getattr(vision_config, "model_type", "clip_vision_model")
+        if kind not in TOWER_KINDS:
+            raise CheckpointError(f"a {kind} vision tower is not supported; supported: {', '.join(TOWER_KINDS)}")
+        clip = kind == "clip_vision_model"
         return cls(image_size=vision_config.image_size, patch_size=vision_config.patch_size,
                    hidden_size=vision_config.hidden_size, intermediate_size=vision_config.intermediate_size,
                    num_layers=vision_config.num_hidden_layers, num_heads=vision_config.num_attention_heads,
-                   layer_norm_eps=vision_config.layer_norm_eps, hidden_act=vision_config.hidden_act)
+                   layer_norm_eps=vision_config.layer_norm_eps, hidden_act=vision_config.hidden_act,
+                   class_token=clip, pre_norm=clip, patch_bias=not clip)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -59,6 +68,9 @@ class ClipTowerConfig:
     @property
     def num_patches(self) -> int:
         return (self.image_size // self.patch_size) ** 2
+
+
+TOWER_KINDS = ("clip_vision_model", "siglip_vision_model")
 
 
 class ClipLayer(nn.Module):
@@ -89,19 +101,23 @@ class ClipVisionTower(nn.Module):
         super().__init__()
         self.config = config
         h = config.hidden_size
-        self.patch_embed = nn.Conv2d(3, h, config.patch_size, stride=config.patch_size, bias=False,
+        self.patch_embed = nn.Conv2d(3, h, config.patch_size, stride=config.patch_size, bias=config.patch_bias,
                                      dtype=dtype, device=device)
-        self.class_embed = nn.Parameter(torch.empty(h, dtype=dtype, device=device))
-        self.position_embed = nn.Parameter(torch.empty(1 + config.num_patches, h, dtype=dtype, device=device))
-        self.pre_norm = nn.LayerNorm(h, eps=config.layer_norm_eps, dtype=dtype, device=device)
+        if config.class_token:
+            self.class_embed = nn.Parameter(torch.empty(h, dtype=dtype, device=device))
+        tokens = config.num_patches + int(config.class_token)
+        self.position_embed = nn.Parameter(torch.empty(tokens, h, dtype=dtype, device=device))
+        self.pre_norm = (nn.LayerNorm(h, eps=config.layer_norm_eps, dtype=dtype, device=device) if config.pre_norm
+                         else nn.Identity())
         self.layers = nn.ModuleList(ClipLayer(config, dtype, device) for _ in range(config.num_layers))
 
     def hidden_states(self, pixel_values: torch.Tensor, up_to: int) -> list[torch.Tensor]:
         """[embeddings, after layer 1, ..., after layer ``up_to``] (transformers' hidden_states[:up_to + 1]),
-        each (num_images, 1 + num_patches, hidden); layers past ``up_to`` are not run."""
+        each (num_images, [1 +] num_patches, hidden); layers past ``up_to`` are not run."""
         patches = self.patch_embed(pixel_values.to(self.patch_embed.weight.dtype)).flatten(2).transpose(1, 2)
-        cls = self.class_embed.expand(patches.shape[0], 1, -1)
-        x = self.pre_norm(torch.cat([cls, patches], dim=1) + self.position_embed)
+        if self.config.class_token:
+            patches = torch.cat([self.class_embed.expand(patches.shape[0], 1, -1), patches], dim=1)
+        x = self.pre_norm(patches + self.position_embed)
         states = [x]
         for layer in self.layers[:up_to]:
             x = layer(x)
@@ -128,12 +144,14 @@ def tower_weights(get: TensorGetter, config: ClipTowerConfig, prefixes=TOWER_PRE
     def hf(name: str) -> torch.Tensor:
         return first_found(get, [prefix + name for prefix in prefixes])
 
-    weights = {
-        "patch_embed.weight": hf("embeddings.patch_embedding.weight"),
-        "class_embed": hf("embeddings.class_embedding"),
-        "position_embed": hf("embeddings.position_embedding.weight"),
-        "pre_norm.weight": hf("pre_layrnorm.weight"), "pre_norm.bias": hf("pre_layrnorm.bias"),
-    }
+    weights = {"patch_embed.weight": hf("embeddings.patch_embedding.weight"),
+               "position_embed": hf("embeddings.position_embedding.weight")}
+    if config.class_token:
+        weights["class_embed"] = hf("embeddings.class_embedding")
+    if config.pre_norm:
+        weights.update({"pre_norm.weight": hf("pre_layrnorm.weight"), "pre_norm.bias": hf("pre_layrnorm.bias")})
+    if config.patch_bias:
+        weights["patch_embed.bias"] = hf("embeddings.patch_embedding.bias")
     for i in range(config.num_layers):
         layer = f"encoder.layers.{i}."
         for part in ("weight", "bias"):

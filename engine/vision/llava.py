@@ -41,7 +41,8 @@ class LlavaVisionEncoder(nn.Module):
         llava = config["llava"]
         self.tower_config = ClipTowerConfig(**config["vision"])
         self.layers = llava["feature_layers"]
-        self.keep_class_token = llava["vision_feature_select_strategy"] == "full"
+        # "default" drops each tile's first row (CLIP's class token), "full" keeps every row
+        self.drop_first = llava["vision_feature_select_strategy"] == "default"
         self.tower = ClipVisionTower(self.tower_config, dtype, device)
         features_in = self.tower_config.hidden_size * len(self.layers)
         bias = llava.get("projector_bias", True)
@@ -55,9 +56,15 @@ class LlavaVisionEncoder(nn.Module):
     def encode(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """(num_images, 3, S, S) -> (num_images, num_image_tokens, text_hidden) in the encoder's dtype."""
         states = self.tower.hidden_states(pixel_values, up_to=max(self.layers))
-        chosen = [states[layer] if self.keep_class_token else states[layer][:, 1:] for layer in self.layers]
+        chosen = [states[layer][:, 1:] if self.drop_first else states[layer] for layer in self.layers]
         features = torch.cat(chosen, dim=-1) if len(chosen) > 1 else chosen[0]
         return self.linear_2(self.act(self.linear_1(features)))
+
+    def image_features(self, pixel_values: torch.Tensor, image_sizes=None, tiled=None) -> list[torch.Tensor]:
+        """Every family's entry (engine/vision/registry.py): (num_images, 3, S, S) -> each image's
+        rows (num_image_tokens, text_hidden); ``image_sizes`` and ``tiled`` (anyres families',
+        llava_next.py) are not needed here."""
+        return list(self.encode(pixel_values))
 
 
 def encoder_config(hf_config) -> dict:
@@ -66,9 +73,6 @@ def encoder_config(hf_config) -> dict:
     if strategy not in SELECT_STRATEGIES:
         raise CheckpointError(f"vision_feature_select_strategy {strategy!r} is not supported; "
                               f"supported: {', '.join(SELECT_STRATEGIES)}")
-    if getattr(hf_config.vision_config, "model_type", "clip_vision_model") != "clip_vision_model":
-        raise CheckpointError(f"LLaVA with a {hf_config.vision_config.model_type} vision tower is not supported yet; "
-                              "supported: clip_vision_model")
     tower = ClipTowerConfig.from_hf(hf_config.vision_config)
     layers = feature_layers(hf_config.vision_feature_layer, tower.num_layers)
     tower = replace(tower, num_layers=max(layers))  # deeper layers never reach the features
@@ -78,7 +82,7 @@ def encoder_config(hf_config) -> dict:
                   "projector_hidden_act": hf_config.projector_hidden_act,
                   "projector_bias": getattr(hf_config, "multimodal_projector_bias", True),
                   "text_hidden_size": hf_config.text_config.hidden_size},
-        "num_image_tokens": tower.num_patches + (1 if strategy == "full" else 0),
+        "num_image_tokens": tower.num_patches + int(tower.class_token) - int(strategy == "default"),
         "image_token_index": getattr(hf_config, "image_token_index", getattr(hf_config, "image_token_id", None)),
         "image_size": tower.image_size,
     }

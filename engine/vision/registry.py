@@ -3,7 +3,7 @@
 A family says how its checkpoint splits into a language model (built as any text engine) and an
 image encoder (``engine/vision/<family>.py``): the text config, where the language tensors live,
 the encoder's config and weights, and the encoder module. Families to come (Qwen2.5-VL, Gemma 3,
-BLIP-2, LLaVA-NeXT/OneVision) add one entry each.
+BLIP-2) add one entry each.
 """
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from engine.hf_checkpoint import CheckpointError, TensorGetter
-from engine.vision import llava
+from engine.vision import llava, llava_next
+from engine.vision.anyres import ONEVISION_MODEL_TYPE
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,12 @@ VISION_FAMILIES = {
     "LlavaForConditionalGeneration": VisionFamily(
         "LlavaForConditionalGeneration", llava.MODEL_TYPE, llava.encoder_config, llava.encoder_weights,
         llava.LlavaVisionEncoder, _LLAVA_LANGUAGE),
+    "LlavaNextForConditionalGeneration": VisionFamily(
+        "LlavaNextForConditionalGeneration", llava_next.NEXT_MODEL_TYPE, llava_next.encoder_config,
+        llava_next.encoder_weights, llava_next.LlavaNextVisionEncoder, _LLAVA_LANGUAGE),
+    "LlavaOnevisionForConditionalGeneration": VisionFamily(
+        "LlavaOnevisionForConditionalGeneration", ONEVISION_MODEL_TYPE, llava_next.encoder_config,
+        llava_next.encoder_weights, llava_next.LlavaNextVisionEncoder, _LLAVA_LANGUAGE),
 }
 FAMILIES_BY_MODEL_TYPE = {family.model_type: family for family in VISION_FAMILIES.values()}
 

@@ -147,9 +147,11 @@ def test_images_to_a_text_only_model_are_refused_by_name():
 
 def test_encoder_inputs_per_row():
     pixels = np.ones((2, 1, 3, 4, 4), np.float16)
-    assert [r.shape for r in rows_pixels(pixels, None)] == [(1, 3, 4, 4), (1, 3, 4, 4)]
-    assert rows_pixels(None, np.ones((1, 3, 4, 4), np.float16))[0].shape == (1, 3, 4, 4)  # (B, 3, H, W)
-    assert rows_pixels(None, None) == [None]
+    assert [r.shape for r, _ in rows_pixels(pixels, None)] == [(1, 3, 4, 4), (1, 3, 4, 4)]
+    assert rows_pixels(None, np.ones((1, 3, 4, 4), np.float16))[0][0].shape == (1, 3, 4, 4)  # (B, 3, H, W)
+    assert rows_pixels(None, None) == [(None, None)]
+    sizes = np.array([[[52, 40]], [[30, 90]]], np.int64)  # (B, images, 2): anyres families' image_sizes
+    assert [s.tolist() for _, s in rows_pixels(pixels, None, sizes)] == [[[52, 40]], [[30, 90]]]
     with pytest.raises(ValueError, match="image_input has shape"):
         rows_pixels(None, np.ones((1, 1, 2, 4, 4), np.float16))
     assert images_from_bytes(np.asarray(make_image(1))[None], ImageLimits())[0].size == (40, 52)

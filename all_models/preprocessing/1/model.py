@@ -23,8 +23,8 @@ from serving.multimodal import (ImagePrompts, engine_vocab_size, image_limits, p
 
 TEXT_OUTPUTS = ("INPUT_ID", "REQUEST_INPUT_LEN", "DECODER_INPUT_ID", "REQUEST_DECODER_INPUT_LEN",
                 "BAD_WORDS_IDS", "STOP_WORDS_IDS", "EMBEDDING_BIAS", "REQUEST_OUTPUT_LEN",
-                "OUT_END_ID", "OUT_PAD_ID", "OUT_PROMPT_TABLE_EXTRA_IDS", "PIXEL_VALUES")
-IMAGE_INPUTS = ("IMAGE", "IMAGE_BYTES", "IMAGE_URL", "VIDEO_BYTES")
+                "OUT_END_ID", "OUT_PAD_ID", "OUT_PROMPT_TABLE_EXTRA_IDS", "PIXEL_VALUES", "IMAGE_SIZES")
+IMAGE_INPUTS = ("IMAGE", "IMAGE_BYTES", "IMAGE_URL", "VIDEO_BYTES", "IMAGE_SIZES")
 
 
 def _input(request, name):

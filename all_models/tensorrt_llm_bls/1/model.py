@@ -26,7 +26,7 @@ import triton_python_backend_utils as pb_utils
 
 if os.environ.get("TRITONLLM_ROOT"):  # a source checkout not installed into the environment
     sys.path.insert(0, os.environ["TRITONLLM_ROOT"])
-from serving.bls import (IMAGE_PREPROCESSING_INPUTS, LLM_INPUTS_FROM_ENCODERS,  # noqa: E402
+from serving.bls import (IMAGE_PREPROCESSING_INPUTS, IMAGE_PREPROCESSING_OUTPUTS, LLM_INPUTS_FROM_ENCODERS,  # noqa: E402
                          LLM_INPUTS_FROM_PREPROCESSING, LLM_INPUTS_FROM_REQUEST, PASS_THROUGH_OUTPUTS,
                          PREPROCESSING_INPUTS, TOKEN_IDS_OUTPUT, GuardedSender, StreamText, encoder_inputs, has_images,
                          num_draft_tokens, speculative_generate, validate, wants_token_ids, with_batch_dim)
@@ -199,7 +199,7 @@ class TritonPythonModel:
             pre_inputs.update({IMAGE_PREPROCESSING_INPUTS[name]: value for name, value in tensors.items()
                                if name in IMAGE_PREPROCESSING_INPUTS})
         pre_out = await self._call("preprocessing", pre_inputs,
-                                   list(LLM_INPUTS_FROM_PREPROCESSING) + (["PIXEL_VALUES"] if images else []))
+                                   list(LLM_INPUTS_FROM_PREPROCESSING) + (IMAGE_PREPROCESSING_OUTPUTS if images else []))
         llm_inputs = {llm: pre_out[name] for name, llm in LLM_INPUTS_FROM_PREPROCESSING.items()
                       if name in pre_out}
         if images:

@@ -36,12 +36,14 @@ class TritonPythonModel:
         rows, errors = [], {}
         for index, request in enumerate(requests):
             try:
-                rows.append(rows_pixels(_input(request, "pixel_values"), _input(request, "IMAGE")))
+                rows.append(rows_pixels(_input(request, "pixel_values"), _input(request, "IMAGE"),
+                                        _input(request, "image_sizes")))
             except Exception as error:  # this request's error, never the model's
                 errors[index] = str(error)
-                rows.append([None])
+                rows.append([(None, None)])
         try:
-            flat = self.runner.tables([pixels for request_rows in rows for pixels in request_rows])
+            flat = self.runner.tables([pixels for request_rows in rows for pixels, _ in request_rows],
+                                      [sizes for request_rows in rows for _, sizes in request_rows])
         except Exception as error:  # the batch failed: every request in it gets the error
             return [pb_utils.InferenceResponse(error=pb_utils.TritonError(f"multimodal_encoders: {error}"))
                     for _ in requests]
