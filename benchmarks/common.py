@@ -375,6 +375,7 @@ def load_script(name: str, folder: str = "scripts"):
 def _model_shapes() -> dict[str, dict]:
     """ModelConfig fields of the shapes the benchmarks run, by name (``--model``)."""
     from engine.executor.random_weights import GEMMA3_12B_SHAPE
+    from engine.ssm.spec import NEMOTRON_H_8B_SHAPE, NEMOTRON_H_TINY_SHAPE
 
     shapes = {
         "llama8b": dict(
@@ -415,6 +416,8 @@ def _model_shapes() -> dict[str, dict]:
             max_position_embeddings=8192, tie_word_embeddings=True,
         ),
         "gemma3_12b": GEMMA3_12B_SHAPE,
+        "nemotron_h_8b": NEMOTRON_H_8B_SHAPE,  # hybrid Mamba-2 (engine/ssm/): benchmarks/engine/hybrid_bench.py
+        "nemotron_h_tiny": NEMOTRON_H_TINY_SHAPE,
         "gemma3_tiny": dict(  # smoke tests with the Gemma 3 model on CPU
             GEMMA3_12B_SHAPE, vocab_size=512, hidden_size=64, num_layers=6, num_heads=4, num_kv_heads=2, head_dim=16,
             intermediate_size=128, sliding_window=16, max_position_embeddings=4096,

@@ -228,7 +228,8 @@ class Scheduler:
         # requests behind it go on meanwhile, adapter requests behind it wait in their order (were
         # they to take slots, the first might never get one), and all keep their place at the head.
         passed_over: list[Sequence] = []
-        while self.waiting and budget.seqs > 0 and len(self.running) < self.max_batch_size:
+        while (self.waiting and budget.seqs > 0 and len(self.running) < self.max_batch_size
+               and (self.state_slots is None or self.state_slots.num_free > 0)):
             seq = self.waiting[0]
             if self.policy == "guaranteed_no_evict" and not self._can_reserve(seq, promised):
                 break

@@ -8,12 +8,14 @@ size does not grow with the sequence: that is the memory advantage of these mode
 
 - The tensors are the model's (engine/ssm/hybrid.py ``allocate_states``): ``num_slots`` slots,
   allocated by the runner before the KV pool is sized, so the pool takes what the states leave
-  (they count in the one memory budget).
+  (they count in the one memory budget). There are max_batch_size slots, or on a GPU fewer when
+  those would take more than STATE_SHARE of the memory the KV pool may use (a long-context
+  deployment with a large max_batch_size: the scheduler then runs at most that many sequences).
 - ``StateSlots`` (here) hands slots out, pure Python: a sequence takes one when the scheduler
   starts running it (admission) and gives it back when it finishes, is cancelled or fails
   (Scheduler.finish) or is preempted (Scheduler._preempt: it recomputes its whole stream later,
-  from a fresh state, as its KV is recomputed). There are max_batch_size slots and never more
-  than max_batch_size running sequences, so admission never waits for a slot.
+  from a fresh state, as its KV is recomputed). The scheduler admits a sequence only while a slot
+  is free, so a running sequence always has one.
 - Each step's ForwardBatch carries the slot of each scheduled sequence (``state_slots``); a
   chunk that starts at position 0 starts from zeros, any later chunk from its slot's state, so
   chunked prefill carries the state between chunks. A slot freed while a step that still writes
@@ -28,7 +30,13 @@ model declares no adapted projections) and tensor parallelism (refused at build)
 """
 from __future__ import annotations
 
+import sys
+
 from engine.executor.executor_config import ExecutorConfigError
+
+# On a GPU the state slots take at most this share of the memory the KV pool may use
+# (kv_cache_free_gpu_mem_fraction of the free memory); the KV pool gets the rest.
+STATE_SHARE = 0.5
 
 
 class StateSlots:
@@ -74,7 +82,7 @@ def uses_state_cache(runner) -> bool:
     return getattr(getattr(runner, "model", None), "uses_state_cache", False)
 
 
-def start_state_cache(runner, num_slots: int, config) -> StateSlots | None:
+def start_state_cache(runner, max_batch_size: int, config) -> StateSlots | None:
     """Allocate the model's state slots (before the KV pool is sized) and refuse the executor
     settings a state cannot serve; None for models without recurrent state."""
     if not uses_state_cache(runner):
@@ -84,6 +92,16 @@ def start_state_cache(runner, num_slots: int, config) -> StateSlots | None:
         raise ExecutorConfigError(
             f"speculative decoding ({config.speculative.mode}) is not supported for {arch}: rejected draft tokens "
             "would need the Mamba layers' state rolled back; remove the speculative settings")
+    num_slots = max_batch_size
+    slot_bytes = runner.model.state_slot_bytes()
+    if runner.device.type == "cuda":
+        from engine.executor.device_memory import free_device_bytes
+
+        budget = int(free_device_bytes(runner.device) * config.kv_cache_free_gpu_mem_fraction * STATE_SHARE)
+        num_slots = max(1, min(max_batch_size, budget // slot_bytes))
+        print(f"[executor] {num_slots} Mamba state slots of {slot_bytes / 2**20:.1f} MiB "
+              f"({num_slots * slot_bytes / 2**30:.2f} GiB): at most {num_slots} sequences run at once",
+              file=sys.stderr, flush=True)
     runner.allocate_state_cache(num_slots)
     return StateSlots(num_slots)
 

@@ -149,21 +149,22 @@ class HybridForCausalLM(nn.Module):
     def _states(self, meta: AttentionMetadata, device) -> tuple[torch.Tensor, torch.Tensor, StepStates]:
         """This forward's state pools and StepStates. A CUDA graph's meta has no host lists: a
         decode-only step over ``meta.state_slots`` (padding rows -1, skipped). Without slots (engine
-        warm-up, memory profiling, before any request) sequence i uses slot i of the pool, or of
-        scratch states when the pool is smaller or not allocated yet."""
+        warm-up, memory profiling, before any request) sequence i uses slot i (modulo their number)
+        of the pool, or of scratch states when no pool is allocated."""
         if meta.cu_seqlens_q_host is None:
             return self.conv_states, self.ssm_states, StepStates(decode_slots=meta.state_slots)
         if meta.state_slots_host is not None:
             return self.conv_states, self.ssm_states, step_states(meta, meta.state_slots_host, meta.state_slots)
         num_seqs = len(meta.cu_seqlens_q_host) - 1
         conv, ssm = self.conv_states, self.ssm_states
-        if conv is None or conv.shape[1] < num_seqs:
+        if conv is None:
             s = self.spec
             conv = torch.zeros(self.num_state_layers, num_seqs, s.conv_dim, s.d_conv - 1, dtype=self.dtype,
                                device=device)
             ssm = torch.zeros(self.num_state_layers, num_seqs, s.num_heads, s.head_dim, s.d_state,
                               dtype=self.state_dtype(), device=device)
-        return conv, ssm, step_states(meta, list(range(num_seqs)), None)
+        # (sequences may share a slot here: what they leave in it is never read)
+        return conv, ssm, step_states(meta, [i % conv.shape[1] for i in range(num_seqs)], None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 attn_meta: AttentionMetadata) -> torch.Tensor:

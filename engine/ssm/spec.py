@@ -118,3 +118,34 @@ class SsmSpec:
         require(self.state_dtype is None or self.state_dtype in STATE_DTYPES,
                 f"state_dtype must be null or one of {', '.join(STATE_DTYPES)}, got {self.state_dtype!r}")
         return self
+
+
+def _nemotron_h_shape(**overrides) -> dict:
+    """ModelConfig fields of a dense Nemotron-H (benchmarks' random-weight engines: --model)."""
+    base = dict(hidden_size=4096, num_layers=52, num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=21504,
+                vocab_size=131072, mamba_heads=128, mamba_head_dim=64, n_groups=8, d_state=128, attention_every=13)
+    base.update(overrides)
+    layers = base["num_layers"]
+    # Nemotron-H-8B: 24 Mamba-2, 4 attention and 24 MLP layers; the positions of the attention layers
+    # are spread evenly here (a step's work and memory do not depend on where they sit).
+    blocks = []
+    for i in range(layers):
+        if (i + 1) % base["attention_every"] == 0:
+            blocks.append("attention")
+        else:
+            blocks.append("mamba" if len([b for b in blocks if b != "attention"]) % 2 == 0 else "mlp")
+    spec = SsmSpec(blocks=blocks, num_heads=base["mamba_heads"], head_dim=base["mamba_head_dim"], d_state=base["d_state"],
+                   n_groups=base["n_groups"], d_conv=4, dt_limit=[0.001, None], mlp_act="relu2", attention_rope=False,
+                   state_dtype="float32").validate()
+    return dict(architecture="NemotronHForCausalLM", vocab_size=base["vocab_size"], hidden_size=base["hidden_size"],
+                num_layers=layers, num_heads=base["num_heads"], num_kv_heads=base["num_kv_heads"],
+                head_dim=base["head_dim"], intermediate_size=base["intermediate_size"], norm_eps=1e-5,
+                max_position_embeddings=131072, hidden_act="silu", ssm=spec.to_dict())
+
+
+# Nemotron-H-8B's published shape (52 layers: 24 Mamba-2, 4 attention, 24 relu^2 MLP), and a tiny
+# one for CPU smoke runs of the benchmarks.
+NEMOTRON_H_8B_SHAPE = _nemotron_h_shape()
+NEMOTRON_H_TINY_SHAPE = _nemotron_h_shape(hidden_size=64, num_layers=8, num_heads=4, num_kv_heads=2, head_dim=16,
+                                          intermediate_size=128, vocab_size=512, mamba_heads=4, mamba_head_dim=16,
+                                          n_groups=2, d_state=16, attention_every=4)

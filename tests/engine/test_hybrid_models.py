@@ -31,7 +31,7 @@ from engine.executor.runner import ForwardBatch, ModelRunner
 from hybrid_testing import HYBRIDS, VOCAB, hf_greedy, tiny_hybrid
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "executor"))
-from executor_testing import collect, final_tokens  # noqa: E402
+from executor_testing import collect, fake_update, final_tokens, make_seq  # noqa: E402
 
 FAMILIES = list(HYBRIDS)
 PROMPT_LENGTHS = (5, 17, 40, 300)
@@ -119,6 +119,27 @@ def test_cancel_frees_state_slots_and_refusals(hybrid):
     assert "num_return_sequences 2" in errors[1]
     with pytest.raises(ExecutorConfigError, match="speculative decoding"):
         Executor(engine_dir, ExecutorConfig(speculative=SpeculativeConfig("ngram")))
+
+
+def test_scheduler_runs_no_more_sequences_than_state_slots():
+    """Fewer slots than max_batch_size (a GPU's memory cap, state_cache.STATE_SHARE): the rest wait
+    for a slot, and every slot is free once all have finished."""
+    from engine.executor.kv_cache import BlockManager
+    from engine.executor.scheduler import Scheduler
+    from engine.executor.state_cache import StateSlots
+
+    slots = StateSlots(2)
+    scheduler = Scheduler(BlockManager(64, 4, enable_reuse=False), max_batch_size=8, max_num_tokens=64,
+                          state_slots=slots)
+    for n in (3, 5, 7, 9):
+        scheduler.add(make_seq(list(range(1, n + 1)), max_tokens=3))
+    most = 0
+    while scheduler.has_unfinished:
+        out = scheduler.schedule()
+        most = max(most, len(scheduler.running))
+        assert sorted(slots.slots_of(out.scheduled)) == sorted(set(slots.slots_of(out.scheduled)))
+        fake_update(scheduler, out)
+    assert most == 2 and slots.num_used == 0
 
 
 def test_tensor_parallel_build_is_refused(tmp_path):
