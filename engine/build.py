@@ -35,6 +35,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from engine.config import (
+    INT8_SQ,
     MAX_DEFAULT_SEQ_LEN,
     BuildConfig,
     ConfigError,
@@ -66,6 +67,7 @@ from engine.weight_only.checkpoint_formats import QuantizedLinearReader, checkpo
 from engine.weight_only.convert import (CheckpointStandIns, build_time_quantize, checkpoint_integer_weights,
                                        resolve_group_size)
 from kernels.fp8 import quantize_weight
+from kernels.int8_sq import quantize_weight_int8
 from kernels.fp8_block import blocks, quantize_blocks
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -75,7 +77,10 @@ def check_quantization_supported(model: ModelConfig, build: BuildConfig) -> None
     """ConfigError naming the families that take ``build.quantization`` when this one does not."""
     if build.quantization is None:
         return
-    takes = (lambda f: f.weight_only) if build.weight_only else (lambda f: f.fp8)
+    if build.quantization == INT8_SQ:  # SmoothQuant's layer plan is engine/weight_only/awq.py's, Llama-style
+        takes = lambda f: f.module == "engine.models.llama"  # noqa: E731
+    else:
+        takes = (lambda f: f.weight_only) if build.weight_only else (lambda f: f.fp8)
     if not takes(get_family(model.architecture)):
         raise ConfigError(f"quantization {build.quantization} is not supported for {model.architecture}; it is for "
                           + ", ".join(f.architecture for f in MODEL_FAMILIES if takes(f)))
@@ -108,20 +113,22 @@ def fp8_weight_names(names) -> list[str]:
 
 
 def quantize_rank_weights(weights: dict[str, torch.Tensor], names: list[str],
-                          source_scales: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+                          source_scales: dict[str, torch.Tensor] | None = None, *, int8: bool = False
+                          ) -> dict[str, torch.Tensor]:
     """FP8: every weight the model declares a ``<name>_scale`` for becomes E4M3 with per-output-channel
     scales (kernels/fp8.py; experts (E, N, K): per row of each expert), quantized from this rank's
     shard; the rest is left as converted. ``source_scales``: row scales of weights that were FP8 in the
     checkpoint (engine/fp8_checkpoint.py), kept as they are so those weights' values are not rounded a
-    second time."""
+    second time. ``int8``: int8 codes per output channel instead (int8_sq, kernels/int8_sq.py)."""
     scaled = set(fp8_weight_names(names))
     source_scales = source_scales or {}
     out = {}
     for name, tensor in weights.items():
         if name in scaled:
             scale = source_scales.get(name)
-            codes, row_scales = quantize_weight(tensor.reshape(-1, tensor.shape[-1]),
-                                                None if scale is None else scale.reshape(-1))
+            rows = tensor.reshape(-1, tensor.shape[-1])
+            codes, row_scales = quantize_weight_int8(rows.float()) if int8 else \
+                quantize_weight(rows, None if scale is None else scale.reshape(-1))
             out[name], out[name + "_scale"] = codes.view(tensor.shape), row_scales.view(tensor.shape[:-1])
         else:
             out[name] = tensor
@@ -198,6 +205,8 @@ def write_engine(output_dir: str, model: ModelConfig, build: BuildConfig, get: T
         if build.quantization == "fp8":
             source_scales = rank_row_scales(fp8_source, model, rank, build.tp_size) if fp8_source else None
             weights = quantize_rank_weights(weights, names, source_scales)
+        elif build.quantization == INT8_SQ:
+            weights = quantize_rank_weights(weights, names, int8=True)
         elif build.weight_only is not None:
             carried = checkpoint_integer_weights(integer_source, model, build, rank, names) if integer_source else {}
             weights = build_time_quantize(weights, names, build.weight_only, skip=set(carried))
@@ -367,6 +376,9 @@ def build_from_hf(hf_config, get: TensorGetter, tokenizer, output_dir: str, buil
     if build.quantization == "int4_awq" and integer_quant is None:
         get = awq_getter(hf_config, get, tokenizer, build, calibration_tokens, source)
         extra["source_quantization"] = "AWQ scales calibrated at build (engine/weight_only/awq.py)"
+    if build.quantization == INT8_SQ:
+        get = smoothquant_getter(hf_config, get, tokenizer, calibration_tokens, source)
+        extra["source_quantization"] = "SmoothQuant scales calibrated at build (engine/weight_only/smoothquant.py)"
     if strategy is not None:
         # An FP8 checkpoint builds an FP8 engine: its weights exist only as E4M3 values, and
         # widening them to --dtype would double the bytes without adding a digit.
@@ -422,11 +434,7 @@ def with_checkpoint_scheme(build: BuildConfig, quant, source: str) -> BuildConfi
 def awq_getter(hf_config, get: TensorGetter, tokenizer, build: BuildConfig, calibration_tokens: int,
                source: str = "") -> TensorGetter:
     """The float weights with AWQ's activation-aware scales folded in (engine/weight_only/awq.py),
-    calibrated on the model itself in float32: on the GPU when there is one. A checkpoint directory
-    loads through transformers (which stacks per-expert tensors as its MoE modules hold them);
-    other sources (a GGUF's model, a state dict) fill a model of ``hf_config`` through ``get``."""
-    from transformers import AutoModelForCausalLM
-
+    calibrated on the model itself in float32 (``_calibration_model``)."""
     from engine.weight_only.awq import awq_transform
 
     if build.weight_only.group_size == 0:
@@ -434,6 +442,33 @@ def awq_getter(hf_config, get: TensorGetter, tokenizer, build: BuildConfig, cali
     if tokenizer is None:
         raise ConfigError("--quantization int4_awq calibrates on text, and the checkpoint has no tokenizer; "
                           "add the tokenizer files, or use --quantization int4_wo")
+    hf_model, device = _calibration_model(hf_config, get, source)
+    transformed = awq_transform(hf_model, tokenizer, bits=4, group_size=build.weight_only.group_size,
+                                max_tokens=calibration_tokens, device=device)
+    return getter_from_state_dict({k: v.cpu() for k, v in transformed.items()}, "AWQ-scaled weights")
+
+
+def smoothquant_getter(hf_config, get: TensorGetter, tokenizer, calibration_tokens: int,
+                       source: str = "") -> TensorGetter:
+    """The float weights with SmoothQuant's smoothing scales folded in (alpha 0.5,
+    engine/weight_only/smoothquant.py), calibrated like AWQ's on the built-in text."""
+    from engine.weight_only.smoothquant import smoothquant_transform
+
+    if tokenizer is None:
+        raise ConfigError("--quantization int8_sq calibrates on text, and the checkpoint has no tokenizer; "
+                          "add the tokenizer files, or use --quantization fp8 or int8_wo")
+    hf_model, device = _calibration_model(hf_config, get, source)
+    transformed = smoothquant_transform(hf_model, tokenizer, max_tokens=calibration_tokens, device=device)
+    return getter_from_state_dict({k: v.cpu() for k, v in transformed.items()}, "SmoothQuant-scaled weights")
+
+
+def _calibration_model(hf_config, get: TensorGetter, source: str):
+    """(transformers' float32 model of the checkpoint, the device to calibrate on: the GPU when there
+    is one). A checkpoint directory loads through transformers (which stacks per-expert tensors as
+    its MoE modules hold them); other sources (a GGUF's model, a state dict) fill a model of
+    ``hf_config`` through ``get``."""
+    from transformers import AutoModelForCausalLM
+
     if source and os.path.isdir(source):
         hf_model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     else:
@@ -448,9 +483,7 @@ def awq_getter(hf_config, get: TensorGetter, tokenizer, build: BuildConfig, cali
         hf_model.load_state_dict(state, strict=False)
         hf_model.tie_weights()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    transformed = awq_transform(hf_model.to(device), tokenizer, bits=4, group_size=build.weight_only.group_size,
-                                max_tokens=calibration_tokens, device=device)
-    return getter_from_state_dict({k: v.cpu() for k, v in transformed.items()}, "AWQ-scaled weights")
+    return hf_model.to(device), device
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -474,7 +507,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max_num_tokens", type=int, default=None,
                    help="tokens per forward step; default: max(8192, max_input_len), at most "
                         "max_batch_size * max_seq_len")
-    p.add_argument("--quantization", choices=["fp8", "fp8_block", "int8_wo", "int4_wo", "int4_awq"], default=None,
+    p.add_argument("--quantization", choices=["fp8", "fp8_block", "int8_wo", "int4_wo", "int4_awq", "int8_sq"],
+                   default=None,
                    help="fp8: FP8 E4M3 weights with per-output-channel scales for every linear layer of the "
                         "decoder blocks and the experts, activations quantized per token at run time (Llama "
                         "family, mixture-of-experts models); fp8_block: FP8 E4M3 with one scale per 128 x 128 "
@@ -484,13 +518,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "groups of 128 input columns with zero points, round to nearest; int4_awq: int4_wo after "
                         "AWQ's activation-aware scaling, calibrated on a built-in text (Llama family and "
                         "mixture-of-experts models). Embeddings, norms and lm_head stay in --dtype. A checkpoint "
-                        "that ships AWQ, GPTQ or compressed-tensors integer weights builds in its own scheme")
+                        "that ships AWQ, GPTQ or compressed-tensors integer weights builds in its own scheme. "
+                        "int8_sq: SmoothQuant W8A8 INT8 (int8 weights per output channel after smoothing scales "
+                        "calibrated on the built-in text with alpha 0.5, int8 activations per token; Llama-style "
+                        "dense families)")
     p.add_argument("--group_size", type=int, default=None,
                    help="int8_wo/int4_wo/int4_awq: input columns per scale group (32, 64, 128, 256) or 0 for one "
                         "group per output channel; default: 128 for int4 (64 or 32 where 128 does not divide a "
                         "layer's width), per channel for int8")
     p.add_argument("--calib_tokens", type=int, default=512,
-                   help="int4_awq: tokens of the built-in calibration text the scales are searched on")
+                   help="int4_awq / int8_sq: tokens of the built-in calibration text the scales are calibrated on")
     p.add_argument("--mxfp4_experts", choices=MXFP4_EXPERTS, default="keep",
                    help="a checkpoint with MXFP4 experts (gpt-oss): keep them as MXFP4 codes and scales "
                         "(~4.25 bits a weight, kernels/fused_moe_mxfp4.py), or widen them to --dtype, exactly")

@@ -21,7 +21,10 @@ READABLE_FORMAT_VERSIONS = (1, 2, 3, 4)
 # round-to-nearest quantization stores zero points (asymmetric) or not.
 WEIGHT_ONLY_BITS = {"int8_wo": 8, "int4_wo": 4, "int4_awq": 4}
 FP8_QUANTIZATIONS = ("fp8", "fp8_block")
-QUANTIZATIONS = FP8_QUANTIZATIONS + tuple(WEIGHT_ONLY_BITS)
+# SmoothQuant W8A8 INT8 (kernels/int8_sq.py, engine/weight_only/smoothquant.py): int8 weights per
+# output channel, int8 activations per token, smoothing scales calibrated at build.
+INT8_SQ = "int8_sq"
+QUANTIZATIONS = FP8_QUANTIZATIONS + tuple(WEIGHT_ONLY_BITS) + (INT8_SQ,)
 # Group sizes the kernels take (columns of K sharing a scale and zero); 0 = one group per output row.
 WEIGHT_ONLY_GROUP_SIZES = (0, 32, 64, 128, 256)
 DEFAULT_GROUP_SIZE = {8: 0, 4: 128}
@@ -479,7 +482,9 @@ class BuildConfig:
     # run time (kernels/fp8.py). "fp8_block": the scheme of block-FP8 checkpoints (DeepSeek-V3,
     # Qwen3-*-FP8): one scale per 128 x 128 block of each weight, activations quantized per token
     # and 128-column group (kernels/fp8_block.py); a layer the checkpoint left unquantized keeps its
-    # weight in ``dtype``. Embeddings, norms, routers and the lm_head stay in ``dtype``.
+    # weight in ``dtype``. "int8_sq": SmoothQuant W8A8 INT8, int8 weights per output channel of the
+    # SmoothQuant-smoothed model, int8 activations per token (kernels/int8_sq.py). Embeddings, norms,
+    # routers and the lm_head stay in ``dtype``.
     quantization: str | None = None
     # Integer weight-only schemes (int8_wo, int4_wo, int4_awq; or read from an AWQ/GPTQ/compressed-
     # tensors checkpoint): input columns per scale group, 0 = per output channel; None = the

@@ -114,7 +114,8 @@ def _mma_asm(nb: int, fp16: bool) -> str:
         d = ", ".join(f"${4 * b + i}" for i in range(4))
         bb = f"${w + 1 + 2 * b}, ${w + 2 + 2 * b}"
         c = ", ".join(f"${w + 1 + 2 * nb + 4 * b + i}" for i in range(4))
-        lines.append(f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.f32 {{{d}}}, {{a0, a1, a2, a3}}, {{{bb}}}, {{{c}}};")
+        lines.append(f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.f32 "
+                     f"{{{d}}}, {{a0, a1, a2, a3}}, {{{bb}}}, {{{c}}};")
     return "\n".join(lines + ["}"])
 
 

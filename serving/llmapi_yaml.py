@@ -18,7 +18,7 @@ from typing import Any
 BACKENDS = ("pytorch", "tensorrt", "trt")  # accepted names; our engine serves all of them the same
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANT_ALGOS = {"FP8": "fp8", "FP8_BLOCK_SCALES": "fp8_block", "W8A16": "int8_wo", "W4A16": "int4_wo",
-               "W4A16_AWQ": "int4_awq"}
+               "W4A16_AWQ": "int4_awq", "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN": "int8_sq"}
 KV_CACHE_QUANT_ALGOS = {"FP8": "fp8"}
 KV_CACHE_KEYS = ("free_gpu_memory_fraction", "enable_block_reuse", "max_tokens", "dtype", "host_cache_size",
                  "onboard_blocks")

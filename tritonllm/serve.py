@@ -234,7 +234,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
                             "`tritonllm serve CHECKPOINT` takes it as the first argument")
     model.add_argument("--served_model_name", default=None, help="the OpenAI API's model name (default: the "
                                                                  "checkpoint's directory or file name)")
-    model.add_argument("--quantization", choices=["fp8", "fp8_block", "int8_wo", "int4_wo", "int4_awq"], default=None)
+    model.add_argument("--quantization", choices=["fp8", "fp8_block", "int8_wo", "int4_wo", "int4_awq", "int8_sq"],
+                       default=None)
     model.add_argument("--kv_cache_dtype", choices=["auto", "fp8"], default=None)
     model.add_argument("--tp", "--tp_size", dest="tp", type=int, default=1,
                        help="tensor-parallel ranks (leader mode through the launcher)")

@@ -30,10 +30,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import WeightOnlyScheme
+from engine.config import INT8_SQ, WeightOnlyScheme
 from kernels.fp8 import (FP8_DTYPE, QuantizedRows, ScaledProduct, apply_scales, fp8_gated_linear, fp8_linear,
                          quantizes_activations, rms_norm_quantized)
 from kernels.fp8_block import blocks, fp8_block_linear
+from kernels.int8_sq import int8_linear
 from kernels.activation import silu_and_mul
 from kernels.linear import gated_linear, linear, linear_float32_out
 from kernels.rmsnorm import qk_rms_norm, rms_norm
@@ -117,7 +118,7 @@ def _empty(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
-LinearQuantization = str | WeightOnlyScheme | None  # None, "fp8", "fp8_block", or an integer weight-only scheme
+LinearQuantization = str | WeightOnlyScheme | None  # None, "fp8", "fp8_block", "int8_sq", or a weight-only scheme
 
 
 class Linear(nn.Module):
@@ -131,6 +132,9 @@ class Linear(nn.Module):
     kernels/fp8_block.py (activations per token and 128-column group). A layer the checkpoint left
     unquantized is loaded with its weight in the model dtype (its weight_scale, all ones, is unread):
     the weight's dtype says which product runs.
+
+    ``quantization="int8_sq"``: weight is int8 with ``weight_scale`` (out_local,) float32 per output
+    channel, activations int8 per token (SmoothQuant W8A8, kernels/int8_sq.py; the bias stays in dtype).
 
     ``quantization=WeightOnlyScheme``: integer codes (kernels/wna16.py): ``weight`` uint8
     (out_local, in_local * bits / 8), ``weight_scale`` float32 and ``weight_zero`` uint8, both
@@ -146,8 +150,8 @@ class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype: torch.dtype, device=None,
                  quantization: LinearQuantization = None):
         super().__init__()
-        if not (quantization in (None, "fp8", "fp8_block") or isinstance(quantization, WeightOnlyScheme)):
-            raise ValueError(f"quantization {quantization!r} is not supported; allowed: fp8, fp8_block, a "
+        if not (quantization in (None, "fp8", "fp8_block", INT8_SQ) or isinstance(quantization, WeightOnlyScheme)):
+            raise ValueError(f"quantization {quantization!r} is not supported; allowed: fp8, fp8_block, int8_sq, a "
                              "weight-only integer scheme, or none")
         self.in_features, self.out_features = in_features, out_features
         self.weight_only = quantization if isinstance(quantization, WeightOnlyScheme) else None
@@ -162,12 +166,14 @@ class Linear(nn.Module):
             if scheme.act_order:
                 self.input_perm = _empty(in_features, dtype=torch.int32, device=device)
         else:
-            weight_dtype = FP8_DTYPE if quantization in ("fp8", "fp8_block") else dtype
+            weight_dtype = FP8_DTYPE if quantization in ("fp8", "fp8_block") else torch.int8 \
+                if quantization == INT8_SQ else dtype
             self.weight = _empty(out_features, in_features, dtype=weight_dtype, device=device)
             blocked = quantization == "fp8_block"
             scale_shape = (blocks(out_features), blocks(in_features)) if blocked else (out_features,)
             self.weight_scale = _empty(*scale_shape, dtype=torch.float32, device=device) if quantization else None
         self.block_scales = quantization == "fp8_block"
+        self.int8 = quantization == INT8_SQ
         self.dtype = dtype
         self.bias = _empty(out_features, dtype=dtype, device=device) if bias else None
         self.lora: LinearLora | None = None
@@ -176,7 +182,7 @@ class Linear(nn.Module):
     @property
     def is_fp8(self) -> bool:
         """Per-channel FP8 (the W8A8 path whose input may come as QuantizedRows)."""
-        return self.weight_scale is not None and self.weight_only is None and not self.block_scales
+        return self.weight_scale is not None and self.weight_only is None and not self.block_scales and not self.int8
 
     @torch.no_grad()
     def prepare_weights(self) -> None:
@@ -206,6 +212,8 @@ class Linear(nn.Module):
             if self.input_perm is not None and self._permutes_input:
                 x = x.index_select(-1, self.input_perm)
             return wna16_linear(x, self.wna16, bias)
+        if self.int8:
+            return int8_linear(x, self.weight, self.weight_scale, bias)
         if self.block_scales and self.weight.dtype == FP8_DTYPE:
             return fp8_block_linear(x, self.weight, self.weight_scale, bias)
         if self.weight_scale is not None and not self.block_scales:
@@ -228,7 +236,7 @@ class Linear(nn.Module):
             gate_up = self._product(x, None)
             self.lora.add(x, gate_up, lora)
             return silu_and_mul(gate_up)
-        if self.weight_only is not None or self.block_scales:
+        if self.weight_only is not None or self.block_scales or self.int8:
             return silu_and_mul(self._product(x, None))
         if self.weight_scale is not None:
             return fp8_gated_linear(x, self.weight, self.weight_scale, quantize_output=quantize_output)

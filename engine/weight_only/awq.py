@@ -332,20 +332,22 @@ def _capture_inputs(layer: nn.Module, modules: list[nn.Module], hidden: torch.Te
 
 @torch.no_grad()
 def transform_layer(layer: nn.Module, plan: LayerPlan, hidden: torch.Tensor, call, *, bits: int,
-                    group_size: int, clip: bool, where: str) -> torch.Tensor:
+                    group_size: int, clip: bool, where: str, scale_fn=None) -> torch.Tensor:
     """Fold AWQ's scales into ``layer`` (float32, in place) and clip it; returns the layer's original
-    output, the next layer's input."""
+    output, the next layer's input. ``scale_fn(x, weight)``: the scales of a group from its input
+    rows and stacked weights instead of AWQ's search (SmoothQuant's closed form)."""
     output, inputs = _capture_inputs(layer, plan.captured, hidden, call)
     for group in plan.groups:
         x = inputs[group.consumers[0]]
         weight = torch.cat([linear.weight.data for linear in group.consumers])
-        scale = search_scale(x, weight, bits, group_size)
+        scale = search_scale(x, weight, bits, group_size) if scale_fn is None else scale_fn(x, weight)
         fold_scale(group, scale, inputs.get(group.producer))
         for linear in group.consumers:  # what each consumer reads from now on
             inputs[linear] = inputs[linear] / scale
     change = (_run_layer(layer, hidden, call) - output).abs().max() / output.abs().max().clamp(min=1e-30)
     if change > FOLD_TOLERANCE:
-        raise ConfigError(f"{where}: folding AWQ's scales changed the layer's output by {change:.2e} (relative); "
+        raise ConfigError(f"{where}: folding the smoothing scales changed the layer's output by {change:.2e} "
+                          "(relative); "
                           "its wiring differs from the Llama-style layout this transform assumes")
     if clip:
         for target in plan.clip:
@@ -358,13 +360,14 @@ def transform_layer(layer: nn.Module, plan: LayerPlan, hidden: torch.Tensor, cal
 
 
 def awq_transform(hf_model, tokenizer, *, bits: int = 4, group_size: int = 128, text: str | None = None,
-                  max_tokens: int = 512, device=None, progress: bool = False, clip: bool = True
-                  ) -> dict[str, torch.Tensor]:
+                  max_tokens: int = 512, device=None, progress: bool = False, clip: bool = True, scale_fn=None,
+                  name: str = "AWQ") -> dict[str, torch.Tensor]:
     """The model's state dict (HF names, float32) with AWQ's scales folded in and weights clipped.
 
     ``hf_model`` is not modified: each decoder layer is transformed on a float32 copy on ``device``
     (CPU by default). ``text`` replaces the built-in calibration sample; ``clip=False`` folds the
-    scales only (the float model's function is then unchanged up to rounding).
+    scales only (the float model's function is then unchanged up to rounding). ``scale_fn``: see
+    ``transform_layer`` (engine/weight_only/smoothquant.py); ``group_size`` 0 skips the group check.
     """
     device = torch.device(device or "cpu")
     architecture = architecture_name(hf_model)
@@ -375,13 +378,14 @@ def awq_transform(hf_model, tokenizer, *, bits: int = 4, group_size: int = 128, 
     input_ids = calibration_ids(tokenizer, CALIBRATION_TEXT if text is None else text, max_tokens)
     hidden, calls = layer_calls(hf_model, layers, input_ids)
     hidden = _to_device(hidden, device)
-    for index in tqdm(range(len(layers)), desc="AWQ", unit="layer", disable=not progress):
+    for index in tqdm(range(len(layers)), desc=name, unit="layer", disable=not progress):
         layer = copy.deepcopy(layers[index]).to(device=device, dtype=torch.float32).eval()
         plan = layer_plan(layer, text_config, architecture)
         where = f"{architecture} layer {index}"
-        _check_group_sizes(layer, plan, group_size, where)
+        if group_size:
+            _check_group_sizes(layer, plan, group_size, where)
         hidden = transform_layer(layer, plan, hidden, _to_device(calls[index], device), bits=bits,
-                                 group_size=group_size, clip=clip, where=where)
+                                 group_size=group_size, clip=clip, where=where, scale_fn=scale_fn)
         for name, tensor in layer.state_dict().items():
             if f"{prefix}.{index}.{name}" in state:
                 state[f"{prefix}.{index}.{name}"] = tensor.detach().to("cpu", torch.float32).clone()
