@@ -1,0 +1,58 @@
+"""M-RoPE (Qwen2-VL's multimodal rotary positions): each prompt token has three positions,
+(temporal, height, width), and each of the head's frequency sections rotates by one of them.
+
+``rope_positions(ids, image_rows, grids, merge)``: a prompt's (3, L) positions and its
+``mrope_position_delta``. Text tokens count up, all three equal; an image's rows take
+(start, start + row, start + column) over its merged (h / merge) x (w / merge) grid (start + frame
+for the temporal one), and the text after it resumes at start + max(h, w) / merge. Generated
+token i (0-based, after a prompt of L tokens) is at L + i + delta in all three: a plain rotary
+position. That is the whole hook the engine needs: every token whose three positions are equal
+(all text, every decode step) rotates as ordinary RoPE at that position, and only image rows need
+rows of their own (``mrope_cos_sin``), which the anchor's ``mrope_rotary_cos_sin`` input carries.
+
+``mrope_cos_sin(positions, head_dim, theta, sections)``: (L, head_dim) cos and sin, as
+transformers' Qwen2VLRotaryEmbedding: frequency block j of ``sections`` (e.g. [16, 24, 24] of
+head_dim / 2) takes position row j % 3, then the halves repeat (rotate_half pairing).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def rope_positions(ids: list[int], image_token_id: int, grids: list[list[int]], merge: int
+                   ) -> tuple[torch.Tensor, int]:
+    """(positions (3, len(ids)) int64, mrope_position_delta). ``ids`` holds each image's rows as one
+    run of ``image_token_id`` (Qwen2-VL's prompts put <|vision_start|> and <|vision_end|> around
+    each), the images in ``grids`` order ((t, h, w) patch grids). A run whose length is not its
+    grid's rows is a ValueError."""
+    pieces, position, index, grids_left = [], 0, 0, iter(grids)
+    while index < len(ids):
+        image, end = ids[index] == image_token_id, index
+        while end < len(ids) and (ids[end] == image_token_id) == image:
+            end += 1
+        if image:
+            t, h, w = next(grids_left, (0, 0, 0))
+            rows, columns = h // merge, w // merge
+            if t * rows * columns != end - index:
+                raise ValueError(f"an image placeholder run of {end - index} tokens at position {index} does not "
+                                 f"match its grid {(t, h, w)} ({t * rows * columns} rows after {merge}x{merge} merging)")
+            grid = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(rows), torch.arange(columns),
+                                              indexing="ij")).reshape(3, -1)
+            pieces.append(grid + position)
+            position += max(rows, columns)
+        else:
+            pieces.append(torch.arange(position, position + end - index).expand(3, -1))
+            position += end - index
+        index = end
+    positions = torch.cat(pieces, dim=1) if pieces else torch.zeros(3, 0, dtype=torch.int64)
+    return positions, (int(positions.max()) + 1 - len(ids)) if len(ids) else 0
+
+
+def mrope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, sections: list[int]
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions (3, L) -> cos, sin (L, head_dim) fp32."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    angles = positions.float()[..., None] * inv_freq  # (3, L, head_dim / 2)
+    angles = torch.cat([block[j % 3] for j, block in enumerate(angles.split(list(sections), dim=-1))], dim=-1)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()

@@ -1,0 +1,140 @@
+"""Qwen2-VL's vision tower: dynamic-resolution patches, 2-D rotary attention within each image, and
+the 2 x 2 patch merger into the language model's width.
+
+``image_features(pixel_values, image_grid_thw)``: the patches of every image as the image
+processor flattens them, (total patches, channels * temporal_patch * patch * patch), and each image's
+(t, h, w) grid of patches -> each image's rows (t * h * w / merge**2, text_hidden), as transformers'
+Qwen2VLModel.get_image_features. The processor orders an image's patches block-major over merge x
+merge blocks, so four consecutive patches are one merged row.
+
+Per block: x + attn(LayerNorm(x)), x + mlp(LayerNorm(x)); attention is bidirectional within one
+image frame (the images' frames are sequences of their own), with rotary over the head dims: the
+first half of the frequencies from the patch's row, the second from its column (``axial_cos_sin``).
+
+Not built yet: Qwen2.5-VL's window attention, RMSNorm and SwiGLU blocks; the language model's
+M-RoPE in the engine (engine/vision/mrope.py computes its positions and rotary tables).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.hf_checkpoint import TensorGetter
+from engine.vision.clip import activation, first_found
+
+MODEL_TYPE = "qwen2_vl"  # builder_config.model_type, as the anchor names it
+PREFIXES = ("visual.", "model.visual.")
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat([-second, first], dim=-1)
+
+
+def axial_cos_sin(grid_thw: list[list[int]], merge: int, head_dim: int, theta: float,
+                  device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin), each (total patches, head_dim) fp32: per patch, its (row, column) in the image's
+    grid, taken in the processor's block-major order, rotating the head's quarters by row and by
+    column frequencies (then repeated for the second half, as rotate_half pairs them)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim // 2, 2, dtype=torch.float, device=device) / (head_dim // 2)))
+    positions = []
+    for t, h, w in grid_thw:
+        rows, columns = torch.meshgrid(torch.arange(h, device=device), torch.arange(w, device=device), indexing="ij")
+        blocks = (h // merge, merge, w // merge, merge)
+        rows = rows.reshape(blocks).transpose(1, 2).flatten()
+        columns = columns.reshape(blocks).transpose(1, 2).flatten()
+        positions.append(torch.stack([rows, columns], dim=-1).repeat(t, 1))
+    angles = torch.cat(positions).float()[..., None] * inv_freq  # (patches, 2, head_dim // 4)
+    angles = torch.cat([angles[:, 0], angles[:, 1]], dim=-1)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+class Qwen2VisionBlock(nn.Module):
+    def __init__(self, config: dict, dtype=None, device=None):
+        super().__init__()
+        dim, hidden = config["embed_dim"], int(config["embed_dim"] * config["mlp_ratio"])
+        self.num_heads = config["num_heads"]
+        self.norm1 = nn.LayerNorm(dim, eps=1e-6, dtype=dtype, device=device)
+        self.qkv = nn.Linear(dim, 3 * dim, dtype=dtype, device=device)
+        self.proj = nn.Linear(dim, dim, dtype=dtype, device=device)
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6, dtype=dtype, device=device)
+        self.fc1 = nn.Linear(dim, hidden, dtype=dtype, device=device)
+        self.fc2 = nn.Linear(hidden, dim, dtype=dtype, device=device)
+        self.act = activation(config["hidden_act"])
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        """x: (patches, dim); cos, sin: (patches, head_dim); lengths: each frame's patches, in order."""
+        tokens = x.shape[0]
+        q, k, v = self.qkv(self.norm1(x)).view(tokens, 3, self.num_heads, -1).unbind(1)  # (patches, heads, d)
+        q = (q.float() * cos[:, None] + rotate_half(q.float()) * sin[:, None]).to(v.dtype)
+        k = (k.float() * cos[:, None] + rotate_half(k.float()) * sin[:, None]).to(v.dtype)
+        out = torch.cat([F.scaled_dot_product_attention(qi.transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1))
+                         .transpose(0, 1) for qi, ki, vi in zip(q.split(lengths), k.split(lengths), v.split(lengths))])
+        x = x + self.proj(out.reshape(tokens, -1))
+        return x + self.fc2(self.act(self.fc1(self.norm2(x))))
+
+
+class Qwen2VisionEncoder(nn.Module):
+    def __init__(self, config: dict, dtype=None, device=None):
+        super().__init__()
+        vision = config["qwen2_vl"]
+        self.config = vision
+        dim = vision["embed_dim"]
+        patch = vision["in_channels"] * vision["temporal_patch_size"] * vision["patch_size"] ** 2
+        # The Conv3d of kernel = stride = the patch, on one flattened patch: a linear map (no bias)
+        self.patch_embed = nn.Linear(patch, dim, bias=False, dtype=dtype, device=device)
+        self.blocks = nn.ModuleList(Qwen2VisionBlock(vision, dtype, device) for _ in range(vision["depth"]))
+        merged = dim * vision["spatial_merge_size"] ** 2
+        self.merger_norm = nn.LayerNorm(dim, eps=1e-6, dtype=dtype, device=device)
+        self.merger_fc1 = nn.Linear(merged, merged, dtype=dtype, device=device)
+        self.merger_fc2 = nn.Linear(merged, vision["hidden_size"], dtype=dtype, device=device)
+        self.num_image_tokens = None  # depends on each image's grid
+
+    @torch.inference_mode()
+    def image_features(self, pixel_values: torch.Tensor, image_grid_thw, tiled=None) -> list[torch.Tensor]:
+        grids = [[int(v) for v in grid] for grid in image_grid_thw]
+        c = self.config
+        merge = c["spatial_merge_size"]
+        if sum(t * h * w for t, h, w in grids) != pixel_values.shape[0]:
+            raise ValueError(f"pixel values hold {pixel_values.shape[0]} patches, but the grids {grids} make "
+                             f"{sum(t * h * w for t, h, w in grids)}; send them as the image processor made them")
+        x = self.patch_embed(pixel_values.to(self.patch_embed.weight.dtype).reshape(pixel_values.shape[0], -1))
+        cos, sin = axial_cos_sin(grids, merge, c["embed_dim"] // c["num_heads"], c["rope_theta"], x.device)
+        lengths = [h * w for t, h, w in grids for _ in range(t)]  # attention within each frame
+        for block in self.blocks:
+            x = block(x, cos, sin, lengths)
+        x = self.merger_norm(x).view(-1, c["embed_dim"] * merge ** 2)
+        rows = self.merger_fc2(F.gelu(self.merger_fc1(x)))
+        return list(rows.split([t * h * w // merge ** 2 for t, h, w in grids]))
+
+
+def encoder_config(hf_config) -> dict:
+    vision = hf_config.vision_config
+    rope = getattr(vision, "rope_parameters", None) or {}
+    return {
+        "qwen2_vl": {"embed_dim": vision.embed_dim, "depth": vision.depth, "num_heads": vision.num_heads,
+                     "mlp_ratio": vision.mlp_ratio, "hidden_act": vision.hidden_act, "in_channels": vision.in_channels,
+                     "patch_size": vision.patch_size, "temporal_patch_size": vision.temporal_patch_size,
+                     "spatial_merge_size": vision.spatial_merge_size, "hidden_size": vision.hidden_size,
+                     "rope_theta": rope.get("rope_theta", 10000.0)},
+        "num_image_tokens": None,  # rows per image: t * h * w / merge**2 of its grid
+        "image_token_index": getattr(hf_config, "image_token_id", None),
+    }
+
+
+def encoder_weights(get: TensorGetter, config: dict) -> dict[str, torch.Tensor]:
+    def hf(name: str) -> torch.Tensor:
+        return first_found(get, [prefix + name for prefix in PREFIXES])
+
+    weights = {"patch_embed.weight": hf("patch_embed.proj.weight").flatten(1),
+               "merger_norm.weight": hf("merger.ln_q.weight"), "merger_norm.bias": hf("merger.ln_q.bias")}
+    for part in ("weight", "bias"):
+        weights[f"merger_fc1.{part}"] = hf(f"merger.mlp.0.{part}")
+        weights[f"merger_fc2.{part}"] = hf(f"merger.mlp.2.{part}")
+        for i in range(config["qwen2_vl"]["depth"]):
+            for ours, theirs in (("norm1", "norm1"), ("norm2", "norm2"), ("qkv", "attn.qkv"), ("proj", "attn.proj"),
+                                 ("fc1", "mlp.fc1"), ("fc2", "mlp.fc2")):
+                weights[f"blocks.{i}.{ours}.{part}"] = hf(f"blocks.{i}.{theirs}.{part}")
+    return weights
