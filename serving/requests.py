@@ -6,7 +6,7 @@ with B rows becomes B executor requests (row b keeps `batch_index` b).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 import numpy as np
@@ -222,6 +222,44 @@ UNSUPPORTED_FEATURES = (
 UNSUPPORTED_INPUTS = tuple(name for feature in UNSUPPORTED_FEATURES for name in feature.inputs)
 
 
+# ----------------------------------------------------------------------------- encoder-decoder engines
+#
+# For a T5 / BART engine (gpt_model_path is its decoder/, encoder_model_path its encoder/: the
+# anchor's kENCODER_DECODER model type; engine/encoder_decoder/), input_ids (trimmed by input_lengths)
+# is the encoder's input and decoder_input_ids (trimmed by decoder_input_lengths) the decoder prompt.
+# Preprocessing's default without decoder_text_input, one token equal to the item's pad_id, is no
+# prompt: the engine then starts from the model's decoder_start_token_id, as transformers' generate
+# does (T5's is its pad id; BART's is not). encoder_output_lengths, when sent, must equal the input
+# length (a token input has one encoder output per token). Encoder features (Whisper) are refused.
+ENCODER_DECODER_INPUTS = ("decoder_input_ids", "decoder_input_lengths", "encoder_output_lengths")
+ENCODER_DECODER_FEATURES = tuple(
+    replace(f, inputs={k: v for k, v in f.inputs.items() if k not in ENCODER_DECODER_INPUTS})
+    for f in UNSUPPORTED_FEATURES if set(f.inputs) - set(ENCODER_DECODER_INPUTS))
+
+
+def decoder_prompt(tensors: Mapping[str, np.ndarray], batch_size: int, row: int, input_length: int,
+                   pad_id: int | None) -> list[int]:
+    """Item ``row``'s decoder prompt ([] for none) of an encoder-decoder engine (rules above)."""
+    lengths = tensors.get("encoder_output_lengths")
+    if _present(lengths):
+        length = int(read_scalar(tensors, "encoder_output_lengths", batch_size, row))
+        if length != input_length:
+            raise ValueError(f"encoder_output_lengths is {length} but the encoder input holds {input_length} "
+                             "tokens; for a token input send the input length or leave it out")
+    ids = read_row(tensors, "decoder_input_ids", batch_size, row) if _present(tensors.get("decoder_input_ids")) else None
+    if ids is None:
+        return []
+    ids = ids.reshape(-1)
+    if _present(tensors.get("decoder_input_lengths")):
+        length = int(read_scalar(tensors, "decoder_input_lengths", batch_size, row))
+        if not 0 <= length <= ids.size:
+            raise ValueError(f"decoder_input_lengths is {length} but the decoder_input_ids row holds {ids.size} "
+                             f"ids; allowed: 0..{ids.size}")
+        ids = ids[:length]
+    prompt = [int(t) for t in ids]
+    return [] if pad_id is not None and prompt == [pad_id] else prompt
+
+
 def refuse_unsupported(tensors: Mapping[str, np.ndarray], batch_size: int,
                        features=UNSUPPORTED_FEATURES) -> None:
     """Raise ValueError naming the inputs of the first feature the request really uses."""
@@ -407,6 +445,7 @@ class RequestSpec:
     lora: dict[str, Any] | None = None  # LoraRequest fields (lora_adapter)
     external_draft: dict[str, Any] | None = None  # ExternalDraftTokens fields (external_draft)
     prompt_table: dict[str, Any] | None = None  # PromptTable fields (prompt_table)
+    encoder_input_ids: list[int] | None = None  # encoder-decoder engines: input_ids (decoder_prompt)
 
     @property
     def num_return_sequences(self) -> int:
@@ -514,8 +553,9 @@ def _output(tensors, batch_size: int, row: int, exclude_input_default: bool | No
 
 def convert_row(tensors: Mapping[str, np.ndarray], row: int, batch_size: int, *,
                 decoupled: bool, exclude_input_default: bool | None,
-                max_input_len: int | None = None) -> RequestSpec:
-    """Validate and convert batch row `row`; raises ValueError with the reference's text."""
+                max_input_len: int | None = None, encoder_decoder: bool = False) -> RequestSpec:
+    """Validate and convert batch row `row`; raises ValueError with the reference's text.
+    ``encoder_decoder``: input_ids are the encoder's, the prompt is decoder_prompt's."""
     max_tokens = read_scalar(tensors, "request_output_len", batch_size, row)
     if max_tokens is None:
         raise ValueError("A value is required for request_output_len")
@@ -526,9 +566,15 @@ def convert_row(tensors: Mapping[str, np.ndarray], row: int, batch_size: int, *,
     end_id = read_scalar(tensors, "end_id", batch_size, row)
     pad_id = read_scalar(tensors, "pad_id", batch_size, row)
     input_token_ids = _input_token_ids(tensors, batch_size, row, max_input_len)
+    encoder_input_ids = None
+    if encoder_decoder:
+        encoder_input_ids = input_token_ids
+        input_token_ids = decoder_prompt(tensors, batch_size, row, len(encoder_input_ids),
+                                         None if pad_id is None else int(pad_id))
     return RequestSpec(
         batch_index=row,
         input_token_ids=input_token_ids,
+        encoder_input_ids=encoder_input_ids,
         max_tokens=int(max_tokens),
         streaming=streaming,
         end_id=None if end_id is None else int(end_id),
@@ -547,14 +593,15 @@ def convert_row(tensors: Mapping[str, np.ndarray], row: int, batch_size: int, *,
 
 def convert_request(tensors: Mapping[str, np.ndarray], *, decoupled: bool,
                     exclude_input_default: bool | None = None,
-                    max_input_len: int | None = None) -> list[RequestSpec]:
+                    max_input_len: int | None = None, encoder_decoder: bool = False) -> list[RequestSpec]:
     """All rows of one Triton request; raises ValueError on the first invalid input.
 
-    `max_input_len` is the engine's prompt limit (the executor checks the other limits)."""
+    `max_input_len` is the engine's prompt limit (an encoder-decoder's: its encoder input limit; the
+    executor checks the other limits)."""
     batch_size = batch_size_of(tensors)
-    refuse_unsupported(tensors, batch_size)
-    return [convert_row(tensors, row, batch_size, decoupled=decoupled,
-                        exclude_input_default=exclude_input_default, max_input_len=max_input_len)
+    refuse_unsupported(tensors, batch_size, ENCODER_DECODER_FEATURES if encoder_decoder else UNSUPPORTED_FEATURES)
+    return [convert_row(tensors, row, batch_size, decoupled=decoupled, exclude_input_default=exclude_input_default,
+                        max_input_len=max_input_len, encoder_decoder=encoder_decoder)
             for row in range(batch_size)]
 
 
@@ -578,6 +625,7 @@ def to_executor_request(spec: RequestSpec):
         lora=None if spec.lora is None else LoraRequest(**spec.lora),
         external_draft=None if spec.external_draft is None else _draft_tokens(ExternalDraftTokens, spec.external_draft),
         prompt_table=None if spec.prompt_table is None else PromptTable(**spec.prompt_table),
+        encoder_input_ids=spec.encoder_input_ids,
     )
 
 

@@ -14,6 +14,8 @@ WORDS = ["<pad>", "</s>", "<unk>", "<s>", "translate", "English", "to", "German:
          "Summarize:", "the", "news", "Das", "ist", "gut."]
 VOCAB = 64  # WORDS, then filler words w17 .. w63
 FAMILIES = ("t5_v1_0", "t5_v1_1", "bart")
+# Encoder inputs of 8, 4 and 15 tokens (the engine and the served tests)
+INPUTS = [[4, 5, 6, 7, 8, 9, 10, 1], [11, 12, 13, 1], list(range(20, 34)) + [1]]
 
 
 def tokenizer():

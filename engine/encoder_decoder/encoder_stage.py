@@ -74,6 +74,10 @@ class EncoderStage:
         bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.spec.vocab_size]
         if bad:
             return f"{ENCODER_INPUT}: token ids {bad[:8]} are outside the vocabulary (0..{self.spec.vocab_size - 1})"
+        bad = [t for t in request.input_token_ids if not 0 <= t < self.spec.vocab_size]
+        if bad:
+            return (f"decoder_input_ids: token ids {bad[:8]} of the decoder prompt (input_token_ids) are outside "
+                    f"the vocabulary (0..{self.spec.vocab_size - 1})")
         if self.blocks_for(len(ids)) > self.num_blocks:
             return (f"{ENCODER_INPUT}: {len(ids)} tokens need {self.blocks_for(len(ids))} cross-KV blocks but the cross "
                     f"pool holds {self.num_blocks}; raise cross_kv_cache_fraction or send a shorter input")

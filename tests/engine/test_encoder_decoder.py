@@ -14,9 +14,8 @@ from engine.build import main
 from engine.config import EngineFormatError
 from engine.executor import Executor, ExecutorConfig, OutputConfig, Request
 from tests.executor.executor_testing import collect, final_tokens
-from tiny_encdec import FAMILIES, generate, write_checkpoint
+from tiny_encdec import FAMILIES, INPUTS, generate, write_checkpoint
 
-INPUTS = [[4, 5, 6, 7, 8, 9, 10, 1], [11, 12, 13, 1], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 1]]
 MAX_ENCODER_LEN = 16
 
 
@@ -77,7 +76,7 @@ def test_bad_encoder_inputs_are_named(executor):
         "encoder_input_ids: an encoder-decoder engine needs": Request(input_token_ids=[0], max_tokens=2),
         "exceed the engine's max_encoder_input_len (16)": Request([], 2, encoder_input_ids=[5] * 17),
         "outside the vocabulary (0..63)": Request([], 2, encoder_input_ids=[5, 64]),
-        "input_token_ids": Request([0, 99], 2, encoder_input_ids=[5]),
+        "decoder_input_ids: token ids [99]": Request([0, 99], 2, encoder_input_ids=[5]),
     }
     ids = executor.enqueue_requests(list(cases.values()))
     responses = collect(executor, ids)

@@ -13,7 +13,10 @@ state slots beside the KV cache (tests/engine/test_hybrid_models.py holds Bamba 
 transformers through the executor). One
 server for all: its repository holds the `tensorrt_llm` model of each family as
 `tensorrt_llm_<family>` (the tests send token ids, so no text model; one server instead of one per
-family saves ~10 s of CI each)."""
+family saves ~10 s of CI each). The same server serves a tiny T5 v1.1 (tests/tiny_encdec.py, an
+encoder-decoder engine: engine/encoder_decoder/) through the stock text repository filled with the
+anchor's keys (encoder_engine_dir, cross_kv_cache_fraction, encoder_input_features_data_type), as
+`ensemble_t5`, `preprocessing_t5`, `tensorrt_llm_t5` and `postprocessing_t5`."""
 import os
 import shutil
 import sys
@@ -149,8 +152,39 @@ def served_families(smollm2_engine_dir, tmp_path_factory):
         text, renamed = config.read_text(), f'name: "tensorrt_llm_{name}"'
         config.write_text(text.replace('name: "tensorrt_llm"', renamed, 1))
         assert renamed in config.read_text()
+    models["t5"] = _add_t5_repository(tmp_path_factory, work, repo)
     with serving_repository(repo, work) as server:
         yield models, server
+
+
+T5_MODELS = ("ensemble", "preprocessing", "tensorrt_llm", "postprocessing")
+
+
+def _add_t5_repository(tmp_path_factory, work: Path, repo: Path) -> transformers.PreTrainedModel:
+    """Build the tiny T5 into encoder/ + decoder/ and add the text repository filled for it (the
+    anchor's docs/encoder_decoder.md fill: engine_dir the decoder, encoder_engine_dir the encoder,
+    cross_kv_cache_fraction 0.5, exclude_input_in_output) with every model renamed <model>_t5."""
+    from engine.build import main as build_main
+    from tiny_encdec import write_checkpoint
+
+    serve = load_script("serve_default")
+    root = tmp_path_factory.mktemp("t5")
+    model = write_checkpoint("t5_v1_1", root / "checkpoint")
+    assert build_main(["--checkpoint", str(root / "checkpoint"), "--output", str(root / "engine"),
+                       "--dtype", "float32", "--max_encoder_input_len", "64", "--max_seq_len", "64"]) == 0
+    fill = {"encoder_engine_dir": str(root / "engine" / "encoder"), "cross_kv_cache_fraction": "0.5",
+            "exclude_input_in_output": "True", "encoder_input_features_data_type": "TYPE_FP16",
+            "enable_lora": "false", "guided_decoding_backend": ""}
+    filled = Path(serve.prepare_model_repo(str(root / "engine" / "decoder"), str(work / "filled_t5"),
+                                           overrides={"tensorrt_llm": fill}, decoupled=False))
+    for name in T5_MODELS:
+        shutil.copytree(filled / name, repo / f"{name}_t5")
+        config = repo / f"{name}_t5" / "config.pbtxt"
+        text = config.read_text().replace(f'name: "{name}"', f'name: "{name}_t5"', 1)
+        for other in T5_MODELS:  # the ensemble's steps
+            text = text.replace(f'model_name: "{other}"', f'model_name: "{other}_t5"')
+        config.write_text(text)
+    return model
 
 
 def _write_gptq_checkpoint(path: str) -> transformers.PreTrainedModel:
@@ -223,6 +257,15 @@ def _assert_served_greedy_ids(server, model_name: str, model, prompts: list[list
               "request_output_len": np.full((len(prompts), 1), NEW_TOKENS, np.int32),
               "end_id": np.full((len(prompts), 1), -1, np.int32),
               "exclude_input_in_output": np.full((len(prompts), 1), True)}
+    for i, (prompt, served) in enumerate(zip(prompts, _served_ids(server, model_name, inputs))):
+        with torch.no_grad():
+            expected = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                      min_new_tokens=NEW_TOKENS)[0, len(prompt):].tolist()
+        assert served == expected, f"prompt {i}"
+
+
+def _served_ids(server, model_name: str, inputs: dict[str, np.ndarray]) -> list[list[int]]:
+    """One unary gRPC request of len(input_ids) items; each item's output ids, in item order."""
     client = grpcclient.InferenceServerClient(server.grpc_url)
     try:
         result = client.infer(model_name, [tensor(n, a) for n, a in inputs.items()],
@@ -232,10 +275,38 @@ def _assert_served_greedy_ids(server, model_name: str, model, prompts: list[list
         client.close()
     output_ids, lengths = result.as_numpy("output_ids"), result.as_numpy("sequence_length")
     rows = result.as_numpy("batch_index").reshape(-1).tolist()
-    for i, prompt in enumerate(prompts):
-        row = rows.index(i)
-        served = output_ids[row, 0, :lengths[row, 0]].tolist()
-        with torch.no_grad():
-            expected = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                      min_new_tokens=NEW_TOKENS)[0, len(prompt):].tolist()
-        assert served == expected, f"prompt {i}"
+    return [output_ids[row, 0, :lengths[row, 0]].tolist() for row in map(rows.index, range(len(rows)))]
+
+
+def test_t5_token_ids_equal_transformers_generate(served_families):
+    """tensorrt_llm_t5 with the tensors preprocessing sends: input_ids to the encoder, decoder_input_ids
+    [[pad_id]] (no decoder prompt: the model's decoder start), three inputs in one batch."""
+    from tiny_encdec import INPUTS, generate
+
+    models, server = served_families
+    inputs = INPUTS
+    width = max(map(len, inputs))
+    tensors = {"input_ids": np.array([i + [0] * (width - len(i)) for i in inputs], np.int32),
+               "input_lengths": np.array([[len(i)] for i in inputs], np.int32),
+               "decoder_input_ids": np.zeros((len(inputs), 1), np.int32),
+               "decoder_input_lengths": np.ones((len(inputs), 1), np.int32),
+               "request_output_len": np.full((len(inputs), 1), 8, np.int32),
+               "end_id": np.full((len(inputs), 1), 1, np.int32), "pad_id": np.zeros((len(inputs), 1), np.int32)}
+    for encoder_ids, served in zip(inputs, _served_ids(server, "tensorrt_llm_t5", tensors)):
+        assert served == generate(models["t5"], encoder_ids, 8)[0][1:]
+
+
+def test_t5_ensemble_translates_text(served_families):
+    """The ensemble's text path (the anchor's "translate English to German: This is good" request):
+    the answer is the text of transformers' greedy ids (as postprocessing decodes a chunk: a
+    SentencePiece word start keeps its space)."""
+    from serving.tokenization import decode_tokens
+    from tiny_encdec import generate, tokenizer
+
+    models, server = served_families
+    prompt = "translate English to German: This is good"
+    body = {"text_input": prompt, "max_tokens": 8, "bad_words": "", "stop_words": ""}
+    response = server.generate("ensemble_t5", body)
+    assert response.status_code == 200, response.text
+    ids, _ = generate(models["t5"], tokenizer()(prompt).input_ids, 8)
+    assert response.json()["text_output"] == decode_tokens(tokenizer(), ids[1:])

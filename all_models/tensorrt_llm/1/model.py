@@ -186,7 +186,11 @@ class TritonPythonModel:
         if engine_dir is None:
             raise ValueError("tensorrt_llm: the gpt_model_path parameter (engine_dir) must be set")
         self._run_as_worker_rank_unless_leader(engine_dir)
-        self.max_input_len = EngineConfig.load(engine_dir).build.max_input_len
+        engine_config = EngineConfig.load(engine_dir)
+        # An encoder-decoder's decoder/ (engine/encoder_decoder/): input_ids go to its encoder
+        self.encoder_decoder = engine_config.extra.get("stack") == "decoder"
+        self.max_input_len = (engine_config.extra["max_encoder_input_len"] if self.encoder_decoder
+                              else engine_config.build.max_input_len)
         config, ignored = to_executor_config(ExecutorConfig, settings)
         if ignored:
             pb_utils.Logger.log_info(f"tensorrt_llm: accepted but not used by this backend: {ignored}")
@@ -283,7 +287,7 @@ class TritonPythonModel:
         InflightRequests.add, per-request state for ``_track`` or None). Another interface over the
         same executor (all_models/llmapi) overrides this and ``_track``."""
         specs = convert_request(tensors, decoupled=self.decoupled, exclude_input_default=self.exclude_input_default,
-                                max_input_len=self.max_input_len)
+                                max_input_len=self.max_input_len, encoder_decoder=self.encoder_decoder)
         registration = {"errors_as_output": wants_errors_as_output(request.parameters()),
                         "requested_outputs": requested_outputs(request)}
         return specs, registration, None
