@@ -383,6 +383,32 @@ def first_hostfile_host(hostfile: str) -> str:
     raise RuntimeError(f"hostfile {hostfile} lists no host")
 
 
+def hostfile_slots(hostfile: str) -> int | None:
+    """Slots an OpenMPI hostfile offers (its ``slots=N`` summed), or None when a host line gives
+    none (mpirun then counts that host's cores, which this machine cannot see)."""
+    total = 0
+    for line in Path(hostfile).read_text().splitlines():
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        slots = [w.split("=", 1)[1] for w in words[1:] if w.startswith("slots=")]
+        if not slots or not slots[0].isdigit():
+            return None
+        total += int(slots[0])
+    return total
+
+
+def check_hostfile(args: argparse.Namespace) -> None:
+    """Too few slots for --world_size: a named error before any rank starts (mpirun's own comes
+    later and names no fix). --oversubscribe allows it, as it does mpirun."""
+    if not Path(args.hostfile).is_file():
+        raise RuntimeError(f"--hostfile {args.hostfile} does not exist")
+    slots = hostfile_slots(args.hostfile)
+    if slots is not None and slots < args.world_size and not args.oversubscribe:
+        raise RuntimeError(f"--hostfile {args.hostfile} offers {slots} slot(s) but --world_size is {args.world_size} "
+                           "(tp_size x pp_size ranks, one per GPU); add hosts or slots, or pass --oversubscribe")
+
+
 LOWEST_CHOSEN_PORT = 20000
 
 
@@ -428,6 +454,8 @@ def prepare_leader_mode(args: argparse.Namespace, env: dict[str, str]) -> None:
     if len(names) > 1:
         raise RuntimeError("--world_size > 1 serves one tensorrt_llm model; got "
                            f"--tensorrt_llm_model_name={args.tensorrt_llm_model_name}")
+    if args.hostfile:
+        check_hostfile(args)
     default_addr = first_hostfile_host(args.hostfile) if args.hostfile else "127.0.0.1"
     env["TRITONLLM_DIST_ADDR"] = args.dist_addr or env.get("TRITONLLM_DIST_ADDR") or default_addr
     env["TRITONLLM_DIST_PORT"] = str(args.dist_port or env.get("TRITONLLM_DIST_PORT") or free_port())

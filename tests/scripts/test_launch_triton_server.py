@@ -68,6 +68,19 @@ def test_every_rank_a_tritonserver_as_nvidia_recipes_start_them():
     assert "engine.tensor_parallel.worker" not in " ".join(cmd)
 
 
+def test_a_hostfile_with_too_few_slots_is_refused_by_name(tmp_path):
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("# two nodes\nnode1 slots=2\nnode2 slots=1 max_slots=4\n")
+    assert launcher.hostfile_slots(str(hostfile)) == 3
+    with pytest.raises(RuntimeError, match=r"offers 3 slot\(s\) but --world_size is 4 .*or pass --oversubscribe"):
+        launcher.check_hostfile(args_for("--world_size=4", f"--hostfile={hostfile}"))
+    launcher.check_hostfile(args_for("--world_size=4", f"--hostfile={hostfile}", "--oversubscribe"))
+    launcher.check_hostfile(args_for("--world_size=3", f"--hostfile={hostfile}"))
+    hostfile.write_text("node1\nnode2 slots=1\n")  # node1's slots are its cores: not known here
+    assert launcher.hostfile_slots(str(hostfile)) is None
+    launcher.check_hostfile(args_for("--world_size=16", f"--hostfile={hostfile}"))
+
+
 def test_leader_mode_needs_an_engine_dir():
     with pytest.raises(RuntimeError, match="--engine_dir"):
         launcher.build_command(args_for("--world_size=2"), INSTALL)
