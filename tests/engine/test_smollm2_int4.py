@@ -5,7 +5,7 @@ engine more often than round-to-nearest (``int4_wo``) does.
 Agreement is teacher-forced: one prefill of a held-out text (not the calibration sample), the
 share of positions whose greedy next token equals the float32 engine's, and the mean negative
 log-likelihood of the text's own next tokens. Printed with ``-s``. The figures in
-docs/features/quantization.md are the build's own searches, with INT8 and FP8 beside them:
+docs/features/quantization.md are the build's own searches, with INT8, FP8 and SmoothQuant beside them:
 ``TRITONLLM_QUANT_FIGURES=1 pytest -s tests/engine/test_smollm2_int4.py``. By default (CI) only the
 two INT4 engines the assertions compare are built, and AWQ searches a coarser grid (``CI_GRIDS``).
 (SmolLM2's weights were themselves 4-bit in the GGUF, Q4_1 with groups of 32, so these are real
@@ -63,7 +63,7 @@ def _build(smollm2_hf, smollm2_gguf, out, quantization):
 def int4_engines(smollm2_hf, smollm2_gguf, tmp_path_factory) -> dict[str, str]:
     from engine.weight_only import awq
 
-    schemes = ("int8_wo", "fp8", "int4_wo", "int4_awq") if FIGURES else ("int4_wo", "int4_awq")
+    schemes = ("int8_wo", "fp8", "int8_sq", "int4_wo", "int4_awq") if FIGURES else ("int4_wo", "int4_awq")
     with pytest.MonkeyPatch.context() as patch:
         for name, value in ({} if FIGURES else CI_GRIDS).items():
             assert hasattr(awq, name), name
