@@ -113,6 +113,9 @@ MODEL_FAMILIES = (
     ModelFamily("GraniteMoeHybridForCausalLM", "engine.ssm.hybrid", "HybridForCausalLM",
                 "Granite 4.0 dense hybrids (H-Micro: Mamba-2 and attention layers, muP multipliers; the MoE "
                 "variants H-Tiny and H-Small refused)", tensor_parallel=False),
+    ModelFamily("Mamba2ForCausalLM", "engine.ssm.hybrid", "HybridForCausalLM",
+                "Mamba-2 130M to 2.7B, Mamba-Codestral (Mamba-2 layers only: a fixed-size state per request, "
+                "no KV cache)", tensor_parallel=False),
 )
 _REGISTRY = {family.architecture: family for family in MODEL_FAMILIES}
 SUPPORTED_ARCHITECTURES = tuple(_REGISTRY)

@@ -6,6 +6,7 @@ each decoder layer is a Mamba-2 layer or rope attention (partial rotary 0.5, lay
 Granite 4.0 dense hybrids (``GraniteMoeHybridForCausalLM`` with no routed experts: H-Micro): Bamba's
 layer (the MLP is the "shared" one, ``input_linear`` already [gate | up]), rope or no positions, and
 its scalars (embedding, residual and attention multipliers, logits scaling); MoE variants refused.
+Pure Mamba-2 (``Mamba2ForCausalLM``): one block per layer, every one Mamba-2, named as Nemotron-H's.
 Nemotron-H (``NemotronHForCausalLM``; tensors under ``backbone.`` as NVIDIA ships them, or
 ``model.``): each layer is one block, Mamba-2, attention without
 positions, or a relu^2 MLP, in the order of ``hybrid_override_pattern`` / ``layers_block_type``;
@@ -27,7 +28,7 @@ from engine.hf_checkpoint import TensorGetter, has_tensor, read_rope
 from kernels.rotary import partial_rotary_order
 
 MODEL_TYPES = {"bamba": "BambaForCausalLM", "nemotron_h": "NemotronHForCausalLM",
-               "granitemoehybrid": "GraniteMoeHybridForCausalLM"}
+               "granitemoehybrid": "GraniteMoeHybridForCausalLM", "mamba2": "Mamba2ForCausalLM"}
 
 
 def _refuse(ok: bool, message: str) -> None:
@@ -40,6 +41,8 @@ def hybrid_config_from_hf(c, architecture: str) -> ModelConfig:
 
     if architecture == "GraniteMoeHybridForCausalLM":
         return _granite_config(c)
+    if architecture == "Mamba2ForCausalLM":
+        return _mamba2_config(c)
     if architecture == "BambaForCausalLM":
         _refuse(not getattr(c, "attention_bias", False) and not getattr(c, "mlp_bias", False),
                 "BambaForCausalLM with attention_bias/mlp_bias is not supported")
@@ -117,6 +120,29 @@ def _granite_config(c) -> ModelConfig:
     ).validate()
 
 
+def _mamba2_config(c) -> ModelConfig:
+    """Pure Mamba-2 (state-spaces/mamba2-*, Codestral Mamba): every block a Mamba-2 layer, no attention
+    and no MLP. The attention fields of ModelConfig are placeholders (one KV head of 2 values: the
+    runner's KV pool then has one tiny layer nobody reads); intermediate_size is unused."""
+    from engine.ssm.spec import SsmSpec
+
+    arch = "Mamba2ForCausalLM"
+    _refuse(c.hidden_act == "silu", f"{arch} needs hidden_act 'silu', got {c.hidden_act!r}")
+    _refuse(c.num_heads * c.head_dim == int(c.expand * c.hidden_size),
+            f"{arch}: num_heads x head_dim ({c.num_heads} x {c.head_dim}) must equal expand x hidden_size "
+            f"({c.expand} x {c.hidden_size})")
+    low, high = tuple(c.time_step_limit or (0.0, float("inf")))
+    spec = SsmSpec(blocks=["mamba"] * c.num_hidden_layers, num_heads=c.num_heads, head_dim=c.head_dim,
+                   d_state=c.state_size, n_groups=c.n_groups, d_conv=c.conv_kernel, conv_bias=bool(c.use_conv_bias),
+                   proj_bias=bool(c.use_bias), dt_limit=[float(low), None if high == float("inf") else high]).validate()
+    return ModelConfig(
+        architecture=arch, vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_layers=c.num_hidden_layers,
+        num_heads=1, num_kv_heads=1, head_dim=2, intermediate_size=c.hidden_size,
+        norm_eps=float(c.layer_norm_epsilon), max_position_embeddings=1 << 20,
+        tie_word_embeddings=bool(c.tie_word_embeddings), hidden_act="silu", ssm=spec.to_dict(),
+    ).validate()
+
+
 def _hf_blocks(cfg: ModelConfig) -> list[tuple[str, str]]:
     """(engine block kind, the checkpoint's prefix of that block's norm and mixer) per block:
     prefixes name norm and mixer as "<norm>|<mixer>"."""
@@ -138,7 +164,7 @@ def hybrid_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size:
                         ) -> Iterator[tuple[str, torch.Tensor]]:
     _refuse(tp_size == 1, f"{cfg.architecture}: tensor parallelism is not supported for hybrid Mamba models yet "
                           f"(got tp_size {tp_size}); build with tp_size 1")
-    nemotron = cfg.architecture == "NemotronHForCausalLM"
+    nemotron = cfg.architecture in ("NemotronHForCausalLM", "Mamba2ForCausalLM")  # (Mamba-2 names them alike)
     if nemotron and not has_tensor(get, "model.embeddings.weight"):
         # NVIDIA's checkpoints (and transformers' save_pretrained) name Nemotron-H's stack "backbone";
         # transformers' in-memory state dict names it "model".
@@ -146,7 +172,8 @@ def hybrid_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size:
         get = lambda name: stored("backbone." + name[len("model."):] if name.startswith("model.") else name)  # noqa: E731
     yield "embed_tokens.weight", get("model.embeddings.weight" if nemotron else "model.embed_tokens.weight")
     yield "norm.weight", get({"BambaForCausalLM": "model.final_layernorm.weight", "NemotronHForCausalLM": "model.norm_f.weight",
-                              "GraniteMoeHybridForCausalLM": "model.norm.weight"}[cfg.architecture])
+                              "GraniteMoeHybridForCausalLM": "model.norm.weight",
+                              "Mamba2ForCausalLM": "model.norm_f.weight"}[cfg.architecture])
     if not cfg.tie_word_embeddings:
         yield "lm_head.weight", get("lm_head.weight")
     order = None if cfg.rotary_dim == cfg.head_dim else partial_rotary_order(cfg.head_dim, cfg.rotary_dim)

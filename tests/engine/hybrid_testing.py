@@ -1,4 +1,5 @@
-"""Tiny random hybrid Mamba-2 checkpoints made by transformers itself (Bamba, Nemotron-H, Granite 4.0).
+"""Tiny random hybrid Mamba-2 checkpoints made by transformers itself (Bamba, Nemotron-H, Granite 4.0,
+pure Mamba-2).
 
 Sizes are the smallest the kernels' tiles take whole (head_dim and d_state 16); two groups of B/C
 so heads really share them; one attention layer among Mamba layers (Bamba: rope, partial 0.5;
@@ -40,9 +41,18 @@ def granite_hybrid_config() -> transformers.GraniteMoeHybridConfig:
         max_position_embeddings=1024, pad_token_id=0, eos_token_id=None, bos_token_id=None)
 
 
+def mamba2_config() -> transformers.Mamba2Config:
+    """Pure Mamba-2, tied embeddings (as state-spaces/mamba2-130m)."""
+    return transformers.Mamba2Config(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_heads=4, head_dim=16, n_groups=2, state_size=16,
+        expand=2, conv_kernel=4, chunk_size=16, tie_word_embeddings=True, pad_token_id=0, eos_token_id=None,
+        bos_token_id=None)
+
+
 HYBRIDS = {"bamba": (transformers.BambaForCausalLM, bamba_config),
            "nemotron_h": (transformers.NemotronHForCausalLM, nemotron_h_config),
-           "granite_hybrid": (transformers.GraniteMoeHybridForCausalLM, granite_hybrid_config)}
+           "granite_hybrid": (transformers.GraniteMoeHybridForCausalLM, granite_hybrid_config),
+           "mamba2": (transformers.Mamba2ForCausalLM, mamba2_config)}
 
 
 def tiny_hybrid(family: str, seed: int = 0) -> torch.nn.Module:

@@ -84,7 +84,9 @@ def _wait_until(predicate, timeout: float = 10.0) -> None:
 
 @pytest.mark.parametrize("policy,kv_tokens", [("guaranteed_no_evict", 4096), ("max_utilization", 336)])
 def test_in_flight_batching_greedy_equals_transformers(hybrid, policy, kv_tokens):
-    _, _, engine_dir, expected = hybrid
+    family, _, engine_dir, expected = hybrid
+    if policy == "max_utilization" and family != "nemotron_h":
+        pytest.skip("preemption is the scheduler's: one family shows it (CI time)")
     config = ExecutorConfig(enable_chunked_context=True, max_num_tokens=64, batch_scheduler_policy=policy,
                             max_tokens_in_paged_kv_cache=kv_tokens)
     with Executor(engine_dir, config) as executor:
