@@ -415,6 +415,20 @@ def _model_shapes() -> dict[str, dict]:
             num_kv_heads=3, head_dim=64, intermediate_size=1536, norm_eps=1e-5, rope_theta=100000.0,
             max_position_embeddings=8192, tie_word_embeddings=True,
         ),
+        # The LayerNorm families of issue 54 (engine/models/decoder.py), as engine/convert_decoder.py reads them.
+        "bloom7b1": dict(  # BLOOM-7B1: ALiBi, embedding LayerNorm, biases everywhere, GELU-tanh, tied lm_head
+            architecture="BloomForCausalLM", vocab_size=250880, hidden_size=4096, num_layers=30, num_heads=32,
+            num_kv_heads=32, head_dim=128, intermediate_size=16384, norm_eps=1e-5, max_position_embeddings=2048,
+            tie_word_embeddings=True, norm_kind="layernorm", norm_bias=True, mlp_gated=False, positions="alibi",
+            alibi_slopes="bloom", hidden_act="gelu_pytorch_tanh", qkv_bias=True, attention_out_bias=True,
+            mlp_bias=True, embedding_norm=True,
+        ),
+        "falcon7b": dict(  # Falcon-7B: multi-query, rotary, parallel attention and MLP under one LayerNorm, GELU
+            architecture="FalconForCausalLM", vocab_size=65024, hidden_size=4544, num_layers=32, num_heads=71,
+            num_kv_heads=1, head_dim=64, intermediate_size=18176, norm_eps=1e-5, max_position_embeddings=2048,
+            tie_word_embeddings=True, rope_theta=10000.0, norm_kind="layernorm", norm_bias=True, mlp_gated=False,
+            hidden_act="gelu", residual="parallel",
+        ),
         "gemma3_12b": GEMMA3_12B_SHAPE,
         "nemotron_h_8b": NEMOTRON_H_8B_SHAPE,  # hybrid Mamba-2 (engine/ssm/): benchmarks/engine/hybrid_bench.py
         "nemotron_h_tiny": NEMOTRON_H_TINY_SHAPE,

@@ -21,8 +21,10 @@ import torch.nn.functional as F
 from kernels._triton import jit, pdl_options, pdl_prologue, tl, triton, use_triton
 
 MAX_SKINNY_ROWS = 16
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu")  # the skinny kernel's epilogue activations (linear_activated)
 _SKINNY_ATTR = "_use_skinny_gemm"  # on a weight: its chosen variant (see SKINNY_VARIANTS), or False
 _GATED_ATTR = "_use_gated_skinny_gemm"  # the same, for gate_up weights run fused with SiLU-and-mul
+_ACTIVATED_ATTR = "_use_activated_skinny_gemm"  # the same, for up weights run fused with their bias and activation
 # Tile shapes tried at load, (block_n, block_k, num_warps, num_stages[, split_k[, swap_ab]]): on an H100
 # (2026-11-22) the best for Llama-8B's projections were (32, 256, 4, 4) for qkv/o_proj,
 # (16, 256, 4, 6) for down_proj and (16, 512, 4, 4) for the lm_head. split_k > 1 splits the
@@ -46,7 +48,7 @@ def _skinny_gemm_kernel(
     x_ptr, w_ptr, bias_ptr, scale_ptr, x_scale_ptr, out_ptr, part_ptr, arrivals_ptr, M, N, K, K_PER_SPLIT,
     stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, HAS_SCALE: tl.constexpr, X_SCALE: tl.constexpr,
-    SWAP_AB: tl.constexpr, M_PAD: tl.constexpr,
+    SWAP_AB: tl.constexpr, M_PAD: tl.constexpr, ACTIVATION: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program: BLOCK_N output features for all M rows, streaming its (BLOCK_N, K) weight rows once.
@@ -58,6 +60,10 @@ def _skinny_gemm_kernel(
     X_SCALE (with HAS_SCALE): x is FP8 too, row m standing for x[m] * x_scale[m] (kernels/fp8.py's
     W8A8 scheme): the tiles meet in an FP8 tensor-core dot, with no widening, and row m of the
     sums is multiplied by x_scale[m] with the weight scales.
+    ACTIVATION (not with GATED): 0 none, else act(x @ w.T + bias) with act one of ACTIVATIONS
+    (gelu, gelu_tanh, relu): the product plus bias rounded to the output dtype first, then the
+    activation rounded again, as F.linear followed by the activation rounds (the LayerNorm
+    families' MLP: the up projection's bias and activation cost no launch of their own).
     SWAP_AB: the dot is w (BLOCK_N, BLOCK_K) @ x.T (BLOCK_K, M_PAD) instead of x @ w.T: the weight
     tile, the large operand, is the MMA's first operand in the layout it is loaded in (K-major, as
     FP8 tensor-core dots want), and BLOCK_N may be 64 or more (one warpgroup MMA). The accumulators
@@ -110,11 +116,11 @@ def _skinny_gemm_kernel(
         if arrived == SPLIT_K - 1:
             _skinny_sum_splits_and_finish(part_ptr, bias_ptr, scale_ptr, x_scale_ptr, out_ptr, rows, cols, col_ok, mask,
                                           M, N, stride_om, HAS_BIAS, GATED, HAS_SCALE, X_SCALE, M_PAD, BLOCK_N,
-                                          SPLIT_K)
+                                          SPLIT_K, ACTIVATION)
             tl.store(arrivals_ptr + tl.program_id(0), 0)
     else:
         _skinny_epilogue(acc, acc_up, rows, cols, row_ok, col_ok, mask, bias_ptr, scale_ptr, x_scale_ptr, out_ptr, N,
-                         stride_om, HAS_BIAS, GATED, HAS_SCALE, X_SCALE)
+                         stride_om, HAS_BIAS, GATED, HAS_SCALE, X_SCALE, ACTIVATION)
 
 
 @jit
@@ -139,7 +145,7 @@ def _skinny_tile_dot(x, w, w_up, acc, acc_up, GATED: tl.constexpr, WIDEN: tl.con
 def _skinny_sum_splits_and_finish(part_ptr, bias_ptr, scale_ptr, x_scale_ptr, out_ptr, rows, cols, col_ok, mask, M, N,
                                   stride_om, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, HAS_SCALE: tl.constexpr,
                                   X_SCALE: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                                  SPLIT_K: tl.constexpr):
+                                  SPLIT_K: tl.constexpr, ACTIVATION: tl.constexpr):
     """Add the SPLIT_K partial sums of one output tile in split order (deterministic), then the
     epilogue. The sums come from L2 (``.cg``): other programs wrote them during this kernel."""
     width = 2 * N if GATED else N
@@ -151,14 +157,15 @@ def _skinny_sum_splits_and_finish(part_ptr, bias_ptr, scale_ptr, x_scale_ptr, ou
         if GATED:
             acc_up += tl.load(part + N, mask=mask, other=0.0, cache_modifier=".cg")
     _skinny_epilogue(acc, acc_up, rows, cols, rows < M, col_ok, mask, bias_ptr, scale_ptr, x_scale_ptr, out_ptr, N,
-                     stride_om, HAS_BIAS, GATED, HAS_SCALE, X_SCALE)
+                     stride_om, HAS_BIAS, GATED, HAS_SCALE, X_SCALE, ACTIVATION)
 
 
 @jit
 def _skinny_epilogue(acc, acc_up, rows, cols, row_ok, col_ok, mask, bias_ptr, scale_ptr, x_scale_ptr, out_ptr, N,
                      stride_om, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, HAS_SCALE: tl.constexpr,
-                     X_SCALE: tl.constexpr):
-    """Scale, bias, the gate's SiLU-and-mul, rounding to the output dtype, store: (M_PAD, BLOCK_N) tiles."""
+                     X_SCALE: tl.constexpr, ACTIVATION: tl.constexpr):
+    """Scale, bias, the gate's SiLU-and-mul or the activation, rounding to the output dtype, store:
+    (M_PAD, BLOCK_N) tiles."""
     if HAS_SCALE:
         acc *= tl.load(scale_ptr + cols, mask=col_ok, other=0.0)[None, :]
         if GATED:
@@ -174,7 +181,19 @@ def _skinny_epilogue(acc, acc_up, rows, cols, row_ok, col_ok, mask, bias_ptr, sc
         gate = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
         up = acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
         acc = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32) * up
+    if ACTIVATION != 0:
+        acc = _activation(acc.to(out_ptr.dtype.element_ty).to(tl.float32), ACTIVATION)
     tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@jit
+def _activation(x, ACTIVATION: tl.constexpr):
+    """ACTIVATIONS[ACTIVATION - 1] of a float32 tile: gelu (erf), gelu_tanh, relu."""
+    if ACTIVATION == 1:
+        return 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
+    if ACTIVATION == 2:  # tanh(z) = 2 sigmoid(2z) - 1
+        return 0.5 * x * (2.0 * tl.sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x)))
+    return tl.maximum(x, 0.0)
 
 
 MAX_OUTPUT_TILES = 1 << 16  # split-K output tiles of one product: N up to 1M features at block_n 16
@@ -198,17 +217,19 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
                          *, block_n: int = 16, block_k: int = 512, num_warps: int = 4, num_stages: int = 4,
                          split_k: int = 1, swap_ab: bool = False, gated: bool = False,
                          weight_scale: torch.Tensor | None = None, x_scale: torch.Tensor | None = None,
-                         out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                         out_dtype: torch.dtype | None = None, activation: str | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias) for M <= MAX_SKINNY_ROWS rows, fp32 accumulation; with ``gated``,
     silu(x @ weight[:N].T) * (x @ weight[N:].T) for weight (2N, K) (bias not supported). With
     ``weight_scale`` (rows of weight,) float32, weight is FP8 and row n counts as weight[n] * scale[n];
     with ``x_scale`` (M,) float32 too, x is FP8 and row m counts as x[m] * x_scale[m], and the
     result is ``out_dtype`` (the activations' dtype). ``out_dtype`` defaults to x's dtype; float32
-    serves the logits. ``split_k``: programs per output tile along K (each a whole number of BLOCK_K tiles). ``swap_ab``: see the kernel."""
+    serves the logits. ``split_k``: programs per output tile along K (each a whole number of BLOCK_K tiles). ``swap_ab``: see the kernel.
+    ``activation`` (one of ACTIVATIONS, not with ``gated``): act(x @ weight.T + bias), see the kernel."""
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     assert m <= MAX_SKINNY_ROWS and x.stride(1) == 1 and weight.stride(1) == 1 and not (gated and bias is not None)
     assert x_scale is None or (out_dtype is not None and weight_scale is not None)
+    assert activation is None or (activation in ACTIVATIONS and not gated)
     out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if m == 0:
         return out
@@ -222,6 +243,7 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     x_scale_arg = x_scale if x_scale is not None else scale_arg
     flags = dict(HAS_BIAS=bias is not None, GATED=gated, HAS_SCALE=weight_scale is not None,
                  X_SCALE=x_scale is not None, SWAP_AB=swap_ab, M_PAD=16, BLOCK_N=block_n,
+                 ACTIVATION=ACTIVATIONS.index(activation) + 1 if activation else 0,
                  SPLIT_K=split_k, **pdl_options(x))
     tiles = triton.cdiv(n, block_n)
     arrivals = _arrival_counters(x.device, tiles) if split_k > 1 else part
@@ -253,6 +275,23 @@ def gated_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if variant:
         return skinny_linear_triton(x, weight, gated=True, **variant_options(variant))
     return gated_linear_ref(x, weight)
+
+
+def activation_ref(x: torch.Tensor, activation: str) -> torch.Tensor:
+    """One of ACTIVATIONS as torch computes it (transformers' gelu, gelu_new / gelu_pytorch_tanh, relu)."""
+    if activation == "relu":
+        return F.relu(x)
+    return F.gelu(x, approximate="tanh" if activation == "gelu_tanh" else "none")
+
+
+def linear_activated(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor:
+    """act(x @ weight.T + bias), act one of ACTIVATIONS (the non-gated MLP's up projection): one skinny
+    Triton kernel with the bias and the activation in its epilogue when the weight was marked at
+    load (choose_activated_weights), else the product (cuBLAS or skinny) then the activation."""
+    variant = _skinny_variant(x, weight, _ACTIVATED_ATTR)
+    if variant:
+        return skinny_linear_triton(x, weight, bias, activation=activation, **variant_options(variant))
+    return activation_ref(linear(x, weight, bias), activation)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -342,9 +381,17 @@ def choose_gated_weights(weights: list[torch.Tensor], rows: tuple[int, ...] = (1
     return _choose_weights(weights, rows, _GATED_ATTR, gated=True)
 
 
+def choose_activated_weights(weights: list[torch.Tensor], activation: str, rows: tuple[int, ...] = (1, 8)
+                             ) -> dict[tuple[int, int], dict]:
+    """Like choose_skinny_weights for non-gated up weights: the skinny kernel with a bias and
+    ``activation`` in its epilogue against the product with its bias then the activation; marks
+    a weight with the best tiling when it wins by 1% at every size (linear_activated reads it)."""
+    return _choose_weights(weights, rows, _ACTIVATED_ATTR, gated=False, activation=activation)
+
+
 @torch.inference_mode()
-def _choose_weights(weights: list[torch.Tensor], rows: tuple[int, ...], attr: str, *, gated: bool
-                    ) -> dict[tuple[int, int], dict]:
+def _choose_weights(weights: list[torch.Tensor], rows: tuple[int, ...], attr: str, *, gated: bool,
+                    activation: str | None = None) -> dict[tuple[int, int], dict]:
     """choose_skinny_weights / choose_gated_weights: each 2-D float16/bfloat16 CUDA weight marked
     (attribute ``attr``) with the choice timed once per shape (``_time_shape``)."""
     report: dict[tuple[int, int], dict] = {}
@@ -353,13 +400,13 @@ def _choose_weights(weights: list[torch.Tensor], rows: tuple[int, ...], attr: st
             continue
         shape = tuple(weight.shape)
         if shape not in report:
-            report[shape] = _time_shape(shape, weight.dtype, weight.device, rows, gated=gated)
+            report[shape] = _time_shape(shape, weight.dtype, weight.device, rows, gated=gated, activation=activation)
         setattr(weight, attr, report[shape]["variant"])
     return report
 
 
 def _time_shape(shape: tuple[int, int], dtype: torch.dtype, device, rows: tuple[int, ...],
-                gated: bool = False) -> dict:
+                gated: bool = False, activation: str | None = None) -> dict:
     copies = [torch.randn(shape, dtype=dtype, device=device) * 0.02 for _ in range(2)]
     turn = [0]
 
@@ -368,17 +415,20 @@ def _time_shape(shape: tuple[int, int], dtype: torch.dtype, device, rows: tuple[
         return copies[turn[0] % 2]
 
     cublas, variants = {}, {v: {} for v in SKINNY_VARIANTS}
+    bias = torch.randn(shape[0], dtype=dtype, device=device) if activation else None
     for m in rows:
         x = torch.randn(m, shape[1], dtype=dtype, device=device)
         if gated:
             from kernels.activation import silu_and_mul
 
             cublas[m] = graph_time_ms(lambda: silu_and_mul(F.linear(x, next_weight()))) * 1e3
+        elif activation:
+            cublas[m] = graph_time_ms(lambda: activation_ref(F.linear(x, next_weight(), bias), activation)) * 1e3
         else:
             cublas[m] = graph_time_ms(lambda: F.linear(x, next_weight())) * 1e3
         for v in SKINNY_VARIANTS:
             variants[v][m] = graph_time_ms(lambda: skinny_linear_triton(
-                x, next_weight(), gated=gated, **variant_options(v))) * 1e3
+                x, next_weight(), bias, gated=gated, activation=activation, **variant_options(v))) * 1e3
     best = min(SKINNY_VARIANTS, key=lambda v: sum(variants[v].values()))
     wins = all(variants[best][m] < 0.99 * cublas[m] for m in rows)
     return {"cublas_us": cublas, "best_variant": best, "best_us": variants[best], "variant": best if wins else False}

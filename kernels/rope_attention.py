@@ -11,6 +11,9 @@ program rotates its own query rows, and the one split whose keys end at the new 
 writes that token's rotated K and its V into the cache, then reads them back with the rest. Prefill
 and mixed batches, GPT-J-style pairs and heads that are not a power of two keep the two kernels.
 Neither path promises anything about q and k afterwards (the split path rotates q in place).
+
+``append_paged_attention`` is the same for layers with no rotary (ALiBi, learned positions):
+``write_kv_cache`` + ``paged_attention``, one kernel at decode.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import torch
 
 from kernels import triton_attention
 from kernels._triton import use_triton
-from kernels.attention import paged_attention
+from kernels.attention import paged_attention, write_kv_cache
 from kernels.attention_metadata import AttentionMetadata
 from kernels.rotary import rotary_and_write_kv
 
@@ -43,3 +46,19 @@ def rope_paged_attention(
                                                        new_kv=(k, v, positions, cos_sin_cache), **options)
     q = rotary_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping, is_neox=is_neox)
     return paged_attention(q, k_cache, v_cache, meta, scale, **options)
+
+
+def append_paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    meta: AttentionMetadata, scale: float, *, sliding_window: int | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The new k and v into the paged cache, then paged attention (shapes as rope_paged_attention's,
+    nothing rotated); a decode-only batch with power-of-two heads on CUDA in one kernel, whose
+    split holding the new token's slot writes it before reading its keys."""
+    head_dim = q.shape[-1]
+    if use_triton(q) and meta.is_decode_only and head_dim & (head_dim - 1) == 0:
+        return triton_attention.paged_attention_triton(q, k_cache, v_cache, meta, scale, sliding_window=sliding_window,
+                                                       new_kv=(k, v, None, None), alibi_slopes=alibi_slopes)
+    write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+    return paged_attention(q, k_cache, v_cache, meta, scale, sliding_window=sliding_window, alibi_slopes=alibi_slopes)

@@ -260,6 +260,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
     FP16_MATH: tl.constexpr, ROTARY_APPEND: tl.constexpr,
+    ROTATE: tl.constexpr,  # with ROTARY_APPEND: rotate q and the new k (False: ALiBi / learned positions, append only)
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TILE_MAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
     SEQ_KIND: tl.constexpr,  # ALL_SEQS, or only the sequences with several (MULTI_TOKEN) or one (ONE_TOKEN) new tokens
@@ -330,11 +331,12 @@ def _paged_attention_kernel(
         HALF: tl.constexpr = HEAD_DIM // 2
         first_half = dims < HALF
         partner = (dims + HALF) % HEAD_DIM
-        position = tl.load(positions_ptr + q_start).to(tl.int64)
-        cos = tl.load(cos_sin_ptr + position * stride_cos + dims % HALF)
-        sin = tl.load(cos_sin_ptr + position * stride_cos + HALF + dims % HALF)
-        q = rotate_neox(q, tl.load(q_rows + partner[None, :], mask=q_mask, other=0.0),
-                        cos[None, :], sin[None, :], first_half[None, :])
+        if ROTATE:
+            position = tl.load(positions_ptr + q_start).to(tl.int64)
+            cos = tl.load(cos_sin_ptr + position * stride_cos + dims % HALF)
+            sin = tl.load(cos_sin_ptr + position * stride_cos + HALF + dims % HALF)
+            q = rotate_neox(q, tl.load(q_rows + partner[None, :], mask=q_mask, other=0.0),
+                            cos[None, :], sin[None, :], first_half[None, :])
     if FP16_MATH:
         # An FP8 pool's E4M3 values widen to fp16 in one instruction (to bf16 in two), and exactly.
         # q carries qk_scale into fp16 (|q| shrinks ~8x for 128-wide heads) and saturates at fp16's
@@ -356,7 +358,9 @@ def _paged_attention_kernel(
         if (kv_lo <= prefix_len) & (prefix_len < kv_hi) & (slot >= 0):  # slot -1: a graph's padding row
             new_row = q_start.to(tl.int64)
             k_row = k_new_ptr + new_row * stride_knt + kv_head * stride_knh
-            k_new = rotate_neox(tl.load(k_row + dims), tl.load(k_row + partner), cos, sin, first_half)
+            k_new = tl.load(k_row + dims)
+            if ROTATE:
+                k_new = rotate_neox(k_new, tl.load(k_row + partner), cos, sin, first_half)
             v_new = tl.load(v_new_ptr + new_row * stride_vnt + kv_head * stride_vnh + dims)
             tl.store(slot_row(k_cache_ptr, slot, stride_kb, stride_ks, PAGE_SIZE) + kv_head * stride_kh + dims,
                      cache_value(k_new, k_cache_ptr))
@@ -710,6 +714,8 @@ def paged_attention_triton(
     q and k arrive unrotated; the kernel rotates them (neox halves, kernels/rotary.py's table and
     math) and writes the rotated k and v to ``meta.slot_mapping`` before attending, which is
     ``rotary_and_write_kv`` + this function in one kernel. q and k are left as they were.
+    ``cos_sin_cache`` None: nothing is rotated (ALiBi, learned positions): ``write_kv_cache`` + this
+    function in one kernel.
     """
     num_tokens, num_heads, head_dim = q.shape
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
@@ -724,12 +730,16 @@ def paged_attention_triton(
     assert alibi_slopes is None or (alibi_slopes.shape == (num_heads,) and alibi_slopes.is_contiguous())
     if new_kv is not None:
         new_k, new_v, positions, cos_sin_cache = new_kv
-        assert meta.is_decode_only and dim_pad == head_dim and cos_sin_cache.shape[1] == head_dim
-        assert new_k.stride(-1) == 1 and new_v.stride(-1) == 1 and cos_sin_cache.dtype == torch.float32
+        rotate = cos_sin_cache is not None
+        assert meta.is_decode_only and dim_pad == head_dim and new_k.stride(-1) == 1 and new_v.stride(-1) == 1
+        assert not rotate or (cos_sin_cache.shape[1] == head_dim and cos_sin_cache.dtype == torch.float32)
+        if not rotate:
+            positions = cos_sin_cache = q  # unread
         new_kv_strides = (new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1))
     else:
         new_k = new_v = positions = cos_sin_cache = q  # unused
         new_kv_strides = (0, 0, 0, 0)
+        rotate = False
     kv_itemsize = k_cache.element_size()
 
     def launch(config: tuple, grid: tuple[int, int, int], seq_kind: int, tile_map: bool) -> None:
@@ -765,6 +775,7 @@ def paged_attention_triton(
             BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 engines get fp32 dots
             FP16_MATH=kv_itemsize == 1 and q.dtype != torch.float32, ROTARY_APPEND=new_kv is not None,
+            ROTATE=rotate,
             HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=logit_softcap is not None, HAS_TILE_MAP=tile_map,
             HAS_SINKS=sinks is not None, HAS_ALIBI=alibi_slopes is not None, SEQ_KIND=seq_kind, TMA=descs is not None, DYNAMIC_SPLITS=dynamic,
             num_warps=num_warps,

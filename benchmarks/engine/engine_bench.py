@@ -147,6 +147,8 @@ def decoder_block_params(c: ModelConfig) -> tuple[int, int]:
     attention = (c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
                  + c.num_heads * c.head_dim * c.hidden_size + 2 * c.hidden_size
                  + (2 * c.head_dim if getattr(c, "qk_norm", False) else 0))
+    attention += 2 * c.hidden_size if c.norm_kind == "layernorm" and c.norm_bias else 0  # the norms' biases
+    mlp = (3 if c.mlp_gated else 2) * c.hidden_size * c.intermediate_size  # [gate | up] + down, or up + down
     read = total = 0
     for layer in range(c.num_layers):
         if c.is_moe_layer(layer):
@@ -155,8 +157,8 @@ def decoder_block_params(c: ModelConfig) -> tuple[int, int]:
             read += attention + router + c.num_experts_per_tok * expert
             total += attention + router + c.num_experts * expert
         else:
-            read += attention + 3 * c.hidden_size * c.intermediate_size
-            total += attention + 3 * c.hidden_size * c.intermediate_size
+            read += attention + mlp
+            total += attention + mlp
     return read, total
 
 
@@ -656,6 +658,8 @@ def bench_hf(results: dict, model: str, batches: list[int], in_len: int = 128, o
         hf = _hf_qwen3_moe(c, device)
     elif c["architecture"] == "Gemma3ForCausalLM":
         hf = _hf_gemma3(c, device)
+    elif c["architecture"] in ("BloomForCausalLM", "FalconForCausalLM"):
+        hf = _hf_layernorm_family(c, device)
     else:
         hf = _hf_llama(c, device)
     rows = []
@@ -694,6 +698,32 @@ def _hf_gemma3(c: dict, device: str):
     config._attn_implementation = "sdpa"
     with torch.device(device):
         return Gemma3ForCausalLM(config).to(torch.bfloat16 if device != "cpu" else torch.float32).eval()
+
+
+def _hf_layernorm_family(c: dict, device: str):
+    """transformers' BloomForCausalLM or FalconForCausalLM of the shape ``c`` (benchmarks/common.py
+    bloom7b1, falcon7b), random weights made in the target dtype on the device."""
+    from transformers import BloomConfig, BloomForCausalLM, FalconConfig, FalconForCausalLM
+
+    if c["architecture"] == "BloomForCausalLM":
+        config, model_class = BloomConfig(vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], n_layer=c["num_layers"],
+                                          n_head=c["num_heads"], layer_norm_epsilon=c["norm_eps"]), BloomForCausalLM
+    else:
+        config, model_class = FalconConfig(
+            vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], num_hidden_layers=c["num_layers"],
+            num_attention_heads=c["num_heads"], multi_query=c["num_kv_heads"] == 1, parallel_attn=True, bias=False,
+            layer_norm_epsilon=c["norm_eps"], max_position_embeddings=c["max_position_embeddings"],
+            rope_parameters={"rope_theta": c["rope_theta"], "rope_type": "default"},
+            ffn_hidden_size=c["intermediate_size"]), FalconForCausalLM
+    # Falcon through sdpa; transformers' BLOOM has only its eager attention (ALiBi as a bias tensor).
+    config._attn_implementation = "eager" if model_class is BloomForCausalLM else "sdpa"
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16 if device != "cpu" else torch.float32)
+    try:
+        with torch.device(device):
+            return model_class(config).eval()
+    finally:
+        torch.set_default_dtype(default_dtype)
 
 
 def _hf_qwen3_moe(c: dict, device: str):

@@ -31,7 +31,7 @@ from kernels.attention import KV_FP8_DTYPE
 from kernels.attention_metadata import AttentionMetadata
 from kernels.triton_attention import prefill_tokens_per_tile
 from kernels.fp8 import FP8_DTYPE, choose_fp8_scaling, choose_fp8_skinny_variants
-from kernels.linear import choose_gated_weights, choose_skinny_weights
+from kernels.linear import choose_activated_weights, choose_gated_weights, choose_skinny_weights
 from kernels.wna16 import choose_wna16_variants
 from kernels.lora import lora_batch
 
@@ -319,6 +319,9 @@ class ModelRunner:
         gate_ups = [layer.gate_up_proj.weight for layer in getattr(self.model, "layers", [])
                     if hasattr(layer, "gate_up_proj") and layer.gate_up_proj.weight.dtype != FP8_DTYPE]
         self.gemm_choices.update({("gated",) + shape: choice for shape, choice in choose_gated_weights(gate_ups).items()})
+        for activation, weights in getattr(self.model, "activated_weights", dict)().items():  # engine/models/decoder.py
+            self.gemm_choices.update({("activated", activation) + shape: choice
+                                      for shape, choice in choose_activated_weights(weights, activation).items()})
         fp8_gate_ups = [layer.gate_up_proj.weight for layer in getattr(self.model, "layers", [])
                         if hasattr(layer, "gate_up_proj") and layer.gate_up_proj.weight.dtype == FP8_DTYPE]
         fp8 = choose_fp8_skinny_variants(

@@ -35,41 +35,46 @@ from engine.config import ModelConfig
 from engine.models.layers import Linear, Norm, RowParallelLinear, VocabParallelEmbedding, qkv_heads, vocab_parallel_logits
 from kernels.activation import silu_and_mul
 from kernels.alibi import alibi_slopes
-from kernels.attention import paged_attention, write_kv_cache
 from kernels.attention_metadata import AttentionMetadata
+from kernels.layernorm import layer_norm
 from kernels.rmsnorm import rms_norm
-from kernels.rope_attention import rope_paged_attention
+from kernels.rope_attention import append_paged_attention, rope_paged_attention
 from kernels.rotary import build_cos_sin_cache
 
-_ACTIVATIONS = {
-    "gelu": F.gelu,
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "relu": F.relu,
-    "silu": F.silu,
-}
+# hidden_act -> the kernels' activation (kernels/linear.py ACTIVATIONS), fused into the up projection's
+# epilogue; SiLU (never a non-gated MLP's activation among the families) stays a torch op after it.
+_KERNEL_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
+
+Adds = tuple[torch.Tensor, ...]  # sub-block outputs still to be added to the residual stream, in order
 
 
-def apply_norm(x: torch.Tensor, norm: Norm, kind: str, eps: float) -> torch.Tensor:
-    """x: (num_tokens, hidden) through a LayerNorm (with or without bias) or an RMSNorm."""
+def apply_norm(x: torch.Tensor, norm: Norm, kind: str, eps: float, adds: Adds = (), second: Norm | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The residual stream x (num_tokens, hidden) plus ``adds`` (each rounded in order, as the
+    reference's ``x + attn + mlp``) through a LayerNorm (with or without bias) or an RMSNorm:
+    (normed, the summed stream, the same stream through ``second`` or None). One kernel on CUDA
+    for a LayerNorm (kernels/layernorm.py), adds and both norms included."""
     if kind == "layernorm":
-        return F.layer_norm(x, (x.shape[-1],), norm.weight, norm.bias, eps)
-    return rms_norm(x, norm.weight, eps)[0]
+        return layer_norm(x, norm.weight, norm.bias, eps, adds,
+                          (second.weight, second.bias) if second is not None else None)
+    for term in adds[:-1]:
+        x = x + term
+    out, stream = rms_norm(adds[-1], norm.weight, eps, residual=x) if adds else rms_norm(x, norm.weight, eps)
+    return out, stream, rms_norm(stream, second.weight, eps)[0] if second is not None else None
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int, *, tp_size: int, tp_group, dtype, device,
                  quantization=None):
         super().__init__()
-        c = config
-        self.config = c
+        c = self.config = config
         self.layer_index = layer_index
         self.head_dim = c.head_dim
         self.num_heads = c.num_heads // tp_size
         self.num_kv_heads = c.num_kv_heads // tp_size
         self.scale = c.head_dim**-0.5
         self.sliding_window = c.layer_window(layer_index)
-        self.act = _ACTIVATIONS[c.hidden_act]
+        self.activation = _KERNEL_ACTIVATIONS.get(c.hidden_act)  # None: silu, applied by torch
         hidden, inter_local = c.hidden_size, c.intermediate_size // tp_size
         q_size, kv_size = self.num_heads * c.head_dim, self.num_kv_heads * c.head_dim
         norm = {"bias": c.norm_bias, "dtype": dtype, "device": device}
@@ -86,8 +91,8 @@ class DecoderLayer(nn.Module):
         self.up_proj = Linear(hidden, up_rows, bias=c.mlp_bias, **linear)
         self.down_proj = RowParallelLinear(inter_local, hidden, bias=c.mlp_bias, tp_group=tp_group, **linear)
 
-    def _norm(self, x: torch.Tensor, norm: Norm) -> torch.Tensor:
-        return apply_norm(x, norm, self.config.norm_kind, self.config.norm_eps)
+    def _norm(self, x: torch.Tensor, norm: Norm, adds: Adds = (), second: Norm | None = None):
+        return apply_norm(x, norm, self.config.norm_kind, self.config.norm_eps, adds, second)
 
     def attention(self, x, positions, position_table, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         """position_table: the rotary cos/sin table (positions "rope"), this rank's ALiBi slopes
@@ -100,32 +105,39 @@ class DecoderLayer(nn.Module):
         if self.config.positions == "rope":
             out = rope_paged_attention(q, k, v, positions, position_table, k_cache, v_cache, meta, self.scale,
                                        sliding_window=self.sliding_window)
-        else:
-            write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-            out = paged_attention(q, k_cache, v_cache, meta, self.scale, sliding_window=self.sliding_window,
-                                  alibi_slopes=position_table)
+        else:  # ALiBi or learned positions: nothing to rotate
+            out = append_paged_attention(q, k, v, k_cache, v_cache, meta, self.scale,
+                                         sliding_window=self.sliding_window, alibi_slopes=position_table)
         out = self.o_proj(out.reshape(out.shape[0], -1))
-        return self._norm(out, self.attn_out_norm) if self.config.post_sublayer_norms else out
+        return self._norm(out, self.attn_out_norm)[0] if self.config.post_sublayer_norms else out
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:
-        up = self.up_proj(h)
-        out = self.down_proj(silu_and_mul(up) if self.config.mlp_gated else self.act(up))
-        return self._norm(out, self.mlp_out_norm) if self.config.post_sublayer_norms else out
+        if self.config.mlp_gated:
+            up = silu_and_mul(self.up_proj(h))
+        elif self.activation is None:
+            up = F.silu(self.up_proj(h))
+        else:  # bias and activation in the product's epilogue where the kernel was chosen at load
+            up = self.up_proj.activated(h, self.activation)
+        out = self.down_proj(up)
+        return self._norm(out, self.mlp_out_norm)[0] if self.config.post_sublayer_norms else out
 
-    def forward(self, x, positions, position_table, kv_cache, meta):
-        """x: (num_tokens, hidden), the residual stream -> the same, after this block."""
+    def forward(self, x, adds: Adds, positions, position_table, kv_cache, meta) -> tuple[torch.Tensor, Adds]:
+        """x: (num_tokens, hidden), the residual stream before ``adds`` (the previous block's
+        sub-block outputs, not yet added) -> (the stream, this block's outputs still to add): the
+        next norm adds them in its own kernel, so no residual add is a launch of its own."""
         residual = self.config.residual
-        if residual == "post_norm":
-            x = self._norm(x + self.attention(x, positions, position_table, kv_cache, meta), self.input_norm)
-            return self._norm(x + self.mlp(x), self.post_attn_norm)
-        h = self._norm(x, self.input_norm)
+        if residual == "post_norm":  # LN(x + attn), then LN(x + mlp): the stream is normed, nothing pending
+            x = self._norm(x, self.input_norm, adds + (self.attention(x, positions, position_table, kv_cache, meta),))[0]
+            return self._norm(x, self.post_attn_norm, (self.mlp(x),))[0], ()
+        second = self.post_attn_norm if residual == "parallel_two_norms" else None
+        h, x, h_mlp = self._norm(x, self.input_norm, adds, second)
         attn = self.attention(h, positions, position_table, kv_cache, meta)
         if residual == "parallel":
-            return x + attn + self.mlp(h)
+            return x, (attn, self.mlp(h))
         if residual == "parallel_two_norms":
-            return x + attn + self.mlp(self._norm(x, self.post_attn_norm))
-        x = x + attn
-        return x + self.mlp(self._norm(x, self.post_attn_norm))
+            return x, (attn, self.mlp(h_mlp))
+        h, x, _ = self._norm(x, self.post_attn_norm, (attn,))
+        return x, (self.mlp(h),)
 
 
 class DecoderForCausalLM(nn.Module):
@@ -172,6 +184,17 @@ class DecoderForCausalLM(nn.Module):
             slopes = alibi_slopes(c.num_heads, c.alibi_slopes, c.alibi_bias_max)
             self.position_table = slopes[self.tp_rank * heads_local:(self.tp_rank + 1) * heads_local].to(device)
 
+    def activated_weights(self) -> dict[str, list[torch.Tensor]]:
+        """The non-gated up projections' weights (model dtype) by kernel activation, for the runner's
+        load-time choice of the fused bias + activation epilogue (kernels/linear.py)."""
+        weights: dict[str, list[torch.Tensor]] = {}
+        for layer in self.layers:
+            up = layer.up_proj
+            if layer.activation is not None and not self.config.mlp_gated and up.weight_scale is None \
+                    and up.weight_only is None:
+                weights.setdefault(layer.activation, []).append(up.weight)
+        return weights
+
     def _position_table(self, device: torch.device) -> torch.Tensor | None:
         if self.config.positions == "learned":
             return None
@@ -191,11 +214,15 @@ class DecoderForCausalLM(nn.Module):
         if c.positions == "learned":
             x = x + self.embed_positions(positions + c.learned_position_offset)
         if c.embedding_norm:
-            x = apply_norm(x, self.embed_norm, c.norm_kind, c.norm_eps)
+            x = apply_norm(x, self.embed_norm, c.norm_kind, c.norm_eps)[0]
+        adds: Adds = ()
         for layer in self.layers:
-            x = layer(x, positions, position_table, kv_cache, attn_meta)
+            x, adds = layer(x, adds, positions, position_table, kv_cache, attn_meta)
         if c.final_norm:
-            x = apply_norm(x, self.norm, c.norm_kind, c.norm_eps)
+            x = apply_norm(x, self.norm, c.norm_kind, c.norm_eps, adds)[0]
+        else:
+            for term in adds:
+                x = x + term
         if c.word_embed_proj_dim is not None:
             x = self.project_out(x)
         return x

@@ -36,7 +36,7 @@ from kernels.fp8 import (FP8_DTYPE, QuantizedRows, ScaledProduct, apply_scales, 
 from kernels.fp8_block import blocks, fp8_block_linear
 from kernels.int8_sq import int8_linear
 from kernels.activation import silu_and_mul
-from kernels.linear import gated_linear, linear, linear_float32_out
+from kernels.linear import activation_ref, gated_linear, linear, linear_activated, linear_float32_out
 from kernels.rmsnorm import qk_rms_norm, rms_norm
 from kernels.wna16 import WNA16Weight, prepare_wna16, stored_columns, wna16_linear
 
@@ -226,6 +226,14 @@ class Linear(nn.Module):
         adapters read x in the model dtype."""
         return self.is_fp8 and self.lora is None and quantizes_activations(x.device)
 
+    def activated(self, x: torch.Tensor, activation: str) -> torch.Tensor:
+        """act(x @ weight.T + bias), act one of kernels.linear.ACTIVATIONS (a non-gated MLP's up
+        projection): one skinny kernel with the bias and activation in its epilogue when the weight
+        in the model dtype was marked at load, else this layer's product then the activation."""
+        if self.weight_scale is None and self.weight_only is None and self.lora is None:
+            return linear_activated(x, self.weight, self.bias, activation)
+        return activation_ref(self(x), activation)
+
     def gated(self, x: torch.Tensor | QuantizedRows, *, quantize_output: bool = False,
               lora: LoraBatch | None = None) -> torch.Tensor | QuantizedRows:
         """silu(x @ gate.T) * (x @ up.T) for a fused [gate | up] weight (2 * inter, in).
@@ -244,7 +252,8 @@ class Linear(nn.Module):
 
 
 class RowParallelLinear(Linear):
-    """Partial product on each rank, all-reduced; the (replicated) bias is added after the reduce."""
+    """Partial product on each rank, all-reduced; the (replicated) bias is added after the reduce
+    (on one rank, in the product)."""
 
     def __init__(self, in_local: int, out_features: int, *, bias: bool, tp_group, dtype, device=None,
                  quantization: LinearQuantization = None):
@@ -258,13 +267,17 @@ class RowParallelLinear(Linear):
         if (defer_scales and self.is_fp8 and self.tp_group is None and self.bias is None
                 and (lora is None or self.lora is None)):
             return fp8_linear(x, self.weight, self.weight_scale, defer_scales=True)
+        if self.tp_group is None:  # one rank: the bias joins the product (no add of its own)
+            out = self._product(x, self.bias)
+            if lora is not None and self.lora is not None:
+                self.lora.add(x, out, lora)
+            return out
         out = self._product(x, None)
         if lora is not None and self.lora is not None:
             # A holds this rank's input columns: B(A_r x_r) summed over ranks is B(A x), so the
             # adapter's partial product joins the base one before the all-reduce.
             self.lora.add(x, out, lora)
-        if self.tp_group is not None:
-            out = tp_all_reduce(out, self.tp_group)
+        out = tp_all_reduce(out, self.tp_group)
         return out if self.bias is None else out + self.bias
 
 

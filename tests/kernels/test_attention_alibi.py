@@ -135,3 +135,28 @@ def test_mixed_batch_with_alibi_matches_reference(device):
     """Prompt chunks and decode rows in one batch: the kernel's two launches both add the bias."""
     for dtype in low_precision_dtypes(device):
         run_alibi_case(device, dtype, (6, 2, 64), [(0, 23), (40, 1), (17, 9), (70, 1)], num_splits=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_appending_the_new_kv_with_alibi_equals_the_two_step_path(device, num_splits):
+    """append_paged_attention at decode (BLOOM, MPT, OPT: nothing to rotate): the kernel writes the
+    new token's k and v into its slot and attends in one launch, equal to write_kv_cache then the
+    reference, and the pool holds the same rows afterwards."""
+    from kernels.rope_attention import append_paged_attention
+
+    for dtype in low_precision_dtypes(device):
+        k, v, k_cache, v_cache, meta = make_batch([(0, 1), (15, 1), (16, 1), (299, 1)], 5, 64, 16, dtype, device)
+        q = torch.randn(4, 5, 64, generator=torch.Generator().manual_seed(1)).to(dtype).to(device)
+        slopes = alibi_slopes(5, "bloom").to(device)
+        ref_k, ref_v = k_cache.clone(), v_cache.clone()
+        write_kv_cache_ref(k, v, ref_k, ref_v, meta.slot_mapping)
+        ref = paged_attention_ref(q, ref_k, ref_v, meta, 0.125, alibi_slopes=slopes)
+        from kernels.triton_attention import paged_attention_triton
+
+        out = paged_attention_triton(q, k_cache, v_cache, meta, 0.125, num_splits=num_splits,
+                                     new_kv=(k, v, None, None), alibi_slopes=slopes)
+        assert relative_error(out, ref) < TOLERANCE[dtype]
+        assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+        assert meta.is_decode_only and relative_error(append_paged_attention(
+            q, k, v, k_cache, v_cache, meta, 0.125, alibi_slopes=slopes), ref) < TOLERANCE[dtype]

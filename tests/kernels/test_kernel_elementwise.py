@@ -95,6 +95,31 @@ def test_rms_norm_sums_each_tokens_rows_first(device, num_tokens, parts, hidden)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens,hidden", [(1, 4544), (7, 576), (3, 200)])
+def test_layer_norm_with_its_adds_and_second_norm(device, num_tokens, hidden):
+    """The LayerNorm families' fused norm (Falcon-7B's 4544, SmolLM2's 576, a partial block): the
+    stream x + a0 + a1 equals the reference's adds bit for bit; each norm, with and without a
+    bias, one output rounding from F.layer_norm; a second (weight, bias) normalizes the same row."""
+    from kernels.layernorm import layer_norm_ref, layer_norm_triton
+
+    for dtype in low_precision_dtypes(device):
+        x, a0, a1 = (randn(num_tokens, hidden, dtype=dtype, device=device, seed=s) for s in (1, 2, 3))
+        weight, weight2 = ((1 + 0.1 * randn(hidden, dtype=torch.float32, device=device, seed=s)).to(dtype)
+                           for s in (4, 5))
+        bias, bias2 = (randn(hidden, dtype=dtype, device=device, seed=s) for s in (6, 7))
+        for adds in ((), (a0,), (a0, a1)):
+            for b, second in ((bias, None), (None, None), (bias, (weight2, bias2)), (None, (weight2, None))):
+                out, stream, out2 = layer_norm_triton(x + 3, weight, b, 1e-5, adds, second)
+                ref, ref_stream, ref2 = layer_norm_ref(x + 3, weight, b, 1e-5, adds, second)
+                assert torch.equal(stream, ref_stream)
+                assert relative_error(out, ref) < ROUNDING[dtype]
+                assert (out2 is None) == (second is None)
+                if second is not None:
+                    assert relative_error(out2, ref2) < ROUNDING[dtype]
+        assert layer_norm_triton(x, weight, bias, 1e-5)[1] is x  # nothing added: the stream is x itself
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("is_neox", [True, False])
 @pytest.mark.parametrize("heads,head_dim", [((32, 8), 128), ((9, 3), 64)])
 def test_rotary_in_place_on_qkv_views(device, is_neox, heads, head_dim):

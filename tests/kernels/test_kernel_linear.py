@@ -106,6 +106,23 @@ def test_gated_skinny_matches_linear_then_silu_and_mul(device, m):
             assert relative_error(out, gated_linear_ref(x, w)) < 2 * ROUNDING[dtype], (bn, bk)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu"])
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_activated_skinny_matches_linear_then_activation(device, activation, split_k):
+    """The up projection's bias and activation in the skinny kernel's epilogue round like F.linear
+    followed by the activation (the LayerNorm families' MLP): one output rounding apart."""
+    from kernels.linear import activation_ref, skinny_linear_triton
+
+    gen = torch.Generator().manual_seed(split_k)
+    for dtype in low_precision_dtypes(device):
+        x = torch.randn(3, 576, generator=gen).to(dtype).to(device)
+        w = (torch.randn(300, 576, generator=gen) * 0.08).to(dtype).to(device)
+        bias = torch.randn(300, generator=gen).to(dtype).to(device)
+        out = skinny_linear_triton(x, w, bias, block_n=16, block_k=256, split_k=split_k, activation=activation)
+        assert relative_error(out, activation_ref(F.linear(x, w, bias), activation)) < 2 * ROUNDING[dtype]
+
+
 @pytest.mark.parametrize("m,skinny", [(3, False), (3, True), (64, False)])
 def test_float32_logits_are_the_product_unrounded(device, m, skinny):
     """linear_float32_out (the lm_head): float32 for every batch. A weight marked for the skinny
