@@ -289,6 +289,7 @@ def load_hf_dir(path: str):
     from transformers import AutoConfig, AutoTokenizer
 
     from engine.convert_decoder import remote_code_config
+    from engine.tiktoken_vocab import qwen1_tokenizer
 
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise CheckpointError(
@@ -306,8 +307,9 @@ def load_hf_dir(path: str):
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, KeyError, TypeError):
-        tokenizer = None
-        print(f"warning: no tokenizer found in {path}; the engine directory will have none", file=sys.stderr)
+        tokenizer = qwen1_tokenizer(path)  # Qwen (v1): its remote-code tokenizer's qwen.tiktoken, read as data
+        if tokenizer is None:
+            print(f"warning: no tokenizer found in {path}; the engine directory will have none", file=sys.stderr)
     return hf_config, get, tokenizer
 
 

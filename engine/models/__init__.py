@@ -100,8 +100,8 @@ MODEL_FAMILIES = (
                 "Baichuan 2 7B (rotary) and 13B (ALiBi); remote code read as data: W_pack, NormHead",
                 fp8=True, weight_only=True),
     ModelFamily("QWenLMHeadModel", "engine.models.decoder", "DecoderForCausalLM",
-                "Qwen (v1) 1.8B/7B/14B (remote code read as data: c_attn, w1/w2; up to seq_length; the tiktoken "
-                "vocabulary is not converted)", fp8=True, weight_only=True),
+                "Qwen (v1) 1.8B/7B/14B (remote code read as data: c_attn, w1/w2; up to seq_length; qwen.tiktoken "
+                "converted to a fast tokenizer at build)", fp8=True, weight_only=True),
     # Hybrid Mamba-2 / attention models (engine/ssm/): a state slot per running sequence beside the KV pool.
     ModelFamily("BambaForCausalLM", "engine.ssm.hybrid", "HybridForCausalLM",
                 "Bamba-9B (Mamba-2 layers with a per-request state, "

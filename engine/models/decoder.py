@@ -143,6 +143,8 @@ class DecoderLayer(nn.Module):
 class DecoderForCausalLM(nn.Module):
     """One tensor-parallel rank of a configurable-decoder family (module docstring)."""
 
+    supports_prefill_graphs = True  # steps with prompt tokens replay graphs too (tests/engine/test_cuda_graphs.py)
+
     def __init__(self, config: ModelConfig, *, tp_rank: int = 0, tp_size: int = 1, tp_group=None,
                  dtype: torch.dtype = torch.float32, device=None, max_positions: int | None = None,
                  quantization=None):

@@ -25,10 +25,23 @@ TINY = dict(architecture="LlamaForCausalLM", vocab_size=1000, hidden_size=256, n
             num_kv_heads=2, head_dim=32, intermediate_size=512, max_position_embeddings=512)
 
 
-def config_only_engine(tmp_path, dtype: str, max_batch_size: int = 24, quantization: str | None = None) -> str:
+# The configurable decoder's LayerNorm forms (engine/models/decoder.py), in TINY's shape: BLOOM (ALiBi, biases,
+# embedding norm, sequential residual) and Falcon-7B (multi-query, rotary, one norm for parallel attention and MLP).
+_LAYERNORM = dict(norm_kind="layernorm", norm_bias=True, mlp_gated=False)
+TINY_DECODERS = {
+    "bloom": dict(TINY, architecture="BloomForCausalLM", num_kv_heads=8, positions="alibi", alibi_slopes="bloom",
+                  hidden_act="gelu_pytorch_tanh", qkv_bias=True, attention_out_bias=True, mlp_bias=True,
+                  embedding_norm=True, tie_word_embeddings=True, **_LAYERNORM),
+    "falcon": dict(TINY, architecture="FalconForCausalLM", num_kv_heads=1, hidden_act="gelu", residual="parallel",
+                   tie_word_embeddings=True, **_LAYERNORM),
+}
+
+
+def config_only_engine(tmp_path, dtype: str, max_batch_size: int = 24, quantization: str | None = None,
+                       model: dict = TINY) -> str:
     build = BuildConfig(dtype=dtype, max_batch_size=max_batch_size, max_input_len=128, max_seq_len=256,
                         max_num_tokens=1024, tokens_per_block=16, quantization=quantization)
-    EngineConfig(model=ModelConfig(**TINY), build=build, extra={"random_weights_seed": 3}).validate().save(str(tmp_path))
+    EngineConfig(model=ModelConfig(**model), build=build, extra={"random_weights_seed": 3}).validate().save(str(tmp_path))
     return str(tmp_path)
 
 
@@ -172,6 +185,32 @@ def test_graph_mixed_steps_match_eager(tmp_path, num_seqs, quantization, kv_cach
         assert err < (5e-2 if quantization else 2e-2), f"step {step}: relative error {err:.2e}"
         same = (graphed.argmax(-1) == eager.argmax(-1)).float().mean().item()
         assert same >= 0.95, f"step {step}: only {same:.0%} of greedy tokens agree"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("family", sorted(TINY_DECODERS))
+def test_decoder_family_graphs_match_eager(tmp_path, family):
+    """The LayerNorm families through both kinds of graph: decode steps (the fused LayerNorm with its
+    residual adds, the activated up projection, ALiBi's new K/V written inside the attention kernel)
+    and steps with prompt chunks, each equal to the same step run eagerly."""
+    runner = ModelRunner(config_only_engine(tmp_path, "bfloat16", model=TINY_DECODERS[family]), device="cuda")
+    runner.allocate_kv_cache(400)
+    runner.capture_cuda_graphs()
+    runner.warmup()
+    assert runner.decode_graphs is not None and runner.prefill_graphs is not None
+    steps = [batch for batch in prompt_chunk_batches(5, page=16) if len(batch.token_ids) != len(batch.seq_lens_q)]
+    prompt_lens = [13 + 7 * i % 29 for i in range(5)]
+    prefill, decode = prefill_then_decode_batches(5, prompt_lens, steps=3, page=16)
+    for batch in steps + [prefill] + [decode(step) for step in range(3)]:
+        graphed = runner.forward(batch)
+        decode_graphs, prefill_graphs = runner.decode_graphs, runner.prefill_graphs
+        runner.decode_graphs = runner.prefill_graphs = None  # the same step eagerly (rewrites the same K/V slots)
+        eager = runner.forward(batch)
+        runner.decode_graphs, runner.prefill_graphs = decode_graphs, prefill_graphs
+        err = ((graphed - eager).norm() / eager.norm()).item()
+        assert err < 2e-2, f"{family}: relative error {err:.2e}"
+        assert (graphed.argmax(-1) == eager.argmax(-1)).float().mean().item() >= 0.95
 
 
 def test_prefill_tile_map_and_token_buckets():
