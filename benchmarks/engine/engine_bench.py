@@ -717,6 +717,12 @@ def _hf_layernorm_family(c: dict, device: str):
             ffn_hidden_size=c["intermediate_size"]), FalconForCausalLM
     # Falcon through sdpa; transformers' BLOOM has only its eager attention (ALiBi as a bias tensor).
     config._attn_implementation = "eager" if model_class is BloomForCausalLM else "sdpa"
+    return _made_in_place(model_class, config, device)
+
+
+def _made_in_place(model_class, config, device: str):
+    """model_class(config) with its random weights made on ``device`` in the benchmark's dtype (bf16
+    on a GPU) directly: a 30B model made in float32 first would not fit the GPU."""
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16 if device != "cpu" else torch.float32)
     try:
@@ -728,7 +734,7 @@ def _hf_layernorm_family(c: dict, device: str):
 
 def _hf_qwen3_moe(c: dict, device: str):
     """Qwen3-MoE of the shape of MODELS entry ``c`` (transformers' default experts implementation),
-    built in bf16 directly: a 30B model in float32 first would not fit the GPU."""
+    built in bf16 directly (_made_in_place)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     config = Qwen3MoeConfig(
@@ -740,13 +746,7 @@ def _hf_qwen3_moe(c: dict, device: str):
         norm_topk_prob=c.get("norm_topk_prob", True),
         rope_parameters={"rope_theta": c.get("rope_theta", 10000.0), "rope_type": "default"},
     )
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16 if device != "cpu" else torch.float32)
-    try:
-        with torch.device(device):
-            return Qwen3MoeForCausalLM(config).eval()
-    finally:
-        torch.set_default_dtype(default_dtype)
+    return _made_in_place(Qwen3MoeForCausalLM, config, device)
 
 
 def _hf_llama(c: dict, device: str):
