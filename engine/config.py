@@ -68,6 +68,10 @@ SUPPORTED_ARCHITECTURES += MLA_ARCHITECTURES
 # (softmax, the best topk_group groups by their best expert, top-k among them: V2), noaux_tc (sigmoid,
 # plus e_score_correction_bias for the choice only, groups ranked by their two best: V3).
 MLA_TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+# Llama 4 text (engine/models/llama4.py): chunked local attention on rope layers, global NoPE layers,
+# dense and MoE layers interleaved (top-1 sigmoid routing, a shared expert).
+LLAMA4_ARCHITECTURES = ("Llama4ForCausalLM",)
+SUPPORTED_ARCHITECTURES += LLAMA4_ARCHITECTURES
 NORM_KINDS = ("rmsnorm", "layernorm")
 POSITION_KINDS = ("rope", "learned", "alibi")
 # sequential: x += attn(norm1(x)); x += mlp(norm2(x)). parallel: x += attn(norm1(x)) + mlp(norm1(x))
@@ -117,14 +121,14 @@ def _from_known_fields(cls, data: dict[str, Any]):
 
 _OPTIONAL_WHEN_NONE = ("sliding_window", "layer_types", "query_pre_attn_scalar", "attn_logit_softcapping",
                        "final_logit_softcapping", "rope_local_theta", "swiglu_limit", "expert_quantization", "ssm",
-                       "q_lora_rank")
+                       "q_lora_rank", "attention_chunk_size", "nope_floor_scale", "nope_attn_scale")
 # The configurable decoder's block options: left out of config.json at their (the Llama block's)
 # defaults, so the engines of the other families keep the config.json older readers accept.
 _OPTIONAL_AT_DEFAULT = ("norm_kind", "norm_bias", "positions", "learned_position_offset", "alibi_slopes",
                         "alibi_bias_max", "residual", "post_sublayer_norms", "attention_out_bias", "mlp_bias",
                         "mlp_gated", "embedding_norm", "word_embed_proj_dim", "final_norm", "lm_head_bias", "clip_qkv",
                         "rotary_interleaved", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim",
-                        "n_shared_experts", "n_group", "topk_group", "routed_scaling_factor", "topk_method")
+                        "n_shared_experts", "n_group", "topk_group", "routed_scaling_factor", "topk_method", "qk_l2_norm")
 
 
 @dataclass
@@ -238,6 +242,15 @@ class ModelConfig:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0  # the routed experts' weights are multiplied by it
     topk_method: str = "greedy"  # MLA_TOPK_METHODS
+    # ---- Llama 4 (LLAMA4_ARCHITECTURES; engine/models/llama4.py): rope layers attend within chunks of
+    # attention_chunk_size positions (a query at p sees keys (p // C) * C .. p) and normalise q and k
+    # per head (no weight) after rope; layers_without_rope are global, their q scaled by
+    # 1 + nope_attn_scale * log1p(floor((p + 1) / nope_floor_scale)) (None: no temperature tuning);
+    # experts top-k by logit, sigmoid weights scaling each expert's input, plus n_shared_experts ----
+    attention_chunk_size: int | None = None
+    qk_l2_norm: bool = False
+    nope_floor_scale: float | None = None
+    nope_attn_scale: float | None = None
 
     def is_moe_layer(self, layer_index: int) -> bool:
         return (self.num_experts > 0 and layer_index not in self.mlp_only_layers
@@ -328,6 +341,15 @@ class ModelConfig:
     def _validate_experts(self) -> None:
         if self.architecture in MLA_ARCHITECTURES:
             self._validate_mla()
+            return
+        if self.architecture in LLAMA4_ARCHITECTURES:
+            _positive_ints(self, ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"))
+            _require(self.num_experts_per_tok <= self.num_experts,
+                     f"num_experts_per_tok ({self.num_experts_per_tok}) must be <= num_experts ({self.num_experts})")
+            _require(self.attention_chunk_size is None or self.attention_chunk_size > 0,
+                     f"attention_chunk_size must be a positive integer or null, got {self.attention_chunk_size!r}")
+            _require(not self.qkv_bias and self.rotary_dim == self.head_dim,
+                     f"{self.architecture} with attention bias or partial rotary is not supported")
             return
         if self.architecture not in MOE_ARCHITECTURES:
             _require(self.num_experts == 0, f"{self.architecture} has no experts; num_experts must be 0, "

@@ -27,13 +27,14 @@ from typing import Iterator, Mapping
 
 import torch
 
-from engine.config import (DECODER_ARCHITECTURES, GEMMA_ARCHITECTURES, HYBRID_ARCHITECTURES, MLA_ARCHITECTURES,
-                           MOE_ARCHITECTURES, ConfigError, ModelConfig, check_tp_divides)
+from engine.config import (DECODER_ARCHITECTURES, GEMMA_ARCHITECTURES, HYBRID_ARCHITECTURES, LLAMA4_ARCHITECTURES,
+                           MLA_ARCHITECTURES, MOE_ARCHITECTURES, ConfigError, ModelConfig, check_tp_divides)
 from engine.convert_decoder import MODEL_TYPES, decoder_config_from_hf, decoder_rank_weights
 from engine.ssm.convert import MODEL_TYPES as HYBRID_MODEL_TYPES, hybrid_config_from_hf, hybrid_rank_weights
 from engine.convert_deepseek import deepseek_config_from_hf, deepseek_rank_weights
+from engine.convert_llama4 import llama4_config_from_hf, llama4_rank_weights
 from engine.hf_checkpoint import (CheckpointError, TensorGetter, first_present, has_tensor, read_rope, shard,
-                                  sliding_window_fields, stacked_experts)
+                                  sliding_window_fields, stacked_experts, decoder_shape)
 from engine.models import SUPPORTED_ARCHITECTURES, UnsupportedArchitectureError
 from kernels.moe_epilogue import SWIGLU_ALPHA
 from kernels.rotary import partial_rotary_order
@@ -42,7 +43,8 @@ from kernels.rotary import partial_rotary_order
 
 # Multimodal checkpoints whose language model the engine serves on its own (text in, text out;
 # the vision tower and projector are not converted): architecture -> the text model's.
-MULTIMODAL_TEXT_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+MULTIMODAL_TEXT_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
+                          "Llama4ForConditionalGeneration": "Llama4ForCausalLM"}
 
 # Remote-code checkpoints (their modeling files ship in the directory) that have no converter:
 # architecture -> what the converter would have to read, named so users know what is missing.
@@ -71,6 +73,8 @@ def model_config_from_hf(hf_config) -> ModelConfig:
         return hybrid_config_from_hf(hf_config, architecture)
     if architecture in MLA_ARCHITECTURES:
         return deepseek_config_from_hf(hf_config, architecture)
+    if architecture in LLAMA4_ARCHITECTURES:
+        return llama4_config_from_hf(hf_config, architecture)
     if architecture == "GPT2LMHeadModel":
         return _gpt2_config(hf_config)
     if architecture in GEMMA_ARCHITECTURES:
@@ -88,7 +92,8 @@ def _architecture_from_model_type(hf_config) -> str:
                "smollm3": "SmolLM3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                "gemma3": "Gemma3ForConditionalGeneration", "mixtral": "MixtralForCausalLM",
                "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
-               "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+               "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+               "llama4_text": "Llama4ForCausalLM", "llama4": "Llama4ForConditionalGeneration"}
     by_type.update(MODEL_TYPES)
     by_type.update(HYBRID_MODEL_TYPES)
     model_type = getattr(hf_config, "model_type", None)
@@ -105,30 +110,13 @@ _QKV_BIAS_ARCHITECTURES = ("Qwen2ForCausalLM",)
 _QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 
-def _decoder_shape(c, *, tie_word_embeddings_default: bool) -> dict:
-    """The fields every Hugging Face decoder config names alike (Llama family, Gemma): sizes,
-    heads (GQA when num_key_value_heads is set), RMSNorm eps and learned/rope position limit."""
-    return dict(
-        vocab_size=c.vocab_size,
-        hidden_size=c.hidden_size,
-        num_layers=c.num_hidden_layers,
-        num_heads=c.num_attention_heads,
-        num_kv_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
-        head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
-        intermediate_size=c.intermediate_size,
-        norm_eps=float(c.rms_norm_eps),
-        max_position_embeddings=c.max_position_embeddings,
-        tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", tie_word_embeddings_default)),
-    )
-
-
 def _llama_family_config(c, architecture: str, **moe_fields) -> ModelConfig:
     if getattr(c, "mlp_bias", False) or (architecture not in _QKV_BIAS_ARCHITECTURES and getattr(c, "attention_bias", False)):
         raise ConfigError(f"{architecture} with attention_bias/mlp_bias is not supported")
     theta, scaling, partial_rotary_factor = read_rope(c)
     return ModelConfig(
         architecture=architecture,
-        **_decoder_shape(c, tie_word_embeddings_default=False),
+        **decoder_shape(c, tie_word_embeddings_default=False),
         rope_theta=theta,
         rope_scaling=scaling,
         qkv_bias=architecture in _QKV_BIAS_ARCHITECTURES,
@@ -166,7 +154,7 @@ def _gemma_config(c, architecture: str) -> ModelConfig:
         theta, scaling, _ = read_rope(c)
     return ModelConfig(
         architecture=architecture,
-        **_decoder_shape(c, tie_word_embeddings_default=True),
+        **decoder_shape(c, tie_word_embeddings_default=True),
         rope_theta=theta,
         rope_scaling=scaling,
         hidden_act=getattr(c, "hidden_activation", None) or c.hidden_act,
@@ -215,7 +203,7 @@ def _gpt_oss_config(c) -> ModelConfig:
     theta, scaling, _ = read_rope(c)
     return ModelConfig(
         architecture="GptOssForCausalLM",
-        **_decoder_shape(c, tie_word_embeddings_default=False),
+        **decoder_shape(c, tie_word_embeddings_default=False),
         rope_theta=theta,
         rope_scaling=scaling,
         qkv_bias=True,
@@ -480,6 +468,8 @@ def iter_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: i
         convert = hybrid_rank_weights
     if cfg.architecture in MLA_ARCHITECTURES:
         convert = deepseek_rank_weights
+    if cfg.architecture in LLAMA4_ARCHITECTURES:
+        convert = llama4_rank_weights
     for name, tensor in convert(get, cfg, rank, tp_size):
         yield name, (tensor.to(dtype) if tensor.is_floating_point() else tensor).contiguous()
 
@@ -495,7 +485,7 @@ def language_model_getter(hf_config, get: TensorGetter) -> TensorGetter:
     ``language_model.model.*`` / ``language_model.lm_head.*``. Other checkpoints: ``get`` itself."""
     architectures = getattr(hf_config, "architectures", None) or []
     architecture = architectures[0] if architectures else getattr(hf_config, "model_type", None)
-    if architecture not in MULTIMODAL_TEXT_MODELS and architecture != "gemma3":
+    if architecture not in MULTIMODAL_TEXT_MODELS and architecture not in ("gemma3", "llama4"):
         return get
 
     def get_text(name: str) -> torch.Tensor:

@@ -21,7 +21,7 @@ from typing import Iterator
 import torch
 
 from engine.config import ModelConfig
-from engine.hf_checkpoint import TensorGetter, read_rope, shard, stacked_experts
+from engine.hf_checkpoint import TensorGetter, decoder_shape, read_rope, shard, stacked_experts
 
 
 def deepseek_config_from_hf(c, architecture: str) -> ModelConfig:
@@ -29,16 +29,8 @@ def deepseek_config_from_hf(c, architecture: str) -> ModelConfig:
     v3 = architecture == "DeepseekV3ForCausalLM"
     return ModelConfig(
         architecture=architecture,
-        vocab_size=c.vocab_size,
-        hidden_size=c.hidden_size,
-        num_layers=c.num_hidden_layers,
-        num_heads=c.num_attention_heads,
-        num_kv_heads=c.num_attention_heads,
-        head_dim=c.qk_rope_head_dim,
-        intermediate_size=c.intermediate_size,
-        norm_eps=float(c.rms_norm_eps),
-        max_position_embeddings=c.max_position_embeddings,
-        tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+        **{**decoder_shape(c, tie_word_embeddings_default=False), "num_kv_heads": c.num_attention_heads,
+           "head_dim": c.qk_rope_head_dim},
         rope_theta=theta,
         rope_scaling=scaling,
         hidden_act=c.hidden_act,
@@ -60,7 +52,7 @@ def deepseek_config_from_hf(c, architecture: str) -> ModelConfig:
     ).validate()
 
 
-def _deinterleaved_rope_rows(t: torch.Tensor, rows_per_head: int, rope: int, interleaved: bool) -> torch.Tensor:
+def deinterleaved_rope_rows(t: torch.Tensor, rows_per_head: int, rope: int, interleaved: bool) -> torch.Tensor:
     """t (heads * rows_per_head, ...) whose last ``rope`` rows of each head rotate in pairs (2i, 2i + 1)
     -> the same rows with each head's rope part in the kernels' halves order."""
     if not interleaved:
@@ -85,16 +77,16 @@ def deepseek_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_siz
         if cfg.q_lora_rank is not None:
             yield out + "attn.q_a_proj.weight", get(attn + "q_a_proj.weight")
             yield out + "attn.q_a_norm.weight", get(attn + "q_a_layernorm.weight")
-        q = _deinterleaved_rope_rows(get(attn + f"{q_name}.weight"), head_rows, rope, interleaved)
+        q = deinterleaved_rope_rows(get(attn + f"{q_name}.weight"), head_rows, rope, interleaved)
         yield out + f"attn.{q_name}.weight", shard(q, 0, rank, tp_size)
         kv_a = get(attn + "kv_a_proj_with_mqa.weight")
-        yield out + "attn.kv_a_proj.weight", _deinterleaved_rope_rows(kv_a, kv_a.shape[0], rope, interleaved)
+        yield out + "attn.kv_a_proj.weight", deinterleaved_rope_rows(kv_a, kv_a.shape[0], rope, interleaved)
         yield out + "attn.kv_a_norm.weight", get(attn + "kv_a_layernorm.weight")
         yield out + "attn.kv_b_proj.weight", shard(get(attn + "kv_b_proj.weight"), 0, rank, tp_size)
         yield out + "attn.o_proj.weight", shard(get(attn + "o_proj.weight"), 1, rank, tp_size)
         yield out + "post_attn_norm.weight", get(hf + "post_attention_layernorm.weight")
         if not cfg.is_moe_layer(i):
-            yield from _gate_up_down(get, hf + "mlp.", out + "mlp.", rank, tp_size)
+            yield from gate_up_down(get, hf + "mlp.", out + "mlp.", rank, tp_size)
             continue
         yield out + "moe.router.weight", get(hf + "mlp.gate.weight")
         if cfg.topk_method == "noaux_tc":
@@ -103,13 +95,13 @@ def deepseek_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_siz
         yield out + "moe.gate_up_proj", torch.cat([shard(gate, 1, rank, tp_size), shard(up, 1, rank, tp_size)], dim=1)
         yield out + "moe.down_proj", shard(down, 2, rank, tp_size)
         if cfg.n_shared_experts:
-            yield from _gate_up_down(get, hf + "mlp.shared_experts.", out + "moe.shared_", rank, tp_size)
+            yield from gate_up_down(get, hf + "mlp.shared_experts.", out + "moe.shared_", rank, tp_size)
     yield "norm.weight", get("model.norm.weight")
     if not cfg.tie_word_embeddings:
         yield "lm_head.weight", shard(get("lm_head.weight"), 0, rank, tp_size)
 
 
-def _gate_up_down(get: TensorGetter, hf: str, out: str, rank: int, tp_size: int):
+def gate_up_down(get: TensorGetter, hf: str, out: str, rank: int, tp_size: int):
     """A SwiGLU MLP's [gate_r | up_r] rows and down's input columns for this rank."""
     gate_up = [shard(get(hf + f"{p}_proj.weight"), 0, rank, tp_size) for p in ("gate", "up")]
     yield out + "gate_up_proj.weight", torch.cat(gate_up, dim=0)

@@ -64,6 +64,23 @@ def read_rope(hf_config) -> tuple[float, dict | None, float]:
     return float(theta), scaling, float(partial)
 
 
+def decoder_shape(c, *, tie_word_embeddings_default: bool) -> dict:
+    """The fields every Hugging Face decoder config names alike (Llama family, Gemma, DeepSeek, Llama 4): sizes,
+    heads (GQA when num_key_value_heads is set), RMSNorm eps and learned/rope position limit."""
+    return dict(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        num_layers=c.num_hidden_layers,
+        num_heads=c.num_attention_heads,
+        num_kv_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+        head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+        intermediate_size=c.intermediate_size,
+        norm_eps=float(c.rms_norm_eps),
+        max_position_embeddings=c.max_position_embeddings,
+        tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", tie_word_embeddings_default)),
+    )
+
+
 # ---- weights --------------------------------------------------------------------------------
 
 def shard(t: torch.Tensor, dim: int, rank: int, tp_size: int) -> torch.Tensor:

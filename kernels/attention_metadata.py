@@ -54,6 +54,12 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return self.context_lens.shape[0]
 
+    def token_sequences(self, num_tokens: int) -> torch.Tensor:
+        """(num_tokens,) int32 on the device: the sequence each new token belongs to, from
+        cu_seqlens_q without a host sync (CUDA-graph safe)."""
+        token_ids = torch.arange(num_tokens, device=self.cu_seqlens_q.device, dtype=self.cu_seqlens_q.dtype)
+        return torch.searchsorted(self.cu_seqlens_q[1:].contiguous(), token_ids, right=True).to(torch.int32)
+
     def host_sequences(self) -> Iterator[tuple[int, int, int, int]]:
         """(index, first row, end row, context_len) of every sequence with new tokens, from the host
         copies when the runner made them (the torch references then never sync the device)."""

@@ -31,6 +31,7 @@ import torch
 from kernels._triton import jit, tl, triton, use_triton
 from kernels.attention import KV_FP8_DTYPE, _as_bytes_if_fp8, gather_blocks, to_cache_dtype
 from kernels.attention_metadata import AttentionMetadata
+from kernels.online_softmax import online_softmax_step
 
 
 def write_latent_cache_ref(latent: torch.Tensor, k_rope: torch.Tensor, cache: torch.Tensor,
@@ -144,12 +145,7 @@ def _mla_attention_kernel(q_lat_ptr, q_rope_ptr, cache_ptr, out_ptr, block_table
                          other=0.0).to(q_lat.dtype)  # (BLOCK_N, ROPE_PAD)
         scores = tl.dot(q_lat, tl.trans(latent)) + tl.dot(q_rope, tl.trans(k_rope))  # (BLOCK_H, BLOCK_N) float32
         scores = tl.where(key_ok[None, :], scores * scale, -float("inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        alpha = tl.exp(m - m_new)
-        probs = tl.exp(scores - m_new[:, None])
-        denom = denom * alpha + tl.sum(probs, 1)
-        acc = acc * alpha[:, None] + tl.dot(probs.to(latent.dtype), latent)
-        m = m_new
+        m, denom, acc = online_softmax_step(scores, latent, m, denom, acc)
     out = acc / denom[:, None]
     tl.store(out_ptr + token * stride_ot + heads[:, None] * stride_oh + r[None, :], out.to(out_ptr.dtype.element_ty),
              mask=head_ok[:, None] & (r < RANK)[None, :])
@@ -165,8 +161,7 @@ def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
     out = torch.empty_like(q_latent)
     if num_tokens == 0:
         return out
-    token_ids = torch.arange(num_tokens, device=q_latent.device, dtype=meta.cu_seqlens_q.dtype)
-    token_seq = torch.searchsorted(meta.cu_seqlens_q[1:].contiguous(), token_ids, right=True).to(torch.int32)
+    token_seq = meta.token_sequences(num_tokens)
     grid = (num_tokens, triton.cdiv(num_heads, block_h))
     _mla_attention_kernel[grid](
         q_latent, q_rope, cache, out, meta.block_tables, token_seq, meta.cu_seqlens_q, meta.context_lens,

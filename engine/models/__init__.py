@@ -71,6 +71,10 @@ MODEL_FAMILIES = (
     ModelFamily("DeepseekV2ForCausalLM", "engine.models.deepseek", "DeepseekForCausalLM",
                 "DeepSeek-V2, V2-Lite (multi-head latent attention, optional q-lora; softmax greedy or "
                 "group-limited routing, shared experts)", fp8=True),
+    ModelFamily("Llama4ForCausalLM", "engine.models.llama4", "Llama4ForCausalLM",
+                "Llama 4 Scout, Maverick: the text model, also of Llama4ForConditionalGeneration checkpoints "
+                "(chunked local attention on rope layers, global NoPE layers with temperature tuning, q/k L2 norm, "
+                "MoE layers interleaved with dense ones: top-1 sigmoid routing and a shared expert)"),
     # The configurable decoder (engine/models/decoder.py): each family is a set of block options.
     ModelFamily("GPTNeoXForCausalLM", "engine.models.decoder", "DecoderForCausalLM",
                 "GPT-NeoX-20B, Pythia (partial rotary, parallel or sequential residual, LayerNorm, biases)",

@@ -271,6 +271,7 @@ def test_registry_config_and_test_families_agree():
     from decoder_testing import DECODER_FAMILIES
     from hybrid_testing import HYBRIDS
     from test_deepseek import tiny_deepseek
+    from test_llama4 import tiny_llama4
     from test_sliding_window import FAMILIES as WINDOWED_FAMILIES  # Gemma's equivalence tests live there
 
     assert set(SUPPORTED_ARCHITECTURES) == set(engine.config.SUPPORTED_ARCHITECTURES)
@@ -280,6 +281,7 @@ def test_registry_config_and_test_families_agree():
     tested |= {"BaichuanForCausalLM", "QWenLMHeadModel"}  # remote code: test_decoder_families.py writes them
     tested |= {model_class.__name__ for model_class, _ in HYBRIDS.values()}  # test_hybrid_models.py
     tested |= {type(tiny_deepseek(version)).__name__ for version in ("v3", "v2")}  # test_deepseek.py
+    tested |= {type(tiny_llama4()).__name__}  # test_llama4.py
     assert {family.architecture for family in MODEL_FAMILIES} <= tested
 
 

@@ -1,0 +1,110 @@
+"""Llama 4 text (engine/models/llama4.py) against a tiny random Llama4ForCausalLM made by transformers:
+4 layers, rope layers 0 and 2 attending within chunks of 8 positions with the q/k L2 norm, NoPE layers
+1 and 3 global with temperature tuning (floor_scale 4, so it bites at these lengths), MoE on layers
+1 and 3 (4 experts, top-1 sigmoid, a shared expert) and dense SwiGLU on 0 and 2. Logits of chunks
+across chunk boundaries over shuffled pages equal transformers'; greedy ids through the executor
+(prefix caching, chunked context) equal its generate.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from engine.executor.runner import ModelRunner
+from engine_testing import EXECUTOR_POOL, PagedSession, hf_logits, make_engine, random_tokens
+
+
+def tiny_llama4(seed: int = 0) -> torch.nn.Module:
+    config = transformers.Llama4TextConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=32, intermediate_size_mlp=96, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=1,
+        interleave_moe_layer_step=2, attention_chunk_size=8, no_rope_layer_interval=2, floor_scale=4, attn_scale=0.1,
+        max_position_embeddings=256, rms_norm_eps=1e-5)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.Llama4ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_((1.0 if "norm" in name and name.endswith("weight") else 0.0) + 0.1 * torch.randn_like(p))
+    return model
+
+
+@pytest.fixture(scope="module")
+def llama4(tmp_path_factory):
+    hf = tiny_llama4()
+    return hf, make_engine(hf, tmp_path_factory.mktemp("llama4") / "engine", tokens_per_block=4)
+
+
+def test_config_reads_the_layer_pattern(llama4):
+    config = ModelRunner(llama4[1]).model_config
+    assert config.layers_without_rope == [1, 3] and config.attention_chunk_size == 8 and config.qk_l2_norm
+    assert [config.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
+    assert (config.nope_floor_scale, config.nope_attn_scale) == (4.0, 0.1)
+
+
+def test_chunks_across_chunk_boundaries_equal_transformers(llama4):
+    """Two sequences in packed steps: a prompt in chunks of 11, 9, 1 and 6 tokens (crossing the
+    8-position chunks mid-step) beside another's prompt and decode rows."""
+    hf, engine_dir = llama4
+    seqs = {0: random_tokens(27, 3), 1: random_tokens(18, 4)}
+    session = PagedSession(ModelRunner(engine_dir), num_blocks=32)
+    steps = [[(0, seqs[0][:11]), (1, seqs[1][:16])], [(0, seqs[0][11:20]), (1, seqs[1][16:17])],
+             [(0, seqs[0][20:21]), (1, seqs[1][17:])], [(0, seqs[0][21:])]]
+    outs = {0: [], 1: []}
+    for step in steps:
+        for (seq, _), logits in zip(step, session.step(step)):
+            outs[seq].append(logits)
+    for seq, tokens in seqs.items():
+        assert (torch.cat(outs[seq]) - hf_logits(hf, tokens)).abs().max().item() <= 1e-4
+
+
+def test_executor_greedy_ids_equal_transformers_generate(llama4):
+    """Two requests sharing a 12-token prefix (the second reuses its cached blocks), prompts in chunks
+    of 8 (chunked context), 10 new tokens each past the 16- and 24-position chunk boundaries."""
+    from engine.executor.executor import Executor, ExecutorConfig
+    from engine.executor.request import OutputConfig, Request
+
+    hf, engine_dir = llama4
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    shared = random_tokens(12, 31)
+    prompts = [shared + random_tokens(3, 32), shared + random_tokens(5, 33)]
+    config = ExecutorConfig(**EXECUTOR_POOL, enable_kv_cache_reuse=True, enable_chunked_context=True,
+                            max_num_tokens=8)
+    finals, ids = {}, []
+    with Executor(engine_dir, config) as executor:
+        for prompt in prompts:  # one after the other: the second finds the first's blocks
+            ids += executor.enqueue_requests([Request(prompt, 10, output=OutputConfig(exclude_input_from_output=True))])
+            while ids[-1] not in finals:
+                for response in executor.await_responses(timeout=1.0):
+                    assert response.error is None, response.error
+                    if response.result.is_final:
+                        finals[response.request_id] = response.result.output_token_ids[0]
+        reused = executor.blocks.total_reused_blocks
+    assert reused >= 3
+    for prompt, request_id in zip(prompts, ids):
+        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False)[0, len(prompt):]
+        assert finals[request_id] == expected.tolist()
+
+
+def test_conditional_generation_checkpoint_builds_its_text_model(llama4, tmp_path):
+    """A Llama4ForConditionalGeneration checkpoint (a one-layer vision tower beside the same text model,
+    saved as ``language_model.model.*``) builds the text model alone: transformers' text logits."""
+    from engine.build import build_engine
+    from engine.config import BuildConfig
+
+    text = llama4[0]
+    vision = transformers.Llama4VisionConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                             intermediate_size=32, image_size=28, patch_size=14, projector_input_dim=32,
+                                             projector_output_dim=64, vision_output_dim=32)
+    model = transformers.Llama4ForConditionalGeneration(
+        transformers.Llama4Config(text_config=text.config.to_dict(), vision_config=vision.to_dict()))
+    model.language_model.load_state_dict(text.state_dict())
+    model.save_pretrained(tmp_path / "ckpt")
+    build_engine(str(tmp_path / "ckpt"), str(tmp_path / "engine"),
+                 BuildConfig(dtype="float32", max_batch_size=2, max_seq_len=64, max_input_len=64, max_num_tokens=64,
+                             tokens_per_block=4), progress=False)
+    prompt = random_tokens(20, 7)
+    (logits,) = PagedSession(ModelRunner(str(tmp_path / "engine")), num_blocks=16).step([(0, prompt)])
+    assert (logits - hf_logits(text, prompt)).abs().max().item() <= 1e-4
