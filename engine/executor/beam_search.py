@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 
 from engine.executor.kv_cache import BlockManager
 from engine.executor.request import FinishReason, RequestState, Response, Result, Sequence, SequenceStatus
@@ -45,6 +44,8 @@ def _hypotheses(state: RequestState) -> list[Hypothesis]:
 
 def advance(state: RequestState, beams: list[Sequence], blocks: BlockManager, scheduler) -> None:
     """Extend every live beam by one token from the best candidates; park ended hypotheses."""
+    import torch  # here, not at the top: engine_process.py's client side imports this module without torch
+
     request = state.request
     width = len(beams)
     # (width, vocab) on the host: one copy, then every per-candidate read below is free

@@ -10,8 +10,6 @@ import threading
 from collections import OrderedDict
 from dataclasses import replace
 
-import torch
-
 from engine.executor import beam_search
 from engine.executor.request import RequestState, Response, Result, Sequence
 
@@ -69,7 +67,7 @@ def _merge(a: Result, b: Result) -> Result:
         top_log_prob_ids=cat(a.top_log_prob_ids, b.top_log_prob_ids),
         top_log_probs=cat(a.top_log_probs, b.top_log_probs),
         context_logits=a.context_logits if a.context_logits is not None else b.context_logits,
-        generation_logits=(torch.cat([a.generation_logits, b.generation_logits], dim=1)
+        generation_logits=(_torch().cat([a.generation_logits, b.generation_logits], dim=1)
                            if a.generation_logits is not None and b.generation_logits is not None else b.generation_logits),
     )
     merged._streaming_delta = True
@@ -126,9 +124,18 @@ def build_result(seq: Sequence, tokens: list[int], start: int, with_context_logi
         result.top_log_prob_ids = [seq.top_log_prob_ids[start:]]
         result.top_log_probs = [seq.top_log_probs[start:]]
     if output.return_generation_logits and seq.generation_logits[start:]:
-        result.generation_logits = torch.stack(seq.generation_logits[start:]).unsqueeze(0)
+        result.generation_logits = _torch().stack(seq.generation_logits[start:]).unsqueeze(0)
     if output.return_context_logits and with_context_logits and state.context_logits_parts:
-        result.context_logits = torch.cat(state.context_logits_parts)
+        result.context_logits = _torch().cat(state.context_logits_parts)
     if output.return_perf_metrics:
         result.perf = replace(state.perf)
     return result
+
+
+def _torch():
+    """torch, imported where logits are joined: a tensorrt_llm stub whose executor runs in its engine
+    process imports this module (engine_process.py's client side) and needs torch only if a
+    response carries logits (2-3 s of CPU at every server start otherwise)."""
+    import torch
+
+    return torch

@@ -99,8 +99,9 @@ def test_decode_window_adds_up_to_the_whole_decode_and_stays_short(smollm2_token
 def test_a_plain_fast_tokenizer_loads_as_auto_tokenizer_would_and_without_torch(smollm2_tokenizer_dir, tmp_path):
     """load_tokenizer's shortcut for a folder whose tokenizer_config.json names TokenizersBackend (the
     default engine's): AutoTokenizer's class, settings and ids; a config.json with a model type takes
-    AutoTokenizer's path; and the stubs that only tokenize or only route (preprocessing,
-    postprocessing, the BLS) import no torch (2-3 s of CPU each at every server start)."""
+    AutoTokenizer's path; and the stubs import no torch (2-3 s of CPU each at every server start):
+    preprocessing and postprocessing only tokenize, the BLS only routes, and tensorrt_llm's executor
+    runs in its engine process."""
     import json
     import shutil
     import subprocess
@@ -134,7 +135,9 @@ def test_a_plain_fast_tokenizer_loads_as_auto_tokenizer_would_and_without_torch(
     root = Path(__file__).resolve().parents[2]
     check = ("import sys; from serving.tokenization import load_tokenizer; "
              f"load_tokenizer({smollm2_tokenizer_dir!r}); import serving.bls, serving.responses, serving.text, "
-             "serving.cancellation, serving.params, serving.multimodal; "
+             "serving.cancellation, serving.params, serving.multimodal, serving.inflight, serving.metrics, "
+             "serving.executor_config, serving.server_stop, serving.shared_engine, engine.executor.engine_process, "
+             "engine.executor.executor_config; "
              "assert 'torch' not in sys.modules, 'torch was imported'")
     run = subprocess.run([sys.executable, "-c", check], cwd=root, capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": str(root)})

@@ -164,9 +164,11 @@ class TritonMetrics:
 
 class TritonPythonModel:
     def initialize(self, args):
+        # Not engine.executor.executor here (torch, 2-3 s of CPU at every start): the executor runs in
+        # its engine process unless engine_process is false.
         from engine.config import EngineConfig
         from engine.executor.engine_process import EngineProcess
-        from engine.executor.executor import Executor, ExecutorConfig
+        from engine.executor.executor_config import ExecutorConfig
 
         self.model_config = json.loads(args["model_config"])
         self.model_name = args["model_name"]
@@ -208,6 +210,8 @@ class TritonPythonModel:
             if instances > 1:
                 raise ValueError(f"tensorrt_llm: engine_process: false keeps the executor in the stub, so it needs "
                                  f"one model instance (instance_group count 1), not {instances}")
+            from engine.executor.executor import Executor
+
             self.executor = Executor(engine_dir, config, device=device)
         elif instances == 1:
             self.executor = EngineProcess(engine_dir, config, device=device)
