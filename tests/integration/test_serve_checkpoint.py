@@ -101,11 +101,10 @@ def test_one_command_serves_a_checkpoint(checkpoint, tmp_path):
             completion = client.chat.completions.create(model="tiny-llama", max_tokens=4, temperature=0,
                                                         messages=[{"role": "user", "content": "Hi"}])
             assert completion.usage.completion_tokens == 4 and completion.choices[0].finish_reason == "length"
-    finally:
-        os.killpg(process.pid, signal.SIGINT)
+    finally:  # a kill: a graceful stop (5-10 s) is not what this test is about (test_engine_recovery's Ctrl-C is)
         try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+            os.killpg(process.pid, signal.SIGKILL)  # tritonserver, its stubs, the engine process, the frontend
+        except ProcessLookupError:
+            pass
+        process.wait()
     assert any("building" in line for line in lines)
