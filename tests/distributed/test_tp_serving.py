@@ -169,6 +169,17 @@ class LeaderModeServer:
                 self.process.kill()
                 self.process.wait()
 
+    def kill(self) -> None:
+        """SIGKILL to every rank and to the launch, for a server whose shutdown is not what its test
+        checks (a graceful stop took 5-10 s of each such test); then ``kill_leftovers`` for its stubs."""
+        for pid in self.rank_pids() + ([self.process.pid] if self.process.poll() is None else []):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.process.wait()
+        self.kill_leftovers()
+
     def kill_leftovers(self) -> None:
         """After a failed shutdown, ranks and Python-backend stubs of this server (found by its
         unique repository and engine paths) would outlive the test: kill them."""
@@ -231,8 +242,7 @@ def single_rank_answers(engines, tiny_adapter, tmp_path_factory, short_timeouts)
         return {"smollm2": server.answers(SMOLLM2_PROMPTS), "tiny": server.answers(TINY_PROMPTS, suffix="_tiny"),
                 "tiny_lora": server.answers(TINY_PROMPTS, suffix="_tiny", extra=tiny_adapter)}
     finally:
-        server.stop()
-        server.kill_leftovers()
+        server.kill()
 
 
 def pids_matching(text: str, name: str | None = None) -> list[int]:
@@ -296,9 +306,8 @@ def test_smollm2_on_three_ranks_answers_like_one_and_survives_a_dead_rank(engine
     try:
         assert server.answers(SMOLLM2_PROMPTS) == single_rank_answers["smollm2"]
         assert_dead_rank_fails_requests_fast(server)
-    finally:
-        server.stop()
-        server.kill_leftovers()
+    finally:  # (stopping every rank by SIGTERM to mpirun is the two-rank test's)
+        server.kill()
 
 
 def test_tiny_llama_in_two_pipeline_stages_over_a_hostfile_answers_like_one(engines, single_rank_answers, tmp_path,
