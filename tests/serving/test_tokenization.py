@@ -137,7 +137,7 @@ def test_a_plain_fast_tokenizer_loads_as_auto_tokenizer_would_and_without_torch(
              f"load_tokenizer({smollm2_tokenizer_dir!r}); import serving.bls, serving.responses, serving.text, "
              "serving.cancellation, serving.params, serving.multimodal, serving.inflight, serving.metrics, "
              "serving.executor_config, serving.server_stop, serving.shared_engine, engine.executor.engine_process, "
-             "engine.executor.executor_config; "
+             "engine.executor.executor_config, engine.tensor_parallel.rank_info; "
              "assert 'torch' not in sys.modules, 'torch was imported'")
     run = subprocess.run([sys.executable, "-c", check], cwd=root, capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": str(root)})
