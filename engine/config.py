@@ -84,7 +84,7 @@ ALIBI_SLOPE_KINDS = ("bloom", "mpt")
 # Encoder-decoder families (engine/encoder_decoder/): a ModelConfig of theirs describes the decoder
 # stack (its paged self-attention KV); the block options live in engine/encoder_decoder/spec.py.
 ENCODER_DECODER_ARCHITECTURES = ("T5ForConditionalGeneration", "BartForConditionalGeneration",
-                                 "MBartForConditionalGeneration")
+                                 "MBartForConditionalGeneration", "WhisperForConditionalGeneration")
 
 
 class ConfigError(ValueError):

@@ -229,23 +229,46 @@ UNSUPPORTED_INPUTS = tuple(name for feature in UNSUPPORTED_FEATURES for name in 
 # is the encoder's input and decoder_input_ids (trimmed by decoder_input_lengths) the decoder prompt.
 # Preprocessing's default without decoder_text_input, one token equal to the item's pad_id, is no
 # prompt: the engine then starts from the model's decoder_start_token_id, as transformers' generate
-# does (T5's is its pad id; BART's is not). encoder_output_lengths, when sent, must equal the input
-# length (a token input has one encoder output per token). Encoder features (Whisper) are refused.
-ENCODER_DECODER_INPUTS = ("decoder_input_ids", "decoder_input_lengths", "encoder_output_lengths")
+# does (T5's is its pad id; BART's is not). encoder_output_lengths, when sent, must equal the
+# encoder's output length (a token input: its length). Whisper takes encoder_input_features instead
+# of input_ids: (B, frames, num_mel_bins), an item's frames trimmed by input_lengths; its
+# encoder_output_lengths is frames / 2 (either rounding). The engine checks the features' width.
+ENCODER_DECODER_INPUTS = ("decoder_input_ids", "decoder_input_lengths", "encoder_output_lengths",
+                          "encoder_input_features")
 ENCODER_DECODER_FEATURES = tuple(
     replace(f, inputs={k: v for k, v in f.inputs.items() if k not in ENCODER_DECODER_INPUTS})
     for f in UNSUPPORTED_FEATURES if set(f.inputs) - set(ENCODER_DECODER_INPUTS))
 
 
+def encoder_features(tensors: Mapping[str, np.ndarray], batch_size: int, row: int) -> np.ndarray | None:
+    """Item ``row``'s (frames, num_mel_bins) float32 features, or None when none were sent."""
+    if not _present(tensors.get("encoder_input_features")):
+        return None
+    features = read_row(tensors, "encoder_input_features", batch_size, row)[0]
+    if features.ndim != 2:
+        raise ValueError(f"encoder_input_features has shape {tuple(tensors['encoder_input_features'].shape)}; send "
+                         "[batch, frames, num_mel_bins]")
+    length = read_scalar(tensors, "input_lengths", batch_size, row)
+    if length is not None:
+        if not 0 < int(length) <= features.shape[0]:
+            raise ValueError(f"input_lengths is {int(length)} but the encoder_input_features item holds "
+                             f"{features.shape[0]} frames; allowed: 1..{features.shape[0]}")
+        features = features[:int(length)]
+    return np.array(features, dtype=np.float32)  # a copy: Triton's buffers are read-only
+
+
 def decoder_prompt(tensors: Mapping[str, np.ndarray], batch_size: int, row: int, input_length: int,
-                   pad_id: int | None) -> list[int]:
-    """Item ``row``'s decoder prompt ([] for none) of an encoder-decoder engine (rules above)."""
+                   pad_id: int | None, features: bool = False) -> list[int]:
+    """Item ``row``'s decoder prompt ([] for none) of an encoder-decoder engine (rules above).
+    ``input_length``: tokens, or feature frames when ``features``."""
     lengths = tensors.get("encoder_output_lengths")
     if _present(lengths):
         length = int(read_scalar(tensors, "encoder_output_lengths", batch_size, row))
-        if length != input_length:
-            raise ValueError(f"encoder_output_lengths is {length} but the encoder input holds {input_length} "
-                             "tokens; for a token input send the input length or leave it out")
+        allowed = {input_length // 2, (input_length + 1) // 2} if features else {input_length}
+        if length not in allowed:
+            what = f"{input_length} frames (outputs: frames / 2)" if features else f"{input_length} tokens"
+            raise ValueError(f"encoder_output_lengths is {length} but the encoder input holds {what}; send "
+                             f"{min(allowed)} or leave it out")
     ids = read_row(tensors, "decoder_input_ids", batch_size, row) if _present(tensors.get("decoder_input_ids")) else None
     if ids is None:
         return []
@@ -446,6 +469,7 @@ class RequestSpec:
     external_draft: dict[str, Any] | None = None  # ExternalDraftTokens fields (external_draft)
     prompt_table: dict[str, Any] | None = None  # PromptTable fields (prompt_table)
     encoder_input_ids: list[int] | None = None  # encoder-decoder engines: input_ids (decoder_prompt)
+    encoder_input_features: np.ndarray | None = None  # Whisper: (frames, num_mel_bins) (encoder_features)
 
     @property
     def num_return_sequences(self) -> int:
@@ -486,7 +510,9 @@ def read_row(tensors: Mapping[str, np.ndarray], name: str, batch_size: int, row:
     return array[row:row + 1]
 
 
-def batch_size_of(tensors: Mapping[str, np.ndarray]) -> int:
+def batch_size_of(tensors: Mapping[str, np.ndarray], encoder_decoder: bool = False) -> int:
+    if encoder_decoder and tensors.get("input_ids") is None and _present(tensors.get("encoder_input_features")):
+        return tensors["encoder_input_features"].shape[0]  # Whisper: features, no input_ids
     input_ids = tensors.get("input_ids")
     if input_ids is None:
         raise ValueError("A value is required for input_ids")
@@ -565,16 +591,19 @@ def convert_row(tensors: Mapping[str, np.ndarray], row: int, batch_size: int, *,
     bias = read_row(tensors, "embedding_bias", batch_size, row)
     end_id = read_scalar(tensors, "end_id", batch_size, row)
     pad_id = read_scalar(tensors, "pad_id", batch_size, row)
-    input_token_ids = _input_token_ids(tensors, batch_size, row, max_input_len)
+    features = encoder_features(tensors, batch_size, row) if encoder_decoder else None
+    input_token_ids = [] if features is not None else _input_token_ids(tensors, batch_size, row, max_input_len)
     encoder_input_ids = None
     if encoder_decoder:
-        encoder_input_ids = input_token_ids
-        input_token_ids = decoder_prompt(tensors, batch_size, row, len(encoder_input_ids),
-                                         None if pad_id is None else int(pad_id))
+        encoder_input_ids = None if features is not None else input_token_ids
+        input_token_ids = decoder_prompt(tensors, batch_size, row,
+                                         len(encoder_input_ids) if features is None else features.shape[0],
+                                         None if pad_id is None else int(pad_id), features is not None)
     return RequestSpec(
         batch_index=row,
         input_token_ids=input_token_ids,
         encoder_input_ids=encoder_input_ids,
+        encoder_input_features=features,
         max_tokens=int(max_tokens),
         streaming=streaming,
         end_id=None if end_id is None else int(end_id),
@@ -598,7 +627,7 @@ def convert_request(tensors: Mapping[str, np.ndarray], *, decoupled: bool,
 
     `max_input_len` is the engine's prompt limit (an encoder-decoder's: its encoder input limit; the
     executor checks the other limits)."""
-    batch_size = batch_size_of(tensors)
+    batch_size = batch_size_of(tensors, encoder_decoder)
     refuse_unsupported(tensors, batch_size, ENCODER_DECODER_FEATURES if encoder_decoder else UNSUPPORTED_FEATURES)
     return [convert_row(tensors, row, batch_size, decoupled=decoupled, exclude_input_default=exclude_input_default,
                         max_input_len=max_input_len, encoder_decoder=encoder_decoder)
@@ -625,7 +654,7 @@ def to_executor_request(spec: RequestSpec):
         lora=None if spec.lora is None else LoraRequest(**spec.lora),
         external_draft=None if spec.external_draft is None else _draft_tokens(ExternalDraftTokens, spec.external_draft),
         prompt_table=None if spec.prompt_table is None else PromptTable(**spec.prompt_table),
-        encoder_input_ids=spec.encoder_input_ids,
+        encoder_input_ids=spec.encoder_input_ids, encoder_input_features=spec.encoder_input_features,
     )
 
 

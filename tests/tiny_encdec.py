@@ -1,7 +1,8 @@
-"""Tiny random T5 (v1.0: ReLU, tied heads; v1.1: gated GELU, untied) and BART checkpoints made by
-transformers, with a word-level tokenizer (T5's ids: <pad> 0, </s> 1, <unk> 2; a T5-style
-post-processor appends </s>). No network: everything is made here. Shared by the engine and
-integration tests."""
+"""Tiny random T5 (v1.0: ReLU, tied heads; v1.1: gated GELU, untied), BART and Whisper checkpoints
+made by transformers, with a word-level tokenizer (T5's ids: <pad> 0, </s> 1, <unk> 2; a T5-style
+post-processor appends </s>; Whisper's prompt tokens at 17..20) and, for Whisper, a feature
+extractor of 8 mel bins over 1-s windows (100 frames). No network: everything is made here.
+Shared by the engine and integration tests."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,9 +12,12 @@ import torch
 from tiny_llava import word_level_tokenizer
 
 WORDS = ["<pad>", "</s>", "<unk>", "<s>", "translate", "English", "to", "German:", "This", "is", "good",
-         "Summarize:", "the", "news", "Das", "ist", "gut."]
-VOCAB = 64  # WORDS, then filler words w17 .. w63
-FAMILIES = ("t5_v1_0", "t5_v1_1", "bart")
+         "Summarize:", "the", "news", "Das", "ist", "gut.", "<|startoftranscript|>", "<|en|>", "<|transcribe|>",
+         "<|notimestamps|>"]
+VOCAB = 64  # WORDS, then filler words w21 .. w63
+FAMILIES = ("t5_v1_0", "t5_v1_1", "bart")  # text-to-text; "whisper" is built apart
+WHISPER_PROMPT = [17, 18, 19, 20]  # <|startoftranscript|><|en|><|transcribe|><|notimestamps|>
+MEL_BINS, WINDOW_FRAMES = 8, 100
 # Encoder inputs of 8, 4 and 15 tokens (the engine and the served tests)
 INPUTS = [[4, 5, 6, 7, 8, 9, 10, 1], [11, 12, 13, 1], list(range(20, 34)) + [1]]
 
@@ -39,6 +43,13 @@ def hf_model(family: str, seed: int | None = None):
             feed_forward_proj="gated-gelu" if gated else "relu", tie_word_embeddings=not gated,
             decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
         model = transformers.T5ForConditionalGeneration(config)
+    elif family == "whisper":
+        config = transformers.WhisperConfig(
+            vocab_size=VOCAB, num_mel_bins=MEL_BINS, d_model=32, encoder_layers=2, decoder_layers=2,
+            encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=48, decoder_ffn_dim=48,
+            max_source_positions=WINDOW_FRAMES // 2, max_target_positions=40, pad_token_id=0, bos_token_id=17,
+            eos_token_id=1, decoder_start_token_id=17)
+        model = transformers.WhisperForConditionalGeneration(config)
     else:
         config = transformers.BartConfig(
             vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
@@ -54,12 +65,35 @@ def hf_model(family: str, seed: int | None = None):
     return model.eval()
 
 
+def feature_extractor():
+    from transformers import WhisperFeatureExtractor
+
+    return WhisperFeatureExtractor(feature_size=MEL_BINS, sampling_rate=16000, hop_length=160, chunk_length=1,
+                                   n_fft=400)
+
+
 def write_checkpoint(family: str, path: Path):
-    """Save ``family``'s model and the tokenizer to ``path``; returns the model."""
+    """Save ``family``'s model and the tokenizer (Whisper: and its feature extractor) to ``path``;
+    returns the model."""
     model = hf_model(family)
     model.save_pretrained(path)
     tokenizer().save_pretrained(path)
+    if family == "whisper":
+        feature_extractor().save_pretrained(path)
     return model
+
+
+def generate_whisper(model, features: torch.Tensor, max_new_tokens: int, prompt: list[int] = WHISPER_PROMPT,
+                     eos: int | None = 1) -> list[int]:
+    """transformers' greedy ids after ``prompt`` for (frames, mel bins) ``features``, through the
+    generic generate (Whisper's own adds its language and timestamp logic around the same loop)."""
+    from transformers import GenerationMixin
+
+    out = GenerationMixin.generate(model, input_features=features.t().unsqueeze(0),
+                                   decoder_input_ids=torch.tensor([prompt]), max_new_tokens=max_new_tokens,
+                                   do_sample=False, num_beams=1, eos_token_id=eos, min_length=0,
+                                   forced_decoder_ids=None, suppress_tokens=None, begin_suppress_tokens=None)
+    return out[0, len(prompt):].tolist()
 
 
 def generate(model, encoder_ids: list[int], max_new_tokens: int, decoder_prompt: list[int] | None = None,

@@ -9,12 +9,14 @@ OUTPUT/encoder; the decoder's config.json names its encoder as ``../encoder`` so
 given only the decoder finds it. Both config.json files are EngineConfigs whose ModelConfig
 describes the decoder stack (the paged KV shape), with the family's options in
 ``extra.encoder_decoder`` (engine/encoder_decoder/spec.py), ``extra.stack`` ("encoder" or
-"decoder") and ``extra.max_encoder_input_len``.
+"decoder") and ``extra.max_encoder_input_len`` (encoder outputs: tokens, or Whisper's frames / 2). A Whisper
+checkpoint's feature extractor (preprocessor_config.json) is copied into OUTPUT/decoder.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import time
 
 import torch
@@ -26,6 +28,7 @@ from engine.encoder_decoder.model import Decoder, Encoder
 from engine.encoder_decoder.spec import spec_from_hf
 
 ENCODER_DIR, DECODER_DIR = "encoder", "decoder"
+FEATURE_EXTRACTOR = "preprocessor_config.json"
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -40,10 +43,10 @@ def build_encoder_decoder(hf_config, get, tokenizer, output_dir: str, build: Bui
     if build.quantization is not None or build.kv_cache_dtype is not None:
         raise ConfigError(f"--quantization / --kv_cache_dtype: not supported for {spec.architecture} "
                           "(encoder-decoder) engines yet; leave them out")
-    longest = max_encoder_input_len or spec.max_positions
-    if longest <= 0 or (spec.positions == "learned" and longest > spec.max_positions):
-        raise ConfigError(f"max_encoder_input_len {longest}: allowed 1..{spec.max_positions} for {spec.architecture} "
-                          "(its learned position table)")
+    longest = max_encoder_input_len or spec.encoder_max_positions
+    if longest <= 0 or (spec.positions == "learned" and longest > spec.encoder_max_positions):
+        raise ConfigError(f"max_encoder_input_len {longest}: allowed 1..{spec.encoder_max_positions} for "
+                          f"{spec.architecture} (its encoder's position table)")
     model = spec.decoder_model_config()
     build = resolve_build_limits(build, model)
     dtype = TORCH_DTYPES[build.dtype]
@@ -63,5 +66,8 @@ def build_encoder_decoder(hf_config, get, tokenizer, output_dir: str, build: Bui
         config = EngineConfig(model=model, build=dataclasses.replace(build), extra={**extra, **more}).validate()
         if tokenizer is not None and directory == DECODER_DIR:
             tokenizer.save_pretrained(path)
+        features = os.path.join(source, FEATURE_EXTRACTOR) if source and os.path.isdir(source) else ""
+        if directory == DECODER_DIR and os.path.isfile(features):  # Whisper: how its log-mels are computed
+            shutil.copy(features, path)
         config.save(path)  # last: a directory with config.json is complete
     return config

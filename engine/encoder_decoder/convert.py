@@ -44,16 +44,24 @@ def _t5_names(spec: EncDecSpec) -> tuple[dict, dict]:
 
 
 def _bart_names(spec: EncDecSpec) -> tuple[dict, dict]:
+    """BART and mBART; Whisper's are the same but for its encoder's convolutions (no token
+    embeddings), no embedding norm, no key bias and its head (proj_out)."""
     projections = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "out_proj"}
+    whisper = spec.family == "whisper"
 
     def linear(engine: str, hf: str) -> dict:
-        return {f"{engine}.{kind}": [f"{hf}.{kind}"] for kind in ("weight", "bias")}
+        kinds = ("weight",) if whisper and engine.endswith(".k") else ("weight", "bias")
+        return {f"{engine}.{kind}": [f"{hf}.{kind}"] for kind in kinds}
 
     def stack(side: str) -> dict:
         hf = f"model.{side}"
-        names = {"embed_tokens.weight": ["model.shared.weight", f"{hf}.embed_tokens.weight"],
-                 "embed_positions.weight": [f"{hf}.embed_positions.weight"]}
-        names.update(linear("embedding_norm", f"{hf}.layernorm_embedding"))
+        names = {"embed_positions.weight": [f"{hf}.embed_positions.weight"]}
+        if whisper and side == "encoder":
+            names.update({**linear("conv1", f"{hf}.conv1"), **linear("conv2", f"{hf}.conv2")})
+        else:
+            names["embed_tokens.weight"] = ["model.shared.weight", f"{hf}.embed_tokens.weight"]
+        if spec.embedding_norm:
+            names.update(linear("embedding_norm", f"{hf}.layernorm_embedding"))
         if spec.final_norm:
             names.update(linear("final_norm", f"{hf}.layer_norm"))
         layers = spec.encoder_layers if side == "encoder" else spec.decoder_layers
@@ -73,8 +81,11 @@ def _bart_names(spec: EncDecSpec) -> tuple[dict, dict]:
         return names
 
     decoder = stack("decoder")
-    decoder["lm_head.weight"] = ["lm_head.weight", "model.shared.weight"]
-    decoder["final_logits_bias"] = ["final_logits_bias"]
+    if whisper:
+        decoder["lm_head.weight"] = ["proj_out.weight", "model.decoder.embed_tokens.weight"]
+    else:
+        decoder["lm_head.weight"] = ["lm_head.weight", "model.shared.weight"]
+        decoder["final_logits_bias"] = ["final_logits_bias"]
     return stack("encoder"), decoder
 
 

@@ -23,19 +23,30 @@ import hashlib
 from collections import deque
 from dataclasses import replace
 
+import torch
+
+from engine.encoder_decoder.model import Encoder
 from engine.encoder_decoder.runner import EncDecRunner
 
-ENCODER_INPUT = "encoder_input_ids"
+ENCODER_INPUT, ENCODER_FEATURES = "encoder_input_ids", "encoder_input_features"
 
 
 def encoder_input_error(request, stage: "EncoderStage | None") -> str | None:
     """A decoder-only engine refuses an encoder input; an encoder-decoder one checks it."""
     if stage is None:
-        if request.encoder_input_ids is not None:
-            return (f"{ENCODER_INPUT}: this engine is decoder-only and has no encoder; send the prompt as "
-                    "input_token_ids without encoder_input_ids")
+        for name in (ENCODER_INPUT, ENCODER_FEATURES):
+            if getattr(request, name) is not None:
+                return (f"{name}: this engine is decoder-only and has no encoder; send the prompt as "
+                        f"input_token_ids without {name}")
         return None
     return stage.rejection(request)
+
+
+def encoder_input(request):
+    """What the encoder reads: the token ids, or the features as a float32 tensor."""
+    if request.encoder_input_features is not None:
+        return torch.as_tensor(request.encoder_input_features, dtype=torch.float32)
+    return request.encoder_input_ids
 
 
 class EncoderStage:
@@ -63,8 +74,31 @@ class EncoderStage:
             return request
         return replace(request, input_token_ids=[self.spec.decoder_start_token_id])
 
+    def encoder_length(self, request) -> int:
+        """Encoder outputs (cross K/V positions) of ``request``'s encoder input."""
+        if self.spec.num_mel_bins:
+            return Encoder.output_length(len(request.encoder_input_features), self.spec)
+        return len(request.encoder_input_ids)
+
     def rejection(self, request) -> str | None:
+        error = self._features_error(request) if self.spec.num_mel_bins else self._tokens_error(request)
+        if error is not None:
+            return error
+        bad = [t for t in request.input_token_ids if not 0 <= t < self.spec.vocab_size]
+        if bad:
+            return (f"decoder_input_ids: token ids {bad[:8]} of the decoder prompt (input_token_ids) are outside "
+                    f"the vocabulary (0..{self.spec.vocab_size - 1})")
+        length = self.encoder_length(request)
+        if self.blocks_for(length) > self.num_blocks:
+            return (f"{ENCODER_INPUT}: {length} encoder outputs need {self.blocks_for(length)} cross-KV blocks but the "
+                    f"cross pool holds {self.num_blocks}; raise cross_kv_cache_fraction or send a shorter input")
+        return None
+
+    def _tokens_error(self, request) -> str | None:
         ids = request.encoder_input_ids
+        if request.encoder_input_features is not None:
+            return (f"{ENCODER_FEATURES}: {self.spec.architecture} takes encoder tokens (Triton: input_ids), not "
+                    "features; send encoder_input_ids")
         if ids is None or len(ids) == 0:
             return (f"{ENCODER_INPUT}: an encoder-decoder engine needs the encoder's input tokens (Triton: input_ids; "
                     "the decoder prompt goes in decoder_input_ids); none were sent")
@@ -74,20 +108,29 @@ class EncoderStage:
         bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.spec.vocab_size]
         if bad:
             return f"{ENCODER_INPUT}: token ids {bad[:8]} are outside the vocabulary (0..{self.spec.vocab_size - 1})"
-        bad = [t for t in request.input_token_ids if not 0 <= t < self.spec.vocab_size]
-        if bad:
-            return (f"decoder_input_ids: token ids {bad[:8]} of the decoder prompt (input_token_ids) are outside "
-                    f"the vocabulary (0..{self.spec.vocab_size - 1})")
-        if self.blocks_for(len(ids)) > self.num_blocks:
-            return (f"{ENCODER_INPUT}: {len(ids)} tokens need {self.blocks_for(len(ids))} cross-KV blocks but the cross "
-                    f"pool holds {self.num_blocks}; raise cross_kv_cache_fraction or send a shorter input")
+        return None
+
+    def _features_error(self, request) -> str | None:
+        features, mels = request.encoder_input_features, self.spec.num_mel_bins
+        if features is None:
+            return (f"{ENCODER_FEATURES}: {self.spec.architecture} needs log-mel features (frames, {mels}); none were "
+                    "sent")
+        shape = tuple(torch.as_tensor(features).shape)
+        if len(shape) != 2 or shape[1] != mels or shape[0] == 0:
+            return (f"{ENCODER_FEATURES}: shape {shape}; the encoder takes (frames, {mels}) log-mel features, at least "
+                    "one frame")
+        frames = 2 * self.runner.max_encoder_input_len
+        if shape[0] > frames:
+            return f"{ENCODER_FEATURES}: {shape[0]} frames exceed the encoder's {frames} (30 s of audio for Whisper)"
         return None
 
     def take(self, state) -> bool:
         """True: ``state`` waits here for its encoder run (its first call); False: it has run."""
         if state.request_id in self.held:
             return False
-        digest = hashlib.blake2b(repr(state.request.encoder_input_ids).encode(), digest_size=16).digest()
+        source = encoder_input(state.request)
+        data = source.numpy().tobytes() if isinstance(source, torch.Tensor) else repr(source).encode()
+        digest = hashlib.blake2b(data, digest_size=16).digest()
         for seq in state.sequences:
             seq.prompt_cache_keys = [(digest, t) for t in state.request.input_token_ids]
         self.pending.append(state)
@@ -104,7 +147,7 @@ class EncoderStage:
             if state.is_cancelled or all(seq.is_finished for seq in state.sequences):
                 self.pending.popleft()
                 continue
-            length = len(state.request.encoder_input_ids)
+            length = self.encoder_length(state.request)
             if self.blocks_for(length) > len(self.free_blocks):
                 break  # first come, first served: later requests wait behind it
             self.pending.popleft()
@@ -114,7 +157,7 @@ class EncoderStage:
         if not batch:
             return []
         try:
-            self.runner.encode_into([s.request.encoder_input_ids for s in batch],
+            self.runner.encode_into([encoder_input(s.request) for s in batch],
                                     [self.held[s.request_id][0] for s in batch])
         except Exception as err:  # noqa: BLE001 - the requests fail, the loop goes on
             for state in batch:

@@ -55,7 +55,9 @@ class Attention(nn.Module):
         self.heads, self.head_dim = heads, head_dim
         self.scale = head_dim ** -0.5 if spec.scale_scores else 1.0
         inner = heads * head_dim
-        self.q, self.k, self.v = (_linear(spec.d_model, inner, spec.bias, dtype, device) for _ in range(3))
+        self.q = _linear(spec.d_model, inner, spec.bias, dtype, device)
+        self.k = _linear(spec.d_model, inner, spec.bias and spec.key_bias, dtype, device)
+        self.v = _linear(spec.d_model, inner, spec.bias, dtype, device)
         self.o = _linear(inner, spec.d_model, spec.bias, dtype, device)
 
     def heads_of(self, proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -86,12 +88,14 @@ class _Stack(nn.Module):
     """What both stacks hold: token embeddings (times embed_scale), learned positions or a
     relative-bias table of ``heads`` columns, an embedding norm, ``layers`` and a final norm."""
 
-    def __init__(self, spec: EncDecSpec, layers: list[nn.Module], heads: int, dtype, device):
+    def __init__(self, spec: EncDecSpec, layers: list[nn.Module], heads: int, dtype, device, *,
+                 tokens: bool = True, positions: int = 0):
         super().__init__()
         self.spec = spec
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.d_model, dtype=dtype, device=device)
-        self.embed_positions = nn.Embedding(spec.max_positions + spec.position_offset, spec.d_model, dtype=dtype,
-                                            device=device) if spec.positions == "learned" else None
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.d_model, dtype=dtype, device=device) if tokens else None
+        rows = (positions or spec.max_positions) + spec.position_offset
+        self.embed_positions = nn.Embedding(rows, spec.d_model, dtype=dtype, device=device) \
+            if spec.positions == "learned" else None
         self.position_bias = nn.Embedding(spec.relative_buckets, heads, dtype=dtype, device=device) \
             if spec.positions == "relative" else None
         self.embedding_norm = Norm(spec, dtype, device) if spec.embedding_norm else None
@@ -127,21 +131,46 @@ class EncoderLayer(nn.Module):
 
 
 class Encoder(_Stack):
-    """The encoder stack; ``encode`` takes whole inputs and returns their outputs."""
+    """The encoder stack; ``encode`` takes whole inputs and returns their outputs. Whisper's
+    (spec.num_mel_bins > 0) takes log-mel features through its convolutions instead of tokens."""
 
     def __init__(self, spec: EncDecSpec, *, dtype=torch.float32, device="cpu"):
         super().__init__(spec, [EncoderLayer(spec, dtype, device) for _ in range(spec.encoder_layers)],
-                         spec.encoder_heads, dtype, device)
+                         spec.encoder_heads, dtype, device, tokens=not spec.num_mel_bins,
+                         positions=spec.encoder_max_positions)
+        if spec.num_mel_bins:
+            self.conv1 = nn.Conv1d(spec.num_mel_bins, spec.d_model, 3, padding=1, dtype=dtype, device=device)
+            self.conv2 = nn.Conv1d(spec.d_model, spec.d_model, 3, stride=2, padding=1, dtype=dtype, device=device)
+
+    def front_end(self, features: torch.Tensor) -> torch.Tensor:
+        """(T, num_mel_bins) log-mel frames -> (ceil(T / 2), d_model) with positions, one input at a
+        time (a padded batch would change the last frames the stride-2 convolution sees)."""
+        x = features.to(self.conv1.weight.dtype).t().unsqueeze(0)
+        x = F.gelu(self.conv2(F.gelu(self.conv1(x))))[0].t()
+        return x + self.embed_positions.weight[:x.shape[0]]
+
+    @staticmethod
+    def output_length(input_length: int, spec: EncDecSpec) -> int:
+        """Encoder outputs of an input of ``input_length`` tokens or feature frames."""
+        return (input_length + 1) // 2 if spec.num_mel_bins else input_length
 
     @torch.inference_mode()
-    def encode(self, inputs: list[list[int]]) -> list[torch.Tensor]:
-        """Each input's encoder output (L_i, d_model), from one padded pass over all of them."""
-        device = self.embed_tokens.weight.device
-        longest = max(len(ids) for ids in inputs)
-        ids = torch.tensor([list(t) + [0] * (longest - len(t)) for t in inputs], device=device)
-        lengths = torch.tensor([len(t) for t in inputs], device=device)
-        positions = torch.arange(longest, device=device)
-        x = self.embed(ids, positions.expand(len(inputs), -1))
+    def encode(self, inputs: list) -> list[torch.Tensor]:
+        """Each input's encoder output (L_i, d_model), from one padded pass over all of them: token
+        lists, or (T, num_mel_bins) feature tensors for Whisper."""
+        device = self.layers[0].attn.q.weight.device
+        if self.spec.num_mel_bins:
+            embedded = [self.front_end(torch.as_tensor(f, device=device)) for f in inputs]
+            longest = max(e.shape[0] for e in embedded)
+            x = torch.stack([F.pad(e, (0, 0, 0, longest - e.shape[0])) for e in embedded])
+            lengths = torch.tensor([e.shape[0] for e in embedded], device=device)
+            positions = torch.arange(longest, device=device)
+        else:
+            longest = max(len(ids) for ids in inputs)
+            ids = torch.tensor([list(t) + [0] * (longest - len(t)) for t in inputs], device=device)
+            lengths = torch.tensor([len(t) for t in inputs], device=device)
+            positions = torch.arange(longest, device=device)
+            x = self.embed(ids, positions.expand(len(inputs), -1))
         padded = positions.view(1, -1) >= lengths.view(-1, 1)  # (B, L) keys beyond each input
         bias = torch.zeros(len(inputs), 1, longest, longest, device=device)
         bias.masked_fill_(padded.view(len(inputs), 1, 1, longest), float("-inf"))
@@ -152,7 +181,7 @@ class Encoder(_Stack):
             x = layer(x, bias)
         if self.final_norm is not None:
             x = self.final_norm(x)
-        return [x[i, :len(t)] for i, t in enumerate(inputs)]
+        return [x[i, :length] for i, length in enumerate(lengths.tolist())]
 
 
 @dataclass

@@ -12,6 +12,10 @@ The families differ only in options of one block pair (engine/encoder_decoder/mo
 | MLP               | ReLU (v1.0), gated GELU-tanh (v1.1) | GELU fc1 -> fc2                           |
 | logits            | tied heads scaled by d_model ** -0.5 | final_logits_bias added                  |
 
+Whisper is BART's block with pre-norms, final norms, no key bias and no embedding norm; its
+encoder takes log-mel features (T frames of num_mel_bins) through two convolutions (the second
+of stride 2: ceil(T / 2) outputs) plus a fixed position table, its decoder learned positions at p.
+
 It is stored as ``extra["encoder_decoder"]`` in both engine directories' config.json.
 """
 from __future__ import annotations
@@ -22,7 +26,7 @@ from dataclasses import asdict, dataclass, fields
 from engine.config import ConfigError, ModelConfig
 
 FAMILIES = {"T5ForConditionalGeneration": "t5", "BartForConditionalGeneration": "bart",
-            "MBartForConditionalGeneration": "bart"}
+            "MBartForConditionalGeneration": "bart", "WhisperForConditionalGeneration": "whisper"}
 ACTIVATIONS = ("relu", "gelu", "gelu_new")
 
 
@@ -60,11 +64,15 @@ class EncDecSpec:
     eos_token_id: int = 1
     pad_token_id: int = 0
     encoder_head_dim: int = 0  # 0: head_dim
+    key_bias: bool = True  # with bias: k has one too (Whisper's has none)
+    num_mel_bins: int = 0  # > 0: the encoder takes features (Whisper's conv front-end), not tokens
+    encoder_max_positions: int = 0  # the encoder's position table rows (0: max_positions)
 
     def validate(self) -> "EncDecSpec":
         self.encoder_head_dim = self.encoder_head_dim or self.head_dim
-        if self.family not in ("t5", "bart"):
-            raise ConfigError(f"encoder-decoder family {self.family!r} is not supported; supported: t5, bart")
+        self.encoder_max_positions = self.encoder_max_positions or self.max_positions
+        if self.family not in ("t5", "bart", "whisper"):
+            raise ConfigError(f"encoder-decoder family {self.family!r} is not supported; supported: t5, bart, whisper")
         if self.activation not in ACTIVATIONS:
             raise ConfigError(f"{self.architecture}: activation {self.activation!r} is not supported; "
                               f"supported: {', '.join(ACTIVATIONS)}")
@@ -127,6 +135,8 @@ def spec_from_hf(hf_config) -> EncDecSpec:
             relative_max_distance=hf_config.relative_attention_max_distance, scale_scores=False, bias=False,
             gated_mlp=bool(hf_config.is_gated_act), activation=activation,
             logits_scale=hf_config.d_model ** -0.5 if scaled else 1.0).validate()
+    if family == "whisper":
+        return _whisper_spec(hf_config, common)
     mbart = architecture.startswith("MBart")
     d_model, heads = hf_config.d_model, hf_config.decoder_attention_heads
     return EncDecSpec(
@@ -139,6 +149,21 @@ def spec_from_hf(hf_config) -> EncDecSpec:
         position_offset=2, max_positions=hf_config.max_position_embeddings, scale_scores=True, bias=True,
         gated_mlp=False, activation=_bart_activation(hf_config.activation_function),
         embed_scale=math.sqrt(d_model) if hf_config.scale_embedding else 1.0, final_logits_bias=True).validate()
+
+
+def _whisper_spec(hf_config, common: dict) -> EncDecSpec:
+    d_model = hf_config.d_model
+    return EncDecSpec(
+        **common, d_model=d_model, head_dim=d_model // hf_config.decoder_attention_heads,
+        encoder_layers=hf_config.encoder_layers, decoder_layers=hf_config.decoder_layers,
+        encoder_heads=hf_config.encoder_attention_heads, decoder_heads=hf_config.decoder_attention_heads,
+        encoder_head_dim=d_model // hf_config.encoder_attention_heads,
+        encoder_ffn=hf_config.encoder_ffn_dim, decoder_ffn=hf_config.decoder_ffn_dim, norm="layernorm",
+        norm_eps=1e-5, pre_norm=True, embedding_norm=False, final_norm=True, positions="learned",
+        position_offset=0, max_positions=hf_config.max_target_positions, scale_scores=True, bias=True,
+        key_bias=False, gated_mlp=False, activation=_bart_activation(hf_config.activation_function),
+        embed_scale=math.sqrt(d_model) if hf_config.scale_embedding else 1.0, num_mel_bins=hf_config.num_mel_bins,
+        encoder_max_positions=hf_config.max_source_positions).validate()
 
 
 def _bart_activation(name: str) -> str:

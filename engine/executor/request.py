@@ -174,6 +174,8 @@ class Request:
     # Encoder-decoder engines (engine/encoder_decoder/): the encoder's input tokens; input_token_ids is
     # then the decoder prompt (empty: [decoder_start_token_id]).
     encoder_input_ids: list[int] | None = None
+    # Whisper engines: the encoder's log-mel features, (frames, num_mel_bins) float (torch or numpy).
+    encoder_input_features: Any = None
 
 
 @dataclass

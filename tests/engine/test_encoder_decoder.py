@@ -130,3 +130,49 @@ def test_build_refusals_and_missing_encoder(built, tmp_path, capsys):
     assert "builds for one GPU only" in capsys.readouterr().err
     with pytest.raises(EngineFormatError, match="encoder engine directory"):
         Executor(str(engine / "decoder"), ExecutorConfig(encoder_engine_dir=str(tmp_path)))
+
+
+# ---- Whisper: log-mel features through the conv front-end ---------------------------------------
+
+@pytest.fixture(scope="module")
+def whisper(tmp_path_factory):
+    """(transformers model, executor) of the tiny Whisper (100-frame windows of 8 mel bins)."""
+    from tiny_encdec import write_checkpoint as write
+
+    root = tmp_path_factory.mktemp("whisper")
+    model = write("whisper", root / "checkpoint")
+    assert main(["--checkpoint", str(root / "checkpoint"), "--output", str(root / "engine"), "--dtype", "float32",
+                 "--tokens_per_block", "4", "--max_batch_size", "4"]) == 0
+    assert (root / "engine" / "decoder" / "preprocessor_config.json").is_file()
+    with Executor(str(root / "engine" / "decoder"), ExecutorConfig(max_batch_size=4)) as ex:
+        yield model, ex
+
+
+def test_whisper_greedy_ids_equal_transformers(whisper):
+    """Two full windows and a shorter one (60 frames, the anchor's zero_pad; transformers refuses
+    it, so only its answer is checked) in flight together, after the prompt
+    <|startoftranscript|><|en|><|transcribe|><|notimestamps|>."""
+    from tiny_encdec import WHISPER_PROMPT, generate_whisper
+
+    model, ex = whisper
+    torch.manual_seed(1)
+    features = [torch.randn(100, 8), torch.randn(100, 8), torch.randn(60, 8)]
+    out = OutputConfig(exclude_input_from_output=True)
+    ids = ex.enqueue_requests([Request(WHISPER_PROMPT, 8, end_id=1, encoder_input_features=f, output=out,
+                                       streaming=i == 1) for i, f in enumerate(features)])
+    responses = collect(ex, ids)
+    assert responses[ids[2]][-1].error is None and final_tokens(responses[ids[2]])
+    for f, request_id in zip(features[:2], ids):
+        expected = generate_whisper(model, f, 8)
+        assert final_tokens(responses[request_id]) == [t for t in expected if t != 1]
+
+
+def test_whisper_bad_features_are_named(whisper):
+    _, ex = whisper
+    cases = {"encoder_input_features: shape (100, 7)": Request([17], 2, encoder_input_features=torch.zeros(100, 7)),
+             "201 frames exceed the encoder's 100": Request([17], 2, encoder_input_features=torch.zeros(201, 8)),
+             "needs log-mel features": Request([17], 2, encoder_input_ids=[3, 4])}
+    ids = ex.enqueue_requests(list(cases.values()))
+    responses = collect(ex, ids)
+    for text, request_id in zip(cases, ids):
+        assert text in responses[request_id][-1].error

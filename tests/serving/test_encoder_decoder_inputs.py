@@ -36,12 +36,28 @@ def test_decoder_prompt_trimmed_by_its_lengths():
 
 @pytest.mark.parametrize("tensors, message", [
     ({"encoder_output_lengths": i32([3], [2])}, "encoder_output_lengths is 3 but the encoder input holds 4"),
-    ({"encoder_input_features": np.ones((2, 4, 8), np.float16)}, "encoder_input_features"),
+    ({"encoder_input_features": np.ones((2, 4), np.float16)}, "encoder_input_features has shape"),
     ({"input_ids": i32([5] * 17, [5] * 17), "input_lengths": i32([17], [17])}, "max_input_len 16"),
 ])
 def test_bad_encoder_inputs_are_named(tensors, message):
     with pytest.raises(ValueError, match=message):
         convert(**tensors)
+
+
+def test_whisper_features_with_their_lengths():
+    """The whisper_bls tensors: features (B, frames, mels) trimmed by input_lengths, no input_ids,
+    encoder_output_lengths frames / 2, the prompt in decoder_input_ids."""
+    features = np.arange(2 * 6 * 3, dtype=np.float16).reshape(2, 6, 3)
+    tensors = {"encoder_input_features": features, "input_lengths": i32([6], [5]),
+               "encoder_output_lengths": i32([3], [2]), "decoder_input_ids": i32([17, 18], [17, 18]),
+               "request_output_len": i32([4], [4])}
+    first, second = convert_request(tensors, decoupled=True, encoder_decoder=True)
+    assert first.encoder_input_features.shape == (6, 3) and second.encoder_input_features.shape == (5, 3)
+    assert first.encoder_input_ids is None and first.input_token_ids == [17, 18]
+    assert to_executor_request(second).encoder_input_features.dtype == np.float32
+    tensors["encoder_output_lengths"] = i32([3], [4])
+    with pytest.raises(ValueError, match="encoder_output_lengths is 4 but the encoder input holds 5 frames"):
+        convert_request(tensors, decoupled=True, encoder_decoder=True)
 
 
 def test_decoder_only_engines_still_refuse_a_decoder_prompt():
