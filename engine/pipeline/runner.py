@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
+from itertools import accumulate
 
 import torch
 import torch.distributed as dist
@@ -79,40 +80,38 @@ def micro_batch_count(pp_size: int, environ=os.environ) -> int:
 
 
 def split_micro_batches(batch: ForwardBatch, count: int, *, all_logits: bool = False) -> list[MicroBatch]:
-    """The step's sequences in ``count`` (at most one per sequence) contiguous runs of about equal
-    token counts. Each keeps its sequences' tokens, positions and tables; its ``logits_indices``
-    are rebased to its own tokens, and ``logits_rows`` says where its logits go in the step's
-    (all_logits: its token rows). Deterministic: every rank splits the same plan alike."""
-    num_seqs = len(batch.seq_lens_q)
-    count = max(1, min(count, num_seqs))
-    total = sum(batch.seq_lens_q)
-    bounds, seq, tokens = [0], 0, 0
-    for part in range(1, count):
-        target = total * part / count
-        # Advance while the next sequence's midpoint is below the target, leaving a sequence for
-        # every later part.
-        while seq < num_seqs - (count - part) and tokens + batch.seq_lens_q[seq] / 2 < target:
-            tokens += batch.seq_lens_q[seq]
-            seq += 1
-        if seq == bounds[-1]:  # each part gets at least one sequence
-            tokens += batch.seq_lens_q[seq]
-            seq += 1
-        bounds.append(seq)
-    bounds.append(num_seqs)
-    out, token_start = [], 0
-    for first, end in zip(bounds, bounds[1:]):
-        token_end = token_start + sum(batch.seq_lens_q[first:end])
-        rows = [row for row, index in enumerate(batch.logits_indices) if token_start <= index < token_end]
+    """The step's tokens in ``count`` contiguous runs of equal size (+-1; at most one per token).
+
+    A run boundary inside a sequence cuts it in two pieces, like chunked prefill within the step:
+    the first piece's context ends where it ends, the second continues it. A stage runs its
+    micro-batches in order, so the later piece's attention reads the KV the earlier one wrote in
+    that stage, and one long prompt fills the pipeline too. Each piece keeps its sequence's whole
+    block table (context_lens bound what is read). ``logits_indices`` are rebased to the
+    micro-batch's tokens and ``logits_rows`` says where its logits go in the step's (all_logits:
+    its token rows). Deterministic: every rank splits the same plan alike."""
+    total = len(batch.token_ids)
+    count = max(1, min(count, total))
+    cuts = [total * part // count for part in range(count + 1)]  # strictly increasing: count <= total
+    seq_starts = [0, *accumulate(batch.seq_lens_q)]
+    out = []
+    for start, end in zip(cuts, cuts[1:]):
+        seq_lens, context_lens, tables, lora = [], [], [], []
+        for i in range(len(batch.seq_lens_q)):
+            first, last = max(start, seq_starts[i]), min(end, seq_starts[i + 1])
+            if first >= last:
+                continue
+            seq_lens.append(last - first)
+            context_lens.append(batch.context_lens[i] - (seq_starts[i + 1] - last))
+            tables.append(batch.block_tables[i])
+            if batch.lora_slots is not None:
+                lora.append(batch.lora_slots[i])
+        rows = [row for row, index in enumerate(batch.logits_indices) if start <= index < end]
         part = replace(
-            batch,
-            token_ids=batch.token_ids[token_start:token_end], positions=batch.positions[token_start:token_end],
-            seq_lens_q=batch.seq_lens_q[first:end], context_lens=batch.context_lens[first:end],
-            block_tables=batch.block_tables[first:end],
-            logits_indices=[batch.logits_indices[row] - token_start for row in rows],
-            sampled_tokens_slot=-1,
-            lora_slots=None if batch.lora_slots is None else batch.lora_slots[first:end])
-        out.append(MicroBatch(part, list(range(token_start, token_end)) if all_logits else rows))
-        token_start = token_end
+            batch, token_ids=batch.token_ids[start:end], positions=batch.positions[start:end],
+            seq_lens_q=seq_lens, context_lens=context_lens, block_tables=tables,
+            logits_indices=[batch.logits_indices[row] - start for row in rows], sampled_tokens_slot=-1,
+            lora_slots=None if batch.lora_slots is None else lora)
+        out.append(MicroBatch(part, list(range(start, end)) if all_logits else rows))
     return out
 
 

@@ -1,5 +1,6 @@
 """Pipeline parallelism at the engine: layer splits, rank files, refusals, and pp 2 on two gloo
-ranks (gloo_ranks.py's shared pair) giving pp 1's logits, micro-batched or not.
+ranks (gloo_ranks.py's shared pair) giving pp 1's logits, micro-batched or not (two micro-batches
+cut the reference steps' 13-token prompt, so its second piece attends to KV its first wrote).
 
 The pp 1 engines are held to transformers by test_equivalence.py / test_moe.py; here each pp 2
 engine must give its pp 1 logits within 1e-5 (micro-batches change which sequences attend in one
@@ -77,16 +78,21 @@ def test_build_refuses_bad_splits_and_unsupported_families(engines, tmp_path, ca
     assert code == 2 and "--pp_layers '1,x' must be comma-separated layer counts" in capsys.readouterr().err
 
 
-def test_micro_batches_split_sequences_and_route_logits():
-    batch = ForwardBatch(token_ids=list(range(10)), positions=[0, 1, 2, 3, 0, 0, 1, 2, 3, 4], seq_lens_q=[4, 1, 5],
+def test_micro_batches_split_tokens_evenly_cutting_prompts_and_route_logits():
+    batch = ForwardBatch(token_ids=list(range(10)), positions=[0, 1, 2, 3, 8, 0, 1, 2, 3, 4], seq_lens_q=[4, 1, 5],
                          context_lens=[4, 9, 5], block_tables=[[0], [1, 2], [3]], logits_indices=[3, 4, 7, 9])
     parts = split_micro_batches(batch, 2)
     assert [p.batch.seq_lens_q for p in parts] == [[4, 1], [5]]
     assert [p.batch.logits_indices for p in parts] == [[3, 4], [2, 4]]
     assert [p.logits_rows for p in parts] == [[0, 1], [2, 3]]
     assert parts[1].batch.token_ids == [5, 6, 7, 8, 9] and parts[1].batch.block_tables == [[3]]
-    assert [len(p.batch.seq_lens_q) for p in split_micro_batches(batch, 8)] == [1, 1, 1]  # at most one per sequence
-    assert [p.logits_rows for p in split_micro_batches(batch, 3, all_logits=True)] == [[0, 1, 2, 3], [4], [5, 6, 7, 8, 9]]
+    # Three parts cut the first and last prompts: each piece's context ends where the piece does.
+    parts = split_micro_batches(batch, 3, all_logits=True)
+    assert [p.batch.seq_lens_q for p in parts] == [[3], [1, 1, 1], [4]]
+    assert [p.batch.context_lens for p in parts] == [[3], [4, 9, 1], [5]]
+    assert [p.batch.positions for p in parts] == [[0, 1, 2], [3, 8, 0], [1, 2, 3, 4]]
+    assert [p.logits_rows for p in parts] == [[0, 1, 2], [3, 4, 5], [6, 7, 8, 9]]
+    assert len(split_micro_batches(batch, 50)) == 10  # at most one per token
 
 
 def test_pp2_on_two_ranks_matches_pp1(engines):
