@@ -58,7 +58,8 @@ DECODER_ARCHITECTURES = ("GPTNeoXForCausalLM", "FalconForCausalLM", "GPTJForCaus
 SUPPORTED_ARCHITECTURES += DECODER_ARCHITECTURES
 # Hybrid Mamba-2 / attention models (engine/ssm/): their ModelConfig.ssm holds the Mamba shape and
 # the order of the blocks (engine/ssm/spec.py); hidden_act is the Mamba layers' SiLU.
-HYBRID_ARCHITECTURES = ("BambaForCausalLM", "NemotronHForCausalLM", "GraniteMoeHybridForCausalLM", "Mamba2ForCausalLM")
+HYBRID_ARCHITECTURES = ("BambaForCausalLM", "NemotronHForCausalLM", "GraniteMoeHybridForCausalLM", "Mamba2ForCausalLM",
+                        "FalconH1ForCausalLM")
 SUPPORTED_ARCHITECTURES += HYBRID_ARCHITECTURES
 # DeepSeek-V2/V3 (engine/models/deepseek.py): multi-head latent attention over a latent KV pool,
 # shared + routed experts with DeepSeek's routing (MLA_TOPK_METHODS).

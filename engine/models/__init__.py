@@ -120,6 +120,9 @@ MODEL_FAMILIES = (
     ModelFamily("Mamba2ForCausalLM", "engine.ssm.hybrid", "HybridForCausalLM",
                 "Mamba-2 130M to 2.7B, Mamba-Codestral (Mamba-2 layers only: a fixed-size state per request, "
                 "no KV cache)", tensor_parallel=False),
+    ModelFamily("FalconH1ForCausalLM", "engine.ssm.hybrid", "HybridForCausalLM",
+                "Falcon-H1 0.5B to 34B (Mamba-2 and attention side by side in every layer; muP multipliers folded "
+                "into the weights at build)", tensor_parallel=False),
 )
 _REGISTRY = {family.architecture: family for family in MODEL_FAMILIES}
 SUPPORTED_ARCHITECTURES = tuple(_REGISTRY)

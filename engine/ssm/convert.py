@@ -6,6 +6,11 @@ each decoder layer is a Mamba-2 layer or rope attention (partial rotary 0.5, lay
 Granite 4.0 dense hybrids (``GraniteMoeHybridForCausalLM`` with no routed experts: H-Micro): Bamba's
 layer (the MLP is the "shared" one, ``input_linear`` already [gate | up]), rope or no positions, and
 its scalars (embedding, residual and attention multipliers, logits scaling); MoE variants refused.
+Falcon-H1 (``FalconH1ForCausalLM``): every layer a Mamba-2 layer and attention side by side on one
+norm, then a gated MLP; its muP multipliers are folded into the weights (in float32, before the cast):
+the mup vector and ssm_in into in_proj's rows, ssm_out into out_proj, attention_in into q/k/v, key into
+k, attention_out into o_proj, the MLP's into gate and down, lm_head's into the lm_head (tied: the
+engine divides the logits); the embedding multiplier stays a scalar of the model.
 Pure Mamba-2 (``Mamba2ForCausalLM``): one block per layer, every one Mamba-2, named as Nemotron-H's.
 Nemotron-H (``NemotronHForCausalLM``; tensors under ``backbone.`` as NVIDIA ships them, or
 ``model.``): each layer is one block, Mamba-2, attention without
@@ -28,7 +33,8 @@ from engine.hf_checkpoint import TensorGetter, has_tensor, read_rope
 from kernels.rotary import partial_rotary_order
 
 MODEL_TYPES = {"bamba": "BambaForCausalLM", "nemotron_h": "NemotronHForCausalLM",
-               "granitemoehybrid": "GraniteMoeHybridForCausalLM", "mamba2": "Mamba2ForCausalLM"}
+               "granitemoehybrid": "GraniteMoeHybridForCausalLM", "mamba2": "Mamba2ForCausalLM",
+               "falcon_h1": "FalconH1ForCausalLM"}
 
 
 def _refuse(ok: bool, message: str) -> None:
@@ -43,6 +49,8 @@ def hybrid_config_from_hf(c, architecture: str) -> ModelConfig:
         return _granite_config(c)
     if architecture == "Mamba2ForCausalLM":
         return _mamba2_config(c)
+    if architecture == "FalconH1ForCausalLM":
+        return _falcon_h1_config(c)
     if architecture == "BambaForCausalLM":
         _refuse(not getattr(c, "attention_bias", False) and not getattr(c, "mlp_bias", False),
                 "BambaForCausalLM with attention_bias/mlp_bias is not supported")
@@ -143,10 +151,59 @@ def _mamba2_config(c) -> ModelConfig:
     ).validate()
 
 
+def _falcon_h1_config(c) -> ModelConfig:
+    """Falcon-H1: every layer a Mamba-2 layer and attention side by side ("parallel"), then a gated
+    SiLU MLP. Its muP multipliers are folded into the weights at build (falcon_h1_multipliers), except
+    the embedding's (the table may be tied to the lm_head) and, with tied embeddings, the lm_head's."""
+    from engine.ssm.spec import SsmSpec
+
+    arch = "FalconH1ForCausalLM"
+    _refuse(not getattr(c, "attention_bias", False) and not getattr(c, "mlp_bias", False),
+            f"{arch} with attention_bias/mlp_bias is not supported")
+    _refuse(bool(c.mamba_proj_bias) == bool(c.projectors_bias),
+            f"{arch} with mamba_proj_bias {c.mamba_proj_bias} and projectors_bias {c.projectors_bias} (a bias on "
+            "only one of the Mamba projections) is not supported")
+    _refuse(c.hidden_act == "silu", f"{arch} needs hidden_act 'silu', got {c.hidden_act!r}")
+    inner = c.mamba_d_ssm if c.mamba_d_ssm is not None else int(c.mamba_expand * c.hidden_size)
+    _refuse(c.mamba_n_heads * c.mamba_d_head == inner,
+            f"{arch}: mamba_n_heads x mamba_d_head ({c.mamba_n_heads} x {c.mamba_d_head}) must equal the Mamba "
+            f"width ({inner})")
+    fields = _mamba_fields(c)
+    fields["proj_bias"] = bool(c.mamba_proj_bias)
+    gated = "gate_only" if not c.mamba_rms_norm else ("norm_before_gate" if c.mamba_norm_before_gate else
+                                                       "norm_after_gate")
+    tied = bool(c.tie_word_embeddings)
+    spec = SsmSpec(blocks=["parallel", "mlp"] * c.num_hidden_layers, **fields, mlp_act="silu", attention_rope=True,
+                   embedding_multiplier=float(c.embedding_multiplier), gated_norm=gated,
+                   logits_scaling=1.0 / float(c.lm_head_multiplier) if tied else 1.0,
+                   folded_multipliers=falcon_h1_multipliers(c)).validate()
+    theta, scaling, partial = read_rope(c)
+    return ModelConfig(
+        architecture=arch, vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_layers=c.num_hidden_layers,
+        num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads or c.num_attention_heads,
+        head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+        intermediate_size=c.intermediate_size, norm_eps=float(c.rms_norm_eps),
+        max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=tied, hidden_act="silu",
+        ssm=spec.to_dict(), rope_theta=theta, rope_scaling=scaling, partial_rotary_factor=partial,
+    ).validate()
+
+
+def falcon_h1_multipliers(c) -> dict:
+    return {"ssm_in": float(c.ssm_in_multiplier), "ssm_out": float(c.ssm_out_multiplier),
+            "ssm": [float(v) for v in (c.ssm_multipliers or [1.0] * 5)],
+            "attention_in": float(c.attention_in_multiplier), "key": float(c.key_multiplier),
+            "attention_out": float(c.attention_out_multiplier),
+            "mlp": [float(v) for v in (c.mlp_multipliers or [1.0, 1.0])], "lm_head": float(c.lm_head_multiplier)}
+
+
 def _hf_blocks(cfg: ModelConfig) -> list[tuple[str, str]]:
     """(engine block kind, the checkpoint's prefix of that block's norm and mixer) per block:
     prefixes name norm and mixer as "<norm>|<mixer>"."""
     blocks = cfg.ssm["blocks"]
+    if cfg.architecture == "FalconH1ForCausalLM":
+        return [b for i in range(cfg.num_layers) for b in (
+            ("parallel", f"model.layers.{i}.input_layernorm|model.layers.{i}."),
+            ("mlp", f"model.layers.{i}.pre_ff_layernorm|model.layers.{i}.feed_forward."))]
     if cfg.architecture in ("BambaForCausalLM", "GraniteMoeHybridForCausalLM"):
         bamba = cfg.architecture == "BambaForCausalLM"
         out = []
@@ -172,42 +229,88 @@ def hybrid_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size:
         get = lambda name: stored("backbone." + name[len("model."):] if name.startswith("model.") else name)  # noqa: E731
     yield "embed_tokens.weight", get("model.embeddings.weight" if nemotron else "model.embed_tokens.weight")
     yield "norm.weight", get({"BambaForCausalLM": "model.final_layernorm.weight", "NemotronHForCausalLM": "model.norm_f.weight",
-                              "GraniteMoeHybridForCausalLM": "model.norm.weight",
-                              "Mamba2ForCausalLM": "model.norm_f.weight"}[cfg.architecture])
-    if not cfg.tie_word_embeddings:
-        yield "lm_head.weight", get("lm_head.weight")
+                              "GraniteMoeHybridForCausalLM": "model.norm.weight", "Mamba2ForCausalLM": "model.norm_f.weight",
+                              "FalconH1ForCausalLM": "model.final_layernorm.weight"}[cfg.architecture])
+    if not cfg.tie_word_embeddings:  # (Falcon-H1's lm_head multiplier folded in; tied: logits_scaling)
+        yield "lm_head.weight", _Multipliers.scale(get("lm_head.weight"), _Multipliers(cfg).lm_head)
     order = None if cfg.rotary_dim == cfg.head_dim else partial_rotary_order(cfg.head_dim, cfg.rotary_dim)
 
     def rotary(t: torch.Tensor) -> torch.Tensor:
         return t if order is None else t.unflatten(0, (-1, cfg.head_dim))[:, order].flatten(0, 1)
 
+    mult = _Multipliers(cfg)
     for i, (kind, names) in enumerate(_hf_blocks(cfg)):
         norm, hf = names.split("|")
         out = f"blocks.{i}."
         yield out + "norm.weight", get(norm + ".weight")
         m = out + "mixer."
         if kind == "mamba":
-            yield m + "in_proj.weight", get(hf + "in_proj.weight")
-            yield m + "conv_weight", get(hf + "conv1d.weight").squeeze(1)
-            for name in ("dt_bias", "A_log", "D"):
-                yield m + name, get(hf + name)
-            yield m + "gate_norm.weight", get(hf + "norm.weight")
-            yield m + "out_proj.weight", get(hf + "out_proj.weight")
-            if cfg.ssm["conv_bias"]:
-                yield m + "conv_bias", get(hf + "conv1d.bias")
-            if cfg.ssm["proj_bias"]:
-                yield m + "in_proj.bias", get(hf + "in_proj.bias")
-                yield m + "out_proj.bias", get(hf + "out_proj.bias")
+            yield from _mamba_weights(get, hf, m, cfg, mult)
         elif kind == "attention":
-            q, k, v = (get(hf + f"{p}_proj.weight") for p in "qkv")
-            yield m + "qkv_proj.weight", torch.cat([rotary(q), rotary(k), v])
-            yield m + "o_proj.weight", get(hf + "o_proj.weight")
+            yield from _attention_weights(get, hf, m, rotary, mult)
+        elif kind == "parallel":  # Falcon-H1
+            yield from _mamba_weights(get, hf + "mamba.", m + "mamba.", cfg, mult)
+            yield from _attention_weights(get, hf + "self_attn.", m + "attention.", rotary, mult)
         elif cfg.architecture == "GraniteMoeHybridForCausalLM":  # input_linear: rows [gate | up] already
             yield m + "up_proj.weight", get(hf + "input_linear.weight")
             yield m + "down_proj.weight", get(hf + "output_linear.weight")
         elif cfg.ssm["mlp_act"] == "silu":
-            yield m + "up_proj.weight", torch.cat([get(hf + "gate_proj.weight"), get(hf + "up_proj.weight")])
-            yield m + "down_proj.weight", get(hf + "down_proj.weight")
+            gate, down = mult.mlp
+            yield m + "up_proj.weight", torch.cat([mult.scale(get(hf + "gate_proj.weight"), gate),
+                                                   get(hf + "up_proj.weight")])
+            yield m + "down_proj.weight", mult.scale(get(hf + "down_proj.weight"), down)
         else:
             yield m + "up_proj.weight", get(hf + "up_proj.weight")
             yield m + "down_proj.weight", get(hf + "down_proj.weight")
+
+
+class _Multipliers:
+    """Falcon-H1's muP multipliers (SsmSpec.folded_multipliers), folded into the weights they
+    follow or precede: all 1 for the other families (then nothing is touched)."""
+
+    def __init__(self, cfg: ModelConfig):
+        m = cfg.ssm.get("folded_multipliers") or {}
+        self.ssm_in, self.ssm_out = m.get("ssm_in", 1.0), m.get("ssm_out", 1.0)
+        self.ssm = m.get("ssm", [1.0] * 5)  # in_proj rows: z, x, B, C, dt
+        self.attention_in, self.key, self.attention_out = m.get("attention_in", 1.0), m.get("key", 1.0), \
+            m.get("attention_out", 1.0)
+        self.mlp, self.lm_head = m.get("mlp", [1.0, 1.0]), m.get("lm_head", 1.0)
+
+    @staticmethod
+    def scale(t: torch.Tensor, factor) -> torch.Tensor:
+        """t times a number, or times a per-row vector; in float32 (the iterator casts after)."""
+        if isinstance(factor, torch.Tensor):
+            return t.float() * factor.view(-1, *([1] * (t.dim() - 1)))
+        return t if factor == 1.0 else t.float() * factor
+
+    def in_proj_rows(self, spec: dict) -> torch.Tensor | None:
+        """Falcon-H1's mup vector: a factor per in_proj output row (sections z, x, B, C, dt)."""
+        if self.ssm == [1.0] * 5 and self.ssm_in == 1.0:
+            return None
+        inner, bc = spec["num_heads"] * spec["head_dim"], spec["n_groups"] * spec["d_state"]
+        sizes = [inner, inner, bc, bc, spec["num_heads"]]
+        return torch.cat([torch.full((n,), float(f)) for n, f in zip(sizes, self.ssm)])
+
+
+def _mamba_weights(get: TensorGetter, hf: str, m: str, cfg: ModelConfig, mult: _Multipliers):
+    rows = mult.in_proj_rows(cfg.ssm)
+    in_rows = None if rows is None else rows * mult.ssm_in  # the input's multiplier, folded with the rows'
+    yield m + "in_proj.weight", get(hf + "in_proj.weight") if in_rows is None else \
+        mult.scale(get(hf + "in_proj.weight"), in_rows)
+    yield m + "conv_weight", get(hf + "conv1d.weight").squeeze(1)
+    for name in ("dt_bias", "A_log", "D"):
+        yield m + name, get(hf + name)
+    if cfg.ssm["gated_norm"] != "gate_only":
+        yield m + "gate_norm.weight", get(hf + "norm.weight")
+    yield m + "out_proj.weight", mult.scale(get(hf + "out_proj.weight"), mult.ssm_out)
+    if cfg.ssm["conv_bias"]:
+        yield m + "conv_bias", get(hf + "conv1d.bias")
+    if cfg.ssm["proj_bias"]:
+        yield m + "in_proj.bias", get(hf + "in_proj.bias") if rows is None else mult.scale(get(hf + "in_proj.bias"), rows)
+        yield m + "out_proj.bias", mult.scale(get(hf + "out_proj.bias"), mult.ssm_out)
+
+
+def _attention_weights(get: TensorGetter, hf: str, m: str, rotary, mult: _Multipliers):
+    q, k, v = (mult.scale(get(hf + f"{p}_proj.weight"), mult.attention_in) for p in "qkv")
+    yield m + "qkv_proj.weight", torch.cat([rotary(q), rotary(mult.scale(k, mult.key)), v])
+    yield m + "o_proj.weight", mult.scale(get(hf + "o_proj.weight"), mult.attention_out)

@@ -1,4 +1,4 @@
-"""Hybrid Mamba-2 / attention decoders (Bamba, Granite 4.0 dense hybrids, Nemotron-H).
+"""Hybrid Mamba-2 / attention decoders (Bamba, Granite 4.0 dense hybrids, Nemotron-H, Falcon-H1, Mamba-2).
 
 The model is a stack of pre-norm residual blocks ``x += mixer(rmsnorm(x))`` (engine/ssm/spec.py
 names the mixers), then a final RMSNorm and the lm_head. Attention blocks use the paged KV pool,
@@ -70,6 +70,15 @@ class MLP(nn.Module):
         return self.down_proj(silu_and_mul(up) if self.gated else F.relu(up).square())
 
 
+class ParallelMambaAttention(nn.Module):
+    """Falcon-H1's mixer: a Mamba-2 layer and attention read the same normed input; their outputs
+    add (the checkpoint's input/output multipliers are folded into the weights at build)."""
+
+    def __init__(self, mamba: Mamba2Mixer, attention: Attention):
+        super().__init__()
+        self.mamba, self.attention = mamba, attention
+
+
 class Block(nn.Module):
     def __init__(self, kind: str, mixer: nn.Module, hidden_size: int, *, dtype, device):
         super().__init__()
@@ -104,6 +113,13 @@ class HybridForCausalLM(nn.Module):
                 mamba_index += 1
             elif kind == "attention":
                 mixer = Attention(c, kv_index, spec.attention_rope, scale=spec.attention_scale, **kw)
+                kv_index += 1
+            elif kind == "parallel":
+                mixer = ParallelMambaAttention(Mamba2Mixer(spec, c.hidden_size, c.norm_eps, **kw),
+                                               Attention(c, kv_index, spec.attention_rope, scale=spec.attention_scale,
+                                                         **kw))
+                mixer.mamba.state_index = mamba_index
+                mamba_index += 1
                 kv_index += 1
             else:
                 mixer = MLP(c, spec.mlp_act, **kw)
@@ -143,8 +159,8 @@ class HybridForCausalLM(nn.Module):
             self.cos_sin_cache = build_cos_sin_cache(self.max_positions, c.head_dim, c.rope_theta, c.rope_scaling,
                                                      device, rotary_dim=c.rotary_dim)
         for block in self.blocks:
-            if block.kind == "mamba":
-                block.mixer.init_buffers()
+            if block.kind in ("mamba", "parallel"):
+                (block.mixer if block.kind == "mamba" else block.mixer.mamba).init_buffers()
 
     def _states(self, meta: AttentionMetadata, device) -> tuple[torch.Tensor, torch.Tensor, StepStates]:
         """This forward's state pools and StepStates. A CUDA graph's meta has no host lists: a
@@ -183,6 +199,10 @@ class HybridForCausalLM(nn.Module):
                 x = block.mixer(h, conv_states[i], ssm_states[i], step)
             elif block.kind == "attention":
                 x = block.mixer(h, positions, self.cos_sin_cache, kv_cache, attn_meta)
+            elif block.kind == "parallel":
+                mamba, i = block.mixer.mamba, block.mixer.mamba.state_index
+                x = (mamba(h, conv_states[i], ssm_states[i], step)
+                     + block.mixer.attention(h, positions, self.cos_sin_cache, kv_cache, attn_meta))
             else:
                 x = block.mixer(h)
             if scale_out != 1.0:  # Granite 4.0: before the residual add (the norm below makes it)

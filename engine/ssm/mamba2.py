@@ -74,13 +74,22 @@ def step_states(meta, slots_host: list[int], slots: torch.Tensor | None) -> Step
     return step
 
 
-def gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float) -> torch.Tensor:
-    """weight * rmsnorm(y * silu(z)) over groups of ``group_size`` channels, in float32, rounded to
-    y's dtype before the weight multiplies (transformers' MambaRMSNormGated, norm after the gate)."""
-    h = y.float() * F.silu(z.float())
+def gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float,
+                   mode: str = "norm_after_gate") -> torch.Tensor:
+    """The Mamba output's gate and grouped RMSNorm (over groups of ``group_size`` channels), in
+    float32, as transformers computes each ``mode`` (engine/ssm/spec.py GATED_NORMS):
+    norm_after_gate: weight * rmsnorm(y * silu(z)), rounded to y's dtype before the weight (Mamba-2,
+    Bamba, Nemotron-H, Granite); norm_before_gate: weight * rmsnorm(y) * silu(z) (Falcon-H1's
+    FalconH1RMSNormGated, weight applied in float32); gate_only: y * silu(z)."""
+    gate = F.silu(z.float())
+    if mode == "gate_only":
+        return (y.float() * gate).to(y.dtype)
+    h = y.float() * gate if mode == "norm_after_gate" else y.float()
     groups = h.view(*h.shape[:-1], -1, group_size)
     groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * groups.view(h.shape).to(y.dtype)
+    if mode == "norm_after_gate":
+        return weight * groups.view(h.shape).to(y.dtype)
+    return (weight.float() * groups.view(h.shape) * gate).to(y.dtype)
 
 
 class Mamba2Mixer(nn.Module):
@@ -97,7 +106,9 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(H, dtype=dtype, device=device), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(H, dtype=dtype, device=device), requires_grad=False)
         self.D = nn.Parameter(torch.empty(H, dtype=dtype, device=device), requires_grad=False)
-        self.gate_norm = Norm(spec.inner, bias=False, dtype=dtype, device=device)
+        # (gated_norm "gate_only": no norm, so no weight)
+        self.gate_norm = Norm(spec.inner, bias=False, dtype=dtype, device=device) if spec.gated_norm != "gate_only" \
+            else None
         self.out_proj = Linear(spec.inner, hidden_size, bias=spec.proj_bias, dtype=dtype, device=device)
         self.A: torch.Tensor | None = None  # -exp(A_log) in float32, made by init_buffers
 
@@ -121,7 +132,8 @@ class Mamba2Mixer(nn.Module):
             rows, chunk_rows = step.decode_rows, step.prefill_rows
             y[rows] = self._decode(xbc[rows], dt[rows], conv_states, ssm_states, step.decode_slots)
             y[chunk_rows] = self._prefill(xbc[chunk_rows], dt[chunk_rows], conv_states, ssm_states, step.prefill)
-        return self.out_proj(gated_rms_norm(y, z, self.gate_norm.weight, s.inner // s.n_groups, self.eps))
+        norm_weight = None if self.gate_norm is None else self.gate_norm.weight
+        return self.out_proj(gated_rms_norm(y, z, norm_weight, s.inner // s.n_groups, self.eps, s.gated_norm))
 
     def _split(self, xbc: torch.Tensor):
         s = self.spec

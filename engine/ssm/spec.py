@@ -6,7 +6,9 @@ A hybrid model is a stack of pre-norm residual blocks, ``x += mixer(norm(x))``, 
 - "attention": GQA attention over the paged KV cache, with rope (Bamba: partial rotary) or none
   (Nemotron-H);
 - "mlp": the feed-forward, gated SiLU (Bamba: ``down(silu(gate) * up)``) or not
-  (Nemotron-H: ``down(relu(up)^2)``).
+  (Nemotron-H: ``down(relu(up)^2)``);
+- "parallel": a Mamba-2 layer and attention side by side on the same normed input, their outputs
+  summed (Falcon-H1).
 
 Bamba's and Granite 4.0's decoder layers are two such blocks (mixer, then MLP); a Nemotron-H
 layer is one. ``blocks``
@@ -23,7 +25,10 @@ from dataclasses import asdict, dataclass, fields
 
 from engine.config import ConfigError
 
-BLOCK_KINDS = ("mamba", "attention", "mlp")
+BLOCK_KINDS = ("mamba", "attention", "mlp", "parallel")  # parallel: mamba(h) + attention(h), one norm (Falcon-H1)
+# Where the Mamba output's gate sits: rmsnorm(y * silu(z)) (Mamba-2's), rmsnorm(y) * silu(z), or
+# y * silu(z) with no norm (Falcon-H1's mamba_rms_norm False).
+GATED_NORMS = ("norm_after_gate", "norm_before_gate", "gate_only")
 MLP_ACTIVATIONS = ("silu", "relu2")  # silu: gated [gate | up]; relu2: relu(up)^2, not gated
 STATE_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -49,6 +54,10 @@ class SsmSpec:
     residual_multiplier: float = 1.0
     attention_scale: float | None = None
     logits_scaling: float = 1.0
+    gated_norm: str = "norm_after_gate"  # GATED_NORMS
+    # Falcon-H1: the checkpoint's muP multipliers that the build folded into the weights (what it
+    # multiplied by, for the record; the engine reads none of them). None elsewhere.
+    folded_multipliers: dict | None = None
 
     @property
     def inner(self) -> int:
@@ -58,14 +67,6 @@ class SsmSpec:
     def conv_dim(self) -> int:
         """Channels the conv runs over: x (inner), B and C (n_groups * d_state each)."""
         return self.inner + 2 * self.n_groups * self.d_state
-
-    @property
-    def mamba_blocks(self) -> list[int]:
-        return [i for i, kind in enumerate(self.blocks) if kind == "mamba"]
-
-    @property
-    def attention_blocks(self) -> list[int]:
-        return [i for i, kind in enumerate(self.blocks) if kind == "attention"]
 
     def dt_range(self) -> tuple[float, float]:
         low, high = self.dt_limit
@@ -97,7 +98,9 @@ class SsmSpec:
 
         require(isinstance(self.blocks, (list, tuple)) and self.blocks and all(k in BLOCK_KINDS for k in self.blocks),
                 f"blocks must list one of {', '.join(BLOCK_KINDS)} per residual block, got {self.blocks!r}")
-        require("mamba" in self.blocks, "blocks must hold at least one mamba block")
+        require("mamba" in self.blocks or "parallel" in self.blocks, "blocks must hold at least one mamba block")
+        require(self.gated_norm in GATED_NORMS,
+                f"gated_norm must be one of {', '.join(GATED_NORMS)}, got {self.gated_norm!r}")
         for name in ("num_heads", "head_dim", "d_state", "n_groups", "d_conv"):
             value = getattr(self, name)
             require(isinstance(value, int) and not isinstance(value, bool) and value > 0,

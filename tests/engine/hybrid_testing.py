@@ -1,5 +1,5 @@
 """Tiny random hybrid Mamba-2 checkpoints made by transformers itself (Bamba, Nemotron-H, Granite 4.0,
-pure Mamba-2).
+Falcon-H1, pure Mamba-2).
 
 Sizes are the smallest the kernels' tiles take whole (head_dim and d_state 16); two groups of B/C
 so heads really share them; one attention layer among Mamba layers (Bamba: rope, partial 0.5;
@@ -49,10 +49,24 @@ def mamba2_config() -> transformers.Mamba2Config:
         bos_token_id=None)
 
 
+def falcon_h1_config() -> transformers.FalconH1Config:
+    """Falcon-H1 with every muP multiplier away from 1 (so folding each into the right weight is
+    checked) and the gated norm on, normed before the gate."""
+    return transformers.FalconH1Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2,
+        mamba_d_state=16, mamba_chunk_size=16, mamba_rms_norm=True, mamba_norm_before_gate=True,
+        embedding_multiplier=1.5, lm_head_multiplier=0.7, mlp_multipliers=[1.3, 0.8], key_multiplier=0.9,
+        attention_in_multiplier=1.2, attention_out_multiplier=0.6, ssm_in_multiplier=1.1, ssm_out_multiplier=0.5,
+        ssm_multipliers=[1.2, 0.9, 1.1, 0.8, 1.3], max_position_embeddings=1024, pad_token_id=0, eos_token_id=None,
+        bos_token_id=None)
+
+
 HYBRIDS = {"bamba": (transformers.BambaForCausalLM, bamba_config),
            "nemotron_h": (transformers.NemotronHForCausalLM, nemotron_h_config),
            "granite_hybrid": (transformers.GraniteMoeHybridForCausalLM, granite_hybrid_config),
-           "mamba2": (transformers.Mamba2ForCausalLM, mamba2_config)}
+           "mamba2": (transformers.Mamba2ForCausalLM, mamba2_config),
+           "falcon_h1": (transformers.FalconH1ForCausalLM, falcon_h1_config)}
 
 
 def tiny_hybrid(family: str, seed: int = 0) -> torch.nn.Module:
