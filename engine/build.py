@@ -127,8 +127,8 @@ def quantize_rank_weights(weights: dict[str, torch.Tensor], names: list[str],
         if name in scaled:
             scale = source_scales.get(name)
             rows = tensor.reshape(-1, tensor.shape[-1])
-            codes, row_scales = quantize_weight_int8(rows.float()) if int8 else \
-                quantize_weight(rows, None if scale is None else scale.reshape(-1))
+            scale = None if scale is None else scale.reshape(-1)
+            codes, row_scales = quantize_weight_int8(rows, scale) if int8 else quantize_weight(rows, scale)
             out[name], out[name + "_scale"] = codes.view(tensor.shape), row_scales.view(tensor.shape[:-1])
         else:
             out[name] = tensor
@@ -206,7 +206,8 @@ def write_engine(output_dir: str, model: ModelConfig, build: BuildConfig, get: T
             source_scales = rank_row_scales(fp8_source, model, rank, build.tp_size) if fp8_source else None
             weights = quantize_rank_weights(weights, names, source_scales)
         elif build.quantization == INT8_SQ:
-            weights = quantize_rank_weights(weights, names, int8=True)
+            source_scales = rank_row_scales(fp8_source, model, rank, build.tp_size) if fp8_source else None
+            weights = quantize_rank_weights(weights, names, source_scales, int8=True)
         elif build.weight_only is not None:
             carried = checkpoint_integer_weights(integer_source, model, build, rank, names) if integer_source else {}
             weights = build_time_quantize(weights, names, build.weight_only, skip=set(carried))
@@ -362,8 +363,8 @@ def build_from_hf(hf_config, get: TensorGetter, tokenizer, output_dir: str, buil
     integer_quant = checkpoint_weight_quant(hf_config)
     strategy = None if integer_quant is not None else fp8_checkpoint_strategy(hf_config)
     if strategy is not None and build.weight_only is not None:
-        raise ConfigError(f"{source or 'the checkpoint'} holds FP8 weights (per {strategy}); --quantization "
-                          f"{build.quantization} would round them again: leave --quantization out (an FP8 engine)")
+        raise ConfigError(f"{source or 'the checkpoint'} holds {_scaled_weights(strategy)}; --quantization "
+                          f"{build.quantization} would round them again: leave --quantization out")
     if integer_quant is not None:
         # Codes, scales and zeros are carried into the engine exactly; requantizing them into
         # another scheme would round the weights a second time.
@@ -378,7 +379,7 @@ def build_from_hf(hf_config, get: TensorGetter, tokenizer, output_dir: str, buil
     if build.quantization == "int4_awq" and integer_quant is None:
         get = awq_getter(hf_config, get, tokenizer, build, calibration_tokens, source)
         extra["source_quantization"] = "AWQ scales calibrated at build (engine/weight_only/awq.py)"
-    if build.quantization == INT8_SQ:
+    if build.quantization == INT8_SQ and strategy is None:
         get = smoothquant_getter(hf_config, get, tokenizer, calibration_tokens, source)
         extra["source_quantization"] = "SmoothQuant scales calibrated at build (engine/weight_only/smoothquant.py)"
     if strategy is not None:
@@ -386,7 +387,8 @@ def build_from_hf(hf_config, get: TensorGetter, tokenizer, output_dir: str, buil
         # widening them to --dtype would double the bytes without adding a digit.
         build = with_fp8_checkpoint_scheme(build, strategy, source)
         check_quantization_supported(model, build)
-        extra["source_quantization"] = "fp8 per 128 x 128 block" if strategy == "block" else f"fp8 per {strategy}"
+        extra["source_quantization"] = "int8 W8A8 per channel and token" if strategy == "int8" else \
+            "fp8 per 128 x 128 block" if strategy == "block" else f"fp8 per {strategy}"
         fp8_source, get = get, dequantizing_getter(get, strategy)
     if vision is not None:
         extra["vision_encoder"] = VISION_ENCODER_DIR
@@ -400,17 +402,24 @@ def build_from_hf(hf_config, get: TensorGetter, tokenizer, output_dir: str, buil
     return engine_config
 
 
+def _scaled_weights(strategy: str) -> str:
+    """What a checkpoint of fp8_checkpoint_strategy ``strategy`` holds, for messages."""
+    if strategy == "int8":
+        return "W8A8 INT8 weights (per channel, activations per token)"
+    return f"FP8 weights ({'per 128 x 128 block' if strategy == 'block' else f'per {strategy}'})"
+
+
 def with_fp8_checkpoint_scheme(build: BuildConfig, strategy: str, source: str) -> BuildConfig:
-    """``build`` with the FP8 scheme of an FP8 checkpoint: fp8_block for block-wise scales, fp8 for
-    per-channel and per-tensor ones; another FP8 scheme asked for is an error naming both."""
-    quantization = "fp8_block" if strategy == "block" else "fp8"
-    described = "per 128 x 128 block" if strategy == "block" else f"per {strategy}"
+    """``build`` with the scheme of a checkpoint of scaled 8-bit codes: fp8_block for block-wise FP8
+    scales, fp8 for per-channel and per-tensor ones, int8_sq for W8A8 INT8; another scheme asked for
+    is an error naming both."""
+    quantization = {"block": "fp8_block", "int8": INT8_SQ}.get(strategy, "fp8")
     if build.quantization not in (None, quantization):
-        raise ConfigError(f"{source or 'the checkpoint'} holds FP8 weights ({described}), which build as "
+        raise ConfigError(f"{source or 'the checkpoint'} holds {_scaled_weights(strategy)}, which build as "
                           f"--quantization {quantization}; --quantization {build.quantization} would round them "
                           "again: leave --quantization out")
     if build.quantization is None:
-        print(f"note: {source or 'the checkpoint'} holds FP8 weights ({described}); building with "
+        print(f"note: {source or 'the checkpoint'} holds {_scaled_weights(strategy)}; building with "
               f"--quantization {quantization}", file=sys.stderr)
     return dataclasses.replace(build, quantization=quantization)
 

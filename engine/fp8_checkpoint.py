@@ -27,7 +27,11 @@ scales). Block-wise checkpoints build ``fp8_block`` engines (kernels/fp8_block.p
 codes and block scales exactly: ``rank_block_scales`` follows every block through the family's
 conversion and refuses, by name, a fuse or split that would cut one. Static activation scales are
 not used: the engine quantizes activations per token at run time, which is at least as exact.
-Integer and other schemes are refused by name.
+compressed-tensors W8A8 INT8 (int8 weights per channel, int8 activations per token, dynamic,
+symmetric; ``format: int-quantized``: ``weight`` int8 (out, in), ``weight_scale`` (out, 1)) is read
+the same way as per-channel FP8 and builds an ``int8_sq`` engine (kernels/int8_sq.py) holding the
+checkpoint's codes and scales; its smoothing is already folded into the weights. Integer
+weight-only schemes are engine/weight_only/checkpoint_formats.py's; other schemes are refused by name.
 """
 from __future__ import annotations
 
@@ -40,13 +44,14 @@ from engine.convert import CheckpointError, TensorGetter, rank_weights
 from kernels.fp8_block import BLOCK, blocks, dequantize_blocks
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
+SCALED_DTYPES = FP8_DTYPES + (torch.int8,)  # weights stored as codes x a per-row scale (int8: W8A8 INT8)
 SCALE_SUFFIX = "weight_scale"
 BLOCK_SCALE_SUFFIX = "_scale_inv"  # <module>.weight -> <module>.weight_scale_inv; stacked experts: <name>_scale_inv
 
 
 def fp8_checkpoint_strategy(hf_config) -> str | None:
-    """"channel", "tensor" or "block" (128 x 128) for an FP8 checkpoint, None for an unquantized one;
-    any other quantization is a ConfigError naming it and what is supported."""
+    """"channel", "tensor" or "block" (128 x 128) for an FP8 checkpoint, "int8" for a W8A8 INT8 one,
+    None for an unquantized one; any other quantization is a ConfigError naming it and what is supported."""
     quant = getattr(hf_config, "quantization_config", None)
     if quant is None:
         return None
@@ -80,8 +85,13 @@ def _check_block_scheme(quant: dict) -> None:
 
 
 def _compressed_tensors_strategy(quant: dict) -> str:
+    from engine.weight_only.checkpoint_formats import is_ct_w8a8_int
+
+    groups = quant.get("config_groups") or {}
+    if groups and all(is_ct_w8a8_int(group) for group in groups.values()):
+        return "int8"
     strategies = set()
-    for name, group in (quant.get("config_groups") or {}).items():
+    for name, group in groups.items():
         weights = group.get("weights") or {}
         if weights.get("type") != "float" or weights.get("num_bits") != 8:
             raise ConfigError(f"compressed-tensors group {name!r} quantizes weights as {weights.get('type')} "
@@ -118,7 +128,7 @@ def dequantizing_getter(get: TensorGetter, strategy: str = "channel") -> TensorG
     like any other weight."""
     def dequantized(name: str) -> torch.Tensor:
         tensor = get(name)
-        if tensor.dtype not in FP8_DTYPES:
+        if tensor.dtype not in SCALED_DTYPES:
             return tensor
         if strategy == "block":
             return dequantize_blocks(tensor, block_scale_of(get, name, tensor))
@@ -145,7 +155,7 @@ def rank_row_scales(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: int
     def widened_scales(name: str) -> torch.Tensor:
         if name.endswith(".weight"):
             weight = get(name)
-            scale = _scale_of(get, name) if weight.dtype in FP8_DTYPES else None
+            scale = _scale_of(get, name) if weight.dtype in SCALED_DTYPES else None
             rows = weight.shape[0] if weight.dim() == 2 else 1
             column = _row_scales(scale, rows, name) if scale is not None else torch.full((rows,), float("nan"))
             return column[:, None].expand(rows, tp_size)

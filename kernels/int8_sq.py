@@ -39,9 +39,15 @@ def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, scale
 
 
-def quantize_weight_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A linear weight (N, K) -> (int8 codes (N, K), per-output-channel scale (N,) float32)."""
-    return quantize_rows_int8(weight)
+def quantize_weight_int8(weight: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A linear weight (N, K) -> (int8 codes (N, K), per-output-channel scale (N,) float32). ``scale``
+    (N,): these row scales instead of max|row| / 127, for a weight that was int8 codes x them already
+    (a W8A8 checkpoint, dequantized for conversion): its codes come back exactly."""
+    if scale is None:
+        return quantize_rows_int8(weight)
+    scale = scale.float()
+    codes = _round_half_away(weight.float() / scale[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return codes, scale
 
 
 @jit

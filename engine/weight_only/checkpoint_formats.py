@@ -140,6 +140,8 @@ def _compressed_tensors_quant(quant: dict) -> CheckpointWeightQuant | None:
         raise ConfigError("compressed-tensors quantization_config has no config_groups with weights")
     if all(w.get("type") == "float" and w.get("num_bits") == 8 for w in weights.values()):
         return None  # FP8: engine/fp8_checkpoint.py
+    if all(is_ct_w8a8_int(group) for group in groups.values()):
+        return None  # W8A8 INT8 (SmoothQuant as shipped): engine/fp8_checkpoint.py, an int8_sq engine
     if (quant.get("transform_config") or {}).get("config_groups"):
         raise ConfigError("compressed-tensors quantization_config.transform_config rotates the weights; "
                           "checkpoints with transforms are not supported")
@@ -163,6 +165,17 @@ def _compressed_tensors_quant(quant: dict) -> CheckpointWeightQuant | None:
     fmt, bits, group, symmetric, act_order = next(iter(schemes.values()))
     return CheckpointWeightQuant("compressed-tensors", bits, group, symmetric, act_order,
                                  tuple(quant.get("ignore") or ()), fmt)
+
+
+def is_ct_w8a8_int(group: dict) -> bool:
+    """A compressed-tensors config group of the int8_sq scheme (kernels/int8_sq.py): int8 weights per
+    channel and int8 activations per token, dynamic, both symmetric (llm-compressor's W8A8 preset,
+    usually after its SmoothQuantModifier)."""
+    w, a = group.get("weights") or {}, group.get("input_activations") or {}
+    return (w.get("type") == "int" and w.get("num_bits") == 8 and w.get("strategy") == "channel"
+            and w.get("symmetric", True) and a.get("type") == "int" and a.get("num_bits") == 8
+            and a.get("strategy") == "token" and bool(a.get("dynamic")) and a.get("symmetric", True)
+            and not group.get("output_activations"))
 
 
 def _ct_weight_scheme(name: str, w: dict) -> tuple[int, int, bool, bool]:

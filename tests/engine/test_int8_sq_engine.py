@@ -83,3 +83,68 @@ def test_refused_without_tokenizer_or_for_other_families(tmp_path):
         build_int8_sq(tiny_hf("llama_groupable"), tmp_path / "a", tokenizer=None)
     with pytest.raises(ConfigError, match="quantization int8_sq is not supported for GPT2LMHeadModel"):
         build_int8_sq(tiny_hf("gpt2"), tmp_path / "b")
+
+
+# ---- compressed-tensors W8A8 INT8 checkpoints, loaded as shipped ----------------------------
+
+def write_ct_w8a8(path: str) -> tuple[torch.nn.Module, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """A tiny Llama written as llm-compressor's W8A8 INT8 preset by compressed-tensors itself
+    (int-quantized: int8 weight per channel, dynamic int8 activations per token) -> (the float model
+    holding the dequantized weights, module -> (codes, bfloat16 scales as stored))."""
+    from compressed_tensors.compressors import IntQuantizationCompressor, ModelCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+    from quantized_checkpoints import _save, on_disk_state, quantized_modules, tiny_llama
+
+    model = tiny_llama()
+    state = on_disk_state(model)
+    scheme = QuantizationScheme(
+        targets=["Linear"], weights=QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel"),
+        input_activations=QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True))
+    tensors, written = dict(state), {}
+    for module in quantized_modules(state):
+        weight = tensors.pop(module + ".weight")
+        codes, scale = quantize_weight_int8(weight)
+        scale = scale.to(torch.bfloat16)
+        dequantized = codes.float() * scale.float()[:, None]
+        compressed = IntQuantizationCompressor().compress({"weight": dequantized, "weight_scale": scale[:, None]},
+                                                          scheme)
+        tensors.update({f"{module}.{name}": t for name, t in compressed.items()})
+        written[module] = (codes, scale)
+        state[module + ".weight"] = dequantized
+    config = QuantizationConfig(config_groups={"group_0": scheme}, format="int-quantized",
+                                quantization_status="compressed", ignore=["lm_head"])
+    _save(path, model, tensors, None)
+    ModelCompressor(quantization_config=config).update_config(path)
+    model.load_state_dict(state)
+    return model, written
+
+
+def test_compressed_tensors_w8a8_checkpoint_keeps_its_codes(tmp_path):
+    from engine.build import build_engine
+    from engine.config import EngineConfig
+
+    float_model, written = write_ct_w8a8(str(tmp_path / "ckpt"))
+    build = BuildConfig(dtype="float32", max_batch_size=4, max_input_len=64, max_seq_len=64, max_num_tokens=256,
+                        tokens_per_block=16)
+    build_engine(str(tmp_path / "ckpt"), str(tmp_path / "engine"), build, progress=False)
+    config, weights = EngineConfig.load(str(tmp_path / "engine")), load_file(f"{tmp_path}/engine/rank0.safetensors")
+    assert config.build.quantization == "int8_sq" and "int8 W8A8" in config.extra["source_quantization"]
+    codes, scale = written["model.layers.0.self_attn.q_proj"]
+    assert torch.equal(weights["layers.0.qkv_proj.weight"][:codes.shape[0]], codes)  # carried, not rounded again
+    assert torch.equal(weights["layers.0.qkv_proj.weight_scale"][:codes.shape[0]], scale.float())
+    codes, _ = written["model.layers.1.mlp.down_proj"]
+    assert torch.equal(weights["layers.1.down_proj.weight"], codes)
+
+    def int8_product(module, args, output):  # the checkpoint's own codes and scales, per-token activations
+        return int8_linear_ref(args[0], *quantize_weight_int8(module.weight.data), module.bias)
+
+    reference = copy.deepcopy(float_model)
+    for name, module in reference.named_modules():
+        if isinstance(module, torch.nn.Linear) and ".layers." in name:
+            module.register_forward_hook(int8_product)
+    tokens = random_tokens(12, seed=5)
+    error = (engine_logits(str(tmp_path / "engine"), tokens) - reference_logits(reference, tokens)).abs().max().item()
+    assert error < 1e-4, f"max |logit error| {error:.3g}"
+    with pytest.raises(ConfigError, match="holds W8A8 INT8 weights .* --quantization fp8 would round them again"):
+        build_engine(str(tmp_path / "ckpt"), str(tmp_path / "again"), BuildConfig(
+            dtype="float32", max_seq_len=64, tokens_per_block=16, quantization="fp8"), progress=False)

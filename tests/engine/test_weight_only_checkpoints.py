@@ -194,7 +194,10 @@ FP8_GROUP = {"targets": ["Linear"], "weights": {"type": "float", "num_bits": 8, 
 
 
 @pytest.mark.parametrize("quant", [None, {"quant_method": "gguf"}, {"quant_method": "fp8"},
-                                   _ct({"type": "float", "num_bits": 8, "strategy": "channel"}, "float-quantized")])
+                                   _ct({"type": "float", "num_bits": 8, "strategy": "channel"}, "float-quantized"),
+                                   # W8A8 INT8 (an int8_sq engine, engine/fp8_checkpoint.py)
+                                   _ct({"num_bits": 8, "strategy": "channel"}, "int-quantized", input_activations={
+                                       "type": "int", "num_bits": 8, "strategy": "token", "dynamic": True})])
 def test_not_integer_weight_only_is_none(quant):
     assert checkpoint_weight_quant(_config(quant)) is None
 
@@ -215,8 +218,8 @@ def test_not_integer_weight_only_is_none(quant):
     (_ct({"strategy": "block", "block_structure": [128, 128]}), "strategy 'block'"),
     (_ct(fmt="marlin-24"), "format 'marlin-24'"),
     (_ct(fmt="dense"), "format 'dense'"),
-    (_ct({"num_bits": 8, "strategy": "channel"}, "int-quantized",
-         input_activations={"type": "int", "num_bits": 8, "strategy": "token", "dynamic": True}), "input_activations"),
+    (_ct({"num_bits": 8, "strategy": "channel"}, "int-quantized",  # static activations: not int8_sq's scheme
+         input_activations={"type": "int", "num_bits": 8, "strategy": "tensor", "dynamic": False}), "input_activations"),
     (_ct({"type": "float", "num_bits": 4, "group_size": 16}, "nvfp4-pack-quantized"), "format 'nvfp4-pack-quantized'"),
     ({**_ct(), "config_groups": {"a": _ct()["config_groups"]["group_0"],
                                  "b": _ct({"num_bits": 8, "strategy": "channel"})["config_groups"]["group_0"]}},
