@@ -138,7 +138,8 @@ def bench_bandwidth(results: dict, model_cfg: ModelConfig, dtype_bytes: int, qua
 # Bytes a decode step reads per linear weight: FP8 1; INT8 per channel 1; INT4 group 128 half a
 # byte plus a float16 scale and a uint8 zero per 128 weights (the kernels' layout, kernels/wna16.py).
 MXFP4_BYTES_PER_WEIGHT = 0.5 + 1 / 32  # two codes a byte, one E8M0 scale byte a 32 values
-QUANTIZED_BYTES_PER_WEIGHT = {"fp8": 1.0, "fp8_block": 1.0, "int8_wo": 1.0, "int4_wo": 0.5 + 3 / 128, "int4_awq": 0.5 + 3 / 128}
+QUANTIZED_BYTES_PER_WEIGHT = {"fp8": 1.0, "fp8_block": 1.0, "int8_wo": 1.0, "int8_sq": 1.0, "int4_wo": 0.5 + 3 / 128,
+                              "int4_awq": 0.5 + 3 / 128}
 
 
 def decoder_block_params(c: ModelConfig) -> tuple[int, int]:
@@ -907,10 +908,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="executor_decode: > 0 makes every request sample at this temperature (0: greedy)")
     parser.add_argument("--executor-decode-top-p", type=float, default=1.0,
                         help="executor_decode: nucleus top-p of the sampled requests (1.0: none)")
-    parser.add_argument("--quantization", choices=["fp8", "fp8_block", "int8_wo", "int4_wo"], default=None,
+    parser.add_argument("--quantization", choices=["fp8", "fp8_block", "int8_wo", "int4_wo", "int8_sq"], default=None,
                         help="fp8: the model's linear weights in FP8 E4M3 (as engine.build --quantization fp8); "
                              "fp8_block: E4M3 with a scale per 128 x 128 block (as block-FP8 checkpoints ship); "
-                             "int8_wo / int4_wo: integer weight-only codes (per channel / group 128)")
+                             "int8_wo / int4_wo: integer weight-only codes (per channel / group 128); int8_sq: "
+                             "W8A8 INT8, int8 weights per channel and activations per token (random weights: no "
+                             "smoothing to calibrate)")
     parser.add_argument("--group-size", type=int, default=None,
                         help="int8_wo/int4_wo: input columns per scale group (0: per channel); default per scheme")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",

@@ -47,7 +47,12 @@ def materialize_random_weights(model: torch.nn.Module, device: torch.device, see
             _random_mxfp4_weights(name, param, generator)
             continue
         if name.endswith("_scale") and param.dtype == torch.float32:
-            continue  # set with its FP8 weight (a Linear's weight_scale, an expert block's *_scale)
+            continue  # set with its FP8 / int8 weight (a Linear's weight_scale, an expert block's *_scale)
+        if param.dtype == torch.int8:  # int8_sq (kernels/int8_sq.py): uniform codes, std 127 / sqrt(3)
+            param.copy_(torch.randint(-127, 128, param.shape, generator=generator, device=param.device,
+                                      dtype=torch.int32))
+            owner.weight_scale.fill_(0.02 * 3**0.5 / 127)
+            continue
         if param.dtype == FP8_DTYPE:
             leaf = name.rsplit(".", 1)[-1]
             _random_fp8_weights(param, getattr(owner, "weight_scale" if leaf == "weight" else leaf + "_scale"),

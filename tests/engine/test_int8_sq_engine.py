@@ -148,3 +148,39 @@ def test_compressed_tensors_w8a8_checkpoint_keeps_its_codes(tmp_path):
     with pytest.raises(ConfigError, match="holds W8A8 INT8 weights .* --quantization fp8 would round them again"):
         build_engine(str(tmp_path / "ckpt"), str(tmp_path / "again"), BuildConfig(
             dtype="float32", max_seq_len=64, tokens_per_block=16, quantization="fp8"), progress=False)
+
+
+def test_random_weight_engines_hold_valid_codes():
+    """Benchmark engines (engine_bench --quantization int8_sq, weights made at load) get int8 codes
+    and scales giving weights of std ~0.02, so a forward is finite."""
+    from engine.convert import model_config_from_hf
+    from engine.executor.random_weights import materialize_random_weights
+    from engine.models.llama import LlamaForCausalLM
+
+    cfg = model_config_from_hf(tiny_hf("llama_groupable").config)
+    model = materialize_random_weights(LlamaForCausalLM(cfg, device="meta", quantization="int8_sq"),
+                                       torch.device("cpu"), seed=0)
+    proj = model.layers[0].gate_up_proj
+    assert proj.weight.dtype == torch.int8 and proj.weight.min() >= -127
+    weight = proj.weight.float() * proj.weight_scale[:, None]
+    assert 0.015 < weight.std().item() < 0.025
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the int8 path (Triton quantizer, torch._int_mm) needs CUDA")
+def test_cuda_engine_with_graphs_matches_the_cpu_reference(tmp_path):
+    """The CUDA path (per-token Triton quantizer, torch._int_mm, decode CUDA graphs) gives the CPU
+    reference's logits within bf16 rounding."""
+    from engine.executor.runner import ModelRunner
+    from engine_testing import PagedSession
+
+    engine_dir = build_int8_sq(tiny_hf("llama_groupable"), tmp_path / "engine", family_dtype="bfloat16")
+    tokens = random_tokens(14, seed=5)
+    expected = engine_logits(engine_dir, tokens)
+    runner = ModelRunner(engine_dir, device="cuda")
+    session = PagedSession(runner)
+    runner.capture_cuda_graphs()
+    runner.warmup()
+    got = torch.cat([session.step([(0, tokens[:-2])])[0]] + [session.step([(0, [t])])[0] for t in tokens[-2:]])
+    error = ((got.float().cpu() - expected.float()).norm() / expected.float().norm()).item()
+    assert error < 2e-2, f"relative error {error:.2e} against the CPU reference"
