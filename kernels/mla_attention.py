@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import jit, tl, triton, use_triton
+from kernels._triton import jit, num_sms, tl, triton, use_triton
 from kernels.attention import KV_FP8_DTYPE, _as_bytes_if_fp8, gather_blocks, to_cache_dtype
 from kernels.attention_metadata import AttentionMetadata
 from kernels.online_softmax import online_softmax_step
@@ -109,22 +109,26 @@ def mla_attention_ref(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch
 
 
 @jit
-def _mla_attention_kernel(q_lat_ptr, q_rope_ptr, cache_ptr, out_ptr, block_tables_ptr, token_seq_ptr, cu_ptr,
-                          ctx_ptr, num_heads, scale,
-                          stride_lt, stride_lh, stride_rt, stride_rh, stride_cb, stride_cs, stride_ot, stride_oh,
-                          stride_bt,
+def _mla_attention_kernel(q_lat_ptr, q_rope_ptr, cache_ptr, part_ptr, lse_ptr, block_tables_ptr, token_seq_ptr,
+                          cu_ptr, ctx_ptr, num_heads, scale,
+                          stride_lt, stride_lh, stride_rt, stride_rh, stride_cb, stride_cs, stride_bt,
                           RANK: tl.constexpr, ROPE: tl.constexpr, RANK_PAD: tl.constexpr, ROPE_PAD: tl.constexpr,
-                          PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Program (t, hb): token t's heads hb * BLOCK_H ... over its sequence's latent rows 0..its
-    position, BLOCK_N rows a step, online softmax in float32. The latent tile read for a step
-    serves all BLOCK_H heads (the score GEMM and the value GEMM both take it)."""
+                          PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr):
+    """Program (t, hb, s): token t's heads hb * BLOCK_H ... over split s of its sequence's latent rows
+    0..its position (SPLITS spans of whole BLOCK_N tiles), online softmax in float32. The latent tile
+    read for a step serves all BLOCK_H heads (the score GEMM and the value GEMM both take it). Writes
+    the split's normalised output to part (T, SPLITS, H, RANK) float32 and its log-sum-exp to lse
+    (T, SPLITS, H) (-inf for a split past the position: it holds no key)."""
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(2)
     head_ok = heads < num_heads
     seq = tl.load(token_seq_ptr + token).to(tl.int64)
     context_len = tl.load(ctx_ptr + seq)
     q_end = tl.load(cu_ptr + seq + 1)
     q_pos = context_len - (q_end - token)  # this token's position: it sees keys 0 .. q_pos
+    span = tl.cdiv(tl.cdiv(q_pos + 1, SPLITS), BLOCK_N) * BLOCK_N
+    first, last = split * span, tl.minimum((split + 1) * span, q_pos + 1)
     r = tl.arange(0, RANK_PAD)
     p = tl.arange(0, ROPE_PAD)
     q_lat = tl.load(q_lat_ptr + token * stride_lt + heads[:, None] * stride_lh + r[None, :],
@@ -134,9 +138,9 @@ def _mla_attention_kernel(q_lat_ptr, q_rope_ptr, cache_ptr, out_ptr, block_table
     m = tl.full([BLOCK_H], -float("inf"), dtype=tl.float32)
     denom = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, RANK_PAD], dtype=tl.float32)
-    for start in range(0, q_pos + 1, BLOCK_N):
+    for start in range(first, last, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
-        key_ok = keys <= q_pos
+        key_ok = keys < last
         block = tl.load(block_tables_ptr + seq * stride_bt + keys // PAGE, mask=key_ok, other=0).to(tl.int64)
         row = block * stride_cb + (keys % PAGE).to(tl.int64) * stride_cs
         latent = tl.load(cache_ptr + row[:, None] + r[None, :], mask=key_ok[:, None] & (r < RANK)[None, :],
@@ -146,31 +150,48 @@ def _mla_attention_kernel(q_lat_ptr, q_rope_ptr, cache_ptr, out_ptr, block_table
         scores = tl.dot(q_lat, tl.trans(latent)) + tl.dot(q_rope, tl.trans(k_rope))  # (BLOCK_H, BLOCK_N) float32
         scores = tl.where(key_ok[None, :], scores * scale, -float("inf"))
         m, denom, acc = online_softmax_step(scores, latent, m, denom, acc)
-    out = acc / denom[:, None]
-    tl.store(out_ptr + token * stride_ot + heads[:, None] * stride_oh + r[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=head_ok[:, None] & (r < RANK)[None, :])
+    has_keys = denom > 0
+    out = acc / tl.where(has_keys, denom, 1.0)[:, None]
+    row_out = (token * SPLITS + split) * num_heads + heads
+    tl.store(part_ptr + row_out[:, None] * RANK + r[None, :], out, mask=head_ok[:, None] & (r < RANK)[None, :])
+    tl.store(lse_ptr + row_out, tl.where(has_keys, m + tl.log(tl.where(has_keys, denom, 1.0)), -float("inf")),
+             mask=head_ok)
+
+
+def mla_splits(num_tokens: int, num_heads: int, block_h: int, device) -> int:
+    """Key splits per (token, head block): enough programs to cover the GPU twice at small batches
+    (batch-1 decode of 128 heads is 8 programs unsplit), 1 once the tokens alone do. Depends on the
+    batch shape only, never on the contexts, so a CUDA graph's grid stays valid at every replay."""
+    programs = num_tokens * triton.cdiv(num_heads, block_h)
+    return max(1, min(16, triton.cdiv(2 * num_sms(device), programs)))
 
 
 def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
-                         scale: float, *, block_h: int = 16, block_n: int = 32) -> torch.Tensor:
-    """mla_attention_ref on the GPU (or Triton's interpreter): one program per (token, BLOCK_H heads).
-    No host sync (CUDA-graph safe): each token's sequence comes from cu_seqlens_q on the device."""
+                         scale: float, *, block_h: int = 16, block_n: int = 32, splits: int | None = None
+                         ) -> torch.Tensor:
+    """mla_attention_ref on the GPU (or Triton's interpreter): one program per (token, BLOCK_H heads,
+    key split), the splits' outputs combined by their log-sum-exps. No host sync (CUDA-graph safe):
+    each token's sequence comes from cu_seqlens_q on the device."""
     num_tokens, num_heads, rank = q_latent.shape
     rope = q_rope.shape[-1]
     assert q_latent.stride(-1) == 1 and q_rope.stride(-1) == 1 and cache.stride(-1) == 1
-    out = torch.empty_like(q_latent)
     if num_tokens == 0:
-        return out
-    token_seq = meta.token_sequences(num_tokens)
-    grid = (num_tokens, triton.cdiv(num_heads, block_h))
+        return torch.empty_like(q_latent)
+    splits = splits or mla_splits(num_tokens, num_heads, block_h, q_latent.device)
+    part = torch.empty(num_tokens, splits, num_heads, rank, dtype=torch.float32, device=q_latent.device)
+    lse = torch.empty(num_tokens, splits, num_heads, dtype=torch.float32, device=q_latent.device)
+    grid = (num_tokens, triton.cdiv(num_heads, block_h), splits)
     _mla_attention_kernel[grid](
-        q_latent, q_rope, cache, out, meta.block_tables, token_seq, meta.cu_seqlens_q, meta.context_lens,
-        num_heads, scale, q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
-        cache.stride(0), cache.stride(1), out.stride(0), out.stride(1), meta.block_tables.stride(0),
+        q_latent, q_rope, cache, part, lse, meta.block_tables, meta.token_sequences(num_tokens), meta.cu_seqlens_q,
+        meta.context_lens, num_heads, scale, q_latent.stride(0), q_latent.stride(1), q_rope.stride(0),
+        q_rope.stride(1), cache.stride(0), cache.stride(1), meta.block_tables.stride(0),
         RANK=rank, ROPE=rope, RANK_PAD=max(16, triton.next_power_of_2(rank)),
         ROPE_PAD=max(16, triton.next_power_of_2(rope)), PAGE=cache.shape[1], BLOCK_H=block_h, BLOCK_N=block_n,
-        num_warps=4)
-    return out
+        SPLITS=splits, num_warps=4)
+    if splits == 1:
+        return part[:, 0].to(q_latent.dtype)
+    weights = torch.softmax(lse, dim=1)  # split 0 always holds key 0: every row has a finite lse
+    return torch.einsum("tsh,tshr->thr", weights, part).to(q_latent.dtype)
 
 
 def mla_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,

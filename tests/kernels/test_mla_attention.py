@@ -87,8 +87,9 @@ def test_reference_equals_expanded_per_head_attention(context_lens, q_lens):
                                                (torch.bfloat16, KV_FP8_DTYPE)])
 @pytest.mark.parametrize("context_lens,q_lens", [([37, 5, 70], [1, 1, 1]), ([30, 9, 2], [11, 1, 2])])
 def test_triton_kernel_equals_reference(device, dtype, cache_dtype, context_lens, q_lens):
-    """Decode rows (contexts across several 32-key steps) and mixed chunks; heads not a multiple of
-    the kernel's 16, latent and rope widths not powers of two; bf16 and an FP8 pool."""
+    """Decode rows (contexts across several 32-key steps) and mixed chunks, in one key span or split
+    (the splits combined by log-sum-exp); heads not a multiple of the kernel's 16, latent and rope
+    widths not powers of two; bf16 and an FP8 pool."""
     if dtype not in low_precision_dtypes(device) + [torch.float32]:
         pytest.skip("the interpreter emulates bf16 dots loosely (kernel_testing.low_precision_dtypes); GPU only")
     _, cache, meta = paged_batch(context_lens, q_lens, device=device, dtype=dtype, cache_dtype=cache_dtype)
@@ -96,8 +97,9 @@ def test_triton_kernel_equals_reference(device, dtype, cache_dtype, context_lens
     q_latent = torch.randn(sum(q_lens), HEADS, RANK, generator=gen).to(dtype).to(device)
     q_rope = torch.randn(sum(q_lens), HEADS, ROPE, generator=gen).to(dtype).to(device)
     want = mla_attention_ref(q_latent.cpu(), q_rope.cpu(), cache.cpu(), _on_cpu(meta), 0.2)
-    out = mla_attention_triton(q_latent, q_rope, cache, meta, 0.2)
-    assert relative_error(out.cpu().float(), want.float()) < TOLERANCE[dtype] * (3 if cache_dtype else 1)
+    for splits in (1, 3, None):  # one span, three (some of them empty at short contexts), the batch's own
+        out = mla_attention_triton(q_latent, q_rope, cache, meta, 0.2, splits=splits)
+        assert relative_error(out.cpu().float(), want.float()) < TOLERANCE[dtype] * (3 if cache_dtype else 1)
 
 
 def test_triton_latent_write_skips_padding_rows(device):
