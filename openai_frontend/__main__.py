@@ -58,6 +58,9 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
                              "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; path is a PEFT "
                              "directory (adapter_config.json + weights) the server can read. A request whose "
                              "model is the name runs the base engine with that adapter (loaded on first use)")
+    parser.add_argument("--allowed_local_media_path", default=None, metavar="DIR",
+                        help="a vision-language model's image_url parts may be file: URLs of files under DIR "
+                             "(as vLLM's flag); default: none")
     args = parser.parse_args(argv)
     if args.workers < 1:
         parser.error(f"--workers must be at least 1, got {args.workers}")
@@ -83,7 +86,8 @@ def config_from_arguments(args: argparse.Namespace):
     return FrontendConfig(grpc_url=args.grpc_url, tokenizer_dir=tokenizer_dir, served_model_name=name,
                           triton_model=args.triton_model or args.llm_model, llm_model=args.llm_model,
                           add_special_tokens=add_special_tokens, tool_call_parser=args.tool_call_parser,
-                          lora_modules=lora_modules, vision=vision_settings(args.model_repo, tokenizer_dir))
+                          lora_modules=lora_modules,
+                          vision=vision_settings(args.model_repo, tokenizer_dir, args.allowed_local_media_path))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -68,11 +68,11 @@ def tokenizer_settings(repo: str) -> tuple[str, bool]:
     return tokenizer_dir, (add_special or "true").lower() in ("true", "1", "yes")
 
 
-def vision_settings(repo: str | None, tokenizer_dir: str):
+def vision_settings(repo: str | None, tokenizer_dir: str, local_media_path: str | None = None):
     """The vision encoder the frontend runs for image parts (openai_frontend/vision.py), or None for a
     text-only engine: preprocessing's multimodal_model_path and image limits when ``repo`` fills them,
     else the engine's own ``vision_encoder/`` (``tokenizer_dir`` is the engine directory) with the
-    defaults (one image per request, data: URLs only)."""
+    defaults (one image per request, data: URLs only); ``local_media_path``: --allowed_local_media_path."""
     from engine.vision.encoder_dir import vision_encoder_dir
     from openai_frontend.vision import VisionSettings
 
@@ -87,4 +87,5 @@ def vision_settings(repo: str | None, tokenizer_dir: str):
     settings = VisionSettings(encoder_dir, max_image_pixels=number("max_image_pixels"),
                               allowed_image_url_hosts=model_parameter(repo, "preprocessing", "allowed_image_url_hosts")
                               if repo else None)
-    return replace(settings, max_num_images=number("max_num_images") or settings.max_num_images)
+    return replace(settings, max_num_images=number("max_num_images") or settings.max_num_images,
+                   allowed_local_media_path=local_media_path)

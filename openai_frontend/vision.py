@@ -2,7 +2,8 @@
 vision encoder run in this process: the direct path needs no ``multimodal_encoders`` model.
 
 Per request: every image part's URL (``data:`` always; http(s) only for the hosts the repository's
-``preprocessing`` allows, ``allowed_image_url_hosts``) -> RGB image (serving/images.py, with the
+``preprocessing`` allows, ``allowed_image_url_hosts``; file: URLs under ``--allowed_local_media_path``)
+-> RGB image (serving/images.py, with the
 same pixel and byte limits) -> the checkpoint's own image processor -> the encoder
 (engine/vision/) -> the prompt-embedding table, (images x image tokens, hidden) FP16, sent to
 ``tensorrt_llm`` as ``prompt_embedding_table`` beside ids in which each image placeholder the chat
@@ -32,6 +33,7 @@ class VisionSettings:
     max_num_images: int = DEFAULT_MAX_NUM_IMAGES  # per request
     max_image_pixels: int | None = None  # None: serving/images.py's default
     allowed_image_url_hosts: str | None = None  # "*", "a,b", or None: data: URLs only
+    allowed_local_media_path: str | None = None  # file: URLs of files under it (vLLM's flag); None: none
 
 
 class ChatImages:
@@ -39,7 +41,8 @@ class ChatImages:
 
     def __init__(self, settings: VisionSettings, tokenizer, device: str | None = None):
         engine_dir = os.path.dirname(os.path.normpath(settings.encoder_dir))
-        self.limits = image_limits(settings.max_image_pixels, settings.allowed_image_url_hosts)
+        self.limits = image_limits(settings.max_image_pixels, settings.allowed_image_url_hosts,
+                                   settings.allowed_local_media_path)
         self.prompts = ImagePrompts(settings.encoder_dir, tokenizer, engine_vocab_size(engine_dir),
                                     max_num_images=settings.max_num_images, limits=self.limits)
         self.runner = VisionEncoderRunner(settings.encoder_dir, device)

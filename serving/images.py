@@ -37,6 +37,9 @@ class ImageLimits:
     url_timeout_s: float = 10.0
     # http(s) URLs: None refuses them all; () allows any host; else only these hosts.
     allowed_url_hosts: tuple[str, ...] | None = None
+    # file: URLs (the OpenAI frontend's --allowed_local_media_path): only files under this directory
+    # (symbolic links resolved first); None refuses them.
+    local_media_dir: str | None = None
 
 
 def _check_pixels(name: str, width: int, height: int, limits: ImageLimits) -> None:
@@ -97,10 +100,12 @@ def images_from_bytes(row: np.ndarray, limits: ImageLimits) -> list:
 
 
 def url_bytes(url: str, name: str, limits: ImageLimits) -> bytes:
-    """The file behind a data: or http(s) URL."""
+    """The file behind a data:, http(s) or (with ``limits.local_media_dir``) file: URL."""
     scheme = urllib.parse.urlsplit(url).scheme.lower()
     if scheme == "data":
         return _data_url_bytes(url, name)
+    if scheme == "file":
+        return _local_file_bytes(url, name, limits)
     if scheme not in ("http", "https"):
         raise ImageError(f"{name}: URL scheme {scheme or '(none)'!r} is not allowed; send a data: URL "
                          "(data:image/png;base64,...) or an http(s) URL")
@@ -116,6 +121,28 @@ def url_bytes(url: str, name: str, limits: ImageLimits) -> bytes:
     except (OSError, ValueError) as error:  # urllib's URLError/HTTPError are OSErrors; timeouts too
         raise ImageError(f"{name}: fetching {url} failed ({error})") from None
     return data
+
+
+def _local_file_bytes(url: str, name: str, limits: ImageLimits) -> bytes:
+    """A file: URL's file, when it lies under ``limits.local_media_dir``."""
+    import os
+
+    if limits.local_media_dir is None:
+        raise ImageError(f"{name}: URL scheme 'file' is not allowed on this server (start the OpenAI frontend "
+                         "with --allowed_local_media_path DIR to read images under DIR); send a data: URL")
+    parts = urllib.parse.urlsplit(url)
+    if parts.netloc not in ("", "localhost"):
+        raise ImageError(f"{name}: a file: URL names a file on this machine (file:///path); got host {parts.netloc!r}")
+    path = os.path.realpath(urllib.parse.unquote(parts.path))
+    root = os.path.realpath(limits.local_media_dir)
+    if os.path.commonpath([path, root]) != root:
+        raise ImageError(f"{name}: {path} is outside the directory images may be read from ({root}, "
+                         "--allowed_local_media_path)")
+    try:
+        with open(path, "rb") as f:
+            return f.read(limits.max_bytes + 1)
+    except OSError as error:
+        raise ImageError(f"{name}: reading {path} failed ({error.strerror})") from None
 
 
 def _data_url_bytes(url: str, name: str) -> bytes:

@@ -353,9 +353,11 @@ def prepare_batch(prompts: ImagePrompts, tensors: dict, queries: list[str], add_
     return outputs
 
 
-def image_limits(max_image_pixels: int | None, allowed_hosts: str | None) -> ImageLimits:
+def image_limits(max_image_pixels: int | None, allowed_hosts: str | None,
+                 local_media_dir: str | None = None) -> ImageLimits:
     """preprocessing's max_image_pixels and allowed_image_url_hosts ("*": any host; "a,b": these;
-    unset: no http(s) fetches, data: URLs only)."""
+    unset: no http(s) fetches, data: URLs only); the OpenAI frontend's --allowed_local_media_path."""
     hosts = None if not allowed_hosts else () if allowed_hosts.strip() == "*" else tuple(
         h.strip() for h in allowed_hosts.split(",") if h.strip())
-    return ImageLimits(max_pixels=max_image_pixels or ImageLimits.max_pixels, allowed_url_hosts=hosts)
+    return ImageLimits(max_pixels=max_image_pixels or ImageLimits.max_pixels, allowed_url_hosts=hosts,
+                       local_media_dir=local_media_dir or None)

@@ -12,7 +12,7 @@ reused while neither changes.
         [--kv_cache_dtype fp8] [--tp N] [--pp_size N] [--max_seq_len N] [--max_batch_size N] [--lora_modules NAME=PATH ...]
         [--http_port 8000 --grpc_port 8001 --metrics_port 8002] [--openai_port 9000] [--host 127.0.0.1]
         [--engine_dir DIR] [--repo DIR] [--tool_call_parser hermes|llama3_json|mistral]
-        [--max_num_images N] [--max_image_pixels N] [--allowed_image_url_hosts HOSTS]
+        [--max_num_images N] [--max_image_pixels N] [--allowed_image_url_hosts HOSTS] [--allowed_local_media_path DIR]
 
 A vision-language checkpoint (LLaVA) is served through the multimodal repository
 (tritonllm/repository.py): images through the ensemble and the BLS, and ``image_url`` parts in the
@@ -253,6 +253,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     vision.add_argument("--max_num_images", type=int, default=None, help="images per request (default 1)")
     vision.add_argument("--max_image_pixels", type=int, default=None,
                         help="width x height of one image (default 4096 x 4096)")
+    vision.add_argument("--allowed_local_media_path", default=None, metavar="DIR",
+                        help="the OpenAI API reads file: image URLs of files under DIR (default: none)")
     vision.add_argument("--allowed_image_url_hosts", default=None,
                         help="hosts whose http(s) image URLs the server fetches: 'a,b' or '*' (default: none, "
                              "data: URLs only)")
@@ -294,6 +296,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         command = launcher.openai_frontend_command(launch_args)
         if args.tool_call_parser:
             command.append(f"--tool_call_parser={args.tool_call_parser}")
+        if args.allowed_local_media_path:
+            command.append(f"--allowed_local_media_path={os.path.abspath(args.allowed_local_media_path)}")
         frontend = subprocess.Popen(command, env=child_environment())
     signal.signal(signal.SIGTERM, lambda *_: process.terminate())
     try:

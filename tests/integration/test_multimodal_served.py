@@ -61,11 +61,17 @@ def llava_engine(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def launched(llava_engine, tmp_path_factory):
     """tritonserver on the repository `tritonllm serve` fills for a vision-language engine (the
-    multimodal one), and the OpenAI frontend beside it as the launcher starts it: (Server, its URL)."""
+    multimodal one), and the OpenAI frontend beside it as `tritonllm serve` starts it (reading file:
+    image URLs under ``media``): (Server, its URL, media)."""
+    import subprocess
+
+    from serving.child_python import child_environment
     from tritonllm import launcher
     from tritonllm.serve import checkpoint_repository, wait_until_ready
 
     work = tmp_path_factory.mktemp("llava_triton")
+    media = work / "media"
+    media.mkdir()
     repo, engine_models = checkpoint_repository(
         llava_engine, str(work / "repo"), bls_instances=1,  # fewer stubs: a faster start
         images={"max_image_pixels": 10000, "allowed_image_url_hosts": "127.0.0.1"})
@@ -78,7 +84,8 @@ def launched(llava_engine, tmp_path_factory):
     log_path, frontend_log = work / "server.log", work / "frontend.log"
     with open(log_path, "w") as log, open(frontend_log, "w") as frontend_out:
         process = launcher.launch(args, stdout=log, stderr=log)
-        frontend = launcher.launch_openai_frontend(args, stdout=frontend_out, stderr=frontend_out)
+        frontend = subprocess.Popen(launcher.openai_frontend_command(args) + [f"--allowed_local_media_path={media}"],
+                                    env=child_environment(), stdout=frontend_out, stderr=frontend_out)
     try:
         if not wait_until_ready(process, ports[0], timeout=300):
             pytest.fail(f"tritonserver did not become ready:\n{log_path.read_text()[-5000:]}")
@@ -87,7 +94,7 @@ def launched(llava_engine, tmp_path_factory):
         url = f"http://127.0.0.1:{ports[3]}"
         if not wait_for(lambda: _health(url) == 200, timeout=120):
             pytest.fail(f"the OpenAI frontend did not become ready:\n{frontend_log.read_text()[-5000:]}")
-        yield server, url
+        yield server, url, media
     finally:
         stop(frontend)
         stop(process)
@@ -331,11 +338,14 @@ def chat_parts(url: str | None, query: str = QUERY) -> list[dict]:
     return image + [{"type": "text", "text": query}]
 
 
-@pytest.mark.parametrize("source, stream, seed", [("data", False, 11), ("http", True, 12)])
-def test_openai_chat_with_an_image_equals_transformers(openai_client, chat_oracle, image_host, source, stream, seed):
-    """The official client, an image_url part (a data: URL, or an http URL on an allowed host),
-    greedy: the text and prompt tokens transformers gives for the same chat template and pixels."""
-    url = data_url(seed) if source == "data" else f"{image_host}/image{seed}.png"
+@pytest.mark.parametrize("source, stream, seed", [("data", False, 11), ("http", True, 12), ("file", False, 13)])
+def test_openai_chat_with_an_image_equals_transformers(openai_client, chat_oracle, image_host, launched, source,
+                                                       stream, seed):
+    """The official client, an image_url part (a data: URL, an http URL on an allowed host, a file
+    under --allowed_local_media_path), greedy: the text and prompt tokens transformers gives for the
+    same chat template and pixels."""
+    url = {"data": lambda: data_url(seed), "http": lambda: f"{image_host}/image{seed}.png",
+           "file": lambda: _media_file(launched[2], seed)}[source]()
     text, prompt_tokens = chat_oracle([{"type": "image"}, {"type": "text", "text": QUERY}], [seed])
     request = dict(model=SERVED, messages=[{"role": "user", "content": chat_parts(url)}], max_tokens=MAX_TOKENS,
                    temperature=0)
@@ -351,6 +361,11 @@ def test_openai_chat_with_an_image_equals_transformers(openai_client, chat_oracl
     assert usage.prompt_tokens == prompt_tokens and usage.completion_tokens == MAX_TOKENS
 
 
+def _media_file(media: Path, seed: int) -> str:
+    make_image(seed).save(media / f"image{seed}.png")
+    return f"file://{media}/image{seed}.png"
+
+
 def _refused(openai_client, parts: list[dict]) -> dict:
     with pytest.raises(openai.BadRequestError) as raised:
         openai_client.chat.completions.create(model=SERVED, messages=[{"role": "user", "content": parts}],
@@ -362,7 +377,7 @@ def test_openai_bad_images_get_named_errors_and_text_still_works(openai_client, 
     field = "messages[0].content[0].image_url.url"
     for url, words in [("http://example.com/cat.png", "fetching images from host 'example.com' is not allowed"),
                        ("data:image/png;base64,bm90IGFuIGltYWdl", "cannot be decoded as an image"),
-                       ("file:///etc/passwd", "URL scheme 'file' is not allowed")]:
+                       ("file:///etc/passwd", "is outside the directory images may be read from")]:
         error = _refused(openai_client, chat_parts(url))
         assert error["param"] == field and words in error["message"], error
     error = _refused(openai_client, chat_parts(data_url(1)) + chat_parts(data_url(2)))

@@ -107,6 +107,25 @@ def test_http_urls_from_allowed_hosts_only(http_image):
     assert images_from_urls([f"{http_image}/cat.png"], image_limits(None, "*"))
 
 
+def test_file_urls_only_under_the_allowed_directory(tmp_path):
+    """The OpenAI frontend's --allowed_local_media_path: file: URLs of files under it, nothing else."""
+    media, outside = tmp_path / "media", tmp_path / "outside.png"
+    media.mkdir()
+    make_image(1).save(media / "cat.png")
+    make_image(1).save(outside)
+    (media / "escape.png").symlink_to(outside)
+    limits = image_limits(None, None, str(media))
+    [image] = images_from_urls([f"file://{media}/cat.png"], limits)
+    assert image.size == (40, 52)
+    for url in (f"file://{outside}", f"file://{media}/../outside.png", f"file://{media}/escape.png"):
+        with pytest.raises(ImageError, match="is outside the directory images may be read from"):
+            images_from_urls([url], limits)
+    with pytest.raises(ImageError, match=r"reading .*missing\.png failed"):
+        images_from_urls([f"file://{media}/missing.png"], limits)
+    with pytest.raises(ImageError, match="URL scheme 'file' is not allowed on this server"):
+        images_from_urls([f"file://{media}/cat.png"], image_limits(None, None))
+
+
 @pytest.mark.parametrize("images, message", [
     ({"IMAGE_BYTES": np.frombuffer(b"GIF89a but not really", np.uint8).reshape(1, 1, 1, 1, -1)},
      "image_bytes_input image 0 cannot be decoded as an image"),
