@@ -325,8 +325,7 @@ def test_tiny_llama_in_two_pipeline_stages_over_a_hostfile_answers_like_one(engi
         assert server.answers(TINY_PROMPTS) == single_rank_answers["tiny"]
         assert_dead_rank_fails_requests_fast(server, workers=1)
     finally:
-        server.stop()
-        server.kill_leftovers()
+        server.kill()
 
 
 def assert_dead_rank_fails_requests_fast(server: LeaderModeServer, workers: int = 2) -> None:
