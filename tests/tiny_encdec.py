@@ -26,7 +26,8 @@ def tokenizer():
     from tokenizers import processors
 
     return word_level_tokenizer(WORDS, VOCAB, processors.TemplateProcessing(single="$A </s>",
-                                                                            special_tokens=[("</s>", 1)]))
+                                                                            special_tokens=[("</s>", 1)]),
+                                additional_special_tokens=[WORDS[i] for i in WHISPER_PROMPT])
 
 
 def hf_model(family: str, seed: int | None = None):

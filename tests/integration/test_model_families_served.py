@@ -16,7 +16,9 @@ server for all: its repository holds the `tensorrt_llm` model of each family as
 family saves ~10 s of CI each). The same server serves a tiny T5 v1.1 (tests/tiny_encdec.py, an
 encoder-decoder engine: engine/encoder_decoder/) through the stock text repository filled with the
 anchor's keys (encoder_engine_dir, cross_kv_cache_fraction, encoder_input_features_data_type), as
-`ensemble_t5`, `preprocessing_t5`, `tensorrt_llm_t5` and `postprocessing_t5`."""
+`ensemble_t5`, `preprocessing_t5`, `tensorrt_llm_t5` and `postprocessing_t5`, and a tiny Whisper
+as `tensorrt_llm_whisper` behind the anchor's `whisper_bls` (all_models/whisper), which
+tools/whisper/client.py calls."""
 import os
 import shutil
 import sys
@@ -153,6 +155,7 @@ def served_families(smollm2_engine_dir, tmp_path_factory):
         config.write_text(text.replace('name: "tensorrt_llm"', renamed, 1))
         assert renamed in config.read_text()
     models["t5"] = _add_t5_repository(tmp_path_factory, work, repo)
+    models["whisper"] = _add_whisper_repository(tmp_path_factory, work, repo)
     with serving_repository(repo, work) as server:
         yield models, server
 
@@ -160,22 +163,52 @@ def served_families(smollm2_engine_dir, tmp_path_factory):
 T5_MODELS = ("ensemble", "preprocessing", "tensorrt_llm", "postprocessing")
 
 
+def _build_encoder_decoder(family: str, tmp_path_factory, *flags: str):
+    """(transformers model, engine root) of tests/tiny_encdec.py's ``family``, built by engine.build."""
+    from engine.build import main as build_main
+    from tiny_encdec import write_checkpoint
+
+    root = tmp_path_factory.mktemp(family)
+    model = write_checkpoint(family, root / "checkpoint")
+    assert build_main(["--checkpoint", str(root / "checkpoint"), "--output", str(root / "engine"),
+                       "--dtype", "float32", *flags]) == 0
+    return model, root / "engine"
+
+
+def _add_whisper_repository(tmp_path_factory, work: Path, repo: Path) -> transformers.PreTrainedModel:
+    """tensorrt_llm_whisper (the stock model filled for the Whisper decoder/ and encoder/) and
+    whisper_bls (all_models/whisper, filled as the anchor's docs/whisper.md does, one instance)."""
+    from tritonllm.fill_template import fill_template
+
+    serve = load_script("serve_default")
+    model, engine = _build_encoder_decoder("whisper", tmp_path_factory)
+    fill = {"encoder_engine_dir": str(engine / "encoder"), "cross_kv_cache_fraction": "0.5",
+            "exclude_input_in_output": "True", "enable_lora": "false", "guided_decoding_backend": ""}
+    filled = Path(serve.prepare_model_repo(str(engine / "decoder"), str(work / "filled_whisper"),
+                                           overrides={"tensorrt_llm": fill}, decoupled=False))
+    shutil.copytree(filled / "tensorrt_llm", repo / "tensorrt_llm_whisper")
+    config = repo / "tensorrt_llm_whisper" / "config.pbtxt"
+    config.write_text(config.read_text().replace('name: "tensorrt_llm"', 'name: "tensorrt_llm_whisper"', 1))
+    shutil.copytree(Path(ROOT) / "all_models" / "whisper" / "whisper_bls", repo / "whisper_bls",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    config = repo / "whisper_bls" / "config.pbtxt"
+    values = f"decoupled_mode:false,n_mels:8,zero_pad:false,engine_dir:{engine / 'decoder'}," \
+             "tensorrt_llm_model_name:tensorrt_llm_whisper,max_tokens:8"
+    config.write_text(fill_template(config.read_text(), values).replace("count: 8", "count: 1"))
+    return model
+
+
 def _add_t5_repository(tmp_path_factory, work: Path, repo: Path) -> transformers.PreTrainedModel:
     """Build the tiny T5 into encoder/ + decoder/ and add the text repository filled for it (the
     anchor's docs/encoder_decoder.md fill: engine_dir the decoder, encoder_engine_dir the encoder,
     cross_kv_cache_fraction 0.5, exclude_input_in_output) with every model renamed <model>_t5."""
-    from engine.build import main as build_main
-    from tiny_encdec import write_checkpoint
-
     serve = load_script("serve_default")
-    root = tmp_path_factory.mktemp("t5")
-    model = write_checkpoint("t5_v1_1", root / "checkpoint")
-    assert build_main(["--checkpoint", str(root / "checkpoint"), "--output", str(root / "engine"),
-                       "--dtype", "float32", "--max_encoder_input_len", "64", "--max_seq_len", "64"]) == 0
-    fill = {"encoder_engine_dir": str(root / "engine" / "encoder"), "cross_kv_cache_fraction": "0.5",
+    model, engine = _build_encoder_decoder("t5_v1_1", tmp_path_factory, "--max_encoder_input_len", "64",
+                                           "--max_seq_len", "64")
+    fill = {"encoder_engine_dir": str(engine / "encoder"), "cross_kv_cache_fraction": "0.5",
             "exclude_input_in_output": "True", "encoder_input_features_data_type": "TYPE_FP16",
             "enable_lora": "false", "guided_decoding_backend": ""}
-    filled = Path(serve.prepare_model_repo(str(root / "engine" / "decoder"), str(work / "filled_t5"),
+    filled = Path(serve.prepare_model_repo(str(engine / "decoder"), str(work / "filled_t5"),
                                            overrides={"tensorrt_llm": fill}, decoupled=False))
     for name in T5_MODELS:
         shutil.copytree(filled / name, repo / f"{name}_t5")
@@ -310,3 +343,40 @@ def test_t5_ensemble_translates_text(served_families):
     assert response.status_code == 200, response.text
     ids, _ = generate(models["t5"], tokenizer()(prompt).input_ids, 8)
     assert response.json()["text_output"] == decode_tokens(tokenizer(), ids[1:])
+
+
+def test_whisper_client_transcript_equals_transformers(served_families, tmp_path):
+    """tools/whisper/client.py (the anchor's flags) on a generated 0.5-s WAV through whisper_bls:
+    the transcript is transformers' greedy ids after <|startoftranscript|><|en|><|transcribe|>
+    <|notimestamps|> on the feature extractor's log-mels, without <|...|> tokens."""
+    import subprocess
+    import wave
+
+    from serving.whisper import audio_samples, log_mel, transcript
+    from tiny_encdec import feature_extractor, generate_whisper, tokenizer
+
+    models, server = served_families
+    pcm = (np.random.default_rng(0).uniform(-0.5, 0.5, 8000) * 32767).astype(np.int16)
+    path = tmp_path / "clip.wav"
+    with wave.open(str(path), "wb") as f:
+        f.setnchannels(1), f.setsampwidth(2), f.setframerate(16000), f.writeframes(pcm.tobytes())
+    host, port = server.grpc_url.rsplit(":", 1)
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "whisper", "client.py"), "--audio-path",
+                          str(path), "--server-addr", host, "--server-port", port], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    features = log_mel(feature_extractor(), audio_samples(pcm.astype(np.float32) / 32768.0, None), zero_pad=False)
+    expected = transcript(tokenizer(), generate_whisper(models["whisper"], torch.tensor(features), 8))
+    assert run.stdout.strip() == expected and expected
+
+
+def test_whisper_bad_audio_is_named(served_families):
+    _, server = served_families
+    inputs = {"WAV": np.zeros((1, 100), np.float32), "WAV_LENS": np.array([[200]], np.int32),
+              "TEXT_PREFIX": np.array([[b""]], dtype=object)}
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        with pytest.raises(Exception, match="WAV_LENS is 200 but WAV holds 100 samples"):
+            client.infer("whisper_bls", [tensor(n, a) for n, a in inputs.items()])
+    finally:
+        client.close()

@@ -1,0 +1,35 @@
+"""serving/whisper.py (the whisper_bls rules): audio cut to WAV_LENS with named errors, log-mels as
+the checkpoint's feature extractor makes them (padded to its window unless zero_pad), the default
+prompt, tensorrt_llm's tensors and the transcript without <|...|> tokens."""
+import numpy as np
+import pytest
+
+from serving.whisper import (WhisperInputError, audio_samples, log_mel, prompt_ids, tensorrt_llm_inputs,
+                             transcript)
+from tiny_encdec import WHISPER_PROMPT, feature_extractor, tokenizer
+
+
+@pytest.mark.parametrize("wav, lens, message", [
+    (np.zeros(10, np.float32), [20], "WAV_LENS is 20 but WAV holds 10 samples"),
+    (np.zeros(0, np.float32), None, "WAV is empty"),
+    (np.array([0.0, np.nan], np.float32), None, "NaN or infinite"),
+    (np.zeros(16001, np.float32), None, "at most 1 s per request"),
+])
+def test_bad_audio_is_named(wav, lens, message):
+    with pytest.raises(WhisperInputError, match=message):
+        log_mel(feature_extractor(), audio_samples(wav, lens), zero_pad=False)
+
+
+def test_features_prompt_tensors_and_transcript():
+    samples = audio_samples(np.linspace(-0.5, 0.5, 16000, dtype=np.float32), [8000])
+    assert samples.size == 8000
+    extractor = feature_extractor()
+    full, short = log_mel(extractor, samples, zero_pad=False), log_mel(extractor, samples, zero_pad=True)
+    assert full.shape == (100, 8) and short.shape == (50, 8)
+    expected = extractor(samples, sampling_rate=16000, return_tensors="np", padding="max_length")["input_features"]
+    np.testing.assert_array_equal(full, expected[0].T)
+    assert prompt_ids(tokenizer(), "") == WHISPER_PROMPT
+    inputs = tensorrt_llm_inputs(full, WHISPER_PROMPT, max_tokens=50, end_id=1, streaming=False)
+    assert inputs["encoder_input_features"].shape == (1, 100, 8)
+    assert inputs["encoder_output_lengths"].tolist() == [[50]] and inputs["decoder_input_ids"].tolist() == [WHISPER_PROMPT]
+    assert transcript(tokenizer(), [17, 20, 30, 31]) == "w30 w31"
