@@ -36,6 +36,10 @@ Per-layer options (one AttentionMetadata serves every layer, so they are argumen
   (BLOOM) or ``m_h * (k - (L - 1))`` (MPT) instead: both differ from this by a constant of each
   query row, which the softmax cancels. The bias depends only on absolute positions, so a prompt
   in chunks, or after a reused cached prefix, gets exactly the scores of a whole prompt.
+- ``meta.tree_mask`` (tree verification, engine/executor/speculative/tree.py): a sequence's new
+  tokens are a token tree written to consecutive slots; each sees the cached prefix and only its
+  ancestors among the new tokens. Its rotary positions (prefix + depth) are the model's business;
+  the mask here replaces the causal one over the new keys (the reference runs it on every device).
 
 The public functions dispatch on the tensors' device: OpenAI Triton kernels on CUDA (when
 Triton is installed), the plain-torch references (``*_ref``) elsewhere. The test is two
@@ -145,6 +149,8 @@ def paged_attention_ref(
         hidden = k_pos > q_pos
         if sliding_window is not None:
             hidden |= k_pos <= q_pos - sliding_window
+        if meta.tree_mask is not None:  # the new tokens are a token tree: each sees its ancestors among them
+            hidden[:, context_len - q_len - first_key:] = ~meta.tree_mask[start:end, :q_len]
         scores.masked_fill_(hidden, float("-inf"))
         probs = softmax_with_sinks(scores, None if sinks is None else sinks.view(num_heads, 1, 1))
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)
@@ -213,6 +219,8 @@ def paged_attention(
     options = {"logit_softcap": logit_softcap, "sinks": sinks}
     if alibi_slopes is not None:  # only ALiBi layers pass it: other callers' kernels stay as they were
         options["alibi_slopes"] = alibi_slopes
+    if meta.tree_mask is not None:  # tree verification: the reference (no Triton variant yet)
+        return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window=sliding_window, **options)
     if use_triton(q):
         return triton_attention.paged_attention_triton(q, k_cache, v_cache, meta, scale, sliding_window=sliding_window,
                                                        **options)

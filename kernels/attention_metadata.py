@@ -49,6 +49,10 @@ class AttentionMetadata:
     # (num_seqs,) int32 on the device and as a host list; None for models without recurrent state.
     state_slots: torch.Tensor | None = None
     state_slots_host: list[int] | None = None
+    # Tree verification (engine/executor/speculative/tree.py): (num_tokens, max_seqlen_q) bool, row t
+    # (a new token of sequence i) says which of sequence i's new tokens it sees (its tree ancestors
+    # and itself); every cached key stays visible. None: plain causal attention.
+    tree_mask: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
