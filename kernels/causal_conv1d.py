@@ -139,18 +139,37 @@ def causal_conv1d_prefill_triton(x, weight, bias, conv_states, chunks: SequenceC
     return out
 
 
+@jit
+def _conv_final_state_kernel(x_ptr, state_ptr, cu_ptr, slots_ptr, has_state_ptr, C, stride_x, stride_s, stride_sc,
+                             K: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Program (sequence, channel tile), after the conv kernel has read the old states: the slot
+    keeps the sequence's last K - 1 inputs, taken from the packed rows or, for a chunk shorter than
+    that, partly from the old state (zeros when the sequence started fresh). Entries are written in
+    increasing j: a short chunk's new entry j comes from old entry j + length (> j), which this same
+    program has not overwritten yet, and each lane reads and writes only its own channel."""
+    seq = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = c < C
+    start, end = tl.load(cu_ptr + seq), tl.load(cu_ptr + seq + 1)
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    has_state = (tl.load(has_state_ptr + seq) + c * 0) != 0  # (vectors: masks are per channel)
+    base = state_ptr + slot * stride_s + c * stride_sc
+    for j in tl.static_range(K - 1):
+        src = end - (K - 1) + j + c * 0
+        in_chunk = src >= start
+        from_x = tl.load(x_ptr + src * stride_x + c, mask=c_ok & in_chunk, other=0.0)
+        from_state = tl.load(base + (K - 1) + (src - start), mask=c_ok & (~in_chunk) & has_state, other=0.0)
+        value = tl.where(in_chunk, from_x.to(tl.float32), from_state.to(tl.float32))
+        tl.store(base + j, value.to(state_ptr.dtype.element_ty), mask=c_ok)
+
+
 def _store_final_states(x, conv_states, chunks: SequenceChunks, K) -> None:
-    """After the kernel has read the old states: each slot keeps its sequence's last K - 1 inputs."""
-    cu_seqlens, has_state = chunks.cu_seqlens, chunks.has_state
-    for i, slot in enumerate(chunks.slots):
-        start, end = cu_seqlens[i], cu_seqlens[i + 1]
-        tail = x[max(start, end - (K - 1)):end].t()
-        short = (K - 1) - tail.shape[1]
-        if short:
-            old = conv_states[slot, :, conv_states.shape[2] - short:] if has_state[i] else \
-                conv_states.new_zeros(x.shape[1], short)
-            tail = torch.cat([old.to(x.dtype), tail], dim=1)
-        conv_states[slot] = tail.to(conv_states.dtype)
+    cu, slots, has_state = chunks.sequence_tensors
+    C = x.shape[1]
+    BLOCK_C = _block_c(C)
+    _conv_final_state_kernel[(chunks.num_seqs, triton.cdiv(C, BLOCK_C))](
+        x, conv_states, cu, slots, has_state, C, x.stride(0), conv_states.stride(0), conv_states.stride(1),
+        K=K, BLOCK_C=BLOCK_C)
 
 
 def causal_conv1d_decode_triton(x, weight, bias, conv_states, slots) -> torch.Tensor:

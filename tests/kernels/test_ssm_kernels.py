@@ -21,9 +21,9 @@ from kernels.ssd_scan import ssd_prefill_ref, ssd_prefill_triton, ssm_decode_ref
 from kernels.ssm_chunks import SequenceChunks
 
 H, P, G, N, CONV, K, SLOTS = 4, 16, 2, 16, 40, 4, 6
-LENS = [20, 1, 70, 9]  # the 70 spans two Triton chunks of 64 and several reference chunks
+LENS = [20, 2, 70, 1]  # 70 spans two Triton chunks of 64; 2 is shorter than the conv window (K - 1 = 3)
 SLOT_OF = [3, 0, 5, 1]
-HAS_STATE = [True, False, True, False]
+HAS_STATE = [True, True, True, False]
 
 
 def _cu(lens):
@@ -140,7 +140,7 @@ def test_ssd_prefill_kernel_matches_reference(device):
 def test_decode_kernels_match_references(device):
     t, c = _ssm_inputs(3, device), _conv_inputs(3, device)
     slots = torch.tensor([4, -1, 2, 0], dtype=torch.int32, device=device)
-    rows = torch.tensor([0, 21, 30, 99], device=device)
+    rows = torch.tensor([0, 21, 30, 92], device=device)
     args = (t["x"][rows], t["dt"][rows], t["A"], t["B"][rows], t["C"][rows], t["D"], t["dt_bias"])
     s1, s2 = t["states"].clone(), t["states"].clone()
     y1, y2 = ssm_decode_triton(*args, s1, slots), ssm_decode_ref(*args, s2, slots)
