@@ -41,7 +41,8 @@ def _chunked_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, to
                               scale, group, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb,
                               stride_vs, stride_vh, stride_ot, stride_oh, stride_bt,
                               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP_PAD: tl.constexpr,
-                              PAGE: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr):
+                              PAGE: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
+                              DOT_PRECISION: tl.constexpr):
     """Program (t, kv head): the query heads of that KV head for token t, over keys chunk_start .. p."""
     token = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
@@ -66,8 +67,9 @@ def _chunked_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, to
                     mask=kv_ok, other=0.0).to(q.dtype)
         v = tl.load(v_ptr + (block * stride_vb + offset * stride_vs + kv_head * stride_vh)[:, None] + d[None, :],
                     mask=kv_ok, other=0.0).to(q.dtype)
-        scores = tl.where(key_ok[None, :], tl.dot(q, tl.trans(k)) * scale, -float("inf"))  # (GROUP_PAD, BLOCK_N)
-        m, denom, acc = online_softmax_step(scores, v, m, denom, acc)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (GROUP_PAD, BLOCK_N) float32
+        scores = tl.where(key_ok[None, :], scores * scale, -float("inf"))
+        m, denom, acc = online_softmax_step(scores, v, m, denom, acc, DOT_PRECISION)
     out = acc / denom[:, None]
     tl.store(out_ptr + token * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=q_ok)
@@ -89,7 +91,7 @@ def chunked_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), meta.block_tables.stride(0),
         HEAD_DIM=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)),
         GROUP_PAD=max(16, triton.next_power_of_2(group)), PAGE=k_cache.shape[1], CHUNK=chunk_size, BLOCK_N=block_n,
-        num_warps=4)
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
     return out
 
 

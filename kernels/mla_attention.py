@@ -113,7 +113,8 @@ def _mla_attention_kernel(q_lat_ptr, q_rope_ptr, cache_ptr, part_ptr, lse_ptr, b
                           cu_ptr, ctx_ptr, num_heads, scale,
                           stride_lt, stride_lh, stride_rt, stride_rh, stride_cb, stride_cs, stride_bt,
                           RANK: tl.constexpr, ROPE: tl.constexpr, RANK_PAD: tl.constexpr, ROPE_PAD: tl.constexpr,
-                          PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr):
+                          PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+                          DOT_PRECISION: tl.constexpr):
     """Program (t, hb, s): token t's heads hb * BLOCK_H ... over split s of its sequence's latent rows
     0..its position (SPLITS spans of whole BLOCK_N tiles), online softmax in float32. The latent tile
     read for a step serves all BLOCK_H heads (the score GEMM and the value GEMM both take it). Writes
@@ -147,9 +148,10 @@ def _mla_attention_kernel(q_lat_ptr, q_rope_ptr, cache_ptr, part_ptr, lse_ptr, b
                          other=0.0).to(q_lat.dtype)  # (BLOCK_N, RANK_PAD)
         k_rope = tl.load(cache_ptr + row[:, None] + RANK + p[None, :], mask=key_ok[:, None] & (p < ROPE)[None, :],
                          other=0.0).to(q_lat.dtype)  # (BLOCK_N, ROPE_PAD)
-        scores = tl.dot(q_lat, tl.trans(latent)) + tl.dot(q_rope, tl.trans(k_rope))  # (BLOCK_H, BLOCK_N) float32
+        scores = (tl.dot(q_lat, tl.trans(latent), input_precision=DOT_PRECISION)
+                  + tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION))  # (BLOCK_H, BLOCK_N) float32
         scores = tl.where(key_ok[None, :], scores * scale, -float("inf"))
-        m, denom, acc = online_softmax_step(scores, latent, m, denom, acc)
+        m, denom, acc = online_softmax_step(scores, latent, m, denom, acc, DOT_PRECISION)
     has_keys = denom > 0
     out = acc / tl.where(has_keys, denom, 1.0)[:, None]
     row_out = (token * SPLITS + split) * num_heads + heads
@@ -187,7 +189,7 @@ def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
         q_rope.stride(1), cache.stride(0), cache.stride(1), meta.block_tables.stride(0),
         RANK=rank, ROPE=rope, RANK_PAD=max(16, triton.next_power_of_2(rank)),
         ROPE_PAD=max(16, triton.next_power_of_2(rope)), PAGE=cache.shape[1], BLOCK_H=block_h, BLOCK_N=block_n,
-        SPLITS=splits, num_warps=4)
+        SPLITS=splits, DOT_PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32", num_warps=4)
     if splits == 1:
         return part[:, 0].to(q_latent.dtype)
     weights = torch.softmax(lse, dim=1)  # split 0 always holds key 0: every row has a finite lse

@@ -194,6 +194,25 @@ class PagedSession:
 
 
 
+def assert_cuda_steps_equal_transformers(hf_model, engine_dir: str, tolerance: float = 1e-3) -> None:
+    """The engine on CUDA with its decode graphs captured: an 11-token prompt, eight decode steps
+    (graph replays), then a packed step of a 40-token prompt beside a decode row; every row's
+    logits within ``tolerance`` of transformers' (float32 engines: IEEE dots in the Triton kernels)."""
+    runner = ModelRunner(engine_dir, device="cuda")
+    session = PagedSession(runner, num_blocks=64)
+    runner.capture_cuda_graphs()
+    sequence, other = random_tokens(11 + 8, seed=4), random_tokens(40, seed=5)
+    expected = hf_logits(hf_model, sequence)
+    (prefill,) = session.step([(0, sequence[:11])])
+    assert (prefill.cpu() - expected[:11]).abs().max().item() <= tolerance
+    for pos in range(11, 19):
+        (decode,) = session.step([(0, [sequence[pos]])])
+        assert (decode.cpu() - expected[pos:pos + 1]).abs().max().item() <= tolerance
+    outs = session.step([(1, other), (0, [7])])
+    assert (outs[0].cpu() - hf_logits(hf_model, other)).abs().max().item() <= tolerance
+    assert (outs[1].cpu() - hf_logits(hf_model, sequence + [7])[-1:]).abs().max().item() <= tolerance
+
+
 def tp_rank_logits(rank: int, engine_dirs: dict) -> dict:
     """One rank's job of the gloo tensor-parallel test (gloo_ranks.py's shared pair): each tp 2
     engine's tp_reference_steps logits on this rank, by name."""

@@ -19,7 +19,8 @@ import transformers
 from engine.config import ConfigError
 from engine.convert import model_config_from_hf
 from engine.executor.runner import ForwardBatch, ModelRunner
-from engine_testing import EXECUTOR_POOL, PagedSession, hf_logits, make_engine, random_tokens
+from engine_testing import (EXECUTOR_POOL, PagedSession, assert_cuda_steps_equal_transformers, hf_logits,
+                            make_engine, random_tokens)
 from kernels.moe_grouped_routing import route_grouped
 from test_fp8_block_checkpoints import save_block_checkpoint
 from test_fp8_checkpoints import build_cli
@@ -125,6 +126,15 @@ def test_executor_greedy_ids_equal_transformers_generate(deepseek):
     for prompt, request_id in zip(prompts, ids):
         expected = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt):]
         assert finals[request_id] == expected.tolist()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_engine_on_cuda_equals_transformers(deepseek):
+    """fp32 on CUDA (IEEE dots in the Triton kernels, so routing matches fp32 transformers): a prompt,
+    decode steps replayed from CUDA graphs (the latent write, the split latent-attention kernel, the routing and the experts inside them), then a packed mixed step."""
+    hf, engine_dir = deepseek
+    assert_cuda_steps_equal_transformers(hf, engine_dir)
 
 
 @pytest.mark.parametrize("version", ["v3", "v2_group_limited"])

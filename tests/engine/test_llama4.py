@@ -12,7 +12,8 @@ import torch
 import transformers
 
 from engine.executor.runner import ModelRunner
-from engine_testing import EXECUTOR_POOL, PagedSession, hf_logits, make_engine, random_tokens
+from engine_testing import (EXECUTOR_POOL, PagedSession, assert_cuda_steps_equal_transformers, hf_logits,
+                            make_engine, random_tokens)
 
 
 def tiny_llama4(seed: int = 0) -> torch.nn.Module:
@@ -108,3 +109,12 @@ def test_conditional_generation_checkpoint_builds_its_text_model(llama4, tmp_pat
     prompt = random_tokens(20, 7)
     (logits,) = PagedSession(ModelRunner(str(tmp_path / "engine")), num_blocks=16).step([(0, prompt)])
     assert (logits - hf_logits(text, prompt)).abs().max().item() <= 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_engine_on_cuda_equals_transformers(llama4):
+    """fp32 on CUDA (IEEE dots in the Triton kernels, so routing matches fp32 transformers): a prompt,
+    decode steps replayed from CUDA graphs (the chunked-attention kernel, the NoPE layers' paged attention and the experts inside them), then a packed mixed step."""
+    hf, engine_dir = llama4
+    assert_cuda_steps_equal_transformers(hf, engine_dir)

@@ -11,7 +11,8 @@ from safetensors.torch import load_file
 from engine.build import main as build_main
 from engine.config import ConfigError, ModelConfig
 from engine.executor.runner import ModelRunner
-from engine_testing import EXECUTOR_POOL, PagedSession, hf_logits, make_engine, random_tokens, tiny_hf
+from engine_testing import (EXECUTOR_POOL, PagedSession, assert_cuda_steps_equal_transformers, hf_logits,
+                            make_engine, random_tokens, tiny_hf)
 from kernels.fused_moe import route_tokens_ref
 
 MOE_FAMILIES = ["mixtral", "qwen3_moe"]
@@ -129,21 +130,7 @@ def test_engine_on_cuda_equals_transformers(family, tmp_path):
     prompt, then decode steps replayed from CUDA graphs, then a packed mixed step. gpt-oss adds the
     sinks in the prefill and decode attention kernels and the experts' biases and clamp."""
     hf = tiny_hf(family)
-    engine_dir = make_engine(hf, tmp_path / "engine")
-    runner = ModelRunner(engine_dir, device="cuda")
-    session = PagedSession(runner, num_blocks=64)
-    runner.capture_cuda_graphs()
-    sequence = random_tokens(11 + 8, seed=4)
-    other = random_tokens(40, seed=5)
-    expected = hf_logits(hf, sequence)
-    (prefill,) = session.step([(0, sequence[:11])])
-    assert (prefill.cpu() - expected[:11]).abs().max().item() <= 1e-3
-    for pos in range(11, 19):
-        (decode,) = session.step([(0, [sequence[pos]])])
-        assert (decode.cpu() - expected[pos:pos + 1]).abs().max().item() <= 1e-3
-    outs = session.step([(1, other), (0, [7])])
-    assert (outs[0].cpu() - hf_logits(hf, other)).abs().max().item() <= 1e-3
-    assert (outs[1].cpu() - hf_logits(hf, sequence + [7])[-1:]).abs().max().item() <= 1e-3
+    assert_cuda_steps_equal_transformers(hf, make_engine(hf, tmp_path / "engine"))
 
 
 @pytest.mark.gpu
