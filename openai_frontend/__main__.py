@@ -43,6 +43,9 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
                              "calls; slower at many streams). Not the ensemble: its streamed text splits "
                              "multi-byte characters when log-probs are on")
     parser.add_argument("--llm_model", default="tensorrt_llm", help="the model that holds the engine")
+    parser.add_argument("--audio_model", default=None,
+                        help="a Whisper engine's whisper_bls model: serves /v1/audio/transcriptions and "
+                             "/v1/audio/translations (docs/features/encoder-decoder.md)")
     parser.add_argument("--workers", type=int, default=1,
                         help="processes serving the port (SO_REUSEPORT; the kernel spreads connections): one "
                              "Python process is saturated at about 7,000 streamed tokens a second; /metrics sums "
@@ -86,7 +89,7 @@ def config_from_arguments(args: argparse.Namespace):
     return FrontendConfig(grpc_url=args.grpc_url, tokenizer_dir=tokenizer_dir, served_model_name=name,
                           triton_model=args.triton_model or args.llm_model, llm_model=args.llm_model,
                           add_special_tokens=add_special_tokens, tool_call_parser=args.tool_call_parser,
-                          lora_modules=lora_modules,
+                          lora_modules=lora_modules, audio_model=args.audio_model,
                           vision=vision_settings(args.model_repo, tokenizer_dir, args.allowed_local_media_path))
 
 

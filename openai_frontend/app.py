@@ -24,6 +24,7 @@ from typing import Callable
 from aiohttp import web
 
 from openai_frontend import sse
+from openai_frontend.audio import read_audio_request, render, text_prefix
 from openai_frontend.chat_template import PromptBuilder
 from openai_frontend.detokenizer import fast_decode
 from openai_frontend.errors import APIError, bad_request, model_not_found, server_error
@@ -41,7 +42,7 @@ from serving.tokenization import first_token_id
 
 log = logging.getLogger("openai_frontend")
 ENDPOINTS = {"/v1/chat/completions": "chat_completions", "/v1/completions": "completions",
-             "/v1/models": "models"}
+             "/v1/models": "models", "/v1/audio/transcriptions": "audio", "/v1/audio/translations": "audio"}
 
 
 @dataclass
@@ -59,6 +60,8 @@ class FrontendConfig:
     lora_modules: dict[str, LoraModule] = field(default_factory=dict)
     # A vision-language engine's encoder and image limits (openai_frontend/vision.py); None: text only
     vision: VisionSettings | None = None
+    # A Whisper engine's whisper_bls model (openai_frontend/audio.py); None: no /v1/audio endpoints
+    audio_model: str | None = None
 
 
 @dataclass
@@ -106,6 +109,8 @@ def create_app(config: FrontendConfig) -> web.Application:
     app.router.add_get("/v1/models/{model}", get_model)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/audio/transcriptions", transcriptions)
+    app.router.add_post("/v1/audio/translations", translations)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.on_startup.append(_open_client)
@@ -204,6 +209,29 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, chat=False)
+
+
+async def transcriptions(request: web.Request) -> web.Response:
+    return await _audio(request, "transcribe")
+
+
+async def translations(request: web.Request) -> web.Response:
+    return await _audio(request, "translate")
+
+
+async def _audio(request: web.Request, task: str) -> web.Response:
+    """OpenAI's audio endpoints through whisper_bls (openai_frontend/audio.py)."""
+    frontend = request.app[FRONTEND]
+    if frontend.config.audio_model is None:
+        raise APIError(404, f"{request.path}: this server's model is not a speech model (start the frontend with "
+                            "--audio_model whisper_bls for a Whisper engine)", error_type="invalid_request_error")
+    audio = await read_audio_request(request)
+    if audio.model is not None:
+        frontend.check_model(str(audio.model))
+    await frontend.client.ensure_ready()
+    text = await frontend.client.transcribe(frontend.config.audio_model, audio.samples,
+                                            text_prefix(audio.language, task))
+    return render(text, audio, task)
 
 
 async def _json_body(request: web.Request):

@@ -279,6 +279,25 @@ class TritonClient:
                             "restarting); retry shortly")
         self._ready_until = time.monotonic() + READINESS_TTL_S
 
+    async def transcribe(self, model: str, samples: np.ndarray, text_prefix: str) -> str:
+        """whisper_bls's TRANSCRIPTS for 16-kHz ``samples`` (one unary call); its error as a 400."""
+        import tritonclient.grpc as grpcclient
+
+        inputs = []
+        for name, array in (("WAV", samples[None].astype(np.float32)),
+                            ("WAV_LENS", np.array([[samples.size]], np.int32)),
+                            ("TEXT_PREFIX", np.array([[text_prefix.encode()]], dtype=object))):
+            tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+            tensor.set_data_from_numpy(array)
+            inputs.append(tensor)
+        try:
+            result = await self._admin.infer(model, inputs,
+                                             outputs=[grpcclient.InferRequestedOutput("TRANSCRIPTS")])
+        except Exception as error:  # whisper_bls names what was wrong with the audio (serving/whisper.py)
+            message = str(error)
+            raise (bad_request("file", message) if "WAV" in message else triton_error(message)) from None
+        return result.as_numpy("TRANSCRIPTS").reshape(-1)[0].decode("utf-8", "replace")
+
     async def generate(self, prompt: str, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
                        seed: int | None, request_id: str, lora: LoraModule | None = None,
                        prompt_table: np.ndarray | None = None) -> AsyncIterator[Chunk]:

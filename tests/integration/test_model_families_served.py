@@ -155,7 +155,7 @@ def served_families(smollm2_engine_dir, tmp_path_factory):
         config.write_text(text.replace('name: "tensorrt_llm"', renamed, 1))
         assert renamed in config.read_text()
     models["t5"] = _add_t5_repository(tmp_path_factory, work, repo)
-    models["whisper"] = _add_whisper_repository(tmp_path_factory, work, repo)
+    models["whisper"], models["whisper_engine"] = _add_whisper_repository(tmp_path_factory, work, repo)
     with serving_repository(repo, work) as server:
         yield models, server
 
@@ -175,8 +175,8 @@ def _build_encoder_decoder(family: str, tmp_path_factory, *flags: str):
     return model, root / "engine"
 
 
-def _add_whisper_repository(tmp_path_factory, work: Path, repo: Path) -> transformers.PreTrainedModel:
-    """tensorrt_llm_whisper (the stock model filled for the Whisper decoder/ and encoder/) and
+def _add_whisper_repository(tmp_path_factory, work: Path, repo: Path) -> tuple[transformers.PreTrainedModel, Path]:
+    """(model, engine root): tensorrt_llm_whisper (the stock model filled for the Whisper decoder/ and encoder/) and
     whisper_bls (all_models/whisper, filled as the anchor's docs/whisper.md does, one instance)."""
     from tritonllm.fill_template import fill_template
 
@@ -195,7 +195,7 @@ def _add_whisper_repository(tmp_path_factory, work: Path, repo: Path) -> transfo
     values = f"decoupled_mode:false,n_mels:8,zero_pad:false,engine_dir:{engine / 'decoder'}," \
              "tensorrt_llm_model_name:tensorrt_llm_whisper,max_tokens:8"
     config.write_text(fill_template(config.read_text(), values).replace("count: 8", "count: 1"))
-    return model
+    return model, engine
 
 
 def _add_t5_repository(tmp_path_factory, work: Path, repo: Path) -> transformers.PreTrainedModel:
@@ -380,3 +380,74 @@ def test_whisper_bad_audio_is_named(served_families):
             client.infer("whisper_bls", [tensor(n, a) for n, a in inputs.items()])
     finally:
         client.close()
+
+
+def _wav_bytes(pcm: np.ndarray, rate: int = 16000) -> bytes:
+    import io
+    import wave
+
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as f:
+        f.setnchannels(1), f.setsampwidth(2), f.setframerate(rate), f.writeframes(pcm.astype(np.int16).tobytes())
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def audio_frontend(served_families):
+    """The OpenAI frontend, in this process on a free port, in front of the server's whisper_bls."""
+    import asyncio
+    import threading
+
+    from aiohttp import web
+
+    from free_ports import free_port
+    from openai_frontend.app import FrontendConfig, create_app
+
+    models, server = served_families
+    decoder = models["whisper_engine"] / "decoder"
+    config = FrontendConfig(grpc_url=server.grpc_url, tokenizer_dir=str(decoder), served_model_name="whisper",
+                            triton_model="tensorrt_llm_whisper", llm_model="tensorrt_llm_whisper",
+                            audio_model="whisper_bls")
+    loop, port, started = asyncio.new_event_loop(), free_port(), threading.Event()
+    runner = web.AppRunner(create_app(config))
+
+    async def start():
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        started.set()
+
+    thread = threading.Thread(target=lambda: (loop.run_until_complete(start()), loop.run_forever()), daemon=True)
+    thread.start()
+    assert started.wait(30)
+    yield f"http://127.0.0.1:{port}"
+    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+    loop.call_soon_threadsafe(loop.stop)
+
+
+def test_openai_audio_transcriptions(served_families, audio_frontend):
+    """/v1/audio/transcriptions (json, verbose_json, srt; a 44.1-kHz file resampled and said so)
+    gives whisper_bls's transcript of the same audio; a file that is not WAV is a 400 naming file."""
+    import requests
+
+    from serving.whisper import audio_samples, log_mel, transcript
+    from tiny_encdec import feature_extractor, generate_whisper, tokenizer
+
+    models, _ = served_families
+    pcm = (np.random.default_rng(0).uniform(-0.5, 0.5, 8000) * 32767).astype(np.int16)
+    features = log_mel(feature_extractor(), audio_samples(pcm.astype(np.float32) / 32768.0, None), zero_pad=False)
+    expected = transcript(tokenizer(), generate_whisper(models["whisper"], torch.tensor(features), 8))
+    url = f"{audio_frontend}/v1/audio/transcriptions"
+
+    def post(data, wav=_wav_bytes(pcm)):
+        return requests.post(url, files={"file": ("clip.wav", wav, "audio/wav")}, data=data, timeout=60)
+
+    response = post({"model": "whisper"})
+    assert response.status_code == 200, response.text
+    assert response.json() == {"text": expected}
+    verbose = post({"model": "whisper", "response_format": "verbose_json"}).json()
+    assert verbose["text"] == expected and verbose["duration"] == 0.5 and verbose["language"] == "en"
+    assert post({"response_format": "srt"}).text == f"1\n00:00:00,000 --> 00:00:00,500\n{expected}\n"
+    resampled = post({"response_format": "text"}, wav=_wav_bytes(np.repeat(pcm, 2)[:22050], rate=44100))
+    assert resampled.status_code == 200 and resampled.headers["x-tritonllm-resampled"] == "44100->16000"
+    bad = post({}, wav=b"ID3 not a wav")
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "file"
