@@ -113,7 +113,7 @@ def _ssd_prefill_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, bias_ptr, sta
                         stride_xt, stride_dtt, stride_bt, stride_ct, stride_ot,
                         stride_s0, stride_sh, stride_sp,
                         HEADS_PER_GROUP: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
-                        BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, Q: tl.constexpr):
+                        BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, Q: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Program (sequence, head, channel tile): its (BLOCK_P, N) state stays in registers across the
     sequence's chunks of Q tokens (module docstring); tokens past the end get dt = 0 (no decay, no
     input), so the chunk's total decay is the sum over the whole tile."""
@@ -149,12 +149,14 @@ def _ssd_prefill_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, bias_ptr, sta
         Cq = tl.load(C_ptr + t[:, None] * stride_ct + g * N + n[None, :], mask=t_ok[:, None] & n_ok[None, :],
                      other=0.0).to(tl.float32)
         decay = tl.exp(tl.where(causal, cs[:, None] - cs[None, :], 0.0))
-        scores = tl.where(causal, tl.dot(Cq, tl.trans(Bq)) * decay * dt[None, :], 0.0)  # (Q, Q)
-        y = tl.dot(scores, x) + tl.dot(Cq, tl.trans(state)) * tl.exp(cs)[:, None] + D * x
+        scores = tl.where(causal, tl.dot(Cq, tl.trans(Bq), input_precision=DOT_PRECISION) * decay * dt[None, :],
+                          0.0)  # (Q, Q)
+        y = (tl.dot(scores, x, input_precision=DOT_PRECISION)
+             + tl.dot(Cq, tl.trans(state), input_precision=DOT_PRECISION) * tl.exp(cs)[:, None] + D * x)
         tl.store(out_ptr + t[:, None] * stride_ot + h * P + p[None, :], y.to(out_ptr.dtype.element_ty),
                  mask=t_ok[:, None] & p_ok[None, :])
         weight = tl.exp(total - cs) * dt  # (Q,): token u's input as it reaches the chunk's end
-        state = state * tl.exp(total) + tl.dot(tl.trans(x * weight[:, None]), Bq)
+        state = state * tl.exp(total) + tl.dot(tl.trans(x * weight[:, None]), Bq, input_precision=DOT_PRECISION)
     tl.store(state_ptrs, state.to(state_ptr.dtype.element_ty), mask=state_mask)
 
 
@@ -203,7 +205,10 @@ def ssd_prefill_triton(x, dt, A, B, C, D, dt_bias, ssm_states, chunks: SequenceC
                               float(dt_limit[0]), float(dt_limit[1]),
                               x.stride(0), dt.stride(0), B.stride(0), C.stride(0), out.stride(0),
                               ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2),
-                              HEADS_PER_GROUP=H // G, P=P, N=N, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, Q=SSD_CHUNK)
+                              HEADS_PER_GROUP=H // G, P=P, N=N, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N, Q=SSD_CHUNK,
+                              # float32 models: IEEE dots (as the other kernels take for float32
+                              # operands); else tf32 over the operands widened from bf16/fp16
+                              DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
     return out
 
 
