@@ -33,6 +33,7 @@ from engine.lora.cache import AdapterCache, RunnerSlots
 from engine.lora.prefetch import prefetch_adapters
 from engine.executor import memory_profile
 from engine.executor.device_memory import free_device_bytes, is_capped
+from engine.executor.disaggregated import Disaggregation
 from engine.executor.kv_cache import BlockManager
 # The settings are part of this module's public surface (re-exported).
 from engine.executor.executor_config import (  # noqa: F401
@@ -223,6 +224,7 @@ class Executor:
         self._iteration_log = IterationLog(log_path) if log_path else None
         self._deliver_ms = 0.0  # this iteration's time in _deliver (for the iteration log)
         self._gpu_memory_read_at, self._gpu_memory = float("-inf"), 0
+        self.disagg = Disaggregation(self)  # context_only / generation_only requests (disaggregated.py)
 
     def _init_guided_decoding(self, engine_dir: str) -> None:
         self.grammars: GrammarCache | None = None
@@ -254,7 +256,7 @@ class Executor:
                 request_id = next(self._ids) if request_ids is None else request_ids[index]
                 ids.append(request_id)
                 try:
-                    request = normalize_request(request)
+                    request = self.disagg.prepare(normalize_request(request))
                     if self.encoder_stage is not None:
                         request = self.encoder_stage.complete(request)
                     error = self._rejection(request)
@@ -303,6 +305,7 @@ class Executor:
             if self._iteration_log is not None:
                 self._iteration_log.close()
                 self._iteration_log = None
+        self.disagg.shutdown()
         if self.grammars is not None:
             self.grammars.shutdown()
         if self.adapters is not None:
@@ -320,6 +323,9 @@ class Executor:
     def _rejection(self, request: Request) -> str | None:
         if self._stopping:
             return "the executor is shut down and accepts no requests"
+        disagg_error = self.disagg.request_error(request)
+        if disagg_error is not None:
+            return disagg_error
         if request.guided_decoding is not None and self.grammars is None:
             return ("guided_decoding_guide_type: guided decoding is not enabled on this model; set the "
                     "tensorrt_llm parameter guided_decoding_backend to xgrammar, or send the request "
@@ -351,8 +357,9 @@ class Executor:
             with self._cv:
                 while not (self._inbox or self._cancel_ids or self.scheduler.has_unfinished or self._stopping
                            or self._in_flight is not None or self._compiled
-                           or (self.encoder_stage is not None and self.encoder_stage.has_pending)):
-                    self._cv.wait()
+                           or (self.encoder_stage is not None and self.encoder_stage.has_pending)
+                           or self.disagg.has_work()):
+                    self._cv.wait(self.disagg.wait_timeout())  # (a pinned context KV may expire)
                 if self._stopping:
                     break
                 new, self._inbox = self._inbox, []
@@ -386,6 +393,7 @@ class Executor:
         through the prefill graphs' token buckets (they are not 1-token decodes).
         """
         started = time.perf_counter()
+        self.disagg.service()  # frees context KV fetched by a generation side, or expired
         self._admit(new)
         self._cancel(cancels)
         if self.encoder_stage is not None:  # encoder runs of waiting requests, then they queue
@@ -490,10 +498,26 @@ class Executor:
     def _schedule_sequences(self, state: RequestState) -> None:
         if self.encoder_stage is not None and self.encoder_stage.take(state):
             return  # it waits for its encoder run (_step)
+        if state.request.request_type == "generation_only":
+            self._start_generation_only(state.sequences[0])
+            return
         for index, seq in enumerate(state.sequences):
             if index == 0 or state.is_beam_search:
                 self.scheduler.add(seq)
             # other returned sequences wait for sequence 0's prompt KV and then share it (_fork_siblings)
+
+    def _start_generation_only(self, seq: Sequence) -> None:
+        """The context phase's KV comes into this pool and its first token is appended (with the usual
+        stop checks); then the sequence decodes like any other (engine/executor/disaggregated.py)."""
+        error, first_token = self.disagg.import_kv(seq)
+        if error is not None:
+            self._fail(seq.state, error)
+            return
+        seq.token_ids.append(first_token)
+        seq.num_unresolved_tokens += 1
+        self._resolve_token(seq, len(seq.token_ids) - 1, first_token, None, None, 0, now_ns())
+        if not seq.is_finished:
+            self.scheduler.add(seq)
 
     def _compile_guide(self, state: RequestState) -> None:
         """The request waits (queued, unscheduled) until its grammar is compiled off the loop."""
@@ -946,6 +970,8 @@ class Executor:
             return
         if seq.num_unresolved_tokens:  # e.g. cancelled with a step in flight: its token is not sent
             self._drop_unresolved(seq, keep=len(seq.token_ids) - seq.num_unresolved_tokens)
+        if seq.state.request.request_type == "context_only" and reason is not FinishReason.CANCELLED:
+            self.disagg.export(seq)  # pins the prompt's blocks before the scheduler frees the sequence's
         self.scheduler.finish(seq)
         seq.finish_reason = reason
         self._touched[seq.request_id] = seq.state

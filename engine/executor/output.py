@@ -129,6 +129,8 @@ def build_result(seq: Sequence, tokens: list[int], start: int, with_context_logi
         result.context_logits = _torch().cat(state.context_logits_parts)
     if output.return_perf_metrics:
         result.perf = replace(state.perf)
+    if seq.is_finished and state.context_phase_params is not None:
+        result.context_phase_params = state.context_phase_params
     return result
 
 

@@ -176,6 +176,10 @@ class Request:
     encoder_input_ids: list[int] | None = None
     # Whisper engines: the encoder's log-mel features, (frames, num_mel_bins) float (torch or numpy).
     encoder_input_features: Any = None
+    # Disaggregated serving (engine/executor/disaggregated.py): context_and_generation | context_only |
+    # generation_only; a generation_only request carries its context_only request's output blob.
+    request_type: str = "context_and_generation"
+    context_phase_params: bytes | None = None
 
 
 @dataclass
@@ -214,6 +218,7 @@ class Result:
     generation_logits: torch.Tensor | None = None  # (beams, new_tokens, vocab) float32
     sequence_index: int = 0
     perf: RequestPerfMetrics | None = None
+    context_phase_params: bytes | None = None  # a context_only request's final result: for its generation_only one
 
 
 @dataclass
@@ -345,6 +350,7 @@ class RequestState:
         self.adapter_future = None  # LoRA: Future of the adapter's parse, until the cache has it (engine/lora/cache.py)
         self.lora_key = None  # LoRA: the adapter's cache key while this request counts as its user
         self.lora_slot = -1  # LoRA: the device slot this request holds, -1 while it holds none
+        self.context_phase_params: bytes | None = None  # context_only: set when its first token is known
 
     @property
     def is_beam_search(self) -> bool:

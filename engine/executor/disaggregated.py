@@ -1,0 +1,294 @@
+"""Disaggregated serving: a context_only request's KV handed to a generation_only request.
+
+The anchor's request types (Request.request_type):
+- ``context_and_generation`` (default): the usual request.
+- ``context_only``: runs the prefill, returns the first token (max_tokens is taken as 1) and an opaque
+  ``context_phase_params`` blob. Its prompt's KV blocks stay pinned in this executor's pool (one extra
+  reference each) until a generation_only request fetches them or ``timeout_s`` frees them.
+- ``generation_only``: carries that blob (Request.context_phase_params) and the same prompt; its KV
+  blocks are copied into this executor's pool, the context's first token is appended, and decoding
+  goes on from there. Its output equals the context_and_generation request's (greedy: token for token).
+
+Transport: in-process (``local``): both executors live in one process (e.g. two model instances of
+one Triton model, or two Executors in a test) and the copy is a device-to-device index copy between
+their pools (on CUDA a peer copy between GPUs of one host). A cross-process transport (shared memory,
+NIXL) would register under another ``transport`` name; the blob already names one.
+
+Blob (version 1): MAGIC + one version byte + UTF-8 JSON
+    {"transport": "local", "pid", "exporter": uuid hex, "handle": int, "request_id": int,
+     "layout": {"kv_shape": [L, 2, T, H, D], "dtype": str, "tokens_per_block": T},
+     "prompt_len": int, "prompt_digest": hex, "first_token": int, "num_blocks": int}
+Opaque to clients; only what the executor itself wrote is accepted (magic, version, fields checked).
+
+Threads: the pinned blocks belong to the context executor's BlockManager, which only its loop thread
+touches. The generation executor's loop ``claim``s a handle (then expiry no longer touches it), copies,
+and ``release``s it; the context loop frees released and expired handles in ``service`` at its next
+step (its condition is notified). Ordering on CUDA: an export happens after the first token reached
+the host, so every KV write of the prompt is complete; the copy is synchronised before the release,
+so the source blocks are not reused while being read.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+import time
+import uuid
+from dataclasses import replace
+
+import torch
+
+from engine.executor.kv_host_tier import _SAME_WIDTH_INT
+
+REQUEST_TYPES = ("context_and_generation", "context_only", "generation_only")
+MAGIC = b"TLLMCTX"
+VERSION = 1
+DEFAULT_TIMEOUT_S = float(os.environ.get("TRITONLLM_KV_TRANSFER_TIMEOUT_S", "60"))
+
+_EXPORTERS: dict[str, "Disaggregation"] = {}  # exporter uuid -> live executor's side (local transport)
+_EXPORTERS_LOCK = threading.Lock()
+
+
+class ContextPhaseError(ValueError):
+    """A context_phase_params blob that cannot be used here; the message names the field and why."""
+
+
+def prompt_digest(token_ids: list[int]) -> str:
+    return hashlib.sha256(json.dumps(list(token_ids)).encode()).hexdigest()[:32]
+
+
+def encode(fields: dict) -> bytes:
+    return MAGIC + bytes([VERSION]) + json.dumps(fields, separators=(",", ":")).encode()
+
+
+def decode(blob) -> dict:
+    """The fields of a blob written by ``encode``; ContextPhaseError naming what is wrong otherwise."""
+    data = bytes(blob)
+    if not data.startswith(MAGIC) or len(data) <= len(MAGIC):
+        raise ContextPhaseError("context_phase_params: not a context phase blob of this backend (bad header); "
+                                "send the context_phase_params output of a context_only request unchanged")
+    if data[len(MAGIC)] != VERSION:
+        raise ContextPhaseError(f"context_phase_params: version {data[len(MAGIC)]} is not supported; "
+                                f"this backend reads version {VERSION}")
+    try:
+        fields = json.loads(data[len(MAGIC) + 1:].decode())
+        for name, kind in (("transport", str), ("exporter", str), ("handle", int), ("layout", dict),
+                           ("prompt_len", int), ("prompt_digest", str), ("first_token", int)):
+            if not isinstance(fields.get(name), kind):
+                raise ValueError(name)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ContextPhaseError(f"context_phase_params: truncated or corrupted blob ({err}); send the "
+                                f"context_phase_params output of a context_only request unchanged") from None
+    return fields
+
+
+def kv_layout(runner) -> dict:
+    """What must match between the two pools for a block copy to be meaningful."""
+    pool = runner.kv_cache  # (L, 2, num_blocks, T, H, D)
+    num_layers, two, _, tokens, heads, head_dim = pool.shape
+    return {"kv_shape": [num_layers, two, tokens, heads, head_dim], "dtype": str(pool.dtype).replace("torch.", ""),
+            "tokens_per_block": runner.tokens_per_block}
+
+
+def _by_block(pool: torch.Tensor) -> torch.Tensor:
+    """(num_blocks, L, 2, T, H, D) integer view of a (L, 2, num_blocks, T, H, D) pool: bytes move unchanged."""
+    return pool.view(_SAME_WIDTH_INT[pool.element_size()]).permute(2, 0, 1, 3, 4, 5)
+
+
+def copy_blocks(src_pool: torch.Tensor, src_ids: list[int], dst_pool: torch.Tensor, dst_ids: list[int]) -> None:
+    """dst_pool[:, :, dst_ids[i]] = src_pool[:, :, src_ids[i]], across devices; returns when the copy is done."""
+    src, dst = _by_block(src_pool), _by_block(dst_pool)
+    staged = src.index_select(0, torch.tensor(src_ids, device=src.device)).to(dst.device)
+    dst.index_copy_(0, torch.tensor(dst_ids, device=dst.device), staged)
+    for device in {src.device, dst.device}:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+
+class _Pin:
+    __slots__ = ("block_ids", "deadline", "state")
+
+    def __init__(self, block_ids: list[int], deadline: float):
+        self.block_ids = block_ids
+        self.deadline = deadline
+        self.state = "pinned"  # -> "claimed" (a generation side copies) -> "released"; or expired
+
+
+class Disaggregation:
+    """One executor's side: exports of its context_only requests, imports of its generation_only ones.
+
+    ``executor``: the Executor (its runner, blocks, scheduler and condition are used; the calls come
+    from its loop thread, except ``claim``/``release``, made by a peer's loop).
+    """
+
+    def __init__(self, executor, timeout_s: float = DEFAULT_TIMEOUT_S):
+        self.executor = executor
+        self.timeout_s = timeout_s
+        self.exporter_id = uuid.uuid4().hex
+        self._lock = threading.Lock()
+        self._pins: dict[int, _Pin] = {}
+        self._handles = iter(range(1, 1 << 62))
+        self.num_expired = 0
+        self.num_transfers = 0  # generation_only requests whose KV arrived here
+        self.kv_cache_transfer_ms = 0.0  # cumulative time of those copies
+        with _EXPORTERS_LOCK:
+            _EXPORTERS[self.exporter_id] = self
+
+    # ----- request checks (enqueue time) -----
+    def request_error(self, request) -> str | None:
+        kind = getattr(request, "request_type", "context_and_generation")
+        if kind not in REQUEST_TYPES:
+            return f"request_type: '{kind}' is not supported; allowed: {', '.join(REQUEST_TYPES)}"
+        if kind == "context_and_generation":
+            if request.context_phase_params is not None:
+                return ("context_phase_params: only a generation_only request takes context_phase_params; "
+                        "set request_type generation_only or send the request without them")
+            return None
+        ex = self.executor
+        for bad, what in ((request.sampling.beam_width > 1, "beam_width > 1"),
+                          ((request.sampling.num_return_sequences or 1) > 1, "num_return_sequences > 1"),
+                          (request.prompt_table is not None, "prompt tables"),
+                          (request.output.return_context_logits and kind == "generation_only",
+                           "return_context_logits on generation_only"),
+                          (ex.state_slots is not None, "models with recurrent state"),
+                          (ex.encoder_stage is not None, "encoder-decoder models"),
+                          (ex.runner.model_config.kv_window is not None, "sliding-window KV"),
+                          (ex.runner.build_config.tp_size > 1, "tensor parallelism")):
+            if bad:
+                return f"request_type: {kind} is not supported with {what}; send request_type context_and_generation"
+        if kind == "context_only" and request.context_phase_params is not None:
+            return "context_phase_params: a context_only request takes none; they are its output"
+        if kind == "generation_only":
+            if request.context_phase_params is None:
+                return ("context_phase_params: a generation_only request needs the context_phase_params output "
+                        "of its context_only request")
+            try:
+                self._check(decode(request.context_phase_params), request)
+            except ContextPhaseError as err:
+                return str(err)
+        return None
+
+    def _check(self, fields: dict, request) -> None:
+        here = kv_layout(self.executor.runner)
+        if fields["layout"] != here:
+            theirs = fields["layout"]
+            diff = ", ".join(f"{k} {theirs.get(k)} vs {v}" for k, v in here.items() if theirs.get(k) != v)
+            raise ContextPhaseError(f"context_phase_params: the context engine's KV layout differs from this "
+                                    f"engine's ({diff}); context and generation must run the same engine")
+        if fields["prompt_len"] != len(request.input_token_ids) or \
+                fields["prompt_digest"] != prompt_digest(request.input_token_ids):
+            raise ContextPhaseError("context_phase_params: they belong to another prompt; send the generation_only "
+                                    "request with the same input_ids as its context_only request")
+        if fields["transport"] != "local" or fields.get("pid") != os.getpid():
+            raise ContextPhaseError(f"context_phase_params: transport '{fields['transport']}' from process "
+                                    f"{fields.get('pid')} cannot be read here (only 'local', within process "
+                                    f"{os.getpid()}); run context and generation instances in one process")
+
+    # ----- context side (its loop thread) -----
+    def export(self, seq) -> None:
+        """``seq`` (context_only) got its first token: pin its prompt's blocks, attach the blob."""
+        ex = self.executor
+        prompt = seq.token_ids[:seq.num_prompt_tokens]
+        num_blocks = ex.blocks.blocks_for_tokens(seq.num_prompt_tokens)
+        block_ids = list(seq.block_ids[:num_blocks])
+        ex.blocks.acquire(block_ids)  # scheduler.finish drops the sequence's ref; this one stays
+        handle = next(self._handles)
+        with self._lock:
+            self._pins[handle] = _Pin(block_ids, time.monotonic() + self.timeout_s)
+        first = seq.token_ids[seq.num_prompt_tokens] if seq.num_generated_tokens else seq.state.request.end_id
+        seq.state.context_phase_params = encode({
+            "transport": "local", "pid": os.getpid(), "exporter": self.exporter_id, "handle": handle,
+            "request_id": seq.request_id, "layout": kv_layout(ex.runner), "prompt_len": len(prompt),
+            "prompt_digest": prompt_digest(prompt), "first_token": -1 if first is None else int(first),
+            "num_blocks": num_blocks})
+
+    def prepare(self, request):
+        """A context_only request stops after its first token, whatever max_tokens it carried."""
+        if getattr(request, "request_type", None) == "context_only" and request.max_tokens != 1:
+            return replace(request, max_tokens=1)
+        return request
+
+    def has_work(self) -> bool:
+        """A pin to free now (released by its fetcher, or expired)."""
+        now = time.monotonic()
+        with self._lock:
+            return any(pin.state == "released" or (pin.state == "pinned" and pin.deadline <= now)
+                       for pin in self._pins.values())
+
+    def wait_timeout(self) -> float | None:
+        """How long the idle loop may sleep before a pin expires (None: no pin)."""
+        with self._lock:
+            deadlines = [pin.deadline for pin in self._pins.values() if pin.state == "pinned"]
+        return None if not deadlines else max(0.0, min(deadlines) - time.monotonic()) + 0.001
+
+    def service(self) -> None:
+        """Free released and expired pins (the context loop, at each step)."""
+        now = time.monotonic()
+        with self._lock:
+            done = [h for h, pin in self._pins.items()
+                    if pin.state == "released" or (pin.state == "pinned" and pin.deadline <= now)]
+            pins = [self._pins.pop(h) for h in done]
+        for pin in pins:
+            self.num_expired += pin.state == "pinned"
+            self.executor.blocks.free(pin.block_ids)
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        with self._lock:
+            return sum(len(pin.block_ids) for pin in self._pins.values())
+
+    def claim(self, handle: int) -> list[int]:
+        with self._lock:
+            pin = self._pins.get(handle)
+            if pin is None or pin.state != "pinned" or pin.deadline <= time.monotonic():
+                raise ContextPhaseError("context_phase_params: the context phase's KV cache is gone (fetched "
+                                        f"already, or freed after its {self.timeout_s:g} s timeout); run the "
+                                        "context_only request again")
+            pin.state = "claimed"
+            return pin.block_ids
+
+    def release(self, handle: int) -> None:
+        with self._lock:
+            pin = self._pins.get(handle)
+            if pin is not None:
+                pin.state = "released"
+        with self.executor._cv:
+            self.executor._cv.notify()
+
+    def shutdown(self) -> None:
+        with _EXPORTERS_LOCK:
+            _EXPORTERS.pop(self.exporter_id, None)
+
+    # ----- generation side (its loop thread) -----
+    def import_kv(self, seq) -> tuple[str | None, int]:
+        """Give ``seq`` (generation_only, no blocks yet) its prompt's KV; returns (an error message, the
+        request fails; None if done) and the context's first token, which the caller appends."""
+        ex = self.executor
+        try:
+            fields = decode(seq.state.request.context_phase_params)
+            self._check(fields, seq.state.request)
+            with _EXPORTERS_LOCK:
+                source = _EXPORTERS.get(fields["exporter"])
+            if source is None:
+                raise ContextPhaseError("context_phase_params: the context executor that made them has shut down")
+            num_blocks = ex.blocks.blocks_for_tokens(fields["prompt_len"])
+            if num_blocks > ex.blocks.num_free_blocks:
+                raise ContextPhaseError(f"context_phase_params: {num_blocks} KV blocks needed, "
+                                        f"{ex.blocks.num_free_blocks} free; retry later")
+            src_ids = source.claim(fields["handle"])
+        except ContextPhaseError as err:
+            return str(err), -1
+        started = time.perf_counter()
+        try:
+            dst_ids = ex.blocks.allocate(num_blocks)
+            copy_blocks(source.executor.runner.kv_cache, src_ids, ex.runner.kv_cache, dst_ids)
+        finally:
+            source.release(fields["handle"])
+        self.kv_cache_transfer_ms += (time.perf_counter() - started) * 1e3
+        self.num_transfers += 1
+        seq.block_ids = dst_ids
+        seq.num_computed_tokens = fields["prompt_len"]
+        seq.state.perf.kv_cache_alloc_new_blocks += num_blocks
+        seq.state.perf.kv_cache_alloc_total_blocks += num_blocks
+        return None, fields["first_token"]

@@ -1,0 +1,108 @@
+"""Disaggregated serving across two executors of one process (engine/executor/disaggregated.py):
+context_only -> generation_only gives the aggregated request's greedy ids; pinned blocks are freed
+when fetched or expired (no leak on either side); bad params get named errors."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from engine.executor import Executor, ExecutorConfig
+from engine.executor.disaggregated import decode, encode
+from engine.executor.request import Request, SamplingConfig
+from tests.executor.executor_testing import collect, final_tokens
+
+PROMPTS = [[(5 * i + 3 * j + 1) % 128 for j in range(n)] for i, n in enumerate((3, 9, 13, 4, 17))]
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_engine):
+    """(context executor, generation executor) on one engine; a small pool so a leak would show."""
+    cfg = ExecutorConfig(max_tokens_in_paged_kv_cache=256)
+    with Executor(tiny_engine, cfg) as context, Executor(tiny_engine, cfg) as generation:
+        yield context, generation
+
+
+def run(ex, request: Request) -> list:
+    """Every response of one request, up to its final one."""
+    request_id = ex.enqueue_request(request)
+    return collect(ex, [request_id])[request_id]
+
+
+def greedy(prompt, **kw) -> Request:
+    return Request(list(prompt), MAX_TOKENS, sampling=SamplingConfig(top_k=1), **kw)
+
+
+def wait_until(predicate, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return predicate()
+
+
+def all_free(ex) -> bool:
+    return ex.disagg.num_pinned_blocks == 0 and ex.blocks.num_free_blocks == ex.blocks.num_blocks
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_context_then_generation_equals_aggregated(pair, streaming):
+    context, generation = pair
+    for prompt in PROMPTS:
+        expected = final_tokens(run(generation, greedy(prompt)))  # prompt + output
+        ctx = run(context, greedy(prompt, request_type="context_only"))
+        assert ctx[-1].error is None and ctx[-1].result.is_final
+        assert ctx[-1].result.output_token_ids[0] == list(prompt) + expected[len(prompt):][:1]
+        params = ctx[-1].result.context_phase_params
+        assert decode(params)["prompt_len"] == len(prompt) and context.disagg.num_pinned_blocks > 0
+        got = final_tokens(run(generation, greedy(prompt, streaming=streaming, request_type="generation_only",
+                                                  context_phase_params=params)))
+        assert (list(prompt) + got if streaming else got) == expected  # (a stream sends the output only)
+    assert wait_until(lambda: all_free(context)) and wait_until(lambda: all_free(generation))
+    assert generation.disagg.num_transfers >= len(PROMPTS) and generation.disagg.kv_cache_transfer_ms > 0
+
+
+def test_pinned_blocks_expire_and_fetch_is_one_shot(pair):
+    context, generation = pair
+    prompt = PROMPTS[2]
+    params = run(context, greedy(prompt, request_type="context_only"))[-1].result.context_phase_params
+    assert final_tokens(run(generation, greedy(prompt, request_type="generation_only", context_phase_params=params)))
+    again = run(generation, greedy(prompt, request_type="generation_only", context_phase_params=params))
+    assert "context_phase_params: the context phase's KV cache is gone" in again[-1].error
+    context.disagg.timeout_s = 0.2
+    try:
+        expired = run(context, greedy(prompt, request_type="context_only"))[-1].result.context_phase_params
+        assert wait_until(lambda: all_free(context)), "the expired pin was not freed while idle"
+        late = run(generation, greedy(prompt, request_type="generation_only", context_phase_params=expired))
+        assert "freed after its 0.2 s timeout" in late[-1].error
+    finally:
+        context.disagg.timeout_s = 60.0
+    assert context.disagg.num_expired >= 1 and wait_until(lambda: all_free(generation))
+
+
+def test_bad_params_are_refused_by_name(pair):
+    context, generation = pair
+    prompt = PROMPTS[1]
+    params = run(context, greedy(prompt, request_type="context_only"))[-1].result.context_phase_params
+    fields = decode(params)
+    cases = {
+        params[:12]: "context_phase_params: truncated or corrupted blob",
+        b"junk": "context_phase_params: not a context phase blob",
+        encode({**fields, "layout": {**fields["layout"], "tokens_per_block": 8}}):
+            "context_phase_params: the context engine's KV layout differs from this engine's (tokens_per_block 8 vs 4)",
+        encode({**fields, "layout": {**fields["layout"], "dtype": "float16"}}): "(dtype float16 vs float32)",
+    }
+    for blob, message in cases.items():
+        response = run(generation, greedy(prompt, request_type="generation_only", context_phase_params=blob))
+        assert message in response[-1].error
+    other = run(generation, greedy(PROMPTS[0], request_type="generation_only", context_phase_params=params))
+    assert "context_phase_params: they belong to another prompt" in other[-1].error
+    missing = run(generation, greedy(prompt, request_type="generation_only"))
+    assert "needs the context_phase_params output" in missing[-1].error
+    kind = run(generation, greedy(prompt, request_type="prefill"))
+    assert kind[-1].error.startswith("request_type: 'prefill' is not supported; allowed: context_and_generation")
+    beams = run(context, Request(list(prompt), 4, sampling=SamplingConfig(beam_width=2), request_type="context_only"))
+    assert beams[-1].error.startswith("request_type: context_only is not supported with beam_width > 1")
+    # the good params were never fetched: fetch them now, so nothing stays pinned
+    assert final_tokens(run(generation, greedy(prompt, request_type="generation_only", context_phase_params=params)))
+    assert wait_until(lambda: all_free(context)) and wait_until(lambda: all_free(generation))
