@@ -176,3 +176,35 @@ def test_whisper_bad_features_are_named(whisper):
     responses = collect(ex, ids)
     for text, request_id in zip(cases, ids):
         assert text in responses[request_id][-1].error
+
+
+def test_preempted_requests_keep_their_cross_kv(built):
+    """max_utilization over a self-attention pool of 12 blocks: three 30-token answers do not fit
+    side by side, so sequences are preempted and recomputed; their cross K/V stays, and every
+    answer still equals transformers'."""
+    family, model, engine = built
+    if family != "t5_v1_1":
+        pytest.skip("one family exercises preemption")
+    config = ExecutorConfig(max_batch_size=4, max_tokens_in_paged_kv_cache=48,
+                            batch_scheduler_policy="max_utilization")
+    with Executor(str(engine / "decoder"), config) as ex:
+        out = OutputConfig(exclude_input_from_output=True)
+        ids = ex.enqueue_requests([Request([], 30, encoder_input_ids=i, output=out) for i in INPUTS])
+        responses = collect(ex, ids)
+        assert ex.scheduler.num_preemptions > 0
+        for encoder_ids, request_id in zip(INPUTS, ids):
+            assert final_tokens(responses[request_id]) == generate(model, encoder_ids, 30, eos=None)[0][1:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_greedy_ids_equal_transformers(built):
+    """The same engines on a GPU (Triton paged attention for self- and cross-attention; T5's biased
+    self-attention through its torch reference), float32: ids equal transformers' on the CPU."""
+    _, model, engine = built
+    with Executor(str(engine / "decoder"), ExecutorConfig(max_batch_size=4), device="cuda") as ex:
+        out = OutputConfig(exclude_input_from_output=True)
+        ids = ex.enqueue_requests([Request([], 10, end_id=1, encoder_input_ids=i, output=out) for i in INPUTS])
+        responses = collect(ex, ids)
+    for encoder_ids, request_id in zip(INPUTS, ids):
+        assert final_tokens(responses[request_id]) == generate(model, encoder_ids, 10)[0][1:]
