@@ -25,8 +25,19 @@ Activations stay in the model dtype (float16/bfloat16); products accumulate in f
 the kernels read. On CPU (and as the oracle of the kernel tests) the layout is the dequantized
 weight in the activations' dtype, so the CPU path multiplies exactly the "dequantized model".
 
-On CUDA (with Triton) the weight stays packed, in kernels/wna16_layout.py's layout (no dequantized
-copy: the point is memory and bandwidth), and ``wna16_linear`` runs, by row count M:
+On CUDA (with Triton), 4-bit codes with 16-bit activations and a grouping kernels/wna16_mma.py takes
+(K a multiple of 128, groups of whole 64-column blocks or per channel) are held ONCE, in the
+tensor cores' operand order (``kernel`` = {"mma_words", "mma_meta"}; $TRITONLLM_WNA16_MMA=0 turns
+this off), and ``wna16_linear`` runs:
+- M <= MAX_SKINNY_ROWS: kernels/wna16_mma.py's decode kernel, the tiling timed at load among
+  MMA_VARIANTS (untimed: MMA_DEFAULT);
+- more rows: kernels/wna16_mma_dense.py dequantizes the same words into a scratch weight in x's
+  dtype (one buffer per device and dtype, sized at load for the largest layer; static, so CUDA graphs
+  capture it), then cuBLAS.
+
+Otherwise (8 bits, other groupings, the operand order turned off) the weight stays packed in
+kernels/wna16_layout.py's layout (no dequantized copy: the point is memory and bandwidth), and
+``wna16_linear`` runs, by row count M:
 - M <= MAX_SKINNY_ROWS (decode): the tilings timed for the weight's shape at load per row count
   (``choose_wna16_variants``): the FMA kernel for a few rows or the tensor-core kernel with
   16-row tiles, split-K where N gives too few programs;
@@ -49,7 +60,7 @@ import torch.nn.functional as F
 
 import os
 
-from kernels import wna16_decode, wna16_gemm, wna16_layout, wna16_mma
+from kernels import wna16_decode, wna16_gemm, wna16_layout, wna16_mma, wna16_mma_dense
 from kernels._triton import use_triton
 
 SUPPORTED_BITS = (4, 8)
@@ -159,6 +170,12 @@ class WNA16Weight:
     dense: torch.Tensor | None = None
     kernel: dict[str, torch.Tensor] = field(default_factory=dict)
     variant: dict = field(default_factory=dict)  # chosen at load per row count (kernel timings)
+    scratch: wna16_mma_dense.DenseScratch | None = None  # operand-order weights: where 17+ rows dequantize
+
+    @property
+    def mma_only(self) -> bool:
+        """The codes are held once, in the operand order (no kernels/wna16_layout.py words)."""
+        return "mma_words" in self.kernel and "words" not in self.kernel
 
 
 # Kernel tilings: (block_n, block_m, num_warps, num_stages, split_k, kind); kind (``wna16_matmul``):
@@ -182,10 +199,10 @@ def is_fma_tiling(tiling: tuple) -> bool:
     return isinstance(tiling, tuple) and len(tiling) > 5 and tiling[5] in (1, 2, 4)
 
 
-# Kind 6: kernels/wna16_mma.py (4 bits, bf16/fp16 x, groups of whole 64-column blocks), which reads its
-# own copy of the weight in the tensor cores' operand order (``kernel["mma_words"]``); block_n = warps x
-# row tiles x 16, block_m 16 (M <= 16), num_stages 2: the next chunk's words read before this chunk's
-# MMAs (1: not). Timed beside SKINNY_VARIANTS where the layout exists. Splits 1-2 never won on the
+# Kind 6: kernels/wna16_mma.py (4 bits, bf16/fp16 x, groups of whole 64-column blocks), which reads the
+# weight in the tensor cores' operand order (``kernel["mma_words"]``, then the layer's only copy of the
+# codes); block_n = warps x row tiles x 16, block_m 16 (M <= 16), num_stages 2: the next chunk's words
+# read before this chunk's MMAs (1: not). The only decode tilings timed for such a layer. Splits 1-2 never won on the
 # Llama-8B shapes (H200, benchmarks/results/quantization.md), so they are not timed.
 MMA_KIND = 6
 MMA_VARIANTS = tuple((block_n, 16, warps, stages, split, MMA_KIND)
@@ -193,6 +210,9 @@ MMA_VARIANTS = tuple((block_n, 16, warps, stages, split, MMA_KIND)
                                                     (256, 4, (4, 8, 16)))
                      for split in splits for stages in (1, 2))
 MMA_ENV = "TRITONLLM_WNA16_MMA"  # "0": no operand-order layout, the kernels before it (comparisons, a fallback)
+
+
+MMA_DEFAULT = (128, 16, 4, 2, 8, MMA_KIND)  # operand-order weights, decode rows no timing covers
 
 
 def mma_enabled() -> bool:
@@ -214,19 +234,26 @@ MID_VARIANTS = ((64, 32, 4, 3, 1, 3), (128, 32, 4, 3, 1, 3), (128, 32, 4, 3, 2, 
 
 
 def prepare_wna16(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
-                  dtype: torch.dtype, *, scale_dtype: torch.dtype = torch.float16) -> WNA16Weight:
+                  dtype: torch.dtype, *, scale_dtype: torch.dtype = torch.float16, mma: bool | None = None
+                  ) -> WNA16Weight:
     """A layer's stored weight, scale and zero (module docstring) -> its WNA16Weight for
-    activations of ``dtype``: on CUDA with Triton the kernels' packed layout (scales held in
-    ``scale_dtype``), elsewhere (or for a grouping the kernels do not take) the dequantized weight."""
+    activations of ``dtype``: on CUDA with Triton the kernels' packed layout, elsewhere (or for a
+    grouping the kernels do not take) the dequantized weight. The operand-order layout alone where
+    ``mma`` (default: $TRITONLLM_WNA16_MMA not "0") and wna16_mma takes the shape (its scales are
+    float16, so only with ``scale_dtype`` float16); else kernels/wna16_layout.py's, scales in ``scale_dtype``."""
     n, groups = scale.shape
     k = unpack_codes(weight[:1], bits).shape[-1]
     prepared = WNA16Weight(out_features=n, in_features=k, bits=bits, group_size=k // groups, dtype=dtype)
     if use_triton(weight) and wna16_layout.supports(k, k // groups):
         codes = unpack_codes(weight, bits)
-        prepared.kernel = wna16_layout.pack_kernel_layout(codes, scale, zero, bits, scale_dtype)
-        if mma_enabled() and wna16_mma.supports(k, k // groups, bits, dtype):
-            mma = wna16_mma.pack_mma_layout(codes, scale, zero)
-            prepared.kernel.update(mma_words=mma["words"], mma_meta=mma["meta"])
+        if (mma_enabled() if mma is None else mma) and scale_dtype == torch.float16 and \
+                wna16_mma.supports(k, k // groups, bits, dtype):
+            packed = wna16_mma.pack_mma_layout(codes, scale, zero)
+            prepared.kernel = {"mma_words": packed["words"], "mma_meta": packed["meta"]}
+            prepared.scratch = wna16_mma_dense.dense_scratch(weight.device, dtype)
+            prepared.scratch.reserve(n * k)
+        else:
+            prepared.kernel = wna16_layout.pack_kernel_layout(codes, scale, zero, bits, scale_dtype)
     else:
         prepared.dense = dequantize(weight, scale, zero, bits, dtype)
     return prepared
@@ -252,7 +279,14 @@ def wna16_linear(x: torch.Tensor, weight: WNA16Weight, bias: torch.Tensor | None
 def _product(rows: torch.Tensor, weight: WNA16Weight, layout: dict[str, torch.Tensor], tiling: tuple | str,
              bias: torch.Tensor | None = None) -> torch.Tensor:
     """rows (M, K) @ the weight held in ``layout`` (``weight.kernel`` or a copy of it) by ``tiling``:
-    a kernel tiling, or DENSE (dequantized into a temporary, then cuBLAS)."""
+    a kernel tiling, or DENSE (dequantized into a temporary, or for operand-order weights into
+    their scratch, then cuBLAS)."""
+    if "words" not in layout:  # operand order only: the decode kernel, or the scratch weight + cuBLAS
+        if tiling == DENSE or rows.shape[0] > MAX_SKINNY_ROWS:
+            return wna16_mma_dense.mma_dense_linear(rows, _mma_layout(layout), weight.out_features,
+                                                    weight.group_size, weight.scratch, bias)
+        if not (isinstance(tiling, tuple) and tiling[5:] == (MMA_KIND,)):
+            tiling = MMA_DEFAULT
     if tiling == DENSE:
         dense = wna16_gemm.dequantize_layout(layout, weight.out_features, weight.in_features, weight.bits,
                                              weight.group_size, rows.dtype)
@@ -272,7 +306,7 @@ def wna16_matmul(x: torch.Tensor, layout: dict[str, torch.Tensor], n: int, bits:
     tiling = dict(block_n=block_n, block_m=block_m, num_warps=num_warps, num_stages=num_stages, split_k=split_k)
     if kind == MMA_KIND:
         if "mma_words" in layout and x.shape[0] <= 16:
-            return wna16_mma.mma_matmul(x, {"words": layout["mma_words"], "meta": layout["mma_meta"]}, n, group_size,
+            return wna16_mma.mma_matmul(x, _mma_layout(layout), n, group_size,
                                         bias, tiles=block_n // (16 * num_warps), num_warps=num_warps, split_k=split_k,
                                         prefetch=num_stages > 1)
         return wna16_matmul(x, layout, n, bits, group_size, bias, **tile_options(SKINNY_DEFAULT))
@@ -285,10 +319,22 @@ def wna16_matmul(x: torch.Tensor, layout: dict[str, torch.Tensor], n: int, bits:
     return wna16_gemm.dequantizing_matmul(x, layout, n, bits, group_size, bias, **tiling, fma=kind == 1)
 
 
+def _mma_layout(layout: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """kernels/wna16_mma.py's names for the operand-order tensors of a layer's ``kernel``."""
+    return {"words": layout["mma_words"], "meta": layout["mma_meta"]}
+
+
 def dequantized_weight(weight: WNA16Weight, dtype: torch.dtype) -> torch.Tensor:
-    """The (N, K) weight in ``dtype``: the reference's copy, or one made from the kernel layout."""
+    """The (N, K) weight in ``dtype`` (a new tensor): the reference's copy, or one made from the kernel layout."""
     if weight.dense is not None:
         return weight.dense.to(dtype)
+    if weight.mma_only:
+        layout = _mma_layout(weight.kernel)
+        if use_triton(layout["words"]):
+            return wna16_mma_dense.dequantize_mma(layout, weight.out_features, weight.in_features,
+                                                  weight.group_size, dtype)
+        return wna16_mma_dense.dequantize_mma_ref(layout, weight.out_features, weight.in_features,
+                                                  weight.group_size, dtype)
     return wna16_gemm.dequantize_layout(weight.kernel, weight.out_features, weight.in_features, weight.bits,
                                         weight.group_size, dtype)
 
@@ -296,8 +342,14 @@ def dequantized_weight(weight: WNA16Weight, dtype: torch.dtype) -> torch.Tensor:
 def tiling_for(weight: WNA16Weight, rows: int) -> tuple | str:
     """The kernel tiling for ``rows`` rows, or DENSE: the one chosen at load for the fewest timed
     rows >= ``rows`` (decode sizes among the skinny tilings, MID_ROWS among MID_VARIANTS); past the
-    timed sizes, DENSE from DENSE_MIN_ROWS rows, else GEMM_TILES'."""
+    timed sizes, DENSE from DENSE_MIN_ROWS rows, else GEMM_TILES'. Operand-order weights (``mma_only``):
+    the timed MMA tiling (else MMA_DEFAULT) up to MAX_SKINNY_ROWS, DENSE past it."""
     skinny = rows <= MAX_SKINNY_ROWS
+    if weight.mma_only:
+        if not skinny:
+            return DENSE
+        timed = [m for m in sorted(weight.variant) if rows <= m <= MAX_SKINNY_ROWS]
+        return weight.variant[timed[0]] if timed else MMA_DEFAULT
     timed = [m for m in sorted(weight.variant) if m >= rows and (m <= MAX_SKINNY_ROWS) == skinny]
     if timed:
         return weight.variant[timed[0]]
@@ -338,17 +390,18 @@ def _time_skinny_variants(weight: WNA16Weight, rows: tuple[int, ...]) -> dict:
     from kernels.fp8 import l2_defeating_copies
     from kernels.linear import graph_time_ms
 
-    layouts = [{**weight.kernel, "words": words} for words in l2_defeating_copies(weight.kernel["words"])]
-    if "mma_words" in weight.kernel:
-        layouts = [{**layout, "mma_words": words}
-                   for layout, words in zip(layouts, l2_defeating_copies(weight.kernel["mma_words"]))]
+    if weight.mma_only:  # the decode kernel's tilings; past 16 rows only DENSE exists (nothing to time)
+        layouts = [{**weight.kernel, "mma_words": words} for words in l2_defeating_copies(weight.kernel["mma_words"])]
+        rows = tuple(m for m in rows if m <= MAX_SKINNY_ROWS)
+    else:
+        layouts = [{**weight.kernel, "words": words} for words in l2_defeating_copies(weight.kernel["words"])]
     turn = iter(range(1 << 40))
     chosen, times = {}, {}
     for m in rows:
-        x = torch.randn(m, weight.in_features, dtype=weight.dtype, device=weight.kernel["words"].device)
+        x = torch.randn(m, weight.in_features, dtype=weight.dtype, device=next(iter(weight.kernel.values())).device)
         candidates = SKINNY_VARIANTS if m <= MAX_SKINNY_ROWS else MID_VARIANTS
-        if m <= MAX_SKINNY_ROWS and "mma_words" in weight.kernel:
-            candidates = candidates + MMA_VARIANTS
+        if weight.mma_only:
+            candidates = MMA_VARIANTS
         times[m] = {variant: 1e3 * graph_time_ms(lambda: _product(x, weight, layouts[next(turn) % len(layouts)],
                                                                   variant))
                     for variant in candidates if not (is_fma_tiling(variant) and variant[1] < m)}

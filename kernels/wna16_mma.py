@@ -76,17 +76,22 @@ def pack_mma_layout(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
 
 def mma_layout_reference(x: torch.Tensor, layout: dict[str, torch.Tensor], n: int, k: int,
                          group_size: int) -> torch.Tensor:
-    """The product the kernel computes, from ``layout`` alone, in float32: each lane's word decoded as
-    the kernel's LOP3s do (pair p: nibble p low half, nibble p + 4 high half) and placed where
+    """The product the kernel computes, from ``layout`` alone, in float32: x (M, K) @ mma_layout_weight.T."""
+    return x.float() @ mma_layout_weight(layout, n, k, group_size).t()
+
+
+def mma_layout_weight(layout: dict[str, torch.Tensor], n: int, k: int, group_size: int) -> torch.Tensor:
+    """The weight (N, K) float32 that ``layout`` holds, (q - z) * s: each lane's word decoded as the
+    kernel's LOP3s do (pair p: nibble p low half, nibble p + 4 high half) and placed where
     mma.m16n8k16's A fragment puts register a_p of lane L (PTX ISA: rows L // 4 + 8 (p % 2), columns
     2 (L % 4) + 8 (p // 2) + {0, 1}). Independent of ``pack_mma_layout``'s permutation: the CPU tests'
-    check of the layout against the dequantized weight. x (M, K)."""
+    check of the layout against the dequantized weight, and kernels/wna16_mma_dense.py's reference."""
     n_pad = layout["meta"].shape[1]
     words = (layout["words"].long() & 0xFFFFFFFF).view(n_pad // 16, -1, 32, 4)  # tile, block, lane, slice
     tiles, blocks = words.shape[:2]
-    lane = torch.arange(32)
+    lane = torch.arange(32, device=words.device)
     g, c = lane // 4, lane % 4
-    a = torch.zeros(tiles, blocks, 4, 16, 16, dtype=torch.long)  # tile, block, slice, row, column
+    a = torch.zeros(tiles, blocks, 4, 16, 16, dtype=torch.long, device=words.device)  # tile, block, slice, row, column
     for p in range(4):
         for e in range(2):
             nibble = (words >> (4 * p + 16 * e)) & 0xF  # tile, block, lane, slice
@@ -95,9 +100,9 @@ def mma_layout_reference(x: torch.Tensor, layout: dict[str, torch.Tensor], n: in
     meta = layout["meta"].long()
     scale = ((meta >> 16) & 0xFFFF).to(torch.int16).view(torch.float16).float()  # (groups, n_pad)
     zero = (meta & 0xFF).float()
-    group = torch.clamp(torch.arange(blocks * KB_COLUMNS) // group_size, max=scale.shape[0] - 1)
+    group = torch.clamp(torch.arange(blocks * KB_COLUMNS, device=words.device) // group_size, max=scale.shape[0] - 1)
     weight = (codes.float() - zero[group].t()) * scale[group].t()
-    return x.float() @ weight[:n, :k].t()
+    return weight[:n, :k].contiguous()
 
 
 def _mma_asm(nb: int, fp16: bool) -> str:

@@ -40,7 +40,8 @@ GEMM_CANDIDATES = {16: [(64, 16, 4, 4, 4, 0), (64, 16, 4, 4, 1, 0), (64, 16, 4, 
 def quantized_weight(shape, bits: int, group_size: int, scale_dtype=torch.float16):
     weight = torch.randn(shape, device="cuda") * 0.02
     stored, scale, zero = quantize(weight, bits, group_size, symmetric=True)
-    return prepare_wna16(stored, scale, zero, bits, torch.bfloat16, scale_dtype=scale_dtype)
+    # kernels/wna16_layout.py's kernels (mma=False); the operand-order ones: wna16_mma_bench.py
+    return prepare_wna16(stored, scale, zero, bits, torch.bfloat16, scale_dtype=scale_dtype, mma=False)
 
 
 def weight_bytes(weight) -> int:

@@ -24,7 +24,7 @@ def main() -> None:
     print(torch.cuda.get_device_name())
     for name, (n, k) in SHAPES.items():
         weight = torch.randn(n, k, device="cuda") * 0.02
-        prepared = prepare_wna16(*quantize(weight, 4, 128, symmetric=False), 4, torch.bfloat16)
+        prepared = prepare_wna16(*quantize(weight, 4, 128, symmetric=False), 4, torch.bfloat16, mma=False)
         report = choose_wna16_variants([prepared], rows=())[(4, 128, n, k)]
         dense_weight = weight.to(torch.bfloat16)
         for m in MID_ROWS:

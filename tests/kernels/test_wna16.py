@@ -107,7 +107,7 @@ def test_kernel_layout_holds_every_code_once(bits, k):
 def kernel_weight(stored, scale, zero, bits: int, dtype: torch.dtype, device: str) -> WNA16Weight:
     """prepare_wna16 on the device; under the CPU interpreter the kernel layout built by hand."""
     if device == "cuda":
-        return prepare_wna16(stored.cuda(), scale.cuda(), zero.cuda(), bits, dtype)
+        return prepare_wna16(stored.cuda(), scale.cuda(), zero.cuda(), bits, dtype, mma=False)  # the kernels before wna16_mma
     k = unpack_codes(stored[:1], bits).shape[-1]
     return WNA16Weight(scale.shape[0], k, bits, k // scale.shape[1], dtype,
                        kernel=wna16_layout.pack_kernel_layout(unpack_codes(stored, bits), scale, zero, bits,
