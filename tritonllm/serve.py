@@ -210,6 +210,22 @@ def ready_message(http_port: str, grpc_port: str, metrics_port: str, openai_port
     return message + "Stop with Ctrl-C."
 
 
+def refuse_encoder_decoder(checkpoint: str) -> None:
+    """T5, BART and Whisper checkpoints build two engines and their own fill (not this command's
+    yet): exit naming the architecture and the way that works (docs/features/encoder-decoder.md)."""
+    from engine.config import ENCODER_DECODER_ARCHITECTURES
+
+    try:
+        architectures = json.loads((Path(checkpoint) / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError):
+        return  # a GGUF file or no config: the build says what is wrong
+    if architectures and architectures[0] in ENCODER_DECODER_ARCHITECTURES:
+        sys.exit(f"tritonllm serve: {architectures[0]} (encoder-decoder) is not served by this command yet; build "
+                 f"it with python -m engine.build --checkpoint {checkpoint} --output DIR (DIR/encoder, DIR/decoder) and "
+                 "fill the stock repository with engine_dir DIR/decoder and encoder_engine_dir DIR/encoder "
+                 "(docs/features/encoder-decoder.md)")
+
+
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--engine_dir", default=str(default_engine_dir()),
@@ -261,6 +277,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     args = parser.parse_args(argv)
 
     if args.model:
+        refuse_encoder_decoder(args.model)
         engine_dir = str(ensure_checkpoint_engine(args.model, checkpoint_build_args(args)))
         model_name = args.served_model_name or served_name(args.model)
         repo, engine_models = checkpoint_repository(

@@ -51,3 +51,9 @@ def test_templates_copy_the_five_models_then_fill_template_fills_one(tmp_path, c
         main(["templates", str(repo)])
     main(["templates", "--llmapi", str(tmp_path / "llmapi")])
     assert (tmp_path / "llmapi" / "tensorrt_llm" / "1" / "model.yaml").is_file()
+
+
+def test_serve_refuses_an_encoder_decoder_checkpoint_by_name(tmp_path):
+    (tmp_path / "config.json").write_text('{"architectures": ["WhisperForConditionalGeneration"]}')
+    with pytest.raises(SystemExit, match="WhisperForConditionalGeneration \\(encoder-decoder\\) is not served by"):
+        main(["serve", str(tmp_path)])
