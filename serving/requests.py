@@ -6,6 +6,7 @@ with B rows becomes B executor requests (row b keeps `batch_index` b).
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
@@ -58,7 +59,6 @@ IGNORED_INPUTS = (
 #   encoder_input_features, cross_attention_mask, mrope_rotary_cos_sin: any element.
 #       encoder_output_lengths, mrope_position_deltas: non-zero. skip_cross_attn_blocks: a false
 #       value (true skips cross-attention, which a decoder-only engine does not have anyway).
-#   context_phase_params: any element.
 #   runtime_top_p_decay: other than 1.0 (no decay, TRT-LLM's default). runtime_top_p_min: above the
 #       item's top-p (runtime_top_p; 1.0 when unset or <= 0), since TRT-LLM's per-token update
 #       top_p = max(top_p * decay, top_p_min) would raise it. runtime_top_p_reset_ids: an id >= 0
@@ -205,9 +205,6 @@ UNSUPPORTED_FEATURES = (
          "skip_cross_attn_blocks": any_false("skip_cross_attn_blocks"),
          "mrope_rotary_cos_sin": non_empty("mrope_rotary_cos_sin"),
          "mrope_position_deltas": any_nonzero("mrope_position_deltas")}),
-    UnsupportedFeature(
-        "disaggregated serving (context/generation phase split) is", without("context_phase_params"),
-        {"context_phase_params": non_empty("context_phase_params")}),
     UnsupportedFeature(
         "top-p decay is",
         "send runtime_top_p_decay 1.0, runtime_top_p_min no larger than runtime_top_p and "
@@ -470,6 +467,10 @@ class RequestSpec:
     prompt_table: dict[str, Any] | None = None  # PromptTable fields (prompt_table)
     encoder_input_ids: list[int] | None = None  # encoder-decoder engines: input_ids (decoder_prompt)
     encoder_input_features: np.ndarray | None = None  # Whisper: (frames, num_mel_bins) (encoder_features)
+    # Disaggregated serving (engine/executor/disaggregated.py): the Triton request parameter
+    # request_type, and a generation_only item's context_phase_params (its context_only item's output).
+    request_type: str = "context_and_generation"
+    context_phase_params: bytes | None = None
 
     @property
     def num_return_sequences(self) -> int:
@@ -579,9 +580,11 @@ def _output(tensors, batch_size: int, row: int, exclude_input_default: bool | No
 
 def convert_row(tensors: Mapping[str, np.ndarray], row: int, batch_size: int, *,
                 decoupled: bool, exclude_input_default: bool | None,
-                max_input_len: int | None = None, encoder_decoder: bool = False) -> RequestSpec:
+                max_input_len: int | None = None, encoder_decoder: bool = False,
+                request_type: str = "context_and_generation") -> RequestSpec:
     """Validate and convert batch row `row`; raises ValueError with the reference's text.
-    ``encoder_decoder``: input_ids are the encoder's, the prompt is decoder_prompt's."""
+    ``encoder_decoder``: input_ids are the encoder's, the prompt is decoder_prompt's.
+    ``request_type``: the Triton request's parameter of that name (request_type_of)."""
     max_tokens = read_scalar(tensors, "request_output_len", batch_size, row)
     if max_tokens is None:
         raise ValueError("A value is required for request_output_len")
@@ -617,12 +620,37 @@ def convert_row(tensors: Mapping[str, np.ndarray], row: int, batch_size: int, *,
         lora=lora_adapter(tensors, batch_size, row),
         external_draft=external_draft(tensors, batch_size, row),
         prompt_table=prompt_table(tensors, batch_size, row, len(input_token_ids)),
+        request_type=request_type,
+        context_phase_params=_context_phase_params(tensors, batch_size, row),
     )
+
+
+REQUEST_TYPES = ("context_and_generation", "context_only", "generation_only")
+
+
+def request_type_of(request_parameters: str) -> str:
+    """The request_type parameter of a Triton request (its parameters as JSON text); a ValueError
+    naming the allowed values for anything else."""
+    try:
+        value = json.loads(request_parameters or "{}").get("request_type", REQUEST_TYPES[0])
+    except (ValueError, AttributeError):
+        return REQUEST_TYPES[0]
+    if value not in REQUEST_TYPES:
+        raise ValueError(f"request_type: '{value}' is not supported; allowed: {', '.join(REQUEST_TYPES)}")
+    return value
+
+
+def _context_phase_params(tensors: Mapping[str, np.ndarray], batch_size: int, row: int) -> bytes | None:
+    """An item's context_phase_params (UINT8 [-1]) as bytes; None when not sent or empty."""
+    if not _present(tensors.get("context_phase_params")):
+        return None
+    return np.ascontiguousarray(read_row(tensors, "context_phase_params", batch_size, row), dtype=np.uint8).tobytes()
 
 
 def convert_request(tensors: Mapping[str, np.ndarray], *, decoupled: bool,
                     exclude_input_default: bool | None = None,
-                    max_input_len: int | None = None, encoder_decoder: bool = False) -> list[RequestSpec]:
+                    max_input_len: int | None = None, encoder_decoder: bool = False,
+                    request_type: str = "context_and_generation") -> list[RequestSpec]:
     """All rows of one Triton request; raises ValueError on the first invalid input.
 
     `max_input_len` is the engine's prompt limit (an encoder-decoder's: its encoder input limit; the
@@ -630,7 +658,7 @@ def convert_request(tensors: Mapping[str, np.ndarray], *, decoupled: bool,
     batch_size = batch_size_of(tensors, encoder_decoder)
     refuse_unsupported(tensors, batch_size, ENCODER_DECODER_FEATURES if encoder_decoder else UNSUPPORTED_FEATURES)
     return [convert_row(tensors, row, batch_size, decoupled=decoupled, exclude_input_default=exclude_input_default,
-                        max_input_len=max_input_len, encoder_decoder=encoder_decoder)
+                        max_input_len=max_input_len, encoder_decoder=encoder_decoder, request_type=request_type)
             for row in range(batch_size)]
 
 
@@ -655,6 +683,7 @@ def to_executor_request(spec: RequestSpec):
         external_draft=None if spec.external_draft is None else _draft_tokens(ExternalDraftTokens, spec.external_draft),
         prompt_table=None if spec.prompt_table is None else PromptTable(**spec.prompt_table),
         encoder_input_ids=spec.encoder_input_ids, encoder_input_features=spec.encoder_input_features,
+        request_type=spec.request_type, context_phase_params=spec.context_phase_params,
     )
 
 

@@ -116,6 +116,9 @@ def result_tensors(result: Any, *, batch_index: int, batch_size: int, num_return
         value = getattr(result, name, None)
         if value is not None:
             tensors[name] = _as_numpy(value, logits_dtype)[None]
+    blob = getattr(result, "context_phase_params", None)
+    if blob is not None:  # a context_only request's final result: (1, len) UINT8, opaque to the client
+        tensors["context_phase_params"] = np.frombuffer(blob, dtype=np.uint8)[None]
     if batch_size > 1:
         tensors["batch_index"] = np.array([[batch_index]], dtype=np.int32)
     if num_return_sequences > 1:

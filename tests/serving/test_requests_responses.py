@@ -3,8 +3,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from serving.requests import (IGNORED_INPUTS, conversion_error_message, convert_request,
-                              is_stop_request)
+from serving.requests import (IGNORED_INPUTS, conversion_error_message, convert_request, request_type_of,
+                              is_stop_request, to_executor_request)
 from serving.responses import PERF_OUTPUTS, result_tensors
 
 
@@ -94,8 +94,26 @@ def test_retention_hints_are_ignored_and_unsupported_features_refused():
     # the rule of every refused input)
     tensors = minimal(**{name: np.zeros((1, 1), np.int32) for name in IGNORED_INPUTS})
     assert convert_request(tensors, decoupled=False) == convert_request(minimal(), decoupled=False)
-    with pytest.raises(ValueError, match="^context_phase_params: disaggregated serving .* is not supported by this backend"):
-        convert_request(minimal(context_phase_params=np.ones((1, 8), np.uint8)), decoupled=False)
+    with pytest.raises(ValueError, match="^lookahead_window_size: lookahead decoding is not supported by this backend"):
+        convert_request(minimal(lookahead_window_size=np.ones((1, 1), np.int32)), decoupled=False)
+
+
+def test_request_type_and_context_phase_params_reach_the_executor_request():
+    """Disaggregated serving: the Triton parameter request_type and the UINT8 blob per item."""
+    assert request_type_of("") == request_type_of('{"other": 1}') == "context_and_generation"
+    assert request_type_of('{"request_type": "context_only"}') == "context_only"
+    with pytest.raises(ValueError, match="^request_type: 'prefill' is not supported; allowed: context_and_generation, "
+                                         "context_only, generation_only$"):
+        request_type_of('{"request_type": "prefill"}')
+    [spec] = convert_request(minimal(context_phase_params=np.arange(8, dtype=np.uint8)[None]), decoupled=False,
+                             request_type="generation_only")
+    request = to_executor_request(spec)
+    assert (request.request_type, request.context_phase_params) == ("generation_only", bytes(range(8)))
+    [plain] = convert_request(minimal(context_phase_params=np.zeros((1, 0), np.uint8)), decoupled=False)
+    assert (plain.request_type, plain.context_phase_params) == ("context_and_generation", None)
+    result = SimpleNamespace(output_token_ids=[[1, 2]], context_phase_params=b"\x01\x02")
+    tensors = result_tensors(result, batch_index=0, batch_size=1, num_return_sequences=1, want_perf=False)
+    assert tensors["context_phase_params"].dtype == np.uint8 and tensors["context_phase_params"].tolist() == [[1, 2]]
 
 
 def test_stop_detection_and_error_wrapping():

@@ -51,7 +51,6 @@ USED = {
     "skip_cross_attn_blocks": (np.array([[False]]), {}),
     "mrope_rotary_cos_sin": (np.ones((1, 16), np.float32), {}),
     "mrope_position_deltas": (np.array([[2]], np.int64), {}),
-    "context_phase_params": (np.ones((1, 8), np.uint8), {}),
     "runtime_top_p_decay": (f32([0.9]), {"runtime_top_p": f32([0.8])}),
     "runtime_top_p_min": (f32([0.9]), {"runtime_top_p": f32([0.5])}),
     "runtime_top_p_reset_ids": (i32([13]), {"runtime_top_p_decay": f32([0.9])}),
@@ -69,7 +68,7 @@ def test_every_unsupported_input_has_a_case_and_every_declared_input_a_rule():
             "repetition_penalty", "min_tokens", "presence_penalty", "frequency_penalty", "seed",
             "return_log_probs", "return_context_logits", "return_generation_logits",
             "return_perf_metrics", "exclude_input_in_output", "stop", "streaming", "num_top_log_probs",
-            *GUIDED_INPUTS, *LORA_INPUTS, *DRAFT_INPUTS, *PROMPT_TABLE_INPUTS}
+            "context_phase_params", *GUIDED_INPUTS, *LORA_INPUTS, *DRAFT_INPUTS, *PROMPT_TABLE_INPUTS}
     assert declared == read | set(UNSUPPORTED_INPUTS) | set(IGNORED_INPUTS)
     assert not set(UNSUPPORTED_INPUTS) & set(IGNORED_INPUTS)
 
@@ -88,10 +87,10 @@ def test_a_used_unsupported_input_is_refused_by_name(name):
 
 def test_error_text_names_what_is_wrong_and_what_is_allowed():
     with pytest.raises(ValueError) as raised:
-        convert_request(minimal(context_phase_params=USED["context_phase_params"][0]), decoupled=False)
+        convert_request(minimal(lookahead_window_size=USED["lookahead_window_size"][0]), decoupled=False)
     assert str(raised.value) == (
-        "context_phase_params: disaggregated serving (context/generation phase split) is not supported by this "
-        "backend; send the request without context_phase_params")
+        "lookahead_window_size: lookahead decoding is not supported by this backend; send the request without "
+        "lookahead_window_size/lookahead_ngram_size/lookahead_verification_set_size")
 
 
 # input -> values that must pass: empty tensors, the "off" values clients and the pipeline send
