@@ -36,6 +36,11 @@ from serving.text import string_rows
 PROMPT_WRAPPERS = {"llava": ("USER:\n", "", " ASSISTANT:"),
                    "llava_onevision": ("<|im_start|>user ", "\n", "<|im_end|><|im_start|>assistant\n")}
 DEFAULT_MAX_NUM_IMAGES = 1
+# Families the engine builds and runs whose serving pieces are not written yet, refused at model load.
+# Qwen2-VL needs image_grid_thw through preprocessing and the MROPE tensors from multimodal_encoders.
+NOT_SERVED = {"qwen2_vl": "Qwen2-VL engines run through the executor (engine.executor Request.mrope) but are not "
+                          "served through Triton or the OpenAI frontend yet; supported here: llava, llava_next, "
+                          "llava_onevision"}
 TEXT_ONLY = ("images and video were sent to a text-only model (the preprocessing parameter multimodal_model_path "
              "is not set); send {name} only to a vision-language model's repository (all_models/multimodal)")
 
@@ -48,6 +53,11 @@ def _urls(array, row: int) -> list[str]:
     if not _present(array):
         return []
     return [url for url in string_rows(array)[row] if url]
+
+
+def refuse_unserved(model_type: str) -> None:
+    if model_type in NOT_SERVED:
+        raise ValueError(f"vision encoder of model_type {model_type!r}: {NOT_SERVED[model_type]}")
 
 
 def refuse_images_on_text_model(tensors: dict) -> None:
@@ -79,6 +89,7 @@ class ImagePrompts:
             config = json.load(f)
         self.config = config
         self.model_type = config["builder_config"]["model_type"]
+        refuse_unserved(self.model_type)
         self.num_image_tokens = config["num_image_tokens"]
         self.anyres = "anyres" in config  # LLaVA-NeXT / OneVision: rows per image depend on its size
         self.tokenizer = tokenizer
@@ -264,6 +275,7 @@ class VisionEncoderRunner:
 
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.encoder = load_vision_encoder(encoder_dir, self.device)
+        refuse_unserved(self.encoder.model_type)
         self.num_image_tokens = self.encoder.num_image_tokens
         self.anyres = hasattr(self.encoder, "anyres")
 

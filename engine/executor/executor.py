@@ -41,6 +41,7 @@ from engine.executor.executor_config import (  # noqa: F401
 )
 from engine.executor.kv_host_tier import make_host_tier
 from engine.encoder_decoder.encoder_stage import EncoderStage, encoder_decoder_runner, encoder_input_error
+from engine.executor.mrope_rotary import step_rotary_of
 from engine.executor.prompt_table import gather_prompt_embeds, prompt_cache_keys
 from engine.executor import state_cache
 from engine.models.prompt_embeds import PromptEmbeds
@@ -194,8 +195,11 @@ class Executor:
             hidden_size=self.runner.model_config.hidden_size,
             # One rank only: the step protocol sends token ids, not the table rows the splice needs.
             supports_prompt_tables=build.tp_size == 1
-            and getattr(getattr(self.runner, "model", None), "supports_prompt_tables", False))
+            and getattr(getattr(self.runner, "model", None), "supports_prompt_tables", False),
+            mrope_width=self.runner.model_config.head_dim if build.tp_size == 1 and build.pp_size == 1
+            and getattr(getattr(self.runner, "model", None), "supports_mrope", False) else 0)
         self._table_request_ids: set[int] = set()  # active requests with a prompt table
+        self._mrope_request_ids: set[int] = set()  # active requests with M-RoPE rows (mrope_rotary.py)
         self._num_draft_tokens_total = 0  # cumulative, for IterationStats
         self._num_accepted_draft_tokens_total = 0
 
@@ -440,6 +444,8 @@ class Executor:
             if table is not None:  # the prefix cache sees each fake id as its table's content
                 self._table_request_ids.add(state.request_id)
                 cache_keys = prompt_cache_keys(state.request.input_token_ids, table, self.limits.vocab_size)
+            if state.request.mrope is not None:
+                self._mrope_request_ids.add(state.request_id)
             for index in range(state.num_streams if beam_width == 1 else beam_width):
                 seq = Sequence(next(self._seq_ids), state, sequence_index=0 if beam_width > 1 else index,
                                beam_index=index if beam_width > 1 else 0)
@@ -580,8 +586,9 @@ class Executor:
             if self.encoder_stage is not None:
                 batch.cross_block_tables, batch.cross_lengths = self.encoder_stage.cross_rows(plan)
             prompt_embeds = self._prompt_embeds(plan) if self._table_request_ids else None
-            logits = (self.runner.forward(batch) if prompt_embeds is None
-                      else self.runner.forward(batch, prompt_embeds=prompt_embeds))
+            rotary = step_rotary_of(plan.scheduled, batch) if self._mrope_request_ids else None
+            logits = self.runner.forward(batch, **({} if prompt_embeds is None else {"prompt_embeds": prompt_embeds}),
+                                         **({} if rotary is None else {"rotary": rotary}))
             # A constrained row samples after the previous step's tokens reach its matcher (_sample_guided).
             guided = self.token_masks is not None and any(seq.grammar is not None for seq, _ in sampling)
             transfer = self._sample(logits, sampling, batch) if sampling and not guided else None
@@ -1021,6 +1028,7 @@ class Executor:
         self._active.pop(state.request_id, None)
         self._sync_request_ids.discard(state.request_id)
         self._table_request_ids.discard(state.request_id)
+        self._mrope_request_ids.discard(state.request_id)
 
     def _deliver(self, responses: list[Response]) -> None:
         started = time.perf_counter()

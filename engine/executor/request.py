@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from engine.executor.mrope_rotary import Mrope, mrope_error, normalize_mrope
 from engine.executor.prompt_table import PromptTable, normalize_prompt_table, prompt_table_error
 from engine.executor.top_log_probs import MAX_TOP_LOG_PROBS, num_top_log_probs_error
 
@@ -171,6 +172,8 @@ class Request:
     external_draft: ExternalDraftTokens | None = None  # drafts verified at the first generation step
     # Prompt ids >= vocab_size take rows of this table (image features; engine/executor/prompt_table.py).
     prompt_table: PromptTable | None = None
+    # M-RoPE (Qwen2-VL): rotary rows of the prompt tokens and the delta after them (engine/executor/mrope_rotary.py).
+    mrope: Mrope | None = None
     # Encoder-decoder engines (engine/encoder_decoder/): the encoder's input tokens; input_token_ids is
     # then the decoder prompt (empty: [decoder_start_token_id]).
     encoder_input_ids: list[int] | None = None
@@ -376,6 +379,7 @@ class RequestLimits:
     max_draft_len: int = 8  # the most external draft tokens a request may carry
     hidden_size: int = 0  # the width a prompt_embedding_table's rows must have
     supports_prompt_tables: bool = True  # the model's forward splices table rows (engine/executor/prompt_table.py)
+    mrope_width: int = 0  # the rotary rows' width an Mrope must have; 0: the model takes none (mrope_rotary.py)
 
 
 def _token_ids_in_vocab(name: str, token_ids, vocab_size: int) -> str | None:
@@ -508,6 +512,8 @@ def validate_request(request: Request, limits: RequestLimits) -> str | None:
             return f"{name} must be -1 (none) or a token id 0..{limits.vocab_size - 1}, got {token}"
     error = prompt_table_error(prompt, request.prompt_table, limits.vocab_size, limits.hidden_size,
                                limits.supports_prompt_tables)
+    error = error or mrope_error(len(prompt), request.max_tokens, request.mrope, limits.mrope_width,
+                                 limits.max_seq_len)
     ordinary = prompt if request.prompt_table is None else [t for t in prompt if t < limits.vocab_size]
     error = error or _token_ids_in_vocab("input_token_ids", ordinary, limits.vocab_size)
     for name, words in (("stop_words", request.stop_words), ("bad_words", request.bad_words)):
@@ -567,6 +573,7 @@ def normalize_request(request: Request) -> Request:
         external_draft=None if request.external_draft is None else replace(
             request.external_draft, token_ids=_int_list("draft_input_ids", request.external_draft.token_ids)),
         prompt_table=None if request.prompt_table is None else normalize_prompt_table(request.prompt_table),
+        mrope=None if request.mrope is None else normalize_mrope(request.mrope),
         encoder_input_ids=None if request.encoder_input_ids is None
         else _int_list("encoder_input_ids", request.encoder_input_ids),
         lora=None if request.lora is None else replace(

@@ -23,6 +23,7 @@ from engine.executor.device_memory import apply_memory_fraction_from_env, free_d
 from engine.executor.cuda_graphs import DecodeGraphs, choose_programmatic_launch, run_warmup_batch
 from engine.executor.overlap import resolve_placeholders
 from engine.executor.prefill_graphs import PrefillGraphs
+from engine.executor.mrope_rotary import StepRotary
 from engine.models.prompt_embeds import PromptEmbeds, embeddable_ids
 from engine.executor.random_weights import has_random_weights, materialize_random_weights
 from engine.lora.pool import LoraPools
@@ -381,14 +382,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, *, all_logits: bool = False,
-                prompt_embeds: PromptEmbeds | None = None) -> torch.Tensor:
+                prompt_embeds: PromptEmbeds | None = None, rotary: StepRotary | None = None) -> torch.Tensor:
         """Run one packed step; float32 logits (len(logits_indices), vocab), or (num_tokens, vocab)
         for every new token when ``all_logits`` (context logits). ``prompt_embeds``: rows of prompt
         tables that replace the embeddings of some of the batch's tokens (engine/executor/prompt_table.py);
-        such steps run eagerly."""
+        such steps run eagerly. ``rotary``: M-RoPE requests' rotary positions (engine/executor/mrope_rotary.py);
+        such steps run eagerly too."""
         if self.kv_cache is None:
             raise RuntimeError("allocate_kv_cache() must run before forward()")
-        graphs_may_run = not all_logits and prompt_embeds is None
+        graphs_may_run = not all_logits and prompt_embeds is None and rotary is None
         if self.decode_graphs is not None and graphs_may_run:
             hidden = self.decode_graphs.try_run(batch)
             if hidden is not None:  # a decode-only batch, replayed from its bucket's graph
@@ -402,6 +404,8 @@ class ModelRunner:
         if prompt_embeds is not None:
             input_ids = embeddable_ids(input_ids, self.vocab_size)
             table_rows = {"prompt_embeds": prompt_embeds}
+        if rotary is not None:  # only models with supports_mrope take the keyword
+            table_rows["rotary"] = rotary.resolve(self.model.cos_sin_cache)
         hidden = self.model(resolve_placeholders(input_ids, self.sampled_tokens), positions, self.kv_cache, meta,
                             **table_rows)
         if not all_logits:

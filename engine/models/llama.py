@@ -130,6 +130,8 @@ class LlamaForCausalLM(nn.Module):
     supports_lora = True
     # forward() takes prompt_embeds (prompt-embedding tables, image features).
     supports_prompt_tables = True
+    # forward() takes rotary: M-RoPE requests' rotary positions (engine/executor/mrope_rotary.py).
+    supports_mrope = True
 
     def __init__(self, config: ModelConfig, *, tp_rank: int = 0, tp_size: int = 1, tp_group=None,
                  dtype: torch.dtype = torch.float32, device=None, max_positions: int | None = None,
@@ -165,10 +167,15 @@ class LlamaForCausalLM(nn.Module):
         return self.cos_sin_cache
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                attn_meta: AttentionMetadata, prompt_embeds: PromptEmbeds | None = None) -> torch.Tensor:
+                attn_meta: AttentionMetadata, prompt_embeds: PromptEmbeds | None = None,
+                rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """input_ids, positions: (num_tokens,) -> final-normed hidden states (num_tokens, hidden).
-        ``prompt_embeds``: prompt-table rows that replace some tokens' embeddings (image features)."""
+        ``prompt_embeds``: prompt-table rows that replace some tokens' embeddings (image features).
+        ``rotary``: (positions (num_tokens,), table (rows, head_dim)) that rotary reads instead of
+        ``positions`` and the model's table (M-RoPE); the KV slots are attn_meta's either way."""
         cos_sin_cache = self._rotary_table(input_ids.device)
+        if rotary is not None:
+            positions, cos_sin_cache = rotary
         x, residual = splice_prompt_embeds(self.embed_tokens(input_ids), prompt_embeds), None
         for layer in self.layers:
             x, residual = layer(x, residual, positions, cos_sin_cache, kv_cache, attn_meta)

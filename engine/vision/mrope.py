@@ -56,3 +56,23 @@ def mrope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, sections
     angles = torch.cat([block[j % 3] for j, block in enumerate(angles.split(list(sections), dim=-1))], dim=-1)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
+
+
+def rotary_rows(positions: torch.Tensor, head_dim: int, theta: float, sections: list[int]) -> torch.Tensor:
+    """positions (3, L) -> (L, head_dim) fp32 rows in the engine's rotary-table layout
+    (kernels/rotary.py build_cos_sin_cache: [cos of the head_dim / 2 frequencies | their sin])."""
+    cos, sin = mrope_cos_sin(positions, head_dim, theta, sections)
+    return torch.cat([cos[:, :head_dim // 2], sin[:, :head_dim // 2]], dim=-1)
+
+
+def request_mrope(ids: list[int], grids: list[list[int]], config: dict, vocab_size: int | None = None
+                  ) -> tuple[torch.Tensor, int]:
+    """A Qwen2-VL prompt's (rotary rows (len(ids), head_dim), mrope_position_delta), what the executor's
+    ``Mrope`` takes (engine/executor/mrope_rotary.py). ``ids``: the prompt with each image's rows as
+    runs of the image token (``config["image_token_index"]``), or, given ``vocab_size``, as the fake ids
+    (>= vocab_size) of a prompt-embedding table; ``grids``: each image's (t, h, w) patch grid, in
+    order; ``config``: the vision encoder directory's config (its ``mrope``)."""
+    mrope, image = config["mrope"], config["image_token_index"]
+    marked = [image if vocab_size is not None and t >= vocab_size else t for t in ids]
+    positions, delta = rope_positions(marked, image, grids, mrope["merge"])
+    return rotary_rows(positions, mrope["head_dim"], mrope["theta"], mrope["sections"]), delta

@@ -11,10 +11,16 @@ Per block: x + attn(LayerNorm(x)), x + mlp(LayerNorm(x)); attention is bidirecti
 image frame (the images' frames are sequences of their own), with rotary over the head dims: the
 first half of the frequencies from the patch's row, the second from its column (``axial_cos_sin``).
 
-Not built yet: Qwen2.5-VL's window attention, RMSNorm and SwiGLU blocks; the language model's
-M-RoPE in the engine (engine/vision/mrope.py computes its positions and rotary tables).
+The language model is built as a plain Qwen2 engine (``text_config``): its M-RoPE is the request's,
+rows of rotary cos/sin per prompt token and a position delta for what follows
+(engine/vision/mrope.py computes them from the encoder config's ``mrope``; the executor applies them,
+engine/executor/mrope_rotary.py).
+
+Not built yet: Qwen2.5-VL's window attention, RMSNorm and SwiGLU blocks.
 """
 from __future__ import annotations
+
+import copy
 
 import torch
 import torch.nn.functional as F
@@ -110,9 +116,34 @@ class Qwen2VisionEncoder(nn.Module):
         return list(rows.split([t * h * w // merge ** 2 for t, h, w in grids]))
 
 
+def _text_rope(text) -> dict:
+    """The text model's rope settings as transformers 5 (rope_parameters) or 4 (rope_theta, rope_scaling
+    of type "mrope") spell them."""
+    return {**({"rope_theta": getattr(text, "rope_theta", None)} if getattr(text, "rope_theta", None) else {}),
+            **(getattr(text, "rope_scaling", None) or {}), **(getattr(text, "rope_parameters", None) or {})}
+
+
+def text_config(hf_config):
+    """The language model's config as a plain Qwen2's: rope without its M-RoPE sections (the engine's
+    own rotary table is plain RoPE; a request's image rows bring their own rows)."""
+    text = copy.deepcopy(hf_config.text_config)
+    text.architectures = ["Qwen2ForCausalLM"]
+    name = "rope_parameters" if getattr(text, "rope_parameters", None) else "rope_scaling"  # transformers 5, 4
+    rope = getattr(text, name, None)
+    if rope:
+        rope = {k: v for k, v in rope.items() if k not in ("mrope_section", "mrope_interleaved")}
+        if rope.get("rope_type", rope.get("type")) == "mrope":
+            rope.pop("type", None)
+            rope["rope_type"] = "default"
+        setattr(text, name, rope)
+    return text
+
+
 def encoder_config(hf_config) -> dict:
-    vision = hf_config.vision_config
+    vision, text = hf_config.vision_config, hf_config.text_config
     rope = getattr(vision, "rope_parameters", None) or {}
+    text_rope = _text_rope(text)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     return {
         "qwen2_vl": {"embed_dim": vision.embed_dim, "depth": vision.depth, "num_heads": vision.num_heads,
                      "mlp_ratio": vision.mlp_ratio, "hidden_act": vision.hidden_act, "in_channels": vision.in_channels,
@@ -121,6 +152,12 @@ def encoder_config(hf_config) -> dict:
                      "rope_theta": rope.get("rope_theta", 10000.0)},
         "num_image_tokens": None,  # rows per image: t * h * w / merge**2 of its grid
         "image_token_index": getattr(hf_config, "image_token_id", None),
+        "vision_start_token_id": getattr(hf_config, "vision_start_token_id", None),
+        "vision_end_token_id": getattr(hf_config, "vision_end_token_id", None),
+        # The language model's M-RoPE: a request's rotary rows (engine/vision/mrope.py request_mrope)
+        "mrope": {"sections": list(text_rope.get("mrope_section") or []), "head_dim": head_dim,
+                  "theta": float(text_rope.get("rope_theta", 10000.0)),
+                  "merge": vision.spatial_merge_size},
     }
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from engine.hf_checkpoint import CheckpointError, TensorGetter
-from engine.vision import llava, llava_next
+from engine.vision import llava, llava_next, qwen2_vl
 from engine.vision.anyres import ONEVISION_MODEL_TYPE
 
 
@@ -23,9 +23,10 @@ class VisionFamily:
     encoder_weights: Callable[[TensorGetter, dict], dict]  # (getter, encoder config) -> engine weights
     encoder_class: type  # (config, dtype, device) -> nn.Module with encode() and num_image_tokens
     language_prefixes: tuple[tuple[str, str], ...]  # (text-model name prefix, checkpoint prefixes to try)
+    text_config_of: Callable[[object], object] | None = None  # None: hf_config.text_config as it is
 
     def text_config(self, hf_config):
-        return hf_config.text_config
+        return hf_config.text_config if self.text_config_of is None else self.text_config_of(hf_config)
 
     def language_getter(self, get: TensorGetter) -> TensorGetter:
         """A getter that finds the language model's tensors under text-model names."""
@@ -46,6 +47,9 @@ class VisionFamily:
 
 # transformers 4 (and 5's saved files) keep LLaVA's text model under language_model.model.* and
 # language_model.lm_head.*; transformers 5 in memory under model.language_model.* and lm_head.*.
+# Qwen2-VL saves its language model as model.* (transformers 4 and 5's files), transformers 5 holds it
+# in memory as model.language_model.*; the tower is visual.* / model.visual.*.
+_QWEN2_VL_LANGUAGE = (("model.", ("model.language_model.", "model.")), ("lm_head.", ("lm_head.",)))
 _LLAVA_LANGUAGE = (("model.", ("language_model.model.", "model.language_model.")),
                    ("lm_head.", ("language_model.lm_head.", "lm_head.")))
 
@@ -59,6 +63,9 @@ VISION_FAMILIES = {
     "LlavaOnevisionForConditionalGeneration": VisionFamily(
         "LlavaOnevisionForConditionalGeneration", ONEVISION_MODEL_TYPE, llava_next.encoder_config,
         llava_next.encoder_weights, llava_next.LlavaNextVisionEncoder, _LLAVA_LANGUAGE),
+    "Qwen2VLForConditionalGeneration": VisionFamily(
+        "Qwen2VLForConditionalGeneration", qwen2_vl.MODEL_TYPE, qwen2_vl.encoder_config, qwen2_vl.encoder_weights,
+        qwen2_vl.Qwen2VisionEncoder, _QWEN2_VL_LANGUAGE, qwen2_vl.text_config),
 }
 FAMILIES_BY_MODEL_TYPE = {family.model_type: family for family in VISION_FAMILIES.values()}
 

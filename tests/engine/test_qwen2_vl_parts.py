@@ -1,6 +1,5 @@
-"""Qwen2-VL's parts the engine will serve it with (not yet a buildable family: the language model's
-M-RoPE is not wired into the runner): the vision tower's rows equal transformers' image features for
-images of two sizes in one batch; M-RoPE prompt positions and mrope_position_delta equal
+"""Qwen2-VL's parts (the built family through the executor: tests/engine/test_qwen2_vl.py): the vision
+tower's rows equal transformers' image features for images of two sizes in one batch; M-RoPE prompt positions and mrope_position_delta equal
 transformers' get_rope_index; the per-token rotary tables equal its rotary embedding, and reduce to
 plain RoPE wherever the three positions agree (all text, every decode step)."""
 from __future__ import annotations

@@ -1,0 +1,106 @@
+"""Qwen2-VL as a built family: engine.build on a tiny random Qwen2VLForConditionalGeneration made by
+transformers writes a Qwen2 language engine and vision_encoder/; the executor applies each request's
+M-RoPE rows to its prompt and position + mrope_position_delta to what follows (rotary position apart
+from the KV position), through chunked prefill; greedy ids equal transformers' generate with an image
+and text-only, batched together."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("PIL")
+
+from engine.build import main  # noqa: E402
+from engine.executor import Executor, ExecutorConfig, OutputConfig, Request  # noqa: E402
+from engine.executor.mrope_rotary import Mrope  # noqa: E402
+from engine.executor.prompt_table import PromptTable  # noqa: E402
+from engine.vision.encoder_dir import load_vision_encoder, read_encoder_config, vision_encoder_dir  # noqa: E402
+from engine.vision.mrope import request_mrope  # noqa: E402
+from tests.executor.executor_testing import collect, final_tokens  # noqa: E402
+from tiny_llava import VOCAB, make_image  # noqa: E402
+from tiny_qwen2_vl import IMAGE_TOKEN, VISION_END, VISION_START, hf_model, image_processor, write_checkpoint  # noqa: E402
+
+NEW_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """(engine dir, transformers model)."""
+    root = tmp_path_factory.mktemp("qwen2_vl")
+    checkpoint = write_checkpoint(root / "checkpoint")
+    assert main(["--checkpoint", str(checkpoint), "--output", str(root / "engine"), "--dtype", "float32",
+                 "--max_seq_len", "128", "--tokens_per_block", "4"]) == 0
+    return str(root / "engine"), hf_model()
+
+
+def test_greedy_ids_with_an_image_and_text_only_equal_transformers_generate(built):
+    engine, hf = built
+    config = read_encoder_config(vision_encoder_dir(engine))
+    assert config["builder_config"]["model_type"] == "qwen2_vl"
+    encoder = load_vision_encoder(vision_encoder_dir(engine))
+    image = image_processor()([make_image(0, (52, 40))], return_tensors="pt")
+    grids = image["image_grid_thw"].tolist()
+    table = encoder.image_features(image["pixel_values"], grids)[0]
+    # transformers' prompt: <|vision_start|> <|image_pad|> x rows <|vision_end|> text; ours: fake ids
+    hf_ids = [1, 5, VISION_START, *[IMAGE_TOKEN] * len(table), VISION_END, 7, 8, 9, 10, 11, 6]
+    rows = iter(range(len(table)))
+    ids = [VOCAB + next(rows) if t == IMAGE_TOKEN else t for t in hf_ids]
+    rotary, delta = request_mrope(ids, grids, config, vocab_size=VOCAB)
+    assert delta < 0  # an image of 2 x 3 merged rows takes 3 positions, not 6
+    text = [1, 5, 7, 8, 9, 10, 11, 12, 6]
+    requests = [Request(ids, NEW_TOKENS, output=OutputConfig(exclude_input_from_output=True),
+                        prompt_table=PromptTable(table), mrope=Mrope(rotary, delta)),
+                Request(text, NEW_TOKENS, output=OutputConfig(exclude_input_from_output=True))]
+    # chunks of 5 tokens: the image's rows are split across steps
+    with Executor(engine, ExecutorConfig(max_num_tokens=5, enable_chunked_context=True)) as executor:
+        request_ids = executor.enqueue_requests(requests)
+        responses = collect(executor, request_ids)
+    got = [final_tokens(responses[i]) for i in request_ids]
+    with torch.no_grad():
+        hf_prompt = torch.tensor([hf_ids])
+        # mm_token_type_ids (1 at image rows): what transformers 5 computes its M-RoPE positions from
+        expected = hf.generate(input_ids=hf_prompt, pixel_values=image["pixel_values"],
+                               image_grid_thw=image["image_grid_thw"], mm_token_type_ids=(hf_prompt == IMAGE_TOKEN).int(),
+                               max_new_tokens=NEW_TOKENS,
+                               do_sample=False)[0, hf_prompt.shape[1]:].tolist()
+        expected_text = hf.generate(input_ids=torch.tensor([text]), max_new_tokens=NEW_TOKENS,
+                                    do_sample=False)[0, len(text):].tolist()
+    assert got == [expected, expected_text]
+
+
+def test_step_rotary_indexes_prompt_rows_then_position_plus_delta():
+    from engine.executor.mrope_rotary import step_rotary
+
+    rows = torch.arange(5 * 4, dtype=torch.float32).view(5, 4)
+    mrope = Mrope(rows, -2)
+    # a text-only sequence, a chunk ending the M-RoPE prompt (3..4) and its first generated token (5)
+    step = step_rotary([(None, 3, [7]), (mrope, 5, [3, 4, 5]), (mrope, 5, [9])])
+    assert step.indices == [7, -1, -2, 3, 7] and torch.equal(step.rows, rows[3:5])
+    positions, table = step.resolve(torch.zeros(10, 4))
+    assert positions.tolist() == [7, 10, 11, 3, 7] and torch.equal(table[10:], rows[3:5])
+    assert step_rotary([(None, 3, [7]), (Mrope(rows, 0), 5, [6])]) is None  # plain RoPE: graphs may run
+
+
+def test_bad_mrope_inputs_are_named():
+    from engine.executor.request import RequestLimits, validate_request
+
+    limits = RequestLimits(vocab_size=VOCAB, max_seq_len=64, max_beam_width=1, max_num_tokens=64,
+                           enable_chunked_context=True, num_kv_blocks=64, tokens_per_block=4, mrope_width=16)
+    prompt = [1, 5, 7]
+    assert validate_request(Request(prompt, 4, mrope=Mrope(torch.zeros(3, 16), -1)), limits) is None
+    assert "mrope_rotary_cos_sin has shape (2, 16)" in validate_request(
+        Request(prompt, 4, mrope=Mrope(torch.zeros(2, 16), 0)), limits)
+    assert "mrope_rotary_cos_sin has shape (3, 8)" in validate_request(
+        Request(prompt, 4, mrope=Mrope(torch.zeros(3, 8), 0)), limits)
+    assert "mrope_position_deltas 60" in validate_request(Request(prompt, 4, mrope=Mrope(torch.zeros(3, 16), 60)),
+                                                          limits)
+    limits.mrope_width = 0
+    assert "not supported for this model" in validate_request(Request(prompt, 4, mrope=Mrope(torch.zeros(3, 16))),
+                                                                limits)
+
+
+def test_serving_refuses_a_qwen2_vl_encoder_by_name(built):
+    from serving.multimodal import VisionEncoderRunner
+
+    with pytest.raises(ValueError, match="'qwen2_vl': Qwen2-VL engines run through the executor"):
+        VisionEncoderRunner(vision_encoder_dir(built[0]), device="cpu")
