@@ -10,7 +10,8 @@ the Llama block: BLOOM (ALiBi, no rotary) and GPT-NeoX (parallel residual, parti
 of 5, 40 and 150 tokens in one batch, and a hybrid Mamba-2 model (Nemotron-H, saved as NVIDIA ships it:
 its stack under `backbone.`; tests/engine/hybrid_testing.py) at 5, 40 and 300 tokens, whose requests hold
 state slots beside the KV cache (tests/engine/test_hybrid_models.py holds Bamba and Nemotron-H to
-transformers through the executor). One
+transformers through the executor), and a DeepSeek-V3 (multi-head latent attention over the latent KV
+pool, group-limited routing, a shared expert; tests/engine/test_deepseek.py) at 5, 40 and 150 tokens. One
 server for all: its repository holds the `tensorrt_llm` model of each family as
 `tensorrt_llm_<family>` (the tests send token ids, so no text model; one server instead of one per
 family saves ~10 s of CI each). The same server serves a tiny T5 v1.1 (tests/tiny_encdec.py, an
@@ -112,6 +113,9 @@ DECODER_FAMILIES = ("gpt_neox_parallel", "bloom")
 
 DECODER_PROMPT_LENGTHS = (5, 40, 150)
 HYBRID_FAMILIES = ("nemotron_h",)  # engine/ssm/: one representative; both hybrids meet transformers at the engine
+# DeepSeek-V3 (engine/models/deepseek.py): the latent KV pool and MLA behind the served model; V2 and
+# Llama 4 meet transformers' generate through the executor in tests/engine/test_deepseek.py and test_llama4.py.
+MLA_FAMILIES = ("deepseek_v3",)
 HYBRID_PROMPT_LENGTHS = (5, 40, 300)
 
 
@@ -119,7 +123,12 @@ def _build_decoder_family(family: str, smollm2_engine_dir, tmp_path_factory) -> 
     from engine.build import main as build_main
     from hybrid_testing import tiny_hybrid
 
-    model = tiny_hybrid(family) if family in HYBRID_FAMILIES else tiny_decoder(family)
+    from test_deepseek import tiny_deepseek
+
+    if family in MLA_FAMILIES:
+        model = tiny_deepseek("v3")
+    else:
+        model = tiny_hybrid(family) if family in HYBRID_FAMILIES else tiny_decoder(family)
     checkpoint = tmp_path_factory.mktemp(f"{family}_ckpt")
     model.save_pretrained(checkpoint)
     _copy_tokenizer(smollm2_engine_dir, checkpoint)
@@ -140,12 +149,13 @@ def served_families(smollm2_engine_dir, tmp_path_factory):
     builds = [(name, lambda make=make: _build_family(make, smollm2_engine_dir, tmp_path_factory))
               for name, make in FAMILIES.items()]
     builds += [(name, lambda name=name: _build_decoder_family(name, smollm2_engine_dir, tmp_path_factory))
-               for name in DECODER_FAMILIES + HYBRID_FAMILIES]
+               for name in DECODER_FAMILIES + HYBRID_FAMILIES + MLA_FAMILIES]
     for name, build in builds:
         models[name], engine_dir = build()
         # LoRA adapters are for the Llama-block families only (engine/executor/runner.py enable_lora);
         # `tritonllm serve` turns them off unless --lora_modules asks, so do the same here.
-        overrides = {"tensorrt_llm": {"enable_lora": "false"}} if name in DECODER_FAMILIES + HYBRID_FAMILIES else None
+        no_lora = DECODER_FAMILIES + HYBRID_FAMILIES + MLA_FAMILIES
+        overrides = {"tensorrt_llm": {"enable_lora": "false"}} if name in no_lora else None
         filled = Path(serve.prepare_model_repo(engine_dir, str(work / f"filled_{name}"), overrides=overrides,
                                                decoupled=False))
         target = repo / f"tensorrt_llm_{name}"
@@ -280,6 +290,16 @@ def test_hybrid_family_greedy_ids_equal_transformers_generate(served_families, f
 
     models, server = served_families
     prompts = [[random.Random(n).randrange(1, 96) for _ in range(n)] for n in HYBRID_PROMPT_LENGTHS]
+    _assert_served_greedy_ids(server, f"tensorrt_llm_{family}", models[family], prompts)
+
+
+@pytest.mark.parametrize("family", list(MLA_FAMILIES))
+def test_mla_family_greedy_ids_equal_transformers_generate(served_families, family):
+    """Prompts of 5, 40 and 150 tokens in one batch through the served model's latent KV pool."""
+    import random
+
+    models, server = served_families
+    prompts = [[random.Random(n).randrange(96) for _ in range(n)] for n in DECODER_PROMPT_LENGTHS]
     _assert_served_greedy_ids(server, f"tensorrt_llm_{family}", models[family], prompts)
 
 
