@@ -9,13 +9,16 @@ The anchor's request types (Request.request_type):
   blocks are copied into this executor's pool, the context's first token is appended, and decoding
   goes on from there. Its output equals the context_and_generation request's (greedy: token for token).
 
-Transport: in-process (``local``): both executors live in one process (e.g. two model instances of
-one Triton model, or two Executors in a test) and the copy is a device-to-device index copy between
-their pools (on CUDA a peer copy between GPUs of one host). A cross-process transport (shared memory,
-NIXL) would register under another ``transport`` name; the blob already names one.
+Transports (``transport``, TRITONLLM_KV_TRANSFER on the context side, default ``local``):
+- ``local``: both executors live in one process (one Triton model serving both request types, or two
+  Executors in a program); the blocks stay pinned in the context pool and the copy is a
+  device-to-device index copy between the pools (on CUDA a peer copy between GPUs of one host).
+- ``shm``: another process of the same host (two Triton models, each with its engine process); the
+  blocks go to a file in host shared memory at export and are freed at once (kv_transfer_shm.py).
+NIXL / NCCL would be further names; the blob names its transport.
 
 Blob (version 1): MAGIC + one version byte + UTF-8 JSON
-    {"transport": "local", "pid", "exporter": uuid hex, "handle": int, "request_id": int,
+    {"transport": "local" | "shm", "pid", "exporter": uuid hex, "handle": int, "request_id": int, "path" (shm),
      "layout": {"kv_shape": [L, 2, T, H, D], "dtype": str, "tokens_per_block": T},
      "prompt_len": int, "prompt_digest": hex, "first_token": int, "num_blocks": int}
 Opaque to clients; only what the executor itself wrote is accepted (magic, version, fields checked).
@@ -39,9 +42,11 @@ from dataclasses import replace
 
 import torch
 
-from engine.executor.kv_host_tier import _SAME_WIDTH_INT
+from engine.executor import kv_transfer_shm
+from engine.executor.kv_transfer_shm import block_major as _by_block
 
 REQUEST_TYPES = ("context_and_generation", "context_only", "generation_only")
+TRANSPORTS = ("local", "shm")
 MAGIC = b"TLLMCTX"
 VERSION = 1
 DEFAULT_TIMEOUT_S = float(os.environ.get("TRITONLLM_KV_TRANSFER_TIMEOUT_S", "60"))
@@ -91,11 +96,6 @@ def kv_layout(runner) -> dict:
             "tokens_per_block": runner.tokens_per_block}
 
 
-def _by_block(pool: torch.Tensor) -> torch.Tensor:
-    """(num_blocks, L, 2, T, H, D) integer view of a (L, 2, num_blocks, T, H, D) pool: bytes move unchanged."""
-    return pool.view(_SAME_WIDTH_INT[pool.element_size()]).permute(2, 0, 1, 3, 4, 5)
-
-
 def copy_blocks(src_pool: torch.Tensor, src_ids: list[int], dst_pool: torch.Tensor, dst_ids: list[int]) -> None:
     """dst_pool[:, :, dst_ids[i]] = src_pool[:, :, src_ids[i]], across devices; returns when the copy is done."""
     src, dst = _by_block(src_pool), _by_block(dst_pool)
@@ -107,10 +107,11 @@ def copy_blocks(src_pool: torch.Tensor, src_ids: list[int], dst_pool: torch.Tens
 
 
 class _Pin:
-    __slots__ = ("block_ids", "deadline", "state")
+    __slots__ = ("block_ids", "deadline", "state", "path")
 
-    def __init__(self, block_ids: list[int], deadline: float):
-        self.block_ids = block_ids
+    def __init__(self, block_ids: list[int], deadline: float, path: str | None = None):
+        self.block_ids = block_ids  # pinned in the pool (local); [] for shm: the file holds the bytes
+        self.path = path  # shm: the file, deleted at the deadline if still unclaimed
         self.deadline = deadline
         self.state = "pinned"  # -> "claimed" (a generation side copies) -> "released"; or expired
 
@@ -122,9 +123,12 @@ class Disaggregation:
     from its loop thread, except ``claim``/``release``, made by a peer's loop).
     """
 
-    def __init__(self, executor, timeout_s: float = DEFAULT_TIMEOUT_S):
+    def __init__(self, executor, timeout_s: float = DEFAULT_TIMEOUT_S, transport: str | None = None):
         self.executor = executor
         self.timeout_s = timeout_s
+        self.transport = transport or os.environ.get("TRITONLLM_KV_TRANSFER", "local")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"TRITONLLM_KV_TRANSFER '{self.transport}' is not supported; allowed: {', '.join(TRANSPORTS)}")
         self.exporter_id = uuid.uuid4().hex
         self._lock = threading.Lock()
         self._pins: dict[int, _Pin] = {}
@@ -180,10 +184,13 @@ class Disaggregation:
                 fields["prompt_digest"] != prompt_digest(request.input_token_ids):
             raise ContextPhaseError("context_phase_params: they belong to another prompt; send the generation_only "
                                     "request with the same input_ids as its context_only request")
+        if fields["transport"] == "shm" and isinstance(fields.get("path"), str):
+            return
         if fields["transport"] != "local" or fields.get("pid") != os.getpid():
             raise ContextPhaseError(f"context_phase_params: transport '{fields['transport']}' from process "
-                                    f"{fields.get('pid')} cannot be read here (only 'local', within process "
-                                    f"{os.getpid()}); run context and generation instances in one process")
+                                    f"{fields.get('pid')} cannot be read here ('local' works within process "
+                                    f"{os.getpid()}); set TRITONLLM_KV_TRANSFER=shm on the context side when "
+                                    f"the generation side runs in another process")
 
     # ----- context side (its loop thread) -----
     def export(self, seq) -> None:
@@ -192,13 +199,19 @@ class Disaggregation:
         prompt = seq.token_ids[:seq.num_prompt_tokens]
         num_blocks = ex.blocks.blocks_for_tokens(seq.num_prompt_tokens)
         block_ids = list(seq.block_ids[:num_blocks])
-        ex.blocks.acquire(block_ids)  # scheduler.finish drops the sequence's ref; this one stays
         handle = next(self._handles)
+        where = {}
+        if self.transport == "shm":
+            where["path"] = kv_transfer_shm.write_blocks(ex.runner.kv_cache, block_ids, self.exporter_id, handle)
+            pin = _Pin([], time.monotonic() + self.timeout_s, where["path"])
+        else:
+            ex.blocks.acquire(block_ids)  # scheduler.finish drops the sequence's ref; this one stays
+            pin = _Pin(block_ids, time.monotonic() + self.timeout_s)
         with self._lock:
-            self._pins[handle] = _Pin(block_ids, time.monotonic() + self.timeout_s)
+            self._pins[handle] = pin
         first = seq.token_ids[seq.num_prompt_tokens] if seq.num_generated_tokens else seq.state.request.end_id
         seq.state.context_phase_params = encode({
-            "transport": "local", "pid": os.getpid(), "exporter": self.exporter_id, "handle": handle,
+            "transport": self.transport, **where, "pid": os.getpid(), "exporter": self.exporter_id, "handle": handle,
             "request_id": seq.request_id, "layout": kv_layout(ex.runner), "prompt_len": len(prompt),
             "prompt_digest": prompt_digest(prompt), "first_token": -1 if first is None else int(first),
             "num_blocks": num_blocks})
@@ -227,9 +240,13 @@ class Disaggregation:
         now = time.monotonic()
         with self._lock:
             done = [h for h, pin in self._pins.items()
-                    if pin.state == "released" or (pin.state == "pinned" and pin.deadline <= now)]
+                    if pin.state == "released" or (pin.state == "pinned" and pin.deadline <= now)
+                    or (pin.path is not None and not os.path.exists(pin.path))]  # shm: fetched
             pins = [self._pins.pop(h) for h in done]
         for pin in pins:
+            if pin.path is not None:  # shm: only a file no generation side took counts as expired
+                self.num_expired += kv_transfer_shm.expire(pin.path)
+                continue
             self.num_expired += pin.state == "pinned"
             self.executor.blocks.free(pin.block_ids)
 
@@ -259,6 +276,11 @@ class Disaggregation:
     def shutdown(self) -> None:
         with _EXPORTERS_LOCK:
             _EXPORTERS.pop(self.exporter_id, None)
+        with self._lock:
+            pins, self._pins = list(self._pins.values()), {}
+        for pin in pins:
+            if pin.path is not None:
+                kv_transfer_shm.expire(pin.path)
 
     # ----- generation side (its loop thread) -----
     def import_kv(self, seq) -> tuple[str | None, int]:
@@ -268,6 +290,8 @@ class Disaggregation:
         try:
             fields = decode(seq.state.request.context_phase_params)
             self._check(fields, seq.state.request)
+            if fields["transport"] == "shm":
+                return self._import_file(seq, fields)
             with _EXPORTERS_LOCK:
                 source = _EXPORTERS.get(fields["exporter"])
             if source is None:
@@ -285,10 +309,30 @@ class Disaggregation:
             copy_blocks(source.executor.runner.kv_cache, src_ids, ex.runner.kv_cache, dst_ids)
         finally:
             source.release(fields["handle"])
+        self._imported(seq, fields, dst_ids, started)
+        return None, fields["first_token"]
+
+    def _import_file(self, seq, fields: dict) -> tuple[str | None, int]:
+        ex = self.executor
+        num_blocks = ex.blocks.blocks_for_tokens(fields["prompt_len"])
+        if num_blocks > ex.blocks.num_free_blocks:
+            return (f"context_phase_params: {num_blocks} KV blocks needed, {ex.blocks.num_free_blocks} free; "
+                    f"retry later"), -1
+        started = time.perf_counter()
+        blocks = kv_transfer_shm.claim_blocks(fields["path"])
+        if blocks is None:
+            return ("context_phase_params: the context phase's KV cache is gone (fetched already, or deleted "
+                    "after the context side's timeout); run the context_only request again"), -1
+        dst_ids = ex.blocks.allocate(num_blocks)
+        kv_transfer_shm.scatter_blocks(blocks, ex.runner.kv_cache, dst_ids)
+        self._imported(seq, fields, dst_ids, started)
+        return None, fields["first_token"]
+
+    def _imported(self, seq, fields: dict, dst_ids: list[int], started: float) -> None:
+        num_blocks = len(dst_ids)
         self.kv_cache_transfer_ms += (time.perf_counter() - started) * 1e3
         self.num_transfers += 1
         seq.block_ids = dst_ids
         seq.num_computed_tokens = fields["prompt_len"]
         seq.state.perf.kv_cache_alloc_new_blocks += num_blocks
         seq.state.perf.kv_cache_alloc_total_blocks += num_blocks
-        return None, fields["first_token"]
