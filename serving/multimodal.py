@@ -38,9 +38,9 @@ PROMPT_WRAPPERS = {"llava": ("USER:\n", "", " ASSISTANT:"),
 DEFAULT_MAX_NUM_IMAGES = 1
 # Families the engine builds and runs whose serving pieces are not written yet, refused at model load.
 # Qwen2-VL needs image_grid_thw through preprocessing and the MROPE tensors from multimodal_encoders.
-NOT_SERVED = {"qwen2_vl": "Qwen2-VL engines run through the executor (engine.executor Request.mrope) but are not "
-                          "served through Triton or the OpenAI frontend yet; supported here: llava, llava_next, "
-                          "llava_onevision"}
+_QWEN_VL = ("engines run through the executor (engine.executor Request.mrope) but are not served through Triton "
+            "or the OpenAI frontend yet; supported here: llava, llava_next, llava_onevision")
+NOT_SERVED = {"qwen2_vl": "Qwen2-VL " + _QWEN_VL, "qwen2_5_vl": "Qwen2.5-VL " + _QWEN_VL}
 TEXT_ONLY = ("images and video were sent to a text-only model (the preprocessing parameter multimodal_model_path "
              "is not set); send {name} only to a vision-language model's repository (all_models/multimodal)")
 

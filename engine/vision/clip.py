@@ -26,6 +26,7 @@ ACTIVATIONS = {
     "gelu": F.gelu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "silu": F.silu,  # Qwen2.5-VL's SwiGLU blocks
 }
 
 

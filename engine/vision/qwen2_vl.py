@@ -16,7 +16,7 @@ rows of rotary cos/sin per prompt token and a position delta for what follows
 (engine/vision/mrope.py computes them from the encoder config's ``mrope``; the executor applies them,
 engine/executor/mrope_rotary.py).
 
-Not built yet: Qwen2.5-VL's window attention, RMSNorm and SwiGLU blocks.
+Qwen2.5-VL's tower (window attention, RMSNorm, SwiGLU) is engine/vision/qwen2_5_vl.py.
 """
 from __future__ import annotations
 
@@ -57,6 +57,15 @@ def axial_cos_sin(grid_thw: list[list[int]], merge: int, head_dim: int, theta: f
     return angles.cos(), angles.sin()
 
 
+def embed_patches(patch_embed: nn.Linear, pixel_values: torch.Tensor, grids: list[list[int]]) -> torch.Tensor:
+    """The processor's flattened patches (patches, channels * temporal * patch * patch) -> (patches, dim),
+    after checking that the (t, h, w) grids account for every patch."""
+    if sum(t * h * w for t, h, w in grids) != pixel_values.shape[0]:
+        raise ValueError(f"pixel values hold {pixel_values.shape[0]} patches, but the grids {grids} make "
+                         f"{sum(t * h * w for t, h, w in grids)}; send them as the image processor made them")
+    return patch_embed(pixel_values.to(patch_embed.weight.dtype).reshape(pixel_values.shape[0], -1))
+
+
 class Qwen2VisionBlock(nn.Module):
     def __init__(self, config: dict, dtype=None, device=None):
         super().__init__()
@@ -79,7 +88,10 @@ class Qwen2VisionBlock(nn.Module):
         out = torch.cat([F.scaled_dot_product_attention(qi.transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1))
                          .transpose(0, 1) for qi, ki, vi in zip(q.split(lengths), k.split(lengths), v.split(lengths))])
         x = x + self.proj(out.reshape(tokens, -1))
-        return x + self.fc2(self.act(self.fc1(self.norm2(x))))
+        return x + self.feed_forward(self.norm2(x))
+
+    def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(h)))
 
 
 class Qwen2VisionEncoder(nn.Module):
@@ -103,10 +115,7 @@ class Qwen2VisionEncoder(nn.Module):
         grids = [[int(v) for v in grid] for grid in image_grid_thw]
         c = self.config
         merge = c["spatial_merge_size"]
-        if sum(t * h * w for t, h, w in grids) != pixel_values.shape[0]:
-            raise ValueError(f"pixel values hold {pixel_values.shape[0]} patches, but the grids {grids} make "
-                             f"{sum(t * h * w for t, h, w in grids)}; send them as the image processor made them")
-        x = self.patch_embed(pixel_values.to(self.patch_embed.weight.dtype).reshape(pixel_values.shape[0], -1))
+        x = embed_patches(self.patch_embed, pixel_values, grids)
         cos, sin = axial_cos_sin(grids, merge, c["embed_dim"] // c["num_heads"], c["rope_theta"], x.device)
         lengths = [h * w for t, h, w in grids for _ in range(t)]  # attention within each frame
         for block in self.blocks:
@@ -140,16 +149,25 @@ def text_config(hf_config):
 
 
 def encoder_config(hf_config) -> dict:
-    vision, text = hf_config.vision_config, hf_config.text_config
+    vision = hf_config.vision_config
     rope = getattr(vision, "rope_parameters", None) or {}
-    text_rope = _text_rope(text)
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     return {
         "qwen2_vl": {"embed_dim": vision.embed_dim, "depth": vision.depth, "num_heads": vision.num_heads,
                      "mlp_ratio": vision.mlp_ratio, "hidden_act": vision.hidden_act, "in_channels": vision.in_channels,
                      "patch_size": vision.patch_size, "temporal_patch_size": vision.temporal_patch_size,
                      "spatial_merge_size": vision.spatial_merge_size, "hidden_size": vision.hidden_size,
                      "rope_theta": rope.get("rope_theta", 10000.0)},
+        **language_fields(hf_config),
+    }
+
+
+def language_fields(hf_config) -> dict:
+    """What the encoder directory says of the language side (Qwen2-VL and Qwen2.5-VL alike): the image
+    token ids, and the M-RoPE settings a request's rotary rows are made with."""
+    text = hf_config.text_config
+    text_rope = _text_rope(text)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return {
         "num_image_tokens": None,  # rows per image: t * h * w / merge**2 of its grid
         "image_token_index": getattr(hf_config, "image_token_id", None),
         "vision_start_token_id": getattr(hf_config, "vision_start_token_id", None),
@@ -157,7 +175,7 @@ def encoder_config(hf_config) -> dict:
         # The language model's M-RoPE: a request's rotary rows (engine/vision/mrope.py request_mrope)
         "mrope": {"sections": list(text_rope.get("mrope_section") or []), "head_dim": head_dim,
                   "theta": float(text_rope.get("rope_theta", 10000.0)),
-                  "merge": vision.spatial_merge_size},
+                  "merge": hf_config.vision_config.spatial_merge_size},
     }
 
 

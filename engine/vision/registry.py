@@ -2,7 +2,7 @@
 
 A family says how its checkpoint splits into a language model (built as any text engine) and an
 image encoder (``engine/vision/<family>.py``): the text config, where the language tensors live,
-the encoder's config and weights, and the encoder module. Families to come (Qwen2.5-VL, Gemma 3,
+the encoder's config and weights, and the encoder module. Families to come (Qwen3-VL, Gemma 3,
 BLIP-2) add one entry each.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from engine.hf_checkpoint import CheckpointError, TensorGetter
-from engine.vision import llava, llava_next, qwen2_vl
+from engine.vision import llava, llava_next, qwen2_5_vl, qwen2_vl
 from engine.vision.anyres import ONEVISION_MODEL_TYPE
 
 
@@ -47,7 +47,7 @@ class VisionFamily:
 
 # transformers 4 (and 5's saved files) keep LLaVA's text model under language_model.model.* and
 # language_model.lm_head.*; transformers 5 in memory under model.language_model.* and lm_head.*.
-# Qwen2-VL saves its language model as model.* (transformers 4 and 5's files), transformers 5 holds it
+# Qwen2-VL and Qwen2.5-VL save their language model as model.* (transformers 4 and 5's files), transformers 5 holds it
 # in memory as model.language_model.*; the tower is visual.* / model.visual.*.
 _QWEN2_VL_LANGUAGE = (("model.", ("model.language_model.", "model.")), ("lm_head.", ("lm_head.",)))
 _LLAVA_LANGUAGE = (("model.", ("language_model.model.", "model.language_model.")),
@@ -66,6 +66,9 @@ VISION_FAMILIES = {
     "Qwen2VLForConditionalGeneration": VisionFamily(
         "Qwen2VLForConditionalGeneration", qwen2_vl.MODEL_TYPE, qwen2_vl.encoder_config, qwen2_vl.encoder_weights,
         qwen2_vl.Qwen2VisionEncoder, _QWEN2_VL_LANGUAGE, qwen2_vl.text_config),
+    "Qwen2_5_VLForConditionalGeneration": VisionFamily(
+        "Qwen2_5_VLForConditionalGeneration", qwen2_5_vl.MODEL_TYPE, qwen2_5_vl.encoder_config,
+        qwen2_5_vl.encoder_weights, qwen2_5_vl.Qwen25VisionEncoder, _QWEN2_VL_LANGUAGE, qwen2_vl.text_config),
 }
 FAMILIES_BY_MODEL_TYPE = {family.model_type: family for family in VISION_FAMILIES.values()}
 

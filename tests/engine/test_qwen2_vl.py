@@ -18,29 +18,33 @@ from engine.vision.encoder_dir import load_vision_encoder, read_encoder_config, 
 from engine.vision.mrope import request_mrope  # noqa: E402
 from tests.executor.executor_testing import collect, final_tokens  # noqa: E402
 from tiny_llava import VOCAB, make_image  # noqa: E402
-from tiny_qwen2_vl import IMAGE_TOKEN, VISION_END, VISION_START, hf_model, image_processor, write_checkpoint  # noqa: E402
+from tiny_qwen2_vl import IMAGE_TOKEN, KINDS, VISION_END, VISION_START, hf_model, image_processor, write_checkpoint  # noqa: E402
 
 NEW_TOKENS = 6
 
 
-@pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    """(engine dir, transformers model)."""
-    root = tmp_path_factory.mktemp("qwen2_vl")
-    checkpoint = write_checkpoint(root / "checkpoint")
+@pytest.fixture(scope="module", params=KINDS)
+def built(request, tmp_path_factory):
+    """(engine dir, transformers model) of each kind."""
+    root = tmp_path_factory.mktemp(request.param)
+    checkpoint = write_checkpoint(root / "checkpoint", request.param)
     assert main(["--checkpoint", str(checkpoint), "--output", str(root / "engine"), "--dtype", "float32",
                  "--max_seq_len", "128", "--tokens_per_block", "4"]) == 0
-    return str(root / "engine"), hf_model()
+    return str(root / "engine"), hf_model(request.param)
 
 
 def test_greedy_ids_with_an_image_and_text_only_equal_transformers_generate(built):
     engine, hf = built
     config = read_encoder_config(vision_encoder_dir(engine))
-    assert config["builder_config"]["model_type"] == "qwen2_vl"
+    assert config["builder_config"]["model_type"] == hf.config.model_type
     encoder = load_vision_encoder(vision_encoder_dir(engine))
-    image = image_processor()([make_image(0, (52, 40))], return_tensors="pt")
+    image = image_processor()([make_image(0, (52, 40))], return_tensors="pt")  # 3 x 4 merged rows
     grids = image["image_grid_thw"].tolist()
     table = encoder.image_features(image["pixel_values"], grids)[0]
+    with torch.no_grad():  # Qwen2.5-VL: windows of 2 x 2, 2 x 2, 1 x 2, 1 x 2 merged rows
+        features = hf.model.get_image_features(pixel_values=image["pixel_values"],
+                                               image_grid_thw=image["image_grid_thw"])
+    torch.testing.assert_close(table, getattr(features, "pooler_output", features)[0], atol=1e-5, rtol=1e-5)
     # transformers' prompt: <|vision_start|> <|image_pad|> x rows <|vision_end|> text; ours: fake ids
     hf_ids = [1, 5, VISION_START, *[IMAGE_TOKEN] * len(table), VISION_END, 7, 8, 9, 10, 11, 6]
     rows = iter(range(len(table)))
@@ -102,5 +106,5 @@ def test_bad_mrope_inputs_are_named():
 def test_serving_refuses_a_qwen2_vl_encoder_by_name(built):
     from serving.multimodal import VisionEncoderRunner
 
-    with pytest.raises(ValueError, match="'qwen2_vl': Qwen2-VL engines run through the executor"):
+    with pytest.raises(ValueError, match="Qwen2(.5)?-VL engines run through the executor"):
         VisionEncoderRunner(vision_encoder_dir(built[0]), device="cpu")
