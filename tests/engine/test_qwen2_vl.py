@@ -34,7 +34,18 @@ def built(request, tmp_path_factory):
 
 
 def test_greedy_ids_with_an_image_and_text_only_equal_transformers_generate(built):
-    engine, hf = built
+    assert_greedy_ids_equal_transformers(*built)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_greedy_ids_equal_transformers(built):
+    """The same on a GPU (float32): Triton prefill attention over the step's appended rotary rows, and
+    the fused decode kernel rotating at position + delta."""
+    assert_greedy_ids_equal_transformers(*built, device="cuda")
+
+
+def assert_greedy_ids_equal_transformers(engine: str, hf, device: str | None = None) -> None:
     config = read_encoder_config(vision_encoder_dir(engine))
     assert config["builder_config"]["model_type"] == hf.config.model_type
     encoder = load_vision_encoder(vision_encoder_dir(engine))
@@ -56,7 +67,7 @@ def test_greedy_ids_with_an_image_and_text_only_equal_transformers_generate(buil
                         prompt_table=PromptTable(table), mrope=Mrope(rotary, delta)),
                 Request(text, NEW_TOKENS, output=OutputConfig(exclude_input_from_output=True))]
     # chunks of 5 tokens: the image's rows are split across steps
-    with Executor(engine, ExecutorConfig(max_num_tokens=5, enable_chunked_context=True)) as executor:
+    with Executor(engine, ExecutorConfig(max_num_tokens=5, enable_chunked_context=True), device=device) as executor:
         request_ids = executor.enqueue_requests(requests)
         responses = collect(executor, request_ids)
     got = [final_tokens(responses[i]) for i in request_ids]
