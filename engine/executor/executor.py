@@ -59,6 +59,9 @@ from engine.executor.sampler import build_sampling_metadata, process_logits, sam
 from engine.executor.scheduler import Scheduler, SchedulerOutput
 from engine.executor.speculative import DraftProposer, Verified, draft_room, make_proposer, verify_batch
 from engine.executor.speculative.proposer import ProposerConfigError
+from engine.executor.speculative.medusa_executor import last_rows, start_medusa
+from engine.executor.speculative.tree_step import compact_path_kv
+from engine.executor.tree_batch import chunk_parents, tree_positions
 # KvCacheStats and IterationStats are part of this module's public surface (re-exported).
 from engine.executor.stats import (  # noqa: F401
     ITERATION_LOG_ENV, STATS_TIME_FORMAT, IterationLog, IterationStats, KvCacheStats, kv_cache_stats,
@@ -144,6 +147,9 @@ class Executor:
         if spec is None:
             return None
         try:
+            if spec.mode == "medusa":
+                return start_medusa(self.runner, spec.medusa_model_path, spec.medusa_choices, engine_dir=engine_dir,
+                                    has_state=self.state_slots is not None)
             return make_proposer(spec.mode, max_matching_ngram_size=spec.max_matching_ngram_size,
                                  draft_engine_dir=spec.draft_engine_dir, target_engine_dir=engine_dir,
                                  target_runner=self.runner, enable_reuse=self.config.enable_kv_cache_reuse,
@@ -593,6 +599,8 @@ class Executor:
             guided = self.token_masks is not None and any(seq.grammar is not None for seq, _ in sampling)
             transfer = self._sample(logits, sampling, batch) if sampling and not guided else None
             verified = self._verify(logits, drafted) if drafted else None
+            if getattr(self.runner, "keep_hidden_rows", False):  # Medusa heads read the last computed token's hidden state
+                self.proposer.observe(self.runner.last_hidden_rows, last_rows(sampling, drafted, verified))
         except Exception as err:
             self._fail_step(plan, err, "forward failed")
             return None
@@ -667,7 +675,7 @@ class Executor:
         drafted = (sequence, first logits row, k) of each sequence verifying k drafts: its k + 1
         rows are its last known token's and its drafts' (speculative decoding)."""
         token_ids, positions, seq_lens, context_lens, tables, logits_indices, rows = [], [], [], [], [], [], []
-        sampling, drafted = [], []
+        sampling, drafted, trees = [], [], []
         lora_slots = [item.seq.state.lora_slot for item in plan.scheduled] if self.adapters is not None else []
         T = self.blocks.tokens_per_block
         for item in plan.scheduled:  # runs once per sequence per step: kept free of calls in the decode case
@@ -686,10 +694,16 @@ class Executor:
             if item.num_draft_tokens:  # known tokens, then the drafts; logits from the last known one on
                 k = item.num_draft_tokens
                 token_ids[offset + n - k:] = seq.draft_token_ids[:k]
+                if seq.draft_parents is not None:  # a token tree: rotary positions by depth (tree_batch.py)
+                    trees.append(chunk_parents(n, seq.draft_parents[:k]))
+                    positions[offset:] = tree_positions(start, trees[-1])
+                else:
+                    trees.append(None)
                 logits_indices += range(offset + n - k - 1, offset + n)
                 rows.append((first, len(logits_indices)))
                 drafted.append((seq, first, k))
                 continue
+            trees.append(None)
             if seq.state.request.output.return_context_logits:
                 logits_indices += [offset + i for i in self._logit_positions(item)]
             elif item.samples:  # the chunk reaches the end: its last logits sample
@@ -700,6 +714,8 @@ class Executor:
         slot = self._parity * self.runner.sampled_tokens.shape[0] // 2 if sampling else -1
         batch = ForwardBatch(token_ids, positions, seq_lens, context_lens, tables, logits_indices, slot,
                              lora_slots if any(s >= 0 for s in lora_slots) else None)
+        if any(tree is not None for tree in trees):
+            batch.tree_parents = trees
         if self.state_slots is not None:
             batch.state_slots = self.state_slots.slots_of(plan.scheduled)
         return batch, rows, sampling, drafted
@@ -836,10 +852,13 @@ class Executor:
         forgotten (num_computed_tokens stops after the last accepted draft; the target's own
         token has no KV yet), and blocks that held only rejected positions go back to the pool."""
         seq, state = item.seq, item.seq.state
+        if verified.path is not None:  # a tree: the accepted path's KV into consecutive positions
+            compact_path_kv(self.runner, seq.block_ids, len(seq.token_ids) - 1, verified.path)
         seq.num_computed_tokens = len(seq.token_ids) + verified.num_accepted
         seq.token_ids += verified.token_ids
         seq.num_unresolved_tokens += len(verified.token_ids)
         seq.draft_token_ids, seq.draft_logits, seq.draft_probs, seq.draft_acceptance_threshold = [], None, None, None
+        seq.draft_parents = None
         surplus = seq.block_ids[self.blocks.blocks_for_tokens(len(seq.token_ids)):]
         if surplus:  # fresh, unregistered blocks of this step (nothing else is in flight: synchronous)
             del seq.block_ids[-len(surplus):]

@@ -17,7 +17,7 @@ class ExecutorConfigError(ValueError):
     """An ExecutorConfig value is out of range; the message names field, value and rule."""
 
 
-SPECULATIVE_MODES = ("ngram", "draft_model")
+SPECULATIVE_MODES = ("ngram", "draft_model", "medusa")
 MAX_SPECULATIVE_DRAFT_LEN = 64  # a verify step is a (k + 1)-token chunk per sequence; past this it is a prefill
 
 
@@ -28,7 +28,8 @@ class SpeculativeConfig:
     ``mode``: "ngram" (prompt lookup: the tokens that followed the latest earlier occurrence of the
     sequence's last n tokens, n = max_matching_ngram_size down to 1) or "draft_model" (a second,
     smaller engine in ``draft_engine_dir`` with the target's tokenizer, drafting greedily with its
-    own KV pool, as many tokens as the target's, and CUDA graphs: speculative/draft_model.py). Each
+    own KV pool, as many tokens as the target's, and CUDA graphs: speculative/draft_model.py) or
+    "medusa" (heads on the target's hidden states drafting a token tree: speculative/medusa.py). Each
     step verifies up to ``max_draft_len`` drafts per sequence.
     """
 
@@ -36,6 +37,11 @@ class SpeculativeConfig:
     max_draft_len: int = 4
     max_matching_ngram_size: int = 3
     draft_engine_dir: str | None = None
+    # "medusa": FasterDecoding medusa_lm_head heads on the target's hidden states (speculative/medusa.py),
+    # drafting the tree medusa_choices spells ("{0}, {0, 0}, {1}" or a list of rank paths; None: a
+    # small default); max_draft_len caps the tree's nodes.
+    medusa_model_path: str | None = None
+    medusa_choices: str | list[list[int]] | None = None
 
     def validate(self) -> "SpeculativeConfig":
         def require(ok: bool, message: str) -> None:

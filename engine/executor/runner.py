@@ -25,6 +25,7 @@ from engine.executor.overlap import resolve_placeholders
 from engine.executor.prefill_graphs import PrefillGraphs
 from engine.executor.mrope_rotary import StepRotary
 from engine.models.prompt_embeds import PromptEmbeds, embeddable_ids
+from engine.executor import tree_batch
 from engine.executor.random_weights import has_random_weights, materialize_random_weights
 from engine.lora.pool import LoraPools
 from engine.models.layers import Linear, enable_one_shot_all_reduce, prepare_weights
@@ -77,6 +78,10 @@ class ForwardBatch:
     # length and its request's cross-KV blocks; None / [] for decoder-only engines.
     cross_lengths: list[int] | None = None
     cross_block_tables: list[list[int]] = field(default_factory=list)
+    # Tree verification (engine/executor/speculative/tree_batch.py): per sequence, each new token's
+    # parent within its chunk (-1: none), or None for a plain chunk; None when no sequence has a tree.
+    # Positions are then rotary positions; the KV slots of a tree's tokens stay consecutive.
+    tree_parents: list[list[int] | None] | None = None
 
 
 class ModelRunner:
@@ -110,6 +115,8 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None  # captured by capture_cuda_graphs() on CUDA
         self.lora_pools: LoraPools | None = None  # enable_lora(): adapter slots on every adapted projection
         self.prefill_graphs: PrefillGraphs | None = None  # steps with prompt tokens (engine/executor/prefill_graphs.py)
+        self.keep_hidden_rows = False  # forward() keeps the scored rows' hidden states (_logits)
+        self.last_hidden_rows: torch.Tensor | None = None
 
     def _load_model(self, engine_dir: str, tp_group) -> torch.nn.Module:
         cfg, build = self.model_config, self.build_config
@@ -390,15 +397,16 @@ class ModelRunner:
         such steps run eagerly too."""
         if self.kv_cache is None:
             raise RuntimeError("allocate_kv_cache() must run before forward()")
-        graphs_may_run = not all_logits and prompt_embeds is None and rotary is None
+        graphs_may_run = (not all_logits and prompt_embeds is None and rotary is None
+                          and batch.tree_parents is None)
         if self.decode_graphs is not None and graphs_may_run:
             hidden = self.decode_graphs.try_run(batch)
             if hidden is not None:  # a decode-only batch, replayed from its bucket's graph
-                return self.model.compute_logits(hidden)
+                return self._logits(hidden)
         if self.prefill_graphs is not None and graphs_may_run:
             hidden = self.prefill_graphs.try_run(batch)
             if hidden is not None:  # a batch with prompt tokens, replayed from its token bucket's graph
-                return self.model.compute_logits(hidden)
+                return self._logits(hidden)
         input_ids, positions, meta = self._prepare(batch)
         table_rows = {}  # only models with supports_prompt_tables take the keyword
         if prompt_embeds is not None:
@@ -410,6 +418,13 @@ class ModelRunner:
                             **table_rows)
         if not all_logits:
             hidden = hidden[self._to_device(batch.logits_indices, torch.int64)]
+        return self._logits(hidden)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The logits of the step's scored rows; with ``keep_hidden_rows`` (Medusa heads read them,
+        engine/executor/speculative/medusa.py) their hidden states stay in ``last_hidden_rows``."""
+        if self.keep_hidden_rows:
+            self.last_hidden_rows = hidden
         return self.model.compute_logits(hidden)
 
     def store_sampled_tokens(self, token_ids: torch.Tensor, batch: ForwardBatch) -> None:
@@ -434,8 +449,10 @@ class ModelRunner:
         cu_seqlens = [0, *accumulate(batch.seq_lens_q)]
         width = max(len(table) for table in batch.block_tables)
         padded_tables = [table + [0] * (width - len(table)) for table in batch.block_tables]
+        slot_positions = batch.positions if batch.tree_parents is None else tree_batch.slot_positions(
+            batch.positions, batch.seq_lens_q, batch.context_lens, batch.tree_parents)
         meta = AttentionMetadata(
-            slot_mapping=self._to_device(self._slot_mapping(batch, cu_seqlens), torch.int64),
+            slot_mapping=self._to_device(self._slot_mapping(batch, cu_seqlens, slot_positions), torch.int64),
             block_tables=self._to_device(padded_tables, torch.int32),
             cu_seqlens_q=self._to_device(cu_seqlens, torch.int32),
             context_lens=self._to_device(batch.context_lens, torch.int32),
@@ -446,17 +463,19 @@ class ModelRunner:
             context_lens_host=list(batch.context_lens),
             lora=None if batch.lora_slots is None else lora_batch(batch.lora_slots, batch.seq_lens_q, self.device),
         )
+        if batch.tree_parents is not None:
+            meta.tree_mask = tree_batch.tree_mask(batch.seq_lens_q, batch.tree_parents).to(self.device)
         if batch.state_slots is not None:
             meta.state_slots = self._to_device(batch.state_slots, torch.int32)
             meta.state_slots_host = batch.state_slots
         return self._to_device(batch.token_ids, torch.int64), self._to_device(batch.positions, torch.int64), meta
 
-    def _slot_mapping(self, batch: ForwardBatch, cu_seqlens: list[int]) -> list[int]:
-        """Flat cache slot of every new token: block_table[p // B] * B + p % B."""
+    def _slot_mapping(self, batch: ForwardBatch, cu_seqlens: list[int], positions: list[int]) -> list[int]:
+        """Flat cache slot of every new token at ``positions``: block_table[p // B] * B + p % B."""
         size = self.tokens_per_block
         slots = []
         for i, table in enumerate(batch.block_tables):
-            for p in batch.positions[cu_seqlens[i]:cu_seqlens[i + 1]]:
+            for p in positions[cu_seqlens[i]:cu_seqlens[i + 1]]:
                 slots.append(table[p // size] * size + p % size)
         return slots
 

@@ -5,11 +5,15 @@ verification equal transformers' greedy decoding. Heads that do not fit the targ
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
+from executor_testing import collect, final_tokens
 import torch
 from safetensors.torch import save_file
 
+from engine.executor.executor import Executor, ExecutorConfig, ExecutorConfigError, SpeculativeConfig
+from engine.executor.request import OutputConfig, Request, SamplingConfig
 from engine.executor.runner import ModelRunner
 from engine.executor.speculative.medusa import MedusaConfigError, MedusaProposer, load_medusa_heads, propose_tree
 from engine.executor.speculative.tree import shape_from_choices
@@ -100,3 +104,81 @@ def test_heads_that_do_not_fit_are_refused(tmp_path):
         MedusaProposer(heads, CHOICES)
     with pytest.raises(MedusaConfigError, match="has no config.json"):
         load_medusa_heads(str(tmp_path), hidden_size=HIDDEN, vocab_size=VOCAB)
+
+
+# ----- decoding_mode medusa in the in-flight executor -----
+
+class OracleTrees:
+    """A proposer of trees holding the true continuation (and random siblings), so that the
+    executor's tree steps accept deep paths and move their KV: the same hooks as Medusa's."""
+
+    def __init__(self, refs: dict[tuple, list[int]], prompt_lens: dict[int, tuple]):
+        self.refs, self.rng = refs, random.Random(0)
+
+    def observe(self, hidden_rows, last_rows):
+        pass
+
+    def propose(self, seqs, max_draft_len):
+        out = []
+        for seq in seqs:
+            ref = self.refs[tuple(seq.token_ids[:seq.num_prompt_tokens])]
+            truth = ref[seq.num_generated_tokens:] + [0] * 8
+            parents, drafts = [-1, 0, -1, 1, 1, 3], [truth[0], truth[1], self.rng.randrange(128),
+                                                    self.rng.randrange(128), truth[2], truth[3]]
+            room = min(max_draft_len, seq.max_total_tokens - len(seq.token_ids) - 1)
+            seq.draft_parents = parents[:room]
+            out.append(drafts[:room])
+        return out
+
+    def release(self, seq):
+        pass
+
+
+EXEC_PROMPTS = [[5, 17, 99, 3, 42, 8, 61], [100, 7, 7, 7, 120, 33, 9], [1, 2, 3, 4]]
+
+
+@pytest.fixture(scope="module")
+def plain_refs(tiny_hf) -> list[list[int]]:
+    return [tiny_hf.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(p):].tolist()
+            for p in EXEC_PROMPTS]
+
+
+def test_executor_medusa_greedy_ids_equal_transformers(tmp_path, tiny_engine, plain_refs):
+    """Greedy requests verify Medusa trees, a sampled one verifies head chains, all in one batch."""
+    path = save_heads(tmp_path / "heads", medusa_lm_head(3, 1), 1)
+    spec = SpeculativeConfig("medusa", max_draft_len=8, medusa_model_path=path, medusa_choices="{0}, {1}, {0, 0}, {0, 0, 0}")
+    with Executor(tiny_engine, ExecutorConfig(exclude_input_from_output=True, speculative=spec)) as executor:
+        requests = [Request(p, NEW_TOKENS, output=OutputConfig(return_perf_metrics=True)) for p in EXEC_PROMPTS]
+        sampled = Request(EXEC_PROMPTS[0], NEW_TOKENS, sampling=SamplingConfig(top_k=5, temperature=0.8, seed=3))
+        got = collect(executor, executor.enqueue_requests(requests + [sampled]), timeout=300)
+        results = [got[i] for i in sorted(got)]
+        assert [final_tokens(r) for r in results[:3]] == plain_refs
+        assert len(final_tokens(results[3])) == NEW_TOKENS
+        assert results[0][-1].result.perf.total_draft_tokens > 0
+        executor.blocks.check_invariants()
+        assert executor.blocks.num_free_blocks == executor.blocks.num_blocks
+
+
+def test_executor_tree_steps_accept_deep_paths_and_move_their_kv(tmp_path, tiny_engine, plain_refs):
+    path = save_heads(tmp_path / "heads", medusa_lm_head(3, 1), 1)
+    spec = SpeculativeConfig("medusa", max_draft_len=6, medusa_model_path=path)
+    with Executor(tiny_engine, ExecutorConfig(exclude_input_from_output=True, speculative=spec)) as executor:
+        executor.proposer = OracleTrees({tuple(p): r for p, r in zip(EXEC_PROMPTS, plain_refs)}, {})
+        requests = [Request(p, NEW_TOKENS, output=OutputConfig(return_perf_metrics=True)) for p in EXEC_PROMPTS]
+        got = collect(executor, executor.enqueue_requests(requests), timeout=300)
+        results = [got[i] for i in sorted(got)]
+        assert [final_tokens(r) for r in results] == plain_refs
+        # A full tree's step keeps the true path (root -> 0 -> 1 -> 4 -> 5): 4 of its 6 drafts; steps
+        # near max_tokens get fewer nodes (the room left). The counts are the same for every prompt.
+        assert [(r[-1].result.perf.total_draft_tokens, r[-1].result.perf.total_accepted_draft_tokens)
+                for r in results] == [(14, 8)] * 3
+        assert executor.blocks.num_free_blocks == executor.blocks.num_blocks
+
+
+def test_executor_refuses_medusa_without_heads(tiny_engine, tmp_path):
+    with pytest.raises(ExecutorConfigError, match=r"medusa_model_path: '.*/medusa' has no config.json"):
+        Executor(tiny_engine, ExecutorConfig(speculative=SpeculativeConfig("medusa")))
+    path = save_heads(tmp_path / "heads", medusa_lm_head(2, 1), 1)
+    with pytest.raises(ExecutorConfigError, match="Invalid format for medusa_choices"):
+        Executor(tiny_engine, ExecutorConfig(speculative=SpeculativeConfig("medusa", medusa_model_path=path,
+                                                                           medusa_choices="{0}, {0")))

@@ -109,6 +109,16 @@ def test_draft_target_names_the_draft_engine():
         executor_settings({"decoding_mode": "draft_target"}, {})
 
 
+def test_decoding_mode_medusa_names_its_heads_and_tree():
+    settings = executor_settings({"decoding_mode": "medusa", "medusa_model_path": "/heads", "max_draft_len": "8",
+                                  "medusa_choices": "{0}, {0, 0}, {1}"}, {})
+    config, ignored = to_executor_config(ExecutorConfig, settings)
+    assert config.speculative == SpeculativeConfig(mode="medusa", max_draft_len=8, medusa_model_path="/heads",
+                                                   medusa_choices=[[0], [0, 0], [1]])
+    assert ignored == []
+    config.validate()
+
+
 def test_other_decoding_modes_and_unfilled_parameters_leave_speculation_off():
     for params in ({"decoding_mode": "top_k"}, {"decoding_mode": "${decoding_mode}", "max_draft_len": "${max_draft_len}",
                                                 "max_matching_ngram_size": "${max_matching_ngram_size}",

@@ -23,7 +23,9 @@ import os
 import torch
 from safetensors.torch import load_file
 
+from engine.executor.speculative.proposer import draft_room
 from engine.executor.speculative.tree import TreeShape, shape_from_choices
+from engine.executor.speculative.verify import is_plain_greedy
 
 
 class MedusaConfigError(ValueError):
@@ -119,3 +121,46 @@ def propose_tree(head_logits: torch.Tensor, shape: TreeShape, top: int) -> tuple
     depths = shape.depths
     drafts = [ranked[depths[i] - 1][shape.ranks[i]] for i in range(1, shape.num_nodes)]
     return [p - 1 for p in shape.parents[1:]], drafts
+
+
+class MedusaDraftProposer:
+    """The executor's DraftProposer for ``decoding_mode medusa`` (proposer.py's interface).
+
+    The heads read the target's final hidden state at each sequence's last computed token: the
+    executor hands the step's hidden rows over after each forward (``observe``; the runner keeps
+    them, ``keep_hidden_rows``). A plain greedy sequence then verifies ``medusa_choices``' tree
+    (its first max_draft_len nodes, a subtree: nodes are in topological order); any other one the
+    chain of each head's top token, which the chain rules verify (sampled acceptance of trees is
+    not built).
+    """
+
+    def __init__(self, heads: MedusaHeads, choices: list[list[int]]):
+        self.tree = MedusaProposer(heads, choices)
+        self._hidden: dict[int, torch.Tensor] = {}  # seq_id -> (hidden,) at its last computed token
+
+    def observe(self, hidden_rows: torch.Tensor, last_rows: dict[int, int]) -> None:
+        """hidden_rows: the step's rows (aligned with its logits rows); last_rows: seq_id -> the row
+        of its last computed token after the step (the end of an accepted path)."""
+        for seq_id, row in last_rows.items():
+            self._hidden[seq_id] = hidden_rows[row].clone()
+
+    def propose(self, seqs: list, max_draft_len: int) -> list[list[int]]:
+        drafts = []
+        for seq in seqs:
+            hidden = self._hidden.pop(seq.seq_id, None)
+            room = draft_room(seq, max_draft_len)
+            seq.draft_parents = None
+            if hidden is None or not room or seq.num_unresolved_tokens:
+                drafts.append([])
+                continue
+            logits = self.tree.heads(hidden)  # (heads, vocab)
+            if is_plain_greedy(seq):
+                parents, tokens = propose_tree(logits, self.tree.shape, self.tree.top)
+                seq.draft_parents = parents[:room]
+                drafts.append(tokens[:room])
+            else:
+                drafts.append(logits.argmax(dim=-1).tolist()[:room])
+        return drafts
+
+    def release(self, seq) -> None:
+        self._hidden.pop(seq.seq_id, None)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-import torch
+from engine.executor.tree_batch import ancestor_mask  # noqa: F401  (re-exported: the trees' mask)
 
 
 class TreeChoicesError(ValueError):
@@ -92,15 +92,6 @@ def parse_choices(text: str, field: str = "medusa_choices") -> list[list[int]]:
         return [[int(x) for x in group.split(",")] for group in re.findall(r"\{([^{}]*)\}", body)]
     except ValueError:
         raise TreeChoicesError(f"Invalid format for {field}: {text!r} (ranks must be integers)") from None
-
-
-def ancestor_mask(parents: list[int] | tuple[int, ...]) -> torch.Tensor:
-    """(n, n) bool: [i, j] iff node j is node i or one of its ancestors."""
-    n = len(parents)
-    mask = torch.eye(n, dtype=torch.bool)
-    for i in range(1, n):
-        mask[i] |= mask[parents[i]]
-    return mask
 
 
 def accept_greedy_tree(parents: list[int], token_ids: list[int], target_ids: list[int]) -> tuple[list[int], list[int]]:

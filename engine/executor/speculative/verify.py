@@ -18,6 +18,7 @@ import torch
 from engine.executor.request import Sequence
 from engine.executor.sampler import apply_top_k_top_p, build_sampling_metadata, process_logits, sampling_law
 from engine.executor.speculative.acceptance import accept_by_rejection, accept_by_threshold, accept_greedy
+from engine.executor.speculative.tree import accept_greedy_tree
 
 
 @dataclass
@@ -27,6 +28,7 @@ class Verified:
     token_ids: list[int]  # the accepted drafts, then one token of the target's own
     num_draft_tokens: int  # drafts that were verified
     log_probs: list[float] | None  # per emitted token, as the sampler reports them; None unless asked
+    path: list[int] | None = None  # a tree's accepted nodes (0: the root), whose KV moves into place; None: a chain
 
     @property
     def num_accepted(self) -> int:
@@ -59,7 +61,12 @@ def verify_batch(drafted: list[tuple[Sequence, list[int], int]], logits: torch.T
     sequences (nothing changes their logits) share one argmax and one copy to the host."""
     verified, plain = {}, []
     for seq, draft_ids, first in drafted:
-        if _is_plain_greedy(seq):
+        if seq.draft_parents is not None:  # a token tree (tree_batch.py): only plain greedy sequences draft one
+            parents = [-1] + [p + 1 for p in seq.draft_parents[:len(draft_ids)]]
+            target = logits[first:first + len(draft_ids) + 1].argmax(dim=-1).tolist()
+            path, token_ids = accept_greedy_tree(parents, [-1] + list(draft_ids), target)
+            verified[seq.seq_id] = Verified(token_ids, len(draft_ids), None, path)
+        elif is_plain_greedy(seq):
             plain.append((seq, draft_ids, first))
         else:
             verified[seq.seq_id] = verify_drafts(seq, draft_ids, logits[first:first + len(draft_ids) + 1],
@@ -75,7 +82,7 @@ def verify_batch(drafted: list[tuple[Sequence, list[int], int]], logits: torch.T
     return verified
 
 
-def _is_plain_greedy(seq: Sequence) -> bool:
+def is_plain_greedy(seq: Sequence) -> bool:
     """Greedy, and the sampler would take the raw argmax: no bias, penalty, ban or log-prob."""
     request = seq.state.request
     s = request.sampling
