@@ -33,10 +33,10 @@ TOP_KEYS = ("model", "tokenizer", "backend", "tensor_parallel_size", "pipeline_p
             "speculative_config")
 LORA_KEYS = ("max_lora_rank", "max_loras")
 SPECULATIVE_KEYS = ("decoding_type", "max_draft_len", "max_matching_ngram_size", "speculative_model_dir",
-                    "speculative_model")
+                    "speculative_model", "medusa_choices", "num_medusa_heads")
 # TensorRT-LLM's decoding_type names (its NGramDecodingConfig / DraftTargetDecodingConfig) -> the
 # tensorrt_llm model's decoding_mode values (serving/executor_config.py).
-DECODING_TYPES = {"ngram": "ngram", "drafttarget": "draft_target", "draft_target": "draft_target"}
+DECODING_TYPES = {"ngram": "ngram", "drafttarget": "draft_target", "draft_target": "draft_target", "medusa": "medusa"}
 
 
 @dataclass
@@ -185,7 +185,8 @@ def _speculative(value: Any, config: LlmapiConfig, base_dir: str | None) -> None
     kind = spec.get("decoding_type")
     mode = DECODING_TYPES.get(kind.lower()) if isinstance(kind, str) else None
     if mode is None:
-        raise _fail("speculative_config.decoding_type", f"{kind!r} is not supported; allowed: NGram, DraftTarget")
+        raise _fail("speculative_config.decoding_type", f"{kind!r} is not supported; allowed: NGram, DraftTarget, "
+                                                        f"Medusa")
     config.parameters["decoding_mode"] = mode
     if spec.get("max_draft_len") is not None:
         config.parameters["max_draft_len"] = str(_int(spec["max_draft_len"], "speculative_config.max_draft_len", 1, 64))
@@ -195,6 +196,9 @@ def _speculative(value: Any, config: LlmapiConfig, base_dir: str | None) -> None
         config.parameters["max_matching_ngram_size"] = str(
             _int(spec["max_matching_ngram_size"], "speculative_config.max_matching_ngram_size", 1))
     draft = spec.get("speculative_model_dir", spec.get("speculative_model"))
+    if mode == "medusa":
+        _medusa(spec, draft, config, base_dir)
+        return
     if mode == "ngram":
         if draft is not None:
             raise _fail("speculative_config.speculative_model_dir", "NGram drafts from the request's own tokens: "
@@ -208,6 +212,27 @@ def _speculative(value: Any, config: LlmapiConfig, base_dir: str | None) -> None
         raise _fail("speculative_config.decoding_type", "DraftTarget runs its draft on one GPU beside the target, "
                                                         "so it needs tensor_parallel_size 1; NGram works with any")
     config.draft_model = draft
+
+
+def _medusa(spec: dict, heads: Any, config: LlmapiConfig, base_dir: str | None) -> None:
+    """decoding_type Medusa (TensorRT-LLM's MedusaDecodingConfig): speculative_model_dir is the heads'
+    directory (FasterDecoding's medusa_lm_head format; default: the engine's medusa/), medusa_choices
+    the tree as a list of rank paths -> medusa_model_path and medusa_choices ("{0}, {0, 0}")."""
+    if heads is not None:
+        if not isinstance(heads, str) or not heads:
+            raise _fail("speculative_config.speculative_model_dir", "the Medusa heads' directory (config.json and "
+                                                                   "medusa_lm_head.safetensors or .pt)")
+        config.parameters["medusa_model_path"] = _existing_path(heads, "speculative_config.speculative_model_dir",
+                                                                base_dir)
+    choices = spec.get("medusa_choices")
+    if choices is not None:
+        if not (isinstance(choices, list) and choices and all(
+                isinstance(c, list) and c and all(isinstance(r, int) and r >= 0 for r in c) for c in choices)):
+            raise _fail("speculative_config.medusa_choices", f"a list of paths of ranks, e.g. [[0], [0, 0], [1]]; "
+                                                             f"got {choices!r}")
+        config.parameters["medusa_choices"] = ", ".join("{" + ", ".join(map(str, c)) + "}" for c in choices)
+    if config.tensor_parallel_size > 1:
+        raise _fail("speculative_config.decoding_type", "Medusa runs on one rank: it needs tensor_parallel_size 1")
 
 
 def _lora(data: dict, config: LlmapiConfig) -> None:

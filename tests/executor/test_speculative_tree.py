@@ -127,3 +127,17 @@ def test_greedy_tree_acceptance_and_choices():
             parse_choices(bad)
     with pytest.raises(TreeChoicesError, match=r"medusa_choices: path \[1, 0\] has no parent path \[1\]"):
         shape_from_choices([[0], [1, 0]])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_tree_steps_on_cuda_equal_transformers(tiny_engine, reference):
+    """On CUDA the tree mask runs through the reference attention beside the Triton rotary/KV-write
+    kernels, and the path's KV moves on the device."""
+    decoder = TreeDecoder(ModelRunner(tiny_engine, device="cuda"), num_blocks=64)
+    for correct in (False, True):
+        rng = random.Random(1)
+        for prompt, want in zip(PROMPTS, reference):
+            got, _ = decoder.generate(prompt, NEW_TOKENS, oracle_tree(want, len(prompt), rng, correct=correct))
+            assert got == want
+    assert decoder.blocks.num_free_blocks == decoder.blocks.num_blocks

@@ -71,6 +71,21 @@ def test_speculative_config_and_the_host_kv_tier_become_tensorrt_llm_parameters(
             "decoding_type": "DraftTarget", "speculative_model_dir": str(tmp_path / "draft")}})
 
 
+def test_speculative_config_medusa_names_heads_and_tree(checkpoint, tmp_path):
+    """decoding_type Medusa (TensorRT-LLM's MedusaDecodingConfig) -> decoding_mode medusa, the heads'
+    directory as medusa_model_path and medusa_choices in the tensorrt_llm parameter's spelling."""
+    (tmp_path / "heads").mkdir()
+    config = parse_llmapi_config({"model": checkpoint, "speculative_config": {
+        "decoding_type": "Medusa", "max_draft_len": 8, "speculative_model_dir": "heads",
+        "medusa_choices": [[0], [0, 0], [1]], "num_medusa_heads": 2}}, str(tmp_path))
+    params = executor_parameters(config, "/engines/x")
+    assert params["decoding_mode"] == "medusa" and params["max_draft_len"] == "8"
+    assert params["medusa_model_path"] == str(tmp_path / "heads") and params["medusa_choices"] == "{0}, {0, 0}, {1}"
+    with pytest.raises(ValueError, match="speculative_config.medusa_choices: a list of paths of ranks"):
+        parse_llmapi_config({"model": checkpoint, "speculative_config": {"decoding_type": "Medusa",
+                                                                         "medusa_choices": "{0}"}})
+
+
 def test_defaults_and_dtype_auto(checkpoint):
     config = parse_llmapi_config({"model": checkpoint})
     assert config.decoupled is True and config.triton_max_batch_size == 0
