@@ -73,7 +73,7 @@ def vision_settings(repo: str | None, tokenizer_dir: str, local_media_path: str 
     text-only engine: preprocessing's multimodal_model_path and image limits when ``repo`` fills them,
     else the engine's own ``vision_encoder/`` (``tokenizer_dir`` is the engine directory) with the
     defaults (one image per request, data: URLs only); ``local_media_path``: --allowed_local_media_path."""
-    from engine.vision.encoder_dir import vision_encoder_dir
+    from engine.vision.encoder_path import vision_encoder_dir  # (no torch: encoder_dir.py's module has it)
     from openai_frontend.vision import VisionSettings
 
     def number(key: str) -> int | None:

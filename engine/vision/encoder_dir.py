@@ -24,17 +24,11 @@ from safetensors.torch import load_file, save_file
 
 from engine.config import EngineFormatError
 from engine.hf_checkpoint import TensorGetter
+from engine.vision.encoder_path import VISION_ENCODER_DIR, vision_encoder_dir  # noqa: F401 (build.py, tests)
 from engine.vision.registry import FAMILIES_BY_MODEL_TYPE, VisionFamily
 
-VISION_ENCODER_DIR = "vision_encoder"  # under the engine directory
 FORMAT_VERSION = 1
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def vision_encoder_dir(engine_dir: str) -> str | None:
-    """The engine's vision-encoder directory, or None for a text-only engine."""
-    path = os.path.join(engine_dir, VISION_ENCODER_DIR)
-    return path if os.path.isfile(os.path.join(path, "config.json")) else None
 
 
 def write_vision_encoder(family: VisionFamily, hf_config, get: TensorGetter, output_dir: str, dtype: str,

@@ -101,7 +101,7 @@ def test_a_plain_fast_tokenizer_loads_as_auto_tokenizer_would_and_without_torch(
     default engine's): AutoTokenizer's class, settings and ids; a config.json with a model type takes
     AutoTokenizer's path; and the stubs import no torch (2-3 s of CPU each at every server start):
     preprocessing and postprocessing only tokenize, the BLS only routes, and tensorrt_llm's executor
-    runs in its engine process."""
+    runs in its engine process; nor does the OpenAI frontend's start (its vision-encoder lookup)."""
     import json
     import shutil
     import subprocess
@@ -138,6 +138,7 @@ def test_a_plain_fast_tokenizer_loads_as_auto_tokenizer_would_and_without_torch(
              "serving.cancellation, serving.params, serving.multimodal, serving.inflight, serving.metrics, "
              "serving.executor_config, serving.server_stop, serving.shared_engine, engine.executor.engine_process, "
              "engine.executor.executor_config, engine.tensor_parallel.rank_info; "
+             f"from openai_frontend.repository import vision_settings; vision_settings(None, {smollm2_tokenizer_dir!r}); "
              "assert 'torch' not in sys.modules, 'torch was imported'")
     run = subprocess.run([sys.executable, "-c", check], cwd=root, capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": str(root)})
