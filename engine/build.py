@@ -42,6 +42,7 @@ from engine.config import (
     EngineConfig,
     ModelConfig,
     check_tp_divides,
+    keeps_float32,
     resolve_build_limits,
 )
 from engine.convert import (
@@ -136,16 +137,17 @@ def quantize_rank_weights(weights: dict[str, torch.Tensor], names: list[str],
 
 
 def block_quantized_rank_weights(converted, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype,
-                                 source_scales: dict[str, torch.Tensor | None] | None = None):
+                                 source_scales: dict[str, torch.Tensor | None] | None = None, architecture: str = ""):
     """fp8_block: yield (name, tensor) for one rank, from ``converted`` (its (name, float32 tensor)
     pairs): every weight with a declared scale becomes E4M3 codes with 128 x 128 block scales
     (kernels/fp8_block.py), the checkpoint's own where ``source_scales`` (rank_block_scales) has
     them, so its codes come back exactly; a weight the checkpoint left unquantized (None there) stays
-    in ``dtype`` with ones as its unread scales; the rest is cast to ``dtype``."""
+    in ``dtype`` with ones as its unread scales; the rest is cast to ``dtype`` (but engine/config.py's
+    keeps_float32 tensors of ``architecture``)."""
     scaled = set(fp8_weight_names(shapes))
     for name, tensor in converted:
         if name not in scaled:
-            yield name, tensor.to(dtype)
+            yield name, tensor if keeps_float32(architecture, name) else tensor.to(dtype)
         elif source_scales is not None and source_scales[name] is None:
             yield name, tensor.to(dtype)
             yield name + "_scale", torch.ones(shapes[name + "_scale"])
@@ -195,7 +197,7 @@ def write_engine(output_dir: str, model: ModelConfig, build: BuildConfig, get: T
             converted = iter_rank_weights(get, model, rank, build.tp_size, torch.float32)
             source_scales = None if block_scales is None else block_scales[rank]
             for name, tensor in block_quantized_rank_weights(converted, shapes, TORCH_DTYPES[build.dtype],
-                                                             source_scales):
+                                                             source_scales, model.architecture):
                 weights[name] = tensor
                 bar.update(1)
         else:

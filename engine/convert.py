@@ -28,7 +28,8 @@ from typing import Iterator, Mapping
 import torch
 
 from engine.config import (DECODER_ARCHITECTURES, GEMMA_ARCHITECTURES, HYBRID_ARCHITECTURES, LLAMA4_ARCHITECTURES,
-                           MLA_ARCHITECTURES, MOE_ARCHITECTURES, ConfigError, ModelConfig, check_tp_divides)
+                           MLA_ARCHITECTURES, MOE_ARCHITECTURES, ConfigError, ModelConfig, check_tp_divides,
+                           keeps_float32)
 from engine.convert_decoder import MODEL_TYPES, decoder_config_from_hf, decoder_rank_weights
 from engine.ssm.convert import MODEL_TYPES as HYBRID_MODEL_TYPES, hybrid_config_from_hf, hybrid_rank_weights
 from engine.convert_deepseek import deepseek_config_from_hf, deepseek_rank_weights
@@ -471,7 +472,8 @@ def iter_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: i
     if cfg.architecture in LLAMA4_ARCHITECTURES:
         convert = llama4_rank_weights
     for name, tensor in convert(get, cfg, rank, tp_size):
-        yield name, (tensor.to(dtype) if tensor.is_floating_point() else tensor).contiguous()
+        cast = torch.float32 if keeps_float32(cfg.architecture, name) else dtype
+        yield name, (tensor.to(cast) if tensor.is_floating_point() else tensor).contiguous()
 
 
 def rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -17,7 +17,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from engine.config import EngineConfig, EngineFormatError
+from engine.config import FLOAT32_WEIGHT_SUFFIXES, EngineConfig, EngineFormatError
 from engine.models import get_model_class
 from engine.executor.device_memory import apply_memory_fraction_from_env, free_device_bytes
 from engine.executor.cuda_graphs import DecodeGraphs, choose_programmatic_launch, run_warmup_batch
@@ -486,6 +486,8 @@ def keep_or_cast(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.T
     the engine's dtype."""
     if tensor.dtype == FP8_DTYPE or not tensor.dtype.is_floating_point or name.endswith("_scale"):
         return tensor
+    if tensor.dtype == torch.float32 and name.endswith(FLOAT32_WEIGHT_SUFFIXES):
+        return tensor  # DeepSeek's routing (engine/config.py keeps_float32); others' routers are stored in dtype
     return tensor.to(dtype)
 
 

@@ -149,8 +149,11 @@ class DeepseekExperts(nn.Module):
         self.top_k, self.method = c.num_experts_per_tok, c.topk_method
         self.routing = dict(n_group=c.n_group, topk_group=c.topk_group, renormalize=c.norm_topk_prob,
                             scaling=c.routed_scaling_factor)
-        self.router = Linear(hidden, experts, bias=False, dtype=dtype, device=device)  # model dtype, always
-        self.score_bias = _parameter(experts, dtype=dtype, device=device) if c.topk_method == "noaux_tc" else None
+        # Routing runs in float32 whatever the model dtype (as transformers keeps gate.weight and
+        # e_score_correction_bias): in bf16 a near tie between experts' scores could pick another expert.
+        self.router = Linear(hidden, experts, bias=False, dtype=torch.float32, device=device)
+        self.score_bias = (_parameter(experts, dtype=torch.float32, device=device) if c.topk_method == "noaux_tc"
+                           else None)
         fp8 = quantization == "fp8_block"
         for name, (rows, cols) in {"gate_up_proj": (2 * inter_local, hidden), "down_proj": (hidden, inter_local)}.items():
             setattr(self, name, _parameter(experts, rows, cols, dtype=FP8_DTYPE if fp8 else dtype, device=device))
@@ -167,7 +170,7 @@ class DeepseekExperts(nn.Module):
             self.shared = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route_grouped(self.router(x), self.top_k, self.method, score_bias=self.score_bias,
+        weights, ids = route_grouped(self.router(x.float()), self.top_k, self.method, score_bias=self.score_bias,
                                      **self.routing)
         if self.gate_up_proj.dtype == FP8_DTYPE:
             out = fused_moe_fp8(x, self.gate_up_proj, self.gate_up_proj_scale, self.down_proj, self.down_proj_scale,

@@ -17,8 +17,8 @@ import torch
 import transformers
 
 from engine.config import ConfigError
-from engine.convert import model_config_from_hf
-from engine.executor.runner import ForwardBatch, ModelRunner
+from engine.convert import getter_from_state_dict, model_config_from_hf, rank_weights
+from engine.executor.runner import ForwardBatch, ModelRunner, keep_or_cast
 from engine_testing import (EXECUTOR_POOL, PagedSession, assert_cuda_steps_equal_transformers, hf_logits,
                             make_engine, random_tokens)
 from kernels.moe_grouped_routing import route_grouped
@@ -161,6 +161,22 @@ def test_routing_equals_transformers_routers(version):
     order, hf_order = ids.long().argsort(dim=-1), hf_ids.argsort(dim=-1)
     assert torch.equal(ids.long().gather(1, order), hf_ids.gather(1, hf_order))
     assert torch.allclose(weights.gather(1, order), hf_weights.gather(1, hf_order), atol=1e-6)
+
+
+def test_routing_weights_stay_float32_in_a_bf16_engine():
+    """As transformers keeps gate.weight and e_score_correction_bias in float32 (in bf16 a near tie can
+    pick another expert): a bf16 engine's converter writes them float32, the loader keeps them, the
+    model declares them so; the experts are bf16."""
+    hf = tiny_deepseek("v3")
+    cfg = model_config_from_hf(hf.config)
+    weights = rank_weights(getter_from_state_dict(hf.state_dict(), "tiny"), cfg, 0, 1, torch.bfloat16)
+    for name in ("layers.1.moe.router.weight", "layers.1.moe.score_bias"):
+        assert weights[name].dtype == keep_or_cast(name, weights[name], torch.bfloat16).dtype == torch.float32
+    assert weights["layers.1.moe.gate_up_proj"].dtype == torch.bfloat16
+    from engine.models.deepseek import DeepseekForCausalLM
+
+    model = DeepseekForCausalLM(cfg, dtype=torch.bfloat16, device="meta")
+    assert model.layers[1].moe.router.weight.dtype == model.layers[1].moe.score_bias.dtype == torch.float32
 
 
 def test_block_fp8_checkpoint_gives_its_dequantized_logits(tmp_path):
