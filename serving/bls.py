@@ -57,8 +57,11 @@ IMAGE_PREPROCESSING_INPUTS = {"image_input": "IMAGE", "image_bytes_input": "IMAG
                               "image_url_input": "IMAGE_URL", "video_bytes_input": "VIDEO_BYTES",
                               "image_sizes_input": "IMAGE_SIZES"}
 IMAGE_PREPROCESSING_OUTPUTS = ["PIXEL_VALUES", "IMAGE_SIZES"]
+# (the MROPE pair only for Qwen2-VL encoders; absent outputs are not forwarded, as IMAGE_SIZES above)
 LLM_INPUTS_FROM_ENCODERS = {"OUT_PROMPT_EMBEDDING_TABLE": "prompt_embedding_table",
-                            "OUT_PROMPT_VOCAB_SIZE": "prompt_vocab_size"}
+                            "OUT_PROMPT_VOCAB_SIZE": "prompt_vocab_size",
+                            "MROPE_ROTARY_COS_SIN": "mrope_rotary_cos_sin",
+                            "MROPE_POSITION_DELTAS": "mrope_position_deltas"}
 
 
 def encoder_inputs(tensors: dict[str, np.ndarray], pre_out: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -14,6 +14,7 @@ import numpy as np
 
 from engine.executor.request import GUIDE_TYPES, guide_error
 from engine.executor.top_log_probs import num_top_log_probs_error
+from serving.mrope import mrope_fields
 from serving.word_lists import decode_word_list
 
 STREAMING_NEEDS_DECOUPLED = "Streaming is only supported in decoupled mode."
@@ -56,9 +57,9 @@ IGNORED_INPUTS = (
 #       row width); decoder_input_lengths: a value >= 2. A single token is the decoder start token,
 #       i.e. no decoder prompt (preprocessing sends [[pad_id]] without decoder_text_input; an empty one
 #       gives [BOS] or no token).
-#   encoder_input_features, cross_attention_mask, mrope_rotary_cos_sin: any element.
-#       encoder_output_lengths, mrope_position_deltas: non-zero. skip_cross_attn_blocks: a false
-#       value (true skips cross-attention, which a decoder-only engine does not have anyway).
+#   encoder_input_features, cross_attention_mask: any element. encoder_output_lengths: non-zero.
+#       skip_cross_attn_blocks: a false value (true skips cross-attention, which a decoder-only
+#       engine does not have anyway). (mrope_rotary_cos_sin / mrope_position_deltas: serving/mrope.py.)
 #   runtime_top_p_decay: other than 1.0 (no decay, TRT-LLM's default). runtime_top_p_min: above the
 #       item's top-p (runtime_top_p; 1.0 when unset or <= 0), since TRT-LLM's per-token update
 #       top_p = max(top_p * decay, top_p_min) would raise it. runtime_top_p_reset_ids: an id >= 0
@@ -194,17 +195,14 @@ UNSUPPORTED_FEATURES = (
         "or leave decoder_input_ids/decoder_input_lengths out",
         {"decoder_input_ids": _decoder_ids_used, "decoder_input_lengths": _decoder_lengths_used}),
     UnsupportedFeature(
-        "encoder and multimodal inputs (encoder features, cross-attention, mrope) are",
+        "encoder and multimodal inputs (encoder features, cross-attention) are",
         without("encoder_input_features", "encoder_output_lengths", "cross_attention_mask",
-                 "skip_cross_attn_blocks", "mrope_rotary_cos_sin", "mrope_position_deltas")
-        + " (empty tensors, encoder_output_lengths 0, skip_cross_attn_blocks true and "
-          "mrope_position_deltas 0 are accepted)",
+                 "skip_cross_attn_blocks")
+        + " (empty tensors, encoder_output_lengths 0 and skip_cross_attn_blocks true are accepted)",
         {"encoder_input_features": non_empty("encoder_input_features"),
          "encoder_output_lengths": any_nonzero("encoder_output_lengths"),
          "cross_attention_mask": non_empty("cross_attention_mask"),
-         "skip_cross_attn_blocks": any_false("skip_cross_attn_blocks"),
-         "mrope_rotary_cos_sin": non_empty("mrope_rotary_cos_sin"),
-         "mrope_position_deltas": any_nonzero("mrope_position_deltas")}),
+         "skip_cross_attn_blocks": any_false("skip_cross_attn_blocks")}),
     UnsupportedFeature(
         "top-p decay is",
         "send runtime_top_p_decay 1.0, runtime_top_p_min no larger than runtime_top_p and "
@@ -465,6 +463,7 @@ class RequestSpec:
     lora: dict[str, Any] | None = None  # LoraRequest fields (lora_adapter)
     external_draft: dict[str, Any] | None = None  # ExternalDraftTokens fields (external_draft)
     prompt_table: dict[str, Any] | None = None  # PromptTable fields (prompt_table)
+    mrope: dict[str, Any] | None = None  # Mrope fields (serving/mrope.py mrope_fields): Qwen2-VL
     encoder_input_ids: list[int] | None = None  # encoder-decoder engines: input_ids (decoder_prompt)
     encoder_input_features: np.ndarray | None = None  # Whisper: (frames, num_mel_bins) (encoder_features)
     # Disaggregated serving (engine/executor/disaggregated.py): the Triton request parameter
@@ -581,9 +580,10 @@ def _output(tensors, batch_size: int, row: int, exclude_input_default: bool | No
 def convert_row(tensors: Mapping[str, np.ndarray], row: int, batch_size: int, *,
                 decoupled: bool, exclude_input_default: bool | None,
                 max_input_len: int | None = None, encoder_decoder: bool = False,
-                request_type: str = "context_and_generation") -> RequestSpec:
+                request_type: str = "context_and_generation", rotary_width: int = 0) -> RequestSpec:
     """Validate and convert batch row `row`; raises ValueError with the reference's text.
     ``encoder_decoder``: input_ids are the encoder's, the prompt is decoder_prompt's.
+    ``rotary_width``: the engine's head_dim when it takes M-RoPE rows (mrope_rotary_cos_sin), else 0.
     ``request_type``: the Triton request's parameter of that name (request_type_of)."""
     max_tokens = read_scalar(tensors, "request_output_len", batch_size, row)
     if max_tokens is None:
@@ -620,6 +620,7 @@ def convert_row(tensors: Mapping[str, np.ndarray], row: int, batch_size: int, *,
         lora=lora_adapter(tensors, batch_size, row),
         external_draft=external_draft(tensors, batch_size, row),
         prompt_table=prompt_table(tensors, batch_size, row, len(input_token_ids)),
+        mrope=mrope_fields(tensors, batch_size, row, len(input_token_ids), rotary_width),
         request_type=request_type,
         context_phase_params=_context_phase_params(tensors, batch_size, row),
     )
@@ -650,7 +651,7 @@ def _context_phase_params(tensors: Mapping[str, np.ndarray], batch_size: int, ro
 def convert_request(tensors: Mapping[str, np.ndarray], *, decoupled: bool,
                     exclude_input_default: bool | None = None,
                     max_input_len: int | None = None, encoder_decoder: bool = False,
-                    request_type: str = "context_and_generation") -> list[RequestSpec]:
+                    request_type: str = "context_and_generation", rotary_width: int = 0) -> list[RequestSpec]:
     """All rows of one Triton request; raises ValueError on the first invalid input.
 
     `max_input_len` is the engine's prompt limit (an encoder-decoder's: its encoder input limit; the
@@ -658,7 +659,8 @@ def convert_request(tensors: Mapping[str, np.ndarray], *, decoupled: bool,
     batch_size = batch_size_of(tensors, encoder_decoder)
     refuse_unsupported(tensors, batch_size, ENCODER_DECODER_FEATURES if encoder_decoder else UNSUPPORTED_FEATURES)
     return [convert_row(tensors, row, batch_size, decoupled=decoupled, exclude_input_default=exclude_input_default,
-                        max_input_len=max_input_len, encoder_decoder=encoder_decoder, request_type=request_type)
+                        max_input_len=max_input_len, encoder_decoder=encoder_decoder, request_type=request_type,
+                        rotary_width=rotary_width)
             for row in range(batch_size)]
 
 
@@ -669,6 +671,7 @@ def is_stop_request(tensors: Mapping[str, np.ndarray]) -> bool:
 
 def to_executor_request(spec: RequestSpec):
     """Build the engine's `Request` (imported here so this module loads without the engine)."""
+    from engine.executor.mrope_rotary import Mrope
     from engine.executor.prompt_table import PromptTable
     from engine.executor.request import (ExternalDraftTokens, GuidedDecodingParams, LoraRequest, OutputConfig, Request,
                                          SamplingConfig)
@@ -682,6 +685,7 @@ def to_executor_request(spec: RequestSpec):
         lora=None if spec.lora is None else LoraRequest(**spec.lora),
         external_draft=None if spec.external_draft is None else _draft_tokens(ExternalDraftTokens, spec.external_draft),
         prompt_table=None if spec.prompt_table is None else PromptTable(**spec.prompt_table),
+        mrope=None if spec.mrope is None else Mrope(**spec.mrope),
         encoder_input_ids=spec.encoder_input_ids, encoder_input_features=spec.encoder_input_features,
         request_type=spec.request_type, context_phase_params=spec.context_phase_params,
     )

@@ -119,3 +119,50 @@ def test_serving_refuses_a_qwen2_vl_encoder_by_name(built):
 
     with pytest.raises(ValueError, match="Qwen2(.5)?-VL engines run through the executor"):
         VisionEncoderRunner(vision_encoder_dir(built[0]), device="cpu")
+
+
+def test_triton_mrope_inputs_in_the_anchors_layout_give_transformers_ids(built):
+    """tensorrt_llm's mrope_rotary_cos_sin (the anchor's flat interleaved (cos, sin) pairs, padded past
+    the prompt) and mrope_position_deltas -> serving's RequestSpec -> Request.mrope: the same greedy ids
+    as transformers (Qwen2-VL; Qwen2.5-VL's language side is the same)."""
+    import numpy as np
+
+    from serving.mrope import from_wire, to_wire
+    from serving.requests import convert_request, to_executor_request
+
+    engine, hf = built
+    if hf.config.model_type != "qwen2_vl":
+        pytest.skip("the language side is the same for Qwen2.5-VL")
+    config = read_encoder_config(vision_encoder_dir(engine))
+    image = image_processor()([make_image(0, (52, 40))], return_tensors="pt")
+    grids = image["image_grid_thw"].tolist()
+    table = load_vision_encoder(vision_encoder_dir(engine)).image_features(image["pixel_values"], grids)[0]
+    hf_ids = [1, 5, VISION_START, *[IMAGE_TOKEN] * len(table), VISION_END, 7, 8, 6]
+    rows = iter(range(len(table)))
+    ids = [VOCAB + next(rows) if t == IMAGE_TOKEN else t for t in hf_ids]
+    rotary, delta = request_mrope(ids, grids, config, vocab_size=VOCAB)
+    wire = to_wire(rotary.numpy(), num_positions=128)  # padded as the anchor pads to max_position_embeddings
+    assert wire.shape == (128 * rotary.shape[1],) and np.array_equal(from_wire(wire, rotary.shape[1], len(ids)), rotary)
+    tensors = {"input_ids": np.array([ids], np.int32), "input_lengths": np.array([[len(ids)]], np.int32),
+               "request_output_len": np.array([[NEW_TOKENS]], np.int32),
+               "prompt_embedding_table": table.numpy().astype(np.float16)[None],
+               "mrope_rotary_cos_sin": wire[None], "mrope_position_deltas": np.array([[delta]], np.int64)}
+    [spec] = convert_request(tensors, decoupled=False, exclude_input_default=True, rotary_width=rotary.shape[1])
+    with Executor(engine, ExecutorConfig()) as executor:
+        [request_id] = executor.enqueue_requests([to_executor_request(spec)])
+        got = final_tokens(collect(executor, [request_id])[request_id])
+    with torch.no_grad():
+        hf_prompt = torch.tensor([hf_ids])
+        expected = hf.generate(input_ids=hf_prompt, pixel_values=image["pixel_values"].half().float(),
+                               image_grid_thw=image["image_grid_thw"], mm_token_type_ids=(hf_prompt == IMAGE_TOKEN).int(),
+                               max_new_tokens=NEW_TOKENS, do_sample=False)[0, hf_prompt.shape[1]:].tolist()
+    assert got == expected
+    # errors name the field
+    for drop, message in (("mrope_position_deltas", "mrope_rotary_cos_sin was sent without mrope_position_deltas"),
+                          ("mrope_rotary_cos_sin", "mrope_position_deltas was sent without mrope_rotary_cos_sin")):
+        with pytest.raises(ValueError, match=message):
+            convert_request({k: v for k, v in tensors.items() if k != drop}, decoupled=False,
+                            rotary_width=rotary.shape[1])
+    with pytest.raises(ValueError, match=r"mrope_rotary_cos_sin holds 16 values per item; send at least"):
+        convert_request({**tensors, "mrope_rotary_cos_sin": wire[None, :16]}, decoupled=False,
+                        rotary_width=rotary.shape[1])

@@ -12,6 +12,7 @@ import pytest
 
 from serving.bls import (LLM_INPUTS_FROM_PREPROCESSING, LLM_INPUTS_FROM_REQUEST, PREPROCESSING_INPUTS,
                          validate, with_batch_dim)
+from serving.mrope import MROPE_INPUTS
 from serving.requests import (DRAFT_INPUTS, GUIDED_INPUTS, IGNORED_INPUTS, LORA_INPUTS, PROMPT_TABLE_INPUTS,
                               UNSUPPORTED_INPUTS, conversion_error_message, convert_request)
 
@@ -49,8 +50,6 @@ USED = {
     "encoder_output_lengths": (i32([4]), {}),
     "cross_attention_mask": (np.ones((1, 3, 4), np.bool_), {}),
     "skip_cross_attn_blocks": (np.array([[False]]), {}),
-    "mrope_rotary_cos_sin": (np.ones((1, 16), np.float32), {}),
-    "mrope_position_deltas": (np.array([[2]], np.int64), {}),
     "runtime_top_p_decay": (f32([0.9]), {"runtime_top_p": f32([0.8])}),
     "runtime_top_p_min": (f32([0.9]), {"runtime_top_p": f32([0.5])}),
     "runtime_top_p_reset_ids": (i32([13]), {"runtime_top_p_decay": f32([0.9])}),
@@ -68,7 +67,8 @@ def test_every_unsupported_input_has_a_case_and_every_declared_input_a_rule():
             "repetition_penalty", "min_tokens", "presence_penalty", "frequency_penalty", "seed",
             "return_log_probs", "return_context_logits", "return_generation_logits",
             "return_perf_metrics", "exclude_input_in_output", "stop", "streaming", "num_top_log_probs",
-            "context_phase_params", *GUIDED_INPUTS, *LORA_INPUTS, *DRAFT_INPUTS, *PROMPT_TABLE_INPUTS}
+            "context_phase_params", *GUIDED_INPUTS, *LORA_INPUTS, *DRAFT_INPUTS, *PROMPT_TABLE_INPUTS,
+            *MROPE_INPUTS}
     assert declared == read | set(UNSUPPORTED_INPUTS) | set(IGNORED_INPUTS)
     assert not set(UNSUPPORTED_INPUTS) & set(IGNORED_INPUTS)
 

@@ -193,6 +193,9 @@ class TritonPythonModel:
         self.encoder_decoder = engine_config.extra.get("stack") == "decoder"
         self.max_input_len = (engine_config.extra["max_encoder_input_len"] if self.encoder_decoder
                               else engine_config.build.max_input_len)
+        # mrope_rotary_cos_sin items are (positions, head_dim) wide (serving/mrope.py); the executor
+        # refuses them by name for a model without M-RoPE
+        self.rotary_width = engine_config.model.head_dim
         config, ignored = to_executor_config(ExecutorConfig, settings)
         if ignored:
             pb_utils.Logger.log_info(f"tensorrt_llm: accepted but not used by this backend: {ignored}")
@@ -292,7 +295,8 @@ class TritonPythonModel:
         same executor (all_models/llmapi) overrides this and ``_track``."""
         specs = convert_request(tensors, decoupled=self.decoupled, exclude_input_default=self.exclude_input_default,
                                 max_input_len=self.max_input_len, encoder_decoder=self.encoder_decoder,
-                                request_type=request_type_of(request.parameters()))
+                                request_type=request_type_of(request.parameters()),
+                                rotary_width=self.rotary_width)
         registration = {"errors_as_output": wants_errors_as_output(request.parameters()),
                         "requested_outputs": requested_outputs(request)}
         return specs, registration, None
