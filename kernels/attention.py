@@ -39,7 +39,8 @@ Per-layer options (one AttentionMetadata serves every layer, so they are argumen
 - ``meta.tree_mask`` (tree verification, engine/executor/speculative/tree.py): a sequence's new
   tokens are a token tree written to consecutive slots; each sees the cached prefix and only its
   ancestors among the new tokens. Its rotary positions (prefix + depth) are the model's business;
-  the mask here replaces the causal one over the new keys (the reference runs it on every device).
+  the mask here replaces the causal one over the new keys (the Triton kernel reads it in its
+  masked walk, which takes every new key after the first).
 
 The public functions dispatch on the tensors' device: OpenAI Triton kernels on CUDA (when
 Triton is installed), the plain-torch references (``*_ref``) elsewhere. The test is two
@@ -219,7 +220,7 @@ def paged_attention(
     options = {"logit_softcap": logit_softcap, "sinks": sinks}
     if alibi_slopes is not None:  # only ALiBi layers pass it: other callers' kernels stay as they were
         options["alibi_slopes"] = alibi_slopes
-    if meta.tree_mask is not None:  # tree verification: the reference (no Triton variant yet)
+    if meta.tree_mask is not None and not use_triton(q):  # tree verification (the Triton kernel reads the mask too)
         return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window=sliding_window, **options)
     if use_triton(q):
         return triton_attention.paged_attention_triton(q, k_cache, v_cache, meta, scale, sliding_window=sliding_window,

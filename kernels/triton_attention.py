@@ -178,6 +178,7 @@ def _attend_keys(
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, FP16_MATH: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     MASKED: tl.constexpr, TMA: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    tree_ptr, tree_rows, prefix_len, stride_tm, HAS_TREE: tl.constexpr,
 ):
     """The online softmax over keys [lo, hi) in tiles of BLOCK_N -> (m_i, l_i, acc). MASKED: some key
     of a tile may lie at or past kv_hi, or be hidden from some row (causality, window); unmasked
@@ -186,7 +187,10 @@ def _attend_keys(
     TMA (unmasked walks only): each tile is one run of BLOCK_N rows of a head's page, fetched by
     the tensor-memory accelerator through k_desc / v_desc, 2-D views (rows, HEAD_DIM) of the pools
     whose row for (block b, KV head h, page row r) is b * stride_kb / HEAD_DIM + h * stride_kh /
-    HEAD_DIM + r (the wrapper checks the pool is laid out so: _tma_descriptors)."""
+    HEAD_DIM + r (the wrapper checks the pool is laid out so: _tma_descriptors).
+
+    HAS_TREE (masked walks only): a new key (position >= prefix_len) is seen by a row only where
+    the token tree mask says so: tree_ptr[tree_rows[row], key - prefix_len] (AttentionMetadata.tree_mask)."""
     cols = tl.arange(0, BLOCK_N)
     dims = tl.arange(0, DIM_PAD)
     for start in range(lo, hi, BLOCK_N):
@@ -227,6 +231,11 @@ def _attend_keys(
             visible = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
             if HAS_WINDOW:
                 visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
+            if HAS_TREE:  # new keys: only the row's tree ancestors (and itself)
+                new_key = k_pos - prefix_len
+                tree_bits = tl.load(tree_ptr + tree_rows[:, None] * stride_tm + new_key[None, :],
+                                    mask=((new_key >= 0) & k_valid)[None, :], other=1)
+                visible = visible & (tree_bits != 0)
             scores = tl.where(visible, scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
@@ -250,6 +259,8 @@ def _paged_attention_kernel(
     sinks_ptr,  # (num_heads,) sink logits, natural base (read when HAS_SINKS)
     alibi_ptr,  # (num_heads,) float32 ALiBi slopes, natural base (read when HAS_ALIBI)
     active_splits_ptr,  # (1,) int32 (read when DYNAMIC_SPLITS)
+    tree_ptr,  # (num_tokens, max q_len) int8 token tree mask (read when HAS_TREE)
+    stride_tm,
     qk_scale,  # softmax scale * log2(e): scores live in base 2
     window,  # sliding window W (read when HAS_WINDOW): row at position p sees keys p - W < k <= p
     softcap_log2,  # logit soft-cap * log2(e) (read when HAS_SOFTCAP)
@@ -267,6 +278,7 @@ def _paged_attention_kernel(
     TMA: tl.constexpr,  # the unmasked key tiles come through k_desc / v_desc (decode tiles within a page)
     DYNAMIC_SPLITS: tl.constexpr,  # the splits in use are min(active_splits_ptr[0], NUM_SPLITS) (a decode graph's)
     PDL: tl.constexpr,
+    HAS_TREE: tl.constexpr = False,  # token trees (tree verification): meta.tree_mask hides non-ancestors
 ):
     pdl_prologue(PDL)  # before the early returns too: every program must wait (kernels/_triton.py)
     TOKENS_PER_TILE: tl.constexpr = BLOCK_M // GROUP
@@ -392,17 +404,20 @@ def _paged_attention_kernel(
             # The new key was stored above through the generic proxy; the TMA unit (the async proxy)
             # would need a proxy fence to see it. Its tile takes the masked (pointer) walk instead.
             seen_by_all = tl.minimum(prefix_len, kv_hi)
+        if HAS_TREE:  # a tree node may not see an earlier node: new keys past the first take the masked walk
+            seen_by_all = tl.minimum(seen_by_all, prefix_len + 1)
         unmasked_end = kv_lo + tl.maximum(seen_by_all - kv_lo, 0) // BLOCK_N * BLOCK_N
+    tree_rows = (q_start + q_pos - prefix_len).to(tl.int64)  # each row's token (padding rows: the tile's last)
     m_i, l_i, acc = _attend_keys(
         q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_desc, v_desc, block_row, kv_head, kv_lo, unmasked_end,
         kv_hi, qk_scale, window, softcap_log2, alibi_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
         stride_vh, HEAD_DIM, DIM_PAD, PAGE_SIZE, BLOCK_N, PRECISION, FP16_MATH, HAS_WINDOW, HAS_SOFTCAP, False, TMA,
-        HAS_ALIBI)
+        HAS_ALIBI, tree_ptr, tree_rows, prefix_len, stride_tm, False)
     m_i, l_i, acc = _attend_keys(
         q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_desc, v_desc, block_row, kv_head, unmasked_end, kv_hi,
         kv_hi, qk_scale, window, softcap_log2, alibi_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
         stride_vh, HEAD_DIM, DIM_PAD, PAGE_SIZE, BLOCK_N, PRECISION, FP16_MATH, HAS_WINDOW, HAS_SOFTCAP, True, False,
-        HAS_ALIBI)
+        HAS_ALIBI, tree_ptr, tree_rows, prefix_len, stride_tm, HAS_TREE)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -741,6 +756,9 @@ def paged_attention_triton(
         new_kv_strides = (0, 0, 0, 0)
         rotate = False
     kv_itemsize = k_cache.element_size()
+    # Token trees (tree verification): the mask as bytes; the decode launch's rows are one token each
+    # (a root alone sees all its keys), so only the prefill launch reads it.
+    tree = None if meta.tree_mask is None else meta.tree_mask.to(torch.int8)
 
     def launch(config: tuple, grid: tuple[int, int, int], seq_kind: int, tile_map: bool) -> None:
         block_m, block_n, num_warps, num_stages, num_splits = config[:5]
@@ -766,6 +784,7 @@ def paged_attention_triton(
             new_k, new_v, positions, cos_sin_cache, meta.slot_mapping, q if sinks is None else sinks,
             q if alibi_slopes is None else alibi_slopes,
             meta.decode_splits if dynamic else meta.context_lens,
+            meta.context_lens if tree is None else tree, 0 if tree is None else tree.stride(0),
             scale * _LOG2E, sliding_window or 0, (logit_softcap or 1.0) * _LOG2E,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -778,6 +797,7 @@ def paged_attention_triton(
             ROTATE=rotate,
             HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=logit_softcap is not None, HAS_TILE_MAP=tile_map,
             HAS_SINKS=sinks is not None, HAS_ALIBI=alibi_slopes is not None, SEQ_KIND=seq_kind, TMA=descs is not None, DYNAMIC_SPLITS=dynamic,
+            HAS_TREE=tree is not None and seq_kind == MULTI_TOKEN,
             num_warps=num_warps,
             num_stages=num_stages,
             **pdl_options(q),
