@@ -58,6 +58,11 @@ GAUGES: list[GaugeSpec] = [
          "micro_batch_id": lambda s: getattr(s, "micro_batch_id", 0) or 0,
          "paused_requests": _stat("num_paused_requests"),
      }),
+    # Cumulative over generation_only requests (engine/executor/disaggregated.py); the reference sums
+    # its finished requests' kvCacheTransferMS.
+    ("nv_trt_llm_disaggregated_serving_metrics", "TRT LLM disaggregated serving metrics", "disaggregated_serving_type", {
+        "kv_cache_transfer_ms": _stat("kv_cache_transfer_ms_total"), "request_count": _stat("num_kv_transfers_total"),
+    }),
     ("nv_trt_llm_general_metrics", "General TRT LLM metrics", "general_type", {
         "timestamp": lambda s: timestamp_seconds(getattr(s, "timestamp_ns", 0) or s.timestamp), "iteration_counter": _stat("iter"),
     }),

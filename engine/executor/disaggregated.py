@@ -69,7 +69,7 @@ def encode(fields: dict) -> bytes:
 
 def decode(blob) -> dict:
     """The fields of a blob written by ``encode``; ContextPhaseError naming what is wrong otherwise."""
-    data = bytes(blob)
+    data = bytes(blob).rstrip(b"\0")  # a row of a batch arrives zero-padded to the longest blob
     if not data.startswith(MAGIC) or len(data) <= len(MAGIC):
         raise ContextPhaseError("context_phase_params: not a context phase blob of this backend (bad header); "
                                 "send the context_phase_params output of a context_only request unchanged")

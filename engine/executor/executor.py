@@ -1090,7 +1090,8 @@ class Executor:
             kv_cache_stats=kv_cache_stats(self.blocks),
             lora_cache_stats=None if self.adapters is None else self.adapters.snapshot(),
             num_draft_tokens_total=self._num_draft_tokens_total,
-            num_accepted_draft_tokens_total=self._num_accepted_draft_tokens_total)
+            num_accepted_draft_tokens_total=self._num_accepted_draft_tokens_total,
+            num_kv_transfers_total=self.disagg.num_transfers, kv_cache_transfer_ms_total=self.disagg.kv_cache_transfer_ms)
         self._stats_history.append(stats)
         if self._iteration_log is not None:
             self._iteration_log.write(stats, self._deliver_ms)

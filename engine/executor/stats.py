@@ -51,6 +51,9 @@ class IterationStats:
     # Speculative decoding, cumulative since the executor started: draft tokens verified, and accepted.
     num_draft_tokens_total: int = 0
     num_accepted_draft_tokens_total: int = 0
+    # Disaggregated serving, cumulative: generation_only requests whose KV arrived here, and the copies' time.
+    num_kv_transfers_total: int = 0
+    kv_cache_transfer_ms_total: float = 0.0
 
 
 def kv_cache_stats(blocks: BlockManager) -> KvCacheStats:

@@ -72,6 +72,8 @@ def test_context_then_generation_equals_aggregated(pair, transport, streaming):
         assert (list(prompt) + got if streaming else got) == expected  # (a stream sends the output only)
     assert wait_until(lambda: all_free(context)) and wait_until(lambda: all_free(generation))
     assert generation.disagg.num_transfers >= len(PROMPTS) and generation.disagg.kv_cache_transfer_ms > 0
+    stats = generation.get_latest_iteration_stats()  # what nv_trt_llm_disaggregated_serving_metrics shows
+    assert stats.num_kv_transfers_total == generation.disagg.num_transfers and stats.kv_cache_transfer_ms_total > 0
 
 
 @pytest.mark.parametrize("transport", ["local", "shm"], indirect=True)

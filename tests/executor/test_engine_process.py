@@ -112,7 +112,7 @@ def test_responses_survive_the_wire_format():
                    sequence_index=1, perf=RequestPerfMetrics(1, 2, 3, 4, 5, 6, 11))
     delta._streaming_delta = True
     final = Result(output_token_ids=[[1, 2], [3]], is_final=True, finish_reasons=[FinishReason.END_ID, FinishReason.LENGTH],
-                   context_logits=torch.randn(4, 7))
+                   context_logits=torch.randn(4, 7), context_phase_params=b"TLLMCTX\x01{}")
     sent = [Response(3, result=delta), Response(4, result=final), Response(5, error="invalid request: empty input")]
     got = unpack_responses(pack_responses(sent))
     assert [(r.request_id, r.error) for r in got] == [(3, None), (4, None), (5, "invalid request: empty input")]
@@ -121,6 +121,7 @@ def test_responses_survive_the_wire_format():
     assert torch.equal(got[0].result.generation_logits, delta.generation_logits)
     assert torch.equal(got[1].result.context_logits, final.context_logits)
     assert got[1].result.finish_reasons == [FinishReason.END_ID, FinishReason.LENGTH] and got[1].result.perf is None
+    assert got[1].result.context_phase_params == b"TLLMCTX\x01{}" and got[0].result.context_phase_params is None
 
 
 def test_the_engine_process_exits_when_its_client_is_gone(tiny_engine):

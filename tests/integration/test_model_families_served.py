@@ -166,6 +166,7 @@ def served_families(smollm2_engine_dir, tmp_path_factory):
         assert renamed in config.read_text()
     models["t5"] = _add_t5_repository(tmp_path_factory, work, repo)
     models["whisper"], models["whisper_engine"] = _add_whisper_repository(tmp_path_factory, work, repo)
+    _add_disaggregated_bls(repo, "tensorrt_llm_qwen3")
     with serving_repository(repo, work) as server:
         yield models, server
 
@@ -183,6 +184,20 @@ def _build_encoder_decoder(family: str, tmp_path_factory, *flags: str):
     assert build_main(["--checkpoint", str(root / "checkpoint"), "--output", str(root / "engine"),
                        "--dtype", "float32", *flags]) == 0
     return model, root / "engine"
+
+
+def _add_disaggregated_bls(repo: Path, llm: str) -> None:
+    """disaggregated_serving_bls (all_models/, filled as the anchor's docs fill it) with context and
+    generation both on ``llm``: one executor serves both phases (the in-process KV transfer)."""
+    from tritonllm.fill_template import fill_template
+
+    shutil.copytree(Path(ROOT) / "all_models" / "disaggregated_serving_bls", repo / "disaggregated_serving_bls",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    config = repo / "disaggregated_serving_bls" / "config.pbtxt"
+    values = (f"triton_max_batch_size:8,decoupled_mode:false,disaggregated_serving_bls_count:1,"
+              f"context_model_name:{llm},generation_model_name:{llm},encoder_input_features_data_type:TYPE_FP16,"
+              f"logits_datatype:TYPE_FP32")
+    config.write_text(fill_template(config.read_text(), values))
 
 
 def _add_whisper_repository(tmp_path_factory, work: Path, repo: Path) -> tuple[transformers.PreTrainedModel, Path]:
@@ -270,6 +285,28 @@ def _write_gpt_oss_checkpoint(path: str) -> transformers.PreTrainedModel:
 def test_greedy_ids_equal_transformers_generate(served_families, family):
     models, server = served_families
     _assert_served_greedy_ids(server, f"tensorrt_llm_{family}", models[family], PROMPTS)
+
+
+def test_disaggregated_bls_greedy_ids_equal_transformers_generate(served_families):
+    """Context (request_type context_only) then generation (generation_only, with the context's
+    context_phase_params) through disaggregated_serving_bls: the aggregated model's greedy ids."""
+    models, server = served_families
+    _assert_served_greedy_ids(server, "disaggregated_serving_bls", models["qwen3"], PROMPTS)
+
+
+def test_disaggregated_bad_params_are_named(served_families):
+    _, server = served_families
+    inputs = {"input_ids": np.array([PROMPTS[0]], np.int32), "input_lengths": np.array([[7]], np.int32),
+              "request_output_len": np.array([[4]], np.int32),
+              "context_phase_params": np.frombuffer(b"TLLMCTX\x01{trunc", np.uint8)[None]}
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        for parameters, message in ((dict(request_type="generation_only"), "context_phase_params: truncated"),
+                                    (dict(request_type="prefill"), "request_type: 'prefill' is not supported")):
+            with pytest.raises(Exception, match=message):
+                client.infer("tensorrt_llm_qwen3", [tensor(n, a) for n, a in inputs.items()], parameters=parameters)
+    finally:
+        client.close()
 
 
 @pytest.mark.parametrize("family", list(DECODER_FAMILIES))

@@ -14,7 +14,8 @@ def stats(**overrides):
     base = dict(timestamp=1715988519.0, iter=42, num_active_requests=5, max_num_active_requests=64,
                 num_queued_requests=1, num_scheduled_requests=3, num_context_requests=1,
                 num_gen_requests=2, num_ctx_tokens=30, num_paused_requests=0, cpu_mem_usage=1000,
-                gpu_mem_usage=0, pinned_mem_usage=0, kv_cache_stats=kv,
+                gpu_mem_usage=0, pinned_mem_usage=0, kv_cache_stats=kv, num_kv_transfers_total=2,
+                kv_cache_transfer_ms_total=1.5,
                 lora_cache_stats=SimpleNamespace(adapters_in_gpu=2, adapters_in_host=3, gpu_loads=4, gpu_evictions=1,
                                                  gpu_hits=7, host_loads=3, host_evictions=0,
                                                  requests=Counter({"sql": 5, "lora_task_id 3": 6})))
@@ -31,6 +32,8 @@ def test_gauge_values_follow_the_reference_mapping():
     assert values[("nv_trt_llm_inflight_batcher_metrics", "total_context_tokens")] == 30
     assert values[("nv_trt_llm_general_metrics", "iteration_counter")] == 42
     assert values[("tritonllm_lora_adapters", "gpu")] == 2 and values[("tritonllm_lora_adapters", "host")] == 3
+    assert values[("nv_trt_llm_disaggregated_serving_metrics", "kv_cache_transfer_ms")] == 1.5
+    assert values[("nv_trt_llm_disaggregated_serving_metrics", "request_count")] == 2
     expected = sum(len(getters) for *_, getters in GAUGES)
     assert len(values) == expected
 

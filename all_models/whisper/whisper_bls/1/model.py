@@ -16,6 +16,7 @@ import triton_python_backend_utils as pb_utils
 
 if os.environ.get("TRITONLLM_ROOT"):  # a source checkout not installed into the environment
     sys.path.insert(0, os.environ["TRITONLLM_ROOT"])
+from serving.bls_execute import execute_each  # noqa: E402
 from serving.params import get_parameter, model_parameters  # noqa: E402
 from serving.stub_watchdog import start_server_watchdog  # noqa: E402
 from serving.whisper import audio_samples, log_mel, prompt_ids, tensorrt_llm_inputs, transcript  # noqa: E402
@@ -49,18 +50,8 @@ class TritonPythonModel:
         start_server_watchdog()
 
     def execute(self, requests):
-        responses = []
-        for request in requests:
-            sender = request.get_response_sender() if self.decoupled else None
-            try:
-                response = self._transcribe(request, sender)
-            except Exception as error:  # this request fails; the model keeps serving
-                response = pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(error)))
-            if self.decoupled:  # the stream sent the text; the final response closes it (or is the error)
-                sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-            else:
-                responses.append(response)
-        return None if self.decoupled else responses
+        # decoupled: the stream sent the text; the final response closes it (or is the error)
+        return execute_each(pb_utils, requests, self.decoupled, self._transcribe)
 
     def _transcribe(self, request, sender):
         prefix = _input(request, "TEXT_PREFIX")
