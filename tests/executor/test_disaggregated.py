@@ -121,3 +121,23 @@ def test_bad_params_are_refused_by_name(pair):
     # the good params were never fetched: fetch them now, so nothing stays pinned
     assert final_tokens(run(generation, greedy(prompt, request_type="generation_only", context_phase_params=params)))
     assert wait_until(lambda: all_free(context)) and wait_until(lambda: all_free(generation))
+
+
+def test_cancel_at_each_phase_leaks_no_block(pair):
+    """A context_only request cancelled before its first token pins nothing; a generation_only one
+    cancelled while decoding frees its imported blocks (and the context side's pin was released)."""
+    context, generation = pair
+    prompt = PROMPTS[4]
+    request_id = context.enqueue_request(greedy(prompt, request_type="context_only"))
+    context.cancel_request(request_id)
+    collect(context, [request_id])
+    params = run(context, greedy(prompt, request_type="context_only"))[-1].result.context_phase_params
+    long = Request(list(prompt), 64, sampling=SamplingConfig(top_k=1), streaming=True, request_type="generation_only",
+                   context_phase_params=params)
+    request_id = generation.enqueue_request(long)
+    first = generation.await_responses(timeout=30)
+    assert first and first[0].error is None
+    generation.cancel_request(request_id)
+    responses = first + collect(generation, [request_id])[request_id] if not first[0].is_final else first
+    assert responses[-1].is_final
+    assert wait_until(lambda: all_free(context)) and wait_until(lambda: all_free(generation))
