@@ -182,3 +182,19 @@ def test_executor_refuses_medusa_without_heads(tiny_engine, tmp_path):
     with pytest.raises(ExecutorConfigError, match="Invalid format for medusa_choices"):
         Executor(tiny_engine, ExecutorConfig(speculative=SpeculativeConfig("medusa", medusa_model_path=path,
                                                                            medusa_choices="{0}, {0")))
+
+
+@pytest.mark.parametrize("options", [
+    dict(enable_chunked_context=True, max_num_tokens=8, max_batch_size=4),
+    dict(batch_scheduler_policy="max_utilization", max_tokens_in_paged_kv_cache=48),  # tree steps preempt
+], ids=["chunked_prompt", "preemption"])
+def test_executor_tree_steps_with_chunked_prompts_and_preemption(tmp_path, tiny_engine, plain_refs, options):
+    spec = SpeculativeConfig("medusa", max_draft_len=6, medusa_model_path=save_heads(tmp_path / "h", medusa_lm_head(3, 1), 1))
+    with Executor(tiny_engine, ExecutorConfig(exclude_input_from_output=True, speculative=spec, **options)) as executor:
+        executor.proposer = OracleTrees({tuple(p): r for p, r in zip(EXEC_PROMPTS, plain_refs)}, {})
+        got = collect(executor, executor.enqueue_requests([Request(p, NEW_TOKENS) for p in EXEC_PROMPTS]), timeout=300)
+        assert [final_tokens(got[i]) for i in sorted(got)] == plain_refs
+        executor.blocks.check_invariants()
+        assert executor.blocks.num_free_blocks == executor.blocks.num_blocks
+        if "batch_scheduler_policy" in options:
+            assert executor.scheduler.num_preemptions > 0
