@@ -73,18 +73,6 @@ def test_heads_load_as_published(tmp_path, fmt):
     torch.testing.assert_close(heads(hidden), want, rtol=1e-5, atol=1e-5)
 
 
-def test_medusa_greedy_ids_equal_transformers(tmp_path, decoder, tiny_hf):
-    heads = load_medusa_heads(save_heads(tmp_path / "heads", medusa_lm_head(3, 1), 1), hidden_size=HIDDEN,
-                              vocab_size=VOCAB)
-    prompt = [5, 17, 99, 3, 42, 8, 61]
-    want = tiny_hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(prompt):]
-    got, stats = decoder.generate(prompt, NEW_TOKENS, MedusaProposer(heads, CHOICES))
-    assert got == want.tolist()
-    assert decoder.blocks.num_free_blocks == decoder.blocks.num_blocks
-    assert stats.tree_sizes and all(size <= len(CHOICES) for size in stats.tree_sizes)
-    assert all(0 <= a <= 3 for a in stats.accepted)
-
-
 def test_tree_from_head_ranks():
     shape = shape_from_choices([[0], [1], [0, 0], [0, 1]])  # nodes: root, (0), (1), (0,0), (0,1)
     logits = torch.tensor([[0.0, 5, 3, 1], [9, 0, 0, 8]])  # head 0 ranks 1, 2, 3, 0; head 1 ranks 0, 3, ...
