@@ -22,7 +22,8 @@ import numpy as np
 
 from openai_frontend.errors import bad_request
 from serving.images import decode_file, url_bytes
-from serving.multimodal import DEFAULT_MAX_NUM_IMAGES, ImagePrompts, VisionEncoderRunner, engine_vocab_size, image_limits
+from serving.multimodal import (DEFAULT_MAX_NUM_IMAGES, ImagePrompts, VisionEncoderRunner, engine_vocab_size, image_limits,
+                                refuse_unserved)
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class ChatImages:
                                    settings.allowed_local_media_path)
         self.prompts = ImagePrompts(settings.encoder_dir, tokenizer, engine_vocab_size(engine_dir),
                                     max_num_images=settings.max_num_images, limits=self.limits)
+        refuse_unserved(self.prompts.model_type)  # its direct path sends no M-RoPE rows yet
         self.runner = VisionEncoderRunner(settings.encoder_dir, device)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vision_encoder")
 

@@ -28,18 +28,21 @@ from dataclasses import dataclass
 import numpy as np
 
 from serving.images import ImageLimits, images_from_bytes, images_from_urls
+from serving.qwen_vl import (CHAT_WRAPPER, NO_PIXELS, ONE_IMAGE, QWEN_VL_TYPES, grid_rows, image_patches,
+                             vision_input_ids)
 from serving.text import string_rows
 
 # builder_config.model_type -> (pre-prompt, after the image slots, post-prompt) around the image
 # slots and the text, as the anchor's preprocessing writes them (LLaVA-NeXT has none there: its
 # prompt is the chat template of its language model, so send the text with <image> placeholders).
 PROMPT_WRAPPERS = {"llava": ("USER:\n", "", " ASSISTANT:"),
-                   "llava_onevision": ("<|im_start|>user ", "\n", "<|im_end|><|im_start|>assistant\n")}
+                   "llava_onevision": ("<|im_start|>user ", "\n", "<|im_end|><|im_start|>assistant\n"),
+                   **{model_type: CHAT_WRAPPER for model_type in QWEN_VL_TYPES}}
 DEFAULT_MAX_NUM_IMAGES = 1
-# Families the engine builds and runs whose serving pieces are not written yet, refused at model load.
-# Qwen2-VL needs image_grid_thw through preprocessing and the MROPE tensors from multimodal_encoders.
-_QWEN_VL = ("engines run through the executor (engine.executor Request.mrope) but are not served through Triton "
-            "or the OpenAI frontend yet; supported here: llava, llava_next, llava_onevision")
+# Families the Triton models serve but the OpenAI frontend does not yet (its direct path sends no
+# MROPE tensors), refused by name when the frontend starts (openai_frontend/vision.py).
+_QWEN_VL = ("engines are served through the Triton models (ensemble / BLS) but not through the OpenAI frontend "
+            "yet (its image path sends no M-RoPE rows); supported there: llava, llava_next, llava_onevision")
 NOT_SERVED = {"qwen2_vl": "Qwen2-VL " + _QWEN_VL, "qwen2_5_vl": "Qwen2.5-VL " + _QWEN_VL}
 TEXT_ONLY = ("images and video were sent to a text-only model (the preprocessing parameter multimodal_model_path "
              "is not set); send {name} only to a vision-language model's repository (all_models/multimodal)")
@@ -78,6 +81,7 @@ class PreparedItem:
     # every image's tiles one after another, (total tiles, 3, S, S)
     pixel_values: np.ndarray | None
     image_sizes: np.ndarray | None = None  # (n, 2) int64 (height, width) before processing: anyres families
+    image_grid_thw: np.ndarray | None = None  # (n, 3) int64 patch grids: Qwen2-VL (pixel_values (1, patches, dim))
 
 
 class ImagePrompts:
@@ -89,7 +93,7 @@ class ImagePrompts:
             config = json.load(f)
         self.config = config
         self.model_type = config["builder_config"]["model_type"]
-        refuse_unserved(self.model_type)
+        self.qwen = self.model_type in QWEN_VL_TYPES  # serving/qwen_vl.py
         self.num_image_tokens = config["num_image_tokens"]
         self.anyres = "anyres" in config  # LLaVA-NeXT / OneVision: rows per image depend on its size
         self.tokenizer = tokenizer
@@ -103,6 +107,8 @@ class ImagePrompts:
         placeholder_ids = tokenizer.encode(self.placeholder, add_special_tokens=False)
         self.placeholder_id = placeholder_ids[0] if len(placeholder_ids) == 1 else None
         self.wrapper = PROMPT_WRAPPERS.get(self.model_type, ("", "", ""))
+        # ids around each image slot that preprocessing lays out (Qwen2-VL: <|vision_start|>, <|vision_end|>)
+        self.slot_ends = ([config["vision_start_token_id"]], [config["vision_end_token_id"]]) if self.qwen else ([], [])
         from transformers import AutoImageProcessor
 
         self.image_processor = AutoImageProcessor.from_pretrained(encoder_dir)
@@ -123,6 +129,8 @@ class ImagePrompts:
         if images and num_pixel_images:
             raise ValueError("image_input and image_bytes_input/image_url_input were both sent; send each request's "
                              "images one way")
+        if self.qwen:
+            return self._prepare_qwen(query, images, num_pixel_images, add_special_tokens)
         num_images = len(images) or num_pixel_images
         if num_images > self.max_num_images:
             raise ValueError(f"{num_images} images were sent; allowed: at most {self.max_num_images} per request "
@@ -134,6 +142,18 @@ class ImagePrompts:
             image_sizes = sent_sizes
         counts = self.token_counts(image_sizes, num_images)
         return PreparedItem(self.prompt_ids(query, counts, add_special_tokens), pixel_values, image_sizes)
+
+    def _prepare_qwen(self, query: str, images: list, num_pixel_images: int, add_special_tokens: bool) -> PreparedItem:
+        """Qwen2-VL: the processor's patches and grid (serving/qwen_vl.py); one image per request."""
+        if num_pixel_images:
+            raise ValueError(NO_PIXELS)
+        if len(images) > 1:
+            raise ValueError(ONE_IMAGE.format(n=len(images)))
+        if not images:
+            return PreparedItem(self.prompt_ids(query, [], add_special_tokens), None)
+        pixel_values, grids = image_patches(self.image_processor, images)
+        counts = grid_rows(grids, self.config["mrope"]["merge"])
+        return PreparedItem(self.prompt_ids(query, counts, add_special_tokens), pixel_values, image_grid_thw=grids)
 
     def pixels(self, images: list) -> tuple[np.ndarray, np.ndarray | None]:
         """Decoded images -> (pixel values, (n, 2) sizes or None) by the checkpoint's processor; an
@@ -199,7 +219,7 @@ class ImagePrompts:
         pre, after_images, post = self.wrapper
         ids = encode(pre, add_special_tokens)
         for i in range(num_images):
-            ids += slot(i)
+            ids += self.slot_ends[0] + slot(i) + self.slot_ends[1]
         return ids + encode(after_images, False) + encode(query, False) + encode(post, False)
 
 
@@ -275,9 +295,53 @@ class VisionEncoderRunner:
 
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.encoder = load_vision_encoder(encoder_dir, self.device)
-        refuse_unserved(self.encoder.model_type)
         self.num_image_tokens = self.encoder.num_image_tokens
         self.anyres = hasattr(self.encoder, "anyres")
+        self.qwen = self.encoder.model_type in QWEN_VL_TYPES
+        if self.qwen:
+            from engine.vision.encoder_dir import read_encoder_config
+
+            self.config = read_encoder_config(encoder_dir)
+
+    def qwen_outputs(self, pixel_values, grids, ids) -> dict[str, np.ndarray]:
+        """One multimodal_encoders request of a Qwen2-VL model (serving/qwen_vl.py): pixel_values
+        (B, 1, patches, dim), image_grid_thw (B, 3), vision_input_id (B, L) -> OUT_PROMPT_EMBEDDING_TABLE
+        (B, rows, hidden) FP16 (zero-padded), OUT_PROMPT_VOCAB_SIZE (B, 1) and the two MROPE tensors.
+        No image: no outputs. Missing or mismatched inputs are the request's error naming them."""
+        import torch
+
+        from serving.qwen_vl import mrope_outputs
+
+        if not _present(pixel_values) and not _present(grids):  # text-only: tensorrt_llm gets neither
+            return {}
+        for name, value in (("pixel_values", pixel_values), ("image_grid_thw", grids), ("vision_input_id", ids)):
+            if not _present(value):
+                raise ValueError(f"{name} is required for {self.encoder.model_type} models (preprocessing's "
+                                 "PIXEL_VALUES, IMAGE_GRID_THW and VISION_INPUT_ID)")
+        pixels = np.asarray(pixel_values, np.float32)
+        grids = np.asarray(grids, np.int64).reshape(-1, 3)
+        if pixels.ndim != 4 or len(pixels) != len(grids):
+            raise ValueError(f"pixel_values has shape {pixels.shape}; send (batch, 1, patches, dim) with one "
+                             f"image_grid_thw row per item ({len(grids)})")
+        tables = []
+        for item, grid in zip(pixels, grids.tolist()):  # an item without an image: a zero grid, no rows
+            patches = int(np.prod(grid))
+            if patches > item.shape[1]:
+                raise ValueError(f"image_grid_thw {grid} needs {patches} patches; pixel_values holds {item.shape[1]}")
+            if not patches:
+                tables.append(None)
+                continue
+            with torch.inference_mode():
+                rows = self.encoder.image_features(torch.from_numpy(item[0, :patches]).to(self.device), [grid])[0]
+            tables.append(rows.float().cpu().numpy().astype(np.float16))
+        hidden = next(t.shape[1] for t in tables if t is not None)
+        tables = [np.zeros((0, hidden), np.float16) if t is None else t for t in tables]
+        table = np.zeros((len(tables), max(len(t) for t in tables), hidden), np.float16)
+        for b, rows in enumerate(tables):
+            table[b, :len(rows)] = rows
+        return {"OUT_PROMPT_EMBEDDING_TABLE": table,
+                "OUT_PROMPT_VOCAB_SIZE": np.array([[len(t)] for t in tables], np.int32),
+                **mrope_outputs(ids, grids, self.config)}
 
     def tables(self, per_request_pixels: list[np.ndarray | None],
                per_request_sizes: list[np.ndarray | None] | None = None) -> list[np.ndarray | None]:
@@ -362,6 +426,10 @@ def prepare_batch(prompts: ImagePrompts, tensors: dict, queries: list[str], add_
     image_sizes = stack_image_sizes(items)
     if image_sizes is not None:
         outputs["IMAGE_SIZES"] = image_sizes
+    if any(item.image_grid_thw is not None for item in items):  # Qwen2-VL (serving/qwen_vl.py)
+        outputs["IMAGE_GRID_THW"] = np.array([item.image_grid_thw[0] if item.image_grid_thw is not None
+                                              else np.zeros(3, np.int64) for item in items], np.int64)
+        outputs["VISION_INPUT_ID"] = vision_input_ids(input_ids, prompts.vocab_size, prompts.config["image_token_index"])
     return outputs
 
 

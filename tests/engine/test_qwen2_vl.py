@@ -114,45 +114,60 @@ def test_bad_mrope_inputs_are_named():
                                                                 limits)
 
 
-def test_serving_refuses_a_qwen2_vl_encoder_by_name(built):
-    from serving.multimodal import VisionEncoderRunner
+def test_the_openai_frontend_refuses_qwen2_vl_by_name():
+    from serving.multimodal import refuse_unserved
 
-    with pytest.raises(ValueError, match="Qwen2(.5)?-VL engines run through the executor"):
-        VisionEncoderRunner(vision_encoder_dir(built[0]), device="cpu")
+    with pytest.raises(ValueError, match="Qwen2(.5)?-VL engines are served through the Triton models .* not through "
+                                         "the OpenAI frontend"):
+        refuse_unserved("qwen2_vl")
 
 
-def test_triton_mrope_inputs_in_the_anchors_layout_give_transformers_ids(built):
-    """tensorrt_llm's mrope_rotary_cos_sin (the anchor's flat interleaved (cos, sin) pairs, padded past
-    the prompt) and mrope_position_deltas -> serving's RequestSpec -> Request.mrope: the same greedy ids
-    as transformers (Qwen2-VL; Qwen2.5-VL's language side is the same)."""
+def test_triton_pipeline_preprocessing_encoders_tensorrt_llm_give_transformers_ids(built):
+    """The Triton models' serving side without a server: preprocessing (prepare_batch: Qwen2-VL's chat
+    wrapper, <|vision_start|> fake ids <|vision_end|>, PIXEL_VALUES / IMAGE_GRID_THW / VISION_INPUT_ID)
+    -> multimodal_encoders (VisionEncoderRunner.qwen_outputs: the table and the MROPE pair in the
+    anchor's flat layout) -> tensorrt_llm (convert_request -> Request.mrope): greedy ids equal
+    transformers' generate on the same prompt (Qwen2-VL; Qwen2.5-VL's language side is the same)."""
     import numpy as np
 
     from serving.mrope import from_wire, to_wire
+    from serving.multimodal import ImagePrompts, VisionEncoderRunner, prepare_batch
     from serving.requests import convert_request, to_executor_request
+    from tiny_llava import encoded, tokenizer
+
+    def png(seed, size):  # an encoded image as image_bytes_input holds it: (1, 1, 1, num_bytes)
+        return np.frombuffer(encoded(make_image(seed, size)), np.uint8).reshape(1, 1, 1, -1)
 
     engine, hf = built
     if hf.config.model_type != "qwen2_vl":
         pytest.skip("the language side is the same for Qwen2.5-VL")
-    config = read_encoder_config(vision_encoder_dir(engine))
-    image = image_processor()([make_image(0, (52, 40))], return_tensors="pt")
-    grids = image["image_grid_thw"].tolist()
-    table = load_vision_encoder(vision_encoder_dir(engine)).image_features(image["pixel_values"], grids)[0]
-    hf_ids = [1, 5, VISION_START, *[IMAGE_TOKEN] * len(table), VISION_END, 7, 8, 6]
-    rows = iter(range(len(table)))
-    ids = [VOCAB + next(rows) if t == IMAGE_TOKEN else t for t in hf_ids]
-    rotary, delta = request_mrope(ids, grids, config, vocab_size=VOCAB)
-    wire = to_wire(rotary.numpy(), num_positions=128)  # padded as the anchor pads to max_position_embeddings
-    assert wire.shape == (128 * rotary.shape[1],) and np.array_equal(from_wire(wire, rotary.shape[1], len(ids)), rotary)
-    tensors = {"input_ids": np.array([ids], np.int32), "input_lengths": np.array([[len(ids)]], np.int32),
+    encoder_dir = vision_encoder_dir(engine)
+    prompts = ImagePrompts(encoder_dir, tokenizer(), VOCAB)
+    pre = prepare_batch(prompts, {"IMAGE_BYTES": png(0, (52, 40))[None]}, ["What is it?"], True, 4)
+    grid = pre["IMAGE_GRID_THW"].tolist()[0]
+    rows = grid[0] * grid[1] * grid[2] // 4
+    ids, raw = pre["INPUT_ID"][0].tolist(), pre["VISION_INPUT_ID"][0].tolist()
+    start = ids.index(VISION_START)
+    assert ids[start + 1:start + 2 + rows] == [*range(VOCAB, VOCAB + rows), VISION_END]
+    assert raw == [IMAGE_TOKEN if t >= VOCAB else t for t in ids] and pre["PIXEL_VALUES"].ndim == 4
+    outputs = VisionEncoderRunner(encoder_dir, "cpu").qwen_outputs(pre["PIXEL_VALUES"], pre["IMAGE_GRID_THW"],
+                                                                    pre["VISION_INPUT_ID"])
+    delta = int(outputs["MROPE_POSITION_DELTAS"][0, 0])
+    assert outputs["OUT_PROMPT_VOCAB_SIZE"].tolist() == [[rows]] and delta < 0
+    wire = outputs["MROPE_ROTARY_COS_SIN"]
+    width = read_encoder_config(encoder_dir)["mrope"]["head_dim"]
+    assert wire.shape == (1, len(ids) * width) and np.array_equal(to_wire(from_wire(wire[0], width, len(ids))), wire[0])
+    tensors = {"input_ids": pre["INPUT_ID"], "input_lengths": pre["REQUEST_INPUT_LEN"],
                "request_output_len": np.array([[NEW_TOKENS]], np.int32),
-               "prompt_embedding_table": table.numpy().astype(np.float16)[None],
-               "mrope_rotary_cos_sin": wire[None], "mrope_position_deltas": np.array([[delta]], np.int64)}
-    [spec] = convert_request(tensors, decoupled=False, exclude_input_default=True, rotary_width=rotary.shape[1])
+               "prompt_embedding_table": outputs["OUT_PROMPT_EMBEDDING_TABLE"],
+               "mrope_rotary_cos_sin": wire, "mrope_position_deltas": outputs["MROPE_POSITION_DELTAS"]}
+    [spec] = convert_request(tensors, decoupled=False, exclude_input_default=True, rotary_width=width)
     with Executor(engine, ExecutorConfig()) as executor:
         [request_id] = executor.enqueue_requests([to_executor_request(spec)])
         got = final_tokens(collect(executor, [request_id])[request_id])
+    image = image_processor()([make_image(0, (52, 40))], return_tensors="pt")
     with torch.no_grad():
-        hf_prompt = torch.tensor([hf_ids])
+        hf_prompt = torch.tensor([raw])
         expected = hf.generate(input_ids=hf_prompt, pixel_values=image["pixel_values"].half().float(),
                                image_grid_thw=image["image_grid_thw"], mm_token_type_ids=(hf_prompt == IMAGE_TOKEN).int(),
                                max_new_tokens=NEW_TOKENS, do_sample=False)[0, hf_prompt.shape[1]:].tolist()
@@ -161,8 +176,14 @@ def test_triton_mrope_inputs_in_the_anchors_layout_give_transformers_ids(built):
     for drop, message in (("mrope_position_deltas", "mrope_rotary_cos_sin was sent without mrope_position_deltas"),
                           ("mrope_rotary_cos_sin", "mrope_position_deltas was sent without mrope_rotary_cos_sin")):
         with pytest.raises(ValueError, match=message):
-            convert_request({k: v for k, v in tensors.items() if k != drop}, decoupled=False,
-                            rotary_width=rotary.shape[1])
+            convert_request({k: v for k, v in tensors.items() if k != drop}, decoupled=False, rotary_width=width)
     with pytest.raises(ValueError, match=r"mrope_rotary_cos_sin holds 16 values per item; send at least"):
-        convert_request({**tensors, "mrope_rotary_cos_sin": wire[None, :16]}, decoupled=False,
-                        rotary_width=rotary.shape[1])
+        convert_request({**tensors, "mrope_rotary_cos_sin": wire[:, :16]}, decoupled=False, rotary_width=width)
+    with pytest.raises(ValueError, match="2 images were sent; Qwen2-VL models take one image per request"):
+        prepare_batch(prompts, {"IMAGE_BYTES": np.concatenate([png(0, (52, 40))] * 2)[None]}, ["x"], True, 4)
+    with pytest.raises(ValueError, match="image_input: Qwen2-VL models take images as image_bytes_input"):
+        prepare_batch(prompts, {"IMAGE": np.zeros((1, 1, 3, 28, 28), np.float16)}, ["x"], True, 4)
+    with pytest.raises(ValueError, match="vision_input_id is required"):
+        VisionEncoderRunner.qwen_outputs(prompts_runner := VisionEncoderRunner(encoder_dir, "cpu"),
+                                         pre["PIXEL_VALUES"], pre["IMAGE_GRID_THW"], None)
+    assert prompts_runner.qwen_outputs(None, None, pre["VISION_INPUT_ID"]) == {}  # text-only: no outputs

@@ -33,6 +33,8 @@ class TritonPythonModel:
         start_server_watchdog()
 
     def execute(self, requests):
+        if self.runner.qwen:  # table + MROPE tensors per request (serving/qwen_vl.py)
+            return [self._qwen(request) for request in requests]
         rows, errors = [], {}
         for index, request in enumerate(requests):
             try:
@@ -57,6 +59,14 @@ class TritonPythonModel:
             else:
                 responses.append(pb_utils.InferenceResponse(output_tensors=self._tables(tables)))
         return responses
+
+    def _qwen(self, request):
+        try:
+            outputs = self.runner.qwen_outputs(_input(request, "pixel_values"), _input(request, "image_grid_thw"),
+                                               _input(request, "vision_input_id"))
+        except Exception as error:  # this request's error, never the model's
+            return pb_utils.InferenceResponse(error=pb_utils.TritonError(f"multimodal_encoders: {error}"))
+        return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in outputs.items()])
 
     @staticmethod
     def _tables(tables):
