@@ -40,12 +40,14 @@ class Op(enum.IntEnum):
 
 
 def _field_kind(field: dataclasses.Field) -> str:
-    """'nested' (list[list[int]]), 'list' (list[int]), 'optional' (list[int] | None) or 'scalar'
-    (int/bool), from the annotation."""
+    """'nested' (list[list[int]]), 'list' (list[int]), 'optional' (list[int] | None), 'optional_rows'
+    (list[list[int] | None] | None: tree_parents) or 'scalar' (int/bool), from the annotation."""
     text = field.type if isinstance(field.type, str) else repr(field.type)
     text = text.replace(" ", "")
     if text == "list[list[int]]":
         return "nested"
+    if text == "list[list[int]|None]|None":
+        return "optional_rows"
     if text == "list[int]":
         return "list"
     if text == "list[int]|None":
@@ -59,8 +61,9 @@ def encode_batch(batch) -> torch.Tensor:
     """Pack a ForwardBatch into one flat int32 tensor, field by field in declaration order.
 
     list[int] -> [len, v0, v1, ...]; list[list[int]] -> [rows, len_0, ..., len_{rows-1}, flat...];
-    int/bool -> [v]; list[int] | None -> like list[int], None as [-1]. Example: block_tables
-    [[3, 4], [7]] -> [2, 2, 1, 3, 4, 7].
+    int/bool -> [v]; list[int] | None -> like list[int], None as [-1]; list[list[int] | None] | None
+    -> like list[list[int]] with a None row's length -1, a None field as [-1]. Example: block_tables
+    [[3, 4], [7]] -> [2, 2, 1, 3, 4, 7]; tree_parents [None, [-1, 0]] -> [2, -1, 2, -1, 0].
     """
     flat: list[int] = []
     for field in dataclasses.fields(batch):
@@ -68,16 +71,16 @@ def encode_batch(batch) -> torch.Tensor:
         kind = _field_kind(field)
         if kind == "scalar":
             flat.append(int(value))
-        elif kind == "optional" and value is None:
+        elif kind in ("optional", "optional_rows") and value is None:
             flat.append(-1)
         elif kind in ("list", "optional"):
             flat.append(len(value))
             flat.extend(value)
         else:
             flat.append(len(value))
-            flat.extend(len(row) for row in value)
+            flat.extend(-1 if row is None else len(row) for row in value)
             for row in value:
-                flat.extend(row)
+                flat.extend(row or ())
     return torch.tensor(flat, dtype=torch.int32)
 
 
@@ -94,7 +97,7 @@ def decode_batch(payload: torch.Tensor, batch_class):
             continue
         count = values[cursor]
         cursor += 1
-        if kind == "optional" and count < 0:
+        if kind in ("optional", "optional_rows") and count < 0:
             kwargs[field.name] = None
             continue
         if kind in ("list", "optional"):
@@ -105,8 +108,8 @@ def decode_batch(payload: torch.Tensor, batch_class):
         cursor += count
         rows = []
         for length in lengths:
-            rows.append(values[cursor:cursor + length])
-            cursor += length
+            rows.append(None if length < 0 else values[cursor:cursor + length])
+            cursor += max(length, 0)
         kwargs[field.name] = rows
     if cursor != len(values):
         raise RankFailureError(f"plan payload has {len(values)} ints but the batch used {cursor}: protocol mismatch")

@@ -6,6 +6,7 @@ for token, and a killed worker must turn into a clear error within seconds.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -20,7 +21,7 @@ from engine.config import EngineFormatError
 from engine.tensor_parallel.distributed import DistSettings, RankInfo, check_world_matches_engine, make_runner, rank_info_from_env
 from engine.tensor_parallel.step_protocol import decode_batch, encode_batch
 from engine.executor.runner import ForwardBatch, ModelRunner
-from tp_testing import PROMPTS, build_tiny_engine, start_ranks, stop, tiny_llama
+from tp_testing import PROMPTS, build_tiny_engine, run_ranks, start_ranks, stop, tiny_llama
 
 DRIVER = os.path.join(os.path.dirname(__file__), "tp_driver.py")
 MAX_TOKENS = 6
@@ -43,17 +44,7 @@ def tp1_run(engines, tmp_path_factory) -> dict:
 def run_driver(engine_dir: str, world_size: int, out: str, *extra: str, timeout: float = 120) -> dict:
     cmd = [sys.executable, DRIVER, "--engine_dir", engine_dir, "--prompts", json.dumps(PROMPTS),
            "--max_tokens", str(MAX_TOKENS), "--out", out, *extra]
-    leader, workers = start_ranks(cmd, engine_dir, world_size)
-    try:
-        leader_log, _ = leader.communicate(timeout=timeout)
-        assert leader.returncode == 0, leader_log
-        for worker in workers:
-            worker_log, _ = worker.communicate(timeout=30)
-            assert worker.returncode == 0, worker_log  # SHUTDOWN reached every worker
-    finally:
-        stop([leader, *workers])
-    with open(out) as f:
-        return json.load(f)
+    return run_ranks(cmd, engine_dir, world_size, out, timeout=timeout)
 
 
 # ---- the plan encoding and the environment ------------------------------------------------------
@@ -67,6 +58,8 @@ def test_batch_encoding_round_trips():
     assert decode_batch(payload, ForwardBatch) == batch
     empty_rows = ForwardBatch([1], [0], [1], [1], [[]], [])
     assert decode_batch(encode_batch(empty_rows), ForwardBatch) == empty_rows
+    tree = dataclasses.replace(batch, tree_parents=[None, [-1]])  # a plain chunk beside a 1-token tree
+    assert decode_batch(encode_batch(tree), ForwardBatch) == tree
 
 
 @pytest.mark.parametrize("environ, expected", [
