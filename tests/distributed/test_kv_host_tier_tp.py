@@ -4,14 +4,13 @@ plan), so conversations whose prefixes came back from host memory answer on two 
 one rank without reuse does."""
 from __future__ import annotations
 
-import json
 import os
 import sys
 
 import pytest
 
 from kv_host_tier_driver import PROMPTS, converse
-from tp_testing import build_tiny_engine, start_ranks, stop, tiny_llama
+from tp_testing import build_tiny_engine, run_ranks, tiny_llama
 
 from engine.executor.executor import Executor, ExecutorConfig
 
@@ -31,18 +30,8 @@ def test_two_ranks_with_the_host_tier_answer_like_one_rank_without_reuse(engines
                   device="cpu") as executor:
         want = converse(executor, PROMPTS)
     out = str(tmp_path / "tp2.json")
-    leader, workers = start_ranks([sys.executable, DRIVER, "--engine_dir", engines[2], "--out", out], engines[2], 2,
-                                  TRITONLLM_SHM_PLANS="1" if plans == "shared memory" else "0")
-    try:
-        leader_log, _ = leader.communicate(timeout=180)
-        assert leader.returncode == 0, leader_log
-        for worker in workers:
-            worker_log, _ = worker.communicate(timeout=30)
-            assert worker.returncode == 0, worker_log
-    finally:
-        stop([leader, *workers])
-    with open(out) as f:
-        result = json.load(f)
+    result = run_ranks([sys.executable, DRIVER, "--engine_dir", engines[2], "--out", out], engines[2], 2, out,
+                       TRITONLLM_SHM_PLANS="1" if plans == "shared memory" else "0")
     assert result["runner"] == "LeaderRunner" and result["leaked"] == 0
     assert result["onboarded"] > 0 and result["offloaded"] >= result["onboarded"]
     assert result["histories"] == want

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from tp_testing import PROMPTS, build_tiny_engine, start_ranks, stop, tiny_llama
+from tp_testing import PROMPTS, build_tiny_engine, run_ranks, start_ranks, stop, tiny_llama
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITONLLM_PP_RANKS") != "1",
                                 reason="four real ranks; set TRITONLLM_PP_RANKS=1 to run")
@@ -36,17 +36,7 @@ def engines(tmp_path_factory):
 def run_driver(engine_dir: str, world_size: int, out: str, *extra: str) -> dict:
     cmd = [sys.executable, DRIVER, "--engine_dir", engine_dir, "--prompts", json.dumps(PROMPTS),
            "--max_tokens", "6", "--out", out, *extra]
-    leader, workers = start_ranks(cmd, engine_dir, world_size)
-    try:
-        leader_log, _ = leader.communicate(timeout=180)
-        assert leader.returncode == 0, leader_log
-        for worker in workers:
-            worker_log, _ = worker.communicate(timeout=30)
-            assert worker.returncode == 0, worker_log
-    finally:
-        stop([leader, *workers])
-    with open(out) as f:
-        return json.load(f)
+    return run_ranks(cmd, engine_dir, world_size, out)
 
 
 def test_tp2_pp2_on_four_ranks_decodes_like_one(engines, tmp_path):

@@ -6,6 +6,7 @@ engine-level tests need no MPI installation.
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -68,6 +69,23 @@ def start_ranks(leader_cmd: list[str], engine_dir: str, world_size: int, **extra
         for rank in range(1, world_size)
     ]
     return leader, workers
+
+
+def run_ranks(leader_cmd: list[str], engine_dir: str, world_size: int, out: str, *, timeout: float = 180,
+              **extra_env: str) -> dict:
+    """Run one job to its end (every rank exits 0, SHUTDOWN reached every worker); the JSON the leader
+    wrote to ``out``."""
+    leader, workers = start_ranks(leader_cmd, engine_dir, world_size, **extra_env)
+    try:
+        leader_log, _ = leader.communicate(timeout=timeout)
+        assert leader.returncode == 0, leader_log
+        for worker in workers:
+            worker_log, _ = worker.communicate(timeout=30)
+            assert worker.returncode == 0, worker_log
+    finally:
+        stop([leader, *workers])
+    with open(out) as f:
+        return json.load(f)
 
 
 def stop(processes) -> None:
