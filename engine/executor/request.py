@@ -300,7 +300,7 @@ class Sequence:
         self.draft_logits = None  # (len(draft_token_ids), vocab) the draft's logits, when they came with the drafts
         self.draft_probs = None  # (len(draft_token_ids), vocab) on the CPU: the law a draft model drew them from
         self.draft_acceptance_threshold: float | None = None  # sampled drafts without logits (acceptance.py)
-        self.draft_parents: list[int] | None = None  # drafts as a token tree (speculative/tree_batch.py); None: a chain
+        self.draft_parents: list[int] | None = None  # drafts as a token tree (engine/executor/tree_batch.py); None: a chain
 
     @property
     def request_id(self) -> int:

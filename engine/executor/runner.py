@@ -78,7 +78,7 @@ class ForwardBatch:
     # length and its request's cross-KV blocks; None / [] for decoder-only engines.
     cross_lengths: list[int] | None = None
     cross_block_tables: list[list[int]] = field(default_factory=list)
-    # Tree verification (engine/executor/speculative/tree_batch.py): per sequence, each new token's
+    # Tree verification (engine/executor/tree_batch.py): per sequence, each new token's
     # parent within its chunk (-1: none), or None for a plain chunk; None when no sequence has a tree.
     # Positions are then rotary positions; the KV slots of a tree's tokens stay consecutive.
     tree_parents: list[list[int] | None] | None = None
