@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
-import time
 
 import pytest
 
-from tp_testing import PROMPTS, build_tiny_engine, run_ranks, start_ranks, stop, tiny_llama
+from tp_testing import PROMPTS, build_tiny_engine, kill_idle_worker, run_ranks, tiny_llama
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITONLLM_PP_RANKS") != "1",
                                 reason="four real ranks; set TRITONLLM_PP_RANKS=1 to run")
@@ -51,17 +49,6 @@ def test_killed_stage_fails_the_leader_within_seconds(engines, tmp_path):
     out = str(tmp_path / "fault.json")
     cmd = [sys.executable, DRIVER, "--engine_dir", engines[(1, 2)], "--prompts", json.dumps(PROMPTS),
            "--max_tokens", "2", "--out", out, "--then_wait_for_failure", "20"]
-    leader, (worker,) = start_ranks(cmd, engines[(1, 2)], 2, TRITONLLM_DIST_HEARTBEAT_S="0.5")
-    try:
-        assert leader.stdout.readline().strip() == "IDLE"
-        killed_at = time.monotonic()
-        worker.send_signal(signal.SIGKILL)
-        leader_log, _ = leader.communicate(timeout=30)
-        elapsed = time.monotonic() - killed_at
-    finally:
-        stop([leader, worker])
-    assert leader.returncode == 0, leader_log
-    with open(out) as f:
-        result = json.load(f)
+    result, elapsed = kill_idle_worker(cmd, engines[(1, 2)], out)
     assert result["failure"] and "rank failure" in result["failure"]
     assert result["step_error"].startswith("RankFailureError") and elapsed < 15

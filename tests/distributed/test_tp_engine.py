@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ from engine.config import EngineFormatError
 from engine.tensor_parallel.distributed import DistSettings, RankInfo, check_world_matches_engine, make_runner, rank_info_from_env
 from engine.tensor_parallel.step_protocol import decode_batch, encode_batch
 from engine.executor.runner import ForwardBatch, ModelRunner
-from tp_testing import PROMPTS, build_tiny_engine, run_ranks, start_ranks, stop, tiny_llama
+from tp_testing import PROMPTS, build_tiny_engine, kill_idle_worker, run_ranks, start_ranks, stop, tiny_llama
 
 DRIVER = os.path.join(os.path.dirname(__file__), "tp_driver.py")
 MAX_TOKENS = 6
@@ -127,18 +126,7 @@ def test_killed_worker_fails_the_leader_within_seconds(engines, tmp_path, plans)
     out = str(tmp_path / "fault.json")
     cmd = [sys.executable, DRIVER, "--engine_dir", engines[2], "--prompts", json.dumps(PROMPTS),
            "--max_tokens", "2", "--out", out, "--then_wait_for_failure", "20"]
-    leader, (worker,) = start_ranks(cmd, engines[2], 2, TRITONLLM_DIST_HEARTBEAT_S="0.5")
-    try:
-        assert leader.stdout.readline().strip() == "IDLE"  # generated once, now idle
-        killed_at = time.monotonic()
-        worker.send_signal(signal.SIGKILL)
-        leader_log, _ = leader.communicate(timeout=30)
-        elapsed = time.monotonic() - killed_at
-    finally:
-        stop([leader, worker])
-    assert leader.returncode == 0, leader_log
-    with open(out) as f:
-        result = json.load(f)
+    result, elapsed = kill_idle_worker(cmd, engines[2], out)
     assert result["failure"] and "rank failure" in result["failure"]  # noticed while idle (heartbeat)
     assert result["detected_after_s"] < 5
     assert result["step_error"].startswith("RankFailureError") and result["step_error_after_s"] < 1

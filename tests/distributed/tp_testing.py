@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import torch
 import transformers
@@ -86,6 +88,23 @@ def run_ranks(leader_cmd: list[str], engine_dir: str, world_size: int, out: str,
         stop([leader, *workers])
     with open(out) as f:
         return json.load(f)
+
+
+def kill_idle_worker(leader_cmd: list[str], engine_dir: str, out: str) -> tuple[dict, float]:
+    """A two-rank job whose leader prints IDLE once it has generated (heartbeats every 0.5 s): SIGKILL
+    the worker then; (the JSON the leader wrote to ``out``, seconds from the kill to the leader's exit 0)."""
+    leader, (worker,) = start_ranks(leader_cmd, engine_dir, 2, TRITONLLM_DIST_HEARTBEAT_S="0.5")
+    try:
+        assert leader.stdout.readline().strip() == "IDLE"  # generated once, now idle
+        killed_at = time.monotonic()
+        worker.send_signal(signal.SIGKILL)
+        leader_log, _ = leader.communicate(timeout=30)
+        elapsed = time.monotonic() - killed_at
+    finally:
+        stop([leader, worker])
+    assert leader.returncode == 0, leader_log
+    with open(out) as f:
+        return json.load(f), elapsed
 
 
 def stop(processes) -> None:
