@@ -33,7 +33,7 @@ The routed and shared partial sums meet in the layer's one all-reduce.
 Weights per rank of layer i (engine-directory names): ``input_norm.weight``, ``attn.q_a_proj``,
 ``attn.q_a_norm``, ``attn.q_b_proj`` (or ``attn.q_proj``), ``attn.kv_a_proj``, ``attn.kv_a_norm``,
 ``attn.kv_b_proj``, ``attn.o_proj``, ``post_attn_norm.weight``; dense ``mlp.gate_up_proj`` /
-``mlp.down_proj``; sparse ``moe.router.weight`` (E, hidden), ``moe.score_bias`` (E,) (noaux_tc),
+``mlp.down_proj``; sparse ``moe.router.weight`` (E, hidden), ``moe.score_bias`` (E,) (noaux_tc) (both float32),
 ``moe.gate_up_proj`` (E, 2 I_r, hidden), ``moe.down_proj`` (E, hidden, I_r),
 ``moe.shared_gate_up_proj`` / ``moe.shared_down_proj``. The rope dims of q heads and of k_r are
 stored in the kernels' halves order (engine/convert_deepseek.py de-interleaves DeepSeek's pairs).
