@@ -73,7 +73,8 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
 def config_from_arguments(args: argparse.Namespace):
     add_special_tokens = True
     tokenizer_dir = args.tokenizer_dir
-    if args.model_repo:
+    # A repository without preprocessing (the whisper one) leaves the tokenizer to --tokenizer_dir.
+    if args.model_repo and (not tokenizer_dir or os.path.isdir(os.path.join(args.model_repo, "preprocessing"))):
         repo_tokenizer_dir, add_special_tokens = tokenizer_settings(args.model_repo)
         tokenizer_dir = tokenizer_dir or repo_tokenizer_dir
     if not tokenizer_dir:

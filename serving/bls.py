@@ -43,6 +43,10 @@ LLM_INPUTS_FROM_PREPROCESSING = {
     "REQUEST_OUTPUT_LEN": "request_output_len", "BAD_WORDS_IDS": "bad_words_list",
     "STOP_WORDS_IDS": "stop_words_list", "EMBEDDING_BIAS": "embedding_bias",
     "OUT_END_ID": "end_id", "OUT_PAD_ID": "pad_id", "OUT_PROMPT_TABLE_EXTRA_IDS": "prompt_table_extra_ids",
+    # An encoder-decoder engine's decoder prompt, as the ensemble maps it: decoder_text_input tokenized
+    # by preprocessing, or [[pad_id]] (no prompt: the decoder start token) without one. A decoder-only
+    # tensorrt_llm takes the [[pad_id]] and refuses a real decoder prompt naming decoder_input_ids.
+    "DECODER_INPUT_ID": "decoder_input_ids", "REQUEST_DECODER_INPUT_LEN": "decoder_input_lengths",
 }
 # BLS input -> preprocessing input
 PREPROCESSING_INPUTS = {
@@ -96,8 +100,8 @@ def wants_token_ids(tensors: dict[str, np.ndarray]) -> bool:
 
 # The BLS's inputs of features this backend does not have, refused under the BLS's own names with
 # the same kind of rules as tensorrt_llm's (serving/requests.py): absent, empty (size 0) or "off"
-# values pass. Refused when: decoder_text_input: a non-empty string (an empty one is no decoder
-# prompt). Without multimodal_encoders_name (a text-only model): image_input, image_bytes_input,
+# values pass. (decoder_text_input goes through preprocessing to tensorrt_llm, which serves it on an
+# encoder-decoder engine and refuses it on a decoder-only one.) Without multimodal_encoders_name (a text-only model): image_input, image_bytes_input,
 # video_bytes_input: any element; image_url_input: a non-empty string. prompt_embedding_table,
 # prompt_table_extra_id and prompt_vocab_size go to tensorrt_llm. guided_decoding_guide_type/
 # guided_decoding_guide go to tensorrt_llm as they are (not ragged here, (B, 1) both), after the
@@ -109,14 +113,7 @@ TEXT_ONLY_MODEL = UnsupportedFeature(
     "(empty tensors and an empty image_url_input are accepted)",
     {"image_input": non_empty("image_input"), "image_bytes_input": non_empty("image_bytes_input"),
      "image_url_input": any_text("image_url_input"), "video_bytes_input": non_empty("video_bytes_input")})
-UNSUPPORTED_FEATURES = (
-    UnsupportedFeature(
-        "encoder-decoder models are",
-        "the engine is decoder-only and the prompt goes in text_input; "
-        "send decoder_text_input empty or leave it out",
-        {"decoder_text_input": any_text("decoder_text_input")}),
-    TEXT_ONLY_MODEL,
-)
+UNSUPPORTED_FEATURES = (TEXT_ONLY_MODEL,)
 
 
 def has_images(tensors: dict[str, np.ndarray]) -> bool:

@@ -52,6 +52,12 @@ def build_engine(checkpoint: str, output: str, build_args: list[str]) -> subproc
                            "--output", os.path.abspath(output), *build_args], env=child_environment())
 
 
+def _built(engine: Path) -> bool:
+    """engine.build finished writing ``engine``: its config.json is written last (an encoder-decoder
+    engine's is decoder/config.json, written after encoder/)."""
+    return (engine / "config.json").exists() or (engine / "decoder" / "config.json").exists()
+
+
 def ensure_checkpoint_engine(checkpoint: str, build_args: list[str]) -> Path:
     """The cached engine of ``checkpoint`` and ``build_args`` (cached_engine_dir), built with
     ``python -m engine.build`` when it is missing. The build writes into a temporary directory that
@@ -65,7 +71,7 @@ def ensure_checkpoint_engine(checkpoint: str, build_args: list[str]) -> Path:
     if not Path(checkpoint).exists():
         sys.exit(f"tritonllm: checkpoint {checkpoint} does not exist (a Hugging Face directory or a .gguf file)")
     engine = cached_engine_dir(checkpoint, build_args)
-    if (engine / "config.json").exists():
+    if _built(engine):
         print(f"tritonllm: reusing the cached engine {engine}", flush=True)
         return engine
     engine.parent.mkdir(parents=True, exist_ok=True)
@@ -77,7 +83,7 @@ def ensure_checkpoint_engine(checkpoint: str, build_args: list[str]) -> Path:
         except BlockingIOError:
             print(f"tritonllm: waiting for another process building {engine} ...", flush=True)
             fcntl.flock(lock, fcntl.LOCK_EX)
-        if (engine / "config.json").exists():  # built by the process we waited for
+        if _built(engine):  # built by the process we waited for
             print(f"tritonllm: reusing the cached engine {engine}", flush=True)
             return engine
         partial = engine.with_name(engine.name + f".partial-{os.getpid()}")
@@ -86,7 +92,7 @@ def ensure_checkpoint_engine(checkpoint: str, build_args: list[str]) -> Path:
         if build.returncode != 0:
             shutil.rmtree(partial, ignore_errors=True)
             sys.exit(f"tritonllm: building {checkpoint} failed (see above)")
-        shutil.rmtree(engine, ignore_errors=True)  # a leftover without config.json
+        shutil.rmtree(engine, ignore_errors=True)  # a leftover engine.build did not finish
         partial.rename(engine)
     return engine
 

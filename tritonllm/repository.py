@@ -7,12 +7,18 @@ in folders of their own that are not models, the other repositories' parts:
 - multimodal: the text models with multimodal/ensemble in place of the text ensemble, plus
   multimodal/multimodal_encoders (a vision-language engine from engine.build, whose
   vision_encoder/ the preprocessing and multimodal_encoders models read);
-- llmapi: llmapi/tensorrt_llm (TensorRT-LLM's LLM-API model; its model.yaml is edited, not filled).
+- llmapi: llmapi/tensorrt_llm (TensorRT-LLM's LLM-API model; its model.yaml is edited, not filled);
+- whisper: tensorrt_llm (the Whisper engine's decoder/, its encoder/ as encoder_engine_dir) and
+  whisper/whisper_bls (WAV in, TRANSCRIPTS out), both non-decoupled (whisper_bls calls tensorrt_llm
+  unary; the OpenAI frontend's /v1/audio calls whisper_bls unary).
+A T5/BART engine (encoder/ + decoder/) is served by the text repository of its decoder/ with
+encoder_decoder_substitutions' tensorrt_llm values.
 Every config.pbtxt is filled with the text repository's values (``base``: tritonllm/serve.py
 default_substitutions), plus each kind's own, then the caller's overrides.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -26,6 +32,7 @@ LAYOUTS = {
     "multimodal": [(name, name) for name in FIVE_MODELS if name != "ensemble"]
                   + [("ensemble", "multimodal/ensemble"), ("multimodal_encoders", "multimodal/multimodal_encoders")],
     "llmapi": [("tensorrt_llm", "llmapi/tensorrt_llm")],
+    "whisper": [("tensorrt_llm", "tensorrt_llm"), ("whisper_bls", "whisper/whisper_bls")],
 }
 VISION_ENCODER_DIR = "vision_encoder"  # engine/vision/encoder_dir.py: where engine.build writes it
 # The models tritonserver's non-zero ranks load, as the reference's launch names them
@@ -38,8 +45,42 @@ def has_vision_encoder(engine_dir: str) -> bool:
     return os.path.isfile(os.path.join(engine_dir, VISION_ENCODER_DIR, "config.json"))
 
 
+# engine/encoder_decoder/build.py's layout of an encoder-decoder engine: ENGINE/encoder, ENGINE/decoder
+ENCODER_DIR, DECODER_DIR = "encoder", "decoder"
+WHISPER_AUDIO_MODEL = "whisper_bls"  # the OpenAI frontend's --audio_model of a whisper repository
+WHISPER_MAX_TOKENS = "96"  # whisper_bls's request_output_len (a 30-s window's transcript fits)
+
+
+def encoder_decoder_spec(engine_dir: str) -> dict | None:
+    """The family options (engine/encoder_decoder/spec.py, extra.encoder_decoder) of an encoder-decoder
+    engine that engine.build wrote to engine_dir/{encoder,decoder}; None for any other engine."""
+    try:
+        config = json.loads((Path(engine_dir) / DECODER_DIR / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    spec = (config.get("extra") or {}).get("encoder_decoder")
+    return spec if isinstance(spec, dict) else None
+
+
+def encoder_decoder_substitutions(engine_dir: str) -> dict[str, dict[str, str]]:
+    """tensorrt_llm's values for an encoder-decoder engine (tensorrtllm_backend's fill keys): the encoder
+    beside the decoder, half the KV memory for cross-attention K/V, outputs without the decoder prompt.
+    LoRA and guided decoding are not built for these engines."""
+    return {"tensorrt_llm": {"encoder_engine_dir": os.path.join(os.path.abspath(engine_dir), ENCODER_DIR),
+                             "cross_kv_cache_fraction": "0.5", "exclude_input_in_output": "True",
+                             "enable_lora": "false", "guided_decoding_backend": ""}}
+
+
 def kind_substitutions(kind: str, engine_dir: str, max_batch_size: int) -> dict[str, dict[str, str]]:
-    """Per-model values of ``kind`` besides the text repository's."""
+    """Per-model values of ``kind`` besides the text repository's (``engine_dir``: for whisper, the
+    engine.build output holding encoder/ and decoder/)."""
+    if kind == "whisper":
+        decoder = os.path.join(engine_dir, DECODER_DIR)
+        mels = str((encoder_decoder_spec(engine_dir) or {}).get("num_mel_bins", 80))
+        return {"tensorrt_llm": {**encoder_decoder_substitutions(engine_dir)["tensorrt_llm"], "decoupled_mode": "false",
+                                 "engine_dir": decoder, "tokenizer_dir": decoder},
+                "whisper_bls": {"decoupled_mode": "false", "n_mels": mels, "zero_pad": "false", "engine_dir": decoder,
+                                "tensorrt_llm_model_name": "tensorrt_llm", "max_tokens": WHISPER_MAX_TOKENS}}
     if kind != "multimodal":
         return {}
     encoder_dir = os.path.join(engine_dir, VISION_ENCODER_DIR)
@@ -62,6 +103,9 @@ def assemble_repository(kind: str, engine_dir: str, output: str, base: dict[str,
     if kind not in LAYOUTS:
         raise ValueError(f"--kind {kind!r} is not a repository kind; allowed: {', '.join(LAYOUTS)}")
     engine_dir = os.path.abspath(engine_dir)
+    if kind == "whisper" and not (encoder_decoder_spec(engine_dir) or {}).get("num_mel_bins"):
+        raise ValueError(f"{engine_dir} is not a Whisper engine ({DECODER_DIR}/config.json with num_mel_bins): build "
+                         "a WhisperForConditionalGeneration checkpoint with python -m engine.build")
     if kind == "multimodal" and not has_vision_encoder(engine_dir):
         raise ValueError(f"{engine_dir} has no {VISION_ENCODER_DIR}/: build a vision-language checkpoint "
                          "(LlavaForConditionalGeneration) with python -m engine.build")

@@ -45,7 +45,8 @@ from serving.engine_cache import (cached_engine_dir, checkpoint_build_args, chec
 from tritonllm import launcher
 from tritonllm.fill_template import fill_template
 from tritonllm.paths import FIVE_MODELS, default_engine_dir, default_repo_dir, model_templates_dir
-from tritonllm.repository import ENGINE_MODELS, assemble_repository, escape, has_vision_encoder
+from tritonllm.repository import (DECODER_DIR, ENGINE_MODELS, WHISPER_AUDIO_MODEL, assemble_repository,
+                                  encoder_decoder_spec, encoder_decoder_substitutions, escape, has_vision_encoder)
 
 # (The engine cache's names above are this module's too: callers of scripts/serve_default.py use them.)
 _escape = escape
@@ -120,7 +121,19 @@ def checkpoint_repository(engine_dir: str, repo_dir: str, *, bls_instances: int 
     launcher's --tensorrt_llm_model_name takes them). A vision-language engine (engine.build wrote
     its vision_encoder/) gets the multimodal repository (tritonllm/repository.py), its preprocessing
     parameters ``images`` (max_num_images, max_image_pixels, allowed_image_url_hosts) where given;
-    any other engine the text repository."""
+    an encoder-decoder engine (encoder/ + decoder/) the text repository of its decoder/ with the
+    encoder's fill keys (T5, BART) or the whisper repository (non-decoupled); any other engine the
+    text repository."""
+    spec = encoder_decoder_spec(engine_dir)
+    if spec is not None:
+        decoder = os.path.join(os.path.abspath(engine_dir), DECODER_DIR)
+        if spec.get("num_mel_bins"):
+            base = default_substitutions(decoder, max_batch_size=max_batch_size, bls_instances=bls_instances,
+                                         decoupled=False)
+            return assemble_repository("whisper", engine_dir, repo_dir, base, max_batch_size=max_batch_size), \
+                "tensorrt_llm"
+        return prepare_model_repo(decoder, repo_dir, bls_instances=bls_instances, max_batch_size=max_batch_size,
+                                  overrides=encoder_decoder_substitutions(engine_dir)), "tensorrt_llm"
     overrides = {"tensorrt_llm": {"enable_lora": str(lora).lower()}}
     if not has_vision_encoder(engine_dir):
         return prepare_model_repo(engine_dir, repo_dir, bls_instances=bls_instances, max_batch_size=max_batch_size,
@@ -210,20 +223,23 @@ def ready_message(http_port: str, grpc_port: str, metrics_port: str, openai_port
     return message + "Stop with Ctrl-C."
 
 
-def refuse_encoder_decoder(checkpoint: str) -> None:
-    """T5, BART and Whisper checkpoints build two engines and their own fill (not this command's
-    yet): exit naming the architecture and the way that works (docs/features/encoder-decoder.md)."""
-    from engine.config import ENCODER_DECODER_ARCHITECTURES
-
+def checkpoint_architecture(checkpoint: str) -> str | None:
+    """config.json's first architecture of a checkpoint directory (None for a GGUF file or no config)."""
     try:
         architectures = json.loads((Path(checkpoint) / "config.json").read_text()).get("architectures") or []
     except (OSError, ValueError):
-        return  # a GGUF file or no config: the build says what is wrong
-    if architectures and architectures[0] in ENCODER_DECODER_ARCHITECTURES:
-        sys.exit(f"tritonllm serve: {architectures[0]} (encoder-decoder) is not served by this command yet; build "
-                 f"it with python -m engine.build --checkpoint {checkpoint} --output DIR (DIR/encoder, DIR/decoder) and "
-                 "fill the stock repository with engine_dir DIR/decoder and encoder_engine_dir DIR/encoder "
-                 "(docs/features/encoder-decoder.md)")
+        return None
+    return architectures[0] if architectures else None
+
+
+def refuse_lora_on_encoder_decoder(checkpoint: str, lora_modules: list[str]) -> None:
+    """LoRA adapters are built for decoder-only engines only: exit naming the flag and the architecture."""
+    from engine.config import ENCODER_DECODER_ARCHITECTURES
+
+    architecture = checkpoint_architecture(checkpoint)
+    if lora_modules and architecture in ENCODER_DECODER_ARCHITECTURES:
+        sys.exit(f"tritonllm serve: --lora_modules: {architecture} (encoder-decoder) takes no LoRA adapters; "
+                 "leave --lora_modules out (docs/features/encoder-decoder.md)")
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
@@ -277,7 +293,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     args = parser.parse_args(argv)
 
     if args.model:
-        refuse_encoder_decoder(args.model)
+        refuse_lora_on_encoder_decoder(args.model, args.lora_modules)
         engine_dir = str(ensure_checkpoint_engine(args.model, checkpoint_build_args(args)))
         model_name = args.served_model_name or served_name(args.model)
         repo, engine_models = checkpoint_repository(
@@ -313,6 +329,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         command = launcher.openai_frontend_command(launch_args)
         if args.tool_call_parser:
             command.append(f"--tool_call_parser={args.tool_call_parser}")
+        if args.model and (encoder_decoder_spec(engine_dir) or {}).get("num_mel_bins"):
+            # /v1/audio/transcriptions and translations; the repository has no preprocessing to read the tokenizer from
+            command += [f"--audio_model={WHISPER_AUDIO_MODEL}", f"--tokenizer_dir={os.path.join(engine_dir, DECODER_DIR)}"]
         if args.allowed_local_media_path:
             command.append(f"--allowed_local_media_path={os.path.abspath(args.allowed_local_media_path)}")
         frontend = subprocess.Popen(command, env=child_environment())

@@ -17,7 +17,7 @@ server for all: its repository holds the `tensorrt_llm` model of each family as
 family saves ~10 s of CI each). The same server serves a tiny T5 v1.1 (tests/tiny_encdec.py, an
 encoder-decoder engine: engine/encoder_decoder/) through the stock text repository filled with the
 anchor's keys (encoder_engine_dir, cross_kv_cache_fraction, encoder_input_features_data_type), as
-`ensemble_t5`, `preprocessing_t5`, `tensorrt_llm_t5` and `postprocessing_t5`, and a tiny Whisper
+`ensemble_t5`, `tensorrt_llm_bls_t5`, `preprocessing`, `tensorrt_llm_t5` and `postprocessing`, and a tiny Whisper
 as `tensorrt_llm_whisper` behind the anchor's `whisper_bls` (all_models/whisper), which
 tools/whisper/client.py calls."""
 import os
@@ -171,7 +171,11 @@ def served_families(smollm2_engine_dir, tmp_path_factory):
         yield models, server
 
 
-T5_MODELS = ("ensemble", "preprocessing", "tensorrt_llm", "postprocessing")
+# The T5 text repository's models and their names in the families server. The BLS calls
+# "preprocessing" and "postprocessing" by those names (as the reference's does), so T5's keep them:
+# no other model of this server is named so.
+T5_MODELS = {"ensemble": "ensemble_t5", "preprocessing": "preprocessing", "tensorrt_llm": "tensorrt_llm_t5",
+             "postprocessing": "postprocessing", "tensorrt_llm_bls": "tensorrt_llm_bls_t5"}
 
 
 def _build_encoder_decoder(family: str, tmp_path_factory, *flags: str):
@@ -233,14 +237,15 @@ def _add_t5_repository(tmp_path_factory, work: Path, repo: Path) -> transformers
     fill = {"encoder_engine_dir": str(engine / "encoder"), "cross_kv_cache_fraction": "0.5",
             "exclude_input_in_output": "True", "encoder_input_features_data_type": "TYPE_FP16",
             "enable_lora": "false", "guided_decoding_backend": ""}
+    bls = {"tensorrt_llm_model_name": T5_MODELS["tensorrt_llm"], "bls_instance_count": "1"}
     filled = Path(serve.prepare_model_repo(str(engine / "decoder"), str(work / "filled_t5"),
-                                           overrides={"tensorrt_llm": fill}, decoupled=False))
-    for name in T5_MODELS:
-        shutil.copytree(filled / name, repo / f"{name}_t5")
-        config = repo / f"{name}_t5" / "config.pbtxt"
-        text = config.read_text().replace(f'name: "{name}"', f'name: "{name}_t5"', 1)
-        for other in T5_MODELS:  # the ensemble's steps
-            text = text.replace(f'model_name: "{other}"', f'model_name: "{other}_t5"')
+                                           overrides={"tensorrt_llm": fill, "tensorrt_llm_bls": bls}, decoupled=False))
+    for name, served in T5_MODELS.items():
+        shutil.copytree(filled / name, repo / served)
+        config = repo / served / "config.pbtxt"
+        text = config.read_text().replace(f'name: "{name}"', f'name: "{served}"', 1)
+        for other, other_served in T5_MODELS.items():  # the ensemble's steps
+            text = text.replace(f'model_name: "{other}"', f'model_name: "{other_served}"')
         config.write_text(text)
     return model
 
@@ -400,6 +405,35 @@ def test_t5_ensemble_translates_text(served_families):
     assert response.status_code == 200, response.text
     ids, _ = generate(models["t5"], tokenizer()(prompt).input_ids, 8)
     assert response.json()["text_output"] == decode_tokens(tokenizer(), ids[1:])
+
+
+def test_t5_bls_text_equals_the_ensembles(served_families):
+    """tensorrt_llm_bls over the T5 engine answers the ensemble's text, without and with a decoder
+    prompt (decoder_text_input, tokenized by preprocessing as the ensemble's is); the prompted
+    answer is the text of transformers' greedy continuation of exactly that decoder prompt (a plain
+    forward loop: transformers' generate would put the decoder start token before it, the served
+    engine takes decoder_input_ids as given, as tensorrtllm_backend does)."""
+    import torch
+
+    from serving.tokenization import decode_tokens
+    from tiny_encdec import tokenizer
+
+    models, server = served_families
+    prompt = "translate English to German: This is good"
+    texts = []
+    for extra in ({}, {"decoder_text_input": "Das"}):
+        body = {"text_input": prompt, "max_tokens": 6, "bad_words": "", "stop_words": "", **extra}
+        answers = [server.generate(model, body) for model in ("ensemble_t5", "tensorrt_llm_bls_t5")]
+        assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
+        assert answers[1].json()["text_output"] == answers[0].json()["text_output"]
+        texts.append(answers[1].json()["text_output"])
+    decoder_prompt = tokenizer()("Das").input_ids  # as preprocessing tokenizes it (</s> appended)
+    ids, encoder_ids = list(decoder_prompt), torch.tensor([tokenizer()(prompt).input_ids])
+    with torch.no_grad():
+        while len(ids) < len(decoder_prompt) + 6 and (len(ids) == len(decoder_prompt) or ids[-1] != 1):
+            logits = models["t5"](input_ids=encoder_ids, decoder_input_ids=torch.tensor([ids])).logits
+            ids.append(int(logits[0, -1].argmax()))
+    assert texts[1] == decode_tokens(tokenizer(), ids[len(decoder_prompt):])
 
 
 def test_whisper_client_transcript_equals_transformers(served_families, tmp_path):

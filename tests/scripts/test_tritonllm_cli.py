@@ -53,7 +53,8 @@ def test_templates_copy_the_five_models_then_fill_template_fills_one(tmp_path, c
     assert (tmp_path / "llmapi" / "tensorrt_llm" / "1" / "model.yaml").is_file()
 
 
-def test_serve_refuses_an_encoder_decoder_checkpoint_by_name(tmp_path):
+def test_serve_refuses_lora_on_an_encoder_decoder_checkpoint_by_name(tmp_path):
+    """Encoder-decoder checkpoints are served (tests/scripts/test_serve_encoder_decoder.py); LoRA on them is not."""
     (tmp_path / "config.json").write_text('{"architectures": ["WhisperForConditionalGeneration"]}')
-    with pytest.raises(SystemExit, match="WhisperForConditionalGeneration \\(encoder-decoder\\) is not served by"):
-        main(["serve", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--lora_modules: WhisperForConditionalGeneration \\(encoder-decoder\\)"):
+        main(["serve", str(tmp_path), "--lora_modules", "a=/adapters/a"])

@@ -265,7 +265,6 @@ BLS_PLAIN = {"text_input": text("What is the capital of France?"), "max_tokens":
              "exclude_input_in_output": np.array([False]), "num_return_sequences": np.array([1], np.int32)}
 
 BLS_USED = {  # (images: refused by a BLS without multimodal_encoders_name, i.e. over a text-only model)
-    "decoder_text_input": text("Translate: good morning"),
     "image_input": np.ones((1, 1, 3, 2, 2), np.float16),
     "image_bytes_input": np.ones((1, 1, 2, 2, 3), np.uint8),
     "image_url_input": text("https://example.com/cat.jpg"),
@@ -316,3 +315,17 @@ def test_plain_and_neutral_bls_requests_pass_through_to_tensorrt_llm(preprocess)
         llm["streaming"] = np.full((1, 1), False)
         [spec] = convert_request(llm, decoupled=True)
         assert spec.max_tokens == 8
+
+
+def test_bls_decoder_text_input_reaches_tensorrt_llm_as_the_ensembles_does(preprocess):
+    """The BLS forwards preprocessing's decoder prompt as the ensemble maps it: the same tensors reach
+    tensorrt_llm, which refuses a real decoder prompt on a decoder-only engine naming decoder_input_ids."""
+    bls = {**BLS_PLAIN, "decoder_text_input": text("Translate: good morning")}
+    validate(bls)
+    pre_out = preprocess({PREPROCESSING_INPUTS[k]: v for k, v in bls.items() if k in PREPROCESSING_INPUTS})
+    llm = {llm: pre_out[name] for name, llm in LLM_INPUTS_FROM_PREPROCESSING.items() if name in pre_out}
+    ensemble = ensemble_llm_tensors(preprocess, {**E2E_CLIENT, "decoder_text_input": bls["decoder_text_input"]})
+    for name in ("decoder_input_ids", "decoder_input_lengths"):
+        np.testing.assert_array_equal(llm[name], ensemble[name])
+    with pytest.raises(ValueError, match=r"^decoder_input_ids\b.*not supported by this backend"):
+        convert_request({**llm, "streaming": np.full((1, 1), False)}, decoupled=True)
