@@ -272,7 +272,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     parts = image_parts(parsed.messages) if chat else []
     _check_images(frontend, parts)
     await frontend.client.ensure_ready()
-    table, image_rows = await frontend.images.encode(parts) if parts else (None, None)
+    table, image_rows, grids = await frontend.images.encode(parts) if parts else (None, None, None)
     # an adapter's prompts too: the base model's template and tokenizer
     prompts = _prompts(frontend, parsed, chat, image_rows)
     prompt_tokens = sum(len(ids) for _, ids, _ in prompts)
@@ -280,6 +280,8 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     specs = choice_specs(prompts, parsed.params)
     for spec in specs:  # every choice gets the request's prompt-embedding table (images only)
         spec.prompt_table = table
+        if grids is not None:  # Qwen2-VL: its prompt's M-RoPE rows
+            spec.mrope = frontend.images.mrope(spec.prompt_ids, grids)
     parsers = output_parsers(parsed.tools, frontend.tool_parser) if chat else None
     decode = frontend.decode
     if parsers is not None and parsed.tools.choice == "auto" and frontend.tool_decode is not None:

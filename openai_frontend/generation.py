@@ -38,6 +38,7 @@ class ChoiceSpec:
     max_tokens: int
     seed: int | None
     prompt_table: object = None  # np.ndarray (rows, hidden) FP16: the request's image features (vision.py)
+    mrope: object = None  # Qwen2-VL: (flat rotary rows, delta) of this prompt (vision.py ChatImages.mrope)
 
 
 def choice_specs(prompts: list[tuple[str, list[int], int]], params: SamplingParams) -> list[ChoiceSpec]:
@@ -93,7 +94,7 @@ async def generate_choice(client: TritonClient, spec: ChoiceSpec, params: Sampli
     tokens = 0
     # aclosing: leaving (a stop string, or this generator being closed) cancels the call at once.
     async with aclosing(client.generate(spec.prompt, spec.prompt_ids, params, spec.max_tokens, spec.seed,
-                                        f"{request_id}-{spec.index}", lora, spec.prompt_table)) as chunks:
+                                        f"{request_id}-{spec.index}", lora, spec.prompt_table, spec.mrope)) as chunks:
         async for chunk in chunks:
             tokens += chunk.num_tokens
             if detokenizer is not None:

@@ -132,10 +132,12 @@ def generation_inputs(prompt: str, params: SamplingParams, max_tokens: int,
 
 def direct_inputs(prompt_ids: list[int], params: SamplingParams, max_tokens: int, seed: int | None,
                   end_id: int, pad_id: int, lora: LoraModule | None = None,
-                  prompt_table: np.ndarray | None = None) -> dict[str, np.ndarray]:
+                  prompt_table: np.ndarray | None = None, mrope: tuple[np.ndarray, int] | None = None
+                  ) -> dict[str, np.ndarray]:
     """``tensorrt_llm``'s own inputs for one choice (the direct path: the frontend has tokenized
     the prompt and decodes the ids itself; stop strings are cut here, which cancels the call).
-    ``prompt_table`` (rows, hidden) FP16: the rows the prompt's ids >= vocab_size take (images)."""
+    ``prompt_table`` (rows, hidden) FP16: the rows the prompt's ids >= vocab_size take (images).
+    ``mrope``: Qwen2-VL's (mrope_rotary_cos_sin in the anchor's flat layout, mrope_position_delta)."""
     inputs = {
         "input_ids": np.array([prompt_ids], dtype=np.int32),
         "input_lengths": _scalar(len(prompt_ids), np.int32),
@@ -153,6 +155,9 @@ def direct_inputs(prompt_ids: list[int], params: SamplingParams, max_tokens: int
     if prompt_table is not None:
         inputs["prompt_embedding_table"] = np.ascontiguousarray(prompt_table, dtype=np.float16)[None]
         inputs["prompt_vocab_size"] = _scalar(len(prompt_table), np.int32)
+    if mrope is not None:
+        inputs["mrope_rotary_cos_sin"] = np.asarray(mrope[0], np.float32)[None]
+        inputs["mrope_position_deltas"] = _scalar(mrope[1], np.int64)
     return inputs
 
 
@@ -300,12 +305,14 @@ class TritonClient:
 
     async def generate(self, prompt: str, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
                        seed: int | None, request_id: str, lora: LoraModule | None = None,
-                       prompt_table: np.ndarray | None = None) -> AsyncIterator[Chunk]:
+                       prompt_table: np.ndarray | None = None, mrope: tuple[np.ndarray, int] | None = None
+                       ) -> AsyncIterator[Chunk]:
         """Streams one choice, with the LoRA adapter ``lora`` and the image features
         ``prompt_table`` (direct path only) when given. Leaving the iteration early (or being
         cancelled) cancels the call."""
         if self.direct:
-            inputs = direct_inputs(prompt_ids, params, max_tokens, seed, self.end_id, self.pad_id, lora, prompt_table)
+            inputs = direct_inputs(prompt_ids, params, max_tokens, seed, self.end_id, self.pad_id, lora, prompt_table,
+                                   mrope)
         else:
             inputs = generation_inputs(prompt, params, max_tokens, seed, lora)
         request = infer_request(self.model, inputs, request_id)

@@ -22,8 +22,9 @@ import numpy as np
 
 from openai_frontend.errors import bad_request
 from serving.images import decode_file, url_bytes
-from serving.multimodal import (DEFAULT_MAX_NUM_IMAGES, ImagePrompts, VisionEncoderRunner, engine_vocab_size, image_limits,
-                                refuse_unserved)
+from serving.mrope import to_wire
+from serving.qwen_vl import grid_rows, image_patches
+from serving.multimodal import DEFAULT_MAX_NUM_IMAGES, ImagePrompts, VisionEncoderRunner, engine_vocab_size, image_limits
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,6 @@ class ChatImages:
                                    settings.allowed_local_media_path)
         self.prompts = ImagePrompts(settings.encoder_dir, tokenizer, engine_vocab_size(engine_dir),
                                     max_num_images=settings.max_num_images, limits=self.limits)
-        refuse_unserved(self.prompts.model_type)  # its direct path sends no M-RoPE rows yet
         self.runner = VisionEncoderRunner(settings.encoder_dir, device)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vision_encoder")
 
@@ -69,12 +69,13 @@ class ChatImages:
         except ValueError as error:
             raise bad_request("messages", str(error)) from None
 
-    async def encode(self, parts: list[dict]) -> tuple[np.ndarray, list[int]]:
-        """The request's prompt-embedding table, (rows of every image, hidden) float16, and each
-        image's rows (their number depends on the image's size for LLaVA-NeXT/OneVision)."""
+    async def encode(self, parts: list[dict]) -> tuple[np.ndarray, list[int], np.ndarray | None]:
+        """The request's prompt-embedding table, (rows of every image, hidden) float16, each
+        image's rows (their number depends on the image's size for LLaVA-NeXT/OneVision and
+        Qwen2-VL) and, for Qwen2-VL, the images' (n, 3) patch grids (else None)."""
         return await asyncio.get_running_loop().run_in_executor(self._worker, self._encode, parts)
 
-    def _encode(self, parts: list[dict]) -> tuple[np.ndarray, list[int]]:
+    def _encode(self, parts: list[dict]) -> tuple[np.ndarray, list[int], np.ndarray | None]:
         images = []
         for part in parts:
             try:
@@ -82,9 +83,29 @@ class ChatImages:
                                           self.limits))
             except ValueError as error:  # ImageError: names the part, says what is allowed
                 raise bad_request(part["field"], str(error), code="invalid_image") from None
+        if self.prompts.qwen:  # every image's patches in one batch (serving/qwen_vl.py)
+            import torch
+
+            pixels, grids = image_patches(self.prompts.image_processor, images)
+            with torch.inference_mode():
+                rows = self.runner.encoder.image_features(torch.from_numpy(pixels[0]).to(self.runner.device), grids)
+            table = torch.cat(rows).float().cpu().numpy().astype(np.float16)
+            return table, grid_rows(grids, self.prompts.config["mrope"]["merge"]), grids
         pixels, sizes = self.prompts.pixels(images)
         counts = self.prompts.token_counts(sizes, len(images))
-        return self.runner.tables([pixels], [sizes])[0], counts
+        return self.runner.tables([pixels], [sizes])[0], counts, None
+
+    def mrope(self, ids: list[int], grids: np.ndarray) -> tuple[np.ndarray, int]:
+        """Qwen2-VL: a prompt's (mrope_rotary_cos_sin in the anchor's flat layout, mrope_position_delta)
+        from its ids (each image's fake ids, ``expand``) and the images' grids. Images whose runs touch
+        (no <|vision_start|>/<|vision_end|> between them) are a 400 naming messages."""
+        from engine.vision.mrope import request_mrope
+
+        try:
+            rows, delta = request_mrope(ids, np.asarray(grids).tolist(), self.prompts.config, self.prompts.vocab_size)
+        except ValueError as error:
+            raise bad_request("messages", str(error)) from None
+        return to_wire(rows.numpy()), delta
 
     def close(self) -> None:
         self._worker.shutdown(wait=False, cancel_futures=True)

@@ -39,11 +39,6 @@ PROMPT_WRAPPERS = {"llava": ("USER:\n", "", " ASSISTANT:"),
                    "llava_onevision": ("<|im_start|>user ", "\n", "<|im_end|><|im_start|>assistant\n"),
                    **{model_type: CHAT_WRAPPER for model_type in QWEN_VL_TYPES}}
 DEFAULT_MAX_NUM_IMAGES = 1
-# Families the Triton models serve but the OpenAI frontend does not yet (its direct path sends no
-# MROPE tensors), refused by name when the frontend starts (openai_frontend/vision.py).
-_QWEN_VL = ("engines are served through the Triton models (ensemble / BLS) but not through the OpenAI frontend "
-            "yet (its image path sends no M-RoPE rows); supported there: llava, llava_next, llava_onevision")
-NOT_SERVED = {"qwen2_vl": "Qwen2-VL " + _QWEN_VL, "qwen2_5_vl": "Qwen2.5-VL " + _QWEN_VL}
 TEXT_ONLY = ("images and video were sent to a text-only model (the preprocessing parameter multimodal_model_path "
              "is not set); send {name} only to a vision-language model's repository (all_models/multimodal)")
 
@@ -56,11 +51,6 @@ def _urls(array, row: int) -> list[str]:
     if not _present(array):
         return []
     return [url for url in string_rows(array)[row] if url]
-
-
-def refuse_unserved(model_type: str) -> None:
-    if model_type in NOT_SERVED:
-        raise ValueError(f"vision encoder of model_type {model_type!r}: {NOT_SERVED[model_type]}")
 
 
 def refuse_images_on_text_model(tensors: dict) -> None:

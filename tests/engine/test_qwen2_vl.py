@@ -114,14 +114,6 @@ def test_bad_mrope_inputs_are_named():
                                                                 limits)
 
 
-def test_the_openai_frontend_refuses_qwen2_vl_by_name():
-    from serving.multimodal import refuse_unserved
-
-    with pytest.raises(ValueError, match="Qwen2(.5)?-VL engines are served through the Triton models .* not through "
-                                         "the OpenAI frontend"):
-        refuse_unserved("qwen2_vl")
-
-
 def test_triton_pipeline_preprocessing_encoders_tensorrt_llm_give_transformers_ids(built):
     """The Triton models' serving side without a server: preprocessing (prepare_batch: Qwen2-VL's chat
     wrapper, <|vision_start|> fake ids <|vision_end|>, PIXEL_VALUES / IMAGE_GRID_THW / VISION_INPUT_ID)
@@ -162,16 +154,7 @@ def test_triton_pipeline_preprocessing_encoders_tensorrt_llm_give_transformers_i
                "prompt_embedding_table": outputs["OUT_PROMPT_EMBEDDING_TABLE"],
                "mrope_rotary_cos_sin": wire, "mrope_position_deltas": outputs["MROPE_POSITION_DELTAS"]}
     [spec] = convert_request(tensors, decoupled=False, exclude_input_default=True, rotary_width=width)
-    with Executor(engine, ExecutorConfig()) as executor:
-        [request_id] = executor.enqueue_requests([to_executor_request(spec)])
-        got = final_tokens(collect(executor, [request_id])[request_id])
-    image = image_processor()([make_image(0, (52, 40))], return_tensors="pt")
-    with torch.no_grad():
-        hf_prompt = torch.tensor([raw])
-        expected = hf.generate(input_ids=hf_prompt, pixel_values=image["pixel_values"].half().float(),
-                               image_grid_thw=image["image_grid_thw"], mm_token_type_ids=(hf_prompt == IMAGE_TOKEN).int(),
-                               max_new_tokens=NEW_TOKENS, do_sample=False)[0, hf_prompt.shape[1]:].tolist()
-    assert got == expected
+    assert served_ids(engine, spec) == hf_image_ids(hf, raw, fp16_pixels=True)
     # errors name the field
     for drop, message in (("mrope_position_deltas", "mrope_rotary_cos_sin was sent without mrope_position_deltas"),
                           ("mrope_rotary_cos_sin", "mrope_position_deltas was sent without mrope_rotary_cos_sin")):
@@ -187,3 +170,53 @@ def test_triton_pipeline_preprocessing_encoders_tensorrt_llm_give_transformers_i
         VisionEncoderRunner.qwen_outputs(prompts_runner := VisionEncoderRunner(encoder_dir, "cpu"),
                                          pre["PIXEL_VALUES"], pre["IMAGE_GRID_THW"], None)
     assert prompts_runner.qwen_outputs(None, None, pre["VISION_INPUT_ID"]) == {}  # text-only: no outputs
+
+
+def test_openai_image_path_sends_mrope_and_gives_transformers_ids(built):
+    """The OpenAI frontend's direct path (openai_frontend/vision.py ChatImages, triton_client.direct_inputs):
+    a data: image -> table, rows and grid; the chat prompt's <|image_pad|> -> fake ids; the prompt's M-RoPE
+    pair beside them -> tensorrt_llm's conversion -> transformers' greedy ids (no server)."""
+    import base64
+
+    from openai_frontend.protocol import SamplingParams
+    from openai_frontend.triton_client import direct_inputs
+    from openai_frontend.vision import ChatImages, VisionSettings
+    from serving.requests import convert_request
+    from tiny_llava import encoded, tokenizer
+
+    engine, hf = built
+    if hf.config.model_type != "qwen2_vl":
+        pytest.skip("the language side is the same for Qwen2.5-VL")
+    images = ChatImages(VisionSettings(vision_encoder_dir(engine)), tokenizer(), "cpu")
+    url = "data:image/png;base64," + base64.b64encode(encoded(make_image(0, (52, 40)))).decode()
+    table, counts, grids = images._encode([{"url": url, "field": "messages[0].content[0]"}])
+    assert images.prompts.placeholder_id == IMAGE_TOKEN and counts == [len(table)]
+    hf_ids = [1, 5, VISION_START, *[IMAGE_TOKEN] * len(table), VISION_END, 7, 8, 6]
+    ids = images.expand([1, 5, VISION_START, IMAGE_TOKEN, VISION_END, 7, 8, 6], counts)
+    inputs = direct_inputs(ids, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0), NEW_TOKENS, None, 2, 4, None, table,
+                           images.mrope(ids, grids))
+    [spec] = convert_request(inputs, decoupled=True, rotary_width=images.prompts.config["mrope"]["head_dim"])
+    spec.streaming = False
+    images.close()
+    assert served_ids(engine, spec) == hf_image_ids(hf, hf_ids)
+
+
+def served_ids(engine: str, spec) -> list[int]:
+    """Greedy ids of a serving RequestSpec through the executor."""
+    from serving.requests import to_executor_request
+
+    with Executor(engine, ExecutorConfig()) as executor:
+        [request_id] = executor.enqueue_requests([to_executor_request(spec)])
+        return final_tokens(collect(executor, [request_id])[request_id])
+
+
+def hf_image_ids(hf, prompt: list[int], fp16_pixels: bool = False) -> list[int]:
+    """transformers' greedy ids for ``prompt`` (image rows as <|image_pad|>) with the tests' 52 x 40 image
+    (``fp16_pixels``: rounded as PIXEL_VALUES carries them)."""
+    image = image_processor()([make_image(0, (52, 40))], return_tensors="pt")
+    pixels = image["pixel_values"].half().float() if fp16_pixels else image["pixel_values"]
+    with torch.no_grad():
+        hf_prompt = torch.tensor([prompt])
+        return hf.generate(input_ids=hf_prompt, pixel_values=pixels, image_grid_thw=image["image_grid_thw"],
+                           mm_token_type_ids=(hf_prompt == IMAGE_TOKEN).int(), max_new_tokens=NEW_TOKENS,
+                           do_sample=False)[0, hf_prompt.shape[1]:].tolist()

@@ -43,7 +43,8 @@ class FakeTriton:
     async def close(self):
         pass
 
-    async def generate(self, prompt, prompt_ids, params, max_tokens, seed, request_id, lora=None, prompt_table=None):
+    async def generate(self, prompt, prompt_ids, params, max_tokens, seed, request_id, lora=None, prompt_table=None,
+                       mrope=None):
         self.calls.append((prompt, params))
         if self.error:
             raise triton_error(self.error, params.guide.field if params.guide else None)
