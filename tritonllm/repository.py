@@ -48,16 +48,20 @@ def has_vision_encoder(engine_dir: str) -> bool:
 # engine/encoder_decoder/build.py's layout of an encoder-decoder engine: ENGINE/encoder, ENGINE/decoder
 ENCODER_DIR, DECODER_DIR = "encoder", "decoder"
 WHISPER_AUDIO_MODEL = "whisper_bls"  # the OpenAI frontend's --audio_model of a whisper repository
-WHISPER_MAX_TOKENS = "96"  # whisper_bls's request_output_len (a 30-s window's transcript fits)
+WHISPER_MAX_TOKENS = 96  # whisper_bls's request_output_len (a 30-s window's transcript fits)
+
+
+def _decoder_config(engine_dir: str) -> dict:
+    try:
+        return json.loads((Path(engine_dir) / DECODER_DIR / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def encoder_decoder_spec(engine_dir: str) -> dict | None:
     """The family options (engine/encoder_decoder/spec.py, extra.encoder_decoder) of an encoder-decoder
     engine that engine.build wrote to engine_dir/{encoder,decoder}; None for any other engine."""
-    try:
-        config = json.loads((Path(engine_dir) / DECODER_DIR / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
+    config = _decoder_config(engine_dir)
     spec = (config.get("extra") or {}).get("encoder_decoder")
     return spec if isinstance(spec, dict) else None
 
@@ -77,10 +81,14 @@ def kind_substitutions(kind: str, engine_dir: str, max_batch_size: int) -> dict[
     if kind == "whisper":
         decoder = os.path.join(engine_dir, DECODER_DIR)
         mels = str((encoder_decoder_spec(engine_dir) or {}).get("num_mel_bins", 80))
+        # prompt + max_tokens must fit the decoder's max_seq_len (448 for real Whisper): half of it
+        # leaves room for a long TEXT_PREFIX
+        max_seq_len = int((_decoder_config(engine_dir).get("build") or {}).get("max_seq_len") or 2 * WHISPER_MAX_TOKENS)
+        max_tokens = str(min(WHISPER_MAX_TOKENS, max_seq_len // 2))
         return {"tensorrt_llm": {**encoder_decoder_substitutions(engine_dir)["tensorrt_llm"], "decoupled_mode": "false",
                                  "engine_dir": decoder, "tokenizer_dir": decoder},
                 "whisper_bls": {"decoupled_mode": "false", "n_mels": mels, "zero_pad": "false", "engine_dir": decoder,
-                                "tensorrt_llm_model_name": "tensorrt_llm", "max_tokens": WHISPER_MAX_TOKENS}}
+                                "tensorrt_llm_model_name": "tensorrt_llm", "max_tokens": max_tokens}}
     if kind != "multimodal":
         return {}
     encoder_dir = os.path.join(engine_dir, VISION_ENCODER_DIR)

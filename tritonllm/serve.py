@@ -16,7 +16,10 @@ reused while neither changes.
 
 A vision-language checkpoint (LLaVA) is served through the multimodal repository
 (tritonllm/repository.py): images through the ensemble and the BLS, and ``image_url`` parts in the
-OpenAI API's chat messages (the frontend runs the vision encoder itself).
+OpenAI API's chat messages (the frontend runs the vision encoder itself). A T5/BART checkpoint is
+built into encoder/ + decoder/ and served by the text repository with the encoder's fill keys (OpenAI
+/v1/completions: the prompt is the encoder's input); a Whisper one by the whisper repository, with
+/v1/audio/transcriptions and /v1/audio/translations (docs/features/encoder-decoder.md).
 
 (in a source checkout also ``python scripts/serve_default.py [--model CHECKPOINT] ...``). The embedded
 engine and the filled repository go to engines/smollm2 and build/triton_repo of a source checkout,

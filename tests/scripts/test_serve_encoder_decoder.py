@@ -10,10 +10,11 @@ import pytest
 from tritonllm.serve import checkpoint_repository, refuse_lora_on_encoder_decoder
 
 
-def _engine(root: Path, spec: dict) -> Path:
+def _engine(root: Path, spec: dict, max_seq_len: int = 448) -> Path:
     for stack in ("encoder", "decoder"):
         (root / stack).mkdir(parents=True)
-        (root / stack / "config.json").write_text(json.dumps({"extra": {"stack": stack, "encoder_decoder": spec}}))
+        (root / stack / "config.json").write_text(json.dumps({"build": {"max_seq_len": max_seq_len},
+                                                              "extra": {"stack": stack, "encoder_decoder": spec}}))
     return root
 
 
@@ -47,7 +48,11 @@ def test_whisper_gets_the_whisper_repository(tmp_path):
     assert _value(llm, "encoder_model_path") == str(engine / "encoder") and _value(llm, "decoupled") == "false"
     assert (_value(bls, "n_mels"), _value(bls, "engine_dir"), _value(bls, "decoupled")) == \
         ("128", str(engine / "decoder"), "false")
-    assert "${" not in bls.read_text()
+    assert "${" not in bls.read_text() and _value(bls, "max_tokens") == "96"
+    # a decoder too short for 96 tokens after the prompt gets half its max_seq_len
+    short = _engine(tmp_path / "short", {"num_mel_bins": 8}, max_seq_len=40)
+    repo, _ = checkpoint_repository(str(short), str(tmp_path / "short_repo"))
+    assert _value(Path(repo) / "whisper_bls" / "config.pbtxt", "max_tokens") == "20"
 
 
 def test_lora_modules_on_an_encoder_decoder_checkpoint_are_refused_by_name(tmp_path):
