@@ -88,7 +88,7 @@ class ChatImages:
 
             pixels, grids = image_patches(self.prompts.image_processor, images)
             with torch.inference_mode():
-                rows = self.runner.encoder.image_features(torch.from_numpy(pixels[0]).to(self.runner.device), grids)
+                rows = self.runner.encoder.image_features(torch.from_numpy(pixels[0, 0]).to(self.runner.device), grids)
             table = torch.cat(rows).float().cpu().numpy().astype(np.float16)
             return table, grid_rows(grids, self.prompts.config["mrope"]["merge"]), grids
         pixels, sizes = self.prompts.pixels(images)

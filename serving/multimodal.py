@@ -71,7 +71,7 @@ class PreparedItem:
     # every image's tiles one after another, (total tiles, 3, S, S)
     pixel_values: np.ndarray | None
     image_sizes: np.ndarray | None = None  # (n, 2) int64 (height, width) before processing: anyres families
-    image_grid_thw: np.ndarray | None = None  # (n, 3) int64 patch grids: Qwen2-VL (pixel_values (1, patches, dim))
+    image_grid_thw: np.ndarray | None = None  # (n, 3) int64 patch grids: Qwen2-VL (pixel_values (1, 1, patches, dim))
 
 
 class ImagePrompts:
@@ -295,7 +295,7 @@ class VisionEncoderRunner:
 
     def qwen_outputs(self, pixel_values, grids, ids) -> dict[str, np.ndarray]:
         """One multimodal_encoders request of a Qwen2-VL model (serving/qwen_vl.py): pixel_values
-        (B, 1, patches, dim), image_grid_thw (B, 3), vision_input_id (B, L) -> OUT_PROMPT_EMBEDDING_TABLE
+        (B, 1, 1, patches, dim), image_grid_thw (B, 3), vision_input_id (B, L) -> OUT_PROMPT_EMBEDDING_TABLE
         (B, rows, hidden) FP16 (zero-padded), OUT_PROMPT_VOCAB_SIZE (B, 1) and the two MROPE tensors.
         No image: no outputs. Missing or mismatched inputs are the request's error naming them."""
         import torch
@@ -310,19 +310,19 @@ class VisionEncoderRunner:
                                  "PIXEL_VALUES, IMAGE_GRID_THW and VISION_INPUT_ID)")
         pixels = np.asarray(pixel_values, np.float32)
         grids = np.asarray(grids, np.int64).reshape(-1, 3)
-        if pixels.ndim != 4 or len(pixels) != len(grids):
-            raise ValueError(f"pixel_values has shape {pixels.shape}; send (batch, 1, patches, dim) with one "
+        if pixels.ndim != 5 or len(pixels) != len(grids):
+            raise ValueError(f"pixel_values has shape {pixels.shape}; send (batch, 1, 1, patches, dim) with one "
                              f"image_grid_thw row per item ({len(grids)})")
         tables = []
         for item, grid in zip(pixels, grids.tolist()):  # an item without an image: a zero grid, no rows
             patches = int(np.prod(grid))
-            if patches > item.shape[1]:
-                raise ValueError(f"image_grid_thw {grid} needs {patches} patches; pixel_values holds {item.shape[1]}")
+            if patches > item.shape[2]:
+                raise ValueError(f"image_grid_thw {grid} needs {patches} patches; pixel_values holds {item.shape[2]}")
             if not patches:
                 tables.append(None)
                 continue
             with torch.inference_mode():
-                rows = self.encoder.image_features(torch.from_numpy(item[0, :patches]).to(self.device), [grid])[0]
+                rows = self.encoder.image_features(torch.from_numpy(item[0, 0, :patches]).to(self.device), [grid])[0]
             tables.append(rows.float().cpu().numpy().astype(np.float16))
         hidden = next(t.shape[1] for t in tables if t is not None)
         tables = [np.zeros((0, hidden), np.float16) if t is None else t for t in tables]

@@ -4,9 +4,10 @@ preprocessing: the checkpoint's image processor gives each image's patches (patc
 and its (t, h, w) patch grid; the image takes t * h * w / merge**2 table rows (fake ids), with
 ``<|vision_start|>`` / ``<|vision_end|>`` around them when preprocessing lays the prompt out (no
 placeholder in the text: Qwen2-VL's chat template with its default system prompt, as the anchor's
-preprocessing applies it). Outputs beside INPUT_ID: PIXEL_VALUES (B, 1, patches, dim), IMAGE_GRID_THW
+preprocessing applies it). Outputs beside INPUT_ID: PIXEL_VALUES (B, 1, 1, patches, dim), IMAGE_GRID_THW
 (B, 3) (the anchor's [3]: one image per request) and VISION_INPUT_ID (B, L): the prompt with each
-fake id replaced by the image token (the anchor's raw ids).
+fake id replaced by the image token (the anchor's raw ids). PIXEL_VALUES is 5-D with the batch
+dimension, as multimodal_encoders' pixel_values ([-1, -1, -1, -1] per item) takes it: (B, 1, 1, patches, dim).
 
 multimodal_encoders: the table, and from VISION_INPUT_ID + IMAGE_GRID_THW the M-RoPE pair
 (engine/vision/mrope.py request_mrope) in the anchor's layout (serving/mrope.py to_wire):
@@ -27,9 +28,9 @@ NO_PIXELS = ("image_input: Qwen2-VL models take images as image_bytes_input or i
 
 
 def image_patches(image_processor, images: list) -> tuple[np.ndarray, np.ndarray]:
-    """Decoded images -> ((1, patches, dim) float32, (n, 3) int64 grids) by the checkpoint's processor."""
+    """Decoded images -> ((1, 1, patches, dim) float32, (n, 3) int64 grids) by the checkpoint's processor."""
     batch = image_processor(images, return_tensors="np")
-    return (np.asarray(batch["pixel_values"], np.float32)[None],
+    return (np.asarray(batch["pixel_values"], np.float32)[None, None],
             np.asarray(batch["image_grid_thw"], np.int64).reshape(-1, 3))
 
 

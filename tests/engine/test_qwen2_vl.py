@@ -141,7 +141,7 @@ def test_triton_pipeline_preprocessing_encoders_tensorrt_llm_give_transformers_i
     ids, raw = pre["INPUT_ID"][0].tolist(), pre["VISION_INPUT_ID"][0].tolist()
     start = ids.index(VISION_START)
     assert ids[start + 1:start + 2 + rows] == [*range(VOCAB, VOCAB + rows), VISION_END]
-    assert raw == [IMAGE_TOKEN if t >= VOCAB else t for t in ids] and pre["PIXEL_VALUES"].ndim == 4
+    assert raw == [IMAGE_TOKEN if t >= VOCAB else t for t in ids] and pre["PIXEL_VALUES"].ndim == 5
     outputs = VisionEncoderRunner(encoder_dir, "cpu").qwen_outputs(pre["PIXEL_VALUES"], pre["IMAGE_GRID_THW"],
                                                                     pre["VISION_INPUT_ID"])
     delta = int(outputs["MROPE_POSITION_DELTAS"][0, 0])
