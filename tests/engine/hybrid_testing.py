@@ -79,7 +79,39 @@ def tiny_hybrid(family: str, seed: int = 0) -> torch.nn.Module:
         for name, p in model.named_parameters():
             base = 1.0 if "norm" in name and name.endswith("weight") else 0.0  # norms near 1, the rest small
             p.copy_(base + 0.1 * torch.randn_like(p))
+    group_gated_norms(model)
     return model
+
+
+def _grouped_gated_norm(self, hidden_states, gate=None):
+    """Mamba-2's gated RMSNorm as mamba_ssm computes it (RMSNormGated with group_size = d_ssm //
+    n_groups): each group of channels normalized on its own. Same arithmetic as transformers'
+    grouped MambaRMSNormGated."""
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+    if gate is not None:
+        hidden_states = hidden_states * torch.nn.functional.silu(gate.to(torch.float32))
+    groups = hidden_states.view(*hidden_states.shape[:-1], -1, self.group_size)
+    groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+    return self.weight * groups.view(hidden_states.shape).to(input_dtype)
+
+
+_UNGROUPED_NORMS = {"MambaRMSNormGated", "BambaRMSNormGated", "GraniteMoeHybridRMSNormGated"}
+
+
+def group_gated_norms(model: torch.nn.Module) -> None:
+    """Older transformers (5.17, the GPU machine's) normalize the Mamba/Bamba/Granite-hybrid gated
+    norm over all d_ssm channels at once; later ones (5.24) per group of d_ssm // n_groups, as
+    mamba_ssm and the checkpoints' training do, and as the engine does. With n_groups = 2 here the
+    two differ (logits ~0.6 apart), so on an older transformers the reference's norms are made
+    per-group; on a newer one (``group_size`` already set) nothing changes."""
+    for module in model.modules():
+        mixer_norm = getattr(module, "norm", None)
+        if type(mixer_norm).__name__ not in _UNGROUPED_NORMS or hasattr(mixer_norm, "group_size"):
+            continue  # Nemotron-H's and Falcon-H1's norms were always per group
+        n_groups = module.n_groups
+        mixer_norm.group_size = mixer_norm.weight.shape[0] // n_groups
+        mixer_norm.forward = _grouped_gated_norm.__get__(mixer_norm)
 
 
 @torch.no_grad()
