@@ -28,7 +28,7 @@ from kernels.rotary import rotary_and_write_kv
 
 def fuses_rotary_into_attention(q: torch.Tensor, meta: AttentionMetadata, is_neox: bool) -> bool:
     head_dim = q.shape[-1]
-    return use_triton(q) and meta.is_decode_only and is_neox and head_dim & (head_dim - 1) == 0
+    return use_triton(q) and meta.is_decode_only and is_neox and triton_attention.fuses_new_kv(head_dim)
 
 
 def rope_paged_attention(
@@ -54,10 +54,10 @@ def append_paged_attention(
     alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The new k and v into the paged cache, then paged attention (shapes as rope_paged_attention's,
-    nothing rotated); a decode-only batch with power-of-two heads on CUDA in one kernel, whose
+    nothing rotated); a decode-only batch with power-of-two heads (>= 16 wide) on CUDA in one kernel, whose
     split holding the new token's slot writes it before reading its keys."""
     head_dim = q.shape[-1]
-    if use_triton(q) and meta.is_decode_only and head_dim & (head_dim - 1) == 0:
+    if use_triton(q) and meta.is_decode_only and triton_attention.fuses_new_kv(head_dim):
         return triton_attention.paged_attention_triton(q, k_cache, v_cache, meta, scale, sliding_window=sliding_window,
                                                        new_kv=(k, v, None, None), alibi_slopes=alibi_slopes)
     write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)

@@ -142,7 +142,7 @@ def write_kv_cache_triton(
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3],
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=k_cache.shape[1],
-        HEADS_PAD=triton.next_power_of_2(num_kv_heads), DIM_PAD=triton.next_power_of_2(head_dim),
+        HEADS_PAD=triton.next_power_of_2(num_kv_heads), DIM_PAD=attention_dim_pad(head_dim),
         num_warps=4,
     )
 
@@ -575,9 +575,22 @@ _DECODE_RESIDENT: dict[tuple, int] = {}
 MAX_DECODE_SPLITS = 16
 
 
+def attention_dim_pad(head_dim: int) -> int:
+    """The kernels' head_dim tile (DIM_PAD): the next power of two, and at least 16, because a compiled
+    tl.dot needs K >= 16 (Triton's interpreter does not check it, so tiny test models with 8-wide
+    heads ran on CPU and failed to compile on CUDA); the dims past head_dim are masked to zero."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def fuses_new_kv(head_dim: int) -> bool:
+    """Whether the decode kernel can rotate and append the new K/V itself (``new_kv``): it pairs
+    dim d with d + head_dim / 2 unmasked, so head_dim must fill its tile (a power of two >= 16)."""
+    return head_dim == attention_dim_pad(head_dim)
+
+
 def prefill_tokens_per_tile(group: int, head_dim: int = 128, kv_itemsize: int = 2) -> int:
     """New tokens of one sequence that one prefill program covers (the tile map's unit)."""
-    return _prefill_config(group, triton.next_power_of_2(head_dim), kv_itemsize)[0] // group
+    return _prefill_config(group, attention_dim_pad(head_dim), kv_itemsize)[0] // group
 
 
 def _decode_config(meta: AttentionMetadata, group: int, num_kv_heads: int, device: torch.device,
@@ -688,7 +701,7 @@ def _tma_readable(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) ->
     if k_cache.is_cuda and not hopper_or_later(k_cache):
         return False
     page_size, _, head_dim = k_cache.shape[1:]
-    if page_size % block_n or head_dim != triton.next_power_of_2(head_dim):
+    if page_size % block_n or head_dim != attention_dim_pad(head_dim):  # a box fills the K/V tile
         return False
     for cache in (k_cache, v_cache):
         stride_b, stride_s, stride_h, _ = cache.stride()
@@ -740,13 +753,13 @@ def paged_attention_triton(
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    dim_pad = triton.next_power_of_2(head_dim)
+    dim_pad = attention_dim_pad(head_dim)
     assert sinks is None or (sinks.shape == (num_heads,) and sinks.is_contiguous())
     assert alibi_slopes is None or (alibi_slopes.shape == (num_heads,) and alibi_slopes.is_contiguous())
     if new_kv is not None:
         new_k, new_v, positions, cos_sin_cache = new_kv
         rotate = cos_sin_cache is not None
-        assert meta.is_decode_only and dim_pad == head_dim and new_k.stride(-1) == 1 and new_v.stride(-1) == 1
+        assert meta.is_decode_only and fuses_new_kv(head_dim) and new_k.stride(-1) == 1 and new_v.stride(-1) == 1
         assert not rotate or (cos_sin_cache.shape[1] == head_dim and cos_sin_cache.dtype == torch.float32)
         if not rotate:
             positions = cos_sin_cache = q  # unread

@@ -589,3 +589,20 @@ def test_decode_reads_a_head_major_pool_through_tma_as_through_pointers(
     if not rotary_append:
         ref = paged_attention_ref(q, k_cache, v_cache, meta, 128**-0.5)
         assert relative_error(outs[0], ref) < TOLERANCE[dtype]
+
+
+def test_small_heads_pad_the_dot_operand_to_16():
+    """A compiled tl.dot needs K >= 16 (the interpreter does not check it): tiny models' 8-wide heads
+    run in a 16-wide tile with the dims past head_dim masked, and skip the fused rotary append
+    (which pairs dims unmasked) and TMA (whose box is head_dim wide)."""
+    from kernels.triton_attention import attention_dim_pad, fuses_new_kv
+
+    assert [attention_dim_pad(d) for d in (4, 8, 12, 16, 96, 128)] == [16, 16, 16, 16, 128, 128]
+    assert not fuses_new_kv(8) and fuses_new_kv(16) and not fuses_new_kv(96) and fuses_new_kv(128)
+
+
+@pytest.mark.gpu
+def test_tiny_heads_match_reference(device):
+    """head_dim 8 (the tiny hybrid and encoder-decoder models): prefill chunks and split decodes."""
+    run_attention_case(device, torch.float32, (4, 2, 8), 16, [(0, 19), (16, 1)])
+    run_attention_case(device, torch.float32, (4, 2, 8), 16, [(0, 1), (40, 1)], num_splits=2)
