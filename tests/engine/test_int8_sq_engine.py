@@ -63,8 +63,13 @@ def test_engine_equals_the_smoothed_w8a8_model(llama_engine):
     tokens = random_tokens(12, seed=3)
     expected = reference_logits(w8a8_reference(hf), tokens)
     error = (engine_logits(engine_dir, tokens) - expected).abs().max().item()
-    # the same integers on both sides (8e-7 measured): float32 rounding, not quantization error
-    assert error < 1e-4, f"max |logit error| {error:.3g}"
+    # The same scheme on both sides (both on the CPU: engine_logits runs the engine there), but their
+    # float32 paths round differently, and a value that lands within an ulp of a rounding boundary
+    # of x / scale takes the neighbouring code on one side: one such flip moves this model's logits
+    # by up to 2.5e-3 (measured: perturbing every quantizer's input by 1e-7 relative, 5 seeds, gives
+    # 7.6e-4 .. 2.5e-3). Here no code flips (8e-7); the GPU machine's torch build flipped one (2.4e-3).
+    # So the bound is a couple of flips, still 15x under the quantization error asserted below.
+    assert error < 5e-3, f"max |logit error| {error:.3g}"
     assert (reference_logits(hf, tokens) - expected).abs().max().item() > 10 * error  # quantization is real
 
 
