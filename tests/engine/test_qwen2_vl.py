@@ -96,6 +96,19 @@ def test_step_rotary_indexes_prompt_rows_then_position_plus_delta():
     assert step_rotary([(None, 3, [7]), (Mrope(rows, 0), 5, [6])]) is None  # plain RoPE: graphs may run
 
 
+def test_wire_layout_is_the_anchors():
+    """tensorrtllm_backend's compute_mrope layout (sources in serving/mrope.py): per position the
+    frequencies' (cos, sin) pairs; positions past the prompt hold position 0's (1, 0)."""
+    import numpy as np
+
+    from serving.mrope import from_wire, to_wire
+
+    rows = np.array([[1, 2, 3, 4], [5, 6, 7, 8]], np.float32)  # [cos0 cos1 | sin0 sin1] per row
+    wire = to_wire(rows, 3)
+    assert wire.tolist() == [1, 3, 2, 4, 5, 7, 6, 8, 1, 0, 1, 0]
+    assert np.array_equal(from_wire(wire, 4, 2), rows)
+
+
 def test_bad_mrope_inputs_are_named():
     from engine.executor.request import RequestLimits, validate_request
 
