@@ -15,6 +15,9 @@ Shapes: x (M, K) contiguous rows; weight (N, K) row-major; bias (N,) or None; ou
 """
 from __future__ import annotations
 
+import contextlib
+import gc
+
 import torch
 import torch.nn.functional as F
 
@@ -336,6 +339,25 @@ def side_stream() -> torch.cuda.Stream:
     return _SIDE_STREAMS[device]
 
 
+@contextlib.contextmanager
+def graph_capture(graph: torch.cuda.CUDAGraph, **options):
+    """``torch.cuda.graph(graph, **options)`` with Python's cyclic GC held off during the capture.
+    Why: torch (2.13) no longer collects on entering a capture, so a GC pass tripped by an allocation
+    inside it could free dead cycles holding CUDA graphs (an executor closed or failed earlier in the
+    process) in this thread, and their cudaGraphExecDestroy is forbidden while this thread captures:
+    the H200 run logged 16 "operation not permitted when stream is capturing (function reset)"
+    warnings, then cudaErrorStreamCaptureInvalidated. (No gc.collect() first: it costs each of an
+    engine's ~100 captures; the dead cycles are collected after, outside any capture.)"""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, **options):
+            yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def graph_time_ms(fn, repeat: int = 20) -> float:
     """Device time of one fn() call, replayed from a CUDA graph of ``repeat`` calls (no launch overhead)."""
     stream = side_stream()
@@ -344,7 +366,7 @@ def graph_time_ms(fn, repeat: int = 20) -> float:
         fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with graph_capture(graph):
         for _ in range(repeat):
             fn()
     return replay_time_ms(graph, replays=3) / repeat

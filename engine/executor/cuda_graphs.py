@@ -29,7 +29,7 @@ import torch
 from engine.executor.overlap import resolve_placeholders
 from kernels._triton import PDL_ALLOWED, PDL_ENV, pdl_supported, set_pdl
 from kernels.attention_metadata import AttentionMetadata
-from kernels.linear import replay_time_ms, side_stream
+from kernels.linear import graph_capture, replay_time_ms, side_stream
 from kernels.lora import LoraBatchBuffers
 from kernels.triton_attention import MAX_DECODE_SPLITS, decode_active_splits
 
@@ -225,8 +225,9 @@ def capture_forward(model: torch.nn.Module, args: tuple, sampled_tokens: torch.T
     # thread_local: a capture is invalidated only by this thread's unsafe calls, not by another
     # thread of the process (an adapter copy, a kernel loaded, pinned memory freed) in the meantime:
     # a LoRA executor's prefill capture failed so on the H200 (cudaErrorStreamCaptureInvalidated)
-    # right after another executor of the same process had closed.
-    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+    # right after another executor of the same process had closed. graph_capture keeps this thread's
+    # GC from destroying dead graphs inside the capture (kernels/linear.py says why).
+    with graph_capture(graph, pool=pool, capture_error_mode="thread_local"):
         hidden = model(resolve_placeholders(args[0], sampled_tokens), *args[1:])
     return graph, hidden
 

@@ -146,3 +146,28 @@ def test_float32_logits_are_the_product_unrounded(device, m, skinny):
         assert relative_error(got, exact) < 1e-5 < relative_error(rounded, exact)
     else:
         torch.testing.assert_close(got, rounded, rtol=0, atol=0)
+
+
+def test_graph_capture_holds_the_cyclic_gc_off_inside_only(monkeypatch):
+    """A GC pass inside a capture could destroy dead CUDA graphs there, which invalidates the capture
+    (kernels/linear.py graph_capture): the collector is off inside, back on after, even on error."""
+    import contextlib
+    import gc
+
+    from kernels import linear
+
+    seen = []
+
+    @contextlib.contextmanager
+    def fake_graph(graph, **options):
+        seen.append(options)
+        yield
+
+    monkeypatch.setattr(linear.torch.cuda, "graph", fake_graph)
+    assert gc.isenabled()
+    with linear.graph_capture(None, capture_error_mode="thread_local"):
+        assert not gc.isenabled()
+    assert gc.isenabled() and seen == [{"capture_error_mode": "thread_local"}]
+    with pytest.raises(RuntimeError), linear.graph_capture(None):
+        raise RuntimeError("capture failed")
+    assert gc.isenabled()
