@@ -61,7 +61,12 @@ def test_greedy_ids_and_logits_equal_transformers(built, executor):
         assert got == expected[len(prompt or [start]):], (family, ids, prompt)
         if not request.streaming:
             ours = responses[request_id][-1].result.generation_logits[0]
-            torch.testing.assert_close(ours.float(), logits[:len(ours)].float(), rtol=1e-4, atol=1e-4)
+            # On CUDA the float32 sums run in cuBLAS's and the Triton kernels' order, not the CPU's; T5
+            # v1.1 scales no attention scores (and its random weights are large), so the same model on an
+            # H200 lands 2.4e-4 from transformers' CPU logits: 1e-3 there, 1e-4 on the CPU. The ids above
+            # stay exact on both.
+            bound = 1e-3 if torch.cuda.is_available() else 1e-4  # the executor runs where CUDA is
+            torch.testing.assert_close(ours.float(), logits[:len(ours)].float(), rtol=bound, atol=bound)
 
 
 def test_missing_decoder_prompt_is_decoder_start(built, executor):

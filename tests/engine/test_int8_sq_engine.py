@@ -96,6 +96,7 @@ def write_ct_w8a8(path: str) -> tuple[torch.nn.Module, dict[str, tuple[torch.Ten
     """A tiny Llama written as llm-compressor's W8A8 INT8 preset by compressed-tensors itself
     (int-quantized: int8 weight per channel, dynamic int8 activations per token) -> (the float model
     holding the dequantized weights, module -> (codes, bfloat16 scales as stored))."""
+    pytest.importorskip("compressed_tensors", reason="compressed-tensors writes the W8A8 checkpoint")
     from compressed_tensors.compressors import IntQuantizationCompressor, ModelCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
     from quantized_checkpoints import _save, on_disk_state, quantized_modules, tiny_llama

@@ -191,6 +191,7 @@ def test_openai_image_path_sends_mrope_and_gives_transformers_ids(built):
     pair beside them -> tensorrt_llm's conversion -> transformers' greedy ids (no server)."""
     import base64
 
+    pytest.importorskip("tritonclient", reason="the OpenAI frontend's direct path needs tritonclient")
     from openai_frontend.protocol import SamplingParams
     from openai_frontend.triton_client import direct_inputs
     from openai_frontend.vision import ChatImages, VisionSettings
