@@ -94,10 +94,11 @@ def _conv_prefill_kernel(x_ptr, w_ptr, b_ptr, state_ptr, out_ptr, tok_start_ptr,
 
 
 @jit
-def _conv_decode_kernel(x_ptr, w_ptr, b_ptr, state_ptr, out_ptr, slots_ptr, C, stride_x, stride_s, stride_sc,
-                        K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_C: tl.constexpr):
+def _conv_decode_kernel(x_ptr, w_ptr, b_ptr, state_ptr, out_ptr, slots_ptr, C, stride_x, stride_o, stride_s,
+                        stride_sc, K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_C: tl.constexpr):
     """Program (row, channel tile): the K-tap window is the slot's K - 1 inputs and this token;
-    the state shifts by one (its oldest input drops out)."""
+    the state shifts by one (its oldest input drops out). x's rows may lie farther apart than the
+    output's (stride_x vs stride_o): the model passes a column view of its packed projection."""
     row = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = c < C
@@ -117,7 +118,7 @@ def _conv_decode_kernel(x_ptr, w_ptr, b_ptr, state_ptr, out_ptr, slots_ptr, C, s
                 prev = nxt
         tl.store(base + (K - 2), xv.to(state_ptr.dtype.element_ty), mask=c_ok)
         y = acc / (1.0 + tl.exp(-acc))
-        tl.store(out_ptr + row * stride_x + c, y.to(out_ptr.dtype.element_ty), mask=c_ok)
+        tl.store(out_ptr + row * stride_o + c, y.to(out_ptr.dtype.element_ty), mask=c_ok)
 
 
 def _block_c(C: int) -> int:
@@ -174,10 +175,11 @@ def _store_final_states(x, conv_states, chunks: SequenceChunks, K) -> None:
 
 def causal_conv1d_decode_triton(x, weight, bias, conv_states, slots) -> torch.Tensor:
     B, C = x.shape
-    out = torch.zeros_like(x)  # rows with slot < 0 stay zero, as in the reference
+    # rows with slot < 0 stay zero, as in the reference; contiguous whatever x's row stride is
+    out = torch.zeros((B, C), dtype=x.dtype, device=x.device)
     BLOCK_C = _block_c(C)
     _conv_decode_kernel[(B, triton.cdiv(C, BLOCK_C))](
-        x, weight, bias if bias is not None else weight, conv_states, out, slots, C, x.stride(0),
+        x, weight, bias if bias is not None else weight, conv_states, out, slots, C, x.stride(0), out.stride(0),
         conv_states.stride(0), conv_states.stride(1), K=weight.shape[1], HAS_BIAS=bias is not None, BLOCK_C=BLOCK_C)
     return out
 

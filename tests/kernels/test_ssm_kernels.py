@@ -144,9 +144,14 @@ def test_decode_kernels_match_references(device):
     s1, s2 = t["states"].clone(), t["states"].clone()
     y1, y2 = ssm_decode_triton(*args, s1, slots), ssm_decode_ref(*args, s2, slots)
     assert relative_error(y1, y2) < 1e-5 and relative_error(s1, s2) < 1e-5
+    # The model hands the conv its xBC columns as a view of the packed projection rows [z | xBC | dt]
+    # (engine/ssm/mamba2.py), so rows are farther apart than the output's: each stride must be its own
+    # (a decode-only step of several rows wrote row 1 on at x's stride; only row 0 came out right).
+    packed = torch.cat([torch.randn(4, 9, device=device), c["x"][rows], torch.randn(4, 5, device=device)], dim=1)
+    xbc = packed[:, 9:9 + CONV]
     c1, c2 = c["states"].clone(), c["states"].clone()
-    o1 = causal_conv1d_decode_triton(c["x"][rows], c["w"], c["b"], c1, slots)
-    o2 = causal_conv1d_decode_ref(c["x"][rows], c["w"], c["b"], c2, slots)
+    o1 = causal_conv1d_decode_triton(xbc, c["w"], c["b"], c1, slots)
+    o2 = causal_conv1d_decode_ref(xbc, c["w"], c["b"], c2, slots)
     assert relative_error(o1, o2) < 1e-5 and torch.equal(c1, c2)
 
 
