@@ -1,6 +1,7 @@
 """Medusa heads (engine/executor/speculative/medusa.py) in FasterDecoding's medusa_lm_head format,
 made here on random weights: they load, draft a medusa_choices tree, and greedy ids through tree
-verification equal transformers' greedy decoding. Heads that do not fit the target are refused by name.
+verification equal transformers' greedy decoding; sampled requests verify trees by typical acceptance.
+Heads that do not fit the target are refused by name.
 """
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from engine.executor.request import OutputConfig, Request, SamplingConfig
 from engine.executor.runner import ModelRunner
 from engine.executor.speculative.medusa import MedusaConfigError, MedusaProposer, load_medusa_heads, propose_tree
 from engine.executor.speculative.tree import shape_from_choices
+from engine.executor.speculative import verify as verify_module
 from engine.executor.speculative.tree_step import TreeDecoder
+from engine.executor.speculative.typical import accept_typical_tree, typical_thresholds
 
 HIDDEN, VOCAB, NEW_TOKENS = 64, 128, 12
 CHOICES = [[0], [0, 0], [1], [0, 1], [2], [0, 0, 0], [1, 0], [0, 2], [2, 0], [0, 0, 1], [0, 1, 0], [1, 1]]
@@ -186,3 +189,62 @@ def test_executor_tree_steps_with_chunked_prompts_and_preemption(tmp_path, tiny_
         assert executor.blocks.num_free_blocks == executor.blocks.num_blocks
         if "batch_scheduler_policy" in options:
             assert executor.scheduler.num_preemptions > 0
+
+
+# ----- sampled requests: Medusa's typical acceptance over the tree (speculative/typical.py) -----
+
+def test_typical_acceptance_rule():
+    """Root -> a (0.6) -> c, root -> b (0.05): a clears min(0.09, 0.3 e^-H), b does not; c is judged at a."""
+    probs = torch.tensor([[0.6, 0.05, 0.35, 0.0], [0.0, 0.0, 0.5, 0.5], [1.0, 0, 0, 0], [0.25] * 4])
+    assert torch.allclose(typical_thresholds(probs), torch.tensor([0.09, 0.09, 0.09, 0.075]), atol=1e-4)  # 0.3 e^-ln4 = 0.075
+    parents, tokens = [-1, 0, 0, 1], [-1, 0, 1, 2]
+    path, emitted = accept_typical_tree(parents, tokens, probs, torch.Generator().manual_seed(0))
+    assert path == [0, 1, 3] and emitted[:2] == [0, 2] and emitted[2] in (0, 1, 2, 3)
+    # c below a is rejected when a's law gives it too little (0.03 < 0.09); the bonus is drawn at a
+    probs[1] = torch.tensor([0.0, 0.97, 0.03, 0.0])
+    path, emitted = accept_typical_tree(parents, tokens, probs, torch.Generator().manual_seed(0))
+    assert path == [0, 1] and emitted[0] == 0 and emitted[1] in (1, 2)
+
+
+class Recorded:
+    """Wraps verify.accept_typical_tree: every tree it judged, for checks on the emitted tokens."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, parents, tokens, probs, generator):
+        path, emitted = accept_typical_tree(parents, tokens, probs, generator)
+        self.calls.append((probs, path, emitted))
+        return path, emitted
+
+
+@pytest.mark.parametrize("temperature", [1e-4, 1.0], ids=["temperature_to_0", "sampled"])
+def test_executor_sampled_requests_verify_trees_typically(tmp_path, tiny_engine, plain_refs, temperature, monkeypatch):
+    """Sampled requests verify the oracle trees (true greedy path + random siblings). As the
+    temperature goes to 0 typical acceptance is greedy acceptance: plain greedy ids, deep paths.
+    At temperature 1: seeded, reproducible, every emitted token has p > 0 under the target's
+    top-k law, accepted lengths within the tree's depth; no block held afterwards."""
+    recorded = Recorded()
+    monkeypatch.setattr(verify_module, "accept_typical_tree", recorded)
+    spec = SpeculativeConfig("medusa", max_draft_len=6, medusa_model_path=save_heads(tmp_path / "h", medusa_lm_head(3, 1), 1))
+    with Executor(tiny_engine, ExecutorConfig(exclude_input_from_output=True, speculative=spec)) as executor:
+        executor.proposer = OracleTrees({tuple(p): r for p, r in zip(EXEC_PROMPTS, plain_refs)}, {})
+        sampling = SamplingConfig(top_k=8, temperature=temperature, seed=11)
+        requests = [Request(p, NEW_TOKENS, sampling=sampling, output=OutputConfig(return_perf_metrics=True))
+                    for p in EXEC_PROMPTS]
+        got = collect(executor, executor.enqueue_requests(requests), timeout=300)
+        results = [got[i] for i in sorted(got)]
+        perf = [(r[-1].result.perf.total_draft_tokens, r[-1].result.perf.total_accepted_draft_tokens) for r in results]
+        executor.blocks.check_invariants()
+        assert executor.blocks.num_free_blocks == executor.blocks.num_blocks
+    assert recorded.calls
+    for probs, path, emitted in recorded.calls:
+        assert all(float(probs[node, token]) > 0 for node, token in zip(path, emitted))
+        assert len(path) <= 4  # the oracle tree is 3 drafts deep
+    if temperature < 1:
+        assert [final_tokens(r) for r in results] == plain_refs
+        assert perf == [(14, 8)] * 3  # as greedy tree verification accepts
+    else:
+        assert all(len(final_tokens(r)) == NEW_TOKENS for r in results)
+        assert all(0 <= accepted <= drafted and drafted > 0 for drafted, accepted in perf)
+        assert sum(accepted for _, accepted in perf) > 0  # the true greedy path is likely enough to pass sometimes

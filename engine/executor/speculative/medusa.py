@@ -25,7 +25,6 @@ from safetensors.torch import load_file
 
 from engine.executor.speculative.proposer import draft_room
 from engine.executor.speculative.tree import TreeShape, shape_from_choices
-from engine.executor.speculative.verify import is_plain_greedy
 
 
 class MedusaConfigError(ValueError):
@@ -128,10 +127,9 @@ class MedusaDraftProposer:
 
     The heads read the target's final hidden state at each sequence's last computed token: the
     executor hands the step's hidden rows over after each forward (``observe``; the runner keeps
-    them, ``keep_hidden_rows``). A plain greedy sequence then verifies ``medusa_choices``' tree
-    (its first max_draft_len nodes, a subtree: nodes are in topological order); any other one the
-    chain of each head's top token, which the chain rules verify (sampled acceptance of trees is
-    not built).
+    them, ``keep_hidden_rows``). Every sequence then verifies ``medusa_choices``' tree (its first
+    max_draft_len nodes, a subtree: nodes are in topological order): greedy ones by argmax, sampled
+    ones by Medusa's typical acceptance (verify.py, typical.py).
     """
 
     def __init__(self, heads: MedusaHeads, choices: list[list[int]]):
@@ -153,13 +151,9 @@ class MedusaDraftProposer:
             if hidden is None or not room or seq.num_unresolved_tokens:
                 drafts.append([])
                 continue
-            logits = self.tree.heads(hidden)  # (heads, vocab)
-            if is_plain_greedy(seq):
-                parents, tokens = propose_tree(logits, self.tree.shape, self.tree.top)
-                seq.draft_parents = parents[:room]
-                drafts.append(tokens[:room])
-            else:
-                drafts.append(logits.argmax(dim=-1).tolist()[:room])
+            parents, tokens = propose_tree(self.tree.heads(hidden), self.tree.shape, self.tree.top)
+            seq.draft_parents = parents[:room]
+            drafts.append(tokens[:room])
         return drafts
 
     def release(self, seq) -> None:

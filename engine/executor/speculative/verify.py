@@ -19,6 +19,7 @@ from engine.executor.request import Sequence
 from engine.executor.sampler import apply_top_k_top_p, build_sampling_metadata, process_logits, sampling_law
 from engine.executor.speculative.acceptance import accept_by_rejection, accept_by_threshold, accept_greedy
 from engine.executor.speculative.tree import accept_greedy_tree
+from engine.executor.speculative.typical import accept_typical_tree
 
 
 @dataclass
@@ -61,10 +62,13 @@ def verify_batch(drafted: list[tuple[Sequence, list[int], int]], logits: torch.T
     sequences (nothing changes their logits) share one argmax and one copy to the host."""
     verified, plain = {}, []
     for seq, draft_ids, first in drafted:
-        if seq.draft_parents is not None:  # a token tree (tree_batch.py): only plain greedy sequences draft one
+        if seq.draft_parents is not None:  # a token tree (tree_batch.py)
             parents = [-1] + [p + 1 for p in seq.draft_parents[:len(draft_ids)]]
-            target = logits[first:first + len(draft_ids) + 1].argmax(dim=-1).tolist()
-            path, token_ids = accept_greedy_tree(parents, [-1] + list(draft_ids), target)
+            rows = logits[first:first + len(draft_ids) + 1]
+            if not is_plain_greedy(seq):
+                verified[seq.seq_id] = verify_tree(seq, parents, draft_ids, rows, vocab_size, normalize_log_probs)
+                continue
+            path, token_ids = accept_greedy_tree(parents, [-1] + list(draft_ids), rows.argmax(dim=-1).tolist())
             verified[seq.seq_id] = Verified(token_ids, len(draft_ids), None, path)
         elif is_plain_greedy(seq):
             plain.append((seq, draft_ids, first))
@@ -115,6 +119,32 @@ def verify_drafts(seq: Sequence, draft_ids: list[int], logits: torch.Tensor, voc
         rows = torch.arange(len(token_ids), device=scores.device)
         log_probs = scores[rows, torch.tensor(token_ids, device=scores.device)].tolist()
     return Verified(token_ids, k, log_probs)
+
+
+def verify_tree(seq: Sequence, parents: list[int], draft_ids: list[int], logits: torch.Tensor, vocab_size: int,
+                normalize_log_probs: bool = True) -> Verified:
+    """A tree that is not plain greedy: parents (-1 for the root, node 0), logits (nodes, vocab).
+    Each node's law sees the sequence plus its path's drafts (penalties, bans); greedy ones accept
+    by argmax, sampled ones by Medusa's typical acceptance (speculative/typical.py)."""
+    tokens = [-1] + list(draft_ids)
+    paths = [[]]
+    for i in range(1, len(parents)):
+        paths.append(paths[parents[i]] + [tokens[i]])
+    md = build_sampling_metadata([_Drafted(seq, p) for p in paths], vocab_size, logits.device, return_log_probs=False)
+    scores = process_logits(logits, md)
+    if md.all_greedy:
+        path, token_ids = accept_greedy_tree(parents, tokens, scores.argmax(dim=-1).tolist())
+    else:
+        scores = scores / md.temperature.unsqueeze(1)  # a sampled row's temperature is > 0
+        candidates = apply_top_k_top_p(scores, md.top_k, md.top_p) if md.needs_top_k_top_p else scores
+        generator = torch.Generator().manual_seed((seq.seed * 1_000_003 + seq.num_generated_tokens) % (1 << 63))
+        path, token_ids = accept_typical_tree(parents, tokens, candidates.softmax(dim=-1).cpu(), generator)
+    log_probs = None
+    if seq.state.request.output.return_log_probs:  # token j of the emitted ones is judged at path[j]
+        if normalize_log_probs:
+            scores = scores.log_softmax(dim=-1)
+        log_probs = scores[torch.tensor(path, device=scores.device), torch.tensor(token_ids, device=scores.device)].tolist()
+    return Verified(token_ids, len(draft_ids), log_probs, path)
 
 
 def _accept_sampled(seq: Sequence, draft_ids: list[int], target_probs: torch.Tensor, md) -> list[int]:
