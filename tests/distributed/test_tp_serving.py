@@ -89,7 +89,9 @@ def prepare_repo(engines_by_suffix: dict[str, str], work: Path) -> str:
     repo = work / "repo"
     repo.mkdir(parents=True)
     for suffix, engine_dir in engines_by_suffix.items():
-        filled = Path(serve_default.prepare_model_repo(engine_dir, str(work / f"filled{suffix}"), bls_instances=1))
+        # Guided decoding off: no guide is sent here, and each leader would load xgrammar's vocabulary at start.
+        filled = Path(serve_default.prepare_model_repo(engine_dir, str(work / f"filled{suffix}"), bls_instances=1,
+                                                       overrides={"tensorrt_llm": {"guided_decoding_backend": ""}}))
         for model in ENSEMBLE_MODELS:
             shutil.copytree(filled / model, repo / f"{model}{suffix}")
             config = repo / f"{model}{suffix}" / "config.pbtxt"

@@ -12,8 +12,8 @@ from triton_helpers import ROOT, running_frontend, running_server, wait_for, wri
 
 @pytest.fixture(scope="session")
 def triton_server(smollm2_engine_dir, tmp_path_factory):
-    """The decoupled server most tests share (streaming and unary both work on it)."""
-    with running_server(smollm2_engine_dir, tmp_path_factory.mktemp("triton")) as server:
+    """The decoupled server most tests share (streaming and unary both work on it; guided decoding on)."""
+    with running_server(smollm2_engine_dir, tmp_path_factory.mktemp("triton"), guided=True) as server:
         yield server
 
 

@@ -44,16 +44,24 @@ def chat(question: str) -> str:
     return CHAT_PROMPT.format(question=question)
 
 
+# tensorrt_llm template values that leave guided decoding off (serve_default fills xgrammar).
+GUIDED_OFF = {"guided_decoding_backend": ""}
+
+
 @contextmanager
 def running_server(engine_dir: str, work: Path, decoupled: bool = True, mpi: bool = False,
-                   tensorrt_llm_instances: int = 1, tensorrt_llm_parameters: dict[str, str] | None = None):
+                   tensorrt_llm_instances: int = 1, tensorrt_llm_parameters: dict[str, str] | None = None,
+                   guided: bool = False):
     """Fill a repository for `engine_dir` under `work`, serve it, yield a Server, stop it.
     `mpi`: through mpirun (world size 1) as the launcher does by default, else tritonserver alone
     as `make serve` runs it. `tensorrt_llm_instances`: its instance_group count (they share one
-    engine process). `tensorrt_llm_parameters`: template values of that model to override."""
+    engine process). `tensorrt_llm_parameters`: template values of that model to override.
+    `guided`: guided_decoding_backend xgrammar as serve_default fills it; off unless a test sends
+    guides (the engine process loads the tokenizer and xgrammar's vocabulary at start, ~1.3 CPU-s)."""
     serve = load_script("serve_default")
+    parameters = {**({} if guided else GUIDED_OFF), **(tensorrt_llm_parameters or {})}
     repo = serve.prepare_model_repo(engine_dir, str(work / "repo"), bls_instances=2, decoupled=decoupled,
-                                    overrides={"tensorrt_llm": dict(tensorrt_llm_parameters or {})})
+                                    overrides={"tensorrt_llm": parameters})
     if tensorrt_llm_instances != 1:
         config = Path(repo) / "tensorrt_llm" / "config.pbtxt"
         text, replaced = re.subn(r"(instance_group\s*\[\s*\{\s*count:\s*)\d+",
