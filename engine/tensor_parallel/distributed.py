@@ -400,7 +400,9 @@ class LeaderRunner:
             if not self._lock.acquire(blocking=False):
                 continue  # a step is running: it proves liveness itself
             try:
-                if (self.failure is None and not self._awaiting_sampled_tokens
+                # Checked under the lock: shutdown may have come between the wait and here, and no
+                # plan may follow its SHUTDOWN.
+                if (not self._stopped.is_set() and self.failure is None and not self._awaiting_sampled_tokens
                         and time.monotonic() - self._last_send >= interval):
                     self._send_heartbeat()
             finally:
@@ -424,10 +426,17 @@ class LeaderRunner:
     # -- shutdown
 
     def shutdown(self) -> None:
-        """Stop the heartbeat, tell the workers to exit, leave the process groups. Idempotent."""
+        """Stop the heartbeat, tell the workers to exit, leave the process groups. Idempotent.
+
+        The heartbeat thread is joined first (a heartbeat in flight ends within the group timeout):
+        a daemon thread still inside a gloo call when the interpreter finalizes is killed as it
+        takes the GIL back, and that unwinds through C++ noexcept frames -> std::terminate
+        ("terminate called without an active exception") after an otherwise clean exit."""
         if self._stopped.is_set():
             return
         self._stopped.set()
+        if self._heartbeat is not threading.current_thread():
+            self._heartbeat.join(self.ctx.settings.step_timeout_s + self.ctx.settings.heartbeat_s)
         if self._lock.acquire(timeout=self.ctx.settings.step_timeout_s):
             try:
                 if self.failure is None:
