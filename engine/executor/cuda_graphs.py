@@ -277,25 +277,52 @@ def _fill_rows_numpy(i64, ctx, tables, token_ids, positions, context_lens, block
     ctx[:bs] = context_lens
 
 
+# The warm-up batch's shape where the engine's limits allow it: a WARMUP_CHUNK-token prompt chunk
+# over a WARMUP_PREFIX-token cached prefix, and one decode row at position WARMUP_DECODE_POSITION.
+WARMUP_PREFIX, WARMUP_CHUNK, WARMUP_DECODE_POSITION = 5, 37, 8
+
+
+def warmup_batch_shape(max_seq_len: int, max_num_tokens: int) -> tuple[int, int, int] | None:
+    """(prefix, chunk, decode position) of run_warmup_batch's batch within an engine's limits, or None
+    where no mixed batch fits (max_seq_len < 2 or max_num_tokens < 3).
+
+    Invariants: every position < max_seq_len (the rotary table and learned position tables have
+    max_seq_len rows: a position past them is an out-of-bounds read on CUDA, the illegal memory access
+    of a draft engine built with max_seq_len 32), chunk + 1 <= max_num_tokens (the most tokens a step
+    of this engine holds), chunk >= 2 (a prompt chunk, so the prefill tiles run)."""
+    prefix = min(WARMUP_PREFIX, max_seq_len - 2)
+    chunk = min(WARMUP_CHUNK, max_seq_len - prefix, max_num_tokens - 1)
+    if prefix < 0 or chunk < 2:
+        return None
+    return prefix, chunk, min(WARMUP_DECODE_POSITION, max_seq_len - 1)
+
+
 @torch.inference_mode()
-def run_warmup_batch(model: torch.nn.Module, kv_cache: torch.Tensor, tokens_per_block: int) -> None:
+def run_warmup_batch(model: torch.nn.Module, kv_cache: torch.Tensor, tokens_per_block: int, *,
+                     max_seq_len: int, max_num_tokens: int) -> None:
     """One eager mixed batch through ``model`` so its prefill-path Triton kernels compile now:
-    a 37-token chunk over a 5-token cached prefix and one decode row; every KV write is skipped
-    (slot -1) and the reads stay in block 0, so the pool's contents do not matter."""
+    a prompt chunk over a cached prefix and one decode row (warmup_batch_shape: within the engine's
+    max_seq_len and max_num_tokens); every KV write is skipped (slot -1) and the reads stay in
+    block 0, so the pool's contents do not matter."""
+    shape = warmup_batch_shape(max_seq_len, max_num_tokens)
+    if shape is None:
+        return
+    prefix, chunk, decode_position = shape
     device = kv_cache.device
-    prefix, chunk = 5, 37
     num_tokens = chunk + 1
-    width = -(-(prefix + chunk) // tokens_per_block)
+    contexts = [prefix + chunk, decode_position + 1]
+    width = -(-max(contexts) // tokens_per_block)  # both rows' tables cover their contexts (all block 0)
     meta = AttentionMetadata(
         slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
         block_tables=torch.zeros(2, width, dtype=torch.int32, device=device),
         cu_seqlens_q=torch.tensor([0, chunk, num_tokens], dtype=torch.int32, device=device),
-        context_lens=torch.tensor([prefix + chunk, 9], dtype=torch.int32, device=device),
-        max_seqlen_q=chunk, max_context_len=prefix + chunk, is_decode_only=False,
-        cu_seqlens_q_host=[0, chunk, num_tokens], context_lens_host=[prefix + chunk, 9],
+        context_lens=torch.tensor(contexts, dtype=torch.int32, device=device),
+        max_seqlen_q=chunk, max_context_len=max(contexts), is_decode_only=False,
+        cu_seqlens_q_host=[0, chunk, num_tokens], context_lens_host=contexts,
     )
-    positions = torch.tensor(list(range(prefix, prefix + chunk)) + [8], dtype=torch.int64, device=device)
+    positions = torch.tensor(list(range(prefix, prefix + chunk)) + [decode_position], dtype=torch.int64, device=device)
     hidden = model(torch.zeros(num_tokens, dtype=torch.int64, device=device), positions, kv_cache, meta)
     model.compute_logits(hidden[-2:])
-    torch.cuda.synchronize(device)
+    if device.type == "cuda":  # (CPU: tests run the batch through the torch references)
+        torch.cuda.synchronize(device)
 

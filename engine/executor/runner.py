@@ -376,7 +376,9 @@ class ModelRunner:
         one mixed batch (a prefill chunk and a decode row) whose KV writes are skipped (slot -1)."""
         if self.device.type != "cuda" or self.kv_cache is None:
             return
-        run_warmup_batch(self.model, self.kv_cache, self.tokens_per_block)
+        build = self.build_config
+        run_warmup_batch(self.model, self.kv_cache, self.tokens_per_block, max_seq_len=build.max_seq_len,
+                         max_num_tokens=build.max_num_tokens)
         warm_up_kernels = getattr(self.model, "warm_up_kernels", None)
         if warm_up_kernels is not None:  # kernels whose variants depend on the batch (the MoE block sizes)
             warm_up_kernels(self.build_config.max_num_tokens)

@@ -129,6 +129,48 @@ def test_fill_decode_inputs_packs_ragged_tables_slots_and_padding(repeat):
     assert tables[bs:, 0].tolist() == [0] * 5  # padding rows read block 0
 
 
+
+# A 16-wide-head Llama as small as the draft engine "small_limits" of test_speculative_draft_model.py.
+SMALL = dict(TINY, vocab_size=128, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
+             max_position_embeddings=64)
+
+
+@pytest.mark.parametrize("tokens_per_block,max_seq_len,max_num_tokens", [(8, 32, 8), (4, 16, 3), (8, 64, 1024)])
+def test_warmup_batch_stays_within_the_engine_limits(tmp_path, tokens_per_block, max_seq_len, max_num_tokens):
+    """The warm-up's mixed batch (run at CUDA engine load, here through the torch references) keeps every
+    position below max_seq_len (the rotary table's rows: past them the Triton rotary kernel read out of
+    bounds, an illegal memory access on an H200 for a draft of max_seq_len 32), at most max_num_tokens
+    tokens, a prompt chunk of >= 2 tokens, and block tables that cover each row's context in the pool."""
+    from engine.executor.cuda_graphs import run_warmup_batch
+
+    build = BuildConfig(dtype="float32", max_batch_size=2, max_input_len=max_seq_len, max_seq_len=max_seq_len,
+                        max_num_tokens=max_num_tokens, tokens_per_block=tokens_per_block)
+    EngineConfig(model=ModelConfig(**SMALL), build=build, extra={"random_weights_seed": 3}).validate().save(str(tmp_path))
+    runner = ModelRunner(str(tmp_path), device="cpu")
+    runner.allocate_kv_cache(4)
+    seen = []
+    forward = runner.model.forward
+    runner.model.forward = lambda ids, positions, kv_cache, meta, **kw: (seen.append((positions, meta)),
+                                                                        forward(ids, positions, kv_cache, meta, **kw))[1]
+    run_warmup_batch(runner.model, runner.kv_cache, tokens_per_block, max_seq_len=max_seq_len,
+                     max_num_tokens=max_num_tokens)
+    (positions, meta), = seen
+    q_lens = meta.cu_seqlens_q.diff().tolist()
+    assert int(positions.max()) < max_seq_len and len(positions) <= max_num_tokens and q_lens[0] >= 2
+    assert meta.block_tables.shape[1] * tokens_per_block >= max(meta.context_lens.tolist()) == meta.max_context_len
+    assert 0 <= int(meta.block_tables.min()) and int(meta.block_tables.max()) < runner.num_kv_blocks
+
+
+def test_warmup_batch_shape_fits_every_limit():
+    from engine.executor.cuda_graphs import warmup_batch_shape
+
+    assert warmup_batch_shape(2048, 8192) == (5, 37, 8)  # large engines keep the batch they always warmed up with
+    assert warmup_batch_shape(1, 8) is None and warmup_batch_shape(32, 2) is None  # no mixed batch fits
+    for max_seq_len, max_num_tokens in itertools.product(range(2, 50), range(3, 50)):
+        prefix, chunk, decode_position = warmup_batch_shape(max_seq_len, max_num_tokens)
+        assert prefix >= 0 and chunk >= 2 and chunk + 1 <= max_num_tokens
+        assert prefix + chunk <= max_seq_len and decode_position < max_seq_len
+
 def prompt_chunk_batches(num_seqs: int, page: int):
     """Three steps over shuffled blocks: the first half of every prompt; the rest of the
     even-numbered prompts; the rest of the odd-numbered ones beside one decode token of each
