@@ -112,6 +112,7 @@ def bench_model_offline(args, model: str) -> list[dict]:
 
     with Executor(engine_dir, ExecutorConfig(enable_chunked_context=True), device=args.device) as executor:
         bench_offline(results, executor, MODELS[model]["vocab_size"], shapes)
+    del executor  # a shut-down executor still holds its runner: the next model's load needs that memory
     free_device_memory(args.device)
     return [dict(row, model=model) for row in results["offline"]]
 
@@ -137,6 +138,7 @@ def _capacity_run(args, model: str, max_batch_size: int) -> dict:
         if slots is not None:
             entry["state_GiB"] = slots * runner.model.state_slot_bytes() / 2**30
             entry["request_bytes"] += runner.model.state_slot_bytes()
+    del executor, runner  # as in bench_model_offline: the second start needs the first one's memory
     free_device_memory(args.device)
     return entry
 
