@@ -59,7 +59,9 @@ SUPPORTED_ARCHITECTURES += DECODER_ARCHITECTURES
 # Hybrid Mamba-2 / attention models (engine/ssm/): their ModelConfig.ssm holds the Mamba shape and
 # the order of the blocks (engine/ssm/spec.py); hidden_act is the Mamba layers' SiLU.
 HYBRID_ARCHITECTURES = ("BambaForCausalLM", "NemotronHForCausalLM", "GraniteMoeHybridForCausalLM", "Mamba2ForCausalLM",
-                        "FalconH1ForCausalLM")
+                        "FalconH1ForCausalLM", "MambaForCausalLM", "JambaForCausalLM")
+# Hybrids with routed experts (the spec's "moe" blocks), read from num_experts and the fields after it.
+HYBRID_MOE_ARCHITECTURES = ("JambaForCausalLM",)
 SUPPORTED_ARCHITECTURES += HYBRID_ARCHITECTURES
 # DeepSeek-V2/V3 (engine/models/deepseek.py): multi-head latent attention over a latent KV pool,
 # shared + routed experts with DeepSeek's routing (MLA_TOPK_METHODS).
@@ -361,6 +363,11 @@ class ModelConfig:
                      f"attention_chunk_size must be a positive integer or null, got {self.attention_chunk_size!r}")
             _require(not self.qkv_bias and self.rotary_dim == self.head_dim,
                      f"{self.architecture} with attention bias or partial rotary is not supported")
+            return
+        if self.architecture in HYBRID_MOE_ARCHITECTURES and self.num_experts:
+            _positive_ints(self, ("num_experts", "num_experts_per_tok", "moe_intermediate_size"))
+            _require(self.num_experts_per_tok <= self.num_experts,
+                     f"num_experts_per_tok ({self.num_experts_per_tok}) must be <= num_experts ({self.num_experts})")
             return
         if self.architecture not in MOE_ARCHITECTURES:
             _require(self.num_experts == 0, f"{self.architecture} has no experts; num_experts must be 0, "

@@ -115,16 +115,21 @@ _EXPERT_NAMES_MLP = ("mlp.experts.{}.gate_proj.weight", "mlp.experts.{}.up_proj.
                      "mlp.experts.{}.down_proj.weight")  # Qwen3-MoE
 
 
-def stacked_experts(get: TensorGetter, hf_layer: str, num_experts: int) -> tuple[torch.Tensor, ...]:
+def stacked_experts(get: TensorGetter, hf_layer: str, num_experts: int, mlp: str = "mlp.") -> tuple[torch.Tensor, ...]:
     """(gate (E, I, H), up (E, I, H), down (E, H, I)) of one layer, from either layout: the
     per-expert tensors of a checkpoint on disk, or transformers 5's in-memory stacked
-    ``mlp.experts.gate_up_proj`` (E, 2I, H) = [gate | up] and ``mlp.experts.down_proj``."""
+    ``mlp.experts.gate_up_proj`` (E, 2I, H) = [gate | up] and ``mlp.experts.down_proj``.
+    ``mlp``: the prefix of the experts after ``hf_layer`` (Jamba: "", its ``hf_layer`` ending in
+    ``feed_forward.``; its per-expert names are Qwen3-MoE's)."""
     try:
-        gate_up = get(hf_layer + "mlp.experts.gate_up_proj")
+        gate_up = get(hf_layer + mlp + "experts.gate_up_proj")
     except CheckpointError:
         pass
     else:
         gate, up = gate_up.chunk(2, dim=1)
-        return gate, up, get(hf_layer + "mlp.experts.down_proj")
+        return gate, up, get(hf_layer + mlp + "experts.down_proj")
+    if mlp != "mlp.":
+        names = tuple(mlp + name[len("mlp."):] for name in _EXPERT_NAMES_MLP)
+        return tuple(torch.stack([get(hf_layer + name.format(e)) for e in range(num_experts)]) for name in names)
     names = _EXPERT_NAMES_MLP if has_tensor(get, hf_layer + _EXPERT_NAMES_MLP[0].format(0)) else _EXPERT_NAMES
     return tuple(torch.stack([get(hf_layer + name.format(e)) for e in range(num_experts)]) for name in names)

@@ -123,6 +123,12 @@ MODEL_FAMILIES = (
     ModelFamily("FalconH1ForCausalLM", "engine.ssm.hybrid", "HybridForCausalLM",
                 "Falcon-H1 0.5B to 34B (Mamba-2 and attention side by side in every layer; muP multipliers folded "
                 "into the weights at build)", tensor_parallel=False),
+    ModelFamily("MambaForCausalLM", "engine.ssm.hybrid", "HybridForCausalLM",
+                "Mamba 130M to 2.8B (Mamba-1 selective scan: a fixed-size state per request, no KV cache)",
+                tensor_parallel=False),
+    ModelFamily("JambaForCausalLM", "engine.ssm.hybrid", "HybridForCausalLM",
+                "Jamba v0.1, Jamba 1.5/1.6 Mini and Large (Mamba-1 layers with dt/B/C norms, attention without "
+                "positions, routed-expert MLPs)", tensor_parallel=False),
 )
 _REGISTRY = {family.architecture: family for family in MODEL_FAMILIES}
 SUPPORTED_ARCHITECTURES = tuple(_REGISTRY)

@@ -160,9 +160,15 @@ class MoeForCausalLM(LlamaForCausalLM):
         pick (kernels.fused_moe.warm_up_token_counts), so the first long prefill does not compile
         them in a request's time. The experts of the first sparse
         layer run on zeros, without the all-reduce (no collective: ranks may warm up apart)."""
-        block = next((layer.moe for layer in self.layers if layer.moe is not None), None)
-        if block is None:
-            return
-        for num_tokens in warm_up_token_counts(block.router.out_features, block.top_k, max_tokens):
-            x = torch.zeros(num_tokens, block.router.in_features, dtype=block.dtype, device=block.router.weight.device)
-            block.routed_experts(x, block.router(x))
+        warm_up_experts(next((layer.moe for layer in self.layers if layer.moe is not None), None), max_tokens)
+
+
+@torch.inference_mode()
+def warm_up_experts(block: SparseMoeBlock | None, max_tokens: int) -> None:
+    """Run ``block``'s experts on zeros for every token count whose kernel variant a forward of at
+    most ``max_tokens`` may pick (no all-reduce); nothing when ``block`` is None."""
+    if block is None:
+        return
+    for num_tokens in warm_up_token_counts(block.router.out_features, block.top_k, max_tokens):
+        x = torch.zeros(num_tokens, block.router.in_features, dtype=block.dtype, device=block.router.weight.device)
+        block.routed_experts(x, block.router(x))

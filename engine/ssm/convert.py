@@ -18,6 +18,14 @@ positions, or a relu^2 MLP, in the order of ``hybrid_override_pattern`` / ``laye
 its MoE layers (Nemotron-3 Nano) are refused by name. The SSM state is kept in float32
 (``mamba_ssm_cache_dtype``), prompt chunks clamp dt at ``time_step_min`` as transformers does.
 
+Pure Mamba-1 (``MambaForCausalLM``; state-spaces/mamba-*-hf, tensors under ``backbone.``): every
+layer one Mamba-1 block (engine/ssm/mamba1.py), tied lm_head as the checkpoints ship it.
+Jamba (``JambaForCausalLM``): each layer a Mamba-1 layer with RMSNorms on dt, B and C, or attention
+without positions (every ``attn_layer_period`` layers from ``attn_layer_offset``), then a gated SiLU
+MLP or, every ``expert_layer_period`` layers from ``expert_layer_offset``, ``num_experts`` routed
+experts (top ``num_experts_per_tok`` of the router's softmax, weights not renormalised): two engine
+blocks per layer. Experts read from either layout (per expert on disk, stacked in memory).
+
 Weights: q/k/v fused into ``qkv_proj`` (with partial rotary each q/k head's dims reordered, as
 for the Llama family), gate/up fused into ``up_proj``, the conv's (C, 1, K) weight stored (C, K).
 One rank only: tensor parallelism is refused (the build says so by name).
@@ -29,12 +37,12 @@ from typing import Iterator
 import torch
 
 from engine.config import ConfigError, ModelConfig
-from engine.hf_checkpoint import TensorGetter, has_tensor, read_rope
+from engine.hf_checkpoint import TensorGetter, has_tensor, read_rope, stacked_experts
 from kernels.rotary import partial_rotary_order
 
 MODEL_TYPES = {"bamba": "BambaForCausalLM", "nemotron_h": "NemotronHForCausalLM",
                "granitemoehybrid": "GraniteMoeHybridForCausalLM", "mamba2": "Mamba2ForCausalLM",
-               "falcon_h1": "FalconH1ForCausalLM"}
+               "falcon_h1": "FalconH1ForCausalLM", "jamba": "JambaForCausalLM", "mamba": "MambaForCausalLM"}
 
 
 def _refuse(ok: bool, message: str) -> None:
@@ -51,6 +59,10 @@ def hybrid_config_from_hf(c, architecture: str) -> ModelConfig:
         return _mamba2_config(c)
     if architecture == "FalconH1ForCausalLM":
         return _falcon_h1_config(c)
+    if architecture == "MambaForCausalLM":
+        return _mamba1_config(c)
+    if architecture == "JambaForCausalLM":
+        return _jamba_config(c)
     if architecture == "BambaForCausalLM":
         _refuse(not getattr(c, "attention_bias", False) and not getattr(c, "mlp_bias", False),
                 "BambaForCausalLM with attention_bias/mlp_bias is not supported")
@@ -130,8 +142,7 @@ def _granite_config(c) -> ModelConfig:
 
 def _mamba2_config(c) -> ModelConfig:
     """Pure Mamba-2 (state-spaces/mamba2-*, Codestral Mamba): every block a Mamba-2 layer, no attention
-    and no MLP. The attention fields of ModelConfig are placeholders (one KV head of 2 values: the
-    runner's KV pool then has one tiny layer nobody reads); intermediate_size is unused."""
+    and no MLP."""
     from engine.ssm.spec import SsmSpec
 
     arch = "Mamba2ForCausalLM"
@@ -143,11 +154,64 @@ def _mamba2_config(c) -> ModelConfig:
     spec = SsmSpec(blocks=["mamba"] * c.num_hidden_layers, num_heads=c.num_heads, head_dim=c.head_dim,
                    d_state=c.state_size, n_groups=c.n_groups, d_conv=c.conv_kernel, conv_bias=bool(c.use_conv_bias),
                    proj_bias=bool(c.use_bias), dt_limit=[float(low), None if high == float("inf") else high]).validate()
+    return _pure_mamba_config(c, arch, spec)
+
+
+def _pure_mamba_config(c, arch: str, spec) -> ModelConfig:
+    """A model of Mamba layers only (Mamba-2 or Mamba-1): the attention fields of ModelConfig are
+    placeholders (one KV head of 2 values: the runner's KV pool has one tiny layer nobody reads);
+    intermediate_size is unused."""
     return ModelConfig(
         architecture=arch, vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_layers=c.num_hidden_layers,
         num_heads=1, num_kv_heads=1, head_dim=2, intermediate_size=c.hidden_size,
         norm_eps=float(c.layer_norm_epsilon), max_position_embeddings=1 << 20,
         tie_word_embeddings=bool(c.tie_word_embeddings), hidden_act="silu", ssm=spec.to_dict(),
+    ).validate()
+
+
+def _mamba1_fields(*, inner: int, d_state: int, d_conv: int, dt_rank: int, conv_bias, proj_bias) -> dict:
+    """A Mamba-1 layer in SsmSpec's terms (engine/ssm/spec.py): a head per channel, B/C shared."""
+    return dict(num_heads=inner, head_dim=1, n_groups=1, d_state=d_state, d_conv=d_conv, conv_bias=bool(conv_bias),
+                proj_bias=bool(proj_bias), mamba_version=1, dt_rank=int(dt_rank), gated_norm="gate_only")
+
+
+def _mamba1_config(c) -> ModelConfig:
+    """Pure Mamba-1: every block a Mamba-1 layer. (residual_in_fp32: transformers keeps the residual stream in float32 between
+    blocks; the engine keeps it in the model dtype, as every family here does.)"""
+    from engine.ssm.spec import SsmSpec
+
+    arch = "MambaForCausalLM"
+    _refuse(c.hidden_act == "silu", f"{arch} needs hidden_act 'silu', got {c.hidden_act!r}")
+    spec = SsmSpec(blocks=["mamba"] * c.num_hidden_layers,
+                   **_mamba1_fields(inner=c.intermediate_size, d_state=c.state_size, d_conv=c.conv_kernel,
+                                    dt_rank=c.time_step_rank, conv_bias=c.use_conv_bias,
+                                    proj_bias=c.use_bias)).validate()
+    return _pure_mamba_config(c, arch, spec)
+
+
+def _jamba_config(c) -> ModelConfig:
+    """Jamba: two blocks per layer, the mixer (Mamba-1 with dt/B/C norms, or attention without
+    positions) then the MLP (dense, or routed experts where layers_num_experts says so)."""
+    from engine.ssm.spec import SsmSpec
+
+    arch = "JambaForCausalLM"
+    _refuse(c.hidden_act == "silu", f"{arch} needs hidden_act 'silu', got {c.hidden_act!r}")
+    experts = list(c.layers_num_experts)
+    blocks = [b for kind, e in zip(c.layers_block_type, experts) for b in (kind, "moe" if e > 1 else "mlp")]
+    moe = "moe" in blocks
+    spec = SsmSpec(blocks=blocks, **_mamba1_fields(inner=c.mamba_expand * c.hidden_size, d_state=c.mamba_d_state,
+                                                   d_conv=c.mamba_d_conv, dt_rank=c.mamba_dt_rank,
+                                                   conv_bias=c.mamba_conv_bias, proj_bias=c.mamba_proj_bias),
+                   dt_norms=True, mlp_act="silu", attention_rope=False).validate()
+    return ModelConfig(
+        architecture=arch, vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_layers=c.num_hidden_layers,
+        num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads or c.num_attention_heads,
+        head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+        intermediate_size=c.intermediate_size, norm_eps=float(c.rms_norm_eps),
+        max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=bool(c.tie_word_embeddings),
+        hidden_act="silu", ssm=spec.to_dict(), num_experts=c.num_experts if moe else 0,
+        num_experts_per_tok=c.num_experts_per_tok if moe else 0, moe_intermediate_size=c.intermediate_size if moe else 0,
+        norm_topk_prob=False,
     ).validate()
 
 
@@ -200,6 +264,13 @@ def _hf_blocks(cfg: ModelConfig) -> list[tuple[str, str]]:
     """(engine block kind, the checkpoint's prefix of that block's norm and mixer) per block:
     prefixes name norm and mixer as "<norm>|<mixer>"."""
     blocks = cfg.ssm["blocks"]
+    if cfg.architecture == "JambaForCausalLM":
+        out = []
+        for i in range(cfg.num_layers):
+            layer = f"model.layers.{i}."
+            out.append((blocks[2 * i], f"{layer}input_layernorm|{layer}{'mamba' if blocks[2 * i] == 'mamba' else 'self_attn'}."))
+            out.append((blocks[2 * i + 1], f"{layer}pre_ff_layernorm|{layer}feed_forward."))
+        return out
     if cfg.architecture == "FalconH1ForCausalLM":
         return [b for i in range(cfg.num_layers) for b in (
             ("parallel", f"model.layers.{i}.input_layernorm|model.layers.{i}."),
@@ -221,7 +292,8 @@ def hybrid_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size:
                         ) -> Iterator[tuple[str, torch.Tensor]]:
     _refuse(tp_size == 1, f"{cfg.architecture}: tensor parallelism is not supported for hybrid Mamba models yet "
                           f"(got tp_size {tp_size}); build with tp_size 1")
-    nemotron = cfg.architecture in ("NemotronHForCausalLM", "Mamba2ForCausalLM")  # (Mamba-2 names them alike)
+    # (Mamba-2 and Mamba-1 name them alike)
+    nemotron = cfg.architecture in ("NemotronHForCausalLM", "Mamba2ForCausalLM", "MambaForCausalLM")
     if nemotron and not has_tensor(get, "model.embeddings.weight"):
         # NVIDIA's checkpoints (and transformers' save_pretrained) name Nemotron-H's stack "backbone";
         # transformers' in-memory state dict names it "model".
@@ -230,7 +302,8 @@ def hybrid_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size:
     yield "embed_tokens.weight", get("model.embeddings.weight" if nemotron else "model.embed_tokens.weight")
     yield "norm.weight", get({"BambaForCausalLM": "model.final_layernorm.weight", "NemotronHForCausalLM": "model.norm_f.weight",
                               "GraniteMoeHybridForCausalLM": "model.norm.weight", "Mamba2ForCausalLM": "model.norm_f.weight",
-                              "FalconH1ForCausalLM": "model.final_layernorm.weight"}[cfg.architecture])
+                              "FalconH1ForCausalLM": "model.final_layernorm.weight", "MambaForCausalLM": "model.norm_f.weight",
+                              "JambaForCausalLM": "model.final_layernorm.weight"}[cfg.architecture])
     if not cfg.tie_word_embeddings:  # (Falcon-H1's lm_head multiplier folded in; tied: logits_scaling)
         yield "lm_head.weight", _Multipliers.scale(get("lm_head.weight"), _Multipliers(cfg).lm_head)
     order = None if cfg.rotary_dim == cfg.head_dim else partial_rotary_order(cfg.head_dim, cfg.rotary_dim)
@@ -244,8 +317,15 @@ def hybrid_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size:
         out = f"blocks.{i}."
         yield out + "norm.weight", get(norm + ".weight")
         m = out + "mixer."
-        if kind == "mamba":
+        if kind == "mamba" and cfg.ssm["mamba_version"] == 1:
+            yield from _mamba1_weights(get, hf, m, cfg)
+        elif kind == "mamba":
             yield from _mamba_weights(get, hf, m, cfg, mult)
+        elif kind == "moe":  # Jamba: engine/models/moe.py's names; the router stays in the model dtype
+            yield m + "router.weight", get(hf + "router.weight")
+            gate, up, down = stacked_experts(get, hf, cfg.num_experts, mlp="")
+            yield m + "gate_up_proj", torch.cat([gate, up], dim=1)
+            yield m + "down_proj", down
         elif kind == "attention":
             yield from _attention_weights(get, hf, m, rotary, mult)
         elif kind == "parallel":  # Falcon-H1
@@ -308,6 +388,25 @@ def _mamba_weights(get: TensorGetter, hf: str, m: str, cfg: ModelConfig, mult: _
     if cfg.ssm["proj_bias"]:
         yield m + "in_proj.bias", get(hf + "in_proj.bias") if rows is None else mult.scale(get(hf + "in_proj.bias"), rows)
         yield m + "out_proj.bias", mult.scale(get(hf + "out_proj.bias"), mult.ssm_out)
+
+
+def _mamba1_weights(get: TensorGetter, hf: str, m: str, cfg: ModelConfig):
+    yield m + "in_proj.weight", get(hf + "in_proj.weight")
+    yield m + "conv_weight", get(hf + "conv1d.weight").squeeze(1)
+    yield m + "x_proj.weight", get(hf + "x_proj.weight")
+    yield m + "dt_proj.weight", get(hf + "dt_proj.weight")
+    yield m + "dt_bias", get(hf + "dt_proj.bias")
+    for name in ("A_log", "D"):
+        yield m + name, get(hf + name)
+    yield m + "out_proj.weight", get(hf + "out_proj.weight")
+    if cfg.ssm["dt_norms"]:  # Jamba
+        for ours, theirs in (("dt_norm", "dt_layernorm"), ("b_norm", "b_layernorm"), ("c_norm", "c_layernorm")):
+            yield m + f"{ours}.weight", get(hf + f"{theirs}.weight")
+    if cfg.ssm["conv_bias"]:
+        yield m + "conv_bias", get(hf + "conv1d.bias")
+    if cfg.ssm["proj_bias"]:
+        yield m + "in_proj.bias", get(hf + "in_proj.bias")
+        yield m + "out_proj.bias", get(hf + "out_proj.bias")
 
 
 def _attention_weights(get: TensorGetter, hf: str, m: str, rotary, mult: _Multipliers):

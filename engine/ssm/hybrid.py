@@ -1,7 +1,8 @@
-"""Hybrid Mamba-2 / attention decoders (Bamba, Granite 4.0 dense hybrids, Nemotron-H, Falcon-H1, Mamba-2).
+"""Hybrid Mamba / attention decoders (Bamba, Granite 4.0 dense hybrids, Nemotron-H, Falcon-H1, Mamba-2; Mamba-1 and Jamba).
 
 The model is a stack of pre-norm residual blocks ``x += mixer(rmsnorm(x))`` (engine/ssm/spec.py
-names the mixers), then a final RMSNorm and the lm_head. Attention blocks use the paged KV pool,
+names the mixers; Mamba layers are Mamba-2's, or Mamba-1's when the spec says so), then a final
+RMSNorm and the lm_head. Attention blocks use the paged KV pool,
 which holds only them: ``num_kv_layers`` tells the runner how many layers the pool has, and
 attention block i reads pool layer ``kv_index[i]``. Mamba blocks keep their per-sequence state in
 ``conv_states`` / ``ssm_states`` (one slot per running sequence, engine/executor/state_cache.py),
@@ -10,12 +11,15 @@ metadata (``state_slots``).
 
 Weights per engine directory (tensor parallelism is refused, so there is one rank):
 ``embed_tokens.weight``, ``norm.weight``, ``lm_head.weight`` (unless tied), and per block i
-``blocks.{i}.norm.weight`` and the mixer's: Mamba (engine/ssm/mamba2.py), attention
+``blocks.{i}.norm.weight`` and the mixer's: Mamba (engine/ssm/mamba2.py, mamba1.py), attention
 ``qkv_proj.weight`` (rows [q | k | v]; with partial rotary each q/k head's dims in
 kernels.rotary.partial_rotary_order) and ``o_proj.weight``, MLP ``up_proj.weight`` ([gate | up]
-rows when gated) and ``down_proj.weight``.
+rows when gated) and ``down_proj.weight``, routed experts (Jamba) engine/models/moe.py's
+``router.weight``, ``gate_up_proj`` (E, 2I, H) and ``down_proj`` (E, H, I).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +27,8 @@ from torch import nn
 
 from engine.config import ConfigError, ModelConfig
 from engine.models.layers import Linear, Norm, VocabParallelEmbedding, qkv_heads, vocab_parallel_logits
+from engine.models.moe import SparseMoeBlock, warm_up_experts
+from engine.ssm.mamba1 import Mamba1Mixer
 from engine.ssm.mamba2 import Mamba2Mixer, StepStates, step_states
 from engine.ssm.spec import SsmSpec
 from kernels.activation import silu_and_mul
@@ -106,9 +112,10 @@ class HybridForCausalLM(nn.Module):
         self.dtype = dtype
         self.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, tp_rank=0, tp_group=None, **kw)
         blocks, kv_index, mamba_index = [], 0, 0
+        mamba_class = Mamba1Mixer if spec.mamba_version == 1 else Mamba2Mixer
         for kind in spec.blocks:
             if kind == "mamba":
-                mixer = Mamba2Mixer(spec, c.hidden_size, c.norm_eps, **kw)
+                mixer = mamba_class(spec, c.hidden_size, c.norm_eps, **kw)
                 mixer.state_index = mamba_index
                 mamba_index += 1
             elif kind == "attention":
@@ -121,6 +128,8 @@ class HybridForCausalLM(nn.Module):
                 mixer.mamba.state_index = mamba_index
                 mamba_index += 1
                 kv_index += 1
+            elif kind == "moe":  # (its forward may leave the top-k rows unsummed: the next norm sums them)
+                mixer = SparseMoeBlock(c, tp_size=1, tp_group=None, **kw)
             else:
                 mixer = MLP(c, spec.mlp_act, **kw)
             blocks.append(Block(kind, mixer, c.hidden_size, **kw))
@@ -133,7 +142,8 @@ class HybridForCausalLM(nn.Module):
         self.max_positions = max_positions or c.max_position_embeddings
         self.cos_sin_cache: torch.Tensor | None = None
         self.conv_states: torch.Tensor | None = None  # (mamba blocks, slots, conv_dim, d_conv - 1)
-        self.ssm_states: torch.Tensor | None = None  # (mamba blocks, slots, H, head_dim, d_state)
+        # (mamba blocks, slots, *spec.ssm_state_shape): Mamba-2 (H, head_dim, d_state), Mamba-1 (d_inner, d_state)
+        self.ssm_states: torch.Tensor | None = None
 
     # ---- state pool ----
     def state_dtype(self) -> torch.dtype:
@@ -143,15 +153,18 @@ class HybridForCausalLM(nn.Module):
         """Bytes one sequence's states take over every Mamba block."""
         s = self.spec
         conv = s.conv_dim * (s.d_conv - 1) * torch.empty((), dtype=self.dtype).element_size()
-        ssm = s.num_heads * s.head_dim * s.d_state * torch.empty((), dtype=self.state_dtype()).element_size()
+        ssm = math.prod(s.ssm_state_shape) * torch.empty((), dtype=self.state_dtype()).element_size()
         return self.num_state_layers * (conv + ssm)
 
-    def allocate_states(self, num_slots: int, device) -> None:
+    def _state_pools(self, num_slots: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.spec
-        self.conv_states = torch.zeros(self.num_state_layers, num_slots, s.conv_dim, s.d_conv - 1, dtype=self.dtype,
-                                       device=device)
-        self.ssm_states = torch.zeros(self.num_state_layers, num_slots, s.num_heads, s.head_dim, s.d_state,
-                                      dtype=self.state_dtype(), device=device)
+        return (torch.zeros(self.num_state_layers, num_slots, s.conv_dim, s.d_conv - 1, dtype=self.dtype,
+                            device=device),
+                torch.zeros(self.num_state_layers, num_slots, *s.ssm_state_shape, dtype=self.state_dtype(),
+                            device=device))
+
+    def allocate_states(self, num_slots: int, device) -> None:
+        self.conv_states, self.ssm_states = self._state_pools(num_slots, device)
 
     def init_buffers(self, device: torch.device) -> None:
         c = self.config
@@ -174,11 +187,7 @@ class HybridForCausalLM(nn.Module):
         num_seqs = len(meta.cu_seqlens_q_host) - 1
         conv, ssm = self.conv_states, self.ssm_states
         if conv is None:
-            s = self.spec
-            conv = torch.zeros(self.num_state_layers, num_seqs, s.conv_dim, s.d_conv - 1, dtype=self.dtype,
-                               device=device)
-            ssm = torch.zeros(self.num_state_layers, num_seqs, s.num_heads, s.head_dim, s.d_state,
-                              dtype=self.state_dtype(), device=device)
+            conv, ssm = self._state_pools(num_seqs, device)
         # (sequences may share a slot here: what they leave in it is never read)
         return conv, ssm, step_states(meta, [i % conv.shape[1] for i in range(num_seqs)], None)
 
@@ -208,6 +217,10 @@ class HybridForCausalLM(nn.Module):
             if scale_out != 1.0:  # Granite 4.0: before the residual add (the norm below makes it)
                 x = x * scale_out
         return rms_norm(x, self.norm.weight, eps, residual)[0]
+
+    def warm_up_kernels(self, max_tokens: int = 8192) -> None:
+        """Jamba: compile the routed experts' kernel variants before the first request (engine/models/moe.py)."""
+        warm_up_experts(next((b.mixer for b in self.blocks if b.kind == "moe"), None), max_tokens)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight

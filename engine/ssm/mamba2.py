@@ -74,6 +74,22 @@ def step_states(meta, slots_host: list[int], slots: torch.Tensor | None) -> Step
     return step
 
 
+def by_path(step: StepStates, decode, prefill, *rows: torch.Tensor) -> torch.Tensor:
+    """``decode(*rows)`` over the step's decode rows and ``prefill(*rows)`` over its prompt chunks'
+    rows, in packed row order: each of ``rows`` (num_tokens, ...) is indexed by the path's rows and
+    the results (rows of one width) are put back in place. A decode-only step (CUDA graphs replay
+    it: no host data) or a prefill-only step passes the tensors whole."""
+    if step.prefill is None:
+        return decode(*rows)
+    if step.decode_slots is None:
+        return prefill(*rows)
+    decoded = decode(*(t[step.decode_rows] for t in rows))
+    out = decoded.new_empty(rows[0].shape[0], *decoded.shape[1:])
+    out[step.decode_rows] = decoded
+    out[step.prefill_rows] = prefill(*(t[step.prefill_rows] for t in rows))
+    return out
+
+
 def gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float,
                    mode: str = "norm_after_gate") -> torch.Tensor:
     """The Mamba output's gate and grouped RMSNorm (over groups of ``group_size`` channels), in
@@ -123,15 +139,8 @@ class Mamba2Mixer(nn.Module):
         if self.A is None:
             self.init_buffers()
         z, xbc, dt = self.in_proj(h).split([s.inner, s.conv_dim, s.num_heads], dim=-1)
-        if step.prefill is None:  # decode-only (CUDA graphs replay this path: no host data in it)
-            y = self._decode(xbc, dt, conv_states, ssm_states, step.decode_slots)
-        elif step.decode_slots is None:
-            y = self._prefill(xbc, dt, conv_states, ssm_states, step.prefill)
-        else:
-            y = xbc.new_empty(xbc.shape[0], s.inner)
-            rows, chunk_rows = step.decode_rows, step.prefill_rows
-            y[rows] = self._decode(xbc[rows], dt[rows], conv_states, ssm_states, step.decode_slots)
-            y[chunk_rows] = self._prefill(xbc[chunk_rows], dt[chunk_rows], conv_states, ssm_states, step.prefill)
+        y = by_path(step, lambda xbc, dt: self._decode(xbc, dt, conv_states, ssm_states, step.decode_slots),
+                    lambda xbc, dt: self._prefill(xbc, dt, conv_states, ssm_states, step.prefill), xbc, dt)
         norm_weight = None if self.gate_norm is None else self.gate_norm.weight
         return self.out_proj(gated_rms_norm(y, z, norm_weight, s.inner // s.n_groups, self.eps, s.gated_norm))
 

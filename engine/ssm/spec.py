@@ -8,7 +8,9 @@ A hybrid model is a stack of pre-norm residual blocks, ``x += mixer(norm(x))``, 
 - "mlp": the feed-forward, gated SiLU (Bamba: ``down(silu(gate) * up)``) or not
   (Nemotron-H: ``down(relu(up)^2)``);
 - "parallel": a Mamba-2 layer and attention side by side on the same normed input, their outputs
-  summed (Falcon-H1).
+  summed (Falcon-H1);
+- "moe": top-k routed SwiGLU experts (Jamba), ModelConfig's num_experts / num_experts_per_tok /
+  moe_intermediate_size / norm_topk_prob, run by engine/models/moe.py's SparseMoeBlock.
 
 Bamba's and Granite 4.0's decoder layers are two such blocks (mixer, then MLP); a Nemotron-H
 layer is one. ``blocks``
@@ -18,6 +20,14 @@ Mamba-2 shape: ``num_heads`` x ``head_dim`` channels (the layer's inner width), 
 groups of B and C of ``d_state`` each, a ``d_conv``-tap causal conv over x|B|C, ``dt_limit``
 [min, max or null] clamping dt in prompt chunks (kernels/ssd_scan.py), ``state_dtype`` the SSM
 state's dtype (null: the model's; Nemotron-H keeps it in float32).
+
+Mamba-1 (``mamba_version`` 1: MambaForCausalLM, Jamba; engine/ssm/mamba1.py): every channel of
+the inner width is its own "head" (``num_heads`` = d_inner, ``head_dim`` 1: each has its own dt),
+``n_groups`` 1 (B and C shared by all channels), dt from a ``dt_rank``-wide projection, A a full
+(d_inner, d_state) matrix, the conv over x only, no gated norm (``gated_norm`` gate_only), and with
+``dt_norms`` (Jamba) RMSNorms on dt, B and C after x_proj. Its SSM state per sequence is
+(d_inner, d_state), Mamba-2's (heads, head_dim, d_state): ``ssm_state_shape`` says which, so the
+state pool (engine/ssm/hybrid.py) holds either without a branch.
 """
 from __future__ import annotations
 
@@ -25,7 +35,8 @@ from dataclasses import asdict, dataclass, fields
 
 from engine.config import ConfigError
 
-BLOCK_KINDS = ("mamba", "attention", "mlp", "parallel")  # parallel: mamba(h) + attention(h), one norm (Falcon-H1)
+BLOCK_KINDS = ("mamba", "attention", "mlp", "parallel", "moe")  # parallel: mamba(h) + attention(h), one norm (Falcon-H1)
+MAMBA_VERSIONS = (1, 2)
 # Where the Mamba output's gate sits: rmsnorm(y * silu(z)) (Mamba-2's), rmsnorm(y) * silu(z), or
 # y * silu(z) with no norm (Falcon-H1's mamba_rms_norm False).
 GATED_NORMS = ("norm_after_gate", "norm_before_gate", "gate_only")
@@ -58,6 +69,10 @@ class SsmSpec:
     # Falcon-H1: the checkpoint's muP multipliers that the build folded into the weights (what it
     # multiplied by, for the record; the engine reads none of them). None elsewhere.
     folded_multipliers: dict | None = None
+    # Mamba-1 (module docstring): the selective scan of Mamba / Jamba instead of Mamba-2's SSD.
+    mamba_version: int = 2
+    dt_rank: int = 0  # Mamba-1: x_proj's dt rows, projected up to d_inner by dt_proj
+    dt_norms: bool = False  # Jamba: RMSNorm (eps = norm_eps) on dt, B and C after x_proj
 
     @property
     def inner(self) -> int:
@@ -65,8 +80,17 @@ class SsmSpec:
 
     @property
     def conv_dim(self) -> int:
-        """Channels the conv runs over: x (inner), B and C (n_groups * d_state each)."""
-        return self.inner + 2 * self.n_groups * self.d_state
+        """Channels the conv runs over: Mamba-2 x (inner), B and C (n_groups * d_state each);
+        Mamba-1 x only."""
+        return self.inner if self.mamba_version == 1 else self.inner + 2 * self.n_groups * self.d_state
+
+    @property
+    def ssm_state_shape(self) -> tuple[int, ...]:
+        """One sequence's SSM state in one Mamba layer: Mamba-2 (heads, head_dim, d_state), Mamba-1
+        (d_inner, d_state)."""
+        if self.mamba_version == 1:
+            return (self.inner, self.d_state)
+        return (self.num_heads, self.head_dim, self.d_state)
 
     def dt_range(self) -> tuple[float, float]:
         low, high = self.dt_limit
@@ -120,6 +144,18 @@ class SsmSpec:
                 f"attention_scale must be a positive number or null, got {self.attention_scale!r}")
         require(self.state_dtype is None or self.state_dtype in STATE_DTYPES,
                 f"state_dtype must be null or one of {', '.join(STATE_DTYPES)}, got {self.state_dtype!r}")
+        require(self.mamba_version in MAMBA_VERSIONS,
+                f"mamba_version must be one of {MAMBA_VERSIONS}, got {self.mamba_version!r}")
+        if self.mamba_version == 1:
+            require(self.head_dim == 1 and self.n_groups == 1 and self.gated_norm == "gate_only"
+                    and "parallel" not in self.blocks,
+                    "mamba_version 1 takes head_dim 1 (num_heads = the inner width), n_groups 1, gated_norm "
+                    f"gate_only and no parallel blocks, got head_dim {self.head_dim}, n_groups {self.n_groups}, "
+                    f"gated_norm {self.gated_norm!r}")
+            require(isinstance(self.dt_rank, int) and self.dt_rank > 0,
+                    f"mamba_version 1 needs dt_rank > 0, got {self.dt_rank!r}")
+        else:
+            require(self.dt_rank == 0 and not self.dt_norms, "dt_rank and dt_norms are Mamba-1's (mamba_version 1)")
         return self
 
 

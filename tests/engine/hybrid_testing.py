@@ -1,5 +1,5 @@
-"""Tiny random hybrid Mamba-2 checkpoints made by transformers itself (Bamba, Nemotron-H, Granite 4.0,
-Falcon-H1, pure Mamba-2).
+"""Tiny random hybrid Mamba checkpoints made by transformers itself (Bamba, Nemotron-H, Granite 4.0,
+Falcon-H1, pure Mamba-2; Mamba-1 and Jamba).
 
 Sizes are the smallest the kernels' tiles take whole (head_dim and d_state 16); two groups of B/C
 so heads really share them; one attention layer among Mamba layers (Bamba: rope, partial 0.5;
@@ -62,11 +62,33 @@ def falcon_h1_config() -> transformers.FalconH1Config:
         bos_token_id=None)
 
 
+def mamba_config() -> transformers.MambaConfig:
+    """Pure Mamba-1; dt_rank 4 of hidden 32. Untied (state-spaces' checkpoints tie, as pure Mamba-2's
+    test does): with no MLP and small random mixers a tied model only repeats its last token, which
+    would make its greedy ids say little."""
+    return transformers.MambaConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, state_size=16, expand=2, conv_kernel=4,
+        time_step_rank=4, tie_word_embeddings=False, pad_token_id=0, eos_token_id=None, bos_token_id=None)
+
+
+def jamba_config() -> transformers.JambaConfig:
+    """Jamba with every kind of block in 2 layers: Mamba-1 + routed experts (4, top 2), attention
+    (no positions) + dense MLP."""
+    return transformers.JambaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+        expert_layer_offset=0, num_experts=4, num_experts_per_tok=2, mamba_d_state=16, mamba_d_conv=4,
+        mamba_expand=2, mamba_dt_rank=4, max_position_embeddings=1024, pad_token_id=0, eos_token_id=None,
+        bos_token_id=None)
+
+
 HYBRIDS = {"bamba": (transformers.BambaForCausalLM, bamba_config),
            "nemotron_h": (transformers.NemotronHForCausalLM, nemotron_h_config),
            "granite_hybrid": (transformers.GraniteMoeHybridForCausalLM, granite_hybrid_config),
            "mamba2": (transformers.Mamba2ForCausalLM, mamba2_config),
-           "falcon_h1": (transformers.FalconH1ForCausalLM, falcon_h1_config)}
+           "falcon_h1": (transformers.FalconH1ForCausalLM, falcon_h1_config),
+           "mamba": (transformers.MambaForCausalLM, mamba_config),
+           "jamba": (transformers.JambaForCausalLM, jamba_config)}
 
 
 def tiny_hybrid(family: str, seed: int = 0) -> torch.nn.Module:
