@@ -14,7 +14,9 @@ sized buckets up to ``max_distance``, beyond which everything lands in bucket n 
 Plain torch: the bias depends only on the two positions, so one (heads, q, k) float32 block per
 sequence is computed and added to the scores; ``paged_attention_bias_ref`` is the decoder's
 causal attention over the paged KV pool with it (kernels/attention.py's reference, which adds
-it). No Triton kernel yet: on CUDA this reference runs too.
+it). No Triton kernel yet: on CUDA this reference runs too, and ``decode_attention_bias`` (steps
+whose every sequence has one new token) runs the same math batched, reading only device tensors
+at shapes fixed by the metadata's block-table width, so a CUDA graph can capture it.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import math
 
 import torch
 
-from kernels.attention import paged_attention_ref
+from kernels.attention import gather_blocks, paged_attention_ref
 from kernels.attention_metadata import AttentionMetadata
 
 
@@ -63,3 +65,29 @@ def paged_attention_bias_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         return position_bias(table, query_positions, key_positions, bidirectional=False, max_distance=max_distance)
 
     return paged_attention_ref(q, k_cache, v_cache, meta, scale, position_bias=bias)
+
+
+def decode_attention_bias(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                          scale: float, table: torch.Tensor, max_distance: int) -> torch.Tensor:
+    """``paged_attention_bias_ref`` for a step whose every sequence has one new token (at position
+    context_len - 1), in one pass over the batch: each row's blocks (all block_tables columns,
+    so the shapes depend only on the table's width: CUDA-graph safe) are gathered side by side and
+    keys at or past the row's context length are masked. Scores and the weighted sum in the
+    cache's dtype (transformers' T5 attention multiplies in the model dtype too), bias, mask and
+    softmax in float32. Heads == KV heads (T5). q: (num_seqs, heads, head_dim) -> same shape and dtype."""
+    num_seqs, num_heads, head_dim = q.shape
+    block_size = k_cache.shape[1]
+    blocks = meta.block_tables[:num_seqs].long()  # (num_seqs, width)
+    keys_per_row = blocks.shape[1] * block_size
+    shape = (num_seqs, keys_per_row, num_heads, head_dim)
+    keys = gather_blocks(k_cache, blocks).reshape(shape).to(q.dtype).permute(0, 2, 3, 1)  # (n, heads, dim, keys)
+    values = gather_blocks(v_cache, blocks).reshape(shape).to(q.dtype).transpose(1, 2)  # (n, heads, keys, dim)
+    scores = torch.matmul(q.unsqueeze(2), keys).float().squeeze(2) * scale  # (n, heads, keys)
+    lengths = meta.context_lens[:num_seqs].long().view(-1, 1)
+    key_pos = torch.arange(keys_per_row, device=q.device).view(1, -1)
+    buckets = relative_position_bucket(key_pos - (lengths - 1), bidirectional=False, num_buckets=table.shape[0],
+                                       max_distance=max_distance)  # (n, keys)
+    scores = scores + table.float()[buckets].permute(0, 2, 1)
+    scores = scores.masked_fill((key_pos >= lengths).unsqueeze(1), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    return torch.matmul(probs.unsqueeze(2), values).squeeze(2)

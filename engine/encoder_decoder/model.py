@@ -26,7 +26,12 @@ from torch import nn
 from engine.encoder_decoder.spec import EncDecSpec
 from kernels.attention import paged_attention, write_kv_cache
 from kernels.attention_metadata import AttentionMetadata
-from kernels.relative_position_bias import paged_attention_bias_ref, position_bias
+from kernels.linear import linear, linear_activated, linear_float32_out
+from kernels.relative_position_bias import decode_attention_bias, paged_attention_bias_ref, position_bias
+from kernels.rope_attention import append_paged_attention
+
+# spec.activation -> kernels/linear.py's name for it (the skinny kernel's fused epilogue)
+LINEAR_ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "gelu_new": "gelu_tanh"}
 
 
 class Norm(nn.Module):
@@ -40,6 +45,8 @@ class Norm(nn.Module):
         if self.rms:  # T5: no mean subtraction, no bias
             x32 = x.float()
             return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+        if x.dtype == self.weight.dtype:  # one kernel: torch's layer norm computes in float32 and rounds once
+            return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
         return F.layer_norm(x.float(), (x.shape[-1],), self.weight.float(), self.bias.float(), self.eps).to(x.dtype)
 
 
@@ -63,6 +70,11 @@ class Attention(nn.Module):
     def heads_of(self, proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return proj(x).view(*x.shape[:-1], self.heads, self.head_dim)
 
+    def rows_of(self, proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """heads_of for a decoder step's (num_tokens, d_model) rows, through kernels/linear.py (the
+        skinny kernel where the runner chose it at load for the weight, else F.linear)."""
+        return linear(x, proj.weight, proj.bias).view(x.shape[0], self.heads, self.head_dim)
+
 
 class MLP(nn.Module):
     def __init__(self, spec: EncDecSpec, width: int, dtype, device):
@@ -72,11 +84,22 @@ class MLP(nn.Module):
         self.down = _linear(width, spec.d_model, spec.bias, dtype, device)
         self.activation = {"relu": F.relu, "gelu": F.gelu,
                            "gelu_new": lambda x: F.gelu(x, approximate="tanh")}[spec.activation]
+        self.activation_name = LINEAR_ACTIVATIONS[spec.activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate is not None:
             return self.down(self.activation(self.gate(x)) * self.up(x))
         return self.down(self.activation(self.up(x)))
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """forward for a decoder step's (num_tokens, d_model) rows through kernels/linear.py: the up
+        product, its bias and activation one skinny kernel where the runner chose it at load."""
+        if self.gate is not None:
+            return linear(self.activation(linear(x, self.gate.weight, self.gate.bias)) * linear(x, self.up.weight,
+                                                                                                 self.up.bias),
+                          self.down.weight, self.down.bias)
+        return linear(linear_activated(x, self.up.weight, self.up.bias, self.activation_name), self.down.weight,
+                      self.down.bias)
 
 
 def _sublayer(norm: Norm, pre_norm: bool, x: torch.Tensor, fn) -> torch.Tensor:
@@ -119,11 +142,20 @@ class EncoderLayer(nn.Module):
         self.attn = Attention(spec, spec.encoder_heads, spec.encoder_head_dim, dtype, device)
         self.mlp = MLP(spec, spec.encoder_ffn, dtype, device)
 
-    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        """x: (B, L, d); bias: (B or 1, heads, L, L) float32, -inf at padded keys."""
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x: (B, L, d); bias: (B or 1, heads or 1, L or 1, L), -inf at padded keys, or None (no
+        padding, no position bias). CPU: float32 scores (bias float32); CUDA: torch's fused
+        attention in the model dtype (bias in it too), as transformers' sdpa attention runs it."""
         def attend(h):
-            q, k, v = (self.attn.heads_of(p, h).float() for p in (self.attn.q, self.attn.k, self.attn.v))
-            scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * self.attn.scale + bias
+            q, k, v = (self.attn.heads_of(p, h) for p in (self.attn.q, self.attn.k, self.attn.v))
+            if h.is_cuda:
+                out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                     attn_mask=bias, scale=self.attn.scale).transpose(1, 2)
+                return self.attn.o(out.flatten(2))
+            q, k, v = q.float(), k.float(), v.float()
+            scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * self.attn.scale
+            if bias is not None:
+                scores = scores + bias
             out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, dim=-1), v).to(h.dtype)
             return self.attn.o(out.flatten(2))
         x = _sublayer(self.attn_norm, self.pre_norm, x, attend)
@@ -171,17 +203,29 @@ class Encoder(_Stack):
             lengths = torch.tensor([len(t) for t in inputs], device=device)
             positions = torch.arange(longest, device=device)
             x = self.embed(ids, positions.expand(len(inputs), -1))
-        padded = positions.view(1, -1) >= lengths.view(-1, 1)  # (B, L) keys beyond each input
-        bias = torch.zeros(len(inputs), 1, longest, longest, device=device)
-        bias.masked_fill_(padded.view(len(inputs), 1, 1, longest), float("-inf"))
-        if self.position_bias is not None:
-            bias = bias + position_bias(self.position_bias.weight, positions, positions, bidirectional=True,
-                                        max_distance=self.spec.relative_max_distance).unsqueeze(0)
+        bias = self._attention_bias(positions, lengths, x.dtype if x.is_cuda else torch.float32)
         for layer in self.layers:
             x = layer(x, bias)
         if self.final_norm is not None:
             x = self.final_norm(x)
         return [x[i, :length] for i, length in enumerate(lengths.tolist())]
+
+
+    def _attention_bias(self, positions: torch.Tensor, lengths: torch.Tensor, dtype) -> torch.Tensor | None:
+        """The encoder layers' additive bias in ``dtype``: -inf at each input's padded keys
+        (B, 1, 1, L), plus T5's bidirectional position bias (1, heads, L, L); None when there is
+        neither (all inputs of one length, learned positions: the fused attention needs no mask)."""
+        longest, batch = positions.shape[0], lengths.shape[0]
+        padded = positions.view(1, -1) >= lengths.view(-1, 1)  # (B, L) keys beyond each input
+        bias = None
+        if bool(padded.any()):
+            bias = torch.zeros(batch, 1, 1, longest, dtype=dtype, device=positions.device)
+            bias.masked_fill_(padded.view(batch, 1, 1, longest), float("-inf"))
+        if self.position_bias is not None:
+            table = position_bias(self.position_bias.weight, positions, positions, bidirectional=True,
+                                  max_distance=self.spec.relative_max_distance).unsqueeze(0).to(dtype)
+            bias = table if bias is None else bias + table
+        return bias
 
 
 @dataclass
@@ -247,29 +291,32 @@ class Decoder(_Stack):
         for index, layer in enumerate(self.layers):
             def attend_self(h, layer=layer, index=index):
                 attn = layer.self_attn
-                q, k, v = (attn.heads_of(p, h) for p in (attn.q, attn.k, attn.v))
+                q, k, v = (attn.rows_of(p, h) for p in (attn.q, attn.k, attn.v))
                 k_cache, v_cache = kv_cache[index, 0], kv_cache[index, 1]
-                write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-                if self.position_bias is None:
-                    out = paged_attention(q, k_cache, v_cache, meta, attn.scale)
+                if self.position_bias is None:  # (a decode step on CUDA: the write and attention in one kernel)
+                    out = append_paged_attention(q, k, v, k_cache, v_cache, meta, attn.scale)
                 else:
-                    out = paged_attention_bias_ref(q, k_cache, v_cache, meta, attn.scale, self.position_bias.weight,
-                                                   self.spec.relative_max_distance)
-                return attn.o(out.flatten(1))
+                    write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+                    table, distance = self.position_bias.weight, self.spec.relative_max_distance
+                    if meta.is_decode_only:  # batched, device tensors only: CUDA-graph safe
+                        out = decode_attention_bias(q, k_cache, v_cache, meta, attn.scale, table, distance)
+                    else:
+                        out = paged_attention_bias_ref(q, k_cache, v_cache, meta, attn.scale, table, distance)
+                return linear(out.flatten(1), attn.o.weight, attn.o.bias)
 
             def attend_encoder(h, layer=layer, index=index):
                 attn = layer.cross_attn
-                out = paged_attention(attn.heads_of(attn.q, h), cross.pool[index, 0], cross.pool[index, 1],
+                out = paged_attention(attn.rows_of(attn.q, h), cross.pool[index, 0], cross.pool[index, 1],
                                       cross.meta, attn.scale)
-                return attn.o(out.flatten(1))
+                return linear(out.flatten(1), attn.o.weight, attn.o.bias)
 
             x = _sublayer(layer.self_norm, layer.pre_norm, x, attend_self)
             x = _sublayer(layer.cross_norm, layer.pre_norm, x, attend_encoder)
-            x = _sublayer(layer.mlp_norm, layer.pre_norm, x, layer.mlp)
+            x = _sublayer(layer.mlp_norm, layer.pre_norm, x, layer.mlp.rows)
         return x if self.final_norm is None else self.final_norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.spec.logits_scale != 1.0:
             hidden = hidden * self.spec.logits_scale
-        logits = self.lm_head(hidden).float()
+        logits = linear_float32_out(hidden, self.lm_head.weight)
         return logits if self.final_logits_bias is None else logits + self.final_logits_bias.float()

@@ -13,7 +13,11 @@ batching); what differs:
   f / (1 - f) times it, never less than one longest encoder input.
 
 Cross and self blocks have the same shape (decoder layers x 2 x tokens_per_block x heads x
-head_dim). Decoder steps run eagerly (no CUDA graphs yet); one rank only.
+head_dim). On CUDA, decode-only steps replay CUDA graphs per batch bucket
+(engine/encoder_decoder/decode_graphs.py; $TRITONLLM_ENCDEC_GRAPHS=0 keeps them eager), after the
+skinny-GEMM kernel is chosen per decoder weight shape; steps with prompt tokens run eagerly. One
+rank only. A config-only engine (``extra.random_weights_seed``, benchmarks) gets random weights
+made on the device (engine/executor/random_weights.py).
 """
 from __future__ import annotations
 
@@ -22,13 +26,17 @@ import torch
 
 from engine.config import EngineFormatError
 from engine.encoder_decoder.convert import check_complete
+from engine.encoder_decoder.decode_graphs import EncDecDecodeGraphs
 from engine.encoder_decoder.model import CrossAttentionBatch, Decoder, Encoder, cross_metadata
 from engine.encoder_decoder.spec import EncDecSpec
 from engine.executor.overlap import resolve_placeholders
+from engine.executor.random_weights import has_random_weights, materialize_random_weights
 from engine.executor.runner import ForwardBatch, ModelRunner, keep_or_cast, load_rank_weights
 from kernels.attention import write_kv_cache
+from kernels.linear import choose_activated_weights, choose_skinny_weights
 
 DEFAULT_CROSS_KV_FRACTION = 0.5
+GRAPHS_ENV = "TRITONLLM_ENCDEC_GRAPHS"  # "0": decode steps run eagerly on CUDA too
 
 
 def encoder_engine_dir(decoder_dir: str, extra: dict, override: str | None = None) -> str:
@@ -64,6 +72,10 @@ class EncDecRunner(ModelRunner):
 
     def _load_stack(self, cls, directory: str) -> torch.nn.Module:
         module = cls(self.spec, dtype=self.dtype, device="meta")
+        extra = self.engine_config.extra
+        if has_random_weights(extra):  # a config-only benchmark engine: seed for the decoder, + 1 the encoder
+            seed = extra["random_weights_seed"] + (cls is Encoder)
+            return materialize_random_weights(module, self.device, seed).eval()
         weights = load_rank_weights(directory, 0, self.device)
         try:
             check_complete(module, weights, f"rank0.safetensors in {directory!r}")
@@ -96,8 +108,31 @@ class EncDecRunner(ModelRunner):
         self.cross_pool = None
         self.cross_pool = torch.zeros(shape, dtype=self.kv_cache.dtype, device=self.device)
 
-    def capture_cuda_graphs(self) -> None:  # decoder steps run eagerly (the cross rows vary per step)
-        pass
+    def capture_cuda_graphs(self) -> None:
+        """CUDA: choose the skinny-GEMM kernel per decoder weight shape (kernels/linear.py; the
+        non-gated MLP's up product with its bias and activation fused), then capture the decode
+        graphs of every batch bucket up to max_batch_size. CPU, or $TRITONLLM_ENCDEC_GRAPHS=0: no-op."""
+        if self.device.type != "cuda" or self.kv_cache is None or os.environ.get(GRAPHS_ENV, "1") == "0":
+            return
+        self.choose_kernels()
+        build = self.build_config
+        self.decode_graphs = EncDecDecodeGraphs(
+            self.model, self.kv_cache, self.cross_pool, tokens_per_block=self.tokens_per_block,
+            max_seq_len=build.max_seq_len, max_encoder_len=self.max_encoder_input_len,
+            max_batch_size=build.max_batch_size, sampled_tokens=self.sampled_tokens)
+        self.decode_graphs.capture()
+
+    def choose_kernels(self, decode_batches: list[int] | None = None) -> None:
+        """The skinny-GEMM choice per decoder weight shape (what the graphs capture)."""
+        layers = self.model.layers
+        ups = [layer.mlp.up.weight for layer in layers] if layers[0].mlp.gate is None else []
+        plain = [m.weight for m in self.model.modules() if isinstance(m, torch.nn.Linear)
+                 and not any(m.weight is up for up in ups)]
+        self.gemm_choices = choose_skinny_weights(plain)
+        if ups:
+            activation = layers[0].mlp.activation_name
+            self.gemm_choices.update({("activated", activation) + shape: choice
+                                      for shape, choice in choose_activated_weights(ups, activation).items()})
 
     def warmup(self) -> None:
         pass
@@ -126,6 +161,10 @@ class EncDecRunner(ModelRunner):
             block_tables = [list(range(-(-lengths[0] // self.tokens_per_block)))] * len(lengths)
         if prompt_embeds is not None:
             raise ValueError("prompt tables are not supported by encoder-decoder engines")
+        if self.decode_graphs is not None and not all_logits and batch.tree_parents is None:
+            hidden = self.decode_graphs.try_run(batch)
+            if hidden is not None:  # a decode-only step, replayed from its bucket's graph
+                return self.model.compute_logits(hidden)
         input_ids, positions, meta = self._prepare(batch)
         token_tables, token_lengths = [], []  # one row per new token: its sequence's
         for table, length, n in zip(block_tables, lengths, batch.seq_lens_q):

@@ -1,0 +1,406 @@
+"""Encoder-decoder engines (issue 49): Whisper large-v3 and Flan-T5-XL shapes against transformers, one GPU.
+
+    python benchmarks/engine/encdec_bench.py --out encdec.json --results-md benchmarks/results/engine.md
+
+Sections (``--sections``, all by default):
+
+1. ``whisper``: ``--clips`` (64) concurrent 30-s clips (3,000 log-mel frames each), a 4-token
+   prompt and exactly ``--transcript`` (100) tokens each (no end id), all enqueued at once into the
+   executor; audio seconds processed per second. Against transformers' WhisperForConditionalGeneration
+   (bf16, sdpa) generating the same lengths (GenerationMixin.generate, greedy, no eos) at each of
+   ``--hf-whisper-batches``: one batch per size, audio seconds / its wall time; the best size counts.
+2. ``whisper_step``: batch-1 decoder step of the Whisper large-v3 shape through the runner (its
+   decode CUDA graph) after one 30-s clip was encoded, against the step's weight-read roofline:
+   the bytes one step must move (every decoder weight but the cross K/V projections, which run
+   once per request at encode time, and the two embedding tables, of which one row each is read;
+   the clip's cross K/V; the self KV so far) over the bandwidth of a device-to-device copy. Also
+   the device time of one graph replay alone, and a torch-profiler summary of replays (``--profile-dir``).
+3. ``t5``: Flan-T5-XL shape, ``--t5-requests`` (256) requests of 512 input / 128 output tokens
+   (no end id) all enqueued at once: output tokens/s, against transformers' T5ForConditionalGeneration
+   generate (bf16) at each of ``--hf-t5-batches`` (one batch per size, the best counts).
+
+Random weights of the real shapes, made on the GPU (engine: ``extra.random_weights_seed``;
+transformers: its own init, on the device). ``--device cpu`` runs tiny shapes of the same
+families (a smoke run of every path).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: engine, kernels, benchmarks
+
+from benchmarks.common import command_line, free_device_memory, git_commit, machine_summary, utc_now  # noqa: E402
+from benchmarks.engine.engine_bench import drain_offline  # noqa: E402
+from benchmarks.engine.hybrid_bench import copy_bandwidth  # noqa: E402
+from engine.config import BuildConfig, EngineConfig  # noqa: E402
+from engine.encoder_decoder.spec import spec_from_hf  # noqa: E402
+from engine.executor.executor import Executor, ExecutorConfig  # noqa: E402
+from engine.executor.request import OutputConfig, Request  # noqa: E402
+from engine.executor.runner import ForwardBatch  # noqa: E402
+
+SECTIONS = ["whisper", "whisper_step", "t5"]
+GOALS = {"whisper_speedup": 5.0, "whisper_step_roofline_fraction": 0.70, "t5_speedup": 5.0}
+WHISPER_PROMPT = [50258, 50259, 50360, 50364]  # <|startoftranscript|><|en|><|transcribe|><|notimestamps|> (large-v3)
+CLIP_SECONDS, FRAMES_PER_SECOND = 30, 100
+
+
+def whisper_config(device: str):
+    """transformers' WhisperConfig: large-v3 on a GPU, a tiny one on the CPU."""
+    from transformers import WhisperConfig
+
+    if device == "cpu":
+        return WhisperConfig(vocab_size=51866, num_mel_bins=8, d_model=64, encoder_layers=2, decoder_layers=2,
+                             encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+                             decoder_ffn_dim=128, max_source_positions=1500, max_target_positions=448,
+                             decoder_start_token_id=50258, eos_token_id=50257, pad_token_id=50256,
+                             architectures=["WhisperForConditionalGeneration"])
+    return WhisperConfig(vocab_size=51866, num_mel_bins=128, d_model=1280, encoder_layers=32, decoder_layers=32,
+                         encoder_attention_heads=20, decoder_attention_heads=20, encoder_ffn_dim=5120,
+                         decoder_ffn_dim=5120, max_source_positions=1500, max_target_positions=448,
+                         decoder_start_token_id=50258, eos_token_id=50257, pad_token_id=50256,
+                         architectures=["WhisperForConditionalGeneration"])
+
+
+def t5_config(device: str):
+    """Flan-T5-XL (google/flan-t5-xl's config) on a GPU, a tiny T5 v1.1 on the CPU."""
+    from transformers import T5Config
+
+    shape = (dict(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4)
+             if device == "cpu" else
+             dict(d_model=2048, d_kv=64, d_ff=5120, num_layers=24, num_decoder_layers=24, num_heads=32))
+    return T5Config(vocab_size=32128, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
+                    relative_attention_num_buckets=32, relative_attention_max_distance=128,
+                    decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+                    architectures=["T5ForConditionalGeneration"], **shape)
+
+
+def write_random_engine(hf_config, *, dtype: str, max_batch_size: int, max_seq_len: int, max_num_tokens: int,
+                        tokens_per_block: int, max_encoder_input_len: int) -> str:
+    """OUTPUT/encoder and OUTPUT/decoder holding only config.json (the layout engine.build writes),
+    random weights made at load; returns the decoder directory."""
+    spec = spec_from_hf(hf_config)
+    root = tempfile.mkdtemp(prefix=f"bench-{spec.family}-")
+    build = BuildConfig(dtype=dtype, max_batch_size=max_batch_size, max_input_len=min(max_seq_len, 64),
+                        max_seq_len=max_seq_len, max_num_tokens=max_num_tokens, tokens_per_block=tokens_per_block)
+    extra = {"encoder_decoder": spec.to_dict(), "max_encoder_input_len": max_encoder_input_len,
+             "random_weights_seed": 0}
+    for stack, more in (("encoder", {}), ("decoder", {"encoder_engine_dir": "../encoder"})):
+        config = EngineConfig(model=spec.decoder_model_config(), build=build, extra={**extra, "stack": stack, **more})
+        config.validate().save(os.path.join(root, stack))
+    return os.path.join(root, "decoder")
+
+
+def sync(device: str) -> None:
+    if device != "cpu":
+        torch.cuda.synchronize()
+
+
+def run_offline(executor, requests: list[Request]) -> tuple[float, int]:
+    """All requests enqueued at once -> (seconds until the last one finished, output tokens)."""
+    started = time.perf_counter()
+    executor.enqueue_requests(requests)
+    tokens = drain_offline(executor, len(requests))
+    return time.perf_counter() - started, tokens
+
+
+def executor_offline(args, engine: str, requests, tokens: int) -> tuple[float, int, bool]:
+    """Start an executor on ``engine``, warm it up with ``requests(4)`` (the encoder's kernels at
+    this batch, the prompt step, the graphs), then time ``requests(tokens)`` enqueued at once;
+    returns (seconds, output tokens, whether decode steps replay graphs). The executor and its
+    pools are gone when this returns (the transformers model comes next on the same GPU)."""
+    with Executor(engine, ExecutorConfig(kv_cache_free_gpu_mem_fraction=args.kv_fraction), device=args.device) as ex:
+        run_offline(ex, requests(4))
+        seconds, output_tokens = run_offline(ex, requests(tokens))
+        graphed = ex.runner.decode_graphs is not None
+    del ex
+    free_device_memory(args.device)
+    return seconds, output_tokens, graphed
+
+
+# ---- Whisper ------------------------------------------------------------------------------------
+
+def clip_features(config, count: int, seed: int = 0) -> list[torch.Tensor]:
+    """``count`` 30-s clips of log-mel features (frames, mel bins), float32 on the host."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(CLIP_SECONDS * FRAMES_PER_SECOND, config.num_mel_bins, generator=generator) for _ in range(count)]
+
+
+def whisper_engine(args, config, max_batch_size: int) -> str:
+    return write_random_engine(config, dtype=args.dtype, max_batch_size=max_batch_size,
+                               max_seq_len=len(WHISPER_PROMPT) + args.transcript + 12, max_num_tokens=4096,
+                               tokens_per_block=32, max_encoder_input_len=config.max_source_positions)
+
+
+def bench_whisper(args) -> dict:
+    config = whisper_config(args.device)
+    engine = whisper_engine(args, config, max_batch_size=args.clips)
+    features = clip_features(config, args.clips)
+    out = OutputConfig(exclude_input_from_output=True)
+
+    def requests(tokens: int) -> list[Request]:
+        return [Request(list(WHISPER_PROMPT), tokens, encoder_input_features=f, output=out) for f in features]
+
+    seconds, tokens, graphed = executor_offline(args, engine, requests, args.transcript)
+    audio = args.clips * CLIP_SECONDS
+    entry = {"clips": args.clips, "transcript_tokens": args.transcript, "seconds": seconds, "output_tokens": tokens,
+             "audio_s_per_s": audio / seconds, "graphed": graphed, "hf": hf_whisper(args, config, features)}
+    best = max(entry["hf"], key=lambda row: row["audio_s_per_s"])
+    entry["hf_best_batch"], entry["speedup"] = best["batch"], entry["audio_s_per_s"] / best["audio_s_per_s"]
+    return entry
+
+
+def hf_whisper(args, config, features: list[torch.Tensor]) -> list[dict]:
+    """transformers' generate at each batch size: one batch of clips, the same prompt and length."""
+    from transformers import GenerationMixin, WhisperForConditionalGeneration
+
+    dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
+    config._attn_implementation = "sdpa"
+    with torch.device(args.device):
+        model = WhisperForConditionalGeneration(config).to(dtype).eval()
+    rows = []
+    for batch in args.hf_whisper_batches:
+        batch = min(batch, len(features))
+        inputs = torch.stack([f.t() for f in features[:batch]]).to(args.device, dtype)  # (batch, mels, frames)
+        prompt = torch.tensor([WHISPER_PROMPT] * batch, device=args.device)
+
+        def generate(tokens: int):
+            return GenerationMixin.generate(model, input_features=inputs, decoder_input_ids=prompt,
+                                            max_new_tokens=tokens, do_sample=False, num_beams=1, eos_token_id=None,
+                                            pad_token_id=config.pad_token_id, forced_decoder_ids=None,
+                                            suppress_tokens=None, begin_suppress_tokens=None)
+        with torch.inference_mode():
+            generate(2)  # warm-up
+            sync(args.device)
+            started = time.perf_counter()
+            ids = generate(args.transcript)
+            sync(args.device)
+        seconds = time.perf_counter() - started
+        assert ids.shape[1] == len(WHISPER_PROMPT) + args.transcript, ids.shape
+        rows.append({"batch": batch, "seconds": seconds, "audio_s_per_s": batch * CLIP_SECONDS / seconds})
+    del model
+    free_device_memory(args.device)
+    return rows
+
+
+def decoder_step_bytes(runner, context: int, encoder_len: int) -> int:
+    """Bytes a batch-1 decoder step must move (module docstring, section 2)."""
+    model = runner.model
+    skipped = {id(model.embed_tokens.weight), id(model.embed_positions.weight)}
+    skipped |= {id(p) for layer in model.layers for p in (layer.cross_attn.k.weight, layer.cross_attn.v.weight)}
+    weights = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skipped)
+    rows = 2 * model.embed_tokens.weight.shape[1] * model.embed_tokens.weight.element_size()
+    per_token = runner.kv_block_bytes // runner.tokens_per_block  # self and cross blocks have one shape
+    return weights + rows + (encoder_len + context) * per_token
+
+
+def bench_whisper_step(args, bandwidth: float) -> dict:
+    from engine.encoder_decoder.runner import EncDecRunner
+
+    config = whisper_config(args.device)
+    runner = EncDecRunner(whisper_engine(args, config, max_batch_size=8), device=args.device)
+    page, encoder_len = runner.tokens_per_block, config.max_source_positions
+    runner.allocate_kv_cache(runner.num_kv_blocks_for(max_tokens=4096))
+    runner.capture_cuda_graphs()
+    cross = list(range(-(-encoder_len // page)))
+    runner.encode_into([clip_features(config, 1)[0]], [cross])
+    steps, prompt = args.transcript, list(WHISPER_PROMPT)
+    table = list(range(1, -(-(len(prompt) + steps + 1) // page) + 1))
+
+    def step(tokens, positions, context):
+        return runner.forward(ForwardBatch(tokens, positions, [len(tokens)], [context], [table[:-(-context // page)]],
+                                           [len(tokens) - 1], cross_lengths=[encoder_len], cross_block_tables=[cross]))
+
+    token = int(step(prompt, list(range(len(prompt))), len(prompt)).argmax(-1).item())
+    times = []
+    for i in range(steps):
+        position = len(prompt) + i
+        started = time.perf_counter()
+        token = int(step([token], [position], position + 1).argmax(-1).item())  # the sampler's sync
+        times.append(time.perf_counter() - started)
+    steady = times[min(8, len(times) // 2):]
+    entry = {"step_ms_median": statistics.median(steady) * 1e3, "tok_s": len(steady) / sum(steady),
+             "graphed": runner.decode_graphs is not None,
+             "bytes_per_step": decoder_step_bytes(runner, len(prompt) + steps // 2, encoder_len)}
+    if bandwidth:
+        entry["roofline_step_ms"] = entry["bytes_per_step"] / bandwidth * 1e3
+        entry["roofline_fraction"] = entry["roofline_step_ms"] / entry["step_ms_median"]
+    if runner.decode_graphs is not None:
+        from kernels.linear import replay_time_ms
+
+        graph = runner.decode_graphs.graphs[1]
+        entry["replay_ms"] = replay_time_ms(graph, replays=50)
+        if bandwidth:
+            entry["replay_roofline_fraction"] = entry["roofline_step_ms"] / entry["replay_ms"]
+        if args.profile_dir:
+            try:
+                entry["profile"] = profile_replays(graph, Path(args.profile_dir) / "whisper_step_profile.txt")
+            except Exception as err:  # noqa: BLE001 - a profiler failure costs the table, not the figures
+                entry["profile"] = f"failed: {err!r}"
+    del runner
+    free_device_memory(args.device)
+    return entry
+
+
+def profile_replays(graph, path: Path, replays: int = 20) -> str:
+    """torch-profiler table of ``replays`` graph replays (the kernels inside them), written to ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(table)
+    return str(path)
+
+
+# ---- Flan-T5 ------------------------------------------------------------------------------------
+
+def bench_t5(args) -> dict:
+    config = t5_config(args.device)
+    engine = write_random_engine(config, dtype=args.dtype, max_batch_size=args.t5_requests,
+                                 max_seq_len=args.t5_output + 16, max_num_tokens=8192, tokens_per_block=32,
+                                 max_encoder_input_len=args.t5_input)
+    rng = random.Random(0)
+    inputs = [[rng.randrange(2, config.vocab_size) for _ in range(args.t5_input)] for _ in range(args.t5_requests)]
+    out = OutputConfig(exclude_input_from_output=True)
+
+    def requests(tokens: int) -> list[Request]:
+        return [Request([], tokens, encoder_input_ids=ids, output=out) for ids in inputs]
+
+    seconds, tokens, graphed = executor_offline(args, engine, requests, args.t5_output)
+    entry = {"requests": args.t5_requests, "input_len": args.t5_input, "output_len": args.t5_output,
+             "seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds, "graphed": graphed,
+             "hf": hf_t5(args, config, inputs)}
+    best = max(entry["hf"], key=lambda row: row["output_tok_s"])
+    entry["hf_best_batch"], entry["speedup"] = best["batch"], entry["output_tok_s"] / best["output_tok_s"]
+    return entry
+
+
+def hf_t5(args, config, inputs: list[list[int]]) -> list[dict]:
+    from transformers import T5ForConditionalGeneration
+
+    dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
+    with torch.device(args.device):
+        model = T5ForConditionalGeneration(config).to(dtype).eval()
+    rows = []
+    for batch in args.hf_t5_batches:
+        batch = min(batch, len(inputs))
+        ids = torch.tensor(inputs[:batch], device=args.device)
+        kwargs = dict(do_sample=False, num_beams=1, eos_token_id=None, pad_token_id=0,
+                      attention_mask=torch.ones_like(ids))
+        with torch.inference_mode():
+            model.generate(ids, max_new_tokens=2, **kwargs)  # warm-up
+            sync(args.device)
+            started = time.perf_counter()
+            out = model.generate(ids, max_new_tokens=args.t5_output, **kwargs)
+            sync(args.device)
+        seconds = time.perf_counter() - started
+        assert out.shape[1] == 1 + args.t5_output, out.shape  # decoder start + the new tokens
+        rows.append({"batch": batch, "seconds": seconds, "output_tok_s": batch * args.t5_output / seconds})
+    del model
+    free_device_memory(args.device)
+    return rows
+
+
+# ---- report -------------------------------------------------------------------------------------
+
+def markdown(results: dict) -> str:
+    shapes = "tiny shapes (CPU smoke run)" if results["device"] == "cpu" else "Whisper large-v3 and Flan-T5-XL shapes"
+    lines = [f"### Encoder-decoder engines: {shapes} ({results['machine']}, "
+             f"{results['date']}, commit {results['commit']})", "", f"`{results['command']}`", "",
+             "| measurement | ours | transformers (best batch) | ratio (goal) |", "|---|---|---|---|"]
+    w = results.get("whisper")
+    if w:
+        hf = ", ".join(f"b{r['batch']}: {r['audio_s_per_s']:.0f}" for r in w["hf"])
+        lines.append(f"| Whisper: {w['clips']} concurrent 30-s clips, {w['transcript_tokens']}-token transcripts, "
+                     f"audio s/s (graphs: {w['graphed']}) | {w['audio_s_per_s']:.0f} ({w['seconds']:.2f} s) | "
+                     f"{hf} | {w['speedup']:.2f}x (>= {GOALS['whisper_speedup']:.0f}x) |")
+    s = results.get("whisper_step")
+    if s:
+        roof = (f"{s['roofline_fraction']:.0%} of the {s['roofline_step_ms']:.3f} ms roofline "
+                f"(>= {GOALS['whisper_step_roofline_fraction']:.0%})" if "roofline_fraction" in s else "no roofline (CPU)")
+        replay = (f"; graph replay alone {s['replay_ms']:.3f} ms = {s['replay_roofline_fraction']:.0%}"
+                  if "replay_roofline_fraction" in s else "")
+        lines.append(f"| Whisper batch-1 decoder step (graphs: {s['graphed']}), {s['bytes_per_step'] / 1e9:.2f} GB "
+                     f"moved | {s['step_ms_median']:.3f} ms | - | {roof}{replay} |")
+    t = results.get("t5")
+    if t:
+        hf = ", ".join(f"b{r['batch']}: {r['output_tok_s']:.0f}" for r in t["hf"])
+        name = "tiny T5" if results["device"] == "cpu" else "Flan-T5-XL"
+        lines.append(f"| {name}: {t['requests']} requests {t['input_len']}/{t['output_len']} offline, output "
+                     f"tok/s (graphs: {t['graphed']}) | {t['output_tok_s']:.0f} ({t['seconds']:.2f} s) | {hf} | "
+                     f"{t['speedup']:.2f}x (>= {GOALS['t5_speedup']:.0f}x) |")
+    if results.get("copy_GBps"):
+        lines += ["", f"Copy bandwidth {results['copy_GBps']:.0f} GB/s (2 GiB device-to-device, read + write)."]
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
+    p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run of tiny shapes")
+    p.add_argument("--dtype", default=None, help="engine dtype (default bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--clips", type=int, default=None, help="concurrent Whisper clips (default 64; CPU 4)")
+    p.add_argument("--transcript", type=int, default=None, help="tokens per transcript (default 100; CPU 6)")
+    p.add_argument("--hf-whisper-batches", default=None, help="transformers batch sizes (default 16,32,64; CPU 2,4)")
+    p.add_argument("--t5-requests", type=int, default=None, help="Flan-T5 requests (default 256; CPU 4)")
+    p.add_argument("--t5-input", type=int, default=None, help="encoder tokens per request (default 512; CPU 16)")
+    p.add_argument("--t5-output", type=int, default=None, help="output tokens per request (default 128; CPU 6)")
+    p.add_argument("--hf-t5-batches", default=None, help="transformers batch sizes (default 32,64,128; CPU 2,4)")
+    p.add_argument("--kv-fraction", type=float, default=0.8, help="kv_cache_free_gpu_mem_fraction of the executors")
+    p.add_argument("--profile-dir", default=None, help="write the decoder step's profiler table here")
+    p.add_argument("--out", default="encdec_bench.json")
+    p.add_argument("--results-md", default=None, help="append the markdown table to this file")
+    args = p.parse_args(argv)
+    cpu = args.device == "cpu"
+    defaults = dict(dtype="float32" if cpu else "bfloat16", clips=4 if cpu else 64, transcript=6 if cpu else 100,
+                    hf_whisper_batches="2,4" if cpu else "16,32,64", t5_requests=4 if cpu else 256,
+                    t5_input=16 if cpu else 512, t5_output=6 if cpu else 128, hf_t5_batches="2,4" if cpu else "32,64,128")
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    args.hf_whisper_batches = [int(b) for b in str(args.hf_whisper_batches).split(",")]
+    args.hf_t5_batches = [int(b) for b in str(args.hf_t5_batches).split(",")]
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    sections = args.sections.split(",")
+    results = {"date": utc_now(), "device": args.device, "machine": machine_summary(args.device), "commit": git_commit(),
+               "command": command_line(__file__, argv), "goals": GOALS}
+    bandwidth = copy_bandwidth(args.device)
+    results["copy_GBps"] = bandwidth / 1e9
+    started = time.perf_counter()
+    for name, run in (("whisper_step", lambda: bench_whisper_step(args, bandwidth)),
+                      ("whisper", lambda: bench_whisper(args)), ("t5", lambda: bench_t5(args))):
+        if name in sections:
+            t0 = time.perf_counter()
+            results[name] = run()
+            results[name]["section_seconds"] = time.perf_counter() - t0
+            Path(args.out).write_text(json.dumps(results, indent=2))  # what is done survives a later failure
+            print(f"{name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    results["seconds"] = time.perf_counter() - started
+    Path(args.out).write_text(json.dumps(results, indent=2))
+    table = markdown(results)
+    print(table)
+    if args.results_md:
+        with open(args.results_md, "a") as f:
+            f.write("\n" + table)
+    return results
+
+
+if __name__ == "__main__":
+    main()
