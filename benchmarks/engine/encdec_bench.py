@@ -39,7 +39,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: engine, kernels, benchmarks
 
-from benchmarks.common import command_line, free_device_memory, git_commit, machine_summary, utc_now  # noqa: E402
+from benchmarks.common import (command_line, free_device_memory, git_commit, machine_summary, print_table,  # noqa: E402
+                               utc_now)
 from benchmarks.engine.engine_bench import drain_offline  # noqa: E402
 from benchmarks.engine.hybrid_bench import copy_bandwidth  # noqa: E402
 from engine.config import BuildConfig, EngineConfig  # noqa: E402
@@ -394,11 +395,7 @@ def main(argv=None) -> dict:
             print(f"{name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     results["seconds"] = time.perf_counter() - started
     Path(args.out).write_text(json.dumps(results, indent=2))
-    table = markdown(results)
-    print(table)
-    if args.results_md:
-        with open(args.results_md, "a") as f:
-            f.write("\n" + table)
+    print_table(markdown(results), args.results_md)
     return results
 
 
