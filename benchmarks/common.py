@@ -375,7 +375,7 @@ def load_script(name: str, folder: str = "scripts"):
 def _model_shapes() -> dict[str, dict]:
     """ModelConfig fields of the shapes the benchmarks run, by name (``--model``)."""
     from engine.executor.random_weights import GEMMA3_12B_SHAPE
-    from engine.ssm.spec import NEMOTRON_H_8B_SHAPE, NEMOTRON_H_TINY_SHAPE
+    from engine.ssm.spec import JAMBA_MINI_SHAPE, JAMBA_TINY_SHAPE, NEMOTRON_H_8B_SHAPE, NEMOTRON_H_TINY_SHAPE
 
     shapes = {
         "llama8b": dict(
@@ -432,6 +432,8 @@ def _model_shapes() -> dict[str, dict]:
         "gemma3_12b": GEMMA3_12B_SHAPE,
         "nemotron_h_8b": NEMOTRON_H_8B_SHAPE,  # hybrid Mamba-2 (engine/ssm/): benchmarks/engine/hybrid_bench.py
         "nemotron_h_tiny": NEMOTRON_H_TINY_SHAPE,
+        "jamba_mini": JAMBA_MINI_SHAPE,  # Mamba-1 + attention + routed experts (engine/ssm/mamba1.py)
+        "jamba_tiny": JAMBA_TINY_SHAPE,
         "gemma3_tiny": dict(  # smoke tests with the Gemma 3 model on CPU
             GEMMA3_12B_SHAPE, vocab_size=512, hidden_size=64, num_layers=6, num_heads=4, num_kv_heads=2, head_dim=16,
             intermediate_size=128, sliding_window=16, max_position_embeddings=4096,

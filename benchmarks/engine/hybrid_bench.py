@@ -15,8 +15,9 @@ Sections (``--sections``, all by default):
    with ``--capacity-batch`` as max_batch_size, divided by what one such request needs. The memory
    advantage of the hybrid, in requests.
 
-Random weights of the real shapes (benchmarks/common.py MODELS: ``nemotron_h_8b``, ``llama8b``),
-made on the GPU at load. ``--device cpu --models nemotron_h_tiny,tiny`` is a smoke run.
+Random weights of the real shapes (benchmarks/common.py MODELS: ``nemotron_h_8b``, ``llama8b``; also
+``jamba_mini``, Jamba-1.5-Mini's Mamba-1 / MoE shape, 104 GB in bf16), made on the GPU at load.
+``--device cpu --models nemotron_h_tiny,tiny`` (or ``jamba_tiny``) is a smoke run.
 """
 from __future__ import annotations
 
@@ -55,13 +56,18 @@ def copy_bandwidth(device: str) -> float:
 
 
 def step_bytes(runner: ModelRunner, context: int) -> int:
-    """What one batch-1 decode step must move: weights (one embedding row of the table), each
-    Mamba layer's state read and written, and ``context`` tokens of the attention layers' KV."""
+    """What one batch-1 decode step must move: weights (one embedding row of the table; of routed
+    experts the top_k a row picks), each Mamba layer's state read and written, and ``context``
+    tokens of the attention layers' KV."""
     model = runner.model
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     embed = model.embed_tokens.weight
     if not runner.model_config.tie_word_embeddings:  # the table is gathered, not streamed
         weights -= embed.numel() * embed.element_size() - embed.shape[1] * embed.element_size()
+    for module in model.modules():  # routed experts (Jamba): one row reads top_k of them
+        if hasattr(module, "top_k") and hasattr(module, "gate_up_proj"):
+            experts = sum(p.numel() * p.element_size() for p in (module.gate_up_proj, module.down_proj))
+            weights -= experts - experts * module.top_k // module.gate_up_proj.shape[0]
     state = 2 * model.state_slot_bytes() if getattr(model, "uses_state_cache", False) else 0
     return weights + state + context * runner.kv_block_bytes // runner.tokens_per_block
 

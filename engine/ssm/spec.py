@@ -188,3 +188,33 @@ NEMOTRON_H_8B_SHAPE = _nemotron_h_shape()
 NEMOTRON_H_TINY_SHAPE = _nemotron_h_shape(hidden_size=64, num_layers=8, num_heads=4, num_kv_heads=2, head_dim=16,
                                           intermediate_size=128, vocab_size=512, mamba_heads=4, mamba_head_dim=16,
                                           n_groups=2, d_state=16, attention_every=4)
+
+
+def _jamba_shape(**overrides) -> dict:
+    """ModelConfig fields of a Jamba (benchmarks' random-weight engines), its layers laid out by
+    JambaConfig's rules: attention every attn_period layers from attn_offset, routed experts every
+    expert_period layers from expert_offset (engine/ssm/convert.py reads the same from a checkpoint)."""
+    base = dict(hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, intermediate_size=14336,
+                vocab_size=65536, num_experts=16, top_k=2, d_state=16, dt_rank=256, attn_period=8, attn_offset=4,
+                expert_period=2, expert_offset=1)
+    base.update(overrides)
+    blocks = []
+    for i in range(base["num_layers"]):
+        blocks.append("attention" if i % base["attn_period"] == base["attn_offset"] else "mamba")
+        blocks.append("moe" if i % base["expert_period"] == base["expert_offset"] else "mlp")
+    spec = SsmSpec(blocks=blocks, num_heads=2 * base["hidden_size"], head_dim=1, d_state=base["d_state"], n_groups=1,
+                   d_conv=4, mlp_act="silu", attention_rope=False, gated_norm="gate_only", mamba_version=1,
+                   dt_rank=base["dt_rank"], dt_norms=True).validate()
+    return dict(architecture="JambaForCausalLM", vocab_size=base["vocab_size"], hidden_size=base["hidden_size"],
+                num_layers=base["num_layers"], num_heads=base["num_heads"], num_kv_heads=base["num_kv_heads"],
+                head_dim=base["hidden_size"] // base["num_heads"], intermediate_size=base["intermediate_size"],
+                norm_eps=1e-6, max_position_embeddings=262144, hidden_act="silu", num_experts=base["num_experts"],
+                num_experts_per_tok=base["top_k"], moe_intermediate_size=base["intermediate_size"],
+                norm_topk_prob=False, ssm=spec.to_dict())
+
+
+# Jamba-1.5-Mini's published shape (32 layers: 28 Mamba-1 of width 8192, 4 attention; 16 of 16 MLPs
+# routed over 16 experts, top 2: 52B parameters, 12B active), and a tiny one for CPU smoke runs.
+JAMBA_MINI_SHAPE = _jamba_shape()
+JAMBA_TINY_SHAPE = _jamba_shape(hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=128,
+                                vocab_size=512, num_experts=4, dt_rank=4, attn_period=4, attn_offset=2)

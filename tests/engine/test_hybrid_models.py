@@ -153,13 +153,14 @@ def test_scheduler_runs_no_more_sequences_than_state_slots():
     assert most == 2 and slots.num_used == 0
 
 
-def test_tensor_parallel_build_is_refused(tmp_path):
+@pytest.mark.parametrize("family,architecture", [("bamba", "BambaForCausalLM"), ("jamba", "JambaForCausalLM")])
+def test_tensor_parallel_build_is_refused(tmp_path, family, architecture):
     from engine.config import ConfigError
 
-    model = tiny_hybrid("bamba")
+    model = tiny_hybrid(family)
     build = BuildConfig(dtype="float32", max_batch_size=2, max_input_len=64, max_seq_len=64, max_num_tokens=64,
                         tp_size=2)
-    with pytest.raises(ConfigError, match="tensor parallelism"):
+    with pytest.raises(ConfigError, match=f"{architecture}: tensor parallelism"):
         build_from_hf(model.config, getter_from_state_dict(model.state_dict(), "t"), None, str(tmp_path), build,
                       progress=False)
 
