@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: en
 
 from benchmarks.common import (command_line, free_device_memory, git_commit, machine_summary, print_table,  # noqa: E402
                                utc_now)
-from benchmarks.engine.engine_bench import drain_offline  # noqa: E402
+from benchmarks.engine.engine_bench import drain_offline, iteration_breakdown  # noqa: E402
 from benchmarks.engine.hybrid_bench import copy_bandwidth  # noqa: E402
 from engine.config import BuildConfig, EngineConfig  # noqa: E402
 from engine.encoder_decoder.spec import spec_from_hf  # noqa: E402
@@ -114,18 +114,43 @@ def run_offline(executor, requests: list[Request]) -> tuple[float, int]:
     return time.perf_counter() - started, tokens
 
 
-def executor_offline(args, engine: str, requests, tokens: int) -> tuple[float, int, bool]:
+def executor_offline(args, engine: str, requests, tokens: int, cpu_kv_tokens: int) -> dict:
     """Start an executor on ``engine``, warm it up with ``requests(4)`` (the encoder's kernels at
-    this batch, the prompt step, the graphs), then time ``requests(tokens)`` enqueued at once;
-    returns (seconds, output tokens, whether decode steps replay graphs). The executor and its
-    pools are gone when this returns (the transformers model comes next on the same GPU)."""
-    with Executor(engine, ExecutorConfig(kv_cache_free_gpu_mem_fraction=args.kv_fraction), device=args.device) as ex:
+    this batch, the prompt step, the graphs), then time ``requests(tokens)`` enqueued at once.
+    Returns seconds, output_tokens, graphed (decode graphs captured), graph_steps / steps (decode
+    steps replayed from them / all forwards), encoder_seconds (the encoder runs, synchronized) and
+    the executor's iteration breakdown (engine_bench.iteration_breakdown). The executor and its
+    pools are gone when this returns (the transformers model comes next on the same GPU).
+    ``cpu_kv_tokens``: the self pool's tokens on the CPU (its default pool there is a few blocks;
+    the cross pool is as large), so that every request runs at once there too."""
+    config = ExecutorConfig(kv_cache_free_gpu_mem_fraction=args.kv_fraction,
+                            max_tokens_in_paged_kv_cache=cpu_kv_tokens if args.device == "cpu" else None)
+    with Executor(engine, config, device=args.device) as ex:
         run_offline(ex, requests(4))
+        runner, counts = ex.runner, {"graph_steps": 0, "steps": 0, "encoder_seconds": 0.0}
+        encode_into, forward, graphs = runner.encode_into, runner.forward, runner.decode_graphs
+
+        def timed_encode(*a, **k):
+            started = time.perf_counter()
+            encode_into(*a, **k)
+            sync(args.device)
+            counts["encoder_seconds"] += time.perf_counter() - started
+
+        def counted_forward(*a, **k):
+            counts["steps"] += 1
+            return forward(*a, **k)
+
+        runner.encode_into, runner.forward = timed_encode, counted_forward
+        if graphs is not None:
+            run = graphs.run
+            graphs.run = lambda *a: counts.__setitem__("graph_steps", counts["graph_steps"] + 1) or run(*a)
+        since = time.time_ns()
         seconds, output_tokens = run_offline(ex, requests(tokens))
-        graphed = ex.runner.decode_graphs is not None
-    del ex
+        entry = {"seconds": seconds, "output_tokens": output_tokens, "graphed": graphs is not None, **counts,
+                 "iterations": iteration_breakdown(ex, since)}
+    del ex, runner, graphs
     free_device_memory(args.device)
-    return seconds, output_tokens, graphed
+    return entry
 
 
 # ---- Whisper ------------------------------------------------------------------------------------
@@ -151,10 +176,9 @@ def bench_whisper(args) -> dict:
     def requests(tokens: int) -> list[Request]:
         return [Request(list(WHISPER_PROMPT), tokens, encoder_input_features=f, output=out) for f in features]
 
-    seconds, tokens, graphed = executor_offline(args, engine, requests, args.transcript)
-    audio = args.clips * CLIP_SECONDS
-    entry = {"clips": args.clips, "transcript_tokens": args.transcript, "seconds": seconds, "output_tokens": tokens,
-             "audio_s_per_s": audio / seconds, "graphed": graphed, "hf": hf_whisper(args, config, features)}
+    run = executor_offline(args, engine, requests, args.transcript, args.clips * (config.max_source_positions + 128))
+    entry = {"clips": args.clips, "transcript_tokens": args.transcript, **run,
+             "audio_s_per_s": args.clips * CLIP_SECONDS / run["seconds"], "hf": hf_whisper(args, config, features)}
     best = max(entry["hf"], key=lambda row: row["audio_s_per_s"])
     entry["hf_best_batch"], entry["speedup"] = best["batch"], entry["audio_s_per_s"] / best["audio_s_per_s"]
     return entry
@@ -280,10 +304,10 @@ def bench_t5(args) -> dict:
     def requests(tokens: int) -> list[Request]:
         return [Request([], tokens, encoder_input_ids=ids, output=out) for ids in inputs]
 
-    seconds, tokens, graphed = executor_offline(args, engine, requests, args.t5_output)
-    entry = {"requests": args.t5_requests, "input_len": args.t5_input, "output_len": args.t5_output,
-             "seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds, "graphed": graphed,
-             "hf": hf_t5(args, config, inputs)}
+    run = executor_offline(args, engine, requests, args.t5_output,
+                           args.t5_requests * (args.t5_input + args.t5_output + 64))
+    entry = {"requests": args.t5_requests, "input_len": args.t5_input, "output_len": args.t5_output, **run,
+             "output_tok_s": run["output_tokens"] / run["seconds"], "hf": hf_t5(args, config, inputs)}
     best = max(entry["hf"], key=lambda row: row["output_tok_s"])
     entry["hf_best_batch"], entry["speedup"] = best["batch"], entry["output_tok_s"] / best["output_tok_s"]
     return entry
@@ -343,6 +367,16 @@ def markdown(results: dict) -> str:
         lines.append(f"| {name}: {t['requests']} requests {t['input_len']}/{t['output_len']} offline, output "
                      f"tok/s (graphs: {t['graphed']}) | {t['output_tok_s']:.0f} ({t['seconds']:.2f} s) | {hf} | "
                      f"{t['speedup']:.2f}x (>= {GOALS['t5_speedup']:.0f}x) |")
+    for name, entry in (("Whisper", w), ("T5", t)):
+        if entry and "iterations" in entry:
+            it = entry["iterations"]
+            step = (f"; decode-only iterations at batch {it['decode_batch']}: {it['decode_step_ms_median']:.2f} ms "
+                    f"median" if "decode_batch" in it else "")
+            replay = f" (its graph's replay {it['decode_graph_replay_ms']:.2f} ms)" if "decode_graph_replay_ms" in it else ""
+            lines += ["", f"{name} run: encoder {entry['encoder_seconds']:.2f} s; {entry['graph_steps']} of "
+                      f"{entry['steps']} forwards replayed from graphs; iterations with prompt tokens "
+                      f"{it['context_seconds']:.2f} s, decode-only {it['decode_seconds']:.2f} s ({it['decode_iterations']})"
+                      f"{step}{replay}."]
     if results.get("copy_GBps"):
         lines += ["", f"Copy bandwidth {results['copy_GBps']:.0f} GB/s (2 GiB device-to-device, read + write)."]
     return "\n".join(lines) + "\n"
