@@ -24,7 +24,8 @@ from typing import Callable
 from aiohttp import web
 
 from openai_frontend import sse
-from openai_frontend.audio import read_audio_request, render, text_prefix
+from openai_frontend.audio import (Transcript, delta_event, done_event, read_audio_request, render, stream_headers,
+                                   text_delta, text_prefix)
 from openai_frontend.chat_template import PromptBuilder
 from openai_frontend.detokenizer import fast_decode
 from openai_frontend.errors import APIError, bad_request, model_not_found, server_error
@@ -219,7 +220,7 @@ async def translations(request: web.Request) -> web.Response:
     return await _audio(request, "translate")
 
 
-async def _audio(request: web.Request, task: str) -> web.Response:
+async def _audio(request: web.Request, task: str) -> web.StreamResponse:
     """OpenAI's audio endpoints through whisper_bls (openai_frontend/audio.py)."""
     frontend = request.app[FRONTEND]
     if frontend.config.audio_model is None:
@@ -229,9 +230,33 @@ async def _audio(request: web.Request, task: str) -> web.Response:
     if audio.model is not None:
         frontend.check_model(str(audio.model))
     await frontend.client.ensure_ready()
-    text = await frontend.client.transcribe(frontend.config.audio_model, audio.samples,
-                                            text_prefix(audio.language, task))
-    return render(text, audio, task)
+    results = frontend.client.transcribe(frontend.config.audio_model, audio.samples, text_prefix(audio.language, task))
+    async with aclosing(results):
+        if not audio.stream:
+            last = Transcript("")
+            async for last in results:
+                pass
+            return render(last, audio, task)
+        first = await anext(results, None)  # before the 200: an error here still gets its own status
+        response = web.StreamResponse(headers={**sse.HEADERS, **stream_headers(audio)})
+        await response.prepare(request)
+        text = ""
+        try:
+            while first is not None:
+                delta = text_delta(text, first.text)
+                if delta:
+                    await response.write(sse.event(delta_event(delta)))
+                text, first = first.text, await anext(results, None)
+            await response.write(sse.event(done_event(text)))
+            await response.write(sse.DONE)
+        except APIError as error:  # after the 200 has gone out: as an event, as OpenAI streams errors
+            await response.write(sse.event(error.body()))
+            await response.write(sse.DONE)
+        except ConnectionError:  # the client hung up: closing `results` cancels the Triton call
+            request["hung_up"] = True
+            return response
+        await response.write_eof()
+        return response
 
 
 async def _json_body(request: web.Request):

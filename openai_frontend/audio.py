@@ -1,21 +1,29 @@
 """OpenAI /v1/audio/transcriptions and /v1/audio/translations, through the `whisper_bls` model.
 
-A multipart form (OpenAI's fields): ``file`` (required; WAV, 16- or 32-bit PCM, or 32-bit float,
-any rate: other rates are resampled to 16 kHz by linear interpolation and the response says so in
-the ``x-tritonllm-resampled`` header), ``model`` (the served name), ``language`` (ISO 639-1, default
-en), ``prompt``, ``response_format`` (json, text, verbose_json, srt, vtt), ``temperature`` (0 only:
-whisper_bls decodes greedily), ``timestamp_granularities[]``, ``stream``. The text is whisper_bls's
-TRANSCRIPTS for TEXT_PREFIX <|startoftranscript|><|lang|><|transcribe or translate|><|notimestamps|>.
+A multipart form (OpenAI's fields): ``file`` (required; any format libsndfile decodes: wav, flac,
+mp3, ogg; any rate: other rates are resampled to 16 kHz by linear interpolation and the response
+says so in the ``x-tritonllm-resampled`` header and, for json bodies, a ``warnings`` list),
+``model`` (the served name), ``language`` (ISO 639-1, default en), ``prompt``, ``response_format``
+(json, text, verbose_json, srt, vtt), ``temperature`` (0 only: whisper_bls decodes greedily),
+``timestamp_granularities[]`` (segment), ``stream``. The text is whisper_bls's TRANSCRIPTS for
+TEXT_PREFIX <|startoftranscript|><|lang|><|transcribe or translate|><|notimestamps|>; audio longer
+than the model's window is decoded window after window (serving/whisper.py), each window one
+segment of verbose_json/srt/vtt.
 
-Refused by name (400): a file that is not such a WAV (flac, mp3: no decoder is installed), empty
-audio, audio longer than the model's window (whisper_bls says), ``prompt``, ``stream`` true, word or
-segment timestamps beyond the one segment of the whole clip, a temperature other than 0.
+``stream`` true (json or text only): server-sent events as OpenAI's API sends them,
+``transcript.text.delta`` events (``delta``: the new text) and one ``transcript.text.done`` (``text``:
+all of it), then ``data: [DONE]``. A decoupled whisper_bls streams as it decodes; a non-decoupled
+one answers once, so its deltas come together at the end (one per window).
+
+Refused by name (400): a file that does not decode, empty audio, audio longer than whisper_bls's
+max_audio_seconds (whisper_bls says), ``prompt``, word timestamps (not built: segment bounds are the
+windows, no timestamp tokens are predicted), ``stream`` with verbose_json/srt/vtt, a temperature
+other than 0.
 """
 from __future__ import annotations
 
 import io
-import wave
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from aiohttp import web
@@ -24,10 +32,18 @@ from openai_frontend.errors import bad_request
 
 SAMPLE_RATE = 16000
 RESPONSE_FORMATS = ("json", "text", "verbose_json", "srt", "vtt")
+STREAM_FORMATS = ("json", "text")
 
 
 def _bad(message: str, field: str):
     return bad_request(field, message)
+
+
+@dataclass
+class Segment:
+    start: float  # seconds
+    end: float
+    text: str
 
 
 @dataclass
@@ -37,10 +53,22 @@ class AudioRequest:
     language: str
     response_format: str
     resampled_from: int | None  # the file's rate when it was not 16 kHz
+    stream: bool = False
 
     @property
     def seconds(self) -> float:
         return self.samples.size / SAMPLE_RATE
+
+    @property
+    def warnings(self) -> list[str]:
+        return [f"the audio was resampled from {self.resampled_from} Hz to {SAMPLE_RATE} Hz (linear "
+                "interpolation)"] if self.resampled_from else []
+
+
+@dataclass
+class Transcript:
+    text: str
+    segments: list[Segment] = field(default_factory=list)
 
 
 async def read_audio_request(request: web.Request) -> AudioRequest:
@@ -51,19 +79,20 @@ async def read_audio_request(request: web.Request) -> AudioRequest:
     upload = form.get("file")
     if upload is None or not hasattr(upload, "file"):
         raise _bad("file is required: the audio as a multipart file field", "file")
-    samples, rate = decode_wav(upload.file.read())
+    samples, rate = decode_audio(upload.file.read())
     fmt = str(form.get("response_format") or "json")
     if fmt not in RESPONSE_FORMATS:
         raise _bad(f"response_format {fmt!r} is not supported; allowed: {', '.join(RESPONSE_FORMATS)}",
-                          "response_format")
+                   "response_format")
     if form.get("prompt"):
         raise _bad("prompt is not supported yet; send the request without it", "prompt")
-    if str(form.get("stream") or "false").lower() not in ("false", "0"):
-        raise _bad("stream is not supported for audio yet; send stream false", "stream")
+    stream = str(form.get("stream") or "false").lower() not in ("false", "0")
+    if stream and fmt not in STREAM_FORMATS:
+        raise _bad(f"stream is supported with response_format {' or '.join(STREAM_FORMATS)}, not {fmt}", "stream")
     granularities = set(form.getall("timestamp_granularities[]", [])) | set(form.getall("timestamp_granularities", []))
     if granularities - {"segment"}:
-        raise _bad(f"timestamp_granularities {sorted(granularities)}: only segment (the whole clip as one "
-                          "segment) is supported", "timestamp_granularities")
+        raise _bad(f"timestamp_granularities {sorted(granularities)}: only segment is supported (one segment per "
+                   "30-s window; word timestamps are not built)", "timestamp_granularities")
     try:
         temperature = float(form.get("temperature") or 0)
     except ValueError:
@@ -74,27 +103,23 @@ async def read_audio_request(request: web.Request) -> AudioRequest:
     if not language.isalpha() or len(language) > 3:
         raise _bad(f"language {language!r} is not an ISO 639-1 code such as en or de", "language")
     return AudioRequest(resample(samples, rate), form.get("model"), language.lower(), fmt,
-                        None if rate == SAMPLE_RATE else rate)
+                        None if rate == SAMPLE_RATE else rate, stream)
 
 
-def decode_wav(data: bytes) -> tuple[np.ndarray, int]:
-    """(mono float32 samples, rate) of a PCM or float WAV file; 400 naming ``file`` otherwise."""
+def decode_audio(data: bytes) -> tuple[np.ndarray, int]:
+    """(mono float32 samples, rate) of an audio file libsndfile decodes (wav, flac, mp3, ogg...);
+    400 naming ``file`` otherwise."""
+    import soundfile  # libsndfile >= 1.1 in its wheel: mp3 too (pinned in scripts/setup_env.sh)
+
+    if not data:
+        raise _bad("file is empty; send wav, flac, mp3 or ogg audio", "file")
     try:
-        with wave.open(io.BytesIO(data), "rb") as f:
-            rate, width, channels, frames = f.getframerate(), f.getsampwidth(), f.getnchannels(), \
-                f.readframes(f.getnframes())
-    except (wave.Error, EOFError) as error:
-        raise _bad(f"file is not a WAV file this server can decode ({error}); send 16- or 32-bit PCM WAV "
-                          "(flac and mp3 are not decoded here)", "file") from None
-    if width not in (2, 4):
-        raise _bad(f"file holds {8 * width}-bit samples; send 16- or 32-bit PCM WAV", "file")
-    samples = np.frombuffer(frames, dtype=np.int16 if width == 2 else np.int32).astype(np.float32)
-    samples /= 32768.0 if width == 2 else 2147483648.0
-    if channels > 1:
-        samples = samples.reshape(-1, channels).mean(axis=1)
+        samples, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
+    except Exception as error:  # libsndfile's own error (soundfile.LibsndfileError) or a bad header
+        raise _bad(f"file could not be decoded as audio ({error}); send wav, flac, mp3 or ogg", "file") from None
     if samples.size == 0:
         raise _bad("file holds no audio samples", "file")
-    return samples, rate
+    return np.ascontiguousarray(samples.mean(axis=1) if samples.shape[1] > 1 else samples[:, 0]), int(rate)
 
 
 def resample(samples: np.ndarray, rate: int) -> np.ndarray:
@@ -114,20 +139,51 @@ def _clock(seconds: float, separator: str) -> str:
     return f"{millis // 3600000:02d}:{millis // 60000 % 60:02d}:{millis // 1000 % 60:02d}{separator}{millis % 1000:03d}"
 
 
-def render(text: str, audio: AudioRequest, task: str) -> web.Response:
-    """The response in ``audio.response_format``; the whole clip is one segment."""
-    headers = {"x-tritonllm-resampled": f"{audio.resampled_from}->{SAMPLE_RATE}"} if audio.resampled_from else None
-    fmt, end = audio.response_format, audio.seconds
+def _headers(audio: AudioRequest) -> dict | None:
+    return {"x-tritonllm-resampled": f"{audio.resampled_from}->{SAMPLE_RATE}"} if audio.resampled_from else None
+
+
+def render(result: Transcript, audio: AudioRequest, task: str) -> web.Response:
+    """The response in ``audio.response_format``; one segment per decoded window."""
+    headers, fmt, text = _headers(audio), audio.response_format, result.text
+    segments = result.segments or [Segment(0.0, audio.seconds, text)]
+    warnings = {"warnings": audio.warnings} if audio.warnings else {}
     if fmt == "json":
-        return web.json_response({"text": text}, headers=headers)
+        return web.json_response({"text": text, **warnings}, headers=headers)
     if fmt == "verbose_json":
-        segment = {"id": 0, "seek": 0, "start": 0.0, "end": end, "text": text, "temperature": 0.0}
-        return web.json_response({"task": task, "language": audio.language, "duration": end, "text": text,
-                                  "segments": [segment]}, headers=headers)
+        rows = [{"id": i, "seek": int(round(s.start * 100)), "start": s.start, "end": s.end, "text": s.text,
+                 "temperature": 0.0} for i, s in enumerate(segments)]
+        return web.json_response({"task": task, "language": audio.language, "duration": audio.seconds, "text": text,
+                                  "segments": rows, **warnings}, headers=headers)
     if fmt == "srt":
-        body = f"1\n{_clock(0, ',')} --> {_clock(end, ',')}\n{text}\n"
+        body = "\n".join(f"{i + 1}\n{_clock(s.start, ',')} --> {_clock(s.end, ',')}\n{s.text}\n"
+                         for i, s in enumerate(segments))
     elif fmt == "vtt":
-        body = f"WEBVTT\n\n{_clock(0, '.')} --> {_clock(end, '.')}\n{text}\n"
+        body = "WEBVTT\n\n" + "\n".join(f"{_clock(s.start, '.')} --> {_clock(s.end, '.')}\n{s.text}\n"
+                                        for s in segments)
     else:
         body = text
     return web.Response(text=body, headers=headers)
+
+
+def stream_headers(audio: AudioRequest) -> dict:
+    return _headers(audio) or {}
+
+
+def delta_event(delta: str) -> dict:
+    return {"type": "transcript.text.delta", "delta": delta}
+
+
+def done_event(text: str) -> dict:
+    return {"type": "transcript.text.done", "text": text}
+
+
+def text_delta(before: str, now: str) -> str:
+    """The new text of a stream whose responses carry the whole text so far (whisper_bls's):
+    ``now`` past ``before``; when detokenization rewrote the tail, the text from where they part."""
+    common = 0
+    for a, b in zip(before, now):
+        if a != b:
+            break
+        common += 1
+    return now[common:]

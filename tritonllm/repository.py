@@ -49,6 +49,7 @@ def has_vision_encoder(engine_dir: str) -> bool:
 ENCODER_DIR, DECODER_DIR = "encoder", "decoder"
 WHISPER_AUDIO_MODEL = "whisper_bls"  # the OpenAI frontend's --audio_model of a whisper repository
 WHISPER_MAX_TOKENS = 96  # whisper_bls's request_output_len (a 30-s window's transcript fits)
+WHISPER_MAX_AUDIO_SECONDS = "1800"  # longer audio is refused by name (windows are decoded one after another)
 
 
 def _decoder_config(engine_dir: str) -> dict:
@@ -88,7 +89,8 @@ def kind_substitutions(kind: str, engine_dir: str, max_batch_size: int) -> dict[
         return {"tensorrt_llm": {**encoder_decoder_substitutions(engine_dir)["tensorrt_llm"], "decoupled_mode": "false",
                                  "engine_dir": decoder, "tokenizer_dir": decoder},
                 "whisper_bls": {"decoupled_mode": "false", "n_mels": mels, "zero_pad": "false", "engine_dir": decoder,
-                                "tensorrt_llm_model_name": "tensorrt_llm", "max_tokens": max_tokens}}
+                                "tensorrt_llm_model_name": "tensorrt_llm", "max_tokens": max_tokens,
+                                "max_audio_seconds": WHISPER_MAX_AUDIO_SECONDS, "tensorrt_llm_streaming": "false"}}
     if kind != "multimodal":
         return {}
     encoder_dir = os.path.join(engine_dir, VISION_ENCODER_DIR)

@@ -19,7 +19,8 @@ encoder-decoder engine: engine/encoder_decoder/) through the stock text reposito
 anchor's keys (encoder_engine_dir, cross_kv_cache_fraction, encoder_input_features_data_type), as
 `ensemble_t5`, `tensorrt_llm_bls_t5`, `preprocessing`, `tensorrt_llm_t5` and `postprocessing`, and a tiny Whisper
 as `tensorrt_llm_whisper` behind the anchor's `whisper_bls` (all_models/whisper), which
-tools/whisper/client.py calls."""
+tools/whisper/client.py and the OpenAI audio endpoints (through the official `openai` client) call,
+and a decoupled copy `whisper_bls_stream` for the streamed path."""
 import os
 import shutil
 import sys
@@ -207,6 +208,9 @@ def _add_disaggregated_bls(repo: Path, llm: str) -> None:
     config.write_text(fill_template(config.read_text(), values))
 
 
+MAX_AUDIO_SECONDS = 4  # whisper_bls's limit here: the tiny Whisper's window is 1 s (tests/tiny_encdec.py)
+
+
 def _add_whisper_repository(tmp_path_factory, work: Path, repo: Path) -> tuple[transformers.PreTrainedModel, Path]:
     """(model, engine root): tensorrt_llm_whisper (the stock model filled for the Whisper decoder/ and encoder/) and
     whisper_bls (all_models/whisper, filled as the anchor's docs/whisper.md does, one instance)."""
@@ -223,10 +227,16 @@ def _add_whisper_repository(tmp_path_factory, work: Path, repo: Path) -> tuple[t
     config.write_text(config.read_text().replace('name: "tensorrt_llm"', 'name: "tensorrt_llm_whisper"', 1))
     shutil.copytree(Path(ROOT) / "all_models" / "whisper" / "whisper_bls", repo / "whisper_bls",
                     ignore=shutil.ignore_patterns("__pycache__"))
-    config = repo / "whisper_bls" / "config.pbtxt"
-    values = f"decoupled_mode:false,n_mels:8,zero_pad:false,engine_dir:{engine / 'decoder'}," \
-             "tensorrt_llm_model_name:tensorrt_llm_whisper,max_tokens:8"
-    config.write_text(fill_template(config.read_text(), values).replace("count: 8", "count: 1"))
+    shutil.copytree(repo / "whisper_bls", repo / "whisper_bls_stream")
+    for name, decoupled in (("whisper_bls", "false"), ("whisper_bls_stream", "true")):
+        # whisper_bls_stream: decoupled, calling the non-decoupled tensorrt_llm_whisper once per
+        # window, so it streams per window (long-form audio) with no second engine process
+        config = repo / name / "config.pbtxt"
+        values = f"decoupled_mode:{decoupled},n_mels:8,zero_pad:false,engine_dir:{engine / 'decoder'}," \
+                 f"tensorrt_llm_model_name:tensorrt_llm_whisper,max_tokens:8,max_audio_seconds:{MAX_AUDIO_SECONDS}," \
+                 "tensorrt_llm_streaming:false"
+        text = fill_template(config.read_text(), values).replace("count: 8", "count: 1")
+        config.write_text(text.replace('name: "whisper_bls"', f'name: "{name}"', 1))
     return model, engine
 
 
@@ -476,19 +486,10 @@ def test_whisper_bad_audio_is_named(served_families):
         client.close()
 
 
-def _wav_bytes(pcm: np.ndarray, rate: int = 16000) -> bytes:
-    import io
-    import wave
-
-    buffer = io.BytesIO()
-    with wave.open(buffer, "wb") as f:
-        f.setnchannels(1), f.setsampwidth(2), f.setframerate(rate), f.writeframes(pcm.astype(np.int16).tobytes())
-    return buffer.getvalue()
-
-
 @pytest.fixture(scope="module")
 def audio_frontend(served_families):
-    """The OpenAI frontend, in this process on a free port, in front of the server's whisper_bls."""
+    """OpenAI frontends, in this process on free ports, in front of the server's whisper_bls and
+    whisper_bls_stream: {audio model: base url}."""
     import asyncio
     import threading
 
@@ -499,49 +500,151 @@ def audio_frontend(served_families):
 
     models, server = served_families
     decoder = models["whisper_engine"] / "decoder"
-    config = FrontendConfig(grpc_url=server.grpc_url, tokenizer_dir=str(decoder), served_model_name="whisper",
-                            triton_model="tensorrt_llm_whisper", llm_model="tensorrt_llm_whisper",
-                            audio_model="whisper_bls")
-    loop, port, started = asyncio.new_event_loop(), free_port(), threading.Event()
-    runner = web.AppRunner(create_app(config))
-
-    async def start():
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        started.set()
-
-    thread = threading.Thread(target=lambda: (loop.run_until_complete(start()), loop.run_forever()), daemon=True)
+    loop, started = asyncio.new_event_loop(), threading.Event()
+    thread = threading.Thread(target=lambda: (started.set(), loop.run_forever()), daemon=True)
     thread.start()
     assert started.wait(30)
-    yield f"http://127.0.0.1:{port}"
-    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+    urls, runners = {}, []
+    for audio_model in ("whisper_bls", "whisper_bls_stream"):
+        config = FrontendConfig(grpc_url=server.grpc_url, tokenizer_dir=str(decoder), served_model_name="whisper",
+                                triton_model="tensorrt_llm_whisper", llm_model="tensorrt_llm_whisper",
+                                audio_model=audio_model)
+        runner, port = web.AppRunner(create_app(config)), free_port()
+
+        async def start(runner=runner, port=port):
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+
+        asyncio.run_coroutine_threadsafe(start(), loop).result(30)
+        urls[audio_model] = f"http://127.0.0.1:{port}"
+        runners.append(runner)
+    yield urls
+    for runner in runners:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
     loop.call_soon_threadsafe(loop.stop)
 
 
-def test_openai_audio_transcriptions(served_families, audio_frontend):
-    """/v1/audio/transcriptions (json, verbose_json, srt; a 44.1-kHz file resampled and said so)
-    gives whisper_bls's transcript of the same audio; a file that is not WAV is a 400 naming file."""
-    import requests
+def _encoded(samples: np.ndarray, fmt: str, rate: int = 16000) -> bytes:
+    import io
 
-    from serving.whisper import audio_samples, log_mel, transcript
+    import soundfile
+
+    buffer = io.BytesIO()
+    soundfile.write(buffer, samples, rate, format=fmt)
+    return buffer.getvalue()
+
+
+def _expected_transcript(model, samples: np.ndarray, prefix: str = "") -> tuple[str, list[str]]:
+    """(text, per-window texts) transformers gives for 16-kHz ``samples``: its greedy ids after the
+    prompt for each window serving/whisper.py cuts (transformers' long-form slices; the window
+    test in tests/serving/test_whisper_inputs.py holds them to transformers' own), 8 tokens each."""
+    from serving.whisper import prompt_ids, transcript, windows
     from tiny_encdec import feature_extractor, generate_whisper, tokenizer
 
+    prompt = prompt_ids(tokenizer(), prefix)
+    ids = [[t for t in generate_whisper(model, torch.tensor(w.features), 8, prompt=prompt) if t != 1]  # eos out
+           for w in windows(feature_extractor(), samples, zero_pad=False)]
+    return transcript(tokenizer(), [t for window in ids for t in window]), [transcript(tokenizer(), w) for w in ids]
+
+
+def test_openai_audio_formats_through_the_openai_client(served_families, audio_frontend):
+    """The official client's transcriptions/translations (json, text, verbose_json, srt, vtt) on
+    FLAC, MP3 and a 44.1-kHz WAV (resampled and said so): the text = transformers' greedy text of
+    the same (decoded) samples."""
+    import openai
+
+    from openai_frontend.audio import decode_audio, resample
+
     models, _ = served_families
-    pcm = (np.random.default_rng(0).uniform(-0.5, 0.5, 8000) * 32767).astype(np.int16)
-    features = log_mel(feature_extractor(), audio_samples(pcm.astype(np.float32) / 32768.0, None), zero_pad=False)
-    expected = transcript(tokenizer(), generate_whisper(models["whisper"], torch.tensor(features), 8))
-    url = f"{audio_frontend}/v1/audio/transcriptions"
+    pcm = np.random.default_rng(0).uniform(-0.5, 0.5, 8000).astype(np.float32)
+    flac, mp3 = _encoded(pcm, "FLAC"), _encoded(pcm, "MP3")
+    expected, _ = _expected_transcript(models["whisper"], decode_audio(flac)[0])
+    with openai.OpenAI(base_url=f"{audio_frontend['whisper_bls']}/v1", api_key="unused", max_retries=0) as client:
+        def create(data, fmt="json", name="clip.flac", **kwargs):
+            return client.audio.transcriptions.create(model="whisper", file=(name, data), response_format=fmt, **kwargs)
 
-    def post(data, wav=_wav_bytes(pcm)):
-        return requests.post(url, files={"file": ("clip.wav", wav, "audio/wav")}, data=data, timeout=60)
+        assert expected and create(flac).text == expected
+        assert create(flac, "text").strip() == expected
+        verbose = create(flac, "verbose_json", timestamp_granularities=["segment"])
+        assert verbose.text == expected and verbose.duration == 0.5 and verbose.language == "en"
+        assert [(s.start, s.end, s.text) for s in verbose.segments] == [(0.0, 0.5, expected)]
+        assert create(flac, "srt") == f"1\n00:00:00,000 --> 00:00:00,500\n{expected}\n"
+        assert create(flac, "vtt") == f"WEBVTT\n\n00:00:00.000 --> 00:00:00.500\n{expected}\n"
+        assert create(mp3, name="clip.mp3").text == _expected_transcript(models["whisper"], decode_audio(mp3)[0])[0]
+        raw = client.audio.transcriptions.with_raw_response.create(
+            model="whisper", file=("clip.wav", _encoded(np.repeat(pcm, 3)[:22050], "WAV", 44100)))
+        assert raw.headers["x-tritonllm-resampled"] == "44100->16000"
+        assert "resampled from 44100 Hz" in raw.http_response.json()["warnings"][0]
+        samples = resample(np.repeat(pcm, 3)[:22050], 44100)
+        assert raw.parse().text == _expected_transcript(models["whisper"], samples)[0]
+        prefix = "<|startoftranscript|><|en|><|translate|><|notimestamps|>"
+        translated = client.audio.translations.create(model="whisper", file=("clip.flac", flac))
+        assert translated.text == _expected_transcript(models["whisper"], decode_audio(flac)[0], prefix)[0]
 
-    response = post({"model": "whisper"})
-    assert response.status_code == 200, response.text
-    assert response.json() == {"text": expected}
-    verbose = post({"model": "whisper", "response_format": "verbose_json"}).json()
-    assert verbose["text"] == expected and verbose["duration"] == 0.5 and verbose["language"] == "en"
-    assert post({"response_format": "srt"}).text == f"1\n00:00:00,000 --> 00:00:00,500\n{expected}\n"
-    resampled = post({"response_format": "text"}, wav=_wav_bytes(np.repeat(pcm, 2)[:22050], rate=44100))
-    assert resampled.status_code == 200 and resampled.headers["x-tritonllm-resampled"] == "44100->16000"
-    bad = post({}, wav=b"ID3 not a wav")
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "file"
+
+def test_openai_audio_long_form_and_stream(served_families, audio_frontend):
+    """2.5 s of audio against the tiny 1-s window: three windows decoded in turn, the text and the
+    verbose_json segments = transformers' per window; stream=True through the decoupled
+    whisper_bls_stream sends a delta per window and the same text in transcript.text.done (the
+    non-decoupled whisper_bls streams it all at once)."""
+    import openai
+
+    models, _ = served_families
+    pcm = np.random.default_rng(1).uniform(-0.5, 0.5, 40000).astype(np.float32)
+    flac = _encoded(pcm, "FLAC")
+    from openai_frontend.audio import decode_audio
+
+    expected, pieces = _expected_transcript(models["whisper"], decode_audio(flac)[0])
+    for model, min_deltas in (("whisper_bls_stream", 2), ("whisper_bls", 1)):
+        with openai.OpenAI(base_url=f"{audio_frontend[model]}/v1", api_key="unused", max_retries=0) as client:
+            verbose = client.audio.transcriptions.create(model="whisper", file=("long.flac", flac),
+                                                         response_format="verbose_json")
+            assert [(s.start, s.end, s.text) for s in verbose.segments] == \
+                [(0.0, 1.0, pieces[0]), (1.0, 2.0, pieces[1]), (2.0, 2.5, pieces[2])]
+            assert verbose.text == expected and verbose.duration == 2.5
+            events = list(client.audio.transcriptions.create(model="whisper", file=("long.flac", flac), stream=True))
+        deltas = [e.delta for e in events if e.type == "transcript.text.delta"]
+        assert events[-1].type == "transcript.text.done" and events[-1].text == expected, (model, events)
+        assert len(deltas) >= min_deltas and "".join(deltas) == expected, (model, deltas)
+
+
+def test_bad_audio_and_encoder_inputs_are_named(served_families, audio_frontend):
+    """Each bad input gets its named error and the next good request is served: a file that does not
+    decode, empty audio, audio over max_audio_seconds, word timestamps, stream with srt; on
+    tensorrt_llm_whisper itself, decoder_input_ids out of the vocabulary and encoder features of the
+    wrong width."""
+    import requests
+
+    models, server = served_families
+    url = f"{audio_frontend['whisper_bls']}/v1/audio/transcriptions"
+    good = _encoded(np.random.default_rng(0).uniform(-0.5, 0.5, 8000).astype(np.float32), "WAV")
+    cases = [(b"ID3 not audio", {}, "file", "could not be decoded"),
+             (_encoded(np.zeros(0, np.float32), "WAV"), {}, "file", "no audio samples"),
+             (_encoded(np.zeros(16000 * MAX_AUDIO_SECONDS + 1600, np.float32), "WAV"), {}, "file",
+              "max_audio_seconds"),
+             (good, {"timestamp_granularities[]": "word"}, "timestamp_granularities", "word timestamps are not built"),
+             (good, {"stream": "true", "response_format": "srt"}, "stream", "not srt")]
+    for data, fields, param, message in cases:
+        answer = requests.post(url, files={"file": ("clip.wav", data)}, data=fields, timeout=60)
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == param, answer.text
+        assert message in answer.json()["error"]["message"], answer.text
+    assert requests.post(url, files={"file": ("clip.wav", good)}, timeout=60).status_code == 200
+    features = np.zeros((1, 100, 8), np.float16)
+    base = {"input_lengths": np.array([[100]], np.int32), "encoder_output_lengths": np.array([[50]], np.int32),
+            "request_output_len": np.array([[4]], np.int32), "end_id": np.array([[1]], np.int32),
+            "pad_id": np.array([[1]], np.int32)}
+    bad = [({"encoder_input_features": features, "decoder_input_ids": np.array([[17, 18, 64]], np.int32),
+             "decoder_input_lengths": np.array([[3]], np.int32)}, "decoder_input_ids"),
+           ({"encoder_input_features": np.zeros((1, 100, 7), np.float16),
+             "decoder_input_ids": np.array([[17]], np.int32), "decoder_input_lengths": np.array([[1]], np.int32)},
+            "encoder_input_features")]
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        for inputs, name in bad:
+            with pytest.raises(Exception, match=name):
+                client.infer("tensorrt_llm_whisper", [tensor(n, a) for n, a in {**base, **inputs}.items()])
+        ok = {**base, "encoder_input_features": features, "decoder_input_ids": np.array([[17]], np.int32),
+              "decoder_input_lengths": np.array([[1]], np.int32)}
+        assert client.infer("tensorrt_llm_whisper", [tensor(n, a) for n, a in ok.items()]).as_numpy("output_ids").size
+    finally:
+        client.close()

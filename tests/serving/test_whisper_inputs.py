@@ -1,11 +1,13 @@
 """serving/whisper.py (the whisper_bls rules): audio cut to WAV_LENS with named errors, log-mels as
-the checkpoint's feature extractor makes them (padded to its window unless zero_pad), the default
-prompt, tensorrt_llm's tensors and the transcript without <|...|> tokens."""
+the checkpoint's feature extractor makes them (padded to its window unless zero_pad), long-form
+windows cut as transformers' sequential long-form generation cuts them, the default prompt,
+tensorrt_llm's tensors and the transcript without <|...|> tokens."""
 import numpy as np
 import pytest
+import torch
 
 from serving.whisper import (WhisperInputError, audio_samples, log_mel, prompt_ids, tensorrt_llm_inputs,
-                             transcript)
+                             transcript, windows)
 from tiny_encdec import WHISPER_PROMPT, feature_extractor, tokenizer
 
 
@@ -13,11 +15,11 @@ from tiny_encdec import WHISPER_PROMPT, feature_extractor, tokenizer
     (np.zeros(10, np.float32), [20], "WAV_LENS is 20 but WAV holds 10 samples"),
     (np.zeros(0, np.float32), None, "WAV is empty"),
     (np.array([0.0, np.nan], np.float32), None, "NaN or infinite"),
-    (np.zeros(16001, np.float32), None, "at most 1 s per request"),
+    (np.zeros(48001, np.float32), None, "at most 3 s per request"),
 ])
 def test_bad_audio_is_named(wav, lens, message):
     with pytest.raises(WhisperInputError, match=message):
-        log_mel(feature_extractor(), audio_samples(wav, lens), zero_pad=False)
+        windows(feature_extractor(), audio_samples(wav, lens), zero_pad=False, max_seconds=3)
 
 
 def test_features_prompt_tensors_and_transcript():
@@ -33,3 +35,21 @@ def test_features_prompt_tensors_and_transcript():
     assert inputs["encoder_input_features"].shape == (1, 100, 8)
     assert inputs["encoder_output_lengths"].tolist() == [[50]] and inputs["decoder_input_ids"].tolist() == [WHISPER_PROMPT]
     assert transcript(tokenizer(), [17, 20, 30, 31]) == "w30 w31"
+
+
+def test_long_form_windows_are_transformers_segments():
+    """2.5 s against the tiny extractor's 1-s window: three windows, whose features are
+    transformers' _get_input_segment slices of the whole clip's log-mels (last one zero-padded)."""
+    from transformers import WhisperForConditionalGeneration
+
+    extractor = feature_extractor()
+    samples = np.random.default_rng(0).uniform(-0.5, 0.5, 40000).astype(np.float32)
+    cut = windows(extractor, samples, zero_pad=False)
+    assert [(w.start, w.end) for w in cut] == [(0.0, 1.0), (1.0, 2.0), (2.0, 2.5)]
+    whole = torch.tensor(extractor(samples, sampling_rate=16000, return_tensors="np", padding="longest",
+                                   truncation=False)["input_features"])
+    for w, seek in zip(cut, (0, 100, 200)):
+        reference = WhisperForConditionalGeneration._get_input_segment(
+            whole, torch.tensor([seek]), torch.tensor([min(100, 250 - seek)]), 100, 1, [0])
+        np.testing.assert_array_equal(w.features, reference[0].T.numpy())
+    assert [w.features.shape[0] for w in windows(extractor, samples, zero_pad=True)] == [100, 100, 50]
