@@ -630,8 +630,39 @@ def pipeline_layer_counts(num_layers: int, pp_size: int, pp_layers: list[int] | 
     return list(pp_layers)
 
 
+def mamba_tp_error(num_heads: int, n_groups: int, tp_size: int) -> str | None:
+    """Why a Mamba-2 layer of ``num_heads`` heads and ``n_groups`` B/C groups cannot split over
+    ``tp_size`` ranks (engine/ssm/mamba_shard.py), or None."""
+    if num_heads % tp_size:
+        return (f"tp_size {tp_size} does not divide the Mamba-2 heads (num_heads {num_heads}), which are split "
+                f"across ranks; allowed tp_size values divide {num_heads}")
+    if n_groups % tp_size and tp_size % n_groups:
+        return (f"tp_size {tp_size} and the Mamba-2 B/C groups (n_groups {n_groups}) do not split evenly: a "
+                f"rank's heads would read parts of two groups; allowed tp_size values divide n_groups or are a "
+                f"multiple of it")
+    return None
+
+
+def _check_ssm_tp(model: ModelConfig, tp_size: int) -> None:
+    """Hybrid Mamba models: their Mamba-2 layers split evenly, and they have attention layers (a pure
+    Mamba-2 model's attention fields are placeholders of one KV head, which does not split)."""
+    ssm = model.ssm
+    _require(tp_size == 1 or ssm.get("mamba_version", 2) == 2,
+             f"{model.architecture}: tensor parallelism is not supported for Mamba-1 layers yet (got tp_size "
+             f"{tp_size}); build with tp_size 1 (the Mamba-2 hybrids split)")
+    if tp_size > 1 and "n_groups" in ssm:
+        _require(not (error := mamba_tp_error(ssm["num_heads"], ssm["n_groups"], tp_size)),
+                 f"{model.architecture}: {error}")
+    attention = any(kind in ("attention", "parallel") for kind in ssm.get("blocks", ()))
+    _require(attention or tp_size == 1,
+             f"{model.architecture} without attention layers (pure Mamba-2) does not take tensor parallelism "
+             f"(got tp_size {tp_size}); build it with tp_size 1 (the hybrids with attention layers split)")
+
+
 def check_tp_divides(model: ModelConfig, tp_size: int) -> None:
     """Raise ConfigError unless every tensor-parallel split of ``model`` is even for ``tp_size``."""
+    if model.ssm is not None:
+        _check_ssm_tp(model, tp_size)
     if model.num_experts:  # every rank holds a slice of every expert's width (engine/models/moe.py)
         _require(model.moe_intermediate_size % tp_size == 0,
                  f"tp_size {tp_size} does not divide moe_intermediate_size ({model.moe_intermediate_size}), "

@@ -26,7 +26,9 @@ What a state cannot do, refused by name: prefix caching (a cached KV prefix has 
 end: reuse is turned off for these models), several sequences per request (beams and
 num_return_sequences > 1 fork a prompt's cache, and a state cannot be shared), speculative
 decoding (rejected drafts would need the state rolled back), LoRA (the runner refuses: the
-model declares no adapted projections) and tensor parallelism (refused at build).
+model declares no adapted projections). With tensor parallelism every rank holds the same slots
+of its own heads' states; rank 0's StateSlots hands them out for all (the slot ids travel in the
+step's ForwardBatch, and LeaderRunner mirrors allocate_state_cache on every rank).
 """
 from __future__ import annotations
 

@@ -109,20 +109,19 @@ MODEL_FAMILIES = (
     # Hybrid Mamba-2 / attention models (engine/ssm/): a state slot per running sequence beside the KV pool.
     ModelFamily("BambaForCausalLM", "engine.ssm.hybrid", "HybridForCausalLM",
                 "Bamba-9B (Mamba-2 layers with a per-request state, "
-                "a few rope attention layers; no prefix caching, beams or speculative decoding)",
-                tensor_parallel=False),
+                "a few rope attention layers; no prefix caching, beams or speculative decoding)", fp8=True),
     ModelFamily("NemotronHForCausalLM", "engine.ssm.hybrid", "HybridForCausalLM",
                 "Nemotron-H 4B/8B/47B/56B dense (Mamba-2, attention without positions and relu^2 MLP layers; "
-                "MoE layers refused)", tensor_parallel=False),
+                "MoE layers refused)", fp8=True),
     ModelFamily("GraniteMoeHybridForCausalLM", "engine.ssm.hybrid", "HybridForCausalLM",
                 "Granite 4.0 dense hybrids (H-Micro: Mamba-2 and attention layers, muP multipliers; the MoE "
-                "variants H-Tiny and H-Small refused)", tensor_parallel=False),
+                "variants H-Tiny and H-Small refused)", fp8=True),
     ModelFamily("Mamba2ForCausalLM", "engine.ssm.hybrid", "HybridForCausalLM",
                 "Mamba-2 130M to 2.7B, Mamba-Codestral (Mamba-2 layers only: a fixed-size state per request, "
-                "no KV cache)", tensor_parallel=False),
+                "no KV cache; one rank)", tensor_parallel=False, fp8=True),
     ModelFamily("FalconH1ForCausalLM", "engine.ssm.hybrid", "HybridForCausalLM",
                 "Falcon-H1 0.5B to 34B (Mamba-2 and attention side by side in every layer; muP multipliers folded "
-                "into the weights at build)", tensor_parallel=False),
+                "into the weights at build)", fp8=True),
     ModelFamily("MambaForCausalLM", "engine.ssm.hybrid", "HybridForCausalLM",
                 "Mamba 130M to 2.8B (Mamba-1 selective scan: a fixed-size state per request, no KV cache)",
                 tensor_parallel=False),

@@ -28,7 +28,10 @@ blocks per layer. Experts read from either layout (per expert on disk, stacked i
 
 Weights: q/k/v fused into ``qkv_proj`` (with partial rotary each q/k head's dims reordered, as
 for the Llama family), gate/up fused into ``up_proj``, the conv's (C, 1, K) weight stored (C, K).
-One rank only: tensor parallelism is refused (the build says so by name).
+Tensor parallelism: each rank's file holds its vocab rows of the embedding and lm_head, its heads
+of q/k/v (o_proj's matching input columns), its intermediate columns of the MLP, and its heads and
+B/C groups of each Mamba-2 layer (engine/ssm/mamba_shard.py); norms are whole on every rank. Mamba-1
+layers (Mamba, Jamba) take one rank (engine/config.py refuses more).
 """
 from __future__ import annotations
 
@@ -37,7 +40,8 @@ from typing import Iterator
 import torch
 
 from engine.config import ConfigError, ModelConfig
-from engine.hf_checkpoint import TensorGetter, has_tensor, read_rope, stacked_experts
+from engine.hf_checkpoint import TensorGetter, has_tensor, read_rope, shard, stacked_experts
+from engine.ssm.mamba_shard import MambaShard, mamba_shard, shard_conv, shard_head_channels, shard_in_proj
 from kernels.rotary import partial_rotary_order
 
 MODEL_TYPES = {"bamba": "BambaForCausalLM", "nemotron_h": "NemotronHForCausalLM",
@@ -290,8 +294,14 @@ def _hf_blocks(cfg: ModelConfig) -> list[tuple[str, str]]:
 
 def hybrid_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: int
                         ) -> Iterator[tuple[str, torch.Tensor]]:
-    _refuse(tp_size == 1, f"{cfg.architecture}: tensor parallelism is not supported for hybrid Mamba models yet "
-                          f"(got tp_size {tp_size}); build with tp_size 1")
+    from engine.ssm.spec import SsmSpec
+
+    whole = SsmSpec.from_dict(cfg.ssm)
+    part = mamba_shard(whole, rank, tp_size)
+
+    def split(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        return shard(t, dim, rank, tp_size)
+
     # (Mamba-2 and Mamba-1 name them alike)
     nemotron = cfg.architecture in ("NemotronHForCausalLM", "Mamba2ForCausalLM", "MambaForCausalLM")
     if nemotron and not has_tensor(get, "model.embeddings.weight"):
@@ -299,13 +309,13 @@ def hybrid_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size:
         # transformers' in-memory state dict names it "model".
         stored = get
         get = lambda name: stored("backbone." + name[len("model."):] if name.startswith("model.") else name)  # noqa: E731
-    yield "embed_tokens.weight", get("model.embeddings.weight" if nemotron else "model.embed_tokens.weight")
+    yield "embed_tokens.weight", split(get("model.embeddings.weight" if nemotron else "model.embed_tokens.weight"))
     yield "norm.weight", get({"BambaForCausalLM": "model.final_layernorm.weight", "NemotronHForCausalLM": "model.norm_f.weight",
                               "GraniteMoeHybridForCausalLM": "model.norm.weight", "Mamba2ForCausalLM": "model.norm_f.weight",
                               "FalconH1ForCausalLM": "model.final_layernorm.weight", "MambaForCausalLM": "model.norm_f.weight",
                               "JambaForCausalLM": "model.final_layernorm.weight"}[cfg.architecture])
     if not cfg.tie_word_embeddings:  # (Falcon-H1's lm_head multiplier folded in; tied: logits_scaling)
-        yield "lm_head.weight", _Multipliers.scale(get("lm_head.weight"), _Multipliers(cfg).lm_head)
+        yield "lm_head.weight", split(_Multipliers.scale(get("lm_head.weight"), _Multipliers(cfg).lm_head))
     order = None if cfg.rotary_dim == cfg.head_dim else partial_rotary_order(cfg.head_dim, cfg.rotary_dim)
 
     def rotary(t: torch.Tensor) -> torch.Tensor:
@@ -320,28 +330,29 @@ def hybrid_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size:
         if kind == "mamba" and cfg.ssm["mamba_version"] == 1:
             yield from _mamba1_weights(get, hf, m, cfg)
         elif kind == "mamba":
-            yield from _mamba_weights(get, hf, m, cfg, mult)
+            yield from _mamba_weights(get, hf, m, cfg, mult, whole, part)
         elif kind == "moe":  # Jamba: engine/models/moe.py's names; the router stays in the model dtype
             yield m + "router.weight", get(hf + "router.weight")
             gate, up, down = stacked_experts(get, hf, cfg.num_experts, mlp="")
             yield m + "gate_up_proj", torch.cat([gate, up], dim=1)
             yield m + "down_proj", down
         elif kind == "attention":
-            yield from _attention_weights(get, hf, m, rotary, mult)
+            yield from _attention_weights(get, hf, m, rotary, mult, split)
         elif kind == "parallel":  # Falcon-H1
-            yield from _mamba_weights(get, hf + "mamba.", m + "mamba.", cfg, mult)
-            yield from _attention_weights(get, hf + "self_attn.", m + "attention.", rotary, mult)
+            yield from _mamba_weights(get, hf + "mamba.", m + "mamba.", cfg, mult, whole, part)
+            yield from _attention_weights(get, hf + "self_attn.", m + "attention.", rotary, mult, split)
         elif cfg.architecture == "GraniteMoeHybridForCausalLM":  # input_linear: rows [gate | up] already
-            yield m + "up_proj.weight", get(hf + "input_linear.weight")
-            yield m + "down_proj.weight", get(hf + "output_linear.weight")
-        elif cfg.ssm["mlp_act"] == "silu":
+            gate, up = get(hf + "input_linear.weight").chunk(2)
+            yield m + "up_proj.weight", torch.cat([split(gate), split(up)])
+            yield m + "down_proj.weight", split(get(hf + "output_linear.weight"), 1)
+        elif cfg.ssm["mlp_act"] == "silu":  # rows [gate_r | up_r]
             gate, down = mult.mlp
-            yield m + "up_proj.weight", torch.cat([mult.scale(get(hf + "gate_proj.weight"), gate),
-                                                   get(hf + "up_proj.weight")])
-            yield m + "down_proj.weight", mult.scale(get(hf + "down_proj.weight"), down)
+            yield m + "up_proj.weight", torch.cat([split(mult.scale(get(hf + "gate_proj.weight"), gate)),
+                                                   split(get(hf + "up_proj.weight"))])
+            yield m + "down_proj.weight", split(mult.scale(get(hf + "down_proj.weight"), down), 1)
         else:
-            yield m + "up_proj.weight", get(hf + "up_proj.weight")
-            yield m + "down_proj.weight", get(hf + "down_proj.weight")
+            yield m + "up_proj.weight", split(get(hf + "up_proj.weight"))
+            yield m + "down_proj.weight", split(get(hf + "down_proj.weight"), 1)
 
 
 class _Multipliers:
@@ -372,22 +383,25 @@ class _Multipliers:
         return torch.cat([torch.full((n,), float(f)) for n, f in zip(sizes, self.ssm)])
 
 
-def _mamba_weights(get: TensorGetter, hf: str, m: str, cfg: ModelConfig, mult: _Multipliers):
+def _mamba_weights(get: TensorGetter, hf: str, m: str, cfg: ModelConfig, mult: _Multipliers, whole, part: MambaShard):
+    """One Mamba-2 layer's tensors for rank ``part.rank``: multipliers folded into the whole
+    tensors first, then split by heads and groups (engine/ssm/mamba_shard.py)."""
     rows = mult.in_proj_rows(cfg.ssm)
     in_rows = None if rows is None else rows * mult.ssm_in  # the input's multiplier, folded with the rows'
-    yield m + "in_proj.weight", get(hf + "in_proj.weight") if in_rows is None else \
-        mult.scale(get(hf + "in_proj.weight"), in_rows)
-    yield m + "conv_weight", get(hf + "conv1d.weight").squeeze(1)
+    in_proj = get(hf + "in_proj.weight") if in_rows is None else mult.scale(get(hf + "in_proj.weight"), in_rows)
+    yield m + "in_proj.weight", shard_in_proj(in_proj, whole, part)
+    yield m + "conv_weight", shard_conv(get(hf + "conv1d.weight").squeeze(1), whole, part)
     for name in ("dt_bias", "A_log", "D"):
-        yield m + name, get(hf + name)
+        yield m + name, shard_head_channels(get(hf + name), part)
     if cfg.ssm["gated_norm"] != "gate_only":
-        yield m + "gate_norm.weight", get(hf + "norm.weight")
-    yield m + "out_proj.weight", mult.scale(get(hf + "out_proj.weight"), mult.ssm_out)
+        yield m + "gate_norm.weight", shard_head_channels(get(hf + "norm.weight"), part)
+    yield m + "out_proj.weight", shard_head_channels(mult.scale(get(hf + "out_proj.weight"), mult.ssm_out), part, 1)
     if cfg.ssm["conv_bias"]:
-        yield m + "conv_bias", get(hf + "conv1d.bias")
+        yield m + "conv_bias", shard_conv(get(hf + "conv1d.bias"), whole, part)
     if cfg.ssm["proj_bias"]:
-        yield m + "in_proj.bias", get(hf + "in_proj.bias") if rows is None else mult.scale(get(hf + "in_proj.bias"), rows)
-        yield m + "out_proj.bias", mult.scale(get(hf + "out_proj.bias"), mult.ssm_out)
+        bias = get(hf + "in_proj.bias") if rows is None else mult.scale(get(hf + "in_proj.bias"), rows)
+        yield m + "in_proj.bias", shard_in_proj(bias, whole, part)
+        yield m + "out_proj.bias", mult.scale(get(hf + "out_proj.bias"), mult.ssm_out)  # whole: added after the reduce
 
 
 def _mamba1_weights(get: TensorGetter, hf: str, m: str, cfg: ModelConfig):
@@ -409,7 +423,8 @@ def _mamba1_weights(get: TensorGetter, hf: str, m: str, cfg: ModelConfig):
         yield m + "out_proj.bias", get(hf + "out_proj.bias")
 
 
-def _attention_weights(get: TensorGetter, hf: str, m: str, rotary, mult: _Multipliers):
+def _attention_weights(get: TensorGetter, hf: str, m: str, rotary, mult: _Multipliers, split):
+    """q/k/v fused as [q_r | k_r | v_r] of this rank's heads; o_proj's matching input columns."""
     q, k, v = (mult.scale(get(hf + f"{p}_proj.weight"), mult.attention_in) for p in "qkv")
-    yield m + "qkv_proj.weight", torch.cat([rotary(q), rotary(mult.scale(k, mult.key)), v])
-    yield m + "o_proj.weight", mult.scale(get(hf + "o_proj.weight"), mult.attention_out)
+    yield m + "qkv_proj.weight", torch.cat([split(rotary(q)), split(rotary(mult.scale(k, mult.key))), split(v)])
+    yield m + "o_proj.weight", split(mult.scale(get(hf + "o_proj.weight"), mult.attention_out), 1)

@@ -9,13 +9,17 @@ attention block i reads pool layer ``kv_index[i]``. Mamba blocks keep their per-
 allocated by ``allocate_states`` before the KV pool; the step's slots come in the attention
 metadata (``state_slots``).
 
-Weights per engine directory (tensor parallelism is refused, so there is one rank):
-``embed_tokens.weight``, ``norm.weight``, ``lm_head.weight`` (unless tied), and per block i
-``blocks.{i}.norm.weight`` and the mixer's: Mamba (engine/ssm/mamba2.py, mamba1.py), attention
-``qkv_proj.weight`` (rows [q | k | v]; with partial rotary each q/k head's dims in
-kernels.rotary.partial_rotary_order) and ``o_proj.weight``, MLP ``up_proj.weight`` ([gate | up]
-rows when gated) and ``down_proj.weight``, routed experts (Jamba) engine/models/moe.py's
-``router.weight``, ``gate_up_proj`` (E, 2I, H) and ``down_proj`` (E, H, I).
+Weights per engine directory, one file per tensor-parallel rank: ``embed_tokens.weight`` and
+``lm_head.weight`` (unless tied; both split by vocab rows), ``norm.weight``, and per block i
+``blocks.{i}.norm.weight`` and the mixer's: Mamba (engine/ssm/mamba2.py, split by heads as
+engine/ssm/mamba_shard.py says; Mamba-1 engine/ssm/mamba1.py, one rank only), attention ``qkv_proj.weight`` (rows [q_r | k_r | v_r] of the rank's
+heads; with partial rotary each q/k head's dims in kernels.rotary.partial_rotary_order) and
+``o_proj.weight`` (the rank's input columns, row-parallel), MLP ``up_proj.weight`` ([gate_r | up_r]
+rows when gated) and ``down_proj.weight`` (row-parallel), routed experts (Jamba, one rank)
+engine/models/moe.py's ``router.weight``, ``gate_up_proj`` (E, 2I, H) and ``down_proj`` (E, H, I). With ``quantization`` "fp8" the linear
+layers of the blocks (in_proj, out_proj, qkv_proj, o_proj, up_proj, down_proj) hold E4M3 weights
+with a ``weight_scale`` per output channel; embeddings, lm_head, norms, the conv, A_log, D and
+dt_bias stay in the model dtype.
 """
 from __future__ import annotations
 
@@ -26,10 +30,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ConfigError, ModelConfig
-from engine.models.layers import Linear, Norm, VocabParallelEmbedding, qkv_heads, vocab_parallel_logits
+from engine.models.layers import (Linear, Norm, RowParallelLinear, VocabParallelEmbedding, qkv_heads,
+                                  vocab_parallel_logits)
 from engine.models.moe import SparseMoeBlock, warm_up_experts
 from engine.ssm.mamba1 import Mamba1Mixer
 from engine.ssm.mamba2 import Mamba2Mixer, StepStates, step_states
+from engine.ssm.mamba_shard import mamba_shard
 from engine.ssm.spec import SsmSpec
 from kernels.activation import silu_and_mul
 from kernels.attention import paged_attention, write_kv_cache
@@ -38,19 +44,26 @@ from kernels.rmsnorm import rms_norm
 from kernels.rope_attention import rope_paged_attention
 from kernels.rotary import build_cos_sin_cache
 
+# Linear-layer weight formats the blocks take (engine/models/layers.py Linear): the model dtype, per-channel
+# FP8 (--quantization fp8), or block FP8 (fp8_block checkpoints).
+QUANTIZATIONS = (None, "fp8", "fp8_block")
 TORCH_STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, kv_index: int, rope: bool, *, dtype, device, scale: float | None = None):
+    """One rank's heads (num_heads / tp, num_kv_heads / tp); o_proj row-parallel."""
+
+    def __init__(self, config: ModelConfig, kv_index: int, rope: bool, *, dtype, device, scale: float | None = None,
+                 tp_size: int = 1, tp_group=None, quantization=None):
         super().__init__()
         c = config
         self.kv_index, self.rope = kv_index, rope
-        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads // tp_size, c.num_kv_heads // tp_size, c.head_dim
         self.scale = c.head_dim**-0.5 if scale is None else scale
-        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        self.qkv_proj = Linear(c.hidden_size, q_size + 2 * kv_size, bias=False, dtype=dtype, device=device)
-        self.o_proj = Linear(q_size, c.hidden_size, bias=False, dtype=dtype, device=device)
+        q_size, kv_size = self.num_heads * c.head_dim, self.num_kv_heads * c.head_dim
+        kw = {"dtype": dtype, "device": device, "quantization": quantization}
+        self.qkv_proj = Linear(c.hidden_size, q_size + 2 * kv_size, bias=False, **kw)
+        self.o_proj = RowParallelLinear(q_size, c.hidden_size, bias=False, tp_group=tp_group, **kw)
 
     def forward(self, h, positions, cos_sin_cache, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = qkv_heads(self.qkv_proj(h), self.num_heads, self.num_kv_heads, self.head_dim)
@@ -64,12 +77,16 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, act: str, *, dtype, device):
+    """One rank's intermediate_size / tp columns; down_proj row-parallel."""
+
+    def __init__(self, config: ModelConfig, act: str, *, dtype, device, tp_size: int = 1, tp_group=None,
+                 quantization=None):
         super().__init__()
         self.gated = act == "silu"
-        rows = 2 * config.intermediate_size if self.gated else config.intermediate_size
-        self.up_proj = Linear(config.hidden_size, rows, bias=False, dtype=dtype, device=device)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype, device=device)
+        inter = config.intermediate_size // tp_size
+        kw = {"dtype": dtype, "device": device, "quantization": quantization}
+        self.up_proj = Linear(config.hidden_size, 2 * inter if self.gated else inter, bias=False, **kw)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=False, tp_group=tp_group, **kw)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         up = self.up_proj(h)
@@ -102,47 +119,59 @@ class HybridForCausalLM(nn.Module):
                  dtype: torch.dtype = torch.float32, device=None, max_positions: int | None = None,
                  quantization=None):
         super().__init__()
-        if tp_size != 1 or quantization is not None:
-            raise ConfigError(f"{config.architecture}: tensor parallelism and quantized weights are not supported "
-                              f"for hybrid Mamba models yet (got tp_size {tp_size}, quantization {quantization!r}); "
-                              "build with tp_size 1 and no quantization")
+        if quantization not in QUANTIZATIONS:
+            raise ConfigError(f"{config.architecture}: quantization {quantization!r} is not supported for hybrid "
+                              f"Mamba models; allowed: {', '.join(q for q in QUANTIZATIONS if q)} or none")
         c = self.config = config
         spec = self.spec = SsmSpec.from_dict(config.ssm)
+        if quantization is not None and spec.mamba_version == 1:
+            raise ConfigError(f"{config.architecture}: quantization {quantization!r} is not supported for Mamba-1 "
+                              "layers; build without --quantization")
+        # This rank's Mamba layer shape (heads and B/C groups split; refused by name where they cannot be)
+        shard = mamba_shard(spec, tp_rank, tp_size)
+        self.state_spec = shard.spec
         kw = {"dtype": dtype, "device": device}
+        parallel = {**kw, "tp_group": tp_group, "quantization": quantization}
         self.dtype = dtype
-        self.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, tp_rank=0, tp_group=None, **kw)
+        self.tp_group = tp_group
+        self.embed_tokens = VocabParallelEmbedding(c.vocab_size // tp_size, c.hidden_size, tp_rank=tp_rank,
+                                                   tp_group=tp_group, **kw)
+
+        def attention(kv: int) -> Attention:
+            return Attention(c, kv, spec.attention_rope, scale=spec.attention_scale, tp_size=tp_size, **parallel)
+
         blocks, kv_index, mamba_index = [], 0, 0
-        mamba_class = Mamba1Mixer if spec.mamba_version == 1 else Mamba2Mixer
         for kind in spec.blocks:
             if kind == "mamba":
-                mixer = mamba_class(spec, c.hidden_size, c.norm_eps, **kw)
+                mixer = (Mamba1Mixer(spec, c.hidden_size, c.norm_eps, **kw) if spec.mamba_version == 1 else
+                         Mamba2Mixer(shard, c.hidden_size, c.norm_eps, **parallel))
                 mixer.state_index = mamba_index
                 mamba_index += 1
             elif kind == "attention":
-                mixer = Attention(c, kv_index, spec.attention_rope, scale=spec.attention_scale, **kw)
+                mixer = attention(kv_index)
                 kv_index += 1
             elif kind == "parallel":
-                mixer = ParallelMambaAttention(Mamba2Mixer(spec, c.hidden_size, c.norm_eps, **kw),
-                                               Attention(c, kv_index, spec.attention_rope, scale=spec.attention_scale,
-                                                         **kw))
+                mixer = ParallelMambaAttention(Mamba2Mixer(shard, c.hidden_size, c.norm_eps, **parallel),
+                                               attention(kv_index))
                 mixer.mamba.state_index = mamba_index
                 mamba_index += 1
                 kv_index += 1
             elif kind == "moe":  # (its forward may leave the top-k rows unsummed: the next norm sums them)
                 mixer = SparseMoeBlock(c, tp_size=1, tp_group=None, **kw)
             else:
-                mixer = MLP(c, spec.mlp_act, **kw)
+                mixer = MLP(c, spec.mlp_act, tp_size=tp_size, **parallel)
             blocks.append(Block(kind, mixer, c.hidden_size, **kw))
         self.blocks = nn.ModuleList(blocks)
         self.num_kv_layers = max(1, kv_index)  # the paged pool's layers: the attention blocks only
         self.num_state_layers = mamba_index
         self.norm = Norm(c.hidden_size, bias=False, **kw)
         if not c.tie_word_embeddings:
-            self.lm_head = Linear(c.hidden_size, c.vocab_size, bias=False, **kw)
+            self.lm_head = Linear(c.hidden_size, c.vocab_size // tp_size, bias=False, **kw)
         self.max_positions = max_positions or c.max_position_embeddings
         self.cos_sin_cache: torch.Tensor | None = None
         self.conv_states: torch.Tensor | None = None  # (mamba blocks, slots, conv_dim, d_conv - 1)
-        # (mamba blocks, slots, *spec.ssm_state_shape): Mamba-2 (H, head_dim, d_state), Mamba-1 (d_inner, d_state)
+        # (mamba blocks, slots, *state_spec.ssm_state_shape): Mamba-2 (H, head_dim, d_state), Mamba-1
+        # (d_inner, d_state); conv_dim and H are this rank's (state_spec)
         self.ssm_states: torch.Tensor | None = None
 
     # ---- state pool ----
@@ -150,14 +179,14 @@ class HybridForCausalLM(nn.Module):
         return TORCH_STATE_DTYPES[self.spec.state_dtype] if self.spec.state_dtype else self.dtype
 
     def state_slot_bytes(self) -> int:
-        """Bytes one sequence's states take over every Mamba block."""
-        s = self.spec
+        """Bytes one sequence's states take over every Mamba block, on this rank."""
+        s = self.state_spec
         conv = s.conv_dim * (s.d_conv - 1) * torch.empty((), dtype=self.dtype).element_size()
         ssm = math.prod(s.ssm_state_shape) * torch.empty((), dtype=self.state_dtype()).element_size()
         return self.num_state_layers * (conv + ssm)
 
     def _state_pools(self, num_slots: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        s = self.spec
+        s = self.state_spec
         return (torch.zeros(self.num_state_layers, num_slots, s.conv_dim, s.d_conv - 1, dtype=self.dtype,
                             device=device),
                 torch.zeros(self.num_state_layers, num_slots, *s.ssm_state_shape, dtype=self.state_dtype(),
@@ -224,5 +253,5 @@ class HybridForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        logits = vocab_parallel_logits(hidden, weight, None)
+        logits = vocab_parallel_logits(hidden, weight, self.tp_group)
         return logits if self.spec.logits_scaling == 1.0 else logits / self.spec.logits_scaling

@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.layers import Linear, Norm
-from engine.ssm.spec import SsmSpec
+from engine.models.layers import Linear, Norm, RowParallelLinear, tp_all_reduce
+from engine.ssm.mamba_shard import MambaShard
 from kernels.causal_conv1d import causal_conv1d_decode, causal_conv1d_prefill
 from kernels.ssd_scan import ssd_prefill, ssm_decode
 from kernels.ssm_chunks import SequenceChunks
@@ -91,30 +91,44 @@ def by_path(step: StepStates, decode, prefill, *rows: torch.Tensor) -> torch.Ten
 
 
 def gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float,
-                   mode: str = "norm_after_gate") -> torch.Tensor:
+                   mode: str = "norm_after_gate", mean_square=None) -> torch.Tensor:
     """The Mamba output's gate and grouped RMSNorm (over groups of ``group_size`` channels), in
     float32, as transformers computes each ``mode`` (engine/ssm/spec.py GATED_NORMS):
     norm_after_gate: weight * rmsnorm(y * silu(z)), rounded to y's dtype before the weight (Mamba-2,
     Bamba, Nemotron-H, Granite); norm_before_gate: weight * rmsnorm(y) * silu(z) (Falcon-H1's
-    FalconH1RMSNormGated, weight applied in float32); gate_only: y * silu(z)."""
+    FalconH1RMSNormGated, weight applied in float32); gate_only: y * silu(z).
+    ``mean_square``: (T, inner) float32 -> (T, 1) for a group wider than these channels (a
+    tensor-parallel rank's part of a group, summed across ranks: Mamba2Mixer); group_size is then
+    ignored and all channels form one group."""
     gate = F.silu(z.float())
     if mode == "gate_only":
         return (y.float() * gate).to(y.dtype)
     h = y.float() * gate if mode == "norm_after_gate" else y.float()
-    groups = h.view(*h.shape[:-1], -1, group_size)
-    groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + eps)
+    if mean_square is None:
+        groups = h.view(*h.shape[:-1], -1, group_size)
+        groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + eps)
+    else:
+        groups = h * torch.rsqrt(mean_square(h) + eps)
     if mode == "norm_after_gate":
         return weight * groups.view(h.shape).to(y.dtype)
     return (weight.float() * groups.view(h.shape) * gate).to(y.dtype)
 
 
 class Mamba2Mixer(nn.Module):
-    def __init__(self, spec: SsmSpec, hidden_size: int, norm_eps: float, *, dtype, device):
+    """One rank's Mamba-2 layer (engine/ssm/mamba_shard.py: ``shard.spec`` is its local shape, the
+    whole layer's at tp 1): in_proj column-parallel, out_proj row-parallel over ``tp_group``;
+    ``quantization`` ("fp8" ...) applies to the two projections only (conv, A, D, dt_bias and the
+    norm stay in the model dtype)."""
+
+    def __init__(self, shard: MambaShard, hidden_size: int, norm_eps: float, *, dtype, device, tp_group=None,
+                 quantization=None):
         super().__init__()
-        self.spec = spec
+        spec = self.spec = shard.spec
+        self.shard, self.tp_group = shard, tp_group
         self.eps = norm_eps
         H, conv_dim = spec.num_heads, spec.conv_dim
-        self.in_proj = Linear(hidden_size, spec.inner + conv_dim + H, bias=spec.proj_bias, dtype=dtype, device=device)
+        self.in_proj = Linear(hidden_size, spec.inner + conv_dim + H, bias=spec.proj_bias, dtype=dtype, device=device,
+                              quantization=quantization)
         self.conv_weight = nn.Parameter(torch.empty(conv_dim, spec.d_conv, dtype=dtype, device=device),
                                         requires_grad=False)
         self.conv_bias = (nn.Parameter(torch.empty(conv_dim, dtype=dtype, device=device), requires_grad=False)
@@ -125,7 +139,8 @@ class Mamba2Mixer(nn.Module):
         # (gated_norm "gate_only": no norm, so no weight)
         self.gate_norm = Norm(spec.inner, bias=False, dtype=dtype, device=device) if spec.gated_norm != "gate_only" \
             else None
-        self.out_proj = Linear(spec.inner, hidden_size, bias=spec.proj_bias, dtype=dtype, device=device)
+        self.out_proj = RowParallelLinear(spec.inner, hidden_size, bias=spec.proj_bias, tp_group=tp_group,
+                                          dtype=dtype, device=device, quantization=quantization)
         self.A: torch.Tensor | None = None  # -exp(A_log) in float32, made by init_buffers
 
     def init_buffers(self) -> None:
@@ -142,7 +157,19 @@ class Mamba2Mixer(nn.Module):
         y = by_path(step, lambda xbc, dt: self._decode(xbc, dt, conv_states, ssm_states, step.decode_slots),
                     lambda xbc, dt: self._prefill(xbc, dt, conv_states, ssm_states, step.prefill), xbc, dt)
         norm_weight = None if self.gate_norm is None else self.gate_norm.weight
-        return self.out_proj(gated_rms_norm(y, z, norm_weight, s.inner // s.n_groups, self.eps, s.gated_norm))
+        spans = self.shard.norm_spans_ranks
+        return self.out_proj(gated_rms_norm(y, z, norm_weight, self.shard.norm_group, self.eps, s.gated_norm,
+                                            self._group_mean_square if spans else None))
+
+    def _group_mean_square(self, h: torch.Tensor) -> torch.Tensor:
+        """h (T, inner) float32, this rank's channels of one norm group that spans several ranks ->
+        the group's mean square (T, 1): each rank puts its sum of squares in its group's column of a
+        (T, G) tensor, the all-reduce sums the ranks that share each group."""
+        sums = h.new_zeros(h.shape[0], self.shard.norm_groups)
+        g = self.shard.first_group
+        sums[:, g] = h.pow(2).sum(-1)
+        sums = tp_all_reduce(sums, self.tp_group)
+        return sums[:, g:g + 1] / self.shard.norm_group
 
     def _split(self, xbc: torch.Tensor):
         s = self.spec

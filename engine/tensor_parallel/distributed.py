@@ -60,7 +60,8 @@ DEFAULT_STEP_TIMEOUT_S = 60.0
 DEFAULT_STARTUP_TIMEOUT_S = 900.0
 DEFAULT_HEARTBEAT_S = 2.0
 # ModelRunner methods that change or use every rank's state, so LeaderRunner mirrors them.
-MIRRORED_METHODS = frozenset({"allocate_kv_cache", "capture_cuda_graphs", "warmup", "enable_lora", "load_adapter"})
+MIRRORED_METHODS = frozenset({"allocate_kv_cache", "allocate_state_cache", "capture_cuda_graphs", "warmup", "enable_lora",
+                              "load_adapter"})
 
 
 @dataclass(frozen=True)

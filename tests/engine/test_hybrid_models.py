@@ -11,7 +11,8 @@ against transformers, and their state cache.
   is free again. Under max_utilization with a KV pool too small for all, sequences are preempted
   (their slots freed) and recompute from a fresh state, with the same ids.
 - What a state cannot serve is refused by name: beams, several returned sequences, speculative
-  decoding; prefix caching is off for these models.
+  decoding; prefix caching is off for these models. (Tensor parallelism and FP8 weights:
+  test_hybrid_tp_fp8.py.)
 """
 from __future__ import annotations
 
@@ -153,8 +154,9 @@ def test_scheduler_runs_no_more_sequences_than_state_slots():
     assert most == 2 and slots.num_used == 0
 
 
-@pytest.mark.parametrize("family,architecture", [("bamba", "BambaForCausalLM"), ("jamba", "JambaForCausalLM")])
-def test_tensor_parallel_build_is_refused(tmp_path, family, architecture):
+@pytest.mark.parametrize("family,architecture", [("mamba", "MambaForCausalLM"), ("jamba", "JambaForCausalLM")])
+def test_tensor_parallel_build_of_mamba1_is_refused(tmp_path, family, architecture):
+    """Mamba-1 layers take one rank (the Mamba-2 hybrids split: test_hybrid_tp_fp8.py)."""
     from engine.config import ConfigError
 
     model = tiny_hybrid(family)
