@@ -1,10 +1,7 @@
 """Hybrid Mamba-2 models split over tensor-parallel ranks, and with FP8 weights.
 
-- TP 2 on two gloo ranks (gloo_ranks.py's shared pair) gives TP 1's logits (float32, 1e-5) and
-  greedy ids on both ranks, over a prompt prefilled in two chunks beside a second prompt, decodes
-  of both, and a step mixing a decode with a fresh prompt (hybrid_tp_ranks.py). Nemotron-H with
-  2 B/C groups (each rank holds one), Bamba with 1 group (both ranks hold it; the gated norm's one
-  group spans the ranks: its mean square is summed across them).
+- TP 2 on two gloo ranks = TP 1: test_tensor_parallel.py's test_hybrid_tp2_over_gloo_equals_tp1 (it
+  shares that file's gloo pair; pytest-xdist's loadfile keeps one pair per file's worker).
 - What cannot split is refused by name at build.
 - ``--quantization fp8``: in_proj/out_proj and the attention and MLP projections hold E4M3 weights
   with per-channel scales, the conv, A_log, D, dt_bias and norms stay; logits of a model of trained
@@ -22,8 +19,8 @@ from engine.config import BuildConfig, ConfigError, mamba_tp_error
 from engine.convert import getter_from_state_dict
 from engine.executor.runner import ModelRunner
 
-from hybrid_testing import HYBRIDS, VOCAB, tiny_hybrid
-from hybrid_tp_ranks import hybrid_steps, tp_hybrid_steps
+from hybrid_testing import VOCAB, tiny_hybrid
+from hybrid_tp_ranks import hybrid_steps
 
 FP8_FAMILIES = ("nemotron_h", "bamba")
 
@@ -34,37 +31,6 @@ def _build(model, out_dir: str, *, tp_size: int = 1, quantization: str | None = 
     build_from_hf(model.config, getter_from_state_dict(model.state_dict(), "t"), None, str(out_dir), build,
                   progress=False)
     return str(out_dir)
-
-
-def _one_group_bamba() -> torch.nn.Module:
-    """Bamba with a single B/C group (as state-spaces' Mamba-2 and Codestral): at tp 2 both ranks
-    replicate it, and the gated norm's group spans both ranks."""
-    model_class, make_config = HYBRIDS["bamba"]
-    config = make_config()
-    config.mamba_n_groups = 1
-    config._attn_implementation = "eager"
-    torch.manual_seed(3)
-    model = model_class(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_((1.0 if "norm" in name and name.endswith("weight") else 0.0) + 0.1 * torch.randn_like(p))
-    return model
-
-
-def test_tp2_over_gloo_equals_tp1_logits_and_greedy_ids(tmp_path):
-    from gloo_ranks import shared_pair
-
-    models = {"nemotron_h": tiny_hybrid("nemotron_h"), "bamba_one_group": _one_group_bamba()}
-    engines = {name: (_build(m, tmp_path / f"{name}-1"), _build(m, tmp_path / f"{name}-2", tp_size=2))
-               for name, m in models.items()}
-    expected = {name: hybrid_steps(ModelRunner(tp1), VOCAB) for name, (tp1, _) in engines.items()}
-    ranks = shared_pair().run(tp_hybrid_steps, {name: tp2 for name, (_, tp2) in engines.items()}, VOCAB)
-    for name, (logits, greedy) in expected.items():
-        for rank in range(2):
-            got_logits, got_greedy = ranks[rank][name]
-            error = (got_logits - logits).abs().max().item()
-            assert error <= 1e-5, f"{name} rank {rank}: max abs error {error:.3g} vs tp 1"
-            assert got_greedy == greedy, name
 
 
 def test_splits_that_cannot_be_made_are_refused_by_name(tmp_path):

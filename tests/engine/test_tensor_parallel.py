@@ -1,4 +1,5 @@
-"""Tensor-parallel shards: they reassemble exactly, and two gloo ranks compute tp 1's logits."""
+"""Tensor-parallel shards: they reassemble exactly, and two gloo ranks compute tp 1's logits (decoder
+families, and the hybrid Mamba-2 models with a decode after a chunked prompt)."""
 from __future__ import annotations
 
 import pytest
@@ -69,3 +70,43 @@ def test_two_gloo_ranks_compute_tp1_logits(tmp_path):
     # GQA, qkv bias, row-parallel bias + learned positions, experts sliced across ranks
     families = ("llama", "qwen2_qkv_bias", "gpt2", "mixtral", "qwen3_moe")
     assert_tp2_matches_tp1({family: tiny_hf(family) for family in families}, tmp_path)
+
+
+def _one_group_bamba() -> torch.nn.Module:
+    """Bamba with a single B/C group (as state-spaces' Mamba-2 and Codestral): at tp 2 both ranks
+    replicate it, and the gated norm's group spans both ranks."""
+    from hybrid_testing import HYBRIDS
+
+    model_class, make_config = HYBRIDS["bamba"]
+    config = make_config()
+    config.mamba_n_groups = 1
+    config._attn_implementation = "eager"
+    torch.manual_seed(3)
+    model = model_class(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_((1.0 if "norm" in name and name.endswith("weight") else 0.0) + 0.1 * torch.randn_like(p))
+    return model
+
+
+def test_hybrid_tp2_over_gloo_equals_tp1(tmp_path):
+    """Hybrid Mamba-2 models (engine/ssm/mamba_shard.py) at TP 2 give TP 1's logits (1e-5) and greedy
+    ids on both ranks, over a prompt prefilled in two chunks beside a second prompt, decodes of both,
+    and a step mixing a decode with a fresh prompt (hybrid_tp_ranks.py): Nemotron-H with 2 B/C groups
+    (each rank holds one), Bamba with 1 (both ranks hold it; the gated norm's one group spans the
+    ranks, its mean square summed across them)."""
+    from gloo_ranks import shared_pair
+    from hybrid_testing import VOCAB, tiny_hybrid
+    from hybrid_tp_ranks import hybrid_steps, tp_hybrid_steps
+
+    models = {"nemotron_h": tiny_hybrid("nemotron_h"), "bamba_one_group": _one_group_bamba()}
+    engines = {name: (make_engine(m, tmp_path / f"{name}-1"), make_engine(m, tmp_path / f"{name}-2", tp_size=2))
+               for name, m in models.items()}
+    expected = {name: hybrid_steps(ModelRunner(tp1), VOCAB) for name, (tp1, _) in engines.items()}
+    ranks = shared_pair().run(tp_hybrid_steps, {name: tp2 for name, (_, tp2) in engines.items()}, VOCAB)
+    for name, (logits, greedy) in expected.items():
+        for rank in range(2):
+            got_logits, got_greedy = ranks[rank][name]
+            error = (got_logits - logits).abs().max().item()
+            assert error <= 1e-5, f"{name} rank {rank}: max abs error {error:.3g} vs tp 1"
+            assert got_greedy == greedy, name
