@@ -21,7 +21,7 @@ import gc
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import jit, pdl_options, pdl_prologue, tl, triton, use_triton
+from kernels._triton import jit, num_sms, pdl_options, pdl_prologue, tl, triton, use_triton
 
 MAX_SKINNY_ROWS = 16
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu")  # the skinny kernel's epilogue activations (linear_activated)
@@ -37,22 +37,53 @@ _ACTIVATED_ATTR = "_use_activated_skinny_gemm"  # the same, for up weights run f
 # weight tile is the dot's first operand as it lies in memory and the rows its second (see the kernel).
 SKINNY_VARIANTS = ((16, 512, 4, 4), (32, 256, 4, 4), (16, 256, 4, 6), (32, 128, 4, 6),
                    (32, 256, 4, 4, 2), (16, 256, 4, 6, 4))
+# Tried too for bf16/fp16 weights (the FP8 choice, kernels/fp8.py, keeps SKINNY_VARIANTS and its own):
+# balanced tilings (7th element ``waves``: each program takes cdiv(N, waves x SMs) features, so every SM
+# streams an equal share), the winners of benchmarks/kernels/skinny_tiling_sweep.py on an H200
+# (2026-11-29; microseconds at 1 row, graph replays, best before -> this tiling; cuBLAS where it had won).
+# The choice stays the timed one: a shape keeps its tiling unless one of these times faster at load.
+HALF_EXTRA_VARIANTS: tuple = (
+    # 64-wide swap_ab tiles, one wave: Falcon qkv 4672x4544 15.0 -> 12.7, o_proj 4544x4544 14.9 -> 12.5
+    # (142 tiles of 32 had left 10 SMs streaming two); Llama-8B qkv 14.9 -> 14.2, o_proj and BLOOM's
+    # 4096x4096 10.5 -> 10.1, Llama down 4096x14336 31.2 -> 30.5.
+    (64, 128, 4, 6, 1, 1, 1),
+    # three waves: Falcon up 18176x4544 with its GELU 46.4 -> 44.5 (plain: cuBLAS 45.9 -> 43.0).
+    (64, 128, 4, 6, 1, 1, 3),
+    # one wave, split-K 2 (two programs an SM): Falcon down 4544x18176 cuBLAS 44.5 -> 41.7, BLOOM down
+    # 4096x16384 cuBLAS 35.8 -> 34.4.
+    (64, 128, 4, 4, 2, 1, 1),
+    # one wave, 4 stages: BLOOM up 16384x4096 with its tanh GELU cuBLAS + GELU 35.3 -> 32.7, Llama
+    # gate_up 28672x4096 with SiLU-and-mul cuBLAS + silu_and_mul 61.0 -> 56.3.
+    (64, 128, 4, 4, 1, 1, 1),
+)
+# The up projection's bias and tanh GELU in cuBLASLt's GELU_BIAS epilogue (torch._addmm_activation): a
+# load-time candidate of choose_activated_weights beside the tilings, for gelu_tanh with a bias (BLOOM).
+# It rounds once (GELU of the fp32 accumulator plus bias), where the unfused path rounds the product first.
+CUBLASLT_GELU = "cublaslt_gelu_bias"
+
+
+def half_variants() -> tuple:
+    """The tilings the load-time choice times for a bf16/fp16 weight."""
+    return SKINNY_VARIANTS + HALF_EXTRA_VARIANTS
 
 
 def variant_options(variant: tuple) -> dict:
-    """skinny_linear_triton's keyword arguments for a (block_n, block_k, num_warps, num_stages[, split_k[, swap_ab]]) tuple."""
+    """skinny_linear_triton's keyword arguments for a (block_n, block_k, num_warps, num_stages[, split_k[,
+    swap_ab[, waves]]]) tuple."""
     block_n, block_k, num_warps, num_stages, *rest = variant
     return {"block_n": block_n, "block_k": block_k, "num_warps": num_warps, "num_stages": num_stages,
-            "split_k": rest[0] if rest else 1, "swap_ab": bool(rest[1]) if len(rest) > 1 else False}
+            "split_k": rest[0] if rest else 1, "swap_ab": bool(rest[1]) if len(rest) > 1 else False,
+            "waves": rest[2] if len(rest) > 2 else 0}
 
 
 @jit(do_not_specialize=["M"])  # one compile for every row count
 def _skinny_gemm_kernel(
     x_ptr, w_ptr, bias_ptr, scale_ptr, x_scale_ptr, out_ptr, part_ptr, arrivals_ptr, M, N, K, K_PER_SPLIT,
-    stride_xm, stride_wn, stride_om,
+    stride_xm, stride_wn, stride_om, ROWS,
     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, HAS_SCALE: tl.constexpr, X_SCALE: tl.constexpr,
     SWAP_AB: tl.constexpr, M_PAD: tl.constexpr, ACTIVATION: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
+    BALANCED: tl.constexpr = False,
 ):
     """One program: BLOCK_N output features for all M rows, streaming its (BLOCK_N, K) weight rows once.
 
@@ -76,10 +107,17 @@ def _skinny_gemm_kernel(
     program of output tile i that arrives last (``arrivals[i]`` counts them) adds the SPLIT_K sums
     in split order and runs the epilogue, then sets arrivals[i] back to 0. So the result does not
     depend on which program finished last, and no second kernel is launched.
+    BALANCED: program i covers the ROWS <= BLOCK_N output features [i * ROWS, (i + 1) * ROWS) (a
+    runtime count, the rest of its tile masked off: masked weight rows are never read), so that
+    N splits into equal shares of a whole number of waves of the GPU (skinny_linear_triton's ``waves``).
     """
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if BALANCED:
+        cols = tl.program_id(0) * ROWS + tl.arange(0, BLOCK_N)
+        col_ok = (tl.arange(0, BLOCK_N) < ROWS) & (cols < N)
+    else:
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
     rows = tl.arange(0, M_PAD)
-    col_ok = cols < N
     row_ok = rows < M
     if SWAP_AB:
         acc = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
@@ -218,7 +256,7 @@ def _arrival_counters(device: torch.device, tiles: int) -> torch.Tensor:
 
 def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                          *, block_n: int = 16, block_k: int = 512, num_warps: int = 4, num_stages: int = 4,
-                         split_k: int = 1, swap_ab: bool = False, gated: bool = False,
+                         split_k: int = 1, swap_ab: bool = False, waves: int = 0, gated: bool = False,
                          weight_scale: torch.Tensor | None = None, x_scale: torch.Tensor | None = None,
                          out_dtype: torch.dtype | None = None, activation: str | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias) for M <= MAX_SKINNY_ROWS rows, fp32 accumulation; with ``gated``,
@@ -227,6 +265,9 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     with ``x_scale`` (M,) float32 too, x is FP8 and row m counts as x[m] * x_scale[m], and the
     result is ``out_dtype`` (the activations' dtype). ``out_dtype`` defaults to x's dtype; float32
     serves the logits. ``split_k``: programs per output tile along K (each a whole number of BLOCK_K tiles). ``swap_ab``: see the kernel.
+    ``waves`` > 0: each program covers cdiv(N, waves x SMs) output features (at most block_n) instead of
+    block_n, so every SM streams the same share of the weight in ``waves`` rounds (Falcon's 4544 features
+    make 142 tiles of 32 on 132 SMs: 10 SMs stream two tiles while the rest wait).
     ``activation`` (one of ACTIVATIONS, not with ``gated``): act(x @ weight.T + bias), see the kernel."""
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
@@ -247,12 +288,13 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     flags = dict(HAS_BIAS=bias is not None, GATED=gated, HAS_SCALE=weight_scale is not None,
                  X_SCALE=x_scale is not None, SWAP_AB=swap_ab, M_PAD=16, BLOCK_N=block_n,
                  ACTIVATION=ACTIVATIONS.index(activation) + 1 if activation else 0,
-                 SPLIT_K=split_k, **pdl_options(x))
-    tiles = triton.cdiv(n, block_n)
+                 SPLIT_K=split_k, BALANCED=waves > 0, **pdl_options(x))
+    rows_per_program = min(block_n, triton.cdiv(n, waves * num_sms(x.device))) if waves > 0 else block_n
+    tiles = triton.cdiv(n, rows_per_program)
     arrivals = _arrival_counters(x.device, tiles) if split_k > 1 else part
     _skinny_gemm_kernel[(tiles, split_k)](
         x, weight, bias_arg, scale_arg, x_scale_arg, out, part, arrivals, m, n, k, k_per_split,
-        x.stride(0), weight.stride(0), out.stride(0), BLOCK_K=block_k,
+        x.stride(0), weight.stride(0), out.stride(0), rows_per_program, BLOCK_K=block_k,
         num_warps=num_warps, num_stages=num_stages, **flags,
     )
     return out
@@ -292,7 +334,10 @@ def linear_activated(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     Triton kernel with the bias and the activation in its epilogue when the weight was marked at
     load (choose_activated_weights), else the product (cuBLAS or skinny) then the activation."""
     variant = _skinny_variant(x, weight, _ACTIVATED_ATTR)
-    if variant:
+    if variant == CUBLASLT_GELU:
+        if bias is not None and activation == "gelu_tanh":
+            return torch._addmm_activation(bias, x, weight.t(), use_gelu=True)
+    elif variant:
         return skinny_linear_triton(x, weight, bias, activation=activation, **variant_options(variant))
     return activation_ref(linear(x, weight, bias), activation)
 
@@ -386,8 +431,8 @@ def replay_time_ms(graph: torch.cuda.CUDAGraph, replays: int) -> float:
 
 
 def choose_skinny_weights(weights: list[torch.Tensor], rows: tuple[int, ...] = (1, 8)) -> dict[tuple[int, int], dict]:
-    """Per distinct (N, K) weight shape, time cuBLAS and every SKINNY_VARIANTS tiling at each row
-    count in ``rows``; a weight gets the best variant when it beats cuBLAS by 1% at every row count
+    """Per distinct (N, K) weight shape, time cuBLAS and every tiling of half_variants() at each row
+    count in ``rows``; a weight gets the one of least summed time when it beats cuBLAS by 1% at every row count
     (both are timed the same way, from graph replays, so the margin only absorbs timing noise).
 
     Timed on two copies of the shape alternately, so a weight smaller than L2 is not timed from
@@ -407,7 +452,9 @@ def choose_activated_weights(weights: list[torch.Tensor], activation: str, rows:
                              ) -> dict[tuple[int, int], dict]:
     """Like choose_skinny_weights for non-gated up weights: the skinny kernel with a bias and
     ``activation`` in its epilogue against the product with its bias then the activation; marks
-    a weight with the best tiling when it wins by 1% at every size (linear_activated reads it)."""
+    a weight with the best tiling when it wins by 1% at every size (linear_activated reads it).
+    For gelu_tanh, cuBLASLt's GELU_BIAS epilogue (CUBLASLT_GELU) is a candidate too, where it is
+    the tanh GELU on the device (_cublaslt_gelu_is_tanh); linear_activated uses it with a bias only."""
     return _choose_weights(weights, rows, _ACTIVATED_ATTR, gated=False, activation=activation)
 
 
@@ -436,8 +483,12 @@ def _time_shape(shape: tuple[int, int], dtype: torch.dtype, device, rows: tuple[
         turn[0] += 1
         return copies[turn[0] % 2]
 
-    cublas, variants = {}, {v: {} for v in SKINNY_VARIANTS}
+    tilings = half_variants()
+    cublas, variants = {}, {v: {} for v in tilings}
     bias = torch.randn(shape[0], dtype=dtype, device=device) if activation else None
+    lt_gelu = activation == "gelu_tanh" and _cublaslt_gelu_is_tanh(copies[0])
+    if lt_gelu:
+        variants[CUBLASLT_GELU] = {}
     for m in rows:
         x = torch.randn(m, shape[1], dtype=dtype, device=device)
         if gated:
@@ -448,9 +499,39 @@ def _time_shape(shape: tuple[int, int], dtype: torch.dtype, device, rows: tuple[
             cublas[m] = graph_time_ms(lambda: activation_ref(F.linear(x, next_weight(), bias), activation)) * 1e3
         else:
             cublas[m] = graph_time_ms(lambda: F.linear(x, next_weight())) * 1e3
-        for v in SKINNY_VARIANTS:
+        for v in tilings:
+            if v not in variants:
+                continue  # it did not fit this kind at the first row count
+            try:  # a tiling that outgrows shared memory here (gated: two weight tiles a stage) drops out
+                skinny_linear_triton(x, next_weight(), bias, gated=gated, activation=activation, **variant_options(v))
+            except _TOO_LARGE:
+                del variants[v]
+                continue
             variants[v][m] = graph_time_ms(lambda: skinny_linear_triton(
                 x, next_weight(), bias, gated=gated, activation=activation, **variant_options(v))) * 1e3
-    best = min(SKINNY_VARIANTS, key=lambda v: sum(variants[v].values()))
+        if lt_gelu:
+            variants[CUBLASLT_GELU][m] = graph_time_ms(
+                lambda: torch._addmm_activation(bias, x, next_weight().t(), use_gelu=True)) * 1e3
+    best = min(variants, key=lambda v: sum(variants[v].values()))
     wins = all(variants[best][m] < 0.99 * cublas[m] for m in rows)
     return {"cublas_us": cublas, "best_variant": best, "best_us": variants[best], "variant": best if wins else False}
+
+
+try:
+    from triton.runtime.errors import OutOfResources as _TOO_LARGE
+except ImportError:  # no Triton: nothing is timed
+    _TOO_LARGE = RuntimeError
+
+
+def _cublaslt_gelu_is_tanh(weight: torch.Tensor) -> bool:
+    """Whether torch._addmm_activation(use_gelu=True) computes the tanh GELU on this device for a
+    weight of this shape and dtype (torch's CUDA fallback is tanh, its CPU path erf; cuBLASLt's
+    epilogue is what is asked). A zero weight leaves GELU(bias), the bias swept over [-6, 3]: below
+    -3 the two GELUs differ by 10% or more, far beyond one rounding (1/64 is allowed)."""
+    if not weight.is_cuda:
+        return False
+    bias = torch.linspace(-6.0, 3.0, weight.shape[0], device=weight.device).to(weight.dtype)
+    x = torch.ones(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    fused = torch._addmm_activation(bias, x, torch.zeros_like(weight).t(), use_gelu=True).float()[0]
+    expected = F.gelu(bias.float(), approximate="tanh")
+    return bool(((fused - expected).abs() <= expected.abs() / 64).all())

@@ -668,7 +668,9 @@ def bench_hf(results: dict, model: str, batches: list[int], in_len: int = 128, o
         ids = torch.randint(0, c["vocab_size"], (batch, in_len), device=device)
         kwargs = dict(max_new_tokens=out_len, min_new_tokens=out_len, do_sample=False, pad_token_id=0,
                       attention_mask=torch.ones_like(ids))
-        hf.generate(ids[:, :16], **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
+        # Warm-up on 16 tokens, with a mask of 16 (BLOOM builds its ALiBi bias from the mask's length).
+        hf.generate(ids[:, :16], **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4,
+                                    "attention_mask": kwargs["attention_mask"][:, :16]})
         sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
         sync()
         started = time.perf_counter()

@@ -35,16 +35,68 @@ def test_skinny_linear_matches_f_linear(device, m, n, k):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="every tiling compiled on the GPU")
 @pytest.mark.parametrize("m", [1, 5])
 def test_every_load_time_variant_is_correct(m):
-    """choose_skinny_weights may pick any SKINNY_VARIANTS tiling: each must compute the same product."""
-    from kernels.linear import SKINNY_VARIANTS, skinny_linear_triton, variant_options
+    """choose_skinny_weights may pick any tiling of half_variants() (choose_fp8_skinny_variants any
+    of SKINNY_VARIANTS): each must compute the same product, plain, with a bias and an activation,
+    and gated."""
+    from kernels.activation import silu_and_mul
+    from kernels.linear import SKINNY_VARIANTS, activation_ref, half_variants, skinny_linear_triton, variant_options
 
     x = torch.randn(m, 1000, dtype=torch.bfloat16, device="cuda")
-    w = torch.randn(333, 1000, dtype=torch.bfloat16, device="cuda") * 0.05
+    w = torch.randn(334, 1000, dtype=torch.bfloat16, device="cuda") * 0.05
+    bias = torch.randn(334, dtype=torch.bfloat16, device="cuda")
     precise = F.linear(x.double(), w.double())
     assert any(len(v) == 5 and v[4] > 1 for v in SKINNY_VARIANTS)  # split-K tilings are among them
-    for variant in SKINNY_VARIANTS:
+    assert half_variants()[:len(SKINNY_VARIANTS)] == SKINNY_VARIANTS
+    for variant in half_variants():
         out = skinny_linear_triton(x, w, **variant_options(variant))
         assert relative_error(out, precise) < ROUNDING[torch.bfloat16], variant
+        out = skinny_linear_triton(x, w, bias, activation="gelu", **variant_options(variant))
+        assert relative_error(out, activation_ref(F.linear(x, w, bias), "gelu")) < 2 * ROUNDING[torch.bfloat16], variant
+        out = skinny_linear_triton(x, w, gated=True, **variant_options(variant))
+        assert relative_error(out, silu_and_mul(F.linear(x, w))) < 2 * ROUNDING[torch.bfloat16], variant
+
+
+def test_half_extra_variants_are_correct_in_the_interpreter():
+    """The tilings HALF_EXTRA_VARIANTS adds (64-wide swap_ab tiles, more split-K, 2 or 8 warps) under
+    Triton's CPU interpreter in float32, plain with a bias and gated, on a width and K that are not
+    multiples of any tile (TRITON_INTERPRET=1; on CUDA the test above covers them)."""
+    from kernel_testing import triton_device
+
+    from kernels.activation import silu_and_mul
+    from kernels.linear import HALF_EXTRA_VARIANTS, skinny_linear_triton, variant_options
+
+    if triton_device() != "cpu":
+        pytest.skip("Triton's CPU interpreter (TRITON_INTERPRET=1)")
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 600, generator=gen)
+    w = torch.randn(2 * 70, 600, generator=gen) * 0.05
+    bias = torch.randn(140, generator=gen)
+    for variant in HALF_EXTRA_VARIANTS:
+        out = skinny_linear_triton(x, w, bias, **variant_options(variant))
+        assert relative_error(out, F.linear(x.double(), w.double(), bias.double())) < 1e-5, variant
+        out = skinny_linear_triton(x, w, gated=True, **variant_options(variant))
+        assert relative_error(out, silu_and_mul(F.linear(x, w))) < 1e-5, variant
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLASLt on a CUDA device")
+def test_cublaslt_gelu_epilogue_is_tanh_gelu_of_the_unrounded_product():
+    """A weight marked CUBLASLT_GELU (choose_activated_weights, gelu_tanh with a bias): linear_activated
+    is cuBLASLt's GELU_BIAS epilogue, tanh GELU of the fp32 product plus bias rounded once, so within
+    one output rounding of the exact value (closer than the unfused path's two roundings may be);
+    without a bias, or for another activation, it is the unfused path."""
+    from kernels.linear import _ACTIVATED_ATTR, CUBLASLT_GELU, _cublaslt_gelu_is_tanh, activation_ref, linear_activated
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 512, generator=gen).to(torch.bfloat16).cuda()
+    w = (torch.randn(1000, 512, generator=gen) * 0.05).to(torch.bfloat16).cuda()
+    bias = torch.randn(1000, generator=gen).to(torch.bfloat16).cuda()
+    if not _cublaslt_gelu_is_tanh(w):
+        pytest.skip("torch._addmm_activation's GELU is not the tanh GELU on this device")
+    setattr(w, _ACTIVATED_ATTR, CUBLASLT_GELU)
+    exact = F.gelu(F.linear(x.double(), w.double(), bias.double()), approximate="tanh")
+    assert relative_error(linear_activated(x, w, bias, "gelu_tanh"), exact) < ROUNDING[torch.bfloat16]
+    unfused = activation_ref(F.linear(x, w, None), "gelu_tanh")
+    torch.testing.assert_close(linear_activated(x, w, None, "gelu_tanh"), unfused, rtol=0, atol=0)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton kernels on the GPU")
