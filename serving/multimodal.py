@@ -9,7 +9,8 @@ takes table rows [i * n, (i + 1) * n) (the anchor's convention). Layout:
 - the text holds the image placeholder (``<image>`` for LLaVA) once per image: each becomes a slot
   and the text is the whole prompt (the client wrote the chat template);
 - else the anchor's: pre-prompt, the slots, the text, post-prompt (LLaVA: ``USER:\\n`` and
-  `` ASSISTANT:``);
+  `` ASSISTANT:``; BLIP-2: the slots, then the text with its special tokens, so OPT's BOS follows
+  the image);
 - no image: the text alone (text-only requests pass through a multimodal repository).
 
 multimodal_encoders (``VisionEncoderRunner``): every image of every request in one batch through
@@ -38,6 +39,10 @@ from serving.text import string_rows
 PROMPT_WRAPPERS = {"llava": ("USER:\n", "", " ASSISTANT:"),
                    "llava_onevision": ("<|im_start|>user ", "\n", "<|im_end|><|im_start|>assistant\n"),
                    **{model_type: CHAT_WRAPPER for model_type in QWEN_VL_TYPES}}
+# builder_config.model_type whose image slots come first and whose text keeps its special tokens
+# after them: the anchor's blip2 layout (fake ids, then the encoded text), which is transformers'
+# Blip2Processor's too (the query tokens, then the tokenizer's ids with OPT's BOS).
+SLOTS_FIRST = ("blip2-opt",)
 DEFAULT_MAX_NUM_IMAGES = 1
 TEXT_ONLY = ("images and video were sent to a text-only model (the preprocessing parameter multimodal_model_path "
              "is not set); send {name} only to a vision-language model's repository (all_models/multimodal)")
@@ -206,6 +211,8 @@ class ImagePrompts:
             return ids
         if num_images == 0:
             return encode(query, add_special_tokens)
+        if self.model_type in SLOTS_FIRST:
+            return [t for i in range(num_images) for t in slot(i)] + encode(query, add_special_tokens)
         pre, after_images, post = self.wrapper
         ids = encode(pre, add_special_tokens)
         for i in range(num_images):

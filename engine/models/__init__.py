@@ -88,7 +88,7 @@ MODEL_FAMILIES = (
                 fp8=True, weight_only=True),
     ModelFamily("OPTForCausalLM", "engine.models.decoder", "DecoderForCausalLM",
                 "OPT-125m to OPT-66B, OPT-350m (learned positions at offset 2, ReLU, pre- or post-norm, "
-                "projected embeddings)", fp8=True, weight_only=True),
+                "projected embeddings), and the language model of Blip2ForConditionalGeneration", fp8=True, weight_only=True),
     ModelFamily("Starcoder2ForCausalLM", "engine.models.decoder", "DecoderForCausalLM",
                 "StarCoder2-3B/7B/15B (sliding window, LayerNorm, biases, GELU-tanh MLP)", fp8=True, weight_only=True,
                 sliding_window=True),

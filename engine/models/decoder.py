@@ -33,6 +33,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.models.layers import Linear, Norm, RowParallelLinear, VocabParallelEmbedding, qkv_heads, vocab_parallel_logits
+from engine.models.prompt_embeds import PromptEmbeds, splice_prompt_embeds
 from kernels.activation import silu_and_mul
 from kernels.alibi import alibi_slopes
 from kernels.attention_metadata import AttentionMetadata
@@ -144,6 +145,7 @@ class DecoderForCausalLM(nn.Module):
     """One tensor-parallel rank of a configurable-decoder family (module docstring)."""
 
     supports_prefill_graphs = True  # steps with prompt tokens replay graphs too (tests/engine/test_cuda_graphs.py)
+    supports_prompt_tables = True  # forward() takes prompt_embeds (image features: BLIP-2 over OPT)
 
     def __init__(self, config: ModelConfig, *, tp_rank: int = 0, tp_size: int = 1, tp_group=None,
                  dtype: torch.dtype = torch.float32, device=None, max_positions: int | None = None,
@@ -205,12 +207,14 @@ class DecoderForCausalLM(nn.Module):
         return self.position_table
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                attn_meta: AttentionMetadata) -> torch.Tensor:
+                attn_meta: AttentionMetadata, prompt_embeds: PromptEmbeds | None = None) -> torch.Tensor:
         """input_ids, positions: (num_tokens,) -> final hidden states (num_tokens, hidden), normed
-        (when the family has a final norm) and projected out (OPT-350m)."""
+        (when the family has a final norm) and projected out (OPT-350m). ``prompt_embeds``: table rows
+        that replace some tokens' embeddings (before project_in and the learned positions, as
+        transformers' inputs_embeds)."""
         c = self.config
         position_table = self._position_table(input_ids.device)
-        x = self.embed_tokens(input_ids)
+        x = splice_prompt_embeds(self.embed_tokens(input_ids), prompt_embeds)
         if c.word_embed_proj_dim is not None:
             x = self.project_in(x)
         if c.positions == "learned":

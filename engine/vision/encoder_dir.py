@@ -35,7 +35,9 @@ def write_vision_encoder(family: VisionFamily, hf_config, get: TensorGetter, out
                          source: str = "") -> str:
     """Write ``output_dir`` for ``family``'s checkpoint (``source``: its directory, for the image processor)."""
     config = family.encoder_config(hf_config)
-    weights = {name: tensor.to(TORCH_DTYPES[dtype]).contiguous()
+    # An encoder may keep some weights float32 in any engine dtype (BLIP-2's Q-Former, as transformers)
+    float32 = getattr(family.encoder_class, "float32_prefixes", ())
+    weights = {name: tensor.to(torch.float32 if name.startswith(float32) else TORCH_DTYPES[dtype]).contiguous()
                for name, tensor in family.encoder_weights(get, config).items()}
     if os.path.isdir(output_dir):
         shutil.rmtree(output_dir)
@@ -52,10 +54,12 @@ def write_vision_encoder(family: VisionFamily, hf_config, get: TensorGetter, out
 
 
 def _image_processor(source: str, config: dict):
-    """The checkpoint's image processor; without one, CLIP's at the tower's resolution (with a warning)."""
+    """The checkpoint's image processor (its preprocessor_config.json, or the image_processor of the
+    processor_config.json transformers 5 writes); without one, CLIP's at the tower's resolution (with a warning)."""
     from transformers import AutoImageProcessor, CLIPImageProcessor
 
-    if source and os.path.isfile(os.path.join(source, "preprocessor_config.json")):
+    if source and any(os.path.isfile(os.path.join(source, name))
+                      for name in ("preprocessor_config.json", "processor_config.json")):
         return AutoImageProcessor.from_pretrained(source)
     size = config["image_size"]
     print(f"warning: {source or 'the checkpoint'} has no preprocessor_config.json; the vision encoder gets "

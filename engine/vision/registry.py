@@ -2,8 +2,7 @@
 
 A family says how its checkpoint splits into a language model (built as any text engine) and an
 image encoder (``engine/vision/<family>.py``): the text config, where the language tensors live,
-the encoder's config and weights, and the encoder module. Families to come (Qwen3-VL, Gemma 3,
-BLIP-2) add one entry each.
+the encoder's config and weights, and the encoder module. Families to come (Qwen3-VL, Gemma 3) add one entry each.
 """
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from engine.hf_checkpoint import CheckpointError, TensorGetter
-from engine.vision import llava, llava_next, qwen2_5_vl, qwen2_vl
+from engine.vision import blip2, llava, llava_next, qwen2_5_vl, qwen2_vl
 from engine.vision.anyres import ONEVISION_MODEL_TYPE
 
 
@@ -53,6 +52,10 @@ _QWEN2_VL_LANGUAGE = (("model.", ("model.language_model.", "model.")), ("lm_head
 _LLAVA_LANGUAGE = (("model.", ("language_model.model.", "model.language_model.")),
                    ("lm_head.", ("language_model.lm_head.", "lm_head.")))
 
+# BLIP-2 keeps its language model (OPT) as language_model.model.decoder.* and language_model.lm_head.*
+# (tied to the embeddings in OPT, so usually absent), in memory and on disk.
+_BLIP2_LANGUAGE = (("model.", ("language_model.model.",)), ("lm_head.", ("language_model.lm_head.",)))
+
 VISION_FAMILIES = {
     "LlavaForConditionalGeneration": VisionFamily(
         "LlavaForConditionalGeneration", llava.MODEL_TYPE, llava.encoder_config, llava.encoder_weights,
@@ -69,6 +72,9 @@ VISION_FAMILIES = {
     "Qwen2_5_VLForConditionalGeneration": VisionFamily(
         "Qwen2_5_VLForConditionalGeneration", qwen2_5_vl.MODEL_TYPE, qwen2_5_vl.encoder_config,
         qwen2_5_vl.encoder_weights, qwen2_5_vl.Qwen25VisionEncoder, _QWEN2_VL_LANGUAGE, qwen2_vl.text_config),
+    "Blip2ForConditionalGeneration": VisionFamily(
+        "Blip2ForConditionalGeneration", blip2.MODEL_TYPE, blip2.encoder_config, blip2.encoder_weights,
+        blip2.Blip2VisionEncoder, _BLIP2_LANGUAGE, blip2.text_config),
 }
 FAMILIES_BY_MODEL_TYPE = {family.model_type: family for family in VISION_FAMILIES.values()}
 

@@ -10,7 +10,7 @@ tools/multimodal/client.py:
 the image is processed here by that checkpoint's image processor and sent as image_input (FP16
 [1, n, 3, H, W]), as the reference's client does for llava; without it, files go as
 image_bytes_input (the encoded file) and URLs as image_url_input, and the server's preprocessing
-model processes them. Served families: llava (tools/assemble_repository.py --kind multimodal).
+model processes them. Served families: blip2, llava (tools/assemble_repository.py --kind multimodal).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # serving/
 
 MODEL_TYPES = ("blip2", "llava", "vila", "mllama", "llava_onevision", "qwen2_vl")
-SERVED_MODEL_TYPES = ("llava",)
+SERVED_MODEL_TYPES = ("blip2", "llava")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
