@@ -17,7 +17,10 @@ Sections (``--sections``, all by default):
 
 Random weights of the real shapes (benchmarks/common.py MODELS: ``nemotron_h_8b``, ``llama8b``; also
 ``jamba_mini``, Jamba-1.5-Mini's Mamba-1 / MoE shape, 104 GB in bf16), made on the GPU at load.
-``--device cpu --models nemotron_h_tiny,tiny`` (or ``jamba_tiny``) is a smoke run.
+``--device cpu --models nemotron_h_tiny,tiny`` (or ``jamba_tiny``) is a smoke run. ``--quantization fp8``
+gives every engine FP8 weights (per-channel, as ``engine.build --quantization fp8``): the Mamba-2
+hybrids' in_proj/out_proj and attention/MLP projections, Llama's linears; the roofline counts the
+bytes the parameters really hold.
 """
 from __future__ import annotations
 
@@ -74,7 +77,7 @@ def step_bytes(runner: ModelRunner, context: int) -> int:
 
 def bench_decode(args, model: str, bandwidth: float, prompt_len: int = 128, steps: int = 256) -> dict:
     engine_dir = write_config_only_engine(model, args.dtype, max_batch_size=8, max_seq_len=prompt_len + steps + 64,
-                                          max_num_tokens=1024, tokens_per_block=32)
+                                          max_num_tokens=1024, tokens_per_block=32, quantization=args.quantization)
     runner = ModelRunner(engine_dir, device=args.device)
     hybrid = getattr(runner.model, "uses_state_cache", False)
     if hybrid:
@@ -112,7 +115,7 @@ def bench_model_offline(args, model: str) -> list[dict]:
     longest = max(i + o for i, o, _ in shapes)
     engine_dir = write_config_only_engine(model, args.dtype, max_batch_size=args.max_batch_size,
                                           max_seq_len=longest + 8, max_num_tokens=args.max_num_tokens,
-                                          tokens_per_block=32, max_input_len=longest)
+                                          tokens_per_block=32, max_input_len=longest, quantization=args.quantization)
     results: dict = {}
     from benchmarks.common import MODELS
 
@@ -129,7 +132,7 @@ def _capacity_run(args, model: str, max_batch_size: int) -> dict:
     context = args.long_context
     engine_dir = write_config_only_engine(model, args.dtype, max_batch_size=max_batch_size,
                                           max_seq_len=context + 128, max_num_tokens=args.max_num_tokens,
-                                          tokens_per_block=32, max_input_len=context)
+                                          tokens_per_block=32, max_input_len=context, quantization=args.quantization)
     with Executor(engine_dir, ExecutorConfig(enable_chunked_context=True), device=args.device) as executor:
         runner = executor.runner
         blocks, page = executor.blocks.num_blocks, executor.blocks.tokens_per_block
@@ -163,7 +166,9 @@ def bench_capacity(args, model: str) -> dict:
 
 
 def markdown(results: dict) -> str:
-    lines = [f"### Hybrid Mamba-2 beside attention ({results['device']}, {results['date']}, commit {results['commit']})",
+    weights = f", {results['quantization']} weights" if results.get("quantization") else ""
+    lines = [f"### Hybrid Mamba-2 beside attention ({results['device']}{weights}, {results['date']}, "
+             f"commit {results['commit']})",
              "", f"`{results['command']}`", "", "| measurement | model | value |", "|---|---|---|"]
     for d in results.get("decode", []):
         frac = f" = {d['roofline_fraction']:.0%} of {d['roofline_tok_s']:.0f}" if "roofline_fraction" in d else ""
@@ -189,6 +194,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-num-tokens", type=int, default=8192)
     p.add_argument("--long-context", type=int, default=32768)
     p.add_argument("--capacity-batch", type=int, default=1024, help="max_batch_size of the capacity executors")
+    p.add_argument("--quantization", default=None, choices=["fp8"], help="FP8 weights for every model's engine")
     p.add_argument("--out", default="hybrid_bench.json")
     p.add_argument("--results-md", default=None, help="append the markdown table to this file")
     return p.parse_args(argv)
@@ -198,7 +204,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     models, sections = args.models.split(","), args.sections.split(",")
     results = {"date": utc_now(), "device": device_name(args.device), "commit": git_commit(),
-               "command": command_line("benchmarks/engine/hybrid_bench.py", argv)}
+               "command": command_line("benchmarks/engine/hybrid_bench.py", argv), "quantization": args.quantization}
     bandwidth = copy_bandwidth(args.device)
     results["copy_GBps"] = bandwidth / 1e9
     if "decode" in sections:
