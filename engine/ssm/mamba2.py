@@ -114,6 +114,32 @@ def gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group
     return (weight.float() * groups.view(h.shape) * gate).to(y.dtype)
 
 
+# torch._scaled_mm (cuBLASLt's FP8 product: prefill rows on CUDA, kernels/fp8.py) takes weights whose
+# rows and columns are multiples of 16.
+FP8_ROW_MULTIPLE = 16
+
+
+def pad_fp8_rows(linear: Linear) -> int:
+    """Append zero rows (scale 1, bias 0) to an FP8 weight whose rows are not a multiple of
+    FP8_ROW_MULTIPLE; the number appended (the product's extra columns are zeros, for the caller to
+    drop). in_proj's 2 * inner + 2 * G * N + H rows are not when the heads are not (Mamba-2 130M's
+    24, a rank's share at some tp, the tiny test models' 4)."""
+    pad = -linear.weight.shape[0] % FP8_ROW_MULTIPLE
+    if not linear.is_fp8 or pad == 0:
+        return 0
+
+    def grow(t: torch.Tensor, fill) -> nn.Parameter:
+        return nn.Parameter(torch.cat([t, fill((pad, *t.shape[1:]), dtype=t.dtype, device=t.device)]),
+                            requires_grad=False)
+
+    linear.weight = grow(linear.weight, torch.zeros)
+    linear.weight_scale = grow(linear.weight_scale, torch.ones)
+    if linear.bias is not None:
+        linear.bias = grow(linear.bias, torch.zeros)
+    linear.out_features += pad
+    return pad
+
+
 class Mamba2Mixer(nn.Module):
     """One rank's Mamba-2 layer (engine/ssm/mamba_shard.py: ``shard.spec`` is its local shape, the
     whole layer's at tp 1): in_proj column-parallel, out_proj row-parallel over ``tp_group``;
@@ -142,9 +168,12 @@ class Mamba2Mixer(nn.Module):
         self.out_proj = RowParallelLinear(spec.inner, hidden_size, bias=spec.proj_bias, tp_group=tp_group,
                                           dtype=dtype, device=device, quantization=quantization)
         self.A: torch.Tensor | None = None  # -exp(A_log) in float32, made by init_buffers
+        self.in_pad = 0  # zero rows appended to an FP8 in_proj (pad_fp8_rows), dropped from its output
 
     def init_buffers(self) -> None:
+        """Once after loading: A, and an FP8 in_proj padded for cuBLASLt."""
         self.A = -torch.exp(self.A_log.float())
+        self.in_pad += pad_fp8_rows(self.in_proj)
 
     def forward(self, h: torch.Tensor, conv_states: torch.Tensor, ssm_states: torch.Tensor,
                 step: StepStates) -> torch.Tensor:
@@ -153,7 +182,7 @@ class Mamba2Mixer(nn.Module):
         s = self.spec
         if self.A is None:
             self.init_buffers()
-        z, xbc, dt = self.in_proj(h).split([s.inner, s.conv_dim, s.num_heads], dim=-1)
+        z, xbc, dt, _ = self.in_proj(h).split([s.inner, s.conv_dim, s.num_heads, self.in_pad], dim=-1)
         y = by_path(step, lambda xbc, dt: self._decode(xbc, dt, conv_states, ssm_states, step.decode_slots),
                     lambda xbc, dt: self._prefill(xbc, dt, conv_states, ssm_states, step.prefill), xbc, dt)
         norm_weight = None if self.gate_norm is None else self.gate_norm.weight
