@@ -20,6 +20,13 @@ pass tensors as shared file descriptors, which needs a multiprocessing-made peer
                        ("stats", IterationStats, failure)               when the iteration moved
                        ("peer", message)                                from another client
 
+What a client unpickles: the tensorrt_llm stub imports no torch, and its reader thread unpickles
+every message, importing each class's module on first sight. So every class a message may carry
+is defined in a module that imports no torch (engine/lora/stats.py says what happened otherwise:
+the reader sat in a torch import for seconds, holding the GIL, and a stream's tokens piled up and
+went out as one response). Logits (torch tensors) are the exception, for requests that ask for
+them. tests/executor/test_engine_process.py checks this.
+
 Several clients (``listen_path``): the client that starts the process owns it (index 0, the
 socketpair); others attach over a Unix socket at ``listen_path`` (``EngineProcess.attach``), one per
 Triton model instance, so that each instance's stub sends its own requests' responses with its own

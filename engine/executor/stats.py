@@ -46,7 +46,7 @@ class IterationStats:
     gpu_mem_usage: int = 0
     pinned_mem_usage: int = 0
     kv_cache_stats: KvCacheStats = field(default_factory=KvCacheStats)
-    # LoRA: a snapshot of engine.lora.cache.LoraCacheStats (None when LoRA is off).
+    # LoRA: a snapshot of engine.lora.stats.LoraCacheStats (None when LoRA is off).
     lora_cache_stats: Any = None
     # Speculative decoding, cumulative since the executor started: draft tokens verified, and accepted.
     num_draft_tokens_total: int = 0

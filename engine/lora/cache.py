@@ -21,25 +21,12 @@ from __future__ import annotations
 import os
 from collections import Counter, OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from engine.lora.adapter import LoraAdapter, LoraError, adapter_from_trtllm, load_peft_adapter, read_peft_config
+from engine.lora.stats import LoraCacheStats
 
 LOADER_THREADS = 2
-
-
-@dataclass
-class LoraCacheStats:
-    """Cumulative counts since start (Prometheus counters) and what is resident now."""
-
-    gpu_loads: int = 0  # adapters copied into a device slot
-    gpu_evictions: int = 0  # adapters overwritten in a slot to make room for another
-    gpu_hits: int = 0  # requests whose adapter was already in a slot
-    host_loads: int = 0  # adapters parsed into the host tier
-    host_evictions: int = 0
-    adapters_in_gpu: int = 0
-    adapters_in_host: int = 0
-    requests: Counter = field(default_factory=Counter)  # adapter name -> requests that used it
 
 
 class RunnerSlots:

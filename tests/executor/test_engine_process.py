@@ -198,3 +198,45 @@ def test_the_engine_keeps_the_running_ids_of_each_attached_client_to_cancel_when
     clients.send_responses([Response(first, result=Result(output_token_ids=[[4]], is_final=True, finish_reasons=[FinishReason.LENGTH])),
                             Response(second, result=Result(output_token_ids=[[4]], is_final=False, finish_reasons=[FinishReason.LENGTH]))])
     assert clients.remove(1) == [second] and clients.remove(2) == [] and clients.remove(0) == []
+
+
+def test_what_the_engine_process_sends_a_client_unpickles_without_torch(tmp_path):
+    """The tensorrt_llm stub imports no torch, and its reader thread unpickles every message. A
+    message whose classes live in a module that imports torch made that reader import it on the
+    first LoRA iteration's stats (LoraCacheStats, then in engine/lora/cache.py): 2-5 s of CPU under
+    the GIL while the stream's tokens waited in the socket, then went out as one response."""
+    import pickle
+    import subprocess
+    import sys
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from engine.executor.engine_process import pack_responses
+    from engine.executor.request import RequestPerfMetrics, Result
+    from engine.executor.stats import IterationStats, KvCacheStats
+    from engine.lora.cache import AdapterCache
+
+    lora = AdapterCache(SimpleNamespace(num_slots=2), None, max_rank=8, host_bytes=0).snapshot()  # the executor's call
+    lora.requests["sql"] += 1
+    delta = Result(output_token_ids=[[5]], is_final=False, finish_reasons=[FinishReason.NOT_FINISHED],
+                   log_probs=[[-0.5]], cum_log_probs=[-0.5], perf=RequestPerfMetrics(1, 2, 3, 4, 5, 6, 11))
+    delta._streaming_delta = True
+    final = Result(output_token_ids=[[6]], is_final=True, finish_reasons=[FinishReason.LENGTH])
+    messages = [("ready", 0),
+                ("stats", IterationStats(iter=3, kv_cache_stats=KvCacheStats(max_num_blocks=8), lora_cache_stats=lora), None),
+                ("responses", pack_responses([Response(1, result=delta), Response(1, result=final), Response(2, error="x")])),
+                ("peer", ("stop", "user-7"))]
+    (tmp_path / "messages").write_bytes(pickle.dumps([pickle.dumps(m, protocol=pickle.HIGHEST_PROTOCOL) for m in messages]))
+    # As the stub: its client module, then the reader's receive path for each message.
+    check = ("import pickle, sys; from engine.executor.engine_process import EngineProcess, unpack_responses; "
+             "from engine.executor.output import ResponseQueue; queue = ResponseQueue(); "
+             f"payloads = pickle.loads(open({str(tmp_path / 'messages')!r}, 'rb').read()); "
+             "messages = [pickle.loads(p) for p in payloads]; "
+             "queue.put(unpack_responses(messages[2][1])); taken = queue.take(0); "
+             "assert messages[1][1].lora_cache_stats.requests['sql'] == 1 and len(taken) == 2, taken; "
+             "loaded = [m for m in ('torch', 'engine.lora.cache') if m in sys.modules]; "
+             "assert not loaded, f'a message made the client import {loaded}'")
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run([sys.executable, "-c", check], cwd=root, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(root)})
+    assert run.returncode == 0, run.stderr[-2000:]

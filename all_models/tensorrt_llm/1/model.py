@@ -489,7 +489,7 @@ class TritonPythonModel:
     def _run_as_worker_rank_unless_leader(engine_dir):
         """On a rank other than 0 of a leader-mode job started as tritonservers (NVIDIA's Slurm and
         Kubernetes recipes), be that rank's engine worker: blocks, then raises (serving/worker_rank.py)."""
-        from engine.tensor_parallel.distributed import rank_info_from_env
+        from engine.tensor_parallel.rank_info import rank_info_from_env
 
         rank = rank_info_from_env().rank
         if rank == 0:
@@ -503,7 +503,7 @@ class TritonPythonModel:
 
     @staticmethod
     def _leader_mode_world_size():
-        from engine.tensor_parallel.distributed import rank_info_from_env
+        from engine.tensor_parallel.rank_info import rank_info_from_env
 
         return rank_info_from_env().world_size
 
