@@ -24,8 +24,9 @@ What a client unpickles: the tensorrt_llm stub imports no torch, and its reader 
 every message, importing each class's module on first sight. So every class a message may carry
 is defined in a module that imports no torch (engine/lora/stats.py says what happened otherwise:
 the reader sat in a torch import for seconds, holding the GIL, and a stream's tokens piled up and
-went out as one response). Logits (torch tensors) are the exception, for requests that ask for
-them. tests/executor/test_engine_process.py checks this.
+went out as one response). Logits therefore cross as numpy arrays, not torch tensors (a client
+gets ``Result.context_logits`` / ``generation_logits`` as numpy). tests/executor/test_engine_process.py
+checks this.
 
 Several clients (``listen_path``): the client that starts the process owns it (index 0, the
 socketpair); others attach over a Unix socket at ``listen_path`` (``EngineProcess.attach``), one per
@@ -357,12 +358,21 @@ def pack_responses(responses: list[Response], id_base: int = 0) -> list[tuple]:
         packed.append((
             response.request_id - id_base, response.error, result.output_token_ids, result.is_final,
             [reason.value for reason in result.finish_reasons], result.sequence_index, result.cum_log_probs,
-            result.log_probs, result.context_logits, result.generation_logits,
+            result.log_probs, _wire_logits(result.context_logits), _wire_logits(result.generation_logits),
             None if perf is None else _perf_values(perf),
             result.top_log_prob_ids, result.top_log_probs,
             getattr(result, "_streaming_delta", False), result.context_phase_params,
         ))
     return packed
+
+
+def _wire_logits(logits):
+    """Host logits as numpy (no torch needed to unpickle them): float32 stays float32 (a view, no
+    copy); bfloat16, which numpy lacks, widens to float32 exactly."""
+    if logits is None or not hasattr(logits, "detach"):
+        return logits
+    logits = logits.detach().cpu()
+    return (logits.float() if str(logits.dtype) == "torch.bfloat16" else logits).numpy()
 
 
 def unpack_responses(packed: list[tuple]) -> list[Response]:

@@ -67,7 +67,7 @@ def _merge(a: Result, b: Result) -> Result:
         top_log_prob_ids=cat(a.top_log_prob_ids, b.top_log_prob_ids),
         top_log_probs=cat(a.top_log_probs, b.top_log_probs),
         context_logits=a.context_logits if a.context_logits is not None else b.context_logits,
-        generation_logits=(_torch().cat([a.generation_logits, b.generation_logits], dim=1)
+        generation_logits=(_cat_steps(a.generation_logits, b.generation_logits)
                            if a.generation_logits is not None and b.generation_logits is not None else b.generation_logits),
     )
     merged._streaming_delta = True
@@ -134,10 +134,20 @@ def build_result(seq: Sequence, tokens: list[int], start: int, with_context_logi
     return result
 
 
+def _cat_steps(a, b):
+    """Two chunks' generation_logits (beams, steps, vocab) joined along steps: torch tensors from an
+    executor in this process, numpy arrays from the engine process's wire (engine_process.py)."""
+    if hasattr(a, "detach"):
+        return _torch().cat([a, b], dim=1)
+    import numpy as np
+
+    return np.concatenate([a, b], axis=1)
+
+
 def _torch():
-    """torch, imported where logits are joined: a tensorrt_llm stub whose executor runs in its engine
-    process imports this module (engine_process.py's client side) and needs torch only if a
-    response carries logits (2-3 s of CPU at every server start otherwise)."""
+    """torch, imported where the executor builds logits (never on the client side of an engine
+    process, which gets numpy logits: its unpickling and merging must not import torch, see
+    engine_process.py "What a client unpickles")."""
     import torch
 
     return torch

@@ -217,6 +217,7 @@ class Result:
     # num_top_log_probs k > 0: per beam, per token of output_token_ids' generated part, k entries
     top_log_prob_ids: list[list[list[int]]] | None = None
     top_log_probs: list[list[list[float]]] | None = None
+    # Host tensors; numpy arrays once through an engine process's wire (engine_process.py).
     context_logits: torch.Tensor | None = None  # (prompt_len, vocab) float32
     generation_logits: torch.Tensor | None = None  # (beams, new_tokens, vocab) float32
     sequence_index: int = 0

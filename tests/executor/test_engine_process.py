@@ -8,7 +8,9 @@ from __future__ import annotations
 import os
 import signal
 import time
+from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from engine.executor.engine_process import READ_POLL_ENV, EngineProcess
@@ -118,8 +120,13 @@ def test_responses_survive_the_wire_format():
     assert [(r.request_id, r.error) for r in got] == [(3, None), (4, None), (5, "invalid request: empty input")]
     assert got[0].result.output_token_ids == [[5, 6]] and got[0].result.perf == delta.perf
     assert getattr(got[0].result, "_streaming_delta", False) and not hasattr(got[1].result, "_streaming_delta")
-    assert torch.equal(got[0].result.generation_logits, delta.generation_logits)
-    assert torch.equal(got[1].result.context_logits, final.context_logits)
+    # Logits cross as numpy (a client unpickles them without torch), equal to the tensors sent.
+    assert isinstance(got[0].result.generation_logits, np.ndarray)
+    assert np.array_equal(got[0].result.generation_logits, delta.generation_logits.numpy())
+    assert np.array_equal(got[1].result.context_logits, final.context_logits.numpy())
+    bf16 = torch.randn(1, 2, 7).to(torch.bfloat16)
+    widened = unpack_responses(pack_responses([Response(6, result=replace(final, generation_logits=bf16))]))
+    assert np.array_equal(widened[0].result.generation_logits, bf16.float().numpy())
     assert got[1].result.finish_reasons == [FinishReason.END_ID, FinishReason.LENGTH] and got[1].result.perf is None
     assert got[1].result.context_phase_params == b"TLLMCTX\x01{}" and got[0].result.context_phase_params is None
 
@@ -204,7 +211,8 @@ def test_what_the_engine_process_sends_a_client_unpickles_without_torch(tmp_path
     """The tensorrt_llm stub imports no torch, and its reader thread unpickles every message. A
     message whose classes live in a module that imports torch made that reader import it on the
     first LoRA iteration's stats (LoraCacheStats, then in engine/lora/cache.py): 2-5 s of CPU under
-    the GIL while the stream's tokens waited in the socket, then went out as one response."""
+    the GIL while the stream's tokens waited in the socket, then went out as one response. Logits
+    likewise cross as numpy, and two chunks' generation logits merge without torch."""
     import pickle
     import subprocess
     import sys
@@ -218,13 +226,19 @@ def test_what_the_engine_process_sends_a_client_unpickles_without_torch(tmp_path
 
     lora = AdapterCache(SimpleNamespace(num_slots=2), None, max_rank=8, host_bytes=0).snapshot()  # the executor's call
     lora.requests["sql"] += 1
-    delta = Result(output_token_ids=[[5]], is_final=False, finish_reasons=[FinishReason.NOT_FINISHED],
-                   log_probs=[[-0.5]], cum_log_probs=[-0.5], perf=RequestPerfMetrics(1, 2, 3, 4, 5, 6, 11))
-    delta._streaming_delta = True
-    final = Result(output_token_ids=[[6]], is_final=True, finish_reasons=[FinishReason.LENGTH])
+    import torch
+
+    deltas = [Result(output_token_ids=[[5 + i]], is_final=False, finish_reasons=[FinishReason.NOT_FINISHED],
+                     log_probs=[[-0.5]], cum_log_probs=[-0.5], perf=RequestPerfMetrics(1, 2, 3, 4, 5, 6, 11),
+                     generation_logits=torch.full((1, 1, 7), float(i)), context_logits=torch.zeros(3, 7) if i == 0 else None)
+              for i in range(2)]
+    for delta in deltas:
+        delta._streaming_delta = True
+    final = Result(output_token_ids=[[7]], is_final=True, finish_reasons=[FinishReason.LENGTH])
     messages = [("ready", 0),
                 ("stats", IterationStats(iter=3, kv_cache_stats=KvCacheStats(max_num_blocks=8), lora_cache_stats=lora), None),
-                ("responses", pack_responses([Response(1, result=delta), Response(1, result=final), Response(2, error="x")])),
+                ("responses", pack_responses([Response(1, result=deltas[0]), Response(1, result=deltas[1])])),
+                ("responses", pack_responses([Response(1, result=final), Response(2, error="x")])),
                 ("peer", ("stop", "user-7"))]
     (tmp_path / "messages").write_bytes(pickle.dumps([pickle.dumps(m, protocol=pickle.HIGHEST_PROTOCOL) for m in messages]))
     # As the stub: its client module, then the reader's receive path for each message.
@@ -232,8 +246,11 @@ def test_what_the_engine_process_sends_a_client_unpickles_without_torch(tmp_path
              "from engine.executor.output import ResponseQueue; queue = ResponseQueue(); "
              f"payloads = pickle.loads(open({str(tmp_path / 'messages')!r}, 'rb').read()); "
              "messages = [pickle.loads(p) for p in payloads]; "
-             "queue.put(unpack_responses(messages[2][1])); taken = queue.take(0); "
+             "queue.put(unpack_responses(messages[2][1])); merged = queue.take(0); "
+             "queue.put(unpack_responses(messages[3][1])); taken = queue.take(0); "
              "assert messages[1][1].lora_cache_stats.requests['sql'] == 1 and len(taken) == 2, taken; "
+             "assert len(merged) == 1 and merged[0].result.output_token_ids == [[5, 6]], merged; "
+             "assert merged[0].result.generation_logits[0, :, 0].tolist() == [0.0, 1.0]; "
              "loaded = [m for m in ('torch', 'engine.lora.cache') if m in sys.modules]; "
              "assert not loaded, f'a message made the client import {loaded}'")
     root = Path(__file__).resolve().parents[2]
