@@ -21,15 +21,18 @@ DECODING_MODES = ("auto", "top_k", "top_p", "top_k_top_p", "beam_search", "medus
 # (engine/executor/speculative/), named after TensorRT-LLM's NGram and Draft-Target modes ->
 # SpeculativeConfig.mode. draft_model is accepted as another name for draft_target.
 SPECULATIVE_DECODING_MODES = {"ngram": "ngram", "draft_target": "draft_model", "draft_model": "draft_model",
-                              "medusa": "medusa"}
+                              "medusa": "medusa", "lookahead": "lookahead"}
 # With them: max_draft_len (TensorRT-LLM's name: drafts verified per step; also the most
 # draft_input_ids a request may send, with any decoding_mode), max_matching_ngram_size (TensorRT-LLM's
 # NGram name: the longest suffix looked up in the sequence) and draft_model_path <- ${draft_engine_dir}
 # (the draft engine, named like gpt_model_path <- ${engine_dir}).
 SPECULATIVE_SETTINGS = {"max_draft_len": int, "max_matching_ngram_size": int, "draft_engine_dir": str,
-                        "medusa_model_path": str, "medusa_choices": list}
+                        "medusa_model_path": str, "medusa_choices": list, "lookahead_window_size": int,
+                        "lookahead_ngram_size": int, "lookahead_verification_set_size": int}
 # medusa: the heads in medusa_model_path (default: the engine directory's medusa/), the tree in
-# medusa_choices (engine/executor/speculative/medusa.py).
+# medusa_choices (engine/executor/speculative/medusa.py). lookahead: the reference's three
+# lookahead_* parameters, all required (engine/executor/speculative/lookahead.py).
+LOOKAHEAD_PARAMETERS = ("lookahead_window_size", "lookahead_ngram_size", "lookahead_verification_set_size")
 
 # parameter name -> (setting name, type)
 SIMPLE_SETTINGS = {
@@ -139,6 +142,12 @@ def decoding_mode_settings(params: dict[str, str]) -> dict[str, Any]:
     mode = _choice(params, "decoding_mode", {**{m: m for m in DECODING_MODES}, **{m: m for m in SPECULATIVE_DECODING_MODES}})
     if mode in SPECULATIVE_DECODING_MODES:
         settings["speculative_mode"] = SPECULATIVE_DECODING_MODES[mode]
+        if mode == "lookahead":
+            settings.update({name: get_parameter(params, name, int) for name in LOOKAHEAD_PARAMETERS})
+            missing = [name for name in LOOKAHEAD_PARAMETERS if settings[name] is None]
+            if missing:
+                raise ValueError(f"decoding_mode lookahead needs {', '.join(missing)}: set all three of "
+                                 f"{', '.join(LOOKAHEAD_PARAMETERS)}")
         if settings["speculative_mode"] == "draft_model" and settings["draft_engine_dir"] is None:
             raise ValueError(f"decoding_mode {mode} needs the draft engine: set draft_model_path (${{draft_engine_dir}})")
     else:

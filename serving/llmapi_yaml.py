@@ -33,10 +33,15 @@ TOP_KEYS = ("model", "tokenizer", "backend", "tensor_parallel_size", "pipeline_p
             "speculative_config")
 LORA_KEYS = ("max_lora_rank", "max_loras")
 SPECULATIVE_KEYS = ("decoding_type", "max_draft_len", "max_matching_ngram_size", "speculative_model_dir",
-                    "speculative_model", "medusa_choices", "num_medusa_heads")
+                    "speculative_model", "medusa_choices", "num_medusa_heads", "max_window_size", "max_ngram_size",
+                    "max_verification_set_size")
 # TensorRT-LLM's decoding_type names (its NGramDecodingConfig / DraftTargetDecodingConfig) -> the
 # tensorrt_llm model's decoding_mode values (serving/executor_config.py).
-DECODING_TYPES = {"ngram": "ngram", "drafttarget": "draft_target", "draft_target": "draft_target", "medusa": "medusa"}
+DECODING_TYPES = {"ngram": "ngram", "drafttarget": "draft_target", "draft_target": "draft_target", "medusa": "medusa",
+                  "lookahead": "lookahead"}
+# decoding_type Lookahead (TensorRT-LLM's LookaheadDecodingConfig, its defaults) -> the lookahead_* parameters.
+LOOKAHEAD_KEYS = {"max_window_size": ("lookahead_window_size", 4), "max_ngram_size": ("lookahead_ngram_size", 3),
+                  "max_verification_set_size": ("lookahead_verification_set_size", 4)}
 
 
 @dataclass
@@ -186,7 +191,7 @@ def _speculative(value: Any, config: LlmapiConfig, base_dir: str | None) -> None
     mode = DECODING_TYPES.get(kind.lower()) if isinstance(kind, str) else None
     if mode is None:
         raise _fail("speculative_config.decoding_type", f"{kind!r} is not supported; allowed: NGram, DraftTarget, "
-                                                        f"Medusa")
+                                                        f"Medusa, Lookahead")
     config.parameters["decoding_mode"] = mode
     if spec.get("max_draft_len") is not None:
         config.parameters["max_draft_len"] = str(_int(spec["max_draft_len"], "speculative_config.max_draft_len", 1, 64))
@@ -196,6 +201,12 @@ def _speculative(value: Any, config: LlmapiConfig, base_dir: str | None) -> None
         config.parameters["max_matching_ngram_size"] = str(
             _int(spec["max_matching_ngram_size"], "speculative_config.max_matching_ngram_size", 1))
     draft = spec.get("speculative_model_dir", spec.get("speculative_model"))
+    lookahead = [key for key in LOOKAHEAD_KEYS if key in spec]
+    if lookahead and mode != "lookahead":
+        raise _fail(f"speculative_config.{lookahead[0]}", "only for decoding_type Lookahead")
+    if mode == "lookahead":
+        _lookahead(spec, draft, config)
+        return
     if mode == "medusa":
         _medusa(spec, draft, config, base_dir)
         return
@@ -212,6 +223,21 @@ def _speculative(value: Any, config: LlmapiConfig, base_dir: str | None) -> None
         raise _fail("speculative_config.decoding_type", "DraftTarget runs its draft on one GPU beside the target, "
                                                         "so it needs tensor_parallel_size 1; NGram works with any")
     config.draft_model = draft
+
+
+def _lookahead(spec: dict, draft: Any, config: LlmapiConfig) -> None:
+    """decoding_type Lookahead: max_window_size, max_ngram_size, max_verification_set_size (the
+    tensorrt_llm model's lookahead_*; TensorRT-LLM's defaults 4, 3, 4); no draft model; one rank. The
+    trees' (N-1)*(W+G) drafts set the verify width, whatever max_draft_len says."""
+    if draft is not None:
+        raise _fail("speculative_config.speculative_model_dir", "Lookahead drafts from the target's own Jacobi "
+                                                               "iterations: leave the draft model out")
+    bounds = {"max_window_size": 1, "max_ngram_size": 2, "max_verification_set_size": 0}
+    for key, (parameter, default) in LOOKAHEAD_KEYS.items():
+        value = spec.get(key, default)
+        config.parameters[parameter] = str(_int(value, f"speculative_config.{key}", bounds[key], 64))
+    if config.tensor_parallel_size > 1:
+        raise _fail("speculative_config.decoding_type", "Lookahead runs on one rank: it needs tensor_parallel_size 1")
 
 
 def _medusa(spec: dict, heads: Any, config: LlmapiConfig, base_dir: str | None) -> None:

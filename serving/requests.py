@@ -50,9 +50,6 @@ IGNORED_INPUTS = (
 # "off". A plain request through the ensemble delivers preprocessing's decoder_input_ids ([[pad_id]]
 # per item) and decoder_input_lengths ([[1]]); those pass. (Prompt-embedding tables are supported:
 # see prompt_table below.) Rule per input (refused when):
-#   lookahead_window_size, lookahead_ngram_size,
-#       lookahead_verification_set_size: any element (the reference refuses them too unless the
-#       model is configured for lookahead, which this backend never is).
 #   decoder_input_ids: an item with 2+ tokens (counted by decoder_input_lengths when given, else the
 #       row width); decoder_input_lengths: a value >= 2. A single token is the decoder start token,
 #       i.e. no decoder prompt (preprocessing sends [[pad_id]] without decoder_text_input; an empty one
@@ -183,11 +180,6 @@ def without(*names: str) -> str:
 
 
 UNSUPPORTED_FEATURES = (
-    UnsupportedFeature(
-        "lookahead decoding is",
-        without("lookahead_window_size", "lookahead_ngram_size", "lookahead_verification_set_size"),
-        {name: non_empty(name) for name in
-         ("lookahead_window_size", "lookahead_ngram_size", "lookahead_verification_set_size")}),
     UnsupportedFeature(
         "encoder-decoder models are",
         "the engine is decoder-only and the prompt goes in input_ids; send at most one decoder "
@@ -410,6 +402,25 @@ def external_draft(tensors: Mapping[str, np.ndarray], batch_size: int, row: int)
             "acceptance_threshold": None if threshold is None else float(threshold)}
 
 
+# Lookahead decoding per request (TensorRT-LLM's LookaheadDecodingConfig on the request):
+# lookahead_window_size, lookahead_ngram_size and lookahead_verification_set_size (INT32, (B, 1)) go
+# together: all three or none. The executor allows them only with decoding_mode lookahead and each
+# within the model's (engine/executor/speculative/lookahead.py lookahead_request_error).
+LOOKAHEAD_INPUTS = ("lookahead_window_size", "lookahead_ngram_size", "lookahead_verification_set_size")
+
+
+def lookahead_sizes(tensors: Mapping[str, np.ndarray], batch_size: int, row: int) -> tuple[int, int, int] | None:
+    """Item `row`'s (window, ngram, verification set) sizes, or None when none was sent."""
+    sent = {name: read_scalar(tensors, name, batch_size, row) for name in LOOKAHEAD_INPUTS if _present(tensors.get(name))}
+    if not sent:
+        return None
+    if len(sent) < len(LOOKAHEAD_INPUTS):
+        missing = [name for name in LOOKAHEAD_INPUTS if name not in sent]
+        raise ValueError(f"{', '.join(missing)}: lookahead_window_size, lookahead_ngram_size and "
+                         f"lookahead_verification_set_size go together; send all three or none")
+    return tuple(int(sent[name]) for name in LOOKAHEAD_INPUTS)
+
+
 # ----------------------------------------------------------------------------- prompt-embedding tables
 #
 # prompt_embedding_table (FP16 (B, rows, hidden), ragged: an item's rows) holds rows that stand in
@@ -462,6 +473,7 @@ class RequestSpec:
     guided_decoding: tuple[str, str | None] | None = None  # (guide type, guide)
     lora: dict[str, Any] | None = None  # LoraRequest fields (lora_adapter)
     external_draft: dict[str, Any] | None = None  # ExternalDraftTokens fields (external_draft)
+    lookahead: tuple[int, int, int] | None = None  # (window, ngram, verification set) sizes (lookahead_sizes)
     prompt_table: dict[str, Any] | None = None  # PromptTable fields (prompt_table)
     mrope: dict[str, Any] | None = None  # Mrope fields (serving/mrope.py mrope_fields): Qwen2-VL
     encoder_input_ids: list[int] | None = None  # encoder-decoder engines: input_ids (decoder_prompt)
@@ -619,6 +631,7 @@ def convert_row(tensors: Mapping[str, np.ndarray], row: int, batch_size: int, *,
         guided_decoding=guided_decoding(tensors, batch_size, row),
         lora=lora_adapter(tensors, batch_size, row),
         external_draft=external_draft(tensors, batch_size, row),
+        lookahead=lookahead_sizes(tensors, batch_size, row),
         prompt_table=prompt_table(tensors, batch_size, row, len(input_token_ids)),
         mrope=mrope_fields(tensors, batch_size, row, len(input_token_ids), rotary_width),
         request_type=request_type,
@@ -671,6 +684,7 @@ def is_stop_request(tensors: Mapping[str, np.ndarray]) -> bool:
 
 def to_executor_request(spec: RequestSpec):
     """Build the engine's `Request` (imported here so this module loads without the engine)."""
+    from engine.executor.lookahead_sizes import LookaheadSizes
     from engine.executor.mrope_rotary import Mrope
     from engine.executor.prompt_table import PromptTable
     from engine.executor.request import (ExternalDraftTokens, GuidedDecodingParams, LoraRequest, OutputConfig, Request,
@@ -684,6 +698,7 @@ def to_executor_request(spec: RequestSpec):
         guided_decoding=None if spec.guided_decoding is None else GuidedDecodingParams(*spec.guided_decoding),
         lora=None if spec.lora is None else LoraRequest(**spec.lora),
         external_draft=None if spec.external_draft is None else _draft_tokens(ExternalDraftTokens, spec.external_draft),
+        lookahead_config=None if spec.lookahead is None else LookaheadSizes(*spec.lookahead),
         prompt_table=None if spec.prompt_table is None else PromptTable(**spec.prompt_table),
         mrope=None if spec.mrope is None else Mrope(**spec.mrope),
         encoder_input_ids=spec.encoder_input_ids, encoder_input_features=spec.encoder_input_features,

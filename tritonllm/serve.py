@@ -10,6 +10,7 @@ reused while neither changes.
 
     tritonllm serve [CHECKPOINT] [--served_model_name NAME] [--quantization fp8]
         [--kv_cache_dtype fp8] [--tp N] [--pp_size N] [--max_seq_len N] [--max_batch_size N] [--lora_modules NAME=PATH ...]
+        [--lookahead_config W,N,G]
         [--http_port 8000 --grpc_port 8001 --metrics_port 8002] [--openai_port 9000] [--host 127.0.0.1]
         [--engine_dir DIR] [--repo DIR] [--tool_call_parser hermes|llama3_json|mistral]
         [--max_num_images N] [--max_image_pixels N] [--allowed_image_url_hosts HOSTS] [--allowed_local_media_path DIR]
@@ -118,16 +119,32 @@ def engine_pp_size(engine_dir: str) -> int:
 
 
 
+def lookahead_parameters(text: str | None) -> dict[str, str]:
+    """--lookahead_config W,N,G (the anchor client's spelling) -> the tensorrt_llm parameters of
+    decoding_mode lookahead; the executor checks the ranges at start and names the one out of range."""
+    if text is None:
+        return {}
+    parts = text.replace("[", "").replace("]", "").split(",")
+    if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
+        sys.exit(f"tritonllm serve: --lookahead_config: expected three integers W,N,G (window, n-gram and "
+                 f"verification set sizes, e.g. 4,3,4), got {text!r}")
+    names = ("lookahead_window_size", "lookahead_ngram_size", "lookahead_verification_set_size")
+    return {"decoding_mode": "lookahead", **{n: p.strip() for n, p in zip(names, parts)}}
+
+
 def checkpoint_repository(engine_dir: str, repo_dir: str, *, bls_instances: int = 2, max_batch_size: int = 8,
-                          lora: bool = False, images: dict[str, str | None] | None = None) -> tuple[str, str]:
+                          lora: bool = False, images: dict[str, str | None] | None = None,
+                          engine_parameters: dict[str, str] | None = None) -> tuple[str, str]:
     """(the filled repository serving a checkpoint's engine, the models holding the engine as the
     launcher's --tensorrt_llm_model_name takes them). A vision-language engine (engine.build wrote
     its vision_encoder/) gets the multimodal repository (tritonllm/repository.py), its preprocessing
     parameters ``images`` (max_num_images, max_image_pixels, allowed_image_url_hosts) where given;
     an encoder-decoder engine (encoder/ + decoder/) the text repository of its decoder/ with the
     encoder's fill keys (T5, BART) or the whisper repository (non-decoupled); any other engine the
-    text repository."""
+    text repository. ``engine_parameters``: more tensorrt_llm parameters (speculative decoding)."""
     spec = encoder_decoder_spec(engine_dir)
+    if spec is not None and engine_parameters:
+        sys.exit(f"tritonllm serve: {', '.join(engine_parameters)}: encoder-decoder engines do not take them")
     if spec is not None:
         decoder = os.path.join(os.path.abspath(engine_dir), DECODER_DIR)
         if spec.get("num_mel_bins"):
@@ -137,7 +154,7 @@ def checkpoint_repository(engine_dir: str, repo_dir: str, *, bls_instances: int 
                 "tensorrt_llm"
         return prepare_model_repo(decoder, repo_dir, bls_instances=bls_instances, max_batch_size=max_batch_size,
                                   overrides=encoder_decoder_substitutions(engine_dir)), "tensorrt_llm"
-    overrides = {"tensorrt_llm": {"enable_lora": str(lora).lower()}}
+    overrides = {"tensorrt_llm": {"enable_lora": str(lora).lower(), **(engine_parameters or {})}}
     if not has_vision_encoder(engine_dir):
         return prepare_model_repo(engine_dir, repo_dir, bls_instances=bls_instances, max_batch_size=max_batch_size,
                                   overrides=overrides), "tensorrt_llm"
@@ -281,6 +298,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     model.add_argument("--max_batch_size", type=int, default=64)
     model.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
                        help="default: bfloat16 on a GPU, float32 on CPU")
+    parser.add_argument("--lookahead_config", default=None, metavar="W,N,G",
+                        help="lookahead decoding (no extra weights): window, n-gram and verification set sizes, "
+                             "e.g. 4,3,4 (docs/features/speculative-decoding.md)")
     model.add_argument("--lora_modules", nargs="+", default=[], metavar="NAME=PATH",
                        help="LoRA adapters the OpenAI API serves by name (turns LoRA on)")
     vision = parser.add_argument_group("vision-language checkpoints (LLaVA: served through the multimodal "
@@ -303,7 +323,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
             engine_dir, args.repo, bls_instances=args.bls_instances, max_batch_size=args.max_batch_size,
             lora=bool(args.lora_modules), images={"max_num_images": args.max_num_images,
                                                   "max_image_pixels": args.max_image_pixels,
-                                                  "allowed_image_url_hosts": args.allowed_image_url_hosts})
+                                                  "allowed_image_url_hosts": args.allowed_image_url_hosts},
+            engine_parameters=lookahead_parameters(args.lookahead_config))
         served, prompt = model_name, "The capital of France is"
     else:
         model_name = Path(args.engine_dir).name
@@ -312,7 +333,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
             args.engine_dir = f"{args.engine_dir}_tp{args.tp}_pp{args.pp}"
         ensure_engine(args.engine_dir, ["--tp_size", str(args.tp), "--pp_size", str(args.pp)])
         engine_dir = args.engine_dir
-        repo = prepare_model_repo(args.engine_dir, args.repo, bls_instances=args.bls_instances)
+        repo = prepare_model_repo(args.engine_dir, args.repo, bls_instances=args.bls_instances,
+                                  overrides={"tensorrt_llm": lookahead_parameters(args.lookahead_config)})
         served, prompt, engine_models = "SmolLM2-135M-Instruct", CHAT_PROMPT, "tensorrt_llm"
     world_size = args.tp * args.pp
     ranks = ["--no-mpi"] if world_size == 1 else [f"--world_size={world_size}", f"--engine_dir={engine_dir}"]

@@ -4,12 +4,13 @@
     python benchmarks/speculative/speculative_acceptance.py [--engine_dir engines/smollm2] [--max_tokens 96]
         [--max_draft_len 4] [--max_matching_ngram_size 3] [--out acceptance.json]
     python benchmarks/speculative/speculative_acceptance.py --draft_engine_dir DIR [--temperature 0.7 --top_k 40]
+    python benchmarks/speculative/speculative_acceptance.py --lookahead 4,3,4   # window, n-gram, verification set
 
 Two prompt sets (``PROMPT_SETS``): summarisation (an article, then "summarise it") and code edit
 (a function, then "rewrite it with a change"), where the answer copies long spans of the prompt.
 Each prompt runs as a chat turn through one executor with ``SpeculativeConfig("ngram")``, or with
 ``--draft_engine_dir`` ``SpeculativeConfig("draft_model")`` (e.g. an INT4 build of the same
-checkpoint); greedy, or with ``--temperature``/``--top_k``/``--top_p`` sampled (seeded per prompt).
+checkpoint), or with ``--lookahead W,N,G`` lookahead decoding (no extra weights); greedy, or with ``--temperature``/``--top_k``/``--top_p`` sampled (seeded per prompt).
 The engine is built from the embedded GGUF when ``--engine_dir`` has none (CPU is fine).
 
 Reported per set, from the requests' perf metrics:
@@ -107,6 +108,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--max_draft_len", type=int, default=4)
     parser.add_argument("--max_matching_ngram_size", type=int, default=3)
     parser.add_argument("--draft_engine_dir", default=None, help="draft with this engine instead of n-grams")
+    parser.add_argument("--lookahead", default=None, metavar="W,N,G",
+                        help="lookahead decoding: window, n-gram and verification set sizes")
     parser.add_argument("--temperature", type=float, default=None, help="sample (with --top_k/--top_p)")
     parser.add_argument("--top_k", type=int, default=None)
     parser.add_argument("--top_p", type=float, default=None)
@@ -122,7 +125,12 @@ def main(argv=None) -> dict:
 
     ensure_engine(args.engine_dir)
     tokenizer = AutoTokenizer.from_pretrained(args.engine_dir)
-    if args.draft_engine_dir:
+    if args.lookahead:
+        w, n, g = (int(x) for x in args.lookahead.split(","))
+        speculative = SpeculativeConfig("lookahead", lookahead_window_size=w, lookahead_ngram_size=n,
+                                        lookahead_verification_set_size=g)
+        what = f"lookahead decoding (W {w}, N {n}, G {g}: trees of {speculative.validate().max_draft_len} drafts)"
+    elif args.draft_engine_dir:
         speculative = SpeculativeConfig("draft_model", max_draft_len=args.max_draft_len,
                                         draft_engine_dir=args.draft_engine_dir)
         what = f"draft model {args.draft_engine_dir} (max_draft_len {args.max_draft_len})"

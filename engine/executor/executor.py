@@ -59,6 +59,7 @@ from engine.executor.sampler import build_sampling_metadata, process_logits, sam
 from engine.executor.scheduler import Scheduler, SchedulerOutput
 from engine.executor.speculative import DraftProposer, Verified, draft_room, make_proposer, verify_batch
 from engine.executor.speculative.proposer import ProposerConfigError
+from engine.executor.speculative.lookahead import lookahead_request_error, start_lookahead
 from engine.executor.speculative.medusa_executor import last_rows, start_medusa
 from engine.executor.speculative.tree_step import compact_path_kv
 from engine.executor.tree_batch import chunk_parents, tree_positions
@@ -150,6 +151,8 @@ class Executor:
             if spec.mode == "medusa":
                 return start_medusa(self.runner, spec.medusa_model_path, spec.medusa_choices, engine_dir=engine_dir,
                                     has_state=self.state_slots is not None)
+            if spec.mode == "lookahead":
+                return start_lookahead(self.runner, spec, has_state=self.state_slots is not None)
             return make_proposer(spec.mode, max_matching_ngram_size=spec.max_matching_ngram_size,
                                  draft_engine_dir=spec.draft_engine_dir, target_engine_dir=engine_dir,
                                  target_runner=self.runner, enable_reuse=self.config.enable_kv_cache_reuse,
@@ -343,6 +346,8 @@ class Executor:
         if self.config.speculative is not None and (request.sampling.beam_width or 1) > 1:
             return (f"beam_width {request.sampling.beam_width}: beam search is not supported with speculative "
                     f"decoding (speculative mode '{self.config.speculative.mode}' is on); send beam_width 1")
+        if request.lookahead_config is not None and lookahead_request_error(request, self.config.speculative):
+            return lookahead_request_error(request, self.config.speculative)
         if request.lora is not None and self.adapters is None:
             return ("lora_task_id: LoRA is not enabled on this model; set the tensorrt_llm parameter enable_lora "
                     "to true, or send the request without lora_task_id/lora_weights/lora_config/lora_path")
@@ -601,6 +606,8 @@ class Executor:
             verified = self._verify(logits, drafted) if drafted else None
             if getattr(self.runner, "keep_hidden_rows", False):  # Medusa heads read the last computed token's hidden state
                 self.proposer.observe(self.runner.last_hidden_rows, last_rows(sampling, drafted, verified))
+            if verified and hasattr(self.proposer, "observe_verified"):  # lookahead: the target's choice at each node
+                self.proposer.observe_verified(drafted, verified)
         except Exception as err:
             self._fail_step(plan, err, "forward failed")
             return None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.executor.lookahead_sizes import LookaheadConfigError, sizes_of_config
 from engine.executor.scheduler import POLICIES
 
 MAX_LORA_RANK = 256
@@ -17,7 +18,7 @@ class ExecutorConfigError(ValueError):
     """An ExecutorConfig value is out of range; the message names field, value and rule."""
 
 
-SPECULATIVE_MODES = ("ngram", "draft_model", "medusa")
+SPECULATIVE_MODES = ("ngram", "draft_model", "medusa", "lookahead")
 MAX_SPECULATIVE_DRAFT_LEN = 64  # a verify step is a (k + 1)-token chunk per sequence; past this it is a prefill
 
 
@@ -29,7 +30,8 @@ class SpeculativeConfig:
     sequence's last n tokens, n = max_matching_ngram_size down to 1) or "draft_model" (a second,
     smaller engine in ``draft_engine_dir`` with the target's tokenizer, drafting greedily with its
     own KV pool, as many tokens as the target's, and CUDA graphs: speculative/draft_model.py) or
-    "medusa" (heads on the target's hidden states drafting a token tree: speculative/medusa.py). Each
+    "medusa" (heads on the target's hidden states drafting a token tree: speculative/medusa.py) or
+    "lookahead" (Jacobi window and n-gram pool, no extra weights: speculative/lookahead.py). Each
     step verifies up to ``max_draft_len`` drafts per sequence.
     """
 
@@ -42,6 +44,11 @@ class SpeculativeConfig:
     # small default); max_draft_len caps the tree's nodes.
     medusa_model_path: str | None = None
     medusa_choices: str | list[list[int]] | None = None
+    # "lookahead": TensorRT-LLM's LookaheadDecodingConfig sizes (window W, n-gram N, verification set
+    # G), all three required; max_draft_len becomes the tree's (N-1)*(W+G) drafts.
+    lookahead_window_size: int | None = None
+    lookahead_ngram_size: int | None = None
+    lookahead_verification_set_size: int | None = None
 
     def validate(self) -> "SpeculativeConfig":
         def require(ok: bool, message: str) -> None:
@@ -54,12 +61,20 @@ class SpeculativeConfig:
         require(self.mode != "draft_model" or (isinstance(self.draft_engine_dir, str) and bool(self.draft_engine_dir)),
                 f"SpeculativeConfig.draft_engine_dir must name the draft engine's directory with mode 'draft_model', "
                 f"got {self.draft_engine_dir!r}")
+        if self.mode == "lookahead":
+            self.max_draft_len = self._lookahead_draft_len()
         require(isinstance(self.max_draft_len, int) and 1 <= self.max_draft_len <= MAX_SPECULATIVE_DRAFT_LEN,
                 f"SpeculativeConfig.max_draft_len must be an integer in 1..{MAX_SPECULATIVE_DRAFT_LEN}, "
                 f"got {self.max_draft_len!r}")
         require(isinstance(self.max_matching_ngram_size, int) and self.max_matching_ngram_size >= 1,
                 f"SpeculativeConfig.max_matching_ngram_size must be an integer >= 1, got {self.max_matching_ngram_size!r}")
         return self
+
+    def _lookahead_draft_len(self) -> int:
+        try:
+            return sizes_of_config(self).check(limit=MAX_SPECULATIVE_DRAFT_LEN).num_draft_tokens
+        except LookaheadConfigError as err:
+            raise ExecutorConfigError(str(err)) from None
 
 
 @dataclass

@@ -170,6 +170,9 @@ class Request:
     guided_decoding: GuidedDecodingParams | None = None  # constrains every returned sequence
     lora: LoraRequest | None = None  # the adapter every returned sequence runs with
     external_draft: ExternalDraftTokens | None = None  # drafts verified at the first generation step
+    # decoding_mode lookahead: this request's (window, ngram, verification set) sizes, each within the
+    # executor's (speculative/lookahead.py LookaheadSizes); None: the executor's.
+    lookahead_config: Any = None
     # Prompt ids >= vocab_size take rows of this table (image features; engine/executor/prompt_table.py).
     prompt_table: PromptTable | None = None
     # M-RoPE (Qwen2-VL): rotary rows of the prompt tokens and the delta after them (engine/executor/mrope_rotary.py).

@@ -51,3 +51,24 @@ def test_an_engine_with_pipeline_stages_gets_lora_off(tmp_path):
         return re.search(r'key: "enable_lora"\s*value: \{\s*string_value: "(\w+)"', text).group(1)
 
     assert (enable_lora(1), enable_lora(2)) == ("true", "false")
+
+
+def test_lookahead_config_flag_fills_decoding_mode_lookahead(tmp_path):
+    """--lookahead_config W,N,G -> the tensorrt_llm parameters the model parses into decoding_mode lookahead."""
+    from serving.executor_config import executor_settings
+
+    params = serve.lookahead_parameters("4,3,2")
+    repo = Path(serve.prepare_model_repo(str(tmp_path / "engine"), str(tmp_path / "repo"),
+                                         overrides={"tensorrt_llm": params}))
+    text = (repo / "tensorrt_llm" / "config.pbtxt").read_text()
+    filled = dict(re.findall(r'key: "(\w+)"\s*value: \{\s*string_value: "([^"]*)"', text))
+    settings = executor_settings(filled, {})
+    assert settings["speculative_mode"] == "lookahead"
+    assert [settings[f"lookahead_{k}"] for k in ("window_size", "ngram_size", "verification_set_size")] == [4, 3, 2]
+    assert serve.lookahead_parameters(None) == {}
+    try:
+        serve.lookahead_parameters("4,3")
+    except SystemExit as exit_:
+        assert "--lookahead_config: expected three integers W,N,G" in str(exit_)
+    else:
+        raise AssertionError("a two-number --lookahead_config was accepted")

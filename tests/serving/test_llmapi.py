@@ -86,6 +86,20 @@ def test_speculative_config_medusa_names_heads_and_tree(checkpoint, tmp_path):
                                                                          "medusa_choices": "{0}"}})
 
 
+def test_speculative_config_lookahead_gives_the_three_sizes(checkpoint):
+    """decoding_type Lookahead (TensorRT-LLM's LookaheadDecodingConfig, defaults 4/3/4) -> decoding_mode
+    lookahead and the lookahead_* parameters; sizes out of range and a draft model are refused by name."""
+    params = executor_parameters(parse_llmapi_config({"model": checkpoint, "speculative_config": {
+        "decoding_type": "Lookahead", "max_window_size": 5, "max_ngram_size": 4}}), "/engines/x")
+    assert params["decoding_mode"] == "lookahead"
+    assert [params[f"lookahead_{k}"] for k in ("window_size", "ngram_size", "verification_set_size")] == ["5", "4", "4"]
+    for bad, named in [({"max_ngram_size": 1}, "speculative_config.max_ngram_size: expected an integer 2..64"),
+                       ({"speculative_model_dir": "x"}, "speculative_config.speculative_model_dir: Lookahead drafts"),
+                       ({"decoding_type": "NGram", "max_window_size": 3}, "speculative_config.max_window_size: only")]:
+        with pytest.raises(ValueError, match=named):
+            parse_llmapi_config({"model": checkpoint, "speculative_config": {"decoding_type": "Lookahead", **bad}})
+
+
 def test_defaults_and_dtype_auto(checkpoint):
     config = parse_llmapi_config({"model": checkpoint})
     assert config.decoupled is True and config.triton_max_batch_size == 0

@@ -94,8 +94,9 @@ def test_retention_hints_are_ignored_and_unsupported_features_refused():
     # the rule of every refused input)
     tensors = minimal(**{name: np.zeros((1, 1), np.int32) for name in IGNORED_INPUTS})
     assert convert_request(tensors, decoupled=False) == convert_request(minimal(), decoupled=False)
-    with pytest.raises(ValueError, match="^lookahead_window_size: lookahead decoding is not supported by this backend"):
-        convert_request(minimal(lookahead_window_size=np.ones((1, 1), np.int32)), decoupled=False)
+    with pytest.raises(ValueError, match="^runtime_top_p_decay: top-p decay is not supported by this backend"):
+        convert_request(minimal(runtime_top_p_decay=np.full((1, 1), 0.9, np.float32),
+                                runtime_top_p=np.full((1, 1), 0.8, np.float32)), decoupled=False)
 
 
 def test_request_type_and_context_phase_params_reach_the_executor_request():

@@ -119,6 +119,23 @@ def test_decoding_mode_medusa_names_its_heads_and_tree():
     config.validate()
 
 
+def test_decoding_mode_lookahead_takes_the_three_sizes_and_requests_their_own():
+    params = {"decoding_mode": "lookahead", "lookahead_window_size": "4", "lookahead_ngram_size": "3",
+              "lookahead_verification_set_size": "2"}
+    config, ignored = to_executor_config(ExecutorConfig, executor_settings(params, {}))
+    assert config.speculative == SpeculativeConfig(mode="lookahead", lookahead_window_size=4, lookahead_ngram_size=3,
+                                                   lookahead_verification_set_size=2)
+    assert ignored == [] and config.validate().speculative.max_draft_len == 12  # (N-1)*(W+G)
+    with pytest.raises(ValueError, match="decoding_mode lookahead needs lookahead_verification_set_size"):
+        executor_settings({**params, "lookahead_verification_set_size": "${lookahead_verification_set_size}"}, {})
+    sizes = {"lookahead_window_size": i32([2]), "lookahead_ngram_size": i32([2]), "lookahead_verification_set_size": i32([1])}
+    assert tuple(vars(executor_request(**sizes).lookahead_config).values()) == (2, 2, 1)
+    with pytest.raises(ValueError, match="^lookahead_ngram_size: lookahead_window_size, lookahead_ngram_size and "
+                                         "lookahead_verification_set_size go together"):
+        convert_request(minimal(lookahead_window_size=i32([2]), lookahead_verification_set_size=i32([1])),
+                        decoupled=False)
+
+
 def test_other_decoding_modes_and_unfilled_parameters_leave_speculation_off():
     for params in ({"decoding_mode": "top_k"}, {"decoding_mode": "${decoding_mode}", "max_draft_len": "${max_draft_len}",
                                                 "max_matching_ngram_size": "${max_matching_ngram_size}",

@@ -13,8 +13,8 @@ import pytest
 from serving.bls import (LLM_INPUTS_FROM_PREPROCESSING, LLM_INPUTS_FROM_REQUEST, PREPROCESSING_INPUTS,
                          validate, with_batch_dim)
 from serving.mrope import MROPE_INPUTS
-from serving.requests import (DRAFT_INPUTS, GUIDED_INPUTS, IGNORED_INPUTS, LORA_INPUTS, PROMPT_TABLE_INPUTS,
-                              UNSUPPORTED_INPUTS, conversion_error_message, convert_request)
+from serving.requests import (DRAFT_INPUTS, GUIDED_INPUTS, IGNORED_INPUTS, LOOKAHEAD_INPUTS, LORA_INPUTS,
+                              PROMPT_TABLE_INPUTS, UNSUPPORTED_INPUTS, conversion_error_message, convert_request)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -41,9 +41,6 @@ def minimal(**extra):
 
 # input -> (its value in a request that really uses the feature, other inputs that request sends)
 USED = {
-    "lookahead_window_size": (i32([7]), {}),
-    "lookahead_ngram_size": (i32([7]), {}),
-    "lookahead_verification_set_size": (i32([7]), {}),
     "decoder_input_ids": (i32([1, 2, 3]), {}),
     "decoder_input_lengths": (i32([3]), {}),
     "encoder_input_features": (np.ones((1, 4, 8), np.float16), {}),
@@ -68,7 +65,7 @@ def test_every_unsupported_input_has_a_case_and_every_declared_input_a_rule():
             "return_log_probs", "return_context_logits", "return_generation_logits",
             "return_perf_metrics", "exclude_input_in_output", "stop", "streaming", "num_top_log_probs",
             "context_phase_params", *GUIDED_INPUTS, *LORA_INPUTS, *DRAFT_INPUTS, *PROMPT_TABLE_INPUTS,
-            *MROPE_INPUTS}
+            *MROPE_INPUTS, *LOOKAHEAD_INPUTS}
     assert declared == read | set(UNSUPPORTED_INPUTS) | set(IGNORED_INPUTS)
     assert not set(UNSUPPORTED_INPUTS) & set(IGNORED_INPUTS)
 
@@ -87,10 +84,10 @@ def test_a_used_unsupported_input_is_refused_by_name(name):
 
 def test_error_text_names_what_is_wrong_and_what_is_allowed():
     with pytest.raises(ValueError) as raised:
-        convert_request(minimal(lookahead_window_size=USED["lookahead_window_size"][0]), decoupled=False)
+        convert_request(minimal(runtime_top_p_decay=f32([0.9]), runtime_top_p=f32([0.8])), decoupled=False)
     assert str(raised.value) == (
-        "lookahead_window_size: lookahead decoding is not supported by this backend; send the request without "
-        "lookahead_window_size/lookahead_ngram_size/lookahead_verification_set_size")
+        "runtime_top_p_decay: top-p decay is not supported by this backend; send runtime_top_p_decay 1.0, "
+        "runtime_top_p_min no larger than runtime_top_p and runtime_top_p_reset_ids -1, or leave them out")
 
 
 # input -> values that must pass: empty tensors, the "off" values clients and the pipeline send

@@ -30,6 +30,7 @@ class Verified:
     num_draft_tokens: int  # drafts that were verified
     log_probs: list[float] | None  # per emitted token, as the sampler reports them; None unless asked
     path: list[int] | None = None  # a tree's accepted nodes (0: the root), whose KV moves into place; None: a chain
+    node_argmax: list[int] | None = None  # a greedy tree's: the target's choice at every node (lookahead.py reads it)
 
     @property
     def num_accepted(self) -> int:
@@ -68,8 +69,9 @@ def verify_batch(drafted: list[tuple[Sequence, list[int], int]], logits: torch.T
             if not is_plain_greedy(seq):
                 verified[seq.seq_id] = verify_tree(seq, parents, draft_ids, rows, vocab_size, normalize_log_probs)
                 continue
-            path, token_ids = accept_greedy_tree(parents, [-1] + list(draft_ids), rows.argmax(dim=-1).tolist())
-            verified[seq.seq_id] = Verified(token_ids, len(draft_ids), None, path)
+            argmax = rows.argmax(dim=-1).tolist()
+            path, token_ids = accept_greedy_tree(parents, [-1] + list(draft_ids), argmax)
+            verified[seq.seq_id] = Verified(token_ids, len(draft_ids), None, path, argmax)
         elif is_plain_greedy(seq):
             plain.append((seq, draft_ids, first))
         else:
@@ -132,8 +134,10 @@ def verify_tree(seq: Sequence, parents: list[int], draft_ids: list[int], logits:
         paths.append(paths[parents[i]] + [tokens[i]])
     md = build_sampling_metadata([_Drafted(seq, p) for p in paths], vocab_size, logits.device, return_log_probs=False)
     scores = process_logits(logits, md)
+    node_argmax = None
     if md.all_greedy:
-        path, token_ids = accept_greedy_tree(parents, tokens, scores.argmax(dim=-1).tolist())
+        node_argmax = scores.argmax(dim=-1).tolist()
+        path, token_ids = accept_greedy_tree(parents, tokens, node_argmax)
     else:
         scores = scores / md.temperature.unsqueeze(1)  # a sampled row's temperature is > 0
         candidates = apply_top_k_top_p(scores, md.top_k, md.top_p) if md.needs_top_k_top_p else scores
@@ -144,7 +148,7 @@ def verify_tree(seq: Sequence, parents: list[int], draft_ids: list[int], logits:
         if normalize_log_probs:
             scores = scores.log_softmax(dim=-1)
         log_probs = scores[torch.tensor(path, device=scores.device), torch.tensor(token_ids, device=scores.device)].tolist()
-    return Verified(token_ids, len(draft_ids), log_probs, path)
+    return Verified(token_ids, len(draft_ids), log_probs, path, node_argmax)
 
 
 def _accept_sampled(seq: Sequence, draft_ids: list[int], target_probs: torch.Tensor, md) -> list[int]:
