@@ -61,7 +61,7 @@ SUPPORTED_ARCHITECTURES += DECODER_ARCHITECTURES
 HYBRID_ARCHITECTURES = ("BambaForCausalLM", "NemotronHForCausalLM", "GraniteMoeHybridForCausalLM", "Mamba2ForCausalLM",
                         "FalconH1ForCausalLM", "MambaForCausalLM", "JambaForCausalLM")
 # Hybrids with routed experts (the spec's "moe" blocks), read from num_experts and the fields after it.
-HYBRID_MOE_ARCHITECTURES = ("JambaForCausalLM",)
+HYBRID_MOE_ARCHITECTURES = ("JambaForCausalLM", "GraniteMoeHybridForCausalLM")
 SUPPORTED_ARCHITECTURES += HYBRID_ARCHITECTURES
 # DeepSeek-V2/V3 (engine/models/deepseek.py): multi-head latent attention over a latent KV pool,
 # shared + routed experts with DeepSeek's routing (MLA_TOPK_METHODS).

@@ -114,8 +114,8 @@ MODEL_FAMILIES = (
                 "Nemotron-H 4B/8B/47B/56B dense (Mamba-2, attention without positions and relu^2 MLP layers; "
                 "MoE layers refused)", fp8=True),
     ModelFamily("GraniteMoeHybridForCausalLM", "engine.ssm.hybrid", "HybridForCausalLM",
-                "Granite 4.0 dense hybrids (H-Micro: Mamba-2 and attention layers, muP multipliers; the MoE "
-                "variants H-Tiny and H-Small refused)", fp8=True),
+                "Granite 4.0 hybrids: H-Micro dense, H-Tiny and H-Small with routed experts beside a shared MLP "
+                "(Mamba-2 and attention layers, muP multipliers)", fp8=True),
     ModelFamily("Mamba2ForCausalLM", "engine.ssm.hybrid", "HybridForCausalLM",
                 "Mamba-2 130M to 2.7B, Mamba-Codestral (Mamba-2 layers only: a fixed-size state per request, "
                 "no KV cache; one rank)", tensor_parallel=False, fp8=True),

@@ -3,9 +3,11 @@
 Bamba (``BambaForCausalLM``; IBM's Bamba-9B and the Granite 4.0 hybrids saved in Bamba's layout):
 each decoder layer is a Mamba-2 layer or rope attention (partial rotary 0.5, layers in
 ``attn_layer_indices``), then a gated SiLU MLP: two engine blocks per layer.
-Granite 4.0 dense hybrids (``GraniteMoeHybridForCausalLM`` with no routed experts: H-Micro): Bamba's
-layer (the MLP is the "shared" one, ``input_linear`` already [gate | up]), rope or no positions, and
-its scalars (embedding, residual and attention multipliers, logits scaling); MoE variants refused.
+Granite 4.0 hybrids (``GraniteMoeHybridForCausalLM``): Bamba's layer (the MLP is the "shared" one,
+``input_linear`` already [gate | up]), rope or no positions, and its scalars (embedding, residual and
+attention multipliers, logits scaling). With routed experts (H-Tiny, H-Small: num_local_experts > 0)
+the layer's second block is "moe": the experts (softmax over the top-k logits = renormalised top-k)
+beside the shared MLP, both split by width over tensor-parallel ranks.
 Falcon-H1 (``FalconH1ForCausalLM``): every layer a Mamba-2 layer and attention side by side on one
 norm, then a gated MLP; its muP multipliers are folded into the weights (in float32, before the cast):
 the mup vector and ssm_in into in_proj's rows, ssm_out into out_proj, attention_in into q/k/v, key into
@@ -116,22 +118,27 @@ def _mamba_fields(c) -> dict:
 
 def _granite_config(c) -> ModelConfig:
     """Granite 4.0 hybrids: Bamba's two blocks per layer (mixer, then the gated "shared" MLP of width
-    shared_intermediate_size), rope or no positions (position_embedding_type), and muP scalars."""
+    shared_intermediate_size, with num_local_experts routed experts of width intermediate_size beside
+    it when there are any), rope or no positions (position_embedding_type), and muP scalars."""
     from engine.ssm.spec import SsmSpec
 
     arch = "GraniteMoeHybridForCausalLM"
-    _refuse(not (c.num_local_experts or 0), f"{arch} with {c.num_local_experts} routed experts (Granite 4.0 H-Tiny, "
-                                            "H-Small) is not supported yet; the dense hybrids (num_local_experts 0, "
-                                            "Granite 4.0 H-Micro) are")
+    moe = bool(c.num_local_experts or 0)
     _refuse(not getattr(c, "attention_bias", False), f"{arch} with attention_bias is not supported")
     _refuse(c.hidden_act == "silu", f"{arch} needs hidden_act 'silu', got {c.hidden_act!r}")
     _refuse(c.position_embedding_type in (None, "rope", "nope"),
             f"{arch}: position_embedding_type {c.position_embedding_type!r} is not supported; allowed: rope, nope")
     rope = c.position_embedding_type == "rope"
-    blocks = [b for kind in c.layers_block_type for b in ("mamba" if kind == "linear_attention" else "attention", "mlp")]
+    blocks = [b for kind in c.layers_block_type
+              for b in ("mamba" if kind == "linear_attention" else "attention", "moe" if moe else "mlp")]
     spec = SsmSpec(blocks=blocks, **_mamba_fields(c), mlp_act="silu", attention_rope=rope,
                    embedding_multiplier=float(c.embedding_multiplier), residual_multiplier=float(c.residual_multiplier),
-                   attention_scale=float(c.attention_multiplier), logits_scaling=float(c.logits_scaling)).validate()
+                   attention_scale=float(c.attention_multiplier), logits_scaling=float(c.logits_scaling),
+                   moe_shared_size=c.shared_intermediate_size if moe else 0).validate()
+    # Routing (transformers' GraniteMoeHybridTopKRouter): softmax over the top-k logits, i.e. the
+    # full softmax's top-k weights renormalised to sum to 1 (norm_topk_prob); no scaling factor.
+    experts = dict(num_experts=c.num_local_experts, num_experts_per_tok=c.num_experts_per_tok,
+                   moe_intermediate_size=c.intermediate_size, norm_topk_prob=True) if moe else {}
     theta, scaling, partial = read_rope(c) if rope else (10000.0, None, 1.0)
     return ModelConfig(
         architecture=arch, vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_layers=c.num_hidden_layers,
@@ -140,7 +147,7 @@ def _granite_config(c) -> ModelConfig:
         intermediate_size=c.shared_intermediate_size,
         norm_eps=float(c.rms_norm_eps), max_position_embeddings=c.max_position_embeddings,
         tie_word_embeddings=bool(c.tie_word_embeddings), hidden_act="silu", ssm=spec.to_dict(), rope_theta=theta,
-        rope_scaling=scaling, partial_rotary_factor=partial,
+        rope_scaling=scaling, partial_rotary_factor=partial, **experts,
     ).validate()
 
 
@@ -286,8 +293,8 @@ def _hf_blocks(cfg: ModelConfig) -> list[tuple[str, str]]:
             layer = f"model.layers.{i}."
             mixer = "mamba" if blocks[2 * i] == "mamba" else "self_attn"
             out.append((blocks[2 * i], f"{layer}input_layernorm|{layer}{mixer}."))
-            out.append(("mlp", f"{layer}pre_ff_layernorm|{layer}feed_forward." if bamba else
-                        f"{layer}post_attention_layernorm|{layer}shared_mlp."))
+            out.append((blocks[2 * i + 1], f"{layer}pre_ff_layernorm|{layer}feed_forward." if bamba else
+                        f"{layer}post_attention_layernorm|{layer}"))
         return out
     return [(kind, f"model.layers.{i}.norm|model.layers.{i}.mixer.") for i, kind in enumerate(blocks)]
 
@@ -331,20 +338,18 @@ def hybrid_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size:
             yield from _mamba1_weights(get, hf, m, cfg)
         elif kind == "mamba":
             yield from _mamba_weights(get, hf, m, cfg, mult, whole, part)
+        elif kind == "moe" and cfg.architecture == "GraniteMoeHybridForCausalLM":
+            yield from _granite_moe_weights(get, hf, m, split)
         elif kind == "moe":  # Jamba: engine/models/moe.py's names; the router stays in the model dtype
             yield m + "router.weight", get(hf + "router.weight")
-            gate, up, down = stacked_experts(get, hf, cfg.num_experts, mlp="")
-            yield m + "gate_up_proj", torch.cat([gate, up], dim=1)
-            yield m + "down_proj", down
+            yield from _expert_weights(m, *stacked_experts(get, hf, cfg.num_experts, mlp=""), split)
         elif kind == "attention":
             yield from _attention_weights(get, hf, m, rotary, mult, split)
         elif kind == "parallel":  # Falcon-H1
             yield from _mamba_weights(get, hf + "mamba.", m + "mamba.", cfg, mult, whole, part)
             yield from _attention_weights(get, hf + "self_attn.", m + "attention.", rotary, mult, split)
-        elif cfg.architecture == "GraniteMoeHybridForCausalLM":  # input_linear: rows [gate | up] already
-            gate, up = get(hf + "input_linear.weight").chunk(2)
-            yield m + "up_proj.weight", torch.cat([split(gate), split(up)])
-            yield m + "down_proj.weight", split(get(hf + "output_linear.weight"), 1)
+        elif cfg.architecture == "GraniteMoeHybridForCausalLM":
+            yield from _granite_shared_mlp(get, hf + "shared_mlp.", m, split)
         elif cfg.ssm["mlp_act"] == "silu":  # rows [gate_r | up_r]
             gate, down = mult.mlp
             yield m + "up_proj.weight", torch.cat([split(mult.scale(get(hf + "gate_proj.weight"), gate)),
@@ -353,6 +358,36 @@ def hybrid_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size:
         else:
             yield m + "up_proj.weight", split(get(hf + "up_proj.weight"))
             yield m + "down_proj.weight", split(get(hf + "down_proj.weight"), 1)
+
+
+def _expert_weights(m: str, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, split):
+    """Routed experts as engine/models/moe.py names them: gate/up (E, I, H), down (E, H, I) -> this
+    rank's slice of every expert's width, gate_up_proj (E, 2 I_r, H) rows [gate_r | up_r] and
+    down_proj (E, H, I_r)."""
+    yield m + "gate_up_proj", torch.cat([split(gate, 1), split(up, 1)], dim=1)
+    yield m + "down_proj", split(down, 2)
+
+
+def _granite_shared_mlp(get: TensorGetter, hf: str, m: str, split):
+    """Granite 4.0's shared MLP: input_linear rows [gate | up] -> this rank's [gate_r | up_r]."""
+    gate, up = get(hf + "input_linear.weight").chunk(2)
+    yield m + "up_proj.weight", torch.cat([split(gate), split(up)])
+    yield m + "down_proj.weight", split(get(hf + "output_linear.weight"), 1)
+
+
+def _granite_moe_weights(get: TensorGetter, hf: str, m: str, split):
+    """Granite 4.0 H-Tiny / H-Small's MoE layer (engine/ssm/hybrid.py SharedMlpMoe): the router, the
+    experts stacked as the checkpoints store them (``block_sparse_moe.input_linear.weight`` (E, 2I, H)
+    rows [gate | up], ``output_linear.weight`` (E, H, I); transformers 5's in-memory state dict names
+    them ``experts.gate_up_proj`` / ``experts.down_proj`` and the router ``router.weight``), and the
+    shared MLP."""
+    moe = hf + "block_sparse_moe."
+    on_disk = has_tensor(get, moe + "input_linear.weight")
+    yield m + "experts.router.weight", get(moe + ("router.layer.weight" if on_disk else "router.weight"))
+    gate, up = get(moe + ("input_linear.weight" if on_disk else "experts.gate_up_proj")).chunk(2, dim=1)
+    down = get(moe + ("output_linear.weight" if on_disk else "experts.down_proj"))
+    yield from _expert_weights(m + "experts.", gate, up, down, split)
+    yield from _granite_shared_mlp(get, hf + "shared_mlp.", m + "shared.", split)
 
 
 class _Multipliers:

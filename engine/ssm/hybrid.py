@@ -1,4 +1,4 @@
-"""Hybrid Mamba / attention decoders (Bamba, Granite 4.0 dense hybrids, Nemotron-H, Falcon-H1, Mamba-2; Mamba-1 and Jamba).
+"""Hybrid Mamba / attention decoders (Bamba, Granite 4.0 hybrids, Nemotron-H, Falcon-H1, Mamba-2; Mamba-1 and Jamba).
 
 The model is a stack of pre-norm residual blocks ``x += mixer(rmsnorm(x))`` (engine/ssm/spec.py
 names the mixers; Mamba layers are Mamba-2's, or Mamba-1's when the spec says so), then a final
@@ -15,8 +15,10 @@ Weights per engine directory, one file per tensor-parallel rank: ``embed_tokens.
 engine/ssm/mamba_shard.py says; Mamba-1 engine/ssm/mamba1.py, one rank only), attention ``qkv_proj.weight`` (rows [q_r | k_r | v_r] of the rank's
 heads; with partial rotary each q/k head's dims in kernels.rotary.partial_rotary_order) and
 ``o_proj.weight`` (the rank's input columns, row-parallel), MLP ``up_proj.weight`` ([gate_r | up_r]
-rows when gated) and ``down_proj.weight`` (row-parallel), routed experts (Jamba, one rank)
-engine/models/moe.py's ``router.weight``, ``gate_up_proj`` (E, 2I, H) and ``down_proj`` (E, H, I). With ``quantization`` "fp8" the linear
+rows when gated) and ``down_proj.weight`` (row-parallel), routed experts engine/models/moe.py's
+``router.weight``, ``gate_up_proj`` (E, 2I_r, H) and ``down_proj`` (E, H, I_r) of each expert's width
+slice (Jamba: one rank), under ``experts.`` beside the shared MLP's ``shared.up_proj.weight`` /
+``shared.down_proj.weight`` (Granite 4.0 MoE: SharedMlpMoe). With ``quantization`` "fp8" the linear
 layers of the blocks (in_proj, out_proj, qkv_proj, o_proj, up_proj, down_proj) hold E4M3 weights
 with a ``weight_scale`` per output channel; embeddings, lm_head, norms, the conv, A_log, D and
 dt_bias stay in the model dtype.
@@ -30,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ConfigError, ModelConfig
-from engine.models.layers import (Linear, Norm, RowParallelLinear, VocabParallelEmbedding, qkv_heads,
+from engine.models.layers import (Linear, Norm, RowParallelLinear, VocabParallelEmbedding, qkv_heads, tp_all_reduce,
                                   vocab_parallel_logits)
 from engine.models.moe import SparseMoeBlock, warm_up_experts
 from engine.ssm.mamba1 import Mamba1Mixer
@@ -80,10 +82,10 @@ class MLP(nn.Module):
     """One rank's intermediate_size / tp columns; down_proj row-parallel."""
 
     def __init__(self, config: ModelConfig, act: str, *, dtype, device, tp_size: int = 1, tp_group=None,
-                 quantization=None):
+                 quantization=None, intermediate_size: int | None = None):
         super().__init__()
         self.gated = act == "silu"
-        inter = config.intermediate_size // tp_size
+        inter = (intermediate_size or config.intermediate_size) // tp_size
         kw = {"dtype": dtype, "device": device, "quantization": quantization}
         self.up_proj = Linear(config.hidden_size, 2 * inter if self.gated else inter, bias=False, **kw)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=False, tp_group=tp_group, **kw)
@@ -91,6 +93,21 @@ class MLP(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         up = self.up_proj(h)
         return self.down_proj(silu_and_mul(up) if self.gated else F.relu(up).square())
+
+
+class SharedMlpMoe(nn.Module):
+    """Granite 4.0's MoE layer: routed experts (engine/models/moe.py SparseMoeBlock) and a shared MLP
+    of width spec.moe_shared_size read the same normed input; out = experts(h) + shared(h).
+    One rank: both partial sums (each rank's slice of every expert's width and of the shared MLP's)
+    meet in one all-reduce, as a dense MLP's row-parallel down_proj does."""
+
+    def __init__(self, experts: SparseMoeBlock, shared: MLP, tp_group):
+        super().__init__()
+        self.experts, self.shared, self.tp_group = experts, shared, tp_group
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        out = self.experts.routed_experts(h, self.experts.router(h)) + self.shared(h)
+        return out if self.tp_group is None else tp_all_reduce(out, self.tp_group)
 
 
 class ParallelMambaAttention(nn.Module):
@@ -157,7 +174,11 @@ class HybridForCausalLM(nn.Module):
                 mamba_index += 1
                 kv_index += 1
             elif kind == "moe":  # (its forward may leave the top-k rows unsummed: the next norm sums them)
-                mixer = SparseMoeBlock(c, tp_size=1, tp_group=None, **kw)
+                experts = SparseMoeBlock(c, tp_size=tp_size, tp_group=None if spec.moe_shared_size else tp_group,
+                                         fp8=quantization, **kw)
+                mixer = experts if not spec.moe_shared_size else SharedMlpMoe(
+                    experts, MLP(c, spec.mlp_act, tp_size=tp_size, intermediate_size=spec.moe_shared_size, **kw,
+                                 quantization=quantization), tp_group)
             else:
                 mixer = MLP(c, spec.mlp_act, tp_size=tp_size, **parallel)
             blocks.append(Block(kind, mixer, c.hidden_size, **kw))
@@ -248,8 +269,10 @@ class HybridForCausalLM(nn.Module):
         return rms_norm(x, self.norm.weight, eps, residual)[0]
 
     def warm_up_kernels(self, max_tokens: int = 8192) -> None:
-        """Jamba: compile the routed experts' kernel variants before the first request (engine/models/moe.py)."""
-        warm_up_experts(next((b.mixer for b in self.blocks if b.kind == "moe"), None), max_tokens)
+        """Jamba, Granite 4.0 MoE: compile the routed experts' kernel variants before the first request
+        (engine/models/moe.py)."""
+        warm_up_experts(next((getattr(b.mixer, "experts", b.mixer) for b in self.blocks if b.kind == "moe"), None),
+                        max_tokens)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight

@@ -9,8 +9,10 @@ A hybrid model is a stack of pre-norm residual blocks, ``x += mixer(norm(x))``, 
   (Nemotron-H: ``down(relu(up)^2)``);
 - "parallel": a Mamba-2 layer and attention side by side on the same normed input, their outputs
   summed (Falcon-H1);
-- "moe": top-k routed SwiGLU experts (Jamba), ModelConfig's num_experts / num_experts_per_tok /
-  moe_intermediate_size / norm_topk_prob, run by engine/models/moe.py's SparseMoeBlock.
+- "moe": top-k routed SwiGLU experts (Jamba, Granite 4.0 H-Tiny / H-Small), ModelConfig's num_experts /
+  num_experts_per_tok / moe_intermediate_size / norm_topk_prob, run by engine/models/moe.py's
+  SparseMoeBlock; with ``moe_shared_size`` > 0 (Granite 4.0) a dense MLP of that width (``mlp_act``)
+  reads the same normed input beside the experts and the two outputs add.
 
 Bamba's and Granite 4.0's decoder layers are two such blocks (mixer, then MLP); a Nemotron-H
 layer is one. ``blocks``
@@ -73,6 +75,9 @@ class SsmSpec:
     mamba_version: int = 2
     dt_rank: int = 0  # Mamba-1: x_proj's dt rows, projected up to d_inner by dt_proj
     dt_norms: bool = False  # Jamba: RMSNorm (eps = norm_eps) on dt, B and C after x_proj
+    # "moe" blocks: the width of the shared MLP beside the routed experts (Granite 4.0's shared_mlp);
+    # 0: none (Jamba)
+    moe_shared_size: int = 0
 
     @property
     def inner(self) -> int:
@@ -144,6 +149,8 @@ class SsmSpec:
                 f"attention_scale must be a positive number or null, got {self.attention_scale!r}")
         require(self.state_dtype is None or self.state_dtype in STATE_DTYPES,
                 f"state_dtype must be null or one of {', '.join(STATE_DTYPES)}, got {self.state_dtype!r}")
+        require(isinstance(self.moe_shared_size, int) and self.moe_shared_size >= 0,
+                f"moe_shared_size must be a non-negative integer, got {self.moe_shared_size!r}")
         require(self.mamba_version in MAMBA_VERSIONS,
                 f"mamba_version must be one of {MAMBA_VERSIONS}, got {self.mamba_version!r}")
         if self.mamba_version == 1:

@@ -1,5 +1,5 @@
-"""Tiny random hybrid Mamba checkpoints made by transformers itself (Bamba, Nemotron-H, Granite 4.0,
-Falcon-H1, pure Mamba-2; Mamba-1 and Jamba).
+"""Tiny random hybrid Mamba checkpoints made by transformers itself (Bamba, Nemotron-H, Granite 4.0
+dense and MoE, Falcon-H1, pure Mamba-2; Mamba-1 and Jamba).
 
 Sizes are the smallest the kernels' tiles take whole (head_dim and d_state 16); two groups of B/C
 so heads really share them; one attention layer among Mamba layers (Bamba: rope, partial 0.5;
@@ -36,6 +36,18 @@ def granite_hybrid_config() -> transformers.GraniteMoeHybridConfig:
         vocab_size=VOCAB, hidden_size=32, intermediate_size=48, shared_intermediate_size=40, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, num_local_experts=0,
         layer_types=["mamba", "attention", "mamba"], mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2,
+        mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16, position_embedding_type="rope",
+        embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.3, logits_scaling=4.0,
+        max_position_embeddings=1024, pad_token_id=0, eos_token_id=None, bos_token_id=None)
+
+
+def granite_moe_config() -> transformers.GraniteMoeHybridConfig:
+    """Granite 4.0's MoE hybrid (H-Tiny / H-Small's form): 4 routed experts (top 2) beside the shared
+    MLP in both layers (Mamba-2, then rope attention), the muP scalars as above."""
+    return transformers.GraniteMoeHybridConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=24, shared_intermediate_size=40, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+        layer_types=["mamba", "attention"], mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2,
         mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16, position_embedding_type="rope",
         embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.3, logits_scaling=4.0,
         max_position_embeddings=1024, pad_token_id=0, eos_token_id=None, bos_token_id=None)
@@ -85,6 +97,7 @@ def jamba_config() -> transformers.JambaConfig:
 HYBRIDS = {"bamba": (transformers.BambaForCausalLM, bamba_config),
            "nemotron_h": (transformers.NemotronHForCausalLM, nemotron_h_config),
            "granite_hybrid": (transformers.GraniteMoeHybridForCausalLM, granite_hybrid_config),
+           "granite_moe": (transformers.GraniteMoeHybridForCausalLM, granite_moe_config),
            "mamba2": (transformers.Mamba2ForCausalLM, mamba2_config),
            "falcon_h1": (transformers.FalconH1ForCausalLM, falcon_h1_config),
            "mamba": (transformers.MambaForCausalLM, mamba_config),
