@@ -24,7 +24,7 @@ from typing import Callable
 from aiohttp import web
 
 from openai_frontend import sse
-from openai_frontend.audio import (Transcript, delta_event, done_event, read_audio_request, render, stream_headers,
+from openai_frontend.audio import (TIMESTAMPED_FORMATS, Transcript, delta_event, done_event, read_audio_request, render, stream_headers,
                                    text_delta, text_prefix)
 from openai_frontend.chat_template import PromptBuilder
 from openai_frontend.detokenizer import fast_decode
@@ -230,7 +230,8 @@ async def _audio(request: web.Request, task: str) -> web.StreamResponse:
     if audio.model is not None:
         frontend.check_model(str(audio.model))
     await frontend.client.ensure_ready()
-    results = frontend.client.transcribe(frontend.config.audio_model, audio.samples, text_prefix(audio.language, task))
+    prefix = text_prefix(audio.language, task, timestamps=audio.response_format in TIMESTAMPED_FORMATS)
+    results = frontend.client.transcribe(frontend.config.audio_model, audio.samples, prefix)
     async with aclosing(results):
         if not audio.stream:
             last = Transcript("")

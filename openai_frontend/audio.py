@@ -6,9 +6,10 @@ says so in the ``x-tritonllm-resampled`` header and, for json bodies, a ``warnin
 ``model`` (the served name), ``language`` (ISO 639-1, default en), ``prompt``, ``response_format``
 (json, text, verbose_json, srt, vtt), ``temperature`` (0 only: whisper_bls decodes greedily),
 ``timestamp_granularities[]`` (segment), ``stream``. The text is whisper_bls's TRANSCRIPTS for
-TEXT_PREFIX <|startoftranscript|><|lang|><|transcribe or translate|><|notimestamps|>; audio longer
-than the model's window is decoded window after window (serving/whisper.py), each window one
-segment of verbose_json/srt/vtt.
+TEXT_PREFIX <|startoftranscript|><|lang|><|transcribe or translate|>, with <|notimestamps|> for json
+and text; verbose_json, srt and vtt decode timestamp tokens, and their segments are the ones the
+model's timestamps close (serving/whisper_long_form.py: audio longer than the model's window is
+decoded window after window, each window starting at the last closed timestamp).
 
 ``stream`` true (json or text only): server-sent events as OpenAI's API sends them,
 ``transcript.text.delta`` events (``delta``: the new text) and one ``transcript.text.done`` (``text``:
@@ -130,8 +131,13 @@ def resample(samples: np.ndarray, rate: int) -> np.ndarray:
     return np.interp(np.arange(count) * (rate / SAMPLE_RATE), np.arange(samples.size), samples).astype(np.float32)
 
 
-def text_prefix(language: str, task: str) -> str:
-    return f"<|startoftranscript|><|{language}|><|{task}|><|notimestamps|>"
+TIMESTAMPED_FORMATS = ("verbose_json", "srt", "vtt")  # their segments come from predicted timestamps
+
+
+def text_prefix(language: str, task: str, timestamps: bool = False) -> str:
+    """whisper_bls's TEXT_PREFIX; without <|notimestamps|> Whisper predicts timestamp tokens, whose
+    pairs close the segments (serving/whisper_long_form.py)."""
+    return f"<|startoftranscript|><|{language}|><|{task}|>" + ("" if timestamps else "<|notimestamps|>")
 
 
 def _clock(seconds: float, separator: str) -> str:
@@ -146,7 +152,7 @@ def _headers(audio: AudioRequest) -> dict | None:
 def render(result: Transcript, audio: AudioRequest, task: str) -> web.Response:
     """The response in ``audio.response_format``; one segment per decoded window."""
     headers, fmt, text = _headers(audio), audio.response_format, result.text
-    segments = result.segments or [Segment(0.0, audio.seconds, text)]
+    segments = result.segments if result.segments or not text else [Segment(0.0, audio.seconds, text)]
     warnings = {"warnings": audio.warnings} if audio.warnings else {}
     if fmt == "json":
         return web.json_response({"text": text, **warnings}, headers=headers)

@@ -318,7 +318,9 @@ class TritonClient:
             request.outputs.add(name=name)
         request.parameters["triton_enable_empty_final_response"].bool_param = True
 
-        def error(message: str) -> APIError:  # whisper_bls names what was wrong with the audio (serving/whisper.py)
+        def error(message: str) -> APIError:  # whisper_bls names what was wrong (serving/whisper.py)
+            if "TEXT_PREFIX" in message:  # the prefix is made of the request's language and the endpoint's task
+                return bad_request("language", message)
             return bad_request("file", message) if "WAV" in message else triton_error(message)
 
         async with aclosing(self._responses(request, error)) as responses:

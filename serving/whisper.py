@@ -1,14 +1,8 @@
 """`whisper_bls` (all_models/whisper/whisper_bls): audio + text prefix -> tensorrt_llm's Whisper
 inputs, and output ids -> transcript. Plain Python, importable without Triton.
 
-Long-form audio (longer than the feature extractor's window, 30 s for real checkpoints) is cut as
-transformers' sequential long-form generation cuts it: log-mels of the whole clip at once (no
-padding, no truncation), then consecutive windows of ``nb_max_frames`` frames, the last one padded
-with zero features to the window (unless zero_pad); each window is one tensorrt_llm request with the
-same prompt (no conditioning on the previous window's text, transformers' default), and the texts are
-joined by decoding all windows' ids together. Without timestamp tokens (the <|notimestamps|> prompt)
-each window is one segment and the next window starts where it ended (transformers'
-`_retrieve_segment` when no timestamp was predicted; openai-whisper's without_timestamps).
+Audio is decoded window after window as transformers' sequential long-form generation does it
+(serving/whisper_long_form.py); the transcript decodes all segments' ids together.
 
 The anchor's tensors: TEXT_PREFIX (STRING [1]; empty: <|startoftranscript|><|en|><|transcribe|>
 <|notimestamps|>), WAV (FP32 [-1], 16 kHz samples), WAV_LENS (INT32 [1]: the samples of WAV that
@@ -20,14 +14,16 @@ tokenized prefix), request_output_len, end_id = pad_id = <|endoftext|> (the toke
 """
 from __future__ import annotations
 
+import json
+import os
 import re
-from dataclasses import dataclass
 
 import numpy as np
 
 DEFAULT_PREFIX = "<|startoftranscript|><|en|><|transcribe|><|notimestamps|>"
 SAMPLE_RATE = 16000
 SPECIAL_TOKEN = re.compile(r"<\|[^|>]*\|>")
+LANGUAGE_TOKEN = re.compile(r"<\|[a-z]{2,3}\|>")  # <|en|>, <|de|>, <|haw|> ...
 DEFAULT_MAX_AUDIO_SECONDS = 1800.0  # whisper_bls's max_audio_seconds when the parameter is unset
 
 
@@ -56,48 +52,59 @@ def log_mel(extractor, samples: np.ndarray, zero_pad: bool) -> np.ndarray:
     feature extractor: padded to its window, or, with ``zero_pad``, just the audio's frames."""
     if samples.size > extractor.n_samples:
         raise WhisperInputError(f"WAV holds {samples.size / SAMPLE_RATE:.2f} s of audio, more than one "
-                                f"{extractor.n_samples / SAMPLE_RATE:g}-s window; use windows()")
+                                f"{extractor.n_samples / SAMPLE_RATE:g}-s window (serving/whisper_long_form.py)")
     padding = "longest" if zero_pad else "max_length"
     features = extractor(samples, sampling_rate=SAMPLE_RATE, return_tensors="np", padding=padding)["input_features"]
     return np.ascontiguousarray(features[0].T, dtype=np.float32)
 
 
-@dataclass
-class Window:
-    """One tensorrt_llm request's audio: (frames, n_mels) float32 log-mels and the seconds of the
-    clip it covers (``end`` stops at the audio's last frame, not at the padding)."""
-
-    features: np.ndarray
-    start: float
-    end: float
-
-
-def windows(extractor, samples: np.ndarray, zero_pad: bool,
-            max_seconds: float = DEFAULT_MAX_AUDIO_SECONDS) -> list[Window]:
-    """The windows ``samples`` is decoded in: one (log_mel) when it fits the extractor's window,
-    else transformers' long-form cut (module docstring). Audio over ``max_seconds`` is refused."""
+def check_length(samples: np.ndarray, max_seconds: float = DEFAULT_MAX_AUDIO_SECONDS) -> None:
+    """Audio over ``max_seconds`` is refused naming WAV (its windows are decoded one after another)."""
     seconds = samples.size / SAMPLE_RATE
     if seconds > max_seconds:
         raise WhisperInputError(f"WAV holds {seconds:.2f} s of audio; this model takes at most {max_seconds:g} s "
                                 "per request (whisper_bls parameter max_audio_seconds)")
-    if samples.size <= extractor.n_samples:
-        return [Window(log_mel(extractor, samples, zero_pad), 0.0, seconds)]
-    whole = extractor(samples, sampling_rate=SAMPLE_RATE, return_tensors="np", padding="longest",
-                      truncation=False)["input_features"][0]  # (n_mels, total frames)
-    frames, hop = extractor.nb_max_frames, extractor.hop_length
-    result = []
-    for seek in range(0, whole.shape[1], frames):
-        piece = whole[:, seek:seek + frames]
-        end = (seek + piece.shape[1]) * hop / SAMPLE_RATE
-        if piece.shape[1] < frames and not zero_pad:  # transformers pads the last window with 0 features
-            piece = np.pad(piece, ((0, 0), (0, frames - piece.shape[1])))
-        result.append(Window(np.ascontiguousarray(piece.T, dtype=np.float32), seek * hop / SAMPLE_RATE, end))
-    return result
 
 
-def prompt_ids(tokenizer, text_prefix: str | None) -> list[int]:
-    """The decoder prompt: TEXT_PREFIX (default DEFAULT_PREFIX) tokenized without extra specials."""
-    ids = tokenizer.encode(text_prefix or DEFAULT_PREFIX, add_special_tokens=False)
+def timestamp_begin(tokenizer, prompt: list[int]) -> int | None:
+    """The first timestamp id when ``prompt`` asks for timestamps (it holds no <|notimestamps|>);
+    None otherwise (the tokenizer knows no <|notimestamps|>: a prompt without it is plain)."""
+    no_timestamps = tokenizer.convert_tokens_to_ids("<|notimestamps|>")
+    if not isinstance(no_timestamps, int) or no_timestamps == tokenizer.unk_token_id or no_timestamps in prompt:
+        return None
+    return no_timestamps + 1
+
+
+def is_multilingual(engine_dir: str) -> bool:
+    """False for an English-only checkpoint (tiny.en ... medium.en, distil .en): its generation
+    config (copied into the engine's decoder/ by engine.build) says so; True when it says nothing."""
+    try:
+        with open(os.path.join(engine_dir, "generation_config.json")) as f:
+            return bool(json.load(f).get("is_multilingual", True))
+    except (OSError, ValueError):
+        return True
+
+
+def english_only_prefix(text_prefix: str) -> str:
+    """An English-only model's prompt has no language or task token (<|startoftranscript|>
+    <|notimestamps|>, as openai-whisper and transformers give it): <|en|> and <|transcribe|> are
+    dropped, another language or <|translate|> refused naming TEXT_PREFIX."""
+    asked = [token for token in SPECIAL_TOKEN.findall(text_prefix)
+             if token == "<|translate|>" or (LANGUAGE_TOKEN.fullmatch(token) and token != "<|en|>")]
+    if asked:
+        raise WhisperInputError(f"TEXT_PREFIX asks for {', '.join(asked)} but this Whisper checkpoint is English-only; "
+                                "allowed: English transcription (<|startoftranscript|><|notimestamps|>, or with "
+                                "<|en|><|transcribe|>)")
+    return text_prefix.replace("<|en|>", "").replace("<|transcribe|>", "")
+
+
+def prompt_ids(tokenizer, text_prefix: str | None, english_only: bool = False) -> list[int]:
+    """The decoder prompt: TEXT_PREFIX (default DEFAULT_PREFIX) tokenized without extra specials;
+    for an English-only checkpoint without language and task tokens (english_only_prefix)."""
+    text_prefix = text_prefix or DEFAULT_PREFIX
+    if english_only:
+        text_prefix = english_only_prefix(text_prefix)
+    ids = tokenizer.encode(text_prefix, add_special_tokens=False)
     if not ids:
         raise WhisperInputError(f"TEXT_PREFIX {text_prefix!r} tokenizes to nothing")
     return ids

@@ -17,6 +17,7 @@ WORDS = ["<pad>", "</s>", "<unk>", "<s>", "translate", "English", "to", "German:
 VOCAB = 64  # WORDS, then filler words w21 .. w63
 FAMILIES = ("t5_v1_0", "t5_v1_1", "bart")  # text-to-text; "whisper" is built apart
 WHISPER_PROMPT = [17, 18, 19, 20]  # <|startoftranscript|><|en|><|transcribe|><|notimestamps|>
+TIMESTAMP_BEGIN = 21  # <|notimestamps|> + 1: the first timestamp token
 MEL_BINS, WINDOW_FRAMES = 8, 100
 # Encoder inputs of 8, 4 and 15 tokens (the engine and the served tests)
 INPUTS = [[4, 5, 6, 7, 8, 9, 10, 1], [11, 12, 13, 1], list(range(20, 34)) + [1]]
@@ -51,6 +52,13 @@ def hf_model(family: str, seed: int | None = None):
             max_source_positions=WINDOW_FRAMES // 2, max_target_positions=40, pad_token_id=0, bos_token_id=17,
             eos_token_id=1, decoder_start_token_id=17)
         model = transformers.WhisperForConditionalGeneration(config)
+        # Whisper's generation config: timestamp tokens are the ids after <|notimestamps|> (20), 21..63
+        # (0.00 .. 0.84 s); the first within 5 steps; nothing suppressed (the defaults name ids of the
+        # real 51k vocabulary)
+        for name, value in dict(no_timestamps_token_id=20, max_initial_timestamp_index=5, is_multilingual=True,
+                                lang_to_id={"<|en|>": 18}, task_to_id={"transcribe": 19}, suppress_tokens=None,
+                                begin_suppress_tokens=None).items():
+            setattr(model.generation_config, name, value)  # (update() sets only attributes it already has)
     else:
         config = transformers.BartConfig(
             vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,

@@ -10,11 +10,13 @@ given only the decoder finds it. Both config.json files are EngineConfigs whose 
 describes the decoder stack (the paged KV shape), with the family's options in
 ``extra.encoder_decoder`` (engine/encoder_decoder/spec.py), ``extra.stack`` ("encoder" or
 "decoder") and ``extra.max_encoder_input_len`` (encoder outputs: tokens, or Whisper's frames / 2). A Whisper
-checkpoint's feature extractor (preprocessor_config.json) is copied into OUTPUT/decoder.
+checkpoint's feature extractor (preprocessor_config.json) and generation config (is_multilingual,
+<|notimestamps|>) are copied into OUTPUT/decoder.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import time
@@ -25,17 +27,31 @@ from safetensors.torch import save_file
 from engine.config import BuildConfig, ConfigError, EngineConfig, resolve_build_limits
 from engine.encoder_decoder.convert import check_complete, checkpoint_names, convert_stack
 from engine.encoder_decoder.model import Decoder, Encoder
-from engine.encoder_decoder.spec import spec_from_hf
+from engine.encoder_decoder.spec import EncDecSpec, spec_from_hf
 
 ENCODER_DIR, DECODER_DIR = "encoder", "decoder"
 FEATURE_EXTRACTOR = "preprocessor_config.json"
+GENERATION_CONFIG = "generation_config.json"  # Whisper: <|notimestamps|>, is_multilingual (whisper_bls reads it)
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def whisper_generation_fields(spec: EncDecSpec, source: str) -> EncDecSpec:
+    """A Whisper spec with its generation config's <|notimestamps|> id and first-timestamp limit
+    (the timestamp rules, engine/encoder_decoder/whisper_timestamps.py); other specs unchanged."""
+    path = os.path.join(source, GENERATION_CONFIG) if source and os.path.isdir(source) else ""
+    if not spec.num_mel_bins or not os.path.isfile(path):
+        return spec
+    with open(path) as f:
+        generation = json.load(f)
+    initial = generation.get("max_initial_timestamp_index")
+    return dataclasses.replace(spec, no_timestamps_token_id=int(generation.get("no_timestamps_token_id", -1)),
+                               max_initial_timestamp_index=-1 if initial is None else int(initial))
 
 
 def build_encoder_decoder(hf_config, get, tokenizer, output_dir: str, build: BuildConfig, *, source: str = "",
                           max_encoder_input_len: int | None = None) -> EngineConfig:
     """Write OUTPUT/encoder and OUTPUT/decoder; returns the decoder's EngineConfig."""
-    spec = spec_from_hf(hf_config)
+    spec = whisper_generation_fields(spec_from_hf(hf_config), source)
     for name, value, allowed in (("tp_size", build.tp_size, 1), ("pp_size", build.pp_size, 1)):
         if value != allowed:
             raise ConfigError(f"{name} {value}: {spec.architecture} (encoder-decoder) builds for one GPU only; "
@@ -66,8 +82,9 @@ def build_encoder_decoder(hf_config, get, tokenizer, output_dir: str, build: Bui
         config = EngineConfig(model=model, build=dataclasses.replace(build), extra={**extra, **more}).validate()
         if tokenizer is not None and directory == DECODER_DIR:
             tokenizer.save_pretrained(path)
-        features = os.path.join(source, FEATURE_EXTRACTOR) if source and os.path.isdir(source) else ""
-        if directory == DECODER_DIR and os.path.isfile(features):  # Whisper: how its log-mels are computed
-            shutil.copy(features, path)
+        for name in (FEATURE_EXTRACTOR, GENERATION_CONFIG) if spec.num_mel_bins else ():
+            found = os.path.join(source, name) if source and os.path.isdir(source) else ""
+            if directory == DECODER_DIR and os.path.isfile(found):  # Whisper: log-mels, prompt and timestamp tokens
+                shutil.copy(found, path)
         config.save(path)  # last: a directory with config.json is complete
     return config

@@ -27,6 +27,7 @@ import torch
 
 from engine.encoder_decoder.model import Encoder
 from engine.encoder_decoder.runner import EncDecRunner
+from engine.encoder_decoder.whisper_timestamps import rules_for_prompt
 
 ENCODER_INPUT, ENCODER_FEATURES = "encoder_input_ids", "encoder_input_features"
 
@@ -69,10 +70,15 @@ class EncoderStage:
     # ---- arrival -------------------------------------------------------------------------------
 
     def complete(self, request):
-        """``request`` with its decoder prompt: [decoder_start_token_id] when it sent none."""
-        if request.input_token_ids:
-            return request
-        return replace(request, input_token_ids=[self.spec.decoder_start_token_id])
+        """``request`` with its decoder prompt ([decoder_start_token_id] when it sent none) and, for
+        a Whisper prompt that asks for timestamps, its timestamp rules (whisper_timestamps.py)."""
+        if not request.input_token_ids:
+            request = replace(request, input_token_ids=[self.spec.decoder_start_token_id])
+        spec = self.spec
+        rules = rules_for_prompt(request.input_token_ids, spec.decoder_start_token_id, spec.no_timestamps_token_id,
+                                 spec.eos_token_id, None if spec.max_initial_timestamp_index < 0
+                                 else spec.max_initial_timestamp_index)
+        return request if rules is None else replace(request, whisper_timestamps=rules)
 
     def encoder_length(self, request) -> int:
         """Encoder outputs (cross K/V positions) of ``request``'s encoder input."""

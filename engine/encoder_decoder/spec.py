@@ -67,6 +67,10 @@ class EncDecSpec:
     key_bias: bool = True  # with bias: k has one too (Whisper's has none)
     num_mel_bins: int = 0  # > 0: the encoder takes features (Whisper's conv front-end), not tokens
     encoder_max_positions: int = 0  # the encoder's position table rows (0: max_positions)
+    # Whisper's generation config: <|notimestamps|> (-1: unknown, no timestamp rules) and how many
+    # steps the first timestamp may be (max_initial_timestamp_index; -1: any)
+    no_timestamps_token_id: int = -1
+    max_initial_timestamp_index: int = -1
 
     def validate(self) -> "EncDecSpec":
         self.encoder_head_dim = self.encoder_head_dim or self.head_dim

@@ -62,7 +62,7 @@ def needs_tokens_on_host(request) -> bool:
         sampling.beam_width > 1
         or (sampling.repetition_penalty is not None and sampling.repetition_penalty != 1.0)
         or sampling.presence_penalty or sampling.frequency_penalty
-        or request.bad_words
+        or request.bad_words or request.whisper_timestamps is not None
         or output.return_context_logits or output.return_generation_logits
     )
 

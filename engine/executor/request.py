@@ -182,6 +182,9 @@ class Request:
     encoder_input_ids: list[int] | None = None
     # Whisper engines: the encoder's log-mel features, (frames, num_mel_bins) float (torch or numpy).
     encoder_input_features: Any = None
+    # Whisper engines: the timestamp-token rules (engine/encoder_decoder/whisper_timestamps.py
+    # TimestampRules) when the decoder prompt asks for timestamps; set at arrival, not by callers.
+    whisper_timestamps: Any = None
     # Disaggregated serving (engine/executor/disaggregated.py): context_and_generation | context_only |
     # generation_only; a generation_only request carries its context_only request's output blob.
     request_type: str = "context_and_generation"

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.encoder_decoder.whisper_timestamps import TimestampBatch, apply_timestamp_rules, timestamp_batch
 from engine.executor.request import Sequence
 from kernels.grammar_mask import apply_token_bitmask_
 from kernels.sampling import greedy_tokens, sample_tokens
@@ -66,6 +67,8 @@ class SamplingMetadata:
     # the k constrained rows, and (B,) int64 the bitmask row of each logits row (-1: unconstrained).
     token_bitmask: torch.Tensor | None = None
     token_bitmask_rows: torch.Tensor | None = None
+    # Whisper rows decoding with timestamp tokens (engine/encoder_decoder/whisper_timestamps.py)
+    timestamps: TimestampBatch | None = None
 
 
 @dataclass
@@ -175,7 +178,14 @@ def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, device, retur
         return_log_probs=return_log_probs or bool(top_rows),
         top_log_prob_rows=top_rows,
         max_top_log_probs=min(max(top_counts, default=0), vocab_size),
+        timestamps=_timestamps(seqs, vocab_size, device),
     )
+
+
+def _timestamps(seqs: list[Sequence], vocab_size: int, device) -> TimestampBatch | None:
+    rows = [(row, s.state.request.whisper_timestamps, s.generated_token_ids) for row, s in enumerate(seqs)
+            if s.state.request.whisper_timestamps is not None]
+    return timestamp_batch(rows, vocab_size, device) if rows else None
 
 
 def _embedding_bias(seqs: list[Sequence], vocab_size: int, device) -> torch.Tensor | None:
@@ -219,6 +229,8 @@ def process_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     if md.banned is not None:
         # (torch.full: made on the device; a tensor from a host value would be a blocking copy)
         logits = logits.index_put((md.banned[0], md.banned[1]), torch.full((), float("-inf"), device=logits.device))
+    if md.timestamps is not None:  # last: Whisper's rule compares probabilities after every other mask
+        logits = apply_timestamp_rules(logits, md.timestamps)
     return logits
 
 

@@ -213,3 +213,33 @@ def test_cuda_greedy_ids_equal_transformers(built):
         responses = collect(ex, ids)
     for encoder_ids, request_id in zip(INPUTS, ids):
         assert final_tokens(responses[request_id]) == generate(model, encoder_ids, 10)[0][1:]
+
+
+def test_whisper_timestamps_long_form_equal_transformers(whisper):
+    """A prompt without <|notimestamps|> decodes under Whisper's timestamp rules
+    (engine/encoder_decoder/whisper_timestamps.py), and serving/whisper_long_form.py's windows over
+    2.5 s of audio (1-s windows), each decoded by the executor, give the segments (times and ids)
+    of transformers' WhisperForConditionalGeneration.generate(return_timestamps=True), whose
+    sequential long-form loop seeks by the predicted timestamps."""
+    import numpy as np
+
+    from serving.whisper_long_form import LongForm
+    from tiny_encdec import TIMESTAMP_BEGIN, feature_extractor
+
+    model, ex = whisper
+    extractor, out = feature_extractor(), OutputConfig(exclude_input_from_output=True)
+    for seed in (0, 3):
+        samples = np.random.default_rng(seed).uniform(-0.5, 0.5, 40000).astype(np.float32)
+        clip = LongForm.of(extractor, samples, zero_pad=False, timestamp_begin=TIMESTAMP_BEGIN)
+        while (window := clip.next_window()) is not None:
+            [request_id] = ex.enqueue_requests([Request([17, 18, 19], 8, end_id=1, output=out,
+                                                        encoder_input_features=torch.tensor(window.features))])
+            clip.finish(window, final_tokens(collect(ex, [request_id])[request_id]))
+        features = extractor(samples, sampling_rate=16000, return_tensors="pt", padding="longest",
+                             truncation=False).input_features
+        result = model.generate(features, return_timestamps=True, return_segments=True, language="en",
+                                task="transcribe", max_new_tokens=8)
+        expected = [(round(float(s["start"]), 3), round(float(s["end"]), 3),
+                     [t for t in s["tokens"].tolist() if t < TIMESTAMP_BEGIN]) for s in result["segments"][0]]
+        assert [(s.start, s.end, s.ids) for s in clip.segments] == expected, seed
+        assert len(expected) > 3  # timestamp pairs closed segments inside windows

@@ -534,23 +534,46 @@ def _encoded(samples: np.ndarray, fmt: str, rate: int = 16000) -> bytes:
     return buffer.getvalue()
 
 
-def _expected_transcript(model, samples: np.ndarray, prefix: str = "") -> tuple[str, list[str]]:
-    """(text, per-window texts) transformers gives for 16-kHz ``samples``: its greedy ids after the
-    prompt for each window serving/whisper.py cuts (transformers' long-form slices; the window
-    test in tests/serving/test_whisper_inputs.py holds them to transformers' own), 8 tokens each."""
-    from serving.whisper import prompt_ids, transcript, windows
+def _expected_transcript(model, samples: np.ndarray, prefix: str = "") -> str:
+    """transformers' greedy text for 16-kHz ``samples`` without timestamps: its ids after the prompt
+    for each window of serving/whisper_long_form.py (transformers' long-form slices, held to its own in
+    tests/serving/test_whisper_inputs.py), 8 tokens each, end id left out."""
+    from serving.whisper import prompt_ids, transcript
+    from serving.whisper_long_form import LongForm
     from tiny_encdec import feature_extractor, generate_whisper, tokenizer
 
-    prompt = prompt_ids(tokenizer(), prefix)
-    ids = [[t for t in generate_whisper(model, torch.tensor(w.features), 8, prompt=prompt) if t != 1]  # eos out
-           for w in windows(feature_extractor(), samples, zero_pad=False)]
-    return transcript(tokenizer(), [t for window in ids for t in window]), [transcript(tokenizer(), w) for w in ids]
+    prompt, clip, ids = prompt_ids(tokenizer(), prefix), LongForm.of(feature_extractor(), samples, False), []
+    while (window := clip.next_window()) is not None:
+        ids += [t for t in generate_whisper(model, torch.tensor(window.features), 8, prompt=prompt) if t != 1]
+        clip.finish(window, [])
+    return transcript(tokenizer(), ids)
+
+
+def _expected_segments(model, samples: np.ndarray) -> list[tuple[float, float, str]]:
+    """(start, end, text) of the segments transformers' WhisperForConditionalGeneration.generate
+    (return_timestamps=True: its sequential long-form loop over the clip's log-mels) gives."""
+    from serving.whisper import transcript
+    from serving.whisper_long_form import LongForm
+    from tiny_encdec import TIMESTAMP_BEGIN, feature_extractor, tokenizer
+
+    features = torch.tensor(LongForm.of(feature_extractor(), samples, False).features)[None]
+    result = model.generate(features, return_timestamps=True, return_segments=True, language="en",
+                            task="transcribe", max_new_tokens=8)
+    return [(round(float(s["start"]), 3), round(float(s["end"]), 3),
+             transcript(tokenizer(), [t for t in s["tokens"].tolist() if t < TIMESTAMP_BEGIN]))
+            for s in result["segments"][0]]
+
+
+def _clock(seconds: float, separator: str) -> str:
+    millis = int(round(seconds * 1000))
+    return f"00:00:{millis // 1000:02d}{separator}{millis % 1000:03d}"
 
 
 def test_openai_audio_formats_through_the_openai_client(served_families, audio_frontend):
     """The official client's transcriptions/translations (json, text, verbose_json, srt, vtt) on
     FLAC, MP3 and a 44.1-kHz WAV (resampled and said so): the text = transformers' greedy text of
-    the same (decoded) samples."""
+    the same (decoded) samples; verbose_json/srt/vtt decode timestamps, their segments = those of
+    transformers' generate(return_timestamps=True)."""
     import openai
 
     from openai_frontend.audio import decode_audio, resample
@@ -558,7 +581,8 @@ def test_openai_audio_formats_through_the_openai_client(served_families, audio_f
     models, _ = served_families
     pcm = np.random.default_rng(0).uniform(-0.5, 0.5, 8000).astype(np.float32)
     flac, mp3 = _encoded(pcm, "FLAC"), _encoded(pcm, "MP3")
-    expected, _ = _expected_transcript(models["whisper"], decode_audio(flac)[0])
+    expected = _expected_transcript(models["whisper"], decode_audio(flac)[0])
+    segments = _expected_segments(models["whisper"], decode_audio(flac)[0])
     with openai.OpenAI(base_url=f"{audio_frontend['whisper_bls']}/v1", api_key="unused", max_retries=0) as client:
         def create(data, fmt="json", name="clip.flac", **kwargs):
             return client.audio.transcriptions.create(model="whisper", file=(name, data), response_format=fmt, **kwargs)
@@ -566,27 +590,30 @@ def test_openai_audio_formats_through_the_openai_client(served_families, audio_f
         assert expected and create(flac).text == expected
         assert create(flac, "text").strip() == expected
         verbose = create(flac, "verbose_json", timestamp_granularities=["segment"])
-        assert verbose.text == expected and verbose.duration == 0.5 and verbose.language == "en"
-        assert [(s.start, s.end, s.text) for s in verbose.segments] == [(0.0, 0.5, expected)]
-        assert create(flac, "srt") == f"1\n00:00:00,000 --> 00:00:00,500\n{expected}\n"
-        assert create(flac, "vtt") == f"WEBVTT\n\n00:00:00.000 --> 00:00:00.500\n{expected}\n"
-        assert create(mp3, name="clip.mp3").text == _expected_transcript(models["whisper"], decode_audio(mp3)[0])[0]
+        assert [(s.start, s.end, s.text) for s in verbose.segments] == segments and len(segments) > 1
+        assert verbose.duration == 0.5 and verbose.language == "en"
+        assert create(flac, "srt") == "\n".join(f"{i + 1}\n{_clock(a, ',')} --> {_clock(b, ',')}\n{text}\n"
+                                                for i, (a, b, text) in enumerate(segments))
+        assert create(flac, "vtt") == "WEBVTT\n\n" + "\n".join(f"{_clock(a, '.')} --> {_clock(b, '.')}\n{text}\n"
+                                                               for a, b, text in segments)
+        assert create(mp3, name="clip.mp3").text == _expected_transcript(models["whisper"], decode_audio(mp3)[0])
         raw = client.audio.transcriptions.with_raw_response.create(
             model="whisper", file=("clip.wav", _encoded(np.repeat(pcm, 3)[:22050], "WAV", 44100)))
         assert raw.headers["x-tritonllm-resampled"] == "44100->16000"
         assert "resampled from 44100 Hz" in raw.http_response.json()["warnings"][0]
         samples = resample(np.repeat(pcm, 3)[:22050], 44100)
-        assert raw.parse().text == _expected_transcript(models["whisper"], samples)[0]
+        assert raw.parse().text == _expected_transcript(models["whisper"], samples)
         prefix = "<|startoftranscript|><|en|><|translate|><|notimestamps|>"
         translated = client.audio.translations.create(model="whisper", file=("clip.flac", flac))
-        assert translated.text == _expected_transcript(models["whisper"], decode_audio(flac)[0], prefix)[0]
+        assert translated.text == _expected_transcript(models["whisper"], decode_audio(flac)[0], prefix)
 
 
 def test_openai_audio_long_form_and_stream(served_families, audio_frontend):
-    """2.5 s of audio against the tiny 1-s window: three windows decoded in turn, the text and the
-    verbose_json segments = transformers' per window; stream=True through the decoupled
-    whisper_bls_stream sends a delta per window and the same text in transcript.text.done (the
-    non-decoupled whisper_bls streams it all at once)."""
+    """2.5 s of audio against the tiny 1-s window: decoded window after window, the json text =
+    transformers' per window without timestamps, the verbose_json segments = transformers'
+    long-form generate with timestamps (windows starting at the last closed timestamp); stream=True
+    through the decoupled whisper_bls_stream sends a delta per window and the json text in
+    transcript.text.done (the non-decoupled whisper_bls streams it all at once)."""
     import openai
 
     models, _ = served_families
@@ -594,14 +621,16 @@ def test_openai_audio_long_form_and_stream(served_families, audio_frontend):
     flac = _encoded(pcm, "FLAC")
     from openai_frontend.audio import decode_audio
 
-    expected, pieces = _expected_transcript(models["whisper"], decode_audio(flac)[0])
+    expected = _expected_transcript(models["whisper"], decode_audio(flac)[0])
+    segments = _expected_segments(models["whisper"], decode_audio(flac)[0])
+    with openai.OpenAI(base_url=f"{audio_frontend['whisper_bls']}/v1", api_key="unused", max_retries=0) as client:
+        verbose = client.audio.transcriptions.create(model="whisper", file=("long.flac", flac),
+                                                     response_format="verbose_json")
+        assert [(s.start, s.end, s.text) for s in verbose.segments] == segments and len(segments) > 3
+        assert verbose.duration == 2.5
+        assert client.audio.transcriptions.create(model="whisper", file=("long.flac", flac)).text == expected
     for model, min_deltas in (("whisper_bls_stream", 2), ("whisper_bls", 1)):
         with openai.OpenAI(base_url=f"{audio_frontend[model]}/v1", api_key="unused", max_retries=0) as client:
-            verbose = client.audio.transcriptions.create(model="whisper", file=("long.flac", flac),
-                                                         response_format="verbose_json")
-            assert [(s.start, s.end, s.text) for s in verbose.segments] == \
-                [(0.0, 1.0, pieces[0]), (1.0, 2.0, pieces[1]), (2.0, 2.5, pieces[2])]
-            assert verbose.text == expected and verbose.duration == 2.5
             events = list(client.audio.transcriptions.create(model="whisper", file=("long.flac", flac), stream=True))
         deltas = [e.delta for e in events if e.type == "transcript.text.delta"]
         assert events[-1].type == "transcript.text.done" and events[-1].text == expected, (model, events)

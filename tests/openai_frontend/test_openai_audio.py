@@ -41,6 +41,7 @@ def test_bad_files_are_named(data, message):
 
 def test_prefix_and_formats():
     assert text_prefix("de", "translate") == "<|startoftranscript|><|de|><|translate|><|notimestamps|>"
+    assert text_prefix("en", "transcribe", timestamps=True) == "<|startoftranscript|><|en|><|transcribe|>"
     audio = AudioRequest(np.zeros(24000, np.float32), None, "en", "vtt", 44100)
     response = render(Transcript("hello"), audio, "transcribe")
     assert response.text == "WEBVTT\n\n00:00:00.000 --> 00:00:01.500\nhello\n"

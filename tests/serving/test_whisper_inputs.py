@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from serving.whisper import (WhisperInputError, audio_samples, log_mel, prompt_ids, tensorrt_llm_inputs,
-                             transcript, windows)
-from tiny_encdec import WHISPER_PROMPT, feature_extractor, tokenizer
+from serving.whisper import (WhisperInputError, audio_samples, check_length, log_mel, prompt_ids, tensorrt_llm_inputs,
+                             timestamp_begin, transcript)
+from serving.whisper_long_form import LongForm, Window
+from tiny_encdec import TIMESTAMP_BEGIN, WHISPER_PROMPT, feature_extractor, tokenizer
 
 
 @pytest.mark.parametrize("wav, lens, message", [
@@ -19,7 +20,7 @@ from tiny_encdec import WHISPER_PROMPT, feature_extractor, tokenizer
 ])
 def test_bad_audio_is_named(wav, lens, message):
     with pytest.raises(WhisperInputError, match=message):
-        windows(feature_extractor(), audio_samples(wav, lens), zero_pad=False, max_seconds=3)
+        check_length(audio_samples(wav, lens), max_seconds=3)
 
 
 def test_features_prompt_tensors_and_transcript():
@@ -35,6 +36,21 @@ def test_features_prompt_tensors_and_transcript():
     assert inputs["encoder_input_features"].shape == (1, 100, 8)
     assert inputs["encoder_output_lengths"].tolist() == [[50]] and inputs["decoder_input_ids"].tolist() == [WHISPER_PROMPT]
     assert transcript(tokenizer(), [17, 20, 30, 31]) == "w30 w31"
+    assert timestamp_begin(tokenizer(), WHISPER_PROMPT) is None and timestamp_begin(tokenizer(), [17]) == TIMESTAMP_BEGIN
+
+
+def test_english_only_prompts():
+    assert prompt_ids(tokenizer(), "", english_only=True) == [17, 20]  # no <|en|><|transcribe|>
+    with pytest.raises(WhisperInputError, match=r"TEXT_PREFIX asks for <\|de\|>, <\|translate\|>"):
+        prompt_ids(tokenizer(), "<|startoftranscript|><|de|><|translate|><|notimestamps|>", english_only=True)
+
+
+def _windows(clip: LongForm, ids_of=lambda window: []) -> list[Window]:
+    result = []
+    while (window := clip.next_window()) is not None:
+        result.append(window)
+        clip.finish(window, ids_of(window))
+    return result
 
 
 def test_long_form_windows_are_transformers_segments():
@@ -44,12 +60,25 @@ def test_long_form_windows_are_transformers_segments():
 
     extractor = feature_extractor()
     samples = np.random.default_rng(0).uniform(-0.5, 0.5, 40000).astype(np.float32)
-    cut = windows(extractor, samples, zero_pad=False)
-    assert [(w.start, w.end) for w in cut] == [(0.0, 1.0), (1.0, 2.0), (2.0, 2.5)]
+    clip = LongForm.of(extractor, samples, zero_pad=False)
+    cut = _windows(clip)
+    assert [(s.start, s.end) for s in clip.segments] == [(0.0, 1.0), (1.0, 2.0), (2.0, 2.5)]
     whole = torch.tensor(extractor(samples, sampling_rate=16000, return_tensors="np", padding="longest",
                                    truncation=False)["input_features"])
     for w, seek in zip(cut, (0, 100, 200)):
         reference = WhisperForConditionalGeneration._get_input_segment(
             whole, torch.tensor([seek]), torch.tensor([min(100, 250 - seek)]), 100, 1, [0])
         np.testing.assert_array_equal(w.features, reference[0].T.numpy())
-    assert [w.features.shape[0] for w in windows(extractor, samples, zero_pad=True)] == [100, 100, 50]
+    assert [w.features.shape[0] for w in _windows(LongForm.of(extractor, samples, zero_pad=True))] == [100, 100, 50]
+
+
+def test_timestamp_segments_and_seek():
+    """transformers' _retrieve_segment: pairs close segments, the next window starts at the last
+    closed timestamp; a single timestamp at the end moves past the window; times in seconds."""
+    clip = LongForm.of(feature_extractor(), np.zeros(40000, np.float32), zero_pad=False, timestamp_begin=21)
+    window = clip.next_window()  # text ids < 21; 21 = <|0.00|>, 26 = <|0.10|>, 40 = <|0.38|>
+    assert [(s.start, s.end, s.ids) for s in clip.finish(window, [21, 5, 6, 26, 26, 7, 40, 40, 8])] == \
+        [(0.0, 0.1, [5, 6]), (0.1, 0.38, [7])]  # the unfinished tail (8) is dropped
+    assert clip.seek == 38  # <|0.38|>: 19 positions, 38 frames
+    assert clip.finish(clip.next_window(), [21, 5, 25])[0].end == 0.46  # no pair: up to its last timestamp
+    assert clip.seek == 138  # and past the whole window

@@ -8,9 +8,10 @@ feature extractor), zero_pad (true: no padding to the 30-s window), tensorrt_llm
 (default tensorrt_llm), max_tokens (default 50, the anchor's request_output_len, per window),
 max_audio_seconds (default 1800: longer audio is refused naming WAV), tensorrt_llm_streaming
 (default: this model's decoupled mode; false lets a decoupled whisper_bls call a non-decoupled
-tensorrt_llm). Audio longer than one window is decoded window after window (long-form). A
-decoupled model sends the transcript so far with each of tensorrt_llm's streamed responses (or
-after each window when tensorrt_llm_streaming is false), its segments so far beside it.
+tensorrt_llm). Audio is decoded window after window (long-form, serving/whisper_long_form.py); a
+prefix without <|notimestamps|> decodes timestamp tokens, whose pairs close segments. A decoupled
+model sends the transcript so far with each of tensorrt_llm's streamed responses (or after each
+window when tensorrt_llm_streaming is false), its closed segments beside it.
 """
 import json
 import os
@@ -24,8 +25,9 @@ if os.environ.get("TRITONLLM_ROOT"):  # a source checkout not installed into the
 from serving.bls_execute import execute_each  # noqa: E402
 from serving.params import get_parameter, model_parameters  # noqa: E402
 from serving.stub_watchdog import start_server_watchdog  # noqa: E402
-from serving.whisper import (DEFAULT_MAX_AUDIO_SECONDS, audio_samples, prompt_ids, tensorrt_llm_inputs,  # noqa: E402
-                             transcript, windows)
+from serving.whisper import (DEFAULT_MAX_AUDIO_SECONDS, audio_samples, check_length, is_multilingual,  # noqa: E402
+                             prompt_ids, tensorrt_llm_inputs, timestamp_begin, transcript)
+from serving.whisper_long_form import LongForm  # noqa: E402
 
 
 def _input(request, name):
@@ -58,6 +60,7 @@ class TritonPythonModel:
         if self.llm_streaming and not self.decoupled:
             raise ValueError("whisper_bls: tensorrt_llm_streaming true needs a decoupled whisper_bls")
         self.end_id = self.tokenizer.eos_token_id
+        self.english_only = not is_multilingual(engine_dir)
         start_server_watchdog()
 
     def execute(self, requests):
@@ -70,28 +73,30 @@ class TritonPythonModel:
         if isinstance(text_prefix, bytes):
             text_prefix = text_prefix.decode("utf-8")
         samples = audio_samples(_input(request, "WAV"), _input(request, "WAV_LENS"))
-        prompt = prompt_ids(self.tokenizer, text_prefix)
-        done = []  # (window, its ids) of the windows decoded so far
-        for window in windows(self.extractor, samples, self.zero_pad, self.max_seconds):
-            if done and getattr(request, "is_cancelled", lambda: False)():
+        check_length(samples, self.max_seconds)
+        prompt = prompt_ids(self.tokenizer, text_prefix, self.english_only)
+        clip = LongForm.of(self.extractor, samples, self.zero_pad, timestamp_begin(self.tokenizer, prompt))
+        while (window := clip.next_window()) is not None:
+            if clip.segments and getattr(request, "is_cancelled", lambda: False)():
                 raise RuntimeError("the request was cancelled")
             inputs = tensorrt_llm_inputs(window.features, prompt, max_tokens=self.max_tokens, end_id=self.end_id,
                                          streaming=self.llm_streaming)
             llm_request = pb_utils.InferenceRequest(
                 model_name=self.llm_name, requested_output_names=["output_ids", "sequence_length"],
                 inputs=[pb_utils.Tensor(name, value) for name, value in inputs.items()])
-            done.append((window, []))
+            ids = []
             if self.llm_streaming:
                 for llm_response in llm_request.exec(decoupled=True):
-                    ids = self._outputs(llm_response)
-                    if ids:
-                        done[-1][1].extend(ids)
-                        sender.send(self._response(done))
+                    new = self._outputs(llm_response)
+                    if new:
+                        ids += new
+                        sender.send(self._response(clip.segments, [t for t in ids if t != self.end_id]))
             else:
-                done[-1][1].extend(self._outputs(llm_request.exec()) or [])
-                if self.decoupled:
-                    sender.send(self._response(done))
-        return None if self.decoupled else self._response(done)
+                ids = self._outputs(llm_request.exec()) or []
+            clip.finish(window, [t for t in ids if t != self.end_id])
+            if self.decoupled and not self.llm_streaming:
+                sender.send(self._response(clip.segments))
+        return None if self.decoupled else self._response(clip.segments)
 
     @staticmethod
     def _outputs(llm_response):
@@ -104,13 +109,13 @@ class TritonPythonModel:
         length = int(pb_utils.get_output_tensor_by_name(llm_response, "sequence_length").as_numpy().reshape(-1)[0])
         return ids.as_numpy().reshape(-1)[:length].tolist()
 
-    def _response(self, done):
-        """TRANSCRIPTS (all windows' ids decoded together), SEGMENT_TEXTS and SEGMENT_TIMES
-        ([start, end] seconds per window) of the windows in ``done``."""
-        text = transcript(self.tokenizer, [t for _, ids in done for t in ids])
-        texts = [transcript(self.tokenizer, ids).encode("utf-8") for _, ids in done]
-        times = np.array([[[w.start, w.end] for w, _ in done]], np.float32)
+    def _response(self, segments, pending=()):
+        """TRANSCRIPTS (all segments' ids, then ``pending`` ones of the window being decoded, decoded
+        together), SEGMENT_TEXTS and SEGMENT_TIMES ([start, end] seconds) of the closed segments."""
+        text = transcript(self.tokenizer, [t for s in segments for t in s.ids] + list(pending))
+        texts = [transcript(self.tokenizer, s.ids).encode("utf-8") for s in segments]
+        times = np.array([[[s.start, s.end] for s in segments]], np.float32).reshape(1, len(segments), 2)
         return pb_utils.InferenceResponse(output_tensors=[
             pb_utils.Tensor("TRANSCRIPTS", np.array([[text.encode("utf-8")]], dtype=object)),
-            pb_utils.Tensor("SEGMENT_TEXTS", np.array([texts], dtype=object)),
+            pb_utils.Tensor("SEGMENT_TEXTS", np.array([texts], dtype=object).reshape(1, len(segments))),
             pb_utils.Tensor("SEGMENT_TIMES", times)])
