@@ -40,7 +40,9 @@ Per-layer options (one AttentionMetadata serves every layer, so they are argumen
   tokens are a token tree written to consecutive slots; each sees the cached prefix and only its
   ancestors among the new tokens. Its rotary positions (prefix + depth) are the model's business;
   the mask here replaces the causal one over the new keys (the Triton kernel reads it in its
-  masked walk, which takes every new key after the first).
+  masked walk, which takes every new key after the first). With ``meta.tree_mask_sees_ahead`` the
+  mask may show a token later new keys (Gemma 3's image spans, engine/executor/image_spans.py) and a
+  sliding window still hides keys older than it: only the reference reads such a mask.
 
 The public functions dispatch on the tensors' device: OpenAI Triton kernels on CUDA (when
 Triton is installed), the plain-torch references (``*_ref``) elsewhere. The test is two
@@ -152,6 +154,8 @@ def paged_attention_ref(
             hidden |= k_pos <= q_pos - sliding_window
         if meta.tree_mask is not None:  # the new tokens are a token tree: each sees its ancestors among them
             hidden[:, context_len - q_len - first_key:] = ~meta.tree_mask[start:end, :q_len]
+            if meta.tree_mask_sees_ahead and sliding_window is not None:  # image spans: the window still
+                hidden |= k_pos <= q_pos - sliding_window  # hides old keys (later ones: transformers' overlay)
         scores.masked_fill_(hidden, float("-inf"))
         probs = softmax_with_sinks(scores, None if sinks is None else sinks.view(num_heads, 1, 1))
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)
@@ -220,7 +224,8 @@ def paged_attention(
     options = {"logit_softcap": logit_softcap, "sinks": sinks}
     if alibi_slopes is not None:  # only ALiBi layers pass it: other callers' kernels stay as they were
         options["alibi_slopes"] = alibi_slopes
-    if meta.tree_mask is not None and not use_triton(q):  # tree verification (the Triton kernel reads the mask too)
+    if meta.tree_mask is not None and (not use_triton(q) or meta.tree_mask_sees_ahead):
+        # tree verification (the Triton kernel reads such a mask too); image spans (the reference only)
         return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window=sliding_window, **options)
     if use_triton(q):
         return triton_attention.paged_attention_triton(q, k_cache, v_cache, meta, scale, sliding_window=sliding_window,

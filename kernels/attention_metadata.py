@@ -53,6 +53,10 @@ class AttentionMetadata:
     # (a new token of sequence i) says which of sequence i's new tokens it sees (its tree ancestors
     # and itself); every cached key stays visible. None: plain causal attention.
     tree_mask: torch.Tensor | None = None
+    # The mask may show a token later new tokens (Gemma 3's image spans, engine/executor/image_spans.py)
+    # and the layer's sliding window still applies on top: only the torch reference reads such a mask
+    # (the Triton kernel walks each row's keys up to its own position).
+    tree_mask_sees_ahead: bool = False
 
     @property
     def num_seqs(self) -> int:

@@ -107,6 +107,23 @@ class ImagePrompts:
         from transformers import AutoImageProcessor
 
         self.image_processor = AutoImageProcessor.from_pretrained(encoder_dir)
+        # ids a chat template's placeholder becomes besides the slot (Gemma 3: around <start_of_image>)
+        self.placeholder_wrap: tuple[list[int], list[int]] = ([], [])
+        self.gemma3 = "gemma3" in config
+        if self.gemma3:
+            self._init_gemma3(config["gemma3"])
+
+    def _init_gemma3(self, gemma3: dict) -> None:
+        """Gemma 3: the placeholder is <start_of_image>, which the processor expands in the text to
+        "\n\n<start_of_image>" + <image_soft_token> per row + "<end_of_image>\n\n" (_gemma3_ids).
+        Pan-and-scan (extra crops) is not built: an image processor with it on is refused by name."""
+        refuse_pan_and_scan(self.image_processor)
+        convert = self.tokenizer.convert_ids_to_tokens
+        self.boi, self.eoi = convert(gemma3["boi_token_index"]), convert(gemma3["eoi_token_index"])
+        self.image_token, self.image_token_id = convert(self.config["image_token_index"]), self.config["image_token_index"]
+        self.placeholder, self.placeholder_id = self.boi, gemma3["boi_token_index"]
+        newlines = self.tokenizer.encode("\n\n", add_special_tokens=False)
+        self.placeholder_wrap = (newlines + [self.placeholder_id], [gemma3["eoi_token_index"]] + newlines)
 
     def prepare(self, query: str, tensors: dict, row: int, add_special_tokens: bool) -> PreparedItem:
         """Item ``row``: its prompt ids (with image slots) and the pixel values of images decoded here."""
@@ -188,8 +205,9 @@ class ImagePrompts:
             raise ValueError(f"{where}: the prompt holds {len(positions)} {self.placeholder} placeholder(s) but "
                              f"{len(counts)} image(s) were sent; send one image per placeholder")
         out, start = [], 0
+        before, after = self.placeholder_wrap
         for slot, position in zip(self.slots(counts), positions):
-            out += ids[start:position] + slot
+            out += ids[start:position] + before + slot + after
             start = position + 1
         return out + ids[start:]
 
@@ -198,6 +216,8 @@ class ImagePrompts:
         def encode(text: str, special: bool) -> list[int]:  # (an empty first piece keeps the special tokens)
             return self.tokenizer.encode(text, add_special_tokens=special) if text or special else []
 
+        if self.gemma3:
+            return self._gemma3_ids(query, counts, add_special_tokens)
         num_images, slot = len(counts), self.slots(counts).__getitem__
         pieces = query.split(self.placeholder)
         if len(pieces) > 1:
@@ -218,6 +238,32 @@ class ImagePrompts:
         for i in range(num_images):
             ids += self.slot_ends[0] + slot(i) + self.slot_ends[1]
         return ids + encode(after_images, False) + encode(query, False) + encode(post, False)
+
+
+    def _gemma3_ids(self, query: str, counts: list[int], add_special_tokens: bool) -> list[int]:
+        """Gemma 3's prompt as its processor makes it: each <start_of_image> of the text (without one,
+        one per image first) expanded to "\n\n<start_of_image>" + a row token per image row +
+        "<end_of_image>\n\n", the whole text tokenized, then the row tokens made fake ids."""
+        found = query.count(self.boi)
+        if not found and counts:
+            query = " ".join([self.boi] * len(counts)) + " " + query
+        elif found != len(counts):
+            raise ValueError(f"text_input has {found} {self.boi} placeholder(s) but {len(counts)} image(s) were sent; "
+                             "send one image per placeholder (or no placeholder: the images go before the text)")
+        pieces = query.split(self.boi)
+        text = pieces[0] + "".join(f"\n\n{self.boi}{self.image_token * n}{self.eoi}\n\n{piece}"
+                                   for n, piece in zip(counts, pieces[1:]))
+        rows = iter(range(self.vocab_size, self.vocab_size + sum(counts)))
+        return [next(rows) if t == self.image_token_id else t
+                for t in self.tokenizer.encode(text, add_special_tokens=add_special_tokens)]
+
+
+def refuse_pan_and_scan(image_processor) -> None:
+    """Gemma 3's pan-and-scan (extra crops of large images, each its own rows) is not built."""
+    if getattr(image_processor, "do_pan_and_scan", False):
+        raise ValueError("the image processor has do_pan_and_scan on: Gemma 3's pan-and-scan crops are not supported; "
+                         "set do_pan_and_scan to false in the checkpoint's preprocessor config (each image is then "
+                         "one crop of mm_tokens_per_image rows)")
 
 
 def _sizes_row(sizes, row: int, model_type: str) -> np.ndarray:

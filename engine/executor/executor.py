@@ -41,6 +41,7 @@ from engine.executor.executor_config import (  # noqa: F401
 )
 from engine.executor.kv_host_tier import make_host_tier
 from engine.encoder_decoder.encoder_stage import EncoderStage, encoder_decoder_runner, encoder_input_error
+from engine.executor import image_spans
 from engine.executor.mrope_rotary import step_rotary_of
 from engine.executor.prompt_table import gather_prompt_embeds, prompt_cache_keys
 from engine.executor import state_cache
@@ -208,6 +209,11 @@ class Executor:
             mrope_width=self.runner.model_config.head_dim if build.tp_size == 1 and build.pp_size == 1
             and getattr(getattr(self.runner, "model", None), "supports_mrope", False) else 0)
         self._table_request_ids: set[int] = set()  # active requests with a prompt table
+        # Gemma 3: an image's table rows attend both ways in prefill (engine/executor/image_spans.py)
+        self._image_spans = self.limits.supports_prompt_tables and getattr(
+            getattr(self.runner, "model", None), "bidirectional_prompt_tables", False)
+        if self._image_spans:
+            self.scheduler.chunk_limit = image_spans.chunk_limit(self.limits.vocab_size, self.max_num_tokens)
         self._mrope_request_ids: set[int] = set()  # active requests with M-RoPE rows (mrope_rotary.py)
         self._num_draft_tokens_total = 0  # cumulative, for IterationStats
         self._num_accepted_draft_tokens_total = 0
@@ -598,8 +604,11 @@ class Executor:
                 batch.cross_block_tables, batch.cross_lengths = self.encoder_stage.cross_rows(plan)
             prompt_embeds = self._prompt_embeds(plan) if self._table_request_ids else None
             rotary = step_rotary_of(plan.scheduled, batch) if self._mrope_request_ids else None
+            mask = image_spans.step_mask_of(plan.scheduled, self.limits.vocab_size) if (
+                self._image_spans and prompt_embeds is not None) else None
             logits = self.runner.forward(batch, **({} if prompt_embeds is None else {"prompt_embeds": prompt_embeds}),
-                                         **({} if rotary is None else {"rotary": rotary}))
+                                         **({} if rotary is None else {"rotary": rotary}),
+                                         **({} if mask is None else {"attention_mask": mask}))
             # A constrained row samples after the previous step's tokens reach its matcher (_sample_guided).
             guided = self.token_masks is not None and any(seq.grammar is not None for seq, _ in sampling)
             transfer = self._sample(logits, sampling, batch) if sampling and not guided else None

@@ -391,16 +391,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, *, all_logits: bool = False,
-                prompt_embeds: PromptEmbeds | None = None, rotary: StepRotary | None = None) -> torch.Tensor:
+                prompt_embeds: PromptEmbeds | None = None, rotary: StepRotary | None = None,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Run one packed step; float32 logits (len(logits_indices), vocab), or (num_tokens, vocab)
         for every new token when ``all_logits`` (context logits). ``prompt_embeds``: rows of prompt
         tables that replace the embeddings of some of the batch's tokens (engine/executor/prompt_table.py);
         such steps run eagerly. ``rotary``: M-RoPE requests' rotary positions (engine/executor/mrope_rotary.py);
-        such steps run eagerly too."""
+        such steps run eagerly too. ``attention_mask``: (num_tokens, max q_len) bool over each sequence's
+        new tokens that may show a token later ones (image spans, engine/executor/image_spans.py);
+        such steps run eagerly, their attention in the torch reference."""
         if self.kv_cache is None:
             raise RuntimeError("allocate_kv_cache() must run before forward()")
         graphs_may_run = (not all_logits and prompt_embeds is None and rotary is None
-                          and batch.tree_parents is None)
+                          and batch.tree_parents is None and attention_mask is None)
         if self.decode_graphs is not None and graphs_may_run:
             hidden = self.decode_graphs.try_run(batch)
             if hidden is not None:  # a decode-only batch, replayed from its bucket's graph
@@ -410,6 +413,8 @@ class ModelRunner:
             if hidden is not None:  # a batch with prompt tokens, replayed from its token bucket's graph
                 return self._logits(hidden)
         input_ids, positions, meta = self._prepare(batch)
+        if attention_mask is not None:
+            meta.tree_mask, meta.tree_mask_sees_ahead = attention_mask.to(self.device), True
         table_rows = {}  # only models with supports_prompt_tables take the keyword
         if prompt_embeds is not None:
             input_ids = embeddable_ids(input_ids, self.vocab_size)

@@ -38,6 +38,7 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from engine.executor.kv_cache import BlockManager
 from engine.executor.request import Sequence, SequenceStatus
@@ -107,6 +108,9 @@ class Scheduler:
         self.max_num_tokens = max_num_tokens
         self.policy = policy
         self.enable_chunked_context = enable_chunked_context
+        # (seq, tokens the budget allows) -> tokens of the chunk; set by the executor where chunks must not
+        # end inside an image span (engine/executor/image_spans.py); None: the budget's
+        self.chunk_limit: Callable[[Sequence, int], int] | None = None
         self.static_batching = static_batching  # TRT-LLM "v1": a batch runs to completion before the next forms
         self.kv_window = kv_window  # every layer's attention window (ModelConfig.kv_window); None: keep all blocks
         # LoRA: acquire_adapter(request_state, behind_a_waiter) -> False while the request must wait
@@ -270,7 +274,7 @@ class Scheduler:
             return remaining
         # A recomputed stream longer than the whole budget could never run unchunked.
         if self.enable_chunked_context or remaining > self.max_num_tokens:
-            return budget.tokens
+            return budget.tokens if self.chunk_limit is None else self.chunk_limit(seq, budget.tokens)
         return 0
 
     @staticmethod

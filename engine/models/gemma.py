@@ -36,6 +36,7 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.models.layers import (Linear, Norm, RowParallelLinear, VocabParallelEmbedding, qkv_heads,
                                   vocab_parallel_logits)
+from engine.models.prompt_embeds import PromptEmbeds, splice_prompt_embeds
 from kernels.activation import gelu_tanh_and_mul
 from kernels.attention_metadata import AttentionMetadata
 from kernels.rmsnorm import rms_norm
@@ -103,6 +104,8 @@ class GemmaLayer(nn.Module):
 class GemmaForCausalLM(nn.Module):
     """Gemma 2 / Gemma 3 text model for one tensor-parallel rank."""
 
+    supports_prompt_tables = True  # forward() takes prompt_embeds (Gemma 3's image rows)
+
     def __init__(self, config: ModelConfig, *, tp_rank: int = 0, tp_size: int = 1, tp_group=None,
                  dtype: torch.dtype = torch.float32, device=None, max_positions: int | None = None):
         super().__init__()
@@ -122,6 +125,9 @@ class GemmaForCausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, vocab_local, bias=False, dtype=dtype, device=device)
         self.max_positions = max_positions or config.max_position_embeddings
+        # Gemma 3: each run of prompt-table rows (an image) attends to itself in both directions during
+        # prefill, as transformers' token_type_ids mask (engine/executor/image_spans.py)
+        self.bidirectional_prompt_tables = config.architecture == "Gemma3ForCausalLM"
         # (global table, sliding-layer table): the same tensor unless rope_local_theta is set.
         self.cos_sin_caches: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -141,10 +147,12 @@ class GemmaForCausalLM(nn.Module):
         return self.cos_sin_caches
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                attn_meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: (num_tokens,) -> final-normed hidden states (num_tokens, hidden)."""
+                attn_meta: AttentionMetadata, prompt_embeds: PromptEmbeds | None = None) -> torch.Tensor:
+        """input_ids, positions: (num_tokens,) -> final-normed hidden states (num_tokens, hidden).
+        ``prompt_embeds``: table rows (image features) in place of some tokens' embeddings, not scaled
+        (transformers scatters them after the scaled lookup)."""
         cos_sin_caches = self._rotary_tables(input_ids.device)
-        x, residual = self.embed_tokens(input_ids) * self.embed_scale, None
+        x, residual = splice_prompt_embeds(self.embed_tokens(input_ids) * self.embed_scale, prompt_embeds), None
         for layer in self.layers:
             x, residual = layer(x, residual, positions, cos_sin_caches, kv_cache, attn_meta)
         return rms_norm(x, self.norm.weight, self.config.norm_eps, residual)[0]

@@ -2,7 +2,7 @@
 
 A family says how its checkpoint splits into a language model (built as any text engine) and an
 image encoder (``engine/vision/<family>.py``): the text config, where the language tensors live,
-the encoder's config and weights, and the encoder module. Families to come (Qwen3-VL, Gemma 3) add one entry each.
+the encoder's config and weights, and the encoder module. Families to come (Qwen3-VL) add one entry each.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from engine.hf_checkpoint import CheckpointError, TensorGetter
-from engine.vision import blip2, llava, llava_next, qwen2_5_vl, qwen2_vl
+from engine.vision import blip2, gemma3, llava, llava_next, qwen2_5_vl, qwen2_vl
 from engine.vision.anyres import ONEVISION_MODEL_TYPE
 
 
@@ -75,6 +75,10 @@ VISION_FAMILIES = {
     "Blip2ForConditionalGeneration": VisionFamily(
         "Blip2ForConditionalGeneration", blip2.MODEL_TYPE, blip2.encoder_config, blip2.encoder_weights,
         blip2.Blip2VisionEncoder, _BLIP2_LANGUAGE, blip2.text_config),
+    # Gemma 3 keeps its text model as LLaVA does (model.language_model.* in transformers 5, language_model.model.* in 4)
+    "Gemma3ForConditionalGeneration": VisionFamily(
+        "Gemma3ForConditionalGeneration", gemma3.MODEL_TYPE, gemma3.encoder_config, gemma3.encoder_weights,
+        gemma3.Gemma3VisionEncoder, _LLAVA_LANGUAGE),
 }
 FAMILIES_BY_MODEL_TYPE = {family.model_type: family for family in VISION_FAMILIES.values()}
 

@@ -20,7 +20,7 @@ from engine.hf_checkpoint import CheckpointError  # noqa: E402
 from engine.vision import blip2  # noqa: E402
 from engine.vision.encoder_dir import load_vision_encoder, vision_encoder_dir, write_vision_encoder  # noqa: E402
 from engine.vision.registry import VISION_FAMILIES  # noqa: E402
-from tests.executor.executor_testing import collect, final_tokens  # noqa: E402
+from tests.executor.executor_testing import collect, final_tokens, served_table_ids  # noqa: E402
 from tiny_blip2 import NUM_QUERY_TOKENS, hf_model, processor, write_checkpoint  # noqa: E402
 from tiny_llava import IMAGE_TOKEN_INDEX, VOCAB, encoded, make_image  # noqa: E402
 
@@ -90,7 +90,6 @@ def test_triton_pipeline_preprocessing_encoders_tensorrt_llm_give_transformers_i
     special tokens; PIXEL_VALUES by the checkpoint's processor) -> multimodal_encoders
     (VisionEncoderRunner.tables, FP16) -> tensorrt_llm (convert_request) = transformers' generate."""
     from serving.multimodal import ImagePrompts, VisionEncoderRunner, prepare_batch
-    from serving.requests import convert_request, to_executor_request
     from tiny_blip2 import tokenizer
 
     _, engine, hf = built
@@ -104,11 +103,6 @@ def test_triton_pipeline_preprocessing_encoders_tensorrt_llm_give_transformers_i
     np.testing.assert_allclose(pre["PIXEL_VALUES"][0], batch["pixel_values"].numpy(), atol=2e-3)
     [table] = VisionEncoderRunner(encoder_dir, "cpu").tables([pre["PIXEL_VALUES"][0]])
     assert table.shape == (NUM_QUERY_TOKENS, 64) and table.dtype == np.float16
-    tensors = {"input_ids": pre["INPUT_ID"], "input_lengths": pre["REQUEST_INPUT_LEN"],
-               "request_output_len": np.array([[NEW_TOKENS]], np.int32), "prompt_embedding_table": table[None]}
-    [spec] = convert_request(tensors, decoupled=False, exclude_input_default=True)
-    with Executor(engine, ExecutorConfig()) as executor:
-        [request_id] = executor.enqueue_requests([to_executor_request(spec)])
-        served = final_tokens(collect(executor, [request_id])[request_id])
+    served = served_table_ids(engine, pre, table, NEW_TOKENS)
     batch["pixel_values"] = batch["pixel_values"].half().float()  # as PIXEL_VALUES carries them
     assert served == hf_ids(hf, batch)

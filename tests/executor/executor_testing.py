@@ -58,3 +58,19 @@ def final_tokens(responses: list) -> list[int]:
     """Generated tokens of a single-stream request: concatenated streaming deltas or the final result."""
     assert responses and responses[-1].error is None, responses[-1].error if responses else "no response"
     return [t for r in responses for t in r.result.output_token_ids[0]]
+
+
+def served_table_ids(engine: str, prepared: dict, table, max_tokens: int) -> list[int]:
+    """Greedy ids of one request as tensorrt_llm serves it: preprocessing's INPUT_ID / REQUEST_INPUT_LEN
+    (``prepared``) and multimodal_encoders' table (rows, hidden) -> convert_request -> the executor."""
+    import numpy as np
+
+    from engine.executor import Executor, ExecutorConfig
+    from serving.requests import convert_request, to_executor_request
+
+    tensors = {"input_ids": prepared["INPUT_ID"], "input_lengths": prepared["REQUEST_INPUT_LEN"],
+               "request_output_len": np.array([[max_tokens]], np.int32), "prompt_embedding_table": table[None]}
+    [spec] = convert_request(tensors, decoupled=False, exclude_input_default=True)
+    with Executor(engine, ExecutorConfig()) as executor:
+        [request_id] = executor.enqueue_requests([to_executor_request(spec)])
+        return final_tokens(collect(executor, [request_id])[request_id])

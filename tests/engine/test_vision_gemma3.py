@@ -1,0 +1,135 @@
+"""Gemma 3 (SigLIP + pooled projector over the Gemma 3 text model) through engine.build: the encoder's rows
+equal transformers' image features; greedy ids through encoder + engine, with each image's rows attending
+to each other both ways in prefill, equal transformers' generate on the processor's outputs (two images,
+chunked prefill that would split an image, beside a text-only request); the Triton models' serving side
+(preprocessing's Gemma 3 layout -> multimodal_encoders' table -> tensorrt_llm's request) gives the same ids."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("PIL")
+
+from engine.build import main  # noqa: E402
+from engine.executor import Executor, ExecutorConfig, OutputConfig, Request  # noqa: E402
+from engine.executor.image_spans import chunk_end, step_mask  # noqa: E402
+from engine.executor.prompt_table import PromptTable  # noqa: E402
+from engine.vision.encoder_dir import load_vision_encoder, vision_encoder_dir  # noqa: E402
+from tests.executor.executor_testing import collect, final_tokens, served_table_ids  # noqa: E402
+from tiny_gemma3 import BOI, IMAGE_TOKEN_ID, MM_TOKENS, hf_model, processor, write_checkpoint  # noqa: E402
+from tiny_llava import VOCAB, encoded, make_image  # noqa: E402
+
+NEW_TOKENS = 6
+TEXT = f"Describe this picture {BOI} {BOI} What is in the image?"
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """(engine dir, transformers model)."""
+    root = tmp_path_factory.mktemp("gemma3")
+    checkpoint = write_checkpoint(root / "checkpoint")
+    assert main(["--checkpoint", str(checkpoint), "--output", str(root / "engine"), "--dtype", "float32",
+                 "--max_seq_len", "128", "--tokens_per_block", "4"]) == 0
+    return str(root / "engine"), hf_model()
+
+
+def fake_ids(ids: list[int]) -> list[int]:
+    """transformers' prompt with each image token replaced by its table row's placeholder id."""
+    rows = iter(range(VOCAB, VOCAB + 1000))
+    return [next(rows) if t == IMAGE_TOKEN_ID else t for t in ids]
+
+
+def hf_ids(hf, batch) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(**batch, max_new_tokens=NEW_TOKENS, do_sample=False)
+    return out[0, batch["input_ids"].shape[1]:].tolist()
+
+
+def test_spans_mask_and_chunk_ends():
+    v = 10
+    ids = [1, 2, v, v + 1, v + 2, 3, v + 3, v + 4, 4]
+    assert chunk_end(ids, 9, 0, 4, v, 16) == 2  # would end inside the first image: stops before it
+    assert chunk_end(ids, 9, 2, 2, v, 16) == 0  # the image alone does not fit: wait for budget
+    assert chunk_end(ids, 9, 2, 2, v, 2) == 2  # never fits: cut
+    assert chunk_end(ids, 9, 0, 5, v, 16) == 5 and chunk_end(ids, 9, 5, 4, v, 16) == 4
+    mask = step_mask([(5, ids[:5]), (1, [])], v)
+    assert mask[:5, :5].tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1], [1, 1, 1, 1, 1],
+                                     [1, 1, 1, 1, 1]] and mask[5, :1].tolist() == [True]
+    assert step_mask([(3, [1, v, 2])], v) is None  # one-row spans change nothing
+
+
+def test_greedy_ids_with_bidirectional_image_spans_equal_transformers_generate(built):
+    assert_greedy_ids_equal_transformers(*built)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_greedy_ids_equal_transformers(built):
+    """The same on a GPU (float32): steps with image spans take the torch attention reference, the
+    others the Triton kernels (decode CUDA graphs included)."""
+    assert_greedy_ids_equal_transformers(*built, device="cuda")
+
+
+def assert_greedy_ids_equal_transformers(engine: str, hf, device: str | None = None) -> None:
+    config = json.load(open(f"{vision_encoder_dir(engine)}/config.json"))
+    assert config["builder_config"]["model_type"] == "gemma3" and config["num_image_tokens"] == MM_TOKENS
+    batch = processor()(images=[[make_image(1), make_image(2)]], text=[TEXT], return_tensors="pt")
+    assert batch["token_type_ids"].sum() == 2 * MM_TOKENS
+    encoder = load_vision_encoder(vision_encoder_dir(engine))
+    rows = [r.cpu() for r in encoder.image_features(batch["pixel_values"])]
+    with torch.no_grad():
+        expected = hf.model.get_image_features(pixel_values=batch["pixel_values"]).pooler_output
+    torch.testing.assert_close(torch.stack(rows), expected, atol=1e-5, rtol=1e-5)
+    prompt = fake_ids(batch["input_ids"][0].tolist())
+    text_only = [1, 12, 13, 14]
+    requests = [Request(prompt, NEW_TOKENS, output=OutputConfig(exclude_input_from_output=True,
+                                                                return_context_logits=True),
+                        prompt_table=PromptTable(torch.cat(rows))),
+                Request(text_only, NEW_TOKENS, output=OutputConfig(exclude_input_from_output=True))]
+    # chunks of 8 tokens: the scheduler ends a chunk before an image rather than inside it
+    with Executor(engine, ExecutorConfig(max_num_tokens=8, enable_chunked_context=True), device=device) as executor:
+        ids = executor.enqueue_requests(requests)
+        responses = collect(executor, ids)
+    got = [final_tokens(responses[i]) for i in ids]
+    expected_image = hf_ids(hf, batch)
+    with torch.no_grad():
+        expected_text = hf.generate(input_ids=torch.tensor([text_only]), max_new_tokens=NEW_TOKENS,
+                                    do_sample=False)[0, len(text_only):].tolist()
+    assert got == [expected_image, expected_text]
+    with torch.no_grad():  # every prompt row, the images' too, as transformers' with the token_type_ids mask
+        logits = hf(**batch).logits[0]
+        causal = hf(**{k: v for k, v in batch.items() if k != "token_type_ids"}).logits[0]
+    assert (causal - logits).abs().max() > 1e-2  # without the spans transformers' rows differ: they matter here
+    torch.testing.assert_close(responses[ids[0]][-1].result.context_logits.cpu(), logits, atol=1e-4, rtol=1e-4)
+
+
+def test_triton_pipeline_preprocessing_encoders_tensorrt_llm_give_transformers_ids(built):
+    """preprocessing (prepare_batch: <start_of_image> in text_input becomes the processor's
+    \\n\\n<start_of_image> rows <end_of_image>\\n\\n, the rows as fake ids) -> multimodal_encoders
+    (VisionEncoderRunner.tables, FP16) -> tensorrt_llm (convert_request) = transformers' generate."""
+    from serving.multimodal import ImagePrompts, VisionEncoderRunner, prepare_batch, refuse_pan_and_scan
+    from tiny_gemma3 import tokenizer
+
+    engine, hf = built
+    encoder_dir = vision_encoder_dir(engine)
+    prompts = ImagePrompts(encoder_dir, tokenizer(), VOCAB)
+    text = f"{BOI} What is in the image?"
+    png = np.frombuffer(encoded(make_image(3)), np.uint8).reshape(1, 1, 1, 1, -1)  # (batch, images, encoded file)
+    pre = prepare_batch(prompts, {"IMAGE_BYTES": png}, [text], True, 4)
+    batch = processor()(images=[make_image(3)], text=[text], return_tensors="pt")
+    assert pre["INPUT_ID"][0].tolist() == fake_ids(batch["input_ids"][0].tolist())
+    # the OpenAI path: a chat template's <start_of_image> id becomes the same ids
+    assert prompts.expand_placeholders(tokenizer().encode(text), [MM_TOKENS]) == pre["INPUT_ID"][0].tolist()
+    no_placeholder = prepare_batch(prompts, {"IMAGE_BYTES": png}, ["What is in the image?"], True, 4)
+    assert no_placeholder["INPUT_ID"][0].tolist() == pre["INPUT_ID"][0].tolist()  # the image goes first
+    [table] = VisionEncoderRunner(encoder_dir, "cpu").tables([pre["PIXEL_VALUES"][0]])
+    served = served_table_ids(engine, pre, table, NEW_TOKENS)
+    batch["pixel_values"] = batch["pixel_values"].half().float()  # as PIXEL_VALUES carries them
+    assert served == hf_ids(hf, batch)
+    with pytest.raises(ValueError, match="do_pan_and_scan on: Gemma 3's pan-and-scan crops are not supported"):
+        refuse_pan_and_scan(processor().image_processor.__class__(do_pan_and_scan=True))
+    with pytest.raises(ValueError, match=f"text_input has 2 {BOI} placeholder"):
+        prepare_batch(prompts, {"IMAGE_BYTES": png}, [f"{BOI}{BOI} x"], True, 4)
