@@ -7,8 +7,10 @@ tag) into an xgrammar ``CompiledGrammar`` on a small thread pool, so that a slow
 stalls the executor loop: the request waits in the queue for its own grammar only. Compiled
 grammars are kept in an LRU keyed by (guide type, guide text); concurrent requests for the same
 guide share one compilation. The tokenizer and the xgrammar vocabulary are loaded on that pool
-too, at construction, so neither the first guided request nor the executor's start waits for
-them on the loop.
+too, when the first guide arrives: an engine that never sees one never imports xgrammar (with
+transformers: ~1.4 CPU-s and ~100 MiB per engine process, on every start). The price: the first
+guided request waits for that load (about a second on a CPU host) besides its own compilation;
+the executor's loop and every other request never wait for it.
 
 ``TokenMasks`` builds, for the constrained rows of one step, a token bitmask on the host from each
 sequence's ``GrammarMatcher`` (one per sequence, so ``n`` > 1 works) and moves it to the device,
@@ -106,8 +108,9 @@ class GrammarCache:
         self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._pending: dict[tuple[str, str], Future] = {}
         self._pool = _DaemonPool(threads, "grammar-compile")
-        # Starts loading at once; every compilation queues behind it on the pool.
-        self._compiler: Future = self._pool.submit(self._make_compiler, tokenizer_dir, vocab_size)
+        self._vocabulary = (tokenizer_dir, vocab_size)
+        # Submitted by the first compile(), before its compilation, which waits for it on the pool.
+        self._compiler: Future | None = None
         self.compile_seconds: list[float] = []  # cold compilations, in order (benchmarks read them)
 
     @staticmethod
@@ -130,6 +133,8 @@ class GrammarCache:
                 return future
             future = self._pending.get(key)
             if future is None:
+                if self._compiler is None:
+                    self._compiler = self._pool.submit(self._make_compiler, *self._vocabulary)
                 future = self._pool.submit(self._compile, key)
                 self._pending[key] = future
             return future
@@ -199,15 +204,15 @@ class TokenMasks:
     """
 
     def __init__(self, max_rows: int, vocab_size: int, device: torch.device):
-        import xgrammar as xgr
-
         self.device = device
         self.words = -(-vocab_size // BITS_PER_WORD)
         pin = device.type == "cuda"
         self._host = [torch.empty((max_rows, self.words), dtype=torch.int32, pin_memory=pin) for _ in range(2)]
         self._rows = [torch.empty(max_rows, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._parity = 0
-        self._batch = xgr.BatchGrammarMatcher(max_threads=FILL_THREADS)
+        # xgrammar's BatchGrammarMatcher, made at the first batched fill: by then the pool has
+        # imported xgrammar for the grammar, and an engine that never sees a guide never imports it.
+        self._batch = None
         self.fill_seconds = 0.0  # host time spent filling masks (benchmarks read it)
         self.rows_filled = 0
         self.recent_fills: deque[tuple[int, float]] = deque(maxlen=4096)  # (rows, seconds) per step
@@ -232,6 +237,10 @@ class TokenMasks:
             row_index.copy_(torch.tensor(index, dtype=torch.int64))
         self._parity ^= 1
         if len(matchers) >= BATCH_FILL_MIN_ROWS:
+            if self._batch is None:
+                import xgrammar as xgr
+
+                self._batch = xgr.BatchGrammarMatcher(max_threads=FILL_THREADS)
             self._batch.batch_fill_next_token_bitmask(matchers, host)
         else:
             for k, matcher in enumerate(matchers):

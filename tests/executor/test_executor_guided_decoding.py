@@ -195,3 +195,35 @@ def test_structural_tag_constrains_the_tagged_segment(executor, tokenizer):
                                          question="Call the weather tool for a city.")])
     match = re.fullmatch(r"(?s).*<tool_call>(.*)</tool_call>", text(tokenizer, responses))
     assert match and json.loads(match.group(1))["city"] in ("Paris", "Rome")
+
+
+def test_xgrammar_and_the_vocabulary_load_when_the_first_guide_arrives(smollm2_engine_dir, executor, monkeypatch):
+    """Guided decoding on costs an engine that never sees a guide nothing at start (xgrammar's import
+    pulls transformers: ~1.4 CPU-s and ~100 MiB in every engine process); the first guides load the
+    tokenizer's vocabulary once, however many arrive together, and compile as before."""
+    import os
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import engine.executor.guided as guided
+
+    root = Path(__file__).resolve().parents[2]
+    check = ("import sys; from engine.executor.executor import Executor, ExecutorConfig; "
+             f"ex = Executor({smollm2_engine_dir!r}, ExecutorConfig(guided_decoding_backend='xgrammar', "
+             "max_tokens_in_paged_kv_cache=256)); ex.shutdown(); "
+             "loaded = {'xgrammar', 'transformers'} & set(sys.modules); assert not loaded, loaded")
+    run = subprocess.run([sys.executable, "-c", check], cwd=root, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(root)})
+    assert run.returncode == 0, run.stderr[-2000:]
+
+    loads, load = [], guided._load_vocabulary
+    monkeypatch.setattr(guided, "_load_vocabulary", lambda folder, size: loads.append(folder) or load(folder, size))
+    cache = guided.GrammarCache(smollm2_engine_dir, executor.runner.vocab_size)
+    time.sleep(0.2)  # a load started at construction would have begun on the pool by now
+    assert loads == []
+    first, second, again = (cache.compile(GuidedDecodingParams("regex", guide)) for guide in ("[ab]+", "[cd]+", "[ab]+"))
+    assert first.result(timeout=60) is again.result(timeout=60) and second.result(timeout=60) is not None
+    assert loads == [smollm2_engine_dir]
+    cache.shutdown()
