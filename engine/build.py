@@ -57,6 +57,7 @@ from engine.convert import (
 from engine.encoder_decoder.build import build_encoder_decoder
 from engine.encoder_decoder.spec import is_encoder_decoder_config
 from engine.gguf_header import read_gguf_scalars
+from engine.gguf_reader_cache import parsed_once
 from engine.fp8_checkpoint import dequantizing_getter, fp8_checkpoint_strategy, rank_block_scales, rank_row_scales
 from engine.models import MODEL_FAMILIES, get_family, get_model_class
 from engine.mxfp4 import MXFP4_EXPERTS, is_mxfp4_checkpoint, mxfp4_checkpoint
@@ -248,15 +249,16 @@ def _clear_old_engine(output_dir: str) -> None:
 # ---- sources --------------------------------------------------------------------------------
 
 def load_gguf(path: str):
-    """(hf_model, tokenizer) of a GGUF file, dequantized to float32 by transformers (~18 s for 135M)."""
+    """(hf_model, tokenizer) of a GGUF file, dequantized to float32 by transformers (~8 CPU-s for 135M)."""
     from transformers import AutoModelForCausalLM
 
     folder, name = os.path.split(os.path.abspath(path))
-    try:
-        hf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    except (OSError, ValueError, KeyError) as err:
-        raise CheckpointError(f"cannot load GGUF file {path}: {err}") from None
-    return hf_model, load_gguf_tokenizer(path)
+    with parsed_once():  # the file's metadata parsed once, not three times (engine/gguf_reader_cache.py)
+        try:
+            hf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        except (OSError, ValueError, KeyError) as err:
+            raise CheckpointError(f"cannot load GGUF file {path}: {err}") from None
+        return hf_model, load_gguf_tokenizer(path)
 
 
 def load_gguf_tokenizer(path: str):

@@ -54,3 +54,34 @@ def test_a_file_that_is_not_gguf_is_refused_by_name(tmp_path):
     path.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
     with pytest.raises(GGUFHeaderError, match="model.safetensors is not a GGUF file"):
         read_gguf_scalars(str(path), {"general.name"})
+
+
+def test_inside_parsed_once_a_file_is_parsed_once_and_gguf_is_restored_after(tmp_path):
+    """engine/gguf_reader_cache.py: transformers opens a GGUF three times per load (config, weights,
+    tokenizer) and rebuilds gguf's tensor-name map per submodule; inside parsed_once both are made
+    once, the same fields and tensors come back, and outside it gguf is untouched (also when nested)."""
+    from engine.gguf_reader_cache import parsed_once
+
+    path = str(tmp_path / "tiny.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_array("tokenizer.ggml.tokens", ["<s>", "a", "b"])
+    writer.add_tensor("token_embd.weight", np.arange(6, dtype=np.float32).reshape(3, 2))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    plain = gguf.GGUFReader(path)
+    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with parsed_once():
+        first = gguf.GGUFReader(path)
+        with parsed_once():
+            assert gguf.GGUFReader(tmp_path / "tiny.gguf") is first
+        assert gguf.GGUFReader(path) is first and gguf.GGUFReader(path, "c") is not first
+        arch = gguf.MODEL_ARCH.LLAMA
+        assert gguf.get_tensor_name_map(arch, 2) is gguf.get_tensor_name_map(arch, 2)
+        assert list(first.fields) == list(plain.fields)
+        assert [bytes(first.fields["tokenizer.ggml.tokens"].parts[i]) for i in first.fields["tokenizer.ggml.tokens"].data] == \
+            [b"<s>", b"a", b"b"]
+        assert np.array_equal(first.tensors[0].data, plain.tensors[0].data)
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader_class, name_map)
+    assert gguf.GGUFReader(path) is not gguf.GGUFReader(path)
