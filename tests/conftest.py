@@ -76,6 +76,19 @@ def _split_cores_between_workers():
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+# Files handed to the workers first. `make test` (--dist loadfile --no-loadscope-reorder) hands files
+# out in collection order, one at a time as a worker runs dry, so a long file collected last runs on
+# one worker while the other has nothing left: tools/test_wheel.py (build, install, serve: ~20 s on
+# CI) sorted last.
+RUN_FIRST = ("tests/tools/test_wheel.py",)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    first = [item for item in items if item.nodeid.startswith(RUN_FIRST)]
+    if first:
+        items[:] = first + [item for item in items if not item.nodeid.startswith(RUN_FIRST)]
+
+
 FAILURE_LOG_ENV = "TRITONLLM_TEST_FAILURE_LOG"
 
 
