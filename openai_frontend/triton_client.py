@@ -283,6 +283,10 @@ class TritonClient:
         self._channel = grpc.aio.insecure_channel(url, options=CHANNEL_OPTIONS)
         self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
         self._ready_until = 0.0  # monotonic time until which the last "ready" answer holds
+        # The entry model's transaction policy (read once it is ready): a non-decoupled tensorrt_llm
+        # (a repository filled with decoupled_mode false) refuses streaming, so the direct path asks
+        # it for the whole answer at once, over the same gRPC stream.
+        self._decoupled: bool | None = None
 
     async def close(self) -> None:
         await self._admin.close()
@@ -298,6 +302,12 @@ class TritonClient:
                      and await self._admin.is_model_ready(self.llm_model))
         except Exception as error:  # the server is down or starting
             raise not_ready(f"Triton at {self.url} does not answer: {error}") from None
+        if ready and self._decoupled is None:
+            try:
+                config = await self._admin.get_model_config(self.model, as_json=True)
+                self._decoupled = bool(config.get("config", {}).get("model_transaction_policy", {}).get("decoupled"))
+            except Exception:  # unknown: stream, as before (a decoupled model is the usual case)
+                pass
         if not ready:
             raise not_ready(f"the model is not ready ({self.model} / {self.llm_model} loading, or the engine "
                             "restarting); retry shortly")
@@ -366,6 +376,8 @@ class TritonClient:
         if self.direct:
             inputs = direct_inputs(prompt_ids, params, max_tokens, seed, self.end_id, self.pad_id, lora, prompt_table,
                                    mrope)
+            if self._decoupled is False:
+                inputs["streaming"] = _scalar(False, np.bool_)
         else:
             inputs = generation_inputs(prompt, params, max_tokens, seed, lora)
         request = infer_request(self.model, inputs, request_id)

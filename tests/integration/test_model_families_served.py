@@ -168,7 +168,7 @@ def served_families(smollm2_engine_dir, tmp_path_factory):
         text, renamed = config.read_text(), f'name: "tensorrt_llm_{name}"'
         config.write_text(text.replace('name: "tensorrt_llm"', renamed, 1))
         assert renamed in config.read_text()
-    models["t5"] = _add_t5_repository(tmp_path_factory, work, repo)
+    models["t5"], models["t5_engine"] = _add_t5_repository(tmp_path_factory, work, repo)
     models["whisper"], models["whisper_engine"] = _add_whisper_repository(tmp_path_factory, work, repo)
     _add_disaggregated_bls(repo, "tensorrt_llm_qwen3")
     with serving_repository(repo, work) as server:
@@ -240,7 +240,7 @@ def _add_whisper_repository(tmp_path_factory, work: Path, repo: Path) -> tuple[t
     return model, engine
 
 
-def _add_t5_repository(tmp_path_factory, work: Path, repo: Path) -> transformers.PreTrainedModel:
+def _add_t5_repository(tmp_path_factory, work: Path, repo: Path) -> tuple[transformers.PreTrainedModel, Path]:
     """Build the tiny T5 into encoder/ + decoder/ and add the text repository filled for it (the
     anchor's docs/encoder_decoder.md fill: engine_dir the decoder, encoder_engine_dir the encoder,
     cross_kv_cache_fraction 0.5, exclude_input_in_output) with every model renamed <model>_t5."""
@@ -260,7 +260,7 @@ def _add_t5_repository(tmp_path_factory, work: Path, repo: Path) -> transformers
         for other, other_served in T5_MODELS.items():  # the ensemble's steps
             text = text.replace(f'model_name: "{other}"', f'model_name: "{other_served}"')
         config.write_text(text)
-    return model
+    return model, engine
 
 
 def _write_gptq_checkpoint(path: str) -> transformers.PreTrainedModel:
@@ -487,9 +487,9 @@ def test_whisper_bad_audio_is_named(served_families):
 
 
 @pytest.fixture(scope="module")
-def audio_frontend(served_families):
-    """OpenAI frontends, in this process on free ports, in front of the server's whisper_bls and
-    whisper_bls_stream: {audio model: base url}."""
+def frontends(served_families):
+    """OpenAI frontends, in this process on free ports, in front of the server's whisper_bls,
+    whisper_bls_stream and tensorrt_llm_t5 (non-decoupled: asked for whole answers): {name: base url}."""
     import asyncio
     import threading
 
@@ -499,16 +499,18 @@ def audio_frontend(served_families):
     from openai_frontend.app import FrontendConfig, create_app
 
     models, server = served_families
-    decoder = models["whisper_engine"] / "decoder"
+    whisper, t5 = models["whisper_engine"] / "decoder", models["t5_engine"] / "decoder"
+    configs = {name: FrontendConfig(grpc_url=server.grpc_url, tokenizer_dir=str(whisper), served_model_name="whisper",
+                                    triton_model="tensorrt_llm_whisper", llm_model="tensorrt_llm_whisper",
+                                    audio_model=name) for name in ("whisper_bls", "whisper_bls_stream")}
+    configs["t5"] = FrontendConfig(grpc_url=server.grpc_url, tokenizer_dir=str(t5), served_model_name="t5",
+                                   triton_model=T5_MODELS["tensorrt_llm"], llm_model=T5_MODELS["tensorrt_llm"])
     loop, started = asyncio.new_event_loop(), threading.Event()
     thread = threading.Thread(target=lambda: (started.set(), loop.run_forever()), daemon=True)
     thread.start()
     assert started.wait(30)
     urls, runners = {}, []
-    for audio_model in ("whisper_bls", "whisper_bls_stream"):
-        config = FrontendConfig(grpc_url=server.grpc_url, tokenizer_dir=str(decoder), served_model_name="whisper",
-                                triton_model="tensorrt_llm_whisper", llm_model="tensorrt_llm_whisper",
-                                audio_model=audio_model)
+    for name, config in configs.items():
         runner, port = web.AppRunner(create_app(config)), free_port()
 
         async def start(runner=runner, port=port):
@@ -516,12 +518,32 @@ def audio_frontend(served_families):
             await web.TCPSite(runner, "127.0.0.1", port).start()
 
         asyncio.run_coroutine_threadsafe(start(), loop).result(30)
-        urls[audio_model] = f"http://127.0.0.1:{port}"
+        urls[name] = f"http://127.0.0.1:{port}"
         runners.append(runner)
     yield urls
     for runner in runners:
         asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
     loop.call_soon_threadsafe(loop.stop)
+
+
+def test_t5_completions_through_the_openai_client(served_families, frontends):
+    """/v1/completions on T5 (text to text; the prompt is the encoder's input) through a
+    non-decoupled tensorrt_llm: unary and streamed text = transformers' greedy text."""
+    import openai
+
+    from serving.tokenization import decode_tokens
+    from tiny_encdec import generate, tokenizer
+
+    models, _ = served_families
+    prompt = "translate English to German: This is good"
+    ids, _ = generate(models["t5"], tokenizer()(prompt).input_ids, 8)
+    expected = decode_tokens(tokenizer(), [t for t in ids[1:] if t != 1])
+    with openai.OpenAI(base_url=f"{frontends['t5']}/v1", api_key="unused", max_retries=0) as client:
+        unary = client.completions.create(model="t5", prompt=prompt, max_tokens=8, temperature=0)
+        streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
+            model="t5", prompt=prompt, max_tokens=8, temperature=0, stream=True) if chunk.choices)
+    assert unary.choices[0].text.strip() == expected.strip() and expected.strip(), (unary, expected)
+    assert streamed == unary.choices[0].text
 
 
 def _encoded(samples: np.ndarray, fmt: str, rate: int = 16000) -> bytes:
@@ -569,7 +591,7 @@ def _clock(seconds: float, separator: str) -> str:
     return f"00:00:{millis // 1000:02d}{separator}{millis % 1000:03d}"
 
 
-def test_openai_audio_formats_through_the_openai_client(served_families, audio_frontend):
+def test_openai_audio_formats_through_the_openai_client(served_families, frontends):
     """The official client's transcriptions/translations (json, text, verbose_json, srt, vtt) on
     FLAC, MP3 and a 44.1-kHz WAV (resampled and said so): the text = transformers' greedy text of
     the same (decoded) samples; verbose_json/srt/vtt decode timestamps, their segments = those of
@@ -583,7 +605,7 @@ def test_openai_audio_formats_through_the_openai_client(served_families, audio_f
     flac, mp3 = _encoded(pcm, "FLAC"), _encoded(pcm, "MP3")
     expected = _expected_transcript(models["whisper"], decode_audio(flac)[0])
     segments = _expected_segments(models["whisper"], decode_audio(flac)[0])
-    with openai.OpenAI(base_url=f"{audio_frontend['whisper_bls']}/v1", api_key="unused", max_retries=0) as client:
+    with openai.OpenAI(base_url=f"{frontends['whisper_bls']}/v1", api_key="unused", max_retries=0) as client:
         def create(data, fmt="json", name="clip.flac", **kwargs):
             return client.audio.transcriptions.create(model="whisper", file=(name, data), response_format=fmt, **kwargs)
 
@@ -608,7 +630,7 @@ def test_openai_audio_formats_through_the_openai_client(served_families, audio_f
         assert translated.text == _expected_transcript(models["whisper"], decode_audio(flac)[0], prefix)
 
 
-def test_openai_audio_long_form_and_stream(served_families, audio_frontend):
+def test_openai_audio_long_form_and_stream(served_families, frontends):
     """2.5 s of audio against the tiny 1-s window: decoded window after window, the json text =
     transformers' per window without timestamps, the verbose_json segments = transformers'
     long-form generate with timestamps (windows starting at the last closed timestamp); stream=True
@@ -623,21 +645,21 @@ def test_openai_audio_long_form_and_stream(served_families, audio_frontend):
 
     expected = _expected_transcript(models["whisper"], decode_audio(flac)[0])
     segments = _expected_segments(models["whisper"], decode_audio(flac)[0])
-    with openai.OpenAI(base_url=f"{audio_frontend['whisper_bls']}/v1", api_key="unused", max_retries=0) as client:
+    with openai.OpenAI(base_url=f"{frontends['whisper_bls']}/v1", api_key="unused", max_retries=0) as client:
         verbose = client.audio.transcriptions.create(model="whisper", file=("long.flac", flac),
                                                      response_format="verbose_json")
         assert [(s.start, s.end, s.text) for s in verbose.segments] == segments and len(segments) > 3
         assert verbose.duration == 2.5
         assert client.audio.transcriptions.create(model="whisper", file=("long.flac", flac)).text == expected
     for model, min_deltas in (("whisper_bls_stream", 2), ("whisper_bls", 1)):
-        with openai.OpenAI(base_url=f"{audio_frontend[model]}/v1", api_key="unused", max_retries=0) as client:
+        with openai.OpenAI(base_url=f"{frontends[model]}/v1", api_key="unused", max_retries=0) as client:
             events = list(client.audio.transcriptions.create(model="whisper", file=("long.flac", flac), stream=True))
         deltas = [e.delta for e in events if e.type == "transcript.text.delta"]
         assert events[-1].type == "transcript.text.done" and events[-1].text == expected, (model, events)
         assert len(deltas) >= min_deltas and "".join(deltas) == expected, (model, deltas)
 
 
-def test_bad_audio_and_encoder_inputs_are_named(served_families, audio_frontend):
+def test_bad_audio_and_encoder_inputs_are_named(served_families, frontends):
     """Each bad input gets its named error and the next good request is served: a file that does not
     decode, empty audio, audio over max_audio_seconds, word timestamps, stream with srt; on
     tensorrt_llm_whisper itself, decoder_input_ids out of the vocabulary and encoder features of the
@@ -645,7 +667,7 @@ def test_bad_audio_and_encoder_inputs_are_named(served_families, audio_frontend)
     import requests
 
     models, server = served_families
-    url = f"{audio_frontend['whisper_bls']}/v1/audio/transcriptions"
+    url = f"{frontends['whisper_bls']}/v1/audio/transcriptions"
     good = _encoded(np.random.default_rng(0).uniform(-0.5, 0.5, 8000).astype(np.float32), "WAV")
     cases = [(b"ID3 not audio", {}, "file", "could not be decoded"),
              (_encoded(np.zeros(0, np.float32), "WAV"), {}, "file", "no audio samples"),
