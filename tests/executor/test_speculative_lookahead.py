@@ -19,6 +19,7 @@ from conftest import build_tiny_engine
 from engine.executor.executor import Executor, ExecutorConfig, ExecutorConfigError, SpeculativeConfig
 from engine.executor.lookahead_sizes import LookaheadSizes
 from engine.executor.request import OutputConfig, Request, SamplingConfig
+from engine.executor.speculative.acceptance import accept_tree_by_rejection
 from engine.executor.speculative.lookahead import NgramPool, build_tree
 from engine.executor.tree_batch import ancestor_mask, tree_positions
 
@@ -70,6 +71,28 @@ def test_tree_is_the_papers_window_and_a_trie_of_candidates():
     assert pool.candidates(1) == [(6, 7), (2, 3)] and pool.candidates(9) == []
 
 
+def test_sampled_tree_verification_keeps_the_targets_law():
+    """Multi-draft rejection over a tree of fixed drafts (root children 2, 4 and 2 again; 5 under the
+    first): the first emitted token follows the root's law, the one after an accepted 2 its node's
+    law (chi-square, 6 tokens, p = 0.001: 20.52)."""
+    probs = torch.softmax(2 * torch.randn(5, 6, generator=torch.Generator().manual_seed(3)), dim=-1)
+    parents, tokens = [-1, 0, 0, 0, 1], [-1, 2, 4, 2, 5]
+    generator = torch.Generator().manual_seed(4)
+    first, second = torch.zeros(6), torch.zeros(6)
+    for _ in range(4000):
+        path, emitted = accept_tree_by_rejection(parents, tokens, probs, generator)
+        assert [tokens[i] for i in path[1:]] == emitted[:-1] and path[1:2] in ([], [1], [2])  # node 3 repeats 2
+        first[emitted[0]] += 1
+        if emitted[0] == 2:
+            second[emitted[1]] += 1
+
+    def chi_square(counts, law):
+        expected = law * counts.sum()
+        return float(((counts - expected) ** 2 / expected).sum())
+
+    assert chi_square(first, probs[0]) < 20.52 and chi_square(second, probs[1]) < 20.52
+
+
 @pytest.fixture(scope="module")
 def families(tmp_path_factory, tiny_hf) -> dict:
     tmp = tmp_path_factory.mktemp("lookahead_families")
@@ -102,7 +125,7 @@ def test_greedy_ids_equal_transformers_on_tiny_families(families, tiny_engine, t
 
 def test_mixed_batch_streams_stops_and_sampled_rows(tiny_lookahead, tiny_hf):
     """One batch: plain greedy, greedy with a repetition penalty (tree verified on processed logits),
-    a sampled row (one chain, rejection rule), a streamed row and a stop word: greedy ones equal
+    a sampled row (the tree by multi-draft rejection), a streamed row and a stop word: greedy ones equal
     transformers, the stop cuts after its word, the stream's pieces add up, blocks come back."""
     refs = [hf_greedy(tiny_hf, p, NEW_TOKENS) for p in PROMPTS]
     stop = refs[3][5:7]

@@ -73,3 +73,39 @@ def _draw(weights: torch.Tensor, fallback: torch.Tensor, generator: torch.Genera
     if not float(weights.sum()) > 0:
         weights = fallback
     return int(torch.multinomial(weights.double(), 1, generator=generator))
+
+
+def accept_tree_by_rejection(parents: list[int], token_ids: list[int], probs: torch.Tensor,
+                             generator: torch.Generator) -> tuple[list[int], list[int]]:
+    """A token tree of fixed drafts (point masses, chosen before this step's draws), verified so
+    that the emitted tokens follow the target's law exactly (multi-draft rejection sampling:
+    SpecInfer; the lookahead paper's sampling verification). parents/token_ids: node 0 the root
+    (parents[0] == -1, parents[i] < i); probs (nodes, vocab) on the CPU: the law after each node.
+
+    At node a with law p, its children are tried in order: child token x is accepted with
+    probability p(x); on rejection p becomes p with x removed, renormalised (the residual
+    max(p - delta_x, 0)), and the next child is tried. An accepted child continues the walk with its
+    own law; when none is accepted, one token is drawn from the residual. Each step of the walk thus
+    emits a token distributed as p (by induction over the children), and what follows an accepted
+    child is distributed as the target's law there. -> (path of node indices from the root, tokens)."""
+    children: dict[int, list[int]] = {}
+    for i in range(1, len(parents)):
+        children.setdefault(parents[i], []).append(i)
+    path, emitted = [0], []
+    while True:
+        p = probs[path[-1]].double().clone()
+        accepted = None
+        for child in children.get(path[-1], ()):
+            x = token_ids[child]
+            if p[x] <= 0:  # ruled out by the target, or a sibling with the same token was rejected
+                continue
+            if float(torch.rand((), generator=generator, dtype=torch.float64)) < float(p[x]):
+                accepted = child
+                break
+            p[x] = 0
+            p /= p.sum()
+        if accepted is None:
+            emitted.append(int(torch.multinomial(p, 1, generator=generator)))
+            return path, emitted
+        path.append(accepted)
+        emitted.append(token_ids[accepted])

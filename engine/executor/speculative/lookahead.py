@@ -30,8 +30,9 @@ the most recently made first. Window guesses start as tokens drawn from the prom
 sequence id). A tree has (N-1) * (W + G) drafts at most (TensorRT-LLM's budget), truncated in
 topological order (verification first) where the sequence has less room.
 
-Sampled requests verify one chain, the pool's most recent n-gram for the last token, by the chain's
-rejection rule (verify.py): the target's law is kept; their window does not advance.
+Sampled requests verify the same tree by multi-draft rejection sampling (acceptance.py
+``accept_tree_by_rejection``, the paper's sampling verification): the target's law is kept. Their
+window advances with the argmax of the target's processed logits (the Jacobi step is greedy).
 """
 from __future__ import annotations
 
@@ -140,11 +141,9 @@ class LookaheadProposer:
                 drafts.append([])
                 continue
             candidates = state.pool.candidates(seq.token_ids[-1])
-            if not seq.state.request.sampling.is_greedy:  # one chain: rejection sampling keeps the law
-                drafts.append(list(candidates[0][:room]) if candidates else [])
-                continue
             parents, tokens, state.window_nodes = build_tree(state.sizes, candidates, state.levels, room)
             seq.draft_parents = parents
+            seq.draft_tree_keeps_law = True  # sampled rows: multi-draft rejection sampling (verify.py)
             drafts.append(tokens)
         return drafts
 

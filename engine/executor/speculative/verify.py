@@ -17,7 +17,8 @@ import torch
 
 from engine.executor.request import Sequence
 from engine.executor.sampler import apply_top_k_top_p, build_sampling_metadata, process_logits, sampling_law
-from engine.executor.speculative.acceptance import accept_by_rejection, accept_by_threshold, accept_greedy
+from engine.executor.speculative.acceptance import (accept_by_rejection, accept_by_threshold, accept_greedy,
+                                                     accept_tree_by_rejection)
 from engine.executor.speculative.tree import accept_greedy_tree
 from engine.executor.speculative.typical import accept_typical_tree
 
@@ -127,22 +128,24 @@ def verify_tree(seq: Sequence, parents: list[int], draft_ids: list[int], logits:
                 normalize_log_probs: bool = True) -> Verified:
     """A tree that is not plain greedy: parents (-1 for the root, node 0), logits (nodes, vocab).
     Each node's law sees the sequence plus its path's drafts (penalties, bans); greedy ones accept
-    by argmax, sampled ones by Medusa's typical acceptance (speculative/typical.py)."""
+    by argmax, sampled ones by Medusa's typical acceptance (speculative/typical.py), or, where the
+    proposer set ``seq.draft_tree_keeps_law`` (lookahead), by multi-draft rejection sampling, which
+    keeps the target's law (acceptance.py accept_tree_by_rejection)."""
     tokens = [-1] + list(draft_ids)
     paths = [[]]
     for i in range(1, len(parents)):
         paths.append(paths[parents[i]] + [tokens[i]])
     md = build_sampling_metadata([_Drafted(seq, p) for p in paths], vocab_size, logits.device, return_log_probs=False)
     scores = process_logits(logits, md)
-    node_argmax = None
+    node_argmax = scores.argmax(dim=-1).tolist()  # (lookahead's Jacobi step is greedy whatever the request)
     if md.all_greedy:
-        node_argmax = scores.argmax(dim=-1).tolist()
         path, token_ids = accept_greedy_tree(parents, tokens, node_argmax)
     else:
         scores = scores / md.temperature.unsqueeze(1)  # a sampled row's temperature is > 0
         candidates = apply_top_k_top_p(scores, md.top_k, md.top_p) if md.needs_top_k_top_p else scores
         generator = torch.Generator().manual_seed((seq.seed * 1_000_003 + seq.num_generated_tokens) % (1 << 63))
-        path, token_ids = accept_typical_tree(parents, tokens, candidates.softmax(dim=-1).cpu(), generator)
+        accept = accept_tree_by_rejection if getattr(seq, "draft_tree_keeps_law", False) else accept_typical_tree
+        path, token_ids = accept(parents, tokens, candidates.softmax(dim=-1).cpu(), generator)
     log_probs = None
     if seq.state.request.output.return_log_probs:  # token j of the emitted ones is judged at path[j]
         if normalize_log_probs:
