@@ -227,13 +227,19 @@ def wait_until_frontend_ready(process: subprocess.Popen, port: str, timeout: flo
 
 def ready_message(http_port: str, grpc_port: str, metrics_port: str, openai_port: str | None = None,
                   model_name: str = "smollm2", served: str = "SmolLM2-135M-Instruct",
-                  prompt: str = CHAT_PROMPT) -> str:
+                  prompt: str = CHAT_PROMPT, audio: bool = False) -> str:
     body = json.dumps({"text_input": "@PROMPT@", "max_tokens": 32, "exclude_input_in_output": True})
     body = body.replace("@PROMPT@", prompt)
     message = (f"READY: tritonserver serves {served} on 127.0.0.1 "
                f"(HTTP {http_port}, gRPC {grpc_port}, metrics {metrics_port})")
     message += f", OpenAI API on http://127.0.0.1:{openai_port}/v1 (model {model_name}). Try:\n" if openai_port \
         else ". Try:\n"
+    if audio:  # a Whisper engine: whisper_bls, no ensemble or chat
+        message += f"  python3 tools/whisper/client.py --server-port {grpc_port} --audio-path speech.wav\n"
+        if openai_port:
+            message += (f"  curl -s http://127.0.0.1:{openai_port}/v1/audio/transcriptions -F file=@speech.wav "
+                        f"-F model={model_name}\n")
+        return message + "Stop with Ctrl-C."
     message += f"  curl -s -X POST http://127.0.0.1:{http_port}/v2/models/ensemble/generate -d '{body}'\n"
     if openai_port:
         chat = json.dumps({"model": model_name, "max_tokens": 32, "temperature": 0,
@@ -368,8 +374,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         if frontend is not None and not wait_until_frontend_ready(frontend, args.openai_port):
             process.terminate()
             sys.exit("tritonllm serve: the OpenAI frontend did not become ready; see its log above")
+        audio = bool((encoder_decoder_spec(engine_dir) or {}).get("num_mel_bins"))
         print(ready_message(args.http_port, args.grpc_port, args.metrics_port, args.openai_port, model_name, served,
-                            prompt), flush=True)
+                            prompt, audio=audio), flush=True)
         process.wait()
     except KeyboardInterrupt:
         process.terminate()

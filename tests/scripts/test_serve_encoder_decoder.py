@@ -60,3 +60,11 @@ def test_lora_modules_on_an_encoder_decoder_checkpoint_are_refused_by_name(tmp_p
     refuse_lora_on_encoder_decoder(str(tmp_path), [])  # no adapters: served
     with pytest.raises(SystemExit, match=r"--lora_modules: T5ForConditionalGeneration \(encoder-decoder\)"):
         refuse_lora_on_encoder_decoder(str(tmp_path), ["a=/adapters/a"])
+
+
+def test_whisper_ready_message_shows_the_audio_requests():
+    from tritonllm.serve import ready_message
+
+    message = ready_message("8000", "8001", "8002", "9000", "whisper", "whisper", audio=True)
+    assert "tools/whisper/client.py --server-port 8001" in message and "/v1/audio/transcriptions" in message
+    assert "ensemble" not in message and "chat/completions" not in message
