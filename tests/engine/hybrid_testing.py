@@ -7,6 +7,8 @@ Nemotron-H: no positions) and Nemotron-H's relu^2 MLP block.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import transformers
 
@@ -115,7 +117,58 @@ def tiny_hybrid(family: str, seed: int = 0) -> torch.nn.Module:
             base = 1.0 if "norm" in name and name.endswith("weight") else 0.0  # norms near 1, the rest small
             p.copy_(base + 0.1 * torch.randn_like(p))
     group_gated_norms(model)
+    if family == "jamba":
+        clear_routing_margins(model)
     return model
+
+
+def clear_routing_margins(model: transformers.JambaForCausalLM, radius: float = 1.0, gain: float = 0.5) -> None:
+    """Make every token's top-2 expert set clear-cut, so that bfloat16 (the CUDA test's engine dtype)
+    cannot flip it against the float32 reference.
+
+    With random routers some token's 2nd and 3rd router logits are near-equal (the seed-0 model had
+    one token at 0.2844 vs 0.2834, 0.35% apart, under one bf16 step at that size); bf16 rounding
+    upstream (~1% relative on the router's input, in transformers' own bf16 forward as in the
+    engine's) then legitimately routes it to the other expert, and its logits move ~0.6. Scaling
+    the router does not help: its margins and their rounding scale together. So hidden channels
+    0 and 1 carry a per-token direction (cos, sin)(theta) that routing reads:
+
+    - embedding[v, 0:2] = radius * (cos, sin)(theta_v), theta_v = pi/4 + pi/12 + (v % 4) * pi/2;
+    - layer 0's Mamba mixer (the residual at layer 0's router, the only one, is the embedding plus
+      its output) writes nothing to channels 0 and 1 (out_proj rows zeroed), so the router input
+      keeps the embedding's direction there whatever the context;
+    - router[e, 0:2] = gain * (cos, sin)(e * pi/2): expert e's logit peaks at theta = e * pi/2, so a
+      token's top two are the adjacent experts around theta_v ({0,1}, {1,2}, {2,3}, {3,0}, one per
+      v % 4), the 3rd well below. The other channels keep random router weights, so the top-2
+      weights still vary with the context (2nd weight ~0.29 on average).
+
+    Measured on the test prompts: the smallest 2nd-3rd logit gap is >= 0.4 of the token's largest
+    |logit| (test_hybrid_models.py asserts >= 0.1)."""
+    layers = model.model.layers
+    assert [hasattr(layer.feed_forward, "router") for layer in layers] == [True, False], "jamba_config's layout"
+    with torch.no_grad():
+        theta = math.pi / 4 + math.pi / 12 + math.pi / 2 * (torch.arange(model.config.vocab_size) % 4)
+        phi = math.pi / 2 * torch.arange(model.config.num_experts)
+        embedding = model.get_input_embeddings().weight
+        embedding[:, 0], embedding[:, 1] = radius * theta.cos(), radius * theta.sin()
+        layers[0].mamba.out_proj.weight[:2] = 0  # the residual at the router: embedding + this mixer
+        router = layers[0].feed_forward.router.weight
+        router[:, 0], router[:, 1] = gain * phi.cos(), gain * phi.sin()
+
+
+def router_logits(model: transformers.JambaForCausalLM, prompt: list[int]) -> torch.Tensor:
+    """The tiny Jamba's router logits (tokens, experts) for ``prompt`` in the model's dtype: the
+    router's input is layer 0's pre_ff_layernorm output, read by a hook (so older transformers,
+    whose router is a plain Linear, serve the same)."""
+    layer = model.model.layers[0]
+    inputs = []
+    hook = layer.pre_ff_layernorm.register_forward_hook(lambda module, args, out: inputs.append(out[0]))
+    try:
+        with torch.no_grad():
+            model(torch.tensor([prompt]))
+    finally:
+        hook.remove()
+    return inputs[0] @ layer.feed_forward.router.weight.T
 
 
 def _grouped_gated_norm(self, hidden_states, gate=None):
