@@ -125,15 +125,18 @@ def test_greedy_ids_equal_transformers_on_tiny_families(families, tiny_engine, t
 
 def test_mixed_batch_streams_stops_and_sampled_rows(tiny_lookahead, tiny_hf):
     """One batch: plain greedy, greedy with a repetition penalty (tree verified on processed logits),
-    a sampled row (the tree by multi-draft rejection), a streamed row and a stop word: greedy ones equal
+    a sampled row (the tree by multi-draft rejection), a streamed row, a stop word and a row that
+    never drafts (top log-probs asked: plain decode rows in the same steps): greedy ones equal
     transformers, the stop cuts after its word, the stream's pieces add up, blocks come back."""
     refs = [hf_greedy(tiny_hf, p, NEW_TOKENS) for p in PROMPTS]
     stop = refs[3][5:7]
     requests = [Request(PROMPTS[0], NEW_TOKENS),
                 Request(PROMPTS[1], NEW_TOKENS, sampling=SamplingConfig(temperature=0.8, top_k=8, seed=3)),
                 Request(PROMPTS[2], NEW_TOKENS, streaming=True),
-                Request(PROMPTS[3], NEW_TOKENS, stop_words=[stop])]
+                Request(PROMPTS[3], NEW_TOKENS, stop_words=[stop]),
+                Request(PROMPTS[3], NEW_TOKENS, output=OutputConfig(num_top_log_probs=2))]
     got = run(tiny_lookahead, requests)
+    assert final_tokens(got[4]) == refs[3]
     assert final_tokens(got[0]) == refs[0] and final_tokens(got[2]) == refs[2]
     assert len(got[2]) > 1  # streamed in pieces
     assert final_tokens(got[3]) == refs[3][:7]
