@@ -61,7 +61,7 @@ SUPPORTED_ARCHITECTURES += DECODER_ARCHITECTURES
 HYBRID_ARCHITECTURES = ("BambaForCausalLM", "NemotronHForCausalLM", "GraniteMoeHybridForCausalLM", "Mamba2ForCausalLM",
                         "FalconH1ForCausalLM", "MambaForCausalLM", "JambaForCausalLM")
 # Hybrids with routed experts (the spec's "moe" blocks), read from num_experts and the fields after it.
-HYBRID_MOE_ARCHITECTURES = ("JambaForCausalLM", "GraniteMoeHybridForCausalLM")
+HYBRID_MOE_ARCHITECTURES = ("JambaForCausalLM", "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM")
 SUPPORTED_ARCHITECTURES += HYBRID_ARCHITECTURES
 # DeepSeek-V2/V3 (engine/models/deepseek.py): multi-head latent attention over a latent KV pool,
 # shared + routed experts with DeepSeek's routing (MLA_TOPK_METHODS).
@@ -365,9 +365,16 @@ class ModelConfig:
                      f"{self.architecture} with attention bias or partial rotary is not supported")
             return
         if self.architecture in HYBRID_MOE_ARCHITECTURES and self.num_experts:
-            _positive_ints(self, ("num_experts", "num_experts_per_tok", "moe_intermediate_size"))
+            _positive_ints(self, ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "n_group",
+                                  "topk_group"))
             _require(self.num_experts_per_tok <= self.num_experts,
                      f"num_experts_per_tok ({self.num_experts_per_tok}) must be <= num_experts ({self.num_experts})")
+            # softmax routing (Jamba, Granite 4.0) or Nemotron-H's sigmoid group-limited noaux_tc
+            _require(self.topk_method in ("greedy", "noaux_tc"),
+                     f"{self.architecture}: topk_method must be greedy or noaux_tc, got {self.topk_method!r}")
+            _require(self.num_experts % self.n_group == 0 and self.topk_group <= self.n_group,
+                     f"n_group ({self.n_group}) must divide num_experts ({self.num_experts}) and topk_group "
+                     f"({self.topk_group}) must be <= n_group")
             return
         if self.architecture not in MOE_ARCHITECTURES:
             _require(self.num_experts == 0, f"{self.architecture} has no experts; num_experts must be 0, "

@@ -6,6 +6,9 @@ Shapes (T tokens, H hidden, E experts, I expert width on this rank, K experts pe
 
     out[t] = sum_k topk_weights[t, k] * down[e] @ (silu(gate_e @ x[t]) * (up_e @ x[t])),  e = topk_ids[t, k]
 
+(Other activations: kernels/moe_epilogue.py. Its non-gated relu2, Nemotron-H's experts, takes gate_up
+(E, I, H) of up rows only, and runs the block-tiled path at every size.)
+
 An "assignment" is one (token, slot) pair, numbered a = t * K + k (T * K of them).
 
 The Triton path (CUDA):
@@ -215,7 +218,7 @@ def fused_moe_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                      epilogue: ExpertEpilogue = PLAIN_SILU, sum_experts: bool = True) -> torch.Tensor:
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = gate_up.shape
-    inter, top_k = two_inter // 2, topk_ids.shape[1]
+    inter, top_k = two_inter // 2 if epilogue.gated else two_inter, topk_ids.shape[1]
     assert x.stride(1) == 1 and gate_up.is_contiguous() and down.is_contiguous()
     assert down.shape == (num_experts, hidden, inter) and topk_weights.shape == topk_ids.shape
     num_assignments = num_tokens * top_k
@@ -232,12 +235,13 @@ def fused_moe_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     weights = topk_weights.reshape(-1).float().contiguous()
     act = torch.empty(num_assignments, inter, dtype=x.dtype, device=x.device)
     _grouped_gemm(x, gate_up, act, blocks, flat_ids, weights, n=inter, top_k=top_k, rows_per_token=True,
-                  gated=True, mul_weight=False, block_m=block_m, config=config, bias=epilogue.gate_up_bias,
+                  gated=epilogue.gated, mul_weight=False, block_m=block_m, config=config, bias=epilogue.gate_up_bias,
                   epilogue=epilogue)
     out_k = torch.empty(num_assignments, hidden, dtype=x.dtype, device=x.device)
+    # (relu2's activation belongs to the up GEMM only: the down GEMM's epilogue is the plain one)
     _grouped_gemm(act, down, out_k, blocks, flat_ids, weights, n=hidden, top_k=top_k, rows_per_token=False,
                   gated=False, mul_weight=True, block_m=block_m, config=config, bias=epilogue.down_bias,
-                  epilogue=epilogue)
+                  epilogue=epilogue if epilogue.gated else PLAIN_SILU)
     out_k = out_k.view(num_tokens, top_k, hidden)
     return out_k.sum(dim=1) if sum_experts else out_k
 
@@ -285,7 +289,7 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_w
     if not use_triton(x):
         return fused_moe_ref(x, gate_up, down, topk_weights, topk_ids, epilogue)
     many_rows = topk_ids.numel() >= GROUPED_MM_MIN_ROWS_PER_EXPERT * gate_up.shape[0]
-    if many_rows and grouped_mm_supported(x, gate_up, down):
+    if many_rows and epilogue.gated and grouped_mm_supported(x, gate_up, down):  # (gated activations only)
         return fused_moe_grouped_mm(x, gate_up, down, topk_weights, topk_ids, epilogue)
     return fused_moe_triton(x, gate_up, down, topk_weights, topk_ids, epilogue=epilogue, sum_experts=sum_experts)
 
@@ -297,7 +301,7 @@ def moe_forward(x: torch.Tensor, router_logits: torch.Tensor, gate_up: torch.Ten
     """A sparse MLP after its router: route_tokens then fused_moe; one token on CUDA (batch-1
     decode) routes inside the gate_up launch (moe_single_token_triton). Biases, activation and
     ``sum_experts`` (then (T, H) or (T, K, H)): fused_moe's."""
-    if use_triton(x) and x.shape[0] == 1:
+    if use_triton(x) and x.shape[0] == 1 and activation != "relu2":
         epilogue = ExpertEpilogue(gate_up_bias, down_bias, activation, swiglu_limit)
         return moe_single_token_triton(x, router_logits, gate_up, down, top_k, renormalize, epilogue=epilogue,
                                        sum_experts=sum_experts)

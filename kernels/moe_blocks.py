@@ -127,7 +127,8 @@ def store_rows(acc, acc_up, out_ptr, ids, row_ok, cols, col_ok, topk_weights_ptr
     MUL_WEIGHT: each row is scaled by topk_weights[a] (float32) before the one rounding to out.
     HAS_BIAS: expert ``expert``'s bias row (bias_ptr + expert * stride_be; GATED: [gate (N) | up (N)])
     joins the products first. ACTIVATION (GATED): kernels/moe_epilogue.py ACTIVATIONS, as
-    activate_ref computes it."""
+    activate_ref computes it; not GATED, ACTIVATION 2 (relu2) is applied to the products (the caller
+    passes it for an up GEMM only, never for a down GEMM)."""
     if HAS_BIAS:
         bias_row = bias_ptr + expert * stride_be
         acc += tl.load(bias_row + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -135,6 +136,9 @@ def store_rows(acc, acc_up, out_ptr, ids, row_ok, cols, col_ok, topk_weights_ptr
             acc_up += tl.load(bias_row + N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if GATED:
         acc = gated_activation(acc, acc_up, out_ptr.dtype.element_ty, ACTIVATION, SWIGLU_LIMIT)
+    elif ACTIVATION == 2:  # relu2 (not gated): relu(h)^2, h rounded to the output dtype first, as activate_ref
+        acc = tl.maximum(acc.to(out_ptr.dtype.element_ty).to(tl.float32), 0.0)
+        acc = acc * acc
     if MUL_WEIGHT:
         acc *= tl.load(topk_weights_ptr + ids, mask=row_ok, other=0.0)[:, None]
     tl.store(out_ptr + ids.to(tl.int64)[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),

@@ -10,6 +10,9 @@ For one expert e and the assignment rows it received (n, H):
 Activations (``ACTIVATIONS``; the integer is the kernels' constexpr):
     silu:            silu(gate) * up
     swiglu_clamped:  (clamp(up, -L, L) + 1) * g * sigmoid(1.702 * g),  g = min(gate, L), L = swiglu_limit
+    relu2:           relu(h)^2, not gated (Nemotron-H's experts): gate_up holds I rows per expert (up
+                     only), h = rows @ up[e].T (n, I). The block-tiled kernels (kernels/fused_moe.py)
+                     take it; the sorted-rows path and the quantized experts' kernels do not.
 
 Shared by the grouped-GEMM kernels' epilogue (kernels/moe_blocks.py store_rows) and the
 sorted-rows path (kernels/moe_grouped_mm.py), which applies it in ``expert_activation``.
@@ -23,7 +26,7 @@ import torch.nn.functional as F
 
 from kernels._triton import jit, tl, triton, use_triton
 
-ACTIVATIONS = {"silu": 0, "swiglu_clamped": 1}
+ACTIVATIONS = {"silu": 0, "swiglu_clamped": 1, "relu2": 2}
 SWIGLU_ALPHA = 1.702  # gpt-oss's sigmoid slope (fixed in its reference code, not in its config)
 
 
@@ -44,13 +47,21 @@ class ExpertEpilogue:
             raise ValueError("swiglu_limit goes with activation 'swiglu_clamped', and only with it")
 
 
+    @property
+    def gated(self) -> bool:
+        """[gate | up] rows (2I per expert), or up rows only (relu2)."""
+        return self.activation != "relu2"
+
+
 PLAIN_SILU = ExpertEpilogue()
 
 
 def activate_ref(gate_up: torch.Tensor, epilogue: ExpertEpilogue = PLAIN_SILU) -> torch.Tensor:
-    """Gated activation of product rows (n, 2I) [gate | up] -> (n, I) in their dtype. silu rounds
+    """Gated activation of product rows (n, 2I) [gate | up] (relu2: (n, I) up rows) -> (n, I) in their dtype. silu rounds
     as F.silu(gate) * up does (silu to the dtype, then the product); swiglu_clamped is computed
     in float32 and rounded once, as the kernels do."""
+    if epilogue.activation == "relu2":  # not gated: gate_up is (n, I), rounded as F.relu(h).square()
+        return F.relu(gate_up).square()
     gate, up = gate_up.chunk(2, dim=-1)
     if epilogue.activation == "silu":
         return F.silu(gate) * up

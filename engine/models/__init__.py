@@ -111,8 +111,8 @@ MODEL_FAMILIES = (
                 "Bamba-9B (Mamba-2 layers with a per-request state, "
                 "a few rope attention layers; no prefix caching, beams or speculative decoding)", fp8=True),
     ModelFamily("NemotronHForCausalLM", "engine.ssm.hybrid", "HybridForCausalLM",
-                "Nemotron-H 4B/8B/47B/56B dense (Mamba-2, attention without positions and relu^2 MLP layers; "
-                "MoE layers refused)", fp8=True),
+                "Nemotron-H 4B/8B/47B/56B, Nemotron-3 Nano (Mamba-2, attention without positions, relu^2 MLP "
+                "and MoE layers; FP8 for the dense ones)", fp8=True),
     ModelFamily("GraniteMoeHybridForCausalLM", "engine.ssm.hybrid", "HybridForCausalLM",
                 "Granite 4.0 hybrids: H-Micro dense, H-Tiny and H-Small with routed experts beside a shared MLP "
                 "(Mamba-2 and attention layers, muP multipliers)", fp8=True),

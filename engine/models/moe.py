@@ -42,9 +42,10 @@ from engine.models.layers import Linear, LinearQuantization, tp_all_reduce
 from engine.models.llama import LlamaForCausalLM, LlamaLayer
 from kernels.fp8 import FP8_DTYPE
 from kernels.fp8_block import blocks
-from kernels.fused_moe import moe_forward, warm_up_token_counts
+from kernels.fused_moe import fused_moe, moe_forward, route_tokens, warm_up_token_counts
 from kernels.fused_moe_fp8 import moe_forward_fp8
 from kernels.fused_moe_wna16 import WNA16Experts, moe_forward_wna16, prepare_wna16_experts
+from kernels.moe_grouped_routing import route_grouped
 from kernels.wna16 import stored_columns
 
 
@@ -52,7 +53,7 @@ class SparseMoeBlock(nn.Module):
     """Router + every expert's slice for one tensor-parallel rank; output all-reduced over ranks."""
 
     def __init__(self, config: ModelConfig, *, tp_size: int, tp_group, dtype, device,
-                 weight_only: WeightOnlyScheme | None = None, fp8: str | None = None):
+                 weight_only: WeightOnlyScheme | None = None, fp8: str | None = None, activation: str = "silu"):
         super().__init__()
         hidden, experts = config.hidden_size, config.num_experts
         inter_local = config.moe_intermediate_size // tp_size
@@ -62,8 +63,23 @@ class SparseMoeBlock(nn.Module):
         self.dtype = dtype
         self.weight_only = weight_only
         self.experts: tuple[WNA16Experts, WNA16Experts] | None = None  # prepare_weights(): (gate_up, down)
-        self.router = Linear(hidden, experts, bias=False, dtype=dtype, device=device)
-        for name, (rows, cols) in {"gate_up_proj": (2 * inter_local, hidden), "down_proj": (hidden, inter_local)}.items():
+        # Options of the hybrids (engine/ssm/hybrid.py), model-dtype experts only: activation "relu2"
+        # (Nemotron-H: non-gated relu(up x)^2 experts, gate_up_proj holds I_r up rows), and topk_method
+        # "noaux_tc" (Nemotron-H: sigmoid scores plus ``score_bias``, group-limited top-k, renormalised,
+        # times routed_scaling_factor; kernels/moe_grouped_routing.py, the router in float32 as
+        # transformers keeps it).
+        self.activation = activation
+        self.grouped = config.topk_method == "noaux_tc"
+        if (activation != "silu" or self.grouped) and (weight_only is not None or fp8 is not None):
+            raise ValueError(f"quantized experts take SiLU experts with softmax routing only, got activation "
+                             f"{activation!r} and topk_method {config.topk_method!r}")
+        self.router = Linear(hidden, experts, bias=False, dtype=torch.float32 if self.grouped else dtype, device=device)
+        if self.grouped:
+            self.score_bias = _parameter(experts, dtype=torch.float32, device=device)
+            self.routing = dict(n_group=config.n_group, topk_group=config.topk_group, renormalize=config.norm_topk_prob,
+                                scaling=config.routed_scaling_factor)
+        up_rows = 2 * inter_local if activation != "relu2" else inter_local
+        for name, (rows, cols) in {"gate_up_proj": (up_rows, hidden), "down_proj": (hidden, inter_local)}.items():
             if fp8 is not None:  # "fp8" (a scale per row) or "fp8_block" (per 128 x 128 block)
                 setattr(self, name, _parameter(experts, rows, cols, dtype=FP8_DTYPE, device=device))
                 scale = (rows,) if fp8 == "fp8" else (blocks(rows), blocks(cols))
@@ -99,13 +115,25 @@ class SparseMoeBlock(nn.Module):
         next layer's (or the final) residual-add RMSNorm sums in its own pass (kernels/rmsnorm.py):
         one launch and one round trip of the layer's output less. With tensor parallelism the
         all-reduce takes the summed rows."""
-        out = self.routed_experts(x, self.router(x), sum_experts=self.tp_group is not None)
+        out = self.routed_experts(x, self.logits(x), sum_experts=self.tp_group is not None)
         return out if self.tp_group is None else tp_all_reduce(out, self.tp_group)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The router's logits (T, E) (float32 for grouped routing)."""
+        return self.router(x.float() if self.grouped else x)
 
     def routed_experts(self, x: torch.Tensor, router_logits: torch.Tensor, sum_experts: bool = True) -> torch.Tensor:
         """This rank's partial sum of the chosen experts, before the all-reduce: the kernels of the
         experts' storage (model dtype, integer codes, or FP8 codes and scales). ``sum_experts=False``:
         kernels/fused_moe.py's fused_moe (the result may be (T, K, H))."""
+        if self.grouped or self.activation != "silu":
+            if self.grouped:
+                weights, ids = route_grouped(router_logits, self.top_k, "noaux_tc", score_bias=self.score_bias,
+                                             **self.routing)
+            else:
+                weights, ids = route_tokens(router_logits, self.top_k, self.renormalize)
+            return fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids, activation=self.activation,
+                             sum_experts=sum_experts)
         if self.weight_only is not None:
             self.prepare_weights()
             return moe_forward_wna16(x, router_logits, *self.experts, self.top_k, self.renormalize)
@@ -171,4 +199,4 @@ def warm_up_experts(block: SparseMoeBlock | None, max_tokens: int) -> None:
         return
     for num_tokens in warm_up_token_counts(block.router.out_features, block.top_k, max_tokens):
         x = torch.zeros(num_tokens, block.router.in_features, dtype=block.dtype, device=block.router.weight.device)
-        block.routed_experts(x, block.router(x))
+        block.routed_experts(x, block.logits(x))

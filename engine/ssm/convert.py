@@ -16,8 +16,9 @@ engine divides the logits); the embedding multiplier stays a scalar of the model
 Pure Mamba-2 (``Mamba2ForCausalLM``): one block per layer, every one Mamba-2, named as Nemotron-H's.
 Nemotron-H (``NemotronHForCausalLM``; tensors under ``backbone.`` as NVIDIA ships them, or
 ``model.``): each layer is one block, Mamba-2, attention without
-positions, or a relu^2 MLP, in the order of ``hybrid_override_pattern`` / ``layers_block_type``;
-its MoE layers (Nemotron-3 Nano) are refused by name. The SSM state is kept in float32
+positions, a relu^2 MLP, or an MoE layer (Nemotron-3 Nano: relu^2 experts with sigmoid group-limited
+routing beside a relu^2 shared MLP; latent-projected experts refused by name), in the order of
+``hybrid_override_pattern`` / ``layers_block_type``. The SSM state is kept in float32
 (``mamba_ssm_cache_dtype``), prompt chunks clamp dt at ``time_step_min`` as transformers does.
 
 Pure Mamba-1 (``MambaForCausalLM``; state-spaces/mamba-*-hf, tensors under ``backbone.``): every
@@ -77,25 +78,33 @@ def hybrid_config_from_hf(c, architecture: str) -> ModelConfig:
         blocks = [b for kind in kinds for b in ("mamba" if kind == "linear_attention" else "attention", "mlp")]
         spec = SsmSpec(blocks=blocks, **_mamba_fields(c), mlp_act="silu", attention_rope=True)
         theta, scaling, partial = read_rope(c)
-        rope = {"rope_theta": theta, "rope_scaling": scaling, "partial_rotary_factor": partial}
+        extra = {"rope_theta": theta, "rope_scaling": scaling, "partial_rotary_factor": partial}
         eps, head_dim = c.rms_norm_eps, getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     else:
         kinds = list(c.layers_block_type)
-        moe = [i for i, kind in enumerate(kinds) if kind == "moe"]
-        _refuse(not moe, f"NemotronHForCausalLM with mixture-of-experts layers ({moe}) is not supported yet; "
-                         "the dense Nemotron-H models (Mamba-2, attention and MLP layers) are")
+        moe = "moe" in kinds
+        _refuse(not moe or getattr(c, "moe_latent_size", None) is None,
+                f"NemotronHForCausalLM with moe_latent_size {getattr(c, 'moe_latent_size', None)} (experts on a "
+                "latent projection) is not supported; its MoE layers without one (Nemotron-3 Nano) are")
         _refuse(not getattr(c, "mlp_bias", False) and not getattr(c, "attention_bias", False),
                 "NemotronHForCausalLM with mlp_bias/attention_bias is not supported")
         _refuse(c.mlp_hidden_act == "relu2" and c.mamba_hidden_act == "silu",
                 f"NemotronHForCausalLM needs mlp_hidden_act 'relu2' and mamba_hidden_act 'silu', got "
                 f"{c.mlp_hidden_act!r} and {c.mamba_hidden_act!r}")
-        by_kind = {"linear_attention": "mamba", "full_attention": "attention", "mlp": "mlp"}
+        by_kind = {"linear_attention": "mamba", "full_attention": "attention", "mlp": "mlp", "moe": "moe"}
         spec = SsmSpec(blocks=[by_kind[k] for k in kinds], num_heads=c.mamba_num_heads, head_dim=c.mamba_head_dim,
                        d_state=c.ssm_state_size, n_groups=c.n_groups, d_conv=c.conv_kernel,
                        conv_bias=bool(c.use_conv_bias), proj_bias=bool(c.use_bias),
                        dt_limit=[float(c.time_step_min), None], mlp_act="relu2", attention_rope=False,
-                       state_dtype=getattr(c, "mamba_ssm_cache_dtype", None) or None)
-        rope = {}
+                       state_dtype=getattr(c, "mamba_ssm_cache_dtype", None) or None,
+                       moe_shared_size=c.moe_shared_expert_intermediate_size if moe else 0)
+        # MoE layers (transformers' NemotronHTopkRouter): sigmoid scores, + e_score_correction_bias for the
+        # choice only, the best topk_group of n_group groups (by their top-2 sum), top-k, renormalised
+        # (norm_topk_prob), times routed_scaling_factor; relu^2 experts beside a relu^2 shared MLP.
+        extra = dict(num_experts=c.n_routed_experts, num_experts_per_tok=c.num_experts_per_tok,
+                    moe_intermediate_size=c.moe_intermediate_size, norm_topk_prob=bool(c.norm_topk_prob),
+                    n_group=c.n_group, topk_group=c.topk_group, routed_scaling_factor=float(c.routed_scaling_factor),
+                    topk_method="noaux_tc") if moe else {}
         eps, head_dim = c.layer_norm_epsilon, c.head_dim
     spec.validate()
     return ModelConfig(
@@ -104,7 +113,7 @@ def hybrid_config_from_hf(c, architecture: str) -> ModelConfig:
         num_kv_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads, head_dim=head_dim,
         intermediate_size=c.intermediate_size, norm_eps=float(eps), max_position_embeddings=c.max_position_embeddings,
         tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)), hidden_act="silu",
-        ssm=spec.to_dict(), **rope,
+        ssm=spec.to_dict(), **extra,  # rope (Bamba) or the experts (Nemotron-H MoE)
     ).validate()
 
 
@@ -340,6 +349,8 @@ def hybrid_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size:
             yield from _mamba_weights(get, hf, m, cfg, mult, whole, part)
         elif kind == "moe" and cfg.architecture == "GraniteMoeHybridForCausalLM":
             yield from _granite_moe_weights(get, hf, m, split)
+        elif kind == "moe" and cfg.architecture == "NemotronHForCausalLM":
+            yield from _nemotron_h_moe_weights(get, hf, m, cfg.num_experts, split)
         elif kind == "moe":  # Jamba: engine/models/moe.py's names; the router stays in the model dtype
             yield m + "router.weight", get(hf + "router.weight")
             yield from _expert_weights(m, *stacked_experts(get, hf, cfg.num_experts, mlp=""), split)
@@ -388,6 +399,24 @@ def _granite_moe_weights(get: TensorGetter, hf: str, m: str, split):
     down = get(moe + ("output_linear.weight" if on_disk else "experts.down_proj"))
     yield from _expert_weights(m + "experts.", gate, up, down, split)
     yield from _granite_shared_mlp(get, hf + "shared_mlp.", m + "shared.", split)
+
+
+def _nemotron_h_moe_weights(get: TensorGetter, hf: str, m: str, num_experts: int, split):
+    """A Nemotron-H MoE layer (engine/ssm/hybrid.py SharedMlpMoe over relu^2 experts): the float32 router
+    ``gate.weight`` and ``gate.e_score_correction_bias``; the experts' up rows (no gate) per expert as
+    checkpoints ship them (``experts.{j}.up_proj.weight``) or stacked as transformers 5 holds them
+    (``experts.up_proj`` (E, I, H)), split by width; the shared MLP ``shared_experts``."""
+    yield m + "experts.router.weight", get(hf + "gate.weight").float()
+    yield m + "experts.score_bias", get(hf + "gate.e_score_correction_bias").float()
+    if has_tensor(get, hf + "experts.up_proj"):
+        up, down = get(hf + "experts.up_proj"), get(hf + "experts.down_proj")
+    else:
+        up, down = (torch.stack([get(hf + f"experts.{j}.{name}_proj.weight") for j in range(num_experts)])
+                    for name in ("up", "down"))
+    yield m + "experts.gate_up_proj", split(up, 1)
+    yield m + "experts.down_proj", split(down, 2)
+    yield m + "shared.up_proj.weight", split(get(hf + "shared_experts.up_proj.weight"))
+    yield m + "shared.down_proj.weight", split(get(hf + "shared_experts.down_proj.weight"), 1)
 
 
 class _Multipliers:

@@ -17,8 +17,9 @@ heads; with partial rotary each q/k head's dims in kernels.rotary.partial_rotary
 ``o_proj.weight`` (the rank's input columns, row-parallel), MLP ``up_proj.weight`` ([gate_r | up_r]
 rows when gated) and ``down_proj.weight`` (row-parallel), routed experts engine/models/moe.py's
 ``router.weight``, ``gate_up_proj`` (E, 2I_r, H) and ``down_proj`` (E, H, I_r) of each expert's width
-slice (Jamba: one rank), under ``experts.`` beside the shared MLP's ``shared.up_proj.weight`` /
-``shared.down_proj.weight`` (Granite 4.0 MoE: SharedMlpMoe). With ``quantization`` "fp8" the linear
+slice (Jamba: one rank; Nemotron-H: ``gate_up_proj`` (E, I_r, H) of up rows only for its relu^2
+experts, and a float32 ``router.weight`` with ``score_bias``), under ``experts.`` beside the shared MLP's
+``shared.up_proj.weight`` / ``shared.down_proj.weight`` (Granite 4.0 and Nemotron-H MoE: SharedMlpMoe). With ``quantization`` "fp8" the linear
 layers of the blocks (in_proj, out_proj, qkv_proj, o_proj, up_proj, down_proj) hold E4M3 weights
 with a ``weight_scale`` per output channel; embeddings, lm_head, norms, the conv, A_log, D and
 dt_bias stay in the model dtype.
@@ -96,8 +97,8 @@ class MLP(nn.Module):
 
 
 class SharedMlpMoe(nn.Module):
-    """Granite 4.0's MoE layer: routed experts (engine/models/moe.py SparseMoeBlock) and a shared MLP
-    of width spec.moe_shared_size read the same normed input; out = experts(h) + shared(h).
+    """Granite 4.0's and Nemotron-H's MoE layer: routed experts (engine/models/moe.py SparseMoeBlock) and a
+    shared MLP of width spec.moe_shared_size read the same normed input; out = experts(h) + shared(h).
     One rank: both partial sums (each rank's slice of every expert's width and of the shared MLP's)
     meet in one all-reduce, as a dense MLP's row-parallel down_proj does."""
 
@@ -106,7 +107,7 @@ class SharedMlpMoe(nn.Module):
         self.experts, self.shared, self.tp_group = experts, shared, tp_group
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        out = self.experts.routed_experts(h, self.experts.router(h)) + self.shared(h)
+        out = self.experts.routed_experts(h, self.experts.logits(h)) + self.shared(h)
         return out if self.tp_group is None else tp_all_reduce(out, self.tp_group)
 
 
@@ -144,6 +145,9 @@ class HybridForCausalLM(nn.Module):
         if quantization is not None and spec.mamba_version == 1:
             raise ConfigError(f"{config.architecture}: quantization {quantization!r} is not supported for Mamba-1 "
                               "layers; build without --quantization")
+        if quantization is not None and "moe" in spec.blocks and spec.mlp_act != "silu":
+            raise ConfigError(f"{config.architecture}: quantization {quantization!r} is not supported for its "
+                              f"{spec.mlp_act} routed experts (Nemotron-H MoE layers); build without --quantization")
         # This rank's Mamba layer shape (heads and B/C groups split; refused by name where they cannot be)
         shard = mamba_shard(spec, tp_rank, tp_size)
         self.state_spec = shard.spec
@@ -175,7 +179,7 @@ class HybridForCausalLM(nn.Module):
                 kv_index += 1
             elif kind == "moe":  # (its forward may leave the top-k rows unsummed: the next norm sums them)
                 experts = SparseMoeBlock(c, tp_size=tp_size, tp_group=None if spec.moe_shared_size else tp_group,
-                                         fp8=quantization, **kw)
+                                         fp8=quantization, activation=spec.mlp_act, **kw)
                 mixer = experts if not spec.moe_shared_size else SharedMlpMoe(
                     experts, MLP(c, spec.mlp_act, tp_size=tp_size, intermediate_size=spec.moe_shared_size, **kw,
                                  quantization=quantization), tp_group)

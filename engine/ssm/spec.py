@@ -9,9 +9,11 @@ A hybrid model is a stack of pre-norm residual blocks, ``x += mixer(norm(x))``, 
   (Nemotron-H: ``down(relu(up)^2)``);
 - "parallel": a Mamba-2 layer and attention side by side on the same normed input, their outputs
   summed (Falcon-H1);
-- "moe": top-k routed SwiGLU experts (Jamba, Granite 4.0 H-Tiny / H-Small), ModelConfig's num_experts /
-  num_experts_per_tok / moe_intermediate_size / norm_topk_prob, run by engine/models/moe.py's
-  SparseMoeBlock; with ``moe_shared_size`` > 0 (Granite 4.0) a dense MLP of that width (``mlp_act``)
+- "moe": top-k routed experts (Jamba, Granite 4.0 H-Tiny / H-Small, Nemotron-H MoE layers), ModelConfig's
+  num_experts / num_experts_per_tok / moe_intermediate_size / norm_topk_prob (and Nemotron-H's
+  topk_method noaux_tc, n_group, topk_group, routed_scaling_factor), run by engine/models/moe.py's
+  SparseMoeBlock with ``mlp_act`` as the experts' activation (silu: SwiGLU; relu2: relu(up x)^2);
+  with ``moe_shared_size`` > 0 (Granite 4.0, Nemotron-H) a dense MLP of that width (``mlp_act``)
   reads the same normed input beside the experts and the two outputs add.
 
 Bamba's and Granite 4.0's decoder layers are two such blocks (mixer, then MLP); a Nemotron-H

@@ -1,4 +1,4 @@
-"""Tiny random hybrid Mamba checkpoints made by transformers itself (Bamba, Nemotron-H, Granite 4.0
+"""Tiny random hybrid Mamba checkpoints made by transformers itself (Bamba, Nemotron-H and Granite 4.0
 dense and MoE, Falcon-H1, pure Mamba-2; Mamba-1 and Jamba).
 
 Sizes are the smallest the kernels' tiles take whole (head_dim and d_state 16); two groups of B/C
@@ -30,6 +30,18 @@ def nemotron_h_config() -> transformers.NemotronHConfig:
                                                               "linear_attention"],
         mamba_num_heads=4, mamba_head_dim=16, n_groups=2, ssm_state_size=16, conv_kernel=4, chunk_size=16,
         max_position_embeddings=1024, pad_token_id=0, eos_token_id=None, bos_token_id=None)
+
+
+def nemotron_h_moe_config() -> transformers.NemotronHConfig:
+    """Nemotron-H with an MoE layer (Nemotron-3 Nano's form): 8 relu^2 experts in 2 groups, the best
+    group only, top 2, renormalised and scaled by 2.5, beside a relu^2 shared MLP of another width."""
+    return transformers.NemotronHConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, layers_block_type=["linear_attention", "moe", "full_attention"],
+        mamba_num_heads=4, mamba_head_dim=16, n_groups=2, ssm_state_size=16, conv_kernel=4, chunk_size=16,
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, moe_shared_expert_intermediate_size=40,
+        n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, max_position_embeddings=1024,
+        pad_token_id=0, eos_token_id=None, bos_token_id=None)
 
 
 def granite_hybrid_config() -> transformers.GraniteMoeHybridConfig:
@@ -98,6 +110,7 @@ def jamba_config() -> transformers.JambaConfig:
 
 HYBRIDS = {"bamba": (transformers.BambaForCausalLM, bamba_config),
            "nemotron_h": (transformers.NemotronHForCausalLM, nemotron_h_config),
+           "nemotron_h_moe": (transformers.NemotronHForCausalLM, nemotron_h_moe_config),
            "granite_hybrid": (transformers.GraniteMoeHybridForCausalLM, granite_hybrid_config),
            "granite_moe": (transformers.GraniteMoeHybridForCausalLM, granite_moe_config),
            "mamba2": (transformers.Mamba2ForCausalLM, mamba2_config),
@@ -116,6 +129,9 @@ def tiny_hybrid(family: str, seed: int = 0) -> torch.nn.Module:
         for name, p in model.named_parameters():
             base = 1.0 if "norm" in name and name.endswith("weight") else 0.0  # norms near 1, the rest small
             p.copy_(base + 0.1 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # Nemotron-H's router: a bias that changes the choice
+                b.copy_(0.1 * torch.randn_like(b))
     group_gated_norms(model)
     if family == "jamba":
         clear_routing_margins(model)

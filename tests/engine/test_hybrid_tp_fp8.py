@@ -44,6 +44,13 @@ def test_splits_that_cannot_be_made_are_refused_by_name(tmp_path):
         _build(tiny_hybrid("nemotron_h"), tmp_path / "int8", quantization="int8_wo")
     with pytest.raises(ConfigError, match="quantization fp8 is not supported for JambaForCausalLM"):
         _build(tiny_hybrid("jamba"), tmp_path / "jamba", quantization="fp8")
+    moe = tiny_hybrid("nemotron_h_moe")
+    with pytest.raises(ConfigError, match="NemotronHForCausalLM: quantization 'fp8' is not supported for its relu2 "
+                                          "routed experts"):
+        _build(moe, tmp_path / "nemotron_h_moe", quantization="fp8")
+    moe.config.moe_latent_size = 16
+    with pytest.raises(ConfigError, match="NemotronHForCausalLM with moe_latent_size 16"):
+        _build(moe, tmp_path / "latent")
 
 
 def _trained_scale(family: str) -> torch.nn.Module:

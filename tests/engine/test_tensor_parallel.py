@@ -94,14 +94,14 @@ def test_hybrid_tp2_over_gloo_equals_tp1(tmp_path):
     ids on both ranks, over a prompt prefilled in two chunks beside a second prompt, decodes of both,
     and a step mixing a decode with a fresh prompt (hybrid_tp_ranks.py): Nemotron-H with 2 B/C groups
     (each rank holds one), Bamba with 1 (both ranks hold it; the gated norm's one group spans the
-    ranks, its mean square summed across them), Granite 4.0 MoE (every expert's width and the shared
-    MLP's split, their partial sums meeting in one all-reduce)."""
+    ranks, its mean square summed across them), Granite 4.0 and Nemotron-H MoE (every expert's width
+    and the shared MLP's split, their partial sums meeting in one all-reduce)."""
     from gloo_ranks import shared_pair
     from hybrid_testing import VOCAB, tiny_hybrid
     from hybrid_tp_ranks import hybrid_steps, tp_hybrid_steps
 
     models = {"nemotron_h": tiny_hybrid("nemotron_h"), "bamba_one_group": _one_group_bamba(),
-              "granite_moe": tiny_hybrid("granite_moe")}
+              "granite_moe": tiny_hybrid("granite_moe"), "nemotron_h_moe": tiny_hybrid("nemotron_h_moe")}
     engines = {name: (make_engine(m, tmp_path / f"{name}-1"), make_engine(m, tmp_path / f"{name}-2", tp_size=2))
                for name, m in models.items()}
     expected = {name: hybrid_steps(ModelRunner(tp1), VOCAB) for name, (tp1, _) in engines.items()}

@@ -316,7 +316,7 @@ def test_reference_with_biases_and_clamped_swiglu_equals_the_definition():
 def test_epilogue_refuses_unknown_activations_and_stray_limits():
     from kernels.moe_epilogue import ExpertEpilogue
 
-    with pytest.raises(ValueError, match="activation 'gelu' is not supported; allowed: silu, swiglu_clamped"):
+    with pytest.raises(ValueError, match="activation .gelu. is not supported; allowed: silu, swiglu_clamped, relu2"):
         ExpertEpilogue(activation="gelu")
     with pytest.raises(ValueError, match="swiglu_limit"):
         ExpertEpilogue(swiglu_limit=7.0)
@@ -433,3 +433,40 @@ def test_warm_up_covers_every_variant_a_forward_may_pick():
     assert any(n * 8 / 128 >= GROUPED_MM_MIN_ROWS_PER_EXPERT for n in counts)
     assert SCALED_GROUPED_MM_MIN_ASSIGNMENTS // 8 in counts  # FP8's torch._scaled_grouped_mm from its first count
     assert warm_up_token_counts(128, 8, max_tokens=64)[-1] <= 64
+
+
+# ---- non-gated relu^2 experts (Nemotron-H; kernels/moe_epilogue.py relu2) ----------------------
+
+def relu2_problem(num_tokens, hidden, inter, num_experts, top_k, *, seed):
+    x = randn(num_tokens, hidden, seed=seed)
+    up = randn(num_experts, inter, hidden, seed=seed + 1, scale=hidden**-0.5)
+    down = randn(num_experts, hidden, inter, seed=seed + 2, scale=inter**-0.5)
+    weights, ids = route_tokens_ref(distinct_logits(num_tokens, num_experts, seed=seed), top_k, True)
+    return x, up, down, weights, ids
+
+
+def test_reference_with_relu2_experts_equals_the_definition():
+    from kernels.moe_epilogue import ExpertEpilogue
+
+    x, up, down, weights, ids = relu2_problem(9, 24, 16, 6, 2, seed=21)
+    expected = torch.zeros(9, 24, dtype=torch.float64)
+    for t in range(9):
+        for k in range(2):
+            e = int(ids[t, k])
+            expected[t] += weights[t, k].double() * (down[e].double() @ F.relu(up[e].double() @ x[t].double()) ** 2)
+    got = fused_moe_ref(x, up, down, weights, ids, ExpertEpilogue(activation="relu2"))
+    assert relative_error(got, expected) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 37])
+def test_kernel_with_relu2_experts_equals_reference(device, num_tokens):
+    from kernels.fused_moe import fused_moe
+    from kernels.moe_epilogue import ExpertEpilogue
+
+    x, up, down, weights, ids = relu2_problem(num_tokens, 96, 40, 8, 2, seed=num_tokens)
+    for dtype in kernel_dtypes(device):
+        args = [t.to(dtype) for t in (x, up, down)]
+        expected = fused_moe_ref(*args, weights, ids, ExpertEpilogue(activation="relu2"))
+        out = fused_moe(*[t.to(device) for t in args], weights.to(device), ids.to(device), activation="relu2")
+        assert relative_error(out, expected) < TOLERANCE[dtype], dtype
