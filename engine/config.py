@@ -68,13 +68,15 @@ SUPPORTED_ARCHITECTURES += HYBRID_ARCHITECTURES
 MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 # DeepSeek's routing weights stay float32 whatever the engine dtype, as transformers keeps gate.weight
 # and e_score_correction_bias (in bf16 a near tie between experts' scores can pick another expert):
-# the converter writes them float32 and the loader keeps a float32 tensor of these names so.
-FLOAT32_WEIGHT_SUFFIXES = (".moe.router.weight", ".moe.score_bias")
+# the converter writes them float32 and the loader keeps a float32 tensor of these names so. Nemotron-H's
+# MoE layers route the same way (engine/ssm/hybrid.py: ``blocks.{i}.mixer.experts.router.weight``).
+FLOAT32_WEIGHT_SUFFIXES = (".moe.router.weight", ".moe.score_bias", ".experts.router.weight", ".experts.score_bias")
 
 
 def keeps_float32(architecture: str, name: str) -> bool:
     """Whether engine tensor ``name`` of ``architecture`` is stored float32 whatever the engine dtype."""
-    return architecture in MLA_ARCHITECTURES and name.endswith(FLOAT32_WEIGHT_SUFFIXES)
+    return ((architecture in MLA_ARCHITECTURES or architecture == "NemotronHForCausalLM")
+            and name.endswith(FLOAT32_WEIGHT_SUFFIXES))
 
 SUPPORTED_ARCHITECTURES += MLA_ARCHITECTURES
 # DeepSeek's names for how a token picks its experts: greedy (softmax, top-k: V2), group_limited_greedy

@@ -112,3 +112,23 @@ def test_cuda_fp8_hybrid_with_decode_graphs(fp8_engines, family, tmp_path):
     engine_dir = _build(model, tmp_path / "bf16-fp8", quantization="fp8", dtype="bfloat16")
     logits, _ = hybrid_steps(ModelRunner(engine_dir, device="cuda"), VOCAB, feed=greedy, graphs=True)
     assert ((logits - reference).norm() / reference.norm()).item() < 0.12
+
+
+def test_nemotron_h_moe_routes_in_float32_in_a_bfloat16_engine(tmp_path):
+    """Nemotron-H's router (gate.weight, e_score_correction_bias) stays float32 in a bf16 engine, as
+    transformers keeps it and DeepSeek's is kept (engine/config.py keeps_float32): the engine loads,
+    its routing reads float32, and its logits stay within the bf16 bound of the float32 reference."""
+    model = tiny_hybrid("nemotron_h_moe")
+    runner = ModelRunner(_build(model, tmp_path / "bf16", dtype="bfloat16"))
+    state = runner.model.state_dict()
+    assert {state[n].dtype for n in state if n.endswith(("experts.router.weight", "experts.score_bias"))} == {torch.float32}
+    assert state["blocks.1.mixer.experts.gate_up_proj"].dtype == torch.bfloat16
+    from engine.executor.runner import ForwardBatch
+
+    runner.allocate_state_cache(1)
+    runner.allocate_kv_cache(4)
+    prompt = list(range(1, 31))
+    with torch.no_grad():
+        expected = model(torch.tensor([prompt])).logits[0]
+    got = runner.forward(ForwardBatch(prompt, list(range(30)), [30], [30], [[0, 1]], list(range(30)), state_slots=[0]))
+    assert (got.float() - expected).abs().max().item() <= 0.15
