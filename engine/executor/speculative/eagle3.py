@@ -1,0 +1,197 @@
+"""EAGLE-3 drafting heads (Li et al. 2025) in their published checkpoint format, drafting a token tree
+for tree verification (tree_step.py ``TreeDecoder``: one sequence; not in the in-flight executor yet).
+
+The draft is one Llama decoder layer over the target's own features:
+
+    g_t = fc([low_t ; mid_t ; high_t])                     (3H -> H; the target's residual stream
+                                                            after three of its layers, at token t)
+    a_t = [input_layernorm(embed(x_{t+1})) ; hidden_norm(g_t)]        (2H: q/k/v read 2H)
+    h_t = g_t + o_proj(attention(a_<=t));  h_t += mlp(post_attention_layernorm(h_t))
+    draft logits_t = lm_head(norm(h_t))  over draft_vocab_size ids; target id = id + d2t[id]
+
+h_t guesses x_{t+2}. Deeper drafts feed h back as the next position's g (EAGLE's "training-time
+test"). Checkpoint (EAGLE-3 authors' / SpecForge layout): ``config.json`` (hidden_size,
+intermediate_size, num_attention_heads, num_key_value_heads, head_dim, rms_norm_eps, rope_theta,
+vocab_size, draft_vocab_size; optional eagle_config.eagle_aux_hidden_state_layer_ids) and
+``model.safetensors`` with ``fc.weight``, ``midlayer.{hidden_norm,input_layernorm,
+post_attention_layernorm}.weight``, ``midlayer.self_attn.{q,k,v,o}_proj.weight``,
+``midlayer.mlp.{gate,up,down}_proj.weight``, ``norm.weight``, ``lm_head.weight``, ``d2t`` (and
+``t2d``, unused here). The token embedding is the target's.
+
+This implementation recomputes the draft layer over the whole sequence for every drafted depth
+(no draft KV cache): correct, simple, and meant for CPU tests and small trees.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors.torch import load_file
+
+from engine.executor.speculative.tree import shape_from_choices
+
+DEFAULT_EAGLE_CHOICES = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+
+
+class Eagle3ConfigError(ValueError):
+    """A checkpoint that does not fit the target (the message names the field)."""
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def _rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Llama rotary (rotate-half) on x (T, heads, head_dim) at positions (T,)."""
+    half = x.shape[-1] // 2
+    inv = 1.0 / theta ** (torch.arange(half, dtype=torch.float32) / half)
+    angles = positions.float()[:, None] * inv[None]  # (T, half)
+    cos, sin = angles.cos()[:, None], angles.sin()[:, None]
+    a, b = x[..., :half], x[..., half:]
+    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+
+
+class Eagle3Head:
+    """The draft layer's float32 weights and its forward (no KV cache: whole sequences)."""
+
+    def __init__(self, config: dict, state: dict[str, torch.Tensor]):
+        self.config, self.w = config, {k: v.float() for k, v in state.items()}
+        self.eps, self.theta = float(config.get("rms_norm_eps", 1e-6)), float(config.get("rope_theta", 10000.0))
+        self.num_heads, self.num_kv_heads = int(config["num_attention_heads"]), int(config["num_key_value_heads"])
+        self.head_dim = int(config.get("head_dim") or config["hidden_size"] // self.num_heads)
+        self.d2t = state["d2t"].long()
+
+    def features(self, low: torch.Tensor, mid: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+        """The target's three streams (T, H) each -> g (T, H)."""
+        return torch.cat([low, mid, high], dim=-1).float() @ self.w["fc.weight"].T
+
+    def forward(self, embeds: torch.Tensor, g: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """embeds (T, H) of x_{t+1}, g (T, H), positions (T,) -> (h (T, H), target-vocab ids ranked
+        by the draft at the last row: (draft_vocab,))."""
+        w, T = self.w, embeds.shape[0]
+        a = torch.cat([_rms(embeds.float(), w["midlayer.input_layernorm.weight"], self.eps),
+                       _rms(g, w["midlayer.hidden_norm.weight"], self.eps)], dim=-1)
+        q = (a @ w["midlayer.self_attn.q_proj.weight"].T).view(T, self.num_heads, self.head_dim)
+        k = (a @ w["midlayer.self_attn.k_proj.weight"].T).view(T, self.num_kv_heads, self.head_dim)
+        v = (a @ w["midlayer.self_attn.v_proj.weight"].T).view(T, self.num_kv_heads, self.head_dim)
+        q, k = _rotate(q, positions, self.theta), _rotate(k, positions, self.theta)
+        group = self.num_heads // self.num_kv_heads
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        attn = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
+                                                                v.transpose(0, 1), is_causal=True)
+        h = g + attn.transpose(0, 1).reshape(T, -1) @ w["midlayer.self_attn.o_proj.weight"].T
+        m = _rms(h, w["midlayer.post_attention_layernorm.weight"], self.eps)
+        m = torch.nn.functional.silu(m @ w["midlayer.mlp.gate_proj.weight"].T) * (m @ w["midlayer.mlp.up_proj.weight"].T)
+        h = h + m @ w["midlayer.mlp.down_proj.weight"].T
+        logits = _rms(h[-1], w["norm.weight"], self.eps) @ w["lm_head.weight"].T
+        draft_ids = logits.argsort(descending=True)
+        return h, draft_ids + self.d2t[draft_ids]
+
+
+def load_eagle3(path: str, *, hidden_size: int, vocab_size: int, num_layers: int) -> tuple[Eagle3Head, list[int]]:
+    """An EAGLE-3 checkpoint directory -> (the head, the target layers whose output streams it reads)."""
+    config_path, weights_path = os.path.join(path, "config.json"), os.path.join(path, "model.safetensors")
+    if not (os.path.isfile(config_path) and os.path.isfile(weights_path)):
+        raise Eagle3ConfigError(f"eagle model path {path!r}: expected config.json and model.safetensors (an EAGLE-3 "
+                                f"checkpoint)")
+    with open(config_path) as f:
+        config = json.load(f)
+    state = load_file(weights_path)
+    for field, want in (("hidden_size", hidden_size), ("vocab_size", vocab_size)):
+        if int(config.get(field, -1)) != want:
+            raise Eagle3ConfigError(f"eagle config.json: {field} {config.get(field)} does not match the target's {want}")
+    if tuple(state["fc.weight"].shape) != (hidden_size, 3 * hidden_size):
+        raise Eagle3ConfigError(f"eagle fc.weight is {tuple(state['fc.weight'].shape)}; the target needs "
+                                f"({hidden_size}, {3 * hidden_size})")
+    draft_vocab = int(config.get("draft_vocab_size", vocab_size))
+    if tuple(state["lm_head.weight"].shape) != (draft_vocab, hidden_size) or state["d2t"].numel() != draft_vocab:
+        raise Eagle3ConfigError(f"eagle lm_head.weight {tuple(state['lm_head.weight'].shape)} / d2t "
+                                f"({state['d2t'].numel()},) do not match draft_vocab_size {draft_vocab}")
+    layers = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if layers is None:  # the authors' default: low, middle and high layers
+        layers = [1, num_layers // 2 - 1, num_layers - 4]
+    layers = [min(max(int(i), 0), num_layers - 1) for i in layers]
+    if len(layers) != 3:
+        raise Eagle3ConfigError(f"eagle_aux_hidden_state_layer_ids: expected 3 layers, got {layers}")
+    return Eagle3Head(config, state), layers
+
+
+class Eagle3TreeProposer:
+    """A TreeDecoder proposer (tree_step.py ``TreeProposer``). It taps the target's three layers with
+    forward hooks (their outputs plus the deferred residual adds: the residual stream), keeps g for
+    every token whose target forward is done, and drafts ``choices``' tree: the node at rank path
+    (r_1..r_d) takes the r_d-th draft token after its parent's path. After a tree step it finds the
+    accepted path by walking the previous tree with the emitted tokens (greedy acceptance takes the
+    first matching child, as here)."""
+
+    def __init__(self, runner, head: Eagle3Head, layers: list[int], choices: list[list[int]] | None = None):
+        self.runner, self.head = runner, head
+        self.shape = shape_from_choices(choices or DEFAULT_EAGLE_CHOICES, field="eagle_choices")
+        self._taps: dict[int, torch.Tensor] = {}
+        self._hooks = [runner.model.layers[i].register_forward_hook(self._tap(j)) for j, i in enumerate(layers)]
+        self._g: torch.Tensor | None = None  # (tokens with target features, H)
+        self._previous: tuple[int, list[int], list[int]] | None = None  # (len(tokens), parents, node tokens)
+
+    def _tap(self, j: int):
+        def hook(module, inputs, output):  # (stream, pending add): a tensor (LlamaLayer) or a tuple (DecoderLayer)
+            x, adds = output
+            if isinstance(adds, torch.Tensor):
+                x = x + adds
+            else:
+                for term in adds:
+                    x = x + term
+            self._taps[j] = x.detach().float()
+        return hook
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
+    def __call__(self, tokens: list[int], last_hidden: torch.Tensor) -> tuple[list[int], list[int]]:
+        rows = self.head.features(self._taps[0], self._taps[1], self._taps[2])  # the last forward's tokens
+        if self._previous is None:  # the prompt's forward: every row is a token of the prompt
+            self._g = rows
+        else:
+            self._g = torch.cat([self._g, rows[self._accepted_rows(tokens, rows.shape[0])]])
+        n = len(tokens) - 1  # g known for tokens[:n]; tokens[n] is the tree's root
+        embed = self.runner.model.embed_tokens
+        parents, drafts = [], []
+        hidden_of, ranked_of = {0: None}, {}
+        for i in range(1, self.shape.num_nodes):
+            parent = self.shape.parents[i]
+            if parent not in ranked_of:  # draft after the parent's path: one layer over the whole sequence
+                path = self._path(parent)  # row n + j reads the draft's own output at row n + j - 1 (g unknown)
+                feats = torch.cat([self._g] + [hidden_of[p][None] for p in ([0] + path)[:len(path)]])
+                ids = torch.tensor(tokens[1:] + [drafts[p - 1] for p in path], device=feats.device)
+                h, ranked = self.head.forward(embed(ids).float(), feats, torch.arange(len(ids)))
+                hidden_of[parent], ranked_of[parent] = h[-1], ranked.tolist()
+            parents.append(parent - 1)
+            drafts.append(ranked_of[parent][self.shape.ranks[i]])
+            hidden_of.setdefault(i, None)
+        self._previous = (len(tokens), [-1] + [p + 1 for p in parents], [tokens[-1]] + drafts)
+        return parents, drafts
+
+    def _path(self, node: int) -> list[int]:
+        """The drafted nodes from the root's child down to ``node`` (empty for the root)."""
+        path = []
+        while node > 0:
+            path.append(node)
+            node = self.shape.parents[node]
+        return path[::-1]
+
+    def _accepted_rows(self, tokens: list[int], num_rows: int) -> list[int]:
+        """The previous tree's accepted path (root included) as rows of its forward: nodes kept in
+        order when the decoder cut the tree to a depth, so a node's row is its rank among the kept."""
+        length, parents, node_tokens = self._previous
+        accepted = tokens[length:-1]  # emitted = accepted drafts + the bonus token
+        depths = [0] * len(parents)
+        for i in range(1, len(parents)):
+            depths[i] = depths[parents[i]] + 1
+        max_depth = max(d for d in set(depths) if sum(x <= d for x in depths) == num_rows)
+        kept = [i for i in range(len(parents)) if depths[i] <= max_depth]
+        row_of = {node: r for r, node in enumerate(kept)}
+        path = [0]
+        for token in accepted:
+            path.append(next(c for c in kept if parents[c] == path[-1] and node_tokens[c] == token))
+        return [row_of[node] for node in path]
