@@ -71,14 +71,19 @@ class EncoderStage:
 
     def complete(self, request):
         """``request`` with its decoder prompt ([decoder_start_token_id] when it sent none) and, for
-        a Whisper prompt that asks for timestamps, its timestamp rules (whisper_timestamps.py)."""
+        a Whisper prompt that asks for timestamps, its timestamp rules (whisper_timestamps.py); on
+        a Whisper engine whose generation config suppresses tokens, those."""
         if not request.input_token_ids:
             request = replace(request, input_token_ids=[self.spec.decoder_start_token_id])
         spec = self.spec
         rules = rules_for_prompt(request.input_token_ids, spec.decoder_start_token_id, spec.no_timestamps_token_id,
                                  spec.eos_token_id, None if spec.max_initial_timestamp_index < 0
                                  else spec.max_initial_timestamp_index)
-        return request if rules is None else replace(request, whisper_timestamps=rules)
+        if rules is not None:
+            request = replace(request, whisper_timestamps=rules)
+        if spec.suppress_tokens or spec.begin_suppress_tokens:
+            request = replace(request, whisper_suppress=(tuple(spec.suppress_tokens), tuple(spec.begin_suppress_tokens)))
+        return request
 
     def encoder_length(self, request) -> int:
         """Encoder outputs (cross K/V positions) of ``request``'s encoder input."""

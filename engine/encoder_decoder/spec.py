@@ -71,6 +71,9 @@ class EncDecSpec:
     # steps the first timestamp may be (max_initial_timestamp_index; -1: any)
     no_timestamps_token_id: int = -1
     max_initial_timestamp_index: int = -1
+    # ... and the ids it never lets Whisper produce, and those it forbids as the first token
+    suppress_tokens: tuple[int, ...] = ()
+    begin_suppress_tokens: tuple[int, ...] = ()
 
     def validate(self) -> "EncDecSpec":
         self.encoder_head_dim = self.encoder_head_dim or self.head_dim

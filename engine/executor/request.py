@@ -185,6 +185,9 @@ class Request:
     # Whisper engines: the timestamp-token rules (engine/encoder_decoder/whisper_timestamps.py
     # TimestampRules) when the decoder prompt asks for timestamps; set at arrival, not by callers.
     whisper_timestamps: Any = None
+    # Whisper engines: (ids never produced, ids not produced first) of the generation config's
+    # suppress_tokens / begin_suppress_tokens (transformers applies both by default); set at arrival.
+    whisper_suppress: tuple[tuple[int, ...], tuple[int, ...]] | None = None
     # Disaggregated serving (engine/executor/disaggregated.py): context_and_generation | context_only |
     # generation_only; a generation_only request carries its context_only request's output blob.
     request_type: str = "context_and_generation"

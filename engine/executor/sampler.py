@@ -98,8 +98,9 @@ def _padded(rows: list[list[int]], pad: int, device) -> torch.Tensor:
 
 
 def banned_tokens(seq: Sequence) -> list[int]:
-    """Tokens seq may not produce next: end_id before min_tokens, and each bad word's last token
-    when the sequence already ends with the rest of that word."""
+    """Tokens seq may not produce next: end_id before min_tokens, each bad word's last token when
+    the sequence already ends with the rest of that word, and a Whisper request's suppressed tokens
+    (engine/encoder_decoder/encoder_stage.py; its begin-suppressed ones at the first step)."""
     request = seq.state.request
     banned = []
     min_tokens = request.sampling.min_tokens or 0
@@ -110,12 +111,16 @@ def banned_tokens(seq: Sequence) -> list[int]:
         prefix = word[:-1]
         if not prefix or seq.token_ids[len(seq.token_ids) - len(prefix):] == prefix:
             banned.append(word[-1])
+    if request.whisper_suppress is not None:  # (a placeholder counts as generated: overlap-safe)
+        suppress, first = request.whisper_suppress
+        banned += suppress if seq.num_generated_tokens else (*suppress, *first)
     return banned
 
 
 def _may_ban(request) -> bool:
     """Cheap pre-check of banned_tokens (which runs once per sequence per step otherwise)."""
-    return bool(request.bad_words) or (request.end_id is not None and bool(request.sampling.min_tokens))
+    return (bool(request.bad_words) or (request.end_id is not None and bool(request.sampling.min_tokens))
+            or request.whisper_suppress is not None)
 
 
 def draw_settings(config, vocab_size: int) -> tuple[float, int, float]:

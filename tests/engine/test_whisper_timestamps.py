@@ -30,3 +30,18 @@ def test_only_prompts_without_notimestamps_get_rules():
     assert rules_for_prompt([17, 18, 19, 20], 17, NO_TIMESTAMPS, EOS, None) is None
     assert rules_for_prompt([17, 18, 19], 17, -1, EOS, None) is None  # an engine without <|notimestamps|>
     assert rules_for_prompt([0], 17, NO_TIMESTAMPS, EOS, None) is None  # not a Whisper prompt
+
+
+def test_suppressed_tokens_always_and_at_the_first_step():
+    """The generation config's suppress_tokens are banned at every step, begin_suppress_tokens at
+    the first only (transformers' SuppressTokens / SuppressTokensAtBegin processors)."""
+    from types import SimpleNamespace
+
+    from engine.executor.request import Request
+    from engine.executor.sampler import banned_tokens
+
+    request = Request(PROMPT, 8, whisper_suppress=((3, 5), (1, 9)))
+    seq = lambda generated: SimpleNamespace(state=SimpleNamespace(request=request), grammar=None,  # noqa: E731
+                                            token_ids=PROMPT + generated, num_generated_tokens=len(generated))
+    assert sorted(banned_tokens(seq([]))) == [1, 3, 5, 9]
+    assert sorted(banned_tokens(seq([-1]))) == [3, 5]  # a placeholder (overlapped step) counts as generated
