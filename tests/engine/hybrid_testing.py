@@ -138,6 +138,53 @@ def tiny_hybrid(family: str, seed: int = 0) -> torch.nn.Module:
     return model
 
 
+def steered(family: str) -> torch.nn.Module:
+    """tiny_hybrid(family) with clear routing margins (steer_routing) for the CUDA bf16 comparison, for
+    the Mamba-2 MoE hybrids. (Their CPU float32 tests keep the plain random routers, whose near ties
+    float32 resolves alike in engine and reference, so that Nemotron-H's score bias and group limit
+    still decide some tokens' experts there.)"""
+    model = tiny_hybrid(family)
+    # (Nemotron-H's sigmoid scores: a smaller gain keeps them off saturation, the other channels'
+    # random weights and the score bias scaled down to match)
+    steer_routing(model, *((1.0, 1.0) if family == "granite_moe" else (0.5, 0.25)))
+    return model
+
+
+def steer_routing(model: torch.nn.Module, gain: float, rest: float, radius: float = 1.0) -> None:
+    """clear_routing_margins for the Mamba-2 MoE hybrids (Granite 4.0, Nemotron-H), whose routers sit
+    in every layer, not only after the first mixer: no block writes to hidden channels 0 and 1 (the
+    rows of every output projection into the residual zeroed: Mamba out_proj, attention o_proj, the
+    experts' and shared MLP's down projections), so the residual keeps the embedding's (cos, sin)
+    (theta_v) there at every router, and router[e, 0:2] = gain * (cos, sin)(phi_e) with expert e at
+    phi_e = 2 pi e / E. theta_v lies between experts 2k and 2k+1 (k = v % 4 of Nemotron-H's 8; Granite's 4:
+    between e and e + 1 around the circle), so a token's top two are those neighbours, both in one of
+    Nemotron-H's groups of 4, and the rest well below; the other channels keep their random router
+    weights, times ``rest`` (the weights still vary with the context). test_hybrid_models.py holds the
+    margins."""
+    num_experts = model.config.num_local_experts if hasattr(model.config, "num_local_experts") else 0
+    num_experts = getattr(model.config, "n_routed_experts", None) or num_experts
+    step = 2 * math.pi / num_experts
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("out_proj.weight", "o_proj.weight", "output_linear.weight",
+                              "shared_experts.down_proj.weight")):
+                p[:2] = 0
+            elif name.endswith("experts.down_proj"):  # (E, H, I)
+                p[:, :2] = 0
+            elif name.endswith(("block_sparse_moe.router.weight", "mixer.gate.weight")):
+                phi = step * torch.arange(num_experts)
+                p.mul_(rest)
+                p[:, 0], p[:, 1] = gain * phi.cos(), gain * phi.sin()
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.mul_(rest)
+        pairs = 4 if num_experts == 8 else num_experts  # neighbour pairs a token may pick
+        v = torch.arange(model.config.vocab_size) % pairs
+        theta = step / 2 + step / 6 + v * (2 * step if num_experts == 8 else step)
+        embedding = model.get_input_embeddings().weight
+        embedding[:, 0], embedding[:, 1] = radius * theta.cos(), radius * theta.sin()
+
+
 def clear_routing_margins(model: transformers.JambaForCausalLM, radius: float = 1.0, gain: float = 0.5) -> None:
     """Make every token's top-2 expert set clear-cut, so that bfloat16 (the CUDA test's engine dtype)
     cannot flip it against the float32 reference.
