@@ -39,6 +39,7 @@ import atexit
 import contextlib
 import datetime
 import functools
+import gc
 import logging
 import os
 import threading
@@ -447,7 +448,8 @@ class LeaderRunner:
             finally:
                 self.channel.close()
                 self._lock.release()
-        _destroy_groups(self.runner)
+        if _destroy_groups(self.runner):
+            _join_group_threads(self.ctx, self.channel, self.runner)
 
 
 def _first_sentence(err: Exception) -> str:
@@ -497,6 +499,31 @@ def _destroy_groups(runner=None, timeout_s: float = DESTROY_TIMEOUT_S) -> bool:
         logger.warning("destroy_process_group failed: %s", outcome[0])
         return False
     return True
+
+
+def _join_group_threads(ctx: DistContext, channel, runner) -> None:
+    """Drop this process's last references to its (already left) process groups, so their C++
+    objects are destroyed now, joining their threads (gloo's work and TCP loops, rank 0's TCPStore
+    server), while the interpreter is whole.
+
+    Why: destroy_process_group only forgets the groups; with references left (the context, the
+    plan channel, every parallel layer's ``tp_group``) those threads ran on into interpreter
+    finalization. There a leader sometimes died after a clean run in std::terminate ("terminate
+    called without an active exception"), aborted from a thread faulthandler did not list, i.e. not
+    a Python one: likely a gloo work thread that took the GIL to release a tensor's Python object
+    and was pthread_exit'ed through C++ noexcept frames. Only after a clean leave: destroying a
+    group whose work is stuck would wait on that work forever."""
+    groups = [group for group in (getattr(ctx, "tp_group", None), getattr(ctx, "control", None)) if group is not None]
+    if not groups:
+        return
+    model = getattr(runner, "model", None)
+    holders = [ctx, channel, runner, *(model.modules() if hasattr(model, "modules") else ())]
+    for holder in holders:
+        for name, value in list(getattr(holder, "__dict__", {}).items()):
+            if any(value is group for group in groups):
+                setattr(holder, name, None)
+    del groups
+    gc.collect()  # a group inside a reference cycle goes now too, not at finalization
 
 
 # ---- entry points --------------------------------------------------------------------------------

@@ -6,12 +6,14 @@ small for every conversation, so their prefixes go to the KV host tier and come 
 
 World size 1 or rank 0 of many (leader mode: every rank copies its shard of each block, through
 the step plan). Writes JSON: ``histories`` (every conversation's tokens after the last turn),
-``onboarded``/``offloaded`` (blocks) and ``runner`` (ModelRunner or LeaderRunner).
+``onboarded``/``offloaded`` (blocks), ``runner`` (ModelRunner or LeaderRunner) and ``comm_threads``
+(gloo/TCPStore threads still running after the executor's shutdown).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from engine.executor.executor import Executor, ExecutorConfig
@@ -38,6 +40,20 @@ def converse(executor, prompts: list[list[int]], turns: int = 3, user_len: int =
     return histories
 
 
+def comm_threads() -> list[str]:
+    """This process's gloo and TCPStore threads by name (Linux). After a leader's shutdown there are
+    none: left running into interpreter finalization, one could abort a clean exit
+    (engine/tensor_parallel/distributed.py _join_group_threads)."""
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # ended meanwhile
+            pass
+    return sorted(name for name in names if "gloo" in name or "tcpstore" in name)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--engine_dir", required=True)
@@ -55,6 +71,7 @@ def main() -> int:
         result = {"histories": histories, "onboarded": blocks.total_onboarded_blocks,
                   "offloaded": blocks.total_offloaded_blocks, "runner": type(executor.runner).__name__,
                   "leaked": blocks.num_used_blocks}
+    result["comm_threads"] = comm_threads()
     with open(args.out, "w") as f:
         json.dump(result, f)
     return 0

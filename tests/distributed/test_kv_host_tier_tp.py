@@ -33,5 +33,6 @@ def test_two_ranks_with_the_host_tier_answer_like_one_rank_without_reuse(engines
     result = run_ranks([sys.executable, DRIVER, "--engine_dir", engines[2], "--out", out], engines[2], 2, out,
                        TRITONLLM_SHM_PLANS="1" if plans == "shared memory" else "0")
     assert result["runner"] == "LeaderRunner" and result["leaked"] == 0
+    assert result["comm_threads"] == []  # joined at shutdown, not left to interpreter finalization
     assert result["onboarded"] > 0 and result["offloaded"] >= result["onboarded"]
     assert result["histories"] == want
