@@ -207,50 +207,42 @@ def test_the_engine_keeps_the_running_ids_of_each_attached_client_to_cancel_when
     assert clients.remove(1) == [second] and clients.remove(2) == [] and clients.remove(0) == []
 
 
-def test_what_the_engine_process_sends_a_client_unpickles_without_torch(tmp_path):
+def test_what_the_engine_process_sends_a_client_unpickles_without_torch(tiny_engine, tmp_path):
     """The tensorrt_llm stub imports no torch, and its reader thread unpickles every message. A
     message whose classes live in a module that imports torch made that reader import it on the
     first LoRA iteration's stats (LoraCacheStats, then in engine/lora/cache.py): 2-5 s of CPU under
-    the GIL while the stream's tokens waited in the socket, then went out as one response. Logits
-    likewise cross as numpy, and two chunks' generation logits merge without torch."""
+    the GIL while the stream's tokens waited in the socket, then went out as one response. Here the
+    messages of a real engine (LoRA on, a stream asking for every output, logits included) go
+    through the reader's path in a fresh interpreter, merging in its ResponseQueue as they would."""
     import pickle
     import subprocess
     import sys
     from pathlib import Path
-    from types import SimpleNamespace
 
     from engine.executor.engine_process import pack_responses
-    from engine.executor.request import RequestPerfMetrics, Result
-    from engine.executor.stats import IterationStats, KvCacheStats
-    from engine.lora.cache import AdapterCache
 
-    lora = AdapterCache(SimpleNamespace(num_slots=2), None, max_rank=8, host_bytes=0).snapshot()  # the executor's call
-    lora.requests["sql"] += 1
-    import torch
-
-    deltas = [Result(output_token_ids=[[5 + i]], is_final=False, finish_reasons=[FinishReason.NOT_FINISHED],
-                     log_probs=[[-0.5]], cum_log_probs=[-0.5], perf=RequestPerfMetrics(1, 2, 3, 4, 5, 6, 11),
-                     generation_logits=torch.full((1, 1, 7), float(i)), context_logits=torch.zeros(3, 7) if i == 0 else None)
-              for i in range(2)]
-    for delta in deltas:
-        delta._streaming_delta = True
-    final = Result(output_token_ids=[[7]], is_final=True, finish_reasons=[FinishReason.LENGTH])
-    messages = [("ready", 0),
-                ("stats", IterationStats(iter=3, kv_cache_stats=KvCacheStats(max_num_blocks=8), lora_cache_stats=lora), None),
-                ("responses", pack_responses([Response(1, result=deltas[0]), Response(1, result=deltas[1])])),
-                ("responses", pack_responses([Response(1, result=final), Response(2, error="x")])),
+    steps = []  # each loop step's responses, as the engine process sends them
+    output = OutputConfig(return_log_probs=True, num_top_log_probs=2, return_context_logits=True,
+                          return_generation_logits=True, return_perf_metrics=True, exclude_input_from_output=True)
+    config = ExecutorConfig(enable_lora=True, max_loras=1, max_lora_rank=8)
+    with Executor(tiny_engine, config, response_callback=steps.append) as executor:
+        executor.enqueue_requests([Request(input_token_ids=[1, 2, 3], max_tokens=3, streaming=True, output=output)])
+        deadline = time.monotonic() + 60
+        while not any(r.error or r.result.is_final for batch in steps for r in batch):
+            assert time.monotonic() < deadline, "no final response"
+            time.sleep(0.01)
+        stats = executor.get_latest_iteration_stats()
+    assert stats.lora_cache_stats is not None and len(steps) >= 2
+    messages = [("ready", 0), ("stats", stats, None), *(("responses", pack_responses(batch)) for batch in steps),
                 ("peer", ("stop", "user-7"))]
     (tmp_path / "messages").write_bytes(pickle.dumps([pickle.dumps(m, protocol=pickle.HIGHEST_PROTOCOL) for m in messages]))
-    # As the stub: its client module, then the reader's receive path for each message.
     check = ("import pickle, sys; from engine.executor.engine_process import EngineProcess, unpack_responses; "
              "from engine.executor.output import ResponseQueue; queue = ResponseQueue(); "
-             f"payloads = pickle.loads(open({str(tmp_path / 'messages')!r}, 'rb').read()); "
-             "messages = [pickle.loads(p) for p in payloads]; "
-             "queue.put(unpack_responses(messages[2][1])); merged = queue.take(0); "
-             "queue.put(unpack_responses(messages[3][1])); taken = queue.take(0); "
-             "assert messages[1][1].lora_cache_stats.requests['sql'] == 1 and len(taken) == 2, taken; "
-             "assert len(merged) == 1 and merged[0].result.output_token_ids == [[5, 6]], merged; "
-             "assert merged[0].result.generation_logits[0, :, 0].tolist() == [0.0, 1.0]; "
+             f"messages = [pickle.loads(p) for p in pickle.loads(open({str(tmp_path / 'messages')!r}, 'rb').read())]; "
+             "[queue.put(unpack_responses(m[1])) for m in messages if m[0] == 'responses']; "
+             "(merged,) = queue.take(0); result = merged.result; "
+             "assert result.is_final and len(result.output_token_ids[0]) == 3, result; "
+             "assert result.generation_logits.shape[:2] == (1, 3), result.generation_logits.shape; "
              "loaded = [m for m in ('torch', 'engine.lora.cache') if m in sys.modules]; "
              "assert not loaded, f'a message made the client import {loaded}'")
     root = Path(__file__).resolve().parents[2]
