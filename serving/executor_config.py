@@ -21,17 +21,20 @@ DECODING_MODES = ("auto", "top_k", "top_p", "top_k_top_p", "beam_search", "medus
 # (engine/executor/speculative/), named after TensorRT-LLM's NGram and Draft-Target modes ->
 # SpeculativeConfig.mode. draft_model is accepted as another name for draft_target.
 SPECULATIVE_DECODING_MODES = {"ngram": "ngram", "draft_target": "draft_model", "draft_model": "draft_model",
-                              "medusa": "medusa", "lookahead": "lookahead"}
+                              "medusa": "medusa", "lookahead": "lookahead", "eagle": "eagle"}
 # With them: max_draft_len (TensorRT-LLM's name: drafts verified per step; also the most
 # draft_input_ids a request may send, with any decoding_mode), max_matching_ngram_size (TensorRT-LLM's
 # NGram name: the longest suffix looked up in the sequence) and draft_model_path <- ${draft_engine_dir}
 # (the draft engine, named like gpt_model_path <- ${engine_dir}).
 SPECULATIVE_SETTINGS = {"max_draft_len": int, "max_matching_ngram_size": int, "draft_engine_dir": str,
                         "medusa_model_path": str, "medusa_choices": list, "lookahead_window_size": int,
-                        "lookahead_ngram_size": int, "lookahead_verification_set_size": int}
+                        "lookahead_ngram_size": int, "lookahead_verification_set_size": int,
+                        "eagle_model_path": str, "eagle_choices": list}
 # medusa: the heads in medusa_model_path (default: the engine directory's medusa/), the tree in
 # medusa_choices (engine/executor/speculative/medusa.py). lookahead: the reference's three
-# lookahead_* parameters, all required (engine/executor/speculative/lookahead.py).
+# lookahead_* parameters, all required (engine/executor/speculative/lookahead.py). eagle: EAGLE-3
+# heads in eagle_model_path (default: the engine directory's eagle3/), the tree in eagle_choices
+# (engine/executor/speculative/eagle3.py; CPU only in this release).
 LOOKAHEAD_PARAMETERS = ("lookahead_window_size", "lookahead_ngram_size", "lookahead_verification_set_size")
 
 # parameter name -> (setting name, type)
@@ -138,6 +141,7 @@ def decoding_mode_settings(params: dict[str, str]) -> dict[str, Any]:
         "max_matching_ngram_size": get_parameter(params, "max_matching_ngram_size", int),
         "draft_engine_dir": get_parameter(params, "draft_model_path", str),
         "medusa_model_path": get_parameter(params, "medusa_model_path", str),
+        "eagle_model_path": get_parameter(params, "eagle_model_path", str),
     }
     mode = _choice(params, "decoding_mode", {**{m: m for m in DECODING_MODES}, **{m: m for m in SPECULATIVE_DECODING_MODES}})
     if mode in SPECULATIVE_DECODING_MODES:

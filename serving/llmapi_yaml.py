@@ -34,11 +34,11 @@ TOP_KEYS = ("model", "tokenizer", "backend", "tensor_parallel_size", "pipeline_p
 LORA_KEYS = ("max_lora_rank", "max_loras")
 SPECULATIVE_KEYS = ("decoding_type", "max_draft_len", "max_matching_ngram_size", "speculative_model_dir",
                     "speculative_model", "medusa_choices", "num_medusa_heads", "max_window_size", "max_ngram_size",
-                    "max_verification_set_size")
+                    "max_verification_set_size", "eagle_choices", "eagle3_one_model", "num_eagle_layers")
 # TensorRT-LLM's decoding_type names (its NGramDecodingConfig / DraftTargetDecodingConfig) -> the
 # tensorrt_llm model's decoding_mode values (serving/executor_config.py).
 DECODING_TYPES = {"ngram": "ngram", "drafttarget": "draft_target", "draft_target": "draft_target", "medusa": "medusa",
-                  "lookahead": "lookahead"}
+                  "lookahead": "lookahead", "eagle": "eagle", "eagle3": "eagle"}  # Eagle3: TensorRT-LLM's newer name
 # decoding_type Lookahead (TensorRT-LLM's LookaheadDecodingConfig, its defaults) -> the lookahead_* parameters.
 LOOKAHEAD_KEYS = {"max_window_size": ("lookahead_window_size", 4), "max_ngram_size": ("lookahead_ngram_size", 3),
                   "max_verification_set_size": ("lookahead_verification_set_size", 4)}
@@ -191,7 +191,7 @@ def _speculative(value: Any, config: LlmapiConfig, base_dir: str | None) -> None
     mode = DECODING_TYPES.get(kind.lower()) if isinstance(kind, str) else None
     if mode is None:
         raise _fail("speculative_config.decoding_type", f"{kind!r} is not supported; allowed: NGram, DraftTarget, "
-                                                        f"Medusa, Lookahead")
+                                                        f"Medusa, Lookahead, Eagle")
     config.parameters["decoding_mode"] = mode
     if spec.get("max_draft_len") is not None:
         config.parameters["max_draft_len"] = str(_int(spec["max_draft_len"], "speculative_config.max_draft_len", 1, 64))
@@ -209,6 +209,9 @@ def _speculative(value: Any, config: LlmapiConfig, base_dir: str | None) -> None
         return
     if mode == "medusa":
         _medusa(spec, draft, config, base_dir)
+        return
+    if mode == "eagle":
+        _eagle(spec, draft, config, base_dir)
         return
     if mode == "ngram":
         if draft is not None:
@@ -240,25 +243,39 @@ def _lookahead(spec: dict, draft: Any, config: LlmapiConfig) -> None:
         raise _fail("speculative_config.decoding_type", "Lookahead runs on one rank: it needs tensor_parallel_size 1")
 
 
+def _eagle(spec: dict, heads: Any, config: LlmapiConfig, base_dir: str | None) -> None:
+    """decoding_type Eagle (TensorRT-LLM's EagleDecodingConfig): speculative_model_dir is the EAGLE-3
+    checkpoint (config.json + model.safetensors; default: the engine's eagle3/), eagle_choices the
+    tree as rank paths -> eagle_model_path and eagle_choices. One rank, CPU only in this release."""
+    _heads_and_tree(spec, heads, config, base_dir, "eagle", "Eagle", "the EAGLE-3 checkpoint's directory")
+
+
 def _medusa(spec: dict, heads: Any, config: LlmapiConfig, base_dir: str | None) -> None:
     """decoding_type Medusa (TensorRT-LLM's MedusaDecodingConfig): speculative_model_dir is the heads'
     directory (FasterDecoding's medusa_lm_head format; default: the engine's medusa/), medusa_choices
     the tree as a list of rank paths -> medusa_model_path and medusa_choices ("{0}, {0, 0}")."""
+    _heads_and_tree(spec, heads, config, base_dir, "medusa", "Medusa",
+                    "the Medusa heads' directory (config.json and medusa_lm_head.safetensors or .pt)")
+
+
+def _heads_and_tree(spec: dict, heads: Any, config: LlmapiConfig, base_dir: str | None, name: str, kind: str,
+                    heads_hint: str) -> None:
+    """speculative_model_dir -> <name>_model_path, <name>_choices (rank paths) -> the tensorrt_llm
+    spelling ("{0}, {0, 0}"); tree methods run on one rank."""
     if heads is not None:
         if not isinstance(heads, str) or not heads:
-            raise _fail("speculative_config.speculative_model_dir", "the Medusa heads' directory (config.json and "
-                                                                   "medusa_lm_head.safetensors or .pt)")
-        config.parameters["medusa_model_path"] = _existing_path(heads, "speculative_config.speculative_model_dir",
-                                                                base_dir)
-    choices = spec.get("medusa_choices")
+            raise _fail("speculative_config.speculative_model_dir", heads_hint)
+        config.parameters[f"{name}_model_path"] = _existing_path(heads, "speculative_config.speculative_model_dir",
+                                                                 base_dir)
+    choices = spec.get(f"{name}_choices")
     if choices is not None:
         if not (isinstance(choices, list) and choices and all(
                 isinstance(c, list) and c and all(isinstance(r, int) and r >= 0 for r in c) for c in choices)):
-            raise _fail("speculative_config.medusa_choices", f"a list of paths of ranks, e.g. [[0], [0, 0], [1]]; "
-                                                             f"got {choices!r}")
-        config.parameters["medusa_choices"] = ", ".join("{" + ", ".join(map(str, c)) + "}" for c in choices)
+            raise _fail(f"speculative_config.{name}_choices", f"a list of paths of ranks, e.g. [[0], [0, 0], [1]]; "
+                                                              f"got {choices!r}")
+        config.parameters[f"{name}_choices"] = ", ".join("{" + ", ".join(map(str, c)) + "}" for c in choices)
     if config.tensor_parallel_size > 1:
-        raise _fail("speculative_config.decoding_type", "Medusa runs on one rank: it needs tensor_parallel_size 1")
+        raise _fail("speculative_config.decoding_type", f"{kind} runs on one rank: it needs tensor_parallel_size 1")
 
 
 def _lora(data: dict, config: LlmapiConfig) -> None:

@@ -18,7 +18,7 @@ class ExecutorConfigError(ValueError):
     """An ExecutorConfig value is out of range; the message names field, value and rule."""
 
 
-SPECULATIVE_MODES = ("ngram", "draft_model", "medusa", "lookahead")
+SPECULATIVE_MODES = ("ngram", "draft_model", "medusa", "lookahead", "eagle")
 MAX_SPECULATIVE_DRAFT_LEN = 64  # a verify step is a (k + 1)-token chunk per sequence; past this it is a prefill
 
 
@@ -49,6 +49,10 @@ class SpeculativeConfig:
     lookahead_window_size: int | None = None
     lookahead_ngram_size: int | None = None
     lookahead_verification_set_size: int | None = None
+    # "eagle": EAGLE-3 heads (speculative/eagle3.py; default <engine>/eagle3) drafting the eagle_choices
+    # tree (rank paths; None: a small default); CPU only in this release. max_draft_len caps the nodes.
+    eagle_model_path: str | None = None
+    eagle_choices: str | list[list[int]] | None = None
 
     def validate(self) -> "SpeculativeConfig":
         def require(ok: bool, message: str) -> None:

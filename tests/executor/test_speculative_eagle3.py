@@ -1,6 +1,7 @@
 """EAGLE-3 heads (engine/executor/speculative/eagle3.py) in the published checkpoint layout, made here
 on random weights: they load, draft a tree from the target's low/mid/high layer streams, and
-greedy ids through tree verification (TreeDecoder) equal transformers' greedy decoding."""
+greedy ids through tree verification (TreeDecoder and decoding_mode eagle in the executor) equal
+transformers' greedy decoding."""
 from __future__ import annotations
 
 import json
@@ -14,6 +15,8 @@ from engine.executor.speculative.eagle3 import Eagle3ConfigError, Eagle3TreeProp
 from engine.executor.speculative.tree_step import TreeDecoder
 
 HIDDEN, VOCAB, DRAFT_VOCAB = 64, 128, 32
+# The heads run on the CPU (decoding_mode eagle is refused on CUDA by name: graph replays skip its hooks).
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="EAGLE-3 heads are CPU only in this release")
 
 
 def save_eagle3(directory, hidden: int = HIDDEN, seed: int = 0, layers: list[int] | None = None) -> str:
@@ -108,3 +111,51 @@ def test_checkpoints_that_do_not_fit_are_refused_by_name(tmp_path):
         load_eagle3(path, hidden_size=HIDDEN, vocab_size=VOCAB, num_layers=2)
     with pytest.raises(Eagle3ConfigError, match="expected config.json and model.safetensors"):
         load_eagle3(str(tmp_path), hidden_size=HIDDEN, vocab_size=VOCAB, num_layers=2)
+
+
+def test_executor_decoding_mode_eagle_greedy_ids_equal_transformers(tmp_path, tiny_engine, tiny_hf):
+    """decoding_mode eagle in the in-flight executor: 3 greedy requests and a sampled one in one
+    batch (trees verified by argmax / multi-draft rejection): greedy ids equal transformers, all
+    blocks back. Then one request with the oracle ranking: paths accepted deep, and the features the
+    proposer kept equal transformers' layer-0 stream over the request's tokens. Heads of the wrong
+    size are refused at start by name."""
+    from executor_testing import collect, final_tokens
+
+    from engine.executor.executor import Executor, ExecutorConfig, ExecutorConfigError, SpeculativeConfig
+    from engine.executor.request import Request, SamplingConfig
+
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [7, 7, 2, 9, 11], [20, 30, 40, 50, 60, 70]]
+    refs = [tiny_hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False)[0, len(p):].tolist()
+            for p in prompts]
+    spec = SpeculativeConfig("eagle", max_draft_len=8, eagle_model_path=save_eagle3(tmp_path / "heads", layers=[0, 0, 0]),
+                             eagle_choices="{0}, {1}, {0, 0}, {0, 1}, {0, 0, 0}")
+    config = ExecutorConfig(exclude_input_from_output=True, speculative=spec, enable_kv_cache_reuse=False)
+    with Executor(tiny_engine, config) as executor:  # (no prefix hits: the oracle counts from position 0)
+        requests = [Request(p, 10) for p in prompts]
+        requests.append(Request(prompts[0], 10, sampling=SamplingConfig(temperature=0.8, top_k=8, seed=1)))
+        ids = executor.enqueue_requests(requests)
+        got = collect(executor, ids, timeout=300)
+        assert [final_tokens(got[i]) for i in ids[:3]] == refs
+        assert len(final_tokens(got[ids[3]])) == 10
+        assert executor._num_draft_tokens_total > 0
+        executor.blocks.check_invariants()
+        assert executor.blocks.num_free_blocks == executor.blocks.num_blocks
+        proposer = executor.proposer
+        full = tiny_hf.generate(torch.tensor([prompts[1]]), max_new_tokens=16, do_sample=False)[0].tolist()
+        proposer.head = OracleHead(proposer.head, full + [0] * 8)
+        before, released = executor._num_accepted_draft_tokens_total, {}
+        proposer.release = lambda seq: released.update({seq.seq_id: proposer._features.pop(seq.seq_id)})
+        [rid] = executor.enqueue_requests([Request(prompts[1], 16)])
+        assert final_tokens(collect(executor, [rid], timeout=300)[rid]) == full[len(prompts[1]):]
+        assert executor._num_accepted_draft_tokens_total - before >= 8
+        [(start, g)] = released.values()
+        assert start == 0 and g.shape[0] >= len(full) - 2  # every computed token's features, accepted paths included
+        with torch.no_grad():
+            stream = tiny_hf(torch.tensor([full[start:start + g.shape[0]]]), output_hidden_states=True).hidden_states[1][0]
+        torch.testing.assert_close(g, proposer.head.features(stream, stream, stream), rtol=1e-4, atol=1e-4)
+        assert executor.blocks.num_free_blocks == executor.blocks.num_blocks
+        for hook in proposer._hooks:
+            hook.remove()
+    wrong = SpeculativeConfig("eagle", eagle_model_path=save_eagle3(tmp_path / "wide", hidden=32))
+    with pytest.raises(ExecutorConfigError, match="hidden_size 32 does not match the target's 64"):
+        Executor(tiny_engine, ExecutorConfig(speculative=wrong))

@@ -100,6 +100,16 @@ def test_speculative_config_lookahead_gives_the_three_sizes(checkpoint):
             parse_llmapi_config({"model": checkpoint, "speculative_config": {"decoding_type": "Lookahead", **bad}})
 
 
+def test_speculative_config_eagle_names_heads_and_tree(checkpoint, tmp_path):
+    (tmp_path / "eagle3").mkdir()
+    config = parse_llmapi_config({"model": checkpoint, "speculative_config": {
+        "decoding_type": "Eagle", "speculative_model_dir": "eagle3", "eagle_choices": [[0], [0, 0], [1]]}},
+        str(tmp_path))
+    params = executor_parameters(config, "/engines/x")
+    assert params["decoding_mode"] == "eagle" and params["eagle_model_path"] == str(tmp_path / "eagle3")
+    assert params["eagle_choices"] == "{0}, {0, 0}, {1}"
+
+
 def test_defaults_and_dtype_auto(checkpoint):
     config = parse_llmapi_config({"model": checkpoint})
     assert config.decoupled is True and config.triton_max_batch_size == 0
@@ -120,7 +130,7 @@ def test_defaults_and_dtype_auto(checkpoint):
     ({"kv_cache_config": {"secondary_offload_min_priority": 1}}, "kv_cache_config.secondary_offload_min_priority",
      "allowed: free_gpu"),
     ({"kv_cache_config": {"host_cache_size": -1}}, "kv_cache_config.host_cache_size", ">= 0"),
-    ({"speculative_config": {"decoding_type": "Eagle3"}}, "speculative_config.decoding_type",
+    ({"speculative_config": {"decoding_type": "ReDrafter"}}, "speculative_config.decoding_type",
      "allowed: NGram, DraftTarget"),
     ({"speculative_config": {"decoding_type": "DraftTarget"}}, "speculative_config.speculative_model_dir",
      "required for DraftTarget"),

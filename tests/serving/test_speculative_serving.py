@@ -136,6 +136,15 @@ def test_decoding_mode_lookahead_takes_the_three_sizes_and_requests_their_own():
                         decoupled=False)
 
 
+def test_decoding_mode_eagle_names_its_heads_and_tree():
+    settings = executor_settings({"decoding_mode": "eagle", "eagle_model_path": "/heads",
+                                  "eagle_choices": "{0}, {0, 0}, {1}"}, {})
+    config, ignored = to_executor_config(ExecutorConfig, settings)
+    assert config.speculative == SpeculativeConfig(mode="eagle", eagle_model_path="/heads",
+                                                   eagle_choices=[[0], [0, 0], [1]])
+    assert ignored == []
+
+
 def test_other_decoding_modes_and_unfilled_parameters_leave_speculation_off():
     for params in ({"decoding_mode": "top_k"}, {"decoding_mode": "${decoding_mode}", "max_draft_len": "${max_draft_len}",
                                                 "max_matching_ngram_size": "${max_matching_ngram_size}",

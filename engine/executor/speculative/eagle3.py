@@ -29,7 +29,9 @@ import os
 import torch
 from safetensors.torch import load_file
 
-from engine.executor.speculative.tree import shape_from_choices
+from engine.executor.runner import ModelRunner
+from engine.executor.speculative.proposer import ProposerConfigError, draft_room
+from engine.executor.speculative.tree import TreeChoicesError, parse_choices, shape_from_choices
 
 DEFAULT_EAGLE_CHOICES = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
 
@@ -117,6 +119,32 @@ def load_eagle3(path: str, *, hidden_size: int, vocab_size: int, num_layers: int
     return Eagle3Head(config, state), layers
 
 
+def draft_tree(head: Eagle3Head, shape, g: torch.Tensor, tokens: list[int], embed) -> tuple[list[int], list[int]]:
+    """g (n, H): the features of tokens[-1-n:-1] (the last token, the root, has none yet) -> (parents
+    with -1 for the root, drafted target ids) of ``shape``'s nodes. Row t of the draft layer embeds
+    the token after g's t-th; rows past the known tokens read the draft's own output at the row
+    before (EAGLE's training-time test)."""
+    known = tokens[len(tokens) - g.shape[0]:]  # the tokens after each feature's token, root included
+    parents, drafts = [], []
+    hidden_of, ranked_of = {}, {}
+    for i in range(1, shape.num_nodes):
+        parent = shape.parents[i]
+        if parent not in ranked_of:  # draft after the parent's path: one layer over the whole sequence
+            path = []
+            node = parent
+            while node > 0:
+                path.append(node)
+                node = shape.parents[node]
+            path.reverse()
+            feats = torch.cat([g] + [hidden_of[p][None] for p in ([0] + path)[:len(path)]])
+            ids = torch.tensor(known + [drafts[p - 1] for p in path], device=feats.device)
+            h, ranked = head.forward(embed(ids).float(), feats, torch.arange(len(ids)))
+            hidden_of[parent], ranked_of[parent] = h[-1], ranked.tolist()
+        parents.append(parent - 1)
+        drafts.append(ranked_of[parent][shape.ranks[i]])
+    return parents, drafts
+
+
 class Eagle3TreeProposer:
     """A TreeDecoder proposer (tree_step.py ``TreeProposer``). It taps the target's three layers with
     forward hooks (their outputs plus the deferred residual adds: the residual stream), keeps g for
@@ -154,31 +182,9 @@ class Eagle3TreeProposer:
             self._g = rows
         else:
             self._g = torch.cat([self._g, rows[self._accepted_rows(tokens, rows.shape[0])]])
-        n = len(tokens) - 1  # g known for tokens[:n]; tokens[n] is the tree's root
-        embed = self.runner.model.embed_tokens
-        parents, drafts = [], []
-        hidden_of, ranked_of = {0: None}, {}
-        for i in range(1, self.shape.num_nodes):
-            parent = self.shape.parents[i]
-            if parent not in ranked_of:  # draft after the parent's path: one layer over the whole sequence
-                path = self._path(parent)  # row n + j reads the draft's own output at row n + j - 1 (g unknown)
-                feats = torch.cat([self._g] + [hidden_of[p][None] for p in ([0] + path)[:len(path)]])
-                ids = torch.tensor(tokens[1:] + [drafts[p - 1] for p in path], device=feats.device)
-                h, ranked = self.head.forward(embed(ids).float(), feats, torch.arange(len(ids)))
-                hidden_of[parent], ranked_of[parent] = h[-1], ranked.tolist()
-            parents.append(parent - 1)
-            drafts.append(ranked_of[parent][self.shape.ranks[i]])
-            hidden_of.setdefault(i, None)
+        parents, drafts = draft_tree(self.head, self.shape, self._g, tokens, self.runner.model.embed_tokens)
         self._previous = (len(tokens), [-1] + [p + 1 for p in parents], [tokens[-1]] + drafts)
         return parents, drafts
-
-    def _path(self, node: int) -> list[int]:
-        """The drafted nodes from the root's child down to ``node`` (empty for the root)."""
-        path = []
-        while node > 0:
-            path.append(node)
-            node = self.shape.parents[node]
-        return path[::-1]
 
     def _accepted_rows(self, tokens: list[int], num_rows: int) -> list[int]:
         """The previous tree's accepted path (root included) as rows of its forward: nodes kept in
@@ -195,3 +201,80 @@ class Eagle3TreeProposer:
         for token in accepted:
             path.append(next(c for c in kept if parents[c] == path[-1] and node_tokens[c] == token))
         return [row_of[node] for node in path]
+
+
+class Eagle3DraftProposer:
+    """The in-flight executor's DraftProposer for ``decoding_mode eagle`` (proposer.py's interface),
+    plus ``observe_batch``: after each forward, the rows the hooks tapped (every scheduled token, in
+    plan order) become each sequence's features, for the tokens it computed: a chunk's known tokens,
+    then a verified tree's accepted path or a chain's accepted drafts. Features start where the
+    sequence's computation starts (a prefix-cache hit or a recompute after preemption restarts them
+    there); the draft layer attends to what it has. Greedy rows verify by argmax, sampled ones by
+    multi-draft rejection sampling (the target's law is kept)."""
+
+    def __init__(self, runner, head: Eagle3Head, layers: list[int], choices: list[list[int]]):
+        self.runner, self.head = runner, head
+        self.shape = shape_from_choices(choices, field="eagle_choices")
+        self._taps: dict[int, torch.Tensor] = {}
+        tree = Eagle3TreeProposer.__new__(Eagle3TreeProposer)  # its hook, on this proposer's taps
+        tree._taps = self._taps
+        self._hooks = [runner.model.layers[i].register_forward_hook(tree._tap(j)) for j, i in enumerate(layers)]
+        self._features: dict[int, tuple[int, torch.Tensor]] = {}  # seq_id -> (first position, g (n, H))
+
+    def observe_batch(self, scheduled: list, verified: dict | None) -> None:
+        rows = self.head.features(self._taps[0], self._taps[1], self._taps[2])
+        offset = 0
+        for item in scheduled:
+            seq, n, k = item.seq, item.num_new_tokens, item.num_draft_tokens
+            chunk = rows[offset:offset + n]
+            offset += n
+            keep = chunk[:n - k]
+            v = verified.get(seq.seq_id) if verified and k else None
+            if v is not None and v.num_accepted:
+                accepted = v.path[1:] if v.path is not None else range(1, v.num_accepted + 1)
+                keep = torch.cat([keep, chunk[[n - k - 1 + j for j in accepted]]])
+            start, g = self._features.get(seq.seq_id, (item.start, keep[:0]))
+            if start + g.shape[0] != item.start:  # a restart (preemption, prefix hit): features from here
+                start, g = item.start, keep[:0]
+            self._features[seq.seq_id] = (start, torch.cat([g, keep]))
+
+    def propose(self, seqs: list, max_draft_len: int) -> list[list[int]]:
+        drafts = []
+        for seq in seqs:
+            seq.draft_parents = None
+            start, g = self._features.get(seq.seq_id, (0, None))
+            room = draft_room(seq, max_draft_len)
+            if g is None or not g.shape[0] or not room or seq.num_unresolved_tokens \
+                    or start + g.shape[0] != len(seq.token_ids) - 1:
+                drafts.append([])
+                continue
+            parents, tokens = draft_tree(self.head, self.shape, g, seq.token_ids, self.runner.model.embed_tokens)
+            seq.draft_parents, seq.draft_tree_keeps_law = parents[:room], True
+            drafts.append(tokens[:room])
+        return drafts
+
+    def release(self, seq) -> None:
+        self._features.pop(seq.seq_id, None)
+
+
+def start_eagle3(runner, spec, *, engine_dir: str, has_state: bool) -> Eagle3DraftProposer:
+    """The proposer of ``decoding_mode eagle`` (heads in ``spec.eagle_model_path``, default the
+    engine directory's ``eagle3/``), or ProposerConfigError naming the field."""
+    if not isinstance(runner, ModelRunner) or runner.build_config.tp_size > 1:
+        raise ProposerConfigError("decoding_mode eagle runs on one rank (tp_size 1) in this release")
+    if has_state:
+        raise ProposerConfigError("decoding_mode eagle: models with recurrent state (Mamba layers) cannot verify "
+                                  "token trees")
+    if runner.device.type != "cpu":
+        raise ProposerConfigError("decoding_mode eagle runs on the CPU in this release: its heads read three target "
+                                  "layers through forward hooks, which CUDA graph replays skip")
+    path = spec.eagle_model_path or os.path.join(engine_dir, "eagle3")
+    try:
+        choices = spec.eagle_choices
+        if isinstance(choices, str):
+            choices = parse_choices(choices, field="eagle_choices")
+        head, layers = load_eagle3(path, hidden_size=runner.model_config.hidden_size, vocab_size=runner.vocab_size,
+                                   num_layers=len(runner.model.layers))
+        return Eagle3DraftProposer(runner, head, layers, choices or DEFAULT_EAGLE_CHOICES)
+    except (TreeChoicesError, ValueError, OSError) as err:
+        raise ProposerConfigError(str(err)) from None
