@@ -101,9 +101,11 @@ def checkpoint_build_args(args: argparse.Namespace) -> list[str]:
     """engine.build's flags for a checkpoint: the dtype for this machine and the options given
     (``dtype``, ``max_batch_size``, ``tp``, ``pp``, ``max_seq_len``, ``quantization``, ``kv_cache_dtype``);
     everything else (lengths, block size) the build takes from the checkpoint."""
-    import torch
+    dtype = args.dtype
+    if dtype is None:  # torch only for this choice (an LLM-API stub that names its dtype imports none)
+        import torch
 
-    dtype = args.dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
+        dtype = "bfloat16" if torch.cuda.is_available() else "float32"
     build = ["--dtype", dtype, "--max_batch_size", str(args.max_batch_size), "--tp_size", str(args.tp)]
     if getattr(args, "pp", 1) > 1:  # (left out at 1: the cache keys of existing engines stay as they were)
         build += ["--pp_size", str(args.pp)]

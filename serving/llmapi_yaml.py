@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 BACKENDS = ("pytorch", "tensorrt", "trt")  # accepted names; our engine serves all of them the same
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -377,11 +377,14 @@ def is_engine_dir(path: str) -> bool:
     return isinstance(data, dict) and "format_version" in data and "build" in data
 
 
-def build_options(config: LlmapiConfig, has_gpu: bool) -> dict[str, Any]:
+def build_options(config: LlmapiConfig, has_gpu: bool | Callable[[], bool]) -> dict[str, Any]:
     """Options of serving/engine_cache.py's checkpoint_build_args for this model (dtype auto:
-    bfloat16 with a GPU, float32 without), and engine.build flags beyond them."""
+    bfloat16 with a GPU, float32 without), and engine.build flags beyond them. ``has_gpu`` may be a
+    function, asked only for dtype auto (the LLM-API stub's asks torch, which it otherwise never imports)."""
     dtype = None if config.dtype == "auto" else config.dtype
-    options = {"dtype": dtype or ("bfloat16" if has_gpu else "float32"), "max_batch_size": config.max_batch_size,
+    if dtype is None:
+        dtype = "bfloat16" if (has_gpu() if callable(has_gpu) else has_gpu) else "float32"
+    options = {"dtype": dtype, "max_batch_size": config.max_batch_size,
                "tp": config.tensor_parallel_size, "pp": config.pipeline_parallel_size, "max_seq_len": config.max_seq_len,
                "quantization": config.quantization, "kv_cache_dtype": config.kv_cache_dtype}
     extra = []
@@ -406,7 +409,7 @@ def check_world_size(config: LlmapiConfig, world_size: int) -> None:
                                             f"or set tensor_parallel_size x pipeline_parallel_size to {world_size}")
 
 
-def engine_dir_for(config: LlmapiConfig, has_gpu: bool, engine_cache) -> str:
+def engine_dir_for(config: LlmapiConfig, has_gpu: bool | Callable[[], bool], engine_cache) -> str:
     """The engine of model.yaml's `model`: an engine directory as it is, else the checkpoint's
     engine in the engine cache (`engine_cache`: serving/engine_cache.py, or a module with its
     names; built now when missing, once however many processes ask at once). RuntimeError naming

@@ -220,6 +220,29 @@ def test_unsupported_inputs_are_refused_by_name(llmapi, extra, named):
     assert named in response.json()["error"]
 
 
+def test_the_llmapi_stub_served_everything_above_without_torch(llmapi):
+    """model.yaml names its dtype, so the stub never asks torch for CUDA; the engine runs in its own
+    process: no torch in the stub (~1.5 CPU-s and ~250 MiB per instance at start), and none imported
+    later by a response, stats or LoRA message (an import on the stub's reader thread held streamed
+    tokens back for seconds, commit dc8bee8). Runs after the requests above, in this module's order."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    tree, stubs = [llmapi.pid], {}
+    while tree:
+        pid = tree.pop()
+        tree += children.get(pid, [])
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        if "triton_python_backend_stub" in command and "/tensorrt_llm/" in command:
+            stubs[pid] = Path(f"/proc/{pid}/maps").read_text()
+    assert len(stubs) == 1, stubs.keys()
+    assert "libtorch" not in next(iter(stubs.values()))
+
+
 def failed_load_log(work: Path, yaml_text: str, edit_config=None) -> str:
     with llmapi_server(work, yaml_text, expect_ready=False, edit_config=edit_config) as (server, process):
         try:
