@@ -346,8 +346,6 @@ def engine_dir_from_llmapi(model_repo: str, model_name: str, world_size: int) ->
     path = Path(model_repo) / model_name / "1" / os.environ.get("LLM_CONFIG_PATH", "model.yaml")
     if not path.is_file():
         return None
-    import torch
-
     from serving import engine_cache
     from serving.llmapi_yaml import check_world_size, engine_dir_for, load_llmapi_config
 
@@ -356,7 +354,13 @@ def engine_dir_from_llmapi(model_repo: str, model_name: str, world_size: int) ->
         check_world_size(config, world_size)
     except ValueError as error:
         raise RuntimeError(f"{path}: {error}") from None
-    return engine_dir_for(config, torch.cuda.is_available(), engine_cache)
+    return engine_dir_for(config, _torch_sees_cuda, engine_cache)  # torch only for dtype auto (~1 CPU-s)
+
+
+def _torch_sees_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def check_engine_world_size(engine_dir: str, world_size: int) -> None:
