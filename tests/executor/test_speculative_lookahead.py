@@ -20,7 +20,7 @@ from engine.executor.executor import Executor, ExecutorConfig, ExecutorConfigErr
 from engine.executor.lookahead_sizes import LookaheadSizes
 from engine.executor.request import OutputConfig, Request, SamplingConfig
 from engine.executor.speculative.acceptance import accept_tree_by_rejection
-from engine.executor.speculative.lookahead import NgramPool, build_tree
+from engine.executor.speculative.lookahead import NgramPool, _LookaheadState, build_tree
 from engine.executor.tree_batch import ancestor_mask, tree_positions
 
 NEW_TOKENS = 14
@@ -69,6 +69,18 @@ def test_tree_is_the_papers_window_and_a_trie_of_candidates():
     for ngram in [(1, 2, 3), (1, 4, 5), (1, 2, 3), (1, 6, 7), (2, 1, 1)]:
         pool.add(ngram)
     assert pool.candidates(1) == [(6, 7), (2, 3)] and pool.candidates(9) == []
+
+
+def test_a_sequences_ngrams_enter_the_pool_once():
+    """Each n-gram of the text is pooled once, when its last token arrives: indexing again (a step that
+    brought no token, or one that brought more) does not re-add the one ending at the last indexed
+    token, which would move it ahead of the Jacobi n-grams pooled since (most recent first)."""
+    state = _LookaheadState(LookaheadSizes(2, 3, 4), [1, 2, 3], seed=0)
+    state.index_text([1, 2, 3], 3)
+    state.pool.add((1, 8, 9))  # a Jacobi n-gram, after the text's (1, 2, 3)
+    state.index_text([1, 2, 3], 3)
+    state.index_text([1, 2, 3, 1], 4)
+    assert state.pool.candidates(1) == [(8, 9), (2, 3)] and state.pool.candidates(2) == [(3, 1)]
 
 
 def test_sampled_tree_verification_keeps_the_targets_law():

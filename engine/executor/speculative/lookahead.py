@@ -44,6 +44,7 @@ from engine.executor.lookahead_sizes import LookaheadConfigError, LookaheadSizes
 from engine.executor.runner import ModelRunner
 from engine.executor.speculative.proposer import ProposerConfigError, draft_room
 
+
 class NgramPool:
     """first token -> up to ``capacity`` continuations of N - 1 tokens, most recent first."""
 
@@ -78,7 +79,7 @@ class _LookaheadState:
     def index_text(self, token_ids: list[int], length: int) -> None:
         """Pool the n-grams of token_ids[:length] not pooled yet (each once, when its last token arrives)."""
         n = self.sizes.ngram_size
-        for end in range(max(self.num_indexed, n), length + 1):
+        for end in range(max(self.num_indexed + 1, n), length + 1):  # the one ending at num_indexed is in
             self.pool.add(tuple(token_ids[end - n:end]))
         self.num_indexed = max(self.num_indexed, length)
 
