@@ -355,8 +355,8 @@ class Executor:
         if self.config.speculative is not None and (request.sampling.beam_width or 1) > 1:
             return (f"beam_width {request.sampling.beam_width}: beam search is not supported with speculative "
                     f"decoding (speculative mode '{self.config.speculative.mode}' is on); send beam_width 1")
-        if request.lookahead_config is not None and lookahead_request_error(request, self.config.speculative):
-            return lookahead_request_error(request, self.config.speculative)
+        if request.lookahead_config is not None and (error := lookahead_request_error(request, self.config.speculative)):
+            return error
         if request.lora is not None and self.adapters is None:
             return ("lora_task_id: LoRA is not enabled on this model; set the tensorrt_llm parameter enable_lora "
                     "to true, or send the request without lora_task_id/lora_weights/lora_config/lora_path")

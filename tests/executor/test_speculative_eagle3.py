@@ -5,10 +5,11 @@ transformers' greedy decoding."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from engine.executor.runner import ModelRunner
 from engine.executor.speculative.eagle3 import Eagle3ConfigError, Eagle3TreeProposer, load_eagle3
@@ -111,6 +112,12 @@ def test_checkpoints_that_do_not_fit_are_refused_by_name(tmp_path):
         load_eagle3(path, hidden_size=HIDDEN, vocab_size=VOCAB, num_layers=2)
     with pytest.raises(Eagle3ConfigError, match="expected config.json and model.safetensors"):
         load_eagle3(str(tmp_path), hidden_size=HIDDEN, vocab_size=VOCAB, num_layers=2)
+    path = save_eagle3(tmp_path / "partial")  # a weight missing: named (was a bare KeyError)
+    state = load_file(os.path.join(path, "model.safetensors"))
+    del state["midlayer.mlp.up_proj.weight"]
+    save_file(state, os.path.join(path, "model.safetensors"))
+    with pytest.raises(Eagle3ConfigError, match="lacks model.safetensors midlayer.mlp.up_proj.weight"):
+        load_eagle3(path, hidden_size=HIDDEN, vocab_size=VOCAB, num_layers=2)
 
 
 def test_executor_decoding_mode_eagle_greedy_ids_equal_transformers(tmp_path, tiny_engine, tiny_hf):

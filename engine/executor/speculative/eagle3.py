@@ -1,5 +1,6 @@
 """EAGLE-3 drafting heads (Li et al. 2025) in their published checkpoint format, drafting a token tree
-for tree verification (tree_step.py ``TreeDecoder``: one sequence; not in the in-flight executor yet).
+for tree verification: in the in-flight executor (``decoding_mode eagle``: Eagle3DraftProposer) and
+for one sequence through tree_step.py's ``TreeDecoder`` (Eagle3TreeProposer).
 
 The draft is one Llama decoder layer over the target's own features:
 
@@ -34,6 +35,11 @@ from engine.executor.speculative.proposer import ProposerConfigError, draft_room
 from engine.executor.speculative.tree import TreeChoicesError, parse_choices, shape_from_choices
 
 DEFAULT_EAGLE_CHOICES = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+REQUIRED_CONFIG = ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads")
+REQUIRED_WEIGHTS = ("fc.weight", "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight",
+                    "midlayer.post_attention_layernorm.weight", *(f"midlayer.self_attn.{p}_proj.weight" for p in "qkvo"),
+                    *(f"midlayer.mlp.{p}_proj.weight" for p in ("gate", "up", "down")), "norm.weight",
+                    "lm_head.weight", "d2t")
 
 
 class Eagle3ConfigError(ValueError):
@@ -100,6 +106,11 @@ def load_eagle3(path: str, *, hidden_size: int, vocab_size: int, num_layers: int
     with open(config_path) as f:
         config = json.load(f)
     state = load_file(weights_path)
+    missing = [f"config.json {name}" for name in REQUIRED_CONFIG if name not in config]
+    missing += [f"model.safetensors {name}" for name in REQUIRED_WEIGHTS if name not in state]
+    if missing:
+        raise Eagle3ConfigError(f"eagle model path {path!r} lacks {', '.join(missing)} (an EAGLE-3 checkpoint in the "
+                                f"authors' layout has them all)")
     for field, want in (("hidden_size", hidden_size), ("vocab_size", vocab_size)):
         if int(config.get(field, -1)) != want:
             raise Eagle3ConfigError(f"eagle config.json: {field} {config.get(field)} does not match the target's {want}")
@@ -145,6 +156,22 @@ def draft_tree(head: Eagle3Head, shape, g: torch.Tensor, tokens: list[int], embe
     return parents, drafts
 
 
+def tap_layers(runner, layers: list[int], taps: dict[int, torch.Tensor]) -> list:
+    """Forward hooks on the target's ``layers``: after each forward, taps[j] holds layers[j]'s residual
+    stream (its output plus the deferred residual adds), float32 (tokens, H). Returns the handles."""
+    def tap(j: int):
+        def hook(module, inputs, output):  # (stream, pending add): a tensor (LlamaLayer) or a tuple (DecoderLayer)
+            x, adds = output
+            if isinstance(adds, torch.Tensor):
+                x = x + adds
+            else:
+                for term in adds:
+                    x = x + term
+            taps[j] = x.detach().float()
+        return hook
+    return [runner.model.layers[i].register_forward_hook(tap(j)) for j, i in enumerate(layers)]
+
+
 class Eagle3TreeProposer:
     """A TreeDecoder proposer (tree_step.py ``TreeProposer``). It taps the target's three layers with
     forward hooks (their outputs plus the deferred residual adds: the residual stream), keeps g for
@@ -157,20 +184,9 @@ class Eagle3TreeProposer:
         self.runner, self.head = runner, head
         self.shape = shape_from_choices(choices or DEFAULT_EAGLE_CHOICES, field="eagle_choices")
         self._taps: dict[int, torch.Tensor] = {}
-        self._hooks = [runner.model.layers[i].register_forward_hook(self._tap(j)) for j, i in enumerate(layers)]
+        self._hooks = tap_layers(runner, layers, self._taps)
         self._g: torch.Tensor | None = None  # (tokens with target features, H)
         self._previous: tuple[int, list[int], list[int]] | None = None  # (len(tokens), parents, node tokens)
-
-    def _tap(self, j: int):
-        def hook(module, inputs, output):  # (stream, pending add): a tensor (LlamaLayer) or a tuple (DecoderLayer)
-            x, adds = output
-            if isinstance(adds, torch.Tensor):
-                x = x + adds
-            else:
-                for term in adds:
-                    x = x + term
-            self._taps[j] = x.detach().float()
-        return hook
 
     def close(self) -> None:
         for hook in self._hooks:
@@ -216,9 +232,7 @@ class Eagle3DraftProposer:
         self.runner, self.head = runner, head
         self.shape = shape_from_choices(choices, field="eagle_choices")
         self._taps: dict[int, torch.Tensor] = {}
-        tree = Eagle3TreeProposer.__new__(Eagle3TreeProposer)  # its hook, on this proposer's taps
-        tree._taps = self._taps
-        self._hooks = [runner.model.layers[i].register_forward_hook(tree._tap(j)) for j, i in enumerate(layers)]
+        self._hooks = tap_layers(runner, layers, self._taps)
         self._features: dict[int, tuple[int, torch.Tensor]] = {}  # seq_id -> (first position, g (n, H))
 
     def observe_batch(self, scheduled: list, verified: dict | None) -> None:
