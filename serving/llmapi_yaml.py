@@ -15,6 +15,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from engine.executor.lookahead_sizes import MAX_LOOKAHEAD_SIZE, MIN_LOOKAHEAD_SIZES  # (no torch)
+
 BACKENDS = ("pytorch", "tensorrt", "trt")  # accepted names; our engine serves all of them the same
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANT_ALGOS = {"FP8": "fp8", "FP8_BLOCK_SCALES": "fp8_block", "W8A16": "int8_wo", "W4A16": "int4_wo",
@@ -235,10 +237,10 @@ def _lookahead(spec: dict, draft: Any, config: LlmapiConfig) -> None:
     if draft is not None:
         raise _fail("speculative_config.speculative_model_dir", "Lookahead drafts from the target's own Jacobi "
                                                                "iterations: leave the draft model out")
-    bounds = {"max_window_size": 1, "max_ngram_size": 2, "max_verification_set_size": 0}
     for key, (parameter, default) in LOOKAHEAD_KEYS.items():
         value = spec.get(key, default)
-        config.parameters[parameter] = str(_int(value, f"speculative_config.{key}", bounds[key], 64))
+        low = MIN_LOOKAHEAD_SIZES[parameter.removeprefix("lookahead_")]
+        config.parameters[parameter] = str(_int(value, f"speculative_config.{key}", low, MAX_LOOKAHEAD_SIZE))
     if config.tensor_parallel_size > 1:
         raise _fail("speculative_config.decoding_type", "Lookahead runs on one rank: it needs tensor_parallel_size 1")
 

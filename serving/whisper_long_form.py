@@ -22,13 +22,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-SAMPLE_RATE = 16000
+from serving.whisper import SAMPLE_RATE
+
 INPUT_STRIDE = 2  # mel frames per encoder position (the conv front-end's stride)
 TIME_PRECISION = 0.02  # seconds per timestamp token
-
-
-class AudioTooLong(ValueError):
-    pass
 
 
 @dataclass

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MAX_LOOKAHEAD_SIZE = 64  # each of W, N, G; the tree's (N-1)(W+G) drafts must also fit max_draft_len's 64
+# The least of each size: a window of one column, n-grams of two tokens (one Jacobi level), no pool n-grams.
+MIN_LOOKAHEAD_SIZES = {"window_size": 1, "ngram_size": 2, "verification_set_size": 0}
 
 
 class LookaheadConfigError(ValueError):
@@ -26,8 +28,7 @@ class LookaheadSizes:
 
     def check(self, prefix: str = "lookahead_", limit: int | None = None) -> "LookaheadSizes":
         """Raise LookaheadConfigError naming the field (``prefix`` + name) of a size out of range."""
-        bounds = {"window_size": 1, "ngram_size": 2, "verification_set_size": 0}
-        for name, low in bounds.items():
+        for name, low in MIN_LOOKAHEAD_SIZES.items():
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= MAX_LOOKAHEAD_SIZE:
                 raise LookaheadConfigError(f"{prefix}{name} must be an integer in {low}..{MAX_LOOKAHEAD_SIZE}, "
