@@ -99,8 +99,9 @@ class MLP(nn.Module):
 class SharedMlpMoe(nn.Module):
     """Granite 4.0's and Nemotron-H's MoE layer: routed experts (engine/models/moe.py SparseMoeBlock) and a
     shared MLP of width spec.moe_shared_size read the same normed input; out = experts(h) + shared(h).
-    One rank: both partial sums (each rank's slice of every expert's width and of the shared MLP's)
-    meet in one all-reduce, as a dense MLP's row-parallel down_proj does."""
+    Over tensor-parallel ranks both are partial sums (each rank's slice of every expert's width and of
+    the shared MLP's, built without their own all-reduce) that meet in one all-reduce here, as a dense
+    MLP's row-parallel down_proj does."""
 
     def __init__(self, experts: SparseMoeBlock, shared: MLP, tp_group):
         super().__init__()
