@@ -112,6 +112,9 @@ def test_checkpoints_that_do_not_fit_are_refused_by_name(tmp_path):
         load_eagle3(path, hidden_size=HIDDEN, vocab_size=VOCAB, num_layers=2)
     with pytest.raises(Eagle3ConfigError, match="expected config.json and model.safetensors"):
         load_eagle3(str(tmp_path), hidden_size=HIDDEN, vocab_size=VOCAB, num_layers=2)
+    with pytest.raises(Eagle3ConfigError, match=r"eagle_aux_hidden_state_layer_ids must be 3 layer indices in 0\.\.1"):
+        load_eagle3(save_eagle3(tmp_path / "deep", layers=[0, 1, 5]), hidden_size=HIDDEN, vocab_size=VOCAB,
+                    num_layers=2)  # (was clamped to layer 1 silently)
     path = save_eagle3(tmp_path / "partial")  # a weight missing: named (was a bare KeyError)
     state = load_file(os.path.join(path, "model.safetensors"))
     del state["midlayer.mlp.up_proj.weight"]

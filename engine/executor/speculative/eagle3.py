@@ -122,11 +122,13 @@ def load_eagle3(path: str, *, hidden_size: int, vocab_size: int, num_layers: int
         raise Eagle3ConfigError(f"eagle lm_head.weight {tuple(state['lm_head.weight'].shape)} / d2t "
                                 f"({state['d2t'].numel()},) do not match draft_vocab_size {draft_vocab}")
     layers = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    if layers is None:  # the authors' default: low, middle and high layers
-        layers = [1, num_layers // 2 - 1, num_layers - 4]
-    layers = [min(max(int(i), 0), num_layers - 1) for i in layers]
-    if len(layers) != 3:
-        raise Eagle3ConfigError(f"eagle_aux_hidden_state_layer_ids: expected 3 layers, got {layers}")
+    if layers is None:  # the authors' default: low, middle and high layers (clamped for targets of < 6 layers)
+        layers = [min(max(i, 0), num_layers - 1) for i in (1, num_layers // 2 - 1, num_layers - 4)]
+    elif (not isinstance(layers, list) or len(layers) != 3
+          or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < num_layers for i in layers)):
+        # a layer outside the target would tap features the heads were not trained on
+        raise Eagle3ConfigError(f"eagle_config.eagle_aux_hidden_state_layer_ids must be 3 layer indices in "
+                                f"0..{num_layers - 1} (the target's layers), got {layers!r}")
     return Eagle3Head(config, state), layers
 
 
