@@ -9,7 +9,12 @@ and preemption (recompute) read the same rows again.
 
 Prefix caching keys blocks by token ids; a fake id alone says nothing about the row behind it. So
 a sequence with a table hashes its prompt through ``prompt_cache_keys``: each fake id becomes
-(table digest, extra id, fake id), so the same image re-sent hits the cache and another misses.
+(span digest, extra id, fake id), where a span is a maximal run of fake ids (one image, or images
+with no text between them) and its digest covers exactly the rows that run names. So the same image
+re-sent hits the cache and another misses, and an image is reused per image, not per table: a
+request with images (A, B) reuses the blocks through A of an earlier (A, C) or (A), and rows no id
+names do not matter. Block hashes chain (kv_cache.chain_block_hashes), so a block's key also
+covers everything before it.
 ``extra_ids`` (the reference's prompt_table_extra_ids, one per prompt token, 0 at ordinary
 tokens) go into the key too, as TensorRT-LLM's KV reuse does.
 """
@@ -97,10 +102,19 @@ def table_digest(embeddings: torch.Tensor) -> bytes:
 
 def prompt_cache_keys(prompt: list[int], table: PromptTable, vocab_size: int) -> list:
     """The prompt as the prefix cache should see it: ordinary ids as they are, each fake id as
-    (table digest, extra id, fake id). Hashable, and equal only for equal rows at equal places."""
-    digest = table_digest(table.embeddings)
+    (digest of its span's rows, extra id, fake id). Hashable, and equal only for equal rows at
+    equal places. One digest per span (image), not per row: hashing cost is one pass over the rows."""
+    from engine.executor.image_spans import spans_in
+
+    keys: list = list(prompt)
     extra = table.extra_ids or [0] * len(prompt)
-    return [t if t < vocab_size else (digest, e, t) for t, e in zip(prompt, extra)]
+    for start, end in spans_in(prompt, vocab_size):
+        rows = [t - vocab_size for t in prompt[start:end]]
+        contiguous = rows == list(range(rows[0], rows[0] + len(rows)))  # the usual layout: a slice, no copy
+        digest = table_digest(table.embeddings[rows[0]:rows[-1] + 1] if contiguous else table.embeddings[rows])
+        for i in range(start, end):
+            keys[i] = (digest, extra[i], prompt[i])
+    return keys
 
 
 def gather_prompt_embeds(pieces: list[tuple[int, list[int], PromptTable]], vocab_size: int) -> PromptEmbeds | None:

@@ -92,6 +92,29 @@ def test_prefix_cache_keys_table_blocks_by_content(tiny_engine, tiny_hf):
     assert extra[-1].result.perf.kv_cache_reused_blocks == 1  # another extra id: another image
 
 
+def test_prefix_cache_keys_each_image_by_its_own_rows(tiny_engine, tiny_hf):
+    # Two images: A (rows 0-7) and B (rows 8-15), 29 tokens = 7 full blocks of 4:
+    # text | A A | text | B B | text. Keys are per image, so (A, C) reuses the blocks through A and
+    # the text after it (4), and (A, B) again with an unused row appended to the table reuses all 7.
+    a, b, c = image_table(4, rows=8), image_table(5, rows=8), image_table(6, rows=8)
+    prompt = [3, 17, 5, 6, *range(VOCAB, VOCAB + 8), 9, 42, 1, 2, *range(VOCAB + 8, VOCAB + 16), 7, 8, 10, 11, 12]
+
+    def reused_total(executor) -> int:
+        return executor.get_latest_iteration_stats().kv_cache_stats.reused_blocks
+
+    with Executor(tiny_engine, ExecutorConfig()) as executor:
+        run(executor, [Request(prompt, 4, output=EXCLUDE, prompt_table=PromptTable(torch.cat([a, b])))])
+        before = reused_total(executor)
+        other = run(executor, [Request(prompt, 4, output=EXCLUDE, prompt_table=PromptTable(torch.cat([a, c])))])[0]
+        assert reused_total(executor) - before == 4  # the executor's prefix-hit counter: A's blocks only
+        padded = torch.cat([a, b, image_table(7, rows=1)])
+        again = run(executor, [Request(prompt, 4, output=EXCLUDE, prompt_table=PromptTable(padded))])[0]
+    assert other[-1].result.perf.kv_cache_reused_blocks == 4
+    assert final_tokens(other) == transformers_greedy(tiny_hf, prompt, torch.cat([a, c]), 4)
+    assert again[-1].result.perf.kv_cache_reused_blocks == 7
+    assert final_tokens(again) == transformers_greedy(tiny_hf, prompt, torch.cat([a, b]), 4)
+
+
 @pytest.mark.parametrize("request_fields, message", [
     (dict(prompt_table=PromptTable(torch.ones(6, 32))),
      "prompt_embedding_table has rows of width 32; they must have the model's hidden size (64)"),
