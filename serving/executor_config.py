@@ -48,6 +48,8 @@ SIMPLE_SETTINGS = {
     "encoder_model_path": ("encoder_engine_dir", str),  # ${encoder_engine_dir}: a T5/BART engine's encoder/
     "kv_cache_host_memory_bytes": ("kv_cache_host_memory_bytes", int),
     "kv_cache_onboard_blocks": ("kv_cache_onboard_blocks", bool),
+    "kv_cache_events_endpoint": ("kv_cache_events_endpoint", str),  # beyond the reference (vLLM's kv-events-config)
+    "kv_cache_events_topic": ("kv_cache_events_topic", str),
     "enable_chunked_context": ("enable_chunked_context", bool),
     "normalize_log_probs": ("normalize_log_probs", bool),
     "disable_overlap_scheduler": ("disable_overlap_scheduler", bool),

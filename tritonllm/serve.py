@@ -132,6 +132,14 @@ def lookahead_parameters(text: str | None) -> dict[str, str]:
     return {"decoding_mode": "lookahead", **{n: p.strip() for n, p in zip(names, parts)}}
 
 
+def engine_parameters(args) -> dict[str, str]:
+    """The tensorrt_llm parameters the command line sets: lookahead decoding, KV events."""
+    params = lookahead_parameters(args.lookahead_config)
+    if args.kv_events_endpoint:
+        params["kv_cache_events_endpoint"] = args.kv_events_endpoint
+    return params
+
+
 def checkpoint_repository(engine_dir: str, repo_dir: str, *, bls_instances: int = 2, max_batch_size: int = 8,
                           lora: bool = False, images: dict[str, str | None] | None = None,
                           engine_parameters: dict[str, str] | None = None) -> tuple[str, str]:
@@ -307,6 +315,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     parser.add_argument("--lookahead_config", default=None, metavar="W,N,G",
                         help="lookahead decoding (no extra weights): window, n-gram and verification set sizes, "
                              "e.g. 4,3,4 (docs/features/speculative-decoding.md)")
+    parser.add_argument("--kv-events-endpoint", "--kv_events_endpoint", dest="kv_events_endpoint", default=None,
+                        metavar="ZMQ_ADDRESS", help="publish the prefix cache's block stored/removed events in "
+                        "vLLM's KV event format on a ZMQ PUB socket bound here, e.g. tcp://*:5557, for a "
+                        "cache-aware router (docs/features/prefix-caching.md)")
     model.add_argument("--lora_modules", nargs="+", default=[], metavar="NAME=PATH",
                        help="LoRA adapters the OpenAI API serves by name (turns LoRA on)")
     vision = parser.add_argument_group("vision-language checkpoints (LLaVA: served through the multimodal "
@@ -330,7 +342,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
             lora=bool(args.lora_modules), images={"max_num_images": args.max_num_images,
                                                   "max_image_pixels": args.max_image_pixels,
                                                   "allowed_image_url_hosts": args.allowed_image_url_hosts},
-            engine_parameters=lookahead_parameters(args.lookahead_config))
+            engine_parameters=engine_parameters(args))
         served, prompt = model_name, "The capital of France is"
     else:
         model_name = Path(args.engine_dir).name
@@ -340,7 +352,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         ensure_engine(args.engine_dir, ["--tp_size", str(args.tp), "--pp_size", str(args.pp)])
         engine_dir = args.engine_dir
         repo = prepare_model_repo(args.engine_dir, args.repo, bls_instances=args.bls_instances,
-                                  overrides={"tensorrt_llm": lookahead_parameters(args.lookahead_config)})
+                                  overrides={"tensorrt_llm": engine_parameters(args)})
         served, prompt, engine_models = "SmolLM2-135M-Instruct", CHAT_PROMPT, "tensorrt_llm"
     world_size = args.tp * args.pp
     ranks = ["--no-mpi"] if world_size == 1 else [f"--world_size={world_size}", f"--engine_dir={engine_dir}"]

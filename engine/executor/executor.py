@@ -39,6 +39,7 @@ from engine.executor.kv_cache import BlockManager
 from engine.executor.executor_config import (  # noqa: F401
     ExecutorConfig, ExecutorConfigError, SpeculativeConfig,
 )
+from engine.executor.kv_events import KVEventPublisher, KVEventQueue, make_kv_event_publisher
 from engine.executor.kv_host_tier import make_host_tier
 from engine.encoder_decoder.encoder_stage import EncoderStage, encoder_decoder_runner, encoder_input_error
 from engine.executor import image_spans
@@ -191,6 +192,9 @@ class Executor:
                                    onboard_blocks=cfg.kv_cache_onboard_blocks, enable_reuse=cfg.enable_kv_cache_reuse)
         self.blocks = BlockManager(self.runner.num_kv_blocks, self.runner.tokens_per_block,
                                    cfg.enable_kv_cache_reuse, host_tier=host_tier)
+        self.kv_events = make_kv_event_publisher(self.runner.tokens_per_block, cfg.kv_cache_events_endpoint,
+                                                 cfg.kv_cache_events_topic)
+        self.blocks.events = None if self.kv_events is None else self.kv_events.queue
         self.scheduler = Scheduler(self.blocks, max_batch_size=self.max_batch_size,
                                    max_num_tokens=self.max_num_tokens, policy=self.config.batch_scheduler_policy,
                                    enable_chunked_context=self.config.enable_chunked_context,
@@ -310,6 +314,14 @@ class Executor:
     def get_iteration_stats_history(self) -> list[IterationStats]:
         return list(self._stats_history)
 
+    def subscribe_kv_events(self, callback) -> None:
+        """Call ``callback(KVEventBatch)`` (engine/executor/kv_events.py) on the executor's thread once
+        per iteration that stored or removed prefix blocks; subscribe before enqueuing requests."""
+        if self.kv_events is None:
+            self.kv_events = KVEventPublisher(KVEventQueue(self.blocks.tokens_per_block))
+            self.blocks.events = self.kv_events.queue
+        self.kv_events.sinks.append(callback)
+
     def can_enqueue_requests(self) -> bool:
         return not self._stopping
 
@@ -328,6 +340,8 @@ class Executor:
                 self._iteration_log.close()
                 self._iteration_log = None
         self.disagg.shutdown()
+        if self.kv_events is not None:
+            self.kv_events.close()
         if self.grammars is not None:
             self.grammars.shutdown()
         if self.adapters is not None:
@@ -441,6 +455,8 @@ class Executor:
         self._in_flight = None if launched is None or launched.failed else launched
         if launched is not None and (self._must_sync() or launched.verified):
             finished = self._finish_in_flight()  # (a drafted step's tokens decide the next schedule)
+        if self.kv_events is not None:
+            self.kv_events.publish()  # this iteration's block stored/removed events, as one batch
         if not self._emit_after_launch or self._in_flight is None:
             self._emit()  # cancellations and errors of this iteration
         if plan.is_empty and not finished and not new and not cancels:

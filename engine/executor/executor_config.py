@@ -106,6 +106,10 @@ class ExecutorConfig:
     # the device pool only) makes them misses: no tier is made.
     kv_cache_host_memory_bytes: int = 0
     kv_cache_onboard_blocks: bool = True
+    # KV events (engine/executor/kv_events.py): a ZMQ address to bind a PUB socket at (tcp://*:5557)
+    # publishing vLLM-shaped block stored/removed batches under this topic; "": none.
+    kv_cache_events_endpoint: str = ""
+    kv_cache_events_topic: str = "kv-events"
     enable_chunked_context: bool = False
     exclude_input_from_output: bool = False
     normalize_log_probs: bool = True
@@ -201,6 +205,12 @@ class ExecutorConfig:
         require(isinstance(self.kv_cache_host_memory_bytes, int) and not isinstance(self.kv_cache_host_memory_bytes, bool)
                 and self.kv_cache_host_memory_bytes >= 0,
                 f"ExecutorConfig.kv_cache_host_memory_bytes must be an integer >= 0, got {self.kv_cache_host_memory_bytes!r}")
+        require(isinstance(self.kv_cache_events_endpoint, str) and (not self.kv_cache_events_endpoint
+                or "://" in self.kv_cache_events_endpoint),
+                f"ExecutorConfig.kv_cache_events_endpoint must be empty or a ZMQ address such as tcp://*:5557, "
+                f"got {self.kv_cache_events_endpoint!r}")
+        require(isinstance(self.kv_cache_events_topic, str),
+                f"ExecutorConfig.kv_cache_events_topic must be a string, got {self.kv_cache_events_topic!r}")
         require(isinstance(self.kv_cache_onboard_blocks, bool),
                 f"ExecutorConfig.kv_cache_onboard_blocks must be true or false, got {self.kv_cache_onboard_blocks!r}")
         require(self.iter_stats_max_iterations >= 1,

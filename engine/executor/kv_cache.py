@@ -118,6 +118,7 @@ class BlockManager:
         self.total_new_blocks = 0  # cumulative fresh allocations (onboarding allocations are hits, not new)
         self.total_onboarded_blocks = 0  # cumulative prefix hits brought back from the host tier
         self.total_offloaded_blocks = 0  # cumulative evicted blocks the host tier kept
+        self.events = None  # a KVEventQueue (engine/executor/kv_events.py): told of every hash registered/dropped
 
     # ----- integer API -----
     @property
@@ -191,13 +192,17 @@ class BlockManager:
                 if block.block_hash is None:
                     self.free_queue.move_to_end(block_id, last=False)
 
-    def register(self, block_id: int, block_hash: int, token_ids: tuple[int, ...]) -> None:
-        """Make a full, computed block findable by its hash (first writer wins on duplicates)."""
+    def register(self, block_id: int, block_hash: int, token_ids: tuple[int, ...],
+                 parent_hash: int | None = None) -> None:
+        """Make a full, computed block findable by its hash (first writer wins on duplicates).
+        ``parent_hash``: the chain's previous block's hash (None for a first block), for KV events."""
         block = self.blocks[block_id]
         if not self.enable_reuse or block.block_hash is not None or block_hash in self.hash_to_block:
             return
         block.block_hash, block.token_ids = block_hash, token_ids
         self.hash_to_block[block_hash] = block_id
+        if self.events is not None:
+            self.events.stored(block_hash, parent_hash, token_ids)
         if self.host_tier is not None:
             self.host_tier.discard(block_hash)  # recomputed here: the host copy is redundant
 
@@ -205,6 +210,8 @@ class BlockManager:
         if block.block_hash is not None:
             if self.hash_to_block.get(block.block_hash) == block.block_id:
                 del self.hash_to_block[block.block_hash]
+                if self.events is not None:
+                    self.events.removed(block.block_hash)
             block.block_hash = block.token_ids = None
 
     # ----- sequence-level helpers (the scheduler's vocabulary) -----
@@ -269,7 +276,8 @@ class BlockManager:
             chain = [next(fill) if block_id is None else block_id for block_id in chain]
             for i, block_id in enumerate(chain, start):
                 if self.blocks[block_id].block_hash is None:
-                    self.register(block_id, block_hashes[i], tuple(token_ids[i * T:(i + 1) * T]))
+                    self.register(block_id, block_hashes[i], tuple(token_ids[i * T:(i + 1) * T]),
+                                  block_hashes[i - 1] if i else None)
         return chain
 
     def append_slots(self, seq: SequenceBlocks, num_new_tokens: int) -> int | None:
@@ -291,7 +299,8 @@ class BlockManager:
         token_ids = cache_token_ids(seq)
         seq.block_hashes = chain_block_hashes(token_ids, T, seq.block_hashes)
         for i in range(seq.num_registered_blocks, num_full):
-            self.register(seq.block_ids[i], seq.block_hashes[i], tuple(token_ids[i * T:(i + 1) * T]))
+            self.register(seq.block_ids[i], seq.block_hashes[i], tuple(token_ids[i * T:(i + 1) * T]),
+                          seq.block_hashes[i - 1] if i else None)
         seq.num_registered_blocks = num_full
 
     def free_blocks_outside_window(self, seq: SequenceBlocks, window: int) -> int:

@@ -72,3 +72,19 @@ def test_lookahead_config_flag_fills_decoding_mode_lookahead(tmp_path):
         assert "--lookahead_config: expected three integers W,N,G" in str(exit_)
     else:
         raise AssertionError("a two-number --lookahead_config was accepted")
+
+
+def test_kv_events_endpoint_flag_fills_the_tensorrt_llm_parameter(tmp_path):
+    """--kv-events-endpoint tcp://*:5557 -> kv_cache_events_endpoint, intact through fill_template."""
+    import argparse
+
+    from serving.executor_config import executor_settings
+
+    args = argparse.Namespace(lookahead_config=None, kv_events_endpoint="tcp://*:5557")
+    repo = Path(serve.prepare_model_repo(str(tmp_path / "engine"), str(tmp_path / "repo"),
+                                         overrides={"tensorrt_llm": serve.engine_parameters(args)}))
+    text = (repo / "tensorrt_llm" / "config.pbtxt").read_text()
+    filled = dict(re.findall(r'key: "(\w+)"\s*value: \{\s*string_value: "([^"]*)"', text))
+    assert executor_settings(filled, {})["kv_cache_events_endpoint"] == "tcp://*:5557"
+    args.kv_events_endpoint = None
+    assert serve.engine_parameters(args) == {}
