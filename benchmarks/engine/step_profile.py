@@ -59,7 +59,10 @@ def step_batch(runner, batch_size: int, new_tokens: int, context: int):
         positions += range(context - new_tokens, context)
         tables.append(list(range(i * per_seq, (i + 1) * per_seq)))
     ends = [(i + 1) * new_tokens - 1 for i in range(batch_size)]
-    return ForwardBatch(token_ids, positions, [new_tokens] * batch_size, [context] * batch_size, tables, ends)
+    # A hybrid (Mamba layers) reads and writes one state slot per sequence: slot i for sequence i.
+    slots = list(range(batch_size)) if getattr(runner.model, "uses_state_cache", False) else None
+    return ForwardBatch(token_ids, positions, [new_tokens] * batch_size, [context] * batch_size, tables, ends,
+                        state_slots=slots)
 
 
 def profile_step(runner, batch) -> dict:
@@ -201,6 +204,8 @@ def main(argv: list[str] | None = None) -> dict:
     engine_dir = write_config_only_engine(args.model, args.dtype, max(max_batch, 8), max_context + 64,
                                           max(max_tokens, 8192), 32, quantization=args.quantization)
     runner = ModelRunner(engine_dir, device="cuda")
+    if getattr(runner.model, "uses_state_cache", False):  # hybrids: state slots before the KV pool, as the executor
+        runner.allocate_state_cache(max(max_batch, 8))
     blocks = max(count * -(-(length + 1) // runner.tokens_per_block) for _, count, length in shapes)
     runner.allocate_kv_cache(blocks, args.kv_cache_dtype)
     print(f"{torch.cuda.get_device_name()}, {args.model} {args.dtype} quantization={args.quantization} "
