@@ -8,7 +8,7 @@ import torch
 
 from engine.executor import Executor, ExecutorConfig, OutputConfig, Request
 from engine.executor.prompt_table import PromptTable
-from tests.executor.conftest import VOCAB
+from tiny_engines import VOCAB
 from tests.executor.executor_testing import collect, final_tokens
 
 HIDDEN = 64

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 import transformers
-from conftest import VOCAB, build_tiny_engine, tiny_hf_model
+from tiny_engines import VOCAB, build_tiny_engine, tiny_hf_model
 from executor_testing import collect, final_tokens
 
 from engine.executor.executor import Executor, ExecutorConfig, ExecutorConfigError, SpeculativeConfig

@@ -15,7 +15,7 @@ from executor_testing import collect, final_tokens
 from test_speculative_draft_model import other_family
 
 from benchmarks.speculative.speculative_acceptance import PROMPT_SETS, chat_prompt
-from conftest import build_tiny_engine
+from tiny_engines import build_tiny_engine
 from engine.executor.executor import Executor, ExecutorConfig, ExecutorConfigError, SpeculativeConfig
 from engine.executor.lookahead_sizes import LookaheadSizes
 from engine.executor.request import OutputConfig, Request, SamplingConfig
