@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.hf_checkpoint import CheckpointError, TensorGetter
-from engine.vision.clip import ClipTowerConfig, ClipVisionTower, activation
+from engine.vision.clip import ClipTowerConfig, ClipVisionTower, activation, norm_and_mlp_weights
 
 MODEL_TYPE = "blip2-opt"  # builder_config.model_type, as the anchor's preprocessing asserts it
 LANGUAGE_MODELS = ("opt",)  # the text_config.model_type BLIP-2 builds over (the anchor's blip2-opt)
@@ -197,10 +197,7 @@ def encoder_weights(get: TensorGetter, config: dict) -> dict[str, torch.Tensor]:
                                            else torch.zeros(3 * h))
         for part in ("weight", "bias"):
             weights[ours + f"out_proj.{part}"] = get(hf + f"self_attn.projection.{part}")
-            weights[ours + f"attn_norm.{part}"] = get(hf + f"layer_norm1.{part}")
-            weights[ours + f"mlp_norm.{part}"] = get(hf + f"layer_norm2.{part}")
-            weights[ours + f"fc1.{part}"] = get(hf + f"mlp.fc1.{part}")
-            weights[ours + f"fc2.{part}"] = get(hf + f"mlp.fc2.{part}")
+        weights.update(norm_and_mlp_weights(get, hf, ours))
     for i in range(qformer.num_layers):
         hf, ours = f"{_QFORMER}encoder.layer.{i}.", f"qformer.{i}."
         blocks = [("attention", "attention")]

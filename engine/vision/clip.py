@@ -140,6 +140,15 @@ def first_found(get: TensorGetter, names: list[str]) -> torch.Tensor:
     return get(names[-1])  # its error names the last layout tried
 
 
+def norm_and_mlp_weights(get, hf_layer: str, ours: str) -> dict[str, torch.Tensor]:
+    """One ViT layer's two LayerNorms and MLP, named as CLIP's, SigLIP's and BLIP-2's vision models name
+    them (``get``: HF name -> tensor; ``hf_layer`` and ``ours``: the layer's prefix in each naming)."""
+    return {f"{ours}{mine}.{part}": get(f"{hf_layer}{theirs}.{part}")
+            for mine, theirs in (("attn_norm", "layer_norm1"), ("mlp_norm", "layer_norm2"),
+                                 ("fc1", "mlp.fc1"), ("fc2", "mlp.fc2"))
+            for part in ("weight", "bias")}
+
+
 def tower_weights(get: TensorGetter, config: ClipTowerConfig, prefixes=TOWER_PREFIXES) -> dict[str, torch.Tensor]:
     """The engine's tower weights from a checkpoint's CLIP vision model (HF names)."""
     def hf(name: str) -> torch.Tensor:
@@ -159,8 +168,5 @@ def tower_weights(get: TensorGetter, config: ClipTowerConfig, prefixes=TOWER_PRE
             weights[f"layers.{i}.qkv_proj.{part}"] = torch.cat(
                 [hf(f"{layer}self_attn.{p}_proj.{part}") for p in ("q", "k", "v")])
             weights[f"layers.{i}.out_proj.{part}"] = hf(f"{layer}self_attn.out_proj.{part}")
-            weights[f"layers.{i}.attn_norm.{part}"] = hf(f"{layer}layer_norm1.{part}")
-            weights[f"layers.{i}.mlp_norm.{part}"] = hf(f"{layer}layer_norm2.{part}")
-            weights[f"layers.{i}.fc1.{part}"] = hf(f"{layer}mlp.fc1.{part}")
-            weights[f"layers.{i}.fc2.{part}"] = hf(f"{layer}mlp.fc2.{part}")
+        weights.update(norm_and_mlp_weights(hf, layer, f"layers.{i}."))
     return weights
