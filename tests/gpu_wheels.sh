@@ -17,6 +17,7 @@ PINNED=(
   jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1
   xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2                     # guided decoding
   compressed-tensors==0.20.1 loguru==0.7.3                         # compressed-tensors checkpoints
+  msgpack==1.1.1 pyzmq==27.3.0                                     # KV events (engine/executor/kv_events.py)
   pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0
 )
 STASH_PART_BYTES=$((48 << 20))
