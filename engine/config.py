@@ -45,6 +45,9 @@ MAX_DEFAULT_SEQ_LEN = 32768
 # prefills), and never less than max_input_len (so any allowed prompt fits one step unchunked).
 MIN_DEFAULT_MAX_NUM_TOKENS = 8192
 
+# Qwen3-VL's language models (engine/models/qwen3_vl.py): Qwen3 / Qwen3-MoE with DeepStack levels.
+DEEPSTACK_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+
 # Gemma 2 / Gemma 3 text (engine/models/gemma.py): GeGLU MLP, sandwich norms, soft-capping.
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 SUPPORTED_ARCHITECTURES += GEMMA_ARCHITECTURES
@@ -143,7 +146,8 @@ _OPTIONAL_AT_DEFAULT = ("norm_kind", "norm_bias", "positions", "learned_position
                         "alibi_bias_max", "residual", "post_sublayer_norms", "attention_out_bias", "mlp_bias",
                         "mlp_gated", "embedding_norm", "word_embed_proj_dim", "final_norm", "lm_head_bias", "clip_qkv",
                         "rotary_interleaved", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim",
-                        "n_shared_experts", "n_group", "topk_group", "routed_scaling_factor", "topk_method", "qk_l2_norm")
+                        "n_shared_experts", "n_group", "topk_group", "routed_scaling_factor", "topk_method", "qk_l2_norm",
+                        "deepstack_layers")
 
 
 @dataclass
@@ -266,6 +270,15 @@ class ModelConfig:
     qk_l2_norm: bool = False
     nope_floor_scale: float | None = None
     nope_attn_scale: float | None = None
+    # ---- Qwen3-VL's language model (DEEPSTACK_ARCHITECTURES; engine/models/qwen3_vl.py): its decoder
+    # layers 0..deepstack_layers-1 each add one DeepStack level of an image's features at the image's
+    # positions; the levels ride in the prompt table's rows, (1 + deepstack_layers) * hidden_size wide ----
+    deepstack_layers: int = 0
+
+    @property
+    def prompt_table_width(self) -> int:
+        """The width of a prompt-embedding table's rows: hidden_size, DeepStack levels beside it."""
+        return self.hidden_size * (1 + self.deepstack_layers)
 
     def is_moe_layer(self, layer_index: int) -> bool:
         return (self.num_experts > 0 and layer_index not in self.mlp_only_layers
@@ -317,6 +330,10 @@ class ModelConfig:
             )
         self._validate_rotary_layout()
         self._validate_rope_scaling_keys()
+        _require(isinstance(self.deepstack_layers, int) and 0 <= self.deepstack_layers <= self.num_layers
+                 and (not self.deepstack_layers or self.architecture in DEEPSTACK_ARCHITECTURES),
+                 f"deepstack_layers {self.deepstack_layers!r} of {self.architecture}: allowed 0..num_layers "
+                 f"({self.num_layers}), and above 0 only for {', '.join(DEEPSTACK_ARCHITECTURES)} (Qwen3-VL)")
         return self
 
     def _validate_decoder_options(self) -> None:

@@ -125,6 +125,8 @@ def _llama_family_config(c, architecture: str, **moe_fields) -> ModelConfig:
         qk_norm=architecture in _QK_NORM_ARCHITECTURES,
         partial_rotary_factor=partial_rotary_factor,
         layers_without_rope=_layers_without_rope(c),
+        # Qwen3-VL's language model: set on its text config by engine/vision/qwen3_vl.text_config
+        deepstack_layers=getattr(c, "deepstack_layers", 0),
         **sliding_window_fields(c),
         **moe_fields,
     ).validate()

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from serving.images import ImageLimits, images_from_bytes, images_from_urls
-from serving.qwen_vl import (CHAT_WRAPPER, NO_PIXELS, ONE_IMAGE, QWEN_VL_TYPES, grid_rows, image_patches,
+from serving.qwen_vl import (CHAT_WRAPPERS, NO_PIXELS, ONE_IMAGE, QWEN_VL_TYPES, grid_rows, image_patches,
                              vision_input_ids)
 from serving.text import string_rows
 
@@ -38,7 +38,7 @@ from serving.text import string_rows
 # prompt is the chat template of its language model, so send the text with <image> placeholders).
 PROMPT_WRAPPERS = {"llava": ("USER:\n", "", " ASSISTANT:"),
                    "llava_onevision": ("<|im_start|>user ", "\n", "<|im_end|><|im_start|>assistant\n"),
-                   **{model_type: CHAT_WRAPPER for model_type in QWEN_VL_TYPES}}
+                   **CHAT_WRAPPERS}
 # builder_config.model_type whose image slots come first and whose text keeps its special tokens
 # after them: the anchor's blip2 layout (fake ids, then the encoded text), which is transformers'
 # Blip2Processor's too (the query tokens, then the tokenizer's ids with OPT's BOS).

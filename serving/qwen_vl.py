@@ -1,15 +1,16 @@
-"""Qwen2-VL / Qwen2.5-VL in the Triton pipeline: what preprocessing and multimodal_encoders add for them.
+"""Qwen2-VL / Qwen2.5-VL / Qwen3-VL in the Triton pipeline: what preprocessing and multimodal_encoders add.
 
 preprocessing: the checkpoint's image processor gives each image's patches (patches, C * T * P * P)
 and its (t, h, w) patch grid; the image takes t * h * w / merge**2 table rows (fake ids), with
 ``<|vision_start|>`` / ``<|vision_end|>`` around them when preprocessing lays the prompt out (no
 placeholder in the text: Qwen2-VL's chat template with its default system prompt, as the anchor's
-preprocessing applies it). Outputs beside INPUT_ID: PIXEL_VALUES (B, 1, 1, patches, dim), IMAGE_GRID_THW
-(B, 3) (the anchor's [3]: one image per request) and VISION_INPUT_ID (B, L): the prompt with each
-fake id replaced by the image token (the anchor's raw ids). PIXEL_VALUES is 5-D with the batch
+preprocessing applies it; Qwen3-VL's, which has none). Outputs beside INPUT_ID: PIXEL_VALUES
+(B, 1, 1, patches, dim), IMAGE_GRID_THW (B, 3) (the anchor's [3]: one image per request) and
+VISION_INPUT_ID (B, L): the prompt with each fake id replaced by the image token (the anchor's raw ids). PIXEL_VALUES is 5-D with the batch
 dimension, as multimodal_encoders' pixel_values ([-1, -1, -1, -1] per item) takes it: (B, 1, 1, patches, dim).
 
-multimodal_encoders: the table, and from VISION_INPUT_ID + IMAGE_GRID_THW the M-RoPE pair
+multimodal_encoders: the table (Qwen3-VL: rows with the DeepStack levels beside each image row,
+engine/vision/qwen3_vl.py), and from VISION_INPUT_ID + IMAGE_GRID_THW the M-RoPE pair
 (engine/vision/mrope.py request_mrope) in the anchor's layout (serving/mrope.py to_wire):
 MROPE_ROTARY_COS_SIN (B, L * head_dim) FP32 and MROPE_POSITION_DELTAS (B, 1) INT64.
 """
@@ -17,10 +18,13 @@ from __future__ import annotations
 
 import numpy as np
 
-QWEN_VL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+QWEN_VL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 # (pre-prompt, after the image slots, post-prompt): Qwen2-VL's chat template for one user turn
 CHAT_WRAPPER = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n", "",
                 "<|im_end|>\n<|im_start|>assistant\n")
+# Qwen3-VL's chat template writes a system turn only when the messages hold one
+CHAT_WRAPPERS = {"qwen2_vl": CHAT_WRAPPER, "qwen2_5_vl": CHAT_WRAPPER,
+                 "qwen3_vl": ("<|im_start|>user\n", "", "<|im_end|>\n<|im_start|>assistant\n")}
 ONE_IMAGE = ("{n} images were sent; Qwen2-VL models take one image per request here (IMAGE_GRID_THW is one "
              "(t, h, w) per item, as the anchor's); send one image")
 NO_PIXELS = ("image_input: Qwen2-VL models take images as image_bytes_input or image_url_input (preprocessing "

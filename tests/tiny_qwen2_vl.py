@@ -35,6 +35,11 @@ def hf_model(kind: str = "qwen2_vl", seed: int = 0):
                          bos_token_id=1, eos_token_id=2, pad_token_id=4,
                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": SECTIONS}),
         image_token_id=IMAGE_TOKEN, vision_start_token_id=VISION_START, vision_end_token_id=VISION_END)
+    return seeded(model_class, config, seed)
+
+
+def seeded(model_class, config, seed: int):
+    """``model_class(config)`` with random weights of scale 0.2 (norm weights about 1), greedy without EOS."""
     torch.manual_seed(seed)
     model = model_class(config).eval()
     with torch.no_grad():  # weights far from ties, so greedy decoding is stable across implementations

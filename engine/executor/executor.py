@@ -209,7 +209,7 @@ class Executor:
             enable_chunked_context=self.config.enable_chunked_context,
             num_kv_blocks=self.blocks.num_blocks, tokens_per_block=self.blocks.tokens_per_block,
             max_batch_size=self.max_batch_size, max_draft_len=self.config.max_draft_len,
-            hidden_size=self.runner.model_config.hidden_size,
+            hidden_size=self.runner.model_config.prompt_table_width,  # Qwen3-VL: DeepStack levels beside
             # One rank only: the step protocol sends token ids, not the table rows the splice needs.
             supports_prompt_tables=build.tp_size == 1
             and getattr(getattr(self.runner, "model", None), "supports_prompt_tables", False),

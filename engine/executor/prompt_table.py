@@ -73,8 +73,8 @@ def prompt_table_error(prompt: list[int], table: PromptTable | None, vocab_size:
     if len(shape) != 2 or shape[0] == 0:
         return f"prompt_embedding_table has shape {shape}; send (rows, hidden_size) with at least one row"
     if shape[1] != hidden_size:
-        return (f"prompt_embedding_table has rows of width {shape[1]}; they must have the model's hidden size "
-                f"({hidden_size})")
+        return (f"prompt_embedding_table has rows of width {shape[1]}; they must have the model's table width "
+                f"({hidden_size}: its hidden size, times 1 + its DeepStack levels for Qwen3-VL)")
     if not fake:
         return (f"prompt_embedding_table was sent but input_ids hold no id >= vocab_size ({vocab_size}); mark the "
                 "positions that take table rows with ids vocab_size + row")

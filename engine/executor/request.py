@@ -388,7 +388,7 @@ class RequestLimits:
     tokens_per_block: int
     max_batch_size: int = 1 << 30
     max_draft_len: int = 8  # the most external draft tokens a request may carry
-    hidden_size: int = 0  # the width a prompt_embedding_table's rows must have
+    hidden_size: int = 0  # the width a prompt_embedding_table's rows must have (ModelConfig.prompt_table_width)
     supports_prompt_tables: bool = True  # the model's forward splices table rows (engine/executor/prompt_table.py)
     mrope_width: int = 0  # the rotary rows' width an Mrope must have; 0: the model takes none (mrope_rotary.py)
 

@@ -120,7 +120,7 @@ class ModelRunner:
 
     def _load_model(self, engine_dir: str, tp_group) -> torch.nn.Module:
         cfg, build = self.model_config, self.build_config
-        model_class = get_model_class(cfg.architecture)
+        model_class = get_model_class(cfg.architecture, cfg.deepstack_layers)
         quantization = {"quantization": build.weight_only or build.quantization} if build.quantization else {}
         model = self.shape_model(model_class(
             cfg, tp_rank=self.rank, tp_size=build.tp_size, tp_group=tp_group, dtype=self.dtype,

@@ -130,6 +130,10 @@ MODEL_FAMILIES = (
                 "positions, routed-expert MLPs)", tensor_parallel=False),
 )
 _REGISTRY = {family.architecture: family for family in MODEL_FAMILIES}
+# Qwen3-VL's language models (ModelConfig.deepstack_layers > 0, engine.config.DEEPSTACK_ARCHITECTURES):
+# the family's layers and weights, with a forward that adds the DeepStack levels.
+DEEPSTACK_CLASSES = {"Qwen3ForCausalLM": ("engine.models.qwen3_vl", "Qwen3VLForCausalLM"),
+                     "Qwen3MoeForCausalLM": ("engine.models.qwen3_vl", "Qwen3VLMoeForCausalLM")}
 SUPPORTED_ARCHITECTURES = tuple(_REGISTRY)
 
 
@@ -146,12 +150,14 @@ def get_family(architecture: str) -> ModelFamily:
     return _REGISTRY[architecture]
 
 
-def get_model_class(architecture: str):
-    """Return the model class for ``architecture`` or raise naming the supported ones."""
+def get_model_class(architecture: str, deepstack_layers: int = 0):
+    """Return the model class for ``architecture`` or raise naming the supported ones. ``deepstack_layers``
+    (ModelConfig's, > 0 only for Qwen3-VL's language models): the class whose forward adds them."""
     import importlib
 
     family = get_family(architecture)
-    return getattr(importlib.import_module(family.module), family.class_name)
+    module, class_name = DEEPSTACK_CLASSES[architecture] if deepstack_layers else (family.module, family.class_name)
+    return getattr(importlib.import_module(module), class_name)
 
 
 def supported_models_markdown() -> str:

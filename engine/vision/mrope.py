@@ -10,9 +10,13 @@ position. That is the whole hook the engine needs: every token whose three posit
 (all text, every decode step) rotates as ordinary RoPE at that position, and only image rows need
 rows of their own (``mrope_cos_sin``), which the anchor's ``mrope_rotary_cos_sin`` input carries.
 
-``mrope_cos_sin(positions, head_dim, theta, sections)``: (L, head_dim) cos and sin, as
+``mrope_cos_sin(positions, head_dim, theta, sections, interleaved)``: (L, head_dim) cos and sin, as
 transformers' Qwen2VLRotaryEmbedding: frequency block j of ``sections`` (e.g. [16, 24, 24] of
-head_dim / 2) takes position row j % 3, then the halves repeat (rotate_half pairing).
+head_dim / 2) takes position row j % 3, then the halves repeat (rotate_half pairing). Qwen3-VL
+(``interleaved``, its Qwen3VLTextRotaryEmbedding) deals the frequencies out in turn instead:
+frequency i takes the height row when i % 3 == 1 and i < 3 * sections[1], the width row when
+i % 3 == 2 and i < 3 * sections[2], the temporal row otherwise (e.g. [24, 20, 20]: t h w t h w ...
+then t alone for the last four).
 """
 from __future__ import annotations
 
@@ -48,20 +52,28 @@ def rope_positions(ids: list[int], image_token_id: int, grids: list[list[int]], 
     return positions, (int(positions.max()) + 1 - len(ids)) if len(ids) else 0
 
 
-def mrope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, sections: list[int]
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def mrope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, sections: list[int],
+                  interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """positions (3, L) -> cos, sin (L, head_dim) fp32."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
     angles = positions.float()[..., None] * inv_freq  # (3, L, head_dim / 2)
-    angles = torch.cat([block[j % 3] for j, block in enumerate(angles.split(list(sections), dim=-1))], dim=-1)
+    if interleaved:
+        picked = angles[0].clone()
+        for axis in (1, 2):
+            dealt = slice(axis, 3 * sections[axis], 3)
+            picked[:, dealt] = angles[axis][:, dealt]
+        angles = picked
+    else:
+        angles = torch.cat([block[j % 3] for j, block in enumerate(angles.split(list(sections), dim=-1))], dim=-1)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
 
 
-def rotary_rows(positions: torch.Tensor, head_dim: int, theta: float, sections: list[int]) -> torch.Tensor:
+def rotary_rows(positions: torch.Tensor, head_dim: int, theta: float, sections: list[int],
+                interleaved: bool = False) -> torch.Tensor:
     """positions (3, L) -> (L, head_dim) fp32 rows in the engine's rotary-table layout
     (kernels/rotary.py build_cos_sin_cache: [cos of the head_dim / 2 frequencies | their sin])."""
-    cos, sin = mrope_cos_sin(positions, head_dim, theta, sections)
+    cos, sin = mrope_cos_sin(positions, head_dim, theta, sections, interleaved)
     return torch.cat([cos[:, :head_dim // 2], sin[:, :head_dim // 2]], dim=-1)
 
 
@@ -71,8 +83,9 @@ def request_mrope(ids: list[int], grids: list[list[int]], config: dict, vocab_si
     ``Mrope`` takes (engine/executor/mrope_rotary.py). ``ids``: the prompt with each image's rows as
     runs of the image token (``config["image_token_index"]``), or, given ``vocab_size``, as the fake ids
     (>= vocab_size) of a prompt-embedding table; ``grids``: each image's (t, h, w) patch grid, in
-    order; ``config``: the vision encoder directory's config (its ``mrope``)."""
+    order; ``config``: the vision encoder directory's config (its ``mrope``; ``interleaved`` for Qwen3-VL)."""
     mrope, image = config["mrope"], config["image_token_index"]
     marked = [image if vocab_size is not None and t >= vocab_size else t for t in ids]
     positions, delta = rope_positions(marked, image, grids, mrope["merge"])
-    return rotary_rows(positions, mrope["head_dim"], mrope["theta"], mrope["sections"]), delta
+    return rotary_rows(positions, mrope["head_dim"], mrope["theta"], mrope["sections"],
+                       mrope.get("interleaved", False)), delta

@@ -57,6 +57,14 @@ def axial_cos_sin(grid_thw: list[list[int]], merge: int, head_dim: int, theta: f
     return angles.cos(), angles.sin()
 
 
+def frame_attention(grids: list[list[int]], config: dict, device=None) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """What full-frame blocks take: the patches' axial (cos, sin) and each frame's patch count (attention
+    stays within a frame), for a tower config with embed_dim, num_heads, spatial_merge_size, rope_theta."""
+    cos, sin = axial_cos_sin(grids, config["spatial_merge_size"], config["embed_dim"] // config["num_heads"],
+                             config["rope_theta"], device)
+    return cos, sin, [h * w for t, h, w in grids for _ in range(t)]
+
+
 def embed_patches(patch_embed: nn.Linear, pixel_values: torch.Tensor, grids: list[list[int]]) -> torch.Tensor:
     """The processor's flattened patches (patches, channels * temporal * patch * patch) -> (patches, dim),
     after checking that the (t, h, w) grids account for every patch."""
@@ -69,7 +77,8 @@ def embed_patches(patch_embed: nn.Linear, pixel_values: torch.Tensor, grids: lis
 class Qwen2VisionBlock(nn.Module):
     def __init__(self, config: dict, dtype=None, device=None):
         super().__init__()
-        dim, hidden = config["embed_dim"], int(config["embed_dim"] * config["mlp_ratio"])
+        # Qwen3-VL gives the MLP width itself; Qwen2-VL as a ratio
+        dim, hidden = config["embed_dim"], config.get("intermediate_size") or int(config["embed_dim"] * config["mlp_ratio"])
         self.num_heads = config["num_heads"]
         self.norm1 = nn.LayerNorm(dim, eps=1e-6, dtype=dtype, device=device)
         self.qkv = nn.Linear(dim, 3 * dim, dtype=dtype, device=device)
@@ -116,8 +125,7 @@ class Qwen2VisionEncoder(nn.Module):
         c = self.config
         merge = c["spatial_merge_size"]
         x = embed_patches(self.patch_embed, pixel_values, grids)
-        cos, sin = axial_cos_sin(grids, merge, c["embed_dim"] // c["num_heads"], c["rope_theta"], x.device)
-        lengths = [h * w for t, h, w in grids for _ in range(t)]  # attention within each frame
+        cos, sin, lengths = frame_attention(grids, c, x.device)
         for block in self.blocks:
             x = block(x, cos, sin, lengths)
         x = self.merger_norm(x).view(-1, c["embed_dim"] * merge ** 2)
@@ -132,11 +140,11 @@ def _text_rope(text) -> dict:
             **(getattr(text, "rope_scaling", None) or {}), **(getattr(text, "rope_parameters", None) or {})}
 
 
-def text_config(hf_config):
-    """The language model's config as a plain Qwen2's: rope without its M-RoPE sections (the engine's
-    own rotary table is plain RoPE; a request's image rows bring their own rows)."""
+def text_config(hf_config, architecture: str = "Qwen2ForCausalLM"):
+    """The language model's config as a plain Qwen2's (Qwen3-VL: ``architecture`` Qwen3's): rope without its
+    M-RoPE sections (the engine's own rotary table is plain RoPE; a request's image rows bring their own rows)."""
     text = copy.deepcopy(hf_config.text_config)
-    text.architectures = ["Qwen2ForCausalLM"]
+    text.architectures = [architecture]
     name = "rope_parameters" if getattr(text, "rope_parameters", None) else "rope_scaling"  # transformers 5, 4
     rope = getattr(text, name, None)
     if rope:

@@ -2,7 +2,7 @@
 
 A family says how its checkpoint splits into a language model (built as any text engine) and an
 image encoder (``engine/vision/<family>.py``): the text config, where the language tensors live,
-the encoder's config and weights, and the encoder module. Families to come (Qwen3-VL) add one entry each.
+the encoder's config and weights, and the encoder module. A new family adds one entry.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from engine.hf_checkpoint import CheckpointError, TensorGetter
-from engine.vision import blip2, gemma3, llava, llava_next, qwen2_5_vl, qwen2_vl
+from engine.vision import blip2, gemma3, llava, llava_next, qwen2_5_vl, qwen2_vl, qwen3_vl
 from engine.vision.anyres import ONEVISION_MODEL_TYPE
 
 
@@ -72,6 +72,10 @@ VISION_FAMILIES = {
     "Qwen2_5_VLForConditionalGeneration": VisionFamily(
         "Qwen2_5_VLForConditionalGeneration", qwen2_5_vl.MODEL_TYPE, qwen2_5_vl.encoder_config,
         qwen2_5_vl.encoder_weights, qwen2_5_vl.Qwen25VisionEncoder, _QWEN2_VL_LANGUAGE, qwen2_vl.text_config),
+    # Qwen3-VL saves its language model as model.language_model.* (transformers 5's files)
+    "Qwen3VLForConditionalGeneration": VisionFamily(
+        "Qwen3VLForConditionalGeneration", qwen3_vl.MODEL_TYPE, qwen3_vl.encoder_config, qwen3_vl.encoder_weights,
+        qwen3_vl.Qwen3VisionEncoder, _QWEN2_VL_LANGUAGE, qwen3_vl.text_config),
     "Blip2ForConditionalGeneration": VisionFamily(
         "Blip2ForConditionalGeneration", blip2.MODEL_TYPE, blip2.encoder_config, blip2.encoder_weights,
         blip2.Blip2VisionEncoder, _BLIP2_LANGUAGE, blip2.text_config),

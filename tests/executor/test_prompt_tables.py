@@ -117,7 +117,7 @@ def test_prefix_cache_keys_each_image_by_its_own_rows(tiny_engine, tiny_hf):
 
 @pytest.mark.parametrize("request_fields, message", [
     (dict(prompt_table=PromptTable(torch.ones(6, 32))),
-     "prompt_embedding_table has rows of width 32; they must have the model's hidden size (64)"),
+     "prompt_embedding_table has rows of width 32; they must have the model's table width (64: its hidden size"),
     (dict(input_token_ids=image_prompt(rows=7), prompt_table=PromptTable(torch.ones(6, HIDDEN))),
      f"input_ids contains id {VOCAB + 6}, which names row 6 of a prompt_embedding_table of 6 rows"),
     (dict(input_token_ids=[3, 4, 5], prompt_table=PromptTable(torch.ones(6, HIDDEN))),

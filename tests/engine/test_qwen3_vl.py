@@ -1,0 +1,175 @@
+"""Qwen3-VL as a built family: engine.build on a tiny random Qwen3VLForConditionalGeneration made by
+transformers writes a Qwen3 language engine with DeepStack levels and vision_encoder/; the encoder's rows
+are transformers' image features with its DeepStack features beside them; greedy ids of requests with
+images of two sizes and a text-only request, batched and chunked so that steps split the images, equal
+transformers' generate (interleaved M-RoPE, q/k norms, DeepStack added after the first layers)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("PIL")
+
+from engine.build import main  # noqa: E402
+from engine.executor import Executor, ExecutorConfig, OutputConfig, Request  # noqa: E402
+from engine.executor.mrope_rotary import Mrope  # noqa: E402
+from engine.executor.prompt_table import PromptTable  # noqa: E402
+from engine.vision.encoder_dir import load_vision_encoder, read_encoder_config, vision_encoder_dir  # noqa: E402
+from engine.vision.mrope import request_mrope  # noqa: E402
+from tests.executor.executor_testing import collect, final_tokens  # noqa: E402
+from tiny_llava import VOCAB, make_image  # noqa: E402
+from tiny_qwen3_vl import IMAGE_TOKEN, VISION_END, VISION_START, hf_model, image_processor, write_checkpoint  # noqa: E402
+
+NEW_TOKENS = 6
+SIZES = [(52, 40), (28, 56)]  # grids (1, 6, 8) and (1, 8, 4): 12 and 8 rows
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """(engine dir, transformers model)."""
+    root = tmp_path_factory.mktemp("qwen3_vl")
+    checkpoint = write_checkpoint(root / "checkpoint")
+    assert main(["--checkpoint", str(checkpoint), "--output", str(root / "engine"), "--dtype", "float32",
+                 "--max_seq_len", "128", "--tokens_per_block", "4"]) == 0
+    return str(root / "engine"), hf_model()
+
+
+def hf_prompt(rows: int, text: list[int]) -> list[int]:
+    return [1, 5, VISION_START, *[IMAGE_TOKEN] * rows, VISION_END, *text]
+
+
+def hf_greedy(hf, prompt: list[int], image=None) -> list[int]:
+    ids = torch.tensor([prompt])
+    extra = {} if image is None else dict(pixel_values=image["pixel_values"], image_grid_thw=image["image_grid_thw"],
+                                           mm_token_type_ids=(ids == IMAGE_TOKEN).int())
+    with torch.no_grad():
+        return hf.generate(input_ids=ids, max_new_tokens=NEW_TOKENS, do_sample=False, **extra)[0, len(prompt):].tolist()
+
+
+def test_greedy_ids_with_images_of_two_sizes_and_text_only_equal_transformers_generate(built):
+    assert_greedy_ids_equal_transformers(*built)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_greedy_ids_equal_transformers(built):
+    assert_greedy_ids_equal_transformers(*built, device="cuda")
+
+
+def assert_greedy_ids_equal_transformers(engine: str, hf, device: str | None = None) -> None:
+    config = read_encoder_config(vision_encoder_dir(engine))
+    assert config["builder_config"]["model_type"] == "qwen3_vl" and config["mrope"]["interleaved"]
+    encoder = load_vision_encoder(vision_encoder_dir(engine))
+    images = [image_processor()([make_image(seed, size)], return_tensors="pt") for seed, size in enumerate(SIZES)]
+    requests, expected = [], []
+    for i, image in enumerate(images):
+        grids = image["image_grid_thw"].tolist()
+        table = encoder.image_features(image["pixel_values"], grids)[0]
+        with torch.no_grad():
+            features = hf.model.get_image_features(pixel_values=image["pixel_values"],
+                                                   image_grid_thw=image["image_grid_thw"])
+        # the table row: [merger output | DeepStack level 0 | level 1]
+        torch.testing.assert_close(table, torch.cat([features.pooler_output[0]]
+                                                    + [level[0] for level in features.deepstack_features], -1),
+                                   atol=1e-5, rtol=1e-5)
+        prompt = hf_prompt(len(table), [7 + i, 8, 9, 10, 11, 6])
+        rows = iter(range(len(table)))
+        ids = [VOCAB + next(rows) if t == IMAGE_TOKEN else t for t in prompt]
+        rotary, delta = request_mrope(ids, grids, config, vocab_size=VOCAB)
+        requests.append(Request(ids, NEW_TOKENS, output=OutputConfig(exclude_input_from_output=True),
+                                prompt_table=PromptTable(table), mrope=Mrope(rotary, delta)))
+        expected.append(hf_greedy(hf, prompt, image))
+    text = [1, 5, 7, 8, 9, 10, 11, 12, 6]
+    requests.append(Request(text, NEW_TOKENS, output=OutputConfig(exclude_input_from_output=True)))
+    expected.append(hf_greedy(hf, text))
+    # chunks of 5 tokens: every image's rows (and so its DeepStack rows) are split across steps
+    with Executor(engine, ExecutorConfig(max_num_tokens=5, enable_chunked_context=True), device=device) as executor:
+        request_ids = executor.enqueue_requests(requests)
+        responses = collect(executor, request_ids)
+    assert [final_tokens(responses[i]) for i in request_ids] == expected
+
+
+def test_context_logits_equal_transformers_and_deepstack_and_interleaving_matter(built):
+    """The image request's context logits equal transformers' forward (atol 1e-4); with its DeepStack
+    rows zeroed, or with Qwen2-VL's sectioned M-RoPE, they differ by > 1e-2: both are exercised. A table
+    of the hidden size alone is refused by name (the levels are part of the row)."""
+    engine, hf = built
+    config = read_encoder_config(vision_encoder_dir(engine))
+    image = image_processor()([make_image(0, SIZES[0])], return_tensors="pt")
+    grids = image["image_grid_thw"].tolist()
+    table = load_vision_encoder(vision_encoder_dir(engine)).image_features(image["pixel_values"], grids)[0]
+    prompt = hf_prompt(len(table), [7, 8, 9, 10, 11, 6])
+    ids = [VOCAB + i - 3 if t == IMAGE_TOKEN else t for i, t in enumerate(prompt)]
+    hf_ids = torch.tensor([prompt])
+    with torch.no_grad():
+        expected = hf(input_ids=hf_ids, pixel_values=image["pixel_values"], image_grid_thw=image["image_grid_thw"],
+                      mm_token_type_ids=(hf_ids == IMAGE_TOKEN).int()).logits[0]
+    flat = table.clone()
+    flat[:, 64:] = 0
+    sectioned = {**config, "mrope": {**config["mrope"], "interleaved": False}}
+    variants = [(table, config), (flat, config), (table, sectioned)]
+    with Executor(engine, ExecutorConfig()) as executor:
+        request_ids = executor.enqueue_requests([Request(
+            ids, 1, output=OutputConfig(return_context_logits=True),
+            prompt_table=PromptTable(rows), mrope=Mrope(*request_mrope(ids, grids, cfg, vocab_size=VOCAB)))
+            for rows, cfg in variants] + [Request(ids, 1, prompt_table=PromptTable(table[:, :64]))])
+        responses = collect(executor, request_ids)
+    logits = [responses[i][-1].result.context_logits.cpu() for i in request_ids[:3]]
+    torch.testing.assert_close(logits[0], expected, atol=1e-4, rtol=1e-4)
+    assert all((other - expected).abs().max() > 1e-2 for other in logits[1:])
+    assert "table width (192: its hidden size, times 1 + its DeepStack levels" in responses[request_ids[3]][-1].error
+
+
+def test_triton_pieces_and_openai_path_give_transformers_ids(built):
+    """Without a server: preprocessing (prepare_batch: Qwen3-VL's chat wrapper, no system turn) ->
+    multimodal_encoders (VisionEncoderRunner.qwen_outputs: the wide table in prompt_embedding_table, the
+    interleaved M-RoPE pair) -> tensorrt_llm's convert_request -> executor, and the OpenAI frontend's
+    direct path (ChatImages -> direct_inputs): greedy ids equal transformers' generate."""
+    import base64
+
+    import numpy as np
+
+    from serving.multimodal import ImagePrompts, VisionEncoderRunner, prepare_batch
+    from serving.requests import convert_request, to_executor_request
+    from tiny_llava import encoded
+    from tiny_qwen3_vl import tokenizer
+
+    engine, hf = built
+    encoder_dir = vision_encoder_dir(engine)
+    width = read_encoder_config(encoder_dir)["mrope"]["head_dim"]
+    png = encoded(make_image(0, SIZES[0]))
+    pre = prepare_batch(ImagePrompts(encoder_dir, tokenizer(), VOCAB),
+                        {"IMAGE_BYTES": np.frombuffer(png, np.uint8).reshape(1, 1, 1, 1, -1)}, ["What is it?"], True, 4)
+    ids, raw = pre["INPUT_ID"][0].tolist(), pre["VISION_INPUT_ID"][0].tolist()
+    assert ids[:ids.index(VISION_START)] == tokenizer().encode("<|im_start|>user\n")  # no system turn
+    outputs = VisionEncoderRunner(encoder_dir, "cpu").qwen_outputs(pre["PIXEL_VALUES"], pre["IMAGE_GRID_THW"],
+                                                                    pre["VISION_INPUT_ID"])
+    assert outputs["OUT_PROMPT_EMBEDDING_TABLE"].shape == (1, 12, 64 * 3)  # 3 x 4 merged rows, 2 levels beside
+    tensors = {"input_ids": pre["INPUT_ID"], "input_lengths": pre["REQUEST_INPUT_LEN"],
+               "request_output_len": np.array([[NEW_TOKENS]], np.int32),
+               "prompt_embedding_table": outputs["OUT_PROMPT_EMBEDDING_TABLE"],
+               "mrope_rotary_cos_sin": outputs["MROPE_ROTARY_COS_SIN"],
+               "mrope_position_deltas": outputs["MROPE_POSITION_DELTAS"]}
+    [triton] = convert_request(tensors, decoupled=False, exclude_input_default=True, rotary_width=width)
+
+    pytest.importorskip("tritonclient", reason="the OpenAI frontend's direct path needs tritonclient")
+    from openai_frontend.protocol import SamplingParams
+    from openai_frontend.triton_client import direct_inputs
+    from openai_frontend.vision import ChatImages, VisionSettings
+
+    images = ChatImages(VisionSettings(encoder_dir), tokenizer(), "cpu")
+    url = "data:image/png;base64," + base64.b64encode(png).decode()
+    table, counts, grids = images._encode([{"url": url, "field": "messages[0].content[0]"}])
+    prompt = hf_prompt(counts[0], [7, 8, 6])
+    chat_ids = images.expand([1, 5, VISION_START, IMAGE_TOKEN, VISION_END, 7, 8, 6], counts)
+    [openai] = convert_request(direct_inputs(chat_ids, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0),
+                                             NEW_TOKENS, None, 2, 4, None, table, images.mrope(chat_ids, grids)),
+                               decoupled=True, rotary_width=width)
+    images.close()
+    openai.streaming = False
+    with Executor(engine, ExecutorConfig()) as executor:
+        request_ids = executor.enqueue_requests([to_executor_request(triton), to_executor_request(openai)])
+        responses = collect(executor, request_ids)
+    image = image_processor()([make_image(0, SIZES[0])], return_tensors="pt")
+    fp16 = {**image, "pixel_values": image["pixel_values"].half().float()}  # as PIXEL_VALUES carries them
+    assert [final_tokens(responses[i]) for i in request_ids] == [hf_greedy(hf, raw, fp16), hf_greedy(hf, prompt, image)]

@@ -1,0 +1,52 @@
+"""A tiny random Qwen3-VL checkpoint made by transformers: a ViT of 2 blocks of width 32 with a 4 x 4 learned
+position grid (resampled to each image), DeepStack taps after blocks 0 and 1, a 2 x 2 merger; a 3-layer Qwen3
+of width 64 (q/k norms, head_dim 16) with interleaved M-RoPE sections [4, 2, 2]; tiny_llava's tokenizer and
+Qwen2-VL's image processor at 7-pixel patches (as tiny_qwen2_vl). No network."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from tiny_llava import VOCAB, WORDS, word_level_tokenizer
+from tiny_qwen2_vl import IMAGE_TOKEN, VISION_END, VISION_START, image_processor, seeded  # noqa: F401 (tests import them here)
+
+VIDEO_TOKEN = VOCAB - 4
+# ids VOCAB - 6 .. VOCAB - 1: the chat turns' markers, then <|video_pad|>, <|vision_start|>, <|vision_end|>, <|image_pad|>
+SPECIAL = ["<|im_start|>", "<|im_end|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
+# Qwen3-VL's layout: no default system turn; an image part as <|vision_start|><|image_pad|><|vision_end|>
+CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+                 "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+                 "{% for part in message['content'] %}{% if part['type'] == 'image' %}"
+                 "<|vision_start|><|image_pad|><|vision_end|>{% elif part['type'] == 'text' %}{{ part['text'] }}"
+                 "{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+SECTIONS = [4, 2, 2]
+DEEPSTACK = [0, 1]
+
+
+def hf_model(seed: int = 0):
+    import transformers
+
+    config = transformers.Qwen3VLConfig(
+        vision_config=dict(depth=2, hidden_size=32, out_hidden_size=64, intermediate_size=48, num_heads=4,
+                           patch_size=7, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
+                           deepstack_visual_indexes=DEEPSTACK),
+        text_config=dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=4,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": SECTIONS,
+                                          "mrope_interleaved": True}),
+        image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN, vision_start_token_id=VISION_START,
+        vision_end_token_id=VISION_END)
+    return seeded(transformers.Qwen3VLForConditionalGeneration, config, seed)
+
+
+def tokenizer():
+    words = WORDS + [f"w{i}" for i in range(len(WORDS), VOCAB - len(SPECIAL))] + SPECIAL
+    return word_level_tokenizer(words, VOCAB, additional_special_tokens=SPECIAL, chat_template=CHAT_TEMPLATE)
+
+
+def write_checkpoint(path: Path, seed: int = 0) -> Path:
+    hf_model(seed).save_pretrained(path)
+    tokenizer().save_pretrained(path)
+    image_processor().save_pretrained(path)
+    return path
