@@ -40,9 +40,12 @@ Per-layer options (one AttentionMetadata serves every layer, so they are argumen
   tokens are a token tree written to consecutive slots; each sees the cached prefix and only its
   ancestors among the new tokens. Its rotary positions (prefix + depth) are the model's business;
   the mask here replaces the causal one over the new keys (the Triton kernel reads it in its
-  masked walk, which takes every new key after the first). With ``meta.tree_mask_sees_ahead`` the
-  mask may show a token later new keys (Gemma 3's image spans, engine/executor/image_spans.py) and a
-  sliding window still hides keys older than it: only the reference reads such a mask.
+  masked walk, which takes every new key after the first).
+- ``meta.span_ahead`` (Gemma 3's image spans, engine/executor/image_spans.py): the new token at
+  position p also sees the next ``span_ahead[t]`` new keys of its sequence (the rest of its image's
+  run in this chunk), so its keys are ``k <= p + span_ahead[t]``; a sliding window still hides
+  ``k <= p - W`` (transformers' Gemma 3 overlay: OR(causal, same image) AND window). Both the
+  reference and the Triton kernel read it.
 
 The public functions dispatch on the tensors' device: OpenAI Triton kernels on CUDA (when
 Triton is installed), the plain-torch references (``*_ref``) elsewhere. The test is two
@@ -149,13 +152,14 @@ def paged_attention_ref(
             scores += alibi_slopes.float().view(num_heads, 1, 1) * (k_pos - q_pos).float()
         if position_bias is not None:
             scores += position_bias(q_pos.view(-1), k_pos.view(-1))
-        hidden = k_pos > q_pos
+        if meta.span_ahead is not None:  # image spans: each row also sees the rest of its span
+            hidden = k_pos > q_pos + meta.span_ahead[start:end].to(q.device).long()[:, None]
+        else:
+            hidden = k_pos > q_pos
         if sliding_window is not None:
             hidden |= k_pos <= q_pos - sliding_window
         if meta.tree_mask is not None:  # the new tokens are a token tree: each sees its ancestors among them
             hidden[:, context_len - q_len - first_key:] = ~meta.tree_mask[start:end, :q_len]
-            if meta.tree_mask_sees_ahead and sliding_window is not None:  # image spans: the window still
-                hidden |= k_pos <= q_pos - sliding_window  # hides old keys (later ones: transformers' overlay)
         scores.masked_fill_(hidden, float("-inf"))
         probs = softmax_with_sinks(scores, None if sinks is None else sinks.view(num_heads, 1, 1))
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)
@@ -224,8 +228,8 @@ def paged_attention(
     options = {"logit_softcap": logit_softcap, "sinks": sinks}
     if alibi_slopes is not None:  # only ALiBi layers pass it: other callers' kernels stay as they were
         options["alibi_slopes"] = alibi_slopes
-    if meta.tree_mask is not None and (not use_triton(q) or meta.tree_mask_sees_ahead):
-        # tree verification (the Triton kernel reads such a mask too); image spans (the reference only)
+    if (meta.tree_mask is not None or meta.span_ahead is not None) and not use_triton(q):
+        # token trees, image spans (the Triton kernel reads both too)
         return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window=sliding_window, **options)
     if use_triton(q):
         return triton_attention.paged_attention_triton(q, k_cache, v_cache, meta, scale, sliding_window=sliding_window,

@@ -53,10 +53,11 @@ class AttentionMetadata:
     # (a new token of sequence i) says which of sequence i's new tokens it sees (its tree ancestors
     # and itself); every cached key stays visible. None: plain causal attention.
     tree_mask: torch.Tensor | None = None
-    # The mask may show a token later new tokens (Gemma 3's image spans, engine/executor/image_spans.py)
-    # and the layer's sliding window still applies on top: only the torch reference reads such a mask
-    # (the Triton kernel walks each row's keys up to its own position).
-    tree_mask_sees_ahead: bool = False
+    # Image spans (Gemma 3, engine/executor/image_spans.py): (num_tokens,) int32, how many of its own
+    # sequence's later new tokens each new token also sees (the rest of its image's run in this step;
+    # 0 outside images, never past its chunk): the row at position p sees keys up to p + span_ahead.
+    # A sliding window still hides keys older than p - W + 1. None: plain causal attention.
+    span_ahead: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

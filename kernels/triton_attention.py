@@ -32,6 +32,12 @@ the bias is finite, so an unmasked tile's running max stays finite. Split-K need
 split's partial log-sum-exp already holds its keys' biases. HAS_ALIBI is a constexpr, so the kernels
 of layers without ALiBi compile as before.
 
+Image spans (Gemma 3, ``meta.span_ahead``): a prompt row also sees the next span_ahead[token] new keys
+(the rest of its image's run in the chunk), so its last visible key is ``q_pos + span_ahead`` instead
+of ``q_pos``; a tile's walk ends at its rows' furthest such key, and only the masked walk (the causal
+diagonal on) reads the bound, so the tiles before the diagonal stay unmasked. A window still counts
+back from q_pos. HAS_SPANS is a constexpr: other layers' and steps' kernels compile as before.
+
 A mixed batch runs in two launches of the kernel: one over its prompt chunks (sequences with
 several new tokens) with prefill tiles, one over its decode rows with decode tiles; each launch's
 programs return at once on the other kind's sequences. Within a program, the key tiles that every
@@ -178,7 +184,7 @@ def _attend_keys(
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, FP16_MATH: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     MASKED: tl.constexpr, TMA: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    tree_ptr, tree_rows, prefix_len, stride_tm, HAS_TREE: tl.constexpr,
+    tree_ptr, tree_rows, prefix_len, stride_tm, HAS_TREE: tl.constexpr, q_last,
 ):
     """The online softmax over keys [lo, hi) in tiles of BLOCK_N -> (m_i, l_i, acc). MASKED: some key
     of a tile may lie at or past kv_hi, or be hidden from some row (causality, window); unmasked
@@ -190,7 +196,10 @@ def _attend_keys(
     HEAD_DIM + r (the wrapper checks the pool is laid out so: _tma_descriptors).
 
     HAS_TREE (masked walks only): a new key (position >= prefix_len) is seen by a row only where
-    the token tree mask says so: tree_ptr[tree_rows[row], key - prefix_len] (AttentionMetadata.tree_mask)."""
+    the token tree mask says so: tree_ptr[tree_rows[row], key - prefix_len] (AttentionMetadata.tree_mask).
+
+    q_last (BLOCK_M,): each row's last visible key position: q_pos, or past it by the row's
+    AttentionMetadata.span_ahead (image spans); a window still counts back from q_pos."""
     cols = tl.arange(0, BLOCK_N)
     dims = tl.arange(0, DIM_PAD)
     for start in range(lo, hi, BLOCK_N):
@@ -228,10 +237,10 @@ def _attend_keys(
         if HAS_ALIBI:  # alibi_log2: (BLOCK_M,) each row's head's slope * log2(e)
             scores += alibi_log2[:, None] * (k_pos[None, :] - q_pos[:, None]).to(tl.float32)
         if MASKED:
-            visible = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
+            visible = (k_pos[None, :] <= q_last[:, None]) & k_valid[None, :]
             if HAS_WINDOW:
                 visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
-            if HAS_TREE:  # new keys: only the row's tree ancestors (and itself)
+            if HAS_TREE:  # new keys: only the row's tree ancestors (and itself; with spans, its span's too)
                 new_key = k_pos - prefix_len
                 tree_bits = tl.load(tree_ptr + tree_rows[:, None] * stride_tm + new_key[None, :],
                                     mask=((new_key >= 0) & k_valid)[None, :], other=1)
@@ -261,6 +270,7 @@ def _paged_attention_kernel(
     active_splits_ptr,  # (1,) int32 (read when DYNAMIC_SPLITS)
     tree_ptr,  # (num_tokens, max q_len) int8 token tree mask (read when HAS_TREE)
     stride_tm,
+    span_ptr,  # (num_tokens,) int32 AttentionMetadata.span_ahead (read when HAS_SPANS)
     qk_scale,  # softmax scale * log2(e): scores live in base 2
     window,  # sliding window W (read when HAS_WINDOW): row at position p sees keys p - W < k <= p
     softcap_log2,  # logit soft-cap * log2(e) (read when HAS_SOFTCAP)
@@ -279,6 +289,7 @@ def _paged_attention_kernel(
     DYNAMIC_SPLITS: tl.constexpr,  # the splits in use are min(active_splits_ptr[0], NUM_SPLITS) (a decode graph's)
     PDL: tl.constexpr,
     HAS_TREE: tl.constexpr = False,  # token trees (tree verification): meta.tree_mask hides non-ancestors
+    HAS_SPANS: tl.constexpr = False,  # image spans: a row also sees span_ptr[token] later new keys
 ):
     pdl_prologue(PDL)  # before the early returns too: every program must wait (kernels/_triton.py)
     TOKENS_PER_TILE: tl.constexpr = BLOCK_M // GROUP
@@ -359,6 +370,10 @@ def _paged_attention_kernel(
     # oldest visible key); this split takes one contiguous run of whole BLOCK_N tiles of it. Split 0
     # starts at kv_start, which every row of a decode tile (one token) sees: its merge weight is finite.
     kv_end = prefix_len + last_token + 1
+    q_last = q_pos
+    if HAS_SPANS:  # image spans: a row sees on to its span's last key, which is within this chunk
+        q_last = q_pos + tl.load(span_ptr + token_rows, mask=row_valid, other=0)
+        kv_end = tl.minimum(tl.maximum(kv_end, tl.max(q_last, 0) + 1), context_len)
     kv_start = 0
     if HAS_WINDOW:
         kv_start = tl.maximum(prefix_len + first_token - window + 1, 0)
@@ -412,12 +427,12 @@ def _paged_attention_kernel(
         q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_desc, v_desc, block_row, kv_head, kv_lo, unmasked_end,
         kv_hi, qk_scale, window, softcap_log2, alibi_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
         stride_vh, HEAD_DIM, DIM_PAD, PAGE_SIZE, BLOCK_N, PRECISION, FP16_MATH, HAS_WINDOW, HAS_SOFTCAP, False, TMA,
-        HAS_ALIBI, tree_ptr, tree_rows, prefix_len, stride_tm, False)
+        HAS_ALIBI, tree_ptr, tree_rows, prefix_len, stride_tm, False, q_last)
     m_i, l_i, acc = _attend_keys(
         q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_desc, v_desc, block_row, kv_head, unmasked_end, kv_hi,
         kv_hi, qk_scale, window, softcap_log2, alibi_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
         stride_vh, HEAD_DIM, DIM_PAD, PAGE_SIZE, BLOCK_N, PRECISION, FP16_MATH, HAS_WINDOW, HAS_SOFTCAP, True, False,
-        HAS_ALIBI, tree_ptr, tree_rows, prefix_len, stride_tm, HAS_TREE)
+        HAS_ALIBI, tree_ptr, tree_rows, prefix_len, stride_tm, HAS_TREE, q_last)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -772,6 +787,9 @@ def paged_attention_triton(
     # Token trees (tree verification): the mask as bytes; the decode launch's rows are one token each
     # (a root alone sees all its keys), so only the prefill launch reads it.
     tree = None if meta.tree_mask is None else meta.tree_mask.to(torch.int8)
+    # Image spans: a row of a sequence with one new token sees nothing ahead, so likewise prefill only.
+    spans = meta.span_ahead
+    assert spans is None or (spans.dtype == torch.int32 and spans.shape == (num_tokens,))
 
     def launch(config: tuple, grid: tuple[int, int, int], seq_kind: int, tile_map: bool) -> None:
         block_m, block_n, num_warps, num_stages, num_splits = config[:5]
@@ -798,6 +816,7 @@ def paged_attention_triton(
             q if alibi_slopes is None else alibi_slopes,
             meta.decode_splits if dynamic else meta.context_lens,
             meta.context_lens if tree is None else tree, 0 if tree is None else tree.stride(0),
+            meta.context_lens if spans is None else spans,
             scale * _LOG2E, sliding_window or 0, (logit_softcap or 1.0) * _LOG2E,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -811,6 +830,7 @@ def paged_attention_triton(
             HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=logit_softcap is not None, HAS_TILE_MAP=tile_map,
             HAS_SINKS=sinks is not None, HAS_ALIBI=alibi_slopes is not None, SEQ_KIND=seq_kind, TMA=descs is not None, DYNAMIC_SPLITS=dynamic,
             HAS_TREE=tree is not None and seq_kind == MULTI_TOKEN,
+            HAS_SPANS=spans is not None and seq_kind == MULTI_TOKEN,
             num_warps=num_warps,
             num_stages=num_stages,
             **pdl_options(q),

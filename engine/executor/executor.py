@@ -623,11 +623,11 @@ class Executor:
                 batch.cross_block_tables, batch.cross_lengths = self.encoder_stage.cross_rows(plan)
             prompt_embeds = self._prompt_embeds(plan) if self._table_request_ids else None
             rotary = step_rotary_of(plan.scheduled, batch) if self._mrope_request_ids else None
-            mask = image_spans.step_mask_of(plan.scheduled, self.limits.vocab_size) if (
+            spans = image_spans.step_span_ahead_of(plan.scheduled, self.limits.vocab_size) if (
                 self._image_spans and prompt_embeds is not None) else None
             logits = self.runner.forward(batch, **({} if prompt_embeds is None else {"prompt_embeds": prompt_embeds}),
                                          **({} if rotary is None else {"rotary": rotary}),
-                                         **({} if mask is None else {"attention_mask": mask}))
+                                         **({} if spans is None else {"span_ahead": spans}))
             # A constrained row samples after the previous step's tokens reach its matcher (_sample_guided).
             guided = self.token_masks is not None and any(seq.grammar is not None for seq, _ in sampling)
             transfer = self._sample(logits, sampling, batch) if sampling and not guided else None

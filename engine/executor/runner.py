@@ -25,7 +25,7 @@ from engine.executor.overlap import resolve_placeholders
 from engine.executor.prefill_graphs import PrefillGraphs
 from engine.executor.mrope_rotary import StepRotary
 from engine.models.prompt_embeds import PromptEmbeds, embeddable_ids
-from engine.executor import tree_batch
+from engine.executor import image_spans, tree_batch
 from engine.executor.random_weights import has_random_weights, materialize_random_weights
 from engine.lora.pool import LoraPools
 from engine.models.layers import Linear, enable_one_shot_all_reduce, prepare_weights
@@ -392,18 +392,18 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, *, all_logits: bool = False,
                 prompt_embeds: PromptEmbeds | None = None, rotary: StepRotary | None = None,
-                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+                span_ahead: torch.Tensor | None = None) -> torch.Tensor:
         """Run one packed step; float32 logits (len(logits_indices), vocab), or (num_tokens, vocab)
         for every new token when ``all_logits`` (context logits). ``prompt_embeds``: rows of prompt
         tables that replace the embeddings of some of the batch's tokens (engine/executor/prompt_table.py);
         such steps run eagerly. ``rotary``: M-RoPE requests' rotary positions (engine/executor/mrope_rotary.py);
-        such steps run eagerly too. ``attention_mask``: (num_tokens, max q_len) bool over each sequence's
-        new tokens that may show a token later ones (image spans, engine/executor/image_spans.py);
-        such steps run eagerly, their attention in the torch reference."""
+        such steps run eagerly too. ``span_ahead``: (num_tokens,) int32, how many later new tokens of its
+        sequence each token also sees (image spans, engine/executor/image_spans.py;
+        AttentionMetadata.span_ahead); such steps run eagerly."""
         if self.kv_cache is None:
             raise RuntimeError("allocate_kv_cache() must run before forward()")
         graphs_may_run = (not all_logits and prompt_embeds is None and rotary is None
-                          and batch.tree_parents is None and attention_mask is None)
+                          and batch.tree_parents is None and span_ahead is None)
         if self.decode_graphs is not None and graphs_may_run:
             hidden = self.decode_graphs.try_run(batch)
             if hidden is not None:  # a decode-only batch, replayed from its bucket's graph
@@ -413,8 +413,11 @@ class ModelRunner:
             if hidden is not None:  # a batch with prompt tokens, replayed from its token bucket's graph
                 return self._logits(hidden)
         input_ids, positions, meta = self._prepare(batch)
-        if attention_mask is not None:
-            meta.tree_mask, meta.tree_mask_sees_ahead = attention_mask.to(self.device), True
+        if span_ahead is not None:
+            meta.span_ahead = span_ahead.to(self.device)
+            if meta.tree_mask is not None:  # token trees beside image spans: plain rows of the tree mask see ahead too
+                meta.tree_mask |= image_spans.ahead_mask(span_ahead, batch.seq_lens_q, meta.tree_mask.shape[1]).to(
+                    self.device)
         table_rows = {}  # only models with supports_prompt_tables take the keyword
         if prompt_embeds is not None:
             input_ids = embeddable_ids(input_ids, self.vocab_size)

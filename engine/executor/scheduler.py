@@ -88,6 +88,12 @@ class SchedulerOutput:
 class _Budget:
     tokens: int
     seqs: int
+    # An image span that waits for budget this step (chunk_limit < 0, engine/executor/image_spans.py):
+    # ``image_room`` caps the running sequences after admissions, so the next step's decodes leave the
+    # span its tokens; a request behind a *waiting* one starts only with its whole prompt (a partial
+    # chunk would run before it next step, as running work is scheduled first).
+    image_room: int | None = None
+    waiting_image: object = None  # the sequence whose image waits (admission passes over it)
 
     def take(self, num_tokens: int) -> None:
         self.tokens -= num_tokens
@@ -108,8 +114,9 @@ class Scheduler:
         self.max_num_tokens = max_num_tokens
         self.policy = policy
         self.enable_chunked_context = enable_chunked_context
-        # (seq, tokens the budget allows) -> tokens of the chunk; set by the executor where chunks must not
-        # end inside an image span (engine/executor/image_spans.py); None: the budget's
+        # (seq, tokens the budget allows) -> tokens of the chunk, or -n: none now, the image span it starts
+        # needs n; set by the executor where chunks must not end inside an image span
+        # (engine/executor/image_spans.py); None: the budget's
         self.chunk_limit: Callable[[Sequence, int], int] | None = None
         self.static_batching = static_batching  # TRT-LLM "v1": a batch runs to completion before the next forms
         self.kv_window = kv_window  # every layer's attention window (ModelConfig.kv_window); None: keep all blocks
@@ -233,6 +240,7 @@ class Scheduler:
         # they to take slots, the first might never get one), and all keep their place at the head.
         passed_over: list[Sequence] = []
         while (self.waiting and budget.seqs > 0 and len(self.running) < self.max_batch_size
+               and (budget.image_room is None or len(self.running) < budget.image_room)
                and (self.state_slots is None or self.state_slots.num_free > 0)):
             seq = self.waiting[0]
             if self.policy == "guaranteed_no_evict" and not self._can_reserve(seq, promised):
@@ -242,6 +250,10 @@ class Scheduler:
                 continue
             reused = 0 if seq.block_ids else self.blocks.acquire_cached_prefix(seq)  # a fork holds its prefix
             num_new = self._num_tokens_to_schedule(seq, budget)
+            if not num_new and budget.waiting_image is seq:  # its image waits for budget: the requests behind go on
+                self.blocks.release(seq)
+                passed_over.append(self.waiting.popleft())
+                continue
             num_drafts = self._num_drafts_to_schedule(seq, num_new, budget)
             num_new += num_drafts
             new_blocks = self.blocks.append_slots(seq, num_new) if num_new and self._leaves_headroom(seq, num_new) else None
@@ -272,9 +284,20 @@ class Scheduler:
             return 0
         if remaining <= budget.tokens:
             return remaining
+        if budget.waiting_image is not None and seq.status is SequenceStatus.WAITING:
+            return 0  # behind a waiting image: whole prompts only (_Budget)
         # A recomputed stream longer than the whole budget could never run unchunked.
         if self.enable_chunked_context or remaining > self.max_num_tokens:
-            return budget.tokens if self.chunk_limit is None else self.chunk_limit(seq, budget.tokens)
+            if self.chunk_limit is None:
+                return budget.tokens
+            num_new = self.chunk_limit(seq, budget.tokens)
+            if num_new < 0:  # an image span that needs -num_new tokens waits for the next step (_Budget)
+                room = self.max_num_tokens + num_new
+                budget.image_room = room if budget.image_room is None else min(room, budget.image_room)
+                if seq.status is SequenceStatus.WAITING and budget.waiting_image is None:
+                    budget.waiting_image = seq
+                return 0
+            return num_new
         return 0
 
     @staticmethod

@@ -15,7 +15,7 @@ pytest.importorskip("PIL")
 
 from engine.build import main  # noqa: E402
 from engine.executor import Executor, ExecutorConfig, OutputConfig, Request  # noqa: E402
-from engine.executor.image_spans import chunk_end, step_mask  # noqa: E402
+from engine.executor.image_spans import chunk_end, step_mask, step_span_ahead  # noqa: E402
 from engine.executor.prompt_table import PromptTable  # noqa: E402
 from engine.vision.encoder_dir import load_vision_encoder, vision_encoder_dir  # noqa: E402
 from tests.executor.executor_testing import collect, final_tokens, served_table_ids  # noqa: E402
@@ -52,13 +52,14 @@ def test_spans_mask_and_chunk_ends():
     v = 10
     ids = [1, 2, v, v + 1, v + 2, 3, v + 3, v + 4, 4]
     assert chunk_end(ids, 9, 0, 4, v, 16) == 2  # would end inside the first image: stops before it
-    assert chunk_end(ids, 9, 2, 2, v, 16) == 0  # the image alone does not fit: wait for budget
+    assert chunk_end(ids, 9, 2, 2, v, 16) == -3  # the image alone does not fit: wait for 3 tokens of budget
     assert chunk_end(ids, 9, 2, 2, v, 2) == 2  # never fits: cut
     assert chunk_end(ids, 9, 0, 5, v, 16) == 5 and chunk_end(ids, 9, 5, 4, v, 16) == 4
     mask = step_mask([(5, ids[:5]), (1, [])], v)
     assert mask[:5, :5].tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1], [1, 1, 1, 1, 1],
                                      [1, 1, 1, 1, 1]] and mask[5, :1].tolist() == [True]
     assert step_mask([(3, [1, v, 2])], v) is None  # one-row spans change nothing
+    assert step_span_ahead([(5, ids[:5]), (1, [])], v).tolist() == [0, 0, 2, 1, 0, 0]
 
 
 def test_greedy_ids_with_bidirectional_image_spans_equal_transformers_generate(built):
@@ -68,8 +69,8 @@ def test_greedy_ids_with_bidirectional_image_spans_equal_transformers_generate(b
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_greedy_ids_equal_transformers(built):
-    """The same on a GPU (float32): steps with image spans take the torch attention reference, the
-    others the Triton kernels (decode CUDA graphs included)."""
+    """The same on a GPU (float32), every step's attention in the Triton kernels: prefill chunks with
+    image spans read AttentionMetadata.span_ahead (decode CUDA graphs included)."""
     assert_greedy_ids_equal_transformers(*built, device="cuda")
 
 

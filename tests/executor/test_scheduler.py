@@ -198,3 +198,30 @@ def test_random_interleavings_never_leak_blocks(ops, policy, chunked, reuse, num
     assert not sched.has_unfinished
     assert sched.blocks.num_free_blocks == num_blocks
     assert all(block.ref_count == 0 for block in sched.blocks.blocks)
+
+
+def test_an_image_waiting_for_budget_lets_the_requests_behind_it_go_on():
+    """Gemma 3 (engine/executor/image_spans.py): a chunk never ends inside an image span. An image
+    whose span the step's budget cannot hold waits at the head of the queue; the requests behind it
+    start if their whole prompt fits and the running sequences leave the span its tokens next step,
+    when the image goes first."""
+    from engine.executor.image_spans import chunk_limit
+    v = 100
+    sched = make_scheduler(num_blocks=16, max_num_tokens=8, chunked=True)
+    sched.chunk_limit = chunk_limit(v, 8)
+    x = make_seq([5] * 11, max_tokens=4)
+    image = make_seq(list(range(v, v + 6)) + [1], max_tokens=4)  # a 6-row image span, then text
+    short, long, another = make_seq([3, 3], max_tokens=4), make_seq([4] * 10, max_tokens=4), make_seq([6])
+    sched.add(x)
+    fake_update(sched, out := sched.schedule())
+    assert plan(out) == [(x.seq_id, 8)]
+    for seq in (image, short, long, another):
+        sched.add(seq)
+    out = sched.schedule()
+    # 5 tokens left after x's last chunk: the image (6) waits; `short` starts (whole, and 2 running
+    # leave the image 6 of 8 next step); `long` would need a partial chunk; `another` would leave 5
+    assert plan(out) == [(x.seq_id, 3), (short.seq_id, 2)]
+    assert list(sched.waiting) == [image, long, another] and image.block_ids == []
+    fake_update(sched, out)
+    out = sched.schedule()
+    assert plan(out) == [(x.seq_id, 1), (short.seq_id, 1), (image.seq_id, 6)]  # the span whole, chunk ends after it
