@@ -55,6 +55,7 @@ from engine.convert import (
     iter_rank_weights,
 )
 from engine.encoder_decoder.build import build_encoder_decoder
+from engine.encoder_decoder.mllama_build import build_mllama, is_mllama_config
 from engine.encoder_decoder.spec import is_encoder_decoder_config
 from engine.gguf_header import read_gguf_scalars
 from engine.gguf_reader_cache import parsed_once
@@ -332,6 +333,9 @@ def build_engine(checkpoint: str, output_dir: str, build: BuildConfig, *, progre
         if is_encoder_decoder_config(hf_config):
             return build_encoder_decoder(hf_config, get, tokenizer, output_dir, build, source=checkpoint,
                                          max_encoder_input_len=max_encoder_input_len)
+        if is_mllama_config(hf_config):  # Llama 3.2 Vision: cross-attention layers over the vision states
+            return build_mllama(hf_config, get, tokenizer, output_dir, build, source=checkpoint,
+                                max_encoder_input_len=max_encoder_input_len)
     else:
         raise CheckpointError(
             f"checkpoint {checkpoint!r} does not exist or is neither a directory nor a .gguf file; "

@@ -101,8 +101,11 @@ RESIDUAL_KINDS = ("sequential", "parallel", "parallel_two_norms", "post_norm")
 ALIBI_SLOPE_KINDS = ("bloom", "mpt")
 # Encoder-decoder families (engine/encoder_decoder/): a ModelConfig of theirs describes the decoder
 # stack (its paged self-attention KV); the block options live in engine/encoder_decoder/spec.py.
+# Llama 3.2 Vision (MllamaForConditionalGeneration) is one too: a decoder whose cross-attention layers read
+# the images' vision states, held in the same cross-KV pool (engine/encoder_decoder/mllama_*.py).
 ENCODER_DECODER_ARCHITECTURES = ("T5ForConditionalGeneration", "BartForConditionalGeneration",
-                                 "MBartForConditionalGeneration", "WhisperForConditionalGeneration")
+                                 "MBartForConditionalGeneration", "WhisperForConditionalGeneration",
+                                 "MllamaForConditionalGeneration")
 
 
 class ConfigError(ValueError):

@@ -20,22 +20,23 @@ decoder's KV depends on it.
 from __future__ import annotations
 
 import hashlib
-from collections import deque
 from dataclasses import replace
 
 import torch
 
+from engine.encoder_decoder.cross_pool_stage import CrossPoolStage
 from engine.encoder_decoder.model import Encoder
 from engine.encoder_decoder.runner import EncDecRunner
 from engine.encoder_decoder.whisper_timestamps import rules_for_prompt
 
 ENCODER_INPUT, ENCODER_FEATURES = "encoder_input_ids", "encoder_input_features"
+CROSS_MASK = "cross_attention_mask"  # Llama 3.2 Vision's (engine/encoder_decoder/mllama_stage.py)
 
 
 def encoder_input_error(request, stage: "EncoderStage | None") -> str | None:
     """A decoder-only engine refuses an encoder input; an encoder-decoder one checks it."""
     if stage is None:
-        for name in (ENCODER_INPUT, ENCODER_FEATURES):
+        for name in (ENCODER_INPUT, ENCODER_FEATURES, CROSS_MASK):
             if getattr(request, name) is not None:
                 return (f"{name}: this engine is decoder-only and has no encoder; send the prompt as "
                         f"input_token_ids without {name}")
@@ -50,22 +51,13 @@ def encoder_input(request):
     return request.encoder_input_ids
 
 
-class EncoderStage:
+class EncoderStage(CrossPoolStage):
     def __init__(self, runner: EncDecRunner):
-        self.runner = runner
+        super().__init__(runner)
         self.spec = runner.spec
-        self.tokens_per_block = runner.tokens_per_block
-        self.free_blocks = list(range(runner.num_cross_blocks))
-        self.num_blocks = runner.num_cross_blocks
-        self.pending: deque = deque()  # RequestStates waiting for their encoder run, in arrival order
-        self.held: dict[int, tuple[list[int], int]] = {}  # request_id -> (cross blocks, encoder length)
 
-    @property
-    def has_pending(self) -> bool:
-        return bool(self.pending)
-
-    def blocks_for(self, length: int) -> int:
-        return -(-length // self.tokens_per_block)
+    def encoder_input(self, request):
+        return encoder_input(request)
 
     # ---- arrival -------------------------------------------------------------------------------
 
@@ -92,6 +84,9 @@ class EncoderStage:
         return len(request.encoder_input_ids)
 
     def rejection(self, request) -> str | None:
+        if request.cross_attention_mask is not None:
+            return (f"{CROSS_MASK}: {self.spec.architecture} has no image cross-attention (only Llama 3.2 Vision "
+                    "engines take it); send the request without it")
         error = self._features_error(request) if self.spec.num_mel_bins else self._tokens_error(request)
         if error is not None:
             return error
@@ -147,44 +142,28 @@ class EncoderStage:
         self.pending.append(state)
         return True
 
-    # ---- once per iteration --------------------------------------------------------------------
-
-    def encode_pending(self, fail) -> list:
-        """Encode the waiting requests that fit the free cross blocks; returns them, ready to queue.
-        ``fail(state, message)`` ends a request whose encoder run failed."""
-        batch = []
-        while self.pending:
-            state = self.pending[0]
-            if state.is_cancelled or all(seq.is_finished for seq in state.sequences):
-                self.pending.popleft()
-                continue
-            length = self.encoder_length(state.request)
-            if self.blocks_for(length) > len(self.free_blocks):
-                break  # first come, first served: later requests wait behind it
-            self.pending.popleft()
-            blocks = [self.free_blocks.pop() for _ in range(self.blocks_for(length))]
-            self.held[state.request_id] = (blocks, length)
-            batch.append(state)
-        if not batch:
-            return []
-        try:
-            self.runner.encode_into([encoder_input(s.request) for s in batch],
-                                    [self.held[s.request_id][0] for s in batch])
-        except Exception as err:  # noqa: BLE001 - the requests fail, the loop goes on
-            for state in batch:
-                fail(state, f"encoder failed: {err!r}")
-            return []
-        return batch
+    # ---- once per step -------------------------------------------------------------------------
 
     def cross_rows(self, plan) -> tuple[list[list[int]], list[int]]:
         """(cross block tables, encoder lengths) of the plan's scheduled sequences, in order."""
         rows = [self.held[item.seq.state.request_id] for item in plan.scheduled]
         return [blocks for blocks, _ in rows], [length for _, length in rows]
 
-    def release(self, state) -> None:
-        held = self.held.pop(state.request_id, None)
-        if held is not None:
-            self.free_blocks.extend(held[0])
+    def fill_cross_rows(self, batch, plan) -> None:
+        """The step's ForwardBatch.cross_block_tables / cross_lengths (``cross_rows``)."""
+        batch.cross_block_tables, batch.cross_lengths = self.cross_rows(plan)
+
+
+def make_encoder_stage(runner):
+    """The executor's encoder stage for ``runner``: None for a decoder-only one, Llama 3.2 Vision's
+    (engine/encoder_decoder/mllama_stage.py) for its runner, else EncoderStage."""
+    if not hasattr(runner, "encode_into"):
+        return None
+    if getattr(runner, "mllama", None) is not None:
+        from engine.encoder_decoder.mllama_stage import MllamaStage
+
+        return MllamaStage(runner)
+    return EncoderStage(runner)
 
 
 def encoder_decoder_runner(engine_dir: str, config):
@@ -200,5 +179,9 @@ def encoder_decoder_runner(engine_dir: str, config):
         return None
     if architecture not in ENCODER_DECODER_ARCHITECTURES:
         return None
+    if architecture == "MllamaForConditionalGeneration":
+        from engine.encoder_decoder.mllama_runner import MllamaRunner
+
+        return partial(MllamaRunner, cross_kv_cache_fraction=config.cross_kv_cache_fraction)
     return partial(EncDecRunner, encoder_engine_dir=config.encoder_engine_dir,
                    cross_kv_cache_fraction=config.cross_kv_cache_fraction)

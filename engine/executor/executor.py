@@ -41,7 +41,7 @@ from engine.executor.executor_config import (  # noqa: F401
 )
 from engine.executor.kv_events import KVEventPublisher, KVEventQueue, make_kv_event_publisher
 from engine.executor.kv_host_tier import make_host_tier
-from engine.encoder_decoder.encoder_stage import EncoderStage, encoder_decoder_runner, encoder_input_error
+from engine.encoder_decoder.encoder_stage import encoder_decoder_runner, encoder_input_error, make_encoder_stage
 from engine.executor import image_spans
 from engine.executor.mrope_rotary import step_rotary_of
 from engine.executor.prompt_table import gather_prompt_embeds, prompt_cache_keys
@@ -118,7 +118,7 @@ class Executor:
         self.runner.capture_cuda_graphs()  # CUDA: GEMM choice + decode graphs (the "compiled engine"); CPU: no-op
         self.runner.warmup()  # CUDA: compile the prefill kernels before the first request; CPU: no-op
         # Encoder-decoder engines: encoder runs and the cross-KV pool (engine/encoder_decoder/encoder_stage.py)
-        self.encoder_stage = EncoderStage(self.runner) if hasattr(self.runner, "encode_into") else None
+        self.encoder_stage = make_encoder_stage(self.runner)
 
     def _step_memory_reserve(self) -> int:
         """Bytes the KV pool must leave free for the steps (engine/executor/memory_profile.py):
@@ -620,7 +620,7 @@ class Executor:
         try:
             batch, rows, sampling, drafted = self._forward_batch(plan)
             if self.encoder_stage is not None:
-                batch.cross_block_tables, batch.cross_lengths = self.encoder_stage.cross_rows(plan)
+                self.encoder_stage.fill_cross_rows(batch, plan)
             prompt_embeds = self._prompt_embeds(plan) if self._table_request_ids else None
             rotary = step_rotary_of(plan.scheduled, batch) if self._mrope_request_ids else None
             spans = image_spans.step_span_ahead_of(plan.scheduled, self.limits.vocab_size) if (

@@ -181,7 +181,12 @@ class Request:
     # then the decoder prompt (empty: [decoder_start_token_id]).
     encoder_input_ids: list[int] | None = None
     # Whisper engines: the encoder's log-mel features, (frames, num_mel_bins) float (torch or numpy).
+    # Llama 3.2 Vision engines: the images' vision states, (images x tiles x patches, hidden) float.
     encoder_input_features: Any = None
+    # Llama 3.2 Vision engines: which vision states each token attends to, (rows, vision states) bool,
+    # one row per prompt position (and output positions; tokens past the last row use it), as the
+    # anchor's cross_attention_mask (engine/encoder_decoder/mllama_cross.py).
+    cross_attention_mask: Any = None
     # Whisper engines: the timestamp-token rules (engine/encoder_decoder/whisper_timestamps.py
     # TimestampRules) when the decoder prompt asks for timestamps; set at arrival, not by callers.
     whisper_timestamps: Any = None

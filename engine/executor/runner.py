@@ -78,6 +78,9 @@ class ForwardBatch:
     # length and its request's cross-KV blocks; None / [] for decoder-only engines.
     cross_lengths: list[int] | None = None
     cross_block_tables: list[list[int]] = field(default_factory=list)
+    # Llama 3.2 Vision (engine/encoder_decoder/mllama_runner.py): each sequence's cross-attention mask
+    # (mllama_cross.CrossMask), None for a request without images; None for other engines.
+    cross_masks: list | None = None
     # Tree verification (engine/executor/tree_batch.py): per sequence, each new token's
     # parent within its chunk (-1: none), or None for a plain chunk; None when no sequence has a tree.
     # Positions are then rotary positions; the KV slots of a tree's tokens stay consecutive.

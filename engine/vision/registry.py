@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from engine.hf_checkpoint import CheckpointError, TensorGetter
-from engine.vision import blip2, gemma3, llava, llava_next, qwen2_5_vl, qwen2_vl, qwen3_vl
+from engine.vision import blip2, gemma3, llava, llava_next, mllama, qwen2_5_vl, qwen2_vl, qwen3_vl
 from engine.vision.anyres import ONEVISION_MODEL_TYPE
 
 
@@ -83,6 +83,11 @@ VISION_FAMILIES = {
     "Gemma3ForConditionalGeneration": VisionFamily(
         "Gemma3ForConditionalGeneration", gemma3.MODEL_TYPE, gemma3.encoder_config, gemma3.encoder_weights,
         gemma3.Gemma3VisionEncoder, _LLAVA_LANGUAGE),
+    # Llama 3.2 Vision: its text model has cross-attention layers, so engine.build builds it through
+    # engine/encoder_decoder/mllama_build.py, which reads the text model's tensors itself
+    "MllamaForConditionalGeneration": VisionFamily(
+        "MllamaForConditionalGeneration", mllama.MODEL_TYPE, mllama.encoder_config, mllama.encoder_weights,
+        mllama.MllamaVisionEncoder, _LLAVA_LANGUAGE),
 }
 FAMILIES_BY_MODEL_TYPE = {family.model_type: family for family in VISION_FAMILIES.values()}
 

@@ -16,7 +16,7 @@ from engine.executor.mrope_rotary import Mrope  # noqa: E402
 from engine.executor.prompt_table import PromptTable  # noqa: E402
 from engine.vision.encoder_dir import load_vision_encoder, read_encoder_config, vision_encoder_dir  # noqa: E402
 from engine.vision.mrope import request_mrope  # noqa: E402
-from tests.executor.executor_testing import collect, final_tokens  # noqa: E402
+from tests.executor.executor_testing import collect, final_tokens, generated_ids  # noqa: E402
 from tiny_llava import VOCAB, make_image  # noqa: E402
 from tiny_qwen2_vl import IMAGE_TOKEN, KINDS, VISION_END, VISION_START, hf_model, image_processor, write_checkpoint  # noqa: E402
 
@@ -67,10 +67,7 @@ def assert_greedy_ids_equal_transformers(engine: str, hf, device: str | None = N
                         prompt_table=PromptTable(table), mrope=Mrope(rotary, delta)),
                 Request(text, NEW_TOKENS, output=OutputConfig(exclude_input_from_output=True))]
     # chunks of 5 tokens: the image's rows are split across steps
-    with Executor(engine, ExecutorConfig(max_num_tokens=5, enable_chunked_context=True), device=device) as executor:
-        request_ids = executor.enqueue_requests(requests)
-        responses = collect(executor, request_ids)
-    got = [final_tokens(responses[i]) for i in request_ids]
+    got = generated_ids(engine, requests, ExecutorConfig(max_num_tokens=5, enable_chunked_context=True), device)
     with torch.no_grad():
         hf_prompt = torch.tensor([hf_ids])
         # mm_token_type_ids (1 at image rows): what transformers 5 computes its M-RoPE positions from

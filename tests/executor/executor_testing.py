@@ -60,6 +60,17 @@ def final_tokens(responses: list) -> list[int]:
     return [t for r in responses for t in r.result.output_token_ids[0]]
 
 
+
+def generated_ids(engine: str, requests: list, config, device: str | None = None) -> list[list[int]]:
+    """Each request's generated tokens, all enqueued together on one Executor(engine, config, device)."""
+    from engine.executor import Executor
+
+    with Executor(engine, config, device=device) as executor:
+        request_ids = executor.enqueue_requests(requests)
+        responses = collect(executor, request_ids)
+    return [final_tokens(responses[i]) for i in request_ids]
+
+
 def served_table_ids(engine: str, prepared: dict, table, max_tokens: int) -> list[int]:
     """Greedy ids of one request as tensorrt_llm serves it: preprocessing's INPUT_ID / REQUEST_INPUT_LEN
     (``prepared``) and multimodal_encoders' table (rows, hidden) -> convert_request -> the executor."""

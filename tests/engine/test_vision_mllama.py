@@ -1,0 +1,121 @@
+"""Llama 3.2 Vision (Mllama) through engine.build: the tiled ViT's states equal transformers' vision model +
+projector; greedy ids through the vision encoder and the engine (cross-attention layers over the cross-KV
+pool, per-token masks) equal transformers' generate on the processor's outputs: one image after some text
+(its text rows see no image), two images in a row, chunked prefill, beside a text-only request (which skips
+the cross layers); named errors for bad vision inputs."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("PIL")
+
+from engine.build import main  # noqa: E402
+from engine.encoder_decoder.mllama_cross import CrossMask, dense_mask  # noqa: E402
+from engine.executor import Executor, ExecutorConfig, OutputConfig, Request  # noqa: E402
+from engine.vision.encoder_dir import load_vision_encoder, vision_encoder_dir  # noqa: E402
+from tests.executor.executor_testing import collect, generated_ids  # noqa: E402
+from tiny_llava import make_image  # noqa: E402
+from tiny_mllama import IMAGE_TOKEN, MAX_TILES, PATCHES_PER_TILE, hf_model, processor, write_checkpoint  # noqa: E402
+
+NEW_TOKENS = 6
+ONE_IMAGE = MAX_TILES * PATCHES_PER_TILE
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """(engine dir, transformers model)."""
+    root = tmp_path_factory.mktemp("mllama")
+    checkpoint = write_checkpoint(root / "checkpoint")
+    assert main(["--checkpoint", str(checkpoint), "--output", str(root / "engine"), "--dtype", "float32",
+                 "--max_seq_len", "128", "--tokens_per_block", "4",
+                 "--max_encoder_input_len", str(2 * ONE_IMAGE)]) == 0
+    return str(root / "engine"), hf_model()
+
+
+def hf_ids(hf, batch) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(**batch, max_new_tokens=NEW_TOKENS, do_sample=False)
+    return out[0, batch["input_ids"].shape[1]:].tolist()
+
+
+def image_request(encoder, batch, **kwargs) -> Request:
+    """The engine's request for one processor output: vision states + the processor's mask over them."""
+    states = encoder.image_features(batch["pixel_values"][0], batch["aspect_ratio_ids"][0],
+                                    batch["aspect_ratio_mask"][0]).flatten(0, 1)
+    mask = dense_mask(batch["cross_attention_mask"][0].numpy(), PATCHES_PER_TILE)
+    return Request(batch["input_ids"][0].tolist(), NEW_TOKENS, encoder_input_features=states,
+                   cross_attention_mask=mask, output=OutputConfig(exclude_input_from_output=True), **kwargs)
+
+
+def test_vision_states_equal_transformers(built):
+    engine, hf = built
+    config = json.load(open(f"{vision_encoder_dir(engine)}/config.json"))
+    assert config["builder_config"]["model_type"] == "mllama" and config["num_image_tokens"] == ONE_IMAGE
+    batch = processor()(images=[[make_image(1, (40, 52)), make_image(2, (60, 20))]],
+                        text=[f"{IMAGE_TOKEN}{IMAGE_TOKEN} What"], return_tensors="pt")
+    assert batch["aspect_ratio_mask"][0].sum(1).tolist() == [4, 3]  # the second image has a padded tile
+    encoder = load_vision_encoder(vision_encoder_dir(engine))
+    ours = encoder.image_features(batch["pixel_values"][0], batch["aspect_ratio_ids"][0], batch["aspect_ratio_mask"][0])
+    with torch.no_grad():
+        states = hf.model.vision_model(pixel_values=batch["pixel_values"], aspect_ratio_ids=batch["aspect_ratio_ids"],
+                                       aspect_ratio_mask=batch["aspect_ratio_mask"]).last_hidden_state
+        expected = hf.model.multi_modal_projector(states).reshape(2, ONE_IMAGE, -1)
+    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_cross_mask_rows():
+    dense = np.array([[0, 0], [1, 0], [1, 1], [1, 1]], bool)
+    mask = CrossMask.from_dense(dense)
+    assert mask.rows_at(np.array([0, 1, 2, 3, 9])).tolist() == dense[[0, 1, 2, 3, 3]].tolist()
+    assert dense_mask(np.array([[[1, 0]], [[0, 1]]]), 3).tolist() == [[1, 1, 1, 0, 0, 0], [0, 0, 0, 1, 1, 1]]
+
+
+def test_greedy_ids_equal_transformers_generate(built):
+    assert_greedy_ids_equal_transformers(*built)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_greedy_ids_equal_transformers(built):
+    """The same on a GPU (float32): the self-attention layers through the Triton kernels, the cross layers
+    through torch's fused attention over the gathered cross blocks."""
+    assert_greedy_ids_equal_transformers(*built, device="cuda")
+
+
+def assert_greedy_ids_equal_transformers(engine: str, hf, device: str | None = None) -> None:
+    proc = processor()
+    encoder = load_vision_encoder(vision_encoder_dir(engine), device or "cpu")
+    one = proc(images=[[make_image(1, (40, 52))]], text=[f"What is {IMAGE_TOKEN} in the image?"], return_tensors="pt")
+    two = proc(images=[[make_image(2, (60, 20)), make_image(3, (30, 30))]],
+               text=[f"{IMAGE_TOKEN}{IMAGE_TOKEN} Describe this picture"], return_tensors="pt")
+    text_only = [1, 12, 13, 14]
+    requests = [image_request(encoder, one), image_request(encoder, two),
+                Request(text_only, NEW_TOKENS, output=OutputConfig(exclude_input_from_output=True))]
+    # chunks of 4 tokens: prompts split over steps, text-only and image rows in the same steps
+    got = generated_ids(engine, requests, ExecutorConfig(max_num_tokens=4, enable_chunked_context=True), device)
+    with torch.no_grad():
+        expected_text = hf.generate(input_ids=torch.tensor([text_only]), max_new_tokens=NEW_TOKENS,
+                                    do_sample=False)[0, len(text_only):].tolist()
+    assert got == [hf_ids(hf, one), hf_ids(hf, two), expected_text]
+
+
+def test_bad_vision_inputs_are_named(built):
+    engine, _ = built
+    states = torch.zeros(ONE_IMAGE, 64)
+    mask = np.ones((3, ONE_IMAGE), bool)
+    cases = [(dict(encoder_input_features=states), "cross_attention_mask: required with encoder_input_features"),
+             (dict(cross_attention_mask=mask), "cross_attention_mask: sent without encoder_input_features"),
+             (dict(encoder_input_features=torch.zeros(ONE_IMAGE - 1, 64), cross_attention_mask=mask),
+              "encoder_input_features: shape"),
+             (dict(encoder_input_features=torch.zeros(3 * ONE_IMAGE, 64),
+                   cross_attention_mask=np.ones((3, 3 * ONE_IMAGE), bool)), "exceed the engine's max_encoder_input_len"),
+             (dict(encoder_input_features=states, cross_attention_mask=mask[:, :5]), "cross_attention_mask: shape")]
+    with Executor(engine, ExecutorConfig()) as executor:
+        ids = executor.enqueue_requests([Request([1, 7, 8], 2, **kw) for kw, _ in cases])
+        responses = collect(executor, ids)
+    for request_id, (_, message) in zip(ids, cases):
+        assert message in responses[request_id][-1].error
