@@ -38,6 +38,7 @@ from engine.config import (
     INT8_SQ,
     MAX_DEFAULT_SEQ_LEN,
     BuildConfig,
+    MLA_ARCHITECTURES,
     ConfigError,
     EngineConfig,
     ModelConfig,
@@ -54,6 +55,7 @@ from engine.convert import (
     model_config_from_hf,
     iter_rank_weights,
 )
+from engine.convert_deepseek import checkpoint_mtp_layers
 from engine.encoder_decoder.build import build_encoder_decoder
 from engine.encoder_decoder.mllama_build import build_mllama, is_mllama_config
 from engine.encoder_decoder.spec import is_encoder_decoder_config
@@ -356,6 +358,8 @@ def build_from_hf(hf_config, get: TensorGetter, tokenizer, output_dir: str, buil
         hf_config, get = vision.text_config(hf_config), vision.language_getter(get)
     model = model_config_from_hf(hf_config)
     get = language_model_getter(hf_config, get)  # a multimodal checkpoint: its language model's tensors
+    if model.architecture in MLA_ARCHITECTURES:  # DeepSeek's MTP module, where the checkpoint holds one
+        model = checkpoint_mtp_layers(model, get)
     check_tp_divides(model, build.tp_size)
     if build.pp_size > 1:  # before any weight is read: the family, and the split
         check_pipeline_supported(model)

@@ -150,7 +150,7 @@ _OPTIONAL_AT_DEFAULT = ("norm_kind", "norm_bias", "positions", "learned_position
                         "mlp_gated", "embedding_norm", "word_embed_proj_dim", "final_norm", "lm_head_bias", "clip_qkv",
                         "rotary_interleaved", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim",
                         "n_shared_experts", "n_group", "topk_group", "routed_scaling_factor", "topk_method", "qk_l2_norm",
-                        "deepstack_layers")
+                        "deepstack_layers", "num_nextn_predict_layers")
 
 
 @dataclass
@@ -264,6 +264,9 @@ class ModelConfig:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0  # the routed experts' weights are multiplied by it
     topk_method: str = "greedy"  # MLA_TOPK_METHODS
+    # Multi-token prediction (DeepSeek-V3's layer num_layers of the checkpoint): 1 when the engine holds
+    # the MTP module (the model's ``mtp``; drafts for decoding_mode mtp), 0 when the checkpoint has none.
+    num_nextn_predict_layers: int = 0
     # ---- Llama 4 (LLAMA4_ARCHITECTURES; engine/models/llama4.py): rope layers attend within chunks of
     # attention_chunk_size positions (a query at p sees keys (p // C) * C .. p) and normalise q and k
     # per head (no weight) after rope; layers_without_rope are global, their q scaled by
@@ -433,6 +436,9 @@ class ModelConfig:
                  f"num_experts_per_tok ({self.num_experts_per_tok}) must be <= the experts of topk_group groups")
         _require(self.topk_method != "noaux_tc" or self.num_experts // self.n_group >= 2,
                  "topk_method noaux_tc ranks groups by their two best experts: groups need >= 2 experts")
+        _require(self.num_nextn_predict_layers in (0, 1),
+                 f"num_nextn_predict_layers must be 0 or 1 (the engine holds one MTP module, reused for every "
+                 f"draft), got {self.num_nextn_predict_layers!r}")
         _require(self.n_shared_experts >= 0 and self.routed_scaling_factor > 0,
                  f"n_shared_experts must be >= 0 and routed_scaling_factor > 0, got {self.n_shared_experts!r}, "
                  f"{self.routed_scaling_factor!r}")

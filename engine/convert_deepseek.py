@@ -16,12 +16,13 @@ part, so block-FP8 scales still cover them (engine/fp8_checkpoint.py checks ever
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Iterator
 
 import torch
 
 from engine.config import ModelConfig
-from engine.hf_checkpoint import TensorGetter, decoder_shape, read_rope, shard, stacked_experts
+from engine.hf_checkpoint import CheckpointError, TensorGetter, decoder_shape, read_rope, shard, stacked_experts
 
 
 def deepseek_config_from_hf(c, architecture: str) -> ModelConfig:
@@ -66,39 +67,62 @@ def deinterleaved_rope_rows(t: torch.Tensor, rows_per_head: int, rope: int, inte
 def deepseek_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: int
                           ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (engine name, tensor) for one rank (module docstring)."""
-    rope, head_rows = cfg.head_dim, cfg.qk_nope_head_dim + cfg.head_dim
-    interleaved = cfg.rotary_interleaved
     yield "embed_tokens.weight", shard(get("model.embed_tokens.weight"), 0, rank, tp_size)
     for i in range(cfg.num_layers):
-        hf, out = f"model.layers.{i}.", f"layers.{i}."
-        attn = hf + "self_attn."
-        yield out + "input_norm.weight", get(hf + "input_layernorm.weight")
-        q_name = "q_b_proj" if cfg.q_lora_rank is not None else "q_proj"
-        if cfg.q_lora_rank is not None:
-            yield out + "attn.q_a_proj.weight", get(attn + "q_a_proj.weight")
-            yield out + "attn.q_a_norm.weight", get(attn + "q_a_layernorm.weight")
-        q = deinterleaved_rope_rows(get(attn + f"{q_name}.weight"), head_rows, rope, interleaved)
-        yield out + f"attn.{q_name}.weight", shard(q, 0, rank, tp_size)
-        kv_a = get(attn + "kv_a_proj_with_mqa.weight")
-        yield out + "attn.kv_a_proj.weight", deinterleaved_rope_rows(kv_a, kv_a.shape[0], rope, interleaved)
-        yield out + "attn.kv_a_norm.weight", get(attn + "kv_a_layernorm.weight")
-        yield out + "attn.kv_b_proj.weight", shard(get(attn + "kv_b_proj.weight"), 0, rank, tp_size)
-        yield out + "attn.o_proj.weight", shard(get(attn + "o_proj.weight"), 1, rank, tp_size)
-        yield out + "post_attn_norm.weight", get(hf + "post_attention_layernorm.weight")
-        if not cfg.is_moe_layer(i):
-            yield from gate_up_down(get, hf + "mlp.", out + "mlp.", rank, tp_size)
-            continue
-        yield out + "moe.router.weight", get(hf + "mlp.gate.weight")
-        if cfg.topk_method == "noaux_tc":
-            yield out + "moe.score_bias", get(hf + "mlp.gate.e_score_correction_bias")
-        gate, up, down = stacked_experts(get, hf, cfg.num_experts)
-        yield out + "moe.gate_up_proj", torch.cat([shard(gate, 1, rank, tp_size), shard(up, 1, rank, tp_size)], dim=1)
-        yield out + "moe.down_proj", shard(down, 2, rank, tp_size)
-        if cfg.n_shared_experts:
-            yield from gate_up_down(get, hf + "mlp.shared_experts.", out + "moe.shared_", rank, tp_size)
+        yield from _layer_weights(get, cfg, i, f"model.layers.{i}.", f"layers.{i}.", rank, tp_size)
     yield "norm.weight", get("model.norm.weight")
     if not cfg.tie_word_embeddings:
         yield "lm_head.weight", shard(get("lm_head.weight"), 0, rank, tp_size)
+    if cfg.num_nextn_predict_layers:  # the MTP module: the checkpoint's layer num_layers (engine/models/deepseek.py)
+        hf = f"model.layers.{cfg.num_layers}."
+        for name in ("enorm", "hnorm", "eh_proj"):
+            yield f"mtp.{name}.weight", get(hf + f"{name}.weight")
+        yield "mtp.head_norm.weight", get(hf + "shared_head.norm.weight")
+        yield from _layer_weights(get, cfg, cfg.num_layers, hf, "mtp.layer.", rank, tp_size)
+
+
+def checkpoint_mtp_layers(cfg: ModelConfig, get: TensorGetter) -> ModelConfig:
+    """``cfg`` with num_nextn_predict_layers 1 when the checkpoint holds an MTP module at layer
+    num_layers (DeepSeek-V3 / R1 as shipped: enorm, hnorm, eh_proj, a decoder layer, shared_head),
+    else 0: transformers drops it when it saves a model, whatever its config says. Only the first
+    module is converted; drafts reuse it (engine/executor/speculative/mtp.py)."""
+    try:
+        get(f"model.layers.{cfg.num_layers}.eh_proj.weight")
+    except CheckpointError:
+        return replace(cfg, num_nextn_predict_layers=0)
+    return replace(cfg, num_nextn_predict_layers=1)
+
+
+def _layer_weights(get: TensorGetter, cfg: ModelConfig, i: int, hf: str, out: str, rank: int, tp_size: int
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Decoder layer ``i``'s tensors (checkpoint prefix ``hf``) under the engine prefix ``out``."""
+    rope, head_rows = cfg.head_dim, cfg.qk_nope_head_dim + cfg.head_dim
+    interleaved = cfg.rotary_interleaved
+    attn = hf + "self_attn."
+    yield out + "input_norm.weight", get(hf + "input_layernorm.weight")
+    q_name = "q_b_proj" if cfg.q_lora_rank is not None else "q_proj"
+    if cfg.q_lora_rank is not None:
+        yield out + "attn.q_a_proj.weight", get(attn + "q_a_proj.weight")
+        yield out + "attn.q_a_norm.weight", get(attn + "q_a_layernorm.weight")
+    q = deinterleaved_rope_rows(get(attn + f"{q_name}.weight"), head_rows, rope, interleaved)
+    yield out + f"attn.{q_name}.weight", shard(q, 0, rank, tp_size)
+    kv_a = get(attn + "kv_a_proj_with_mqa.weight")
+    yield out + "attn.kv_a_proj.weight", deinterleaved_rope_rows(kv_a, kv_a.shape[0], rope, interleaved)
+    yield out + "attn.kv_a_norm.weight", get(attn + "kv_a_layernorm.weight")
+    yield out + "attn.kv_b_proj.weight", shard(get(attn + "kv_b_proj.weight"), 0, rank, tp_size)
+    yield out + "attn.o_proj.weight", shard(get(attn + "o_proj.weight"), 1, rank, tp_size)
+    yield out + "post_attn_norm.weight", get(hf + "post_attention_layernorm.weight")
+    if not cfg.is_moe_layer(i):
+        yield from gate_up_down(get, hf + "mlp.", out + "mlp.", rank, tp_size)
+        return
+    yield out + "moe.router.weight", get(hf + "mlp.gate.weight")
+    if cfg.topk_method == "noaux_tc":
+        yield out + "moe.score_bias", get(hf + "mlp.gate.e_score_correction_bias")
+    gate, up, down = stacked_experts(get, hf, cfg.num_experts)
+    yield out + "moe.gate_up_proj", torch.cat([shard(gate, 1, rank, tp_size), shard(up, 1, rank, tp_size)], dim=1)
+    yield out + "moe.down_proj", shard(down, 2, rank, tp_size)
+    if cfg.n_shared_experts:
+        yield from gate_up_down(get, hf + "mlp.shared_experts.", out + "moe.shared_", rank, tp_size)
 
 
 def gate_up_down(get: TensorGetter, hf: str, out: str, rank: int, tp_size: int):

@@ -16,12 +16,12 @@ from serving.params import get_parameter, parse_int_list
 SCHEDULER_POLICIES = {"max_utilization": "max_utilization", "guaranteed_no_evict": "guaranteed_no_evict"}
 BATCHING_TYPES = {"inflight_fused_batching": "inflight", "inflight_batching": "inflight", "v1": "static"}
 DECODING_MODES = ("auto", "top_k", "top_p", "top_k_top_p", "beam_search", "medusa", "redrafter",
-                  "lookahead", "eagle")
+                  "lookahead", "eagle", "mtp")
 # Beyond the reference: decoding_mode values that turn on speculative decoding with per-step drafts
 # (engine/executor/speculative/), named after TensorRT-LLM's NGram and Draft-Target modes ->
 # SpeculativeConfig.mode. draft_model is accepted as another name for draft_target.
 SPECULATIVE_DECODING_MODES = {"ngram": "ngram", "draft_target": "draft_model", "draft_model": "draft_model",
-                              "medusa": "medusa", "lookahead": "lookahead", "eagle": "eagle"}
+                              "medusa": "medusa", "lookahead": "lookahead", "eagle": "eagle", "mtp": "mtp"}
 # With them: max_draft_len (TensorRT-LLM's name: drafts verified per step; also the most
 # draft_input_ids a request may send, with any decoding_mode), max_matching_ngram_size (TensorRT-LLM's
 # NGram name: the longest suffix looked up in the sequence) and draft_model_path <- ${draft_engine_dir}
@@ -34,7 +34,9 @@ SPECULATIVE_SETTINGS = {"max_draft_len": int, "max_matching_ngram_size": int, "d
 # medusa_choices (engine/executor/speculative/medusa.py). lookahead: the reference's three
 # lookahead_* parameters, all required (engine/executor/speculative/lookahead.py). eagle: EAGLE-3
 # heads in eagle_model_path (default: the engine directory's eagle3/), the tree in eagle_choices
-# (engine/executor/speculative/eagle3.py; CPU only in this release).
+# (engine/executor/speculative/eagle3.py; CPU only in this release). mtp: the engine's own
+# multi-token prediction module (DeepSeek-V3's) drafting max_draft_len tokens a step, chained
+# (engine/executor/speculative/mtp.py).
 LOOKAHEAD_PARAMETERS = ("lookahead_window_size", "lookahead_ngram_size", "lookahead_verification_set_size")
 
 # parameter name -> (setting name, type)

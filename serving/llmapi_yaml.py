@@ -36,11 +36,13 @@ TOP_KEYS = ("model", "tokenizer", "backend", "tensor_parallel_size", "pipeline_p
 LORA_KEYS = ("max_lora_rank", "max_loras")
 SPECULATIVE_KEYS = ("decoding_type", "max_draft_len", "max_matching_ngram_size", "speculative_model_dir",
                     "speculative_model", "medusa_choices", "num_medusa_heads", "max_window_size", "max_ngram_size",
-                    "max_verification_set_size", "eagle_choices", "eagle3_one_model", "num_eagle_layers")
+                    "max_verification_set_size", "eagle_choices", "eagle3_one_model", "num_eagle_layers",
+                    "num_nextn_predict_layers")
 # TensorRT-LLM's decoding_type names (its NGramDecodingConfig / DraftTargetDecodingConfig) -> the
 # tensorrt_llm model's decoding_mode values (serving/executor_config.py).
 DECODING_TYPES = {"ngram": "ngram", "drafttarget": "draft_target", "draft_target": "draft_target", "medusa": "medusa",
-                  "lookahead": "lookahead", "eagle": "eagle", "eagle3": "eagle"}  # Eagle3: TensorRT-LLM's newer name
+                  "lookahead": "lookahead", "eagle": "eagle", "eagle3": "eagle",  # Eagle3: TensorRT-LLM's newer name
+                  "mtp": "mtp"}
 # decoding_type Lookahead (TensorRT-LLM's LookaheadDecodingConfig, its defaults) -> the lookahead_* parameters.
 LOOKAHEAD_KEYS = {"max_window_size": ("lookahead_window_size", 4), "max_ngram_size": ("lookahead_ngram_size", 3),
                   "max_verification_set_size": ("lookahead_verification_set_size", 4)}
@@ -193,7 +195,7 @@ def _speculative(value: Any, config: LlmapiConfig, base_dir: str | None) -> None
     mode = DECODING_TYPES.get(kind.lower()) if isinstance(kind, str) else None
     if mode is None:
         raise _fail("speculative_config.decoding_type", f"{kind!r} is not supported; allowed: NGram, DraftTarget, "
-                                                        f"Medusa, Lookahead, Eagle")
+                                                        f"Medusa, Lookahead, Eagle, MTP")
     config.parameters["decoding_mode"] = mode
     if spec.get("max_draft_len") is not None:
         config.parameters["max_draft_len"] = str(_int(spec["max_draft_len"], "speculative_config.max_draft_len", 1, 64))
@@ -203,6 +205,11 @@ def _speculative(value: Any, config: LlmapiConfig, base_dir: str | None) -> None
         config.parameters["max_matching_ngram_size"] = str(
             _int(spec["max_matching_ngram_size"], "speculative_config.max_matching_ngram_size", 1))
     draft = spec.get("speculative_model_dir", spec.get("speculative_model"))
+    if "num_nextn_predict_layers" in spec and mode != "mtp":
+        raise _fail("speculative_config.num_nextn_predict_layers", "only for decoding_type MTP")
+    if mode == "mtp":
+        _mtp(spec, draft, config)
+        return
     lookahead = [key for key in LOOKAHEAD_KEYS if key in spec]
     if lookahead and mode != "lookahead":
         raise _fail(f"speculative_config.{lookahead[0]}", "only for decoding_type Lookahead")
@@ -243,6 +250,19 @@ def _lookahead(spec: dict, draft: Any, config: LlmapiConfig) -> None:
         config.parameters[parameter] = str(_int(value, f"speculative_config.{key}", low, MAX_LOOKAHEAD_SIZE))
     if config.tensor_parallel_size > 1:
         raise _fail("speculative_config.decoding_type", "Lookahead runs on one rank: it needs tensor_parallel_size 1")
+
+
+def _mtp(spec: dict, draft: Any, config: LlmapiConfig) -> None:
+    """decoding_type MTP (TensorRT-LLM's MTPDecodingConfig): num_nextn_predict_layers drafts a step
+    (default 1; more reuse the checkpoint's one MTP module, chained) -> max_draft_len; the drafts
+    come from the engine's own MTP module (DeepSeek-V3/R1), so no draft model; one rank."""
+    if draft is not None:
+        raise _fail("speculative_config.speculative_model_dir", "MTP drafts with the checkpoint's own multi-token "
+                                                               "prediction module: leave the draft model out")
+    n = spec.get("num_nextn_predict_layers", spec.get("max_draft_len", 1))
+    config.parameters["max_draft_len"] = str(_int(n, "speculative_config.num_nextn_predict_layers", 1, 64))
+    if config.tensor_parallel_size > 1:
+        raise _fail("speculative_config.decoding_type", "MTP runs on one rank: it needs tensor_parallel_size 1")
 
 
 def _eagle(spec: dict, heads: Any, config: LlmapiConfig, base_dir: str | None) -> None:

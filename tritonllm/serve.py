@@ -133,8 +133,12 @@ def lookahead_parameters(text: str | None) -> dict[str, str]:
 
 
 def engine_parameters(args) -> dict[str, str]:
-    """The tensorrt_llm parameters the command line sets: lookahead decoding, KV events."""
+    """The tensorrt_llm parameters the command line sets: lookahead or MTP decoding, KV events."""
     params = lookahead_parameters(args.lookahead_config)
+    if args.mtp is not None:
+        if params or args.mtp < 1:
+            sys.exit("tritonllm serve: --mtp takes a number of drafts >= 1 and does not combine with --lookahead_config")
+        params = {"decoding_mode": "mtp", "max_draft_len": str(args.mtp)}
     if args.kv_events_endpoint:
         params["kv_cache_events_endpoint"] = args.kv_events_endpoint
     return params
@@ -315,6 +319,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     parser.add_argument("--lookahead_config", default=None, metavar="W,N,G",
                         help="lookahead decoding (no extra weights): window, n-gram and verification set sizes, "
                              "e.g. 4,3,4 (docs/features/speculative-decoding.md)")
+    parser.add_argument("--mtp", type=int, default=None, metavar="K",
+                        help="multi-token prediction: K drafts a step from the checkpoint's MTP module "
+                             "(DeepSeek-V3/R1; one module chained K times), verified by the model "
+                             "(docs/features/deepseek.md)")
     parser.add_argument("--kv-events-endpoint", "--kv_events_endpoint", dest="kv_events_endpoint", default=None,
                         metavar="ZMQ_ADDRESS", help="publish the prefix cache's block stored/removed events in "
                         "vLLM's KV event format on a ZMQ PUB socket bound here, e.g. tcp://*:5557, for a "

@@ -62,6 +62,7 @@ from engine.executor.scheduler import Scheduler, SchedulerOutput
 from engine.executor.speculative import DraftProposer, Verified, draft_room, make_proposer, verify_batch
 from engine.executor.speculative.proposer import ProposerConfigError
 from engine.executor.speculative.eagle3 import start_eagle3
+from engine.executor.speculative.mtp import start_mtp
 from engine.executor.speculative.lookahead import lookahead_request_error, start_lookahead
 from engine.executor.speculative.medusa_executor import last_rows, start_medusa
 from engine.executor.speculative.tree_step import compact_path_kv
@@ -158,6 +159,9 @@ class Executor:
                 return start_lookahead(self.runner, spec, has_state=self.state_slots is not None)
             if spec.mode == "eagle":
                 return start_eagle3(self.runner, spec, engine_dir=engine_dir, has_state=self.state_slots is not None)
+            if spec.mode == "mtp":
+                return start_mtp(self.runner, has_state=self.state_slots is not None,
+                                 kv_cache_dtype=self.config.kv_cache_dtype)
             return make_proposer(spec.mode, max_matching_ngram_size=spec.max_matching_ngram_size,
                                  draft_engine_dir=spec.draft_engine_dir, target_engine_dir=engine_dir,
                                  target_runner=self.runner, enable_reuse=self.config.enable_kv_cache_reuse,
@@ -636,7 +640,7 @@ class Executor:
                 self.proposer.observe(self.runner.last_hidden_rows, last_rows(sampling, drafted, verified))
             if verified and hasattr(self.proposer, "observe_verified"):  # lookahead: the target's choice at each node
                 self.proposer.observe_verified(drafted, verified)
-            if hasattr(self.proposer, "observe_batch"):  # EAGLE-3: the tapped layers' rows of every scheduled token
+            if hasattr(self.proposer, "observe_batch"):  # EAGLE-3, MTP: the hooked rows of every scheduled token
                 self.proposer.observe_batch(plan.scheduled, verified)
         except Exception as err:
             self._fail_step(plan, err, "forward failed")

@@ -18,7 +18,7 @@ class ExecutorConfigError(ValueError):
     """An ExecutorConfig value is out of range; the message names field, value and rule."""
 
 
-SPECULATIVE_MODES = ("ngram", "draft_model", "medusa", "lookahead", "eagle")
+SPECULATIVE_MODES = ("ngram", "draft_model", "medusa", "lookahead", "eagle", "mtp")
 MAX_SPECULATIVE_DRAFT_LEN = 64  # a verify step is a (k + 1)-token chunk per sequence; past this it is a prefill
 
 
@@ -53,6 +53,8 @@ class SpeculativeConfig:
     # tree (rank paths; None: a small default); CPU only in this release. max_draft_len caps the nodes.
     eagle_model_path: str | None = None
     eagle_choices: str | list[list[int]] | None = None
+    # "mtp": the engine's own multi-token prediction module (DeepSeek-V3's; speculative/mtp.py), run
+    # max_draft_len times a step, each run reading the one before (one rank).
 
     def validate(self) -> "SpeculativeConfig":
         def require(ok: bool, message: str) -> None:

@@ -452,6 +452,11 @@ class ModelRunner:
             return host.pin_memory().to(self.device, non_blocking=True)
         return host.to(self.device)
 
+    def attention_inputs(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """(token ids, positions, AttentionMetadata) of ``batch`` on this device, for a module run
+        beside the model over a pool of its own (DeepSeek's MTP module: speculative/mtp.py)."""
+        return self._prepare(batch)
+
     def _prepare(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         num_tokens = len(batch.token_ids)
         if not (num_tokens == len(batch.positions) == sum(batch.seq_lens_q)):

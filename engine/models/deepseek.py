@@ -14,9 +14,10 @@ config.head_dim), N = qk_nope_head_dim, V = v_head_dim::
     out          = o_proj(out_lat @ W_UV_h^T)                        (T, H * V) -> (T, hidden)
 
 ``scale`` = (N + P)^-0.5, times mscale(factor, mscale_all_dim)^2 under yarn (as transformers). The
-absorbed form serves prefill chunks and decode rows alike (the same sums in another order); the
-expanded form (per-head K/V from kv_b_proj) is not built: on CPU and for the chunk sizes served,
-the absorbed one does less work per cached token.
+absorbed form serves decode rows and short chunks; a sequence with at least ``expanded_min_tokens``
+new tokens in an eager step attends in the expanded form instead (per-head K/V made from its cached
+latents, kernels/mla_expanded.py: the same sums in another order, fewer multiply-adds from 171 new
+tokens for V3's shape; $TRITONLLM_MLA_EXPANDED_TOKENS sets the threshold, 0 turns it off).
 
 MLP: the first ``first_k_dense_replace`` layers (config.mlp_only_layers) are dense SwiGLU of width
 intermediate_size; the others route each token to num_experts_per_tok of num_experts experts
@@ -44,6 +45,7 @@ dequantized once at load into the absorbed matrices.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 from torch import nn
@@ -58,9 +60,13 @@ from kernels.fp8_block import blocks, dequantize_blocks
 from kernels.fused_moe import fused_moe
 from kernels.fused_moe_fp8 import fused_moe_fp8
 from kernels.mla_attention import mla_attention, write_latent_cache
+from kernels.mla_expanded import expanded_min_tokens, mla_expanded_prefill, split_long
 from kernels.moe_grouped_routing import route_grouped
 from kernels.rmsnorm import rms_norm
 from kernels.rotary import apply_rotary, build_cos_sin_cache
+
+
+EXPANDED_TOKENS_ENV = "TRITONLLM_MLA_EXPANDED_TOKENS"
 
 
 def _parameter(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
@@ -79,6 +85,21 @@ def softmax_scale(config: ModelConfig) -> float:
     return scale
 
 
+def expanded_prefill_min_tokens(config: ModelConfig) -> int | None:
+    """New tokens of a sequence's chunk from which its attention runs expanded: $TRITONLLM_MLA_EXPANDED_TOKENS
+    when set (0: never), else where the expanded form needs fewer multiply-adds (171 for DeepSeek-V3)."""
+    value = os.environ.get(EXPANDED_TOKENS_ENV)
+    if value is not None:
+        try:
+            tokens = int(value)
+        except ValueError:
+            raise ConfigError(f"${EXPANDED_TOKENS_ENV} must be an integer >= 0 (0: never), got {value!r}") from None
+        if tokens < 0:
+            raise ConfigError(f"${EXPANDED_TOKENS_ENV} must be an integer >= 0 (0: never), got {value!r}")
+        return tokens or None
+    return expanded_min_tokens(config.kv_lora_rank, config.qk_nope_head_dim, config.v_head_dim)
+
+
 class MlaAttention(nn.Module):
     """Multi-head latent attention for one rank (module docstring)."""
 
@@ -91,6 +112,9 @@ class MlaAttention(nn.Module):
         self.num_heads = c.num_heads // tp_size
         self.nope, self.rope, self.rank, self.v_dim = c.qk_nope_head_dim, c.head_dim, c.kv_lora_rank, c.v_head_dim
         self.scale = softmax_scale(c)
+        # A sequence with this many new tokens or more in a step attends in the expanded form
+        # (kernels/mla_expanded.py: cheaper from there by the multiply-add count); None: never.
+        self.expanded_min_tokens = expanded_prefill_min_tokens(c)
         linear = {"dtype": dtype, "device": device, "quantization": quantization}
         q_width = self.num_heads * (self.nope + self.rope)
         if c.q_lora_rank is not None:
@@ -131,10 +155,25 @@ class MlaAttention(nn.Module):
         q_rope, k_rope = apply_rotary(q_rope, k_rope.contiguous().unsqueeze(1), positions, cos_sin_cache)
         cache = kv_cache[self.layer_index, 0, :, :, 0]  # (num_blocks, tokens_per_block, R + P)
         write_latent_cache(latent, k_rope.squeeze(1), cache, meta.slot_mapping)
+        long, short_rows, short_meta = split_long(meta, self.expanded_min_tokens)
+        if not long:
+            out = self._absorbed(q_nope, q_rope, cache, meta)
+        else:  # long prefill chunks expanded per head, the rest absorbed (kernels/mla_expanded.py)
+            out = q_nope.new_empty(q_nope.shape[0], self.num_heads, self.v_dim)
+            for i, start, end, context_len in long:
+                out[start:end] = mla_expanded_prefill(q_nope[start:end], q_rope[start:end], cache,
+                                                      meta.block_tables[i], context_len, self.w_uk, self.w_uv,
+                                                      self.scale)
+            if short_rows is not None:
+                out[short_rows] = self._absorbed(q_nope[short_rows], q_rope[short_rows], cache, short_meta)
+        return self.o_proj(out.reshape(out.shape[0], -1))
+
+    def _absorbed(self, q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
+                  meta: AttentionMetadata) -> torch.Tensor:
+        """(T, H, N), (T, H, P) -> (T, H, V): W_UK into the query, attention over the latents, W_UV after."""
         q_latent = torch.einsum("thn,hnr->thr", q_nope, self.w_uk)  # (T, H, R)
         out_latent = mla_attention(q_latent, q_rope, cache, meta, self.scale)
-        out = torch.einsum("thr,hvr->thv", out_latent, self.w_uv)  # (T, H, V)
-        return self.o_proj(out.reshape(out.shape[0], -1))
+        return torch.einsum("thr,hvr->thv", out_latent, self.w_uv)  # (T, H, V)
 
 
 class DeepseekExperts(nn.Module):
@@ -218,6 +257,42 @@ class DeepseekLayer(nn.Module):
         return (self.moe(h) if hasattr(self, "moe") else self.mlp(h)), residual
 
 
+class DeepseekMtp(nn.Module):
+    """DeepSeek-V3's multi-token prediction module (the checkpoint's layer ``num_layers``), the draft
+    source of decoding_mode mtp (engine/executor/speculative/mtp.py), as transformers' MtpLayer::
+
+        x   = eh_proj([enorm(embed(t_{p+1})) ; hnorm(h_p)])        (T, 2 hidden) -> (T, hidden)
+        g   = head_norm(decoder layer(x))                           the layer: attention + MoE, as layer N's
+        logits = lm_head(g)                                         a guess at t_{p+2}
+
+    h_p is the target's final-normed hidden state at position p (or, for a chained draft, the g of
+    the row before). Embedding and head are the target's (DeepSeek shares them; the checkpoint's
+    copies are not read). The layer's attention runs over a latent pool of its own (one layer), so
+    its ``attn.layer_index`` is 0; its experts and quantization are those of a sparse layer."""
+
+    def __init__(self, config: ModelConfig, *, tp_size: int, tp_group, dtype, device, quantization):
+        super().__init__()
+        self.eps = config.norm_eps
+        hidden = config.hidden_size
+        self.enorm = Norm(hidden, bias=False, dtype=dtype, device=device)
+        self.hnorm = Norm(hidden, bias=False, dtype=dtype, device=device)
+        # eh_proj and the head norm stay in the model dtype (DeepSeek ships eh_proj unquantized)
+        self.eh_proj = Linear(2 * hidden, hidden, bias=False, dtype=dtype, device=device)
+        self.layer = DeepseekLayer(config, config.num_layers, tp_size=tp_size, tp_group=tp_group, dtype=dtype,
+                                   device=device, quantization=quantization)
+        self.layer.attn.layer_index = 0
+        self.head_norm = Norm(hidden, bias=False, dtype=dtype, device=device)
+
+    def forward(self, embeds: torch.Tensor, previous_hidden: torch.Tensor, positions: torch.Tensor,
+                cos_sin_cache: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """embeds, previous_hidden (T, hidden); positions (T,) rotary positions; kv_cache the MTP pool
+        (1 layer) -> g (T, hidden), head-normed (what the next chained draft reads as its h)."""
+        x = torch.cat([rms_norm(embeds, self.enorm.weight, self.eps)[0],
+                       rms_norm(previous_hidden.to(embeds.dtype), self.hnorm.weight, self.eps)[0]], dim=-1)
+        x, residual = self.layer(self.eh_proj(x), None, positions, cos_sin_cache, kv_cache, meta)
+        return rms_norm(x, self.head_norm.weight, self.eps, residual)[0]
+
+
 class DeepseekForCausalLM(nn.Module):
     """DeepSeek-V2/V3 for one tensor-parallel rank. ``quantization``: None or "fp8_block"."""
 
@@ -242,6 +317,9 @@ class DeepseekForCausalLM(nn.Module):
         self.norm = Norm(config.hidden_size, bias=False, dtype=dtype, device=device)
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, vocab_local, bias=False, dtype=dtype, device=device)
+        if config.num_nextn_predict_layers:  # held for decoding_mode mtp; the target's forward never runs it
+            self.mtp = DeepseekMtp(config, tp_size=tp_size, tp_group=tp_group, dtype=dtype, device=device,
+                                   quantization=quantization)
         self.max_positions = max_positions or config.max_position_embeddings
         self.cos_sin_cache: torch.Tensor | None = None
 
@@ -258,6 +336,8 @@ class DeepseekForCausalLM(nn.Module):
         self.cos_sin_cache = build_cos_sin_cache(self.max_positions, c.head_dim, c.rope_theta, c.rope_scaling, device)
         for layer in self.layers:
             layer.attn.init_buffers()
+        if hasattr(self, "mtp"):
+            self.mtp.layer.attn.init_buffers()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 attn_meta: AttentionMetadata) -> torch.Tensor:

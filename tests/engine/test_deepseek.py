@@ -64,11 +64,15 @@ def deepseek(request, tmp_path_factory):
     return hf, make_engine(hf, tmp_path_factory.mktemp(f"deepseek_{request.param}") / "engine", tokens_per_block=4)
 
 
-def test_chunks_and_decode_rows_equal_transformers(deepseek):
+@pytest.mark.parametrize("expanded_min_tokens", [None, 4])
+def test_chunks_and_decode_rows_equal_transformers(deepseek, expanded_min_tokens):
     """Two sequences: prompts in chunks (one over a cached prefix of 11), then decode rows beside a
-    chunk, all in shared packed steps over shuffled pages of the latent pool."""
+    chunk, all in shared packed steps over shuffled pages of the latent pool; all absorbed, or with
+    chunks of >= 4 new tokens in the expanded form (kernels/mla_expanded.py) beside absorbed rows."""
     hf, engine_dir = deepseek
     runner = ModelRunner(engine_dir)
+    for layer in runner.model.layers:
+        layer.attn.expanded_min_tokens = expanded_min_tokens
     seqs = {0: random_tokens(19, 3), 1: random_tokens(9, 4)}
     session = PagedSession(runner, num_blocks=32)
     a0, b0 = session.step([(0, seqs[0][:11]), (1, seqs[1][:7])])

@@ -15,6 +15,7 @@ from kernels.attention import KV_FP8_DTYPE
 from kernels.attention_metadata import AttentionMetadata
 from kernels.mla_attention import (mla_attention_ref, mla_attention_triton, write_latent_cache_ref,
                                    write_latent_cache_triton)
+from kernels.mla_expanded import expanded_min_tokens, mla_expanded_prefill, split_long
 
 HEADS, RANK, ROPE, NOPE, V_DIM, PAGE = 5, 24, 8, 12, 10, 4
 
@@ -65,22 +66,52 @@ def expanded_attention(q_nope, q_rope, rows, w_uk, w_uv, scale):
     return torch.einsum("hqk,khv->qhv", scores.softmax(-1), values)
 
 
+def up_projections_and_queries(num_tokens: int):
+    """(w_uk (H, N, R), w_uv (H, V, R), q_nope (T, H, N), q_rope (T, H, P), scale), seeded."""
+    gen = torch.Generator().manual_seed(1)
+    w_uk, w_uv = torch.randn(HEADS, NOPE, RANK, generator=gen) * 0.3, torch.randn(HEADS, V_DIM, RANK, generator=gen)
+    q_nope = torch.randn(num_tokens, HEADS, NOPE, generator=gen)
+    q_rope = torch.randn(num_tokens, HEADS, ROPE, generator=gen)
+    return w_uk, w_uv, q_nope, q_rope, (NOPE + ROPE) ** -0.5
+
+
 @pytest.mark.parametrize("context_lens,q_lens", [([13, 7, 1], [13, 7, 1]), ([22, 9, 5], [6, 1, 1])])
 def test_reference_equals_expanded_per_head_attention(context_lens, q_lens):
     """Absorbing W_UK into the query and W_UV after the sum is the same attention (float32 within
     1e-5 of float64): whole prompts, then chunks over cached prefixes with decode rows beside them."""
     rows, cache, meta = paged_batch(context_lens, q_lens)
-    gen = torch.Generator().manual_seed(1)
-    w_uk, w_uv = torch.randn(HEADS, NOPE, RANK, generator=gen) * 0.3, torch.randn(HEADS, V_DIM, RANK, generator=gen)
-    q_nope = torch.randn(sum(q_lens), HEADS, NOPE, generator=gen)
-    q_rope = torch.randn(sum(q_lens), HEADS, ROPE, generator=gen)
-    scale = (NOPE + ROPE) ** -0.5
+    w_uk, w_uv, q_nope, q_rope, scale = up_projections_and_queries(sum(q_lens))
     out = mla_attention_ref(torch.einsum("thn,hnr->thr", q_nope, w_uk), q_rope, cache, meta, scale)
     out = torch.einsum("thr,hvr->thv", out, w_uv)
     for i, seq_rows in enumerate(rows):
         start, end = meta.cu_seqlens_q_host[i], meta.cu_seqlens_q_host[i + 1]
         want = expanded_attention(q_nope[start:end], q_rope[start:end], seq_rows, w_uk, w_uv, scale)
         assert (out[start:end].double() - want).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("context_lens,q_lens", [([13, 7, 1], [13, 7, 1]), ([22, 9, 30, 5], [6, 1, 7, 1])])
+def test_long_chunks_expanded_and_the_rest_absorbed_equal_per_head_attention(context_lens, q_lens):
+    """kernels/mla_expanded.py: sequences with >= 6 new tokens (a whole prompt, chunks over cached
+    prefixes) attend expanded, the others absorbed over the split-off metadata; every row within 1e-5
+    of float64 per-head attention. The threshold formula: V3's shape expands from 171 new tokens."""
+    rows, cache, meta = paged_batch(context_lens, q_lens)
+    w_uk, w_uv, q_nope, q_rope, scale = up_projections_and_queries(sum(q_lens))
+    long, short_rows, short_meta = split_long(meta, 6)
+    assert [i for i, _, _, _ in long] == [i for i, q in enumerate(q_lens) if q >= 6]
+    out = torch.zeros(sum(q_lens), HEADS, V_DIM)
+    for i, start, end, context_len in long:
+        out[start:end] = mla_expanded_prefill(q_nope[start:end], q_rope[start:end], cache, meta.block_tables[i],
+                                              context_len, w_uk, w_uv, scale)
+    if short_rows is not None:
+        short = mla_attention_ref(torch.einsum("thn,hnr->thr", q_nope[short_rows], w_uk), q_rope[short_rows], cache,
+                                  short_meta, scale)
+        out[short_rows] = torch.einsum("thr,hvr->thv", short, w_uv)
+    for i, seq_rows in enumerate(rows):
+        start, end = meta.cu_seqlens_q_host[i], meta.cu_seqlens_q_host[i + 1]
+        want = expanded_attention(q_nope[start:end], q_rope[start:end], seq_rows, w_uk, w_uv, scale)
+        assert (out[start:end].double() - want).abs().max().item() < 1e-5
+    assert expanded_min_tokens(512, 128, 128) == 171 and expanded_min_tokens(32, 64, 64) is None
+    assert split_long(meta, 31)[0] == []  # nothing that long: the step stays absorbed
 
 
 @pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, None), (torch.float16, None), (torch.bfloat16, None),

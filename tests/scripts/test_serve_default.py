@@ -80,7 +80,7 @@ def test_kv_events_endpoint_flag_fills_the_tensorrt_llm_parameter(tmp_path):
 
     from serving.executor_config import executor_settings
 
-    args = argparse.Namespace(lookahead_config=None, kv_events_endpoint="tcp://*:5557")
+    args = argparse.Namespace(lookahead_config=None, mtp=None, kv_events_endpoint="tcp://*:5557")
     repo = Path(serve.prepare_model_repo(str(tmp_path / "engine"), str(tmp_path / "repo"),
                                          overrides={"tensorrt_llm": serve.engine_parameters(args)}))
     text = (repo / "tensorrt_llm" / "config.pbtxt").read_text()
@@ -88,3 +88,6 @@ def test_kv_events_endpoint_flag_fills_the_tensorrt_llm_parameter(tmp_path):
     assert executor_settings(filled, {})["kv_cache_events_endpoint"] == "tcp://*:5557"
     args.kv_events_endpoint = None
     assert serve.engine_parameters(args) == {}
+    args.mtp = 3  # --mtp 3: DeepSeek's MTP module drafting 3 tokens a step
+    settings = executor_settings(serve.engine_parameters(args), {})
+    assert (settings["speculative_mode"], settings["max_draft_len"]) == ("mtp", 3)

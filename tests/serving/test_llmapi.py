@@ -110,6 +110,19 @@ def test_speculative_config_eagle_names_heads_and_tree(checkpoint, tmp_path):
     assert params["eagle_choices"] == "{0}, {0, 0}, {1}"
 
 
+def test_speculative_config_mtp_sets_its_drafts(checkpoint):
+    """decoding_type MTP (TensorRT-LLM's MTPDecodingConfig): num_nextn_predict_layers drafts a step ->
+    decoding_mode mtp, max_draft_len; a draft model or the key under another type is refused by name."""
+    params = executor_parameters(parse_llmapi_config({"model": checkpoint, "speculative_config": {
+        "decoding_type": "MTP", "num_nextn_predict_layers": 3}}), "/engines/x")
+    assert params["decoding_mode"] == "mtp" and params["max_draft_len"] == "3"
+    for bad, named in [({"speculative_model_dir": "x"}, "speculative_config.speculative_model_dir: MTP drafts"),
+                       ({"num_nextn_predict_layers": 0}, "num_nextn_predict_layers: expected an integer 1..64"),
+                       ({"decoding_type": "NGram", "num_nextn_predict_layers": 2}, "num_nextn_predict_layers: only")]:
+        with pytest.raises(ValueError, match=named):
+            parse_llmapi_config({"model": checkpoint, "speculative_config": {"decoding_type": "MTP", **bad}})
+
+
 def test_defaults_and_dtype_auto(checkpoint):
     config = parse_llmapi_config({"model": checkpoint})
     assert config.decoupled is True and config.triton_max_batch_size == 0
