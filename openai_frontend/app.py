@@ -305,6 +305,9 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     shape = ResponseShape(chat=chat, model=parsed.model)
     specs = choice_specs(prompts, parsed.params)
     for spec in specs:  # every choice gets the request's prompt-embedding table (images only)
+        if frontend.images is not None and frontend.images.cross_attention:  # Llama 3.2 Vision: cross-attention
+            spec.vision = frontend.images.cross_inputs(spec.prompt_ids, table, image_rows) if parts else None
+            continue
         spec.prompt_table = table
         if grids is not None:  # Qwen2-VL: its prompt's M-RoPE rows
             spec.mrope = frontend.images.mrope(spec.prompt_ids, grids)

@@ -39,6 +39,7 @@ class ChoiceSpec:
     seed: int | None
     prompt_table: object = None  # np.ndarray (rows, hidden) FP16: the request's image features (vision.py)
     mrope: object = None  # Qwen2-VL: (flat rotary rows, delta) of this prompt (vision.py ChatImages.mrope)
+    vision: object = None  # Llama 3.2 Vision: its images' tensorrt_llm inputs (vision.py ChatImages.cross_inputs)
 
 
 def choice_specs(prompts: list[tuple[str, list[int], int]], params: SamplingParams) -> list[ChoiceSpec]:
@@ -94,7 +95,8 @@ async def generate_choice(client: TritonClient, spec: ChoiceSpec, params: Sampli
     tokens = 0
     # aclosing: leaving (a stop string, or this generator being closed) cancels the call at once.
     async with aclosing(client.generate(spec.prompt, spec.prompt_ids, params, spec.max_tokens, spec.seed,
-                                        f"{request_id}-{spec.index}", lora, spec.prompt_table, spec.mrope)) as chunks:
+                                        f"{request_id}-{spec.index}", lora, spec.prompt_table, spec.mrope,
+                                        spec.vision)) as chunks:
         async for chunk in chunks:
             tokens += chunk.num_tokens
             if detokenizer is not None:

@@ -134,12 +134,13 @@ def generation_inputs(prompt: str, params: SamplingParams, max_tokens: int,
 
 def direct_inputs(prompt_ids: list[int], params: SamplingParams, max_tokens: int, seed: int | None,
                   end_id: int, pad_id: int, lora: LoraModule | None = None,
-                  prompt_table: np.ndarray | None = None, mrope: tuple[np.ndarray, int] | None = None
-                  ) -> dict[str, np.ndarray]:
+                  prompt_table: np.ndarray | None = None, mrope: tuple[np.ndarray, int] | None = None,
+                  vision: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """``tensorrt_llm``'s own inputs for one choice (the direct path: the frontend has tokenized
     the prompt and decodes the ids itself; stop strings are cut here, which cancels the call).
     ``prompt_table`` (rows, hidden) FP16: the rows the prompt's ids >= vocab_size take (images).
-    ``mrope``: Qwen2-VL's (mrope_rotary_cos_sin in the anchor's flat layout, mrope_position_delta)."""
+    ``mrope``: Qwen2-VL's (mrope_rotary_cos_sin in the anchor's flat layout, mrope_position_delta).
+    ``vision``: Llama 3.2 Vision's encoder_input_features / cross_attention_mask inputs (serving/mllama.py)."""
     inputs = {
         "input_ids": np.array([prompt_ids], dtype=np.int32),
         "input_lengths": _scalar(len(prompt_ids), np.int32),
@@ -160,6 +161,7 @@ def direct_inputs(prompt_ids: list[int], params: SamplingParams, max_tokens: int
     if mrope is not None:
         inputs["mrope_rotary_cos_sin"] = np.asarray(mrope[0], np.float32)[None]
         inputs["mrope_position_deltas"] = _scalar(mrope[1], np.int64)
+    inputs.update(vision or {})
     return inputs
 
 
@@ -368,14 +370,15 @@ class TritonClient:
 
     async def generate(self, prompt: str, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
                        seed: int | None, request_id: str, lora: LoraModule | None = None,
-                       prompt_table: np.ndarray | None = None, mrope: tuple[np.ndarray, int] | None = None
+                       prompt_table: np.ndarray | None = None, mrope: tuple[np.ndarray, int] | None = None,
+                       vision: dict[str, np.ndarray] | None = None
                        ) -> AsyncIterator[Chunk]:
         """Streams one choice, with the LoRA adapter ``lora`` and the image features
         ``prompt_table`` (direct path only) when given. Leaving the iteration early (or being
         cancelled) cancels the call."""
         if self.direct:
             inputs = direct_inputs(prompt_ids, params, max_tokens, seed, self.end_id, self.pad_id, lora, prompt_table,
-                                   mrope)
+                                   mrope, vision)
             if self._decoupled is False:
                 inputs["streaming"] = _scalar(False, np.bool_)
         else:

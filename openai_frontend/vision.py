@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from openai_frontend.errors import bad_request
+from serving import mllama
 from serving.images import decode_file, url_bytes
 from serving.mrope import to_wire
 from serving.qwen_vl import grid_rows, image_patches
@@ -48,6 +49,7 @@ class ChatImages:
         self.prompts = ImagePrompts(settings.encoder_dir, tokenizer, engine_vocab_size(engine_dir),
                                     max_num_images=settings.max_num_images, limits=self.limits)
         self.runner = VisionEncoderRunner(settings.encoder_dir, device)
+        self.cross_attention = self.runner.mllama  # Llama 3.2 Vision: vision states, not a table (cross_inputs)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vision_encoder")
 
     @property
@@ -83,6 +85,11 @@ class ChatImages:
                                           self.limits))
             except ValueError as error:  # ImageError: names the part, says what is allowed
                 raise bad_request(part["field"], str(error), code="invalid_image") from None
+        if self.cross_attention:  # Llama 3.2 Vision: the images' vision states and their real tiles
+            batch = self.prompts.image_processor(images=[images], return_tensors="np")
+            states = mllama.vision_states(self.runner.encoder, self.runner.device, batch["pixel_values"][0],
+                                          batch["aspect_ratio_ids"][0], batch["aspect_ratio_mask"][0])
+            return states, [int(t) for t in np.asarray(batch["aspect_ratio_mask"][0]).sum(1)], None
         if self.prompts.qwen:  # every image's patches in one batch (serving/qwen_vl.py)
             import torch
 
@@ -94,6 +101,13 @@ class ChatImages:
         pixels, sizes = self.prompts.pixels(images)
         counts = self.prompts.token_counts(sizes, len(images))
         return self.runner.tables([pixels], [sizes])[0], counts, None
+
+    def cross_inputs(self, ids: list[int], states: np.ndarray, tiles: list[int]) -> dict[str, np.ndarray]:
+        """Llama 3.2 Vision: a prompt's tensorrt_llm inputs for its images (``encode``'s states and tiles), the
+        mask by the processor's rule from the prompt's <|image|> ids."""
+        config = self.prompts.config
+        return mllama.direct_inputs(ids, states, tiles, config["image_token_index"], config["vision"]["max_num_tiles"],
+                                    config["patches_per_tile"])
 
     def mrope(self, ids: list[int], grids: np.ndarray) -> tuple[np.ndarray, int]:
         """Qwen2-VL: a prompt's (mrope_rotary_cos_sin in the anchor's flat layout, mrope_position_delta)

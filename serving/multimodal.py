@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from serving import mllama
 from serving.images import ImageLimits, images_from_bytes, images_from_urls
 from serving.qwen_vl import (CHAT_WRAPPERS, NO_PIXELS, ONE_IMAGE, QWEN_VL_TYPES, grid_rows, image_patches,
                              vision_input_ids)
@@ -77,6 +78,7 @@ class PreparedItem:
     pixel_values: np.ndarray | None
     image_sizes: np.ndarray | None = None  # (n, 2) int64 (height, width) before processing: anyres families
     image_grid_thw: np.ndarray | None = None  # (n, 3) int64 patch grids: Qwen2-VL (pixel_values (1, 1, patches, dim))
+    mllama: dict | None = None  # Llama 3.2 Vision: aspect ratio ids / mask and token mask (serving/mllama.py)
 
 
 class ImagePrompts:
@@ -112,6 +114,9 @@ class ImagePrompts:
         self.gemma3 = "gemma3" in config
         if self.gemma3:
             self._init_gemma3(config["gemma3"])
+        # Llama 3.2 Vision: its own processor lays out the prompt; images go to cross-attention (serving/mllama.py)
+        self.mllama = mllama.processor_for(self.image_processor, tokenizer) if (
+            self.model_type == mllama.MODEL_TYPE) else None
 
     def _init_gemma3(self, gemma3: dict) -> None:
         """Gemma 3: the placeholder is <start_of_image>, which the processor expands in the text to
@@ -147,6 +152,11 @@ class ImagePrompts:
         if num_images > self.max_num_images:
             raise ValueError(f"{num_images} images were sent; allowed: at most {self.max_num_images} per request "
                              "(max_num_images of the preprocessing model)")
+        if self.mllama is not None:
+            if num_pixel_images:
+                raise ValueError(mllama.NO_PIXELS)
+            item = mllama.prepare_item(self.mllama, query, images, add_special_tokens)
+            return PreparedItem(item["input_ids"], item.get("pixel_values"), mllama=item)
         pixel_values = image_sizes = None
         if images:
             pixel_values, image_sizes = self.pixels(images)
@@ -204,6 +214,8 @@ class ImagePrompts:
         if len(positions) != len(counts):
             raise ValueError(f"{where}: the prompt holds {len(positions)} {self.placeholder} placeholder(s) but "
                              f"{len(counts)} image(s) were sent; send one image per placeholder")
+        if self.mllama is not None:  # its images are read through cross-attention: the ids stay
+            return list(ids)
         out, start = [], 0
         before, after = self.placeholder_wrap
         for slot, position in zip(self.slots(counts), positions):
@@ -341,6 +353,7 @@ class VisionEncoderRunner:
         self.num_image_tokens = self.encoder.num_image_tokens
         self.anyres = hasattr(self.encoder, "anyres")
         self.qwen = self.encoder.model_type in QWEN_VL_TYPES
+        self.mllama = self.encoder.model_type == mllama.MODEL_TYPE  # serving/mllama.py encoder_outputs
         if self.qwen:
             from engine.vision.encoder_dir import read_encoder_config
 
@@ -469,6 +482,7 @@ def prepare_batch(prompts: ImagePrompts, tensors: dict, queries: list[str], add_
     image_sizes = stack_image_sizes(items)
     if image_sizes is not None:
         outputs["IMAGE_SIZES"] = image_sizes
+    outputs.update(mllama.stack_items([item.mllama or {"input_ids": item.input_ids} for item in items]))
     if any(item.image_grid_thw is not None for item in items):  # Qwen2-VL (serving/qwen_vl.py)
         outputs["IMAGE_GRID_THW"] = np.array([item.image_grid_thw[0] if item.image_grid_thw is not None
                                               else np.zeros(3, np.int64) for item in items], np.int64)

@@ -244,6 +244,46 @@ def encoder_features(tensors: Mapping[str, np.ndarray], batch_size: int, row: in
     return np.array(features, dtype=np.float32)  # a copy: Triton's buffers are read-only
 
 
+# ----------------------------------------------------------------------------- Llama 3.2 Vision engines
+#
+# A decoder-only prompt (input_ids, <|image|> ids included) whose images come as the anchor's mllama
+# tensors: encoder_input_features (B, vision states, hidden; trimmed by encoder_output_lengths),
+# cross_attention_mask (B, positions, vision states) bool, skip_cross_attn_blocks (true: a text-only item;
+# the features are then ignored). engine/encoder_decoder/mllama_stage.py checks the rest.
+VISION_INPUTS = ("encoder_input_features", "encoder_output_lengths", "cross_attention_mask", "skip_cross_attn_blocks")
+CROSS_ATTENTION_FEATURES = tuple(
+    replace(f, inputs={k: v for k, v in f.inputs.items() if k not in VISION_INPUTS})
+    for f in UNSUPPORTED_FEATURES if set(f.inputs) - set(VISION_INPUTS))
+
+
+def vision_inputs(tensors: Mapping[str, np.ndarray], batch_size: int, row: int,
+                  input_length: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """tensorrt_llm of a Llama 3.2 Vision engine: item ``row``'s (vision states (L, hidden) float32, mask
+    (input_length, L) bool), or (None, None) for a text-only item (no features, or skip_cross_attn_blocks true)."""
+    skip = _present(tensors.get("skip_cross_attn_blocks")) and read_scalar(tensors, "skip_cross_attn_blocks",
+                                                                            batch_size, row)
+    if skip or not _present(tensors.get("encoder_input_features")):
+        return None, None
+    features = np.asarray(read_row(tensors, "encoder_input_features", batch_size, row)[0], np.float32)
+    if features.ndim != 2:
+        raise ValueError(f"encoder_input_features has shape {tuple(tensors['encoder_input_features'].shape)}; send "
+                         "[batch, vision states, hidden]")
+    if _present(tensors.get("encoder_output_lengths")):
+        length = int(read_scalar(tensors, "encoder_output_lengths", batch_size, row))
+        if not 0 < length <= len(features):
+            raise ValueError(f"encoder_output_lengths is {length} but the encoder_input_features item holds "
+                             f"{len(features)} vision states; allowed: 1..{len(features)}")
+        features = features[:length]
+    if not _present(tensors.get("cross_attention_mask")):
+        raise ValueError("cross_attention_mask is required with encoder_input_features for Llama 3.2 Vision: "
+                         "[batch, positions, vision states] bool")
+    mask = np.asarray(read_row(tensors, "cross_attention_mask", batch_size, row)[0]).astype(bool)
+    if mask.ndim != 2 or mask.shape[0] < input_length or mask.shape[1] < len(features):
+        raise ValueError(f"cross_attention_mask has shape {tuple(tensors['cross_attention_mask'].shape)}; send "
+                         f"[batch, positions >= the prompt's {input_length}, vision states >= {len(features)}]")
+    return np.array(features), np.array(mask[:input_length, :len(features)])
+
+
 def decoder_prompt(tensors: Mapping[str, np.ndarray], batch_size: int, row: int, input_length: int,
                    pad_id: int | None, features: bool = False) -> list[int]:
     """Item ``row``'s decoder prompt ([] for none) of an encoder-decoder engine (rules above).
@@ -478,6 +518,7 @@ class RequestSpec:
     mrope: dict[str, Any] | None = None  # Mrope fields (serving/mrope.py mrope_fields): Qwen2-VL
     encoder_input_ids: list[int] | None = None  # encoder-decoder engines: input_ids (decoder_prompt)
     encoder_input_features: np.ndarray | None = None  # Whisper: (frames, num_mel_bins) (encoder_features)
+    cross_attention_mask: np.ndarray | None = None  # Llama 3.2 Vision: (positions, vision states) (vision_inputs)
     # Disaggregated serving (engine/executor/disaggregated.py): the Triton request parameter
     # request_type, and a generation_only item's context_phase_params (its context_only item's output).
     request_type: str = "context_and_generation"
@@ -592,11 +633,13 @@ def _output(tensors, batch_size: int, row: int, exclude_input_default: bool | No
 def convert_row(tensors: Mapping[str, np.ndarray], row: int, batch_size: int, *,
                 decoupled: bool, exclude_input_default: bool | None,
                 max_input_len: int | None = None, encoder_decoder: bool = False,
-                request_type: str = "context_and_generation", rotary_width: int = 0) -> RequestSpec:
+                request_type: str = "context_and_generation", rotary_width: int = 0,
+                cross_attention: bool = False) -> RequestSpec:
     """Validate and convert batch row `row`; raises ValueError with the reference's text.
     ``encoder_decoder``: input_ids are the encoder's, the prompt is decoder_prompt's.
     ``rotary_width``: the engine's head_dim when it takes M-RoPE rows (mrope_rotary_cos_sin), else 0.
-    ``request_type``: the Triton request's parameter of that name (request_type_of)."""
+    ``request_type``: the Triton request's parameter of that name (request_type_of).
+    ``cross_attention``: a Llama 3.2 Vision engine (vision_inputs)."""
     max_tokens = read_scalar(tensors, "request_output_len", batch_size, row)
     if max_tokens is None:
         raise ValueError("A value is required for request_output_len")
@@ -614,11 +657,15 @@ def convert_row(tensors: Mapping[str, np.ndarray], row: int, batch_size: int, *,
         input_token_ids = decoder_prompt(tensors, batch_size, row,
                                          len(encoder_input_ids) if features is None else features.shape[0],
                                          None if pad_id is None else int(pad_id), features is not None)
+    cross_mask = None
+    if cross_attention:
+        features, cross_mask = vision_inputs(tensors, batch_size, row, len(input_token_ids))
     return RequestSpec(
         batch_index=row,
         input_token_ids=input_token_ids,
         encoder_input_ids=encoder_input_ids,
         encoder_input_features=features,
+        cross_attention_mask=cross_mask,
         max_tokens=int(max_tokens),
         streaming=streaming,
         end_id=None if end_id is None else int(end_id),
@@ -664,16 +711,18 @@ def _context_phase_params(tensors: Mapping[str, np.ndarray], batch_size: int, ro
 def convert_request(tensors: Mapping[str, np.ndarray], *, decoupled: bool,
                     exclude_input_default: bool | None = None,
                     max_input_len: int | None = None, encoder_decoder: bool = False,
-                    request_type: str = "context_and_generation", rotary_width: int = 0) -> list[RequestSpec]:
+                    request_type: str = "context_and_generation", rotary_width: int = 0,
+                    cross_attention: bool = False) -> list[RequestSpec]:
     """All rows of one Triton request; raises ValueError on the first invalid input.
 
     `max_input_len` is the engine's prompt limit (an encoder-decoder's: its encoder input limit; the
     executor checks the other limits)."""
     batch_size = batch_size_of(tensors, encoder_decoder)
-    refuse_unsupported(tensors, batch_size, ENCODER_DECODER_FEATURES if encoder_decoder else UNSUPPORTED_FEATURES)
+    refuse_unsupported(tensors, batch_size, ENCODER_DECODER_FEATURES if encoder_decoder else
+                       CROSS_ATTENTION_FEATURES if cross_attention else UNSUPPORTED_FEATURES)
     return [convert_row(tensors, row, batch_size, decoupled=decoupled, exclude_input_default=exclude_input_default,
                         max_input_len=max_input_len, encoder_decoder=encoder_decoder, request_type=request_type,
-                        rotary_width=rotary_width)
+                        rotary_width=rotary_width, cross_attention=cross_attention)
             for row in range(batch_size)]
 
 
@@ -702,6 +751,7 @@ def to_executor_request(spec: RequestSpec):
         prompt_table=None if spec.prompt_table is None else PromptTable(**spec.prompt_table),
         mrope=None if spec.mrope is None else Mrope(**spec.mrope),
         encoder_input_ids=spec.encoder_input_ids, encoder_input_features=spec.encoder_input_features,
+        cross_attention_mask=spec.cross_attention_mask,
         request_type=spec.request_type, context_phase_params=spec.context_phase_params,
     )
 

@@ -45,13 +45,6 @@ class CrossMask:
         return self.rows[self.index[np.minimum(positions, len(self.index) - 1)]]
 
 
-def dense_mask(token_mask, patches_per_tile: int) -> np.ndarray:
-    """transformers' processor mask (positions, images, max_num_tiles) int -> (positions, L) bool over the
-    vision tokens (image, tile, patch order)."""
-    mask = np.asarray(token_mask).astype(bool)
-    return np.repeat(mask.reshape(mask.shape[0], -1), patches_per_tile, axis=1)
-
-
 @dataclass
 class MllamaCrossStep:
     """The cross-attention inputs of one step (module docstring); all on the device."""

@@ -14,9 +14,10 @@ import torch
 pytest.importorskip("PIL")
 
 from engine.build import main  # noqa: E402
-from engine.encoder_decoder.mllama_cross import CrossMask, dense_mask  # noqa: E402
+from engine.encoder_decoder.mllama_cross import CrossMask  # noqa: E402
 from engine.executor import Executor, ExecutorConfig, OutputConfig, Request  # noqa: E402
 from engine.vision.encoder_dir import load_vision_encoder, vision_encoder_dir  # noqa: E402
+from serving.mllama import dense_mask  # noqa: E402
 from tests.executor.executor_testing import collect, generated_ids  # noqa: E402
 from tiny_llava import make_image  # noqa: E402
 from tiny_mllama import IMAGE_TOKEN, MAX_TILES, PATCHES_PER_TILE, hf_model, processor, write_checkpoint  # noqa: E402
@@ -119,3 +120,94 @@ def test_bad_vision_inputs_are_named(built):
         responses = collect(executor, ids)
     for request_id, (_, message) in zip(ids, cases):
         assert message in responses[request_id][-1].error
+
+
+def fp16_states(hf):
+    """transformers with its vision states rounded to float16, as multimodal_encoders sends them."""
+    return hf.model.multi_modal_projector.register_forward_hook(lambda module, args, out: out.half().float())
+
+
+def test_triton_pipeline_preprocessing_encoders_tensorrt_llm_give_transformers_ids(built):
+    """preprocessing (prepare_batch: the checkpoint's processor on text_input with <|image|>, as the anchor's
+    client sends it) -> multimodal_encoders (encoder_outputs: FP16 states, the mask with max_tokens rows more,
+    skip for a text-only item) -> tensorrt_llm (convert_request: encoder_input_features / cross_attention_mask)
+    = transformers' generate on the processor's outputs; an item without images skips the cross layers."""
+    from serving.mllama import encoder_outputs
+    from serving.multimodal import ImagePrompts, engine_vocab_size, prepare_batch
+    from serving.requests import convert_request, to_executor_request
+    from tiny_llava import encoded
+    from tiny_mllama import tokenizer
+
+    engine, hf = built
+    encoder_dir = vision_encoder_dir(engine)
+    prompts = ImagePrompts(encoder_dir, tokenizer(), engine_vocab_size(engine))
+    image, text = make_image(4, (44, 30)), f"{IMAGE_TOKEN}If I had to write a haiku for this one"
+    png = np.frombuffer(encoded(image), np.uint8).reshape(1, 1, 1, 1, -1)  # (batch, images, encoded file)
+    got = []
+    for tensors, query in (({"IMAGE_BYTES": png}, text), ({}, "What is in the image?")):
+        pre = prepare_batch(prompts, tensors, [query], True, 4)
+        outputs = encoder_outputs(load_vision_encoder(encoder_dir), "cpu", pre.get("PIXEL_VALUES"),
+                                  pre.get("ASPECT_RATIO_IDS"), pre.get("ASPECT_RATIO_MASK"),
+                                  pre.get("CROSS_ATTENTION_MASK"), np.array([[NEW_TOKENS]], np.int32))
+        assert outputs["SKIP_CROSS_ATTN_BLOCKS"].tolist() == [[not tensors]]
+        inputs = {"input_ids": pre["INPUT_ID"], "input_lengths": pre["REQUEST_INPUT_LEN"],
+                  "request_output_len": np.array([[NEW_TOKENS]], np.int32),
+                  **{name.lower(): value for name, value in outputs.items()}}
+        [spec] = convert_request(inputs, decoupled=False, exclude_input_default=True, cross_attention=True)
+        got.append((pre["INPUT_ID"][0].tolist(), generated_ids(engine, [to_executor_request(spec)], ExecutorConfig())[0]))
+    batch = processor()(images=[[image]], text=[text], return_tensors="pt")
+    assert got[0][0] == batch["input_ids"][0].tolist()
+    batch["pixel_values"] = batch["pixel_values"].half().float()  # as PIXEL_VALUES carries them
+    hook = fp16_states(hf)
+    try:
+        expected = hf_ids(hf, batch)
+    finally:
+        hook.remove()
+    text_batch = processor()(text=["What is in the image?"], return_tensors="pt")
+    assert [ids for _, ids in got] == [expected, hf_ids(hf, text_batch)]
+    with pytest.raises(ValueError, match="image_input: Llama 3.2 Vision takes images as image_bytes_input"):
+        prepare_batch(prompts, {"IMAGE": np.zeros((1, 1, 3, 28, 28), np.float16)}, [text], True, 4)
+    with pytest.raises(ValueError, match="cross_attention_mask is required with encoder_input_features"):
+        convert_request({"input_ids": np.array([[1, 2]], np.int32), "request_output_len": np.array([[2]], np.int32),
+                         "encoder_input_features": np.zeros((1, ONE_IMAGE, 64), np.float16)},
+                        decoupled=False, cross_attention=True)
+
+
+def test_openai_image_path_gives_the_pipelines_ids(built):
+    """The OpenAI frontend's direct path: ChatImages encodes the image in process, the chat template's
+    <|image|> id stays, cross_inputs makes the processor's mask from the ids; = transformers' generate."""
+    import asyncio
+    import base64
+
+    from openai_frontend.protocol import SamplingParams
+    from openai_frontend.triton_client import direct_inputs
+    from openai_frontend.vision import ChatImages, VisionSettings
+    from serving.requests import convert_request, to_executor_request
+    from tiny_llava import encoded
+    from tiny_mllama import tokenizer
+
+    engine, hf = built
+    image = make_image(5, (30, 50))
+    url = "data:image/png;base64," + base64.b64encode(encoded(image)).decode()
+    images = ChatImages(VisionSettings(vision_encoder_dir(engine)), tokenizer(), device="cpu")
+    try:
+        states, tiles, _ = asyncio.run(images.encode([{"url": url, "field": "messages[0].content[0]"}]))
+        batch = processor()(images=[[image]], text=[f"Describe {IMAGE_TOKEN} this picture"], return_tensors="pt")
+        ids = images.expand(batch["input_ids"][0].tolist(), tiles)
+        vision = images.cross_inputs(ids, states, tiles)
+    finally:
+        images.close()
+    assert tiles == batch["aspect_ratio_mask"][0].sum(1).tolist()
+    assert (vision["cross_attention_mask"][0] == dense_mask(batch["cross_attention_mask"][0].numpy(),
+                                                            PATCHES_PER_TILE)).all()
+    tensors = direct_inputs(ids, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0), NEW_TOKENS, None, 2, 4,
+                            vision=vision)
+    tensors["streaming"] = np.array([[False]])
+    [spec] = convert_request(tensors, decoupled=False, cross_attention=True)
+    got = generated_ids(engine, [to_executor_request(spec)], ExecutorConfig())[0]
+    hook = fp16_states(hf)
+    try:
+        assert got == hf_ids(hf, batch)
+    finally:
+        hook.remove()
+

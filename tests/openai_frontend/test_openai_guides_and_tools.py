@@ -44,7 +44,7 @@ class FakeTriton:
         pass
 
     async def generate(self, prompt, prompt_ids, params, max_tokens, seed, request_id, lora=None, prompt_table=None,
-                       mrope=None):
+                       mrope=None, vision=None):
         self.calls.append((prompt, params))
         if self.error:
             raise triton_error(self.error, params.guide.field if params.guide else None)

@@ -193,6 +193,8 @@ class TritonPythonModel:
         self.encoder_decoder = engine_config.extra.get("stack") == "decoder"
         self.max_input_len = (engine_config.extra["max_encoder_input_len"] if self.encoder_decoder
                               else engine_config.build.max_input_len)
+        # Llama 3.2 Vision (engine/encoder_decoder/mllama_*.py): images as encoder_input_features + cross_attention_mask
+        self.cross_attention = "mllama" in engine_config.extra
         # mrope_rotary_cos_sin items are (positions, head_dim) wide (serving/mrope.py); the executor
         # refuses them by name for a model without M-RoPE
         self.rotary_width = engine_config.model.head_dim
@@ -296,7 +298,7 @@ class TritonPythonModel:
         specs = convert_request(tensors, decoupled=self.decoupled, exclude_input_default=self.exclude_input_default,
                                 max_input_len=self.max_input_len, encoder_decoder=self.encoder_decoder,
                                 request_type=request_type_of(request.parameters()),
-                                rotary_width=self.rotary_width)
+                                rotary_width=self.rotary_width, cross_attention=self.cross_attention)
         registration = {"errors_as_output": wants_errors_as_output(request.parameters()),
                         "requested_outputs": requested_outputs(request)}
         return specs, registration, None

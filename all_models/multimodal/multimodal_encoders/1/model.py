@@ -12,6 +12,7 @@ import triton_python_backend_utils as pb_utils
 
 if os.environ.get("TRITONLLM_ROOT"):  # a source checkout not installed into the environment
     sys.path.insert(0, os.environ["TRITONLLM_ROOT"])
+from serving.mllama import encoder_outputs  # noqa: E402
 from serving.multimodal import VisionEncoderRunner, rows_pixels  # noqa: E402
 from serving.params import get_parameter, model_parameters  # noqa: E402
 from serving.stub_watchdog import start_server_watchdog, stop_crash_dumps  # noqa: E402
@@ -30,11 +31,20 @@ class TritonPythonModel:
             raise ValueError("multimodal_encoders: the multimodal_model_path parameter must name a vision-encoder "
                              "directory (<engine>/vision_encoder, written by engine.build)")
         self.runner = VisionEncoderRunner(encoder_dir)
+        if self.runner.mllama:  # Llama 3.2 Vision: ENCODER_INPUT_FEATURES in encoder_input_features_data_type
+            config = json.loads(args["model_config"])
+            kind = pb_utils.get_output_config_by_name(config, "ENCODER_INPUT_FEATURES")["data_type"]
+            if kind not in ("TYPE_FP16", "TYPE_FP32"):
+                raise ValueError(f"multimodal_encoders: encoder_input_features_data_type {kind} is not supported for "
+                                 "Llama 3.2 Vision (the python backend writes numpy arrays); use TYPE_FP16 or TYPE_FP32")
+            self.features_dtype = pb_utils.triton_string_to_numpy(kind)
         start_server_watchdog()
 
     def execute(self, requests):
         if self.runner.qwen:  # table + MROPE tensors per request (serving/qwen_vl.py)
             return [self._qwen(request) for request in requests]
+        if self.runner.mllama:  # cross-attention states and masks per request (serving/mllama.py)
+            return [self._mllama(request) for request in requests]
         rows, errors = [], {}
         for index, request in enumerate(requests):
             try:
@@ -64,6 +74,16 @@ class TritonPythonModel:
         try:
             outputs = self.runner.qwen_outputs(_input(request, "pixel_values"), _input(request, "image_grid_thw"),
                                                _input(request, "vision_input_id"))
+        except Exception as error:  # this request's error, never the model's
+            return pb_utils.InferenceResponse(error=pb_utils.TritonError(f"multimodal_encoders: {error}"))
+        return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in outputs.items()])
+
+    def _mllama(self, request):
+        try:
+            outputs = encoder_outputs(self.runner.encoder, self.runner.device, _input(request, "pixel_values"),
+                                      _input(request, "aspect_ratio_ids"), _input(request, "aspect_ratio_mask"),
+                                      _input(request, "cross_attention_mask"), _input(request, "max_tokens"),
+                                      self.features_dtype)
         except Exception as error:  # this request's error, never the model's
             return pb_utils.InferenceResponse(error=pb_utils.TritonError(f"multimodal_encoders: {error}"))
         return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in outputs.items()])
