@@ -322,7 +322,7 @@ def load_hf_dir(path: str):
 
 
 def build_engine(checkpoint: str, output_dir: str, build: BuildConfig, *, progress: bool = True,
-                 calibration_tokens: int = 512, mxfp4_experts: str = "keep",
+                 calibration_tokens: int = 512, mxfp4_experts: str = "keep", moe_ep_size: int = 1,
                  max_encoder_input_len: int | None = None) -> EngineConfig:
     """Build ``output_dir`` from a HF directory or a ``.gguf`` file. An encoder-decoder checkpoint
     (T5, BART) writes ``output_dir/encoder`` and ``output_dir/decoder`` (engine/encoder_decoder/build.py)."""
@@ -344,15 +344,17 @@ def build_engine(checkpoint: str, output_dir: str, build: BuildConfig, *, progre
             "allowed inputs: a HF directory with config.json + *.safetensors, or a .gguf file"
         )
     return build_from_hf(hf_config, get, tokenizer, output_dir, build, source=checkpoint, progress=progress,
-                         calibration_tokens=calibration_tokens, mxfp4_experts=mxfp4_experts)
+                         calibration_tokens=calibration_tokens, mxfp4_experts=mxfp4_experts,
+                         moe_ep_size=moe_ep_size)
 
 
 def build_from_hf(hf_config, get: TensorGetter, tokenizer, output_dir: str, build: BuildConfig, *,
                   source: str = "", progress: bool = True, calibration_tokens: int = 512,
-                  mxfp4_experts: str = "keep") -> EngineConfig:
+                  mxfp4_experts: str = "keep", moe_ep_size: int = 1) -> EngineConfig:
     """Build from an already-loaded HF config + tensor getter (lets callers reuse a loaded model).
     ``calibration_tokens``: tokens of the built-in text ``int4_awq`` calibrates on. ``mxfp4_experts``:
-    an MXFP4 checkpoint's experts kept as MXFP4 ("keep") or widened to --dtype ("widen")."""
+    an MXFP4 checkpoint's experts kept as MXFP4 ("keep") or widened to --dtype ("widen").
+    ``moe_ep_size``: 1, or tp_size for whole routed experts per rank (DeepSeek; ModelConfig.moe_ep_size)."""
     vision, vision_config, checkpoint_get = vision_family(hf_config), hf_config, get
     if vision is not None:  # a vision-language checkpoint: its language model here, its encoder below
         hf_config, get = vision.text_config(hf_config), vision.language_getter(get)
@@ -360,6 +362,11 @@ def build_from_hf(hf_config, get: TensorGetter, tokenizer, output_dir: str, buil
     get = language_model_getter(hf_config, get)  # a multimodal checkpoint: its language model's tensors
     if model.architecture in MLA_ARCHITECTURES:  # DeepSeek's MTP module, where the checkpoint holds one
         model = checkpoint_mtp_layers(model, get)
+    if moe_ep_size != 1:
+        if model.architecture not in MLA_ARCHITECTURES:
+            raise ConfigError(f"moe_ep_size {moe_ep_size}: expert parallelism is built for "
+                              f"{', '.join(MLA_ARCHITECTURES)}, not {model.architecture}; leave it at 1")
+        model = dataclasses.replace(model, moe_ep_size=moe_ep_size).validate()
     check_tp_divides(model, build.tp_size)
     if build.pp_size > 1:  # before any weight is read: the family, and the split
         check_pipeline_supported(model)
@@ -551,6 +558,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "layer's width), per channel for int8")
     p.add_argument("--calib_tokens", type=int, default=512,
                    help="int4_awq / int8_sq: tokens of the built-in calibration text the scales are calibrated on")
+    p.add_argument("--moe_ep_size", type=int, default=1,
+                   help="expert parallelism (DeepSeek-V2/V3): 1, each rank a slice of every routed expert's width; "
+                        "tp_size, each rank num_experts / tp_size whole experts")
     p.add_argument("--mxfp4_experts", choices=MXFP4_EXPERTS, default="keep",
                    help="a checkpoint with MXFP4 experts (gpt-oss): keep them as MXFP4 codes and scales "
                         "(~4.25 bits a weight, kernels/fused_moe_mxfp4.py), or widen them to --dtype, exactly")
@@ -576,7 +586,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         build = dataclasses.replace(build, pp_layers=parse_pp_layers(args.pp_layers))
         build_engine(args.checkpoint, args.output, build, calibration_tokens=args.calib_tokens,
-                     mxfp4_experts=args.mxfp4_experts, max_encoder_input_len=args.max_encoder_input_len)
+                     mxfp4_experts=args.mxfp4_experts, max_encoder_input_len=args.max_encoder_input_len,
+                     moe_ep_size=args.moe_ep_size)
     except (ConfigError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

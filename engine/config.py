@@ -150,7 +150,7 @@ _OPTIONAL_AT_DEFAULT = ("norm_kind", "norm_bias", "positions", "learned_position
                         "mlp_gated", "embedding_norm", "word_embed_proj_dim", "final_norm", "lm_head_bias", "clip_qkv",
                         "rotary_interleaved", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim",
                         "n_shared_experts", "n_group", "topk_group", "routed_scaling_factor", "topk_method", "qk_l2_norm",
-                        "deepstack_layers", "num_nextn_predict_layers")
+                        "deepstack_layers", "num_nextn_predict_layers", "moe_ep_size")
 
 
 @dataclass
@@ -267,6 +267,11 @@ class ModelConfig:
     # Multi-token prediction (DeepSeek-V3's layer num_layers of the checkpoint): 1 when the engine holds
     # the MTP module (the model's ``mtp``; drafts for decoding_mode mtp), 0 when the checkpoint has none.
     num_nextn_predict_layers: int = 0
+    # Expert parallelism (engine.build --moe_ep_size): 1, each rank holds a slice of every routed
+    # expert's width; tp_size, each rank holds num_experts / tp_size whole experts (attention stays
+    # split by heads; the activations are replicated, so the routed partial sums meet in the layer's
+    # one all-reduce, as the width slices do).
+    moe_ep_size: int = 1
     # ---- Llama 4 (LLAMA4_ARCHITECTURES; engine/models/llama4.py): rope layers attend within chunks of
     # attention_chunk_size positions (a query at p sees keys (p // C) * C .. p) and normalise q and k
     # per head (no weight) after rope; layers_without_rope are global, their q scaled by
@@ -436,6 +441,10 @@ class ModelConfig:
                  f"num_experts_per_tok ({self.num_experts_per_tok}) must be <= the experts of topk_group groups")
         _require(self.topk_method != "noaux_tc" or self.num_experts // self.n_group >= 2,
                  "topk_method noaux_tc ranks groups by their two best experts: groups need >= 2 experts")
+        _require(isinstance(self.moe_ep_size, int) and self.moe_ep_size >= 1
+                 and self.num_experts % self.moe_ep_size == 0,
+                 f"moe_ep_size must be a positive integer dividing num_experts ({self.num_experts}), "
+                 f"got {self.moe_ep_size!r}")
         _require(self.num_nextn_predict_layers in (0, 1),
                  f"num_nextn_predict_layers must be 0 or 1 (the engine holds one MTP module, reused for every "
                  f"draft), got {self.num_nextn_predict_layers!r}")
@@ -698,7 +707,11 @@ def check_tp_divides(model: ModelConfig, tp_size: int) -> None:
     """Raise ConfigError unless every tensor-parallel split of ``model`` is even for ``tp_size``."""
     if model.ssm is not None:
         _check_ssm_tp(model, tp_size)
-    if model.num_experts:  # every rank holds a slice of every expert's width (engine/models/moe.py)
+    if model.moe_ep_size > 1:  # whole experts per rank (engine/models/deepseek.py)
+        _require(model.moe_ep_size == tp_size,
+                 f"moe_ep_size ({model.moe_ep_size}) must be 1 or tp_size ({tp_size}): the experts are split "
+                 f"across the tensor-parallel ranks")
+    elif model.num_experts:  # every rank holds a slice of every expert's width (engine/models/moe.py)
         _require(model.moe_intermediate_size % tp_size == 0,
                  f"tp_size {tp_size} does not divide moe_intermediate_size ({model.moe_intermediate_size}), "
                  f"the experts' width, which is split across ranks")

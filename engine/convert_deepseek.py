@@ -8,7 +8,8 @@ num_heads, ``mlp_only_layers`` = the first ``first_k_dense_replace`` layers, and
 
 Weights, per rank: q_b_proj / q_proj and kv_b_proj split by heads (rows), o_proj by its input
 columns; q_a_proj, kv_a_proj_with_mqa and the norms replicated; experts stacked (E, ...) and split
-along their width as engine/convert.py does Qwen3-MoE's; shared experts' gate/up fused and split
+along their width as engine/convert.py does Qwen3-MoE's (or, with moe_ep_size > 1, whole experts,
+num_experts / moe_ep_size a rank); shared experts' gate/up fused and split
 like a dense MLP's. The rope dims: DeepSeek rotates interleaved pairs (2i, 2i + 1) (V2 always, V3
 when ``rope_interleave``); each q head's last P rows and kv_a_proj's last P rows are reordered into
 the kernels' halves (all even dims, then all odd), a permutation of rows inside each head's rope
@@ -119,8 +120,13 @@ def _layer_weights(get: TensorGetter, cfg: ModelConfig, i: int, hf: str, out: st
     if cfg.topk_method == "noaux_tc":
         yield out + "moe.score_bias", get(hf + "mlp.gate.e_score_correction_bias")
     gate, up, down = stacked_experts(get, hf, cfg.num_experts)
-    yield out + "moe.gate_up_proj", torch.cat([shard(gate, 1, rank, tp_size), shard(up, 1, rank, tp_size)], dim=1)
-    yield out + "moe.down_proj", shard(down, 2, rank, tp_size)
+    if cfg.moe_ep_size > 1:  # whole experts, this rank's num_experts / moe_ep_size of them
+        gate, up, down = (shard(t, 0, rank, cfg.moe_ep_size) for t in (gate, up, down))
+        yield out + "moe.gate_up_proj", torch.cat([gate, up], dim=1)
+        yield out + "moe.down_proj", down
+    else:
+        yield out + "moe.gate_up_proj", torch.cat([shard(gate, 1, rank, tp_size), shard(up, 1, rank, tp_size)], dim=1)
+        yield out + "moe.down_proj", shard(down, 2, rank, tp_size)
     if cfg.n_shared_experts:
         yield from gate_up_down(get, hf + "mlp.shared_experts.", out + "moe.shared_", rank, tp_size)
 

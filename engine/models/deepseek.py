@@ -28,8 +28,10 @@ dense SwiGLU of width n_shared_experts * moe_intermediate_size that every token 
 
 Tensor parallelism: each rank holds H / tp heads (q_b_proj / q_proj and kv_b_proj rows, o_proj
 columns), the replicated latent path (q_a_proj, kv_a_proj and their norms) and a replicated latent
-pool; the experts and shared experts sliced along their width as Mixtral's (engine/models/moe.py).
-The routed and shared partial sums meet in the layer's one all-reduce.
+pool; the experts and shared experts sliced along their width as Mixtral's (engine/models/moe.py),
+or with expert parallelism (config.moe_ep_size == tp) num_experts / tp whole routed experts a rank,
+each rank running the (token, expert) assignments routed to its own. The routed and shared partial
+sums meet in the layer's one all-reduce.
 
 Weights per rank of layer i (engine-directory names): ``input_norm.weight``, ``attn.q_a_proj``,
 ``attn.q_a_norm``, ``attn.q_b_proj`` (or ``attn.q_proj``), ``attn.kv_a_proj``, ``attn.kv_a_norm``,
@@ -179,20 +181,25 @@ class MlaAttention(nn.Module):
 class DeepseekExperts(nn.Module):
     """Router, routed experts and shared experts of one sparse layer, for one rank (module docstring)."""
 
-    def __init__(self, config: ModelConfig, *, tp_size: int, tp_group, dtype, device, quantization):
+    def __init__(self, config: ModelConfig, *, tp_size: int, tp_group, dtype, device, quantization, tp_rank: int = 0):
         super().__init__()
         c = config
-        hidden, experts = c.hidden_size, c.num_experts
-        inter_local = c.moe_intermediate_size // tp_size
+        hidden = c.hidden_size
+        # Expert parallelism: this rank's whole experts [first_expert, first_expert + experts); else a
+        # width slice of all of them.
+        self.ep_size = c.moe_ep_size
+        experts = c.num_experts // self.ep_size
+        self.first_expert = tp_rank * experts if self.ep_size > 1 else 0
+        inter_local = c.moe_intermediate_size // (1 if self.ep_size > 1 else tp_size)
         self.tp_group = tp_group
         self.top_k, self.method = c.num_experts_per_tok, c.topk_method
         self.routing = dict(n_group=c.n_group, topk_group=c.topk_group, renormalize=c.norm_topk_prob,
                             scaling=c.routed_scaling_factor)
         # Routing runs in float32 whatever the model dtype (as transformers keeps gate.weight and
         # e_score_correction_bias): in bf16 a near tie between experts' scores could pick another expert.
-        self.router = Linear(hidden, experts, bias=False, dtype=torch.float32, device=device)
-        self.score_bias = (_parameter(experts, dtype=torch.float32, device=device) if c.topk_method == "noaux_tc"
-                           else None)
+        self.router = Linear(hidden, c.num_experts, bias=False, dtype=torch.float32, device=device)
+        self.score_bias = (_parameter(c.num_experts, dtype=torch.float32, device=device)
+                           if c.topk_method == "noaux_tc" else None)
         fp8 = quantization == "fp8_block"
         for name, (rows, cols) in {"gate_up_proj": (2 * inter_local, hidden), "down_proj": (hidden, inter_local)}.items():
             setattr(self, name, _parameter(experts, rows, cols, dtype=FP8_DTYPE if fp8 else dtype, device=device))
@@ -211,14 +218,33 @@ class DeepseekExperts(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route_grouped(self.router(x.float()), self.top_k, self.method, score_bias=self.score_bias,
                                      **self.routing)
-        if self.gate_up_proj.dtype == FP8_DTYPE:
-            out = fused_moe_fp8(x, self.gate_up_proj, self.gate_up_proj_scale, self.down_proj, self.down_proj_scale,
-                                weights, ids)
+        if self.ep_size > 1:
+            out = self._local_experts(x, weights, ids)
         else:
-            out = fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids)
+            out = self._experts(x, weights, ids)
         if self.shared:
             out = out + self.shared_down_proj(silu_and_mul(self.shared_gate_up_proj(x)))
         return out if self.tp_group is None else tp_all_reduce(out, self.tp_group)
+
+    def _experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x (T, hidden), weights / ids (T, K) of this rank's experts -> (T, hidden)."""
+        if self.gate_up_proj.dtype == FP8_DTYPE:
+            return fused_moe_fp8(x, self.gate_up_proj, self.gate_up_proj_scale, self.down_proj, self.down_proj_scale,
+                                 weights, ids)
+        return fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids)
+
+    def _local_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Expert parallelism: the assignments (token, k) routed to this rank's experts, run as rows
+        of one expert each (A, 1), summed back into their tokens; the other ranks add the rest in
+        the all-reduce. (Every rank routes every token: attention TP leaves the activations replicated.)"""
+        local = ids.long() - self.first_expert
+        mine = (local >= 0) & (local < self.gate_up_proj.shape[0])
+        token, slot = mine.nonzero(as_tuple=True)
+        out = torch.zeros_like(x, dtype=torch.float32)
+        if token.numel():
+            rows = self._experts(x[token], weights[token, slot, None], local[token, slot, None].to(ids.dtype))
+            out.index_add_(0, token, rows.float())
+        return out.to(x.dtype)
 
 
 class DenseMlp(nn.Module):
@@ -237,7 +263,7 @@ class DenseMlp(nn.Module):
 
 class DeepseekLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int, *, tp_size: int, tp_group, dtype, device,
-                 quantization):
+                 quantization, tp_rank: int = 0):
         super().__init__()
         kw = {"tp_size": tp_size, "tp_group": tp_group, "dtype": dtype, "device": device, "quantization": quantization}
         self.eps = config.norm_eps
@@ -245,7 +271,7 @@ class DeepseekLayer(nn.Module):
         self.attn = MlaAttention(config, layer_index, **kw)
         self.post_attn_norm = Norm(config.hidden_size, bias=False, dtype=dtype, device=device)
         if config.is_moe_layer(layer_index):
-            self.moe = DeepseekExperts(config, **kw)
+            self.moe = DeepseekExperts(config, tp_rank=tp_rank, **kw)
         else:
             self.mlp = DenseMlp(config, **kw)
 
@@ -270,7 +296,7 @@ class DeepseekMtp(nn.Module):
     copies are not read). The layer's attention runs over a latent pool of its own (one layer), so
     its ``attn.layer_index`` is 0; its experts and quantization are those of a sparse layer."""
 
-    def __init__(self, config: ModelConfig, *, tp_size: int, tp_group, dtype, device, quantization):
+    def __init__(self, config: ModelConfig, *, tp_size: int, tp_group, dtype, device, quantization, tp_rank: int = 0):
         super().__init__()
         self.eps = config.norm_eps
         hidden = config.hidden_size
@@ -278,8 +304,8 @@ class DeepseekMtp(nn.Module):
         self.hnorm = Norm(hidden, bias=False, dtype=dtype, device=device)
         # eh_proj and the head norm stay in the model dtype (DeepSeek ships eh_proj unquantized)
         self.eh_proj = Linear(2 * hidden, hidden, bias=False, dtype=dtype, device=device)
-        self.layer = DeepseekLayer(config, config.num_layers, tp_size=tp_size, tp_group=tp_group, dtype=dtype,
-                                   device=device, quantization=quantization)
+        self.layer = DeepseekLayer(config, config.num_layers, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group,
+                                   dtype=dtype, device=device, quantization=quantization)
         self.layer.attn.layer_index = 0
         self.head_norm = Norm(hidden, bias=False, dtype=dtype, device=device)
 
@@ -305,21 +331,23 @@ class DeepseekForCausalLM(nn.Module):
         if quantization not in (None, "fp8_block"):
             raise ConfigError(f"quantization {quantization!r} is not supported for {config.architecture}; allowed: "
                              "fp8_block (DeepSeek's block-FP8 checkpoints, or --quantization fp8_block) or none")
+        if config.moe_ep_size not in (1, tp_size):
+            raise ConfigError(f"moe_ep_size {config.moe_ep_size} must be 1 or tp_size ({tp_size})")
         self.config = config
         self.tp_group = tp_group
         vocab_local = config.vocab_size // tp_size
         self.embed_tokens = VocabParallelEmbedding(vocab_local, config.hidden_size, tp_rank=tp_rank, tp_group=tp_group,
                                                    dtype=dtype, device=device)
         self.layers = nn.ModuleList(
-            DeepseekLayer(config, i, tp_size=tp_size, tp_group=tp_group, dtype=dtype, device=device,
+            DeepseekLayer(config, i, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group, dtype=dtype, device=device,
                           quantization=quantization)
             for i in range(config.num_layers))
         self.norm = Norm(config.hidden_size, bias=False, dtype=dtype, device=device)
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, vocab_local, bias=False, dtype=dtype, device=device)
         if config.num_nextn_predict_layers:  # held for decoding_mode mtp; the target's forward never runs it
-            self.mtp = DeepseekMtp(config, tp_size=tp_size, tp_group=tp_group, dtype=dtype, device=device,
-                                   quantization=quantization)
+            self.mtp = DeepseekMtp(config, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group, dtype=dtype,
+                                   device=device, quantization=quantization)
         self.max_positions = max_positions or config.max_position_embeddings
         self.cos_sin_cache: torch.Tensor | None = None
 

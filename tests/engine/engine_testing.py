@@ -124,12 +124,12 @@ def tiny_hf(family: str, seed: int = 0) -> torch.nn.Module:
 
 
 def make_engine(hf_model, out_dir, *, tokens_per_block=16, dtype="float32", tp_size=1, max_seq_len=256,
-                quantization=None, group_size=None) -> str:
+                quantization=None, group_size=None, moe_ep_size=1) -> str:
     build = BuildConfig(dtype=dtype, max_batch_size=4, max_input_len=max_seq_len, max_seq_len=max_seq_len,
                         max_num_tokens=1024, tokens_per_block=tokens_per_block, tp_size=tp_size,
                         quantization=quantization, quant_group_size=group_size)
     get = getter_from_state_dict(hf_model.state_dict(), "tiny")
-    build_from_hf(hf_model.config, get, None, str(out_dir), build, progress=False)
+    build_from_hf(hf_model.config, get, None, str(out_dir), build, progress=False, moe_ep_size=moe_ep_size)
     return str(out_dir)
 
 

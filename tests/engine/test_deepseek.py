@@ -16,11 +16,11 @@ import pytest
 import torch
 import transformers
 
-from engine.config import ConfigError
+from engine.config import ConfigError, EngineConfig
 from engine.convert import getter_from_state_dict, model_config_from_hf, rank_weights
-from engine.executor.runner import ForwardBatch, ModelRunner, keep_or_cast
-from engine_testing import (EXECUTOR_POOL, PagedSession, assert_cuda_steps_equal_transformers, hf_logits,
-                            make_engine, random_tokens)
+from engine.executor.runner import ForwardBatch, ModelRunner, keep_or_cast, load_rank_weights
+from engine_testing import (EXECUTOR_POOL, PagedSession, assert_cuda_steps_equal_transformers,
+                            assert_tp2_engines_match_tp1, hf_logits, make_engine, random_tokens)
 from kernels.moe_grouped_routing import route_grouped
 from test_fp8_block_checkpoints import save_block_checkpoint
 from test_fp8_checkpoints import build_cli
@@ -139,6 +139,21 @@ def test_engine_on_cuda_equals_transformers(deepseek):
     decode steps replayed from CUDA graphs (the latent write, the split latent-attention kernel, the routing and the experts inside them), then a packed mixed step."""
     hf, engine_dir = deepseek
     assert_cuda_steps_equal_transformers(hf, engine_dir)
+
+
+def test_expert_parallel_ranks_give_the_single_rank_logits(deepseek, tmp_path):
+    """moe_ep_size 2 over two gloo ranks (heads split, four whole experts a rank, each rank running
+    the assignments routed to its own) gives the tp 1 engine's logits within 1e-5 on both ranks; a
+    moe_ep_size that is not 1 or tp_size is refused by name."""
+    hf, engine_dir = deepseek
+    ep2 = make_engine(hf, tmp_path / "ep2", tokens_per_block=4, tp_size=2, moe_ep_size=2)
+    config = EngineConfig.load(ep2).model
+    assert config.moe_ep_size == 2
+    shapes = {k: v.shape for k, v in load_rank_weights(ep2, 1, torch.device("cpu")).items() if ".moe." in k}
+    assert shapes["layers.1.moe.gate_up_proj"] == (4, 2 * 32, 64) and shapes["layers.1.moe.router.weight"] == (8, 64)
+    assert_tp2_engines_match_tp1({"deepseek_ep2": (engine_dir, ep2)}, tmp_path)
+    with pytest.raises(ConfigError, match=r"moe_ep_size \(2\) must be 1 or tp_size \(1\)"):
+        make_engine(hf, tmp_path / "bad", moe_ep_size=2)
 
 
 @pytest.mark.parametrize("version", ["v3", "v2_group_limited"])
