@@ -114,7 +114,8 @@ def run_offline(executor, requests: list[Request]) -> tuple[float, int]:
     return time.perf_counter() - started, tokens
 
 
-def executor_offline(args, engine: str, requests, tokens: int, cpu_kv_tokens: int) -> dict:
+def executor_offline(args, engine: str, requests, tokens: int, cpu_kv_tokens: int,
+                     profile_path: Path | None = None) -> dict:
     """Start an executor on ``engine``, warm it up with ``requests(4)`` (the encoder's kernels at
     this batch, the prompt step, the graphs), then time ``requests(tokens)`` enqueued at once.
     Returns seconds, output_tokens, graphed (decode graphs captured), graph_steps / steps (decode
@@ -122,7 +123,9 @@ def executor_offline(args, engine: str, requests, tokens: int, cpu_kv_tokens: in
     the executor's iteration breakdown (engine_bench.iteration_breakdown). The executor and its
     pools are gone when this returns (the transformers model comes next on the same GPU).
     ``cpu_kv_tokens``: the self pool's tokens on the CPU (its default pool there is a few blocks;
-    the cross pool is as large), so that every request runs at once there too."""
+    the cross pool is as large), so that every request runs at once there too. ``profile_path``
+    (CUDA): after the timed run, the same requests again under the torch profiler, its kernel table
+    written there (the figures come from the unprofiled run)."""
     config = ExecutorConfig(kv_cache_free_gpu_mem_fraction=args.kv_fraction,
                             max_tokens_in_paged_kv_cache=cpu_kv_tokens if args.device == "cpu" else None)
     with Executor(engine, config, device=args.device) as ex:
@@ -148,9 +151,26 @@ def executor_offline(args, engine: str, requests, tokens: int, cpu_kv_tokens: in
         seconds, output_tokens = run_offline(ex, requests(tokens))
         entry = {"seconds": seconds, "output_tokens": output_tokens, "graphed": graphs is not None, **counts,
                  "iterations": iteration_breakdown(ex, since)}
+        if profile_path is not None and args.device != "cpu":
+            entry["profile"] = profile_offline(ex, requests(tokens), profile_path)
     del ex, runner, graphs
     free_device_memory(args.device)
     return entry
+
+
+def profile_offline(executor, requests: list[Request], path: Path) -> str:
+    """torch-profiler tables (kernels by device time; ops with their call sites' totals) of one
+    offline run of ``requests``, written to ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        seconds, _ = run_offline(executor, requests)
+        torch.cuda.synchronize()
+    averages = prof.key_averages()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"profiled run: {seconds:.2f} s\n\n" + averages.table(sort_by="cuda_time_total", row_limit=70)
+                    + "\n\n" + averages.table(sort_by="cpu_time_total", row_limit=40))
+    return str(path)
 
 
 # ---- Whisper ------------------------------------------------------------------------------------
@@ -305,11 +325,13 @@ def bench_t5(args) -> dict:
         return [Request([], tokens, encoder_input_ids=ids, output=out) for ids in inputs]
 
     run = executor_offline(args, engine, requests, args.t5_output,
-                           args.t5_requests * (args.t5_input + args.t5_output + 64))
+                           args.t5_requests * (args.t5_input + args.t5_output + 64),
+                           profile_path=Path(args.profile_dir) / "t5_offline_profile.txt" if args.profile_dir else None)
     entry = {"requests": args.t5_requests, "input_len": args.t5_input, "output_len": args.t5_output, **run,
              "output_tok_s": run["output_tokens"] / run["seconds"], "hf": hf_t5(args, config, inputs)}
-    best = max(entry["hf"], key=lambda row: row["output_tok_s"])
-    entry["hf_best_batch"], entry["speedup"] = best["batch"], entry["output_tok_s"] / best["output_tok_s"]
+    if entry["hf"]:
+        best = max(entry["hf"], key=lambda row: row["output_tok_s"])
+        entry["hf_best_batch"], entry["speedup"] = best["batch"], entry["output_tok_s"] / best["output_tok_s"]
     return entry
 
 
@@ -364,9 +386,10 @@ def markdown(results: dict) -> str:
     if t:
         hf = ", ".join(f"b{r['batch']}: {r['output_tok_s']:.0f}" for r in t["hf"])
         name = "tiny T5" if results["device"] == "cpu" else "Flan-T5-XL"
+        ratio = f"{t['speedup']:.2f}x (>= {GOALS['t5_speedup']:.0f}x)" if "speedup" in t else "-"
         lines.append(f"| {name}: {t['requests']} requests {t['input_len']}/{t['output_len']} offline, output "
-                     f"tok/s (graphs: {t['graphed']}) | {t['output_tok_s']:.0f} ({t['seconds']:.2f} s) | {hf} | "
-                     f"{t['speedup']:.2f}x (>= {GOALS['t5_speedup']:.0f}x) |")
+                     f"tok/s (graphs: {t['graphed']}) | {t['output_tok_s']:.0f} ({t['seconds']:.2f} s) | "
+                     f"{hf or 'not run'} | {ratio} |")
     for name, entry in (("Whisper", w), ("T5", t)):
         if entry and "iterations" in entry:
             it = entry["iterations"]
@@ -407,7 +430,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         if getattr(args, name) is None:
             setattr(args, name, value)
     args.hf_whisper_batches = [int(b) for b in str(args.hf_whisper_batches).split(",")]
-    args.hf_t5_batches = [int(b) for b in str(args.hf_t5_batches).split(",")]
+    args.hf_t5_batches = [int(b) for b in str(args.hf_t5_batches).split(",") if b]  # "": transformers not run
     return args
 
 

@@ -6,7 +6,7 @@ projected by every decoder layer's cross-attention into K/V once (``Decoder.cros
 in the cross-KV pool (engine/encoder_decoder/cross_kv.py).
 
 Decoder: the executor's packed, ragged step like any decoder-only model: self-attention through
-the paged KV pool (kernels/attention.py; T5's relative bias: kernels/relative_position_bias.py),
+the paged KV pool (kernels/attention.py; T5's relative bias: t5_attention.py),
 then cross-attention of every new token over its request's cross K/V, read from the cross pool
 by block table. Cross-attention is not causal: each new token is handed to the paged attention
 as its own one-token sequence whose context is the whole encoder output (``cross_metadata``),
@@ -24,10 +24,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.encoder_decoder.spec import EncDecSpec
+from engine.encoder_decoder.t5_attention import decoder_self_attention, encoder_attention, kernels_enabled
+from kernels.activation import gelu_tanh_and_mul
 from kernels.attention import paged_attention, write_kv_cache
 from kernels.attention_metadata import AttentionMetadata
 from kernels.linear import linear, linear_activated, linear_float32_out
-from kernels.relative_position_bias import decode_attention_bias, paged_attention_bias_ref, position_bias
+from kernels.relative_position_bias import position_bias
+from kernels.rmsnorm import rms_norm
 from kernels.rope_attention import append_paged_attention
 
 # spec.activation -> kernels/linear.py's name for it (the skinny kernel's fused epilogue)
@@ -43,6 +46,8 @@ class Norm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.rms:  # T5: no mean subtraction, no bias
+            if x.is_cuda and x.dtype == self.weight.dtype:  # one kernel, the same formula (fp32 statistics)
+                return rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps)[0].view(x.shape)
             x32 = x.float()
             return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
         if x.dtype == self.weight.dtype:  # one kernel: torch's layer norm computes in float32 and rounds once
@@ -85,8 +90,32 @@ class MLP(nn.Module):
         self.activation = {"relu": F.relu, "gelu": F.gelu,
                            "gelu_new": lambda x: F.gelu(x, approximate="tanh")}[spec.activation]
         self.activation_name = LINEAR_ACTIVATIONS[spec.activation]
+        self.gate_up: torch.Tensor | None = None  # (2 * width, d_model) once fuse_gate_up ran
+
+    def fuse_gate_up(self) -> None:
+        """Gated MLP without biases (T5 v1.1 / Flan): gate's and up's weights become the two halves of
+        one (2 * width, d_model) tensor, so each forward takes one product and one activation-and-
+        product pass (kernels/activation.py) instead of two products and two elementwise passes.
+        The parameters stay (views of it; state dicts unchanged) and the memory is not doubled."""
+        if self.gate is None or self.gate.bias is not None or self.gate_up is not None:
+            return
+        fused = torch.cat([self.gate.weight.detach(), self.up.weight.detach()])
+        width = self.gate.weight.shape[0]
+        self.gate.weight = nn.Parameter(fused[:width], requires_grad=False)
+        self.up.weight = nn.Parameter(fused[width:], requires_grad=False)
+        self.gate_up = fused
+
+    def _gated(self, h: torch.Tensor) -> torch.Tensor:
+        """(n, 2 * width) [gate | up] -> activation(gate) * up, gelu-tanh (T5's gated-gelu) in one pass."""
+        if self.activation_name == "gelu_tanh":
+            return gelu_tanh_and_mul(h)
+        gate, up = h.chunk(2, dim=-1)
+        return self.activation(gate) * up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is not None:
+            h = F.linear(x, self.gate_up)
+            return self.down(self._gated(h.view(-1, h.shape[-1])).view(*x.shape[:-1], -1))
         if self.gate is not None:
             return self.down(self.activation(self.gate(x)) * self.up(x))
         return self.down(self.activation(self.up(x)))
@@ -94,12 +123,22 @@ class MLP(nn.Module):
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         """forward for a decoder step's (num_tokens, d_model) rows through kernels/linear.py: the up
         product, its bias and activation one skinny kernel where the runner chose it at load."""
+        if self.gate_up is not None:
+            return linear(self._gated(linear(x, self.gate_up)), self.down.weight, self.down.bias)
         if self.gate is not None:
             return linear(self.activation(linear(x, self.gate.weight, self.gate.bias)) * linear(x, self.up.weight,
                                                                                                  self.up.bias),
                           self.down.weight, self.down.bias)
         return linear(linear_activated(x, self.up.weight, self.up.bias, self.activation_name), self.down.weight,
                       self.down.bias)
+
+
+def fuse_gated_mlps(stack: nn.Module) -> nn.Module:
+    """MLP.fuse_gate_up on every gated MLP of ``stack`` (after its weights are loaded); returns it."""
+    for module in stack.modules():
+        if isinstance(module, MLP):
+            module.fuse_gate_up()
+    return stack
 
 
 def _sublayer(norm: Norm, pre_norm: bool, x: torch.Tensor, fn) -> torch.Tensor:
@@ -142,12 +181,15 @@ class EncoderLayer(nn.Module):
         self.attn = Attention(spec, spec.encoder_heads, spec.encoder_head_dim, dtype, device)
         self.mlp = MLP(spec, spec.encoder_ffn, dtype, device)
 
-    def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None, t5=None) -> torch.Tensor:
         """x: (B, L, d); bias: (B or 1, heads or 1, L or 1, L), -inf at padded keys, or None (no
         padding, no position bias). CPU: float32 scores (bias float32); CUDA: torch's fused
-        attention in the model dtype (bias in it too), as transformers' sdpa attention runs it."""
+        attention in the model dtype (bias in it too), as transformers' sdpa attention runs it.
+        ``t5`` (T5 on CUDA): (stack, lengths) for t5_attention.encoder_attention instead of ``bias``."""
         def attend(h):
             q, k, v = (self.attn.heads_of(p, h) for p in (self.attn.q, self.attn.k, self.attn.v))
+            if t5 is not None:
+                return self.attn.o(encoder_attention(t5[0], q, k, v, t5[1], self.attn.scale).flatten(2))
             if h.is_cuda:
                 out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                      attn_mask=bias, scale=self.attn.scale).transpose(1, 2)
@@ -203,9 +245,12 @@ class Encoder(_Stack):
             lengths = torch.tensor([len(t) for t in inputs], device=device)
             positions = torch.arange(longest, device=device)
             x = self.embed(ids, positions.expand(len(inputs), -1))
-        bias = self._attention_bias(positions, lengths, x.dtype if x.is_cuda else torch.float32)
+        if self.position_bias is not None and kernels_enabled(x):  # the bias is made in the kernel
+            bias, t5 = None, (self, lengths.to(torch.int32))
+        else:
+            bias, t5 = self._attention_bias(positions, lengths, x.dtype if x.is_cuda else torch.float32), None
         for layer in self.layers:
-            x = layer(x, bias)
+            x = layer(x, bias, t5)
         if self.final_norm is not None:
             x = self.final_norm(x)
         return [x[i, :length] for i, length in enumerate(lengths.tolist())]
@@ -295,13 +340,9 @@ class Decoder(_Stack):
                 k_cache, v_cache = kv_cache[index, 0], kv_cache[index, 1]
                 if self.position_bias is None:  # (a decode step on CUDA: the write and attention in one kernel)
                     out = append_paged_attention(q, k, v, k_cache, v_cache, meta, attn.scale)
-                else:
+                else:  # T5 (t5_attention.py)
                     write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-                    table, distance = self.position_bias.weight, self.spec.relative_max_distance
-                    if meta.is_decode_only:  # batched, device tensors only: CUDA-graph safe
-                        out = decode_attention_bias(q, k_cache, v_cache, meta, attn.scale, table, distance)
-                    else:
-                        out = paged_attention_bias_ref(q, k_cache, v_cache, meta, attn.scale, table, distance)
+                    out = decoder_self_attention(self, q, k_cache, v_cache, meta, attn.scale)
                 return linear(out.flatten(1), attn.o.weight, attn.o.bias)
 
             def attend_encoder(h, layer=layer, index=index):

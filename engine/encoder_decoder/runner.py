@@ -27,7 +27,7 @@ import torch
 from engine.config import EngineFormatError
 from engine.encoder_decoder.convert import check_complete
 from engine.encoder_decoder.decode_graphs import EncDecDecodeGraphs
-from engine.encoder_decoder.model import CrossAttentionBatch, Decoder, Encoder, cross_metadata
+from engine.encoder_decoder.model import CrossAttentionBatch, Decoder, Encoder, cross_metadata, fuse_gated_mlps
 from engine.encoder_decoder.spec import EncDecSpec
 from engine.executor.overlap import resolve_placeholders
 from engine.executor.random_weights import has_random_weights, materialize_random_weights
@@ -75,14 +75,14 @@ class EncDecRunner(ModelRunner):
         extra = self.engine_config.extra
         if has_random_weights(extra):  # a config-only benchmark engine: seed for the decoder, + 1 the encoder
             seed = extra["random_weights_seed"] + (cls is Encoder)
-            return materialize_random_weights(module, self.device, seed).eval()
+            return fuse_gated_mlps(materialize_random_weights(module, self.device, seed).eval())
         weights = load_rank_weights(directory, 0, self.device)
         try:
             check_complete(module, weights, f"rank0.safetensors in {directory!r}")
         except ValueError as err:
             raise EngineFormatError(str(err)) from None
         module.load_state_dict({k: keep_or_cast(k, v, self.dtype) for k, v in weights.items()}, assign=True)
-        return module.eval()
+        return fuse_gated_mlps(module.eval())
 
     # ---- KV memory: the self-attention pool and the cross pool ----------------------------------
 

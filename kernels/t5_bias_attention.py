@@ -1,0 +1,271 @@
+"""T5's attention with its relative position bias computed in the kernel: the decoder's paged
+causal self-attention (decode rows and prompt chunks) and the encoder's dense bidirectional one.
+
+T5 adds ``table[bucket(k - q), head]`` to every score (kernels/relative_position_bias.py) and does
+not scale the scores (scale 1.0, an argument anyway). The bucket depends only on the key-minus-query
+distance d, and every |d| >= max_distance lands in the last bucket of its side (the log-spaced
+bucket reaches num_buckets at max_distance and is clamped), so the bias of a head is a function of
+``clamp(d, -max_distance, max_distance)``: ``distance_bias`` tabulates it once per weight as a
+(num_heads, 2 * max_distance + 1) float32 table, row h, column ``clamp(d) + max_distance``, through
+the same torch bucket code transformers' numbers were checked against. The kernels then load the
+bias of each score from that small table (it stays in L1/L2): exactly the reference's bias, no
+log in the kernel to round differently at a bucket edge.
+
+- ``t5_paged_attention``: the packed, ragged batch of kernels/attention.py (block tables, causal
+  over the cached prefix and the new tokens), heads == KV heads (T5), the causal table. One
+  program per (tile of BLOCK_M new tokens, sequence, head); BLOCK_M is 16 (the tensor-core minimum)
+  when every sequence has one new token, else 64. The grid depends only on the batch size and
+  ``meta.max_seqlen_q`` (1 for decode steps), never on device values: a decode step is CUDA-graph
+  safe. Scores, bias and the online softmax in float32 (base 2), the products in the pool's dtype.
+- ``t5_dense_attention``: q, k, v (batch, L, heads, head_dim) of a padded batch (views of the
+  projections are fine), keys at or past ``lengths[b]`` hidden, the bidirectional table; one
+  program per (tile of BLOCK_M queries, batch row, head). Rows past a length are computed over the
+  row's valid keys (finite; the encoder drops them).
+
+Plain-torch references: ``t5_paged_attention_ref`` (kernels/relative_position_bias.py's
+``paged_attention_bias_ref``) and ``t5_dense_attention_ref``; the public entries dispatch on the
+device (Triton on CUDA, references elsewhere; tests run the kernels on the CPU with TRITON_INTERPRET=1
+through the ``*_triton`` functions).
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels._triton import jit, tl, triton, use_triton
+from kernels.attention_metadata import AttentionMetadata
+from kernels.relative_position_bias import paged_attention_bias_ref, relative_position_bucket
+
+_LOG2E = 1.4426950408889634
+
+
+def distance_bias(table: torch.Tensor, *, bidirectional: bool, max_distance: int) -> torch.Tensor:
+    """(num_heads, 2 * max_distance + 1) float32: column c holds every head's bias at key-minus-query
+    distance c - max_distance (the ends stand for all farther distances). ``table``: (num_buckets, num_heads)."""
+    distance = torch.arange(-max_distance, max_distance + 1, device=table.device)
+    buckets = relative_position_bucket(distance, bidirectional=bidirectional, num_buckets=table.shape[0],
+                                       max_distance=max_distance)
+    return table.float()[buckets].t().contiguous()
+
+
+def bias_of_distances(bias: torch.Tensor, distance: torch.Tensor) -> torch.Tensor:
+    """The reference lookup: (num_heads, *distance.shape) float32 from a ``distance_bias`` table."""
+    reach = (bias.shape[1] - 1) // 2
+    return bias[:, distance.clamp(-reach, reach) + reach]
+
+
+# ----------------------------------------------------------------------------------------------
+# references
+# ----------------------------------------------------------------------------------------------
+
+def t5_paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                           scale: float, table: torch.Tensor, max_distance: int) -> torch.Tensor:
+    """The paged causal attention with T5's causal bias of ``table`` (num_buckets, heads); fp32 math."""
+    return paged_attention_bias_ref(q, k_cache, v_cache, meta, scale, table, max_distance)
+
+
+def t5_dense_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, scale: float,
+                           bias: torch.Tensor) -> torch.Tensor:
+    """q, k, v: (batch, L, heads, head_dim); lengths (batch,); bias a bidirectional ``distance_bias``
+    table -> (batch, L, heads, head_dim) in q's dtype; float32 scores and softmax."""
+    length = q.shape[1]
+    positions = torch.arange(length, device=q.device)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) * scale
+    scores = scores + bias_of_distances(bias, positions.view(1, -1) - positions.view(-1, 1)).unsqueeze(0)
+    hidden = positions.view(1, -1) >= lengths.view(-1, 1)  # (batch, keys)
+    scores = scores.masked_fill(hidden.view(hidden.shape[0], 1, 1, length), float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# kernels
+# ----------------------------------------------------------------------------------------------
+
+@jit
+def _softmax_start(BLOCK_M: tl.constexpr, DIM_PAD: tl.constexpr):
+    """(running max, running sum, accumulator) of an online softmax that has seen no key."""
+    return (tl.full([BLOCK_M], float("-inf"), dtype=tl.float32), tl.zeros([BLOCK_M], dtype=tl.float32),
+            tl.zeros([BLOCK_M, DIM_PAD], dtype=tl.float32))
+
+
+@jit
+def _softmax_step(q, k, v, k_pos, q_pos, visible, m_i, l_i, acc, bias_row, scale_log2,
+                  REACH: tl.constexpr, PRECISION: tl.constexpr):
+    """One key tile of the online softmax (base 2): scores q k^T * scale + bias(k - q), hidden
+    where not ``visible`` -> (m_i, l_i, acc). Every row has seen a visible key by its first tile."""
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+    distance = tl.minimum(tl.maximum(k_pos[None, :] - q_pos[:, None], -REACH), REACH) + REACH
+    scores += tl.load(bias_row + distance) * 1.4426950408889634
+    scores = tl.where(visible, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(scores - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@jit(do_not_specialize=["stride_bt"])
+def _t5_paged_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, bias_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,
+    scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh, stride_bt, stride_bias,
+    REACH: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Program (m tile, sequence, head): the sequence's new tokens [m * BLOCK_M, +BLOCK_M) of one head
+    attend causally over its paged keys [0, their last position]."""
+    m_tile = tl.program_id(0)
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    first = m_tile * BLOCK_M
+    if first >= q_len:
+        return
+    prefix = tl.load(context_lens_ptr + seq) - q_len
+    rows = first + tl.arange(0, BLOCK_M)
+    row_valid = rows < q_len
+    q_pos = prefix + tl.minimum(rows, q_len - 1)  # padding rows repeat the last token (never all-masked)
+    dims = tl.arange(0, DIM_PAD)
+    dim_valid = dims < HEAD_DIM
+    token_rows = (q_start + rows).to(tl.int64)
+    q_mask = row_valid[:, None] & dim_valid[None, :]
+    q = tl.load(q_ptr + token_rows[:, None] * stride_qt + head * stride_qh + dims[None, :], mask=q_mask, other=0.0)
+    kv_end = prefix + tl.minimum(first + BLOCK_M, q_len)  # one past the tile's last position
+    block_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    bias_row = bias_ptr + head * stride_bias
+    m_i, l_i, acc = _softmax_start(BLOCK_M, DIM_PAD)
+    cols = tl.arange(0, BLOCK_N)
+    for start in range(0, kv_end, BLOCK_N):
+        k_pos = start + cols
+        k_valid = k_pos < kv_end
+        block = tl.load(block_row + k_pos // PAGE_SIZE, mask=k_valid, other=0).to(tl.int64)
+        kv_mask = k_valid[:, None] & dim_valid[None, :]
+        in_page = (k_pos % PAGE_SIZE)[:, None]
+        k = tl.load(k_cache_ptr + block[:, None] * stride_kb + in_page * stride_ks + head * stride_kh + dims[None, :],
+                    mask=kv_mask, other=0.0).to(q.dtype)
+        v = tl.load(v_cache_ptr + block[:, None] * stride_vb + in_page * stride_vs + head * stride_vh + dims[None, :],
+                    mask=kv_mask, other=0.0).to(q.dtype)
+        visible = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
+        m_i, l_i, acc = _softmax_step(q, k, v, k_pos, q_pos, visible, m_i, l_i, acc, bias_row, scale_log2,
+                                      REACH, PRECISION)
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_ptr + token_rows[:, None] * stride_ot + head * stride_oh + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+@jit
+def _t5_dense_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, bias_ptr, lengths_ptr, scale_log2,
+    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_ob, stride_ot, stride_oh, stride_bias, seq_len,
+    REACH: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Program (m tile, batch row, head): queries [m * BLOCK_M, +BLOCK_M) over keys [0, lengths[b])."""
+    m_tile = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    head = tl.program_id(2)
+    length = tl.load(lengths_ptr + b)
+    q_pos = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_valid = q_pos < seq_len
+    dims = tl.arange(0, DIM_PAD)
+    dim_valid = dims < HEAD_DIM
+    q_mask = row_valid[:, None] & dim_valid[None, :]
+    q = tl.load(q_ptr + b * stride_qb + q_pos[:, None] * stride_qt + head * stride_qh + dims[None, :],
+                mask=q_mask, other=0.0)
+    bias_row = bias_ptr + head * stride_bias
+    m_i, l_i, acc = _softmax_start(BLOCK_M, DIM_PAD)
+    cols = tl.arange(0, BLOCK_N)
+    for start in range(0, length, BLOCK_N):
+        k_pos = start + cols
+        k_valid = k_pos < length
+        kv_mask = k_valid[:, None] & dim_valid[None, :]
+        k = tl.load(k_ptr + b * stride_kb + k_pos[:, None] * stride_kt + head * stride_kh + dims[None, :],
+                    mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + b * stride_vb + k_pos[:, None] * stride_vt + head * stride_vh + dims[None, :],
+                    mask=kv_mask, other=0.0)
+        visible = k_valid[None, :] & (q_pos >= 0)[:, None]
+        m_i, l_i, acc = _softmax_step(q, k, v, k_pos, q_pos, visible, m_i, l_i, acc, bias_row, scale_log2,
+                                      REACH, PRECISION)
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_ptr + b * stride_ob + q_pos[:, None] * stride_ot + head * stride_oh + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+# Default tilings: decode rows / prompt chunks (BLOCK_N, warps, stages); encoder inputs of at least
+# 128 tokens (BLOCK_M, BLOCK_N, warps, stages), shorter ones 64 x 64 over 4 warps.
+PAGED_TILING = (64, 4, 2)
+DENSE_TILING = (128, 64, 8, 2)
+
+
+def _dim_pad(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))  # a compiled tl.dot needs K >= 16
+
+
+def _precision(q: torch.Tensor) -> str:
+    return "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 engines get fp32 dots
+
+
+def t5_paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                              scale: float, bias: torch.Tensor, *, tiling: tuple[int, int, int] | None = None
+                              ) -> torch.Tensor:
+    """q: (num_tokens, heads, head_dim), last dim contiguous; pools (blocks, page, heads, head_dim)
+    by strides; ``bias`` a causal ``distance_bias`` table -> out like q. ``tiling``: (BLOCK_N keys,
+    warps, stages) instead of the default (sweeps)."""
+    num_tokens, num_heads, head_dim = q.shape
+    out = torch.empty_like(q)
+    num_seqs = meta.context_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    assert k_cache.shape[2] == num_heads, "T5 attention: heads == KV heads"
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and bias.is_contiguous()
+    block_m = 16 if meta.max_seqlen_q == 1 else 64
+    block_n, warps, stages = tiling or PAGED_TILING
+    _t5_paged_kernel[(triton.cdiv(meta.max_seqlen_q, block_m), num_seqs, num_heads)](
+        q, k_cache, v_cache, out, bias, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
+        scale * _LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3],
+        *v_cache.stride()[:3], meta.block_tables.stride(0), bias.stride(0),
+        REACH=(bias.shape[1] - 1) // 2, HEAD_DIM=head_dim, DIM_PAD=_dim_pad(head_dim), PAGE_SIZE=k_cache.shape[1],
+        BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q), num_warps=warps, num_stages=stages)
+    return out
+
+
+def t5_dense_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, scale: float,
+                              bias: torch.Tensor, *, tiling: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """q, k, v: (batch, L, heads, head_dim), last dim contiguous; lengths (batch,) int32 on the
+    device; ``bias`` a bidirectional ``distance_bias`` table -> (batch, L, heads, head_dim) contiguous.
+    ``tiling``: (BLOCK_M queries, BLOCK_N keys, warps, stages) instead of the default (sweeps)."""
+    batch, length, num_heads, head_dim = q.shape
+    out = torch.empty(batch, length, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    if out.numel() == 0:
+        return out
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1 and bias.is_contiguous()
+    block_m, block_n, warps, stages = tiling or (DENSE_TILING if length >= 128 else (64, 64, 4, 2))
+    _t5_dense_kernel[(triton.cdiv(length, block_m), batch, num_heads)](
+        q, k, v, out, bias, lengths, scale * _LOG2E, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+        *out.stride()[:3], bias.stride(0), length,
+        REACH=(bias.shape[1] - 1) // 2, HEAD_DIM=head_dim, DIM_PAD=_dim_pad(head_dim),
+        BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q), num_warps=warps, num_stages=stages)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# public entries: Triton on CUDA, the references elsewhere
+# ----------------------------------------------------------------------------------------------
+
+def t5_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                       scale: float, table: torch.Tensor, max_distance: int, bias: torch.Tensor) -> torch.Tensor:
+    """T5's decoder self-attention over the paged pool; ``table`` (num_buckets, heads) feeds the
+    reference, ``bias`` (its causal ``distance_bias``) the kernel."""
+    if use_triton(q):
+        return t5_paged_attention_triton(q, k_cache, v_cache, meta, scale, bias)
+    return t5_paged_attention_ref(q, k_cache, v_cache, meta, scale, table, max_distance)
+
+
+def t5_dense_attention(q, k, v, lengths, scale: float, bias: torch.Tensor) -> torch.Tensor:
+    """T5's encoder attention (bidirectional ``distance_bias`` table ``bias``)."""
+    if use_triton(q):
+        return t5_dense_attention_triton(q, k, v, lengths, scale, bias)
+    return t5_dense_attention_ref(q, k, v, lengths, scale, bias)
