@@ -14,9 +14,10 @@ sized buckets up to ``max_distance``, beyond which everything lands in bucket n 
 Plain torch: the bias depends only on the two positions, so one (heads, q, k) float32 block per
 sequence is computed and added to the scores; ``paged_attention_bias_ref`` is the decoder's
 causal attention over the paged KV pool with it (kernels/attention.py's reference, which adds
-it). No Triton kernel yet: on CUDA this reference runs too, and ``decode_attention_bias`` (steps
-whose every sequence has one new token) runs the same math batched, reading only device tensors
-at shapes fixed by the metadata's block-table width, so a CUDA graph can capture it.
+it); ``decode_attention_bias`` (steps whose every sequence has one new token) runs the same math
+batched, reading only device tensors at shapes fixed by the metadata's block-table width, so a CUDA
+graph can capture it. On CUDA the Triton kernels of kernels/t5_bias_attention.py run instead
+(engine/encoder_decoder/t5_attention.py; these stay the CPU path and the kernels' oracle).
 """
 from __future__ import annotations
 
