@@ -99,7 +99,8 @@ def ensure_checkpoint_engine(checkpoint: str, build_args: list[str]) -> Path:
 
 def checkpoint_build_args(args: argparse.Namespace) -> list[str]:
     """engine.build's flags for a checkpoint: the dtype for this machine and the options given
-    (``dtype``, ``max_batch_size``, ``tp``, ``pp``, ``max_seq_len``, ``quantization``, ``kv_cache_dtype``);
+    (``dtype``, ``max_batch_size``, ``tp``, ``pp``, ``max_seq_len``, ``quantization``, ``kv_cache_dtype``,
+    ``moe_ep_size``);
     everything else (lengths, block size) the build takes from the checkpoint."""
     dtype = args.dtype
     if dtype is None:  # torch only for this choice (an LLM-API stub that names its dtype imports none)
@@ -112,4 +113,6 @@ def checkpoint_build_args(args: argparse.Namespace) -> list[str]:
     for name in ("max_seq_len", "quantization", "kv_cache_dtype"):
         if getattr(args, name) is not None:
             build += [f"--{name}", str(getattr(args, name))]
+    if getattr(args, "moe_ep_size", 1) > 1:  # (left out at 1, as pp)
+        build += ["--moe_ep_size", str(args.moe_ep_size)]
     return build

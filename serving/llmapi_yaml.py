@@ -32,7 +32,7 @@ TOP_KEYS = ("model", "tokenizer", "backend", "tensor_parallel_size", "pipeline_p
             "quant_config", "kv_cache_config", "cuda_graph_config", "use_cuda_graph",
             "disable_overlap_scheduler", "enable_chunked_prefill", "logits_post_processors",
             "skip_tokenizer_init", "trust_remote_code", "enable_lora", "lora_config", "triton_config",
-            "speculative_config")
+            "speculative_config", "moe_expert_parallel_size")
 LORA_KEYS = ("max_lora_rank", "max_loras")
 SPECULATIVE_KEYS = ("decoding_type", "max_draft_len", "max_matching_ngram_size", "speculative_model_dir",
                     "speculative_model", "medusa_choices", "num_medusa_heads", "max_window_size", "max_ngram_size",
@@ -63,6 +63,7 @@ class LlmapiConfig:
     triton_max_batch_size: int = 0
     tensor_parallel_size: int = 1  # with pipeline_parallel_size, the ranks of the leader-mode job (--world_size)
     pipeline_parallel_size: int = 1
+    moe_expert_parallel_size: int = 1  # engine.build --moe_ep_size: 1 or tensor_parallel_size (DeepSeek)
 
     @property
     def world_size(self) -> int:
@@ -148,6 +149,10 @@ def parse_llmapi_config(data: Any, base_dir: str | None = None) -> LlmapiConfig:
     config.tensor_parallel_size = _int(data.get("tensor_parallel_size", 1), "tensor_parallel_size", 1)
     # Pipeline stages: the engine is built with --pp_size; the job has tp x pp ranks.
     config.pipeline_parallel_size = _int(data.get("pipeline_parallel_size", 1), "pipeline_parallel_size", 1)
+    config.moe_expert_parallel_size = _int(data.get("moe_expert_parallel_size", 1), "moe_expert_parallel_size", 1)
+    if config.moe_expert_parallel_size not in (1, config.tensor_parallel_size):
+        raise _fail("moe_expert_parallel_size", f"must be 1 or tensor_parallel_size ({config.tensor_parallel_size}): "
+                                                f"whole experts split across the tensor-parallel ranks (DeepSeek)")
     config.dtype = _choice(data.get("dtype", "auto"), "dtype", DTYPES)
     if "max_batch_size" in data:
         config.max_batch_size = _int(data["max_batch_size"], "max_batch_size", 1)
@@ -413,6 +418,8 @@ def build_options(config: LlmapiConfig, has_gpu: bool | Callable[[], bool]) -> d
     for name in ("max_input_len", "max_num_tokens"):
         if getattr(config, name) is not None:
             extra += [f"--{name}", str(getattr(config, name))]
+    if config.moe_expert_parallel_size > 1:
+        extra += ["--moe_ep_size", str(config.moe_expert_parallel_size)]
     options["extra"] = extra
     return options
 

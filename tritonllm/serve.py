@@ -312,6 +312,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     model.add_argument("--pp_size", "--pp", dest="pp", type=int, default=1,
                        help="pipeline stages (the layers split evenly; Llama-family and MoE models): the job runs "
                             "tp x pp ranks, one per GPU")
+    model.add_argument("--moe_ep_size", type=int, default=1,
+                       help="expert parallelism (DeepSeek-V2/V3): 1, or --tp for whole routed experts per rank")
     model.add_argument("--max_seq_len", type=int, default=None, help="default: the checkpoint's, at most 32768")
     model.add_argument("--max_batch_size", type=int, default=64)
     model.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,

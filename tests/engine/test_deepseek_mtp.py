@@ -97,20 +97,15 @@ def test_module_draft_logits_equal_transformers_mtp_model(mtp_engine):
     proposer.close()
 
 
-def test_greedy_ids_equal_generate_with_chained_drafts(mtp_engine):
-    """Four requests (two sharing a prefix that the prefix cache serves, chunked prompts): greedy ids
-    with k = 3 chained drafts equal transformers' generate; some drafts kept, some not; a cancelled
-    request and the finished ones leave the module's pool empty."""
-    hf, _, engine_dir = mtp_engine
-    hf.generation_config.eos_token_id = None
-    hf.generation_config.pad_token_id = 0
-    shared = random_tokens(8, 31)
-    prompts = [shared + random_tokens(7, 32), random_tokens(5, 33), shared + random_tokens(3, 34)]
+def _generate(engine_dir: str, prompts: list[list[int]], *, mtp: bool, device: str = "cpu"):
+    """Greedy ids of ``prompts`` (in flight together, prefix reuse and chunked context on) plus one
+    cancelled request; with mtp: 3 chained drafts a step, and the module's pool checked empty after.
+    Returns (ids per prompt, perf metrics per prompt)."""
     config = ExecutorConfig(**EXECUTOR_POOL, enable_kv_cache_reuse=True, enable_chunked_context=True,
-                            max_num_tokens=8, speculative=SpeculativeConfig(mode="mtp", max_draft_len=3))
+                            max_num_tokens=8, speculative=SpeculativeConfig(mode="mtp", max_draft_len=3) if mtp else None)
     perf = OutputConfig(exclude_input_from_output=True, return_perf_metrics=True)
-    finals, metrics = {}, []
-    with Executor(engine_dir, config) as executor:
+    finals, metrics = {}, {}
+    with Executor(engine_dir, config, device=device) as executor:
         ids = executor.enqueue_requests([Request(prompts[0], MAX_TOKENS, output=perf)])
         ids += executor.enqueue_requests([Request(p, MAX_TOKENS, output=perf) for p in prompts[1:]])
         cancelled = executor.enqueue_requests([Request(random_tokens(6, 35), 40, output=perf)])[0]
@@ -119,20 +114,48 @@ def test_greedy_ids_equal_generate_with_chained_drafts(mtp_engine):
             for response in executor.await_responses(timeout=1.0):
                 if response.result is not None and response.result.is_final:
                     finals[response.request_id] = response.result.output_token_ids[0]
-                    if response.request_id != cancelled:
-                        metrics.append(response.result.perf)
+                    metrics[response.request_id] = response.result.perf
                 elif response.error is not None:
                     assert response.request_id == cancelled, response.error
                     finals[response.request_id] = None
-        proposer = executor.proposer
-        assert proposer.num_sequences == 0
-        assert proposer.blocks.num_free_blocks == proposer.blocks.num_blocks
-    for prompt, request_id in zip(prompts, ids):
+        if mtp:
+            assert executor.proposer.num_sequences == 0
+            assert executor.proposer.blocks.num_free_blocks == executor.proposer.blocks.num_blocks
+    return [finals[i] for i in ids], [metrics[i] for i in ids]
+
+
+def _prompts() -> list[list[int]]:
+    shared = random_tokens(8, 31)
+    return [shared + random_tokens(7, 32), random_tokens(5, 33), shared + random_tokens(3, 34)]
+
+
+def test_greedy_ids_equal_generate_with_chained_drafts(mtp_engine):
+    """Three requests (two sharing a prefix that the prefix cache serves, chunked prompts): greedy ids
+    with k = 3 chained drafts equal transformers' generate; some drafts kept, some not; a cancelled
+    request and the finished ones leave the module's pool empty."""
+    hf, _, engine_dir = mtp_engine
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    prompts = _prompts()
+    ids, metrics = _generate(engine_dir, prompts, mtp=True)
+    for prompt, got in zip(prompts, ids):
         expected = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False)[0, len(prompt):]
-        assert finals[request_id] == expected.tolist()
+        assert got == expected.tolist()
     drafted = sum(m.total_draft_tokens for m in metrics)
     accepted = sum(m.total_accepted_draft_tokens for m in metrics)
     assert drafted > 0 and 0 < accepted < drafted
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_mtp_on_cuda_gives_the_plain_greedy_ids(mtp_engine):
+    """On CUDA (the module's attention and experts in the Triton kernels, the target's decode steps
+    replayed from graphs where no sequence drafts): the same ids as plain decoding there, drafts kept."""
+    _, _, engine_dir = mtp_engine
+    plain, _ = _generate(engine_dir, _prompts(), mtp=False, device="cuda")
+    ids, metrics = _generate(engine_dir, _prompts(), mtp=True, device="cuda")
+    assert ids == plain
+    assert sum(m.total_accepted_draft_tokens for m in metrics) > 0
 
 
 def test_engine_without_mtp_module_is_refused_by_name(mtp_engine, tmp_path):

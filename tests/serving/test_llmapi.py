@@ -123,6 +123,15 @@ def test_speculative_config_mtp_sets_its_drafts(checkpoint):
             parse_llmapi_config({"model": checkpoint, "speculative_config": {"decoding_type": "MTP", **bad}})
 
 
+def test_moe_expert_parallel_size_builds_whole_experts_per_rank(checkpoint):
+    """moe_expert_parallel_size (the LLM API's name) -> engine.build --moe_ep_size; 1 or tp only."""
+    config = parse_llmapi_config({"model": checkpoint, "tensor_parallel_size": 2, "moe_expert_parallel_size": 2})
+    assert build_options(config, has_gpu=True)["extra"][-2:] == ["--moe_ep_size", "2"]
+    assert "--moe_ep_size" not in build_options(parse_llmapi_config({"model": checkpoint}), has_gpu=True)["extra"]
+    with pytest.raises(ValueError, match=r"moe_expert_parallel_size: must be 1 or tensor_parallel_size \(2\)"):
+        parse_llmapi_config({"model": checkpoint, "tensor_parallel_size": 2, "moe_expert_parallel_size": 4})
+
+
 def test_defaults_and_dtype_auto(checkpoint):
     config = parse_llmapi_config({"model": checkpoint})
     assert config.decoupled is True and config.triton_max_batch_size == 0
