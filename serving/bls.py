@@ -60,7 +60,7 @@ PREPROCESSING_INPUTS = {
 IMAGE_PREPROCESSING_INPUTS = {"image_input": "IMAGE", "image_bytes_input": "IMAGE_BYTES",
                               "image_url_input": "IMAGE_URL", "video_bytes_input": "VIDEO_BYTES",
                               "image_sizes_input": "IMAGE_SIZES"}
-IMAGE_PREPROCESSING_OUTPUTS = ["PIXEL_VALUES", "IMAGE_SIZES", "IMAGE_GRID_THW", "VISION_INPUT_ID"]
+IMAGE_PREPROCESSING_OUTPUTS = ["PIXEL_VALUES", "IMAGE_SIZES", "IMAGE_GRID_THW", "VISION_INPUT_ID", "IS_VIDEO_INPUT"]
 # (the MROPE pair only for Qwen2-VL encoders; absent outputs are not forwarded, as IMAGE_SIZES above)
 LLM_INPUTS_FROM_ENCODERS = {"OUT_PROMPT_EMBEDDING_TABLE": "prompt_embedding_table",
                             "OUT_PROMPT_VOCAB_SIZE": "prompt_vocab_size",
@@ -71,9 +71,10 @@ LLM_INPUTS_FROM_ENCODERS = {"OUT_PROMPT_EMBEDDING_TABLE": "prompt_embedding_tabl
 def encoder_inputs(tensors: dict[str, np.ndarray], pre_out: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """multimodal_encoders' inputs: preprocessing's PIXEL_VALUES (images it decoded), else the client's
     image_input, as the reference's BLS sends them; with preprocessing's IMAGE_SIZES (LLaVA-NeXT/OneVision),
-    IMAGE_GRID_THW and VISION_INPUT_ID (Qwen2-VL)."""
+    IS_VIDEO_INPUT (OneVision video), IMAGE_GRID_THW and VISION_INPUT_ID (Qwen2-VL)."""
     sizes = {encoder: pre_out[name] for name, encoder in (("IMAGE_SIZES", "image_sizes"), ("IMAGE_GRID_THW", "image_grid_thw"),
-                                                           ("VISION_INPUT_ID", "vision_input_id"))
+                                                           ("VISION_INPUT_ID", "vision_input_id"),
+                                                           ("IS_VIDEO_INPUT", "is_video_input"))
              if name in pre_out and pre_out[name].size}  # Qwen2-VL: its grids and raw ids
     if "PIXEL_VALUES" in pre_out and pre_out["PIXEL_VALUES"].size:
         return {"pixel_values": pre_out["PIXEL_VALUES"], **sizes}

@@ -99,11 +99,12 @@ def images_from_bytes(row: np.ndarray, limits: ImageLimits) -> list:
     return images
 
 
-def url_bytes(url: str, name: str, limits: ImageLimits) -> bytes:
-    """The file behind a data:, http(s) or (with ``limits.local_media_dir``) file: URL."""
+def url_bytes(url: str, name: str, limits: ImageLimits, media_types: tuple[str, ...] = SUPPORTED_MEDIA_TYPES) -> bytes:
+    """The file behind a data:, http(s) or (with ``limits.local_media_dir``) file: URL (``media_types``:
+    a data: URL's allowed ones; serving/videos.py passes video types)."""
     scheme = urllib.parse.urlsplit(url).scheme.lower()
     if scheme == "data":
-        return _data_url_bytes(url, name)
+        return _data_url_bytes(url, name, media_types)
     if scheme == "file":
         return _local_file_bytes(url, name, limits)
     if scheme not in ("http", "https"):
@@ -145,15 +146,15 @@ def _local_file_bytes(url: str, name: str, limits: ImageLimits) -> bytes:
         raise ImageError(f"{name}: reading {path} failed ({error.strerror})") from None
 
 
-def _data_url_bytes(url: str, name: str) -> bytes:
+def _data_url_bytes(url: str, name: str, media_types: tuple[str, ...] = SUPPORTED_MEDIA_TYPES) -> bytes:
     header, comma, payload = url.partition(",")
     if not comma:
         raise ImageError(f"{name}: a data: URL needs a comma before its data (data:image/png;base64,...)")
     media_type, *params = header[len("data:"):].split(";")
     media_type = media_type.strip().lower() or "text/plain"
-    if media_type not in SUPPORTED_MEDIA_TYPES:
+    if media_type not in media_types:
         raise ImageError(f"{name}: data URL media type {media_type!r} is not supported; supported: "
-                         f"{', '.join(SUPPORTED_MEDIA_TYPES)}")
+                         f"{', '.join(media_types)}")
     if "base64" in (p.strip().lower() for p in params):
         try:
             return base64.b64decode(payload, validate=True)

@@ -17,8 +17,12 @@ multimodal_encoders (``VisionEncoderRunner``): every image of every request in o
 the engine's vision encoder (engine/vision/) -> per request OUT_PROMPT_EMBEDDING_TABLE (1, rows,
 hidden) FP16 and OUT_PROMPT_VOCAB_SIZE (1, 1) INT32 = rows.
 
-Errors are per request (ValueError/ImageError naming the client's input): too many images, an image
-placeholder count that differs from the images sent, images sent to a text-only model, video.
+LLaVA-OneVision also takes one video per request (video_bytes_input; serving/video_prompts.py):
+its frames become PIXEL_VALUES with IS_VIDEO_INPUT, its slot one run of fake ids.
+
+Errors are per request (ValueError/ImageError/VideoError naming the client's input): too many images,
+an image placeholder count that differs from the images sent, images sent to a text-only model,
+video sent to a model without video, too many frames, an undecodable video.
 """
 from __future__ import annotations
 
@@ -33,6 +37,8 @@ from serving.images import ImageLimits, images_from_bytes, images_from_urls
 from serving.qwen_vl import (CHAT_WRAPPERS, NO_PIXELS, ONE_IMAGE, QWEN_VL_TYPES, grid_rows, image_patches,
                              vision_input_ids)
 from serving.text import string_rows
+from serving.video_prompts import VIDEO_AND_IMAGES, VideoPrompts, video_frames, video_support_error
+from serving.videos import VideoLimits
 
 # builder_config.model_type -> (pre-prompt, after the image slots, post-prompt) around the image
 # slots and the text, as the anchor's preprocessing writes them (LLaVA-NeXT has none there: its
@@ -79,13 +85,14 @@ class PreparedItem:
     image_sizes: np.ndarray | None = None  # (n, 2) int64 (height, width) before processing: anyres families
     image_grid_thw: np.ndarray | None = None  # (n, 3) int64 patch grids: Qwen2-VL (pixel_values (1, 1, patches, dim))
     mllama: dict | None = None  # Llama 3.2 Vision: aspect ratio ids / mask and token mask (serving/mllama.py)
+    is_video: bool = False  # pixel_values are a video's frames (F, 3, S, S): OneVision
 
 
 class ImagePrompts:
     """The preprocessing side for one vision-encoder directory and the language engine's vocabulary."""
 
     def __init__(self, encoder_dir: str, tokenizer, vocab_size: int, *, max_num_images: int | None = None,
-                 limits: ImageLimits = ImageLimits()):
+                 limits: ImageLimits = ImageLimits(), video_limits: VideoLimits = VideoLimits()):
         with open(os.path.join(encoder_dir, "config.json")) as f:
             config = json.load(f)
         self.config = config
@@ -117,6 +124,9 @@ class ImagePrompts:
         # Llama 3.2 Vision: its own processor lays out the prompt; images go to cross-attention (serving/mllama.py)
         self.mllama = mllama.processor_for(self.image_processor, tokenizer) if (
             self.model_type == mllama.MODEL_TYPE) else None
+        # LLaVA-OneVision's video side (None: the model takes no video)
+        self.video = None if video_support_error(config) else VideoPrompts(encoder_dir, config, tokenizer,
+                                                                            video_limits, limits)
 
     def _init_gemma3(self, gemma3: dict) -> None:
         """Gemma 3: the placeholder is <start_of_image>, which the processor expands in the text to
@@ -133,7 +143,7 @@ class ImagePrompts:
     def prepare(self, query: str, tensors: dict, row: int, add_special_tokens: bool) -> PreparedItem:
         """Item ``row``: its prompt ids (with image slots) and the pixel values of images decoded here."""
         if _present(tensors.get("VIDEO_BYTES")):
-            raise ValueError(f"video_bytes_input: video is not supported for {self.model_type} models; send images")
+            return self._prepare_video(query, tensors, row, add_special_tokens)
         images = []
         if _present(tensors.get("IMAGE_BYTES")):
             images += images_from_bytes(tensors["IMAGE_BYTES"][row], self.limits)
@@ -164,6 +174,16 @@ class ImagePrompts:
             image_sizes = sent_sizes
         counts = self.token_counts(image_sizes, num_images)
         return PreparedItem(self.prompt_ids(query, counts, add_special_tokens), pixel_values, image_sizes)
+
+    def _prepare_video(self, query: str, tensors: dict, row: int, add_special_tokens: bool) -> PreparedItem:
+        """OneVision: one video (its frames or an encoded file), no images (serving/video_prompts.py)."""
+        if self.video is None:
+            raise ValueError(video_support_error(self.config))
+        if any(_present(tensors.get(name)) for name in ("IMAGE", "IMAGE_BYTES")) or _urls(tensors.get("IMAGE_URL"), row):
+            raise ValueError(VIDEO_AND_IMAGES)
+        pixel_values = self.video.from_bytes(tensors["VIDEO_BYTES"][row])
+        ids = self.prompt_ids(query, [self.video.rows(pixel_values)], add_special_tokens, self.video.placeholder)
+        return PreparedItem(ids, pixel_values, is_video=True)
 
     def _prepare_qwen(self, query: str, images: list, num_pixel_images: int, add_special_tokens: bool) -> PreparedItem:
         """Qwen2-VL: the processor's patches and grid (serving/qwen_vl.py); one image per request."""
@@ -223,19 +243,22 @@ class ImagePrompts:
             start = position + 1
         return out + ids[start:]
 
-    def prompt_ids(self, query: str, counts: list[int], add_special_tokens: bool) -> list[int]:
-        """``counts``: each image's rows (token_counts)."""
+    def prompt_ids(self, query: str, counts: list[int], add_special_tokens: bool,
+                   placeholder: str | None = None) -> list[int]:
+        """``counts``: each image's rows (token_counts), or a video's (``placeholder``: the video's)."""
         def encode(text: str, special: bool) -> list[int]:  # (an empty first piece keeps the special tokens)
             return self.tokenizer.encode(text, add_special_tokens=special) if text or special else []
 
         if self.gemma3:
             return self._gemma3_ids(query, counts, add_special_tokens)
         num_images, slot = len(counts), self.slots(counts).__getitem__
-        pieces = query.split(self.placeholder)
+        kind = "image" if placeholder is None else "video"
+        placeholder = placeholder or self.placeholder
+        pieces = query.split(placeholder)
         if len(pieces) > 1:
             if len(pieces) - 1 != num_images:
-                raise ValueError(f"text_input has {len(pieces) - 1} {self.placeholder} placeholder(s) but {num_images} "
-                                 "image(s) were sent; send one image per placeholder (or no placeholder: the image "
+                raise ValueError(f"text_input has {len(pieces) - 1} {placeholder} placeholder(s) but {num_images} "
+                                 f"{kind}(s) were sent; send one {kind} per placeholder (or no placeholder: the {kind} "
                                  "goes before the text)")
             ids = encode(pieces[0], add_special_tokens)
             for i, piece in enumerate(pieces[1:]):
@@ -346,18 +369,15 @@ class VisionEncoderRunner:
     def __init__(self, encoder_dir: str, device: str | None = None):
         import torch
 
-        from engine.vision.encoder_dir import load_vision_encoder
+        from engine.vision.encoder_dir import load_vision_encoder, read_encoder_config
 
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.encoder = load_vision_encoder(encoder_dir, self.device)
+        self.config = read_encoder_config(encoder_dir)
         self.num_image_tokens = self.encoder.num_image_tokens
         self.anyres = hasattr(self.encoder, "anyres")
         self.qwen = self.encoder.model_type in QWEN_VL_TYPES
         self.mllama = self.encoder.model_type == mllama.MODEL_TYPE  # serving/mllama.py encoder_outputs
-        if self.qwen:
-            from engine.vision.encoder_dir import read_encoder_config
-
-            self.config = read_encoder_config(encoder_dir)
 
     def qwen_outputs(self, pixel_values, grids, ids) -> dict[str, np.ndarray]:
         """One multimodal_encoders request of a Qwen2-VL model (serving/qwen_vl.py): pixel_values
@@ -400,13 +420,17 @@ class VisionEncoderRunner:
                 **mrope_outputs(ids, grids, self.config)}
 
     def tables(self, per_request_pixels: list[np.ndarray | None],
-               per_request_sizes: list[np.ndarray | None] | None = None) -> list[np.ndarray | None]:
+               per_request_sizes: list[np.ndarray | None] | None = None,
+               per_request_video: list[bool] | None = None) -> list[np.ndarray | None]:
         """Each request's images, (n, 3, H, W) float, or an anyres family's tiles (T, 3, S, S) with
-        the images' (n, 2) sizes (rows of zeros: no image; tiles past the images': padding), ->
-        its table (rows of every image, hidden) float16; None for a request without images. All
-        images of all requests run as one batch."""
+        the images' (n, 2) sizes (rows of zeros: no image; tiles past the images': padding), or
+        (``per_request_video``) a OneVision video's frames (F, 3, S, S) -> its table (rows of every
+        image, or of the video, hidden) float16; None for a request without images. All images of
+        all requests run as one batch, all videos' frames as another."""
         import torch
 
+        if per_request_video and any(per_request_video):
+            return self._with_videos(per_request_pixels, per_request_sizes, per_request_video)
         sizes = per_request_sizes or [None] * len(per_request_pixels)
         pixels, image_sizes, tiled, per_request_images = [], [], [], []
         for p, s in zip(per_request_pixels, sizes):
@@ -429,6 +453,26 @@ class VisionEncoderRunner:
                           if count else None)
             start += count
         return tables
+
+    def _with_videos(self, pixels: list, sizes: list | None, videos: list[bool]) -> list[np.ndarray | None]:
+        """``tables`` for requests some of which hold a video: the images' requests, then the videos'."""
+        import torch
+
+        if video_support_error(self.config):
+            raise ValueError(video_support_error(self.config))
+        sizes = sizes or [None] * len(pixels)
+        out = [None] * len(pixels)
+        images = [i for i, video in enumerate(videos) if not video]
+        for i, table in zip(images, self.tables([pixels[i] for i in images], [sizes[i] for i in images])):
+            out[i] = table
+        clips = [(i, video_frames(pixels[i])) for i, video in enumerate(videos) if video and pixels[i] is not None]
+        clips = [(i, frames) for i, frames in clips if len(frames)]
+        if clips:
+            batch = torch.from_numpy(np.concatenate([f for _, f in clips]).astype(np.float32)).to(self.device)
+            rows = self.encoder.video_features(batch, [len(f) for _, f in clips])
+            for (i, _), table in zip(clips, rows):
+                out[i] = table.float().cpu().numpy().astype(np.float16)
+        return out
 
     def _request_images(self, pixels, sizes) -> tuple[np.ndarray | None, list, list]:
         """(its pixels, its images' sizes, whether each is tiled); an anyres family's padding
@@ -483,6 +527,8 @@ def prepare_batch(prompts: ImagePrompts, tensors: dict, queries: list[str], add_
     if image_sizes is not None:
         outputs["IMAGE_SIZES"] = image_sizes
     outputs.update(mllama.stack_items([item.mllama or {"input_ids": item.input_ids} for item in items]))
+    if any(item.is_video for item in items):  # OneVision video (serving/video_prompts.py)
+        outputs["IS_VIDEO_INPUT"] = np.array([[item.is_video] for item in items], np.bool_)
     if any(item.image_grid_thw is not None for item in items):  # Qwen2-VL (serving/qwen_vl.py)
         outputs["IMAGE_GRID_THW"] = np.array([item.image_grid_thw[0] if item.image_grid_thw is not None
                                               else np.zeros(3, np.int64) for item in items], np.int64)

@@ -1,17 +1,26 @@
 """Tiny random LLaVA-NeXT (CLIP + Llama) and LLaVA-OneVision (SigLIP + Qwen2) checkpoints made by
 transformers, with tiny_llava's tokenizer and their own anyres image processors: tiles of 28 x 28
 (4 x 4 feature rows), grids up to 2 x 2. OneVision's cap is anyres_max_1, so a 2 x 2 grid's map is
-shrunk (the interpolation path runs). No network."""
+shrunk (the interpolation path runs). OneVision's tokenizer adds ``<video>`` (id 19) and its
+checkpoint a video processor config (frames resized to 28 x 28: 2 x 2 pooled rows per frame);
+``make_clip`` writes a video file with PyAV. No network."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
 
-from tiny_llava import IMAGE_SIZE, IMAGE_TOKEN_INDEX, VOCAB, tokenizer
+from tiny_llava import CHAT_TEMPLATE, IMAGE_SIZE, IMAGE_TOKEN_INDEX, VOCAB, WORDS, tokenizer, word_level_tokenizer
 
 PINPOINTS = [[28, 56], [56, 28], [56, 56]]
 KINDS = ("llava_next", "llava_onevision")
+VIDEO_TOKEN_INDEX = len(WORDS)  # OneVision's <video>, after tiny_llava's words
+# OneVision's video processor settings as transformers writes them (video_preprocessor_config.json);
+# SigLIP's mean and std, as the Hub's OneVision checkpoints
+VIDEO_PROCESSOR = {"video_processor_type": "LlavaOnevisionVideoProcessor", "processor_class": "LlavaOnevisionProcessor",
+                   "size": {"height": IMAGE_SIZE, "width": IMAGE_SIZE}, "resample": 3, "do_resize": True,
+                   "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [0.5, 0.5, 0.5],
+                   "image_std": [0.5, 0.5, 0.5], "do_convert_rgb": True, "do_sample_frames": False}
 
 
 def hf_model(kind: str, seed: int = 0):
@@ -30,7 +39,8 @@ def hf_model(kind: str, seed: int = 0):
     else:
         config = transformers.LlavaOnevisionConfig(
             vision_config=transformers.SiglipVisionConfig(**tower), text_config=transformers.Qwen2Config(**text),
-            image_token_index=IMAGE_TOKEN_INDEX, image_grid_pinpoints=PINPOINTS, vision_aspect_ratio="anyres_max_1")
+            image_token_index=IMAGE_TOKEN_INDEX, video_token_index=VIDEO_TOKEN_INDEX, image_grid_pinpoints=PINPOINTS,
+            vision_aspect_ratio="anyres_max_1")
         model_class = transformers.LlavaOnevisionForConditionalGeneration
     torch.manual_seed(seed)
     model = model_class(config).eval()
@@ -53,8 +63,41 @@ def image_processor(kind: str):
                                                      image_grid_pinpoints=PINPOINTS)
 
 
+def kind_tokenizer(kind: str):
+    """tiny_llava's tokenizer; OneVision's with <video> too."""
+    if kind == "llava_next":
+        return tokenizer()
+    return word_level_tokenizer(WORDS + ["<video>"], VOCAB, additional_special_tokens=["<image>", "<video>"],
+                                chat_template=CHAT_TEMPLATE)
+
+
 def write_checkpoint(kind: str, path: Path, seed: int = 0) -> Path:
+    import json
+
     hf_model(kind, seed).save_pretrained(path)
-    tokenizer().save_pretrained(path)
+    kind_tokenizer(kind).save_pretrained(path)
     image_processor(kind).save_pretrained(path)
+    if kind == "llava_onevision":
+        (path / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PROCESSOR, indent=2))
     return path
+
+
+def make_clip(seed: int, frames: int = 8, size: tuple[int, int] = (52, 40), codec: str = "mpeg4",
+              container: str = "mp4") -> bytes:
+    """A video file of ``frames`` frames of random blocks (width x height = size), written with PyAV."""
+    import io
+
+    import av
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    out = io.BytesIO()
+    with av.open(out, "w", format=container) as video:
+        stream = video.add_stream(codec, rate=8)
+        stream.width, stream.height, stream.pix_fmt = size[0], size[1], "yuv420p"
+        for _ in range(frames):
+            blocks = rng.integers(0, 256, (size[1] // 4 + 1, size[0] // 4 + 1, 3), dtype=np.uint8)
+            pixels = np.repeat(np.repeat(blocks, 4, axis=0), 4, axis=1)[:size[1], :size[0]]
+            video.mux(stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(pixels), format="rgb24")))
+        video.mux(stream.encode())
+    return out.getvalue()

@@ -93,7 +93,7 @@ def image_token_counts(config: dict, image_sizes, num_images: int) -> list[int]:
     """Rows of each of a request's ``num_images`` images (``config``: the vision-encoder directory's
     config.json; ``image_sizes``: each image's (height, width) before processing, which the anyres
     families need). A missing size is the request's error (ValueError naming image_sizes_input)."""
-    if "anyres" not in config:
+    if "anyres" not in config or not num_images:  # (a text-only request needs no sizes)
         return [config["num_image_tokens"]] * num_images
     model_type = config["builder_config"]["model_type"]
     if image_sizes is None or len(image_sizes) != num_images:

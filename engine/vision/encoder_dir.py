@@ -6,6 +6,7 @@
       model.safetensors          the encoder's weights in the engine's dtype
       preprocessor_config.json   the checkpoint's own image processor (transformers), for the
                                  preprocessing model
+      video_preprocessor_config.json   LLaVA-OneVision: its video processor's settings
 
 ``builder_config.model_type`` is what the anchor's preprocessing and multimodal_encoders read
 (``llava``, ...). ``load_vision_encoder`` gives the encoder module on a device; a wrong or
@@ -44,6 +45,11 @@ def write_vision_encoder(family: VisionFamily, hf_config, get: TensorGetter, out
     os.makedirs(output_dir)
     save_file(weights, os.path.join(output_dir, "model.safetensors"), metadata={"format": "pt"})
     _image_processor(source, config).save_pretrained(output_dir)
+    if "video" in config:  # LLaVA-OneVision: its video processor's settings (onevision_video.py)
+        from engine.vision.onevision_video import VIDEO_PROCESSOR_FILE, video_processor_settings
+
+        with open(os.path.join(output_dir, VIDEO_PROCESSOR_FILE), "w") as f:
+            json.dump(video_processor_settings(source), f, indent=2)
     config = {"format_version": FORMAT_VERSION,
               "builder_config": {"model_type": family.model_type, "precision": dtype,
                                  "architecture": family.architecture},

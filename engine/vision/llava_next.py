@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from engine.hf_checkpoint import CheckpointError, TensorGetter
-from engine.vision import anyres, llava
+from engine.vision import anyres, llava, onevision_video
 from engine.vision.clip import first_found
 
 NEXT_MODEL_TYPE = "llava_next"  # builder_config.model_type; OneVision's is anyres.ONEVISION_MODEL_TYPE
@@ -27,6 +27,7 @@ class LlavaNextVisionEncoder(llava.LlavaVisionEncoder):
     def __init__(self, config: dict, dtype=None, device=None):
         super().__init__(config, dtype, device)
         self.anyres = config["anyres"]
+        self.config = config
         self.image_newline = nn.Parameter(torch.empty(config["llava"]["text_hidden_size"], dtype=dtype, device=device))
 
     def tiles(self, image_size, tiled: bool = True) -> int:
@@ -46,6 +47,19 @@ class LlavaNextVisionEncoder(llava.LlavaVisionEncoder):
         features = self.encode(pixel_values).split(counts)  # (tiles, side * side, hidden) per image
         return [anyres.pack(tiles, size, self.anyres["pinpoints"], self.anyres["tile"], self.image_newline,
                             self.anyres["max_tiles"]) for tiles, size in zip(features, sizes)]
+
+    @torch.inference_mode()
+    def video_features(self, frames: torch.Tensor, frame_counts: list[int]) -> list[torch.Tensor]:
+        """OneVision videos (engine/vision/onevision_video.py): every video's frames one after another,
+        (sum(frame_counts), 3, S, S), in one tower batch -> each video's rows
+        (video_token_count(side, frames), text_hidden)."""
+        if "video" not in self.config:
+            raise ValueError(f"{self.model_type} encoders take no video (only LLaVA-OneVision's do); send images")
+        if sum(frame_counts) != frames.shape[0]:
+            raise ValueError(f"pixel values hold {frames.shape[0]} frames, but the videos have {frame_counts}")
+        side = self.config["video"]["side"]
+        return [onevision_video.video_rows(features, side, self.image_newline)
+                for features in self.encode(frames).split(frame_counts)]
 
 
 def encoder_config(hf_config) -> dict:
@@ -67,6 +81,13 @@ def encoder_config(hf_config) -> dict:
         max_tiles = int(match.group(1))
     config["anyres"] = {"pinpoints": [list(p) for p in hf_config.image_grid_pinpoints], "tile": tower["image_size"],
                         "side": side, "max_tiles": max_tiles}
+    return config
+
+
+def onevision_encoder_config(hf_config) -> dict:
+    """LLaVA-NeXT's, plus OneVision's ``video`` entry (onevision_video.video_settings)."""
+    config = encoder_config(hf_config)
+    config["video"] = onevision_video.video_settings(hf_config, config["anyres"]["side"])
     return config
 
 

@@ -64,7 +64,7 @@ VISION_FAMILIES = {
         "LlavaNextForConditionalGeneration", llava_next.NEXT_MODEL_TYPE, llava_next.encoder_config,
         llava_next.encoder_weights, llava_next.LlavaNextVisionEncoder, _LLAVA_LANGUAGE),
     "LlavaOnevisionForConditionalGeneration": VisionFamily(
-        "LlavaOnevisionForConditionalGeneration", ONEVISION_MODEL_TYPE, llava_next.encoder_config,
+        "LlavaOnevisionForConditionalGeneration", ONEVISION_MODEL_TYPE, llava_next.onevision_encoder_config,
         llava_next.encoder_weights, llava_next.LlavaNextVisionEncoder, _LLAVA_LANGUAGE),
     "Qwen2VLForConditionalGeneration": VisionFamily(
         "Qwen2VLForConditionalGeneration", qwen2_vl.MODEL_TYPE, qwen2_vl.encoder_config, qwen2_vl.encoder_weights,

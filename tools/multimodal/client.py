@@ -1,16 +1,22 @@
 #!/usr/bin/env python3
-"""Send one image + text request to the multimodal repository's `ensemble` (or `tensorrt_llm_bls`)
-over gRPC and print the generated text, with the flags of tensorrtllm_backend's
+"""Send one image (or video) + text request to the multimodal repository's `ensemble` (or
+`tensorrt_llm_bls`) over gRPC and print the generated text, with the flags of tensorrtllm_backend's
 tools/multimodal/client.py:
 
     python3 tools/multimodal/client.py --model_type llava --text "What is in the image?" \
         --image cat.png [--hf_model_dir CHECKPOINT] [--streaming] [--use_bls] [--request-output-len 16]
+    python3 tools/multimodal/client.py --model_type llava_onevision --text "Why is this video funny?" \
+        --video clip.mp4 --video_num_frames 8 --end-id 151645
 
 --image is a file, an http(s) or data: URL, or a comma-separated list of them. With --hf_model_dir
 the image is processed here by that checkpoint's image processor and sent as image_input (FP16
 [1, n, 3, H, W]), as the reference's client does for llava; without it, files go as
 image_bytes_input (the encoded file) and URLs as image_url_input, and the server's preprocessing
-model processes them. Served families: blip2, llava (tools/assemble_repository.py --kind multimodal).
+model processes them (llava_onevision: always so, as the reference's client). --video (llava_onevision):
+the file is decoded here with PyAV and --video_num_frames frames sampled uniformly, as the reference's
+client does, and sent as video_bytes_input (UINT8 [1, frames, H, W, 3]); without --video_num_frames
+the encoded file itself goes ([1, 1, 1, num_bytes]) and the server samples up to its max_num_frames.
+Served families: blip2, llava, llava_onevision (tools/assemble_repository.py --kind multimodal).
 """
 from __future__ import annotations
 
@@ -24,7 +30,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # serving/
 
 MODEL_TYPES = ("blip2", "llava", "vila", "mllama", "llava_onevision", "qwen2_vl")
-SERVED_MODEL_TYPES = ("blip2", "llava")
+SERVED_MODEL_TYPES = ("blip2", "llava", "llava_onevision")
+BYTES_ONLY = ("llava_onevision",)  # images always go as files (the server's processor tiles them)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -33,8 +40,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("-u", "--url", default="localhost:8001", help="the server's gRPC address")
     p.add_argument("--text", default="Question: which city is this? Answer:")
     p.add_argument("--image", default=None, help="a file, an http(s)/data: URL, or a comma-separated list")
-    p.add_argument("--video", default=None, help="not served yet (llava_onevision)")
-    p.add_argument("--video_num_frames", type=int, default=None)
+    p.add_argument("--video", default=None, help="a video file (llava_onevision)")
+    p.add_argument("--video_num_frames", type=int, default=None,
+                   help="frames sampled from --video here (unset: the server samples the file)")
     p.add_argument("--end-id", type=int, default=-1)
     p.add_argument("--pad-id", type=int, default=1)
     p.add_argument("-b", "--beam-width", type=int, default=1)
@@ -83,6 +91,18 @@ def image_tensors(images: list[str], hf_model_dir: str | None) -> dict[str, np.n
     return {"image_bytes_input": data}
 
 
+def video_tensors(path: str, num_frames: int | None) -> dict[str, np.ndarray]:
+    """video_bytes_input: ``num_frames`` frames decoded and sampled here, (1, F, H, W, 3), or the file."""
+    data = open(path, "rb").read()
+    if num_frames is None:
+        return {"video_bytes_input": np.frombuffer(data, np.uint8).reshape(1, 1, 1, 1, -1)}
+    from serving.images import ImageLimits
+    from serving.videos import VideoLimits, decode_video
+
+    frames = decode_video(data, "--video", VideoLimits(max_frames=num_frames, max_bytes=len(data)), ImageLimits())
+    return {"video_bytes_input": frames[None]}
+
+
 def request_tensors(args: argparse.Namespace) -> dict[str, np.ndarray]:
     scalar = lambda value, dtype: np.array([[value]], dtype)  # noqa: E731
     tensors = {"text_input": np.array([[args.text.encode()]], dtype=object),
@@ -95,8 +115,11 @@ def request_tensors(args: argparse.Namespace) -> dict[str, np.ndarray]:
         tensors["presence_penalty"] = scalar(args.presence_penalty, np.float32)
     if args.prompt_table_extra_id is not None:
         tensors["prompt_table_extra_id"] = scalar(args.prompt_table_extra_id, np.uint64)
-    if args.image:
-        tensors.update(image_tensors([s.strip() for s in args.image.split(",") if s.strip()], args.hf_model_dir))
+    if args.video:
+        tensors.update(video_tensors(args.video, args.video_num_frames))
+    elif args.image:
+        tensors.update(image_tensors([s.strip() for s in args.image.split(",") if s.strip()],
+                                     None if args.model_type in BYTES_ONLY else args.hf_model_dir))
     return tensors
 
 
@@ -138,8 +161,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --model_type {args.model_type} is not served yet; served: {', '.join(SERVED_MODEL_TYPES)}",
               file=sys.stderr)
         return 2
-    if args.video:
-        print("error: --video is not served yet (llava_onevision)", file=sys.stderr)
+    if args.video and args.model_type != "llava_onevision":
+        print(f"error: --video: {args.model_type} models take no video; video is served for llava_onevision",
+              file=sys.stderr)
         return 2
     text = generate(args.url, "tensorrt_llm_bls" if args.use_bls else "ensemble", request_tensors(args), args.verbose)
     print(text)

@@ -20,11 +20,13 @@ from serving.stub_watchdog import start_server_watchdog, stop_crash_dumps  # noq
 from serving.tokenization import first_token_id, load_tokenizer  # noqa: E402
 from serving.multimodal import (ImagePrompts, engine_vocab_size, image_limits, prepare_batch,  # noqa: E402
                                 refuse_images_on_text_model)
+from serving.videos import video_limits  # noqa: E402
 
 TEXT_OUTPUTS = ("INPUT_ID", "REQUEST_INPUT_LEN", "DECODER_INPUT_ID", "REQUEST_DECODER_INPUT_LEN",
                 "BAD_WORDS_IDS", "STOP_WORDS_IDS", "EMBEDDING_BIAS", "REQUEST_OUTPUT_LEN",
                 "OUT_END_ID", "OUT_PAD_ID", "OUT_PROMPT_TABLE_EXTRA_IDS", "PIXEL_VALUES", "IMAGE_SIZES",
-                "IMAGE_GRID_THW", "VISION_INPUT_ID", "ASPECT_RATIO_IDS", "ASPECT_RATIO_MASK", "CROSS_ATTENTION_MASK")
+                "IMAGE_GRID_THW", "VISION_INPUT_ID", "ASPECT_RATIO_IDS", "ASPECT_RATIO_MASK", "CROSS_ATTENTION_MASK",
+                "IS_VIDEO_INPUT")
 IMAGE_INPUTS = ("IMAGE", "IMAGE_BYTES", "IMAGE_URL", "VIDEO_BYTES", "IMAGE_SIZES")
 
 
@@ -57,7 +59,8 @@ class TritonPythonModel:
             limits = image_limits(get_parameter(params, "max_image_pixels", int),
                                   get_parameter(params, "allowed_image_url_hosts", str))
             self.images = ImagePrompts(encoder_dir, self.tokenizer, self.vocab_size, limits=limits,
-                                       max_num_images=get_parameter(params, "max_num_images", int))
+                                       max_num_images=get_parameter(params, "max_num_images", int),
+                                       video_limits=video_limits(get_parameter(params, "max_num_frames", int)))
         self.output_dtypes = {
             name: pb_utils.triton_string_to_numpy(pb_utils.get_output_config_by_name(config, name)["data_type"])
             for name in TEXT_OUTPUTS}

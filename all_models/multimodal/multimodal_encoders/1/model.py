@@ -15,6 +15,7 @@ if os.environ.get("TRITONLLM_ROOT"):  # a source checkout not installed into the
 from serving.mllama import encoder_outputs  # noqa: E402
 from serving.multimodal import VisionEncoderRunner, rows_pixels  # noqa: E402
 from serving.params import get_parameter, model_parameters  # noqa: E402
+from serving.video_prompts import rows_video  # noqa: E402
 from serving.stub_watchdog import start_server_watchdog, stop_crash_dumps  # noqa: E402
 
 
@@ -45,17 +46,20 @@ class TritonPythonModel:
             return [self._qwen(request) for request in requests]
         if self.runner.mllama:  # cross-attention states and masks per request (serving/mllama.py)
             return [self._mllama(request) for request in requests]
-        rows, errors = [], {}
+        rows, videos, errors = [], [], {}
         for index, request in enumerate(requests):
             try:
-                rows.append(rows_pixels(_input(request, "pixel_values"), _input(request, "IMAGE"),
-                                        _input(request, "image_sizes")))
+                request_rows = rows_pixels(_input(request, "pixel_values"), _input(request, "IMAGE"),
+                                           _input(request, "image_sizes"))
+                request_videos = rows_video(_input(request, "is_video_input"), len(request_rows))  # OneVision
             except Exception as error:  # this request's error, never the model's
                 errors[index] = str(error)
-                rows.append([(None, None)])
+                request_rows, request_videos = [(None, None)], [False]
+            rows.append(request_rows)
+            videos += request_videos
         try:
             flat = self.runner.tables([pixels for request_rows in rows for pixels, _ in request_rows],
-                                      [sizes for request_rows in rows for _, sizes in request_rows])
+                                      [sizes for request_rows in rows for _, sizes in request_rows], videos)
         except Exception as error:  # the batch failed: every request in it gets the error
             return [pb_utils.InferenceResponse(error=pb_utils.TritonError(f"multimodal_encoders: {error}"))
                     for _ in requests]

@@ -1,0 +1,170 @@
+"""Videos as clients send them -> RGB frames, and frames -> a video's pixel values, with
+per-request errors that name the input (VideoError, a ValueError).
+
+The ways in:
+- ``video_bytes_input`` (UINT8 (B, F, H, W, C)), the anchor's: per item the frames themselves,
+  decoded and sampled by the client (its tools/multimodal/client.py reads the file with PyAV); or,
+  beyond the anchor, an encoded file (MP4, WebM, ...) as one run of bytes shaped (1, 1, 1,
+  num_bytes), trailing zero padding allowed, decoded here;
+- OpenAI chat ``video_url`` parts: ``data:video/<type>;base64,...``, file: URLs under
+  ``--allowed_local_media_path`` and http(s) from the allowed hosts (serving/images.py's rules).
+
+An encoded file is decoded with PyAV (FFmpeg) and ``max_frames`` frames are sampled uniformly
+(the anchor client's indices: ``arange(0, total, total / n)``); frames sent as pixels are taken as
+they are, and more than ``max_frames`` of them is the request's error. Every frame is checked
+against the image pixel limit (from the stream header, before decoding).
+
+``VideoFrames``: frames (F, H, W, 3) uint8 -> pixel values (F, 3, h, w) float32 exactly as
+transformers' LlavaOnevisionVideoProcessor makes them (its torchvision path: bicubic resize with
+antialias on the uint8 frames, then (x - mean / r) / (std / r) with r the rescale factor), from the
+settings engine.build writes (engine/vision/onevision_video.py). Done here in torch because
+transformers' video processors need torchvision, which these machines may lack.
+"""
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from serving.images import ImageLimits, url_bytes
+
+VIDEO_MEDIA_TYPES = ("video/mp4", "video/webm", "video/quicktime", "video/x-matroska", "video/mpeg",
+                     "video/x-msvideo", "video/avi", "image/gif")
+DEFAULT_MAX_NUM_FRAMES = 32  # per video (vLLM's default frame count for video inputs)
+DEFAULT_MAX_VIDEO_BYTES = 64 * 1024 * 1024  # one encoded video file (or URL download)
+RESAMPLE_MODES = {2: "bilinear", 3: "bicubic"}  # PIL's resample numbers a video processor config names
+
+
+class VideoError(ValueError):
+    """A request's video cannot be used; the message names the input and what is allowed."""
+
+
+@dataclass(frozen=True)
+class VideoLimits:
+    max_frames: int = DEFAULT_MAX_NUM_FRAMES  # frames of one video (sampled down to it from a file)
+    max_bytes: int = DEFAULT_MAX_VIDEO_BYTES
+
+
+def video_limits(max_num_frames: int | None) -> VideoLimits:
+    """preprocessing's max_num_frames (unset: the default)."""
+    return VideoLimits(max_frames=max_num_frames or DEFAULT_MAX_NUM_FRAMES)
+
+
+def _check_frames(name: str, count: int, limits: VideoLimits) -> None:
+    if count > limits.max_frames:
+        raise VideoError(f"{name} holds {count} frames; allowed: at most {limits.max_frames} per video "
+                         "(max_num_frames of the preprocessing model; `tritonllm serve --max_num_frames`); "
+                         "sample fewer frames, or send the encoded file to have them sampled")
+
+
+def sample_indices(total: int, count: int) -> list[int]:
+    """``count`` frame indices spread uniformly over ``total`` frames (all of them when fewer)."""
+    if total <= count:
+        return list(range(total))
+    return np.arange(0, total, total / count).astype(int)[:count].tolist()
+
+
+def decode_video(data: bytes, name: str, limits: VideoLimits, image_limits: ImageLimits) -> np.ndarray:
+    """An encoded video file -> (F, H, W, 3) uint8 RGB frames, F <= limits.max_frames sampled uniformly."""
+    import av
+
+    if len(data) > limits.max_bytes:
+        raise VideoError(f"{name} is {len(data)} bytes; allowed: at most {limits.max_bytes}")
+    try:
+        with av.open(io.BytesIO(data)) as container:
+            if not container.streams.video:
+                raise VideoError(f"{name} holds no video stream")
+            stream = container.streams.video[0]
+            width, height = stream.codec_context.width, stream.codec_context.height
+            if width * height > image_limits.max_pixels:
+                raise VideoError(f"{name}'s frames are {width}x{height} = {width * height} pixels; allowed: at most "
+                                 f"{image_limits.max_pixels} pixels (max_image_pixels of the preprocessing model)")
+            total = stream.frames or sum(1 for _ in container.decode(video=0))  # 0: the header does not say
+            wanted = set(sample_indices(total, limits.max_frames))
+            container.seek(0)
+            frames = []
+            for index, frame in enumerate(container.decode(video=0)):
+                if index in wanted:
+                    frames.append(frame.to_ndarray(format="rgb24"))
+                if len(frames) == len(wanted):
+                    break
+    except av.FFmpegError as error:
+        raise VideoError(f"{name} cannot be decoded as a video ({error}); send an MP4, WebM or other file "
+                         "FFmpeg reads, or the frames as (frames, height, width, 3) uint8 pixels") from None
+    if not frames:
+        raise VideoError(f"{name} holds no frames")
+    return np.stack(frames)
+
+
+def frames_from_bytes(item: np.ndarray, limits: VideoLimits, image_limits: ImageLimits,
+                      name: str = "video_bytes_input") -> np.ndarray:
+    """One item of video_bytes_input -> (F, H, W, 3) uint8 frames: (F, H, W, 3) (or (F, 3, H, W))
+    pixels, or an encoded file as (1, 1, 1, num_bytes)."""
+    item = np.asarray(item, dtype=np.uint8)
+    if item.ndim == 4 and item.shape[:3] == (1, 1, 1) and item.shape[3] > 4:  # an encoded file
+        return decode_video(item.reshape(-1).tobytes(), name, limits, image_limits)
+    if item.ndim != 4:
+        raise VideoError(f"{name} has shape {item.shape}; send (frames, height, width, 3) uint8 pixels, or an "
+                         "encoded file as (1, 1, 1, num_bytes)")
+    if item.shape[-1] != 3 and item.shape[1] == 3:
+        item = np.moveaxis(item, 1, -1)
+    if item.shape[-1] != 3:
+        raise VideoError(f"{name} has shape {item.shape}: no channel dimension of 3; send (frames, height, width, 3) "
+                         "RGB pixels")
+    _check_frames(name, len(item), limits)
+    frames, height, width = item.shape[:3]
+    if width * height > image_limits.max_pixels:
+        raise VideoError(f"{name}'s frames are {width}x{height} = {width * height} pixels; allowed: at most "
+                         f"{image_limits.max_pixels} pixels (max_image_pixels of the preprocessing model)")
+    if not frames:
+        raise VideoError(f"{name} holds no frames")
+    return item
+
+
+def video_from_url(url: str, name: str, limits: VideoLimits, image_limits: ImageLimits) -> np.ndarray:
+    """A data:, file: or http(s) URL of an encoded video (serving/images.py's URL rules) -> frames."""
+    data = url_bytes(url, name, replace(image_limits, max_bytes=limits.max_bytes), media_types=VIDEO_MEDIA_TYPES)
+    return decode_video(data, name, limits, image_limits)
+
+
+class VideoFrames:
+    """A video processor's settings (onevision_video.video_processor_settings) -> pixel values."""
+
+    def __init__(self, settings: dict):
+        size = settings["size"]
+        if settings.get("do_center_crop") or (settings["do_resize"] and not {"height", "width"} <= set(size)):
+            raise ValueError(f"video processor settings {settings} are not supported: resize to "
+                             "size {height, width} without center crop is")
+        if settings["do_resize"] and settings["resample"] not in RESAMPLE_MODES:
+            raise ValueError(f"video processor resample {settings['resample']} is not supported; supported: "
+                             f"{', '.join(f'{k} ({v})' for k, v in RESAMPLE_MODES.items())}")
+        self.settings = settings
+        self.size = (size["height"], size["width"]) if settings["do_resize"] else None
+
+    def __call__(self, frames: np.ndarray) -> np.ndarray:
+        """(F, H, W, 3) uint8 -> (F, 3, h, w) float32."""
+        import torch
+        import torch.nn.functional as F
+
+        s = self.settings
+        video = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2).contiguous()  # (F, 3, H, W)
+        if self.size is not None and tuple(video.shape[-2:]) != self.size:
+            mode = RESAMPLE_MODES[s["resample"]]
+            # torchvision's resize on the CPU: bicubic (and bilinear with AVX2) interpolate the uint8
+            # frames themselves; else through float32, rounded (and for bicubic clamped) back to uint8
+            if mode == "bicubic" or "AVX2" in torch.backends.cpu.get_cpu_capability():
+                video = F.interpolate(video, size=list(self.size), mode=mode, align_corners=False, antialias=True)
+            else:
+                video = F.interpolate(video.float(), size=list(self.size), mode=mode, align_corners=False,
+                                      antialias=True).round_().to(torch.uint8)
+        video = video.to(torch.float32)
+        if s["do_rescale"] and s["do_normalize"]:  # transformers fuses them: mean and std scaled by 1 / r
+            mean = torch.tensor(s["image_mean"]) * (1.0 / s["rescale_factor"])
+            std = torch.tensor(s["image_std"]) * (1.0 / s["rescale_factor"])
+            video = (video - mean[:, None, None]) / std[:, None, None]
+        elif s["do_normalize"]:
+            video = (video - torch.tensor(s["image_mean"])[:, None, None]) / torch.tensor(s["image_std"])[:, None, None]
+        elif s["do_rescale"]:
+            video = video * s["rescale_factor"]
+        return video.numpy()
