@@ -267,23 +267,24 @@ async def _json_body(request: web.Request):
         raise bad_request(None, f"the request body is not valid JSON: {error}", code="invalid_json") from None
 
 
-def _prompts(frontend: Frontend, parsed: GenerationRequest, chat: bool,
-             image_rows: list[int] | None = None) -> list[tuple[str, list[int], int]]:
-    """(prompt text, its token ids, tokens to generate) per prompt; ``image_rows``: each image's
-    table rows (a chat request's images, in order)."""
+def _prompts(frontend: Frontend, parsed: GenerationRequest, chat: bool, image_rows: list[int] | None = None,
+             kinds: list[str] | None = None) -> list[tuple[str, list[int], int]]:
+    """(prompt text, its token ids, tokens to generate) per prompt; ``image_rows``: each image's (or
+    video's) table rows (a chat request's media parts, in order; ``kinds``: their types)."""
     builder = frontend.prompts
     images = frontend.images if chat else None
     if chat:
         tools = parsed.tools.shown if parsed.tools is not None else None
         texts = [builder.render_chat(parsed.messages, tools, frontend.tool_parser,
-                                     images.placeholder if images is not None else None)]
+                                     images.placeholder if images is not None else None,
+                                     images.video_placeholder if images is not None else None)]
     else:
         texts = parsed.prompts
     prompts = []
     for text in texts:
         ids = builder.encode(text)
         if images is not None:  # each image placeholder -> its image's fake ids (vision.py)
-            ids = images.expand(ids, image_rows or [])
+            ids = images.expand(ids, image_rows or [], kinds)
         max_tokens = builder.max_tokens_for(len(ids), parsed.params.max_tokens, "messages" if chat else "prompt",
                                             parsed.max_tokens_field)
         prompts.append((text, ids, max_tokens))
@@ -300,7 +301,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     await frontend.client.ensure_ready()
     table, image_rows, grids = await frontend.images.encode(parts) if parts else (None, None, None)
     # an adapter's prompts too: the base model's template and tokenizer
-    prompts = _prompts(frontend, parsed, chat, image_rows)
+    prompts = _prompts(frontend, parsed, chat, image_rows, [part["type"] for part in parts])
     prompt_tokens = sum(len(ids) for _, ids, _ in prompts)
     shape = ResponseShape(chat=chat, model=parsed.model)
     specs = choice_specs(prompts, parsed.params)

@@ -44,7 +44,7 @@ class PromptBuilder:
         self.limits = EngineLimits.from_engine_dir(tokenizer_dir)
 
     def render_chat(self, messages: list[dict], tools: list[dict] | None = None, tool_format=None,
-                    image_placeholder: str | None = None) -> str:
+                    image_placeholder: str | None = None, video_placeholder: str | None = None) -> str:
         """The prompt text to send. A template that writes the BOS token itself (Llama 3's
         ``<|begin_of_text|>``) would get a second one from preprocessing's add_special_tokens, so
         that leading BOS is left to preprocessing: the engine sees exactly one.
@@ -55,7 +55,8 @@ class PromptBuilder:
         calls and their results are written as text (tools.py).
 
         ``image_placeholder`` (a vision-language model's, e.g. ``<image>``): messages may hold
-        image parts (protocol.py), given to the template as it reads them (image_parts_for)."""
+        image parts (protocol.py), given to the template as it reads them (image_parts_for); video
+        parts likewise with ``video_placeholder`` (LLaVA-OneVision's ``<video>``)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise bad_request("messages", "this model's tokenizer has no chat template; "
                                           "use /v1/completions with a prompt instead")
@@ -70,7 +71,7 @@ class PromptBuilder:
             messages = with_tools_system_prompt(messages, tools, tool_format.instructions)
             tools = None
         if image_placeholder is not None:
-            messages = [self.image_parts_for(m, image_placeholder) for m in messages]
+            messages = [self.image_parts_for(m, image_placeholder, video_placeholder) for m in messages]
         try:
             text = self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
                                                       add_generation_prompt=True)
@@ -81,19 +82,20 @@ class PromptBuilder:
             text = text[len(bos):]
         return text
 
-    def image_parts_for(self, message: dict, placeholder: str) -> dict:
+    def image_parts_for(self, message: dict, placeholder: str, video_placeholder: str | None = None) -> dict:
         """A message as a vision-language model's template reads it. Templates that iterate over
         content parts (LLaVA's and Qwen2-VL's on the Hub) get parts, an image as ``{"type":
         "image"}`` (the template writes its own image tokens), and plain-string content as one text
         part when they render no strings; other templates get a string with ``placeholder`` and a
-        newline where each image was (LLaVA's prompt layout)."""
+        newline where each image was (LLaVA's prompt layout). Videos alike: ``{"type": "video"}``
+        (OneVision's templates write ``<video>``), or ``video_placeholder`` and a newline."""
         content = message.get("content")
         if isinstance(content, list):
+            marks = {"image": placeholder + "\n", "video": (video_placeholder or "<video>") + "\n"}
             if self.template_renders_parts:
-                return {**message, "content": [{"type": "image"} if part["type"] == "image" else part
+                return {**message, "content": [{"type": part["type"]} if part["type"] in marks else part
                                                for part in content]}
-            return {**message, "content": "".join(placeholder + "\n" if part["type"] == "image" else part["text"]
-                                                  for part in content)}
+            return {**message, "content": "".join(marks.get(part["type"]) or part["text"] for part in content)}
         if isinstance(content, str) and self.template_renders_parts and not self.template_renders_strings:
             return {**message, "content": [{"type": "text", "text": content}]}
         return message

@@ -259,12 +259,13 @@ def _message(message: Any, where: str) -> dict:
 
 
 def _content(content: Any, where: str, images: bool = False) -> str | list[dict]:
-    """Text parts joined into one string; with an image part (user messages only) the parts in
-    order instead: {"type": "text", "text"} and {"type": "image", "url", "field"} (``field`` names
-    the part's url for errors; chat_template.py renders them, vision.py fetches the images)."""
+    """Text parts joined into one string; with an image or video part (user messages only) the parts
+    in order instead: {"type": "text", "text"}, {"type": "image", "url", "field"} and {"type":
+    "video", "url", "field"} (``field`` names the part's url for errors; chat_template.py renders
+    them, vision.py fetches and encodes them)."""
     if isinstance(content, str):
         return content
-    allowed = "text and image_url parts" if images else "text parts"
+    allowed = "text, image_url and video_url parts" if images else "text parts"
     if not isinstance(content, list):
         raise bad_request(where, f"{where} must be a string or a list of {allowed}, got {content!r}")
     parts = []
@@ -272,17 +273,24 @@ def _content(content: Any, where: str, images: bool = False) -> str | list[dict]
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "image_url" and images:
             parts.append(_image_part(part, f"{where}[{j}]"))
+        elif kind == "video_url" and images:
+            parts.append(_video_part(part, f"{where}[{j}]"))
         elif kind == "text" and isinstance(part.get("text"), str):
             parts.append({"type": "text", "text": part["text"]})
         else:
             shapes = '{"type": "text", "text": "..."}' + (
-                ' or {"type": "image_url", "image_url": {"url": "..."}}' if images else "")
-            only = "text and image_url (user messages)" if images or kind == "image_url" else "text"
+                ', {"type": "image_url", "image_url": {"url": "..."}} or {"type": "video_url", "video_url": '
+                '{"url": "..."}}' if images else "")
+            only = ("text, image_url and video_url (user messages)" if images or kind in ("image_url", "video_url")
+                    else "text")
             raise bad_request(f"{where}[{j}]", f"{where}[{j}] must be a part {shapes}; got type {kind!r} "
                                                f"(supported: {only})")
-    if not any(part["type"] == "image" for part in parts):
+    if not any(part["type"] in MEDIA_PARTS for part in parts):
         return "".join(part["text"] for part in parts)
     return parts
+
+
+MEDIA_PARTS = ("image", "video")
 
 
 IMAGE_DETAILS = ("auto", "low", "high")  # OpenAI's; the image is encoded the model's one way whatever it says
@@ -303,10 +311,21 @@ def _image_part(part: dict, where: str) -> dict:
     return {"type": "image", "url": url, "field": f"{where}.image_url.url"}
 
 
+def _video_part(part: dict, where: str) -> dict:
+    """``{"type": "video_url", "video_url": {"url": ...}}`` (or the url as a string), as vLLM accepts
+    video -> {"type": "video", "url", "field"}."""
+    video_url = part.get("video_url")
+    url = video_url.get("url") if isinstance(video_url, dict) else video_url
+    if not isinstance(url, str) or not url:
+        raise bad_request(f"{where}.video_url", f"{where}.video_url must be an object with url: a data: URL "
+                                                "(data:video/mp4;base64,...), a file: or an http(s) URL")
+    return {"type": "video", "url": url, "field": f"{where}.video_url.url"}
+
+
 def image_parts(messages: list[dict] | None) -> list[dict]:
-    """The image parts of chat messages, in prompt order."""
+    """The image and video parts of chat messages, in prompt order."""
     return [part for message in messages or [] if isinstance(message.get("content"), list)
-            for part in message["content"] if part["type"] == "image"]
+            for part in message["content"] if part["type"] in MEDIA_PARTS]
 
 
 def _prompts(prompt: Any) -> list[str]:

@@ -10,6 +10,10 @@ same pixel and byte limits) -> the checkpoint's own image processor -> the encod
 template wrote is replaced by its image's slot of fake ids (vocab_size + row), as the
 preprocessing model lays them out (serving/multimodal.py). Fetching, decoding and encoding run on
 one worker thread, off the event loop; a bad image is a 400 naming its content part.
+
+LLaVA-OneVision also takes ``video_url`` parts (as vLLM): one video per request, not beside images
+(as the Triton path), decoded with PyAV and sampled to ``max_num_frames`` frames (serving/videos.py),
+its slot where the chat template wrote ``<video>``.
 """
 from __future__ import annotations
 
@@ -26,6 +30,8 @@ from serving.images import decode_file, url_bytes
 from serving.mrope import to_wire
 from serving.qwen_vl import grid_rows, image_patches
 from serving.multimodal import DEFAULT_MAX_NUM_IMAGES, ImagePrompts, VisionEncoderRunner, engine_vocab_size, image_limits
+from serving.video_prompts import VIDEO_AND_IMAGES, video_support_error
+from serving.videos import video_limits
 
 
 @dataclass(frozen=True)
@@ -37,6 +43,7 @@ class VisionSettings:
     max_image_pixels: int | None = None  # None: serving/images.py's default
     allowed_image_url_hosts: str | None = None  # "*", "a,b", or None: data: URLs only
     allowed_local_media_path: str | None = None  # file: URLs of files under it (vLLM's flag); None: none
+    max_num_frames: int | None = None  # frames of one video (OneVision); None: serving/videos.py's default
 
 
 class ChatImages:
@@ -47,7 +54,8 @@ class ChatImages:
         self.limits = image_limits(settings.max_image_pixels, settings.allowed_image_url_hosts,
                                    settings.allowed_local_media_path)
         self.prompts = ImagePrompts(settings.encoder_dir, tokenizer, engine_vocab_size(engine_dir),
-                                    max_num_images=settings.max_num_images, limits=self.limits)
+                                    max_num_images=settings.max_num_images, limits=self.limits,
+                                    video_limits=video_limits(settings.max_num_frames))
         self.runner = VisionEncoderRunner(settings.encoder_dir, device)
         self.cross_attention = self.runner.mllama  # Llama 3.2 Vision: vision states, not a table (cross_inputs)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vision_encoder")
@@ -57,17 +65,33 @@ class ChatImages:
         """The image placeholder of the model's prompts (``<image>`` for LLaVA)."""
         return self.prompts.placeholder
 
+    @property
+    def video_placeholder(self) -> str | None:
+        """LLaVA-OneVision's ``<video>``; None for models without video."""
+        return self.prompts.video.placeholder if self.prompts.video is not None else None
+
     def check_count(self, parts: list[dict]) -> None:
+        videos = [part for part in parts if part["type"] == "video"]
+        if videos:
+            if self.prompts.video is None:
+                raise bad_request(videos[0]["field"], video_support_error(self.prompts.config).replace(
+                    "video_bytes_input: ", ""), code="invalid_video")
+            if len(videos) > 1 or len(videos) != len(parts):
+                extra = videos[1] if len(videos) > 1 else next(p for p in parts if p["type"] == "image")
+                raise bad_request(extra["field"], "one video per request, and no images beside it"
+                                  if len(videos) > 1 else VIDEO_AND_IMAGES.replace("video_bytes_input: ", ""),
+                                  code="invalid_video")
+            return
         if len(parts) > self.prompts.max_num_images:
             raise bad_request(parts[self.prompts.max_num_images]["field"],
                               f"{len(parts)} images were sent; allowed: at most {self.prompts.max_num_images} per "
                               "request (max_num_images of the preprocessing model; `tritonllm serve "
                               "--max_num_images`)")
 
-    def expand(self, ids: list[int], counts: list[int]) -> list[int]:
-        """``counts``: each image's rows (``encode``)."""
+    def expand(self, ids: list[int], counts: list[int], kinds: list[str] | None = None) -> list[int]:
+        """``counts``: each image's (or the video's) rows (``encode``); ``kinds``: the parts' types."""
         try:
-            return self.prompts.expand_placeholders(ids, counts, where="messages")
+            return self.prompts.expand_placeholders(ids, counts, where="messages", kinds=kinds)
         except ValueError as error:
             raise bad_request("messages", str(error)) from None
 
@@ -78,6 +102,12 @@ class ChatImages:
         return await asyncio.get_running_loop().run_in_executor(self._worker, self._encode, parts)
 
     def _encode(self, parts: list[dict]) -> tuple[np.ndarray, list[int], np.ndarray | None]:
+        if parts and parts[0]["type"] == "video":  # the request's one video (check_count)
+            try:
+                pixels = self.prompts.video.from_url(parts[0]["url"], parts[0]["field"])
+            except ValueError as error:  # VideoError/ImageError: names the part, says what is allowed
+                raise bad_request(parts[0]["field"], str(error), code="invalid_video") from None
+            return self.runner.tables([pixels], None, [True])[0], [self.prompts.video.rows(pixels)], None
         images = []
         for part in parts:
             try:
@@ -127,6 +157,6 @@ class ChatImages:
 
 def text_only_error(parts: list[dict]):
     """Images sent to a model without a vision encoder."""
-    return bad_request(parts[0]["field"], "this model takes no images (its engine has no vision encoder); send "
+    return bad_request(parts[0]["field"], "this model takes no images or video (its engine has no vision encoder); send "
                                           "text only, or serve a vision-language checkpoint (LLaVA)",
                        code="invalid_image")

@@ -225,20 +225,31 @@ class ImagePrompts:
         return [list(range(self.vocab_size + start, self.vocab_size + start + count))
                 for start, count in zip(starts, counts)]
 
-    def expand_placeholders(self, ids: list[int], counts: list[int], where: str = "text_input") -> list[int]:
+    def expand_placeholders(self, ids: list[int], counts: list[int], where: str = "text_input",
+                            kinds: list[str] | None = None) -> list[int]:
         """Token ids of a whole prompt (a chat template wrote one placeholder per image) -> each
-        placeholder id replaced by its image's slot (``counts``: each image's rows), in order. A
-        placeholder count that differs from the images' is the request's error (ValueError naming ``where``)."""
-        positions = [p for p, token in enumerate(ids) if token == self.placeholder_id] if (
-            self.placeholder_id is not None) else []
-        if len(positions) != len(counts):
-            raise ValueError(f"{where}: the prompt holds {len(positions)} {self.placeholder} placeholder(s) but "
-                             f"{len(counts)} image(s) were sent; send one image per placeholder")
+        placeholder id replaced by its image's slot (``counts``: each image's rows), in order.
+        ``kinds``: "image" or "video" per entry of ``counts`` (default: images), whose placeholders
+        (OneVision's <video>) must come in that order. A placeholder count that differs from the
+        images' is the request's error (ValueError naming ``where``)."""
+        kinds = kinds or ["image"] * len(counts)
+        video_id = self.video.placeholder_id if self.video is not None else None
+        ids_of = {"image": self.placeholder_id, "video": video_id}
+        found = [(p, kind) for p, token in enumerate(ids) for kind, wanted in ids_of.items()
+                 if wanted is not None and token == wanted]
+        if [kind for _, kind in found] != list(kinds):
+            if self.video is None:
+                raise ValueError(f"{where}: the prompt holds {len(found)} {self.placeholder} placeholder(s) but "
+                                 f"{len(counts)} image(s) were sent; send one image per placeholder")
+            held = [kind for _, kind in found]
+            raise ValueError(f"{where}: the prompt holds {held.count('image')} {self.placeholder} and "
+                             f"{held.count('video')} {self.video.placeholder} placeholder(s), in the order {held}, but "
+                             f"{list(kinds)} were sent; send one image or video per placeholder, in order")
         if self.mllama is not None:  # its images are read through cross-attention: the ids stay
             return list(ids)
         out, start = [], 0
-        before, after = self.placeholder_wrap
-        for slot, position in zip(self.slots(counts), positions):
+        for slot, (position, kind) in zip(self.slots(counts), found):
+            before, after = self.placeholder_wrap if kind == "image" else ([], [])
             out += ids[start:position] + before + slot + after
             start = position + 1
         return out + ids[start:]

@@ -68,7 +68,14 @@ def kind_tokenizer(kind: str):
     if kind == "llava_next":
         return tokenizer()
     return word_level_tokenizer(WORDS + ["<video>"], VOCAB, additional_special_tokens=["<image>", "<video>"],
-                                chat_template=CHAT_TEMPLATE)
+                                chat_template=ONEVISION_TEMPLATE)
+
+
+# tiny_llava's template, with "<video>\n" for each video part (as OneVision's Hub templates write <video>)
+ONEVISION_TEMPLATE = CHAT_TEMPLATE.replace(
+    "{% for part in message['content'] if part['type'] == 'text' %}",
+    "{% for part in message['content'] if part['type'] == 'video' %}{{ '<video>\n' }}{% endfor %}"
+    "{% for part in message['content'] if part['type'] == 'text' %}")
 
 
 def write_checkpoint(kind: str, path: Path, seed: int = 0) -> Path:

@@ -205,3 +205,58 @@ def test_bad_videos_get_named_errors(built, tmp_path):
         prepare_batch(no_video, {"VIDEO_BYTES": clip_item(8)[None]}, [QUERY], True, 4)
     with pytest.raises(ValueError, match="video is not supported for llava_next models"):
         VisionEncoderRunner(str(other), "cpu").tables([np.ones((2, 3, 28, 28), np.float32)], None, [True])
+
+
+def test_openai_video_url_part_gives_the_triton_paths_prompt_and_table(built, tmp_path):
+    """The OpenAI frontend's direct path: a chat message with a video_url part (a data: URL of the
+    encoded clip, as vLLM takes video) -> the chat template's <video> -> the video's fake ids, and the
+    table the Triton path's processing and encoder make of the same file (before its FP16 pixels);
+    bad video parts are 400s naming the part."""
+    import base64
+
+    from openai_frontend.chat_template import PromptBuilder
+    from openai_frontend.errors import APIError
+    from openai_frontend.protocol import image_parts, parse_chat_request
+    from openai_frontend.vision import ChatImages, VisionSettings
+    from serving.multimodal import ImagePrompts, VisionEncoderRunner
+    from tiny_llava_next import kind_tokenizer
+
+    engine = built[0]
+    url = "data:video/mp4;base64," + base64.b64encode(make_clip(9)).decode()
+
+    def chat(*parts):
+        body = {"model": "m", "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": QUERY}]}]}
+        return parse_chat_request(body)
+
+    parsed = chat({"type": "video_url", "video_url": {"url": url}})
+    parts = image_parts(parsed.messages)
+    assert [(p["type"], p["field"]) for p in parts] == [("video", "messages[0].content[0].video_url.url")]
+    images = ChatImages(VisionSettings(vision_encoder_dir(engine)), kind_tokenizer(KIND), "cpu")
+    builder = PromptBuilder(engine)
+    text = builder.render_chat(parsed.messages, image_placeholder=images.placeholder,
+                               video_placeholder=images.video_placeholder)
+    assert text == "USER: <video>\n" + QUERY + " ASSISTANT:"
+    images.check_count(parts)
+    table, counts, _ = images._encode(parts)
+    ids = images.expand(builder.encode(text), counts, ["video"])
+    pixels = ImagePrompts(vision_encoder_dir(engine), kind_tokenizer(KIND), VOCAB).video.from_bytes(clip_item(9))
+    expected = VisionEncoderRunner(vision_encoder_dir(engine), "cpu").tables([pixels], None, [True])[0]
+    assert counts == [33] and np.array_equal(table, expected)
+    assert ids == builder.encode("USER:") + [*range(VOCAB, VOCAB + 33)] + builder.encode(QUERY + " ASSISTANT:")
+
+    def refused(parsed_request, field: str, message: str):
+        with pytest.raises(APIError) as error:
+            media = image_parts(parsed_request.messages)
+            images.check_count(media)
+            images._encode(media)
+        assert error.value.param == field and message in error.value.message
+
+    video_part = {"type": "video_url", "video_url": {"url": url}}
+    refused(chat(video_part, video_part), "messages[0].content[1].video_url.url", "one video per request")
+    refused(chat(video_part, {"type": "image_url", "image_url": {"url": "data:,x"}}),
+            "messages[0].content[1].image_url.url", "one video or images, not both")
+    refused(chat({"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(
+        b"not a video" * 50).decode()}}), "messages[0].content[0].video_url.url", "cannot be decoded as a video")
+    refused(chat({"type": "video_url", "video_url": {"url": "data:image/png;base64,AAAA"}}),
+            "messages[0].content[0].video_url.url", "data URL media type 'image/png' is not supported")
+    images.close()
