@@ -260,3 +260,23 @@ def test_openai_video_url_part_gives_the_triton_paths_prompt_and_table(built, tm
     refused(chat({"type": "video_url", "video_url": {"url": "data:image/png;base64,AAAA"}}),
             "messages[0].content[0].video_url.url", "data URL media type 'image/png' is not supported")
     images.close()
+
+
+def test_the_anchor_clients_video_tensors(tmp_path):
+    """tools/multimodal/client.py --video: --video_num_frames frames decoded and sampled as the anchor's
+    client does (video_bytes_input (1, F, H, W, 3)), or the encoded file itself (1, 1, 1, 1, bytes)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "multimodal_client", Path(__file__).resolve().parents[2] / "tools" / "multimodal" / "client.py")
+    client = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(client)
+    path = tmp_path / "clip.mp4"
+    path.write_bytes(make_clip(12))
+    sampled = client.video_tensors(str(path), 4)["video_bytes_input"]
+    frames = frames_from_bytes(clip_item(12), VideoLimits(), ImageLimits())
+    assert sampled.shape == (1, 4, 40, 52, 3) and np.array_equal(sampled[0], frames[[0, 2, 4, 6]])
+    assert client.video_tensors(str(path), None)["video_bytes_input"].shape == (1, 1, 1, 1, len(make_clip(12)))
+    args = client.parse_args(["--model_type", "llava_onevision", "--video", str(path), "--video_num_frames", "8"])
+    assert client.request_tensors(args)["video_bytes_input"].shape == (1, 8, 40, 52, 3)

@@ -7,7 +7,9 @@ anchor's tools/multimodal/client.py sends for llava (text_output the only output
 image_input (pixel values, as the anchor's llava client sends), image_bytes_input (an encoded PNG)
 and image_url_input (a data: URL, also over HTTP generate), equals transformers' generate on the
 same processor outputs; a re-sent image hits the prefix cache; bad images get named per-request
-errors and the server keeps serving. One server for the module.
+errors and the server keeps serving. One server for the module; it also serves a tiny LLaVA-OneVision
+as onevision_ensemble (its preprocessing, multimodal_encoders and tensorrt_llm renamed beside the
+LLaVA ones; postprocessing shared) for one video check through video_bytes_input.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ pytest.importorskip("PIL")
 
 from test_grpc_stream import Stream  # noqa: E402
 from test_metrics import scrape, value  # noqa: E402
-from tiny_llava import (IMAGE_TOKEN_INDEX, encoded, hf_model, image_processor, make_image,  # noqa: E402
+from tiny_llava import (IMAGE_TOKEN_INDEX, VOCAB, encoded, hf_model, image_processor, make_image,  # noqa: E402
                         write_checkpoint)
 from triton_helpers import ROOT, Server, free_port, stop, wait_for  # noqa: E402
 
@@ -58,8 +60,43 @@ def llava_engine(tmp_path_factory) -> str:
     return str(root / "engine")
 
 
+ONEVISION = "onevision_"  # the prefix of the OneVision models' names in the repository
+ONEVISION_MODELS = ("ensemble", "preprocessing", "multimodal_encoders", "tensorrt_llm")
+ONEVISION_FRAMES = 8  # the clip's frames, also its max_num_frames
+
+
 @pytest.fixture(scope="module")
-def launched(llava_engine, tmp_path_factory):
+def onevision_engine(tmp_path_factory) -> str:
+    from engine.build import main
+    from tiny_llava_next import write_checkpoint as write_onevision
+
+    root = tmp_path_factory.mktemp("onevision_served")
+    checkpoint = write_onevision("llava_onevision", root / "checkpoint")
+    assert main(["--checkpoint", str(checkpoint), "--output", str(root / "engine"), "--dtype", "float32",
+                 "--max_seq_len", "128", "--tokens_per_block", "4", "--max_batch_size", "8"]) == 0
+    return str(root / "engine")
+
+
+def add_onevision_models(repo: str, onevision_engine: str, work: Path) -> None:
+    """The OneVision repository `tritonllm serve` fills, its models renamed onevision_* into ``repo``
+    (the ensemble's steps renamed alike, except postprocessing: the LLaVA one, the same word ids)."""
+    import shutil
+
+    from tritonllm.serve import checkpoint_repository
+
+    source, _ = checkpoint_repository(onevision_engine, str(work / "onevision_repo"), bls_instances=1,
+                                      images={"max_num_frames": ONEVISION_FRAMES})
+    for name in ONEVISION_MODELS:
+        target = Path(repo) / (ONEVISION + name)
+        shutil.copytree(Path(source) / name, target)
+        config = (target / "config.pbtxt").read_text()
+        for model in ONEVISION_MODELS:
+            config = config.replace(f'name: "{model}"', f'name: "{ONEVISION}{model}"')
+        (target / "config.pbtxt").write_text(config)
+
+
+@pytest.fixture(scope="module")
+def launched(llava_engine, onevision_engine, tmp_path_factory):
     """tritonserver on the repository `tritonllm serve` fills for a vision-language engine (the
     multimodal one), and the OpenAI frontend beside it as `tritonllm serve` starts it (reading file:
     image URLs under ``media``): (Server, its URL, media)."""
@@ -75,6 +112,7 @@ def launched(llava_engine, tmp_path_factory):
     repo, engine_models = checkpoint_repository(
         llava_engine, str(work / "repo"), bls_instances=1,  # fewer stubs: a faster start
         images={"max_image_pixels": 10000, "allowed_image_url_hosts": "127.0.0.1"})
+    add_onevision_models(repo, onevision_engine, work)
     ports = [str(free_port()) for _ in range(4)]
     args = launcher.parse_arguments([f"--model_repo={repo}", "--no-mpi", "--host=127.0.0.1", f"--http_port={ports[0]}",
                                      f"--grpc_port={ports[1]}", f"--metrics_port={ports[2]}", "--force",
@@ -282,6 +320,39 @@ def test_bad_images_get_named_errors_and_the_server_keeps_serving(server, oracle
     assert error is not None and "text_input has 2 <image> placeholder(s) but 1 image(s) were sent" in error
     text, error = generate(server, "ensemble", inputs(image_as("image_input", 1), False))
     assert error is None and text.split() == oracle(1).split()
+
+
+def test_onevision_video_through_the_ensemble(server, llava_engine, onevision_engine):
+    """LLaVA-OneVision video as the anchor's client sends it: video_bytes_input, the clip's frames
+    decoded with PyAV (1, frames, H, W, 3): greedy text = transformers' generate on the prompt and
+    FP16 pixel values the preprocessing makes, decoded by the served postprocessing's tokenizer; more
+    frames than max_num_frames and an undecodable file get named errors, and the server keeps serving."""
+    from transformers import AutoTokenizer
+
+    from engine.vision.encoder_path import vision_encoder_dir
+    from serving.images import ImageLimits
+    from serving.multimodal import ImagePrompts, prepare_batch
+    from serving.videos import VideoLimits, decode_video
+    from tiny_llava_next import VIDEO_TOKEN_INDEX, hf_model as onevision_model, kind_tokenizer, make_clip
+
+    frames = decode_video(make_clip(11, ONEVISION_FRAMES), "clip", VideoLimits(), ImageLimits())
+    text, error = generate(server, ONEVISION + "ensemble", inputs({"video_bytes_input": frames[None]}, False))
+    assert error is None, error
+    prompts = ImagePrompts(vision_encoder_dir(onevision_engine), kind_tokenizer("llava_onevision"), VOCAB)
+    pre = prepare_batch(prompts, {"VIDEO_BYTES": frames[None]}, [QUERY], True, 4)
+    ids = [t if t < VOCAB else VIDEO_TOKEN_INDEX for t in pre["INPUT_ID"][0].tolist()]
+    assert ids.count(VIDEO_TOKEN_INDEX) == 33  # 8 frames x 2 x 2 pooled rows + the newline
+    out = onevision_model("llava_onevision").generate(
+        input_ids=torch.tensor([ids]), pixel_values_videos=torch.from_numpy(pre["PIXEL_VALUES"].astype(np.float32)),
+        max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=END_ID)[0, len(ids):]
+    assert text.split() == AutoTokenizer.from_pretrained(llava_engine).decode(out, skip_special_tokens=True).split()
+    for video, message in ((np.concatenate([frames, frames[:1]])[None], "video_bytes_input holds 9 frames; allowed: "
+                            f"at most {ONEVISION_FRAMES} per video"),
+                           (np.frombuffer(b"not a video" * 9, np.uint8).reshape(1, 1, 1, 1, -1),
+                            "video_bytes_input cannot be decoded as a video")):
+        _, error = generate(server, ONEVISION + "ensemble", inputs({"video_bytes_input": video}, False))
+        assert error is not None and message in error, error
+    assert generate(server, ONEVISION + "ensemble", inputs({"video_bytes_input": frames[None]}, False)) == (text, None)
 
 
 # ----------------------------------------------------------------------------- OpenAI chat with image_url parts
