@@ -71,13 +71,13 @@ class ChatImages:
         return self.prompts.video.placeholder if self.prompts.video is not None else None
 
     def check_count(self, parts: list[dict]) -> None:
-        videos = [part for part in parts if part["type"] == "video"]
+        videos = [part for part in parts if part.get("type") == "video"]
         if videos:
             if self.prompts.video is None:
                 raise bad_request(videos[0]["field"], video_support_error(self.prompts.config).replace(
                     "video_bytes_input: ", ""), code="invalid_video")
             if len(videos) > 1 or len(videos) != len(parts):
-                extra = videos[1] if len(videos) > 1 else next(p for p in parts if p["type"] == "image")
+                extra = videos[1] if len(videos) > 1 else next(p for p in parts if p.get("type") != "video")
                 raise bad_request(extra["field"], "one video per request, and no images beside it"
                                   if len(videos) > 1 else VIDEO_AND_IMAGES.replace("video_bytes_input: ", ""),
                                   code="invalid_video")
@@ -102,7 +102,7 @@ class ChatImages:
         return await asyncio.get_running_loop().run_in_executor(self._worker, self._encode, parts)
 
     def _encode(self, parts: list[dict]) -> tuple[np.ndarray, list[int], np.ndarray | None]:
-        if parts and parts[0]["type"] == "video":  # the request's one video (check_count)
+        if parts and parts[0].get("type") == "video":  # the request's one video (check_count)
             try:
                 pixels = self.prompts.video.from_url(parts[0]["url"], parts[0]["field"])
             except ValueError as error:  # VideoError/ImageError: names the part, says what is allowed
