@@ -90,7 +90,8 @@ def mla_attention_ref(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch
     """The module docstring's sums in plain torch, float32 math, one sequence at a time.
 
     q_latent (T, H, R), q_rope (T, H, P), cache (num_blocks, tokens_per_block, R + P) -> out_lat
-    (T, H, R) in q_latent's dtype."""
+    (T, H, R) in q_latent's dtype. With ``meta.tree_mask`` a sequence's new tokens see only their
+    tree ancestors among them (and every cached key)."""
     rank = q_latent.shape[-1]
     block_size = cache.shape[1]
     out = torch.empty_like(q_latent)
@@ -103,7 +104,10 @@ def mla_attention_ref(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch
                   + torch.einsum("qhp,kp->hqk", q_rope[start:end].float(), k_rope)) * scale
         q_pos = torch.arange(context_len - q_len, context_len, device=q_latent.device)[:, None]
         k_pos = torch.arange(context_len, device=q_latent.device)[None, :]
-        scores.masked_fill_(k_pos > q_pos, float("-inf"))
+        hidden = k_pos > q_pos
+        if meta.tree_mask is not None:  # the new tokens are a token tree: each sees its ancestors among them
+            hidden[:, context_len - q_len:] = ~meta.tree_mask[start:end, :q_len].to(hidden.device)
+        scores.masked_fill_(hidden, float("-inf"))
         out[start:end] = torch.einsum("hqk,kr->qhr", torch.softmax(scores, dim=-1), latent).to(q_latent.dtype)
     return out
 
@@ -198,7 +202,8 @@ def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
 
 def mla_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
                   scale: float) -> torch.Tensor:
-    """Latent attention (module docstring): Triton on CUDA, else the reference."""
-    if use_triton(q_latent):
+    """Latent attention (module docstring): Triton on CUDA, else the reference (also for a step
+    verifying token trees, ``meta.tree_mask``: the kernel walks each row's keys up to its own position)."""
+    if use_triton(q_latent) and meta.tree_mask is None:
         return mla_attention_triton(q_latent, q_rope, cache, meta, scale)
     return mla_attention_ref(q_latent, q_rope, cache, meta, scale)

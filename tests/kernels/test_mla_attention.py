@@ -52,8 +52,9 @@ def paged_batch(context_lens: list[int], q_lens: list[int], *, device: str = "cp
     return rows, cache.to(device), meta
 
 
-def expanded_attention(q_nope, q_rope, rows, w_uk, w_uv, scale):
-    """One sequence, per-head K = [W_UK c | k_r], V = W_UV c, float64, causal over the last q_len."""
+def expanded_attention(q_nope, q_rope, rows, w_uk, w_uv, scale, new_visible=None):
+    """One sequence, per-head K = [W_UK c | k_r], V = W_UV c, float64, causal over the last q_len
+    (``new_visible`` (q_len, q_len) bool: which new tokens each row sees instead)."""
     latent, k_rope = rows[:, :RANK].double(), rows[:, RANK:].double()
     keys = torch.cat([torch.einsum("hnr,kr->khn", w_uk.double(), latent),
                       k_rope[:, None, :].expand(-1, HEADS, -1)], dim=-1)
@@ -62,8 +63,29 @@ def expanded_attention(q_nope, q_rope, rows, w_uk, w_uv, scale):
     scores = torch.einsum("qhd,khd->hqk", query, keys) * scale
     q_len, num_keys = query.shape[0], keys.shape[0]
     q_pos = torch.arange(num_keys - q_len, num_keys)[:, None]
-    scores = scores.masked_fill(torch.arange(num_keys)[None, :] > q_pos, float("-inf"))
+    hidden = torch.arange(num_keys)[None, :] > q_pos
+    if new_visible is not None:
+        hidden[:, num_keys - q_len:] = ~new_visible
+    scores = scores.masked_fill(hidden, float("-inf"))
     return torch.einsum("hqk,khv->qhv", scores.softmax(-1), values)
+
+
+def test_reference_follows_a_token_tree_mask():
+    """A verify step's token tree (parents -1, 0, 0, 2 over a cached prefix of 9) beside a decode row:
+    each new token sees the prefix and its ancestors only (the dispatcher takes the reference for
+    such steps on CUDA too)."""
+    from kernels.mla_attention import mla_attention
+
+    rows, cache, meta = paged_batch([13, 6], [4, 1])
+    visible = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    meta.tree_mask = torch.zeros(5, 4, dtype=torch.bool)
+    meta.tree_mask[:4], meta.tree_mask[4, 0] = visible, True
+    w_uk, w_uv, q_nope, q_rope, scale = up_projections_and_queries(5)
+    out = mla_attention(torch.einsum("thn,hnr->thr", q_nope, w_uk), q_rope, cache, meta, scale)
+    out = torch.einsum("thr,hvr->thv", out, w_uv)
+    want = expanded_attention(q_nope[:4], q_rope[:4], rows[0], w_uk, w_uv, scale, visible)
+    assert (out[:4].double() - want).abs().max().item() < 1e-5
+    assert (out[4:].double() - expanded_attention(q_nope[4:], q_rope[4:], rows[1], w_uk, w_uv, scale)).abs().max() < 1e-5
 
 
 def up_projections_and_queries(num_tokens: int):
