@@ -2,7 +2,8 @@
 as the preprocessing model does (serving/videos.py), through the encoder's video path (frames through
 SigLIP, 2x2 bilinear pooling, one newline; engine/vision/onevision_video.py), gives transformers'
 get_video_features rows; greedy ids through the executor for a video request, an image request and a
-text-only request in one batch equal transformers' generate on the same processor outputs."""
+text-only request in one batch equal transformers' generate on the same processor outputs; a re-sent
+video hits the prefix cache, another does not."""
 from __future__ import annotations
 
 import numpy as np
@@ -74,9 +75,18 @@ def test_greedy_ids_for_video_image_and_text_in_one_batch_equal_transformers(bui
     tables = [PromptTable(video_rows), PromptTable(image_rows), None]
     requests = [Request(prompt, 6, output=OutputConfig(exclude_input_from_output=True), prompt_table=table)
                 for prompt, table in zip(prompts, tables)]
+    (other_rows,) = encoder.video_features(torch.from_numpy(clip_pixels(engine, 1)), [FRAMES])
     with Executor(engine, ExecutorConfig()) as executor:
         ids = executor.enqueue_requests(requests)
         responses = collect(executor, ids)
+        # the prefix cache keys a video's blocks by its rows, as an image's: the same video re-sent
+        # reuses its blocks (all 10 full ones of the 41 prompt tokens), another video none
+        reused = []
+        for rows in (video_rows, other_rows):
+            [again] = executor.enqueue_requests([Request(prompts[0], 2, output=OutputConfig(return_perf_metrics=True),
+                                                         prompt_table=PromptTable(rows))])
+            reused.append(collect(executor, [again])[again][-1].result.perf.kv_cache_reused_blocks)
+    assert reused == [10, 0]
     got = [final_tokens(responses[request_id]) for request_id in ids]
 
     def generate(prompt, placeholder, **pixels):
