@@ -129,9 +129,10 @@ def fp16_states(hf):
 
 def test_triton_pipeline_preprocessing_encoders_tensorrt_llm_give_transformers_ids(built):
     """preprocessing (prepare_batch: the checkpoint's processor on text_input with <|image|>, as the anchor's
-    client sends it) -> multimodal_encoders (encoder_outputs: FP16 states, the mask with max_tokens rows more,
+    client sends it) -> the BLS's mapping -> multimodal_encoders (encoder_outputs: FP16 states, the mask with max_tokens rows more,
     skip for a text-only item) -> tensorrt_llm (convert_request: encoder_input_features / cross_attention_mask)
     = transformers' generate on the processor's outputs; an item without images skips the cross layers."""
+    from serving.bls import LLM_INPUTS_FROM_ENCODERS, encoder_inputs
     from serving.mllama import encoder_outputs
     from serving.multimodal import ImagePrompts, engine_vocab_size, prepare_batch
     from serving.requests import convert_request, to_executor_request
@@ -146,13 +147,14 @@ def test_triton_pipeline_preprocessing_encoders_tensorrt_llm_give_transformers_i
     got = []
     for tensors, query in (({"IMAGE_BYTES": png}, text), ({}, "What is in the image?")):
         pre = prepare_batch(prompts, tensors, [query], True, 4)
-        outputs = encoder_outputs(load_vision_encoder(encoder_dir), "cpu", pre.get("PIXEL_VALUES"),
-                                  pre.get("ASPECT_RATIO_IDS"), pre.get("ASPECT_RATIO_MASK"),
-                                  pre.get("CROSS_ATTENTION_MASK"), np.array([[NEW_TOKENS]], np.int32))
+        sent = encoder_inputs({}, pre) if tensors else {}  # what the BLS sends multimodal_encoders (as the ensemble)
+        outputs = encoder_outputs(load_vision_encoder(encoder_dir), "cpu", sent.get("pixel_values"),
+                                  sent.get("aspect_ratio_ids"), sent.get("aspect_ratio_mask"),
+                                  sent.get("cross_attention_mask"), np.array([[NEW_TOKENS]], np.int32))
         assert outputs["SKIP_CROSS_ATTN_BLOCKS"].tolist() == [[not tensors]]
         inputs = {"input_ids": pre["INPUT_ID"], "input_lengths": pre["REQUEST_INPUT_LEN"],
                   "request_output_len": np.array([[NEW_TOKENS]], np.int32),
-                  **{name.lower(): value for name, value in outputs.items()}}
+                  **{llm: outputs[name] for name, llm in LLM_INPUTS_FROM_ENCODERS.items() if name in outputs}}
         [spec] = convert_request(inputs, decoupled=False, exclude_input_default=True, cross_attention=True)
         got.append((pre["INPUT_ID"][0].tolist(), generated_ids(engine, [to_executor_request(spec)], ExecutorConfig())[0]))
     batch = processor()(images=[[image]], text=[text], return_tensors="pt")

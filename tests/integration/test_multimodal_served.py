@@ -9,7 +9,10 @@ and image_url_input (a data: URL, also over HTTP generate), equals transformers'
 same processor outputs; a re-sent image hits the prefix cache; bad images get named per-request
 errors and the server keeps serving. One server for the module; it also serves a tiny LLaVA-OneVision
 as onevision_ensemble (its preprocessing, multimodal_encoders and tensorrt_llm renamed beside the
-LLaVA ones; postprocessing shared) for one video check through video_bytes_input.
+LLaVA ones; postprocessing shared) for one video check through video_bytes_input, and a tiny random
+Llama 3.2 Vision (Mllama) as <model>_mllama (its multimodal repository, filled by `tritonllm serve`'s code
+and renamed): the anchor client's --model_type mllama tensors, the anchor's curl request with an
+image_url_input and a text-only request give transformers' greedy text.
 """
 from __future__ import annotations
 
@@ -96,7 +99,41 @@ def add_onevision_models(repo: str, onevision_engine: str, work: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def launched(llava_engine, onevision_engine, tmp_path_factory):
+def mllama_engine(tmp_path_factory) -> str:
+    from engine.build import main
+    from tiny_mllama import write_checkpoint as write_mllama
+
+    root = tmp_path_factory.mktemp("mllama_served")
+    write_mllama(root / "checkpoint")
+    assert main(["--checkpoint", str(root / "checkpoint"), "--output", str(root / "engine"), "--dtype", "float32",
+                 "--max_seq_len", "128", "--tokens_per_block", "4", "--max_batch_size", "8"]) == 0
+    return str(root / "engine")
+
+
+MLLAMA_MODELS = ("ensemble", "preprocessing", "multimodal_encoders", "tensorrt_llm")
+
+
+def _add_mllama_models(engine: str, work: Path, repo: Path) -> None:
+    """The multimodal repository `tritonllm serve` fills for the Mllama engine, its models renamed
+    <model>_mllama (the ensemble's steps too) beside the LLaVA ones, except postprocessing: the LLaVA one
+    (the tiny tokenizers share their words). Its BLS calls preprocessing by its plain name, so it stays out."""
+    import shutil
+
+    from tritonllm.serve import checkpoint_repository
+
+    filled, _ = checkpoint_repository(engine, str(work / "repo_mllama"), bls_instances=1,
+                                      images={"allowed_image_url_hosts": "127.0.0.1"})
+    for name in MLLAMA_MODELS:
+        shutil.copytree(Path(filled) / name, repo / f"{name}_mllama")
+        config = repo / f"{name}_mllama" / "config.pbtxt"
+        text = config.read_text().replace(f'name: "{name}"', f'name: "{name}_mllama"', 1)
+        for other in MLLAMA_MODELS:
+            text = text.replace(f'model_name: "{other}"', f'model_name: "{other}_mllama"')
+        config.write_text(text)
+
+
+@pytest.fixture(scope="module")
+def launched(llava_engine, onevision_engine, mllama_engine, tmp_path_factory):
     """tritonserver on the repository `tritonllm serve` fills for a vision-language engine (the
     multimodal one), and the OpenAI frontend beside it as `tritonllm serve` starts it (reading file:
     image URLs under ``media``): (Server, its URL, media)."""
@@ -113,6 +150,7 @@ def launched(llava_engine, onevision_engine, tmp_path_factory):
         llava_engine, str(work / "repo"), bls_instances=1,  # fewer stubs: a faster start
         images={"max_image_pixels": 10000, "allowed_image_url_hosts": "127.0.0.1"})
     add_onevision_models(repo, onevision_engine, work)
+    _add_mllama_models(mllama_engine, work, Path(repo))
     ports = [str(free_port()) for _ in range(4)]
     args = launcher.parse_arguments([f"--model_repo={repo}", "--no-mpi", "--host=127.0.0.1", f"--http_port={ports[0]}",
                                      f"--grpc_port={ports[1]}", f"--metrics_port={ports[2]}", "--force",
@@ -459,3 +497,53 @@ def test_openai_bad_images_get_named_errors_and_text_still_works(openai_client, 
     completion = openai_client.chat.completions.create(model=SERVED, max_tokens=MAX_TOKENS, temperature=0,
                                                        messages=[{"role": "user", "content": "Describe this picture"}])
     assert completion.choices[0].message.content.split() == text.split()
+
+
+# ----------------------------------------------------------------------------- Llama 3.2 Vision (Mllama)
+
+HAIKU = "If I had to write a haiku for this one"
+
+
+@pytest.fixture(scope="module")
+def mllama_oracle(mllama_engine):
+    """(image or None, text_input) -> transformers' greedy text on the processor's outputs, with the pixel
+    values and the vision states rounded to FP16 as PIXEL_VALUES and ENCODER_INPUT_FEATURES carry them."""
+    from transformers import AutoTokenizer
+    from tiny_mllama import hf_model as mllama_model, processor
+
+    hf, tokenizer = mllama_model(), AutoTokenizer.from_pretrained(mllama_engine)
+    hf.model.multi_modal_projector.register_forward_hook(lambda module, args, out: out.half().float())
+
+    def expected(image, text: str) -> str:
+        batch = processor()(images=[[image]] if image is not None else None, text=[text], return_tensors="pt")
+        if image is not None:
+            batch["pixel_values"] = batch["pixel_values"].half().float()
+        with torch.no_grad():
+            out = hf.generate(**batch, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=END_ID)
+        return tokenizer.decode(out[0, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+
+    return expected
+
+
+def test_mllama_anchor_client_tensors_curl_and_text_only_equal_transformers(server, mllama_oracle, tmp_path):
+    """The anchor client's --model_type mllama tensors (decoded pixels as image_bytes_input, <|image|> put
+    before the text), streamed; the anchor's curl request (image_url_input, a data: URL) over HTTP generate;
+    a text-only request (the cross-attention layers skipped): transformers' text through ensemble_mllama."""
+    image = make_image(21, (44, 30))
+    path = tmp_path / "image.png"
+    image.save(path)
+    client = _load_tool("multimodal/client")
+    args = client.parse_args(["--model_type", "mllama", "--text", HAIKU, "--image", str(path), "--request-output-len",
+                              str(MAX_TOKENS), "--end-id", str(END_ID), "--pad-id", "4", "--streaming"])
+    tensors = client.request_tensors(args)
+    assert tensors["image_bytes_input"].shape == (1, 1, 30, 44, 3)
+    text, error = generate(server, "ensemble_mllama", tensors)
+    assert error is None and text.split() == mllama_oracle(image, f"<|image|>{HAIKU}").split()
+    url = "data:image/png;base64," + base64.b64encode(encoded(make_image(22))).decode()
+    body = {"text_input": f"<|image|>{HAIKU}", "image_url_input": url, "max_tokens": MAX_TOKENS, "end_id": END_ID,
+            "pad_id": 4, "top_k": 1, "temperature": 0}
+    response = server.generate("ensemble_mllama", body)
+    assert response.status_code == 200, response.text
+    assert response.json()["text_output"].split() == mllama_oracle(make_image(22), f"<|image|>{HAIKU}").split()
+    text, error = generate(server, "ensemble_mllama", inputs({}, False, "Describe this picture"))
+    assert error is None and text.split() == mllama_oracle(None, "Describe this picture").split()

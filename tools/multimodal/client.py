@@ -30,7 +30,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # serving/
 
 MODEL_TYPES = ("blip2", "llava", "vila", "mllama", "llava_onevision", "qwen2_vl")
-SERVED_MODEL_TYPES = ("blip2", "llava", "llava_onevision")
+SERVED_MODEL_TYPES = ("blip2", "llava", "llava_onevision", "mllama")
 BYTES_ONLY = ("llava_onevision",)  # images always go as files (the server's processor tiles them)
 
 
@@ -115,12 +115,28 @@ def request_tensors(args: argparse.Namespace) -> dict[str, np.ndarray]:
         tensors["presence_penalty"] = scalar(args.presence_penalty, np.float32)
     if args.prompt_table_extra_id is not None:
         tensors["prompt_table_extra_id"] = scalar(args.prompt_table_extra_id, np.uint64)
-    if args.video:
+    images = [s.strip() for s in args.image.split(",") if s.strip()] if args.image else []
+    if args.model_type == "mllama":  # the anchor's: decoded pixels as image_bytes_input, <|image|> before the text
+        tensors["text_input"] = np.array([[("<|image|>" * len(images) + args.text).encode()]], dtype=object)
+        if images:
+            tensors["image_bytes_input"] = mllama_pixels(images)
+    elif args.video:
         tensors.update(video_tensors(args.video, args.video_num_frames))
-    elif args.image:
-        tensors.update(image_tensors([s.strip() for s in args.image.split(",") if s.strip()],
-                                     None if args.model_type in BYTES_ONLY else args.hf_model_dir))
+    elif images:
+        tensors.update(image_tensors(images, None if args.model_type in BYTES_ONLY else args.hf_model_dir))
     return tensors
+
+
+def mllama_pixels(images: list[str]) -> np.ndarray:
+    """--model_type mllama: each image file decoded, (1, n, H, W, 3) uint8 (images of one size)."""
+    from PIL import Image
+
+    if any("://" in s or s.startswith("data:") for s in images):
+        raise SystemExit("--image: --model_type mllama sends image files (decoded pixels), as the anchor's client")
+    arrays = [np.asarray(Image.open(path).convert("RGB")) for path in images]
+    if len({a.shape for a in arrays}) > 1:
+        raise SystemExit("--image: --model_type mllama sends the images as one array; give images of one size")
+    return np.stack(arrays)[None]
 
 
 def generate(url: str, model: str, tensors: dict[str, np.ndarray], verbose: bool = False) -> str:
