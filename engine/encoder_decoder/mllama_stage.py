@@ -88,7 +88,7 @@ class MllamaStage(CrossPoolStage):
         request = state.request
         if request.encoder_input_features is None or state.request_id in self.held:
             return False
-        features = torch.as_tensor(request.encoder_input_features, dtype=torch.float32).numpy()
+        features = torch.as_tensor(request.encoder_input_features).float().cpu().numpy()
         mask = np.asarray(request.cross_attention_mask).astype(bool)
         digest = hashlib.blake2b(features.tobytes() + np.packbits(mask).tobytes() + repr(mask.shape).encode(),
                                  digest_size=16).digest()
