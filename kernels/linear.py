@@ -111,12 +111,7 @@ def _skinny_gemm_kernel(
     runtime count, the rest of its tile masked off: masked weight rows are never read), so that
     N splits into equal shares of a whole number of waves of the GPU (skinny_linear_triton's ``waves``).
     """
-    if BALANCED:
-        cols = tl.program_id(0) * ROWS + tl.arange(0, BLOCK_N)
-        col_ok = (tl.arange(0, BLOCK_N) < ROWS) & (cols < N)
-    else:
-        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < N
+    cols, col_ok = output_columns(N, ROWS, BLOCK_N, BALANCED)
     rows = tl.arange(0, M_PAD)
     row_ok = rows < M
     if SWAP_AB:
@@ -162,6 +157,17 @@ def _skinny_gemm_kernel(
     else:
         _skinny_epilogue(acc, acc_up, rows, cols, row_ok, col_ok, mask, bias_ptr, scale_ptr, x_scale_ptr, out_ptr, N,
                          stride_om, HAS_BIAS, GATED, HAS_SCALE, X_SCALE, ACTIVATION)
+
+
+@jit
+def output_columns(N, ROWS, BLOCK_N: tl.constexpr, BALANCED: tl.constexpr):
+    """(cols, col_ok) of this program's output tile: BLOCK_N features from program_id(0) * BLOCK_N,
+    or with BALANCED the ROWS <= BLOCK_N features from program_id(0) * ROWS (the rest masked off)."""
+    if BALANCED:
+        cols = tl.program_id(0) * ROWS + tl.arange(0, BLOCK_N)
+        return cols, (tl.arange(0, BLOCK_N) < ROWS) & (cols < N)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return cols, cols < N
 
 
 @jit

@@ -8,7 +8,9 @@ Sections (``--sections``, all by default):
    prompt and exactly ``--transcript`` (100) tokens each (no end id), all enqueued at once into the
    executor; audio seconds processed per second. Against transformers' WhisperForConditionalGeneration
    (bf16, sdpa) generating the same lengths (GenerationMixin.generate, greedy, no eos) at each of
-   ``--hf-whisper-batches``: one batch per size, audio seconds / its wall time; the best size counts.
+   ``--hf-whisper-batches``: one batch per size, audio seconds / its wall time; the best size counts
+   ("" runs none). After the timed run (CUDA): one encoder pass over all clips alone and with the
+   cross K/V projections and writes, and the widest decode graph's replay (``profile_whisper_run``).
 2. ``whisper_step``: batch-1 decoder step of the Whisper large-v3 shape through the runner (its
    decode CUDA graph) after one 30-s clip was encoded, against the step's weight-read roofline:
    the bytes one step must move (every decoder weight but the cross K/V projections, which run
@@ -116,17 +118,18 @@ def run_offline(executor, requests: list[Request]) -> tuple[float, int]:
 
 
 def executor_offline(args, engine: str, requests, tokens: int, cpu_kv_tokens: int,
-                     profile_path: Path | None = None) -> dict:
+                     profile_path: Path | None = None, after=None) -> dict:
     """Start an executor on ``engine``, warm it up with ``requests(4)`` (the encoder's kernels at
     this batch, the prompt step, the graphs), then time ``requests(tokens)`` enqueued at once.
     Returns seconds, output_tokens, graphed (decode graphs captured), graph_steps / steps (decode
-    steps replayed from them / all forwards), encoder_seconds (the encoder runs, synchronized) and
+    steps replayed from them / all forwards), encoder_seconds (the encoder runs' device time) and
     the executor's iteration breakdown (engine_bench.iteration_breakdown). The executor and its
     pools are gone when this returns (the transformers model comes next on the same GPU).
     ``cpu_kv_tokens``: the self pool's tokens on the CPU (its default pool there is a few blocks;
     the cross pool is as large), so that every request runs at once there too. ``profile_path``
     (CUDA): after the timed run, the same requests again under the torch profiler, its kernel table
-    written there (the figures come from the unprofiled run)."""
+    written there (the figures come from the unprofiled run). ``after(executor)``, when given, runs
+    after the timed run, before the executor closes; its dict joins the entry."""
     config = ExecutorConfig(kv_cache_free_gpu_mem_fraction=args.kv_fraction,
                             max_tokens_in_paged_kv_cache=cpu_kv_tokens if args.device == "cpu" else None)
     with Executor(engine, config, device=args.device) as ex:
@@ -134,11 +137,20 @@ def executor_offline(args, engine: str, requests, tokens: int, cpu_kv_tokens: in
         runner, counts = ex.runner, {"graph_steps": 0, "steps": 0, "encoder_seconds": 0.0}
         encode_into, forward, graphs = runner.encode_into, runner.forward, runner.decode_graphs
 
+        encode_events = []  # CUDA: (start, end) events of each encoder run: timed without a sync,
+        # which would stop the host work the executor overlaps with the pass
+
         def timed_encode(*a, **k):
-            started = time.perf_counter()
+            if args.device == "cpu":
+                started = time.perf_counter()
+                encode_into(*a, **k)
+                counts["encoder_seconds"] += time.perf_counter() - started
+                return
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
             encode_into(*a, **k)
-            sync(args.device)
-            counts["encoder_seconds"] += time.perf_counter() - started
+            end.record()
+            encode_events.append((start, end))
 
         def counted_forward(*a, **k):
             counts["steps"] += 1
@@ -150,10 +162,15 @@ def executor_offline(args, engine: str, requests, tokens: int, cpu_kv_tokens: in
             graphs.run = lambda *a: counts.__setitem__("graph_steps", counts["graph_steps"] + 1) or run(*a)
         since = time.time_ns()
         seconds, output_tokens = run_offline(ex, requests(tokens))
+        if encode_events:
+            sync(args.device)
+            counts["encoder_seconds"] = sum(start.elapsed_time(end) for start, end in encode_events) / 1e3
         entry = {"seconds": seconds, "output_tokens": output_tokens, "graphed": graphs is not None, **counts,
                  "iterations": iteration_breakdown(ex, since)}
         if profile_path is not None and args.device != "cpu":
             entry["profile"] = profile_offline(ex, requests(tokens), profile_path)
+        if after is not None:
+            entry.update(after(ex))
     del ex, runner, graphs
     free_device_memory(args.device)
     return entry
@@ -197,12 +214,45 @@ def bench_whisper(args) -> dict:
     def requests(tokens: int) -> list[Request]:
         return [Request(list(WHISPER_PROMPT), tokens, encoder_input_features=f, output=out) for f in features]
 
-    run = executor_offline(args, engine, requests, args.transcript, args.clips * (config.max_source_positions + 128))
+    run = executor_offline(args, engine, requests, args.transcript, args.clips * (config.max_source_positions + 128),
+                           profile_path=Path(args.profile_dir) / "whisper_offline_profile.txt" if args.profile_dir else None,
+                           after=lambda ex: profile_whisper_run(args, ex, features))
     entry = {"clips": args.clips, "transcript_tokens": args.transcript, **run,
              "audio_s_per_s": args.clips * CLIP_SECONDS / run["seconds"], "hf": hf_whisper(args, config, features)}
-    best = max(entry["hf"], key=lambda row: row["audio_s_per_s"])
-    entry["hf_best_batch"], entry["speedup"] = best["batch"], entry["audio_s_per_s"] / best["audio_s_per_s"]
+    if entry["hf"]:
+        best = max(entry["hf"], key=lambda row: row["audio_s_per_s"])
+        entry["hf_best_batch"], entry["speedup"] = best["batch"], entry["audio_s_per_s"] / best["audio_s_per_s"]
     return entry
+
+
+def profile_whisper_run(args, ex, features: list[torch.Tensor]) -> dict:
+    """After the timed run (CUDA): the widest decode graph's replay time and kernels, and one encoder
+    pass over all clips (encoder alone, then with the cross K/V projections and writes), timed and
+    with ``--profile-dir`` profiled."""
+    if args.device == "cpu":
+        return {}
+    runner, out = ex.runner, {}
+    blocks = list(range(-(-runner.spec.encoder_max_positions // runner.tokens_per_block)))
+    for name, fn in (("encoder", lambda: runner.encoder.encode(features)),
+                     ("encode_into", lambda: runner.encode_into(features, [blocks] * len(features)))):
+        fn()
+        sync(args.device)
+        started = time.perf_counter()
+        fn()
+        sync(args.device)
+        out[f"{name}_pass_seconds"] = time.perf_counter() - started
+        if args.profile_dir:
+            out[f"{name}_profile"] = safe_profile(fn, Path(args.profile_dir) / f"whisper_{name}_profile.txt", 1)
+    graphs = runner.decode_graphs
+    if graphs is not None and graphs.graphs:
+        from kernels.linear import replay_time_ms
+
+        bucket = graphs.bucket_for(min(len(features), graphs.max_batch_size))
+        out["widest_bucket"], out["widest_replay_ms"] = bucket, replay_time_ms(graphs.graphs[bucket], replays=20)
+        if args.profile_dir:
+            out["widest_profile"] = safe_profile(graphs.graphs[bucket].replay,
+                                                  Path(args.profile_dir) / f"whisper_b{bucket}_step_profile.txt", 10)
+    return out
 
 
 def hf_whisper(args, config, features: list[torch.Tensor]) -> list[dict]:
@@ -288,27 +338,38 @@ def bench_whisper_step(args, bandwidth: float) -> dict:
         if bandwidth:
             entry["replay_roofline_fraction"] = entry["roofline_step_ms"] / entry["replay_ms"]
         if args.profile_dir:
-            try:
-                entry["profile"] = profile_replays(graph, Path(args.profile_dir) / "whisper_step_profile.txt")
-            except Exception as err:  # noqa: BLE001 - a profiler failure costs the table, not the figures
-                entry["profile"] = f"failed: {err!r}"
+            entry["profile"] = safe_profile(graph.replay, Path(args.profile_dir) / "whisper_step_profile.txt", 20)
     del runner
     free_device_memory(args.device)
     return entry
 
 
-def profile_replays(graph, path: Path, replays: int = 20) -> str:
-    """torch-profiler table of ``replays`` graph replays (the kernels inside them), written to ``path``."""
+def safe_profile(fn, path: Path, calls: int) -> dict | str:
+    """profile_calls, or why it failed (a profiler failure costs the table, not the figures)."""
+    try:
+        return profile_calls(fn, path, calls)
+    except Exception as err:  # noqa: BLE001
+        return f"failed: {err!r}"
+
+
+def profile_calls(fn, path: Path, calls: int) -> dict:
+    """torch-profiler table of ``calls`` calls of ``fn`` (top kernels by device time), written to
+    ``path``; returns its path, the kernels launched per call and their device time per call (ms)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
-            graph.replay()
+        for _ in range(calls):
+            fn()
         torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
+    events = prof.key_averages()
+    table = (events.table(sort_by="cuda_time_total", row_limit=40) + "\n\nby host time:\n"
+             + events.table(sort_by="cpu_time_total", row_limit=25))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(table)
-    return str(path)
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    return {"path": str(path), "kernels_per_call": sum(e.count for e in kernels) / calls,
+            "kernel_ms_per_call": sum(getattr(e, "self_device_time_total", 0) for e in kernels) / calls / 1e3}
 
 
 # ---- Flan-T5 ------------------------------------------------------------------------------------
@@ -372,9 +433,10 @@ def markdown(results: dict) -> str:
     w = results.get("whisper")
     if w:
         hf = ", ".join(f"b{r['batch']}: {r['audio_s_per_s']:.0f}" for r in w["hf"])
+        ratio = f"{w['speedup']:.2f}x (>= {GOALS['whisper_speedup']:.0f}x)" if "speedup" in w else "-"
         lines.append(f"| Whisper: {w['clips']} concurrent 30-s clips, {w['transcript_tokens']}-token transcripts, "
                      f"audio s/s (graphs: {w['graphed']}) | {w['audio_s_per_s']:.0f} ({w['seconds']:.2f} s) | "
-                     f"{hf} | {w['speedup']:.2f}x (>= {GOALS['whisper_speedup']:.0f}x) |")
+                     f"{hf or 'not run'} | {ratio} |")
     s = results.get("whisper_step")
     if s:
         roof = (f"{s['roofline_fraction']:.0%} of the {s['roofline_step_ms']:.3f} ms roofline "
@@ -391,6 +453,14 @@ def markdown(results: dict) -> str:
         lines.append(f"| {name}: {t['requests']} requests {t['input_len']}/{t['output_len']} offline, output "
                      f"tok/s (graphs: {t['graphed']}) | {t['output_tok_s']:.0f} ({t['seconds']:.2f} s) | "
                      f"{hf or 'not run'} | {ratio} |")
+    if w and "encoder_pass_seconds" in w:
+        kernels = (f" ({w['widest_profile']['kernels_per_call']:.0f} kernels)"
+                   if isinstance(w.get("widest_profile"), dict) else "")
+        lines += ["", f"Whisper after the run: one encoder pass over the {w['clips']} clips {w['encoder_pass_seconds']:.3f} s, "
+                  f"with the cross K/V projections and writes {w['encode_into_pass_seconds']:.3f} s; the b{w['widest_bucket']} "
+                  f"decode graph's replay {w['widest_replay_ms']:.2f} ms{kernels}."]
+    if s and isinstance(s.get("profile"), dict):
+        lines += ["", f"Whisper batch-1 step: {s['profile']['kernels_per_call']:.0f} kernels per replay (torch profiler)."]
     for name, entry in (("Whisper", w), ("T5", t)):
         if entry and "iterations" in entry:
             it = entry["iterations"]
@@ -432,7 +502,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    args.hf_whisper_batches = [int(b) for b in str(args.hf_whisper_batches).split(",")]
+    args.hf_whisper_batches = [int(b) for b in str(args.hf_whisper_batches).split(",") if b]  # "": not run
     args.hf_t5_batches = [int(b) for b in str(args.hf_t5_batches).split(",") if b]  # "": transformers not run
     return args
 

@@ -2,8 +2,8 @@
 
 Encoder: a padded batch of whole inputs at once (each request's encoder runs once), dense
 bidirectional attention with a key-padding mask; its output (per request (L_enc, d_model)) is
-projected by every decoder layer's cross-attention into K/V once (``Decoder.cross_kv``) and kept
-in the cross-KV pool (engine/encoder_decoder/cross_kv.py).
+projected by every decoder layer's cross-attention into K/V once (runner.py ``encode_into``, all of
+a pass's inputs at once) and kept in the cross-KV pool.
 
 Decoder: the executor's packed, ragged step like any decoder-only model: self-attention through
 the paged KV pool (kernels/attention.py; T5's relative bias: t5_attention.py),
@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.encoder_decoder import fused_decode
 from engine.encoder_decoder.spec import EncDecSpec
 from engine.encoder_decoder.t5_attention import decoder_self_attention, encoder_attention, kernels_enabled
 from kernels.activation import gelu_tanh_and_mul
@@ -217,11 +218,25 @@ class Encoder(_Stack):
             self.conv2 = nn.Conv1d(spec.d_model, spec.d_model, 3, stride=2, padding=1, dtype=dtype, device=device)
 
     def front_end(self, features: torch.Tensor) -> torch.Tensor:
-        """(T, num_mel_bins) log-mel frames -> (ceil(T / 2), d_model) with positions, one input at a
-        time (a padded batch would change the last frames the stride-2 convolution sees)."""
-        x = features.to(self.conv1.weight.dtype).t().unsqueeze(0)
-        x = F.gelu(self.conv2(F.gelu(self.conv1(x))))[0].t()
-        return x + self.embed_positions.weight[:x.shape[0]]
+        """(B, T, num_mel_bins) log-mel frames of B inputs of one length T -> (B, ceil(T / 2), d_model)
+        with positions (inputs of different lengths go apart: padding would change the last frames
+        the stride-2 convolution sees)."""
+        x = features.to(self.conv1.weight.dtype).transpose(1, 2)
+        x = F.gelu(self.conv2(F.gelu(self.conv1(x)))).transpose(1, 2)
+        return x + self.embed_positions.weight[:x.shape[1]]
+
+    def front_ends(self, inputs: list, device) -> list[torch.Tensor]:
+        """front_end of each (T_i, num_mel_bins) input, those of one length in one batch (30-s windows
+        are all 3,000 frames: one convolution pass instead of one per clip)."""
+        by_length: dict[int, list[int]] = {}
+        for index, f in enumerate(inputs):
+            by_length.setdefault(len(f), []).append(index)
+        out: list = [None] * len(inputs)
+        for indices in by_length.values():
+            batch = torch.stack([torch.as_tensor(inputs[i], dtype=torch.float32) for i in indices]).to(device)
+            for i, embedded in zip(indices, self.front_end(batch)):
+                out[i] = embedded
+        return out
 
     @staticmethod
     def output_length(input_length: int, spec: EncDecSpec) -> int:
@@ -231,41 +246,45 @@ class Encoder(_Stack):
     @torch.inference_mode()
     def encode(self, inputs: list) -> list[torch.Tensor]:
         """Each input's encoder output (L_i, d_model), from one padded pass over all of them: token
-        lists, or (T, num_mel_bins) feature tensors for Whisper."""
+        lists, or (T, num_mel_bins) feature tensors for Whisper. Nothing here waits for the device
+        (the lengths are known on the host), so the caller's host work overlaps the pass."""
         device = self.layers[0].attn.q.weight.device
         if self.spec.num_mel_bins:
-            embedded = [self.front_end(torch.as_tensor(f, device=device)) for f in inputs]
-            longest = max(e.shape[0] for e in embedded)
+            embedded = self.front_ends(inputs, device)
+            sizes = [e.shape[0] for e in embedded]
+            longest = max(sizes)
             x = torch.stack([F.pad(e, (0, 0, 0, longest - e.shape[0])) for e in embedded])
-            lengths = torch.tensor([e.shape[0] for e in embedded], device=device)
-            positions = torch.arange(longest, device=device)
         else:
-            longest = max(len(ids) for ids in inputs)
+            sizes = [len(t) for t in inputs]
+            longest = max(sizes)
             ids = torch.tensor([list(t) + [0] * (longest - len(t)) for t in inputs], device=device)
-            lengths = torch.tensor([len(t) for t in inputs], device=device)
-            positions = torch.arange(longest, device=device)
-            x = self.embed(ids, positions.expand(len(inputs), -1))
+            x = self.embed(ids, torch.arange(longest, device=device).expand(len(inputs), -1))
+        positions = torch.arange(longest, device=device)
+        lengths = torch.tensor(sizes, device=device)
         if self.position_bias is not None and kernels_enabled(x):  # the bias is made in the kernel
             bias, t5 = None, (self, lengths.to(torch.int32))
         else:
-            bias, t5 = self._attention_bias(positions, lengths, x.dtype if x.is_cuda else torch.float32), None
+            bias, t5 = self._attention_bias(positions, lengths, x.dtype if x.is_cuda else torch.float32,
+                                            padded=min(sizes) < longest), None
         for layer in self.layers:
             x = layer(x, bias, t5)
         if self.final_norm is not None:
             x = self.final_norm(x)
-        return [x[i, :length] for i, length in enumerate(lengths.tolist())]
+        return [x[i, :length] for i, length in enumerate(sizes)]
 
 
-    def _attention_bias(self, positions: torch.Tensor, lengths: torch.Tensor, dtype) -> torch.Tensor | None:
+    def _attention_bias(self, positions: torch.Tensor, lengths: torch.Tensor, dtype, *,
+                        padded: bool) -> torch.Tensor | None:
         """The encoder layers' additive bias in ``dtype``: -inf at each input's padded keys
         (B, 1, 1, L), plus T5's bidirectional position bias (1, heads, L, L); None when there is
-        neither (all inputs of one length, learned positions: the fused attention needs no mask)."""
+        neither (``padded`` False: all inputs of one length; learned positions: the fused attention
+        needs no mask)."""
         longest, batch = positions.shape[0], lengths.shape[0]
-        padded = positions.view(1, -1) >= lengths.view(-1, 1)  # (B, L) keys beyond each input
         bias = None
-        if bool(padded.any()):
+        if padded:
+            beyond = positions.view(1, -1) >= lengths.view(-1, 1)  # (B, L) keys beyond each input
             bias = torch.zeros(batch, 1, 1, longest, dtype=dtype, device=positions.device)
-            bias.masked_fill_(padded.view(batch, 1, 1, longest), float("-inf"))
+            bias.masked_fill_(beyond.view(batch, 1, 1, longest), float("-inf"))
         if self.position_bias is not None:
             table = position_bias(self.position_bias.weight, positions, positions, bidirectional=True,
                                   max_distance=self.spec.relative_max_distance).unsqueeze(0).to(dtype)
@@ -323,16 +342,14 @@ class Decoder(_Stack):
     def init_buffers(self, device) -> None:  # (the model surface; nothing to make)
         pass
 
-    def cross_kv(self, encoder_out: torch.Tensor) -> torch.Tensor:
-        """(num_layers, 2, L_enc, heads, head_dim): every layer's cross K and V of one encoder output."""
-        return torch.stack([torch.stack([layer.cross_attn.heads_of(layer.cross_attn.k, encoder_out),
-                                         layer.cross_attn.heads_of(layer.cross_attn.v, encoder_out)])
-                            for layer in self.layers])
-
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, *, cross: CrossAttentionBatch) -> torch.Tensor:
         """input_ids, positions: (num_tokens,); kv_cache: the paged self-attention pool -> (num_tokens, d)."""
         x = self.embed(input_ids, positions)
+        if fused_decode.takes(self, x, meta):  # few decode rows, pre-norm LayerNorm: fused_decode.py
+            for index, layer in enumerate(self.layers):
+                x = fused_decode.layer_step(layer, x, kv_cache[index], cross.pool[index], meta, cross.meta)
+            return x if self.final_norm is None else self.final_norm(x)
         for index, layer in enumerate(self.layers):
             def attend_self(h, layer=layer, index=index):
                 attn = layer.self_attn

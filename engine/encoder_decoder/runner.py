@@ -25,6 +25,7 @@ import os
 import torch
 
 from engine.config import EngineFormatError
+from engine.encoder_decoder import fused_decode
 from engine.encoder_decoder.convert import check_complete
 from engine.encoder_decoder.decode_graphs import EncDecDecodeGraphs
 from engine.encoder_decoder.model import CrossAttentionBatch, Decoder, Encoder, cross_metadata, fuse_gated_mlps
@@ -103,10 +104,11 @@ class EncDecRunner(ModelRunner):
         super().allocate_kv_cache(num_blocks, kv_cache_dtype)
         if not self.num_cross_blocks:  # allocated without num_kv_blocks_for: as many as self blocks
             self.num_cross_blocks = max(num_blocks, -(-self.max_encoder_input_len // self.tokens_per_block))
-        shape = list(self.kv_cache.shape)
-        shape[2] = self.num_cross_blocks
         self.cross_pool = None
-        self.cross_pool = torch.zeros(shape, dtype=self.kv_cache.dtype, device=self.device)
+        # Head-major in memory like the self pool (runner.py allocate_kv_cache): the decode attention
+        # reads a page of one head's cross keys as one run, not 128-byte rows a head-stride apart.
+        self.cross_pool = torch.zeros(self.kv_pool_shape(self.num_cross_blocks), dtype=self.kv_cache.dtype,
+                                      device=self.device).transpose(3, 4)
 
     def capture_cuda_graphs(self) -> None:
         """CUDA: choose the skinny-GEMM kernel per decoder weight shape (kernels/linear.py; the
@@ -114,7 +116,10 @@ class EncDecRunner(ModelRunner):
         graphs of every batch bucket up to max_batch_size. CPU, or $TRITONLLM_ENCDEC_GRAPHS=0: no-op."""
         if self.device.type != "cuda" or self.kv_cache is None or os.environ.get(GRAPHS_ENV, "1") == "0":
             return
-        self.choose_kernels()
+        fused = fused_decode.fusable(self.spec) and fused_decode.enabled(fused_decode.FUSED_ENV)
+        self.choose_kernels(extra_weights=fused_decode.prepare(self.model) if fused else ())
+        if fused:
+            fused_decode.mark_tilings(self.model, self.gemm_choices)
         build = self.build_config
         self.decode_graphs = EncDecDecodeGraphs(
             self.model, self.kv_cache, self.cross_pool, tokens_per_block=self.tokens_per_block,
@@ -122,12 +127,13 @@ class EncDecRunner(ModelRunner):
             max_batch_size=build.max_batch_size, sampled_tokens=self.sampled_tokens)
         self.decode_graphs.capture()
 
-    def choose_kernels(self, decode_batches: list[int] | None = None) -> None:
-        """The skinny-GEMM choice per decoder weight shape (what the graphs capture)."""
+    def choose_kernels(self, decode_batches: list[int] | None = None, extra_weights=()) -> None:
+        """The skinny-GEMM choice per decoder weight shape (what the graphs capture); ``extra_weights``
+        (fused_decode's [q | k | v] weights) are timed beside the decoder's own."""
         layers = self.model.layers
         ups = [layer.mlp.up.weight for layer in layers] if layers[0].mlp.gate is None else []
         plain = [m.weight for m in self.model.modules() if isinstance(m, torch.nn.Linear)
-                 and not any(m.weight is up for up in ups)]
+                 and not any(m.weight is up for up in ups)] + list(extra_weights)
         self.gemm_choices = choose_skinny_weights(plain)
         if ups:
             activation = layers[0].mlp.activation_name
@@ -142,14 +148,19 @@ class EncDecRunner(ModelRunner):
     @torch.inference_mode()
     def encode_into(self, inputs: list[list[int]], block_tables: list[list[int]]) -> None:
         """Run the encoder over ``inputs`` at once and write each one's cross K/V (every decoder
-        layer) into its cross blocks ``block_tables[i]`` (covering len(inputs[i]) tokens)."""
+        layer) into its cross blocks ``block_tables[i]`` (covering its encoder outputs). Returns
+        once the work is queued on the device, without waiting for it."""
         T = self.tokens_per_block
-        for output, blocks in zip(self.encoder.encode(inputs), block_tables):
-            kv = self.model.cross_kv(output)  # (layers, 2, L, heads, head_dim)
-            positions = torch.arange(output.shape[0])
-            slots = (torch.tensor(blocks)[positions // T] * T + positions % T).to(self.device)
-            for layer in range(kv.shape[0]):
-                write_kv_cache(kv[layer, 0], kv[layer, 1], self.cross_pool[layer, 0], self.cross_pool[layer, 1], slots)
+        slots = []
+        for source, blocks in zip(inputs, block_tables):
+            positions = torch.arange(Encoder.output_length(len(source), self.spec))
+            slots.append(torch.tensor(blocks)[positions // T] * T + positions % T)
+        slots = torch.cat(slots).to(self.device)  # (before the pass: this copy would wait for it)
+        # All inputs' rows at once: per layer one K and one V product and one write (not per input)
+        rows = torch.cat(self.encoder.encode(inputs))
+        for index, layer in enumerate(self.model.layers):
+            k, v = (layer.cross_attn.heads_of(p, rows) for p in (layer.cross_attn.k, layer.cross_attn.v))
+            write_kv_cache(k, v, self.cross_pool[index, 0], self.cross_pool[index, 1], slots)
 
     # ---- decoder step -------------------------------------------------------------------------
 

@@ -1,0 +1,137 @@
+"""A pre-norm LayerNorm decoder layer (Whisper, mBART) at decode batches in ~9 launches instead of ~18.
+
+OPT-IN ($TRITONLLM_ENCDEC_FUSED=1), because it measured slower. At batch 1 a Whisper large-v3
+decode step takes ~18 kernels a layer (three LayerNorms, three residual adds, q/k/v as three
+products, the MLP's up product through cuBLAS with its split-K reduce, two attentions and the
+cross-attention's split merge) and ~80 us a layer for 11 us of weight bytes. Here a layer is
+
+    LN + qkv product (one weight [q | k | v])  -> self-attention with the new K/V appended (one kernel)
+    -> o product + residual -> LN + cross q product -> cross-attention over the cached cross K/V
+    -> cross o product + residual -> LN + fc1 + bias + activation -> fc2 + residual,
+
+the products through kernels/norm_linear.py (LayerNorm prologue, bias/activation/residual
+epilogue) with the tiling the load-time timing chose for each weight shape (kernels/linear.py),
+or its PRELOAD tiling ($TRITONLLM_NORM_LINEAR_PRELOAD=1: each program's weight tile read before
+the PDL wait; then up to 64 rows); with $TRITONLLM_ENCDEC_CROSS_KERNEL=1 the cross-attention
+through kernels/cross_attention_decode.py (K/V read before the PDL wait, splits merged in-kernel),
+else the general paged kernel. The arithmetic is the unfused layer's, rounding for rounding (the
+normalized rows and each product rounded to the model dtype once, then the residual add), so the
+result differs only by the products' summation order.
+
+Measured on an H200, 2026-11-29 (benchmarks/engine/encdec_bench.py, benchmarks/results/engine.md):
+the batch-1 step took 298 kernels instead of 586 but 2.79 ms instead of 2.66 (graph replay 2.59
+against 2.49): each LayerNorm prologue costs its product ~4 us (every program re-reads the rows
+for their statistics in dependent round trips), more than the LayerNorm launch it saves. With
+PRELOAD, the cross kernel and 64 rows it was slower still (batch 1 3.10 ms; batch 64 10.2 ms a
+step against 7.4 unfused: the cross kernel 193 us a layer at batch 64 against the general kernel's
+~145). What would make it pay: the row statistics produced by the kernel that writes the rows (its
+epilogue's per-tile partial sums) instead of recomputed by every program.
+
+``prepare`` fuses each layer's self-attention q/k/v weights into one (3 inner, d_model) tensor,
+of which the q, k and v Parameters become views (no extra memory; the state dict is unchanged).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from kernels.attention import paged_attention
+from kernels.cross_attention_decode import cross_attention_decode
+from kernels.linear import MAX_SKINNY_ROWS
+from kernels.norm_linear import MAX_ROWS, PRELOAD_ENV, norm_linear
+from kernels.rope_attention import append_paged_attention
+
+# Opt-in switches, read at graph capture ("1": on); off by default (measured slower: module docstring).
+FUSED_ENV = "TRITONLLM_ENCDEC_FUSED"  # the fused layer for decode steps of up to 16 rows
+CROSS_ENV = "TRITONLLM_ENCDEC_CROSS_KERNEL"  # in it, kernels/cross_attention_decode.py for cross-attention
+
+
+def enabled(name: str) -> bool:
+    return os.environ.get(name, "0") == "1"
+
+
+def fusable(spec) -> bool:
+    """Pre-norm LayerNorm layers with learned positions and a non-gated MLP (Whisper, mBART)."""
+    return spec.pre_norm and spec.norm == "layernorm" and spec.positions == "learned" and not spec.gated_mlp
+
+
+def takes(decoder, x: torch.Tensor, meta) -> bool:
+    """Whether this step runs through ``layer_step``: the decoder was prepared, decode rows only, at
+    most 16 (the load-time tilings' rows), or MAX_ROWS with norm_linear's PRELOAD tiling switched on."""
+    most = MAX_ROWS if enabled(PRELOAD_ENV) else MAX_SKINNY_ROWS
+    return getattr(decoder, "fused_decode", False) and meta.is_decode_only and x.shape[0] <= most
+
+
+def fuse_qkv(attn: nn.Module) -> None:
+    """One [q | k | v] weight (and bias: a zero k bias where k has none) of ``attn``; q, k, v views of it."""
+    if hasattr(attn, "qkv_weight"):
+        return
+    weights = [attn.q.weight, attn.k.weight, attn.v.weight]
+    attn.qkv_weight = torch.cat([w.detach() for w in weights])
+    inner = weights[0].shape[0]
+    for index, proj in enumerate((attn.q, attn.k, attn.v)):
+        proj.weight = nn.Parameter(attn.qkv_weight[index * inner:(index + 1) * inner], requires_grad=False)
+    biases = [p.bias for p in (attn.q, attn.k, attn.v)]
+    attn.qkv_bias = None
+    if any(b is not None for b in biases):
+        attn.qkv_bias = torch.cat([torch.zeros(inner, dtype=attn.qkv_weight.dtype, device=attn.qkv_weight.device)
+                                   if b is None else b.detach() for b in biases])
+        for index, proj in enumerate((attn.q, attn.k, attn.v)):
+            if proj.bias is not None:
+                proj.bias = nn.Parameter(attn.qkv_bias[index * inner:(index + 1) * inner], requires_grad=False)
+
+
+def prepare(decoder: nn.Module) -> list[torch.Tensor]:
+    """Fuse every layer's q/k/v and mark the decoder (``takes``); returns the fused weights (for the
+    load-time tiling choice, beside the decoder's other weights)."""
+    for layer in decoder.layers:
+        fuse_qkv(layer.self_attn)
+    decoder.fused_decode = True
+    return [layer.self_attn.qkv_weight for layer in decoder.layers]
+
+
+def mark_tilings(decoder: nn.Module, reports: dict) -> None:
+    """Each product's tiling: the best the load-time timing found for its weight shape (``reports``:
+    kernels/linear.py's choose_* reports, keyed by (N, K) or ("activated", act, N, K)); absent or
+    not a tiling: norm_linear's default."""
+    def best(key):
+        entry = reports.get(key)
+        variant = entry.get("best_variant") if isinstance(entry, dict) else None
+        return variant if isinstance(variant, tuple) else None
+
+    for layer in decoder.layers:
+        mlp = layer.mlp
+        for weight in (layer.self_attn.qkv_weight, layer.self_attn.o.weight, layer.cross_attn.q.weight,
+                       layer.cross_attn.o.weight, mlp.down.weight):
+            weight.norm_linear_variant = best(tuple(weight.shape))
+        mlp.up.weight.norm_linear_variant = best(("activated", mlp.activation_name) + tuple(mlp.up.weight.shape))
+
+
+def _norm(norm: nn.Module) -> tuple:
+    return norm.weight, norm.bias, norm.eps
+
+
+def _product(x, weight, bias, **options) -> torch.Tensor:
+    return norm_linear(x, weight, bias, variant=getattr(weight, "norm_linear_variant", None), **options)
+
+
+def layer_step(layer: nn.Module, x: torch.Tensor, kv_cache: torch.Tensor, cross_pool: torch.Tensor, meta,
+               cross_meta) -> torch.Tensor:
+    """One decoder layer over (rows, d_model) decode rows; kv_cache / cross_pool: this layer's (2, blocks,
+    tokens_per_block, heads, head_dim) self and cross pools; meta / cross_meta: the step's metadata."""
+    rows, attn, cross, mlp = x.shape[0], layer.self_attn, layer.cross_attn, layer.mlp
+    qkv = _product(x, attn.qkv_weight, attn.qkv_bias, norm=_norm(layer.self_norm))
+    q, k, v = qkv.view(rows, 3, attn.heads, attn.head_dim).unbind(1)
+    out = append_paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, attn.scale)
+    x = _product(out.flatten(1), attn.o.weight, attn.o.bias, residual=x)
+    q = _product(x, cross.q.weight, cross.q.bias, norm=_norm(layer.cross_norm)).view(rows, cross.heads, cross.head_dim)
+    if enabled(CROSS_ENV):
+        out = cross_attention_decode(q, cross_pool[0], cross_pool[1], cross_meta.block_tables, cross_meta.context_lens,
+                                     cross.scale, cross_meta.max_context_len)
+    else:
+        out = paged_attention(q, cross_pool[0], cross_pool[1], cross_meta, cross.scale)
+    x = _product(out.flatten(1), cross.o.weight, cross.o.bias, residual=x)
+    h = _product(x, mlp.up.weight, mlp.up.bias, norm=_norm(layer.mlp_norm), activation=mlp.activation_name)
+    return _product(h, mlp.down.weight, mlp.down.bias, residual=x)

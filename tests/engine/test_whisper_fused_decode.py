@@ -1,0 +1,78 @@
+"""Whisper's fused decode layer (engine/encoder_decoder/fused_decode.py): the fewer-launch decoder
+layer gives the unfused layer's ids and transformers'.
+
+CPU: the same requests through the executor unfused, then with the decoder prepared (q/k/v one
+weight, LayerNorm/bias/GELU/residual folded into the products: kernels/norm_linear.py's torch
+reference here), equal ids, and the fused layer served the decode steps. GPU (marked): a float32
+engine's CUDA graphs, fused against TRITONLLM_ENCDEC_FUSED=0 and transformers."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.build import main
+from engine.encoder_decoder import fused_decode
+from engine.executor import Executor, ExecutorConfig, OutputConfig, Request
+from tests.executor.executor_testing import collect, final_tokens
+from tiny_encdec import WHISPER_PROMPT, generate_whisper, write_checkpoint
+
+
+@pytest.fixture(scope="module")
+def whisper(tmp_path_factory):
+    root = tmp_path_factory.mktemp("whisper_fused")
+    model = write_checkpoint("whisper", root / "checkpoint")
+    assert main(["--checkpoint", str(root / "checkpoint"), "--output", str(root / "engine"), "--dtype", "float32",
+                 "--tokens_per_block", "4", "--max_batch_size", "4"]) == 0
+    return model, str(root / "engine" / "decoder")
+
+
+def _requests(features):
+    out = OutputConfig(exclude_input_from_output=True)
+    return [Request(WHISPER_PROMPT, 8, end_id=1, encoder_input_features=f, output=out) for f in features]
+
+
+def _features():
+    torch.manual_seed(3)
+    return [torch.randn(100, 8), torch.randn(100, 8), torch.randn(60, 8)]
+
+
+def test_fused_layer_ids_equal_unfused_and_transformers(whisper, monkeypatch):
+    model, engine = whisper
+    features = _features()
+    with Executor(engine, ExecutorConfig(max_batch_size=4), device="cpu") as ex:
+        expected = [final_tokens(r) for r in collect(ex, ex.enqueue_requests(_requests(features))).values()]
+        decoder = ex.runner.model
+        assert fused_decode.fusable(ex.runner.spec)
+        fused_weights = fused_decode.prepare(decoder)
+        attn = decoder.layers[0].self_attn
+        assert fused_weights[0] is attn.qkv_weight and attn.k.weight.data_ptr() == attn.qkv_weight[
+            attn.q.weight.shape[0]:].data_ptr()  # q/k/v are views of the fused weight
+        assert attn.k.bias is None and not attn.qkv_bias[attn.q.weight.shape[0]:2 * attn.q.weight.shape[0]].any()
+        steps = []
+        step = fused_decode.layer_step
+        monkeypatch.setattr(fused_decode, "layer_step", lambda layer, x, *a: steps.append(x.shape[0]) or step(layer, x, *a))
+        got = [final_tokens(r) for r in collect(ex, ex.enqueue_requests(_requests(features))).values()]
+    assert got == expected and steps
+    for f, tokens in zip(features[:2], got):
+        assert tokens == [t for t in generate_whisper(model, f, 8) if t != 1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_fused_graphs_equal_unfused_on_gpu(whisper, monkeypatch):
+    """Graph buckets 1, 2, 4 captured through the fused layer (the Triton kernels; float32 engines
+    get IEEE dots) give the unfused graphs' ids and transformers'. (bfloat16: the kernels against
+    their references, tests/kernels; ids of a tiny random model may part at near-ties.)"""
+    model, engine = whisper
+    features = _features()
+    results = {}
+    for fused in ("1", "0"):
+        monkeypatch.setenv(fused_decode.FUSED_ENV, fused)
+        monkeypatch.setenv(fused_decode.CROSS_ENV, fused)  # its cross-attention kernel too
+        with Executor(engine, ExecutorConfig(max_batch_size=4), device="cuda") as ex:
+            assert getattr(ex.runner.model, "fused_decode", False) == (fused == "1")
+            assert sorted(ex.runner.decode_graphs.graphs) == [1, 2, 4]
+            results[fused] = [final_tokens(r) for r in collect(ex, ex.enqueue_requests(_requests(features))).values()]
+    assert results["1"] == results["0"]
+    for f, tokens in zip(features[:2], results["1"]):
+        assert tokens == [t for t in generate_whisper(model, f, 8) if t != 1]
