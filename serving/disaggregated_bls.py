@@ -16,9 +16,19 @@ import numpy as np
 
 CONTEXT_PARAMETERS = {"request_type": "context_only"}
 GENERATION_PARAMETERS = {"request_type": "generation_only"}
+CROSS_PROCESS_TRANSFER = "shm"  # engine/executor/disaggregated.py: readable from another engine process
 PARAMS = "context_phase_params"
 CONTEXT_OUTPUTS = [PARAMS, "batch_index"]  # what the BLS asks of the context model
 ALWAYS = ("output_ids", "sequence_length", "batch_index")  # asked of the generation model in any case
+
+
+def context_parameters(context_model: str, generation_model: str) -> dict[str, str]:
+    """The context request's Triton parameters. Two models have two engine processes, so the KV must
+    leave the context process: kv_transfer shm. One model serving both phases keeps its blocks pinned
+    in place (the engine's default transport, no copy through host memory)."""
+    if context_model == generation_model:
+        return dict(CONTEXT_PARAMETERS)
+    return {**CONTEXT_PARAMETERS, "kv_transfer": CROSS_PROCESS_TRANSFER}
 
 
 def requested_outputs(client_asked: list[str], declared: list[str]) -> list[str]:

@@ -523,6 +523,7 @@ class RequestSpec:
     # request_type, and a generation_only item's context_phase_params (its context_only item's output).
     request_type: str = "context_and_generation"
     context_phase_params: bytes | None = None
+    kv_transfer: str | None = None  # a context_only item's transport (kv_transfer_of); None: the engine's default
 
     @property
     def num_return_sequences(self) -> int:
@@ -634,11 +635,12 @@ def convert_row(tensors: Mapping[str, np.ndarray], row: int, batch_size: int, *,
                 decoupled: bool, exclude_input_default: bool | None,
                 max_input_len: int | None = None, encoder_decoder: bool = False,
                 request_type: str = "context_and_generation", rotary_width: int = 0,
-                cross_attention: bool = False) -> RequestSpec:
+                cross_attention: bool = False, kv_transfer: str | None = None) -> RequestSpec:
     """Validate and convert batch row `row`; raises ValueError with the reference's text.
     ``encoder_decoder``: input_ids are the encoder's, the prompt is decoder_prompt's.
     ``rotary_width``: the engine's head_dim when it takes M-RoPE rows (mrope_rotary_cos_sin), else 0.
-    ``request_type``: the Triton request's parameter of that name (request_type_of).
+    ``request_type``, ``kv_transfer``: the Triton request's parameters of those names (request_type_of,
+    kv_transfer_of).
     ``cross_attention``: a Llama 3.2 Vision engine (vision_inputs)."""
     max_tokens = read_scalar(tensors, "request_output_len", batch_size, row)
     if max_tokens is None:
@@ -683,6 +685,7 @@ def convert_row(tensors: Mapping[str, np.ndarray], row: int, batch_size: int, *,
         mrope=mrope_fields(tensors, batch_size, row, len(input_token_ids), rotary_width),
         request_type=request_type,
         context_phase_params=_context_phase_params(tensors, batch_size, row),
+        kv_transfer=kv_transfer,
     )
 
 
@@ -701,6 +704,24 @@ def request_type_of(request_parameters: str) -> str:
     return value
 
 
+# How a context_only request's KV reaches its generation_only request (engine/executor/disaggregated.py
+# TRANSPORTS): "local" within one engine process, "shm" through host shared memory to another process.
+KV_TRANSFERS = ("local", "shm")
+
+
+def kv_transfer_of(request_parameters: str) -> str | None:
+    """The kv_transfer parameter of a Triton request (None when absent: the engine's default); a
+    ValueError naming the allowed values for anything else. disaggregated_serving_bls sets it when its
+    context and generation models differ (each has its own engine process)."""
+    try:
+        value = json.loads(request_parameters or "{}").get("kv_transfer")
+    except (ValueError, AttributeError):
+        return None
+    if value is not None and value not in KV_TRANSFERS:
+        raise ValueError(f"kv_transfer: '{value}' is not supported; allowed: {', '.join(KV_TRANSFERS)}")
+    return value
+
+
 def _context_phase_params(tensors: Mapping[str, np.ndarray], batch_size: int, row: int) -> bytes | None:
     """An item's context_phase_params (UINT8 [-1]) as bytes; None when not sent or empty."""
     if not _present(tensors.get("context_phase_params")):
@@ -712,7 +733,7 @@ def convert_request(tensors: Mapping[str, np.ndarray], *, decoupled: bool,
                     exclude_input_default: bool | None = None,
                     max_input_len: int | None = None, encoder_decoder: bool = False,
                     request_type: str = "context_and_generation", rotary_width: int = 0,
-                    cross_attention: bool = False) -> list[RequestSpec]:
+                    cross_attention: bool = False, kv_transfer: str | None = None) -> list[RequestSpec]:
     """All rows of one Triton request; raises ValueError on the first invalid input.
 
     `max_input_len` is the engine's prompt limit (an encoder-decoder's: its encoder input limit; the
@@ -722,7 +743,7 @@ def convert_request(tensors: Mapping[str, np.ndarray], *, decoupled: bool,
                        CROSS_ATTENTION_FEATURES if cross_attention else UNSUPPORTED_FEATURES)
     return [convert_row(tensors, row, batch_size, decoupled=decoupled, exclude_input_default=exclude_input_default,
                         max_input_len=max_input_len, encoder_decoder=encoder_decoder, request_type=request_type,
-                        rotary_width=rotary_width, cross_attention=cross_attention)
+                        rotary_width=rotary_width, cross_attention=cross_attention, kv_transfer=kv_transfer)
             for row in range(batch_size)]
 
 
@@ -753,6 +774,7 @@ def to_executor_request(spec: RequestSpec):
         encoder_input_ids=spec.encoder_input_ids, encoder_input_features=spec.encoder_input_features,
         cross_attention_mask=spec.cross_attention_mask,
         request_type=spec.request_type, context_phase_params=spec.context_phase_params,
+        kv_transfer=spec.kv_transfer,
     )
 
 

@@ -1,14 +1,17 @@
 #!/usr/bin/env python3
 """Assemble a filled Triton model repository from the templates in all_models/, for one kind of model:
 
-    python3 tools/assemble_repository.py --kind text|multimodal|llmapi --engine_dir ENGINE --output REPO \
-        [--set MODEL:KEY=VALUE ...]
+    python3 tools/assemble_repository.py --kind text|multimodal|llmapi|whisper|disaggregated \
+        --engine_dir ENGINE --output REPO [--set MODEL:KEY=VALUE ...]
 
 The layouts and values are tritonllm/repository.py's (``tritonllm serve`` assembles the same way):
 text (the five models of all_models/), multimodal (with multimodal/ensemble and
-multimodal/multimodal_encoders), llmapi (llmapi/tensorrt_llm). ``--set`` overrides any value. Then launch:
+multimodal/multimodal_encoders), llmapi (llmapi/tensorrt_llm), whisper (whisper/whisper_bls),
+disaggregated (context/ and generation/ copies of tensorrt_llm behind disaggregated_serving_bls).
+``--set`` overrides any value. Then launch:
 
     python3 scripts/launch_triton_server.py --model_repo REPO --tensorrt_llm_model_name tensorrt_llm,multimodal_encoders
+    python3 scripts/launch_triton_server.py --model_repo REPO --tensorrt_llm_model_name context,generation
 """
 from __future__ import annotations
 

@@ -8,6 +8,9 @@ in folders of their own that are not models, the other repositories' parts:
   multimodal/multimodal_encoders (a vision-language engine from engine.build, whose
   vision_encoder/ the preprocessing and multimodal_encoders models read);
 - llmapi: llmapi/tensorrt_llm (TensorRT-LLM's LLM-API model; its model.yaml is edited, not filled);
+- disaggregated: the text models with two copies of tensorrt_llm, context/ and generation/ (one engine
+  process each), and disaggregated_serving_bls between them, which the ensemble and tensorrt_llm_bls
+  call in tensorrt_llm's place (the anchor's disaggregated setup; docs/features/disaggregated-serving.md);
 - whisper: tensorrt_llm (the Whisper engine's decoder/, its encoder/ as encoder_engine_dir) and
   whisper/whisper_bls (WAV in, TRANSCRIPTS out), both non-decoupled (whisper_bls calls tensorrt_llm
   unary; the OpenAI frontend's /v1/audio calls whisper_bls unary).
@@ -33,11 +36,17 @@ LAYOUTS = {
                   + [("ensemble", "multimodal/ensemble"), ("multimodal_encoders", "multimodal/multimodal_encoders")],
     "llmapi": [("tensorrt_llm", "llmapi/tensorrt_llm")],
     "whisper": [("tensorrt_llm", "tensorrt_llm"), ("whisper_bls", "whisper/whisper_bls")],
+    "disaggregated": [(name, name) for name in FIVE_MODELS if name != "tensorrt_llm"]
+                     + [("context", "tensorrt_llm"), ("generation", "tensorrt_llm"),
+                        ("disaggregated_serving_bls", "disaggregated_serving_bls")],
 }
+# Models filled with another model's values (then their own): the disaggregated phases are tensorrt_llm's.
+FILLED_AS = {"context": "tensorrt_llm", "generation": "tensorrt_llm"}
+DISAGGREGATED_BLS = "disaggregated_serving_bls"
 VISION_ENCODER_DIR = "vision_encoder"  # engine/vision/encoder_dir.py: where engine.build writes it
 # The models tritonserver's non-zero ranks load, as the reference's launch names them
 # (--tensorrt_llm_model_name); the first holds the engine.
-ENGINE_MODELS = {"multimodal": "tensorrt_llm,multimodal_encoders"}
+ENGINE_MODELS = {"multimodal": "tensorrt_llm,multimodal_encoders", "disaggregated": "context,generation"}
 
 
 def has_vision_encoder(engine_dir: str) -> bool:
@@ -91,6 +100,14 @@ def kind_substitutions(kind: str, engine_dir: str, max_batch_size: int) -> dict[
                 "whisper_bls": {"decoupled_mode": "false", "n_mels": mels, "zero_pad": "false", "engine_dir": decoder,
                                 "tensorrt_llm_model_name": "tensorrt_llm", "max_tokens": max_tokens,
                                 "max_audio_seconds": WHISPER_MAX_AUDIO_SECONDS, "tensorrt_llm_streaming": "false"}}
+    if kind == "disaggregated":
+        # Both phases fit one GPU at half the usual KV share each; on two GPUs give each its own
+        # (--set context:gpu_device_ids=0 --set generation:gpu_device_ids=1, and 0.9 each).
+        phase = {"kv_cache_free_gpu_mem_fraction": "0.45"}
+        return {"context": phase, "generation": phase,
+                DISAGGREGATED_BLS: {"triton_max_batch_size": str(max_batch_size), "context_model_name": "context",
+                                    "generation_model_name": "generation", "disaggregated_serving_bls_count": "2"},
+                "tensorrt_llm_bls": {"tensorrt_llm_model_name": DISAGGREGATED_BLS}}
     if kind != "multimodal":
         return {}
     encoder_dir = os.path.join(engine_dir, VISION_ENCODER_DIR)
@@ -116,10 +133,20 @@ def assemble_repository(kind: str, engine_dir: str, output: str, base: dict[str,
     if kind == "whisper" and not (encoder_decoder_spec(engine_dir) or {}).get("num_mel_bins"):
         raise ValueError(f"{engine_dir} is not a Whisper engine ({DECODER_DIR}/config.json with num_mel_bins): build "
                          "a WhisperForConditionalGeneration checkpoint with python -m engine.build")
+    if kind == "disaggregated" and (has_vision_encoder(engine_dir) or encoder_decoder_spec(engine_dir)):
+        raise ValueError(f"{engine_dir}: disaggregated serving takes decoder-only text engines (the executor "
+                         "refuses context_only requests with prompt tables or an encoder); serve it aggregated")
     if kind == "multimodal" and not has_vision_encoder(engine_dir):
         raise ValueError(f"{engine_dir} has no {VISION_ENCODER_DIR}/: build a vision-language checkpoint "
                          "(LlavaForConditionalGeneration) with python -m engine.build")
     values = {model: dict(pairs) for model, pairs in base.items()}
+    for name, source in FILLED_AS.items():
+        values[name] = {**values.get(source, {}), **values.get(name, {})}
+    if DISAGGREGATED_BLS in dict(LAYOUTS[kind]):  # it shares tensorrt_llm's decoupled mode and logits type
+        values.setdefault(DISAGGREGATED_BLS, {}).update(
+            {key: values.get("tensorrt_llm", {}).get(key, default) for key, default in
+             (("decoupled_mode", "true"), ("logits_datatype", "TYPE_FP32"),
+              ("encoder_input_features_data_type", "TYPE_FP16"))})
     for source in (kind_substitutions(kind, engine_dir, max_batch_size), overrides or {}):
         for model, pairs in source.items():
             values.setdefault(model, {}).update(pairs)
@@ -132,7 +159,12 @@ def assemble_repository(kind: str, engine_dir: str, output: str, base: dict[str,
         text = config.read_text()
         # fill_template refuses keys a file lacks: the shared defaults name every model's keys
         pairs = {k: v for k, v in values.get(name, {}).items() if "${" + k + "}" in text}
-        config.write_text(fill_template(text, ",".join(f"{k}:{escape(v)}" for k, v in pairs.items()), str(config)))
+        text = fill_template(text, ",".join(f"{k}:{escape(v)}" for k, v in pairs.items()), str(config))
+        if name in FILLED_AS:  # a copy answers to its own folder's name
+            text = text.replace(f'name: "{FILLED_AS[name]}"', f'name: "{name}"', 1)
+        if name in ("ensemble", "tensorrt_llm_bls") and kind == "disaggregated":
+            text = text.replace('model_name: "tensorrt_llm"', f'model_name: "{DISAGGREGATED_BLS}"')
+        config.write_text(text)
     return str(repo)
 
 

@@ -50,8 +50,8 @@ from serving.engine_cache import (cached_engine_dir, checkpoint_build_args, chec
 from tritonllm import launcher
 from tritonllm.fill_template import fill_template
 from tritonllm.paths import FIVE_MODELS, default_engine_dir, default_repo_dir, model_templates_dir
-from tritonllm.repository import (DECODER_DIR, ENGINE_MODELS, WHISPER_AUDIO_MODEL, assemble_repository,
-                                  encoder_decoder_spec, encoder_decoder_substitutions, escape, has_vision_encoder)
+from tritonllm.repository import (DECODER_DIR, DISAGGREGATED_BLS, ENGINE_MODELS, WHISPER_AUDIO_MODEL,
+                                  assemble_repository, encoder_decoder_spec, encoder_decoder_substitutions, escape, has_vision_encoder)
 
 # (The engine cache's names above are this module's too: callers of scripts/serve_default.py use them.)
 _escape = escape
@@ -177,6 +177,20 @@ def checkpoint_repository(engine_dir: str, repo_dir: str, *, bls_instances: int 
     repo = assemble_repository("multimodal", engine_dir, repo_dir, base, max_batch_size=max_batch_size,
                                overrides=overrides)
     return repo, ENGINE_MODELS["multimodal"]
+
+
+def disaggregated_repository(engine_dir: str, repo_dir: str, bls_instances: int, max_batch_size: int,
+                             engine_parameters: dict[str, str]) -> tuple[str, str]:
+    """(the disaggregated repository of a text engine, its engine models): context/ and generation/
+    each fill tensorrt_llm's values; LoRA off (adapters are not carried from one phase to the other)."""
+    base = default_substitutions(os.path.abspath(engine_dir), max_batch_size=max_batch_size,
+                                 bls_instances=bls_instances)
+    base["tensorrt_llm"].update(enable_lora="false", **engine_parameters)
+    try:
+        repo = assemble_repository("disaggregated", engine_dir, repo_dir, base, max_batch_size=max_batch_size)
+    except ValueError as error:
+        sys.exit(f"tritonllm serve: {error}")
+    return repo, ENGINE_MODELS["disaggregated"]
 
 
 def ensure_engine(engine_dir: str, mapping: list[str] | None = None) -> None:
@@ -326,6 +340,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
                         help="multi-token prediction: K drafts a step from the checkpoint's MTP module "
                              "(DeepSeek-V3/R1; one module chained K times), verified by the model "
                              "(docs/features/deepseek.md)")
+    parser.add_argument("--disaggregated", action="store_true",
+                        help="serve prefill and decode in two engine processes (models context and generation "
+                             "behind disaggregated_serving_bls; docs/features/disaggregated-serving.md)")
     parser.add_argument("--kv-events-endpoint", "--kv_events_endpoint", dest="kv_events_endpoint", default=None,
                         metavar="ZMQ_ADDRESS", help="publish the prefix cache's block stored/removed events in "
                         "vLLM's KV event format on a ZMQ PUB socket bound here, e.g. tcp://*:5557, for a "
@@ -345,18 +362,25 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
                         help="hosts whose http(s) image URLs the server fetches: 'a,b' or '*' (default: none, "
                              "data: URLs only)")
     args = parser.parse_args(argv)
+    if args.disaggregated and args.tp * args.pp > 1:
+        sys.exit("tritonllm serve: --disaggregated runs one rank per phase; drop --tp/--pp (context_only "
+                 "requests refuse tensor parallelism)")
 
     if args.model:
         refuse_lora_on_encoder_decoder(args.model, args.lora_modules)
         engine_dir = str(ensure_checkpoint_engine(args.model, checkpoint_build_args(args)))
         model_name = args.served_model_name or served_name(args.model)
-        repo, engine_models = checkpoint_repository(
-            engine_dir, args.repo, bls_instances=args.bls_instances, max_batch_size=args.max_batch_size,
-            lora=bool(args.lora_modules), images={"max_num_images": args.max_num_images,
-                                                  "max_image_pixels": args.max_image_pixels,
-                                                  "allowed_image_url_hosts": args.allowed_image_url_hosts,
-                                                  "max_num_frames": args.max_num_frames},
-            engine_parameters=engine_parameters(args))
+        if args.disaggregated:
+            repo, engine_models = disaggregated_repository(engine_dir, args.repo, args.bls_instances,
+                                                           args.max_batch_size, engine_parameters(args))
+        else:
+            repo, engine_models = checkpoint_repository(
+                engine_dir, args.repo, bls_instances=args.bls_instances, max_batch_size=args.max_batch_size,
+                lora=bool(args.lora_modules), images={"max_num_images": args.max_num_images,
+                                                      "max_image_pixels": args.max_image_pixels,
+                                                      "allowed_image_url_hosts": args.allowed_image_url_hosts,
+                                                      "max_num_frames": args.max_num_frames},
+                engine_parameters=engine_parameters(args))
         served, prompt = model_name, "The capital of France is"
     else:
         model_name = Path(args.engine_dir).name
@@ -365,9 +389,14 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
             args.engine_dir = f"{args.engine_dir}_tp{args.tp}_pp{args.pp}"
         ensure_engine(args.engine_dir, ["--tp_size", str(args.tp), "--pp_size", str(args.pp)])
         engine_dir = args.engine_dir
-        repo = prepare_model_repo(args.engine_dir, args.repo, bls_instances=args.bls_instances,
-                                  overrides={"tensorrt_llm": engine_parameters(args)})
-        served, prompt, engine_models = "SmolLM2-135M-Instruct", CHAT_PROMPT, "tensorrt_llm"
+        if args.disaggregated:
+            repo, engine_models = disaggregated_repository(engine_dir, args.repo, args.bls_instances, 8,
+                                                           engine_parameters(args))
+        else:
+            repo = prepare_model_repo(args.engine_dir, args.repo, bls_instances=args.bls_instances,
+                                      overrides={"tensorrt_llm": engine_parameters(args)})
+            engine_models = "tensorrt_llm"
+        served, prompt = "SmolLM2-135M-Instruct", CHAT_PROMPT
     world_size = args.tp * args.pp
     ranks = ["--no-mpi"] if world_size == 1 else [f"--world_size={world_size}", f"--engine_dir={engine_dir}"]
     launch_args = launcher.parse_arguments([
@@ -389,6 +418,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         if args.model and (encoder_decoder_spec(engine_dir) or {}).get("num_mel_bins"):
             # /v1/audio/transcriptions and translations; the repository has no preprocessing to read the tokenizer from
             command += [f"--audio_model={WHISPER_AUDIO_MODEL}", f"--tokenizer_dir={os.path.join(engine_dir, DECODER_DIR)}"]
+        if args.disaggregated:  # the frontend's direct (token) path, through the BLS that splits the phases
+            command.append(f"--llm_model={DISAGGREGATED_BLS}")
         if args.allowed_local_media_path:
             command.append(f"--allowed_local_media_path={os.path.abspath(args.allowed_local_media_path)}")
         frontend = subprocess.Popen(command, env=child_environment())

@@ -9,7 +9,8 @@ The anchor's request types (Request.request_type):
   blocks are copied into this executor's pool, the context's first token is appended, and decoding
   goes on from there. Its output equals the context_and_generation request's (greedy: token for token).
 
-Transports (``transport``, TRITONLLM_KV_TRANSFER on the context side, default ``local``):
+Transports (a context_only Request's ``kv_transfer``; else ``transport``, TRITONLLM_KV_TRANSFER on the
+context side, default ``local``):
 - ``local``: both executors live in one process (one Triton model serving both request types, or two
   Executors in a program); the blocks stay pinned in the context pool and the copy is a
   device-to-device index copy between the pools (on CUDA a peer copy between GPUs of one host).
@@ -163,6 +164,9 @@ class Disaggregation:
                 return f"request_type: {kind} is not supported with {what}; send request_type context_and_generation"
         if kind == "context_only" and request.context_phase_params is not None:
             return "context_phase_params: a context_only request takes none; they are its output"
+        transfer = getattr(request, "kv_transfer", None)
+        if transfer is not None and transfer not in TRANSPORTS:
+            return f"kv_transfer: '{transfer}' is not supported; allowed: {', '.join(TRANSPORTS)}"
         if kind == "generation_only":
             if request.context_phase_params is None:
                 return ("context_phase_params: a generation_only request needs the context_phase_params output "
@@ -189,8 +193,9 @@ class Disaggregation:
         if fields["transport"] != "local" or fields.get("pid") != os.getpid():
             raise ContextPhaseError(f"context_phase_params: transport '{fields['transport']}' from process "
                                     f"{fields.get('pid')} cannot be read here ('local' works within process "
-                                    f"{os.getpid()}); set TRITONLLM_KV_TRANSFER=shm on the context side when "
-                                    f"the generation side runs in another process")
+                                    f"{os.getpid()}); send the context_only request with parameter kv_transfer shm "
+                                    f"(or set TRITONLLM_KV_TRANSFER=shm on the context side) when the "
+                                    f"generation side runs in another process")
 
     # ----- context side (its loop thread) -----
     def export(self, seq) -> None:
@@ -200,8 +205,9 @@ class Disaggregation:
         num_blocks = ex.blocks.blocks_for_tokens(seq.num_prompt_tokens)
         block_ids = list(seq.block_ids[:num_blocks])
         handle = next(self._handles)
+        transport = seq.state.request.kv_transfer or self.transport
         where = {}
-        if self.transport == "shm":
+        if transport == "shm":
             where["path"] = kv_transfer_shm.write_blocks(ex.runner.kv_cache, block_ids, self.exporter_id, handle)
             pin = _Pin([], time.monotonic() + self.timeout_s, where["path"])
         else:
@@ -211,7 +217,7 @@ class Disaggregation:
             self._pins[handle] = pin
         first = seq.token_ids[seq.num_prompt_tokens] if seq.num_generated_tokens else seq.state.request.end_id
         seq.state.context_phase_params = encode({
-            "transport": self.transport, **where, "pid": os.getpid(), "exporter": self.exporter_id, "handle": handle,
+            "transport": transport, **where, "pid": os.getpid(), "exporter": self.exporter_id, "handle": handle,
             "request_id": seq.request_id, "layout": kv_layout(ex.runner), "prompt_len": len(prompt),
             "prompt_digest": prompt_digest(prompt), "first_token": -1 if first is None else int(first),
             "num_blocks": num_blocks})

@@ -197,6 +197,9 @@ class Request:
     # generation_only; a generation_only request carries its context_only request's output blob.
     request_type: str = "context_and_generation"
     context_phase_params: bytes | None = None
+    # A context_only request's transport (disaggregated.TRANSPORTS); None: the executor's default
+    # (TRITONLLM_KV_TRANSFER). "shm" when the generation_only request runs in another process.
+    kv_transfer: str | None = None
 
 
 @dataclass

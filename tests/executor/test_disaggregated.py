@@ -95,6 +95,22 @@ def test_pinned_blocks_expire_and_fetch_is_one_shot(pair, transport):
     assert context.disagg.num_expired >= 1 and wait_until(lambda: all_free(generation))
 
 
+def test_a_request_chooses_shm_over_the_executors_local_default(pair, tmp_path, monkeypatch):
+    """kv_transfer on the context_only request (what disaggregated_serving_bls sends when its two
+    models are two engine processes) wins over the executor's default; a bad one is named."""
+    monkeypatch.setenv("TRITONLLM_KV_TRANSFER_DIR", str(tmp_path))
+    context, generation = pair
+    assert context.disagg.transport == "local"
+    prompt = PROMPTS[3]
+    params = run(context, greedy(prompt, request_type="context_only", kv_transfer="shm"))[-1].result.context_phase_params
+    assert decode(params)["transport"] == "shm" and all_free(context)  # blocks left the pool at export
+    got = final_tokens(run(generation, greedy(prompt, request_type="generation_only", context_phase_params=params)))
+    assert got == final_tokens(run(generation, greedy(prompt)))
+    bad = run(context, greedy(prompt, request_type="context_only", kv_transfer="nccl"))
+    assert bad[-1].error == "kv_transfer: 'nccl' is not supported; allowed: local, shm"
+    assert not list(tmp_path.iterdir()) and wait_until(lambda: all_free(generation))
+
+
 def test_bad_params_are_refused_by_name(pair):
     context, generation = pair
     prompt = PROMPTS[1]

@@ -12,8 +12,10 @@ from triton_helpers import ROOT, running_frontend, running_server, wait_for, wri
 
 @pytest.fixture(scope="session")
 def triton_server(smollm2_engine_dir, tmp_path_factory):
-    """The decoupled server most tests share (streaming and unary both work on it; guided decoding on)."""
-    with running_server(smollm2_engine_dir, tmp_path_factory.mktemp("triton"), guided=True) as server:
+    """The decoupled server most tests share (streaming and unary both work on it; guided decoding on;
+    disaggregated_serving_bls over tensorrt_llm and a second engine process, `generation`)."""
+    with running_server(smollm2_engine_dir, tmp_path_factory.mktemp("triton"), guided=True,
+                        generation_phase=True) as server:
         yield server
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -51,13 +52,15 @@ GUIDED_OFF = {"guided_decoding_backend": ""}
 @contextmanager
 def running_server(engine_dir: str, work: Path, decoupled: bool = True, mpi: bool = False,
                    tensorrt_llm_instances: int = 1, tensorrt_llm_parameters: dict[str, str] | None = None,
-                   guided: bool = False):
+                   guided: bool = False, generation_phase: bool = False):
     """Fill a repository for `engine_dir` under `work`, serve it, yield a Server, stop it.
     `mpi`: through mpirun (world size 1) as the launcher does by default, else tritonserver alone
     as `make serve` runs it. `tensorrt_llm_instances`: its instance_group count (they share one
     engine process). `tensorrt_llm_parameters`: template values of that model to override.
     `guided`: guided_decoding_backend xgrammar as serve_default fills it; off unless a test sends
-    guides (the engine process loads the tokenizer and xgrammar's vocabulary at start, ~1.3 CPU-s)."""
+    guides (the engine process loads the tokenizer and xgrammar's vocabulary at start, ~1.3 CPU-s).
+    `generation_phase`: also a second engine process, model `generation` (tensorrt_llm's copy), and
+    disaggregated_serving_bls with context tensorrt_llm and generation `generation` (add_generation_phase)."""
     serve = load_script("serve_default")
     parameters = {**({} if guided else GUIDED_OFF), **(tensorrt_llm_parameters or {})}
     repo = serve.prepare_model_repo(engine_dir, str(work / "repo"), bls_instances=2, decoupled=decoupled,
@@ -68,8 +71,28 @@ def running_server(engine_dir: str, work: Path, decoupled: bool = True, mpi: boo
                                  rf"\g<1>{tensorrt_llm_instances}", config.read_text())
         assert replaced == 1, "no instance_group count in the tensorrt_llm template"
         config.write_text(text)
+    if generation_phase:
+        add_generation_phase(Path(repo), decoupled)
     with serving_repository(repo, work, mpi=mpi) as server:
         yield server
+
+
+def add_generation_phase(repo: Path, decoupled: bool) -> None:
+    """Disaggregated serving across two engine processes in a filled text repository: ``generation``
+    (tensorrt_llm's filled copy, answering to its folder's name) and disaggregated_serving_bls with
+    context tensorrt_llm, generation ``generation`` (the KV goes through host shared memory)."""
+    from tritonllm.fill_template import fill_template
+
+    shutil.copytree(repo / "tensorrt_llm", repo / "generation")
+    config = repo / "generation" / "config.pbtxt"
+    config.write_text(config.read_text().replace('name: "tensorrt_llm"', 'name: "generation"', 1))
+    shutil.copytree(ROOT / "all_models" / "disaggregated_serving_bls", repo / "disaggregated_serving_bls",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    config = repo / "disaggregated_serving_bls" / "config.pbtxt"
+    config.write_text(fill_template(config.read_text(), (
+        f"triton_max_batch_size:8,decoupled_mode:{str(decoupled).lower()},disaggregated_serving_bls_count:2,"
+        "context_model_name:tensorrt_llm,generation_model_name:generation,"
+        "encoder_input_features_data_type:TYPE_FP16,logits_datatype:TYPE_FP32")))
 
 
 @contextmanager

@@ -5,8 +5,9 @@ import re
 import numpy as np
 import pytest
 
-from serving.disaggregated_bls import (context_inputs, context_phase_params, declared_shapes, generation_inputs,
-                                      requested_outputs, reshaped_inputs)
+from serving.disaggregated_bls import (context_inputs, context_parameters, context_phase_params, declared_shapes,
+                                      generation_inputs, requested_outputs, reshaped_inputs)
+from serving.requests import kv_transfer_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -48,3 +49,12 @@ def test_reshaped_inputs_go_on_with_their_declared_dims():
     assert reshaped == {"end_id": (1,)}
     out = declared_shapes({"end_id": np.array([2, 2, 2]), "input_ids": np.ones((3, 4))}, reshaped)
     assert out["end_id"].shape == (3, 1) and out["input_ids"].shape == (3, 4)
+
+
+def test_two_models_send_the_kv_through_shared_memory_one_model_keeps_it_in_place():
+    assert context_parameters("tensorrt_llm", "tensorrt_llm") == {"request_type": "context_only"}
+    assert context_parameters("context", "generation") == {"request_type": "context_only", "kv_transfer": "shm"}
+    assert kv_transfer_of('{"request_type": "context_only", "kv_transfer": "shm"}') == "shm"
+    assert kv_transfer_of("{}") is None and kv_transfer_of("") is None
+    with pytest.raises(ValueError, match="kv_transfer: 'nixl' is not supported; allowed: local, shm"):
+        kv_transfer_of('{"kv_transfer": "nixl"}')

@@ -15,8 +15,8 @@ import triton_python_backend_utils as pb_utils
 
 if os.environ.get("TRITONLLM_ROOT"):  # a source checkout not installed into the environment
     sys.path.insert(0, os.environ["TRITONLLM_ROOT"])
-from serving.disaggregated_bls import (CONTEXT_OUTPUTS, CONTEXT_PARAMETERS, GENERATION_PARAMETERS,  # noqa: E402
-                                       PARAMS, context_inputs, context_phase_params, declared_shapes,
+from serving.disaggregated_bls import (CONTEXT_OUTPUTS, GENERATION_PARAMETERS, PARAMS,  # noqa: E402
+                                       context_inputs, context_parameters, context_phase_params, declared_shapes,
                                        generation_inputs, requested_outputs, reshaped_inputs)
 from serving.bls_execute import execute_each  # noqa: E402
 from serving.params import get_parameter, model_parameters  # noqa: E402
@@ -30,6 +30,7 @@ class TritonPythonModel:
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         self.context_name = get_parameter(params, "context_model_name", str) or "tensorrt_llm"
         self.generation_name = get_parameter(params, "generation_model_name", str) or "tensorrt_llm"
+        self.context_parameters = context_parameters(self.context_name, self.generation_name)
         self.input_names = [tensor["name"] for tensor in config["input"]]
         self.reshaped = reshaped_inputs(config["input"])
         self.output_names = [tensor["name"] for tensor in config["output"]]
@@ -63,8 +64,8 @@ class TritonPythonModel:
     def _serve(self, request, sender):
         inputs = self._inputs(request)
         outputs = requested_outputs(request.requested_output_names(), self.output_names)
-        context = [self._tensors(r) for r in self._call(self.context_name, context_inputs(inputs), CONTEXT_PARAMETERS,
-                                                        CONTEXT_OUTPUTS)]
+        context = [self._tensors(r) for r in self._call(self.context_name, context_inputs(inputs),
+                                                        self.context_parameters, CONTEXT_OUTPUTS)]
         params = context_phase_params(self.context_name, context)
         last = None
         for response in self._call(self.generation_name, generation_inputs(inputs, params), GENERATION_PARAMETERS,

@@ -39,7 +39,7 @@ from serving.metrics import (COUNTER_FAMILIES, HISTOGRAMS, gauge_specs,  # noqa:
 from serving.params import get_parameter, model_parameters  # noqa: E402
 from serving.responses import requested_outputs, wants_errors_as_output  # noqa: E402
 from serving.requests import (MISSING_STOP_ID, conversion_error_message, convert_request, request_type_of,  # noqa: E402
-                              is_stop_request, to_executor_request)
+                              is_stop_request, kv_transfer_of, to_executor_request)
 from serving.server_stop import ServerStopWatcher, ShutdownHooks, server_http_endpoint  # noqa: E402
 from serving.shared_engine import KEY_STRIDE, open_shared_engine, rendezvous_paths  # noqa: E402
 from serving.stub_watchdog import start_server_watchdog, stop_crash_dumps  # noqa: E402
@@ -298,7 +298,8 @@ class TritonPythonModel:
         specs = convert_request(tensors, decoupled=self.decoupled, exclude_input_default=self.exclude_input_default,
                                 max_input_len=self.max_input_len, encoder_decoder=self.encoder_decoder,
                                 request_type=request_type_of(request.parameters()),
-                                rotary_width=self.rotary_width, cross_attention=self.cross_attention)
+                                rotary_width=self.rotary_width, cross_attention=self.cross_attention,
+                                kv_transfer=kv_transfer_of(request.parameters()))
         registration = {"errors_as_output": wants_errors_as_output(request.parameters()),
                         "requested_outputs": requested_outputs(request)}
         return specs, registration, None

@@ -1,0 +1,116 @@
+"""Disaggregated serving across two engine processes of the shared server (conftest.triton_server):
+disaggregated_serving_bls sends the prefill to tensorrt_llm (context_only, kv_transfer shm) and the
+decode to `generation` (generation_only). Greedy ids equal the aggregated model's for 20 prompts sent
+at once, unary and streamed; stop words end the generation phase; no KV block stays used on either
+side, and no transfer file stays in shared memory."""
+from __future__ import annotations
+
+import json
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from triton_helpers import wait_for
+
+BLS = "disaggregated_serving_bls"
+MAX_TOKENS = 12
+# SmolLM2 token ids (vocabulary 49,152): 20 prompts of 3-41 tokens, some longer than a KV block
+PROMPTS = [[(1000 + 37 * i + 11 * j) % 40000 + 100 for j in range(3 + 2 * i)] for i in range(20)]
+
+
+def _body(prompt: list[int], **extra) -> dict:
+    return {"input_ids": prompt, "input_lengths": [len(prompt)], "request_output_len": [MAX_TOKENS],
+            "end_id": [2], "pad_id": [2], **extra}
+
+
+def _output_ids(server, model: str, prompt: list[int], **extra) -> list[int]:
+    response = server.generate(model, _body(prompt, **extra))
+    assert response.status_code == 200, response.text
+    return response.json()["output_ids"]
+
+
+def _infer_ids(server, model: str, prompt: list[int], **extra: np.ndarray) -> list[int]:
+    """One unary request over a gRPC stream (generate's JSON cannot carry stop_words_list's [2, -1]
+    shape, and HTTP infer takes no decoupled model): prompt + output ids."""
+    tensors = {"input_ids": np.array([prompt], np.int32), "input_lengths": np.array([[len(prompt)]], np.int32),
+               "request_output_len": np.array([[MAX_TOKENS]], np.int32), "end_id": np.array([[2]], np.int32),
+               "pad_id": np.array([[2]], np.int32), **extra}
+    inputs = []
+    for name, value in tensors.items():
+        tensor = grpcclient.InferInput(name, list(value.shape), "INT32")
+        tensor.set_data_from_numpy(value)
+        inputs.append(tensor)
+    results = []
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: results.append((result, error)))
+    client.async_stream_infer(model, inputs, outputs=[grpcclient.InferRequestedOutput("output_ids"),
+                                                      grpcclient.InferRequestedOutput("sequence_length")])
+    client.stop_stream()
+    client.close()
+    assert [error for _, error in results if error is not None] == []
+    (result, _), = [(r, e) for r, e in results if r is not None and r.as_numpy("output_ids") is not None]
+    return result.as_numpy("output_ids")[0, 0, :int(result.as_numpy("sequence_length")[0, 0])].tolist()
+
+
+def _streamed_ids(server, model: str, prompt: list[int]) -> list[int]:
+    response = server.generate(model, _body(prompt, streaming=[True]), stream=True)
+    assert response.status_code == 200
+    ids = []
+    for line in response.iter_lines():
+        if line.startswith(b"data: "):
+            event = json.loads(line[len(b"data: "):])
+            assert "error" not in event, event
+            step = event.get("output_ids", [])
+            ids += step if isinstance(step, list) else [step]  # one token comes as a number
+    return ids
+
+
+def _used_blocks(server) -> dict[str, float]:
+    found = re.findall(r'nv_trt_llm_kv_cache_block_metrics\{kv_cache_block_type="used",model="(\w+)",version="1"\} (\S+)',
+                       server.metrics_text())
+    return {model: float(value) for model, value in found}
+
+
+def _transfers(server) -> float:
+    match = re.search(r'nv_trt_llm_disaggregated_serving_metrics\{disaggregated_serving_type="request_count",'
+                      r'model="generation",version="1"\} (\S+)', server.metrics_text())
+    return float(match.group(1)) if match else 0.0
+
+
+@pytest.fixture(scope="module")
+def aggregated(triton_server):
+    """Each prompt's greedy ids from tensorrt_llm alone (context_and_generation)."""
+    with ThreadPoolExecutor(8) as pool:
+        return list(pool.map(lambda p: _output_ids(triton_server, "tensorrt_llm", p), PROMPTS))
+
+
+def test_twenty_prompts_at_once_give_the_aggregated_greedy_ids(triton_server, aggregated):
+    before = _transfers(triton_server)
+    with ThreadPoolExecutor(8) as pool:
+        split = list(pool.map(lambda p: _output_ids(triton_server, BLS, p), PROMPTS))
+    assert split == aggregated
+    assert _transfers(triton_server) - before >= len(PROMPTS)  # each went through the generation process
+    streamed = _streamed_ids(triton_server, BLS, PROMPTS[7])
+    assert PROMPTS[7] + streamed == aggregated[7] or streamed == aggregated[7]
+
+
+def test_stop_words_end_the_generation_phase_and_no_block_stays_used(triton_server, aggregated):
+    prompt, expected = PROMPTS[4], aggregated[4]
+    generated = expected[len(prompt):]
+    stop = generated[3]  # a one-token stop word: the output ends with it
+    got = _infer_ids(triton_server, BLS, prompt, stop_words_list=np.array([[[stop], [1]]], np.int32))
+    assert got == expected[:len(prompt) + generated.index(stop) + 1]
+    assert wait_for(lambda: all(v == 0 for m, v in _used_blocks(triton_server).items()
+                                if m in ("tensorrt_llm", "generation")), timeout=10), _used_blocks(triton_server)
+    assert {"tensorrt_llm", "generation"} <= set(_used_blocks(triton_server))
+
+
+def test_a_bad_transport_is_named_and_the_next_request_is_served(triton_server, aggregated):
+    """generate's fields that are not inputs are the request's parameters (request_type, kv_transfer)."""
+    response = triton_server.generate("tensorrt_llm", {**_body(PROMPTS[0]), "request_type": "context_only",
+                                                       "kv_transfer": "nccl"})
+    assert response.status_code == 400 and "kv_transfer: 'nccl' is not supported; allowed: local, shm" in response.text
+    assert _output_ids(triton_server, BLS, PROMPTS[0]) == aggregated[0]
