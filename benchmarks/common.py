@@ -429,6 +429,25 @@ def _model_shapes() -> dict[str, dict]:
             tie_word_embeddings=True, rope_theta=10000.0, norm_kind="layernorm", norm_bias=True, mlp_gated=False,
             hidden_act="gelu", residual="parallel",
         ),
+        # DeepSeek-V2-Lite (engine/models/deepseek.py, as engine/convert_deepseek.py reads it): MLA (kv_lora_rank
+        # 512, no q-lora), 26 sparse layers of 64 experts (width 1408), 6 active + 2 shared; "_mtp" adds a
+        # V3-style multi-token prediction module (V2-Lite ships none) for benchmarks/speculative/mtp_bench.py.
+        "deepseek_v2_lite": dict(
+            architecture="DeepseekV2ForCausalLM", vocab_size=102400, hidden_size=2048, num_layers=27, num_heads=16,
+            num_kv_heads=16, head_dim=64, intermediate_size=10944, norm_eps=1e-6, rope_theta=10000.0,
+            rope_scaling={"rope_type": "yarn", "factor": 40.0, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707,
+                          "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096},
+            max_position_embeddings=163840, rotary_interleaved=True, num_experts=64, num_experts_per_tok=6,
+            moe_intermediate_size=1408, mlp_only_layers=[0], kv_lora_rank=512, qk_nope_head_dim=128, v_head_dim=128,
+            n_shared_experts=2, topk_method="greedy",
+        ),
+        "deepseek_tiny": dict(  # smoke tests of the DeepSeek model and its MTP module on the CPU
+            architecture="DeepseekV3ForCausalLM", vocab_size=512, hidden_size=64, num_layers=2, num_heads=4,
+            num_kv_heads=4, head_dim=8, intermediate_size=96, max_position_embeddings=4096, num_experts=8,
+            num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[0], q_lora_rank=48, kv_lora_rank=32,
+            qk_nope_head_dim=16, v_head_dim=16, n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+            topk_method="noaux_tc", norm_topk_prob=True, num_nextn_predict_layers=1,
+        ),
         "gemma3_12b": GEMMA3_12B_SHAPE,
         "nemotron_h_8b": NEMOTRON_H_8B_SHAPE,  # hybrid Mamba-2 (engine/ssm/): benchmarks/engine/hybrid_bench.py
         "nemotron_h_tiny": NEMOTRON_H_TINY_SHAPE,
@@ -442,6 +461,7 @@ def _model_shapes() -> dict[str, dict]:
     }
     # gpt-oss-20b with its experts as OpenAI ships them: MXFP4 codes and E8M0 scales, 4.25 bits a weight.
     shapes["gpt_oss_20b_mxfp4"] = dict(shapes["gpt_oss_20b"], expert_quantization="mxfp4")
+    shapes["deepseek_v2_lite_mtp"] = dict(shapes["deepseek_v2_lite"], num_nextn_predict_layers=1)
     return shapes
 
 
