@@ -49,8 +49,10 @@ class DecodeGraphs:
 
     def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, *, tokens_per_block: int,
                  max_seq_len: int, max_batch_size: int, buckets: list[int] | None = None,
-                 sampled_tokens: torch.Tensor | None = None, lora_slots: int = 0):
+                 sampled_tokens: torch.Tensor | None = None, lora_slots: int = 0, taps=None):
         self.model = model
+        # engine/executor/layer_taps.py: each graph's tapped streams (its static outputs), by bucket
+        self.taps, self.tapped, self.lora_tapped = taps, {}, {}
         # Models with Mamba layers: each row's state slot rides in a static buffer too (-1 on padding
         # rows: the state kernels skip them); engine/executor/state_cache.py.
         self.state_slots = getattr(model, "uses_state_cache", False)
@@ -118,9 +120,13 @@ class DecodeGraphs:
         for bs in reversed(self.buckets):
             args = (self.dev_i64[0, :bs], self.dev_i64[1, :bs], self.kv_cache, self._meta(bs))
             self.graphs[bs], self.hidden[bs] = capture_forward(self.model, args, self.sampled_tokens, pool)
+            if self.taps is not None:
+                self.tapped[bs] = self.taps.captured()
             if self.lora_buffers is not None:
                 args = args[:3] + (self._meta(bs, lora=True),)
                 self.lora_graphs[bs], self.lora_hidden[bs] = capture_forward(self.model, args, self.sampled_tokens, pool)
+                if self.taps is not None:
+                    self.lora_tapped[bs] = self.taps.captured()
         torch.cuda.synchronize()
 
     def try_run(self, batch) -> torch.Tensor | None:
@@ -174,8 +180,12 @@ class DecodeGraphs:
         if lora_slots is not None:
             self.lora_buffers.fill(lora_slots, [1] * bs)
             self.lora_graphs[bucket].replay()
+            if self.taps is not None:
+                self.taps.replayed(self.lora_tapped[bucket], bs)
             return self.lora_hidden[bucket][:bs]
         self.graphs[bucket].replay()
+        if self.taps is not None:
+            self.taps.replayed(self.tapped[bucket], bs)
         return self.hidden[bucket][:bs]
 
 

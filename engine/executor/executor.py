@@ -107,6 +107,8 @@ class Executor:
         self._init_lora()  # the adapter slots come before the KV pool, which takes what is left
         self.state_slots = state_cache.start_state_cache(self.runner, self.max_batch_size, cfg)  # so do Mamba states
         self.proposer = self._make_proposer(engine_dir)  # a draft model loads before the KV pools share the memory
+        if getattr(self.proposer, "drafts_trees", False):  # tree verify steps get CUDA graphs of their own
+            self.runner.tree_graph_width = 1 + cfg.speculative.max_draft_len
         kv_share = getattr(self.proposer, "target_kv_share", 1.0)  # the rest is the draft model's pool
         num_blocks = self.runner.num_kv_blocks_for(free_mem_fraction=cfg.kv_cache_free_gpu_mem_fraction * kv_share,
                                                    max_tokens=cfg.max_tokens_in_paged_kv_cache,

@@ -50,9 +50,14 @@ class SpeculativeConfig:
     lookahead_ngram_size: int | None = None
     lookahead_verification_set_size: int | None = None
     # "eagle": EAGLE-3 heads (speculative/eagle3.py; default <engine>/eagle3) drafting the eagle_choices
-    # tree (rank paths; None: a small default); CPU only in this release. max_draft_len caps the nodes.
+    # tree (rank paths; None: a small default), or with eagle_dynamic_tree EAGLE-2's dynamic tree
+    # (eagle_dynamic_depth levels, eagle_dynamic_top_k children per expanded node and nodes expanded per
+    # level: TensorRT-LLM's num_eagle_layers and dynamic_tree_max_topK). max_draft_len caps the nodes.
     eagle_model_path: str | None = None
     eagle_choices: str | list[list[int]] | None = None
+    eagle_dynamic_tree: bool = False
+    eagle_dynamic_depth: int = 5
+    eagle_dynamic_top_k: int = 8
     # "mtp": the engine's own multi-token prediction module (DeepSeek-V3's; speculative/mtp.py), run
     # max_draft_len times a step, each run reading the one before (one rank).
 
@@ -72,6 +77,10 @@ class SpeculativeConfig:
         require(isinstance(self.max_draft_len, int) and 1 <= self.max_draft_len <= MAX_SPECULATIVE_DRAFT_LEN,
                 f"SpeculativeConfig.max_draft_len must be an integer in 1..{MAX_SPECULATIVE_DRAFT_LEN}, "
                 f"got {self.max_draft_len!r}")
+        for name in ("eagle_dynamic_depth", "eagle_dynamic_top_k"):
+            value = getattr(self, name)
+            require(isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_SPECULATIVE_DRAFT_LEN,
+                    f"SpeculativeConfig.{name} must be an integer in 1..{MAX_SPECULATIVE_DRAFT_LEN}, got {value!r}")
         require(isinstance(self.max_matching_ngram_size, int) and self.max_matching_ngram_size >= 1,
                 f"SpeculativeConfig.max_matching_ngram_size must be an integer >= 1, got {self.max_matching_ngram_size!r}")
         return self

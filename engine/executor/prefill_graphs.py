@@ -15,6 +15,13 @@ program p runs the query tile the map names, built on the host from the batch's 
 and programs past them return at once. Token ids may be placeholders for tokens the previous step
 sampled; the graph resolves them itself, as the decode graphs do (engine/executor/overlap.py).
 
+Token trees (tree verification, engine/executor/tree_batch.py): with ``tree_width`` W > 0 (the
+executor runs a tree method whose rows carry at most W tokens), every bucket up to max_batch_size x W
+tokens has a twin graph whose attention reads a static (tokens, W) int8 ancestor mask
+(AttentionMetadata.tree_mask); a tree step replays it when no sequence of the step has more than W
+new tokens, its positions being the nodes' rotary positions and its KV slots consecutive. So a tree
+verify step of a bucket's tokens costs what a chain verify step of as many tokens costs.
+
 LoRA: with ``lora_slots`` adapter slots, every bucket has a twin graph that runs the adapters over
 static segment buffers (kernels/lora.py LoraBatchBuffers, at most min(max_batch_size, slots)
 segments); a step with adapter rows replays the twin.
@@ -31,6 +38,7 @@ import bisect
 import numpy as np
 import torch
 
+from engine.executor import tree_batch
 from engine.executor.cuda_graphs import capture_forward
 from kernels.attention_metadata import AttentionMetadata
 from kernels.lora import LoraBatchBuffers
@@ -71,8 +79,11 @@ class PrefillGraphs:
 
     def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, *, tokens_per_block: int, max_seq_len: int,
                  max_batch_size: int, max_num_tokens: int, tokens_per_tile: int,
-                 sampled_tokens: torch.Tensor | None = None, buckets: list[int] | None = None, lora_slots: int = 0):
+                 sampled_tokens: torch.Tensor | None = None, buckets: list[int] | None = None, lora_slots: int = 0,
+                 taps=None, tree_width: int = 0):
         self.model = model
+        self.taps = taps  # engine/executor/layer_taps.py: each graph's tapped streams, by graph key
+        self.tapped: dict[tuple, list[torch.Tensor]] = {}
         self.lora_slots = lora_slots
         self.kv_cache = kv_cache
         self.device = kv_cache.device
@@ -90,6 +101,11 @@ class PrefillGraphs:
         self.lora_hidden: dict[int, torch.Tensor] = {}
         self.lora_buffers = (LoraBatchBuffers(self.buckets[-1], min(max_batch_size, lora_slots), kv_cache.device,
                                               decode=True) if lora_slots else None)
+        self.tree_width = tree_width
+        tree_tokens = min(max_batch_size * tree_width, self.buckets[-1])
+        self.tree_buckets = [b for b in self.buckets if tree_width and b <= self.bucket_for(tree_tokens)]
+        self.tree_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.tree_hidden: dict[int, torch.Tensor] = {}
         self._allocate_buffers()
 
     def num_tiles(self, bucket: int) -> int:
@@ -112,18 +128,24 @@ class PrefillGraphs:
         self.dev_i64[2].fill_(-1)
         self._np_i64, self._np_seq = self.host_i64.numpy(), self.host_seq.numpy()
         self._np_tables, self._np_tiles = self.host_tables.numpy(), self.host_tiles.numpy()
+        tree_rows = self.tree_buckets[-1] if self.tree_buckets else 0  # each token's ancestors among its row's
+        self.host_tree = torch.zeros(tree_rows, max(self.tree_width, 1), dtype=torch.int8).pin_memory()
+        self.dev_tree = torch.zeros(tree_rows, max(self.tree_width, 1), dtype=torch.int8, device=self.device)
         self._copied = torch.cuda.Event()
         self._copied.record()
 
-    def _meta(self, bucket: int, lora: bool = False) -> AttentionMetadata:
+    def _meta(self, bucket: int, lora: bool = False, tree: bool = False) -> AttentionMetadata:
         tiles = self.num_tiles(bucket)
-        return AttentionMetadata(
+        meta = AttentionMetadata(
             slot_mapping=self.dev_i64[2, :bucket], block_tables=self.dev_tables,
             cu_seqlens_q=self.dev_seq[0], context_lens=self.dev_seq[1, :self.max_seqs],
             max_seqlen_q=bucket, max_context_len=self.max_seq_len, is_decode_only=False,
             tile_seq=self.dev_tiles[0, :tiles], tile_m=self.dev_tiles[1, :tiles],
             lora=self.lora_buffers.batch(bucket) if lora else None,  # this bucket's view: kernels/lora.py
         )
+        if tree:  # int8 already, so the kernel wrapper's .to(torch.int8) is this buffer itself
+            meta.tree_mask = self.dev_tree[:bucket]
+        return meta
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -133,11 +155,22 @@ class PrefillGraphs:
         for bucket in reversed(self.buckets):
             args = (self.dev_i64[0, :bucket], self.dev_i64[1, :bucket], self.kv_cache, self._meta(bucket))
             self.graphs[bucket], self.hidden[bucket] = capture_forward(self.model, args, self.sampled_tokens, pool)
+            self._keep_taps("plain", bucket)
             if self.lora_buffers is not None:
                 args = args[:3] + (self._meta(bucket, lora=True),)
                 self.lora_graphs[bucket], self.lora_hidden[bucket] = capture_forward(
                     self.model, args, self.sampled_tokens, pool)
+                self._keep_taps("lora", bucket)
+            if bucket in self.tree_buckets:
+                args = args[:3] + (self._meta(bucket, tree=True),)
+                self.tree_graphs[bucket], self.tree_hidden[bucket] = capture_forward(
+                    self.model, args, self.sampled_tokens, pool)
+                self._keep_taps("tree", bucket)
         torch.cuda.synchronize()
+
+    def _keep_taps(self, kind: str, bucket: int) -> None:
+        if self.taps is not None:
+            self.tapped[kind, bucket] = self.taps.captured()
 
     def bucket_for(self, num_tokens: int) -> int:
         return self.buckets[bisect.bisect_left(self.buckets, num_tokens)]
@@ -150,6 +183,10 @@ class PrefillGraphs:
                 or num_tokens == num_seqs or max(map(len, batch.block_tables)) > self.max_blocks
                 or (batch.lora_slots is not None and self.lora_buffers is None)):
             return None
+        tree = batch.tree_parents is not None
+        if tree and (batch.lora_slots is not None or not self.tree_buckets or num_tokens > self.tree_buckets[-1]
+                     or max(batch.seq_lens_q) > self.tree_width):
+            return None  # (eager: the reference or the Triton kernel with a mask of this step's width)
         bucket = self.bucket_for(num_tokens)
         self._copied.synchronize()  # the previous step's copies have left the pinned buffers
         self._fill(batch, bucket)
@@ -159,14 +196,19 @@ class PrefillGraphs:
         self.dev_seq.copy_(self.host_seq, non_blocking=True)
         self.dev_tables[:num_seqs].copy_(self.host_tables[:num_seqs], non_blocking=True)
         self.dev_tiles[:, :tiles].copy_(self.host_tiles[:, :tiles], non_blocking=True)
+        if tree:
+            self.dev_tree[:num_tokens].copy_(self.host_tree[:num_tokens], non_blocking=True)
         self._copied.record()
-        if batch.lora_slots is not None:
+        if tree:
+            kind, graph, hidden = "tree", self.tree_graphs[bucket], self.tree_hidden[bucket]
+        elif batch.lora_slots is not None:
             self.lora_buffers.fill(batch.lora_slots, batch.seq_lens_q)
-            self.lora_graphs[bucket].replay()
-            hidden = self.lora_hidden[bucket]
+            kind, graph, hidden = "lora", self.lora_graphs[bucket], self.lora_hidden[bucket]
         else:
-            self.graphs[bucket].replay()
-            hidden = self.hidden[bucket]
+            kind, graph, hidden = "plain", self.graphs[bucket], self.hidden[bucket]
+        graph.replay()
+        if self.taps is not None:
+            self.taps.replayed(self.tapped[kind, bucket], num_tokens)
         # Pinned, so the copy does not wait for the replay (a pageable one would block the host).
         rows = torch.tensor(batch.logits_indices, dtype=torch.int64).pin_memory()
         return hidden[rows.to(hidden.device, non_blocking=True)]
@@ -180,9 +222,15 @@ class PrefillGraphs:
         q_lens = np.asarray(batch.seq_lens_q, dtype=np.int64)
         seq_of_token = np.repeat(np.arange(len(q_lens)), q_lens)
         positions = np.asarray(batch.positions, dtype=np.int64)
+        slots = positions  # a tree's tokens: rotary positions by depth, KV slots consecutive (tree_batch.py)
+        if batch.tree_parents is not None:
+            slots = np.asarray(tree_batch.slot_positions(batch.positions, batch.seq_lens_q, batch.context_lens,
+                                                         batch.tree_parents), dtype=np.int64)
+            mask = tree_batch.tree_mask(batch.seq_lens_q, batch.tree_parents)
+            self.host_tree[:n, :mask.shape[1]] = mask.to(torch.int8)
         i64[0, :n] = batch.token_ids
         i64[1, :n] = positions
-        i64[2, :n] = tables[seq_of_token, positions // page].astype(np.int64) * page + positions % page
+        i64[2, :n] = tables[seq_of_token, slots // page].astype(np.int64) * page + slots % page
         i64[0, n:bucket] = 0
         i64[1, n:bucket] = 0
         i64[2, n:bucket] = -1

@@ -21,6 +21,7 @@ from engine.config import FLOAT32_WEIGHT_SUFFIXES, EngineConfig, EngineFormatErr
 from engine.models import get_model_class
 from engine.executor.device_memory import apply_memory_fraction_from_env, free_device_bytes
 from engine.executor.cuda_graphs import DecodeGraphs, choose_programmatic_launch, run_warmup_batch
+from engine.executor.layer_taps import LayerTaps
 from engine.executor.overlap import resolve_placeholders
 from engine.executor.prefill_graphs import PrefillGraphs
 from engine.executor.mrope_rotary import StepRotary
@@ -120,6 +121,19 @@ class ModelRunner:
         self.prefill_graphs: PrefillGraphs | None = None  # steps with prompt tokens (engine/executor/prefill_graphs.py)
         self.keep_hidden_rows = False  # forward() keeps the scored rows' hidden states (_logits)
         self.last_hidden_rows: torch.Tensor | None = None
+        self.layer_taps: LayerTaps | None = None  # tap_layers(): layers' streams after each forward, graphs too
+        # Tree methods (the executor sets it before the capture): rows of up to this many tokens verify
+        # token trees through graphs of their own (engine/executor/prefill_graphs.py); 0: eagerly.
+        self.tree_graph_width = 0
+
+    def tap_layers(self, layers: list[int]) -> LayerTaps:
+        """Keep ``layers``' residual streams after every forward, graph replays included
+        (engine/executor/layer_taps.py). Before capture_cuda_graphs: each graph keeps the streams
+        its capture made."""
+        if self.decode_graphs is not None or self.prefill_graphs is not None:
+            raise RuntimeError("tap_layers() must run before capture_cuda_graphs()")
+        self.layer_taps = LayerTaps(self.model, layers)
+        return self.layer_taps
 
     def _load_model(self, engine_dir: str, tp_group) -> torch.nn.Module:
         cfg, build = self.model_config, self.build_config
@@ -299,7 +313,7 @@ class ModelRunner:
         build = self.build_config
         self.decode_graphs = DecodeGraphs(self.model, self.kv_cache, tokens_per_block=self.tokens_per_block,
                                           max_seq_len=build.max_seq_len, max_batch_size=build.max_batch_size,
-                                          sampled_tokens=self.sampled_tokens,
+                                          sampled_tokens=self.sampled_tokens, taps=self.layer_taps,
                                           lora_slots=0 if self.lora_pools is None else self.lora_pools.num_slots)
         self.choose_kernels(self.decode_graphs.buckets)
         self.decode_graphs.capture()
@@ -310,7 +324,7 @@ class ModelRunner:
                 max_batch_size=build.max_batch_size, max_num_tokens=build.max_num_tokens,
                 tokens_per_tile=prefill_tokens_per_tile(cfg.num_heads // cfg.num_kv_heads, cfg.head_dim,
                                                         self.kv_cache.element_size()),
-                sampled_tokens=self.sampled_tokens,
+                sampled_tokens=self.sampled_tokens, taps=self.layer_taps, tree_width=self.tree_graph_width,
                 lora_slots=0 if self.lora_pools is None else self.lora_pools.num_slots)
             try:
                 self.prefill_graphs.capture()
@@ -405,9 +419,8 @@ class ModelRunner:
         AttentionMetadata.span_ahead); such steps run eagerly."""
         if self.kv_cache is None:
             raise RuntimeError("allocate_kv_cache() must run before forward()")
-        graphs_may_run = (not all_logits and prompt_embeds is None and rotary is None
-                          and batch.tree_parents is None and span_ahead is None)
-        if self.decode_graphs is not None and graphs_may_run:
+        graphs_may_run = not all_logits and prompt_embeds is None and rotary is None and span_ahead is None
+        if self.decode_graphs is not None and graphs_may_run and batch.tree_parents is None:
             hidden = self.decode_graphs.try_run(batch)
             if hidden is not None:  # a decode-only batch, replayed from its bucket's graph
                 return self._logits(hidden)

@@ -1,27 +1,33 @@
 """EAGLE-3 heads (engine/executor/speculative/eagle3.py) in the published checkpoint layout, made here
 on random weights: they load, draft a tree from the target's low/mid/high layer streams, and
-greedy ids through tree verification (TreeDecoder and decoding_mode eagle in the executor) equal
-transformers' greedy decoding."""
+greedy ids through tree verification (TreeDecoder and decoding_mode eagle in the executor, static
+and dynamic trees, the draft layer's KV cache: eagle3_drafter.py) equal transformers' greedy
+decoding; on CUDA (gpu mark) the same through the executor's CUDA graphs, whose replays keep the
+tapped layers' streams (engine/executor/layer_taps.py) and verify trees (prefill_graphs.py)."""
 from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from engine.executor.runner import ModelRunner
-from engine.executor.speculative.eagle3 import Eagle3ConfigError, Eagle3TreeProposer, load_eagle3
+from engine.executor.speculative.eagle3 import Eagle3ConfigError, Eagle3TreeProposer, draft_tree, load_eagle3
+from engine.executor.speculative.eagle3_drafter import DraftCache, _Tree, draft_dynamic, draft_static
+from engine.executor.speculative.tree import shape_from_choices
 from engine.executor.speculative.tree_step import TreeDecoder
 
 HIDDEN, VOCAB, DRAFT_VOCAB = 64, 128, 32
-# The heads run on the CPU (decoding_mode eagle is refused on CUDA by name: graph replays skip its hooks).
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="EAGLE-3 heads are CPU only in this release")
+CHOICES = "{0}, {1}, {0, 0}, {0, 1}, {0, 0, 0}"
 
 
 def save_eagle3(directory, hidden: int = HIDDEN, seed: int = 0, layers: list[int] | None = None) -> str:
     """Random weights under the EAGLE-3 authors' key names; draft vocab = every 4th target id (d2t)."""
+    if os.path.isdir(directory):
+        return str(directory)
     g = torch.Generator().manual_seed(seed)
     r = lambda *shape: 0.2 * torch.randn(*shape, generator=g)  # noqa: E731
     heads, kv, head_dim, inter = 4, 2, 16, 128
@@ -123,49 +129,188 @@ def test_checkpoints_that_do_not_fit_are_refused_by_name(tmp_path):
         load_eagle3(path, hidden_size=HIDDEN, vocab_size=VOCAB, num_layers=2)
 
 
+def force_path(proposer, truth: list[int], vocab: int = VOCAB):
+    """Wrap the proposer's propose: the drafter runs as ever (its caches, its trees), then the
+    first-child chain of each tree gets the true continuation and every other node a wrong token,
+    so paths are accepted as deep as the tree's chain."""
+    propose = proposer.propose
+
+    def forced(seqs, max_draft_len):
+        drafts = propose(seqs, max_draft_len)
+        for seq, tokens in zip(seqs, drafts):
+            if not tokens:
+                continue
+            chain, extended, depth = {-1}, set(), {-1: 0}
+            for i, parent in enumerate(seq.draft_parents):
+                depth[i] = depth[parent] + 1
+                true = truth[len(seq.token_ids) + depth[i] - 1]
+                if parent in chain and parent not in extended:  # the first child of a chain node
+                    extended.add(parent)
+                    chain.add(i)
+                    tokens[i] = true
+                elif tokens[i] == true:
+                    tokens[i] = (true + 1) % vocab
+        return drafts
+    proposer.propose = forced
+
+
+def test_cached_drafter_equals_the_whole_sequence_reference(tmp_path, runner, tiny_hf):
+    """The draft layer's KV cache (committed rows + tree rows with ancestor masks) drafts the same
+    static tree as the reference that recomputes the layer over whole sequences; the dynamic tree's
+    nodes are each among the top-K of the reference's ranking after their parent's path, and score
+    order keeps it a tree."""
+    head, layers = load_eagle3(save_eagle3(tmp_path / "eagle3", layers=[0, 1, 1]), hidden_size=HIDDEN,
+                               vocab_size=VOCAB, num_layers=len(runner.model.layers))
+    tokens = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]
+    with torch.no_grad():
+        states = tiny_hf(torch.tensor([tokens]), output_hidden_states=True).hidden_states
+    g = head.features(states[1][0], states[2][0], states[2][0])[:-1]  # every token but the root
+    embed = runner.model.embed_tokens
+    shape = shape_from_choices([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1]], field="eagle_choices")
+    cache = DraftCache(0, head, torch.device("cpu"))
+    cache.add_features(g[:5])
+    cache.commit(head, tokens, embed)  # in two commits, as steps would
+    cache.add_features(g[5:])
+    cache.commit(head, tokens, embed)
+    assert cache.length == len(tokens) - 1 and cache.end == len(tokens) - 1
+    with torch.no_grad():
+        want = draft_tree(head, shape, g, tokens, embed)
+        assert draft_static(head, cache, shape, embed) == want
+        # the tree rows' outputs themselves: the root's, then two nodes of depth 1 and one of depth 2
+        tree = _Tree(head, cache, embed)
+        laws = [tree.root_logits()]
+        a, b = tree.add(0, 8), tree.add(0, 12)
+        laws += list(tree.expand([a, b]))
+        laws += list(tree.expand([tree.add(a, 20)]))
+        for law, path in zip(laws, ([], [8], [12], [8, 20])):
+            ids = torch.tensor(tokens[1:] + path)
+            h, _ = head.forward(embed(ids), _path_features(head, g, tokens, path, embed), torch.arange(len(ids)))
+            torch.testing.assert_close(law, torch.log_softmax(head.logits(h[-1:])[0], -1), rtol=1e-4, atol=1e-4)
+        parents, drafted = draft_dynamic(head, cache, embed, depth=3, top_k=3, num_nodes=10)
+    assert len(parents) == 10 and all(p < i for i, p in enumerate(parents))
+    for i, (parent, token) in enumerate(zip(parents, drafted)):
+        path, node = [], parent
+        while node >= 0:
+            path.insert(0, drafted[node])
+            node = parents[node]
+        ids = torch.tensor(tokens[1:] + path)
+        with torch.no_grad():
+            _, ranked = head.forward(embed(ids), _path_features(head, g, tokens, path, embed), torch.arange(len(ids)))
+        assert token in ranked[:3].tolist(), (i, token)
+
+
+def _path_features(head, g, tokens, path, embed):
+    """g extended along ``path`` with the draft's own outputs (EAGLE's training-time test)."""
+    feats = g
+    with torch.no_grad():
+        for depth in range(len(path)):
+            ids = torch.tensor(tokens[1:] + path[:depth])
+            h, _ = head.forward(embed(ids), feats, torch.arange(len(ids)))
+            feats = torch.cat([feats, h[-1:]])
+    return feats
+
+
 def test_executor_decoding_mode_eagle_greedy_ids_equal_transformers(tmp_path, tiny_engine, tiny_hf):
-    """decoding_mode eagle in the in-flight executor: 3 greedy requests and a sampled one in one
-    batch (trees verified by argmax / multi-draft rejection): greedy ids equal transformers, all
-    blocks back. Then one request with the oracle ranking: paths accepted deep, and the features the
-    proposer kept equal transformers' layer-0 stream over the request's tokens. Heads of the wrong
-    size are refused at start by name."""
+    """decoding_mode eagle in the in-flight executor, static and dynamic trees: 3 greedy requests and
+    a sampled one in one batch (trees verified by argmax / multi-draft rejection): greedy ids equal
+    transformers, all blocks back. Then one request with forced paths: accepted deep, and the draft
+    cache's committed keys equal the head's keys over transformers' layer-0 stream. Cancels mid-tree
+    free the draft caches. Heads of the wrong size are refused at start by name."""
+    run_eagle_executor(tmp_path, tiny_engine, tiny_hf, device="cpu")
+    from engine.executor.executor import Executor, ExecutorConfig, ExecutorConfigError, SpeculativeConfig
+
+    wrong = SpeculativeConfig("eagle", eagle_model_path=save_eagle3(tmp_path / "wide", hidden=32))
+    with pytest.raises(ExecutorConfigError, match="hidden_size 32 does not match the target's 64"):
+        Executor(tiny_engine, ExecutorConfig(speculative=wrong))
+    with pytest.raises(ExecutorConfigError, match="eagle_dynamic_top_k must be an integer in 1..64"):
+        Executor(tiny_engine, ExecutorConfig(speculative=SpeculativeConfig("eagle", eagle_dynamic_top_k=0)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_executor_decoding_mode_eagle_on_cuda_graphs(tmp_path, tiny_engine, tiny_hf):
+    """The same on CUDA: decode, prompt and tree verify steps replay CUDA graphs (tree steps their
+    own, with the ancestor mask), and the taps read inside the replays give the same draft keys."""
+    replays = run_eagle_executor(tmp_path, tiny_engine, tiny_hf, device="cuda")
+    assert replays["tree"] > 0 and replays["decode"] > 0
+
+
+def run_eagle_executor(tmp_path, tiny_engine, tiny_hf, device: str) -> dict:
     from executor_testing import collect, final_tokens
 
-    from engine.executor.executor import Executor, ExecutorConfig, ExecutorConfigError, SpeculativeConfig
+    from engine.executor.executor import Executor, ExecutorConfig, SpeculativeConfig
     from engine.executor.request import Request, SamplingConfig
 
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [7, 7, 2, 9, 11], [20, 30, 40, 50, 60, 70]]
     refs = [tiny_hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False)[0, len(p):].tolist()
             for p in prompts]
-    spec = SpeculativeConfig("eagle", max_draft_len=8, eagle_model_path=save_eagle3(tmp_path / "heads", layers=[0, 0, 0]),
-                             eagle_choices="{0}, {1}, {0, 0}, {0, 1}, {0, 0, 0}")
-    config = ExecutorConfig(exclude_input_from_output=True, speculative=spec, enable_kv_cache_reuse=False)
-    with Executor(tiny_engine, config) as executor:  # (no prefix hits: the oracle counts from position 0)
-        requests = [Request(p, 10) for p in prompts]
-        requests.append(Request(prompts[0], 10, sampling=SamplingConfig(temperature=0.8, top_k=8, seed=1)))
-        ids = executor.enqueue_requests(requests)
-        got = collect(executor, ids, timeout=300)
-        assert [final_tokens(got[i]) for i in ids[:3]] == refs
-        assert len(final_tokens(got[ids[3]])) == 10
-        assert executor._num_draft_tokens_total > 0
-        executor.blocks.check_invariants()
-        assert executor.blocks.num_free_blocks == executor.blocks.num_blocks
-        proposer = executor.proposer
-        full = tiny_hf.generate(torch.tensor([prompts[1]]), max_new_tokens=16, do_sample=False)[0].tolist()
-        proposer.head = OracleHead(proposer.head, full + [0] * 8)
-        before, released = executor._num_accepted_draft_tokens_total, {}
-        proposer.release = lambda seq: released.update({seq.seq_id: proposer._features.pop(seq.seq_id)})
-        [rid] = executor.enqueue_requests([Request(prompts[1], 16)])
-        assert final_tokens(collect(executor, [rid], timeout=300)[rid]) == full[len(prompts[1]):]
-        assert executor._num_accepted_draft_tokens_total - before >= 8
-        [(start, g)] = released.values()
-        assert start == 0 and g.shape[0] >= len(full) - 2  # every computed token's features, accepted paths included
-        with torch.no_grad():
-            stream = tiny_hf(torch.tensor([full[start:start + g.shape[0]]]), output_hidden_states=True).hidden_states[1][0]
-        torch.testing.assert_close(g, proposer.head.features(stream, stream, stream), rtol=1e-4, atol=1e-4)
-        assert executor.blocks.num_free_blocks == executor.blocks.num_blocks
-        for hook in proposer._hooks:
-            hook.remove()
-    wrong = SpeculativeConfig("eagle", eagle_model_path=save_eagle3(tmp_path / "wide", hidden=32))
-    with pytest.raises(ExecutorConfigError, match="hidden_size 32 does not match the target's 64"):
-        Executor(tiny_engine, ExecutorConfig(speculative=wrong))
+    path = save_eagle3(tmp_path / "heads", layers=[0, 0, 0])
+    replays = {"tree": 0, "decode": 0}
+    for dynamic in (False, True):
+        spec = SpeculativeConfig("eagle", max_draft_len=8, eagle_model_path=path, eagle_choices=CHOICES,
+                                 eagle_dynamic_tree=dynamic, eagle_dynamic_depth=3, eagle_dynamic_top_k=3)
+        config = ExecutorConfig(exclude_input_from_output=True, speculative=spec, enable_kv_cache_reuse=False)
+        with Executor(tiny_engine, config, device=device) as executor:  # (no prefix hits: caches from position 0)
+            runner = executor.runner
+            if device == "cuda":
+                count_replays(runner, replays)
+            requests = [Request(p, 10) for p in prompts]
+            requests.append(Request(prompts[0], 10, sampling=SamplingConfig(temperature=0.8, top_k=8, seed=1)))
+            ids = executor.enqueue_requests(requests)
+            got = collect(executor, ids, timeout=300)
+            assert [final_tokens(got[i]) for i in ids[:3]] == refs
+            assert len(final_tokens(got[ids[3]])) == 10
+            assert executor._num_draft_tokens_total > 0
+            executor.blocks.check_invariants()
+            assert executor.blocks.num_free_blocks == executor.blocks.num_blocks
+            assert not executor.proposer._caches  # every cache freed with its sequence
+            if dynamic:
+                continue
+            proposer = executor.proposer
+            full = tiny_hf.generate(torch.tensor([prompts[1]]), max_new_tokens=16, do_sample=False)[0].tolist()
+            force_path(proposer, full + [0] * 8)
+            before, released = executor._num_accepted_draft_tokens_total, {}
+            proposer.release = lambda seq: released.update({seq.seq_id: proposer._caches.pop(seq.seq_id)})
+            [rid] = executor.enqueue_requests([Request(prompts[1], 16)])
+            assert final_tokens(collect(executor, [rid], timeout=300)[rid]) == full[len(prompts[1]):]
+            assert executor._num_accepted_draft_tokens_total - before >= 8
+            [cache] = released.values()
+            n = cache.length
+            assert cache.start == 0 and n >= len(full) - 6
+            head = proposer.head
+            with torch.no_grad():
+                stream = tiny_hf(torch.tensor([full[:n]]), output_hidden_states=True).hidden_states[1][0]
+                g = head.features(*(stream.to(cache.k.device),) * 3)
+                _, k, _ = head.qkv(runner.model.embed_tokens(torch.tensor(full[1:n + 1], device=cache.k.device)), g,
+                                   torch.arange(n))
+            torch.testing.assert_close(cache.k[:n], k, rtol=1e-3, atol=1e-3)
+            # cancels mid-tree free the draft caches too
+            drafted = executor._num_draft_tokens_total
+            ids = executor.enqueue_requests([Request(p, 60) for p in prompts])
+            deadline = time.monotonic() + 60
+            while executor._num_draft_tokens_total == drafted:  # a few tree steps in
+                assert time.monotonic() < deadline
+                time.sleep(0.002)
+            for i in ids:
+                executor.cancel_request(i)
+            collect(executor, ids, timeout=60)
+            executor.blocks.check_invariants()
+            assert not proposer._caches and executor.blocks.num_free_blocks == executor.blocks.num_blocks
+    return replays
+
+
+def count_replays(runner, replays: dict) -> None:
+    """Count the tree graphs' and decode graphs' replays (a CUDA runner)."""
+    prefill, decode = runner.prefill_graphs, runner.decode_graphs
+    prefill_run, decode_run = prefill.try_run, decode.try_run
+
+    def prefill_try(batch):
+        hidden = prefill_run(batch)
+        replays["tree"] += hidden is not None and batch.tree_parents is not None
+        return hidden
+
+    def decode_try(batch):
+        hidden = decode_run(batch)
+        replays["decode"] += hidden is not None
+        return hidden
+    prefill.try_run, decode.try_run = prefill_try, decode_try

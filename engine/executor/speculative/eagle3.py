@@ -19,8 +19,11 @@ post_attention_layernorm}.weight``, ``midlayer.self_attn.{q,k,v,o}_proj.weight``
 ``midlayer.mlp.{gate,up,down}_proj.weight``, ``norm.weight``, ``lm_head.weight``, ``d2t`` (and
 ``t2d``, unused here). The token embedding is the target's.
 
-This implementation recomputes the draft layer over the whole sequence for every drafted depth
-(no draft KV cache): correct, simple, and meant for CPU tests and small trees.
+The executor's proposer keeps the draft layer's KV cache and drafts static or dynamic (EAGLE-2)
+trees (speculative/eagle3_drafter.py); the one-sequence TreeDecoder proposer recomputes the layer
+over the whole sequence per drafted depth (``draft_tree``: the plain reference the cached drafter is
+tested against). The target's layers are tapped by engine/executor/layer_taps.py, CUDA graph
+replays included.
 """
 from __future__ import annotations
 
@@ -30,7 +33,9 @@ import os
 import torch
 from safetensors.torch import load_file
 
+from engine.executor.layer_taps import LayerTaps
 from engine.executor.runner import ModelRunner
+from engine.executor.speculative.eagle3_drafter import DraftCache, draft_dynamic, draft_static
 from engine.executor.speculative.proposer import ProposerConfigError, draft_room
 from engine.executor.speculative.tree import TreeChoicesError, parse_choices, shape_from_choices
 
@@ -51,53 +56,77 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Llama rotary (rotate-half) on x (T, heads, head_dim) at positions (T,)."""
+    """Llama rotary (rotate-half) on x (T, heads, head_dim) at positions (T,), in float32."""
     half = x.shape[-1] // 2
-    inv = 1.0 / theta ** (torch.arange(half, dtype=torch.float32) / half)
-    angles = positions.float()[:, None] * inv[None]  # (T, half)
+    inv = 1.0 / theta ** (torch.arange(half, dtype=torch.float32, device=x.device) / half)
+    angles = positions.to(x.device).float()[:, None] * inv[None]  # (T, half)
     cos, sin = angles.cos()[:, None], angles.sin()[:, None]
-    a, b = x[..., :half], x[..., half:]
-    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+    a, b = x[..., :half].float(), x[..., half:].float()
+    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1).to(x.dtype)
 
 
 class Eagle3Head:
-    """The draft layer's float32 weights and its forward (no KV cache: whole sequences)."""
+    """The draft layer's weights (``dtype`` on ``device``: float32 on the CPU, the target's dtype on a
+    GPU) and its forward, whole sequences at once (``forward``) or in the pieces a KV cache of the
+    draft layer needs (``qkv``, ``attend``, ``finish``, ``logits``: speculative/eagle3_drafter.py)."""
 
-    def __init__(self, config: dict, state: dict[str, torch.Tensor]):
-        self.config, self.w = config, {k: v.float() for k, v in state.items()}
+    def __init__(self, config: dict, state: dict[str, torch.Tensor], device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32):
+        self.config, self.dtype = config, dtype
+        self.w = {k: v.to(device=device, dtype=dtype) for k, v in state.items() if k not in ("d2t", "t2d")}
         self.eps, self.theta = float(config.get("rms_norm_eps", 1e-6)), float(config.get("rope_theta", 10000.0))
         self.num_heads, self.num_kv_heads = int(config["num_attention_heads"]), int(config["num_key_value_heads"])
         self.head_dim = int(config.get("head_dim") or config["hidden_size"] // self.num_heads)
-        self.d2t = state["d2t"].long()
+        self.d2t = state["d2t"].long().to(device)
 
     def features(self, low: torch.Tensor, mid: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
         """The target's three streams (T, H) each -> g (T, H)."""
-        return torch.cat([low, mid, high], dim=-1).float() @ self.w["fc.weight"].T
+        return torch.cat([low, mid, high], dim=-1).to(self.dtype) @ self.w["fc.weight"].T
 
-    def forward(self, embeds: torch.Tensor, g: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """embeds (T, H) of x_{t+1}, g (T, H), positions (T,) -> (h (T, H), target-vocab ids ranked
-        by the draft at the last row: (draft_vocab,))."""
+    def qkv(self, embeds: torch.Tensor, g: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Rows of x_{t+1}'s embedding and g_t at ``positions`` -> rotated q (T, heads, d), k and v
+        (T, kv_heads, d): a row's k and v depend on nothing else (one layer), so a cache keeps them."""
         w, T = self.w, embeds.shape[0]
-        a = torch.cat([_rms(embeds.float(), w["midlayer.input_layernorm.weight"], self.eps),
+        a = torch.cat([_rms(embeds.to(self.dtype), w["midlayer.input_layernorm.weight"], self.eps),
                        _rms(g, w["midlayer.hidden_norm.weight"], self.eps)], dim=-1)
         q = (a @ w["midlayer.self_attn.q_proj.weight"].T).view(T, self.num_heads, self.head_dim)
         k = (a @ w["midlayer.self_attn.k_proj.weight"].T).view(T, self.num_kv_heads, self.head_dim)
         v = (a @ w["midlayer.self_attn.v_proj.weight"].T).view(T, self.num_kv_heads, self.head_dim)
-        q, k = _rotate(q, positions, self.theta), _rotate(k, positions, self.theta)
+        return _rotate(q, positions, self.theta), _rotate(k, positions, self.theta), v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """q (R, heads, d) over keys k, v (S, kv_heads, d); mask (R, S) bool (True: seen) or None for
+        causal rows ending at the last key -> (R, heads * d)."""
         group = self.num_heads // self.num_kv_heads
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        attn = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
-                                                                v.transpose(0, 1), is_causal=True)
-        h = g + attn.transpose(0, 1).reshape(T, -1) @ w["midlayer.self_attn.o_proj.weight"].T
+        causal = mask is None and q.shape[0] == k.shape[0]
+        attn = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, is_causal=causal)
+        return attn.transpose(0, 1).reshape(q.shape[0], -1)
+
+    def finish(self, g: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The layer's output h (R, H) from its input stream g and its attention rows."""
+        w = self.w
+        h = g + attn @ w["midlayer.self_attn.o_proj.weight"].T
         m = _rms(h, w["midlayer.post_attention_layernorm.weight"], self.eps)
         m = torch.nn.functional.silu(m @ w["midlayer.mlp.gate_proj.weight"].T) * (m @ w["midlayer.mlp.up_proj.weight"].T)
-        h = h + m @ w["midlayer.mlp.down_proj.weight"].T
-        logits = _rms(h[-1], w["norm.weight"], self.eps) @ w["lm_head.weight"].T
-        draft_ids = logits.argsort(descending=True)
+        return h + m @ w["midlayer.mlp.down_proj.weight"].T
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h (R, H) -> float32 draft-vocabulary logits (R, draft_vocab); target id = id + d2t[id]."""
+        return (_rms(h, self.w["norm.weight"], self.eps) @ self.w["lm_head.weight"].T).float()
+
+    def forward(self, embeds: torch.Tensor, g: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """embeds (T, H) of x_{t+1}, g (T, H), positions (T,) -> (h (T, H), target-vocab ids ranked
+        by the draft at the last row: (draft_vocab,)). Whole sequences, causal, no cache."""
+        q, k, v = self.qkv(embeds, g, positions)
+        h = self.finish(g, self.attend(q, k, v, None))
+        draft_ids = self.logits(h[-1:])[0].argsort(descending=True)
         return h, draft_ids + self.d2t[draft_ids]
 
 
-def load_eagle3(path: str, *, hidden_size: int, vocab_size: int, num_layers: int) -> tuple[Eagle3Head, list[int]]:
+def load_eagle3(path: str, *, hidden_size: int, vocab_size: int, num_layers: int, device: torch.device | str = "cpu",
+                dtype: torch.dtype = torch.float32) -> tuple[Eagle3Head, list[int]]:
     """An EAGLE-3 checkpoint directory -> (the head, the target layers whose output streams it reads)."""
     config_path, weights_path = os.path.join(path, "config.json"), os.path.join(path, "model.safetensors")
     if not (os.path.isfile(config_path) and os.path.isfile(weights_path)):
@@ -129,7 +158,7 @@ def load_eagle3(path: str, *, hidden_size: int, vocab_size: int, num_layers: int
         # a layer outside the target would tap features the heads were not trained on
         raise Eagle3ConfigError(f"eagle_config.eagle_aux_hidden_state_layer_ids must be 3 layer indices in "
                                 f"0..{num_layers - 1} (the target's layers), got {layers!r}")
-    return Eagle3Head(config, state), layers
+    return Eagle3Head(config, state, device, dtype), layers
 
 
 def draft_tree(head: Eagle3Head, shape, g: torch.Tensor, tokens: list[int], embed) -> tuple[list[int], list[int]]:
@@ -158,22 +187,6 @@ def draft_tree(head: Eagle3Head, shape, g: torch.Tensor, tokens: list[int], embe
     return parents, drafts
 
 
-def tap_layers(runner, layers: list[int], taps: dict[int, torch.Tensor]) -> list:
-    """Forward hooks on the target's ``layers``: after each forward, taps[j] holds layers[j]'s residual
-    stream (its output plus the deferred residual adds), float32 (tokens, H). Returns the handles."""
-    def tap(j: int):
-        def hook(module, inputs, output):  # (stream, pending add): a tensor (LlamaLayer) or a tuple (DecoderLayer)
-            x, adds = output
-            if isinstance(adds, torch.Tensor):
-                x = x + adds
-            else:
-                for term in adds:
-                    x = x + term
-            taps[j] = x.detach().float()
-        return hook
-    return [runner.model.layers[i].register_forward_hook(tap(j)) for j, i in enumerate(layers)]
-
-
 class Eagle3TreeProposer:
     """A TreeDecoder proposer (tree_step.py ``TreeProposer``). It taps the target's three layers with
     forward hooks (their outputs plus the deferred residual adds: the residual stream), keeps g for
@@ -185,17 +198,15 @@ class Eagle3TreeProposer:
     def __init__(self, runner, head: Eagle3Head, layers: list[int], choices: list[list[int]] | None = None):
         self.runner, self.head = runner, head
         self.shape = shape_from_choices(choices or DEFAULT_EAGLE_CHOICES, field="eagle_choices")
-        self._taps: dict[int, torch.Tensor] = {}
-        self._hooks = tap_layers(runner, layers, self._taps)
+        self.taps = LayerTaps(runner.model, layers)  # (TreeDecoder runs no graphs)
         self._g: torch.Tensor | None = None  # (tokens with target features, H)
         self._previous: tuple[int, list[int], list[int]] | None = None  # (len(tokens), parents, node tokens)
 
     def close(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
+        self.taps.close()
 
     def __call__(self, tokens: list[int], last_hidden: torch.Tensor) -> tuple[list[int], list[int]]:
-        rows = self.head.features(self._taps[0], self._taps[1], self._taps[2])  # the last forward's tokens
+        rows = self.head.features(*self.taps.streams)  # the last forward's tokens
         if self._previous is None:  # the prompt's forward: every row is a token of the prompt
             self._g = rows
         else:
@@ -223,22 +234,27 @@ class Eagle3TreeProposer:
 
 class Eagle3DraftProposer:
     """The in-flight executor's DraftProposer for ``decoding_mode eagle`` (proposer.py's interface),
-    plus ``observe_batch``: after each forward, the rows the hooks tapped (every scheduled token, in
-    plan order) become each sequence's features, for the tokens it computed: a chunk's known tokens,
-    then a verified tree's accepted path or a chain's accepted drafts. Features start where the
-    sequence's computation starts (a prefix-cache hit or a recompute after preemption restarts them
-    there); the draft layer attends to what it has. Greedy rows verify by argmax, sampled ones by
-    multi-draft rejection sampling (the target's law is kept)."""
+    plus ``observe_batch``: after each forward, the rows the taps kept (every scheduled token, in
+    plan order; CUDA graph replays included: engine/executor/layer_taps.py) become each sequence's
+    features, for the tokens it computed: a chunk's known tokens, then a verified tree's accepted path
+    or a chain's accepted drafts. They go into the sequence's draft-layer cache (eagle3_drafter.py
+    DraftCache), which starts where the sequence's computation starts (a prefix-cache hit or a
+    recompute after preemption restarts it there; the draft layer attends to what it has) and is
+    freed in ``release`` (finish, cancel, failure). Trees: ``choices``' static tree, or with
+    ``dynamic`` = (depth, top_k) EAGLE-2's dynamic tree of max_draft_len nodes. Greedy rows verify by
+    argmax, sampled ones by multi-draft rejection sampling (the target's law is kept)."""
 
-    def __init__(self, runner, head: Eagle3Head, layers: list[int], choices: list[list[int]]):
-        self.runner, self.head = runner, head
+    drafts_trees = True  # verify steps replay the tree graphs (runner.tree_graph_width)
+
+    def __init__(self, runner, head: Eagle3Head, layers: list[int], choices: list[list[int]],
+                 dynamic: tuple[int, int] | None = None):
+        self.runner, self.head, self.dynamic = runner, head, dynamic
         self.shape = shape_from_choices(choices, field="eagle_choices")
-        self._taps: dict[int, torch.Tensor] = {}
-        self._hooks = tap_layers(runner, layers, self._taps)
-        self._features: dict[int, tuple[int, torch.Tensor]] = {}  # seq_id -> (first position, g (n, H))
+        self.taps = runner.tap_layers(layers)
+        self._caches: dict[int, DraftCache] = {}
 
     def observe_batch(self, scheduled: list, verified: dict | None) -> None:
-        rows = self.head.features(self._taps[0], self._taps[1], self._taps[2])
+        rows = self.head.features(*self.taps.streams)
         offset = 0
         for item in scheduled:
             seq, n, k = item.seq, item.num_new_tokens, item.num_draft_tokens
@@ -249,48 +265,57 @@ class Eagle3DraftProposer:
             if v is not None and v.num_accepted:
                 accepted = v.path[1:] if v.path is not None else range(1, v.num_accepted + 1)
                 keep = torch.cat([keep, chunk[[n - k - 1 + j for j in accepted]]])
-            start, g = self._features.get(seq.seq_id, (item.start, keep[:0]))
-            if start + g.shape[0] != item.start:  # a restart (preemption, prefix hit): features from here
-                start, g = item.start, keep[:0]
-            self._features[seq.seq_id] = (start, torch.cat([g, keep]))
+            cache = self._caches.get(seq.seq_id)
+            if cache is None or cache.end != item.start:  # a restart (preemption, prefix hit): features from here
+                cache = self._caches[seq.seq_id] = DraftCache(item.start, self.head, rows.device)
+            cache.add_features(keep)
 
     def propose(self, seqs: list, max_draft_len: int) -> list[list[int]]:
         drafts = []
+        embed = self.runner.model.embed_tokens
         for seq in seqs:
             seq.draft_parents = None
-            start, g = self._features.get(seq.seq_id, (0, None))
+            cache = self._caches.get(seq.seq_id)
             room = draft_room(seq, max_draft_len)
-            if g is None or not g.shape[0] or not room or seq.num_unresolved_tokens \
-                    or start + g.shape[0] != len(seq.token_ids) - 1:
+            if cache is None or not room or seq.num_unresolved_tokens or cache.end != len(seq.token_ids) - 1:
                 drafts.append([])
                 continue
-            parents, tokens = draft_tree(self.head, self.shape, g, seq.token_ids, self.runner.model.embed_tokens)
+            cache.commit(self.head, seq.token_ids, embed)
+            if cache.last_q is None:
+                drafts.append([])
+                continue
+            if self.dynamic is None:
+                parents, tokens = draft_static(self.head, cache, self.shape, embed)
+            else:
+                depth, top_k = self.dynamic
+                parents, tokens = draft_dynamic(self.head, cache, embed, depth=depth, top_k=top_k, num_nodes=room)
             seq.draft_parents, seq.draft_tree_keeps_law = parents[:room], True
             drafts.append(tokens[:room])
         return drafts
 
     def release(self, seq) -> None:
-        self._features.pop(seq.seq_id, None)
+        self._caches.pop(seq.seq_id, None)
 
 
 def start_eagle3(runner, spec, *, engine_dir: str, has_state: bool) -> Eagle3DraftProposer:
     """The proposer of ``decoding_mode eagle`` (heads in ``spec.eagle_model_path``, default the
-    engine directory's ``eagle3/``), or ProposerConfigError naming the field."""
+    engine directory's ``eagle3/``), or ProposerConfigError naming the field. Runs before the
+    runner's CUDA graphs are captured: they keep the tapped layers' streams too."""
     if not isinstance(runner, ModelRunner) or runner.build_config.tp_size > 1:
         raise ProposerConfigError("decoding_mode eagle runs on one rank (tp_size 1) in this release")
     if has_state:
         raise ProposerConfigError("decoding_mode eagle: models with recurrent state (Mamba layers) cannot verify "
                                   "token trees")
-    if runner.device.type != "cpu":
-        raise ProposerConfigError("decoding_mode eagle runs on the CPU in this release: its heads read three target "
-                                  "layers through forward hooks, which CUDA graph replays skip")
     path = spec.eagle_model_path or os.path.join(engine_dir, "eagle3")
     try:
         choices = spec.eagle_choices
         if isinstance(choices, str):
             choices = parse_choices(choices, field="eagle_choices")
+        # float32 on the CPU (the tests compare with transformers there), the target's dtype on a GPU
+        dtype = torch.float32 if runner.device.type == "cpu" else runner.dtype
         head, layers = load_eagle3(path, hidden_size=runner.model_config.hidden_size, vocab_size=runner.vocab_size,
-                                   num_layers=len(runner.model.layers))
-        return Eagle3DraftProposer(runner, head, layers, choices or DEFAULT_EAGLE_CHOICES)
+                                   num_layers=len(runner.model.layers), device=runner.device, dtype=dtype)
+        dynamic = (spec.eagle_dynamic_depth, spec.eagle_dynamic_top_k) if spec.eagle_dynamic_tree else None
+        return Eagle3DraftProposer(runner, head, layers, choices or DEFAULT_EAGLE_CHOICES, dynamic)
     except (TreeChoicesError, ValueError, OSError) as err:
         raise ProposerConfigError(str(err)) from None

@@ -117,6 +117,8 @@ class LookaheadProposer:
     """The executor's DraftProposer for ``decoding_mode lookahead`` (proposer.py's interface), plus
     ``observe_verified``: the target's argmax at each node, after verification."""
 
+    drafts_trees = True  # verify steps replay the tree graphs (runner.tree_graph_width)
+
     def __init__(self, sizes: LookaheadSizes):
         self.sizes = sizes.check()
         self._states: dict[int, _LookaheadState] = {}

@@ -132,6 +132,8 @@ class MedusaDraftProposer:
     ones by Medusa's typical acceptance (verify.py, typical.py).
     """
 
+    drafts_trees = True  # verify steps replay the tree graphs (runner.tree_graph_width)
+
     def __init__(self, heads: MedusaHeads, choices: list[list[int]]):
         self.tree = MedusaProposer(heads, choices)
         self._hidden: dict[int, torch.Tensor] = {}  # seq_id -> (hidden,) at its last computed token

@@ -1,0 +1,303 @@
+#!/usr/bin/env python3
+"""Tree verification on the Llama-3.1-8B shape (issue 56's GPU figures), random weights, bf16 and FP8:
+what a tree verify step costs against a decode step, and the batch-1 speed-up EAGLE-3 trees buy at
+forced acceptance lengths, driven through the executor.
+
+    python benchmarks/speculative/tree_bench.py [--dtypes bf16,fp8] [--nodes 16,32,64] [--batches 1,8,32]
+        [--lengths 3,4,5] [--loop-nodes 16] [--context 512] [--output-len 96] [--out tree_bench.json]
+    python benchmarks/speculative/tree_bench.py --tiny     # the tiny model on the CPU: a smoke run
+
+Per dtype one in-process Executor runs ``decoding_mode eagle`` with random EAGLE-3 heads of the
+target's shape (the authors' layout: H = 4096, 32 heads, 8 KV heads, MLP 14336, draft vocabulary
+32000, written to a temporary directory), max_draft_len 64, so its runner captures the tree
+graphs (engine/executor/prefill_graphs.py: one per token bucket up to 32 x 65 tokens) and taps the
+heads' three layers inside every graph (engine/executor/layer_taps.py). Sections:
+
+1. ``verify``: ModelRunner.forward of a batch of B sequences each verifying a random tree of n nodes
+   (parent of node i uniform among the root and nodes < i; rotary positions by depth, consecutive
+   KV slots, logits at the root and every node, as Executor._forward_batch packs a tree row) plus
+   the argmax read back, against a plain decode step of the same B sequences, both at ``--context``
+   tokens of context: median wall ms (benchmarks/speculative/speculative_bench.py time_step).
+   Goal: 64 nodes at batch 1 <= 1.3x a decode step.
+2. ``loop``: batch 1, greedy, the executor's own EAGLE-3 loop (the heads draft with their KV cache,
+   every step is a tree verify step over a ``--loop-nodes`` static tree: a chain of depth 5 plus
+   siblings), with acceptance forced: after the drafter ran, the tree's first-child chain gets the
+   target's own continuation to depth L - 1 and every other node a wrong token, so each step
+   accepts L - 1 drafts and emits L tokens. The continuation is plain greedy decoding's; on random
+   weights a tree step and a decode step may round a near-tie differently, so the run is repeated
+   (off the clock) with its own output as the continuation until they agree (at most 3 runs); the
+   table says whether they did and the acceptance length measured. Tokens/s from the request's first
+   to last token against plain decoding's on the same engine (the proposer detached: the plain,
+   overlapped loop). Goal: >= 2.5x at acceptance length 4.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: engine, kernels, benchmarks
+
+from benchmarks.common import (MODELS, command_line, device_name, free_device_memory, git_commit,  # noqa: E402
+                               int_list, print_table, utc_now, write_config_only_engine)
+from benchmarks.speculative.speculative_bench import (decode_seconds, greedy_request, run_one, step_path,  # noqa: E402
+                                                      time_step, verify_batch, with_blocks)
+
+DTYPES = {"bf16": None, "fp8": "fp8"}
+GOAL_TREE_RATIO = 1.3  # 64 nodes at batch 1 against a decode step
+GOAL_SPEEDUP = 2.5  # batch 1 at acceptance length 4
+LOOP_DEPTH = 5  # the loop tree's chain
+
+
+def save_random_eagle3(directory: str, model: dict, draft_vocab: int, device: str) -> str:
+    """Random EAGLE-3 heads of ``model``'s shape in the authors' layout (bf16 on disk)."""
+    import torch
+    from safetensors.torch import save_file
+
+    h, heads, kv = model["hidden_size"], model["num_heads"], model["num_kv_heads"]
+    d, inter = model["head_dim"], model["intermediate_size"]
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def r(*shape):
+        return (torch.randn(*shape, generator=g, device=device) * shape[-1] ** -0.5).to(torch.bfloat16).cpu()
+
+    def ones():
+        return torch.ones(h, dtype=torch.bfloat16)
+
+    state = {"fc.weight": r(h, 3 * h), "norm.weight": ones(), "midlayer.hidden_norm.weight": ones(),
+             "midlayer.input_layernorm.weight": ones(), "midlayer.post_attention_layernorm.weight": ones(),
+             "midlayer.self_attn.q_proj.weight": r(heads * d, 2 * h), "midlayer.self_attn.k_proj.weight": r(kv * d, 2 * h),
+             "midlayer.self_attn.v_proj.weight": r(kv * d, 2 * h), "midlayer.self_attn.o_proj.weight": r(h, heads * d),
+             "midlayer.mlp.gate_proj.weight": r(inter, h), "midlayer.mlp.up_proj.weight": r(inter, h),
+             "midlayer.mlp.down_proj.weight": r(h, inter), "lm_head.weight": r(draft_vocab, h),
+             "d2t": torch.zeros(draft_vocab, dtype=torch.int64)}
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    (Path(directory) / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLMEagle3"], "hidden_size": h, "intermediate_size": inter,
+        "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": d, "rms_norm_eps": 1e-5,
+        "rope_theta": model.get("rope_theta", 10000.0), "vocab_size": model["vocab_size"],
+        "draft_vocab_size": draft_vocab, "num_hidden_layers": 1}))
+    save_file(state, str(Path(directory) / "model.safetensors"))
+    return directory
+
+
+def loop_choices(nodes: int) -> list[list[int]]:
+    """A chain of LOOP_DEPTH first children, then siblings breadth-first, ``nodes`` paths in all."""
+    choices = [[0] * depth for depth in range(1, LOOP_DEPTH + 1)]
+    for rank in range(1, nodes):
+        for depth in range(LOOP_DEPTH):
+            if len(choices) < nodes:
+                choices.append([0] * depth + [rank])
+    return choices[:nodes]
+
+
+def start(args, label: str):
+    from engine.executor.executor import Executor, ExecutorConfig, SpeculativeConfig
+
+    free_device_memory(args.device)
+    started = time.perf_counter()
+    model = MODELS[args.model]
+    heads = save_random_eagle3(tempfile.mkdtemp(prefix="eagle3-"), model, args.draft_vocab, args.device)
+    engine_dir = write_config_only_engine(args.model, args.model_dtype, args.max_batch_size, args.max_seq_len,
+                                          args.max_batch_size * 65, args.tokens_per_block, DTYPES[label])
+    spec = SpeculativeConfig("eagle", max_draft_len=64, eagle_model_path=heads,
+                             eagle_choices=loop_choices(args.loop_nodes))
+    config = ExecutorConfig(max_tokens_in_paged_kv_cache=args.kv_tokens, enable_kv_cache_reuse=True,
+                            speculative=spec)
+    executor = Executor(engine_dir, config, device=args.device)
+    prefill = getattr(executor.runner, "prefill_graphs", None)
+    info = {"load_seconds": round(time.perf_counter() - started, 1),
+            "tree_graph_buckets": [] if prefill is None else sorted(prefill.tree_graphs)}
+    return executor, info
+
+
+def tree_batch(tables, context: int, parents: list[int], rng: random.Random, vocab: int, page: int):
+    """verify_batch's packing for a tree: per sequence the root (last known token) then the nodes."""
+    from engine.executor.tree_batch import chunk_parents, tree_positions
+
+    n = len(parents) + 1
+    batch = verify_batch(tables, context, n - 1, rng, vocab, page)
+    trees = [chunk_parents(n, parents) for _ in tables]
+    batch.tree_parents = trees
+    batch.positions = [p for tree in trees for p in tree_positions(context - 1, tree)]
+    return batch
+
+
+def tree_path(runner, batch) -> str:
+    prefill = getattr(runner, "prefill_graphs", None)
+    if prefill is not None and prefill.tree_buckets and len(batch.token_ids) <= prefill.tree_buckets[-1]:
+        return f"tree graph, {prefill.bucket_for(len(batch.token_ids))}-token bucket"
+    return "eager" if runner.device.type == "cuda" else "eager (CPU)"
+
+
+def bench_verify(executor, args) -> list[dict]:
+    runner = executor.runner
+    page, vocab = runner.tokens_per_block, runner.vocab_size
+    blocks_per_seq = -(-(args.context + max(args.nodes)) // page)
+    rows = []
+    for batch_size in args.batches:
+        rng = random.Random(batch_size)
+
+        def measure(tables):
+            plain = verify_batch(tables, args.context, 0, rng, vocab, page)
+            base = time_step(runner, plain, 10, args.repeat)
+            out = []
+            for n in args.nodes:
+                parents = [rng.randrange(-1, i) for i in range(n)]
+                batch = tree_batch(tables, args.context, parents, rng, vocab, page)
+                ms = time_step(runner, batch, args.warmup, args.repeat)
+                depth = max(len(set(tree_depths(parents))), 1)
+                out.append({"batch": batch_size, "nodes": n, "depth": depth, "tokens": len(batch.token_ids),
+                            "path": tree_path(runner, batch), "tree_ms": ms, "plain_ms": base,
+                            "plain_path": step_path(runner, plain), "ratio": ms / base})
+                print(f"    batch {batch_size} nodes {n}: {ms:.3f} ms vs {base:.3f} ({out[-1]['path']})", flush=True)
+            return out
+
+        rows += with_blocks(executor, batch_size, blocks_per_seq, measure)
+    return rows
+
+
+def tree_depths(parents: list[int]) -> list[int]:
+    depths = []
+    for p in parents:
+        depths.append(1 if p < 0 else depths[p] + 1)
+    return depths
+
+
+def force_acceptance(proposer, state: dict, vocab: int) -> None:
+    """After the drafter ran: the tree's first-child chain takes state["truth"] to depth
+    state["depth"], every other node a wrong token."""
+    propose = proposer.propose
+
+    def forced(seqs, max_draft_len):
+        drafts = propose(seqs, max_draft_len)
+        truth, depth_limit = state["truth"], state["depth"]
+        for seq, tokens in zip(seqs, drafts):
+            chain, extended, depth = {-1}, set(), {-1: 0}
+            for i, parent in enumerate(seq.draft_parents or []):
+                depth[i] = depth[parent] + 1
+                at = len(seq.token_ids) + depth[i] - 1
+                true = truth[at] if at < len(truth) else -1
+                if parent in chain and parent not in extended and depth[i] <= depth_limit:
+                    extended.add(parent)
+                    chain.add(i)
+                    tokens[i] = true
+                elif tokens[i] == true:
+                    tokens[i] = (true + 1) % vocab
+        return drafts
+    proposer.propose = forced
+
+
+def bench_loop(executor, args) -> dict:
+    vocab = executor.runner.vocab_size
+    prompt = [random.Random(7).randrange(vocab) for _ in range(args.context)]
+    proposer = executor.proposer
+    executor.proposer = None  # plain decoding: the overlapped loop, no drafts
+    result = run_one(executor, greedy_request(prompt, args.output_len))
+    plain_ids = list(result.output_token_ids[0])
+    plain = (len(plain_ids) - 1) / decode_seconds(result)
+    executor.proposer = proposer
+    state = {"truth": prompt + plain_ids, "depth": 0}
+    force_acceptance(proposer, state, vocab)
+    rows = []
+    for length in args.lengths:
+        state["depth"], state["truth"] = length - 1, prompt + plain_ids
+        for attempt in range(1, 4):
+            result = run_one(executor, greedy_request(prompt, args.output_len))
+            ids = list(result.output_token_ids[0])
+            agrees = ids == state["truth"][len(prompt):]
+            if agrees:
+                break
+            state["truth"] = prompt + ids
+        accepted = result.perf.total_accepted_draft_tokens
+        steps = len(ids) - 1 - accepted
+        tps = (len(ids) - 1) / decode_seconds(result)
+        rows.append({"forced_length": length, "measured_length": (len(ids) - 1) / max(steps, 1), "runs": attempt,
+                     "ids_agree": agrees, "ids_equal_plain": ids == plain_ids, "tok_s": tps, "plain_tok_s": plain,
+                     "speedup": tps / plain, "step_ms": decode_seconds(result) * 1e3 / max(steps, 1)})
+        print(f"    L={length}: {tps:.1f} tok/s vs plain {plain:.1f}: {tps / plain:.2f}x "
+              f"(measured L {rows[-1]['measured_length']:.2f}, runs {attempt})", flush=True)
+    return {"plain_tok_s": plain, "plain_step_ms": 1e3 / plain, "rows": rows}
+
+
+def markdown(results: dict) -> str:
+    lines = [f"`{results['command']}` on {results['device']}, {results['date']}, commit {results['commit']}", ""]
+    lines += ["| dtype | batch | nodes (depth) | tokens | path | tree verify ms | decode ms | ratio |",
+              "|---|---:|---:|---:|---|---:|---:|---:|"]
+    for label, entry in results["dtypes"].items():
+        for r in entry.get("verify", []):
+            lines.append(f"| {label} | {r['batch']} | {r['nodes']} ({r['depth']}) | {r['tokens']} | {r['path']} | "
+                         f"{r['tree_ms']:.3f} | {r['plain_ms']:.3f} | **{r['ratio']:.2f}x** |")
+    lines += ["", "| dtype | forced acceptance length | measured | tok/s | plain tok/s | speed-up | tree step ms | "
+              "ids = continuation (runs) / = plain |", "|---|---:|---:|---:|---:|---:|---:|---|"]
+    for label, entry in results["dtypes"].items():
+        loop = entry.get("loop")
+        for r in (loop or {}).get("rows", []):
+            lines.append(f"| {label} | {r['forced_length']} | {r['measured_length']:.2f} | {r['tok_s']:.1f} | "
+                         f"{r['plain_tok_s']:.1f} | **{r['speedup']:.2f}x** | {r['step_ms']:.2f} | "
+                         f"{'yes' if r['ids_agree'] else 'no'} ({r['runs']}) / {'yes' if r['ids_equal_plain'] else 'no'} |")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dtypes", default="bf16,fp8")
+    parser.add_argument("--model", choices=sorted(MODELS), default="llama8b")
+    parser.add_argument("--tiny", action="store_true", help="the tiny model on the CPU (float32): a smoke run")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--sections", default="verify,loop")
+    parser.add_argument("--nodes", default="16,32,64")
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--lengths", default="3,4,5")
+    parser.add_argument("--loop-nodes", type=int, default=16)
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=96)
+    parser.add_argument("--draft-vocab", type=int, default=32000)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--tokens-per-block", type=int, default=32)
+    parser.add_argument("--out", default="tree_bench.json")
+    parser.add_argument("--markdown", default=None)
+    args = parser.parse_args(argv)
+    args.nodes, args.batches, args.lengths = int_list(args.nodes), int_list(args.batches), int_list(args.lengths)
+    args.sections = args.sections.split(",")
+    args.model_dtype = "bfloat16"
+    if args.tiny:
+        args.model, args.model_dtype, args.device = "tiny", "float32", args.device or "cpu"
+        args.dtypes, args.context, args.output_len, args.draft_vocab = "bf16", 24, 12, 64
+        args.repeat, args.warmup = 2, 1
+    args.device = args.device or "cuda"
+    args.max_batch_size = max(args.batches)
+    args.max_seq_len = args.context + args.output_len + 128
+    args.kv_tokens = args.max_batch_size * args.max_seq_len + 4096
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    results = {"command": command_line(__file__, argv), "device": device_name(args.device), "date": utc_now(),
+               "commit": git_commit(), "dtypes": {}}
+    for label in args.dtypes.split(","):
+        print(f"--- {label}", flush=True)
+        executor, info = start(args, label)
+        entry = results["dtypes"][label] = {"engine": info}
+        try:
+            if "verify" in args.sections:
+                entry["verify"] = bench_verify(executor, args)
+                Path(args.out).write_text(json.dumps(results, indent=1))
+            if "loop" in args.sections:
+                entry["loop"] = bench_loop(executor, args)
+                Path(args.out).write_text(json.dumps(results, indent=1))
+        finally:
+            executor.shutdown()
+            del executor
+    print_table(markdown(results), args.markdown)
+    return results
+
+
+if __name__ == "__main__":
+    main()
