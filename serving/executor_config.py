@@ -29,14 +29,19 @@ SPECULATIVE_DECODING_MODES = {"ngram": "ngram", "draft_target": "draft_model", "
 SPECULATIVE_SETTINGS = {"max_draft_len": int, "max_matching_ngram_size": int, "draft_engine_dir": str,
                         "medusa_model_path": str, "medusa_choices": list, "lookahead_window_size": int,
                         "lookahead_ngram_size": int, "lookahead_verification_set_size": int,
-                        "eagle_model_path": str, "eagle_choices": list}
+                        "eagle_model_path": str, "eagle_choices": list, "eagle_dynamic_tree": bool,
+                        "eagle_dynamic_depth": int, "eagle_dynamic_top_k": int}
 # medusa: the heads in medusa_model_path (default: the engine directory's medusa/), the tree in
 # medusa_choices (engine/executor/speculative/medusa.py). lookahead: the reference's three
 # lookahead_* parameters, all required (engine/executor/speculative/lookahead.py). eagle: EAGLE-3
-# heads in eagle_model_path (default: the engine directory's eagle3/), the tree in eagle_choices
-# (engine/executor/speculative/eagle3.py; CPU only in this release). mtp: the engine's own
+# heads in eagle_model_path (default: the engine directory's eagle3/), the tree in eagle_choices, or
+# EAGLE-2's dynamic tree with use_dynamic_tree (dynamic_tree_max_topK, num_eagle_layers: TensorRT-LLM's
+# EagleDecodingConfig names) (engine/executor/speculative/eagle3.py). mtp: the engine's own
 # multi-token prediction module (DeepSeek-V3's) drafting max_draft_len tokens a step, chained
 # (engine/executor/speculative/mtp.py).
+EAGLE_DYNAMIC_PARAMETERS = {"use_dynamic_tree": ("eagle_dynamic_tree", bool),
+                            "dynamic_tree_max_topK": ("eagle_dynamic_top_k", int),
+                            "num_eagle_layers": ("eagle_dynamic_depth", int)}
 LOOKAHEAD_PARAMETERS = ("lookahead_window_size", "lookahead_ngram_size", "lookahead_verification_set_size")
 
 # parameter name -> (setting name, type)
@@ -146,6 +151,7 @@ def decoding_mode_settings(params: dict[str, str]) -> dict[str, Any]:
         "draft_engine_dir": get_parameter(params, "draft_model_path", str),
         "medusa_model_path": get_parameter(params, "medusa_model_path", str),
         "eagle_model_path": get_parameter(params, "eagle_model_path", str),
+        **{setting: get_parameter(params, name, kind) for name, (setting, kind) in EAGLE_DYNAMIC_PARAMETERS.items()},
     }
     mode = _choice(params, "decoding_mode", {**{m: m for m in DECODING_MODES}, **{m: m for m in SPECULATIVE_DECODING_MODES}})
     if mode in SPECULATIVE_DECODING_MODES:

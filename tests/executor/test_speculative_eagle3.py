@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from benchmarks.speculative.tree_bench import force_acceptance
 from engine.executor.runner import ModelRunner
 from engine.executor.speculative.eagle3 import Eagle3ConfigError, Eagle3TreeProposer, draft_tree, load_eagle3
 from engine.executor.speculative.eagle3_drafter import DraftCache, _Tree, draft_dynamic, draft_static
@@ -127,31 +128,6 @@ def test_checkpoints_that_do_not_fit_are_refused_by_name(tmp_path):
     save_file(state, os.path.join(path, "model.safetensors"))
     with pytest.raises(Eagle3ConfigError, match="lacks model.safetensors midlayer.mlp.up_proj.weight"):
         load_eagle3(path, hidden_size=HIDDEN, vocab_size=VOCAB, num_layers=2)
-
-
-def force_path(proposer, truth: list[int], vocab: int = VOCAB):
-    """Wrap the proposer's propose: the drafter runs as ever (its caches, its trees), then the
-    first-child chain of each tree gets the true continuation and every other node a wrong token,
-    so paths are accepted as deep as the tree's chain."""
-    propose = proposer.propose
-
-    def forced(seqs, max_draft_len):
-        drafts = propose(seqs, max_draft_len)
-        for seq, tokens in zip(seqs, drafts):
-            if not tokens:
-                continue
-            chain, extended, depth = {-1}, set(), {-1: 0}
-            for i, parent in enumerate(seq.draft_parents):
-                depth[i] = depth[parent] + 1
-                true = truth[len(seq.token_ids) + depth[i] - 1]
-                if parent in chain and parent not in extended:  # the first child of a chain node
-                    extended.add(parent)
-                    chain.add(i)
-                    tokens[i] = true
-                elif tokens[i] == true:
-                    tokens[i] = (true + 1) % vocab
-        return drafts
-    proposer.propose = forced
 
 
 def test_cached_drafter_equals_the_whole_sequence_reference(tmp_path, runner, tiny_hf):
@@ -268,7 +244,7 @@ def run_eagle_executor(tmp_path, tiny_engine, tiny_hf, device: str) -> dict:
                 continue
             proposer = executor.proposer
             full = tiny_hf.generate(torch.tensor([prompts[1]]), max_new_tokens=16, do_sample=False)[0].tolist()
-            force_path(proposer, full + [0] * 8)
+            force_acceptance(proposer, {"truth": full, "depth": 8}, VOCAB)  # (the bench's forcing)
             before, released = executor._num_accepted_draft_tokens_total, {}
             proposer.release = lambda seq: released.update({seq.seq_id: proposer._caches.pop(seq.seq_id)})
             [rid] = executor.enqueue_requests([Request(prompts[1], 16)])
