@@ -15,10 +15,14 @@ from __future__ import annotations
 
 import torch
 
+from kernels.fp8 import apply_scales
+
 
 class LayerTaps:
-    """Forward hooks on ``model.layers[i]`` for i in ``layers`` (a layer returns (stream, pending
-    residual add): a tensor (LlamaLayer) or a tuple of them (DecoderLayer); the stream is their sum)."""
+    """Forward hooks on ``model.layers[i]`` for i in ``layers`` (a layer returns (output, pending
+    residual add): the add a tensor (LlamaLayer) or a tuple of them (DecoderLayer), the output a
+    tensor or, from FP8 layers, a ScaledProduct whose scales are still to apply; the stream is
+    their sum)."""
 
     def __init__(self, model: torch.nn.Module, layers: list[int]):
         self.layers = list(layers)
@@ -28,6 +32,7 @@ class LayerTaps:
     def _hook(self, j: int):
         def hook(module, inputs, output):
             x, adds = output
+            x = apply_scales(x)  # (a tensor: itself)
             if isinstance(adds, torch.Tensor):
                 x = x + adds
             elif adds:

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from benchmarks.speculative.tree_bench import force_acceptance
 from engine.executor.runner import ModelRunner
 from engine.executor.speculative.eagle3 import Eagle3ConfigError, Eagle3TreeProposer, draft_tree, load_eagle3
-from engine.executor.speculative.eagle3_drafter import DraftCache, _Tree, draft_dynamic, draft_static
+from engine.executor.speculative.eagle3_drafter import DraftCache, StaticPlan, draft_dynamic, draft_static
 from engine.executor.speculative.tree import shape_from_choices
 from engine.executor.speculative.tree_step import TreeDecoder
 
@@ -87,9 +87,9 @@ class OracleHead:
     def features(self, *streams):
         return self.head.features(*streams)
 
-    def forward(self, embeds, g, positions):
-        h, ranked = self.head.forward(embeds, g, positions)
-        true = self.full[len(positions) + 1]  # row r embeds x_{r+1} and guesses x_{r+2}
+    def forward(self, embeds, g):
+        h, ranked = self.head.forward(embeds, g)
+        true = self.full[embeds.shape[0] + 1]  # row r embeds x_{r+1} and guesses x_{r+2}
         return h, torch.cat([torch.tensor([true]), ranked[ranked != true]])
 
 
@@ -151,16 +151,19 @@ def test_cached_drafter_equals_the_whole_sequence_reference(tmp_path, runner, ti
     assert cache.length == len(tokens) - 1 and cache.end == len(tokens) - 1
     with torch.no_grad():
         want = draft_tree(head, shape, g, tokens, embed)
-        assert draft_static(head, cache, shape, embed) == want
+        plan = StaticPlan(shape, torch.device("cpu"))
+        assert draft_static(head, cache, plan, embed) == want
+        # tree rows: [0] and [1] (depth 1) see themselves only, [0, 0] (depth 2) sees [0] and itself
+        assert [level["seen"].tolist() if level["seen"] is not None else None for level in plan.levels] == [
+            [[True, False], [False, True]], [[True, False, True]], None]
         # the tree rows' outputs themselves: the root's, then two nodes of depth 1 and one of depth 2
-        tree = _Tree(head, cache, embed)
-        laws = [tree.root_logits()]
-        a, b = tree.add(0, 8), tree.add(0, 12)
-        laws += list(tree.expand([a, b]))
-        laws += list(tree.expand([tree.add(a, 20)]))
+        h0, law = cache.root(head)
+        h1 = cache.tree_rows(head, embed, torch.tensor([8, 12]), h0.expand(2, -1), 1, 0, torch.eye(2, dtype=torch.bool))
+        h2 = cache.tree_rows(head, embed, torch.tensor([20]), h1[:1], 2, 2, torch.tensor([[True, False, True]]))
+        laws = [law[0], *torch.log_softmax(head.logits(torch.cat([h1, h2])), -1)]
         for law, path in zip(laws, ([], [8], [12], [8, 20])):
             ids = torch.tensor(tokens[1:] + path)
-            h, _ = head.forward(embed(ids), _path_features(head, g, tokens, path, embed), torch.arange(len(ids)))
+            h, _ = head.forward(embed(ids), _path_features(head, g, tokens, path, embed))
             torch.testing.assert_close(law, torch.log_softmax(head.logits(h[-1:])[0], -1), rtol=1e-4, atol=1e-4)
         parents, drafted = draft_dynamic(head, cache, embed, depth=3, top_k=3, num_nodes=10)
     assert len(parents) == 10 and all(p < i for i, p in enumerate(parents))
@@ -171,7 +174,7 @@ def test_cached_drafter_equals_the_whole_sequence_reference(tmp_path, runner, ti
             node = parents[node]
         ids = torch.tensor(tokens[1:] + path)
         with torch.no_grad():
-            _, ranked = head.forward(embed(ids), _path_features(head, g, tokens, path, embed), torch.arange(len(ids)))
+            _, ranked = head.forward(embed(ids), _path_features(head, g, tokens, path, embed))
         assert token in ranked[:3].tolist(), (i, token)
 
 
@@ -181,7 +184,7 @@ def _path_features(head, g, tokens, path, embed):
     with torch.no_grad():
         for depth in range(len(path)):
             ids = torch.tensor(tokens[1:] + path[:depth])
-            h, _ = head.forward(embed(ids), feats, torch.arange(len(ids)))
+            h, _ = head.forward(embed(ids), feats)
             feats = torch.cat([feats, h[-1:]])
     return feats
 
@@ -258,7 +261,7 @@ def run_eagle_executor(tmp_path, tiny_engine, tiny_hf, device: str) -> dict:
                 stream = tiny_hf(torch.tensor([full[:n]]), output_hidden_states=True).hidden_states[1][0]
                 g = head.features(*(stream.to(cache.k.device),) * 3)
                 _, k, _ = head.qkv(runner.model.embed_tokens(torch.tensor(full[1:n + 1], device=cache.k.device)), g,
-                                   torch.arange(n))
+                                   0)
             torch.testing.assert_close(cache.k[:n], k, rtol=1e-3, atol=1e-3)
             # cancels mid-tree free the draft caches too
             drafted = executor._num_draft_tokens_total
@@ -290,3 +293,22 @@ def count_replays(runner, replays: dict) -> None:
         replays["decode"] += hidden is not None
         return hidden
     prefill.try_run, decode.try_run = prefill_try, decode_try
+
+
+def test_layer_taps_apply_an_fp8_layers_deferred_scales():
+    """An FP8 layer hands its output on as a ScaledProduct (scales applied by the next reader): the
+    tapped stream is the product with its scales, plus the pending residual."""
+    from engine.executor.layer_taps import LayerTaps
+    from kernels.fp8 import ScaledProduct
+
+    class Layer(torch.nn.Module):
+        def forward(self, x):
+            return ScaledProduct(x, torch.full((x.shape[0],), 2.0), torch.full((x.shape[1],), 3.0)), x + 1
+
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([Layer()])
+    taps = LayerTaps(model, [0])
+    x = torch.randn(3, 4)
+    model.layers[0](x)
+    torch.testing.assert_close(taps.streams[0], 6 * x + x + 1)
+    taps.close()

@@ -35,7 +35,7 @@ from safetensors.torch import load_file
 
 from engine.executor.layer_taps import LayerTaps
 from engine.executor.runner import ModelRunner
-from engine.executor.speculative.eagle3_drafter import DraftCache, draft_dynamic, draft_static
+from engine.executor.speculative.eagle3_drafter import DraftCache, StaticPlan, draft_dynamic, draft_static
 from engine.executor.speculative.proposer import ProposerConfigError, draft_room
 from engine.executor.speculative.tree import TreeChoicesError, parse_choices, shape_from_choices
 
@@ -55,12 +55,11 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
-def _rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Llama rotary (rotate-half) on x (T, heads, head_dim) at positions (T,), in float32."""
+def _rotate(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """Llama rotary (rotate-half) on x (T, heads, head_dim) with cos_sin (T, head_dim) = [cos | sin]
+    of each row's position (Eagle3Head.cos_sin), in float32."""
     half = x.shape[-1] // 2
-    inv = 1.0 / theta ** (torch.arange(half, dtype=torch.float32, device=x.device) / half)
-    angles = positions.to(x.device).float()[:, None] * inv[None]  # (T, half)
-    cos, sin = angles.cos()[:, None], angles.sin()[:, None]
+    cos, sin = cos_sin[:, None, :half], cos_sin[:, None, half:]
     a, b = x[..., :half].float(), x[..., half:].float()
     return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1).to(x.dtype)
 
@@ -78,48 +77,69 @@ class Eagle3Head:
         self.num_heads, self.num_kv_heads = int(config["num_attention_heads"]), int(config["num_key_value_heads"])
         self.head_dim = int(config.get("head_dim") or config["hidden_size"] // self.num_heads)
         self.d2t = state["d2t"].long().to(device)
+        # fewer launches per drafted depth: q, k, v in one product, gate and up in another
+        w = self.w
+        self.w_qkv = torch.cat([w[f"midlayer.self_attn.{p}_proj.weight"] for p in "qkv"])
+        self.w_gate_up = torch.cat([w["midlayer.mlp.gate_proj.weight"], w["midlayer.mlp.up_proj.weight"]])
+        self._cos_sin = torch.empty(0, self.head_dim, device=device)  # (positions, [cos | sin] of head_dim / 2)
 
     def features(self, low: torch.Tensor, mid: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
         """The target's three streams (T, H) each -> g (T, H)."""
         return torch.cat([low, mid, high], dim=-1).to(self.dtype) @ self.w["fc.weight"].T
 
-    def qkv(self, embeds: torch.Tensor, g: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Rows of x_{t+1}'s embedding and g_t at ``positions`` -> rotated q (T, heads, d), k and v
-        (T, kv_heads, d): a row's k and v depend on nothing else (one layer), so a cache keeps them."""
+    def qkv(self, embeds: torch.Tensor, g: torch.Tensor, first_position: int, same_position: bool = False
+            ) -> tuple[torch.Tensor, ...]:
+        """Rows of x_{t+1}'s embedding and g_t at positions first_position, first_position + 1, ...
+        (all at first_position when ``same_position``: a tree's nodes of one depth) -> rotated q
+        (T, heads, d), k and v (T, kv_heads, d): a row's k and v depend on nothing else (one layer),
+        so a cache keeps them."""
         w, T = self.w, embeds.shape[0]
         a = torch.cat([_rms(embeds.to(self.dtype), w["midlayer.input_layernorm.weight"], self.eps),
                        _rms(g, w["midlayer.hidden_norm.weight"], self.eps)], dim=-1)
-        q = (a @ w["midlayer.self_attn.q_proj.weight"].T).view(T, self.num_heads, self.head_dim)
-        k = (a @ w["midlayer.self_attn.k_proj.weight"].T).view(T, self.num_kv_heads, self.head_dim)
-        v = (a @ w["midlayer.self_attn.v_proj.weight"].T).view(T, self.num_kv_heads, self.head_dim)
-        return _rotate(q, positions, self.theta), _rotate(k, positions, self.theta), v
+        q, k, v = (a @ self.w_qkv.T).split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
+                                            self.num_kv_heads * self.head_dim], dim=-1)
+        cos_sin = self.cos_sin(first_position, T, same_position)
+        return (_rotate(q.reshape(T, self.num_heads, self.head_dim), cos_sin),
+                _rotate(k.reshape(T, self.num_kv_heads, self.head_dim), cos_sin),
+                v.reshape(T, self.num_kv_heads, self.head_dim))
+
+    def cos_sin(self, first: int, count: int, same: bool = False) -> torch.Tensor:
+        """(count, head_dim) float32 [cos | sin] rows of positions first.. (or of first, ``same``) from
+        a table grown by doubling: slices, so no index tensor crosses to the device."""
+        top = first + (1 if same else count)
+        if top > self._cos_sin.shape[0]:
+            size = max(top, 2 * self._cos_sin.shape[0], 64)
+            half = self.head_dim // 2
+            device = self._cos_sin.device
+            inv = 1.0 / self.theta ** (torch.arange(half, dtype=torch.float32, device=device) / half)
+            angles = torch.arange(size, dtype=torch.float32, device=device)[:, None] * inv[None]
+            self._cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1)
+        return self._cos_sin[first:first + 1].expand(count, -1) if same else self._cos_sin[first:first + count]
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """q (R, heads, d) over keys k, v (S, kv_heads, d); mask (R, S) bool (True: seen) or None for
         causal rows ending at the last key -> (R, heads * d)."""
-        group = self.num_heads // self.num_kv_heads
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         causal = mask is None and q.shape[0] == k.shape[0]
         attn = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, is_causal=causal)
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, is_causal=causal,
+            enable_gqa=self.num_heads != self.num_kv_heads)
         return attn.transpose(0, 1).reshape(q.shape[0], -1)
 
     def finish(self, g: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """The layer's output h (R, H) from its input stream g and its attention rows."""
         w = self.w
         h = g + attn @ w["midlayer.self_attn.o_proj.weight"].T
-        m = _rms(h, w["midlayer.post_attention_layernorm.weight"], self.eps)
-        m = torch.nn.functional.silu(m @ w["midlayer.mlp.gate_proj.weight"].T) * (m @ w["midlayer.mlp.up_proj.weight"].T)
-        return h + m @ w["midlayer.mlp.down_proj.weight"].T
+        gate, up = (_rms(h, w["midlayer.post_attention_layernorm.weight"], self.eps) @ self.w_gate_up.T).chunk(2, dim=-1)
+        return h + (torch.nn.functional.silu(gate) * up) @ w["midlayer.mlp.down_proj.weight"].T
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """h (R, H) -> float32 draft-vocabulary logits (R, draft_vocab); target id = id + d2t[id]."""
         return (_rms(h, self.w["norm.weight"], self.eps) @ self.w["lm_head.weight"].T).float()
 
-    def forward(self, embeds: torch.Tensor, g: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """embeds (T, H) of x_{t+1}, g (T, H), positions (T,) -> (h (T, H), target-vocab ids ranked
-        by the draft at the last row: (draft_vocab,)). Whole sequences, causal, no cache."""
-        q, k, v = self.qkv(embeds, g, positions)
+    def forward(self, embeds: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """embeds (T, H) of x_{t+1}, g (T, H), rows at positions 0..T-1 -> (h (T, H), target-vocab ids
+        ranked by the draft at the last row: (draft_vocab,)). Whole sequences, causal, no cache."""
+        q, k, v = self.qkv(embeds, g, 0)
         h = self.finish(g, self.attend(q, k, v, None))
         draft_ids = self.logits(h[-1:])[0].argsort(descending=True)
         return h, draft_ids + self.d2t[draft_ids]
@@ -180,7 +200,7 @@ def draft_tree(head: Eagle3Head, shape, g: torch.Tensor, tokens: list[int], embe
             path.reverse()
             feats = torch.cat([g] + [hidden_of[p][None] for p in ([0] + path)[:len(path)]])
             ids = torch.tensor(known + [drafts[p - 1] for p in path], device=feats.device)
-            h, ranked = head.forward(embed(ids).float(), feats, torch.arange(len(ids)))
+            h, ranked = head.forward(embed(ids).float(), feats)
             hidden_of[parent], ranked_of[parent] = h[-1], ranked.tolist()
         parents.append(parent - 1)
         drafts.append(ranked_of[parent][shape.ranks[i]])
@@ -250,6 +270,7 @@ class Eagle3DraftProposer:
                  dynamic: tuple[int, int] | None = None):
         self.runner, self.head, self.dynamic = runner, head, dynamic
         self.shape = shape_from_choices(choices, field="eagle_choices")
+        self.plan = StaticPlan(self.shape, runner.device)
         self.taps = runner.tap_layers(layers)
         self._caches: dict[int, DraftCache] = {}
 
@@ -285,7 +306,7 @@ class Eagle3DraftProposer:
                 drafts.append([])
                 continue
             if self.dynamic is None:
-                parents, tokens = draft_static(self.head, cache, self.shape, embed)
+                parents, tokens = draft_static(self.head, cache, self.plan, embed)
             else:
                 depth, top_k = self.dynamic
                 parents, tokens = draft_dynamic(self.head, cache, embed, depth=depth, top_k=top_k, num_nodes=room)

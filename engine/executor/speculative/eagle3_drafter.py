@@ -13,9 +13,14 @@ verify step):
 - the root's children come from the last cached row (the token before the root, which embeds the root);
 - a node's children from a tree row of its own: g = its parent row's h, embedding of its token,
   position = root's + depth; it attends to the cache and to its ancestors' tree rows and itself.
-One batched forward per depth, over the nodes of that depth that get children. Tree rows are
-dropped after the proposal; the accepted path's rows are committed from the target's real
-features after verification (observe_batch), as EAGLE does.
+One batched forward per depth, over the nodes of that depth that get children; their k and v go
+into the cache's buffer past its rows (scratch, overwritten by the next commit), so attention reads
+one contiguous run. The accepted path's rows are committed from the target's real features after
+verification (observe_batch), as EAGLE does.
+
+Static trees keep the whole proposal on the device (``StaticPlan``: the index tensors and masks of
+a tree shape, made once): the host reads the drafted tokens once at the end, so a proposal costs
+the launches of depth + 1 small forwards and no synchronisation between them.
 
 Dynamic tree (Li et al., EAGLE-2): depth 1 is the root's top-K; at each further depth the K nodes
 of the last depth with the highest path score (sum of the draft's log-probs along the path) are
@@ -53,127 +58,145 @@ class DraftCache:
     def add_features(self, g: torch.Tensor) -> None:
         self.pending = torch.cat([self.pending, g.to(self.pending.dtype)])
 
+    def reserve(self, rows: int) -> None:
+        """Room for ``rows`` rows in all (cached + scratch)."""
+        if rows <= self.k.shape[0]:
+            return
+        capacity = max(2 * self.k.shape[0], rows)
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = old.new_empty((capacity,) + tuple(old.shape[1:]))
+            new[:self.length] = old[:self.length]
+            setattr(self, name, new)
+
     def commit(self, head, tokens: list[int], embed) -> None:
         """Cache the pending rows (their next tokens are tokens[start + length + 1 ...], all known)."""
         n = self.pending.shape[0]
         if not n:
             return
         first = self.start + self.length
-        ids = torch.tensor(tokens[first + 1:first + 1 + n], device=self.k.device)
-        positions = torch.arange(first, first + n, device=self.k.device)
-        q, k, v = head.qkv(embed(ids), self.pending, positions)
-        if self.length + n > self.k.shape[0]:
-            capacity = max(2 * self.k.shape[0], self.length + n)
-            for name in ("k", "v"):
-                old = getattr(self, name)
-                new = old.new_empty((capacity,) + tuple(old.shape[1:]))
-                new[:self.length] = old[:self.length]
-                setattr(self, name, new)
+        ids = torch.tensor(tokens[first + 1:first + 1 + n]).to(self.k.device, non_blocking=True)
+        q, k, v = head.qkv(embed(ids), self.pending, first)
+        self.reserve(self.length + n)
         self.k[self.length:self.length + n] = k
         self.v[self.length:self.length + n] = v
         self.length += n
         self.last_q, self.last_g = q[-1:], self.pending[-1:]
         self.pending = self.pending[:0]
 
+    def root(self, head) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last cached row's output: (h (1, H), the draft's log-probs after the root (1, draft_vocab))."""
+        h = head.finish(self.last_g, head.attend(self.last_q, self.k[:self.length], self.v[:self.length], None))
+        return h, torch.log_softmax(head.logits(h), dim=-1)
 
-class _Tree:
-    """Tree rows of one proposal: per expanded node its row's k, v and h, and the nodes' parents."""
+    def tree_rows(self, head, embed, ids: torch.Tensor, g: torch.Tensor, depth: int, row: int, seen: torch.Tensor
+                  ) -> torch.Tensor:
+        """Tree rows row.. of nodes of one ``depth`` (tokens ``ids``, input streams ``g``), seeing the
+        cache and the tree rows ``seen`` (len(ids), row + len(ids)) marks -> their outputs h."""
+        n = ids.shape[0]
+        q, k, v = head.qkv(embed(ids), g, self.start + self.length - 1 + depth, same_position=True)
+        end = self.length + row + n
+        self.reserve(end)
+        self.k[self.length + row:end] = k
+        self.v[self.length + row:end] = v
+        mask = torch.cat([self._all(n), seen], dim=1)
+        return head.finish(g, head.attend(q, self.k[:end], self.v[:end], mask))
 
-    def __init__(self, head, cache: DraftCache, embed):
-        self.head, self.cache, self.embed = head, cache, embed
-        self.parents: list[int] = [-1]  # node 0: the root
-        self.tokens: list[int] = [-1]
-        self.depths: list[int] = [0]
-        self.row_of: dict[int, int] = {}  # expanded node -> its tree row
-        self.k = self.v = None
-        self.h: dict[int, torch.Tensor] = {}  # expanded node -> h (H,)
-
-    def root_logits(self) -> torch.Tensor:
-        """The draft's log-probs after the root: the last cached row's output. (draft_vocab,)"""
-        c, head = self.cache, self.head
-        attn = head.attend(c.last_q, c.k[:c.length], c.v[:c.length],
-                           torch.ones(1, c.length, dtype=torch.bool, device=c.k.device))
-        h = head.finish(c.last_g, attn)
-        self.h[0] = h[0]
-        return torch.log_softmax(head.logits(h)[0], dim=-1)
-
-    def expand(self, nodes: list[int]) -> torch.Tensor:
-        """Tree rows for ``nodes`` (depth >= 1, their parents already expanded) -> their children's
-        log-probs (len(nodes), draft_vocab)."""
-        head, c = self.head, self.cache
-        dev = c.k.device
-        ids = torch.tensor([self.tokens[n] for n in nodes], device=dev)
-        g = torch.stack([self.h[self.parents[n]] for n in nodes])
-        root_position = c.start + c.length  # the root's position: the last cached row's + 1
-        positions = torch.tensor([root_position - 1 + self.depths[n] for n in nodes], device=dev)
-        q, k, v = head.qkv(self.embed(ids), g, positions)
-        base = 0 if self.k is None else self.k.shape[0]
-        for j, n in enumerate(nodes):
-            self.row_of[n] = base + j
-        self.k = k if self.k is None else torch.cat([self.k, k])
-        self.v = v if self.v is None else torch.cat([self.v, v])
-        # rows see the whole cache and, among tree rows, their expanded ancestors and themselves
-        rows = sorted(self.row_of, key=self.row_of.get)
-        tree_parents = [self.row_of.get(self.parents[n], -1) for n in rows]
-        seen = ancestor_mask(tree_parents)[base:].to(dev)
-        mask = torch.cat([torch.ones(len(nodes), c.length, dtype=torch.bool, device=dev), seen], dim=1)
-        attn = head.attend(q, torch.cat([c.k[:c.length], self.k]), torch.cat([c.v[:c.length], self.v]), mask)
-        h = head.finish(g, attn)
-        for j, n in enumerate(nodes):
-            self.h[n] = h[j]
-        return torch.log_softmax(head.logits(h), dim=-1)
-
-    def add(self, parent: int, token: int) -> int:
-        self.parents.append(parent)
-        self.tokens.append(token)
-        self.depths.append(self.depths[parent] + 1)
-        return len(self.parents) - 1
+    def _all(self, rows: int) -> torch.Tensor:
+        return torch.ones(rows, self.length, dtype=torch.bool, device=self.k.device)
 
 
-def draft_static(head, cache: DraftCache, shape, embed) -> tuple[list[int], list[int]]:
-    """``shape`` (tree.TreeShape of eagle_choices): node i is the ranks[i]-th draft token after its
-    parent's path -> (parents, -1 for the root, and target-vocab tokens of nodes 1..)."""
-    tree = _Tree(head, cache, embed)
-    depths, parents = shape.depths, shape.parents
-    width = {p: 1 + max(shape.ranks[i] for i in range(1, shape.num_nodes) if parents[i] == p) for p in set(parents[1:])}
+class StaticPlan:
+    """A static tree's proposal as device-side indexing, made once per shape (tree.TreeShape).
 
-    def ranked(nodes: list[int], logp: torch.Tensor) -> dict[int, list[int]]:  # target ids, best first
-        ids = logp.topk(max(width[n] for n in nodes), dim=-1).indices
-        return dict(zip(nodes, (ids + head.d2t[ids]).tolist()))
+    Expanded nodes (those with children) are numbered e = 0 (the root), 1, ... in depth order; e >= 1
+    has tree row e - 1. Per depth: the nodes of that depth (``nodes``), their parents' e
+    (``parent_e``) and ranks (``ranks``), the expanded ones among them (``expand``: their positions
+    in ``nodes``, their e) and what their rows see among the tree rows (``seen``)."""
 
-    ranks = ranked([0], tree.root_logits()[None])
-    for depth in range(1, shape.max_depth + 1):
-        nodes = [i for i in range(1, shape.num_nodes) if depths[i] == depth]
-        for i in nodes:
-            tree.add(parents[i], ranks[parents[i]][shape.ranks[i]])
-        expand = [i for i in nodes if i in width]
-        if expand:
-            ranks.update(ranked(expand, tree.expand(expand)))
-    return [p - 1 for p in tree.parents[1:]], tree.tokens[1:]
+    def __init__(self, shape, device: torch.device):
+        parents, depths = shape.parents, shape.depths
+        has_children = set(parents[1:])
+        expanded = [0] + [i for i in range(1, shape.num_nodes) if i in has_children]
+        e_of = {node: e for e, node in enumerate(expanded)}
+        self.num_expanded = len(expanded)
+        self.width = 1 + max(shape.ranks[1:])
+        tree_parents = [e_of[parents[node]] - 1 for node in expanded[1:]]  # among tree rows (-1: the root)
+        seen_all = ancestor_mask(tree_parents)
+        self.levels = []
+        for depth in range(1, shape.max_depth + 1):
+            nodes = [i for i in range(1, shape.num_nodes) if depths[i] == depth]
+            grow = [j for j, i in enumerate(nodes) if i in has_children]
+            rows = [e_of[nodes[j]] - 1 for j in grow]
+            to = lambda values: torch.tensor(values, dtype=torch.int64, device=device)  # noqa: E731
+            self.levels.append({
+                "nodes": to([i - 1 for i in nodes]), "parent_e": to([e_of[parents[i]] for i in nodes]),
+                "ranks": to([shape.ranks[i] for i in nodes]), "expand": to(grow), "expand_e": to([r + 1 for r in rows]),
+                "row": rows[0] if rows else 0,
+                "seen": seen_all[rows, :rows[-1] + 1].to(device) if rows else None})
+        self.parents = [p - 1 for p in parents[1:]]
+
+
+def draft_static(head, cache: DraftCache, plan: StaticPlan, embed) -> tuple[list[int], list[int]]:
+    """``plan``'s tree (eagle_choices: node i is the ranks[i]-th draft token after its parent's path)
+    -> (parents, -1 for the root, and target-vocab tokens of nodes 1..)."""
+    dev = cache.k.device
+    h_root, logp = cache.root(head)
+    hidden = h_root.new_empty(plan.num_expanded, h_root.shape[-1])
+    ranked = torch.empty(plan.num_expanded, plan.width, dtype=torch.int64, device=dev)
+    hidden[0] = h_root[0]
+    ids = logp.topk(plan.width, dim=-1).indices
+    ranked[0] = ids[0] + head.d2t[ids[0]]
+    tokens = torch.empty(len(plan.parents), dtype=torch.int64, device=dev)
+    for depth, level in enumerate(plan.levels, start=1):
+        level_tokens = ranked[level["parent_e"], level["ranks"]]
+        tokens[level["nodes"]] = level_tokens
+        if level["seen"] is None:
+            continue
+        grow_e = level["expand_e"]
+        h = cache.tree_rows(head, embed, level_tokens[level["expand"]], hidden[level["parent_e"][level["expand"]]], depth,
+                            level["row"], level["seen"])
+        hidden[grow_e] = h
+        ids = torch.log_softmax(head.logits(h), dim=-1).topk(plan.width, dim=-1).indices
+        ranked[grow_e] = ids + head.d2t[ids]
+    return list(plan.parents), tokens.tolist()
 
 
 def draft_dynamic(head, cache: DraftCache, embed, *, depth: int, top_k: int, num_nodes: int
                   ) -> tuple[list[int], list[int]]:
     """EAGLE-2's dynamic tree of at most ``num_nodes`` drafts, ``depth`` deep, ``top_k`` children per
-    expanded node and ``top_k`` nodes expanded per depth -> (parents, tokens) in topological order."""
-    tree = _Tree(head, cache, embed)
+    expanded node and ``top_k`` nodes expanded per depth -> (parents, tokens) in topological order.
+    One host read per depth (the scores that pick the next depth's frontier)."""
     d2t = head.d2t.tolist()
-    scores = [0.0]
-    logp = tree.root_logits()[None]
+    parents, tokens, depths, scores = [-1], [-1], [0], [0.0]
+    row_of: dict[int, int] = {}  # expanded node -> its tree row
+    h, logp = cache.root(head)
+    hidden = {0: h[0]}
     frontier = [0]
     for level in range(1, depth + 1):
         values, ids = logp.topk(min(top_k, logp.shape[-1]), dim=-1)  # (len(frontier), K)
-        values, ids = values.tolist(), ids.tolist()
         new = []
-        for parent, vals, draft_ids in zip(frontier, values, ids):
+        for parent, vals, draft_ids in zip(frontier, values.tolist(), ids.tolist()):
             for value, draft_id in zip(vals, draft_ids):
-                new.append(tree.add(parent, draft_id + d2t[draft_id]))
+                parents.append(parent)
+                tokens.append(draft_id + d2t[draft_id])
+                depths.append(level)
                 scores.append(scores[parent] + value)
+                new.append(len(parents) - 1)
         if level == depth:
             break
         frontier = sorted(new, key=lambda n: -scores[n])[:top_k]
-        logp = tree.expand(frontier)
-    keep = sorted(range(1, len(scores)), key=lambda n: (-scores[n], tree.depths[n], n))[:num_nodes]
-    keep.sort(key=lambda n: (tree.depths[n], n))  # topological: parents first
+        first = len(row_of)
+        for j, node in enumerate(frontier):
+            row_of[node] = first + j
+        rows = sorted(row_of, key=row_of.get)
+        seen = ancestor_mask([row_of.get(parents[n], -1) for n in rows])[first:].to(cache.k.device)
+        ids_t = torch.tensor([tokens[n] for n in frontier]).to(cache.k.device)
+        h = cache.tree_rows(head, embed, ids_t, torch.stack([hidden[parents[n]] for n in frontier]), level, first, seen)
+        for j, node in enumerate(frontier):
+            hidden[node] = h[j]
+        logp = torch.log_softmax(head.logits(h), dim=-1)
+    keep = sorted(range(1, len(scores)), key=lambda n: (-scores[n], depths[n], n))[:num_nodes]
+    keep.sort(key=lambda n: (depths[n], n))  # topological: parents first
     index = {0: -1, **{n: j for j, n in enumerate(keep)}}
-    return [index[tree.parents[n]] for n in keep], [tree.tokens[n] for n in keep]
+    return [index[parents[n]] for n in keep], [tokens[n] for n in keep]
