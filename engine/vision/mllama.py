@@ -108,7 +108,8 @@ class MllamaVisionEncoder(nn.Module):
         n, T = pixel_values.shape[:2]
         dtype, P, h = self.patch_embed.weight.dtype, self.patches, self.hidden
         ratio_ids = aspect_ratio_ids.to(self.patch_embed.weight.device).long()
-        x = self.patch_embed(pixel_values.flatten(0, 1).to(dtype)).flatten(2).transpose(1, 2)  # (n T, P - 1, h)
+        pixels = pixel_values.flatten(0, 1).to(self.patch_embed.weight.device, dtype)
+        x = self.patch_embed(pixels).flatten(2).transpose(1, 2)  # (n T, P - 1, h)
         x = x.view(n, T, P - 1, h) + self._tile_embedding(self.pre_tile_embed, self.pre_tile_gate, ratio_ids)
         x = torch.cat([self.class_embed.expand(n, T, 1, h), x], dim=2)  # (n, T, P, h)
         g = self.position_gate.tanh()
