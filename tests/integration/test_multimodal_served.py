@@ -9,15 +9,19 @@ and image_url_input (a data: URL, also over HTTP generate), equals transformers'
 same processor outputs; a re-sent image hits the prefix cache; bad images get named per-request
 errors and the server keeps serving. One server for the module; it also serves a tiny LLaVA-OneVision
 as onevision_ensemble (its preprocessing, multimodal_encoders and tensorrt_llm renamed beside the
-LLaVA ones; postprocessing shared) for one video check through video_bytes_input, and a tiny random
+LLaVA ones; postprocessing shared) for one video check through video_bytes_input, a tiny random
 Llama 3.2 Vision (Mllama) as <model>_mllama (its multimodal repository, filled by `tritonllm serve`'s code
 and renamed): the anchor client's --model_type mllama tensors, the anchor's curl request with an
-image_url_input and a text-only request give transformers' greedy text.
+image_url_input and a text-only request give transformers' greedy text, and a tiny Qwen3-VL as
+qwen3vl_ensemble (its own postprocessing too: its tokenizer has Qwen's special tokens) with an OpenAI
+frontend of its own: the anchor client's `--model_type qwen2_vl` tensors and an OpenAI chat image give
+transformers' text.
 """
 from __future__ import annotations
 
 import base64
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -38,6 +42,7 @@ from triton_helpers import ROOT, Server, free_port, stop, wait_for  # noqa: E402
 pytestmark = pytest.mark.integration
 QUERY = "What is in the image?"
 SERVED = "tiny-llava"  # the OpenAI API's model name
+QWEN3_SERVED = "tiny-qwen3-vl"  # the second frontend's
 MAX_TOKENS = 6
 END_ID = 2  # the tiny tokenizer's </s>
 
@@ -52,11 +57,11 @@ def _load_tool(name: str):
     return module
 
 
-@pytest.fixture(scope="module")
-def llava_engine(tmp_path_factory) -> str:
+def _built(tmp_path_factory, name: str, write_checkpoint) -> str:
+    """engine.build (float32, 128 positions) on the tiny checkpoint ``write_checkpoint`` makes."""
     from engine.build import main
 
-    root = tmp_path_factory.mktemp("llava_served")
+    root = tmp_path_factory.mktemp(name)
     checkpoint = write_checkpoint(root / "checkpoint")
     assert main(["--checkpoint", str(checkpoint), "--output", str(root / "engine"), "--dtype", "float32",
                  "--max_seq_len", "128", "--tokens_per_block", "4", "--max_batch_size", "8"]) == 0
@@ -66,77 +71,61 @@ def llava_engine(tmp_path_factory) -> str:
 ONEVISION = "onevision_"  # the prefix of the OneVision models' names in the repository
 ONEVISION_MODELS = ("ensemble", "preprocessing", "multimodal_encoders", "tensorrt_llm")
 ONEVISION_FRAMES = 8  # the clip's frames, also its max_num_frames
+QWEN3 = "qwen3vl_"  # the Qwen3-VL models' prefix
+QWEN3_MODELS = ("ensemble", "preprocessing", "multimodal_encoders", "tensorrt_llm", "postprocessing")
+
+
+@pytest.fixture(scope="module")
+def llava_engine(tmp_path_factory) -> str:
+    return _built(tmp_path_factory, "llava_served", write_checkpoint)
 
 
 @pytest.fixture(scope="module")
 def onevision_engine(tmp_path_factory) -> str:
-    from engine.build import main
     from tiny_llava_next import write_checkpoint as write_onevision
 
-    root = tmp_path_factory.mktemp("onevision_served")
-    checkpoint = write_onevision("llava_onevision", root / "checkpoint")
-    assert main(["--checkpoint", str(checkpoint), "--output", str(root / "engine"), "--dtype", "float32",
-                 "--max_seq_len", "128", "--tokens_per_block", "4", "--max_batch_size", "8"]) == 0
-    return str(root / "engine")
+    return _built(tmp_path_factory, "onevision_served", lambda path: write_onevision("llava_onevision", path))
 
 
-def add_onevision_models(repo: str, onevision_engine: str, work: Path) -> None:
-    """The OneVision repository `tritonllm serve` fills, its models renamed onevision_* into ``repo``
-    (the ensemble's steps renamed alike, except postprocessing: the LLaVA one, the same word ids)."""
-    import shutil
+@pytest.fixture(scope="module")
+def qwen3_engine(tmp_path_factory) -> str:
+    from tiny_qwen3_vl import write_checkpoint as write_qwen3_vl
 
+    return _built(tmp_path_factory, "qwen3_vl_served", write_qwen3_vl)
+
+
+def add_renamed_models(repo: str, engine: str, work: Path, models: tuple[str, ...], rename, **fill) -> None:
+    """The multimodal repository `tritonllm serve` fills for ``engine`` (``fill``: its images settings),
+    its ``models`` renamed ``rename(model)`` into ``repo``; the ensemble's steps renamed alike (a step not
+    in ``models`` stays LLaVA's: OneVision's and Mllama's postprocessing, the same word ids)."""
     from tritonllm.serve import checkpoint_repository
 
-    source, _ = checkpoint_repository(onevision_engine, str(work / "onevision_repo"), bls_instances=1,
-                                      images={"max_num_frames": ONEVISION_FRAMES})
-    for name in ONEVISION_MODELS:
-        target = Path(repo) / (ONEVISION + name)
+    source, _ = checkpoint_repository(engine, str(work / rename("repo")), bls_instances=1, **fill)
+    for name in models:
+        target = Path(repo) / rename(name)
         shutil.copytree(Path(source) / name, target)
         config = (target / "config.pbtxt").read_text()
-        for model in ONEVISION_MODELS:
-            config = config.replace(f'name: "{model}"', f'name: "{ONEVISION}{model}"')
+        for model in models:  # the model's own name, and the ensemble's model_name of each step
+            config = config.replace(f'name: "{model}"', f'name: "{rename(model)}"')
         (target / "config.pbtxt").write_text(config)
 
 
 @pytest.fixture(scope="module")
 def mllama_engine(tmp_path_factory) -> str:
-    from engine.build import main
     from tiny_mllama import write_checkpoint as write_mllama
 
-    root = tmp_path_factory.mktemp("mllama_served")
-    write_mllama(root / "checkpoint")
-    assert main(["--checkpoint", str(root / "checkpoint"), "--output", str(root / "engine"), "--dtype", "float32",
-                 "--max_seq_len", "128", "--tokens_per_block", "4", "--max_batch_size", "8"]) == 0
-    return str(root / "engine")
+    return _built(tmp_path_factory, "mllama_served", write_mllama)
 
 
 MLLAMA_MODELS = ("ensemble", "preprocessing", "multimodal_encoders", "tensorrt_llm")
 
 
-def _add_mllama_models(engine: str, work: Path, repo: Path) -> None:
-    """The multimodal repository `tritonllm serve` fills for the Mllama engine, its models renamed
-    <model>_mllama (the ensemble's steps too) beside the LLaVA ones, except postprocessing: the LLaVA one
-    (the tiny tokenizers share their words). Its BLS calls preprocessing by its plain name, so it stays out."""
-    import shutil
-
-    from tritonllm.serve import checkpoint_repository
-
-    filled, _ = checkpoint_repository(engine, str(work / "repo_mllama"), bls_instances=1,
-                                      images={"allowed_image_url_hosts": "127.0.0.1"})
-    for name in MLLAMA_MODELS:
-        shutil.copytree(Path(filled) / name, repo / f"{name}_mllama")
-        config = repo / f"{name}_mllama" / "config.pbtxt"
-        text = config.read_text().replace(f'name: "{name}"', f'name: "{name}_mllama"', 1)
-        for other in MLLAMA_MODELS:
-            text = text.replace(f'model_name: "{other}"', f'model_name: "{other}_mllama"')
-        config.write_text(text)
-
-
 @pytest.fixture(scope="module")
-def launched(llava_engine, onevision_engine, mllama_engine, tmp_path_factory):
+def launched(llava_engine, onevision_engine, mllama_engine, qwen3_engine, tmp_path_factory):
     """tritonserver on the repository `tritonllm serve` fills for a vision-language engine (the
-    multimodal one), and the OpenAI frontend beside it as `tritonllm serve` starts it (reading file:
-    image URLs under ``media``): (Server, its URL, media)."""
+    multimodal one) with the OneVision, Mllama and Qwen3-VL models beside, and the OpenAI frontend beside it as `tritonllm
+    serve` starts it (reading file: image URLs under ``media``), and one for Qwen3-VL: (Server, its URL,
+    media, the Qwen3-VL frontend's URL)."""
     import subprocess
 
     from serving.child_python import child_environment
@@ -149,29 +138,40 @@ def launched(llava_engine, onevision_engine, mllama_engine, tmp_path_factory):
     repo, engine_models = checkpoint_repository(
         llava_engine, str(work / "repo"), bls_instances=1,  # fewer stubs: a faster start
         images={"max_image_pixels": 10000, "allowed_image_url_hosts": "127.0.0.1"})
-    add_onevision_models(repo, onevision_engine, work)
-    _add_mllama_models(mllama_engine, work, Path(repo))
-    ports = [str(free_port()) for _ in range(4)]
+    add_renamed_models(repo, onevision_engine, work, ONEVISION_MODELS, lambda model: ONEVISION + model,
+                       images={"max_num_frames": ONEVISION_FRAMES})
+    # Mllama's BLS calls preprocessing by its plain name, so it stays out
+    add_renamed_models(repo, mllama_engine, work, MLLAMA_MODELS, lambda model: f"{model}_mllama",
+                       images={"allowed_image_url_hosts": "127.0.0.1"})
+    add_renamed_models(repo, qwen3_engine, work, QWEN3_MODELS, lambda model: QWEN3 + model)
+    ports = [str(free_port()) for _ in range(5)]
     args = launcher.parse_arguments([f"--model_repo={repo}", "--no-mpi", "--host=127.0.0.1", f"--http_port={ports[0]}",
                                      f"--grpc_port={ports[1]}", f"--metrics_port={ports[2]}", "--force",
                                      f"--cache_dir={work / 'cache'}", f"--tensorrt_llm_model_name={engine_models}",
                                      f"--openai_port={ports[3]}", f"--openai_model_name={SERVED}",
                                      "--openai_workers=1"])
-    log_path, frontend_log = work / "server.log", work / "frontend.log"
-    with open(log_path, "w") as log, open(frontend_log, "w") as frontend_out:
+    log_path, frontend_log, qwen3_log = work / "server.log", work / "frontend.log", work / "qwen3_frontend.log"
+    with open(log_path, "w") as log, open(frontend_log, "w") as frontend_out, open(qwen3_log, "w") as qwen3_out:
         process = launcher.launch(args, stdout=log, stderr=log)
         frontend = subprocess.Popen(launcher.openai_frontend_command(args) + [f"--allowed_local_media_path={media}"],
                                     env=child_environment(), stdout=frontend_out, stderr=frontend_out)
+        # Qwen3-VL's frontend: its engine directory holds the tokenizer and vision_encoder/
+        qwen3_frontend = subprocess.Popen(
+            [sys.executable, "-m", "openai_frontend", f"--grpc_url=127.0.0.1:{ports[1]}", "--host=127.0.0.1",
+             f"--port={ports[4]}", f"--tokenizer_dir={qwen3_engine}", f"--llm_model={QWEN3}tensorrt_llm",
+             f"--served_model_name={QWEN3_SERVED}"], env=child_environment(), stdout=qwen3_out, stderr=qwen3_out)
     try:
         if not wait_until_ready(process, ports[0], timeout=300):
             pytest.fail(f"tritonserver did not become ready:\n{log_path.read_text()[-5000:]}")
         server = Server(http=f"http://127.0.0.1:{ports[0]}", grpc_url=f"127.0.0.1:{ports[1]}",
                         metrics=f"http://127.0.0.1:{ports[2]}", log_path=log_path, pid=process.pid)
-        url = f"http://127.0.0.1:{ports[3]}"
-        if not wait_for(lambda: _health(url) == 200, timeout=120):
-            pytest.fail(f"the OpenAI frontend did not become ready:\n{frontend_log.read_text()[-5000:]}")
-        yield server, url, media
+        url, qwen3_url = f"http://127.0.0.1:{ports[3]}", f"http://127.0.0.1:{ports[4]}"
+        for frontend_url, frontend_log_path in ((url, frontend_log), (qwen3_url, qwen3_log)):
+            if not wait_for(lambda: _health(frontend_url) == 200, timeout=120):
+                pytest.fail(f"an OpenAI frontend did not become ready:\n{frontend_log_path.read_text()[-5000:]}")
+        yield server, url, media, qwen3_url
     finally:
+        stop(qwen3_frontend)
         stop(frontend)
         stop(process)
 
@@ -547,3 +547,69 @@ def test_mllama_anchor_client_tensors_curl_and_text_only_equal_transformers(serv
     assert response.json()["text_output"].split() == mllama_oracle(make_image(22), f"<|image|>{HAIKU}").split()
     text, error = generate(server, "ensemble_mllama", inputs({}, False, "Describe this picture"))
     assert error is None and text.split() == mllama_oracle(None, "Describe this picture").split()
+
+
+# ----------------------------------------------------------------------------- Qwen3-VL beside LLaVA
+
+@pytest.fixture(scope="module")
+def qwen3_oracle():
+    """(prompt ids with one <|image_pad|> where the image goes, image seed, FP16 pixels?) -> the text
+    transformers' greedy generate gives with the pad expanded to the image's rows (M-RoPE from
+    mm_token_type_ids, as Qwen3VLProcessor returns it)."""
+    from tiny_qwen3_vl import IMAGE_TOKEN, hf_model as qwen3_model, image_processor as qwen3_processor, tokenizer
+
+    hf, tok = qwen3_model(), tokenizer()
+
+    def expected(prompt: list[int], seed: int | None, fp16: bool = False) -> str:
+        extra, ids = {}, list(prompt)
+        if seed is not None:
+            image = qwen3_processor()([make_image(seed)], return_tensors="pt")
+            rows = int(image["image_grid_thw"].prod()) // 4
+            at = ids.index(IMAGE_TOKEN)
+            ids[at:at + 1] = [IMAGE_TOKEN] * rows
+            pixels = image["pixel_values"].half().float() if fp16 else image["pixel_values"]
+            extra = dict(pixel_values=pixels, image_grid_thw=image["image_grid_thw"],
+                         mm_token_type_ids=(torch.tensor([ids]) == IMAGE_TOKEN).int())
+        with torch.no_grad():
+            out = hf.generate(input_ids=torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                              eos_token_id=END_ID, **extra)[0, len(ids):]
+        return tok.decode(out, skip_special_tokens=True)
+
+    expected.tokenizer = tok
+    return expected
+
+
+@pytest.mark.parametrize("image, stream", [("file", True), ("data", False), (None, False)])
+def test_qwen3_vl_ensemble_with_the_anchor_clients_qwen2_vl_tensors(server, qwen3_oracle, tmp_path, image, stream):
+    """tools/multimodal/client.py --model_type qwen2_vl's tensors (a file: image_bytes_input; a data: URL:
+    image_url_input; none: text only) to the Qwen3-VL ensemble: preprocessing lays out Qwen3-VL's chat turn,
+    multimodal_encoders sends the table with its DeepStack rows and the M-RoPE pair, tensorrt_llm adds them."""
+    from tiny_qwen3_vl import IMAGE_TOKEN, VISION_END, VISION_START
+
+    client = _load_tool("multimodal/client")
+    path = tmp_path / "image.png"
+    make_image(20).save(path)
+    source = {"file": str(path), "data": data_url(20), None: None}[image]
+    args = ["--model_type", "qwen2_vl", "--text", QUERY, "--request-output-len", str(MAX_TOKENS), "--end-id",
+            str(END_ID), "--pad-id", "4", *(["--image", source] if source else []), *(["--streaming"] if stream else [])]
+    text, error = generate(server, QWEN3 + "ensemble", client.request_tensors(client.parse_args(args)))
+    assert error is None
+    tok = qwen3_oracle.tokenizer
+    slot = [VISION_START, IMAGE_TOKEN, VISION_END] if image else []
+    prompt = (tok.encode("<|im_start|>user\n") + slot + tok.encode(QUERY, add_special_tokens=False)
+              + tok.encode("<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)) if image else tok.encode(QUERY)
+    assert text.split() == qwen3_oracle(prompt, 20 if image else None, fp16=True).split()
+
+
+def test_qwen3_vl_openai_chat_with_an_image_equals_transformers(launched, qwen3_oracle):
+    """The Qwen3-VL frontend: the chat template writes <|vision_start|><|image_pad|><|vision_end|>, the
+    frontend encodes the data: image in process and sends the wide table with the M-RoPE pair."""
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(21)}},
+                                             {"type": "text", "text": QUERY}]}]
+    prompt = qwen3_oracle.tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUERY}]}],
+        add_generation_prompt=True, tokenize=True)["input_ids"]
+    with openai.OpenAI(base_url=f"{launched[3]}/v1", api_key="unused", max_retries=0) as client:
+        completion = client.chat.completions.create(model=QWEN3_SERVED, messages=messages, max_tokens=MAX_TOKENS,
+                                                    temperature=0)
+    assert completion.choices[0].message.content.split() == qwen3_oracle(prompt, 21).split()

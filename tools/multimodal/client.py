@@ -103,6 +103,18 @@ def video_tensors(path: str, num_frames: int | None) -> dict[str, np.ndarray]:
     return {"video_bytes_input": frames[None]}
 
 
+def split_images(value: str) -> list[str]:
+    """--image's comma-separated sources; a data: URL keeps the one comma before its payload
+    ("data:image/png;base64,iVBO..."), so it is not cut there."""
+    images: list[str] = []
+    for piece in value.split(","):
+        if images and images[-1].startswith("data:") and "," not in images[-1]:
+            images[-1] += "," + piece.strip()
+        elif piece.strip():
+            images.append(piece.strip())
+    return images
+
+
 def request_tensors(args: argparse.Namespace) -> dict[str, np.ndarray]:
     scalar = lambda value, dtype: np.array([[value]], dtype)  # noqa: E731
     tensors = {"text_input": np.array([[args.text.encode()]], dtype=object),
@@ -115,7 +127,7 @@ def request_tensors(args: argparse.Namespace) -> dict[str, np.ndarray]:
         tensors["presence_penalty"] = scalar(args.presence_penalty, np.float32)
     if args.prompt_table_extra_id is not None:
         tensors["prompt_table_extra_id"] = scalar(args.prompt_table_extra_id, np.uint64)
-    images = [s.strip() for s in args.image.split(",") if s.strip()] if args.image else []
+    images = split_images(args.image) if args.image else []
     if args.model_type == "mllama":  # the anchor's: decoded pixels as image_bytes_input, <|image|> before the text
         tensors["text_input"] = np.array([[("<|image|>" * len(images) + args.text).encode()]], dtype=object)
         if images:
