@@ -255,6 +255,69 @@ def test_decoder_family_graphs_match_eager(tmp_path, family):
         assert (graphed.argmax(-1) == eager.argmax(-1)).float().mean().item() >= 0.95
 
 
+def tree_steps(num_seqs: int, page: int, nodes: int):
+    """A prompt step for ``num_seqs`` sequences, then a tree step: each verifying a random tree of
+    ``nodes`` nodes under its root (tree_batch.py's packing: rotary positions by depth, logits at
+    every node), beside one plain decode row."""
+    from engine.executor.tree_batch import chunk_parents, tree_positions
+
+    rng = random.Random(nodes)
+    lens = [7 + 9 * i % 40 for i in range(num_seqs)]
+    tables = [[1 + 8 * i + j for j in range(8)] for i in range(num_seqs + 1)]
+    prompt = ForwardBatch([rng.randrange(1000) for _ in range(sum(lens) + 5)], [p for n in lens + [5] for p in range(n)],
+                          lens + [5], lens + [5], [t[:-(-n // page)] for t, n in zip(tables, lens + [5])],
+                          [sum(lens[:i + 1]) - 1 for i in range(num_seqs)] + [sum(lens) + 4])
+    ids, positions, q_lens, contexts, tabs, trees = [], [], [], [], [], []
+    for i, n in enumerate(lens):
+        parents = chunk_parents(nodes + 1, [rng.randrange(-1, j) for j in range(nodes)])
+        ids += [rng.randrange(1000) for _ in range(nodes + 1)]
+        positions += tree_positions(n, parents)
+        q_lens.append(nodes + 1)
+        contexts.append(n + nodes + 1)
+        tabs.append(tables[i][:-(-(n + nodes + 1) // page)])
+        trees.append(parents)
+    ids.append(rng.randrange(1000))  # the decode row: position 5 of the last sequence
+    positions.append(5)
+    q_lens.append(1)
+    contexts.append(6)
+    tabs.append(tables[num_seqs][:1])
+    trees.append(None)
+    step = ForwardBatch(ids, positions, q_lens, contexts, tabs, list(range(len(ids))))
+    step.tree_parents = trees
+    return prompt, step
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_tree_graph_steps_and_layer_taps_match_eager(tmp_path, quantization):
+    """Tree verify steps replay their own graphs (runner.tree_graph_width; prefill_graphs.py) with
+    the ancestor mask: logits equal the same step run eagerly, and the layers tapped inside the
+    replay (engine/executor/layer_taps.py; FP8 layers hand on ScaledProducts) equal the eager taps."""
+    runner = ModelRunner(config_only_engine(tmp_path, "bfloat16", quantization=quantization), device="cuda")
+    runner.tree_graph_width = 9
+    taps = runner.tap_layers([0, 1, 1])
+    runner.allocate_kv_cache(400)
+    runner.capture_cuda_graphs()
+    runner.warmup()
+    graphs = runner.prefill_graphs
+    assert graphs is not None and graphs.tree_buckets and graphs.tree_graphs
+    prompt, step = tree_steps(5, page=16, nodes=8)
+    runner.forward(prompt)
+    assert graphs.try_run(step) is not None  # a tree graph holds it
+    graphed = runner.forward(step)
+    graphed_taps = [t.clone() for t in taps.streams]
+    runner.prefill_graphs = None  # the same step eagerly (rewrites the same K/V slots)
+    eager = runner.forward(step)
+    runner.prefill_graphs = graphs
+    err = ((graphed - eager).norm() / eager.norm()).item()
+    assert err < (5e-2 if quantization else 2e-2), f"relative error {err:.2e}"
+    assert (graphed.argmax(-1) == eager.argmax(-1)).float().mean().item() >= 0.95
+    for got, want in zip(graphed_taps, taps.streams):
+        assert got.shape == want.shape == (len(step.token_ids), 256)
+        assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 2e-2
+
+
 def test_prefill_tile_map_and_token_buckets():
     """The mixed-step graphs' host side (no GPU needed): every query tile of every sequence once,
     in order, the rest empty; buckets end at max_num_tokens, at most an eighth apart from 256 on."""
