@@ -157,8 +157,10 @@ def _tile_dot(x, w, acc, SWAP_AB: tl.constexpr, PRECISION: tl.constexpr):
     """acc += x @ w.T (SWAP_AB: acc += w @ x.T, see kernels/linear.py); float32 engines get IEEE
     float32 dots (PRECISION "ieee"), not TF32, so that they match the float32 reference."""
     if SWAP_AB:
-        return tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
-    return tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
+    else:
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+    return acc
 
 
 @jit
