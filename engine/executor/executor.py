@@ -163,7 +163,8 @@ class Executor:
                 return start_eagle3(self.runner, spec, engine_dir=engine_dir, has_state=self.state_slots is not None)
             if spec.mode == "mtp":
                 return start_mtp(self.runner, has_state=self.state_slots is not None,
-                                 kv_cache_dtype=self.config.kv_cache_dtype)
+                                 kv_cache_dtype=self.config.kv_cache_dtype,
+                                 enable_reuse=self.config.enable_kv_cache_reuse)
             return make_proposer(spec.mode, max_matching_ngram_size=spec.max_matching_ngram_size,
                                  draft_engine_dir=spec.draft_engine_dir, target_engine_dir=engine_dir,
                                  target_runner=self.runner, enable_reuse=self.config.enable_kv_cache_reuse,

@@ -108,21 +108,24 @@ def _generate(engine_dir: str, prompts: list[list[int]], *, mtp: bool, device: s
     with Executor(engine_dir, config, device=device) as executor:
         if mtp:  # the module runs at most 4 rows a forward: prompts catch up in parts, and rows filed past
             executor.proposer.max_num_tokens = 4  # 4 not yet run are run as the target's chunks come
-        ids = executor.enqueue_requests([Request(prompts[0], MAX_TOKENS, output=perf)])
-        ids += executor.enqueue_requests([Request(p, MAX_TOKENS, output=perf) for p in prompts[1:]])
-        cancelled = executor.enqueue_requests([Request(random_tokens(6, 35), 40, output=perf)])[0]
-        executor.cancel_request(cancelled)
-        while len(finals) < len(ids) + 1:
-            for response in executor.await_responses(timeout=1.0):
-                if response.result is not None and response.result.is_final:
-                    finals[response.request_id] = response.result.output_token_ids[0]
-                    metrics[response.request_id] = response.result.perf
-                elif response.error is not None:
-                    assert response.request_id == cancelled, response.error
-                    finals[response.request_id] = None
+        ids, cancelled = [], None
+        for batch in (prompts[:1], prompts[1:]):  # the first one's blocks are cached before the others come
+            ids += executor.enqueue_requests([Request(p, MAX_TOKENS, output=perf) for p in batch])
+            if cancelled is None:
+                cancelled = executor.enqueue_requests([Request(random_tokens(6, 35), 40, output=perf)])[0]
+                executor.cancel_request(cancelled)
+            while len(finals) < len(ids) + 1:
+                for response in executor.await_responses(timeout=1.0):
+                    if response.result is not None and response.result.is_final:
+                        finals[response.request_id] = response.result.output_token_ids[0]
+                        metrics[response.request_id] = response.result.perf
+                    elif response.error is not None:
+                        assert response.request_id == cancelled, response.error
+                        finals[response.request_id] = None
         if mtp:
-            assert executor.proposer.num_sequences == 0
-            assert executor.proposer.blocks.num_free_blocks == executor.proposer.blocks.num_blocks
+            blocks = executor.proposer.blocks
+            assert executor.proposer.num_sequences == 0 and blocks.num_free_blocks == blocks.num_blocks
+            assert blocks.total_reused_blocks >= 1  # the third prompt's first block: slots 0-3 of the shared prefix
     return [finals[i] for i in ids], [metrics[i] for i in ids]
 
 
@@ -132,9 +135,9 @@ def _prompts() -> list[list[int]]:
 
 
 def test_greedy_ids_equal_generate_with_chained_drafts(mtp_engine):
-    """Three requests (two sharing a prefix that the prefix cache serves, chunked prompts): greedy ids
-    with k = 3 chained drafts equal transformers' generate; some drafts kept, some not; a cancelled
-    request and the finished ones leave the module's pool empty."""
+    """Three requests (two sharing a prefix that the prefix caches serve, the target's and the
+    module's; chunked prompts): greedy ids with k = 3 chained drafts equal transformers' generate;
+    some drafts kept, some not; a cancelled request and the finished ones leave the module's pool empty."""
     hf, _, engine_dir = mtp_engine
     hf.generation_config.eos_token_id = None
     hf.generation_config.pad_token_id = 0

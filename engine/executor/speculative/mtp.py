@@ -26,7 +26,11 @@ state: the drafts get worse there, the output stays the target's.
 
 The pool holds as many slots as the target's pool holds tokens, plus each batch slot's drafts. A
 sequence's slots are freed when it ends (finished, cancelled or failed: ``release``), or when the
-pool runs short and it is not asking for drafts (preempted); then it starts over.
+pool runs short and it is not asking for drafts (preempted); then it starts over. With reuse on
+(the executor's enable_kv_cache_reuse), full blocks of true rows made from the target's own hidden
+states, before slot L-2's block, are registered under the chain hash of [(t_0, t_1), t_2, ...]
+(slot p's row depends on t_0 .. t_{p+1}), and a sequence's first use acquires its cached prefix, so a
+prefix-cache hit of the target mostly finds the module's rows too; rows made from zeros are never shared.
 """
 from __future__ import annotations
 
@@ -47,8 +51,25 @@ class _MtpSeq:
     def __init__(self, hidden_size: int, dtype: torch.dtype, device: torch.device):
         self.block_ids: list[int] = []
         self.num_true = 0
+        self.num_clean = 0  # slots [0, num_clean) ran on the target's own hidden states (none zeroed)
         self.hidden_start = 0
         self.hidden = torch.zeros(0, hidden_size, dtype=dtype, device=device)
+        # The prefix cache (kv_cache.SequenceBlocks): slot p's row depends on t_0 .. t_{p+1}, so the
+        # blocks are keyed by [(t_0, t_1), t_2, t_3, ...]: item p is what slot p adds to its prefix.
+        self.token_ids: list = []
+        self.num_computed_tokens = 0
+        self.block_hashes: list[int] = []
+        self.num_registered_blocks = 0
+        self.num_window_freed_blocks = 0
+
+    def follow_tokens(self, token_ids: list[int]) -> None:
+        """Extend the cache keys with the target's tokens known so far (placeholders end them)."""
+        if not self.token_ids and len(token_ids) >= 2 and min(token_ids[:2]) >= 0:
+            self.token_ids.append((token_ids[0], token_ids[1]))
+        for token in token_ids[len(self.token_ids) + 1:] if self.token_ids else []:
+            if token < 0:
+                break
+            self.token_ids.append(token)
 
     def file_hidden(self, start: int, rows: torch.Tensor) -> None:
         """Rows (n, H) are the target's hidden states at positions start .. start + n - 1; they
@@ -63,11 +84,14 @@ class _MtpSeq:
         self.hidden = torch.cat([kept, gap, rows])
 
     def hidden_rows(self, first: int, end: int) -> torch.Tensor:
-        """h_p for p in [first, end): filed rows, zeros where none came."""
+        """h_p for p in [first, end): filed rows, zeros where none came (then num_clean stops at
+        ``first`` for good: those slots' rows are not offered to other sequences)."""
         out = self.hidden.new_zeros(end - first, self.hidden.shape[1])
         lo, hi = max(first, self.hidden_start), min(end, self.hidden_end)
         if lo < hi:
             out[lo - first:hi - first] = self.hidden[lo - self.hidden_start:hi - self.hidden_start]
+        if self.num_clean == first and lo == first and hi == end:
+            self.num_clean = end
         return out
 
     @property
@@ -84,8 +108,9 @@ class MtpProposer:
     """The DraftProposer of decoding_mode mtp (proposer.py's interface, plus ``observe_batch`` and
     ``start``, which the executor calls where a proposer has them)."""
 
-    def __init__(self, runner: ModelRunner, *, kv_cache_dtype: str | None = None):
+    def __init__(self, runner: ModelRunner, *, kv_cache_dtype: str | None = None, enable_reuse: bool = True):
         self.runner, self.model = runner, runner.model
+        self.enable_reuse = enable_reuse
         self.mtp = runner.model.mtp
         self.tokens_per_block = runner.tokens_per_block
         self.max_num_tokens = runner.build_config.max_num_tokens
@@ -112,7 +137,7 @@ class MtpProposer:
         dtype = self.runner.kv_cache_torch_dtype(self.kv_cache_dtype)
         self.kv_cache = torch.zeros((1, planes, num_blocks, heads, T, width), dtype=dtype,
                                     device=self.runner.device).transpose(3, 4)  # the runner's pool layout
-        self.blocks = BlockManager(num_blocks, T, enable_reuse=False)
+        self.blocks = BlockManager(num_blocks, T, enable_reuse=self.enable_reuse)
 
     # ----- hidden states -----
     def observe_batch(self, scheduled: list, verified: dict | None) -> None:
@@ -132,9 +157,7 @@ class MtpProposer:
                 continue  # never drafts
             v = verified.get(seq.seq_id) if verified and k else None
             keep = n - k + (v.num_accepted if v is not None else 0)
-            state = self._seqs.get(seq.seq_id)
-            if state is None:
-                state = self._seqs[seq.seq_id] = _MtpSeq(self.hidden_size, chunk.dtype, chunk.device)
+            state = self._state(seq)
             state.file_hidden(item.start, chunk[:keep])
             upto = min(state.hidden_end, len(seq.token_ids) - 1)  # slots whose next token is known
             if state.hidden_end - state.num_true > self.max_num_tokens and upto > state.num_true \
@@ -153,9 +176,7 @@ class MtpProposer:
             room = draft_room(seq, max_draft_len)
             if seq.num_unresolved_tokens or room <= 0 or L < 2:
                 continue
-            state = self._seqs.get(seq.seq_id)
-            if state is None:
-                state = self._seqs[seq.seq_id] = _MtpSeq(self.hidden_size, self.runner.dtype, self.runner.device)
+            state = self._state(seq)
             state.num_true = min(state.num_true, L - 2)  # drafts rolled back; slot L-2 runs (again)
             k = self._reserve(state, L, room)
             if k < room and not reclaimed:  # short: take back what sequences not decoding now hold, once
@@ -173,6 +194,24 @@ class MtpProposer:
             out.append(self._argmax(g[None])[0])
         self._chain(chains)
         return drafts
+
+    def _state(self, seq: Sequence) -> _MtpSeq:
+        """``seq``'s slots; a new one starts with the cached blocks of its prefix (reuse on)."""
+        state = self._seqs.get(seq.seq_id)
+        if state is None:
+            state = self._seqs[seq.seq_id] = _MtpSeq(self.hidden_size, self.runner.dtype, self.runner.device)
+            state.follow_tokens(seq.token_ids)
+            if state.token_ids:
+                self.blocks.acquire_cached_prefix(state)  # leaves slot L-2's block private
+                state.num_true = state.num_clean = state.num_computed_tokens
+        return state
+
+    def _register(self, state: _MtpSeq, token_ids: list[int]) -> None:
+        """Make findable the full blocks of true rows made from the target's own hidden states,
+        before slot L-2's block (which the next proposal writes again)."""
+        state.follow_tokens(token_ids)
+        state.num_computed_tokens = min(state.num_clean, state.num_true, len(state.token_ids))  # what may be shared
+        self.blocks.register_computed_blocks(state)
 
     def release(self, seq: Sequence) -> None:
         state = self._seqs.pop(seq.seq_id, None)
@@ -252,8 +291,11 @@ class MtpProposer:
             g = self._run(rows)
             for j, row in ending:
                 last[j] = g[row]
-                state, _, L = work[j]
+                state, token_ids, L = work[j]
                 state.forget_hidden_before(L - 2)  # kept: slot L-2 may run again
+                state.num_true -= 1  # (slot L-2's block stays private while _register looks)
+                self._register(state, token_ids)
+                state.num_true += 1
             pending = [j for j in pending if last[j] is None]
         return last
 
@@ -273,7 +315,8 @@ class MtpProposer:
             step += 1
 
 
-def start_mtp(runner, *, has_state: bool, kv_cache_dtype: str | None = None) -> MtpProposer:
+def start_mtp(runner, *, has_state: bool, kv_cache_dtype: str | None = None, enable_reuse: bool = True
+              ) -> MtpProposer:
     """The proposer of ``decoding_mode mtp``, or ProposerConfigError naming what is missing."""
     if not isinstance(runner, ModelRunner) or runner.build_config.tp_size > 1 or runner.build_config.pp_size > 1:
         raise ProposerConfigError("decoding_mode mtp runs on one rank (tp_size 1, pp_size 1) in this release")
@@ -282,4 +325,4 @@ def start_mtp(runner, *, has_state: bool, kv_cache_dtype: str | None = None) -> 
             f"decoding_mode mtp needs an engine with a multi-token prediction module: "
             f"{runner.model_config.architecture} engine has none (num_nextn_predict_layers 0; DeepSeek-V3/R1 "
             f"checkpoints as shipped hold one at layer num_hidden_layers, which transformers drops when it saves)")
-    return MtpProposer(runner, kv_cache_dtype=kv_cache_dtype)
+    return MtpProposer(runner, kv_cache_dtype=kv_cache_dtype, enable_reuse=enable_reuse)
