@@ -410,17 +410,20 @@ class VisionEncoderRunner:
         if pixels.ndim != 5 or len(pixels) != len(grids):
             raise ValueError(f"pixel_values has shape {pixels.shape}; send (batch, 1, 1, patches, dim) with one "
                              f"image_grid_thw row per item ({len(grids)})")
-        tables = []
-        for item, grid in zip(pixels, grids.tolist()):  # an item without an image: a zero grid, no rows
+        items = []  # (batch index, its patches, its grid) of the items with an image (a zero grid: none)
+        for b, (item, grid) in enumerate(zip(pixels, grids.tolist())):
             patches = int(np.prod(grid))
             if patches > item.shape[2]:
                 raise ValueError(f"image_grid_thw {grid} needs {patches} patches; pixel_values holds {item.shape[2]}")
-            if not patches:
-                tables.append(None)
-                continue
+            if patches:
+                items.append((b, item[0, 0, :patches], grid))
+        tables = [None] * len(pixels)
+        if items:  # every item's image in one encoder forward (the tower attends within each image)
+            patches = torch.from_numpy(np.concatenate([p for _, p, _ in items])).to(self.device)
             with torch.inference_mode():
-                rows = self.encoder.image_features(torch.from_numpy(item[0, 0, :patches]).to(self.device), [grid])[0]
-            tables.append(rows.float().cpu().numpy().astype(np.float16))
+                rows = self.encoder.image_features(patches, [grid for _, _, grid in items])
+            for (b, _, _), item_rows in zip(items, rows):
+                tables[b] = item_rows.float().cpu().numpy().astype(np.float16)
         hidden = next(t.shape[1] for t in tables if t is not None)
         tables = [np.zeros((0, hidden), np.float16) if t is None else t for t in tables]
         table = np.zeros((len(tables), max(len(t) for t in tables), hidden), np.float16)

@@ -129,9 +129,11 @@ class DecodeGraphs:
                     self.lora_tapped[bs] = self.taps.captured()
         torch.cuda.synchronize()
 
-    def try_run(self, batch) -> torch.Tensor | None:
+    def try_run(self, batch, rotary_positions: list[int] | None = None) -> torch.Tensor | None:
         """A runner ForwardBatch -> hidden rows of its logits_indices, or None when the batch is not
-        decode-only or does not fit a bucket (the caller then runs it eagerly)."""
+        decode-only or does not fit a bucket (the caller then runs it eagerly). ``rotary_positions``:
+        each row's rotary position where it is not its KV position (M-RoPE, engine/executor/mrope_rotary.py);
+        the models that take them read positions for rotary only."""
         num_seqs = len(batch.seq_lens_q)
         if not (0 < num_seqs <= self.max_batch_size and len(batch.token_ids) == num_seqs
                 and all(n == 1 for n in batch.seq_lens_q)):
@@ -141,7 +143,7 @@ class DecodeGraphs:
         if self.state_slots and (batch.state_slots is None or 0 in batch.positions):
             return None  # a 1-token prompt starts from a zero state: the eager path knows it, the graph does not
         hidden = self.run(batch.token_ids, batch.positions, batch.context_lens, batch.block_tables,
-                          batch.lora_slots, batch.state_slots)
+                          batch.lora_slots, batch.state_slots, rotary_positions)
         if hidden is None:
             return None
         if len(batch.logits_indices) != num_seqs or batch.logits_indices != list(range(num_seqs)):
@@ -153,7 +155,7 @@ class DecodeGraphs:
 
     def run(self, token_ids: list[int], positions: list[int], context_lens: list[int],
             block_tables: list[list[int]], lora_slots: list[int] | None = None,
-            state_slots: list[int] | None = None) -> torch.Tensor | None:
+            state_slots: list[int] | None = None, rotary_positions: list[int] | None = None) -> torch.Tensor | None:
         """One decode step of len(token_ids) sequences -> hidden (num_seqs, hidden), a view that the
         next ``run`` overwrites (consume it, e.g. compute logits, before the next step); None when a
         block table is wider than the graphs allow. ``lora_slots``: each row's adapter slot (-1:
@@ -165,6 +167,8 @@ class DecodeGraphs:
         self._copied.synchronize()  # the previous step's copies have left the pinned buffers
         fill_decode_inputs(self._np_i64, self._np_ctx, self._np_tables, token_ids, positions, context_lens,
                            block_tables, self.tokens_per_block, bucket)
+        if rotary_positions is not None:  # after the slots, which the true positions gave
+            self._np_i64[1, :bs] = rotary_positions
         plan = self.metas[bucket].decode_split_plan
         self.host_splits[0] = MAX_DECODE_SPLITS if plan is None else decode_active_splits(plan, bs, max(context_lens))
         # Contiguous spans only: a strided pinned source would make torch stage it synchronously.

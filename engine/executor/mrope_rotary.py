@@ -11,7 +11,8 @@ The KV position (slot mapping, causal mask) stays the token's index. Per step, `
 gives the rotary index of every packed token: a row of the engine's table (position + delta) or,
 for prompt tokens, an extra row appended after the table for this step. Chunked prefill and
 recompute after preemption read the same rows again: they are indexed by the token's place in its
-sequence. Steps that carry extra rows or a nonzero delta run eagerly (no CUDA graphs).
+sequence. Steps that carry extra rows run eagerly (no CUDA graphs); a decode-only step with deltas
+replays its decode graph with the rotary positions in the graph's positions buffer (the runner).
 """
 from __future__ import annotations
 

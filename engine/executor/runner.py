@@ -414,17 +414,21 @@ class ModelRunner:
         for every new token when ``all_logits`` (context logits). ``prompt_embeds``: rows of prompt
         tables that replace the embeddings of some of the batch's tokens (engine/executor/prompt_table.py);
         such steps run eagerly. ``rotary``: M-RoPE requests' rotary positions (engine/executor/mrope_rotary.py);
-        such steps run eagerly too. ``span_ahead``: (num_tokens,) int32, how many later new tokens of its
+        such steps run eagerly too, but for decode-only ones (their decode graph
+        rotates at the override's positions). ``span_ahead``: (num_tokens,) int32, how many later new tokens of its
         sequence each token also sees (image spans, engine/executor/image_spans.py;
         AttentionMetadata.span_ahead); such steps run eagerly."""
         if self.kv_cache is None:
             raise RuntimeError("allocate_kv_cache() must run before forward()")
-        graphs_may_run = not all_logits and prompt_embeds is None and rotary is None and span_ahead is None
+        # M-RoPE decode rows rotate at position + delta from the engine's table: the decode graphs' positions
+        # buffer feeds rotary only (slots come from the true positions), so they replay with those indices.
+        graphs_may_run = (not all_logits and prompt_embeds is None and (rotary is None or rotary.rows is None)
+                          and span_ahead is None)
         if self.decode_graphs is not None and graphs_may_run and batch.tree_parents is None:
-            hidden = self.decode_graphs.try_run(batch)
+            hidden = self.decode_graphs.try_run(batch, None if rotary is None else rotary.indices)
             if hidden is not None:  # a decode-only batch, replayed from its bucket's graph
                 return self._logits(hidden)
-        if self.prefill_graphs is not None and graphs_may_run:
+        if self.prefill_graphs is not None and graphs_may_run and rotary is None:
             hidden = self.prefill_graphs.try_run(batch)
             if hidden is not None:  # a batch with prompt tokens, replayed from its token bucket's graph
                 return self._logits(hidden)

@@ -17,8 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.hf_checkpoint import TensorGetter
+from kernels.rmsnorm import rms_norm
 from engine.vision.clip import activation, first_found
-from engine.vision.qwen2_vl import PREFIXES, Qwen2VisionBlock, axial_cos_sin, embed_patches, language_fields
+from engine.vision.qwen2_vl import (PREFIXES, PatchRotary, Qwen2VisionBlock, Segments, axial_cos_sin, embed_patches,
+                                    language_fields)
 
 MODEL_TYPE = "qwen2_5_vl"  # builder_config.model_type
 
@@ -30,8 +32,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        """weight * (x / rms(x) in float32, rounded to x's dtype), as transformers' Qwen2RMSNorm; one
+        Triton launch on CUDA (kernels/rmsnorm.py), the torch reference elsewhere."""
+        return rms_norm(x, self.weight, self.eps)[0]
 
 
 class Qwen25VisionBlock(Qwen2VisionBlock):
@@ -97,11 +100,11 @@ class Qwen25VisionEncoder(nn.Module):
 
         x = windowed(embed_patches(self.patch_embed, pixel_values, grids))
         cos, sin = axial_cos_sin(grids, merge, c["embed_dim"] // c["num_heads"], c["rope_theta"], x.device)
-        cos, sin = windowed(cos), windowed(sin)
-        frames = [h * w for t, h, w in grids for _ in range(t)]
-        windows = [n * unit for n in windows]
+        rotary = PatchRotary(windowed(cos), windowed(sin))
+        frames = Segments([h * w for t, h, w in grids for _ in range(t)], x.device)
+        windows = Segments([n * unit for n in windows], x.device)
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, frames if i in c["fullatt_block_indexes"] else windows)
+            x = block(x, rotary, frames if i in c["fullatt_block_indexes"] else windows)
         x = self.merger_norm(x).view(-1, c["embed_dim"] * unit)
         rows = self.merger_fc2(F.gelu(self.merger_fc1(x)))
         rows = rows[torch.argsort(order)]  # back to the processor's order

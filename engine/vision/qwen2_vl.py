@@ -28,21 +28,17 @@ from torch import nn
 
 from engine.hf_checkpoint import TensorGetter
 from engine.vision.clip import activation, first_found
+from kernels.rotary import apply_rotary
 
 MODEL_TYPE = "qwen2_vl"  # builder_config.model_type, as the anchor names it
 PREFIXES = ("visual.", "model.visual.")
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat([-second, first], dim=-1)
 
 
 def axial_cos_sin(grid_thw: list[list[int]], merge: int, head_dim: int, theta: float,
                   device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin), each (total patches, head_dim) fp32: per patch, its (row, column) in the image's
     grid, taken in the processor's block-major order, rotating the head's quarters by row and by
-    column frequencies (then repeated for the second half, as rotate_half pairs them)."""
+    column frequencies (then repeated for the second half, as transformers' rotate_half pairs them)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim // 2, 2, dtype=torch.float, device=device) / (head_dim // 2)))
     positions = []
     for t, h, w in grid_thw:
@@ -57,12 +53,59 @@ def axial_cos_sin(grid_thw: list[list[int]], merge: int, head_dim: int, theta: f
     return angles.cos(), angles.sin()
 
 
-def frame_attention(grids: list[list[int]], config: dict, device=None) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """What full-frame blocks take: the patches' axial (cos, sin) and each frame's patch count (attention
+class Segments:
+    """Consecutive runs of patches that attend within themselves (an image's frames, or its windows),
+    grouped by length: each group's rows as one (runs, length) gather index, so one attention call
+    serves every run of a length (a batch of 448 x 448 images has 16 windows each, of at most four
+    lengths) instead of one call per run."""
+
+    def __init__(self, lengths: list[int], device=None):
+        self.lengths = list(lengths)
+        starts = torch.tensor([0, *self.lengths[:-1]]).cumsum(0).tolist()
+        by_length: dict[int, list[int]] = {}
+        for start, n in zip(starts, self.lengths):
+            by_length.setdefault(n, []).append(start)
+        # (length, rows (runs, length) int64 on the device, or None when the runs tile every patch in order)
+        self.groups = [(n, None if len(by_length) == 1 else
+                        (torch.tensor(s)[:, None] + torch.arange(n)).to(device)) for n, s in by_length.items()]
+
+
+def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths) -> torch.Tensor:
+    """q, k, v (patches, heads, head_dim) -> (patches, heads, head_dim): softmax attention within each
+    run of ``lengths`` (a list, or Segments), both ways, one SDPA call per run length."""
+    segments = lengths if isinstance(lengths, Segments) else Segments(lengths, q.device)
+    out = None if segments.groups[0][1] is None else torch.empty_like(q)
+    for n, rows in segments.groups:
+        pick = (lambda t: t.view(-1, n, *t.shape[1:])) if rows is None else (lambda t: t[rows])  # noqa: E731
+        # (runs, heads, n, head_dim) for SDPA, back to (runs, n, heads, head_dim)
+        got = F.scaled_dot_product_attention(*(pick(t).transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
+        if rows is None:
+            return got.reshape(q.shape)
+        out[rows] = got
+    return out
+
+
+class PatchRotary:
+    """The patches' axial rotary as kernels/rotary.py's apply_rotary takes it: a (patches, head_dim) float32
+    table of [cos | sin] of the head_dim / 2 frequencies (axial_cos_sin's halves repeat, so one half each
+    holds them) and positions 0..patches-1 into it; one Triton launch rotates q and k in place on CUDA,
+    the same fp32 math as transformers' apply_rotary_pos_emb_vision (the torch reference elsewhere)."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor):
+        half = cos.shape[-1] // 2
+        self.table = torch.cat([cos[:, :half], sin[:, :half]], dim=-1).float().contiguous()
+        self.positions = torch.arange(cos.shape[0], device=cos.device)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return apply_rotary(q, k, self.positions, self.table)
+
+
+def frame_attention(grids: list[list[int]], config: dict, device=None) -> tuple[PatchRotary, Segments]:
+    """What full-frame blocks take: the patches' axial rotary and the frames as Segments (attention
     stays within a frame), for a tower config with embed_dim, num_heads, spatial_merge_size, rope_theta."""
     cos, sin = axial_cos_sin(grids, config["spatial_merge_size"], config["embed_dim"] // config["num_heads"],
                              config["rope_theta"], device)
-    return cos, sin, [h * w for t, h, w in grids for _ in range(t)]
+    return PatchRotary(cos, sin), Segments([h * w for t, h, w in grids for _ in range(t)], device)
 
 
 def embed_patches(patch_embed: nn.Linear, pixel_values: torch.Tensor, grids: list[list[int]]) -> torch.Tensor:
@@ -88,15 +131,13 @@ class Qwen2VisionBlock(nn.Module):
         self.fc2 = nn.Linear(hidden, dim, dtype=dtype, device=device)
         self.act = activation(config["hidden_act"])
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        """x: (patches, dim); cos, sin: (patches, head_dim); lengths: each frame's patches, in order."""
+    def forward(self, x: torch.Tensor, rotary: PatchRotary, lengths: Segments) -> torch.Tensor:
+        """x: (patches, dim); rotary: the patches' (PatchRotary); lengths: each frame's (or window's) patches,
+        in order, as a list or as Segments (made once per forward: the blocks share its gather indices)."""
         tokens = x.shape[0]
         q, k, v = self.qkv(self.norm1(x)).view(tokens, 3, self.num_heads, -1).unbind(1)  # (patches, heads, d)
-        q = (q.float() * cos[:, None] + rotate_half(q.float()) * sin[:, None]).to(v.dtype)
-        k = (k.float() * cos[:, None] + rotate_half(k.float()) * sin[:, None]).to(v.dtype)
-        out = torch.cat([F.scaled_dot_product_attention(qi.transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1))
-                         .transpose(0, 1) for qi, ki, vi in zip(q.split(lengths), k.split(lengths), v.split(lengths))])
-        x = x + self.proj(out.reshape(tokens, -1))
+        q, k = rotary(q, k)  # views of the qkv output, rotated in place on CUDA
+        x = x + self.proj(segment_attention(q, k, v, lengths).reshape(tokens, -1))
         return x + self.feed_forward(self.norm2(x))
 
     def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
@@ -125,9 +166,9 @@ class Qwen2VisionEncoder(nn.Module):
         c = self.config
         merge = c["spatial_merge_size"]
         x = embed_patches(self.patch_embed, pixel_values, grids)
-        cos, sin, lengths = frame_attention(grids, c, x.device)
+        rotary, lengths = frame_attention(grids, c, x.device)
         for block in self.blocks:
-            x = block(x, cos, sin, lengths)
+            x = block(x, rotary, lengths)
         x = self.merger_norm(x).view(-1, c["embed_dim"] * merge ** 2)
         rows = self.merger_fc2(F.gelu(self.merger_fc1(x)))
         return list(rows.split([t * h * w // merge ** 2 for t, h, w in grids]))

@@ -92,10 +92,10 @@ class Qwen3VisionEncoder(nn.Module):
         merge = c["spatial_merge_size"]
         x = embed_patches(self.patch_embed, pixel_values, grids)
         x = x + grid_position_embeddings(self.pos_embed, grids, merge).to(x.dtype)
-        cos, sin, lengths = frame_attention(grids, c, x.device)
+        rotary, lengths = frame_attention(grids, c, x.device)
         levels = []
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, lengths)
+            x = block(x, rotary, lengths)
             if i in c["deepstack_visual_indexes"]:
                 levels.append(self.deepstack_mergers[c["deepstack_visual_indexes"].index(i)](x))
         rows = torch.cat([self.merger(x), *levels], dim=-1)

@@ -16,7 +16,7 @@ from engine.executor.mrope_rotary import Mrope  # noqa: E402
 from engine.executor.prompt_table import PromptTable  # noqa: E402
 from engine.vision.encoder_dir import load_vision_encoder, read_encoder_config, vision_encoder_dir  # noqa: E402
 from engine.vision.mrope import request_mrope  # noqa: E402
-from tests.executor.executor_testing import collect, final_tokens, generated_ids  # noqa: E402
+from tests.executor.executor_testing import collect, final_tokens  # noqa: E402
 from tiny_llava import VOCAB, make_image  # noqa: E402
 from tiny_qwen2_vl import IMAGE_TOKEN, KINDS, VISION_END, VISION_START, hf_model, image_processor, write_checkpoint  # noqa: E402
 
@@ -41,8 +41,22 @@ def test_greedy_ids_with_an_image_and_text_only_equal_transformers_generate(buil
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_greedy_ids_equal_transformers(built):
     """The same on a GPU (float32): Triton prefill attention over the step's appended rotary rows, and
-    the fused decode kernel rotating at position + delta."""
+    the decode graphs' fused kernel rotating at position + delta."""
     assert_greedy_ids_equal_transformers(*built, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tower_rows_equal_cpu_rows(built):
+    """The tower on a GPU (float32): Triton rotary (and Qwen2.5-VL's Triton RMSNorm), two images of
+    other sizes in one batch (frames and windows of several lengths), = the CPU reference's rows."""
+    engine, _ = built
+    images = image_processor()([make_image(0, (52, 40)), make_image(1, (28, 56))], return_tensors="pt")
+    grids = images["image_grid_thw"].tolist()
+    want = load_vision_encoder(vision_encoder_dir(engine)).image_features(images["pixel_values"], grids)
+    got = load_vision_encoder(vision_encoder_dir(engine), "cuda").image_features(images["pixel_values"].cuda(), grids)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.cpu(), w, atol=1e-4, rtol=1e-4)
 
 
 def assert_greedy_ids_equal_transformers(engine: str, hf, device: str | None = None) -> None:
@@ -67,7 +81,15 @@ def assert_greedy_ids_equal_transformers(engine: str, hf, device: str | None = N
                         prompt_table=PromptTable(table), mrope=Mrope(rotary, delta)),
                 Request(text, NEW_TOKENS, output=OutputConfig(exclude_input_from_output=True))]
     # chunks of 5 tokens: the image's rows are split across steps
-    got = generated_ids(engine, requests, ExecutorConfig(max_num_tokens=5, enable_chunked_context=True), device)
+    with Executor(engine, ExecutorConfig(max_num_tokens=5, enable_chunked_context=True), device=device) as executor:
+        graphs, rotated = executor.runner.decode_graphs, []
+        if graphs is not None:  # CUDA: decode steps at position + delta replay the decode graphs
+            run = graphs.run
+            graphs.run = lambda *a: rotated.append(a[6] is not None) or run(*a)
+        request_ids = executor.enqueue_requests(requests)
+        responses = collect(executor, request_ids)
+    assert graphs is None or any(rotated)
+    got = [final_tokens(responses[i]) for i in request_ids]
     with torch.no_grad():
         hf_prompt = torch.tensor([hf_ids])
         # mm_token_type_ids (1 at image rows): what transformers 5 computes its M-RoPE positions from
