@@ -1,0 +1,495 @@
+"""Vision-language serving (issue 48): the Qwen2.5-VL-7B shape, random weights, one GPU.
+
+    python benchmarks/engine/vlm_bench.py --out vlm.json --results-md benchmarks/results/engine.md
+
+Sections (``--sections``, all by default):
+
+1. ``encoder``: the vision tower (engine/vision/qwen2_5_vl.py: 32 blocks of width 1280, windows of
+   112 pixels, four full-attention blocks, the 2 x 2 merger into 3,584) on batches of 448 x 448 and
+   1024 x 1024 images, the grids Qwen2.5-VL's processor makes of them (smart_resize to multiples of
+   28 pixels: 32 x 32 and 74 x 74 patches -> 256 and 1,369 rows); images/s at each of
+   ``--encoder-batches``, the best batch counts.
+2. ``ttft``: one request of one 448 x 448 image and 128 text tokens at low load (nothing else
+   running): transformers' Qwen2-VL image processor on the PIL image, the tower, the request's
+   M-RoPE rows (engine/vision/mrope.py), then the executor to its first token; the median of
+   ``--ttft-runs``, beside a text-only prompt of the same length through the same executor.
+3. ``offline``: ``--requests`` requests of one 448 x 448 image + 128 text tokens and 128 output
+   tokens (no end id), all at once: the images are encoded ``--encode-batch`` at a time and each
+   batch's requests are enqueued as soon as its rows exist (the executor's thread runs the earlier
+   ones meanwhile); output tokens/s until the last finishes, encoding included. Against (a)
+   text-only requests of the same prompt length (386 tokens) through the same executor (goal >=
+   0.85x), (b) transformers' Qwen2_5_VLForConditionalGeneration.generate (bf16, sdpa) on the same
+   patches and prompts at each of ``--hf-batches`` (goal >= 5x the best batch).
+
+Random weights of the real shapes, made on the GPU (engine and tower: engine/executor/random_weights.py;
+transformers: its own init). ``--device cpu`` runs tiny shapes of the same family (a smoke run of
+every path).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: engine, kernels, benchmarks
+
+from benchmarks.common import (command_line, free_device_memory, git_commit, machine_summary, print_table,  # noqa: E402
+                               utc_now)
+from benchmarks.engine.encdec_bench import run_offline  # noqa: E402
+from benchmarks.engine.engine_bench import drain_offline, iteration_breakdown, profile_executor_loop  # noqa: E402
+from engine.config import BuildConfig, EngineConfig  # noqa: E402
+from engine.convert import model_config_from_hf  # noqa: E402
+from engine.executor.executor import Executor, ExecutorConfig  # noqa: E402
+from engine.executor.mrope_rotary import Mrope  # noqa: E402
+from engine.executor.prompt_table import PromptTable  # noqa: E402
+from engine.executor.random_weights import materialize_random_weights  # noqa: E402
+from engine.executor.request import OutputConfig, Request  # noqa: E402
+from engine.vision import qwen2_5_vl, qwen2_vl  # noqa: E402
+from engine.vision.mrope import request_mrope  # noqa: E402
+
+SECTIONS = ["encoder", "ttft", "offline"]
+GOALS = {"offline_vs_text": 0.85, "offline_vs_hf": 5.0}
+PATCH, MERGE, TEMPORAL = 14, 2, 2
+MIN_PIXELS, MAX_PIXELS = 3136, 12845056  # Qwen2.5-VL-7B-Instruct's preprocessor_config.json
+
+
+def hf_config(device: str):
+    """transformers' Qwen2_5_VLConfig: Qwen2.5-VL-7B-Instruct's shape on a GPU, a tiny one on the CPU."""
+    from transformers import Qwen2_5_VLConfig
+
+    if device == "cpu":
+        vision = dict(depth=2, hidden_size=32, out_hidden_size=64, intermediate_size=48, num_heads=4,
+                      fullatt_block_indexes=[1])
+        text = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, rope_parameters={
+                        "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+        ids = dict(image_token_id=1000, vision_start_token_id=1001, vision_end_token_id=1002)
+    else:
+        vision = dict(depth=32, hidden_size=1280, out_hidden_size=3584, intermediate_size=3420, num_heads=16,
+                      fullatt_block_indexes=[7, 15, 23, 31])
+        text = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                    num_attention_heads=28, num_key_value_heads=4, rms_norm_eps=1e-6, rope_parameters={
+                        "rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]})
+        ids = dict(image_token_id=151655, vision_start_token_id=151652, vision_end_token_id=151653)
+    vision.update(patch_size=PATCH, spatial_merge_size=MERGE, temporal_patch_size=TEMPORAL, window_size=112,
+                  in_channels=3, hidden_act="silu")
+    text.update(max_position_embeddings=128000, bos_token_id=151643 if device != "cpu" else 1,
+                eos_token_id=151645 if device != "cpu" else 2, pad_token_id=151643 if device != "cpu" else 4,
+                tie_word_embeddings=False)
+    return Qwen2_5_VLConfig(vision_config=vision, text_config=text, architectures=["Qwen2_5_VLForConditionalGeneration"],
+                            **ids)
+
+
+def image_grid(side: int) -> list[int]:
+    """The processor's (t, h, w) patch grid of a side x side image: its smart_resize to a multiple of
+    28 pixels within the pixel limits (the TTFT section checks it against the processor itself)."""
+    factor = PATCH * MERGE
+    edge = max(factor, round(side / factor) * factor)
+    if edge * edge > MAX_PIXELS:
+        edge = max(factor, math.floor(side / math.sqrt(side * side / MAX_PIXELS) / factor) * factor)
+    elif edge * edge < MIN_PIXELS:
+        edge = math.ceil(side * math.sqrt(MIN_PIXELS / (side * side)) / factor) * factor
+    return [1, edge // PATCH, edge // PATCH]
+
+
+def random_patches(grids: list[list[int]], device: str, seed: int = 0) -> torch.Tensor:
+    """(patches, 3 * temporal * patch * patch) float32 normalized-pixel-like values for these grids."""
+    generator = torch.Generator().manual_seed(seed)
+    count = sum(t * h * w for t, h, w in grids)
+    return torch.randn(count, 3 * TEMPORAL * PATCH * PATCH, generator=generator).to(device)
+
+
+def load_encoder(config, args) -> torch.nn.Module:
+    """Our tower with random weights on the device (the layout load_vision_encoder builds)."""
+    encoder = qwen2_5_vl.Qwen25VisionEncoder(qwen2_5_vl.encoder_config(config), dtype=args.torch_dtype, device="meta")
+    return materialize_random_weights(encoder, torch.device(args.device), seed=0).eval()
+
+
+def write_language_engine(config, args, max_batch_size: int) -> str:
+    """An engine directory of the language model (a plain Qwen2, as engine.build writes it) holding
+    only config.json; the runner makes random weights at load."""
+    root = tempfile.mkdtemp(prefix="bench-qwen2_5_vl-")
+    build = BuildConfig(dtype=args.dtype, max_batch_size=max_batch_size, max_input_len=1024, max_seq_len=2048,
+                        max_num_tokens=args.max_num_tokens, tokens_per_block=32)
+    model = model_config_from_hf(qwen2_vl.text_config(config))
+    EngineConfig(model=model, build=build, extra={"random_weights_seed": 0}).validate().save(root)
+    return root
+
+
+def sync(device: str) -> None:
+    if device != "cpu":
+        torch.cuda.synchronize()
+
+
+# ---- 1. the tower alone -------------------------------------------------------------------------
+
+def bench_encoder(args, config) -> dict:
+    encoder = load_encoder(config, args)
+    entry = {}
+    for side, batches in zip(args.image_sizes, args.encoder_batches):
+        grid = image_grid(side)
+        rows = []
+        for batch in batches:
+            patches = random_patches([grid] * batch, args.device)
+            encoder.image_features(patches, [grid] * batch)  # warm-up
+            sync(args.device)
+            times = []
+            for _ in range(args.encoder_repeats):
+                started = time.perf_counter()
+                out = encoder.image_features(patches, [grid] * batch)
+                sync(args.device)
+                times.append(time.perf_counter() - started)
+            seconds = statistics.median(times)
+            rows.append({"batch": batch, "seconds": seconds, "images_per_s": batch / seconds,
+                         "finite": bool(torch.isfinite(out[0]).all())})
+        best = max(rows, key=lambda row: row["images_per_s"])
+        if args.profile_dir and args.device != "cpu":
+            rows[-1]["profile"] = profile_tower(encoder, random_patches([grid] * batches[-1], args.device), [grid] * batches[-1],
+                                                Path(args.profile_dir) / f"vlm_tower_{side}_profile.txt")
+        entry[str(side)] = {"grid": grid, "rows_per_image": grid[0] * grid[1] * grid[2] // MERGE ** 2,
+                            "batches": rows, "best_images_per_s": best["images_per_s"], "best_batch": best["batch"]}
+    del encoder
+    free_device_memory(args.device)
+    return entry
+
+
+def profile_tower(encoder, patches: torch.Tensor, grids: list[list[int]], path: Path) -> str:
+    """torch-profiler table (by CUDA time) of one tower forward, written to ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        encoder.image_features(patches, grids)
+        torch.cuda.synchronize()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30))
+    return str(path)
+
+
+# ---- prompts ------------------------------------------------------------------------------------
+
+def prompt_ids(config, num_rows: int, text_len: int, rng: random.Random, fake_from: int | None) -> list[int]:
+    """<|vision_start|> + the image's rows + <|vision_end|> + ``text_len`` text ids; rows as fake ids
+    from ``fake_from`` (ours: the table's rows) or as <|image_pad|> (transformers')."""
+    rows = list(range(fake_from, fake_from + num_rows)) if fake_from is not None else [config.image_token_id] * num_rows
+    return [config.vision_start_token_id, *rows, config.vision_end_token_id, *text_prompt(text_len, config, rng)]
+
+
+def text_prompt(length: int, config, rng: random.Random) -> list[int]:
+    """Random ordinary ids: below the vision/image special ids (in both shapes the vocabulary's last ones)."""
+    return [rng.randrange(3, min(config.vision_start_token_id, config.image_token_id)) for _ in range(length)]
+
+
+
+
+def image_requests(config, encoder_config: dict, tables: list[torch.Tensor], grid: list[int], prompts: list[list[int]],
+                   vocab: int, max_tokens: int) -> list[Request]:
+    """One Request per image: its table (float16 on the host, as multimodal_encoders sends it) and its
+    M-RoPE rows and delta."""
+    out = OutputConfig(exclude_input_from_output=True)
+    requests = []
+    for table, ids in zip(tables, prompts):
+        rotary, delta = request_mrope(ids, [grid], encoder_config, vocab_size=vocab)
+        requests.append(Request(ids, max_tokens, output=out, prompt_table=PromptTable(table),
+                                mrope=Mrope(rotary, delta)))
+    return requests
+
+
+# ---- 2 + 3. through the executor ----------------------------------------------------------------
+
+def bench_executor(args, config, sections: list[str]) -> dict:
+    """TTFT and offline throughput through one executor (its warm-up first), then transformers."""
+    encoder = load_encoder(config, args)
+    encoder_config = qwen2_5_vl.encoder_config(config)
+    vocab = config.text_config.vocab_size
+    side = args.image_sizes[0]
+    grid = image_grid(side)
+    num_rows = grid[0] * grid[1] * grid[2] // MERGE ** 2
+    engine = write_language_engine(config, args, max_batch_size=max(args.requests, 8))
+    results = {}
+    executor_config = ExecutorConfig(kv_cache_free_gpu_mem_fraction=args.kv_fraction,
+                                     max_tokens_in_paged_kv_cache=args.requests * 1024 if args.device == "cpu" else None)
+    with Executor(engine, executor_config, device=args.device) as ex:
+        def encode(pixels: torch.Tensor, count: int) -> list[torch.Tensor]:
+            rows = encoder.image_features(pixels, [grid] * count)
+            return list(torch.cat(rows).to(torch.float16).cpu().split(num_rows))  # one copy to the host
+
+        rng = random.Random(0)
+        warm = image_requests(config, encoder_config, encode(random_patches([grid], args.device), 1),
+                              grid, [prompt_ids(config, num_rows, args.text_len, rng, vocab)], vocab, 4)
+        ex.enqueue_requests(warm + [Request(text_prompt(num_rows + 2 + args.text_len, config, rng), 4)])
+        drain_offline(ex, 2)
+        if "ttft" in sections:
+            results["ttft"] = bench_ttft(args, ex, config, encoder, encoder_config, grid, num_rows, side)
+        if "offline" in sections:
+            results["offline"] = bench_offline(args, ex, config, encode, encoder_config, grid, num_rows)
+    del ex, encoder
+    free_device_memory(args.device)
+    if "offline" in sections:
+        offline = results["offline"]
+        offline["hf"] = hf_generate(args, config, grid, num_rows)
+        best = max(offline["hf"], key=lambda row: row["output_tok_s"])
+        offline["hf_best_batch"], offline["vs_hf"] = best["batch"], offline["image"]["output_tok_s"] / best["output_tok_s"]
+    return results
+
+
+def first_token_seconds(ex, request: Request) -> float:
+    """Enqueue ``request`` (max_tokens 1) and wait for its response -> seconds."""
+    started = time.perf_counter()
+    ex.enqueue_requests([request])
+    drain_offline(ex, 1)
+    return time.perf_counter() - started
+
+
+def bench_ttft(args, ex, config, encoder, encoder_config, grid, num_rows, side) -> dict:
+    """One image + text_len tokens, nothing else running: processor, tower, M-RoPE rows, first token."""
+    from PIL import Image
+    from transformers import Qwen2VLImageProcessor
+
+    processor = Qwen2VLImageProcessor(patch_size=PATCH, merge_size=MERGE, temporal_patch_size=TEMPORAL,
+                                      min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    vocab = config.text_config.vocab_size
+    rng = random.Random(1)
+    image = Image.fromarray((torch.rand(side, side, 3, generator=torch.Generator().manual_seed(0)) * 255)
+                            .to(torch.uint8).numpy())
+    parts = {"preprocess": [], "encoder": [], "mrope": [], "first_token": [], "total": [], "text_only": []}
+    for _ in range(args.ttft_runs):
+        ids = prompt_ids(config, num_rows, args.text_len, rng, vocab)
+        t0 = time.perf_counter()
+        pixels = processor(images=[image], return_tensors="pt")
+        assert pixels["image_grid_thw"].tolist() == [grid], pixels["image_grid_thw"]
+        t1 = time.perf_counter()
+        table = encoder.image_features(pixels["pixel_values"].to(args.device), [grid])[0].to(torch.float16).cpu()
+        t2 = time.perf_counter()
+        rotary, delta = request_mrope(ids, [grid], encoder_config, vocab_size=vocab)
+        t3 = time.perf_counter()
+        parts["first_token"].append(first_token_seconds(ex, Request(ids, 1, prompt_table=PromptTable(table),
+                                                                    mrope=Mrope(rotary, delta))))
+        for name, seconds in (("preprocess", t1 - t0), ("encoder", t2 - t1), ("mrope", t3 - t2)):
+            parts[name].append(seconds)
+        parts["total"].append(time.perf_counter() - t0)
+        parts["text_only"].append(first_token_seconds(ex, Request(text_prompt(len(ids), config, rng), 1)))
+    return {"runs": args.ttft_runs, "image_side": side, "prompt_len": num_rows + 2 + args.text_len,
+            **{f"{name}_ms": statistics.median(values) * 1e3 for name, values in parts.items()}}
+
+
+def bench_offline(args, ex, config, encode, encoder_config, grid, num_rows) -> dict:
+    vocab = config.text_config.vocab_size
+    rng = random.Random(2)
+    prompts = [prompt_ids(config, num_rows, args.text_len, rng, vocab) for _ in range(args.requests)]
+    patches = random_patches([grid] * args.requests, args.device, seed=1)
+    per_image = grid[0] * grid[1] * grid[2]
+    entry = {"requests": args.requests, "prompt_len": len(prompts[0]), "output_len": args.output_len,
+             "encode_batch": args.encode_batch}
+    sync(args.device)
+
+    def with_encoding(stream) -> dict:
+        """(a) images: encode a batch, enqueue its requests, go on with the next batch; the tower on the
+        executor's stream (None: its kernels queue behind the executor's) or on a stream of its own (as an
+        encoder in another process would run beside it)."""
+        since = time.time_ns()
+        started = time.perf_counter()
+        encoder_seconds = 0.0
+        for first in range(0, args.requests, args.encode_batch):
+            count = min(args.encode_batch, args.requests - first)
+            t0 = time.perf_counter()
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                tables = encode(patches[first * per_image:(first + count) * per_image], count)
+            encoder_seconds += time.perf_counter() - t0
+            ex.enqueue_requests(image_requests(config, encoder_config, tables, grid, prompts[first:first + count],
+                                               vocab, args.output_len))
+        tokens = drain_offline(ex, args.requests)
+        seconds = time.perf_counter() - started
+        return {"seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds,
+                "encode_and_enqueue_seconds": encoder_seconds, "iterations": iteration_breakdown(ex, since)}
+
+    entry["image"] = with_encoding(None)
+    if args.device != "cpu":
+        entry["image_encoder_stream"] = with_encoding(torch.cuda.Stream())
+    # (c) the same image requests with their tables made before the clock starts: the executor's share
+    tables = [t for first in range(0, args.requests, args.encode_batch)
+              for t in encode(patches[first * per_image:min(first + args.encode_batch, args.requests) * per_image],
+                              min(args.encode_batch, args.requests - first))]
+    requests = image_requests(config, encoder_config, tables, grid, prompts, vocab, args.output_len)
+    profiler = profile_executor_loop(ex) if args.profile_dir else None
+    entry["image_tables_ready"] = timed_offline(ex, requests)
+    if profiler is not None:
+        path = Path(args.profile_dir) / "vlm_executor_profile.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(profiler())
+        entry["image_tables_ready"]["profile"] = str(path)
+    # (b) text-only prompts of the same length
+    out = OutputConfig(exclude_input_from_output=True)
+    requests = [Request(text_prompt(len(prompts[0]), config, rng), args.output_len, output=out)
+                for _ in range(args.requests)]
+    entry["text"] = timed_offline(ex, requests)
+    entry["vs_text"] = entry["image"]["output_tok_s"] / entry["text"]["output_tok_s"]
+    return entry
+
+
+def timed_offline(ex, requests: list[Request]) -> dict:
+    """All ``requests`` enqueued at once: seconds until the last finished, output tokens and tok/s, and
+    the executor's iteration breakdown over them."""
+    since = time.time_ns()
+    seconds, tokens = run_offline(ex, requests)
+    return {"seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds,
+            "iterations": iteration_breakdown(ex, since)}
+
+
+def hf_generate(args, config, grid, num_rows) -> list[dict]:
+    """transformers' generate at each batch size: one batch of image prompts, the same lengths."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    config._attn_implementation = "sdpa"
+    with torch.device(args.device):
+        torch.manual_seed(0)
+        model = Qwen2_5_VLForConditionalGeneration._from_config(config, dtype=args.torch_dtype).eval()
+    rng = random.Random(3)
+    rows = []
+    for batch in args.hf_batches:
+        ids = torch.tensor([prompt_ids(config, num_rows, args.text_len, rng, None) for _ in range(batch)],
+                           device=args.device)
+        pixels = random_patches([grid] * batch, args.device, seed=1).to(args.torch_dtype)
+        grids = torch.tensor([grid] * batch, device=args.device)
+        kwargs = dict(pixel_values=pixels, image_grid_thw=grids, attention_mask=torch.ones_like(ids),
+                      mm_token_type_ids=(ids == config.image_token_id).int(), do_sample=False, num_beams=1,
+                      eos_token_id=None, pad_token_id=config.text_config.pad_token_id)
+        with torch.inference_mode():
+            model.generate(ids, max_new_tokens=2, **kwargs)  # warm-up
+            sync(args.device)
+            started = time.perf_counter()
+            out = model.generate(ids, max_new_tokens=args.output_len, **kwargs)
+            sync(args.device)
+        seconds = time.perf_counter() - started
+        assert out.shape[1] == ids.shape[1] + args.output_len, out.shape
+        rows.append({"batch": batch, "seconds": seconds, "output_tok_s": batch * args.output_len / seconds})
+    del model
+    free_device_memory(args.device)
+    return rows
+
+
+# ---- report -------------------------------------------------------------------------------------
+
+def markdown(results: dict) -> str:
+    shapes = "tiny shapes (CPU smoke run)" if results["device"] == "cpu" else "Qwen2.5-VL-7B shape, random weights"
+    lines = [f"### Vision-language: {shapes} ({results['machine']}, {results['date']}, commit {results['commit']})",
+             "", f"`{results['command']}`", "",
+             "| measurement | ours | baseline (same run) | ratio (goal) |", "|---|---|---|---|"]
+    for side, e in (results.get("encoder") or {}).items():
+        per_batch = ", ".join(f"b{r['batch']}: {r['images_per_s']:.1f}" for r in e["batches"])
+        lines.append(f"| vision tower, {side} x {side} images ({e['grid'][1]} x {e['grid'][2]} patches, "
+                     f"{e['rows_per_image']} rows each), images/s | {e['best_images_per_s']:.1f} (batch "
+                     f"{e['best_batch']}; {per_batch}) | - | - |")
+    t = results.get("ttft")
+    if t:
+        lines.append(f"| TTFT, one {t['image_side']} x {t['image_side']} image + text ({t['prompt_len']} prompt "
+                     f"tokens), low load, median of {t['runs']} | {t['total_ms']:.1f} ms (processor "
+                     f"{t['preprocess_ms']:.1f}, tower {t['encoder_ms']:.1f}, M-RoPE rows {t['mrope_ms']:.1f}, "
+                     f"executor to first token {t['first_token_ms']:.1f}) | text-only prompt of the same length "
+                     f"{t['text_only_ms']:.1f} ms | - |")
+    o = results.get("offline")
+    if o:
+        name = f"{o['requests']} requests {o['prompt_len']}/{o['output_len']} offline (one image each), output tok/s"
+        lines.append(f"| {name}, encoding included | {o['image']['output_tok_s']:.0f} ({o['image']['seconds']:.2f} s) | "
+                     f"text-only {o['prompt_len']}/{o['output_len']}: {o['text']['output_tok_s']:.0f} "
+                     f"({o['text']['seconds']:.2f} s) | {o['vs_text']:.2f}x (>= {GOALS['offline_vs_text']}x) |")
+        if "image_encoder_stream" in o:
+            r = o["image_encoder_stream"]
+            lines.append(f"| the same, the tower on a CUDA stream of its own (beside the executor's, as an encoder "
+                         f"process would be) | {r['output_tok_s']:.0f} ({r['seconds']:.2f} s) | text-only: "
+                         f"{o['text']['output_tok_s']:.0f} | {r['output_tok_s'] / o['text']['output_tok_s']:.2f}x |")
+        if "image_tables_ready" in o:
+            r = o["image_tables_ready"]
+            lines.append(f"| the image requests with their tables made beforehand (the executor's share) | "
+                         f"{r['output_tok_s']:.0f} ({r['seconds']:.2f} s) | text-only: {o['text']['output_tok_s']:.0f} | "
+                         f"{r['output_tok_s'] / o['text']['output_tok_s']:.2f}x |")
+        if "hf" in o:
+            hf = ", ".join(f"b{r['batch']}: {r['output_tok_s']:.0f}" for r in o["hf"])
+            lines.append(f"| the same against transformers' generate | {o['image']['output_tok_s']:.0f} | {hf} | "
+                         f"{o['vs_hf']:.2f}x (>= {GOALS['offline_vs_hf']:.0f}x) |")
+        for kind in ("image", "image_encoder_stream", "image_tables_ready", "text"):
+            if kind not in o:
+                continue
+            it = o[kind]["iterations"]
+            step = (f"; decode-only iterations at batch {it['decode_batch']}: {it['decode_step_ms_median']:.2f} ms median"
+                    if "decode_batch" in it else "")
+            replay = f" (its graph's replay {it['decode_graph_replay_ms']:.2f} ms)" if "decode_graph_replay_ms" in it else ""
+            extra = (f"tower + tables to the host {o[kind]['encode_and_enqueue_seconds']:.2f} s in batches of "
+                     f"{o['encode_batch']}; " if "encode_and_enqueue_seconds" in o[kind] else "")
+            lines += ["", f"Offline {kind.replace('_', ' ')} run: {extra}iterations with prompt tokens {it['context_seconds']:.2f} s "
+                      f"({it['context_iterations']}), decode-only {it['decode_seconds']:.2f} s "
+                      f"({it['decode_iterations']}){step}{replay}."]
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
+    p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run of tiny shapes")
+    p.add_argument("--dtype", default=None, help="engine and tower dtype (default bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--image-sizes", default=None, help="image sides; the first is the requests' (default 448,1024; CPU 56,112)")
+    p.add_argument("--encoder-batches", default=None,
+                   help="per image size, '/'-separated batch lists (default 8,32/2,8; CPU 1,2/1,2)")
+    p.add_argument("--encoder-repeats", type=int, default=3)
+    p.add_argument("--text-len", type=int, default=128, help="text tokens per request besides the image")
+    p.add_argument("--output-len", type=int, default=None, help="output tokens per request (default 128; CPU 4)")
+    p.add_argument("--requests", type=int, default=None, help="offline requests (default 128; CPU 4)")
+    p.add_argument("--encode-batch", type=int, default=None, help="images per tower forward offline (default 32; CPU 2)")
+    p.add_argument("--ttft-runs", type=int, default=None, help="TTFT repetitions (default 5; CPU 2)")
+    p.add_argument("--hf-batches", default=None, help="transformers batch sizes (default 128; CPU 2)")
+    p.add_argument("--max-num-tokens", type=int, default=8192)
+    p.add_argument("--kv-fraction", type=float, default=0.8, help="kv_cache_free_gpu_mem_fraction of the executor")
+    p.add_argument("--profile-dir", default=None, help="write the tower's torch-profiler tables and a cProfile "
+                   "of the executor thread (image requests, tables ready) here")
+    p.add_argument("--out", default="vlm_bench.json")
+    p.add_argument("--results-md", default=None, help="append the markdown table to this file")
+    args = p.parse_args(argv)
+    cpu = args.device == "cpu"
+    defaults = dict(dtype="float32" if cpu else "bfloat16", image_sizes="56,112" if cpu else "448,1024",
+                    encoder_batches="1,2/1,2" if cpu else "8,32/2,8", output_len=4 if cpu else 128,
+                    requests=4 if cpu else 128, encode_batch=2 if cpu else 32, ttft_runs=2 if cpu else 5,
+                    hf_batches="2" if cpu else "128")
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if cpu:
+        args.text_len = min(args.text_len, 8)
+    args.image_sizes = [int(s) for s in str(args.image_sizes).split(",")]
+    args.encoder_batches = [[int(b) for b in part.split(",")] for part in str(args.encoder_batches).split("/")]
+    args.hf_batches = [int(b) for b in str(args.hf_batches).split(",")]
+    args.torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    sections = args.sections.split(",")
+    config = hf_config(args.device)
+    results = {"date": utc_now(), "device": args.device, "machine": machine_summary(args.device), "commit": git_commit(),
+               "command": command_line(__file__, argv), "goals": GOALS}
+    started = time.perf_counter()
+    if "encoder" in sections:
+        t0 = time.perf_counter()
+        results["encoder"] = bench_encoder(args, config)
+        print(f"encoder: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+        Path(args.out).write_text(json.dumps(results, indent=2))  # what is done survives a later failure
+    if "ttft" in sections or "offline" in sections:
+        t0 = time.perf_counter()
+        results.update(bench_executor(args, config, sections))
+        print(f"executor sections: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    results["seconds"] = time.perf_counter() - started
+    Path(args.out).write_text(json.dumps(results, indent=2))
+    print_table(markdown(results), args.results_md)
+    return results
+
+
+if __name__ == "__main__":
+    main()
