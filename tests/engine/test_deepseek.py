@@ -11,10 +11,13 @@ DeepSeek ships it) gives the logits of its dequantized weights within activation
 """
 from __future__ import annotations
 
+import json
+import os
 
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 
 from engine.config import ConfigError, EngineConfig
 from engine.convert import getter_from_state_dict, model_config_from_hf, rank_weights
@@ -200,13 +203,21 @@ def test_routing_weights_stay_float32_in_a_bf16_engine():
 
 def test_block_fp8_checkpoint_gives_its_dequantized_logits(tmp_path):
     """Every projection and expert of the tiny V3 saved as E4M3 codes with weight_scale_inv (DeepSeek's
-    layout; routers, norms, embeddings and lm_head unquantized) builds an fp8_block engine without a
-    flag whose logits are transformers' on the dequantized weights within the activation rounding."""
+    layout; routers, norms, embeddings and lm_head unquantized), with an MTP layer as V3 ships one
+    (layer 2: a copy of layer 1's codes and scales, eh_proj unquantized), builds an fp8_block engine
+    without a flag whose logits are transformers' on the dequantized weights within the activation
+    rounding, and whose MTP layer holds the checkpoint's codes and scales."""
     # MLP and expert widths of 128: fused gate/up rows then span whole 128-row blocks.
     model = tiny_deepseek("v3", intermediate_size=128, moe_intermediate_size=128)
     save_block_checkpoint(str(tmp_path / "ckpt"), model, ["lm_head"])
+    add_mtp_layer_copying_layer_1(str(tmp_path / "ckpt"))
     built = build_cli(str(tmp_path / "ckpt"), str(tmp_path / "engine"))
-    assert built.build.quantization == "fp8_block"
+    assert built.build.quantization == "fp8_block" and built.model.num_nextn_predict_layers == 1
+    weights = load_rank_weights(str(tmp_path / "engine"), 0, torch.device("cpu"))
+    for name in ("attn.q_a_proj.weight", "attn.q_a_proj.weight_scale", "moe.gate_up_proj", "moe.down_proj_scale"):
+        mtp, layer = weights[f"mtp.layer.{name}"], weights[f"layers.1.{name}"]  # the MTP layer's codes carried too
+        assert mtp.dtype == layer.dtype and torch.equal(mtp.view(torch.uint8), layer.view(torch.uint8))
+    assert weights["mtp.eh_proj.weight"].dtype == torch.float32  # (DeepSeek ships eh_proj unquantized)
     ids = random_tokens(24, 9)
     with torch.no_grad():
         reference = model(torch.tensor([ids])).logits[0]
@@ -215,6 +226,27 @@ def test_block_fp8_checkpoint_gives_its_dequantized_logits(tmp_path):
     # 2e-5 of the reference (the codes and scales are carried exactly): the rest is activation rounding,
     # over more chained projections than a Llama block has (q_a, q_b, kv_a, o, shared and routed experts).
     assert ((engine - reference).norm() / reference.norm()).item() < 0.12
+
+
+def add_mtp_layer_copying_layer_1(checkpoint: str) -> None:
+    """Give a saved tiny V3 (2 layers) an MTP layer as DeepSeek-V3 ships one: model.layers.2.* holding
+    layer 1's tensors as they are on disk (block-FP8 codes and scales included), enorm, hnorm,
+    eh_proj and shared_head.norm; config.json's num_nextn_predict_layers 1."""
+    path = os.path.join(checkpoint, "model.safetensors")
+    tensors = load_file(path)
+    for name in [n for n in tensors if n.startswith("model.layers.1.")]:
+        tensors["model.layers.2." + name[len("model.layers.1."):]] = tensors[name].clone()
+    hidden = tensors["model.embed_tokens.weight"].shape[1]
+    for name in ("enorm", "hnorm", "shared_head.norm"):
+        tensors[f"model.layers.2.{name}.weight"] = torch.ones(hidden)
+    tensors["model.layers.2.eh_proj.weight"] = 0.1 * torch.randn(hidden, 2 * hidden)
+    save_file(tensors, path, metadata={"format": "pt"})
+    config_path = os.path.join(checkpoint, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config["num_nextn_predict_layers"] = 1
+    with open(config_path, "w") as f:
+        json.dump(config, f)
 
 
 def test_unsupported_settings_are_refused_by_name():
