@@ -20,8 +20,16 @@ PATCHES_PER_TILE = (TILE_SIZE // 7) ** 2 + 1  # 17: 4 x 4 patches and the class 
 CROSS_LAYERS = [1, 3]
 
 
+# Llama 3.2 Vision's layout of content parts, in the tiny vocabulary: each image part is <|image|>, then the text
+CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'].upper() + ': ' }}"
+                 "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+                 "{% for part in message['content'] %}{% if part['type'] == 'image' %}{{ '<|image|>' }}"
+                 "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}{{ ' ' }}"
+                 "{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}")
+
+
 def tokenizer():
-    tok = word_level_tokenizer(WORDS, VOCAB)
+    tok = word_level_tokenizer(WORDS, VOCAB, chat_template=CHAT_TEMPLATE)
     tok.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
     assert tok.convert_tokens_to_ids(IMAGE_TOKEN) == IMAGE_TOKEN_ID
     return tok
