@@ -16,12 +16,13 @@ from serving.params import get_parameter, parse_int_list
 SCHEDULER_POLICIES = {"max_utilization": "max_utilization", "guaranteed_no_evict": "guaranteed_no_evict"}
 BATCHING_TYPES = {"inflight_fused_batching": "inflight", "inflight_batching": "inflight", "v1": "static"}
 DECODING_MODES = ("auto", "top_k", "top_p", "top_k_top_p", "beam_search", "medusa", "redrafter",
-                  "lookahead", "eagle", "mtp")
+                  "explicit_draft_tokens", "lookahead", "eagle", "mtp")
 # Beyond the reference: decoding_mode values that turn on speculative decoding with per-step drafts
 # (engine/executor/speculative/), named after TensorRT-LLM's NGram and Draft-Target modes ->
 # SpeculativeConfig.mode. draft_model is accepted as another name for draft_target.
 SPECULATIVE_DECODING_MODES = {"ngram": "ngram", "draft_target": "draft_model", "draft_model": "draft_model",
-                              "medusa": "medusa", "lookahead": "lookahead", "eagle": "eagle", "mtp": "mtp"}
+                              "medusa": "medusa", "lookahead": "lookahead", "eagle": "eagle", "mtp": "mtp",
+                              "redrafter": "redrafter", "explicit_draft_tokens": "redrafter"}
 # With them: max_draft_len (TensorRT-LLM's name: drafts verified per step; also the most
 # draft_input_ids a request may send, with any decoding_mode), max_matching_ngram_size (TensorRT-LLM's
 # NGram name: the longest suffix looked up in the sequence) and draft_model_path <- ${draft_engine_dir}
@@ -30,7 +31,8 @@ SPECULATIVE_SETTINGS = {"max_draft_len": int, "max_matching_ngram_size": int, "d
                         "medusa_model_path": str, "medusa_choices": list, "lookahead_window_size": int,
                         "lookahead_ngram_size": int, "lookahead_verification_set_size": int,
                         "eagle_model_path": str, "eagle_choices": list, "eagle_dynamic_tree": bool,
-                        "eagle_dynamic_depth": int, "eagle_dynamic_top_k": int}
+                        "eagle_dynamic_depth": int, "eagle_dynamic_top_k": int, "redrafter_model_path": str,
+                        "redrafter_num_beams": int, "redrafter_draft_len_per_beam": int}
 # medusa: the heads in medusa_model_path (default: the engine directory's medusa/), the tree in
 # medusa_choices (engine/executor/speculative/medusa.py). lookahead: the reference's three
 # lookahead_* parameters, all required (engine/executor/speculative/lookahead.py). eagle: EAGLE-3
@@ -38,7 +40,10 @@ SPECULATIVE_SETTINGS = {"max_draft_len": int, "max_matching_ngram_size": int, "d
 # EAGLE-2's dynamic tree with use_dynamic_tree (dynamic_tree_max_topK, num_eagle_layers: TensorRT-LLM's
 # EagleDecodingConfig names) (engine/executor/speculative/eagle3.py). mtp: the engine's own
 # multi-token prediction module (DeepSeek-V3's) drafting max_draft_len tokens a step, chained
-# (engine/executor/speculative/mtp.py).
+# (engine/executor/speculative/mtp.py). redrafter (also explicit_draft_tokens, TensorRT-LLM's
+# DecodingMode name): Apple's recurrent drafter in redrafter_model_path (default: the engine
+# directory's redrafter/), redrafter_num_beams x redrafter_draft_len_per_beam (TensorRT-LLM's
+# converter names; unset: the checkpoint's, else 5 x 5) (engine/executor/speculative/redrafter.py).
 EAGLE_DYNAMIC_PARAMETERS = {"use_dynamic_tree": ("eagle_dynamic_tree", bool),
                             "dynamic_tree_max_topK": ("eagle_dynamic_top_k", int),
                             "num_eagle_layers": ("eagle_dynamic_depth", int)}
@@ -152,6 +157,9 @@ def decoding_mode_settings(params: dict[str, str]) -> dict[str, Any]:
         "medusa_model_path": get_parameter(params, "medusa_model_path", str),
         "eagle_model_path": get_parameter(params, "eagle_model_path", str),
         **{setting: get_parameter(params, name, kind) for name, (setting, kind) in EAGLE_DYNAMIC_PARAMETERS.items()},
+        "redrafter_model_path": get_parameter(params, "redrafter_model_path", str),
+        "redrafter_num_beams": get_parameter(params, "redrafter_num_beams", int),
+        "redrafter_draft_len_per_beam": get_parameter(params, "redrafter_draft_len_per_beam", int),
     }
     mode = _choice(params, "decoding_mode", {**{m: m for m in DECODING_MODES}, **{m: m for m in SPECULATIVE_DECODING_MODES}})
     if mode in SPECULATIVE_DECODING_MODES:

@@ -65,6 +65,7 @@ from engine.executor.speculative.eagle3 import start_eagle3
 from engine.executor.speculative.mtp import start_mtp
 from engine.executor.speculative.lookahead import lookahead_request_error, start_lookahead
 from engine.executor.speculative.medusa_executor import last_rows, start_medusa
+from engine.executor.speculative.redrafter import start_redrafter
 from engine.executor.speculative.tree_step import compact_path_kv
 from engine.executor.tree_batch import chunk_parents, tree_positions
 # KvCacheStats and IterationStats are part of this module's public surface (re-exported).
@@ -161,6 +162,8 @@ class Executor:
                 return start_lookahead(self.runner, spec, has_state=self.state_slots is not None)
             if spec.mode == "eagle":
                 return start_eagle3(self.runner, spec, engine_dir=engine_dir, has_state=self.state_slots is not None)
+            if spec.mode == "redrafter":
+                return start_redrafter(self.runner, spec, engine_dir=engine_dir, has_state=self.state_slots is not None)
             if spec.mode == "mtp":
                 return start_mtp(self.runner, has_state=self.state_slots is not None,
                                  kv_cache_dtype=self.config.kv_cache_dtype,

@@ -18,7 +18,8 @@ class ExecutorConfigError(ValueError):
     """An ExecutorConfig value is out of range; the message names field, value and rule."""
 
 
-SPECULATIVE_MODES = ("ngram", "draft_model", "medusa", "lookahead", "eagle", "mtp")
+SPECULATIVE_MODES = ("ngram", "draft_model", "medusa", "lookahead", "eagle", "mtp", "redrafter")
+SPECULATIVE_MODE_ALIASES = {"explicit_draft_tokens": "redrafter"}  # TensorRT-LLM's DecodingMode name for ReDrafter
 MAX_SPECULATIVE_DRAFT_LEN = 64  # a verify step is a (k + 1)-token chunk per sequence; past this it is a prefill
 
 
@@ -60,6 +61,12 @@ class SpeculativeConfig:
     eagle_dynamic_top_k: int = 8
     # "mtp": the engine's own multi-token prediction module (DeepSeek-V3's; speculative/mtp.py), run
     # max_draft_len times a step, each run reading the one before (one rank).
+    # "redrafter" (alias "explicit_draft_tokens"): Apple's recurrent drafter (speculative/redrafter.py;
+    # default <engine>/redrafter), beam search of redrafter_num_beams beams x redrafter_draft_len_per_beam
+    # drafts (None: the checkpoint's, else 5 x 5); max_draft_len becomes their product.
+    redrafter_model_path: str | None = None
+    redrafter_num_beams: int | None = None
+    redrafter_draft_len_per_beam: int | None = None
 
     def validate(self) -> "SpeculativeConfig":
         def require(ok: bool, message: str) -> None:
@@ -67,6 +74,7 @@ class SpeculativeConfig:
                 raise ExecutorConfigError(message)
 
         self.mode = str(self.mode).lower()
+        self.mode = SPECULATIVE_MODE_ALIASES.get(self.mode, self.mode)
         require(self.mode in SPECULATIVE_MODES,
                 f"SpeculativeConfig.mode value of '{self.mode}' is not supported; allowed: {', '.join(SPECULATIVE_MODES)}")
         require(self.mode != "draft_model" or (isinstance(self.draft_engine_dir, str) and bool(self.draft_engine_dir)),

@@ -216,7 +216,7 @@ def test_drafts_with_beam_search_are_refused_by_name(tiny_executor, tiny_engine)
 
 
 @pytest.mark.parametrize("speculative, named", [
-    (SpeculativeConfig("redrafter"), "SpeculativeConfig.mode value of 'redrafter' is not supported"),
+    (SpeculativeConfig("beam_search"), "SpeculativeConfig.mode value of 'beam_search' is not supported"),
     (SpeculativeConfig("ngram", max_draft_len=0), "SpeculativeConfig.max_draft_len must be an integer in 1..64"),
     (SpeculativeConfig("ngram", max_matching_ngram_size=0), "SpeculativeConfig.max_matching_ngram_size"),
     (SpeculativeConfig("draft_model"), "SpeculativeConfig.draft_engine_dir must name the draft engine's directory"),

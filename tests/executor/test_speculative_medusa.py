@@ -61,15 +61,36 @@ def save_heads(directory, heads: torch.nn.ModuleList, num_layers: int, fmt: str 
     return str(directory)
 
 
+def save_trtllm_heads(directory, heads: torch.nn.ModuleList, num_layers: int, choices=None) -> str:
+    """TensorRT-LLM's converted layout: config.json (num_medusa_heads, num_medusa_layers, max_draft_len,
+    mapping) and the heads' tensors split along dim 0 over 2 rank files beside the target's."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps({
+        "architecture": "MedusaForCausalLM", "hidden_size": HIDDEN, "vocab_size": VOCAB, "num_medusa_heads": len(heads),
+        "num_medusa_layers": num_layers, "max_draft_len": 63, "mapping": {"world_size": 2, "tp_size": 2},
+        **({"medusa_choices": choices} if choices else {})}))
+    for rank in range(2):
+        state = {"transformer.vocab_embedding.weight": torch.zeros(4, 4)}  # the target's tensors are not read
+        for k, head in enumerate(heads):
+            for j in range(num_layers):
+                for part in ("weight", "bias"):
+                    full = getattr(head[j].linear, part).detach()
+                    state[f"medusa_heads.{k}.medusa_layers.{j}.linear.{part}"] = full.chunk(2)[rank].contiguous()
+            state[f"medusa_heads.{k}.lm_head.weight"] = head[num_layers].weight.detach().chunk(2)[rank].contiguous()
+        save_file(state, str(directory / f"rank{rank}.safetensors"))
+    return str(directory)
+
+
 @pytest.fixture(scope="module")
 def decoder(tiny_engine) -> TreeDecoder:
     return TreeDecoder(ModelRunner(tiny_engine), num_blocks=64)
 
 
-@pytest.mark.parametrize("fmt", ["safetensors", "pt"])
+@pytest.mark.parametrize("fmt", ["safetensors", "pt", "trtllm"])
 def test_heads_load_as_published(tmp_path, fmt):
     reference = medusa_lm_head(3, 2)
-    heads = load_medusa_heads(save_heads(tmp_path / fmt, reference, 2, fmt), hidden_size=HIDDEN, vocab_size=VOCAB)
+    path = save_trtllm_heads(tmp_path, reference, 2) if fmt == "trtllm" else save_heads(tmp_path / fmt, reference, 2, fmt)
+    heads = load_medusa_heads(path, hidden_size=HIDDEN, vocab_size=VOCAB)
     hidden = torch.randn(HIDDEN)
     with torch.no_grad():
         want = torch.stack([head(hidden) for head in reference])
@@ -147,6 +168,19 @@ def test_executor_medusa_greedy_ids_equal_transformers(tmp_path, tiny_engine, pl
         assert len(final_tokens(results[3])) == NEW_TOKENS
         assert results[0][-1].result.perf.total_draft_tokens > 0
         executor.blocks.check_invariants()
+        assert executor.blocks.num_free_blocks == executor.blocks.num_blocks
+
+
+def test_executor_runs_tensorrt_llm_medusa_checkpoints(tmp_path, tiny_engine, plain_refs):
+    """A TensorRT-LLM converted checkpoint (2 rank files) with medusa_choices in its config.json."""
+    path = save_trtllm_heads(tmp_path / "trt", medusa_lm_head(2, 1), 1, choices=[[0], [1], [0, 0], [1, 0]])
+    spec = SpeculativeConfig("medusa", max_draft_len=4, medusa_model_path=path)
+    with Executor(tiny_engine, ExecutorConfig(exclude_input_from_output=True, speculative=spec)) as executor:
+        assert executor.proposer.tree.shape.num_nodes == 5  # the config's tree
+        requests = [Request(p, NEW_TOKENS, output=OutputConfig(return_perf_metrics=True)) for p in EXEC_PROMPTS]
+        got = collect(executor, executor.enqueue_requests(requests), timeout=300)
+        assert [final_tokens(got[i]) for i in sorted(got)] == plain_refs
+        assert all(got[i][-1].result.perf.total_draft_tokens > 0 for i in got)
         assert executor.blocks.num_free_blocks == executor.blocks.num_blocks
 
 

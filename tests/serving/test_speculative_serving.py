@@ -151,6 +151,16 @@ def test_decoding_mode_eagle_names_its_heads_and_tree():
     assert ignored == []
 
 
+@pytest.mark.parametrize("mode", ["redrafter", "explicit_draft_tokens"])
+def test_decoding_mode_redrafter_names_its_drafter_and_beams(mode):
+    settings = executor_settings({"decoding_mode": mode, "redrafter_model_path": "/drafter",
+                                  "redrafter_num_beams": "3", "redrafter_draft_len_per_beam": "4"}, {})
+    config, ignored = to_executor_config(ExecutorConfig, settings)
+    assert config.speculative == SpeculativeConfig(mode="redrafter", redrafter_model_path="/drafter",
+                                                   redrafter_num_beams=3, redrafter_draft_len_per_beam=4)
+    assert ignored == []
+
+
 def test_other_decoding_modes_and_unfilled_parameters_leave_speculation_off():
     for params in ({"decoding_mode": "top_k"}, {"decoding_mode": "${decoding_mode}", "max_draft_len": "${max_draft_len}",
                                                 "max_matching_ngram_size": "${max_matching_ngram_size}",

@@ -10,7 +10,12 @@ Checkpoints in FasterDecoding's ``medusa_lm_head`` format: a directory with ``co
 (``medusa_num_heads``, ``medusa_num_layers``) and ``medusa_lm_head.safetensors`` (or ``.pt``), the
 state dict of ``ModuleList[Sequential(ResBlock x L, Linear(hidden, vocab, bias=False))]``:
 ``{k}.{j}.linear.weight`` (hidden, hidden) and ``.bias`` (hidden,) for block j < L, and
-``{k}.{L}.weight`` (vocab, hidden). TensorRT-LLM's converted Medusa checkpoints are not read yet.
+``{k}.{L}.weight`` (vocab, hidden). Or TensorRT-LLM's converted checkpoint (examples/medusa
+convert_checkpoint.py): ``config.json`` with ``num_medusa_heads``, ``num_medusa_layers``,
+``max_draft_len`` (and ``mapping.tp_size``) beside ``rank{r}.safetensors``, whose heads are
+``medusa_heads.{k}.medusa_layers.{j}.linear.weight/bias`` and ``medusa_heads.{k}.lm_head.weight``,
+split along dim 0 over the ranks (trtllm_checkpoint.py; the target's own tensors are not read).
+A ``medusa_choices`` entry in that config.json is the default tree.
 
 The tree comes from ``medusa_choices`` (tree.py ``shape_from_choices``): the node at path
 (r_1, ..., r_d) drafts head d-1's r_d-th most likely token below its parent.
@@ -24,6 +29,7 @@ import torch
 from safetensors.torch import load_file
 
 from engine.executor.speculative.proposer import draft_room
+from engine.executor.speculative.trtllm_checkpoint import rank_tensors
 from engine.executor.speculative.tree import TreeShape, shape_from_choices
 
 
@@ -38,6 +44,7 @@ class MedusaHeads(torch.nn.Module):
         super().__init__()
         self.num_heads, self.num_layers = num_heads, num_layers
         self.hidden_size, self.vocab_size = hidden_size, vocab_size
+        self.default_choices = None  # a TensorRT-LLM checkpoint's medusa_choices, if its config has one
         self.block_weight = torch.nn.Parameter(torch.zeros(num_heads, num_layers, hidden_size, hidden_size, device=device),
                                                requires_grad=False)
         self.block_bias = torch.nn.Parameter(torch.zeros(num_heads, num_layers, hidden_size, device=device),
@@ -63,12 +70,15 @@ def load_medusa_heads(path: str, *, hidden_size: int, vocab_size: int, device="c
                                 f"directory holds config.json and medusa_lm_head.safetensors or .pt)")
     with open(config_path) as f:
         config = json.load(f)
+    trtllm = "num_medusa_heads" in config  # TensorRT-LLM's converted checkpoint
     try:
-        num_heads, num_layers = int(config["medusa_num_heads"]), int(config["medusa_num_layers"])
+        num_heads, num_layers = (int(config["num_medusa_heads"]), int(config["num_medusa_layers"])) if trtllm else (
+            int(config["medusa_num_heads"]), int(config["medusa_num_layers"]))
     except KeyError as e:
         raise MedusaConfigError(f"medusa_model_path: config.json lacks {e.args[0]}") from None
-    state = _load_state(path)
+    state = _trtllm_state(path, config, num_heads, num_layers) if trtllm else _load_state(path)
     heads = MedusaHeads(num_heads, num_layers, hidden_size, vocab_size, device)
+    heads.default_choices = config.get("medusa_choices")
     for k in range(num_heads):
         head = state.get(f"{k}.{num_layers}.weight")
         if head is None:
@@ -85,6 +95,25 @@ def load_medusa_heads(path: str, *, hidden_size: int, vocab_size: int, device="c
                                         f"hidden_size is {hidden_size}")
             heads.block_weight.data[k, j], heads.block_bias.data[k, j] = weight.float(), bias.float()
     return heads
+
+
+def _trtllm_state(path: str, config: dict, num_heads: int, num_layers: int) -> dict[str, torch.Tensor]:
+    """TensorRT-LLM's head tensors under FasterDecoding's names (``{k}.{j}.linear.*``, ``{k}.{L}.weight``)."""
+    try:
+        state = rank_tensors(path, config, "medusa_heads.")
+    except FileNotFoundError as err:
+        raise MedusaConfigError(f"medusa_model_path: {err}") from None
+    renamed = {}
+    for k in range(num_heads):
+        renamed[f"{k}.{num_layers}.weight"] = state.get(f"medusa_heads.{k}.lm_head.weight")
+        for j in range(num_layers):
+            for part in ("weight", "bias"):
+                name = f"medusa_heads.{k}.medusa_layers.{j}.linear.{part}"
+                if name not in state:
+                    raise MedusaConfigError(f"medusa heads: no '{name}' in the rank files of {num_heads} heads x "
+                                            f"{num_layers} layers")
+                renamed[f"{k}.{j}.linear.{part}"] = state[name]
+    return {k: v for k, v in renamed.items() if v is not None}
 
 
 def _load_state(path: str) -> dict[str, torch.Tensor]:
@@ -122,21 +151,22 @@ def propose_tree(head_logits: torch.Tensor, shape: TreeShape, top: int) -> tuple
     return [p - 1 for p in shape.parents[1:]], drafts
 
 
-class MedusaDraftProposer:
-    """The executor's DraftProposer for ``decoding_mode medusa`` (proposer.py's interface).
+class LastHiddenTreeProposer:
+    """A DraftProposer (proposer.py) drafting a tree per sequence from the target's final hidden
+    state at its last computed token (Medusa, ReDrafter): the executor hands the step's hidden rows
+    over after each forward (``observe``; the runner keeps them, ``keep_hidden_rows``). Subclasses
+    give ``draft(hidden, root)`` -> (parents with -1 for the root, tokens) in topological order, so
+    the first max_draft_len nodes are a subtree; ``keeps_law`` picks the sampled rows' acceptance
+    (verify.py: rejection sampling when true, typical acceptance when false)."""
 
-    The heads read the target's final hidden state at each sequence's last computed token: the
-    executor hands the step's hidden rows over after each forward (``observe``; the runner keeps
-    them, ``keep_hidden_rows``). Every sequence then verifies ``medusa_choices``' tree (its first
-    max_draft_len nodes, a subtree: nodes are in topological order): greedy ones by argmax, sampled
-    ones by Medusa's typical acceptance (verify.py, typical.py).
-    """
-
+    keeps_law = False
     drafts_trees = True  # verify steps replay the tree graphs (runner.tree_graph_width)
 
-    def __init__(self, heads: MedusaHeads, choices: list[list[int]]):
-        self.tree = MedusaProposer(heads, choices)
+    def __init__(self):
         self._hidden: dict[int, torch.Tensor] = {}  # seq_id -> (hidden,) at its last computed token
+
+    def draft(self, hidden: torch.Tensor, root: int) -> tuple[list[int], list[int]]:
+        raise NotImplementedError
 
     def observe(self, hidden_rows: torch.Tensor, last_rows: dict[int, int]) -> None:
         """hidden_rows: the step's rows (aligned with its logits rows); last_rows: seq_id -> the row
@@ -153,10 +183,23 @@ class MedusaDraftProposer:
             if hidden is None or not room or seq.num_unresolved_tokens:
                 drafts.append([])
                 continue
-            parents, tokens = propose_tree(self.tree.heads(hidden), self.tree.shape, self.tree.top)
-            seq.draft_parents = parents[:room]
+            parents, tokens = self.draft(hidden, seq.token_ids[-1])
+            seq.draft_parents, seq.draft_tree_keeps_law = parents[:room], self.keeps_law
             drafts.append(tokens[:room])
         return drafts
 
     def release(self, seq) -> None:
         self._hidden.pop(seq.seq_id, None)
+
+
+class MedusaDraftProposer(LastHiddenTreeProposer):
+    """The executor's DraftProposer for ``decoding_mode medusa``: every sequence verifies
+    ``medusa_choices``' tree (its first max_draft_len nodes): greedy ones by argmax, sampled ones by
+    Medusa's typical acceptance (verify.py, typical.py)."""
+
+    def __init__(self, heads: MedusaHeads, choices: list[list[int]]):
+        super().__init__()
+        self.tree = MedusaProposer(heads, choices)
+
+    def draft(self, hidden: torch.Tensor, root: int) -> tuple[list[int], list[int]]:
+        return propose_tree(self.tree.heads(hidden), self.tree.shape, self.tree.top)

@@ -22,16 +22,15 @@ def start_medusa(runner, medusa_model_path: str | None, medusa_choices, *, engin
     naming the field. The heads live in ``medusa_model_path``, by default the engine directory's
     ``medusa/`` (so the stock repository serves them). The runner keeps its scored rows' hidden
     states from now on."""
-    if not isinstance(runner, ModelRunner) or runner.build_config.tp_size > 1:
-        raise ProposerConfigError("decoding_mode medusa runs on one rank (tp_size 1) in this release")
-    if has_state:
-        raise ProposerConfigError("decoding_mode medusa: models with recurrent state (Mamba layers) cannot verify "
-                                  "token trees")
+    refuse_unless_one_rank_without_state(runner, "medusa", has_state)
     medusa_model_path = medusa_model_path or os.path.join(engine_dir, "medusa")
     try:
         choices = parse_choices(medusa_choices) if isinstance(medusa_choices, str) else medusa_choices
         heads = load_medusa_heads(medusa_model_path, hidden_size=runner.model_config.hidden_size,
                                   vocab_size=runner.vocab_size, device=runner.device)
+        if choices is None and heads.default_choices is not None:  # a TensorRT-LLM checkpoint's config
+            default = heads.default_choices
+            choices = parse_choices(default) if isinstance(default, str) else default
         if choices is None:  # the default tree, as deep as the heads go
             choices = [c for c in DEFAULT_MEDUSA_CHOICES if len(c) <= heads.num_heads]
         proposer = MedusaDraftProposer(heads, choices)
@@ -39,6 +38,16 @@ def start_medusa(runner, medusa_model_path: str | None, medusa_choices, *, engin
         raise ProposerConfigError(str(err)) from None
     runner.keep_hidden_rows = True
     return proposer
+
+
+def refuse_unless_one_rank_without_state(runner, mode: str, has_state: bool) -> None:
+    """ProposerConfigError unless ``runner`` is one rank's ModelRunner of a model without recurrent
+    state: tree verification moves KV per path, and a Mamba state cannot follow a tree."""
+    if not isinstance(runner, ModelRunner) or runner.build_config.tp_size > 1:
+        raise ProposerConfigError(f"decoding_mode {mode} runs on one rank (tp_size 1) in this release")
+    if has_state:
+        raise ProposerConfigError(f"decoding_mode {mode}: models with recurrent state (Mamba layers) cannot verify "
+                                  "token trees")
 
 
 def last_rows(sampling: list, drafted: list, verified: dict[int, Verified] | None) -> dict[int, int]:
