@@ -153,6 +153,10 @@ def test_cached_drafter_equals_the_whole_sequence_reference(tmp_path, runner, ti
         want = draft_tree(head, shape, g, tokens, embed)
         plan = StaticPlan(shape, torch.device("cpu"))
         assert draft_static(head, cache, plan, embed) == want
+        full = cache.k[:cache.length + 2].clone()  # a tree's scratch rows survive the buffer's growth
+        cache.k, cache.v = full.clone(), cache.v[:cache.length + 2].clone()
+        cache.reserve(cache.length + 3)
+        assert cache.k.shape[0] > full.shape[0] and torch.equal(cache.k[:full.shape[0]], full)
         # tree rows: [0] and [1] (depth 1) see themselves only, [0, 0] (depth 2) sees [0] and itself
         assert [level["seen"].tolist() if level["seen"] is not None else None for level in plan.levels] == [
             [[True, False], [False, True]], [[True, False, True]], None]

@@ -63,10 +63,10 @@ class DraftCache:
         if rows <= self.k.shape[0]:
             return
         capacity = max(2 * self.k.shape[0], rows)
-        for name in ("k", "v"):
+        for name in ("k", "v"):  # every row, the scratch ones too: a proposal may grow mid-tree
             old = getattr(self, name)
             new = old.new_empty((capacity,) + tuple(old.shape[1:]))
-            new[:self.length] = old[:self.length]
+            new[:old.shape[0]] = old
             setattr(self, name, new)
 
     def commit(self, head, tokens: list[int], embed) -> None:
