@@ -54,6 +54,7 @@ from engine.executor.prompt_table import PromptTable  # noqa: E402
 from engine.executor.random_weights import materialize_random_weights  # noqa: E402
 from engine.executor.request import OutputConfig, Request  # noqa: E402
 from engine.vision import qwen2_5_vl, qwen2_vl  # noqa: E402
+from engine.vision.mlp_width import pad_mlp_widths, padded_width  # noqa: E402
 from engine.vision.mrope import request_mrope  # noqa: E402
 
 SECTIONS = ["encoder", "ttft", "offline"]
@@ -109,9 +110,13 @@ def random_patches(grids: list[list[int]], device: str, seed: int = 0) -> torch.
 
 
 def load_encoder(config, args) -> torch.nn.Module:
-    """Our tower with random weights on the device (the layout load_vision_encoder builds)."""
+    """Our tower with random weights on the device (the layout load_vision_encoder builds: on CUDA the MLP
+    width 3,420 zero-padded to 3,456, engine/vision/mlp_width.py; the CPU smoke run pads its 48 to 128 too)."""
     encoder = qwen2_5_vl.Qwen25VisionEncoder(qwen2_5_vl.encoder_config(config), dtype=args.torch_dtype, device="meta")
-    return materialize_random_weights(encoder, torch.device(args.device), seed=0).eval()
+    encoder = materialize_random_weights(encoder, torch.device(args.device), seed=0).eval()
+    if not args.unpadded_mlp:
+        pad_mlp_widths(encoder)
+    return encoder
 
 
 def write_language_engine(config, args, max_batch_size: int) -> str:
@@ -386,7 +391,8 @@ def markdown(results: dict) -> str:
     for side, e in (results.get("encoder") or {}).items():
         per_batch = ", ".join(f"b{r['batch']}: {r['images_per_s']:.1f}" for r in e["batches"])
         lines.append(f"| vision tower, {side} x {side} images ({e['grid'][1]} x {e['grid'][2]} patches, "
-                     f"{e['rows_per_image']} rows each), images/s | {e['best_images_per_s']:.1f} (batch "
+                     f"{e['rows_per_image']} rows each; MLP width {results.get('tower_mlp_width')}), images/s | "
+                     f"{e['best_images_per_s']:.1f} (batch "
                      f"{e['best_batch']}; {per_batch}) | - | - |")
     t = results.get("ttft")
     if t:
@@ -445,6 +451,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--encode-batch", type=int, default=None, help="images per tower forward offline (default 32; CPU 2)")
     p.add_argument("--ttft-runs", type=int, default=None, help="TTFT repetitions (default 5; CPU 2)")
     p.add_argument("--hf-batches", default=None, help="transformers batch sizes (default 128; CPU 2)")
+    p.add_argument("--unpadded-mlp", action="store_true", help="keep the tower's MLP width as the checkpoint's "
+                   "(3,420) instead of padding it to 3,456 as load_vision_encoder does on CUDA (the before figure)")
     p.add_argument("--max-num-tokens", type=int, default=8192)
     p.add_argument("--kv-fraction", type=float, default=0.8, help="kv_cache_free_gpu_mem_fraction of the executor")
     p.add_argument("--profile-dir", default=None, help="write the tower's torch-profiler tables and a cProfile "
@@ -474,7 +482,9 @@ def main(argv=None) -> dict:
     sections = args.sections.split(",")
     config = hf_config(args.device)
     results = {"date": utc_now(), "device": args.device, "machine": machine_summary(args.device), "commit": git_commit(),
-               "command": command_line(__file__, argv), "goals": GOALS}
+               "command": command_line(__file__, argv), "goals": GOALS,
+               "tower_mlp_width": config.vision_config.intermediate_size if args.unpadded_mlp
+               else padded_width(config.vision_config.intermediate_size)}
     started = time.perf_counter()
     if "encoder" in sections:
         t0 = time.perf_counter()

@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from engine.config import EngineFormatError
 from engine.hf_checkpoint import TensorGetter
+from engine.vision.mlp_width import pad_mlp_widths
 from engine.vision.encoder_path import VISION_ENCODER_DIR, vision_encoder_dir  # noqa: F401 (build.py, tests)
 from engine.vision.registry import FAMILIES_BY_MODEL_TYPE, VisionFamily
 
@@ -89,7 +90,7 @@ def read_encoder_config(path: str) -> dict:
 
 def load_vision_encoder(path: str, device: str | torch.device = "cpu") -> torch.nn.Module:
     """The encoder of directory ``path`` on ``device``, in eval mode, with ``encode(pixel_values)``,
-    ``num_image_tokens`` and ``model_type``."""
+    ``num_image_tokens`` and ``model_type``; on CUDA its blocks' MLP widths zero-padded to multiples of 128."""
     config = read_encoder_config(path)
     family = FAMILIES_BY_MODEL_TYPE[config["builder_config"]["model_type"]]
     dtype = TORCH_DTYPES[config["builder_config"]["precision"]]
@@ -104,4 +105,6 @@ def load_vision_encoder(path: str, device: str | torch.device = "cpu") -> torch.
     except RuntimeError as err:
         raise EngineFormatError(f"{weights_path} does not match its config.json: {err}") from None
     encoder.model_type = family.model_type
+    if torch.device(device).type == "cuda":  # MLP widths to tensor-core tilings, exact (engine/vision/mlp_width.py)
+        pad_mlp_widths(encoder)
     return encoder.eval()

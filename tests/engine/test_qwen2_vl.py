@@ -45,11 +45,29 @@ def test_cuda_greedy_ids_equal_transformers(built):
     assert_greedy_ids_equal_transformers(*built, device="cuda")
 
 
+def test_tower_with_mlp_widths_padded_gives_the_same_rows(built):
+    """engine/vision/mlp_width.py (what load_vision_encoder does on CUDA): zero rows and columns to a
+    multiple of 128 leave the tower's rows bitwise equal, two images of other sizes in one batch."""
+    from engine.vision.mlp_width import pad_mlp_widths
+
+    engine, _ = built
+    images = image_processor()([make_image(0, (52, 40)), make_image(1, (28, 56))], return_tensors="pt")
+    grids = images["image_grid_thw"].tolist()
+    encoder = load_vision_encoder(vision_encoder_dir(engine))
+    want = encoder.image_features(images["pixel_values"], grids)
+    pad_mlp_widths(encoder)
+    block = encoder.blocks[0]
+    assert (block.down_proj if hasattr(block, "down_proj") else block.fc2).weight.shape[1] == 128
+    for got, expected in zip(encoder.image_features(images["pixel_values"], grids), want):
+        assert torch.equal(got, expected)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_tower_rows_equal_cpu_rows(built):
-    """The tower on a GPU (float32): Triton rotary (and Qwen2.5-VL's Triton RMSNorm), two images of
-    other sizes in one batch (frames and windows of several lengths), = the CPU reference's rows."""
+    """The tower on a GPU (float32): Triton rotary (and Qwen2.5-VL's Triton RMSNorm), MLP widths padded
+    to 128 at load, two images of other sizes in one batch (frames and windows of several lengths), =
+    the CPU reference's rows (unpadded)."""
     engine, _ = built
     images = image_processor()([make_image(0, (52, 40)), make_image(1, (28, 56))], return_tensors="pt")
     grids = images["image_grid_thw"].tolist()
