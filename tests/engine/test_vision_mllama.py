@@ -43,13 +43,13 @@ def hf_ids(hf, batch) -> list[int]:
     return out[0, batch["input_ids"].shape[1]:].tolist()
 
 
-def image_request(encoder, batch, **kwargs) -> Request:
+def image_request(encoder, batch, output: OutputConfig | None = None) -> Request:
     """The engine's request for one processor output: vision states + the processor's mask over them."""
     states = encoder.image_features(batch["pixel_values"][0], batch["aspect_ratio_ids"][0],
                                     batch["aspect_ratio_mask"][0]).flatten(0, 1)
     mask = dense_mask(batch["cross_attention_mask"][0].numpy(), PATCHES_PER_TILE)
     return Request(batch["input_ids"][0].tolist(), NEW_TOKENS, encoder_input_features=states,
-                   cross_attention_mask=mask, output=OutputConfig(exclude_input_from_output=True), **kwargs)
+                   cross_attention_mask=mask, output=output or OutputConfig(exclude_input_from_output=True))
 
 
 def test_vision_states_equal_transformers(built):
@@ -156,7 +156,9 @@ def test_triton_pipeline_preprocessing_encoders_tensorrt_llm_give_transformers_i
                   "request_output_len": np.array([[NEW_TOKENS]], np.int32),
                   **{llm: outputs[name] for name, llm in LLM_INPUTS_FROM_ENCODERS.items() if name in outputs}}
         [spec] = convert_request(inputs, decoupled=False, exclude_input_default=True, cross_attention=True)
-        got.append((pre["INPUT_ID"][0].tolist(), generated_ids(engine, [to_executor_request(spec)], ExecutorConfig())[0]))
+        got.append((pre["INPUT_ID"][0].tolist(), to_executor_request(spec)))
+    got = [(ids, generated) for (ids, _), generated in zip(got, generated_ids(engine, [r for _, r in got],
+                                                                               ExecutorConfig()))]
     batch = processor()(images=[[image]], text=[text], return_tensors="pt")
     assert got[0][0] == batch["input_ids"][0].tolist()
     batch["pixel_values"] = batch["pixel_values"].half().float()  # as PIXEL_VALUES carries them
@@ -213,3 +215,34 @@ def test_openai_image_path_gives_the_pipelines_ids(built):
     finally:
         hook.remove()
 
+
+
+def test_a_resent_image_reuses_its_prompt_blocks_and_another_image_does_not(built):
+    """Prompt blocks of a request with images are keyed by its vision states and mask too: the same image
+    again reuses them, the same prompt with another image (same ids) does not, and its ids still differ."""
+    engine, _ = built
+    encoder = load_vision_encoder(vision_encoder_dir(engine))
+    text = [f"{IMAGE_TOKEN}Describe this picture What is in the image?"]
+
+    def request(seed: int) -> Request:
+        batch = processor()(images=[[make_image(seed, (40, 52))]], text=text, return_tensors="pt")
+        return image_request(encoder, batch, output=OutputConfig(exclude_input_from_output=True,
+                                                                 return_perf_metrics=True))
+
+    with Executor(engine, ExecutorConfig()) as executor:
+        results = []
+        for seed in (6, 6, 7):
+            [request_id] = executor.enqueue_requests([request(seed)])
+            results.append(collect(executor, [request_id])[request_id][-1].result)
+    assert [r.perf.kv_cache_reused_blocks for r in results] == [0, 2, 0]  # 10 prompt tokens: 2 full blocks of 4
+    assert results[1].output_token_ids == results[0].output_token_ids != results[2].output_token_ids
+
+
+def test_unsupported_builds_are_refused_by_name(built, tmp_path, capsys):
+    checkpoint = tmp_path / "checkpoint"
+    write_checkpoint(checkpoint)
+    for flags, message in ((["--tp_size", "2"], "tp_size 2: MllamaForConditionalGeneration (Llama 3.2 Vision) builds "
+                                                "for one GPU only"),
+                           (["--max_encoder_input_len", "10"], f"a Llama 3.2 Vision image brings {ONE_IMAGE} vision")):
+        assert main(["--checkpoint", str(checkpoint), "--output", str(tmp_path / "engine"), *flags]) != 0
+        assert message in capsys.readouterr().err
