@@ -41,7 +41,8 @@ class Op(enum.IntEnum):
 
 def _field_kind(field: dataclasses.Field) -> str:
     """'nested' (list[list[int]]), 'list' (list[int]), 'optional' (list[int] | None), 'optional_rows'
-    (list[list[int] | None] | None: tree_parents) or 'scalar' (int/bool), from the annotation."""
+    (list[list[int] | None] | None: tree_parents), 'scalar' (int/bool) or 'local' (list | None: never
+    sent), from the annotation."""
     text = field.type if isinstance(field.type, str) else repr(field.type)
     text = text.replace(" ", "")
     if text == "list[list[int]]":
@@ -54,6 +55,8 @@ def _field_kind(field: dataclasses.Field) -> str:
         return "optional"
     if text in ("int", "bool", "<class'int'>", "<class'bool'>"):
         return "scalar"
+    if text == "list|None":
+        return "local"  # host objects of one process (Llama 3.2 Vision's cross masks): never sent, None on workers
     raise TypeError(f"ForwardBatch field {field.name!r} has type {text}, which the step protocol cannot send")
 
 
@@ -69,6 +72,11 @@ def encode_batch(batch) -> torch.Tensor:
     for field in dataclasses.fields(batch):
         value = getattr(batch, field.name)
         kind = _field_kind(field)
+        if kind == "local":
+            if value is not None:
+                raise TypeError(f"ForwardBatch field {field.name!r} holds host objects the step protocol does not "
+                                "send: this model does not run with tensor or pipeline parallelism")
+            continue
         if kind == "scalar":
             flat.append(int(value))
         elif kind in ("optional", "optional_rows") and value is None:
@@ -91,6 +99,9 @@ def decode_batch(payload: torch.Tensor, batch_class):
     kwargs = {}
     for field in dataclasses.fields(batch_class):
         kind = _field_kind(field)
+        if kind == "local":
+            kwargs[field.name] = None
+            continue
         if kind == "scalar":
             kwargs[field.name] = values[cursor]
             cursor += 1

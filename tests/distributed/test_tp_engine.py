@@ -59,6 +59,9 @@ def test_batch_encoding_round_trips():
     assert decode_batch(encode_batch(empty_rows), ForwardBatch) == empty_rows
     tree = dataclasses.replace(batch, tree_parents=[None, [-1]])  # a plain chunk beside a 1-token tree
     assert decode_batch(encode_batch(tree), ForwardBatch) == tree
+    masked = dataclasses.replace(batch, cross_masks=[object(), None])  # host objects: never sent, named
+    with pytest.raises(TypeError, match="'cross_masks' holds host objects the step protocol does not send"):
+        encode_batch(masked)
 
 
 @pytest.mark.parametrize("environ, expected", [
