@@ -1,4 +1,4 @@
-"""A tiny random Qwen3-VL checkpoint made by transformers: a ViT of 2 blocks of width 32 with a 4 x 4 learned
+"""A tiny random Qwen3-VL (or Qwen3-VL-MoE) checkpoint made by transformers: a ViT of 2 blocks of width 32 with a 4 x 4 learned
 position grid (resampled to each image), DeepStack taps after blocks 0 and 1, a 2 x 2 merger; a 3-layer Qwen3
 of width 64 (q/k norms, head_dim 16) with interleaved M-RoPE sections [4, 2, 2]; tiny_llava's tokenizer and
 Qwen2-VL's image processor at 7-pixel patches (as tiny_qwen2_vl). No network."""
@@ -23,21 +23,29 @@ SECTIONS = [4, 2, 2]
 DEEPSTACK = [0, 1]
 
 
-def hf_model(seed: int = 0):
+def hf_model(seed: int = 0, moe: bool = False):
+    """``moe``: Qwen3-VL-MoE, its language model with 4 experts of width 24 (top 2) in layers 0 and 2
+    and a dense MLP in layer 1."""
     import transformers
 
-    config = transformers.Qwen3VLConfig(
+    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                bos_token_id=1, eos_token_id=2, pad_token_id=4,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": SECTIONS,
+                                 "mrope_interleaved": True})
+    if moe:
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, mlp_only_layers=[1])
+    config_class, model_class = ((transformers.Qwen3VLMoeConfig, transformers.Qwen3VLMoeForConditionalGeneration)
+                                 if moe else (transformers.Qwen3VLConfig, transformers.Qwen3VLForConditionalGeneration))
+    config = config_class(
         vision_config=dict(depth=2, hidden_size=32, out_hidden_size=64, intermediate_size=48, num_heads=4,
                            patch_size=7, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
                            deepstack_visual_indexes=DEEPSTACK),
-        text_config=dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=4,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": SECTIONS,
-                                          "mrope_interleaved": True}),
-        image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN, vision_start_token_id=VISION_START,
+        text_config=text, image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN, vision_start_token_id=VISION_START,
         vision_end_token_id=VISION_END)
-    return seeded(transformers.Qwen3VLForConditionalGeneration, config, seed)
+    if moe:
+        config.text_config._experts_implementation = "eager"  # grouped_mm needs 16-byte-aligned widths
+    return seeded(model_class, config, seed)
 
 
 def tokenizer():
@@ -45,8 +53,8 @@ def tokenizer():
     return word_level_tokenizer(words, VOCAB, additional_special_tokens=SPECIAL, chat_template=CHAT_TEMPLATE)
 
 
-def write_checkpoint(path: Path, seed: int = 0) -> Path:
-    hf_model(seed).save_pretrained(path)
+def write_checkpoint(path: Path, seed: int = 0, moe: bool = False) -> Path:
+    hf_model(seed, moe).save_pretrained(path)
     tokenizer().save_pretrained(path)
     image_processor().save_pretrained(path)
     return path

@@ -34,8 +34,9 @@ from engine.vision.clip import first_found
 from engine.vision.qwen2_vl import PREFIXES, Qwen2VisionBlock, embed_patches, frame_attention, language_fields
 from engine.vision.qwen2_vl import text_config as qwen2_vl_text_config
 
-MODEL_TYPE = "qwen3_vl"  # builder_config.model_type (the anchor has no Qwen3-VL; named as transformers' model_type)
-MOE_MODEL_TYPE = "qwen3_vl_moe"
+# builder_config.model_type of both Qwen3-VL and Qwen3-VL-MoE (the same tower; the anchor has no Qwen3-VL)
+MODEL_TYPE = "qwen3_vl"
+MOE_MODEL_TYPE = "qwen3_vl_moe"  # the MoE checkpoint's config.model_type
 
 
 def grid_position_embeddings(table: torch.Tensor, grids: list[list[int]], merge: int) -> torch.Tensor:
@@ -108,7 +109,33 @@ def text_config(hf_config):
     moe = hf_config.model_type == MOE_MODEL_TYPE
     text = qwen2_vl_text_config(hf_config, "Qwen3MoeForCausalLM" if moe else "Qwen3ForCausalLM")
     text.deepstack_layers = len(hf_config.vision_config.deepstack_visual_indexes)
+    # transformers ties lm_head by the top-level flag (Qwen3-VL-MoE's text config defaults to True, its top to False)
+    text.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+    if moe:  # Qwen3VLMoeTextTopKRouter always renormalises the top-k weights (its config has no flag)
+        text.norm_topk_prob = True
     return text
+
+
+# Qwen3-VL-MoE keeps each layer's experts fused: mlp.experts.gate_up_proj and mlp.experts.down_proj. Qwen's
+# released files hold them as (E, hidden, 2I) and (E, I, hidden); transformers' modules (and the files its
+# save_pretrained writes) as (E, 2I, hidden) and (E, hidden, I) (transformers transposes the released ones
+# on load: its conversion mapping for qwen3_vl_moe). The pair tells them apart: in the modules' layout
+# down's dim 1 equals gate_up's dim 2 (hidden); in the released one they are I and 2I.
+_FUSED_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+def moe_language_tensors(get: TensorGetter) -> TensorGetter:
+    """A getter giving the fused experts in the modules' layout, what engine.hf_checkpoint.stacked_experts
+    reads, from either file layout; every other tensor as it is."""
+    def get_text(name: str) -> torch.Tensor:
+        tensor = get(name)
+        if not name.endswith(_FUSED_EXPERTS):
+            return tensor
+        layer = name[:-len(next(suffix for suffix in _FUSED_EXPERTS if name.endswith(suffix)))]
+        gate_up, down = (tensor, get(layer + _FUSED_EXPERTS[1])) if name.endswith(_FUSED_EXPERTS[0]) \
+            else (get(layer + _FUSED_EXPERTS[0]), tensor)
+        return tensor if down.shape[1] == gate_up.shape[2] else tensor.transpose(1, 2)
+    return get_text
 
 
 def encoder_config(hf_config) -> dict:

@@ -23,6 +23,9 @@ class VisionFamily:
     encoder_class: type  # (config, dtype, device) -> nn.Module with encode() and num_image_tokens
     language_prefixes: tuple[tuple[str, str], ...]  # (text-model name prefix, checkpoint prefixes to try)
     text_config_of: Callable[[object], object] | None = None  # None: hf_config.text_config as it is
+    # getter -> getter reading the language tensors as the text model's modules hold them (Qwen3-VL-MoE's
+    # transposed experts); None: as the checkpoint holds them
+    language_tensors: Callable[[TensorGetter], TensorGetter] | None = None
 
     def text_config(self, hf_config):
         return hf_config.text_config if self.text_config_of is None else self.text_config_of(hf_config)
@@ -41,7 +44,7 @@ class VisionFamily:
                             continue
                     return get(names[-1])
             return get(name)
-        return get_text
+        return get_text if self.language_tensors is None else self.language_tensors(get_text)
 
 
 # transformers 4 (and 5's saved files) keep LLaVA's text model under language_model.model.* and
@@ -76,6 +79,9 @@ VISION_FAMILIES = {
     "Qwen3VLForConditionalGeneration": VisionFamily(
         "Qwen3VLForConditionalGeneration", qwen3_vl.MODEL_TYPE, qwen3_vl.encoder_config, qwen3_vl.encoder_weights,
         qwen3_vl.Qwen3VisionEncoder, _QWEN2_VL_LANGUAGE, qwen3_vl.text_config),
+    "Qwen3VLMoeForConditionalGeneration": VisionFamily(
+        "Qwen3VLMoeForConditionalGeneration", qwen3_vl.MODEL_TYPE, qwen3_vl.encoder_config, qwen3_vl.encoder_weights,
+        qwen3_vl.Qwen3VisionEncoder, _QWEN2_VL_LANGUAGE, qwen3_vl.text_config, qwen3_vl.moe_language_tensors),
     "Blip2ForConditionalGeneration": VisionFamily(
         "Blip2ForConditionalGeneration", blip2.MODEL_TYPE, blip2.encoder_config, blip2.encoder_weights,
         blip2.Blip2VisionEncoder, _BLIP2_LANGUAGE, blip2.text_config),
@@ -89,6 +95,7 @@ VISION_FAMILIES = {
         "MllamaForConditionalGeneration", mllama.MODEL_TYPE, mllama.encoder_config, mllama.encoder_weights,
         mllama.MllamaVisionEncoder, _LLAVA_LANGUAGE),
 }
+# Qwen3-VL and Qwen3-VL-MoE share "qwen3_vl": the same tower, so either entry loads its encoder
 FAMILIES_BY_MODEL_TYPE = {family.model_type: family for family in VISION_FAMILIES.values()}
 
 

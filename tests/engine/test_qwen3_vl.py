@@ -11,6 +11,7 @@ import torch
 pytest.importorskip("PIL")
 
 from engine.build import main  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
 from engine.executor import Executor, ExecutorConfig, OutputConfig, Request  # noqa: E402
 from engine.executor.mrope_rotary import Mrope  # noqa: E402
 from engine.executor.prompt_table import PromptTable  # noqa: E402
@@ -56,9 +57,27 @@ def test_cuda_greedy_ids_equal_transformers(built):
     assert_greedy_ids_equal_transformers(*built, device="cuda")
 
 
+def test_moe_greedy_ids_equal_transformers_generate(tmp_path):
+    """Qwen3-VL-MoE: a Qwen3-MoE language engine (fused experts read in either file layout, always
+    renormalised top-k, a dense layer) with DeepStack, same batch as above."""
+    from engine.vision.qwen3_vl import moe_language_tensors
+
+    checkpoint = write_checkpoint(tmp_path / "checkpoint", moe=True)
+    assert main(["--checkpoint", str(checkpoint), "--output", str(tmp_path / "engine"), "--dtype", "float32",
+                 "--max_seq_len", "128", "--tokens_per_block", "4"]) == 0
+    assert_greedy_ids_equal_transformers(str(tmp_path / "engine"), hf_model(moe=True))
+    gate_up, down = torch.randn(4, 48, 64), torch.randn(4, 64, 24)  # (E, 2I, hidden), (E, hidden, I)
+    names = ("layers.0.mlp.experts.gate_up_proj", "layers.0.mlp.experts.down_proj")
+    for layout in ({names[0]: gate_up, names[1]: down},  # transformers' modules
+                   {names[0]: gate_up.transpose(1, 2), names[1]: down.transpose(1, 2)}):  # Qwen's released files
+        get = moe_language_tensors(layout.__getitem__)
+        assert torch.equal(get(names[0]), gate_up) and torch.equal(get(names[1]), down)
+
+
 def assert_greedy_ids_equal_transformers(engine: str, hf, device: str | None = None) -> None:
     config = read_encoder_config(vision_encoder_dir(engine))
     assert config["builder_config"]["model_type"] == "qwen3_vl" and config["mrope"]["interleaved"]
+    assert EngineConfig.load(engine).model.deepstack_layers == 2
     encoder = load_vision_encoder(vision_encoder_dir(engine))
     images = [image_processor()([make_image(seed, size)], return_tensors="pt") for seed, size in enumerate(SIZES)]
     requests, expected = [], []
