@@ -33,7 +33,9 @@ this off), and ``wna16_linear`` runs:
   MMA_VARIANTS (untimed: MMA_DEFAULT);
 - more rows: kernels/wna16_mma_dense.py dequantizes the same words into a scratch weight in x's
   dtype (one buffer per device and dtype, sized at load for the largest layer; static, so CUDA graphs
-  capture it), then cuBLAS.
+  capture it), then cuBLAS. With $TRITONLLM_WNA16_MMA_ROWS=1 (opt-in until measured on a GPU),
+  17-256 rows instead take kernels/wna16_mma_rows.py's MMA kernel on the same words where the
+  load-time timing picks it over that (ROWS_VARIANTS beside DENSE).
 
 Otherwise (8 bits, other groupings, the operand order turned off) the weight stays packed in
 kernels/wna16_layout.py's layout (no dequantized copy: the point is memory and bandwidth), and
@@ -60,7 +62,7 @@ import torch.nn.functional as F
 
 import os
 
-from kernels import wna16_decode, wna16_gemm, wna16_layout, wna16_mma, wna16_mma_dense
+from kernels import wna16_decode, wna16_gemm, wna16_layout, wna16_mma, wna16_mma_dense, wna16_mma_rows
 from kernels._triton import use_triton
 
 SUPPORTED_BITS = (4, 8)
@@ -219,6 +221,25 @@ def mma_enabled() -> bool:
     return os.environ.get(MMA_ENV, "1") != "0"
 
 
+# Kind 7: kernels/wna16_mma_rows.py, the same operand-order words for 17-256 rows (32 rows of x a
+# program; block_n = warps x row tiles x 16, 1-2 tiles (4 spill on sm_90: 255 registers); num_stages 2: the
+# next chunk's first words read early).
+# Opt-in until measured on a GPU ($TRITONLLM_WNA16_MMA_ROWS=1): then the load-time timing covers
+# MID_ROWS among ROWS_VARIANTS and DENSE for operand-order layers, and untimed weights take
+# ROWS_DEFAULT up to wna16_mma_rows.MAX_ROWS rows. Unset, such layers dequantize past 16 rows (DENSE).
+MMA_ROWS_KIND = 7
+MMA_ROWS_ENV = "TRITONLLM_WNA16_MMA_ROWS"
+ROWS_VARIANTS = tuple((block_n, 32, warps, 2, split, MMA_ROWS_KIND)
+                      for block_n, warps, splits in ((64, 4, (1, 2, 4)), (128, 4, (1, 2, 4)), (128, 8, (1,)),
+                                                     (256, 8, (1,)))
+                      for split in splits) + ((128, 32, 4, 1, 1, MMA_ROWS_KIND),)
+ROWS_DEFAULT = (128, 32, 4, 2, 1, MMA_ROWS_KIND)
+
+
+def mma_rows_enabled() -> bool:
+    return os.environ.get(MMA_ROWS_ENV, "0") == "1"
+
+
 # The tiling for M rows past MAX_SKINNY_ROWS when none was timed: the first (bound, tiling) with M <= bound.
 GEMM_TILES = ((32, (64, 32, 4, 4, 1, 0)), (1 << 62, (64, 64, 4, 4, 2, 0)))
 DENSE_MIN_ROWS = 64  # from 64 rows dequantize + cuBLAS beat the Triton tiles (H200, benchmarks/results/quantization.md)
@@ -281,11 +302,12 @@ def _product(rows: torch.Tensor, weight: WNA16Weight, layout: dict[str, torch.Te
     """rows (M, K) @ the weight held in ``layout`` (``weight.kernel`` or a copy of it) by ``tiling``:
     a kernel tiling, or DENSE (dequantized into a temporary, or for operand-order weights into
     their scratch, then cuBLAS)."""
-    if "words" not in layout:  # operand order only: the decode kernel, or the scratch weight + cuBLAS
-        if tiling == DENSE or rows.shape[0] > MAX_SKINNY_ROWS:
+    if "words" not in layout:  # operand order only: the decode kernel, the rows kernel, or the scratch weight + cuBLAS
+        rows_kernel = isinstance(tiling, tuple) and tiling[5:] == (MMA_ROWS_KIND,)
+        if tiling == DENSE or (rows.shape[0] > MAX_SKINNY_ROWS and not rows_kernel):
             return wna16_mma_dense.mma_dense_linear(rows, _mma_layout(layout), weight.out_features,
                                                     weight.group_size, weight.scratch, bias)
-        if not (isinstance(tiling, tuple) and tiling[5:] == (MMA_KIND,)):
+        if not (isinstance(tiling, tuple) and tiling[5:] in ((MMA_KIND,), (MMA_ROWS_KIND,))):
             tiling = MMA_DEFAULT
     if tiling == DENSE:
         dense = wna16_gemm.dequantize_layout(layout, weight.out_features, weight.in_features, weight.bits,
@@ -302,8 +324,15 @@ def wna16_matmul(x: torch.Tensor, layout: dict[str, torch.Tensor], n: int, bits:
     kernels/wna16_gemm.py; 2 / 3 the factored FMA / tensor-core kernels of kernels/wna16_decode.py
     where the grouping allows (else 1 / 0), 4 / 5 the same with the next unit's words loaded before
     this one is multiplied (``prefetch``); 6 kernels/wna16_mma.py's operand-order kernel where the layout
-    holds its words and M <= 16 (else SKINNY_DEFAULT)."""
+    holds its words and M <= 16 (else SKINNY_DEFAULT); 7 kernels/wna16_mma_rows.py's (any M, meant for 17-256)
+    on the same words."""
     tiling = dict(block_n=block_n, block_m=block_m, num_warps=num_warps, num_stages=num_stages, split_k=split_k)
+    if kind == MMA_ROWS_KIND:
+        if "mma_words" in layout:
+            return wna16_mma_rows.mma_rows_matmul(x, _mma_layout(layout), n, group_size, bias,
+                                                  tiles=block_n // (16 * num_warps), num_warps=num_warps,
+                                                  split_k=split_k, prefetch=num_stages > 1)
+        kind = MMA_KIND
     if kind == MMA_KIND:
         if "mma_words" in layout and x.shape[0] <= 16:
             return wna16_mma.mma_matmul(x, _mma_layout(layout), n, group_size,
@@ -347,7 +376,10 @@ def tiling_for(weight: WNA16Weight, rows: int) -> tuple | str:
     skinny = rows <= MAX_SKINNY_ROWS
     if weight.mma_only:
         if not skinny:
-            return DENSE
+            if not mma_rows_enabled() or rows > wna16_mma_rows.MAX_ROWS:
+                return DENSE
+            timed = [m for m in sorted(weight.variant) if m >= rows]
+            return weight.variant[timed[0]] if timed else ROWS_DEFAULT
         timed = [m for m in sorted(weight.variant) if rows <= m <= MAX_SKINNY_ROWS]
         return weight.variant[timed[0]] if timed else MMA_DEFAULT
     timed = [m for m in sorted(weight.variant) if m >= rows and (m <= MAX_SKINNY_ROWS) == skinny]
@@ -390,9 +422,9 @@ def _time_skinny_variants(weight: WNA16Weight, rows: tuple[int, ...]) -> dict:
     from kernels.fp8 import l2_defeating_copies
     from kernels.linear import graph_time_ms
 
-    if weight.mma_only:  # the decode kernel's tilings; past 16 rows only DENSE exists (nothing to time)
+    if weight.mma_only:  # the decode kernel's tilings; past 16 rows the rows kernel's and DENSE (opt-in), or nothing
         layouts = [{**weight.kernel, "mma_words": words} for words in l2_defeating_copies(weight.kernel["mma_words"])]
-        rows = tuple(m for m in rows if m <= MAX_SKINNY_ROWS)
+        rows = tuple(m for m in rows if m <= (wna16_mma_rows.MAX_ROWS if mma_rows_enabled() else MAX_SKINNY_ROWS))
     else:
         layouts = [{**weight.kernel, "words": words} for words in l2_defeating_copies(weight.kernel["words"])]
     turn = iter(range(1 << 40))
@@ -401,7 +433,7 @@ def _time_skinny_variants(weight: WNA16Weight, rows: tuple[int, ...]) -> dict:
         x = torch.randn(m, weight.in_features, dtype=weight.dtype, device=next(iter(weight.kernel.values())).device)
         candidates = SKINNY_VARIANTS if m <= MAX_SKINNY_ROWS else MID_VARIANTS
         if weight.mma_only:
-            candidates = MMA_VARIANTS
+            candidates = MMA_VARIANTS if m <= MAX_SKINNY_ROWS else ROWS_VARIANTS + (DENSE,)
         times[m] = {variant: 1e3 * graph_time_ms(lambda: _product(x, weight, layouts[next(turn) % len(layouts)],
                                                                   variant))
                     for variant in candidates if not (is_fma_tiling(variant) and variant[1] < m)}

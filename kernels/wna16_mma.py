@@ -49,6 +49,17 @@ def chunk_blocks(in_features: int, group_size: int) -> int:
     return 2 if group_size == in_features else group_size // KB_COLUMNS
 
 
+def split_plan(layout: dict[str, torch.Tensor], k: int, group_size: int, split_k: int) -> tuple[int, int, int, int]:
+    """(k blocks, k blocks a chunk, chunks a split, splits) of a product over ``layout``'s K: ``split_k``
+    capped at the chunks there are, and trimmed so that no split is empty."""
+    blocks = layout["words"].numel() // (layout["meta"].shape[1] // 16) // 128
+    chunk_kb = chunk_blocks(k, group_size)
+    chunks = blocks // chunk_kb
+    split_k = max(1, min(split_k, chunks))
+    per_split = triton.cdiv(chunks, split_k)
+    return blocks, chunk_kb, per_split, triton.cdiv(chunks, per_split)
+
+
 def pack_mma_layout(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> dict[str, torch.Tensor]:
     """codes (N, K) uint8 in [0, 16), scale/zero (N, K // G) -> {"words", "meta"} (module docstring)."""
     n, k = codes.shape
@@ -381,12 +392,7 @@ def mma_matmul(x: torch.Tensor, layout: dict[str, torch.Tensor], n: int, group_s
         x = x.contiguous()
     xi = x.view(torch.int32)  # (M, K / 2) pairs
     n_pad = layout["meta"].shape[1]
-    blocks = layout["words"].numel() // (n_pad // 16) // 128
-    chunk_kb = chunk_blocks(k, group_size)
-    chunks = blocks // chunk_kb
-    split_k = max(1, min(split_k, chunks))
-    per_split = triton.cdiv(chunks, split_k)
-    split_k = triton.cdiv(chunks, per_split)
+    blocks, chunk_kb, per_split, split_k = split_plan(layout, k, group_size, split_k)
     block_n = num_warps * tiles * 16
     assert n_pad % block_n == 0
     programs = n_pad // block_n

@@ -1,6 +1,7 @@
-"""Runs the operand-order W4A16 kernel (kernels/wna16_mma.py) a few times on one Llama-8B shape, for
-ncu:  ncu --set full -k regex:_mma_decode -c 2 python benchmarks/quantization/wna16_mma_profile.py gate_up 1 128,4,4,2
-(block_n, warps, split_k[, stages: 2 prefetches])"""
+"""Runs an operand-order W4A16 kernel a few times on one Llama-8B shape, for ncu: kernels/wna16_mma.py's
+decode kernel up to 16 rows, kernels/wna16_mma_rows.py's past 16 (block_n, warps, split_k[, stages: 2 prefetches]):
+  ncu --set full -k regex:_mma_decode -c 2 python benchmarks/quantization/wna16_mma_profile.py gate_up 1 128,4,4,2
+  ncu --set full -k regex:_mma_rows -c 2 python benchmarks/quantization/wna16_mma_profile.py gate_up 64 128,4,1,2"""
 from __future__ import annotations
 
 import sys
@@ -10,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from kernels import wna16_mma  # noqa: E402
+from kernels import wna16_mma, wna16_mma_rows  # noqa: E402
 from kernels.wna16 import quantize, unpack_codes  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
@@ -22,7 +23,8 @@ if __name__ == "__main__":
     stored, scale, zero = quantize(torch.randn(n, k, device="cuda") * 0.02, 4, 128, symmetric=False)
     layout = wna16_mma.pack_mma_layout(unpack_codes(stored, 4), scale, zero)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    kernel = wna16_mma.mma_matmul if m <= 16 else wna16_mma_rows.mma_rows_matmul
     for _ in range(3):
-        wna16_mma.mma_matmul(x, layout, n, 128, tiles=block_n // (16 * warps), num_warps=warps, split_k=split,
-                             prefetch=bool(prefetch and prefetch[0] > 1))
+        kernel(x, layout, n, 128, tiles=block_n // (16 * warps), num_warps=warps, split_k=split,
+               prefetch=bool(prefetch and prefetch[0] > 1))
     torch.cuda.synchronize()

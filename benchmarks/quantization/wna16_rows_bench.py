@@ -1,0 +1,88 @@
+"""W4A16 from the one operand-order layout against cuBLAS bf16, M = 1 ... 1024, Llama-3.1-8B's TP1 shapes
+(group 128 with zero points, bf16 activations, weights streamed from HBM: copies of the words together
+over twice the L2, as kernels.wna16's load-time timing; device time from CUDA graph replays).
+
+Per shape and M: cuBLAS on the bf16 weight (us, TFLOPS); the decode kernel's best MMA_VARIANTS tiling
+(kernels/wna16_mma.py, M <= 16); past 16 rows the rows kernel's best ROWS_VARIANTS tiling
+(kernels/wna16_mma_rows.py; also at 1024, past the dispatch's 256, for the record) and dequantize
+into the scratch + cuBLAS (kernels/wna16_mma_dense.py, what main runs there by default); the
+best's ratio to cuBLAS (> 1: INT4 faster) and its error against the dequantized reference.
+
+    python benchmarks/quantization/wna16_rows_bench.py --out rows.json --md rows.md [--rows 1,16,64,256,1024]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: engine, kernels, benchmarks
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from kernels import wna16  # noqa: E402
+from kernels.fp8 import l2_defeating_copies  # noqa: E402
+from kernels.linear import graph_time_ms  # noqa: E402
+from kernels.wna16 import (DENSE, MAX_SKINNY_ROWS, MMA_VARIANTS, ROWS_VARIANTS, dequantized_weight,  # noqa: E402
+                           prepare_wna16, quantize)
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="wna16_rows_bench.json")
+    parser.add_argument("--md", default=None)
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--rows", default="1,16,64,256,1024")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    lines = ["| shape | M | cuBLAS bf16 us (TFLOPS) | INT4 decode kernel us | INT4 rows kernel: tiling, us | "
+             "INT4 dequant + cuBLAS us | best INT4 / cuBLAS speed | rel. error |", "|---|---:|---:|---:|---|---:|---:|---:|"]
+    results = {}
+    with torch.inference_mode():
+        for name in args.shapes.split(","):
+            n, k = SHAPES[name]
+            stored, scale, zero = quantize(torch.randn(n, k, device="cuda") * 0.02, 4, 128, symmetric=False)
+            weight = prepare_wna16(stored, scale, zero, 4, torch.bfloat16, mma=True)
+            assert weight.mma_only
+            dense = dequantized_weight(weight, torch.bfloat16)
+            copies = l2_defeating_copies(dense)
+            layouts = [{**weight.kernel, "mma_words": w} for w in l2_defeating_copies(weight.kernel["mma_words"])]
+            turn = iter(range(1 << 40))
+            results[name] = {}
+            for m in [int(r) for r in args.rows.split(",") if r]:
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+
+                def timed(variant):
+                    return 1e3 * graph_time_ms(lambda: wna16._product(x, weight, layouts[next(turn) % len(layouts)],
+                                                                      variant))
+                cublas = 1e3 * graph_time_ms(lambda: F.linear(x, copies[next(turn) % len(copies)]))
+                decode = {str(v): timed(v) for v in MMA_VARIANTS} if m <= MAX_SKINNY_ROWS else {}
+                rows = {str(v): timed(v) for v in ROWS_VARIANTS} if m > MAX_SKINNY_ROWS else {}
+                dequant = timed(DENSE) if m > MAX_SKINNY_ROWS else None
+                candidates = {**decode, **rows, **({DENSE: dequant} if dequant is not None else {})}
+                best = min(candidates, key=candidates.get)
+                variant = DENSE if best == DENSE else next(v for v in MMA_VARIANTS + ROWS_VARIANTS if str(v) == best)
+                ref = F.linear(x.float(), dense.float())
+                error = ((wna16._product(x, weight, weight.kernel, variant).float() - ref).norm() / ref.norm()).item()
+                best_rows = min(rows, key=rows.get) if rows else None
+                results[name][m] = {"cublas_us": cublas, "decode_us": decode, "rows_us": rows, "dequant_us": dequant,
+                                    "best": best, "speed_vs_cublas": cublas / candidates[best], "rel_error": error}
+                tflops = 2 * m * n * k / cublas / 1e6
+                lines.append(f"| {name} ({n}, {k}) | {m} | {cublas:.1f} ({tflops:.0f}) | "
+                             f"{min(decode.values()) if decode else float('nan'):.1f} | "
+                             f"{best_rows or '-'}, {rows[best_rows] if rows else float('nan'):.1f} | "
+                             f"{dequant if dequant is not None else float('nan'):.1f} | "
+                             f"{cublas / candidates[best]:.2f}x | {error:.1e} |")
+                print(lines[-1], flush=True)
+            del weight, dense, copies, layouts
+    Path(args.out).write_text(json.dumps(results, indent=1))
+    if args.md:
+        Path(args.md).write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
