@@ -114,24 +114,30 @@ def mla_attention_ref(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch
 
 @jit
 def _mla_attention_kernel(q_lat_ptr, q_rope_ptr, cache_ptr, part_ptr, lse_ptr, block_tables_ptr, token_seq_ptr,
-                          cu_ptr, ctx_ptr, num_heads, scale,
-                          stride_lt, stride_lh, stride_rt, stride_rh, stride_cb, stride_cs, stride_bt,
+                          cu_ptr, ctx_ptr, tree_ptr, num_heads, scale,
+                          stride_lt, stride_lh, stride_rt, stride_rh, stride_cb, stride_cs, stride_bt, stride_tm,
                           RANK: tl.constexpr, ROPE: tl.constexpr, RANK_PAD: tl.constexpr, ROPE_PAD: tl.constexpr,
                           PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-                          DOT_PRECISION: tl.constexpr):
+                          HAS_TREE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Program (t, hb, s): token t's heads hb * BLOCK_H ... over split s of its sequence's latent rows
     0..its position (SPLITS spans of whole BLOCK_N tiles), online softmax in float32. The latent tile
     read for a step serves all BLOCK_H heads (the score GEMM and the value GEMM both take it). Writes
     the split's normalised output to part (T, SPLITS, H, RANK) float32 and its log-sum-exp to lse
-    (T, SPLITS, H) (-inf for a split past the position: it holds no key)."""
+    (T, SPLITS, H) (-inf for a split holding no visible key: past the position, or all hidden by the tree).
+
+    HAS_TREE (tree verification): tree_ptr is AttentionMetadata.tree_mask as int8 (T, max q_len);
+    a new key j of the sequence (key >= prefix_len) is seen only where tree[t, j] != 0. A node's
+    ancestors sit in earlier slots, so walking keys 0 .. q_pos still covers every visible one."""
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
     head_ok = heads < num_heads
     seq = tl.load(token_seq_ptr + token).to(tl.int64)
     context_len = tl.load(ctx_ptr + seq)
+    q_start = tl.load(cu_ptr + seq)
     q_end = tl.load(cu_ptr + seq + 1)
     q_pos = context_len - (q_end - token)  # this token's position: it sees keys 0 .. q_pos
+    prefix_len = context_len - (q_end - q_start)  # keys before the step's new tokens (all visible)
     span = tl.cdiv(tl.cdiv(q_pos + 1, SPLITS), BLOCK_N) * BLOCK_N
     first, last = split * span, tl.minimum((split + 1) * span, q_pos + 1)
     r = tl.arange(0, RANK_PAD)
@@ -154,7 +160,12 @@ def _mla_attention_kernel(q_lat_ptr, q_rope_ptr, cache_ptr, part_ptr, lse_ptr, b
                          other=0.0).to(q_lat.dtype)  # (BLOCK_N, ROPE_PAD)
         scores = (tl.dot(q_lat, tl.trans(latent), input_precision=DOT_PRECISION)
                   + tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION))  # (BLOCK_H, BLOCK_N) float32
-        scores = tl.where(key_ok[None, :], scores * scale, -float("inf"))
+        visible = key_ok
+        if HAS_TREE:  # new keys: only the row's tree ancestors and itself; cached keys read as visible
+            bits = tl.load(tree_ptr + token * stride_tm + (keys - prefix_len), mask=key_ok & (keys >= prefix_len),
+                           other=1)
+            visible = visible & (bits != 0)
+        scores = tl.where(visible[None, :], scores * scale, -float("inf"))
         m, denom, acc = online_softmax_step(scores, latent, m, denom, acc, DOT_PRECISION)
     has_keys = denom > 0
     out = acc / tl.where(has_keys, denom, 1.0)[:, None]
@@ -187,23 +198,28 @@ def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
     part = torch.empty(num_tokens, splits, num_heads, rank, dtype=torch.float32, device=q_latent.device)
     lse = torch.empty(num_tokens, splits, num_heads, dtype=torch.float32, device=q_latent.device)
     grid = (num_tokens, triton.cdiv(num_heads, block_h), splits)
+    # Token trees: the mask as bytes (kernels/triton_attention.py does the same); None reads nothing.
+    tree = None if meta.tree_mask is None else meta.tree_mask.to(torch.int8)
     _mla_attention_kernel[grid](
         q_latent, q_rope, cache, part, lse, meta.block_tables, meta.token_sequences(num_tokens), meta.cu_seqlens_q,
-        meta.context_lens, num_heads, scale, q_latent.stride(0), q_latent.stride(1), q_rope.stride(0),
-        q_rope.stride(1), cache.stride(0), cache.stride(1), meta.block_tables.stride(0),
+        meta.context_lens, meta.context_lens if tree is None else tree, num_heads, scale, q_latent.stride(0),
+        q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), cache.stride(0), cache.stride(1),
+        meta.block_tables.stride(0), 0 if tree is None else tree.stride(0),
         RANK=rank, ROPE=rope, RANK_PAD=max(16, triton.next_power_of_2(rank)),
         ROPE_PAD=max(16, triton.next_power_of_2(rope)), PAGE=cache.shape[1], BLOCK_H=block_h, BLOCK_N=block_n,
-        SPLITS=splits, DOT_PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32", num_warps=4)
+        SPLITS=splits, HAS_TREE=tree is not None,
+        DOT_PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32", num_warps=4)
     if splits == 1:
         return part[:, 0].to(q_latent.dtype)
-    weights = torch.softmax(lse, dim=1)  # split 0 always holds key 0: every row has a finite lse
+    # Split 0 always holds key 0, which every row sees (a cached key, or a tree's root): a finite lse.
+    weights = torch.softmax(lse, dim=1)
     return torch.einsum("tsh,tshr->thr", weights, part).to(q_latent.dtype)
 
 
 def mla_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
                   scale: float) -> torch.Tensor:
-    """Latent attention (module docstring): Triton on CUDA, else the reference (also for a step
-    verifying token trees, ``meta.tree_mask``: the kernel walks each row's keys up to its own position)."""
-    if use_triton(q_latent) and meta.tree_mask is None:
+    """Latent attention (module docstring): Triton on CUDA (token trees, ``meta.tree_mask``, included),
+    else the reference."""
+    if use_triton(q_latent):
         return mla_attention_triton(q_latent, q_rope, cache, meta, scale)
     return mla_attention_ref(q_latent, q_rope, cache, meta, scale)

@@ -155,6 +155,45 @@ def test_triton_kernel_equals_reference(device, dtype, cache_dtype, context_lens
         assert relative_error(out.cpu().float(), want.float()) < TOLERANCE[dtype] * (3 if cache_dtype else 1)
 
 
+def tree_mask_of(parents_per_seq: list[list[int]]) -> torch.Tensor:
+    """(num_tokens, max q_len) bool in AttentionMetadata.tree_mask's layout: row t sees its ancestors
+    and itself among its sequence's new tokens (parents[j] < j, -1 for a root)."""
+    width = max(len(parents) for parents in parents_per_seq)
+    rows = []
+    for parents in parents_per_seq:
+        for j in range(len(parents)):
+            row, node = torch.zeros(width, dtype=torch.bool), j
+            while node >= 0:
+                row[node], node = True, parents[node]
+            rows.append(row)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_kernel_follows_a_token_tree_mask(device, dtype):
+    """Tree verify steps on the kernel: a 10-node tree whose new keys cross a 32-key tile (prefix 27),
+    a 4-node tree over a prefix of 3, a decode row; one span, three (splits whose keys the tree hides
+    entirely for some rows) and the batch's own; equal to the reference, which tests above hold to
+    per-head attention."""
+    if dtype not in low_precision_dtypes(device) + [torch.float32]:
+        pytest.skip("the interpreter emulates bf16 dots loosely (kernel_testing.low_precision_dtypes); GPU only")
+    trees = [[-1, 0, 0, 1, 2, 2, 4, 0, 7, 3], [-1, 0, 1, 0], [-1]]
+    _, cache, meta = paged_batch([37, 7, 12], [10, 4, 1], device=device, dtype=dtype)
+    meta.tree_mask = tree_mask_of(trees).to(device)
+    gen = torch.Generator().manual_seed(3)
+    q_latent = torch.randn(15, HEADS, RANK, generator=gen).to(dtype).to(device)
+    q_rope = torch.randn(15, HEADS, ROPE, generator=gen).to(dtype).to(device)
+    cpu_meta = _on_cpu(meta)
+    cpu_meta.tree_mask = meta.tree_mask.cpu()
+    want = mla_attention_ref(q_latent.cpu(), q_rope.cpu(), cache.cpu(), cpu_meta, 0.2)
+    causal = mla_attention_ref(q_latent.cpu(), q_rope.cpu(), cache.cpu(), _on_cpu(meta), 0.2)
+    assert relative_error(causal.float(), want.float()) > 0.01  # the mask matters in this batch
+    for splits in (1, 3, None):
+        out = mla_attention_triton(q_latent, q_rope, cache, meta, 0.2, splits=splits)
+        assert torch.isfinite(out).all()
+        assert relative_error(out.cpu().float(), want.float()) < TOLERANCE[dtype]
+
+
 def test_triton_latent_write_skips_padding_rows(device):
     """Rows with slot -1 (a CUDA graph's padding) leave the pool as it was; the others land whole."""
     cache = torch.full((4, PAGE, RANK + ROPE), 7.0, device=device)
