@@ -11,8 +11,9 @@ The KV position (slot mapping, causal mask) stays the token's index. Per step, `
 gives the rotary index of every packed token: a row of the engine's table (position + delta) or,
 for prompt tokens, an extra row appended after the table for this step. Chunked prefill and
 recompute after preemption read the same rows again: they are indexed by the token's place in its
-sequence. Steps that carry extra rows run eagerly (no CUDA graphs); a decode-only step with deltas
-replays its decode graph with the rotary positions in the graph's positions buffer (the runner).
+sequence. A decode-only step with deltas replays its decode graph with the rotary positions in the
+graph's positions buffer (the runner); a step with prompt tokens replays the prefill graphs' table
+twin in a vision-language engine (engine/executor/table_graphs.py), else runs eagerly.
 """
 from __future__ import annotations
 

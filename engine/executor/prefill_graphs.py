@@ -22,6 +22,12 @@ tokens has a twin graph whose attention reads a static (tokens, W) int8 ancestor
 new tokens, its positions being the nodes' rotary positions and its KV slots consecutive. So a tree
 verify step of a bucket's tokens costs what a chain verify step of as many tokens costs.
 
+Prompt tables and M-RoPE (vision-language engines): with ``table`` (engine/executor/table_graphs.py),
+every bucket has a twin graph whose forward splices the step's table rows from static buffers and
+rotates at each token's row of a static rotary table; a step with image rows, M-RoPE prompt rows or
+M-RoPE decode rows (position + delta) replays it. Steps whose images attend both ways (Gemma 3's
+span_ahead) stay eager.
+
 LoRA: with ``lora_slots`` adapter slots, every bucket has a twin graph that runs the adapters over
 static segment buffers (kernels/lora.py LoraBatchBuffers, at most min(max_batch_size, slots)
 segments); a step with adapter rows replays the twin.
@@ -80,8 +86,11 @@ class PrefillGraphs:
     def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, *, tokens_per_block: int, max_seq_len: int,
                  max_batch_size: int, max_num_tokens: int, tokens_per_tile: int,
                  sampled_tokens: torch.Tensor | None = None, buckets: list[int] | None = None, lora_slots: int = 0,
-                 taps=None, tree_width: int = 0):
+                 taps=None, tree_width: int = 0, table=None):
         self.model = model
+        self.table = table  # TableStepBuffers, or None: steps with table / M-RoPE rows run eagerly
+        self.table_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.table_hidden: dict[int, torch.Tensor] = {}
         self.taps = taps  # engine/executor/layer_taps.py: each graph's tapped streams, by graph key
         self.tapped: dict[tuple, list[torch.Tensor]] = {}
         self.lora_slots = lora_slots
@@ -161,6 +170,10 @@ class PrefillGraphs:
                 self.lora_graphs[bucket], self.lora_hidden[bucket] = capture_forward(
                     self.model, args, self.sampled_tokens, pool)
                 self._keep_taps("lora", bucket)
+            if self.table is not None:
+                self.table_graphs[bucket], self.table_hidden[bucket] = capture_forward(
+                    self.table.forward(self.model, bucket), args[:3] + (self._meta(bucket),), self.sampled_tokens, pool)
+                self._keep_taps("table", bucket)
             if bucket in self.tree_buckets:
                 args = args[:3] + (self._meta(bucket, tree=True),)
                 self.tree_graphs[bucket], self.tree_hidden[bucket] = capture_forward(
@@ -175,13 +188,19 @@ class PrefillGraphs:
     def bucket_for(self, num_tokens: int) -> int:
         return self.buckets[bisect.bisect_left(self.buckets, num_tokens)]
 
-    def try_run(self, batch) -> torch.Tensor | None:
+    def try_run(self, batch, prompt_embeds=None, rotary=None) -> torch.Tensor | None:
         """A runner ForwardBatch with prompt tokens -> hidden rows of its logits_indices; None when
-        the batch is decode-only (the decode graphs' job) or does not fit (the caller runs it eagerly)."""
+        the batch is decode-only (the decode graphs' job) or does not fit (the caller runs it eagerly).
+        ``prompt_embeds`` (indexed PromptEmbeds), ``rotary`` (mrope_rotary.StepRotary): the step's table
+        and M-RoPE rows, for the table twins."""
         num_tokens, num_seqs = len(batch.token_ids), len(batch.seq_lens_q)
         if (num_tokens == 0 or num_tokens > self.buckets[-1] or num_seqs > self.max_seqs
                 or num_tokens == num_seqs or max(map(len, batch.block_tables)) > self.max_blocks
                 or (batch.lora_slots is not None and self.lora_buffers is None)):
+            return None
+        tabled = prompt_embeds is not None or rotary is not None
+        if tabled and (self.table is None or not self.table.fits(rotary) or batch.lora_slots is not None
+                       or batch.tree_parents is not None):
             return None
         tree = batch.tree_parents is not None
         if tree and (batch.lora_slots is not None or not self.tree_buckets or num_tokens > self.tree_buckets[-1]
@@ -190,6 +209,8 @@ class PrefillGraphs:
         bucket = self.bucket_for(num_tokens)
         self._copied.synchronize()  # the previous step's copies have left the pinned buffers
         self._fill(batch, bucket)
+        if tabled:
+            self.table.fill_host(self._np_i64[0, :num_tokens], self._np_i64[1, :num_tokens], rotary)
         tiles = self.num_tiles(bucket)
         # Contiguous spans only: a strided pinned source would make torch stage it synchronously.
         self.dev_i64[:, :bucket].copy_(self.host_i64[:, :bucket], non_blocking=True)
@@ -199,7 +220,10 @@ class PrefillGraphs:
         if tree:
             self.dev_tree[:num_tokens].copy_(self.host_tree[:num_tokens], non_blocking=True)
         self._copied.record()
-        if tree:
+        if tabled:
+            self.table.fill_device(prompt_embeds, rotary, bucket)
+            kind, graph, hidden = "table", self.table_graphs[bucket], self.table_hidden[bucket]
+        elif tree:
             kind, graph, hidden = "tree", self.tree_graphs[bucket], self.tree_hidden[bucket]
         elif batch.lora_slots is not None:
             self.lora_buffers.fill(batch.lora_slots, batch.seq_lens_q)

@@ -25,6 +25,7 @@ from engine.executor.layer_taps import LayerTaps
 from engine.executor.overlap import resolve_placeholders
 from engine.executor.prefill_graphs import PrefillGraphs
 from engine.executor.mrope_rotary import StepRotary
+from engine.executor.table_graphs import table_step_buffers
 from engine.models.prompt_embeds import PromptEmbeds, embeddable_ids
 from engine.executor import image_spans, tree_batch
 from engine.executor.random_weights import has_random_weights, materialize_random_weights
@@ -325,7 +326,8 @@ class ModelRunner:
                 tokens_per_tile=prefill_tokens_per_tile(cfg.num_heads // cfg.num_kv_heads, cfg.head_dim,
                                                         self.kv_cache.element_size()),
                 sampled_tokens=self.sampled_tokens, taps=self.layer_taps, tree_width=self.tree_graph_width,
-                lora_slots=0 if self.lora_pools is None else self.lora_pools.num_slots)
+                lora_slots=0 if self.lora_pools is None else self.lora_pools.num_slots,
+                table=table_step_buffers(self.model, self.engine_config, build.max_num_tokens, self.dtype, self.device))
             try:
                 self.prefill_graphs.capture()
             except torch.cuda.OutOfMemoryError:  # the KV pool left too little room: such steps stay eager
@@ -412,24 +414,24 @@ class ModelRunner:
                 span_ahead: torch.Tensor | None = None) -> torch.Tensor:
         """Run one packed step; float32 logits (len(logits_indices), vocab), or (num_tokens, vocab)
         for every new token when ``all_logits`` (context logits). ``prompt_embeds``: rows of prompt
-        tables that replace the embeddings of some of the batch's tokens (engine/executor/prompt_table.py);
-        such steps run eagerly. ``rotary``: M-RoPE requests' rotary positions (engine/executor/mrope_rotary.py);
-        such steps run eagerly too, but for decode-only ones (their decode graph
-        rotates at the override's positions). ``span_ahead``: (num_tokens,) int32, how many later new tokens of its
+        tables that replace the embeddings of some of the batch's tokens (engine/executor/prompt_table.py).
+        ``rotary``: M-RoPE requests' rotary positions (engine/executor/mrope_rotary.py). Such steps replay
+        the prefill graphs' table twins in a vision-language engine (engine/executor/table_graphs.py; a
+        decode-only step with deltas its decode graph), else run eagerly. ``span_ahead``: (num_tokens,) int32, how many later new tokens of its
         sequence each token also sees (image spans, engine/executor/image_spans.py;
         AttentionMetadata.span_ahead); such steps run eagerly."""
         if self.kv_cache is None:
             raise RuntimeError("allocate_kv_cache() must run before forward()")
         # M-RoPE decode rows rotate at position + delta from the engine's table: the decode graphs' positions
         # buffer feeds rotary only (slots come from the true positions), so they replay with those indices.
-        graphs_may_run = (not all_logits and prompt_embeds is None and (rotary is None or rotary.rows is None)
-                          and span_ahead is None)
-        if self.decode_graphs is not None and graphs_may_run and batch.tree_parents is None:
+        graphs_may_run = not all_logits and span_ahead is None
+        if (self.decode_graphs is not None and graphs_may_run and batch.tree_parents is None and prompt_embeds is None
+                and (rotary is None or rotary.rows is None)):
             hidden = self.decode_graphs.try_run(batch, None if rotary is None else rotary.indices)
             if hidden is not None:  # a decode-only batch, replayed from its bucket's graph
                 return self._logits(hidden)
-        if self.prefill_graphs is not None and graphs_may_run and rotary is None:
-            hidden = self.prefill_graphs.try_run(batch)
+        if self.prefill_graphs is not None and graphs_may_run:  # table / M-RoPE rows: its table twins
+            hidden = self.prefill_graphs.try_run(batch, prompt_embeds, rotary)
             if hidden is not None:  # a batch with prompt tokens, replayed from its token bucket's graph
                 return self._logits(hidden)
         input_ids, positions, meta = self._prepare(batch)

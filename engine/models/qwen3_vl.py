@@ -15,7 +15,7 @@ import torch
 
 from engine.models.llama import LlamaForCausalLM
 from engine.models.moe import MoeForCausalLM
-from engine.models.prompt_embeds import PromptEmbeds, splice_prompt_embeds
+from engine.models.prompt_embeds import PromptEmbeds, add_prompt_rows, splice_prompt_embeds
 from kernels.attention_metadata import AttentionMetadata
 from kernels.fp8 import apply_scales
 from kernels.rmsnorm import rms_norm
@@ -32,7 +32,7 @@ def split_deepstack(prompt_embeds: PromptEmbeds | None, hidden: int, levels: int
         raise ValueError(f"prompt-table rows of width {rows.shape[-1]}; this Qwen3-VL model takes "
                          f"{hidden} x (1 + {levels} DeepStack levels) = {hidden * (1 + levels)}")
     parts = rows.split(hidden, dim=-1)
-    return PromptEmbeds(prompt_embeds.token_indices, parts[0]), list(parts[1:])
+    return PromptEmbeds(prompt_embeds.token_indices, parts[0], prompt_embeds.mask), list(parts[1:])
 
 
 class DeepstackForward:
@@ -48,11 +48,12 @@ class DeepstackForward:
             positions, cos_sin_cache = rotary
         embeds, levels = split_deepstack(prompt_embeds, c.hidden_size, c.deepstack_layers)
         x, residual = splice_prompt_embeds(self.embed_tokens(input_ids), embeds), None
-        index = None if embeds is None else torch.tensor(embeds.token_indices, dtype=torch.int64, device=x.device)
+        index = (None if embeds is None or embeds.mask is not None  # the dense form (CUDA graphs) needs none
+                 else torch.tensor(embeds.token_indices, dtype=torch.int64, device=x.device))
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, positions, cos_sin_cache, kv_cache, attn_meta)
             if i < len(levels):
-                residual = residual.index_add(0, index, levels[i].to(device=x.device, dtype=residual.dtype))
+                residual = add_prompt_rows(residual, embeds, levels[i], index)
         return rms_norm(apply_scales(x), self.norm.weight, c.norm_eps, residual)[0]
 
 

@@ -17,6 +17,7 @@ from engine.executor.mrope_rotary import Mrope  # noqa: E402
 from engine.executor.prompt_table import PromptTable  # noqa: E402
 from engine.vision.encoder_dir import load_vision_encoder, read_encoder_config, vision_encoder_dir  # noqa: E402
 from engine.vision.mrope import request_mrope  # noqa: E402
+from tests.engine.table_graph_check import dense_table_steps_checked, table_twins_replayed  # noqa: E402
 from tests.executor.executor_testing import collect, final_tokens  # noqa: E402
 from tiny_llava import VOCAB, make_image  # noqa: E402
 from tiny_qwen3_vl import IMAGE_TOKEN, VISION_END, VISION_START, hf_model, image_processor, write_checkpoint  # noqa: E402
@@ -103,8 +104,10 @@ def assert_greedy_ids_equal_transformers(engine: str, hf, device: str | None = N
     expected.append(hf_greedy(hf, text))
     # chunks of 5 tokens: every image's rows (and so its DeepStack rows) are split across steps
     with Executor(engine, ExecutorConfig(max_num_tokens=5, enable_chunked_context=True), device=device) as executor:
-        request_ids = executor.enqueue_requests(requests)
-        responses = collect(executor, request_ids)
+        with dense_table_steps_checked(executor) if device is None else table_twins_replayed(executor) as checked:
+            request_ids = executor.enqueue_requests(requests)
+            responses = collect(executor, request_ids)
+    assert checked  # steps with image / M-RoPE rows: the twin's forward (CPU) or its graph (CUDA)
     assert [final_tokens(responses[i]) for i in request_ids] == expected
 
 
