@@ -3,8 +3,10 @@
 A multipart form (OpenAI's fields): ``file`` (required; any format libsndfile decodes: wav, flac,
 mp3, ogg; any rate: other rates are resampled to 16 kHz by linear interpolation and the response
 says so in the ``x-tritonllm-resampled`` header and, for json bodies, a ``warnings`` list),
-``model`` (the served name), ``language`` (ISO 639-1, default en), ``prompt``, ``response_format``
-(json, text, verbose_json, srt, vtt), ``temperature`` (0 only: whisper_bls decodes greedily),
+``model`` (the served name), ``language`` (ISO 639-1; omitted: detected on the first 30 s by a
+multilingual checkpoint, as transformers' generate does, and reported in verbose_json; an
+English-only one transcribes English), ``prompt`` (previous text: <|startofprev|> + its tokens before
+the prefix, whisper_bls's PROMPT), ``response_format`` (json, text, verbose_json, srt, vtt), ``temperature`` (0 only: whisper_bls decodes greedily),
 ``timestamp_granularities[]`` (segment), ``stream``. The text is whisper_bls's TRANSCRIPTS for
 TEXT_PREFIX <|startoftranscript|><|lang|><|transcribe or translate|>, with <|notimestamps|> for json
 and text; verbose_json, srt and vtt decode timestamp tokens, and their segments are the ones the
@@ -17,9 +19,8 @@ all of it), then ``data: [DONE]``. A decoupled whisper_bls streams as it decodes
 one answers once, so its deltas come together at the end (one per window).
 
 Refused by name (400): a file that does not decode, empty audio, audio longer than whisper_bls's
-max_audio_seconds (whisper_bls says), ``prompt``, word timestamps (not built: segment bounds are the
-windows, no timestamp tokens are predicted), ``stream`` with verbose_json/srt/vtt, a temperature
-other than 0.
+max_audio_seconds (whisper_bls says), a prompt with special tokens or too long to leave room (whisper_bls
+says), word timestamps, ``stream`` with verbose_json/srt/vtt, a temperature other than 0.
 """
 from __future__ import annotations
 
@@ -51,10 +52,11 @@ class Segment:
 class AudioRequest:
     samples: np.ndarray  # float32, 16 kHz, mono
     model: str | None
-    language: str
+    language: str | None  # None: detected (whisper_bls's LANGUAGE)
     response_format: str
     resampled_from: int | None  # the file's rate when it was not 16 kHz
     stream: bool = False
+    prompt: str = ""  # previous text (whisper_bls's PROMPT)
 
     @property
     def seconds(self) -> float:
@@ -70,6 +72,7 @@ class AudioRequest:
 class Transcript:
     text: str
     segments: list[Segment] = field(default_factory=list)
+    language: str = ""  # the code whisper_bls decoded with ("en", "de" ...)
 
 
 async def read_audio_request(request: web.Request) -> AudioRequest:
@@ -85,8 +88,6 @@ async def read_audio_request(request: web.Request) -> AudioRequest:
     if fmt not in RESPONSE_FORMATS:
         raise _bad(f"response_format {fmt!r} is not supported; allowed: {', '.join(RESPONSE_FORMATS)}",
                    "response_format")
-    if form.get("prompt"):
-        raise _bad("prompt is not supported yet; send the request without it", "prompt")
     stream = str(form.get("stream") or "false").lower() not in ("false", "0")
     if stream and fmt not in STREAM_FORMATS:
         raise _bad(f"stream is supported with response_format {' or '.join(STREAM_FORMATS)}, not {fmt}", "stream")
@@ -100,11 +101,11 @@ async def read_audio_request(request: web.Request) -> AudioRequest:
         raise _bad("temperature must be a number", "temperature") from None
     if temperature != 0:
         raise _bad(f"temperature {temperature}: transcription is greedy here; send 0", "temperature")
-    language = str(form.get("language") or "en")
-    if not language.isalpha() or len(language) > 3:
+    language = str(form.get("language") or "") or None
+    if language is not None and (not language.isalpha() or len(language) > 3):
         raise _bad(f"language {language!r} is not an ISO 639-1 code such as en or de", "language")
-    return AudioRequest(resample(samples, rate), form.get("model"), language.lower(), fmt,
-                        None if rate == SAMPLE_RATE else rate, stream)
+    return AudioRequest(resample(samples, rate), form.get("model"), language and language.lower(), fmt,
+                        None if rate == SAMPLE_RATE else rate, stream, str(form.get("prompt") or ""))
 
 
 def decode_audio(data: bytes) -> tuple[np.ndarray, int]:
@@ -134,10 +135,18 @@ def resample(samples: np.ndarray, rate: int) -> np.ndarray:
 TIMESTAMPED_FORMATS = ("verbose_json", "srt", "vtt")  # their segments come from predicted timestamps
 
 
-def text_prefix(language: str, task: str, timestamps: bool = False) -> str:
+def text_prefix(language: str | None, task: str, timestamps: bool = False) -> str:
     """whisper_bls's TEXT_PREFIX; without <|notimestamps|> Whisper predicts timestamp tokens, whose
-    pairs close the segments (serving/whisper_long_form.py)."""
-    return f"<|startoftranscript|><|{language}|><|{task}|>" + ("" if timestamps else "<|notimestamps|>")
+    pairs close the segments (serving/whisper_long_form.py); without a language whisper_bls detects it."""
+    return ("<|startoftranscript|>" + (f"<|{language}|>" if language else "") + f"<|{task}|>"
+            + ("" if timestamps else "<|notimestamps|>"))
+
+
+def language_name(code: str) -> str:
+    """verbose_json's language as OpenAI's API writes it ("english" for en); the code when unknown."""
+    from transformers.models.whisper.tokenization_whisper import LANGUAGES
+
+    return LANGUAGES.get(code, code)
 
 
 def _clock(seconds: float, separator: str) -> str:
@@ -159,7 +168,8 @@ def render(result: Transcript, audio: AudioRequest, task: str) -> web.Response:
     if fmt == "verbose_json":
         rows = [{"id": i, "seek": int(round(s.start * 100)), "start": s.start, "end": s.end, "text": s.text,
                  "temperature": 0.0} for i, s in enumerate(segments)]
-        return web.json_response({"task": task, "language": audio.language, "duration": audio.seconds, "text": text,
+        language = language_name(result.language or audio.language or "")
+        return web.json_response({"task": task, "language": language, "duration": audio.seconds, "text": text,
                                   "segments": rows, **warnings}, headers=headers)
     if fmt == "srt":
         body = "\n".join(f"{i + 1}\n{_clock(s.start, ',')} --> {_clock(s.end, ',')}\n{s.text}\n"

@@ -237,12 +237,12 @@ def _bytes_elements(raw: bytes) -> bytes:
     return b"".join(parts)
 
 
-AUDIO_OUTPUTS = ("TRANSCRIPTS", "SEGMENT_TEXTS", "SEGMENT_TIMES")
+AUDIO_OUTPUTS = ("TRANSCRIPTS", "SEGMENT_TEXTS", "SEGMENT_TIMES", "LANGUAGE")
 
 
 def read_transcript(response: service_pb2.ModelInferResponse) -> Transcript:
     """whisper_bls's response: TRANSCRIPTS, SEGMENT_TEXTS (one per window) and SEGMENT_TIMES
-    ([1, windows, 2] float32 seconds)."""
+    ([1, windows, 2] float32 seconds) and LANGUAGE (its code; absent from an older whisper_bls)."""
     raw = {output.name: (response.raw_output_contents[i], list(output.shape)) for i, output in enumerate(response.outputs)}
     text = _bytes_elements(raw["TRANSCRIPTS"][0]).decode("utf-8", "replace")
     segments = []
@@ -251,7 +251,8 @@ def read_transcript(response: service_pb2.ModelInferResponse) -> Transcript:
         times = np.frombuffer(raw["SEGMENT_TIMES"][0], np.float32).reshape(-1, 2)
         segments = [Segment(round(float(start), 3), round(float(end), 3), piece.decode("utf-8", "replace"))
                     for piece, (start, end) in zip(texts, times)]
-    return Transcript(text, segments)
+    language = _bytes_elements(raw["LANGUAGE"][0]).decode("utf-8", "replace") if "LANGUAGE" in raw else ""
+    return Transcript(text, segments, language)
 
 
 def triton_error(message: str, guide_field: str | None = None) -> APIError:
@@ -315,12 +316,15 @@ class TritonClient:
                             "restarting); retry shortly")
         self._ready_until = time.monotonic() + READINESS_TTL_S
 
-    async def transcribe(self, model: str, samples: np.ndarray, text_prefix: str) -> AsyncIterator[Transcript]:
+    async def transcribe(self, model: str, samples: np.ndarray, text_prefix: str,
+                         prompt: str = "") -> AsyncIterator[Transcript]:
         """whisper_bls's transcript of 16-kHz ``samples`` so far, once per response, over one gRPC
         stream (a non-decoupled whisper_bls answers once, a decoupled one as it decodes); its
         error as a 400 naming ``file`` when it is about the audio. Leaving early cancels the call."""
         inputs = {"WAV": samples[None].astype(np.float32), "WAV_LENS": np.array([[samples.size]], np.int32),
                   "TEXT_PREFIX": np.array([[text_prefix.encode()]], dtype=object)}
+        if prompt:  # OpenAI's previous text (whisper_bls's PROMPT)
+            inputs["PROMPT"] = np.array([[prompt.encode()]], dtype=object)
         request = service_pb2.ModelInferRequest(model_name=model)
         for name, array in inputs.items():
             request.inputs.add(name=name, datatype=np_to_triton_dtype(array.dtype), shape=list(array.shape))
@@ -333,6 +337,8 @@ class TritonClient:
         def error(message: str) -> APIError:  # whisper_bls names what was wrong (serving/whisper.py)
             if "TEXT_PREFIX" in message:  # the prefix is made of the request's language and the endpoint's task
                 return bad_request("language", message)
+            if "PROMPT" in message:
+                return bad_request("prompt", message)
             return bad_request("file", message) if "WAV" in message else triton_error(message)
 
         async with aclosing(self._responses(request, error)) as responses:

@@ -68,6 +68,15 @@ GAUGES: list[GaugeSpec] = [
     }),
 ]
 
+# Encoder-decoder engines (beyond the reference's families; TRT-LLM's executor reports them as
+# crossKvCacheStats): the cross-KV pool's blocks; absent on decoder-only engines (stat None).
+GAUGES.append(("tritonllm_cross_kv_cache_block_metrics", "Cross-attention KV cache blocks (encoder-decoder engines)",
+               "kv_cache_block_type", {
+                   "max": lambda s: s.cross_kv_cache_stats.max_num_blocks,
+                   "free": lambda s: s.cross_kv_cache_stats.free_num_blocks,
+                   "used": lambda s: s.cross_kv_cache_stats.used_num_blocks,
+                   "tokens_per": lambda s: s.cross_kv_cache_stats.tokens_per_block}))
+
 # LoRA (beyond the reference): adapters resident in the cache (engine/lora/cache.py); absent while
 # LoRA is off (the getters then fail and gauge_values skips them).
 GAUGES.append(("tritonllm_lora_adapters", "LoRA adapters resident in the adapter cache", "location", {

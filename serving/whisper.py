@@ -126,3 +126,87 @@ def transcript(tokenizer, ids) -> str:
     """Generated ids -> text without Whisper's <|...|> tokens."""
     text = tokenizer.decode([int(t) for t in ids], skip_special_tokens=False)
     return SPECIAL_TOKEN.sub("", text).strip()
+
+
+# ---- OpenAI's `prompt` (previous text) and language detection -----------------------------------
+
+START_OF_PREV = "<|startofprev|>"
+
+
+def decoder_limits(engine_dir: str) -> tuple[int, int, int]:
+    """(vocab size, max_target_positions, max_seq_len) of the Whisper engine whose decoder/ is
+    ``engine_dir`` (its config.json, written by engine.build)."""
+    with open(os.path.join(engine_dir, "config.json")) as f:
+        config = json.load(f)
+    return (int(config["model"]["vocab_size"]), int(config["model"]["max_position_embeddings"]),
+            int(config["build"]["max_seq_len"]))
+
+
+def previous_text_ids(tokenizer, text: str, max_positions: int) -> list[int]:
+    """OpenAI's ``prompt``: <|startofprev|> then " " + the stripped text, tokenized without extra
+    specials (transformers' WhisperTokenizer.get_prompt_ids), the text cut to its last
+    ``max_positions // 2 - 1`` tokens (the previous-text length transformers' generate and
+    openai-whisper keep). The ids go before <|startoftranscript|>; text holding a special or
+    timestamp token is refused, as get_prompt_ids refuses it."""
+    start = tokenizer.convert_tokens_to_ids(START_OF_PREV)
+    if not isinstance(start, int) or start == tokenizer.unk_token_id:
+        raise WhisperInputError(f"PROMPT: this checkpoint's tokenizer has no {START_OF_PREV}; send no prompt")
+    ids = tokenizer(START_OF_PREV, " " + text.strip(), add_special_tokens=False)["input_ids"][1:]
+    special = [t for t in tokenizer.convert_ids_to_tokens(ids) if SPECIAL_TOKEN.fullmatch(t or "")]
+    if special:
+        raise WhisperInputError(f"PROMPT holds the special token {special[0]}; send plain text")
+    return [start] + ids[-(max_positions // 2 - 1):]
+
+
+def language_ids(engine_dir: str) -> dict[str, int]:
+    """{"<|en|>": id, ...}: the languages a multilingual checkpoint detects among (its generation
+    config's lang_to_id, copied into the engine's decoder/); {} when it names none."""
+    try:
+        with open(os.path.join(engine_dir, "generation_config.json")) as f:
+            return {k: int(v) for k, v in (json.load(f).get("lang_to_id") or {}).items()}
+    except (OSError, ValueError):
+        return {}
+
+
+def language_position(tokenizer, prompt: list[int], languages: dict[str, int]) -> int | None:
+    """Where the language token goes in ``prompt`` when it has none: right after
+    <|startoftranscript|> (as transformers' generate puts the detected one); None when the prompt
+    names a language or has no <|startoftranscript|>."""
+    start = tokenizer.convert_tokens_to_ids("<|startoftranscript|>")
+    if start not in prompt:
+        return None
+    after = prompt.index(start) + 1
+    return None if after < len(prompt) and prompt[after] in languages.values() else after
+
+
+def detection_inputs(features: np.ndarray, start_id: int, end_id: int, vocab_size: int,
+                     languages: dict[str, int], dtype=np.float16) -> dict[str, np.ndarray]:
+    """The tensorrt_llm request that detects the language of a window, as transformers'
+    detect_language does: one step after [<|startoftranscript|>], every non-language logit at -inf
+    (embedding_bias), the argmax. (The engine applies no timestamp rules to a prompt that ends on
+    <|startoftranscript|>: engine/encoder_decoder/whisper_timestamps.py.)"""
+    bias = np.full((1, vocab_size), -np.inf, np.float32)
+    bias[0, list(languages.values())] = 0.0
+    inputs = tensorrt_llm_inputs(features, [start_id], max_tokens=1, end_id=end_id, streaming=False, dtype=dtype)
+    return {**inputs, "embedding_bias": bias}
+
+
+def language_code(tokenizer, prompt: list[int], languages: dict[str, int]) -> str:
+    """The language the prompt names ("en", "de" ...), or "" when it names none."""
+    names = {v: k for k, v in languages.items()}
+    for token in prompt:
+        if token in names:
+            return names[token].strip("<|>")
+    return ""
+
+
+def fit_max_tokens(prompt: list[int], max_tokens: int, max_positions: int, max_seq_len: int) -> int:
+    """Tokens a window may generate after ``prompt``: ``max_tokens``, fewer when the prompt and
+    they would pass the decoder's positions or the engine's max_seq_len; a prompt that leaves no
+    room is refused naming PROMPT."""
+    room = min(max_positions, max_seq_len) - len(prompt)
+    if room < 1:
+        raise WhisperInputError(f"PROMPT: the decoder prompt is {len(prompt)} tokens, which leaves no room to "
+                                f"generate in this engine's {min(max_positions, max_seq_len)} positions; send a "
+                                "shorter prompt")
+    return min(max_tokens, room)

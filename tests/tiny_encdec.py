@@ -1,6 +1,7 @@
 """Tiny random T5 (v1.0: ReLU, tied heads; v1.1: gated GELU, untied), BART and Whisper checkpoints
 made by transformers, with a word-level tokenizer (T5's ids: <pad> 0, </s> 1, <unk> 2; a T5-style
-post-processor appends </s>; Whisper's prompt tokens at 17..20) and, for Whisper, a feature
+post-processor appends </s>; Whisper's prompt tokens at 17..20, <|startofprev|> 12 and a second
+language <|de|> 15, ids T5's tests send only as ids) and, for Whisper, a feature
 extractor of 8 mel bins over 1-s windows (100 frames). No network: everything is made here.
 Shared by the engine and integration tests."""
 from __future__ import annotations
@@ -12,11 +13,12 @@ import torch
 from tiny_llava import word_level_tokenizer
 
 WORDS = ["<pad>", "</s>", "<unk>", "<s>", "translate", "English", "to", "German:", "This", "is", "good",
-         "Summarize:", "the", "news", "Das", "ist", "gut.", "<|startoftranscript|>", "<|en|>", "<|transcribe|>",
-         "<|notimestamps|>"]
+         "Summarize:", "<|startofprev|>", "news", "Das", "<|de|>", "gut.", "<|startoftranscript|>", "<|en|>",
+         "<|transcribe|>", "<|notimestamps|>"]
 VOCAB = 64  # WORDS, then filler words w21 .. w63
 FAMILIES = ("t5_v1_0", "t5_v1_1", "bart")  # text-to-text; "whisper" is built apart
 WHISPER_PROMPT = [17, 18, 19, 20]  # <|startoftranscript|><|en|><|transcribe|><|notimestamps|>
+START_OF_PREV, GERMAN = 12, 15  # <|startofprev|> (OpenAI's previous-text prompt), <|de|>
 TIMESTAMP_BEGIN = 21  # <|notimestamps|> + 1: the first timestamp token
 MEL_BINS, WINDOW_FRAMES = 8, 100
 # Encoder inputs of 8, 4 and 15 tokens (the engine and the served tests)
@@ -28,7 +30,7 @@ def tokenizer():
 
     return word_level_tokenizer(WORDS, VOCAB, processors.TemplateProcessing(single="$A </s>",
                                                                             special_tokens=[("</s>", 1)]),
-                                additional_special_tokens=[WORDS[i] for i in WHISPER_PROMPT])
+                                additional_special_tokens=[WORDS[i] for i in WHISPER_PROMPT + [START_OF_PREV, GERMAN]])
 
 
 def hf_model(family: str, seed: int | None = None):
@@ -56,7 +58,8 @@ def hf_model(family: str, seed: int | None = None):
         # (0.00 .. 0.84 s); the first within 5 steps; nothing suppressed (the defaults name ids of the
         # real 51k vocabulary)
         for name, value in dict(no_timestamps_token_id=20, max_initial_timestamp_index=5, is_multilingual=True,
-                                lang_to_id={"<|en|>": 18}, task_to_id={"transcribe": 19}, suppress_tokens=None,
+                                lang_to_id={"<|en|>": 18, "<|de|>": GERMAN}, task_to_id={"transcribe": 19},
+                                prev_sot_token_id=START_OF_PREV, suppress_tokens=None,
                                 begin_suppress_tokens=None).items():
             setattr(model.generation_config, name, value)  # (update() sets only attributes it already has)
     else:

@@ -37,8 +37,8 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 
 def whisper_generation_fields(spec: EncDecSpec, source: str) -> EncDecSpec:
     """A Whisper spec with its generation config's <|notimestamps|> id and first-timestamp limit
-    (the timestamp rules, engine/encoder_decoder/whisper_timestamps.py) and its suppressed tokens
-    (always, and as the first token); other specs unchanged."""
+    (the timestamp rules, engine/encoder_decoder/whisper_timestamps.py), its suppressed tokens
+    (always, and as the first token) and its alignment heads; other specs unchanged."""
     path = os.path.join(source, GENERATION_CONFIG) if source and os.path.isdir(source) else ""
     if not spec.num_mel_bins or not os.path.isfile(path):
         return spec
@@ -48,7 +48,9 @@ def whisper_generation_fields(spec: EncDecSpec, source: str) -> EncDecSpec:
     return dataclasses.replace(spec, no_timestamps_token_id=int(generation.get("no_timestamps_token_id", -1)),
                                max_initial_timestamp_index=-1 if initial is None else int(initial),
                                suppress_tokens=tuple(generation.get("suppress_tokens") or ()),
-                               begin_suppress_tokens=tuple(generation.get("begin_suppress_tokens") or ()))
+                               begin_suppress_tokens=tuple(generation.get("begin_suppress_tokens") or ()),
+                               alignment_heads=tuple(tuple(int(i) for i in pair)
+                                                     for pair in generation.get("alignment_heads") or ()))
 
 
 def build_encoder_decoder(hf_config, get, tokenizer, output_dir: str, build: BuildConfig, *, source: str = "",

@@ -65,6 +65,15 @@ class CrossPoolStage:
             return []
         return batch
 
+    def add_token_timestamps(self, state, responses) -> None:
+        """Extra per-token outputs of a finished request (encoder_stage.py: Whisper's timestamps)."""
+
+    def cross_kv_counts(self) -> dict[str, int]:
+        """The pool's blocks now (engine/executor/stats.py KvCacheStats fields)."""
+        free = len(self.free_blocks)
+        return {"max_num_blocks": self.num_blocks, "free_num_blocks": free, "used_num_blocks": self.num_blocks - free,
+                "tokens_per_block": self.tokens_per_block}
+
     def release(self, state) -> None:
         held = self.held.pop(state.request_id, None)
         if held is not None:

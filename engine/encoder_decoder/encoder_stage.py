@@ -27,6 +27,7 @@ import torch
 from engine.encoder_decoder.cross_pool_stage import CrossPoolStage
 from engine.encoder_decoder.model import Encoder
 from engine.encoder_decoder.runner import EncDecRunner
+from engine.encoder_decoder.whisper_alignment import attach_token_timestamps
 from engine.encoder_decoder.whisper_timestamps import rules_for_prompt
 
 ENCODER_INPUT, ENCODER_FEATURES = "encoder_input_ids", "encoder_input_features"
@@ -76,6 +77,12 @@ class EncoderStage(CrossPoolStage):
         if spec.suppress_tokens or spec.begin_suppress_tokens:
             request = replace(request, whisper_suppress=(tuple(spec.suppress_tokens), tuple(spec.begin_suppress_tokens)))
         return request
+
+    def add_token_timestamps(self, state, responses) -> None:
+        """A Whisper request that asked (OutputConfig.return_token_timestamps): its final results get
+        their tokens' timestamps (whisper_alignment.py), while its cross K/V is still held."""
+        if state.request.output.return_token_timestamps and state.request_id in self.held:
+            attach_token_timestamps(self.runner, self.spec, self.held[state.request_id], state, responses)
 
     def encoder_length(self, request) -> int:
         """Encoder outputs (cross K/V positions) of ``request``'s encoder input."""

@@ -74,6 +74,9 @@ class EncDecSpec:
     # ... and the ids it never lets Whisper produce, and those it forbids as the first token
     suppress_tokens: tuple[int, ...] = ()
     begin_suppress_tokens: tuple[int, ...] = ()
+    # ... and its alignment heads ((decoder layer, head) pairs: token timestamps, whisper_alignment.py;
+    # empty: openai-whisper's default, every head of the last half of the layers)
+    alignment_heads: tuple[tuple[int, int], ...] = ()
 
     def validate(self) -> "EncDecSpec":
         self.encoder_head_dim = self.encoder_head_dim or self.head_dim

@@ -39,8 +39,10 @@ def rules_for_prompt(prompt: list[int], start: int, no_timestamps: int, eos: int
                      max_initial: int | None) -> TimestampRules | None:
     """The rules of a Whisper request: a prompt holding <|startoftranscript|> (``start``) but not
     <|notimestamps|> decodes with timestamps; None otherwise (or when the engine knows no
-    <|notimestamps|> id, ``no_timestamps`` < 0)."""
-    if no_timestamps < 0 or start not in prompt or no_timestamps in prompt:
+    <|notimestamps|> id, ``no_timestamps`` < 0). A prompt that ends on <|startoftranscript|> asks
+    for the language token next (language detection, which transformers' detect_language runs
+    without logits processors): no rules."""
+    if no_timestamps < 0 or start not in prompt or no_timestamps in prompt or prompt[-1] == start:
         return None
     return TimestampRules(no_timestamps, eos, max_initial)
 

@@ -1070,7 +1070,10 @@ class Executor:
         self._emit_after_launch = False
         responses = []
         for state in self._touched.values():
-            responses += responses_for(state, self.config.stream_interval)
+            new = responses_for(state, self.config.stream_interval)
+            if self.encoder_stage is not None:  # Whisper token timestamps, before the cross K/V goes
+                self.encoder_stage.add_token_timestamps(state, new)
+            responses += new
             if all(s.is_finished for s in state.sequences):
                 self._retire(state)
         self._touched.clear()
@@ -1135,6 +1138,8 @@ class Executor:
             cpu_mem_usage=0 if on_gpu else kv_bytes,
             gpu_mem_usage=self._gpu_memory_allocated() if on_gpu else 0,
             kv_cache_stats=kv_cache_stats(self.blocks),
+            cross_kv_cache_stats=(None if self.encoder_stage is None
+                                  else KvCacheStats(**self.encoder_stage.cross_kv_counts())),
             lora_cache_stats=None if self.adapters is None else self.adapters.snapshot(),
             num_draft_tokens_total=self._num_draft_tokens_total,
             num_accepted_draft_tokens_total=self._num_accepted_draft_tokens_total,

@@ -81,6 +81,9 @@ class OutputConfig:
     exclude_input_from_output: bool | None = None  # None: the ExecutorConfig default
     return_perf_metrics: bool = False
     num_top_log_probs: int = 0
+    # Whisper engines: each generated token's time in the audio (Result.token_timestamps;
+    # engine/encoder_decoder/whisper_alignment.py)
+    return_token_timestamps: bool = False
 
 
 # What a guide may be (the reference's GuidedDecodingParams types): any JSON, JSON that validates
@@ -240,6 +243,8 @@ class Result:
     sequence_index: int = 0
     perf: RequestPerfMetrics | None = None
     context_phase_params: bytes | None = None  # a context_only request's final result: for its generation_only one
+    # OutputConfig.return_token_timestamps (final results): per beam, seconds of each token of output_token_ids
+    token_timestamps: list[list[float]] | None = None
 
 
 @dataclass

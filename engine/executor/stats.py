@@ -46,6 +46,8 @@ class IterationStats:
     gpu_mem_usage: int = 0
     pinned_mem_usage: int = 0
     kv_cache_stats: KvCacheStats = field(default_factory=KvCacheStats)
+    # Encoder-decoder engines: the cross-KV pool's blocks (TRT-LLM's crossKvCacheStats); None otherwise.
+    cross_kv_cache_stats: KvCacheStats | None = None
     # LoRA: a snapshot of engine.lora.stats.LoraCacheStats (None when LoRA is off).
     lora_cache_stats: Any = None
     # Speculative decoding, cumulative since the executor started: draft tokens verified, and accepted.

@@ -172,6 +172,46 @@ def test_whisper_greedy_ids_equal_transformers(whisper):
         assert final_tokens(responses[request_id]) == [t for t in expected if t != 1]
 
 
+def test_whisper_token_timestamps_equal_transformers(whisper):
+    """OutputConfig.return_token_timestamps: each output token's time (the alignment heads' cross
+    attention, re-run over the final tokens, then DTW) = transformers' _extract_token_timestamps on
+    its generate's own cross-attentions (generate(return_token_timestamps=True)'s computation; its
+    long-form bookkeeping is left out because the tiny vocabulary's words double as timestamp
+    tokens); alignment heads: the default, every head of the last half of the layers. One request
+    stops on max_tokens (the last token never fed back), one on the end id."""
+    from transformers import GenerationMixin
+
+    from engine.encoder_decoder.whisper_alignment import default_alignment_heads
+    from tiny_encdec import WHISPER_PROMPT
+
+    model, ex = whisper
+    torch.manual_seed(0)
+    features = [torch.randn(100, 8), torch.randn(100, 8)]
+    torch.manual_seed(1)
+    features[1] = torch.randn(100, 8)  # (its greedy ids end on the end id after 3 tokens)
+    out = OutputConfig(exclude_input_from_output=True, return_token_timestamps=True)
+    ids = ex.enqueue_requests([Request(WHISPER_PROMPT, 8, end_id=1, encoder_input_features=f, output=out)
+                               for f in features])
+    responses = collect(ex, ids)
+    for f, request_id in zip(features, ids):
+        result = responses[request_id][-1].result
+        model.set_attn_implementation("eager")  # (sdpa returns no attention weights)
+        try:
+            hf = GenerationMixin.generate(model, input_features=f.t()[None], decoder_input_ids=torch.tensor([WHISPER_PROMPT]),
+                                          max_new_tokens=8, do_sample=False, eos_token_id=1, output_attentions=True,
+                                          return_dict_in_generate=True, forced_decoder_ids=None, suppress_tokens=None,
+                                          begin_suppress_tokens=None)
+        finally:
+            model.set_attn_implementation("sdpa")
+        expected = model._extract_token_timestamps(hf, default_alignment_heads(2, 4), num_input_ids=len(WHISPER_PROMPT))
+        generated = hf.sequences[0, len(WHISPER_PROMPT):].tolist()
+        assert result.output_token_ids[0] == [t for t in generated if t != 1]
+        assert result.token_timestamps[0] == pytest.approx(expected[0, len(WHISPER_PROMPT):][:len(generated)].tolist()
+                                                           [:len(result.output_token_ids[0])], abs=1e-6)
+    assert len(responses[ids[1]][-1].result.output_token_ids[0]) < 8 and any(responses[ids[0]][-1].result
+                                                                              .token_timestamps[0])
+
+
 def test_whisper_bad_features_are_named(whisper):
     _, ex = whisper
     cases = {"encoder_input_features: shape (100, 7)": Request([17], 2, encoder_input_features=torch.zeros(100, 7)),

@@ -30,6 +30,8 @@ def test_only_prompts_without_notimestamps_get_rules():
     assert rules_for_prompt([17, 18, 19, 20], 17, NO_TIMESTAMPS, EOS, None) is None
     assert rules_for_prompt([17, 18, 19], 17, -1, EOS, None) is None  # an engine without <|notimestamps|>
     assert rules_for_prompt([0], 17, NO_TIMESTAMPS, EOS, None) is None  # not a Whisper prompt
+    assert rules_for_prompt([17], 17, NO_TIMESTAMPS, EOS, None) is None  # language detection's one step
+    assert rules_for_prompt([12, 8, 17], 17, NO_TIMESTAMPS, EOS, None) is None
 
 
 def test_suppressed_tokens_always_and_at_the_first_step():

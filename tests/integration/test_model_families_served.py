@@ -556,34 +556,46 @@ def _encoded(samples: np.ndarray, fmt: str, rate: int = 16000) -> bytes:
     return buffer.getvalue()
 
 
-def _expected_transcript(model, samples: np.ndarray, prefix: str = "") -> str:
+def _expected_transcript(model, samples: np.ndarray, prefix: str = "", previous: list[int] = ()) -> str:
     """transformers' greedy text for 16-kHz ``samples`` without timestamps: its ids after the prompt
-    for each window of serving/whisper_long_form.py (transformers' long-form slices, held to its own in
-    tests/serving/test_whisper_inputs.py), 8 tokens each, end id left out."""
+    (``previous`` text ids, then ``prefix``'s) for each window of serving/whisper_long_form.py
+    (transformers' long-form slices, held to its own in tests/serving/test_whisper_inputs.py), 8
+    tokens each, end id left out."""
     from serving.whisper import prompt_ids, transcript
     from serving.whisper_long_form import LongForm
     from tiny_encdec import feature_extractor, generate_whisper, tokenizer
 
-    prompt, clip, ids = prompt_ids(tokenizer(), prefix), LongForm.of(feature_extractor(), samples, False), []
+    prompt, clip, ids = list(previous) + prompt_ids(tokenizer(), prefix), LongForm.of(feature_extractor(), samples,
+                                                                                       False), []
     while (window := clip.next_window()) is not None:
         ids += [t for t in generate_whisper(model, torch.tensor(window.features), 8, prompt=prompt) if t != 1]
         clip.finish(window, [])
     return transcript(tokenizer(), ids)
 
 
-def _expected_segments(model, samples: np.ndarray) -> list[tuple[float, float, str]]:
+def _expected_segments(model, samples: np.ndarray, **options) -> list[tuple[float, float, str]]:
     """(start, end, text) of the segments transformers' WhisperForConditionalGeneration.generate
-    (return_timestamps=True: its sequential long-form loop over the clip's log-mels) gives."""
+    (return_timestamps=True: its sequential long-form loop over the clip's log-mels) gives;
+    ``options``: more of its arguments (language None: detected; prompt_ids)."""
     from serving.whisper import transcript
     from serving.whisper_long_form import LongForm
     from tiny_encdec import TIMESTAMP_BEGIN, feature_extractor, tokenizer
 
     features = torch.tensor(LongForm.of(feature_extractor(), samples, False).features)[None]
-    result = model.generate(features, return_timestamps=True, return_segments=True, language="en",
-                            task="transcribe", max_new_tokens=8)
+    result = model.generate(features, return_timestamps=True, return_segments=True, task="transcribe",
+                            max_new_tokens=8, **{"language": "en", **options})
     return [(round(float(s["start"]), 3), round(float(s["end"]), 3),
              transcript(tokenizer(), [t for t in s["tokens"].tolist() if t < TIMESTAMP_BEGIN]))
             for s in result["segments"][0]]
+
+
+def _detected_language(model, samples: np.ndarray) -> str:
+    """The language code transformers' detect_language picks on the clip's first window."""
+    from serving.whisper_long_form import LongForm
+    from tiny_encdec import GERMAN, feature_extractor
+
+    features = torch.tensor(LongForm.of(feature_extractor(), samples, False).features)[None]
+    return "de" if model.detect_language(features, num_segment_frames=features.shape[-1]).item() == GERMAN else "en"
 
 
 def _clock(seconds: float, separator: str) -> str:
@@ -607,27 +619,30 @@ def test_openai_audio_formats_through_the_openai_client(served_families, fronten
     segments = _expected_segments(models["whisper"], decode_audio(flac)[0])
     with openai.OpenAI(base_url=f"{frontends['whisper_bls']}/v1", api_key="unused", max_retries=0) as client:
         def create(data, fmt="json", name="clip.flac", **kwargs):
-            return client.audio.transcriptions.create(model="whisper", file=(name, data), response_format=fmt, **kwargs)
+            return client.audio.transcriptions.create(model="whisper", file=(name, data), response_format=fmt,
+                                                      **{"language": "en", **kwargs})
 
         assert expected and create(flac).text == expected
         assert create(flac, "text").strip() == expected
         verbose = create(flac, "verbose_json", timestamp_granularities=["segment"])
         assert [(s.start, s.end, s.text) for s in verbose.segments] == segments and len(segments) > 1
-        assert verbose.duration == 0.5 and verbose.language == "en"
+        assert verbose.duration == 0.5 and verbose.language == "english"
         assert create(flac, "srt") == "\n".join(f"{i + 1}\n{_clock(a, ',')} --> {_clock(b, ',')}\n{text}\n"
                                                 for i, (a, b, text) in enumerate(segments))
         assert create(flac, "vtt") == "WEBVTT\n\n" + "\n".join(f"{_clock(a, '.')} --> {_clock(b, '.')}\n{text}\n"
                                                                for a, b, text in segments)
         assert create(mp3, name="clip.mp3").text == _expected_transcript(models["whisper"], decode_audio(mp3)[0])
         raw = client.audio.transcriptions.with_raw_response.create(
-            model="whisper", file=("clip.wav", _encoded(np.repeat(pcm, 3)[:22050], "WAV", 44100)))
+            model="whisper", file=("clip.wav", _encoded(np.repeat(pcm, 3)[:22050], "WAV", 44100)), language="en")
         assert raw.headers["x-tritonllm-resampled"] == "44100->16000"
         assert "resampled from 44100 Hz" in raw.http_response.json()["warnings"][0]
         samples = resample(np.repeat(pcm, 3)[:22050], 44100)
         assert raw.parse().text == _expected_transcript(models["whisper"], samples)
-        prefix = "<|startoftranscript|><|en|><|translate|><|notimestamps|>"
+        # (translations take no language: the source's is detected, transformers' detect_language)
+        samples = decode_audio(flac)[0]
+        prefix = f"<|startoftranscript|><|{_detected_language(models['whisper'], samples)}|><|translate|><|notimestamps|>"
         translated = client.audio.translations.create(model="whisper", file=("clip.flac", flac))
-        assert translated.text == _expected_transcript(models["whisper"], decode_audio(flac)[0], prefix)
+        assert translated.text == _expected_transcript(models["whisper"], samples, prefix)
 
 
 def test_openai_audio_long_form_and_stream(served_families, frontends):
@@ -647,16 +662,97 @@ def test_openai_audio_long_form_and_stream(served_families, frontends):
     segments = _expected_segments(models["whisper"], decode_audio(flac)[0])
     with openai.OpenAI(base_url=f"{frontends['whisper_bls']}/v1", api_key="unused", max_retries=0) as client:
         verbose = client.audio.transcriptions.create(model="whisper", file=("long.flac", flac),
-                                                     response_format="verbose_json")
+                                                     response_format="verbose_json", language="en")
         assert [(s.start, s.end, s.text) for s in verbose.segments] == segments and len(segments) > 3
         assert verbose.duration == 2.5
-        assert client.audio.transcriptions.create(model="whisper", file=("long.flac", flac)).text == expected
+        assert client.audio.transcriptions.create(model="whisper", file=("long.flac", flac), language="en").text \
+            == expected
     for model, min_deltas in (("whisper_bls_stream", 2), ("whisper_bls", 1)):
         with openai.OpenAI(base_url=f"{frontends[model]}/v1", api_key="unused", max_retries=0) as client:
-            events = list(client.audio.transcriptions.create(model="whisper", file=("long.flac", flac), stream=True))
+            events = list(client.audio.transcriptions.create(model="whisper", file=("long.flac", flac), stream=True,
+                                                             language="en"))
         deltas = [e.delta for e in events if e.type == "transcript.text.delta"]
         assert events[-1].type == "transcript.text.done" and events[-1].text == expected, (model, events)
         assert len(deltas) >= min_deltas and "".join(deltas) == expected, (model, deltas)
+
+
+def test_openai_audio_prompt_and_language_detection(served_families, frontends):
+    """OpenAI's ``prompt`` and a request without ``language``, through the official client.
+    prompt: whisper_bls puts <|startofprev|> + the text's tokens (transformers' get_prompt_ids) before
+    the prefix: the json text = transformers' greedy ids after them, the verbose_json segments =
+    transformers' generate(prompt_ids=..., return_timestamps=True) (the prompt not in the output).
+    No language on this multilingual checkpoint: detected on the first window as transformers'
+    detect_language does (a quiet clip -> <|de|>, a sine -> <|en|>: both are seen), verbose_json says
+    which as OpenAI names it, and its segments = transformers' generate(language=None)."""
+    import openai
+
+    from openai_frontend.audio import decode_audio
+    from serving.whisper import previous_text_ids
+    from tiny_encdec import START_OF_PREV, tokenizer
+
+    models, _ = served_families
+    model = models["whisper"]
+    sine = (0.5 * np.sin(2 * np.pi * 440 * np.arange(8000) / 16000)).astype(np.float32)
+    quiet = np.random.default_rng(0).uniform(-0.01, 0.01, 8000).astype(np.float32)
+    previous = previous_text_ids(tokenizer(), "This is good", 40)
+    assert previous == [START_OF_PREV, 8, 9, 10]
+    with openai.OpenAI(base_url=f"{frontends['whisper_bls']}/v1", api_key="unused", max_retries=0) as client:
+        def create(samples, fmt="json", **kwargs):
+            flac = _encoded(samples, "FLAC")
+            return decode_audio(flac)[0], client.audio.transcriptions.create(
+                model="whisper", file=("clip.flac", flac), response_format=fmt, **kwargs)
+
+        noise = np.random.default_rng(0).uniform(-0.5, 0.5, 8000).astype(np.float32)
+        samples, answer = create(noise, language="en", prompt="This is good")
+        assert answer.text == _expected_transcript(model, samples, previous=previous) and answer.text
+        samples, verbose = create(noise, "verbose_json", language="en", prompt="This is good")
+        expected = _expected_segments(model, samples, prompt_ids=torch.tensor(previous))
+        assert [(s.start, s.end, s.text) for s in verbose.segments] == expected and len(expected) > 1
+        for clip, language in ((quiet, "german"), (sine, "english")):
+            samples, verbose = create(clip, "verbose_json")
+            assert verbose.language == language
+            assert [(s.start, s.end, s.text) for s in verbose.segments] == _expected_segments(model, samples,
+                                                                                             language=None)
+
+
+def test_whisper_cross_kv_blocks_free_after_cancels(served_families):
+    """Requests cancelled mid-decode give back every cross-KV block: 6 requests to
+    tensorrt_llm_whisper that would decode to the engine's max_seq_len (end_id -1 never matches)
+    are cancelled once the cross pool's gauge (tritonllm_cross_kv_cache_block_metrics) shows them
+    holding blocks; it then reads free == max, and the next request is served."""
+    from test_metrics import scrape, value
+    from triton_helpers import wait_for
+
+    _, server = served_families
+    labels = {"model": "tensorrt_llm_whisper", "version": "1"}
+
+    def blocks(kind: str) -> float:
+        return value(scrape(server), "tritonllm_cross_kv_cache_block_metrics", kv_cache_block_type=kind, **labels)
+
+    features = np.random.default_rng(0).standard_normal((1, 100, 8)).astype(np.float16)
+    inputs = {"encoder_input_features": features, "input_lengths": np.array([[100]], np.int32),
+              "encoder_output_lengths": np.array([[50]], np.int32),
+              "decoder_input_ids": np.array([[17, 18, 19, 20]], np.int32),
+              "decoder_input_lengths": np.array([[4]], np.int32), "request_output_len": np.array([[36]], np.int32),
+              "end_id": np.array([[-1]], np.int32), "pad_id": np.array([[1]], np.int32)}
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        assert blocks("max") > 0 and blocks("free") == blocks("max")
+        for _ in range(5):  # (a tiny decode is short: resend until the gauge catches it in flight)
+            calls = [client.async_infer("tensorrt_llm_whisper", [tensor(n, a) for n, a in inputs.items()],
+                                        callback=lambda *_: None) for _ in range(6)]
+            held = wait_for(lambda: blocks("used") > 0, timeout=3, interval=0.02)
+            for call in calls:
+                call.cancel()
+            if held:
+                break
+        assert held, "the cross pool never showed blocks in use"
+        assert wait_for(lambda: blocks("free") == blocks("max") and blocks("used") == 0, timeout=20), \
+            (blocks("free"), blocks("max"))
+        ok = {**inputs, "request_output_len": np.array([[2]], np.int32)}
+        assert client.infer("tensorrt_llm_whisper", [tensor(n, a) for n, a in ok.items()]).as_numpy("output_ids").size
+    finally:
+        client.close()
 
 
 def test_bad_audio_and_encoder_inputs_are_named(served_families, frontends):
@@ -674,12 +770,13 @@ def test_bad_audio_and_encoder_inputs_are_named(served_families, frontends):
              (_encoded(np.zeros(16000 * MAX_AUDIO_SECONDS + 1600, np.float32), "WAV"), {}, "file",
               "max_audio_seconds"),
              (good, {"timestamp_granularities[]": "word"}, "timestamp_granularities", "word timestamps are not built"),
-             (good, {"stream": "true", "response_format": "srt"}, "stream", "not srt")]
+             (good, {"stream": "true", "response_format": "srt"}, "stream", "not srt"),
+             (good, {"prompt": "good <|en|>", "language": "en"}, "prompt", "special token <|en|>")]
     for data, fields, param, message in cases:
         answer = requests.post(url, files={"file": ("clip.wav", data)}, data=fields, timeout=60)
         assert answer.status_code == 400 and answer.json()["error"]["param"] == param, answer.text
         assert message in answer.json()["error"]["message"], answer.text
-    assert requests.post(url, files={"file": ("clip.wav", good)}, timeout=60).status_code == 200
+    assert requests.post(url, files={"file": ("clip.wav", good)}, data={"language": "en"}, timeout=60).status_code == 200
     features = np.zeros((1, 100, 8), np.float16)
     base = {"input_lengths": np.array([[100]], np.int32), "encoder_output_lengths": np.array([[50]], np.int32),
             "request_output_len": np.array([[4]], np.int32), "end_id": np.array([[1]], np.int32),

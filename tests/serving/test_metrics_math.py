@@ -16,6 +16,8 @@ def stats(**overrides):
                 num_gen_requests=2, num_ctx_tokens=30, num_paused_requests=0, cpu_mem_usage=1000,
                 gpu_mem_usage=0, pinned_mem_usage=0, kv_cache_stats=kv, num_kv_transfers_total=2,
                 kv_cache_transfer_ms_total=1.5,
+                cross_kv_cache_stats=SimpleNamespace(max_num_blocks=8, free_num_blocks=6, used_num_blocks=2,
+                                                     tokens_per_block=32),
                 lora_cache_stats=SimpleNamespace(adapters_in_gpu=2, adapters_in_host=3, gpu_loads=4, gpu_evictions=1,
                                                  gpu_hits=7, host_loads=3, host_evictions=0,
                                                  requests=Counter({"sql": 5, "lora_task_id 3": 6})))
@@ -34,8 +36,12 @@ def test_gauge_values_follow_the_reference_mapping():
     assert values[("tritonllm_lora_adapters", "gpu")] == 2 and values[("tritonllm_lora_adapters", "host")] == 3
     assert values[("nv_trt_llm_disaggregated_serving_metrics", "kv_cache_transfer_ms")] == 1.5
     assert values[("nv_trt_llm_disaggregated_serving_metrics", "request_count")] == 2
+    assert values[("tritonllm_cross_kv_cache_block_metrics", "free")] == 6
+    assert values[("tritonllm_cross_kv_cache_block_metrics", "used")] == 2
     expected = sum(len(getters) for *_, getters in GAUGES)
     assert len(values) == expected
+    # a decoder-only engine reports no cross pool: those gauges are skipped
+    assert ("tritonllm_cross_kv_cache_block_metrics", "max") not in gauge_values(stats(cross_kv_cache_stats=None))
 
 
 def test_lora_counters_come_from_the_cache_stats_and_are_absent_while_lora_is_off():

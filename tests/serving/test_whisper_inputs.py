@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from serving.whisper import (WhisperInputError, audio_samples, check_length, log_mel, prompt_ids, tensorrt_llm_inputs,
-                             timestamp_begin, transcript)
+from serving.whisper import (WhisperInputError, audio_samples, check_length, detection_inputs, fit_max_tokens,
+                             language_code, language_position, log_mel, previous_text_ids, prompt_ids,
+                             tensorrt_llm_inputs, timestamp_begin, transcript)
 from serving.whisper_long_form import LongForm, Window
-from tiny_encdec import TIMESTAMP_BEGIN, WHISPER_PROMPT, feature_extractor, tokenizer
+from tiny_encdec import GERMAN, START_OF_PREV, TIMESTAMP_BEGIN, WHISPER_PROMPT, feature_extractor, hf_model, tokenizer
 
 
 @pytest.mark.parametrize("wav, lens, message", [
@@ -82,3 +83,36 @@ def test_timestamp_segments_and_seek():
     assert clip.seek == 38  # <|0.38|>: 19 positions, 38 frames
     assert clip.finish(clip.next_window(), [21, 5, 25])[0].end == 0.46  # no pair: up to its last timestamp
     assert clip.seek == 138  # and past the whole window
+
+
+def test_previous_text_prompt_is_transformers_prompt_ids():
+    """OpenAI's prompt: <|startofprev|> + " " + the text's tokens, placed before the prefix exactly as
+    transformers' WhisperForConditionalGeneration.generate(prompt_ids=...) builds its decoder input
+    (its first window's sequence starts with them); cut to the last max_positions // 2 - 1 text
+    tokens; a special token in the text is refused naming PROMPT."""
+    ids = previous_text_ids(tokenizer(), "  This is good ", 40)
+    assert ids == [START_OF_PREV] + tokenizer()(" This is good", add_special_tokens=False)["input_ids"]
+    features = torch.tensor(LongForm.of(feature_extractor(), np.zeros(8000, np.float32), False).features)[None]
+    out = hf_model("whisper").generate(features, prompt_ids=torch.tensor(ids), language="en", task="transcribe",
+                                       max_new_tokens=2, return_segments=True)
+    assert out["segments"][0][0]["result"][:len(ids) + 4].tolist() == ids + WHISPER_PROMPT
+    assert previous_text_ids(tokenizer(), " ".join(["good"] * 30), 40) == [START_OF_PREV] + [10] * 19
+    with pytest.raises(WhisperInputError, match="PROMPT holds the special token <\\|en\\|>"):
+        previous_text_ids(tokenizer(), "good <|en|>", 40)
+    assert fit_max_tokens(ids + WHISPER_PROMPT, 96, 40, 36) == 28
+    with pytest.raises(WhisperInputError, match="PROMPT: the decoder prompt is 40 tokens"):
+        fit_max_tokens([10] * 40, 8, 40, 48)
+
+
+def test_language_detection_request():
+    """A prefix without a language token gets the detected one right after <|startoftranscript|>;
+    the detection request is one step after [<|startoftranscript|>] with every non-language id at -inf."""
+    languages = {"<|en|>": 18, "<|de|>": GERMAN}
+    assert language_position(tokenizer(), [17, 19, 20], languages) == 1
+    assert language_position(tokenizer(), [START_OF_PREV, 8, 17], languages) == 3
+    assert language_position(tokenizer(), WHISPER_PROMPT, languages) is None
+    assert language_code(tokenizer(), [17, GERMAN, 19], languages) == "de"
+    inputs = detection_inputs(np.zeros((100, 8), np.float32), 17, 1, 64, languages)
+    assert inputs["decoder_input_ids"].tolist() == [[17]] and inputs["request_output_len"].tolist() == [[1]]
+    bias = inputs["embedding_bias"][0]
+    assert bias.shape == (64,) and np.isinf(bias).sum() == 62 and bias[18] == bias[GERMAN] == 0

@@ -25,8 +25,10 @@ if os.environ.get("TRITONLLM_ROOT"):  # a source checkout not installed into the
 from serving.bls_execute import execute_each  # noqa: E402
 from serving.params import get_parameter, model_parameters  # noqa: E402
 from serving.stub_watchdog import start_server_watchdog  # noqa: E402
-from serving.whisper import (DEFAULT_MAX_AUDIO_SECONDS, audio_samples, check_length, is_multilingual,  # noqa: E402
-                             prompt_ids, tensorrt_llm_inputs, timestamp_begin, transcript)
+from serving.whisper import (DEFAULT_MAX_AUDIO_SECONDS, audio_samples, check_length, decoder_limits,  # noqa: E402
+                             detection_inputs, fit_max_tokens, is_multilingual, language_code, language_ids,
+                             language_position, previous_text_ids, prompt_ids, tensorrt_llm_inputs, timestamp_begin,
+                             transcript)
 from serving.whisper_long_form import LongForm  # noqa: E402
 
 
@@ -61,6 +63,8 @@ class TritonPythonModel:
             raise ValueError("whisper_bls: tensorrt_llm_streaming true needs a decoupled whisper_bls")
         self.end_id = self.tokenizer.eos_token_id
         self.english_only = not is_multilingual(engine_dir)
+        self.vocab_size, self.max_positions, self.max_seq_len = decoder_limits(engine_dir)
+        self.languages = {} if self.english_only else language_ids(engine_dir)
         start_server_watchdog()
 
     def execute(self, requests):
@@ -75,11 +79,23 @@ class TritonPythonModel:
         samples = audio_samples(_input(request, "WAV"), _input(request, "WAV_LENS"))
         check_length(samples, self.max_seconds)
         prompt = prompt_ids(self.tokenizer, text_prefix, self.english_only)
+        previous = _input(request, "PROMPT")
+        previous = None if previous is None else previous.reshape(-1)[0]
+        if isinstance(previous, bytes):
+            previous = previous.decode("utf-8")
+        if previous:
+            prompt = previous_text_ids(self.tokenizer, previous, self.max_positions) + prompt
+        max_tokens = fit_max_tokens(prompt, self.max_tokens, self.max_positions, self.max_seq_len)
         clip = LongForm.of(self.extractor, samples, self.zero_pad, timestamp_begin(self.tokenizer, prompt))
+        position = language_position(self.tokenizer, prompt, self.languages) if self.languages else None
+        if position is not None:  # detected on the first window, used for all (as transformers' generate)
+            prompt = prompt[:position] + [self._detect(clip.next_window())] + prompt[position:]
+            max_tokens = fit_max_tokens(prompt, self.max_tokens, self.max_positions, self.max_seq_len)
+        language = language_code(self.tokenizer, prompt, self.languages) or ("en" if self.english_only else "")
         while (window := clip.next_window()) is not None:
             if clip.segments and getattr(request, "is_cancelled", lambda: False)():
                 raise RuntimeError("the request was cancelled")
-            inputs = tensorrt_llm_inputs(window.features, prompt, max_tokens=self.max_tokens, end_id=self.end_id,
+            inputs = tensorrt_llm_inputs(window.features, prompt, max_tokens=max_tokens, end_id=self.end_id,
                                          streaming=self.llm_streaming)
             llm_request = pb_utils.InferenceRequest(
                 model_name=self.llm_name, requested_output_names=["output_ids", "sequence_length"],
@@ -90,13 +106,27 @@ class TritonPythonModel:
                     new = self._outputs(llm_response)
                     if new:
                         ids += new
-                        sender.send(self._response(clip.segments, [t for t in ids if t != self.end_id]))
+                        sender.send(self._response(clip.segments, language,
+                                                   [t for t in ids if t != self.end_id]))
             else:
                 ids = self._outputs(llm_request.exec()) or []
             clip.finish(window, [t for t in ids if t != self.end_id])
             if self.decoupled and not self.llm_streaming:
-                sender.send(self._response(clip.segments))
-        return None if self.decoupled else self._response(clip.segments)
+                sender.send(self._response(clip.segments, language))
+        return None if self.decoupled else self._response(clip.segments, language)
+
+    def _detect(self, window) -> int:
+        """The language token of ``window`` (serving/whisper.py detection_inputs)."""
+        start = self.tokenizer.convert_tokens_to_ids("<|startoftranscript|>")
+        inputs = detection_inputs(window.features, start, self.end_id, self.vocab_size, self.languages)
+        llm_request = pb_utils.InferenceRequest(
+            model_name=self.llm_name, requested_output_names=["output_ids", "sequence_length"],
+            inputs=[pb_utils.Tensor(name, value) for name, value in inputs.items()])
+        responses = llm_request.exec(decoupled=True) if self.llm_streaming else [llm_request.exec()]
+        ids = [t for response in responses for t in (self._outputs(response) or [])]
+        if not ids or ids[0] not in self.languages.values():
+            raise RuntimeError(f"language detection answered {ids} instead of a language token")
+        return ids[0]
 
     @staticmethod
     def _outputs(llm_response):
@@ -109,8 +139,9 @@ class TritonPythonModel:
         length = int(pb_utils.get_output_tensor_by_name(llm_response, "sequence_length").as_numpy().reshape(-1)[0])
         return ids.as_numpy().reshape(-1)[:length].tolist()
 
-    def _response(self, segments, pending=()):
-        """TRANSCRIPTS (all segments' ids, then ``pending`` ones of the window being decoded, decoded
+    def _response(self, segments, language, pending=()):
+        """LANGUAGE (the prompt's language code, detected or asked), TRANSCRIPTS (all segments' ids,
+        then ``pending`` ones of the window being decoded, decoded
         together), SEGMENT_TEXTS and SEGMENT_TIMES ([start, end] seconds) of the closed segments."""
         text = transcript(self.tokenizer, [t for s in segments for t in s.ids] + list(pending))
         texts = [transcript(self.tokenizer, s.ids).encode("utf-8") for s in segments]
@@ -118,4 +149,5 @@ class TritonPythonModel:
         return pb_utils.InferenceResponse(output_tensors=[
             pb_utils.Tensor("TRANSCRIPTS", np.array([[text.encode("utf-8")]], dtype=object)),
             pb_utils.Tensor("SEGMENT_TEXTS", np.array([texts], dtype=object).reshape(1, len(segments))),
-            pb_utils.Tensor("SEGMENT_TIMES", times)])
+            pb_utils.Tensor("SEGMENT_TIMES", times),
+            pb_utils.Tensor("LANGUAGE", np.array([[language.encode("utf-8")]], dtype=object))])
