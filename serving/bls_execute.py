@@ -21,3 +21,40 @@ def execute_each(pb_utils: Any, requests: list, decoupled: bool, serve: Callable
         else:
             responses.append(response)
     return None if decoupled else responses
+
+
+def execute_concurrently(pb_utils: Any, requests: list, decoupled: bool, serve: Callable[[Any, Any], Any],
+                         pool: Any) -> list | None:
+    """Like ``execute_each``, but every request's ``serve(request, sender)`` runs at once on ``pool``
+    (a ThreadPoolExecutor): a BLS whose calls block (the generation phase of a long answer) keeps
+    serving the other requests meanwhile. Decoupled: returns at once; each worker sends its request's
+    FINAL through a GuardedSender (``sender``), which its cancellation watcher shares. Otherwise the
+    responses are returned in request order when all are done."""
+    from serving.bls import GuardedSender
+
+    final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+    def failed(error: Exception):
+        return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(error)))
+
+    if not decoupled:
+        def run(request):
+            try:
+                return serve(request, None)
+            except Exception as error:
+                return failed(error)
+        return list(pool.map(run, requests))
+
+    def run_decoupled(request, sender):
+        try:
+            response = serve(request, sender)
+        except Exception as error:
+            response = failed(error)
+        try:
+            sender.send_final(response)
+        except Exception:  # the client is gone: nothing to deliver
+            pass
+
+    for request in requests:
+        pool.submit(run_decoupled, request, GuardedSender(request.get_response_sender(), final))
+    return None

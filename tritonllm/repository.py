@@ -43,6 +43,14 @@ LAYOUTS = {
 # Models filled with another model's values (then their own): the disaggregated phases are tensorrt_llm's.
 FILLED_AS = {"context": "tensorrt_llm", "generation": "tensorrt_llm"}
 DISAGGREGATED_BLS = "disaggregated_serving_bls"
+POSTPROCESSING_STOPS_GENERATION = """
+parameters: {
+  key: "tensorrt_llm_model_name"
+  value: {
+    string_value: "generation"
+  }
+}
+"""
 VISION_ENCODER_DIR = "vision_encoder"  # engine/vision/encoder_dir.py: where engine.build writes it
 # The models tritonserver's non-zero ranks load, as the reference's launch names them
 # (--tensorrt_llm_model_name); the first holds the engine.
@@ -164,6 +172,8 @@ def assemble_repository(kind: str, engine_dir: str, output: str, base: dict[str,
             text = text.replace(f'name: "{FILLED_AS[name]}"', f'name: "{name}"', 1)
         if name in ("ensemble", "tensorrt_llm_bls") and kind == "disaggregated":
             text = text.replace('model_name: "tensorrt_llm"', f'model_name: "{DISAGGREGATED_BLS}"')
+        if name == "postprocessing" and kind == "disaggregated":  # a gone ensemble client's stop goes to the
+            text += POSTPROCESSING_STOPS_GENERATION                  # phase whose request_key it holds
         config.write_text(text)
     return str(repo)
 

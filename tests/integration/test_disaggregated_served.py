@@ -108,6 +108,31 @@ def test_stop_words_end_the_generation_phase_and_no_block_stays_used(triton_serv
     assert {"tensorrt_llm", "generation"} <= set(_used_blocks(triton_server))
 
 
+def test_a_cancelled_stream_stops_the_generation_phase(triton_server):
+    """A client that cancels its stream mid-decode: the BLS's watcher stops the generation request
+    (it would run 400 more tokens otherwise: end_id -1 never ends it), and its blocks are freed."""
+    before = _used_blocks(triton_server)
+    assert before.get("generation") == 0
+    tensors = {"input_ids": np.array([PROMPTS[5]], np.int32), "input_lengths": np.array([[len(PROMPTS[5])]], np.int32),
+               "request_output_len": np.array([[400]], np.int32), "end_id": np.array([[-1]], np.int32),
+               "pad_id": np.array([[2]], np.int32), "streaming": np.array([[True]])}
+    inputs = []
+    for name, value in tensors.items():
+        tensor = grpcclient.InferInput(name, list(value.shape), "BOOL" if value.dtype == np.bool_ else "INT32")
+        tensor.set_data_from_numpy(value)
+        inputs.append(tensor)
+    responses = []
+    client = grpcclient.InferenceServerClient(triton_server.grpc_url)
+    client.start_stream(callback=lambda result, error: responses.append((result, error)))
+    client.async_stream_infer(BLS, inputs, outputs=[grpcclient.InferRequestedOutput("output_ids")])
+    assert wait_for(lambda: len(responses) >= 3, timeout=60), responses
+    assert _used_blocks(triton_server)["generation"] > 0  # decoding
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    assert wait_for(lambda: _used_blocks(triton_server)["generation"] == 0, timeout=10), _used_blocks(triton_server)
+    assert len(responses) < 100  # stopped long before its 400 tokens
+
+
 def test_a_bad_transport_is_named_and_the_next_request_is_served(triton_server, aggregated):
     """generate's fields that are not inputs are the request's parameters (request_type, kv_transfer)."""
     response = triton_server.generate("tensorrt_llm", {**_body(PROMPTS[0]), "request_type": "context_only",

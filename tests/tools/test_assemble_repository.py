@@ -46,6 +46,7 @@ def test_two_phase_models_behind_the_disaggregated_bls(tmp_path):
     assert 'model_name: "disaggregated_serving_bls"' in configs["ensemble"]
     assert 'model_name: "tensorrt_llm"' not in configs["ensemble"]
     assert _parameter(configs["tensorrt_llm_bls"], "tensorrt_llm_model_name") == "disaggregated_serving_bls"
+    assert _parameter(configs["postprocessing"], "tensorrt_llm_model_name") == "generation"  # cancellation's stop
 
 
 @pytest.mark.parametrize("part", ["vision_encoder", "decoder"])
