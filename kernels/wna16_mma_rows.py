@@ -261,15 +261,26 @@ def _mma_rows_kernel(
     t8, t9, t10, t11, t12, t13, t14, t15 = zero, zero, zero, zero, zero, zero, zero, zero
     pdl_prologue(PDL)
     words_a = tl.load(w_base + chunk_begin * (CHUNK_KB * 128))  # the chunk's first k block, (E, 4)
+    grp = 0 if PER_CHANNEL else chunk_begin  # a chunk is one group, or 128 columns of the one group
+    meta_lo_a = tl.load(meta_ptr + grp * N_PAD + n_lo)
+    meta_hi_a = tl.load(meta_ptr + grp * N_PAD + n_hi)
     for chunk in range(chunk_begin, chunk_end):
-        grp = 0 if PER_CHANNEL else chunk  # a chunk is one group, or 128 columns of the one group
-        meta_lo = tl.load(meta_ptr + grp * N_PAD + n_lo)
-        meta_hi = tl.load(meta_ptr + grp * N_PAD + n_hi)
+        if PREFETCH:
+            meta_lo = meta_lo_a
+            meta_hi = meta_hi_a
+        else:
+            grp = 0 if PER_CHANNEL else chunk
+            meta_lo = tl.load(meta_ptr + grp * N_PAD + n_lo)
+            meta_hi = tl.load(meta_ptr + grp * N_PAD + n_hi)
         zz_lo = MAGIC | (meta_lo & 0xFF) | ((meta_lo & 0xFF) << 16)  # (OFF + z) in both halves
         zz_hi = MAGIC | (meta_hi & 0xFF) | ((meta_hi & 0xFF) << 16)
         kb0 = chunk * CHUNK_KB
-        if PREFETCH:  # the next chunk's first words, read before this chunk's MMAs (the last re-reads itself)
-            next_a = tl.load(w_base + tl.minimum(chunk + 1, chunk_end - 1) * (CHUNK_KB * 128))
+        if PREFETCH:  # the next chunk's first words and meta, read before this chunk's MMAs (the last re-reads itself)
+            following = tl.minimum(chunk + 1, chunk_end - 1)
+            next_a = tl.load(w_base + following * (CHUNK_KB * 128))
+            grp_next = 0 if PER_CHANNEL else following
+            next_lo = tl.load(meta_ptr + grp_next * N_PAD + n_lo)
+            next_hi = tl.load(meta_ptr + grp_next * N_PAD + n_hi)
         a0, a1, a2, a3, a4, a5, a6, a7 = zero, zero, zero, zero, zero, zero, zero, zero
         a8, a9, a10, a11, a12, a13, a14, a15 = zero, zero, zero, zero, zero, zero, zero, zero
         for kk in tl.static_range(CHUNK_KB):
@@ -293,6 +304,8 @@ def _mma_rows_kernel(
         t14, t15 = _scaled(t14, a14, s_hi), _scaled(t15, a15, s_hi)
         if PREFETCH:
             words_a = next_a
+            meta_lo_a = next_lo
+            meta_hi_a = next_hi
     final = SPLIT_K == 1
     _store_block(t0, t1, t2, t3, n_lo, n_hi, m_out, M, N, out_ptr, part_ptr, bias_ptr, stride_om, SPLIT_K, HAS_BIAS,
                  final)
@@ -308,7 +321,7 @@ def _mma_rows_kernel(
         tl.debug_barrier()
         arrived = tl.atomic_add(arrivals_ptr + pid, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT_K - 1:
-            for q in tl.static_range(2 * NB):  # x rows m_out + 8 (q // 2) + q % 2
+            for q in tl.static_range(8):  # 2 * NB: x rows m_out + 8 (q // 2) + q % 2 (NB is no constexpr here)
                 m = m_out + 8 * (q // 2) + (q % 2)
                 _store_sums(_split_sum(n_lo, m, M, N, part_ptr, SPLIT_K), n_lo, m, M, N, out_ptr, part_ptr, bias_ptr,
                             stride_om, SPLIT_K, HAS_BIAS, True)

@@ -3,8 +3,9 @@
 over twice the L2, as kernels.wna16's load-time timing; device time from CUDA graph replays).
 
 Per shape and M: cuBLAS on the bf16 weight (us, TFLOPS); the decode kernel's best MMA_VARIANTS tiling
-(kernels/wna16_mma.py, M <= 16); past 16 rows the rows kernel's best ROWS_VARIANTS tiling
-(kernels/wna16_mma_rows.py; also at 1024, past the dispatch's 256, for the record) and dequantize
+(kernels/wna16_mma.py, M <= 16); from 16 rows the rows kernel's best ROWS_VARIANTS tiling
+(kernels/wna16_mma_rows.py; also at 16, where the decode kernel's two n8 blocks measured slow, and
+at 1024, past the dispatch's 256, for the record) and past 16 rows dequantize
 into the scratch + cuBLAS (kernels/wna16_mma_dense.py, what main runs there by default); the
 best's ratio to cuBLAS (> 1: INT4 faster) and its error against the dequantized reference.
 
@@ -61,7 +62,7 @@ def main() -> None:
                                                                       variant))
                 cublas = 1e3 * graph_time_ms(lambda: F.linear(x, copies[next(turn) % len(copies)]))
                 decode = {str(v): timed(v) for v in MMA_VARIANTS} if m <= MAX_SKINNY_ROWS else {}
-                rows = {str(v): timed(v) for v in ROWS_VARIANTS} if m > MAX_SKINNY_ROWS else {}
+                rows = {str(v): timed(v) for v in ROWS_VARIANTS} if m >= MAX_SKINNY_ROWS else {}  # 16: both kernels
                 dequant = timed(DENSE) if m > MAX_SKINNY_ROWS else None
                 candidates = {**decode, **rows, **({DENSE: dequant} if dequant is not None else {})}
                 best = min(candidates, key=candidates.get)

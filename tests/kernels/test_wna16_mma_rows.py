@@ -8,7 +8,10 @@ tiling, dtypes, groupings, bias, the opt-in dispatch through prepare_wna16 and a
 """
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -134,3 +137,40 @@ def test_opt_in_dispatch_through_prepare_and_a_cuda_graph(monkeypatch):
     x.copy_(torch.randn_like(x))
     graph.replay()
     assert relative_error(captured, F.linear(x.float(), weight)) < TOLERANCE[torch.bfloat16]
+
+
+AOT = pytest.mark.skipif(os.environ.get("TRITONLLM_AOT_SM90") != "1",
+                         reason="set TRITONLLM_AOT_SM90=1 to compile for sm_90 on this machine (~10 s a kernel)")
+
+
+@AOT
+@pytest.mark.parametrize("variant, fp16, group", [(v, False, 128) for v in ROWS_VARIANTS] + [
+    (ROWS_DEFAULT, True, 128), (ROWS_DEFAULT, False, 64), (ROWS_DEFAULT, False, 256), (ROWS_DEFAULT, False, None)])
+def test_compiles_for_sm90_without_spills(variant, fp16, group, tmp_path):
+    """Triton's own compiler and ptxas (no GPU needed) on every timed tiling: catches what the
+    interpreter lets through (module globals that are no constexprs, PTX operand errors) before a GPU run."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    dt = "*fp16" if fp16 else "*bf16"
+    names = ["xp_ptr", "w_ptr", "meta_ptr", "bias_ptr", "out_ptr", "part_ptr", "arrivals_ptr", "M", "N", "N_PAD",
+             "BLOCKS", "CHUNKS_PER_SPLIT", "M_BLOCKS", "stride_om"]
+    types = ["*i32", "*i32", "*i32", dt, dt, "*fp32", "*i32"] + ["i32"] * 7
+    options = tile_options(variant)
+    const = {"HAS_BIAS": True, "TN": options["block_n"] // (16 * options["num_warps"]), "WARPS": options["num_warps"],
+             "CHUNK_KB": wna16_mma.chunk_blocks(4096, group or 4096), "SPLIT_K": options["split_k"], "FP16": fp16,
+             "PER_CHANNEL": group is None, "PREFETCH": options["num_stages"] > 1, "EMULATE": False, "PDL": True}
+    signature = {**dict(zip(names, types)), **{name: "constexpr" for name in const}}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names[:7] + ["N", "N_PAD", "BLOCKS", "stride_om"]}
+    import triton
+
+    compiled = triton.compile(ASTSource(fn=wna16_mma_rows._mma_rows_kernel, signature=signature, constexprs=const,
+                                        attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": options["num_warps"], "num_stages": 1})
+    assert compiled.asm["ptx"].count("mma.sync") >= 4
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if cuobjdump.exists():  # ptxas's register use: no stack (spills) and no local memory
+        cubin = Path(tmp_path) / "kernel.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        usage = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True).stdout
+        assert "STACK:0 " in usage and "LOCAL:0 " in usage, usage
