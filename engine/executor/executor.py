@@ -52,8 +52,8 @@ from engine.executor.overlap import (
     InFlightStep, TokenTransfer, needs_tokens_on_host, pinned_token_buffers, placeholder,
 )
 from engine.executor.request import (
-    FinishReason, Request, RequestLimits, RequestState, Response, Sequence, SequenceStatus, normalize_request, now_ns,
-    validate_request,
+    FinishReason, Request, RequestLimits, RequestState, Response, Sequence, SequenceStatus, normalize_with_cache_keys,
+    now_ns, validate_request,
 )
 from engine.tensor_parallel.step_protocol import RankFailureError
 from engine.executor.runner import ForwardBatch, ModelRunner
@@ -287,12 +287,15 @@ class Executor:
         if request_ids is not None and len(request_ids) != len(requests):
             raise ValueError(f"{len(request_ids)} request_ids for {len(requests)} requests")
         ids, errors = [], []
+        prepared = [normalize_with_cache_keys(request, self.limits.vocab_size) for request in requests]  # unlocked
         with self._cv:
-            for index, request in enumerate(requests):
+            for index, (request, cache_keys, failure) in enumerate(prepared):
                 request_id = next(self._ids) if request_ids is None else request_ids[index]
                 ids.append(request_id)
                 try:
-                    request = self.disagg.prepare(normalize_request(request))
+                    if failure is not None:
+                        raise failure
+                    request = self.disagg.prepare(request)
                     if self.encoder_stage is not None:
                         request = self.encoder_stage.complete(request)
                     error = self._rejection(request)
@@ -302,8 +305,10 @@ class Executor:
                     errors.append(Response(request_id, error=error))
                     continue
                 exclude = request.output.exclude_input_from_output
-                self._inbox.append(RequestState(request_id, request, self.config.exclude_input_from_output
-                                                if exclude is None else bool(exclude)))
+                state = RequestState(request_id, request, self.config.exclude_input_from_output
+                                     if exclude is None else bool(exclude))
+                state.prompt_cache_keys = cache_keys
+                self._inbox.append(state)
             self._cv.notify()
         if errors:
             self._deliver(errors)
@@ -489,7 +494,9 @@ class Executor:
             cache_keys = None
             if table is not None:  # the prefix cache sees each fake id as its table's content
                 self._table_request_ids.add(state.request_id)
-                cache_keys = prompt_cache_keys(state.request.input_token_ids, table, self.limits.vocab_size)
+                made = state.prompt_cache_keys  # at enqueue, off this thread (normalize_with_cache_keys)
+                cache_keys = (made[2] if made is not None and made[0] is state.request.input_token_ids and made[1] is table
+                              else prompt_cache_keys(state.request.input_token_ids, table, self.limits.vocab_size))
             if state.request.mrope is not None:
                 self._mrope_request_ids.add(state.request_id)
             for index in range(state.num_streams if beam_width == 1 else beam_width):

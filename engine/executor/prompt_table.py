@@ -128,10 +128,17 @@ def gather_prompt_embeds(pieces: list[tuple[int, list[int], PromptTable]], vocab
 
     token_indices, rows = [], []
     for offset, chunk, table in pieces:
-        picked = [(offset + i, t - vocab_size) for i, t in enumerate(chunk) if t >= vocab_size]
-        if picked:
-            token_indices += [i for i, _ in picked]
-            rows.append(table.embeddings[[row for _, row in picked]])
+        ids = np.asarray(chunk, dtype=np.int64)
+        places = np.flatnonzero(ids >= vocab_size)
+        if not len(places):
+            continue
+        picked = ids[places] - vocab_size
+        token_indices += (places + offset).tolist()
+        first, last = int(picked[0]), int(picked[-1])
+        if last - first == len(picked) - 1 and (len(picked) < 3 or bool((np.diff(picked) == 1).all())):
+            rows.append(table.embeddings[first:last + 1])  # the usual layout, rows in order: a view, no gather
+        else:
+            rows.append(table.embeddings[torch.from_numpy(picked)])
     if not token_indices:
         return None
     return PromptEmbeds(token_indices, torch.cat(rows) if len(rows) > 1 else rows[0])

@@ -76,9 +76,13 @@ def test_chunked_prefill_splits_the_image_and_preemption_recomputes_it(tiny_engi
     assert preempted > 0
 
 
-def test_prefix_cache_keys_table_blocks_by_content(tiny_engine, tiny_hf):
+def test_prefix_cache_keys_table_blocks_by_content(tiny_engine, tiny_hf, monkeypatch):
     prompt = image_prompt(rows=8, before=(3, 17, 5, 6), after=(9, 42, 1, 2, 7))  # 17 tokens: 4 full blocks
     first, other = image_table(2, rows=8), image_table(3, rows=8)
+
+    def on_the_executors_thread(*args):
+        raise AssertionError("the keys are made at enqueue (request.py normalize_with_cache_keys)")
+    monkeypatch.setattr("engine.executor.executor.prompt_cache_keys", on_the_executors_thread)
     with Executor(tiny_engine, ExecutorConfig()) as executor:
         sent = run(executor, [Request(prompt, 4, output=EXCLUDE, prompt_table=PromptTable(first))])[0]
         again = run(executor, [Request(prompt, 4, output=EXCLUDE, prompt_table=PromptTable(first.clone()))])[0]
