@@ -1,0 +1,170 @@
+"""The one-launch decode experts (kernels/moe_decode.py): the reference against the grouped path's
+references (CPU); the kernel against the reference at 1, 8 and 16 tokens, in the model dtype, FP8 per
+channel and FP8 128 x 128 blocks, routed in the kernel or given, with gpt-oss's biases and clamped
+SwiGLU (GPU, or Triton's CPU interpreter with TRITON_INTERPRET=1); the workspace left clean; the
+Qwen3-30B-A3B and gpt-oss-20b shapes and CUDA-graph replays (GPU only).
+
+Tolerances (||kernel - reference|| / ||reference||): the same products in another float32 order,
+the activation rounded to the model dtype in both; 1e-5 in float32 (the interpreter), 1e-2 in
+bf16 / fp16 (a gate or up value crossing a rounding moves its activation by 2^-8)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_testing import low_precision_dtypes, relative_error
+
+from kernels.fp8 import quantize_rows
+from kernels.fp8_block import quantize_blocks
+from kernels.fused_moe import fused_moe_ref, route_tokens_ref
+from kernels.fused_moe_fp8 import dequantize_experts
+from kernels.moe_decode import MAX_TOKENS, _workspace, moe_decode, moe_decode_ref, moe_decode_triton
+from kernels.moe_epilogue import ExpertEpilogue
+
+TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+
+
+def randn(*shape, seed, scale=1.0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def distinct_logits(num_tokens, num_experts, *, seed):
+    """Router logits without ties at the k-th place (steps of 0.05), so every routing agrees."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(num_experts, generator=gen) * 0.05 - 3.0 for _ in range(num_tokens)])
+
+
+def experts(kind, hidden, inter, num_experts, *, seed):
+    """(gate_up, gate_up_scale, down, down_scale) of one weight kind: "model", "fp8_channel", "fp8_block"."""
+    gate_up = randn(num_experts, 2 * inter, hidden, seed=seed, scale=hidden**-0.5)
+    down = randn(num_experts, hidden, inter, seed=seed + 1, scale=inter**-0.5)
+    if kind == "model":
+        return gate_up, None, down, None
+    if kind == "fp8_block":
+        return (*quantize_blocks(gate_up), *quantize_blocks(down))
+    out = []
+    for w in (gate_up, down):
+        codes, scale = quantize_rows(w.reshape(-1, w.shape[-1]))
+        out += [codes.view(w.shape), scale.view(w.shape[:2])]
+    return tuple(out)
+
+
+def gpt_oss_epilogue(hidden, inter, num_experts, *, seed):
+    return ExpertEpilogue(randn(num_experts, 2 * inter, seed=seed, scale=0.1), randn(num_experts, hidden, seed=seed + 1,
+                          scale=0.1), "swiglu_clamped", 7.0)
+
+
+# ---- CPU: the reference ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["model", "fp8_channel", "fp8_block"])
+def test_reference_equals_the_grouped_reference_on_dequantized_weights(kind):
+    """moe_decode_ref is fused_moe_ref (float32) on the dequantized experts: W8A16, one rounding."""
+    hidden, inter, num_experts, top_k = 200, 192, 12, 4
+    gate_up, gu_s, down, d_s = experts(kind, hidden, inter, num_experts, seed=1)
+    x = randn(3, hidden, seed=2)
+    weights, ids = route_tokens_ref(distinct_logits(3, num_experts, seed=3), top_k, True)
+    out = moe_decode_ref(x, gate_up, down, weights, ids, gate_up_scale=gu_s, down_scale=d_s)
+    plain = (gate_up, down) if kind == "model" else (dequantize_experts(gate_up, gu_s), dequantize_experts(down, d_s))
+    assert relative_error(out, fused_moe_ref(x, *plain, weights, ids)) < 1e-6
+
+
+def test_reference_with_biases_equals_the_grouped_reference():
+    hidden, inter, num_experts, top_k = 64, 48, 6, 2
+    gate_up, _, down, _ = experts("model", hidden, inter, num_experts, seed=4)
+    epilogue = gpt_oss_epilogue(hidden, inter, num_experts, seed=5)
+    x = randn(3, hidden, seed=6)
+    weights, ids = route_tokens_ref(distinct_logits(3, num_experts, seed=7), top_k, True)
+    out = moe_decode(x, distinct_logits(3, num_experts, seed=7), gate_up, down, top_k, True, epilogue=epilogue)
+    assert relative_error(out, fused_moe_ref(x, gate_up, down, weights, ids, epilogue)) < 1e-6
+
+
+# ---- Triton kernel (GPU; or TRITON_INTERPRET=1 on CPU) -----------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 8, 16])
+@pytest.mark.parametrize("kind", ["model", "fp8_channel", "fp8_block"])
+def test_kernel_equals_reference(device, num_tokens, kind):
+    """Routed in the kernel (Qwen3-MoE-like: renormalised top-4 of 12), H and I not multiples of the tiles."""
+    hidden, inter, num_experts, top_k = 200, 192, 12, 4
+    gate_up, gu_s, down, d_s = experts(kind, hidden, inter, num_experts, seed=10)
+    logits = distinct_logits(num_tokens, num_experts, seed=11)
+    weights, ids = route_tokens_ref(logits, top_k, True)
+    for dtype in low_precision_dtypes(device):
+        x = randn(num_tokens, hidden, seed=12).to(dtype)
+        cast = (lambda w: w.to(dtype)) if kind == "model" else (lambda w: w)
+        ref = moe_decode_ref(x, cast(gate_up), cast(down), weights, ids, gate_up_scale=gu_s, down_scale=d_s)
+        on = [t.to(device) if t is not None else None for t in (x, logits.to(dtype), cast(gate_up), gu_s, cast(down), d_s)]
+        out = moe_decode_triton(on[0], on[2], on[4], top_k=top_k, router_logits=on[1], renormalize=True,
+                                gate_up_scale=on[3], down_scale=on[5])
+        assert relative_error(out, ref) < TOLERANCES[dtype], (kind, dtype)
+    ws, counts = _workspace(out.device, hidden)
+    assert not ws.any() and not counts.any()  # the last program of each token cleaned up
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 16])
+def test_kernel_with_given_routing_biases_and_clamped_swiglu(device, num_tokens):
+    """gpt-oss's epilogue, routing given (not renormalised), one expert shared by many tokens."""
+    hidden, inter, num_experts, top_k = 96, 64, 4, 2
+    gate_up, _, down, _ = experts("model", hidden, inter, num_experts, seed=20)
+    epilogue = gpt_oss_epilogue(hidden, inter, num_experts, seed=21)
+    weights, ids = route_tokens_ref(distinct_logits(num_tokens, num_experts, seed=22), top_k, False)
+    x = randn(num_tokens, hidden, seed=23)
+    ref = moe_decode_ref(x, gate_up, down, weights, ids, epilogue=epilogue)
+    move = ExpertEpilogue(epilogue.gate_up_bias.to(device), epilogue.down_bias.to(device), "swiglu_clamped", 7.0)
+    out = moe_decode_triton(x.to(device), gate_up.to(device), down.to(device), top_k=top_k,
+                            topk_weights=weights.to(device), topk_ids=ids.to(device), epilogue=move,
+                            tiles=(32, 64, 64, 4, 2))
+    assert relative_error(out, ref) < TOLERANCES[torch.float32]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="full-size shapes and CUDA graphs")
+@pytest.mark.parametrize("shape", ["qwen3_30b_a3b", "gpt_oss_20b"])
+@pytest.mark.parametrize("kind", ["model", "fp8_channel", "fp8_block"])
+def test_full_shapes_replayed_from_a_cuda_graph(shape, kind):
+    """Qwen3-30B-A3B (E 128, top-8, H 2048, I 768) and gpt-oss-20b (32, top-4, 2880, 2880) at 1, 8 and 16
+    tokens in bf16, eager and replayed 20 times from one graph: every replay equals the reference."""
+    num_experts, top_k, hidden, inter = {"qwen3_30b_a3b": (128, 8, 2048, 768), "gpt_oss_20b": (32, 4, 2880, 2880)}[shape]
+    gate_up, gu_s, down, d_s = experts(kind, hidden, inter, num_experts, seed=30)
+    cast = (lambda w: w.to("cuda", torch.bfloat16)) if kind == "model" else (lambda w: w.cuda())
+    gate_up, down = cast(gate_up), cast(down)
+    gu_s, d_s = (None, None) if gu_s is None else (gu_s.cuda(), d_s.cuda())
+    for num_tokens in (1, 8, MAX_TOKENS):
+        x = randn(num_tokens, hidden, seed=31).to("cuda", torch.bfloat16)
+        logits = distinct_logits(num_tokens, num_experts, seed=32).to("cuda", torch.bfloat16)
+        weights, ids = route_tokens_ref(logits, top_k, True)
+        ref = moe_decode_ref(x, gate_up, down, weights, ids, gate_up_scale=gu_s, down_scale=d_s)
+        run = lambda: moe_decode_triton(x, gate_up, down, top_k=top_k, router_logits=logits, renormalize=True,  # noqa: E731
+                                        gate_up_scale=gu_s, down_scale=d_s)
+        assert relative_error(run(), ref) < TOLERANCES[torch.bfloat16]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = run()
+        for _ in range(20):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert relative_error(out, ref) < TOLERANCES[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the entries dispatch to Triton on CUDA tensors only")
+def test_the_switch_routes_decode_sized_forwards_here(device, monkeypatch):
+    """TRITONLLM_MOE_DECODE=fused: moe_forward and moe_forward_fp8 at 8 tokens give the one launch's result."""
+    from kernels.fused_moe import moe_forward
+    from kernels.fused_moe_fp8 import moe_forward_fp8
+    from kernels.moe_decode import MOE_DECODE_ENV
+
+    monkeypatch.setenv(MOE_DECODE_ENV, "fused")
+    hidden, inter, num_experts, top_k = 64, 32, 6, 2
+    x = randn(8, hidden, seed=40)
+    logits = distinct_logits(8, num_experts, seed=41)
+    weights, ids = route_tokens_ref(logits, top_k, False)
+    for kind in ("model", "fp8_block"):
+        gate_up, gu_s, down, d_s = experts(kind, hidden, inter, num_experts, seed=42)
+        ref = moe_decode_ref(x, gate_up, down, weights, ids, gate_up_scale=gu_s, down_scale=d_s)
+        on = [t.to(device) if t is not None else None for t in (x, logits, gate_up, gu_s, down, d_s)]
+        if kind == "model":
+            out = moe_forward(on[0], on[1], on[2], on[4], top_k, False)
+        else:
+            out = moe_forward_fp8(on[0], on[1], on[2], on[3], on[4], on[5], top_k, False)
+        assert relative_error(out, ref) < TOLERANCES[torch.float32], kind
