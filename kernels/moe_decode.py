@@ -66,6 +66,10 @@ DECODE_TILES = {
     W_FP8_BLOCK: (32, 128, 128, 4, 3),
 }
 
+# What benchmarks/kernels/moe_decode_bench.py --sweep times (and the sm_90 compile test compiles).
+DECODE_TILE_CANDIDATES = ((16, 128, 128, 4, 3), (32, 128, 128, 4, 3), (64, 128, 128, 4, 3), (32, 128, 128, 8, 3),
+                          (64, 128, 128, 8, 2), (128, 128, 128, 8, 2), (32, 256, 128, 4, 2))
+
 
 def fused_decode_enabled() -> bool:
     """Whether the engine's MoE layers take this file's kernel at 1..MAX_TOKENS tokens (read per call:

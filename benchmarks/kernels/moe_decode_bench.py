@@ -23,12 +23,10 @@ from kernels.fp8 import quantize_rows  # noqa: E402
 from kernels.fp8_block import quantize_blocks  # noqa: E402
 from kernels.fused_moe import moe_forward, route_tokens_ref  # noqa: E402
 from kernels.fused_moe_fp8 import moe_forward_fp8  # noqa: E402
-from kernels.moe_decode import DECODE_TILES, MOE_DECODE_ENV, moe_decode_ref, moe_decode_triton, weight_kind  # noqa: E402
+from kernels.moe_decode import DECODE_TILE_CANDIDATES as SWEEP, DECODE_TILES, MOE_DECODE_ENV, moe_decode_ref, moe_decode_triton, weight_kind  # noqa: E402
 
 SHAPES = {"qwen3_30b_a3b": (128, 8, 2048, 768), "gpt_oss_20b": (32, 4, 2880, 2880)}  # E, top-k, H, I
 REPEAT = 6
-SWEEP = ((16, 128, 128, 4, 3), (32, 128, 128, 4, 3), (64, 128, 128, 4, 3), (32, 128, 128, 8, 3), (64, 128, 128, 8, 2),
-         (128, 128, 128, 8, 2), (32, 256, 128, 4, 2))  # (BLOCK_I, BLOCK_K, BLOCK_H, warps, stages)
 
 
 def make_experts(kind: str, experts: int, hidden: int, inter: int):

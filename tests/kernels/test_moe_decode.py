@@ -9,6 +9,10 @@ the activation rounded to the model dtype in both; 1e-5 in float32 (the interpre
 bf16 / fp16 (a gate or up value crossing a rounding moves its activation by 2^-8)."""
 from __future__ import annotations
 
+import os
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
 from kernel_testing import low_precision_dtypes, relative_error
@@ -17,7 +21,8 @@ from kernels.fp8 import quantize_rows
 from kernels.fp8_block import quantize_blocks
 from kernels.fused_moe import fused_moe_ref, route_tokens_ref
 from kernels.fused_moe_fp8 import dequantize_experts
-from kernels.moe_decode import MAX_TOKENS, _workspace, moe_decode, moe_decode_ref, moe_decode_triton
+from kernels.moe_decode import (DECODE_TILE_CANDIDATES, DECODE_TILES, MAX_TOKENS, W_FP8_BLOCK, W_FP8_CHANNEL, W_MODEL_DTYPE, _workspace,
+                                moe_decode, moe_decode_ref, moe_decode_triton)
 from kernels.moe_epilogue import ExpertEpilogue
 
 TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
@@ -168,3 +173,48 @@ def test_the_switch_routes_decode_sized_forwards_here(device, monkeypatch):
         else:
             out = moe_forward_fp8(on[0], on[1], on[2], on[3], on[4], on[5], top_k, False)
         assert relative_error(out, ref) < TOLERANCES[torch.float32], kind
+
+
+# ---- ahead of time for sm_90 on the CPU (TRITONLLM_AOT_SM90=1) ---------------------------------
+
+AOT = pytest.mark.skipif(os.environ.get("TRITONLLM_AOT_SM90") != "1",
+                         reason="set TRITONLLM_AOT_SM90=1 to compile for sm_90 on this machine (~5-10 s a kernel)")
+
+
+@AOT
+@pytest.mark.parametrize("kind", [W_MODEL_DTYPE, W_FP8_CHANNEL, W_FP8_BLOCK])
+@pytest.mark.parametrize("tiles", sorted({DECODE_TILES[W_MODEL_DTYPE], *DECODE_TILE_CANDIDATES}))
+def test_compiles_for_sm90_without_spills(kind, tiles, tmp_path):
+    """Triton's compiler and ptxas (no GPU needed) on the Qwen3-30B-A3B shape's kernel, routed in the
+    kernel, for every tiling the bench times: catches what the interpreter lets through, and spills."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kernels.moe_decode import _moe_decode_kernel as fn
+
+    block_i, block_k, block_h, warps, stages = tiles
+    if kind == W_FP8_BLOCK and (block_k != 128 or 128 % block_i):
+        pytest.skip("block-FP8 takes BLOCK_K 128 and BLOCK_I dividing 128")
+    w = "*bf16" if kind == W_MODEL_DTYPE else "*fp8e4nv"
+    pointers = dict(x_ptr="*bf16", logits_ptr="*bf16", ids_ptr="*i32", weights_ptr="*fp32", gu_ptr=w,
+                    gu_scale_ptr="*fp32", d_ptr=w, d_scale_ptr="*fp32", gu_bias_ptr="*bf16", d_bias_ptr="*bf16",
+                    ws_ptr="*fp32", count_ptr="*i32", out_ptr="*bf16")
+    const = dict(TOP_K=8, K_PAD=8, E_PAD=128, ROUTE_IN_KERNEL=True, RENORMALIZE=True, W_KIND=kind, HAS_BIAS=False,
+                 ACTIVATION=0, SWIGLU_LIMIT=0.0, DOT_PRECISION="tf32", BLOCK_M=16, BLOCK_I=block_i, BLOCK_K=block_k,
+                 BLOCK_H=block_h)
+    names = fn.arg_names
+    signature = {n: pointers.get(n, "constexpr" if n in const else "i32") for n in names}
+    # what a launch with these shapes specializes: 16-byte aligned pointers, sizes and strides divisible by 16
+    aligned = [n for n in names if n in pointers or n in ("hidden", "inter", "stride_x", "stride_l", "stride_o",
+                                                          "stride_gue", "stride_gun", "stride_de", "stride_dn")]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=const, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    assert "mma" in compiled.asm["ptx"]
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if cuobjdump.exists():  # ptxas's register use: no local memory (spills), at most a tiny stack frame
+        cubin = Path(tmp_path) / "kernel.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        usage = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True).stdout
+        assert "LOCAL:0 " in usage and int(usage.split("STACK:")[1].split()[0]) <= 8, usage
