@@ -31,6 +31,8 @@ from serving.mrope import to_wire
 from serving.qwen_vl import grid_rows, image_patches
 from serving.multimodal import DEFAULT_MAX_NUM_IMAGES, ImagePrompts, VisionEncoderRunner, engine_vocab_size, image_limits
 from serving.video_prompts import VIDEO_AND_IMAGES, video_support_error
+
+QWEN_IMAGE_WORKERS = 4  # requests fetched, decoded and processed at once; their towers batch in the queue
 from serving.videos import video_limits
 
 
@@ -58,7 +60,12 @@ class ChatImages:
                                     video_limits=video_limits(settings.max_num_frames))
         self.runner = VisionEncoderRunner(settings.encoder_dir, device)
         self.cross_attention = self.runner.mllama  # Llama 3.2 Vision: vision states, not a table (cross_inputs)
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vision_encoder")
+        # Qwen towers: requests' images go to one queue that encodes whatever is pending in one forward, on a
+        # CUDA stream of its own (engine/vision/encode_queue.py); fetching, decoding and the image processor
+        # run on several workers, so requests that arrive together share a tower forward.
+        self.tower = self.runner.encode_queue() if self.prompts.qwen else None
+        self._worker = ThreadPoolExecutor(max_workers=1 if self.tower is None else QWEN_IMAGE_WORKERS,
+                                          thread_name_prefix="vision_encoder")
 
     @property
     def placeholder(self) -> str:
@@ -120,13 +127,9 @@ class ChatImages:
             states = mllama.vision_states(self.runner.encoder, self.runner.device, batch["pixel_values"][0],
                                           batch["aspect_ratio_ids"][0], batch["aspect_ratio_mask"][0])
             return states, [int(t) for t in np.asarray(batch["aspect_ratio_mask"][0]).sum(1)], None
-        if self.prompts.qwen:  # every image's patches in one batch (serving/qwen_vl.py)
-            import torch
-
+        if self.prompts.qwen:  # every image's patches (serving/qwen_vl.py), in the queue's next forward
             pixels, grids = image_patches(self.prompts.image_processor, images)
-            with torch.inference_mode():
-                rows = self.runner.encoder.image_features(torch.from_numpy(pixels[0, 0]).to(self.runner.device), grids)
-            table = torch.cat(rows).float().cpu().numpy().astype(np.float16)
+            table = self.tower.encode(pixels[0, 0], grids).numpy()
             return table, grid_rows(grids, self.prompts.config["mrope"]["merge"]), grids
         pixels, sizes = self.prompts.pixels(images)
         counts = self.prompts.token_counts(sizes, len(images))
@@ -153,6 +156,8 @@ class ChatImages:
 
     def close(self) -> None:
         self._worker.shutdown(wait=False, cancel_futures=True)
+        if self.tower is not None:
+            self.tower.close()
 
 
 def text_only_error(parts: list[dict]):

@@ -390,6 +390,13 @@ class VisionEncoderRunner:
         self.qwen = self.encoder.model_type in QWEN_VL_TYPES
         self.mllama = self.encoder.model_type == mllama.MODEL_TYPE  # serving/mllama.py encoder_outputs
 
+    def encode_queue(self):
+        """A Qwen tower's ImageEncodeQueue (engine/vision/encode_queue.py): callers' images encoded together,
+        on a CUDA stream of its own."""
+        from engine.vision.encode_queue import ImageEncodeQueue
+
+        return ImageEncodeQueue(self.encoder, self.device)
+
     def qwen_outputs(self, pixel_values, grids, ids) -> dict[str, np.ndarray]:
         """One multimodal_encoders request of a Qwen2-VL model (serving/qwen_vl.py): pixel_values
         (B, 1, 1, patches, dim), image_grid_thw (B, 3), vision_input_id (B, L) -> OUT_PROMPT_EMBEDDING_TABLE

@@ -63,6 +63,37 @@ def test_tower_with_mlp_widths_padded_gives_the_same_rows(built):
         assert torch.equal(got, expected)
 
 
+def test_encode_queue_batches_pending_requests_into_one_forward(built):
+    """engine/vision/encode_queue.py: three requests' images (1, 2 and 1) submitted while the worker is held
+    run as one tower forward; each request gets its images' rows, float16, as the tower alone gives them."""
+    from engine.vision.encode_queue import ImageEncodeQueue
+
+    engine, _ = built
+    encoder = load_vision_encoder(vision_encoder_dir(engine))
+    sizes = [[(52, 40)], [(28, 56), (40, 40)], [(56, 28)]]
+    requests = [image_processor()([make_image(i, size) for size in group], return_tensors="pt")
+                for i, group in enumerate(sizes)]
+    want = [torch.cat(encoder.image_features(r["pixel_values"], r["image_grid_thw"].tolist())).to(torch.float16)
+            for r in requests]
+    forwards = []
+    features = encoder.image_features
+    encoder.image_features = lambda patches, grids: forwards.append(len(grids)) or features(patches, grids)
+    queue = ImageEncodeQueue(encoder, "cpu")
+    try:
+        with queue._cv:  # the worker waits for this lock: every request is pending when it looks
+            futures = [queue.submit(r["pixel_values"], r["image_grid_thw"]) for r in requests]
+        got = [f.result(timeout=60) for f in futures]
+        bad = queue.submit(requests[0]["pixel_values"][:3], requests[0]["image_grid_thw"])  # too few patches
+        with pytest.raises(ValueError, match="patches"):
+            bad.result(timeout=60)
+        assert torch.equal(queue.encode(requests[2]["pixel_values"], requests[2]["image_grid_thw"]), want[2])
+    finally:
+        queue.close()
+    assert forwards[0] == 4
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_tower_rows_equal_cpu_rows(built):
