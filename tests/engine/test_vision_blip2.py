@@ -20,6 +20,7 @@ from engine.hf_checkpoint import CheckpointError  # noqa: E402
 from engine.vision import blip2  # noqa: E402
 from engine.vision.encoder_dir import load_vision_encoder, vision_encoder_dir, write_vision_encoder  # noqa: E402
 from engine.vision.registry import VISION_FAMILIES  # noqa: E402
+from tests.engine.table_graph_check import dense_table_steps_checked  # noqa: E402
 from tests.executor.executor_testing import collect, final_tokens, served_table_ids  # noqa: E402
 from tiny_blip2 import NUM_QUERY_TOKENS, hf_model, processor, write_checkpoint  # noqa: E402
 from tiny_llava import IMAGE_TOKEN_INDEX, VOCAB, encoded, make_image  # noqa: E402
@@ -63,8 +64,10 @@ def test_greedy_ids_through_encoder_and_engine_equal_transformers_generate(built
     text_only = [1, 15, 16, 17]
     requests.append(Request(text_only, NEW_TOKENS, output=OutputConfig(exclude_input_from_output=True)))
     with Executor(engine, ExecutorConfig()) as executor:
-        ids = executor.enqueue_requests(requests)
-        responses = collect(executor, ids)
+        with dense_table_steps_checked(executor) as checked:  # the prefill graphs' table twin, on the CPU
+            ids = executor.enqueue_requests(requests)
+            responses = collect(executor, ids)
+        assert checked
     outputs = [final_tokens(responses[i]) for i in ids]
     assert outputs[:2] == [hf_ids(hf, b) for b in batches]
     with torch.no_grad():

@@ -14,6 +14,7 @@ from engine.build import main  # noqa: E402
 from engine.executor import Executor, ExecutorConfig, OutputConfig, Request  # noqa: E402
 from engine.executor.prompt_table import PromptTable  # noqa: E402
 from engine.vision.encoder_dir import load_vision_encoder, vision_encoder_dir  # noqa: E402
+from tests.engine.table_graph_check import dense_table_steps_checked  # noqa: E402
 from tests.executor.executor_testing import collect, final_tokens  # noqa: E402
 from tiny_llava import IMAGE_TOKEN_INDEX, VOCAB, hf_model, image_processor, make_image, write_checkpoint  # noqa: E402
 
@@ -63,8 +64,10 @@ def test_greedy_ids_through_encoder_and_engine_equal_transformers_generate(llava
                         prompt_table=PromptTable(f)) for f in features]
     requests.append(Request([1, 5, 12, 13, 14, 6], 8, output=OutputConfig(exclude_input_from_output=True)))
     with Executor(llava_engine, ExecutorConfig()) as executor:
-        ids = executor.enqueue_requests(requests)
-        responses = collect(executor, ids)
+        with dense_table_steps_checked(executor) as checked:  # the prefill graphs' table twin, on the CPU
+            ids = executor.enqueue_requests(requests)
+            responses = collect(executor, ids)
+        assert checked
     hf_prompt = torch.tensor([[t if t < VOCAB else IMAGE_TOKEN_INDEX for t in prompt]])
     for seed, request_id in zip(seeds, ids):
         expected = hf.generate(input_ids=hf_prompt, pixel_values=pixel_values(seed), max_new_tokens=8,
