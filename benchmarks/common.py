@@ -448,6 +448,29 @@ def _model_shapes() -> dict[str, dict]:
             qk_nope_head_dim=16, v_head_dim=16, n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
             topk_method="noaux_tc", norm_topk_prob=True, num_nextn_predict_layers=1,
         ),
+        # Llama-4-Scout (engine/models/llama4.py, as engine/convert_llama4.py reads Llama4ForCausalLM's text
+        # config): 48 layers, every one MoE (16 experts of width 8192, top-1 by sigmoid, one shared expert),
+        # chunked local attention (8192) on RoPE layers, every fourth layer global NoPE with temperature
+        # tuning, L2 qk norm; 109B parameters, 17B active. bf16 (218 GB) fits only two H200s (TP2), and
+        # Llama 4 FP8/INT4 weights are refused today, so one H200 runs "_12l": its first 12 layers (27B,
+        # 4.2B active), whose batch-1 step times scale to the whole stack by the layer count.
+        "llama4_scout": dict(
+            architecture="Llama4ForCausalLM", vocab_size=202048, hidden_size=5120, num_layers=48, num_heads=40,
+            num_kv_heads=8, head_dim=128, intermediate_size=16384, norm_eps=1e-5, rope_theta=500000.0,
+            rope_scaling={"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
+                          "original_max_position_embeddings": 8192},
+            max_position_embeddings=10485760, rotary_interleaved=True, hidden_act="silu",
+            layers_without_rope=list(range(3, 48, 4)), num_experts=16, num_experts_per_tok=1,
+            moe_intermediate_size=8192, decoder_sparse_step=1, n_shared_experts=1, attention_chunk_size=8192,
+            qk_l2_norm=True, nope_floor_scale=8192.0, nope_attn_scale=0.1,
+        ),
+        "llama4_tiny": dict(  # smoke tests of the Llama 4 text model on the CPU: chunk 8, NoPE layers 1 and 3
+            architecture="Llama4ForCausalLM", vocab_size=512, hidden_size=64, num_layers=4, num_heads=4,
+            num_kv_heads=2, head_dim=16, intermediate_size=128, max_position_embeddings=4096, rotary_interleaved=True,
+            hidden_act="silu", layers_without_rope=[1, 3], num_experts=4, num_experts_per_tok=1,
+            moe_intermediate_size=64, decoder_sparse_step=2, n_shared_experts=1, attention_chunk_size=8,
+            qk_l2_norm=True, nope_floor_scale=4.0, nope_attn_scale=0.1,
+        ),
         "gemma3_12b": GEMMA3_12B_SHAPE,
         "nemotron_h_8b": NEMOTRON_H_8B_SHAPE,  # hybrid Mamba-2 (engine/ssm/): benchmarks/engine/hybrid_bench.py
         "nemotron_h_tiny": NEMOTRON_H_TINY_SHAPE,
@@ -462,6 +485,7 @@ def _model_shapes() -> dict[str, dict]:
     # gpt-oss-20b with its experts as OpenAI ships them: MXFP4 codes and E8M0 scales, 4.25 bits a weight.
     shapes["gpt_oss_20b_mxfp4"] = dict(shapes["gpt_oss_20b"], expert_quantization="mxfp4")
     shapes["deepseek_v2_lite_mtp"] = dict(shapes["deepseek_v2_lite"], num_nextn_predict_layers=1)
+    shapes["llama4_scout_12l"] = dict(shapes["llama4_scout"], num_layers=12, layers_without_rope=[3, 7, 11])
     return shapes
 
 

@@ -107,6 +107,8 @@ def bench_bandwidth(results: dict, model_cfg: ModelConfig, dtype_bytes: int, qua
     read_params = blocks_read + lm_head + c.hidden_size  # + one embedding row
     all_params = blocks_all + lm_head + embed + c.hidden_size
     kv_per_token = c.num_layers * 2 * c.num_kv_heads * c.head_dim * dtype_bytes
+    if c.kv_lora_rank:  # MLA: one latent row (kv_lora_rank + rope key) per token and layer, not per head
+        kv_per_token = c.num_layers * (c.kv_lora_rank + c.head_dim) * dtype_bytes
     weight_bytes = read_params * dtype_bytes
     if quantization is not None:  # the blocks' linear weights quantized; norms, lm_head and the embedding row stay
         linear_params = blocks_read - c.num_layers * 2 * c.hidden_size
@@ -149,14 +151,23 @@ def decoder_block_params(c: ModelConfig) -> tuple[int, int]:
                  + c.num_heads * c.head_dim * c.hidden_size + 2 * c.hidden_size
                  + (2 * c.head_dim if getattr(c, "qk_norm", False) else 0))
     attention += 2 * c.hidden_size if c.norm_kind == "layernorm" and c.norm_bias else 0  # the norms' biases
+    if c.kv_lora_rank:  # MLA (DeepSeek; head_dim is the rope key's width): q (low-rank or one q_proj),
+        # kv_a_proj_with_mqa + its norm, kv_b_proj (W_UK | W_UV), o_proj, the two block norms
+        qk = c.qk_nope_head_dim + c.head_dim
+        q = (c.hidden_size * c.q_lora_rank + c.q_lora_rank + c.q_lora_rank * c.num_heads * qk if c.q_lora_rank
+             else c.hidden_size * c.num_heads * qk)
+        attention = (q + c.hidden_size * (c.kv_lora_rank + c.head_dim) + c.kv_lora_rank
+                     + c.kv_lora_rank * c.num_heads * (c.qk_nope_head_dim + c.v_head_dim)
+                     + c.num_heads * c.v_head_dim * c.hidden_size + 2 * c.hidden_size)
     mlp = (3 if c.mlp_gated else 2) * c.hidden_size * c.intermediate_size  # [gate | up] + down, or up + down
+    shared = c.n_shared_experts * 3 * c.hidden_size * c.moe_intermediate_size  # read by every token (DeepSeek, Llama 4)
     read = total = 0
     for layer in range(c.num_layers):
         if c.is_moe_layer(layer):
             expert = 3 * c.hidden_size * c.moe_intermediate_size
             router = c.num_experts * c.hidden_size
-            read += attention + router + c.num_experts_per_tok * expert
-            total += attention + router + c.num_experts * expert
+            read += attention + router + c.num_experts_per_tok * expert + shared
+            total += attention + router + c.num_experts * expert + shared
         else:
             read += attention + mlp
             total += attention + mlp

@@ -11,7 +11,9 @@ of 5, 40 and 150 tokens in one batch, and a hybrid Mamba-2 model (Nemotron-H, sa
 its stack under `backbone.`; tests/engine/hybrid_testing.py) at 5, 40 and 300 tokens, whose requests hold
 state slots beside the KV cache (tests/engine/test_hybrid_models.py holds Bamba and Nemotron-H to
 transformers through the executor), and a DeepSeek-V3 (multi-head latent attention over the latent KV
-pool, group-limited routing, a shared expert; tests/engine/test_deepseek.py) at 5, 40 and 150 tokens. One
+pool, group-limited routing, a shared expert; tests/engine/test_deepseek.py) carrying an MTP layer as V3
+ships one, served with decoding_mode mtp (3 chained drafts a step from the module, verified by the
+target: tests/engine/test_deepseek_mtp.py), at 5, 40 and 150 tokens. One
 server for all: its repository holds the `tensorrt_llm` model of each family as
 `tensorrt_llm_<family>` (the tests send token ids, so no text model; one server instead of one per
 family saves ~10 s of CI each). The same server serves a tiny T5 v1.1 (tests/tiny_encdec.py, an
@@ -22,6 +24,7 @@ as `tensorrt_llm_whisper` behind the anchor's `whisper_bls` (all_models/whisper)
 tools/whisper/client.py and the OpenAI audio endpoints (through the official `openai` client) call,
 and a decoupled copy `whisper_bls_stream` for the streamed path."""
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -33,7 +36,7 @@ import transformers
 import tritonclient.grpc as grpcclient
 
 from test_grpc_stream import tensor
-from triton_helpers import ROOT, load_script, serving_repository
+from triton_helpers import ROOT, load_script, serving_repository, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -116,7 +119,11 @@ DECODER_PROMPT_LENGTHS = (5, 40, 150)
 HYBRID_FAMILIES = ("nemotron_h",)  # engine/ssm/: one representative; both hybrids meet transformers at the engine
 # DeepSeek-V3 (engine/models/deepseek.py): the latent KV pool and MLA behind the served model; V2 and
 # Llama 4 meet transformers' generate through the executor in tests/engine/test_deepseek.py and test_llama4.py.
+# Its checkpoint carries the MTP layer (model.layers.2.*, test_deepseek_mtp's module, tuned to guess
+# well) and the model drafts from it: its greedy ids must still be transformers' plain generate. One
+# model instance for both (plain decoding of the same MLA path: tests/engine/test_deepseek.py).
 MLA_FAMILIES = ("deepseek_v3",)
+MLA_SERVING = {"deepseek_v3": {"decoding_mode": "mtp", "max_draft_len": "3"}}
 HYBRID_PROMPT_LENGTHS = (5, 40, 300)
 
 
@@ -124,14 +131,18 @@ def _build_decoder_family(family: str, smollm2_engine_dir, tmp_path_factory) -> 
     from engine.build import main as build_main
     from hybrid_testing import tiny_hybrid
 
-    from test_deepseek import tiny_deepseek
+    from test_deepseek_mtp import _checkpoint as deepseek_with_mtp
 
+    state = None
     if family in MLA_FAMILIES:
-        model = tiny_deepseek("v3")
+        model, _, state = deepseek_with_mtp()  # transformers' save keeps the MTP layer given the state
+        # Its generation config says eos 1, which min_new_tokens would forbid; the served requests
+        # send end_id -1 (never stop), so the reference may pick 1 as well.
+        model.generation_config.eos_token_id = None
     else:
         model = tiny_hybrid(family) if family in HYBRID_FAMILIES else tiny_decoder(family)
     checkpoint = tmp_path_factory.mktemp(f"{family}_ckpt")
-    model.save_pretrained(checkpoint)
+    model.save_pretrained(checkpoint, state_dict=state)
     _copy_tokenizer(smollm2_engine_dir, checkpoint)
     engine_dir = tmp_path_factory.mktemp(f"{family}_engine")
     assert build_main(["--checkpoint", str(checkpoint), "--output", str(engine_dir), "--dtype", "float32"]) == 0
@@ -159,7 +170,8 @@ def served_families(smollm2_engine_dir, tmp_path_factory):
         # tokenizer and xgrammar's vocabulary at start (~1.5 CPU-s each, 8 of them on CI's 2 cores).
         no_lora = DECODER_FAMILIES + HYBRID_FAMILIES + MLA_FAMILIES
         overrides = {"tensorrt_llm": {"guided_decoding_backend": "",
-                                      **({"enable_lora": "false"} if name in no_lora else {})}}
+                                      **({"enable_lora": "false"} if name in no_lora else {}),
+                                      **MLA_SERVING.get(name, {})}}
         filled = Path(serve.prepare_model_repo(engine_dir, str(work / f"filled_{name}"), overrides=overrides,
                                                decoupled=False))
         target = repo / f"tensorrt_llm_{name}"
@@ -350,12 +362,16 @@ def test_hybrid_family_greedy_ids_equal_transformers_generate(served_families, f
 
 @pytest.mark.parametrize("family", list(MLA_FAMILIES))
 def test_mla_family_greedy_ids_equal_transformers_generate(served_families, family):
-    """Prompts of 5, 40 and 150 tokens in one batch through the served model's latent KV pool."""
+    """Prompts of 5, 40 and 150 tokens in one batch through the served model's latent KV pool, drafted
+    by the checkpoint's MTP module (decoding_mode mtp) and verified: transformers' plain greedy ids."""
     import random
 
     models, server = served_families
     prompts = [[random.Random(n).randrange(96) for _ in range(n)] for n in DECODER_PROMPT_LENGTHS]
     _assert_served_greedy_ids(server, f"tensorrt_llm_{family}", models[family], prompts)
+    if MLA_SERVING.get(family, {}).get("decoding_mode") == "mtp":  # the module drafted and some were kept
+        accepted = rf'tritonllm_speculative_accepted_draft_tokens_total\{{model="tensorrt_llm_{family}",version="1"\}} (\d+)'
+        assert wait_for(lambda: int((re.search(accepted, server.metrics_text()) or [0, 0])[1]) > 0, timeout=10)
 
 
 def _assert_served_greedy_ids(server, model_name: str, model, prompts: list[list[int]]) -> None:
