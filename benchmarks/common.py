@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import time
 import math
 import os
 import platform
@@ -154,6 +155,28 @@ def graph_call_us(fn, inputs, replays: int = 3) -> float:
     us = replay_time_ms(graph, replays=replays) / len(inputs) * 1000
     del graph
     return us
+
+
+def sync(device: str) -> None:
+    """Wait for the device's queued work (a no-op on the CPU), so that a timer brackets it."""
+    if device != "cpu":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def timed_generate(model, ids, max_new_tokens: int, device: str, **kwargs):
+    """transformers' ``generate`` as a baseline: one short warm-up call, then the timed one ->
+    (seconds, output ids)."""
+    import torch
+
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=2, **kwargs)  # warm-up
+        sync(device)
+        started = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=max_new_tokens, **kwargs)
+        sync(device)
+    return time.perf_counter() - started, out
 
 
 def free_device_memory(device: str) -> None:

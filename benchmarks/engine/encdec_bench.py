@@ -43,7 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: engine, kernels, benchmarks
 
 from benchmarks.common import (command_line, free_device_memory, git_commit, machine_summary, print_table,  # noqa: E402
-                               utc_now)
+                               sync, timed_generate, utc_now)
 from benchmarks.engine.engine_bench import drain_offline, iteration_breakdown  # noqa: E402
 from benchmarks.engine.hybrid_bench import copy_bandwidth  # noqa: E402
 from engine.config import BuildConfig, EngineConfig  # noqa: E402
@@ -102,11 +102,6 @@ def write_random_engine(hf_config, *, dtype: str, max_batch_size: int, max_seq_l
         config = EngineConfig(model=spec.decoder_model_config(), build=build, extra={**extra, "stack": stack, **more})
         config.validate().save(os.path.join(root, stack))
     return os.path.join(root, "decoder")
-
-
-def sync(device: str) -> None:
-    if device != "cpu":
-        torch.cuda.synchronize()
 
 
 def run_offline(executor, requests: list[Request]) -> tuple[float, int]:
@@ -409,13 +404,7 @@ def hf_t5(args, config, inputs: list[list[int]]) -> list[dict]:
         ids = torch.tensor(inputs[:batch], device=args.device)
         kwargs = dict(do_sample=False, num_beams=1, eos_token_id=None, pad_token_id=0,
                       attention_mask=torch.ones_like(ids))
-        with torch.inference_mode():
-            model.generate(ids, max_new_tokens=2, **kwargs)  # warm-up
-            sync(args.device)
-            started = time.perf_counter()
-            out = model.generate(ids, max_new_tokens=args.t5_output, **kwargs)
-            sync(args.device)
-        seconds = time.perf_counter() - started
+        seconds, out = timed_generate(model, ids, args.t5_output, args.device, **kwargs)
         assert out.shape[1] == 1 + args.t5_output, out.shape  # decoder start + the new tokens
         rows.append({"batch": batch, "seconds": seconds, "output_tok_s": batch * args.t5_output / seconds})
     del model

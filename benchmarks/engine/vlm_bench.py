@@ -45,7 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: engine, kernels, benchmarks
 
 from benchmarks.common import (command_line, free_device_memory, git_commit, machine_summary, print_table,  # noqa: E402
-                               utc_now)
+                               sync, timed_generate, utc_now)
 from benchmarks.engine.encdec_bench import run_offline  # noqa: E402
 from benchmarks.engine.engine_bench import drain_offline, iteration_breakdown, profile_executor_loop  # noqa: E402
 from engine.config import BuildConfig, EngineConfig  # noqa: E402
@@ -134,11 +134,6 @@ def write_language_engine(config, args, max_batch_size: int) -> str:
     EngineConfig(model=model, build=build, extra={"random_weights_seed": 0, "vision_encoder": "vision_encoder"}
                  ).validate().save(root)
     return root
-
-
-def sync(device: str) -> None:
-    if device != "cpu":
-        torch.cuda.synchronize()
 
 
 # ---- 1. the tower alone -------------------------------------------------------------------------
@@ -414,13 +409,7 @@ def hf_generate(args, config, grid, num_rows) -> list[dict]:
         kwargs = dict(pixel_values=pixels, image_grid_thw=grids, attention_mask=torch.ones_like(ids),
                       mm_token_type_ids=(ids == config.image_token_id).int(), do_sample=False, num_beams=1,
                       eos_token_id=None, pad_token_id=config.text_config.pad_token_id)
-        with torch.inference_mode():
-            model.generate(ids, max_new_tokens=2, **kwargs)  # warm-up
-            sync(args.device)
-            started = time.perf_counter()
-            out = model.generate(ids, max_new_tokens=args.output_len, **kwargs)
-            sync(args.device)
-        seconds = time.perf_counter() - started
+        seconds, out = timed_generate(model, ids, args.output_len, args.device, **kwargs)
         assert out.shape[1] == ids.shape[1] + args.output_len, out.shape
         rows.append({"batch": batch, "seconds": seconds, "output_tok_s": batch * args.output_len / seconds})
     del model
