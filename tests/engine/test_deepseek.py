@@ -144,6 +144,33 @@ def test_engine_on_cuda_equals_transformers(deepseek):
     assert_cuda_steps_equal_transformers(hf, engine_dir)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_lookahead_trees_on_cuda_give_the_greedy_ids(deepseek, device="cuda"):
+    """Lookahead (3, 3, 3) on CUDA: its verify steps are token trees, attended by the MLA Triton kernel
+    with the tree mask (kernels/mla_attention.py); greedy ids equal transformers' generate, some drafts
+    kept (repetitive prompts). On the CPU, /tmp/notes/mlatree.md's ad hoc run forced the kernel under
+    TRITON_INTERPRET=1 (14 tree calls, ids equal)."""
+    from engine.executor.executor import Executor, ExecutorConfig, SpeculativeConfig
+    from engine.executor.request import OutputConfig, Request
+
+    hf, engine_dir = deepseek
+    spec = SpeculativeConfig(mode="lookahead", lookahead_window_size=3, lookahead_ngram_size=3,
+                             lookahead_verification_set_size=3)
+    prompts = [[5, 17, 42, 8] * 4, [33, 9] * 6 + [4]]
+    out = OutputConfig(exclude_input_from_output=True)
+    finals = {}
+    with Executor(engine_dir, ExecutorConfig(**EXECUTOR_POOL, speculative=spec), device=device) as executor:
+        ids = executor.enqueue_requests([Request(p, 12, output=out) for p in prompts])
+        while len(finals) < len(ids):
+            for response in executor.await_responses(timeout=1.0):
+                if response.result is not None and response.result.is_final:
+                    finals[response.request_id] = response.result.output_token_ids[0]
+    for prompt, request_id in zip(prompts, ids):
+        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):]
+        assert finals[request_id] == expected.tolist()
+
+
 def test_expert_parallel_ranks_give_the_single_rank_logits(deepseek, tmp_path):
     """moe_ep_size 2 over two gloo ranks (heads split, four whole experts a rank, each rank running
     the assignments routed to its own) gives the tp 1 engine's logits within 1e-5 on both ranks; a
