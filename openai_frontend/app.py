@@ -231,7 +231,8 @@ async def _audio(request: web.Request, task: str) -> web.StreamResponse:
         frontend.check_model(str(audio.model))
     await frontend.client.ensure_ready()
     prefix = text_prefix(audio.language, task, timestamps=audio.response_format in TIMESTAMPED_FORMATS)
-    results = frontend.client.transcribe(frontend.config.audio_model, audio.samples, prefix, audio.prompt)
+    results = frontend.client.transcribe(frontend.config.audio_model, audio.samples, prefix, audio.prompt,
+                                         audio.words)
     async with aclosing(results):
         if not audio.stream:
             last = Transcript("")

@@ -7,7 +7,8 @@ says so in the ``x-tritonllm-resampled`` header and, for json bodies, a ``warnin
 multilingual checkpoint, as transformers' generate does, and reported in verbose_json; an
 English-only one transcribes English), ``prompt`` (previous text: <|startofprev|> + its tokens before
 the prefix, whisper_bls's PROMPT), ``response_format`` (json, text, verbose_json, srt, vtt), ``temperature`` (0 only: whisper_bls decodes greedily),
-``timestamp_granularities[]`` (segment), ``stream``. The text is whisper_bls's TRANSCRIPTS for
+``timestamp_granularities[]`` (segment; word with verbose_json: ``words`` from the engine's token
+timestamps, serving/whisper_words.py), ``stream``. The text is whisper_bls's TRANSCRIPTS for
 TEXT_PREFIX <|startoftranscript|><|lang|><|transcribe or translate|>, with <|notimestamps|> for json
 and text; verbose_json, srt and vtt decode timestamp tokens, and their segments are the ones the
 model's timestamps close (serving/whisper_long_form.py: audio longer than the model's window is
@@ -20,7 +21,8 @@ one answers once, so its deltas come together at the end (one per window).
 
 Refused by name (400): a file that does not decode, empty audio, audio longer than whisper_bls's
 max_audio_seconds (whisper_bls says), a prompt with special tokens or too long to leave room (whisper_bls
-says), word timestamps, ``stream`` with verbose_json/srt/vtt, a temperature other than 0.
+says), word timestamps with another format than verbose_json, ``stream`` with verbose_json/srt/vtt, a
+temperature other than 0.
 """
 from __future__ import annotations
 
@@ -57,6 +59,7 @@ class AudioRequest:
     resampled_from: int | None  # the file's rate when it was not 16 kHz
     stream: bool = False
     prompt: str = ""  # previous text (whisper_bls's PROMPT)
+    words: bool = False  # timestamp_granularities word (whisper_bls's WORD_TIMESTAMPS)
 
     @property
     def seconds(self) -> float:
@@ -73,6 +76,7 @@ class Transcript:
     text: str
     segments: list[Segment] = field(default_factory=list)
     language: str = ""  # the code whisper_bls decoded with ("en", "de" ...)
+    words: list[Segment] = field(default_factory=list)  # with word timestamps: each word, start, end
 
 
 async def read_audio_request(request: web.Request) -> AudioRequest:
@@ -92,9 +96,11 @@ async def read_audio_request(request: web.Request) -> AudioRequest:
     if stream and fmt not in STREAM_FORMATS:
         raise _bad(f"stream is supported with response_format {' or '.join(STREAM_FORMATS)}, not {fmt}", "stream")
     granularities = set(form.getall("timestamp_granularities[]", [])) | set(form.getall("timestamp_granularities", []))
-    if granularities - {"segment"}:
-        raise _bad(f"timestamp_granularities {sorted(granularities)}: only segment is supported (one segment per "
-                   "30-s window; word timestamps are not built)", "timestamp_granularities")
+    if granularities - {"segment", "word"}:
+        raise _bad(f"timestamp_granularities {sorted(granularities)}: allowed: segment, word", "timestamp_granularities")
+    if "word" in granularities and fmt != "verbose_json":
+        raise _bad(f"timestamp_granularities word needs response_format verbose_json, not {fmt}",
+                   "timestamp_granularities")
     try:
         temperature = float(form.get("temperature") or 0)
     except ValueError:
@@ -105,7 +111,8 @@ async def read_audio_request(request: web.Request) -> AudioRequest:
     if language is not None and (not language.isalpha() or len(language) > 3):
         raise _bad(f"language {language!r} is not an ISO 639-1 code such as en or de", "language")
     return AudioRequest(resample(samples, rate), form.get("model"), language and language.lower(), fmt,
-                        None if rate == SAMPLE_RATE else rate, stream, str(form.get("prompt") or ""))
+                        None if rate == SAMPLE_RATE else rate, stream, str(form.get("prompt") or ""),
+                        "word" in granularities)
 
 
 def decode_audio(data: bytes) -> tuple[np.ndarray, int]:
@@ -169,8 +176,9 @@ def render(result: Transcript, audio: AudioRequest, task: str) -> web.Response:
         rows = [{"id": i, "seek": int(round(s.start * 100)), "start": s.start, "end": s.end, "text": s.text,
                  "temperature": 0.0} for i, s in enumerate(segments)]
         language = language_name(result.language or audio.language or "")
+        words = {"words": [{"word": w.text, "start": w.start, "end": w.end} for w in result.words]} if audio.words else {}
         return web.json_response({"task": task, "language": language, "duration": audio.seconds, "text": text,
-                                  "segments": rows, **warnings}, headers=headers)
+                                  "segments": rows, **words, **warnings}, headers=headers)
     if fmt == "srt":
         body = "\n".join(f"{i + 1}\n{_clock(s.start, ',')} --> {_clock(s.end, ',')}\n{s.text}\n"
                          for i, s in enumerate(segments))

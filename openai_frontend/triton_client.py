@@ -237,7 +237,7 @@ def _bytes_elements(raw: bytes) -> bytes:
     return b"".join(parts)
 
 
-AUDIO_OUTPUTS = ("TRANSCRIPTS", "SEGMENT_TEXTS", "SEGMENT_TIMES", "LANGUAGE")
+AUDIO_OUTPUTS = ("TRANSCRIPTS", "SEGMENT_TEXTS", "SEGMENT_TIMES", "LANGUAGE", "WORDS", "WORD_TIMES")
 
 
 def read_transcript(response: service_pb2.ModelInferResponse) -> Transcript:
@@ -252,7 +252,12 @@ def read_transcript(response: service_pb2.ModelInferResponse) -> Transcript:
         segments = [Segment(round(float(start), 3), round(float(end), 3), piece.decode("utf-8", "replace"))
                     for piece, (start, end) in zip(texts, times)]
     language = _bytes_elements(raw["LANGUAGE"][0]).decode("utf-8", "replace") if "LANGUAGE" in raw else ""
-    return Transcript(text, segments, language)
+    words = []
+    if "WORDS" in raw and "WORD_TIMES" in raw:
+        times = np.frombuffer(raw["WORD_TIMES"][0], np.float32).reshape(-1, 2)
+        words = [Segment(round(float(start), 3), round(float(end), 3), piece.decode("utf-8", "replace"))
+                 for piece, (start, end) in zip(deserialize_bytes_tensor(raw["WORDS"][0]), times)]
+    return Transcript(text, segments, language, words)
 
 
 def triton_error(message: str, guide_field: str | None = None) -> APIError:
@@ -317,7 +322,7 @@ class TritonClient:
         self._ready_until = time.monotonic() + READINESS_TTL_S
 
     async def transcribe(self, model: str, samples: np.ndarray, text_prefix: str,
-                         prompt: str = "") -> AsyncIterator[Transcript]:
+                         prompt: str = "", words: bool = False) -> AsyncIterator[Transcript]:
         """whisper_bls's transcript of 16-kHz ``samples`` so far, once per response, over one gRPC
         stream (a non-decoupled whisper_bls answers once, a decoupled one as it decodes); its
         error as a 400 naming ``file`` when it is about the audio. Leaving early cancels the call."""
@@ -325,6 +330,8 @@ class TritonClient:
                   "TEXT_PREFIX": np.array([[text_prefix.encode()]], dtype=object)}
         if prompt:  # OpenAI's previous text (whisper_bls's PROMPT)
             inputs["PROMPT"] = np.array([[prompt.encode()]], dtype=object)
+        if words:  # word timestamps (WORDS / WORD_TIMES)
+            inputs["WORD_TIMESTAMPS"] = np.array([[True]])
         request = service_pb2.ModelInferRequest(model_name=model)
         for name, array in inputs.items():
             request.inputs.add(name=name, datatype=np_to_triton_dtype(array.dtype), shape=list(array.shape))

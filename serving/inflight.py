@@ -229,7 +229,8 @@ class InflightRequests:
         spec = exec_request.spec
         use_holdback = (self._decode is not None and spec.streaming and spec.beam_width == 1
                         and not spec.output.get("return_log_probs") and not spec.output.get("num_top_log_probs")
-                        and not spec.output.get("return_generation_logits"))
+                        and not spec.output.get("return_generation_logits")
+                        and not spec.output.get("return_token_timestamps"))
         if not use_holdback:
             return [list(beam) for beam in result.output_token_ids]
         index = getattr(result, "sequence_index", 0) or 0

@@ -624,6 +624,8 @@ def _output(tensors, batch_size: int, row: int, exclude_input_default: bool | No
     num_top = _num_top_log_probs(tensors, batch_size, row)
     if num_top:
         output["num_top_log_probs"] = num_top
+    if read_scalar(tensors, "return_token_timestamps", batch_size, row):  # beyond the reference: Whisper engines
+        output["return_token_timestamps"] = True
     exclude = read_scalar(tensors, "exclude_input_in_output", batch_size, row)
     if exclude is None:
         exclude = exclude_input_default

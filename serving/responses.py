@@ -5,6 +5,7 @@ Shapes (leading 1 = this response's batch dim):
     cum_log_probs (1, beams); output_log_probs (1, beams, T); context/generation logits (1, ...)
     top_log_prob_ids int32 / top_log_probs float32 (1, beams, T, k), only when num_top_log_probs k > 0
     (an extension: T counts the generated tokens this response carries, most likely first)
+    token_timestamps (1, beams, T) float32, only when return_token_timestamps (Whisper; an extension)
     batch_index / sequence_index (1, 1), only when the batch / num_return_sequences is > 1
     the 10 perf tensors (1, 1) each, only when perf metrics were requested
 """
@@ -116,6 +117,8 @@ def result_tensors(result: Any, *, batch_index: int, batch_size: int, num_return
         value = getattr(result, name, None)
         if value is not None:
             tensors[name] = _as_numpy(value, logits_dtype)[None]
+    if getattr(result, "token_timestamps", None) is not None:  # Whisper: seconds per output token
+        tensors["token_timestamps"] = pad_beams([list(b) for b in result.token_timestamps], np.float32, 0.0)[None]
     blob = getattr(result, "context_phase_params", None)
     if blob is not None:  # a context_only request's final result: (1, len) UINT8, opaque to the client
         tensors["context_phase_params"] = np.frombuffer(blob, dtype=np.uint8)[None]

@@ -43,6 +43,7 @@ class Segment:
     start: float  # seconds into the clip
     end: float
     ids: list[int]  # the text's ids (timestamp tokens left out)
+    span: tuple[int, int] = (0, 0)  # [first, last) of its window's generated ids, timestamp tokens included
 
 
 @dataclass
@@ -98,7 +99,7 @@ class LongForm:
         begin, start = self.timestamp_begin, window.seek
         if begin is None:  # no timestamps: the window is one segment
             end = min(self._time(start + window.frames), round(self.audio_seconds, 3))  # not into the padding
-            return [Segment(self._time(start), end, ids)], window.frames
+            return [Segment(self._time(start), end, ids, (0, len(ids)))], window.frames
         stamps = [t >= begin for t in ids]
         text = lambda tokens: [t for t in tokens if t < begin]  # noqa: E731
         to_frames = lambda token: (token - begin) * INPUT_STRIDE  # noqa: E731
@@ -109,7 +110,7 @@ class LongForm:
             last = [t for t in ids if t >= begin]
             if last and last[-1] != begin:
                 end = start + to_frames(last[-1])
-            return [Segment(self._time(start), self._time(end), text(ids))], window.frames
+            return [Segment(self._time(start), self._time(end), text(ids), (0, len(ids)))], window.frames
         if single_ending:
             closes.append(len(ids))
         else:
@@ -119,7 +120,7 @@ class LongForm:
             tokens = ids[first:close]
             end_at = -1 if n < len(closes) - 1 or single_ending else -2
             segments.append(Segment(self._time(start + to_frames(tokens[0])), self._time(start + to_frames(tokens[end_at])),
-                                    text(tokens)))
+                                    text(tokens), (first, close)))
             first = close
         # single ending: nothing is said after it; else decode again from the last closed timestamp
         offset = window.frames if single_ending else to_frames(ids[first - 2])

@@ -361,7 +361,7 @@ def pack_responses(responses: list[Response], id_base: int = 0) -> list[tuple]:
             result.log_probs, _wire_logits(result.context_logits), _wire_logits(result.generation_logits),
             None if perf is None else _perf_values(perf),
             result.top_log_prob_ids, result.top_log_probs,
-            getattr(result, "_streaming_delta", False), result.context_phase_params,
+            getattr(result, "_streaming_delta", False), result.context_phase_params, result.token_timestamps,
         ))
     return packed
 
@@ -383,12 +383,13 @@ def unpack_responses(packed: list[tuple]) -> list[Response]:
             continue
         (request_id, error, tokens, is_final, reasons, sequence_index, cum_log_probs, log_probs,
          context_logits, generation_logits, perf, top_log_prob_ids, top_log_probs, streaming_delta,
-         context_phase_params) = item
+         context_phase_params, token_timestamps) = item
         result = Result(output_token_ids=tokens, is_final=is_final,
                         finish_reasons=[_FINISH_REASONS[r] for r in reasons], cum_log_probs=cum_log_probs,
                         log_probs=log_probs, top_log_prob_ids=top_log_prob_ids, top_log_probs=top_log_probs,
                         context_logits=context_logits, generation_logits=generation_logits,
                         sequence_index=sequence_index, context_phase_params=context_phase_params,
+                        token_timestamps=token_timestamps,
                         perf=None if perf is None else RequestPerfMetrics(*perf))
         if streaming_delta:
             result._streaming_delta = True  # lets the client's ResponseQueue merge deltas (output.py)

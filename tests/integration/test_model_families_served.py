@@ -731,6 +731,42 @@ def test_openai_audio_prompt_and_language_detection(served_families, frontends):
                                                                                              language=None)
 
 
+def test_openai_audio_word_timestamps(served_families, frontends):
+    """timestamp_granularities word (verbose_json): the words' times = transformers' token timestamps
+    (generate(return_timestamps=True, return_token_timestamps=True): the default alignment heads'
+    cross-attention and DTW, per long-form window) of each segment's tokens, grouped into words as
+    serving/whisper_words.py groups them (tests/serving/test_whisper_inputs.py); a 2.5-s clip, so
+    several windows and their offsets."""
+    import openai
+
+    from openai_frontend.audio import decode_audio
+    from serving.whisper_long_form import LongForm
+    from serving.whisper_words import segment_words
+    from tiny_encdec import TIMESTAMP_BEGIN, feature_extractor, tokenizer
+
+    models, _ = served_families
+    model = models["whisper"]
+    flac = _encoded(np.random.default_rng(0).uniform(-0.5, 0.5, 40000).astype(np.float32), "FLAC")
+    with openai.OpenAI(base_url=f"{frontends['whisper_bls']}/v1", api_key="unused", max_retries=0) as client:
+        verbose = client.audio.transcriptions.create(model="whisper", file=("clip.flac", flac), language="en",
+                                                     response_format="verbose_json",
+                                                     timestamp_granularities=["word", "segment"])
+    features = torch.tensor(LongForm.of(feature_extractor(), decode_audio(flac)[0], False).features)[None]
+    model.generation_config.alignment_heads = [[1, head] for head in range(4)]  # the engine's default heads
+    model.set_attn_implementation("eager")  # (sdpa returns no attention weights)
+    try:
+        result = model.generate(features, return_timestamps=True, return_segments=True, return_token_timestamps=True,
+                                language="en", task="transcribe", max_new_tokens=8)
+    finally:
+        model.set_attn_implementation("sdpa")
+    expected = [(w.word, round(w.start, 2), round(w.end, 2)) for segment in result["segments"][0]
+                for w in segment_words(tokenizer(), segment["tokens"].tolist(), segment["token_timestamps"].tolist(),
+                                       TIMESTAMP_BEGIN)]
+    assert [(w.word, round(w.start, 2), round(w.end, 2)) for w in verbose.words] == expected
+    # (the tiny vocabulary's words are mostly timestamp tokens: few text words, here 4 over 3 windows)
+    assert len(expected) >= 4 and max(start for _, start, _ in expected) > 1.0
+
+
 def test_whisper_cross_kv_blocks_free_after_cancels(served_families):
     """Requests cancelled mid-decode give back every cross-KV block: 6 requests to
     tensorrt_llm_whisper that would decode to the engine's max_seq_len (end_id -1 never matches)
@@ -785,7 +821,7 @@ def test_bad_audio_and_encoder_inputs_are_named(served_families, frontends):
              (_encoded(np.zeros(0, np.float32), "WAV"), {}, "file", "no audio samples"),
              (_encoded(np.zeros(16000 * MAX_AUDIO_SECONDS + 1600, np.float32), "WAV"), {}, "file",
               "max_audio_seconds"),
-             (good, {"timestamp_granularities[]": "word"}, "timestamp_granularities", "word timestamps are not built"),
+             (good, {"timestamp_granularities[]": "word"}, "timestamp_granularities", "needs response_format verbose_json"),
              (good, {"stream": "true", "response_format": "srt"}, "stream", "not srt"),
              (good, {"prompt": "good <|en|>", "language": "en"}, "prompt", "special token <|en|>")]
     for data, fields, param, message in cases:

@@ -116,3 +116,26 @@ def test_language_detection_request():
     assert inputs["decoder_input_ids"].tolist() == [[17]] and inputs["request_output_len"].tolist() == [[1]]
     bias = inputs["embedding_bias"][0]
     assert bias.shape == (64,) and np.isinf(bias).sum() == 62 and bias[18] == bias[GERMAN] == 0
+
+
+def test_words_group_pieces_and_punctuation():
+    """Tokens into words (serving/whisper_words.py): a piece starting with a space starts a word,
+    opening punctuation joins the next word and closing punctuation the previous one; timestamp
+    tokens are no words; a word ends where the token after its last starts (the last one: at its
+    own time, or at the next token's given)."""
+    from serving.whisper_words import segment_words
+
+    class Pieces:  # a tokenizer whose ids decode to these pieces
+        table = {1: " Hello", 2: ",", 3: " (", 4: "wor", 5: "ld", 6: ")", 7: " bye", 8: ".", 50: "<|0.00|>",
+                 51: "<|0.50|>"}
+
+        def decode(self, ids, skip_special_tokens=False):
+            return "".join(self.table[i] for i in ids)
+
+    ids = [50, 1, 2, 3, 4, 5, 6, 7, 8, 51]
+    times = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
+    words = [(w.word, w.start, w.end) for w in segment_words(Pieces(), ids, times, 50)]
+    assert words == [("Hello,", 0.1, 0.3), ("(world)", 0.3, 0.7), ("bye.", 0.7, 0.9)]
+    assert [(w.word, w.end) for w in segment_words(Pieces(), [1, 7], [0.1, 0.4], None)] == [("Hello", 0.4),
+                                                                                            ("bye", 0.4)]
+    assert segment_words(Pieces(), [1, 7], [0.1, 0.4], None, next_time=0.6)[-1].end == 0.6

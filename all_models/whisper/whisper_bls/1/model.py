@@ -9,8 +9,11 @@ feature extractor), zero_pad (true: no padding to the 30-s window), tensorrt_llm
 max_audio_seconds (default 1800: longer audio is refused naming WAV), tensorrt_llm_streaming
 (default: this model's decoupled mode; false lets a decoupled whisper_bls call a non-decoupled
 tensorrt_llm). Audio is decoded window after window (long-form, serving/whisper_long_form.py); a
-prefix without <|notimestamps|> decodes timestamp tokens, whose pairs close segments. A decoupled
-model sends the transcript so far with each of tensorrt_llm's streamed responses (or after each
+prefix without <|notimestamps|> decodes timestamp tokens, whose pairs close segments. PROMPT (optional,
+OpenAI's previous-text prompt) goes before the prefix as <|startofprev|> + its tokens; a prefix
+without a language token on a multilingual checkpoint has the language detected on the first
+window (LANGUAGE says which). WORD_TIMESTAMPS (optional) asks tensorrt_llm for token timestamps and
+returns WORDS / WORD_TIMES (serving/whisper_words.py). A decoupled model sends the transcript so far with each of tensorrt_llm's streamed responses (or after each
 window when tensorrt_llm_streaming is false), its closed segments beside it.
 """
 import json
@@ -30,6 +33,7 @@ from serving.whisper import (DEFAULT_MAX_AUDIO_SECONDS, audio_samples, check_len
                              language_position, previous_text_ids, prompt_ids, tensorrt_llm_inputs, timestamp_begin,
                              transcript)
 from serving.whisper_long_form import LongForm  # noqa: E402
+from serving.whisper_words import window_words  # noqa: E402
 
 
 def _input(request, name):
@@ -92,28 +96,41 @@ class TritonPythonModel:
             prompt = prompt[:position] + [self._detect(clip.next_window())] + prompt[position:]
             max_tokens = fit_max_tokens(prompt, self.max_tokens, self.max_positions, self.max_seq_len)
         language = language_code(self.tokenizer, prompt, self.languages) or ("en" if self.english_only else "")
+        word_timestamps = _input(request, "WORD_TIMESTAMPS")
+        word_timestamps = word_timestamps is not None and bool(word_timestamps.reshape(-1)[0])
+        words = []
         while (window := clip.next_window()) is not None:
             if clip.segments and getattr(request, "is_cancelled", lambda: False)():
                 raise RuntimeError("the request was cancelled")
             inputs = tensorrt_llm_inputs(window.features, prompt, max_tokens=max_tokens, end_id=self.end_id,
                                          streaming=self.llm_streaming)
+            outputs = ["output_ids", "sequence_length"]
+            if word_timestamps:  # each token's time in the window (engine/encoder_decoder/whisper_alignment.py)
+                inputs["return_token_timestamps"] = np.array([[True]])
+                outputs.append("token_timestamps")
             llm_request = pb_utils.InferenceRequest(
-                model_name=self.llm_name, requested_output_names=["output_ids", "sequence_length"],
+                model_name=self.llm_name, requested_output_names=outputs,
                 inputs=[pb_utils.Tensor(name, value) for name, value in inputs.items()])
-            ids = []
+            ids, times = [], None
             if self.llm_streaming:
                 for llm_response in llm_request.exec(decoupled=True):
                     new = self._outputs(llm_response)
+                    times = self._times(llm_response) if times is None else times
                     if new:
                         ids += new
-                        sender.send(self._response(clip.segments, language,
+                        sender.send(self._response(clip.segments, language, words,
                                                    [t for t in ids if t != self.end_id]))
             else:
-                ids = self._outputs(llm_request.exec()) or []
-            clip.finish(window, [t for t in ids if t != self.end_id])
+                llm_response = llm_request.exec()
+                ids, times = self._outputs(llm_response) or [], self._times(llm_response)
+            ids = [t for t in ids if t != self.end_id]
+            segments = clip.finish(window, ids)
+            if word_timestamps:
+                words += window_words(self.tokenizer, segments, ids, times, window.seek * clip.seconds_per_frame,
+                                      clip.timestamp_begin)
             if self.decoupled and not self.llm_streaming:
-                sender.send(self._response(clip.segments, language))
-        return None if self.decoupled else self._response(clip.segments, language)
+                sender.send(self._response(clip.segments, language, words))
+        return None if self.decoupled else self._response(clip.segments, language, words)
 
     def _detect(self, window) -> int:
         """The language token of ``window`` (serving/whisper.py detection_inputs)."""
@@ -139,7 +156,14 @@ class TritonPythonModel:
         length = int(pb_utils.get_output_tensor_by_name(llm_response, "sequence_length").as_numpy().reshape(-1)[0])
         return ids.as_numpy().reshape(-1)[:length].tolist()
 
-    def _response(self, segments, language, pending=()):
+    @staticmethod
+    def _times(llm_response):
+        """The response's token_timestamps (its first beam), or None."""
+        times = None if llm_response.has_error() else pb_utils.get_output_tensor_by_name(llm_response,
+                                                                                           "token_timestamps")
+        return None if times is None else times.as_numpy().reshape(-1).tolist()
+
+    def _response(self, segments, language, words, pending=()):
         """LANGUAGE (the prompt's language code, detected or asked), TRANSCRIPTS (all segments' ids,
         then ``pending`` ones of the window being decoded, decoded
         together), SEGMENT_TEXTS and SEGMENT_TIMES ([start, end] seconds) of the closed segments."""
@@ -150,4 +174,6 @@ class TritonPythonModel:
             pb_utils.Tensor("TRANSCRIPTS", np.array([[text.encode("utf-8")]], dtype=object)),
             pb_utils.Tensor("SEGMENT_TEXTS", np.array([texts], dtype=object).reshape(1, len(segments))),
             pb_utils.Tensor("SEGMENT_TIMES", times),
-            pb_utils.Tensor("LANGUAGE", np.array([[language.encode("utf-8")]], dtype=object))])
+            pb_utils.Tensor("LANGUAGE", np.array([[language.encode("utf-8")]], dtype=object)),
+            pb_utils.Tensor("WORDS", np.array([[w.word.encode("utf-8") for w in words]], dtype=object).reshape(1, -1)),
+            pb_utils.Tensor("WORD_TIMES", np.array([[[w.start, w.end] for w in words]], np.float32).reshape(1, -1, 2))])
