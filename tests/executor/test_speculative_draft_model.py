@@ -344,7 +344,7 @@ class RecordingGraphs:
     def __init__(self):
         self.batches = []
 
-    def try_run(self, batch):
+    def try_run(self, batch, rotary_positions=None):  # DecodeGraphs.try_run's signature
         self.batches.append((list(batch.seq_lens_q), len(batch.logits_indices)))
         return None  # the runner then runs the batch eagerly
 
