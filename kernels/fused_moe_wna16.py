@@ -39,6 +39,8 @@ import torch
 
 from kernels._triton import jit, tl, triton, use_triton
 from kernels.fused_moe import choose_block_m, gemm_config, moe_align, moe_forward, route_tokens
+from kernels.moe_decode import (DECODE_TILES, MAX_TOKENS, W_INT4, fused_decode_enabled, int4_tiles_fit,
+                                moe_decode_triton)
 from kernels.moe_blocks import (activation_tiles, block_rows, expert_block_launch, expert_block_tile,
                                  past_padded_blocks, store_rows, tile_dot)
 from kernels.wna16 import dequantize, unpack_codes, unpack_int4
@@ -493,12 +495,26 @@ def fused_moe_wna16_triton(x: torch.Tensor, gate_up: WNA16Experts, down: WNA16Ex
 
 # ---- public entry ------------------------------------------------------------------------------
 
+def decode_fits(x: torch.Tensor, gate_up: WNA16Experts, down: WNA16Experts) -> bool:
+    """Whether kernels/moe_decode.py's one launch takes these experts: 4 bits, 1-16 tokens, groups that
+    hold whole tiles (int4_tiles_fit)."""
+    return (gate_up.bits == down.bits == 4 and 1 <= x.shape[0] <= MAX_TOKENS
+            and int4_tiles_fit(gate_up.in_features, down.in_features, gate_up.group_size, down.group_size,
+                               DECODE_TILES[W_INT4]))
+
+
 def moe_forward_wna16(x: torch.Tensor, router_logits: torch.Tensor, gate_up: WNA16Experts, down: WNA16Experts,
                       top_k: int, renormalize: bool) -> torch.Tensor:
     """kernels.fused_moe.moe_forward with quantized experts: x (T, H) -> (T, H) in x's dtype. The
-    Triton kernels where the experts are in the kernel layout (CUDA), else the dequantized reference."""
+    Triton kernels where the experts are in the kernel layout (CUDA), else the dequantized reference.
+    With TRITONLLM_MOE_DECODE=fused, 4-bit experts at 1-16 tokens take kernels/moe_decode.py's one launch."""
     if not (use_triton(x) and gate_up.kernel):
         return moe_forward(x, router_logits, gate_up.dense, down.dense, top_k, renormalize)
+    if fused_decode_enabled() and decode_fits(x, gate_up, down):  # opt-in: kernels/moe_decode.py's one launch
+        return moe_decode_triton(x, gate_up.kernel["weight"], down.kernel["weight"], top_k=top_k,
+                                 router_logits=router_logits, renormalize=renormalize,
+                                 gate_up_scale=gate_up.kernel["scale"], down_scale=down.kernel["scale"],
+                                 gate_up_zero=gate_up.kernel["zero"], down_zero=down.kernel["zero"])
     if x.shape[0] == 1:
         return moe_single_token_wna16_triton(x, router_logits, gate_up, down, top_k, renormalize)
     topk_weights, topk_ids = route_tokens(router_logits, top_k, renormalize)

@@ -1,6 +1,8 @@
 """Decode-sized routed experts (1-16 tokens) in ONE launch: routing, gate_up, the activation, down,
 the routing weights and the sum over each token's experts, for experts in the model dtype, FP8 per
-channel or FP8 in 128 x 128 blocks (weights dequantized in registers: W8A16).
+channel, FP8 in 128 x 128 blocks (weights dequantized in registers: W8A16) or 4-bit integers with a
+scale and zero per group (W4A16, kernels/fused_moe_wna16.py's kernel layout: a row's byte j holds
+columns j and K/2 + j; scale and zero (E, K / G, N)).
 
 Shapes (T <= MAX_TOKENS tokens, H hidden, E experts, I expert width on this rank, K experts a token):
     x (T, H); router_logits (T, E) (or topk_ids / topk_weights (T, K) given);
@@ -55,20 +57,24 @@ from kernels.moe_routing import route_tokens_ref
 
 MAX_TOKENS = 16  # one BLOCK_M tile of tokens
 MOE_DECODE_ENV = "TRITONLLM_MOE_DECODE"  # "fused": this file at 1..MAX_TOKENS tokens; else the grouped path
-W_MODEL_DTYPE, W_FP8_CHANNEL, W_FP8_BLOCK = 0, 1, 2
+W_MODEL_DTYPE, W_FP8_CHANNEL, W_FP8_BLOCK, W_INT4 = 0, 1, 2, 3
 
 # Tiles by weight kind: (BLOCK_I, BLOCK_K, BLOCK_H, num_warps, num_stages). Not yet measured on a GPU
 # (benchmarks/kernels/moe_decode_bench.py sweeps them); BLOCK_I 32 gives Qwen3-30B-A3B's one token
-# 8 x 24 = 192 programs. Block-FP8 needs BLOCK_K = BLOCK_H = 128 and BLOCK_I dividing 128.
+# 8 x 24 = 192 programs. Block-FP8 needs BLOCK_K = BLOCK_H = 128 and BLOCK_I dividing 128. INT4 counts BLOCK_K
+# in stored bytes (two columns each) and needs one scale group per tile (``int4_tiles_fit``).
 DECODE_TILES = {
     W_MODEL_DTYPE: (32, 128, 128, 4, 3),
     W_FP8_CHANNEL: (32, 128, 128, 4, 3),
     W_FP8_BLOCK: (32, 128, 128, 4, 3),
+    W_INT4: (32, 64, 128, 4, 3),
 }
 
 # What benchmarks/kernels/moe_decode_bench.py --sweep times (and the sm_90 compile test compiles).
+# (INT4 experts count BLOCK_K in bytes: those of 64 are its candidates.)
 DECODE_TILE_CANDIDATES = ((16, 128, 128, 4, 3), (32, 128, 128, 4, 3), (64, 128, 128, 4, 3), (32, 128, 128, 8, 3),
-                          (64, 128, 128, 8, 2), (128, 128, 128, 8, 2), (32, 256, 128, 4, 2))
+                          (64, 128, 128, 8, 2), (128, 128, 128, 8, 2), (32, 256, 128, 4, 2), (16, 64, 128, 4, 3),
+                          (64, 64, 128, 4, 3))
 
 
 def fused_decode_enabled() -> bool:
@@ -78,9 +84,11 @@ def fused_decode_enabled() -> bool:
 
 
 def weight_kind(gate_up: torch.Tensor, gate_up_scale: torch.Tensor | None) -> int:
-    """W_MODEL_DTYPE, W_FP8_CHANNEL or W_FP8_BLOCK from the experts' dtype and scale shape."""
+    """W_MODEL_DTYPE, W_FP8_CHANNEL, W_FP8_BLOCK or W_INT4 from the experts' dtype and scale shape."""
     if gate_up_scale is None:
         return W_MODEL_DTYPE
+    if gate_up.dtype == torch.uint8:
+        return W_INT4
     if gate_up.dtype != FP8_DTYPE:
         raise ValueError(f"scaled experts must be {FP8_DTYPE}, got {gate_up.dtype}")
     return W_FP8_CHANNEL if gate_up_scale.dim() == 2 else W_FP8_BLOCK
@@ -91,9 +99,19 @@ def decode_supported(x: torch.Tensor, epilogue: ExpertEpilogue = PLAIN_SILU) -> 
     return 1 <= x.shape[0] <= MAX_TOKENS and epilogue.gated
 
 
+def int4_tiles_fit(hidden: int, inter: int, group_size_gate_up: int, group_size_down: int,
+                   tiles: tuple | None = None) -> bool:
+    """Whether 4-bit experts suit the tiles: each K step of gate_up (BLOCK_K bytes: columns kb and
+    hidden / 2 + kb) and each program's BLOCK_I columns of down lie in one scale group and in one
+    half of the row's columns (kernels/fused_moe_wna16.py's layout: a byte's two nibbles are the halves)."""
+    block_i, block_k = (tiles or DECODE_TILES[W_INT4])[:2]
+    return (hidden % 2 == 0 and inter % 2 == 0 and group_size_gate_up % block_k == 0 and (hidden // 2) % block_k == 0
+            and group_size_down % block_i == 0 and (inter // 2) % block_i == 0)
+
+
 # ---- reference -------------------------------------------------------------------------------
 
-def _dequantized(weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+def _dequantized(weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:  # (FP8 experts; INT4: .dense)
     """One expert's weight (N, K) in float32 (FP8 codes times their row or 128 x 128 block scale)."""
     if scale is None:
         return weight.float()
@@ -163,9 +181,21 @@ def _route_tile(logits_ptr, ids_ptr, weights_ptr, num_tokens, num_experts, strid
 
 
 @jit
+def _int4_dot(acc, a, codes, scale_ptr, zero_ptr, rows, row_ok, DOT_PRECISION: tl.constexpr):
+    """acc + a . w.T for 4-bit codes (N, BLOCK) of weight rows ``rows`` inside one scale group:
+    w = (code - zero[row]) * scale[row] in float32 rounded to a's dtype (kernels/wna16.dequantize's rounding).
+    scale_ptr / zero_ptr: the group's values, one a weight row."""
+    scale = tl.load(scale_ptr + rows, mask=row_ok, other=0.0)[:, None]
+    zero = tl.load(zero_ptr + rows, mask=row_ok, other=0).to(tl.float32)[:, None]
+    w = ((codes.to(tl.float32) - zero) * scale).to(a.dtype)
+    return tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+
+
+@jit
 def _moe_decode_kernel(
-    x_ptr, logits_ptr, ids_ptr, weights_ptr, gu_ptr, gu_scale_ptr, d_ptr, d_scale_ptr, gu_bias_ptr, d_bias_ptr,
-    ws_ptr, count_ptr, out_ptr, num_tokens, num_experts, hidden, inter,
+    x_ptr, logits_ptr, ids_ptr, weights_ptr, gu_ptr, gu_scale_ptr, gu_zero_ptr, d_ptr, d_scale_ptr, d_zero_ptr,
+    gu_bias_ptr, d_bias_ptr, ws_ptr, count_ptr, out_ptr, num_tokens, num_experts, hidden, inter,
+    group_size, group_down,
     stride_x, stride_l, stride_o, stride_gue, stride_gun, stride_de, stride_dn,
     stride_guse, stride_gusn, stride_dse, stride_dsn, stride_gube, stride_dbe,
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, ROUTE_IN_KERNEL: tl.constexpr,
@@ -200,22 +230,42 @@ def _moe_decode_kernel(
     up_w = gate_w + inter * stride_gun
     acc_g = tl.zeros([BLOCK_M, BLOCK_I], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_I], dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < hidden
-        a = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w_ok = i_ok[:, None] & k_ok[None, :]
-        wg = tl.load(gate_w + k[None, :], mask=w_ok, other=0.0).to(act_dtype)
-        wu = tl.load(up_w + k[None, :], mask=w_ok, other=0.0).to(act_dtype)
-        if W_KIND == 2:  # one scale per 128 x 128 block: this K step is one block column
-            scale_col = gu_scale_ptr + e64 * stride_guse + k0 // BLOCK_K
-            sg = tl.load(scale_col + (icols // BLOCK_K) * stride_gusn, mask=i_ok, other=0.0)
-            su = tl.load(scale_col + ((icols + inter) // BLOCK_K) * stride_gusn, mask=i_ok, other=0.0)
-            acc_g += tl.dot(a, tl.trans(wg), input_precision=DOT_PRECISION) * sg[None, :]
-            acc_u += tl.dot(a, tl.trans(wu), input_precision=DOT_PRECISION) * su[None, :]
-        else:
-            acc_g = tl.dot(a, tl.trans(wg), acc_g, input_precision=DOT_PRECISION)
-            acc_u = tl.dot(a, tl.trans(wu), acc_u, input_precision=DOT_PRECISION)
+    if W_KIND == 3:  # stored bytes: low nibbles columns kb, high nibbles hidden / 2 + kb
+        half_k = hidden // 2
+        gu_s = gu_scale_ptr + e64 * stride_guse
+        gu_z = gu_zero_ptr + e64 * stride_guse
+        for kb0 in range(0, half_k, BLOCK_K):
+            kb = kb0 + tl.arange(0, BLOCK_K)
+            kb_ok = kb < half_k
+            a_ok = row_ok[:, None] & kb_ok[None, :]
+            a_lo = tl.load(x_rows + kb[None, :], mask=a_ok, other=0.0)
+            a_hi = tl.load(x_rows + half_k + kb[None, :], mask=a_ok, other=0.0)
+            w_ok = i_ok[:, None] & kb_ok[None, :]
+            g_lo = (kb0 // group_size) * stride_gusn
+            g_hi = ((half_k + kb0) // group_size) * stride_gusn
+            packed = tl.load(gate_w + kb[None, :], mask=w_ok, other=0)
+            acc_g = _int4_dot(acc_g, a_lo, packed & 0xF, gu_s + g_lo, gu_z + g_lo, icols, i_ok, DOT_PRECISION)
+            acc_g = _int4_dot(acc_g, a_hi, packed >> 4, gu_s + g_hi, gu_z + g_hi, icols, i_ok, DOT_PRECISION)
+            packed = tl.load(up_w + kb[None, :], mask=w_ok, other=0)
+            acc_u = _int4_dot(acc_u, a_lo, packed & 0xF, gu_s + g_lo, gu_z + g_lo, icols + inter, i_ok, DOT_PRECISION)
+            acc_u = _int4_dot(acc_u, a_hi, packed >> 4, gu_s + g_hi, gu_z + g_hi, icols + inter, i_ok, DOT_PRECISION)
+    else:
+        for k0 in range(0, hidden, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < hidden
+            a = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w_ok = i_ok[:, None] & k_ok[None, :]
+            wg = tl.load(gate_w + k[None, :], mask=w_ok, other=0.0).to(act_dtype)
+            wu = tl.load(up_w + k[None, :], mask=w_ok, other=0.0).to(act_dtype)
+            if W_KIND == 2:  # one scale per 128 x 128 block: this K step is one block column
+                scale_col = gu_scale_ptr + e64 * stride_guse + k0 // BLOCK_K
+                sg = tl.load(scale_col + (icols // BLOCK_K) * stride_gusn, mask=i_ok, other=0.0)
+                su = tl.load(scale_col + ((icols + inter) // BLOCK_K) * stride_gusn, mask=i_ok, other=0.0)
+                acc_g += tl.dot(a, tl.trans(wg), input_precision=DOT_PRECISION) * sg[None, :]
+                acc_u += tl.dot(a, tl.trans(wu), input_precision=DOT_PRECISION) * su[None, :]
+            else:
+                acc_g = tl.dot(a, tl.trans(wg), acc_g, input_precision=DOT_PRECISION)
+                acc_u = tl.dot(a, tl.trans(wu), acc_u, input_precision=DOT_PRECISION)
     if W_KIND == 1:  # one scale per row over all of H
         scale_row = gu_scale_ptr + e64 * stride_guse
         acc_g *= tl.load(scale_row + icols * stride_gusn, mask=i_ok, other=0.0)[None, :]
@@ -227,12 +277,25 @@ def _moe_decode_kernel(
     act = gated_activation(acc_g, acc_u, act_dtype, ACTIVATION, SWIGLU_LIMIT).to(act_dtype)
 
     # 4. down columns of this tile, every H chunk, into the float32 workspace
-    d_cols = d_ptr + e64 * stride_de + icols[None, :]
+    if W_KIND == 3:  # this tile's columns: low nibbles of bytes icols, or high ones of bytes icols - inter / 2
+        high = tile * BLOCK_I >= inter // 2
+        d_cols = d_ptr + e64 * stride_de + (icols - high.to(tl.int32) * (inter // 2))[None, :]
+        d_group = ((tile * BLOCK_I) // group_down) * stride_dsn
+    else:
+        d_cols = d_ptr + e64 * stride_de + icols[None, :]
     for h0 in range(0, hidden, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)
         h_ok = h < hidden
-        wd = tl.load(d_cols + h.to(tl.int64)[:, None] * stride_dn, mask=h_ok[:, None] & i_ok[None, :], other=0.0)
-        part = tl.dot(act, tl.trans(wd.to(act_dtype)), input_precision=DOT_PRECISION)
+        d_ok = h_ok[:, None] & i_ok[None, :]
+        if W_KIND == 3:
+            wd = tl.load(d_cols + h.to(tl.int64)[:, None] * stride_dn, mask=d_ok, other=0)
+            codes = tl.where(high, wd >> 4, wd & 0xF)
+            part = _int4_dot(tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32), act, codes,
+                             d_scale_ptr + e64 * stride_dse + d_group, d_zero_ptr + e64 * stride_dse + d_group, h, h_ok,
+                             DOT_PRECISION)
+        else:
+            wd = tl.load(d_cols + h.to(tl.int64)[:, None] * stride_dn, mask=d_ok, other=0.0)
+            part = tl.dot(act, tl.trans(wd.to(act_dtype)), input_precision=DOT_PRECISION)
         if W_KIND == 2:  # this tile's columns lie in one 128-column block (BLOCK_I divides 128)
             part *= tl.load(d_scale_ptr + e64 * stride_dse + (h // BLOCK_H) * stride_dsn + (tile * BLOCK_I) // BLOCK_H,
                             mask=h_ok, other=0.0)[None, :]
@@ -277,19 +340,27 @@ def moe_decode_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
                       router_logits: torch.Tensor | None = None, renormalize: bool = False,
                       topk_weights: torch.Tensor | None = None, topk_ids: torch.Tensor | None = None,
                       gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
+                      gate_up_zero: torch.Tensor | None = None, down_zero: torch.Tensor | None = None,
                       epilogue: ExpertEpilogue = PLAIN_SILU, tiles: tuple | None = None) -> torch.Tensor:
     """The one launch. Routing from ``router_logits`` (T, E) in the kernel, or ``topk_weights`` /
     ``topk_ids`` (T, K) given. ``tiles``: (BLOCK_I, BLOCK_K, BLOCK_H, num_warps, num_stages), else
-    DECODE_TILES'."""
+    DECODE_TILES'. 4-bit experts: gate_up / down uint8 (E, 2I, H / 2) / (E, H, I / 2), their scales
+    (float32) and zeros (uint8) (E, K / G, N), kernels/fused_moe_wna16.py's kernel layout."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = gate_up.shape
     inter = two_inter // 2
     kind = weight_kind(gate_up, gate_up_scale)
     assert 1 <= num_tokens <= MAX_TOKENS and epilogue.gated and x.stride(1) == 1
-    assert gate_up.is_contiguous() and down.is_contiguous() and down.shape == (num_experts, hidden, inter)
+    stored_inter = inter // 2 if kind == W_INT4 else inter
+    assert gate_up.is_contiguous() and down.is_contiguous() and down.shape == (num_experts, hidden, stored_inter)
     block_i, block_k, block_h, warps, stages = tiles or DECODE_TILES[kind]
     if kind == W_FP8_BLOCK:
         assert block_k == block_h == SCALE_BLOCK and SCALE_BLOCK % block_i == 0, "block-FP8 tiles: see DECODE_TILES"
+    group_size = group_down = 1  # (INT4 only: the columns of a scale group in gate_up and in down)
+    if kind == W_INT4:
+        assert gate_up_zero is not None and down_zero is not None and epilogue.gate_up_bias is None
+        group_size, group_down = hidden // gate_up_scale.shape[1], inter // down_scale.shape[1]
+        assert int4_tiles_fit(hidden, inter, group_size, group_down, (block_i, block_k)), "4-bit experts: int4_tiles_fit"
     route = router_logits is not None
     if route:
         assert router_logits.shape == (num_tokens, num_experts) and router_logits.stride(1) == 1
@@ -299,7 +370,7 @@ def moe_decode_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
     ws, counts = _workspace(x.device, hidden)
     out = torch.empty_like(x)
     gu_s, d_s = (gate_up_scale, down_scale) if kind != W_MODEL_DTYPE else (x, x)  # (unread)
-    gu_s3 = gu_s if kind != W_FP8_CHANNEL else gu_s[..., None]
+    gu_s3 = gu_s if kind != W_FP8_CHANNEL else gu_s[..., None]  # (INT4: (E, groups, N): the group stride)
     d_s3 = d_s if kind != W_FP8_CHANNEL else d_s[..., None]
     gu_b, d_b = epilogue.gate_up_bias, epilogue.down_bias
     has_bias = gu_b is not None
@@ -307,8 +378,9 @@ def moe_decode_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
     grid = (num_tokens * top_k, triton.cdiv(inter, block_i))
     _moe_decode_kernel[grid](
         x, router_logits if route else x, topk_ids if not route else x, topk_weights if not route else x,
-        gate_up, gu_s, down, d_s, gu_b if has_bias else x, d_b if has_bias else x, ws, counts, out,
-        num_tokens, num_experts, hidden, inter,
+        gate_up, gu_s, gate_up_zero if kind == W_INT4 else x, down, d_s, down_zero if kind == W_INT4 else x,
+        gu_b if has_bias else x, d_b if has_bias else x, ws, counts, out, num_tokens, num_experts, hidden, inter,
+        group_size, group_down,
         x.stride(0), router_logits.stride(0) if route else 0, out.stride(0),
         gate_up.stride(0), gate_up.stride(1), down.stride(0), down.stride(1),
         gu_s3.stride(0) if kind else 0, gu_s3.stride(1) if kind else 0,

@@ -21,8 +21,9 @@ from kernels.fp8 import quantize_rows
 from kernels.fp8_block import quantize_blocks
 from kernels.fused_moe import fused_moe_ref, route_tokens_ref
 from kernels.fused_moe_fp8 import dequantize_experts
-from kernels.moe_decode import (DECODE_TILE_CANDIDATES, DECODE_TILES, MAX_TOKENS, W_FP8_BLOCK, W_FP8_CHANNEL, W_MODEL_DTYPE, _workspace,
-                                moe_decode, moe_decode_ref, moe_decode_triton)
+from kernels.moe_decode import (DECODE_TILE_CANDIDATES, DECODE_TILES, MAX_TOKENS, W_FP8_BLOCK, W_FP8_CHANNEL, W_INT4,
+                                W_MODEL_DTYPE, _workspace, int4_tiles_fit, moe_decode, moe_decode_ref,
+                                moe_decode_triton)
 from kernels.moe_epilogue import ExpertEpilogue
 
 TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
@@ -105,6 +106,32 @@ def test_kernel_equals_reference(device, num_tokens, kind):
     assert not ws.any() and not counts.any()  # the last program of each token cleaned up
 
 
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens,group_size", [(1, 64), (16, 64), (8, 0)])
+def test_int4_experts_equal_the_dequantized_reference(device, num_tokens, group_size):
+    """4-bit experts in kernels/fused_moe_wna16.py's kernel layout (groups of 64, or one a row), through
+    moe_forward_wna16's switch on GPU: the reference multiplies the dequantized weights, rounded as the kernel rounds."""
+    from kernels.fused_moe_wna16 import decode_fits, prepare_wna16_experts
+    from kernels.wna16 import quantize
+
+    hidden, inter, num_experts, top_k = 256, 128, 8, 2
+    stored = [quantize(randn(num_experts, 2 * inter, hidden, seed=50, scale=hidden**-0.5), 4, group_size or hidden,
+                       symmetric=False),
+              quantize(randn(num_experts, hidden, inter, seed=51, scale=inter**-0.5), 4, group_size or inter,
+                       symmetric=True)]
+    dense = [prepare_wna16_experts(*w, 4, torch.float32, for_kernel=False).dense for w in stored]
+    kernel = [prepare_wna16_experts(*(t.to(device) for t in w), 4, torch.float32, for_kernel=True) for w in stored]
+    x = randn(num_tokens, hidden, seed=52)
+    logits = distinct_logits(num_tokens, num_experts, seed=53)
+    ref = moe_decode_ref(x, *dense, *route_tokens_ref(logits, top_k, True))
+    assert decode_fits(x, *kernel)
+    out = moe_decode_triton(x.to(device), kernel[0].kernel["weight"], kernel[1].kernel["weight"], top_k=top_k,
+                            router_logits=logits.to(device), renormalize=True, gate_up_scale=kernel[0].kernel["scale"],
+                            down_scale=kernel[1].kernel["scale"], gate_up_zero=kernel[0].kernel["zero"],
+                            down_zero=kernel[1].kernel["zero"])
+    assert relative_error(out, ref) < TOLERANCES[torch.float32]
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens", [1, 16])
 def test_kernel_with_given_routing_biases_and_clamped_swiglu(device, num_tokens):
@@ -182,11 +209,11 @@ AOT = pytest.mark.skipif(os.environ.get("TRITONLLM_AOT_SM90") != "1",
 
 
 @AOT
-@pytest.mark.parametrize("kind", [W_MODEL_DTYPE, W_FP8_CHANNEL, W_FP8_BLOCK])
-@pytest.mark.parametrize("tiles", sorted({DECODE_TILES[W_MODEL_DTYPE], *DECODE_TILE_CANDIDATES}))
+@pytest.mark.parametrize("kind", [W_MODEL_DTYPE, W_FP8_CHANNEL, W_FP8_BLOCK, W_INT4])
+@pytest.mark.parametrize("tiles", sorted({*DECODE_TILES.values(), *DECODE_TILE_CANDIDATES}))
 def test_compiles_for_sm90_without_spills(kind, tiles, tmp_path):
     """Triton's compiler and ptxas (no GPU needed) on the Qwen3-30B-A3B shape's kernel, routed in the
-    kernel, for every tiling the bench times: catches what the interpreter lets through, and spills."""
+    kernel (4 bits: groups of 128), for every tiling the bench times: catches what the interpreter lets through, and spills."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -196,10 +223,12 @@ def test_compiles_for_sm90_without_spills(kind, tiles, tmp_path):
     block_i, block_k, block_h, warps, stages = tiles
     if kind == W_FP8_BLOCK and (block_k != 128 or 128 % block_i):
         pytest.skip("block-FP8 takes BLOCK_K 128 and BLOCK_I dividing 128")
-    w = "*bf16" if kind == W_MODEL_DTYPE else "*fp8e4nv"
+    if kind == W_INT4 and not int4_tiles_fit(2048, 768, 128, 128, tiles):
+        pytest.skip("4-bit experts in groups of 128: tiles within one group")
+    w = {W_MODEL_DTYPE: "*bf16", W_INT4: "*u8"}.get(kind, "*fp8e4nv")
     pointers = dict(x_ptr="*bf16", logits_ptr="*bf16", ids_ptr="*i32", weights_ptr="*fp32", gu_ptr=w,
-                    gu_scale_ptr="*fp32", d_ptr=w, d_scale_ptr="*fp32", gu_bias_ptr="*bf16", d_bias_ptr="*bf16",
-                    ws_ptr="*fp32", count_ptr="*i32", out_ptr="*bf16")
+                    gu_scale_ptr="*fp32", gu_zero_ptr="*u8", d_ptr=w, d_scale_ptr="*fp32", d_zero_ptr="*u8",
+                    gu_bias_ptr="*bf16", d_bias_ptr="*bf16", ws_ptr="*fp32", count_ptr="*i32", out_ptr="*bf16")
     const = dict(TOP_K=8, K_PAD=8, E_PAD=128, ROUTE_IN_KERNEL=True, RENORMALIZE=True, W_KIND=kind, HAS_BIAS=False,
                  ACTIVATION=0, SWIGLU_LIMIT=0.0, DOT_PRECISION="tf32", BLOCK_M=16, BLOCK_I=block_i, BLOCK_K=block_k,
                  BLOCK_H=block_h)
@@ -207,7 +236,8 @@ def test_compiles_for_sm90_without_spills(kind, tiles, tmp_path):
     signature = {n: pointers.get(n, "constexpr" if n in const else "i32") for n in names}
     # what a launch with these shapes specializes: 16-byte aligned pointers, sizes and strides divisible by 16
     aligned = [n for n in names if n in pointers or n in ("hidden", "inter", "stride_x", "stride_l", "stride_o",
-                                                          "stride_gue", "stride_gun", "stride_de", "stride_dn")]
+                                                          "stride_gue", "stride_gun", "stride_de", "stride_dn",
+                                                          "group_size", "group_down")]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=const, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
