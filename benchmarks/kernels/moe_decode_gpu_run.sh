@@ -1,7 +1,7 @@
 #!/bin/bash
 # Issue 53's decode-sized experts in one device call (~200 s on one H200; BUDGET_S, default 230, caps
-# it): the one-launch kernel's GPU tests; engine_bench batch-1 decode of Qwen3-30B-A3B with the switch
-# on (bf16); the kernel bench against the default path (Qwen3-30B-A3B and gpt-oss-20b shapes, bf16,
+# it): the one-launch kernel's GPU tests (and the tiny MoE engines with it against transformers);
+# engine_bench batch-1 decode of Qwen3-30B-A3B with the switch on (bf16); the kernel bench against the default path (Qwen3-30B-A3B and gpt-oss-20b shapes, bf16,
 # block-FP8 and INT4, 1/8/16 tokens, tile sweep); engine_bench block-FP8 with the switch if time is left.
 # Logs under $1.
 #   bash benchmarks/kernels/moe_decode_gpu_run.sh OUT_DIR
@@ -16,7 +16,9 @@ left() { echo $(( budget - ($(date +%s) - t0) )); }
 PY=${PYTHON:-/opt/torch/.venv/bin/python3}
 [ -x "$PY" ] || PY=python3
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
-timeout 50 $PY -m pytest -q tests/kernels/test_moe_decode.py -p no:cacheprovider > "$out/tests.log" 2>&1
+timeout 70 $PY -m pytest -q tests/kernels/test_moe_decode.py \
+  tests/engine/test_moe.py::test_engine_with_one_launch_decode_experts_equals_transformers -p no:cacheprovider \
+  > "$out/tests.log" 2>&1
 echo "tests (rc $?):"; grep -E "passed|failed|^FAILED|^ERROR" "$out/tests.log" | tail -12
 engine() {  # $1: none | fp8_block; $2: seconds at most
   flag=$([ "$1" = none ] || echo "--quantization $1")

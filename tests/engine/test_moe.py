@@ -135,6 +135,20 @@ def test_engine_on_cuda_equals_transformers(family, tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("family", MOE_FAMILIES + ["gpt_oss"])
+def test_engine_with_one_launch_decode_experts_equals_transformers(family, tmp_path, monkeypatch):
+    """TRITONLLM_MOE_DECODE=fused (kernels/moe_decode.py): the decode steps' MoE layers (one token, in
+    the captured graphs) run the one-launch kernel, the 40-token prompt the grouped path; every row as
+    test_engine_on_cuda_equals_transformers."""
+    from kernels.moe_decode import MOE_DECODE_ENV
+
+    monkeypatch.setenv(MOE_DECODE_ENV, "fused")
+    hf = tiny_hf(family)
+    assert_cuda_steps_equal_transformers(hf, make_engine(hf, tmp_path / "engine"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_engine_on_cuda_in_bf16_is_close_to_transformers(family, tmp_path):
     """bf16 on CUDA against fp32 transformers. A token whose k-th and (k+1)-th router scores lie
