@@ -191,3 +191,20 @@ def test_replayed_from_a_cuda_graph(granularity):
         weights, ids = route_tokens_ref(logits.cpu(), top_k, True)
         expected = fused_moe_fp8_ref(x.cpu(), *[t.cpu() for t in gate_up + down], weights, ids)
         assert relative_error(out, expected) < TOLERANCES[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("num_tokens", [1, 8, 64, 512, 2048, 8192])
+@pytest.mark.parametrize("granularity", ["channel", "block"])
+def test_every_batch_size_of_qwen3_30b_a3b_experts(num_tokens, granularity):
+    """What moe_forward_fp8 picks at each of issue 53's sizes (one token with the routing inside,
+    the block-tiled Triton GEMM, per channel from SCALED_GROUPED_MM_MIN_ASSIGNMENTS torch._scaled_grouped_mm)
+    against the reference, bf16 activations, Qwen3-30B-A3B's expert shape."""
+    gen = torch.Generator(device="cuda").manual_seed(num_tokens)
+    x = torch.randn(num_tokens, 2048, device="cuda", generator=gen).bfloat16()
+    gate_up = quantize_experts(torch.randn(128, 1536, 2048, device="cuda", generator=gen) * 2048**-0.5, granularity)
+    down = quantize_experts(torch.randn(128, 2048, 768, device="cuda", generator=gen) * 768**-0.5, granularity)
+    logits = torch.randn(num_tokens, 128, device="cuda", generator=gen).bfloat16()
+    expected = fused_moe_fp8_ref(x, *gate_up, *down, *route_tokens_ref(logits, 8, True))
+    assert relative_error(moe_forward_fp8(x, logits, *gate_up, *down, 8, True), expected) < TOLERANCES[torch.bfloat16]

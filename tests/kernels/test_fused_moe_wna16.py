@@ -214,3 +214,21 @@ def test_moe_forward_wna16_replays_from_a_cuda_graph(bits, num_tokens):
         graph.replay()
         expected = fused_moe_ref(x.cpu(), *dense, *route_tokens_ref(logits.cpu(), 4, True))
         assert relative_error(out, expected) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Qwen3-30B-A3B-sized experts: GPU only")
+@pytest.mark.parametrize("num_tokens", [1, 8, 64, 512, 2048, 8192])
+def test_every_batch_size_of_qwen3_30b_a3b_experts(num_tokens):
+    """What moe_forward_wna16 picks at each of issue 53's sizes, 4 bits in groups of 128 (asymmetric
+    gate_up, symmetric down), against the reference on the dequantized experts, bf16, Qwen3-30B-A3B's shape."""
+    gen = torch.Generator(device="cuda").manual_seed(num_tokens)
+    x = torch.randn(num_tokens, 2048, device="cuda", generator=gen).bfloat16()
+    stored = [quantize(torch.randn(128, 1536, 2048, device="cuda", generator=gen) * 2048**-0.5, 4, 128, symmetric=False),
+              quantize(torch.randn(128, 2048, 768, device="cuda", generator=gen) * 768**-0.5, 4, 128, symmetric=True)]
+    experts = [prepare_wna16_experts(*s, 4, torch.bfloat16) for s in stored]
+    dense = [dequantize(*s, 4, torch.bfloat16) for s in stored]
+    logits = torch.randn(num_tokens, 128, device="cuda", generator=gen).bfloat16()
+    expected = fused_moe_ref(x, *dense, *route_tokens_ref(logits, 8, True))
+    out = moe_forward_wna16(x, logits, *experts, 8, True)
+    assert relative_error(out, expected) < TOLERANCE[torch.bfloat16]
