@@ -39,10 +39,12 @@ def distinct_logits(num_tokens, num_experts, *, seed):
     return torch.stack([torch.randperm(num_experts, generator=gen) * 0.05 - 3.0 for _ in range(num_tokens)])
 
 
-def experts(kind, hidden, inter, num_experts, *, seed):
-    """(gate_up, gate_up_scale, down, down_scale) of one weight kind: "model", "fp8_channel", "fp8_block"."""
-    gate_up = randn(num_experts, 2 * inter, hidden, seed=seed, scale=hidden**-0.5)
-    down = randn(num_experts, hidden, inter, seed=seed + 1, scale=inter**-0.5)
+def experts(kind, hidden, inter, num_experts, *, seed, device="cpu"):
+    """(gate_up, gate_up_scale, down, down_scale) of one weight kind: "model", "fp8_channel", "fp8_block"
+    (made and quantized on ``device``: full-size shapes on the GPU)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=gen, device=device) * hidden**-0.5
+    down = torch.randn(num_experts, hidden, inter, generator=gen, device=device) * inter**-0.5
     if kind == "model":
         return gate_up, None, down, None
     if kind == "fp8_block":
@@ -157,10 +159,9 @@ def test_full_shapes_replayed_from_a_cuda_graph(shape, kind):
     """Qwen3-30B-A3B (E 128, top-8, H 2048, I 768) and gpt-oss-20b (32, top-4, 2880, 2880) at 1, 8 and 16
     tokens in bf16, eager and replayed 20 times from one graph: every replay equals the reference."""
     num_experts, top_k, hidden, inter = {"qwen3_30b_a3b": (128, 8, 2048, 768), "gpt_oss_20b": (32, 4, 2880, 2880)}[shape]
-    gate_up, gu_s, down, d_s = experts(kind, hidden, inter, num_experts, seed=30)
-    cast = (lambda w: w.to("cuda", torch.bfloat16)) if kind == "model" else (lambda w: w.cuda())
-    gate_up, down = cast(gate_up), cast(down)
-    gu_s, d_s = (None, None) if gu_s is None else (gu_s.cuda(), d_s.cuda())
+    gate_up, gu_s, down, d_s = experts(kind, hidden, inter, num_experts, seed=30, device="cuda")
+    if kind == "model":
+        gate_up, down = gate_up.bfloat16(), down.bfloat16()
     for num_tokens in (1, 8, MAX_TOKENS):
         x = randn(num_tokens, hidden, seed=31).to("cuda", torch.bfloat16)
         logits = distinct_logits(num_tokens, num_experts, seed=32).to("cuda", torch.bfloat16)
