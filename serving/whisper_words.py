@@ -5,7 +5,8 @@ engine/encoder_decoder/whisper_alignment.py, = transformers' generate(return_tok
 Grouping, as openai-whisper and transformers' ASR pipeline group tokens for space-separated
 languages: the text pieces (a token's text as it reads after the tokens before it; tokens that only
 make a whole character together stay together) start a new word when they begin with a space or are
-punctuation; opening punctuation ("'“¡¿([{-) then joins the word after it and closing punctuation
+punctuation (in Chinese, Japanese, Thai, Lao, Burmese and Cantonese every piece is a word, as
+those pipelines split them per character); opening punctuation ("'“¡¿([{-) then joins the word after it and closing punctuation
 ("'.。,，!！?？:：”)]}、) the word before it. Timestamp and other <|...|> tokens are no words.
 
 Times, as that pipeline takes them: a word starts at its first token's time and ends at the time of
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from serving.whisper import SPECIAL_TOKEN
 
 PREPEND = "\"'“¡¿([{-"
+UNSPACED = ("zh", "ja", "th", "lo", "my", "yue")  # written without spaces: a word per piece
 APPEND = "\"'.。,，!！?？:：”)]}、"
 
 
@@ -45,17 +47,19 @@ def _pieces(tokenizer, ids: list[int]) -> list[tuple[str, list[int]]]:
 
 
 def segment_words(tokenizer, ids: list[int], times: list[float], text_limit: int | None,
-                  next_time: float | None = None) -> list[Word]:
+                  next_time: float | None = None, language: str = "") -> list[Word]:
     """The words of one segment's ``ids`` (timestamp tokens included, as generated) whose tokens
     have ``times`` (seconds into the clip); ``text_limit``: the first timestamp id (None: no
-    timestamps); ``next_time``: the time of the token after the segment (None: none follows)."""
+    timestamps); ``next_time``: the time of the token after the segment (None: none follows);
+    ``language``: a code in UNSPACED makes every piece (a whole character or more) its own word."""
+    per_piece = language in UNSPACED
     words: list[tuple[str, list[int]]] = []
     for text, indices in _pieces(tokenizer, ids):
         token = ids[indices[0]]
         if (text_limit is not None and token >= text_limit) or SPECIAL_TOKEN.fullmatch(text.strip() or "-"):
             words.append(("", []))  # a boundary that is no word
             continue
-        if not words or not words[-1][1] or text.startswith(" ") or text.strip() in string.punctuation:
+        if per_piece or not words or not words[-1][1] or text.startswith(" ") or text.strip() in string.punctuation:
             words.append((text, list(indices)))
         else:
             words[-1] = (words[-1][0] + text, words[-1][1] + list(indices))
@@ -91,7 +95,7 @@ def _merge_punctuation(words: list[tuple[str, list[int]]]) -> list[tuple[str, li
 
 
 def window_words(tokenizer, segments, ids: list[int], times: list[float] | None, offset: float,
-                 text_limit: int | None) -> list[Word]:
+                 text_limit: int | None, language: str = "") -> list[Word]:
     """The words of a window's new ``segments`` (serving/whisper_long_form.py; each names its span
     of the window's generated ``ids``), from the ids' ``times`` (seconds into the window; none:
     no words) plus ``offset`` (the window's start in the clip)."""
@@ -102,5 +106,5 @@ def window_words(tokenizer, segments, ids: list[int], times: list[float] | None,
     for segment in segments:
         first, last = segment.span
         following = clip_times[last] if last < len(clip_times) else None
-        words += segment_words(tokenizer, ids[first:last], clip_times[first:last], text_limit, following)
+        words += segment_words(tokenizer, ids[first:last], clip_times[first:last], text_limit, following, language)
     return words

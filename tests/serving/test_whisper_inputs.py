@@ -134,3 +134,6 @@ def test_words_group_pieces_and_punctuation():
     assert [(w.word, w.end) for w in segment_words(Pieces(), [1, 7], [0.1, 0.4], None)] == [("Hello", 0.4),
                                                                                             ("bye", 0.4)]
     assert segment_words(Pieces(), [1, 7], [0.1, 0.4], None, next_time=0.6)[-1].end == 0.6
+    Pieces.table.update({60: "你", 61: "好", 62: "。"})  # written without spaces: a word per character
+    assert [w.word for w in segment_words(Pieces(), [60, 61, 62], [0.0, 0.2, 0.4], None, language="zh")] == ["你",
+                                                                                                          "好。"]

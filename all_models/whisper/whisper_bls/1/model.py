@@ -127,7 +127,7 @@ class TritonPythonModel:
             segments = clip.finish(window, ids)
             if word_timestamps:
                 words += window_words(self.tokenizer, segments, ids, times, window.seek * clip.seconds_per_frame,
-                                      clip.timestamp_begin)
+                                      clip.timestamp_begin, language)
             if self.decoupled and not self.llm_streaming:
                 sender.send(self._response(clip.segments, language, words))
         return None if self.decoupled else self._response(clip.segments, language, words)
