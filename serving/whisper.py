@@ -179,6 +179,21 @@ def language_position(tokenizer, prompt: list[int], languages: dict[str, int]) -
     return None if after < len(prompt) and prompt[after] in languages.values() else after
 
 
+def check_language_known(tokenizer, prompt: list[int], languages: dict[str, int]) -> None:
+    """A multilingual checkpoint whose generation config names no languages (no lang_to_id) cannot
+    detect one: a prompt with <|startoftranscript|> but no <|xx|> token after it is refused naming
+    TEXT_PREFIX (transformers' generate would decode it without a language token)."""
+    start = tokenizer.convert_tokens_to_ids("<|startoftranscript|>")
+    if languages or start not in prompt:
+        return
+    after = prompt.index(start) + 1
+    token = tokenizer.convert_ids_to_tokens(prompt[after]) if after < len(prompt) else ""
+    if not LANGUAGE_TOKEN.fullmatch(token or ""):
+        raise WhisperInputError("TEXT_PREFIX names no language and this checkpoint's generation config has no "
+                                "lang_to_id to detect one from; put the language after <|startoftranscript|> "
+                                "(e.g. <|en|>)")
+
+
 def detection_inputs(features: np.ndarray, start_id: int, end_id: int, vocab_size: int,
                      languages: dict[str, int], dtype=np.float16) -> dict[str, np.ndarray]:
     """The tensorrt_llm request that detects the language of a window, as transformers'

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from serving.whisper import (WhisperInputError, audio_samples, check_length, detection_inputs, fit_max_tokens,
-                             language_code, language_position, log_mel, previous_text_ids, prompt_ids,
+from serving.whisper import (WhisperInputError, audio_samples, check_language_known, check_length, detection_inputs,
+                             fit_max_tokens, language_code, language_position, log_mel, previous_text_ids, prompt_ids,
                              tensorrt_llm_inputs, timestamp_begin, transcript)
 from serving.whisper_long_form import LongForm, Window
 from tiny_encdec import GERMAN, START_OF_PREV, TIMESTAMP_BEGIN, WHISPER_PROMPT, feature_extractor, tokenizer
@@ -107,6 +107,10 @@ def test_language_detection_request():
     assert language_position(tokenizer(), [START_OF_PREV, 8, 17], languages) == 3
     assert language_position(tokenizer(), WHISPER_PROMPT, languages) is None
     assert language_code(tokenizer(), [17, GERMAN, 19], languages) == "de"
+    check_language_known(tokenizer(), [17, 19, 20], languages)  # detected
+    check_language_known(tokenizer(), WHISPER_PROMPT, {})  # named
+    with pytest.raises(WhisperInputError, match="TEXT_PREFIX names no language .* no lang_to_id"):
+        check_language_known(tokenizer(), [17, 19, 20], {})
     inputs = detection_inputs(np.zeros((100, 8), np.float32), 17, 1, 64, languages)
     assert inputs["decoder_input_ids"].tolist() == [[17]] and inputs["request_output_len"].tolist() == [[1]]
     bias = inputs["embedding_bias"][0]

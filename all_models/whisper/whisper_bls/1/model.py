@@ -28,10 +28,10 @@ if os.environ.get("TRITONLLM_ROOT"):  # a source checkout not installed into the
 from serving.bls_execute import execute_each  # noqa: E402
 from serving.params import get_parameter, model_parameters  # noqa: E402
 from serving.stub_watchdog import start_server_watchdog  # noqa: E402
-from serving.whisper import (DEFAULT_MAX_AUDIO_SECONDS, audio_samples, check_length, decoder_limits,  # noqa: E402
-                             detection_inputs, fit_max_tokens, is_multilingual, language_code, language_ids,
-                             language_position, previous_text_ids, prompt_ids, tensorrt_llm_inputs, timestamp_begin,
-                             transcript)
+from serving.whisper import (DEFAULT_MAX_AUDIO_SECONDS, audio_samples, check_language_known,  # noqa: E402
+                             check_length, decoder_limits, detection_inputs, fit_max_tokens, is_multilingual,
+                             language_code, language_ids, language_position, previous_text_ids, prompt_ids,
+                             tensorrt_llm_inputs, timestamp_begin, transcript)
 from serving.whisper_long_form import LongForm  # noqa: E402
 from serving.whisper_words import window_words  # noqa: E402
 
@@ -91,6 +91,8 @@ class TritonPythonModel:
             prompt = previous_text_ids(self.tokenizer, previous, self.max_positions) + prompt
         max_tokens = fit_max_tokens(prompt, self.max_tokens, self.max_positions, self.max_seq_len)
         clip = LongForm.of(self.extractor, samples, self.zero_pad, timestamp_begin(self.tokenizer, prompt))
+        if not self.english_only:
+            check_language_known(self.tokenizer, prompt, self.languages)
         position = language_position(self.tokenizer, prompt, self.languages) if self.languages else None
         if position is not None:  # detected on the first window, used for all (as transformers' generate)
             prompt = prompt[:position] + [self._detect(clip.next_window())] + prompt[position:]
