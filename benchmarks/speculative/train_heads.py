@@ -11,8 +11,9 @@ their acceptance on held-out prompts through the executor (CPU is fine: a few mi
    docstring) applied to those model-written articles and functions (each once, the two formats
    alternating; the generations are cached in ``--out``). The held-out prompts are that
    script's ``PROMPT_SETS``, whose articles and functions are hand-written: no prompt is shared.
-2. The target's final-normed hidden state at every generated position (the state the heads read
-   at serving time) and the tokens that follow it.
+2. The target's final-normed hidden state at every position of those conversations (the state the
+   heads read at serving time; the chat template's shared opening left out) and the tokens that
+   follow it.
 3. Heads, the target frozen and its lm head shared (frozen):
    - ``medusa``: ``--medusa_heads`` heads of one residual block each (FasterDecoding's layout);
      head k learns the token at t + 2 + k from h_t.
@@ -64,12 +65,14 @@ def chat(tokenizer, text: str) -> list[int]:
 
 @torch.inference_mode()
 def generate(model, tokenizer, prompts: list[str], max_tokens: int, batch: int = 16):
-    """Greedy generations -> [(token ids (prompt + output), first hidden position, hidden (n, H))]:
-    hidden row i is the final-normed state at position first + i (the last prompt token, then every
-    output token but the last), what a head reads there."""
+    """Greedy generations -> [(token ids (prompt + output), first hidden position, hidden (n, H),
+    prompt length)]:
+    hidden row i is the final-normed state at position first + i, what a head reads there: every
+    prompt position after the chat template's shared opening, then every output token but the last."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    out = []
     every = sorted((chat(tokenizer, p) for p in prompts), key=len)  # little left padding per batch
+    shared = next(i for i in range(len(every[0])) if len({ids[i] for ids in every}) > 1)
+    out = []
     for start in range(0, len(every), batch):
         ids = every[start:start + batch]
         width = max(map(len, ids))
@@ -77,13 +80,15 @@ def generate(model, tokenizer, prompts: list[str], max_tokens: int, batch: int =
         mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
         gen = model.generate(input_ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=False,
                              output_hidden_states=True, return_dict_in_generate=True, pad_token_id=pad)
-        # step 0: the prompt's states (B, width, H); step i: (B, 1, H) at the token fed at step i
-        states = torch.cat([gen.hidden_states[0][-1][:, -1:]] + [h[-1] for h in gen.hidden_states[1:]], dim=1)
+        # step 0: the prompt's states (B, width, H), left-padded; step i: (B, 1, H) at the token fed at step i
+        steps = torch.cat([h[-1] for h in gen.hidden_states[1:]], dim=1)
         for row, prompt in enumerate(ids):
             new = gen.sequences[row, width:].tolist()
             if tokenizer.eos_token_id in new:
                 new = new[:new.index(tokenizer.eos_token_id) + 1]
-            out.append((prompt + new, len(prompt) - 1, states[row, :len(new)].float().clone()))
+            prompt_states = gen.hidden_states[0][-1][row, width - len(prompt) + shared:]
+            out.append((prompt + new, shared, torch.cat([prompt_states, steps[row, :len(new) - 1]]).float().clone(),
+                        len(prompt)))
     return out
 
 
@@ -92,8 +97,8 @@ def training_text(model, tokenizer, max_tokens: int):
                         max_tokens)
     functions = generate(model, tokenizer, [f"Write a Python function that {t}. Reply with only the code." for t in
                                             TASKS], max_tokens)
-    texts = [tokenizer.decode(ids[first + 1:], skip_special_tokens=True).strip() for ids, first, _ in articles]
-    codes = [tokenizer.decode(ids[first + 1:], skip_special_tokens=True) for ids, first, _ in functions]
+    texts = [tokenizer.decode(ids[n:], skip_special_tokens=True).strip() for ids, _, _, n in articles]
+    codes = [tokenizer.decode(ids[n:], skip_special_tokens=True) for ids, _, _, n in functions]
     codes = [(m.group(1) if (m := re.search(r"```(?:python)?\n(.*?)```", c, re.S)) else c).strip() + "\n"
              for c in codes]
     # each model-written text once, in one of the two formats of its held-out set (alternating)
@@ -110,7 +115,7 @@ def examples(seqs, depth: int):
     """(hidden (N, H), next tokens (N, depth + 1)) over every position with depth + 1 known followers:
     column 0 is x_{t+1} (the root), column j the token j after it; -1 past the end."""
     hs, ys = [], []
-    for ids, first, hidden in seqs:
+    for ids, first, hidden, *_ in seqs:
         for i in range(hidden.shape[0]):
             p = first + i
             follow = ids[p + 1:p + 2 + depth]
@@ -273,7 +278,7 @@ def main(argv=None) -> dict:
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "threads": torch.get_num_threads()}
 
     started = time.perf_counter()
-    cache = Path(args.out) / f"generations_{args.max_tokens}.pt"
+    cache = Path(args.out) / f"conversations_{args.max_tokens}.pt"
     if cache.exists():  # a re-run trains on the same text
         seqs = torch.load(cache)
     else:
