@@ -125,7 +125,7 @@ def executor_offline(args, engine: str, requests, tokens: int, cpu_kv_tokens: in
     (CUDA): after the timed run, the same requests again under the torch profiler, its kernel table
     written there (the figures come from the unprofiled run). ``after(executor)``, when given, runs
     after the timed run, before the executor closes; its dict joins the entry."""
-    config = ExecutorConfig(kv_cache_free_gpu_mem_fraction=args.kv_fraction,
+    config = ExecutorConfig(kv_cache_free_gpu_mem_fraction=args.kv_fraction, kv_cache_dtype=args.kv_cache_dtype,
                             max_tokens_in_paged_kv_cache=cpu_kv_tokens if args.device == "cpu" else None)
     with Executor(engine, config, device=args.device) as ex:
         run_offline(ex, requests(4))
@@ -478,6 +478,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--t5-output", type=int, default=None, help="output tokens per request (default 128; CPU 6)")
     p.add_argument("--hf-t5-batches", default=None,
                    help="transformers batch sizes (default 32,64,128,256: up to the run's 256 requests; CPU 2,4)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
+                   help="fp8: both KV pools, the cross-KV pool included, in E4M3 (docs/features/encoder-decoder.md)")
     p.add_argument("--kv-fraction", type=float, default=0.8, help="kv_cache_free_gpu_mem_fraction of the executors")
     p.add_argument("--profile-dir", default=None, help="write the decoder step's profiler table here")
     p.add_argument("--out", default="encdec_bench.json")

@@ -61,9 +61,9 @@ def build_encoder_decoder(hf_config, get, tokenizer, output_dir: str, build: Bui
         if value != allowed:
             raise ConfigError(f"{name} {value}: {spec.architecture} (encoder-decoder) builds for one GPU only; "
                               f"use {name} 1")
-    if build.quantization is not None or build.kv_cache_dtype is not None:
-        raise ConfigError(f"--quantization / --kv_cache_dtype: not supported for {spec.architecture} "
-                          "(encoder-decoder) engines yet; leave them out")
+    if build.quantization is not None:  # --kv_cache_dtype fp8 is taken: both KV pools (runner.py)
+        raise ConfigError(f"--quantization: not supported for {spec.architecture} (encoder-decoder) engines "
+                          "yet; leave it out (--kv_cache_dtype fp8 is supported)")
     longest = max_encoder_input_len or spec.encoder_max_positions
     if longest <= 0 or (spec.positions == "learned" and longest > spec.encoder_max_positions):
         raise ConfigError(f"max_encoder_input_len {longest}: allowed 1..{spec.encoder_max_positions} for "

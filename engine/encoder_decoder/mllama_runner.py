@@ -25,7 +25,7 @@ from engine.encoder_decoder.runner import EncDecRunner
 from engine.executor.overlap import resolve_placeholders
 from engine.executor.random_weights import has_random_weights, materialize_random_weights
 from engine.executor.runner import ForwardBatch, ModelRunner, keep_or_cast, load_rank_weights
-from kernels.attention import write_kv_cache
+from kernels.attention import KV_FP8_DTYPE, write_kv_cache
 
 MLLAMA_ARCHITECTURE = "MllamaForConditionalGeneration"
 
@@ -59,6 +59,15 @@ class MllamaRunner(EncDecRunner):
         return model.eval()
 
     # ---- KV memory: the self-attention pool and the cross pool ----------------------------------
+
+    def kv_cache_torch_dtype(self, kv_cache_dtype: str | None = None) -> torch.dtype:
+        """The model dtype only: the cross-attention (mllama_cross.py) reads its gathered K/V with torch
+        SDPA, which takes no FP8 operands, so an FP8 KV cache is refused by name at start."""
+        dtype = ModelRunner.kv_cache_torch_dtype(self, kv_cache_dtype)
+        if dtype == KV_FP8_DTYPE:
+            raise ValueError("kv_cache_dtype fp8: not supported for MllamaForConditionalGeneration (Llama 3.2 "
+                             "Vision: its cross-attention reads the cross K/V in the model dtype); use auto")
+        return dtype
 
     def num_kv_blocks_for(self, *, free_mem_fraction=None, max_tokens=None, kv_cache_dtype=None,
                           reserve_bytes: int = 0) -> int:

@@ -13,7 +13,11 @@ batching); what differs:
   f / (1 - f) times it, never less than one longest encoder input.
 
 Cross and self blocks have the same shape (decoder layers x 2 x tokens_per_block x heads x
-head_dim). On CUDA, decode-only steps replay CUDA graphs per batch bucket
+head_dim) and the same element type: with an FP8 KV cache (the executor's ``kv_cache_dtype fp8``
+or the build's ``--kv_cache_dtype fp8``) both pools are E4M3 with scale 1, as the self pool of any
+engine (kernels/attention.py ``to_cache_dtype``): ``encode_into`` casts the cross K/V once when it
+writes them, and every decode step's cross-attention reads half the bytes through the same
+FP8-aware paged kernels (the cross K/V read is most of a large batch's step: docs/features/encoder-decoder.md). On CUDA, decode-only steps replay CUDA graphs per batch bucket
 (engine/encoder_decoder/decode_graphs.py; $TRITONLLM_ENCDEC_GRAPHS=0 keeps them eager), after the
 skinny-GEMM kernel is chosen per decoder weight shape; steps with prompt tokens run eagerly. One
 rank only. A config-only engine (``extra.random_weights_seed``, benchmarks) gets random weights

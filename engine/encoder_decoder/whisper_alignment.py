@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.executor.request import FinishReason
+from kernels.attention import gather_blocks
 
 TIME_PRECISION = 0.02  # seconds per encoder position
 MEDIAN_FILTER_WIDTH = 7  # WhisperConfig.median_filter_width (every released checkpoint keeps it)
@@ -53,7 +54,8 @@ def cross_attention_weights(decoder, cross_pool: torch.Tensor, blocks: list[int]
             return attn.o(out.transpose(0, 1).flatten(1))
 
         def attend_encoder(h, attn=layer.cross_attn, index=index):
-            pool = cross_pool[index][:, block_index]  # (2, blocks, T, H, D): only this request's blocks
+            # (2, blocks, T, H, D): only this request's blocks, widened from an FP8 pool to the model dtype
+            pool = gather_blocks(cross_pool[index].transpose(0, 1), block_index).transpose(0, 1).to(h.dtype)
             k, v = (pool[i].reshape(-1, *pool.shape[-2:])[:encoder_length].transpose(0, 1) for i in (0, 1))
             q = attn.heads_of(attn.q, h).transpose(0, 1)  # (H, n, D)
             probs = torch.softmax((q.float() @ k.float().transpose(1, 2)) * attn.scale, dim=-1)  # (H, n, L)

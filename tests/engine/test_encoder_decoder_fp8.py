@@ -1,0 +1,142 @@
+"""An FP8 KV cache on encoder-decoder engines (engine/encoder_decoder/runner.py): with kv_cache_dtype fp8
+the cross-KV pool is E4M3 (scale 1) like the self pool, written once by ``encode_into`` and read by
+the same FP8-aware paged kernels. Tiny random T5 v1.0, T5 v1.1, BART and Whisper made by transformers:
+teacher-forced logits of the FP8 pools against the model-dtype pools within the bound the FP8
+self-pool test uses (tests/engine/test_fp8_engine.py, 5% relative), greedy serving through the
+executor with every cross block free after cancels, ``--kv_cache_dtype fp8`` at build, and Llama 3.2
+Vision (its cross-attention reads the pool in the model dtype) refused by name."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from engine.build import main
+from engine.encoder_decoder.model import Encoder
+from engine.encoder_decoder.runner import EncDecRunner
+from engine.executor import Executor, ExecutorConfig, OutputConfig, Request
+from engine.executor.runner import ForwardBatch
+from kernels.attention import KV_FP8_DTYPE
+from tests.executor.executor_testing import collect, final_tokens
+from tiny_encdec import INPUTS, WHISPER_PROMPT, feature_extractor, hf_model, tokenizer
+
+FP8_RELATIVE_BOUND = 0.05  # tests/engine/test_fp8_engine.py's bound for an FP8 self pool
+
+
+@pytest.fixture(scope="module", params=("t5_v1_0", "t5_v1_1", "bart", "whisper"))
+def engine(request, tmp_path_factory):
+    """(family, decoder directory) of a float32 engine built from the tiny checkpoint."""
+    root = tmp_path_factory.mktemp(f"fp8_{request.param}")
+    write_trained_scale_checkpoint(request.param, root / "checkpoint")
+    # Whisper: its own 50 encoder and 40 decoder positions
+    limits = [] if request.param == "whisper" else ["--max_encoder_input_len", "16", "--max_seq_len", "48"]
+    assert main(["--checkpoint", str(root / "checkpoint"), "--output", str(root / "engine"), "--dtype", "float32",
+                 "--tokens_per_block", "4", "--max_batch_size", "4", *limits]) == 0
+    return request.param, str(root / "engine" / "decoder")
+
+
+def write_trained_scale_checkpoint(family: str, path: Path) -> None:
+    """tiny_encdec's model with transformers' own initialization (the scale of trained checkpoints, as
+    test_fp8_engine.py's Llama), not its wide N(0, 0.5) weights whose chaotic activations amplify any
+    rounding (the T5s' unscaled scores most of all)."""
+    model = hf_model(family)
+    torch.manual_seed(0)
+    model.load_state_dict(type(model)(model.config).state_dict())
+    model.save_pretrained(path)
+    tokenizer().save_pretrained(path)
+    if family == "whisper":
+        feature_extractor().save_pretrained(path)
+
+
+def encoder_input(family: str):
+    return torch.randn(100, 8, generator=torch.Generator().manual_seed(0)) if family == "whisper" else INPUTS[2]
+
+
+def teacher_forced_logits(runner: EncDecRunner, family: str, kv_cache_dtype: str) -> torch.Tensor:
+    """(n, vocab) logits of a fixed decoder sequence over one encoder input, both pools in ``kv_cache_dtype``."""
+    source, T = encoder_input(family), runner.tokens_per_block
+    ids = WHISPER_PROMPT + [5, 9, 30, 2, 44, 7] if family == "whisper" else [0, 30, 31, 12, 5, 9, 40, 3, 22, 7]
+    n, length = len(ids), Encoder.output_length(len(source), runner.spec)
+    self_blocks, cross_blocks = list(range(-(-n // T))), list(range(-(-length // T)))
+    runner.num_cross_blocks = len(cross_blocks)
+    runner.allocate_kv_cache(len(self_blocks), kv_cache_dtype)
+    assert runner.kv_cache.dtype == runner.cross_pool.dtype
+    runner.encode_into([source], [cross_blocks])
+    batch = ForwardBatch(ids, list(range(n)), [n], [n], [self_blocks], list(range(n)),
+                         cross_lengths=[length], cross_block_tables=[cross_blocks])
+    return runner.forward(batch, all_logits=True).float()
+
+
+def check_fp8_logits(decoder_dir: str, family: str, device: str, model_dtype: torch.dtype) -> None:
+    runner = EncDecRunner(decoder_dir, device=device)
+    reference = teacher_forced_logits(runner, family, "auto")
+    assert runner.cross_pool.dtype == model_dtype
+    quantized = teacher_forced_logits(runner, family, "fp8")
+    assert runner.cross_pool.dtype == KV_FP8_DTYPE and runner.kv_cache.dtype == KV_FP8_DTYPE
+    error = ((quantized - reference).norm() / reference.norm()).item()
+    assert error < FP8_RELATIVE_BOUND, (family, error)
+
+
+def test_fp8_pools_keep_teacher_forced_logits(engine):
+    family, decoder = engine
+    check_fp8_logits(decoder, family, "cpu", torch.float32)
+
+
+def test_executor_fp8_cross_pool_serves_and_cancel_frees_it(engine):
+    """Greedy requests through the executor with FP8 pools answer in full; two long streamed requests
+    cancelled mid-decode give every cross block back."""
+    family, decoder = engine
+    if family != "bart":
+        pytest.skip("one family exercises the executor")
+    with Executor(decoder, ExecutorConfig(max_batch_size=4, kv_cache_dtype="fp8")) as ex:
+        assert ex.runner.cross_pool.dtype == KV_FP8_DTYPE
+        stage, out = ex.encoder_stage, OutputConfig(exclude_input_from_output=True)
+        ids = ex.enqueue_requests([Request([], 6, encoder_input_ids=i, output=out) for i in INPUTS])
+        responses = collect(ex, ids)
+        assert all(len(final_tokens(responses[i])) == 6 for i in ids)
+        long = [ex.enqueue_request(Request([], 40, encoder_input_ids=INPUTS[1], streaming=True)) for _ in range(2)]
+        deadline = time.monotonic() + 30
+        while not stage.held and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for request_id in long:
+            ex.cancel_request(request_id)
+        collect(ex, long)
+        deadline = time.monotonic() + 10
+        while (len(stage.free_blocks) < stage.num_blocks or stage.pending) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sorted(stage.free_blocks) == list(range(stage.num_blocks)) and not stage.held
+
+
+def test_build_kv_cache_dtype_fp8_and_quantization_refused(engine, tmp_path, capsys):
+    family, decoder = engine
+    if family != "t5_v1_0":
+        pytest.skip("one family exercises the build")
+    checkpoint = str(Path(decoder).parent.parent / "checkpoint")
+    assert main(["--checkpoint", checkpoint, "--output", str(tmp_path / "e"), "--dtype", "float32",
+                 "--kv_cache_dtype", "fp8", "--max_encoder_input_len", "16"]) == 0
+    runner = EncDecRunner(str(tmp_path / "e" / "decoder"))
+    runner.allocate_kv_cache(2)  # "auto": the build's choice
+    assert runner.kv_cache.dtype == runner.cross_pool.dtype == KV_FP8_DTYPE
+    assert main(["--checkpoint", checkpoint, "--output", str(tmp_path / "q"), "--quantization", "fp8"]) == 2
+    assert "--quantization: not supported for T5ForConditionalGeneration" in capsys.readouterr().err
+
+
+def test_mllama_refuses_an_fp8_kv_cache_by_name():
+    from engine.encoder_decoder.mllama_runner import MllamaRunner
+
+    runner = SimpleNamespace(build_config=SimpleNamespace(kv_cache_dtype=None), dtype=torch.bfloat16)
+    assert MllamaRunner.kv_cache_torch_dtype(runner, "auto") == torch.bfloat16
+    with pytest.raises(ValueError, match="kv_cache_dtype fp8: not supported for MllamaForConditionalGeneration"):
+        MllamaRunner.kv_cache_torch_dtype(runner, "fp8")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_fp8_pools_keep_teacher_forced_logits(engine):
+    """The same on a GPU: the encoder's cross K/V cast once into the E4M3 pool, the decoder's
+    cross-attention (and T5's biased self-attention kernel) reading it through the Triton kernels."""
+    family, decoder = engine
+    check_fp8_logits(decoder, family, "cuda", torch.float32)
