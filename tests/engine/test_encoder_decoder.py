@@ -5,7 +5,6 @@ when full and is all free after cancels; bad encoder inputs get named errors."""
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ import torch
 from engine.build import main
 from engine.config import EngineFormatError
 from engine.executor import Executor, ExecutorConfig, OutputConfig, Request
-from tests.executor.executor_testing import collect, final_tokens
+from tests.executor.executor_testing import assert_cancels_free_cross_pool, collect, final_tokens
 from tiny_encdec import FAMILIES, INPUTS, generate, write_checkpoint
 
 MAX_ENCODER_LEN = 16
@@ -100,25 +99,14 @@ def test_small_cross_pool_queues_requests_and_cancel_frees_it(built):
         pytest.skip("one family exercises the pool")
     config = ExecutorConfig(max_batch_size=4, max_tokens_in_paged_kv_cache=192, cross_kv_cache_fraction=0.01)
     with Executor(str(engine / "decoder"), config) as ex:
-        stage = ex.encoder_stage
-        assert stage.num_blocks == MAX_ENCODER_LEN // 4
+        assert ex.encoder_stage.num_blocks == MAX_ENCODER_LEN // 4
         out = OutputConfig(exclude_input_from_output=True)
         ids = ex.enqueue_requests([Request([], 6, end_id=1, encoder_input_ids=i, output=out) for i in INPUTS])
         responses = collect(ex, ids)
         for encoder_ids, request_id in zip(INPUTS, ids):
             expected, _ = generate(model, encoder_ids, 6)
             assert final_tokens(responses[request_id]) == expected[1:]
-        long = [ex.enqueue_request(Request([], 40, encoder_input_ids=INPUTS[1], streaming=True)) for _ in range(2)]
-        deadline = time.monotonic() + 30
-        while not stage.held and time.monotonic() < deadline:
-            time.sleep(0.01)
-        for request_id in long:
-            ex.cancel_request(request_id)
-        collect(ex, long)
-        deadline = time.monotonic() + 10
-        while (len(stage.free_blocks) < stage.num_blocks or stage.pending) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert sorted(stage.free_blocks) == list(range(stage.num_blocks)) and not stage.held
+        assert_cancels_free_cross_pool(ex, INPUTS[1])
 
 
 def test_decoder_only_engine_refuses_encoder_input():

@@ -7,7 +7,6 @@ executor with every cross block free after cancels, ``--kv_cache_dtype fp8`` at 
 Vision (its cross-attention reads the pool in the model dtype) refused by name."""
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,7 +19,7 @@ from engine.encoder_decoder.runner import EncDecRunner
 from engine.executor import Executor, ExecutorConfig, OutputConfig, Request
 from engine.executor.runner import ForwardBatch
 from kernels.attention import KV_FP8_DTYPE
-from tests.executor.executor_testing import collect, final_tokens
+from tests.executor.executor_testing import assert_cancels_free_cross_pool, collect, final_tokens
 from tiny_encdec import INPUTS, WHISPER_PROMPT, feature_extractor, hf_model, tokenizer
 
 FP8_RELATIVE_BOUND = 0.05  # tests/engine/test_fp8_engine.py's bound for an FP8 self pool
@@ -93,21 +92,11 @@ def test_executor_fp8_cross_pool_serves_and_cancel_frees_it(engine):
         pytest.skip("one family exercises the executor")
     with Executor(decoder, ExecutorConfig(max_batch_size=4, kv_cache_dtype="fp8")) as ex:
         assert ex.runner.cross_pool.dtype == KV_FP8_DTYPE
-        stage, out = ex.encoder_stage, OutputConfig(exclude_input_from_output=True)
+        out = OutputConfig(exclude_input_from_output=True)
         ids = ex.enqueue_requests([Request([], 6, encoder_input_ids=i, output=out) for i in INPUTS])
         responses = collect(ex, ids)
         assert all(len(final_tokens(responses[i])) == 6 for i in ids)
-        long = [ex.enqueue_request(Request([], 40, encoder_input_ids=INPUTS[1], streaming=True)) for _ in range(2)]
-        deadline = time.monotonic() + 30
-        while not stage.held and time.monotonic() < deadline:
-            time.sleep(0.01)
-        for request_id in long:
-            ex.cancel_request(request_id)
-        collect(ex, long)
-        deadline = time.monotonic() + 10
-        while (len(stage.free_blocks) < stage.num_blocks or stage.pending) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert sorted(stage.free_blocks) == list(range(stage.num_blocks)) and not stage.held
+        assert_cancels_free_cross_pool(ex, INPUTS[1])
 
 
 def test_build_kv_cache_dtype_fp8_and_quantization_refused(engine, tmp_path, capsys):

@@ -85,3 +85,22 @@ def served_table_ids(engine: str, prepared: dict, table, max_tokens: int) -> lis
     with Executor(engine, ExecutorConfig()) as executor:
         [request_id] = executor.enqueue_requests([to_executor_request(spec)])
         return final_tokens(collect(executor, [request_id])[request_id])
+
+
+def assert_cancels_free_cross_pool(executor, encoder_ids: list[int]) -> None:
+    """Encoder-decoder executors: two long streamed requests over ``encoder_ids``, cancelled once one
+    holds cross blocks (mid-decode); then every cross block is back in the pool and none is held."""
+    import time
+
+    stage = executor.encoder_stage
+    long = [executor.enqueue_request(Request([], 40, encoder_input_ids=encoder_ids, streaming=True)) for _ in range(2)]
+    deadline = time.monotonic() + 30
+    while not stage.held and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for request_id in long:
+        executor.cancel_request(request_id)
+    collect(executor, long)
+    deadline = time.monotonic() + 10
+    while (len(stage.free_blocks) < stage.num_blocks or stage.pending) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sorted(stage.free_blocks) == list(range(stage.num_blocks)) and not stage.held
