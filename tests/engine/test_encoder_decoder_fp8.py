@@ -16,6 +16,7 @@ import torch
 from engine.build import main
 from engine.encoder_decoder.model import Encoder
 from engine.encoder_decoder.runner import EncDecRunner
+from engine.encoder_decoder.whisper_alignment import cross_attention_weights
 from engine.executor import Executor, ExecutorConfig, OutputConfig, Request
 from engine.executor.runner import ForwardBatch
 from kernels.attention import KV_FP8_DTYPE
@@ -54,8 +55,10 @@ def encoder_input(family: str):
     return torch.randn(100, 8, generator=torch.Generator().manual_seed(0)) if family == "whisper" else INPUTS[2]
 
 
-def teacher_forced_logits(runner: EncDecRunner, family: str, kv_cache_dtype: str) -> torch.Tensor:
-    """(n, vocab) logits of a fixed decoder sequence over one encoder input, both pools in ``kv_cache_dtype``."""
+def teacher_forced_logits(runner: EncDecRunner, family: str, kv_cache_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, vocab) logits of a fixed decoder sequence over one encoder input, both pools in ``kv_cache_dtype``,
+    and (Whisper, else empty) the cross-attention weights word timestamps read from the cross pool
+    (whisper_alignment.py) of two heads."""
     source, T = encoder_input(family), runner.tokens_per_block
     ids = WHISPER_PROMPT + [5, 9, 30, 2, 44, 7] if family == "whisper" else [0, 30, 31, 12, 5, 9, 40, 3, 22, 7]
     n, length = len(ids), Encoder.output_length(len(source), runner.spec)
@@ -66,17 +69,21 @@ def teacher_forced_logits(runner: EncDecRunner, family: str, kv_cache_dtype: str
     runner.encode_into([source], [cross_blocks])
     batch = ForwardBatch(ids, list(range(n)), [n], [n], [self_blocks], list(range(n)),
                          cross_lengths=[length], cross_block_tables=[cross_blocks])
-    return runner.forward(batch, all_logits=True).float()
+    logits = runner.forward(batch, all_logits=True).float()
+    if family != "whisper":
+        return logits, torch.zeros(0)
+    return logits, cross_attention_weights(runner.model, runner.cross_pool, cross_blocks, length, ids, [(0, 1), (1, 3)])
 
 
 def check_fp8_logits(decoder_dir: str, family: str, device: str, model_dtype: torch.dtype) -> None:
     runner = EncDecRunner(decoder_dir, device=device)
-    reference = teacher_forced_logits(runner, family, "auto")
+    reference, weights = teacher_forced_logits(runner, family, "auto")
     assert runner.cross_pool.dtype == model_dtype
-    quantized = teacher_forced_logits(runner, family, "fp8")
+    quantized, fp8_weights = teacher_forced_logits(runner, family, "fp8")
     assert runner.cross_pool.dtype == KV_FP8_DTYPE and runner.kv_cache.dtype == KV_FP8_DTYPE
-    error = ((quantized - reference).norm() / reference.norm()).item()
-    assert error < FP8_RELATIVE_BOUND, (family, error)
+    for ours, theirs in ((quantized, reference), (fp8_weights, weights)):
+        error = ((ours - theirs).norm() / theirs.norm().clamp_min(1e-30)).item()
+        assert error < FP8_RELATIVE_BOUND, (family, error)
 
 
 def test_fp8_pools_keep_teacher_forced_logits(engine):

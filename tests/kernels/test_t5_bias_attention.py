@@ -60,6 +60,20 @@ def test_paged_kernel_equals_reference(device, decode_only):
         assert relative_error(out, ref) < TOLERANCE[dtype], dtype
 
 
+@pytest.mark.gpu
+def test_paged_kernel_reads_an_fp8_pool(device):
+    """An E4M3 KV pool (kv_cache_dtype fp8; scale 1): the kernel widens it as it loads and equals the
+    reference over the same FP8 values widened in torch (bf16 under TRITON_INTERPRET is wrong with any
+    pool: the interpreter's bf16 dots, kernel_testing.low_precision_dtypes; the CPU checks fp32 queries)."""
+    fp8 = torch.float8_e4m3fn
+    for dtype in low_precision_dtypes(device):
+        q, k_cache, v_cache, meta, table = paged_batch(device, dtype, decode_only=False)
+        k8, v8 = k_cache.float().to(fp8), v_cache.float().to(fp8)
+        out = t5_paged_attention_triton(q, k8, v8, meta, 1.0, distance_bias(table, bidirectional=False, max_distance=10))
+        ref = t5_paged_attention_ref(q.float(), k8.float(), v8.float(), meta, 1.0, table, 10)
+        assert relative_error(out, ref) < TOLERANCE[dtype], dtype
+
+
 def test_dense_kernel_equals_reference(device):
     """Three inputs of 37, 20 and 5 tokens padded to 37 (one partial query and key tile)."""
     torch.manual_seed(1)
