@@ -289,8 +289,11 @@ def main(argv=None) -> dict:
     h, y = examples(seqs, depth)
     lm_head = model.get_output_embeddings().weight.detach().float()
     embed = model.get_input_embeddings().weight.detach().float()
-    with torch.no_grad():  # the states are the ones the lm head reads: they give the model's own next tokens
-        agree = (h[::16] @ lm_head.T).argmax(-1).eq(y[::16, 0]).float().mean().item()
+    with torch.no_grad():  # the states are the ones the lm head reads: at the output positions they give the
+        # model's own greedy tokens (at prompt positions the next token is the prompt's)
+        outputs = [(hidden[n - 1 - first:], ids[n:]) for ids, first, hidden, n in seqs[::4]]
+        agree = torch.cat([(states[:len(nxt)] @ lm_head.T).argmax(-1).eq(torch.tensor(nxt[:len(states)]))
+                           for states, nxt in outputs]).float().mean().item()
     assert agree > 0.99, f"hidden states do not reproduce the greedy tokens ({agree:.3f})"
     vocab = Vocab(y, h, lm_head, lm_head.shape[0])
     report["data"] = {"sequences": len(seqs), "positions": h.shape[0], "tokens_in_every_softmax": len(vocab.fixed),
