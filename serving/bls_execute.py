@@ -4,6 +4,11 @@ from __future__ import annotations
 from typing import Any, Callable
 
 
+def error_response(pb_utils: Any, error: Exception):
+    """The failed request's response: its error text, no outputs."""
+    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(error)))
+
+
 def execute_each(pb_utils: Any, requests: list, decoupled: bool, serve: Callable[[Any, Any], Any]) -> list | None:
     """``serve(request, sender)`` for each request in turn; it returns the (last) response, or None
     when a decoupled stream sent everything already. An exception fails that request only (its error
@@ -15,7 +20,7 @@ def execute_each(pb_utils: Any, requests: list, decoupled: bool, serve: Callable
         try:
             response = serve(request, sender)
         except Exception as error:
-            response = pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(error)))
+            response = error_response(pb_utils, error)
         if decoupled:
             sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         else:
@@ -33,23 +38,19 @@ def execute_concurrently(pb_utils: Any, requests: list, decoupled: bool, serve: 
     from serving.bls import GuardedSender
 
     final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-
-    def failed(error: Exception):
-        return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(error)))
-
     if not decoupled:
         def run(request):
             try:
                 return serve(request, None)
             except Exception as error:
-                return failed(error)
+                return error_response(pb_utils, error)
         return list(pool.map(run, requests))
 
     def run_decoupled(request, sender):
         try:
             response = serve(request, sender)
         except Exception as error:
-            response = failed(error)
+            response = error_response(pb_utils, error)
         try:
             sender.send_final(response)
         except Exception:  # the client is gone: nothing to deliver

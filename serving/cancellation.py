@@ -50,6 +50,17 @@ def stop_request_inputs() -> dict[str, np.ndarray]:
             "request_output_len": np.zeros((1, 1), np.int32), "stop": np.ones((1, 1), np.bool_)}
 
 
+def send_stop_request(pb_utils, model_name: str, request_id: str, decoupled: bool = True) -> None:
+    """Stop ``model_name``'s request ``request_id`` (a tensorrt_llm model) from a BLS or a step of an
+    ensemble, and wait for the stop's own responses. ``pb_utils``: the Python backend's module, passed in so
+    that this module loads without Triton."""
+    request = pb_utils.InferenceRequest(
+        model_name=model_name, requested_output_names=["output_ids"], request_id=request_id,
+        inputs=[pb_utils.Tensor(name, value) for name, value in stop_request_inputs().items()])
+    for _ in (request.exec(decoupled=True) if decoupled else [request.exec()]):
+        pass
+
+
 class ReportedKeys:
     """Keys already reported as gone, so that each later step of the same request (every streamed
     token still in flight produces one) does not send another stop. Bounded: the oldest go first."""

@@ -27,7 +27,7 @@ from serving.disaggregated_bls import (CONTEXT_OUTPUTS, GENERATION_PARAMETERS, P
                                        context_inputs, context_parameters, context_phase_params, declared_shapes,
                                        generation_inputs, requested_outputs, reshaped_inputs)
 from serving.bls_execute import execute_concurrently  # noqa: E402
-from serving.cancellation import stop_request_inputs  # noqa: E402
+from serving.cancellation import send_stop_request  # noqa: E402
 from serving.params import get_parameter, model_parameters  # noqa: E402
 from serving.stub_watchdog import start_server_watchdog, stop_crash_dumps  # noqa: E402
 
@@ -111,15 +111,9 @@ class TritonPythonModel:
         """Stop the generation request once its client is gone (checked until the request is done)."""
         while not done.wait(CANCELLATION_CHECK_PERIOD_S):
             if cancelled():
-                self._stop(generation_id)
+                send_stop_request(pb_utils, self.generation_name, generation_id, self.decoupled)
                 return
 
-    def _stop(self, generation_id):
-        stop = pb_utils.InferenceRequest(
-            model_name=self.generation_name, requested_output_names=["output_ids"], request_id=generation_id,
-            inputs=[pb_utils.Tensor(name, value) for name, value in stop_request_inputs().items()])
-        for _ in (stop.exec(decoupled=True) if self.decoupled else [stop.exec()]):
-            pass
 
     def finalize(self):
         self.workers.shutdown(wait=False, cancel_futures=True)

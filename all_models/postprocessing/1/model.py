@@ -16,8 +16,7 @@ import triton_python_backend_utils as pb_utils
 
 if os.environ.get("TRITONLLM_ROOT"):  # a source checkout not installed into the environment
     sys.path.insert(0, os.environ["TRITONLLM_ROOT"])
-from serving.cancellation import (REQUEST_KEY_INPUT, ReportedKeys, stop_id_for_key,  # noqa: E402
-                                  stop_request_inputs)
+from serving.cancellation import REQUEST_KEY_INPUT, ReportedKeys, send_stop_request, stop_id_for_key  # noqa: E402
 from serving.params import get_parameter, model_parameters  # noqa: E402
 from serving.stub_watchdog import start_server_watchdog, stop_crash_dumps  # noqa: E402
 from serving.text import decode_batch  # noqa: E402
@@ -72,12 +71,8 @@ class TritonPythonModel:
         return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("OUTPUT", empty)])
 
     def _stop_llm(self, request_id):
-        request = pb_utils.InferenceRequest(
-            model_name=self.llm_name, requested_output_names=["output_ids"], request_id=request_id,
-            inputs=[pb_utils.Tensor(name, value) for name, value in stop_request_inputs().items()])
         try:
-            for _ in request.exec(decoupled=True):
-                pass
+            send_stop_request(pb_utils, self.llm_name, request_id)
         except Exception as error:  # e.g. a non-decoupled tensorrt_llm: it has nothing to stop
             pb_utils.Logger.log_warn(f"postprocessing: could not stop {request_id}: {error}")
 

@@ -30,7 +30,7 @@ from serving.bls import (IMAGE_PREPROCESSING_INPUTS, IMAGE_PREPROCESSING_OUTPUTS
                          LLM_INPUTS_FROM_PREPROCESSING, LLM_INPUTS_FROM_REQUEST, PASS_THROUGH_OUTPUTS,
                          PREPROCESSING_INPUTS, TOKEN_IDS_OUTPUT, GuardedSender, StreamText, encoder_inputs, has_images,
                          num_draft_tokens, speculative_generate, validate, wants_token_ids, with_batch_dim)
-from serving.cancellation import stop_request_inputs  # noqa: E402
+from serving.cancellation import send_stop_request  # noqa: E402
 from serving.params import get_parameter, model_parameters  # noqa: E402
 from serving.stub_watchdog import start_server_watchdog, stop_crash_dumps  # noqa: E402
 from serving.responses import (ERROR_MESSAGE_OUTPUT, ERRORS_AS_OUTPUT, only_requested, pad_beams,  # noqa: E402
@@ -325,12 +325,7 @@ class TritonPythonModel:
         await reader
 
     def _stop_llm(self, request_id):
-        request = pb_utils.InferenceRequest(
-            model_name=self.llm_name, requested_output_names=["output_ids"], request_id=request_id,
-            inputs=[pb_utils.Tensor(name, value) for name, value in stop_request_inputs().items()])
-        responses = request.exec(decoupled=True) if self.decoupled else [request.exec()]
-        for _ in responses:
-            pass
+        send_stop_request(pb_utils, self.llm_name, request_id, self.decoupled)
 
     def finalize(self):
         self.blocking_calls.shutdown(wait=False, cancel_futures=True)
