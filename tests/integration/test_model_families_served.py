@@ -36,7 +36,7 @@ import transformers
 import tritonclient.grpc as grpcclient
 
 from test_grpc_stream import tensor
-from triton_helpers import ROOT, load_script, serving_repository, wait_for
+from triton_helpers import ROOT, add_disaggregated_bls, load_script, serving_repository, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -182,7 +182,8 @@ def served_families(smollm2_engine_dir, tmp_path_factory):
         assert renamed in config.read_text()
     models["t5"], models["t5_engine"] = _add_t5_repository(tmp_path_factory, work, repo)
     models["whisper"], models["whisper_engine"] = _add_whisper_repository(tmp_path_factory, work, repo)
-    _add_disaggregated_bls(repo, "tensorrt_llm_qwen3")
+    # one executor serves both phases (the in-process KV transfer)
+    add_disaggregated_bls(repo, "tensorrt_llm_qwen3", "tensorrt_llm_qwen3", decoupled=False, instances=1)
     with serving_repository(repo, work) as server:
         yield models, server
 
@@ -204,20 +205,6 @@ def _build_encoder_decoder(family: str, tmp_path_factory, *flags: str):
     assert build_main(["--checkpoint", str(root / "checkpoint"), "--output", str(root / "engine"),
                        "--dtype", "float32", *flags]) == 0
     return model, root / "engine"
-
-
-def _add_disaggregated_bls(repo: Path, llm: str) -> None:
-    """disaggregated_serving_bls (all_models/, filled as the anchor's docs fill it) with context and
-    generation both on ``llm``: one executor serves both phases (the in-process KV transfer)."""
-    from tritonllm.fill_template import fill_template
-
-    shutil.copytree(Path(ROOT) / "all_models" / "disaggregated_serving_bls", repo / "disaggregated_serving_bls",
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    config = repo / "disaggregated_serving_bls" / "config.pbtxt"
-    values = (f"triton_max_batch_size:8,decoupled_mode:false,disaggregated_serving_bls_count:1,"
-              f"context_model_name:{llm},generation_model_name:{llm},encoder_input_features_data_type:TYPE_FP16,"
-              f"logits_datatype:TYPE_FP32")
-    config.write_text(fill_template(config.read_text(), values))
 
 
 MAX_AUDIO_SECONDS = 4  # whisper_bls's limit here: the tiny Whisper's window is 1 s (tests/tiny_encdec.py)

@@ -77,22 +77,28 @@ def running_server(engine_dir: str, work: Path, decoupled: bool = True, mpi: boo
         yield server
 
 
-def add_generation_phase(repo: Path, decoupled: bool) -> None:
-    """Disaggregated serving across two engine processes in a filled text repository: ``generation``
-    (tensorrt_llm's filled copy, answering to its folder's name) and disaggregated_serving_bls with
-    context tensorrt_llm, generation ``generation`` (the KV goes through host shared memory)."""
+def add_disaggregated_bls(repo: Path, context: str, generation: str, decoupled: bool, instances: int = 2) -> None:
+    """disaggregated_serving_bls from all_models/, filled as the anchor's docs fill it, in a filled
+    repository: prefill on ``context``, decode on ``generation``, ``instances`` model instances."""
     from tritonllm.fill_template import fill_template
 
-    shutil.copytree(repo / "tensorrt_llm", repo / "generation")
-    config = repo / "generation" / "config.pbtxt"
-    config.write_text(config.read_text().replace('name: "tensorrt_llm"', 'name: "generation"', 1))
     shutil.copytree(ROOT / "all_models" / "disaggregated_serving_bls", repo / "disaggregated_serving_bls",
                     ignore=shutil.ignore_patterns("__pycache__"))
     config = repo / "disaggregated_serving_bls" / "config.pbtxt"
     config.write_text(fill_template(config.read_text(), (
-        f"triton_max_batch_size:8,decoupled_mode:{str(decoupled).lower()},disaggregated_serving_bls_count:2,"
-        "context_model_name:tensorrt_llm,generation_model_name:generation,"
+        f"triton_max_batch_size:8,decoupled_mode:{str(decoupled).lower()},disaggregated_serving_bls_count:{instances},"
+        f"context_model_name:{context},generation_model_name:{generation},"
         "encoder_input_features_data_type:TYPE_FP16,logits_datatype:TYPE_FP32")))
+
+
+def add_generation_phase(repo: Path, decoupled: bool) -> None:
+    """Disaggregated serving across two engine processes in a filled text repository: ``generation``
+    (tensorrt_llm's filled copy, answering to its folder's name) and disaggregated_serving_bls with
+    context tensorrt_llm, generation ``generation`` (the KV goes through host shared memory)."""
+    shutil.copytree(repo / "tensorrt_llm", repo / "generation")
+    config = repo / "generation" / "config.pbtxt"
+    config.write_text(config.read_text().replace('name: "tensorrt_llm"', 'name: "generation"', 1))
+    add_disaggregated_bls(repo, "tensorrt_llm", "generation", decoupled)
 
 
 @contextmanager
