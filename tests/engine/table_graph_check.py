@@ -16,7 +16,8 @@ from engine.models.prompt_embeds import embeddable_ids
 
 @contextmanager
 def dense_table_steps_checked(executor):
-    """Yields the list of checked steps' token counts (a test asserts it is not empty)."""
+    """Yields the list of checked steps' token counts (a test asserts it is not empty). A CPU executor
+    (the tests pass device="cpu": on a GPU machine the default is CUDA, whose steps replay the twins instead)."""
     runner = executor.runner
     buffers = table_step_buffers(runner.model, runner.engine_config, runner.build_config.max_num_tokens, runner.dtype,
                                  runner.device)

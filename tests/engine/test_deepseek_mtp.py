@@ -83,7 +83,7 @@ def test_module_draft_logits_equal_transformers_mtp_model(mtp_engine):
         hidden = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0]
         cache = transformers.cache_utils.MtpCache(config=hf.config.get_mtp_config())
         _, hf_logits, _ = mtp(input_ids=torch.tensor([ids[1:]]), last_hidden_states=hidden[None, :-1],
-                              attention_mask=None, position_ids=torch.arange(1, 13)[None], mtp_cache=cache)
+                              attention_mask=torch.ones(1, 12, dtype=torch.long), position_ids=torch.arange(1, 13)[None], mtp_cache=cache)
     state = _MtpSeq(64, torch.float32, runner.device)
     assert proposer._reserve_slots(state, 12)
     state.file_hidden(0, hidden[:6])

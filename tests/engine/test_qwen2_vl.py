@@ -131,7 +131,7 @@ def assert_greedy_ids_equal_transformers(engine: str, hf, device: str | None = N
                         prompt_table=PromptTable(table), mrope=Mrope(rotary, delta)),
                 Request(text, NEW_TOKENS, output=OutputConfig(exclude_input_from_output=True))]
     # chunks of 5 tokens: the image's rows are split across steps
-    with Executor(engine, ExecutorConfig(max_num_tokens=5, enable_chunked_context=True), device=device) as executor:
+    with Executor(engine, ExecutorConfig(max_num_tokens=5, enable_chunked_context=True), device=device or "cpu") as executor:
         graphs, rotated = executor.runner.decode_graphs, []
         if graphs is not None:  # CUDA: decode steps at position + delta replay the decode graphs
             run = graphs.run

@@ -63,7 +63,7 @@ def test_greedy_ids_through_encoder_and_engine_equal_transformers_generate(built
                         prompt_table=PromptTable(t)) for p, t in zip(prompts, tables)]
     text_only = [1, 15, 16, 17]
     requests.append(Request(text_only, NEW_TOKENS, output=OutputConfig(exclude_input_from_output=True)))
-    with Executor(engine, ExecutorConfig()) as executor:
+    with Executor(engine, ExecutorConfig(), device="cpu") as executor:
         with dense_table_steps_checked(executor) as checked:  # the prefill graphs' table twin, on the CPU
             ids = executor.enqueue_requests(requests)
             responses = collect(executor, ids)

@@ -63,7 +63,7 @@ def test_greedy_ids_through_encoder_and_engine_equal_transformers_generate(llava
     requests = [Request(prompt, 8, output=OutputConfig(exclude_input_from_output=True),
                         prompt_table=PromptTable(f)) for f in features]
     requests.append(Request([1, 5, 12, 13, 14, 6], 8, output=OutputConfig(exclude_input_from_output=True)))
-    with Executor(llava_engine, ExecutorConfig()) as executor:
+    with Executor(llava_engine, ExecutorConfig(), device="cpu") as executor:
         with dense_table_steps_checked(executor) as checked:  # the prefill graphs' table twin, on the CPU
             ids = executor.enqueue_requests(requests)
             responses = collect(executor, ids)

@@ -183,6 +183,7 @@ def test_openai_image_path_gives_the_pipelines_ids(built):
     import asyncio
     import base64
 
+    pytest.importorskip("tritonclient", reason="the OpenAI frontend's direct path needs tritonclient")
     from openai_frontend.protocol import SamplingParams
     from openai_frontend.triton_client import direct_inputs
     from openai_frontend.vision import ChatImages, VisionSettings

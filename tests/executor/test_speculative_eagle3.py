@@ -287,13 +287,13 @@ def count_replays(runner, replays: dict) -> None:
     prefill, decode = runner.prefill_graphs, runner.decode_graphs
     prefill_run, decode_run = prefill.try_run, decode.try_run
 
-    def prefill_try(batch):
-        hidden = prefill_run(batch)
+    def prefill_try(batch, *args):
+        hidden = prefill_run(batch, *args)
         replays["tree"] += hidden is not None and batch.tree_parents is not None
         return hidden
 
-    def decode_try(batch):
-        hidden = decode_run(batch)
+    def decode_try(batch, *args):
+        hidden = decode_run(batch, *args)
         replays["decode"] += hidden is not None
         return hidden
     prefill.try_run, decode.try_run = prefill_try, decode_try
