@@ -21,6 +21,8 @@ is the same scheme):
   the rows: the decode products went from 31.3 to 25.6 us on average, and Llama-8B's batch-1
   decode from 210 to 243 tok/s. The norms and the SiLU quantize their output in the kernel that
   makes it; o_proj's input and the gated product's output take a quantize kernel of ~3.4 us each;
+- CUDA, 17-128 rows where the engine's load chose it for the weight (kernels/fp8_wide_rows.py: tree
+  verify steps): the same skinny kernel with the rows padded to 32, 64 or 128 in the dot;
 - CUDA, more rows: ``torch._scaled_mm`` (cuBLASLt FP8 tensor cores) with per-token activation
   scales and per-channel weight scales (W8A8), with Hopper's fast FP8 accumulation (the tensor
   cores' own accumulator, not promoted to float32 after every K block): 8-20% faster on Llama-8B's
@@ -57,7 +59,8 @@ import torch
 from kernels._triton import HAVE_TRITON, jit, pdl_options, pdl_prologue, tl, triton, use_triton
 from kernels.activation import silu_and_mul, silu_and_mul_quantized_triton
 from kernels.e4m3_rows import e4m3_row_scale, to_e4m3
-from kernels.linear import MAX_SKINNY_ROWS, SKINNY_VARIANTS, graph_time_ms, skinny_linear_triton, variant_options
+from kernels.linear import (MAX_SKINNY_ROWS, MAX_WIDE_ROWS, SKINNY_VARIANTS, graph_time_ms, padded_rows,
+                            skinny_linear_triton, variant_options)
 from kernels.rmsnorm import rms_norm_quantized_triton, rms_norm_ref
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -235,6 +238,9 @@ def fp8_linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_sca
     QuantizedRows (from rms_norm_quantized / silu_and_mul_quantized) are multiplied as they are.
     ``defer_scales``: the caller's next kernel takes a ScaledProduct; one comes back where
     ``choose_fp8_scaling`` found the tensor-wise product faster for this row count."""
+    wide = _wide_variant(x, weight)
+    if wide is not None:
+        return _skinny_w8a8(as_quantized_rows(x), weight, weight_scale, bias, variant=wide)
     if defer_scales and bias is None and _defers_scales(x, weight):
         x = as_quantized_rows(x)
         unit = _UNIT_SCALES[x.values.device]
@@ -254,9 +260,21 @@ def _takes_skinny_kernel(x: torch.Tensor | QuantizedRows) -> bool:
     return values.shape[0] <= MAX_SKINNY_ROWS and values.stride(1) == 1 and use_triton(values)
 
 
+def _wide_variant(x: torch.Tensor | QuantizedRows, weight: torch.Tensor) -> tuple | None:
+    """The tiling kernels/fp8_wide_rows.py chose at load for ``weight`` at x's row count, when that is
+    past MAX_SKINNY_ROWS and at most MAX_WIDE_ROWS (by padded row count: 32, 64, 128), else None."""
+    values = x.values if isinstance(x, QuantizedRows) else x
+    if not MAX_SKINNY_ROWS < values.shape[0] <= MAX_WIDE_ROWS or values.stride(1) != 1 or not use_triton(values):
+        return None
+    return getattr(weight, WIDE_VARIANTS_ATTR, {}).get(padded_rows(values.shape[0]))
+
+
+WIDE_VARIANTS_ATTR = "_fp8_wide_variants"  # on an FP8 weight: {padded rows: tiling}, set at load
+
+
 def _skinny_w8a8(x: QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
-                 *, gated: bool = False) -> torch.Tensor:
-    variant = getattr(weight, "_fp8_skinny_variant", FP8_SKINNY_DEFAULT)
+                 *, gated: bool = False, variant: tuple | None = None) -> torch.Tensor:
+    variant = variant or getattr(weight, "_fp8_skinny_variant", FP8_SKINNY_DEFAULT)
     return skinny_linear_triton(x.values, weight, bias, weight_scale=weight_scale, x_scale=x.scale, out_dtype=x.dtype,
                                 gated=gated, **variant_options(variant))
 
@@ -266,10 +284,11 @@ def fp8_gated_linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weig
     """silu(x @ gate.T) * (x @ up.T) for an FP8 gate_up weight (2 * inter, hidden) = [gate | up].
     ``quantize_output``: the result feeds an FP8 product, so return it as QuantizedRows where that
     product will take the W8A8 path."""
-    if _takes_skinny_kernel(x):
+    wide = _wide_variant(x, weight)
+    if wide is not None or _takes_skinny_kernel(x):
         # One skinny kernel for both products and the SiLU; its output is quantized apart when the
         # down projection wants it (a row's scale needs the whole row, which no one program sees).
-        out = _skinny_w8a8(as_quantized_rows(x), weight, weight_scale, gated=True)
+        out = _skinny_w8a8(as_quantized_rows(x), weight, weight_scale, gated=True, variant=wide)
         return as_quantized_rows(out) if quantize_output else out
     product = fp8_linear(x, weight, weight_scale, defer_scales=quantize_output)
     # A ScaledProduct comes back only for quantize_output, and only the quantizing SiLU takes one.

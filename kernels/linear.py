@@ -24,6 +24,15 @@ import torch.nn.functional as F
 from kernels._triton import jit, num_sms, pdl_options, pdl_prologue, tl, triton, use_triton
 
 MAX_SKINNY_ROWS = 16
+# Rows skinny_linear_triton takes at all: past MAX_SKINNY_ROWS the rows are padded to the next power of
+# two (32, 64, 128) in the dot. Only load-time choices route such row counts here (kernels/fp8.py's
+# wide-row tilings for tree verify steps); the decode tilings above stay at 16 rows.
+MAX_WIDE_ROWS = 128
+
+
+def padded_rows(m: int) -> int:
+    """The dot's row count for ``m`` rows: 16 up to MAX_SKINNY_ROWS, else the next power of two."""
+    return max(16, 1 << max(m - 1, 0).bit_length())
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu")  # the skinny kernel's epilogue activations (linear_activated)
 _SKINNY_ATTR = "_use_skinny_gemm"  # on a weight: its chosen variant (see SKINNY_VARIANTS), or False
 _GATED_ATTR = "_use_gated_skinny_gemm"  # the same, for gate_up weights run fused with SiLU-and-mul
@@ -265,7 +274,7 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
                          split_k: int = 1, swap_ab: bool = False, waves: int = 0, gated: bool = False,
                          weight_scale: torch.Tensor | None = None, x_scale: torch.Tensor | None = None,
                          out_dtype: torch.dtype | None = None, activation: str | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias) for M <= MAX_SKINNY_ROWS rows, fp32 accumulation; with ``gated``,
+    """x @ weight.T (+ bias) for M <= MAX_WIDE_ROWS rows (padded to padded_rows(M) in the dot), fp32 accumulation; with ``gated``,
     silu(x @ weight[:N].T) * (x @ weight[N:].T) for weight (2N, K) (bias not supported). With
     ``weight_scale`` (rows of weight,) float32, weight is FP8 and row n counts as weight[n] * scale[n];
     with ``x_scale`` (M,) float32 too, x is FP8 and row m counts as x[m] * x_scale[m], and the
@@ -277,7 +286,7 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     ``activation`` (one of ACTIVATIONS, not with ``gated``): act(x @ weight.T + bias), see the kernel."""
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
-    assert m <= MAX_SKINNY_ROWS and x.stride(1) == 1 and weight.stride(1) == 1 and not (gated and bias is not None)
+    assert m <= MAX_WIDE_ROWS and x.stride(1) == 1 and weight.stride(1) == 1 and not (gated and bias is not None)
     assert x_scale is None or (out_dtype is not None and weight_scale is not None)
     assert activation is None or (activation in ACTIVATIONS and not gated)
     out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
@@ -292,7 +301,7 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     scale_arg = weight_scale if weight_scale is not None else weight
     x_scale_arg = x_scale if x_scale is not None else scale_arg
     flags = dict(HAS_BIAS=bias is not None, GATED=gated, HAS_SCALE=weight_scale is not None,
-                 X_SCALE=x_scale is not None, SWAP_AB=swap_ab, M_PAD=16, BLOCK_N=block_n,
+                 X_SCALE=x_scale is not None, SWAP_AB=swap_ab, M_PAD=padded_rows(m), BLOCK_N=block_n,
                  ACTIVATION=ACTIVATIONS.index(activation) + 1 if activation else 0,
                  SPLIT_K=split_k, BALANCED=waves > 0, **pdl_options(x))
     rows_per_program = min(block_n, triton.cdiv(n, waves * num_sms(x.device))) if waves > 0 else block_n

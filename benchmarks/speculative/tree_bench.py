@@ -10,7 +10,8 @@ forced acceptance lengths, driven through the executor.
 Per dtype one in-process Executor runs ``decoding_mode eagle`` with random EAGLE-3 heads of the
 target's shape (the authors' layout: H = 4096, 32 heads, 8 KV heads, MLP 14336, draft vocabulary
 32000, written to a temporary directory), max_draft_len 64, so its runner captures the tree
-graphs (engine/executor/prefill_graphs.py: one per token bucket up to 32 x 65 tokens) and taps the
+graphs (engine/executor/prefill_graphs.py: one per token bucket up to max batch x 65 tokens, the
+engine's max_num_tokens, so the loop's prompt is prefilled in chunks of that many) and taps the
 heads' three layers inside every graph (engine/executor/layer_taps.py). Sections:
 
 1. ``verify``: ModelRunner.forward of a batch of B sequences each verifying a random tree of n nodes
@@ -108,12 +109,24 @@ def start(args, label: str):
                                           args.max_batch_size * 65, args.tokens_per_block, DTYPES[label])
     spec = SpeculativeConfig("eagle", max_draft_len=64, eagle_model_path=heads,
                              eagle_choices=loop_choices(args.loop_nodes))
+    # max_num_tokens is max_batch x 65 (the largest tree step), so the graphs' buckets stop there; a prompt
+    # longer than that (the loop's --context at batch 1) is prefilled in chunks of it.
     config = ExecutorConfig(max_tokens_in_paged_kv_cache=args.kv_tokens, enable_kv_cache_reuse=True,
-                            speculative=spec)
+                            enable_chunked_context=True, speculative=spec)
     executor = Executor(engine_dir, config, device=args.device)
     prefill = getattr(executor.runner, "prefill_graphs", None)
+    # FP8: per weight shape and padded row count, the skinny kernel's and cuBLASLt's microseconds
+    # (kernels/fp8_wide_rows.py); the tree steps take the kernel where it was the faster.
+    wide = {"x".join(map(str, key[1:])): {rows: {"kernel_us": round(r["kernel_us"], 1),
+                                                 "cublaslt_us": round(r["cublaslt_us"], 1), "tiling": r["tiling"]}
+                                          for rows, r in report.items()}
+            for key, report in (getattr(executor.runner, "gemm_choices", None) or {}).items() if key[0] == "fp8_wide"}
     info = {"load_seconds": round(time.perf_counter() - started, 1),
-            "tree_graph_buckets": [] if prefill is None else sorted(prefill.tree_graphs)}
+            "tree_graph_buckets": [] if prefill is None else sorted(prefill.tree_graphs), "fp8_wide_rows": wide}
+    print(f"    load {info['load_seconds']} s; tree graph buckets {info['tree_graph_buckets']}", flush=True)
+    for shape, rows in wide.items():
+        print(f"    fp8 {shape}: " + ", ".join(f"{m} rows kernel {r['kernel_us']} us / cuBLASLt {r['cublaslt_us']} us"
+                                               for m, r in rows.items()), flush=True)
     return executor, info
 
 
@@ -290,7 +303,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--lengths", default="3,4,5")
     parser.add_argument("--loop-nodes", type=int, default=16)
-    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--context", type=int, default=None, help="tokens of context (512; --tiny: 24)")
     parser.add_argument("--output-len", type=int, default=96)
     parser.add_argument("--draft-vocab", type=int, default=32000)
     parser.add_argument("--warmup", type=int, default=3)
@@ -304,9 +317,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.model_dtype = "bfloat16"
     if args.tiny:
         args.model, args.model_dtype, args.device = "tiny", "float32", args.device or "cpu"
-        args.dtypes, args.context, args.output_len, args.draft_vocab = "bf16", 24, 12, 64
+        args.dtypes, args.output_len, args.draft_vocab = "bf16", 12, 64
+        args.context = args.context or 24
         args.repeat, args.warmup = 2, 1
     args.device = args.device or "cuda"
+    args.context = args.context or 512
     args.max_batch_size = max(args.batches)
     args.max_seq_len = args.context + args.output_len + 128
     args.kv_tokens = args.max_batch_size * args.max_seq_len + 4096

@@ -320,3 +320,76 @@ def test_every_fp8_load_time_variant_is_correct(rows):
                                    out_dtype=torch.bfloat16, gated=True, **options).float()
         assert ((got - gated_want).norm() / gated_want.norm()).item() < 1e-2, variant
 
+
+
+@pytest.mark.parametrize("rows", [17, 40, 65, 128])
+def test_wide_row_tilings_equal_the_reference(device, rows):
+    """Tree verify steps' 17-128 rows on the skinny W8A8 kernel (kernels/fp8_wide_rows.py: rows padded
+    to 32/64/128 in the dot, swapped operands, split-K): every WIDE_TILINGS tiling, plain and gated,
+    is the W8A8 reference up to one rounding of the output dtype. GPU: bf16; the interpreter: float32."""
+    from triton.runtime.errors import OutOfResources
+
+    from kernels.fp8_wide_rows import WIDE_TILINGS, wide_tiling
+    from kernels.linear import skinny_linear_triton, variant_options
+
+    torch.manual_seed(40 + rows)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    k, features = (4096, 1024) if device == "cuda" else (512, 96)
+    x_rows = QuantizedRows(*quantize_rows(torch.randn(rows, k, device=device, dtype=dtype)), dtype)
+    w_q, w_scale = quantize_weight(torch.randn(2 * features, k, device=device) * 0.02)
+    product = fp8_linear_ref(x_rows, w_q, w_scale).float()
+    gated_want = silu_and_mul(fp8_linear_ref(x_rows, w_q, w_scale)).float()
+    bounds = {False: 4e-3, True: 1e-2} if device == "cuda" else {False: 1e-5, True: 1e-5}
+    ran = {False: 0, True: 0}
+    for tiling, gated in [(t, g) for t in WIDE_TILINGS for g in (False, True)]:
+        options = variant_options(wide_tiling(tiling, features, k, torch.device(device)))
+        assert options["swap_ab"] and options["split_k"] > 1  # 96 or 1,024 features: split over K
+        try:
+            got = skinny_linear_triton(x_rows.values, w_q, weight_scale=w_scale, x_scale=x_rows.scale,
+                                       out_dtype=dtype, gated=gated, **options).float()
+        except OutOfResources:  # past the device's shared memory: the load-time choice drops such a tiling too
+            continue
+        want = gated_want if gated else product
+        assert ((got - want).norm() / want.norm()).item() < bounds[gated], (tiling, gated)
+        ran[gated] += 1
+    assert ran[False] and ran[True]
+
+
+def test_wide_row_counts_cover_the_steps_past_the_decode_rows():
+    from kernels.fp8_wide_rows import wide_row_counts
+    from kernels.linear import padded_rows
+
+    assert [padded_rows(m) for m in (1, 16, 17, 32, 33, 64, 65, 128)] == [16, 16, 32, 32, 64, 64, 128, 128]
+    assert wide_row_counts(16) == ()  # decode rows only: the skinny tilings already take them
+    assert wide_row_counts(33) == (32, 64)
+    assert wide_row_counts(65) == (32, 64, 128)  # a 64-node tree and its root
+    assert wide_row_counts(8192) == (32, 64, 128)
+
+
+@cuda
+@pytest.mark.parametrize("rows", [17, 65])
+def test_fp8_linear_takes_the_wide_tiling_chosen_at_load(rows):
+    """choose_fp8_wide_variants marks a weight with {padded rows: tiling} where the kernel beat
+    cuBLASLt; fp8_linear and fp8_gated_linear then run it, equal to the W8A8 reference either way."""
+    from kernels.fp8 import WIDE_VARIANTS_ATTR
+    from kernels.fp8_wide_rows import choose_fp8_wide_variants, wide_tiling
+    from kernels.linear import padded_rows
+
+    torch.manual_seed(50 + rows)
+    x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+    w_q, w_scale = quantize_weight(torch.randn(2 * 1024, 4096, device="cuda") * 0.02)
+    gate_up = w_q.clone()
+    report = choose_fp8_wide_variants([w_q], gated=[gate_up], row_counts=(padded_rows(rows),))
+    assert set(report) == {(2048, 4096), ("gated", 2048, 4096)}
+    assert all(r["cublaslt_us"] > 0 for shape in report.values() for r in shape.values())
+    m = padded_rows(rows)
+    tiling, gated_tiling = report[(2048, 4096)][m]["tiling"], report[("gated", 2048, 4096)][m]["tiling"]
+    assert tiling == wide_tiling(tiling[:4], 2048, 4096, w_q.device) and gated_tiling is not None
+    setattr(w_q, WIDE_VARIANTS_ATTR, {m: tiling})  # the kernel, whichever of the two the timing preferred
+    setattr(gate_up, WIDE_VARIANTS_ATTR, {m: gated_tiling})
+    want = fp8_linear_ref(x.float(), w_q, w_scale).float()
+    got = fp8_linear(x, w_q, w_scale).float()
+    assert ((got - want).norm() / want.norm()).item() < 4e-3
+    gated_want = silu_and_mul(fp8_linear_ref(x.float(), w_q, w_scale)).float()
+    got = fp8_gated_linear(x, gate_up, w_scale).float()
+    assert ((got - gated_want).norm() / gated_want.norm()).item() < 1e-2
