@@ -14,17 +14,22 @@ packed like a chain's (known tokens, then the drafts), but
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
-
 
 
 def ancestor_mask(parents: list[int] | tuple[int, ...]) -> torch.Tensor:
     """(n, n) bool: [i, j] iff node j is node i or one of its ancestors (parents[i] < i, -1: none)."""
-    n = len(parents)
-    mask = torch.eye(n, dtype=torch.bool)
-    for i in range(n):
-        if parents[i] >= 0:
-            mask[i] |= mask[parents[i]]
+    return torch.from_numpy(_ancestor_rows(parents))
+
+
+def _ancestor_rows(parents) -> np.ndarray:
+    """ancestor_mask in numpy: every tree step builds it on the host, a row per token, and a numpy
+    row operation costs ~1 us where a torch one costs ~5-10 (65 tokens: ~0.5 ms of the step before)."""
+    mask = np.eye(len(parents), dtype=bool)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            mask[i] |= mask[p]
     return mask
 
 
@@ -58,9 +63,12 @@ def slot_positions(positions: list[int], seq_lens_q: list[int], context_lens: li
 def tree_mask(seq_lens_q: list[int], tree_parents: list[list[int] | None]) -> torch.Tensor:
     """(num_tokens, max q_len) bool, AttentionMetadata.tree_mask: causal rows for plain chunks."""
     width = max(seq_lens_q)
-    mask = torch.zeros(sum(seq_lens_q), width, dtype=torch.bool)
+    mask = np.zeros((sum(seq_lens_q), width), dtype=bool)
     offset = 0
     for n, parents in zip(seq_lens_q, tree_parents):
-        mask[offset:offset + n, :n] = ancestor_mask(parents if parents is not None else [j - 1 for j in range(n)])
+        if parents is None:  # a plain chunk: causal
+            mask[offset:offset + n, :n] = np.tri(n, dtype=bool)
+        else:
+            mask[offset:offset + n, :n] = _ancestor_rows(parents)
         offset += n
-    return mask
+    return torch.from_numpy(mask)
