@@ -110,11 +110,13 @@ _NUM_SMS: dict[int, int] = {}
 
 def num_sms(device) -> int:
     """Streaming multiprocessors of a CUDA ``device`` (read once per device): the grid sizes that
-    cover the GPU. Triton's CPU interpreter (debugging only) gets a plausible 132."""
-    if device.type != "cuda":
-        return 132
+    cover the GPU. ``device``: a torch.device or its name ("cuda", "cuda:1"; benchmarks pass their
+    --device string). Triton's CPU interpreter (debugging only) gets a plausible 132."""
     import torch
 
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 132
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _NUM_SMS:
         _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count

@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> dict:
                 achieved = read / (ms / 1e3)
                 rows.append(dict(pool=pool, batch=batch, context=context, tree=args.tree, us=ms * 1e3,
                                  latent_bytes=read, GBps=achieved / 1e9,
-                                 splits=mla_splits(q_latent.shape[0], shape["heads"], 16, args.device)
+                                 splits=mla_splits(q_latent.shape[0], shape["heads"], 16, q_latent.device)
                                  if args.device != "cpu" else None,
                                  fraction=None if bandwidth is None else achieved / bandwidth))
                 print(rows[-1], flush=True)

@@ -12,7 +12,8 @@ Per k, one sequence at ``--context`` tokens, each time the median of ``--repeat`
 - ``decode_ms``: a plain step, one token through the target (a decode-graph replay on CUDA) and its
   argmax copied to the host;
 - ``verify_ms``: the target forward of the executor's verify step, the last known token and k drafts
-  with logits at all k + 1 (eager: DeepSeek has no prefill graphs yet), and the argmaxes to the host;
+  with logits at all k + 1 (on CUDA a replay of the prefill graphs' 16-token bucket; ``verify_graphed``
+  says whether it was), and the argmaxes to the host;
 - ``draft_ms``: the MTP module's part of a step, as MtpProposer.propose runs it: slot L-2 (the target's
   last hidden state and token), then k - 1 chained one-row runs, each draft's argmax to the host.
 
@@ -99,8 +100,10 @@ def measure(runner: ModelRunner, proposer: MtpProposer, k: int, context: int, re
         proposer._chain([(drafts, state, context, k, g)])
 
     device = runner.device
+    graphs = runner.prefill_graphs
     figures = {"k": k, "decode_ms": _median_ms(decode, repeat, device), "verify_ms": _median_ms(verify, repeat, device),
-               "draft_ms": _median_ms(draft, repeat, device)}
+               "draft_ms": _median_ms(draft, repeat, device),
+               "verify_graphed": graphs is not None and k + 1 <= graphs.buckets[-1]}
     proposer.blocks.free(state.block_ids)
     return figures
 
@@ -129,10 +132,10 @@ def main(argv: list[str] | None = None) -> dict:
     runner = ModelRunner(engine_dir, device=args.device)
     num_blocks = 4 * -(-max_tokens // runner.tokens_per_block)
     runner.allocate_kv_cache(num_blocks)
+    proposer = MtpProposer(runner)  # as the executor: its last-layer tap before the graphs are captured
+    proposer.start(num_blocks * runner.tokens_per_block, 1, max(args.ks))
     runner.capture_cuda_graphs()
     runner.warmup()
-    proposer = MtpProposer(runner)
-    proposer.start(num_blocks * runner.tokens_per_block, 1, max(args.ks))
     rows = []
     for k in args.ks:
         rows.append(measure(runner, proposer, k, args.context, args.repeat))

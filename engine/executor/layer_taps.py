@@ -47,6 +47,14 @@ class LayerTaps:
     def streams(self) -> list[torch.Tensor]:
         return [self._rows[j] for j in range(len(self.layers))]
 
+    def take(self) -> list[torch.Tensor] | None:
+        """The last forward's streams, once: None when no forward ran since the last take (a reader
+        that must not mistake an earlier step's rows for this one's)."""
+        if not self._rows:
+            return None
+        streams, self._rows = self.streams, {}
+        return streams
+
     def captured(self) -> list[torch.Tensor]:
         """The streams of the forward just captured into a graph (its static outputs)."""
         return self.streams

@@ -65,6 +65,13 @@ def token_buckets(max_num_tokens: int) -> list[int]:
     return [size for size in sizes if size < max_num_tokens] + [max_num_tokens]
 
 
+def model_token_buckets(model, max_num_tokens: int) -> list[int]:
+    """token_buckets, cut at the model's ``prefill_graph_max_tokens`` where it has one (DeepSeek: the
+    steps whose attention would take the absorbed form eagerly too); [] when none is left."""
+    cap = getattr(model, "prefill_graph_max_tokens", None)
+    return [b for b in token_buckets(max_num_tokens) if cap is None or b <= cap]
+
+
 def tile_map(seq_lens_q: list[int], tokens_per_tile: int, length: int) -> tuple[np.ndarray, np.ndarray]:
     """(tile_seq, tile_m), each (length,) int32: one entry per query tile of each sequence with new
     tokens, in order; the rest tile_seq -1 (no work)."""

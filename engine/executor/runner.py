@@ -23,7 +23,7 @@ from engine.executor.device_memory import apply_memory_fraction_from_env, free_d
 from engine.executor.cuda_graphs import DecodeGraphs, choose_programmatic_launch, run_warmup_batch
 from engine.executor.layer_taps import LayerTaps
 from engine.executor.overlap import resolve_placeholders
-from engine.executor.prefill_graphs import PrefillGraphs
+from engine.executor.prefill_graphs import PrefillGraphs, model_token_buckets
 from engine.executor.mrope_rotary import StepRotary
 from engine.executor.table_graphs import table_step_buffers
 from engine.models.prompt_embeds import PromptEmbeds, embeddable_ids
@@ -319,15 +319,16 @@ class ModelRunner:
                                           lora_slots=0 if self.lora_pools is None else self.lora_pools.num_slots)
         self.choose_kernels(self.decode_graphs.buckets)
         self.decode_graphs.capture()
-        if self.prefill_graphs_enabled():
+        buckets = model_token_buckets(self.model, build.max_num_tokens)
+        if self.prefill_graphs_enabled() and buckets:
             cfg = self.model_config
             self.prefill_graphs = PrefillGraphs(
                 self.model, self.kv_cache, tokens_per_block=self.tokens_per_block, max_seq_len=build.max_seq_len,
                 max_batch_size=build.max_batch_size, max_num_tokens=build.max_num_tokens,
                 tokens_per_tile=prefill_tokens_per_tile(cfg.num_heads // cfg.num_kv_heads, cfg.head_dim,
                                                         self.kv_cache.element_size()),
-                sampled_tokens=self.sampled_tokens, taps=self.layer_taps, tree_width=self.tree_graph_width,
-                lora_slots=0 if self.lora_pools is None else self.lora_pools.num_slots,
+                sampled_tokens=self.sampled_tokens, buckets=buckets, taps=self.layer_taps,
+                tree_width=self.tree_graph_width, lora_slots=0 if self.lora_pools is None else self.lora_pools.num_slots,
                 table=table_step_buffers(self.model, self.engine_config, build.max_num_tokens, self.dtype, self.device))
             try:
                 self.prefill_graphs.capture()

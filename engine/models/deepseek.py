@@ -322,7 +322,10 @@ class DeepseekMtp(nn.Module):
 class DeepseekForCausalLM(nn.Module):
     """DeepSeek-V2/V3 for one tensor-parallel rank. ``quantization``: None or "fp8_block"."""
 
-    supports_prefill_graphs = False  # not checked against eager in a mixed-step graph yet
+    # Steps with prompt tokens or drafts replay the prefill graphs (engine/executor/prefill_graphs.py)
+    # up to prefill_graph_max_tokens: eagerly, V2-Lite's 27 layers of ~40 launches cost ~43 ms of host
+    # time a step on the H200 (an MTP verify step of 2-4 tokens was 10x a graphed decode step).
+    supports_prefill_graphs = True
 
     def __init__(self, config: ModelConfig, *, tp_rank: int = 0, tp_size: int = 1, tp_group=None,
                  dtype: torch.dtype = torch.float32, device=None, max_positions: int | None = None,
@@ -350,6 +353,14 @@ class DeepseekForCausalLM(nn.Module):
                                    device=device, quantization=quantization)
         self.max_positions = max_positions or config.max_position_embeddings
         self.cos_sin_cache: torch.Tensor | None = None
+
+    @property
+    def prefill_graph_max_tokens(self) -> int | None:
+        """The largest step the prefill graphs take (None: any): below the expanded form's threshold,
+        so a graph (which has no host copies of the sequence lengths to choose by) runs the absorbed
+        form exactly where an eager step would; longer steps stay eager and may expand a long chunk."""
+        threshold = self.layers[0].attn.expanded_min_tokens
+        return None if threshold is None else threshold - 1
 
     # The runner's KV pool (engine/executor/runner.py kv_pool_dims): one plane, one "head" of
     # kv_lora_rank + qk_rope_head_dim values, i.e. one latent row per token per layer.

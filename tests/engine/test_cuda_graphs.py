@@ -323,7 +323,7 @@ def test_prefill_tile_map_and_token_buckets():
     in order, the rest empty; buckets end at max_num_tokens, at most an eighth apart from 256 on."""
     import numpy as np
 
-    from engine.executor.prefill_graphs import tile_map, token_buckets
+    from engine.executor.prefill_graphs import model_token_buckets, tile_map, token_buckets
 
     tile_seq, tile_m = tile_map([1, 5, 21, 0, 43], tokens_per_tile=21, length=10)
     assert tile_seq.tolist() == [0, 1, 2, 4, 4, 4, -1, -1, -1, -1]
@@ -334,3 +334,6 @@ def test_prefill_tile_map_and_token_buckets():
     assert buckets[:8] == [16, 32, 64, 128, 192, 256, 288, 320] and buckets[-1] == 8192
     assert buckets == sorted(set(buckets)) and all(b / a <= 1.125 for a, b in zip(buckets[5:], buckets[6:]))
     assert token_buckets(100) == [16, 32, 64, 100] and np.all(np.diff(token_buckets(3000)) > 0)
+    # a model's cap (DeepSeek: below the expanded form's threshold, 171 new tokens for V2-Lite / V3)
+    capped = type("Capped", (), {"prefill_graph_max_tokens": 170})()
+    assert model_token_buckets(capped, 8192) == [16, 32, 64, 128] and model_token_buckets(object(), 100) == buckets[:3] + [100]

@@ -146,6 +146,38 @@ def test_engine_on_cuda_equals_transformers(deepseek):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_prefill_graphs_on_cuda_equal_transformers(deepseek):
+    """Steps of up to prefill_graph_max_tokens (31: the tiny shape expands from 32 new tokens) replay
+    the prefill graphs: an 11-token prompt, then two sequences' short chunks in one step (an MTP verify
+    step's shape, padded to the 16-token bucket: the padding rows' attention reads no sequence); logits
+    within 1e-3 of transformers. A 40-token prompt stays eager (expanded)."""
+    hf, engine_dir = deepseek
+    runner = ModelRunner(engine_dir, device="cuda")
+    session = PagedSession(runner, num_blocks=64)
+    runner.capture_cuda_graphs()
+    graphs = runner.prefill_graphs
+    assert runner.model.prefill_graph_max_tokens == 31 and graphs.buckets == [16]
+    replays, try_run = [], graphs.try_run
+
+    def counted(*args, **kwargs):
+        hidden = try_run(*args, **kwargs)
+        replays.append(hidden is not None)
+        return hidden
+
+    graphs.try_run = counted
+    a, b, c = random_tokens(15, seed=6), random_tokens(9, seed=7), random_tokens(40, seed=8)
+    (first,) = session.step([(0, a[:11])])
+    assert (first.cpu() - hf_logits(hf, a[:11])).abs().max().item() <= 1e-3
+    tail, other = session.step([(0, a[11:]), (1, b[:5])])
+    assert (tail.cpu() - hf_logits(hf, a)[11:]).abs().max().item() <= 1e-3
+    assert (other.cpu() - hf_logits(hf, b[:5])).abs().max().item() <= 1e-3
+    (long,) = session.step([(2, c)])
+    assert (long.cpu() - hf_logits(hf, c)).abs().max().item() <= 1e-3
+    assert replays[:2] == [True, True] and not replays[2]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_lookahead_trees_on_cuda_give_the_greedy_ids(deepseek, device="cuda"):
     """Lookahead (3, 3, 3) on CUDA: its verify steps are token trees, attended by the MLA Triton kernel
     with the tree mask (kernels/mla_attention.py); greedy ids equal transformers' generate, some drafts

@@ -194,6 +194,38 @@ def test_triton_kernel_follows_a_token_tree_mask(device, dtype):
         assert relative_error(out.cpu().float(), want.float()) < TOLERANCE[dtype]
 
 
+def test_triton_kernel_gives_zeros_for_a_prefill_graphs_padding_tokens(device):
+    """A prefill graph's step (engine/executor/prefill_graphs.py): tokens padded to the bucket (16)
+    past the real ones, cu_seqlens over max_batch_size rows ending at the real count, stale context
+    lengths in the unused rows. The real rows equal the reference; the padding rows read no sequence
+    and come out 0 (not NaN, which the combine of all -inf splits would give)."""
+    _, cache, meta = paged_batch([30, 9], [5, 2], device=device)
+    gen = torch.Generator().manual_seed(4)
+    q_latent = torch.randn(16, HEADS, RANK, generator=gen).to(device)
+    q_rope = torch.randn(16, HEADS, ROPE, generator=gen).to(device)
+    want = mla_attention_ref(q_latent[:7].cpu(), q_rope[:7].cpu(), cache.cpu(), _on_cpu(meta), 0.2)
+    padded = AttentionMetadata(
+        slot_mapping=torch.tensor([0] * 7 + [-1] * 9, device=device),
+        block_tables=torch.cat([meta.block_tables, meta.block_tables.flip(0)]),
+        cu_seqlens_q=torch.tensor([0, 5, 7, 7, 7], dtype=torch.int32, device=device),
+        context_lens=torch.tensor([30, 9, 4000, 31], dtype=torch.int32, device=device),
+        max_seqlen_q=16, max_context_len=4096, is_decode_only=False)
+    for splits in (1, 3, None):
+        out = mla_attention_triton(q_latent, q_rope, cache, padded, 0.2, splits=splits).cpu()
+        assert relative_error(out[:7].float(), want.float()) < TOLERANCE[torch.float32]
+        assert bool((out[7:] == 0).all())
+
+
+def test_num_sms_takes_a_device_name():
+    """Benchmarks pass their --device string (mla_kernel_bench crashed on "cuda"): a name or a
+    torch.device; off CUDA (Triton's interpreter) a plausible 132."""
+    from kernels._triton import num_sms
+    from kernels.mla_attention import mla_splits
+
+    assert num_sms("cpu") == num_sms(torch.device("cpu")) == 132
+    assert mla_splits(1, 16, 16, "cpu") == 16 and mla_splits(512, 128, 16, "cpu") == 1
+
+
 def test_triton_latent_write_skips_padding_rows(device):
     """Rows with slot -1 (a CUDA graph's padding) leave the pool as it was; the others land whole."""
     cache = torch.full((4, PAGE, RANK + ROPE), 7.0, device=device)

@@ -18,11 +18,13 @@ d_{j+1}, where g_j is the module's head-normed output at the slot before (what t
 hands the next layer). Drafts are the module's argmax (greedy or sampled requests alike: the verify
 step judges them as point masses, which keeps the target's law).
 
-Hidden states. A forward hook on the target model keeps the output rows of every forward; after it
-``observe_batch`` files each scheduled chunk's rows (its known tokens, then the drafts the step
-accepted) by position. A position whose hidden state never came (its KV reused from the prefix
-cache, or a decode step replayed from a CUDA graph, which runs no hooks) runs with a zero hidden
-state: the drafts get worse there, the output stays the target's.
+Hidden states. The target's last layer is tapped (engine/executor/layer_taps.py: its residual
+stream after every forward, CUDA graph replays included, decode and prefill graphs alike); after a
+forward ``observe_batch`` final-norms those rows (the model's own last step, so they are the hidden
+states the target's head reads) and files each scheduled chunk's rows (its known tokens, then the
+drafts the step accepted) by position. A position whose hidden state never came (its KV reused from
+the prefix cache) runs with a zero hidden state: the drafts get worse there, the output stays the
+target's.
 
 The pool holds as many slots as the target's pool holds tokens, plus each batch slot's drafts. A
 sequence's slots are freed when it ends (finished, cancelled or failed: ``release``), or when the
@@ -40,6 +42,7 @@ from engine.executor.kv_cache import BlockManager
 from engine.executor.request import Sequence
 from engine.executor.runner import ForwardBatch, ModelRunner
 from engine.executor.speculative.proposer import ProposerConfigError, draft_room
+from kernels.rmsnorm import rms_norm
 
 
 class _MtpSeq:
@@ -120,14 +123,21 @@ class MtpProposer:
         self.kv_cache: torch.Tensor | None = None
         self.blocks: BlockManager | None = None
         self._seqs: dict[int, _MtpSeq] = {}
-        self._tap: torch.Tensor | None = None
-        self._hook = runner.model.register_forward_hook(self._keep_output)
+        # Before the runner captures its graphs (the executor makes proposers first), so that every
+        # graph keeps the last layer's stream as a static output too.
+        self.taps = runner.tap_layers([len(runner.model.layers) - 1])
 
-    def _keep_output(self, module, inputs, output) -> None:
-        self._tap = output.detach()  # (tokens of the forward, hidden), final-normed
+    def _last_hidden(self) -> torch.Tensor | None:
+        """The last target forward's final-normed hidden states (tokens, hidden), read once (None: no
+        forward since the last read)."""
+        streams = self.taps.take()
+        if streams is None:
+            return None
+        with torch.inference_mode():
+            return rms_norm(streams[0], self.model.norm.weight, self.model.config.norm_eps)[0]
 
     def close(self) -> None:
-        self._hook.remove()
+        self.taps.close()
 
     def start(self, num_target_kv_tokens: int, max_batch_size: int, max_draft_len: int) -> None:
         """The MTP pool: a slot per target pool token, plus each batch slot's drafts and a partial block."""
@@ -145,9 +155,9 @@ class MtpProposer:
         the drafts the step accepted (a chain: the first num_accepted). A sequence holding more than
         max_num_tokens rows not yet run (a long prompt, or one that never drafts) runs them now, as
         far as its tokens are known, so the rows kept stay bounded."""
-        rows, self._tap = self._tap, None
+        rows = self._last_hidden()
         if rows is None or rows.shape[0] != sum(item.num_new_tokens for item in scheduled):
-            return  # a step replayed from a CUDA graph: no rows (those positions run with zeros)
+            return  # no target forward of these tokens: those positions run with zeros
         offset, advance = 0, []
         for item in scheduled:
             seq, n, k = item.seq, item.num_new_tokens, item.num_draft_tokens
