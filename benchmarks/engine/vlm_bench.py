@@ -16,13 +16,15 @@ Sections (``--sections``, all by default):
 3. ``offline``: ``--requests`` requests of one 448 x 448 image + 128 text tokens and 128 output
    tokens (no end id), all at once: every image is submitted to the encode queue
    (engine/vision/encode_queue.py: pending images batched, ``--encode-batch`` at most a forward, on a
-   CUDA stream of its own) and each request is enqueued as soon as its table exists (the executor
-   runs the earlier ones meanwhile); output tokens/s until the last finishes, encoding included.
-   Beside it the first run's way (batches encoded by the bench's thread on the executor's stream)
-   and the requests with their tables made beforehand (the executor's share). Against (a)
+   CUDA stream of its own; the queue warmed by an untimed round) and each request is enqueued by a
+   thread of the bench as soon as its table exists (the executor runs the earlier ones meanwhile);
+   output tokens/s until the last finishes, encoding included. Beside it the first run's way
+   (batches encoded by the bench's thread on the executor's stream) and the requests with their
+   tables made beforehand (the executor's share). Every run has images of its own (the prefix cache
+   would otherwise skip a re-sent image's prefill; each run reports the blocks it reused). Against (a)
    text-only requests of the same prompt length (386 tokens) through the same executor (goal >=
    0.85x), (b) transformers' Qwen2_5_VLForConditionalGeneration.generate (bf16, sdpa) on the same
-   patches and prompts at each of ``--hf-batches`` (goal >= 5x the best batch).
+   patches and prompts at each of ``--hf-batches`` (goal >= 5x the best batch; ``--hf-batches=``: none).
 
 Random weights of the real shapes, made on the GPU (engine and tower: engine/executor/random_weights.py;
 transformers: its own init). ``--device cpu`` runs tiny shapes of the same family (a smoke run of
@@ -37,6 +39,7 @@ import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -242,7 +245,7 @@ def bench_executor(args, config, sections: list[str]) -> dict:
             results["offline"]["table_twin_replays"] = twins() if twins else None
     del ex, encoder
     free_device_memory(args.device)
-    if "offline" in sections:
+    if "offline" in sections and args.hf_batches:
         offline = results["offline"]
         offline["hf"] = hf_generate(args, config, grid, num_rows)
         best = max(offline["hf"], key=lambda row: row["output_tok_s"])
@@ -310,19 +313,21 @@ def bench_ttft(args, ex, config, encoder, encoder_config, grid, num_rows, side) 
 
 
 def bench_offline(args, ex, config, encode, encoder, encoder_config, grid, num_rows) -> dict:
+    """The offline runs, each on images of its own (a seed per run): the prefix cache keys image blocks by
+    their rows, so a run re-sending an earlier run's images would skip their prefill (the 13:08 run's
+    "first way" and "tables ready" figures did: 4 and 1 iterations with prompt tokens)."""
     vocab = config.text_config.vocab_size
     rng = random.Random(2)
     prompts = [prompt_ids(config, num_rows, args.text_len, rng, vocab) for _ in range(args.requests)]
-    patches = random_patches([grid] * args.requests, args.device, seed=1)
     per_image = grid[0] * grid[1] * grid[2]
     entry = {"requests": args.requests, "prompt_len": len(prompts[0]), "output_len": args.output_len,
              "encode_batch": args.encode_batch}
     sync(args.device)
 
-    def with_encoding() -> dict:
+    def with_encoding(patches: torch.Tensor) -> dict:
         """(a') images: encode a batch on this thread, enqueue its requests, go on with the next batch; the
         tower on the executor's stream (its kernels queue behind the executor's)."""
-        since = time.time_ns()
+        since, reused = time.time_ns(), reused_blocks(ex)
         started = time.perf_counter()
         encoder_seconds = 0.0
         for first in range(0, args.requests, args.encode_batch):
@@ -335,39 +340,33 @@ def bench_offline(args, ex, config, encode, encoder, encoder_config, grid, num_r
         tokens = drain_offline(ex, args.requests)
         seconds = time.perf_counter() - started
         return {"seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds,
-                "encode_and_enqueue_seconds": encoder_seconds, "iterations": iteration_breakdown(ex, since)}
-
-    def through_queue() -> dict:
-        """(a) images as served in one process: every request's image submitted at once to the encode queue
-        (engine/vision/encode_queue.py: pending images batched, ``--encode-batch`` at most per forward, on a
-        CUDA stream of its own), each request enqueued from the queue's thread as soon as its table exists."""
-        since = time.time_ns()
-        started = time.perf_counter()
-        queue = ImageEncodeQueue(encoder, args.device, max_images=args.encode_batch)
-
-        def enqueue(index: int, future) -> None:
-            ex.enqueue_requests(image_requests(config, encoder_config, [future.result()], grid, [prompts[index]],
-                                               vocab, args.output_len))
-        try:
-            for i in range(args.requests):
-                queue.submit(patches[i * per_image:(i + 1) * per_image], [grid]).add_done_callback(
-                    lambda future, i=i: enqueue(i, future))
-            tokens = drain_offline(ex, args.requests)
-        finally:
-            queue.close()
-        seconds = time.perf_counter() - started
-        return {"seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds,
+                "encode_and_enqueue_seconds": encoder_seconds, "reused_blocks": reused_blocks(ex) - reused,
                 "iterations": iteration_breakdown(ex, since)}
 
-    entry["image"] = through_queue()
-    entry["image_executor_stream"] = with_encoding()  # the 11:07 run's way: batches on the executor's stream
+    queue = ImageEncodeQueue(encoder, args.device, max_images=args.encode_batch)
+    try:
+        # Untimed: one round on images of its own, so the queue's stream, its pinned host blocks and the
+        # executor's (gathered rows) exist before the clock starts, as in a server that has served a while
+        through_queue(args, ex, queue, config, encoder_config, grid, prompts, random_patches(
+            [grid] * args.requests, args.device, seed=4), vocab, 2)
+        entry["image"] = progress("image", through_queue(
+            args, ex, queue, config, encoder_config, grid, prompts,
+            random_patches([grid] * args.requests, args.device, seed=1), vocab, args.output_len))
+        entry["first_images"] = queue.first_images
+    finally:
+        queue.close()
+    entry["image_executor_stream"] = progress("image_executor_stream", with_encoding(
+        random_patches([grid] * args.requests, args.device, seed=2)))
     # (c) the same image requests with their tables made before the clock starts: the executor's share
+    patches = random_patches([grid] * args.requests, args.device, seed=3)
     tables = [t for first in range(0, args.requests, args.encode_batch)
               for t in encode(patches[first * per_image:min(first + args.encode_batch, args.requests) * per_image],
                               min(args.encode_batch, args.requests - first))]
     requests = image_requests(config, encoder_config, tables, grid, prompts, vocab, args.output_len)
     profiler = profile_executor_loop(ex) if args.profile_dir else None
-    entry["image_tables_ready"] = timed_offline(ex, requests)
+    reused = reused_blocks(ex)
+    entry["image_tables_ready"] = progress("image_tables_ready", {**timed_offline(ex, requests),
+                                                                  "reused_blocks": reused_blocks(ex) - reused})
     if profiler is not None:
         path = Path(args.profile_dir) / "vlm_executor_profile.txt"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -377,9 +376,74 @@ def bench_offline(args, ex, config, encode, encoder, encoder_config, grid, num_r
     out = OutputConfig(exclude_input_from_output=True)
     requests = [Request(text_prompt(len(prompts[0]), config, rng), args.output_len, output=out)
                 for _ in range(args.requests)]
-    entry["text"] = timed_offline(ex, requests)
+    entry["text"] = progress("text", timed_offline(ex, requests))
     entry["vs_text"] = entry["image"]["output_tok_s"] / entry["text"]["output_tok_s"]
     return entry
+
+
+def through_queue(args, ex, queue: ImageEncodeQueue, config, encoder_config, grid, prompts, patches, vocab,
+                  output_len: int) -> dict:
+    """(a) images as served in one process: every request's image submitted at once to the encode queue
+    (engine/vision/encode_queue.py: pending images batched, ``--encode-batch`` at most per forward, on a
+    CUDA stream of its own), each request enqueued as soon as its table exists by a thread of its own (a
+    server's request handlers: the queue's worker only completes the futures), those ready together in
+    one call. ``tables_ready_s``: when the last table was ready."""
+    since, reused = time.time_ns(), reused_blocks(ex)
+    per_image = grid[0] * grid[1] * grid[2]
+    started = time.perf_counter()
+    futures = [queue.submit(patches[i * per_image:(i + 1) * per_image], [grid]) for i in range(args.requests)]
+    failed, ready_at = [], []
+
+    def enqueue() -> None:
+        index = 0
+        try:
+            while index < len(futures):
+                futures[index].result()
+                ready = [index]
+                while ready[-1] + 1 < len(futures) and futures[ready[-1] + 1].done():
+                    ready.append(ready[-1] + 1)
+                ready_at.append(time.perf_counter() - started)
+                ex.enqueue_requests(image_requests(config, encoder_config, [futures[i].result() for i in ready], grid,
+                                                   [prompts[i] for i in ready], vocab, output_len))
+                index = ready[-1] + 1
+        except BaseException as error:  # the drain below raises it
+            failed.append(error)
+
+    thread = threading.Thread(target=enqueue, name="vlm_bench_enqueue", daemon=True)
+    thread.start()
+    tokens = drain_offline(_Watched(ex, failed), args.requests)
+    seconds = time.perf_counter() - started
+    thread.join()
+    return {"seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds,
+            "tables_ready_s": ready_at[-1], "enqueue_calls": len(ready_at), "reused_blocks": reused_blocks(ex) - reused,
+            "iterations": iteration_breakdown(ex, since)}
+
+
+class _Watched:
+    """The executor as drain_offline sees it, raising the enqueuing thread's error instead of waiting forever."""
+
+    def __init__(self, ex, failed: list):
+        self.ex, self.failed = ex, failed
+
+    def await_responses(self, timeout: float | None = None):
+        if self.failed:
+            raise RuntimeError(f"enqueuing failed: {self.failed[0]!r}") from self.failed[0]
+        return self.ex.await_responses(timeout=timeout)
+
+
+def progress(name: str, run: dict) -> dict:
+    """``run``, after a line on stderr (what a run cut short by a timeout still shows)."""
+    it = run["iterations"]
+    print(f"offline {name}: {run['output_tok_s']:.0f} tok/s ({run['seconds']:.2f} s), prompt-token iterations "
+          f"{it['context_seconds']:.2f} s ({it['context_iterations']}), decode-only {it['decode_seconds']:.2f} s "
+          f"({it['decode_iterations']}), reused blocks {run.get('reused_blocks')}, last table ready at "
+          f"{run.get('tables_ready_s')}", file=sys.stderr, flush=True)
+    return run
+
+
+def reused_blocks(ex) -> int:
+    """The executor's cumulative prefix-cache hits (blocks): each run's must be 0 (images of its own)."""
+    return ex.get_latest_iteration_stats().kv_cache_stats.reused_blocks
 
 
 def timed_offline(ex, requests: list[Request]) -> dict:
@@ -439,7 +503,8 @@ def markdown(results: dict) -> str:
                      f"{t['text_only_ms']:.1f} ms | - |")
     o = results.get("offline")
     if o:
-        name = f"{o['requests']} requests {o['prompt_len']}/{o['output_len']} offline (one image each), output tok/s"
+        name = (f"{o['requests']} requests {o['prompt_len']}/{o['output_len']} offline (one image each) through the "
+                f"encode queue ({o.get('first_images')} then {o['encode_batch']} images a forward), output tok/s")
         lines.append(f"| {name}, encoding included | {o['image']['output_tok_s']:.0f} ({o['image']['seconds']:.2f} s) | "
                      f"text-only {o['prompt_len']}/{o['output_len']}: {o['text']['output_tok_s']:.0f} "
                      f"({o['text']['seconds']:.2f} s) | {o['vs_text']:.2f}x (>= {GOALS['offline_vs_text']}x) |")
@@ -467,6 +532,11 @@ def markdown(results: dict) -> str:
             replay = f" (its graph's replay {it['decode_graph_replay_ms']:.2f} ms)" if "decode_graph_replay_ms" in it else ""
             extra = (f"tower + tables to the host {o[kind]['encode_and_enqueue_seconds']:.2f} s in batches of "
                      f"{o['encode_batch']}; " if "encode_and_enqueue_seconds" in o[kind] else "")
+            if "tables_ready_s" in o[kind]:
+                extra += (f"last table ready at {o[kind]['tables_ready_s']:.2f} s, requests enqueued in "
+                          f"{o[kind]['enqueue_calls']} calls; ")
+            if "reused_blocks" in o[kind]:
+                extra += f"prefix-cache blocks reused {o[kind]['reused_blocks']}; "
             lines += ["", f"Offline {kind.replace('_', ' ')} run: {extra}iterations with prompt tokens {it['context_seconds']:.2f} s "
                       f"({it['context_iterations']}), decode-only {it['decode_seconds']:.2f} s "
                       f"({it['decode_iterations']}){step}{replay}."]
@@ -491,7 +561,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=None, help="offline requests (default 128; CPU 4)")
     p.add_argument("--encode-batch", type=int, default=None, help="images per tower forward offline (default 32; CPU 2)")
     p.add_argument("--ttft-runs", type=int, default=None, help="TTFT repetitions (default 5; CPU 2)")
-    p.add_argument("--hf-batches", default=None, help="transformers batch sizes (default 128; CPU 2)")
+    p.add_argument("--hf-batches", default=None, help="transformers batch sizes (default 128; CPU 2; \"\": none)")
     p.add_argument("--unpadded-mlp", action="store_true", help="keep the tower's MLP width as the checkpoint's "
                    "(3,420) instead of padding it to 3,456 as load_vision_encoder does on CUDA (the before figure)")
     p.add_argument("--max-num-tokens", type=int, default=8192)
@@ -513,7 +583,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.text_len = min(args.text_len, 8)
     args.image_sizes = [int(s) for s in str(args.image_sizes).split(",")]
     args.encoder_batches = [[int(b) for b in part.split(",")] for part in str(args.encoder_batches).split("/")]
-    args.hf_batches = [int(b) for b in str(args.hf_batches).split(",")]
+    args.hf_batches = [int(b) for b in str(args.hf_batches).split(",") if b.strip()]  # "": no transformers run
     args.torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     return args
 

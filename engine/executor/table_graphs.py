@@ -65,15 +65,34 @@ class TableStepBuffers:
             positions[:] = np.where(index < 0, self.rotary_rows - 1 - index, index)
 
     def fill_device(self, prompt_embeds: PromptEmbeds | None, rotary: StepRotary | None, bucket: int) -> None:
-        """The step's table rows and M-RoPE rows into the device buffers (on the current stream, before the replay)."""
+        """The step's table rows and M-RoPE rows into the device buffers (on the current stream, before the replay).
+        On CUDA every copy is asynchronous, from pinned memory: a pageable copy synchronizes the stream, so the
+        host would wait for the step in flight before it could launch this one (no overlap of the two)."""
         self.mask[:bucket].zero_()
         if prompt_embeds is not None:
-            index = torch.tensor(prompt_embeds.token_indices, dtype=torch.int64).to(self.mask.device)
+            index = self._to_device(torch.tensor(prompt_embeds.token_indices, dtype=torch.int64))
             self.mask.index_fill_(0, index, True)
-            self.embeds.index_copy_(0, index, prompt_embeds.embeddings.to(self.embeds.device, self.embeds.dtype))
+            # (copied in the table's dtype, then cast on the device: index_copy_ takes equal dtypes)
+            self.embeds.index_copy_(0, index, self._to_device(prompt_embeds.embeddings).to(self.embeds.dtype))
         if rotary is not None and rotary.rows is not None:
             rows = rotary.rows
-            self.step_table[self.rotary_rows:self.rotary_rows + len(rows)].copy_(rows.to(self.step_table.device))
+            self.step_table[self.rotary_rows:self.rotary_rows + len(rows)].copy_(self._to_device(rows))
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """``host`` on the buffers' device; on CUDA without waiting (pinned source, staged if need be: the caching
+        host allocator keeps a staged block until its copy is done)."""
+        if self.mask.device.type != "cuda" or host.device.type != "cpu":
+            return host.to(self.mask.device)
+        if not (host.is_contiguous() and host.is_pinned()):  # (a strided pinned source is staged synchronously)
+            host = pinned_copy(host)
+        return host.to(self.mask.device, non_blocking=True)
+
+
+def pinned_copy(host: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of a CPU tensor in pinned memory (the caching host allocator's)."""
+    staged = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
+    staged.copy_(host)
+    return staged
 
 
 def table_step_buffers(model, engine_config, max_tokens: int, dtype: torch.dtype,

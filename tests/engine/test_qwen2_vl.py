@@ -65,7 +65,8 @@ def test_tower_with_mlp_widths_padded_gives_the_same_rows(built):
 
 def test_encode_queue_batches_pending_requests_into_one_forward(built):
     """engine/vision/encode_queue.py: three requests' images (1, 2 and 1) submitted while the worker is held
-    run as one tower forward; each request gets its images' rows, float16, as the tower alone gives them."""
+    run as one tower forward; each request gets its images' rows, float16, as the tower alone gives them;
+    with first_images 1 they take two forwards (1 image, then 3) and get the same rows."""
     from engine.vision.encode_queue import ImageEncodeQueue
 
     engine, _ = built
@@ -92,6 +93,19 @@ def test_encode_queue_batches_pending_requests_into_one_forward(built):
     assert forwards[0] == 4
     for g, w in zip(got, want):
         assert torch.equal(g, w)
+    # The tower idle: at most first_images (1) in the first forward, then up to max_images (3), launched
+    # before the first one's futures complete (the worker's pipeline); each request still gets its own rows
+    forwards.clear()
+    queue = ImageEncodeQueue(encoder, "cpu", max_images=3, first_images=1)
+    try:
+        with queue._cv:
+            futures = [queue.submit(r["pixel_values"], r["image_grid_thw"]) for r in requests]
+        got = [f.result(timeout=60) for f in futures]
+    finally:
+        queue.close()
+    assert forwards == [1, 3]
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
 
 
 @pytest.mark.gpu
@@ -107,6 +121,34 @@ def test_cuda_tower_rows_equal_cpu_rows(built):
     got = load_vision_encoder(vision_encoder_dir(engine), "cuda").image_features(images["pixel_values"].cuda(), grids)
     for g, w in zip(got, want):
         torch.testing.assert_close(g.cpu(), w, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_encode_queue_gives_pinned_tables_of_the_towers_rows(built):
+    """The queue on a GPU: one image a forward (three forwards pipelined on its stream), each request's
+    table pinned and equal to the tower's own rows; a step gathering two of them gets pinned rows."""
+    from engine.executor.prompt_table import gather_prompt_embeds
+    from engine.vision.encode_queue import ImageEncodeQueue
+
+    engine, _ = built
+    encoder = load_vision_encoder(vision_encoder_dir(engine), "cuda")
+    requests = [image_processor()([make_image(i, size)], return_tensors="pt")
+                for i, size in enumerate([(52, 40), (28, 56), (56, 28)])]
+    want = [torch.cat(encoder.image_features(r["pixel_values"].cuda(), r["image_grid_thw"].tolist())).half().cpu()
+            for r in requests]
+    queue = ImageEncodeQueue(encoder, "cuda", max_images=1)
+    try:
+        got = [f.result(timeout=60) for f in [queue.submit(r["pixel_values"], r["image_grid_thw"]) for r in requests]]
+    finally:
+        queue.close()
+    for g, w in zip(got, want):
+        assert g.is_pinned()
+        torch.testing.assert_close(g, w, atol=1e-3, rtol=1e-3)
+    pieces = [(0, [VOCAB, VOCAB + 1], PromptTable(got[0])), (2, [VOCAB + 2], PromptTable(got[1]))]
+    rows = gather_prompt_embeds(pieces, VOCAB)
+    assert rows.token_indices == [0, 1, 2] and rows.embeddings.is_pinned()
+    assert torch.equal(rows.embeddings, torch.cat([got[0][:2], got[1][2:3]]))
 
 
 def assert_greedy_ids_equal_transformers(engine: str, hf, device: str | None = None) -> None:
@@ -127,8 +169,11 @@ def assert_greedy_ids_equal_transformers(engine: str, hf, device: str | None = N
     rotary, delta = request_mrope(ids, grids, config, vocab_size=VOCAB)
     assert delta < 0  # an image of 2 x 3 merged rows takes 3 positions, not 6
     text = [1, 5, 7, 8, 9, 10, 11, 12, 6]
+    # CUDA: a pinned table, as the encode queue makes them (the step copies its rows without a host sync;
+    # test_qwen3_vl's CUDA test sends pageable ones, which the step stages)
     requests = [Request(ids, NEW_TOKENS, output=OutputConfig(exclude_input_from_output=True),
-                        prompt_table=PromptTable(table), mrope=Mrope(rotary, delta)),
+                        prompt_table=PromptTable(table.pin_memory() if device == "cuda" else table),
+                        mrope=Mrope(rotary, delta)),
                 Request(text, NEW_TOKENS, output=OutputConfig(exclude_input_from_output=True))]
     # chunks of 5 tokens: the image's rows are split across steps
     with Executor(engine, ExecutorConfig(max_num_tokens=5, enable_chunked_context=True), device=device or "cpu") as executor:
