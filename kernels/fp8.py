@@ -21,7 +21,7 @@ is the same scheme):
   the rows: the decode products went from 31.3 to 25.6 us on average, and Llama-8B's batch-1
   decode from 210 to 243 tok/s. The norms and the SiLU quantize their output in the kernel that
   makes it; o_proj's input and the gated product's output take a quantize kernel of ~3.4 us each;
-- CUDA, 17-128 rows where the engine's load chose it for the weight (kernels/fp8_wide_rows.py: tree
+- CUDA, 17-128 rows where the engine's load chose it for the weight (kernels/wide_rows.py: tree
   verify steps): the same skinny kernel with the rows padded to 32, 64 or 128 in the dot;
 - CUDA, more rows: ``torch._scaled_mm`` (cuBLASLt FP8 tensor cores) with per-token activation
   scales and per-channel weight scales (W8A8), with Hopper's fast FP8 accumulation (the tensor
@@ -59,8 +59,8 @@ import torch
 from kernels._triton import HAVE_TRITON, jit, pdl_options, pdl_prologue, tl, triton, use_triton
 from kernels.activation import silu_and_mul, silu_and_mul_quantized_triton
 from kernels.e4m3_rows import e4m3_row_scale, to_e4m3
-from kernels.linear import (MAX_SKINNY_ROWS, MAX_WIDE_ROWS, SKINNY_VARIANTS, graph_time_ms, padded_rows,
-                            skinny_linear_triton, variant_options)
+from kernels.linear import (MAX_SKINNY_ROWS, SKINNY_VARIANTS, graph_time_ms, skinny_linear_triton, variant_options,
+                            wide_variant)
 from kernels.rmsnorm import rms_norm_quantized_triton, rms_norm_ref
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -261,15 +261,8 @@ def _takes_skinny_kernel(x: torch.Tensor | QuantizedRows) -> bool:
 
 
 def _wide_variant(x: torch.Tensor | QuantizedRows, weight: torch.Tensor) -> tuple | None:
-    """The tiling kernels/fp8_wide_rows.py chose at load for ``weight`` at x's row count, when that is
-    past MAX_SKINNY_ROWS and at most MAX_WIDE_ROWS (by padded row count: 32, 64, 128), else None."""
-    values = x.values if isinstance(x, QuantizedRows) else x
-    if not MAX_SKINNY_ROWS < values.shape[0] <= MAX_WIDE_ROWS or values.stride(1) != 1 or not use_triton(values):
-        return None
-    return getattr(weight, WIDE_VARIANTS_ATTR, {}).get(padded_rows(values.shape[0]))
-
-
-WIDE_VARIANTS_ATTR = "_fp8_wide_variants"  # on an FP8 weight: {padded rows: tiling}, set at load
+    """linear.wide_variant of x's rows: the tiling kernels/wide_rows.py chose at load for 17-128 rows."""
+    return wide_variant(x.values if isinstance(x, QuantizedRows) else x, weight)
 
 
 def _skinny_w8a8(x: QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,

@@ -25,9 +25,10 @@ from kernels._triton import jit, num_sms, pdl_options, pdl_prologue, tl, triton,
 
 MAX_SKINNY_ROWS = 16
 # Rows skinny_linear_triton takes at all: past MAX_SKINNY_ROWS the rows are padded to the next power of
-# two (32, 64, 128) in the dot. Only load-time choices route such row counts here (kernels/fp8.py's
-# wide-row tilings for tree verify steps); the decode tilings above stay at 16 rows.
+# two (32, 64, 128) in the dot. Only load-time choices route such row counts here (kernels/wide_rows.py's
+# tilings for tree verify steps, kept on the weight as {padded rows: tiling} under WIDE_ATTR).
 MAX_WIDE_ROWS = 128
+WIDE_ATTR = "_wide_variants"
 
 
 def padded_rows(m: int) -> int:
@@ -322,9 +323,21 @@ def gated_linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def _skinny_variant(x: torch.Tensor, weight: torch.Tensor, attr: str = _SKINNY_ATTR):
-    """The variant chosen at load for ``weight`` when the skinny kernel takes ``x``, else None."""
+    """The variant chosen at load for ``weight`` when the skinny kernel takes ``x``, else None:
+    the decode tiling up to MAX_SKINNY_ROWS rows, past them the wide-row one (plain and gated products)."""
+    if x.shape[0] > MAX_SKINNY_ROWS:
+        return wide_variant(x, weight) if attr in (_SKINNY_ATTR, _GATED_ATTR) and x.is_contiguous() else None
     variant = getattr(weight, attr, False)
-    return variant if variant and x.shape[0] <= MAX_SKINNY_ROWS and x.is_contiguous() else None
+    return variant if variant and x.is_contiguous() else None
+
+
+def wide_variant(x: torch.Tensor, weight: torch.Tensor) -> tuple | None:
+    """The tiling kernels/wide_rows.py chose at load for ``weight`` at x's row count (x (M, K) with
+    unit column stride, MAX_SKINNY_ROWS < M <= MAX_WIDE_ROWS, by padded rows: 32, 64, 128), else None.
+    (Only a CUDA engine's load marks weights, like the decode tilings.)"""
+    if not MAX_SKINNY_ROWS < x.shape[0] <= MAX_WIDE_ROWS or x.stride(1) != 1:
+        return None
+    return getattr(weight, WIDE_ATTR, {}).get(padded_rows(x.shape[0]))
 
 
 def gated_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

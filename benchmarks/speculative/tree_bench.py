@@ -115,18 +115,18 @@ def start(args, label: str):
                             enable_chunked_context=True, speculative=spec)
     executor = Executor(engine_dir, config, device=args.device)
     prefill = getattr(executor.runner, "prefill_graphs", None)
-    # FP8: per weight shape and padded row count, the skinny kernel's and cuBLASLt's microseconds
-    # (kernels/fp8_wide_rows.py); the tree steps take the kernel where it was the faster.
+    # Per weight shape and padded row count, the skinny kernel's and the library product's microseconds
+    # (kernels/wide_rows.py); the tree steps take the kernel where it was the faster.
     wide = {"x".join(map(str, key[1:])): {rows: {"kernel_us": round(r["kernel_us"], 1),
-                                                 "cublaslt_us": round(r["cublaslt_us"], 1), "tiling": r["tiling"]}
+                                                 "library_us": round(r["library_us"], 1), "tiling": r["tiling"]}
                                           for rows, r in report.items()}
-            for key, report in (getattr(executor.runner, "gemm_choices", None) or {}).items() if key[0] == "fp8_wide"}
+            for key, report in (getattr(executor.runner, "gemm_choices", None) or {}).items() if key[0] == "wide"}
     info = {"load_seconds": round(time.perf_counter() - started, 1),
-            "tree_graph_buckets": [] if prefill is None else sorted(prefill.tree_graphs), "fp8_wide_rows": wide}
+            "tree_graph_buckets": [] if prefill is None else sorted(prefill.tree_graphs), "wide_rows": wide}
     print(f"    load {info['load_seconds']} s; tree graph buckets {info['tree_graph_buckets']}", flush=True)
     for shape, rows in wide.items():
-        print(f"    fp8 {shape}: " + ", ".join(f"{m} rows kernel {r['kernel_us']} us / cuBLASLt {r['cublaslt_us']} us"
-                                               for m, r in rows.items()), flush=True)
+        print(f"    {shape}: " + ", ".join(f"{m} rows kernel {r['kernel_us']} us / library {r['library_us']} us"
+                                           for m, r in rows.items()), flush=True)
     return executor, info
 
 

@@ -30,14 +30,14 @@ from engine.models.prompt_embeds import PromptEmbeds, embeddable_ids
 from engine.executor import image_spans, tree_batch
 from engine.executor.random_weights import has_random_weights, materialize_random_weights
 from engine.lora.pool import LoraPools
-from engine.models.layers import Linear, enable_one_shot_all_reduce, prepare_weights
+from engine.models.layers import Linear, enable_one_shot_all_reduce, prepare_weights, wide_row_weights
 from kernels.attention import KV_FP8_DTYPE
 from kernels.attention_metadata import AttentionMetadata
 from kernels.triton_attention import prefill_tokens_per_tile
 from kernels.fp8 import FP8_DTYPE, choose_fp8_scaling, choose_fp8_skinny_variants
-from kernels.fp8_wide_rows import choose_fp8_wide_variants, wide_row_counts
 from kernels.linear import choose_activated_weights, choose_gated_weights, choose_skinny_weights
 from kernels.wna16 import choose_wna16_variants
+from kernels.wide_rows import choose_wide_variants, wide_row_counts
 from kernels.lora import lora_batch
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -356,10 +356,10 @@ class ModelRunner:
         fp8_plain = [w for w in linears if w.dtype == FP8_DTYPE and not any(w is g for g in fp8_gate_ups)]
         fp8 = choose_fp8_skinny_variants(fp8_plain, gated=fp8_gate_ups)
         self.gemm_choices.update({("fp8",) + key: {"variant": variant} for key, variant in fp8.items()})
-        wide = choose_fp8_wide_variants(  # 17-128 rows (tree verify steps) where the skinny kernel beats cuBLASLt
-            fp8_plain, gated=fp8_gate_ups,
-            row_counts=wide_row_counts(max(self.build_config.max_num_tokens, self.build_config.max_batch_size)))
-        self.gemm_choices.update({("fp8_wide",) + key: report for key, report in wide.items()})
+        plain, gated = wide_row_weights(self.model)  # 17-128 rows (tree verify steps): the skinny kernel where faster
+        wide = choose_wide_variants(plain, gated=gated, row_counts=wide_row_counts(
+            max(self.build_config.max_num_tokens, self.build_config.max_batch_size)))
+        self.gemm_choices.update({("wide",) + key: report for key, report in wide.items()})
         integer = choose_wna16_variants([m.wna16 for m in self.model.modules()
                                          if isinstance(m, Linear) and m.wna16 is not None])
         self.gemm_choices.update({("wna16",) + key: report["variant"] for key, report in integer.items()})

@@ -348,6 +348,21 @@ def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, tp_group,
     return torch.cat(shards, dim=-1)
 
 
+def wide_row_weights(model: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(plain, gated) weights of the model's Linear layers whose 17-128-row products kernels/wide_rows.py
+    may take: those multiplied by linear() / fp8_linear() (plain) and the layers' fused gate_up_proj
+    (gated_linear() / fp8_gated_linear()); not integer, block-scaled or activated (GELU up) weights."""
+    def multiplies_plainly(module) -> bool:
+        return (isinstance(module, Linear) and module.weight_only is None and not module.int8
+                and not module.block_scales)
+
+    activated = {id(w) for weights in getattr(model, "activated_weights", dict)().values() for w in weights}
+    gate_ups = [layer.gate_up_proj for layer in getattr(model, "layers", []) if hasattr(layer, "gate_up_proj")]
+    skip = activated | {id(m.weight) for m in gate_ups}
+    plain = [m.weight for m in model.modules() if multiplies_plainly(m) and id(m.weight) not in skip]
+    return plain, [m.weight for m in gate_ups if multiplies_plainly(m)]
+
+
 def prepare_weights(model: nn.Module) -> None:
     """Once after loading: every module with integer weights (a Linear, a block of experts) lays
     them out for its kernels (kernels/wna16.py, kernels/fused_moe_wna16.py)."""

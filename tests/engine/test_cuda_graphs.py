@@ -161,6 +161,26 @@ def test_warmup_batch_stays_within_the_engine_limits(tmp_path, tokens_per_block,
     assert 0 <= int(meta.block_tables.min()) and int(meta.block_tables.max()) < runner.num_kv_blocks
 
 
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_wide_row_weights_are_the_plain_and_gated_products(tmp_path, quantization):
+    """What choose_kernels times for 17-128 rows (kernels/wide_rows.py): every projection linear() /
+    fp8_linear() multiplies (qkv, o_proj, down_proj, lm_head when it is a Linear), and each layer's fused
+    gate_up_proj as gated only; their dtypes are the engine's."""
+    from engine.models.layers import Linear, wide_row_weights
+
+    build = BuildConfig(dtype="float32", max_batch_size=2, max_input_len=32, max_seq_len=32, max_num_tokens=64,
+                        tokens_per_block=8, quantization=quantization)
+    EngineConfig(model=ModelConfig(**SMALL), build=build, extra={"random_weights_seed": 3}).validate().save(str(tmp_path))
+    model = ModelRunner(str(tmp_path), device="cpu").model
+    plain, gated = wide_row_weights(model)
+    gate_ups = [layer.gate_up_proj.weight for layer in model.layers]
+    assert [id(w) for w in gated] == [id(w) for w in gate_ups]
+    linears = [m.weight for m in model.modules() if isinstance(m, Linear)]
+    assert {id(w) for w in plain} == {id(w) for w in linears} - {id(w) for w in gate_ups}
+    if quantization:
+        assert {w.dtype for w in gated} == {torch.float8_e4m3fn}
+
+
 def test_warmup_batch_shape_fits_every_limit():
     from engine.executor.cuda_graphs import warmup_batch_shape
 

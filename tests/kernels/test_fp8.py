@@ -324,12 +324,12 @@ def test_every_fp8_load_time_variant_is_correct(rows):
 
 @pytest.mark.parametrize("rows", [17, 40, 65, 128])
 def test_wide_row_tilings_equal_the_reference(device, rows):
-    """Tree verify steps' 17-128 rows on the skinny W8A8 kernel (kernels/fp8_wide_rows.py: rows padded
-    to 32/64/128 in the dot, swapped operands, split-K): every WIDE_TILINGS tiling, plain and gated,
+    """Tree verify steps' 17-128 rows on the skinny W8A8 kernel (kernels/wide_rows.py: rows padded
+    to 32/64/128 in the dot, swapped operands, split-K): every FP8 WIDE_TILINGS tiling, plain and gated,
     is the W8A8 reference up to one rounding of the output dtype. GPU: bf16; the interpreter: float32."""
     from triton.runtime.errors import OutOfResources
 
-    from kernels.fp8_wide_rows import WIDE_TILINGS, wide_tiling
+    from kernels.wide_rows import WIDE_TILINGS, wide_tiling
     from kernels.linear import skinny_linear_triton, variant_options
 
     torch.manual_seed(40 + rows)
@@ -341,7 +341,7 @@ def test_wide_row_tilings_equal_the_reference(device, rows):
     gated_want = silu_and_mul(fp8_linear_ref(x_rows, w_q, w_scale)).float()
     bounds = {False: 4e-3, True: 1e-2} if device == "cuda" else {False: 1e-5, True: 1e-5}
     ran = {False: 0, True: 0}
-    for tiling, gated in [(t, g) for t in WIDE_TILINGS for g in (False, True)]:
+    for tiling, gated in [(t, g) for t in WIDE_TILINGS[1] for g in (False, True)]:
         options = variant_options(wide_tiling(tiling, features, k, torch.device(device)))
         assert options["swap_ab"] and options["split_k"] > 1  # 96 or 1,024 features: split over K
         try:
@@ -356,7 +356,7 @@ def test_wide_row_tilings_equal_the_reference(device, rows):
 
 
 def test_wide_row_counts_cover_the_steps_past_the_decode_rows():
-    from kernels.fp8_wide_rows import wide_row_counts
+    from kernels.wide_rows import wide_row_counts
     from kernels.linear import padded_rows
 
     assert [padded_rows(m) for m in (1, 16, 17, 32, 33, 64, 65, 128)] == [16, 16, 32, 32, 64, 64, 128, 128]
@@ -369,24 +369,22 @@ def test_wide_row_counts_cover_the_steps_past_the_decode_rows():
 @cuda
 @pytest.mark.parametrize("rows", [17, 65])
 def test_fp8_linear_takes_the_wide_tiling_chosen_at_load(rows):
-    """choose_fp8_wide_variants marks a weight with {padded rows: tiling} where the kernel beat
-    cuBLASLt; fp8_linear and fp8_gated_linear then run it, equal to the W8A8 reference either way."""
-    from kernels.fp8 import WIDE_VARIANTS_ATTR
-    from kernels.fp8_wide_rows import choose_fp8_wide_variants, wide_tiling
-    from kernels.linear import padded_rows
+    """choose_wide_variants marks a weight with {padded rows: tiling} where the kernel beat cuBLASLt;
+    fp8_linear and fp8_gated_linear then run it, equal to the W8A8 reference either way."""
+    from kernels.linear import WIDE_ATTR, padded_rows
+    from kernels.wide_rows import choose_wide_variants, wide_tiling
 
     torch.manual_seed(50 + rows)
     x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
     w_q, w_scale = quantize_weight(torch.randn(2 * 1024, 4096, device="cuda") * 0.02)
     gate_up = w_q.clone()
-    report = choose_fp8_wide_variants([w_q], gated=[gate_up], row_counts=(padded_rows(rows),))
-    assert set(report) == {(2048, 4096), ("gated", 2048, 4096)}
-    assert all(r["cublaslt_us"] > 0 for shape in report.values() for r in shape.values())
     m = padded_rows(rows)
-    tiling, gated_tiling = report[(2048, 4096)][m]["tiling"], report[("gated", 2048, 4096)][m]["tiling"]
+    report = choose_wide_variants([w_q], gated=[gate_up], row_counts=(m,))
+    assert set(report) == {("fp8", 2048, 4096), ("fp8", "gated", 2048, 4096)}
+    tiling, gated_tiling = report[("fp8", 2048, 4096)][m]["tiling"], report[("fp8", "gated", 2048, 4096)][m]["tiling"]
     assert tiling == wide_tiling(tiling[:4], 2048, 4096, w_q.device) and gated_tiling is not None
-    setattr(w_q, WIDE_VARIANTS_ATTR, {m: tiling})  # the kernel, whichever of the two the timing preferred
-    setattr(gate_up, WIDE_VARIANTS_ATTR, {m: gated_tiling})
+    setattr(w_q, WIDE_ATTR, {m: tiling})  # the kernel, whichever the timing preferred
+    setattr(gate_up, WIDE_ATTR, {m: gated_tiling})
     want = fp8_linear_ref(x.float(), w_q, w_scale).float()
     got = fp8_linear(x, w_q, w_scale).float()
     assert ((got - want).norm() / want.norm()).item() < 4e-3

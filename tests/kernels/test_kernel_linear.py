@@ -78,6 +78,34 @@ def test_half_extra_variants_are_correct_in_the_interpreter():
         assert relative_error(out, silu_and_mul(F.linear(x, w))) < 1e-5, variant
 
 
+@pytest.mark.parametrize("m", [17, 65])
+def test_wide_row_tilings_take_the_marked_products(device, m):
+    """17-128 rows (tree verify steps) on the skinny kernel where engine load marked the weight with a
+    wide-row tiling (kernels/wide_rows.py; every half-precision WIDE_TILINGS tiling here): linear,
+    linear_float32_out and gated_linear equal F.linear (then SiLU-and-mul) up to one rounding of the
+    output dtype; an unmarked weight or a row count without a tiling stays F.linear.
+    GPU: bf16; Triton's CPU interpreter: float32."""
+    from kernels.activation import silu_and_mul
+    from kernels.linear import WIDE_ATTR, gated_linear, linear, linear_float32_out, padded_rows
+    from kernels.wide_rows import WIDE_TILINGS, wide_tiling
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    bound = 2 * ROUNDING[torch.bfloat16] if device == "cuda" else 1e-5
+    gen = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 600, generator=gen).to(dtype).to(device)
+    w = (torch.randn(2 * 70, 600, generator=gen) * 0.05).to(dtype).to(device)
+    want = F.linear(x.double(), w.double())
+    assert torch.equal(linear(x, w), F.linear(x, w))  # unmarked
+    for tiling in WIDE_TILINGS[2]:
+        setattr(w, WIDE_ATTR, {padded_rows(m) * 2: tiling})  # another row count's tiling: not this one's
+        assert torch.equal(linear(x, w), F.linear(x, w))
+        setattr(w, WIDE_ATTR, {padded_rows(m): wide_tiling(tiling, 140, 600, torch.device(device))})
+        assert relative_error(linear(x, w), want) < bound, tiling
+        assert relative_error(linear_float32_out(x, w), want) < 1e-5, tiling  # fp32 sums, unrounded
+        setattr(w, WIDE_ATTR, {padded_rows(m): wide_tiling(tiling, 70, 600, torch.device(device))})
+        assert relative_error(gated_linear(x, w), silu_and_mul(F.linear(x, w))) < bound, tiling
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLASLt on a CUDA device")
 def test_cublaslt_gelu_epilogue_is_tanh_gelu_of_the_unrounded_product():
     """A weight marked CUBLASLT_GELU (choose_activated_weights, gelu_tanh with a bias): linear_activated
