@@ -112,7 +112,8 @@ class ImageEncodeQueue:
 
     @torch.inference_mode()
     def _launch(self, items) -> _Launched | None:
-        """Queue the items' forward and their rows' copy to the host; None (their futures failed) on an error."""
+        """Queue the items' forward and their rows' copy to the host. On an error: None, each item's future
+        failed or (several items) completed by a forward of its own."""
         grids = [grid for _, item_grids, _ in items for grid in item_grids]
         try:
             with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
@@ -131,7 +132,13 @@ class ImageEncodeQueue:
                 copied.record(self.stream)
                 return _Launched(items, host, copied, counts)
         except Exception as error:
-            self._fail(items, error)
+            if len(items) == 1:
+                self._fail(items, error)
+            else:  # one bad item (its patches do not match its grids, ...) must not fail the others: each alone
+                for item in items:
+                    alone = self._launch([item])
+                    if alone is not None:
+                        self._complete(alone)
             return None
 
     def _patches_on_device(self, parts: list[torch.Tensor]) -> torch.Tensor:

@@ -66,7 +66,7 @@ def test_tower_with_mlp_widths_padded_gives_the_same_rows(built):
 def test_encode_queue_batches_pending_requests_into_one_forward(built):
     """engine/vision/encode_queue.py: three requests' images (1, 2 and 1) submitted while the worker is held
     run as one tower forward; each request gets its images' rows, float16, as the tower alone gives them;
-    with first_images 1 they take two forwards (1 image, then 3) and get the same rows."""
+    with first_images 1 they take two forwards (1 image, then 3) and get the same rows, beside a bad item."""
     from engine.vision.encode_queue import ImageEncodeQueue
 
     engine, _ = built
@@ -94,16 +94,21 @@ def test_encode_queue_batches_pending_requests_into_one_forward(built):
     for g, w in zip(got, want):
         assert torch.equal(g, w)
     # The tower idle: at most first_images (1) in the first forward, then up to max_images (3), launched
-    # before the first one's futures complete (the worker's pipeline); each request still gets its own rows
+    # before the first one's futures complete (the worker's pipeline); a bad item batched with a good one
+    # fails alone (the two rerun one by one); each request still gets its own rows
     forwards.clear()
     queue = ImageEncodeQueue(encoder, "cpu", max_images=3, first_images=1)
     try:
         with queue._cv:
-            futures = [queue.submit(r["pixel_values"], r["image_grid_thw"]) for r in requests]
+            futures = [queue.submit(r["pixel_values"], r["image_grid_thw"]) for r in requests[:2]]
+            bad = queue.submit(requests[0]["pixel_values"][:3], requests[0]["image_grid_thw"])
+            futures.append(queue.submit(requests[2]["pixel_values"], requests[2]["image_grid_thw"]))
         got = [f.result(timeout=60) for f in futures]
+        with pytest.raises(ValueError, match="patches"):
+            bad.result(timeout=60)
     finally:
         queue.close()
-    assert forwards == [1, 3]
+    assert forwards == [1, 3, 2, 1, 1]
     for g, w in zip(got, want):
         assert torch.equal(g, w)
 
