@@ -33,13 +33,13 @@ import torch
 
 @dataclass
 class _Launched:
-    """A forward whose rows are on their way to the host: ``host`` (all items' rows, width) float16
-    (pinned on CUDA), ``copied`` the event after its copy (None on the CPU), ``counts`` each item's rows."""
+    """A forward whose rows are on their way to the host: ``tables`` each item's (rows, width) float16
+    (pinned on CUDA: one block per item, so a long request keeps only its own), ``copied`` the event after
+    their copies (None on the CPU)."""
 
     items: list
-    host: torch.Tensor
+    tables: list[torch.Tensor]
     copied: torch.cuda.Event | None
-    counts: list[int]
 
 
 class ImageEncodeQueue:
@@ -123,14 +123,15 @@ class ImageEncodeQueue:
                 for _, item_grids, _ in items:  # each item's rows: those of its images
                     counts.append(sum(len(r) for r in rows[image:image + len(item_grids)]))
                     image += len(item_grids)
-                table = torch.cat(rows).to(torch.float16)
+                tables = torch.cat(rows).to(torch.float16).split(counts)
                 if self.stream is None:
-                    return _Launched(items, table, None, counts)
-                host = torch.empty(table.shape, dtype=table.dtype, pin_memory=True)
-                host.copy_(table, non_blocking=True)  # (the caching host allocator keeps `host` until it is done)
+                    return _Launched(items, list(tables), None)
+                host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tables]
+                for dst, src in zip(host, tables):  # (the caching host allocator keeps a block until its copy is done)
+                    dst.copy_(src, non_blocking=True)
                 copied = torch.cuda.Event()
                 copied.record(self.stream)
-                return _Launched(items, host, copied, counts)
+                return _Launched(items, host, copied)
         except Exception as error:
             if len(items) == 1:
                 self._fail(items, error)
@@ -158,5 +159,5 @@ class ImageEncodeQueue:
         except Exception as error:
             self._fail(launched.items, error)
             return
-        for (_, _, future), table in zip(launched.items, launched.host.split(launched.counts)):
+        for (_, _, future), table in zip(launched.items, launched.tables):
             future.set_result(table)
