@@ -15,7 +15,8 @@ Per k, one sequence at ``--context`` tokens, each time the median of ``--repeat`
   with logits at all k + 1 (on CUDA a replay of the prefill graphs' 16-token bucket; ``verify_graphed``
   says whether it was), and the argmaxes to the host;
 - ``draft_ms``: the MTP module's part of a step, as MtpProposer.propose runs it: slot L-2 (the target's
-  last hidden state and token), then k - 1 chained one-row runs, each draft's argmax to the host.
+  last hidden state and token), then k - 1 chained one-row runs (on CUDA replays of the module's own
+  decode graphs, engine/executor/speculative/mtp_graphs.py), each draft's argmax to the host.
 
 Random weights say nothing about acceptance, so it is stated (``--acceptance``, the chance that a
 draft is kept given the drafts before it were; DeepSeek-V3's report gives 85-90% for its MTP

@@ -134,10 +134,8 @@ def _prompts() -> list[list[int]]:
     return [shared + random_tokens(7, 32), random_tokens(5, 33), shared + random_tokens(3, 34)]
 
 
-def test_greedy_ids_equal_generate_with_chained_drafts(mtp_engine):
-    """Three requests (two sharing a prefix that the prefix caches serve, the target's and the
-    module's; chunked prompts): greedy ids with k = 3 chained drafts equal transformers' generate;
-    some drafts kept, some not; a cancelled request and the finished ones leave the module's pool empty."""
+def _mtp_ids_equal_generate(mtp_engine) -> tuple[int, int]:
+    """_generate with mtp: each prompt's ids equal transformers' generate (no eos). Returns (drafted, accepted)."""
     hf, _, engine_dir = mtp_engine
     hf.generation_config.eos_token_id = None
     hf.generation_config.pad_token_id = 0
@@ -146,9 +144,28 @@ def test_greedy_ids_equal_generate_with_chained_drafts(mtp_engine):
     for prompt, got in zip(prompts, ids):
         expected = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False)[0, len(prompt):]
         assert got == expected.tolist()
-    drafted = sum(m.total_draft_tokens for m in metrics)
-    accepted = sum(m.total_accepted_draft_tokens for m in metrics)
+    return sum(m.total_draft_tokens for m in metrics), sum(m.total_accepted_draft_tokens for m in metrics)
+
+
+def test_greedy_ids_equal_generate_with_chained_drafts(mtp_engine):
+    """Three requests (two sharing a prefix that the prefix caches serve, the target's and the
+    module's; chunked prompts): greedy ids with k = 3 chained drafts equal transformers' generate;
+    some drafts kept, some not; a cancelled request and the finished ones leave the module's pool empty."""
+    drafted, accepted = _mtp_ids_equal_generate(mtp_engine)
     assert drafted > 0 and 0 < accepted < drafted
+
+
+def test_graph_paths_emulated_on_cpu_give_the_greedy_ids(mtp_engine, monkeypatch):
+    """The CUDA-graph paths, emulated on the CPU (graph_emulation.py): the target's decode graphs and
+    prefill graphs (verify steps padded to the 16-token bucket, its last layer tapped inside them)
+    and the MTP module's own graphs (engine/executor/speculative/mtp_graphs.py) each replayed; ids
+    equal transformers' generate, drafts kept, and the module's rows made from the tapped hidden
+    states are shared by the prefix cache (_generate checks: rows from zeros never are)."""
+    from graph_emulation import emulate_cuda_graphs
+
+    replays = emulate_cuda_graphs(monkeypatch)
+    assert _mtp_ids_equal_generate(mtp_engine)[1] > 0
+    assert all(replays[name] > 0 for name in ("DeepseekForCausalLM-prefill", "MtpStep-decode", "MtpStep-prefill"))
 
 
 @pytest.mark.gpu

@@ -41,6 +41,7 @@ import torch
 from engine.executor.kv_cache import BlockManager
 from engine.executor.request import Sequence
 from engine.executor.runner import ForwardBatch, ModelRunner
+from engine.executor.speculative.mtp_graphs import MtpGraphs, mtp_graphs_enabled
 from engine.executor.speculative.proposer import ProposerConfigError, draft_room
 from kernels.rmsnorm import rms_norm
 
@@ -122,6 +123,8 @@ class MtpProposer:
         self.target_kv_share = runner.kv_layers / (runner.kv_layers + 1)  # the MTP pool: one layer's rows
         self.kv_cache: torch.Tensor | None = None
         self.blocks: BlockManager | None = None
+        self.graphs: MtpGraphs | None = None  # CUDA: captured at the first run (mtp_graphs.py)
+        self._graph_shape: tuple[int, int] | None = None  # (max_batch_size, max_draft_len), set by start
         self._seqs: dict[int, _MtpSeq] = {}
         # Before the runner captures its graphs (the executor makes proposers first), so that every
         # graph keeps the last layer's stream as a static output too.
@@ -148,6 +151,7 @@ class MtpProposer:
         self.kv_cache = torch.zeros((1, planes, num_blocks, heads, T, width), dtype=dtype,
                                     device=self.runner.device).transpose(3, 4)  # the runner's pool layout
         self.blocks = BlockManager(num_blocks, T, enable_reuse=self.enable_reuse)
+        self._graph_shape = (max_batch_size, max_draft_len)
 
     # ----- hidden states -----
     def observe_batch(self, scheduled: list, verified: dict | None) -> None:
@@ -267,12 +271,29 @@ class MtpProposer:
             seq_lens.append(len(seq_slots))
             context_lens.append(seq_slots[-1] + 1)
             tables.append(state.block_ids[:-(-(seq_slots[-1] + 1) // T)])
-        ids, slot_positions, meta = self.runner.attention_inputs(
-            ForwardBatch(token_ids, slots, seq_lens, context_lens, tables, []))
+        batch = ForwardBatch(token_ids, slots, seq_lens, context_lens, tables, list(range(len(token_ids))))
         previous = torch.cat([hidden for _, _, _, hidden in rows]).to(self.runner.device)
+        graphs = self._graphs()
+        if graphs is not None:
+            out = graphs.try_run(batch, previous)
+            if out is not None:
+                return out
+        ids, slot_positions, meta = self.runner.attention_inputs(batch)
         with torch.inference_mode():
             embeds = self.model.embed_tokens(ids)
             return self.mtp(embeds, previous, slot_positions + 1, self.model.cos_sin_cache, self.kv_cache, meta)
+
+    def _graphs(self) -> MtpGraphs | None:
+        """The module's CUDA graphs, captured at the first run after the runner captured its own (its
+        kernel choices made); multi-row graphs only where the runner has prefill graphs. None: eager."""
+        if (self.graphs is None and self.runner.decode_graphs is not None and self._graph_shape is not None
+                and mtp_graphs_enabled()):
+            max_batch_size, max_draft_len = self._graph_shape
+            self.graphs = MtpGraphs(self.runner, self.kv_cache, max_batch_size=max_batch_size,
+                                    max_num_tokens=self.max_num_tokens, max_draft_len=max_draft_len,
+                                    multi_row=self.runner.prefill_graphs is not None)
+            self.graphs.capture()
+        return self.graphs
 
     def _argmax(self, g: torch.Tensor) -> list[int]:
         with torch.inference_mode():
