@@ -102,6 +102,17 @@ def expanded_prefill_min_tokens(config: ModelConfig) -> int | None:
     return expanded_min_tokens(config.kv_lora_rank, config.qk_nope_head_dim, config.v_head_dim)
 
 
+def graph_padding_rows(meta: AttentionMetadata) -> torch.Tensor | None:
+    """(T, 1) bool, the rows of a prefill graph's step past its real tokens (slot -1), or None for
+    other steps: eager ones have no padding (and host copies of their lengths, which a graph lacks),
+    and decode graphs' few padding rows cost little. A verify step of 2-4 tokens fills a 16-token
+    bucket; its padding rows are alike (token 0 at position 0, attention 0), so they would route to up
+    to top_k experts of their own, weights the step would read only for them."""
+    if meta.is_decode_only or meta.cu_seqlens_q_host is not None:
+        return None
+    return (meta.slot_mapping < 0)[:, None]
+
+
 class MlaAttention(nn.Module):
     """Multi-head latent attention for one rank (module docstring)."""
 
@@ -215,8 +226,11 @@ class DeepseekExperts(nn.Module):
             self.shared_down_proj = Linear(shared_local, hidden, bias=False, **linear)
             self.shared = True
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, padding: torch.Tensor | None = None) -> torch.Tensor:
+        """x (T, hidden); padding (T, 1) bool: rows of no sequence (graph_padding_rows), routed as row 0."""
         logits = self.router(x.float())
+        if padding is not None:  # no experts of their own: a verify step's bucket reads no more weights
+            logits = torch.where(padding, logits[:1], logits)
         if self.method == "greedy" and self.ep_size == 1:
             out = self._greedy_experts(x, logits)
         else:
@@ -288,12 +302,13 @@ class DeepseekLayer(nn.Module):
         else:
             self.mlp = DenseMlp(config, **kw)
 
-    def forward(self, x, residual, positions, cos_sin_cache, kv_cache, meta):
-        """(x, residual) -> (this block's output, the residual stream before it): the next norm adds them."""
+    def forward(self, x, residual, positions, cos_sin_cache, kv_cache, meta, padding=None):
+        """(x, residual) -> (this block's output, the residual stream before it): the next norm adds them.
+        padding: graph_padding_rows(meta)."""
         h, residual = rms_norm(x, self.input_norm.weight, self.eps, residual)
         h = self.attn(h, positions, cos_sin_cache, kv_cache, meta)
         h, residual = rms_norm(h, self.post_attn_norm.weight, self.eps, residual)
-        return (self.moe(h) if hasattr(self, "moe") else self.mlp(h)), residual
+        return (self.moe(h, padding) if hasattr(self, "moe") else self.mlp(h)), residual
 
 
 class DeepseekMtp(nn.Module):
@@ -328,7 +343,8 @@ class DeepseekMtp(nn.Module):
         (1 layer) -> g (T, hidden), head-normed (what the next chained draft reads as its h)."""
         x = torch.cat([rms_norm(embeds, self.enorm.weight, self.eps)[0],
                        rms_norm(previous_hidden.to(embeds.dtype), self.hnorm.weight, self.eps)[0]], dim=-1)
-        x, residual = self.layer(self.eh_proj(x), None, positions, cos_sin_cache, kv_cache, meta)
+        x, residual = self.layer(self.eh_proj(x), None, positions, cos_sin_cache, kv_cache, meta,
+                                 graph_padding_rows(meta))
         return rms_norm(x, self.head_norm.weight, self.eps, residual)[0]
 
 
@@ -397,8 +413,9 @@ class DeepseekForCausalLM(nn.Module):
         if self.cos_sin_cache is None or self.cos_sin_cache.device != input_ids.device:
             self.init_buffers(input_ids.device)
         x, residual = self.embed_tokens(input_ids), None
+        padding = graph_padding_rows(attn_meta)
         for layer in self.layers:
-            x, residual = layer(x, residual, positions, self.cos_sin_cache, kv_cache, attn_meta)
+            x, residual = layer(x, residual, positions, self.cos_sin_cache, kv_cache, attn_meta, padding)
         return rms_norm(x, self.norm.weight, self.config.norm_eps, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
