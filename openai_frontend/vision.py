@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -106,7 +106,14 @@ class ChatImages:
         """The request's prompt-embedding table, (rows of every image, hidden) float16, each
         image's rows (their number depends on the image's size for LLaVA-NeXT/OneVision and
         Qwen2-VL) and, for Qwen2-VL, the images' (n, 3) patch grids (else None)."""
-        return await asyncio.get_running_loop().run_in_executor(self._worker, self._encode, parts)
+        loop = asyncio.get_running_loop()
+        if self.tower is not None and not (parts and parts[0].get("type") == "video"):
+            # Qwen: a worker fetches, decodes and processes, submits to the queue and is free again; the
+            # table is awaited here, so a burst's requests are all pending in the queue at once (a worker
+            # waiting for its table capped the queue's forwards at QWEN_IMAGE_WORKERS images)
+            future, counts, grids = await loop.run_in_executor(self._worker, self._submit_qwen, parts)
+            return (await asyncio.wrap_future(future)).numpy(), counts, grids
+        return await loop.run_in_executor(self._worker, self._encode, parts)
 
     def _encode(self, parts: list[dict]) -> tuple[np.ndarray, list[int], np.ndarray | None]:
         if parts and parts[0].get("type") == "video":  # the request's one video (check_count)
@@ -115,6 +122,21 @@ class ChatImages:
             except ValueError as error:  # VideoError/ImageError: names the part, says what is allowed
                 raise bad_request(parts[0]["field"], str(error), code="invalid_video") from None
             return self.runner.tables([pixels], None, [True])[0], [self.prompts.video.rows(pixels)], None
+        if self.prompts.qwen:
+            future, counts, grids = self._submit_qwen(parts)
+            return future.result().numpy(), counts, grids
+        images = self._images(parts)
+        if self.cross_attention:  # Llama 3.2 Vision: the images' vision states and their real tiles
+            batch = self.prompts.image_processor(images=[images], return_tensors="np")
+            states = mllama.vision_states(self.runner.encoder, self.runner.device, batch["pixel_values"][0],
+                                          batch["aspect_ratio_ids"][0], batch["aspect_ratio_mask"][0])
+            return states, [int(t) for t in np.asarray(batch["aspect_ratio_mask"][0]).sum(1)], None
+        pixels, sizes = self.prompts.pixels(images)
+        counts = self.prompts.token_counts(sizes, len(images))
+        return self.runner.tables([pixels], [sizes])[0], counts, None
+
+    def _images(self, parts: list[dict]) -> list:
+        """The parts' images, fetched and decoded; a bad one is a 400 naming its part."""
         images = []
         for part in parts:
             try:
@@ -122,18 +144,13 @@ class ChatImages:
                                           self.limits))
             except ValueError as error:  # ImageError: names the part, says what is allowed
                 raise bad_request(part["field"], str(error), code="invalid_image") from None
-        if self.cross_attention:  # Llama 3.2 Vision: the images' vision states and their real tiles
-            batch = self.prompts.image_processor(images=[images], return_tensors="np")
-            states = mllama.vision_states(self.runner.encoder, self.runner.device, batch["pixel_values"][0],
-                                          batch["aspect_ratio_ids"][0], batch["aspect_ratio_mask"][0])
-            return states, [int(t) for t in np.asarray(batch["aspect_ratio_mask"][0]).sum(1)], None
-        if self.prompts.qwen:  # every image's patches (serving/qwen_vl.py), in the queue's next forward
-            pixels, grids = image_patches(self.prompts.image_processor, images)
-            table = self.tower.encode(pixels[0, 0], grids).numpy()
-            return table, grid_rows(grids, self.prompts.config["mrope"]["merge"]), grids
-        pixels, sizes = self.prompts.pixels(images)
-        counts = self.prompts.token_counts(sizes, len(images))
-        return self.runner.tables([pixels], [sizes])[0], counts, None
+        return images
+
+    def _submit_qwen(self, parts: list[dict]) -> tuple[Future, list[int], np.ndarray]:
+        """Qwen: every image's patches (serving/qwen_vl.py) submitted to the queue's next forward -> (Future of
+        the table, each image's rows, the grids)."""
+        pixels, grids = image_patches(self.prompts.image_processor, self._images(parts))
+        return self.tower.submit(pixels[0, 0], grids), grid_rows(grids, self.prompts.config["mrope"]["merge"]), grids
 
     def cross_inputs(self, ids: list[int], states: np.ndarray, tiles: list[int]) -> dict[str, np.ndarray]:
         """Llama 3.2 Vision: a prompt's tensorrt_llm inputs for its images (``encode``'s states and tiles), the

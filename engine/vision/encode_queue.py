@@ -84,14 +84,18 @@ class ImageEncodeQueue:
         """The pending items, oldest first, up to ``limit`` images (at least one item). ``wait``: block
         until there is one; [] once closed and drained (or, not waiting, when none is pending)."""
         with self._cv:
-            while wait and not self._pending and not self._closed:
-                self._cv.wait()
-            taken, images = [], 0
-            while self._pending and (not taken or images + len(self._pending[0][1]) <= limit):
-                item = self._pending.pop(0)
-                taken.append(item)
-                images += len(item[1])
-            return taken
+            while True:
+                while wait and not self._pending and not self._closed:
+                    self._cv.wait()
+                taken, images = [], 0
+                while self._pending and (not taken or images + len(self._pending[0][1]) <= limit):
+                    item = self._pending.pop(0)
+                    if not item[2].set_running_or_notify_cancel():
+                        continue  # cancelled while pending (its caller went away: asyncio.wrap_future): skipped
+                    taken.append(item)
+                    images += len(item[1])
+                if taken or not wait or self._closed:  # (waiting, and every pending item was cancelled: wait on)
+                    return taken
 
     def _run(self) -> None:
         launched = None  # the forward whose copy is in flight

@@ -82,6 +82,8 @@ def test_encode_queue_batches_pending_requests_into_one_forward(built):
     queue = ImageEncodeQueue(encoder, "cpu")
     try:
         with queue._cv:  # the worker waits for this lock: every request is pending when it looks
+            gone = queue.submit(requests[1]["pixel_values"], requests[1]["image_grid_thw"])
+            assert gone.cancel()  # (its caller went away): skipped, not encoded
             futures = [queue.submit(r["pixel_values"], r["image_grid_thw"]) for r in requests]
         got = [f.result(timeout=60) for f in futures]
         bad = queue.submit(requests[0]["pixel_values"][:3], requests[0]["image_grid_thw"])  # too few patches
@@ -310,7 +312,10 @@ def test_openai_image_path_sends_mrope_and_gives_transformers_ids(built):
     """The OpenAI frontend's direct path (openai_frontend/vision.py ChatImages, triton_client.direct_inputs):
     a data: image -> table, rows and grid; the chat prompt's <|image_pad|> -> fake ids; the prompt's M-RoPE
     pair beside them -> tensorrt_llm's conversion -> transformers' greedy ids (no server)."""
+    import asyncio
     import base64
+
+    import numpy as np
 
     pytest.importorskip("tritonclient", reason="the OpenAI frontend's direct path needs tritonclient")
     from openai_frontend.protocol import SamplingParams
@@ -326,6 +331,9 @@ def test_openai_image_path_sends_mrope_and_gives_transformers_ids(built):
     url = "data:image/png;base64," + base64.b64encode(encoded(make_image(0, (52, 40)))).decode()
     table, counts, grids = images._encode([{"url": url, "field": "messages[0].content[0]"}])
     assert images.prompts.placeholder_id == IMAGE_TOKEN and counts == [len(table)]
+    # the server's way: a worker submits to the queue, the table is awaited on the event loop
+    queued, queued_counts, _ = asyncio.run(images.encode([{"url": url, "field": "messages[0].content[0]"}]))
+    assert np.array_equal(queued, table) and queued_counts == counts
     hf_ids = [1, 5, VISION_START, *[IMAGE_TOKEN] * len(table), VISION_END, 7, 8, 6]
     ids = images.expand([1, 5, VISION_START, IMAGE_TOKEN, VISION_END, 7, 8, 6], counts)
     inputs = direct_inputs(ids, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0), NEW_TOKENS, None, 2, 4, None, table,
