@@ -342,7 +342,7 @@ def bench_offline(args, ex, config, encode, encoder, encoder_config, grid, num_r
         seconds = time.perf_counter() - started
         return {"seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds,
                 "encode_and_enqueue_seconds": encoder_seconds, "reused_blocks": reused_blocks(ex) - reused,
-                "iterations": iteration_breakdown(ex, since)}
+                "iterations": iteration_breakdown(ex, since), "prompt_steps": prompt_steps(ex, since)}
 
     queue = ImageEncodeQueue(encoder, args.device, max_images=args.encode_batch)
     try:
@@ -416,8 +416,9 @@ def through_queue(args, ex, queue: ImageEncodeQueue, config, encoder_config, gri
     seconds = time.perf_counter() - started
     thread.join()
     return {"seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds,
-            "tables_ready_s": ready_at[-1], "enqueue_calls": len(ready_at), "reused_blocks": reused_blocks(ex) - reused,
-            "iterations": iteration_breakdown(ex, since)}
+            "tables_ready_s": ready_at[-1], "first_table_s": ready_at[0], "enqueue_calls": len(ready_at),
+            "reused_blocks": reused_blocks(ex) - reused,
+            "iterations": iteration_breakdown(ex, since), "prompt_steps": prompt_steps(ex, since)}
 
 
 class _Watched:
@@ -432,13 +433,22 @@ class _Watched:
         return self.ex.await_responses(timeout=timeout)
 
 
+def prompt_steps(ex, since_ns: int) -> list[list]:
+    """[ms, prompt tokens, decode rows] of each iteration with prompt tokens since ``since_ns``, in order
+    (where an image run's prefill time goes, beside the text run's)."""
+    return [[round(h.iter_latency_ms, 1), h.num_ctx_tokens, h.num_gen_requests]
+            for h in ex.get_iteration_stats_history() if h.timestamp_ns >= since_ns and h.num_context_requests]
+
+
 def progress(name: str, run: dict) -> dict:
     """``run``, after a line on stderr (what a run cut short by a timeout still shows)."""
     it = run["iterations"]
     print(f"offline {name}: {run['output_tok_s']:.0f} tok/s ({run['seconds']:.2f} s), prompt-token iterations "
           f"{it['context_seconds']:.2f} s ({it['context_iterations']}), decode-only {it['decode_seconds']:.2f} s "
-          f"({it['decode_iterations']}), reused blocks {run.get('reused_blocks')}, last table ready at "
-          f"{run.get('tables_ready_s')}", file=sys.stderr, flush=True)
+          f"({it['decode_iterations']}), reused blocks {run.get('reused_blocks')}"
+          + (f", tables ready from {run['first_table_s']:.3f} to {run['tables_ready_s']:.3f} s, "
+             f"{run['enqueue_calls']} enqueue calls" if "tables_ready_s" in run else "")
+          + f"; prompt steps [ms, prompt tokens, decode rows]: {run.get('prompt_steps')}", file=sys.stderr, flush=True)
     return run
 
 
@@ -453,7 +463,7 @@ def timed_offline(ex, requests: list[Request]) -> dict:
     since = time.time_ns()
     seconds, tokens = run_offline(ex, requests)
     return {"seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds,
-            "iterations": iteration_breakdown(ex, since)}
+            "iterations": iteration_breakdown(ex, since), "prompt_steps": prompt_steps(ex, since)}
 
 
 def hf_generate(args, config, grid, num_rows) -> list[dict]:
