@@ -342,7 +342,8 @@ def bench_offline(args, ex, config, encode, encoder, encoder_config, grid, num_r
         seconds = time.perf_counter() - started
         return {"seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds,
                 "encode_and_enqueue_seconds": encoder_seconds, "reused_blocks": reused_blocks(ex) - reused,
-                "iterations": iteration_breakdown(ex, since), "prompt_steps": prompt_steps(ex, since)}
+                "iterations": iteration_breakdown(ex, since), "prompt_steps": prompt_steps(ex, since),
+                "slow_decode_steps": slow_decode_steps(ex, since)}
 
     queue = ImageEncodeQueue(encoder, args.device, max_images=args.encode_batch)
     try:
@@ -418,7 +419,8 @@ def through_queue(args, ex, queue: ImageEncodeQueue, config, encoder_config, gri
     return {"seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds,
             "tables_ready_s": ready_at[-1], "first_table_s": ready_at[0], "enqueue_calls": len(ready_at),
             "reused_blocks": reused_blocks(ex) - reused,
-            "iterations": iteration_breakdown(ex, since), "prompt_steps": prompt_steps(ex, since)}
+            "iterations": iteration_breakdown(ex, since), "prompt_steps": prompt_steps(ex, since),
+            "slow_decode_steps": slow_decode_steps(ex, since)}
 
 
 class _Watched:
@@ -440,6 +442,17 @@ def prompt_steps(ex, since_ns: int) -> list[list]:
             for h in ex.get_iteration_stats_history() if h.timestamp_ns >= since_ns and h.num_context_requests]
 
 
+def slow_decode_steps(ex, since_ns: int) -> list[list]:
+    """[ms, decode rows] of the decode-only iterations since ``since_ns`` that took over twice their median
+    (outliers: a garbage collection, a host stall), in order."""
+    steps = [h for h in ex.get_iteration_stats_history()
+             if h.timestamp_ns >= since_ns and not h.num_context_requests and h.num_gen_requests]
+    if not steps:
+        return []
+    median = statistics.median(h.iter_latency_ms for h in steps)
+    return [[round(h.iter_latency_ms, 1), h.num_gen_requests] for h in steps if h.iter_latency_ms > 2 * median]
+
+
 def progress(name: str, run: dict) -> dict:
     """``run``, after a line on stderr (what a run cut short by a timeout still shows)."""
     it = run["iterations"]
@@ -448,7 +461,8 @@ def progress(name: str, run: dict) -> dict:
           f"({it['decode_iterations']}), reused blocks {run.get('reused_blocks')}"
           + (f", tables ready from {run['first_table_s']:.3f} to {run['tables_ready_s']:.3f} s, "
              f"{run['enqueue_calls']} enqueue calls" if "tables_ready_s" in run else "")
-          + f"; prompt steps [ms, prompt tokens, decode rows]: {run.get('prompt_steps')}", file=sys.stderr, flush=True)
+          + f"; prompt steps [ms, prompt tokens, decode rows]: {run.get('prompt_steps')}; decode-only steps over twice "
+          f"the median [ms, rows]: {run.get('slow_decode_steps')}", file=sys.stderr, flush=True)
     return run
 
 
@@ -463,7 +477,8 @@ def timed_offline(ex, requests: list[Request]) -> dict:
     since = time.time_ns()
     seconds, tokens = run_offline(ex, requests)
     return {"seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds,
-            "iterations": iteration_breakdown(ex, since), "prompt_steps": prompt_steps(ex, since)}
+            "iterations": iteration_breakdown(ex, since), "prompt_steps": prompt_steps(ex, since),
+            "slow_decode_steps": slow_decode_steps(ex, since)}
 
 
 def hf_generate(args, config, grid, num_rows) -> list[dict]:
