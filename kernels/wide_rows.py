@@ -28,7 +28,9 @@ weight, gated 32, a stage), else 128 bytes over 4; split-K so the programs cover
 The numbers are the decode kernels' (FP8: the same E4M3 values multiplied exactly, both scales in the
 epilogue), one rounding of the output dtype from the references.
 
-``TRITONLLM_WIDE_ROWS=0`` skips the choice (such products stay on cuBLAS / cuBLASLt).
+``TRITONLLM_WIDE_ROWS=1`` turns the choice on. Off by default until the kernel has run on a GPU: it is verified
+under the CPU interpreter only, and the choice compiles 9-12 more kernels per dtype at engine load. Off, such
+products stay on cuBLAS / cuBLASLt.
 """
 from __future__ import annotations
 
@@ -72,9 +74,9 @@ def choose_wide_variants(weights: list[torch.Tensor], gated: list[torch.Tensor] 
     """Per distinct weight (dtype, shape) (key (N, K) or ("gated", N, K), with "fp8" first for FP8
     weights) and padded row count of ``row_counts``: {"kernel_us", "library_us", "tiling"}; every
     weight of that shape gets {rows: tiling} for the row counts where the kernel won. CUDA weights of
-    FP8, bf16 or fp16 only; a no-op under WIDE_ROWS_ENV=0."""
+    FP8, bf16 or fp16 only; a no-op unless WIDE_ROWS_ENV=1."""
     report: dict[tuple, dict] = {}
-    if os.environ.get(WIDE_ROWS_ENV, "1") == "0" or not row_counts:
+    if os.environ.get(WIDE_ROWS_ENV, "0") != "1" or not row_counts:
         return report
     for weight, is_gated in [(w, False) for w in weights] + [(w, True) for w in gated]:
         if not weight.is_cuda or weight.dim() != 2 or weight.dtype not in (FP8_DTYPE, torch.bfloat16, torch.float16):

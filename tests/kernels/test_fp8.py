@@ -368,9 +368,11 @@ def test_wide_row_counts_cover_the_steps_past_the_decode_rows():
 
 @cuda
 @pytest.mark.parametrize("rows", [17, 65])
-def test_fp8_linear_takes_the_wide_tiling_chosen_at_load(rows):
-    """choose_wide_variants marks a weight with {padded rows: tiling} where the kernel beat cuBLASLt;
-    fp8_linear and fp8_gated_linear then run it, equal to the W8A8 reference either way."""
+def test_fp8_linear_takes_the_wide_tiling_chosen_at_load(rows, monkeypatch):
+    """choose_wide_variants marks a weight with {padded rows: tiling} where the kernel beat cuBLASLt
+    (TRITONLLM_WIDE_ROWS=1: off by default); fp8_linear and fp8_gated_linear then run it, equal to the
+    W8A8 reference either way."""
+    monkeypatch.setenv("TRITONLLM_WIDE_ROWS", "1")
     from kernels.linear import WIDE_ATTR, padded_rows
     from kernels.wide_rows import choose_wide_variants, wide_tiling
 
