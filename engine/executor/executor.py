@@ -255,7 +255,9 @@ class Executor:
         self._callback = response_callback
         self._iteration = 0
         self._stats_history: deque[IterationStats] = deque(maxlen=self.config.iter_stats_max_iterations)
-        self._latest_stats = IterationStats(kv_cache_stats=kv_cache_stats(self.blocks))
+        # Before the first iteration too, the stats show every pool (metrics read them from the start:
+        # an encoder-decoder engine's cross-KV gauge reads its max while nothing has run yet).
+        self._latest_stats = IterationStats(**self._pool_stats())
         log_path = os.environ.get(ITERATION_LOG_ENV)
         self._iteration_log = IterationLog(log_path) if log_path else None
         self._deliver_ms = 0.0  # this iteration's time in _deliver (for the iteration log)
@@ -1127,6 +1129,13 @@ class Executor:
             self._gpu_memory = torch.cuda.memory_allocated(self.runner.device)
         return self._gpu_memory
 
+    def _pool_stats(self) -> dict:
+        """IterationStats' pool fields now: the KV pool, the cross-KV pool (encoder-decoder engines) and LoRA."""
+        return {"kv_cache_stats": kv_cache_stats(self.blocks),
+                "cross_kv_cache_stats": (None if self.encoder_stage is None
+                                         else KvCacheStats(**self.encoder_stage.cross_kv_counts())),
+                "lora_cache_stats": None if self.adapters is None else self.adapters.snapshot()}
+
     def _record_stats(self, plan: SchedulerOutput, latency_ms: float, num_active: int) -> None:
         self._iteration += 1
         now = datetime.now(timezone.utc)
@@ -1144,10 +1153,7 @@ class Executor:
             num_paused_requests=len(plan.preempted), num_preempted_requests=self.scheduler.num_preemptions,
             cpu_mem_usage=0 if on_gpu else kv_bytes,
             gpu_mem_usage=self._gpu_memory_allocated() if on_gpu else 0,
-            kv_cache_stats=kv_cache_stats(self.blocks),
-            cross_kv_cache_stats=(None if self.encoder_stage is None
-                                  else KvCacheStats(**self.encoder_stage.cross_kv_counts())),
-            lora_cache_stats=None if self.adapters is None else self.adapters.snapshot(),
+            **self._pool_stats(),
             num_draft_tokens_total=self._num_draft_tokens_total,
             num_accepted_draft_tokens_total=self._num_accepted_draft_tokens_total,
             num_kv_transfers_total=self.disagg.num_transfers, kv_cache_transfer_ms_total=self.disagg.kv_cache_transfer_ms)

@@ -100,6 +100,11 @@ def test_small_cross_pool_queues_requests_and_cancel_frees_it(built):
     config = ExecutorConfig(max_batch_size=4, max_tokens_in_paged_kv_cache=192, cross_kv_cache_fraction=0.01)
     with Executor(str(engine / "decoder"), config) as ex:
         assert ex.encoder_stage.num_blocks == MAX_ENCODER_LEN // 4
+        # the stats show the cross pool before any iteration (tritonllm_cross_kv_cache_block_metrics
+        # reads its max and free from the engine process's first publish, not after a first request)
+        start = ex.get_latest_iteration_stats()
+        assert start.iter == 0 and start.cross_kv_cache_stats.max_num_blocks == ex.encoder_stage.num_blocks
+        assert start.cross_kv_cache_stats.free_num_blocks == ex.encoder_stage.num_blocks
         out = OutputConfig(exclude_input_from_output=True)
         ids = ex.enqueue_requests([Request([], 6, end_id=1, encoder_input_ids=i, output=out) for i in INPUTS])
         responses = collect(ex, ids)
