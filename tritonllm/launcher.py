@@ -159,6 +159,9 @@ def build_command(args: argparse.Namespace, install: ServerInstall) -> list[str]
 # the optional ones only when set (mpirun warns about unset names).
 RANK_ENV_VARS = ("PATH", "LD_LIBRARY_PATH", "TRITONLLM_DIST_ADDR", "TRITONLLM_DIST_PORT")
 MPIRUN_SIGKILL_TIMEOUT_S = 10
+# Whole seconds instead of MPIRUN_SIGKILL_TIMEOUT_S: for a job whose ranks stop faster (the tests' tiny ones,
+# which would otherwise idle 10 s in every SIGTERM to mpirun).
+MPIRUN_SIGKILL_TIMEOUT_ENV = "TRITONLLM_MPIRUN_SIGKILL_TIMEOUT_S"
 OPTIONAL_RANK_ENV_VARS = ("TRITONLLM_DIST_TIMEOUT_S", "TRITONLLM_DIST_STARTUP_TIMEOUT_S", "TRITONLLM_DIST_HEARTBEAT_S",
                           "TRITONLLM_PP_MICRO_BATCHES", "NCCL_SOCKET_IFNAME", "NCCL_DEBUG", "CUDA_VISIBLE_DEVICES")
 
@@ -174,13 +177,14 @@ def leader_mode_arguments(args: argparse.Namespace, install: ServerInstall) -> l
     the server, which then answers with errors and reports not ready) alive when a worker dies.
     On SIGTERM/SIGINT mpirun sends every rank SIGCONT, then SIGTERM after
     ``odls_base_sigkill_timeout`` seconds, then SIGKILL as long again: the default (1 s) would
-    kill tritonserver in the middle of its graceful shutdown.
+    kill tritonserver in the middle of its graceful shutdown ($TRITONLLM_MPIRUN_SIGKILL_TIMEOUT_S, else 10).
     """
     if not args.engine_dir:
         raise RuntimeError("--world_size > 1 needs the engine directory: pass --engine_dir or fill "
                            "gpt_model_path in the tensorrt_llm model's config.pbtxt")
     cmd = ["--bind-to", "none", "--mca", "orte_enable_recovery", "1",
-           "--mca", "odls_base_sigkill_timeout", str(MPIRUN_SIGKILL_TIMEOUT_S)]
+           "--mca", "odls_base_sigkill_timeout", str(int(os.environ.get(MPIRUN_SIGKILL_TIMEOUT_ENV,
+                                                                       MPIRUN_SIGKILL_TIMEOUT_S)))]
     if args.hostfile:
         cmd += ["--hostfile", args.hostfile]
     for name in RANK_ENV_VARS + tuple(n for n in OPTIONAL_RANK_ENV_VARS if n in os.environ):
