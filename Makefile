@@ -13,8 +13,9 @@ setup:
 
 # The suite on PYTEST_WORKERS pytest-xdist workers (0: in this process, one test at a time).
 # --dist loadfile: each file's tests on one worker, so a module's servers and engines are built
-# once; --no-loadscope-reorder: files in collection order, so the many quick serving/ and tools/
-# files come last and both workers finish together.
+# once (and the files of the integration package's session server are one unit: one worker starts it);
+# --no-loadscope-reorder: files in collection order, which tests/file_order.py sets: that unit and the
+# files that start servers first, so the many quick files come last and both workers finish together.
 PYTEST_WORKERS ?= 2
 test: setup
 	$(PY) -m pytest -q -x -ra -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder tests

@@ -76,17 +76,32 @@ def _split_cores_between_workers():
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
-# Files handed to the workers first. `make test` (--dist loadfile --no-loadscope-reorder) hands files
-# out in collection order, one at a time as a worker runs dry, so a long file collected last runs on
-# one worker while the other has nothing left: tools/test_wheel.py (build, install, serve: ~20 s on
-# CI) sorted last.
-RUN_FIRST = ("tests/tools/test_wheel.py",)
-
-
 def pytest_collection_modifyitems(session, config, items):
-    first = [item for item in items if item.nodeid.startswith(RUN_FIRST)]
-    if first:
-        items[:] = first + [item for item in items if not item.nodeid.startswith(RUN_FIRST)]
+    """Files in the order tests/file_order.py gives (`make test` hands them out in collection order):
+    the shared server's files, then the long ones, then the rest; each file's tests stay together."""
+    from file_order import file_rank
+
+    root = str(config.rootpath)
+    items.sort(key=lambda item: file_rank(root, item.nodeid))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile with the shared server's files as one unit of work (tests/file_order.py says
+    why); other --dist modes as pytest-xdist makes them."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    from file_order import scope_of
+
+    root = str(config.rootpath)
+
+    class SharedServerFileScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return scope_of(root, nodeid)
+
+    return SharedServerFileScheduling(config, log)
 
 
 FAILURE_LOG_ENV = "TRITONLLM_TEST_FAILURE_LOG"

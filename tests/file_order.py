@@ -1,0 +1,65 @@
+"""The order `make test` hands files to its pytest-xdist workers, and the files it keeps together.
+
+`make test` runs ``--dist loadfile --no-loadscope-reorder``: each file's tests on one worker, files
+handed out in collection order as a worker runs dry (a worker gets its next file while the last two
+tests of its current one run). Two things that scheme does not know, fixed here:
+
+- Every worker is a pytest session of its own, so the integration package's session server
+  (tests/integration/conftest.py: ``triton_server`` with its second engine process ``generation``,
+  ``frontend``, ``lora_adapters``) was started on both workers, each start two engine processes,
+  eight Python-backend stubs, an OpenAI frontend and a LoRA conversion. ``SHARED_SERVER_SCOPE``:
+  the files that use it are one unit of work, so one worker starts it once (``scope_of``).
+- A long file handed out last runs alone while the other worker has nothing left. Longest first:
+  that shared unit, then the files that start servers or ranks (``LONG_FIRST``), then the rest in
+  collection order, whose many short files let both workers finish together (``file_rank``).
+
+Plain Python (no xdist import): tests/conftest.py makes the scheduler from it.
+"""
+from __future__ import annotations
+
+import ast
+from functools import lru_cache
+from pathlib import Path
+
+# The integration package's session fixtures (tests/integration/conftest.py) and the unit of work
+# of every file that uses one of them.
+SHARED_SERVER_FIXTURES = frozenset({"triton_server", "frontend", "lora_adapters"})
+SHARED_SERVER_SCOPE = "tests/integration[session server]"
+INTEGRATION = "tests/integration/"
+# Files first after the shared unit: each starts tritonserver, mpirun ranks or a built wheel's server
+# (~10-50 s each on CI's two cores), so none of them is left for the end.
+LONG_FIRST = ("tests/tools/test_wheel.py", INTEGRATION, "tests/distributed/")
+
+
+@lru_cache(maxsize=None)
+def uses_shared_server(root: str, path: str) -> bool:
+    """Whether the test file at ``path`` (relative to ``root``) names a session fixture of the
+    integration package: as a parameter of a function (a test or a fixture of its own), or as a
+    string (``request.getfixturevalue("triton_server")``, a parametrized fixture name)."""
+    if not path.startswith(INTEGRATION) or not path.endswith(".py"):
+        return False
+    try:
+        tree = ast.parse((Path(root) / path).read_text())
+    except (OSError, SyntaxError):
+        return False
+    for node in ast.walk(tree):
+        if isinstance(node, ast.arg) and node.arg in SHARED_SERVER_FIXTURES:
+            return True
+        if isinstance(node, ast.Constant) and node.value in SHARED_SERVER_FIXTURES:
+            return True
+    return False
+
+
+def scope_of(root: str, nodeid: str) -> str:
+    """The unit of work of a test: its file, or SHARED_SERVER_SCOPE for a file of the shared server."""
+    path = nodeid.split("::", 1)[0]
+    return SHARED_SERVER_SCOPE if uses_shared_server(root, path) else path
+
+
+def file_rank(root: str, nodeid: str) -> int:
+    """0: the shared server's files, 1: LONG_FIRST, 2: the rest (a stable sort keeps each file's tests
+    together and in their order)."""
+    path = nodeid.split("::", 1)[0]
+    if uses_shared_server(root, path):
+        return 0
+    return 1 if path.startswith(LONG_FIRST) else 2
