@@ -83,6 +83,10 @@ def pytest_collection_modifyitems(session, config, items):
 
     root = str(config.rootpath)
     items.sort(key=lambda item: file_rank(root, item.nodeid))
+    if os.environ.get("TRITONLLM_GPU_SUITE") == "1":  # tests/gpu_run.sh: its long tests first, a worker each
+        from gpu_suite_order import reorder_for_gpu_suite  # (tests/, on the path as this file's folder)
+
+        reorder_for_gpu_suite(config, items)
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -19,7 +19,7 @@
 #
 # Prints one summary line per part, then each failure and error with its traceback (written as it
 # happens by tests/conftest.py, so a part cut by the budget still reports them).
-# OUT/<part>.log: each test's outcome (-v), the 25 slowest and pytest's summary; OUT/failures.txt: the
+# OUT/<part>.log: each test's outcome (-v), every duration over 1 s and pytest's summary; OUT/failures.txt: the
 # tracebacks of all parts (at most 8 files come back from a device call).
 set -u
 out=${1:?usage: tests/gpu_run.sh OUT}
@@ -58,6 +58,7 @@ install_wheels() {
 install_wheels
 export PYTHONPATH=$site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export TRITONLLM_GPU_SUITE=1  # tests/gpu_suite_order.py: the long tests first, one worker each
 date -u
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
 "$PYTHON" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "CUDA:", torch.cuda.is_available(), "GPUs:", torch.cuda.device_count(), "cores:", __import__("os").cpu_count())'
@@ -78,7 +79,7 @@ run_part() {  # NAME GPU WORKERS MEMORY_FRACTION DIST PATHS...: in the backgroun
     : > "$TRITONLLM_TEST_FAILURE_LOG"
     start=$(date +%s)
     timeout "$limit" "$PYTHON" -m pytest -v -rfEs --tb=short -p no:cacheprovider -n "$workers" --dist "$dist" \
-      --durations=25 "$@" > "$out/$name.log" 2>&1
+      --no-loadscope-reorder --durations=0 --durations-min=1 "$@" > "$out/$name.log" 2>&1
     echo "$? $(( $(date +%s) - start ))" > "$work/$name.rc"
   ) &
 }
@@ -105,7 +106,7 @@ for name in kernels engine executor; do
 done
 for name in kernels engine executor; do
   echo "slowest of $name:"
-  sed -n '/slowest .* durations/,/^$/p' "$out/$name.log" | sed -n '2,7p'
+  sed -n '/slowest.*durations/,/^$/p' "$out/$name.log" | sed -n '2,7p'
 done
 echo "skipped, by reason (count):"
 grep -h '^SKIPPED' "$out"/kernels.log "$out"/engine.log "$out"/executor.log \

@@ -33,12 +33,18 @@ def test_norm_linear_matches_reference(device, m, n, k):
     cases = [dict(norm=a["norm"]), dict(norm=a["norm"], activation="gelu"), dict(residual=a["residual"]),
              dict(norm=a["norm"], residual=a["residual"])]
     variants = [PRELOAD, (16, 64, 4, 2), (16, 64, 4, 2, 2), (64, 32, 4, 2, 1, 1, 1)] if m <= 16 else [PRELOAD]
+    every_case = variants
     if device == "cuda" and m == 3:  # every tiling the load-time choice may give a weight, on one shape
         from kernels.linear import half_variants
         variants = [PRELOAD, *half_variants()]
-    for case in cases:
+    for index, case in enumerate(cases):
         ref = norm_linear_ref(a["x"], a["weight"], a["bias"], **case)
         for variant in variants:
+            if index in (0, 3) and variant not in every_case:
+                # (a compile per tiling and case: 44 took ~57 s of the GPU suite) the load-time tilings take
+                # norm + GELU and residual without norm, each switch of the kernel's prologue and epilogue
+                # through their split-K / balanced / swapped paths; every case runs on the four above
+                continue
             out = norm_linear_triton(a["x"], a["weight"], a["bias"], variant=variant, **case)
             assert relative_error(out, ref) < ROUNDING[dtype], (case.keys(), variant)
     out = norm_linear_triton(a["x"], a["weight"], None, norm=a["norm"], variant=variants[0])

@@ -156,24 +156,35 @@ def test_every_decode_tiling_matches_the_reference(device, variant):
 @pytest.mark.parametrize("group_size", [128, 256, None])
 def test_factored_kernels_match_the_reference(device, bits, group_size):
     """kernels/wna16_decode.py (scale and zero per unit of words) on the groupings it takes, both
-    kernels, split-K and not, with and without the prefetch of the next unit."""
+    kernels, split-K and not, with and without the prefetch of the next unit.
+
+    Which launch covers what (each a compile per dtype, bias and bits on a GPU: the FMA kernel's
+    (block_m, block_n, 16) float32 tile makes a 16 x 256 prefetching one ~30 s of Triton compile, an 8 x 256
+    one ~14 s, so those are not launched: they are no tiling the engine times, SKINNY_VARIANTS' FMA tiles
+    having 1 or 8 rows, its prefetching ones 1):
+    - FMA, split-K (kind 2): 1 row in a 1-row tile; 5 rows (bias) in a partial 8-row tile; 16 rows in
+      two 8-row tiles (the row-tile grid).
+    - FMA, prefetch (kind 4): block_m 1 x block_n 256 (the engine's shape) at 1 row, and 16 rows in 16
+      row tiles (the same compile); 5 rows (bias) in a partial 8-row tile of 128 columns.
+    - tensor cores (kind 3, kind 5 with prefetch): a 16-row tile at 1, 5 (bias) and 16 rows (one compile
+      for 1 and 16), split-K 1, 2 (prefetch) and 4 (of K's 6 units of 4-bit codes: 3 splits; of 12 8-bit: 4);
+      serving sizes (70 rows, bias): the 32- and 64-row tiles of MID_VARIANTS, a partial last row tile."""
     n, k = 150, 768
     stored, scale, zero = quantized(n, k, bits, group_size)
     assert wna16_decode.supports(k, group_size or k, bits)
+    dots = [dict(block_m=16, dot=True, split_k=1), dict(block_m=16, dot=True, split_k=4, block_n=128),
+            dict(block_m=16, dot=True, split_k=2, block_n=128, prefetch=1)]  # kind 5
+    options = {1: [dict(block_m=1, split_k=2), dict(block_m=1, split_k=3, block_n=256, prefetch=1)] + dots,
+               5: [dict(block_m=8, split_k=2), dict(block_m=8, split_k=3, block_n=128, prefetch=1)] + dots,
+               16: [dict(block_m=8, split_k=2), dict(block_m=1, split_k=3, block_n=256, prefetch=1)] + dots,
+               70: [dict(block_m=32, dot=True, split_k=1), dict(block_m=64, dot=True, split_k=2, block_n=128)]}
     for dtype in low_precision_dtypes(device):
         weight = kernel_weight(stored, scale, zero, bits, dtype, device)
         ref = reference_weight(stored, scale, zero, bits, dtype, device)
-        for m in (1, 5, 16, 70):
+        for m, tilings in options.items():
             x = torch.randn(m, k, device=device).to(dtype)
             bias = torch.randn(n, device=device).to(dtype) if m in (5, 70) else None
-            if m == 70:  # serving-size batches: the tensor-core kernel's 32- and 64-row tiles (MID_VARIANTS)
-                options = [dict(block_m=32, dot=True, split_k=1), dict(block_m=64, dot=True, split_k=2, block_n=128)]
-            else:
-                options = [dict(block_m={1: 1, 5: 8, 16: 16}[m], split_k=2), dict(block_m=16, dot=True, split_k=1),
-                           dict(block_m=16, dot=True, split_k=4, block_n=128),
-                           dict(block_m={1: 1, 5: 8, 16: 16}[m], split_k=3, block_n=256, prefetch=1),  # kind 4
-                           dict(block_m=16, dot=True, split_k=2, block_n=128, prefetch=1)]  # kind 5
-            for option in options:
+            for option in tilings:
                 out = wna16_decode.factored_matmul(x, weight.kernel, n, bits, group_size or k, bias, **option)
                 assert relative_error(out, wna16_linear_ref(x, ref, bias)) < TOLERANCE[dtype], (dtype, m, option)
 

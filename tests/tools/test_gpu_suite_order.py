@@ -1,0 +1,36 @@
+"""tests/gpu_suite_order.py: the GPU suite's long tests open the workers' first chunks (--dist load), its
+long files come first (--dist loadfile); pytest's items stood in for by their node ids."""
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: gpu_suite_order
+
+from gpu_suite_order import SLOW_FILES, SLOW_KERNEL_GROUPS, gpu_suite_order  # noqa: E402
+
+
+def items(*ids):
+    return [SimpleNamespace(nodeid=i) for i in ids]
+
+
+def test_each_slow_group_opens_a_first_chunk_of_its_own():
+    short = [f"tests/kernels/test_short.py::test_{i}" for i in range(60)]
+    slow = [SLOW_KERNEL_GROUPS[0][0], SLOW_KERNEL_GROUPS[1][0],
+            SLOW_KERNEL_GROUPS[2][0] + "[3-200-576]"]  # (a parametrized id under the norm-linear prefix)
+    collected = items(*short[:30], *slow, *short[30:])
+    workers = 2
+    chunk = max(2, len(collected) // workers // 4)  # 7
+    ordered = [item.nodeid for item in gpu_suite_order(collected, "load", workers)]
+    assert sorted(ordered) == sorted(i.nodeid for i in collected)
+    assert ordered[0] == slow[0] and ordered[chunk] == slow[1]  # a worker each, at the head of its chunk
+    assert ordered[1:chunk] == short[:chunk - 1]
+    assert ordered[2 * chunk] == slow[2]  # more groups than workers: next in line after the first chunks
+    assert gpu_suite_order(collected, "load", 1) == collected
+
+
+def test_slow_files_first_in_their_order_the_rest_as_collected():
+    collected = items("tests/engine/test_a.py::t1", f"{SLOW_FILES[1]}::t1", "tests/engine/test_b.py::t1",
+                      f"{SLOW_FILES[0]}::t1", f"{SLOW_FILES[1]}::t2")
+    ordered = [item.nodeid for item in gpu_suite_order(collected, "loadfile", 5)]
+    assert ordered == [f"{SLOW_FILES[0]}::t1", f"{SLOW_FILES[1]}::t1", f"{SLOW_FILES[1]}::t2",
+                       "tests/engine/test_a.py::t1", "tests/engine/test_b.py::t1"]
