@@ -51,6 +51,7 @@ from benchmarks.common import (MODELS, add_model_arguments, command_line, cuda_t
                                write_config_only_engine)
 from benchmarks.engine.step_timeline import profile_device, reset, summarize, timed  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
+from engine.executor.load_phases import LOAD_LOG_ENV, load_phase  # noqa: E402
 from engine.executor.runner import ForwardBatch, ModelRunner  # noqa: E402
 
 SECTIONS = ["bandwidth", "kernels", "gemm", "fp8_gemm", "sampling", "moe_kernel", "decode", "engine_offline", "offline", "executor_decode", "latency", "hf"]
@@ -72,10 +73,12 @@ GOALS = {
 def make_runner(engine_dir: str, device: str, max_tokens: int) -> ModelRunner:
     """The engine's own runner (random weights from the config-only dir), loaded as the executor
     loads it: KV pool, then GEMM choice and decode graphs, then warm-up."""
-    runner = ModelRunner(engine_dir, device=device)
+    with load_phase("weights", device):
+        runner = ModelRunner(engine_dir, device=device)
     runner.allocate_kv_cache(runner.num_kv_blocks_for(max_tokens=max_tokens))
-    runner.capture_cuda_graphs()
-    runner.warmup()
+    runner.capture_cuda_graphs()  # (its own phase lines: the kernel choices, decode and prefill graphs)
+    with load_phase("warm-up batch (prefill kernels)", device):
+        runner.warmup()
     return runner
 
 
@@ -1032,6 +1035,7 @@ class SectionRunner:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    os.environ.setdefault(LOAD_LOG_ENV, "1")  # a timestamped line per phase of each engine's load
     sections = [s for s in args.sections.split(",") if s]
     unknown = sorted(set(sections) - set(SECTIONS))
     if unknown:

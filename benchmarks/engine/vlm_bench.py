@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import statistics
 import sys
@@ -54,6 +55,7 @@ from benchmarks.engine.engine_bench import drain_offline, iteration_breakdown, p
 from engine.config import BuildConfig, EngineConfig  # noqa: E402
 from engine.convert import model_config_from_hf  # noqa: E402
 from engine.executor.executor import Executor, ExecutorConfig  # noqa: E402
+from engine.executor.load_phases import LOAD_LOG_ENV, load_phase  # noqa: E402
 from engine.executor.mrope_rotary import Mrope  # noqa: E402
 from engine.executor.prompt_table import PromptTable  # noqa: E402
 from engine.executor.random_weights import materialize_random_weights  # noqa: E402
@@ -217,7 +219,8 @@ def image_requests(config, encoder_config: dict, tables: list[torch.Tensor], gri
 
 def bench_executor(args, config, sections: list[str]) -> dict:
     """TTFT and offline throughput through one executor (its warm-up first), then transformers."""
-    encoder = load_encoder(config, args)
+    with load_phase("vision tower, random weights", args.device):
+        encoder = load_encoder(config, args)
     encoder_config = qwen2_5_vl.encoder_config(config)
     vocab = config.text_config.vocab_size
     side = args.image_sizes[0]
@@ -233,10 +236,11 @@ def bench_executor(args, config, sections: list[str]) -> dict:
             return list(torch.cat(rows).to(torch.float16).cpu().split(num_rows))  # one copy to the host
 
         rng = random.Random(0)
-        warm = image_requests(config, encoder_config, encode(random_patches([grid], args.device), 1),
-                              grid, [prompt_ids(config, num_rows, args.text_len, rng, vocab)], vocab, 4)
-        ex.enqueue_requests(warm + [Request(text_prompt(num_rows + 2 + args.text_len, config, rng), 4)])
-        drain_offline(ex, 2)
+        with load_phase("warm-up: an image request and a text one (the tower's kernels)", args.device):
+            warm = image_requests(config, encoder_config, encode(random_patches([grid], args.device), 1),
+                                  grid, [prompt_ids(config, num_rows, args.text_len, rng, vocab)], vocab, 4)
+            ex.enqueue_requests(warm + [Request(text_prompt(num_rows + 2 + args.text_len, config, rng), 4)])
+            drain_offline(ex, 2)
         twins = count_table_twin_replays(ex)
         if "ttft" in sections:
             results["ttft"] = bench_ttft(args, ex, config, encoder, encoder_config, grid, num_rows, side)
@@ -349,8 +353,9 @@ def bench_offline(args, ex, config, encode, encoder, encoder_config, grid, num_r
     try:
         # Untimed: one round on images of its own, so the queue's stream, its pinned host blocks and the
         # executor's (gathered rows) exist before the clock starts, as in a server that has served a while
-        through_queue(args, ex, queue, config, encoder_config, grid, prompts, random_patches(
-            [grid] * args.requests, args.device, seed=4), vocab, 2)
+        with load_phase(f"untimed encode-queue round ({args.requests} requests, 2 output tokens)", args.device):
+            through_queue(args, ex, queue, config, encoder_config, grid, prompts, random_patches(
+                [grid] * args.requests, args.device, seed=4), vocab, 2)
         entry["image"] = progress("image", through_queue(
             args, ex, queue, config, encoder_config, grid, prompts,
             random_patches([grid] * args.requests, args.device, seed=1), vocab, args.output_len))
@@ -616,8 +621,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    os.environ.setdefault(LOAD_LOG_ENV, "1")  # a timestamped line per phase of the executor's start and the bench's
     sections = args.sections.split(",")
-    config = hf_config(args.device)
+    with load_phase("transformers' config"):
+        config = hf_config(args.device)
     results = {"date": utc_now(), "device": args.device, "machine": machine_summary(args.device), "commit": git_commit(),
                "command": command_line(__file__, argv), "goals": GOALS,
                "tower_mlp_width": config.vision_config.intermediate_size if args.unpadded_mlp

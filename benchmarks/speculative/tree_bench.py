@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import tempfile
@@ -100,11 +101,13 @@ def loop_choices(nodes: int) -> list[list[int]]:
 
 def start(args, label: str):
     from engine.executor.executor import Executor, ExecutorConfig, SpeculativeConfig
+    from engine.executor.load_phases import load_phase
 
     free_device_memory(args.device)
     started = time.perf_counter()
     model = MODELS[args.model]
-    heads = save_random_eagle3(tempfile.mkdtemp(prefix="eagle3-"), model, args.draft_vocab, args.device)
+    with load_phase("EAGLE-3 heads written", args.device):
+        heads = save_random_eagle3(tempfile.mkdtemp(prefix="eagle3-"), model, args.draft_vocab, args.device)
     engine_dir = write_config_only_engine(args.model, args.model_dtype, args.max_batch_size, args.max_seq_len,
                                           args.max_batch_size * 65, args.tokens_per_block, DTYPES[label])
     spec = SpeculativeConfig("eagle", max_draft_len=64, eagle_model_path=heads,
@@ -330,6 +333,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    os.environ.setdefault("TRITONLLM_LOAD_LOG", "1")  # engine/executor/load_phases.py: a line per load phase
     results = {"command": command_line(__file__, argv), "device": device_name(args.device), "date": utc_now(),
                "commit": git_commit(), "dtypes": {}}
     for label in args.dtypes.split(","):

@@ -41,6 +41,7 @@ from engine.executor.executor_config import (  # noqa: F401
 )
 from engine.executor.kv_events import KVEventPublisher, KVEventQueue, make_kv_event_publisher
 from engine.executor.kv_host_tier import make_host_tier
+from engine.executor.load_phases import load_phase
 from engine.encoder_decoder.encoder_stage import encoder_decoder_runner, encoder_input_error, make_encoder_stage
 from engine.executor import image_spans
 from engine.executor.mrope_rotary import step_rotary_of
@@ -94,8 +95,9 @@ class Executor:
     def _init_runner(self, engine_dir: str, device: str | None) -> None:
         from engine.tensor_parallel.distributed import make_runner  # one rank: a ModelRunner; rank 0 of N: a LeaderRunner
 
-        self.runner = make_runner(engine_dir, device=device,
-                                  runner_class=encoder_decoder_runner(engine_dir, self.config) or ModelRunner)
+        with load_phase("weights", device):  # $TRITONLLM_LOAD_LOG=1: a timestamped line per phase (load_phases.py)
+            self.runner = make_runner(engine_dir, device=device,
+                                      runner_class=encoder_decoder_runner(engine_dir, self.config) or ModelRunner)
         build = self.runner.build_config
         cfg = self.config
         for name in ("max_batch_size", "max_num_tokens"):
@@ -107,20 +109,24 @@ class Executor:
         self.max_num_tokens = max(cfg.max_num_tokens or build.max_num_tokens, self.max_batch_size)
         self._init_lora()  # the adapter slots come before the KV pool, which takes what is left
         self.state_slots = state_cache.start_state_cache(self.runner, self.max_batch_size, cfg)  # so do Mamba states
-        self.proposer = self._make_proposer(engine_dir)  # a draft model loads before the KV pools share the memory
+        with load_phase("draft model / proposer", self.runner.device):
+            self.proposer = self._make_proposer(engine_dir)  # a draft model loads before the KV pools share the memory
         if getattr(self.proposer, "drafts_trees", False):  # tree verify steps get CUDA graphs of their own
             self.runner.tree_graph_width = 1 + cfg.speculative.max_draft_len
         kv_share = getattr(self.proposer, "target_kv_share", 1.0)  # the rest is the draft model's pool
-        num_blocks = self.runner.num_kv_blocks_for(free_mem_fraction=cfg.kv_cache_free_gpu_mem_fraction * kv_share,
-                                                   max_tokens=cfg.max_tokens_in_paged_kv_cache,
-                                                   kv_cache_dtype=cfg.kv_cache_dtype,
-                                                   reserve_bytes=self._step_memory_reserve())
-        self.runner.allocate_kv_cache(num_blocks, kv_cache_dtype=cfg.kv_cache_dtype)
+        with load_phase("step memory profile and KV pool", self.runner.device):
+            num_blocks = self.runner.num_kv_blocks_for(free_mem_fraction=cfg.kv_cache_free_gpu_mem_fraction * kv_share,
+                                                       max_tokens=cfg.max_tokens_in_paged_kv_cache,
+                                                       kv_cache_dtype=cfg.kv_cache_dtype,
+                                                       reserve_bytes=self._step_memory_reserve())
+            self.runner.allocate_kv_cache(num_blocks, kv_cache_dtype=cfg.kv_cache_dtype)
         if hasattr(self.proposer, "start"):  # the draft model's pool (as many tokens) and CUDA graphs
-            self.proposer.start(num_blocks * self.runner.tokens_per_block, self.max_batch_size,
-                                cfg.speculative.max_draft_len)
+            with load_phase("draft pool and graphs", self.runner.device):
+                self.proposer.start(num_blocks * self.runner.tokens_per_block, self.max_batch_size,
+                                    cfg.speculative.max_draft_len)
         self.runner.capture_cuda_graphs()  # CUDA: GEMM choice + decode graphs (the "compiled engine"); CPU: no-op
-        self.runner.warmup()  # CUDA: compile the prefill kernels before the first request; CPU: no-op
+        with load_phase("warm-up batch (prefill kernels)", self.runner.device):
+            self.runner.warmup()  # CUDA: compile the prefill kernels before the first request; CPU: no-op
         # Encoder-decoder engines: encoder runs and the cross-KV pool (engine/encoder_decoder/encoder_stage.py)
         self.encoder_stage = make_encoder_stage(self.runner)
 

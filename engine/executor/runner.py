@@ -22,6 +22,7 @@ from engine.models import get_model_class
 from engine.executor.device_memory import apply_memory_fraction_from_env, free_device_bytes
 from engine.executor.cuda_graphs import DecodeGraphs, choose_programmatic_launch, run_warmup_batch
 from engine.executor.layer_taps import LayerTaps
+from engine.executor.load_phases import load_phase
 from engine.executor.overlap import resolve_placeholders
 from engine.executor.prefill_graphs import PrefillGraphs, model_token_buckets
 from engine.executor.mrope_rotary import StepRotary
@@ -317,8 +318,10 @@ class ModelRunner:
                                           max_seq_len=build.max_seq_len, max_batch_size=build.max_batch_size,
                                           sampled_tokens=self.sampled_tokens, taps=self.layer_taps,
                                           lora_slots=0 if self.lora_pools is None else self.lora_pools.num_slots)
-        self.choose_kernels(self.decode_graphs.buckets)
-        self.decode_graphs.capture()
+        with load_phase("load-time kernel choices", self.device):  # (cold Triton cache: a compile per candidate)
+            self.choose_kernels(self.decode_graphs.buckets)
+        with load_phase(f"decode graphs ({len(self.decode_graphs.buckets)} buckets)", self.device):
+            self.decode_graphs.capture()
         buckets = model_token_buckets(self.model, build.max_num_tokens)
         if self.prefill_graphs_enabled() and buckets:
             cfg = self.model_config
@@ -331,7 +334,11 @@ class ModelRunner:
                 tree_width=self.tree_graph_width, lora_slots=0 if self.lora_pools is None else self.lora_pools.num_slots,
                 table=table_step_buffers(self.model, self.engine_config, build.max_num_tokens, self.dtype, self.device))
             try:
-                self.prefill_graphs.capture()
+                graphs = self.prefill_graphs
+                with load_phase(lambda: f"prefill graphs ({len(buckets)} buckets to {buckets[-1]} tokens; twins: "
+                                        f"table {len(graphs.table_graphs)}, tree {len(graphs.tree_graphs)}, "
+                                        f"LoRA {len(graphs.lora_graphs)})", self.device):
+                    graphs.capture()
             except torch.cuda.OutOfMemoryError:  # the KV pool left too little room: such steps stay eager
                 self.prefill_graphs = None
                 torch.cuda.empty_cache()
