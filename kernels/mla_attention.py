@@ -114,20 +114,28 @@ def mla_attention_ref(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch
 
 @jit
 def _mla_attention_kernel(q_lat_ptr, q_rope_ptr, cache_ptr, part_ptr, lse_ptr, block_tables_ptr, token_seq_ptr,
-                          cu_ptr, ctx_ptr, tree_ptr, num_seqs, num_heads, scale,
+                          cu_ptr, ctx_ptr, tree_ptr, num_seqs, num_heads, splits, min_span, scale,
                           stride_lt, stride_lh, stride_rt, stride_rh, stride_cb, stride_cs, stride_bt, stride_tm,
                           RANK: tl.constexpr, ROPE: tl.constexpr, RANK_PAD: tl.constexpr, ROPE_PAD: tl.constexpr,
-                          PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-                          HAS_TREE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                          PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                          DIRECT: tl.constexpr, HAS_TREE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Program (t, hb, s): token t's heads hb * BLOCK_H ... over split s of its sequence's latent rows
-    0..its position (SPLITS spans of whole BLOCK_N tiles), online softmax in float32. The latent tile
-    read for a step serves all BLOCK_H heads (the score GEMM and the value GEMM both take it). Writes
-    the split's normalised output to part (T, SPLITS, H, RANK) float32 and its log-sum-exp to lse
-    (T, H, SPLITS) (-inf for a split holding no visible key: past the position, or all hidden by the tree;
-    splits last, so the combine's softmax runs over the contiguous dimension).
+    0..its position, online softmax in float32. The latent tile read for a step serves all BLOCK_H
+    heads (the score GEMM and the value GEMM both take it); with H heads each row is read H / BLOCK_H
+    times, once per head group (the groups of a split run side by side, so the later reads are L2's).
+
+    Splits: each spans whole BLOCK_N tiles, at least min_span keys (a multiple of BLOCK_N), so a
+    short context uses only its first few of ``splits`` (the grid's third dimension: the host picks
+    it from the batch shape, graph-safe) and the others end at once, writing only an lse of -inf.
+    Both are runtime values: one compiled kernel serves every batch size.
+
+    DIRECT (one split): the normalised output goes straight to part = out (T, H, RANK) in the
+    queries' dtype, zeros for a token of no sequence. Otherwise part is (T, splits, H, RANK) float32,
+    written only where the split saw a key, and lse (T, H, splits) its log-sum-exp (-inf: no visible
+    key, past the position or all hidden by the tree; _mla_combine_kernel reads only the others).
 
     A token of no sequence (token_seq >= num_seqs: a prefill graph's padding rows, whose cu_seqlens
-    end before them) reads nothing and writes zeros with lse 0, so its combined output is 0.
+    end before them) reads nothing; its combined output is 0.
 
     HAS_TREE (tree verification): tree_ptr is AttentionMetadata.tree_mask as int8 (T, max q_len);
     a new key j of the sequence (key >= prefix_len) is seen only where tree[t, j] != 0. A node's
@@ -145,17 +153,18 @@ def _mla_attention_kernel(q_lat_ptr, q_rope_ptr, cache_ptr, part_ptr, lse_ptr, b
     # this token's position: it sees keys 0 .. q_pos (a padding token none: -1)
     q_pos = tl.where(seq_ok, context_len - (q_end - token), -1)
     prefix_len = context_len - (q_end - q_start)  # keys before the step's new tokens (all visible)
-    span = tl.cdiv(tl.cdiv(q_pos + 1, SPLITS), BLOCK_N) * BLOCK_N
+    span = tl.maximum(tl.cdiv(tl.cdiv(q_pos + 1, splits), BLOCK_N) * BLOCK_N, min_span)
     first, last = split * span, tl.minimum((split + 1) * span, q_pos + 1)
     r = tl.arange(0, RANK_PAD)
     p = tl.arange(0, ROPE_PAD)
-    q_lat = tl.load(q_lat_ptr + token * stride_lt + heads[:, None] * stride_lh + r[None, :],
-                    mask=head_ok[:, None] & (r < RANK)[None, :], other=0.0)  # (BLOCK_H, RANK_PAD)
-    q_rope = tl.load(q_rope_ptr + token * stride_rt + heads[:, None] * stride_rh + p[None, :],
-                     mask=head_ok[:, None] & (p < ROPE)[None, :], other=0.0)  # (BLOCK_H, ROPE_PAD)
     m = tl.full([BLOCK_H], -float("inf"), dtype=tl.float32)
     denom = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, RANK_PAD], dtype=tl.float32)
+    load_q = heads < tl.where(first < last, num_heads, 0)  # a split past the position (short contexts) loads nothing
+    q_lat = tl.load(q_lat_ptr + token * stride_lt + heads[:, None] * stride_lh + r[None, :],
+                    mask=load_q[:, None] & (r < RANK)[None, :], other=0.0)  # (BLOCK_H, RANK_PAD)
+    q_rope = tl.load(q_rope_ptr + token * stride_rt + heads[:, None] * stride_rh + p[None, :],
+                     mask=load_q[:, None] & (p < ROPE)[None, :], other=0.0)  # (BLOCK_H, ROPE_PAD)
     for start in range(first, last, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         key_ok = keys < last
@@ -163,68 +172,112 @@ def _mla_attention_kernel(q_lat_ptr, q_rope_ptr, cache_ptr, part_ptr, lse_ptr, b
         row = block * stride_cb + (keys % PAGE).to(tl.int64) * stride_cs
         latent = tl.load(cache_ptr + row[:, None] + r[None, :], mask=key_ok[:, None] & (r < RANK)[None, :],
                          other=0.0).to(q_lat.dtype)  # (BLOCK_N, RANK_PAD)
-        k_rope = tl.load(cache_ptr + row[:, None] + RANK + p[None, :], mask=key_ok[:, None] & (p < ROPE)[None, :],
-                         other=0.0).to(q_lat.dtype)  # (BLOCK_N, ROPE_PAD)
+        k_rope = tl.load(cache_ptr + row[:, None] + RANK + p[None, :],
+                         mask=key_ok[:, None] & (p < ROPE)[None, :], other=0.0).to(q_lat.dtype)  # (BLOCK_N, ROPE_PAD)
         scores = (tl.dot(q_lat, tl.trans(latent), input_precision=DOT_PRECISION)
-                  + tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION))  # (BLOCK_H, BLOCK_N) float32
+                  + tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION))  # (BLOCK_H, BLOCK_N) f32
         visible = key_ok
         if HAS_TREE:  # new keys: only the row's tree ancestors and itself; cached keys read as visible
-            bits = tl.load(tree_ptr + token * stride_tm + (keys - prefix_len), mask=key_ok & (keys >= prefix_len),
-                           other=1)
+            bits = tl.load(tree_ptr + token * stride_tm + (keys - prefix_len),
+                           mask=key_ok & (keys >= prefix_len), other=1)
             visible = visible & (bits != 0)
         scores = tl.where(visible[None, :], scores * scale, -float("inf"))
         m, denom, acc = online_softmax_step(scores, latent, m, denom, acc, DOT_PRECISION)
     has_keys = denom > 0
     out = acc / tl.where(has_keys, denom, 1.0)[:, None]
-    row_out = (token * SPLITS + split) * num_heads + heads
-    tl.store(part_ptr + row_out[:, None] * RANK + r[None, :], out, mask=head_ok[:, None] & (r < RANK)[None, :])
-    no_keys = tl.where(seq_ok, -float("inf"), 0.0)
-    tl.store(lse_ptr + (token * num_heads + heads) * SPLITS + split,
-             tl.where(has_keys, m + tl.log(tl.where(has_keys, denom, 1.0)), no_keys), mask=head_ok)
+    if DIRECT:
+        tl.store(part_ptr + (token * num_heads + heads)[:, None] * RANK + r[None, :],
+                 out.to(part_ptr.dtype.element_ty), mask=head_ok[:, None] & (r < RANK)[None, :])
+    else:
+        row_out = (token * splits + split) * num_heads + heads
+        tl.store(part_ptr + row_out[:, None] * RANK + r[None, :], out,
+                 mask=(head_ok & has_keys)[:, None] & (r < RANK)[None, :])
+        tl.store(lse_ptr + (token * num_heads + heads) * splits + split,
+                 tl.where(has_keys, m + tl.log(tl.where(has_keys, denom, 1.0)), -float("inf")), mask=head_ok)
 
 
-def mla_splits(num_tokens: int, num_heads: int, block_h: int, device) -> int:
+@jit
+def _mla_combine_kernel(part_ptr, lse_ptr, out_ptr, num_heads, splits, RANK: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                        BLOCK_R: tl.constexpr):
+    """Program (t, h, rb): columns rb * BLOCK_R ... of out[t, h] = the splits' outputs part[t, s, h]
+    weighted by softmax over s of lse[t, h, s]. A split of lse -inf (no visible key) is neither read
+    nor counted; a row with none at all (a token of no sequence) comes out 0. One masked 2-D load
+    takes every live split at once (their requests in flight together, not a split at a time)."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
+    s = tl.arange(0, SPLITS_PAD)
+    lse = tl.load(lse_ptr + (token * num_heads + head) * splits + s, mask=s < splits, other=-float("inf"))
+    live = lse > -float("inf")
+    top = tl.max(lse, 0)
+    weight = tl.exp(lse - tl.where(top == -float("inf"), 0.0, top))  # 0 where not live
+    total = tl.sum(weight, 0)
+    rows = (token * splits + s) * num_heads + head
+    part = tl.load(part_ptr + rows[:, None] * RANK + r[None, :], mask=live[:, None] & (r < RANK)[None, :],
+                   other=0.0)  # (SPLITS_PAD, BLOCK_R) float32
+    out = tl.sum(part * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + (token * num_heads + head) * RANK + r, out.to(out_ptr.dtype.element_ty), mask=r < RANK)
+
+
+MIN_SPAN = 64  # keys a split takes at least (two 32-key tiles): each split costs its program's query
+# load and a (BLOCK_H, R) float32 partial written and read back, 32 KB for 16 heads of R = 512, about
+# what 28 latent rows weigh in bf16, so spans much shorter than this spend more on the split than on keys.
+MAX_SPLITS = 128  # batch-1 decode of 16 heads (DeepSeek-V2-Lite, V3 at TP 8): one program a split, so
+# splits up to 2 x 132 SMs would cover the GPU; 128 of 256 keys each at 32k context (partials: 4 MB
+# against 38 MB of latent rows). The old cap of 16 left 16 programs on 132 SMs.
+
+
+def mla_splits(num_tokens: int, num_heads: int, block_h: int, device, max_splits: int = MAX_SPLITS) -> int:
     """Key splits per (token, head block): enough programs to cover the GPU twice at small batches
-    (batch-1 decode of 128 heads is 8 programs unsplit), 1 once the tokens alone do. Depends on the
-    batch shape only, never on the contexts, so a CUDA graph's grid stays valid at every replay."""
+    (batch-1 decode of 16 heads is one program unsplit), 1 once the tokens alone do. Depends on the
+    batch shape only, never on the contexts, so a CUDA graph's grid stays valid at every replay; the
+    kernel ends the splits a context does not need (min_span keys each at least) at once."""
     programs = num_tokens * triton.cdiv(num_heads, block_h)
-    return max(1, min(16, triton.cdiv(2 * num_sms(device), programs)))
+    return max(1, min(max_splits, triton.cdiv(2 * num_sms(device), programs)))
 
 
 def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
-                         scale: float, *, block_h: int = 16, block_n: int = 32, splits: int | None = None
+                         scale: float, *, block_h: int = 16, block_n: int = 32, splits: int | None = None,
+                         min_span: int = MIN_SPAN, max_splits: int = MAX_SPLITS, num_warps: int | None = None
                          ) -> torch.Tensor:
     """mla_attention_ref on the GPU (or Triton's interpreter): one program per (token, BLOCK_H heads,
-    key split), the splits' outputs combined by their log-sum-exps. No host sync (CUDA-graph safe):
-    each token's sequence comes from cu_seqlens_q on the device."""
+    key split), the splits' outputs combined by their log-sum-exps (_mla_combine_kernel). Two
+    launches (one with a single split) besides cu_seqlens' token map; no host sync (CUDA-graph safe):
+    each token's sequence comes from cu_seqlens_q on the device. ``min_span`` (a multiple of
+    ``block_n``) and ``max_splits``: see MIN_SPAN / MAX_SPLITS (tests shorten the span to split short
+    contexts; the bench sweeps them with block_h, block_n and num_warps)."""
     num_tokens, num_heads, rank = q_latent.shape
     rope = q_rope.shape[-1]
     assert q_latent.stride(-1) == 1 and q_rope.stride(-1) == 1 and cache.stride(-1) == 1
+    assert min_span % block_n == 0, (min_span, block_n)
     if num_tokens == 0:
         return torch.empty_like(q_latent)
-    splits = splits or mla_splits(num_tokens, num_heads, block_h, q_latent.device)
-    part = torch.empty(num_tokens, splits, num_heads, rank, dtype=torch.float32, device=q_latent.device)
-    lse = torch.empty(num_tokens, num_heads, splits, dtype=torch.float32, device=q_latent.device)
+    splits = splits or mla_splits(num_tokens, num_heads, block_h, q_latent.device, max_splits)
+    out = torch.empty(q_latent.shape, dtype=q_latent.dtype, device=q_latent.device)  # (T, H, R) contiguous
+    if splits == 1:
+        part, lse = out, out  # DIRECT: the kernel writes the output itself (lse unused)
+    else:
+        part = torch.empty(num_tokens, splits, num_heads, rank, dtype=torch.float32, device=q_latent.device)
+        lse = torch.empty(num_tokens, num_heads, splits, dtype=torch.float32, device=q_latent.device)
     grid = (num_tokens, triton.cdiv(num_heads, block_h), splits)
     # Token trees: the mask as bytes (kernels/triton_attention.py does the same); None reads nothing.
     tree = None if meta.tree_mask is None else meta.tree_mask.to(torch.int8)
     _mla_attention_kernel[grid](
         q_latent, q_rope, cache, part, lse, meta.block_tables, meta.token_sequences(num_tokens), meta.cu_seqlens_q,
-        meta.context_lens, meta.context_lens if tree is None else tree, meta.context_lens.shape[0], num_heads, scale,
-        q_latent.stride(0),
-        q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), cache.stride(0), cache.stride(1),
-        meta.block_tables.stride(0), 0 if tree is None else tree.stride(0),
+        meta.context_lens, meta.context_lens if tree is None else tree, meta.context_lens.shape[0], num_heads, splits,
+        max(min_span, block_n), scale, q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
+        cache.stride(0), cache.stride(1), meta.block_tables.stride(0), 0 if tree is None else tree.stride(0),
         RANK=rank, ROPE=rope, RANK_PAD=max(16, triton.next_power_of_2(rank)),
         ROPE_PAD=max(16, triton.next_power_of_2(rope)), PAGE=cache.shape[1], BLOCK_H=block_h, BLOCK_N=block_n,
-        SPLITS=splits, HAS_TREE=tree is not None,
-        DOT_PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32", num_warps=4)
-    if splits == 1:
-        return part[:, 0].to(q_latent.dtype)
-    # Split 0 always holds key 0, which every row sees (a cached key, or a tree's root): a finite lse.
-    # (Softmax over the last, contiguous dimension: over dim 1 of (T, S, H) torch took a strided
-    # kernel of ~6.5 us a layer at batch-1 decode on the H200, 5% of V2-Lite's step.)
-    weights = torch.softmax(lse, dim=-1)
-    return torch.einsum("ths,tshr->thr", weights, part).to(q_latent.dtype)
+        DIRECT=splits == 1, HAS_TREE=tree is not None,
+        DOT_PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32",
+        num_warps=num_warps or (4 if block_h <= 16 else 8))
+    if splits > 1:
+        block_r, splits_pad = min(64, triton.next_power_of_2(rank)), max(2, triton.next_power_of_2(splits))
+        _mla_combine_kernel[(num_tokens, num_heads, triton.cdiv(rank, block_r))](
+            part, lse, out, num_heads, splits, RANK=rank, SPLITS_PAD=splits_pad, BLOCK_R=block_r,
+            num_warps=max(1, min(4, splits_pad * block_r // 1024)))  # <= 64 partial values a thread
+    return out
 
 
 def mla_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,

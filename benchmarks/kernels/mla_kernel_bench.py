@@ -3,16 +3,38 @@
 cache at contexts 1k-32k, against the GPU's copy bandwidth (goal >= 80%).
 
     PYTHONPATH=$PWD python benchmarks/kernels/mla_kernel_bench.py [--shape v3|v2_lite] [--contexts 1024,...,32768]
-        [--batches 1,8,32] [--pool bf16,fp8] [--tree 0] [--out mla.json] [--markdown FILE]
+        [--batches 1,8,32] [--pool bf16,fp8] [--tree 0] [--configs 16:128:64,...] [--out mla.json] [--markdown FILE]
     PYTHONPATH=$PWD python benchmarks/kernels/mla_kernel_bench.py --tiny   # CPU, seconds: the reference, tiny shape
 
 One layer's decode step: ``batch`` sequences of ``context`` cached latent rows each (pages shuffled
 through a pool far larger than L2), one new token each, all of the shape's heads (DeepSeek-V3: 128
 heads, V2-Lite: 16; kv_lora_rank 512 + rope 64 per row). A decode row must read each of its
 sequence's rows once: bytes = batch x context x (R + P) x pool itemsize, the kernel's whole traffic up
-to the queries and the (T, splits, H, R) float32 partials. Timed with CUDA events (median of
-``--repeat``), the kernel's own split choice (``mla_splits``). ``--tree N``: each sequence verifies an
-N-node chain instead (the tree-mask path, tree verification's cost beside the plain one).
+to the queries and the (T, splits, H, R) float32 partials.
+
+Timing: device time from CUDA-graph replays (benchmarks.common.graph_call_us), as the engine runs a
+decode step; one graph holds one call per set of block tables, the sets' pages disjoint in a pool of
+>= 256 MB, so the rows come from HBM, not from L2 (a batch-1 1k context is 1.2 MB). The column
+"eager us" is what an eager call costs between CUDA events: the host's launches (the token map's
+three torch ops, the kernel's, the combine's) when the host is slower than the device. It was
+the only timing before 2026-11-29 14:xx, and the 403-420 us it gave at batch 1 for 1k-32k contexts
+were that host time, not the kernel's (the engine's decode graphs replay the kernel in ~7 us).
+
+Compute: each head does R + P + R multiply-adds a key (scores over [c | k_r], then the value sum over
+c), 2,176 flops for DeepSeek's 512 + 64: 278,528 a key over V3's 128 heads against 1,152 bytes in
+bf16, 242 flops a byte. At the H200's ~4.2 TB/s that is ~1,000 TFLOPS, its dense bf16 peak: 128
+heads are compute-bound (the TFLOPS column), and 80% of the copy bandwidth is out of reach for a
+kernel on mma.sync tensor cores (16-row head groups); 16 heads (V2-Lite, V3 at TP 8) are
+memory-bound, where the goal applies.
+
+``--configs`` block_h:max_splits:min_span[:block_n[:num_warps]], the kernel's tunables
+(mla_attention_triton): the default 16:128:64 (block_n 32, 4 warps); 16:16:32 is the split policy
+before 2026-11-29 (at most 16 splits of >= 1 tile). What ptxas gave for sm_90 (Triton 3.9 on the CPU,
+bf16): 16 heads x 32 keys on 4 warps 255 registers with spills (the score product's A operand, the
+16 x 512 absorbed queries, is held whole by each warp: 128 registers), on 8 warps 184, 16 x 16 on 4
+warps 220, 32 x 16 on 8 warps 203; none software-pipelines the latent tile (only the block-table
+loads become cp.async), so latency is hidden only by the 1-2 programs an SM holds.
+``--tree N``: each sequence verifies an N-node chain instead (the tree-mask path).
 """
 from __future__ import annotations
 
@@ -27,16 +49,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: engine, kernels, benchmarks
 
-from benchmarks.common import (command_line, cuda_time_ms, git_commit, int_list, machine_summary,  # noqa: E402
-                               print_table, utc_now)
+from benchmarks.common import (command_line, cuda_time_ms, git_commit, graph_call_us, int_list,  # noqa: E402
+                               machine_summary, print_table, utc_now)
 from kernels.attention import KV_FP8_DTYPE  # noqa: E402
 from kernels.attention_metadata import AttentionMetadata  # noqa: E402
-from kernels.mla_attention import mla_attention, mla_splits  # noqa: E402
+from kernels.mla_attention import (MAX_SPLITS, MIN_SPAN, mla_attention_ref, mla_attention_triton,  # noqa: E402
+                                   mla_splits)
 
 SHAPES = {"v3": dict(heads=128, rank=512, rope=64), "v2_lite": dict(heads=16, rank=512, rope=64),
           "tiny": dict(heads=4, rank=32, rope=8)}
 PAGE = 64
 GOAL = 0.80
+POOL_BYTES = 256 << 20  # the graph's sets of block tables cover at least this much pool (> 5x L2)
+MAX_SETS = 128
 
 
 def copy_bandwidth(device: str) -> float | None:
@@ -52,62 +77,91 @@ def copy_bandwidth(device: str) -> float | None:
     return bandwidth
 
 
-def decode_step(shape: dict, batch: int, context: int, pool: str, tree: int, device: str, dtype: torch.dtype):
-    """(q_latent, q_rope, cache, meta) of one layer's step: ``batch`` sequences at ``context`` keys
-    each, their last max(1, tree) tokens new (a chain's tree mask when tree > 0), pages shuffled."""
+def decode_step(shape: dict, batch: int, context: int, pool: str, tree: int, device: str, dtype: torch.dtype,
+                sets: int = 1):
+    """(q_latent, q_rope, cache, metas) of one layer's step: ``batch`` sequences at ``context`` keys
+    each, their last max(1, tree) tokens new (a chain's tree mask when tree > 0); ``sets`` metadata
+    whose block tables take disjoint shuffled pages of one pool (timing from HBM, not L2)."""
     heads, rank, rope = shape["heads"], shape["rank"], shape["rope"]
     q_len = max(1, tree)
     pages = -(-context // PAGE)
-    num_blocks = batch * pages + 1
+    num_blocks = sets * batch * pages + 1
     order = list(range(1, num_blocks))
     random.Random(0).shuffle(order)
     cache = torch.randn(num_blocks, PAGE, rank + rope, device=device, dtype=dtype)
     if pool == "fp8":
         cache = cache.to(KV_FP8_DTYPE)
-    tables = torch.tensor(order, dtype=torch.int32, device=device).view(batch, pages)
+    all_tables = torch.tensor(order, dtype=torch.int32, device=device).view(sets, batch, pages)
     cu = [i * q_len for i in range(batch + 1)]
-    meta = AttentionMetadata(
-        slot_mapping=torch.zeros(cu[-1], dtype=torch.int64, device=device), block_tables=tables,
-        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
-        context_lens=torch.full((batch,), context, dtype=torch.int32, device=device),
-        max_seqlen_q=q_len, max_context_len=context, is_decode_only=q_len == 1,
-        cu_seqlens_q_host=cu, context_lens_host=[context] * batch)
-    if tree:  # a chain: node j sees nodes 0..j (the causal rows, through the tree-mask path)
-        chain = torch.tril(torch.ones(q_len, q_len, dtype=torch.bool, device=device))
-        meta.tree_mask = chain.repeat(batch, 1)
+    metas = []
+    for tables in all_tables:
+        meta = AttentionMetadata(
+            slot_mapping=torch.zeros(cu[-1], dtype=torch.int64, device=device), block_tables=tables,
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
+            context_lens=torch.full((batch,), context, dtype=torch.int32, device=device),
+            max_seqlen_q=q_len, max_context_len=context, is_decode_only=q_len == 1,
+            cu_seqlens_q_host=cu, context_lens_host=[context] * batch)
+        if tree:  # a chain: node j sees nodes 0..j (the causal rows, through the tree-mask path)
+            chain = torch.tril(torch.ones(q_len, q_len, dtype=torch.bool, device=device))
+            meta.tree_mask = chain.repeat(batch, 1)
+        metas.append(meta)
     q_latent = torch.randn(cu[-1], heads, rank, device=device, dtype=dtype)
     q_rope = torch.randn(cu[-1], heads, rope, device=device, dtype=dtype)
-    return q_latent, q_rope, cache, meta
+    return q_latent, q_rope, cache, metas
+
+
+CONFIG_KEYS = ("block_h", "max_splits", "min_span", "block_n", "num_warps")
+
+
+def parse_config(text: str) -> dict:
+    """"16:128:64" -> dict(block_h=16, max_splits=128, min_span=64); two more fields optional,
+    block_n and num_warps ("16:128:64:32:8"), the kernel's defaults where left out."""
+    values = [int(x) for x in text.split(":")]
+    assert 3 <= len(values) <= len(CONFIG_KEYS), f"--configs {text!r}: block_h:max_splits:min_span[:block_n[:warps]]"
+    return dict(zip(CONFIG_KEYS, values))
 
 
 def run(args: argparse.Namespace) -> dict:
     shape = SHAPES[args.shape]
     dtype = getattr(torch, args.dtype)
     bandwidth = copy_bandwidth(args.device)
+    scale = (shape["rank"] // 4 + shape["rope"]) ** -0.5
     rows = []
     for pool in args.pool:
         for batch in args.batches:
             for context in args.contexts:
-                q_latent, q_rope, cache, meta = decode_step(shape, batch, context, pool, args.tree, args.device, dtype)
-                scale = (shape["rank"] // 4 + shape["rope"]) ** -0.5
-                call = lambda: mla_attention(q_latent, q_rope, cache, meta, scale)  # noqa: E731
-                if args.device == "cpu":
-                    call()
-                    start = time.perf_counter()
-                    for _ in range(args.repeat):
-                        call()
-                    ms = (time.perf_counter() - start) * 1e3 / args.repeat
-                else:
-                    ms = cuda_time_ms(call, repeat=args.repeat)
-                read = batch * context * cache.shape[-1] * cache.element_size()
-                achieved = read / (ms / 1e3)
-                rows.append(dict(pool=pool, batch=batch, context=context, tree=args.tree, us=ms * 1e3,
-                                 latent_bytes=read, GBps=achieved / 1e9,
-                                 splits=mla_splits(q_latent.shape[0], shape["heads"], 16, q_latent.device)
-                                 if args.device != "cpu" else None,
-                                 fraction=None if bandwidth is None else achieved / bandwidth))
-                print(rows[-1], flush=True)
-                del q_latent, q_rope, cache, meta
+                row_bytes = (shape["rank"] + shape["rope"]) * (1 if pool == "fp8" else dtype.itemsize)
+                read = batch * context * row_bytes
+                sets = 1 if args.device == "cpu" else max(1, min(MAX_SETS, -(-POOL_BYTES // read)))
+                q_latent, q_rope, cache, metas = decode_step(shape, batch, context, pool, args.tree, args.device,
+                                                             dtype, sets)
+                flops = q_latent.shape[0] * shape["heads"] * context * 2 * (2 * shape["rank"] + shape["rope"])
+                for config in (args.configs if args.device != "cpu" else [None]):
+                    if config is None:  # the CPU: the reference, wall time
+                        call = lambda meta: mla_attention_ref(q_latent, q_rope, cache, meta, scale)  # noqa: E731
+                        call(metas[0])
+                        start = time.perf_counter()
+                        for _ in range(args.repeat):
+                            call(metas[0])
+                        us = eager_us = (time.perf_counter() - start) * 1e6 / args.repeat
+                        splits = None
+                    else:
+                        call = lambda meta, c=config: mla_attention_triton(  # noqa: E731
+                            q_latent, q_rope, cache, meta, scale, **c)
+                        eager_us = cuda_time_ms(lambda: call(metas[0]), repeat=args.repeat) * 1e3
+                        us = graph_call_us(call, [(meta,) for meta in metas])
+                        splits = mla_splits(q_latent.shape[0], shape["heads"], config["block_h"], q_latent.device,
+                                            config["max_splits"])
+                    achieved = read / (us / 1e6)
+                    rows.append(dict(pool=pool, batch=batch, context=context, tree=args.tree,
+                                     config=None if config is None else ":".join(str(v) for v in config.values()),
+                                     us=us, eager_us=eager_us, latent_bytes=read, GBps=achieved / 1e9,
+                                     TFLOPS=flops / (us / 1e6) / 1e12, splits=splits, graph_sets=sets,
+                                     fraction=None if bandwidth is None else achieved / bandwidth))
+                    print(rows[-1], flush=True)
+                del q_latent, q_rope, cache, metas
+                if args.device != "cpu":
+                    torch.cuda.empty_cache()
     return dict(shape=args.shape, dtype=args.dtype, device=args.device, machine=machine_summary(args.device),
                 copy_GBps=None if bandwidth is None else bandwidth / 1e9, goal=GOAL, rows=rows,
                 command=command_line(__file__), commit=git_commit(), date=utc_now())
@@ -119,12 +173,14 @@ def markdown(results: dict) -> str:
              f"{results['dtype']} queries, {results['machine']}; copy bandwidth "
              f"{'n/a' if bw is None else f'{bw:,.0f} GB/s'}; goal >= {GOAL:.0%} of it over the latent rows "
              f"({results['commit']}, {results['date']})", "",
-             "| pool | batch | context | tree nodes | us / layer | latent MB | GB/s | of copy bw | splits |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| pool | batch | context | tree nodes | config | us / layer (graph) | eager us | latent MB | GB/s | "
+             "of copy bw | TFLOPS | splits |",
+             "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results["rows"]:
         frac = "-" if r["fraction"] is None else f"{r['fraction']:.0%}"
-        lines.append(f"| {r['pool']} | {r['batch']} | {r['context']:,} | {r['tree'] or 1} | {r['us']:,.1f} | "
-                     f"{r['latent_bytes'] / 1e6:,.1f} | {r['GBps']:,.0f} | {frac} | {r['splits'] or '-'} |")
+        lines.append(f"| {r['pool']} | {r['batch']} | {r['context']:,} | {r['tree'] or 1} | {r['config'] or 'ref'} | "
+                     f"{r['us']:,.1f} | {r['eager_us']:,.1f} | {r['latent_bytes'] / 1e6:,.1f} | {r['GBps']:,.0f} | "
+                     f"{frac} | {r['TFLOPS']:,.1f} | {r['splits'] or '-'} |")
     return "\n".join(lines)
 
 
@@ -138,6 +194,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pool", default="bf16,fp8", help="comma-separated: bf16 (the queries' dtype) and/or fp8")
     p.add_argument("--tree", type=int, default=0, help="verify an N-node chain per sequence (tree-mask path)")
     p.add_argument("--repeat", type=int, default=50)
+    p.add_argument("--configs", default=f"16:{MAX_SPLITS}:{MIN_SPAN}",
+                   help="comma-separated block_h:max_splits:min_span (16:16:32 = the split policy before 2026-11-29)")
     p.add_argument("--tiny", action="store_true", help="tiny shape, float32, on the CPU (the reference), seconds")
     p.add_argument("--out", default=None)
     p.add_argument("--markdown", default=None, help="append the table to this file")
@@ -146,6 +204,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.shape, args.dtype, args.device, args.repeat = "tiny", "float32", "cpu", 2
         args.contexts, args.batches = [128, 512], [1, 2]
     args.pool = [x for x in args.pool.split(",") if x]
+    args.configs = [parse_config(x) for x in args.configs.split(",") if x]
     if args.device == "cpu":
         args.pool = ["bf16"]  # the CPU reference reads the pool in the queries' dtype
     return args

@@ -13,7 +13,7 @@ import torch
 from kernel_testing import TOLERANCE, low_precision_dtypes, relative_error
 from kernels.attention import KV_FP8_DTYPE
 from kernels.attention_metadata import AttentionMetadata
-from kernels.mla_attention import (mla_attention_ref, mla_attention_triton, write_latent_cache_ref,
+from kernels.mla_attention import (MIN_SPAN, mla_attention_ref, mla_attention_triton, write_latent_cache_ref,
                                    write_latent_cache_triton)
 from kernels.mla_expanded import expanded_min_tokens, mla_expanded_prefill, split_long
 
@@ -150,8 +150,10 @@ def test_triton_kernel_equals_reference(device, dtype, cache_dtype, context_lens
     q_latent = torch.randn(sum(q_lens), HEADS, RANK, generator=gen).to(dtype).to(device)
     q_rope = torch.randn(sum(q_lens), HEADS, ROPE, generator=gen).to(dtype).to(device)
     want = mla_attention_ref(q_latent.cpu(), q_rope.cpu(), cache.cpu(), _on_cpu(meta), 0.2)
-    for splits in (1, 3, None):  # one span, three (some of them empty at short contexts), the batch's own
-        out = mla_attention_triton(q_latent, q_rope, cache, meta, 0.2, splits=splits)
+    # one span; three of >= 1 tile (some empty at short contexts); the batch's own (up to 128) of >= 1
+    # tile and of the default >= 64 keys (most of them end at once)
+    for splits, min_span in ((1, 32), (3, 32), (None, 32), (None, MIN_SPAN)):
+        out = mla_attention_triton(q_latent, q_rope, cache, meta, 0.2, splits=splits, min_span=min_span)
         assert relative_error(out.cpu().float(), want.float()) < TOLERANCE[dtype] * (3 if cache_dtype else 1)
 
 
@@ -189,7 +191,7 @@ def test_triton_kernel_follows_a_token_tree_mask(device, dtype):
     causal = mla_attention_ref(q_latent.cpu(), q_rope.cpu(), cache.cpu(), _on_cpu(meta), 0.2)
     assert relative_error(causal.float(), want.float()) > 0.01  # the mask matters in this batch
     for splits in (1, 3, None):
-        out = mla_attention_triton(q_latent, q_rope, cache, meta, 0.2, splits=splits)
+        out = mla_attention_triton(q_latent, q_rope, cache, meta, 0.2, splits=splits, min_span=32)
         assert torch.isfinite(out).all()
         assert relative_error(out.cpu().float(), want.float()) < TOLERANCE[dtype]
 
@@ -211,7 +213,7 @@ def test_triton_kernel_gives_zeros_for_a_prefill_graphs_padding_tokens(device):
         context_lens=torch.tensor([30, 9, 4000, 31], dtype=torch.int32, device=device),
         max_seqlen_q=16, max_context_len=4096, is_decode_only=False)
     for splits in (1, 3, None):
-        out = mla_attention_triton(q_latent, q_rope, cache, padded, 0.2, splits=splits).cpu()
+        out = mla_attention_triton(q_latent, q_rope, cache, padded, 0.2, splits=splits, min_span=32).cpu()
         assert relative_error(out[:7].float(), want.float()) < TOLERANCE[torch.float32]
         assert bool((out[7:] == 0).all())
 
@@ -223,7 +225,7 @@ def test_num_sms_takes_a_device_name():
     from kernels.mla_attention import mla_splits
 
     assert num_sms("cpu") == num_sms(torch.device("cpu")) == 132
-    assert mla_splits(1, 16, 16, "cpu") == 16 and mla_splits(512, 128, 16, "cpu") == 1
+    assert mla_splits(1, 16, 16, "cpu") == 128 and mla_splits(512, 128, 16, "cpu") == 1
 
 
 def test_triton_latent_write_skips_padding_rows(device):
