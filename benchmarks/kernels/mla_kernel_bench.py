@@ -30,10 +30,11 @@ memory-bound, where the goal applies.
 ``--configs`` block_h:max_splits:min_span[:block_n[:num_warps]], the kernel's tunables
 (mla_attention_triton): the default 16:128:64 (block_n 32, 4 warps); 16:16:32 is the split policy
 before 2026-11-29 (at most 16 splits of >= 1 tile). What ptxas gave for sm_90 (Triton 3.9 on the CPU,
-bf16): 16 heads x 32 keys on 4 warps 255 registers with spills (the score product's A operand, the
-16 x 512 absorbed queries, is held whole by each warp: 128 registers), on 8 warps 184, 16 x 16 on 4
-warps 220, 32 x 16 on 8 warps 203; none software-pipelines the latent tile (only the block-table
-loads become cp.async), so latency is hidden only by the 1-2 programs an SM holds.
+bf16): 16 heads x 32 keys on 4 warps 255 registers with spills (likely the score product's A operand,
+the 16 x 512 absorbed queries, held whole by each warp: 128 registers), on 8 warps 184, 16 x 16 on 4
+warps 220, 32 x 16 on 8 warps 203; none software-pipelines the latent tile there (only the
+block-table loads become cp.async; but that Triton pipelined no textbook attention loop either), so
+latency may be hidden only by the 1-2 programs an SM holds.
 ``--tree N``: each sequence verifies an N-node chain instead (the tree-mask path).
 """
 from __future__ import annotations
