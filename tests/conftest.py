@@ -79,10 +79,19 @@ def _split_cores_between_workers():
 def pytest_collection_modifyitems(session, config, items):
     """Files in the order tests/file_order.py gives (`make test` hands them out in collection order):
     the shared server's files, then the long ones, then the rest; each file's tests stay together."""
-    from file_order import file_rank
-
+    file_rank = _file_order().file_rank
     root = str(config.rootpath)
     items.sort(key=lambda item: file_rank(root, item.nodeid))
+
+
+def _file_order():
+    """tests/file_order.py, with this file the rootdir's conftest (tests/ on sys.path) or the plugin
+    ``tests.conftest`` (tests/tools/test_failure_log.py loads it so, from the checkout's root)."""
+    try:
+        import file_order
+    except ModuleNotFoundError:
+        from tests import file_order
+    return file_order
     if os.environ.get("TRITONLLM_GPU_SUITE") == "1":  # tests/gpu_run.sh: its long tests first, a worker each
         from gpu_suite_order import reorder_for_gpu_suite  # (tests/, on the path as this file's folder)
 
@@ -97,8 +106,7 @@ def pytest_xdist_make_scheduler(config, log):
         return None
     from xdist.scheduler import LoadFileScheduling
 
-    from file_order import scope_of
-
+    scope_of = _file_order().scope_of
     root = str(config.rootpath)
 
     class SharedServerFileScheduling(LoadFileScheduling):
