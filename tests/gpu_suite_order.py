@@ -19,8 +19,8 @@ import os
 GPU_SUITE_ENV = "TRITONLLM_GPU_SUITE"
 
 # --dist load (kernels): each group opens one worker's first chunk, its tests one after the other on that
-# worker (test ids with the same kernels, so a compile serves the rest of its group from the worker's
-# memory: the factored tests of group sizes 128, 256 and per channel launch the same kernels).
+# worker in the order of its prefixes (tests of the same kernels, so a compile serves the rest of its group
+# from the worker's memory: the factored tests of group sizes 128, 256 and per channel launch the same kernels).
 SLOW_KERNEL_GROUPS = (
     ("tests/kernels/test_wna16.py::test_factored_kernels_match_the_reference[None-4]",  # 182 s
      "tests/kernels/test_wna16.py::test_factored_kernels_match_the_reference[128-4]",  # 178 s (concurrently)
@@ -29,7 +29,8 @@ SLOW_KERNEL_GROUPS = (
      "tests/kernels/test_wna16.py::test_factored_kernels_match_the_reference[128-8]",  # 68 s
      "tests/kernels/test_wna16.py::test_factored_kernels_match_the_reference[256-8]"),
     ("tests/kernels/test_norm_linear.py::test_norm_linear_matches_reference",),  # 57 + 18 + 18 s
-    ("tests/kernels/test_wna16.py::test_choose_variants_sets_a_tiling",),  # 48 s
+    ("tests/kernels/test_wna16.py::test_choose_variants_sets_a_tiling",  # 48 s: compiles every skinny tiling,
+     "tests/kernels/test_wna16.py::test_every_decode_tiling_matches_the_reference"),  # then 21 x <= 12 s reuse them
     ("tests/kernels/test_fp8.py::test_every_fp8_load_time_variant_is_correct",),  # 39 s
     ("tests/kernels/test_wna16_mma_rows.py::test_opt_in_dispatch_through_prepare_and_a_cuda_graph",),  # 32 s
     ("tests/kernels/test_wna16_mma.py::test_groupings_dtypes_and_bias[dtype0",),  # 25 + 16 + 16 s
@@ -66,8 +67,12 @@ def gpu_suite_order(items: list, dist: str | None, workers: int) -> list:
         return items
     groups, taken = [], set()
     for prefixes in SLOW_KERNEL_GROUPS:
-        group = [item for item in items if id(item) not in taken and item.nodeid.startswith(prefixes)]
-        taken.update(id(item) for item in group)
+        group = []
+        for prefix in prefixes:  # in the order of the prefixes
+            for item in items:
+                if id(item) not in taken and item.nodeid.startswith(prefix):
+                    group.append(item)
+                    taken.add(id(item))
         if group:
             groups.append(group)
     rest = [item for item in items if id(item) not in taken]

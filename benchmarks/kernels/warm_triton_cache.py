@@ -95,10 +95,9 @@ def warm(kinds: list[str], processes: int, device: str = "cuda", limit: int = 0)
     seconds = time.perf_counter() - started
     failed = [(job, outcome) for job, _, outcome in results if outcome != "ok"]
     slowest = sorted(results, key=lambda r: -r[1])[:5]
+    named = [f"{kind} {tiling}{' gated' if gated else ''} {s:.1f} s" for (kind, tiling, gated), s, _ in slowest]
     print(f"warm_triton_cache: {len(results)} products ({', '.join(kinds)}) in {seconds:.1f} s on {processes} "
-          f"processes; compile + first launch, slowest: "
-          + ", ".join(f"{kind} {tiling}{' gated' if gated else ''} {s:.1f} s" for (kind, tiling, gated), s, _ in slowest),
-          flush=True)
+          f"processes; compile + first launch, slowest: {', '.join(named)}", flush=True)
     for (kind, tiling, gated), outcome in failed:
         print(f"  not compiled: {kind} {tiling}{' gated' if gated else ''}: {outcome}", flush=True)
     return {"products": len(results), "seconds": seconds, "failed": len(failed)}
