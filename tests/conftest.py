@@ -82,6 +82,12 @@ def pytest_collection_modifyitems(session, config, items):
     file_rank = _file_order().file_rank
     root = str(config.rootpath)
     items.sort(key=lambda item: file_rank(root, item.nodeid))
+    if os.environ.get("TRITONLLM_GPU_SUITE") == "1":  # tests/gpu_run.sh: its long tests first, a worker each
+        try:
+            from gpu_suite_order import reorder_for_gpu_suite
+        except ModuleNotFoundError:  # (loaded as the plugin tests.conftest: see _file_order)
+            from tests.gpu_suite_order import reorder_for_gpu_suite
+        reorder_for_gpu_suite(config, items)
 
 
 def _file_order():
@@ -92,10 +98,6 @@ def _file_order():
     except ModuleNotFoundError:
         from tests import file_order
     return file_order
-    if os.environ.get("TRITONLLM_GPU_SUITE") == "1":  # tests/gpu_run.sh: its long tests first, a worker each
-        from gpu_suite_order import reorder_for_gpu_suite  # (tests/, on the path as this file's folder)
-
-        reorder_for_gpu_suite(config, items)
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -34,3 +34,23 @@ def test_slow_files_first_in_their_order_the_rest_as_collected():
     ordered = [item.nodeid for item in gpu_suite_order(collected, "loadfile", 5)]
     assert ordered == [f"{SLOW_FILES[0]}::t1", f"{SLOW_FILES[1]}::t1", f"{SLOW_FILES[1]}::t2",
                        "tests/engine/test_a.py::t1", "tests/engine/test_b.py::t1"]
+
+
+def test_the_conftest_hook_orders_a_gpu_suite_collection():
+    """tests/conftest.py applies it under $TRITONLLM_GPU_SUITE=1 (a collection as one xdist worker of two
+    makes it): the norm-linear group opens the first chunk; without the variable, collection order."""
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    files = ["tests/tools/test_gpu_suite_order.py", "tests/kernels/test_norm_linear.py"]
+
+    def collected(**env) -> list[str]:
+        run = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                              "--dist", "load", *files], cwd=root, capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "PYTEST_XDIST_WORKER_COUNT": "2", **env})
+        return [line for line in run.stdout.splitlines() if "::" in line]
+
+    assert collected(TRITONLLM_GPU_SUITE="1")[0].startswith(
+        "tests/kernels/test_norm_linear.py::test_norm_linear_matches_reference")
+    assert collected(TRITONLLM_GPU_SUITE="0")[0].startswith("tests/tools/test_gpu_suite_order.py")
