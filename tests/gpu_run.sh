@@ -89,11 +89,12 @@ run_part() {  # NAME GPU WORKERS MEMORY_FRACTION DIST PATHS...: in the backgroun
 # worker may hold three executors at once: 1.4 GB ran out); the engine processes that executor tests
 # start take 90% of their cap, 0.04 (5.6 GB of an H200): ~5 million blocks of the tiny model's 1 KB,
 # ~5 s of a block manager's set-up each.
-# WARM_CACHE=1: first the engine's load-time GEMM candidates compiled by a pool of processes
-# (benchmarks/kernels/warm_triton_cache.py, 74 kernels); every CUDA executor a test starts times them, and on a
-# cold cache each worker compiled them one after the other (the throughput bench's tiny run: 84 s). Not measured yet.
+# WARM_CACHE=1: the engine's load-time GEMM candidates compiled by a pool of processes
+# (benchmarks/kernels/warm_triton_cache.py, 74 kernels) while the parts collect their tests; every CUDA executor a
+# test starts times them, and on a cold cache each worker compiled them one after the other (the throughput
+# bench's tiny run: 84 s). Not measured yet. Its summary line lands in $out/warm_cache.txt.
 if [ "${WARM_CACHE:-0}" = 1 ]; then
-  timeout 120 "$PYTHON" benchmarks/kernels/warm_triton_cache.py --jobs 14 2>&1 | tail -5
+  timeout 120 "$PYTHON" benchmarks/kernels/warm_triton_cache.py --jobs "${WARM_JOBS:-8}" > "$out/warm_cache.txt" 2>&1 &
 fi
 # shellcheck disable=SC2086  # the path lists split on spaces
 run_part kernels 0 "${KERNEL_WORKERS:-8}" 1 load ${KERNEL_TESTS:-tests/kernels}
@@ -122,4 +123,5 @@ echo "failures and errors:"
 cat "$work"/failures-*.txt > "$out/failures.txt"
 grep -E '^(FAILED|ERROR)' "$out/failures.txt" || echo "  none"
 head -c 6000 "$out/failures.txt"
+[ -f "$out/warm_cache.txt" ] && grep -E "^warm_triton_cache|not compiled" "$out/warm_cache.txt"
 echo "done in $(( $(date +%s) - t0 )) s"

@@ -115,6 +115,12 @@ def main(argv=None) -> dict:
     unknown = sorted(set(kinds) - set(KINDS))
     if unknown:
         parser.error(f"unknown kinds {unknown}; allowed: {list(KINDS)}")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("warm_triton_cache: no CUDA device, nothing compiled", flush=True)
+            return {"products": 0, "seconds": 0.0, "failed": 0}
     return warm(kinds, args.jobs, args.device, args.limit)
 
 
