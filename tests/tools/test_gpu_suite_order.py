@@ -36,21 +36,22 @@ def test_slow_files_first_in_their_order_the_rest_as_collected():
                        "tests/engine/test_a.py::t1", "tests/engine/test_b.py::t1"]
 
 
-def test_the_conftest_hook_orders_a_gpu_suite_collection():
-    """tests/conftest.py applies it under $TRITONLLM_GPU_SUITE=1 (a collection as one xdist worker of two
-    makes it): the norm-linear group opens the first chunk; without the variable, collection order."""
-    import os
-    import subprocess
+def test_the_conftest_hook_orders_a_gpu_suite_collection(monkeypatch):
+    """tests/conftest.py's collection hook applies it under $TRITONLLM_GPU_SUITE=1 (as one xdist worker of
+    two): the norm-linear group opens the first chunk; without the variable, the make-test file order."""
+    import conftest
 
     root = Path(__file__).resolve().parents[2]
-    files = ["tests/tools/test_gpu_suite_order.py", "tests/kernels/test_norm_linear.py"]
+    config = SimpleNamespace(rootpath=root, getoption=lambda name, default=None: "load" if name == "dist" else default)
+    collection = ["tests/tools/test_gpu_suite_order.py::test_a", "tests/tools/test_gpu_suite_order.py::test_b",
+                  SLOW_KERNEL_GROUPS[2][0] + "[3-200-576]"]
 
-    def collected(**env) -> list[str]:
-        run = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                              "--dist", "load", *files], cwd=root, capture_output=True, text=True, timeout=120,
-                             env={**os.environ, "PYTEST_XDIST_WORKER_COUNT": "2", **env})
-        return [line for line in run.stdout.splitlines() if "::" in line]
+    def collected(suite: str) -> list[str]:
+        monkeypatch.setenv("TRITONLLM_GPU_SUITE", suite)
+        monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
+        ordered = items(*collection)
+        conftest.pytest_collection_modifyitems(None, config, ordered)
+        return [item.nodeid for item in ordered]
 
-    assert collected(TRITONLLM_GPU_SUITE="1")[0].startswith(
-        "tests/kernels/test_norm_linear.py::test_norm_linear_matches_reference")
-    assert collected(TRITONLLM_GPU_SUITE="0")[0].startswith("tests/tools/test_gpu_suite_order.py")
+    assert collected("1")[0] == collection[2]
+    assert collected("0")[0] == collection[0]  # (file order: tools before kernels)
