@@ -171,9 +171,7 @@ def launched(llava_engine, onevision_engine, mllama_engine, qwen3_engine, tmp_pa
                 pytest.fail(f"an OpenAI frontend did not become ready:\n{frontend_log_path.read_text()[-5000:]}")
         yield server, url, media, qwen3_url
     finally:
-        stop(qwen3_frontend)
-        stop(frontend)
-        stop(process)
+        stop(qwen3_frontend, frontend, process)
 
 
 def _health(url: str) -> int | None:

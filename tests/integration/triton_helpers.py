@@ -130,13 +130,17 @@ def serving_repository(repo: str | Path, work: Path, mpi: bool = False):
 STOP_WAIT_S = 1.0
 
 
-def stop(process: subprocess.Popen) -> None:
-    process.terminate()
-    try:
-        process.wait(timeout=STOP_WAIT_S)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+def stop(*processes: subprocess.Popen) -> None:
+    """SIGTERM to each, STOP_WAIT_S for all of them together (not one after another), SIGKILL to the rest."""
+    for process in processes:
+        process.terminate()
+    deadline = time.monotonic() + STOP_WAIT_S
+    for process in processes:
+        try:
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def wait_for(predicate, timeout: float = 20.0, interval: float = 0.2):
