@@ -222,6 +222,11 @@ def served_name(checkpoint: str) -> str:
     return Path(checkpoint).resolve().stem
 
 
+# A start is seen ready within this (a request to a local port costs the server next to nothing; the
+# tests start ~40 servers and frontends, each waiting half this on average).
+READY_POLL_S = 0.1
+
+
 def wait_for_200(process: subprocess.Popen, url: str, timeout: float) -> bool:
     """Poll ``url`` until it answers 200, the server process dies, or time runs out."""
     deadline = time.time() + timeout
@@ -238,7 +243,7 @@ def wait_for_200(process: subprocess.Popen, url: str, timeout: float) -> bool:
             error.close()
         except OSError:
             pass
-        time.sleep(0.5)
+        time.sleep(READY_POLL_S)
     return False
 
 
