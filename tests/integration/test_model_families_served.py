@@ -493,13 +493,9 @@ def test_whisper_bad_audio_is_named(served_families):
 def frontends(served_families):
     """OpenAI frontends, in this process on free ports, in front of the server's whisper_bls,
     whisper_bls_stream and tensorrt_llm_t5 (non-decoupled: asked for whole answers): {name: base url}."""
-    import asyncio
-    import threading
+    from openai_frontend.app import FrontendConfig
 
-    from aiohttp import web
-
-    from free_ports import free_port
-    from openai_frontend.app import FrontendConfig, create_app
+    from triton_helpers import in_process_frontends
 
     models, server = served_families
     whisper, t5 = models["whisper_engine"] / "decoder", models["t5_engine"] / "decoder"
@@ -508,25 +504,8 @@ def frontends(served_families):
                                     audio_model=name) for name in ("whisper_bls", "whisper_bls_stream")}
     configs["t5"] = FrontendConfig(grpc_url=server.grpc_url, tokenizer_dir=str(t5), served_model_name="t5",
                                    triton_model=T5_MODELS["tensorrt_llm"], llm_model=T5_MODELS["tensorrt_llm"])
-    loop, started = asyncio.new_event_loop(), threading.Event()
-    thread = threading.Thread(target=lambda: (started.set(), loop.run_forever()), daemon=True)
-    thread.start()
-    assert started.wait(30)
-    urls, runners = {}, []
-    for name, config in configs.items():
-        runner, port = web.AppRunner(create_app(config)), free_port()
-
-        async def start(runner=runner, port=port):
-            await runner.setup()
-            await web.TCPSite(runner, "127.0.0.1", port).start()
-
-        asyncio.run_coroutine_threadsafe(start(), loop).result(30)
-        urls[name] = f"http://127.0.0.1:{port}"
-        runners.append(runner)
-    yield urls
-    for runner in runners:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
-    loop.call_soon_threadsafe(loop.stop)
+    with in_process_frontends(configs) as urls:
+        yield urls
 
 
 def test_t5_completions_through_the_openai_client(served_families, frontends):

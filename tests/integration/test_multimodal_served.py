@@ -124,11 +124,13 @@ MLLAMA_MODELS = ("ensemble", "preprocessing", "multimodal_encoders", "tensorrt_l
 def launched(llava_engine, onevision_engine, mllama_engine, qwen3_engine, tmp_path_factory):
     """tritonserver on the repository `tritonllm serve` fills for a vision-language engine (the
     multimodal one) with the OneVision, Mllama and Qwen3-VL models beside, and the OpenAI frontend beside it as `tritonllm
-    serve` starts it (reading file: image URLs under ``media``), and one for Qwen3-VL: (Server, its URL,
+    serve` starts it (reading file: image URLs under ``media``), and one for Qwen3-VL in this process: (Server, its URL,
     media, the Qwen3-VL frontend's URL)."""
     import subprocess
 
+    from openai_frontend.__main__ import config_from_arguments, parse_arguments
     from serving.child_python import child_environment
+    from triton_helpers import in_process_frontends
     from tritonllm import launcher
     from tritonllm.serve import checkpoint_repository, wait_until_ready
 
@@ -144,34 +146,36 @@ def launched(llava_engine, onevision_engine, mllama_engine, qwen3_engine, tmp_pa
     add_renamed_models(repo, mllama_engine, work, MLLAMA_MODELS, lambda model: f"{model}_mllama",
                        images={"allowed_image_url_hosts": "127.0.0.1"})
     add_renamed_models(repo, qwen3_engine, work, QWEN3_MODELS, lambda model: QWEN3 + model)
-    ports = [str(free_port()) for _ in range(5)]
+    ports = [str(free_port()) for _ in range(4)]
     args = launcher.parse_arguments([f"--model_repo={repo}", "--no-mpi", "--host=127.0.0.1", f"--http_port={ports[0]}",
                                      f"--grpc_port={ports[1]}", f"--metrics_port={ports[2]}", "--force",
                                      f"--cache_dir={work / 'cache'}", f"--tensorrt_llm_model_name={engine_models}",
                                      f"--openai_port={ports[3]}", f"--openai_model_name={SERVED}",
                                      "--openai_workers=1"])
-    log_path, frontend_log, qwen3_log = work / "server.log", work / "frontend.log", work / "qwen3_frontend.log"
-    with open(log_path, "w") as log, open(frontend_log, "w") as frontend_out, open(qwen3_log, "w") as qwen3_out:
+    log_path, frontend_log = work / "server.log", work / "frontend.log"
+    with open(log_path, "w") as log, open(frontend_log, "w") as frontend_out:
         process = launcher.launch(args, stdout=log, stderr=log)
         frontend = subprocess.Popen(launcher.openai_frontend_command(args) + [f"--allowed_local_media_path={media}"],
                                     env=child_environment(), stdout=frontend_out, stderr=frontend_out)
-        # Qwen3-VL's frontend: its engine directory holds the tokenizer and vision_encoder/
-        qwen3_frontend = subprocess.Popen(
-            [sys.executable, "-m", "openai_frontend", f"--grpc_url=127.0.0.1:{ports[1]}", "--host=127.0.0.1",
-             f"--port={ports[4]}", f"--tokenizer_dir={qwen3_engine}", f"--llm_model={QWEN3}tensorrt_llm",
-             f"--served_model_name={QWEN3_SERVED}"], env=child_environment(), stdout=qwen3_out, stderr=qwen3_out)
     try:
         if not wait_until_ready(process, ports[0], timeout=300):
             pytest.fail(f"tritonserver did not become ready:\n{log_path.read_text()[-5000:]}")
         server = Server(http=f"http://127.0.0.1:{ports[0]}", grpc_url=f"127.0.0.1:{ports[1]}",
                         metrics=f"http://127.0.0.1:{ports[2]}", log_path=log_path, pid=process.pid)
-        url, qwen3_url = f"http://127.0.0.1:{ports[3]}", f"http://127.0.0.1:{ports[4]}"
-        for frontend_url, frontend_log_path in ((url, frontend_log), (qwen3_url, qwen3_log)):
-            if not wait_for(lambda: _health(frontend_url) == 200, timeout=120):
-                pytest.fail(f"an OpenAI frontend did not become ready:\n{frontend_log_path.read_text()[-5000:]}")
-        yield server, url, media, qwen3_url
+        url = f"http://127.0.0.1:{ports[3]}"
+        if not wait_for(lambda: _health(url) == 200, timeout=120):
+            pytest.fail(f"the OpenAI frontend did not become ready:\n{frontend_log.read_text()[-5000:]}")
+        # Qwen3-VL's frontend, from its command line's flags (its engine directory holds the tokenizer and
+        # vision_encoder/), in this process: `tritonllm serve`'s own frontend process is LLaVA's above.
+        qwen3 = config_from_arguments(parse_arguments([
+            f"--grpc_url=127.0.0.1:{ports[1]}", f"--tokenizer_dir={qwen3_engine}", f"--llm_model={QWEN3}tensorrt_llm",
+            f"--served_model_name={QWEN3_SERVED}"]))
+        with in_process_frontends({"qwen3": qwen3}) as urls:
+            if not wait_for(lambda: _health(urls["qwen3"]) == 200, timeout=120):
+                pytest.fail("the Qwen3-VL OpenAI frontend did not become ready")
+            yield server, url, media, urls["qwen3"]
     finally:
-        stop(qwen3_frontend, frontend, process)
+        stop(frontend, process)
 
 
 def _health(url: str) -> int | None:

@@ -178,6 +178,41 @@ def running_frontend(grpc_url, engine_dir, work, *extra_args, model: str = "smol
         stop(process)
 
 
+@contextmanager
+def in_process_frontends(configs: dict):
+    """OpenAI frontends (openai_frontend.app) of ``configs`` ({name: FrontendConfig}) in this process on free
+    ports, served by one event loop in a thread (no interpreter, torch import and encoder load per frontend, as
+    a `python -m openai_frontend` process has); yields {name: base url}."""
+    import asyncio
+    import threading
+
+    from aiohttp import web
+
+    from openai_frontend.app import create_app
+
+    loop, started = asyncio.new_event_loop(), threading.Event()
+    thread = threading.Thread(target=lambda: (started.set(), loop.run_forever()), daemon=True)
+    thread.start()
+    assert started.wait(30)
+    urls, runners = {}, []
+    try:
+        for name, config in configs.items():
+            runner, port = web.AppRunner(create_app(config)), free_port()
+
+            async def start(runner=runner, port=port):
+                await runner.setup()
+                await web.TCPSite(runner, "127.0.0.1", port).start()
+
+            asyncio.run_coroutine_threadsafe(start(), loop).result(30)
+            urls[name] = f"http://127.0.0.1:{port}"
+            runners.append(runner)
+        yield urls
+    finally:
+        for runner in runners:
+            asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+
+
 def write_peft_adapter(engine_dir: str, path: Path, rank: int, seed: int) -> Path:
     """A random PEFT LoRA directory for the engine's model, every projection, B large enough to
     move greedy decoding (benchmarks/features/lora_bench.py writes it)."""
