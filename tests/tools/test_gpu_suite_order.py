@@ -39,9 +39,13 @@ def test_slow_files_first_in_their_order_the_rest_as_collected():
 def test_the_conftest_hook_orders_a_gpu_suite_collection(monkeypatch):
     """tests/conftest.py's collection hook applies it under $TRITONLLM_GPU_SUITE=1 (as one xdist worker of
     two): the norm-linear group opens the first chunk; without the variable, the make-test file order."""
-    import conftest
+    import importlib.util
 
     root = Path(__file__).resolve().parents[2]
+    # tests/conftest.py by its path: a bare `import conftest` finds whichever conftest a full run loaded first
+    spec = importlib.util.spec_from_file_location("tests_root_conftest", root / "tests" / "conftest.py")
+    conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conftest)
     config = SimpleNamespace(rootpath=root, getoption=lambda name, default=None: "load" if name == "dist" else default)
     collection = ["tests/tools/test_gpu_suite_order.py::test_a", "tests/tools/test_gpu_suite_order.py::test_b",
                   SLOW_KERNEL_GROUPS[2][0] + "[3-200-576]"]
