@@ -95,6 +95,23 @@ def holdback_decoder(tokenizer) -> Callable[[list[int]], str]:
     return fast_decoder(tokenizer, skip_special_tokens=False)
 
 
+def holdback_decoder_for(tokenizer_dir: str) -> Callable[[list[int]], str]:
+    """``holdback_decoder`` of ``load_tokenizer(tokenizer_dir)``, for a process that only decodes a
+    stream's tail (the tensorrt_llm stub). A plain fast tokenizer's folder (``_plain_fast_tokenizer``:
+    TokenizersBackend loads tokenizer.json as it is) whose tokenizer_config.json adds no token that
+    tokenizer.json lacks decodes with the tokenizers library alone: the same Rust decode, without
+    importing transformers (~0.5 CPU-s per stub at every server start). Anything else loads it as before."""
+    if _plain_fast_tokenizer(tokenizer_dir):
+        from tokenizers import Tokenizer
+
+        backend = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
+        added = json.loads((Path(tokenizer_dir) / "tokenizer_config.json").read_text()).get("added_tokens_decoder", {})
+        known = backend.get_added_tokens_decoder()
+        if all(int(i) in known and known[int(i)].content == token.get("content") for i, token in added.items()):
+            return lambda ids: backend.decode(ids, skip_special_tokens=False)
+    return holdback_decoder(load_tokenizer(tokenizer_dir))
+
+
 class Utf8Holdback:
     """Holds back the tail of a token stream while it decodes to an unfinished character.
 

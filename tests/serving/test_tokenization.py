@@ -143,3 +143,38 @@ def test_a_plain_fast_tokenizer_loads_as_auto_tokenizer_would_and_without_torch(
     run = subprocess.run([sys.executable, "-c", check], cwd=root, capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": str(root)})
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_the_tensorrt_llm_stubs_holdback_decoder_needs_no_transformers(smollm2_tokenizer_dir, smollm2_tokenizer, tmp_path):
+    """holdback_decoder_for: a plain fast tokenizer's folder decodes with the tokenizers library alone, the
+    same text as holdback_decoder(load_tokenizer(...)) (transformers' import is ~0.5 CPU-s of every
+    tensorrt_llm stub's start); a tokenizer_config.json adding a token tokenizer.json lacks loads as before."""
+    import json
+    import random
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from serving.tokenization import holdback_decoder, holdback_decoder_for
+
+    fast, ref = holdback_decoder_for(smollm2_tokenizer_dir), holdback_decoder(smollm2_tokenizer)
+    rng = random.Random(0)
+    cases = [smollm2_tokenizer.encode(text) for text in TEXTS] + [
+        [rng.randrange(len(smollm2_tokenizer)) for _ in range(rng.randint(1, 6))] for _ in range(300)]
+    for ids in cases + [ids[:cut] for ids in cases[:len(TEXTS)] for cut in range(1, len(ids))]:
+        assert fast(ids) == ref(ids), ids
+
+    extra = Path(shutil.copytree(smollm2_tokenizer_dir, tmp_path / "extra"))
+    config = json.loads((extra / "tokenizer_config.json").read_text())
+    new_id = len(smollm2_tokenizer)
+    config["added_tokens_decoder"] = {str(new_id): {"content": "<extra_tok>", "special": False}}
+    (extra / "tokenizer_config.json").write_text(json.dumps(config))
+    assert "<extra_tok>" in holdback_decoder_for(str(extra))([new_id])
+
+    root = Path(__file__).resolve().parents[2]
+    check = (f"import sys; from serving.tokenization import holdback_decoder_for; holdback_decoder_for({smollm2_tokenizer_dir!r}); "
+             "assert 'transformers' not in sys.modules, 'transformers was imported'")
+    run = subprocess.run([sys.executable, "-c", check], cwd=root, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(root)})
+    assert run.returncode == 0, run.stderr[-2000:]

@@ -251,16 +251,15 @@ class TritonPythonModel:
 
     def _stream_decoder(self, params, engine_dir):
         """A token decoder for the streaming UTF-8 holdback, from tokenizer_dir or the engine dir."""
-        from serving.tokenization import holdback_decoder, load_tokenizer
+        from serving.tokenization import holdback_decoder_for
 
         tokenizer_dir = get_parameter(params, "tokenizer_dir", str) or engine_dir
         try:
-            tokenizer = load_tokenizer(tokenizer_dir)
+            return holdback_decoder_for(tokenizer_dir)
         except Exception as error:  # streams still work, only without the holdback
             pb_utils.Logger.log_warn(f"tensorrt_llm: no tokenizer in {tokenizer_dir} ({error}); "
                                      "streamed chunks may split multi-byte characters")
             return None
-        return holdback_decoder(tokenizer)
 
     # ----------------------------------------------------------------------------- requests
 
