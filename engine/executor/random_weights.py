@@ -36,7 +36,10 @@ def has_random_weights(extra: dict) -> bool:
 @torch.no_grad()
 def materialize_random_weights(model: torch.nn.Module, device: torch.device, seed: int) -> torch.nn.Module:
     """A model built on the meta device -> the same model on ``device`` with random weights."""
-    model = model.to_empty(device=device)
+    # Module.to_empty's empty_like of a meta tensor runs torch's Python reference, whose first call
+    # imports torch.fx's symbolic shapes and sympy (~0.35 CPU-s of every engine process start);
+    # empty_strided on the device gives the same sizes, strides and dtypes without it.
+    model = model._apply(lambda t: torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device))
     generator = torch.Generator(device=device).manual_seed(seed)
     for name, param in model.named_parameters():
         owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
