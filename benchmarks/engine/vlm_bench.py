@@ -539,17 +539,15 @@ def markdown(results: dict) -> str:
         lines.append(f"| {name}, encoding included | {o['image']['output_tok_s']:.0f} ({o['image']['seconds']:.2f} s) | "
                      f"text-only {o['prompt_len']}/{o['output_len']}: {o['text']['output_tok_s']:.0f} "
                      f"({o['text']['seconds']:.2f} s) | {o['vs_text']:.2f}x (>= {GOALS['offline_vs_text']}x) |")
-        if "image_executor_stream" in o:
-            r = o["image_executor_stream"]
-            lines.append(f"| the same, the tower run by the bench's thread on the executor's stream, {o['encode_batch']} "
-                         f"images a forward, each batch's requests enqueued after it (the first run's way) | "
-                         f"{r['output_tok_s']:.0f} ({r['seconds']:.2f} s) | text-only: "
-                         f"{o['text']['output_tok_s']:.0f} | {r['output_tok_s'] / o['text']['output_tok_s']:.2f}x |")
-        if "image_tables_ready" in o:
-            r = o["image_tables_ready"]
-            lines.append(f"| the image requests with their tables made beforehand (the executor's share) | "
-                         f"{r['output_tok_s']:.0f} ({r['seconds']:.2f} s) | text-only: {o['text']['output_tok_s']:.0f} | "
-                         f"{r['output_tok_s'] / o['text']['output_tok_s']:.2f}x |")
+        variants = {"image_executor_stream": f"the same, the tower run by the bench's thread on the executor's stream, "
+                                             f"{o['encode_batch']} images a forward, each batch's requests enqueued after "
+                                             f"it (the first run's way)",
+                    "image_tables_ready": "the image requests with their tables made beforehand (the executor's share)"}
+        for kind, label in variants.items():
+            if kind in o:
+                r = o[kind]
+                lines.append(f"| {label} | {r['output_tok_s']:.0f} ({r['seconds']:.2f} s) | text-only: "
+                             f"{o['text']['output_tok_s']:.0f} | {r['output_tok_s'] / o['text']['output_tok_s']:.2f}x |")
         if "hf" in o:
             hf = ", ".join(f"b{r['batch']}: {r['output_tok_s']:.0f}" for r in o["hf"])
             lines.append(f"| the same against transformers' generate | {o['image']['output_tok_s']:.0f} | {hf} | "
