@@ -12,9 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from tritonclient.utils import np_to_triton_dtype
 
-from triton_helpers import wait_for
+from triton_helpers import grpc_inputs, wait_for
 
 BLS = "disaggregated_serving_bls"
 MAX_TOKENS = 12
@@ -33,22 +32,13 @@ def _output_ids(server, model: str, prompt: list[int], **extra) -> list[int]:
     return response.json()["output_ids"]
 
 
-def _grpc_inputs(tensors: dict[str, np.ndarray]) -> list:
-    inputs = []
-    for name, value in tensors.items():
-        tensor = grpcclient.InferInput(name, list(value.shape), np_to_triton_dtype(value.dtype))
-        tensor.set_data_from_numpy(value)
-        inputs.append(tensor)
-    return inputs
-
-
 def _infer_ids(server, model: str, prompt: list[int], **extra: np.ndarray) -> list[int]:
     """One unary request over a gRPC stream (generate's JSON cannot carry stop_words_list's [2, -1]
     shape, and HTTP infer takes no decoupled model): prompt + output ids."""
     tensors = {"input_ids": np.array([prompt], np.int32), "input_lengths": np.array([[len(prompt)]], np.int32),
                "request_output_len": np.array([[MAX_TOKENS]], np.int32), "end_id": np.array([[2]], np.int32),
                "pad_id": np.array([[2]], np.int32), **extra}
-    inputs = _grpc_inputs(tensors)
+    inputs = grpc_inputs(tensors)
     results = []
     client = grpcclient.InferenceServerClient(server.grpc_url)
     client.start_stream(callback=lambda result, error: results.append((result, error)))
@@ -122,7 +112,7 @@ def test_a_cancelled_stream_stops_the_generation_phase(triton_server):
     tensors = {"input_ids": np.array([PROMPTS[5]], np.int32), "input_lengths": np.array([[len(PROMPTS[5])]], np.int32),
                "request_output_len": np.array([[400]], np.int32), "end_id": np.array([[-1]], np.int32),
                "pad_id": np.array([[2]], np.int32), "streaming": np.array([[True]])}
-    inputs = _grpc_inputs(tensors)
+    inputs = grpc_inputs(tensors)
     responses = []
     client = grpcclient.InferenceServerClient(triton_server.grpc_url)
     client.start_stream(callback=lambda result, error: responses.append((result, error)))

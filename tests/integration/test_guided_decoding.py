@@ -17,9 +17,8 @@ import jsonschema
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from tritonclient.utils import np_to_triton_dtype
 
-from triton_helpers import chat
+from triton_helpers import chat, grpc_inputs
 
 pytestmark = pytest.mark.integration
 
@@ -255,12 +254,7 @@ def test_the_end_to_end_grpc_client_invocation(triton_server, model):
     client = grpcclient.InferenceServerClient(triton_server.grpc_url)
     results = []
     client.start_stream(callback=lambda result, error: results.append((result, error)))
-    inputs = []
-    for name, array in _client_tensors("What is the year after 2024? Answer:", 30, "json_schema",
-                                       ANCHOR_SCHEMA).items():
-        tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
-        tensor.set_data_from_numpy(array)
-        inputs.append(tensor)
+    inputs = grpc_inputs(_client_tensors("What is the year after 2024? Answer:", 30, "json_schema", ANCHOR_SCHEMA))
     client.async_stream_infer(model, inputs, outputs=[grpcclient.InferRequestedOutput("text_output")])
     client.stop_stream()  # waits for the server to close the stream
     client.close()

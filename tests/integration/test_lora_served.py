@@ -22,9 +22,8 @@ import numpy as np
 import pytest
 import requests
 import tritonclient.grpc as grpcclient
-from tritonclient.utils import np_to_triton_dtype
 
-from triton_helpers import wait_for, write_peft_adapter
+from triton_helpers import grpc_inputs, wait_for, write_peft_adapter
 
 pytestmark = pytest.mark.integration
 
@@ -38,12 +37,7 @@ def infer(grpc_url: str, model: str, tensors: dict[str, np.ndarray], output: str
     client = grpcclient.InferenceServerClient(grpc_url)
     results = []
     client.start_stream(callback=lambda result, error: results.append((result, error)))
-    inputs = []
-    for name, array in tensors.items():
-        tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
-        tensor.set_data_from_numpy(array)
-        inputs.append(tensor)
-    client.async_stream_infer(model, inputs, outputs=[grpcclient.InferRequestedOutput(output)])
+    client.async_stream_infer(model, grpc_inputs(tensors), outputs=[grpcclient.InferRequestedOutput(output)])
     client.stop_stream()
     client.close()
     errors = [str(error) for _, error in results if error is not None]

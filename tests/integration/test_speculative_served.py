@@ -21,9 +21,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+from tritonclient.utils import InferenceServerException
 
-from triton_helpers import chat, load_script, serving_repository, wait_for
+from triton_helpers import chat, grpc_inputs, load_script, serving_repository, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -76,12 +76,7 @@ def infer(server, model, tensors):
     """One unary gRPC call (all outputs); name -> numpy."""
     client = grpcclient.InferenceServerClient(server.grpc_url)
     try:
-        inputs = []
-        for name, array in tensors.items():
-            tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
-            tensor.set_data_from_numpy(array)
-            inputs.append(tensor)
-        result = client.infer(model, inputs)
+        result = client.infer(model, grpc_inputs(tensors))
         return {output.name: result.as_numpy(output.name) for output in result.get_response().outputs}
     finally:
         client.close()

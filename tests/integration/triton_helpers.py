@@ -130,6 +130,19 @@ def serving_repository(repo: str | Path, work: Path, mpi: bool = False):
 STOP_WAIT_S = 1.0
 
 
+def grpc_inputs(arrays: dict) -> list:
+    """{name: numpy array} -> tritonclient gRPC InferInputs carrying the arrays, in the dict's order."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import np_to_triton_dtype
+
+    inputs = []
+    for name, array in arrays.items():
+        tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
+
+
 def stop(*processes: subprocess.Popen) -> None:
     """SIGTERM to each, STOP_WAIT_S for all of them together (not one after another), SIGKILL to the rest."""
     for process in processes:
