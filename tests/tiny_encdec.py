@@ -95,6 +95,15 @@ def write_checkpoint(family: str, path: Path):
     return model
 
 
+def build_engine(root: Path, *limits: str) -> None:
+    """engine.build of ``root``/checkpoint into ``root``/engine (encoder/ and decoder/): float32, pages of 4 tokens,
+    batches of 4, plus ``limits`` (e.g. --max_seq_len)."""
+    from engine.build import main
+
+    assert main(["--checkpoint", str(root / "checkpoint"), "--output", str(root / "engine"), "--dtype", "float32",
+                 "--tokens_per_block", "4", "--max_batch_size", "4", *limits]) == 0
+
+
 def generate_whisper(model, features: torch.Tensor, max_new_tokens: int, prompt: list[int] = WHISPER_PROMPT,
                      eos: int | None = 1) -> list[int]:
     """transformers' greedy ids after ``prompt`` for (frames, mel bins) ``features``, through the

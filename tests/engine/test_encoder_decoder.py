@@ -13,7 +13,7 @@ from engine.build import main
 from engine.config import EngineFormatError
 from engine.executor import Executor, ExecutorConfig, OutputConfig, Request
 from tests.executor.executor_testing import assert_cancels_free_cross_pool, collect, final_tokens
-from tiny_encdec import FAMILIES, INPUTS, generate, write_checkpoint
+from tiny_encdec import FAMILIES, INPUTS, build_engine, generate, write_checkpoint
 
 MAX_ENCODER_LEN = 16
 
@@ -23,9 +23,7 @@ def built(request, tmp_path_factory):
     """(family, transformers model, engine root): OUTPUT/encoder and OUTPUT/decoder."""
     root = tmp_path_factory.mktemp(request.param)
     model = write_checkpoint(request.param, root / "checkpoint")
-    assert main(["--checkpoint", str(root / "checkpoint"), "--output", str(root / "engine"), "--dtype", "float32",
-                 "--max_seq_len", "48", "--tokens_per_block", "4", "--max_batch_size", "4",
-                 "--max_encoder_input_len", str(MAX_ENCODER_LEN)]) == 0
+    build_engine(root, "--max_seq_len", "48", "--max_encoder_input_len", str(MAX_ENCODER_LEN))
     return request.param, model, root / "engine"
 
 
@@ -139,8 +137,7 @@ def whisper(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("whisper")
     model = write("whisper", root / "checkpoint")
-    assert main(["--checkpoint", str(root / "checkpoint"), "--output", str(root / "engine"), "--dtype", "float32",
-                 "--tokens_per_block", "4", "--max_batch_size", "4"]) == 0
+    build_engine(root)
     assert (root / "engine" / "decoder" / "preprocessor_config.json").is_file()
     with Executor(str(root / "engine" / "decoder"), ExecutorConfig(max_batch_size=4)) as ex:
         yield model, ex

@@ -21,7 +21,7 @@ from engine.executor import Executor, ExecutorConfig, OutputConfig, Request
 from engine.executor.runner import ForwardBatch
 from kernels.attention import KV_FP8_DTYPE
 from tests.executor.executor_testing import assert_cancels_free_cross_pool, collect, final_tokens
-from tiny_encdec import INPUTS, WHISPER_PROMPT, feature_extractor, hf_model, tokenizer
+from tiny_encdec import INPUTS, WHISPER_PROMPT, build_engine, feature_extractor, hf_model, tokenizer
 
 FP8_RELATIVE_BOUND = 0.05  # tests/engine/test_fp8_engine.py's bound for an FP8 self pool
 
@@ -33,8 +33,7 @@ def engine(request, tmp_path_factory):
     write_trained_scale_checkpoint(request.param, root / "checkpoint")
     # Whisper: its own 50 encoder and 40 decoder positions
     limits = [] if request.param == "whisper" else ["--max_encoder_input_len", "16", "--max_seq_len", "48"]
-    assert main(["--checkpoint", str(root / "checkpoint"), "--output", str(root / "engine"), "--dtype", "float32",
-                 "--tokens_per_block", "4", "--max_batch_size", "4", *limits]) == 0
+    build_engine(root, *limits)
     return request.param, str(root / "engine" / "decoder")
 
 

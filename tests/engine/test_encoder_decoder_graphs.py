@@ -9,13 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.build import main
 from engine.encoder_decoder.decode_graphs import EncDecDecodeGraphs, fill_cross_rows
 from engine.executor import Executor, ExecutorConfig, OutputConfig, Request
 from kernels.attention_metadata import AttentionMetadata
 from kernels.relative_position_bias import decode_attention_bias, paged_attention_bias_ref
 from tests.executor.executor_testing import collect, final_tokens
-from tiny_encdec import INPUTS, generate, write_checkpoint
+from tiny_encdec import INPUTS, build_engine, generate, write_checkpoint
 
 
 def test_decode_attention_bias_equals_reference():
@@ -47,9 +46,7 @@ def test_fill_cross_rows_pads_the_bucket():
 def engine(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
     model = write_checkpoint(request.param, root / "checkpoint")
-    assert main(["--checkpoint", str(root / "checkpoint"), "--output", str(root / "engine"), "--dtype", "float32",
-                 "--max_seq_len", "48", "--tokens_per_block", "4", "--max_batch_size", "4",
-                 "--max_encoder_input_len", "16"]) == 0
+    build_engine(root, "--max_seq_len", "48", "--max_encoder_input_len", "16")
     return model, str(root / "engine" / "decoder")
 
 

@@ -10,19 +10,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.build import main
 from engine.encoder_decoder import fused_decode
 from engine.executor import Executor, ExecutorConfig, OutputConfig, Request
 from tests.executor.executor_testing import collect, final_tokens
-from tiny_encdec import WHISPER_PROMPT, generate_whisper, write_checkpoint
+from tiny_encdec import WHISPER_PROMPT, build_engine, generate_whisper, write_checkpoint
 
 
 @pytest.fixture(scope="module")
 def whisper(tmp_path_factory):
     root = tmp_path_factory.mktemp("whisper_fused")
     model = write_checkpoint("whisper", root / "checkpoint")
-    assert main(["--checkpoint", str(root / "checkpoint"), "--output", str(root / "engine"), "--dtype", "float32",
-                 "--tokens_per_block", "4", "--max_batch_size", "4"]) == 0
+    build_engine(root)
     return model, str(root / "engine" / "decoder")
 
 
