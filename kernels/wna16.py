@@ -33,9 +33,10 @@ this off), and ``wna16_linear`` runs:
   MMA_VARIANTS (untimed: MMA_DEFAULT);
 - more rows: kernels/wna16_mma_dense.py dequantizes the same words into a scratch weight in x's
   dtype (one buffer per device and dtype, sized at load for the largest layer; static, so CUDA graphs
-  capture it), then cuBLAS. With $TRITONLLM_WNA16_MMA_ROWS=1 (opt-in until measured on a GPU),
-  17-256 rows instead take kernels/wna16_mma_rows.py's MMA kernel on the same words where the
-  load-time timing picks it over that (ROWS_VARIANTS beside DENSE).
+  capture it), then cuBLAS. By default 17-256 rows (wna16_mma_rows.MAX_ROWS) take
+  kernels/wna16_mma_rows.py's MMA kernel on the same words instead, where the load-time timing
+  picks it over dequantize + cuBLAS (ROWS_VARIANTS beside DENSE at MID_ROWS; untimed: ROWS_DEFAULT);
+  $TRITONLLM_WNA16_MMA_ROWS overrides: "0" never (DENSE past 16 rows), "1" always (DENSE not timed).
 
 Otherwise (8 bits, other groupings, the operand order turned off) the weight stays packed in
 kernels/wna16_layout.py's layout (no dequantized copy: the point is memory and bandwidth), and
@@ -224,9 +225,13 @@ def mma_enabled() -> bool:
 # Kind 7: kernels/wna16_mma_rows.py, the same operand-order words for 17-256 rows (32 rows of x a
 # program; block_n = warps x row tiles x 16, 1-2 tiles (4 spill on sm_90: 255 registers); num_stages 2: the
 # next chunk's first words read early).
-# Opt-in until measured on a GPU ($TRITONLLM_WNA16_MMA_ROWS=1): then the load-time timing covers
-# MID_ROWS among ROWS_VARIANTS and DENSE for operand-order layers, and untimed weights take
-# ROWS_DEFAULT up to wna16_mma_rows.MAX_ROWS rows. Unset, such layers dequantize past 16 rows (DENSE).
+# The default past 16 rows since its H200 figures (benchmarks/results/quantization.md, 2026-11-29: at 64
+# rows 1.5-2.5x faster than dequantize + cuBLAS on every Llama-3.1-8B shape; at 256 rows faster or equal
+# on two shapes, 3-10% slower on two; at 1024 1.6-1.8x slower): the load-time timing covers MID_ROWS
+# among ROWS_VARIANTS and DENSE for operand-order layers, so each shape and batch gets the faster one;
+# untimed weights take ROWS_DEFAULT up to wna16_mma_rows.MAX_ROWS rows, DENSE past it.
+# $TRITONLLM_WNA16_MMA_ROWS: "0" never the rows kernel (DENSE past 16 rows, the path before it); "1" the
+# rows kernel up to MAX_ROWS whatever DENSE would time (DENSE is not timed): comparisons.
 MMA_ROWS_KIND = 7
 MMA_ROWS_ENV = "TRITONLLM_WNA16_MMA_ROWS"
 ROWS_VARIANTS = tuple((block_n, 32, warps, 2, split, MMA_ROWS_KIND)
@@ -237,7 +242,13 @@ ROWS_DEFAULT = (128, 32, 4, 2, 1, MMA_ROWS_KIND)
 
 
 def mma_rows_enabled() -> bool:
-    return os.environ.get(MMA_ROWS_ENV, "0") == "1"
+    """Operand-order layers may run the rows kernel past 16 rows (default; $TRITONLLM_WNA16_MMA_ROWS=0: never)."""
+    return os.environ.get(MMA_ROWS_ENV, "") != "0"
+
+
+def mma_rows_forced() -> bool:
+    """$TRITONLLM_WNA16_MMA_ROWS=1: the rows kernel up to MAX_ROWS rows, dequantize + cuBLAS not timed."""
+    return os.environ.get(MMA_ROWS_ENV, "") == "1"
 
 
 # The tiling for M rows past MAX_SKINNY_ROWS when none was timed: the first (bound, tiling) with M <= bound.
@@ -303,7 +314,7 @@ def _product(rows: torch.Tensor, weight: WNA16Weight, layout: dict[str, torch.Te
     a kernel tiling, or DENSE (dequantized into a temporary, or for operand-order weights into
     their scratch, then cuBLAS)."""
     if "words" not in layout:  # operand order only: the decode kernel, the rows kernel, or the scratch weight + cuBLAS
-        rows_kernel = isinstance(tiling, tuple) and tiling[5:] == (MMA_ROWS_KIND,)
+        rows_kernel = isinstance(tiling, tuple) and tiling[5:] == (MMA_ROWS_KIND,) and use_triton(rows)
         if tiling == DENSE or (rows.shape[0] > MAX_SKINNY_ROWS and not rows_kernel):
             return wna16_mma_dense.mma_dense_linear(rows, _mma_layout(layout), weight.out_features,
                                                     weight.group_size, weight.scratch, bias)
@@ -372,7 +383,8 @@ def tiling_for(weight: WNA16Weight, rows: int) -> tuple | str:
     """The kernel tiling for ``rows`` rows, or DENSE: the one chosen at load for the fewest timed
     rows >= ``rows`` (decode sizes among the skinny tilings, MID_ROWS among MID_VARIANTS); past the
     timed sizes, DENSE from DENSE_MIN_ROWS rows, else GEMM_TILES'. Operand-order weights (``mma_only``):
-    the timed MMA tiling (else MMA_DEFAULT) up to MAX_SKINNY_ROWS, DENSE past it."""
+    the timed MMA tiling (else MMA_DEFAULT) up to MAX_SKINNY_ROWS; then up to wna16_mma_rows.MAX_ROWS the
+    timed rows tiling or DENSE (else ROWS_DEFAULT; DENSE throughout when $TRITONLLM_WNA16_MMA_ROWS=0); DENSE past it."""
     skinny = rows <= MAX_SKINNY_ROWS
     if weight.mma_only:
         if not skinny:
@@ -422,7 +434,7 @@ def _time_skinny_variants(weight: WNA16Weight, rows: tuple[int, ...]) -> dict:
     from kernels.fp8 import l2_defeating_copies
     from kernels.linear import graph_time_ms
 
-    if weight.mma_only:  # the decode kernel's tilings; past 16 rows the rows kernel's and DENSE (opt-in), or nothing
+    if weight.mma_only:  # the decode kernel's tilings; past 16 rows the rows kernel's and DENSE (unless turned off)
         layouts = [{**weight.kernel, "mma_words": words} for words in l2_defeating_copies(weight.kernel["mma_words"])]
         rows = tuple(m for m in rows if m <= (wna16_mma_rows.MAX_ROWS if mma_rows_enabled() else MAX_SKINNY_ROWS))
     else:
@@ -433,7 +445,8 @@ def _time_skinny_variants(weight: WNA16Weight, rows: tuple[int, ...]) -> dict:
         x = torch.randn(m, weight.in_features, dtype=weight.dtype, device=next(iter(weight.kernel.values())).device)
         candidates = SKINNY_VARIANTS if m <= MAX_SKINNY_ROWS else MID_VARIANTS
         if weight.mma_only:
-            candidates = MMA_VARIANTS if m <= MAX_SKINNY_ROWS else ROWS_VARIANTS + (DENSE,)
+            candidates = MMA_VARIANTS if m <= MAX_SKINNY_ROWS else \
+                ROWS_VARIANTS + (() if mma_rows_forced() else (DENSE,))
         times[m] = {variant: 1e3 * graph_time_ms(lambda: _product(x, weight, layouts[next(turn) % len(layouts)],
                                                                   variant))
                     for variant in candidates if not (is_fma_tiling(variant) and variant[1] < m)}

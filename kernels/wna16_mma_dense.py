@@ -1,6 +1,7 @@
-"""Batches past the operand-order decode kernel (kernels/wna16_mma.py, 1-16 rows): the weight is
-dequantized from the SAME operand-order words into a reusable bf16/fp16 scratch weight, then
-cuBLAS multiplies it. So an INT4 layer holds its codes once (the mma-order words), not a second
+"""Batches past the operand-order decode kernel (kernels/wna16_mma.py, 1-16 rows) that the rows kernel
+(kernels/wna16_mma_rows.py) does not take (past 256 rows, or where the load-time timing found this
+faster): the weight is dequantized from the SAME operand-order words into a reusable bf16/fp16
+scratch weight, then cuBLAS multiplies it. So an INT4 layer holds its codes once (the mma-order words), not a second
 time in kernels/wna16_layout.py's layout for 17+ rows.
 
 Dequantized value (as kernels/wna16.dequantize with the float16 scale the layout holds):

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from kernel_testing import TOLERANCE, relative_error
 
 from kernels import wna16_mma, wna16_mma_dense
-from kernels.wna16 import (DENSE, MMA_DEFAULT, MMA_VARIANTS, WNA16Weight, dequantize, prepare_wna16, quantize,
-                           tiling_for, unpack_codes, wna16_linear)
+from kernels.wna16 import (DENSE, MMA_DEFAULT, MMA_VARIANTS, ROWS_DEFAULT, WNA16Weight, dequantize, prepare_wna16,
+                           quantize, tiling_for, unpack_codes, wna16_linear)
 
 CASES = [(40, 256, 64), (150, 384, 128), (24, 256, None)]  # odd N: padded rows; None: per channel
 
@@ -53,17 +53,19 @@ def test_triton_kernel_equals_the_reference_exactly(device, n, k, group_size):
 
 
 def test_operand_order_only_layer_dispatch_on_cpu():
-    """A layer holding only the operand-order words: 17+ rows take DENSE (the reference's weight when
-    not on CUDA), decode rows the MMA tilings (timed, else MMA_DEFAULT)."""
+    """A layer holding only the operand-order words: decode rows the MMA tilings (timed, else MMA_DEFAULT),
+    17-256 the rows kernel (ROWS_DEFAULT untimed), more DENSE; off CUDA every 17+-row product is the
+    reference's weight (no Triton there)."""
     n, k, group_size = 40, 256, 64
     stored, scale, zero, layout = mma_layout(n, k, group_size)
     weight = WNA16Weight(n, k, 4, group_size, torch.bfloat16,
                          kernel={"mma_words": layout["words"], "mma_meta": layout["meta"]})
     assert weight.mma_only
-    assert tiling_for(weight, 1) == MMA_DEFAULT and tiling_for(weight, 17) == DENSE and tiling_for(weight, 999) == DENSE
+    assert tiling_for(weight, 1) == MMA_DEFAULT and tiling_for(weight, 17) == ROWS_DEFAULT
+    assert tiling_for(weight, 999) == DENSE
     weight.variant.update({1: MMA_VARIANTS[0], 8: MMA_VARIANTS[3]})
     assert [tiling_for(weight, m) for m in (1, 2, 8, 9, 16, 17)] == \
-        [MMA_VARIANTS[0], MMA_VARIANTS[3], MMA_VARIANTS[3], MMA_DEFAULT, MMA_DEFAULT, DENSE]
+        [MMA_VARIANTS[0], MMA_VARIANTS[3], MMA_VARIANTS[3], MMA_DEFAULT, MMA_DEFAULT, ROWS_DEFAULT]
     dense = dequantize(stored, scale.half().float(), zero, 4, torch.bfloat16)
     for m in (17, 40):
         x = torch.randn(m, k).to(torch.bfloat16)

@@ -1,10 +1,10 @@
 """kernels/wna16_mma_rows.py: 17-256 rows from the operand-order words of kernels/wna16_mma.py.
 
-CPU (CI): x's fragment order against its definition, the PTX text's operands, the opt-in dispatch.
+CPU (CI): x's fragment order against its definition, the PTX text's operands, the dispatch (default, overrides).
 TRITON_INTERPRET=1 (``device`` fixture, skipped in CI): the whole kernel with its PTX replaced by the
 plain-Triton emulation (fragments gathered by the PTX ISA's table) against the dequantized reference:
 addresses, x order, zeros, scales, folds, masks, bias and split-K. CUDA (the real PTX): every timed
-tiling, dtypes, groupings, bias, the opt-in dispatch through prepare_wna16 and a CUDA graph.
+tiling, dtypes, groupings, bias, the default dispatch through prepare_wna16 and a CUDA graph.
 """
 from __future__ import annotations
 
@@ -66,15 +66,20 @@ def test_ptx_operands():
                    f"{{${19 + 2 * b}, ${20 + 2 * b}}}, {{${27 + 4 * b}," in text
 
 
-def test_rows_dispatch_is_opt_in(monkeypatch):
+@pytest.mark.parametrize("env", [None, "1"])
+def test_rows_dispatch_is_the_default_past_16_rows(monkeypatch, env):
+    """Unset (and "1"): 17-256 rows the timed choice, else ROWS_DEFAULT; past 256 DENSE; "0": DENSE past 16."""
     weight = WNA16Weight(300, 256, 4, 64, torch.bfloat16, kernel={"mma_words": torch.zeros(1), "mma_meta": torch.zeros(1)})
-    monkeypatch.delenv(wna16.MMA_ROWS_ENV, raising=False)
-    assert tiling_for(weight, 64) == DENSE
-    monkeypatch.setenv(wna16.MMA_ROWS_ENV, "1")
+    if env is None:
+        monkeypatch.delenv(wna16.MMA_ROWS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(wna16.MMA_ROWS_ENV, env)
     assert tiling_for(weight, 17) == ROWS_DEFAULT and tiling_for(weight, 256) == ROWS_DEFAULT
     assert tiling_for(weight, 257) == DENSE
     weight.variant = {64: ROWS_VARIANTS[0], 256: DENSE}
     assert tiling_for(weight, 33) == ROWS_VARIANTS[0] and tiling_for(weight, 100) == DENSE
+    monkeypatch.setenv(wna16.MMA_ROWS_ENV, "0")
+    assert tiling_for(weight, 17) == DENSE and tiling_for(weight, 64) == DENSE
     assert all(v[5] == MMA_ROWS_KIND and v[0] % (16 * v[2]) == 0 for v in ROWS_VARIANTS)
 
 
@@ -119,8 +124,8 @@ def test_groupings_dtypes_and_bias(group_size, dtype):
 
 
 @cuda
-def test_opt_in_dispatch_through_prepare_and_a_cuda_graph(monkeypatch):
-    monkeypatch.setenv(wna16.MMA_ROWS_ENV, "1")
+def test_default_dispatch_through_prepare_and_a_cuda_graph(monkeypatch):
+    monkeypatch.delenv(wna16.MMA_ROWS_ENV, raising=False)
     n, k = 384, 512
     stored, scale, zero = quantized(n, k, 128)
     prepared = prepare_wna16(stored.cuda(), scale.cuda(), zero.cuda(), 4, torch.bfloat16)
