@@ -28,9 +28,12 @@ weight, gated 32, a stage), else 128 bytes over 4; split-K so the programs cover
 The numbers are the decode kernels' (FP8: the same E4M3 values multiplied exactly, both scales in the
 epilogue), one rounding of the output dtype from the references.
 
-``TRITONLLM_WIDE_ROWS=1`` turns the choice on. Off by default until the kernel has run on a GPU: it is verified
-under the CPU interpreter only, and the choice compiles 9-12 more kernels per dtype at engine load. Off, such
-products stay on cuBLAS / cuBLASLt.
+On by default: the H200 run of 2026-11-29 (tree_bench, Llama-8B shape) had the kernel ahead at 32 and 64 rows
+for every FP8 shape (e.g. 6144x4096: 9.8 / 12.4 us against 13.7) and for some bf16 ones, behind at 128 rows and on
+other bf16 shapes (4096x4096 at 64 rows: 15.2 against 11.6 us), so the choice per (shape, padded rows) is what
+makes the default path the faster one. ``TRITONLLM_WIDE_ROWS`` overrides it: ``0`` keeps every such product on
+cuBLAS / cuBLASLt (nothing compiled or timed), ``1`` takes the kernel at every row count where a tiling compiles,
+timed or not faster (for A/B runs; the timings are still reported).
 """
 from __future__ import annotations
 
@@ -73,11 +76,14 @@ def choose_wide_variants(weights: list[torch.Tensor], gated: list[torch.Tensor] 
                          row_counts: tuple[int, ...] = WIDE_ROW_COUNTS) -> dict[tuple, dict]:
     """Per distinct weight (dtype, shape) (key (N, K) or ("gated", N, K), with "fp8" first for FP8
     weights) and padded row count of ``row_counts``: {"kernel_us", "library_us", "tiling"}; every
-    weight of that shape gets {rows: tiling} for the row counts where the kernel won. CUDA weights of
-    FP8, bf16 or fp16 only; a no-op unless WIDE_ROWS_ENV=1."""
+    weight of that shape gets {rows: tiling} for the row counts where the kernel won (every row count
+    with a tiling when WIDE_ROWS_ENV=1 forces it). CUDA weights of FP8, bf16 or fp16 only; a no-op when
+    WIDE_ROWS_ENV=0."""
     report: dict[tuple, dict] = {}
-    if os.environ.get(WIDE_ROWS_ENV, "0") != "1" or not row_counts:
+    mode = os.environ.get(WIDE_ROWS_ENV, "")
+    if mode == "0" or not row_counts:
         return report
+    forced = mode == "1"
     for weight, is_gated in [(w, False) for w in weights] + [(w, True) for w in gated]:
         if not weight.is_cuda or weight.dim() != 2 or weight.dtype not in (FP8_DTYPE, torch.bfloat16, torch.float16):
             continue
@@ -85,7 +91,7 @@ def choose_wide_variants(weights: list[torch.Tensor], gated: list[torch.Tensor] 
         if key not in report:
             report[key] = {m: _time_wide(weight, is_gated, m) for m in row_counts}
         setattr(weight, WIDE_ATTR, {m: r["tiling"] for m, r in report[key].items()
-                                    if r["tiling"] is not None and r["kernel_us"] < WIDE_MIN_GAIN * r["library_us"]})
+                                    if r["tiling"] is not None and (forced or r["kernel_us"] < WIDE_MIN_GAIN * r["library_us"])})
     return report
 
 

@@ -370,12 +370,18 @@ def test_wide_row_counts_cover_the_steps_past_the_decode_rows():
 @pytest.mark.parametrize("rows", [17, 65])
 def test_fp8_linear_takes_the_wide_tiling_chosen_at_load(rows, monkeypatch):
     """choose_wide_variants marks a weight with {padded rows: tiling} where the kernel beat cuBLASLt
-    (TRITONLLM_WIDE_ROWS=1: off by default); fp8_linear and fp8_gated_linear then run it, equal to the
-    W8A8 reference either way."""
-    monkeypatch.setenv("TRITONLLM_WIDE_ROWS", "1")
+    (the default), at every timed row count with TRITONLLM_WIDE_ROWS=1 and nowhere with =0; fp8_linear
+    and fp8_gated_linear then run it, equal to the W8A8 reference either way."""
+    monkeypatch.setenv("TRITONLLM_WIDE_ROWS", "0")
     from kernels.linear import WIDE_ATTR, padded_rows
     from kernels.wide_rows import choose_wide_variants, wide_tiling
 
+    off = torch.zeros(64, 256, device="cuda", dtype=torch.bfloat16)
+    assert choose_wide_variants([off], row_counts=(32,)) == {} and not hasattr(off, WIDE_ATTR)
+    monkeypatch.setenv("TRITONLLM_WIDE_ROWS", "1")
+    report = choose_wide_variants([off], row_counts=(32,))
+    assert getattr(off, WIDE_ATTR) == {32: report[(64, 256)][32]["tiling"]}  # forced, whatever the timing
+    monkeypatch.delenv("TRITONLLM_WIDE_ROWS")
     torch.manual_seed(50 + rows)
     x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
     w_q, w_scale = quantize_weight(torch.randn(2 * 1024, 4096, device="cuda") * 0.02)
