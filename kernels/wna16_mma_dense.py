@@ -27,7 +27,6 @@ import torch.nn.functional as F
 from kernels import wna16_mma
 from kernels._triton import jit, pdl_options, pdl_prologue, tl, triton, use_triton
 
-ROWS_PER_PROGRAM = 64
 COLUMNS_PER_PROGRAM = 128  # whole 128-column chunks: wna16_mma.supports() makes K a multiple
 
 
@@ -78,54 +77,71 @@ def dequantize_mma_ref(layout: dict[str, torch.Tensor], n: int, k: int, group_si
 
 @jit
 def _dequantize_mma_kernel(w_ptr, meta_ptr, out_ptr, N, K, N_PAD, GROUP, BLOCKS,
-                           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr):
-    """Program (i, j): out[i * BLOCK_R .., j * BLOCK_C ..]. Element (n, col) reads nibble h + 2f + 4e of
-    word [n // 16][col // 64][lane 4g + c][slice j] (wna16_mma's layout: row n = 16t + g + 8h, column
-    64b + 16j + 8f + 2c + e). A 16 x 64 tile reads exactly its 512 bytes of words (rows g and g + 8
-    share them); the stores are contiguous along K."""
-    n = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    col = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    row_ok = n < N
-    tile, rr = n // 16, n % 16
-    g, h = rr % 8, rr // 8
-    b, cc = col // 64, col % 64
-    j, f, c, e = cc // 16, (cc // 8) % 2, (cc // 2) % 4, cc % 2
-    word_index = ((tile.to(tl.int64)[:, None] * BLOCKS + b[None, :]) * 32 + (4 * g)[:, None] + c[None, :]) * 4 \
-        + j[None, :]
-    shift = 4 * (h[:, None] + 2 * f[None, :] + 4 * e[None, :])
+                           TT: tl.constexpr, KB: tl.constexpr, ROUND_BY_HAND: tl.constexpr, PDL: tl.constexpr):
+    """Program (i, j): out rows [16 TT i, +16 TT) x columns [64 KB j, +64 KB), i.e. TT row tiles x KB k
+    blocks of wna16_mma's layout, whose words are contiguous: 128 a (tile, block), read as
+    (TT, KB, 128) int32, 16 bytes a thread (the words' order: lane 4g + c, slice j -> g, c, j). Each
+    word's 8 nibbles h + 2f + 4e are codes of rows 16t + g + 8h, columns 64b + 16j + 8f + 2c + e, so
+    the codes are computed in the words' order (t, b, g, c, j, e, f, h) and permuted to the weight's
+    (t, h, g, b, j, f, c, e) = (row, column) order for the store (Triton moves them between threads
+    through shared memory once; the stores are then contiguous along K). Per code: a LOP3 (q in the
+    float32 mantissa of 2^23: exact), a FADD ((2^23 + q) - (2^23 + z) = q - z exactly), a FMUL by the
+    float16 scale (exact in float32), one rounding to the output dtype."""
+    t = tl.program_id(0) * TT + tl.arange(0, TT)  # row tiles (all < N_PAD / 16: the words are padded)
+    b = tl.program_id(1) * KB + tl.arange(0, KB)  # k blocks (K is whole blocks)
+    word = (t.to(tl.int64)[:, None, None] * BLOCKS + b[None, :, None]) * 128 + tl.arange(0, 128)[None, None, :]
+    g = tl.arange(0, 8)
+    h = tl.arange(0, 2)
+    n_code = t[:, None, None, None] * 16 + g[None, None, :, None] + 8 * h[None, None, None, :]  # (TT, 1, 8, 2)
+    grp = (b * 64) // GROUP  # GROUP == K per channel: 0
+    meta_index = grp[None, :, None, None] * N_PAD + n_code  # (TT, KB, 8, 2): t, b, g, h
     pdl_prologue(PDL)
-    words = tl.load(w_ptr + word_index, mask=row_ok[:, None], other=0)
-    q = ((words >> shift) & 0xF).to(tl.float32)
-    grp = col // GROUP
-    meta = tl.load(meta_ptr + grp[None, :] * N_PAD + n[:, None], mask=row_ok[:, None], other=0)
+    words = tl.reshape(tl.load(w_ptr + word), (TT, KB, 8, 4, 4))  # t, b, g, c, j
+    meta = tl.load(meta_ptr + meta_index)
     scale = (meta >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    zero = (meta & 0xFF).to(tl.float32)
-    w = (q - zero) * scale
-    if BF16:  # round to nearest even by hand: Triton's interpreter truncates float32 -> bfloat16 (the GPU rounds)
+    zero = ((meta & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True)  # 2^23 + z
+    scale = tl.reshape(scale, (TT, KB, 8, 1, 1, 1, 1, 2))  # t, b, g, (c, j, e, f), h
+    zero = tl.reshape(zero, (TT, KB, 8, 1, 1, 1, 1, 2))
+    nibble = tl.reshape(4 * tl.arange(0, 8), (2, 2, 2))  # e, f, h: shift 4 (h + 2f + 4e)
+    codes = (words[:, :, :, :, :, None, None, None] >> nibble[None, None, None, None, None, :, :, :]) & 0xF
+    q = (codes | 0x4B000000).to(tl.float32, bitcast=True)  # 2^23 + q
+    w = (q - zero) * scale  # t, b, g, c, j, e, f, h
+    if ROUND_BY_HAND:  # bfloat16 on Triton's interpreter, which truncates float32 -> bfloat16 (the GPU rounds)
         bits = w.to(tl.int32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
         w = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
     else:
         w = w.to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + n.to(tl.int64)[:, None] * K + col[None, :], w, mask=row_ok[:, None] & (col < K)[None, :])
+    w = tl.reshape(tl.permute(w, (0, 7, 2, 1, 4, 6, 3, 5)), (TT * 16, KB * 64))  # (t h g), (b j f c e)
+    n = tl.program_id(0) * (TT * 16) + tl.arange(0, TT * 16)
+    col = tl.program_id(1) * (KB * 64) + tl.arange(0, KB * 64)
+    tl.store(out_ptr + n.to(tl.int64)[:, None] * K + col[None, :], w, mask=(n < N)[:, None])
+
+
+def dequantize_tiling(n: int, k: int) -> tuple[int, int]:
+    """(row tiles, k blocks) a program: 64 x 256 (16 KB of words in, 32 KB of bf16 out a program of 4 warps:
+    8 words, 4 x 16-byte loads in flight a thread) where K allows, else 64 x 128."""
+    return 4, 4 if k % (4 * wna16_mma.KB_COLUMNS) == 0 else 2
 
 
 def dequantize_mma(layout: dict[str, torch.Tensor], n: int, k: int, group_size: int, dtype: torch.dtype,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, tiling: tuple[int, int] | None = None) -> torch.Tensor:
     """The Triton kernel: the (N, K) weight in ``dtype`` from ``layout``, written into ``out`` (an (N, K)
-    contiguous tensor, e.g. a DenseScratch view) or a new tensor. Runs wherever Triton runs (CUDA, or
-    CPU tensors under TRITON_INTERPRET=1)."""
+    contiguous tensor, e.g. a DenseScratch view) or a new tensor; ``tiling`` (row tiles, k blocks) a
+    program (default ``dequantize_tiling``). Runs wherever Triton runs (CUDA, or CPU tensors under
+    TRITON_INTERPRET=1)."""
     assert k % COLUMNS_PER_PROGRAM == 0
     if out is None:
         out = torch.empty(n, k, dtype=dtype, device=layout["words"].device)
     assert out.shape == (n, k) and out.is_contiguous() and out.dtype == dtype
+    tiles, kb = tiling or dequantize_tiling(n, k)
+    assert k % (kb * wna16_mma.KB_COLUMNS) == 0 and wna16_mma.PAD_ROWS % (16 * tiles) == 0
     n_pad = layout["meta"].shape[1]
     blocks = layout["words"].numel() // (n_pad // 16) // 128
-    grid = (triton.cdiv(n, ROWS_PER_PROGRAM), k // COLUMNS_PER_PROGRAM)
+    grid = (triton.cdiv(n, 16 * tiles), k // (kb * wna16_mma.KB_COLUMNS))
     _dequantize_mma_kernel[grid](layout["words"], layout["meta"], out, n, k, n_pad, group_size, blocks,
-                                 BLOCK_R=ROWS_PER_PROGRAM, BLOCK_C=COLUMNS_PER_PROGRAM, BF16=dtype == torch.bfloat16,
-                                 num_warps=4,
-                                 **pdl_options(out))
+                                 TT=tiles, KB=kb, ROUND_BY_HAND=dtype == torch.bfloat16 and not out.is_cuda,
+                                 num_warps=4, **pdl_options(out))
     return out
 
 

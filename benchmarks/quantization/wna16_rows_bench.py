@@ -6,8 +6,11 @@ Per shape and M: cuBLAS on the bf16 weight (us, TFLOPS); the decode kernel's bes
 (kernels/wna16_mma.py, M <= 16); from 16 rows the rows kernel's best ROWS_VARIANTS tiling
 (kernels/wna16_mma_rows.py; also at 16, where the decode kernel's two n8 blocks measured slow, and
 at 1024, past the dispatch's 256, for the record) and past 16 rows dequantize
-into the scratch + cuBLAS (kernels/wna16_mma_dense.py, what main runs there by default); the
+into the scratch + cuBLAS (kernels/wna16_mma_dense.py; the load-time timing picks between the two); the
 best's ratio to cuBLAS (> 1: INT4 faster) and its error against the dequantized reference.
+A second table: the dequantize kernel alone (kernels/wna16_mma_dense.py, the DENSE path's first
+half) per shape and program tiling (row tiles, k blocks), us and GB/s of words read plus bf16 written,
+beside a device copy of the bf16 weight (the bandwidth it should approach).
 
     python benchmarks/quantization/wna16_rows_bench.py --out rows.json --md rows.md [--rows 1,16,64,256,1024]
 """
@@ -23,13 +26,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: en
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from kernels import wna16  # noqa: E402
+from kernels import wna16, wna16_mma_dense  # noqa: E402
 from kernels.fp8 import l2_defeating_copies  # noqa: E402
 from kernels.linear import graph_time_ms  # noqa: E402
 from kernels.wna16 import (DENSE, MAX_SKINNY_ROWS, MMA_VARIANTS, ROWS_VARIANTS, dequantized_weight,  # noqa: E402
                            prepare_wna16, quantize)
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+DEQUANT_TILINGS = ((4, 2), (4, 4), (2, 4), (4, 8), (8, 4))  # (row tiles, k blocks) a program of the dequantize kernel
 
 
 def main() -> None:
@@ -42,6 +46,9 @@ def main() -> None:
     torch.manual_seed(0)
     lines = ["| shape | M | cuBLAS bf16 us (TFLOPS) | INT4 decode kernel us | INT4 rows kernel: tiling, us | "
              "INT4 dequant + cuBLAS us | best INT4 / cuBLAS speed | rel. error |", "|---|---:|---:|---:|---|---:|---:|---:|"]
+    dequant_lines = ["| shape | bf16 copy us (GB/s) | "
+                     + " | ".join(f"dequantize {t} us (GB/s)" for t in DEQUANT_TILINGS) + " |",
+                     "|---|---:|" + "---:|" * len(DEQUANT_TILINGS)]
     results = {}
     with torch.inference_mode():
         for name in args.shapes.split(","):
@@ -54,6 +61,18 @@ def main() -> None:
             layouts = [{**weight.kernel, "mma_words": w} for w in l2_defeating_copies(weight.kernel["mma_words"])]
             turn = iter(range(1 << 40))
             results[name] = {}
+            target = weight.scratch.weight(n, k)
+            moved = n * k * 2 + weight.kernel["mma_words"].numel() * 4 + weight.kernel["mma_meta"].numel() * 4
+            copy_us = 1e3 * graph_time_ms(lambda: target.copy_(copies[next(turn) % len(copies)]))
+            dequant = {str(t): 1e3 * graph_time_ms(lambda: wna16_mma_dense.dequantize_mma(
+                wna16._mma_layout(layouts[next(turn) % len(layouts)]), n, k, 128, torch.bfloat16, out=target, tiling=t))
+                for t in DEQUANT_TILINGS if k % (64 * t[1]) == 0}
+            results[name]["dequantize_us"] = {"bf16_copy": copy_us, **dequant}
+            dequant_lines.append(
+                f"| {name} ({n}, {k}) | {copy_us:.1f} ({4 * n * k / copy_us / 1e3:.0f}) | " + " | ".join(
+                    f"{dequant[str(t)]:.1f} ({moved / dequant[str(t)] / 1e3:.0f})" if str(t) in dequant else "-"
+                    for t in DEQUANT_TILINGS) + " |")
+            print(dequant_lines[-1], flush=True)
             for m in [int(r) for r in args.rows.split(",") if r]:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
 
@@ -82,7 +101,7 @@ def main() -> None:
             del weight, dense, copies, layouts
     Path(args.out).write_text(json.dumps(results, indent=1))
     if args.md:
-        Path(args.md).write_text("\n".join(lines) + "\n")
+        Path(args.md).write_text("\n".join(lines + [""] + dequant_lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -37,9 +37,11 @@ def test_reference_is_the_dequantized_weight_exactly(n, k, group_size):
         assert torch.equal(wna16_mma_dense.dequantize_mma_ref(layout, n, k, group_size or k, dtype), expected)
 
 
-@pytest.mark.parametrize("n, k, group_size", CASES[:2])
-def test_triton_kernel_equals_the_reference_exactly(device, n, k, group_size):
-    """Triton's interpreter on CPU (TRITON_INTERPRET=1) or the GPU: bit-identical weights."""
+@pytest.mark.parametrize("n, k, group_size, tiling", [
+    case + (tiling,) for case, tiling in zip(CASES, [None, None, (1, 2)])] + [(300, 512, 128, (2, 4))])
+def test_triton_kernel_equals_the_reference_exactly(device, n, k, group_size, tiling):
+    """Triton's interpreter on CPU (TRITON_INTERPRET=1) or the GPU: bit-identical weights (the default
+    tiling with 4 and 2 k blocks a program, others; a masked last row tile)."""
     _, _, _, layout = mma_layout(n, k, group_size)
     ref = {dtype: wna16_mma_dense.dequantize_mma_ref(layout, n, k, group_size or k, dtype)
            for dtype in (torch.bfloat16, torch.float16)}
@@ -47,7 +49,8 @@ def test_triton_kernel_equals_the_reference_exactly(device, n, k, group_size):
     for dtype, expected in ref.items():
         scratch = wna16_mma_dense.DenseScratch(torch.device(device), dtype)
         scratch.reserve(n * k + 100)
-        out = wna16_mma_dense.dequantize_mma(layout, n, k, group_size or k, dtype, out=scratch.weight(n, k))
+        out = wna16_mma_dense.dequantize_mma(layout, n, k, group_size or k, dtype, out=scratch.weight(n, k),
+                                             tiling=tiling)
         assert out.data_ptr() == scratch.buffer.data_ptr()
         assert torch.equal(out.cpu(), expected), dtype
 
