@@ -18,6 +18,7 @@ from benchmarks.speculative.tree_bench import force_acceptance
 from engine.executor.runner import ModelRunner
 from engine.executor.speculative.eagle3 import Eagle3ConfigError, Eagle3TreeProposer, draft_tree, load_eagle3
 from engine.executor.speculative.eagle3_drafter import DraftCache, StaticPlan, draft_dynamic, draft_static
+from engine.executor.speculative.eagle3_graphs import StaticDraftGraphs
 from engine.executor.speculative.tree import shape_from_choices
 from engine.executor.speculative.tree_step import TreeDecoder
 
@@ -182,6 +183,32 @@ def test_cached_drafter_equals_the_whole_sequence_reference(tmp_path, runner, ti
         assert token in ranked[:3].tolist(), (i, token)
 
 
+def test_window_drafts_equal_draft_static(tmp_path, runner, tiny_hf):
+    """eagle3_graphs.py's windows (the body the CUDA graphs record, eager here) draft draft_static's
+    tokens: as a cache grows by commits (only new rows copied), across a capacity bucket (64 -> 128
+    rows), and for a second cache (a restart at token 5) taking over the same windows."""
+    head, _ = load_eagle3(save_eagle3(tmp_path / "eagle3", layers=[0, 1, 1]), hidden_size=HIDDEN,
+                          vocab_size=VOCAB, num_layers=len(runner.model.layers))
+    tokens = torch.randint(0, VOCAB, (80,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.no_grad():
+        states = tiny_hf(torch.tensor([tokens]), output_hidden_states=True).hidden_states
+        feats = head.features(states[1][0], states[2][0], states[2][0])[:-1]  # token t's, t < 79
+    embed, cpu = runner.model.embed_tokens, torch.device("cpu")
+    plan = StaticPlan(shape_from_choices([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1]],
+                                         field="eagle_choices"), cpu)
+    graphs = StaticDraftGraphs(head, plan, embed, max_positions=128, device=cpu, use_graphs=False)
+    for start in (0, 5):
+        cache, done = DraftCache(start, head, cpu), start
+        for end in (start + 20, start + 21, 63, 70, 79):
+            cache.add_features(feats[done:end])
+            cache.commit(head, tokens, embed)
+            done = end
+            assert graphs.fits(cache)
+            with torch.no_grad():
+                assert graphs.run(cache).tolist() == draft_static(head, cache, plan, embed)[1], (start, end)
+    assert sorted(graphs.windows) == [64, 128]
+
+
 def _path_features(head, g, tokens, path, embed):
     """g extended along ``path`` with the draft's own outputs (EAGLE's training-time test)."""
     feats = g
@@ -267,6 +294,11 @@ def run_eagle_executor(tmp_path, tiny_engine, tiny_hf, device: str) -> dict:
                 _, k, _ = head.qkv(runner.model.embed_tokens(torch.tensor(full[1:n + 1], device=cache.k.device)), g,
                                    0)
             torch.testing.assert_close(cache.k[:n], k, rtol=1e-3, atol=1e-3)
+            if device == "cuda":  # static trees replayed their recorded proposal, which drafts the eager tree
+                assert proposer.graphs.replays > 0
+                with torch.no_grad():
+                    assert proposer.graphs.run(cache).tolist() == draft_static(head, cache, proposer.plan,
+                                                                               runner.model.embed_tokens)[1]
             # cancels mid-tree free the draft caches too
             drafted = executor._num_draft_tokens_total
             ids = executor.enqueue_requests([Request(p, 60) for p in prompts])

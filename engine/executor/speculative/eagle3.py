@@ -36,6 +36,7 @@ from safetensors.torch import load_file
 from engine.executor.layer_taps import LayerTaps
 from engine.executor.runner import ModelRunner
 from engine.executor.speculative.eagle3_drafter import DraftCache, StaticPlan, draft_dynamic, draft_static
+from engine.executor.speculative.eagle3_graphs import StaticDraftGraphs, eagle_graphs_enabled
 from engine.executor.speculative.proposer import ProposerConfigError, draft_room
 from engine.executor.speculative.tree import TreeChoicesError, parse_choices, shape_from_choices
 
@@ -93,15 +94,19 @@ class Eagle3Head:
         (all at first_position when ``same_position``: a tree's nodes of one depth) -> rotated q
         (T, heads, d), k and v (T, kv_heads, d): a row's k and v depend on nothing else (one layer),
         so a cache keeps them."""
+        return self.qkv_rotated(embeds, g, self.cos_sin(first_position, embeds.shape[0], same_position))
+
+    def qkv_rotated(self, embeds: torch.Tensor, g: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``qkv`` with each row's [cos | sin] given (T, head_dim): rows of the table picked on the
+        device (eagle3_graphs.py: a position that lives in a tensor)."""
         w, T = self.w, embeds.shape[0]
         a = torch.cat([_rms(embeds.to(self.dtype), w["midlayer.input_layernorm.weight"], self.eps),
                        _rms(g, w["midlayer.hidden_norm.weight"], self.eps)], dim=-1)
-        q, k, v = (a @ self.w_qkv.T).split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
-                                            self.num_kv_heads * self.head_dim], dim=-1)
-        cos_sin = self.cos_sin(first_position, T, same_position)
-        return (_rotate(q.reshape(T, self.num_heads, self.head_dim), cos_sin),
-                _rotate(k.reshape(T, self.num_kv_heads, self.head_dim), cos_sin),
-                v.reshape(T, self.num_kv_heads, self.head_dim))
+        heads, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qk, v = (a @ self.w_qkv.T).split([(heads + kv) * d, kv * d], dim=-1)
+        # q's and k's heads rotated in one pass (the same elementwise arithmetic: fewer launches)
+        q, k = _rotate(qk.reshape(T, heads + kv, d), cos_sin).split([heads, kv], dim=1)
+        return q, k, v.reshape(T, kv, d)
 
     def cos_sin(self, first: int, count: int, same: bool = False) -> torch.Tensor:
         """(count, head_dim) float32 [cos | sin] rows of positions first.. (or of first, ``same``) from
@@ -273,6 +278,12 @@ class Eagle3DraftProposer:
         self.plan = StaticPlan(self.shape, runner.device)
         self.taps = runner.tap_layers(layers)
         self._caches: dict[int, DraftCache] = {}
+        # static trees: one recorded replay a proposal on CUDA (eagle3_graphs.py)
+        self.graphs = None if dynamic is not None else StaticDraftGraphs(
+            head, self.plan, runner.model.embed_tokens, max_positions=runner.build_config.max_seq_len,
+            device=runner.device, use_graphs=eagle_graphs_enabled())
+        if self.graphs is not None:  # CUDA: every bucket up to the longest sequence, before the KV pool
+            self.graphs.record_all(runner.build_config.max_seq_len)
 
     def observe_batch(self, scheduled: list, verified: dict | None) -> None:
         rows = self.head.features(*self.taps.streams)
@@ -294,6 +305,7 @@ class Eagle3DraftProposer:
     def propose(self, seqs: list, max_draft_len: int) -> list[list[int]]:
         drafts = []
         embed = self.runner.model.embed_tokens
+        windowed = []  # (index in drafts, seq, room, its tokens on the device): read once at the end
         for seq in seqs:
             seq.draft_parents = None
             cache = self._caches.get(seq.seq_id)
@@ -305,6 +317,10 @@ class Eagle3DraftProposer:
             if cache.last_q is None:
                 drafts.append([])
                 continue
+            if self.graphs is not None and self.graphs.fits(cache):
+                windowed.append((len(drafts), seq, room, self.graphs.run(cache).clone()))
+                drafts.append([])
+                continue
             if self.dynamic is None:
                 parents, tokens = draft_static(self.head, cache, self.plan, embed)
             else:
@@ -312,6 +328,10 @@ class Eagle3DraftProposer:
                 parents, tokens = draft_dynamic(self.head, cache, embed, depth=depth, top_k=top_k, num_nodes=room)
             seq.draft_parents, seq.draft_tree_keeps_law = parents[:room], True
             drafts.append(tokens[:room])
+        if windowed:
+            for (i, seq, room, _), tokens in zip(windowed, torch.stack([t for *_, t in windowed]).tolist()):
+                seq.draft_parents, seq.draft_tree_keeps_law = self.plan.parents[:room], True
+                drafts[i] = tokens[:room]
         return drafts
 
     def release(self, seq) -> None:

@@ -30,11 +30,14 @@ kept node's ancestors ahead of it: the kept set is a tree.
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from engine.executor.tree_batch import ancestor_mask
 
 MIN_CAPACITY = 64  # rows a cache starts with; it doubles when full
+_SERIALS = itertools.count()  # DraftCache.serial: a window (eagle3_graphs.py) knows whose rows it holds
 
 
 class DraftCache:
@@ -42,7 +45,7 @@ class DraftCache:
     token start + r's; ``pending`` holds g of rows whose next token was not known yet (the root's)."""
 
     def __init__(self, start: int, head, device: torch.device):
-        self.start, self.length = start, 0
+        self.start, self.length, self.serial = start, 0, next(_SERIALS)
         shape = (MIN_CAPACITY, head.num_kv_heads, head.head_dim)
         self.k = torch.empty(shape, dtype=head.dtype, device=device)
         self.v = torch.empty(shape, dtype=head.dtype, device=device)
