@@ -58,6 +58,9 @@ class AttentionMetadata:
     # 0 outside images, never past its chunk): the row at position p sees keys up to p + span_ahead.
     # A sliding window still hides keys older than p - W + 1. None: plain causal attention.
     span_ahead: torch.Tensor | None = None
+    # token_sequences(num_tokens) made once for a forward's layers (engine/models/deepseek.py sets it on
+    # its own copy each forward, inside whatever graph is being captured); None: made per call.
+    token_seq: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -66,6 +69,8 @@ class AttentionMetadata:
     def token_sequences(self, num_tokens: int) -> torch.Tensor:
         """(num_tokens,) int32 on the device: the sequence each new token belongs to, from
         cu_seqlens_q without a host sync (CUDA-graph safe)."""
+        if self.token_seq is not None and self.token_seq.shape[0] == num_tokens:
+            return self.token_seq
         token_ids = torch.arange(num_tokens, device=self.cu_seqlens_q.device, dtype=self.cu_seqlens_q.dtype)
         return torch.searchsorted(self.cu_seqlens_q[1:].contiguous(), token_ids, right=True).to(torch.int32)
 

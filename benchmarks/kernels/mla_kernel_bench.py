@@ -152,7 +152,8 @@ def run(args: argparse.Namespace) -> dict:
                         eager_us = cuda_time_ms(lambda: call(metas[0]), repeat=args.repeat) * 1e3
                         us = graph_call_us(call, [(meta,) for meta in metas])
                         splits = mla_splits(q_latent.shape[0], shape["heads"], config["block_h"], q_latent.device,
-                                            config["max_splits"])
+                                            config["max_splits"], metas[0].max_context_len,
+                                            max(config["min_span"], config.get("block_n", 32)))
                     achieved = read / (us / 1e6)
                     rows.append(dict(pool=pool, batch=batch, context=context, tree=args.tree,
                                      config=None if config is None else ":".join(str(v) for v in config.values()),

@@ -46,6 +46,7 @@ dequantized once at load into the absorbed matrices.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -55,7 +56,6 @@ from torch import nn
 from engine.config import ConfigError, ModelConfig
 from engine.models.layers import Linear, Norm, RowParallelLinear, VocabParallelEmbedding, tp_all_reduce, \
     vocab_parallel_logits
-from kernels.activation import silu_and_mul
 from kernels.attention_metadata import AttentionMetadata
 from kernels.fp8 import FP8_DTYPE
 from kernels.fp8_block import blocks, dequantize_blocks
@@ -64,6 +64,7 @@ from kernels.fused_moe_fp8 import fused_moe_fp8, moe_forward_fp8
 from kernels.mla_attention import mla_attention, write_latent_cache
 from kernels.mla_expanded import expanded_min_tokens, mla_expanded_prefill, split_long
 from kernels.moe_grouped_routing import route_grouped
+from kernels.moe_router import MAX_TOKENS as ROUTER_MAX_TOKENS, route_decode
 from kernels.rmsnorm import rms_norm
 from kernels.rotary import apply_rotary, build_cos_sin_cache
 
@@ -225,9 +226,46 @@ class DeepseekExperts(nn.Module):
             self.shared_gate_up_proj = Linear(hidden, 2 * shared_local, bias=False, **linear)
             self.shared_down_proj = Linear(shared_local, hidden, bias=False, **linear)
             self.shared = True
+        # init_buffers: (gate_up (E + S, 2 I_r, hidden), down (E + S, hidden, I_r)), the routed experts
+        # followed by the S = n_shared_experts shared ones cut to the routed width; None: not appended.
+        self.with_shared: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.num_shared = c.n_shared_experts or 0
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """Append the shared experts to the routed ones (once, after loading): a SwiGLU of width S * I is
+        the sum of S SwiGLUs of width I (its intermediate columns cut in S runs), so decode batches run
+        them as S more experts every token chooses with weight 1 (kernels/moe_router.py's shared slots)
+        in the same two grouped GEMMs, not as two more GEMMs, an activation and an add. The routed
+        parameters become views of the new tensors (no second copy); the shared Linears stay for
+        longer steps. Model-dtype experts on one expert-parallel rank only (block-FP8 keeps its path)."""
+        if self.with_shared is not None or not self.shared or self.ep_size > 1:
+            return
+        gate_up, down = self.gate_up_proj, self.down_proj
+        num_experts, two_inter, hidden = gate_up.shape
+        inter, shared = two_inter // 2, self.num_shared
+        shared_gate_up, shared_down = self.shared_gate_up_proj.weight, self.shared_down_proj.weight
+        if (gate_up.dtype == FP8_DTYPE or shared_gate_up.dtype != gate_up.dtype or shared_down.dtype != down.dtype
+                or shared_down.shape != (hidden, shared * inter)):
+            return
+        all_gate_up = gate_up.new_empty(num_experts + shared, two_inter, hidden)
+        all_gate_up[:num_experts] = gate_up
+        # shared rows [gate (S * I) | up (S * I)] -> expert j: [gate run j | up run j]
+        all_gate_up[num_experts:] = shared_gate_up.view(2, shared, inter, hidden).transpose(0, 1).reshape(
+            shared, two_inter, hidden)
+        all_down = down.new_empty(num_experts + shared, hidden, inter)
+        all_down[:num_experts] = down
+        all_down[num_experts:] = shared_down.view(hidden, shared, inter).transpose(0, 1)
+        self.gate_up_proj = nn.Parameter(all_gate_up[:num_experts], requires_grad=False)
+        self.down_proj = nn.Parameter(all_down[:num_experts], requires_grad=False)
+        self.with_shared = (all_gate_up, all_down)
 
     def forward(self, x: torch.Tensor, padding: torch.Tensor | None = None) -> torch.Tensor:
-        """x (T, hidden); padding (T, 1) bool: rows of no sequence (graph_padding_rows), routed as row 0."""
+        """x (T, hidden); padding (T, 1) bool: rows of no sequence (graph_padding_rows), routed as row 0.
+        -> (T, hidden), or on one rank for a decode-sized batch with the shared experts appended
+        (T, K + S, hidden): the expert rows unsummed, which the next rms_norm sums in its own pass."""
+        if 1 <= x.shape[0] <= ROUTER_MAX_TOKENS and self.ep_size == 1:
+            return self._decode(x, padding)
         logits = self.router(x.float())
         if padding is not None:  # no experts of their own: a verify step's bucket reads no more weights
             logits = torch.where(padding, logits[:1], logits)
@@ -237,7 +275,21 @@ class DeepseekExperts(nn.Module):
             weights, ids = route_grouped(logits, self.top_k, self.method, score_bias=self.score_bias, **self.routing)
             out = self._local_experts(x, weights, ids) if self.ep_size > 1 else self._experts(x, weights, ids)
         if self.shared:
-            out = out + self.shared_down_proj(silu_and_mul(self.shared_gate_up_proj(x)))
+            out = out + self.shared_down_proj(self.shared_gate_up_proj.gated(x))
+        return out if self.tp_group is None else tp_all_reduce(out, self.tp_group)
+
+    def _decode(self, x: torch.Tensor, padding: torch.Tensor | None) -> torch.Tensor:
+        """1..ROUTER_MAX_TOKENS tokens: the router product and the routing in one launch
+        (kernels/moe_router.py), then the grouped GEMMs over the routed (and appended shared) experts."""
+        shared = self.with_shared is not None
+        weights, ids = route_decode(x, self.router.weight, self.top_k, self.method, score_bias=self.score_bias,
+                                    num_shared=self.num_shared if shared else 0, padding=padding, **self.routing)
+        if shared:
+            out = fused_moe(x, *self.with_shared, weights, ids, sum_experts=self.tp_group is None)
+        else:
+            out = self._experts(x, weights, ids)
+            if self.shared:
+                out = out + self.shared_down_proj(self.shared_gate_up_proj.gated(x))
         return out if self.tp_group is None else tp_all_reduce(out, self.tp_group)
 
     def _greedy_experts(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -285,7 +337,7 @@ class DenseMlp(nn.Module):
         self.down_proj = RowParallelLinear(inter_local, config.hidden_size, bias=False, tp_group=tp_group, **linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.gated(x))
 
 
 class DeepseekLayer(nn.Module):
@@ -402,10 +454,10 @@ class DeepseekForCausalLM(nn.Module):
         absorbed kv_b_proj halves; once, after loading."""
         c = self.config
         self.cos_sin_cache = build_cos_sin_cache(self.max_positions, c.head_dim, c.rope_theta, c.rope_scaling, device)
-        for layer in self.layers:
+        for layer in [*self.layers, *([self.mtp.layer] if hasattr(self, "mtp") else [])]:
             layer.attn.init_buffers()
-        if hasattr(self, "mtp"):
-            self.mtp.layer.attn.init_buffers()
+            if hasattr(layer, "moe"):
+                layer.moe.init_buffers()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 attn_meta: AttentionMetadata) -> torch.Tensor:
@@ -414,6 +466,8 @@ class DeepseekForCausalLM(nn.Module):
             self.init_buffers(input_ids.device)
         x, residual = self.embed_tokens(input_ids), None
         padding = graph_padding_rows(attn_meta)
+        if input_ids.is_cuda:  # the token map once for the layers' attention launches, not once a layer
+            attn_meta = dataclasses.replace(attn_meta, token_seq=attn_meta.token_sequences(input_ids.shape[0]))
         for layer in self.layers:
             x, residual = layer(x, residual, positions, self.cos_sin_cache, kv_cache, attn_meta, padding)
         return rms_norm(x, self.norm.weight, self.config.norm_eps, residual)[0]

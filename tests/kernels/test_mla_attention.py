@@ -226,6 +226,9 @@ def test_num_sms_takes_a_device_name():
 
     assert num_sms("cpu") == num_sms(torch.device("cpu")) == 132
     assert mla_splits(1, 16, 16, "cpu") == 128 and mla_splits(512, 128, 16, "cpu") == 1
+    # never more splits than the longest context fills with min_span keys; one (no combine) at <= min_span
+    assert mla_splits(1, 16, 16, "cpu", max_context_len=1024) == 16
+    assert mla_splits(1, 16, 16, "cpu", max_context_len=64) == mla_splits(1, 16, 16, "cpu", max_context_len=1) == 1
 
 
 def test_triton_latent_write_skips_padding_rows(device):

@@ -1,0 +1,225 @@
+"""A decode batch's whole expert routing in ONE launch: the router product, the scores, the top-k
+(every DeepSeek method of kernels/moe_grouped_routing.py), norm_topk_prob and routed_scaling_factor,
+and the shared experts appended as always-chosen slots; what the grouped expert GEMMs read next.
+
+Shapes (T <= MAX_TOKENS tokens, H hidden, E routed experts, K = top_k, S = num_shared slots):
+    x (T, H) model dtype; router weight (E, H) float32; score_bias (E,) float32 or None
+    -> topk_weights (T, K + S) float32, topk_ids (T, K + S) int32, where slots 0..K-1 are
+    route_grouped(x.float() @ weight.T, ...)'s (weights times ``scaling``) and slot K + j is
+    expert E + j with weight 1.0 (engine/models/deepseek.py appends its shared experts to the routed
+    ones as S experts of the routed width: a token's shared SwiGLU is the sum of those S).
+
+Why: at batch-1 decode the routing around V2-Lite's grouped GEMMs was a float32 cast of x, cuBLAS's
+gemv (two kernels), and for V3 about ten small torch launches (sigmoid, bias, group scores, topk,
+gather, sum, scale) per sparse layer: ~12-14 us of launches against ~30 us of expert weights.
+
+Grid: cdiv(E, BLOCK_E) programs. Program p computes the logits of experts p * BLOCK_E ... for all
+T tokens (float32 products of x's values and the weight, summed over H in BLOCK_H chunks) into a
+(MAX_TOKENS, E) float32 workspace, then counts itself done (an acq_rel atomic on a per-device
+counter); the program whose count completes the grid reads every logit back (atomic adds of zero:
+L2, never a stale L1 line), routes the T rows and writes ids / weights, then resets the counter to
+0 for the next call. No host synchronisation: CUDA graphs capture it.
+
+Ties between equal scores go to the lowest expert index (torch.topk leaves their order unspecified).
+``padding`` (T,) bool (engine/models/deepseek.py graph_padding_rows): those rows route as row 0,
+so a graph's padding rows read no expert weights of their own.
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels._triton import jit, tl, triton, use_triton
+from kernels.moe_grouped_routing import route_grouped
+
+MAX_TOKENS = 16
+METHODS = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}
+
+
+def route_decode_ref(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, method: str, *, n_group: int = 1,
+                     topk_group: int = 1, score_bias: torch.Tensor | None = None, renormalize: bool = False,
+                     scaling: float = 1.0, num_shared: int = 0, padding: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The module docstring's outputs in plain torch: the engine's unfused routing (a float32 router
+    product, then route_grouped) plus the shared slots."""
+    logits = x.float() @ router_weight.float().T
+    if padding is not None:
+        logits = torch.where(padding.reshape(-1, 1), logits[:1], logits)
+    weights, ids = route_grouped(logits, top_k, method, n_group=n_group, topk_group=topk_group,
+                                 score_bias=score_bias, renormalize=renormalize, scaling=scaling)
+    if num_shared:
+        num_tokens, num_experts = logits.shape
+        shared = torch.arange(num_experts, num_experts + num_shared, device=x.device, dtype=torch.int32)
+        ids = torch.cat([ids, shared.expand(num_tokens, -1)], dim=1)
+        weights = torch.cat([weights, weights.new_ones(num_tokens, num_shared)], dim=1)
+    return weights, ids
+
+
+@jit
+def _route_rows(logits, bias, experts, e_ok, num_experts, experts_per_group, scaling,
+                TOP_K: tl.constexpr, N_SHARED: tl.constexpr, OUT_PAD: tl.constexpr, METHOD: tl.constexpr,
+                N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, G_PAD: tl.constexpr, HAS_BIAS: tl.constexpr,
+                RENORMALIZE: tl.constexpr, E_PAD: tl.constexpr):
+    """logits (BLOCK_T, E_PAD) float32 -> (weights (BLOCK_T, OUT_PAD) float32, ids (BLOCK_T, OUT_PAD) int32)
+    as route_grouped + the shared slots (module docstring)."""
+    if METHOD == 2:  # noaux_tc: sigmoid scores; the choice adds the bias; masked choices are -inf
+        scores = 1.0 / (1.0 + tl.exp(-logits))
+        choice = scores
+        if HAS_BIAS:
+            choice = scores + bias[None, :]
+        fill = -float("inf")
+    else:  # softmax over the E experts; masked choices are 0 (route_grouped's masked_fill)
+        shifted = tl.where(e_ok[None, :], logits, -float("inf"))
+        probs = tl.exp(shifted - tl.max(shifted, 1)[:, None])
+        scores = probs / tl.sum(probs, 1)[:, None]
+        choice = scores
+        fill = 0.0
+    if N_GROUP > TOPK_GROUP:  # group-limited: only the TOPK_GROUP best groups' experts stay eligible
+        gid = experts // experts_per_group
+        groups = tl.arange(0, G_PAD)
+        group_score = tl.full([choice.shape[0], G_PAD], -float("inf"), tl.float32)
+        for g in tl.static_range(N_GROUP):
+            in_group = e_ok & (gid == g)
+            member = tl.where(in_group[None, :], choice, -float("inf"))
+            best = tl.max(member, 1)
+            if METHOD == 2:  # V3: the sum of the group's two best (biased) scores
+                best_id = tl.min(tl.where(member == best[:, None], experts[None, :], E_PAD), 1)
+                best += tl.max(tl.where(experts[None, :] == best_id[:, None], -float("inf"), member), 1)
+            group_score = tl.where(groups[None, :] == g, best[:, None], group_score)
+        chosen_group = tl.zeros([choice.shape[0], G_PAD], tl.int32)
+        for _ in tl.static_range(TOPK_GROUP):
+            best = tl.max(group_score, 1)
+            best_g = tl.min(tl.where(group_score == best[:, None], groups[None, :], G_PAD), 1)
+            chosen_group = tl.where(groups[None, :] == best_g[:, None], 1, chosen_group)
+            group_score = tl.where(groups[None, :] == best_g[:, None], -float("inf"), group_score)
+        eligible = tl.zeros(choice.shape, tl.int32)
+        for g in tl.static_range(N_GROUP):
+            flag = tl.sum(tl.where(groups[None, :] == g, chosen_group, 0), 1)
+            eligible = tl.where((gid == g)[None, :], flag[:, None], eligible)
+        choice = tl.where(eligible > 0, choice, fill)
+    slots = tl.arange(0, OUT_PAD)
+    chosen_w = tl.zeros([choice.shape[0], OUT_PAD], tl.float32)
+    chosen_id = tl.zeros([choice.shape[0], OUT_PAD], tl.int32)
+    available = tl.zeros(choice.shape, tl.int32) + e_ok[None, :].to(tl.int32)
+    for k in tl.static_range(TOP_K):
+        open_choice = tl.where(available > 0, choice, -float("inf"))
+        best = tl.max(open_choice, 1)
+        best_id = tl.min(tl.where((available > 0) & (open_choice == best[:, None]), experts[None, :], E_PAD), 1)
+        picked = experts[None, :] == best_id[:, None]
+        weight = tl.sum(tl.where(picked, scores, 0.0), 1)  # the unbiased score
+        chosen_w = tl.where(slots[None, :] == k, weight[:, None], chosen_w)
+        chosen_id = tl.where(slots[None, :] == k, best_id[:, None], chosen_id)
+        available = tl.where(picked, 0, available)
+    routed = slots[None, :] < TOP_K
+    if RENORMALIZE:
+        total = tl.sum(tl.where(routed, chosen_w, 0.0), 1)
+        chosen_w = chosen_w / (total[:, None] + 1e-20)
+    chosen_w = chosen_w * scaling
+    shared = (slots[None, :] >= TOP_K) & (slots[None, :] < TOP_K + N_SHARED)
+    chosen_w = tl.where(shared, 1.0, chosen_w)
+    chosen_id = tl.where(shared, num_experts + slots[None, :] - TOP_K, chosen_id)
+    return chosen_w, chosen_id
+
+
+@jit
+def _route_decode_kernel(x_ptr, w_ptr, bias_ptr, pad_ptr, logits_ptr, count_ptr, weights_ptr, ids_ptr,
+                         num_tokens, num_experts, hidden, experts_per_group, scaling, stride_x, stride_w,
+                         TOP_K: tl.constexpr, N_SHARED: tl.constexpr, OUT_PAD: tl.constexpr, METHOD: tl.constexpr,
+                         N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, G_PAD: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, HAS_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
+                         E_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Program p: the logits of experts p * BLOCK_E ... for every token; the last program routes them."""
+    tokens = tl.arange(0, BLOCK_T)
+    t_ok = tokens < num_tokens
+    mine = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    mine_ok = mine < num_experts
+    acc = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
+    for h0 in range(0, hidden, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        h_ok = h < hidden
+        xs = tl.load(x_ptr + tokens[:, None] * stride_x + h[None, :], mask=t_ok[:, None] & h_ok[None, :],
+                     other=0.0).to(tl.float32)  # (BLOCK_T, BLOCK_H)
+        ws = tl.load(w_ptr + mine.to(tl.int64)[:, None] * stride_w + h[None, :],
+                     mask=mine_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)  # (BLOCK_E, BLOCK_H)
+        acc += tl.sum(xs[:, None, :] * ws[None, :, :], 2)
+    tl.store(logits_ptr + tokens[:, None] * num_experts + mine[None, :], acc, mask=t_ok[:, None] & mine_ok[None, :])
+    tl.debug_barrier()  # every thread's stores are issued before the count's release
+    done = tl.atomic_add(count_ptr, 1, sem="acq_rel")
+    if done == tl.num_programs(0) - 1:  # the last program: every logit is in the workspace
+        experts = tl.arange(0, E_PAD)
+        e_ok = experts < num_experts
+        rows = tokens
+        if HAS_PAD:  # a graph's padding rows route as row 0
+            rows = tl.where(tl.load(pad_ptr + tokens, mask=t_ok, other=0) != 0, 0, tokens)
+        ok = t_ok[:, None] & e_ok[None, :]
+        logits = tl.atomic_add(logits_ptr + rows[:, None] * num_experts + experts[None, :],
+                               tl.zeros([BLOCK_T, E_PAD], tl.float32), mask=ok, sem="relaxed")
+        logits = tl.where(ok, logits, 0.0)
+        bias = tl.zeros([E_PAD], tl.float32)
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + experts, mask=e_ok, other=0.0)
+        chosen_w, chosen_id = _route_rows(logits, bias, experts, e_ok, num_experts, experts_per_group, scaling,
+                                          TOP_K, N_SHARED, OUT_PAD, METHOD, N_GROUP, TOPK_GROUP, G_PAD, HAS_BIAS,
+                                          RENORMALIZE, E_PAD)
+        slots = tl.arange(0, OUT_PAD)
+        out = tokens[:, None] * (TOP_K + N_SHARED) + slots[None, :]
+        keep = t_ok[:, None] & (slots < TOP_K + N_SHARED)[None, :]
+        tl.store(weights_ptr + out, chosen_w, mask=keep)
+        tl.store(ids_ptr + out, chosen_id, mask=keep)
+        tl.store(count_ptr, 0)
+
+
+_COUNTERS: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _workspace(device: torch.device, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits (MAX_TOKENS, E) float32, counter (1,) int32 zero between calls: the kernel leaves it so).
+    Made on first use, before a graph captures (the engine's warm-up runs first); the layers of a step
+    run one after another on one stream, so they share it."""
+    key = (device, num_experts)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = (torch.empty(MAX_TOKENS, num_experts, dtype=torch.float32, device=device),
+                          torch.zeros(1, dtype=torch.int32, device=device))
+    return _COUNTERS[key]
+
+
+def route_decode_triton(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, method: str, *, n_group: int = 1,
+                        topk_group: int = 1, score_bias: torch.Tensor | None = None, renormalize: bool = False,
+                        scaling: float = 1.0, num_shared: int = 0, padding: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    num_tokens, hidden = x.shape
+    num_experts = router_weight.shape[0]
+    assert 1 <= num_tokens <= MAX_TOKENS and x.stride(1) == 1 and router_weight.stride(1) == 1
+    assert method in METHODS, f"unknown routing method {method!r}; allowed: {', '.join(METHODS)}"
+    group_limited = method != "greedy" and topk_group < n_group
+    assert not group_limited or num_experts % n_group == 0
+    logits, counter = _workspace(x.device, num_experts)
+    out_k = top_k + num_shared
+    weights = torch.empty(num_tokens, out_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(num_tokens, out_k, dtype=torch.int32, device=x.device)
+    block_t = max(2, triton.next_power_of_2(num_tokens))
+    e_pad = triton.next_power_of_2(num_experts)
+    # Programs: one to four experts each (64-128 programs for 64-256 experts); each x chunk times each
+    # weight row is a (BLOCK_T, BLOCK_E, BLOCK_H) product held in registers, 4,096 values at most.
+    block_e = max(2, min(4, e_pad // 64))
+    block_h = max(32, min(512, 4096 // (block_t * block_e), triton.next_power_of_2(hidden)))
+    pad = padding.reshape(-1) if padding is not None else None
+    _route_decode_kernel[(triton.cdiv(num_experts, block_e),)](
+        x, router_weight, score_bias if score_bias is not None else router_weight, pad if pad is not None else x,
+        logits, counter, weights, ids, num_tokens, num_experts, hidden,
+        num_experts // n_group if group_limited else num_experts, float(scaling), x.stride(0), router_weight.stride(0),
+        TOP_K=top_k, N_SHARED=num_shared, OUT_PAD=triton.next_power_of_2(out_k), METHOD=METHODS[method],
+        N_GROUP=n_group if group_limited else 1, TOPK_GROUP=topk_group if group_limited else 1,
+        G_PAD=max(2, triton.next_power_of_2(n_group if group_limited else 1)), HAS_BIAS=score_bias is not None,
+        HAS_PAD=pad is not None, RENORMALIZE=renormalize, E_PAD=e_pad, BLOCK_T=block_t, BLOCK_E=block_e,
+        BLOCK_H=block_h, num_warps=4)
+    return weights, ids
+
+
+def route_decode(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, method: str, **kwargs
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_weights (T, K + S), topk_ids (T, K + S)) of 1..MAX_TOKENS tokens (module docstring): the one
+    launch on CUDA, else the reference. kwargs: n_group, topk_group, score_bias, renormalize, scaling,
+    num_shared, padding."""
+    if use_triton(x):
+        return route_decode_triton(x, router_weight, top_k, method, **kwargs)
+    return route_decode_ref(x, router_weight, top_k, method, **kwargs)

@@ -1,0 +1,86 @@
+"""kernels/moe_router.py: the one-launch decode routing (router product + DeepSeek's routing methods +
+shared slots) against its plain-torch reference (the engine's unfused routing), at 1, 8 and 16 tokens,
+on the GPU or Triton's CPU interpreter (TRITON_INTERPRET=1); tiny shapes. The counter is left at 0."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kernels.moe_router import METHODS, _workspace, route_decode_ref, route_decode_triton
+
+# (method, experts, top_k, settings): V2-Lite-like greedy (two shared experts), V2's group-limited
+# greedy, V3's sigmoid + bias + group-limited top-k with norm_topk_prob and routed_scaling_factor.
+CASES = {
+    "greedy": ("greedy", 12, 3, dict(num_shared=2)),
+    "group_limited_greedy": ("group_limited_greedy", 16, 3, dict(n_group=4, topk_group=2, renormalize=True)),
+    "noaux_tc": ("noaux_tc", 16, 4, dict(n_group=4, topk_group=2, renormalize=True, scaling=2.5, num_shared=1)),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 8, 16])
+@pytest.mark.parametrize("case", list(CASES))
+def test_one_launch_routing_equals_the_reference(device, case, num_tokens):
+    method, num_experts, top_k, settings = CASES[case]
+    hidden = 40  # not a multiple of the H chunk
+    gen = torch.Generator().manual_seed(num_tokens * 7 + num_experts)
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    weight = torch.randn(num_experts, hidden, generator=gen) * hidden ** -0.5
+    if method == "noaux_tc":
+        settings = {**settings, "score_bias": torch.randn(num_experts, generator=gen) * 0.1}
+    ref_w, ref_ids = route_decode_ref(x, weight, top_k, method, **settings)
+    on = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in settings.items()}
+    w, ids = route_decode_triton(x.to(device), weight.to(device), top_k, method, **on)
+    assert torch.equal(ids.cpu(), ref_ids) and ids.shape == (num_tokens, top_k + settings.get("num_shared", 0))
+    torch.testing.assert_close(w.cpu(), ref_w, rtol=1e-5, atol=1e-6)
+    assert not _workspace(ids.device, num_experts)[1].any()  # the last program reset the counter
+
+
+@pytest.mark.gpu
+def test_padding_rows_route_as_row_zero(device):
+    method, num_experts, top_k, settings = CASES["noaux_tc"]
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 24, generator=gen)
+    weight = torch.randn(num_experts, 24, generator=gen)
+    settings = {**settings, "score_bias": torch.zeros(num_experts)}
+    padding = torch.tensor([False, False, True, True])
+    ref_w, ref_ids = route_decode_ref(x, weight, top_k, method, padding=padding, **settings)
+    assert torch.equal(ref_ids[2], ref_ids[0]) and not torch.equal(ref_ids[1], ref_ids[0])
+    on = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in settings.items()}
+    w, ids = route_decode_triton(x.to(device), weight.to(device), top_k, method, padding=padding[:, None].to(device),
+                                 **on)
+    assert torch.equal(ids.cpu(), ref_ids)
+    torch.testing.assert_close(w.cpu(), ref_w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(os.environ.get("TRITONLLM_AOT_SM90") != "1",
+                    reason="set TRITONLLM_AOT_SM90=1 to compile for sm_90 on this machine (~5-10 s a kernel)")
+@pytest.mark.parametrize("shape", ["v2_lite", "v3"])
+@pytest.mark.parametrize("block_t", [2, 16])
+def test_compiles_for_sm90(shape, block_t):
+    """Triton's compiler and ptxas (no GPU needed) at V2-Lite's (64 experts, greedy top-6, 2 shared) and
+    V3's (256 experts, noaux_tc in 8 groups, top-8, 1 shared) launch: what the interpreter lets through."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kernels.moe_router import _route_decode_kernel as fn
+
+    v3 = shape == "v3"
+    e_pad, block_e = (256, 4) if v3 else (64, 2)
+    const = dict(TOP_K=8 if v3 else 6, N_SHARED=1 if v3 else 2, OUT_PAD=16 if v3 else 8,
+                 METHOD=METHODS["noaux_tc" if v3 else "greedy"], N_GROUP=8 if v3 else 1, TOPK_GROUP=4 if v3 else 1,
+                 G_PAD=8 if v3 else 2, HAS_BIAS=v3, HAS_PAD=True, RENORMALIZE=v3, E_PAD=e_pad, BLOCK_T=block_t,
+                 BLOCK_E=block_e, BLOCK_H=max(32, min(512, 4096 // (block_t * block_e))))
+    pointers = dict(x_ptr="*bf16", w_ptr="*fp32", bias_ptr="*fp32", pad_ptr="*i1", logits_ptr="*fp32",
+                    count_ptr="*i32", weights_ptr="*fp32", ids_ptr="*i32")
+    names = fn.arg_names
+    signature = {n: pointers.get(n, "constexpr" if n in const else "fp32" if n == "scaling" else "i32")
+                 for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n in pointers or n in ("hidden", "stride_x",
+                                                                                                   "stride_w")}
+    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=const, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    assert "atom" in compiled.asm["ptx"]
