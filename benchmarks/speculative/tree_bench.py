@@ -32,6 +32,12 @@ heads' three layers inside every graph (engine/executor/layer_taps.py). Sections
    to last token against plain decoding's on the same engine (the proposer detached: the plain,
    overlapped loop); and, robust to such misses, the speed-up at exactly the forced length: L tokens
    per mean step of the loop against plain decoding's step. Goal: >= 2.5x at acceptance length 4.
+   Where a run's ids leave plain decoding's, the table names the first such position and, from plain
+   decoding's own logits there (a second plain run returning them, off the clock), the gap between
+   plain's token and the run's and the logits' spread: a gap under NEAR_TIE of the spread is a
+   near-tie that differing kernels round either way (random weights' logits are nearly flat), a
+   larger one a bug to look at. (On the CPU in float32, --tiny, the ids equal plain decoding's, as
+   tests/executor/test_speculative_eagle3.py asserts against transformers.)
 """
 from __future__ import annotations
 
@@ -55,6 +61,7 @@ DTYPES = {"bf16": None, "fp8": "fp8"}
 GOAL_TREE_RATIO = 1.3  # 64 nodes at batch 1 against a decode step
 GOAL_SPEEDUP = 2.5  # batch 1 at acceptance length 4
 LOOP_DEPTH = 5  # the loop tree's chain
+NEAR_TIE = 0.05  # a first difference whose logit gap is under this share of the logits' std: rounding
 
 
 def save_random_eagle3(directory: str, model: dict, draft_vocab: int, device: str) -> str:
@@ -233,6 +240,29 @@ class OracleTrees:
         pass
 
 
+def first_difference(ids: list[int], plain_ids: list[int], logits) -> dict | None:
+    """Where ``ids`` first leave plain decoding's ``plain_ids`` (after that the contexts differ):
+    position, plain's logit gap between its token and the run's there (>= 0), the top-2 margin, the
+    logits' std and whether the gap is a near-tie (under NEAR_TIE of the std). None: no difference."""
+    at = next((i for i, (a, b) in enumerate(zip(ids, plain_ids)) if a != b), None)
+    if at is None or logits is None or at >= logits.shape[0]:
+        return None if at is None else {"position": at}
+    row = logits[at].float()
+    top = row.topk(2).values
+    gap, std = (row[plain_ids[at]] - row[ids[at]]).item(), row.std().item()
+    return {"position": at, "gap": gap, "margin": (top[0] - top[1]).item(), "logit_std": std,
+            "near_tie": gap <= NEAR_TIE * std}
+
+
+def difference_text(diff: dict | None) -> str:
+    if diff is None:
+        return "none"
+    if "gap" not in diff:
+        return f"at {diff['position']}"
+    return (f"at {diff['position']}: gap {diff['gap']:.3g} (std {diff['logit_std']:.3g}): "
+            f"{'near-tie' if diff['near_tie'] else 'NOT a near-tie'}")
+
+
 def bench_loop(executor, args) -> dict:
     vocab = executor.runner.vocab_size
     prompt = [random.Random(7).randrange(vocab) for _ in range(args.context)]
@@ -241,6 +271,12 @@ def bench_loop(executor, args) -> dict:
     result = run_one(executor, greedy_request(prompt, args.output_len))
     plain_ids = list(result.output_token_ids[0])
     plain = (len(plain_ids) - 1) / decode_seconds(result)
+    request = greedy_request(prompt, args.output_len)  # plain decoding's logits, off the clock
+    request.output.return_generation_logits = True
+    with_logits = run_one(executor, request)
+    logits = with_logits.generation_logits[0] if list(with_logits.output_token_ids[0]) == plain_ids else None
+    if logits is None:
+        print("    plain decoding with logits returned other ids: first differences reported without gaps", flush=True)
     state = {"truth": prompt + plain_ids, "depth": 0}
     oracle = OracleTrees(args.loop_nodes)
     force_acceptance(eagle, state, vocab)
@@ -262,13 +298,15 @@ def bench_loop(executor, args) -> dict:
             tps = (len(ids) - 1) / decode_seconds(result)
             step_ms = decode_seconds(result) * 1e3 / max(steps, 1)
             rows.append({"drafter": drafter, "forced_length": length, "measured_length": (len(ids) - 1) / max(steps, 1),
-                         "runs": attempt, "ids_agree": agrees, "ids_equal_plain": ids == plain_ids, "tok_s": tps,
+                         "runs": attempt, "ids_agree": agrees, "ids_equal_plain": ids == plain_ids,
+                         "first_difference": first_difference(ids, plain_ids, logits), "tok_s": tps,
                          "plain_tok_s": plain, "speedup": tps / plain, "step_ms": step_ms,
                          # at exactly the forced length: L tokens per step of the loop's mean step time
                          "speedup_at_length": length * (1e3 / plain) / step_ms})
             print(f"    {drafter} L={length}: {tps:.1f} tok/s vs plain {plain:.1f}: {tps / plain:.2f}x (measured L "
                   f"{rows[-1]['measured_length']:.2f}, runs {attempt}; step {step_ms:.2f} ms: "
-                  f"{rows[-1]['speedup_at_length']:.2f}x at L)", flush=True)
+                  f"{rows[-1]['speedup_at_length']:.2f}x at L; first difference from plain "
+                  f"{difference_text(rows[-1]['first_difference'])})", flush=True)
             args.save({"plain_tok_s": plain, "rows": rows})  # a run cut short keeps its rows
     executor.proposer = eagle
     return {"plain_tok_s": plain, "plain_step_ms": 1e3 / plain, "rows": rows}
@@ -283,15 +321,17 @@ def markdown(results: dict) -> str:
             lines.append(f"| {label} | {r['batch']} | {r['nodes']} ({r['depth']}) | {r['tokens']} | {r['path']} | "
                          f"{r['tree_ms']:.3f} | {r['plain_ms']:.3f} | **{r['ratio']:.2f}x** |")
     lines += ["", "| dtype | drafter | forced acceptance length | measured | tok/s | plain tok/s | speed-up | "
-              "step ms (plain) | speed-up at the forced length | ids = continuation (runs) / = plain |",
-              "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+              "step ms (plain) | speed-up at the forced length | ids = continuation (runs) / = plain | "
+              "first difference from plain |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for label, entry in results["dtypes"].items():
         loop = entry.get("loop")
         for r in (loop or {}).get("rows", []):
             lines.append(f"| {label} | {r['drafter']} | {r['forced_length']} | {r['measured_length']:.2f} | "
                          f"{r['tok_s']:.1f} | {r['plain_tok_s']:.1f} | **{r['speedup']:.2f}x** | {r['step_ms']:.2f} "
                          f"({1e3 / r['plain_tok_s']:.2f}) | {r['speedup_at_length']:.2f}x | "
-                         f"{'yes' if r['ids_agree'] else 'no'} ({r['runs']}) / {'yes' if r['ids_equal_plain'] else 'no'} |")
+                         f"{'yes' if r['ids_agree'] else 'no'} ({r['runs']}) / {'yes' if r['ids_equal_plain'] else 'no'} | "
+                         f"{difference_text(r.get('first_difference'))} |")
     return "\n".join(lines)
 
 

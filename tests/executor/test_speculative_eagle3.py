@@ -348,3 +348,17 @@ def test_layer_taps_apply_an_fp8_layers_deferred_scales():
     model.layers[0](x)
     torch.testing.assert_close(taps.streams[0], 6 * x + x + 1)
     taps.close()
+
+
+def test_tree_bench_names_the_first_difference_and_its_logit_gap():
+    """tree_bench's loop table: where a run's greedy ids leave plain decoding's, plain's logits there
+    say whether it was a near-tie (the GPU's random-weight runs) or a real disagreement."""
+    from benchmarks.speculative.tree_bench import difference_text, first_difference
+
+    logits = torch.zeros(4, 16)
+    logits[2, 5], logits[2, 7] = 4.0, 3.99
+    tie = first_difference([1, 2, 7, 3], [1, 2, 5, 3], logits)
+    assert tie["position"] == 2 and abs(tie["gap"] - 0.01) < 1e-5 and tie["near_tie"]
+    logits[2, 7] = 1.0
+    assert "NOT a near-tie" in difference_text(first_difference([1, 2, 7, 3], [1, 2, 5, 3], logits))
+    assert first_difference([1, 2], [1, 2], logits) is None and difference_text(None) == "none"

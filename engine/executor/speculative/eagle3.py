@@ -296,7 +296,9 @@ class Eagle3DraftProposer:
             v = verified.get(seq.seq_id) if verified and k else None
             if v is not None and v.num_accepted:
                 accepted = v.path[1:] if v.path is not None else range(1, v.num_accepted + 1)
-                keep = torch.cat([keep, chunk[[n - k - 1 + j for j in accepted]]])
+                # the rows by a tensor sent ahead (a Python list index copies it with a stream sync)
+                rows_at = torch.tensor([n - k - 1 + j for j in accepted]).to(chunk.device, non_blocking=True)
+                keep = torch.cat([keep, chunk.index_select(0, rows_at)])
             cache = self._caches.get(seq.seq_id)
             if cache is None or cache.end != item.start:  # a restart (preemption, prefix hit): features from here
                 cache = self._caches[seq.seq_id] = DraftCache(item.start, self.head, rows.device)
