@@ -13,7 +13,7 @@ How (a ``Window`` per capacity bucket C, a power of two >= MIN_CAPACITY):
 - ``k``, ``v`` (C + R, kv_heads, d): rows [0, C) a copy of the sequence's cached rows (the draft
   cache's, eagle3_drafter.py ``DraftCache``; rows past its length are masked off), rows [C, C + R)
   the R tree rows (the plan's expanded nodes but the root), written by the proposal itself;
-- ``length`` (cached rows) and ``position`` (the last cached row's, i.e. the root's parent's: a
+- ``length`` (cached rows) and ``position`` (the last cached row's: the token before the root; a
   node of depth d sits at position + d) live in device tensors, so one recording serves every
   length up to C; rotary rows come from the head's table by index (sized at start to the engine's
   longest sequence; never regrown under a recording: the window holds its own reference);
@@ -26,7 +26,8 @@ $TRITONLLM_EAGLE_GRAPHS=0), which is what the CPU tests check against draft_stat
 
 Invariants: a window keeps for one cache (DraftCache.serial) the rows it already copied (cached
 rows are final, so only new ones are copied); recordings share one memory pool, and each
-proposal reads its tokens before the next replay overwrites them (propose_many clones them).
+proposal reads its tokens before the next replay overwrites them (Eagle3DraftProposer.propose
+clones them). Caches past MAX_CAPACITY rows draft eagerly.
 """
 from __future__ import annotations
 
@@ -36,6 +37,9 @@ import sys
 import torch
 
 MIN_CAPACITY = 64
+# Windows stop here (all buckets together: ~2 x this many rows of k and v, 64 MiB for 8 KV heads of
+# 128 in bf16); a longer cache drafts eagerly (draft_static: the same tokens, ~10 ms of launches).
+MAX_CAPACITY = 8192
 EAGLE_GRAPHS_ENV = "TRITONLLM_EAGLE_GRAPHS"
 
 
@@ -127,8 +131,8 @@ class StaticDraftGraphs:
         self.replays = 0
 
     def fits(self, cache) -> bool:
-        """The window path serves the cache: its positions inside the rotary table."""
-        return cache.start + cache.length + self.max_depth <= self.table.shape[0]
+        """The window path serves the cache: at most MAX_CAPACITY rows, positions inside the rotary table."""
+        return cache.length <= MAX_CAPACITY and cache.start + cache.length + self.max_depth <= self.table.shape[0]
 
     def window(self, capacity: int) -> Window:
         if capacity not in self.windows:
@@ -140,7 +144,7 @@ class StaticDraftGraphs:
         """Record every bucket a cache of up to ``max_rows`` rows reaches (at engine start, before the
         KV pool takes the free memory: the windows and the graphs' pool are counted as used)."""
         capacity = MIN_CAPACITY
-        while self.use_graphs and capacity <= capacity_for(max_rows):
+        while self.use_graphs and capacity <= min(capacity_for(max_rows), MAX_CAPACITY):
             w = self.window(capacity)
             if w.graph is None:
                 self._record(w)
