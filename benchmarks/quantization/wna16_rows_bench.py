@@ -3,7 +3,7 @@
 over twice the L2, as kernels.wna16's load-time timing; device time from CUDA graph replays).
 
 Per shape and M: cuBLAS on the bf16 weight (us, TFLOPS); the decode kernel's best MMA_VARIANTS tiling
-(kernels/wna16_mma.py, M <= 16); from 16 rows the rows kernel's best ROWS_VARIANTS tiling
+(kernels/wna16_mma.py, M <= 16); from 16 rows the rows kernel's best ROWS_VARIANTS + ROWS_CANDIDATES tiling
 (kernels/wna16_mma_rows.py; also at 16, where the decode kernel's two n8 blocks measured slow, and
 at 1024, past the dispatch's 256, for the record) and past 16 rows dequantize
 into the scratch + cuBLAS (kernels/wna16_mma_dense.py; the load-time timing picks between the two); the
@@ -33,6 +33,10 @@ from kernels.wna16 import (DENSE, MAX_SKINNY_ROWS, MMA_VARIANTS, ROWS_VARIANTS, 
                            prepare_wna16, quantize)
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+# Rows-kernel tilings timed here beside ROWS_VARIANTS (those the engine times at load): split-K 8 for the
+# 64-row products of the narrower layers (qkv/o/down chose split 4, the largest timed), 8 warps without
+# the prefetch (no prefetch won at 256 rows with 4 warps). All compile for sm_90 without spills.
+ROWS_CANDIDATES = ((128, 32, 4, 2, 8, 7), (64, 32, 4, 2, 8, 7), (256, 32, 8, 1, 1, 7), (128, 32, 8, 1, 1, 7))
 DEQUANT_TILINGS = ((4, 2), (4, 4), (2, 4), (4, 8), (8, 4))  # (row tiles, k blocks) a program of the dequantize kernel
 
 
@@ -64,13 +68,13 @@ def main() -> None:
             target = weight.scratch.weight(n, k)
             moved = n * k * 2 + weight.kernel["mma_words"].numel() * 4 + weight.kernel["mma_meta"].numel() * 4
             copy_us = 1e3 * graph_time_ms(lambda: target.copy_(copies[next(turn) % len(copies)]))
-            dequant = {str(t): 1e3 * graph_time_ms(lambda: wna16_mma_dense.dequantize_mma(
+            alone = {str(t): 1e3 * graph_time_ms(lambda: wna16_mma_dense.dequantize_mma(
                 wna16._mma_layout(layouts[next(turn) % len(layouts)]), n, k, 128, torch.bfloat16, out=target, tiling=t))
                 for t in DEQUANT_TILINGS if k % (64 * t[1]) == 0}
-            results[name]["dequantize_us"] = {"bf16_copy": copy_us, **dequant}
+            results[name]["dequantize_us"] = {"bf16_copy": copy_us, **alone}
             dequant_lines.append(
                 f"| {name} ({n}, {k}) | {copy_us:.1f} ({4 * n * k / copy_us / 1e3:.0f}) | " + " | ".join(
-                    f"{dequant[str(t)]:.1f} ({moved / dequant[str(t)] / 1e3:.0f})" if str(t) in dequant else "-"
+                    f"{alone[str(t)]:.1f} ({moved / alone[str(t)] / 1e3:.0f})" if str(t) in alone else "-"
                     for t in DEQUANT_TILINGS) + " |")
             print(dequant_lines[-1], flush=True)
             for m in [int(r) for r in args.rows.split(",") if r]:
@@ -81,11 +85,12 @@ def main() -> None:
                                                                       variant))
                 cublas = 1e3 * graph_time_ms(lambda: F.linear(x, copies[next(turn) % len(copies)]))
                 decode = {str(v): timed(v) for v in MMA_VARIANTS} if m <= MAX_SKINNY_ROWS else {}
-                rows = {str(v): timed(v) for v in ROWS_VARIANTS} if m >= MAX_SKINNY_ROWS else {}  # 16: both kernels
+                rows = {str(v): timed(v) for v in ROWS_VARIANTS + ROWS_CANDIDATES} if m >= MAX_SKINNY_ROWS else {}
                 dequant = timed(DENSE) if m > MAX_SKINNY_ROWS else None
                 candidates = {**decode, **rows, **({DENSE: dequant} if dequant is not None else {})}
                 best = min(candidates, key=candidates.get)
-                variant = DENSE if best == DENSE else next(v for v in MMA_VARIANTS + ROWS_VARIANTS if str(v) == best)
+                variant = DENSE if best == DENSE else next(v for v in MMA_VARIANTS + ROWS_VARIANTS + ROWS_CANDIDATES
+                                                           if str(v) == best)
                 ref = F.linear(x.float(), dense.float())
                 error = ((wna16._product(x, weight, weight.kernel, variant).float() - ref).norm() / ref.norm()).item()
                 best_rows = min(rows, key=rows.get) if rows else None
@@ -99,9 +104,9 @@ def main() -> None:
                              f"{cublas / candidates[best]:.2f}x | {error:.1e} |")
                 print(lines[-1], flush=True)
             del weight, dense, copies, layouts
-    Path(args.out).write_text(json.dumps(results, indent=1))
-    if args.md:
-        Path(args.md).write_text("\n".join(lines + [""] + dequant_lines) + "\n")
+            Path(args.out).write_text(json.dumps(results, indent=1))  # after every shape: a timeout keeps what ran
+            if args.md:
+                Path(args.md).write_text("\n".join(lines + [""] + dequant_lines) + "\n")
 
 
 if __name__ == "__main__":
