@@ -224,7 +224,8 @@ def mma_enabled() -> bool:
 
 # Kind 7: kernels/wna16_mma_rows.py, the same operand-order words for 17-256 rows (32 rows of x a
 # program; block_n = warps x row tiles x 16, 1-2 tiles (4 spill on sm_90: 255 registers); num_stages 2: the
-# next chunk's first words read early).
+# next chunk's first words read early; 3: every next k block's words and x fragments (wna16_rows_bench's
+# candidates until measured)).
 # The default past 16 rows since its H200 figures (benchmarks/results/quantization.md, 2026-11-29: at 64
 # rows 1.5-2.5x faster than dequantize + cuBLAS on every Llama-3.1-8B shape; at 256 rows faster or equal
 # on two shapes, 3-10% slower on two; at 1024 1.6-1.8x slower): the load-time timing covers MID_ROWS
@@ -342,7 +343,7 @@ def wna16_matmul(x: torch.Tensor, layout: dict[str, torch.Tensor], n: int, bits:
         if "mma_words" in layout:
             return wna16_mma_rows.mma_rows_matmul(x, _mma_layout(layout), n, group_size, bias,
                                                   tiles=block_n // (16 * num_warps), num_warps=num_warps,
-                                                  split_k=split_k, prefetch=num_stages > 1)
+                                                  split_k=split_k, prefetch=min(2, max(0, num_stages - 1)))
         kind = MMA_KIND
     if kind == MMA_KIND:
         if "mma_words" in layout and x.shape[0] <= 16:

@@ -150,11 +150,23 @@ def _rows_mma(w, zz_lo, zz_hi, x0, x1, x2, x3, x4, x5, x6, x7,
 
 
 @jit
-def _x_block(x_ptr, ok, kb):
-    """One x block's B fragments of k block ``kb`` (S,) each: (b0, b1) of slices 0..3, from two 16-byte
-    reads a thread (fragment_order: pairs (j, f) = 2j + f of the thread's 8)."""
-    lo = tl.load(x_ptr + kb * 32, mask=ok, other=0)  # (S, 4): (j0 f0, j0 f1, j1 f0, j1 f1)
-    hi = tl.load(x_ptr + (kb * 32 + 4), mask=ok, other=0)
+def _x_loads(xb0, xb1, xb2, xb3, ok0, ok1, ok2, ok3, kb):
+    """The four x blocks' fragments of k block ``kb``: two 16-byte reads a thread and block, (S, 4) int32
+    each (fragment_order: pairs (j, f) = 2j + f of the thread's 8), as (lo, hi) per block."""
+    lo0 = tl.load(xb0 + kb * 32, mask=ok0, other=0)  # (S, 4): (j0 f0, j0 f1, j1 f0, j1 f1)
+    hi0 = tl.load(xb0 + (kb * 32 + 4), mask=ok0, other=0)
+    lo1 = tl.load(xb1 + kb * 32, mask=ok1, other=0)
+    hi1 = tl.load(xb1 + (kb * 32 + 4), mask=ok1, other=0)
+    lo2 = tl.load(xb2 + kb * 32, mask=ok2, other=0)
+    hi2 = tl.load(xb2 + (kb * 32 + 4), mask=ok2, other=0)
+    lo3 = tl.load(xb3 + kb * 32, mask=ok3, other=0)
+    hi3 = tl.load(xb3 + (kb * 32 + 4), mask=ok3, other=0)
+    return lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3
+
+
+@jit
+def _x_block(lo, hi):
+    """One x block's B fragments (S,) each: (b0, b1) of slices 0..3, from its two (S, 4) reads."""
     lo_f0, lo_f1 = tl.split(tl.reshape(lo, (lo.shape[0], 2, 2)))
     hi_f0, hi_f1 = tl.split(tl.reshape(hi, (hi.shape[0], 2, 2)))
     b0_0, b0_1 = tl.split(lo_f0)
@@ -178,16 +190,16 @@ def _pick2(j: tl.constexpr, v0, v1, v2, v3, v4, v5, v6, v7):
 
 
 @jit
-def _k_block(words, kb, xb0, xb1, xb2, xb3, ok0, ok1, ok2, ok3, zz_lo, zz_hi,
+def _k_block(words, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, zz_lo, zz_hi,
              a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15,
              FP16: tl.constexpr, EMULATE: tl.constexpr, TN: tl.constexpr, S: tl.constexpr):
-    """The four slices of k block ``kb``: ``words`` (E, 4) this thread's word per slice; xb0..3 the x
-    blocks' (S, 4) pointers."""
+    """The four slices of one k block: ``words`` (E, 4) this thread's word per slice; lo0..hi3 the x
+    blocks' fragments (_x_loads)."""
     E: tl.constexpr = TN * S
-    u0, v0, u1, v1, u2, v2, u3, v3 = _x_block(xb0, ok0, kb)
-    p0, q0, p1, q1, p2, q2, p3, q3 = _x_block(xb1, ok1, kb)
-    r0, s0, r1, s1, r2, s2, r3, s3 = _x_block(xb2, ok2, kb)
-    y0, z0, y1, z1, y2, z2, y3, z3 = _x_block(xb3, ok3, kb)
+    u0, v0, u1, v1, u2, v2, u3, v3 = _x_block(lo0, hi0)
+    p0, q0, p1, q1, p2, q2, p3, q3 = _x_block(lo1, hi1)
+    r0, s0, r1, s1, r2, s2, r3, s3 = _x_block(lo2, hi2)
+    y0, z0, y1, z1, y2, z2, y3, z3 = _x_block(lo3, hi3)
     wa, wb = tl.split(tl.reshape(words, (E, 2, 2)))
     w0, w2 = tl.split(wa)
     w1, w3 = tl.split(wb)
@@ -259,11 +271,17 @@ def _mma_rows_kernel(
     zero = tl.zeros([E], dtype=tl.float32)
     t0, t1, t2, t3, t4, t5, t6, t7 = zero, zero, zero, zero, zero, zero, zero, zero
     t8, t9, t10, t11, t12, t13, t14, t15 = zero, zero, zero, zero, zero, zero, zero, zero
+    last_kb = chunk_end * CHUNK_KB - 1
     pdl_prologue(PDL)
     words_a = tl.load(w_base + chunk_begin * (CHUNK_KB * 128))  # the chunk's first k block, (E, 4)
     grp = 0 if PER_CHANNEL else chunk_begin  # a chunk is one group, or 128 columns of the one group
     meta_lo_a = tl.load(meta_ptr + grp * N_PAD + n_lo)
     meta_hi_a = tl.load(meta_ptr + grp * N_PAD + n_hi)
+    # PREFETCH 2: the next k block's words and x fragments are read before this one is multiplied
+    # (x_a*: the split's first k block's here, then each k block's successor; the last re-reads itself)
+    if PREFETCH == 2:
+        xa0, xa1, xa2, xa3, xa4, xa5, xa6, xa7 = _x_loads(xb0, xb1, xb2, xb3, ok0, ok1, ok2, ok3,
+                                                          chunk_begin * CHUNK_KB)
     for chunk in range(chunk_begin, chunk_end):
         if PREFETCH:
             meta_lo = meta_lo_a
@@ -275,24 +293,30 @@ def _mma_rows_kernel(
         zz_lo = MAGIC | (meta_lo & 0xFF) | ((meta_lo & 0xFF) << 16)  # (OFF + z) in both halves
         zz_hi = MAGIC | (meta_hi & 0xFF) | ((meta_hi & 0xFF) << 16)
         kb0 = chunk * CHUNK_KB
-        if PREFETCH:  # the next chunk's first words and meta, read before this chunk's MMAs (the last re-reads itself)
-            following = tl.minimum(chunk + 1, chunk_end - 1)
-            next_a = tl.load(w_base + following * (CHUNK_KB * 128))
+        if PREFETCH:  # the next chunk's meta (PREFETCH 1: and first words), read before this chunk's MMAs
+            following = tl.minimum(chunk + 1, chunk_end - 1)  # (the last re-reads itself)
+            if PREFETCH == 1:
+                next_a = tl.load(w_base + following * (CHUNK_KB * 128))
             grp_next = 0 if PER_CHANNEL else following
             next_lo = tl.load(meta_ptr + grp_next * N_PAD + n_lo)
             next_hi = tl.load(meta_ptr + grp_next * N_PAD + n_hi)
         a0, a1, a2, a3, a4, a5, a6, a7 = zero, zero, zero, zero, zero, zero, zero, zero
         a8, a9, a10, a11, a12, a13, a14, a15 = zero, zero, zero, zero, zero, zero, zero, zero
         for kk in tl.static_range(CHUNK_KB):
-            if kk == 0:
-                if PREFETCH:
+            if PREFETCH == 2:  # this k block's words and x from the step before; its successor's read now
+                words = words_a
+                x0, x1, x2, x3, x4, x5, x6, x7 = xa0, xa1, xa2, xa3, xa4, xa5, xa6, xa7
+                successor = tl.minimum(kb0 + kk + 1, last_kb)
+                words_a = tl.load(w_base + successor * 128)
+                xa0, xa1, xa2, xa3, xa4, xa5, xa6, xa7 = _x_loads(xb0, xb1, xb2, xb3, ok0, ok1, ok2, ok3, successor)
+            else:
+                if kk == 0 and PREFETCH == 1:
                     words = words_a
                 else:
-                    words = tl.load(w_base + kb0 * 128)
-            else:
-                words = tl.load(w_base + (kb0 + kk) * 128)
+                    words = tl.load(w_base + (kb0 + kk) * 128)
+                x0, x1, x2, x3, x4, x5, x6, x7 = _x_loads(xb0, xb1, xb2, xb3, ok0, ok1, ok2, ok3, kb0 + kk)
             a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15 = _k_block(
-                words, kb0 + kk, xb0, xb1, xb2, xb3, ok0, ok1, ok2, ok3, zz_lo, zz_hi,
+                words, x0, x1, x2, x3, x4, x5, x6, x7, zz_lo, zz_hi,
                 a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, FP16, EMULATE, TN, S)
         s_lo = (meta_lo >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         s_hi = (meta_hi >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
@@ -303,7 +327,8 @@ def _mma_rows_kernel(
         t12, t13 = _scaled(t12, a12, s_lo), _scaled(t13, a13, s_lo)
         t14, t15 = _scaled(t14, a14, s_hi), _scaled(t15, a15, s_hi)
         if PREFETCH:
-            words_a = next_a
+            if PREFETCH == 1:
+                words_a = next_a
             meta_lo_a = next_lo
             meta_hi_a = next_hi
     final = SPLIT_K == 1
@@ -332,10 +357,13 @@ def _mma_rows_kernel(
 
 def mma_rows_matmul(x: torch.Tensor, layout: dict[str, torch.Tensor], n: int, group_size: int,
                     bias: torch.Tensor | None = None, *, tiles: int = 1, num_warps: int = 4, split_k: int = 1,
-                    prefetch: bool = True, emulate: bool | None = None) -> torch.Tensor:
+                    prefetch: int = 1, emulate: bool | None = None) -> torch.Tensor:
     """x (M, K) bf16/fp16 @ the weight (N, K) in the operand-order ``layout``.T (+ bias) -> (M, N) in x's
     dtype, any M (meant for 17-256). Programs of ``num_warps`` warps x ``tiles`` 16-row weight tiles
-    x 32 rows of x, K split over ``split_k`` programs (capped at the chunks there are). ``emulate``
+    x 32 rows of x, K split over ``split_k`` programs (capped at the chunks there are). ``prefetch``: 0
+    every k block's words and x read where multiplied; 1 the next chunk's first words and scales read
+    before this chunk's MMAs; 2 also each next k block's words and x fragments (one k block ahead:
+    the loads' latency hides behind a block's MMAs, for 32 + 4 * tiles more registers). ``emulate``
     (default: x on the CPU, i.e. TRITON_INTERPRET=1): the PTX replaced by its plain-Triton emulation."""
     m, k = x.shape
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -355,7 +383,7 @@ def mma_rows_matmul(x: torch.Tensor, layout: dict[str, torch.Tensor], n: int, gr
         xp, layout["words"], layout["meta"], bias if bias is not None else out, out, part, arrivals,
         m, n, n_pad, blocks, per_split, m_blocks, out.stride(0),
         HAS_BIAS=bias is not None, TN=tiles, WARPS=num_warps, CHUNK_KB=chunk_kb, SPLIT_K=split_k,
-        FP16=x.dtype == torch.float16, PER_CHANNEL=group_size == k, PREFETCH=prefetch,
+        FP16=x.dtype == torch.float16, PER_CHANNEL=group_size == k, PREFETCH=int(prefetch),
         EMULATE=(not x.is_cuda) if emulate is None else emulate, num_warps=num_warps, num_stages=1,
         **pdl_options(x))
     return out

@@ -33,10 +33,12 @@ from kernels.wna16 import (DENSE, MAX_SKINNY_ROWS, MMA_VARIANTS, ROWS_VARIANTS, 
                            prepare_wna16, quantize)
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-# Rows-kernel tilings timed here beside ROWS_VARIANTS (those the engine times at load): split-K 8 for the
-# 64-row products of the narrower layers (qkv/o/down chose split 4, the largest timed), 8 warps without
+# Rows-kernel tilings timed here beside ROWS_VARIANTS (those the engine times at load): num_stages 3 reads
+# every next k block's words and x fragments ahead (the best ROWS_VARIANTS' splits); split-K 8 for the
+# 64-row products of the narrower layers (qkv/o/down chose split 4, the largest timed); 8 warps without
 # the prefetch (no prefetch won at 256 rows with 4 warps). All compile for sm_90 without spills.
-ROWS_CANDIDATES = ((128, 32, 4, 2, 8, 7), (64, 32, 4, 2, 8, 7), (256, 32, 8, 1, 1, 7), (128, 32, 8, 1, 1, 7))
+ROWS_CANDIDATES = ((128, 32, 4, 3, 1, 7), (128, 32, 4, 3, 2, 7), (128, 32, 4, 3, 4, 7), (64, 32, 4, 3, 4, 7),
+                   (128, 32, 4, 2, 8, 7), (128, 32, 8, 1, 1, 7))
 DEQUANT_TILINGS = ((4, 2), (4, 4), (2, 4), (4, 8), (8, 4))  # (row tiles, k blocks) a program of the dequantize kernel
 
 

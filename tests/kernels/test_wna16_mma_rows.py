@@ -87,6 +87,8 @@ def test_rows_dispatch_is_the_default_past_16_rows(monkeypatch, env):
     (40, 256, 128, 37, (256, 32, 8, 2, 1, MMA_ROWS_KIND)),  # two x blocks, the second masked after row 36
     (40, 256, None, 5, (128, 32, 4, 1, 1, MMA_ROWS_KIND)),  # per channel, no prefetch
     (150, 256, 64, 40, (256, 32, 8, 2, 2, MMA_ROWS_KIND)),  # split-K finish, groups of one k block
+    (150, 512, 128, 40, (256, 32, 8, 3, 2, MMA_ROWS_KIND)),  # each next k block's words and x read ahead, split-K
+    (40, 256, None, 33, (128, 32, 4, 3, 1, MMA_ROWS_KIND)),  # the same per channel (two blocks a chunk)
 ])
 def test_emulated_kernel_matches_the_reference(device, n, k, group_size, m, variant):
     """TRITON_INTERPRET=1: the kernel with its PTX emulated (or the real one on CUDA)."""
@@ -100,8 +102,12 @@ def test_emulated_kernel_matches_the_reference(device, n, k, group_size, m, vari
         assert relative_error(out, ref) < TOLERANCE[dtype], dtype
 
 
+# Read-ahead of every next k block (num_stages 3): timed by benchmarks/quantization/wna16_rows_bench.py, not at load yet.
+READ_AHEAD = ((128, 32, 4, 3, 1, MMA_ROWS_KIND), (128, 32, 4, 3, 4, MMA_ROWS_KIND), (256, 32, 8, 3, 1, MMA_ROWS_KIND))
+
+
 @cuda
-@pytest.mark.parametrize("variant", ROWS_VARIANTS)
+@pytest.mark.parametrize("variant", ROWS_VARIANTS + READ_AHEAD)
 def test_every_tiling_matches_the_reference(variant):
     n, k = 301, 2048  # odd N: padded rows masked; 16 chunks, so every split has work
     layout, weight = layout_and_reference(n, k, 128, "cuda")
@@ -149,7 +155,7 @@ AOT = pytest.mark.skipif(os.environ.get("TRITONLLM_AOT_SM90") != "1",
 
 
 @AOT
-@pytest.mark.parametrize("variant, fp16, group", [(v, False, 128) for v in ROWS_VARIANTS] + [
+@pytest.mark.parametrize("variant, fp16, group", [(v, False, 128) for v in ROWS_VARIANTS + READ_AHEAD] + [
     (ROWS_DEFAULT, True, 128), (ROWS_DEFAULT, False, 64), (ROWS_DEFAULT, False, 256), (ROWS_DEFAULT, False, None)])
 def test_compiles_for_sm90_without_spills(variant, fp16, group, tmp_path):
     """Triton's own compiler and ptxas (no GPU needed) on every timed tiling: catches what the
@@ -164,7 +170,8 @@ def test_compiles_for_sm90_without_spills(variant, fp16, group, tmp_path):
     options = tile_options(variant)
     const = {"HAS_BIAS": True, "TN": options["block_n"] // (16 * options["num_warps"]), "WARPS": options["num_warps"],
              "CHUNK_KB": wna16_mma.chunk_blocks(4096, group or 4096), "SPLIT_K": options["split_k"], "FP16": fp16,
-             "PER_CHANNEL": group is None, "PREFETCH": options["num_stages"] > 1, "EMULATE": False, "PDL": True}
+             "PER_CHANNEL": group is None, "PREFETCH": min(2, options["num_stages"] - 1), "EMULATE": False,
+             "PDL": True}
     signature = {**dict(zip(names, types)), **{name: "constexpr" for name in const}}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names[:7] + ["N", "N_PAD", "BLOCKS", "stride_om"]}
     import triton
