@@ -4,10 +4,16 @@ A pre-norm LayerNorm decoder layer (Whisper's, mBART's) at batch 1 is launch-bou
 three sub-layers is LayerNorm -> product(s) -> ... -> product -> residual add, and at a few rows
 every one of those is a kernel of a few microseconds around a weight read of about one. Here:
 
-- ``norm``: the product's input rows are first layer-normalized (each program recomputes its
-  rows' mean and variance over the whole K, two passes over x, which is a few KB and stays in
-  L1/L2), then scaled and shifted by the norm's weight and bias and rounded to x's dtype, exactly
-  as ``F.layer_norm`` (float32 math, one rounding) feeds the unfused product;
+- ``norm``: the product's input rows are first layer-normalized, then scaled and shifted by the
+  norm's weight and bias and rounded to x's dtype, exactly as ``F.layer_norm`` (float32 math, one
+  rounding) feeds the unfused product. The rows' mean and variance come either from ``row_stats``,
+  the partials the product that wrote x emitted (one load of (3, tiles, M) floats, independent of
+  the load of x), or, without them, from x itself (each program two passes over the whole K:
+  dependent round trips, ~4 us on an H200);
+- ``emit_stats`` (with ``residual``: the kernel that writes a pre-norm layer's residual stream):
+  each output tile also stores, per row, its column count, sum and squared deviations from the
+  tile's mean, of the rounded values it stored; a consumer merges them (Chan et al.'s pairwise
+  formula, as accurate as two passes) -- no atomics, no extra pass, deterministic;
 - the epilogue adds the product's bias, applies ``activation`` (one of kernels/linear.py's
   ACTIVATIONS) after rounding the product as F.linear does, and with ``residual`` adds the
   rounded result to the residual rows and rounds again, as ``residual + linear(...)`` does.
@@ -24,7 +30,8 @@ bias (N,) or None; norm weight/bias (K,); residual (M, N) or None; out (M, N) in
 Measured (H200, 2026-11-29, Whisper large-v3's 1280-wide rows, one row, weights hot in L2): with a
 residual epilogue as fast as the plain skinny product (1280 x 1280: 3.7 us against 3.9); with the
 LayerNorm prologue about 4 us slower (7.7 against 3.8; the statistics' dependent round trips), which
-is why engine/encoder_decoder/fused_decode.py, its user, is opt-in.
+is what ``row_stats`` removes (not yet measured on a GPU; engine/encoder_decoder/fused_decode.py,
+its user, stays opt-in until it is).
 """
 from __future__ import annotations
 
@@ -63,16 +70,18 @@ def preload_options(k: int, m_pad: int) -> dict:
 
 @jit(do_not_specialize=["M"])
 def _norm_linear_kernel(
-    x_ptr, norm_w_ptr, norm_b_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, part_ptr, arrivals_ptr,
-    M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_rm, stride_om, eps, ROWS,
-    NORM_K: tl.constexpr, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, ACTIVATION: tl.constexpr,
+    x_ptr, norm_w_ptr, norm_b_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, part_ptr, arrivals_ptr, stats_in_ptr,
+    stats_out_ptr, M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_rm, stride_om, eps, ROWS, STATS_TILES,
+    NORM_K: tl.constexpr, STATS_IN: tl.constexpr, STATS_OUT: tl.constexpr, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, ACTIVATION: tl.constexpr,
     SWAP_AB: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, BALANCED: tl.constexpr, PRELOAD: tl.constexpr, PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Program (i, s): output features of tile i for all M rows over K range s (see the module
     docstring; the tiling as kernels/linear.py's _skinny_gemm_kernel). NORM_K > 0: layer-normalize
-    x's rows (NORM_K == K). PRELOAD: the program's K range is one BLOCK_K tile, and its weight tile
+    x's rows (NORM_K == K): with STATS_IN > 0 (a power of two >= STATS_TILES) from the producer's
+    per-tile partials at stats_in_ptr, else from x itself. STATS_OUT: write this tile's partials of
+    the output rows to stats_out_ptr (``row_stats``). PRELOAD: the program's K range is one BLOCK_K tile, and its weight tile
     (and the norm's weight and bias there) is loaded before the PDL wait, while the kernel before
     it still runs: weights are never written by a step's kernels."""
     cols, col_ok = output_columns(N, ROWS, BLOCK_N, BALANCED)
@@ -92,7 +101,9 @@ def _norm_linear_kernel(
     pdl_prologue(PDL)
     mean = tl.zeros([M_PAD], dtype=tl.float32)
     rstd = tl.zeros([M_PAD], dtype=tl.float32)
-    if NORM_K > 0:  # the rows' statistics over the whole K (unrolled: the loads go out together)
+    if NORM_K > 0 and STATS_IN > 0:  # the producer's partials: one load, no pass over x
+        mean, rstd = _merged_row_stats(stats_in_ptr, STATS_TILES, M, rows, row_ok, NORM_K, eps, STATS_IN)
+    elif NORM_K > 0:  # the rows' statistics over the whole K (unrolled: the loads go out together)
         total = tl.zeros([M_PAD], dtype=tl.float32)
         for k0 in tl.static_range(0, NORM_K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
@@ -145,11 +156,11 @@ def _norm_linear_kernel(
                 acc += tl.load(part_ptr + (split * M + rows)[:, None] * N + cols[None, :], mask=mask, other=0.0,
                                cache_modifier=".cg")
             _norm_linear_epilogue(acc, rows, cols, col_ok, mask, bias_ptr, res_ptr, out_ptr, stride_rm, stride_om,
-                                  HAS_BIAS, RESIDUAL, ACTIVATION)
+                                  stats_out_ptr, M, HAS_BIAS, RESIDUAL, ACTIVATION, STATS_OUT)
             tl.store(arrivals_ptr + tl.program_id(0), 0)
     else:
         _norm_linear_epilogue(acc, rows, cols, col_ok, mask, bias_ptr, res_ptr, out_ptr, stride_rm, stride_om,
-                              HAS_BIAS, RESIDUAL, ACTIVATION)
+                              stats_out_ptr, M, HAS_BIAS, RESIDUAL, ACTIVATION, STATS_OUT)
 
 
 @jit
@@ -164,9 +175,29 @@ def _tile_dot(x, w, acc, SWAP_AB: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @jit
+def _merged_row_stats(stats_ptr, TILES, M, rows, row_ok, K: tl.constexpr, eps, T_PAD: tl.constexpr):
+    """(mean, rstd) of each row from the (3, TILES, M) partials (count, sum, squared deviations from
+    the tile's mean) a producer wrote: Chan et al.'s pairwise merge, M2 = sum_t M2_t + n_t (mean_t -
+    mean)^2, which keeps the two-pass formula's accuracy (no E[x^2] - mean^2 cancellation)."""
+    tiles = tl.arange(0, T_PAD)
+    ok = (tiles < TILES)[:, None] & row_ok[None, :]
+    at = stats_ptr + tiles[:, None] * M + rows[None, :]
+    count = tl.load(at, mask=ok, other=0.0)
+    total = tl.load(at + TILES * M, mask=ok, other=0.0)
+    m2 = tl.load(at + 2 * TILES * M, mask=ok, other=0.0)
+    mean = tl.sum(total, axis=0) / K
+    d = tl.where(ok, total / tl.where(ok, count, 1.0) - mean[None, :], 0.0)
+    var = tl.sum(m2 + count * d * d, axis=0) / K
+    return mean, 1.0 / tl.sqrt(var + eps)
+
+
+@jit
 def _norm_linear_epilogue(acc, rows, cols, col_ok, mask, bias_ptr, res_ptr, out_ptr, stride_rm, stride_om,
-                          HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, ACTIVATION: tl.constexpr):
-    """Bias; the product rounded, then the activation rounded; then residual + that, rounded."""
+                          stats_ptr, M, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, ACTIVATION: tl.constexpr,
+                          STATS_OUT: tl.constexpr):
+    """Bias; the product rounded, then the activation rounded; then residual + that, rounded.
+    STATS_OUT: this tile's (count, sum, squared deviations from the tile mean) of each stored row,
+    of the rounded values a consumer will read, at (plane, program_id(0), row) of (3, tiles, M)."""
     dtype = out_ptr.dtype.element_ty
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -175,22 +206,38 @@ def _norm_linear_epilogue(acc, rows, cols, col_ok, mask, bias_ptr, res_ptr, out_
     if RESIDUAL:
         res = tl.load(res_ptr + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         acc = acc.to(dtype).to(tl.float32) + res
-    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(dtype), mask=mask)
+    y = acc.to(dtype)
+    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], y, mask=mask)
+    if STATS_OUT:
+        y = tl.where(mask, y.to(tl.float32), 0.0)
+        count = tl.sum(col_ok.to(tl.float32), axis=0)
+        total = tl.sum(y, axis=1)
+        d = tl.where(mask, y - (total / count)[:, None], 0.0)
+        at = stats_ptr + tl.program_id(0) * M + rows
+        plane = tl.num_programs(0) * M
+        row_ok = rows < M
+        tl.store(at, tl.zeros_like(total) + count, mask=row_ok)
+        tl.store(at + plane, total, mask=row_ok)
+        tl.store(at + 2 * plane, tl.sum(d * d, axis=1), mask=row_ok)
 
 
 def norm_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                        norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, activation: str | None = None,
-                       residual: torch.Tensor | None = None, variant: tuple | str = PRELOAD) -> torch.Tensor:
+                       residual: torch.Tensor | None = None, variant: tuple | str = PRELOAD,
+                       row_stats: torch.Tensor | None = None, emit_stats: bool = False):
     """The kernel (module docstring); ``norm`` = (weight, bias, eps) of the LayerNorm over K; ``variant``
-    a kernels/linear.py tiling tuple or PRELOAD."""
+    a kernels/linear.py tiling tuple or PRELOAD. ``row_stats``: x's rows' partial statistics as the
+    product that wrote x emitted them (the norm then reads them instead of x); ``emit_stats``: return
+    (out, stats), stats the (3, tiles, M) float32 partials of out's rows (``row_stats``)."""
     m, k = x.shape
     n = weight.shape[0]
     assert m <= (MAX_ROWS if variant == PRELOAD else MAX_SKINNY_ROWS) and x.stride(1) == 1 and weight.stride(1) == 1
     assert activation is None or activation in ACTIVATIONS
     assert residual is None or (residual.shape == (m, n) and residual.stride(1) == 1)
+    assert row_stats is None or (norm is not None and row_stats.shape[0] == 3 and row_stats.shape[2] == m)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
-        return out
+        return (out, torch.zeros(3, 1, 0, dtype=torch.float32, device=x.device)) if emit_stats else out
     m_pad = max(16, triton.next_power_of_2(m)) if variant == PRELOAD else 16
     opts = variant_options(variant) if variant != PRELOAD else preload_options(k, m_pad)
     block_n, block_k, waves = opts["block_n"], opts["block_k"], opts["waves"]
@@ -204,17 +251,30 @@ def norm_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     tiles = triton.cdiv(n, rows_per_program)
     arrivals = _arrival_counters(x.device, tiles) if split_k > 1 else part
     norm_w, norm_b, eps = norm if norm is not None else (weight, weight, 0.0)
+    stats = torch.empty(3, tiles, m, dtype=torch.float32, device=x.device) if emit_stats else None
+    stats_tiles = row_stats.shape[1] if row_stats is not None else 0
     _norm_linear_kernel[(tiles, split_k)](
         x, norm_w, norm_b, weight, bias if bias is not None else weight, residual if residual is not None else out,
-        out, part, arrivals, m, n, k, k_per_split, x.stride(0), weight.stride(0),
-        residual.stride(0) if residual is not None else 0, out.stride(0), float(eps), rows_per_program,
-        NORM_K=k if norm is not None else 0, HAS_BIAS=bias is not None, RESIDUAL=residual is not None,
+        out, part, arrivals, row_stats if row_stats is not None else part, stats if emit_stats else part,
+        m, n, k, k_per_split, x.stride(0), weight.stride(0),
+        residual.stride(0) if residual is not None else 0, out.stride(0), float(eps), rows_per_program, stats_tiles,
+        NORM_K=k if norm is not None else 0, STATS_IN=triton.next_power_of_2(stats_tiles) if stats_tiles else 0,
+        STATS_OUT=emit_stats, HAS_BIAS=bias is not None, RESIDUAL=residual is not None,
         ACTIVATION=ACTIVATIONS.index(activation) + 1 if activation else 0, SWAP_AB=opts["swap_ab"], M_PAD=m_pad,
         BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, BALANCED=waves > 0, PRELOAD=preload,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=opts["num_warps"], num_stages=opts["num_stages"], **pdl_options(x),
     )
-    return out
+    return (out, stats) if emit_stats else out
+
+
+def row_stats_ref(stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean, biased variance) per row of the (3, tiles, M) partials ``emit_stats`` returns, merged
+    as the kernel merges them (float32)."""
+    count, total, m2 = stats.double().unbind(0)
+    k = count.sum(0)
+    mean = total.sum(0) / k
+    return mean.float(), ((m2 + count * (total / count - mean) ** 2).sum(0) / k).float()
 
 
 def norm_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -233,13 +293,17 @@ def norm_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 def norm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                 norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, activation: str | None = None,
-                residual: torch.Tensor | None = None, variant: tuple | None = None) -> torch.Tensor:
+                residual: torch.Tensor | None = None, variant: tuple | None = None,
+                row_stats: torch.Tensor | None = None, emit_stats: bool = False):
     """The fused kernel on CUDA for at most MAX_ROWS contiguous rows, else norm_linear_ref.
     Tiling: ``variant`` (the weight's load-time choice) for up to MAX_SKINNY_ROWS rows; PRELOAD
-    without one, for more rows, or with $TRITONLLM_NORM_LINEAR_PRELOAD=1."""
+    without one, for more rows, or with $TRITONLLM_NORM_LINEAR_PRELOAD=1. ``emit_stats``: return
+    (out, row statistics or None); ``row_stats``: such statistics of x (None: the norm reads x)."""
     if use_triton(x) and x.shape[0] <= MAX_ROWS and x.stride(1) == 1:
         if variant is None or x.shape[0] > MAX_SKINNY_ROWS or os.environ.get(PRELOAD_ENV, "0") == "1":
             variant = PRELOAD
         return norm_linear_triton(x, weight, bias, norm=norm, activation=activation, residual=residual,
-                                  variant=variant)
-    return norm_linear_ref(x, weight, bias, norm=norm, activation=activation, residual=residual)
+                                  variant=variant, row_stats=row_stats if norm is not None else None,
+                                  emit_stats=emit_stats)
+    out = norm_linear_ref(x, weight, bias, norm=norm, activation=activation, residual=residual)
+    return (out, None) if emit_stats else out

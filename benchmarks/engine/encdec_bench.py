@@ -294,7 +294,19 @@ def decoder_step_bytes(runner, context: int, encoder_len: int) -> int:
     return weights + rows + (encoder_len + context) * per_token
 
 
+# --step-variants: name -> the decode-path switches (engine/encoder_decoder/fused_decode.py) set
+# before the decode graphs are captured again on the same runner (the graphs read them at capture)
+STEP_VARIANTS = {
+    "unfused": {"TRITONLLM_ENCDEC_FUSED": "0"},
+    "fused": {"TRITONLLM_ENCDEC_FUSED": "1", "TRITONLLM_ENCDEC_ROW_STATS": "1", "TRITONLLM_ENCDEC_CROSS_KERNEL": "0"},
+    "fused-recompute": {"TRITONLLM_ENCDEC_FUSED": "1", "TRITONLLM_ENCDEC_ROW_STATS": "0",
+                        "TRITONLLM_ENCDEC_CROSS_KERNEL": "0"},
+    "fused-cross": {"TRITONLLM_ENCDEC_FUSED": "1", "TRITONLLM_ENCDEC_ROW_STATS": "1", "TRITONLLM_ENCDEC_CROSS_KERNEL": "1"},
+}
+
+
 def bench_whisper_step(args, bandwidth: float) -> dict:
+    from engine.encoder_decoder import fused_decode
     from engine.encoder_decoder.runner import EncDecRunner
 
     config = whisper_config(args.device)
@@ -304,6 +316,41 @@ def bench_whisper_step(args, bandwidth: float) -> dict:
     runner.capture_cuda_graphs()
     cross = list(range(-(-encoder_len // page)))
     runner.encode_into([clip_features(config, 1)[0]], [cross])
+    entry = time_whisper_step(args, bandwidth, runner, encoder_len, cross, "whisper_step_profile.txt")
+    if args.step_variants:
+        entry["variants"] = {}
+        saved = {name: os.environ.get(name) for switches in STEP_VARIANTS.values() for name in switches}
+        try:
+            for name in args.step_variants:
+                os.environ.update(STEP_VARIANTS[name])
+                runner.decode_graphs = None
+                runner.model.fused_decode = False  # capture_cuda_graphs prepares the fused path again if asked
+                free_device_memory(args.device)
+                started = time.perf_counter()
+                runner.capture_cuda_graphs()
+                if runner.decode_graphs is None and fused_decode.enabled(fused_decode.FUSED_ENV):
+                    fused_decode.prepare(runner.model)  # CPU (no graphs): the eager steps take the fused layer
+                capture = time.perf_counter() - started
+                entry["variants"][name] = {**time_whisper_step(args, bandwidth, runner, encoder_len, cross,
+                                                               f"whisper_step_{name}_profile.txt"),
+                                           "switches": STEP_VARIANTS[name], "capture_seconds": capture}
+                print(f"whisper_step {name}: {entry['variants'][name]['step_ms_median']:.3f} ms", file=sys.stderr,
+                      flush=True)
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+    del runner
+    free_device_memory(args.device)
+    return entry
+
+
+def time_whisper_step(args, bandwidth: float, runner, encoder_len: int, cross: list[int], profile_name: str) -> dict:
+    """The batch-1 step of ``runner`` over the encoded clip's cross blocks ``cross``: prompt, then
+    ``--transcript`` steps timed (median past the first 8), its graph's replay and profile."""
+    page = runner.tokens_per_block
     steps, prompt = args.transcript, list(WHISPER_PROMPT)
     table = list(range(1, -(-(len(prompt) + steps + 1) // page) + 1))
 
@@ -333,9 +380,7 @@ def bench_whisper_step(args, bandwidth: float) -> dict:
         if bandwidth:
             entry["replay_roofline_fraction"] = entry["roofline_step_ms"] / entry["replay_ms"]
         if args.profile_dir:
-            entry["profile"] = safe_profile(graph.replay, Path(args.profile_dir) / "whisper_step_profile.txt", 20)
-    del runner
-    free_device_memory(args.device)
+            entry["profile"] = safe_profile(graph.replay, Path(args.profile_dir) / profile_name, 20)
     return entry
 
 
@@ -450,6 +495,14 @@ def markdown(results: dict) -> str:
                   f"decode graph's replay {w['widest_replay_ms']:.2f} ms{kernels}."]
     if s and isinstance(s.get("profile"), dict):
         lines += ["", f"Whisper batch-1 step: {s['profile']['kernels_per_call']:.0f} kernels per replay (torch profiler)."]
+    if s and s.get("variants"):
+        lines += ["", "| Whisper batch-1 step variant (switches) | step | graph replay | kernels per replay | roofline |",
+                  "|---|---:|---:|---:|---:|"]
+        for name, v in s["variants"].items():
+            switches = ", ".join(f"{key.removeprefix('TRITONLLM_')}={value}" for key, value in v["switches"].items())
+            kernels = v["profile"]["kernels_per_call"] if isinstance(v.get("profile"), dict) else float("nan")
+            lines.append(f"| {name} ({switches}) | {v['step_ms_median']:.3f} ms | {v.get('replay_ms', float('nan')):.3f} ms "
+                         f"| {kernels:.0f} | {v.get('roofline_fraction', float('nan')):.0%} |")
     for name, entry in (("Whisper", w), ("T5", t)):
         if entry and "iterations" in entry:
             it = entry["iterations"]
@@ -482,6 +535,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="fp8: both KV pools, the cross-KV pool included, in E4M3 (docs/features/encoder-decoder.md)")
     p.add_argument("--kv-fraction", type=float, default=0.8, help="kv_cache_free_gpu_mem_fraction of the executors")
     p.add_argument("--profile-dir", default=None, help="write the decoder step's profiler table here")
+    p.add_argument("--step-variants", default="",
+                   help=f"whisper_step: after the default run, the step again per variant (comma-separated, of "
+                        f"{list(STEP_VARIANTS)}), its decode graphs captured again with that variant's switches")
     p.add_argument("--out", default="encdec_bench.json")
     p.add_argument("--results-md", default=None, help="append the markdown table to this file")
     args = p.parse_args(argv)
@@ -493,6 +549,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    args.step_variants = [v for v in args.step_variants.split(",") if v]
+    unknown = [v for v in args.step_variants if v not in STEP_VARIANTS]
+    if unknown:
+        p.error(f"--step-variants: unknown {unknown}; allowed: {list(STEP_VARIANTS)}")
     args.hf_whisper_batches = [int(b) for b in str(args.hf_whisper_batches).split(",") if b]  # "": not run
     args.hf_t5_batches = [int(b) for b in str(args.hf_t5_batches).split(",") if b]  # "": transformers not run
     return args

@@ -18,14 +18,19 @@ else the general paged kernel. The arithmetic is the unfused layer's, rounding f
 normalized rows and each product rounded to the model dtype once, then the residual add), so the
 result differs only by the products' summation order.
 
-Measured on an H200, 2026-11-29 (benchmarks/engine/encdec_bench.py, benchmarks/results/engine.md):
+Each LayerNorm but the first layer's reads its rows' mean and variance from the partial sums the
+residual product before it emitted (kernels/norm_linear.py ``row_stats``: o + residual -> cross
+q, cross o + residual -> fc1, fc2 + residual -> the next layer's qkv) instead of re-reading the
+rows in every program; $TRITONLLM_ENCDEC_ROW_STATS=0 recomputes them as before (for comparison).
+
+Measured on an H200, 2026-11-29 (before the row statistics) (benchmarks/engine/encdec_bench.py, benchmarks/results/engine.md):
 the batch-1 step took 298 kernels instead of 586 but 2.79 ms instead of 2.66 (graph replay 2.59
 against 2.49): each LayerNorm prologue costs its product ~4 us (every program re-reads the rows
 for their statistics in dependent round trips), more than the LayerNorm launch it saves. With
 PRELOAD, the cross kernel and 64 rows it was slower still (batch 1 3.10 ms; batch 64 10.2 ms a
 step against 7.4 unfused: the cross kernel 193 us a layer at batch 64 against the general kernel's
-~145). What would make it pay: the row statistics produced by the kernel that writes the rows (its
-epilogue's per-tile partial sums) instead of recomputed by every program.
+~145). The row statistics above are what should make it pay (not yet measured:
+benchmarks/engine/encdec_bench.py --step-variants times fused, fused-recompute and unfused in one run).
 
 ``prepare`` fuses each layer's self-attention q/k/v weights into one (3 inner, d_model) tensor,
 of which the q, k and v Parameters become views (no extra memory; the state dict is unchanged).
@@ -48,8 +53,13 @@ FUSED_ENV = "TRITONLLM_ENCDEC_FUSED"  # the fused layer for decode steps of up t
 CROSS_ENV = "TRITONLLM_ENCDEC_CROSS_KERNEL"  # in it, kernels/cross_attention_decode.py for cross-attention
 
 
-def enabled(name: str) -> bool:
-    return os.environ.get(name, "0") == "1"
+# "0": the fused layer's LayerNorms recompute their rows' statistics (each program of the product
+# re-reads the rows) instead of reading the partials the residual product before them emitted.
+ROW_STATS_ENV = "TRITONLLM_ENCDEC_ROW_STATS"
+
+
+def enabled(name: str, default: str = "0") -> bool:
+    return os.environ.get(name, default) == "1"
 
 
 def fusable(spec) -> bool:
@@ -113,25 +123,38 @@ def _norm(norm: nn.Module) -> tuple:
     return norm.weight, norm.bias, norm.eps
 
 
-def _product(x, weight, bias, **options) -> torch.Tensor:
+def _product(x, weight, bias, **options):
     return norm_linear(x, weight, bias, variant=getattr(weight, "norm_linear_variant", None), **options)
 
 
-def layer_step(layer: nn.Module, x: torch.Tensor, kv_cache: torch.Tensor, cross_pool: torch.Tensor, meta,
-               cross_meta) -> torch.Tensor:
-    """One decoder layer over (rows, d_model) decode rows; kv_cache / cross_pool: this layer's (2, blocks,
-    tokens_per_block, heads, head_dim) self and cross pools; meta / cross_meta: the step's metadata."""
+def _residual_product(x, weight, bias, residual):
+    """residual + x @ weight.T + bias, and the sum's row statistics for the LayerNorm after it (None
+    with $TRITONLLM_ENCDEC_ROW_STATS=0 or on the reference path: the consumer then reads its rows)."""
+    if not enabled(ROW_STATS_ENV, "1"):
+        return _product(x, weight, bias, residual=residual), None
+    return _product(x, weight, bias, residual=residual, emit_stats=True)
+
+
+def layer_step(layer: nn.Module, x: torch.Tensor, stats, kv_cache: torch.Tensor, cross_pool: torch.Tensor, meta,
+               cross_meta) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One decoder layer over (rows, d_model) decode rows -> (the layer's output rows, their row
+    statistics or None). ``stats``: x's row statistics as the previous layer's fc2 product emitted
+    them (kernels/norm_linear.py ``row_stats``), or None (the first layer: its norm reads x);
+    kv_cache / cross_pool: this layer's (2, blocks, tokens_per_block, heads, head_dim) self and cross
+    pools; meta / cross_meta: the step's metadata."""
     rows, attn, cross, mlp = x.shape[0], layer.self_attn, layer.cross_attn, layer.mlp
-    qkv = _product(x, attn.qkv_weight, attn.qkv_bias, norm=_norm(layer.self_norm))
+    qkv = _product(x, attn.qkv_weight, attn.qkv_bias, norm=_norm(layer.self_norm), row_stats=stats)
     q, k, v = qkv.view(rows, 3, attn.heads, attn.head_dim).unbind(1)
     out = append_paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, attn.scale)
-    x = _product(out.flatten(1), attn.o.weight, attn.o.bias, residual=x)
-    q = _product(x, cross.q.weight, cross.q.bias, norm=_norm(layer.cross_norm)).view(rows, cross.heads, cross.head_dim)
+    x, stats = _residual_product(out.flatten(1), attn.o.weight, attn.o.bias, x)
+    q = _product(x, cross.q.weight, cross.q.bias, norm=_norm(layer.cross_norm),
+                 row_stats=stats).view(rows, cross.heads, cross.head_dim)
     if enabled(CROSS_ENV):
         out = cross_attention_decode(q, cross_pool[0], cross_pool[1], cross_meta.block_tables, cross_meta.context_lens,
                                      cross.scale, cross_meta.max_context_len)
     else:
         out = paged_attention(q, cross_pool[0], cross_pool[1], cross_meta, cross.scale)
-    x = _product(out.flatten(1), cross.o.weight, cross.o.bias, residual=x)
-    h = _product(x, mlp.up.weight, mlp.up.bias, norm=_norm(layer.mlp_norm), activation=mlp.activation_name)
-    return _product(h, mlp.down.weight, mlp.down.bias, residual=x)
+    x, stats = _residual_product(out.flatten(1), cross.o.weight, cross.o.bias, x)
+    h = _product(x, mlp.up.weight, mlp.up.bias, norm=_norm(layer.mlp_norm), activation=mlp.activation_name,
+                 row_stats=stats)
+    return _residual_product(h, mlp.down.weight, mlp.down.bias, x)

@@ -347,8 +347,10 @@ class Decoder(_Stack):
         """input_ids, positions: (num_tokens,); kv_cache: the paged self-attention pool -> (num_tokens, d)."""
         x = self.embed(input_ids, positions)
         if fused_decode.takes(self, x, meta):  # few decode rows, pre-norm LayerNorm: fused_decode.py
+            stats = None  # the rows' statistics for the next LayerNorm, as the layer's last product emitted them
             for index, layer in enumerate(self.layers):
-                x = fused_decode.layer_step(layer, x, kv_cache[index], cross.pool[index], meta, cross.meta)
+                x, stats = fused_decode.layer_step(layer, x, stats, kv_cache[index], cross.pool[index], meta,
+                                                   cross.meta)
             return x if self.final_norm is None else self.final_norm(x)
         for index, layer in enumerate(self.layers):
             def attend_self(h, layer=layer, index=index):

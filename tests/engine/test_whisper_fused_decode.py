@@ -7,6 +7,9 @@ reference here), equal ids, and the fused layer served the decode steps. GPU (ma
 engine's CUDA graphs, fused against TRITONLLM_ENCDEC_FUSED=0 and transformers."""
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import pytest
 import torch
 
@@ -74,3 +77,32 @@ def test_fused_graphs_equal_unfused_on_gpu(whisper, monkeypatch):
     assert results["1"] == results["0"]
     for f, tokens in zip(features[:2], results["1"]):
         assert tokens == [t for t in generate_whisper(model, f, 8) if t != 1]
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None,
+                    reason="Triton's CPU interpreter (TRITON_INTERPRET=1) runs the fused products here")
+def test_fused_products_with_row_stats_in_the_interpreter(whisper, monkeypatch):
+    """The fused layer's products through kernels/norm_linear.py's kernel (Triton's interpreter on
+    CPU tensors; attention stays the torch reference): each LayerNorm after the first reads the
+    statistics its residual product emitted, and the ids equal the unfused layer's."""
+    from kernels.norm_linear import norm_linear_triton
+
+    model, engine = whisper
+    features = _features()[:2]
+    read = []
+
+    def through_kernel(x, weight, bias, *, variant=None, row_stats=None, **options):
+        read.append(row_stats is not None)
+        return norm_linear_triton(x, weight, bias, variant="preload", row_stats=row_stats, **options)
+
+    with Executor(engine, ExecutorConfig(max_batch_size=4), device="cpu") as ex:
+        expected = [final_tokens(r) for r in collect(ex, ex.enqueue_requests(_requests(features))).values()]
+        fused_decode.prepare(ex.runner.model)
+        monkeypatch.setattr(fused_decode, "norm_linear", through_kernel)
+        got = [final_tokens(r) for r in collect(ex, ex.enqueue_requests(_requests(features))).values()]
+    assert got == expected
+    # per layer: qkv (the previous layer's fc2 statistics; the first layer's norm reads its rows), o,
+    # cross q (the o product's), cross o, fc1 (the cross o product's), fc2
+    layers = len(ex.runner.model.layers)
+    step = [False, False, True, False, True, False] + [True, False, True, False, True, False] * (layers - 1)
+    assert read and read == step * (len(read) // len(step))

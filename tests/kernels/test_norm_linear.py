@@ -65,3 +65,40 @@ def test_reference_is_the_unfused_layer_ops():
     assert torch.equal(got, expected)
     assert torch.equal(norm_linear(a["x"], a["weight"], a["bias"], norm=a["norm"], activation="gelu",
                                    residual=a["residual"]), expected)  # CPU tensors: the reference
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_row_stats_from_the_producer(device, m):
+    """A residual product's emitted row statistics (per output tile: count, sum, squared deviations)
+    merge to its stored rows' mean and variance, and a LayerNorm consumer reading them instead of
+    its rows gives what it gives recomputing them (and the reference). The tilings: one K tile a
+    program (PRELOAD), split-K, and balanced swapped tiles of one feature each (96 tiles)."""
+    from kernels.norm_linear import PRELOAD, norm_linear_ref, norm_linear_triton, row_stats_ref
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    a = _inputs(m, 96, 80, dtype, device, seed=7 + m)
+    b = _inputs(m, 40, 96, dtype, device, seed=11 + m)
+    for variant in (PRELOAD, (16, 64, 4, 2, 2), (64, 32, 4, 2, 1, 1, 1)):
+        out, stats = norm_linear_triton(a["x"], a["weight"], a["bias"], residual=a["residual"], variant=variant,
+                                        emit_stats=True)
+        assert torch.equal(out, norm_linear_triton(a["x"], a["weight"], a["bias"], residual=a["residual"],
+                                                   variant=variant))
+        mean, var = row_stats_ref(stats)
+        rows = out.float()
+        assert torch.allclose(mean, rows.mean(1), rtol=1e-5, atol=1e-6), variant
+        assert torch.allclose(var, rows.var(1, unbiased=False), rtol=1e-5), variant
+        for case in (dict(), dict(activation="gelu")):
+            got = norm_linear_triton(out, b["weight"], b["bias"], norm=b["norm"], row_stats=stats, variant=variant,
+                                     **case)
+            recomputed = norm_linear_triton(out, b["weight"], b["bias"], norm=b["norm"], variant=variant, **case)
+            assert relative_error(got, recomputed) < ROUNDING[dtype] / 4, (variant, case)
+            ref = norm_linear_ref(out, b["weight"], b["bias"], norm=b["norm"], **case)
+            assert relative_error(got, ref) < ROUNDING[dtype], (variant, case)
+        if variant == PRELOAD:  # the consumer reads the statistics, not its rows
+            shifted = stats.clone()
+            shifted[1] += stats[0]  # every row's mean + 1
+            got = norm_linear_triton(out, b["weight"], None, norm=b["norm"], row_stats=shifted, variant=variant)
+            g, beta, eps = b["norm"]
+            h = (rows - mean[:, None] - 1) * torch.rsqrt(var[:, None] + eps) * g.float() + beta.float()
+            ref = torch.nn.functional.linear(h.to(dtype), b["weight"])
+            assert relative_error(got, ref) < ROUNDING[dtype]
