@@ -33,6 +33,7 @@ every path).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -115,7 +116,9 @@ def random_patches(grids: list[list[int]], device: str, seed: int = 0) -> torch.
     ``device`` (128 images' 616 MB took the host ~1-2 s; the offline section makes one set per run)."""
     generator = torch.Generator(device=device).manual_seed(seed)
     count = sum(t * h * w for t, h, w in grids)
-    return torch.randn(count, 3 * TEMPORAL * PATCH * PATCH, generator=generator, device=device)
+    patches = torch.randn(count, 3 * TEMPORAL * PATCH * PATCH, generator=generator, device=device)
+    sync(device)  # made before the streams that read them (the encode queue's, the executor's) look
+    return patches
 
 
 def load_encoder(config, args) -> torch.nn.Module:
@@ -331,14 +334,17 @@ def bench_offline(args, ex, config, encode, encoder, encoder_config, grid, num_r
 
     def with_encoding(patches: torch.Tensor) -> dict:
         """(a') images: encode a batch on this thread, enqueue its requests, go on with the next batch; the
-        tower on the executor's stream (its kernels queue behind the executor's)."""
-        since, reused = time.time_ns(), reused_blocks(ex)
+        tower on the executor's stream (its kernels queue behind the executor's; the executor's loop has a
+        stream of its own in a vision-language engine, engine/executor/device_stream.py, which this uses)."""
+        since, reused, allocations = time.time_ns(), reused_blocks(ex), allocator_counts(args.device)
         started = time.perf_counter()
         encoder_seconds = 0.0
+        stream = getattr(ex, "device_stream", None)  # (the executor's loop runs on it: engine/executor/device_stream.py)
         for first in range(0, args.requests, args.encode_batch):
             count = min(args.encode_batch, args.requests - first)
             t0 = time.perf_counter()
-            tables = encode(patches[first * per_image:(first + count) * per_image], count)
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                tables = encode(patches[first * per_image:(first + count) * per_image], count)
             encoder_seconds += time.perf_counter() - t0
             ex.enqueue_requests(image_requests(config, encoder_config, tables, grid, prompts[first:first + count],
                                                vocab, args.output_len))
@@ -346,8 +352,9 @@ def bench_offline(args, ex, config, encode, encoder, encoder_config, grid, num_r
         seconds = time.perf_counter() - started
         return {"seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds,
                 "encode_and_enqueue_seconds": encoder_seconds, "reused_blocks": reused_blocks(ex) - reused,
+                "allocations": allocator_counts(args.device, allocations),
                 "iterations": iteration_breakdown(ex, since), "prompt_steps": prompt_steps(ex, since),
-                "slow_decode_steps": slow_decode_steps(ex, since)}
+                "slow_decode_steps": slow_decode_steps(ex, since), "first_steps": first_steps(ex, since)}
 
     queue = ImageEncodeQueue(encoder, args.device, max_images=args.encode_batch)
     try:
@@ -395,7 +402,7 @@ def through_queue(args, ex, queue: ImageEncodeQueue, config, encoder_config, gri
     CUDA stream of its own), each request enqueued as soon as its table exists by a thread of its own (a
     server's request handlers: the queue's worker only completes the futures), those ready together in
     one call. ``tables_ready_s``: when the last table was ready."""
-    since, reused = time.time_ns(), reused_blocks(ex)
+    since, reused, allocations = time.time_ns(), reused_blocks(ex), allocator_counts(args.device)
     per_image = grid[0] * grid[1] * grid[2]
     started = time.perf_counter()
     futures = [queue.submit(patches[i * per_image:(i + 1) * per_image], [grid]) for i in range(args.requests)]
@@ -423,9 +430,9 @@ def through_queue(args, ex, queue: ImageEncodeQueue, config, encoder_config, gri
     thread.join()
     return {"seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds,
             "tables_ready_s": ready_at[-1], "first_table_s": ready_at[0], "enqueue_calls": len(ready_at),
-            "reused_blocks": reused_blocks(ex) - reused,
+            "reused_blocks": reused_blocks(ex) - reused, "allocations": allocator_counts(args.device, allocations),
             "iterations": iteration_breakdown(ex, since), "prompt_steps": prompt_steps(ex, since),
-            "slow_decode_steps": slow_decode_steps(ex, since)}
+            "slow_decode_steps": slow_decode_steps(ex, since), "first_steps": first_steps(ex, since)}
 
 
 class _Watched:
@@ -445,6 +452,26 @@ def prompt_steps(ex, since_ns: int) -> list[list]:
     (where an image run's prefill time goes, beside the text run's)."""
     return [[round(h.iter_latency_ms, 1), h.num_ctx_tokens, h.num_gen_requests]
             for h in ex.get_iteration_stats_history() if h.timestamp_ns >= since_ns and h.num_context_requests]
+
+
+def first_steps(ex, since_ns: int, count: int = 40) -> list[list]:
+    """[ms, prompt tokens, decode rows] of the first ``count`` iterations since ``since_ns``, in order: while the
+    tower still encodes (a stall shows as a long step; with overlap a step's time runs from the step before it
+    to when its tokens were read, so a host stall while launching step N lands in step N - 1's figure)."""
+    return [[round(h.iter_latency_ms, 1), h.num_ctx_tokens, h.num_gen_requests]
+            for h in ex.get_iteration_stats_history() if h.timestamp_ns >= since_ns][:count]
+
+
+def allocator_counts(device: str, since: dict | None = None) -> dict:
+    """Pinned host blocks created (cudaHostAlloc: the caching host allocator missed), device segments created
+    (cudaMalloc) and allocation retries (cache flushes) so far, or since ``since``: each is an implicit
+    synchronization of every stream of the device. {} off CUDA."""
+    if torch.device(device).type != "cuda":
+        return {}
+    host, dev = torch.cuda.host_memory_stats(), torch.cuda.memory_stats(device)
+    now = {"pinned_host_allocs": host.get("num_host_alloc", 0), "device_mallocs": dev.get("segment.all.allocated", 0),
+           "device_alloc_retries": dev.get("num_alloc_retries", 0)}
+    return now if since is None else {name: value - since.get(name, 0) for name, value in now.items()}
 
 
 def slow_decode_steps(ex, since_ns: int) -> list[list]:
@@ -467,7 +494,9 @@ def progress(name: str, run: dict) -> dict:
           + (f", tables ready from {run['first_table_s']:.3f} to {run['tables_ready_s']:.3f} s, "
              f"{run['enqueue_calls']} enqueue calls" if "tables_ready_s" in run else "")
           + f"; prompt steps [ms, prompt tokens, decode rows]: {run.get('prompt_steps')}; decode-only steps over twice "
-          f"the median [ms, rows]: {run.get('slow_decode_steps')}", file=sys.stderr, flush=True)
+          f"the median [ms, rows]: {run.get('slow_decode_steps')}; allocations during the run {run.get('allocations')}"
+          + (f"; first iterations [ms, prompt tokens, decode rows]: {run['first_steps']}" if "first_steps" in run else ""),
+          file=sys.stderr, flush=True)
     return run
 
 
@@ -479,9 +508,10 @@ def reused_blocks(ex) -> int:
 def timed_offline(ex, requests: list[Request]) -> dict:
     """All ``requests`` enqueued at once: seconds until the last finished, output tokens and tok/s, and
     the executor's iteration breakdown over them."""
-    since = time.time_ns()
+    since, allocations = time.time_ns(), allocator_counts(str(ex.runner.device))
     seconds, tokens = run_offline(ex, requests)
     return {"seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds,
+            "allocations": allocator_counts(str(ex.runner.device), allocations),
             "iterations": iteration_breakdown(ex, since), "prompt_steps": prompt_steps(ex, since),
             "slow_decode_steps": slow_decode_steps(ex, since)}
 

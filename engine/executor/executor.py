@@ -33,6 +33,7 @@ from engine.lora.cache import AdapterCache, RunnerSlots
 from engine.lora.prefetch import prefetch_adapters
 from engine.executor import memory_profile
 from engine.executor.device_memory import free_device_bytes, is_capped
+from engine.executor.device_stream import executor_stream, use_stream
 from engine.executor.disaggregated import Disaggregation
 from engine.executor.kv_cache import BlockManager
 # The settings are part of this module's public surface (re-exported).
@@ -88,6 +89,7 @@ class Executor:
         self._init_scheduler()
         self._init_queues(response_callback)
         self._init_guided_decoding(engine_dir)
+        self.device_stream = executor_stream(self.runner)  # (a vision-language engine's: engine/executor/device_stream.py)
         self._thread = threading.Thread(target=self._run, name="executor-loop", daemon=True)
         self._thread.start()
 
@@ -414,6 +416,7 @@ class Executor:
 
     # ----- the loop -----
     def _run(self) -> None:
+        use_stream(self.device_stream)  # None: this thread's default stream
         while True:
             with self._cv:
                 while not (self._inbox or self._cancel_ids or self.scheduler.has_unfinished or self._stopping

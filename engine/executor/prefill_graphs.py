@@ -145,6 +145,12 @@ class PrefillGraphs:
         self._np_i64, self._np_seq = self.host_i64.numpy(), self.host_seq.numpy()
         self._np_tables, self._np_tiles = self.host_tables.numpy(), self.host_tiles.numpy()
         tree_rows = self.tree_buckets[-1] if self.tree_buckets else 0  # each token's ancestors among its row's
+        # The hidden rows a step scores (its logits_indices), copied before the replay like the rest: a pinned
+        # tensor made per step would be an allocation the caching host allocator may have to make (engine/vision/
+        # encode_queue.py says why that is to be avoided while other streams work)
+        self.host_rows = torch.zeros(tokens, dtype=torch.int64).pin_memory()
+        self.dev_rows = torch.zeros(tokens, dtype=torch.int64, device=dev)
+        self._np_rows = self.host_rows.numpy()
         self.host_tree = torch.zeros(tree_rows, max(self.tree_width, 1), dtype=torch.int8).pin_memory()
         self.dev_tree = torch.zeros(tree_rows, max(self.tree_width, 1), dtype=torch.int8, device=self.device)
         self._copied = torch.cuda.Event()
@@ -226,9 +232,13 @@ class PrefillGraphs:
         self.dev_tiles[:, :tiles].copy_(self.host_tiles[:, :tiles], non_blocking=True)
         if tree:
             self.dev_tree[:num_tokens].copy_(self.host_tree[:num_tokens], non_blocking=True)
+        num_rows = len(batch.logits_indices)  # (<= num_tokens: one row per scored token)
+        self._np_rows[:num_rows] = batch.logits_indices
+        self.dev_rows[:num_rows].copy_(self.host_rows[:num_rows], non_blocking=True)
+        if tabled:  # (its pinned staging is covered by the event too)
+            self.table.fill_device(prompt_embeds, rotary, bucket)
         self._copied.record()
         if tabled:
-            self.table.fill_device(prompt_embeds, rotary, bucket)
             kind, graph, hidden = "table", self.table_graphs[bucket], self.table_hidden[bucket]
         elif tree:
             kind, graph, hidden = "tree", self.tree_graphs[bucket], self.tree_hidden[bucket]
@@ -240,9 +250,7 @@ class PrefillGraphs:
         graph.replay()
         if self.taps is not None:
             self.taps.replayed(self.tapped[kind, bucket], num_tokens)
-        # Pinned, so the copy does not wait for the replay (a pageable one would block the host).
-        rows = torch.tensor(batch.logits_indices, dtype=torch.int64).pin_memory()
-        return hidden[rows.to(hidden.device, non_blocking=True)]
+        return hidden[self.dev_rows[:num_rows]]  # (read in stream order, before the next step's copy)
 
     def _fill(self, batch, bucket: int) -> None:
         """The batch into the host buffers; tokens [n, bucket) become padding (slot -1)."""

@@ -20,7 +20,6 @@ tokens) go into the key too, as TensorRT-LLM's KV reuse does.
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -142,11 +141,5 @@ def gather_prompt_embeds(pieces: list[tuple[int, list[int], PromptTable]], vocab
             rows.append(table.embeddings[torch.from_numpy(picked)])
     if not token_indices:
         return None
-    if len(rows) == 1:
-        return PromptEmbeds(token_indices, rows[0])
-    # Pinned tables (engine/vision/encode_queue.py's) give pinned rows: the step copies them to the device
-    # without a host synchronization (engine/executor/table_graphs.py), so no pageable copy in between.
-    dtype = functools.reduce(torch.promote_types, (r.dtype for r in rows))  # torch.cat's own
-    out = torch.empty((len(token_indices), rows[0].shape[1]), dtype=dtype,
-                      pin_memory=rows[0].device.type == "cpu" and rows[0].is_pinned())
-    return PromptEmbeds(token_indices, torch.cat(rows, out=out))
+    # (ordinary host memory: a graphed step stages its rows in pinned buffers of its own, engine/executor/table_graphs.py)
+    return PromptEmbeds(token_indices, rows[0] if len(rows) == 1 else torch.cat(rows))

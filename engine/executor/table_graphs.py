@@ -42,6 +42,18 @@ class TableStepBuffers:
         self.rotary_rows = 0 if rotary_table is None else rotary_table.shape[0]
         self.step_table = None if rotary_table is None else torch.cat(
             [rotary_table, rotary_table.new_zeros(max_tokens, rotary_table.shape[1])])
+        # Host staging of a step's token index, table rows and M-RoPE rows, made here and reused by every step
+        # (pinned on CUDA). Nothing pinned is allocated per step: an allocation the caching host allocator cannot
+        # serve from its cache is a cudaHostAlloc, ordered by CUDA against every stream (the executor's step would
+        # wait for the vision tower's queued forward: engine/vision/encode_queue.py). Reuse is safe: the prefill
+        # graphs record their ``_copied`` event after fill_device's copies and wait on it before the next fill.
+        self._pinned = device.type == "cuda"
+        self.host_index = _host_buffer((max_tokens,), torch.int64, self._pinned)
+        # Rows by dtype: float16 (the tables' wire dtype: the encode queue's, multimodal_encoders') made now,
+        # another on its first step
+        self.host_rows = {torch.float16: _host_buffer((max_tokens, table_width), torch.float16, self._pinned)}
+        self.host_rotary = None if self.step_table is None else _host_buffer(
+            (max_tokens, self.step_table.shape[1]), self.step_table.dtype, self._pinned)
 
     def forward(self, model, bucket: int):
         """model's twin forward for ``bucket`` tokens: (ids, positions, kv_cache, meta) -> hidden."""
@@ -66,33 +78,45 @@ class TableStepBuffers:
 
     def fill_device(self, prompt_embeds: PromptEmbeds | None, rotary: StepRotary | None, bucket: int) -> None:
         """The step's table rows and M-RoPE rows into the device buffers (on the current stream, before the replay).
-        On CUDA every copy is asynchronous, from pinned memory: a pageable copy synchronizes the stream, so the
-        host would wait for the step in flight before it could launch this one (no overlap of the two)."""
+        On CUDA every copy is asynchronous, from this object's pinned staging: a pageable copy synchronizes the
+        stream, so the host would wait for the step in flight before it could launch this one (no overlap of the two)."""
         self.mask[:bucket].zero_()
         if prompt_embeds is not None:
-            index = self._to_device(torch.tensor(prompt_embeds.token_indices, dtype=torch.int64))
+            n = len(prompt_embeds.token_indices)
+            self.host_index.numpy()[:n] = prompt_embeds.token_indices
+            index = self._to_device(self.host_index[:n])
             self.mask.index_fill_(0, index, True)
             # (copied in the table's dtype, then cast on the device: index_copy_ takes equal dtypes)
-            self.embeds.index_copy_(0, index, self._to_device(prompt_embeds.embeddings).to(self.embeds.dtype))
+            rows = self._staged_rows(prompt_embeds.embeddings)
+            self.embeds.index_copy_(0, index, self._to_device(rows).to(self.embeds.dtype))
         if rotary is not None and rotary.rows is not None:
-            rows = rotary.rows
-            self.step_table[self.rotary_rows:self.rotary_rows + len(rows)].copy_(self._to_device(rows))
+            k = len(rotary.rows)
+            staged = rotary.rows
+            if staged.device.type == "cpu":
+                staged = self.host_rotary[:k]
+                staged.copy_(rotary.rows)
+            self.step_table[self.rotary_rows:self.rotary_rows + k].copy_(staged, non_blocking=self._pinned)
+
+    def _staged_rows(self, embeddings: torch.Tensor) -> torch.Tensor:
+        """``embeddings`` (n, width) copied into the staging of its dtype (made on first use); rows already
+        on the device as they are."""
+        if embeddings.device.type != "cpu":
+            return embeddings
+        host = self.host_rows.get(embeddings.dtype)
+        if host is None:
+            host = self.host_rows[embeddings.dtype] = _host_buffer(
+                (len(self.mask), self.embeds.shape[1]), embeddings.dtype, self._pinned)
+        staged = host[:len(embeddings)]
+        staged.copy_(embeddings)
+        return staged
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
-        """``host`` on the buffers' device; on CUDA without waiting (pinned source, staged if need be: the caching
-        host allocator keeps a staged block until its copy is done)."""
-        if self.mask.device.type != "cuda" or host.device.type != "cpu":
-            return host.to(self.mask.device)
-        if not (host.is_contiguous() and host.is_pinned()):  # (a strided pinned source is staged synchronously)
-            host = pinned_copy(host)
-        return host.to(self.mask.device, non_blocking=True)
+        """A staged (contiguous, pinned on CUDA) host tensor on the buffers' device, without waiting."""
+        return host.to(self.mask.device, non_blocking=self._pinned)
 
 
-def pinned_copy(host: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of a CPU tensor in pinned memory (the caching host allocator's)."""
-    staged = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
-    staged.copy_(host)
-    return staged
+def _host_buffer(shape: tuple, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+    return torch.zeros(shape, dtype=dtype, pin_memory=pinned)
 
 
 def table_step_buffers(model, engine_config, max_tokens: int, dtype: torch.dtype,

@@ -13,9 +13,18 @@ The worker is a two-stage pipeline (CUDA): forward k's rows go to pinned host me
 asynchronous copy, then the worker launches forward k + 1 (whatever is pending by then) and only
 then waits for copy k and completes its futures. So the tower's stream always has the next batch
 queued while the host completes the last one (callers' done-callbacks run on this thread), and no
-copy of a table waits for anything but its own forward. The tables are pinned: the executor's
-graphed steps copy their rows to the device without a host synchronization
-(engine/executor/table_graphs.py). On the CPU each forward completes at once.
+copy of a table waits for anything but its own forward. On the CPU each forward completes at once.
+
+Pinned memory: the worker's own, two staging areas per pipeline slot (the rows coming back, host
+patches going out), kept and grown only when a forward needs more. Nothing pinned is allocated per
+forward or per request, and the tables handed out are ordinary (pageable) host memory, copied out of
+the staging area once its copy is done. Why: a pinned allocation that the caching host allocator cannot
+serve from its cache is a cudaHostAlloc, which CUDA orders against every stream of the device (an
+implicit synchronization: the executor's next kernels waited for the tower's queued forward), and that
+cache serves a freed block only once every older freed block's copy is done (its event queue is
+processed oldest first), so misses are common while the tower and the executor both copy. The
+executor stages a step's rows in pinned buffers of its own (engine/executor/table_graphs.py). The
+tower's stream has the lowest priority, the executor's a higher one (engine/executor/device_stream.py).
 
 Qwen-style towers (engine/vision/qwen2_vl.py, qwen2_5_vl.py, qwen3_vl.py): an item is (patches
 (n, patch_dim) float, its images' grids [[t, h, w], ...]); its table is the images' rows in order,
@@ -24,18 +33,21 @@ Qwen-style towers (engine/vision/qwen2_vl.py, qwen2_5_vl.py, qwen3_vl.py): an it
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 
+from engine.executor.device_stream import TOWER_PRIORITY
+
 
 @dataclass
 class _Launched:
-    """A forward whose rows are on their way to the host: ``tables`` each item's (rows, width) float16
-    (pinned on CUDA: one block per item, so a long request keeps only its own), ``copied`` the event after
-    their copies (None on the CPU)."""
+    """A forward whose rows are on their way to the host: ``tables`` each item's (rows, width) float16,
+    views of the slot's staging area (copied out by _complete), ``copied`` the event after their copy
+    (None on the CPU)."""
 
     items: list
     tables: list[torch.Tensor]
@@ -52,7 +64,12 @@ class ImageEncodeQueue:
         # are ready after a small forward (~28 ms for 8 images at 448 x 448 on an H200, against ~93 ms for 32),
         # so the executor starts on them while the next, full forwards run
         self.first_images = min(first_images, max_images)
-        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # (the lowest priority: the executor's steps get free SMs first, engine/executor/device_stream.py)
+        self.stream = torch.cuda.Stream(self.device, priority=TOWER_PRIORITY) if self.device.type == "cuda" else None
+        # Per pipeline slot (forward k uses slot k % 2; slot k % 2 is reused only after _complete(k)):
+        # {"rows" | "patches" (CUDA): a flat buffer, pinned on CUDA}, grown on demand
+        self._staging: list[dict[str, torch.Tensor]] = [{}, {}]
+        self._slot = 0
         self._pending: list[tuple[torch.Tensor, list[list[int]], Future]] = []
         self._cv = threading.Condition()
         self._closed = False
@@ -104,7 +121,10 @@ class ImageEncodeQueue:
             items = self._take(wait=idle, limit=self.first_images if idle else self.max_images)
             if not items and launched is None:
                 return  # closed, nothing pending, nothing in flight
-            following = self._launch(items) if items else None  # queued behind `launched` on the stream
+            following = None
+            if items:
+                following = self._launch(items, self._slot)  # queued behind `launched` on the stream
+                self._slot ^= 1
             if launched is not None:
                 self._complete(launched)
             launched = following
@@ -115,46 +135,56 @@ class ImageEncodeQueue:
             future.set_exception(error)
 
     @torch.inference_mode()
-    def _launch(self, items) -> _Launched | None:
-        """Queue the items' forward and their rows' copy to the host. On an error: None, each item's future
-        failed or (several items) completed by a forward of its own."""
+    def _launch(self, items, slot: int) -> _Launched | None:
+        """Queue the items' forward and their rows' copy to the host (into ``slot``'s staging). On an error:
+        None, each item's future failed or (several items) completed by a forward of its own."""
         grids = [grid for _, item_grids, _ in items for grid in item_grids]
         try:
             with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
-                patches = self._patches_on_device([p for p, _, _ in items])
+                patches = self._patches_on_device([p for p, _, _ in items], slot)
                 rows = self.encoder.image_features(patches, grids)  # one (rows, width) per image
                 counts, image = [], 0
                 for _, item_grids, _ in items:  # each item's rows: those of its images
                     counts.append(sum(len(r) for r in rows[image:image + len(item_grids)]))
                     image += len(item_grids)
-                tables = torch.cat(rows).to(torch.float16).split(counts)
-                if self.stream is None:
-                    return _Launched(items, list(tables), None)
-                host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tables]
-                for dst, src in zip(host, tables):  # (the caching host allocator keeps a block until its copy is done)
-                    dst.copy_(src, non_blocking=True)
-                copied = torch.cuda.Event()
-                copied.record(self.stream)
-                return _Launched(items, host, copied)
+                table = torch.cat(rows).to(torch.float16)
+                host = self._staged(slot, "rows", table.numel(), table.dtype)[:table.numel()].view(table.shape)
+                host.copy_(table, non_blocking=self.stream is not None)
+                copied = None
+                if self.stream is not None:
+                    copied = torch.cuda.Event()
+                    copied.record(self.stream)
+                return _Launched(items, list(host.split(counts)), copied)
         except Exception as error:
             if len(items) == 1:
                 self._fail(items, error)
             else:  # one bad item (its patches do not match its grids, ...) must not fail the others: each alone
-                for item in items:
-                    alone = self._launch([item])
+                for item in items:  # (each completed before the next reuses the slot)
+                    alone = self._launch([item], slot)
                     if alone is not None:
                         self._complete(alone)
             return None
 
-    def _patches_on_device(self, parts: list[torch.Tensor]) -> torch.Tensor:
+    def _patches_on_device(self, parts: list[torch.Tensor], slot: int) -> torch.Tensor:
         """The items' patches as one (n, patch_dim) float32 tensor on the device. Host patches (the served
-        paths': the image processor's output) go through pinned memory, so their copy does not make this
-        thread wait for the forward in flight (a pageable copy synchronizes the stream)."""
+        paths': the image processor's output) go through the slot's pinned staging, so their copy does not
+        make this thread wait for the forward in flight (a pageable copy synchronizes the stream)."""
         if self.stream is None or any(p.device.type != "cpu" for p in parts):
             return torch.cat([p.to(self.device) for p in parts]).to(torch.float32)
-        staged = torch.empty((sum(len(p) for p in parts), *parts[0].shape[1:]), dtype=parts[0].dtype, pin_memory=True)
+        shape = (sum(len(p) for p in parts), *parts[0].shape[1:])
+        numel = math.prod(shape)
+        staged = self._staged(slot, "patches", numel, parts[0].dtype)[:numel].view(shape)
         torch.cat(parts, out=staged)
         return staged.to(self.device, non_blocking=True).to(torch.float32)
+
+    def _staged(self, slot: int, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """``slot``'s flat buffer ``name`` (pinned on CUDA) of at least ``numel`` elements of ``dtype``: the one kept,
+        or (first use, a larger forward, another dtype) a new one, with room to spare (a power of two)."""
+        buffer = self._staging[slot].get(name)
+        if buffer is None or buffer.dtype != dtype or buffer.numel() < numel:
+            size = 1 << max(numel - 1, 1).bit_length()
+            buffer = self._staging[slot][name] = torch.empty(size, dtype=dtype, pin_memory=self.stream is not None)
+        return buffer
 
     def _complete(self, launched: _Launched) -> None:
         try:
@@ -164,4 +194,5 @@ class ImageEncodeQueue:
             self._fail(launched.items, error)
             return
         for (_, _, future), table in zip(launched.items, launched.tables):
-            future.set_result(table)
+            # memory of its own: the slot's staging is written again two forwards on
+            future.set_result(torch.empty(table.shape, dtype=table.dtype).copy_(table))

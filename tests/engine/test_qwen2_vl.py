@@ -132,9 +132,11 @@ def test_cuda_tower_rows_equal_cpu_rows(built):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_encode_queue_gives_pinned_tables_of_the_towers_rows(built):
-    """The queue on a GPU: one image a forward (three forwards pipelined on its stream), each request's
-    table pinned and equal to the tower's own rows; a step gathering two of them gets pinned rows."""
+def test_cuda_encode_queue_gives_tables_of_the_towers_rows(built):
+    """The queue on a GPU: one image a forward (three forwards pipelined on its stream, through its two
+    staging slots), each request's table in memory of its own (pageable: nothing pinned is allocated per
+    request), equal to the tower's own rows; the stream has the lowest priority; a step gathering two
+    tables gets their rows."""
     from engine.executor.prompt_table import gather_prompt_embeds
     from engine.vision.encode_queue import ImageEncodeQueue
 
@@ -149,12 +151,14 @@ def test_cuda_encode_queue_gives_pinned_tables_of_the_towers_rows(built):
         got = [f.result(timeout=60) for f in [queue.submit(r["pixel_values"], r["image_grid_thw"]) for r in requests]]
     finally:
         queue.close()
+    assert queue.stream.priority == 0  # (engine/executor/device_stream.py: the executor's is higher)
     for g, w in zip(got, want):
-        assert g.is_pinned()
+        assert not g.is_pinned()
         torch.testing.assert_close(g, w, atol=1e-3, rtol=1e-3)
+    assert len({g.data_ptr() for g in got}) == 3
     pieces = [(0, [VOCAB, VOCAB + 1], PromptTable(got[0])), (2, [VOCAB + 2], PromptTable(got[1]))]
     rows = gather_prompt_embeds(pieces, VOCAB)
-    assert rows.token_indices == [0, 1, 2] and rows.embeddings.is_pinned()
+    assert rows.token_indices == [0, 1, 2]
     assert torch.equal(rows.embeddings, torch.cat([got[0][:2], got[1][2:3]]))
 
 
@@ -176,14 +180,16 @@ def assert_greedy_ids_equal_transformers(engine: str, hf, device: str | None = N
     rotary, delta = request_mrope(ids, grids, config, vocab_size=VOCAB)
     assert delta < 0  # an image of 2 x 3 merged rows takes 3 positions, not 6
     text = [1, 5, 7, 8, 9, 10, 11, 12, 6]
-    # CUDA: a pinned table, as the encode queue makes them (the step copies its rows without a host sync;
-    # test_qwen3_vl's CUDA test sends pageable ones, which the step stages)
+    # CUDA: a pinned table (test_qwen3_vl's CUDA test sends pageable ones, as the encode queue makes them);
+    # either way the step stages its rows in the table twins' own pinned buffers (no host sync)
     requests = [Request(ids, NEW_TOKENS, output=OutputConfig(exclude_input_from_output=True),
                         prompt_table=PromptTable(table.pin_memory() if device == "cuda" else table),
                         mrope=Mrope(rotary, delta)),
                 Request(text, NEW_TOKENS, output=OutputConfig(exclude_input_from_output=True))]
     # chunks of 5 tokens: the image's rows are split across steps
     with Executor(engine, ExecutorConfig(max_num_tokens=5, enable_chunked_context=True), device=device or "cpu") as executor:
+        if device == "cuda":  # a vision-language engine's loop: above the tower's priority (engine/executor/device_stream.py)
+            assert executor.device_stream is not None and executor.device_stream.priority < 0
         graphs, rotated = executor.runner.decode_graphs, []
         if graphs is not None:  # CUDA: decode steps at position + delta replay the decode graphs
             run = graphs.run

@@ -1,0 +1,31 @@
+"""engine/executor/device_stream.py: which executors queue their steps on a stream of higher priority than
+the vision tower's (the tower then runs in what a step leaves instead of each of the step's kernels
+waiting behind the tower's). The streams themselves are checked on a GPU (test_qwen2_vl's CUDA tests)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from engine.executor.device_stream import EXECUTOR_PRIORITY, TOWER_PRIORITY, executor_stream, wants_priority_stream
+
+
+def engine(vision: bool = True, tp: int = 1, pp: int = 1):
+    return SimpleNamespace(extra={"vision_encoder": "vision_encoder"} if vision else {},
+                           build=SimpleNamespace(tp_size=tp, pp_size=pp))
+
+
+@pytest.mark.parametrize("config, device, wanted", [
+    (engine(), "cuda", True), (engine(), "cuda:1", True),
+    (engine(), "cpu", False),  # no streams
+    (engine(vision=False), "cuda", False),  # nothing else in the process shares the device
+    (engine(tp=2), "cuda", False), (engine(pp=2), "cuda", False),  # (prompt tables need one rank)
+    (None, "cuda", False),
+])
+def test_vision_language_engines_on_one_cuda_device_get_the_priority_stream(config, device, wanted):
+    assert wants_priority_stream(config, device) is wanted
+    assert EXECUTOR_PRIORITY < TOWER_PRIORITY == 0  # lower runs first; 0 is CUDA's default and lowest
+
+
+def test_other_executors_keep_their_threads_default_stream():
+    assert executor_stream(SimpleNamespace(engine_config=engine(), device="cpu")) is None
