@@ -334,8 +334,11 @@ def bench_whisper_step(args, bandwidth: float) -> dict:
                 entry["variants"][name] = {**time_whisper_step(args, bandwidth, runner, encoder_len, cross,
                                                                f"whisper_step_{name}_profile.txt"),
                                            "switches": STEP_VARIANTS[name], "capture_seconds": capture}
-                print(f"whisper_step {name}: {entry['variants'][name]['step_ms_median']:.3f} ms", file=sys.stderr,
-                      flush=True)
+                v = entry["variants"][name]  # (one line each: a run cut short still shows the variants done)
+                kernels = v["profile"].get("kernels_per_call") if isinstance(v.get("profile"), dict) else None
+                print(f"whisper_step {name}: step {v['step_ms_median']:.3f} ms, replay {v.get('replay_ms', 0):.3f} ms, "
+                      f"{kernels} kernels, capture {capture:.1f} s (default: step {entry['step_ms_median']:.3f} ms, "
+                      f"replay {entry.get('replay_ms', 0):.3f} ms)", file=sys.stderr, flush=True)
         finally:
             for name, value in saved.items():
                 if value is None:
