@@ -56,6 +56,7 @@ from torch import nn
 from engine.config import ConfigError, ModelConfig
 from engine.models.layers import Linear, Norm, RowParallelLinear, VocabParallelEmbedding, tp_all_reduce, \
     vocab_parallel_logits
+from kernels._triton import use_triton
 from kernels.attention_metadata import AttentionMetadata
 from kernels.fp8 import FP8_DTYPE
 from kernels.fp8_block import blocks, dequantize_blocks
@@ -143,7 +144,12 @@ class MlaAttention(nn.Module):
         self.o_proj = RowParallelLinear(self.num_heads * self.v_dim, c.hidden_size, bias=False, tp_group=tp_group,
                                         **linear)
         self.dtype = dtype
+        self.quantization = quantization
         self.w_uk: torch.Tensor | None = None  # (H, N, R), absorbed into the query; made by init_buffers
+        # init_buffers: q_a_proj (or q_proj) and kv_a_proj, which read the same x, as one product
+        # (rows [first | kv_a]); q_rows: the first's rows. None: the two run apart.
+        self.qkv_a_proj: Linear | None = None
+        self.q_rows = 0
         self.w_uv: torch.Tensor | None = None  # (H, V, R), applied to the attention's latent output
 
     def init_buffers(self) -> None:
@@ -154,19 +160,51 @@ class MlaAttention(nn.Module):
         per_head = weight.view(self.num_heads, self.nope + self.v_dim, self.rank)
         self.w_uk = per_head[:, :self.nope].contiguous()
         self.w_uv = per_head[:, self.nope:].contiguous()
+        self._merge_first_products()
+
+    @torch.no_grad()
+    def _merge_first_products(self) -> None:
+        """q_a_proj (V3) or q_proj (V2-Lite) and kv_a_proj read the same normed x: stacked into one
+        Linear (one launch and one weight stream a layer instead of two), which replaces both. Only
+        where both hold the same kind of weight and block-FP8 scale blocks do not straddle the seam."""
+        first = self.q_a_proj if hasattr(self, "q_a_proj") else getattr(self, "q_proj", None)
+        kv = self.kv_a_proj
+        if first is None or self.qkv_a_proj is not None or first.weight.dtype != kv.weight.dtype:
+            return
+        fp8 = first.weight.dtype == FP8_DTYPE
+        if fp8 and (first.out_features % 128 or first.weight_scale.shape[1] != kv.weight_scale.shape[1]):
+            return
+        merged = Linear(first.in_features, first.out_features + kv.out_features, bias=False, dtype=self.dtype,
+                        device="meta", quantization=self.quantization)
+        merged.weight = nn.Parameter(torch.cat([first.weight, kv.weight]), requires_grad=False)
+        if fp8:
+            merged.weight_scale = nn.Parameter(torch.cat([first.weight_scale, kv.weight_scale]), requires_grad=False)
+        elif merged.weight_scale is not None:  # (a block-FP8 engine's unquantized pair: scales unread)
+            merged.weight_scale = nn.Parameter(torch.ones(1, device=first.weight.device), requires_grad=False)
+        self.q_rows = first.out_features
+        del self.kv_a_proj
+        if hasattr(self, "q_a_proj"):
+            del self.q_a_proj
+        else:
+            del self.q_proj
+        self.qkv_a_proj = merged
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """x (T, hidden) normed -> this rank's attention output (T, hidden), all-reduced."""
-        if hasattr(self, "q_a_proj"):
-            q = self.q_b_proj(rms_norm(self.q_a_proj(x), self.q_a_norm.weight, self.eps)[0])
+        if self.qkv_a_proj is not None:
+            q, kv = self.qkv_a_proj(x).split([self.q_rows, self.rank + self.rope], dim=-1)
         else:
-            q = self.q_proj(x)
+            q, kv = (self.q_a_proj(x) if hasattr(self, "q_a_proj") else self.q_proj(x)), self.kv_a_proj(x)
+        if hasattr(self, "q_b_proj"):
+            q = self.q_b_proj(rms_norm(q, self.q_a_norm.weight, self.eps)[0])
         q = q.view(-1, self.num_heads, self.nope + self.rope)
-        q_nope, q_rope = q[..., :self.nope], q[..., self.nope:].contiguous()
-        latent, k_rope = self.kv_a_proj(x).split([self.rank, self.rope], dim=-1)
-        latent = rms_norm(latent.contiguous(), self.kv_a_norm.weight, self.eps)[0]
-        q_rope, k_rope = apply_rotary(q_rope, k_rope.contiguous().unsqueeze(1), positions, cos_sin_cache)
+        # (strided views: the rotary kernel rotates them in place by their strides, and the attention and
+        # latent-write kernels read them so; a copy of each was a launch a layer)
+        q_nope, q_rope = q[..., :self.nope], q[..., self.nope:]
+        latent, k_rope = kv.split([self.rank, self.rope], dim=-1)
+        latent = rms_norm(latent, self.kv_a_norm.weight, self.eps)[0]
+        q_rope, k_rope = apply_rotary(q_rope, k_rope.unsqueeze(1), positions, cos_sin_cache)
         cache = kv_cache[self.layer_index, 0, :, :, 0]  # (num_blocks, tokens_per_block, R + P)
         write_latent_cache(latent, k_rope.squeeze(1), cache, meta.slot_mapping)
         long, short_rows, short_meta = split_long(meta, self.expanded_min_tokens)
@@ -466,7 +504,7 @@ class DeepseekForCausalLM(nn.Module):
             self.init_buffers(input_ids.device)
         x, residual = self.embed_tokens(input_ids), None
         padding = graph_padding_rows(attn_meta)
-        if input_ids.is_cuda:  # the token map once for the layers' attention launches, not once a layer
+        if use_triton(input_ids):  # the token map once for the layers' attention launches, not once a layer
             attn_meta = dataclasses.replace(attn_meta, token_seq=attn_meta.token_sequences(input_ids.shape[0]))
         for layer in self.layers:
             x, residual = layer(x, residual, positions, self.cos_sin_cache, kv_cache, attn_meta, padding)

@@ -308,6 +308,21 @@ def add_mtp_layer_copying_layer_1(checkpoint: str) -> None:
         json.dump(config, f)
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1 (~10 s)")
+def test_cuda_path_in_the_interpreter_equals_transformers():
+    """deepseek_interpreted.py: the engines' CUDA code path (Triton kernels in the interpreter) on CPU."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("deepseek_interpreted.py")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    lines = [line.split() for line in run.stdout.splitlines() if line.startswith("ok ")]
+    assert [line[1] for line in lines] == ["v2", "v3"], run.stdout + run.stderr[-3000:]
+    assert all(float(line[2]) <= 1e-4 and int(line[3]) > 0 for line in lines), lines
+
+
 def test_unsupported_settings_are_refused_by_name():
     config = tiny_deepseek("v2").config
     config.topk_method = "random"

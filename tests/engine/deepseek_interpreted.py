@@ -1,0 +1,51 @@
+"""The tiny DeepSeek V2 / V3 engines' CUDA code path run on the CPU: every kernel module's ``use_triton``
+answers True, so the Triton kernels (routing, grouped experts with the shared ones appended, MLA with
+the per-forward token map, strided rotary, unsummed expert rows into the norms) run in Triton's
+interpreter (TRITON_INTERPRET=1); logits of packed chunks, 8-9-token steps and single-token decode
+steps against transformers'. Run by test_deepseek.py in a subprocess (the patch must precede every
+kernel import); prints one "ok <version> <max error> <decode-path calls>" line a version.
+"""
+import os
+import pathlib
+import sys
+import tempfile
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+import kernels._triton as kt  # noqa: E402
+
+kt.use_triton = lambda t: kt.HAVE_TRITON  # before any kernel module imports it by name
+sys.path[:0] = [str(pathlib.Path(__file__).parent)]
+import torch  # noqa: E402
+from engine_testing import PagedSession, hf_logits, make_engine, random_tokens  # noqa: E402
+from test_deepseek import tiny_deepseek  # noqa: E402
+
+import engine.models.deepseek as deepseek  # noqa: E402
+from engine.executor.runner import ModelRunner  # noqa: E402
+
+decode_calls = 0
+_decode = deepseek.DeepseekExperts._decode
+
+
+def counted(self, x, padding):
+    global decode_calls
+    decode_calls += self.with_shared is not None
+    return _decode(self, x, padding)
+
+
+deepseek.DeepseekExperts._decode = counted
+for version in sys.argv[1:] or ["v2", "v3"]:
+    hf = tiny_deepseek(version)
+    runner = ModelRunner(make_engine(hf, pathlib.Path(tempfile.mkdtemp()) / "engine", tokens_per_block=4))
+    assert all(layer.attn.qkv_a_proj is not None for layer in runner.model.layers)
+    seqs = {0: random_tokens(19, 3), 1: random_tokens(9, 4)}
+    session = PagedSession(runner, num_blocks=32)
+    a0, b0 = session.step([(0, seqs[0][:11]), (1, seqs[1][:7])])
+    a1, b1 = session.step([(0, seqs[0][11:18]), (1, seqs[1][7:8])])
+    a2, b2 = session.step([(0, seqs[0][18:]), (1, seqs[1][8:])])
+    worst = max((torch.cat(parts) - hf_logits(hf, seqs[seq])).abs().max().item()
+                for seq, parts in ((0, (a0, a1, a2)), (1, (b0, b1, b2))))
+    extra = random_tokens(3, 9)
+    for i, token in enumerate(extra):  # single-token steps: one block an expert, no alignment
+        (row,) = session.step([(1, [token])])
+        worst = max(worst, (row - hf_logits(hf, seqs[1] + extra[:i + 1])[-1:]).abs().max().item())
+    print("ok", version, worst, decode_calls, flush=True)
