@@ -15,8 +15,8 @@ Then, where ``renormalize`` (norm_topk_prob), the K weights are divided by their
 transformers' V3), and every weight is multiplied by ``scaling`` (routed_scaling_factor).
 
 Plain torch on every device: a handful of small ops over (T, E) per sparse layer, beside the expert
-GEMMs that dominate the layer. (The single-token expert kernels route softmax top-k inside their
-first launch; these methods are not folded into them yet.)
+GEMMs that dominate the layer. Decode steps of 1-16 tokens take kernels/moe_router.py instead (the
+router product and every method here in one launch), whose reference this is.
 """
 from __future__ import annotations
 
