@@ -23,14 +23,15 @@ residual product before it emitted (kernels/norm_linear.py ``row_stats``: o + re
 q, cross o + residual -> fc1, fc2 + residual -> the next layer's qkv) instead of re-reading the
 rows in every program; $TRITONLLM_ENCDEC_ROW_STATS=0 recomputes them as before (for comparison).
 
-Measured on an H200, 2026-11-29 (before the row statistics) (benchmarks/engine/encdec_bench.py, benchmarks/results/engine.md):
-the batch-1 step took 298 kernels instead of 586 but 2.79 ms instead of 2.66 (graph replay 2.59
-against 2.49): each LayerNorm prologue costs its product ~4 us (every program re-reads the rows
-for their statistics in dependent round trips), more than the LayerNorm launch it saves. With
-PRELOAD, the cross kernel and 64 rows it was slower still (batch 1 3.10 ms; batch 64 10.2 ms a
-step against 7.4 unfused: the cross kernel 193 us a layer at batch 64 against the general kernel's
-~145). The row statistics above are what should make it pay (not yet measured:
-benchmarks/engine/encdec_bench.py --step-variants times fused, fused-recompute and unfused in one run).
+Measured on an H200, 2026-11-29, before the row statistics (benchmarks/engine/encdec_bench.py,
+benchmarks/results/engine.md): the batch-1 step took 298 kernels instead of 586 but 2.79 ms
+instead of 2.66 (graph replay 2.59 against 2.49): each LayerNorm prologue costs its product ~4 us
+(every program re-reads the rows for their statistics in dependent round trips), more than the
+LayerNorm launch it saves. With PRELOAD, the cross kernel and 64 rows it was slower still (batch 1
+3.10 ms; batch 64 10.2 ms a step against 7.4 unfused: the cross kernel 193 us a layer at batch 64
+against the general kernel's ~145). The row statistics above are what should make it pay (not
+yet measured: benchmarks/engine/encdec_bench.py --step-variants times fused, fused-recompute and
+fused-cross beside the default in one run).
 
 ``prepare`` fuses each layer's self-attention q/k/v weights into one (3 inner, d_model) tensor,
 of which the q, k and v Parameters become views (no extra memory; the state dict is unchanged).
