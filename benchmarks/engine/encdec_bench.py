@@ -336,9 +336,12 @@ def bench_whisper_step(args, bandwidth: float) -> dict:
                                            "switches": STEP_VARIANTS[name], "capture_seconds": capture}
                 v = entry["variants"][name]  # (one line each: a run cut short still shows the variants done)
                 kernels = v["profile"].get("kernels_per_call") if isinstance(v.get("profile"), dict) else None
+                wide = {key: round(value, 3) for key, value in v.items() if key.startswith("replay_ms_b")}
                 print(f"whisper_step {name}: step {v['step_ms_median']:.3f} ms, replay {v.get('replay_ms', 0):.3f} ms, "
-                      f"{kernels} kernels, capture {capture:.1f} s (default: step {entry['step_ms_median']:.3f} ms, "
-                      f"replay {entry.get('replay_ms', 0):.3f} ms)", file=sys.stderr, flush=True)
+                      f"{kernels} kernels, capture {capture:.1f} s, {wide} (default: step {entry['step_ms_median']:.3f} "
+                      f"ms, replay {entry.get('replay_ms', 0):.3f} ms, "
+                      f"{ {k: round(x, 3) for k, x in entry.items() if k.startswith('replay_ms_b')} })",
+                      file=sys.stderr, flush=True)
         finally:
             for name, value in saved.items():
                 if value is None:
@@ -384,6 +387,15 @@ def time_whisper_step(args, bandwidth: float, runner, encoder_len: int, cross: l
             entry["replay_roofline_fraction"] = entry["roofline_step_ms"] / entry["replay_ms"]
         if args.profile_dir:
             entry["profile"] = safe_profile(graph.replay, Path(args.profile_dir) / profile_name, 20)
+        wide = max(runner.decode_graphs.graphs)  # (8 here) the widest bucket, its rows over the same clip
+        if wide > 1:
+            position = len(prompt) + steps // 2
+            blocks = len(table)
+            runner.forward(ForwardBatch([token] * wide, [position] * wide, [1] * wide, [position + 1] * wide,
+                                        [[1 + row * blocks + b for b in range(blocks)] for row in range(wide)],
+                                        list(range(wide)), cross_lengths=[encoder_len] * wide,
+                                        cross_block_tables=[cross] * wide))
+            entry[f"replay_ms_b{wide}"] = replay_time_ms(runner.decode_graphs.graphs[wide], replays=50)
     return entry
 
 
@@ -499,13 +511,15 @@ def markdown(results: dict) -> str:
     if s and isinstance(s.get("profile"), dict):
         lines += ["", f"Whisper batch-1 step: {s['profile']['kernels_per_call']:.0f} kernels per replay (torch profiler)."]
     if s and s.get("variants"):
-        lines += ["", "| Whisper batch-1 step variant (switches) | step | graph replay | kernels per replay | roofline |",
-                  "|---|---:|---:|---:|---:|"]
+        lines += ["", "| Whisper batch-1 step variant (switches) | step | graph replay | kernels per replay | roofline "
+                  "| widest bucket's replay |", "|---|---:|---:|---:|---:|---:|"]
         for name, v in s["variants"].items():
             switches = ", ".join(f"{key.removeprefix('TRITONLLM_')}={value}" for key, value in v["switches"].items())
             kernels = v["profile"]["kernels_per_call"] if isinstance(v.get("profile"), dict) else float("nan")
             lines.append(f"| {name} ({switches}) | {v['step_ms_median']:.3f} ms | {v.get('replay_ms', float('nan')):.3f} ms "
-                         f"| {kernels:.0f} | {v.get('roofline_fraction', float('nan')):.0%} |")
+                         f"| {kernels:.0f} | {v.get('roofline_fraction', float('nan')):.0%} | "
+                         + ", ".join(f"{key[len('replay_ms_'):]} {value:.3f} ms" for key, value in v.items()
+                                     if key.startswith("replay_ms_b")) + " |")
     for name, entry in (("Whisper", w), ("T5", t)):
         if entry and "iterations" in entry:
             it = entry["iterations"]
