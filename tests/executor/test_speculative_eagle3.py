@@ -184,29 +184,41 @@ def test_cached_drafter_equals_the_whole_sequence_reference(tmp_path, runner, ti
 
 
 def test_window_drafts_equal_draft_static(tmp_path, runner, tiny_hf):
-    """eagle3_graphs.py's windows (the body the CUDA graphs record, eager here) draft draft_static's
-    tokens: as a cache grows by commits (only new rows copied), across a capacity bucket (64 -> 128
-    rows), and for a second cache (a restart at token 5) taking over the same windows."""
+    """eagle3_graphs.py's windows (the body the CUDA graphs record, eager here) commit the pending
+    rows and draft draft_static's tokens: as a cache grows (only new rows copied; after a prompt the
+    rows beyond the window's pending rows committed eagerly first), across a capacity bucket (64 ->
+    128 rows), and for a second cache (a restart at token 5) taking over the same windows."""
     head, _ = load_eagle3(save_eagle3(tmp_path / "eagle3", layers=[0, 1, 1]), hidden_size=HIDDEN,
                           vocab_size=VOCAB, num_layers=len(runner.model.layers))
+    plan = StaticPlan(shape_from_choices([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1]],
+                                         field="eagle_choices"), torch.device("cpu"))
+    graphs = StaticDraftGraphs(head, plan, runner.model.embed_tokens, max_positions=128, device=torch.device("cpu"),
+                               use_graphs=False)
+    check_windows(head, runner.model.embed_tokens, tiny_hf, graphs, plan)
+    assert sorted(graphs.windows) == [64, 128]
+
+
+def check_windows(head, embed, tiny_hf, graphs, plan) -> None:
+    """Two caches fed the same features: one through graphs.run, one through commit + draft_static."""
+    device = head.d2t.device
     tokens = torch.randint(0, VOCAB, (80,), generator=torch.Generator().manual_seed(3)).tolist()
     with torch.no_grad():
         states = tiny_hf(torch.tensor([tokens]), output_hidden_states=True).hidden_states
-        feats = head.features(states[1][0], states[2][0], states[2][0])[:-1]  # token t's, t < 79
-    embed, cpu = runner.model.embed_tokens, torch.device("cpu")
-    plan = StaticPlan(shape_from_choices([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1]],
-                                         field="eagle_choices"), cpu)
-    graphs = StaticDraftGraphs(head, plan, embed, max_positions=128, device=cpu, use_graphs=False)
+        feats = head.features(*(s[0].to(device) for s in (states[1], states[2], states[2])))[:-1]  # token t's
     for start in (0, 5):
-        cache, done = DraftCache(start, head, cpu), start
+        windowed, eager, done = DraftCache(start, head, device), DraftCache(start, head, device), start
         for end in (start + 20, start + 21, 63, 70, 79):
-            cache.add_features(feats[done:end])
-            cache.commit(head, tokens, embed)
+            for cache in (windowed, eager):
+                cache.add_features(feats[done:end])
             done = end
-            assert graphs.fits(cache)
+            assert graphs.fits(windowed)
             with torch.no_grad():
-                assert graphs.run(cache).tolist() == draft_static(head, cache, plan, embed)[1], (start, end)
-    assert sorted(graphs.windows) == [64, 128]
+                got = graphs.run(windowed, tokens).tolist()
+                eager.commit(head, tokens, embed)
+                assert got == draft_static(head, eager, plan, embed)[1], (start, end)
+            assert windowed.length == eager.length == end - start and not windowed.pending.shape[0]
+            torch.testing.assert_close(windowed.k[:windowed.length], eager.k[:eager.length], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(windowed.last_q, eager.last_q, rtol=1e-4, atol=1e-4)
 
 
 def _path_features(head, g, tokens, path, embed):
@@ -296,9 +308,7 @@ def run_eagle_executor(tmp_path, tiny_engine, tiny_hf, device: str) -> dict:
             torch.testing.assert_close(cache.k[:n], k, rtol=1e-3, atol=1e-3)
             if device == "cuda":  # static trees replayed their recorded proposal, which drafts the eager tree
                 assert proposer.graphs.replays > 0
-                with torch.no_grad():
-                    assert proposer.graphs.run(cache).tolist() == draft_static(head, cache, proposer.plan,
-                                                                               runner.model.embed_tokens)[1]
+                check_windows(head, runner.model.embed_tokens, tiny_hf, proposer.graphs, proposer.plan)
             # cancels mid-tree free the draft caches too
             drafted = executor._num_draft_tokens_total
             ids = executor.enqueue_requests([Request(p, 60) for p in prompts])

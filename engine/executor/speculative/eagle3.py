@@ -315,12 +315,12 @@ class Eagle3DraftProposer:
             if cache is None or not room or seq.num_unresolved_tokens or cache.end != len(seq.token_ids) - 1:
                 drafts.append([])
                 continue
-            cache.commit(self.head, seq.token_ids, embed)
-            if cache.last_q is None:
+            if self.graphs is not None and self.graphs.fits(cache):  # the commit and the tree in one replay
+                windowed.append((len(drafts), seq, room, self.graphs.run(cache, seq.token_ids).clone()))
                 drafts.append([])
                 continue
-            if self.graphs is not None and self.graphs.fits(cache):
-                windowed.append((len(drafts), seq, room, self.graphs.run(cache).clone()))
+            cache.commit(self.head, seq.token_ids, embed)
+            if cache.last_q is None:
                 drafts.append([])
                 continue
             if self.dynamic is None:

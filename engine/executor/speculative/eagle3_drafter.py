@@ -72,20 +72,27 @@ class DraftCache:
             new[:old.shape[0]] = old
             setattr(self, name, new)
 
-    def commit(self, head, tokens: list[int], embed) -> None:
-        """Cache the pending rows (their next tokens are tokens[start + length + 1 ...], all known)."""
-        n = self.pending.shape[0]
+    def commit(self, head, tokens: list[int], embed, rows: int | None = None) -> None:
+        """Cache the pending rows, or the first ``rows`` of them (their next tokens are
+        tokens[start + length + 1 ...], all known)."""
+        n = self.pending.shape[0] if rows is None else min(rows, self.pending.shape[0])
         if not n:
             return
         first = self.start + self.length
         ids = torch.tensor(tokens[first + 1:first + 1 + n]).to(self.k.device, non_blocking=True)
-        q, k, v = head.qkv(embed(ids), self.pending, first)
+        q, k, v = head.qkv(embed(ids), self.pending[:n], first)
+        self.add_rows(k, v, q[-1:])
+
+    def add_rows(self, k: torch.Tensor, v: torch.Tensor, last_q: torch.Tensor) -> None:
+        """The first len(k) pending rows' k and v (kv_heads, d each) become cached rows; ``last_q``
+        (1, heads, d) is the last one's query (computed here by commit, or in a window: eagle3_graphs.py)."""
+        n = k.shape[0]
         self.reserve(self.length + n)
         self.k[self.length:self.length + n] = k
         self.v[self.length:self.length + n] = v
         self.length += n
-        self.last_q, self.last_g = q[-1:], self.pending[-1:]
-        self.pending = self.pending[:0]
+        self.last_q, self.last_g = last_q, self.pending[n - 1:n]
+        self.pending = self.pending[n:]
 
     def root(self, head) -> tuple[torch.Tensor, torch.Tensor]:
         """The last cached row's output: (h (1, H), the draft's log-probs after the root (1, draft_vocab))."""

@@ -5,24 +5,31 @@ Why: eagerly, a proposal of the bench's 16-node tree (eagle3_drafter.py ``draft_
 row, then one forward of the draft layer per depth) is ~510 torch calls from Python (counted with
 torch.profiler on the tiny model, 2026-11-29): the H200 spent ~10 ms a step drafting (EAGLE-3 loop
 steps of 15-17 ms against ~5-6 ms for the same tree verify steps without drafting), while the
-layer's weight reads for 5 forwards are ~1 ms. Here the same proposal is recorded once per
-capacity bucket and replayed: per proposal the host fills two scalars, copies the rows the window
-lacks, replays and reads the tokens once.
+layer's weight reads for 5 forwards are ~1 ms. Here the commit of the rows the last verify step
+kept (DraftCache.commit) and the proposal are recorded once per capacity bucket and replayed: per
+proposal the host copies the pending rows and the cached rows the window lacks, fills three
+scalars, replays, hands the new rows to the cache and reads the tokens once (~37 torch calls).
 
-How (a ``Window`` per capacity bucket C, a power of two >= MIN_CAPACITY):
-- ``k``, ``v`` (C + R, kv_heads, d): rows [0, C) a copy of the sequence's cached rows (the draft
-  cache's, eagle3_drafter.py ``DraftCache``; rows past its length are masked off), rows [C, C + R)
-  the R tree rows (the plan's expanded nodes but the root), written by the proposal itself;
-- ``length`` (cached rows) and ``position`` (the last cached row's: the token before the root; a
-  node of depth d sits at position + d) live in device tensors, so one recording serves every
-  length up to C; rotary rows come from the head's table by index (sized at start to the engine's
-  longest sequence; never regrown under a recording: the window holds its own reference);
-- ``last_q`` / ``last_g``: the last cached row's query and input stream (the root's children);
+How (a ``Window`` per capacity bucket C, a power of two >= MIN_CAPACITY, holding length + P):
+- ``k``, ``v`` (C + R, kv_heads, d): rows [0, length) a copy of the sequence's cached rows (the
+  draft cache's, eagle3_drafter.py ``DraftCache``), rows [length, length + P) the pending rows'
+  (P = the tree's depth + 1: a verify step's root and accepted drafts; the first ``count`` are real,
+  the rest padding hidden by the length mask), rows [C, C + R) the R tree rows (the plan's expanded
+  nodes but the root), all written by the replay;
+- ``pending`` / ``pending_ids``: the pending rows' input streams g and next tokens;
+- ``length``, ``count`` and ``first`` (the first pending row's position; the last one's, + count - 1,
+  is the root's parent's: a node of depth d sits there + d) live in device tensors, so one recording
+  serves every length up to C - P; rotary rows come from the head's table by index (sized at start
+  to the engine's longest sequence; never regrown under a recording: the window holds its own
+  reference);
+- ``last_q``: the last pending row's query (the root's children attend with it; the cache keeps it);
 - ``tokens``: the drafted target-vocab ids of nodes 1.. (the output, outside the graph's pool).
-The recorded body (``draft_window``) is draft_static's arithmetic: the same rows, masks and
-rankings (the cached rows seen through the length mask instead of a slice), so the drafted tokens
-are the same up to the order of the attention's sums; it also runs eagerly (the CPU, or
-$TRITONLLM_EAGLE_GRAPHS=0), which is what the CPU tests check against draft_static.
+More pending rows than P (after a prompt) are committed eagerly first, all but the last P.
+The recorded body (``draft_window``) is commit's and draft_static's arithmetic: the same rows,
+masks and rankings (the cached rows seen through the length mask instead of a slice; P rows in the
+commit's product), so the drafted tokens and cached rows are the same up to rounding order; it also
+runs eagerly (the CPU, or $TRITONLLM_EAGLE_GRAPHS=0), which is what the CPU tests check against
+commit + draft_static.
 
 Invariants: a window keeps for one cache (DraftCache.serial) the rows it already copied (cached
 rows are final, so only new ones are copied); recordings share one memory pool, and each
@@ -55,45 +62,65 @@ def capacity_for(rows: int) -> int:
 class Window:
     """One capacity bucket's static buffers (module docstring) and, on CUDA, its recording."""
 
-    def __init__(self, head, plan, capacity: int, table: torch.Tensor, device: torch.device):
+    def __init__(self, head, plan, capacity: int, table: torch.Tensor, device: torch.device, pending_rows: int):
         hidden = head.w["fc.weight"].shape[0]
         self.capacity, self.table = capacity, table
         rows = capacity + plan.num_expanded - 1
         self.k = torch.zeros(rows, head.num_kv_heads, head.head_dim, dtype=head.dtype, device=device)
         self.v = torch.zeros_like(self.k)
         self.index = torch.arange(capacity, device=device)
-        self.length = torch.ones(1, dtype=torch.int64, device=device)  # (a recording's warm-up sees one row)
-        self.position = torch.zeros(1, dtype=torch.int64, device=device)
+        self.pad = torch.arange(pending_rows, device=device)
+        self.length = torch.zeros(1, dtype=torch.int64, device=device)  # cached rows before the commit
+        self.first = torch.zeros(1, dtype=torch.int64, device=device)  # the first pending row's position
+        self.count = torch.ones(1, dtype=torch.int64, device=device)  # pending rows (1..pending_rows)
+        self.pending = torch.zeros(pending_rows, hidden, dtype=head.dtype, device=device)
+        self.pending_ids = torch.zeros(pending_rows, dtype=torch.int64, device=device)
         self.last_q = torch.zeros(1, head.num_heads, head.head_dim, dtype=head.dtype, device=device)
-        self.last_g = torch.zeros(1, hidden, dtype=head.dtype, device=device)
         self.hidden = torch.zeros(plan.num_expanded, hidden, dtype=head.dtype, device=device)
         self.ranked = torch.zeros(plan.num_expanded, plan.width, dtype=torch.int64, device=device)
         self.tokens = torch.zeros(len(plan.parents), dtype=torch.int64, device=device)
-        self.serial, self.copied = -1, 0  # the cache whose rows [0, copied) rows [0, copied) hold
+        self.serial, self.copied = -1, 0  # rows [0, copied) are those of the cache with this serial
         self.graph: torch.cuda.CUDAGraph | None = None
 
-    def load(self, cache) -> None:
-        """Make the window the draft cache's: rows it lacks, its length, position and last row."""
-        n = cache.length
+    def load(self, cache, ids: torch.Tensor) -> None:
+        """Make the window the draft cache's: the cached rows it lacks, the pending rows (1 to
+        pending_rows of them) with their next tokens ``ids`` (host tensor), lengths and positions."""
+        n, length = cache.pending.shape[0], cache.length
         if cache.serial != self.serial:
             self.serial, self.copied = cache.serial, 0
-        if n > self.copied:
-            self.k[self.copied:n].copy_(cache.k[self.copied:n])
-            self.v[self.copied:n].copy_(cache.v[self.copied:n])
-            self.copied = n
-        self.length.fill_(n)
-        self.position.fill_(cache.start + n - 1)
-        self.last_q.copy_(cache.last_q)
-        self.last_g.copy_(cache.last_g)
+        if length > self.copied:
+            self.k[self.copied:length].copy_(cache.k[self.copied:length])
+            self.v[self.copied:length].copy_(cache.v[self.copied:length])
+        self.length.fill_(length)
+        self.first.fill_(cache.start + length)
+        self.count.fill_(n)
+        self.pending[:n].copy_(cache.pending)
+        self.pending_ids[:n].copy_(ids, non_blocking=True)
+
+    def store(self, cache) -> None:
+        """After a proposal: the pending rows' k and v (computed in the window) join the cache."""
+        length, n = cache.length, cache.pending.shape[0]
+        cache.add_rows(self.k[length:length + n], self.v[length:length + n], self.last_q.clone())
+        self.copied = length + n
 
 
 @torch.inference_mode()
 def draft_window(head, plan, w: Window, embed) -> None:
-    """draft_static (eagle3_drafter.py) over a window: writes w.tokens (nodes 1.. in plan order).
-    Shapes depend on the plan and the capacity only, values on w's tensors only: recordable."""
+    """The pending rows' commit (DraftCache.commit), then draft_static (eagle3_drafter.py), over a
+    window: writes the pending rows' k, v at rows length.., w.last_q and w.tokens (nodes 1.. in plan
+    order). Shapes depend on the plan, the capacity and pending_rows only, values on w's tensors
+    only: recordable. Padding rows past count write k, v that the length mask hides."""
     C = w.capacity
-    cached = (w.index < w.length)[None]  # (1, C): the cache's rows
-    h_root = head.finish(w.last_g, head.attend(w.last_q, w.k[:C], w.v[:C], cached))
+    q, k, v = head.qkv_rotated(embed(w.pending_ids), w.pending, w.table.index_select(0, w.first + w.pad))
+    slots = w.length + w.pad  # < C: the bucket holds length + pending_rows
+    w.k.index_copy_(0, slots, k)
+    w.v.index_copy_(0, slots, v)
+    last = w.count - 1
+    w.last_q.copy_(q.index_select(0, last))
+    last_g = w.pending.index_select(0, last)
+    position = w.first + last  # the last cached row's: a node of depth d sits at position + d
+    cached = (w.index < w.length + w.count)[None]  # (1, C): the cache's rows
+    h_root = head.finish(last_g, head.attend(w.last_q, w.k[:C], w.v[:C], cached))
     w.hidden[0] = h_root[0]
     ids = torch.log_softmax(head.logits(h_root), dim=-1).topk(plan.width, dim=-1).indices
     w.ranked[0] = ids[0] + head.d2t[ids[0]]
@@ -105,7 +132,7 @@ def draft_window(head, plan, w: Window, embed) -> None:
         grow_e, row = level["expand_e"], level["row"]
         g = w.hidden[level["parent_e"][level["expand"]]]
         n = g.shape[0]
-        cos_sin = w.table.index_select(0, w.position + depth).expand(n, -1)
+        cos_sin = w.table.index_select(0, position + depth).expand(n, -1)
         q, k, v = head.qkv_rotated(embed(level_tokens[level["expand"]]), g, cos_sin)
         end = C + row + n
         w.k[C + row:end] = k
@@ -119,24 +146,30 @@ def draft_window(head, plan, w: Window, embed) -> None:
 
 class StaticDraftGraphs:
     """Static-tree proposals through windows (module docstring): recorded per capacity bucket on
-    CUDA (lazily, at a bucket's first proposal), eager on the CPU or with graphs off."""
+    CUDA (at start), eager on the CPU or with graphs off."""
 
     def __init__(self, head, plan, embed, *, max_positions: int, device: torch.device, use_graphs: bool):
         self.head, self.plan, self.embed, self.device = head, plan, embed, device
         self.use_graphs = use_graphs and device.type == "cuda"
         self.max_depth = len(plan.levels)
-        self.table = head.cos_sin(0, max_positions + self.max_depth + 1)  # rows 0.. of positions
+        # a verify step's features: its root and accepted drafts (more after a prompt: committed eagerly first)
+        self.pending_rows = self.max_depth + 1
+        self.table = head.cos_sin(0, max_positions + self.pending_rows + self.max_depth + 1)  # rows 0.. of positions
         self.windows: dict[int, Window] = {}
         self.pool = None
         self.replays = 0
 
     def fits(self, cache) -> bool:
-        """The window path serves the cache: at most MAX_CAPACITY rows, positions inside the rotary table."""
-        return cache.length <= MAX_CAPACITY and cache.start + cache.length + self.max_depth <= self.table.shape[0]
+        """The window path serves the cache: rows pending, at most MAX_CAPACITY rows with the
+        padding, positions inside the rotary table."""
+        total = cache.length + cache.pending.shape[0] + self.pending_rows
+        return (cache.pending.shape[0] > 0 and total <= MAX_CAPACITY
+                and cache.start + total + self.max_depth <= self.table.shape[0])
 
     def window(self, capacity: int) -> Window:
         if capacity not in self.windows:
-            self.windows[capacity] = Window(self.head, self.plan, capacity, self.table, self.device)
+            self.windows[capacity] = Window(self.head, self.plan, capacity, self.table, self.device,
+                                            self.pending_rows)
         return self.windows[capacity]
 
     @torch.inference_mode()
@@ -144,25 +177,31 @@ class StaticDraftGraphs:
         """Record every bucket a cache of up to ``max_rows`` rows reaches (at engine start, before the
         KV pool takes the free memory: the windows and the graphs' pool are counted as used)."""
         capacity = MIN_CAPACITY
-        while self.use_graphs and capacity <= min(capacity_for(max_rows), MAX_CAPACITY):
+        while self.use_graphs and capacity <= min(capacity_for(max_rows + self.pending_rows), MAX_CAPACITY):
             w = self.window(capacity)
             if w.graph is None:
                 self._record(w)
             capacity *= 2
 
     @torch.inference_mode()
-    def run(self, cache) -> torch.Tensor:
-        """Draft after the cache's root: (nodes,) device tensor of target ids (w.tokens: the next
-        run overwrites it, so a caller keeping it across runs clones it)."""
-        w = self.window(capacity_for(cache.length))
-        w.load(cache)
+    def run(self, cache, tokens: list[int]) -> torch.Tensor:
+        """Commit the cache's pending rows (``fits``; their next tokens in ``tokens``, the sequence's)
+        and draft after its root: (nodes,) device tensor of target ids (w.tokens: the next run
+        overwrites it, so a caller keeping it across runs clones it)."""
+        extra = cache.pending.shape[0] - self.pending_rows
+        if extra > 0:  # after a prompt: all but the last pending_rows rows eagerly
+            cache.commit(self.head, tokens, self.embed, rows=extra)
+        first, n = cache.start + cache.length, cache.pending.shape[0]
+        w = self.window(capacity_for(cache.length + self.pending_rows))
+        w.load(cache, torch.tensor(tokens[first + 1:first + 1 + n]))
         if self.use_graphs and w.graph is None:
             self._record(w)
-        if not self.use_graphs:
+        if self.use_graphs:
+            w.graph.replay()
+            self.replays += 1
+        else:
             draft_window(self.head, self.plan, w, self.embed)
-            return w.tokens
-        w.graph.replay()
-        self.replays += 1
+        w.store(cache)
         return w.tokens
 
     def _record(self, w: Window) -> None:
