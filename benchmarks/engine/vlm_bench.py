@@ -18,9 +18,10 @@ Sections (``--sections``, all by default):
    (engine/vision/encode_queue.py: pending images batched, ``--encode-batch`` at most a forward, on a
    CUDA stream of its own; the queue warmed by an untimed round) and each request is enqueued by a
    thread of the bench as soon as its table exists (the executor runs the earlier ones meanwhile);
-   output tokens/s until the last finishes, encoding included. Beside it the first run's way
-   (batches encoded by the bench's thread on the executor's stream) and the requests with their
-   tables made beforehand (the executor's share). Every run has images of its own (the prefix cache
+   output tokens/s until the last finishes, encoding included. Beside it the same through a queue
+   whose stream has the executor's priority (CUDA; the A/B of engine/executor/device_stream.py), the
+   first run's way (batches encoded by the bench's thread on the executor's stream) and the requests
+   with their tables made beforehand (the executor's share). Every run has images of its own (the prefix cache
    would otherwise skip a re-sent image's prefill; each run reports the blocks it reused). Against (a)
    text-only requests of the same prompt length (386 tokens) through the same executor (goal >=
    0.85x), (b) transformers' Qwen2_5_VLForConditionalGeneration.generate (bf16, sdpa) on the same
@@ -55,6 +56,7 @@ from benchmarks.engine.encdec_bench import run_offline  # noqa: E402
 from benchmarks.engine.engine_bench import drain_offline, iteration_breakdown, profile_executor_loop  # noqa: E402
 from engine.config import BuildConfig, EngineConfig  # noqa: E402
 from engine.convert import model_config_from_hf  # noqa: E402
+from engine.executor.device_stream import TOWER_PRIORITY  # noqa: E402
 from engine.executor.executor import Executor, ExecutorConfig  # noqa: E402
 from engine.executor.load_phases import LOAD_LOG_ENV, load_phase  # noqa: E402
 from engine.executor.mrope_rotary import Mrope  # noqa: E402
@@ -356,19 +358,25 @@ def bench_offline(args, ex, config, encode, encoder, encoder_config, grid, num_r
                 "iterations": iteration_breakdown(ex, since), "prompt_steps": prompt_steps(ex, since),
                 "slow_decode_steps": slow_decode_steps(ex, since), "first_steps": first_steps(ex, since)}
 
-    queue = ImageEncodeQueue(encoder, args.device, max_images=args.encode_batch)
-    try:
-        # Untimed: one round on images of its own, so the queue's stream, its pinned host blocks and the
-        # executor's (gathered rows) exist before the clock starts, as in a server that has served a while
-        with load_phase(f"untimed encode-queue round ({args.requests} requests, 2 output tokens)", args.device):
-            through_queue(args, ex, queue, config, encoder_config, grid, prompts, random_patches(
-                [grid] * args.requests, args.device, seed=4), vocab, 2)
-        entry["image"] = progress("image", through_queue(
-            args, ex, queue, config, encoder_config, grid, prompts,
-            random_patches([grid] * args.requests, args.device, seed=1), vocab, args.output_len))
-        entry["first_images"] = queue.first_images
-    finally:
-        queue.close()
+    def queue_run(name: str, priority: int, seed: int, warm_seed: int) -> None:
+        queue = ImageEncodeQueue(encoder, args.device, max_images=args.encode_batch, priority=priority)
+        try:
+            # Untimed: one round on images of its own, so the queue's stream (its cached device blocks), its pinned
+            # staging and the executor's exist before the clock starts, as in a server that has served a while
+            with load_phase(f"untimed encode-queue round ({args.requests} requests, 2 output tokens)", args.device):
+                through_queue(args, ex, queue, config, encoder_config, grid, prompts, random_patches(
+                    [grid] * args.requests, args.device, seed=warm_seed), vocab, 2)
+            entry[name] = progress(name, through_queue(
+                args, ex, queue, config, encoder_config, grid, prompts,
+                random_patches([grid] * args.requests, args.device, seed=seed), vocab, args.output_len))
+            entry["first_images"] = queue.first_images
+        finally:
+            queue.close()
+
+    queue_run("image", TOWER_PRIORITY, seed=1, warm_seed=4)
+    stream = getattr(ex, "device_stream", None)
+    if stream is not None:  # A/B: the tower's stream at the executor's priority (as before engine/executor/device_stream.py)
+        queue_run("image_equal_priority", stream.priority, seed=5, warm_seed=6)
     entry["image_executor_stream"] = progress("image_executor_stream", with_encoding(
         random_patches([grid] * args.requests, args.device, seed=2)))
     # (c) the same image requests with their tables made before the clock starts: the executor's share
@@ -569,7 +577,9 @@ def markdown(results: dict) -> str:
         lines.append(f"| {name}, encoding included | {o['image']['output_tok_s']:.0f} ({o['image']['seconds']:.2f} s) | "
                      f"text-only {o['prompt_len']}/{o['output_len']}: {o['text']['output_tok_s']:.0f} "
                      f"({o['text']['seconds']:.2f} s) | {o['vs_text']:.2f}x (>= {GOALS['offline_vs_text']}x) |")
-        variants = {"image_executor_stream": f"the same, the tower run by the bench's thread on the executor's stream, "
+        variants = {"image_equal_priority": "the same, the queue's stream at the executor's priority (first come, first "
+                                            "served on the SMs: before engine/executor/device_stream.py)",
+                    "image_executor_stream": f"the same, the tower run by the bench's thread on the executor's stream, "
                                              f"{o['encode_batch']} images a forward, each batch's requests enqueued after "
                                              f"it (the first run's way)",
                     "image_tables_ready": "the image requests with their tables made beforehand (the executor's share)"}
@@ -582,7 +592,7 @@ def markdown(results: dict) -> str:
             hf = ", ".join(f"b{r['batch']}: {r['output_tok_s']:.0f}" for r in o["hf"])
             lines.append(f"| the same against transformers' generate | {o['image']['output_tok_s']:.0f} | {hf} | "
                          f"{o['vs_hf']:.2f}x (>= {GOALS['offline_vs_hf']:.0f}x) |")
-        for kind in ("image", "image_executor_stream", "image_tables_ready", "text"):
+        for kind in ("image", "image_equal_priority", "image_executor_stream", "image_tables_ready", "text"):
             if kind not in o:
                 continue
             it = o[kind]["iterations"]

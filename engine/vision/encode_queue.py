@@ -56,7 +56,7 @@ class _Launched:
 
 class ImageEncodeQueue:
     def __init__(self, encoder: torch.nn.Module, device: str | torch.device, max_images: int = 32,
-                 first_images: int = 8):
+                 first_images: int = 8, priority: int = TOWER_PRIORITY):
         self.encoder = encoder
         self.device = torch.device(device)
         self.max_images = max_images
@@ -64,8 +64,8 @@ class ImageEncodeQueue:
         # are ready after a small forward (~28 ms for 8 images at 448 x 448 on an H200, against ~93 ms for 32),
         # so the executor starts on them while the next, full forwards run
         self.first_images = min(first_images, max_images)
-        # (the lowest priority: the executor's steps get free SMs first, engine/executor/device_stream.py)
-        self.stream = torch.cuda.Stream(self.device, priority=TOWER_PRIORITY) if self.device.type == "cuda" else None
+        # (by default the lowest priority: the executor's steps get free SMs first, engine/executor/device_stream.py)
+        self.stream = torch.cuda.Stream(self.device, priority=priority) if self.device.type == "cuda" else None
         # Per pipeline slot (forward k uses slot k % 2; slot k % 2 is reused only after _complete(k)):
         # {"rows" | "patches" (CUDA): a flat buffer, pinned on CUDA}, grown on demand
         self._staging: list[dict[str, torch.Tensor]] = [{}, {}]
