@@ -42,8 +42,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: engine, kernels, benchmarks
 
-from benchmarks.common import (command_line, free_device_memory, git_commit, machine_summary, print_table,  # noqa: E402
-                               sync, timed_generate, utc_now)
+from benchmarks.common import (command_line, environment_set, free_device_memory, git_commit,  # noqa: E402
+                               machine_summary, print_table, sync, timed_generate, utc_now)
 from benchmarks.engine.engine_bench import drain_offline, iteration_breakdown  # noqa: E402
 from benchmarks.engine.hybrid_bench import copy_bandwidth  # noqa: E402
 from engine.config import BuildConfig, EngineConfig  # noqa: E402
@@ -339,8 +339,8 @@ def _bench_whisper_step(args, bandwidth: float) -> dict:
     entry = time_whisper_step(args, bandwidth, runner, encoder_len, cross, "whisper_step_profile.txt")
     if args.step_variants:
         entry["variants"] = {}
-        saved = {name: os.environ.get(name) for switches in STEP_VARIANTS.values() for name in switches}
-        try:
+        every_switch = {name: "" for switches in STEP_VARIANTS.values() for name in switches}
+        with environment_set(every_switch):  # (as they were, after)
             for name in args.step_variants:
                 os.environ.update(STEP_VARIANTS[name])
                 runner.decode_graphs = None
@@ -351,23 +351,16 @@ def _bench_whisper_step(args, bandwidth: float) -> dict:
                 if runner.decode_graphs is None and fused_decode.enabled(fused_decode.FUSED_ENV):
                     fused_decode.prepare(runner.model)  # CPU (no graphs): the eager steps take the fused layer
                 capture = time.perf_counter() - started
-                entry["variants"][name] = {**time_whisper_step(args, bandwidth, runner, encoder_len, cross,
-                                                               f"whisper_step_{name}_profile.txt"),
-                                           "switches": STEP_VARIANTS[name], "capture_seconds": capture}
-                v = entry["variants"][name]  # (one line each: a run cut short still shows the variants done)
+                entry["variants"][name] = v = {**time_whisper_step(args, bandwidth, runner, encoder_len, cross,
+                                                                   f"whisper_step_{name}_profile.txt"),
+                                               "switches": STEP_VARIANTS[name], "capture_seconds": capture}
+                # one line each: a run cut short still shows the variants done
                 kernels = v["profile"].get("kernels_per_call") if isinstance(v.get("profile"), dict) else None
                 wide = {key: round(value, 3) for key, value in v.items() if key.startswith("replay_ms_b")}
+                default = {key: round(value, 3) for key, value in entry.items() if key.startswith("replay_ms")}
                 print(f"whisper_step {name}: step {v['step_ms_median']:.3f} ms, replay {v.get('replay_ms', 0):.3f} ms, "
                       f"{kernels} kernels, capture {capture:.1f} s, {wide} (default: step {entry['step_ms_median']:.3f} "
-                      f"ms, replay {entry.get('replay_ms', 0):.3f} ms, "
-                      f"{ {k: round(x, 3) for k, x in entry.items() if k.startswith('replay_ms_b')} })",
-                      file=sys.stderr, flush=True)
-        finally:
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
+                      f"ms, {default})", file=sys.stderr, flush=True)
     del runner
     free_device_memory(args.device)
     return entry
