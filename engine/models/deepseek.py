@@ -62,12 +62,13 @@ from kernels.fp8 import FP8_DTYPE
 from kernels.fp8_block import blocks, dequantize_blocks
 from kernels.fused_moe import fused_moe, moe_forward
 from kernels.fused_moe_fp8 import fused_moe_fp8, moe_forward_fp8
-from kernels.mla_attention import mla_attention, write_latent_cache
+from kernels.mla_attention import mla_attention
 from kernels.mla_expanded import expanded_min_tokens, mla_expanded_prefill, split_long
+from kernels.mla_latent_write import latent_rope_write
 from kernels.moe_grouped_routing import route_grouped
 from kernels.moe_router import MAX_TOKENS as ROUTER_MAX_TOKENS, route_decode
 from kernels.rmsnorm import rms_norm
-from kernels.rotary import apply_rotary, build_cos_sin_cache
+from kernels.rotary import build_cos_sin_cache
 
 
 EXPANDED_TOKENS_ENV = "TRITONLLM_MLA_EXPANDED_TOKENS"
@@ -199,14 +200,11 @@ class MlaAttention(nn.Module):
         if hasattr(self, "q_b_proj"):
             q = self.q_b_proj(rms_norm(q, self.q_a_norm.weight, self.eps)[0])
         q = q.view(-1, self.num_heads, self.nope + self.rope)
-        # (strided views: the rotary kernel rotates them in place by their strides, and the attention and
-        # latent-write kernels read them so; a copy of each was a launch a layer)
-        q_nope, q_rope = q[..., :self.nope], q[..., self.nope:]
-        latent, k_rope = kv.split([self.rank, self.rope], dim=-1)
-        latent = rms_norm(latent, self.kv_a_norm.weight, self.eps)[0]
-        q_rope, k_rope = apply_rotary(q_rope, k_rope.unsqueeze(1), positions, cos_sin_cache)
+        q_nope, q_rope = q[..., :self.nope], q[..., self.nope:]  # strided views (no copies)
         cache = kv_cache[self.layer_index, 0, :, :, 0]  # (num_blocks, tokens_per_block, R + P)
-        write_latent_cache(latent, k_rope.squeeze(1), cache, meta.slot_mapping)
+        # kv_a_norm of the latent, rope of q_rope (in place) and of k_r, [c | k_r] into the pool: one launch
+        q_rope = latent_rope_write(q_rope, kv, self.kv_a_norm.weight, self.eps, positions, cos_sin_cache, cache,
+                                   meta.slot_mapping)
         long, short_rows, short_meta = split_long(meta, self.expanded_min_tokens)
         if not long:
             out = self._absorbed(q_nope, q_rope, cache, meta)
