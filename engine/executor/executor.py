@@ -54,7 +54,7 @@ from engine.executor.overlap import (
     InFlightStep, TokenTransfer, needs_tokens_on_host, pinned_token_buffers, placeholder,
 )
 from engine.executor.request import (
-    FinishReason, Request, RequestLimits, RequestState, Response, Sequence, SequenceStatus, normalize_with_cache_keys,
+    FinishReason, Request, RequestLimits, RequestState, Response, Sequence, SequenceStatus, normalize_all,
     now_ns, validate_request,
 )
 from engine.tensor_parallel.step_protocol import RankFailureError
@@ -297,7 +297,7 @@ class Executor:
         if request_ids is not None and len(request_ids) != len(requests):
             raise ValueError(f"{len(request_ids)} request_ids for {len(requests)} requests")
         ids, errors = [], []
-        prepared = [normalize_with_cache_keys(request, self.limits.vocab_size) for request in requests]  # unlocked
+        prepared = normalize_all(requests, self.limits.vocab_size)  # unlocked (digests of several tables at once)
         with self._cv:
             for index, (request, cache_keys, failure) in enumerate(prepared):
                 request_id = next(self._ids) if request_ids is None else request_ids[index]

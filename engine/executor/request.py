@@ -13,7 +13,9 @@ from __future__ import annotations
 import enum
 import math
 import operator
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -577,6 +579,30 @@ def _normalized_output(output: OutputConfig) -> OutputConfig:
     except TypeError:
         raise TypeError(f"num_top_log_probs must be an integer in 0..{MAX_TOP_LOG_PROBS}, got {k!r}") from None
     return replace(output, num_top_log_probs=k, return_log_probs=bool(output.return_log_probs or k))
+
+
+DIGEST_THREADS = min(8, os.cpu_count() or 1)
+_digest_pool: ThreadPoolExecutor | None = None
+
+
+def _forget_digest_pool() -> None:  # a forked child has none of the parent's threads: it makes its own pool
+    global _digest_pool
+    _digest_pool = None
+
+
+os.register_at_fork(after_in_child=_forget_digest_pool)
+
+
+def normalize_all(requests: list[Request], vocab_size: int) -> list[tuple[Request, tuple | None, Exception | None]]:
+    """normalize_with_cache_keys of each request, in order. Several requests with prompt tables in one call (a
+    burst of images whose tables one encode-queue forward made, a Triton batch): their digests on up to
+    DIGEST_THREADS threads at once (hashlib releases the GIL), so the last of 32 tables is not ~85 ms later."""
+    global _digest_pool
+    if DIGEST_THREADS < 2 or sum(getattr(r, "prompt_table", None) is not None for r in requests) < 2:
+        return [normalize_with_cache_keys(request, vocab_size) for request in requests]
+    if _digest_pool is None:
+        _digest_pool = ThreadPoolExecutor(DIGEST_THREADS, thread_name_prefix="prompt-table-digest")
+    return list(_digest_pool.map(lambda request: normalize_with_cache_keys(request, vocab_size), requests))
 
 
 def normalize_with_cache_keys(request: Request, vocab_size: int) -> tuple[Request, tuple | None, Exception | None]:

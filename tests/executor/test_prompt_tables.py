@@ -96,6 +96,29 @@ def test_prefix_cache_keys_table_blocks_by_content(tiny_engine, tiny_hf, monkeyp
     assert extra[-1].result.perf.kv_cache_reused_blocks == 1  # another extra id: another image
 
 
+def test_tables_enqueued_together_are_digested_on_several_threads_in_order(monkeypatch):
+    """request.py normalize_all: a call with several tables hashes them at once (hashlib releases the GIL),
+    each request keeping its own keys, in order; a call with one table stays on the caller's thread."""
+    import threading
+
+    from engine.executor import request as request_module
+    from engine.executor.prompt_table import prompt_cache_keys
+
+    threads = []
+    monkeypatch.setattr(request_module, "DIGEST_THREADS", 2)
+    monkeypatch.setattr(request_module, "prompt_cache_keys", lambda *a: threads.append(
+        threading.current_thread().name) or prompt_cache_keys(*a))
+    requests = [Request(image_prompt(), 4, prompt_table=PromptTable(image_table(seed))) for seed in (5, 6, 5)]
+    prepared = request_module.normalize_all([*requests[:2], Request([3, 17], 4), requests[2]], VOCAB)
+    assert [p[2] for p in prepared] == [None] * 4 and prepared[2][1] is None
+    keys = [p[1][2] for i, p in enumerate(prepared) if i != 2]
+    assert keys[0] == keys[2] != keys[1]  # each its own table's digests (5, 6, 5)
+    assert all(name.startswith("prompt-table-digest") for name in threads) and len(threads) == 3
+    threads.clear()
+    request_module.normalize_all(requests[:1], VOCAB)
+    assert threads == [threading.current_thread().name]
+
+
 def test_prefix_cache_keys_each_image_by_its_own_rows(tiny_engine, tiny_hf):
     # Two images: A (rows 0-7) and B (rows 8-15), 29 tokens = 7 full blocks of 4:
     # text | A A | text | B B | text. Keys are per image, so (A, C) reuses the blocks through A and
