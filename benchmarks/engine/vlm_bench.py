@@ -476,10 +476,13 @@ def allocator_counts(device: str, since: dict | None = None) -> dict:
     synchronization of every stream of the device. {} off CUDA."""
     if torch.device(device).type != "cuda":
         return {}
-    host, dev = torch.cuda.host_memory_stats(), torch.cuda.memory_stats(device)
-    now = {"pinned_host_allocs": host.get("num_host_alloc", 0), "device_mallocs": dev.get("segment.all.allocated", 0),
-           "device_alloc_retries": dev.get("num_alloc_retries", 0)}
-    return now if since is None else {name: value - since.get(name, 0) for name, value in now.items()}
+    stats = getattr(torch.cuda, "host_memory_stats", None)  # (torch >= 2.7)
+    host, dev = (stats() if stats is not None else {}), torch.cuda.memory_stats(device)
+    now = {"pinned_host_allocs": host.get("num_host_alloc"), "device_mallocs": dev.get("segment.all.allocated"),
+           "device_alloc_retries": dev.get("num_alloc_retries")}  # (None: this torch does not count it)
+    if since is None:
+        return now
+    return {name: None if value is None or since.get(name) is None else value - since[name] for name, value in now.items()}
 
 
 def slow_decode_steps(ex, since_ns: int) -> list[list]:
