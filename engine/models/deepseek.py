@@ -62,6 +62,7 @@ from kernels.fp8 import FP8_DTYPE
 from kernels.fp8_block import blocks, dequantize_blocks
 from kernels.fused_moe import fused_moe, moe_forward
 from kernels.fused_moe_fp8 import fused_moe_fp8, moe_forward_fp8
+from kernels.head_matmul import head_matmul
 from kernels.mla_attention import mla_attention
 from kernels.mla_expanded import expanded_min_tokens, mla_expanded_prefill, split_long
 from kernels.mla_latent_write import latent_rope_write
@@ -221,9 +222,10 @@ class MlaAttention(nn.Module):
     def _absorbed(self, q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
                   meta: AttentionMetadata) -> torch.Tensor:
         """(T, H, N), (T, H, P) -> (T, H, V): W_UK into the query, attention over the latents, W_UV after."""
-        q_latent = torch.einsum("thn,hnr->thr", q_nope, self.w_uk)  # (T, H, R)
+        # (kernels/head_matmul.py: one Triton launch each at decode sizes, else torch.einsum)
+        q_latent = head_matmul(q_nope, self.w_uk)  # (T, H, N) @ (H, N, R) -> (T, H, R)
         out_latent = mla_attention(q_latent, q_rope, cache, meta, self.scale)
-        return torch.einsum("thr,hvr->thv", out_latent, self.w_uv)  # (T, H, V)
+        return head_matmul(out_latent, self.w_uv.transpose(1, 2))  # (T, H, R) @ (H, R, V) -> (T, H, V)
 
 
 class DeepseekExperts(nn.Module):
