@@ -33,6 +33,8 @@ class LayerTaps:
         def hook(module, inputs, output):
             x, adds = output
             x = apply_scales(x)  # (a tensor: itself)
+            if x.dim() == 3:  # unsummed expert rows (T, parts, hidden), which the next norm sums: summed alike
+                x = x.sum(dim=1)
             if isinstance(adds, torch.Tensor):
                 x = x + adds
             elif adds:
