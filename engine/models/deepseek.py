@@ -265,8 +265,9 @@ class DeepseekExperts(nn.Module):
             self.shared_down_proj = Linear(shared_local, hidden, bias=False, **linear)
             self.shared = True
         # init_buffers: (gate_up (E + S, 2 I_r, hidden), down (E + S, hidden, I_r)), the routed experts
-        # followed by the S = n_shared_experts shared ones cut to the routed width; None: not appended.
-        self.with_shared: tuple[torch.Tensor, torch.Tensor] | None = None
+        # followed by the S = n_shared_experts shared ones cut to the routed width, and for block-FP8
+        # experts their block scales (gate_up_scale, down_scale) likewise; None: not appended.
+        self.with_shared: tuple[torch.Tensor, ...] | None = None
         self.num_shared = c.n_shared_experts or 0
 
     @torch.no_grad()
@@ -276,27 +277,35 @@ class DeepseekExperts(nn.Module):
         them as S more experts every token chooses with weight 1 (kernels/moe_router.py's shared slots)
         in the same two grouped GEMMs, not as two more GEMMs, an activation and an add. The routed
         parameters become views of the new tensors (no second copy); the shared Linears stay for
-        longer steps. Model-dtype experts on one expert-parallel rank only (block-FP8 keeps its path)."""
+        longer steps. On one expert-parallel rank; block-FP8 experts where I is a whole number of
+        128-wide scale blocks (DeepSeek's: V2-Lite 1408, V3 2048) and the shared experts are FP8 too."""
         if self.with_shared is not None or not self.shared or self.ep_size > 1:
             return
-        gate_up, down = self.gate_up_proj, self.down_proj
-        num_experts, two_inter, hidden = gate_up.shape
+        num_experts, two_inter, hidden = self.gate_up_proj.shape
         inter, shared = two_inter // 2, self.num_shared
-        shared_gate_up, shared_down = self.shared_gate_up_proj.weight, self.shared_down_proj.weight
-        if (gate_up.dtype == FP8_DTYPE or shared_gate_up.dtype != gate_up.dtype or shared_down.dtype != down.dtype
-                or shared_down.shape != (hidden, shared * inter)):
+        shared_gate_up, shared_down = self.shared_gate_up_proj, self.shared_down_proj
+        fp8 = self.gate_up_proj.dtype == FP8_DTYPE
+        if (shared_gate_up.weight.dtype != self.gate_up_proj.dtype or shared_down.weight.dtype != self.down_proj.dtype
+                or shared_down.weight.shape != (hidden, shared * inter) or (fp8 and inter % 128)):
             return
-        all_gate_up = gate_up.new_empty(num_experts + shared, two_inter, hidden)
-        all_gate_up[:num_experts] = gate_up
-        # shared rows [gate (S * I) | up (S * I)] -> expert j: [gate run j | up run j]
-        all_gate_up[num_experts:] = shared_gate_up.view(2, shared, inter, hidden).transpose(0, 1).reshape(
-            shared, two_inter, hidden)
-        all_down = down.new_empty(num_experts + shared, hidden, inter)
-        all_down[:num_experts] = down
-        all_down[num_experts:] = shared_down.view(hidden, shared, inter).transpose(0, 1)
-        self.gate_up_proj = nn.Parameter(all_gate_up[:num_experts], requires_grad=False)
-        self.down_proj = nn.Parameter(all_down[:num_experts], requires_grad=False)
-        self.with_shared = (all_gate_up, all_down)
+        # shared rows [gate (S * I) | up (S * I)] -> expert j: [gate run j | up run j]; down columns run j
+        # (block scales alike, in 128-row / 128-column blocks: I / 128 of them a run)
+        runs = inter // 128 if fp8 else inter
+        tensors = [("gate_up_proj", shared_gate_up.weight.view(2, shared, inter, hidden).transpose(0, 1)),
+                   ("down_proj", shared_down.weight.view(hidden, shared, inter).transpose(0, 1))]
+        if fp8:
+            gu_scale, d_scale = shared_gate_up.weight_scale, shared_down.weight_scale
+            tensors += [("gate_up_proj_scale", gu_scale.view(2, shared, runs, gu_scale.shape[1]).transpose(0, 1)),
+                        ("down_proj_scale", d_scale.view(d_scale.shape[0], shared, runs).transpose(0, 1))]
+        merged = []
+        for name, appended in tensors:
+            routed = getattr(self, name)
+            both = routed.new_empty(num_experts + shared, *routed.shape[1:])
+            both[:num_experts] = routed
+            both[num_experts:] = appended.reshape(shared, *routed.shape[1:])
+            setattr(self, name, nn.Parameter(both[:num_experts], requires_grad=False))
+            merged.append(both)
+        self.with_shared = tuple(merged)
 
     def forward(self, x: torch.Tensor, padding: torch.Tensor | None = None) -> torch.Tensor:
         """x (T, hidden); padding (T, 1) bool: rows of no sequence (graph_padding_rows), routed as row 0.
@@ -322,7 +331,11 @@ class DeepseekExperts(nn.Module):
         shared = self.with_shared is not None
         weights, ids = route_decode(x, self.router.weight, self.top_k, self.method, score_bias=self.score_bias,
                                     num_shared=self.num_shared if shared else 0, padding=padding, **self.routing)
-        if shared:
+        if shared and len(self.with_shared) == 4:  # block-FP8
+            gate_up, down, gate_up_scale, down_scale = self.with_shared
+            out = fused_moe_fp8(x, gate_up, gate_up_scale, down, down_scale, weights, ids,
+                                sum_experts=self.tp_group is None)
+        elif shared:
             out = fused_moe(x, *self.with_shared, weights, ids, sum_experts=self.tp_group is None)
         else:
             out = self._experts(x, weights, ids)

@@ -44,7 +44,7 @@ def tiny_deepseek(version: str, seed: int = 0, **changes) -> torch.nn.Module:
                                                n_group=4, topk_group=2, num_mtp_layers=0, rope_parameters=_YARN)
         model_class = transformers.DeepseekV3ForCausalLM
     else:
-        config = transformers.DeepseekV2Config(**_COMMON, q_lora_rank=None, n_shared_experts=2, topk_method="greedy",
+        config = transformers.DeepseekV2Config(**{**_COMMON, **changes}, q_lora_rank=None, n_shared_experts=2, topk_method="greedy",
                                                norm_topk_prob=False, routed_scaling_factor=1.0)
         model_class = transformers.DeepseekV2ForCausalLM
     config._attn_implementation = "eager"
@@ -306,6 +306,38 @@ def add_mtp_layer_copying_layer_1(checkpoint: str) -> None:
     config["num_nextn_predict_layers"] = 1
     with open(config_path, "w") as f:
         json.dump(config, f)
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8_block"])
+def test_shared_experts_appended_to_the_routed_ones_give_the_same_layer(quantization):
+    """DeepseekExperts.init_buffers: the shared SwiGLU cut into S experts of the routed width (block-FP8
+    scales too: I = 128, one scale block a run) and chosen with weight 1 gives the layer's output of
+    the separate shared Linears, at decode sizes (the path that reads them)."""
+    from engine.models.deepseek import DeepseekExperts
+    from kernels.fp8_block import quantize_blocks
+
+    hf = tiny_deepseek("v2", hidden_size=128, moe_intermediate_size=128)
+    cfg = model_config_from_hf(hf.config)
+    experts = DeepseekExperts(cfg, tp_size=1, tp_group=None, dtype=torch.float32, device="cpu",
+                              quantization=quantization)
+    gen = torch.Generator().manual_seed(0)
+    for name, p in experts.named_parameters():
+        values = torch.randn(p.shape, generator=gen) * 0.1
+        if p.dtype == torch.float8_e4m3fn:
+            scale = dict(experts.named_parameters())[name.removesuffix(".weight") + ".weight_scale"
+                                                     if name.endswith(".weight") else name + "_scale"]
+            codes, block_scales = quantize_blocks(values)
+            p.data.copy_(codes)
+            scale.data.copy_(block_scales)
+        elif not name.endswith("scale"):
+            p.data.copy_(values)
+    x = torch.randn(3, 128, generator=gen)
+    apart = experts(x)
+    experts.init_buffers()
+    assert experts.with_shared is not None and experts.with_shared[0].shape[0] == cfg.num_experts + 2
+    assert experts.gate_up_proj.data_ptr() == experts.with_shared[0].data_ptr()  # a view, not a copy
+    together = experts(x)
+    assert (together - apart).abs().max().item() < 1e-5 * apart.abs().max().item()  # (measured ~1e-7 relative)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1 (~10 s)")
