@@ -52,7 +52,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: en
 
 from benchmarks.common import (command_line, free_device_memory, git_commit, machine_summary, print_table,  # noqa: E402
                                sync, timed_generate, utc_now)
-from benchmarks.engine.encdec_bench import run_offline  # noqa: E402
 from benchmarks.engine.engine_bench import drain_offline, iteration_breakdown, profile_executor_loop  # noqa: E402
 from engine.config import BuildConfig, EngineConfig  # noqa: E402
 from engine.convert import model_config_from_hf  # noqa: E402
@@ -72,6 +71,7 @@ SECTIONS = ["encoder", "ttft", "offline"]
 GOALS = {"offline_vs_text": 0.85, "offline_vs_hf": 5.0}
 PATCH, MERGE, TEMPORAL = 14, 2, 2
 MIN_PIXELS, MAX_PIXELS = 3136, 12845056  # Qwen2.5-VL-7B-Instruct's preprocessor_config.json
+WARM_TOKENS = 32  # output tokens a request in the first untimed encode-queue round (bench_offline)
 
 
 def hf_config(device: str):
@@ -358,14 +358,15 @@ def bench_offline(args, ex, config, encode, encoder, encoder_config, grid, num_r
                 "iterations": iteration_breakdown(ex, since), "prompt_steps": prompt_steps(ex, since),
                 "slow_decode_steps": slow_decode_steps(ex, since), "first_steps": first_steps(ex, since)}
 
-    def queue_run(name: str, priority: int, seed: int, warm_seed: int) -> None:
+    def queue_run(name: str, priority: int, seed: int, warm_seed: int, warm_tokens: int) -> None:
         queue = ImageEncodeQueue(encoder, args.device, max_images=args.encode_batch, priority=priority)
         try:
             # Untimed: one round on images of its own, so the queue's stream (its cached device blocks), its pinned
             # staging and the executor's exist before the clock starts, as in a server that has served a while
-            with load_phase(f"untimed encode-queue round ({args.requests} requests, 2 output tokens)", args.device):
+            with load_phase(f"untimed encode-queue round ({args.requests} requests, {warm_tokens} output tokens)",
+                            args.device):
                 through_queue(args, ex, queue, config, encoder_config, grid, prompts, random_patches(
-                    [grid] * args.requests, args.device, seed=warm_seed), vocab, 2)
+                    [grid] * args.requests, args.device, seed=warm_seed), vocab, warm_tokens)
             entry[name] = progress(name, through_queue(
                 args, ex, queue, config, encoder_config, grid, prompts,
                 random_patches([grid] * args.requests, args.device, seed=seed), vocab, args.output_len))
@@ -373,10 +374,15 @@ def bench_offline(args, ex, config, encode, encoder, encoder_config, grid, num_r
         finally:
             queue.close()
 
-    queue_run("image", TOWER_PRIORITY, seed=1, warm_seed=4)
+    # The first untimed round decodes WARM_TOKENS tokens a request (2 before 2026-11-29 17:00): every request still
+    # decodes while the last prompts run, so the timed run's step shapes (decode rows beside prompt tokens up to
+    # 112, decode-only steps of 128 rows) are in the executor's stream's cached blocks before the clock starts.
+    # With 2 (the 16:17 H200 run) the timed image run made 4 device segments (cudaMalloc: it waits for the
+    # whole device, the tower's forward included; a 288 ms step) and the runs after it none.
+    queue_run("image", TOWER_PRIORITY, seed=1, warm_seed=4, warm_tokens=min(WARM_TOKENS, args.output_len))
     stream = getattr(ex, "device_stream", None)
     if stream is not None:  # A/B: the tower's stream at the executor's priority (as before engine/executor/device_stream.py)
-        queue_run("image_equal_priority", stream.priority, seed=5, warm_seed=6)
+        queue_run("image_equal_priority", stream.priority, seed=5, warm_seed=6, warm_tokens=2)  # (executor warm by now)
     entry["image_executor_stream"] = progress("image_executor_stream", with_encoding(
         random_patches([grid] * args.requests, args.device, seed=2)))
     # (c) the same image requests with their tables made before the clock starts: the executor's share
@@ -414,7 +420,7 @@ def through_queue(args, ex, queue: ImageEncodeQueue, config, encoder_config, gri
     per_image = grid[0] * grid[1] * grid[2]
     started = time.perf_counter()
     futures = [queue.submit(patches[i * per_image:(i + 1) * per_image], [grid]) for i in range(args.requests)]
-    failed, ready_at = [], []
+    failed, ready_at, enqueue_s = [], [], []
 
     def enqueue() -> None:
         index = 0
@@ -425,8 +431,11 @@ def through_queue(args, ex, queue: ImageEncodeQueue, config, encoder_config, gri
                 while ready[-1] + 1 < len(futures) and futures[ready[-1] + 1].done():
                     ready.append(ready[-1] + 1)
                 ready_at.append(time.perf_counter() - started)
-                ex.enqueue_requests(image_requests(config, encoder_config, [futures[i].result() for i in ready], grid,
-                                                   [prompts[i] for i in ready], vocab, output_len))
+                requests = image_requests(config, encoder_config, [futures[i].result() for i in ready], grid,
+                                          [prompts[i] for i in ready], vocab, output_len)
+                t0 = time.perf_counter()
+                ex.enqueue_requests(requests)
+                enqueue_s.append(time.perf_counter() - t0)
                 index = ready[-1] + 1
         except BaseException as error:  # the drain below raises it
             failed.append(error)
@@ -438,6 +447,7 @@ def through_queue(args, ex, queue: ImageEncodeQueue, config, encoder_config, gri
     thread.join()
     return {"seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds,
             "tables_ready_s": ready_at[-1], "first_table_s": ready_at[0], "enqueue_calls": len(ready_at),
+            "enqueue_ms": {"total": round(sum(enqueue_s) * 1e3, 1), "max": round(max(enqueue_s) * 1e3, 1)},
             "reused_blocks": reused_blocks(ex) - reused, "allocations": allocator_counts(args.device, allocations),
             "iterations": iteration_breakdown(ex, since), "prompt_steps": prompt_steps(ex, since),
             "slow_decode_steps": slow_decode_steps(ex, since), "first_steps": first_steps(ex, since)}
@@ -501,7 +511,8 @@ def progress(name: str, run: dict) -> dict:
     it = run["iterations"]
     print(f"offline {name}: {run['output_tok_s']:.0f} tok/s ({run['seconds']:.2f} s), prompt-token iterations "
           f"{it['context_seconds']:.2f} s ({it['context_iterations']}), decode-only {it['decode_seconds']:.2f} s "
-          f"({it['decode_iterations']}), reused blocks {run.get('reused_blocks')}"
+          f"({it['decode_iterations']}), outside iterations {run['seconds'] - it['context_seconds'] - it['decode_seconds']:.2f} s"
+          f" (enqueue calls {run.get('enqueue_ms')} ms), reused blocks {run.get('reused_blocks')}"
           + (f", tables ready from {run['first_table_s']:.3f} to {run['tables_ready_s']:.3f} s, "
              f"{run['enqueue_calls']} enqueue calls" if "tables_ready_s" in run else "")
           + f"; prompt steps [ms, prompt tokens, decode rows]: {run.get('prompt_steps')}; decode-only steps over twice "
@@ -520,8 +531,13 @@ def timed_offline(ex, requests: list[Request]) -> dict:
     """All ``requests`` enqueued at once: seconds until the last finished, output tokens and tok/s, and
     the executor's iteration breakdown over them."""
     since, allocations = time.time_ns(), allocator_counts(str(ex.runner.device))
-    seconds, tokens = run_offline(ex, requests)
+    started = time.perf_counter()
+    ex.enqueue_requests(requests)
+    enqueued = time.perf_counter() - started
+    tokens = drain_offline(ex, len(requests))
+    seconds = time.perf_counter() - started
     return {"seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds,
+            "enqueue_ms": {"total": round(enqueued * 1e3, 1), "max": round(enqueued * 1e3, 1)},
             "allocations": allocator_counts(str(ex.runner.device), allocations),
             "iterations": iteration_breakdown(ex, since), "prompt_steps": prompt_steps(ex, since),
             "slow_decode_steps": slow_decode_steps(ex, since)}
@@ -611,7 +627,8 @@ def markdown(results: dict) -> str:
                 extra += f"prefix-cache blocks reused {o[kind]['reused_blocks']}; "
             lines += ["", f"Offline {kind.replace('_', ' ')} run: {extra}iterations with prompt tokens {it['context_seconds']:.2f} s "
                       f"({it['context_iterations']}), decode-only {it['decode_seconds']:.2f} s "
-                      f"({it['decode_iterations']}){step}{replay}."]
+                      f"({it['decode_iterations']}), outside them {o[kind]['seconds'] - it['context_seconds'] - it['decode_seconds']:.2f} s"
+                      f"{step}{replay}."]
     replays = [(name, (results.get(name) or {}).get("table_twin_replays")) for name in ("ttft", "offline")]
     if any(count is not None for _, count in replays):
         lines += ["", "Steps with image / M-RoPE rows that replayed the prefill graphs' table twins: " + ", ".join(

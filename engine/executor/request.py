@@ -15,7 +15,7 @@ import math
 import operator
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -301,8 +301,8 @@ class Sequence:
         self.num_registered_blocks = 0  # block_ids[:n] are findable by hash (or reuse is off)
         self.num_window_freed_blocks = 0  # block_ids[:n] are FREED_BLOCK (left the attention window)
         # With a prompt table: the prompt as the prefix cache keys it (fake ids -> table content;
-        # engine/executor/prompt_table.py); None: token_ids themselves.
-        self.prompt_cache_keys: list | None = None
+        # engine/executor/prompt_table.py); None: token_ids themselves. May be set to a Future of them.
+        self._prompt_cache_keys: list | Future | None = None
         self.status = SequenceStatus.WAITING
         self.finish_reason = FinishReason.NOT_FINISHED
         self.arrival_order = 0  # set by the scheduler; preemption picks the largest (newest)
@@ -326,6 +326,19 @@ class Sequence:
         self.draft_probs = None  # (len(draft_token_ids), vocab) on the CPU: the law a draft model drew them from
         self.draft_acceptance_threshold: float | None = None  # sampled drafts without logits (acceptance.py)
         self.draft_parents: list[int] | None = None  # drafts as a token tree (engine/executor/tree_batch.py); None: a chain
+
+    @property
+    def prompt_cache_keys(self) -> list | None:
+        """The keys; a Future set at admission (request.py normalize_all digests tables off the enqueuing call)
+        is waited for here, on first read: the prefix cache's, when the scheduler first gives the sequence blocks."""
+        keys = self._prompt_cache_keys
+        if isinstance(keys, Future):
+            keys = self._prompt_cache_keys = keys.result()
+        return keys
+
+    @prompt_cache_keys.setter
+    def prompt_cache_keys(self, keys: list | Future | None) -> None:
+        self._prompt_cache_keys = keys
 
     @property
     def request_id(self) -> int:
@@ -594,34 +607,49 @@ os.register_at_fork(after_in_child=_forget_digest_pool)
 
 
 def normalize_all(requests: list[Request], vocab_size: int) -> list[tuple[Request, tuple | None, Exception | None]]:
-    """normalize_with_cache_keys of each request, in order. Several requests with prompt tables in one call (a
-    burst of images whose tables one encode-queue forward made, a Triton batch): their digests on up to
-    DIGEST_THREADS threads at once (hashlib releases the GIL), so the last of 32 tables is not ~85 ms later."""
+    """normalize_with_cache_keys of each request, in order, except that a prompt table's keys come back as a
+    Future: its digests (SHA-256 over the rows, ~2.7 ms a 448 x 448 image; hashlib releases the GIL) run on up
+    to DIGEST_THREADS threads, in submission order, and the caller does not wait for them. The executor admits
+    the request at once and the prefix cache waits only where it first reads that sequence's keys
+    (Sequence.prompt_cache_keys, when the scheduler first gives it blocks): 128 tables enqueued together no
+    longer hold the first step back by all 128 digests (the H200's "tables ready" run: ~0.35 s before any step)."""
     global _digest_pool
-    if DIGEST_THREADS < 2 or sum(getattr(r, "prompt_table", None) is not None for r in requests) < 2:
-        return [normalize_with_cache_keys(request, vocab_size) for request in requests]
-    if _digest_pool is None:
-        _digest_pool = ThreadPoolExecutor(DIGEST_THREADS, thread_name_prefix="prompt-table-digest")
-    return list(_digest_pool.map(lambda request: normalize_with_cache_keys(request, vocab_size), requests))
+    prepared = []
+    for request in requests:
+        try:
+            request = normalize_request(request)
+        except (TypeError, ValueError, AttributeError) as err:
+            prepared.append((request, None, err))
+            continue
+        if request.prompt_table is None:
+            prepared.append((request, None, None))
+            continue
+        if _digest_pool is None:
+            _digest_pool = ThreadPoolExecutor(max(1, DIGEST_THREADS), thread_name_prefix="prompt-table-digest")
+        keys = _digest_pool.submit(_keys_or_none, request.input_token_ids, request.prompt_table, vocab_size)
+        prepared.append((request, (request.input_token_ids, request.prompt_table, keys), None))
+    return prepared
+
+
+def _keys_or_none(prompt: list[int], table: PromptTable, vocab_size: int) -> list | None:
+    try:
+        return prompt_cache_keys(prompt, table, vocab_size)
+    except (IndexError, RuntimeError, TypeError, ValueError):  # a table that does not fit: validation names it
+        return None
 
 
 def normalize_with_cache_keys(request: Request, vocab_size: int) -> tuple[Request, tuple | None, Exception | None]:
     """(normalize_request's copy, its prefix-cache keys when it has a prompt table, None) or (request,
-    None, the error normalizing raised). The executor runs this before taking its lock: the keys hash
-    each image's rows (SHA-256, ~2.7 ms for a 448 x 448 image's 256 rows of 3,584; hashlib releases
-    the GIL), which then cost the executor's thread nothing. Keys as (ids, table, keys): _admit uses
-    them while the request still holds that ids list and table."""
+    None, the error normalizing raised), on the caller's thread. Keys as (ids, table, keys): the executor's
+    _admit uses them while the request still holds that ids list and table."""
     try:
         request = normalize_request(request)
     except (TypeError, ValueError, AttributeError) as err:
         return request, None, err
     if request.prompt_table is None:
         return request, None, None
-    try:
-        keys = prompt_cache_keys(request.input_token_ids, request.prompt_table, vocab_size)
-    except (IndexError, RuntimeError, TypeError, ValueError):  # a table that does not fit: validation names it
-        return request, None, None
-    return request, (request.input_token_ids, request.prompt_table, keys), None
+    return request, (request.input_token_ids, request.prompt_table,
+                     _keys_or_none(request.input_token_ids, request.prompt_table, vocab_size)), None
 
 
 def normalize_request(request: Request) -> Request:

@@ -188,8 +188,9 @@ def assert_greedy_ids_equal_transformers(engine: str, hf, device: str | None = N
                 Request(text, NEW_TOKENS, output=OutputConfig(exclude_input_from_output=True))]
     # chunks of 5 tokens: the image's rows are split across steps
     with Executor(engine, ExecutorConfig(max_num_tokens=5, enable_chunked_context=True), device=device or "cpu") as executor:
-        if device == "cuda":  # a vision-language engine's loop: above the tower's priority (engine/executor/device_stream.py)
-            assert executor.device_stream is not None and executor.device_stream.priority < 0
+        if device == "cuda":  # a vision-language engine's loop: its own stream (engine/executor/device_stream.py)
+            from engine.executor.device_stream import EXECUTOR_PRIORITY
+            assert executor.device_stream is not None and executor.device_stream.priority == EXECUTOR_PRIORITY
         graphs, rotated = executor.runner.decode_graphs, []
         if graphs is not None:  # CUDA: decode steps at position + delta replay the decode graphs
             run = graphs.run

@@ -8,6 +8,7 @@ import torch
 
 from engine.executor import Executor, ExecutorConfig, OutputConfig, Request
 from engine.executor.prompt_table import PromptTable
+from engine.executor.request import RequestState, Sequence
 from tiny_engines import VOCAB
 from tests.executor.executor_testing import collect, final_tokens
 
@@ -96,27 +97,39 @@ def test_prefix_cache_keys_table_blocks_by_content(tiny_engine, tiny_hf, monkeyp
     assert extra[-1].result.perf.kv_cache_reused_blocks == 1  # another extra id: another image
 
 
-def test_tables_enqueued_together_are_digested_on_several_threads_in_order(monkeypatch):
-    """request.py normalize_all: a call with several tables hashes them at once (hashlib releases the GIL),
-    each request keeping its own keys, in order; a call with one table stays on the caller's thread."""
+def test_table_digests_run_off_the_enqueuing_call_and_are_waited_for_where_read(monkeypatch):
+    """request.py normalize_all: each table's keys are a Future digested on the pool's threads (in order, each
+    request its own), and the call does not wait for them; Sequence.prompt_cache_keys waits on first read."""
     import threading
 
     from engine.executor import request as request_module
     from engine.executor.prompt_table import prompt_cache_keys
 
-    threads = []
+    threads, release = [], threading.Event()
+
+    def digest(*args):
+        release.wait(5)
+        threads.append(threading.current_thread().name)
+        return prompt_cache_keys(*args)
     monkeypatch.setattr(request_module, "DIGEST_THREADS", 2)
-    monkeypatch.setattr(request_module, "prompt_cache_keys", lambda *a: threads.append(
-        threading.current_thread().name) or prompt_cache_keys(*a))
+    monkeypatch.setattr(request_module, "prompt_cache_keys", digest)
     requests = [Request(image_prompt(), 4, prompt_table=PromptTable(image_table(seed))) for seed in (5, 6, 5)]
     prepared = request_module.normalize_all([*requests[:2], Request([3, 17], 4), requests[2]], VOCAB)
     assert [p[2] for p in prepared] == [None] * 4 and prepared[2][1] is None
-    keys = [p[1][2] for i, p in enumerate(prepared) if i != 2]
+    futures = [p[1][2] for i, p in enumerate(prepared) if i != 2]
+    assert not any(f.done() for f in futures) and not threads  # returned before any digest finished
+    state = RequestState(1, prepared[0][0], True)
+    seq = Sequence(1, state, 0)
+    seq.prompt_cache_keys = futures[0]
+    release.set()
+    keys = [seq.prompt_cache_keys] + [f.result() for f in futures[1:]]
+    assert seq.prompt_cache_keys is keys[0] and isinstance(keys[0], list)
     assert keys[0] == keys[2] != keys[1]  # each its own table's digests (5, 6, 5)
-    assert all(name.startswith("prompt-table-digest") for name in threads) and len(threads) == 3
-    threads.clear()
-    request_module.normalize_all(requests[:1], VOCAB)
-    assert threads == [threading.current_thread().name]
+    assert len(threads) == 3 and all(name.startswith("prompt-table-digest") for name in threads)
+    def does_not_fit(*args):
+        raise IndexError("a table that does not fit the ids: validate_request names it")
+    monkeypatch.setattr(request_module, "prompt_cache_keys", does_not_fit)
+    assert request_module.normalize_all(requests[:1], VOCAB)[0][1][2].result() is None  # ids as the keys
 
 
 def test_prefix_cache_keys_each_image_by_its_own_rows(tiny_engine, tiny_hf):
