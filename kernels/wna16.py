@@ -266,6 +266,15 @@ MID_VARIANTS = ((64, 32, 4, 3, 1, 3), (128, 32, 4, 3, 1, 3), (128, 32, 4, 3, 2, 
                 (128, 64, 8, 3, 1, 0), DENSE)
 
 
+def mid_rows_for(batches) -> tuple[int, ...]:
+    """The MID_ROWS that decode steps of ``batches`` rows (an engine's graph buckets) read their tiling from
+    (``tiling_for``: the least timed row count >= the step's rows): all the load-time timing needs past
+    MAX_SKINNY_ROWS. An engine of at most 16 rows a decode step times none of them: its load skips ~10 tilings
+    x 4 row counts per weight shape (Llama-8B INT4 on an H200: most of 40 s on a cold Triton cache), and its
+    eager prompt steps of 17-256 tokens take the untimed default (ROWS_DEFAULT / GEMM_TILES / DENSE)."""
+    return tuple(sorted({next(m for m in MID_ROWS if m >= b) for b in batches if MAX_SKINNY_ROWS < b <= MID_ROWS[-1]}))
+
+
 def prepare_wna16(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
                   dtype: torch.dtype, *, scale_dtype: torch.dtype = torch.float16, mma: bool | None = None
                   ) -> WNA16Weight:

@@ -526,8 +526,12 @@ def bench_executor_decode(executor, vocab: int, batch: int, prompt_len: int = 12
     each) through the executor. decode_tok_s: ``batch`` over the median step period of the step
     timeline (else x the median request's decode rate, from its first- and last-token times);
     output_tok_s: all tokens over the wall time. With a timed runner (benchmarks/engine/step_timeline.py) the step timeline is attached,
-    and with ``profile_seconds`` a profiler window of the steady decode (exact device idle time).
+    and with ``profile_seconds`` a profiler window of the steady decode (exact device idle time), opened once
+    half the steps (at most 128) ran: ``timeline`` (and decode_tok_s) are the steps before it,
+    ``timeline_after_profile`` those after. The first window of a process leaves CUPTI attached for good (torch
+    keeps it with CUDA graphs), so only the batch run first is timed without it (``cupti_attached`` False).
     ``temperature`` > 0: every request samples (seeded per request), with nucleus ``top_p`` (1.0: none)."""
+    global _PROFILED
     from engine.executor.request import OutputConfig, Request, SamplingConfig
 
     rng = random.Random(batch * 7 + prompt_len)
@@ -538,13 +542,16 @@ def bench_executor_decode(executor, vocab: int, batch: int, prompt_len: int = 12
                         else SamplingConfig()) for i in range(batch)]
     started = time.perf_counter()
     executor.enqueue_requests(requests)
-    profiled = None
+    profiled, window, cupti_attached = None, None, _PROFILED
     if profile_seconds and executor.runner.device.type == "cuda":
-        # Once every request decodes (prefill done, a few steps at this batch size), profile a window.
+        # Once every request decodes (prefill done, half the steps at this batch size), profile a window.
         local = getattr(executor.runner, "runner", executor.runner)
-        while sum(1 for step in local.__dict__.get("timeline", ()) if step[0] == batch) < 16:
+        while sum(1 for step in local.__dict__.get("timeline", ()) if step[0] == batch) < max(16, min(out_len // 2, 128)):
             time.sleep(0.001)
+        window = time.perf_counter()
+        _PROFILED = True
         profiled = profile_device(executor.runner, profile_seconds)
+        window = (window, time.perf_counter())
     rates, tokens = [], 0
     while len(rates) < batch:
         for response in executor.await_responses(timeout=1.0):
@@ -557,14 +564,25 @@ def bench_executor_decode(executor, vocab: int, batch: int, prompt_len: int = 12
     elapsed = time.perf_counter() - started
     row = {"batch": batch, "prompt_len": prompt_len, "output_len": out_len, "temperature": temperature, "top_p": top_p,
            "decode_tok_s": batch * statistics.median(rates), "output_tok_s": tokens / elapsed}
-    timeline = summarize(executor.runner)
+    timeline = summarize(executor.runner, until=window[0] if window else None)
     if batch in timeline:
         row["timeline"] = timeline[batch]
         # The median step period: unlike the requests' own rates, untouched by the profiled window.
         row["decode_tok_s"] = batch * 1e3 / timeline[batch]["period_ms"]
+    if window is not None:
+        row["cupti_attached"] = cupti_attached
+        after = summarize(executor.runner, since=window[1])
+        if batch in after:
+            row["timeline_after_profile"] = after[batch]
+    graphs = getattr(getattr(executor.runner, "runner", executor.runner), "decode_graphs", None)
+    if hasattr(graphs, "replays"):
+        row["graph_replays"] = {str(bucket): count for bucket, count in sorted(graphs.replays.items())}
     if profiled is not None:
         row["profile"] = profiled
     return row
+
+
+_PROFILED = False  # a torch.profiler window ran in this process (CUPTI stays attached: bench_executor_decode)
 
 
 def iteration_breakdown(executor, since_ns: int) -> dict:
@@ -840,7 +858,19 @@ def markdown(results: dict) -> str:
         t = row.get("timeline")
         steps = (f"; step period {t['period_ms']:.3f} ms, GPU busy in forward {t['gpu_ms']:.3f} ms, gap between "
                  f"forwards {t['gap_ms']:.3f} ms (sampling + idle), GPU idle {t.get('idle_ms', float('nan')):.3f} ms, "
-                 f"host in forward {t['host_ms']:.3f} ms") if t else ""
+                 f"host in forward {t['host_ms']:.3f} ms (graph run {t.get('graph_host_ms', float('nan')):.3f} ms; "
+                 f"{t.get('graph_steps', 0)} of {t['steps']} steps replayed a graph), loop thread's CPU "
+                 f"{t.get('cpu_in_forward_ms', float('nan')):.3f} ms in forward, "
+                 f"{t.get('cpu_period_ms', float('nan')):.3f} ms a step") if t else ""
+        if "cupti_attached" in row:
+            steps += "; CUPTI attached by an earlier profiler window" if row["cupti_attached"] else \
+                "; before any profiler window"
+        after = row.get("timeline_after_profile")
+        if after:
+            steps += (f"; after the profiler window: period {after['period_ms']:.3f} ms, host in forward "
+                      f"{after['host_ms']:.3f} ms (CPU {after.get('cpu_in_forward_ms', float('nan')):.3f}), "
+                      f"GPU in forward {after['gpu_ms']:.3f} ms, {after.get('graph_steps', 0)} of "
+                      f"{after['steps']} steps replayed a graph")
         p = row.get("profile") or {}
         if "idle_ms_per_step" in p:
             steps += (f"; profiler over {p['steps']} steps: GPU idle {p['idle_ms_per_step']:.3f} ms per step "

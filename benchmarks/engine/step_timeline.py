@@ -14,7 +14,18 @@ returns (after the logits). ``summarize(runner)`` then reports, per batch size, 
   (on a worker rank, whose only work there is waiting in the broadcast for the leader's sampler).
 - ``idle_ms`` (where the executor stores the sampled tokens, ``store_sampled_tokens``): device
   time from an event enqueued right after the step's sampler and token store to the next step's
-  start event: the GPU's idle time per step, but for the two small copies of the tokens home.
+  start event: the GPU's idle time per step, but for the two small copies of the tokens home;
+- ``graph_host_ms``: host time inside the decode graphs' ``run`` (input copies enqueued, the replay
+  launched), and ``graph_steps``: how many of the steps replayed a decode graph at all (the others ran
+  eagerly: a few hundred launches from Python, which alone takes milliseconds of host time);
+- ``cpu_in_forward_ms`` / ``cpu_period_ms``: the loop thread's own CPU time (``time.thread_time``) inside
+  forward / from one step's start to the next. Far below host_ms / period_ms: the thread waited (for the
+  GIL, a lock, the device); about equal: it worked (launches, Python).
+
+``summarize(runner, since=t0, until=t1)`` keeps the steps that began in [t0, t1) (perf_counter): a
+torch.profiler window leaves CUPTI attached to a process with CUDA graphs for good (torch turns its
+teardown off then), so steps after a window are timed under its overhead; the benchmarks report the
+steps before their first window apart.
 
 The events are recorded only on CUDA devices; the newest ``MAX_STEPS`` steps are kept.
 """
@@ -37,13 +48,20 @@ def timed(base: type) -> type:
             decode_only = len(batch.token_ids) == len(batch.seq_lens_q)
             if self.device.type != "cuda" or all_logits or not decode_only:
                 return super().forward(batch, all_logits=all_logits)
+            graphs = getattr(self, "decode_graphs", None)
+            graphs = graphs if hasattr(graphs, "replays") else None  # (engine/executor/cuda_graphs.py's)
+            if graphs is not None and "run" not in graphs.__dict__:
+                _time_graph_runs(graphs)
+            replays = sum(graphs.replays.values()) if graphs is not None else 0
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            began = time.perf_counter()
+            began, cpu_began = time.perf_counter(), time.thread_time()
             start.record()
             out = super().forward(batch, all_logits=all_logits)
             end.record()
             timeline = self.__dict__.setdefault("timeline", deque(maxlen=MAX_STEPS))
-            timeline.append([len(batch.seq_lens_q), began, time.perf_counter(), start, end, None])
+            replayed = graphs is not None and sum(graphs.replays.values()) > replays
+            timeline.append([len(batch.seq_lens_q), began, time.perf_counter(), start, end, None,
+                             graphs.last_run_s if replayed else None, cpu_began, time.thread_time()])
             return out
 
         def store_sampled_tokens(self, token_ids, batch) -> None:
@@ -61,6 +79,21 @@ def timed(base: type) -> type:
     return TimedRunner
 
 
+def _time_graph_runs(graphs) -> None:
+    """Wrap this DecodeGraphs' ``run`` so that it keeps its last call's host time (``last_run_s``)."""
+    run = graphs.run
+
+    def timed_run(*args, **kwargs):
+        began = time.perf_counter()
+        try:
+            return run(*args, **kwargs)
+        finally:
+            graphs.last_run_s = time.perf_counter() - began
+
+    graphs.last_run_s = 0.0
+    graphs.run = timed_run
+
+
 def reset(runner) -> None:
     """Forget the steps timed so far, on every rank (a LeaderRunner mirrors the call)."""
     if hasattr(runner, "call_on_all_ranks"):
@@ -69,29 +102,38 @@ def reset(runner) -> None:
         runner.reset_timeline()
 
 
-def summarize(runner, *, skip: int = 8) -> dict[int, dict]:
+def summarize(runner, *, skip: int = 8, since: float | None = None, until: float | None = None) -> dict[int, dict]:
     """Per batch size: medians of host_ms, gpu_ms, period_ms and gap_ms over consecutive steps of
-    that size (the first ``skip`` steps of each run of that size left out as warm-up)."""
+    that size (the first ``skip`` steps of each run of that size left out as warm-up), of the steps
+    that began in [since, until) (perf_counter; None: unbounded); graph_steps counts the replays."""
     local = getattr(runner, "runner", runner)
     steps = list(local.__dict__.get("timeline", ()))
     if not steps:
         return {}
     torch.cuda.synchronize()
     by_size: dict[int, dict[str, list[float]]] = {}
+    replayed: dict[int, int] = {}
     run_length = 0
     for previous, step in zip([None] + steps[:-1], steps):
-        size, began, ended, start, end, _ = step
+        size, began, ended, start, end, _, graph_run_s, cpu_began, cpu_ended = step
         run_length = run_length + 1 if previous is not None and previous[0] == size else 1
-        if run_length <= skip:
+        if run_length <= skip or (since is not None and began < since) or (until is not None and began >= until):
             continue
-        entry = by_size.setdefault(size, {"host_ms": [], "gpu_ms": [], "period_ms": [], "gap_ms": [], "idle_ms": []})
+        entry = by_size.setdefault(size, {"host_ms": [], "gpu_ms": [], "period_ms": [], "gap_ms": [], "idle_ms": [],
+                                          "graph_host_ms": [], "cpu_in_forward_ms": [], "cpu_period_ms": []})
+        replayed[size] = replayed.get(size, 0) + (graph_run_s is not None)
+        if graph_run_s is not None:
+            entry["graph_host_ms"].append(graph_run_s * 1e3)
         entry["host_ms"].append((ended - began) * 1e3)
+        entry["cpu_in_forward_ms"].append((cpu_ended - cpu_began) * 1e3)
+        entry["cpu_period_ms"].append((cpu_began - previous[7]) * 1e3)
         entry["gpu_ms"].append(start.elapsed_time(end))
         entry["period_ms"].append((began - previous[1]) * 1e3)
         entry["gap_ms"].append(previous[4].elapsed_time(start))
         if previous[5] is not None:
             entry["idle_ms"].append(previous[5].elapsed_time(start))
-    return {size: {"steps": len(values["host_ms"]), **{key: statistics.median(v) for key, v in values.items() if v}}
+    return {size: {"steps": len(values["host_ms"]), "graph_steps": replayed[size],
+                   **{key: statistics.median(v) for key, v in values.items() if v}}
             for size, values in sorted(by_size.items())}
 
 

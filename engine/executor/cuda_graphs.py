@@ -21,6 +21,7 @@ split count) is valid for every context the engine allows; block tables are at m
 from __future__ import annotations
 
 import bisect
+import collections
 import itertools
 
 import numpy as np
@@ -75,6 +76,9 @@ class DecodeGraphs:
         self.lora_hidden: dict[int, torch.Tensor] = {}
         self.lora_buffers = (LoraBatchBuffers(self.max_batch_size, min(self.max_batch_size, lora_slots),
                                               kv_cache.device, decode=True) if lora_slots else None)
+        # Replays per bucket since load (benchmarks compare them with the decode steps they timed: a step
+        # that missed its graph ran eagerly, ~300 launches from Python).
+        self.replays: collections.Counter = collections.Counter()
         self._allocate_buffers()
 
     def _allocate_buffers(self) -> None:
@@ -181,6 +185,7 @@ class DecodeGraphs:
             self._np_state_slots[bs:bucket] = -1
             self.dev_state_slots[:bucket].copy_(self.host_state_slots[:bucket], non_blocking=True)
         self._copied.record()
+        self.replays[bucket] += 1
         if lora_slots is not None:
             self.lora_buffers.fill(lora_slots, [1] * bs)
             self.lora_graphs[bucket].replay()

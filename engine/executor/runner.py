@@ -37,7 +37,7 @@ from kernels.attention_metadata import AttentionMetadata
 from kernels.triton_attention import prefill_tokens_per_tile
 from kernels.fp8 import FP8_DTYPE, choose_fp8_scaling, choose_fp8_skinny_variants
 from kernels.linear import choose_activated_weights, choose_gated_weights, choose_skinny_weights
-from kernels.wna16 import choose_wna16_variants
+from kernels.wna16 import choose_wna16_variants, mid_rows_for
 from kernels.wide_rows import choose_wide_variants, wide_row_counts
 from kernels.lora import lora_batch
 
@@ -368,7 +368,8 @@ class ModelRunner:
             max(self.build_config.max_num_tokens, self.build_config.max_batch_size)))
         self.gemm_choices.update({("wide",) + key: report for key, report in wide.items()})
         integer = choose_wna16_variants([m.wna16 for m in self.model.modules()
-                                         if isinstance(m, Linear) and m.wna16 is not None])
+                                         if isinstance(m, Linear) and m.wna16 is not None],
+                                        mid_rows=mid_rows_for(decode_batches))
         self.gemm_choices.update({("wna16",) + key: report["variant"] for key, report in integer.items()})
         self.launch_choice = choose_programmatic_launch(
             self.model, self.kv_cache, tokens_per_block=self.tokens_per_block,
