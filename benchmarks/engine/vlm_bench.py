@@ -354,7 +354,7 @@ def bench_offline(args, ex, config, encode, encoder, encoder_config, grid, num_r
         seconds = time.perf_counter() - started
         return {"seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds,
                 "encode_and_enqueue_seconds": encoder_seconds, "reused_blocks": reused_blocks(ex) - reused,
-                "allocations": allocator_counts(args.device, allocations),
+                "allocations": allocator_counts(args.device, allocations, stream_names(ex)),
                 "iterations": iteration_breakdown(ex, since), "prompt_steps": prompt_steps(ex, since),
                 "slow_decode_steps": slow_decode_steps(ex, since), "first_steps": first_steps(ex, since)}
 
@@ -448,7 +448,8 @@ def through_queue(args, ex, queue: ImageEncodeQueue, config, encoder_config, gri
     return {"seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds,
             "tables_ready_s": ready_at[-1], "first_table_s": ready_at[0], "enqueue_calls": len(ready_at),
             "enqueue_ms": {"total": round(sum(enqueue_s) * 1e3, 1), "max": round(max(enqueue_s) * 1e3, 1)},
-            "reused_blocks": reused_blocks(ex) - reused, "allocations": allocator_counts(args.device, allocations),
+            "reused_blocks": reused_blocks(ex) - reused,
+            "allocations": allocator_counts(args.device, allocations, stream_names(ex, queue)),
             "iterations": iteration_breakdown(ex, since), "prompt_steps": prompt_steps(ex, since),
             "slow_decode_steps": slow_decode_steps(ex, since), "first_steps": first_steps(ex, since)}
 
@@ -480,10 +481,12 @@ def first_steps(ex, since_ns: int, count: int = 40) -> list[list]:
             for h in ex.get_iteration_stats_history() if h.timestamp_ns >= since_ns][:count]
 
 
-def allocator_counts(device: str, since: dict | None = None) -> dict:
+def allocator_counts(device: str, since: dict | None = None, streams: dict | None = None) -> dict:
     """Pinned host blocks created (cudaHostAlloc: the caching host allocator missed), device segments created
     (cudaMalloc) and allocation retries (cache flushes) so far, or since ``since``: each is an implicit
-    synchronization of every stream of the device. {} off CUDA."""
+    synchronization of every stream of the device. {} off CUDA. Since ``since`` also ``new_segments``:
+    [stream, MiB] of each device segment that exists now and did not then (torch.cuda.memory_snapshot;
+    ``streams`` names the streams by their cudaStream_t: "executor", "tower"; others "stream <number>")."""
     if torch.device(device).type != "cuda":
         return {}
     stats = getattr(torch.cuda, "host_memory_stats", None)  # (torch >= 2.7)
@@ -491,8 +494,33 @@ def allocator_counts(device: str, since: dict | None = None) -> dict:
     now = {"pinned_host_allocs": host.get("num_host_alloc"), "device_mallocs": dev.get("segment.all.allocated"),
            "device_alloc_retries": dev.get("num_alloc_retries")}  # (None: this torch does not count it)
     if since is None:
-        return now
-    return {name: None if value is None or since.get(name) is None else value - since[name] for name, value in now.items()}
+        return {**now, "segments": device_segments(device)}
+    out = {name: None if value is None or since.get(name) is None else value - since[name] for name, value in now.items()}
+    before, names = since.get("segments"), {0: "default", **(streams or {})}
+    if before is not None:
+        out["new_segments"] = sorted([names.get(stream, f"stream {stream}"), round(size / 2**20, 1)]
+                                     for address, (stream, size) in device_segments(device).items() if address not in before)
+    return out
+
+
+def device_segments(device: str) -> dict | None:
+    """{address: (cudaStream_t, bytes)} of the caching allocator's device segments on ``device``, or None."""
+    try:
+        index = torch.device(device).index
+        index = torch.cuda.current_device() if index is None else index
+        return {seg["address"]: (seg["stream"], seg["total_size"]) for seg in torch.cuda.memory_snapshot()
+                if seg.get("device", index) == index}
+    except (RuntimeError, KeyError, TypeError):
+        return None
+
+
+def stream_names(ex, queue=None) -> dict:
+    """{cudaStream_t: name} of the executor's loop stream and the encode queue's (allocator_counts)."""
+    names = {}
+    for name, stream in (("executor", getattr(ex, "device_stream", None)), ("tower", getattr(queue, "stream", None))):
+        if stream is not None:
+            names[stream.cuda_stream] = name
+    return names
 
 
 def slow_decode_steps(ex, since_ns: int) -> list[list]:
@@ -538,7 +566,7 @@ def timed_offline(ex, requests: list[Request]) -> dict:
     seconds = time.perf_counter() - started
     return {"seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds,
             "enqueue_ms": {"total": round(enqueued * 1e3, 1), "max": round(enqueued * 1e3, 1)},
-            "allocations": allocator_counts(str(ex.runner.device), allocations),
+            "allocations": allocator_counts(str(ex.runner.device), allocations, stream_names(ex)),
             "iterations": iteration_breakdown(ex, since), "prompt_steps": prompt_steps(ex, since),
             "slow_decode_steps": slow_decode_steps(ex, since)}
 
