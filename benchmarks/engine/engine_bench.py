@@ -546,7 +546,14 @@ def bench_executor_decode(executor, vocab: int, batch: int, prompt_len: int = 12
     if profile_seconds and executor.runner.device.type == "cuda":
         # Once every request decodes (prefill done, half the steps at this batch size), profile a window.
         local = getattr(executor.runner, "runner", executor.runner)
-        while sum(1 for step in local.__dict__.get("timeline", ()) if step[0] == batch) < max(16, min(out_len // 2, 128)):
+        size, wanted = min(batch, local.build_config.max_batch_size), max(16, min(out_len // 2, 128))
+        seen, changed = 0, time.perf_counter()
+        while True:  # (list(): a copy made under the GIL; the loop thread appends meanwhile)
+            steps = sum(1 for step in list(local.__dict__.get("timeline", ())) if step[0] == size)
+            if steps >= wanted or (steps and steps == seen and time.perf_counter() - changed > 2.0):
+                break  # enough steps, or no new one for 2 s (the requests are done)
+            if steps != seen:
+                seen, changed = steps, time.perf_counter()
             time.sleep(0.001)
         window = time.perf_counter()
         _PROFILED = True
