@@ -14,11 +14,16 @@ gemv (two kernels), and for V3 about ten small torch launches (sigmoid, bias, gr
 gather, sum, scale) per sparse layer: ~12-14 us of launches against ~30 us of expert weights.
 
 Grid: cdiv(E, BLOCK_E) programs. Program p computes the logits of experts p * BLOCK_E ... for all
-T tokens (float32 products of x's values and the weight, summed over H in BLOCK_H chunks) into a
-(MAX_TOKENS, E) float32 workspace, then counts itself done (an acq_rel atomic on a per-device
-counter); the program whose count completes the grid reads every logit back (atomic adds of zero:
-L2, never a stale L1 line), routes the T rows and writes ids / weights, then resets the counter to
-0 for the next call. No host synchronisation: CUDA graphs capture it.
+T tokens (float32 products of x's values and the weight, summed over H in BLOCK_H chunks: one chunk
+at V2-Lite's batch 1) into a (MAX_TOKENS, E) float32 workspace, then counts itself done (an acq_rel
+atomic on a per-device counter); the program whose count completes the grid reads every logit back
+(atomic adds of zero: L2, never a stale L1 line), routes the T rows and writes ids / weights, then
+resets the counter to 0 for the next call. The top-k there: where T x E x E comparisons fit
+(RANKED_VALUES: V2-Lite's 64 experts at 1-4 tokens) each expert's place in its token's order comes
+from one comparison pass and one reduction, and the first K places write their own slots; else K
+serial rounds of max / argmin (V3's 256 experts). Both order by choice descending, ties to the
+lower index, so they pick alike.
+No host synchronisation: CUDA graphs capture it.
 
 Ties between equal scores go to the lowest expert index (torch.topk leaves their order unspecified).
 ``padding`` (T,) bool (engine/models/deepseek.py graph_padding_rows): those rows route as row 0,
@@ -32,6 +37,9 @@ from kernels._triton import jit, tl, triton, use_triton
 from kernels.moe_grouped_routing import route_grouped
 
 MAX_TOKENS = 16
+# The top-k by places (one (BLOCK_T, E, E) comparison, _top_k_rank) up to this many values (V2-Lite's
+# 64 experts at 1-4 tokens), else K serial rounds (V3's 256 experts, wider batches).
+RANKED_VALUES = 16384
 METHODS = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}
 
 
@@ -55,12 +63,10 @@ def route_decode_ref(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, m
 
 
 @jit
-def _route_rows(logits, bias, experts, e_ok, num_experts, experts_per_group, scaling,
-                TOP_K: tl.constexpr, N_SHARED: tl.constexpr, OUT_PAD: tl.constexpr, METHOD: tl.constexpr,
-                N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, G_PAD: tl.constexpr, HAS_BIAS: tl.constexpr,
-                RENORMALIZE: tl.constexpr, E_PAD: tl.constexpr):
-    """logits (BLOCK_T, E_PAD) float32 -> (weights (BLOCK_T, OUT_PAD) float32, ids (BLOCK_T, OUT_PAD) int32)
-    as route_grouped + the shared slots (module docstring)."""
+def _routing_scores(logits, bias, experts, e_ok, experts_per_group, METHOD: tl.constexpr, N_GROUP: tl.constexpr,
+                    TOPK_GROUP: tl.constexpr, G_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, E_PAD: tl.constexpr):
+    """logits (BLOCK_T, E_PAD) float32 -> (scores, choice) (BLOCK_T, E_PAD) float32 as route_grouped:
+    the weights a chosen expert gets, and what the top-k ranks (group-limited where N_GROUP > TOPK_GROUP)."""
     if METHOD == 2:  # noaux_tc: sigmoid scores; the choice adds the bias; masked choices are -inf
         scores = 1.0 / (1.0 + tl.exp(-logits))
         choice = scores
@@ -96,6 +102,13 @@ def _route_rows(logits, bias, experts, e_ok, num_experts, experts_per_group, sca
             flag = tl.sum(tl.where(groups[None, :] == g, chosen_group, 0), 1)
             eligible = tl.where((gid == g)[None, :], flag[:, None], eligible)
         choice = tl.where(eligible > 0, choice, fill)
+    return scores, choice
+
+
+@jit
+def _top_k_serial(scores, choice, experts, e_ok, TOP_K: tl.constexpr, OUT_PAD: tl.constexpr, E_PAD: tl.constexpr):
+    """(BLOCK_T, E_PAD) -> the TOP_K best choices' (unbiased weights, ids) in slots 0..TOP_K-1 of
+    (BLOCK_T, OUT_PAD), best first: TOP_K rounds of max / argmin / gather (three reductions each)."""
     slots = tl.arange(0, OUT_PAD)
     chosen_w = tl.zeros([choice.shape[0], OUT_PAD], tl.float32)
     chosen_id = tl.zeros([choice.shape[0], OUT_PAD], tl.int32)
@@ -109,15 +122,20 @@ def _route_rows(logits, bias, experts, e_ok, num_experts, experts_per_group, sca
         chosen_w = tl.where(slots[None, :] == k, weight[:, None], chosen_w)
         chosen_id = tl.where(slots[None, :] == k, best_id[:, None], chosen_id)
         available = tl.where(picked, 0, available)
-    routed = slots[None, :] < TOP_K
-    if RENORMALIZE:
-        total = tl.sum(tl.where(routed, chosen_w, 0.0), 1)
-        chosen_w = chosen_w / (total[:, None] + 1e-20)
-    chosen_w = chosen_w * scaling
-    shared = (slots[None, :] >= TOP_K) & (slots[None, :] < TOP_K + N_SHARED)
-    chosen_w = tl.where(shared, 1.0, chosen_w)
-    chosen_id = tl.where(shared, num_experts + slots[None, :] - TOP_K, chosen_id)
     return chosen_w, chosen_id
+
+
+@jit
+def _top_k_rank(choice, experts, e_ok):
+    """(BLOCK_T, E_PAD) -> each expert's place (BLOCK_T, E_PAD) int32 in its token's order (choice
+    descending, ties to the lower index; padding experts last): experts of place < K are the top-k, in
+    the slot of their place. One pass of E_PAD x E_PAD comparisons and one reduction, where the serial
+    top-k's K rounds take three reductions each (the last program's latency at batch-1 decode)."""
+    mine = choice[:, :, None]  # (BLOCK_T, E_PAD, 1): the expert whose place is counted
+    other = choice[:, None, :]  # (BLOCK_T, 1, E_PAD): the experts that may come before it
+    before = (other > mine) | ((other == mine) & (experts[None, None, :] < experts[None, :, None]))
+    before = before & e_ok[None, None, :]
+    return tl.sum(before.to(tl.int32), 2)
 
 
 @jit
@@ -126,8 +144,10 @@ def _route_decode_kernel(x_ptr, w_ptr, bias_ptr, pad_ptr, logits_ptr, count_ptr,
                          TOP_K: tl.constexpr, N_SHARED: tl.constexpr, OUT_PAD: tl.constexpr, METHOD: tl.constexpr,
                          N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, G_PAD: tl.constexpr,
                          HAS_BIAS: tl.constexpr, HAS_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
-                         E_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Program p: the logits of experts p * BLOCK_E ... for every token; the last program routes them."""
+                         E_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
+                         RANKED: tl.constexpr):
+    """Program p: the logits of experts p * BLOCK_E ... for every token; the last program routes them.
+    RANKED: the top-k by places (_top_k_rank, (BLOCK_T, E_PAD, E_PAD) comparisons), else serially."""
     tokens = tl.arange(0, BLOCK_T)
     t_ok = tokens < num_tokens
     mine = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -157,14 +177,36 @@ def _route_decode_kernel(x_ptr, w_ptr, bias_ptr, pad_ptr, logits_ptr, count_ptr,
         bias = tl.zeros([E_PAD], tl.float32)
         if HAS_BIAS:
             bias = tl.load(bias_ptr + experts, mask=e_ok, other=0.0)
-        chosen_w, chosen_id = _route_rows(logits, bias, experts, e_ok, num_experts, experts_per_group, scaling,
-                                          TOP_K, N_SHARED, OUT_PAD, METHOD, N_GROUP, TOPK_GROUP, G_PAD, HAS_BIAS,
-                                          RENORMALIZE, E_PAD)
+        scores, choice = _routing_scores(logits, bias, experts, e_ok, experts_per_group, METHOD, N_GROUP, TOPK_GROUP,
+                                         G_PAD, HAS_BIAS, E_PAD)
         slots = tl.arange(0, OUT_PAD)
-        out = tokens[:, None] * (TOP_K + N_SHARED) + slots[None, :]
-        keep = t_ok[:, None] & (slots < TOP_K + N_SHARED)[None, :]
-        tl.store(weights_ptr + out, chosen_w, mask=keep)
-        tl.store(ids_ptr + out, chosen_id, mask=keep)
+        row_out = tokens[:, None] * (TOP_K + N_SHARED)
+        shared = (slots >= TOP_K) & (slots < TOP_K + N_SHARED)  # slot K + j: expert E + j, weight 1
+        if N_SHARED > 0:
+            tl.store(weights_ptr + row_out + slots[None, :], tl.zeros([BLOCK_T, OUT_PAD], tl.float32) + 1.0,
+                     mask=t_ok[:, None] & shared[None, :])
+            tl.store(ids_ptr + row_out + slots[None, :], tl.zeros([BLOCK_T, OUT_PAD], tl.int32) + num_experts
+                     + slots[None, :] - TOP_K, mask=t_ok[:, None] & shared[None, :])
+        if RANKED:  # each chosen expert writes its own slot (its place)
+            place = _top_k_rank(choice, experts, e_ok)
+            chosen = ok & (place < TOP_K)
+            weight = scores
+            if RENORMALIZE:
+                total = tl.sum(tl.where(chosen, scores, 0.0), 1)
+                weight = weight / (total[:, None] + 1e-20)
+            weight = weight * scaling
+            tl.store(weights_ptr + row_out + place, weight, mask=chosen)
+            tl.store(ids_ptr + row_out + place, tl.zeros([BLOCK_T, E_PAD], tl.int32) + experts[None, :], mask=chosen)
+        else:
+            chosen_w, chosen_id = _top_k_serial(scores, choice, experts, e_ok, TOP_K, OUT_PAD, E_PAD)
+            routed = slots[None, :] < TOP_K
+            if RENORMALIZE:
+                total = tl.sum(tl.where(routed, chosen_w, 0.0), 1)
+                chosen_w = chosen_w / (total[:, None] + 1e-20)
+            chosen_w = chosen_w * scaling
+            keep = t_ok[:, None] & routed
+            tl.store(weights_ptr + row_out + slots[None, :], chosen_w, mask=keep)
+            tl.store(ids_ptr + row_out + slots[None, :], chosen_id, mask=keep)
         tl.store(count_ptr, 0)
 
 
@@ -198,10 +240,11 @@ def route_decode_triton(x: torch.Tensor, router_weight: torch.Tensor, top_k: int
     ids = torch.empty(num_tokens, out_k, dtype=torch.int32, device=x.device)
     block_t = max(2, triton.next_power_of_2(num_tokens))
     e_pad = triton.next_power_of_2(num_experts)
-    # Programs: one to four experts each (64-128 programs for 64-256 experts); each x chunk times each
-    # weight row is a (BLOCK_T, BLOCK_E, BLOCK_H) product held in registers, 4,096 values at most.
-    block_e = max(2, min(4, e_pad // 64))
-    block_h = max(32, min(512, 4096 // (block_t * block_e), triton.next_power_of_2(hidden)))
+    # Programs: two experts each (four from 512), each reading its rows of H in one pass where a
+    # (BLOCK_T, BLOCK_E, BLOCK_H) product of <= 8,192 values holds them (V2-Lite batch 1: 32 programs, one
+    # 16 KB load each): at decode sizes the launch is latency, one dependent load per H chunk.
+    block_e = 2 if e_pad <= 256 else 4
+    block_h = max(32, min(8192 // (block_t * block_e), triton.next_power_of_2(hidden)))
     pad = padding.reshape(-1) if padding is not None else None
     _route_decode_kernel[(triton.cdiv(num_experts, block_e),)](
         x, router_weight, score_bias if score_bias is not None else router_weight, pad if pad is not None else x,
@@ -211,6 +254,7 @@ def route_decode_triton(x: torch.Tensor, router_weight: torch.Tensor, top_k: int
         N_GROUP=n_group if group_limited else 1, TOPK_GROUP=topk_group if group_limited else 1,
         G_PAD=max(2, triton.next_power_of_2(n_group if group_limited else 1)), HAS_BIAS=score_bias is not None,
         HAS_PAD=pad is not None, RENORMALIZE=renormalize, E_PAD=e_pad, BLOCK_T=block_t, BLOCK_E=block_e,
+        RANKED=block_t * e_pad * e_pad <= RANKED_VALUES,
         BLOCK_H=block_h, num_warps=4)
     return weights, ids
 

@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+from kernels import moe_router
 from kernels.moe_router import METHODS, _workspace, route_decode_ref, route_decode_triton
 
 # (method, experts, top_k, settings): V2-Lite-like greedy (two shared experts), V2's group-limited
@@ -20,9 +21,12 @@ CASES = {
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("ranked", [True, False], ids=["ranked", "serial"])
 @pytest.mark.parametrize("num_tokens", [1, 8, 16])
 @pytest.mark.parametrize("case", list(CASES))
-def test_one_launch_routing_equals_the_reference(device, case, num_tokens):
+def test_one_launch_routing_equals_the_reference(device, case, num_tokens, ranked, monkeypatch):
+    """Both top-k forms (the places pass where T x E x E fits, the serial rounds) pick as route_grouped."""
+    monkeypatch.setattr(moe_router, "RANKED_VALUES", 1 << 20 if ranked else 0)
     method, num_experts, top_k, settings = CASES[case]
     hidden = 40  # not a multiple of the H chunk
     gen = torch.Generator().manual_seed(num_tokens * 7 + num_experts)
@@ -69,11 +73,12 @@ def test_compiles_for_sm90(shape, block_t):
     from kernels.moe_router import _route_decode_kernel as fn
 
     v3 = shape == "v3"
-    e_pad, block_e = (256, 4) if v3 else (64, 2)
+    e_pad, block_e = (256, 2) if v3 else (64, 2)
     const = dict(TOP_K=8 if v3 else 6, N_SHARED=1 if v3 else 2, OUT_PAD=16 if v3 else 8,
                  METHOD=METHODS["noaux_tc" if v3 else "greedy"], N_GROUP=8 if v3 else 1, TOPK_GROUP=4 if v3 else 1,
                  G_PAD=8 if v3 else 2, HAS_BIAS=v3, HAS_PAD=True, RENORMALIZE=v3, E_PAD=e_pad, BLOCK_T=block_t,
-                 BLOCK_E=block_e, BLOCK_H=max(32, min(512, 4096 // (block_t * block_e))))
+                 BLOCK_E=block_e, BLOCK_H=min(2048, 8192 // (block_t * block_e)),
+                 RANKED=block_t * e_pad * e_pad <= moe_router.RANKED_VALUES)
     pointers = dict(x_ptr="*bf16", w_ptr="*fp32", bias_ptr="*fp32", pad_ptr="*i1", logits_ptr="*fp32",
                     count_ptr="*i32", weights_ptr="*fp32", ids_ptr="*i32")
     names = fn.arg_names
