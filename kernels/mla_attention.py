@@ -31,6 +31,7 @@ import torch
 from kernels._triton import jit, num_sms, tl, triton, use_triton
 from kernels.attention import KV_FP8_DTYPE, _as_bytes_if_fp8, gather_blocks, to_cache_dtype
 from kernels.attention_metadata import AttentionMetadata
+from kernels.head_matmul import head_matmul
 from kernels.online_softmax import online_softmax_step
 
 
@@ -118,7 +119,8 @@ def _mla_attention_kernel(q_lat_ptr, q_rope_ptr, cache_ptr, part_ptr, lse_ptr, b
                           stride_lt, stride_lh, stride_rt, stride_rh, stride_cb, stride_cs, stride_bt, stride_tm,
                           RANK: tl.constexpr, ROPE: tl.constexpr, RANK_PAD: tl.constexpr, ROPE_PAD: tl.constexpr,
                           PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                          DIRECT: tl.constexpr, HAS_TREE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                          DIRECT: tl.constexpr, HAS_TREE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                          DECODE: tl.constexpr):
     """Program (t, hb, s): token t's heads hb * BLOCK_H ... over split s of its sequence's latent rows
     0..its position, online softmax in float32. The latent tile read for a step serves all BLOCK_H
     heads (the score GEMM and the value GEMM both take it); with H heads each row is read H / BLOCK_H
@@ -139,20 +141,30 @@ def _mla_attention_kernel(q_lat_ptr, q_rope_ptr, cache_ptr, part_ptr, lse_ptr, b
 
     HAS_TREE (tree verification): tree_ptr is AttentionMetadata.tree_mask as int8 (T, max q_len);
     a new key j of the sequence (key >= prefix_len) is seen only where tree[t, j] != 0. A node's
-    ancestors sit in earlier slots, so walking keys 0 .. q_pos still covers every visible one."""
+    ancestors sit in earlier slots, so walking keys 0 .. q_pos still covers every visible one.
+
+    DECODE (every sequence one new token, T = num_seqs: AttentionMetadata.is_decode_only, a decode
+    graph's buckets included): token t is sequence t's last position, read without the token map and
+    cu_seqlens (one dependent load fewer before the first key tile: the kernel is latency there)."""
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
     head_ok = heads < num_heads
-    seq = tl.load(token_seq_ptr + token).to(tl.int64)
-    seq_ok = seq < num_seqs
-    seq = tl.where(seq_ok, seq, 0)
-    context_len = tl.load(ctx_ptr + seq)
-    q_start = tl.load(cu_ptr + seq)
-    q_end = tl.load(cu_ptr + seq + 1)
-    # this token's position: it sees keys 0 .. q_pos (a padding token none: -1)
-    q_pos = tl.where(seq_ok, context_len - (q_end - token), -1)
-    prefix_len = context_len - (q_end - q_start)  # keys before the step's new tokens (all visible)
+    if DECODE:
+        seq = token
+        context_len = tl.load(ctx_ptr + seq)
+        q_pos = context_len - 1  # it sees keys 0 .. q_pos
+        prefix_len = q_pos
+    else:
+        seq = tl.load(token_seq_ptr + token).to(tl.int64)
+        seq_ok = seq < num_seqs
+        seq = tl.where(seq_ok, seq, 0)
+        context_len = tl.load(ctx_ptr + seq)
+        q_start = tl.load(cu_ptr + seq)
+        q_end = tl.load(cu_ptr + seq + 1)
+        # this token's position: it sees keys 0 .. q_pos (a padding token none: -1)
+        q_pos = tl.where(seq_ok, context_len - (q_end - token), -1)
+        prefix_len = context_len - (q_end - q_start)  # keys before the step's new tokens (all visible)
     span = tl.maximum(tl.cdiv(tl.cdiv(q_pos + 1, splits), BLOCK_N) * BLOCK_N, min_span)
     first, last = split * span, tl.minimum((split + 1) * span, q_pos + 1)
     r = tl.arange(0, RANK_PAD)
@@ -197,6 +209,18 @@ def _mla_attention_kernel(q_lat_ptr, q_rope_ptr, cache_ptr, part_ptr, lse_ptr, b
 
 
 @jit
+def _split_weights(lse_ptr, token, head, num_heads, splits, SPLITS_PAD: tl.constexpr):
+    """(token, head)'s splits: (rows of part (SPLITS_PAD,), live (lse > -inf), softmax numerators over
+    the splits' lse (0 where not live), their total)."""
+    s = tl.arange(0, SPLITS_PAD)
+    lse = tl.load(lse_ptr + (token * num_heads + head) * splits + s, mask=s < splits, other=-float("inf"))
+    live = lse > -float("inf")
+    top = tl.max(lse, 0)
+    weight = tl.exp(lse - tl.where(top == -float("inf"), 0.0, top))  # 0 where not live
+    return (token * splits + s) * num_heads + head, live, weight, tl.sum(weight, 0)
+
+
+@jit
 def _mla_combine_kernel(part_ptr, lse_ptr, out_ptr, num_heads, splits, RANK: tl.constexpr, SPLITS_PAD: tl.constexpr,
                         BLOCK_R: tl.constexpr):
     """Program (t, h, rb): columns rb * BLOCK_R ... of out[t, h] = the splits' outputs part[t, s, h]
@@ -206,22 +230,45 @@ def _mla_combine_kernel(part_ptr, lse_ptr, out_ptr, num_heads, splits, RANK: tl.
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
-    s = tl.arange(0, SPLITS_PAD)
-    lse = tl.load(lse_ptr + (token * num_heads + head) * splits + s, mask=s < splits, other=-float("inf"))
-    live = lse > -float("inf")
-    top = tl.max(lse, 0)
-    weight = tl.exp(lse - tl.where(top == -float("inf"), 0.0, top))  # 0 where not live
-    total = tl.sum(weight, 0)
-    rows = (token * splits + s) * num_heads + head
+    rows, live, weight, total = _split_weights(lse_ptr, token, head, num_heads, splits, SPLITS_PAD)
     part = tl.load(part_ptr + rows[:, None] * RANK + r[None, :], mask=live[:, None] & (r < RANK)[None, :],
                    other=0.0)  # (SPLITS_PAD, BLOCK_R) float32
     out = tl.sum(part * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + (token * num_heads + head) * RANK + r, out.to(out_ptr.dtype.element_ty), mask=r < RANK)
 
 
-MIN_SPAN = 64  # keys a split takes at least (two 32-key tiles): each split costs its program's query
-# load and a (BLOCK_H, R) float32 partial written and read back, 32 KB for 16 heads of R = 512, about
-# what 28 latent rows weigh in bf16, so spans much shorter than this spend more on the split than on keys.
+@jit
+def _mla_combine_values_kernel(part_ptr, lse_ptr, w_ptr, out_ptr, num_heads, splits, v_dim, stride_wh, stride_wv,
+                               RANK: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
+                               BLOCK_V: tl.constexpr, LATENT_DTYPE: tl.constexpr):
+    """Program (t, h, vb): columns vb * BLOCK_V ... of out[t, h] = W_UV_h applied to the combined latent
+    output (_mla_combine_kernel's row, rounded to LATENT_DTYPE as it stores it), w (H, V, R). The
+    combine and the per-head W_UV product in one launch: each program reads its head's live partials
+    whole (BLOCK_R columns at a time) and BLOCK_V rows of W_UV_h."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    v_ok = v < v_dim
+    rows, live, weight, total = _split_weights(lse_ptr, token, head, num_heads, splits, SPLITS_PAD)
+    acc = tl.zeros([BLOCK_V], tl.float32)
+    for r0 in tl.static_range(0, RANK, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        r_ok = r < RANK
+        part = tl.load(part_ptr + rows[:, None] * RANK + r[None, :], mask=live[:, None] & r_ok[None, :],
+                       other=0.0)  # (SPLITS_PAD, BLOCK_R) float32
+        latent = (tl.sum(part * weight[:, None], 0) / tl.where(total > 0, total, 1.0)).to(LATENT_DTYPE)
+        w = tl.load(w_ptr + head * stride_wh + v[:, None] * stride_wv + r[None, :], mask=v_ok[:, None] & r_ok[None, :],
+                    other=0.0)  # (BLOCK_V, BLOCK_R)
+        acc += tl.sum(w.to(tl.float32) * latent.to(tl.float32)[None, :], 1)
+    tl.store(out_ptr + (token * num_heads + head) * v_dim + v, acc.to(out_ptr.dtype.element_ty), mask=v_ok)
+
+
+MIN_SPAN = 32  # keys a split takes at least (one 32-key tile). A split costs its program's query load
+# and a (BLOCK_H, R) float32 partial written and read back (32 KB for 16 heads of R = 512), but at the
+# short contexts of batch-1 decode the kernel is latency, not bytes: each 32-key tile a program walks is
+# a dependent block-table + row load and two products (H200, V2-Lite's 16 heads: ~7.0 us a layer at 1
+# tile a split (ctx 128), 10.2 us at 2 (ctx 384, 64-key spans)), so one tile a split until the splits
+# run out (MAX_SPLITS, or the GPU covered twice) and the spans grow.
 MAX_SPLITS = 128  # batch-1 decode of 16 heads (DeepSeek-V2-Lite, V3 at TP 8): one program a split, so
 # splits up to 2 x 132 SMs would cover the GPU; 128 of 256 keys each at 32k context (partials: 4 MB
 # against 38 MB of latent rows). The old cap of 16 left 16 programs on 132 SMs.
@@ -246,20 +293,23 @@ def mla_splits(num_tokens: int, num_heads: int, block_h: int, device, max_splits
 
 def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
                          scale: float, *, block_h: int = 16, block_n: int = 32, splits: int | None = None,
-                         min_span: int = MIN_SPAN, max_splits: int = MAX_SPLITS, num_warps: int | None = None
-                         ) -> torch.Tensor:
+                         min_span: int = MIN_SPAN, max_splits: int = MAX_SPLITS, num_warps: int | None = None,
+                         w_uv: torch.Tensor | None = None) -> torch.Tensor:
     """mla_attention_ref on the GPU (or Triton's interpreter): one program per (token, BLOCK_H heads,
     key split), the splits' outputs combined by their log-sum-exps (_mla_combine_kernel). Two
     launches (one with a single split) besides cu_seqlens' token map; no host sync (CUDA-graph safe):
     each token's sequence comes from cu_seqlens_q on the device. ``min_span`` (a multiple of
     ``block_n``) and ``max_splits``: see MIN_SPAN / MAX_SPLITS (tests shorten the span to split short
-    contexts; the bench sweeps them with block_h, block_n and num_warps)."""
+    contexts; the bench sweeps them with block_h, block_n and num_warps).
+
+    ``w_uv`` (H, V, R) with unit stride along R: returns (T, H, V), W_UV applied per head -- by the combine
+    launch itself where there is one (mla_attention_values), else by kernels/head_matmul.py after."""
     num_tokens, num_heads, rank = q_latent.shape
     rope = q_rope.shape[-1]
     assert q_latent.stride(-1) == 1 and q_rope.stride(-1) == 1 and cache.stride(-1) == 1
     assert min_span % block_n == 0, (min_span, block_n)
     if num_tokens == 0:
-        return torch.empty_like(q_latent)
+        return torch.empty_like(q_latent) if w_uv is None else q_latent.new_empty(num_tokens, num_heads, w_uv.shape[1])
     min_span = max(min_span, block_n)
     splits = splits or mla_splits(num_tokens, num_heads, block_h, q_latent.device, max_splits, meta.max_context_len,
                                   min_span)
@@ -272,22 +322,51 @@ def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
     grid = (num_tokens, triton.cdiv(num_heads, block_h), splits)
     # Token trees: the mask as bytes (kernels/triton_attention.py does the same); None reads nothing.
     tree = None if meta.tree_mask is None else meta.tree_mask.to(torch.int8)
+    decode = meta.is_decode_only and tree is None and num_tokens == meta.context_lens.shape[0]
     _mla_attention_kernel[grid](
-        q_latent, q_rope, cache, part, lse, meta.block_tables, meta.token_sequences(num_tokens), meta.cu_seqlens_q,
+        q_latent, q_rope, cache, part, lse, meta.block_tables,
+        meta.context_lens if decode else meta.token_sequences(num_tokens), meta.cu_seqlens_q,
         meta.context_lens, meta.context_lens if tree is None else tree, meta.context_lens.shape[0], num_heads, splits,
         min_span, scale, q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
         cache.stride(0), cache.stride(1), meta.block_tables.stride(0), 0 if tree is None else tree.stride(0),
         RANK=rank, ROPE=rope, RANK_PAD=max(16, triton.next_power_of_2(rank)),
         ROPE_PAD=max(16, triton.next_power_of_2(rope)), PAGE=cache.shape[1], BLOCK_H=block_h, BLOCK_N=block_n,
-        DIRECT=splits == 1, HAS_TREE=tree is not None,
+        DIRECT=splits == 1, HAS_TREE=tree is not None, DECODE=decode,
         DOT_PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32",
         num_warps=num_warps or (4 if block_h <= 16 else 8))
+    if splits > 1 and w_uv is not None:
+        assert w_uv.shape[::2] == (num_heads, rank) and w_uv.stride(2) == 1, (tuple(w_uv.shape), w_uv.stride())
+        v_dim, splits_pad = w_uv.shape[1], max(2, triton.next_power_of_2(splits))
+        values = torch.empty(num_tokens, num_heads, v_dim, dtype=q_latent.dtype, device=q_latent.device)
+        # (SPLITS_PAD, BLOCK_R) partials and (BLOCK_V, BLOCK_R) weights of <= COMBINE_VALUES a step on 8
+        # warps: the whole latent row at once up to 32 splits (V2-Lite at max_seq_len 1k), 4 steps at 128.
+        block_r = max(16, min(triton.next_power_of_2(rank), COMBINE_VALUES // splits_pad))
+        block_v = max(16, min(32, triton.next_power_of_2(v_dim)))
+        _mla_combine_values_kernel[(num_tokens, num_heads, triton.cdiv(v_dim, block_v))](
+            part, lse, w_uv, values, num_heads, splits, v_dim, w_uv.stride(0), w_uv.stride(1), RANK=rank,
+            SPLITS_PAD=splits_pad, BLOCK_R=block_r, BLOCK_V=block_v, LATENT_DTYPE=_TL_DTYPES[q_latent.dtype],
+            num_warps=8)
+        return values
     if splits > 1:
         block_r, splits_pad = min(64, triton.next_power_of_2(rank)), max(2, triton.next_power_of_2(splits))
         _mla_combine_kernel[(num_tokens, num_heads, triton.cdiv(rank, block_r))](
             part, lse, out, num_heads, splits, RANK=rank, SPLITS_PAD=splits_pad, BLOCK_R=block_r,
             num_warps=max(1, min(4, splits_pad * block_r // 1024)))  # <= 64 partial values a thread
-    return out
+    return out if w_uv is None else head_matmul(out, w_uv.transpose(1, 2))
+
+
+COMBINE_VALUES = 16384
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+def mla_attention_values(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
+                         scale: float, w_uv: torch.Tensor) -> torch.Tensor:
+    """mla_attention's output through W_UV per head: (T, H, R) -> (T, H, V) = out_lat[t, h] @ w_uv[h].T,
+    w_uv (H, V, R). On CUDA the splits' combine applies it in the same launch (one launch fewer a layer
+    at decode, the latent rows never stored), else kernels/head_matmul.py after the attention."""
+    if use_triton(q_latent):
+        return mla_attention_triton(q_latent, q_rope, cache, meta, scale, w_uv=w_uv)
+    return head_matmul(mla_attention_ref(q_latent, q_rope, cache, meta, scale), w_uv.transpose(1, 2))
 
 
 def mla_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,

@@ -63,7 +63,7 @@ from kernels.fp8_block import blocks, dequantize_blocks
 from kernels.fused_moe import fused_moe, moe_forward
 from kernels.fused_moe_fp8 import fused_moe_fp8, moe_forward_fp8
 from kernels.head_matmul import head_matmul
-from kernels.mla_attention import mla_attention
+from kernels.mla_attention import mla_attention_values
 from kernels.mla_expanded import expanded_min_tokens, mla_expanded_prefill, split_long
 from kernels.mla_latent_write import latent_rope_write
 from kernels.moe_grouped_routing import route_grouped
@@ -224,8 +224,8 @@ class MlaAttention(nn.Module):
         """(T, H, N), (T, H, P) -> (T, H, V): W_UK into the query, attention over the latents, W_UV after."""
         # (kernels/head_matmul.py: one Triton launch each at decode sizes, else torch.einsum)
         q_latent = head_matmul(q_nope, self.w_uk)  # (T, H, N) @ (H, N, R) -> (T, H, R)
-        out_latent = mla_attention(q_latent, q_rope, cache, meta, self.scale)
-        return head_matmul(out_latent, self.w_uv.transpose(1, 2))  # (T, H, R) @ (H, R, V) -> (T, H, V)
+        # out_lat (T, H, R) @ (H, R, V) -> (T, H, V): at decode in the splits' combine launch
+        return mla_attention_values(q_latent, q_rope, cache, meta, self.scale, self.w_uv)
 
 
 class DeepseekExperts(nn.Module):
@@ -334,9 +334,9 @@ class DeepseekExperts(nn.Module):
         if shared and len(self.with_shared) == 4:  # block-FP8
             gate_up, down, gate_up_scale, down_scale = self.with_shared
             out = fused_moe_fp8(x, gate_up, gate_up_scale, down, down_scale, weights, ids,
-                                sum_experts=self.tp_group is None)
+                                sum_experts=self.tp_group is not None)
         elif shared:
-            out = fused_moe(x, *self.with_shared, weights, ids, sum_experts=self.tp_group is None)
+            out = fused_moe(x, *self.with_shared, weights, ids, sum_experts=self.tp_group is not None)
         else:
             out = self._experts(x, weights, ids)
             if self.shared:

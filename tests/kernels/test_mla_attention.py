@@ -13,6 +13,7 @@ import torch
 from kernel_testing import TOLERANCE, low_precision_dtypes, relative_error
 from kernels.attention import KV_FP8_DTYPE
 from kernels.attention_metadata import AttentionMetadata
+from kernels import mla_attention as mla_attention_module
 from kernels.mla_attention import (MIN_SPAN, mla_attention_ref, mla_attention_triton, write_latent_cache_ref,
                                    write_latent_cache_triton)
 from kernels.mla_expanded import expanded_min_tokens, mla_expanded_prefill, split_long
@@ -150,11 +151,30 @@ def test_triton_kernel_equals_reference(device, dtype, cache_dtype, context_lens
     q_latent = torch.randn(sum(q_lens), HEADS, RANK, generator=gen).to(dtype).to(device)
     q_rope = torch.randn(sum(q_lens), HEADS, ROPE, generator=gen).to(dtype).to(device)
     want = mla_attention_ref(q_latent.cpu(), q_rope.cpu(), cache.cpu(), _on_cpu(meta), 0.2)
-    # one span; three of >= 1 tile (some empty at short contexts); the batch's own (up to 128) of >= 1
-    # tile and of the default >= 64 keys (most of them end at once)
-    for splits, min_span in ((1, 32), (3, 32), (None, 32), (None, MIN_SPAN)):
+    # one span; three of >= 1 tile (some empty at short contexts); the batch's own (up to 128) of the
+    # default >= 1 tile and of >= 64 keys (most of them end at once). All-decode batches (q_lens 1) run
+    # the kernel's DECODE form (no token map).
+    for splits, min_span in ((1, 32), (3, 32), (None, MIN_SPAN), (None, 64)):
         out = mla_attention_triton(q_latent, q_rope, cache, meta, 0.2, splits=splits, min_span=min_span)
         assert relative_error(out.cpu().float(), want.float()) < TOLERANCE[dtype] * (3 if cache_dtype else 1)
+
+
+@pytest.mark.parametrize("context_lens,q_lens", [([37, 5, 70], [1, 1, 1]), ([30, 9, 2], [11, 1, 2])])
+def test_combine_applies_w_uv(device, context_lens, q_lens, monkeypatch):
+    """w_uv given: (T, H, V) = the reference's latent output through W_UV per head, whether the splits'
+    combine applies it (splits > 1; at 128 of them, with the budget cut, the latent row in two chunks)
+    or head_matmul after (one split)."""
+    monkeypatch.setattr(mla_attention_module, "COMBINE_VALUES", 2048)
+    _, cache, meta = paged_batch(context_lens, q_lens, device=device)
+    gen = torch.Generator().manual_seed(5)
+    q_latent = torch.randn(sum(q_lens), HEADS, RANK, generator=gen).to(device)
+    q_rope = torch.randn(sum(q_lens), HEADS, ROPE, generator=gen).to(device)
+    w_uv = torch.randn(HEADS, V_DIM, RANK, generator=gen) * RANK ** -0.5
+    want = torch.einsum("thr,hvr->thv", mla_attention_ref(q_latent.cpu(), q_rope.cpu(), cache.cpu(), _on_cpu(meta),
+                                                           0.2), w_uv)
+    for splits in (1, 3, None, 128):
+        out = mla_attention_triton(q_latent, q_rope, cache, meta, 0.2, splits=splits, w_uv=w_uv.to(device))
+        assert out.shape == want.shape and relative_error(out.cpu(), want) < TOLERANCE[torch.float32]
 
 
 def tree_mask_of(parents_per_seq: list[list[int]]) -> torch.Tensor:
@@ -227,8 +247,9 @@ def test_num_sms_takes_a_device_name():
     assert num_sms("cpu") == num_sms(torch.device("cpu")) == 132
     assert mla_splits(1, 16, 16, "cpu") == 128 and mla_splits(512, 128, 16, "cpu") == 1
     # never more splits than the longest context fills with min_span keys; one (no combine) at <= min_span
-    assert mla_splits(1, 16, 16, "cpu", max_context_len=1024) == 16
-    assert mla_splits(1, 16, 16, "cpu", max_context_len=64) == mla_splits(1, 16, 16, "cpu", max_context_len=1) == 1
+    assert mla_splits(1, 16, 16, "cpu", max_context_len=1024) == 1024 // MIN_SPAN
+    assert mla_splits(1, 16, 16, "cpu", max_context_len=1024, min_span=64) == 16
+    assert mla_splits(1, 16, 16, "cpu", max_context_len=MIN_SPAN) == mla_splits(1, 16, 16, "cpu", max_context_len=1) == 1
 
 
 def test_triton_latent_write_skips_padding_rows(device):
