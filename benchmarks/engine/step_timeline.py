@@ -133,8 +133,22 @@ def summarize(runner, *, skip: int = 8, since: float | None = None, until: float
         if previous[5] is not None:
             entry["idle_ms"].append(previous[5].elapsed_time(start))
     return {size: {"steps": len(values["host_ms"]), "graph_steps": replayed[size],
-                   **{key: statistics.median(v) for key, v in values.items() if v}}
+                   **{key: statistics.median(v) for key, v in values.items() if v},
+                   # a bimodal step (every other one slow, a stall every n) shows here, not in medians
+                   **{f"{key}_p10_p90": _deciles(values[key]) for key in ("period_ms", "host_ms", "gpu_ms")},
+                   **{f"{key}_first": [round(v, 3) for v in values[key][:HEAD_STEPS]]
+                      for key in ("period_ms", "host_ms", "gpu_ms", "cpu_period_ms")}}
             for size, values in sorted(by_size.items())}
+
+
+HEAD_STEPS = 24  # steps summarize lists one by one (after the warm-up), per batch size
+
+
+def _deciles(values: list[float]) -> list[float]:
+    if len(values) < 2:
+        return values * 2
+    cuts = statistics.quantiles(values, n=10)
+    return [round(cuts[0], 3), round(cuts[-1], 3)]
 
 
 def describe(summary: dict[int, dict]) -> str:

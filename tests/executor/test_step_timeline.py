@@ -43,7 +43,9 @@ def test_summarize_splits_at_a_window_and_counts_graph_steps(runner):
     assert (after["steps"], after["graph_steps"]) == (10, 0) and "graph_host_ms" not in after
     assert after["period_ms"] == pytest.approx(17.0) and after["host_ms"] == pytest.approx(6.9)
     assert after["cpu_in_forward_ms"] == pytest.approx(3.45) and after["cpu_period_ms"] == pytest.approx(1.7)
-    assert step_timeline.summarize(runner)[1]["steps"] == 22
+    assert after["period_ms_first"][1:] == [17.0] * 9 and after["host_ms_p10_p90"] == [6.9, 6.9]
+    every = step_timeline.summarize(runner)[1]
+    assert every["steps"] == 22 and every["period_ms_p10_p90"] == [3.0, 17.0]
 
 
 def test_graph_runs_keep_their_host_time():
