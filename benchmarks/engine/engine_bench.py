@@ -571,7 +571,7 @@ def bench_executor_decode(executor, vocab: int, batch: int, prompt_len: int = 12
     elapsed = time.perf_counter() - started
     row = {"batch": batch, "prompt_len": prompt_len, "output_len": out_len, "temperature": temperature, "top_p": top_p,
            "decode_tok_s": batch * statistics.median(rates), "output_tok_s": tokens / elapsed}
-    timeline = summarize(executor.runner, until=window[0] if window else None)
+    timeline = summarize(executor.runner, since=started, until=window[0] if window else None)  # this run only
     if batch in timeline:
         row["timeline"] = timeline[batch]
         # The median step period: unlike the requests' own rates, untouched by the profiled window.
