@@ -592,6 +592,21 @@ def bench_executor_decode(executor, vocab: int, batch: int, prompt_len: int = 12
 _PROFILED = False  # a torch.profiler window ran in this process (CUPTI stays attached: bench_executor_decode)
 
 
+def executor_decode_line(row: dict) -> str:
+    """One line of a bench_executor_decode row as soon as it is measured: the step timeline before and
+    after the profiler window, the graph replays and the loop thread's CPU time."""
+    def part(t: dict | None) -> str:
+        if not t:
+            return "no steps"
+        return (f"period {t['period_ms']:.3f} ms (p10/p90 {t.get('period_ms_p10_p90')}), host in forward "
+                f"{t['host_ms']:.3f} ms (CPU {t.get('cpu_in_forward_ms', float('nan')):.3f}, graph run "
+                f"{t.get('graph_host_ms', float('nan')):.3f}), GPU in forward {t['gpu_ms']:.3f} ms, "
+                f"{t.get('graph_steps', 0)}/{t['steps']} steps replayed a graph")
+    return (f"[executor_decode] batch {row['batch']}: {row['decode_tok_s']:,.1f} decode tok/s; before the profiler "
+            f"window{' (CUPTI attached earlier)' if row.get('cupti_attached') else ''}: {part(row.get('timeline'))}; "
+            f"after: {part(row.get('timeline_after_profile'))}; graph replays by bucket {row.get('graph_replays')}")
+
+
 def iteration_breakdown(executor, since_ns: int) -> dict:
     """Where the wall time went, from the executor's own per-iteration stats: prefill-carrying
     iterations vs decode-only ones, and the decode-only step time at the largest batch seen,
@@ -1052,6 +1067,7 @@ class SectionRunner:
             rows.append(bench_executor_decode(self._started_executor(), self.model_cfg.vocab_size, batch,
                                               profile_seconds=0.5, temperature=self.args.executor_decode_temperature,
                                               top_p=self.args.executor_decode_top_p))
+            print(executor_decode_line(rows[-1]), file=sys.stderr, flush=True)  # (a run cut short keeps it)
         self.results["executor_decode"] = rows
 
     def section_latency(self) -> None:
