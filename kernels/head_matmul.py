@@ -28,8 +28,18 @@ def _head_matmul_kernel(x_ptr, w_ptr, y_ptr, num_tokens, K, N, stride_xt, stride
                         BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         DOT_PRECISION: tl.constexpr):
     """Program (head h, column tile j): y[:, h, j * BLOCK_N ...] for every token."""
-    head = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    head_matmul_tile(x_ptr, w_ptr, y_ptr, tl.program_id(0), tl.program_id(1), tl.num_programs(0), num_tokens, K, N,
+                     stride_xt, stride_xh, stride_wh, stride_wk, stride_wn, BLOCK_T, BLOCK_N, BLOCK_K, DOT_PRECISION)
+
+
+@jit
+def head_matmul_tile(x_ptr, w_ptr, y_ptr, head, tile, num_heads, num_tokens, K, N, stride_xt, stride_xh, stride_wh,
+                     stride_wk, stride_wn, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr):
+    """y[:, head, tile * BLOCK_N ...] for every token (y (T, num_heads, N) contiguous); also run by
+    kernels/mla_latent_write.py's launch for W_UK."""
+    head = head.to(tl.int64)
+    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     tokens = tl.arange(0, BLOCK_T)
     t_ok = tokens < num_tokens
@@ -42,22 +52,26 @@ def _head_matmul_kernel(x_ptr, w_ptr, y_ptr, num_tokens, K, N, stride_xt, stride
         w = tl.load(w_ptr + head * stride_wh + k[:, None] * stride_wk + cols[None, :] * stride_wn,
                     mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         acc = tl.dot(x, w.to(x.dtype), acc, input_precision=DOT_PRECISION)
-    num_heads = tl.num_programs(0)
     tl.store(y_ptr + (tokens[:, None] * num_heads + head) * N + cols[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=t_ok[:, None] & col_ok[None, :])
 
 
-def head_matmul_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def head_matmul_launch(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, int, dict]:
+    """(y, column tiles a head, the tile's constexprs) of a launch: y (T, H, N) empty."""
     num_tokens, num_heads, k = x.shape
     n = w.shape[2]
     assert 1 <= num_tokens <= MAX_TOKENS and x.stride(2) == 1 and w.shape[:2] == (num_heads, k)
     y = torch.empty(num_tokens, num_heads, n, dtype=x.dtype, device=x.device)
     block_n = max(16, min(64, triton.next_power_of_2(n) // 8))  # W_UK (N 512): 64; W_UV (N 128): 16
     block_k = max(16, min(128, triton.next_power_of_2(k)))
-    _head_matmul_kernel[(num_heads, triton.cdiv(n, block_n))](
-        x, w, y, num_tokens, k, n, x.stride(0), x.stride(1), *w.stride(),
-        BLOCK_T=16, BLOCK_N=block_n, BLOCK_K=block_k,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2)
+    return y, triton.cdiv(n, block_n), dict(BLOCK_T=16, BLOCK_N=block_n, BLOCK_K=block_k,
+                                            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+
+
+def head_matmul_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    y, tiles, constexprs = head_matmul_launch(x, w)
+    _head_matmul_kernel[(x.shape[1], tiles)](x, w, y, x.shape[0], x.shape[2], w.shape[2], x.stride(0), x.stride(1),
+                                             *w.stride(), **constexprs, num_warps=4, num_stages=2)
     return y
 
 

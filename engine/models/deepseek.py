@@ -65,7 +65,7 @@ from kernels.fused_moe_fp8 import fused_moe_fp8, moe_forward_fp8
 from kernels.head_matmul import head_matmul
 from kernels.mla_attention import mla_attention_values
 from kernels.mla_expanded import expanded_min_tokens, mla_expanded_prefill, split_long
-from kernels.mla_latent_write import latent_rope_write
+from kernels.mla_latent_write import latent_rope_write, latent_rope_write_absorb
 from kernels.moe_grouped_routing import route_grouped
 from kernels.moe_router import MAX_TOKENS as ROUTER_MAX_TOKENS, route_decode
 from kernels.rmsnorm import rms_norm
@@ -203,28 +203,30 @@ class MlaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.nope + self.rope)
         q_nope, q_rope = q[..., :self.nope], q[..., self.nope:]  # strided views (no copies)
         cache = kv_cache[self.layer_index, 0, :, :, 0]  # (num_blocks, tokens_per_block, R + P)
-        # kv_a_norm of the latent, rope of q_rope (in place) and of k_r, [c | k_r] into the pool: one launch
-        q_rope = latent_rope_write(q_rope, kv, self.kv_a_norm.weight, self.eps, positions, cos_sin_cache, cache,
-                                   meta.slot_mapping)
         long, short_rows, short_meta = split_long(meta, self.expanded_min_tokens)
         if not long:
-            out = self._absorbed(q_nope, q_rope, cache, meta)
+            # kv_a_norm of the latent, rope of q_rope (in place) and of k_r, [c | k_r] into the pool, and
+            # W_UK's product into the query (kernels/head_matmul.py): one launch at decode sizes
+            q_rope, q_latent = latent_rope_write_absorb(q_nope, self.w_uk, q_rope, kv, self.kv_a_norm.weight,
+                                                        self.eps, positions, cos_sin_cache, cache, meta.slot_mapping)
+            out = self._attend(q_latent, q_rope, cache, meta)
         else:  # long prefill chunks expanded per head, the rest absorbed (kernels/mla_expanded.py)
+            q_rope = latent_rope_write(q_rope, kv, self.kv_a_norm.weight, self.eps, positions, cos_sin_cache, cache,
+                                       meta.slot_mapping)
             out = q_nope.new_empty(q_nope.shape[0], self.num_heads, self.v_dim)
             for i, start, end, context_len in long:
                 out[start:end] = mla_expanded_prefill(q_nope[start:end], q_rope[start:end], cache,
                                                       meta.block_tables[i], context_len, self.w_uk, self.w_uv,
                                                       self.scale)
             if short_rows is not None:
-                out[short_rows] = self._absorbed(q_nope[short_rows], q_rope[short_rows], cache, short_meta)
+                out[short_rows] = self._attend(head_matmul(q_nope[short_rows], self.w_uk), q_rope[short_rows], cache,
+                                               short_meta)
         return self.o_proj(out.reshape(out.shape[0], -1))
 
-    def _absorbed(self, q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
-                  meta: AttentionMetadata) -> torch.Tensor:
-        """(T, H, N), (T, H, P) -> (T, H, V): W_UK into the query, attention over the latents, W_UV after."""
-        # (kernels/head_matmul.py: one Triton launch each at decode sizes, else torch.einsum)
-        q_latent = head_matmul(q_nope, self.w_uk)  # (T, H, N) @ (H, N, R) -> (T, H, R)
-        # out_lat (T, H, R) @ (H, R, V) -> (T, H, V): at decode in the splits' combine launch
+    def _attend(self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """q_latent (T, H, R) (W_UK absorbed), q_rope (T, H, P) -> (T, H, V): attention over the latents,
+        then W_UV (at decode in the splits' combine launch)."""
         return mla_attention_values(q_latent, q_rope, cache, meta, self.scale, self.w_uv)
 
 
