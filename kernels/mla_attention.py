@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import jit, num_sms, tl, triton, use_triton
+from kernels._triton import jit, num_sms, pdl_options, pdl_prologue, tl, triton, use_triton
 from kernels.attention import KV_FP8_DTYPE, _as_bytes_if_fp8, gather_blocks, to_cache_dtype
 from kernels.attention_metadata import AttentionMetadata
 from kernels.head_matmul import head_matmul
@@ -120,7 +120,7 @@ def _mla_attention_kernel(q_lat_ptr, q_rope_ptr, cache_ptr, part_ptr, lse_ptr, b
                           RANK: tl.constexpr, ROPE: tl.constexpr, RANK_PAD: tl.constexpr, ROPE_PAD: tl.constexpr,
                           PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                           DIRECT: tl.constexpr, HAS_TREE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                          DECODE: tl.constexpr):
+                          DECODE: tl.constexpr, PDL: tl.constexpr):
     """Program (t, hb, s): token t's heads hb * BLOCK_H ... over split s of its sequence's latent rows
     0..its position, online softmax in float32. The latent tile read for a step serves all BLOCK_H
     heads (the score GEMM and the value GEMM both take it); with H heads each row is read H / BLOCK_H
@@ -145,7 +145,9 @@ def _mla_attention_kernel(q_lat_ptr, q_rope_ptr, cache_ptr, part_ptr, lse_ptr, b
 
     DECODE (every sequence one new token, T = num_seqs: AttentionMetadata.is_decode_only, a decode
     graph's buckets included): token t is sequence t's last position, read without the token map and
-    cu_seqlens (one dependent load fewer before the first key tile: the kernel is latency there)."""
+    cu_seqlens (one dependent load fewer before the first key tile: the kernel is latency there).
+    PDL (this kernel and the combines): launched while the launch before ends (kernels/_triton.py)."""
+    pdl_prologue(PDL)
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -222,11 +224,12 @@ def _split_weights(lse_ptr, token, head, num_heads, splits, SPLITS_PAD: tl.const
 
 @jit
 def _mla_combine_kernel(part_ptr, lse_ptr, out_ptr, num_heads, splits, RANK: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                        BLOCK_R: tl.constexpr):
+                        BLOCK_R: tl.constexpr, PDL: tl.constexpr):
     """Program (t, h, rb): columns rb * BLOCK_R ... of out[t, h] = the splits' outputs part[t, s, h]
     weighted by softmax over s of lse[t, h, s]. A split of lse -inf (no visible key) is neither read
     nor counted; a row with none at all (a token of no sequence) comes out 0. One masked 2-D load
     takes every live split at once (their requests in flight together, not a split at a time)."""
+    pdl_prologue(PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -240,11 +243,12 @@ def _mla_combine_kernel(part_ptr, lse_ptr, out_ptr, num_heads, splits, RANK: tl.
 @jit
 def _mla_combine_values_kernel(part_ptr, lse_ptr, w_ptr, out_ptr, num_heads, splits, v_dim, stride_wh, stride_wv,
                                RANK: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
-                               BLOCK_V: tl.constexpr, LATENT_DTYPE: tl.constexpr):
+                               BLOCK_V: tl.constexpr, LATENT_DTYPE: tl.constexpr, PDL: tl.constexpr):
     """Program (t, h, vb): columns vb * BLOCK_V ... of out[t, h] = W_UV_h applied to the combined latent
     output (_mla_combine_kernel's row, rounded to LATENT_DTYPE as it stores it), w (H, V, R). The
     combine and the per-head W_UV product in one launch: each program reads its head's live partials
     whole (BLOCK_R columns at a time) and BLOCK_V rows of W_UV_h."""
+    pdl_prologue(PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -333,7 +337,7 @@ def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
         ROPE_PAD=max(16, triton.next_power_of_2(rope)), PAGE=cache.shape[1], BLOCK_H=block_h, BLOCK_N=block_n,
         DIRECT=splits == 1, HAS_TREE=tree is not None, DECODE=decode,
         DOT_PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32",
-        num_warps=num_warps or (4 if block_h <= 16 else 8))
+        num_warps=num_warps or (4 if block_h <= 16 else 8), **pdl_options(q_latent))
     if splits > 1 and w_uv is not None:
         assert w_uv.shape[::2] == (num_heads, rank) and w_uv.stride(2) == 1, (tuple(w_uv.shape), w_uv.stride())
         v_dim, splits_pad = w_uv.shape[1], max(2, triton.next_power_of_2(splits))
@@ -345,13 +349,13 @@ def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
         _mla_combine_values_kernel[(num_tokens, num_heads, triton.cdiv(v_dim, block_v))](
             part, lse, w_uv, values, num_heads, splits, v_dim, w_uv.stride(0), w_uv.stride(1), RANK=rank,
             SPLITS_PAD=splits_pad, BLOCK_R=block_r, BLOCK_V=block_v, LATENT_DTYPE=_TL_DTYPES[q_latent.dtype],
-            num_warps=8)
+            num_warps=8, **pdl_options(q_latent))
         return values
     if splits > 1:
         block_r, splits_pad = min(64, triton.next_power_of_2(rank)), max(2, triton.next_power_of_2(splits))
         _mla_combine_kernel[(num_tokens, num_heads, triton.cdiv(rank, block_r))](
             part, lse, out, num_heads, splits, RANK=rank, SPLITS_PAD=splits_pad, BLOCK_R=block_r,
-            num_warps=max(1, min(4, splits_pad * block_r // 1024)))  # <= 64 partial values a thread
+            num_warps=max(1, min(4, splits_pad * block_r // 1024)), **pdl_options(q_latent))  # <= 64 values a thread
     return out if w_uv is None else head_matmul(out, w_uv.transpose(1, 2))
 
 

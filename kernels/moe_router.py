@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import jit, tl, triton, use_triton
+from kernels._triton import jit, pdl_options, pdl_prologue, tl, triton, use_triton
 from kernels.moe_grouped_routing import route_grouped
 
 MAX_TOKENS = 16
@@ -145,9 +145,11 @@ def _route_decode_kernel(x_ptr, w_ptr, bias_ptr, pad_ptr, logits_ptr, count_ptr,
                          N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, G_PAD: tl.constexpr,
                          HAS_BIAS: tl.constexpr, HAS_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
                          E_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
-                         RANKED: tl.constexpr):
+                         RANKED: tl.constexpr, PDL: tl.constexpr):
     """Program p: the logits of experts p * BLOCK_E ... for every token; the last program routes them.
-    RANKED: the top-k by places (_top_k_rank, (BLOCK_T, E_PAD, E_PAD) comparisons), else serially."""
+    RANKED: the top-k by places (_top_k_rank, (BLOCK_T, E_PAD, E_PAD) comparisons), else serially.
+    PDL: launched while the norm before it ends (kernels/_triton.py pdl_prologue)."""
+    pdl_prologue(PDL)
     tokens = tl.arange(0, BLOCK_T)
     t_ok = tokens < num_tokens
     mine = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -255,7 +257,7 @@ def route_decode_triton(x: torch.Tensor, router_weight: torch.Tensor, top_k: int
         G_PAD=max(2, triton.next_power_of_2(n_group if group_limited else 1)), HAS_BIAS=score_bias is not None,
         HAS_PAD=pad is not None, RENORMALIZE=renormalize, E_PAD=e_pad, BLOCK_T=block_t, BLOCK_E=block_e,
         RANKED=block_t * e_pad * e_pad <= RANKED_VALUES,
-        BLOCK_H=block_h, num_warps=4)
+        BLOCK_H=block_h, num_warps=4, **pdl_options(x))
     return weights, ids
 
 

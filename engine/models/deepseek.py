@@ -519,7 +519,9 @@ class DeepseekForCausalLM(nn.Module):
             self.init_buffers(input_ids.device)
         x, residual = self.embed_tokens(input_ids), None
         padding = graph_padding_rows(attn_meta)
-        if use_triton(input_ids):  # the token map once for the layers' attention launches, not once a layer
+        # The token map once for the layers' attention launches, not once a layer; all-decode steps need
+        # none (the MLA kernel's DECODE form: token t is sequence t).
+        if use_triton(input_ids) and not attn_meta.is_decode_only:
             attn_meta = dataclasses.replace(attn_meta, token_seq=attn_meta.token_sequences(input_ids.shape[0]))
         for layer in self.layers:
             x, residual = layer(x, residual, positions, self.cos_sin_cache, kv_cache, attn_meta, padding)

@@ -78,7 +78,7 @@ def test_compiles_for_sm90(shape, block_t):
                  METHOD=METHODS["noaux_tc" if v3 else "greedy"], N_GROUP=8 if v3 else 1, TOPK_GROUP=4 if v3 else 1,
                  G_PAD=8 if v3 else 2, HAS_BIAS=v3, HAS_PAD=True, RENORMALIZE=v3, E_PAD=e_pad, BLOCK_T=block_t,
                  BLOCK_E=block_e, BLOCK_H=min(2048, 8192 // (block_t * block_e)),
-                 RANKED=block_t * e_pad * e_pad <= moe_router.RANKED_VALUES)
+                 RANKED=block_t * e_pad * e_pad <= moe_router.RANKED_VALUES, PDL=block_t == 2)
     pointers = dict(x_ptr="*bf16", w_ptr="*fp32", bias_ptr="*fp32", pad_ptr="*i1", logits_ptr="*fp32",
                     count_ptr="*i32", weights_ptr="*fp32", ids_ptr="*i32")
     names = fn.arg_names
