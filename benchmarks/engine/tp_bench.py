@@ -1,4 +1,4 @@
-"""Tensor parallelism on 2 GPUs: TP 2 must equal TP 1 on greedy outputs; decode and offline speed of both.
+"""Tensor and pipeline parallelism on 2 GPUs: TP 2 and PP 2 must equal TP 1 on greedy outputs; decode and offline speed of each.
 
     python benchmarks/engine/tp_bench.py --out tp_bench.json --results-md benchmarks/results/engine.md
 
@@ -15,6 +15,10 @@ starts every rank itself, with the variables mpirun would set). Four phases, eac
 2. ``perf_tp1`` / ``perf_tp2`` (bfloat16): decode tokens/s through the runner at batch 1, 8, 32
    (prompt 128, 128 steps, argmax synced every step as a sampler would), then offline
    throughput through the in-flight-batching Executor (all requests enqueued at once).
+3. ``greedy_pp2`` / ``perf_pp2`` (not in the default ``--phases``): the same with two pipeline stages
+   of 16 layers (engine/pipeline; stages run eagerly, no decode graphs; micro-batches per step
+   ``$TRITONLLM_PP_MICRO_BATCHES``, default 2). Each perf phase also reports its KV pool
+   (``kv_tokens``: tokens of every layer it holds; a stage holds half the layers, so the pool grows).
 
 The model has Llama-3.1-8B's shape (32 layers, 32/8 heads, hidden 4096, vocab 128256) and
 random weights made on the GPUs: every rank generates the same full tensors from a fixed seed
@@ -49,10 +53,18 @@ from engine.config import BuildConfig, EngineConfig, ModelConfig  # noqa: E402
 from engine.convert import CheckpointError, iter_rank_weights  # noqa: E402
 from engine.executor.overlap import placeholder  # noqa: E402
 from engine.executor.runner import ForwardBatch, ModelRunner  # noqa: E402
+from engine.pipeline.layout import stage_of_rank, stage_tensor_name  # noqa: E402
 from engine.tensor_parallel.distributed import make_runner, run_worker  # noqa: E402
 
 
 PHASES = ("greedy_tp1", "greedy_tp2", "perf_tp1", "perf_tp2")
+PP_PHASES = ("greedy_pp2", "perf_pp2")  # asked for by name in --phases
+
+
+def phase_mapping(phase: str) -> tuple[int, int]:
+    """``perf_tp2`` -> (tp 2, pp 1); ``greedy_pp2`` -> (tp 1, pp 2)."""
+    size = int(phase[-1])
+    return (1, size) if phase[-3:-1] == "pp" else (size, 1)
 DECODE_BATCHES = (1, 8, 32)
 
 
@@ -113,7 +125,16 @@ def random_rank_weights(engine_dir: str, rank: int, device, *, seed: int = 0) ->
     config = EngineConfig.load(engine_dir)
     dtype = getattr(torch, config.build.dtype)
     get = random_getter(config.model, torch.device(device), seed)
-    return dict(iter_rank_weights(get, config.model, rank, config.build.tp_size, dtype))
+    if config.build.pp_size == 1:
+        return dict(iter_rank_weights(get, config.model, rank, config.build.tp_size, dtype))
+    # A pipeline stage's file: its layers renumbered from 0, as engine.build writes them (rank = stage * tp + tp_rank).
+    stage, tp_rank = stage_of_rank(config.model, config.build, rank)
+    held = {}
+    for name, tensor in iter_rank_weights(get, config.model, tp_rank, config.build.tp_size, dtype):
+        local = stage_tensor_name(name, stage, config.model.tie_word_embeddings)
+        if local is not None:
+            held[local] = tensor
+    return held
 
 
 class EagerRunner(ModelRunner):
@@ -138,10 +159,10 @@ def use_random_weights() -> None:
     runner_module.load_rank_weights = random_rank_weights
 
 
-def write_engine_config(root: str, model: str, dtype: str, tp_size: int, max_batch_size: int = 64) -> str:
-    engine_dir = os.path.join(root, f"{model}-{dtype}-tp{tp_size}")
+def write_engine_config(root: str, model: str, dtype: str, tp_size: int, max_batch_size: int = 64, pp_size: int = 1) -> str:
+    engine_dir = os.path.join(root, f"{model}-{dtype}-tp{tp_size}" + (f"-pp{pp_size}" if pp_size > 1 else ""))
     build = BuildConfig(dtype=dtype, max_batch_size=max_batch_size, max_input_len=2048, max_seq_len=4096, max_num_tokens=8192,
-                        tokens_per_block=32, tp_size=tp_size)
+                        tokens_per_block=32, tp_size=tp_size, pp_size=pp_size)
     EngineConfig(model=ModelConfig(**MODELS[model]), build=build, extra={"tp_bench_seed": 0}).validate().save(engine_dir)
     return engine_dir
 
@@ -271,6 +292,7 @@ def run_perf_phase(args) -> dict:
     executor_module.ModelRunner = runner_class(args)
     config = ExecutorConfig(kv_cache_free_gpu_mem_fraction=0.85, enable_kv_cache_reuse=False)
     executor = Executor(args.engine_dir, config, device=args.device)
+    graphs = args.device.startswith("cuda") and not args.no_graphs and EngineConfig.load(args.engine_dir).build.pp_size == 1
     progress("executor ready (weights, KV pool, graphs)")
     try:
         vocab = executor.runner.vocab_size
@@ -296,8 +318,9 @@ def run_perf_phase(args) -> dict:
         for shape in args.offline_shapes:
             offline.append(bench_offline(executor, vocab, *shape))
             progress(f"offline {shape}: {offline[-1]['output_tok_s']:.0f} tok/s")
-        graphs = args.device.startswith("cuda") and not args.no_graphs
-        result = {"decode": decode, "executor_decode": executor_decode, "offline": offline, "graphs": graphs}
+        result = {"decode": decode, "executor_decode": executor_decode, "offline": offline, "graphs": graphs,
+                  "kv_tokens": executor.blocks.num_blocks * executor.blocks.tokens_per_block}
+        progress(f"KV pool: {result['kv_tokens']} tokens")
         if args.timing:
             result["timeline_rank0"] = summarize(executor.runner)
             progress("timeline: " + describe(result["timeline_rank0"]))
@@ -336,7 +359,8 @@ def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
 
 
 def run_phase(args, phase: str, engine_dir: str, workdir: str) -> dict:
-    tp = int(phase[-1])
+    tp_size, pp_size = phase_mapping(phase)
+    tp = tp_size * pp_size  # the job's world size
     out = os.path.join(workdir, f"{phase}.json")
     common = [sys.executable, os.path.abspath(__file__), "--engine_dir", engine_dir, "--device", args.device,
               "--phase_timeout", str(args.phase_timeout)]
@@ -375,9 +399,9 @@ def run_phase(args, phase: str, engine_dir: str, workdir: str) -> dict:
     return result
 
 
-def compare_greedy(workdir: str, tp1: dict, tp2: dict) -> dict:
+def compare_greedy(workdir: str, tp1: dict, tp2: dict, phase: str = "greedy_tp2") -> dict:
     logits1 = torch.load(os.path.join(workdir, "greedy_tp1.json.logits.pt"))
-    logits2 = torch.load(os.path.join(workdir, "greedy_tp2.json.logits.pt"))
+    logits2 = torch.load(os.path.join(workdir, f"{phase}.json.logits.pt"))
     equal = [a == b for a, b in zip(tp1["tokens"], tp2["tokens"])]
     return {"prompts": len(equal), "prompts_equal": sum(equal), "tokens_per_prompt": len(tp1["tokens"][0]),
             "passed": all(equal), "first_step_argmax_equal": bool((logits1.argmax(-1) == logits2.argmax(-1)).all()),
@@ -385,30 +409,39 @@ def compare_greedy(workdir: str, tp1: dict, tp2: dict) -> dict:
             "first_step_logits_max_abs": float(logits1.abs().max())}
 
 
+def mapping_name(phase: str) -> str:
+    """``perf_pp2`` -> "PP 2"."""
+    return f"{phase[-3:-1].upper()} {phase[-1]}"
+
+
 def markdown(results: dict) -> str:
-    perf1, perf2 = results["perf_tp1"], results["perf_tp2"]
-    lines = [f"\n### Tensor parallelism: {results['model']} random weights, {results['date']}\n",
-             f"`{results['command']}` on {results['gpus']} (commit {results['commit']}, graphs: {perf1['graphs']}).",
-             greedy_sentence(results.get("greedy")) + "\n",
-             "| TP | " + " | ".join(f"decode B={d['batch']} tok/s" for d in perf1["decode"]) + " | "
-             + " | ".join(f"offline {o['input_len']}/{o['output_len']} x{o['requests']} out tok/s" for o in perf1["offline"]) + " |",
-             "|---" * (1 + len(perf1["decode"]) + len(perf1["offline"])) + "|"]
-    for tp, perf in ((1, perf1), (2, perf2)):
+    perfs = [(mapping_name(p), results[p]) for p in PHASES + PP_PHASES if p.startswith("perf") and p in results]
+    perf1 = perfs[0][1]
+    lines = [f"\n### Tensor and pipeline parallelism: {results['model']} random weights, {results['date']}\n",
+             f"`{results['command']}` on {results['gpus']} (commit {results['commit']}; decode graphs: "
+             + ", ".join(f"{name} {perf['graphs']}" for name, perf in perfs) + ").",
+             " ".join(greedy_sentence(results.get(key), key) for key in ("greedy", "greedy_pp")) + "\n",
+             "| mapping | " + " | ".join(f"decode B={d['batch']} tok/s" for d in perf1["decode"]) + " | "
+             + " | ".join(f"offline {o['input_len']}/{o['output_len']} x{o['requests']} out tok/s" for o in perf1["offline"])
+             + " | KV pool tokens |",
+             "|---" * (2 + len(perf1["decode"]) + len(perf1["offline"])) + "|"]
+    for name, perf in perfs:
         cells = [f"{d['tok_s']:.0f}" for d in perf["decode"]] + [f"{o['output_tok_s']:.0f}" for o in perf["offline"]]
-        lines.append(f"| {tp} | " + " | ".join(cells) + " |")
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {perf.get('kv_tokens', '-')} |")
     lines.append("\nThrough the executor (overlapped scheduling), decode tok/s by batch: "
-                 + "; ".join(f"TP {tp}: " + ", ".join(f"B={d['batch']} {d['decode_tok_s']:.0f}" for d in perf.get("executor_decode", []))
-                             for tp, perf in ((1, perf1), (2, perf2))) + ".")
-    for tp, perf in ((1, perf1), (2, perf2)):
+                 + "; ".join(f"{name}: " + ", ".join(f"B={d['batch']} {d['decode_tok_s']:.0f}" for d in perf.get("executor_decode", []))
+                             for name, perf in perfs) + ".")
+    for name, perf in perfs:
         for key in sorted(k for k in perf if k.startswith("timeline_rank")):
-            lines.append(f"- TP {tp} {key.replace('timeline_', '')} step timeline (executor steps): {describe(perf[key])}")
+            lines.append(f"- {name} {key.replace('timeline_', '')} step timeline (executor steps): {describe(perf[key])}")
     return "\n".join(lines) + "\n"
 
 
-def greedy_sentence(greedy: dict | None) -> str:
+def greedy_sentence(greedy: dict | None, key: str = "greedy") -> str:
+    other = "PP 2" if key == "greedy_pp" else "TP 2"
     if greedy is None:
-        return "Greedy check: not run (--phases without greedy_tp1,greedy_tp2)."
-    return (f"Greedy check (float32, {greedy['prompts']} prompts x {greedy['tokens_per_prompt']} tokens): TP 2 == TP 1 "
+        return "" if key == "greedy_pp" else "Greedy check: not run (--phases without greedy_tp1,greedy_tp2)."
+    return (f"Greedy check (float32, {greedy['prompts']} prompts x {greedy['tokens_per_prompt']} tokens): {other} == TP 1 "
             f"on {greedy['prompts_equal']}/{greedy['prompts']} prompts, first-step logits max |diff| "
             f"{greedy['first_step_logits_max_abs_diff']:.2e} (max |logit| {greedy['first_step_logits_max_abs']:.1f}).")
 
@@ -421,7 +454,8 @@ def orchestrate(args) -> dict:
                "gpus": (f"2x {torch.cuda.get_device_name(0)}" if args.device == "cuda" else "cpu (gloo)")}
     for phase in args.phases:
         dtype = "float32" if phase.startswith("greedy") else args.dtype
-        engine_dir = write_engine_config(workdir, args.model, dtype, int(phase[-1]), args.max_batch_size)
+        tp_size, pp_size = phase_mapping(phase)
+        engine_dir = write_engine_config(workdir, args.model, dtype, tp_size, args.max_batch_size, pp_size)
         try:
             results[phase] = run_phase(args, phase, engine_dir, workdir)
         finally:  # whatever ran is kept, even when a later phase fails or times out
@@ -430,12 +464,17 @@ def orchestrate(args) -> dict:
         if phase == "greedy_tp2" and "greedy_tp1" in results:
             results["greedy"] = compare_greedy(workdir, results["greedy_tp1"], results["greedy_tp2"])
             print(json.dumps(results["greedy"], indent=2), flush=True)
+        if phase == "greedy_pp2" and "greedy_tp1" in results:
+            results["greedy_pp"] = compare_greedy(workdir, results["greedy_tp1"], results["greedy_pp2"], phase)
+            print(json.dumps(results["greedy_pp"], indent=2), flush=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=2)
-    if "perf_tp1" in results and "perf_tp2" in results:
+    if sum(p in results for p in ("perf_tp1", "perf_tp2", "perf_pp2")) >= 2:
         print_table(markdown(results), args.results_md)
     if "greedy" in results and not results["greedy"]["passed"]:
         raise SystemExit("[tp_bench] FAILED: TP 2 greedy outputs differ from TP 1")
+    if "greedy_pp" in results and not results["greedy_pp"]["passed"]:
+        raise SystemExit("[tp_bench] FAILED: PP 2 greedy outputs differ from TP 1")
     return results
 
 
@@ -452,7 +491,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--timing", action="store_true",
                         help="perf phases: per-rank timeline of the executor's decode steps (benchmarks/engine/step_timeline.py)")
     parser.add_argument("--phases", default=",".join(PHASES),
-                        help=f"comma list of phases to run, in order (default: all of {','.join(PHASES)})")
+                        help=f"comma list of phases to run, in order (default: all of {','.join(PHASES)}; "
+                             f"pipeline stages: {','.join(PP_PHASES)})")
     parser.add_argument("--phase_timeout", type=float, default=240, help="seconds per phase (4 phases)")
     parser.add_argument("--out", default="tp_bench.json")
     parser.add_argument("--results-md", dest="results_md", default=None, help="append the markdown table here")
@@ -461,9 +501,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--engine_dir", default=None)
     args = parser.parse_args(argv)
     args.phases = [p for p in args.phases.split(",") if p and not (args.skip_perf and p.startswith("perf"))]
-    unknown = sorted(set(args.phases) - set(PHASES))
+    unknown = sorted(set(args.phases) - set(PHASES + PP_PHASES))
     if unknown:
-        parser.error(f"--phases: unknown phase(s) {unknown}; allowed: {', '.join(PHASES)}")
+        parser.error(f"--phases: unknown phase(s) {unknown}; allowed: {', '.join(PHASES + PP_PHASES)}")
     args.offline_shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.offline.split(",") if shape]
     return args
 
