@@ -35,6 +35,7 @@ import torch
 
 from kernels._triton import jit, pdl_options, pdl_prologue, tl, triton, use_triton
 from kernels.moe_grouped_routing import route_grouped
+from kernels.rmsnorm import _rms_normalized, rms_norm_ref
 
 MAX_TOKENS = 16
 # The top-k by places (one (BLOCK_T, E, E) comparison, _top_k_rank) up to this many values (V2-Lite's
@@ -140,29 +141,51 @@ def _top_k_rank(choice, experts, e_ok):
 
 @jit
 def _route_decode_kernel(x_ptr, w_ptr, bias_ptr, pad_ptr, logits_ptr, count_ptr, weights_ptr, ids_ptr,
+                         res_ptr, norm_w_ptr, normed_ptr, res_out_ptr, eps, stride_r,
                          num_tokens, num_experts, hidden, experts_per_group, scaling, stride_x, stride_w,
                          TOP_K: tl.constexpr, N_SHARED: tl.constexpr, OUT_PAD: tl.constexpr, METHOD: tl.constexpr,
                          N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, G_PAD: tl.constexpr,
                          HAS_BIAS: tl.constexpr, HAS_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
                          E_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
-                         RANKED: tl.constexpr, PDL: tl.constexpr):
+                         RANKED: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
     """Program p: the logits of experts p * BLOCK_E ... for every token; the last program routes them.
     RANKED: the top-k by places (_top_k_rank, (BLOCK_T, E_PAD, E_PAD) comparisons), else serially.
-    PDL: launched while the norm before it ends (kernels/_triton.py pdl_prologue)."""
+    PDL: launched while the launch before it ends (kernels/_triton.py pdl_prologue).
+    NORM (BLOCK_H >= hidden): x is the attention's output, and every program first computes the layer's
+    post-attention norm of x + residual as kernels/rmsnorm.py does (the sum rounded to x's dtype, float32
+    statistics, the normalised value rounded before the weight, the output rounded); program 0 stores
+    the new residual and the normed rows (what the expert GEMMs read next)."""
     pdl_prologue(PDL)
     tokens = tl.arange(0, BLOCK_T)
     t_ok = tokens < num_tokens
     mine = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     mine_ok = mine < num_experts
     acc = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
-    for h0 in range(0, hidden, BLOCK_H):
-        h = h0 + tl.arange(0, BLOCK_H)
+    if NORM:
+        h = tl.arange(0, BLOCK_H)
         h_ok = h < hidden
-        xs = tl.load(x_ptr + tokens[:, None] * stride_x + h[None, :], mask=t_ok[:, None] & h_ok[None, :],
-                     other=0.0).to(tl.float32)  # (BLOCK_T, BLOCK_H)
+        rows_ok = t_ok[:, None] & h_ok[None, :]
+        xs = tl.load(x_ptr + tokens[:, None] * stride_x + h[None, :], mask=rows_ok, other=0.0)
+        xs = (xs.to(tl.float32) + tl.load(res_ptr + tokens[:, None] * stride_r + h[None, :], mask=rows_ok,
+                                          other=0.0).to(tl.float32)).to(x_ptr.dtype.element_ty)
+        normed = _rms_normalized(xs, hidden, eps, 1)  # (BLOCK_T, BLOCK_H) float32
+        normed = (tl.load(norm_w_ptr + h, mask=h_ok, other=0.0).to(tl.float32)[None, :] * normed).to(
+            x_ptr.dtype.element_ty)
+        if tl.program_id(0) == 0:
+            tl.store(res_out_ptr + tokens[:, None] * hidden + h[None, :], xs, mask=rows_ok)
+            tl.store(normed_ptr + tokens[:, None] * hidden + h[None, :], normed, mask=rows_ok)
         ws = tl.load(w_ptr + mine.to(tl.int64)[:, None] * stride_w + h[None, :],
                      mask=mine_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)  # (BLOCK_E, BLOCK_H)
-        acc += tl.sum(xs[:, None, :] * ws[None, :, :], 2)
+        acc += tl.sum(normed.to(tl.float32)[:, None, :] * ws[None, :, :], 2)
+    else:
+        for h0 in range(0, hidden, BLOCK_H):
+            h = h0 + tl.arange(0, BLOCK_H)
+            h_ok = h < hidden
+            xs = tl.load(x_ptr + tokens[:, None] * stride_x + h[None, :], mask=t_ok[:, None] & h_ok[None, :],
+                         other=0.0).to(tl.float32)  # (BLOCK_T, BLOCK_H)
+            ws = tl.load(w_ptr + mine.to(tl.int64)[:, None] * stride_w + h[None, :],
+                         mask=mine_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)  # (BLOCK_E, BLOCK_H)
+            acc += tl.sum(xs[:, None, :] * ws[None, :, :], 2)
     tl.store(logits_ptr + tokens[:, None] * num_experts + mine[None, :], acc, mask=t_ok[:, None] & mine_ok[None, :])
     tl.debug_barrier()  # every thread's stores are issued before the count's release
     done = tl.atomic_add(count_ptr, 1, sem="acq_rel")
@@ -226,10 +249,22 @@ def _workspace(device: torch.device, num_experts: int) -> tuple[torch.Tensor, to
     return _COUNTERS[key]
 
 
+PRODUCT_VALUES = 8192  # a program's (BLOCK_T, BLOCK_E, BLOCK_H) product at most
+
+
+def norm_fuses(num_tokens: int, hidden: int) -> bool:
+    """route_decode_normed takes the norm in: the whole hidden row fits one product chunk (V2-Lite's 2048 at
+    1-2 tokens)."""
+    return 1 <= num_tokens <= MAX_TOKENS and max(2, triton.next_power_of_2(num_tokens)) * 2 * \
+        triton.next_power_of_2(hidden) <= PRODUCT_VALUES
+
+
 def route_decode_triton(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, method: str, *, n_group: int = 1,
                         topk_group: int = 1, score_bias: torch.Tensor | None = None, renormalize: bool = False,
-                        scaling: float = 1.0, num_shared: int = 0, padding: torch.Tensor | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+                        scaling: float = 1.0, num_shared: int = 0, padding: torch.Tensor | None = None,
+                        norm: tuple[torch.Tensor, torch.Tensor, float] | None = None):
+    """(weights, ids); with ``norm`` = (residual, norm weight, eps): (weights, ids, normed x, new residual)
+    (route_decode_normed)."""
     num_tokens, hidden = x.shape
     num_experts = router_weight.shape[0]
     assert 1 <= num_tokens <= MAX_TOKENS and x.stride(1) == 1 and router_weight.stride(1) == 1
@@ -246,19 +281,38 @@ def route_decode_triton(x: torch.Tensor, router_weight: torch.Tensor, top_k: int
     # (BLOCK_T, BLOCK_E, BLOCK_H) product of <= 8,192 values holds them (V2-Lite batch 1: 32 programs, one
     # 16 KB load each): at decode sizes the launch is latency, one dependent load per H chunk.
     block_e = 2 if e_pad <= 256 else 4
-    block_h = max(32, min(8192 // (block_t * block_e), triton.next_power_of_2(hidden)))
+    block_h = max(32, min(PRODUCT_VALUES // (block_t * block_e), triton.next_power_of_2(hidden)))
     pad = padding.reshape(-1) if padding is not None else None
+    residual, norm_weight, eps = norm if norm is not None else (x, x, 0.0)
+    if norm is not None:
+        assert block_e == 2 and norm_fuses(num_tokens, hidden) and residual.stride(1) == 1
+        normed, residual_out = torch.empty_like(x), torch.empty_like(x)
+    else:
+        normed = residual_out = x
     _route_decode_kernel[(triton.cdiv(num_experts, block_e),)](
         x, router_weight, score_bias if score_bias is not None else router_weight, pad if pad is not None else x,
-        logits, counter, weights, ids, num_tokens, num_experts, hidden,
+        logits, counter, weights, ids, residual, norm_weight, normed, residual_out, float(eps), residual.stride(0),
+        num_tokens, num_experts, hidden,
         num_experts // n_group if group_limited else num_experts, float(scaling), x.stride(0), router_weight.stride(0),
         TOP_K=top_k, N_SHARED=num_shared, OUT_PAD=triton.next_power_of_2(out_k), METHOD=METHODS[method],
         N_GROUP=n_group if group_limited else 1, TOPK_GROUP=topk_group if group_limited else 1,
         G_PAD=max(2, triton.next_power_of_2(n_group if group_limited else 1)), HAS_BIAS=score_bias is not None,
         HAS_PAD=pad is not None, RENORMALIZE=renormalize, E_PAD=e_pad, BLOCK_T=block_t, BLOCK_E=block_e,
-        RANKED=block_t * e_pad * e_pad <= RANKED_VALUES,
+        RANKED=block_t * e_pad * e_pad <= RANKED_VALUES, NORM=norm is not None,
         BLOCK_H=block_h, num_warps=4, **pdl_options(x))
-    return weights, ids
+    return (weights, ids) if norm is None else (weights, ids, normed, residual_out)
+
+
+def route_decode_normed(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                        router_weight: torch.Tensor, top_k: int, method: str, **kwargs
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The layer's post-attention norm and the routing of its output in one launch (where norm_fuses):
+    (normed, new_residual) = rms_norm(x, norm_weight, eps, residual), then route_decode(normed, ...).
+    Returns (topk_weights, topk_ids, normed, new_residual); the reference is those two calls."""
+    if use_triton(x):
+        return route_decode_triton(x, router_weight, top_k, method, norm=(residual, norm_weight, eps), **kwargs)
+    normed, residual = rms_norm_ref(x, norm_weight, eps, residual)
+    return (*route_decode_ref(normed, router_weight, top_k, method, **kwargs), normed, residual)
 
 
 def route_decode(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, method: str, **kwargs

@@ -67,7 +67,7 @@ from kernels.mla_attention import mla_attention_values
 from kernels.mla_expanded import expanded_min_tokens, mla_expanded_prefill, split_long
 from kernels.mla_latent_write import latent_rope_write, latent_rope_write_absorb
 from kernels.moe_grouped_routing import route_grouped
-from kernels.moe_router import MAX_TOKENS as ROUTER_MAX_TOKENS, route_decode
+from kernels.moe_router import MAX_TOKENS as ROUTER_MAX_TOKENS, norm_fuses, route_decode, route_decode_normed
 from kernels.rmsnorm import rms_norm
 from kernels.rotary import build_cos_sin_cache
 
@@ -327,12 +327,32 @@ class DeepseekExperts(nn.Module):
             out = out + self.shared_down_proj(self.shared_gate_up_proj.gated(x))
         return out if self.tp_group is None else tp_all_reduce(out, self.tp_group)
 
+    def takes_norm(self, x: torch.Tensor) -> bool:
+        """forward_normed serves this step: a decode-sized batch with the shared experts appended whose
+        hidden rows fit the router launch's one product chunk (V2-Lite: 1-2 tokens)."""
+        return self.with_shared is not None and self.ep_size == 1 and norm_fuses(x.shape[0], x.shape[1])
+
+    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                       padding: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the layer's output as forward's, the new residual) of the attention output x: the
+        post-attention norm in the router's launch (kernels/moe_router.py route_decode_normed), then
+        the grouped GEMMs. Only where takes_norm(x)."""
+        weights, ids, x, residual = route_decode_normed(x, residual, norm_weight, eps, self.router.weight, self.top_k,
+                                                        self.method, score_bias=self.score_bias,
+                                                        num_shared=self.num_shared, padding=padding, **self.routing)
+        return self._routed(x, weights, ids), residual
+
     def _decode(self, x: torch.Tensor, padding: torch.Tensor | None) -> torch.Tensor:
         """1..ROUTER_MAX_TOKENS tokens: the router product and the routing in one launch
         (kernels/moe_router.py), then the grouped GEMMs over the routed (and appended shared) experts."""
         shared = self.with_shared is not None
         weights, ids = route_decode(x, self.router.weight, self.top_k, self.method, score_bias=self.score_bias,
                                     num_shared=self.num_shared if shared else 0, padding=padding, **self.routing)
+        return self._routed(x, weights, ids)
+
+    def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The decode path's experts for routed (weights, ids) (T, K [+ S]): unsummed rows on one rank."""
+        shared = self.with_shared is not None
         if shared and len(self.with_shared) == 4:  # block-FP8
             gate_up, down, gate_up_scale, down_scale = self.with_shared
             out = fused_moe_fp8(x, gate_up, gate_up_scale, down, down_scale, weights, ids,
@@ -412,6 +432,8 @@ class DeepseekLayer(nn.Module):
         padding: graph_padding_rows(meta)."""
         h, residual = rms_norm(x, self.input_norm.weight, self.eps, residual)
         h = self.attn(h, positions, cos_sin_cache, kv_cache, meta)
+        if hasattr(self, "moe") and self.moe.takes_norm(h):  # the norm in the router's launch
+            return self.moe.forward_normed(h, residual, self.post_attn_norm.weight, self.eps, padding)
         h, residual = rms_norm(h, self.post_attn_norm.weight, self.eps, residual)
         return (self.moe(h, padding) if hasattr(self, "moe") else self.mlp(h)), residual
 

@@ -3,7 +3,8 @@ answers True, so the Triton kernels (routing, grouped experts with the shared on
 the per-forward token map, strided rotary, unsummed expert rows into the norms) run in Triton's
 interpreter (TRITON_INTERPRET=1); logits of packed chunks, 8-9-token steps and single-token decode
 steps against transformers'. Run by test_deepseek.py in a subprocess (the patch must precede every
-kernel import); prints one "ok <version> <max error> <decode-path calls>" line a version.
+kernel import); prints one "ok <version> <max error> <decode-path expert calls> <of them with the norm in
+the router's launch>" line a version.
 """
 import os
 import pathlib
@@ -22,17 +23,24 @@ from test_deepseek import tiny_deepseek  # noqa: E402
 import engine.models.deepseek as deepseek  # noqa: E402
 from engine.executor.runner import ModelRunner  # noqa: E402
 
-decode_calls = 0
-_decode = deepseek.DeepseekExperts._decode
+decode_calls = normed_calls = 0
+_routed, _forward_normed = deepseek.DeepseekExperts._routed, deepseek.DeepseekExperts.forward_normed
 
 
-def counted(self, x, padding):
+def counted(self, x, weights, ids):
     global decode_calls
     decode_calls += self.with_shared is not None
-    return _decode(self, x, padding)
+    return _routed(self, x, weights, ids)
 
 
-deepseek.DeepseekExperts._decode = counted
+def counted_normed(self, *args, **kwargs):
+    global normed_calls
+    normed_calls += 1
+    return _forward_normed(self, *args, **kwargs)
+
+
+deepseek.DeepseekExperts._routed = counted
+deepseek.DeepseekExperts.forward_normed = counted_normed
 for version in sys.argv[1:] or ["v2", "v3"]:
     hf = tiny_deepseek(version)
     runner = ModelRunner(make_engine(hf, pathlib.Path(tempfile.mkdtemp()) / "engine", tokens_per_block=4))
@@ -48,4 +56,4 @@ for version in sys.argv[1:] or ["v2", "v3"]:
     for i, token in enumerate(extra):  # single-token steps: one block an expert, no alignment
         (row,) = session.step([(1, [token])])
         worst = max(worst, (row - hf_logits(hf, seqs[1] + extra[:i + 1])[-1:]).abs().max().item())
-    print("ok", version, worst, decode_calls, flush=True)
+    print("ok", version, worst, decode_calls, normed_calls, flush=True)

@@ -59,6 +59,35 @@ def test_padding_rows_route_as_row_zero(device):
     torch.testing.assert_close(w.cpu(), ref_w, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 2])
+def test_post_attention_norm_in_the_same_launch(device, num_tokens):
+    """route_decode_normed's launch: the new residual and normed rows as rms_norm's, and the routing of
+    the normed rows as route_decode's (V2-Lite-like greedy with two shared slots)."""
+    from kernels.moe_router import norm_fuses, route_decode_normed
+    from kernels.rmsnorm import rms_norm_ref
+
+    method, num_experts, top_k, settings = CASES["greedy"]
+    hidden = 40
+    assert norm_fuses(num_tokens, hidden) and not norm_fuses(4, 2048)
+    gen = torch.Generator().manual_seed(11 + num_tokens)
+    x, residual = torch.randn(num_tokens, hidden, generator=gen), torch.randn(num_tokens, hidden, generator=gen)
+    norm_weight = 1 + 0.1 * torch.randn(hidden, generator=gen)
+    weight = torch.randn(num_experts, hidden, generator=gen) * hidden ** -0.5
+    want_normed, want_residual = rms_norm_ref(x, norm_weight, 1e-6, residual)
+    want_w, want_ids = route_decode_ref(want_normed, weight, top_k, method, **settings)
+    assert all(torch.equal(a, b) for a, b in zip(route_decode_normed(x, residual, norm_weight, 1e-6, weight, top_k,
+                                                                     method, **settings),
+                                                 (want_w, want_ids, want_normed, want_residual)))
+    w, ids, normed, new_residual = route_decode_triton(
+        x.to(device), weight.to(device), top_k, method, norm=(residual.to(device), norm_weight.to(device), 1e-6),
+        **settings)
+    torch.testing.assert_close(new_residual.cpu(), want_residual)
+    torch.testing.assert_close(normed.cpu(), want_normed, rtol=1e-5, atol=1e-5)
+    assert torch.equal(ids.cpu(), want_ids)
+    torch.testing.assert_close(w.cpu(), want_w, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.skipif(os.environ.get("TRITONLLM_AOT_SM90") != "1",
                     reason="set TRITONLLM_AOT_SM90=1 to compile for sm_90 on this machine (~5-10 s a kernel)")
 @pytest.mark.parametrize("shape", ["v2_lite", "v3"])
@@ -78,11 +107,13 @@ def test_compiles_for_sm90(shape, block_t):
                  METHOD=METHODS["noaux_tc" if v3 else "greedy"], N_GROUP=8 if v3 else 1, TOPK_GROUP=4 if v3 else 1,
                  G_PAD=8 if v3 else 2, HAS_BIAS=v3, HAS_PAD=True, RENORMALIZE=v3, E_PAD=e_pad, BLOCK_T=block_t,
                  BLOCK_E=block_e, BLOCK_H=min(2048, 8192 // (block_t * block_e)),
-                 RANKED=block_t * e_pad * e_pad <= moe_router.RANKED_VALUES, PDL=block_t == 2)
+                 RANKED=block_t * e_pad * e_pad <= moe_router.RANKED_VALUES, NORM=not v3 and block_t == 2,
+                 PDL=block_t == 2)
     pointers = dict(x_ptr="*bf16", w_ptr="*fp32", bias_ptr="*fp32", pad_ptr="*i1", logits_ptr="*fp32",
-                    count_ptr="*i32", weights_ptr="*fp32", ids_ptr="*i32")
+                    count_ptr="*i32", weights_ptr="*fp32", ids_ptr="*i32", res_ptr="*bf16", norm_w_ptr="*bf16",
+                    normed_ptr="*bf16", res_out_ptr="*bf16")
     names = fn.arg_names
-    signature = {n: pointers.get(n, "constexpr" if n in const else "fp32" if n == "scaling" else "i32")
+    signature = {n: pointers.get(n, "constexpr" if n in const else "fp32" if n in ("scaling", "eps") else "i32")
                  for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n in pointers or n in ("hidden", "stride_x",
                                                                                                    "stride_w")}
