@@ -3,6 +3,7 @@ context_only -> generation_only gives the aggregated request's greedy ids; pinne
 when fetched or expired (no leak on either side); bad params get named errors."""
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -18,9 +19,12 @@ MAX_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def pair(tiny_engine):
-    """(context executor, generation executor) on one engine; a small pool so a leak would show."""
+    """(context executor, generation executor) on one engine; a small pool so a leak would show.
+    TRITONLLM_DISAGG_DEVICES=cuda:0,cuda:1 puts them on two GPUs (the local transport's peer copy;
+    benchmarks/next_gpu_runs.md); by default both use the session's device."""
     cfg = ExecutorConfig(max_tokens_in_paged_kv_cache=256)
-    with Executor(tiny_engine, cfg) as context, Executor(tiny_engine, cfg) as generation:
+    devices = os.environ.get("TRITONLLM_DISAGG_DEVICES", "").split(",") if os.environ.get("TRITONLLM_DISAGG_DEVICES") else [None, None]
+    with Executor(tiny_engine, cfg, device=devices[0]) as context, Executor(tiny_engine, cfg, device=devices[1]) as generation:
         yield context, generation
 
 
