@@ -38,6 +38,10 @@ heads' three layers inside every graph (engine/executor/layer_taps.py). Sections
    near-tie that differing kernels round either way (random weights' logits are nearly flat), a
    larger one a bug to look at. (On the CPU in float32, --tiny, the ids equal plain decoding's, as
    tests/executor/test_speculative_eagle3.py asserts against transformers.)
+   Then for each ``--batches`` size B > 1: B copies of the prompt at once, plain, oracle and EAGLE-3
+   at the middle forced length: each step's drafting for all B sequences is one replay of a batched
+   window (eagle3_graphs.py), so EAGLE-3's step minus the oracle's (drafting) should stay near batch
+   1's, not B times it (rows with ``batch`` B; the drafter column says "x B").
 """
 from __future__ import annotations
 
@@ -297,7 +301,8 @@ def bench_loop(executor, args) -> dict:
             steps = len(ids) - 1 - accepted
             tps = (len(ids) - 1) / decode_seconds(result)
             step_ms = decode_seconds(result) * 1e3 / max(steps, 1)
-            rows.append({"drafter": drafter, "forced_length": length, "measured_length": (len(ids) - 1) / max(steps, 1),
+            rows.append({"drafter": drafter, "batch": 1, "forced_length": length,
+                         "measured_length": (len(ids) - 1) / max(steps, 1),
                          "runs": attempt, "ids_agree": agrees, "ids_equal_plain": ids == plain_ids,
                          "first_difference": first_difference(ids, plain_ids, logits), "tok_s": tps,
                          "plain_tok_s": plain, "speedup": tps / plain, "step_ms": step_ms,
@@ -308,8 +313,55 @@ def bench_loop(executor, args) -> dict:
                   f"{rows[-1]['speedup_at_length']:.2f}x at L; first difference from plain "
                   f"{difference_text(rows[-1]['first_difference'])})", flush=True)
             args.save({"plain_tok_s": plain, "rows": rows})  # a run cut short keeps its rows
+    for batch in (b for b in args.batches if b > 1):
+        rows += loop_at_batch(executor, args, batch, prompt, plain_ids, {"oracle": oracle, "EAGLE-3": eagle}, state)
+        args.save({"plain_tok_s": plain, "rows": rows})
     executor.proposer = eagle
     return {"plain_tok_s": plain, "plain_step_ms": 1e3 / plain, "rows": rows}
+
+
+def run_all(executor, requests: list) -> list:
+    """Enqueue requests together, wait for every final result (an error fails the benchmark)."""
+    ids = executor.enqueue_requests(requests)
+    results = {}
+    while len(results) < len(ids):
+        for response in executor.await_responses(timeout=1.0):
+            if response.error:
+                raise RuntimeError(f"request {response.request_id} failed: {response.error}")
+            if response.request_id in ids and response.result.is_final:
+                results[response.request_id] = response.result
+    return [results[i] for i in ids]
+
+
+def loop_at_batch(executor, args, batch: int, prompt: list[int], plain_ids: list[int], drafters: dict,
+                  state: dict) -> list[dict]:
+    """The loop at ``batch`` copies of the prompt: plain (no proposer), then each drafter at the middle
+    forced length -> rows (batch, step ms = each request's decode time over its steps, averaged)."""
+    length = args.lengths[len(args.lengths) // 2]
+    executor.proposer = None
+    results = run_all(executor, [greedy_request(prompt, args.output_len) for _ in range(batch)])
+    plain_ms = 1e3 * sum(decode_seconds(r) / (len(r.output_token_ids[0]) - 1) for r in results) / batch
+    print(f"    batch {batch}: plain step {plain_ms:.2f} ms", flush=True)
+    rows = []
+    for drafter, proposer in drafters.items():
+        executor.proposer = proposer
+        state["depth"], state["truth"] = length - 1, prompt + plain_ids
+        results = run_all(executor, [greedy_request(prompt, args.output_len) for _ in range(batch)])
+        ids = [list(r.output_token_ids[0]) for r in results]
+        steps = [len(i) - 1 - r.perf.total_accepted_draft_tokens for i, r in zip(ids, results)]
+        step_ms = 1e3 * sum(decode_seconds(r) / max(n, 1) for r, n in zip(results, steps)) / batch
+        measured = sum((len(i) - 1) / max(n, 1) for i, n in zip(ids, steps)) / batch
+        plain_tok_s = 1e3 / plain_ms
+        tps = measured * 1e3 / step_ms
+        rows.append({"drafter": drafter, "batch": batch, "forced_length": length, "measured_length": measured,
+                     "runs": 1, "ids_agree": all(i == ids[0] for i in ids), "ids_equal_plain": ids[0] == plain_ids,
+                     "first_difference": first_difference(ids[0], plain_ids, None), "tok_s": tps,
+                     "plain_tok_s": plain_tok_s, "speedup": tps / plain_tok_s, "step_ms": step_ms,
+                     "speedup_at_length": length * plain_ms / step_ms})
+        print(f"    {drafter} x{batch} L={length}: step {step_ms:.2f} ms vs plain {plain_ms:.2f} ms (measured L "
+              f"{measured:.2f}: {tps / plain_tok_s:.2f}x; {length * plain_ms / step_ms:.2f}x at L; the batch's ids "
+              f"{'all the same' if rows[-1]['ids_agree'] else 'NOT all the same'})", flush=True)
+    return rows
 
 
 def markdown(results: dict) -> str:
@@ -327,7 +379,8 @@ def markdown(results: dict) -> str:
     for label, entry in results["dtypes"].items():
         loop = entry.get("loop")
         for r in (loop or {}).get("rows", []):
-            lines.append(f"| {label} | {r['drafter']} | {r['forced_length']} | {r['measured_length']:.2f} | "
+            drafter = r["drafter"] + (f" x {r['batch']}" if r.get("batch", 1) > 1 else "")
+            lines.append(f"| {label} | {drafter} | {r['forced_length']} | {r['measured_length']:.2f} | "
                          f"{r['tok_s']:.1f} | {r['plain_tok_s']:.1f} | **{r['speedup']:.2f}x** | {r['step_ms']:.2f} "
                          f"({1e3 / r['plain_tok_s']:.2f}) | {r['speedup_at_length']:.2f}x | "
                          f"{'yes' if r['ids_agree'] else 'no'} ({r['runs']}) / {'yes' if r['ids_equal_plain'] else 'no'} | "

@@ -123,12 +123,15 @@ class Eagle3Head:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """q (R, heads, d) over keys k, v (S, kv_heads, d); mask (R, S) bool (True: seen) or None for
-        causal rows ending at the last key -> (R, heads * d)."""
-        causal = mask is None and q.shape[0] == k.shape[0]
+        causal rows ending at the last key -> (R, heads * d). Batched (eagle3_graphs.py: a window's
+        slots): q (B, R, heads, d), k, v (B, S, kv_heads, d), mask (B, R, S) -> (B, R, heads * d)."""
+        causal = mask is None and q.shape[-3] == k.shape[-3]
+        if mask is not None and mask.dim() == 3:
+            mask = mask[:, None]  # (B, 1, R, S): the same for every head
         attn = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, is_causal=causal,
+            q.transpose(-3, -2), k.transpose(-3, -2), v.transpose(-3, -2), attn_mask=mask, is_causal=causal,
             enable_gqa=self.num_heads != self.num_kv_heads)
-        return attn.transpose(0, 1).reshape(q.shape[0], -1)
+        return attn.transpose(-3, -2).reshape(*q.shape[:-2], -1)
 
     def finish(self, g: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """The layer's output h (R, H) from its input stream g and its attention rows."""
@@ -283,7 +286,7 @@ class Eagle3DraftProposer:
             head, self.plan, runner.model.embed_tokens, max_positions=runner.build_config.max_seq_len,
             device=runner.device, use_graphs=eagle_graphs_enabled())
         if self.graphs is not None:  # CUDA: every bucket up to the longest sequence, before the KV pool
-            self.graphs.record_all(runner.build_config.max_seq_len)
+            self.graphs.record_all(runner.build_config.max_seq_len, runner.build_config.max_batch_size)
 
     def observe_batch(self, scheduled: list, verified: dict | None) -> None:
         rows = self.head.features(*self.taps.streams)
@@ -307,7 +310,7 @@ class Eagle3DraftProposer:
     def propose(self, seqs: list, max_draft_len: int) -> list[list[int]]:
         drafts = []
         embed = self.runner.model.embed_tokens
-        windowed = []  # (index in drafts, seq, room, its tokens on the device): read once at the end
+        windowed = []  # (index in drafts, seq, room, its draft cache): drafted together at the end
         for seq in seqs:
             seq.draft_parents = None
             cache = self._caches.get(seq.seq_id)
@@ -315,8 +318,8 @@ class Eagle3DraftProposer:
             if cache is None or not room or seq.num_unresolved_tokens or cache.end != len(seq.token_ids) - 1:
                 drafts.append([])
                 continue
-            if self.graphs is not None and self.graphs.fits(cache):  # the commit and the tree in one replay
-                windowed.append((len(drafts), seq, room, self.graphs.run(cache, seq.token_ids).clone()))
+            if self.graphs is not None and self.graphs.fits(cache):  # the commit and the tree: below
+                windowed.append((len(drafts), seq, room, cache))
                 drafts.append([])
                 continue
             cache.commit(self.head, seq.token_ids, embed)
@@ -330,8 +333,9 @@ class Eagle3DraftProposer:
                 parents, tokens = draft_dynamic(self.head, cache, embed, depth=depth, top_k=top_k, num_nodes=room)
             seq.draft_parents, seq.draft_tree_keeps_law = parents[:room], True
             drafts.append(tokens[:room])
-        if windowed:
-            for (i, seq, room, _), tokens in zip(windowed, torch.stack([t for *_, t in windowed]).tolist()):
+        if windowed:  # every sequence's commit and tree in one replay (a group's each, for long caches)
+            drafted = self.graphs.run_batch([c for *_, c in windowed], [seq.token_ids for _, seq, _, _ in windowed])
+            for (i, seq, room, _), tokens in zip(windowed, drafted.tolist()):
                 seq.draft_parents, seq.draft_tree_keeps_law = self.plan.parents[:room], True
                 drafts[i] = tokens[:room]
         return drafts
