@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -42,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: en
 from benchmarks.common import (add_model_arguments, command_line, git_commit, percentile, print_table,  # noqa: E402
                                utc_now, write_config_only_engine)
 from engine.executor.disaggregated import copy_blocks  # noqa: E402
+from engine.executor.load_phases import LOAD_LOG_ENV  # noqa: E402
 
 SECTIONS = ("transfer", "serve")
 
@@ -262,16 +264,18 @@ def run_mode(mode: str, executors, requests, args, rate: float) -> dict:
     return row
 
 
-def bench_serve(args) -> list[dict]:
+def bench_serve(args, rows: list, save) -> list[dict]:
+    """Appends a row per rate and mode to ``rows``, ``save()`` after each (a run cut short keeps them)."""
     engine_dir = make_engine(args)
     executors = start_executors(args, engine_dir)
     try:
-        rows = []
         for rate in args.rates:
             requests = workload(args, executors[0].runner.vocab_size, rate)
             print(f"[disagg_bench] {len(requests)} requests at {rate}/s, prompts {min(args.prompt_lens)}-"
                   f"{max(args.prompt_lens)}, {args.output_len} out", flush=True)
-            rows += [run_mode(mode, executors, requests, args, rate) for mode in args.modes]
+            for mode in args.modes:
+                rows.append(run_mode(mode, executors, requests, args, rate))
+                save()
         return rows
     finally:
         for ex in executors:
@@ -333,12 +337,19 @@ def main(argv=None) -> dict:
 
     args = parse_args(argv)
     devices_of(args)
+    os.environ.setdefault(LOAD_LOG_ENV, "1")  # a timestamped line per phase of each executor's start
     results = {"date": utc_now(), "model": args.model, "commit": git_commit(), "command": command_line(__file__),
                "gpus": f"2x {torch.cuda.get_device_name(0)}" if args.device != "cpu" else "cpu"}
-    for section in args.sections:
-        results[section] = bench_transfer(args, MODELS[args.model]) if section == "transfer" else bench_serve(args)
-        with open(args.out, "w") as f:  # whatever ran is kept if a later section fails or is cut
+    def save() -> None:  # whatever ran is kept if a later part fails or is cut
+        with open(args.out, "w") as f:
             json.dump(results, f, indent=2)
+
+    for section in args.sections:
+        if section == "transfer":
+            results["transfer"] = bench_transfer(args, MODELS[args.model])
+        else:
+            bench_serve(args, results.setdefault("serve", []), save)
+        save()
     print_table(markdown(results), args.results_md)
     return results
 
