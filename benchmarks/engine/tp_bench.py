@@ -518,6 +518,10 @@ def main(argv=None) -> None:
     # never take the signal, while this timer thread dumps regardless.
     faulthandler.dump_traceback_later(max(5.0, args.phase_timeout - 15), exit=False)
     use_random_weights()
+    if args.timing:  # pipeline stages are built by make_stage_runner from this name, not from runner_class
+        import engine.pipeline.runner as pipeline_runner
+
+        pipeline_runner.StageRunner = timed(pipeline_runner.StageRunner)
     if args.role == "worker":
         cls = runner_class(args)
         if args.timing:  # keep the worker's runner to report its timeline after the job
