@@ -39,6 +39,9 @@ from engine.executor.speculative.eagle3_drafter import DraftCache, StaticPlan, d
 from engine.executor.speculative.eagle3_graphs import StaticDraftGraphs, eagle_graphs_enabled
 from engine.executor.speculative.proposer import ProposerConfigError, draft_room
 from engine.executor.speculative.tree import TreeChoicesError, parse_choices, shape_from_choices
+from kernels.linear import choose_gated_weights, choose_skinny_weights, gated_linear, linear, linear_float32_out
+from kernels.rmsnorm import rms_norm
+from kernels.rotary import apply_rotary
 
 DEFAULT_EAGLE_CHOICES = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
 REQUIRED_CONFIG = ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads")
@@ -52,17 +55,20 @@ class Eagle3ConfigError(ValueError):
     """A checkpoint that does not fit the target (the message names the field)."""
 
 
-def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama's RMSNorm of x (..., H) (+ residual first, when given; in float32, as the EAGLE-3 authors'
+    layer) -> (normed, x + residual): kernels/rmsnorm.py, one launch on CUDA (the eager form was six)."""
+    shape = x.shape
+    out, summed = rms_norm(x.reshape(-1, shape[-1]), weight, eps,
+                           None if residual is None else residual.reshape(-1, shape[-1]))
+    return out.reshape(shape), summed.reshape(shape)
 
 
-def _rotate(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-    """Llama rotary (rotate-half) on x (T, heads, head_dim) with cos_sin (T, head_dim) = [cos | sin]
-    of each row's position (Eagle3Head.cos_sin), in float32."""
-    half = x.shape[-1] // 2
-    cos, sin = cos_sin[:, None, :half], cos_sin[:, None, half:]
-    a, b = x[..., :half].float(), x[..., half:].float()
-    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1).to(x.dtype)
+def _rows(product, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``product`` (kernels/linear.py: linear, gated_linear, linear_float32_out) of x (..., K) as
+    2-D rows (the skinny kernels count x's first dimension as rows): the load-time choice applies."""
+    return product(x.reshape(-1, x.shape[-1]), weight).reshape(*x.shape[:-1], -1)
 
 
 class Eagle3Head:
@@ -84,6 +90,18 @@ class Eagle3Head:
         self.w_gate_up = torch.cat([w["midlayer.mlp.gate_proj.weight"], w["midlayer.mlp.up_proj.weight"]])
         self._cos_sin = torch.empty(0, self.head_dim, device=device)  # (positions, [cos | sin] of head_dim / 2)
 
+    def choose_kernels(self) -> dict:
+        """On CUDA, the skinny-GEMM kernel (kernels/linear.py, as the target's decode products) for each
+        of the layer's products where the load-time timing at 1 and 8 rows finds it faster than the
+        library: a proposal's products have 1 to ~16 rows a sequence (the root, a depth's expanded
+        nodes). Before the drafting graphs are recorded (they capture the choice). A no-op elsewhere."""
+        w = self.w
+        plain = [self.w_qkv, w["midlayer.self_attn.o_proj.weight"], w["midlayer.mlp.down_proj.weight"],
+                 w["lm_head.weight"]]
+        choices = choose_skinny_weights(plain)
+        choices.update({("gated",) + shape: choice for shape, choice in choose_gated_weights([self.w_gate_up]).items()})
+        return choices
+
     def features(self, low: torch.Tensor, mid: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
         """The target's three streams (T, H) each -> g (T, H)."""
         return torch.cat([low, mid, high], dim=-1).to(self.dtype) @ self.w["fc.weight"].T
@@ -94,18 +112,23 @@ class Eagle3Head:
         (all at first_position when ``same_position``: a tree's nodes of one depth) -> rotated q
         (T, heads, d), k and v (T, kv_heads, d): a row's k and v depend on nothing else (one layer),
         so a cache keeps them."""
-        return self.qkv_rotated(embeds, g, self.cos_sin(first_position, embeds.shape[0], same_position))
+        T, device = embeds.shape[0], self._cos_sin.device
+        self.cos_sin(first_position, T, same_position)  # (grows the table to these positions)
+        positions = (torch.full((T,), first_position, device=device) if same_position
+                     else torch.arange(first_position, first_position + T, device=device))
+        return self.qkv_at(embeds, g, positions, self._cos_sin)
 
-    def qkv_rotated(self, embeds: torch.Tensor, g: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """``qkv`` with each row's [cos | sin] given (T, head_dim): rows of the table picked on the
-        device (eagle3_graphs.py: a position that lives in a tensor)."""
+    def qkv_at(self, embeds: torch.Tensor, g: torch.Tensor, positions: torch.Tensor, table: torch.Tensor
+               ) -> tuple[torch.Tensor, ...]:
+        """``qkv`` with each row's position given (T,) on the device and the [cos | sin] rows of
+        ``table`` (positions, head_dim) (eagle3_graphs.py: positions that live in tensors)."""
         w, T = self.w, embeds.shape[0]
-        a = torch.cat([_rms(embeds.to(self.dtype), w["midlayer.input_layernorm.weight"], self.eps),
-                       _rms(g, w["midlayer.hidden_norm.weight"], self.eps)], dim=-1)
+        a = torch.cat([_rms(embeds.to(self.dtype), w["midlayer.input_layernorm.weight"], self.eps)[0],
+                       _rms(g, w["midlayer.hidden_norm.weight"], self.eps)[0]], dim=-1)
         heads, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qk, v = (a @ self.w_qkv.T).split([(heads + kv) * d, kv * d], dim=-1)
-        # q's and k's heads rotated in one pass (the same elementwise arithmetic: fewer launches)
-        q, k = _rotate(qk.reshape(T, heads + kv, d), cos_sin).split([heads, kv], dim=1)
+        qk, v = _rows(linear, a, self.w_qkv).split([(heads + kv) * d, kv * d], dim=-1)
+        # q's and k's heads rotated together (kernels/rotary.py: one launch on CUDA, in place there)
+        q, k = apply_rotary(*qk.reshape(T, heads + kv, d).split([heads, kv], dim=1), positions, table)
         return q, k, v.reshape(T, kv, d)
 
     def cos_sin(self, first: int, count: int, same: bool = False) -> torch.Tensor:
@@ -136,13 +159,14 @@ class Eagle3Head:
     def finish(self, g: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """The layer's output h (R, H) from its input stream g and its attention rows."""
         w = self.w
-        h = g + attn @ w["midlayer.self_attn.o_proj.weight"].T
-        gate, up = (_rms(h, w["midlayer.post_attention_layernorm.weight"], self.eps) @ self.w_gate_up.T).chunk(2, dim=-1)
-        return h + (torch.nn.functional.silu(gate) * up) @ w["midlayer.mlp.down_proj.weight"].T
+        normed, h = _rms(_rows(linear, attn, w["midlayer.self_attn.o_proj.weight"]),
+                         w["midlayer.post_attention_layernorm.weight"], self.eps, residual=g)  # h = g + o(attn)
+        act = _rows(gated_linear, normed, self.w_gate_up)
+        return h + _rows(linear, act, w["midlayer.mlp.down_proj.weight"])
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """h (R, H) -> float32 draft-vocabulary logits (R, draft_vocab); target id = id + d2t[id]."""
-        return (_rms(h, self.w["norm.weight"], self.eps) @ self.w["lm_head.weight"].T).float()
+        return _rows(linear_float32_out, _rms(h, self.w["norm.weight"], self.eps)[0], self.w["lm_head.weight"])
 
     def forward(self, embeds: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """embeds (T, H) of x_{t+1}, g (T, H), rows at positions 0..T-1 -> (h (T, H), target-vocab ids
@@ -281,6 +305,7 @@ class Eagle3DraftProposer:
         self.plan = StaticPlan(self.shape, runner.device)
         self.taps = runner.tap_layers(layers)
         self._caches: dict[int, DraftCache] = {}
+        self.gemm_choices = head.choose_kernels() if runner.device.type == "cuda" else {}
         # static trees: one recorded replay a proposal on CUDA (eagle3_graphs.py)
         self.graphs = None if dynamic is not None else StaticDraftGraphs(
             head, self.plan, runner.model.embed_tokens, max_positions=runner.build_config.max_seq_len,

@@ -96,8 +96,12 @@ class DraftCache:
 
     def root(self, head) -> tuple[torch.Tensor, torch.Tensor]:
         """The last cached row's output: (h (1, H), the draft's log-probs after the root (1, draft_vocab))."""
-        h = head.finish(self.last_g, head.attend(self.last_q, self.k[:self.length], self.v[:self.length], None))
+        h = self.root_hidden(head)
         return h, torch.log_softmax(head.logits(h), dim=-1)
+
+    def root_hidden(self, head) -> torch.Tensor:
+        """The last cached row's output h (1, H)."""
+        return head.finish(self.last_g, head.attend(self.last_q, self.k[:self.length], self.v[:self.length], None))
 
     def tree_rows(self, head, embed, ids: torch.Tensor, g: torch.Tensor, depth: int, row: int, seen: torch.Tensor
                   ) -> torch.Tensor:
@@ -151,11 +155,12 @@ def draft_static(head, cache: DraftCache, plan: StaticPlan, embed) -> tuple[list
     """``plan``'s tree (eagle_choices: node i is the ranks[i]-th draft token after its parent's path)
     -> (parents, -1 for the root, and target-vocab tokens of nodes 1..)."""
     dev = cache.k.device
-    h_root, logp = cache.root(head)
+    h_root = cache.root_hidden(head)
     hidden = h_root.new_empty(plan.num_expanded, h_root.shape[-1])
     ranked = torch.empty(plan.num_expanded, plan.width, dtype=torch.int64, device=dev)
     hidden[0] = h_root[0]
-    ids = logp.topk(plan.width, dim=-1).indices
+    # ranks by the logits themselves (log_softmax keeps their order; draft_tree ranks so too)
+    ids = head.logits(h_root).topk(plan.width, dim=-1).indices
     ranked[0] = ids[0] + head.d2t[ids[0]]
     tokens = torch.empty(len(plan.parents), dtype=torch.int64, device=dev)
     for depth, level in enumerate(plan.levels, start=1):
@@ -167,7 +172,7 @@ def draft_static(head, cache: DraftCache, plan: StaticPlan, embed) -> tuple[list
         h = cache.tree_rows(head, embed, level_tokens[level["expand"]], hidden[level["parent_e"][level["expand"]]], depth,
                             level["row"], level["seen"])
         hidden[grow_e] = h
-        ids = torch.log_softmax(head.logits(h), dim=-1).topk(plan.width, dim=-1).indices
+        ids = head.logits(h).topk(plan.width, dim=-1).indices
         ranked[grow_e] = ids + head.d2t[ids]
     return list(plan.parents), tokens.tolist()
 

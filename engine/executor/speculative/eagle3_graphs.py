@@ -173,8 +173,7 @@ def draft_window(head, plan, w: Window, embed) -> None:
     C, S, P = w.capacity, w.slots, w.pad.shape[0]
     H = w.pending.shape[-1]
     positions = (w.first[:, None] + w.pad).reshape(-1)  # (S * P,)
-    q, k, v = head.qkv_rotated(embed(w.pending_ids.reshape(-1)), w.pending.reshape(S * P, H),
-                               w.table.index_select(0, positions))
+    q, k, v = head.qkv_at(embed(w.pending_ids.reshape(-1)), w.pending.reshape(S * P, H), positions, w.table)
     rows = w.k.shape[1]
     slots = ((w.slot_rows + w.length)[:, None] + w.pad).reshape(-1)  # flat rows, each < its slot's C
     w.k.view(S * rows, *w.k.shape[2:]).index_copy_(0, slots, k)
@@ -186,7 +185,7 @@ def draft_window(head, plan, w: Window, embed) -> None:
     cached = w.index[None] < (w.length + w.count)[:, None]  # (S, C): each cache's rows
     h_root = head.finish(last_g, head.attend(w.last_q, w.k[:, :C], w.v[:, :C], cached[:, None]))[:, 0]
     w.hidden[:, 0] = h_root
-    ids = torch.log_softmax(head.logits(h_root), dim=-1).topk(plan.width, dim=-1).indices  # (S, width)
+    ids = head.logits(h_root).topk(plan.width, dim=-1).indices  # (S, width): as draft_static, by the logits
     w.ranked[:, 0] = ids + head.d2t[ids]
     for depth, level in enumerate(plan.levels, start=1):
         level_tokens = w.ranked[:, level["parent_e"], level["ranks"]]  # (S, nodes of the depth)
@@ -196,15 +195,15 @@ def draft_window(head, plan, w: Window, embed) -> None:
         grow_e, row = level["expand_e"], level["row"]
         g = w.hidden[:, level["parent_e"][level["expand"]]]  # (S, n, H)
         n = g.shape[1]
-        cos_sin = w.table.index_select(0, position + depth)[:, None].expand(S, n, -1).reshape(S * n, -1)
-        q, k, v = head.qkv_rotated(embed(level_tokens[:, level["expand"]].reshape(-1)), g.reshape(S * n, H), cos_sin)
+        at = (position + depth)[:, None].expand(S, n).reshape(S * n)
+        q, k, v = head.qkv_at(embed(level_tokens[:, level["expand"]].reshape(-1)), g.reshape(S * n, H), at, w.table)
         end = C + row + n
         w.k[:, C + row:end] = k.view(S, n, *k.shape[1:])
         w.v[:, C + row:end] = v.view(S, n, *v.shape[1:])
         mask = torch.cat([cached[:, None].expand(S, n, C), level["seen"].expand(S, n, -1)], dim=2)  # (S, n, end)
         h = head.finish(g, head.attend(q.view(S, n, *q.shape[1:]), w.k[:, :end], w.v[:, :end], mask))
         w.hidden[:, grow_e] = h
-        ids = torch.log_softmax(head.logits(h), dim=-1).topk(plan.width, dim=-1).indices
+        ids = head.logits(h).topk(plan.width, dim=-1).indices
         w.ranked[:, grow_e] = ids + head.d2t[ids]
 
 
