@@ -7,8 +7,9 @@ torch.profiler on the tiny model, 2026-11-29): the H200 spent ~10 ms a step draf
 steps of 15-17 ms against ~5-6 ms for the same tree verify steps without drafting), while the
 layer's weight reads for 5 forwards are ~1 ms. Here the commit of the rows the last verify step
 kept (DraftCache.commit) and the proposal are recorded once per capacity bucket and replayed: per
-proposal the host copies the pending rows and the cached rows the window lacks, fills three
-scalars, replays, hands the new rows to the cache and reads the tokens once (~37 torch calls).
+proposal the host copies the pending rows and the cached rows the window lacks, sends the
+lengths, positions and next tokens in one copy, replays, hands the new rows to the cache and reads
+the tokens once (~39 torch calls at batch 1).
 A step's sequences draft together: one replay of a batched window (``slots`` sequences, each in a
 slot of its own) for all of them, so batch B costs about one proposal's launches and weight reads
 (each depth's products read the layer's weights once for all B), not B replays.
@@ -23,7 +24,7 @@ MIN_CAPACITY holding every slot's length + P; every tensor below has a leading s
 - ``pending`` / ``pending_ids``: the pending rows' input streams g and next tokens;
 - ``length``, ``count`` and ``first`` (the first pending row's position; the last one's, + count - 1,
   is the root's parent's: a node of depth d sits there + d) live in device tensors, so one recording
-  serves every length up to C - P; rotary rows come from the head's table by index (sized at start
+  serves every length up to C - P; rotary rows come from the head's table by position (sized at start
   to the engine's longest sequence; never regrown under a recording: the window holds its own
   reference);
 - ``last_q``: the last pending row's query (the root's children attend with it; the cache keeps it);
