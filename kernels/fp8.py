@@ -56,6 +56,7 @@ from typing import NamedTuple
 
 import torch
 
+from kernels import choice_cache
 from kernels._triton import HAVE_TRITON, jit, pdl_options, pdl_prologue, tl, triton, use_triton
 from kernels.activation import silu_and_mul, silu_and_mul_quantized_triton
 from kernels.e4m3_rows import e4m3_row_scale, to_e4m3
@@ -318,9 +319,19 @@ def choose_fp8_skinny_variants(weights: list[torch.Tensor], gated: list[torch.Te
     for weight, is_gated in [(w, False) for w in weights] + [(w, True) for w in gated]:
         key = (("gated",) if is_gated else ()) + tuple(weight.shape)
         if key not in chosen:
-            chosen[key] = _fastest_fp8_variant(weight, is_gated, rows)
+            chosen[key], _ = choice_cache.choice(
+                "fp8_skinny", (key, tuple(rows)), weight.device, lambda: _fastest_fp8_variant(weight, is_gated, rows),
+                sources=_fp8_sources(), candidates=SKINNY_VARIANTS + FP8_EXTRA_VARIANTS,
+                valid=lambda variant: variant in SKINNY_VARIANTS + FP8_EXTRA_VARIANTS)
         weight._fp8_skinny_variant = chosen[key]
     return chosen
+
+
+def _fp8_sources() -> tuple[str, ...]:
+    """The files whose kernels the FP8 load-time choices time (kernels/choice_cache.py's key)."""
+    from kernels import _triton, e4m3_rows, linear
+
+    return (__file__, linear.__file__, _triton.__file__, e4m3_rows.__file__)
 
 
 def _fastest_fp8_variant(weight: torch.Tensor, gated: bool, rows: tuple[int, ...]) -> tuple:
@@ -382,19 +393,27 @@ def choose_fp8_scaling(weights: list[torch.Tensor], rows: list[int]) -> dict[tup
     unit = _UNIT_SCALES[device]
     shapes = {tuple(w.shape): w for w in weights}
     for (n, k), weight in shapes.items():
-        copies = l2_defeating_copies(weight)
+        copies = []  # made at the first timing (a shape whose every row count is cached needs none)
         col_scale = torch.ones(1, n, dtype=torch.float32, device=device)
         turn = iter(range(1 << 40))
         for m in sorted({r for r in rows if r > MAX_SKINNY_ROWS}):
-            x = torch.randn(m, k, device=device, dtype=torch.bfloat16).to(FP8_DTYPE)
-            row_scale = torch.ones(m, 1, dtype=torch.float32, device=device)
-            row_wise = graph_time_ms(lambda: torch._scaled_mm(
-                x, copies[next(turn) % len(copies)].t(), scale_a=row_scale, scale_b=col_scale,
-                out_dtype=torch.bfloat16, use_fast_accum=FAST_ACCUM), repeat=SCALING_TIMING_CALLS)
-            tensor_wise = graph_time_ms(lambda: torch._scaled_mm(
-                x, copies[next(turn) % len(copies)].t(), scale_a=unit, scale_b=unit,
-                out_dtype=torch.bfloat16, use_fast_accum=FAST_ACCUM), repeat=SCALING_TIMING_CALLS)
-            deferred = tensor_wise < DEFER_MIN_GAIN * row_wise
+            def time_both(m=m, n=n, k=k, weight=weight, copies=copies, col_scale=col_scale, turn=turn) -> dict:
+                copies[:] = copies or l2_defeating_copies(weight)
+                x = torch.randn(m, k, device=device, dtype=torch.bfloat16).to(FP8_DTYPE)
+                row_scale = torch.ones(m, 1, dtype=torch.float32, device=device)
+                row_wise = graph_time_ms(lambda: torch._scaled_mm(
+                    x, copies[next(turn) % len(copies)].t(), scale_a=row_scale, scale_b=col_scale,
+                    out_dtype=torch.bfloat16, use_fast_accum=FAST_ACCUM), repeat=SCALING_TIMING_CALLS)
+                tensor_wise = graph_time_ms(lambda: torch._scaled_mm(
+                    x, copies[next(turn) % len(copies)].t(), scale_a=unit, scale_b=unit,
+                    out_dtype=torch.bfloat16, use_fast_accum=FAST_ACCUM), repeat=SCALING_TIMING_CALLS)
+                return {"deferred": tensor_wise < DEFER_MIN_GAIN * row_wise, "row_wise_ms": row_wise,
+                        "tensor_wise_ms": tensor_wise}
+
+            timed, _ = choice_cache.choice("fp8_scaling", (m, n, k, FAST_ACCUM), device, time_both,
+                                           sources=_fp8_sources(), candidates=(DEFER_MIN_GAIN, SCALING_TIMING_CALLS),
+                                           valid=lambda r: isinstance(r["deferred"], bool))
+            deferred = timed["deferred"]
             results[(m, n, k)] = deferred
             key = (device.index, m, n, k)
             if deferred:

@@ -21,6 +21,7 @@ import gc
 import torch
 import torch.nn.functional as F
 
+from kernels import choice_cache
 from kernels._triton import jit, num_sms, pdl_options, pdl_prologue, tl, triton, use_triton
 
 MAX_SKINNY_ROWS = 16
@@ -497,9 +498,32 @@ def _choose_weights(weights: list[torch.Tensor], rows: tuple[int, ...], attr: st
             continue
         shape = tuple(weight.shape)
         if shape not in report:
-            report[shape] = _time_shape(shape, weight.dtype, weight.device, rows, gated=gated, activation=activation)
+            report[shape] = _cached_time_shape(shape, weight.dtype, weight.device, rows, gated=gated,
+                                               activation=activation)
         setattr(weight, attr, report[shape]["variant"])
     return report
+
+
+def _cached_time_shape(shape: tuple[int, int], dtype: torch.dtype, device, rows: tuple[int, ...], *, gated: bool,
+                       activation: str | None) -> dict:
+    """_time_shape through the persistent choice cache (kernels/choice_cache.py); a hit's report says
+    "cached": True (its timings are those of the load that timed it)."""
+    from kernels import activation as activation_module
+
+    candidates = half_variants() + (CUBLASLT_GELU,) * (activation == "gelu_tanh")
+    family = "gated" if gated else ("activated" if activation else "skinny")
+    report, hit = choice_cache.choice(
+        family, (shape, str(dtype), tuple(rows), activation), device,
+        lambda: _time_shape(shape, dtype, device, rows, gated=gated, activation=activation),
+        sources=(__file__, _triton_module_file(), activation_module.__file__), candidates=candidates,
+        valid=lambda r: r["variant"] is False or r["variant"] in candidates)
+    return {**report, "cached": True} if hit else report
+
+
+def _triton_module_file() -> str:
+    from kernels import _triton
+
+    return _triton.__file__
 
 
 def _time_shape(shape: tuple[int, int], dtype: torch.dtype, device, rows: tuple[int, ...],

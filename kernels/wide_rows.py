@@ -42,6 +42,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from kernels import choice_cache
 from kernels._triton import num_sms, triton
 from kernels.activation import silu_and_mul
 from kernels.fp8 import FAST_ACCUM, FP8_DTYPE, l2_defeating_copies, quantize_rows_triton
@@ -89,10 +90,23 @@ def choose_wide_variants(weights: list[torch.Tensor], gated: list[torch.Tensor] 
             continue
         key = (("fp8",) if weight.dtype == FP8_DTYPE else ()) + (("gated",) if is_gated else ()) + tuple(weight.shape)
         if key not in report:
-            report[key] = {m: _time_wide(weight, is_gated, m) for m in row_counts}
+            report[key] = {m: _cached_time_wide(weight, is_gated, m) for m in row_counts}
         setattr(weight, WIDE_ATTR, {m: r["tiling"] for m, r in report[key].items()
                                     if r["tiling"] is not None and (forced or r["kernel_us"] < WIDE_MIN_GAIN * r["library_us"])})
     return report
+
+
+def _cached_time_wide(weight: torch.Tensor, gated: bool, rows: int) -> dict:
+    """_time_wide through the persistent choice cache (kernels/choice_cache.py); a hit says "cached": True."""
+    from kernels import _triton, fp8, linear
+
+    candidates = WIDE_TILINGS[weight.element_size()]
+    report, hit = choice_cache.choice(
+        "wide", (tuple(weight.shape), str(weight.dtype), gated, rows, FAST_ACCUM), weight.device,
+        lambda: _time_wide(weight, gated, rows), sources=(__file__, linear.__file__, fp8.__file__, _triton.__file__),
+        candidates=(candidates, MAX_WIDE_SPLIT),
+        valid=lambda r: r["tiling"] is None or tuple(r["tiling"][:4]) in candidates)
+    return {**report, "cached": True} if hit else report
 
 
 def _time_wide(weight: torch.Tensor, gated: bool, rows: int) -> dict:

@@ -63,7 +63,8 @@ import torch.nn.functional as F
 
 import os
 
-from kernels import wna16_decode, wna16_gemm, wna16_layout, wna16_mma, wna16_mma_dense, wna16_mma_rows
+from kernels import (_triton, choice_cache, wna16_decode, wna16_gemm, wna16_layout, wna16_mma, wna16_mma_dense,
+                     wna16_mma_rows)
 from kernels._triton import use_triton
 
 SUPPORTED_BITS = (4, 8)
@@ -435,9 +436,24 @@ def choose_wna16_variants(weights: list[WNA16Weight], rows: tuple[int, ...] = (1
             continue
         key = (weight.bits, weight.group_size, weight.out_features, weight.in_features)
         if key not in report:
-            report[key] = _time_skinny_variants(weight, tuple(rows) + tuple(mid_rows))
+            report[key] = _cached_time_variants(weight, key, tuple(rows) + tuple(mid_rows))
         weight.variant.update(report[key]["variant"])
     return report
+
+
+def _cached_time_variants(weight: WNA16Weight, key: tuple, rows: tuple[int, ...]) -> dict:
+    """_time_skinny_variants through the persistent choice cache (kernels/choice_cache.py); a hit says
+    "cached": True. The layout's tensors and $TRITONLLM_WNA16_MMA_ROWS are in the key (they pick the candidates)."""
+    from kernels import fp8, linear
+
+    candidates = SKINNY_VARIANTS + MID_VARIANTS + MMA_VARIANTS + ROWS_VARIANTS
+    modules = (wna16_decode, wna16_gemm, wna16_layout, wna16_mma, wna16_mma_dense, wna16_mma_rows, _triton, fp8, linear)
+    report, hit = choice_cache.choice(
+        "wna16", (key, str(weight.dtype), weight.mma_only, tuple(sorted(weight.kernel)), rows,
+                  os.environ.get(MMA_ROWS_ENV, ""), wna16_mma_rows.MAX_ROWS), next(iter(weight.kernel.values())).device,
+        lambda: _time_skinny_variants(weight, rows), sources=(__file__,) + tuple(m.__file__ for m in modules),
+        candidates=candidates, valid=lambda r: all(v in candidates for v in r["variant"].values()))
+    return {**report, "cached": True} if hit else report
 
 
 def _time_skinny_variants(weight: WNA16Weight, rows: tuple[int, ...]) -> dict:

@@ -423,9 +423,18 @@ def bench_decode(results: dict, runner: ModelRunner, prompt_len: int = 128, step
         entry["roofline_fraction"] = tok_s / roofline
         entry["roofline_fraction_all_params"] = tok_s / roof["roofline_tok_s_all_params"]
     entry["launch_choice"] = getattr(runner, "launch_choice", None)  # PDL on or off, as timed at load
-    entry["gemm_choices"] = {"x".join(map(str, shape)): {key: str(v) for key, v in choice.items()}
+    entry["gemm_choices"] = {"x".join(map(str, shape)): {key: str(untimed(v)) for key, v in untimed(choice).items()}
                              for shape, choice in (getattr(runner, "gemm_choices", None) or {}).items()}
+    entry["kernel_choice_cache"] = getattr(runner, "choice_cache_counts", None)  # {"hits", "lookups", "families"}
     results["decode"] = entry
+
+
+def untimed(report):
+    """A load-time choice's report as recorded: as timed, or for a choice read from the choice cache
+    (kernels/choice_cache.py, "cached": True) without the timings (an earlier load's, not this run's)."""
+    if isinstance(report, dict) and report.get("cached"):
+        return {k: v for k, v in report.items() if not (k in ("us", "all_us") or k.endswith(("_us", "_ms")))}
+    return report
 
 
 def bench_engine_offline(results: dict, runner: ModelRunner, num_requests: int, in_len: int, out_len: int,

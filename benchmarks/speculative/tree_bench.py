@@ -131,15 +131,19 @@ def start(args, label: str):
     prefill = getattr(executor.runner, "prefill_graphs", None)
     # Per weight shape and padded row count, the skinny kernel's and the library product's microseconds
     # (kernels/wide_rows.py); the tree steps take the kernel where it was the faster.
-    wide = {"x".join(map(str, key[1:])): {rows: {"kernel_us": round(r["kernel_us"], 1),
-                                                 "library_us": round(r["library_us"], 1), "tiling": r["tiling"]}
+    # A choice read from the choice cache (kernels/choice_cache.py) says "cached" instead of timings.
+    wide = {"x".join(map(str, key[1:])): {rows: {"tiling": r["tiling"], "cached": True} if r.get("cached") else
+                                          {"kernel_us": round(r["kernel_us"], 1),
+                                           "library_us": round(r["library_us"], 1), "tiling": r["tiling"]}
                                           for rows, r in report.items()}
             for key, report in (getattr(executor.runner, "gemm_choices", None) or {}).items() if key[0] == "wide"}
     info = {"load_seconds": round(time.perf_counter() - started, 1),
-            "tree_graph_buckets": [] if prefill is None else sorted(prefill.tree_graphs), "wide_rows": wide}
+            "tree_graph_buckets": [] if prefill is None else sorted(prefill.tree_graphs), "wide_rows": wide,
+            "kernel_choice_cache": getattr(executor.runner, "choice_cache_counts", None)}
     print(f"    load {info['load_seconds']} s; tree graph buckets {info['tree_graph_buckets']}", flush=True)
     for shape, rows in wide.items():
-        print(f"    {shape}: " + ", ".join(f"{m} rows kernel {r['kernel_us']} us / library {r['library_us']} us"
+        print(f"    {shape}: " + ", ".join(f"{m} rows cached {r['tiling']}" if r.get("cached") else
+                                           f"{m} rows kernel {r['kernel_us']} us / library {r['library_us']} us"
                                            for m, r in rows.items()), flush=True)
     return executor, info
 

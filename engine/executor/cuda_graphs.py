@@ -22,12 +22,17 @@ from __future__ import annotations
 
 import bisect
 import collections
+import glob
+import hashlib
 import itertools
+import os
 
 import numpy as np
 import torch
 
+import kernels
 from engine.executor.overlap import resolve_placeholders
+from kernels import choice_cache
 from kernels._triton import PDL_ALLOWED, PDL_ENV, pdl_supported, set_pdl
 from kernels.attention_metadata import AttentionMetadata
 from kernels.linear import graph_capture, replay_time_ms, side_stream
@@ -210,6 +215,23 @@ def choose_programmatic_launch(model: torch.nn.Module, kv_cache: torch.Tensor, *
         return {"pdl": False, "reason": f"{PDL_ENV}=0"}
     if not pdl_supported(kv_cache):
         return {"pdl": False, "reason": "not supported here"}
+    # The whole decode step is timed: the model's weights (names, shapes, dtypes), the KV pool and every
+    # kernel source are in the cache key (kernels/choice_cache.py).
+    shapes = hashlib.sha256(repr([type(model).__name__] + [(name, tuple(p.shape), str(p.dtype))
+                                                           for name, p in model.named_parameters()]).encode())
+    sources = tuple(glob.glob(os.path.join(os.path.dirname(kernels.__file__), "*.py"))) + (__file__,)
+    report, hit = choice_cache.choice(
+        "pdl", (shapes.hexdigest()[:32], tuple(kv_cache.shape), str(kv_cache.dtype), tokens_per_block, max_seq_len,
+                rounds), kv_cache.device,
+        lambda: _time_programmatic_launch(model, kv_cache, tokens_per_block=tokens_per_block, max_seq_len=max_seq_len,
+                                          sampled_tokens=sampled_tokens, rounds=rounds),
+        sources=sources, valid=lambda r: isinstance(r["pdl"], bool))
+    set_pdl(report["pdl"])
+    return {**report, "cached": True} if hit else report
+
+
+def _time_programmatic_launch(model: torch.nn.Module, kv_cache: torch.Tensor, *, tokens_per_block: int,
+                              max_seq_len: int, sampled_tokens: torch.Tensor, rounds: int) -> dict:
     graphs = {}
     for enabled in (False, True):
         set_pdl(enabled)

@@ -32,6 +32,7 @@ from engine.executor import image_spans, tree_batch
 from engine.executor.random_weights import has_random_weights, materialize_random_weights
 from engine.lora.pool import LoraPools
 from engine.models.layers import Linear, enable_one_shot_all_reduce, prepare_weights, wide_row_weights
+from kernels import choice_cache
 from kernels.attention import KV_FP8_DTYPE
 from kernels.attention_metadata import AttentionMetadata
 from kernels.triton_attention import prefill_tokens_per_tile
@@ -318,8 +319,11 @@ class ModelRunner:
                                           max_seq_len=build.max_seq_len, max_batch_size=build.max_batch_size,
                                           sampled_tokens=self.sampled_tokens, taps=self.layer_taps,
                                           lora_slots=0 if self.lora_pools is None else self.lora_pools.num_slots)
-        with load_phase("load-time kernel choices", self.device):  # (cold Triton cache: a compile per candidate)
+        # (cold Triton cache: a compile per candidate; kernels/choice_cache.py skips the losers of stored choices)
+        with choice_cache.counting() as cached, load_phase(
+                lambda: f"load-time kernel choices (cached: {cached['hits']} of {cached['lookups']})", self.device):
             self.choose_kernels(self.decode_graphs.buckets)
+        self.choice_cache_counts = cached
         with load_phase(f"decode graphs ({len(self.decode_graphs.buckets)} buckets)", self.device):
             self.decode_graphs.capture()
         buckets = model_token_buckets(self.model, build.max_num_tokens)
