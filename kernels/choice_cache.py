@@ -15,11 +15,11 @@ dtype, rows...). Value: what the timing function returned (choice and timings), 
 tuples and non-string dict keys kept. A stored value that ``valid`` rejects (not among today's
 candidates) is ignored and re-timed.
 
-Where: the directory $TRITONLLM_KERNEL_CHOICE_CACHE (default ~/.cache/tritonllm/kernel_choices, made
-on demand); "off" (or "0") disables it. One JSON file per family; a write takes the family's lock
-file (flock), re-reads, merges and replaces the file atomically (temp file + rename), so ranks starting
-at once neither corrupt it nor drop each other's entries. An unwritable location only disables the
-cache for the process, with one stderr line.
+Where: the directory $TRITONLLM_KERNEL_CHOICE_CACHE (default $TRITONLLM_CACHE/kernel_choices, that is
+~/.cache/tritonllm/kernel_choices unless set; made on demand); "off" (or "0") disables it. One JSON
+file per family; a write takes the family's lock file (flock), re-reads, merges and replaces the file
+atomically (temp file + rename), so ranks starting at once neither corrupt it nor drop each other's
+entries. An unwritable location only disables the cache for the process, with one stderr line.
 """
 from __future__ import annotations
 
@@ -32,7 +32,9 @@ import tempfile
 from typing import Any, Callable
 
 CACHE_ENV = "TRITONLLM_KERNEL_CHOICE_CACHE"
-DEFAULT_DIR = os.path.join("~", ".cache", "tritonllm", "kernel_choices")
+# tritonllm/paths.py's cache_dir() ($TRITONLLM_CACHE, default ~/.cache/tritonllm), read here (kernels/ imports no
+# package above it), then this subdirectory.
+SUBDIR = "kernel_choices"
 _OFF = ("off", "0")
 
 _disabled_reason: list[str] = []  # set once the location proved unwritable (the stderr line printed)
@@ -45,7 +47,10 @@ def cache_dir() -> str | None:
     value = os.environ.get(CACHE_ENV, "").strip()
     if value.lower() in _OFF or _disabled_reason:
         return None
-    return os.path.expanduser(value or DEFAULT_DIR)
+    if value:
+        return os.path.expanduser(value)
+    root = os.environ.get("TRITONLLM_CACHE") or os.path.expanduser(os.path.join("~", ".cache", "tritonllm"))
+    return os.path.join(root, SUBDIR)
 
 
 @contextlib.contextmanager
@@ -104,6 +109,15 @@ def family_digest(device, sources: tuple[str, ...], candidates: Any) -> str:
         digest.update(os.path.basename(path).encode() + b"\0" + _file_digest(path).encode())
     digest.update(repr(candidates).encode())
     return digest.hexdigest()[:32]
+
+
+def without_timings(report: Any) -> Any:
+    """A choice's report with the timings (keys "us", "all_us", "*_us", "*_ms") and a hit's "cached" mark left
+    out: what was chosen, equal between a load that timed it and one that read it (tests, benchmarks)."""
+    if isinstance(report, dict):
+        return {k: without_timings(v) for k, v in report.items()
+                if k != "cached" and not (k in ("us", "all_us") or str(k).endswith(("_us", "_ms")))}
+    return report
 
 
 # ---- JSON with tuples and non-string dict keys (the choices are tuples keyed by row counts) ----------

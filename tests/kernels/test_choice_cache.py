@@ -161,7 +161,8 @@ def test_second_load_hits_every_choice_and_chooses_the_same(tmp_path, cache):
         runner = ModelRunner(engine, device="cuda")
         runner.allocate_kv_cache(64)
         runner.capture_cuda_graphs()
-        loads.append((runner.choice_cache_counts, choice_cache_free(runner.gemm_choices), runner.launch_choice["pdl"]))
+        chosen = {key: choice_cache.without_timings(report) for key, report in runner.gemm_choices.items()}
+        loads.append((runner.choice_cache_counts, chosen, runner.launch_choice["pdl"]))
         runner.release_cuda_graphs()
         del runner
     (first, choices1, pdl1), (second, choices2, pdl2) = loads
@@ -170,10 +171,11 @@ def test_second_load_hits_every_choice_and_chooses_the_same(tmp_path, cache):
     assert choices1 == choices2 and pdl1 == pdl2
 
 
-def choice_cache_free(choices: dict) -> dict:
-    """The choices with what a cache hit adds (and the timings) left out."""
-    def chosen(report):
-        if isinstance(report, dict):
-            return {k: chosen(v) for k, v in report.items() if k != "cached" and not str(k).endswith(("us", "_ms"))}
-        return report
-    return {key: chosen(report) for key, report in choices.items()}
+
+def test_default_location_follows_tritonllm_cache(tmp_path, monkeypatch):
+    monkeypatch.delenv(choice_cache.CACHE_ENV, raising=False)
+    monkeypatch.setattr(choice_cache, "_disabled_reason", [])
+    monkeypatch.setenv("TRITONLLM_CACHE", str(tmp_path))
+    assert choice_cache.cache_dir() == str(tmp_path / "kernel_choices")
+    monkeypatch.delenv("TRITONLLM_CACHE")
+    assert choice_cache.cache_dir() == os.path.expanduser("~/.cache/tritonllm/kernel_choices")
