@@ -4,10 +4,12 @@ Loads one config-only engine (random weights; Llama-8B shape by default) --loads
 fresh process as a server restart is, all sharing one choice-cache directory (new and empty unless
 --cache-dir) and the machine's Triton cache. Each load prints its [load] lines
 ($TRITONLLM_LOAD_LOG=1); the first on an empty cache times every choice, the later ones should say
-"(cached: M of M)" and make the same choices. Writes a JSON with, per load, the choices' seconds,
-the cache counts and whether its choices equal the first load's.
+"(cached: M of M)" and make the same choices. --first-off: one load more first with the cache off
+(it warms Triton's cache, so the next load shows a restart's choices without this cache). Writes a
+JSON with, per load, the choices' and captures' seconds, the cache counts and whether its choices
+equal those of the load that wrote the cache.
 
-    python benchmarks/engine/choice_cache_bench.py --quantization fp8 --max-num-tokens 1040 --out choices.json
+    python benchmarks/engine/choice_cache_bench.py --first-off --loads 2 --out choices.json
 """
 from __future__ import annotations
 
@@ -54,6 +56,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--kv-blocks", type=int, default=256)
     parser.add_argument("--loads", type=int, default=2)
     parser.add_argument("--cache-dir", default=None, help="default: a new empty directory")
+    parser.add_argument("--first-off", action="store_true",
+                        help="one load more first, with the choice cache off: it warms Triton's cache, so the next "
+                             "load times every choice from compiled kernels (a restart without this cache)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default="choice_cache_bench.json")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -66,31 +71,35 @@ def main(argv=None) -> dict:
         return result
 
     from benchmarks.common import write_config_only_engine
+    from kernels.choice_cache import CACHE_ENV
 
     engine_dir = write_config_only_engine(args.model, args.dtype, args.max_batch_size, args.max_seq_len,
                                           args.max_num_tokens, 32, args.quantization)
-    env = dict(os.environ, TRITONLLM_LOAD_LOG="1",
-               TRITONLLM_KERNEL_CHOICE_CACHE=args.cache_dir or tempfile.mkdtemp(prefix="choice-cache-"))
+    cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="choice-cache-")
+    env = dict(os.environ, TRITONLLM_LOAD_LOG="1", **{CACHE_ENV: cache_dir})
     loads = []
-    for i in range(args.loads):
+    modes = ["off"] * args.first_off + ["cache"] * args.loads
+    for i, mode in enumerate(modes):
         out = f"{args.out}.load{i}"
         started = time.perf_counter()
-        print(f"== load {i + 1} of {args.loads}", flush=True)
+        print(f"== load {i + 1} of {len(modes)} (choice cache {'off' if mode == 'off' else cache_dir})", flush=True)
         subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--engine-dir", engine_dir,
                         "--device", args.device, "--kv-blocks", str(args.kv_blocks), "--out", out],
-                       env=env, check=True)
+                       env=dict(env, **{CACHE_ENV: "off"}) if mode == "off" else env, check=True)
         with open(out) as f:
             load = json.load(f)
         os.unlink(out)
-        load["process_s"] = round(time.perf_counter() - started, 1)
-        load["same_choices_as_first"] = not loads or (load["choices"] == loads[0]["choices"]
-                                                      and load["pdl"] == loads[0]["pdl"])
+        load["process_s"], load["choice_cache"] = round(time.perf_counter() - started, 1), mode
+        # Against the load that wrote the cache (an uncached load may choose otherwise within timing noise).
+        writer = next((earlier for earlier in loads if earlier["choice_cache"] == "cache"), None)
+        load["same_choices_as_writer"] = None if mode == "off" or writer is None else (
+            load["choices"] == writer["choices"] and load["pdl"] == writer["pdl"])
         loads.append(load)
         print(f"   load {i + 1}: {load['process_s']} s in all, choices + capture {load['choices_and_capture_s']} s, "
-              f"cached {load['cache']['hits']} of {load['cache']['lookups']}, same choices as the first: "
-              f"{load['same_choices_as_first']}", flush=True)
+              f"cached {load['cache']['hits']} of {load['cache']['lookups']}, same choices as the load that wrote "
+              f"the cache: {load['same_choices_as_writer']}", flush=True)
     result = {"args": {k: v for k, v in vars(args).items() if k not in ("child", "engine_dir")},
-              "cache_dir": env["TRITONLLM_KERNEL_CHOICE_CACHE"],
+              "cache_dir": cache_dir,
               "loads": [{k: v for k, v in load.items() if k != "choices"} for load in loads],
               "choices": loads[0]["choices"] if loads else {}}
     with open(args.out, "w") as f:
