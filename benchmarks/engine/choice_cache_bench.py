@@ -98,10 +98,15 @@ def main(argv=None) -> dict:
         print(f"   load {i + 1}: {load['process_s']} s in all, choices + capture {load['choices_and_capture_s']} s, "
               f"cached {load['cache']['hits']} of {load['cache']['lookups']}, same choices as the load that wrote "
               f"the cache: {load['same_choices_as_writer']}", flush=True)
+        write_result(args, cache_dir, loads)  # after every load: a run cut by its timeout keeps the loads done
+    return write_result(args, cache_dir, loads)
+
+
+def write_result(args, cache_dir: str, loads: list[dict]) -> dict:
     result = {"args": {k: v for k, v in vars(args).items() if k not in ("child", "engine_dir")},
               "cache_dir": cache_dir,
               "loads": [{k: v for k, v in load.items() if k != "choices"} for load in loads],
-              "choices": loads[0]["choices"] if loads else {}}
+              "choices": next((load["choices"] for load in loads if load["choice_cache"] == "cache"), {})}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     return result
