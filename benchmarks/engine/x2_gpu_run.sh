@@ -1,0 +1,127 @@
+#!/usr/bin/env bash
+# The device calls of a session on nvidia-h200-x2 (2 H200s of one host), planned in benchmarks/next_gpu_runs.md
+# ("On nvidia-h200-x2"): issue 50's PP 2 vs TP 2 vs one GPU, issue 57's disaggregated vs aggregated serving and
+# its KV transfer, the checks that need two GPUs, and the one-GPU runs still waiting, two at a time
+# (CUDA_VISIBLE_DEVICES=0 and =1) after the two-GPU work of the same call, never beside it.
+#
+#   bash benchmarks/engine/x2_gpu_run.sh CALL [OUT]        CALL 1, 2, 3 or 4; OUT default $OUT
+#   SMOKE=1 bash benchmarks/engine/x2_gpu_run.sh CALL DIR  the same flow on the CPU with the tiny model
+#                                                         (the one-GPU jobs are only printed)
+#
+# 1  (~420 s, guard 530) two-GPU checks: tests/executor/test_disaggregated.py with context on GPU 0 and
+#    generation on GPU 1 (TRITONLLM_DISAGG_DEVICES) + test_device_stream.py (its cuda:1 case), then
+#    tp_bench.py: greedy TP 2 and PP 2 == TP 1 (float32, over NCCL), then bf16 speed of TP 1, TP 2, PP 2.
+# 2  (~430 s, guard 540) disagg_bench.py (FP8 weights + FP8 KV), then the one-GPU pair:
+#    GPU 0 vlm_bench offline (vlmstall2) + the INT4 batch-1 run (int4b1), GPU 1 V2-Lite decode (dsdecode2).
+# 3  (~300 s, guard 310) the INT4 list (issue 52): GPU 0 bf16 then INT4 dequantize + cuBLAS, GPU 1 INT4 rows kernel.
+# 4  (~545 s; only with >= 11 min of device time left) issue 51's two shapes that were cut: GPU 0 128/4096,
+#    GPU 1 20000/2000, each at 3 waves within its 535-s budget.
+#
+# Everything goes to /tmp/x2_call$CALL; at the end OUT gets call$CALL.tgz (all logs and JSON), summary.txt (what
+# this script printed) and the markdown tables (at most 8 files come back from a call). The console ends with
+# each job's exit status and its result lines, so the call's output_tail alone is enough to read.
+set -u
+cd "$(dirname "$0")/../.."  # the checkout's root
+call=${1:?usage: x2_gpu_run.sh 1|2|3|4 [OUT]}
+out=${2:-${OUT:-/tmp/x2_gpu_run}}
+mkdir -p "$out"
+w=/tmp/x2_call$call
+rm -rf "$w" && mkdir -p "$w"
+exec > >(tee -a "$out/summary.txt") 2>&1
+# shellcheck source=benchmarks/gpu_run_common.sh
+. benchmarks/gpu_run_common.sh
+gpu_run_start x2_gpu_run ""
+export PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+smoke=${SMOKE:-0}
+if [ "$smoke" != 1 ]; then
+  "$PYTHON" -c 'import torch; n = torch.cuda.device_count(); assert n >= 2, f"{n} GPU(s): this script needs 2"' || exit 1
+fi
+
+job() {  # NAME LIMIT_S CMD...: one guarded job, its output in $w/NAME.log, one status line
+  local name=$1 limit=$2 start rc
+  shift 2
+  start=$(date +%s)
+  timeout -k 10 "$limit" "$@" > "$w/$name.log" 2>&1
+  rc=$?
+  echo "[x2] $name: exit $rc$([ $rc -eq 124 ] && echo ' (its guard)') after $(( $(date +%s) - start )) s"
+}
+
+on_gpu() {  # GPU NAME LIMIT_S CMD...: a one-GPU job (SMOKE: printed only: these benches need CUDA)
+  local gpu=$1
+  shift
+  if [ "$smoke" = 1 ]; then echo "[x2] would run on GPU $gpu (TRITONLLM_WNA16_MMA_ROWS=${TRITONLLM_WNA16_MMA_ROWS:-unset}): $*"; return; fi
+  CUDA_VISIBLE_DEVICES=$gpu job "$@"
+}
+
+if [ "$smoke" = 1 ]; then
+  tiny_tp=(--model tiny --device cpu --offline 64x16x8 --greedy_steps 8)
+  tiny_disagg=(--model tiny --device cpu --prompt_lens 64,256 --output_len 8 --rates 4,8 --seconds 2
+               --max_num_tokens 512 --kv_tokens 8192 --transfer_lens 2048,8192 --transfer_repeats 3)
+  devices=cpu,cpu
+else
+  tiny_tp=() tiny_disagg=() devices=cuda:0,cuda:1
+fi
+
+case $call in
+1)
+  TRITONLLM_DISAGG_DEVICES=$devices job tests_2gpu 100 "$PYTHON" -m pytest -v -rfEs -p no:cacheprovider \
+    tests/executor/test_disaggregated.py tests/executor/test_device_stream.py
+  # PP phases last: the TP phases ran on these machines before, and a phase that fails ends the run.
+  job tp_bench 420 "$PYTHON" benchmarks/engine/tp_bench.py \
+    --phases greedy_tp1,greedy_tp2,perf_tp1,perf_tp2,greedy_pp2,perf_pp2 --greedy_steps 32 --max_batch_size 256 \
+    --offline 128x128x1024,2048x128x256 --phase_timeout 150 --out "$w/tp_bench.json" --results-md "$w/tp_bench.md" \
+    "${tiny_tp[@]}"
+  grep -E "passed|failed|error" "$w/tests_2gpu.log" | tail -3
+  grep -E "^\[tp_bench\] |\"passed\"|FAILED|Error" "$w/tp_bench.log" | head -20
+  grep -E "^\[tp_bench rank 0.*(KV pool|decode batch|offline)" "$w/tp_bench.log" | cut -c1-200
+  [ -f "$w/tp_bench.md" ] && cp "$w/tp_bench.md" "$out/" && cat "$w/tp_bench.md"
+  ;;
+2)
+  job disagg_bench 330 "$PYTHON" benchmarks/engine/disagg_bench.py --rates 2,4,6 --seconds 30 --drain_timeout 40 \
+    --out "$w/disagg.json" --results-md "$w/disagg.md" "${tiny_disagg[@]}"
+  grep -E "^\[disagg_bench\]|Error|Traceback" "$w/disagg_bench.log" | cut -c1-400
+  grep "^\[load" "$w/disagg_bench.log" | tail -4
+  [ -f "$w/disagg.md" ] && cp "$w/disagg.md" "$out/" && cat "$w/disagg.md"
+  # The one-GPU pair (their authors' commands: /tmp/notes/vlmstall2.md, int4b1.md, dsdecode2.md).
+  (
+    on_gpu 0 vlm_offline 75 "$PYTHON" benchmarks/engine/vlm_bench.py --sections offline --hf-batches= \
+      --out "$w/vlm.json" --results-md "$w/vlm.md"
+    on_gpu 0 int4b1 48 "$PYTHON" benchmarks/engine/engine_bench.py --sections executor_decode \
+      --executor-decode-batches 1,1 --max-batch-size 8 --quantization int4_wo --out "$w/int4b1.json"
+  ) &
+  gpu0=$!
+  on_gpu 1 ds_decode 48 "$PYTHON" benchmarks/engine/engine_bench.py --model deepseek_v2_lite --sections bandwidth,decode \
+    --max-batch-size 8 --max-num-tokens 256 --max-seq-len 1024 --out "$w/ds2.json" --results-md "$w/ds2.md"
+  wait "$gpu0"  # (a bare wait would also wait for the tee above)
+  if [ "$smoke" != 1 ]; then
+    grep "^offline\|executor sections\|^\[load" "$w/vlm_offline.log" | cut -c1-1200; cat "$w/vlm.md" 2>/dev/null
+    grep -E "^\||load-time|graph|^\[executor_decode\]" "$w/int4b1.log" | cut -c1-600
+    grep -E "^\[load|Error|Traceback" "$w/ds_decode.log" | head; tail -2 "$w/ds2.md" 2>/dev/null
+    "$PYTHON" -c "import json,sys; print(json.load(open(sys.argv[1]))['decode']['eager_step_profile'])" "$w/ds2.json" 2>/dev/null
+  fi
+  ;;
+3)
+  E=(benchmarks/engine/engine_bench.py --sections executor_decode --executor-decode-batches 1,64,256 --max-batch-size 256)
+  (
+    on_gpu 0 eng_bf16 140 "$PYTHON" "${E[@]}" --out "$w/eng_bf16.json"
+    TRITONLLM_WNA16_MMA_ROWS=0 on_gpu 0 eng_int4_dense 150 "$PYTHON" "${E[@]}" --quantization int4_wo --out "$w/eng_int4_dense.json"
+  ) &
+  gpu0=$!
+  TRITONLLM_WNA16_MMA_ROWS=1 on_gpu 1 eng_int4_rows 290 "$PYTHON" "${E[@]}" --quantization int4_wo --out "$w/eng_int4_rows.json"
+  wait "$gpu0"
+  [ "$smoke" = 1 ] || for f in eng_bf16 eng_int4_dense eng_int4_rows; do echo "== $f"; tail -4 "$w/$f.log"; done
+  ;;
+4)
+  T=(benchmarks/engine/throughput_bench.py --dtype fp8 --max-seq-len max --max-batch-size 1024 --max-num-tokens 8192
+     --kv-fraction 0.95 --waves 3 --time-budget 530 --engine-seconds 100)
+  on_gpu 0 shape_128_4096 545 "$PYTHON" "${T[@]}" --shapes 128/4096 --out "$w/g0.json" &
+  gpu0=$!
+  on_gpu 1 shape_20000_2000 545 "$PYTHON" "${T[@]}" --shapes 20000/2000 --out "$w/g1.json"
+  wait "$gpu0"
+  [ "$smoke" = 1 ] || for f in shape_128_4096 shape_20000_2000; do grep -E "^\| [0-9]+/[0-9]+ \| fp8|plateau|Where" "$w/$f.log" | head -6; done
+  ;;
+*) echo "x2_gpu_run.sh: CALL must be 1, 2, 3 or 4, got '$call'"; exit 2 ;;
+esac
+tar czf "$out/call$call.tgz" -C /tmp "x2_call$call"
+for md in "$w"/*.md; do [ -f "$md" ] && cp "$md" "$out/"; done
+echo "[x2] call $call done in $(( $(date +%s) - t0 )) s; $out: $(ls "$out" | tr '\n' ' ')"
