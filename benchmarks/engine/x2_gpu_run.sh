@@ -9,7 +9,7 @@
 #                                                         (the one-GPU jobs are only printed)
 #
 # 1  (~420 s, guard 530) two-GPU checks: tests/executor/test_disaggregated.py with context on GPU 0 and
-#    generation on GPU 1 (TRITONLLM_DISAGG_DEVICES) + test_device_stream.py (its cuda:1 case), then
+#    generation on GPU 1 (TRITONLLM_DISAGG_DEVICES) + test_device_stream.py (its two-GPU case), then
 #    tp_bench.py: greedy TP 2 and PP 2 == TP 1 (float32, over NCCL), then bf16 speed of TP 1, TP 2, PP 2.
 # 2  (~430 s, guard 540) disagg_bench.py (FP8 weights + FP8 KV), then the one-GPU pair:
 #    GPU 0 vlm_bench offline (vlmstall2) + the INT4 batch-1 run (int4b1), GPU 1 V2-Lite decode (dsdecode2).

@@ -46,3 +46,23 @@ def use_stream(stream: torch.cuda.Stream | None) -> None:
     stream.wait_stream(torch.cuda.default_stream(stream.device))
     torch.cuda.set_stream(stream)
     torch.cuda.empty_cache()
+
+
+def on_device(device):
+    """The executor's construction on its own GPU: a context in which ``device`` (``cuda:1``, say) is the
+    calling thread's current CUDA device, so what is launched by the current device rather than by a
+    tensor's (Triton kernels, CUDA-graph capture, the current stream) goes there too; a no-op off CUDA."""
+    import contextlib
+
+    device = torch.device(device) if device is not None else None
+    if device is None or device.type != "cuda" or device.index is None:  # "cuda": the current one already
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
+
+
+def enter_device(device) -> None:
+    """Make the runner's device the calling thread's current CUDA device (the loop thread's, for the same
+    reason as ``on_device``); a no-op off CUDA. Two executors of one process on two GPUs need it."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is not None:  # ("cuda" alone: the thread's current device)
+        torch.cuda.set_device(device)

@@ -33,7 +33,7 @@ from engine.lora.cache import AdapterCache, RunnerSlots
 from engine.lora.prefetch import prefetch_adapters
 from engine.executor import memory_profile
 from engine.executor.device_memory import free_device_bytes, is_capped
-from engine.executor.device_stream import executor_stream, use_stream
+from engine.executor.device_stream import enter_device, executor_stream, on_device, use_stream
 from engine.executor.disaggregated import Disaggregation
 from engine.executor.kv_cache import BlockManager
 # The settings are part of this module's public surface (re-exported).
@@ -85,11 +85,12 @@ class Executor:
     def __init__(self, engine_dir: str, config: ExecutorConfig | None = None, *, device: str | None = None,
                  response_callback: Callable[[list[Response]], None] | None = None):
         self.config = (config or ExecutorConfig()).validate()
-        self._init_runner(engine_dir, device or self.config.device)
-        self._init_scheduler()
-        self._init_queues(response_callback)
-        self._init_guided_decoding(engine_dir)
-        self.device_stream = executor_stream(self.runner)  # (a vision-language engine's: engine/executor/device_stream.py)
+        with on_device(device or self.config.device):  # an executor on cuda:1 builds there, whatever is current
+            self._init_runner(engine_dir, device or self.config.device)
+            self._init_scheduler()
+            self._init_queues(response_callback)
+            self._init_guided_decoding(engine_dir)
+            self.device_stream = executor_stream(self.runner)  # (a vision-language engine's: engine/executor/device_stream.py)
         self._thread = threading.Thread(target=self._run, name="executor-loop", daemon=True)
         self._thread.start()
 
@@ -416,6 +417,7 @@ class Executor:
 
     # ----- the loop -----
     def _run(self) -> None:
+        enter_device(self.runner.device)  # the loop launches on its runner's GPU (two executors, two GPUs)
         use_stream(self.device_stream)  # None: this thread's default stream
         while True:
             with self._cv:

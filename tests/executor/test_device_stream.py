@@ -29,3 +29,19 @@ def test_vision_language_engines_on_one_cuda_device_get_the_priority_stream(conf
 
 def test_other_executors_keep_their_threads_default_stream():
     assert executor_stream(SimpleNamespace(engine_config=engine(), device="cpu")) is None
+
+
+def test_executors_of_named_gpus_build_and_loop_there_and_others_change_nothing():
+    import contextlib
+
+    import torch
+
+    from engine.executor.device_stream import enter_device, on_device
+
+    for device in (None, "cpu", "cuda"):  # "cuda" alone: the current device already
+        assert isinstance(on_device(device), contextlib.nullcontext)
+    enter_device("cpu")
+    enter_device("cuda")  # no index: nothing to set (and no CUDA needed)
+    if torch.cuda.device_count() >= 2:  # (the two-GPU case itself: test_disaggregated with TRITONLLM_DISAGG_DEVICES)
+        with on_device("cuda:1"):
+            assert torch.cuda.current_device() == 1
