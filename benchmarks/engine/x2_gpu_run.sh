@@ -21,13 +21,17 @@
 # this script printed) and the markdown tables (at most 8 files come back from a call). The console ends with
 # each job's exit status and its result lines, so the call's output_tail alone is enough to read.
 set -u
-cd "$(dirname "$0")/../.."  # the checkout's root
+script=$(realpath "$0")
 call=${1:?usage: x2_gpu_run.sh 1|2|3|4 [OUT]}
-out=${2:-${OUT:-/tmp/x2_gpu_run}}
+out=$(realpath -m "${2:-${OUT:-/tmp/x2_gpu_run}}")
 mkdir -p "$out"
+if [ -z "${X2_UNDER_TEE:-}" ]; then  # the console also in $out/summary.txt, complete when the call returns
+  X2_UNDER_TEE=1 bash "$script" "$call" "$out" 2>&1 | tee "$out/summary.txt"
+  exit "${PIPESTATUS[0]}"
+fi
+cd "$(dirname "$script")/../.."  # the checkout's root
 w=/tmp/x2_call$call
 rm -rf "$w" && mkdir -p "$w"
-exec > >(tee -a "$out/summary.txt") 2>&1
 # shellcheck source=benchmarks/gpu_run_common.sh
 . benchmarks/gpu_run_common.sh
 gpu_run_start x2_gpu_run ""
@@ -92,7 +96,7 @@ case $call in
   gpu0=$!
   on_gpu 1 ds_decode 48 "$PYTHON" benchmarks/engine/engine_bench.py --model deepseek_v2_lite --sections bandwidth,decode \
     --max-batch-size 8 --max-num-tokens 256 --max-seq-len 1024 --out "$w/ds2.json" --results-md "$w/ds2.md"
-  wait "$gpu0"  # (a bare wait would also wait for the tee above)
+  wait "$gpu0"
   if [ "$smoke" != 1 ]; then
     grep "^offline\|executor sections\|^\[load" "$w/vlm_offline.log" | cut -c1-1200; cat "$w/vlm.md" 2>/dev/null
     grep -E "^\||load-time|graph|^\[executor_decode\]" "$w/int4b1.log" | cut -c1-600
