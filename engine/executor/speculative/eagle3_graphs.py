@@ -133,6 +133,8 @@ class Window:
         Slots without a cache draft from one padding row (their output is not read)."""
         P = self.pad.shape[0]
         meta = [[0, 0, 1] + [0] * P for _ in range(self.slots)]
+        for b in set(range(self.slots)) - set(slots):  # a padding slot's replay writes its rows [0, P): forget them
+            self.serials[b], self.copied[b] = -1, 0
         for cache, tokens, b in zip(caches, token_lists, slots):
             n, length = cache.pending.shape[0], cache.length
             if cache.serial != self.serials[b]:
@@ -297,11 +299,11 @@ class StaticDraftGraphs:
             w = self.window(capacity, slots_for(len(part)))
             slots = w.assign(part)
             self._replay(w, part, lists, slots)
-            if slots == list(range(len(part))):
-                out.append(w.tokens[:len(part)])
+            if slots == list(range(len(part))):  # (a copy: the next group may replay this same window)
+                out.append(w.tokens[:len(part)].clone())
             else:
                 out.append(w.tokens.index_select(0, torch.tensor(slots).to(w.tokens.device, non_blocking=True)))
-        return out[0].clone() if len(out) == 1 else torch.cat(out)
+        return out[0] if len(out) == 1 else torch.cat(out)
 
     def _commit_extra(self, cache, tokens: list[int]) -> None:
         extra = cache.pending.shape[0] - self.pending_rows
