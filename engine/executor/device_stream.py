@@ -15,15 +15,20 @@ constructing thread's default stream is ordered before it (``use_stream``).
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 # Lower numbers run first; 0 is the default and the lowest (torch.cuda.Stream.priority_range()).
 EXECUTOR_PRIORITY = -1
 TOWER_PRIORITY = 0
+# "0": every executor loops on its thread's default stream, as before this stream existed (A/B runs, or a
+# regression on some GPU: the tower and the steps then share SMs as equals again).
+EXECUTOR_STREAM_ENV = "TRITONLLM_EXECUTOR_STREAM"
 
 
 def wants_priority_stream(engine_config, device) -> bool:
-    if engine_config is None or torch.device(device).type != "cuda":
+    if engine_config is None or torch.device(device).type != "cuda" or os.environ.get(EXECUTOR_STREAM_ENV) == "0":
         return False
     build = engine_config.build
     return bool(engine_config.extra.get("vision_encoder")) and build.tp_size == 1 and build.pp_size == 1

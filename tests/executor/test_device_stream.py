@@ -7,7 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.executor.device_stream import EXECUTOR_PRIORITY, TOWER_PRIORITY, executor_stream, wants_priority_stream
+from engine.executor.device_stream import (EXECUTOR_PRIORITY, EXECUTOR_STREAM_ENV, TOWER_PRIORITY, executor_stream,
+                                          wants_priority_stream)
 
 
 def engine(vision: bool = True, tp: int = 1, pp: int = 1):
@@ -27,8 +28,10 @@ def test_vision_language_engines_on_one_cuda_device_get_the_priority_stream(conf
     assert EXECUTOR_PRIORITY <= TOWER_PRIORITY == 0  # lower runs first; 0 is CUDA's default and lowest (equal: one constant)
 
 
-def test_other_executors_keep_their_threads_default_stream():
+def test_other_executors_keep_their_threads_default_stream(monkeypatch):
     assert executor_stream(SimpleNamespace(engine_config=engine(), device="cpu")) is None
+    monkeypatch.setenv(EXECUTOR_STREAM_ENV, "0")  # the off switch: the old path (the thread's default stream)
+    assert not wants_priority_stream(engine(), "cuda")
 
 
 def test_executors_of_named_gpus_build_and_loop_there_and_others_change_nothing():
