@@ -40,6 +40,9 @@ _OFF = ("off", "0")
 _disabled_reason: list[str] = []  # set once the location proved unwritable (the stderr line printed)
 _counters: list[dict] = []  # open counting() blocks; each lookup counts in all of them
 _source_digests: dict[tuple[str, int, int], str] = {}  # (path, mtime_ns, size) -> sha256 of the file
+# path -> ((inode, mtime_ns, size), parsed family file): a lookup parses the file once, not once per lookup (it
+# keeps every digest's entries: after many kernel edits, thousands of them). A write replaces the file (a new inode).
+_parsed: dict[str, tuple[tuple[int, int, int], dict]] = {}
 
 
 def cache_dir() -> str | None:
@@ -154,6 +157,19 @@ def _read(path: str) -> dict:
         return {}  # absent, unreadable or torn by hand: every key misses
 
 
+def _read_parsed(path: str) -> dict:
+    """_read, parsed again only when the file changed (read only: _write re-reads under its lock)."""
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return {}
+    key = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
+    held = _parsed.get(path)
+    if held is None or held[0] != key:
+        held = _parsed[path] = (key, _read(path))
+    return held[1]
+
+
 def _disable(reason: str) -> None:
     if not _disabled_reason:
         _disabled_reason.append(reason)
@@ -198,7 +214,7 @@ def choice(family: str, key: Any, device, time: Callable[[], Any], *, sources: t
         _count(family, False)
         return value, False
     entry_key = family_digest(device, sources, candidates) + "|" + repr(key)
-    stored = _read(os.path.join(directory, f"{family}.json")).get(entry_key)
+    stored = _read_parsed(os.path.join(directory, f"{family}.json")).get(entry_key)
     if isinstance(stored, dict) and "value" in stored:
         try:
             value = decode(stored["value"])

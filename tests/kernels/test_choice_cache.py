@@ -56,6 +56,23 @@ def test_second_lookup_hits_and_returns_the_stored_value(cache, tmp_path):
     assert len(stored) == 2 and not [p for p in os.listdir(cache) if p.endswith(".tmp")]
 
 
+def test_a_family_file_is_parsed_once_until_another_process_replaces_it(cache, monkeypatch):
+    """Lookups parse the family file once, not once each (it keeps every digest's entries); a write of
+    another process (its own temp file renamed over this one) is read at the next lookup."""
+    parses = []
+    read = choice_cache._read
+    monkeypatch.setattr(choice_cache, "_read", lambda path: parses.append(path) or read(path))
+    for _ in range(3):
+        assert choice_cache.choice("skinny", "a", "cpu", Timer(VALUE))[0] == VALUE
+    assert len(parses) == 2  # the write's re-read (under its lock), then one parse of the new file for two lookups
+    stored = json.loads((cache / "skinny.json").read_text())
+    ((key, entry),) = stored.items()
+    stored[key.replace("'a'", "'b'")] = entry  # as another rank's write: a new file renamed into place
+    (cache / "next.tmp").write_text(json.dumps(stored))
+    os.replace(cache / "next.tmp", cache / "skinny.json")
+    assert choice_cache.choice("skinny", "b", "cpu", Timer(None)) == (VALUE, True)
+
+
 def test_source_edit_candidates_and_invalid_values_re_time(cache, tmp_path):
     source = tmp_path / "kernel.py"
     source.write_text("A = 1\n")
