@@ -221,28 +221,36 @@ def check_windows(head, embed, tiny_hf, graphs, plan) -> None:
             torch.testing.assert_close(windowed.last_q, eager.last_q, rtol=1e-4, atol=1e-4)
 
 
-def test_batched_windows_draft_what_one_sequence_windows_draft(tmp_path, runner, tiny_hf, monkeypatch):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_batched_windows_draft_what_one_sequence_windows_draft(tmp_path, runner, tiny_hf, monkeypatch, device):
     """eagle3_graphs.py's batched windows (one replay for a step's sequences) draft, commit and keep
     the rows one-sequence windows do: sequences of different lengths in one bucket (the length masks),
     a sequence leaving and coming back (it keeps its slot: only new rows copied; a slot left padding
     in a step recopies), windows of 2 and 4 slots over the shared rows (a switch recopies), a bucket
     change (64 -> 128 rows), and a batch split in groups of one window when the shared rows hold fewer
-    slots of the bucket (each group's tokens its own)."""
+    slots of the bucket (each group's tokens its own). On CUDA the batched windows replay their
+    recordings (made on first use) against eager one-sequence windows."""
     import engine.executor.speculative.eagle3_graphs as eagle3_graphs
 
+    import copy
+
+    dev = torch.device(device)
     head, _ = load_eagle3(save_eagle3(tmp_path / "eagle3", layers=[0, 1, 1]), hidden_size=HIDDEN,
-                          vocab_size=VOCAB, num_layers=len(runner.model.layers))
+                          vocab_size=VOCAB, num_layers=len(runner.model.layers), device=dev)
     plan = StaticPlan(shape_from_choices([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1]],
-                                         field="eagle_choices"), torch.device("cpu"))
-    embed, cpu = runner.model.embed_tokens, torch.device("cpu")
-    make = lambda: StaticDraftGraphs(head, plan, embed, max_positions=128, device=cpu, use_graphs=False)  # noqa: E731
-    batched, single = make(), make()
+                                         field="eagle_choices"), dev)
+    embed = runner.model.embed_tokens if device == "cpu" else copy.deepcopy(runner.model.embed_tokens).to(dev)
+    make = lambda graphs: StaticDraftGraphs(head, plan, embed, max_positions=128, device=dev,  # noqa: E731
+                                            use_graphs=graphs)
+    batched, single = make(True), make(False)  # (the CPU never records: both eager there)
+    close = dict(rtol=1e-5, atol=1e-5) if device == "cpu" else dict(rtol=1e-4, atol=1e-4)
     tokens = torch.randint(0, VOCAB, (4, 80), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         states = tiny_hf(tokens, output_hidden_states=True).hidden_states
-        feats = head.features(states[1], states[2], states[2])[:, :-1]  # (4, 79, H): token t's
+        feats = head.features(*(s.to(dev) for s in (states[1], states[2], states[2])))[:, :-1]  # (4, 79, H)
     tokens, starts = tokens.tolist(), (0, 5, 0, 3)
-    caches = [[DraftCache(s, head, cpu) for s in starts] for _ in range(2)]  # [batched, single][sequence]
+    caches = [[DraftCache(s, head, dev) for s in starts] for _ in range(2)]  # [batched, single][sequence]
     done = list(starts)
     # (sequences in the step's order, each one's features up to; 0: not in the step): lengths differ in a bucket
     # (sequence 3 sits out step 1 in the 4-slot window, its slot drafting padding, and comes back in step 2)
@@ -263,10 +271,11 @@ def test_batched_windows_draft_what_one_sequence_windows_draft(tmp_path, runner,
         for j in order:
             a, b = caches[0][j], caches[1][j]
             assert a.length == b.length == done[j] - starts[j] and not a.pending.shape[0]
-            torch.testing.assert_close(a.k[:a.length], b.k[:b.length], rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(a.v[:a.length], b.v[:b.length], rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(a.last_q, b.last_q, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(a.k[:a.length], b.k[:b.length], **close)
+            torch.testing.assert_close(a.v[:a.length], b.v[:b.length], **close)
+            torch.testing.assert_close(a.last_q, b.last_q, **close)
     assert {(2, 64), (4, 64), (2, 128)} <= set(batched.batch_windows)
+    assert batched.replays == (0 if device == "cpu" else len(steps) + 1)  # (+1: the last step's two groups)
 
 
 def _path_features(head, g, tokens, path, embed):
