@@ -16,8 +16,10 @@ queued while the host completes the last one (callers' done-callbacks run on thi
 copy of a table waits for anything but its own forward. On the CPU each forward completes at once.
 
 Pinned memory: the worker's own, two staging areas per pipeline slot (the rows coming back, host
-patches going out), kept and grown only when a forward needs more. Nothing pinned is allocated per
-forward or per request, and the tables handed out are ordinary (pageable) host memory, copied out of
+patches going out), kept and grown only when a forward needs more (to its size + 1/4, never past
+``max_staging_bytes`` each: a forward that needs more copies through ordinary host memory instead, slower
+but never failing a request, so a burst of large images cannot pin gigabytes for the process's life).
+Nothing pinned is allocated per forward or per request, and the tables handed out are ordinary (pageable) host memory, copied out of
 the staging area once its copy is done. Why: a pinned allocation that the caching host allocator cannot
 serve from its cache is a cudaHostAlloc, which CUDA orders against every stream of the device (an
 implicit synchronization: the executor's next kernels waited for the tower's queued forward), and that
@@ -56,8 +58,11 @@ class _Launched:
 
 class ImageEncodeQueue:
     def __init__(self, encoder: torch.nn.Module, device: str | torch.device, max_images: int = 32,
-                 first_images: int = 8, priority: int = TOWER_PRIORITY):
+                 first_images: int = 8, priority: int = TOWER_PRIORITY,
+                 max_staging_bytes: int = 256 << 20):
         self.encoder = encoder
+        # Cap of each staging buffer (4 per queue): 256 MiB holds ~32 images of 448 x 448 (patches float32)
+        self.max_staging_bytes = max_staging_bytes
         self.device = torch.device(device)
         self.max_images = max_images
         # A forward started while the tower is idle takes at most this many: under a burst the first tables
@@ -148,8 +153,12 @@ class ImageEncodeQueue:
                     counts.append(sum(len(r) for r in rows[image:image + len(item_grids)]))
                     image += len(item_grids)
                 table = torch.cat(rows).to(torch.float16)
-                host = self._staged(slot, "rows", table.numel(), table.dtype)[:table.numel()].view(table.shape)
-                host.copy_(table, non_blocking=self.stream is not None)
+                staged = self._staged(slot, "rows", table.numel(), table.dtype)
+                if staged is None:  # over the cap: a pageable copy (this thread waits for the forward)
+                    host = table.to("cpu")
+                else:
+                    host = staged[:table.numel()].view(table.shape)
+                    host.copy_(table, non_blocking=self.stream is not None)
                 copied = None
                 if self.stream is not None:
                     copied = torch.cuda.Event()
@@ -173,16 +182,25 @@ class ImageEncodeQueue:
             return torch.cat([p.to(self.device) for p in parts]).to(torch.float32)
         shape = (sum(len(p) for p in parts), *parts[0].shape[1:])
         numel = math.prod(shape)
-        staged = self._staged(slot, "patches", numel, parts[0].dtype)[:numel].view(shape)
+        staged = self._staged(slot, "patches", numel, parts[0].dtype)
+        if staged is None:  # over the cap: a pageable copy (waits for the forward in flight; rare)
+            return torch.cat(parts).to(self.device).to(torch.float32)
+        staged = staged[:numel].view(shape)
         torch.cat(parts, out=staged)
         return staged.to(self.device, non_blocking=True).to(torch.float32)
 
-    def _staged(self, slot: int, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def _staged(self, slot: int, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
         """``slot``'s flat buffer ``name`` (pinned on CUDA) of at least ``numel`` elements of ``dtype``: the one kept,
-        or (first use, a larger forward, another dtype) a new one, with room to spare (a power of two)."""
+        or (first use, a larger forward, another dtype) a new one of numel + 1/4 (room for a somewhat larger
+        next forward), at most ``max_staging_bytes``. None when ``numel`` alone is over that cap: the caller
+        copies through ordinary memory, and the buffer kept stays as it is."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if numel * itemsize > self.max_staging_bytes:
+            return None
         buffer = self._staging[slot].get(name)
         if buffer is None or buffer.dtype != dtype or buffer.numel() < numel:
-            size = 1 << max(numel - 1, 1).bit_length()
+            size = min(numel + numel // 4, self.max_staging_bytes // itemsize)
+            self._staging[slot].pop(name, None)  # the old one freed before the new one is pinned
             buffer = self._staging[slot][name] = torch.empty(size, dtype=dtype, pin_memory=self.stream is not None)
         return buffer
 
