@@ -55,7 +55,7 @@ from engine.executor.overlap import (
 )
 from engine.executor.request import (
     FinishReason, Request, RequestLimits, RequestState, Response, Sequence, SequenceStatus, normalize_all,
-    now_ns, validate_request,
+    now_ns, prompt_keys_error, validate_request,
 )
 from engine.tensor_parallel.step_protocol import RankFailureError
 from engine.executor.runner import ForwardBatch, ModelRunner
@@ -462,6 +462,11 @@ class Executor:
         self.disagg.service()  # frees context KV fetched by a generation side, or expired
         self._admit(new)
         self._cancel(cancels)
+        for state in [self._active[i] for i in self._table_request_ids if i in self._active]:
+            if (message := prompt_keys_error(state)) is not None:  # hashing its table failed: it alone ends
+                for seq in state.sequences:
+                    self._finish(seq, FinishReason.ERROR)  # (as a cancel: safe with a step in flight)
+                self._fail(state, message)
         if self.encoder_stage is not None:  # encoder runs of waiting requests, then they queue
             for state in self.encoder_stage.encode_pending(self._fail):
                 self._schedule_sequences(state)

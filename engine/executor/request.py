@@ -303,6 +303,7 @@ class Sequence:
         # With a prompt table: the prompt as the prefix cache keys it (fake ids -> table content;
         # engine/executor/prompt_table.py); None: token_ids themselves. May be set to a Future of them.
         self._prompt_cache_keys: list | Future | None = None
+        self.prompt_keys_error: str | None = None  # hashing the table failed (PromptKeysError): the request's error
         self.status = SequenceStatus.WAITING
         self.finish_reason = FinishReason.NOT_FINISHED
         self.arrival_order = 0  # set by the scheduler; preemption picks the largest (newest)
@@ -334,6 +335,10 @@ class Sequence:
         keys = self._prompt_cache_keys
         if isinstance(keys, Future):
             keys = self._prompt_cache_keys = keys.result()
+        if isinstance(keys, PromptKeysError):  # the executor fails the request at its next step (prompt_keys_error);
+            # until then it is keyed by objects of its own, so it shares no block with any other prompt
+            self.prompt_keys_error = keys.message
+            keys = self._prompt_cache_keys = [object() for _ in range(self.num_prompt_tokens)]
         return keys
 
     @prompt_cache_keys.setter
@@ -631,11 +636,34 @@ def normalize_all(requests: list[Request], vocab_size: int) -> list[tuple[Reques
     return prepared
 
 
-def _keys_or_none(prompt: list[int], table: PromptTable, vocab_size: int) -> list | None:
+@dataclass(frozen=True)
+class PromptKeysError:
+    """_keys_or_none's result when hashing a table failed for another reason than a table that does not fit
+    (e.g. MemoryError): ``message`` is the error its request ends with; the other requests go on."""
+
+    message: str
+
+
+def _keys_or_none(prompt: list[int], table: PromptTable, vocab_size: int) -> list | PromptKeysError | None:
     try:
         return prompt_cache_keys(prompt, table, vocab_size)
     except (IndexError, RuntimeError, TypeError, ValueError):  # a table that does not fit: validation names it
         return None
+    except Exception as err:  # (read in the executor's loop: raised there, it would fail every request)
+        return PromptKeysError(f"prompt_embedding_table: hashing its rows for the prefix cache failed "
+                               f"({type(err).__name__}: {err})")
+
+
+def prompt_keys_error(state: "RequestState") -> str | None:
+    """The error ``state``'s request must end with when hashing its table failed (PromptKeysError), once known;
+    None while its keys are pending or when they were made."""
+    made = state.prompt_cache_keys
+    keys = made[2] if made is not None else None
+    if isinstance(keys, Future) and keys.done():
+        keys = keys.result()
+    if isinstance(keys, PromptKeysError):
+        return keys.message
+    return next((seq.prompt_keys_error for seq in state.sequences if seq.prompt_keys_error is not None), None)
 
 
 def normalize_with_cache_keys(request: Request, vocab_size: int) -> tuple[Request, tuple | None, Exception | None]:

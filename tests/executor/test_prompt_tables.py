@@ -173,3 +173,24 @@ def test_bad_tables_get_named_errors_and_the_next_request_runs(tiny_engine, requ
         bad, good = run(executor, [Request(**fields), Request([3, 4, 5], 2)])
     assert message in bad[-1].error
     assert good[-1].error is None
+
+
+def test_a_table_whose_hashing_fails_ends_that_request_alone(tiny_engine, monkeypatch):
+    """An unexpected error while hashing one table (on the digest threads) is that request's error, not an
+    exception in the executor's loop (which failed every request in flight as an internal error)."""
+    import engine.executor.request as request_module
+
+    hashed = request_module.prompt_cache_keys
+
+    def keys(prompt, table, vocab_size):
+        if float(torch.as_tensor(table.embeddings)[0, 0]) == 7.0:
+            raise MemoryError("out of host memory")
+        return hashed(prompt, table, vocab_size)
+
+    monkeypatch.setattr(request_module, "prompt_cache_keys", keys)
+    with Executor(tiny_engine, ExecutorConfig()) as executor:
+        bad, good, text = run(executor, [Request(image_prompt(), 4, prompt_table=PromptTable(torch.full((6, HIDDEN), 7.0))),
+                                         Request(image_prompt(), 4, prompt_table=PromptTable(image_table(2))),
+                                         Request([3, 4, 5], 4)])
+    assert "hashing its rows for the prefix cache failed (MemoryError: out of host memory)" in bad[-1].error
+    assert good[-1].error is None and text[-1].error is None
