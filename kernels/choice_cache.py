@@ -29,6 +29,7 @@ import json
 import os
 import sys
 import tempfile
+import threading
 from typing import Any, Callable
 
 CACHE_ENV = "TRITONLLM_KERNEL_CHOICE_CACHE"
@@ -38,7 +39,9 @@ SUBDIR = "kernel_choices"
 _OFF = ("off", "0")
 
 _disabled_reason: list[str] = []  # set once the location proved unwritable (the stderr line printed)
-_counters: list[dict] = []  # open counting() blocks; each lookup counts in all of them
+# Per thread: its open counting() blocks; a lookup counts in those of its own thread, so two executors loading
+# at once in one process (disaggregated serving: a load per thread) each report their own "(cached: h of n)"
+_counting = threading.local()
 _source_digests: dict[tuple[str, int, int], str] = {}  # (path, mtime_ns, size) -> sha256 of the file
 # path -> ((inode, mtime_ns, size), parsed family file): a lookup parses the file once, not once per lookup (it
 # keeps every digest's entries: after many kernel edits, thousands of them). A write replaces the file (a new inode).
@@ -58,18 +61,25 @@ def cache_dir() -> str | None:
 
 @contextlib.contextmanager
 def counting():
-    """Counts the lookups made inside the block: yields {"hits": h, "lookups": n, "families": {family:
+    """Counts the lookups this thread makes inside the block: yields {"hits": h, "lookups": n, "families": {family:
     [h, n]}}, filled as they happen (the load_phase line reads it at the end: "(cached: h of n)")."""
     counts = {"hits": 0, "lookups": 0, "families": {}}
-    _counters.append(counts)
+    counters = _open_counters()
+    counters.append(counts)
     try:
         yield counts
     finally:
-        _counters.remove(counts)
+        counters.remove(counts)
+
+
+def _open_counters() -> list[dict]:
+    if not hasattr(_counting, "open"):
+        _counting.open = []
+    return _counting.open
 
 
 def _count(family: str, hit: bool) -> None:
-    for counts in _counters:
+    for counts in _open_counters():
         counts["lookups"] += 1
         counts["hits"] += hit
         per = counts["families"].setdefault(family, [0, 0])

@@ -196,3 +196,28 @@ def test_default_location_follows_tritonllm_cache(tmp_path, monkeypatch):
     assert choice_cache.cache_dir() == str(tmp_path / "kernel_choices")
     monkeypatch.delenv("TRITONLLM_CACHE")
     assert choice_cache.cache_dir() == os.path.expanduser("~/.cache/tritonllm/kernel_choices")
+
+
+def test_two_loads_at_once_count_their_own_lookups(cache):
+    """counting() is per thread: two executors loading at once in one process (disaggregated serving) each
+    report their own "(cached: h of n)", not each other's lookups too."""
+    import threading
+
+    barrier, seen = threading.Barrier(2), {}
+
+    def load(name: str, keys: list[str]) -> None:
+        with choice_cache.counting() as counts:
+            barrier.wait()  # both blocks open before either looks anything up
+            for key in keys:
+                choice_cache.choice(name, key, "cpu", Timer(VALUE))
+            barrier.wait()
+        seen[name] = counts
+
+    loads = [threading.Thread(target=load, args=("first", ["a", "a"])),
+             threading.Thread(target=load, args=("second", ["b", "c", "d"]))]
+    for thread in loads:
+        thread.start()
+    for thread in loads:
+        thread.join()
+    assert seen["first"] == {"hits": 1, "lookups": 2, "families": {"first": [1, 2]}}
+    assert seen["second"] == {"hits": 0, "lookups": 3, "families": {"second": [0, 3]}}
