@@ -12,6 +12,13 @@ Scope: CUDA, engines with a vision encoder (engine.build wrote ``extra["vision_e
 loop keeps its thread's default stream. Everything the loop queues goes on this stream (the thread's
 current stream): graph replays, copies, sampling, LoRA uploads' waits. Work queued at load on the
 constructing thread's default stream is ordered before it (``use_stream``).
+
+Invariant: while the loop serves on this stream, no other thread allocates on that device's default
+stream. Why: tensors made at load live in the caching allocator's default-stream pools, and a block the
+loop frees goes back to that pool as soon as the host drops it, with no record of this stream's kernels
+still reading it; an allocation on the default stream (another thread) could then be handed that block
+and overwrite it mid-step. Today nothing does (the tower has its own stream, tables are host memory);
+code that must allocate there while serving needs ``Tensor.record_stream`` or an event wait on this stream.
 """
 from __future__ import annotations
 
