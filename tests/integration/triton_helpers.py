@@ -14,6 +14,7 @@ import pytest
 import requests
 
 from benchmarks.common import load_script  # tests also import it from here
+from benchmarks.serving.serving_bench import grpc_tensors as grpc_inputs  # {name: array} -> gRPC InferInputs
 from free_ports import free_port  # tests also import it from here
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -128,19 +129,6 @@ def serving_repository(repo: str | Path, work: Path, mpi: bool = False):
 # test's server has nothing left to finish when it is stopped, so it gets this long, then SIGKILL
 # (its Python stubs and engine process see their parent go and leave).
 STOP_WAIT_S = 1.0
-
-
-def grpc_inputs(arrays: dict) -> list:
-    """{name: numpy array} -> tritonclient gRPC InferInputs carrying the arrays, in the dict's order."""
-    import tritonclient.grpc as grpcclient
-    from tritonclient.utils import np_to_triton_dtype
-
-    inputs = []
-    for name, array in arrays.items():
-        tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
-        tensor.set_data_from_numpy(array)
-        inputs.append(tensor)
-    return inputs
 
 
 def stop(*processes: subprocess.Popen) -> None:
