@@ -241,3 +241,10 @@ def choice(family: str, key: Any, device, time: Callable[[], Any], *, sources: t
         return value, False  # (not storable: timed every load, as without the cache)
     _write(directory, family, entry_key, {"key": repr(key), "value": encoded})
     return value, False
+
+
+def timed_report(family: str, key: Any, device, time: Callable[[], dict], **kwargs) -> dict:
+    """choice() for a choice whose value is a timing report (a dict): a hit's report says "cached": True
+    (its timings are those of the load that timed it, which the benches must not take for this load's)."""
+    report, hit = choice(family, key, device, time, **kwargs)
+    return {**report, "cached": True} if hit else report

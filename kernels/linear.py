@@ -512,12 +512,11 @@ def _cached_time_shape(shape: tuple[int, int], dtype: torch.dtype, device, rows:
 
     candidates = half_variants() + (CUBLASLT_GELU,) * (activation == "gelu_tanh")
     family = "gated" if gated else ("activated" if activation else "skinny")
-    report, hit = choice_cache.choice(
+    return choice_cache.timed_report(
         family, (shape, str(dtype), tuple(rows), activation), device,
         lambda: _time_shape(shape, dtype, device, rows, gated=gated, activation=activation),
         sources=(__file__, _triton_module_file(), activation_module.__file__), candidates=candidates,
         valid=lambda r: r["variant"] is False or r["variant"] in candidates)
-    return {**report, "cached": True} if hit else report
 
 
 def _triton_module_file() -> str:

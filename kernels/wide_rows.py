@@ -101,12 +101,11 @@ def _cached_time_wide(weight: torch.Tensor, gated: bool, rows: int) -> dict:
     from kernels import _triton, fp8, linear
 
     candidates = WIDE_TILINGS[weight.element_size()]
-    report, hit = choice_cache.choice(
+    return choice_cache.timed_report(
         "wide", (tuple(weight.shape), str(weight.dtype), gated, rows, FAST_ACCUM), weight.device,
         lambda: _time_wide(weight, gated, rows), sources=(__file__, linear.__file__, fp8.__file__, _triton.__file__),
         candidates=(candidates, MAX_WIDE_SPLIT),
         valid=lambda r: r["tiling"] is None or tuple(r["tiling"][:4]) in candidates)
-    return {**report, "cached": True} if hit else report
 
 
 def _time_wide(weight: torch.Tensor, gated: bool, rows: int) -> dict:

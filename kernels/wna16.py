@@ -448,12 +448,11 @@ def _cached_time_variants(weight: WNA16Weight, key: tuple, rows: tuple[int, ...]
 
     candidates = SKINNY_VARIANTS + MID_VARIANTS + MMA_VARIANTS + ROWS_VARIANTS
     modules = (wna16_decode, wna16_gemm, wna16_layout, wna16_mma, wna16_mma_dense, wna16_mma_rows, _triton, fp8, linear)
-    report, hit = choice_cache.choice(
+    return choice_cache.timed_report(
         "wna16", (key, str(weight.dtype), weight.mma_only, tuple(sorted(weight.kernel)), rows,
                   os.environ.get(MMA_ROWS_ENV, ""), wna16_mma_rows.MAX_ROWS), next(iter(weight.kernel.values())).device,
         lambda: _time_skinny_variants(weight, rows), sources=(__file__,) + tuple(m.__file__ for m in modules),
         candidates=candidates, valid=lambda r: all(v in candidates for v in r["variant"].values()))
-    return {**report, "cached": True} if hit else report
 
 
 def _time_skinny_variants(weight: WNA16Weight, rows: tuple[int, ...]) -> dict:

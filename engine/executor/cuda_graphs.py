@@ -220,14 +220,14 @@ def choose_programmatic_launch(model: torch.nn.Module, kv_cache: torch.Tensor, *
     shapes = hashlib.sha256(repr([type(model).__name__] + [(name, tuple(p.shape), str(p.dtype))
                                                            for name, p in model.named_parameters()]).encode())
     sources = tuple(glob.glob(os.path.join(os.path.dirname(kernels.__file__), "*.py"))) + (__file__,)
-    report, hit = choice_cache.choice(
+    report = choice_cache.timed_report(
         "pdl", (shapes.hexdigest()[:32], tuple(kv_cache.shape), str(kv_cache.dtype), tokens_per_block, max_seq_len,
                 rounds), kv_cache.device,
         lambda: _time_programmatic_launch(model, kv_cache, tokens_per_block=tokens_per_block, max_seq_len=max_seq_len,
                                           sampled_tokens=sampled_tokens, rounds=rounds),
         sources=sources, valid=lambda r: isinstance(r["pdl"], bool))
     set_pdl(report["pdl"])
-    return {**report, "cached": True} if hit else report
+    return report
 
 
 def _time_programmatic_launch(model: torch.nn.Module, kv_cache: torch.Tensor, *, tokens_per_block: int,
