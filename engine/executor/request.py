@@ -398,7 +398,7 @@ class RequestState:
         self.lora_key = None  # LoRA: the adapter's cache key while this request counts as its user
         self.lora_slot = -1  # LoRA: the device slot this request holds, -1 while it holds none
         self.context_phase_params: bytes | None = None  # context_only: set when its first token is known
-        self.prompt_cache_keys: tuple | None = None  # (ids, table, keys) made at enqueue: normalize_with_cache_keys
+        self.prompt_cache_keys: tuple | None = None  # (ids, table, keys) made at enqueue: normalize_all
 
     @property
     def is_beam_search(self) -> bool:
@@ -612,9 +612,11 @@ os.register_at_fork(after_in_child=_forget_digest_pool)
 
 
 def normalize_all(requests: list[Request], vocab_size: int) -> list[tuple[Request, tuple | None, Exception | None]]:
-    """normalize_with_cache_keys of each request, in order, except that a prompt table's keys come back as a
-    Future: its digests (SHA-256 over the rows, ~2.7 ms a 448 x 448 image; hashlib releases the GIL) run on up
-    to DIGEST_THREADS threads, in submission order, and the caller does not wait for them. The executor admits
+    """Per request, in order: (normalize_request's copy, (ids, table, keys) when it has a prompt table, None)
+    or (request, None, the error normalizing raised); the executor's _admit uses the keys while the request
+    still holds that ids list and table. A table's keys come back as a Future: its digests (SHA-256 over the
+    rows, ~2.7 ms a 448 x 448 image; hashlib releases the GIL) run on up to DIGEST_THREADS threads, in
+    submission order, and the caller does not wait for them. The executor admits
     the request at once and the prefix cache waits only where it first reads that sequence's keys
     (Sequence.prompt_cache_keys, when the scheduler first gives it blocks): 128 tables enqueued together no
     longer hold the first step back by all 128 digests (the H200's "tables ready" run: ~0.35 s before any step)."""
@@ -664,20 +666,6 @@ def prompt_keys_error(state: "RequestState") -> str | None:
     if isinstance(keys, PromptKeysError):
         return keys.message
     return next((seq.prompt_keys_error for seq in state.sequences if seq.prompt_keys_error is not None), None)
-
-
-def normalize_with_cache_keys(request: Request, vocab_size: int) -> tuple[Request, tuple | None, Exception | None]:
-    """(normalize_request's copy, its prefix-cache keys when it has a prompt table, None) or (request,
-    None, the error normalizing raised), on the caller's thread. Keys as (ids, table, keys): the executor's
-    _admit uses them while the request still holds that ids list and table."""
-    try:
-        request = normalize_request(request)
-    except (TypeError, ValueError, AttributeError) as err:
-        return request, None, err
-    if request.prompt_table is None:
-        return request, None, None
-    return request, (request.input_token_ids, request.prompt_table,
-                     _keys_or_none(request.input_token_ids, request.prompt_table, vocab_size)), None
 
 
 def normalize_request(request: Request) -> Request:
