@@ -413,6 +413,17 @@ def side_stream() -> torch.cuda.Stream:
     return _SIDE_STREAMS[device]
 
 
+_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def capture_stream() -> torch.cuda.Stream:
+    """The current device's stream for CUDA-graph captures (``graph_capture`` says why not torch's default)."""
+    device = torch.cuda.current_device()
+    if device not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
+    return _CAPTURE_STREAMS[device]
+
+
 @contextlib.contextmanager
 def graph_capture(graph: torch.cuda.CUDAGraph, **options):
     """``torch.cuda.graph(graph, **options)`` with Python's cyclic GC held off during the capture.
@@ -422,6 +433,11 @@ def graph_capture(graph: torch.cuda.CUDAGraph, **options):
     the H200 run logged 16 "operation not permitted when stream is capturing (function reset)"
     warnings, then cudaErrorStreamCaptureInvalidated. (No gc.collect() first: it costs each of an
     engine's ~100 captures; the dead cycles are collected after, outside any capture.)"""
+    # torch.cuda.graph's default capture stream is one for the process, made on whichever device captured
+    # first: an executor on cuda:1 after one on cuda:0 captured on cuda:0's stream, so Triton launched its
+    # kernels there ("Pointer argument cannot be accessed from Triton") and torch ops read unset buffers
+    # (an index_select device assert, two executors on the H200 x2). One capture stream per device instead.
+    options.setdefault("stream", capture_stream())
     enabled = gc.isenabled()
     gc.disable()
     try:

@@ -124,7 +124,29 @@ case $call in
   wait "$gpu0"
   [ "$smoke" = 1 ] || for f in shape_128_4096 shape_20000_2000; do grep -E "^\| [0-9]+/[0-9]+ \| fp8|plateau|Where" "$w/$f.log" | head -6; done
   ;;
-*) echo "x2_gpu_run.sh: CALL must be 1, 2, 3 or 4, got '$call'"; exit 2 ;;
+5)
+  # Session 16's retry after the per-device capture stream (kernels/linear.py capture_stream): the two-GPU tests
+  # and disagg_bench failed in calls 1 and 2 on it. The one-GPU benches their guards cut run beside the tests.
+  on_gpu 1 ds_decode 150 "$PYTHON" benchmarks/engine/engine_bench.py --model deepseek_v2_lite --sections bandwidth,decode \
+    --max-batch-size 8 --max-num-tokens 256 --max-seq-len 1024 --out "$w/ds2.json" --results-md "$w/ds2.md" &
+  gpu1=$!
+  on_gpu 0 eagle_loop 150 "$PYTHON" benchmarks/speculative/tree_bench.py --dtypes bf16 --batches 1,8 --sections loop \
+    --out "$w/tree.json" --markdown "$w/tree.md" &
+  gpu0=$!
+  TRITONLLM_DISAGG_DEVICES=$devices job tests_2gpu 100 "$PYTHON" -m pytest -v -rfEs -p no:cacheprovider \
+    tests/executor/test_disaggregated.py tests/executor/test_device_stream.py
+  grep -E "passed|failed|error" "$w/tests_2gpu.log" | tail -3
+  wait "$gpu0" "$gpu1"
+  job disagg_bench 270 "$PYTHON" benchmarks/engine/disagg_bench.py --rates 2,6 --seconds 25 --drain_timeout 30 \
+    --out "$w/disagg.json" --results-md "$w/disagg.md" "${tiny_disagg[@]}"
+  grep -E "^\[disagg_bench\]|Error|Traceback" "$w/disagg_bench.log" | cut -c1-600
+  if [ "$smoke" != 1 ]; then
+    grep -E "^\[load|Error|Traceback" "$w/ds_decode.log" | tail -3; tail -2 "$w/ds2.md" 2>/dev/null
+    "$PYTHON" -c "import json,sys; print(json.load(open(sys.argv[1]))['decode']['eager_step_profile'])" "$w/ds2.json" 2>/dev/null
+    grep -E "eagle3|oracle|step|Error|Traceback" "$w/eagle_loop.log" | tail -25 | cut -c1-400
+  fi
+  ;;
+*) echo "x2_gpu_run.sh: CALL must be 1, 2, 3, 4 or 5, got '$call'"; exit 2 ;;
 esac
 tar czf "$out/call$call.tgz" -C /tmp "x2_call$call"
 for md in "$w"/*.md; do [ -f "$md" ] && cp "$md" "$out/"; done
