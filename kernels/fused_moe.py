@@ -132,6 +132,10 @@ def gemm_config(block_m: int) -> dict:
     return {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
 
 
+# On a gate_up expert tensor: the (gate_up, down) tile configs its single-token GEMMs take, chosen at
+# load by timing (kernels/moe_decode_tiles.py); absent: the table's (model_dtype_tiling).
+DECODE_TILES_ATTR = "_moe_decode_tiles"
+
 # A single token's (gate_up, down) tiles: each of its K assignments is a block of its own
 # (moe_single_token_triton). Qwen3-30B-A3B: gate_up 8 blocks x 24 column tiles, down 8 x 64.
 SINGLE_TOKEN_TILES = (gemm_config(16), gemm_config(16))
@@ -216,8 +220,14 @@ def moe_single_token_triton(x: torch.Tensor, router_logits: torch.Tensor, gate_u
 
 def fused_moe_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
                      topk_ids: torch.Tensor, *, block_m: int | None = None, config: dict | None = None,
-                     epilogue: ExpertEpilogue = PLAIN_SILU, sum_experts: bool = True) -> torch.Tensor:
+                     down_config: dict | None = None, epilogue: ExpertEpilogue = PLAIN_SILU,
+                     sum_experts: bool = True) -> torch.Tensor:
+    """``config``: both GEMMs' tiles (down's: ``down_config`` where given); by default the table's
+    (model_dtype_tiling), or at one token the pair chosen at load for ``gate_up``
+    (DECODE_TILES_ATTR: kernels/moe_decode_tiles.py)."""
     num_tokens, hidden = x.shape
+    if config is None and num_tokens == 1 and getattr(gate_up, DECODE_TILES_ATTR, None) is not None:
+        config, down_config = getattr(gate_up, DECODE_TILES_ATTR)
     num_experts, two_inter, _ = gate_up.shape
     inter, top_k = two_inter // 2 if epilogue.gated else two_inter, topk_ids.shape[1]
     assert x.stride(1) == 1 and gate_up.is_contiguous() and down.is_contiguous()
@@ -241,7 +251,7 @@ def fused_moe_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     out_k = torch.empty(num_assignments, hidden, dtype=x.dtype, device=x.device)
     # (relu2's activation belongs to the up GEMM only: the down GEMM's epilogue is the plain one)
     _grouped_gemm(act, down, out_k, blocks, flat_ids, weights, n=hidden, top_k=top_k, rows_per_token=False,
-                  gated=False, mul_weight=True, block_m=block_m, config=config, bias=epilogue.down_bias,
+                  gated=False, mul_weight=True, block_m=block_m, config=down_config or config, bias=epilogue.down_bias,
                   epilogue=epilogue if epilogue.gated else PLAIN_SILU)
     out_k = out_k.view(num_tokens, top_k, hidden)
     return out_k.sum(dim=1) if sum_experts else out_k

@@ -38,6 +38,7 @@ from kernels.attention_metadata import AttentionMetadata
 from kernels.triton_attention import prefill_tokens_per_tile
 from kernels.fp8 import FP8_DTYPE, choose_fp8_scaling, choose_fp8_skinny_variants
 from kernels.linear import choose_activated_weights, choose_gated_weights, choose_skinny_weights
+from kernels.moe_decode_tiles import choose_decode_tiles
 from kernels.wna16 import choose_wna16_variants, mid_rows_for
 from kernels.wide_rows import choose_wide_variants, wide_row_counts
 from kernels.lora import lora_batch
@@ -375,6 +376,9 @@ class ModelRunner:
                                          if isinstance(m, Linear) and m.wna16 is not None],
                                         mid_rows=mid_rows_for(decode_batches))
         self.gemm_choices.update({("wna16",) + key: report["variant"] for key, report in integer.items()})
+        # one-token grouped expert GEMMs' tiles (models that list their experts: DeepSeek)
+        self.gemm_choices.update({("moe_decode",) + key: report for key, report in
+                                  choose_decode_tiles(getattr(self.model, "decode_experts", list)()).items()})
         self.launch_choice = choose_programmatic_launch(
             self.model, self.kv_cache, tokens_per_block=self.tokens_per_block,
             max_seq_len=self.build_config.max_seq_len, sampled_tokens=self.sampled_tokens)

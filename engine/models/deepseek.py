@@ -549,6 +549,21 @@ class DeepseekForCausalLM(nn.Module):
             x, residual = layer(x, residual, positions, self.cos_sin_cache, kv_cache, attn_meta, padding)
         return rms_norm(x, self.norm.weight, self.config.norm_eps, residual)[0]
 
+    def decode_experts(self) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+        """(gate_up, down, assignments a token) of each sparse layer's experts in the model dtype, as its
+        one-token decode step hands them to fused_moe (the shared experts appended where they are): the
+        runner's load-time tile choice of those GEMMs (kernels/moe_decode_tiles.py) times and marks them."""
+        found = []
+        for layer in self.layers:
+            moe = getattr(layer, "moe", None)
+            if moe is None or moe.ep_size > 1 or moe.gate_up_proj.dtype == FP8_DTYPE:
+                continue
+            if moe.with_shared is not None:
+                found.append((moe.with_shared[0], moe.with_shared[1], moe.top_k + moe.num_shared))
+            else:
+                found.append((moe.gate_up_proj, moe.down_proj, moe.top_k))
+        return found
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: (n, hidden) rows to score -> float32 logits (n, vocab)."""
         weight = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight

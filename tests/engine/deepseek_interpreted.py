@@ -2,7 +2,8 @@
 answers True, so the Triton kernels (routing, grouped experts with the shared ones appended, MLA with
 the per-forward token map, strided rotary, unsummed expert rows into the norms) run in Triton's
 interpreter (TRITON_INTERPRET=1); logits of packed chunks, 8-9-token steps and single-token decode
-steps against transformers'. Run by test_deepseek.py in a subprocess (the patch must precede every
+steps against transformers' (the one-token expert GEMMs in tiles marked as the load-time
+choice marks them). Run by test_deepseek.py in a subprocess (the patch must precede every
 kernel import); prints one "ok <version> <max error> <decode-path expert calls> <of them with the norm in
 the router's launch>" line a version.
 """
@@ -22,6 +23,7 @@ from test_deepseek import tiny_deepseek  # noqa: E402
 
 import engine.models.deepseek as deepseek  # noqa: E402
 from engine.executor.runner import ModelRunner  # noqa: E402
+from kernels.moe_decode_tiles import DECODE_TILE_CANDIDATES, mark_decode_tiles  # noqa: E402
 
 decode_calls = normed_calls = 0
 _routed, _forward_normed = deepseek.DeepseekExperts._routed, deepseek.DeepseekExperts.forward_normed
@@ -45,6 +47,12 @@ for version in sys.argv[1:] or ["v2", "v3"]:
     hf = tiny_deepseek(version)
     runner = ModelRunner(make_engine(hf, pathlib.Path(tempfile.mkdtemp()) / "engine", tokens_per_block=4))
     assert all(layer.attn.qkv_a_proj is not None for layer in runner.model.layers)
+    # one-token expert GEMMs in tiles other than the table's, as a load-time choice marks them on CUDA
+    experts = runner.model.decode_experts()
+    assert experts and all(top_k == runner.model.config.num_experts_per_tok + runner.model.config.n_shared_experts
+                           for _, _, top_k in experts)
+    for gate_up, _, _ in experts:
+        mark_decode_tiles(gate_up, DECODE_TILE_CANDIDATES[1], DECODE_TILE_CANDIDATES[2])
     seqs = {0: random_tokens(19, 3), 1: random_tokens(9, 4)}
     session = PagedSession(runner, num_blocks=32)
     a0, b0 = session.step([(0, seqs[0][:11]), (1, seqs[1][:7])])
