@@ -25,11 +25,18 @@ Blob (version 1): MAGIC + one version byte + UTF-8 JSON
 Opaque to clients; only what the executor itself wrote is accepted (magic, version, fields checked).
 
 Threads: the pinned blocks belong to the context executor's BlockManager, which only its loop thread
-touches. The generation executor's loop ``claim``s a handle (then expiry no longer touches it), copies,
-and ``release``s it; the context loop frees released and expired handles in ``service`` at its next
-step (its condition is notified). Ordering on CUDA: an export happens after the first token reached
-the host, so every KV write of the prompt is complete; the copy is synchronised before the release,
-so the source blocks are not reused while being read.
+touches. The generation executor's loop ``claim``s a handle (then expiry no longer touches it), starts
+the pull, and ``release``s the handle once the pull is done; the context loop frees released and
+expired handles in ``service`` at its next step (its condition is notified).
+
+Ordering on CUDA (engine/executor/kv_pull.py): no loop waits for the other GPU. The context loop records
+an event right after launching a context_only request's last prefill chunk (``ReadyEvents``); the pin
+carries it and the pull's streams wait on it. The generation loop polls its pulls at each step
+(``service``; while idle it wakes every ``POLL_S``); a finished pull releases the source pin, and its
+sequence gets its first token and joins the scheduler, the loop's stream waiting on the pull's event.
+Until then the sequence holds no blocks of its own (the pull does): a cancel meanwhile leaves the
+pull to finish and free them. ``kv_cache_transfer_ms``: the copy on the GPU (events), plus reading the
+file for shm.
 """
 from __future__ import annotations
 
@@ -41,16 +48,15 @@ import time
 import uuid
 from dataclasses import replace
 
-import torch
-
 from engine.executor import kv_transfer_shm
-from engine.executor.kv_transfer_shm import block_major as _by_block
+from engine.executor.kv_pull import PullStreams, ReadyEvents
 
 REQUEST_TYPES = ("context_and_generation", "context_only", "generation_only")
 TRANSPORTS = ("local", "shm")
 MAGIC = b"TLLMCTX"
 VERSION = 1
 DEFAULT_TIMEOUT_S = float(os.environ.get("TRITONLLM_KV_TRANSFER_TIMEOUT_S", "60"))
+POLL_S = 0.0005  # an idle generation loop's wake-up period while a pull is in progress
 
 _EXPORTERS: dict[str, "Disaggregation"] = {}  # exporter uuid -> live executor's side (local transport)
 _EXPORTERS_LOCK = threading.Lock()
@@ -97,24 +103,33 @@ def kv_layout(runner) -> dict:
             "tokens_per_block": runner.tokens_per_block}
 
 
-def copy_blocks(src_pool: torch.Tensor, src_ids: list[int], dst_pool: torch.Tensor, dst_ids: list[int]) -> None:
-    """dst_pool[:, :, dst_ids[i]] = src_pool[:, :, src_ids[i]], across devices; returns when the copy is done."""
-    src, dst = _by_block(src_pool), _by_block(dst_pool)
-    staged = src.index_select(0, torch.tensor(src_ids, device=src.device)).to(dst.device)
-    dst.index_copy_(0, torch.tensor(dst_ids, device=dst.device), staged)
-    for device in {src.device, dst.device}:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+def copy_blocks(src_pool, src_ids: list[int], dst_pool, dst_ids: list[int]) -> float:
+    """dst_pool[:, :, dst_ids[i]] = src_pool[:, :, src_ids[i]], across devices, through the serving path's
+    pull (kv_pull.py); returns when the copy is done (benchmarks), with its time in ms."""
+    pull = PullStreams().pull(src_pool, src_ids, dst_pool, dst_ids)
+    pull.wait()
+    return pull.elapsed_ms()
 
 
 class _Pin:
-    __slots__ = ("block_ids", "deadline", "state", "path")
+    __slots__ = ("block_ids", "deadline", "state", "path", "ready")
 
-    def __init__(self, block_ids: list[int], deadline: float, path: str | None = None):
+    def __init__(self, block_ids: list[int], deadline: float, path: str | None = None, ready=None):
         self.block_ids = block_ids  # pinned in the pool (local); [] for shm: the file holds the bytes
         self.path = path  # shm: the file, deleted at the deadline if still unclaimed
+        self.ready = ready  # CUDA: the event after the prompt's last prefill chunk (kv_pull.ReadyEvents)
         self.deadline = deadline
         self.state = "pinned"  # -> "claimed" (a generation side copies) -> "released"; or expired
+
+
+class _Import:
+    """A generation_only sequence whose KV is on its way (a pull in progress)."""
+    __slots__ = ("seq", "fields", "dst_ids", "pull", "source", "extra_ms")
+
+    def __init__(self, seq, fields: dict, dst_ids: list[int], pull, source=None, extra_ms: float = 0.0):
+        self.seq, self.fields, self.dst_ids, self.pull = seq, fields, dst_ids, pull
+        self.source = source  # local transport: the context side, released when the pull is done
+        self.extra_ms = extra_ms  # shm: reading the file
 
 
 class Disaggregation:
@@ -137,6 +152,9 @@ class Disaggregation:
         self.num_expired = 0
         self.num_transfers = 0  # generation_only requests whose KV arrived here
         self.kv_cache_transfer_ms = 0.0  # cumulative time of those copies
+        self.ready = ReadyEvents(executor.runner.device)  # context side: prompts' KV final on the device
+        self.pulls = PullStreams()  # generation side
+        self._importing: list[_Import] = []  # (generation loop only)
         with _EXPORTERS_LOCK:
             _EXPORTERS[self.exporter_id] = self
 
@@ -212,7 +230,7 @@ class Disaggregation:
             pin = _Pin([], time.monotonic() + self.timeout_s, where["path"])
         else:
             ex.blocks.acquire(block_ids)  # scheduler.finish drops the sequence's ref; this one stays
-            pin = _Pin(block_ids, time.monotonic() + self.timeout_s)
+            pin = _Pin(block_ids, time.monotonic() + self.timeout_s, ready=self.ready.take(seq.request_id))
         with self._lock:
             self._pins[handle] = pin
         first = seq.token_ids[seq.num_prompt_tokens] if seq.num_generated_tokens else seq.state.request.end_id
@@ -224,25 +242,34 @@ class Disaggregation:
 
     def prepare(self, request):
         """A context_only request stops after its first token, whatever max_tokens it carried."""
-        if getattr(request, "request_type", None) == "context_only" and request.max_tokens != 1:
-            return replace(request, max_tokens=1)
-        return request
+        if getattr(request, "request_type", None) != "context_only":
+            return request
+        self.ready.enabled = True  # from now on each launch looks for finished context_only prompts
+        return replace(request, max_tokens=1) if request.max_tokens != 1 else request
 
     def has_work(self) -> bool:
-        """A pin to free now (released by its fetcher, or expired)."""
+        """A pin to free now (released by its fetcher, or expired), or a finished pull."""
+        if any(item.pull.done() for item in self._importing):
+            return True
         now = time.monotonic()
         with self._lock:
             return any(pin.state == "released" or (pin.state == "pinned" and pin.deadline <= now)
                        for pin in self._pins.values())
 
     def wait_timeout(self) -> float | None:
-        """How long the idle loop may sleep before a pin expires (None: no pin)."""
+        """How long the idle loop may sleep before a pin expires or a pull should be polled (None: neither)."""
+        if self._importing:
+            return POLL_S
         with self._lock:
             deadlines = [pin.deadline for pin in self._pins.values() if pin.state == "pinned"]
         return None if not deadlines else max(0.0, min(deadlines) - time.monotonic()) + 0.001
 
     def service(self) -> None:
-        """Free released and expired pins (the context loop, at each step)."""
+        """Free released and expired pins (context side) and finish done pulls (generation side); at each step."""
+        if self._importing:
+            self._finish_pulls()
+        if self.ready.pending:
+            self.ready.forget(self.executor._active)
         now = time.monotonic()
         with self._lock:
             done = [h for h, pin in self._pins.items()
@@ -261,7 +288,8 @@ class Disaggregation:
         with self._lock:
             return sum(len(pin.block_ids) for pin in self._pins.values())
 
-    def claim(self, handle: int) -> list[int]:
+    def claim(self, handle: int):
+        """(the pinned block ids, their ready event) of a handle; the fetcher must ``release`` it."""
         with self._lock:
             pin = self._pins.get(handle)
             if pin is None or pin.state != "pinned" or pin.deadline <= time.monotonic():
@@ -269,7 +297,7 @@ class Disaggregation:
                                         f"already, or freed after its {self.timeout_s:g} s timeout); run the "
                                         "context_only request again")
             pin.state = "claimed"
-            return pin.block_ids
+            return pin.block_ids, pin.ready
 
     def release(self, handle: int) -> None:
         with self._lock:
@@ -280,6 +308,11 @@ class Disaggregation:
             self.executor._cv.notify()
 
     def shutdown(self) -> None:
+        for item in self._importing:  # (a pull reads the source pool: done before its pin is released)
+            item.pull.wait()
+            if item.source is not None:
+                item.source.release(item.fields["handle"])
+        self._importing = []
         with _EXPORTERS_LOCK:
             _EXPORTERS.pop(self.exporter_id, None)
         with self._lock:
@@ -289,9 +322,10 @@ class Disaggregation:
                 kv_transfer_shm.expire(pin.path)
 
     # ----- generation side (its loop thread) -----
-    def import_kv(self, seq) -> tuple[str | None, int]:
-        """Give ``seq`` (generation_only, no blocks yet) its prompt's KV; returns (an error message, the
-        request fails; None if done) and the context's first token, which the caller appends."""
+    def import_kv(self, seq) -> str | None:
+        """Start bringing ``seq``'s (generation_only, no blocks yet) prompt KV into this pool; an error message
+        (the request fails) or None. When the copy is done, ``executor._continue_generation_only(seq,
+        first_token)`` (at once if the copy was synchronous: off CUDA)."""
         ex = self.executor
         try:
             fields = decode(seq.state.request.context_phase_params)
@@ -306,39 +340,67 @@ class Disaggregation:
             if num_blocks > ex.blocks.num_free_blocks:
                 raise ContextPhaseError(f"context_phase_params: {num_blocks} KV blocks needed, "
                                         f"{ex.blocks.num_free_blocks} free; retry later")
-            src_ids = source.claim(fields["handle"])
+            src_ids, ready = source.claim(fields["handle"])
         except ContextPhaseError as err:
-            return str(err), -1
-        started = time.perf_counter()
+            return str(err)
         try:
             dst_ids = ex.blocks.allocate(num_blocks)
-            copy_blocks(source.executor.runner.kv_cache, src_ids, ex.runner.kv_cache, dst_ids)
-        finally:
+            pull = self.pulls.pull(source.executor.runner.kv_cache, src_ids, ex.runner.kv_cache, dst_ids, ready)
+        except BaseException:
             source.release(fields["handle"])
-        self._imported(seq, fields, dst_ids, started)
-        return None, fields["first_token"]
+            raise
+        self._start(_Import(seq, fields, dst_ids, pull, source))
+        return None
 
-    def _import_file(self, seq, fields: dict) -> tuple[str | None, int]:
+    def _import_file(self, seq, fields: dict) -> str | None:
         ex = self.executor
         num_blocks = ex.blocks.blocks_for_tokens(fields["prompt_len"])
         if num_blocks > ex.blocks.num_free_blocks:
             return (f"context_phase_params: {num_blocks} KV blocks needed, {ex.blocks.num_free_blocks} free; "
-                    f"retry later"), -1
+                    f"retry later")
         started = time.perf_counter()
         blocks = kv_transfer_shm.claim_blocks(fields["path"])
         if blocks is None:
             return ("context_phase_params: the context phase's KV cache is gone (fetched already, or deleted "
-                    "after the context side's timeout); run the context_only request again"), -1
+                    "after the context side's timeout); run the context_only request again")
+        read_ms = (time.perf_counter() - started) * 1e3
         dst_ids = ex.blocks.allocate(num_blocks)
-        kv_transfer_shm.scatter_blocks(blocks, ex.runner.kv_cache, dst_ids)
-        self._imported(seq, fields, dst_ids, started)
-        return None, fields["first_token"]
+        self._start(_Import(seq, fields, dst_ids, self.pulls.scatter(blocks, ex.runner.kv_cache, dst_ids),
+                            extra_ms=read_ms))
+        return None
 
-    def _imported(self, seq, fields: dict, dst_ids: list[int], started: float) -> None:
-        num_blocks = len(dst_ids)
-        self.kv_cache_transfer_ms += (time.perf_counter() - started) * 1e3
+    def _start(self, item: _Import) -> None:
+        if item.pull.done():  # off CUDA: copied already
+            self._arrived(item)
+        else:
+            self._importing.append(item)
+
+    def _finish_pulls(self) -> None:
+        done = [item for item in self._importing if item.pull.done()]
+        if done:
+            self._importing = [item for item in self._importing if item not in done]
+        for item in done:
+            self._arrived(item)
+
+    def _arrived(self, item: _Import) -> None:
+        """A pull is done: the source pin goes back; the sequence (unless it ended meanwhile) gets its blocks,
+        its first token and its place in the scheduler."""
+        ex = self.executor
+        self.kv_cache_transfer_ms += item.pull.elapsed_ms() + item.extra_ms
         self.num_transfers += 1
-        seq.block_ids = dst_ids
-        seq.num_computed_tokens = fields["prompt_len"]
-        seq.state.perf.kv_cache_alloc_new_blocks += num_blocks
-        seq.state.perf.kv_cache_alloc_total_blocks += num_blocks
+        if item.source is not None:
+            item.source.release(item.fields["handle"])
+        seq = item.seq
+        if seq.is_finished:  # cancelled or failed while its KV was on its way
+            ex.blocks.free(item.dst_ids)
+            return
+        item.pull.order_before()  # the loop's stream: its next step reads the blocks
+        seq.block_ids = item.dst_ids
+        seq.num_computed_tokens = item.fields["prompt_len"]
+        seq.state.perf.kv_cache_alloc_new_blocks += len(item.dst_ids)
+        seq.state.perf.kv_cache_alloc_total_blocks += len(item.dst_ids)
+        ex._continue_generation_only(seq, item.fields["first_token"])
+
+    @property
+    def num_importing(self) -> int:
+        return len(self._importing)

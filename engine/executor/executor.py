@@ -584,12 +584,15 @@ class Executor:
             # other returned sequences wait for sequence 0's prompt KV and then share it (_fork_siblings)
 
     def _start_generation_only(self, seq: Sequence) -> None:
-        """The context phase's KV comes into this pool and its first token is appended (with the usual
-        stop checks); then the sequence decodes like any other (engine/executor/disaggregated.py)."""
-        error, first_token = self.disagg.import_kv(seq)
+        """The context phase's KV comes into this pool (a pull on streams of its own; on CUDA it finishes
+        at a later step: engine/executor/disaggregated.py, kv_pull.py), then _continue_generation_only."""
+        error = self.disagg.import_kv(seq)
         if error is not None:
             self._fail(seq.state, error)
-            return
+
+    def _continue_generation_only(self, seq: Sequence, first_token: int) -> None:
+        """The KV arrived: the context's first token is appended (with the usual stop checks); then the
+        sequence decodes like any other."""
         seq.token_ids.append(first_token)
         seq.num_unresolved_tokens += 1
         self._resolve_token(seq, len(seq.token_ids) - 1, first_token, None, None, 0, now_ns())
@@ -682,6 +685,7 @@ class Executor:
             if state.is_queued or not state.perf.first_scheduled_time_ns:
                 self._note_scheduled(state, now)
             item.seq.num_computed_tokens += item.num_new_tokens
+        self.disagg.ready.launched(plan.scheduled)  # context_only prompts whose KV this step completes
         keep_logits = bool(self._sync_request_ids)  # context/generation logits and beams read them later
         step = InFlightStep(plan, rows, logits if keep_logits else None, [], transfer, started, num_active,
                             verified=verified)

@@ -161,3 +161,60 @@ def test_cancel_at_each_phase_leaks_no_block(pair):
     responses = first + collect(generation, [request_id])[request_id] if not first[0].is_final else first
     assert responses[-1].is_final
     assert wait_until(lambda: all_free(context)) and wait_until(lambda: all_free(generation))
+    assert not context.disagg.ready.pending  # the cancelled prompt's ready mark was dropped, the other's exported
+
+
+class HeldPulls:
+    """The generation side's pulls kept in progress until ``held`` is cleared: the CUDA path's timing (a pull
+    finishes at a later step, engine/executor/kv_pull.py) on any device."""
+
+    def __init__(self, real):
+        self.real, self.held = real, True
+
+    def pull(self, *args):
+        return _HeldPull(self.real.pull(*args), self)
+
+    def scatter(self, *args):
+        return _HeldPull(self.real.scatter(*args), self)
+
+
+class _HeldPull:
+    def __init__(self, pull, owner):
+        self.pull, self.owner = pull, owner
+
+    def done(self) -> bool:
+        return not self.owner.held and self.pull.done()
+
+    def wait(self) -> None:
+        self.pull.wait()
+
+    def order_before(self) -> None:
+        self.pull.order_before()
+
+    def elapsed_ms(self) -> float:
+        return self.pull.elapsed_ms()
+
+
+def test_a_pull_in_progress_keeps_its_blocks_until_done_even_when_cancelled(pair, monkeypatch):
+    """While a pull is in progress the source stays pinned and the sequence waits (no response); a cancel
+    meanwhile ends the request at once and the pull's blocks are freed when it is done (both sides)."""
+    context, generation = pair
+    held = HeldPulls(generation.disagg.pulls)
+    monkeypatch.setattr(generation.disagg, "pulls", held)
+    prompt = PROMPTS[2]
+    expected = final_tokens(run(generation, greedy(prompt)))
+    params = run(context, greedy(prompt, request_type="context_only"))[-1].result.context_phase_params
+    request_id = generation.enqueue_request(greedy(prompt, request_type="generation_only", context_phase_params=params))
+    assert wait_until(lambda: generation.disagg.num_importing == 1)
+    assert not generation.await_responses(timeout=0.05) and context.disagg.num_pinned_blocks > 0
+    held.held = False
+    assert final_tokens(collect(generation, [request_id])[request_id]) == expected
+    held.held = True
+    params = run(context, greedy(prompt, request_type="context_only"))[-1].result.context_phase_params
+    request_id = generation.enqueue_request(greedy(prompt, request_type="generation_only", context_phase_params=params))
+    assert wait_until(lambda: generation.disagg.num_importing == 1)
+    generation.cancel_request(request_id)
+    assert collect(generation, [request_id])[request_id][-1].result.is_final
+    assert generation.blocks.num_free_blocks < generation.blocks.num_blocks and context.disagg.num_pinned_blocks > 0
+    held.held = False
+    assert wait_until(lambda: all_free(context)) and wait_until(lambda: all_free(generation))
