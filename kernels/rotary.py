@@ -249,6 +249,10 @@ def apply_rotary_triton(
     assert q.stride(2) == 1 and k.stride(2) == 1 and cos_sin_cache.dtype == torch.float32
     if num_tokens == 0:
         return q, k
+    # The kernel reads token t's position at positions_ptr + t. A broadcast view (one position
+    # expanded over a tree depth's rows: stride 0, storage of one element) read rows 1.. past its
+    # storage: garbage positions, wrong rotations (EAGLE-3's one-sequence drafting windows on CUDA).
+    positions = positions.contiguous()
     half = head_dim // 2
     _rotary_kernel[(num_tokens,)](
         q, k, positions, cos_sin_cache,
@@ -309,6 +313,8 @@ def rotary_and_write_kv_triton(q, k, v, positions, cos_sin_cache, k_cache, v_cac
     assert v_cache.stride(-1) == 1
     if num_tokens == 0:
         return q
+    # read at positions_ptr + t and slot_ptr + t (apply_rotary_triton says why a view must not reach them)
+    positions, slot_mapping = positions.contiguous(), slot_mapping.contiguous()
     half = head_dim // 2
     _rotary_write_kv_kernel[(num_tokens,)](
         q, k, v, positions, cos_sin_cache, slot_mapping, k_cache, v_cache,

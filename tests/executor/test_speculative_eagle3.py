@@ -183,19 +183,49 @@ def test_cached_drafter_equals_the_whole_sequence_reference(tmp_path, runner, ti
         assert token in ranked[:3].tolist(), (i, token)
 
 
-def test_window_drafts_equal_draft_static(tmp_path, runner, tiny_hf):
-    """eagle3_graphs.py's windows (the body the CUDA graphs record, eager here) commit the pending
-    rows and draft draft_static's tokens: as a cache grows (only new rows copied; after a prompt the
-    rows beyond the window's pending rows committed eagerly first), across a capacity bucket (64 ->
-    128 rows), and for a second cache (a restart at token 5) taking over the same windows."""
+# Where the windows' tests run: the CPU's torch references; the CUDA path's Triton kernels (norms,
+# rotary, SiLU-and-mul) in Triton's CPU interpreter (TRITON_INTERPRET=1, as tests/kernels run them);
+# CUDA (gpu mark), recording the windows.
+WINDOW_DEVICES = ["cpu", pytest.param("triton", marks=pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1 (Triton's CPU interpreter)")),
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                    reason="needs CUDA")])]
+
+
+def window_device(device: str, monkeypatch) -> torch.device:
+    """The torch device of a WINDOW_DEVICES entry; "triton": the CPU, every kernel the head calls
+    dispatching to its Triton kernel (interpreted) as on CUDA."""
+    if device == "triton":
+        import kernels.activation
+        import kernels.rmsnorm
+        import kernels.rotary
+
+        for module in (kernels.activation, kernels.rmsnorm, kernels.rotary):
+            monkeypatch.setattr(module, "use_triton", lambda t: True)
+        return torch.device("cpu")
+    return torch.device(device)
+
+
+@pytest.mark.parametrize("device", WINDOW_DEVICES)
+def test_window_drafts_equal_draft_static(tmp_path, runner, tiny_hf, monkeypatch, device):
+    """eagle3_graphs.py's windows (the body the CUDA graphs record; eager on the CPU) commit the
+    pending rows and draft draft_static's tokens: as a cache grows (only new rows copied; after a
+    prompt the rows beyond the window's pending rows committed eagerly first), across a capacity
+    bucket (64 -> 128 rows), and for a second cache (a restart at token 5) taking over the same
+    windows. The tree expands two nodes at depth 1: one position for both rows (on CUDA the rotary
+    kernel read a broadcast view's second position past its storage: garbage drafts)."""
+    import copy
+
+    dev = window_device(device, monkeypatch)
     head, _ = load_eagle3(save_eagle3(tmp_path / "eagle3", layers=[0, 1, 1]), hidden_size=HIDDEN,
-                          vocab_size=VOCAB, num_layers=len(runner.model.layers))
+                          vocab_size=VOCAB, num_layers=len(runner.model.layers), device=dev)
     plan = StaticPlan(shape_from_choices([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1]],
-                                         field="eagle_choices"), torch.device("cpu"))
-    graphs = StaticDraftGraphs(head, plan, runner.model.embed_tokens, max_positions=128, device=torch.device("cpu"),
-                               use_graphs=False)
-    check_windows(head, runner.model.embed_tokens, tiny_hf, graphs, plan)
+                                         field="eagle_choices"), dev)
+    embed = runner.model.embed_tokens if dev.type == "cpu" else copy.deepcopy(runner.model.embed_tokens).to(dev)
+    graphs = StaticDraftGraphs(head, plan, embed, max_positions=128, device=dev, use_graphs=True)
+    check_windows(head, embed, tiny_hf, graphs, plan)
     assert sorted(graphs.windows) == [64, 128]
+    assert graphs.replays == (0 if dev.type == "cpu" else 2 * 5)  # (on CUDA every run replays a recording)
 
 
 def check_windows(head, embed, tiny_hf, graphs, plan) -> None:
@@ -221,8 +251,7 @@ def check_windows(head, embed, tiny_hf, graphs, plan) -> None:
             torch.testing.assert_close(windowed.last_q, eager.last_q, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs CUDA")])])
+@pytest.mark.parametrize("device", WINDOW_DEVICES)
 def test_batched_windows_draft_what_one_sequence_windows_draft(tmp_path, runner, tiny_hf, monkeypatch, device):
     """eagle3_graphs.py's batched windows (one replay for a step's sequences) draft, commit and keep
     the rows one-sequence windows do: sequences of different lengths in one bucket (the length masks),
@@ -230,21 +259,23 @@ def test_batched_windows_draft_what_one_sequence_windows_draft(tmp_path, runner,
     in a step recopies), windows of 2 and 4 slots over the shared rows (a switch recopies), a bucket
     change (64 -> 128 rows), and a batch split in groups of one window when the shared rows hold fewer
     slots of the bucket (each group's tokens its own). On CUDA the batched windows replay their
-    recordings (made on first use) against eager one-sequence windows."""
+    recordings (made on first use) against eager one-sequence windows (the CUDA run of 2026-11-29
+    failed here at step 1: the one-sequence side's second depth-1 row rotated at a garbage position,
+    kernels/rotary.py; the CPU's reference gap between the right token and the next is 0.38)."""
     import engine.executor.speculative.eagle3_graphs as eagle3_graphs
 
     import copy
 
-    dev = torch.device(device)
+    dev = window_device(device, monkeypatch)
     head, _ = load_eagle3(save_eagle3(tmp_path / "eagle3", layers=[0, 1, 1]), hidden_size=HIDDEN,
                           vocab_size=VOCAB, num_layers=len(runner.model.layers), device=dev)
     plan = StaticPlan(shape_from_choices([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1]],
                                          field="eagle_choices"), dev)
-    embed = runner.model.embed_tokens if device == "cpu" else copy.deepcopy(runner.model.embed_tokens).to(dev)
+    embed = runner.model.embed_tokens if dev.type == "cpu" else copy.deepcopy(runner.model.embed_tokens).to(dev)
     make = lambda graphs: StaticDraftGraphs(head, plan, embed, max_positions=128, device=dev,  # noqa: E731
                                             use_graphs=graphs)
     batched, single = make(True), make(False)  # (the CPU never records: both eager there)
-    close = dict(rtol=1e-5, atol=1e-5) if device == "cpu" else dict(rtol=1e-4, atol=1e-4)
+    close = dict(rtol=1e-5, atol=1e-5) if dev.type == "cpu" else dict(rtol=1e-4, atol=1e-4)
     tokens = torch.randint(0, VOCAB, (4, 80), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         states = tiny_hf(tokens, output_hidden_states=True).hidden_states
@@ -275,7 +306,7 @@ def test_batched_windows_draft_what_one_sequence_windows_draft(tmp_path, runner,
             torch.testing.assert_close(a.v[:a.length], b.v[:b.length], **close)
             torch.testing.assert_close(a.last_q, b.last_q, **close)
     assert {(2, 64), (4, 64), (2, 128)} <= set(batched.batch_windows)
-    assert batched.replays == (0 if device == "cpu" else len(steps) + 1)  # (+1: the last step's two groups)
+    assert batched.replays == (0 if dev.type == "cpu" else len(steps) + 1)  # (+1: the last step's two groups)
 
 
 def _path_features(head, g, tokens, path, embed):

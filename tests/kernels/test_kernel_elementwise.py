@@ -143,6 +143,34 @@ def test_rotary_in_place_on_qkv_views(device, is_neox, heads, head_dim):
 
 
 @pytest.mark.gpu
+def test_rotary_of_one_position_broadcast_over_rows(device):
+    """Positions as a broadcast view (one position expanded over a tree depth's rows: stride 0, as
+    speculative/eagle3_graphs.py's one-sequence windows pass them): every row rotates at that
+    position, as in the reference. The view's element sits before other positions in its storage,
+    so a kernel reading positions_ptr + row past the view rotates at those instead."""
+    from kernels.rotary import apply_rotary_triton, rotary_and_write_kv_ref, rotary_and_write_kv_triton
+
+    rows, num_q, num_k, head_dim = 5, 4, 2, 16
+    cache = build_cos_sin_cache(64, head_dim, 10000.0, device=device)
+    stored = torch.tensor([20, 1, 2, 3, 4], device=device)  # the view's storage: 20, then other positions
+    positions = stored[:1].expand(rows)
+    want = torch.full((rows,), 20, device=device)
+    qkv = randn(rows, (num_q + 2 * num_k) * head_dim, dtype=torch.float32, device=device, seed=11)
+    q, k, v = (t.view(rows, -1, head_dim)
+               for t in qkv.split([num_q * head_dim, num_k * head_dim, num_k * head_dim], dim=-1))
+    ref_q, ref_k = apply_rotary_ref(q, k, want, cache)
+    out_q, out_k = apply_rotary_triton(q.clone(), k.clone(), positions, cache)
+    assert relative_error(out_q, ref_q) < 1e-6 and relative_error(out_k, ref_k) < 1e-6
+    k_ref, v_ref = (torch.zeros(2, 4, num_k, head_dim, device=device) for _ in range(2))
+    k_cache, v_cache = (c.transpose(1, 2).contiguous().transpose(1, 2) for c in (k_ref, v_ref))  # head-major
+    slots = torch.arange(rows, device=device)
+    q_ref = rotary_and_write_kv_ref(q.clone(), k, v, want, cache, k_ref, v_ref, slots)
+    q_out = rotary_and_write_kv_triton(q.clone(), k, v, positions, cache, k_cache, v_cache, slots)
+    assert relative_error(q_out, q_ref) < 1e-6 and relative_error(k_cache, k_ref) < 1e-6
+    assert torch.equal(v_cache, v_ref)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens,inter", [(1, 14336), (5, 1536), (17, 1000)])
 def test_silu_and_mul(device, num_tokens, inter):
     from kernels.activation import silu_and_mul_triton
