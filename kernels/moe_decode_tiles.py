@@ -2,16 +2,17 @@
 batch-1 decode), chosen per expert shape at load by timing a few candidates.
 
 Why: at one token each of the K assignments is a block of its own (ONE_PER_BLOCK), so a GEMM's grid is
-K x cdiv(N, BLOCK_N) programs that each stream BLOCK_N weight rows; how many of them fit on the SMs at
-once (shared memory per stage x stages) and how many waves the grid takes decide the bandwidth, and
-that is the GPU's to say. DeepSeek-V2-Lite (6 routed + 2 appended shared experts, I 1408, hidden 2048)
-with the table's (32, 128, 4 warps, 4 stages): gate_up 8 x 44 = 352 programs at 80 KB of shared memory
-(2 an SM: 1.33 waves of 264), down 8 x 64 = 512 at 48 KB (4 an SM: one wave); both GEMMs together
-streamed ~3.6 TB/s on an H200 (1.003 ms for 26 layers' 3.6 GB, 2026-11-29), the copy bandwidth being
-4.19. The candidates trade programs for shared memory (DECODE_TILE_CANDIDATES). gate_up and down are
-timed apart (each its best), from CUDA-graph replays that alternate two sets of K experts, so the
-timed weights come from HBM as a decode step's do (one set of V2-Lite's down weights, 46 MB, nearly
-fits in L2).
+K x cdiv(N, BLOCK_N) programs that each stream BLOCK_N weight rows; how the programs spread over the SMs
+(shared memory: (stages - 1) buffers of a stage's tiles), how much each keeps in flight and how soon the
+first bytes arrive decide the bandwidth, and that is the GPU's to say. DeepSeek-V2-Lite (6 routed + 2
+appended shared experts, I 1408, hidden 2048) with the table's (32, 128, 4 warps, 4 stages): gate_up 8 x
+44 = 352 programs at 60 KB (3 an SM: 88 SMs hold 3, 44 hold 2), down 8 x 64 = 512 at 36 KB (sm_90
+compile, Triton 3.9); both GEMMs together streamed ~3.6 TB/s on an H200 (1.003 ms for 26 layers' 3.6 GB,
+2026-11-29), the copy bandwidth being 4.19: ~5 us a layer over the bytes' time, about what a launch's
+ramp and tail cost twice. The candidates trade programs for shared memory and depth
+(DECODE_TILE_CANDIDATES). gate_up and down are timed apart (each its best), from CUDA-graph replays that
+alternate two sets of K experts, so the timed weights come from HBM as a decode step's do (one set of
+V2-Lite's down weights, 46 MB, nearly fits in L2).
 
 A choice goes through the persistent choice cache (kernels/choice_cache.py, family "moe_decode"), so a
 restart on the same GPU compiles only the winner. $TRITONLLM_MOE_DECODE_TILES=0 leaves the table's
@@ -31,10 +32,11 @@ from kernels.fused_moe import DECODE_TILES_ATTR, SINGLE_TOKEN_TILES, _grouped_ge
 TILES_ENV = "TRITONLLM_MOE_DECODE_TILES"
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages). The first is the table's (gemm_config(16)). Shared memory a
-# program at BLOCK_M 16 in bf16, gate_up (two weight tiles a stage) / down: (32, 128, 4, 4) 80 / 48 KB;
-# (16, 256, 4, 3) 72 / 48 KB, twice the programs (V2-Lite gate_up 704: finer waves); (64, 64, 4, 4) 72 /
-# 40 KB, half the programs (gate_up 176: one wave); (64, 128, 4, 3) 108 / 60 KB (down 256 programs, 3 an SM).
-DECODE_TILE_CANDIDATES = ((32, 128, 4, 4), (16, 256, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3))
+# program at BLOCK_M 16 in bf16, gate_up / down, and V2-Lite's programs (sm_90 compile, Triton 3.9; no
+# spills, 40-106 registers): (32, 128, 4, 4) 60 / 36 KB, 352 / 512; (32, 128, 4, 3) 40 / 24 KB, the same
+# programs one buffer shallower (5 an SM by shared memory); (16, 256, 4, 3) 48 / 32 KB, twice the programs
+# (704 / 1,024); (64, 64, 4, 4) 54 / 30 KB, half (176 / 256); (64, 128, 4, 3) 72 / 40 KB, half.
+DECODE_TILE_CANDIDATES = ((32, 128, 4, 4), (32, 128, 4, 3), (16, 256, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3))
 assert DECODE_TILE_CANDIDATES[0] == tuple(SINGLE_TOKEN_TILES[0][k] for k in ("BLOCK_N", "BLOCK_K", "num_warps",
                                                                               "num_stages"))
 
