@@ -552,9 +552,10 @@ class DeepseekForCausalLM(nn.Module):
     def decode_experts(self) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
         """(gate_up, down, assignments a token) of each sparse layer's experts in the model dtype, as its
         one-token decode step hands them to fused_moe (the shared experts appended where they are): the
-        runner's load-time tile choice of those GEMMs (kernels/moe_decode_tiles.py) times and marks them."""
+        runner's load-time tile choice of those GEMMs (kernels/moe_decode_tiles.py) times and marks them.
+        The MTP module's layer (decoding_mode mtp's drafts) is listed too."""
         found = []
-        for layer in self.layers:
+        for layer in [*self.layers, *([self.mtp.layer] if hasattr(self, "mtp") else [])]:
             moe = getattr(layer, "moe", None)
             if moe is None or moe.ep_size > 1 or moe.gate_up_proj.dtype == FP8_DTYPE:
                 continue
