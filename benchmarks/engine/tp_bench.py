@@ -16,9 +16,11 @@ starts every rank itself, with the variables mpirun would set). Four phases, eac
    (prompt 128, 128 steps, argmax synced every step as a sampler would), then offline
    throughput through the in-flight-batching Executor (all requests enqueued at once).
 3. ``greedy_pp2`` / ``perf_pp2`` (not in the default ``--phases``): the same with two pipeline stages
-   of 16 layers (engine/pipeline; stages run eagerly, no decode graphs; micro-batches per step
-   ``$TRITONLLM_PP_MICRO_BATCHES``, default 2). Each perf phase also reports its KV pool
+   of 16 layers (engine/pipeline; each stage replays its own decode graphs; micro-batches per step
+   chosen per step, or fixed by ``$TRITONLLM_PP_MICRO_BATCHES``). Each perf phase also reports its KV pool
    (``kv_tokens``: tokens of every layer it holds; a stage holds half the layers, so the pool grows).
+   With decode graphs, each perf phase first checks them against its own eager steps
+   (``graphs_vs_eager``: the same decode step replayed, then run eagerly, at batch 1, 3 and 8).
 
 The model has Llama-3.1-8B's shape (32 layers, 32/8 heads, hidden 4096, vocab 128256) and
 random weights made on the GPUs: every rank generates the same full tensors from a fixed seed
@@ -59,6 +61,7 @@ from engine.tensor_parallel.distributed import make_runner, run_worker  # noqa: 
 
 PHASES = ("greedy_tp1", "greedy_tp2", "perf_tp1", "perf_tp2")
 PP_PHASES = ("greedy_pp2", "perf_pp2")  # asked for by name in --phases
+GRAPH_CHECK_BATCHES = (1, 3, 8)  # 3: a bucket of 4 with a padding row
 
 
 def phase_mapping(phase: str) -> tuple[int, int]:
@@ -258,6 +261,29 @@ def bench_decode(runner, batch_size: int, prompt_len: int = 128, steps: int = 12
             "step_ms_median": steady[len(steady) // 2] * 1e3}
 
 
+def graphs_vs_eager(runner, batch_size: int, prompt_len: int = 64, steps: int = 8) -> dict:
+    """Each decode step twice: as served (decode graphs; a pipeline stage's too) and eagerly
+    (``all_logits``: no graph takes such a step), over the same KV state: the step's KV writes are
+    the same tokens at the same slots. Logits compared row by row; the eager argmax goes on."""
+    rng = random.Random(7 + batch_size)
+    prompts = [[rng.randrange(runner.vocab_size) for _ in range(prompt_len)] for _ in range(batch_size)]
+    blocks = SequenceBlocks(runner.tokens_per_block, prompt_len + steps + 1)
+    last = prefill(runner, prompts, blocks).argmax(-1).tolist()
+    lengths = [prompt_len + 1] * batch_size
+    worst, largest, argmax_equal = 0.0, 0.0, 0
+    for _ in range(steps):
+        batch = ForwardBatch(list(last), [x - 1 for x in lengths], [1] * batch_size, list(lengths),
+                             [blocks.table(i, length) for i, length in enumerate(lengths)], list(range(batch_size)))
+        graphed, eager = runner.forward(batch).float(), runner.forward(batch, all_logits=True).float()
+        worst = max(worst, (graphed - eager).abs().max().item())
+        largest = max(largest, eager.abs().max().item())
+        argmax_equal += int((graphed.argmax(-1) == eager.argmax(-1)).sum())
+        last = eager.argmax(-1).tolist()
+        lengths = [x + 1 for x in lengths]
+    return {"batch": batch_size, "rows": batch_size * steps, "argmax_equal": argmax_equal,
+            "logits_max_abs_diff": worst, "logits_max_abs": largest}
+
+
 def bench_offline(executor, vocab: int, in_len: int, out_len: int, num_requests: int) -> dict:
     from engine.executor.request import OutputConfig, Request
 
@@ -292,12 +318,16 @@ def run_perf_phase(args) -> dict:
     executor_module.ModelRunner = runner_class(args)
     config = ExecutorConfig(kv_cache_free_gpu_mem_fraction=0.85, enable_kv_cache_reuse=False)
     executor = Executor(args.engine_dir, config, device=args.device)
-    graphs = args.device.startswith("cuda") and not args.no_graphs and EngineConfig.load(args.engine_dir).build.pp_size == 1
+    graphs = args.device.startswith("cuda") and not args.no_graphs
     progress("executor ready (weights, KV pool, graphs)")
     try:
         vocab = executor.runner.vocab_size
         bench_offline(executor, vocab, 64, 8, 8)  # warm-up: compile kernels for prefill and decode shapes
         progress("warm-up done")
+        checks = [graphs_vs_eager(executor.runner, batch) for batch in GRAPH_CHECK_BATCHES] if graphs else []
+        for check in checks:
+            progress(f"graphs vs eager, batch {check['batch']}: argmax equal on {check['argmax_equal']}/{check['rows']} "
+                     f"rows, logits max |diff| {check['logits_max_abs_diff']:.3g} (max |logit| {check['logits_max_abs']:.1f})")
         # Direct runner steps while the executor idles (no request in flight, prefix reuse off).
         decode = []
         for batch in DECODE_BATCHES:
@@ -319,6 +349,7 @@ def run_perf_phase(args) -> dict:
             offline.append(bench_offline(executor, vocab, *shape))
             progress(f"offline {shape}: {offline[-1]['output_tok_s']:.0f} tok/s")
         result = {"decode": decode, "executor_decode": executor_decode, "offline": offline, "graphs": graphs,
+                  "graphs_vs_eager": checks,
                   "kv_tokens": executor.blocks.num_blocks * executor.blocks.tokens_per_block}
         progress(f"KV pool: {result['kv_tokens']} tokens")
         if args.timing:
@@ -431,6 +462,13 @@ def markdown(results: dict) -> str:
     lines.append("\nThrough the executor (overlapped scheduling), decode tok/s by batch: "
                  + "; ".join(f"{name}: " + ", ".join(f"B={d['batch']} {d['decode_tok_s']:.0f}" for d in perf.get("executor_decode", []))
                              for name, perf in perfs) + ".")
+    checked = [(name, perf["graphs_vs_eager"]) for name, perf in perfs if perf.get("graphs_vs_eager")]
+    if checked:
+        lines.append("Decode graphs against the same steps run eagerly (8 steps at batch "
+                     + "/".join(str(c["batch"]) for c in checked[0][1]) + "): "
+                     + "; ".join(f"{name} argmax equal on {sum(c['argmax_equal'] for c in checks)}/"
+                                 f"{sum(c['rows'] for c in checks)} rows, logits max |diff| "
+                                 f"{max(c['logits_max_abs_diff'] for c in checks):.3g}" for name, checks in checked) + ".")
     for name, perf in perfs:
         for key in sorted(k for k in perf if k.startswith("timeline_rank")):
             lines.append(f"- {name} {key.replace('timeline_', '')} step timeline (executor steps): {describe(perf[key])}")
@@ -518,9 +556,13 @@ def main(argv=None) -> None:
     # never take the signal, while this timer thread dumps regardless.
     faulthandler.dump_traceback_later(max(5.0, args.phase_timeout - 15), exit=False)
     use_random_weights()
-    if args.timing:  # pipeline stages are built by make_stage_runner from this name, not from runner_class
-        import engine.pipeline.runner as pipeline_runner
+    # Pipeline stages are built by make_stage_runner from this name, not from runner_class.
+    import engine.pipeline.runner as pipeline_runner
 
+    if args.no_graphs:
+        pipeline_runner.StageRunner = type("EagerStageRunner", (pipeline_runner.StageRunner,),
+                                           {"capture_cuda_graphs": EagerRunner.capture_cuda_graphs})
+    if args.timing:
         pipeline_runner.StageRunner = timed(pipeline_runner.StageRunner)
     if args.role == "worker":
         cls = runner_class(args)

@@ -143,14 +143,9 @@ class DecodeGraphs:
         decode-only or does not fit a bucket (the caller then runs it eagerly). ``rotary_positions``:
         each row's rotary position where it is not its KV position (M-RoPE, engine/executor/mrope_rotary.py);
         the models that take them read positions for rotary only."""
+        if not self.fits(batch):
+            return None
         num_seqs = len(batch.seq_lens_q)
-        if not (0 < num_seqs <= self.max_batch_size and len(batch.token_ids) == num_seqs
-                and all(n == 1 for n in batch.seq_lens_q)):
-            return None
-        if batch.lora_slots is not None and self.lora_buffers is None:
-            return None
-        if self.state_slots and (batch.state_slots is None or 0 in batch.positions):
-            return None  # a 1-token prompt starts from a zero state: the eager path knows it, the graph does not
         hidden = self.run(batch.token_ids, batch.positions, batch.context_lens, batch.block_tables,
                           batch.lora_slots, batch.state_slots, rotary_positions)
         if hidden is None:
@@ -158,6 +153,20 @@ class DecodeGraphs:
         if len(batch.logits_indices) != num_seqs or batch.logits_indices != list(range(num_seqs)):
             hidden = hidden[torch.tensor(batch.logits_indices, device=hidden.device)]
         return hidden
+
+    def fits(self, batch) -> bool:
+        """Whether a runner ForwardBatch replays a graph: decode-only (one token a sequence), at most
+        max_batch_size sequences, block tables within the graphs' width, adapters only where LoRA
+        graphs were captured. Decided from the plan alone, so every rank that sees it decides alike."""
+        num_seqs = len(batch.seq_lens_q)
+        if not (0 < num_seqs <= self.max_batch_size and len(batch.token_ids) == num_seqs == len(batch.positions)
+                and all(n == 1 for n in batch.seq_lens_q)):
+            return False
+        if batch.lora_slots is not None and self.lora_buffers is None:
+            return False
+        if self.state_slots and (batch.state_slots is None or 0 in batch.positions):
+            return False  # a 1-token prompt starts from a zero state: the eager path knows it, the graph does not
+        return max(map(len, batch.block_tables)) <= self.max_blocks
 
     def bucket_for(self, num_seqs: int) -> int:
         return self.buckets[bisect.bisect_left(self.buckets, num_seqs)]

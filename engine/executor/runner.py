@@ -172,13 +172,19 @@ class ModelRunner:
         return model.eval()
 
     # Hooks for a pipeline stage (engine/pipeline/runner.py): the file its weights are in, the
-    # model cut to its layers, and how many layers its KV pool holds.
+    # model cut to its layers, what its decode graphs capture, and how many layers its KV pool holds.
     @property
     def weights_rank(self) -> int:
         return self.rank
 
     def shape_model(self, model: torch.nn.Module) -> torch.nn.Module:
         return model
+
+    @property
+    def graph_model(self) -> torch.nn.Module:
+        """What the decode graphs capture: ``module(input_ids, positions, kv_cache, meta) -> hidden``
+        (a pipeline stage's share of the forward, engine/pipeline/stage.py StageStep)."""
+        return self.model
 
     @property
     def kv_layers(self) -> int:
@@ -316,7 +322,7 @@ class ModelRunner:
         if self.device.type != "cuda" or self.kv_cache is None:
             return
         build = self.build_config
-        self.decode_graphs = DecodeGraphs(self.model, self.kv_cache, tokens_per_block=self.tokens_per_block,
+        self.decode_graphs = DecodeGraphs(self.graph_model, self.kv_cache, tokens_per_block=self.tokens_per_block,
                                           max_seq_len=build.max_seq_len, max_batch_size=build.max_batch_size,
                                           sampled_tokens=self.sampled_tokens, taps=self.layer_taps,
                                           lora_slots=0 if self.lora_pools is None else self.lora_pools.num_slots)
@@ -380,7 +386,7 @@ class ModelRunner:
         self.gemm_choices.update({("moe_decode",) + key: report for key, report in
                                   choose_decode_tiles(getattr(self.model, "decode_experts", list)()).items()})
         self.launch_choice = choose_programmatic_launch(
-            self.model, self.kv_cache, tokens_per_block=self.tokens_per_block,
+            self.graph_model, self.kv_cache, tokens_per_block=self.tokens_per_block,
             max_seq_len=self.build_config.max_seq_len, sampled_tokens=self.sampled_tokens)
         if self.dtype == torch.bfloat16:  # (an fp16 product of E4M3 values unscaled could overflow)
             scaling = choose_fp8_scaling([m.weight for m in self.model.modules() if isinstance(m, Linear) and m.is_fp8],

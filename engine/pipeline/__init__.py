@@ -6,5 +6,8 @@
     stage.py    a model trimmed to one stage, and its forward (embed on the first stage, the final
                 norm and logits on the last, hidden states in between)
     runner.py   StageRunner: one rank's stage with its own KV pool (its layers only), running each
-                step as micro-batches that flow stage to stage over torch.distributed send/recv
+                step as micro-batches that flow stage to stage over torch.distributed send/recv,
+                decode micro-batches through the stage's own CUDA graphs
+    step_cost.py  how many micro-batches a step is cut into (one pass over a stage's weights per
+                micro-batch against the work that splits)
 """

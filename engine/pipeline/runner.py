@@ -4,7 +4,9 @@ micro-batched step that moves hidden states from stage to stage.
 Every rank receives every step's plan (engine/tensor_parallel: the leader broadcasts it); all
 stages share the leader's block tables, each stage's pool holding only its own layers, so a block
 costs each rank 1/pp of the bytes and the KV capacity grows with pp. One step runs as micro-batches
-(contiguous runs of the step's sequences, ``micro_batch_count``):
+(contiguous runs of the step's tokens; how many: ``StageRunner.micro_batch_count``, one for a
+decode step of a few sequences, whose stage time is its weight read whatever its size, more for
+long prompts and long contexts, engine/pipeline/step_cost.py):
 
     stage 0 (ranks 0..tp-1)    embed + layers(mb0) -> isend | embed + layers(mb1) -> isend | ...
     stage 1                    recv(mb0) -> layers -> isend | recv(mb1) -> layers -> isend | ...
@@ -21,9 +23,25 @@ flight between steps, so the step protocol's heartbeats and CALLs never interlea
 activations. Over gloo (CPU) and NCCL (GPU) alike; a lost peer raises in the send/recv like any
 other collective, and the leader's LeaderRunner turns that into its rank failure.
 
-Not with pipeline stages (refused by name): LoRA adapters, prompt tables. Steps run eagerly (no
-CUDA graphs per stage yet), and each step's micro-batches drain before the next step starts:
-the executor does not yet keep several steps in flight across stages.
+CUDA graphs per stage: each stage captures its decode forward (StageStep: embed or the received
+stream -> its layers -> the stream to send, or the final-normed hidden states) per batch-size
+bucket with the engine's decode-graph machinery (engine/executor/cuda_graphs.py DecodeGraphs;
+ModelRunner.capture_cuda_graphs through the ``graph_model`` hook). A decode-only micro-batch that
+fits a bucket replays its graph; any other runs eagerly. The send/recv stay OUTSIDE the graphs:
+a later stage receives into the graphs' static input (``StageStep.carried[:n]``) and replays; a
+stage sends a copy of its graph's output rows. Why outside, though ProcessGroupNCCL can capture
+send/recv: a captured send only works if the peer replays the matching captured recv, so every
+rank would have to replay the same graph sequence, step after step, with no eager fallback on
+either side; the heartbeats and rank-failure detection of the step protocol would also stop
+seeing the transfers. Outside, the wire format is the same for graphed and eager micro-batches
+((n, 2, hidden) rows, engine/pipeline/stage.py), each rank picks graph or eager alone, and the
+graph path runs over gloo in the CPU tests (graphs emulated) as over NCCL. What it costs: one
+send and one recv launch from Python per micro-batch and stage boundary (tens of microseconds
+against a ~2 ms stage at batch 1 of an 8B model).
+
+Not with pipeline stages (refused by name): LoRA adapters, prompt tables. Each step's
+micro-batches drain before the next step starts: the executor does not yet keep several steps in
+flight across stages.
 """
 from __future__ import annotations
 
@@ -38,9 +56,13 @@ from engine.config import EngineConfig
 from engine.executor.overlap import resolve_placeholders
 from engine.executor.runner import ForwardBatch, ModelRunner
 from engine.pipeline.layout import Stage, stage_of_rank
-from engine.pipeline.stage import check_pipeline_supported, stage_forward, trim_to_stage
+from engine.pipeline.step_cost import StepCost, choose_micro_batches
+from engine.pipeline.stage import StageStep, check_pipeline_supported, stage_forward, trim_to_stage
 
-MICRO_BATCHES_ENV = "TRITONLLM_PP_MICRO_BATCHES"  # micro-batches per step (default: pp_size); same on every rank
+# Micro-batches per step, the same on every rank: a number fixes it; unset, each step takes the count
+# that makes it soonest done (engine/pipeline/step_cost.py), at most AUTO_MOST_PER_STAGE * pp_size.
+MICRO_BATCHES_ENV = "TRITONLLM_PP_MICRO_BATCHES"
+AUTO_MOST_PER_STAGE = 2
 
 
 @dataclass(frozen=True)
@@ -75,8 +97,10 @@ class MicroBatch:
     logits_rows: list[int]   # rows of the step's logits this micro-batch's logits fill, in order
 
 
-def micro_batch_count(pp_size: int, environ=os.environ) -> int:
-    return max(1, int(environ.get(MICRO_BATCHES_ENV, pp_size)))
+def fixed_micro_batches(environ=os.environ) -> int | None:
+    """The fixed micro-batch count of ``MICRO_BATCHES_ENV``, or None: chosen per step."""
+    value = environ.get(MICRO_BATCHES_ENV, "")
+    return max(1, int(value)) if value else None
 
 
 def split_micro_batches(batch: ForwardBatch, count: int, *, all_logits: bool = False) -> list[MicroBatch]:
@@ -124,7 +148,9 @@ class StageRunner(ModelRunner):
         check_pipeline_supported(config.model)
         stage, tp_rank = stage_of_rank(config.model, config.build, rank)
         self.place = PipelinePlace(rank, config.build.tp_size, stage)
-        self.micro_batches = micro_batch_count(config.build.pp_size)
+        self.micro_batches = fixed_micro_batches()
+        self.step_cost = StepCost.for_engine(config)
+        self._graph_model: StageStep | None = None
         super().__init__(engine_dir, rank=tp_rank, device=device, tp_group=tp_group)
 
     # -- the ModelRunner hooks
@@ -140,14 +166,20 @@ class StageRunner(ModelRunner):
     def kv_layers(self) -> int:
         return self.place.stage.num_layers
 
+    @property
+    def graph_model(self) -> StageStep:
+        """The stage's decode forward with its static input stream, made once (its buffer's
+        address is captured)."""
+        if self._graph_model is None:
+            self._graph_model = StageStep(self.model, self.place.stage, max_rows=self.build_config.max_batch_size,
+                                          dtype=self.dtype, device=self.device)
+        return self._graph_model
+
     # -- what a stage does not do (yet)
 
     def enable_lora(self, num_slots: int, max_rank: int) -> None:
         raise ValueError("LoRA adapters are not supported with pipeline parallelism (pp_size > 1) yet; "
                          "build the engine with --pp_size 1 (tensor parallelism serves adapters)")
-
-    def capture_cuda_graphs(self) -> None:
-        """Stages run eagerly: their graphs would end in a send, which is not captured yet."""
 
     def warmup(self) -> None:
         """The warm-up batch runs a whole model; a stage's kernels compile on its first step."""
@@ -162,23 +194,25 @@ class StageRunner(ModelRunner):
         if self.kv_cache is None:
             raise RuntimeError("allocate_kv_cache() must run before forward()")
         place, stage = self.place, self.place.stage
-        parts = split_micro_batches(batch, self.micro_batches, all_logits=all_logits)
-        prepared = [self._prepare(part.batch) for part in parts]  # may raise ValueError: before any send
-        hidden_size = self.model_config.hidden_size
+        parts = split_micro_batches(batch, self.micro_batch_count(batch), all_logits=all_logits)
+        graphs = self.decode_graphs if not all_logits else None
+        graphed = [graphs is not None and graphs.fits(part.batch) for part in parts]
+        # may raise ValueError: before any send
+        prepared = [None if replay else self._prepare(part.batch) for part, replay in zip(parts, graphed)]
         sends = []  # (work, tensor): the tensors stay alive until their sends complete
-        for part, (input_ids, positions, meta) in zip(parts, prepared):
-            carried = None
-            if stage.is_first:
-                input_ids = resolve_placeholders(input_ids, self.sampled_tokens)
+        for part, replay, inputs in zip(parts, graphed, prepared):
+            rows = len(part.batch.token_ids)
+            if replay:
+                out = self._replay(part.batch)
             else:
-                carried = torch.empty(2, len(part.batch.token_ids), hidden_size, dtype=self.dtype, device=self.device)
-                dist.recv(carried, src=place.prev_rank)
-            out = stage_forward(self.model, stage, input_ids, carried, positions, self.kv_cache, meta)
+                out = self._eager(inputs, rows)
             if not stage.is_last:
-                out = out.contiguous()
+                # A graph's output is overwritten by the next replay while an NCCL send may still read
+                # it (the send's stream waits for this one, not the other way round): send a copy.
+                out = out.clone() if replay else out.contiguous()
                 sends.append((dist.isend(out, dst=place.next_rank), out))
                 continue
-            if not all_logits:
+            if not all_logits and not (replay and part.batch.logits_indices == list(range(rows))):
                 out = out[self._to_device(part.batch.logits_indices, torch.int64)]
             logits = self.model.compute_logits(out)  # a collective within the stage's tp group
             if place.sends_logits and logits.shape[0]:
@@ -189,6 +223,31 @@ class StageRunner(ModelRunner):
             work.wait()
         return result
 
+    def micro_batch_count(self, batch: ForwardBatch) -> int:
+        if self.micro_batches is not None:
+            return self.micro_batches
+        pp_size = self.place.stage.pp_size
+        work = self.step_cost.work(len(batch.token_ids), batch.context_lens)
+        return choose_micro_batches(work, pp_size, AUTO_MOST_PER_STAGE * pp_size)
+
+    def _replay(self, batch: ForwardBatch) -> torch.Tensor:
+        """A decode micro-batch through its bucket's graph: a later stage first receives its stream
+        into the graphs' static input. Returns the graph's output rows (a view the next replay
+        overwrites): (n, 2, hidden), or (n, hidden) final-normed on the last stage."""
+        if not self.place.stage.is_first:
+            dist.recv(self.graph_model.carried[:len(batch.token_ids)], src=self.place.prev_rank)
+        return self.decode_graphs.run(batch.token_ids, batch.positions, batch.context_lens, batch.block_tables)
+
+    def _eager(self, inputs: tuple, rows: int) -> torch.Tensor:
+        input_ids, positions, meta = inputs
+        carried = None
+        if self.place.stage.is_first:
+            input_ids = resolve_placeholders(input_ids, self.sampled_tokens)
+        else:
+            carried = torch.empty(rows, 2, self.model_config.hidden_size, dtype=self.dtype, device=self.device)
+            dist.recv(carried, src=self.place.prev_rank)
+        return stage_forward(self.model, self.place.stage, input_ids, carried, positions, self.kv_cache, meta)
+
     def _receive_logits(self, parts: list[MicroBatch], all_logits: bool) -> torch.Tensor:
         """Rank 0: every micro-batch's logits from the last stage's tp rank 0, into step order."""
         source = (self.place.stage.pp_size - 1) * self.place.tp_size
@@ -196,6 +255,10 @@ class StageRunner(ModelRunner):
         logits = torch.empty(rows, self.vocab_size, dtype=torch.float32, device=self.device)
         for part in parts:
             if not part.logits_rows:
+                continue
+            first = part.logits_rows[0]
+            if part.logits_rows == list(range(first, first + len(part.logits_rows))):  # (always, for sorted rows)
+                dist.recv(logits[first:first + len(part.logits_rows)], src=source)  # a contiguous span of rows
                 continue
             received = torch.empty(len(part.logits_rows), self.vocab_size, dtype=torch.float32, device=self.device)
             dist.recv(received, src=source)

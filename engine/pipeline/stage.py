@@ -7,9 +7,11 @@ name at build and at load (``check_pipeline_supported``).
 
 What crosses from stage to stage is the residual stream as the blocks hand it on: ``x`` (the last
 block's MLP output, any deferred FP8 scales applied) and ``residual``, stacked as one tensor
-(2, num_tokens, hidden) in the model dtype. Sending both, not their sum, keeps every stage's
+(num_tokens, 2, hidden) in the model dtype. Sending both, not their sum, keeps every stage's
 arithmetic exactly that of the unsplit model: the next block's fused add + norm sees the same
-operands.
+operands. Tokens lead the layout so that the first n rows of a bucket-sized buffer are one
+contiguous span: a decode graph's static input takes a step's n rows as received, and the
+rows a graph computes for its sequences are a contiguous prefix of its output (StageStep).
 """
 from __future__ import annotations
 
@@ -62,16 +64,35 @@ def stage_forward(model: nn.Module, stage: Stage, input_ids: torch.Tensor | None
                   positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     """One stage's share of LlamaForCausalLM.forward.
 
-    First stage: ``input_ids`` (num_tokens,) are embedded. Later stages: ``carried`` (2, num_tokens,
+    First stage: ``input_ids`` (num_tokens,) are embedded. Later stages: ``carried`` (num_tokens, 2,
     hidden) is the previous stage's (x, residual). Returns the last stage's final-normed hidden
-    states (num_tokens, hidden), else the (2, num_tokens, hidden) stream for the next stage."""
+    states (num_tokens, hidden), else the (num_tokens, 2, hidden) stream for the next stage."""
     cos_sin_cache = model._rotary_table(positions.device)
     if stage.is_first:
         x, residual = model.embed_tokens(input_ids), None
-    else:
-        x, residual = carried[0], carried[1]
+    else:  # contiguous copies: the blocks' kernels take rows of stride hidden
+        x, residual = carried[:, 0].contiguous(), carried[:, 1].contiguous()
     for layer in model.layers:
         x, residual = layer(x, residual, positions, cos_sin_cache, kv_cache, meta)
     if stage.is_last:
         return rms_norm(apply_scales(x), model.norm.weight, model.config.norm_eps, residual)[0]
-    return torch.stack((apply_scales(x), residual))
+    return torch.stack((apply_scales(x), residual), dim=1)
+
+
+class StageStep(nn.Module):
+    """A stage's forward as the decode graphs capture it (engine/executor/cuda_graphs.py):
+    ``(input_ids, positions, kv_cache, meta) -> hidden`` like a whole model's. A later stage's
+    input stream is the static buffer ``carried`` (max_rows, 2, hidden): a step receives its n rows
+    into ``carried[:n]`` before the replay, and a graph of bucket b reads ``carried[:b]`` (rows past
+    n are padding: stale but finite, their outputs unread). The first stage embeds ``input_ids``;
+    the ids of later stages are unread. Holds no weights of its own (``model`` is the runner's)."""
+
+    def __init__(self, model: nn.Module, stage: Stage, *, max_rows: int, dtype: torch.dtype, device):
+        super().__init__()
+        self.model, self.stage = model, stage
+        self.carried = None if stage.is_first else torch.zeros(max_rows, 2, model.config.hidden_size, dtype=dtype,
+                                                               device=device)
+
+    def forward(self, input_ids, positions, kv_cache, meta):
+        carried = None if self.carried is None else self.carried[:positions.shape[0]]
+        return stage_forward(self.model, self.stage, input_ids, carried, positions, kv_cache, meta)

@@ -64,7 +64,7 @@ def emulate_cuda_graphs(monkeypatch) -> collections.Counter:
         build, cfg = runner.build_config, runner.model_config
         taps_of[id(runner.model)] = runner.layer_taps
         runner.decode_graphs = cuda_graphs.DecodeGraphs(
-            runner.model, runner.kv_cache, tokens_per_block=runner.tokens_per_block, max_seq_len=build.max_seq_len,
+            runner.graph_model, runner.kv_cache, tokens_per_block=runner.tokens_per_block, max_seq_len=build.max_seq_len,
             max_batch_size=build.max_batch_size, sampled_tokens=runner.sampled_tokens, taps=runner.layer_taps)
         runner.decode_graphs.capture()
         buckets = prefill_graphs.model_token_buckets(runner.model, build.max_num_tokens)

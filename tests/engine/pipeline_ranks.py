@@ -40,3 +40,39 @@ def pp_rank_logits(rank: int, engine_dirs: dict, micro_batches: int) -> dict:
         return out
     finally:
         os.environ.pop(MICRO_BATCHES_ENV, None)
+
+
+def graph_reference_steps(runner) -> torch.Tensor:
+    """Prompts of three sequences, four decode steps of all three, one of sequence 1 alone, then a
+    mixed chunk + decode step; every step's logits, stacked. On CUDA (or emulated) the decode steps
+    replay graphs, the others run eagerly."""
+    from engine_testing import PagedSession, random_tokens
+
+    prompts = [random_tokens(n, seed=20 + n) for n in (5, 9, 3)]
+    session = PagedSession(runner, num_blocks=16)
+    runner.capture_cuda_graphs()
+    out = session.step(list(enumerate(prompts)))
+    for step in range(4):
+        out += session.step([(seq, [(7 * seq + 3 * step) % 50]) for seq in range(3)])
+    out += session.step([(1, [11])])
+    out += session.step([(0, random_tokens(6, seed=30)), (2, [13])])
+    return torch.cat(out)
+
+
+def pp_graph_logits(rank: int, engine_dir: str, micro_batches: int, graphed_ranks: tuple[int, ...]) -> tuple:
+    """graph_reference_steps on this rank's stage, CUDA graphs emulated (graph_emulation.py) on
+    ``graphed_ranks`` only: (rank 0's logits or zeros, this rank's graph replays)."""
+    import pytest
+    from graph_emulation import emulate_cuda_graphs
+
+    from engine.pipeline.runner import MICRO_BATCHES_ENV, StageRunner
+
+    os.environ[MICRO_BATCHES_ENV] = str(micro_batches)
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            replays = emulate_cuda_graphs(patch) if rank in graphed_ranks else {}
+            runner = StageRunner(engine_dir, rank=rank, device="cpu")
+            logits = graph_reference_steps(_LogitsOnEveryRank(runner))
+            return logits, sum(replays.values())
+    finally:
+        os.environ.pop(MICRO_BATCHES_ENV, None)

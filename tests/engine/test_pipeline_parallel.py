@@ -127,3 +127,39 @@ def test_pp2_on_two_ranks_matches_pp1_and_transformers(engines, hf_models):
     for name, hf in hf_models.items():
         error = (rank0[name][0] - transformers_rows(hf)).abs().max().item()
         assert error <= 1e-4, f"{name}: max abs error {error:.3g} vs transformers"
+
+
+def test_pp2_decode_graphs_per_stage_match_pp1(engines):
+    """Each stage's decode graphs (emulated on the CPU, graph_emulation.py) over the shared gloo pair:
+    prompts, decode steps of 3 and 1 sequences (replayed: received stream -> the static input), a
+    mixed step (eager) after them, all within 1e-5 of pp 1 eager. With 2 micro-batches both stages
+    replay (buckets 1 and 2); with 1, only stage 1 does, against an eager stage 0: the stream on
+    the wire is the same either way."""
+    from gloo_ranks import shared_pair
+    from pipeline_ranks import graph_reference_steps, pp_graph_logits
+
+    pp1, pp2 = engines["llama"]
+    expected = graph_reference_steps(ModelRunner(pp1))
+    for micro_batches, graphed in ((2, (0, 1)), (1, (1,))):
+        (logits, replays0), (_, replays1) = shared_pair().run(pp_graph_logits, pp2, micro_batches, graphed)
+        error = (logits - expected).abs().max().item()
+        assert error <= 1e-5, f"{micro_batches} micro-batches, graphs on {graphed}: max abs error {error:.3g} vs pp 1"
+        # decode steps: 4 of 3 sequences (2 micro-batches: 2 replays each), 1 of one sequence (1 replay)
+        assert [replays0, replays1] == [(4 * micro_batches + 1) if rank in graphed else 0 for rank in (0, 1)]
+
+
+def test_micro_batches_per_step_one_for_small_decode_steps_more_for_long_work():
+    """Llama-3.1-8B's shape at pp 2: a decode step of up to 32 sequences stays whole (a stage reads
+    its weights once per micro-batch: cut in two it took 1.5x as long on the H200); 256 sequences
+    over 2,100-token contexts and an 8,192-token prompt are cut (at most 4 = 2 per stage)."""
+    from engine.config import EngineConfig, ModelConfig
+    from engine.pipeline.step_cost import StepCost, choose_micro_batches
+
+    model = ModelConfig(architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=4096, num_layers=32,
+                        num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336)
+    cost = StepCost.for_engine(EngineConfig(model=model, build=BuildConfig(dtype="bfloat16", pp_size=2)))
+    chosen = {name: choose_micro_batches(cost.work(n, [context] * n), 2, 4)
+              for name, (n, context) in {"decode 1": (1, 4096), "decode 32": (32, 256), "decode 256 long": (256, 2100),
+                                          "prompt 8192": (8192, 1)}.items()}
+    assert chosen == {"decode 1": 1, "decode 32": 1, "decode 256 long": 3, "prompt 8192": 4}
+    assert choose_micro_batches(0.0, 4, 8) == 1 and choose_micro_batches(1e9, 2, 4) == 4
