@@ -4,7 +4,12 @@ against two aggregated executors on the same GPUs, at the same Poisson load; and
     python benchmarks/engine/disagg_bench.py --out disagg.json --results-md benchmarks/results/engine.md
 
 One process, two Executors (engine/executor/disaggregated.py's ``local`` transport: the blocks are
-copied between the pools of the two GPUs, a peer copy over NVLink). Random weights of the model's
+copied between the pools of the two GPUs, a peer copy over NVLink). They share one interpreter, so each
+loop's host work waits for the other's GIL. ``--context_process`` runs the first GPU's executor (the
+context side when disaggregated, in both modes) in an engine process of its own
+(engine/executor/engine_process.py, as ``tritonllm serve --disaggregated`` does): the KV then goes
+through the ``shm`` transport (pinned host memory and a file in ``TRITONLLM_KV_TRANSFER_DIR``, else
+/dev/shm, else the output's folder when /dev/shm has less than 8 GB free). Random weights of the model's
 shape made on each GPU from the same seed (``extra.random_weights_seed``), so both executors hold the
 same model. Sections (``--sections``):
 
@@ -30,6 +35,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import sys
 import threading
@@ -101,15 +107,37 @@ def make_engine(args) -> str:
 
 
 def start_executors(args, engine_dir: str):
+    from engine.executor.engine_process import EngineProcess
     from engine.executor.executor import Executor, ExecutorConfig
 
     config = ExecutorConfig(kv_cache_free_gpu_mem_fraction=0.85, enable_kv_cache_reuse=False, enable_chunked_context=True,
                             kv_cache_dtype=args.kv_cache_dtype if args.kv_cache_dtype != "auto" else None,
                             max_tokens_in_paged_kv_cache=args.kv_tokens)
     first, second = devices_of(args)
-    executors = [Executor(engine_dir, config, device=first), Executor(engine_dir, config, device=second)]
+    if args.context_process:
+        transfer_dir = os.environ.get("TRITONLLM_KV_TRANSFER_DIR", "/dev/shm")
+        if not os.path.isdir(transfer_dir) or shutil.disk_usage(transfer_dir).free < 8 << 30:  # (a container's 64 MB)
+            os.environ["TRITONLLM_KV_TRANSFER_DIR"] = str(Path(args.out).resolve().parent)
+        print(f"[disagg_bench] context executor in its own process; KV files in "
+              f"{os.environ.get('TRITONLLM_KV_TRANSFER_DIR', transfer_dir)}", flush=True)
+        executors = [EngineProcess(engine_dir, config, device=first), Executor(engine_dir, config, device=second)]
+    else:
+        executors = [Executor(engine_dir, config, device=first), Executor(engine_dir, config, device=second)]
     for ex in executors:  # warm-up: compile the prefill and decode shapes before anything is timed
         warm(ex, [Request_(list(range(1, 300)), 8) for _ in range(4)])
+    # one hand-off of the longest prompt: the transfer's streams, staging and pinned buffers exist before timing
+    vocab = executors[1].runner.vocab_size
+    context = Request_([1 + i % (vocab - 1) for i in range(max(args.prompt_lens))], 1, request_type="context_only",
+                       kv_transfer="shm" if args.context_process else None)
+    (rid,) = executors[0].enqueue_requests([context])
+    params = None
+    while params is None:
+        for response in executors[0].await_responses(timeout=1.0):
+            if response.request_id == rid and (response.error or response.result.is_final):
+                assert response.error is None, response.error
+                params = response.result.context_phase_params
+    warm(executors[1], [Request_(list(context.input_token_ids), 4, request_type="generation_only",
+                                 context_phase_params=params)])
     return executors
 
 
@@ -236,7 +264,8 @@ def run_mode(mode: str, executors, requests, args, rate: float) -> dict:
         if mode == "aggregated":
             target, request = key % 2, Request_(prompt, args.output_len, streaming=True)
         else:
-            target, request = 0, Request_(prompt, 1, request_type="context_only")
+            target, request = 0, Request_(prompt, 1, request_type="context_only",
+                                          kv_transfer="shm" if args.context_process else None)
         with streams.lock:
             (rid,) = executors[target].enqueue_requests([request])
             keys[target][rid] = key
@@ -271,7 +300,7 @@ def bench_serve(args, rows: list, save) -> list[dict]:
     executors = start_executors(args, engine_dir)
     try:
         for rate in args.rates:
-            requests = workload(args, executors[0].runner.vocab_size, rate)
+            requests = workload(args, executors[1].runner.vocab_size, rate)  # (executors[0] may be a process)
             print(f"[disagg_bench] {len(requests)} requests at {rate}/s, prompts {min(args.prompt_lens)}-"
                   f"{max(args.prompt_lens)}, {args.output_len} out", flush=True)
             for mode in args.modes:
@@ -285,7 +314,8 @@ def bench_serve(args, rows: list, save) -> list[dict]:
 
 def markdown(results: dict) -> str:
     lines = [f"\n### Disaggregated prefill/decode: {results['model']} random weights, {results['date']}\n",
-             f"`{results['command']}` on {results['gpus']} (commit {results['commit']}).\n"]
+             f"`{results['command']}` on {results['gpus']} (commit {results['commit']}"
+             f"{'; GPU 0 executor in its own process, KV over shm' if results.get('context_process') else ''}).\n"]
     if results.get("transfer"):
         lines += ["| KV transfer, prompt tokens | MB | ms | GB/s |", "|---:|---:|---:|---:|"]
         lines += [f"| {r['tokens']} | {r['mb']:.1f} | {r['ms']:.3f} | {r['gb_s']:.1f} |" for r in results["transfer"]]
@@ -319,6 +349,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--drain_timeout", type=float, default=120.0, help="serve: seconds after the last arrival, per mode")
     parser.add_argument("--transfer_lens", default="2048,4096,8192", help="transfer: prompt lengths")
     parser.add_argument("--transfer_repeats", type=int, default=20)
+    parser.add_argument("--context_process", action="store_true",
+                        help="serve: the first GPU's executor in an engine process of its own (KV over shm)")
     parser.add_argument("--out", default="disagg_bench.json")
     parser.add_argument("--results-md", dest="results_md", default=None, help="append the markdown table here")
     args = parser.parse_args(argv)
@@ -340,7 +372,8 @@ def main(argv=None) -> dict:
     devices_of(args)
     os.environ.setdefault(LOAD_LOG_ENV, "1")  # a timestamped line per phase of each executor's start
     results = {"date": utc_now(), "model": args.model, "commit": git_commit(), "command": command_line(__file__),
-               "gpus": f"2x {torch.cuda.get_device_name(0)}" if args.device != "cpu" else "cpu"}
+               "gpus": f"2x {torch.cuda.get_device_name(0)}" if args.device != "cpu" else "cpu",
+               "context_process": args.context_process}
     def save() -> None:  # whatever ran is kept if a later part fails or is cut
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)

@@ -16,6 +16,8 @@ context side, default ``local``):
   device-to-device index copy between the pools (on CUDA a peer copy between GPUs of one host).
 - ``shm``: another process of the same host (two Triton models, each with its engine process); the
   blocks go to a file in host shared memory at export and are freed at once (kv_transfer_shm.py).
+  A writer thread on the context side and reader threads on the generation side move the bytes, so
+  neither loop waits for the file; the generation side then scatters them like a pull.
 NIXL / NCCL would be further names; the blob names its transport.
 
 Blob (version 1): MAGIC + one version byte + UTF-8 JSON
@@ -43,13 +45,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from engine.executor import kv_transfer_shm
 from engine.executor.kv_pull import PullStreams, ReadyEvents
+from engine.executor.kv_transfer_shm import ShmWriter, block_major
 
 REQUEST_TYPES = ("context_and_generation", "context_only", "generation_only")
 TRANSPORTS = ("local", "shm")
@@ -112,24 +117,33 @@ def copy_blocks(src_pool, src_ids: list[int], dst_pool, dst_ids: list[int]) -> f
 
 
 class _Pin:
-    __slots__ = ("block_ids", "deadline", "state", "path", "ready")
+    __slots__ = ("block_ids", "deadline", "state", "path", "ready", "writing")
 
-    def __init__(self, block_ids: list[int], deadline: float, path: str | None = None, ready=None):
+    def __init__(self, block_ids: list[int], deadline: float, path: str | None = None, ready=None, writing=None):
         self.block_ids = block_ids  # pinned in the pool (local); [] for shm: the file holds the bytes
         self.path = path  # shm: the file, deleted at the deadline if still unclaimed
         self.ready = ready  # CUDA: the event after the prompt's last prefill chunk (kv_pull.ReadyEvents)
+        self.writing = writing  # shm: the writer thread's future (the file is in place once it is done)
         self.deadline = deadline
         self.state = "pinned"  # -> "claimed" (a generation side copies) -> "released"; or expired
 
+    def settled(self) -> bool:
+        """Not still being written (shm): only then may the context side expire or forget it."""
+        return self.writing is None or self.writing.done()
+
 
 class _Import:
-    """A generation_only sequence whose KV is on its way (a pull in progress)."""
-    __slots__ = ("seq", "fields", "dst_ids", "pull", "source", "extra_ms")
+    """A generation_only sequence whose KV is on its way (shm: the file being read, then a pull in progress)."""
+    __slots__ = ("seq", "fields", "dst_ids", "pull", "source", "extra_ms", "reading")
 
-    def __init__(self, seq, fields: dict, dst_ids: list[int], pull, source=None, extra_ms: float = 0.0):
+    def __init__(self, seq, fields: dict, dst_ids: list[int], pull=None, source=None, reading=None):
         self.seq, self.fields, self.dst_ids, self.pull = seq, fields, dst_ids, pull
         self.source = source  # local transport: the context side, released when the pull is done
-        self.extra_ms = extra_ms  # shm: reading the file
+        self.reading = reading  # shm: the reader thread's future of (blocks or None, ms)
+        self.extra_ms = 0.0  # shm: reading the file
+
+    def ready(self) -> bool:
+        return self.reading.done() if self.reading is not None else self.pull.done()
 
 
 class Disaggregation:
@@ -155,6 +169,8 @@ class Disaggregation:
         self.ready = ReadyEvents(executor.runner.device)  # context side: prompts' KV final on the device
         self.pulls = PullStreams()  # generation side
         self._importing: list[_Import] = []  # (generation loop only)
+        self.writer = ShmWriter()  # context side, shm
+        self._readers: ThreadPoolExecutor | None = None  # generation side, shm (made on first use)
         with _EXPORTERS_LOCK:
             _EXPORTERS[self.exporter_id] = self
 
@@ -224,13 +240,14 @@ class Disaggregation:
         block_ids = list(seq.block_ids[:num_blocks])
         handle = next(self._handles)
         transport = seq.state.request.kv_transfer or self.transport
-        where = {}
-        if transport == "shm":
-            where["path"] = kv_transfer_shm.write_blocks(ex.runner.kv_cache, block_ids, self.exporter_id, handle)
-            pin = _Pin([], time.monotonic() + self.timeout_s, where["path"])
+        where, ready = {}, self.ready.take(seq.request_id)
+        if transport == "shm":  # the blocks are copied out (the loop's stream waits for the gather) and freed as usual
+            where["path"], writing = self.writer.start_write(ex.runner.kv_cache, block_ids, self.exporter_id, handle,
+                                                             ready)
+            pin = _Pin([], time.monotonic() + self.timeout_s, where["path"], writing=writing)
         else:
             ex.blocks.acquire(block_ids)  # scheduler.finish drops the sequence's ref; this one stays
-            pin = _Pin(block_ids, time.monotonic() + self.timeout_s, ready=self.ready.take(seq.request_id))
+            pin = _Pin(block_ids, time.monotonic() + self.timeout_s, ready=ready)
         with self._lock:
             self._pins[handle] = pin
         first = seq.token_ids[seq.num_prompt_tokens] if seq.num_generated_tokens else seq.state.request.end_id
@@ -249,7 +266,7 @@ class Disaggregation:
 
     def has_work(self) -> bool:
         """A pin to free now (released by its fetcher, or expired), or a finished pull."""
-        if any(item.pull.done() for item in self._importing):
+        if any(item.ready() for item in self._importing):
             return True
         now = time.monotonic()
         with self._lock:
@@ -272,12 +289,15 @@ class Disaggregation:
             self.ready.forget(self.executor._active)
         now = time.monotonic()
         with self._lock:
-            done = [h for h, pin in self._pins.items()
-                    if pin.state == "released" or (pin.state == "pinned" and pin.deadline <= now)
-                    or (pin.path is not None and not os.path.exists(pin.path))]  # shm: fetched
+            done = [h for h, pin in self._pins.items() if pin.settled() and (
+                    pin.state == "released" or (pin.state == "pinned" and pin.deadline <= now)
+                    or (pin.path is not None and not os.path.exists(pin.path)))]  # shm: fetched (or its write failed)
             pins = [self._pins.pop(h) for h in done]
         for pin in pins:
             if pin.path is not None:  # shm: only a file no generation side took counts as expired
+                if pin.writing.exception() is not None:  # (its reader says "gone"; the cause is here)
+                    print(f"[disaggregated] writing the KV file {pin.path} failed: {pin.writing.exception()!r}",
+                          file=sys.stderr, flush=True)
                 self.num_expired += kv_transfer_shm.expire(pin.path)
                 continue
             self.num_expired += pin.state == "pinned"
@@ -309,10 +329,14 @@ class Disaggregation:
 
     def shutdown(self) -> None:
         for item in self._importing:  # (a pull reads the source pool: done before its pin is released)
-            item.pull.wait()
+            if item.pull is not None:
+                item.pull.wait()
             if item.source is not None:
                 item.source.release(item.fields["handle"])
         self._importing = []
+        if self._readers is not None:
+            self._readers.shutdown(wait=False, cancel_futures=True)
+        self.writer.shutdown()  # (files being written are in place before they are deleted below)
         with _EXPORTERS_LOCK:
             _EXPORTERS.pop(self.exporter_id, None)
         with self._lock:
@@ -358,15 +382,14 @@ class Disaggregation:
         if num_blocks > ex.blocks.num_free_blocks:
             return (f"context_phase_params: {num_blocks} KV blocks needed, {ex.blocks.num_free_blocks} free; "
                     f"retry later")
-        started = time.perf_counter()
-        blocks = kv_transfer_shm.claim_blocks(fields["path"])
-        if blocks is None:
-            return ("context_phase_params: the context phase's KV cache is gone (fetched already, or deleted "
-                    "after the context side's timeout); run the context_only request again")
-        read_ms = (time.perf_counter() - started) * 1e3
         dst_ids = ex.blocks.allocate(num_blocks)
-        self._start(_Import(seq, fields, dst_ids, self.pulls.scatter(blocks, ex.runner.kv_cache, dst_ids),
-                            extra_ms=read_ms))
+        pool = ex.runner.kv_cache
+        shape = (num_blocks, *block_major(pool).shape[1:])
+        if self._readers is None:
+            self._readers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-shm-read")
+        reading = self._readers.submit(_read_file, fields["path"], shape, pool.element_size(),
+                                       pool.device.type == "cuda", self.timeout_s)
+        self._importing.append(_Import(seq, fields, dst_ids, reading=reading))
         return None
 
     def _start(self, item: _Import) -> None:
@@ -376,11 +399,34 @@ class Disaggregation:
             self._importing.append(item)
 
     def _finish_pulls(self) -> None:
-        done = [item for item in self._importing if item.pull.done()]
-        if done:
-            self._importing = [item for item in self._importing if item not in done]
+        done = [item for item in self._importing if item.ready()]
+        if not done:
+            return
+        self._importing = [item for item in self._importing if item not in done]
         for item in done:
-            self._arrived(item)
+            if item.reading is None:
+                self._arrived(item)
+            elif self._file_read(item):  # shm: the file was read; its scatter starts
+                self._start(item)
+
+    def _file_read(self, item: _Import) -> bool:
+        """A reader thread finished: scatter the blocks (True), or fail the request / drop a cancelled one."""
+        ex = self.executor
+        reading, item.reading = item.reading, None
+        try:
+            blocks, item.extra_ms = reading.result()
+            error = None if blocks is not None else (
+                "context_phase_params: the context phase's KV cache is gone (fetched already, or deleted after the "
+                "context side's timeout); run the context_only request again")
+        except Exception as err:  # (I/O: a full or vanished transfer directory)
+            blocks, error = None, f"context_phase_params: reading the context phase's KV file failed: {err!r}"
+        if blocks is None or item.seq.is_finished:
+            ex.blocks.free(item.dst_ids)
+            if error is not None and not item.seq.is_finished:
+                ex._fail(item.seq.state, error)
+            return False
+        item.pull = self.pulls.scatter(blocks, ex.runner.kv_cache, item.dst_ids)
+        return True
 
     def _arrived(self, item: _Import) -> None:
         """A pull is done: the source pin goes back; the sequence (unless it ended meanwhile) gets its blocks,
@@ -404,3 +450,10 @@ class Disaggregation:
     @property
     def num_importing(self) -> int:
         return len(self._importing)
+
+
+def _read_file(path: str, shape: tuple, element_size: int, pinned: bool, wait_s: float):
+    """A reader thread: (the blocks or None when gone, ms spent)."""
+    started = time.perf_counter()
+    blocks = kv_transfer_shm.claim_blocks(path, shape, element_size, pinned, wait_s)
+    return blocks, (time.perf_counter() - started) * 1e3

@@ -2,24 +2,34 @@
 shared memory, for a generation executor in another process of the same host (two Triton models,
 each with its own engine process). engine/executor/disaggregated.py decides when it is used.
 
-Life of one file (``<dir>/tritonllm-kv-<exporter>-<handle>.pt``, dir = TRITONLLM_KV_TRANSFER_DIR,
+Life of one file (``<dir>/tritonllm-kv-<exporter>-<handle>.kv``, dir = TRITONLLM_KV_TRANSFER_DIR,
 else /dev/shm, else the temp dir):
-- the context loop writes it under a temporary name and renames it into place (readers never see a
-  partial file); the GPU blocks are freed as usual right after (the bytes now live in the file);
-- a generation loop claims it by renaming it to a name of its own (atomic: one fetch per blob),
-  loads it, deletes it and scatters the blocks into its pool;
-- the context loop deletes it at the timeout if nobody claimed it (``expire``).
-Content: the blocks as (num_blocks, L, 2, T, H, D) integers of the pool's element width (bytes
-unchanged, float8 included), written by torch.save and read back with weights_only.
+- export (the context loop, ``start_write``): an empty ``<path>.partial`` is created at once (a reader
+  that comes early waits for it) and the blocks are gathered on the device, on a stream of the
+  export's own after the prompt's ready event (not behind the step in flight); the loop's stream
+  waits on the GPU for the gather only, so the blocks are freed in the pool at once. A writer thread
+  copies the gathered blocks to pinned host memory (same stream), writes the bytes and renames the
+  file into place (readers never see a partial file); if it fails, the partial file goes too;
+- a generation side claims it by renaming it to a name of its own (atomic: one fetch per blob), reads
+  it into (pinned) host memory on a reader thread (``claim_blocks``), deletes it, and scatters the
+  blocks into its pool (kv_pull.PullStreams.scatter);
+- the context loop deletes it at the timeout if nobody claimed it (``expire``), once written.
+Content: the blocks' raw bytes, (num_blocks, L, 2, T, H, D) integers of the pool's element width (float8
+included); the shape comes from the blob (its layout and num_blocks), equal on both sides.
+Neither loop waits for the file: the writer and reader threads do (file I/O releases the GIL).
 """
 from __future__ import annotations
 
 import os
 import tempfile
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from engine.executor.kv_host_tier import _SAME_WIDTH_INT
+
+WAIT_POLL_S = 0.001  # a reader's poll while the file is still being written
 
 
 def transfer_dir() -> str:
@@ -34,36 +44,93 @@ def block_major(pool: torch.Tensor) -> torch.Tensor:
     return pool.view(_SAME_WIDTH_INT[pool.element_size()]).permute(2, 0, 1, 3, 4, 5)
 
 
-def write_blocks(pool: torch.Tensor, block_ids: list[int], exporter: str, handle: int) -> str:
-    """Copy the blocks to a new file; returns its path."""
-    by_block = block_major(pool)
-    host = by_block.index_select(0, torch.tensor(block_ids, device=by_block.device)).cpu()
-    path = os.path.join(transfer_dir(), f"tritonllm-kv-{exporter}-{handle}.pt")
+class ShmWriter:
+    """The context side's exports: a stream per device (CUDA) and one writer thread, made on first use."""
+
+    def __init__(self):
+        self._threads: ThreadPoolExecutor | None = None
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def start_write(self, pool: torch.Tensor, block_ids: list[int], exporter: str, handle: int,
+                    ready=None) -> tuple[str, Future]:
+        """Copy the blocks out (the pool's blocks may be freed on return); returns the file's path and the
+        writer's future (done once the file is in place)."""
+        path = os.path.join(transfer_dir(), f"tritonllm-kv-{exporter}-{handle}.kv")
+        open(f"{path}.partial", "wb").close()  # (a reader that comes before the writer waits for it)
+        by_block = block_major(pool)
+        stream = None
+        if by_block.device.type != "cuda":
+            gathered = by_block.index_select(0, torch.tensor(block_ids)).contiguous()
+        else:
+            stream, gathered = self._gather(by_block, block_ids, ready)
+        if self._threads is None:
+            self._threads = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-shm-write")
+        return path, self._threads.submit(_write, gathered, stream, path)
+
+    def _gather(self, by_block: torch.Tensor, block_ids: list[int], ready):
+        """The blocks gathered on a stream of our own after ``ready``; the loop's stream waits for the gather
+        (its next steps may write the freed blocks after it), not for the host copy."""
+        device = by_block.device
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        stream, loop_stream = self._streams[device], torch.cuda.current_stream(device)
+        with torch.cuda.stream(stream):
+            if ready is not None:
+                stream.wait_event(ready)
+            else:
+                stream.wait_stream(loop_stream)
+            index = torch.tensor(block_ids, dtype=torch.long).pin_memory().to(device, non_blocking=True)
+            gathered = by_block.index_select(0, index)
+        loop_stream.wait_stream(stream)
+        return stream, gathered
+
+    def shutdown(self) -> None:
+        if self._threads is not None:
+            self._threads.shutdown(wait=True)
+
+
+def _write(gathered: torch.Tensor, stream, path: str) -> None:
+    """The writer thread: (CUDA) host copy on the gather's stream, then the file."""
     partial = f"{path}.partial"
-    torch.save(host, partial)
-    os.replace(partial, path)
-    return path
+    try:
+        if stream is None:
+            host = gathered
+        else:
+            with torch.cuda.stream(stream):  # after the gather (stream order); ``gathered`` is freed to this stream
+                host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
+                host.copy_(gathered, non_blocking=True)
+                stream.synchronize()
+        with open(partial, "wb") as f:
+            f.write(memoryview(host.numpy()).cast("B"))
+        os.replace(partial, path)
+    except BaseException:
+        expire(partial)  # a reader waiting for it gives up at once
+        raise
 
 
-def claim_blocks(path: str) -> torch.Tensor | None:
-    """Take the file (None: fetched already or expired) and return its blocks; the file is deleted."""
+def claim_blocks(path: str, shape: tuple, element_size: int, pinned: bool, wait_s: float) -> torch.Tensor | None:
+    """Take the file (None: fetched already, expired, or still unwritten after ``wait_s``), read its blocks
+    (``shape``: (num_blocks, L, 2, T, H, D)) into (pinned) host memory and delete it. A reader's thread."""
     mine = f"{path}.claimed-{os.getpid()}"
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            os.rename(path, mine)
+            break
+        except FileNotFoundError:
+            if not os.path.exists(f"{path}.partial") and not os.path.exists(path) or time.monotonic() > deadline:
+                if os.path.exists(path):
+                    continue  # renamed into place between the two checks
+                return None
+            time.sleep(WAIT_POLL_S)  # the context side is still writing it
     try:
-        os.rename(path, mine)
-    except FileNotFoundError:
-        return None
-    try:
-        return torch.load(mine, weights_only=True)
+        blocks = torch.empty(shape, dtype=_SAME_WIDTH_INT[element_size], pin_memory=pinned)
+        with open(mine, "rb") as f:
+            if f.readinto(memoryview(blocks.numpy()).cast("B")) != blocks.numel() * element_size:
+                return None  # (a file of another layout; the blob's checks make this unreachable)
+        return blocks
     finally:
         os.remove(mine)
-
-
-def scatter_blocks(blocks: torch.Tensor, pool: torch.Tensor, block_ids: list[int]) -> None:
-    """pool[:, :, block_ids[i]] = blocks[i]."""
-    by_block = block_major(pool)
-    by_block.index_copy_(0, torch.tensor(block_ids, device=by_block.device), blocks.to(by_block.device))
-    if by_block.device.type == "cuda":
-        torch.cuda.synchronize(by_block.device)
 
 
 def expire(path: str) -> bool:

@@ -1,14 +1,18 @@
 """The generation side's KV pull (engine/executor/kv_pull.py): byte-exact in chunks; on CUDA it runs on
-streams of its own, so it finishes while the source GPU's compute stream is still busy."""
+streams of its own, so it finishes while the source GPU's compute stream is still busy. The shm
+transport's file (kv_transfer_shm.py): written by a thread, a reader waits for it, one fetch."""
 from __future__ import annotations
 
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from engine.executor import kv_pull
+from engine.executor import kv_pull, kv_transfer_shm
 from engine.executor.kv_pull import PullStreams
+from engine.executor.kv_transfer_shm import ShmWriter, block_major, claim_blocks
 
 SHAPE = (2, 2, 16, 4, 2, 8)  # (layers, 2, blocks, tokens per block, kv heads, head dim)
 SRC_IDS, DST_IDS = [3, 5, 6, 7, 12], [1, 2, 9, 0, 15]
@@ -55,3 +59,21 @@ def test_a_pull_does_not_wait_for_the_source_gpus_compute_stream():
     assert torch.equal(dst[:, :, DST_IDS].cpu(), src[:, :, SRC_IDS].cpu()) and torch.equal(again.cpu(), dst.cpu())
     assert 0 < pull.elapsed_ms() < 1000
     compute.synchronize()
+
+
+def test_shm_reader_waits_for_a_file_being_written_and_a_fetch_is_one_shot(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITONLLM_KV_TRANSFER_DIR", str(tmp_path))
+    src, _ = _pools("cpu", "cpu")
+    gate, write = threading.Event(), kv_transfer_shm._write
+    monkeypatch.setattr(kv_transfer_shm, "_write", lambda *args: (gate.wait(5), write(*args))[1])
+    writer = ShmWriter()
+    path, writing = writer.start_write(src, SRC_IDS, "test", 1)
+    shape = (len(SRC_IDS), *block_major(src).shape[1:])
+    with ThreadPoolExecutor(1) as readers:
+        reading = readers.submit(claim_blocks, path, shape, 2, False, 5.0)
+        time.sleep(0.05)
+        assert not reading.done()  # the writer has not written it yet: the reader waits
+        gate.set()
+        assert torch.equal(reading.result(5), block_major(src)[SRC_IDS]) and writing.result() is None
+    assert claim_blocks(path, shape, 2, False, 5.0) is None and not list(tmp_path.iterdir())
+    writer.shutdown()
