@@ -275,7 +275,7 @@ class Disaggregation:
 
     def wait_timeout(self) -> float | None:
         """How long the idle loop may sleep before a pin expires or a pull should be polled (None: neither)."""
-        if self._importing:
+        if any(item.reading is None for item in self._importing):  # (a reader thread notifies when it is done)
             return POLL_S
         with self._lock:
             deadlines = [pin.deadline for pin in self._pins.values() if pin.state == "pinned"]
@@ -324,8 +324,7 @@ class Disaggregation:
             pin = self._pins.get(handle)
             if pin is not None:
                 pin.state = "released"
-        with self.executor._cv:
-            self.executor._cv.notify()
+        self._wake()
 
     def shutdown(self) -> None:
         for item in self._importing:  # (a pull reads the source pool: done before its pin is released)
@@ -390,7 +389,12 @@ class Disaggregation:
         reading = self._readers.submit(_read_file, fields["path"], shape, pool.element_size(),
                                        pool.device.type == "cuda", self.timeout_s)
         self._importing.append(_Import(seq, fields, dst_ids, reading=reading))
+        reading.add_done_callback(lambda _: self._wake())
         return None
+
+    def _wake(self) -> None:
+        with self.executor._cv:
+            self.executor._cv.notify()
 
     def _start(self, item: _Import) -> None:
         if item.pull.done():  # off CUDA: copied already
