@@ -27,8 +27,11 @@ heads' three layers inside every graph (engine/executor/layer_taps.py). Sections
    target's own continuation to depth L - 1 and every other node a wrong token, so each step
    accepts L - 1 drafts and emits L tokens. The continuation is plain greedy decoding's; on random
    weights a tree step and a decode step may round a near-tie differently, so the run is repeated
-   (off the clock) with its own output as the continuation until they agree (at most 3 runs); the
-   table says whether they did and the acceptance length measured. Tokens/s from the request's first
+   (off the clock) with its own output as the continuation until they agree (at least 2 runs, the
+   first a warm-up; at most 3); the table says whether they did and the acceptance length measured
+   (a run that left its continuation at position p accepts nothing after p: 1 token a step there).
+   Per run also the median and slowest step (the executor's iteration history) and Python's full
+   GC collections inside it, so one pause reads apart from a slower loop. Tokens/s from the request's first
    to last token against plain decoding's on the same engine (the proposer detached: the plain,
    overlapped loop); and, robust to such misses, the speed-up at exactly the forced length: L tokens
    per mean step of the loop against plain decoding's step. Goal: >= 2.5x at acceptance length 4.
@@ -38,17 +41,22 @@ heads' three layers inside every graph (engine/executor/layer_taps.py). Sections
    near-tie that differing kernels round either way (random weights' logits are nearly flat), a
    larger one a bug to look at. (On the CPU in float32, --tiny, the ids equal plain decoding's, as
    tests/executor/test_speculative_eagle3.py asserts against transformers.)
-   Then for each ``--batches`` size B > 1: B copies of the prompt at once, plain, oracle and EAGLE-3
-   at the middle forced length: each step's drafting for all B sequences is one replay of a batched
+   Then for each ``--batches`` size B > 1: B different prompts at once (the loop's and B - 1 others),
+   plain, oracle and EAGLE-3 at the middle forced length, each row forced to its own continuation
+   from this batch's plain run (batch B's decode may round a near-tie otherwise than batch 1's; one
+   shared prompt would hide a step that verified a row against another row's logits), repeated as
+   at batch 1: each step's drafting for all B sequences is one replay of a batched
    window (eagle3_graphs.py), so EAGLE-3's step minus the oracle's (drafting) should stay near batch
    1's, not B times it (rows with ``batch`` B; the drafter column says "x B").
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -59,7 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: en
 from benchmarks.common import (MODELS, command_line, device_name, free_device_memory, git_commit,  # noqa: E402
                                int_list, print_table, utc_now, write_config_only_engine)
 from benchmarks.speculative.speculative_bench import (decode_seconds, greedy_request, run_one, step_path,  # noqa: E402
-                                                      time_step, verify_batch, with_blocks)
+                                                      steps_since, time_step, verify_batch, with_blocks)
 
 DTYPES = {"bf16": None, "fp8": "fp8"}
 GOAL_TREE_RATIO = 1.3  # 64 nodes at batch 1 against a decode step
@@ -202,19 +210,35 @@ def tree_depths(parents: list[int]) -> list[int]:
 
 
 def force_acceptance(proposer, state: dict, vocab: int) -> None:
-    """After the drafter ran: the tree's first-child chain takes state["truth"] to depth
-    state["depth"], every other node a wrong token."""
+    """After the drafter ran: the tree's first-child chain takes the sequence's truth to depth
+    state["depth"], every other node a wrong token. state["truth"]: one list (prompt + continuation)
+    for every sequence, or a dict {tuple(prompt): prompt + continuation}, a truth per prompt (a batch
+    of different prompts: each row is forced to its own continuation, not row 0's; a prompt not in
+    it keeps the drafter's tokens). Past its truth's end a node keeps the drafter's token too."""
     propose = proposer.propose
+    memo = {}  # seq_id -> (the truths it was looked up in, its truth): one prompt lookup a sequence
+
+    def truth_of(seq) -> list[int]:
+        truths = state["truth"]
+        if isinstance(truths, list):
+            return truths
+        hit = memo.get(seq.seq_id)
+        if hit is None or hit[0] is not truths:
+            hit = memo[seq.seq_id] = (truths, truths.get(tuple(seq.token_ids[:seq.num_prompt_tokens]), []))
+        return hit[1]
 
     def forced(seqs, max_draft_len):
         drafts = propose(seqs, max_draft_len)
-        truth, depth_limit = state["truth"], state["depth"]
+        depth_limit = state["depth"]
         for seq, tokens in zip(seqs, drafts):
+            truth = truth_of(seq)
             chain, extended, depth = {-1}, set(), {-1: 0}
             for i, parent in enumerate(seq.draft_parents or []):
                 depth[i] = depth[parent] + 1
                 at = len(seq.token_ids) + depth[i] - 1
-                true = truth[at] if at < len(truth) else -1
+                if at >= len(truth):
+                    continue
+                true = truth[at]
                 if parent in chain and parent not in extended and depth[i] <= depth_limit:
                     extended.add(parent)
                     chain.add(i)
@@ -271,6 +295,75 @@ def difference_text(diff: dict | None) -> str:
             f"{'near-tie' if diff['near_tie'] else 'NOT a near-tie'}")
 
 
+class GcPauses:
+    """Python's full (generation 2) collections while a run is timed: how many and their ms. A full
+    collection walks every tracked object (~200k in a loaded executor: ~85 ms on the CPU runner of
+    2026-11-29), a pause inside one step; a collection is made just before each run so the garbage
+    of the runs before is not collected on its clock."""
+
+    def __init__(self):
+        self.count, self.ms, self._started = 0, 0.0, None
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if info.get("generation") != 2:
+            return
+        if phase == "start":
+            self._started = time.perf_counter()
+        elif self._started is not None:
+            self.count += 1
+            self.ms += (time.perf_counter() - self._started) * 1e3
+            self._started = None
+
+    def __enter__(self) -> "GcPauses":
+        gc.collect()
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self)
+
+
+def timed(executor, requests: list) -> tuple[list, dict]:
+    """Run ``requests`` together -> (their results, the run's profile: median and slowest step ms
+    from the executor's iteration history (decode steps only), the slowest step's index, full GC
+    collections and their ms inside the run): one slow step (a pause) reads apart from a slower loop."""
+    from engine.executor.request import now_ns
+
+    since = now_ns()
+    with GcPauses() as pauses:
+        results = run_all(executor, requests)
+    latencies = [s.iter_latency_ms for s in steps_since(executor, since) if not s.num_ctx_tokens]
+    slowest = max(range(len(latencies)), key=latencies.__getitem__) if latencies else None
+    return results, {"median_step_ms": statistics.median(latencies) if latencies else None,
+                     "max_step_ms": None if slowest is None else latencies[slowest], "max_step_at": slowest,
+                     "steps": len(latencies), "gc_full": pauses.count, "gc_full_ms": round(pauses.ms, 1)}
+
+
+def profile_text(profile: dict) -> str:
+    if profile.get("median_step_ms") is None:
+        return "no step history"
+    return (f"steps median {profile['median_step_ms']:.2f} / max {profile['max_step_ms']:.2f} ms (step "
+            f"{profile['max_step_at']} of {profile['steps']}); full GCs {profile['gc_full']} "
+            f"({profile['gc_full_ms']} ms)")
+
+
+def forced_runs(executor, args, prompts: list[list[int]], truths: dict, state: dict, length: int) -> tuple:
+    """The prompts together with acceptance forced to ``length``, each row to its own continuation
+    (``truths``: tuple(prompt) -> prompt + continuation), until every row's ids equal the continuation
+    it was forced to: at least 2 runs (the first a warm-up: a batch size's first tree steps, graph
+    uploads), at most 3; after a run that left a continuation (a near-tie rounded the other way), its
+    own ids are the next run's. -> (results of the last run, its profile, runs, whether they agreed)."""
+    state["depth"], state["truth"] = length - 1, truths
+    for attempt in range(1, 4):
+        results, profile = timed(executor, [greedy_request(p, args.output_len) for p in prompts])
+        ids = [list(r.output_token_ids[0]) for r in results]
+        agrees = all(i == truths[tuple(p)][len(p):] for p, i in zip(prompts, ids))
+        if agrees and attempt >= 2:
+            break
+        truths = state["truth"] = {tuple(p): p + i for p, i in zip(prompts, ids)}
+    return results, profile, attempt, agrees
+
+
 def bench_loop(executor, args) -> dict:
     vocab = executor.runner.vocab_size
     prompt = [random.Random(7).randrange(vocab) for _ in range(args.context)]
@@ -293,14 +386,9 @@ def bench_loop(executor, args) -> dict:
     for drafter, proposer in (("oracle", oracle), ("EAGLE-3", eagle)):
         executor.proposer = proposer
         for length in args.lengths:
-            state["depth"], state["truth"] = length - 1, prompt + plain_ids
-            for attempt in range(1, 4):
-                result = run_one(executor, greedy_request(prompt, args.output_len))
-                ids = list(result.output_token_ids[0])
-                agrees = ids == state["truth"][len(prompt):]
-                if agrees:
-                    break
-                state["truth"] = prompt + ids
+            truths = {tuple(prompt): prompt + plain_ids}
+            [result], profile, attempt, agrees = forced_runs(executor, args, [prompt], truths, state, length)
+            ids = list(result.output_token_ids[0])
             accepted = result.perf.total_accepted_draft_tokens
             steps = len(ids) - 1 - accepted
             tps = (len(ids) - 1) / decode_seconds(result)
@@ -309,16 +397,16 @@ def bench_loop(executor, args) -> dict:
                          "measured_length": (len(ids) - 1) / max(steps, 1),
                          "runs": attempt, "ids_agree": agrees, "ids_equal_plain": ids == plain_ids,
                          "first_difference": first_difference(ids, plain_ids, logits), "tok_s": tps,
-                         "plain_tok_s": plain, "speedup": tps / plain, "step_ms": step_ms,
+                         "plain_tok_s": plain, "speedup": tps / plain, "step_ms": step_ms, **profile,
                          # at exactly the forced length: L tokens per step of the loop's mean step time
                          "speedup_at_length": length * (1e3 / plain) / step_ms})
             print(f"    {drafter} L={length}: {tps:.1f} tok/s vs plain {plain:.1f}: {tps / plain:.2f}x (measured L "
                   f"{rows[-1]['measured_length']:.2f}, runs {attempt}; step {step_ms:.2f} ms: "
                   f"{rows[-1]['speedup_at_length']:.2f}x at L; first difference from plain "
-                  f"{difference_text(rows[-1]['first_difference'])})", flush=True)
+                  f"{difference_text(rows[-1]['first_difference'])}; {profile_text(profile)})", flush=True)
             args.save({"plain_tok_s": plain, "rows": rows})  # a run cut short keeps its rows
     for batch in (b for b in args.batches if b > 1):
-        rows += loop_at_batch(executor, args, batch, prompt, plain_ids, {"oracle": oracle, "EAGLE-3": eagle}, state)
+        rows += loop_at_batch(executor, args, batch, prompt, {"oracle": oracle, "EAGLE-3": eagle}, state)
         args.save({"plain_tok_s": plain, "rows": rows})
     executor.proposer = eagle
     return {"plain_tok_s": plain, "plain_step_ms": 1e3 / plain, "rows": rows}
@@ -337,34 +425,42 @@ def run_all(executor, requests: list) -> list:
     return [results[i] for i in ids]
 
 
-def loop_at_batch(executor, args, batch: int, prompt: list[int], plain_ids: list[int], drafters: dict,
-                  state: dict) -> list[dict]:
-    """The loop at ``batch`` copies of the prompt: plain (no proposer), then each drafter at the middle
-    forced length -> rows (batch, step ms = each request's decode time over its steps, averaged)."""
+def loop_at_batch(executor, args, batch: int, prompt: list[int], drafters: dict, state: dict) -> list[dict]:
+    """The loop at ``batch`` different prompts (``prompt`` and batch - 1 others): plain (no proposer),
+    then each drafter at the middle forced length, each row forced to its own continuation from this
+    batch's plain run (a batch's decode steps may round a near-tie otherwise than batch 1's, and rows
+    of one prompt would hide a step that verified one row against another's logits) -> rows (batch,
+    step ms = each request's decode time over its steps, averaged)."""
     length = args.lengths[len(args.lengths) // 2]
+    vocab = executor.runner.vocab_size
+    prompts = [prompt] + [[random.Random(7 + i).randrange(vocab) for _ in range(len(prompt))] for i in range(1, batch)]
     executor.proposer = None
-    results = run_all(executor, [greedy_request(prompt, args.output_len) for _ in range(batch)])
+    results = run_all(executor, [greedy_request(p, args.output_len) for p in prompts])
+    plain_ids = [list(r.output_token_ids[0]) for r in results]
     plain_ms = 1e3 * sum(decode_seconds(r) / (len(r.output_token_ids[0]) - 1) for r in results) / batch
     print(f"    batch {batch}: plain step {plain_ms:.2f} ms", flush=True)
     rows = []
     for drafter, proposer in drafters.items():
         executor.proposer = proposer
-        state["depth"], state["truth"] = length - 1, prompt + plain_ids
-        results = run_all(executor, [greedy_request(prompt, args.output_len) for _ in range(batch)])
+        truths = {tuple(p): p + i for p, i in zip(prompts, plain_ids)}
+        results, profile, attempt, agrees = forced_runs(executor, args, prompts, truths, state, length)
         ids = [list(r.output_token_ids[0]) for r in results]
         steps = [len(i) - 1 - r.perf.total_accepted_draft_tokens for i, r in zip(ids, results)]
         step_ms = 1e3 * sum(decode_seconds(r) / max(n, 1) for r, n in zip(results, steps)) / batch
         measured = sum((len(i) - 1) / max(n, 1) for i, n in zip(ids, steps)) / batch
         plain_tok_s = 1e3 / plain_ms
         tps = measured * 1e3 / step_ms
+        differ = next((r for r in range(batch) if ids[r] != plain_ids[r]), None)  # the first row leaving plain
         rows.append({"drafter": drafter, "batch": batch, "forced_length": length, "measured_length": measured,
-                     "runs": 1, "ids_agree": all(i == ids[0] for i in ids), "ids_equal_plain": ids[0] == plain_ids,
-                     "first_difference": first_difference(ids[0], plain_ids, None), "tok_s": tps,
-                     "plain_tok_s": plain_tok_s, "speedup": tps / plain_tok_s, "step_ms": step_ms,
-                     "speedup_at_length": length * plain_ms / step_ms})
+                     "runs": attempt, "ids_agree": agrees, "ids_equal_plain": differ is None,
+                     "first_difference": None if differ is None else first_difference(ids[differ], plain_ids[differ],
+                                                                                       None),
+                     "tok_s": tps, "plain_tok_s": plain_tok_s, "speedup": tps / plain_tok_s, "step_ms": step_ms,
+                     "speedup_at_length": length * plain_ms / step_ms, **profile})
         print(f"    {drafter} x{batch} L={length}: step {step_ms:.2f} ms vs plain {plain_ms:.2f} ms (measured L "
-              f"{measured:.2f}: {tps / plain_tok_s:.2f}x; {length * plain_ms / step_ms:.2f}x at L; the batch's ids "
-              f"{'all the same' if rows[-1]['ids_agree'] else 'NOT all the same'})", flush=True)
+              f"{measured:.2f}: {tps / plain_tok_s:.2f}x; {length * plain_ms / step_ms:.2f}x at L; every row's ids "
+              f"{'equal' if agrees else 'do NOT equal'} its continuation, runs {attempt}; "
+              f"{'= plain' if differ is None else f'row {differ} leaves plain'}; {profile_text(profile)})", flush=True)
     return rows
 
 
@@ -378,8 +474,8 @@ def markdown(results: dict) -> str:
                          f"{r['tree_ms']:.3f} | {r['plain_ms']:.3f} | **{r['ratio']:.2f}x** |")
     lines += ["", "| dtype | drafter | forced acceptance length | measured | tok/s | plain tok/s | speed-up | "
               "step ms (plain) | speed-up at the forced length | ids = continuation (runs) / = plain | "
-              "first difference from plain |",
-              "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+              "first difference from plain | step ms median / max (full GCs) |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|"]
     for label, entry in results["dtypes"].items():
         loop = entry.get("loop")
         for r in (loop or {}).get("rows", []):
@@ -388,8 +484,14 @@ def markdown(results: dict) -> str:
                          f"{r['tok_s']:.1f} | {r['plain_tok_s']:.1f} | **{r['speedup']:.2f}x** | {r['step_ms']:.2f} "
                          f"({1e3 / r['plain_tok_s']:.2f}) | {r['speedup_at_length']:.2f}x | "
                          f"{'yes' if r['ids_agree'] else 'no'} ({r['runs']}) / {'yes' if r['ids_equal_plain'] else 'no'} | "
-                         f"{difference_text(r.get('first_difference'))} |")
+                         f"{difference_text(r.get('first_difference'))} | {steps_cell(r)} |")
     return "\n".join(lines)
+
+
+def steps_cell(row: dict) -> str:
+    if row.get("median_step_ms") is None:
+        return "-"
+    return f"{row['median_step_ms']:.2f} / {row['max_step_ms']:.2f} ({row['gc_full']})"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -404,7 +506,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--lengths", default="3,4,5")
     parser.add_argument("--loop-nodes", type=int, default=16)
     parser.add_argument("--context", type=int, default=None, help="tokens of context (512; --tiny: 24)")
-    parser.add_argument("--output-len", type=int, default=96)
+    parser.add_argument("--output-len", type=int, default=None, help="tokens per request (96; --tiny: 12)")
     parser.add_argument("--draft-vocab", type=int, default=32000)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeat", type=int, default=10)
@@ -417,11 +519,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.model_dtype = "bfloat16"
     if args.tiny:
         args.model, args.model_dtype, args.device = "tiny", "float32", args.device or "cpu"
-        args.dtypes, args.output_len, args.draft_vocab = "bf16", 12, 64
+        args.dtypes, args.draft_vocab = "bf16", 64
+        args.output_len = args.output_len or 12
         args.context = args.context or 24
         args.repeat, args.warmup = 2, 1
     args.device = args.device or "cuda"
     args.context = args.context or 512
+    args.output_len = args.output_len or 96
     args.max_batch_size = max(args.batches)
     args.max_seq_len = args.context + args.output_len + 128
     args.kv_tokens = args.max_batch_size * args.max_seq_len + 4096

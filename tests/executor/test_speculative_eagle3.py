@@ -377,23 +377,30 @@ def run_eagle_executor(tmp_path, tiny_engine, tiny_hf, device: str) -> dict:
             if dynamic:
                 continue
             proposer = executor.proposer
-            full = tiny_hf.generate(torch.tensor([prompts[1]]), max_new_tokens=16, do_sample=False)[0].tolist()
-            force_acceptance(proposer, {"truth": full, "depth": 8}, VOCAB)  # (the bench's forcing)
+            # the bench's forcing, two prompts in one batch, each forced to its own continuation
+            # (a verify step that read one row's logits for another would leave it)
+            full, other = (tiny_hf.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False)[0].tolist()
+                           for p in prompts[1:3])
+            truths = {tuple(prompts[1]): full, tuple(prompts[2]): other}
+            force_acceptance(proposer, {"truth": truths, "depth": 8}, VOCAB)
             before, released = executor._num_accepted_draft_tokens_total, {}
-            proposer.release = lambda seq: released.update({seq.seq_id: proposer._caches.pop(seq.seq_id)})
-            [rid] = executor.enqueue_requests([Request(prompts[1], 16)])
-            assert final_tokens(collect(executor, [rid], timeout=300)[rid]) == full[len(prompts[1]):]
-            assert executor._num_accepted_draft_tokens_total - before >= 8
-            [cache] = released.values()
-            n = cache.length
-            assert cache.start == 0 and n >= len(full) - 6
+            proposer.release = lambda seq: released.update(
+                {tuple(seq.token_ids[:seq.num_prompt_tokens]): proposer._caches.pop(seq.seq_id)})
+            rids = executor.enqueue_requests([Request(prompts[1], 16), Request(prompts[2], 16)])
+            got = collect(executor, rids, timeout=300)
+            assert [final_tokens(got[i]) for i in rids] == [full[len(prompts[1]):], other[len(prompts[2]):]]
+            assert executor._num_accepted_draft_tokens_total - before >= 16
             head = proposer.head
-            with torch.no_grad():
-                stream = tiny_hf(torch.tensor([full[:n]]), output_hidden_states=True).hidden_states[1][0]
-                g = head.features(*(stream.to(cache.k.device),) * 3)
-                _, k, _ = head.qkv(runner.model.embed_tokens(torch.tensor(full[1:n + 1], device=cache.k.device)), g,
-                                   0)
-            torch.testing.assert_close(cache.k[:n], k, rtol=1e-3, atol=1e-3)
+            for prompt, truth in ((prompts[1], full), (prompts[2], other)):  # each row's own features
+                cache = released[tuple(prompt)]
+                n = cache.length
+                assert cache.start == 0 and n >= len(truth) - 6
+                with torch.no_grad():
+                    stream = tiny_hf(torch.tensor([truth[:n]]), output_hidden_states=True).hidden_states[1][0]
+                    g = head.features(*(stream.to(cache.k.device),) * 3)
+                    _, k, _ = head.qkv(runner.model.embed_tokens(torch.tensor(truth[1:n + 1], device=cache.k.device)),
+                                       g, 0)
+                torch.testing.assert_close(cache.k[:n], k, rtol=1e-3, atol=1e-3)
             if device == "cuda":  # static trees replayed their recorded proposal, which drafts the eager tree
                 assert proposer.graphs.replays > 0
                 check_windows(head, runner.model.embed_tokens, tiny_hf, proposer.graphs, proposer.plan)
