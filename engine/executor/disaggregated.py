@@ -386,8 +386,8 @@ class Disaggregation:
         shape = (num_blocks, *block_major(pool).shape[1:])
         if self._readers is None:
             self._readers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-shm-read")
-        reading = self._readers.submit(_read_file, fields["path"], shape, pool.element_size(),
-                                       pool.device.type == "cuda", self.timeout_s)
+        reading = self._readers.submit(_read_file, fields["path"], shape, pool.element_size(), pool.device,
+                                       self.timeout_s)
         self._importing.append(_Import(seq, fields, dst_ids, reading=reading))
         reading.add_done_callback(lambda _: self._wake())
         return None
@@ -456,8 +456,8 @@ class Disaggregation:
         return len(self._importing)
 
 
-def _read_file(path: str, shape: tuple, element_size: int, pinned: bool, wait_s: float):
+def _read_file(path: str, shape: tuple, element_size: int, device, wait_s: float):
     """A reader thread: (the blocks or None when gone, ms spent)."""
     started = time.perf_counter()
-    blocks = kv_transfer_shm.claim_blocks(path, shape, element_size, pinned, wait_s)
+    blocks = kv_transfer_shm.claim_blocks(path, shape, element_size, device, wait_s)
     return blocks, (time.perf_counter() - started) * 1e3

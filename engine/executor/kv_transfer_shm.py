@@ -8,8 +8,9 @@ else /dev/shm, else the temp dir):
   that comes early waits for it) and the blocks are gathered on the device, on a stream of the
   export's own after the prompt's ready event (not behind the step in flight); the loop's stream
   waits on the GPU for the gather only, so the blocks are freed in the pool at once. A writer thread
-  copies the gathered blocks to pinned host memory (same stream), writes the bytes and renames the
-  file into place (readers never see a partial file); if it fails, the partial file goes too;
+  copies the gathered blocks to pinned host memory (on a copy stream: a later export's gather does not
+  queue behind this host copy), writes the bytes and renames the file into place (readers never see a
+  partial file); if it fails, the partial file goes too;
 - a generation side claims it by renaming it to a name of its own (atomic: one fetch per blob), reads
   it into (pinned) host memory on a reader thread (``claim_blocks``), deletes it, and scatters the
   blocks into its pool (kv_pull.PullStreams.scatter);
@@ -49,7 +50,7 @@ class ShmWriter:
 
     def __init__(self):
         self._threads: ThreadPoolExecutor | None = None
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._streams: dict[torch.device, tuple] = {}  # device -> (gather stream, host-copy stream)
 
     def start_write(self, pool: torch.Tensor, block_ids: list[int], exporter: str, handle: int,
                     ready=None) -> tuple[str, Future]:
@@ -58,22 +59,22 @@ class ShmWriter:
         path = os.path.join(transfer_dir(), f"tritonllm-kv-{exporter}-{handle}.kv")
         open(f"{path}.partial", "wb").close()  # (a reader that comes before the writer waits for it)
         by_block = block_major(pool)
-        stream = None
+        copy_stream = None
         if by_block.device.type != "cuda":
             gathered = by_block.index_select(0, torch.tensor(block_ids)).contiguous()
         else:
-            stream, gathered = self._gather(by_block, block_ids, ready)
+            gathered, copy_stream = self._gather(by_block, block_ids, ready)
         if self._threads is None:
             self._threads = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-shm-write")
-        return path, self._threads.submit(_write, gathered, stream, path)
+        return path, self._threads.submit(_write, gathered, copy_stream, path)
 
     def _gather(self, by_block: torch.Tensor, block_ids: list[int], ready):
         """The blocks gathered on a stream of our own after ``ready``; the loop's stream waits for the gather
-        (its next steps may write the freed blocks after it), not for the host copy."""
+        (its next steps may write the freed blocks after it), not for the host copy; the copy stream too."""
         device = by_block.device
         if device not in self._streams:
-            self._streams[device] = torch.cuda.Stream(device)
-        stream, loop_stream = self._streams[device], torch.cuda.current_stream(device)
+            self._streams[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        (stream, copy_stream), loop_stream = self._streams[device], torch.cuda.current_stream(device)
         with torch.cuda.stream(stream):
             if ready is not None:
                 stream.wait_event(ready)
@@ -82,7 +83,9 @@ class ShmWriter:
             index = torch.tensor(block_ids, dtype=torch.long).pin_memory().to(device, non_blocking=True)
             gathered = by_block.index_select(0, index)
         loop_stream.wait_stream(stream)
-        return stream, gathered
+        copy_stream.wait_stream(stream)  # (queued now, in gather order; the writer thread copies behind it)
+        gathered.record_stream(copy_stream)  # read there: its memory is not reused by a later gather before
+        return gathered, copy_stream
 
     def shutdown(self) -> None:
         if self._threads is not None:
@@ -90,13 +93,13 @@ class ShmWriter:
 
 
 def _write(gathered: torch.Tensor, stream, path: str) -> None:
-    """The writer thread: (CUDA) host copy on the gather's stream, then the file."""
+    """The writer thread: (CUDA) host copy on the copy stream, then the file."""
     partial = f"{path}.partial"
     try:
         if stream is None:
             host = gathered
         else:
-            with torch.cuda.stream(stream):  # after the gather (stream order); ``gathered`` is freed to this stream
+            with torch.cuda.stream(stream):  # after the gather (the stream waits for it)
                 host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
                 host.copy_(gathered, non_blocking=True)
                 stream.synchronize()
@@ -108,9 +111,10 @@ def _write(gathered: torch.Tensor, stream, path: str) -> None:
         raise
 
 
-def claim_blocks(path: str, shape: tuple, element_size: int, pinned: bool, wait_s: float) -> torch.Tensor | None:
+def claim_blocks(path: str, shape: tuple, element_size: int, pin_for, wait_s: float) -> torch.Tensor | None:
     """Take the file (None: fetched already, expired, or still unwritten after ``wait_s``), read its blocks
-    (``shape``: (num_blocks, L, 2, T, H, D)) into (pinned) host memory and delete it. A reader's thread."""
+    (``shape``: (num_blocks, L, 2, T, H, D)) into host memory, pinned when ``pin_for`` is a CUDA device (the
+    pool's: the reader thread's current device is not), and delete it. A reader's thread."""
     mine = f"{path}.claimed-{os.getpid()}"
     deadline = time.monotonic() + wait_s
     while True:
@@ -124,7 +128,11 @@ def claim_blocks(path: str, shape: tuple, element_size: int, pinned: bool, wait_
                 return None
             time.sleep(WAIT_POLL_S)  # the context side is still writing it
     try:
-        blocks = torch.empty(shape, dtype=_SAME_WIDTH_INT[element_size], pin_memory=pinned)
+        if pin_for is not None and torch.device(pin_for).type == "cuda":
+            with torch.cuda.device(pin_for):
+                blocks = torch.empty(shape, dtype=_SAME_WIDTH_INT[element_size], pin_memory=True)
+        else:
+            blocks = torch.empty(shape, dtype=_SAME_WIDTH_INT[element_size])
         with open(mine, "rb") as f:
             if f.readinto(memoryview(blocks.numpy()).cast("B")) != blocks.numel() * element_size:
                 return None  # (a file of another layout; the blob's checks make this unreachable)

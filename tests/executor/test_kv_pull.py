@@ -70,10 +70,10 @@ def test_shm_reader_waits_for_a_file_being_written_and_a_fetch_is_one_shot(tmp_p
     path, writing = writer.start_write(src, SRC_IDS, "test", 1)
     shape = (len(SRC_IDS), *block_major(src).shape[1:])
     with ThreadPoolExecutor(1) as readers:
-        reading = readers.submit(claim_blocks, path, shape, 2, False, 5.0)
+        reading = readers.submit(claim_blocks, path, shape, 2, None, 5.0)
         time.sleep(0.05)
         assert not reading.done()  # the writer has not written it yet: the reader waits
         gate.set()
         assert torch.equal(reading.result(5), block_major(src)[SRC_IDS]) and writing.result() is None
-    assert claim_blocks(path, shape, 2, False, 5.0) is None and not list(tmp_path.iterdir())
+    assert claim_blocks(path, shape, 2, "cpu", 5.0) is None and not list(tmp_path.iterdir())
     writer.shutdown()
