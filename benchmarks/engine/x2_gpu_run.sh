@@ -69,7 +69,7 @@ fi
 case $call in
 1)
   TRITONLLM_DISAGG_DEVICES=$devices job tests_2gpu 100 "$PYTHON" -m pytest -v -rfEs -p no:cacheprovider \
-    tests/executor/test_disaggregated.py tests/executor/test_device_stream.py
+    tests/executor/test_disaggregated.py tests/executor/test_kv_pull.py tests/executor/test_device_stream.py
   # PP phases last: the TP phases ran on these machines before, and a phase that fails ends the run.
   job tp_bench 420 "$PYTHON" benchmarks/engine/tp_bench.py \
     --phases greedy_tp1,greedy_tp2,perf_tp1,perf_tp2,greedy_pp2,perf_pp2 --greedy_steps 32 --max_batch_size 256 \
@@ -134,7 +134,7 @@ case $call in
     --out "$w/tree.json" --markdown "$w/tree.md" &
   gpu0=$!
   TRITONLLM_DISAGG_DEVICES=$devices job tests_2gpu 100 "$PYTHON" -m pytest -v -rfEs -p no:cacheprovider \
-    tests/executor/test_disaggregated.py tests/executor/test_device_stream.py
+    tests/executor/test_disaggregated.py tests/executor/test_kv_pull.py tests/executor/test_device_stream.py
   grep -E "passed|failed|error" "$w/tests_2gpu.log" | tail -3
   wait "$gpu0" "$gpu1"
   job disagg_bench 270 "$PYTHON" benchmarks/engine/disagg_bench.py --rates 2,6 --seconds 25 --drain_timeout 30 \
