@@ -48,6 +48,9 @@ heads' three layers inside every graph (engine/executor/layer_taps.py). Sections
    at batch 1: each step's drafting for all B sequences is one replay of a batched
    window (eagle3_graphs.py), so EAGLE-3's step minus the oracle's (drafting) should stay near batch
    1's, not B times it (rows with ``batch`` B; the drafter column says "x B").
+   Last, on CUDA, the GPU time of one replay of each drafting window the loop used (the rest of
+   EAGLE-3's step over the oracle's is host work and the gaps its synchronisations leave) and, with
+   ``--draft-kernels N``, the one-slot replay's N costliest kernels.
 """
 from __future__ import annotations
 
@@ -409,7 +412,63 @@ def bench_loop(executor, args) -> dict:
         rows += loop_at_batch(executor, args, batch, prompt, {"oracle": oracle, "EAGLE-3": eagle}, state)
         args.save({"plain_tok_s": plain, "rows": rows})
     executor.proposer = eagle
-    return {"plain_tok_s": plain, "plain_step_ms": 1e3 / plain, "rows": rows}
+    try:
+        replays = draft_replays(eagle, args.draft_kernels)
+    except Exception as err:  # (a diagnostic: the rows above stand without it)
+        print(f"    drafting replays not timed: {err!r}", flush=True)
+        replays = []
+    return {"plain_tok_s": plain, "plain_step_ms": 1e3 / plain, "rows": rows, "draft_replays": replays}
+
+
+def draft_replays(eagle, kernels: int) -> list[dict]:
+    """After the loop, on CUDA: the GPU time of one replay of each drafting window the loop used
+    (eagle3_graphs.py; 20 replays back to back between two events, so the host's launches hide
+    behind the GPU's work), i.e. EAGLE-3's step minus the oracle's less this is host time and the
+    gaps its synchronisations leave. ``kernels`` > 0: also the one-slot window's kernels (a
+    profiler over 5 replays), the ``kernels`` costliest with their microseconds a replay."""
+    import torch
+
+    graphs = getattr(eagle, "graphs", None)
+    if graphs is None or not graphs.use_graphs:
+        return []
+    used = [((1, c), w) for c, w in sorted(graphs.windows.items())] + sorted(graphs.batch_windows.items())
+    out = []
+    for (slots, capacity), w in used:
+        if w.graph is None or all(serial < 0 for serial in w.serials):
+            continue  # never served a proposal
+        w.graph.replay()  # (its rows and tokens are rewritten with what they held: the loop is over)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            w.graph.replay()
+        end.record()
+        end.synchronize()
+        out.append({"slots": slots, "capacity": capacity, "replay_ms": start.elapsed_time(end) / 20})
+        print(f"    EAGLE-3 drafting replay, {slots} slot(s) x {capacity} rows: {out[-1]['replay_ms']:.3f} ms GPU",
+              flush=True)
+        if kernels and slots == 1:
+            out[-1]["kernels"] = replay_kernels(w.graph, kernels)
+    return out
+
+
+def replay_kernels(graph, top: int) -> list[dict]:
+    """The kernels of a recorded graph's replay by GPU time (torch.profiler over 5 replays)."""
+    import torch
+
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(5):
+            graph.replay()
+        torch.cuda.synchronize()
+    found = [{"kernel": e.key, "per_replay": e.count / 5, "us": e.self_device_time_total / 5}
+             for e in prof.key_averages() if e.self_device_time_total > 0]
+    found.sort(key=lambda k: -k["us"])
+    total = sum(k["us"] for k in found)
+    print(f"      kernels of one replay: {total:.1f} us in all ({sum(k['per_replay'] for k in found):.0f} launches)",
+          flush=True)
+    for k in found[:top]:
+        print(f"      {k['us']:8.1f} us  x{k['per_replay']:<4.0f} {k['kernel'][:110]}", flush=True)
+    return found[:top]
 
 
 def run_all(executor, requests: list) -> list:
@@ -511,6 +570,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--tokens-per-block", type=int, default=32)
+    parser.add_argument("--draft-kernels", type=int, default=0,
+                        help="loop, CUDA: also list this many of the one-slot drafting replay's costliest kernels")
     parser.add_argument("--out", default="tree_bench.json")
     parser.add_argument("--markdown", default=None)
     args = parser.parse_args(argv)
