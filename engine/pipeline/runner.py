@@ -11,7 +11,8 @@ long prompts and long contexts, engine/pipeline/step_cost.py):
     stage 0 (ranks 0..tp-1)    embed + layers(mb0) -> isend | embed + layers(mb1) -> isend | ...
     stage 1                    recv(mb0) -> layers -> isend | recv(mb1) -> layers -> isend | ...
     last stage                 recv(mb0) -> layers, norm, logits -> isend to rank 0 | ...
-    rank 0 (after its sends)   recv each micro-batch's logits, in order -> the sampler
+    rank 0                     irecv each micro-batch's logits right after its isend; the step's
+                               logits, in order -> the sampler
 
 so stage s works on micro-batch m while stage s+1 works on m-1: with M micro-batches the pipeline
 idles (pp - 1) / (M + pp - 1) of a step (the fill and drain), rather than (pp - 1) / pp when the
@@ -200,6 +201,8 @@ class StageRunner(ModelRunner):
         # may raise ValueError: before any send
         prepared = [None if replay else self._prepare(part.batch) for part, replay in zip(parts, graphed)]
         sends = []  # (work, tensor): the tensors stay alive until their sends complete
+        step_logits = self._logits_buffer(parts) if place.rank == 0 else None
+        receives = []  # rank 0: (work, staging tensor or None, its rows)
         for part, replay, inputs in zip(parts, graphed, prepared):
             rows = len(part.batch.token_ids)
             if replay:
@@ -211,6 +214,8 @@ class StageRunner(ModelRunner):
                 # it (the send's stream waits for this one, not the other way round): send a copy.
                 out = out.clone() if replay else out.contiguous()
                 sends.append((dist.isend(out, dst=place.next_rank), out))
+                if step_logits is not None and part.logits_rows:
+                    receives.append(self._post_logits_receive(step_logits, part))
                 continue
             if not all_logits and not (replay and part.batch.logits_indices == list(range(rows))):
                 out = out[self._to_device(part.batch.logits_indices, torch.int64)]
@@ -218,10 +223,13 @@ class StageRunner(ModelRunner):
             if place.sends_logits and logits.shape[0]:
                 logits = logits.contiguous()
                 sends.append((dist.isend(logits, dst=0), logits))
-        result = self._receive_logits(parts, all_logits) if place.rank == 0 else None
+        for work, staging, rows in receives:
+            work.wait()
+            if staging is not None:
+                step_logits[self._to_device(rows, torch.int64)] = staging
         for work, _ in sends:
             work.wait()
-        return result
+        return step_logits
 
     def micro_batch_count(self, batch: ForwardBatch) -> int:
         if self.micro_batches is not None:
@@ -248,22 +256,26 @@ class StageRunner(ModelRunner):
             dist.recv(carried, src=self.place.prev_rank)
         return stage_forward(self.model, self.place.stage, input_ids, carried, positions, self.kv_cache, meta)
 
-    def _receive_logits(self, parts: list[MicroBatch], all_logits: bool) -> torch.Tensor:
-        """Rank 0: every micro-batch's logits from the last stage's tp rank 0, into step order."""
-        source = (self.place.stage.pp_size - 1) * self.place.tp_size
+    def _logits_buffer(self, parts: list[MicroBatch]) -> torch.Tensor:
+        """Rank 0: the step's float32 logits, every micro-batch's rows in step order."""
         rows = sum(len(part.logits_rows) for part in parts)
-        logits = torch.empty(rows, self.vocab_size, dtype=torch.float32, device=self.device)
-        for part in parts:
-            if not part.logits_rows:
-                continue
-            first = part.logits_rows[0]
-            if part.logits_rows == list(range(first, first + len(part.logits_rows))):  # (always, for sorted rows)
-                dist.recv(logits[first:first + len(part.logits_rows)], src=source)  # a contiguous span of rows
-                continue
-            received = torch.empty(len(part.logits_rows), self.vocab_size, dtype=torch.float32, device=self.device)
-            dist.recv(received, src=source)
-            logits[self._to_device(part.logits_rows, torch.int64)] = received
-        return logits
+        return torch.empty(rows, self.vocab_size, dtype=torch.float32, device=self.device)
+
+    def _post_logits_receive(self, logits: torch.Tensor, part: MicroBatch) -> tuple:
+        """Rank 0: post the receive of one micro-batch's logits from the last stage's tp rank 0,
+        right after sending that micro-batch on. The receives so interleave with the sends in the
+        order the last stage works (receive micro-batch m, send its logits, receive m + 1): at pp 2
+        the same NCCL communicator and stream carry both directions between rank 0 and the last
+        stage, and had rank 0 queued every send before its first receive, a send larger than NCCL's
+        buffers (a long prompt's micro-batch) would wait for a peer itself blocked sending the
+        previous micro-batch's logits (a step whose first micro-batch has many decode rows).
+        Returns (work, staging tensor or None, the rows it fills)."""
+        source = (self.place.stage.pp_size - 1) * self.place.tp_size
+        first, count = part.logits_rows[0], len(part.logits_rows)
+        if part.logits_rows == list(range(first, first + count)):  # (always, for sorted rows)
+            return dist.irecv(logits[first:first + count], src=source), None, None  # a contiguous span of rows
+        staging = torch.empty(count, self.vocab_size, dtype=torch.float32, device=self.device)
+        return dist.irecv(staging, src=source), staging, part.logits_rows
 
 
 def make_stage_runner(engine_dir: str, ctx, config: EngineConfig) -> StageRunner:

@@ -76,3 +76,34 @@ def pp_graph_logits(rank: int, engine_dir: str, micro_batches: int, graphed_rank
             return logits, sum(replays.values())
     finally:
         os.environ.pop(MICRO_BATCHES_ENV, None)
+
+
+def pp_p2p_order(rank: int, engine_dir: str) -> list[str]:
+    """This rank's point-to-point calls over one step of two micro-batches that both carry logits
+    rows (a decode row and a prompt's last token in each), e.g. ["send", "recv", "send", "recv"]."""
+    import pytest
+    import torch.distributed as dist
+
+    from engine.executor.runner import ForwardBatch
+    from engine.pipeline.runner import MICRO_BATCHES_ENV, StageRunner
+
+    calls = []
+
+    def recorded(kind, fn):
+        def call(*args, **kwargs):
+            calls.append(kind)
+            return fn(*args, **kwargs)
+        return call
+
+    os.environ[MICRO_BATCHES_ENV] = "2"
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            runner = StageRunner(engine_dir, rank=rank, device="cpu")
+            runner.allocate_kv_cache(8)
+            for name, kind in (("send", "send"), ("isend", "send"), ("recv", "recv"), ("irecv", "recv")):
+                patch.setattr(dist, name, recorded(kind, getattr(dist, name)))
+            runner.forward(ForwardBatch(token_ids=[1, 2, 3, 4, 5, 6], positions=[0, 1, 2, 0, 1, 2], seq_lens_q=[3, 3],
+                                        context_lens=[3, 3], block_tables=[[0], [1]], logits_indices=[2, 5]))
+        return calls
+    finally:
+        os.environ.pop(MICRO_BATCHES_ENV, None)

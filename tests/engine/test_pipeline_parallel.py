@@ -163,3 +163,14 @@ def test_micro_batches_per_step_one_for_small_decode_steps_more_for_long_work():
                                           "prompt 8192": (8192, 1)}.items()}
     assert chosen == {"decode 1": 1, "decode 32": 1, "decode 256 long": 3, "prompt 8192": 4}
     assert choose_micro_batches(0.0, 4, 8) == 1 and choose_micro_batches(1e9, 2, 4) == 4
+
+
+def test_rank0_receives_each_micro_batch_logits_right_after_sending_it(engines):
+    """At pp 2 one NCCL communicator and stream carry both directions between rank 0 and the last
+    stage: rank 0's calls must interleave as the last stage's do (receive a micro-batch, send its
+    logits), or a send bigger than NCCL's buffers waits on a peer blocked in its own send."""
+    from gloo_ranks import shared_pair
+    from pipeline_ranks import pp_p2p_order
+
+    _, pp2 = engines["llama"]
+    assert shared_pair().run(pp_p2p_order, pp2) == [["send", "recv", "send", "recv"], ["recv", "send", "recv", "send"]]
