@@ -19,8 +19,9 @@ starts every rank itself, with the variables mpirun would set). Four phases, eac
    of 16 layers (engine/pipeline; each stage replays its own decode graphs; micro-batches per step
    chosen per step, or fixed by ``$TRITONLLM_PP_MICRO_BATCHES``). Each perf phase also reports its KV pool
    (``kv_tokens``: tokens of every layer it holds; a stage holds half the layers, so the pool grows).
-   With decode graphs, each perf phase first checks them against its own eager steps
-   (``graphs_vs_eager``: the same decode step replayed, then run eagerly, at batch 1, 3 and 8).
+   With CUDA graphs, each perf phase first checks them against its own eager steps
+   (``graphs_vs_eager``: the same prompt step and decode steps replayed, then run eagerly, at batch
+   1, 3 and 8).
 
 The model has Llama-3.1-8B's shape (32 layers, 32/8 heads, hidden 4096, vocab 128256) and
 random weights made on the GPUs: every rank generates the same full tensors from a fixed seed
@@ -188,8 +189,8 @@ class SequenceBlocks:
         return 1 + num_seqs * self.per_seq
 
 
-def prefill(runner, prompts: list[list[int]], blocks: SequenceBlocks) -> torch.Tensor:
-    """One packed prefill of every prompt -> last-token logits (len(prompts), vocab)."""
+def prefill_batch(prompts: list[list[int]], blocks: SequenceBlocks) -> ForwardBatch:
+    """One packed prefill of every prompt, scoring each prompt's last token."""
     tokens, positions, ends = [], [], []
     for prompt in prompts:
         tokens += prompt
@@ -197,7 +198,12 @@ def prefill(runner, prompts: list[list[int]], blocks: SequenceBlocks) -> torch.T
         ends.append(len(tokens) - 1)
     lens = [len(p) for p in prompts]
     tables = [blocks.table(i, n) for i, n in enumerate(lens)]
-    return runner.forward(ForwardBatch(tokens, positions, lens, list(lens), tables, ends))
+    return ForwardBatch(tokens, positions, lens, list(lens), tables, ends)
+
+
+def prefill(runner, prompts: list[list[int]], blocks: SequenceBlocks) -> torch.Tensor:
+    """One packed prefill of every prompt -> last-token logits (len(prompts), vocab)."""
+    return runner.forward(prefill_batch(prompts, blocks))
 
 
 def decode_step(runner, last: list[int], lengths: list[int], blocks: SequenceBlocks) -> torch.Tensor:
@@ -262,25 +268,27 @@ def bench_decode(runner, batch_size: int, prompt_len: int = 128, steps: int = 12
 
 
 def graphs_vs_eager(runner, batch_size: int, prompt_len: int = 64, steps: int = 8) -> dict:
-    """Each decode step twice: as served (decode graphs; a pipeline stage's too) and eagerly
-    (``all_logits``: no graph takes such a step), over the same KV state: the step's KV writes are
-    the same tokens at the same slots. Logits compared row by row; the eager argmax goes on."""
+    """The prompts' step and each decode step twice: as served (decode and mixed-step graphs; a
+    pipeline stage's too) and eagerly (``all_logits``: no graph takes such a step), over the same
+    KV state: a step's KV writes are the same tokens at the same slots. Logits compared row by row
+    (the prompts' last tokens, then every decode row); the eager argmax goes on."""
     rng = random.Random(7 + batch_size)
     prompts = [[rng.randrange(runner.vocab_size) for _ in range(prompt_len)] for _ in range(batch_size)]
     blocks = SequenceBlocks(runner.tokens_per_block, prompt_len + steps + 1)
-    last = prefill(runner, prompts, blocks).argmax(-1).tolist()
-    lengths = [prompt_len + 1] * batch_size
-    worst, largest, argmax_equal = 0.0, 0.0, 0
-    for _ in range(steps):
-        batch = ForwardBatch(list(last), [x - 1 for x in lengths], [1] * batch_size, list(lengths),
-                             [blocks.table(i, length) for i, length in enumerate(lengths)], list(range(batch_size)))
-        graphed, eager = runner.forward(batch).float(), runner.forward(batch, all_logits=True).float()
+    batch = prefill_batch(prompts, blocks)
+    worst, largest, argmax_equal, last = 0.0, 0.0, 0, []
+    lengths = [prompt_len] * batch_size
+    for _ in range(steps + 1):
+        graphed = runner.forward(batch).float()
+        eager = runner.forward(batch, all_logits=True).float()[batch.logits_indices]
         worst = max(worst, (graphed - eager).abs().max().item())
         largest = max(largest, eager.abs().max().item())
         argmax_equal += int((graphed.argmax(-1) == eager.argmax(-1)).sum())
         last = eager.argmax(-1).tolist()
         lengths = [x + 1 for x in lengths]
-    return {"batch": batch_size, "rows": batch_size * steps, "argmax_equal": argmax_equal,
+        batch = ForwardBatch(list(last), [x - 1 for x in lengths], [1] * batch_size, list(lengths),
+                             [blocks.table(i, length) for i, length in enumerate(lengths)], list(range(batch_size)))
+    return {"batch": batch_size, "rows": batch_size * (steps + 1), "argmax_equal": argmax_equal,
             "logits_max_abs_diff": worst, "logits_max_abs": largest}
 
 
@@ -464,7 +472,7 @@ def markdown(results: dict) -> str:
                              for name, perf in perfs) + ".")
     checked = [(name, perf["graphs_vs_eager"]) for name, perf in perfs if perf.get("graphs_vs_eager")]
     if checked:
-        lines.append("Decode graphs against the same steps run eagerly (8 steps at batch "
+        lines.append("CUDA graphs against the same steps run eagerly (a prompt step of 64 tokens a sequence and 8 decode steps at batch "
                      + "/".join(str(c["batch"]) for c in checked[0][1]) + "): "
                      + "; ".join(f"{name} argmax equal on {sum(c['argmax_equal'] for c in checks)}/"
                                  f"{sum(c['rows'] for c in checks)} rows, logits max |diff| "

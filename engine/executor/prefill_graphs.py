@@ -201,24 +201,35 @@ class PrefillGraphs:
     def bucket_for(self, num_tokens: int) -> int:
         return self.buckets[bisect.bisect_left(self.buckets, num_tokens)]
 
+    def fits(self, batch, prompt_embeds=None, rotary=None) -> bool:
+        """Whether try_run replays a graph for this batch: it has prompt tokens, fits a token bucket,
+        max_batch_size sequences and the graphs' block-table width, and has the twin its adapters, table
+        rows or token trees need. Decided before any buffer is touched."""
+        num_tokens, num_seqs = len(batch.token_ids), len(batch.seq_lens_q)
+        if (num_tokens == 0 or num_tokens > self.buckets[-1] or num_seqs > self.max_seqs
+                or num_tokens == num_seqs or max(map(len, batch.block_tables)) > self.max_blocks
+                or (batch.lora_slots is not None and self.lora_buffers is None)):
+            return False
+        if (prompt_embeds is not None or rotary is not None) and (
+                self.table is None or not self.table.fits(rotary) or batch.lora_slots is not None
+                or batch.tree_parents is not None):
+            return False
+        if batch.tree_parents is not None and (
+                batch.lora_slots is not None or not self.tree_buckets or num_tokens > self.tree_buckets[-1]
+                or max(batch.seq_lens_q) > self.tree_width):
+            return False  # (eager: the reference or the Triton kernel with a mask of this step's width)
+        return True
+
     def try_run(self, batch, prompt_embeds=None, rotary=None) -> torch.Tensor | None:
         """A runner ForwardBatch with prompt tokens -> hidden rows of its logits_indices; None when
         the batch is decode-only (the decode graphs' job) or does not fit (the caller runs it eagerly).
         ``prompt_embeds`` (indexed PromptEmbeds), ``rotary`` (mrope_rotary.StepRotary): the step's table
         and M-RoPE rows, for the table twins."""
+        if not self.fits(batch, prompt_embeds, rotary):
+            return None
         num_tokens, num_seqs = len(batch.token_ids), len(batch.seq_lens_q)
-        if (num_tokens == 0 or num_tokens > self.buckets[-1] or num_seqs > self.max_seqs
-                or num_tokens == num_seqs or max(map(len, batch.block_tables)) > self.max_blocks
-                or (batch.lora_slots is not None and self.lora_buffers is None)):
-            return None
         tabled = prompt_embeds is not None or rotary is not None
-        if tabled and (self.table is None or not self.table.fits(rotary) or batch.lora_slots is not None
-                       or batch.tree_parents is not None):
-            return None
         tree = batch.tree_parents is not None
-        if tree and (batch.lora_slots is not None or not self.tree_buckets or num_tokens > self.tree_buckets[-1]
-                     or max(batch.seq_lens_q) > self.tree_width):
-            return None  # (eager: the reference or the Triton kernel with a mask of this step's width)
         bucket = self.bucket_for(num_tokens)
         self._copied.synchronize()  # the previous step's copies have left the pinned buffers
         self._fill(batch, bucket)

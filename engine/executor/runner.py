@@ -337,7 +337,7 @@ class ModelRunner:
         if self.prefill_graphs_enabled() and buckets:
             cfg = self.model_config
             self.prefill_graphs = PrefillGraphs(
-                self.model, self.kv_cache, tokens_per_block=self.tokens_per_block, max_seq_len=build.max_seq_len,
+                self.graph_model, self.kv_cache, tokens_per_block=self.tokens_per_block, max_seq_len=build.max_seq_len,
                 max_batch_size=build.max_batch_size, max_num_tokens=build.max_num_tokens,
                 tokens_per_tile=prefill_tokens_per_tile(cfg.num_heads // cfg.num_kv_heads, cfg.head_dim,
                                                         self.kv_cache.element_size()),

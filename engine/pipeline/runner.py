@@ -24,11 +24,13 @@ flight between steps, so the step protocol's heartbeats and CALLs never interlea
 activations. Over gloo (CPU) and NCCL (GPU) alike; a lost peer raises in the send/recv like any
 other collective, and the leader's LeaderRunner turns that into its rank failure.
 
-CUDA graphs per stage: each stage captures its decode forward (StageStep: embed or the received
-stream -> its layers -> the stream to send, or the final-normed hidden states) per batch-size
-bucket with the engine's decode-graph machinery (engine/executor/cuda_graphs.py DecodeGraphs;
-ModelRunner.capture_cuda_graphs through the ``graph_model`` hook). A decode-only micro-batch that
-fits a bucket replays its graph; any other runs eagerly. The send/recv stay OUTSIDE the graphs:
+CUDA graphs per stage: each stage captures its forward (StageStep: embed or the received stream ->
+its layers -> the stream to send, or the final-normed hidden states) with the engine's graph
+machinery (ModelRunner.capture_cuda_graphs through the ``graph_model`` hook): per batch-size bucket
+for decode (engine/executor/cuda_graphs.py DecodeGraphs) and, where the model's mixed-step graphs
+are enabled (tp_size 1, model-dtype or FP8 weights), per token bucket for micro-batches with prompt
+tokens (engine/executor/prefill_graphs.py PrefillGraphs). A micro-batch that fits a bucket replays
+its graph; any other runs eagerly. The send/recv stay OUTSIDE the graphs:
 a later stage receives into the graphs' static input (``StageStep.carried[:n]``) and replays; a
 stage sends a copy of its graph's output rows. Why outside, though ProcessGroupNCCL can capture
 send/recv: a captured send only works if the peer replays the matching captured recv, so every
@@ -172,8 +174,10 @@ class StageRunner(ModelRunner):
         """The stage's decode forward with its static input stream, made once (its buffer's
         address is captured)."""
         if self._graph_model is None:
-            self._graph_model = StageStep(self.model, self.place.stage, max_rows=self.build_config.max_batch_size,
-                                          dtype=self.dtype, device=self.device)
+            build = self.build_config  # (rows: the largest decode bucket, or prefill bucket where those are captured)
+            rows = max(build.max_batch_size, build.max_num_tokens if self.prefill_graphs_enabled() else 0)
+            self._graph_model = StageStep(self.model, self.place.stage, max_rows=rows, dtype=self.dtype,
+                                          device=self.device)
         return self._graph_model
 
     # -- what a stage does not do (yet)
@@ -196,8 +200,7 @@ class StageRunner(ModelRunner):
             raise RuntimeError("allocate_kv_cache() must run before forward()")
         place, stage = self.place, self.place.stage
         parts = split_micro_batches(batch, self.micro_batch_count(batch), all_logits=all_logits)
-        graphs = self.decode_graphs if not all_logits else None
-        graphed = [graphs is not None and graphs.fits(part.batch) for part in parts]
+        graphed = [None if all_logits else self._graph_kind(part.batch) for part in parts]
         # may raise ValueError: before any send
         prepared = [None if replay else self._prepare(part.batch) for part, replay in zip(parts, graphed)]
         sends = []  # (work, tensor): the tensors stay alive until their sends complete
@@ -206,18 +209,20 @@ class StageRunner(ModelRunner):
         for part, replay, inputs in zip(parts, graphed, prepared):
             rows = len(part.batch.token_ids)
             if replay:
-                out = self._replay(part.batch)
+                out = self._replay(part.batch, replay)
             else:
                 out = self._eager(inputs, rows)
             if not stage.is_last:
-                # A graph's output is overwritten by the next replay while an NCCL send may still read
-                # it (the send's stream waits for this one, not the other way round): send a copy.
-                out = out.clone() if replay else out.contiguous()
+                # A decode graph's output is overwritten by the next replay while an NCCL send may still
+                # read it (the send's stream waits for this one, not the other way round): send a copy.
+                # (A prefill graph's rows are gathered into a tensor of their own already.)
+                out = out.clone() if replay == "decode" else out.contiguous()
                 sends.append((dist.isend(out, dst=place.next_rank), out))
                 if step_logits is not None and part.logits_rows:
                     receives.append(self._post_logits_receive(step_logits, part))
                 continue
-            if not all_logits and not (replay and part.batch.logits_indices == list(range(rows))):
+            scored = replay == "prefill" or (replay == "decode" and part.batch.logits_indices == list(range(rows)))
+            if not all_logits and not scored:  # (a prefill graph returns the scored rows itself)
                 out = out[self._to_device(part.batch.logits_indices, torch.int64)]
             logits = self.model.compute_logits(out)  # a collective within the stage's tp group
             if place.sends_logits and logits.shape[0]:
@@ -238,12 +243,27 @@ class StageRunner(ModelRunner):
         work = self.step_cost.work(len(batch.token_ids), batch.context_lens)
         return choose_micro_batches(work, pp_size, AUTO_MOST_PER_STAGE * pp_size)
 
-    def _replay(self, batch: ForwardBatch) -> torch.Tensor:
-        """A decode micro-batch through its bucket's graph: a later stage first receives its stream
-        into the graphs' static input. Returns the graph's output rows (a view the next replay
-        overwrites): (n, 2, hidden), or (n, hidden) final-normed on the last stage."""
+    def _graph_kind(self, batch: ForwardBatch) -> str | None:
+        """"decode" or "prefill" where a captured graph takes this micro-batch, else None (eager)."""
+        if self.decode_graphs is not None and self.decode_graphs.fits(batch):
+            return "decode"
+        if self.prefill_graphs is not None and self.prefill_graphs.fits(self._stage_rows(batch)):
+            return "prefill"
+        return None
+
+    def _stage_rows(self, batch: ForwardBatch) -> ForwardBatch:
+        """The rows a stage's forward hands on: every token's before the last stage, the scored ones on it."""
+        return batch if self.place.stage.is_last else replace(batch, logits_indices=list(range(len(batch.token_ids))))
+
+    def _replay(self, batch: ForwardBatch, kind: str) -> torch.Tensor:
+        """A micro-batch through its bucket's graph: a later stage first receives its stream into the
+        graphs' static input. Decode: the graph's output rows, a view the next replay overwrites,
+        (n, 2, hidden) or on the last stage (n, hidden) final-normed. Prefill: every token's stream
+        (n, 2, hidden), or on the last stage the scored rows (len(logits_indices), hidden)."""
         if not self.place.stage.is_first:
             dist.recv(self.graph_model.carried[:len(batch.token_ids)], src=self.place.prev_rank)
+        if kind == "prefill":
+            return self.prefill_graphs.try_run(self._stage_rows(batch))
         return self.decode_graphs.run(batch.token_ids, batch.positions, batch.context_lens, batch.block_tables)
 
     def _eager(self, inputs: tuple, rows: int) -> torch.Tensor:

@@ -41,7 +41,7 @@ def trim_to_stage(model: nn.Module, stage: Stage) -> nn.Module:
     on the first stage (and on the last when the LM head is tied to it), the final norm and LM head
     on the last. Runs on the meta-device model, before any weight is loaded. Features whose
     stage-split form is not built are switched off on the instance (the executor then refuses them
-    by name): prompt tables, LoRA, graphed steps with prompt tokens."""
+    by name): prompt tables, LoRA."""
     layers = list(model.layers)[stage.start:stage.end]
     for local, layer in enumerate(layers):
         layer.layer_index = local  # was global; read only to index the KV pool from here on
@@ -56,7 +56,6 @@ def trim_to_stage(model: nn.Module, stage: Stage) -> nn.Module:
     model.stage = stage
     model.supports_prompt_tables = False
     model.supports_lora = False
-    model.supports_prefill_graphs = False
     return model
 
 
@@ -80,12 +79,13 @@ def stage_forward(model: nn.Module, stage: Stage, input_ids: torch.Tensor | None
 
 
 class StageStep(nn.Module):
-    """A stage's forward as the decode graphs capture it (engine/executor/cuda_graphs.py):
-    ``(input_ids, positions, kv_cache, meta) -> hidden`` like a whole model's. A later stage's
-    input stream is the static buffer ``carried`` (max_rows, 2, hidden): a step receives its n rows
-    into ``carried[:n]`` before the replay, and a graph of bucket b reads ``carried[:b]`` (rows past
-    n are padding: stale but finite, their outputs unread). The first stage embeds ``input_ids``;
-    the ids of later stages are unread. Holds no weights of its own (``model`` is the runner's)."""
+    """A stage's forward as the decode and prefill graphs capture it (engine/executor/cuda_graphs.py,
+    prefill_graphs.py): ``(input_ids, positions, kv_cache, meta) -> hidden`` like a whole model's. A
+    later stage's input stream is the static buffer ``carried`` (max_rows, 2, hidden): a step
+    receives its n rows into ``carried[:n]`` before the replay, and a graph of bucket b reads
+    ``carried[:b]`` (rows past n are padding: stale but finite, their outputs unread). The first
+    stage embeds ``input_ids``; the ids of later stages are unread. Holds no weights of its own
+    (``model`` is the runner's)."""
 
     def __init__(self, model: nn.Module, stage: Stage, *, max_rows: int, dtype: torch.dtype, device):
         super().__init__()

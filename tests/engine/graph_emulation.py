@@ -70,7 +70,7 @@ def emulate_cuda_graphs(monkeypatch) -> collections.Counter:
         buckets = prefill_graphs.model_token_buckets(runner.model, build.max_num_tokens)
         if runner.prefill_graphs_enabled() and buckets:
             runner.prefill_graphs = prefill_graphs.PrefillGraphs(
-                runner.model, runner.kv_cache, tokens_per_block=runner.tokens_per_block,
+                runner.graph_model, runner.kv_cache, tokens_per_block=runner.tokens_per_block,
                 max_seq_len=build.max_seq_len, max_batch_size=build.max_batch_size,
                 max_num_tokens=build.max_num_tokens, sampled_tokens=runner.sampled_tokens, buckets=buckets,
                 taps=runner.layer_taps,

@@ -61,7 +61,7 @@ def graph_reference_steps(runner) -> torch.Tensor:
 
 def pp_graph_logits(rank: int, engine_dir: str, micro_batches: int, graphed_ranks: tuple[int, ...]) -> tuple:
     """graph_reference_steps on this rank's stage, CUDA graphs emulated (graph_emulation.py) on
-    ``graphed_ranks`` only: (rank 0's logits or zeros, this rank's graph replays)."""
+    ``graphed_ranks`` only: (rank 0's logits or zeros, this rank's (decode, prefill) graph replays)."""
     import pytest
     from graph_emulation import emulate_cuda_graphs
 
@@ -73,7 +73,7 @@ def pp_graph_logits(rank: int, engine_dir: str, micro_batches: int, graphed_rank
             replays = emulate_cuda_graphs(patch) if rank in graphed_ranks else {}
             runner = StageRunner(engine_dir, rank=rank, device="cpu")
             logits = graph_reference_steps(_LogitsOnEveryRank(runner))
-            return logits, sum(replays.values())
+            return logits, (replays["StageStep-decode"], replays["StageStep-prefill"]) if replays else (0, 0)
     finally:
         os.environ.pop(MICRO_BATCHES_ENV, None)
 

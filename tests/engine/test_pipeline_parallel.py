@@ -129,12 +129,12 @@ def test_pp2_on_two_ranks_matches_pp1_and_transformers(engines, hf_models):
         assert error <= 1e-4, f"{name}: max abs error {error:.3g} vs transformers"
 
 
-def test_pp2_decode_graphs_per_stage_match_pp1(engines):
-    """Each stage's decode graphs (emulated on the CPU, graph_emulation.py) over the shared gloo pair:
-    prompts, decode steps of 3 and 1 sequences (replayed: received stream -> the static input), a
-    mixed step (eager) after them, all within 1e-5 of pp 1 eager. With 2 micro-batches both stages
-    replay (buckets 1 and 2); with 1, only stage 1 does, against an eager stage 0: the stream on
-    the wire is the same either way."""
+def test_pp2_graphs_per_stage_match_pp1(engines):
+    """Each stage's decode and prefill graphs (emulated on the CPU, graph_emulation.py) over the
+    shared gloo pair: prompts, decode steps of 3 and 1 sequences, a mixed step after them (every
+    micro-batch replayed: received stream -> the static input), all within 1e-5 of pp 1 eager. With
+    2 micro-batches both stages replay (decode buckets 1 and 2, prompt pieces cut mid-prompt); with 1,
+    only stage 1 does, against an eager stage 0: the stream on the wire is the same either way."""
     from gloo_ranks import shared_pair
     from pipeline_ranks import graph_reference_steps, pp_graph_logits
 
@@ -144,8 +144,10 @@ def test_pp2_decode_graphs_per_stage_match_pp1(engines):
         (logits, replays0), (_, replays1) = shared_pair().run(pp_graph_logits, pp2, micro_batches, graphed)
         error = (logits - expected).abs().max().item()
         assert error <= 1e-5, f"{micro_batches} micro-batches, graphs on {graphed}: max abs error {error:.3g} vs pp 1"
-        # decode steps: 4 of 3 sequences (2 micro-batches: 2 replays each), 1 of one sequence (1 replay)
-        assert [replays0, replays1] == [(4 * micro_batches + 1) if rank in graphed else 0 for rank in (0, 1)]
+        # decode: 4 steps of 3 sequences (micro_batches replays each), 1 of one sequence (1 replay);
+        # prefill: the prompts' step and the mixed step, micro_batches replays each
+        expected_replays = (4 * micro_batches + 1, 2 * micro_batches)
+        assert [replays0, replays1] == [expected_replays if rank in graphed else (0, 0) for rank in (0, 1)]
 
 
 def test_micro_batches_per_step_one_for_small_decode_steps_more_for_long_work():
