@@ -146,7 +146,28 @@ case $call in
     grep -E "eagle3|oracle|step|Error|Traceback" "$w/eagle_loop.log" | tail -25 | cut -c1-400
   fi
   ;;
-*) echo "x2_gpu_run.sh: CALL must be 1, 2, 3, 4 or 5, got '$call'"; exit 2 ;;
+6)
+  # Session 16's last call (~250 s; X2_LIMIT_S = the call's limit): the GPU tests of the day's fixes (rotary positions
+  # read as any layout, the KV pull off both loops) beside each other, then the disaggregated bench at the rate where
+  # aggregated decode stalls (6/s), then PP 2 with stage graphs in what time is left.
+  on_gpu 0 gpu_fixes 50 "$PYTHON" -m pytest -q -rfEs -p no:cacheprovider -m gpu tests/executor/test_speculative_eagle3.py \
+    tests/kernels/test_kernel_elementwise.py -k "window or rotary" &
+  gpu0=$!
+  TRITONLLM_DISAGG_DEVICES=$devices job tests_2gpu 55 "$PYTHON" -m pytest -q -rfEs -p no:cacheprovider \
+    tests/executor/test_disaggregated.py tests/executor/test_kv_pull.py
+  wait "$gpu0"
+  for f in gpu_fixes tests_2gpu; do tail -4 "$w/$f.log" 2>/dev/null | grep -E "passed|failed|error|FAILED"; done
+  job disagg_bench 165 "$PYTHON" benchmarks/engine/disagg_bench.py --rates 6 --seconds 25 --drain_timeout 30 \
+    --out "$w/disagg.json" --results-md "$w/disagg.md" "${tiny_disagg[@]}"
+  grep -E "^\[disagg_bench\]|Error|Traceback" "$w/disagg_bench.log" | cut -c1-700
+  left=$(( ${X2_LIMIT_S:-280} - ($(date +%s) - t0) - 8 ))
+  if [ "$smoke" != 1 ] && [ "$left" -gt 30 ]; then
+    job pp "$left" "$PYTHON" benchmarks/engine/tp_bench.py --phases perf_pp2 --max_batch_size 256 \
+      --offline 128x128x1024 --phase_timeout $(( left - 4 )) --out "$w/pp.json" --results-md "$w/pp.md"
+    grep -E "graphs vs eager|decode batch|offline|KV pool|Error|Traceback" "$w/pp.log" | cut -c1-300
+  fi
+  ;;
+*) echo "x2_gpu_run.sh: CALL must be 1 to 6, got '$call'"; exit 2 ;;
 esac
 tar czf "$out/call$call.tgz" -C /tmp "x2_call$call"
 for md in "$w"/*.md; do [ -f "$md" ] && cp "$md" "$out/"; done
