@@ -8,7 +8,9 @@ Sections (``--sections``, all by default):
    112 pixels, four full-attention blocks, the 2 x 2 merger into 3,584) on batches of 448 x 448 and
    1024 x 1024 images, the grids Qwen2.5-VL's processor makes of them (smart_resize to multiples of
    28 pixels: 32 x 32 and 74 x 74 patches -> 256 and 1,369 rows); images/s at each of
-   ``--encoder-batches``, the best batch counts.
+   ``--encoder-batches``, the best batch counts. ``--tower-variants fused,unfused,sdpa-flash,...``
+   times the tower again in the same process with TRITONLLM_TOWER_UNFUSED=1 (``unfused``: the blocks
+   and layout as before) or TRITONLLM_TOWER_SDPA=<backend> (``sdpa-<backend>``) set.
 2. ``ttft``: one request of one 448 x 448 image and 128 text tokens at low load (nothing else
    running): transformers' Qwen2-VL image processor on the PIL image, the tower, the request's
    M-RoPE rows (engine/vision/mrope.py), then the executor to its first token; the median of
@@ -50,8 +52,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: engine, kernels, benchmarks
 
-from benchmarks.common import (command_line, free_device_memory, git_commit, machine_summary, print_table,  # noqa: E402
-                               sync, timed_generate, utc_now)
+from benchmarks.common import (command_line, environment_set, free_device_memory, git_commit,  # noqa: E402
+                               machine_summary, print_table, sync, timed_generate, utc_now)
 from benchmarks.engine.engine_bench import drain_offline, iteration_breakdown, profile_executor_loop  # noqa: E402
 from engine.config import BuildConfig, EngineConfig  # noqa: E402
 from engine.convert import model_config_from_hf  # noqa: E402
@@ -63,6 +65,7 @@ from engine.executor.prompt_table import PromptTable  # noqa: E402
 from engine.executor.random_weights import materialize_random_weights  # noqa: E402
 from engine.executor.request import OutputConfig, Request  # noqa: E402
 from engine.vision import qwen2_5_vl, qwen2_vl  # noqa: E402
+from engine.vision.qwen2_vl import sdpa_backend  # noqa: E402
 from engine.vision.encode_queue import ImageEncodeQueue  # noqa: E402
 from engine.vision.mlp_width import pad_mlp_widths, padded_width  # noqa: E402
 from engine.vision.mrope import request_mrope  # noqa: E402
@@ -149,7 +152,18 @@ def write_language_engine(config, args, max_batch_size: int) -> str:
 
 # ---- 1. the tower alone -------------------------------------------------------------------------
 
-def bench_encoder(args, config) -> dict:
+TOWER_VARIANTS = {"fused": {}, "unfused": {qwen2_5_vl.UNFUSED_ENV: "1"},
+                  **{f"sdpa-{name}": {qwen2_vl.SDPA_ENV: name} for name in qwen2_vl.SDPA_BACKENDS}}
+
+
+def tower_variant(name: str):
+    """The environment of a ``--tower-variants`` entry (TOWER_VARIANTS), restored after."""
+    if name not in TOWER_VARIANTS:
+        raise SystemExit(f"--tower-variants: {name!r} is not one of {', '.join(TOWER_VARIANTS)}")
+    return environment_set(TOWER_VARIANTS[name])
+
+
+def bench_encoder(args, config, variant: str = "") -> dict:
     encoder = load_encoder(config, args)
     entry = {}
     for side, batches in zip(args.image_sizes, args.encoder_batches):
@@ -171,12 +185,21 @@ def bench_encoder(args, config) -> dict:
         best = max(rows, key=lambda row: row["images_per_s"])
         if args.profile_dir and args.device != "cpu":
             rows[-1]["profile"] = profile_tower(encoder, random_patches([grid] * batches[-1], args.device), [grid] * batches[-1],
-                                                Path(args.profile_dir) / f"vlm_tower_{side}_profile.txt")
+                                                Path(args.profile_dir) / f"vlm_tower_{side}{variant}_profile.txt")
+        print(f"encoder {side}: " + ", ".join(f"b{r['batch']} {r['images_per_s']:.1f} images/s" for r in rows)
+              + f" ({tower_setting()})", file=sys.stderr, flush=True)
         entry[str(side)] = {"grid": grid, "rows_per_image": grid[0] * grid[1] * grid[2] // MERGE ** 2,
                             "batches": rows, "best_images_per_s": best["images_per_s"], "best_batch": best["batch"]}
     del encoder
     free_device_memory(args.device)
     return entry
+
+
+def tower_setting() -> str:
+    """How the tower's blocks ran: fused (engine/vision/qwen2_5_vl.py) or as before (TRITONLLM_TOWER_UNFUSED=1),
+    and the attention backend asked of torch (TRITONLLM_TOWER_SDPA)."""
+    blocks = "unfused blocks" if os.environ.get(qwen2_5_vl.UNFUSED_ENV) == "1" else "fused blocks"
+    return f"{blocks}, SDPA {sdpa_backend()}"
 
 
 def profile_tower(encoder, patches: torch.Tensor, grids: list[list[int]], path: Path) -> str:
@@ -615,9 +638,14 @@ def markdown(results: dict) -> str:
     for side, e in (results.get("encoder") or {}).items():
         per_batch = ", ".join(f"b{r['batch']}: {r['images_per_s']:.1f}" for r in e["batches"])
         lines.append(f"| vision tower, {side} x {side} images ({e['grid'][1]} x {e['grid'][2]} patches, "
-                     f"{e['rows_per_image']} rows each; MLP width {results.get('tower_mlp_width')}), images/s | "
+                     f"{e['rows_per_image']} rows each; MLP width {results.get('tower_mlp_width')}; "
+                     f"{results.get('tower_setting')}), images/s | "
                      f"{e['best_images_per_s']:.1f} (batch "
                      f"{e['best_batch']}; {per_batch}) | - | - |")
+    for variant, v in (results.get("encoder_variants") or {}).items():
+        for side, e in v["sides"].items():
+            lines.append(f"| the same, {side} x {side}, {v['setting']}, images/s | {e['best_images_per_s']:.1f} "
+                         f"(batch {e['best_batch']}) | - | - |")
     t = results.get("ttft")
     if t:
         lines.append(f"| TTFT, one {t['image_side']} x {t['image_side']} image + text ({t['prompt_len']} prompt "
@@ -689,6 +717,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hf-batches", default=None, help="transformers batch sizes (default 128; CPU 2; \"\": none)")
     p.add_argument("--unpadded-mlp", action="store_true", help="keep the tower's MLP width as the checkpoint's "
                    "(3,420) instead of padding it to 3,456 as load_vision_encoder does on CUDA (the before figure)")
+    p.add_argument("--tower-variants", default="", help="encoder section: time the tower again with each of "
+                   f"{', '.join(TOWER_VARIANTS)} (comma-separated; the environment variables they set)")
     p.add_argument("--max-num-tokens", type=int, default=8192)
     p.add_argument("--kv-fraction", type=float, default=0.8, help="kv_cache_free_gpu_mem_fraction of the executor")
     p.add_argument("--profile-dir", default=None, help="write the tower's torch-profiler tables and a cProfile "
@@ -708,6 +738,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.text_len = min(args.text_len, 8)
     args.image_sizes = [int(s) for s in str(args.image_sizes).split(",")]
     args.encoder_batches = [[int(b) for b in part.split(",")] for part in str(args.encoder_batches).split("/")]
+    args.tower_variants = [v for v in args.tower_variants.split(",") if v.strip()]
     args.hf_batches = [int(b) for b in str(args.hf_batches).split(",") if b.strip()]  # "": no transformers run
     args.torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     return args
@@ -722,11 +753,15 @@ def main(argv=None) -> dict:
     results = {"date": utc_now(), "device": args.device, "machine": machine_summary(args.device), "commit": git_commit(),
                "command": command_line(__file__, argv), "goals": GOALS,
                "tower_mlp_width": config.vision_config.intermediate_size if args.unpadded_mlp
-               else padded_width(config.vision_config.intermediate_size)}
+               else padded_width(config.vision_config.intermediate_size), "tower_setting": tower_setting()}
     started = time.perf_counter()
     if "encoder" in sections:
         t0 = time.perf_counter()
         results["encoder"] = bench_encoder(args, config)
+        for variant in args.tower_variants:
+            with tower_variant(variant):
+                results.setdefault("encoder_variants", {})[variant] = {
+                    "setting": tower_setting(), "sides": bench_encoder(args, config, "_" + variant)}
         print(f"encoder: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
         Path(args.out).write_text(json.dumps(results, indent=2))  # what is done survives a later failure
     if "ttft" in sections or "offline" in sections:

@@ -28,20 +28,23 @@ def padded_width(width: int, multiple: int = WIDTH_MULTIPLE) -> int:
 
 @torch.no_grad()
 def pad_linear_pair(widening: list[nn.Linear], narrowing: nn.Linear, multiple: int = WIDTH_MULTIPLE) -> int:
-    """Pad the hidden width between ``widening`` (each (width, dim)) and ``narrowing`` ((dim, width))
-    with zeros to a multiple of ``multiple``, in place -> the new width."""
+    """Pad the hidden width between ``widening`` (each (parts * width, dim): one product, or a fused
+    [gate | up] of two, each part padded at its end) and ``narrowing`` ((dim, width)) with zeros to a
+    multiple of ``multiple``, in place -> the new width."""
     width = narrowing.in_features
     new = padded_width(width, multiple)
     if new == width:
         return width
+
+    def padded(values: torch.Tensor) -> torch.Tensor:  # (parts * width[, dim]) -> (parts * new[, dim])
+        parts = values.view(-1, width, *values.shape[1:])
+        return torch.cat([parts, parts.new_zeros(parts.shape[0], new - width, *parts.shape[2:])], dim=1).flatten(0, 1)
+
     for linear in widening:
-        weight = linear.weight
-        linear.weight = nn.Parameter(torch.cat([weight, weight.new_zeros(new - width, weight.shape[1])]),
-                                     requires_grad=False)
+        linear.weight = nn.Parameter(padded(linear.weight), requires_grad=False)
         if linear.bias is not None:
-            linear.bias = nn.Parameter(torch.cat([linear.bias, linear.bias.new_zeros(new - width)]),
-                                       requires_grad=False)
-        linear.out_features = new
+            linear.bias = nn.Parameter(padded(linear.bias), requires_grad=False)
+        linear.out_features = linear.weight.shape[0]
     weight = narrowing.weight
     narrowing.weight = nn.Parameter(torch.cat([weight, weight.new_zeros(weight.shape[0], new - width)], dim=1),
                                     requires_grad=False)
@@ -51,12 +54,15 @@ def pad_linear_pair(widening: list[nn.Linear], narrowing: nn.Linear, multiple: i
 
 def pad_mlp_widths(encoder: nn.Module, multiple: int = WIDTH_MULTIPLE) -> None:
     """Every block of ``encoder`` with an MLP through one of engine/vision/clip.py's ACTIVATIONS (all
-    map 0 to 0), SwiGLU (gate_proj, up_proj -> down_proj) or plain (fc1 -> fc2), padded as
-    pad_linear_pair. (Mergers and projectors apply their GELU outside a block: left as they are.)"""
+    map 0 to 0), SwiGLU (gate_proj, up_proj -> down_proj, or Qwen2.5-VL's fused gate_up -> down_proj) or
+    plain (fc1 -> fc2), padded as pad_linear_pair. (Mergers and projectors apply their GELU outside a
+    block: left as they are.)"""
     for block in encoder.modules():
         if not any(getattr(block, "act", None) is act for act in ACTIVATIONS.values()):
             continue
-        if all(isinstance(getattr(block, name, None), nn.Linear) for name in ("gate_proj", "up_proj", "down_proj")):
+        if all(isinstance(getattr(block, name, None), nn.Linear) for name in ("gate_up", "down_proj")):
+            pad_linear_pair([block.gate_up], block.down_proj, multiple)
+        elif all(isinstance(getattr(block, name, None), nn.Linear) for name in ("gate_proj", "up_proj", "down_proj")):
             pad_linear_pair([block.gate_proj, block.up_proj], block.down_proj, multiple)
         elif all(isinstance(getattr(block, name, None), nn.Linear) for name in ("fc1", "fc2")):
             pad_linear_pair([block.fc1], block.fc2, multiple)

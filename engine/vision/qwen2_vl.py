@@ -9,7 +9,8 @@ merge blocks, so four consecutive patches are one merged row.
 
 Per block: x + attn(LayerNorm(x)), x + mlp(LayerNorm(x)); attention is bidirectional within one
 image frame (the images' frames are sequences of their own), with rotary over the head dims: the
-first half of the frequencies from the patch's row, the second from its column (``axial_cos_sin``).
+first half of the frequencies from the patch's row, the second from its column
+(engine/vision/tower_layout.py ``axial_angles``).
 
 The language model is built as a plain Qwen2 engine (``text_config``): its M-RoPE is the request's,
 rows of rotary cos/sin per prompt token and a position delta for what follows
@@ -21,91 +22,68 @@ Qwen2.5-VL's tower (window attention, RMSNorm, SwiGLU) is engine/vision/qwen2_5_
 from __future__ import annotations
 
 import copy
+import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.hf_checkpoint import TensorGetter
 from engine.vision.clip import activation, first_found
-from kernels.rotary import apply_rotary
+from engine.vision.tower_layout import PatchRotary, Segments, tower_layout
 
 MODEL_TYPE = "qwen2_vl"  # builder_config.model_type, as the anchor names it
 PREFIXES = ("visual.", "model.visual.")
 
 
-def axial_cos_sin(grid_thw: list[list[int]], merge: int, head_dim: int, theta: float,
-                  device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin), each (total patches, head_dim) fp32: per patch, its (row, column) in the image's
-    grid, taken in the processor's block-major order, rotating the head's quarters by row and by
-    column frequencies (then repeated for the second half, as transformers' rotate_half pairs them)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim // 2, 2, dtype=torch.float, device=device) / (head_dim // 2)))
-    positions = []
-    for t, h, w in grid_thw:
-        rows, columns = torch.meshgrid(torch.arange(h, device=device), torch.arange(w, device=device), indexing="ij")
-        blocks = (h // merge, merge, w // merge, merge)
-        rows = rows.reshape(blocks).transpose(1, 2).flatten()
-        columns = columns.reshape(blocks).transpose(1, 2).flatten()
-        positions.append(torch.stack([rows, columns], dim=-1).repeat(t, 1))
-    angles = torch.cat(positions).float()[..., None] * inv_freq  # (patches, 2, head_dim // 4)
-    angles = torch.cat([angles[:, 0], angles[:, 1]], dim=-1)
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos(), angles.sin()
+SDPA_ENV = "TRITONLLM_TOWER_SDPA"  # the towers' attention backend: auto (torch's choice), cudnn, flash, efficient, math
+SDPA_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
 
 
-class Segments:
-    """Consecutive runs of patches that attend within themselves (an image's frames, or its windows),
-    grouped by length: each group's rows as one (runs, length) gather index, so one attention call
-    serves every run of a length (a batch of 448 x 448 images has 16 windows each, of at most four
-    lengths) instead of one call per run."""
+def sdpa_backend() -> str:
+    """The backend the towers' attention asks torch for (``TRITONLLM_TOWER_SDPA``, read per call so a
+    bench can A/B it in one process). Which is fastest at head_dim 80 over 64-patch windows and
+    1,024-patch frames is a GPU question: torch 2.11 picks cuDNN on an H200 (the 11:13 profile)."""
+    name = os.environ.get(SDPA_ENV, "auto").lower()
+    if name not in SDPA_BACKENDS:
+        raise ValueError(f"{SDPA_ENV}={name!r} is not a backend; allowed: {', '.join(SDPA_BACKENDS)}")
+    return name
 
-    def __init__(self, lengths: list[int], device=None):
-        self.lengths = list(lengths)
-        starts = torch.tensor([0, *self.lengths[:-1]]).cumsum(0).tolist()
-        by_length: dict[int, list[int]] = {}
-        for start, n in zip(starts, self.lengths):
-            by_length.setdefault(n, []).append(start)
-        # (length, rows (runs, length) int64 on the device, or None when the runs tile every patch in order)
-        self.groups = [(n, None if len(by_length) == 1 else
-                        (torch.tensor(s)[:, None] + torch.arange(n)).to(device)) for n, s in by_length.items()]
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    name = sdpa_backend()
+    if name == "auto" or not q.is_cuda:
+        return F.scaled_dot_product_attention(q, k, v)
+    backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+               "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[name]
+    with sdpa_kernel([backend]):
+        return F.scaled_dot_product_attention(q, k, v)
 
 
 def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths) -> torch.Tensor:
     """q, k, v (patches, heads, head_dim) -> (patches, heads, head_dim): softmax attention within each
-    run of ``lengths`` (a list, or Segments), both ways, one SDPA call per run length."""
+    run of ``lengths`` (a list, or Segments), both ways, one SDPA call per run length (no loop over
+    images or windows: every run of a length is one batch of the call)."""
     segments = lengths if isinstance(lengths, Segments) else Segments(lengths, q.device)
     out = None if segments.groups[0][1] is None else torch.empty_like(q)
     for n, rows in segments.groups:
         pick = (lambda t: t.view(-1, n, *t.shape[1:])) if rows is None else (lambda t: t[rows])  # noqa: E731
         # (runs, heads, n, head_dim) for SDPA, back to (runs, n, heads, head_dim)
-        got = F.scaled_dot_product_attention(*(pick(t).transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
+        got = _sdpa(*(pick(t).transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
         if rows is None:
             return got.reshape(q.shape)
         out[rows] = got
     return out
 
 
-class PatchRotary:
-    """The patches' axial rotary as kernels/rotary.py's apply_rotary takes it: a (patches, head_dim) float32
-    table of [cos | sin] of the head_dim / 2 frequencies (axial_cos_sin's halves repeat, so one half each
-    holds them) and positions 0..patches-1 into it; one Triton launch rotates q and k in place on CUDA,
-    the same fp32 math as transformers' apply_rotary_pos_emb_vision (the torch reference elsewhere)."""
-
-    def __init__(self, cos: torch.Tensor, sin: torch.Tensor):
-        half = cos.shape[-1] // 2
-        self.table = torch.cat([cos[:, :half], sin[:, :half]], dim=-1).float().contiguous()
-        self.positions = torch.arange(cos.shape[0], device=cos.device)
-
-    def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return apply_rotary(q, k, self.positions, self.table)
-
-
 def frame_attention(grids: list[list[int]], config: dict, device=None) -> tuple[PatchRotary, Segments]:
     """What full-frame blocks take: the patches' axial rotary and the frames as Segments (attention
-    stays within a frame), for a tower config with embed_dim, num_heads, spatial_merge_size, rope_theta."""
-    cos, sin = axial_cos_sin(grids, config["spatial_merge_size"], config["embed_dim"] // config["num_heads"],
-                             config["rope_theta"], device)
-    return PatchRotary(cos, sin), Segments([h * w for t, h, w in grids for _ in range(t)], device)
+    stays within a frame), for a tower config with embed_dim, num_heads, spatial_merge_size, rope_theta
+    (engine/vision/tower_layout.py: made from per-grid pieces kept on the device)."""
+    layout = tower_layout(grids, config["spatial_merge_size"], config["embed_dim"] // config["num_heads"],
+                          config["rope_theta"], device)
+    return layout.rotary, layout.frames
 
 
 def embed_patches(patch_embed: nn.Linear, pixel_values: torch.Tensor, grids: list[list[int]]) -> torch.Tensor:

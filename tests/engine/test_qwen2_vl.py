@@ -63,6 +63,30 @@ def test_tower_with_mlp_widths_padded_gives_the_same_rows(built):
         assert torch.equal(got, expected)
 
 
+def test_tower_rows_equal_transformers_image_features(built, monkeypatch):
+    """The tower alone against transformers' get_image_features: three images of two sizes (windows and
+    frames of several lengths, a repeated grid), twice (the second from the kept layout pieces,
+    engine/vision/tower_layout.py); Qwen2.5-VL also through its unfused blocks (TRITONLLM_TOWER_UNFUSED=1,
+    vlm_bench's before figure), equal to the fused ones."""
+    from engine.vision.qwen2_5_vl import UNFUSED_ENV
+
+    engine, hf = built
+    images = image_processor()([make_image(0, (52, 40)), make_image(1, (28, 56)), make_image(2, (52, 40))],
+                               return_tensors="pt")
+    grids = images["image_grid_thw"].tolist()
+    with torch.no_grad():
+        expected = hf.model.get_image_features(pixel_values=images["pixel_values"], image_grid_thw=images["image_grid_thw"])
+    expected = torch.cat(list(getattr(expected, "pooler_output", expected)))
+    encoder = load_vision_encoder(vision_encoder_dir(engine))
+    runs = [torch.cat(encoder.image_features(images["pixel_values"], grids)) for _ in range(2)]
+    if hasattr(encoder.blocks[0], "gate_up"):
+        monkeypatch.setenv(UNFUSED_ENV, "1")
+        runs.append(torch.cat(encoder.image_features(images["pixel_values"], grids)))
+    for rows in runs:
+        torch.testing.assert_close(rows, expected, atol=1e-5, rtol=1e-5)
+    assert all(torch.equal(rows, runs[0]) for rows in runs)
+
+
 def test_encode_queue_batches_pending_requests_into_one_forward(built):
     """engine/vision/encode_queue.py: three requests' images (1, 2 and 1) submitted while the worker is held
     run as one tower forward; each request gets its images' rows, float16, as the tower alone gives them;
