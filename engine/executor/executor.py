@@ -68,7 +68,7 @@ from engine.executor.speculative.mtp import start_mtp
 from engine.executor.speculative.lookahead import lookahead_request_error, start_lookahead
 from engine.executor.speculative.medusa_executor import last_rows, start_medusa
 from engine.executor.speculative.redrafter import start_redrafter
-from engine.executor.speculative.tree_step import compact_path_kv
+from engine.executor.speculative.tree_step import move_kv, path_kv_moves
 from engine.executor.tree_batch import chunk_parents, tree_positions
 # KvCacheStats and IterationStats are part of this module's public surface (re-exported).
 from engine.executor.stats import (  # noqa: F401
@@ -855,7 +855,7 @@ class Executor:
             return False
         token_ids, log_probs, top = step.transfer.wait() if step.transfer is not None else ([], None, None)
         now = now_ns()
-        beam_rows = []
+        beam_rows, kv_moves = [], []
         for item, (first, end) in zip(step.plan.scheduled, step.rows):  # once per sequence per step: keep it lean
             seq = item.seq
             if seq.status is not SequenceStatus.RUNNING:
@@ -864,7 +864,7 @@ class Executor:
             if state.request.output.return_context_logits:  # slicing a tensor per sequence costs ~2 us
                 self._collect_context_logits(item, step.logits[first:end])
             if item.num_draft_tokens:  # before registering: no block holding a rejected token is registered
-                self._take_verified(item, step.verified[seq.seq_id])
+                self._take_verified(item, step.verified[seq.seq_id], kv_moves)
             self.blocks.register_computed_blocks(seq)
             if item.samples and len(state.sequences) > 1 and (item.start + item.num_new_tokens - item.num_draft_tokens
                                                                == seq.num_prompt_tokens):
@@ -873,6 +873,7 @@ class Executor:
                 beam_rows.append((seq, step.logits[end - 1]))
             if item.num_draft_tokens:  # (after the fork: a stop here frees the blocks siblings share)
                 self._resolve_verified(seq, step.verified[seq.seq_id], step.logits, first, now)
+        move_kv(self.runner, kv_moves)  # the trees' accepted paths into place, every sequence's at once
         for i, (seq, index, row) in enumerate(step.placeholders):
             if not seq.is_finished:
                 self._resolve_token(seq, index, token_ids[i], None if log_probs is None else log_probs[i],
@@ -922,14 +923,18 @@ class Executor:
         return verify_batch([(seq, seq.draft_token_ids[:k], first) for seq, first, k in drafted], logits,
                             self.runner.vocab_size, self.config.normalize_log_probs)
 
-    def _take_verified(self, item, verified: Verified) -> None:
+    def _take_verified(self, item, verified: Verified, kv_moves: list) -> None:
         """Roll a drafted sequence back to its accepted tokens: they join token_ids (as unresolved
         tokens, until _resolve_verified checks stops on each), the KV of rejected positions is
         forgotten (num_computed_tokens stops after the last accepted draft; the target's own
-        token has no KV yet), and blocks that held only rejected positions go back to the pool."""
+        token has no KV yet), and blocks that held only rejected positions go back to the pool.
+        A tree's accepted path: its KV moves into consecutive positions join ``kv_moves``, which the
+        caller makes for the whole step before anything else reaches the device (a source in a
+        block freed here is still read first)."""
         seq, state = item.seq, item.seq.state
-        if verified.path is not None:  # a tree: the accepted path's KV into consecutive positions
-            compact_path_kv(self.runner, seq.block_ids, len(seq.token_ids) - 1, verified.path)
+        if verified.path is not None:
+            kv_moves += path_kv_moves(seq.block_ids, len(seq.token_ids) - 1, verified.path,
+                                      self.runner.tokens_per_block)
         seq.num_computed_tokens = len(seq.token_ids) + verified.num_accepted
         seq.token_ids += verified.token_ids
         seq.num_unresolved_tokens += len(verified.token_ids)

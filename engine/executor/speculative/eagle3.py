@@ -324,9 +324,11 @@ class Eagle3DraftProposer:
             v = verified.get(seq.seq_id) if verified and k else None
             if v is not None and v.num_accepted:
                 accepted = v.path[1:] if v.path is not None else range(1, v.num_accepted + 1)
-                # the rows by a tensor sent ahead (a Python list index copies it with a stream sync)
-                rows_at = torch.tensor([n - k - 1 + j for j in accepted]).to(chunk.device, non_blocking=True)
-                keep = torch.cat([keep, chunk.index_select(0, rows_at)])
+                if list(accepted) == list(range(1, v.num_accepted + 1)):  # (a chain, a tree's first nodes)
+                    keep = chunk[:n - k + v.num_accepted]  # the rows right after the root's: one slice
+                else:  # the rows by a tensor sent ahead (a Python list index copies it with a stream sync)
+                    rows_at = torch.tensor([n - k - 1 + j for j in accepted]).to(chunk.device, non_blocking=True)
+                    keep = torch.cat([keep, chunk.index_select(0, rows_at)])
             cache = self._caches.get(seq.seq_id)
             if cache is None or cache.end != item.start:  # a restart (preemption, prefix hit): features from here
                 cache = self._caches[seq.seq_id] = DraftCache(item.start, self.head, rows.device)
@@ -359,7 +361,10 @@ class Eagle3DraftProposer:
             seq.draft_parents, seq.draft_tree_keeps_law = parents[:room], True
             drafts.append(tokens[:room])
         if windowed:  # every sequence's commit and tree in one replay (a group's each, for long caches)
-            drafted = self.graphs.run_batch([c for *_, c in windowed], [seq.token_ids for _, seq, _, _ in windowed])
+            if len(windowed) == 1:  # (read before the next replay: no copy of the window's tokens)
+                drafted = self.graphs.run(windowed[0][3], windowed[0][1].token_ids)[None]
+            else:
+                drafted = self.graphs.run_batch([c for *_, c in windowed], [seq.token_ids for _, seq, _, _ in windowed])
             for (i, seq, room, _), tokens in zip(windowed, drafted.tolist()):
                 seq.draft_parents, seq.draft_tree_keeps_law = self.plan.parents[:room], True
                 drafts[i] = tokens[:room]

@@ -59,7 +59,8 @@ class DraftCache:
         return self.start + self.length + self.pending.shape[0]
 
     def add_features(self, g: torch.Tensor) -> None:
-        self.pending = torch.cat([self.pending, g.to(self.pending.dtype)])
+        g = g.to(self.pending.dtype)
+        self.pending = torch.cat([self.pending, g]) if self.pending.shape[0] else g  # (none pending: no copy)
 
     def reserve(self, rows: int) -> None:
         """Room for ``rows`` rows in all (cached + scratch)."""

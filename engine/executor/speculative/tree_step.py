@@ -81,18 +81,31 @@ def tree_forward(runner: ModelRunner, rows: list[TreeRow]) -> tuple[torch.Tensor
 def compact_path_kv(runner: ModelRunner, block_table: list[int], num_cached: int, path: list[int]) -> None:
     """Move every layer's K and V of node path[j] (position num_cached + path[j]) to position
     num_cached + j. path[j] >= j, and all sources are read before any destination is written."""
-    moves = [(num_cached + node, num_cached + j) for j, node in enumerate(path) if node != j]
+    move_kv(runner, path_kv_moves(block_table, num_cached, path, runner.tokens_per_block))
+
+
+def path_kv_moves(block_table: list[int], num_cached: int, path: list[int], tokens_per_block: int
+                  ) -> list[tuple[int, int, int, int]]:
+    """compact_path_kv's moves, host-side only: (source block, offset, destination block, offset) of
+    each accepted node not in place. A step's sequences' moves go to ``move_kv`` together."""
+    size, moves = tokens_per_block, []
+    for j, node in enumerate(path):
+        if node != j:
+            src, dst = num_cached + node, num_cached + j
+            moves.append((block_table[src // size], src % size, block_table[dst // size], dst % size))
+    return moves
+
+
+def move_kv(runner: ModelRunner, moves: list[tuple[int, int, int, int]]) -> None:
+    """Every layer's K and V from each move's source slot to its destination (path_kv_moves), all
+    sources read before any destination is written: one copy of the slots to the device, not waited
+    for (a tensor made on the device from a list waits for the stream: four such a sequence were
+    four host syncs a tree step), and one gather and scatter for the whole step."""
     if not moves:
         return
-    size = runner.tokens_per_block
     cache = runner.kv_cache.view(torch.uint8) if runner.kv_cache.dtype == KV_FP8_DTYPE else runner.kv_cache
-
-    def where(positions):
-        blocks = torch.tensor([block_table[p // size] for p in positions], device=cache.device)
-        return blocks, torch.tensor([p % size for p in positions], device=cache.device)
-
-    src, dst = where([s for s, _ in moves]), where([d for _, d in moves])
-    cache[:, :, dst[0], dst[1]] = cache[:, :, src[0], src[1]]  # (layers, 2, moves, kv heads, head dim)
+    at = torch.tensor(moves, dtype=torch.int64).T.contiguous().to(cache.device, non_blocking=True)  # (4, moves)
+    cache[:, :, at[2], at[3]] = cache[:, :, at[0], at[1]]  # (layers, 2, moves, kv heads, head dim)
 
 
 # A proposer: (the sequence's tokens, the target's final hidden state after its last token) ->

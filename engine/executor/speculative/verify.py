@@ -61,23 +61,29 @@ def verify_batch(drafted: list[tuple[Sequence, list[int], int]], logits: torch.T
                  normalize_log_probs: bool = True) -> dict[int, Verified]:
     """Every drafted sequence of a step: (sequence, drafts, first logits row) -> seq_id -> Verified.
     logits (rows, vocab): the step's; sequence i's k + 1 rows start at its first row. Plain greedy
-    sequences (nothing changes their logits) share one argmax and one copy to the host."""
-    verified, plain = {}, []
+    sequences (nothing changes their logits) share one argmax and one copy to the host (their trees
+    one, their chains another): a copy to the host waits for the step's forward, each a sync."""
+    verified, plain, trees = {}, [], []
     for seq, draft_ids, first in drafted:
         if seq.draft_parents is not None:  # a token tree (tree_batch.py)
             parents = [-1] + [p + 1 for p in seq.draft_parents[:len(draft_ids)]]
-            rows = logits[first:first + len(draft_ids) + 1]
             if not is_plain_greedy(seq):
+                rows = logits[first:first + len(draft_ids) + 1]
                 verified[seq.seq_id] = verify_tree(seq, parents, draft_ids, rows, vocab_size, normalize_log_probs)
                 continue
-            argmax = rows.argmax(dim=-1).tolist()
-            path, token_ids = accept_greedy_tree(parents, [-1] + list(draft_ids), argmax)
-            verified[seq.seq_id] = Verified(token_ids, len(draft_ids), None, path, argmax)
+            trees.append((seq, draft_ids, first, parents))
         elif is_plain_greedy(seq):
             plain.append((seq, draft_ids, first))
         else:
             verified[seq.seq_id] = verify_drafts(seq, draft_ids, logits[first:first + len(draft_ids) + 1],
                                                  vocab_size, normalize_log_probs)
+    if trees:  # plain greedy trees: one argmax over the span of their rows, one copy to the host (not one a tree)
+        low = min(first for _, _, first, _ in trees)
+        argmax = logits[low:max(first + len(d) + 1 for _, d, first, _ in trees)].argmax(dim=-1).tolist()
+        for seq, draft_ids, first, parents in trees:
+            node_argmax = argmax[first - low:first - low + len(draft_ids) + 1]
+            path, token_ids = accept_greedy_tree(parents, [-1] + list(draft_ids), node_argmax)
+            verified[seq.seq_id] = Verified(token_ids, len(draft_ids), None, path, node_argmax)
     if plain:
         rows = [first + j for _, draft_ids, first in plain for j in range(len(draft_ids) + 1)]
         argmax = logits[torch.tensor(rows, device=logits.device)].argmax(dim=-1).tolist()
