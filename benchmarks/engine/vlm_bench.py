@@ -152,7 +152,7 @@ def write_language_engine(config, args, max_batch_size: int) -> str:
 
 # ---- 1. the tower alone -------------------------------------------------------------------------
 
-TOWER_VARIANTS = {"fused": {}, "unfused": {qwen2_5_vl.UNFUSED_ENV: "1"},
+TOWER_VARIANTS = {"fused": {}, "unfused": {qwen2_vl.UNFUSED_ENV: "1"},
                   **{f"sdpa-{name}": {qwen2_vl.SDPA_ENV: name} for name in qwen2_vl.SDPA_BACKENDS}}
 
 
@@ -198,7 +198,7 @@ def bench_encoder(args, config, variant: str = "") -> dict:
 def tower_setting() -> str:
     """How the tower's blocks ran: fused (engine/vision/qwen2_5_vl.py) or as before (TRITONLLM_TOWER_UNFUSED=1),
     and the attention backend asked of torch (TRITONLLM_TOWER_SDPA)."""
-    blocks = "unfused blocks" if os.environ.get(qwen2_5_vl.UNFUSED_ENV) == "1" else "fused blocks"
+    blocks = "unfused blocks" if os.environ.get(qwen2_vl.UNFUSED_ENV) == "1" else "fused blocks"
     return f"{blocks}, SDPA {sdpa_backend()}"
 
 

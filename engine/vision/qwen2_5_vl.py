@@ -12,24 +12,19 @@ Qwen2-VL's.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.hf_checkpoint import TensorGetter
 from engine.vision.clip import activation, first_found
-from engine.vision.qwen2_vl import PREFIXES, embed_patches, language_fields, segment_attention
+from engine.vision.qwen2_vl import PREFIXES, embed_patches, language_fields, segment_attention, unfused
 from engine.vision.tower_layout import PatchRotary, Segments, tower_layout
 from kernels._triton import use_triton
 from kernels.activation import silu_and_mul
 from kernels.rmsnorm import rms_norm
 
 MODEL_TYPE = "qwen2_5_vl"  # builder_config.model_type
-# "1": the blocks as before the fused path (two MLP products, torch's SiLU and product, the residual adds
-# apart from the norms) and the layout made afresh each forward with blocking copies: vlm_bench's "before"
-UNFUSED_ENV = "TRITONLLM_TOWER_UNFUSED"
 
 
 class RMSNorm(nn.Module):
@@ -98,7 +93,7 @@ class Qwen25VisionBlock(nn.Module):
         return self.down_proj(self.act(gate_up[:, :width].contiguous()) * gate_up[:, width:]), residual
 
     def forward_unfused(self, x: torch.Tensor, rotary: PatchRotary, runs: Segments) -> torch.Tensor:
-        """The block as it ran before the fused path (UNFUSED_ENV): x -> x after the block."""
+        """The block as it ran before the fused path (qwen2_vl.UNFUSED_ENV): x -> x after the block."""
         tokens = x.shape[0]
         q, k, v = self.qkv(self.norm1(x)[0]).view(tokens, 3, self.num_heads, -1).unbind(1)
         q, k = rotary(q, k)
@@ -130,14 +125,14 @@ class Qwen25VisionEncoder(nn.Module):
         c = self.config
         dim, merge = c["embed_dim"], c["spatial_merge_size"]
         unit = merge * merge
-        unfused = os.environ.get(UNFUSED_ENV) == "1"
+        before = unfused()
         x = embed_patches(self.patch_embed, pixel_values, grids)
         # No host loop or host->device copy here once these grids were seen (engine/vision/tower_layout.py)
         layout = tower_layout(grids, merge, dim // c["num_heads"], c["rope_theta"], x.device,
-                              window=c["window_size"] // merge // c["patch_size"], keep=not unfused)
+                              window=c["window_size"] // merge // c["patch_size"], keep=not before)
         x = x.view(-1, unit, dim)[layout.order].view(-1, dim)  # the processor's order -> window-major
         full = set(c["fullatt_block_indexes"])
-        if unfused:
+        if before:
             for i, block in enumerate(self.blocks):
                 x = block.forward_unfused(x, layout.rotary, layout.frames if i in full else layout.windows)
             x = self.merger_norm(x)[0]

@@ -32,11 +32,15 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from engine.hf_checkpoint import TensorGetter
 from engine.vision.clip import activation, first_found
 from engine.vision.tower_layout import PatchRotary, Segments, tower_layout
+from kernels.layernorm import layer_norm
 
 MODEL_TYPE = "qwen2_vl"  # builder_config.model_type, as the anchor names it
 PREFIXES = ("visual.", "model.visual.")
 
 
+# "1": the Qwen towers' blocks as before their fused path (each residual add a kernel of its own; Qwen2.5-VL's
+# MLP as two products, torch's SiLU and product) and the layout made afresh each forward: vlm_bench's "before"
+UNFUSED_ENV = "TRITONLLM_TOWER_UNFUSED"
 SDPA_ENV = "TRITONLLM_TOWER_SDPA"  # the towers' attention backend: auto (torch's choice), cudnn, flash, efficient, math
 SDPA_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
 
@@ -77,13 +81,24 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths
     return out
 
 
+def unfused() -> bool:
+    return os.environ.get(UNFUSED_ENV) == "1"
+
+
 def frame_attention(grids: list[list[int]], config: dict, device=None) -> tuple[PatchRotary, Segments]:
     """What full-frame blocks take: the patches' axial rotary and the frames as Segments (attention
     stays within a frame), for a tower config with embed_dim, num_heads, spatial_merge_size, rope_theta
     (engine/vision/tower_layout.py: made from per-grid pieces kept on the device)."""
     layout = tower_layout(grids, config["spatial_merge_size"], config["embed_dim"] // config["num_heads"],
-                          config["rope_theta"], device)
+                          config["rope_theta"], device, keep=not unfused())
     return layout.rotary, layout.frames
+
+
+def norm_adding(norm: nn.LayerNorm, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(s), s) for s = x + residual (x without one), the sum rounded to x's dtype as transformers'
+    ``hidden + out``: one Triton pass on CUDA (kernels/layernorm.py), the torch reference elsewhere."""
+    out, stream, _ = layer_norm(x, norm.weight, norm.bias, norm.eps, () if residual is None else (residual,))
+    return out, stream
 
 
 def embed_patches(patch_embed: nn.Linear, pixel_values: torch.Tensor, grids: list[list[int]]) -> torch.Tensor:
@@ -118,6 +133,18 @@ class Qwen2VisionBlock(nn.Module):
         x = x + self.proj(segment_attention(q, k, v, lengths).reshape(tokens, -1))
         return x + self.feed_forward(self.norm2(x))
 
+    def forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None, rotary: PatchRotary,
+                      runs: Segments) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` with the residual stream kept apart: x (patches, dim) the last sublayer's output (the
+        embeddings, residual None, before the first block) -> (this block's MLP output, the sum before it).
+        Each LayerNorm adds the residual in its own pass: no add kernel of its own (2 launches a block fewer)."""
+        h, residual = norm_adding(self.norm1, x, residual)
+        tokens = h.shape[0]
+        q, k, v = self.qkv(h).view(tokens, 3, self.num_heads, -1).unbind(1)
+        q, k = rotary(q, k)
+        h, residual = norm_adding(self.norm2, self.proj(segment_attention(q, k, v, runs).reshape(tokens, -1)), residual)
+        return self.feed_forward(h), residual
+
     def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(h)))
 
@@ -145,9 +172,16 @@ class Qwen2VisionEncoder(nn.Module):
         merge = c["spatial_merge_size"]
         x = embed_patches(self.patch_embed, pixel_values, grids)
         rotary, lengths = frame_attention(grids, c, x.device)
-        for block in self.blocks:
-            x = block(x, rotary, lengths)
-        x = self.merger_norm(x).view(-1, c["embed_dim"] * merge ** 2)
+        if unfused():
+            for block in self.blocks:
+                x = block(x, rotary, lengths)
+            x = self.merger_norm(x)
+        else:
+            residual = None
+            for block in self.blocks:
+                x, residual = block.forward_fused(x, residual, rotary, lengths)
+            x = norm_adding(self.merger_norm, x, residual)[0]
+        x = x.view(-1, c["embed_dim"] * merge ** 2)
         rows = self.merger_fc2(F.gelu(self.merger_fc1(x)))
         return list(rows.split([t * h * w // merge ** 2 for t, h, w in grids]))
 

@@ -31,7 +31,7 @@ from torch import nn
 
 from engine.hf_checkpoint import TensorGetter
 from engine.vision.clip import first_found
-from engine.vision.qwen2_vl import PREFIXES, Qwen2VisionBlock, embed_patches, frame_attention, language_fields
+from engine.vision.qwen2_vl import PREFIXES, Qwen2VisionBlock, embed_patches, frame_attention, language_fields, unfused
 from engine.vision.qwen2_vl import text_config as qwen2_vl_text_config
 
 # builder_config.model_type of both Qwen3-VL and Qwen3-VL-MoE (the same tower; the anchor has no Qwen3-VL)
@@ -94,11 +94,18 @@ class Qwen3VisionEncoder(nn.Module):
         x = embed_patches(self.patch_embed, pixel_values, grids)
         x = x + grid_position_embeddings(self.pos_embed, grids, merge).to(x.dtype)
         rotary, lengths = frame_attention(grids, c, x.device)
-        levels = []
+        levels, residual, fused = [], None, not unfused()
         for i, block in enumerate(self.blocks):
-            x = block(x, rotary, lengths)
+            if fused:  # the residual added in the next block's first norm (engine/vision/qwen2_vl.py)
+                x, residual = block.forward_fused(x, residual, rotary, lengths)
+            else:
+                x = block(x, rotary, lengths)
             if i in c["deepstack_visual_indexes"]:
+                if residual is not None:  # DeepStack reads the sum itself
+                    x, residual = x + residual, None
                 levels.append(self.deepstack_mergers[c["deepstack_visual_indexes"].index(i)](x))
+        if residual is not None:
+            x = x + residual
         rows = torch.cat([self.merger(x), *levels], dim=-1)
         return list(rows.split([t * h * w // merge ** 2 for t, h, w in grids]))
 

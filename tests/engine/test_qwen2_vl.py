@@ -66,9 +66,9 @@ def test_tower_with_mlp_widths_padded_gives_the_same_rows(built):
 def test_tower_rows_equal_transformers_image_features(built, monkeypatch):
     """The tower alone against transformers' get_image_features: three images of two sizes (windows and
     frames of several lengths, a repeated grid), twice (the second from the kept layout pieces,
-    engine/vision/tower_layout.py); Qwen2.5-VL also through its unfused blocks (TRITONLLM_TOWER_UNFUSED=1,
-    vlm_bench's before figure), equal to the fused ones."""
-    from engine.vision.qwen2_5_vl import UNFUSED_ENV
+    engine/vision/tower_layout.py), then through the unfused blocks (TRITONLLM_TOWER_UNFUSED=1, vlm_bench's
+    before figure), equal to the fused ones."""
+    from engine.vision.qwen2_vl import UNFUSED_ENV
 
     engine, hf = built
     images = image_processor()([make_image(0, (52, 40)), make_image(1, (28, 56)), make_image(2, (52, 40))],
@@ -79,9 +79,8 @@ def test_tower_rows_equal_transformers_image_features(built, monkeypatch):
     expected = torch.cat(list(getattr(expected, "pooler_output", expected)))
     encoder = load_vision_encoder(vision_encoder_dir(engine))
     runs = [torch.cat(encoder.image_features(images["pixel_values"], grids)) for _ in range(2)]
-    if hasattr(encoder.blocks[0], "gate_up"):
-        monkeypatch.setenv(UNFUSED_ENV, "1")
-        runs.append(torch.cat(encoder.image_features(images["pixel_values"], grids)))
+    monkeypatch.setenv(UNFUSED_ENV, "1")
+    runs.append(torch.cat(encoder.image_features(images["pixel_values"], grids)))
     for rows in runs:
         torch.testing.assert_close(rows, expected, atol=1e-5, rtol=1e-5)
     assert all(torch.equal(rows, runs[0]) for rows in runs)

@@ -117,6 +117,22 @@ def assert_greedy_ids_equal_transformers(engine: str, hf, device: str | None = N
     assert [final_tokens(responses[i]) for i in request_ids] == expected
 
 
+def test_tower_fused_blocks_equal_the_unfused(built, monkeypatch):
+    """The blocks with each residual added in the next LayerNorm's pass (the sum made where DeepStack reads
+    it) give the rows of the blocks as before (TRITONLLM_TOWER_UNFUSED=1), DeepStack levels included;
+    the context-logits test below compares the fused rows with transformers."""
+    from engine.vision.qwen2_vl import UNFUSED_ENV
+
+    engine, _ = built
+    images = image_processor()([make_image(i, size) for i, size in enumerate(SIZES)], return_tensors="pt")
+    grids = images["image_grid_thw"].tolist()
+    encoder = load_vision_encoder(vision_encoder_dir(engine))
+    fused = torch.cat(encoder.image_features(images["pixel_values"], grids))
+    monkeypatch.setenv(UNFUSED_ENV, "1")
+    torch.testing.assert_close(torch.cat(encoder.image_features(images["pixel_values"], grids)), fused,
+                               atol=1e-6, rtol=1e-6)
+
+
 def test_context_logits_equal_transformers_and_deepstack_and_interleaving_matter(built):
     """The image request's context logits equal transformers' forward (atol 1e-4); with its DeepStack
     rows zeroed, or with Qwen2-VL's sectioned M-RoPE, they differ by > 1e-2: both are exercised. A table
