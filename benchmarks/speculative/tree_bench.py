@@ -328,8 +328,9 @@ class GcPauses:
 
 def timed(executor, requests: list) -> tuple[list, dict]:
     """Run ``requests`` together -> (their results, the run's profile: median and slowest step ms
-    from the executor's iteration history (decode steps only), the slowest step's index, full GC
-    collections and their ms inside the run): one slow step (a pause) reads apart from a slower loop."""
+    from the executor's iteration history (decode steps only), the slowest step's index, the steps
+    over 1.5x the median and their ms beyond it, full GC collections and their ms inside the run):
+    one slow step (a pause) reads apart from a slower loop."""
     from engine.executor.request import now_ns
 
     since = now_ns()
@@ -337,17 +338,22 @@ def timed(executor, requests: list) -> tuple[list, dict]:
         results = run_all(executor, requests)
     latencies = [s.iter_latency_ms for s in steps_since(executor, since) if not s.num_ctx_tokens]
     slowest = max(range(len(latencies)), key=latencies.__getitem__) if latencies else None
-    return results, {"median_step_ms": statistics.median(latencies) if latencies else None,
-                     "max_step_ms": None if slowest is None else latencies[slowest], "max_step_at": slowest,
-                     "steps": len(latencies), "gc_full": pauses.count, "gc_full_ms": round(pauses.ms, 1)}
+    median = statistics.median(latencies) if latencies else None
+    slow = [ms - median for ms in latencies if ms > 1.5 * median] if latencies else []
+    return results, {"median_step_ms": median, "max_step_ms": None if slowest is None else latencies[slowest],
+                     "max_step_at": slowest, "steps": len(latencies), "steps_total_ms": round(sum(latencies), 1),
+                     "slow_steps": len(slow),
+                     "slow_excess_ms": round(sum(slow), 1), "gc_full": pauses.count, "gc_full_ms": round(pauses.ms, 1)}
 
 
 def profile_text(profile: dict) -> str:
     if profile.get("median_step_ms") is None:
         return "no step history"
+    # (steps' sum well under the run's decode time: the time went between the executor's iterations)
     return (f"steps median {profile['median_step_ms']:.2f} / max {profile['max_step_ms']:.2f} ms (step "
-            f"{profile['max_step_at']} of {profile['steps']}); full GCs {profile['gc_full']} "
-            f"({profile['gc_full_ms']} ms)")
+            f"{profile['max_step_at']} of {profile['steps']}, sum {profile['steps_total_ms']} ms), "
+            f"{profile['slow_steps']} over 1.5x the median "
+            f"(+{profile['slow_excess_ms']} ms); full GCs {profile['gc_full']} ({profile['gc_full_ms']} ms)")
 
 
 def forced_runs(executor, args, prompts: list[list[int]], truths: dict, state: dict, length: int) -> tuple:
