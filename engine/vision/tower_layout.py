@@ -3,7 +3,7 @@ qwen2_5_vl.py, qwen3_vl.py): the patches' axial rotary table, the runs attention
 Qwen2.5-VL's windows) and Qwen2.5-VL's window-major order of the merged units with its inverse.
 
 Made from per-grid pieces kept on the device (``grid_piece``: one per (t, h, w) grid, tower setting,
-device and CUDA stream; LRU of ``PIECES_KEPT``); a batch is assembled from its grids' pieces by device ops
+device and CUDA stream; LRU of ``PIECES_KEPT`` pieces and ``PIECE_BYTES_KEPT`` bytes); a batch is assembled from its grids' pieces by device ops
 with Python-int offsets only. Why: a forward of 32 images at 448 x 448 made all of this afresh with
 ~1,000 small host ops (a slice per window, a meshgrid per image: 7-10 ms of host time on the project's
 CPU box, the GIL held against the executor's thread), and its window order went to the device by a
@@ -33,7 +33,10 @@ import torch
 
 from kernels.rotary import apply_rotary
 
-PIECES_KEPT = 64  # per-grid pieces kept (all devices and streams); a 74 x 74-patch grid's is ~1.8 MB at head_dim 80
+# Per-grid pieces kept (all devices and streams), the least recently used dropped first past either bound: a
+# 32 x 32-patch grid's piece is ~0.33 MB at head_dim 80, a 74 x 74 one's ~1.8 MB, the largest image's ~5 MB
+PIECES_KEPT = 64
+PIECE_BYTES_KEPT = 64 << 20
 
 
 class Segments:
@@ -118,6 +121,11 @@ class GridPiece:
     window_lengths: list[int]  # in patches, window-major order (empty without windows)
     window_starts: dict[int, torch.Tensor]
 
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.table, self.order, self.inverse, *self.window_starts.values()]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
 
 _pieces: OrderedDict = OrderedDict()
 _lock = threading.Lock()
@@ -161,7 +169,8 @@ def grid_piece(grid: tuple[int, int, int], merge: int, head_dim: int, theta: flo
         return piece
     with _lock:
         _pieces[key] = piece
-        while len(_pieces) > PIECES_KEPT:
+        while len(_pieces) > PIECES_KEPT or (len(_pieces) > 1 and sum(p.nbytes for p in _pieces.values())
+                                                                   > PIECE_BYTES_KEPT):
             _pieces.popitem(last=False)
     return piece
 

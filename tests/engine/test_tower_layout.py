@@ -57,3 +57,20 @@ def test_layout_from_kept_pieces_equals_the_batch_made_afresh():
             assert runs_of(layout.windows, patches) == expected_runs(lengths)
     one = tower_layout([[1, 8, 8]] * 3, MERGE, HEAD_DIM, THETA, "cpu", window=2)
     assert [rows for _, rows in one.windows.groups] == [None] and [rows for _, rows in one.frames.groups] == [None]
+
+
+def test_pieces_kept_are_bounded(monkeypatch):
+    """Past PIECES_KEPT (or PIECE_BYTES_KEPT) the least recently used pieces go; a batch whose pieces were
+    dropped while it was assembled still gets its layout."""
+    from engine.vision import tower_layout as module
+
+    monkeypatch.setattr(module, "_pieces", module.OrderedDict())
+    monkeypatch.setattr(module, "PIECES_KEPT", 1)
+    order, lengths, frames, table = afresh(GRIDS, 2)
+    layout = tower_layout(GRIDS, MERGE, HEAD_DIM, THETA, "cpu", window=2)
+    assert torch.equal(layout.order, order) and torch.equal(layout.rotary.table, table)
+    assert list(module._pieces) and len(module._pieces) == 1
+    monkeypatch.setattr(module, "PIECES_KEPT", 64)
+    monkeypatch.setattr(module, "PIECE_BYTES_KEPT", 1)
+    tower_layout(GRIDS, MERGE, HEAD_DIM, THETA, "cpu", window=2)
+    assert len(module._pieces) == 1  # the newest always stays
