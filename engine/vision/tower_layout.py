@@ -3,13 +3,13 @@ qwen2_5_vl.py, qwen3_vl.py): the patches' axial rotary table, the runs attention
 Qwen2.5-VL's windows) and Qwen2.5-VL's window-major order of the merged units with its inverse.
 
 Made from per-grid pieces kept on the device (``grid_piece``: one per (t, h, w) grid, tower setting,
-device and CUDA stream; LRU of ``PIECES_KEPT`` pieces and ``PIECE_BYTES_KEPT`` bytes); a batch is assembled from its grids' pieces by device ops
-with Python-int offsets only. Why: a forward of 32 images at 448 x 448 made all of this afresh with
-~1,000 small host ops (a slice per window, a meshgrid per image: 7-10 ms of host time on the project's
-CPU box, the GIL held against the executor's thread), and its window order went to the device by a
-blocking copy (torch's pageable host->device copy synchronizes the stream), so the encode queue's
-worker (engine/vision/encode_queue.py) waited for the forward before it every time instead of queueing
-the next one behind it. Now a piece's one blocking copy happens once per new grid size on a stream;
+device and CUDA stream; LRU of ``PIECES_KEPT`` pieces and ``PIECE_BYTES_KEPT`` bytes); a batch is
+assembled from its grids' pieces by device ops with Python-int offsets only. Why: a forward of 32
+images at 448 x 448 made all of this afresh with ~1,000 small host ops (a slice per window, a meshgrid
+per image: 7-10 ms of host time on the project's CPU box, the GIL held against the executor's
+thread), and its window order went to the device by a blocking copy (torch's pageable host->device
+copy synchronizes the stream), so the encode queue's worker (engine/vision/encode_queue.py) waited for
+the forward before it every time instead of queueing the next one behind it. Now a piece's one blocking copy happens once per new grid size on a stream;
 a batch of grids seen before makes no copy and ~10-20 launches of small device ops.
 
 Pieces are kept per CUDA stream: a tensor the caching allocator gave on one stream and freed (an
