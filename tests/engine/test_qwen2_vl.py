@@ -141,9 +141,10 @@ def test_encode_queue_batches_pending_requests_into_one_forward(built):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_tower_rows_equal_cpu_rows(built):
-    """The tower on a GPU (float32): Triton rotary (and Qwen2.5-VL's Triton RMSNorm), MLP widths padded
-    to 128 at load, two images of other sizes in one batch (frames and windows of several lengths), =
-    the CPU reference's rows (unpadded)."""
+    """The tower on a GPU (float32): Triton rotary, the norms adding the residual in their pass (Qwen2-VL's
+    LayerNorm, Qwen2.5-VL's RMSNorm), Qwen2.5-VL's fused gate_up and Triton SiLU-and-product, MLP widths
+    padded to 128 at load, two images of other sizes in one batch (frames and windows of several lengths),
+    the layout from pieces kept on the GPU = the CPU reference's rows (unpadded)."""
     engine, _ = built
     images = image_processor()([make_image(0, (52, 40)), make_image(1, (28, 56))], return_tensors="pt")
     grids = images["image_grid_thw"].tolist()
