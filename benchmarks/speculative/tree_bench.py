@@ -4,7 +4,7 @@ what a tree verify step costs against a decode step, and the batch-1 speed-up EA
 forced acceptance lengths, driven through the executor.
 
     python benchmarks/speculative/tree_bench.py [--dtypes bf16,fp8] [--nodes 16,32,64] [--batches 1,8,32]
-        [--lengths 3,4,5] [--loop-nodes 16] [--context 512] [--output-len 96] [--out tree_bench.json]
+        [--lengths 3,4,5] [--loop-nodes 16] [--loop-depth 5] [--context 512] [--output-len 96] [--out tree_bench.json]
     python benchmarks/speculative/tree_bench.py --tiny     # the tiny model on the CPU: a smoke run
 
 Per dtype one in-process Executor runs ``decoding_mode eagle`` with random EAGLE-3 heads of the
@@ -21,7 +21,7 @@ heads' three layers inside every graph (engine/executor/layer_taps.py). Sections
    tokens of context: median wall ms (benchmarks/speculative/speculative_bench.py time_step).
    Goal: 64 nodes at batch 1 <= 1.3x a decode step.
 2. ``loop``: batch 1, greedy, through the executor, every step a tree verify step over a
-   ``--loop-nodes`` static tree (a chain of depth 5 plus siblings), drafted by the oracle
+   ``--loop-nodes`` static tree (a chain of ``--loop-depth`` 5 plus siblings), drafted by the oracle
    (``OracleTrees``: no model run, what tree verification alone costs) and then by the executor's
    own EAGLE-3 heads (the draft layer with its KV cache, its cost included), with acceptance forced: after the drafter ran, the tree's first-child chain gets the
    target's own continuation to depth L - 1 and every other node a wrong token, so each step
@@ -75,7 +75,7 @@ from benchmarks.speculative.speculative_bench import (decode_seconds, greedy_req
 DTYPES = {"bf16": None, "fp8": "fp8"}
 GOAL_TREE_RATIO = 1.3  # 64 nodes at batch 1 against a decode step
 GOAL_SPEEDUP = 2.5  # batch 1 at acceptance length 4
-LOOP_DEPTH = 5  # the loop tree's chain
+LOOP_DEPTH = 5  # the loop tree's chain (--loop-depth): EAGLE-3 drafts it in as many forwards of its layer
 NEAR_TIE = 0.05  # a first difference whose logit gap is under this share of the logits' std: rounding
 
 
@@ -111,11 +111,11 @@ def save_random_eagle3(directory: str, model: dict, draft_vocab: int, device: st
     return directory
 
 
-def loop_choices(nodes: int) -> list[list[int]]:
-    """A chain of LOOP_DEPTH first children, then siblings breadth-first, ``nodes`` paths in all."""
-    choices = [[0] * depth for depth in range(1, LOOP_DEPTH + 1)]
+def loop_choices(nodes: int, chain: int = LOOP_DEPTH) -> list[list[int]]:
+    """A chain of ``chain`` first children, then siblings breadth-first, ``nodes`` paths in all."""
+    choices = [[0] * depth for depth in range(1, chain + 1)]
     for rank in range(1, nodes):
-        for depth in range(LOOP_DEPTH):
+        for depth in range(chain):
             if len(choices) < nodes:
                 choices.append([0] * depth + [rank])
     return choices[:nodes]
@@ -133,7 +133,7 @@ def start(args, label: str):
     engine_dir = write_config_only_engine(args.model, args.model_dtype, args.max_batch_size, args.max_seq_len,
                                           args.max_batch_size * 65, args.tokens_per_block, DTYPES[label])
     spec = SpeculativeConfig("eagle", max_draft_len=64, eagle_model_path=heads,
-                             eagle_choices=loop_choices(args.loop_nodes))
+                             eagle_choices=loop_choices(args.loop_nodes, args.loop_depth))
     # max_num_tokens is max_batch x 65 (the largest tree step), so the graphs' buckets stop there; a prompt
     # longer than that (the loop's --context at batch 1) is prefilled in chunks of it.
     config = ExecutorConfig(max_tokens_in_paged_kv_cache=args.kv_tokens, enable_kv_cache_reuse=True,
@@ -256,10 +256,11 @@ class OracleTrees:
     """A proposer that only drafts: the loop tree's shape with placeholder tokens (force_acceptance
     fills them), no model run. Its loop shows what tree verification alone costs in the executor."""
 
-    def __init__(self, nodes: int):
+    def __init__(self, nodes: int, chain: int = LOOP_DEPTH):
         from engine.executor.speculative.tree import shape_from_choices
 
-        self.parents = [p - 1 for p in shape_from_choices(loop_choices(nodes), field="eagle_choices").parents[1:]]
+        shape = shape_from_choices(loop_choices(nodes, chain), field="eagle_choices")
+        self.parents = [p - 1 for p in shape.parents[1:]]
 
     def propose(self, seqs, max_draft_len: int) -> list[list[int]]:
         from engine.executor.speculative.proposer import draft_room
@@ -388,7 +389,7 @@ def bench_loop(executor, args) -> dict:
     if logits is None:
         print("    plain decoding with logits returned other ids: first differences reported without gaps", flush=True)
     state = {"truth": prompt + plain_ids, "depth": 0}
-    oracle = OracleTrees(args.loop_nodes)
+    oracle = OracleTrees(args.loop_nodes, args.loop_depth)
     force_acceptance(eagle, state, vocab)
     force_acceptance(oracle, state, vocab)
     rows = []
@@ -573,6 +574,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--lengths", default="3,4,5")
     parser.add_argument("--loop-nodes", type=int, default=16)
+    parser.add_argument("--loop-depth", type=int, default=LOOP_DEPTH,
+                        help="the loop tree's chain; forced length L needs L - 1 (EAGLE-3: a forward a depth)")
     parser.add_argument("--context", type=int, default=None, help="tokens of context (512; --tiny: 24)")
     parser.add_argument("--output-len", type=int, default=None, help="tokens per request (96; --tiny: 12)")
     parser.add_argument("--draft-vocab", type=int, default=32000)
