@@ -10,7 +10,8 @@ Sections (``--sections``, all by default):
    28 pixels: 32 x 32 and 74 x 74 patches -> 256 and 1,369 rows); images/s at each of
    ``--encoder-batches``, the best batch counts. ``--tower-variants fused,unfused,sdpa-flash,...``
    times the tower again in the same process with TRITONLLM_TOWER_UNFUSED=1 (``unfused``: the blocks
-   and layout as before) or TRITONLLM_TOWER_SDPA=<backend> (``sdpa-<backend>``) set.
+   and layout as before), TRITONLLM_TOWER_SDPA=<backend> (``sdpa-<backend>``) or
+   TRITONLLM_TOWER_WINDOW_SDPA=<backend> (``window-sdpa-<backend>``: the window blocks only) set.
 2. ``ttft``: one request of one 448 x 448 image and 128 text tokens at low load (nothing else
    running): transformers' Qwen2-VL image processor on the PIL image, the tower, the request's
    M-RoPE rows (engine/vision/mrope.py), then the executor to its first token; the median of
@@ -153,7 +154,8 @@ def write_language_engine(config, args, max_batch_size: int) -> str:
 # ---- 1. the tower alone -------------------------------------------------------------------------
 
 TOWER_VARIANTS = {"fused": {}, "unfused": {qwen2_vl.UNFUSED_ENV: "1"},
-                  **{f"sdpa-{name}": {qwen2_vl.SDPA_ENV: name} for name in qwen2_vl.SDPA_BACKENDS}}
+                  **{f"sdpa-{name}": {qwen2_vl.SDPA_ENV: name} for name in qwen2_vl.SDPA_BACKENDS},
+                  **{f"window-sdpa-{name}": {qwen2_vl.WINDOW_SDPA_ENV: name} for name in qwen2_vl.SDPA_BACKENDS}}
 
 
 def tower_variant(name: str):
@@ -197,9 +199,9 @@ def bench_encoder(args, config, variant: str = "") -> dict:
 
 def tower_setting() -> str:
     """How the tower's blocks ran: fused (engine/vision/qwen2_5_vl.py) or as before (TRITONLLM_TOWER_UNFUSED=1),
-    and the attention backend asked of torch (TRITONLLM_TOWER_SDPA)."""
+    and the attention backends asked of torch (TRITONLLM_TOWER_SDPA, TRITONLLM_TOWER_WINDOW_SDPA)."""
     blocks = "unfused blocks" if os.environ.get(qwen2_vl.UNFUSED_ENV) == "1" else "fused blocks"
-    return f"{blocks}, SDPA {sdpa_backend()}"
+    return f"{blocks}, SDPA {sdpa_backend()}, windows {sdpa_backend(windows=True)}"
 
 
 def profile_tower(encoder, patches: torch.Tensor, grids: list[list[int]], path: Path) -> str:

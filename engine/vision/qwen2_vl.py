@@ -42,21 +42,27 @@ PREFIXES = ("visual.", "model.visual.")
 # MLP as two products, torch's SiLU and product) and the layout made afresh each forward: vlm_bench's "before"
 UNFUSED_ENV = "TRITONLLM_TOWER_UNFUSED"
 SDPA_ENV = "TRITONLLM_TOWER_SDPA"  # the towers' attention backend: auto (torch's choice), cudnn, flash, efficient, math
+WINDOW_SDPA_ENV = "TRITONLLM_TOWER_WINDOW_SDPA"  # Qwen2.5-VL's window blocks only (default: SDPA_ENV's)
 SDPA_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
 
 
-def sdpa_backend() -> str:
-    """The backend the towers' attention asks torch for (``TRITONLLM_TOWER_SDPA``, read per call so a
-    bench can A/B it in one process). Which is fastest at head_dim 80 over 64-patch windows and
-    1,024-patch frames is a GPU question: torch 2.11 picks cuDNN on an H200 (the 11:13 profile)."""
+def sdpa_backend(windows: bool = False) -> str:
+    """The backend the towers' attention asks torch for: ``TRITONLLM_TOWER_SDPA``, for window runs
+    ``TRITONLLM_TOWER_WINDOW_SDPA`` if set; read per call, so a bench can A/B them in one process. Which is
+    fastest at head_dim 80 is a GPU question: over 1,024-patch frames, and over Qwen2.5-VL's 64-patch
+    windows, which fill half of a flash kernel's 128-row tile (torch 2.11 picks cuDNN for both on an H200;
+    the 13:08 profile: 7.0 ms of 82 for 32 images, ~140 TFLOPS)."""
     name = os.environ.get(SDPA_ENV, "auto").lower()
+    if windows:
+        name = os.environ.get(WINDOW_SDPA_ENV, name).lower()
     if name not in SDPA_BACKENDS:
-        raise ValueError(f"{SDPA_ENV}={name!r} is not a backend; allowed: {', '.join(SDPA_BACKENDS)}")
+        raise ValueError(f"{WINDOW_SDPA_ENV if windows else SDPA_ENV}={name!r} is not a backend; "
+                         f"allowed: {', '.join(SDPA_BACKENDS)}")
     return name
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    name = sdpa_backend()
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, windows: bool) -> torch.Tensor:
+    name = sdpa_backend(windows)
     if name == "auto" or not q.is_cuda:
         return F.scaled_dot_product_attention(q, k, v)
     backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
@@ -74,7 +80,7 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths
     for n, rows in segments.groups:
         pick = (lambda t: t.view(-1, n, *t.shape[1:])) if rows is None else (lambda t: t[rows])  # noqa: E731
         # (runs, heads, n, head_dim) for SDPA, back to (runs, n, heads, head_dim)
-        got = _sdpa(*(pick(t).transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
+        got = _sdpa(*(pick(t).transpose(1, 2) for t in (q, k, v)), segments.windows).transpose(1, 2)
         if rows is None:
             return got.reshape(q.shape)
         out[rows] = got

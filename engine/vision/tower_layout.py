@@ -46,8 +46,9 @@ class Segments:
     instead of one call per run. ``groups``: [(length, rows (runs, length) int64 on the device, or None
     when there is one length: the runs tile every patch in order)]."""
 
-    def __init__(self, lengths: list[int], device=None, groups: list | None = None):
+    def __init__(self, lengths: list[int], device=None, groups: list | None = None, windows: bool = False):
         self.lengths = list(lengths)
+        self.windows = windows  # Qwen2.5-VL's windows (their attention backend may be set apart)
         if groups is None:
             starts = torch.tensor([0, *self.lengths[:-1]]).cumsum(0).tolist()
             by_length: dict[int, list[int]] = {}
@@ -228,7 +229,7 @@ def tower_layout(grids: list[list[int]], merge: int, head_dim: int, theta: float
         order, inverse = torch.cat(orders), torch.cat(inverses)
         groups = [(length, None if len(starts) == 1 else
                    torch.cat(parts)[:, None] + torch.arange(length, device=device)) for length, parts in starts.items()]
-        windows = Segments(lengths, device, groups)
+        windows = Segments(lengths, device, groups, windows=True)
     return TowerLayout(PatchRotary(table=table), frames, windows, order, inverse)
 
 

@@ -74,3 +74,23 @@ def test_pieces_kept_are_bounded(monkeypatch):
     monkeypatch.setattr(module, "PIECE_BYTES_KEPT", 1)
     tower_layout(GRIDS, MERGE, HEAD_DIM, THETA, "cpu", window=2)
     assert len(module._pieces) == 1  # the newest always stays
+
+
+def test_attention_backend_settings(monkeypatch):
+    """TRITONLLM_TOWER_SDPA for every run, TRITONLLM_TOWER_WINDOW_SDPA for windows alone; a bad name is
+    refused naming the variable and the allowed ones."""
+    import pytest
+
+    from engine.vision.qwen2_vl import SDPA_ENV, WINDOW_SDPA_ENV, sdpa_backend
+
+    monkeypatch.delenv(SDPA_ENV, raising=False)
+    monkeypatch.delenv(WINDOW_SDPA_ENV, raising=False)
+    assert sdpa_backend() == sdpa_backend(windows=True) == "auto"
+    monkeypatch.setenv(SDPA_ENV, "flash")
+    assert sdpa_backend() == sdpa_backend(windows=True) == "flash"
+    monkeypatch.setenv(WINDOW_SDPA_ENV, "math")
+    assert (sdpa_backend(), sdpa_backend(windows=True)) == ("flash", "math")
+    assert tower_layout([[1, 8, 8]], MERGE, HEAD_DIM, THETA, "cpu", window=2).windows.windows
+    monkeypatch.setenv(WINDOW_SDPA_ENV, "fast")
+    with pytest.raises(ValueError, match="TRITONLLM_TOWER_WINDOW_SDPA='fast'.*allowed: auto, cudnn"):
+        sdpa_backend(windows=True)
