@@ -150,13 +150,13 @@ case $call in
   # Session 16's last call (~250 s; X2_LIMIT_S = the call's limit): the GPU tests of the day's fixes (rotary positions
   # read as any layout, the KV pull off both loops) beside each other, then the disaggregated bench at the rate where
   # aggregated decode stalls (6/s), then PP 2 with stage graphs in what time is left.
-  on_gpu 0 gpu_fixes 50 "$PYTHON" -m pytest -q -rfEs -p no:cacheprovider -m gpu tests/executor/test_speculative_eagle3.py \
-    tests/kernels/test_kernel_elementwise.py -k "window or rotary" &
+  on_gpu 0 gpu_fixes 55 bash -c "$PYTHON -m pytest -q -rfEs -p no:cacheprovider -m gpu tests/executor/test_speculative_eagle3.py;
+    $PYTHON -m pytest -q -rfEs -p no:cacheprovider -m gpu tests/kernels/test_kernel_elementwise.py -k rotary ${GPU_FIX_TESTS:-}" &
   gpu0=$!
   TRITONLLM_DISAGG_DEVICES=$devices job tests_2gpu 55 "$PYTHON" -m pytest -q -rfEs -p no:cacheprovider \
     tests/executor/test_disaggregated.py tests/executor/test_kv_pull.py
   wait "$gpu0"
-  for f in gpu_fixes tests_2gpu; do tail -4 "$w/$f.log" 2>/dev/null | grep -E "passed|failed|error|FAILED"; done
+  for f in gpu_fixes tests_2gpu; do grep -E "passed|failed|error|FAILED" "$w/$f.log" 2>/dev/null | tail -8; done
   job disagg_bench 165 "$PYTHON" benchmarks/engine/disagg_bench.py --rates 6 --seconds 25 --drain_timeout 30 \
     --out "$w/disagg.json" --results-md "$w/disagg.md" "${tiny_disagg[@]}"
   grep -E "^\[disagg_bench\]|Error|Traceback" "$w/disagg_bench.log" | cut -c1-700
