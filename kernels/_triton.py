@@ -145,3 +145,44 @@ def resident_programs(compiled, device) -> int | None:
 def use_triton(t) -> bool:
     """The dispatch rule every public kernel entry follows: Triton on CUDA tensors, else the reference."""
     return HAVE_TRITON and t.is_cuda
+
+
+def dense(*tensors):
+    """``tensors`` laid out as a kernel that reads element i at ``ptr + i`` (row-major, no gaps)
+    needs them: each one itself when already so, else a contiguous copy; None stays None. For a
+    kernel's INPUTS only (a copy of an output would take the kernel's writes: see require_dense).
+
+    Why: a kernel given a pointer and no strides reads the view's storage as if it were packed. A
+    broadcast view (``x.expand(n)``: stride 0, storage of one element) or a slice with a step
+    then yields garbage past its first element, silently on CUDA (the torch references honour
+    strides). Inside a CUDA-graph capture the copy is captured too and reads the static buffer at
+    every replay. One tensor: ``x, = dense(x)``."""
+    return tuple(t if t is None or t.is_contiguous() else t.contiguous() for t in tensors)
+
+
+def rows_packed(t) -> bool:
+    """Each row t[r] of ``t`` is packed (its element [r, i, j, ...] at r * t.stride(0) + the flat index
+    of (i, j, ...)): what a kernel that takes only the row stride reads. Column slices of a wider
+    tensor are; a transposed or strided-column view is not."""
+    expected = 1
+    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def dense_rows(*tensors):
+    """``tensors`` whose rows are packed (rows_packed), the kernel given their row stride: each one
+    itself when so, else a contiguous copy; None stays None. Inputs only, as for ``dense``."""
+    return tuple(t if t is None or rows_packed(t) else t.contiguous() for t in tensors)
+
+
+def require_dense(**tensors) -> None:
+    """Raise ValueError naming each of ``tensors`` (name=tensor; None skipped) that is not
+    contiguous: for what a kernel writes through a bare pointer (an output the caller passes, a
+    CUDA graph's static buffer) where a copy would not do."""
+    bad = [f"{name} (shape {tuple(t.shape)}, strides {t.stride()})" for name, t in tensors.items()
+           if t is not None and not t.is_contiguous()]
+    if bad:
+        raise ValueError("the kernel addresses these as contiguous tensors; these are views: " + ", ".join(bad))

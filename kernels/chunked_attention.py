@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import jit, tl, triton, use_triton
+from kernels._triton import dense, jit, tl, triton, use_triton
 from kernels.attention import paged_attention_ref
 from kernels.attention_metadata import AttentionMetadata
 from kernels.online_softmax import online_softmax_step
@@ -84,11 +84,13 @@ def chunked_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     out = torch.empty_like(q)
     if num_tokens == 0:
         return out
-    token_seq = meta.token_sequences(num_tokens)
+    # read at ptr + i (block_tables: + row * its row stride + j)
+    tables, token_seq, cu, lens = dense(meta.block_tables, meta.token_sequences(num_tokens), meta.cu_seqlens_q,
+                                        meta.context_lens)
     _chunked_attention_kernel[(num_tokens, num_kv_heads)](
-        q, k_cache, v_cache, out, meta.block_tables, token_seq, meta.cu_seqlens_q, meta.context_lens, scale, group,
+        q, k_cache, v_cache, out, tables, token_seq, cu, lens, scale, group,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
-        v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), meta.block_tables.stride(0),
+        v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), tables.stride(0),
         HEAD_DIM=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)),
         GROUP_PAD=max(16, triton.next_power_of_2(group)), PAGE=k_cache.shape[1], CHUNK=chunk_size, BLOCK_N=block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)

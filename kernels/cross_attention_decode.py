@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import jit, pdl_options, pdl_prologue, tl, triton, use_triton
+from kernels._triton import dense, jit, pdl_options, pdl_prologue, tl, triton, use_triton
 from kernels.linear import _arrival_counters
 
 BLOCK_KEYS = 128  # keys a program covers: Whisper's 1,500 in 12 splits (240 programs a row of 20 heads)
@@ -94,6 +94,7 @@ def cross_attention_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     if rows == 0:
         return out
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    block_tables, lengths = dense(block_tables, lengths)  # read at ptr + row * row stride + j, ptr + row
     splits = triton.cdiv(max(max_len, 1), BLOCK_KEYS)
     dim_pad = max(16, triton.next_power_of_2(head_dim))
     part = torch.empty(rows * heads * splits, dim_pad, dtype=torch.float32, device=q.device) if splits > 1 else out

@@ -36,7 +36,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import jit, num_sms, tl, triton, use_triton
+from kernels._triton import dense, jit, num_sms, tl, triton, use_triton
 from kernels.e4m3_rows import e4m3_row_scale, to_e4m3
 from kernels.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
 
@@ -199,6 +199,7 @@ def fp8_block_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale:
     a, a_scale = quantize_groups_triton(rows) if use_triton(rows) else quantize_groups(rows)
     cfg = dict(config or block_gemm_config(m, n, x.device))
     block_m, block_n = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
+    bias, = dense(bias)  # read at bias_ptr + column
     _fp8_block_gemm_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
         a, a_scale, weight, weight_scale, bias if bias is not None else weight_scale, out, m, n, k,
         a.stride(0), a_scale.stride(0), weight.stride(0), weight_scale.stride(0), out.stride(0),

@@ -49,7 +49,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import jit, pdl_options, pdl_prologue, tl, triton, use_triton
+from kernels._triton import dense, jit, pdl_options, pdl_prologue, tl, triton, use_triton
 from kernels.moe_epilogue import ACTIVATIONS, PLAIN_SILU, ExpertEpilogue, activate_ref
 from kernels.moe_align import (  # noqa: F401  (re-exported: the other expert kernels align through here)
     ALIGN_KERNEL_MAX_ASSIGNMENTS, max_padded_assignments, moe_align, moe_align_torch, moe_align_triton)
@@ -182,6 +182,7 @@ def _grouped_gemm(a, w, out, blocks, topk_ids, topk_weights, *, n: int, top_k: i
     launch = expert_block_launch(blocks, topk_ids, topk_weights, n=n, num_experts=w.shape[0], top_k=top_k,
                                  rows_per_token=rows_per_token, gated=gated, mul_weight=mul_weight, block_m=block_m,
                                  block_n=cfg.pop("BLOCK_N"), router_logits=router_logits, renormalize=renormalize)
+    bias, = dense(bias)  # read at bias_ptr + expert * stride + column
     _grouped_gemm_kernel[launch.grid](
         a, w, out, *launch.pointers, bias if bias is not None else topk_weights,
         w.shape[0], n, a.shape[1], out.shape[0], a.stride(0), w.stride(0), w.stride(1), out.stride(0),

@@ -59,11 +59,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels._triton import jit, tl, triton, use_triton
+from kernels._triton import dense, jit, tl, triton, use_triton
 from kernels.fused_moe import choose_block_m, fused_moe, fused_moe_ref, moe_align, moe_forward, route_tokens, \
     warm_up_token_counts
 from kernels.moe_blocks import (activation_tiles, block_rows, expert_block_launch, expert_block_tile,
-                                 past_padded_blocks, store_rows, tile_dot)
+                                 past_padded_blocks, routing_tensors, store_rows, tile_dot)
 from kernels.moe_epilogue import ACTIVATIONS, PLAIN_SILU, ExpertEpilogue
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -278,7 +278,11 @@ def mxfp4_gemm_config(block_m: int) -> dict:
 
 
 def _bias_args(bias: torch.Tensor | None, fallback: torch.Tensor) -> tuple[torch.Tensor, int]:
-    return (fallback, 0) if bias is None else (bias, bias.stride(0))
+    """(bias, its row stride) as the kernels read it (expert * stride + column), or the unread fallback."""
+    if bias is None:
+        return fallback, 0
+    bias, = dense(bias)
+    return bias, bias.stride(0)
 
 
 def _mxfp4_grouped_gemm(a, experts: MXFP4Experts, out, blocks, topk_ids, topk_weights, *, n: int, top_k: int,
@@ -405,6 +409,7 @@ def _mxfp4_fma(a, experts: MXFP4Experts, out, topk_ids, topk_weights, *, n: int,
     words = experts.kernel["codes"].view(torch.int32)
     scales = experts.kernel["scales"]
     assert a.is_contiguous() and a.shape[1] == experts.in_features
+    topk_ids, topk_weights, router_logits = routing_tensors(topk_ids, topk_weights, router_logits)
     bias, stride_be = _bias_args(bias, topk_weights)
     _mxfp4_fma_kernel[(slots, triton.cdiv(n, block_n))](
         a, words, scales, out, topk_ids, topk_weights, router_logits if router_logits is not None else topk_weights,

@@ -42,7 +42,7 @@ from kernels.fused_moe import choose_block_m, gemm_config, moe_align, moe_forwar
 from kernels.moe_decode import (DECODE_TILES, MAX_TOKENS, W_INT4, fused_decode_enabled, int4_tiles_fit,
                                 moe_decode_triton)
 from kernels.moe_blocks import (activation_tiles, block_rows, expert_block_launch, expert_block_tile,
-                                 past_padded_blocks, store_rows, tile_dot)
+                                 past_padded_blocks, routing_tensors, store_rows, tile_dot)
 from kernels.wna16 import dequantize, unpack_codes, unpack_int4
 
 
@@ -409,6 +409,7 @@ def _single_token_int4(a, experts: WNA16Experts, out, topk_ids, topk_weights, *,
     words = weight.view(torch.int32)
     scale, zero = experts.kernel["scale"], experts.kernel["zero"]
     assert a.is_contiguous() and a.shape[1] == experts.in_features
+    topk_ids, topk_weights, router_logits = routing_tensors(topk_ids, topk_weights, router_logits)
     _single_token_int4_kernel[(slots or top_k, triton.cdiv(n, block_n))](
         a, words, scale, zero, out, topk_ids, topk_weights,
         router_logits if router_logits is not None else topk_weights, experts.num_experts, n,

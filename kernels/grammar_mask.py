@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import jit, num_sms, pdl_options, pdl_prologue, tl, triton, use_triton
+from kernels._triton import dense, jit, num_sms, pdl_options, pdl_prologue, tl, triton, use_triton
 
 _SHIFTS: dict[torch.device, torch.Tensor] = {}
 
@@ -179,6 +179,7 @@ def apply_token_bitmask_triton(logits: torch.Tensor, bitmask: torch.Tensor, rows
     # (64 float32 a thread; lane 3 of some groups got the wrong bit), 8 warps were right.
     num_warps = max(num_warps, block // 1024)
     grid = (batch, triton.cdiv(vocab, block))
+    rows, = dense(rows)  # read at rows_ptr + b
     _apply_token_bitmask_kernel[grid](
         logits, bitmask, rows if rows is not None else bitmask, vocab, words,
         logits.stride(0), logits.stride(1), bitmask.stride(0), bitmask.stride(1),

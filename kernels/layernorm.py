@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import jit, pdl_options, pdl_prologue, tl, triton, use_triton
+from kernels._triton import dense, jit, pdl_options, pdl_prologue, tl, triton, use_triton
 
 Affine = tuple[torch.Tensor, torch.Tensor | None]  # (weight, bias or None), each (hidden,)
 
@@ -92,6 +92,7 @@ def layer_norm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     add0 = adds[0] if adds else x
     add1 = adds[1] if len(adds) > 1 else add0
     w2, b2 = second if second is not None else (weight, bias)
+    weight, bias, w2, b2 = dense(weight, bias, w2, b2)  # read at ptr + column
     _layer_norm_kernel[(num_tokens,)](
         x, add0, add1, weight, bias if bias is not None else weight, w2, b2 if b2 is not None else weight,
         out, out2 if out2 is not None else out, stream,

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import choice_cache
-from kernels._triton import jit, num_sms, pdl_options, pdl_prologue, tl, triton, use_triton
+from kernels._triton import dense, jit, num_sms, pdl_options, pdl_prologue, tl, triton, use_triton
 
 MAX_SKINNY_ROWS = 16
 # Rows skinny_linear_triton takes at all: past MAX_SKINNY_ROWS the rows are padded to the next power of
@@ -299,6 +299,7 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     k_per_split = triton.cdiv(k_tiles, split_k) * block_k
     split_k = triton.cdiv(k, k_per_split)  # no program without work
     part = torch.empty(split_k, m, 2 * n if gated else n, dtype=torch.float32, device=x.device) if split_k > 1 else out
+    bias, weight_scale, x_scale = dense(bias, weight_scale, x_scale)  # read at ptr + feature / + row
     bias_arg = bias if bias is not None else weight
     scale_arg = weight_scale if weight_scale is not None else weight
     x_scale_arg = x_scale if x_scale is not None else scale_arg

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels._triton import jit, num_sms, pdl_options, pdl_prologue, tl, triton, use_triton
+from kernels._triton import jit, num_sms, pdl_options, pdl_prologue, require_dense, tl, triton, use_triton
 
 MAX_SLICES = 4  # the expand kernel takes the slice boundaries as scalars (S1..S3)
 DECODE_MAX_TOKENS = 64  # a batch whose segments all hold at most this many tokens splits the shrink's K
@@ -423,6 +423,9 @@ def launch_options(t: torch.Tensor, launch: LoraLaunch) -> dict:
 def row_grid(batch: LoraBatch, launch: LoraLaunch) -> tuple[int, int, torch.Tensor]:
     """-> (m_blocks, grid rows, tiles argument): one grid row per decode tile when the batch has
     them (each at most DECODE_BLOCK_M <= block_m rows), else per segment M-block."""
+    # read at ptr + i; a graph's are its static buffers (LoraBatchBuffers: slices of one buffer), so not copied
+    require_dense(token_order=batch.token_order, segment_starts=batch.segment_starts,
+                  segment_slots=batch.segment_slots, tiles=batch.tiles)
     if batch.tiles is not None:
         assert launch.block_m >= DECODE_BLOCK_M
         return 1, batch.tiles.shape[0], batch.tiles

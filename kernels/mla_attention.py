@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import jit, num_sms, pdl_options, pdl_prologue, tl, triton, use_triton
+from kernels._triton import dense, jit, num_sms, pdl_options, pdl_prologue, tl, triton, use_triton
 from kernels.attention import KV_FP8_DTYPE, _as_bytes_if_fp8, gather_blocks, to_cache_dtype
 from kernels.attention_metadata import AttentionMetadata
 from kernels.head_matmul import head_matmul
@@ -71,6 +71,7 @@ def write_latent_cache_triton(latent: torch.Tensor, k_rope: torch.Tensor, cache:
     num_tokens, rank = latent.shape
     rope = k_rope.shape[-1]
     assert latent.stride(-1) == 1 and k_rope.stride(-1) == 1 and cache.stride(-1) == 1
+    slot_mapping, = dense(slot_mapping)  # read at slots_ptr + token
     if num_tokens:
         _write_latent_kernel[(num_tokens,)](
             latent, k_rope, cache, slot_mapping, latent.stride(0), k_rope.stride(0), cache.stride(0), cache.stride(1),
@@ -327,12 +328,14 @@ def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
     # Token trees: the mask as bytes (kernels/triton_attention.py does the same); None reads nothing.
     tree = None if meta.tree_mask is None else meta.tree_mask.to(torch.int8)
     decode = meta.is_decode_only and tree is None and num_tokens == meta.context_lens.shape[0]
+    # read at ptr + i (block_tables and tree: + row * row stride + j), so views become dense
+    tables, cu, lens, tree = dense(meta.block_tables, meta.cu_seqlens_q, meta.context_lens, tree)
+    token_seq, = (lens,) if decode else dense(meta.token_sequences(num_tokens))
     _mla_attention_kernel[grid](
-        q_latent, q_rope, cache, part, lse, meta.block_tables,
-        meta.context_lens if decode else meta.token_sequences(num_tokens), meta.cu_seqlens_q,
-        meta.context_lens, meta.context_lens if tree is None else tree, meta.context_lens.shape[0], num_heads, splits,
+        q_latent, q_rope, cache, part, lse, tables, token_seq, cu,
+        lens, lens if tree is None else tree, lens.shape[0], num_heads, splits,
         min_span, scale, q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
-        cache.stride(0), cache.stride(1), meta.block_tables.stride(0), 0 if tree is None else tree.stride(0),
+        cache.stride(0), cache.stride(1), tables.stride(0), 0 if tree is None else tree.stride(0),
         RANK=rank, ROPE=rope, RANK_PAD=max(16, triton.next_power_of_2(rank)),
         ROPE_PAD=max(16, triton.next_power_of_2(rope)), PAGE=cache.shape[1], BLOCK_H=block_h, BLOCK_N=block_n,
         DIRECT=splits == 1, HAS_TREE=tree is not None, DECODE=decode,

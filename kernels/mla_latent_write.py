@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import jit, pdl_options, pdl_prologue, tl, triton, use_triton
+from kernels._triton import dense, jit, pdl_options, pdl_prologue, tl, triton, use_triton
 from kernels.head_matmul import MAX_TOKENS as HEAD_MATMUL_MAX_TOKENS, head_matmul, head_matmul_launch, head_matmul_tile
 from kernels.mla_attention import write_latent_cache_ref
 from kernels.rmsnorm import _rms_normalized, rms_norm_ref
@@ -113,6 +113,8 @@ def latent_rope_write_triton(q_rope: torch.Tensor, kv: torch.Tensor, norm_weight
     rank = norm_weight.shape[0]
     assert kv.shape == (num_tokens, rank + rope) and kv.stride(1) == 1 and q_rope.stride(2) == 1
     assert cos_sin_cache.shape[1] == rope and cos_sin_cache.dtype == torch.float32 and cache.stride(-1) == 1
+    # read at ptr + token (+ i): a view (a broadcast position: kernels/rotary.py) must not reach the kernel
+    norm_weight, positions, slot_mapping = dense(norm_weight, positions, slot_mapping)
     args = (q_rope, kv, norm_weight, positions, cos_sin_cache, cache, slot_mapping, eps, q_rope.stride(0),
             q_rope.stride(1), kv.stride(0), cos_sin_cache.stride(0), cache.stride(0), cache.stride(1), num_heads)
     constexprs = dict(RANK=rank, RANK_PAD=triton.next_power_of_2(rank), HALF=rope // 2,

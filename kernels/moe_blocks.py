@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels._triton import jit, tl, triton
+from kernels._triton import dense, jit, require_dense, tl, triton
 from kernels.moe_epilogue import gated_activation
 from kernels.moe_routing import _top_k_of_row
 
@@ -158,6 +158,17 @@ class BlockLaunch:
     constexprs: dict
 
 
+def routing_tensors(topk_ids: torch.Tensor, topk_weights: torch.Tensor, router_logits: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(topk_ids, topk_weights, router_logits) as the expert kernels address them, flat at ptr + token * K + k
+    (router_logits: ptr + expert): dense copies of views where the kernel reads them; where it routes
+    itself (router_logits given) it writes topk_ids / topk_weights, so those must be dense already."""
+    if router_logits is None:
+        return (*dense(topk_ids, topk_weights), None)
+    require_dense(topk_ids=topk_ids, topk_weights=topk_weights)
+    return (topk_ids, topk_weights, *dense(router_logits))
+
+
 def expert_block_launch(blocks, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *, n: int, num_experts: int,
                         top_k: int, rows_per_token: bool, gated: bool, mul_weight: bool, block_m: int, block_n: int,
                         router_logits: torch.Tensor | None = None, renormalize: bool = False) -> BlockLaunch:
@@ -165,6 +176,7 @@ def expert_block_launch(blocks, topk_ids: torch.Tensor, topk_weights: torch.Tens
     assignment (a single token). router_logits (1, E) (with blocks None): route in the kernel and
     write topk_weights / topk_ids (flat, K) instead of reading them. n: the output columns (the
     GEMM's N; gated: the width of each of gate and up)."""
+    topk_ids, topk_weights, router_logits = routing_tensors(topk_ids, topk_weights, router_logits)
     num_blocks = topk_ids.numel() if blocks is None else blocks[0].numel() // block_m
     sorted_ids, block_expert, num_padded = blocks if blocks is not None else (topk_ids,) * 3  # unread
     logits = router_logits if router_logits is not None else topk_weights  # unread without routing

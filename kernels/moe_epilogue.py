@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import jit, tl, triton, use_triton
+from kernels._triton import dense, jit, tl, triton, use_triton
 
 ACTIVATIONS = {"silu": 0, "swiglu_clamped": 1, "relu2": 2}
 SWIGLU_ALPHA = 1.702  # gpt-oss's sigmoid slope (fixed in its reference code, not in its config)
@@ -119,7 +119,8 @@ def expert_activation(h: torch.Tensor, row_expert: torch.Tensor, epilogue: Exper
     rows, inter = h.shape[0], h.shape[1] // 2
     out = torch.empty(rows, inter, dtype=h.dtype, device=h.device)
     if rows:
-        bias = epilogue.gate_up_bias
+        # read at row_expert_ptr + row and bias_ptr + expert * stride + column
+        row_expert, bias = dense(row_expert, epilogue.gate_up_bias)
         block = min(1024, triton.next_power_of_2(inter))
         _expert_activation_kernel[(rows, triton.cdiv(inter, block))](
             h, out, row_expert, bias if bias is not None else h, inter, h.stride(0), out.stride(0),

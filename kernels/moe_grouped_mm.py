@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import jit, tl, triton, use_triton
+from kernels._triton import dense, jit, tl, triton, use_triton
 from kernels.moe_epilogue import PLAIN_SILU, ExpertEpilogue, expert_activation
 
 
@@ -117,6 +117,7 @@ def combine(y: torch.Tensor, dest: torch.Tensor, topk_ids: torch.Tensor, topk_we
     if num_tokens:
         block = min(1024, triton.next_power_of_2(hidden))
         weights = topk_weights.reshape(-1).float().contiguous()
+        dest, down_bias = dense(dest, down_bias)  # read at dest_ptr + assignment, bias_ptr + expert * stride + column
         _combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
             y, dest, topk_ids.reshape(-1).contiguous(), weights, down_bias if down_bias is not None else y, out,
             hidden, y.stride(0), down_bias.stride(0) if down_bias is not None else 0, out.stride(0),

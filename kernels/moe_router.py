@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import jit, pdl_options, pdl_prologue, tl, triton, use_triton
+from kernels._triton import dense, jit, pdl_options, pdl_prologue, tl, triton, use_triton
 from kernels.moe_grouped_routing import route_grouped
 from kernels.rmsnorm import _rms_normalized, rms_norm_ref
 
@@ -282,8 +282,9 @@ def route_decode_triton(x: torch.Tensor, router_weight: torch.Tensor, top_k: int
     # 16 KB load each): at decode sizes the launch is latency, one dependent load per H chunk.
     block_e = 2 if e_pad <= 256 else 4
     block_h = max(32, min(PRODUCT_VALUES // (block_t * block_e), triton.next_power_of_2(hidden)))
-    pad = padding.reshape(-1) if padding is not None else None
     residual, norm_weight, eps = norm if norm is not None else (x, x, 0.0)
+    # read at ptr + expert / + token / + column
+    score_bias, pad, norm_weight = dense(score_bias, padding.reshape(-1) if padding is not None else None, norm_weight)
     if norm is not None:
         assert block_e == 2 and norm_fuses(num_tokens, hidden) and residual.stride(1) == 1
         normed, residual_out = torch.empty_like(x), torch.empty_like(x)

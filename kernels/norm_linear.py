@@ -40,7 +40,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import jit, num_sms, pdl_options, pdl_prologue, tl, triton, use_triton
+from kernels._triton import dense, jit, num_sms, pdl_options, pdl_prologue, tl, triton, use_triton
 from kernels.linear import (ACTIVATIONS, MAX_SKINNY_ROWS, _activation, _arrival_counters, activation_ref, output_columns,
                             variant_options)
 
@@ -251,6 +251,8 @@ def norm_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     tiles = triton.cdiv(n, rows_per_program)
     arrivals = _arrival_counters(x.device, tiles) if split_k > 1 else part
     norm_w, norm_b, eps = norm if norm is not None else (weight, weight, 0.0)
+    # read at ptr + column (row_stats: + (part * tiles + tile) * M + row)
+    norm_w, norm_b, bias, row_stats = dense(norm_w, norm_b, bias, row_stats)
     stats = torch.empty(3, tiles, m, dtype=torch.float32, device=x.device) if emit_stats else None
     stats_tiles = row_stats.shape[1] if row_stats is not None else 0
     _norm_linear_kernel[(tiles, split_k)](

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import jit, pdl_options, pdl_prologue, tl, triton, use_triton
+from kernels._triton import dense, jit, pdl_options, pdl_prologue, tl, triton, use_triton
 from kernels.e4m3_rows import e4m3_row_scale, to_e4m3
 
 
@@ -125,6 +125,7 @@ def _launch_rms_norm(x, weight, eps, residual, *, quantize: bool, x_scales=None)
     if num_tokens == 0:
         return out, scale, residual_out
     block = triton.next_power_of_2(hidden)
+    weight, = dense(weight)  # read at w_ptr + column
     row_scale, col_scale = x_scales if x_scales is not None else (weight, weight)
     assert x_scales is None or (parts == 1 and row_scale.is_contiguous() and col_scale.is_contiguous()
                                 and row_scale.numel() == num_tokens and col_scale.numel() == hidden)

@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from kernels._triton import jit, pdl_options, pdl_prologue, tl, triton, use_triton
+from kernels._triton import dense, jit, pdl_options, pdl_prologue, tl, triton, use_triton
 from kernels.triton_attention import cache_value, rotate_pair, slot_row
 
 
@@ -252,7 +252,7 @@ def apply_rotary_triton(
     # The kernel reads token t's position at positions_ptr + t. A broadcast view (one position
     # expanded over a tree depth's rows: stride 0, storage of one element) read rows 1.. past its
     # storage: garbage positions, wrong rotations (EAGLE-3's one-sequence drafting windows on CUDA).
-    positions = positions.contiguous()
+    positions, = dense(positions)
     half = head_dim // 2
     _rotary_kernel[(num_tokens,)](
         q, k, positions, cos_sin_cache,
@@ -314,7 +314,7 @@ def rotary_and_write_kv_triton(q, k, v, positions, cos_sin_cache, k_cache, v_cac
     if num_tokens == 0:
         return q
     # read at positions_ptr + t and slot_ptr + t (apply_rotary_triton says why a view must not reach them)
-    positions, slot_mapping = positions.contiguous(), slot_mapping.contiguous()
+    positions, slot_mapping = dense(positions, slot_mapping)
     half = head_dim // 2
     _rotary_write_kv_kernel[(num_tokens,)](
         q, k, v, positions, cos_sin_cache, slot_mapping, k_cache, v_cache,

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import jit, tl, triton, use_triton
+from kernels._triton import dense, jit, tl, triton, use_triton
 from kernels.ssd_scan import _softplus_dt
 from kernels.ssm_chunks import SequenceChunks
 
@@ -149,18 +149,25 @@ def _tiles(D: int, N: int) -> tuple[int, int]:
     return max(1, min(triton.next_power_of_2(D), 1024 // block_n, 64)), block_n
 
 
-def _check(x, A, B) -> None:
-    if x.stride(-1) != 1 or B.stride(-1) != 1 or not A.is_contiguous():
+def _check(x, A, B, *rows) -> None:
+    """``rows``: dt, z, C (their rows are read at ptr + row * stride + channel, as x's and B's)."""
+    if any(t.stride(-1) != 1 for t in (x, B, *rows)) or not A.is_contiguous():
         raise ValueError("selective scan: x, z, dt, B and C need contiguous channels and A (D, N) contiguous")
+
+
+def _per_channel(Dskip, dt_bias, slots=None):
+    """Dskip, dt_bias (D,) and the decode rows' slots, read at ptr + channel / + row: views made dense."""
+    return dense(Dskip, dt_bias, slots)
 
 
 def selective_scan_prefill_triton(x, dt, A, B, C, Dskip, dt_bias, z, ssm_states, chunks: SequenceChunks):
     """The Triton path of selective_scan_prefill (also runs under TRITON_INTERPRET=1 on CPU)."""
-    _check(x, A, B)
+    _check(x, A, B, dt, z, C)
     T, D = x.shape
     N = A.shape[1]
     out = torch.empty((T, D), dtype=x.dtype, device=x.device)
-    cu, slot_t, has_t = chunks.sequence_tensors
+    cu, slot_t, has_t = chunks.sequence_tensors  # (contiguous by construction: ssm_chunks)
+    Dskip, dt_bias, _ = _per_channel(Dskip, dt_bias)
     BLOCK_D, BLOCK_N = _tiles(D, N)
     _scan_prefill_kernel[(chunks.num_seqs, triton.cdiv(D, BLOCK_D))](
         x, dt, z, A, B, C, Dskip, dt_bias, ssm_states, out, cu, slot_t, has_t, D,
@@ -170,10 +177,11 @@ def selective_scan_prefill_triton(x, dt, A, B, C, Dskip, dt_bias, z, ssm_states,
 
 
 def selective_scan_decode_triton(x, dt, A, B, C, Dskip, dt_bias, z, ssm_states, slots) -> torch.Tensor:
-    _check(x, A, B)
+    _check(x, A, B, dt, z, C)
     rows, D = x.shape
     N = A.shape[1]
     out = torch.zeros((rows, D), dtype=x.dtype, device=x.device)  # rows with slot < 0 stay zero
+    Dskip, dt_bias, slots = _per_channel(Dskip, dt_bias, slots)
     BLOCK_D, BLOCK_N = _tiles(D, N)
     _scan_decode_kernel[(rows, triton.cdiv(D, BLOCK_D))](
         x, dt, z, A, B, C, Dskip, dt_bias, ssm_states, out, slots, D,

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import jit, tl, triton, use_triton
+from kernels._triton import dense, dense_rows, jit, tl, triton, use_triton
 from kernels.ssm_chunks import SequenceChunks
 
 SSD_CHUNK = 64  # tokens per chunk of the Triton prefill (the result does not depend on it)
@@ -192,13 +192,20 @@ def _tiles(P: int, N: int) -> tuple[int, int]:
     return max(16, min(64, triton.next_power_of_2(P))), max(16, triton.next_power_of_2(N))
 
 
+def _as_read(x, dt, B, C, A, D, dt_bias, slots=None):
+    """The kernels' inputs as they address them: rows of x (H, P), dt (H,), B and C (G, N) at ptr + row *
+    stride + flat index; A, D, dt_bias (H,) and slots at ptr + i. Views that are not so become dense."""
+    return (*dense_rows(x, dt, B, C), *dense(A, D, dt_bias, slots))
+
+
 def ssd_prefill_triton(x, dt, A, B, C, D, dt_bias, ssm_states, chunks: SequenceChunks,
                        dt_limit=(0.0, float("inf"))) -> torch.Tensor:
     """The Triton path of ssd_prefill (also runs under TRITON_INTERPRET=1 on CPU)."""
     _, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    cu, slot_t, has_t = chunks.sequence_tensors
+    cu, slot_t, has_t = chunks.sequence_tensors  # (contiguous by construction: ssm_chunks)
+    x, dt, B, C, A, D, dt_bias, _ = _as_read(x, dt, B, C, A, D, dt_bias)
     BLOCK_P, BLOCK_N = _tiles(P, N)
     grid = (chunks.num_seqs, H, triton.cdiv(P, BLOCK_P))
     _ssd_prefill_kernel[grid](x, dt, A, B, C, D, dt_bias, ssm_states, out, cu, slot_t, has_t,
@@ -216,6 +223,7 @@ def ssm_decode_triton(x, dt, A, B, C, D, dt_bias, ssm_states, slots) -> torch.Te
     rows, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
     out = torch.zeros(x.shape, dtype=x.dtype, device=x.device)  # rows with slot < 0 stay zero
+    x, dt, B, C, A, D, dt_bias, slots = _as_read(x, dt, B, C, A, D, dt_bias, slots)
     BLOCK_P, BLOCK_N = _tiles(P, N)
     _ssm_decode_kernel[(rows, H, triton.cdiv(P, BLOCK_P))](
         x, dt, A, B, C, D, dt_bias, ssm_states, out, slots,

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import jit, tl, triton, use_triton
+from kernels._triton import dense, jit, tl, triton, use_triton
 from kernels.attention_metadata import AttentionMetadata
 from kernels.relative_position_bias import paged_attention_bias_ref, relative_position_bucket
 
@@ -223,10 +223,11 @@ def t5_paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and bias.is_contiguous()
     block_m = 16 if meta.max_seqlen_q == 1 else 64
     block_n, warps, stages = tiling or PAGED_TILING
+    tables, cu, lens = dense(meta.block_tables, meta.cu_seqlens_q, meta.context_lens)  # read at ptr + i
     _t5_paged_kernel[(triton.cdiv(meta.max_seqlen_q, block_m), num_seqs, num_heads)](
-        q, k_cache, v_cache, out, bias, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
+        q, k_cache, v_cache, out, bias, tables, cu, lens,
         scale * _LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3],
-        *v_cache.stride()[:3], meta.block_tables.stride(0), bias.stride(0),
+        *v_cache.stride()[:3], tables.stride(0), bias.stride(0),
         REACH=(bias.shape[1] - 1) // 2, HEAD_DIM=head_dim, DIM_PAD=_dim_pad(head_dim), PAGE_SIZE=k_cache.shape[1],
         BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q), num_warps=warps, num_stages=stages)
     return out
@@ -242,6 +243,7 @@ def t5_dense_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if out.numel() == 0:
         return out
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1 and bias.is_contiguous()
+    lengths, = dense(lengths)  # read at lengths_ptr + sequence
     block_m, block_n, warps, stages = tiling or (DENSE_TILING if length >= 128 else (64, 64, 4, 2))
     _t5_dense_kernel[(triton.cdiv(length, block_m), batch, num_heads)](
         q, k, v, out, bias, lengths, scale * _LOG2E, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],

@@ -81,7 +81,7 @@ import os
 
 import torch
 
-from kernels._triton import (TensorDescriptor, hopper_or_later, jit, num_sms, pdl_options, pdl_prologue,
+from kernels._triton import (TensorDescriptor, dense, hopper_or_later, jit, num_sms, pdl_options, pdl_prologue,
                              resident_programs, tl, triton)
 from kernels.attention_metadata import AttentionMetadata
 
@@ -143,6 +143,7 @@ def write_kv_cache_triton(
         return
     assert k.stride(-1) == 1 and v.stride(-1) == 1, "K/V rows must be contiguous in head_dim"
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    slot_mapping, = dense(slot_mapping)  # read at slot_ptr + token
     _write_kv_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -778,6 +779,8 @@ def paged_attention_triton(
         assert not rotate or (cos_sin_cache.shape[1] == head_dim and cos_sin_cache.dtype == torch.float32)
         if not rotate:
             positions = cos_sin_cache = q  # unread
+        else:
+            positions, = dense(positions)  # read at positions_ptr + sequence (rotary.py says why a view must not be)
         new_kv_strides = (new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1))
     else:
         new_k = new_v = positions = cos_sin_cache = q  # unused
@@ -790,6 +793,10 @@ def paged_attention_triton(
     # Image spans: a row of a sequence with one new token sees nothing ahead, so likewise prefill only.
     spans = meta.span_ahead
     assert spans is None or (spans.dtype == torch.int32 and spans.shape == (num_tokens,))
+    # The kernels read these at ptr + i (block_tables and tree: + row * row stride + j), so views become dense.
+    tables, cu, lens, slots, tile_seq, tile_m, active_splits, spans, tree = dense(
+        meta.block_tables, meta.cu_seqlens_q, meta.context_lens, meta.slot_mapping, meta.tile_seq, meta.tile_m,
+        meta.decode_splits, spans, tree)
 
     def launch(config: tuple, grid: tuple[int, int, int], seq_kind: int, tile_map: bool) -> None:
         block_m, block_n, num_warps, num_stages, num_splits = config[:5]
@@ -810,18 +817,17 @@ def paged_attention_triton(
         descs = _tma_descriptors(k_cache, v_cache, block_n) if wants_tma else None
         compiled = _paged_attention_kernel[grid[0], grid[1], grid[2] * num_splits](
             q, k_cache, v_cache, out, part_out, part_lse, *(descs or (k_cache, v_cache)),
-            meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
-            meta.tile_seq if tile_map else meta.cu_seqlens_q, meta.tile_m if tile_map else meta.cu_seqlens_q,
-            new_k, new_v, positions, cos_sin_cache, meta.slot_mapping, q if sinks is None else sinks,
+            tables, cu, lens, tile_seq if tile_map else cu, tile_m if tile_map else cu,
+            new_k, new_v, positions, cos_sin_cache, slots, q if sinks is None else sinks,
             q if alibi_slopes is None else alibi_slopes,
-            meta.decode_splits if dynamic else meta.context_lens,
-            meta.context_lens if tree is None else tree, 0 if tree is None else tree.stride(0),
-            meta.context_lens if spans is None else spans,
+            active_splits if dynamic else lens,
+            lens if tree is None else tree, 0 if tree is None else tree.stride(0),
+            lens if spans is None else spans,
             scale * _LOG2E, sliding_window or 0, (logit_softcap or 1.0) * _LOG2E,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            meta.block_tables.stride(0), ps, pt, ph, *new_kv_strides, cos_sin_cache.stride(0),
+            tables.stride(0), ps, pt, ph, *new_kv_strides, cos_sin_cache.stride(0),
             GROUP=group, HEAD_DIM=head_dim, DIM_PAD=dim_pad, PAGE_SIZE=page_size,
             BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 engines get fp32 dots
@@ -845,7 +851,7 @@ def paged_attention_triton(
         if num_splits > 1:
             by_sequence = seq_kind == ONE_TOKEN
             _merge_splits_kernel[(num_seqs if by_sequence else num_tokens, num_heads)](
-                part_out, part_lse, out, meta.cu_seqlens_q, meta.decode_splits if dynamic else meta.cu_seqlens_q,
+                part_out, part_lse, out, cu, active_splits if dynamic else cu,
                 ps, pt, ph, out.stride(0), out.stride(1),
                 HEAD_DIM=head_dim, DIM_PAD=dim_pad, NUM_SPLITS=num_splits, BY_SEQUENCE=by_sequence,
                 DYNAMIC_SPLITS=dynamic, num_warps=1,

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import jit, pdl_options, tl, triton
+from kernels._triton import dense, jit, pdl_options, tl, triton
 from kernels.linear import _arrival_counters
 
 # The jit functions below spell UNIT_WORDS as 16 and BLOCK_ROWS as 64: Triton reads no plain globals.
@@ -146,6 +146,7 @@ def launch_product(kernel, x: torch.Tensor, layout: dict[str, torch.Tensor], n: 
     every program of the split has at least one unit of K."""
     m, k = x.shape
     assert x.stride(1) == 1
+    bias, = dense(bias)  # read at bias_ptr + feature (the layout's tensors are packed at load)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import jit, pdl_options, pdl_prologue, tl, triton
+from kernels._triton import dense, jit, pdl_options, pdl_prologue, tl, triton
 from kernels.linear import _arrival_counters
 
 PAD_ROWS = 256  # the largest BLOCK_N (warps * tiles * 16) divides the padded N
@@ -391,6 +391,7 @@ def mma_matmul(x: torch.Tensor, layout: dict[str, torch.Tensor], n: int, group_s
     if x.stride(0) % 2 or x.storage_offset() % 2:
         x = x.contiguous()
     xi = x.view(torch.int32)  # (M, K / 2) pairs
+    bias, = dense(bias)  # read at bias_ptr + feature (the layout's tensors are packed at load)
     n_pad = layout["meta"].shape[1]
     blocks, chunk_kb, per_split, split_k = split_plan(layout, k, group_size, split_k)
     block_n = num_warps * tiles * 16

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import jit, pdl_options, pdl_prologue, tl, triton
+from kernels._triton import dense, jit, pdl_options, pdl_prologue, tl, triton
 from kernels.linear import _arrival_counters
 from kernels.wna16_mma import KB_COLUMNS, _pick, _spread, _split_sum, _store_sums, split_plan
 
@@ -370,6 +370,7 @@ def mma_rows_matmul(x: torch.Tensor, layout: dict[str, torch.Tensor], n: int, gr
     if m == 0:
         return out
     xp = fragment_order(x)
+    bias, = dense(bias)  # read at bias_ptr + feature (the layout's tensors are packed at load)
     n_pad = layout["meta"].shape[1]
     blocks, chunk_kb, per_split, split_k = split_plan(layout, k, group_size, split_k)
     assert blocks * KB_COLUMNS == k
