@@ -645,7 +645,9 @@ def markdown(results: dict) -> str:
                      f"{e['best_images_per_s']:.1f} (batch "
                      f"{e['best_batch']}; {per_batch}) | - | - |")
     for variant, v in (results.get("encoder_variants") or {}).items():
-        for side, e in v["sides"].items():
+        if "error" in v:
+            lines.append(f"| the same, {v['setting']} | failed: {v['error'][:120]} | - | - |")
+        for side, e in v.get("sides", {}).items():
             lines.append(f"| the same, {side} x {side}, {v['setting']}, images/s | {e['best_images_per_s']:.1f} "
                          f"(batch {e['best_batch']}) | - | - |")
     t = results.get("ttft")
@@ -762,8 +764,13 @@ def main(argv=None) -> dict:
         results["encoder"] = bench_encoder(args, config)
         for variant in args.tower_variants:
             with tower_variant(variant):
-                results.setdefault("encoder_variants", {})[variant] = {
-                    "setting": tower_setting(), "sides": bench_encoder(args, config, "_" + variant)}
+                entry = results.setdefault("encoder_variants", {})[variant] = {"setting": tower_setting()}
+                try:  # a backend that cannot run these shapes fails its variant only
+                    entry["sides"] = bench_encoder(args, config, "_" + variant)
+                except RuntimeError as err:
+                    entry["error"] = str(err)[:500]
+                    print(f"encoder variant {variant}: {entry['error']}", file=sys.stderr, flush=True)
+                    free_device_memory(args.device)
         print(f"encoder: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
         Path(args.out).write_text(json.dumps(results, indent=2))  # what is done survives a later failure
     if "ttft" in sections or "offline" in sections:
