@@ -327,7 +327,8 @@ def run_perf_phase(args) -> dict:
     config = ExecutorConfig(kv_cache_free_gpu_mem_fraction=0.85, enable_kv_cache_reuse=False)
     executor = Executor(args.engine_dir, config, device=args.device)
     graphs = args.device.startswith("cuda") and not args.no_graphs
-    progress("executor ready (weights, KV pool, graphs)")
+    steps_in_flight = executor.pipelined.depth if executor.pipelined is not None else 1  # (TRITONLLM_PP_STEPS_IN_FLIGHT)
+    progress(f"executor ready (weights, KV pool, graphs; steps in flight: {steps_in_flight})")
     try:
         vocab = executor.runner.vocab_size
         bench_offline(executor, vocab, 64, 8, 8)  # warm-up: compile kernels for prefill and decode shapes
@@ -357,6 +358,7 @@ def run_perf_phase(args) -> dict:
             offline.append(bench_offline(executor, vocab, *shape))
             progress(f"offline {shape}: {offline[-1]['output_tok_s']:.0f} tok/s")
         result = {"decode": decode, "executor_decode": executor_decode, "offline": offline, "graphs": graphs,
+                  "steps_in_flight": steps_in_flight,
                   "graphs_vs_eager": checks,
                   "kv_tokens": executor.blocks.num_blocks * executor.blocks.tokens_per_block}
         progress(f"KV pool: {result['kv_tokens']} tokens")
@@ -458,7 +460,8 @@ def markdown(results: dict) -> str:
     perf1 = perfs[0][1]
     lines = [f"\n### Tensor and pipeline parallelism: {results['model']} random weights, {results['date']}\n",
              f"`{results['command']}` on {results['gpus']} (commit {results['commit']}; decode graphs: "
-             + ", ".join(f"{name} {perf['graphs']}" for name, perf in perfs) + ").",
+             + ", ".join(f"{name} {perf['graphs']}" for name, perf in perfs) + "; executor steps in flight: "
+             + ", ".join(f"{name} {perf.get('steps_in_flight', 1)}" for name, perf in perfs) + ").",
              " ".join(greedy_sentence(results.get(key), key) for key in ("greedy", "greedy_pp")) + "\n",
              "| mapping | " + " | ".join(f"decode B={d['batch']} tok/s" for d in perf1["decode"]) + " | "
              + " | ".join(f"offline {o['input_len']}/{o['output_len']} x{o['requests']} out tok/s" for o in perf1["offline"])

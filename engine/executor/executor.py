@@ -70,6 +70,7 @@ from engine.executor.speculative.medusa_executor import last_rows, start_medusa
 from engine.executor.speculative.redrafter import start_redrafter
 from engine.executor.speculative.tree_step import move_kv, path_kv_moves
 from engine.executor.tree_batch import chunk_parents, tree_positions
+from engine.pipeline.in_flight import make_pipelined_steps
 # KvCacheStats and IterationStats are part of this module's public surface (re-exported).
 from engine.executor.stats import (  # noqa: F401
     ITERATION_LOG_ENV, STATS_TIME_FORMAT, IterationLog, IterationStats, KvCacheStats, kv_cache_stats,
@@ -272,6 +273,7 @@ class Executor:
         self._deliver_ms = 0.0  # this iteration's time in _deliver (for the iteration log)
         self._gpu_memory_read_at, self._gpu_memory = float("-inf"), 0
         self.disagg = Disaggregation(self)  # context_only / generation_only requests (disaggregated.py)
+        self.pipelined = make_pipelined_steps(self)  # pipeline stages: several steps in flight, or None
 
     def _init_guided_decoding(self, engine_dir: str) -> None:
         self.grammars: GrammarCache | None = None
@@ -423,6 +425,7 @@ class Executor:
             with self._cv:
                 while not (self._inbox or self._cancel_ids or self.scheduler.has_unfinished or self._stopping
                            or self._in_flight is not None or self._compiled
+                           or (self.pipelined is not None and self.pipelined.pending)
                            or (self.encoder_stage is not None and self.encoder_stage.has_pending)
                            or self.disagg.has_work()):
                     self._cv.wait(self.disagg.wait_timeout())  # (a pinned context KV may expire)
@@ -436,8 +439,12 @@ class Executor:
                 self._step(new, cancels)
             except Exception:  # our own bug: fail everything in flight loudly, keep serving
                 self._in_flight = None
+                if self.pipelined is not None:
+                    self.pipelined.drop()
                 self._fail_all(f"internal executor error: {traceback.format_exc()}")
         try:
+            if self.pipelined is not None:
+                self.pipelined.drain()  # (several steps in flight: engine/pipeline/in_flight.py)
             self._finish_in_flight()  # what the last step produced goes out before the shutdown errors
         except Exception:
             traceback.print_exc()
@@ -470,12 +477,18 @@ class Executor:
         if self.encoder_stage is not None:  # encoder runs of waiting requests, then they queue
             for state in self.encoder_stage.encode_pending(self._fail):
                 self._schedule_sequences(state)
+        pipelined = self.pipelined is not None and self.pipelined.eligible()  # several steps in flight
+        if self.pipelined is not None and self.pipelined.pending and not pipelined:
+            self.pipelined.drain()  # a request that needs its tokens on the host arrived
         if self._must_sync():
             self._finish_in_flight()
         if self.proposer is not None:
             self._propose_drafts()
-        plan = self.scheduler.schedule()
-        launched = None if plan.is_empty else self._launch(plan, started)
+        if pipelined:  # (engine/pipeline/in_flight.py: schedules one group, launches it, samples the oldest step)
+            plan, launched = self.pipelined.step(started)
+        else:
+            plan = self.scheduler.schedule()
+            launched = None if plan.is_empty else self._launch(plan, started)
         if self._emit_after_launch:
             self._emit()  # step N-2's news (guided sampling deferred it until step N was launched)
         try:
@@ -492,7 +505,7 @@ class Executor:
             self.kv_events.publish()  # this iteration's block stored/removed events, as one batch
         if not self._emit_after_launch or self._in_flight is None:
             self._emit()  # cancellations and errors of this iteration
-        if plan.is_empty and not finished and not new and not cancels:
+        if plan.is_empty and launched is None and not finished and not new and not cancels:
             time.sleep(0.001)  # nothing runnable right now; do not spin
 
     def _must_sync(self) -> bool:
@@ -679,13 +692,7 @@ class Executor:
         except Exception as err:
             self._fail_step(plan, err, "forward failed")
             return None
-        now = now_ns()
-        for item in plan.scheduled:
-            state = item.seq.state
-            if state.is_queued or not state.perf.first_scheduled_time_ns:
-                self._note_scheduled(state, now)
-            item.seq.num_computed_tokens += item.num_new_tokens
-        self.disagg.ready.launched(plan.scheduled)  # context_only prompts whose KV this step completes
+        self._mark_launched(plan)
         keep_logits = bool(self._sync_request_ids)  # context/generation logits and beams read them later
         step = InFlightStep(plan, rows, logits if keep_logits else None, [], transfer, started, num_active,
                             verified=verified)
@@ -694,6 +701,16 @@ class Executor:
         else:
             self._add_placeholders(step, sampling, batch)
         return step
+
+    def _mark_launched(self, plan: SchedulerOutput) -> None:
+        """The plan's tokens are computed as far as the host is concerned (their KV is on its way)."""
+        now = now_ns()
+        for item in plan.scheduled:
+            state = item.seq.state
+            if state.is_queued or not state.perf.first_scheduled_time_ns:
+                self._note_scheduled(state, now)
+            item.seq.num_computed_tokens += item.num_new_tokens
+        self.disagg.ready.launched(plan.scheduled)  # context_only prompts whose KV this step completes
 
     def _sample_guided(self, step: InFlightStep) -> None:
         """Sample a launched step whose batch has constrained rows: their token masks are built now,

@@ -91,6 +91,9 @@ class ForwardBatch:
     # parent within its chunk (-1: none), or None for a plain chunk; None when no sequence has a tree.
     # Positions are then rotary positions; the KV slots of a tree's tokens stay consecutive.
     tree_parents: list[list[int] | None] | None = None
+    # Pipeline stages (engine/pipeline/runner.py): the step's micro-batch count, the same on every
+    # rank; 0: each stage's cost model chooses it.
+    micro_batches: int = 0
 
 
 class ModelRunner:

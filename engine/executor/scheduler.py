@@ -110,7 +110,10 @@ class Scheduler:
         if policy not in POLICIES:
             raise ValueError(f"batch_scheduler_policy {policy!r} is not supported; allowed: {', '.join(POLICIES)}")
         self.blocks = block_manager
-        self.max_batch_size = max_batch_size
+        self.max_batch_size = max_batch_size  # sequences in one step
+        # Sequences running at once: max_batch_size, or more where several steps are in flight, each
+        # with its own sequences (engine/pipeline/in_flight.py)
+        self.max_running = max_batch_size
         self.max_num_tokens = max_num_tokens
         self.policy = policy
         self.enable_chunked_context = enable_chunked_context
@@ -159,8 +162,9 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ----- one iteration -----
-    def schedule(self) -> SchedulerOutput:
-        budget = _Budget(tokens=self.max_num_tokens, seqs=self.max_batch_size)
+    def schedule(self, max_seqs: int | None = None) -> SchedulerOutput:
+        """``max_seqs``: fewer sequences than max_batch_size this step (several steps in flight)."""
+        budget = _Budget(tokens=self.max_num_tokens, seqs=min(self.max_batch_size, max_seqs or self.max_batch_size))
         out = SchedulerOutput()
         if self.kv_window is not None:
             self._free_blocks_outside_window()
@@ -239,7 +243,7 @@ class Scheduler:
         # requests behind it go on meanwhile, adapter requests behind it wait in their order (were
         # they to take slots, the first might never get one), and all keep their place at the head.
         passed_over: list[Sequence] = []
-        while (self.waiting and budget.seqs > 0 and len(self.running) < self.max_batch_size
+        while (self.waiting and budget.seqs > 0 and len(self.running) < self.max_running
                and (budget.image_room is None or len(self.running) < budget.image_room)
                and (self.state_slots is None or self.state_slots.num_free > 0)):
             seq = self.waiting[0]

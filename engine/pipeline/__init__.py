@@ -10,4 +10,6 @@
                 decode micro-batches through the stage's own CUDA graphs
     step_cost.py  how many micro-batches a step is cut into (one pass over a stage's weights per
                 micro-batch against the work that splits)
+    in_flight.py  several steps in flight: the executor launches a step on stage 0 before it samples
+                the one before, each step with its own sequences (TRITONLLM_PP_STEPS_IN_FLIGHT)
 """

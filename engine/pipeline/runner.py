@@ -21,7 +21,7 @@ stream is replicated within a stage); the last stage's tp rank 0 sends the logit
 vocabulary) to rank 0, which samples, so sampling, penalties, guided decoding and log-probs work
 as on one rank. Sends are asynchronous and complete before the step returns; nothing is left in
 flight between steps, so the step protocol's heartbeats and CALLs never interleave with
-activations. Over gloo (CPU) and NCCL (GPU) alike; a lost peer raises in the send/recv like any
+activations (with several steps in flight no heartbeat goes out while a step is unfinished). Over gloo (CPU) and NCCL (GPU) alike; a lost peer raises in the send/recv like any
 other collective, and the leader's LeaderRunner turns that into its rank failure.
 
 CUDA graphs per stage: each stage captures its forward (StageStep: embed or the received stream ->
@@ -42,14 +42,15 @@ graph path runs over gloo in the CPU tests (graphs emulated) as over NCCL. What 
 send and one recv launch from Python per micro-batch and stage boundary (tens of microseconds
 against a ~2 ms stage at batch 1 of an 8B model).
 
-Not with pipeline stages (refused by name): LoRA adapters, prompt tables. Each step's
-micro-batches drain before the next step starts: the executor does not yet keep several steps in
-flight across stages.
+Not with pipeline stages (refused by name): LoRA adapters, prompt tables. ``forward`` is
+``finish(launch(batch))``: by default each step's micro-batches drain before the next step starts;
+with several steps in flight (engine/pipeline/in_flight.py) rank 0 launches the next step before
+finishing this one, every step's transfers queued in the same order as here.
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from itertools import accumulate
 
 import torch
@@ -142,6 +143,15 @@ def split_micro_batches(batch: ForwardBatch, count: int, *, all_logits: bool = F
     return out
 
 
+@dataclass
+class LaunchedStep:
+    """A step launched on this stage (StageRunner.launch), its transfers not waited on yet."""
+
+    logits: torch.Tensor | None  # rank 0: the step's float32 logits, filled by ``receives``
+    sends: list = field(default_factory=list)  # (work, tensor): tensors kept alive until their sends complete
+    receives: list = field(default_factory=list)  # rank 0: (work, staging tensor or None, its rows)
+
+
 class StageRunner(ModelRunner):
     """ModelRunner for one pipeline stage (module docstring). ``forward`` returns the step's logits
     on rank 0 and None on every other rank."""
@@ -193,6 +203,15 @@ class StageRunner(ModelRunner):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, *, all_logits: bool = False, prompt_embeds=None) -> torch.Tensor | None:
+        return self.finish(self.launch(batch, all_logits=all_logits, prompt_embeds=prompt_embeds))
+
+    @torch.inference_mode()
+    def launch(self, batch: ForwardBatch, *, all_logits: bool = False, prompt_embeds=None) -> "LaunchedStep":
+        """The step's work on this stage, its sends queued and, on rank 0, every micro-batch's
+        logits receive posted (in the last stage's order: each right after its micro-batch's send);
+        nothing waited on. ``finish`` completes it. Rank 0 launches the next step before finishing
+        this one where several steps are in flight (engine/pipeline/in_flight.py): its stage-0
+        compute then queues ahead of this step's sampling."""
         if prompt_embeds is not None:
             raise ValueError("prompt tables (prompt_embedding_table, image inputs) are not supported with pipeline "
                              "parallelism (pp_size > 1) yet")
@@ -203,9 +222,7 @@ class StageRunner(ModelRunner):
         graphed = [None if all_logits else self._graph_kind(part.batch) for part in parts]
         # may raise ValueError: before any send
         prepared = [None if replay else self._prepare(part.batch) for part, replay in zip(parts, graphed)]
-        sends = []  # (work, tensor): the tensors stay alive until their sends complete
-        step_logits = self._logits_buffer(parts) if place.rank == 0 else None
-        receives = []  # rank 0: (work, staging tensor or None, its rows)
+        launched = LaunchedStep(self._logits_buffer(parts) if place.rank == 0 else None)
         for part, replay, inputs in zip(parts, graphed, prepared):
             rows = len(part.batch.token_ids)
             if replay:
@@ -217,9 +234,9 @@ class StageRunner(ModelRunner):
                 # read it (the send's stream waits for this one, not the other way round): send a copy.
                 # (A prefill graph's rows are gathered into a tensor of their own already.)
                 out = out.clone() if replay == "decode" else out.contiguous()
-                sends.append((dist.isend(out, dst=place.next_rank), out))
-                if step_logits is not None and part.logits_rows:
-                    receives.append(self._post_logits_receive(step_logits, part))
+                launched.sends.append((dist.isend(out, dst=place.next_rank), out))
+                if launched.logits is not None and part.logits_rows:
+                    launched.receives.append(self._post_logits_receive(launched.logits, part))
                 continue
             scored = replay == "prefill" or (replay == "decode" and part.batch.logits_indices == list(range(rows)))
             if not all_logits and not scored:  # (a prefill graph returns the scored rows itself)
@@ -227,18 +244,25 @@ class StageRunner(ModelRunner):
             logits = self.model.compute_logits(out)  # a collective within the stage's tp group
             if place.sends_logits and logits.shape[0]:
                 logits = logits.contiguous()
-                sends.append((dist.isend(logits, dst=0), logits))
-        for work, staging, rows in receives:
+                launched.sends.append((dist.isend(logits, dst=0), logits))
+        return launched
+
+    def finish(self, launched: "LaunchedStep") -> torch.Tensor | None:
+        """Wait for a launched step's transfers (on CUDA: the current stream waits, the host does
+        not); the step's logits on rank 0, None elsewhere."""
+        for work, staging, rows in launched.receives:
             work.wait()
             if staging is not None:
-                step_logits[self._to_device(rows, torch.int64)] = staging
-        for work, _ in sends:
+                launched.logits[self._to_device(rows, torch.int64)] = staging
+        for work, _ in launched.sends:
             work.wait()
-        return step_logits
+        return launched.logits
 
     def micro_batch_count(self, batch: ForwardBatch) -> int:
         if self.micro_batches is not None:
             return self.micro_batches
+        if batch.micro_batches:  # the leader's choice, in the plan (several steps in flight: one)
+            return batch.micro_batches
         pp_size = self.place.stage.pp_size
         work = self.step_cost.work(len(batch.token_ids), batch.context_lens)
         return choose_micro_batches(work, pp_size, AUTO_MOST_PER_STAGE * pp_size)

@@ -229,6 +229,10 @@ def _apply_call(runner, call) -> Any:
     return getattr(runner, method)(*args, **kwargs)
 
 
+# FORWARD's arg: bit 0 all_logits; bit 1 set by LeaderRunner.launch (several pipelined steps in
+# flight, engine/pipeline/in_flight.py): no sampled-token broadcast follows (rank 0 alone reads the ring).
+ALL_LOGITS, NO_TOKEN_BROADCAST = 1, 2
+
 # A runner raising one of these has refused its input before any collective: every rank refuses
 # the same plan the same way, so the ranks stay in step and the leader's caller gets the error.
 REFUSALS = (ValueError, TypeError)
@@ -245,8 +249,9 @@ def run_worker_loop(runner, channel: StepChannel) -> None:
             continue
         try:
             if message.op == Op.FORWARD:
-                runner.forward(message.batch, all_logits=bool(message.arg))
-                if message.batch.sampled_tokens_slot >= 0:  # the leader sends what it sampled
+                runner.forward(message.batch, all_logits=bool(message.arg & ALL_LOGITS))
+                if message.batch.sampled_tokens_slot >= 0 and not message.arg & NO_TOKEN_BROADCAST:
+                    # the leader sends what it sampled
                     receive_sampled_tokens(runner, message.batch, channel.ctx.tp_group)
                 continue
             with channel.ctx.long_call():
@@ -295,6 +300,7 @@ class LeaderRunner:
         self._busy_since: float | None = None  # when the running step started (None: idle)
         self._busy_op: Op | None = None
         self._awaiting_sampled_tokens = False  # between a sampling FORWARD and its store_sampled_tokens
+        self.steps_in_flight = 0  # launched, not finished (launch/finish: pipeline stages)
         self._stopped = threading.Event()
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="tp-heartbeat", daemon=True)
         self._heartbeat.start()
@@ -316,20 +322,44 @@ class LeaderRunner:
 
     def forward(self, batch, *, all_logits: bool = False) -> torch.Tensor:
         logits = self._run(Op.FORWARD, lambda: self.runner.forward(batch, all_logits=all_logits),
-                           batch=batch, arg=int(all_logits))
+                           batch=batch, arg=ALL_LOGITS if all_logits else 0)
         # The workers now wait in the sampled-token broadcast: no heartbeat may come between.
         self._awaiting_sampled_tokens = batch.sampled_tokens_slot >= 0
         return logits
 
+    def launch(self, batch):
+        """Several steps in flight (pipeline stages of one rank each, engine/pipeline/in_flight.py):
+        the plan goes out and rank 0's stage launches (StageRunner.launch); ``finish`` gives the
+        logits. No sampled-token broadcast follows (only rank 0's stage reads the ring), and no
+        heartbeat goes out while a launched step is unfinished: the last stage may be blocked
+        sending its logits, and the plans and transfers keep their order on every rank."""
+        launched = self._run(Op.FORWARD, lambda: self.runner.launch(batch), batch=batch, arg=NO_TOKEN_BROADCAST)
+        self._awaiting_sampled_tokens = False
+        self.steps_in_flight += 1
+        return launched
+
+    def finish(self, launched):
+        """The logits of a launched step (its transfers waited on); a lost rank fails the runner."""
+        with self._lock:
+            self.steps_in_flight -= 1
+            self._raise_if_failed()
+            try:
+                return self.runner.finish(launched)
+            except Exception as err:
+                self._fail(f"forward step failed: {_first_sentence(err)}")
+                raise RankFailureError(self.failure) from err
+
     def store_sampled_tokens(self, token_ids: torch.Tensor, batch) -> None:
         """Keep the step's sampled tokens in rank 0's ring and broadcast them to every rank's
         (a device collective on the tp group, queued behind the forward: the host does not wait).
-        Every FORWARD with ``sampled_tokens_slot >= 0`` is followed by exactly one such call."""
+        Every FORWARD with ``sampled_tokens_slot >= 0`` is followed by exactly one such call
+        (a launched step's: no broadcast)."""
         with self._lock:
             self._raise_if_failed()
             try:
                 self.runner.store_sampled_tokens(token_ids, batch)
-                dist.broadcast(_sampled_tokens_span(self.runner, batch), src=0, group=self.ctx.tp_group)
+                if self._awaiting_sampled_tokens:
+                    dist.broadcast(_sampled_tokens_span(self.runner, batch), src=0, group=self.ctx.tp_group)
                 self._awaiting_sampled_tokens = False
             except Exception as err:
                 self._fail(f"sending the sampled tokens failed: {_first_sentence(err)}")
@@ -405,7 +435,7 @@ class LeaderRunner:
                 # Checked under the lock: shutdown may have come between the wait and here, and no
                 # plan may follow its SHUTDOWN.
                 if (not self._stopped.is_set() and self.failure is None and not self._awaiting_sampled_tokens
-                        and time.monotonic() - self._last_send >= interval):
+                        and not self.steps_in_flight and time.monotonic() - self._last_send >= interval):
                     self._send_heartbeat()
             finally:
                 self._lock.release()

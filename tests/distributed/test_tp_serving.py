@@ -316,14 +316,16 @@ def test_smollm2_on_three_ranks_answers_like_one_and_survives_a_dead_rank(engine
 
 
 def test_tiny_llama_in_two_pipeline_stages_over_a_hostfile_answers_like_one(engines, single_rank_answers, tmp_path,
-                                                                           short_timeouts):
-    """pp 2: rank 0 embeds and runs layer 0, rank 1 runs layer 1 and the logits. Started as a job
+                                                                           short_timeouts, monkeypatch):
+    """pp 2: rank 0 embeds and runs layer 0, rank 1 runs layer 1 and the logits, with two steps in
+    flight (TRITONLLM_PP_STEPS_IN_FLIGHT=2, engine/pipeline/in_flight.py). Started as a job
     across nodes is: over a hostfile (this machine's two slots; the ranks meet at its first host),
     every rank a tritonserver with its own shared-memory prefix, as NVIDIA's Slurm and Kubernetes
     recipes start them (rank 1's tensorrt_llm model runs its worker inside initialize() and never
     serves). A killed stage fails requests within seconds, as a killed tensor-parallel rank does."""
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=2\n")
+    monkeypatch.setenv("TRITONLLM_PP_STEPS_IN_FLIGHT", "2")  # (the launcher passes the environment on)
     server = LeaderModeServer({"": engines["tiny_pp2"]}, 2, tmp_path,
                               extra_flags=[f"--hostfile={hostfile}", "--worker_ranks=tritonserver"])
     try:

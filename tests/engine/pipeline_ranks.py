@@ -107,3 +107,80 @@ def pp_p2p_order(rank: int, engine_dir: str) -> list[str]:
         return calls
     finally:
         os.environ.pop(MICRO_BATCHES_ENV, None)
+
+
+def pipelined_executor_run(rank: int, pp2_dir: str, requests: list, cancel_after: int | None = None,
+                           then: list | None = None) -> dict | None:
+    """An Executor on rank 0 over a LeaderRunner of stage 0 (rank 1 the worker loop of stage 1),
+    with two steps in flight (engine/pipeline/in_flight.py). ``requests`` are enqueued together;
+    with ``cancel_after`` the first is cancelled once it streamed that many responses; ``then``
+    (requests needing the one-step path, e.g. penalties) run after, on the same executor. Returns
+    (rank 0) each request's streamed tokens and finish reason, the launch/finish calls and the
+    first block of every sequence of each launched step."""
+    import torch.distributed as dist
+
+    from engine.executor import Executor, ExecutorConfig
+    from engine.executor.runner import ForwardBatch
+    from engine.pipeline.in_flight import STEPS_IN_FLIGHT_ENV
+    from engine.pipeline.runner import StageRunner
+    from engine.tensor_parallel import distributed
+    from engine.tensor_parallel.rank_info import RankInfo
+    from engine.tensor_parallel.step_protocol import StepChannel
+    from engine_testing import EXECUTOR_POOL
+
+    settings = distributed.DistSettings("127.0.0.1", 0, step_timeout_s=120.0, heartbeat_s=0.5)
+    ctx = distributed.DistContext(RankInfo(rank, 2, rank, 2), settings, torch.device("cpu"), dist.group.WORLD,
+                                  dist.new_group(backend="gloo"))
+    runner = StageRunner(pp2_dir, rank=rank, device="cpu")
+    if rank == 1:
+        channel = StepChannel(ctx, batch_class=ForwardBatch)
+        distributed.run_worker_loop(runner, channel)  # until the executor's shutdown
+        channel.close()
+        return None
+    leader = distributed.LeaderRunner(runner, ctx)
+    launches = []
+    launch = leader.launch
+
+    def recording_launch(batch):
+        launches.append([table[0] for table in batch.block_tables])
+        return launch(batch)
+
+    leader.launch = recording_launch
+    patched = {"make_runner": lambda *args, **kwargs: leader, "_destroy_groups": lambda *args, **kwargs: False}
+    saved = {name: getattr(distributed, name) for name in patched}  # (the shared pair keeps its groups)
+    os.environ[STEPS_IN_FLIGHT_ENV] = "2"
+    try:
+        for name, value in patched.items():
+            setattr(distributed, name, value)
+        with Executor(pp2_dir, ExecutorConfig(**EXECUTOR_POOL), device="cpu") as executor:
+            executor.pipelined.calls = calls = []
+            out = {"tokens": _run_streaming(executor, requests, cancel_after)}
+            out["calls"], out["launches"] = list(calls), list(launches)
+            if then:
+                out["then"] = _run_streaming(executor, then, None)
+                out["then_calls"] = calls[len(out["calls"]):]
+        return out
+    finally:
+        os.environ.pop(STEPS_IN_FLIGHT_ENV, None)
+        for name, value in saved.items():
+            setattr(distributed, name, value)
+
+
+def _run_streaming(executor, requests: list, cancel_after: int | None) -> list:
+    """(tokens, finish reason) of each request, streamed; the first cancelled after ``cancel_after`` responses."""
+    import time
+
+    ids = executor.enqueue_requests(requests)
+    tokens, reasons, counts = {i: [] for i in ids}, {}, {i: 0 for i in ids}
+    deadline = time.monotonic() + 120
+    while len(reasons) < len(ids):
+        assert time.monotonic() < deadline, f"no final response for {set(ids) - set(reasons)}"
+        for response in executor.await_responses(timeout=0.5):
+            assert response.error is None, response.error
+            tokens[response.request_id] += response.result.output_token_ids[0]
+            counts[response.request_id] += 1
+            if response.result.is_final:
+                reasons[response.request_id] = response.result.finish_reasons[0].name
+            if cancel_after is not None and response.request_id == ids[0] and counts[ids[0]] == cancel_after:
+                executor.cancel_request(ids[0])
+    return [(tokens[i], reasons[i]) for i in ids]

@@ -176,3 +176,40 @@ def test_rank0_receives_each_micro_batch_logits_right_after_sending_it(engines):
 
     _, pp2 = engines["llama"]
     assert shared_pair().run(pp_p2p_order, pp2) == [["send", "recv", "send", "recv"], ["recv", "send", "recv", "send"]]
+
+
+def test_pp2_executor_with_two_steps_in_flight_matches_pp1(engines):
+    """The executor keeps two steps in flight over the shared gloo pair (engine/pipeline/in_flight.py):
+    six greedy prompts through a batch of 4 (two wait, then join) give pp 1's tokens; rank 0 launches
+    a step before finishing the one before it, and steps in flight together hold disjoint sequences;
+    a request cancelled mid-flight stops with a prefix of its tokens while the others finish; a
+    request with a repetition penalty then takes the one-step path (no launch) and still matches."""
+    from gloo_ranks import shared_pair
+    from pipeline_ranks import _run_streaming, pipelined_executor_run
+
+    from engine.executor import Executor, ExecutorConfig
+    from engine.executor.request import Request, SamplingConfig
+    from engine_testing import EXECUTOR_POOL, random_tokens
+
+    def greedy(prompt, max_tokens, **sampling):
+        return Request(prompt, max_tokens, streaming=True, sampling=SamplingConfig(top_k=1, **sampling))
+
+    requests = [greedy(random_tokens(3 + 2 * i, seed=40 + i), 14 if i == 0 else 5 + i) for i in range(6)]
+    then = [greedy(random_tokens(7, seed=50), 6, repetition_penalty=1.3), greedy(random_tokens(4, seed=51), 5)]
+    pp1, pp2 = engines["llama"]
+    with Executor(pp1, ExecutorConfig(**EXECUTOR_POOL), device="cpu") as executor:
+        expected = _run_streaming(executor, requests, None)
+        expected_then = _run_streaming(executor, then, None)
+    result, _ = shared_pair().run(pipelined_executor_run, pp2, requests, 3, then)
+
+    cancelled, *rest = result["tokens"]
+    assert rest == expected[1:]
+    assert cancelled[1] == "CANCELLED" and 0 < len(cancelled[0]) < 14 and cancelled[0] == expected[0][0][:len(cancelled[0])]
+    assert result["then"] == expected_then and result["then_calls"] == []  # (the penalty: one step at a time)
+
+    calls, launches = result["calls"], result["launches"]
+    order = {call: index for index, call in enumerate(calls)}
+    overlapped = [n for n in range(1, len(launches)) if order[("launch", n + 1)] < order[("finish", n)]]
+    assert len(overlapped) >= len(launches) // 2, calls  # (steady state: every step)
+    for n in overlapped:  # launched while step n was in flight: other sequences
+        assert not set(launches[n - 1]) & set(launches[n]), (n, launches[n - 1], launches[n])

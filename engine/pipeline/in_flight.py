@@ -1,0 +1,176 @@
+"""Several steps in flight across pipeline stages: the executor's overlapped scheduling (engine/
+executor/overlap.py) generalized from one step ahead to ``depth`` steps, where the runner is a
+pipeline (pp_size > 1, one rank per stage).
+
+Why: with one step in flight a stage idles while another works (rank 0 samples step N only after
+the last stage's logits came back, then starts step N+1), so pp 2 is at best one GPU's speed.
+Here rank 0 launches step N's stage-0 work (StageRunner.launch: compute, the isend, its logits
+irecv posted) and only then finishes step N - depth + 1 (its logits waited on, sampled, the tokens
+stored in the ring), so rank 0's stream holds
+
+    stage 0 (rank 0):  s0(N) | sample(N-1) | s0(N+1) | sample(N) | ...
+    stage 1:           s1(N-1)             | s1(N)              | ...
+
+and each stage works on a different step at the same time (depth = pp_size fills the pipeline).
+
+Groups ("virtual engines"): a sequence in a launched, not yet sampled step has no new token yet
+(its placeholder comes with the sampling), so the scheduler, which schedules a sequence only when
+it has an uncomputed token, leaves it out of the next steps: consecutive steps take disjoint
+sequences, and the running set splits into ``depth`` groups by itself (a new request joins the
+step that admits it). The block pool and block tables are the leader's as before.
+
+The sampled-token ring keeps its two halves: step k's placeholders are read by the next step of
+its sequences, launched after step k was sampled (so after its tokens are in the ring, in stream
+order), and the half step k wrote is next written by step k + 2's sampling, which stream order
+puts after every step that reads it (those are launched before step k + 2 is sampled). The host
+reads step k's tokens (the executor's one step finished late) before step k + 2 samples into the
+same pinned buffer.
+
+Transfers stay matched in order on every rank: a step's plan, its sends and rank 0's logits
+receives are queued at launch in the order of today's single step (each micro-batch's logits
+receive right after its send, the last stage's order), and finishing only waits. The launched steps
+carry one micro-batch each (``ForwardBatch.micro_batches``: the other steps fill the pipeline, and
+a micro-batch re-reads the stage's weights). No heartbeat goes out while a step is unfinished
+(LeaderRunner.launch says why).
+
+Which steps: only while every active request takes its tokens on the device. Requests that need
+tokens on the host between steps keep the one-step path (penalties, bad words, beams, returned
+context/generation logits: the executor's ``_must_sync``; speculative decoding; guided decoding,
+whose masks follow the previous token; disaggregated context_only / generation_only requests).
+While one is active the launched steps are drained first; nothing is refused. Log-probs and top
+log-probs ride with the sampled tokens and work either way.
+
+``TRITONLLM_PP_STEPS_IN_FLIGHT``: 0 or unset: off (one step in flight); N >= 2: up to N steps.
+Pipelines of one rank per stage only (tp_size 1): with tp_size > 1 stage 0's other ranks would
+have to receive each step's sampled tokens in the launched order (a broadcast per step), not built.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from engine.executor.overlap import InFlightStep
+
+STEPS_IN_FLIGHT_ENV = "TRITONLLM_PP_STEPS_IN_FLIGHT"
+logger = logging.getLogger(__name__)
+
+
+def steps_in_flight(runner, environ=os.environ) -> int:
+    """How many steps the executor keeps launched with this runner: ``STEPS_IN_FLIGHT_ENV`` where
+    the runner is a pipeline of one rank per stage (launch/finish), else 1."""
+    value = environ.get(STEPS_IN_FLIGHT_ENV, "").strip()
+    depth = int(value) if value else 0
+    if depth < 2 or not hasattr(runner, "launch"):
+        return 1
+    place = getattr(runner, "place", None)
+    if place is None or place.stage.pp_size < 2 or place.tp_size != 1:
+        return 1
+    return depth
+
+
+@dataclass
+class LaunchedForward:
+    """A step whose stage-0 work is launched and whose logits are not sampled yet."""
+
+    plan: Any  # SchedulerOutput
+    batch: Any  # ForwardBatch
+    rows: list[tuple[int, int]]
+    sampling: list  # (sequence, logits row) of each row that samples
+    launched: Any  # the runner's LaunchedStep
+    started: float
+    num_active: int
+    number: int  # 1, 2, ... in launch order
+
+
+class PipelinedSteps:
+    """The executor's launched, unsampled steps (oldest first) and the step that moves them on."""
+
+    def __init__(self, executor, depth: int):
+        self.executor = executor
+        self.depth = depth
+        # Each step in flight its own sequences, up to a step's batch each
+        executor.scheduler.max_running = depth * executor.scheduler.max_batch_size
+        self.pending: deque[LaunchedForward] = deque()
+        self.calls: list[tuple[str, int]] | None = None  # set to a list: ("launch" | "finish", step number)
+        self._launched = 0
+
+    def eligible(self) -> bool:
+        """Whether the next step may join the pipeline: no active request needs its tokens on the
+        host between steps (module docstring)."""
+        ex = self.executor
+        if ex._must_sync() or ex._table_request_ids or ex._mrope_request_ids or ex.encoder_stage is not None:
+            return False
+        return not any(state.request.request_type != "context_and_generation"
+                       or (ex.token_masks is not None and state.request.guided_decoding is not None)
+                       for state in ex._active.values())
+
+    def step(self, started: float) -> tuple[Any, InFlightStep | None]:
+        """Schedule one group and launch it (if any), then, once ``depth - 1`` older steps are
+        launched (or nothing new was), sample the oldest. Returns (the plan, the executor's launched
+        step: the one sampled now, whose tokens the host reads next iteration, or None)."""
+        scheduler = self.executor.scheduler
+        # A group's share: the sequences there are, over the steps in flight (at most a step's batch).
+        plan = scheduler.schedule(max_seqs=-(-(len(scheduler.running) + len(scheduler.waiting)) // self.depth))
+        if not plan.is_empty:
+            self._launch(plan, started)
+        if self.pending and (plan.is_empty or len(self.pending) >= self.depth):
+            return plan, self._sample(self.pending.popleft())
+        return plan, None
+
+    def drain(self) -> None:
+        """Sample and read every launched step, oldest first (before a one-step iteration)."""
+        ex = self.executor
+        while self.pending:
+            launched = self._sample(self.pending.popleft())
+            ex._finish_in_flight()
+            ex._in_flight = None if launched is None or launched.failed else launched
+        ex._finish_in_flight()
+
+    def drop(self) -> None:
+        """The loop failed everything (an internal error): forget the launched steps."""
+        self.pending.clear()
+
+    def _launch(self, plan, started: float) -> None:
+        ex = self.executor
+        num_active = len(ex._active)
+        try:
+            batch, rows, sampling, _ = ex._forward_batch(plan)
+            batch.micro_batches = 1
+            launched = ex.runner.launch(batch)
+        except Exception as err:
+            ex._fail_step(plan, err, "forward failed")
+            return
+        self._launched += 1
+        self._note("launch", self._launched)
+        ex._mark_launched(plan)
+        self.pending.append(LaunchedForward(plan, batch, rows, sampling, launched, started, num_active,
+                                            self._launched))
+
+    def _sample(self, item: LaunchedForward) -> InFlightStep | None:
+        ex = self.executor
+        try:
+            logits = ex.runner.finish(item.launched)
+            self._note("finish", item.number)
+            transfer = ex._sample(logits, item.sampling, item.batch) if item.sampling else None
+        except Exception as err:
+            ex._fail_step(item.plan, err, "forward failed")
+            return None
+        step = InFlightStep(item.plan, item.rows, None, [], transfer, item.started, item.num_active)
+        ex._add_placeholders(step, item.sampling, item.batch)
+        return step
+
+    def _note(self, what: str, number: int) -> None:
+        if self.calls is not None:
+            self.calls.append((what, number))
+
+
+def make_pipelined_steps(executor, environ=os.environ) -> PipelinedSteps | None:
+    """The executor's PipelinedSteps where its runner keeps several steps in flight, else None."""
+    depth = steps_in_flight(executor.runner, environ)
+    if depth < 2:
+        return None
+    logger.info("pipeline: up to %d steps in flight (%s)", depth, STEPS_IN_FLIGHT_ENV)
+    return PipelinedSteps(executor, depth)
