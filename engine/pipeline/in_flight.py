@@ -66,7 +66,11 @@ def steps_in_flight(runner, environ=os.environ) -> int:
     if depth < 2 or not hasattr(runner, "launch"):
         return 1
     place = getattr(runner, "place", None)
-    if place is None or place.stage.pp_size < 2 or place.tp_size != 1:
+    if place is None or place.stage.pp_size < 2:
+        return 1
+    if place.tp_size != 1:
+        logger.warning("%s=%d is ignored with tp_size %d: several steps in flight need one rank per pipeline "
+                       "stage; one step in flight", STEPS_IN_FLIGHT_ENV, depth, place.tp_size)
         return 1
     return depth
 

@@ -213,3 +213,18 @@ def test_pp2_executor_with_two_steps_in_flight_matches_pp1(engines):
     assert len(overlapped) >= len(launches) // 2, calls  # (steady state: every step)
     for n in overlapped:  # launched while step n was in flight: other sequences
         assert not set(launches[n - 1]) & set(launches[n]), (n, launches[n - 1], launches[n])
+
+
+def test_steps_in_flight_only_for_pipelines_of_one_rank_per_stage(caplog):
+    from types import SimpleNamespace
+
+    from engine.pipeline.in_flight import STEPS_IN_FLIGHT_ENV, steps_in_flight
+
+    def runner(pp_size, tp_size):
+        return SimpleNamespace(launch=None, place=SimpleNamespace(tp_size=tp_size, stage=SimpleNamespace(pp_size=pp_size)))
+
+    on = {STEPS_IN_FLIGHT_ENV: "2"}
+    assert steps_in_flight(runner(2, 1), on) == 2 and steps_in_flight(runner(4, 1), {STEPS_IN_FLIGHT_ENV: "4"}) == 4
+    assert steps_in_flight(runner(2, 1), {}) == 1 and steps_in_flight(runner(2, 1), {STEPS_IN_FLIGHT_ENV: "1"}) == 1
+    assert steps_in_flight(SimpleNamespace(launch=None), on) == 1  # (a LeaderRunner over tensor-parallel ranks)
+    assert steps_in_flight(runner(2, 2), on) == 1 and "ignored with tp_size 2" in caplog.text
