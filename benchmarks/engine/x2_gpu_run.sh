@@ -149,11 +149,12 @@ case $call in
 6)
   # Session 16's last call (~250 s; X2_LIMIT_S = the call's limit): the GPU tests of the day's fixes (rotary positions
   # read as any layout, the KV pull off both loops) beside each other, then the disaggregated bench at the rate where
-  # aggregated decode stalls (6/s), then PP 2 with stage graphs in what time is left.
-  on_gpu 0 gpu_fixes 55 bash -c "$PYTHON -m pytest -q -rfEs -p no:cacheprovider -m gpu tests/executor/test_speculative_eagle3.py;
-    $PYTHON -m pytest -q -rfEs -p no:cacheprovider -m gpu tests/kernels/test_kernel_elementwise.py -k rotary ${GPU_FIX_TESTS:-}" &
+  # aggregated decode stalls (6/s), then PP 2 with stage graphs and two steps in flight in what time is left.
+  on_gpu 0 gpu_fixes 60 bash -c "$PYTHON -m pytest -q -rfEs -p no:cacheprovider -m gpu tests/executor/test_speculative_eagle3.py;
+    $PYTHON -m pytest -q -rfEs -p no:cacheprovider -m gpu tests/kernels/test_kernel_elementwise.py -k rotary;
+    $PYTHON -m pytest -q -rfEs -p no:cacheprovider -m gpu tests/engine/test_qwen2_vl.py tests/engine/test_qwen3_vl.py" &
   gpu0=$!
-  TRITONLLM_DISAGG_DEVICES=$devices job tests_2gpu 55 "$PYTHON" -m pytest -q -rfEs -p no:cacheprovider \
+  TRITONLLM_DISAGG_DEVICES=$devices job tests_2gpu 60 "$PYTHON" -m pytest -q -rfEs -p no:cacheprovider \
     tests/executor/test_disaggregated.py tests/executor/test_kv_pull.py
   wait "$gpu0"
   for f in gpu_fixes tests_2gpu; do grep -E "passed|failed|error|FAILED" "$w/$f.log" 2>/dev/null | tail -8; done
@@ -162,9 +163,9 @@ case $call in
   grep -E "^\[disagg_bench\]|Error|Traceback" "$w/disagg_bench.log" | cut -c1-700
   left=$(( ${X2_LIMIT_S:-280} - ($(date +%s) - t0) - 8 ))
   if [ "$smoke" != 1 ] && [ "$left" -gt 30 ]; then
-    job pp "$left" "$PYTHON" benchmarks/engine/tp_bench.py --phases perf_pp2 --max_batch_size 256 \
+    TRITONLLM_PP_STEPS_IN_FLIGHT=2 job pp "$left" "$PYTHON" benchmarks/engine/tp_bench.py --phases perf_pp2 --max_batch_size 256 \
       --offline 128x128x1024 --phase_timeout $(( left - 4 )) --out "$w/pp.json" --results-md "$w/pp.md"
-    grep -E "graphs vs eager|decode batch|offline|KV pool|Error|Traceback" "$w/pp.log" | cut -c1-300
+    grep -E "graphs vs eager|in flight|decode batch|offline|KV pool|Error|Traceback" "$w/pp.log" | cut -c1-300
   fi
   ;;
 *) echo "x2_gpu_run.sh: CALL must be 1 to 6, got '$call'"; exit 2 ;;
