@@ -117,6 +117,7 @@ def expert_activation(h: torch.Tensor, row_expert: torch.Tensor, epilogue: Exper
     if not use_triton(h):
         return expert_activation_ref(h, row_expert, epilogue)
     rows, inter = h.shape[0], h.shape[1] // 2
+    assert h.stride(1) == 1  # (rows at h_ptr + row * stride + column)
     out = torch.empty(rows, inter, dtype=h.dtype, device=h.device)
     if rows:
         # read at row_expert_ptr + row and bias_ptr + expert * stride + column

@@ -113,6 +113,7 @@ def combine(y: torch.Tensor, dest: torch.Tensor, topk_ids: torch.Tensor, topk_we
         return combine_ref(y, dest, topk_ids, topk_weights, down_bias)
     num_tokens, top_k = topk_ids.shape
     hidden = y.shape[1]
+    assert y.stride(1) == 1  # (rows at y_ptr + row * stride + column)
     out = torch.empty(num_tokens, hidden, dtype=y.dtype, device=y.device)
     if num_tokens:
         block = min(1024, triton.next_power_of_2(hidden))

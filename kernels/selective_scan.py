@@ -149,10 +149,11 @@ def _tiles(D: int, N: int) -> tuple[int, int]:
     return max(1, min(triton.next_power_of_2(D), 1024 // block_n, 64)), block_n
 
 
-def _check(x, A, B, *rows) -> None:
-    """``rows``: dt, z, C (their rows are read at ptr + row * stride + channel, as x's and B's)."""
-    if any(t.stride(-1) != 1 for t in (x, B, *rows)) or not A.is_contiguous():
-        raise ValueError("selective scan: x, z, dt, B and C need contiguous channels and A (D, N) contiguous")
+def _check(x, A, B, ssm_states, *rows) -> None:
+    """``rows``: dt, z, C (their rows are read at ptr + row * stride + channel, as x's and B's); the
+    states' last dimension is addressed as packed too."""
+    if any(t.stride(-1) != 1 for t in (x, B, ssm_states, *rows)) or not A.is_contiguous():
+        raise ValueError("selective scan: x, z, dt, B, C, ssm_states need unit last strides; A (D, N) contiguous")
 
 
 def _per_channel(Dskip, dt_bias, slots=None):
@@ -162,7 +163,7 @@ def _per_channel(Dskip, dt_bias, slots=None):
 
 def selective_scan_prefill_triton(x, dt, A, B, C, Dskip, dt_bias, z, ssm_states, chunks: SequenceChunks):
     """The Triton path of selective_scan_prefill (also runs under TRITON_INTERPRET=1 on CPU)."""
-    _check(x, A, B, dt, z, C)
+    _check(x, A, B, ssm_states, dt, z, C)
     T, D = x.shape
     N = A.shape[1]
     out = torch.empty((T, D), dtype=x.dtype, device=x.device)
@@ -177,7 +178,7 @@ def selective_scan_prefill_triton(x, dt, A, B, C, Dskip, dt_bias, z, ssm_states,
 
 
 def selective_scan_decode_triton(x, dt, A, B, C, Dskip, dt_bias, z, ssm_states, slots) -> torch.Tensor:
-    _check(x, A, B, dt, z, C)
+    _check(x, A, B, ssm_states, dt, z, C)
     rows, D = x.shape
     N = A.shape[1]
     out = torch.zeros((rows, D), dtype=x.dtype, device=x.device)  # rows with slot < 0 stay zero

@@ -198,6 +198,11 @@ def _as_read(x, dt, B, C, A, D, dt_bias, slots=None):
     return (*dense_rows(x, dt, B, C), *dense(A, D, dt_bias, slots))
 
 
+def _check_states(ssm_states) -> None:
+    if ssm_states.stride(-1) != 1:  # written at slot * stride + head * stride + p * stride + n
+        raise ValueError(f"ssm_states needs a contiguous state dimension, got strides {ssm_states.stride()}")
+
+
 def ssd_prefill_triton(x, dt, A, B, C, D, dt_bias, ssm_states, chunks: SequenceChunks,
                        dt_limit=(0.0, float("inf"))) -> torch.Tensor:
     """The Triton path of ssd_prefill (also runs under TRITON_INTERPRET=1 on CPU)."""
@@ -206,6 +211,7 @@ def ssd_prefill_triton(x, dt, A, B, C, D, dt_bias, ssm_states, chunks: SequenceC
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     cu, slot_t, has_t = chunks.sequence_tensors  # (contiguous by construction: ssm_chunks)
     x, dt, B, C, A, D, dt_bias, _ = _as_read(x, dt, B, C, A, D, dt_bias)
+    _check_states(ssm_states)
     BLOCK_P, BLOCK_N = _tiles(P, N)
     grid = (chunks.num_seqs, H, triton.cdiv(P, BLOCK_P))
     _ssd_prefill_kernel[grid](x, dt, A, B, C, D, dt_bias, ssm_states, out, cu, slot_t, has_t,
@@ -224,6 +230,7 @@ def ssm_decode_triton(x, dt, A, B, C, D, dt_bias, ssm_states, slots) -> torch.Te
     G, N = B.shape[1], B.shape[2]
     out = torch.zeros(x.shape, dtype=x.dtype, device=x.device)  # rows with slot < 0 stay zero
     x, dt, B, C, A, D, dt_bias, slots = _as_read(x, dt, B, C, A, D, dt_bias, slots)
+    _check_states(ssm_states)
     BLOCK_P, BLOCK_N = _tiles(P, N)
     _ssm_decode_kernel[(rows, H, triton.cdiv(P, BLOCK_P))](
         x, dt, A, B, C, D, dt_bias, ssm_states, out, slots,
