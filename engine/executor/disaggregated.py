@@ -108,10 +108,17 @@ def kv_layout(runner) -> dict:
             "tokens_per_block": runner.tokens_per_block}
 
 
+_COPY_STREAMS: PullStreams | None = None
+
+
 def copy_blocks(src_pool, src_ids: list[int], dst_pool, dst_ids: list[int]) -> float:
     """dst_pool[:, :, dst_ids[i]] = src_pool[:, :, src_ids[i]], across devices, through the serving path's
-    pull (kv_pull.py); returns when the copy is done (benchmarks), with its time in ms."""
-    pull = PullStreams().pull(src_pool, src_ids, dst_pool, dst_ids)
+    pull (kv_pull.py); returns when the copy is done (benchmarks), with its time in ms. One PullStreams for all
+    calls (one thread: the benchmark's), so its buffers are made once, as a serving executor's are."""
+    global _COPY_STREAMS
+    if _COPY_STREAMS is None:
+        _COPY_STREAMS = PullStreams()
+    pull = _COPY_STREAMS.pull(src_pool, src_ids, dst_pool, dst_ids)
     pull.wait()
     return pull.elapsed_ms()
 

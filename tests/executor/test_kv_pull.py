@@ -3,6 +3,7 @@ streams of its own, so it finishes while the source GPU's compute stream is stil
 transport's file (kv_transfer_shm.py): written by a thread, a reader waits for it, one fetch."""
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -34,22 +35,98 @@ def test_pull_and_scatter_are_byte_exact_in_chunks(monkeypatch):
     assert PullStreams().scatter(blocks, again, DST_IDS).done() and torch.equal(again, dst)
 
 
+class _FakeEvent:
+    in_flight = False  # (class-wide: a query says "not yet" while set)
+
+    def __init__(self, enable_timing=False):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+    def query(self):
+        return not _FakeEvent.in_flight
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+class _FakeStream:
+    def __init__(self, device=None):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+
+def test_a_warm_pull_reuses_its_buffers_and_allocates_nothing(monkeypatch):
+    """The CUDA path's chunking, staging and id buffers on CPU tensors (streams and events faked, the pools
+    "on a GPU" and "on a peer"): byte-exact, and after warm_up no pull or scatter allocates a buffer; a new
+    pinned ids buffer only while the others' copies are still in flight."""
+    monkeypatch.setattr(kv_pull, "CHUNK_BYTES", 2 * 2 * 4 * 2 * 8 * 2 * 2)  # two blocks per chunk: 3 chunks
+    for name, fake in [("Stream", _FakeStream), ("Event", _FakeEvent),
+                       ("stream", lambda stream: contextlib.nullcontext()),
+                       ("current_stream", lambda device=None: _FakeStream())]:
+        monkeypatch.setattr(torch.cuda, name, fake)
+    pinned = []
+    monkeypatch.setattr(kv_pull, "_on_cuda", lambda tensor: True)
+    monkeypatch.setattr(kv_pull, "_pin", lambda blocks: blocks)
+    monkeypatch.setattr(kv_pull, "_pinned_empty", lambda n: pinned.append(n) or torch.empty(n, dtype=torch.long))
+    for peer in (True, False):
+        monkeypatch.setattr(kv_pull, "_peer", lambda src, dst: peer)
+        src, dst = _pools("cpu", "cpu")
+        pulls = PullStreams()
+        pulls.warm_up(src, dst)
+        buffers = [*pulls._staging.values(), *pulls._ids.values()]
+        assert len(buffers) == (4 if peer else 3) and pinned == [2 * 16] * kv_pull.HOST_ID_BUFFERS
+        for src_ids, dst_ids in [(SRC_IDS, DST_IDS), (SRC_IDS[::-1], [4, 5, 6, 8, 10]), ([0], [11])]:
+            pull = pulls.pull(src, src_ids, dst, dst_ids, ready=_FakeEvent())
+            assert pull.done() and torch.equal(dst[:, :, dst_ids], src[:, :, src_ids])
+        blocks = block_major(src)[SRC_IDS].contiguous()  # the shm file's layout
+        again = torch.zeros_like(dst)
+        assert pulls.scatter(blocks, again, DST_IDS).done()
+        assert torch.equal(again[:, :, DST_IDS], src[:, :, SRC_IDS]) and not again[:, :, [3, 4]].any()
+        assert [*pulls._staging.values(), *pulls._ids.values()] == buffers and len(pinned) == kv_pull.HOST_ID_BUFFERS
+        _FakeEvent.in_flight = True  # no id copy is done: each pull takes an unused pinned buffer, then a new one
+        try:
+            for _ in range(kv_pull.HOST_ID_BUFFERS):
+                pulls.pull(src, SRC_IDS, dst, DST_IDS)
+            assert len(pinned) == len(pulls._host_ids) == kv_pull.HOST_ID_BUFFERS + 1
+        finally:
+            _FakeEvent.in_flight = False
+        assert torch.equal(dst[:, :, DST_IDS], src[:, :, SRC_IDS])
+        pinned.clear()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA streams: GPU only")
-def test_a_pull_does_not_wait_for_the_source_gpus_compute_stream():
+@pytest.mark.parametrize("warm", ["warm_up", "a first pull"])
+def test_a_pull_does_not_wait_for_the_source_gpus_compute_stream(warm):
     """The context side records ``ready`` and then runs a long kernel (the next prefill) on its stream: the pull
-    (GPU 0 -> GPU 1, or within GPU 0 on one GPU) is done while that kernel still runs."""
+    (GPU 0 -> GPU 1, or within GPU 0 on one GPU) and an shm scatter are done while that kernel still runs.
+    Steady state: the PullStreams' buffers exist before the kernel starts, made by ``warm_up`` (what the first
+    hand-off of a serving executor finds: the pull calls it) or by a first pull; a pull then allocates nothing
+    (a cold pull's allocations may wait for the busy GPU: cudaMalloc / cudaHostAlloc / a cached-block free)."""
     dst_device = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
     src, dst = _pools("cuda:0", dst_device)
-    blocks = src.view(torch.int16).permute(2, 0, 1, 3, 4, 5)[SRC_IDS].cpu()
+    blocks = src.view(torch.int16).permute(2, 0, 1, 3, 4, 5)[SRC_IDS].cpu().pin_memory()  # (as a reader pins it)
+    again = torch.zeros_like(dst)
+    pulls = PullStreams()
+    if warm == "warm_up":
+        pulls.warm_up(src, dst)
+    else:
+        pulls.pull(src, SRC_IDS[:2], dst, DST_IDS[:2]).wait()
+        pulls.scatter(blocks[:2], again, DST_IDS[:2]).wait()
     torch.cuda.synchronize("cuda:0")
+    torch.cuda.synchronize(dst_device)
     compute, ready = torch.cuda.Stream("cuda:0"), torch.cuda.Event()
     with torch.cuda.stream(compute):
         ready.record(compute)  # the prompt's last chunk is done
         torch.cuda._sleep(int(3e9))  # ~1.5 s of "next prefill"
-    pulls = PullStreams()
     pull = pulls.pull(src, SRC_IDS, dst, DST_IDS, ready)
-    again = torch.zeros_like(dst)
     scatter = pulls.scatter(blocks, again, DST_IDS)
     deadline = time.monotonic() + 1.0
     while not (pull.done() and scatter.done()) and time.monotonic() < deadline:
