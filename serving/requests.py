@@ -707,8 +707,9 @@ def request_type_of(request_parameters: str) -> str:
 
 
 # How a context_only request's KV reaches its generation_only request (engine/executor/disaggregated.py
-# TRANSPORTS): "local" within one engine process, "shm" through host shared memory to another process.
-KV_TRANSFERS = ("local", "shm")
+# TRANSPORTS): "local" within one engine process, "shm" through host shared memory to another process,
+# "nixl" READ by the generation side's NIXL agent (another host; needs the nixl-cu12 package).
+KV_TRANSFERS = ("local", "shm", "nixl")
 
 
 def kv_transfer_of(request_parameters: str) -> str | None:

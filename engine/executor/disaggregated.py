@@ -18,10 +18,14 @@ context side, default ``local``):
   blocks go to a file in host shared memory at export and are freed at once (kv_transfer_shm.py).
   A writer thread on the context side and reader threads on the generation side move the bytes, so
   neither loop waits for the file; the generation side then scatters them like a pull.
-NIXL / NCCL would be further names; the blob names its transport.
+- ``nixl``: another host (or process): the blocks stay pinned in the context pool, which a NIXL agent
+  registered; the generation side claims them by a notification and READs them into its own pool
+  (kv_transfer_nixl.py). Optional: needs the nixl-cu12 package, refused by name without it.
+NCCL would be a further name; the blob names its transport.
 
 Blob (version 1): MAGIC + one version byte + UTF-8 JSON
-    {"transport": "local" | "shm", "pid", "exporter": uuid hex, "handle": int, "request_id": int, "path" (shm),
+    {"transport": "local" | "shm" | "nixl", "pid", "exporter": uuid hex, "handle": int, "request_id": int,
+     "path" (shm), "agent", "metadata", "mem", "pool", "block_ids" (nixl),
      "layout": {"kv_shape": [L, 2, T, H, D], "dtype": str, "tokens_per_block": T},
      "prompt_len": int, "prompt_digest": hex, "first_token": int, "num_blocks": int}
 Opaque to clients; only what the executor itself wrote is accepted (magic, version, fields checked).
@@ -52,12 +56,12 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
-from engine.executor import kv_transfer_shm
+from engine.executor import kv_transfer_nixl, kv_transfer_shm
 from engine.executor.kv_pull import PullStreams, ReadyEvents
 from engine.executor.kv_transfer_shm import ShmWriter, block_major
 
 REQUEST_TYPES = ("context_and_generation", "context_only", "generation_only")
-TRANSPORTS = ("local", "shm")
+TRANSPORTS = ("local", "shm", "nixl")
 MAGIC = b"TLLMCTX"
 VERSION = 1
 DEFAULT_TIMEOUT_S = float(os.environ.get("TRITONLLM_KV_TRANSFER_TIMEOUT_S", "60"))
@@ -124,9 +128,11 @@ def copy_blocks(src_pool, src_ids: list[int], dst_pool, dst_ids: list[int]) -> f
 
 
 class _Pin:
-    __slots__ = ("block_ids", "deadline", "state", "path", "ready", "writing")
+    __slots__ = ("block_ids", "deadline", "state", "path", "ready", "writing", "nixl")
 
-    def __init__(self, block_ids: list[int], deadline: float, path: str | None = None, ready=None, writing=None):
+    def __init__(self, block_ids: list[int], deadline: float, path: str | None = None, ready=None, writing=None,
+                 nixl: bool = False):
+        self.nixl = nixl  # claimed by a remote NIXL agent's notification; released by its READ's
         self.block_ids = block_ids  # pinned in the pool (local); [] for shm: the file holds the bytes
         self.path = path  # shm: the file, deleted at the deadline if still unclaimed
         self.ready = ready  # CUDA: the event after the prompt's last prefill chunk (kv_pull.ReadyEvents)
@@ -166,6 +172,9 @@ class Disaggregation:
         self.transport = transport or os.environ.get("TRITONLLM_KV_TRANSFER", "local")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"TRITONLLM_KV_TRANSFER '{self.transport}' is not supported; allowed: {', '.join(TRANSPORTS)}")
+        if self.transport == "nixl" and not kv_transfer_nixl.available():
+            raise ValueError(f"TRITONLLM_KV_TRANSFER: {kv_transfer_nixl.MISSING}")
+        self._nixl: kv_transfer_nixl.NixlSide | None = None  # this executor's NIXL agent (made on first use)
         self.exporter_id = uuid.uuid4().hex
         self._lock = threading.Lock()
         self._pins: dict[int, _Pin] = {}
@@ -208,6 +217,8 @@ class Disaggregation:
         transfer = getattr(request, "kv_transfer", None)
         if transfer is not None and transfer not in TRANSPORTS:
             return f"kv_transfer: '{transfer}' is not supported; allowed: {', '.join(TRANSPORTS)}"
+        if transfer == "nixl" and kind == "context_only" and not kv_transfer_nixl.available():
+            return kv_transfer_nixl.MISSING
         if kind == "generation_only":
             if request.context_phase_params is None:
                 return ("context_phase_params: a generation_only request needs the context_phase_params output "
@@ -231,6 +242,9 @@ class Disaggregation:
                                     "request with the same input_ids as its context_only request")
         if fields["transport"] == "shm" and isinstance(fields.get("path"), str):
             return
+        if fields["transport"] == "nixl":
+            _check_nixl(fields)
+            return
         if fields["transport"] != "local" or fields.get("pid") != os.getpid():
             raise ContextPhaseError(f"context_phase_params: transport '{fields['transport']}' from process "
                                     f"{fields.get('pid')} cannot be read here ('local' works within process "
@@ -252,6 +266,10 @@ class Disaggregation:
             where["path"], writing = self.writer.start_write(ex.runner.kv_cache, block_ids, self.exporter_id, handle,
                                                              ready)
             pin = _Pin([], time.monotonic() + self.timeout_s, where["path"], writing=writing)
+        elif transport == "nixl":  # pinned as for local; the blob tells a remote agent where they are
+            ex.blocks.acquire(block_ids)
+            where = {**self.nixl_side().describe(), "block_ids": block_ids}
+            pin = _Pin(block_ids, time.monotonic() + self.timeout_s, ready=ready, nixl=True)
         else:
             ex.blocks.acquire(block_ids)  # scheduler.finish drops the sequence's ref; this one stays
             pin = _Pin(block_ids, time.monotonic() + self.timeout_s, ready=ready)
@@ -275,6 +293,10 @@ class Disaggregation:
         """A pin to free now (released by its fetcher, or expired), or a finished pull."""
         if any(item.ready() for item in self._importing):
             return True
+        if self._nixl is not None:
+            self._nixl.poll()
+            if self._nixl.claims or self._nixl.done:
+                return True
         now = time.monotonic()
         with self._lock:
             return any(pin.state == "released" or (pin.state == "pinned" and pin.deadline <= now)
@@ -285,11 +307,17 @@ class Disaggregation:
         if any(item.reading is None for item in self._importing):  # (a reader thread notifies when it is done)
             return POLL_S
         with self._lock:
+            if any(pin.nixl for pin in self._pins.values()):  # (claims and READs' ends come as notifications)
+                return kv_transfer_nixl.POLL_S
             deadlines = [pin.deadline for pin in self._pins.values() if pin.state == "pinned"]
+        if self._nixl is not None:  # a late claim still gets its "gone" answer
+            deadlines.append(time.monotonic() + kv_transfer_nixl.IDLE_POLL_S)
         return None if not deadlines else max(0.0, min(deadlines) - time.monotonic()) + 0.001
 
     def service(self) -> None:
         """Free released and expired pins (context side) and finish done pulls (generation side); at each step."""
+        if self._nixl is not None:
+            self._answer_nixl()
         if self._importing:
             self._finish_pulls()
         if self.ready.pending:
@@ -298,6 +326,7 @@ class Disaggregation:
         with self._lock:
             done = [h for h, pin in self._pins.items() if pin.settled() and (
                     pin.state == "released" or (pin.state == "pinned" and pin.deadline <= now)
+                    or (pin.nixl and pin.state == "claimed" and pin.deadline + self.timeout_s <= now)  # reader died
                     or (pin.path is not None and not os.path.exists(pin.path)))]  # shm: fetched (or its write failed)
             pins = [self._pins.pop(h) for h in done]
         for pin in pins:
@@ -343,6 +372,8 @@ class Disaggregation:
         if self._readers is not None:
             self._readers.shutdown(wait=False, cancel_futures=True)
         self.writer.shutdown()  # (files being written are in place before they are deleted below)
+        if self._nixl is not None:
+            self._nixl.close()
         with _EXPORTERS_LOCK:
             _EXPORTERS.pop(self.exporter_id, None)
         with self._lock:
@@ -362,6 +393,8 @@ class Disaggregation:
             self._check(fields, seq.state.request)
             if fields["transport"] == "shm":
                 return self._import_file(seq, fields)
+            if fields["transport"] == "nixl":
+                return self._import_nixl(seq, fields)
             with _EXPORTERS_LOCK:
                 source = _EXPORTERS.get(fields["exporter"])
             if source is None:
@@ -398,6 +431,57 @@ class Disaggregation:
         self._importing.append(_Import(seq, fields, dst_ids, reading=reading))
         reading.add_done_callback(lambda _: self._wake())
         return None
+
+    # ----- nixl (kv_transfer_nixl.py) -----
+    def nixl_side(self) -> kv_transfer_nixl.NixlSide:
+        if self._nixl is None:
+            self._nixl = kv_transfer_nixl.NixlSide(self.executor.runner.kv_cache)
+        return self._nixl
+
+    def _import_nixl(self, seq, fields: dict) -> str | None:
+        """Claim the blob's blocks from the context agent; the READ starts once granted (NixlPull.done)."""
+        if not kv_transfer_nixl.available():
+            return f"context_phase_params: {kv_transfer_nixl.MISSING}"
+        ex = self.executor
+        num_blocks = ex.blocks.blocks_for_tokens(fields["prompt_len"])
+        if num_blocks != len(fields["block_ids"]):
+            return (f"context_phase_params: {len(fields['block_ids'])} block ids for a {fields['prompt_len']}-token "
+                    f"prompt ({num_blocks} expected); send the context_only request's output unchanged")
+        if num_blocks > ex.blocks.num_free_blocks:
+            return (f"context_phase_params: {num_blocks} KV blocks needed, {ex.blocks.num_free_blocks} free; "
+                    f"retry later")
+        dst_ids = ex.blocks.allocate(num_blocks)
+        try:
+            pull = kv_transfer_nixl.NixlPull(self.nixl_side(), fields, dst_ids, self.timeout_s,
+                                             lambda: seq.is_finished, kv_transfer_nixl.after_step(ex.runner.device))
+        except Exception as err:  # (metadata NIXL could not load: another build, a corrupted blob)
+            ex.blocks.free(dst_ids)
+            return f"context_phase_params: the context side's NIXL agent cannot be reached: {err}"
+        self._importing.append(_Import(seq, fields, dst_ids, pull))
+        return None
+
+    def _answer_nixl(self) -> None:
+        """Context side: answer claims (granted once the prompt's KV is final) and free pins whose READ ended."""
+        side = self._nixl
+        side.poll()
+        waiting, now = [], time.monotonic()
+        for agent, handle, metadata in side.claims:
+            with self._lock:
+                pin = self._pins.get(handle)
+                live = pin is not None and pin.nixl and pin.state == "pinned" and pin.deadline > now
+                if live and pin.ready is not None and not pin.ready.query():
+                    waiting.append((agent, handle, metadata))  # (its prefill is still on the GPU)
+                    continue
+                if live:
+                    pin.state = "claimed"
+            side.answer(agent, handle, metadata, live)
+        side.claims = waiting
+        done, side.done = side.done, []
+        for _, handle in done:
+            with self._lock:
+                pin = self._pins.get(handle)
+                if pin is not None and pin.nixl and pin.state == "claimed":
+                    pin.state = "released"
 
     def _wake(self) -> None:
         with self.executor._cv:
@@ -443,6 +527,12 @@ class Disaggregation:
         """A pull is done: the source pin goes back; the sequence (unless it ended meanwhile) gets its blocks,
         its first token and its place in the scheduler."""
         ex = self.executor
+        error = getattr(item.pull, "error", None)  # nixl: gone, unanswered or a failed READ
+        if error is not None:
+            ex.blocks.free(item.dst_ids)
+            if not item.seq.is_finished:
+                ex._fail(item.seq.state, error)
+            return
         self.kv_cache_transfer_ms += item.pull.elapsed_ms() + item.extra_ms
         self.num_transfers += 1
         if item.source is not None:
@@ -461,6 +551,18 @@ class Disaggregation:
     @property
     def num_importing(self) -> int:
         return len(self._importing)
+
+
+def _check_nixl(fields: dict) -> None:
+    for name, kind in (("agent", str), ("metadata", str), ("mem", str), ("pool", dict), ("block_ids", list)):
+        if not isinstance(fields.get(name), kind):
+            raise ContextPhaseError(f"context_phase_params: truncated or corrupted blob ({name}); send the "
+                                    f"context_phase_params output of a context_only request unchanged")
+    pool = fields["pool"]
+    if not all(isinstance(pool.get(k), int) for k in ("addr", "num_blocks", "device")) or \
+            not all(isinstance(b, int) and 0 <= b < pool["num_blocks"] for b in fields["block_ids"]):
+        raise ContextPhaseError("context_phase_params: truncated or corrupted blob (pool, block_ids); send the "
+                                "context_phase_params output of a context_only request unchanged")
 
 
 def _read_file(path: str, shape: tuple, element_size: int, device, wait_s: float):

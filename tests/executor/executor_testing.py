@@ -1,10 +1,20 @@
 """Model-free helpers for executor unit tests: sequences without an engine, a fake model step."""
 from __future__ import annotations
 
+import time
+
 from engine.executor.request import Request, RequestState, SamplingConfig, Sequence
 from engine.executor.scheduler import Scheduler, SchedulerOutput
 
 _next_id = iter(range(1, 10**9))
+
+
+def wait_until(predicate, timeout: float = 5.0) -> bool:
+    """Poll ``predicate`` (another thread or process frees something) until true or ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return predicate()
 
 
 def make_seq(token_ids: list[int], max_tokens: int = 4, **sampling) -> Sequence:

@@ -4,14 +4,13 @@ when fetched or expired (no leak on either side); bad params get named errors.""
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 
 from engine.executor import Executor, ExecutorConfig
 from engine.executor.disaggregated import decode, encode
 from engine.executor.request import Request, SamplingConfig
-from tests.executor.executor_testing import collect, final_tokens
+from tests.executor.executor_testing import collect, final_tokens, wait_until
 
 PROMPTS = [[(5 * i + 3 * j + 1) % 128 for j in range(n)] for i, n in enumerate((3, 9, 13, 4, 17))]
 MAX_TOKENS = 8
@@ -36,13 +35,6 @@ def run(ex, request: Request) -> list:
 
 def greedy(prompt, **kw) -> Request:
     return Request(list(prompt), MAX_TOKENS, sampling=SamplingConfig(top_k=1), **kw)
-
-
-def wait_until(predicate, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return predicate()
 
 
 def all_free(ex) -> bool:
@@ -111,7 +103,7 @@ def test_a_request_chooses_shm_over_the_executors_local_default(pair, tmp_path, 
     got = final_tokens(run(generation, greedy(prompt, request_type="generation_only", context_phase_params=params)))
     assert got == final_tokens(run(generation, greedy(prompt)))
     bad = run(context, greedy(prompt, request_type="context_only", kv_transfer="nccl"))
-    assert bad[-1].error == "kv_transfer: 'nccl' is not supported; allowed: local, shm"
+    assert bad[-1].error == "kv_transfer: 'nccl' is not supported; allowed: local, shm, nixl"
     assert not list(tmp_path.iterdir()) and wait_until(lambda: all_free(generation))
 
 

@@ -129,5 +129,5 @@ def test_a_bad_transport_is_named_and_the_next_request_is_served(triton_server, 
     """generate's fields that are not inputs are the request's parameters (request_type, kv_transfer)."""
     response = triton_server.generate("tensorrt_llm", {**_body(PROMPTS[0]), "request_type": "context_only",
                                                        "kv_transfer": "nccl"})
-    assert response.status_code == 400 and "kv_transfer: 'nccl' is not supported; allowed: local, shm" in response.text
+    assert response.status_code == 400 and "kv_transfer: 'nccl' is not supported; allowed: local, shm, nixl" in response.text
     assert _output_ids(triton_server, BLS, PROMPTS[0]) == aggregated[0]

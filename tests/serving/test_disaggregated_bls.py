@@ -56,5 +56,5 @@ def test_two_models_send_the_kv_through_shared_memory_one_model_keeps_it_in_plac
     assert context_parameters("context", "generation") == {"request_type": "context_only", "kv_transfer": "shm"}
     assert kv_transfer_of('{"request_type": "context_only", "kv_transfer": "shm"}') == "shm"
     assert kv_transfer_of("{}") is None and kv_transfer_of("") is None
-    with pytest.raises(ValueError, match="kv_transfer: 'nixl' is not supported; allowed: local, shm"):
-        kv_transfer_of('{"kv_transfer": "nixl"}')
+    with pytest.raises(ValueError, match="kv_transfer: 'nccl' is not supported; allowed: local, shm, nixl"):
+        kv_transfer_of('{"kv_transfer": "nccl"}')

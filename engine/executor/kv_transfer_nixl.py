@@ -1,0 +1,271 @@
+"""The ``nixl`` transport of disaggregated serving: a context_only request's KV blocks READ by the generation
+side straight from the context side's pool through NIXL (the transfer library TensorRT-LLM, Dynamo, vLLM and
+SGLang use; UCX underneath: RDMA, TCP, shared memory or CUDA IPC, whichever UCX finds between the two
+agents). Made for another host: no shared memory and no shared filesystem are assumed, only a network path
+that UCX can use. engine/executor/disaggregated.py decides when it is used; NIXL is an optional dependency
+(``nixl-cu12``; the ``nixl`` meta package works too), refused by name when it is not importable.
+
+Design:
+- Each executor that uses the transport owns one NIXL agent (``NixlSide``, made on first use; UCX backend),
+  its whole KV pool registered with it (DRAM on CPU, VRAM on GPU). One registration, for the pool's life:
+  blocks are addressed inside it.
+- Export (context loop): the prompt's blocks stay pinned in the pool (as for ``local``); the blob carries the
+  agent's name, its metadata (~0.5 KB, zlib + base64: what a remote agent needs to connect and to READ the
+  registered pool), the pool's address, its number of blocks and the pinned block ids. No side channel.
+- Import (generation loop, ``NixlPull``): add the remote agent from the blob's metadata, send it a ``claim``
+  notification carrying this agent's own metadata; the context side answers ``granted`` (the pin was still
+  live and its prompt's KV is final: CUDA ready event) or ``gone`` (fetched already, expired). Only after
+  ``granted`` the generation side READs every (block, layer, K/V) row of the prompt into its own freshly
+  allocated blocks, with a ``done`` notification that NIXL delivers to the context side once the data has
+  moved; the context side then frees the pin. The claim is what makes a late READ impossible: blocks freed at
+  the timeout are never read, because nothing is granted after it.
+- Neither loop blocks: both poll (``NixlSide.poll``: new notifications, at each step and from the idle
+  loop every ``POLL_S`` while a pin or an import is pending; ``NixlPull.done``: the transfer's state).
+- A generation_only request cancelled while its READ runs keeps its blocks until the READ is done (as the
+  local pull); cancelled before the grant, it sends ``done`` without reading, so the pin goes at once.
+- Backstop: the context side's timeout (TRITONLLM_KV_TRANSFER_TIMEOUT_S) frees unclaimed pins; a claimed
+  pin whose ``done`` never comes (the generation side died mid-READ) is freed one more timeout later.
+
+Descriptors: the pool is (L, 2, num_blocks, T, H, D); one block of one (layer, K/V) is T*H*D contiguous
+elements at ``base + ((layer * 2 + kv) * num_blocks + block) * row_bytes``. Both sides list the rows in the
+same order (block-major, then layer, then K/V), so row i of the local list receives row i of the remote one;
+NIXL merges adjacent rows.
+
+Across hosts: UCX picks the transports; UCX_TLS / UCX_NET_DEVICES select them, and UCX_TCP_* the TCP ports
+(docs/features/disaggregated-serving.md). Notifications travel on the same UCX connection.
+"""
+from __future__ import annotations
+
+import base64
+import glob
+import os
+import time
+import uuid
+import zlib
+
+import numpy as np
+import torch
+
+MISSING = "kv_transfer 'nixl' needs the nixl-cu12 package (pip install nixl-cu12==1.5.1)"
+POLL_S = 0.002  # an idle loop's poll of NIXL notifications while a nixl pin or import is pending
+IDLE_POLL_S = 0.05  # ... and otherwise, once the executor has an agent (a late claim gets its "gone" answer)
+_CLAIM, _GRANTED, _GONE, _DONE = b"C", b"G", b"X", b"D"  # notification kinds: kind + 8-byte handle [+ metadata]
+
+
+def load_api():
+    """NIXL's Python API module, or None when it is not installed."""
+    _quiet_ucx_exit()
+    try:
+        from nixl_cu12 import _api
+    except ImportError:
+        try:
+            from nixl import _api
+        except ImportError:
+            return None
+    return _api
+
+
+def available() -> bool:
+    return load_api() is not None
+
+
+def _quiet_ucx_exit() -> None:
+    """The nixl-cu12 1.5.1 wheel's bundled libnl crashes in its exit-time destructor (SIGSEGV in
+    rtnl_tc_unregister) once UCX's InfiniBand modules were loaded. On a host without InfiniBand those
+    modules serve nothing, so they are not loaded there unless the user set UCX_MODULES."""
+    if "UCX_MODULES" not in os.environ and not glob.glob("/sys/class/infiniband/*"):
+        os.environ["UCX_MODULES"] = "^ib,rdmacm,mlx5"
+
+
+def after_step(device: torch.device):
+    """CUDA: an event after the generation loop's work so far (a step in flight may still write blocks just
+    freed and now allocated to the READ); the READ starts once it has passed. None off CUDA."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def _handle_bytes(handle: int) -> bytes:
+    return int(handle).to_bytes(8, "little")
+
+
+def pack_metadata(metadata: bytes) -> str:
+    return base64.b64encode(zlib.compress(metadata)).decode()
+
+
+def unpack_metadata(text: str) -> bytes:
+    return zlib.decompress(base64.b64decode(text))
+
+
+class NixlSide:
+    """One executor's NIXL agent and its registered pool; calls come from that executor's loop thread."""
+
+    def __init__(self, pool: torch.Tensor):
+        api = load_api()
+        if api is None:
+            raise RuntimeError(MISSING)
+        self.name = f"tritonllm-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self.agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=["UCX"]))
+        self.pool = pool
+        self.mem = "DRAM" if pool.device.type == "cpu" else "VRAM"
+        # The pool is a transposed view ((L, 2, N, H, T, D) storage seen as (L, 2, N, T, H, D)): each (layer, K/V,
+        # block) row is still one contiguous run of T*H*D elements, rows in (layer, K/V, block) order.
+        row = pool[0, 0, 0].numel()
+        if pool.stride()[:3] != (2 * pool.shape[2] * row, pool.shape[2] * row, row):
+            raise RuntimeError(f"kv_transfer 'nixl': a KV pool of strides {pool.stride()} is not laid out in "
+                               f"contiguous block rows")
+        self._reg = self.agent.register_memory([(pool.data_ptr(), pool.numel() * pool.element_size(),
+                                                 max(pool.get_device(), 0), "")], self.mem)  # once, all of it
+        self._metadata = None
+        self._remotes: set[str] = set()
+        self.claims: list[tuple[str, int, bytes]] = []  # context side: (agent, handle, its metadata), unanswered
+        self.done: list[tuple[str, int]] = []  # context side: (agent, handle) whose READ finished
+        self.answers: dict[tuple[str, int], bool] = {}  # generation side: (agent, handle) -> granted
+
+    @property
+    def metadata(self) -> bytes:
+        if self._metadata is None:
+            self._metadata = self.agent.get_agent_metadata()
+        return self._metadata
+
+    def describe(self) -> dict:
+        """The blob's fields that let another agent READ from this pool."""
+        return {"agent": self.name, "metadata": pack_metadata(self.metadata), "mem": self.mem,
+                "pool": {"addr": self.pool.data_ptr(), "num_blocks": self.pool.shape[2],
+                         "device": max(self.pool.get_device(), 0)}}
+
+    def connect(self, metadata: bytes) -> str:
+        name = self.agent.add_remote_agent(metadata)
+        name = name.decode() if isinstance(name, bytes) else name
+        self._remotes.add(name)
+        return name
+
+    def rows(self, addr: int, num_blocks: int, device: int, block_ids: list[int]) -> np.ndarray:
+        """(len(block_ids) * L * 2, 3) [address, bytes, device] of the blocks' rows in a pool like ours."""
+        layers_kv = self.pool.shape[0] * self.pool.shape[1]
+        row_bytes = self.pool[0, 0, 0].numel() * self.pool.element_size()
+        index = np.arange(layers_kv, dtype=np.uint64)[None, :] * np.uint64(num_blocks) + \
+            np.asarray(block_ids, dtype=np.uint64)[:, None]
+        out = np.empty((index.size, 3), dtype=np.uint64)
+        out[:, 0] = np.uint64(addr) + index.reshape(-1) * np.uint64(row_bytes)
+        out[:, 1] = row_bytes
+        out[:, 2] = device
+        return out
+
+    def poll(self) -> bool:
+        """Take new notifications into claims / done / answers; True when any came."""
+        news = self.agent.get_new_notifs()
+        for agent, messages in news.items():
+            agent = agent.decode() if isinstance(agent, bytes) else agent
+            for message in messages:
+                kind, handle = message[:1], int.from_bytes(message[1:9], "little")
+                if kind == _CLAIM:
+                    self.claims.append((agent, handle, message[9:]))
+                elif kind == _DONE:
+                    self.done.append((agent, handle))
+                elif kind in (_GRANTED, _GONE):
+                    self.answers[(agent, handle)] = kind == _GRANTED
+        return bool(news)
+
+    def answer(self, agent: str, handle: int, metadata: bytes, granted: bool) -> None:
+        """Context side: tell a claiming agent whether it may READ (its metadata lets us reach it)."""
+        if agent not in self._remotes:
+            self.connect(metadata)
+        self.agent.send_notif(agent, (_GRANTED if granted else _GONE) + _handle_bytes(handle))
+
+    def claim(self, agent: str, handle: int) -> None:
+        self.agent.send_notif(agent, _CLAIM + _handle_bytes(handle) + self.metadata)
+
+    def release(self, agent: str, handle: int) -> None:
+        """Generation side: give a granted pin back without reading it (the request ended first)."""
+        self.agent.send_notif(agent, _DONE + _handle_bytes(handle))
+
+    def read(self, fields: dict, dst_ids: list[int]):
+        """Start READing the blob's blocks into ``dst_ids`` of our pool; the transfer handle."""
+        pool = fields["pool"]
+        remote = self.rows(pool["addr"], pool["num_blocks"], pool["device"], fields["block_ids"])
+        local = self.rows(self.pool.data_ptr(), self.pool.shape[2], max(self.pool.get_device(), 0), dst_ids)
+        handle = self.agent.initialize_xfer("READ", self.agent.get_xfer_descs(local, self.mem),
+                                            self.agent.get_xfer_descs(remote, fields["mem"]), fields["agent"],
+                                            _DONE + _handle_bytes(fields["handle"]))
+        return handle, self.agent.transfer(handle)
+
+    def close(self) -> None:
+        for name in self._remotes:
+            try:
+                self.agent.remove_remote_agent(name)
+            except Exception:  # (a peer that went away first)
+                pass
+        self.agent.deregister_memory(self._reg)
+
+
+class NixlPull:
+    """A generation_only request's READ: claim -> (granted) READ -> done; the ``Pull`` interface of kv_pull.py
+    (``done``, ``wait``, ``order_before``, ``elapsed_ms``) plus ``error`` (a message when it failed)."""
+
+    def __init__(self, side: NixlSide, fields: dict, dst_ids: list[int], timeout_s: float, cancelled,
+                 after_step=None):
+        self.side, self.fields, self.dst_ids = side, fields, dst_ids
+        self.cancelled = cancelled  # () -> bool: the request ended (then a grant is given back unread)
+        self.deadline = time.monotonic() + timeout_s  # for the context side's answer
+        self.agent = side.connect(unpack_metadata(fields["metadata"]))
+        self.key = (self.agent, fields["handle"])
+        self.after_step = after_step  # CUDA: the loop's last step, which may still write the fresh blocks
+        self.error: str | None = None
+        self._xfer, self._state, self._started, self._ms = None, "claiming", 0.0, 0.0
+        side.claim(self.agent, fields["handle"])
+
+    def done(self) -> bool:
+        if self._state == "claiming":
+            granted = self.side.answers.pop(self.key, None)
+            if granted is None:
+                if time.monotonic() < self.deadline:
+                    return False
+                return self._fail(f"context_phase_params: the context side (NIXL agent {self.agent}) did not answer "
+                                  f"the claim of its KV cache in time; run the context_only request again")
+            if not granted:
+                return self._fail("context_phase_params: the context phase's KV cache is gone (fetched already, "
+                                  "or freed after the context side's timeout); run the context_only request again")
+            if self.cancelled():
+                self.side.release(*self.key)
+                self._state = "done"
+                return True
+            self._state = "granted"
+        if self._state == "granted":
+            if self.after_step is not None and not self.after_step.query():
+                return False
+            self._started = time.perf_counter()
+            self._xfer, status = self.side.read(self.fields, self.dst_ids)
+            self._state = "reading"
+            if status == "ERR":
+                return self._fail("context_phase_params: the NIXL READ of the context phase's KV failed to start")
+        if self._state == "reading":
+            status = self.side.agent.check_xfer_state(self._xfer)
+            if status == "PROC":
+                return False
+            self._ms = (time.perf_counter() - self._started) * 1e3
+            self._xfer.release()
+            self._xfer = None
+            if status != "DONE":
+                return self._fail("context_phase_params: the NIXL READ of the context phase's KV failed")
+            self._state = "done"
+        return True
+
+    def _fail(self, message: str) -> bool:
+        self.error, self._state = message, "done"
+        return True
+
+    def wait(self, timeout_s: float = 5.0) -> None:
+        """Shutdown: until the READ (if any) is over; a claim never answered is left."""
+        deadline = time.monotonic() + timeout_s
+        while self._state != "claiming" and not self.done() and time.monotonic() < deadline:
+            self.side.poll()
+            time.sleep(0.001)
+
+    def order_before(self) -> None:
+        """The READ is complete when its state says DONE (UCX writes the destination itself): nothing to order."""
+
+    def elapsed_ms(self) -> float:
+        return self._ms

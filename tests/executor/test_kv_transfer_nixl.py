@@ -1,0 +1,116 @@
+"""The nixl transport of disaggregated serving (engine/executor/kv_transfer_nixl.py) between two processes:
+the context executor in an engine process, the generation executor here; the KV moves only through NIXL
+(UCX), claimed and released by NIXL notifications. Greedy ids equal the aggregated request's, pins are
+freed on both sides (also after a cancel while the transfer is pending), bad params are named.
+Skipped when NIXL is not installed (scripts/setup_env.sh installs nixl-cu12)."""
+from __future__ import annotations
+
+import pytest
+
+from engine.executor import Executor, ExecutorConfig
+from engine.executor import kv_transfer_nixl
+from engine.executor.disaggregated import decode, encode
+from engine.executor.engine_process import EngineProcess
+from engine.executor.request import Request, SamplingConfig
+from tests.executor.executor_testing import collect, final_tokens, wait_until
+
+pytestmark = pytest.mark.skipif(not kv_transfer_nixl.available(),
+                                reason="NIXL is not installed (pip install nixl-cu12==1.5.1; scripts/setup_env.sh)")
+
+PROMPTS = [[(7 * i + 5 * j + 2) % 128 for j in range(n)] for i, n in enumerate((5, 13, 17))]
+MAX_TOKENS = 6
+CONFIG = ExecutorConfig(max_tokens_in_paged_kv_cache=256)
+
+
+@pytest.fixture(scope="module")
+def sides(tiny_engine):
+    """(context engine process, generation executor of this process) on the same tiny engine."""
+    context = EngineProcess(tiny_engine, CONFIG)
+    try:
+        with Executor(tiny_engine, CONFIG) as generation:
+            context.baseline = probe_used(context)
+            yield context, generation
+    finally:
+        context.shutdown()
+
+
+def greedy(prompt, **kw) -> Request:
+    return Request(list(prompt), MAX_TOKENS, sampling=SamplingConfig(top_k=1), **kw)
+
+
+def run(ex, request: Request) -> list:
+    request_id = ex.enqueue_request(request)
+    return collect(ex, [request_id])[request_id]
+
+
+def export(context, prompt) -> bytes:
+    responses = run(context, greedy(prompt, request_type="context_only", kv_transfer="nixl"))
+    assert responses[-1].error is None, responses[-1].error
+    return responses[-1].result.context_phase_params
+
+
+def probe_used(context) -> int:
+    """Blocks used in the context process during a 1-token probe request's step (stats come from steps
+    that run requests): the probe's own, plus any pin left."""
+    run(context, Request([1, 2], 1))
+    return context.get_latest_iteration_stats().kv_cache_stats.used_num_blocks
+
+
+def context_free(context) -> bool:
+    """No pin left in the context process (a READ's "done" notification wakes its loop, which frees it)."""
+    return probe_used(context) == context.baseline
+
+
+def generation_free(generation) -> bool:
+    return generation.disagg.num_importing == 0 and generation.blocks.num_free_blocks == generation.blocks.num_blocks
+
+
+def test_context_process_then_generation_equals_aggregated_and_frees_both_sides(sides):
+    context, generation = sides
+    for prompt in PROMPTS:
+        aggregated = final_tokens(run(generation, greedy(prompt)))
+        params = export(context, prompt)
+        fields = decode(params)
+        assert fields["transport"] == "nixl" and len(params) < 2048  # metadata inline, small
+        responses = run(generation, greedy(prompt, request_type="generation_only", context_phase_params=params))
+        assert responses[-1].error is None, responses[-1].error
+        assert final_tokens(responses) == aggregated
+    assert wait_until(lambda: generation_free(generation)) and wait_until(lambda: context_free(context))
+    # one fetch per blob: the context side answers a second claim "gone"
+    again = run(generation, greedy(PROMPTS[-1], request_type="generation_only", context_phase_params=params))
+    assert "KV cache is gone" in again[-1].error and generation_free(generation)
+
+
+def test_a_cancel_while_the_transfer_is_pending_leaks_no_block(sides, monkeypatch):
+    context, generation = sides
+    held = {"on": True}
+    real_done = kv_transfer_nixl.NixlPull.done
+    monkeypatch.setattr(kv_transfer_nixl.NixlPull, "done", lambda self: not held["on"] and real_done(self))
+    params = export(context, PROMPTS[2])
+    request_id = generation.enqueue_request(greedy(PROMPTS[2], request_type="generation_only",
+                                                   context_phase_params=params))
+    assert wait_until(lambda: generation.disagg.num_importing == 1)
+    generation.cancel_request(request_id)
+    assert collect(generation, [request_id])[request_id][-1].is_final  # ends at once; the pull keeps its blocks
+    assert generation.blocks.num_free_blocks < generation.blocks.num_blocks
+    held["on"] = False
+    assert wait_until(lambda: generation_free(generation)) and wait_until(lambda: context_free(context))
+
+
+def test_bad_params_are_named(sides, monkeypatch):
+    context, generation = sides
+    params = export(context, PROMPTS[1])
+    fields = decode(params)
+    bad = encode({**fields, "block_ids": [10 ** 6] * len(fields["block_ids"])})
+    error = run(generation, greedy(PROMPTS[1], request_type="generation_only", context_phase_params=bad))[-1].error
+    assert error.startswith("context_phase_params: truncated or corrupted blob (pool, block_ids)")
+    short = encode({**fields, "block_ids": fields["block_ids"][:-1]})
+    error = run(generation, greedy(PROMPTS[1], request_type="generation_only", context_phase_params=short))[-1].error
+    assert "block ids for a 13-token prompt" in error
+    # the good blob still works (nothing was claimed), then the pin is gone on both sides
+    good = run(generation, greedy(PROMPTS[1], request_type="generation_only", context_phase_params=params))
+    assert good[-1].error is None
+    assert wait_until(lambda: generation_free(generation)) and wait_until(lambda: context_free(context))
+    monkeypatch.setattr(kv_transfer_nixl, "available", lambda: False)
+    error = run(generation, greedy(PROMPTS[0], request_type="context_only", kv_transfer="nixl"))[-1].error
+    assert error == "kv_transfer 'nixl' needs the nixl-cu12 package (pip install nixl-cu12==1.5.1)"
