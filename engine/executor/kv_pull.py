@@ -145,6 +145,7 @@ class PullStreams:
         dst_buf = self._buffers(dst, "dst")
         if src_pool is None:
             self._host_buffers([(dst.device, "dst")])
+            self._load_kernels(None, None, dst, dst_buf)
             return
         src = block_major(src_pool)
         if not _on_cuda(src):
@@ -152,11 +153,31 @@ class PullStreams:
                              f"(both pools on CUDA devices, or both off CUDA)")
         src_buf = self._buffers(src, "src", staging=_peer(src, dst))
         self._host_buffers([(src.device, "src"), (dst.device, "dst")])
+        self._load_kernels(src, src_buf if _peer(src, dst) else dst_buf, dst, dst_buf)
         if _peer(src, dst) and (src.device, dst.device) not in self._peers:
             src_stream, dst_stream = self.stream(src.device), self.stream(dst.device)
             with torch.cuda.stream(dst_stream), torch.cuda.stream(src_stream):
                 dst_buf[:1].copy_(src_buf[:1], non_blocking=True)  # (stream-ordered like a pull's chunk)
             self._peers.add((src.device, dst.device))
+
+    def _load_kernels(self, src, gather_buf, dst, dst_buf) -> None:
+        """Launch the pull's gather and scatter kernels once, reading the pools into the staging (nothing in a
+        pool is written): CUDA loads a kernel at its first launch (torch sets CUDA_MODULE_LOADING=LAZY), and
+        loading may synchronize the context, which a pull must not do. index_select picks its kernel by the
+        index count (16 and under, or more), hence the counts."""
+        limit = min([dst_buf.shape[0] // 2] + ([] if src is None else [gather_buf.shape[0], src.shape[0]]))
+        counts = [k for k in (1, 2, 17) if k <= limit]
+        if src is not None:
+            ids = self._ids[src.device, "src"]
+            with torch.cuda.stream(self.stream(src.device)):
+                for k in counts:
+                    torch.arange(k, out=ids[:k])
+                    torch.index_select(src, 0, ids[:k], out=gather_buf[:k])
+        ids = self._ids[dst.device, "dst"]
+        with torch.cuda.stream(self.stream(dst.device)):
+            for k in counts:
+                torch.arange(k, out=ids[:k])
+                dst_buf[:k].index_copy_(0, ids[:k], dst_buf[k:2 * k])
 
     def _buffers(self, by_block: torch.Tensor, role: str, staging: bool = True) -> torch.Tensor | None:
         """``by_block``'s (a pool's (num_blocks, ...) view) id buffer and staging (one chunk, at most the pool's
