@@ -31,7 +31,8 @@ SPECULATIVE_SETTINGS = {"max_draft_len": int, "max_matching_ngram_size": int, "d
                         "medusa_model_path": str, "medusa_choices": list, "lookahead_window_size": int,
                         "lookahead_ngram_size": int, "lookahead_verification_set_size": int,
                         "eagle_model_path": str, "eagle_choices": list, "eagle_dynamic_tree": bool,
-                        "eagle_dynamic_depth": int, "eagle_dynamic_top_k": int, "redrafter_model_path": str,
+                        "eagle_dynamic_depth": int, "eagle_dynamic_top_k": int, "eagle_fp8_head": bool,
+                        "redrafter_model_path": str,
                         "redrafter_num_beams": int, "redrafter_draft_len_per_beam": int}
 # medusa: the heads in medusa_model_path (default: the engine directory's medusa/), the tree in
 # medusa_choices (engine/executor/speculative/medusa.py). lookahead: the reference's three
@@ -156,6 +157,7 @@ def decoding_mode_settings(params: dict[str, str]) -> dict[str, Any]:
         "draft_engine_dir": get_parameter(params, "draft_model_path", str),
         "medusa_model_path": get_parameter(params, "medusa_model_path", str),
         "eagle_model_path": get_parameter(params, "eagle_model_path", str),
+        "eagle_fp8_head": get_parameter(params, "eagle_fp8_head", bool),
         **{setting: get_parameter(params, name, kind) for name, (setting, kind) in EAGLE_DYNAMIC_PARAMETERS.items()},
         "redrafter_model_path": get_parameter(params, "redrafter_model_path", str),
         "redrafter_num_beams": get_parameter(params, "redrafter_num_beams", int),

@@ -37,7 +37,7 @@ LORA_KEYS = ("max_lora_rank", "max_loras")
 SPECULATIVE_KEYS = ("decoding_type", "max_draft_len", "max_matching_ngram_size", "speculative_model_dir",
                     "speculative_model", "medusa_choices", "num_medusa_heads", "max_window_size", "max_ngram_size",
                     "max_verification_set_size", "eagle_choices", "eagle3_one_model", "num_eagle_layers",
-                    "num_nextn_predict_layers", "use_dynamic_tree", "dynamic_tree_max_topK")
+                    "num_nextn_predict_layers", "use_dynamic_tree", "dynamic_tree_max_topK", "eagle_fp8_head")
 # TensorRT-LLM's decoding_type names (its NGramDecodingConfig / DraftTargetDecodingConfig) -> the
 # tensorrt_llm model's decoding_mode values (serving/executor_config.py).
 DECODING_TYPES = {"ngram": "ngram", "drafttarget": "draft_target", "draft_target": "draft_target", "medusa": "medusa",
@@ -274,11 +274,12 @@ def _eagle(spec: dict, heads: Any, config: LlmapiConfig, base_dir: str | None) -
     """decoding_type Eagle (TensorRT-LLM's EagleDecodingConfig): speculative_model_dir is the EAGLE-3
     checkpoint (config.json + model.safetensors; default: the engine's eagle3/), eagle_choices the
     tree as rank paths -> eagle_model_path and eagle_choices; use_dynamic_tree, dynamic_tree_max_topK
-    and num_eagle_layers (EAGLE-2's dynamic tree: its depth) keep their names. One rank."""
+    and num_eagle_layers (EAGLE-2's dynamic tree: its depth) keep their names; beyond the reference,
+    eagle_fp8_head (the head's products in FP8; unset: as the target). One rank."""
     _heads_and_tree(spec, heads, config, base_dir, "eagle", "Eagle", "the EAGLE-3 checkpoint's directory")
-    if spec.get("use_dynamic_tree") is not None:
-        dynamic = _bool(spec["use_dynamic_tree"], "speculative_config.use_dynamic_tree")
-        config.parameters["use_dynamic_tree"] = str(dynamic).lower()
+    for key in ("use_dynamic_tree", "eagle_fp8_head"):
+        if spec.get(key) is not None:
+            config.parameters[key] = str(_bool(spec[key], f"speculative_config.{key}")).lower()
     for key in ("dynamic_tree_max_topK", "num_eagle_layers"):
         if spec.get(key) is not None:
             config.parameters[key] = str(_int(spec[key], f"speculative_config.{key}", 1, 64))

@@ -59,6 +59,9 @@ class SpeculativeConfig:
     eagle_dynamic_tree: bool = False
     eagle_dynamic_depth: int = 5
     eagle_dynamic_top_k: int = 8
+    # the head's products in FP8 (E4M3 weights quantized at load, W8A8: speculative/eagle3.py); None:
+    # as the target (on for an FP8 engine, off otherwise)
+    eagle_fp8_head: bool | None = None
     # "mtp": the engine's own multi-token prediction module (DeepSeek-V3's; speculative/mtp.py), run
     # max_draft_len times a step, each run reading the one before (one rank).
     # "redrafter" (alias "explicit_draft_tokens"): Apple's recurrent drafter (speculative/redrafter.py;
@@ -89,6 +92,8 @@ class SpeculativeConfig:
             value = getattr(self, name)
             require(isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_SPECULATIVE_DRAFT_LEN,
                     f"SpeculativeConfig.{name} must be an integer in 1..{MAX_SPECULATIVE_DRAFT_LEN}, got {value!r}")
+        require(self.eagle_fp8_head is None or isinstance(self.eagle_fp8_head, bool),
+                f"SpeculativeConfig.eagle_fp8_head must be true, false or unset (as the target), got {self.eagle_fp8_head!r}")
         require(isinstance(self.max_matching_ngram_size, int) and self.max_matching_ngram_size >= 1,
                 f"SpeculativeConfig.max_matching_ngram_size must be an integer >= 1, got {self.max_matching_ngram_size!r}")
         return self

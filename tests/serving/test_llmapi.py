@@ -109,9 +109,11 @@ def test_speculative_config_eagle_names_heads_and_tree(checkpoint, tmp_path):
     assert params["decoding_mode"] == "eagle" and params["eagle_model_path"] == str(tmp_path / "eagle3")
     assert params["eagle_choices"] == "{0}, {0, 0}, {1}"
     config = parse_llmapi_config({"model": checkpoint, "speculative_config": {  # EAGLE-2's dynamic tree
-        "decoding_type": "Eagle3", "use_dynamic_tree": True, "dynamic_tree_max_topK": 10, "num_eagle_layers": 6}})
+        "decoding_type": "Eagle3", "use_dynamic_tree": True, "dynamic_tree_max_topK": 10, "num_eagle_layers": 6,
+        "eagle_fp8_head": True}})
     params = executor_parameters(config, "/engines/x")
     assert (params["use_dynamic_tree"], params["dynamic_tree_max_topK"], params["num_eagle_layers"]) == ("true", "10", "6")
+    assert params["eagle_fp8_head"] == "true"
 
 
 def test_speculative_config_mtp_sets_its_drafts(checkpoint):

@@ -144,10 +144,10 @@ def test_decoding_mode_eagle_names_its_heads_and_tree():
                                                    eagle_choices=[[0], [0, 0], [1]])
     assert ignored == []
     settings = executor_settings({"decoding_mode": "eagle", "use_dynamic_tree": "true", "dynamic_tree_max_topK": "10",
-                                  "num_eagle_layers": "6", "max_draft_len": "60"}, {})
+                                  "num_eagle_layers": "6", "max_draft_len": "60", "eagle_fp8_head": "true"}, {})
     config, ignored = to_executor_config(ExecutorConfig, settings)
     assert config.speculative == SpeculativeConfig(mode="eagle", max_draft_len=60, eagle_dynamic_tree=True,
-                                                   eagle_dynamic_top_k=10, eagle_dynamic_depth=6)
+                                                   eagle_dynamic_top_k=10, eagle_dynamic_depth=6, eagle_fp8_head=True)
     assert ignored == []
 
 

@@ -39,6 +39,7 @@ from engine.executor.speculative.eagle3_drafter import DraftCache, StaticPlan, d
 from engine.executor.speculative.eagle3_graphs import StaticDraftGraphs, eagle_graphs_enabled
 from engine.executor.speculative.proposer import ProposerConfigError, draft_room
 from engine.executor.speculative.tree import TreeChoicesError, parse_choices, shape_from_choices
+from kernels.fp8 import choose_fp8_skinny_variants, fp8_gated_linear, fp8_linear, quantize_weight
 from kernels.linear import choose_gated_weights, choose_skinny_weights, gated_linear, linear, linear_float32_out
 from kernels.rmsnorm import rms_norm
 from kernels.rotary import apply_rotary
@@ -65,29 +66,45 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tens
     return out.reshape(shape), summed.reshape(shape)
 
 
-def _rows(product, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``product`` (kernels/linear.py: linear, gated_linear, linear_float32_out) of x (..., K) as
-    2-D rows (the skinny kernels count x's first dimension as rows): the load-time choice applies."""
-    return product(x.reshape(-1, x.shape[-1]), weight).reshape(*x.shape[:-1], -1)
+# The head's products (names of Eagle3Head.products): an FP8 head holds these in E4M3 (the norms stay).
+PRODUCTS = ("fc", "qkv", "o", "gate_up", "down", "lm_head")
 
 
 class Eagle3Head:
     """The draft layer's weights (``dtype`` on ``device``: float32 on the CPU, the target's dtype on a
     GPU) and its forward, whole sequences at once (``forward``) or in the pieces a KV cache of the
-    draft layer needs (``qkv``, ``attend``, ``finish``, ``logits``: speculative/eagle3_drafter.py)."""
+    draft layer needs (``qkv``, ``attend``, ``finish``, ``logits``: speculative/eagle3_drafter.py).
+
+    ``fp8``: the six products' weights (fc, qkv, o, gate_up, down, lm_head: all but the norms) held
+    in E4M3 with one float32 scale per output row, quantized here from the published bf16 head
+    (kernels/fp8.py quantize_weight, the target's ``--quantization fp8`` scheme) and multiplied by
+    kernels/fp8.py's W8A8 products (CUDA: the skinny FP8 kernel / cuBLASLt; CPU: the reference,
+    dequantize then matmul). Drafting reads the weights once per drafted depth, so this halves the
+    bytes a proposal reads; the drafts may differ from the bf16 head's, the verified ids do not."""
 
     def __init__(self, config: dict, state: dict[str, torch.Tensor], device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32):
-        self.config, self.dtype = config, dtype
+                 dtype: torch.dtype = torch.float32, fp8: bool = False):
+        self.config, self.dtype, self.fp8 = config, dtype, fp8
         self.w = {k: v.to(device=device, dtype=dtype) for k, v in state.items() if k not in ("d2t", "t2d")}
         self.eps, self.theta = float(config.get("rms_norm_eps", 1e-6)), float(config.get("rope_theta", 10000.0))
         self.num_heads, self.num_kv_heads = int(config["num_attention_heads"]), int(config["num_key_value_heads"])
         self.head_dim = int(config.get("head_dim") or config["hidden_size"] // self.num_heads)
         self.d2t = state["d2t"].long().to(device)
-        # fewer launches per drafted depth: q, k, v in one product, gate and up in another
+        # fewer launches per drafted depth: q, k, v in one product, gate and up in another (the
+        # separate q..up copies are dropped: only the fused ones are read)
         w = self.w
-        self.w_qkv = torch.cat([w[f"midlayer.self_attn.{p}_proj.weight"] for p in "qkv"])
-        self.w_gate_up = torch.cat([w["midlayer.mlp.gate_proj.weight"], w["midlayer.mlp.up_proj.weight"]])
+        self.products = {
+            "fc": w.pop("fc.weight"),
+            "qkv": torch.cat([w.pop(f"midlayer.self_attn.{p}_proj.weight") for p in "qkv"]),
+            "o": w.pop("midlayer.self_attn.o_proj.weight"),
+            "gate_up": torch.cat([w.pop("midlayer.mlp.gate_proj.weight"), w.pop("midlayer.mlp.up_proj.weight")]),
+            "down": w.pop("midlayer.mlp.down_proj.weight"), "lm_head": w.pop("lm_head.weight")}
+        self.hidden_size = self.products["fc"].shape[0]
+        # name -> (N,) float32 row scales of an FP8 head's E4M3 weights; empty for a head in ``dtype``
+        self.scales: dict[str, torch.Tensor] = {}
+        if fp8:
+            for name in PRODUCTS:
+                self.products[name], self.scales[name] = quantize_weight(self.products[name])
         self._cos_sin = torch.empty(0, self.head_dim, device=device)  # (positions, [cos | sin] of head_dim / 2)
 
     def choose_kernels(self) -> dict:
@@ -95,16 +112,33 @@ class Eagle3Head:
         of the layer's products where the load-time timing at 1 and 8 rows finds it faster than the
         library: a proposal's products have 1 to ~16 rows a sequence (the root, a depth's expanded
         nodes). Before the drafting graphs are recorded (they capture the choice). A no-op elsewhere."""
-        w = self.w
-        plain = [self.w_qkv, w["midlayer.self_attn.o_proj.weight"], w["midlayer.mlp.down_proj.weight"],
-                 w["lm_head.weight"]]
+        p = self.products
+        plain = [p["qkv"], p["o"], p["down"], p["lm_head"]]
+        if self.fp8:  # (the target's FP8 engines choose their tilings so: engine/executor/runner.py)
+            chosen = choose_fp8_skinny_variants(plain, gated=[p["gate_up"]])
+            return {("fp8",) + key: {"variant": variant} for key, variant in chosen.items()}
         choices = choose_skinny_weights(plain)
-        choices.update({("gated",) + shape: choice for shape, choice in choose_gated_weights([self.w_gate_up]).items()})
+        choices.update({("gated",) + shape: choice for shape, choice in choose_gated_weights([p["gate_up"]]).items()})
         return choices
+
+    def product(self, name: str, x: torch.Tensor, *, gated: bool = False, float32_out: bool = False) -> torch.Tensor:
+        """x (..., K) times the ``name`` product's weight (N, K).T as 2-D rows (the skinny kernels count
+        x's first dimension as rows) -> (..., N): kernels/linear.py's products (linear, gated_linear:
+        silu(gate) * up, linear_float32_out), or kernels/fp8.py's W8A8 ones for an FP8 head (the
+        float32 logits there are the product in x's dtype, widened)."""
+        weight, scale, rows = self.products[name], self.scales.get(name), x.reshape(-1, x.shape[-1])
+        if scale is not None:
+            out = fp8_gated_linear(rows, weight, scale) if gated else fp8_linear(rows, weight, scale)
+            out = out.float() if float32_out else out
+        else:
+            out = (gated_linear if gated else linear_float32_out if float32_out else linear)(rows, weight)
+        return out.reshape(*x.shape[:-1], -1)
 
     def features(self, low: torch.Tensor, mid: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
         """The target's three streams (T, H) each -> g (T, H)."""
-        return torch.cat([low, mid, high], dim=-1).to(self.dtype) @ self.w["fc.weight"].T
+        if not self.fp8:  # (one library product: a chunk's rows, or a step's few)
+            return torch.cat([low, mid, high], dim=-1).to(self.dtype) @ self.products["fc"].T
+        return self.product("fc", torch.cat([low, mid, high], dim=-1).to(self.dtype))
 
     def qkv(self, embeds: torch.Tensor, g: torch.Tensor, first_position: int, same_position: bool = False
             ) -> tuple[torch.Tensor, ...]:
@@ -126,7 +160,7 @@ class Eagle3Head:
         a = torch.cat([_rms(embeds.to(self.dtype), w["midlayer.input_layernorm.weight"], self.eps)[0],
                        _rms(g, w["midlayer.hidden_norm.weight"], self.eps)[0]], dim=-1)
         heads, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qk, v = _rows(linear, a, self.w_qkv).split([(heads + kv) * d, kv * d], dim=-1)
+        qk, v = self.product("qkv", a).split([(heads + kv) * d, kv * d], dim=-1)
         # q's and k's heads rotated together (kernels/rotary.py: one launch on CUDA, in place there)
         q, k = apply_rotary(*qk.reshape(T, heads + kv, d).split([heads, kv], dim=1), positions, table)
         return q, k, v.reshape(T, kv, d)
@@ -159,14 +193,13 @@ class Eagle3Head:
     def finish(self, g: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """The layer's output h (R, H) from its input stream g and its attention rows."""
         w = self.w
-        normed, h = _rms(_rows(linear, attn, w["midlayer.self_attn.o_proj.weight"]),
-                         w["midlayer.post_attention_layernorm.weight"], self.eps, residual=g)  # h = g + o(attn)
-        act = _rows(gated_linear, normed, self.w_gate_up)
-        return h + _rows(linear, act, w["midlayer.mlp.down_proj.weight"])
+        normed, h = _rms(self.product("o", attn), w["midlayer.post_attention_layernorm.weight"], self.eps,
+                         residual=g)  # h = g + o(attn)
+        return h + self.product("down", self.product("gate_up", normed, gated=True))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """h (R, H) -> float32 draft-vocabulary logits (R, draft_vocab); target id = id + d2t[id]."""
-        return _rows(linear_float32_out, _rms(h, self.w["norm.weight"], self.eps)[0], self.w["lm_head.weight"])
+        return self.product("lm_head", _rms(h, self.w["norm.weight"], self.eps)[0], float32_out=True)
 
     def forward(self, embeds: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """embeds (T, H) of x_{t+1}, g (T, H), rows at positions 0..T-1 -> (h (T, H), target-vocab ids
@@ -178,8 +211,9 @@ class Eagle3Head:
 
 
 def load_eagle3(path: str, *, hidden_size: int, vocab_size: int, num_layers: int, device: torch.device | str = "cpu",
-                dtype: torch.dtype = torch.float32) -> tuple[Eagle3Head, list[int]]:
-    """An EAGLE-3 checkpoint directory -> (the head, the target layers whose output streams it reads)."""
+                dtype: torch.dtype = torch.float32, fp8: bool = False) -> tuple[Eagle3Head, list[int]]:
+    """An EAGLE-3 checkpoint directory -> (the head, the target layers whose output streams it reads);
+    ``fp8``: its products' weights quantized to E4M3 here (Eagle3Head)."""
     config_path, weights_path = os.path.join(path, "config.json"), os.path.join(path, "model.safetensors")
     if not (os.path.isfile(config_path) and os.path.isfile(weights_path)):
         raise Eagle3ConfigError(f"eagle model path {path!r}: expected config.json and model.safetensors (an EAGLE-3 "
@@ -210,7 +244,7 @@ def load_eagle3(path: str, *, hidden_size: int, vocab_size: int, num_layers: int
         # a layer outside the target would tap features the heads were not trained on
         raise Eagle3ConfigError(f"eagle_config.eagle_aux_hidden_state_layer_ids must be 3 layer indices in "
                                 f"0..{num_layers - 1} (the target's layers), got {layers!r}")
-    return Eagle3Head(config, state, device, dtype), layers
+    return Eagle3Head(config, state, device, dtype, fp8=fp8), layers
 
 
 def draft_tree(head: Eagle3Head, shape, g: torch.Tensor, tokens: list[int], embed) -> tuple[list[int], list[int]]:
@@ -374,6 +408,18 @@ class Eagle3DraftProposer:
         self._caches.pop(seq.seq_id, None)
 
 
+FP8_TARGETS = ("fp8", "fp8_block")  # build quantizations whose engines hold E4M3 weights
+
+
+def eagle_head_fp8(spec, build_config) -> bool:
+    """Whether the head's products run in FP8: ``spec.eagle_fp8_head`` when given, else as the target
+    (an FP8 engine's head too: its users chose FP8's rounding; a bf16 target's head stays bf16, so
+    its drafts stay the published head's unless asked)."""
+    if spec.eagle_fp8_head is not None:
+        return spec.eagle_fp8_head
+    return getattr(build_config, "quantization", None) in FP8_TARGETS
+
+
 def start_eagle3(runner, spec, *, engine_dir: str, has_state: bool) -> Eagle3DraftProposer:
     """The proposer of ``decoding_mode eagle`` (heads in ``spec.eagle_model_path``, default the
     engine directory's ``eagle3/``), or ProposerConfigError naming the field. Runs before the
@@ -391,7 +437,8 @@ def start_eagle3(runner, spec, *, engine_dir: str, has_state: bool) -> Eagle3Dra
         # float32 on the CPU (the tests compare with transformers there), the target's dtype on a GPU
         dtype = torch.float32 if runner.device.type == "cpu" else runner.dtype
         head, layers = load_eagle3(path, hidden_size=runner.model_config.hidden_size, vocab_size=runner.vocab_size,
-                                   num_layers=len(runner.model.layers), device=runner.device, dtype=dtype)
+                                   num_layers=len(runner.model.layers), device=runner.device, dtype=dtype,
+                                   fp8=eagle_head_fp8(spec, runner.build_config))
         dynamic = (spec.eagle_dynamic_depth, spec.eagle_dynamic_top_k) if spec.eagle_dynamic_tree else None
         return Eagle3DraftProposer(runner, head, layers, choices or DEFAULT_EAGLE_CHOICES, dynamic)
     except (TreeChoicesError, ValueError, OSError) as err:

@@ -49,7 +49,7 @@ class DraftCache:
         shape = (MIN_CAPACITY, head.num_kv_heads, head.head_dim)
         self.k = torch.empty(shape, dtype=head.dtype, device=device)
         self.v = torch.empty(shape, dtype=head.dtype, device=device)
-        self.pending = torch.empty(0, head.w["fc.weight"].shape[0], dtype=head.dtype, device=device)
+        self.pending = torch.empty(0, head.hidden_size, dtype=head.dtype, device=device)
         self.last_q: torch.Tensor | None = None  # (1, heads, d): the last cached row's query
         self.last_g: torch.Tensor | None = None  # (1, H): its input stream
 

@@ -89,7 +89,7 @@ class Window:
 
     def __init__(self, head, plan, capacity: int, table: torch.Tensor, device: torch.device, pending_rows: int,
                  slots: int = 1, storage=None):
-        hidden = head.w["fc.weight"].shape[0]
+        hidden = head.hidden_size
         self.capacity, self.table, self.slots, self.storage = capacity, table, slots, storage
         rows = capacity + plan.num_expanded - 1
         if storage is None:

@@ -1,0 +1,95 @@
+"""EAGLE-3 heads with FP8 products (engine/executor/speculative/eagle3.py ``fp8``, SpeculativeConfig
+``eagle_fp8_head``): quantized at load from the published-format head (kernels/fp8.py's per-row E4M3
+scheme; on the CPU its reference, dequantize then matmul), drafting mostly what the head in its own
+dtype drafts (top-1 agreement per tree node), and greedy ids through the executor equal to plain
+decoding (transformers): verification keeps them whatever the drafts."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from test_speculative_eagle3 import CHOICES, HIDDEN, VOCAB, save_eagle3
+
+from engine.executor.executor_config import ExecutorConfigError, SpeculativeConfig
+from engine.executor.speculative.eagle3 import PRODUCTS, eagle_head_fp8, load_eagle3
+from engine.executor.speculative.eagle3_drafter import DraftCache, StaticPlan, draft_static
+from engine.executor.speculative.tree import shape_from_choices
+from kernels.fp8 import FP8_DTYPE, fp8_linear_ref
+
+TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]]
+
+
+def drafted_trees(head, runner, tiny_hf, prompts: list[list[int]]) -> list[list[int]]:
+    """The static tree ``TREE`` each head drafts after every prefix of each prompt (the target's
+    layer-0 stream from transformers as the three features; the draft cache committed in one go)."""
+    embed, plan = runner.model.embed_tokens, StaticPlan(shape_from_choices(TREE, field="eagle_choices"), "cpu")
+    trees = []
+    with torch.no_grad():
+        for tokens in prompts:
+            states = tiny_hf(torch.tensor([tokens]), output_hidden_states=True).hidden_states[1][0]
+            for end in range(4, len(tokens) + 1):
+                cache = DraftCache(0, head, torch.device("cpu"))
+                cache.add_features(head.features(states, states, states)[:end - 1])
+                cache.commit(head, tokens[:end], embed)
+                trees.append(draft_static(head, cache, plan, embed)[1])
+    return trees
+
+
+@pytest.fixture(scope="module")
+def heads(tmp_path_factory, tiny_engine):
+    from engine.executor.runner import ModelRunner
+
+    runner = ModelRunner(tiny_engine)
+    path = save_eagle3(tmp_path_factory.mktemp("fp8") / "eagle3", layers=[0, 0, 0])
+    load = lambda fp8: load_eagle3(path, hidden_size=HIDDEN, vocab_size=VOCAB, num_layers=2, fp8=fp8)[0]  # noqa: E731
+    return runner, load(False), load(True), path
+
+
+def test_fp8_head_holds_e4m3_products_and_drafts_mostly_the_same_trees(heads, tiny_hf):
+    runner, plain, fp8, _ = heads
+    assert not plain.scales and set(fp8.scales) == set(PRODUCTS)
+    for name in PRODUCTS:  # E4M3 weights, one float32 scale a row, within E4M3's rounding of the weight
+        w, s = fp8.products[name], fp8.scales[name]
+        assert w.dtype == FP8_DTYPE and s.shape == (w.shape[0],) and s.dtype == torch.float32
+        torch.testing.assert_close(w.float() * s[:, None], plain.products[name], atol=0, rtol=2 ** -4)
+    assert fp8.w["norm.weight"].dtype == torch.float32  # the norms stay in the head's dtype
+    x = torch.randn(3, HIDDEN)
+    assert torch.equal(fp8.product("o", x), fp8_linear_ref(x, fp8.products["o"], fp8.scales["o"]))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, VOCAB, (10,), generator=g).tolist() for _ in range(2)]
+    want, got = drafted_trees(plain, runner, tiny_hf, prompts), drafted_trees(fp8, runner, tiny_hf, prompts)
+    nodes = sum(len(t) for t in want)
+    agree = sum(a == b for w, f in zip(want, got) for a, b in zip(w, f)) / nodes
+    print(f"FP8 head: top-1 drafts equal the fp32 head's at {agree:.1%} of {nodes} tree nodes")
+    assert agree >= 0.8
+
+
+def test_executor_fp8_head_greedy_ids_equal_plain_decoding(heads, tiny_engine, tiny_hf):
+    from executor_testing import collect, final_tokens
+
+    from engine.executor.executor import Executor, ExecutorConfig
+    from engine.executor.request import Request
+
+    *_, path = heads
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [7, 7, 2, 9, 11]]
+    refs = [tiny_hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False)[0, len(p):].tolist()
+            for p in prompts]
+    spec = SpeculativeConfig("eagle", max_draft_len=8, eagle_model_path=path, eagle_choices=CHOICES, eagle_fp8_head=True)
+    config = ExecutorConfig(exclude_input_from_output=True, speculative=spec, enable_kv_cache_reuse=False)
+    with Executor(tiny_engine, config, device="cpu") as executor:
+        assert executor.proposer.head.fp8
+        ids = executor.enqueue_requests([Request(p, 10) for p in prompts])
+        got = collect(executor, ids, timeout=300)
+        assert [final_tokens(got[i]) for i in ids] == refs
+        assert executor._num_draft_tokens_total > 0  # (random heads: drafts verified, few accepted)
+        assert executor.blocks.num_free_blocks == executor.blocks.num_blocks
+
+
+def test_fp8_head_default_follows_the_target():
+    bf16, fp8 = SimpleNamespace(quantization=None), SimpleNamespace(quantization="fp8")
+    assert not eagle_head_fp8(SpeculativeConfig("eagle"), bf16) and eagle_head_fp8(SpeculativeConfig("eagle"), fp8)
+    assert eagle_head_fp8(SpeculativeConfig("eagle", eagle_fp8_head=True), bf16)
+    assert not eagle_head_fp8(SpeculativeConfig("eagle", eagle_fp8_head=False), fp8)
+    with pytest.raises(ExecutorConfigError, match="eagle_fp8_head must be true, false or unset"):
+        SpeculativeConfig("eagle", eagle_fp8_head="yes").validate()
