@@ -4,7 +4,8 @@ what a tree verify step costs against a decode step, and the batch-1 speed-up EA
 forced acceptance lengths, driven through the executor.
 
     python benchmarks/speculative/tree_bench.py [--dtypes bf16,fp8] [--nodes 16,32,64] [--batches 1,8,32]
-        [--lengths 3,4,5] [--loop-nodes 16] [--loop-depth 5] [--context 512] [--output-len 96] [--out tree_bench.json]
+        [--lengths 3,4,5] [--loop-nodes 16] [--loop-depth 5] [--context 512] [--output-len 96] [--other-head]
+        [--out tree_bench.json]
     python benchmarks/speculative/tree_bench.py --tiny     # the tiny model on the CPU: a smoke run
 
 Per dtype one in-process Executor runs ``decoding_mode eagle`` with random EAGLE-3 heads of the
@@ -23,7 +24,8 @@ heads' three layers inside every graph (engine/executor/layer_taps.py). Sections
 2. ``loop``: batch 1, greedy, through the executor, every step a tree verify step over a
    ``--loop-nodes`` static tree (a chain of ``--loop-depth`` 5 plus siblings), drafted by the oracle
    (``OracleTrees``: no model run, what tree verification alone costs) and then by the executor's
-   own EAGLE-3 heads (the draft layer with its KV cache, its cost included), with acceptance forced: after the drafter ran, the tree's first-child chain gets the
+   own EAGLE-3 heads (the draft layer with its KV cache, its cost included; ``--other-head``: then
+   the same heads in the other precision, "EAGLE-3 FP8 head" on a bf16 target), with acceptance forced: after the drafter ran, the tree's first-child chain gets the
    target's own continuation to depth L - 1 and every other node a wrong token, so each step
    accepts L - 1 drafts and emits L tokens. The continuation is plain greedy decoding's; on random
    weights a tree step and a decode step may round a near-tie differently, so the run is repeated
@@ -129,7 +131,8 @@ def start(args, label: str):
     started = time.perf_counter()
     model = MODELS[args.model]
     with load_phase("EAGLE-3 heads written", args.device):
-        heads = save_random_eagle3(tempfile.mkdtemp(prefix="eagle3-"), model, args.draft_vocab, args.device)
+        heads = args.heads_dir = save_random_eagle3(tempfile.mkdtemp(prefix="eagle3-"), model, args.draft_vocab,
+                                                    args.device)
     engine_dir = write_config_only_engine(args.model, args.model_dtype, args.max_batch_size, args.max_seq_len,
                                           args.max_batch_size * 65, args.tokens_per_block, DTYPES[label])
     spec = SpeculativeConfig("eagle", max_draft_len=64, eagle_model_path=heads,
@@ -390,10 +393,13 @@ def bench_loop(executor, args) -> dict:
         print("    plain decoding with logits returned other ids: first differences reported without gaps", flush=True)
     state = {"truth": prompt + plain_ids, "depth": 0}
     oracle = OracleTrees(args.loop_nodes, args.loop_depth)
-    force_acceptance(eagle, state, vocab)
-    force_acceptance(oracle, state, vocab)
+    drafters = [("oracle", oracle), ("EAGLE-3", eagle)]
+    if args.other_head:  # (made before force_acceptance patches eagle's propose: the copy would carry it)
+        drafters.append(other_head(executor, eagle, args.heads_dir))
+    for _, proposer in drafters:
+        force_acceptance(proposer, state, vocab)
     rows = []
-    for drafter, proposer in (("oracle", oracle), ("EAGLE-3", eagle)):
+    for drafter, proposer in drafters:
         executor.proposer = proposer
         for length in args.lengths:
             truths = {tuple(prompt): prompt + plain_ids}
@@ -419,15 +425,28 @@ def bench_loop(executor, args) -> dict:
         rows += loop_at_batch(executor, args, batch, prompt, {"oracle": oracle, "EAGLE-3": eagle}, state)
         args.save({"plain_tok_s": plain, "rows": rows})
     executor.proposer = eagle
-    try:
-        replays = draft_replays(eagle, args.draft_kernels)
-    except Exception as err:  # (a diagnostic: the rows above stand without it)
-        print(f"    drafting replays not timed: {err!r}", flush=True)
-        replays = []
+    replays = []
+    for drafter, proposer in drafters[1:]:
+        try:
+            replays += [{"drafter": drafter, **r} for r in draft_replays(proposer, args.draft_kernels, drafter)]
+        except Exception as err:  # (a diagnostic: the rows above stand without it)
+            print(f"    {drafter} drafting replays not timed: {err!r}", flush=True)
     return {"plain_tok_s": plain, "plain_step_ms": 1e3 / plain, "rows": rows, "draft_replays": replays}
 
 
-def draft_replays(eagle, kernels: int) -> list[dict]:
+def other_head(executor, eagle, heads_dir: str) -> tuple[str, object]:
+    """(label, proposer) drafting with the same heads in the other precision: FP8 products if the
+    executor's head is not FP8 (a bf16 target's default), else the target's dtype (speculative/eagle3.py
+    Eagle3Head ``fp8``), over the same taps (Eagle3DraftProposer.with_head)."""
+    from engine.executor.speculative.eagle3 import load_eagle3
+
+    runner, fp8 = executor.runner, not eagle.head.fp8
+    head, _ = load_eagle3(heads_dir, hidden_size=runner.model_config.hidden_size, vocab_size=runner.vocab_size,
+                          num_layers=len(runner.model.layers), device=runner.device, dtype=eagle.head.dtype, fp8=fp8)
+    return f"EAGLE-3 {'FP8' if fp8 else 'bf16'} head", eagle.with_head(head)
+
+
+def draft_replays(eagle, kernels: int, drafter: str = "EAGLE-3") -> list[dict]:
     """After the loop, on CUDA: the GPU time of one replay of each drafting window the loop used
     (eagle3_graphs.py; 20 replays back to back between two events, so the host's launches hide
     behind the GPU's work), i.e. EAGLE-3's step minus the oracle's less this is host time and the
@@ -451,7 +470,7 @@ def draft_replays(eagle, kernels: int) -> list[dict]:
         end.record()
         end.synchronize()
         out.append({"slots": slots, "capacity": capacity, "replay_ms": start.elapsed_time(end) / 20})
-        print(f"    EAGLE-3 drafting replay, {slots} slot(s) x {capacity} rows: {out[-1]['replay_ms']:.3f} ms GPU",
+        print(f"    {drafter} drafting replay, {slots} slot(s) x {capacity} rows: {out[-1]['replay_ms']:.3f} ms GPU",
               flush=True)
         if kernels and slots == 1:
             out[-1]["kernels"] = replay_kernels(w.graph, kernels)
@@ -584,6 +603,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--tokens-per-block", type=int, default=32)
     parser.add_argument("--draft-kernels", type=int, default=0,
                         help="loop, CUDA: also list this many of the one-slot drafting replay's costliest kernels")
+    parser.add_argument("--other-head", action="store_true",
+                        help="loop, batch 1: also EAGLE-3 with the heads' products in the other precision (FP8 for a "
+                             "bf16 target, whose default head is bf16; bf16 for an FP8 target)")
     parser.add_argument("--out", default="tree_bench.json")
     parser.add_argument("--markdown", default=None)
     args = parser.parse_args(argv)

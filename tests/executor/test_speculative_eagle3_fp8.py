@@ -20,10 +20,10 @@ from kernels.fp8 import FP8_DTYPE, fp8_linear_ref
 TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]]
 
 
-def drafted_trees(head, runner, tiny_hf, prompts: list[list[int]]) -> list[list[int]]:
-    """The static tree ``TREE`` each head drafts after every prefix of each prompt (the target's
-    layer-0 stream from transformers as the three features; the draft cache committed in one go)."""
-    embed, plan = runner.model.embed_tokens, StaticPlan(shape_from_choices(TREE, field="eagle_choices"), "cpu")
+def drafted_trees(head, tiny_hf, prompts: list[list[int]]) -> list[list[int]]:
+    """The static tree ``TREE`` the head drafts after every prefix of each prompt (the target's
+    layer-0 stream and token embedding from transformers; the draft cache committed in one go)."""
+    embed, plan = tiny_hf.model.embed_tokens, StaticPlan(shape_from_choices(TREE, field="eagle_choices"), "cpu")
     trees = []
     with torch.no_grad():
         for tokens in prompts:
@@ -37,17 +37,14 @@ def drafted_trees(head, runner, tiny_hf, prompts: list[list[int]]) -> list[list[
 
 
 @pytest.fixture(scope="module")
-def heads(tmp_path_factory, tiny_engine):
-    from engine.executor.runner import ModelRunner
-
-    runner = ModelRunner(tiny_engine)
+def heads(tmp_path_factory):
     path = save_eagle3(tmp_path_factory.mktemp("fp8") / "eagle3", layers=[0, 0, 0])
     load = lambda fp8: load_eagle3(path, hidden_size=HIDDEN, vocab_size=VOCAB, num_layers=2, fp8=fp8)[0]  # noqa: E731
-    return runner, load(False), load(True), path
+    return load(False), load(True), path
 
 
 def test_fp8_head_holds_e4m3_products_and_drafts_mostly_the_same_trees(heads, tiny_hf):
-    runner, plain, fp8, _ = heads
+    plain, fp8, _ = heads
     assert not plain.scales and set(fp8.scales) == set(PRODUCTS)
     for name in PRODUCTS:  # E4M3 weights, one float32 scale a row, within E4M3's rounding of the weight
         w, s = fp8.products[name], fp8.scales[name]
@@ -58,7 +55,7 @@ def test_fp8_head_holds_e4m3_products_and_drafts_mostly_the_same_trees(heads, ti
     assert torch.equal(fp8.product("o", x), fp8_linear_ref(x, fp8.products["o"], fp8.scales["o"]))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, VOCAB, (10,), generator=g).tolist() for _ in range(2)]
-    want, got = drafted_trees(plain, runner, tiny_hf, prompts), drafted_trees(fp8, runner, tiny_hf, prompts)
+    want, got = drafted_trees(plain, tiny_hf, prompts), drafted_trees(fp8, tiny_hf, prompts)
     nodes = sum(len(t) for t in want)
     agree = sum(a == b for w, f in zip(want, got) for a, b in zip(w, f)) / nodes
     print(f"FP8 head: top-1 drafts equal the fp32 head's at {agree:.1%} of {nodes} tree nodes")
@@ -71,7 +68,7 @@ def test_executor_fp8_head_greedy_ids_equal_plain_decoding(heads, tiny_engine, t
     from engine.executor.executor import Executor, ExecutorConfig
     from engine.executor.request import Request
 
-    *_, path = heads
+    plain, _, path = heads
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [7, 7, 2, 9, 11]]
     refs = [tiny_hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False)[0, len(p):].tolist()
             for p in prompts]
@@ -83,6 +80,12 @@ def test_executor_fp8_head_greedy_ids_equal_plain_decoding(heads, tiny_engine, t
         got = collect(executor, ids, timeout=300)
         assert [final_tokens(got[i]) for i in ids] == refs
         assert executor._num_draft_tokens_total > 0  # (random heads: drafts verified, few accepted)
+        # tree_bench --other-head: the bf16 head beside it over the same taps
+        executor.proposer = executor.proposer.with_head(plain)
+        before = executor._num_draft_tokens_total
+        ids = executor.enqueue_requests([Request(prompts[0], 10)])
+        assert final_tokens(collect(executor, ids, timeout=300)[ids[0]]) == refs[0]
+        assert executor._num_draft_tokens_total > before and not executor.proposer.head.fp8
         assert executor.blocks.num_free_blocks == executor.blocks.num_blocks
 
 

@@ -27,6 +27,7 @@ replays included.
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 
@@ -406,6 +407,19 @@ class Eagle3DraftProposer:
 
     def release(self, seq) -> None:
         self._caches.pop(seq.seq_id, None)
+
+    def with_head(self, head: Eagle3Head) -> "Eagle3DraftProposer":
+        """A proposer drafting the same tree with another head over the same taps, with no caches
+        (benchmarks/speculative/tree_bench.py: an FP8 head beside the bf16 one on one engine, whose
+        graphs tap the layers already). Its drafting graphs are recorded at their first replay."""
+        other = copy.copy(self)
+        other.head, other._caches = head, {}
+        other.gemm_choices = head.choose_kernels() if self.runner.device.type == "cuda" else {}
+        if self.graphs is not None:
+            other.graphs = StaticDraftGraphs(head, self.plan, self.runner.model.embed_tokens,
+                                             max_positions=self.runner.build_config.max_seq_len,
+                                             device=self.runner.device, use_graphs=self.graphs.use_graphs)
+        return other
 
 
 FP8_TARGETS = ("fp8", "fp8_block")  # build quantizations whose engines hold E4M3 weights
