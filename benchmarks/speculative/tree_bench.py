@@ -437,13 +437,16 @@ def bench_loop(executor, args) -> dict:
 def other_head(executor, eagle, heads_dir: str) -> tuple[str, object]:
     """(label, proposer) drafting with the same heads in the other precision: FP8 products if the
     executor's head is not FP8 (a bf16 target's default), else the target's dtype (speculative/eagle3.py
-    Eagle3Head ``fp8``), over the same taps (Eagle3DraftProposer.with_head)."""
+    Eagle3Head ``fp8``), over the same taps (Eagle3DraftProposer.with_head). Its GEMM tilings are not
+    timed (on a cold choice cache the FP8 ones take tens of seconds: kernels/choice_cache.py): the
+    FP8 products run the skinny kernel's default tiling, bf16 ones the library: a served head (timed
+    at load) is at least as fast."""
     from engine.executor.speculative.eagle3 import load_eagle3
 
     runner, fp8 = executor.runner, not eagle.head.fp8
     head, _ = load_eagle3(heads_dir, hidden_size=runner.model_config.hidden_size, vocab_size=runner.vocab_size,
                           num_layers=len(runner.model.layers), device=runner.device, dtype=eagle.head.dtype, fp8=fp8)
-    return f"EAGLE-3 {'FP8' if fp8 else 'bf16'} head", eagle.with_head(head)
+    return f"EAGLE-3 {'FP8' if fp8 else 'bf16'} head", eagle.with_head(head, choose_kernels=False)
 
 
 def draft_replays(eagle, kernels: int, drafter: str = "EAGLE-3") -> list[dict]:

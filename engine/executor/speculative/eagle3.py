@@ -408,13 +408,15 @@ class Eagle3DraftProposer:
     def release(self, seq) -> None:
         self._caches.pop(seq.seq_id, None)
 
-    def with_head(self, head: Eagle3Head) -> "Eagle3DraftProposer":
+    def with_head(self, head: Eagle3Head, *, choose_kernels: bool = True) -> "Eagle3DraftProposer":
         """A proposer drafting the same tree with another head over the same taps, with no caches
         (benchmarks/speculative/tree_bench.py: an FP8 head beside the bf16 one on one engine, whose
-        graphs tap the layers already). Its drafting graphs are recorded at their first replay."""
+        graphs tap the layers already). Its drafting graphs are recorded at their first replay.
+        ``choose_kernels`` False: no load-time timing of the head's GEMM tilings (each product keeps
+        its default: the skinny kernel's FP8 default, the library for bf16)."""
         other = copy.copy(self)
         other.head, other._caches = head, {}
-        other.gemm_choices = head.choose_kernels() if self.runner.device.type == "cuda" else {}
+        other.gemm_choices = head.choose_kernels() if choose_kernels and self.runner.device.type == "cuda" else {}
         if self.graphs is not None:
             other.graphs = StaticDraftGraphs(head, self.plan, self.runner.model.embed_tokens,
                                              max_positions=self.runner.build_config.max_seq_len,
