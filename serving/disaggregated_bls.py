@@ -22,13 +22,14 @@ CONTEXT_OUTPUTS = [PARAMS, "batch_index"]  # what the BLS asks of the context mo
 ALWAYS = ("output_ids", "sequence_length", "batch_index")  # asked of the generation model in any case
 
 
-def context_parameters(context_model: str, generation_model: str) -> dict[str, str]:
+def context_parameters(context_model: str, generation_model: str, configured: str | None = None) -> dict[str, str]:
     """The context request's Triton parameters. Two models have two engine processes, so the KV must
-    leave the context process: kv_transfer shm. One model serving both phases keeps its blocks pinned
-    in place (the engine's default transport, no copy through host memory)."""
+    leave the context process: kv_transfer shm, or nixl when ``configured`` (TRITONLLM_KV_TRANSFER of the
+    server) says so (the generation model may then run on another host). One model serving both phases
+    keeps its blocks pinned in place (the engine's default transport, no copy through host memory)."""
     if context_model == generation_model:
         return dict(CONTEXT_PARAMETERS)
-    return {**CONTEXT_PARAMETERS, "kv_transfer": CROSS_PROCESS_TRANSFER}
+    return {**CONTEXT_PARAMETERS, "kv_transfer": "nixl" if configured == "nixl" else CROSS_PROCESS_TRANSFER}
 
 
 def requested_outputs(client_asked: list[str], declared: list[str]) -> list[str]:

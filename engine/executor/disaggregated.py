@@ -314,11 +314,13 @@ class Disaggregation:
             deadlines.append(time.monotonic() + kv_transfer_nixl.IDLE_POLL_S)
         return None if not deadlines else max(0.0, min(deadlines) - time.monotonic()) + 0.001
 
-    def service(self) -> None:
-        """Free released and expired pins (context side) and finish done pulls (generation side); at each step."""
+    def service(self) -> bool:
+        """Free released and expired pins (context side) and finish done pulls (generation side); at each step.
+        True when blocks may have been freed (the pool's gauges changed)."""
         if self._nixl is not None:
             self._answer_nixl()
-        if self._importing:
+        importing = len(self._importing)
+        if importing:
             self._finish_pulls()
         if self.ready.pending:
             self.ready.forget(self.executor._active)
@@ -338,6 +340,7 @@ class Disaggregation:
                 continue
             self.num_expired += pin.state == "pinned"
             self.executor.blocks.free(pin.block_ids)
+        return bool(pins) or len(self._importing) != importing
 
     @property
     def num_pinned_blocks(self) -> int:

@@ -510,11 +510,12 @@ def serve(conn: Connection, listen_path: str | None = None) -> int:
     stopped = threading.Event()
 
     def publish_stats() -> None:
-        last = -1
+        last = None
         while True:  # at once (the client's metrics show the KV pool from the start), then periodically
             stats = executor.get_latest_iteration_stats()
-            if stats.iter != last or executor.failure is not None:
-                last = stats.iter
+            # a new object each iteration, and when an idle executor's pool changed (pins freed: same iter)
+            if stats is not last or executor.failure is not None:
+                last = stats
                 clients.broadcast(("stats", stats, executor.failure))
             if stopped.wait(STATS_PERIOD_S):
                 return

@@ -466,7 +466,8 @@ class Executor:
         through the prefill graphs' token buckets (they are not 1-token decodes).
         """
         started = time.perf_counter()
-        self.disagg.service()  # frees context KV fetched by a generation side, or expired
+        if self.disagg.service() and not self._active:  # frees context KV fetched by a generation side, or expired
+            self._latest_stats = replace(self._latest_stats, **self._pool_stats())  # (idle: no step records them)
         self._admit(new)
         self._cancel(cancels)
         for state in [self._active[i] for i in self._table_request_ids if i in self._active]:

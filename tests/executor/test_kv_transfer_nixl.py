@@ -28,7 +28,6 @@ def sides(tiny_engine):
     context = EngineProcess(tiny_engine, CONFIG)
     try:
         with Executor(tiny_engine, CONFIG) as generation:
-            context.baseline = probe_used(context)
             yield context, generation
     finally:
         context.shutdown()
@@ -49,16 +48,10 @@ def export(context, prompt) -> bytes:
     return responses[-1].result.context_phase_params
 
 
-def probe_used(context) -> int:
-    """Blocks used in the context process during a 1-token probe request's step (stats come from steps
-    that run requests): the probe's own, plus any pin left."""
-    run(context, Request([1, 2], 1))
-    return context.get_latest_iteration_stats().kv_cache_stats.used_num_blocks
-
-
 def context_free(context) -> bool:
-    """No pin left in the context process (a READ's "done" notification wakes its loop, which frees it)."""
-    return probe_used(context) == context.baseline
+    """No block used in the context process: a READ's "done" notification wakes its loop, which frees the pin
+    (and refreshes the idle executor's pool stats)."""
+    return context.get_latest_iteration_stats().kv_cache_stats.used_num_blocks == 0
 
 
 def generation_free(generation) -> bool:

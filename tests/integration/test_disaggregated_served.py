@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
+from engine.executor import kv_transfer_nixl
 from triton_helpers import grpc_inputs, wait_for
 
 BLS = "disaggregated_serving_bls"
@@ -32,9 +33,10 @@ def _output_ids(server, model: str, prompt: list[int], **extra) -> list[int]:
     return response.json()["output_ids"]
 
 
-def _infer_ids(server, model: str, prompt: list[int], **extra: np.ndarray) -> list[int]:
+def _infer(server, model: str, prompt: list[int], parameters=None, outputs=("output_ids", "sequence_length"),
+           **extra: np.ndarray):
     """One unary request over a gRPC stream (generate's JSON cannot carry stop_words_list's [2, -1]
-    shape, and HTTP infer takes no decoupled model): prompt + output ids."""
+    shape, nor return context_phase_params, and HTTP infer takes no decoupled model): its final result."""
     tensors = {"input_ids": np.array([prompt], np.int32), "input_lengths": np.array([[len(prompt)]], np.int32),
                "request_output_len": np.array([[MAX_TOKENS]], np.int32), "end_id": np.array([[2]], np.int32),
                "pad_id": np.array([[2]], np.int32), **extra}
@@ -42,12 +44,18 @@ def _infer_ids(server, model: str, prompt: list[int], **extra: np.ndarray) -> li
     results = []
     client = grpcclient.InferenceServerClient(server.grpc_url)
     client.start_stream(callback=lambda result, error: results.append((result, error)))
-    client.async_stream_infer(model, inputs, outputs=[grpcclient.InferRequestedOutput("output_ids"),
-                                                      grpcclient.InferRequestedOutput("sequence_length")])
+    client.async_stream_infer(model, inputs, outputs=[grpcclient.InferRequestedOutput(name) for name in outputs],
+                              parameters=parameters)
     client.stop_stream()
     client.close()
     assert [error for _, error in results if error is not None] == []
-    (result, _), = [(r, e) for r, e in results if r is not None and r.as_numpy("output_ids") is not None]
+    (result, _), = [(r, e) for r, e in results if r is not None and r.as_numpy(outputs[0]) is not None]
+    return result
+
+
+def _infer_ids(server, model: str, prompt: list[int], parameters=None, **extra: np.ndarray) -> list[int]:
+    """prompt + output ids of one request (``_infer``)."""
+    result = _infer(server, model, prompt, parameters, **extra)
     return result.as_numpy("output_ids")[0, 0, :int(result.as_numpy("sequence_length")[0, 0])].tolist()
 
 
@@ -133,3 +141,19 @@ def test_a_bad_transport_is_named_and_the_next_request_is_served(triton_server, 
                                                        "kv_transfer": "nccl"})
     assert response.status_code == 400 and "kv_transfer: 'nccl' is not supported; allowed: local, shm, nixl" in response.text
     assert _output_ids(triton_server, BLS, PROMPTS[0]) == aggregated[0]
+
+
+@pytest.mark.skipif(not kv_transfer_nixl.available(), reason="NIXL is not installed (scripts/setup_env.sh)")
+def test_the_nixl_transport_between_the_two_engine_processes(triton_server, aggregated):
+    """kv_transfer nixl: the generation process READs the KV from the context process's pool through NIXL
+    (engine/executor/kv_transfer_nixl.py); same ids, no block left on either side."""
+    prompt = PROMPTS[9]
+    context = _infer(triton_server, "tensorrt_llm", prompt, {"request_type": "context_only", "kv_transfer": "nixl"},
+                     outputs=("context_phase_params",))
+    blob = context.as_numpy("context_phase_params")
+    assert blob.dtype == np.uint8 and blob.size < 2048
+    got = _infer_ids(triton_server, "generation", prompt, {"request_type": "generation_only"},
+                     context_phase_params=blob.reshape(1, -1))
+    assert got == aggregated[9] or prompt + got == aggregated[9]
+    assert wait_for(lambda: all(v == 0 for m, v in _used_blocks(triton_server).items()
+                                if m in ("tensorrt_llm", "generation")), timeout=10), _used_blocks(triton_server)

@@ -42,7 +42,8 @@ class TritonPythonModel:
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         self.context_name = get_parameter(params, "context_model_name", str) or "tensorrt_llm"
         self.generation_name = get_parameter(params, "generation_model_name", str) or "tensorrt_llm"
-        self.context_parameters = context_parameters(self.context_name, self.generation_name)
+        self.context_parameters = context_parameters(self.context_name, self.generation_name,
+                                                     os.environ.get("TRITONLLM_KV_TRANSFER"))
         self.input_names = [tensor["name"] for tensor in config["input"]]
         self.reshaped = reshaped_inputs(config["input"])
         self.output_names = [tensor["name"] for tensor in config["output"]]
