@@ -9,11 +9,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_speculative_eagle3 import CHOICES, HIDDEN, VOCAB, save_eagle3
+from test_speculative_eagle3 import CHOICES, HIDDEN, VOCAB, check_windows, save_eagle3
 
 from engine.executor.executor_config import ExecutorConfigError, SpeculativeConfig
 from engine.executor.speculative.eagle3 import PRODUCTS, eagle_head_fp8, load_eagle3
 from engine.executor.speculative.eagle3_drafter import DraftCache, StaticPlan, draft_static
+from engine.executor.speculative.eagle3_graphs import StaticDraftGraphs
 from engine.executor.speculative.tree import shape_from_choices
 from kernels.fp8 import FP8_DTYPE, fp8_linear_ref
 
@@ -96,3 +97,39 @@ def test_fp8_head_default_follows_the_target():
     assert not eagle_head_fp8(SpeculativeConfig("eagle", eagle_fp8_head=False), fp8)
     with pytest.raises(ExecutorConfigError, match="eagle_fp8_head must be true, false or unset"):
         SpeculativeConfig("eagle", eagle_fp8_head="yes").validate()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_fp8_head_windows_draft_what_draft_static_drafts(tmp_path, tiny_hf, device):
+    """The drafting windows (the body CUDA graphs record) with an FP8 head: on the CPU they draft
+    draft_static's tokens (test_speculative_eagle3.py's check); on CUDA (gpu mark) the recorded
+    replays draft what the same windows draft eagerly (the W8A8 products inside a recording; eager
+    commits of many rows take cuBLASLt, not the skinny kernel: their roundings differ, so the CPU's
+    comparison with draft_static does not carry over exactly). Not in Triton's CPU interpreter: its
+    E4M3 conversion rounds otherwise than the GPU's."""
+    import copy
+
+    dev = torch.device(device)
+    head, _ = load_eagle3(save_eagle3(tmp_path / "eagle3", layers=[0, 1, 1]), hidden_size=HIDDEN, vocab_size=VOCAB,
+                          num_layers=2, device=dev, fp8=True)
+    plan = StaticPlan(shape_from_choices(TREE[:7], field="eagle_choices"), dev)
+    embed = copy.deepcopy(tiny_hf.model.embed_tokens).to(dev)
+    make = lambda graphs: StaticDraftGraphs(head, plan, embed, max_positions=128, device=dev,  # noqa: E731
+                                            use_graphs=graphs)
+    if device == "cpu":
+        check_windows(head, embed, tiny_hf, make(True), plan)
+        return
+    recorded, eager = make(True), make(False)
+    tokens = torch.randint(0, VOCAB, (80,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.no_grad():
+        states = tiny_hf(torch.tensor([tokens]), output_hidden_states=True).hidden_states
+        feats = head.features(*(s[0].to(dev) for s in (states[1], states[2], states[2])))[:-1]
+        caches, done = [DraftCache(0, head, dev) for _ in range(2)], 0
+        for end in (20, 21, 63, 70, 79):
+            for cache in caches:
+                cache.add_features(feats[done:end])
+            done = end
+            assert recorded.run(caches[0], tokens).tolist() == eager.run(caches[1], tokens).tolist(), end
+            torch.testing.assert_close(caches[0].k[:end], caches[1].k[:end], rtol=1e-5, atol=1e-5)
+    assert recorded.replays == 5 and eager.replays == 0
