@@ -5,6 +5,8 @@ freed on both sides (also after a cancel while the transfer is pending), bad par
 Skipped when NIXL is not installed (scripts/setup_env.sh installs nixl-cu12)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from engine.executor import Executor, ExecutorConfig
@@ -24,10 +26,13 @@ CONFIG = ExecutorConfig(max_tokens_in_paged_kv_cache=256)
 
 @pytest.fixture(scope="module")
 def sides(tiny_engine):
-    """(context engine process, generation executor of this process) on the same tiny engine."""
-    context = EngineProcess(tiny_engine, CONFIG)
+    """(context engine process, generation executor of this process) on the same tiny engine.
+    TRITONLLM_DISAGG_DEVICES=cuda:0,cuda:1 puts them on two GPUs (pools registered as VRAM)."""
+    devices = os.environ.get("TRITONLLM_DISAGG_DEVICES", "").split(",") if os.environ.get("TRITONLLM_DISAGG_DEVICES") \
+        else [None, None]
+    context = EngineProcess(tiny_engine, CONFIG, device=devices[0])
     try:
-        with Executor(tiny_engine, CONFIG) as generation:
+        with Executor(tiny_engine, CONFIG, device=devices[1]) as generation:
             yield context, generation
     finally:
         context.shutdown()
