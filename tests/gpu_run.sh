@@ -49,6 +49,9 @@ install_wheels() {
       echo "wheels: $part1 did not stay on this machine (carry .gpu_stash in a call just before): $whole not installed"
     fi
   fi
+  for tarball in .gpu_wheels/*.tar.xz; do  # NIXL's trimmed files (tests/gpu_wheels.sh), unpacked as they are
+    [ -f "$tarball" ] && mkdir -p "$site" && tar xJf "$tarball" -C "$site" && echo "wheels: unpacked $(basename "$tarball")"
+  done
   wheels+=(.gpu_wheels/*.whl)
   [ -e "${wheels[-1]}" ] || { echo "wheels: none in .gpu_wheels (bash tests/gpu_wheels.sh here, then carry it)"; return; }
   "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "${wheels[@]}" \

@@ -35,4 +35,13 @@ head -c "$STASH_PART_BYTES" "$model" > ".gpu_stash/$name.part1"
 tail -c +$((STASH_PART_BYTES + 1)) "$model" > ".gpu_wheels/$name.part2"
 rm "$model"
 mv "$download"/*.whl .gpu_wheels/
+# NIXL (the nixl KV transfer's tests) as a tarball of what its UCX backend needs: the whole wheel (68 MB) would not
+# fit beside the others; tests/gpu_nixl_trim.py says what is kept. gpu_run.sh unpacks it beside the wheels.
+nixl=$(mktemp -d)
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 -d "$nixl" nixl-cu12==1.5.1
+(cd "$nixl" && python3 -m zipfile -e nixl_cu12-*.whl unpacked)
+python3 tests/gpu_nixl_trim.py "$nixl/unpacked" > "$nixl/files.txt"
+tar cJf .gpu_wheels/nixl_cu12_ucx.tar.xz -C "$nixl/unpacked" -T "$nixl/files.txt"
+rm -rf "$nixl"
 du -sh .gpu_stash .gpu_wheels
