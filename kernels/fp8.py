@@ -209,50 +209,52 @@ def quantize_weight(weight: torch.Tensor, scale: torch.Tensor | None = None) -> 
 
 
 def fp8_linear_ref(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor,
-                   bias: torch.Tensor | None = None) -> torch.Tensor:
+                   bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The W8A8 scheme in plain torch: x (M, K) quantized per token, then everything in float32."""
     if isinstance(x, QuantizedRows):
-        return _dequantized_product(x, weight, weight_scale, bias)
+        return _dequantized_product(x, weight, weight_scale, bias, out_dtype)
     rows = QuantizedRows(*quantize_rows(x.reshape(-1, x.shape[-1])), x.dtype)
-    return _dequantized_product(rows, weight, weight_scale, bias).reshape(*x.shape[:-1], weight.shape[0])
+    return _dequantized_product(rows, weight, weight_scale, bias, out_dtype).reshape(*x.shape[:-1], weight.shape[0])
 
 
-def _dequantized_product(x: QuantizedRows, weight, weight_scale, bias) -> torch.Tensor:
+def _dequantized_product(x: QuantizedRows, weight, weight_scale, bias, out_dtype=None) -> torch.Tensor:
     out = dequantize_rows(x.values, x.scale) @ dequantize_rows(weight, weight_scale).T
     if bias is not None:
         out = out + bias.float()
-    return out.to(x.dtype)
+    return out.to(out_dtype or x.dtype)
 
 
 def fp8_linear_scaled_mm(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor,
-                         bias: torch.Tensor | None = None) -> torch.Tensor:
+                         bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The W8A8 scheme on cuBLASLt's FP8 tensor cores (``torch._scaled_mm``, row-wise scales)."""
     x = as_quantized_rows(x)
     out = torch._scaled_mm(x.values, weight.t(), scale_a=x.scale[:, None], scale_b=weight_scale[None, :],
-                           out_dtype=x.dtype, use_fast_accum=FAST_ACCUM)
+                           out_dtype=out_dtype or x.dtype, use_fast_accum=FAST_ACCUM)
     return out if bias is None else out + bias
 
 
 def fp8_linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor,
-               bias: torch.Tensor | None = None, *, defer_scales: bool = False) -> torch.Tensor | ScaledProduct:
+               bias: torch.Tensor | None = None, *, defer_scales: bool = False,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor | ScaledProduct:
     """x (M, K) @ dequantized weight (N, K).T (+ bias), by the paths in the module docstring.
     QuantizedRows (from rms_norm_quantized / silu_and_mul_quantized) are multiplied as they are.
     ``defer_scales``: the caller's next kernel takes a ScaledProduct; one comes back where
-    ``choose_fp8_scaling`` found the tensor-wise product faster for this row count."""
+    ``choose_fp8_scaling`` found the tensor-wise product faster for this row count.
+    ``out_dtype``: the result's (default x's), e.g. float32 for logits: the accumulators as they are."""
     wide = _wide_variant(x, weight)
     if wide is not None:
-        return _skinny_w8a8(as_quantized_rows(x), weight, weight_scale, bias, variant=wide)
-    if defer_scales and bias is None and _defers_scales(x, weight):
+        return _skinny_w8a8(as_quantized_rows(x), weight, weight_scale, bias, variant=wide, out_dtype=out_dtype)
+    if defer_scales and bias is None and out_dtype is None and _defers_scales(x, weight):
         x = as_quantized_rows(x)
         unit = _UNIT_SCALES[x.values.device]
         values = torch._scaled_mm(x.values, weight.t(), scale_a=unit, scale_b=unit, out_dtype=x.dtype,
                                   use_fast_accum=FAST_ACCUM)
         return ScaledProduct(values, x.scale, weight_scale)
     if _takes_skinny_kernel(x):
-        return _skinny_w8a8(as_quantized_rows(x), weight, weight_scale, bias)
+        return _skinny_w8a8(as_quantized_rows(x), weight, weight_scale, bias, out_dtype=out_dtype)
     if (x.values if isinstance(x, QuantizedRows) else x).is_cuda:
-        return fp8_linear_scaled_mm(x, weight, weight_scale, bias)
-    return fp8_linear_ref(x, weight, weight_scale, bias)
+        return fp8_linear_scaled_mm(x, weight, weight_scale, bias, out_dtype)
+    return fp8_linear_ref(x, weight, weight_scale, bias, out_dtype)
 
 
 def _takes_skinny_kernel(x: torch.Tensor | QuantizedRows) -> bool:
@@ -267,9 +269,11 @@ def _wide_variant(x: torch.Tensor | QuantizedRows, weight: torch.Tensor) -> tupl
 
 
 def _skinny_w8a8(x: QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
-                 *, gated: bool = False, variant: tuple | None = None) -> torch.Tensor:
+                 *, gated: bool = False, variant: tuple | None = None, out_dtype: torch.dtype | None = None
+                 ) -> torch.Tensor:
     variant = variant or getattr(weight, "_fp8_skinny_variant", FP8_SKINNY_DEFAULT)
-    return skinny_linear_triton(x.values, weight, bias, weight_scale=weight_scale, x_scale=x.scale, out_dtype=x.dtype,
+    return skinny_linear_triton(x.values, weight, bias, weight_scale=weight_scale, x_scale=x.scale,
+                                out_dtype=out_dtype or x.dtype,
                                 gated=gated, **variant_options(variant))
 
 

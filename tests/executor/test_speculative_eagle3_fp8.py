@@ -54,6 +54,9 @@ def test_fp8_head_holds_e4m3_products_and_drafts_mostly_the_same_trees(heads, ti
     assert fp8.w["norm.weight"].dtype == torch.float32  # the norms stay in the head's dtype
     x = torch.randn(3, HIDDEN)
     assert torch.equal(fp8.product("o", x), fp8_linear_ref(x, fp8.products["o"], fp8.scales["o"]))
+    h = torch.randn(3, HIDDEN, dtype=torch.bfloat16)  # the logits: float32 accumulators, not rounded to h's dtype
+    assert torch.equal(fp8.product("lm_head", h, float32_out=True),
+                       fp8_linear_ref(h, fp8.products["lm_head"], fp8.scales["lm_head"], out_dtype=torch.float32))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, VOCAB, (10,), generator=g).tolist() for _ in range(2)]
     want, got = drafted_trees(plain, tiny_hf, prompts), drafted_trees(fp8, tiny_hf, prompts)

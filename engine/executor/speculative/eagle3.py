@@ -126,11 +126,11 @@ class Eagle3Head:
         """x (..., K) times the ``name`` product's weight (N, K).T as 2-D rows (the skinny kernels count
         x's first dimension as rows) -> (..., N): kernels/linear.py's products (linear, gated_linear:
         silu(gate) * up, linear_float32_out), or kernels/fp8.py's W8A8 ones for an FP8 head (the
-        float32 logits there are the product in x's dtype, widened)."""
+        float32 logits there too: the accumulators as they are, not rounded to x's dtype)."""
         weight, scale, rows = self.products[name], self.scales.get(name), x.reshape(-1, x.shape[-1])
         if scale is not None:
-            out = fp8_gated_linear(rows, weight, scale) if gated else fp8_linear(rows, weight, scale)
-            out = out.float() if float32_out else out
+            out = (fp8_gated_linear(rows, weight, scale) if gated else
+                   fp8_linear(rows, weight, scale, out_dtype=torch.float32 if float32_out else None))
         else:
             out = (gated_linear if gated else linear_float32_out if float32_out else linear)(rows, weight)
         return out.reshape(*x.shape[:-1], -1)
