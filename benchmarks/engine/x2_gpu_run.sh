@@ -4,7 +4,7 @@
 # its KV transfer, the checks that need two GPUs, and the one-GPU runs still waiting, two at a time
 # (CUDA_VISIBLE_DEVICES=0 and =1) after the two-GPU work of the same call, never beside it.
 #
-#   bash benchmarks/engine/x2_gpu_run.sh CALL [OUT]        CALL 1, 2, 3 or 4; OUT default $OUT
+#   bash benchmarks/engine/x2_gpu_run.sh CALL [OUT]        CALL 1 to 9; OUT default $OUT
 #   SMOKE=1 bash benchmarks/engine/x2_gpu_run.sh CALL DIR  the same flow on the CPU with the tiny model
 #                                                         (the one-GPU jobs are only printed)
 #
@@ -16,13 +16,16 @@
 # 3  (~300 s, guard 310) the INT4 list (issue 52): GPU 0 bf16 then INT4 dequantize + cuBLAS, GPU 1 INT4 rows kernel.
 # 4  (~545 s; only with >= 11 min of device time left) issue 51's two shapes that were cut: GPU 0 128/4096,
 #    GPU 1 20000/2000, each at 3 waves within its 535-s budget.
+# 5, 6 session 16's retries (run). 7 (~250 s on two GPUs, ~450 s with LANES=1) session 17's one-GPU jobs in two lanes (LANES=1 on one GPU);
+#    8 (~270 s) the KV pull and NIXL GPU tests, PP 2 with stage graphs and with two steps in flight;
+#    9 (~430 s) disagg_bench at 6 and 10 req/s, then with the context executor in its own process.
 #
 # Everything goes to /tmp/x2_call$CALL; at the end OUT gets call$CALL.tgz (all logs and JSON), summary.txt (what
 # this script printed) and the markdown tables (at most 8 files come back from a call). The console ends with
 # each job's exit status and its result lines, so the call's output_tail alone is enough to read.
 set -u
 script=$(realpath "$0")
-call=${1:?usage: x2_gpu_run.sh 1|2|3|4 [OUT]}
+call=${1:?usage: x2_gpu_run.sh 1-9 [OUT]}
 out=$(realpath -m "${2:-${OUT:-/tmp/x2_gpu_run}}")
 mkdir -p "$out"
 if [ -z "${X2_UNDER_TEE:-}" ]; then  # the console also in $out/summary.txt, complete when the call returns
@@ -38,7 +41,8 @@ gpu_run_start x2_gpu_run ""
 export PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 smoke=${SMOKE:-0}
 if [ "$smoke" != 1 ]; then
-  "$PYTHON" -c 'import torch; n = torch.cuda.device_count(); assert n >= 2, f"{n} GPU(s): this script needs 2"' || exit 1
+  need=2; [ "$call" = 7 ] && [ "${LANES:-2}" = 1 ] && need=1  # call 7's lanes run one after the other on one GPU
+  "$PYTHON" -c "import torch; n = torch.cuda.device_count(); assert n >= $need, f'{n} GPU(s): this call needs $need'" || exit 1
 fi
 
 job() {  # NAME LIMIT_S CMD...: one guarded job, its output in $w/NAME.log, one status line
@@ -168,7 +172,60 @@ case $call in
     grep -E "graphs vs eager|in flight|decode batch|offline|KV pool|Error|Traceback" "$w/pp.log" | cut -c1-300
   fi
   ;;
-*) echo "x2_gpu_run.sh: CALL must be 1 to 6, got '$call'"; exit 2 ;;
+7)
+  # Session 17's one-GPU work (~250 s; on a single nvidia-h200 the two lanes run one after the other: LANES=1):
+  # what sessions 16's helpers built after the last device call, each job its helper's command (/tmp/notes/NAME.md).
+  lane0() {
+    on_gpu 0 ds3 60 "$PYTHON" benchmarks/engine/engine_bench.py --model deepseek_v2_lite --sections bandwidth,decode \
+      --max-batch-size 8 --max-num-tokens 256 --max-seq-len 1024 --out "$w/ds3.json" --results-md "$w/ds3.md"
+    on_gpu 0 tower 60 "$PYTHON" benchmarks/engine/vlm_bench.py --sections encoder --image-sizes 448 --encoder-batches 32 \
+      --encoder-repeats 5 --tower-variants unfused,fused,window-sdpa-efficient,window-sdpa-flash,window-sdpa-math,sdpa-flash,sdpa-efficient \
+      --out "$w/tower.json" --results-md "$w/tower.md"
+    on_gpu 0 choice_cache 115 "$PYTHON" benchmarks/engine/choice_cache_bench.py --first-off --loads 2 --out "$w/choice_cache.json"
+  }
+  lane1() {
+    on_gpu "${LANE1_GPU:-1}" eagle_loop 60 "$PYTHON" benchmarks/speculative/tree_bench.py --dtypes bf16 --batches 1,8 --lengths 3,4 \
+      --sections loop --draft-kernels 15 --out "$w/tree.json" --markdown "$w/tree.md"
+    on_gpu "${LANE1_GPU:-1}" eagle_fp8_head 90 "$PYTHON" benchmarks/speculative/tree_bench.py --dtypes bf16 --batches 1 \
+      --lengths 4 --sections loop --other-head --out "$w/fp8head.json" --markdown "$w/fp8head.md"
+    on_gpu "${LANE1_GPU:-1}" layouts 60 "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_kernel_input_layouts.py
+  }
+  if [ "${LANES:-2}" = 1 ]; then LANE1_GPU=0; lane0; lane1; else lane0 & gpu0=$!; lane1; wait "$gpu0"; fi
+  if [ "$smoke" != 1 ]; then
+    grep -E "^\[load.*choices|Error|Traceback" "$w/ds3.log" | tail -3; tail -4 "$w/ds3.md" 2>/dev/null
+    grep -E "^encoder|Error" "$w/tower.log" | cut -c1-200
+    grep -E "^\[load|^==|^   load|Error|Traceback" "$w/choice_cache.log" | head -20
+    grep -E "oracle|EAGLE-3|drafting replay|kernels of one|Error|Traceback" "$w/eagle_loop.log" | tail -20 | cut -c1-300
+    tail -12 "$w/eagle_fp8_head.log"; grep -E "passed|failed|error" "$w/layouts.log" | tail -3
+  fi
+  ;;
+8)
+  # Session 17's two-GPU checks and PP 2 (~270 s): the KV pull's GPU tests (the allocation-free pull), NIXL on VRAM
+  # (the trimmed wheel of tests/gpu_wheels.sh: carry .gpu_wheels, or run after the suite on the same machine), then
+  # PP 2 with stage graphs (one step in flight) and with two steps in flight.
+  site=/tmp/gpu_test_site
+  if [ ! -d "$site/nixl_cu12" ] && [ -f .gpu_wheels/nixl_cu12_ucx.tar.xz ]; then mkdir -p "$site" && tar xJf .gpu_wheels/nixl_cu12_ucx.tar.xz -C "$site"; fi
+  TRITONLLM_DISAGG_DEVICES=$devices job tests_pull 60 "$PYTHON" -m pytest -q -rfEs -p no:cacheprovider \
+    tests/executor/test_kv_pull.py tests/executor/test_disaggregated.py
+  TRITONLLM_DISAGG_DEVICES=$devices PYTHONPATH=$PWD:$site job tests_nixl 60 "$PYTHON" -m pytest -q -rfEs -p no:cacheprovider \
+    tests/executor/test_kv_transfer_nixl.py
+  for f in tests_pull tests_nixl; do grep -E "passed|failed|error|FAILED|skipped" "$w/$f.log" | tail -6; done
+  P=(benchmarks/engine/tp_bench.py --phases perf_pp2 --max_batch_size 256 --offline 128x128x1024 --phase_timeout 66)
+  job pp_graphs 72 "$PYTHON" "${P[@]}" --out "$w/pp.json" "${tiny_tp[@]}"
+  TRITONLLM_PP_STEPS_IN_FLIGHT=2 job pp_in_flight 72 "$PYTHON" "${P[@]}" --out "$w/ppf.json" "${tiny_tp[@]}"
+  for f in pp_graphs pp_in_flight; do echo "== $f"; grep -E "graphs vs eager|ready|decode batch|offline|KV pool|Error|Traceback" "$w/$f.log" | cut -c1-300; done
+  ;;
+9)
+  # Session 17's disaggregated bench (~430 s): in one process at 6 and 10 req/s (the hand-off after the
+  # allocation-free pull; 10/s for the throughput form of the goal), then each executor in its own process (KV over shm).
+  job disagg_bench 250 "$PYTHON" benchmarks/engine/disagg_bench.py --rates 6,10 --seconds 25 --drain_timeout 30 \
+    --out "$w/disagg.json" --results-md "$w/disagg.md" "${tiny_disagg[@]}"
+  grep -E "^\[disagg_bench\]|Error|Traceback" "$w/disagg_bench.log" | cut -c1-700
+  job disagg_proc 200 "$PYTHON" benchmarks/engine/disagg_bench.py --rates 6 --seconds 25 --drain_timeout 30 --sections serve \
+    --context_process --out "$w/disagg_proc.json" --results-md "$w/disagg_proc.md" "${tiny_disagg[@]}"
+  grep -E "^\[disagg_bench\]|Error|Traceback" "$w/disagg_proc.log" | cut -c1-700
+  ;;
+*) echo "x2_gpu_run.sh: CALL must be 1 to 9, got '$call'"; exit 2 ;;
 esac
 tar czf "$out/call$call.tgz" -C /tmp "x2_call$call"
 for md in "$w"/*.md; do [ -f "$md" ] && cp "$md" "$out/"; done
