@@ -218,6 +218,18 @@ class NixlPull:
         side.claim(self.agent, fields["handle"])
 
     def done(self) -> bool:
+        """Moves the pull on (claim answer, READ start, READ state); never raises: a NIXL call that fails ends
+        this request alone (``error``), not the generation loop that polls it (Disaggregation.has_work runs
+        outside the loop's error handling)."""
+        try:
+            return self._advance()
+        except Exception as err:  # (UCX / NIXL errors: a peer gone mid-READ, descriptors NIXL refused)
+            self._drop_xfer()
+            if self._state in ("granted", "reading"):
+                self._give_back()  # (the context side frees its pin now, not one timeout later)
+            return self._fail(f"context_phase_params: the NIXL transfer of the context phase's KV failed: {err!r}")
+
+    def _advance(self) -> bool:
         if self._state == "claiming":
             granted = self.side.answers.pop(self.key, None)
             if granted is None:
@@ -240,18 +252,35 @@ class NixlPull:
             self._xfer, status = self.side.read(self.fields, self.dst_ids)
             self._state = "reading"
             if status == "ERR":
+                self._drop_xfer()
+                self._give_back()  # (no READ ran: no "done" notification will reach the context side)
                 return self._fail("context_phase_params: the NIXL READ of the context phase's KV failed to start")
         if self._state == "reading":
             status = self.side.agent.check_xfer_state(self._xfer)
             if status == "PROC":
                 return False
             self._ms = (time.perf_counter() - self._started) * 1e3
-            self._xfer.release()
-            self._xfer = None
+            self._drop_xfer()
             if status != "DONE":
+                self._give_back()
                 return self._fail("context_phase_params: the NIXL READ of the context phase's KV failed")
             self._state = "done"
         return True
+
+    def _drop_xfer(self) -> None:
+        xfer, self._xfer = self._xfer, None
+        if xfer is not None:
+            try:
+                xfer.release()
+            except Exception:  # (a handle NIXL already dropped)
+                pass
+
+    def _give_back(self) -> None:
+        """A failed READ: the context side may free the pin (best effort; its timeout is the backstop)."""
+        try:
+            self.side.release(*self.key)
+        except Exception:
+            pass
 
     def _fail(self, message: str) -> bool:
         self.error, self._state = message, "done"

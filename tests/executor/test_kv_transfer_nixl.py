@@ -112,3 +112,24 @@ def test_bad_params_are_named(sides, monkeypatch):
     monkeypatch.setattr(kv_transfer_nixl, "available", lambda: False)
     error = run(generation, greedy(PROMPTS[0], request_type="context_only", kv_transfer="nixl"))[-1].error
     assert error == "kv_transfer 'nixl' needs the nixl-cu12 package (pip install nixl-cu12==1.5.1)"
+
+
+def test_a_failing_nixl_call_fails_its_request_alone(sides, monkeypatch):
+    """A NIXL call that raises (a READ NIXL refuses, a peer gone) ends that request with a named error, gives the
+    pin back to the context side at once, and the generation loop (which polls pulls outside its error handling)
+    keeps serving."""
+    context, generation = sides
+
+    def refused(self, fields, dst_ids):
+        raise RuntimeError("NIXL_ERR_BACKEND")
+
+    monkeypatch.setattr(kv_transfer_nixl.NixlSide, "read", refused)
+    params = export(context, PROMPTS[0])
+    error = run(generation, greedy(PROMPTS[0], request_type="generation_only", context_phase_params=params))[-1].error
+    assert error.startswith("context_phase_params: the NIXL transfer of the context phase's KV failed") \
+        and "NIXL_ERR_BACKEND" in error
+    assert wait_until(lambda: generation_free(generation)) and wait_until(lambda: context_free(context))
+    monkeypatch.undo()
+    good = run(generation, greedy(PROMPTS[0], request_type="generation_only",
+                                  context_phase_params=export(context, PROMPTS[0])))
+    assert good[-1].error is None
