@@ -477,8 +477,15 @@ class Disaggregation:
                     continue
                 if live:
                     pin.state = "claimed"
-            side.answer(agent, handle, metadata, live)
-        side.claims = waiting
+            try:
+                side.answer(agent, handle, metadata, live)
+            except Exception as err:  # (a claim whose metadata NIXL cannot load: a foreign or corrupted notification)
+                print(f"[disaggregated] NIXL claim of handle {handle} from agent {agent!r} not answered: {err!r}",
+                      file=sys.stderr, flush=True)
+                if live:
+                    with self._lock:
+                        pin.state = "pinned"  # (unanswered: a later claim may take it, else it expires)
+        side.claims = waiting  # (answered or dropped: one bad claim is not retried at every step)
         done, side.done = side.done, []
         for _, handle in done:
             with self._lock:

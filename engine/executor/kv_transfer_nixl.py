@@ -39,6 +39,7 @@ from __future__ import annotations
 import base64
 import glob
 import os
+import sys
 import time
 import uuid
 import zlib
@@ -155,8 +156,13 @@ class NixlSide:
         return out
 
     def poll(self) -> bool:
-        """Take new notifications into claims / done / answers; True when any came."""
-        news = self.agent.get_new_notifs()
+        """Take new notifications into claims / done / answers; True when any came. Never raises: it runs in
+        the executor loop's idle wait (Disaggregation.has_work), outside its error handling."""
+        try:
+            news = self.agent.get_new_notifs()
+        except Exception as err:
+            print(f"[kv_transfer_nixl] reading NIXL notifications failed: {err!r}", file=sys.stderr, flush=True)
+            return False
         for agent, messages in news.items():
             agent = agent.decode() if isinstance(agent, bytes) else agent
             for message in messages:

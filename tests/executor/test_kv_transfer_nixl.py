@@ -133,3 +133,24 @@ def test_a_failing_nixl_call_fails_its_request_alone(sides, monkeypatch):
     good = run(generation, greedy(PROMPTS[0], request_type="generation_only",
                                   context_phase_params=export(context, PROMPTS[0])))
     assert good[-1].error is None
+
+
+def test_a_claim_nixl_cannot_answer_leaves_the_context_side_serving(sides):
+    """A claim notification whose metadata NIXL cannot load (a foreign agent's) is dropped once: the pin stays
+    for a real claim, and the context side's later steps do not fail on it (it was retried at every step)."""
+    context, generation = sides
+    params = export(context, PROMPTS[1])
+    fields = decode(params)
+    api = kv_transfer_nixl.load_api()
+    stranger = api.nixl_agent("review16-stranger", api.nixl_agent_config(backends=["UCX"]))
+    name = stranger.add_remote_agent(kv_transfer_nixl.unpack_metadata(fields["metadata"]))
+    stranger.send_notif(name.decode() if isinstance(name, bytes) else name,
+                        b"C" + int(fields["handle"]).to_bytes(8, "little") + b"not nixl metadata")
+    again = run(context, greedy(PROMPTS[0], request_type="context_only", kv_transfer="nixl"))
+    assert again[-1].error is None, again[-1].error
+    good = run(generation, greedy(PROMPTS[1], request_type="generation_only", context_phase_params=params))
+    assert good[-1].error is None, good[-1].error
+    good = run(generation, greedy(PROMPTS[0], request_type="generation_only",
+                                  context_phase_params=again[-1].result.context_phase_params))
+    assert good[-1].error is None, good[-1].error
+    assert wait_until(lambda: generation_free(generation)) and wait_until(lambda: context_free(context))
