@@ -60,10 +60,14 @@ class ShmWriter:
         open(f"{path}.partial", "wb").close()  # (a reader that comes before the writer waits for it)
         by_block = block_major(pool)
         copy_stream = None
-        if by_block.device.type != "cuda":
-            gathered = by_block.index_select(0, torch.tensor(block_ids)).contiguous()
-        else:
-            gathered, copy_stream = self._gather(by_block, block_ids, ready)
+        try:
+            if by_block.device.type != "cuda":
+                gathered = by_block.index_select(0, torch.tensor(block_ids)).contiguous()
+            else:
+                gathered, copy_stream = self._gather(by_block, block_ids, ready)
+        except BaseException:
+            expire(f"{path}.partial")  # (no writer will rename or remove it; a reader waiting for it gives up)
+            raise
         if self._threads is None:
             self._threads = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-shm-write")
         return path, self._threads.submit(_write, gathered, copy_stream, path)

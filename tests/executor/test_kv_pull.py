@@ -156,3 +156,12 @@ def test_shm_reader_waits_for_a_file_being_written_and_a_fetch_is_one_shot(tmp_p
         assert torch.equal(reading.result(5), block_major(src)[SRC_IDS]) and writing.result() is None
     assert claim_blocks(path, shape, 2, "cpu", 5.0) is None and not list(tmp_path.iterdir())
     writer.shutdown()
+
+
+def test_an_export_whose_gather_fails_leaves_no_partial_file(tmp_path, monkeypatch):
+    """No writer runs for it, so nothing else would remove the placeholder (shm files outlive the process)."""
+    monkeypatch.setenv("TRITONLLM_KV_TRANSFER_DIR", str(tmp_path))
+    src, _ = _pools("cpu", "cpu")
+    with pytest.raises(IndexError):
+        ShmWriter().start_write(src, [SHAPE[2]], "test", 2)  # (a block id past the pool)
+    assert not list(tmp_path.iterdir())
