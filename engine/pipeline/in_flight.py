@@ -19,12 +19,15 @@ it has an uncomputed token, leaves it out of the next steps: consecutive steps t
 sequences, and the running set splits into ``depth`` groups by itself (a new request joins the
 step that admits it). The block pool and block tables are the leader's as before.
 
-The sampled-token ring keeps its two halves: step k's placeholders are read by the next step of
-its sequences, launched after step k was sampled (so after its tokens are in the ring, in stream
-order), and the half step k wrote is next written by step k + 2's sampling, which stream order
-puts after every step that reads it (those are launched before step k + 2 is sampled). The host
-reads step k's tokens (the executor's one step finished late) before step k + 2 samples into the
-same pinned buffer.
+The sampled-token ring keeps its two halves, but a step's half is the executor's parity at its
+launch and the parity flips at each sampling, so two launched steps may share a half (depth 2:
+steps 1 and 2 both write half 0). Stream order on rank 0 keeps it right: each iteration launches,
+then samples, then the host reads the step sampled one iteration before. So step k's tokens are
+read from the ring only by the step launched in the iteration after step k was sampled (its
+sequences had no new token before; later steps take the tokens from the host, which reads them in
+that iteration from the pinned buffer of the parity at step k's sampling), and no sampling comes
+between step k's and that launch. The pinned buffers alternate strictly: the host reads step k's
+tokens before step k + 2 samples into the same buffer.
 
 Transfers stay matched in order on every rank: a step's plan, its sends and rank 0's logits
 receives are queued at launch in the order of today's single step (each micro-batch's logits
