@@ -267,8 +267,8 @@ class Disaggregation:
                                                              ready)
             pin = _Pin([], time.monotonic() + self.timeout_s, where["path"], writing=writing)
         elif transport == "nixl":  # pinned as for local; the blob tells a remote agent where they are
+            where = {**self.nixl_side().describe(), "block_ids": block_ids}  # (may raise: before the pin)
             ex.blocks.acquire(block_ids)
-            where = {**self.nixl_side().describe(), "block_ids": block_ids}
             pin = _Pin(block_ids, time.monotonic() + self.timeout_s, ready=ready, nixl=True)
         else:
             ex.blocks.acquire(block_ids)  # scheduler.finish drops the sequence's ref; this one stays

@@ -154,3 +154,15 @@ def test_a_claim_nixl_cannot_answer_leaves_the_context_side_serving(sides):
                                   context_phase_params=again[-1].result.context_phase_params))
     assert good[-1].error is None, good[-1].error
     assert wait_until(lambda: generation_free(generation)) and wait_until(lambda: context_free(context))
+
+
+def test_an_export_nixl_cannot_describe_pins_no_block(sides, monkeypatch):
+    """The context side's agent failing at export (here: describing its pool) leaves no block pinned."""
+    _, ex = sides  # (this process's executor exports too)
+
+    def broken(self):
+        raise RuntimeError("NIXL_ERR_BACKEND")
+
+    monkeypatch.setattr(kv_transfer_nixl.NixlSide, "describe", broken)
+    assert run(ex, greedy(PROMPTS[0], request_type="context_only", kv_transfer="nixl"))[-1].error is not None
+    assert wait_until(lambda: generation_free(ex) and ex.disagg.num_pinned_blocks == 0)
