@@ -108,7 +108,10 @@ class NixlSide:
         if api is None:
             raise RuntimeError(MISSING)
         self.name = f"tritonllm-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        self.agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=["UCX"]))
+        # No progress thread: UCX's spins a core at 100% for the agent's whole life (an idle server burned a core
+        # per executor, and the CPU test suite ran 2x slower). Both loops already poll the agent (notifications,
+        # transfer states), and those calls progress its worker.
+        self.agent = api.nixl_agent(self.name, api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         self.pool = pool
         self.mem = "DRAM" if pool.device.type == "cpu" else "VRAM"
         # The pool is a transposed view ((L, 2, N, H, T, D) storage seen as (L, 2, N, T, H, D)): each (layer, K/V,

@@ -244,10 +244,12 @@ def test_graph_capture_holds_the_cyclic_gc_off_inside_only(monkeypatch):
         yield
 
     monkeypatch.setattr(linear.torch.cuda, "graph", fake_graph)
+    monkeypatch.setattr(linear, "capture_stream", lambda: "this device's capture stream")
     assert gc.isenabled()
     with linear.graph_capture(None, capture_error_mode="thread_local"):
         assert not gc.isenabled()
-    assert gc.isenabled() and seen == [{"capture_error_mode": "thread_local"}]
+    # the device's own capture stream, not torch's process-wide default (made on the first capturing device)
+    assert gc.isenabled() and seen == [{"capture_error_mode": "thread_local", "stream": "this device's capture stream"}]
     with pytest.raises(RuntimeError), linear.graph_capture(None):
         raise RuntimeError("capture failed")
     assert gc.isenabled()
