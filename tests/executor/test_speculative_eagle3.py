@@ -206,14 +206,9 @@ def window_device(device: str, monkeypatch) -> torch.device:
     return torch.device(device)
 
 
-@pytest.mark.parametrize("device", WINDOW_DEVICES)
-def test_window_drafts_equal_draft_static(tmp_path, runner, tiny_hf, monkeypatch, device):
-    """eagle3_graphs.py's windows (the body the CUDA graphs record; eager on the CPU) commit the
-    pending rows and draft draft_static's tokens: as a cache grows (only new rows copied; after a
-    prompt the rows beyond the window's pending rows committed eagerly first), across a capacity
-    bucket (64 -> 128 rows), and for a second cache (a restart at token 5) taking over the same
-    windows. The tree expands two nodes at depth 1: one position for both rows (on CUDA the rotary
-    kernel read a broadcast view's second position past its storage: garbage drafts)."""
+def window_parts(tmp_path, runner, device: str, monkeypatch):
+    """(device, head, plan, embed) of the window tests: a saved-and-loaded head on the WINDOW_DEVICES entry's
+    device, the 7-node tree that expands two nodes at depth 1, and the target's embedding there."""
     import copy
 
     dev = window_device(device, monkeypatch)
@@ -222,6 +217,18 @@ def test_window_drafts_equal_draft_static(tmp_path, runner, tiny_hf, monkeypatch
     plan = StaticPlan(shape_from_choices([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1]],
                                          field="eagle_choices"), dev)
     embed = runner.model.embed_tokens if dev.type == "cpu" else copy.deepcopy(runner.model.embed_tokens).to(dev)
+    return dev, head, plan, embed
+
+
+@pytest.mark.parametrize("device", WINDOW_DEVICES)
+def test_window_drafts_equal_draft_static(tmp_path, runner, tiny_hf, monkeypatch, device):
+    """eagle3_graphs.py's windows (the body the CUDA graphs record; eager on the CPU) commit the
+    pending rows and draft draft_static's tokens: as a cache grows (only new rows copied; after a
+    prompt the rows beyond the window's pending rows committed eagerly first), across a capacity
+    bucket (64 -> 128 rows), and for a second cache (a restart at token 5) taking over the same
+    windows. The tree expands two nodes at depth 1: one position for both rows (on CUDA the rotary
+    kernel read a broadcast view's second position past its storage: garbage drafts)."""
+    dev, head, plan, embed = window_parts(tmp_path, runner, device, monkeypatch)
     graphs = StaticDraftGraphs(head, plan, embed, max_positions=128, device=dev, use_graphs=True)
     check_windows(head, embed, tiny_hf, graphs, plan)
     assert sorted(graphs.windows) == [64, 128]
@@ -264,14 +271,7 @@ def test_batched_windows_draft_what_one_sequence_windows_draft(tmp_path, runner,
     kernels/rotary.py; the CPU's reference gap between the right token and the next is 0.38)."""
     import engine.executor.speculative.eagle3_graphs as eagle3_graphs
 
-    import copy
-
-    dev = window_device(device, monkeypatch)
-    head, _ = load_eagle3(save_eagle3(tmp_path / "eagle3", layers=[0, 1, 1]), hidden_size=HIDDEN,
-                          vocab_size=VOCAB, num_layers=len(runner.model.layers), device=dev)
-    plan = StaticPlan(shape_from_choices([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1]],
-                                         field="eagle_choices"), dev)
-    embed = runner.model.embed_tokens if dev.type == "cpu" else copy.deepcopy(runner.model.embed_tokens).to(dev)
+    dev, head, plan, embed = window_parts(tmp_path, runner, device, monkeypatch)
     make = lambda graphs: StaticDraftGraphs(head, plan, embed, max_positions=128, device=dev,  # noqa: E731
                                             use_graphs=graphs)
     batched, single = make(True), make(False)  # (the CPU never records: both eager there)
