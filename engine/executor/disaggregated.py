@@ -403,9 +403,8 @@ class Disaggregation:
             if source is None:
                 raise ContextPhaseError("context_phase_params: the context executor that made them has shut down")
             num_blocks = ex.blocks.blocks_for_tokens(fields["prompt_len"])
-            if num_blocks > ex.blocks.num_free_blocks:
-                raise ContextPhaseError(f"context_phase_params: {num_blocks} KV blocks needed, "
-                                        f"{ex.blocks.num_free_blocks} free; retry later")
+            if (no_room := self._no_room(num_blocks)) is not None:
+                raise ContextPhaseError(no_room)
             src_ids, ready = source.claim(fields["handle"])
         except ContextPhaseError as err:
             return str(err)
@@ -418,12 +417,18 @@ class Disaggregation:
         self._start(_Import(seq, fields, dst_ids, pull, source))
         return None
 
+    def _no_room(self, num_blocks: int) -> str | None:
+        """The error of an import whose prompt needs more blocks than this pool has free (None: room)."""
+        free = self.executor.blocks.num_free_blocks
+        if num_blocks > free:
+            return f"context_phase_params: {num_blocks} KV blocks needed, {free} free; retry later"
+        return None
+
     def _import_file(self, seq, fields: dict) -> str | None:
         ex = self.executor
         num_blocks = ex.blocks.blocks_for_tokens(fields["prompt_len"])
-        if num_blocks > ex.blocks.num_free_blocks:
-            return (f"context_phase_params: {num_blocks} KV blocks needed, {ex.blocks.num_free_blocks} free; "
-                    f"retry later")
+        if (no_room := self._no_room(num_blocks)) is not None:
+            return no_room
         dst_ids = ex.blocks.allocate(num_blocks)
         pool = ex.runner.kv_cache
         shape = (num_blocks, *block_major(pool).shape[1:])
@@ -450,9 +455,8 @@ class Disaggregation:
         if num_blocks != len(fields["block_ids"]):
             return (f"context_phase_params: {len(fields['block_ids'])} block ids for a {fields['prompt_len']}-token "
                     f"prompt ({num_blocks} expected); send the context_only request's output unchanged")
-        if num_blocks > ex.blocks.num_free_blocks:
-            return (f"context_phase_params: {num_blocks} KV blocks needed, {ex.blocks.num_free_blocks} free; "
-                    f"retry later")
+        if (no_room := self._no_room(num_blocks)) is not None:
+            return no_room
         dst_ids = ex.blocks.allocate(num_blocks)
         try:
             pull = kv_transfer_nixl.NixlPull(self.nixl_side(), fields, dst_ids, self.timeout_s,
