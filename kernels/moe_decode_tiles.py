@@ -25,7 +25,7 @@ import os
 
 import torch
 
-from kernels import choice_cache
+from kernels import choice_cache, fused_moe
 from kernels._triton import use_triton
 from kernels.fused_moe import DECODE_TILES_ATTR, SINGLE_TOKEN_TILES, _grouped_gemm
 
@@ -70,16 +70,10 @@ def choose_decode_tiles(experts: list[tuple[torch.Tensor, torch.Tensor, int]]) -
         if key not in reports:
             reports[key] = choice_cache.timed_report(
                 "moe_decode", key, gate_up.device, lambda: time_decode_tiles(gate_up, down, top_k),
-                sources=(__file__, _fused_moe_file()), candidates=DECODE_TILE_CANDIDATES,
+                sources=(__file__, fused_moe.__file__), candidates=DECODE_TILE_CANDIDATES,
                 valid=lambda r: r["gate_up"] in DECODE_TILE_CANDIDATES and r["down"] in DECODE_TILE_CANDIDATES)
         mark_decode_tiles(gate_up, reports[key]["gate_up"], reports[key]["down"])
     return reports
-
-
-def _fused_moe_file() -> str:
-    from kernels import fused_moe
-
-    return fused_moe.__file__
 
 
 def time_decode_tiles(gate_up: torch.Tensor, down: torch.Tensor, top_k: int) -> dict:
