@@ -20,7 +20,7 @@ PINNED=(
   msgpack==1.1.1 pyzmq==27.3.0                                     # KV events (engine/executor/kv_events.py)
   pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0
 )
-STASH_PART_BYTES=$((48 << 20))
+STASH_PART_BYTES=$((54 << 20))  # both calls under 64 MiB with the ~7 MiB tree
 download=$(mktemp -d)
 trap 'rm -rf "$download"' EXIT
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
