@@ -182,6 +182,8 @@ class Disaggregation:
         self.num_expired = 0
         self.num_transfers = 0  # generation_only requests whose KV arrived here
         self.kv_cache_transfer_ms = 0.0  # cumulative time of those copies
+        self.num_quarantined_blocks = 0  # never freed: a failed NIXL READ into them could not be cancelled
+        self._quarantined: list = []  # (their pulls: the READs' handles stay alive with them)
         self.ready = ReadyEvents(executor.runner.device)  # context side: prompts' KV final on the device
         self.pulls = PullStreams()  # generation side
         self._importing: list[_Import] = []  # (generation loop only)
@@ -253,15 +255,28 @@ class Disaggregation:
                                     f"generation side runs in another process")
 
     # ----- context side (its loop thread) -----
-    def export(self, seq) -> None:
-        """``seq`` (context_only) got its first token: pin its prompt's blocks, attach the blob."""
+    def export(self, seq) -> str | None:
+        """``seq`` (context_only) got its first token: pin its prompt's blocks, attach the blob. An export that
+        fails (the shm file or its gather, NIXL describing the pool) pins nothing and returns the request's error:
+        it fails that request alone (Executor._finish), its blocks freed with the sequence."""
+        transport = seq.state.request.kv_transfer or self.transport
+        ready = self.ready.take(seq.request_id)
+        try:
+            self._export(seq, transport, ready)
+        except Exception as err:  # (OSError: a full /dev/shm; torch.OutOfMemoryError; NIXL errors)
+            print(f"[disaggregated] exporting request {seq.request_id}'s KV ({transport}) failed: {err!r}",
+                  file=sys.stderr, flush=True)
+            return (f"context_phase_params: exporting the context phase's KV (kv_transfer {transport}) failed: "
+                    f"{err!r}; run the context_only request again")
+        return None
+
+    def _export(self, seq, transport: str, ready) -> None:
         ex = self.executor
         prompt = seq.token_ids[:seq.num_prompt_tokens]
         num_blocks = ex.blocks.blocks_for_tokens(seq.num_prompt_tokens)
         block_ids = list(seq.block_ids[:num_blocks])
         handle = next(self._handles)
-        transport = seq.state.request.kv_transfer or self.transport
-        where, ready = {}, self.ready.take(seq.request_id)
+        where = {}
         if transport == "shm":  # the blocks are copied out (the loop's stream waits for the gather) and freed as usual
             where["path"], writing = self.writer.start_write(ex.runner.kv_cache, block_ids, self.exporter_id, handle,
                                                              ready)
@@ -543,7 +558,14 @@ class Disaggregation:
         ex = self.executor
         error = getattr(item.pull, "error", None)  # nixl: gone, unanswered or a failed READ
         if error is not None:
-            ex.blocks.free(item.dst_ids)
+            if getattr(item.pull, "quarantined", False):  # (a READ NIXL could not cancel may still write them)
+                self._quarantined.append(item.pull)
+                self.num_quarantined_blocks += len(item.dst_ids)
+                print(f"[disaggregated] {len(item.dst_ids)} KV blocks quarantined for this executor's life (a failed "
+                      f"NIXL READ into them could not be cancelled); {self.num_quarantined_blocks} in all",
+                      file=sys.stderr, flush=True)
+            else:
+                ex.blocks.free(item.dst_ids)
             if not item.seq.is_finished:
                 ex._fail(item.seq.state, error)
             return
@@ -565,6 +587,11 @@ class Disaggregation:
     @property
     def num_importing(self) -> int:
         return len(self._importing)
+
+    def stats(self) -> dict:
+        """This side's fields of the executor's IterationStats."""
+        return {"num_kv_transfers_total": self.num_transfers, "kv_cache_transfer_ms_total": self.kv_cache_transfer_ms,
+                "num_kv_blocks_quarantined": self.num_quarantined_blocks}
 
 
 def _check_nixl(fields: dict) -> None:

@@ -1096,7 +1096,9 @@ class Executor:
         if seq.num_unresolved_tokens:  # e.g. cancelled with a step in flight: its token is not sent
             self._drop_unresolved(seq, keep=len(seq.token_ids) - seq.num_unresolved_tokens)
         if seq.state.request.request_type == "context_only" and reason is not FinishReason.CANCELLED:
-            self.disagg.export(seq)  # pins the prompt's blocks before the scheduler frees the sequence's
+            if (error := self.disagg.export(seq)) is not None:  # pins the prompt's blocks before the scheduler
+                self._fail(seq.state, error)  # frees the sequence's; a failed export pins none: this request alone
+                return
         self.scheduler.finish(seq)
         seq.finish_reason = reason
         self._touched[seq.request_id] = seq.state
@@ -1199,7 +1201,7 @@ class Executor:
             **self._pool_stats(),
             num_draft_tokens_total=self._num_draft_tokens_total,
             num_accepted_draft_tokens_total=self._num_accepted_draft_tokens_total,
-            num_kv_transfers_total=self.disagg.num_transfers, kv_cache_transfer_ms_total=self.disagg.kv_cache_transfer_ms)
+            **self.disagg.stats())
         self._stats_history.append(stats)
         if self._iteration_log is not None:
             self._iteration_log.write(stats, self._deliver_ms)

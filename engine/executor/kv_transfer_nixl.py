@@ -223,6 +223,9 @@ class NixlPull:
         self.key = (self.agent, fields["handle"])
         self.after_step = after_step  # CUDA: the loop's last step, which may still write the fresh blocks
         self.error: str | None = None
+        # A failed READ NIXL could not cancel (its handle's release raised): UCX may still write ``dst_ids``, so
+        # they must never be freed (Disaggregation quarantines them); the handle is kept.
+        self.quarantined = False
         self._xfer, self._state, self._started, self._ms = None, "claiming", 0.0, 0.0
         side.claim(self.agent, fields["handle"])
 
@@ -233,10 +236,7 @@ class NixlPull:
         try:
             return self._advance()
         except Exception as err:  # (UCX / NIXL errors: a peer gone mid-READ, descriptors NIXL refused)
-            self._drop_xfer()
-            if self._state in ("granted", "reading"):
-                self._give_back()  # (the context side frees its pin now, not one timeout later)
-            return self._fail(f"context_phase_params: the NIXL transfer of the context phase's KV failed: {err!r}")
+            return self._abort(f"context_phase_params: the NIXL transfer of the context phase's KV failed: {err!r}")
 
     def _advance(self) -> bool:
         if self._state == "claiming":
@@ -260,29 +260,42 @@ class NixlPull:
             self._started = time.perf_counter()
             self._xfer, status = self.side.read(self.fields, self.dst_ids)
             self._state = "reading"
-            if status == "ERR":
-                self._drop_xfer()
-                self._give_back()  # (no READ ran: no "done" notification will reach the context side)
-                return self._fail("context_phase_params: the NIXL READ of the context phase's KV failed to start")
+            if status == "ERR":  # (no READ ran: no "done" notification will reach the context side)
+                return self._abort("context_phase_params: the NIXL READ of the context phase's KV failed to start")
         if self._state == "reading":
             status = self.side.agent.check_xfer_state(self._xfer)
             if status == "PROC":
                 return False
             self._ms = (time.perf_counter() - self._started) * 1e3
-            self._drop_xfer()
             if status != "DONE":
-                self._give_back()
-                return self._fail("context_phase_params: the NIXL READ of the context phase's KV failed")
+                return self._abort("context_phase_params: the NIXL READ of the context phase's KV failed")
+            self._drop_xfer()  # (the data has landed: a release that fails only leaks the handle)
             self._state = "done"
         return True
 
-    def _drop_xfer(self) -> None:
-        xfer, self._xfer = self._xfer, None
-        if xfer is not None:
-            try:
-                xfer.release()
-            except Exception:  # (a handle NIXL already dropped)
-                pass
+    def _abort(self, message: str) -> bool:
+        """End a pull that failed. A posted READ's handle is released first: NIXL cancels the transfer or
+        says (raising) that it cannot, and then UCX may still write the destination blocks: the pull is
+        ``quarantined`` (its blocks never go back to the pool). The context side may free its pin either way:
+        a READ of freed source blocks only reads stale bytes into blocks nobody will use."""
+        if not self._drop_xfer():
+            self.quarantined = True
+        if self._state in ("granted", "reading"):
+            self._give_back()  # (the context side frees its pin now, not one timeout later)
+        return self._fail(message)
+
+    def _drop_xfer(self) -> bool:
+        """Release the READ's handle; False when NIXL refused (the transfer may still run; the handle is kept)."""
+        if self._xfer is None:
+            return True
+        try:
+            self._xfer.release()
+        except Exception as err:
+            print(f"[kv_transfer_nixl] releasing the READ of handle {self.fields['handle']} failed: {err!r}",
+                  file=sys.stderr, flush=True)
+            return False
+        self._xfer = None
+        return True
 
     def _give_back(self) -> None:
         """A failed READ: the context side may free the pin (best effort; its timeout is the backstop)."""

@@ -56,6 +56,8 @@ class IterationStats:
     # Disaggregated serving, cumulative: generation_only requests whose KV arrived here, and the copies' time.
     num_kv_transfers_total: int = 0
     kv_cache_transfer_ms_total: float = 0.0
+    # ... and KV blocks taken out of the pool for good: a failed NIXL READ into them that NIXL could not cancel.
+    num_kv_blocks_quarantined: int = 0
 
 
 def kv_cache_stats(blocks: BlockManager) -> KvCacheStats:

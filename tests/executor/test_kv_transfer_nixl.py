@@ -164,5 +164,45 @@ def test_an_export_nixl_cannot_describe_pins_no_block(sides, monkeypatch):
         raise RuntimeError("NIXL_ERR_BACKEND")
 
     monkeypatch.setattr(kv_transfer_nixl.NixlSide, "describe", broken)
-    assert run(ex, greedy(PROMPTS[0], request_type="context_only", kv_transfer="nixl"))[-1].error is not None
+    error = run(ex, greedy(PROMPTS[0], request_type="context_only", kv_transfer="nixl"))[-1].error
+    assert error.startswith("context_phase_params: exporting the context phase's KV (kv_transfer nixl) failed: "
+                            "RuntimeError('NIXL_ERR_BACKEND')")
     assert wait_until(lambda: generation_free(ex) and ex.disagg.num_pinned_blocks == 0)
+
+
+def test_a_read_nixl_cannot_cancel_keeps_its_blocks_out_of_the_pool(sides, monkeypatch):
+    """check_xfer_state raising mid-READ: the READ's handle is released first (NIXL cancels it); when that raises
+    too, UCX may still write the destination blocks: they are quarantined (never freed, counted in the stats), the
+    request fails by name, the pin goes back and the generation loop serves on."""
+    context, generation = sides
+    api = kv_transfer_nixl.load_api()
+
+    def broken(*args):
+        raise RuntimeError("NIXL_ERR_REMOTE_DISCONNECT")
+
+    real_read = kv_transfer_nixl.NixlSide.read
+
+    def read(self, fields, dst_ids):
+        monkeypatch.setattr(self.agent, "check_xfer_state", broken)
+        return real_read(self, fields, dst_ids)
+
+    monkeypatch.setattr(kv_transfer_nixl.NixlSide, "read", read)
+    monkeypatch.setattr(api.nixl_xfer_handle, "release", broken)
+    params = export(context, PROMPTS[1])
+    error = run(generation, greedy(PROMPTS[1], request_type="generation_only", context_phase_params=params))[-1].error
+    assert error == "context_phase_params: the NIXL transfer of the context phase's KV failed: " \
+                    "RuntimeError('NIXL_ERR_REMOTE_DISCONNECT')"
+    quarantined = len(decode(params)["block_ids"])
+    assert generation.disagg.num_quarantined_blocks == quarantined
+    assert generation.blocks.num_free_blocks == generation.blocks.num_blocks - quarantined
+    assert wait_until(lambda: context_free(context))
+    monkeypatch.undo()
+    good = run(generation, greedy(PROMPTS[0], request_type="generation_only",
+                                  context_phase_params=export(context, PROMPTS[0])))
+    assert good[-1].error is None, good[-1].error
+    assert generation.get_latest_iteration_stats().num_kv_blocks_quarantined == quarantined
+    for pull in generation.disagg._quarantined:  # (the READ ended long ago here: the module's pool back whole)
+        pull._xfer.release()
+        generation.blocks.free(pull.dst_ids)
+    generation.disagg._quarantined, generation.disagg.num_quarantined_blocks = [], 0
+    assert generation_free(generation)
