@@ -24,7 +24,8 @@ context side, default ``local``):
 NCCL would be a further name; the blob names its transport.
 
 Blob (version 1): MAGIC + one version byte + UTF-8 JSON
-    {"transport": "local" | "shm" | "nixl", "pid", "exporter": uuid hex, "handle": int, "request_id": int,
+    {"transport": "local" | "shm" | "nixl", "pid", "peer" (kv_peer.identity: same-host death checks),
+     "exporter": uuid hex, "handle": int, "request_id": int,
      "path" (shm), "agent", "metadata", "mem", "pool", "block_ids" (nixl),
      "layout": {"kv_shape": [L, 2, T, H, D], "dtype": str, "tokens_per_block": T},
      "prompt_len": int, "prompt_digest": hex, "first_token": int, "num_blocks": int}
@@ -56,7 +57,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
-from engine.executor import kv_transfer_nixl, kv_transfer_shm
+from engine.executor import kv_peer, kv_transfer_nixl, kv_transfer_shm
 from engine.executor.kv_pull import PullStreams, ReadyEvents
 from engine.executor.kv_transfer_shm import ShmWriter, block_major
 
@@ -295,7 +296,7 @@ class Disaggregation:
             "transport": transport, **where, "pid": os.getpid(), "exporter": self.exporter_id, "handle": handle,
             "request_id": seq.request_id, "layout": kv_layout(ex.runner), "prompt_len": len(prompt),
             "prompt_digest": prompt_digest(prompt), "first_token": -1 if first is None else int(first),
-            "num_blocks": num_blocks})
+            "num_blocks": num_blocks, "peer": kv_peer.identity()})
 
     def prepare(self, request):
         """A context_only request stops after its first token, whatever max_tokens it carried."""
@@ -450,7 +451,7 @@ class Disaggregation:
         if self._readers is None:
             self._readers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-shm-read")
         reading = self._readers.submit(_read_file, fields["path"], shape, pool.element_size(), pool.device,
-                                       self.timeout_s)
+                                       self.timeout_s, fields.get("peer"))
         self._importing.append(_Import(seq, fields, dst_ids, reading=reading))
         reading.add_done_callback(lambda _: self._wake())
         return None
@@ -491,17 +492,17 @@ class Disaggregation:
             with self._lock:
                 pin = self._pins.get(handle)
                 live = pin is not None and pin.nixl and pin.state == "pinned" and pin.deadline > now
-                if live and pin.ready is not None and not pin.ready.query():
-                    waiting.append((agent, handle, metadata))  # (its prefill is still on the GPU)
-                    continue
-                if live:
+                wait = live and pin.ready is not None and not pin.ready.query()  # (its prefill is still on the GPU)
+                if live and not wait:
                     pin.state = "claimed"
             try:
-                side.answer(agent, handle, metadata, live)
+                side.answer(agent, handle, metadata, None if wait else live)  # (None: seen, answered later)
+                if wait:
+                    waiting.append((agent, handle, metadata))
             except Exception as err:  # (a claim whose metadata NIXL cannot load: a foreign or corrupted notification)
                 print(f"[disaggregated] NIXL claim of handle {handle} from agent {agent!r} not answered: {err!r}",
                       file=sys.stderr, flush=True)
-                if live:
+                if live and not wait:
                     with self._lock:
                         pin.state = "pinned"  # (unanswered: a later claim may take it, else it expires)
         side.claims = waiting  # (answered or dropped: one bad claim is not retried at every step)
@@ -542,6 +543,8 @@ class Disaggregation:
             error = None if blocks is not None else (
                 "context_phase_params: the context phase's KV cache is gone (fetched already, or deleted after the "
                 "context side's timeout); run the context_only request again")
+        except kv_peer.PeerGone as err:  # (its process died while writing the file)
+            blocks, error = None, str(err)
         except Exception as err:  # (I/O: a full or vanished transfer directory)
             blocks, error = None, f"context_phase_params: reading the context phase's KV file failed: {err!r}"
         if blocks is None or item.seq.is_finished:
@@ -606,8 +609,8 @@ def _check_nixl(fields: dict) -> None:
                                 "context_phase_params output of a context_only request unchanged")
 
 
-def _read_file(path: str, shape: tuple, element_size: int, device, wait_s: float):
+def _read_file(path: str, shape: tuple, element_size: int, device, wait_s: float, peer):
     """A reader thread: (the blocks or None when gone, ms spent)."""
     started = time.perf_counter()
-    blocks = kv_transfer_shm.claim_blocks(path, shape, element_size, device, wait_s)
+    blocks = kv_transfer_shm.claim_blocks(path, shape, element_size, device, wait_s, peer)
     return blocks, (time.perf_counter() - started) * 1e3

@@ -47,10 +47,16 @@ import zlib
 import numpy as np
 import torch
 
+from engine.executor import kv_peer
+
 MISSING = "kv_transfer 'nixl' needs the nixl-cu12 package (pip install nixl-cu12==1.5.1)"
 POLL_S = 0.002  # an idle loop's poll of NIXL notifications while a nixl pin or import is pending
 IDLE_POLL_S = 0.05  # ... and otherwise, once the executor has an agent (a late claim gets its "gone" answer)
-_CLAIM, _GRANTED, _GONE, _DONE = b"C", b"G", b"X", b"D"  # notification kinds: kind + 8-byte handle [+ metadata]
+# A claim the context side does not acknowledge within this fails at once: its process is gone or unreachable
+# (across hosts no pid can be checked). Its loop acknowledges a claim at its next step or idle poll.
+ACK_TIMEOUT_S = float(os.environ.get("TRITONLLM_KV_TRANSFER_ACK_TIMEOUT_S", "5"))
+# notification kinds: kind + 8-byte handle [+ metadata]; _WAIT: a claim seen, its prompt's KV not final yet
+_CLAIM, _GRANTED, _GONE, _DONE, _WAIT = b"C", b"G", b"X", b"D", b"W"
 
 
 def load_api():
@@ -127,6 +133,8 @@ class NixlSide:
         self.claims: list[tuple[str, int, bytes]] = []  # context side: (agent, handle, its metadata), unanswered
         self.done: list[tuple[str, int]] = []  # context side: (agent, handle) whose READ finished
         self.answers: dict[tuple[str, int], bool] = {}  # generation side: (agent, handle) -> granted
+        self.acks: set[tuple[str, int]] = set()  # generation side: claims the context side has seen (_WAIT)
+        self.acknowledged: set[tuple[str, int]] = set()  # context side: claims waiting, _WAIT sent
 
     @property
     def metadata(self) -> bytes:
@@ -176,12 +184,21 @@ class NixlSide:
                     self.done.append((agent, handle))
                 elif kind in (_GRANTED, _GONE):
                     self.answers[(agent, handle)] = kind == _GRANTED
+                elif kind == _WAIT:
+                    self.acks.add((agent, handle))
         return bool(news)
 
-    def answer(self, agent: str, handle: int, metadata: bytes, granted: bool) -> None:
-        """Context side: tell a claiming agent whether it may READ (its metadata lets us reach it)."""
+    def answer(self, agent: str, handle: int, metadata: bytes, granted: bool | None) -> None:
+        """Context side: tell a claiming agent whether it may READ (its metadata lets us reach it); None: not yet,
+        the claim is seen (sent once per claim: the claimant's sign that this process is alive)."""
         if agent not in self._remotes:
             self.connect(metadata)
+        if granted is None:
+            if (agent, handle) not in self.acknowledged:
+                self.agent.send_notif(agent, _WAIT + _handle_bytes(handle))
+                self.acknowledged.add((agent, handle))
+            return
+        self.acknowledged.discard((agent, handle))
         self.agent.send_notif(agent, (_GRANTED if granted else _GONE) + _handle_bytes(handle))
 
     def claim(self, agent: str, handle: int) -> None:
@@ -219,6 +236,8 @@ class NixlPull:
         self.side, self.fields, self.dst_ids = side, fields, dst_ids
         self.cancelled = cancelled  # () -> bool: the request ended (then a grant is given back unread)
         self.deadline = time.monotonic() + timeout_s  # for the context side's answer
+        self.ack_deadline = time.monotonic() + min(ACK_TIMEOUT_S, timeout_s)  # ... and for its first sign of life
+        self._acked, self._next_check = False, 0.0
         self.agent = side.connect(unpack_metadata(fields["metadata"]))
         self.key = (self.agent, fields["handle"])
         self.after_step = after_step  # CUDA: the loop's last step, which may still write the fresh blocks
@@ -242,10 +261,27 @@ class NixlPull:
         if self._state == "claiming":
             granted = self.side.answers.pop(self.key, None)
             if granted is None:
-                if time.monotonic() < self.deadline:
+                if (dead := self._peer_gone()) is not None:
+                    self._give_back()  # (if it answers after all, its pin goes at once)
+                    return self._fail(dead)
+                if self.key in self.side.acks:
+                    self.side.acks.discard(self.key)
+                    self._acked = True
+                now = time.monotonic()
+                if not self._acked and now >= self.ack_deadline:
+                    self.side.poll()  # (the loop may not have read its notifications for a while)
+                    self._acked = self.key in self.side.acks or self.key in self.side.answers
+                    if not self._acked:
+                        self._give_back()
+                        return self._fail(f"context_phase_params: the context side (NIXL agent {self.agent}) did "
+                                          f"not acknowledge the claim of its KV cache within {ACK_TIMEOUT_S:g} s: "
+                                          f"its process is gone or unreachable; run the context_only request again")
+                    return False
+                if now < self.deadline:
                     return False
                 return self._fail(f"context_phase_params: the context side (NIXL agent {self.agent}) did not answer "
                                   f"the claim of its KV cache in time; run the context_only request again")
+            self.side.acks.discard(self.key)
             if not granted:
                 return self._fail("context_phase_params: the context phase's KV cache is gone (fetched already, "
                                   "or freed after the context side's timeout); run the context_only request again")
@@ -265,6 +301,8 @@ class NixlPull:
         if self._state == "reading":
             status = self.side.agent.check_xfer_state(self._xfer)
             if status == "PROC":
+                if (dead := self._peer_gone()) is not None:  # (UCX may take long to notice)
+                    return self._abort(dead)
                 return False
             self._ms = (time.perf_counter() - self._started) * 1e3
             if status != "DONE":
@@ -272,6 +310,14 @@ class NixlPull:
             self._drop_xfer()  # (the data has landed: a release that fails only leaks the handle)
             self._state = "done"
         return True
+
+    def _peer_gone(self) -> str | None:
+        """The error when the context process is known dead (same host: kv_peer); looked at every CHECK_S."""
+        now = time.monotonic()
+        if now < self._next_check:
+            return None
+        self._next_check = now + kv_peer.CHECK_S
+        return kv_peer.gone(self.fields.get("peer"))
 
     def _abort(self, message: str) -> bool:
         """End a pull that failed. A posted READ's handle is released first: NIXL cancels the transfer or

@@ -28,6 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from engine.executor import kv_peer
 from engine.executor.kv_host_tier import _SAME_WIDTH_INT
 
 WAIT_POLL_S = 0.001  # a reader's poll while the file is still being written
@@ -115,12 +116,16 @@ def _write(gathered: torch.Tensor, stream, path: str) -> None:
         raise
 
 
-def claim_blocks(path: str, shape: tuple, element_size: int, pin_for, wait_s: float) -> torch.Tensor | None:
+def claim_blocks(path: str, shape: tuple, element_size: int, pin_for, wait_s: float,
+                 peer: dict | None = None) -> torch.Tensor | None:
     """Take the file (None: fetched already, expired, or still unwritten after ``wait_s``), read its blocks
     (``shape``: (num_blocks, L, 2, T, H, D)) into host memory, pinned when ``pin_for`` is a CUDA device (the
-    pool's: the reader thread's current device is not), and delete it. A reader's thread."""
+    pool's: the reader thread's current device is not), and delete it. A reader's thread. ``peer``: the context
+    process (kv_peer.identity); if it dies while its file is being written, kv_peer.PeerGone at once (and its
+    partial file, which nobody would remove, goes)."""
     mine = f"{path}.claimed-{os.getpid()}"
     deadline = time.monotonic() + wait_s
+    next_check = 0.0
     while True:
         try:
             os.rename(path, mine)
@@ -130,6 +135,11 @@ def claim_blocks(path: str, shape: tuple, element_size: int, pin_for, wait_s: fl
                 if os.path.exists(path):
                     continue  # renamed into place between the two checks
                 return None
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + kv_peer.CHECK_S
+                if (dead := kv_peer.gone(peer)) is not None and not os.path.exists(path):
+                    expire(f"{path}.partial")
+                    raise kv_peer.PeerGone(dead)
             time.sleep(WAIT_POLL_S)  # the context side is still writing it
     try:
         if pin_for is not None and torch.device(pin_for).type == "cuda":

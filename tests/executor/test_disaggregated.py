@@ -4,10 +4,13 @@ when fetched or expired (no leak on either side); bad params get named errors.""
 from __future__ import annotations
 
 import os
+import subprocess
+import threading
+import time
 
 import pytest
 
-from engine.executor import Executor, ExecutorConfig
+from engine.executor import Executor, ExecutorConfig, kv_peer, kv_transfer_shm
 from engine.executor.disaggregated import decode, encode
 from engine.executor.request import Request, SamplingConfig
 from tests.executor.executor_testing import collect, final_tokens, wait_until
@@ -125,6 +128,36 @@ def test_a_failing_export_fails_its_request_alone(pair, monkeypatch):
                                              "shm) failed: OSError(28, 'No space left on device')")
     assert all(r.error is None for r in got[beside]) and got[beside][-1].result.is_final
     assert wait_until(lambda: all_free(context)) and not context.disagg._pins
+
+
+def dead_peer() -> dict:
+    """The kv_peer identity of a process of this host that has exited."""
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return {**kv_peer.identity(), "pid": child.pid}
+
+
+def test_a_dead_context_process_fails_the_file_wait_at_once(pair, tmp_path, monkeypatch):
+    """shm: the generation side waits for a file still being written; when the blob's context process is gone
+    (same host: its pid), the request fails at once by name (not after the transfer timeout) and the partial file
+    that nobody would remove goes."""
+    monkeypatch.setenv("TRITONLLM_KV_TRANSFER_DIR", str(tmp_path))
+    context, generation = pair
+    writing, real_write = threading.Event(), kv_transfer_shm._write
+    monkeypatch.setattr(kv_transfer_shm, "_write", lambda *args: writing.wait(30) and real_write(*args))
+    monkeypatch.setattr(generation.disagg, "timeout_s", 5.0)
+    prompt = PROMPTS[3]
+    fields = decode(run(context, greedy(prompt, request_type="context_only", kv_transfer="shm"))[-1].result.context_phase_params)
+    assert os.path.exists(fields["path"] + ".partial")
+    started = time.monotonic()
+    error = run(generation, greedy(prompt, request_type="generation_only",
+                                   context_phase_params=encode({**fields, "peer": dead_peer()})))[-1].error
+    assert error.startswith("context_phase_params: the context process (pid ") and "is gone" in error
+    assert time.monotonic() - started < 2.5 and not os.path.exists(fields["path"] + ".partial")
+    writing.set()
+    assert wait_until(lambda: os.path.exists(fields["path"]))  # (the writer went on: the file is deleted below)
+    kv_transfer_shm.expire(fields["path"])
+    assert wait_until(lambda: all_free(context)) and wait_until(lambda: all_free(generation))
 
 
 def test_bad_params_are_refused_by_name(pair):

@@ -6,8 +6,11 @@ Skipped when NIXL is not installed (scripts/setup_env.sh installs nixl-cu12)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import time
 
 import pytest
+import torch
 
 from engine.executor import Executor, ExecutorConfig
 from engine.executor import kv_transfer_nixl
@@ -206,3 +209,50 @@ def test_a_read_nixl_cannot_cancel_keeps_its_blocks_out_of_the_pool(sides, monke
         generation.blocks.free(pull.dst_ids)
     generation.disagg._quarantined, generation.disagg.num_quarantined_blocks = [], 0
     assert generation_free(generation)
+
+
+def test_a_dead_or_silent_context_side_fails_the_claim_at_once(sides, monkeypatch):
+    """Peer death, not the 60-s transfer timeout: a blob whose context process is gone (same host: its pid) fails
+    at the first poll; an agent that never acknowledges the claim (another host, dead or unreachable) fails after
+    ACK_TIMEOUT_S. The context side acknowledges a claim it cannot grant yet (its prefill still on the GPU)."""
+    context, generation = sides
+    monkeypatch.setattr(generation.disagg, "timeout_s", 10.0)
+    monkeypatch.setattr(kv_transfer_nixl, "ACK_TIMEOUT_S", 0.5)
+    fields = decode(export(context, PROMPTS[2]))
+    child = subprocess.Popen(["true"])
+    child.wait()
+    started = time.monotonic()
+    dead = encode({**fields, "peer": {**fields["peer"], "pid": child.pid}})
+    error = run(generation, greedy(PROMPTS[2], request_type="generation_only", context_phase_params=dead))[-1].error
+    assert error == (f"context_phase_params: the context process (pid {child.pid}) that holds this KV cache is gone; "
+                     f"run the context_only request again") and time.monotonic() - started < 2
+    assert wait_until(lambda: context_free(context))  # (its claim was given back: the live process freed the pin)
+    api = kv_transfer_nixl.load_api()
+    silent = api.nixl_agent("disaggfix-silent", api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+    fields = decode(export(context, PROMPTS[2]))
+    blob = encode({**fields, "agent": "disaggfix-silent",
+                   "metadata": kv_transfer_nixl.pack_metadata(silent.get_agent_metadata())})
+    started = time.monotonic()
+    error = run(generation, greedy(PROMPTS[2], request_type="generation_only", context_phase_params=blob))[-1].error
+    assert "did not acknowledge the claim of its KV cache within 0.5 s: its process is gone or unreachable" in error
+    assert time.monotonic() - started < 5 and generation_free(generation)
+    good = run(generation, greedy(PROMPTS[2], request_type="generation_only", context_phase_params=encode(fields)))
+    assert good[-1].error is None, good[-1].error  # (the real pin, never claimed, frees the context side)
+    # the acknowledgement itself, agent to agent: a claim seen, not grantable yet
+    pool = torch.zeros(2, 2, 4, 4, 2, 8)
+    a, b = kv_transfer_nixl.NixlSide(pool), kv_transfer_nixl.NixlSide(pool.clone())
+    try:
+        name = b.connect(a.metadata)
+        b.claim(name, 7)
+        assert wait_until(lambda: b.poll() + a.poll() >= 0 and a.claims, timeout=5)  # (polls progress both)
+        a.answer(*a.claims[0], None)
+        a.answer(*a.claims[0], None)  # (sent once per claim)
+        assert wait_until(lambda: a.poll() + b.poll() >= 0 and (a.name, 7) in b.acks, timeout=5)
+        b.acks.clear()
+        for _ in range(5):
+            time.sleep(0.01)
+            a.poll(), b.poll()
+        assert not b.acks and b.answers == {}
+    finally:
+        a.close()
+        b.close()
