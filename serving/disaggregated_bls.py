@@ -16,7 +16,8 @@ import numpy as np
 
 CONTEXT_PARAMETERS = {"request_type": "context_only"}
 GENERATION_PARAMETERS = {"request_type": "generation_only"}
-CROSS_PROCESS_TRANSFER = "shm"  # engine/executor/disaggregated.py: readable from another engine process
+CROSS_PROCESS_TRANSFER = "auto"  # engine/executor/disaggregated.py: cuda_ipc where the generation side can, else shm
+CONFIGURABLE = ("shm", "nixl", "cuda_ipc")  # TRITONLLM_KV_TRANSFER values that also cross processes
 PARAMS = "context_phase_params"
 CONTEXT_OUTPUTS = [PARAMS, "batch_index"]  # what the BLS asks of the context model
 ALWAYS = ("output_ids", "sequence_length", "batch_index")  # asked of the generation model in any case
@@ -24,12 +25,13 @@ ALWAYS = ("output_ids", "sequence_length", "batch_index")  # asked of the genera
 
 def context_parameters(context_model: str, generation_model: str, configured: str | None = None) -> dict[str, str]:
     """The context request's Triton parameters. Two models have two engine processes, so the KV must
-    leave the context process: kv_transfer shm, or nixl when ``configured`` (TRITONLLM_KV_TRANSFER of the
-    server) says so (the generation model may then run on another host). One model serving both phases
-    keeps its blocks pinned in place (the engine's default transport, no copy through host memory)."""
+    leave the context process: kv_transfer auto (the generation side picks cuda_ipc where it can map the
+    context GPU's pool, else shm), or what ``configured`` (TRITONLLM_KV_TRANSFER of the server) names when it
+    crosses processes: shm, cuda_ipc, or nixl (the generation model may then run on another host). One model
+    serving both phases keeps its blocks pinned in place (the engine's default transport, no copy)."""
     if context_model == generation_model:
         return dict(CONTEXT_PARAMETERS)
-    return {**CONTEXT_PARAMETERS, "kv_transfer": "nixl" if configured == "nixl" else CROSS_PROCESS_TRANSFER}
+    return {**CONTEXT_PARAMETERS, "kv_transfer": configured if configured in CONFIGURABLE else CROSS_PROCESS_TRANSFER}
 
 
 def requested_outputs(client_asked: list[str], declared: list[str]) -> list[str]:

@@ -8,8 +8,10 @@ copied between the pools of the two GPUs, a peer copy over NVLink). They share o
 loop's host work waits for the other's GIL. ``--context_process`` runs the first GPU's executor (the
 context side when disaggregated, in both modes) in an engine process of its own
 (engine/executor/engine_process.py, as ``tritonllm serve --disaggregated`` does): the KV then goes
-through the ``shm`` transport (pinned host memory and a file in ``TRITONLLM_KV_TRANSFER_DIR``, else
-/dev/shm, else the output's folder when /dev/shm has less than 8 GB free). Random weights of the model's
+through ``--kv_transfer``: ``shm`` (the default; pinned host memory and a file in
+``TRITONLLM_KV_TRANSFER_DIR``, else /dev/shm, else the output's folder when /dev/shm has less than 8 GB
+free), ``cuda_ipc`` (GPU to GPU: the generation process maps the context pool through CUDA IPC), ``auto``
+(cuda_ipc where the generation side can, else shm) or ``nixl``. Random weights of the model's
 shape made on each GPU from the same seed (``extra.random_weights_seed``), so both executors hold the
 same model. Sections (``--sections``):
 
@@ -128,7 +130,7 @@ def start_executors(args, engine_dir: str):
     # one hand-off of the longest prompt: the transfer's streams, staging and pinned buffers exist before timing
     vocab = executors[1].runner.vocab_size
     context = Request_([1 + i % (vocab - 1) for i in range(max(args.prompt_lens))], 1, request_type="context_only",
-                       kv_transfer="shm" if args.context_process else None)
+                       kv_transfer=args.kv_transfer if args.context_process else None)
     (rid,) = executors[0].enqueue_requests([context])
     params = None
     while params is None:
@@ -265,7 +267,7 @@ def run_mode(mode: str, executors, requests, args, rate: float) -> dict:
             target, request = key % 2, Request_(prompt, args.output_len, streaming=True)
         else:
             target, request = 0, Request_(prompt, 1, request_type="context_only",
-                                          kv_transfer="shm" if args.context_process else None)
+                                          kv_transfer=args.kv_transfer if args.context_process else None)
         with streams.lock:
             (rid,) = executors[target].enqueue_requests([request])
             keys[target][rid] = key
@@ -288,7 +290,8 @@ def run_mode(mode: str, executors, requests, args, rate: float) -> dict:
         transfers = generation.disagg.num_transfers - transfers_before[0]
         row.update({"handoff_ms_p50": percentile(streams.handoff, 50), "handoff_ms_p99": percentile(streams.handoff, 99),
                     "kv_transfers": transfers,
-                    "kv_transfer_ms_mean": (generation.disagg.kv_cache_transfer_ms - transfers_before[1]) / max(1, transfers)})
+                    "kv_transfer_ms_mean": (generation.disagg.kv_cache_transfer_ms - transfers_before[1]) / max(1, transfers),
+                    "kv_transfer_chosen": dict(generation.disagg.ipc.chosen)})  # (cuda_ipc / auto: what moved the KV)
     print(f"[disagg_bench] {mode}: " + json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}),
           flush=True)
     return row
@@ -315,7 +318,7 @@ def bench_serve(args, rows: list, save) -> list[dict]:
 def markdown(results: dict) -> str:
     lines = [f"\n### Disaggregated prefill/decode: {results['model']} random weights, {results['date']}\n",
              f"`{results['command']}` on {results['gpus']} (commit {results['commit']}"
-             f"{'; GPU 0 executor in its own process, KV over shm' if results.get('context_process') else ''}).\n"]
+             f"{'; GPU 0 executor in its own process, KV over ' + results.get('kv_transfer', 'shm') if results.get('context_process') else ''}).\n"]
     if results.get("transfer"):
         lines += ["| KV transfer, prompt tokens | MB | ms | GB/s |", "|---:|---:|---:|---:|"]
         lines += [f"| {r['tokens']} | {r['mb']:.1f} | {r['ms']:.3f} | {r['gb_s']:.1f} |" for r in results["transfer"]]
@@ -350,7 +353,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--transfer_lens", default="2048,4096,8192", help="transfer: prompt lengths")
     parser.add_argument("--transfer_repeats", type=int, default=20)
     parser.add_argument("--context_process", action="store_true",
-                        help="serve: the first GPU's executor in an engine process of its own (KV over shm)")
+                        help="serve: the first GPU's executor in an engine process of its own (KV over --kv_transfer)")
+    parser.add_argument("--kv_transfer", default="shm", choices=["shm", "cuda_ipc", "auto", "nixl"],
+                        help="with --context_process: how the KV leaves the context process")
     parser.add_argument("--out", default="disagg_bench.json")
     parser.add_argument("--results-md", dest="results_md", default=None, help="append the markdown table here")
     args = parser.parse_args(argv)
@@ -373,7 +378,7 @@ def main(argv=None) -> dict:
     os.environ.setdefault(LOAD_LOG_ENV, "1")  # a timestamped line per phase of each executor's start
     results = {"date": utc_now(), "model": args.model, "commit": git_commit(), "command": command_line(__file__),
                "gpus": f"2x {torch.cuda.get_device_name(0)}" if args.device != "cpu" else "cpu",
-               "context_process": args.context_process}
+               "context_process": args.context_process, "kv_transfer": args.kv_transfer}
     def save() -> None:  # whatever ran is kept if a later part fails or is cut
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)

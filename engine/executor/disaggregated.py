@@ -21,6 +21,12 @@ context side, default ``local``):
 - ``nixl``: another host (or process): the blocks stay pinned in the context pool, which a NIXL agent
   registered; the generation side claims them by a notification and READs them into its own pool
   (kv_transfer_nixl.py). Optional: needs the nixl-cu12 package, refused by name without it.
+- ``cuda_ipc``: another process of the same host, GPU to GPU: the blocks stay pinned, the context pool is
+  shared once through CUDA IPC and the generation side pulls from it as ``local`` does; a file per pin (the
+  offer) says when it may be pulled and when it was (kv_transfer_cuda_ipc.py).
+- ``auto``: pinned and offered as for ``cuda_ipc``; the generation side chooses ``cuda_ipc`` where it can,
+  else ``shm`` through the offer (kv_transfer_cuda_ipc.choose). What disaggregated_serving_bls sends when its
+  two models are two engine processes.
 NCCL would be a further name; the blob names its transport.
 
 Blob (version 1): MAGIC + one version byte + UTF-8 JSON
@@ -57,12 +63,12 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
-from engine.executor import kv_peer, kv_transfer_nixl, kv_transfer_shm
+from engine.executor import kv_peer, kv_transfer_cuda_ipc, kv_transfer_nixl, kv_transfer_shm
 from engine.executor.kv_pull import PullStreams, ReadyEvents
 from engine.executor.kv_transfer_shm import ShmWriter, block_major
 
 REQUEST_TYPES = ("context_and_generation", "context_only", "generation_only")
-TRANSPORTS = ("local", "shm", "nixl")
+TRANSPORTS = ("local", "shm", "nixl", "cuda_ipc", "auto")
 MAGIC = b"TLLMCTX"
 VERSION = 1
 DEFAULT_TIMEOUT_S = float(os.environ.get("TRITONLLM_KV_TRANSFER_TIMEOUT_S", "60"))
@@ -129,10 +135,11 @@ def copy_blocks(src_pool, src_ids: list[int], dst_pool, dst_ids: list[int]) -> f
 
 
 class _Pin:
-    __slots__ = ("block_ids", "deadline", "state", "path", "ready", "writing", "nixl")
+    __slots__ = ("block_ids", "deadline", "state", "path", "ready", "writing", "nixl", "offer")
 
     def __init__(self, block_ids: list[int], deadline: float, path: str | None = None, ready=None, writing=None,
-                 nixl: bool = False):
+                 nixl: bool = False, offer=None):
+        self.offer = offer  # cuda_ipc / auto: its kv_transfer_cuda_ipc.Offer (the files say claimed / released)
         self.nixl = nixl  # claimed by a remote NIXL agent's notification; released by its READ's
         self.block_ids = block_ids  # pinned in the pool (local); [] for shm: the file holds the bytes
         self.path = path  # shm: the file, deleted at the deadline if still unclaimed
@@ -175,6 +182,9 @@ class Disaggregation:
             raise ValueError(f"TRITONLLM_KV_TRANSFER '{self.transport}' is not supported; allowed: {', '.join(TRANSPORTS)}")
         if self.transport == "nixl" and not kv_transfer_nixl.available():
             raise ValueError(f"TRITONLLM_KV_TRANSFER: {kv_transfer_nixl.MISSING}")
+        if self.transport == "cuda_ipc" and executor.runner.kv_cache.device.type != "cuda":
+            raise ValueError(f"TRITONLLM_KV_TRANSFER: {kv_transfer_cuda_ipc.NEEDS_CUDA}")
+        self.ipc = kv_transfer_cuda_ipc.IpcSide()  # cuda_ipc / auto: the pool's share, peers' pools, choices
         self._nixl: kv_transfer_nixl.NixlSide | None = None  # this executor's NIXL agent (made on first use)
         self.exporter_id = uuid.uuid4().hex
         self._lock = threading.Lock()
@@ -222,6 +232,8 @@ class Disaggregation:
             return f"kv_transfer: '{transfer}' is not supported; allowed: {', '.join(TRANSPORTS)}"
         if transfer == "nixl" and kind == "context_only" and not kv_transfer_nixl.available():
             return kv_transfer_nixl.MISSING
+        if transfer == "cuda_ipc" and kind == "context_only" and ex.runner.kv_cache.device.type != "cuda":
+            return kv_transfer_cuda_ipc.NEEDS_CUDA
         if kind == "generation_only":
             if request.context_phase_params is None:
                 return ("context_phase_params: a generation_only request needs the context_phase_params output "
@@ -247,6 +259,10 @@ class Disaggregation:
             return
         if fields["transport"] == "nixl":
             _check_nixl(fields)
+            return
+        if fields["transport"] in kv_transfer_cuda_ipc.TRANSPORTS:
+            if (error := kv_transfer_cuda_ipc.fields_error(fields)) is not None:
+                raise ContextPhaseError(error)
             return
         if fields["transport"] != "local" or fields.get("pid") != os.getpid():
             raise ContextPhaseError(f"context_phase_params: transport '{fields['transport']}' from process "
@@ -286,6 +302,13 @@ class Disaggregation:
             where = {**self.nixl_side().describe(), "block_ids": block_ids}  # (may raise: before the pin)
             ex.blocks.acquire(block_ids)
             pin = _Pin(block_ids, time.monotonic() + self.timeout_s, ready=ready, nixl=True)
+        elif transport in kv_transfer_cuda_ipc.TRANSPORTS:  # pinned as for local; the offer file says when it is pulled
+            where = {**self.ipc.describe(ex.runner.kv_cache, self.exporter_id, transport), "block_ids": block_ids,
+                     "offer": kv_transfer_cuda_ipc.offer_path(self.exporter_id, handle)}  # (may raise: before the pin)
+            deadline = time.monotonic() + self.timeout_s
+            offer = kv_transfer_cuda_ipc.Offer(where["offer"], ready, deadline, self.timeout_s)
+            ex.blocks.acquire(block_ids)
+            pin = _Pin(block_ids, deadline, ready=ready, offer=offer)
         else:
             ex.blocks.acquire(block_ids)  # scheduler.finish drops the sequence's ref; this one stays
             pin = _Pin(block_ids, time.monotonic() + self.timeout_s, ready=ready)
@@ -316,7 +339,7 @@ class Disaggregation:
         now = time.monotonic()
         with self._lock:
             return any(pin.state == "released" or (pin.state == "pinned" and pin.deadline <= now)
-                       for pin in self._pins.values())
+                       or (pin.offer is not None and pin.offer.changed(pin.ready, now)) for pin in self._pins.values())
 
     def wait_timeout(self) -> float | None:
         """How long the idle loop may sleep before a pin expires or a pull should be polled (None: neither)."""
@@ -325,6 +348,8 @@ class Disaggregation:
         with self._lock:
             if any(pin.nixl for pin in self._pins.values()):  # (claims and READs' ends come as notifications)
                 return kv_transfer_nixl.POLL_S
+            if any(pin.offer is not None for pin in self._pins.values()):  # (claims and releases are files)
+                return kv_transfer_cuda_ipc.POLL_S
             deadlines = [pin.deadline for pin in self._pins.values() if pin.state == "pinned"]
         if self._nixl is not None:  # a late claim still gets its "gone" answer
             deadlines.append(time.monotonic() + kv_transfer_nixl.IDLE_POLL_S)
@@ -341,6 +366,7 @@ class Disaggregation:
         if self.ready.pending:
             self.ready.forget(self.executor._active)
         now = time.monotonic()
+        converted = self._advance_offers(now)  # (before the expiry below, with its clock: an offer is taken back first)
         with self._lock:
             done = [h for h, pin in self._pins.items() if pin.settled() and (
                     pin.state == "released" or (pin.state == "pinned" and pin.deadline <= now)
@@ -356,7 +382,7 @@ class Disaggregation:
                 continue
             self.num_expired += pin.state == "pinned"
             self.executor.blocks.free(pin.block_ids)
-        return bool(pins) or len(self._importing) != importing
+        return bool(pins) or converted or len(self._importing) != importing
 
     @property
     def num_pinned_blocks(self) -> int:
@@ -367,7 +393,7 @@ class Disaggregation:
         """(the pinned block ids, their ready event) of a handle; the fetcher must ``release`` it."""
         with self._lock:
             pin = self._pins.get(handle)
-            if pin is None or pin.state != "pinned" or pin.deadline <= time.monotonic():
+            if pin is None or pin.state != "pinned" or pin.deadline <= time.monotonic() or pin.offer is not None:
                 raise ContextPhaseError("context_phase_params: the context phase's KV cache is gone (fetched "
                                         f"already, or freed after its {self.timeout_s:g} s timeout); run the "
                                         "context_only request again")
@@ -393,6 +419,7 @@ class Disaggregation:
         self.writer.shutdown()  # (files being written are in place before they are deleted below)
         if self._nixl is not None:
             self._nixl.close()
+        self.ipc.close()
         with _EXPORTERS_LOCK:
             _EXPORTERS.pop(self.exporter_id, None)
         with self._lock:
@@ -400,6 +427,8 @@ class Disaggregation:
         for pin in pins:
             if pin.path is not None:
                 kv_transfer_shm.expire(pin.path)
+            if pin.offer is not None:
+                pin.offer.close()
 
     # ----- generation side (its loop thread) -----
     def import_kv(self, seq) -> str | None:
@@ -414,6 +443,8 @@ class Disaggregation:
                 return self._import_file(seq, fields)
             if fields["transport"] == "nixl":
                 return self._import_nixl(seq, fields)
+            if fields["transport"] in kv_transfer_cuda_ipc.TRANSPORTS:
+                return self._import_offer(seq, fields)
             with _EXPORTERS_LOCK:
                 source = _EXPORTERS.get(fields["exporter"])
             if source is None:
@@ -440,7 +471,7 @@ class Disaggregation:
             return f"context_phase_params: {num_blocks} KV blocks needed, {free} free; retry later"
         return None
 
-    def _import_file(self, seq, fields: dict) -> str | None:
+    def _import_file(self, seq, fields: dict, offer: str | None = None) -> str | None:
         ex = self.executor
         num_blocks = ex.blocks.blocks_for_tokens(fields["prompt_len"])
         if (no_room := self._no_room(num_blocks)) is not None:
@@ -451,7 +482,7 @@ class Disaggregation:
         if self._readers is None:
             self._readers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-shm-read")
         reading = self._readers.submit(_read_file, fields["path"], shape, pool.element_size(), pool.device,
-                                       self.timeout_s, fields.get("peer"))
+                                       self.timeout_s, fields.get("peer"), offer)
         self._importing.append(_Import(seq, fields, dst_ids, reading=reading))
         reading.add_done_callback(lambda _: self._wake())
         return None
@@ -468,11 +499,8 @@ class Disaggregation:
             return f"context_phase_params: {kv_transfer_nixl.MISSING}"
         ex = self.executor
         num_blocks = ex.blocks.blocks_for_tokens(fields["prompt_len"])
-        if num_blocks != len(fields["block_ids"]):
-            return (f"context_phase_params: {len(fields['block_ids'])} block ids for a {fields['prompt_len']}-token "
-                    f"prompt ({num_blocks} expected); send the context_only request's output unchanged")
-        if (no_room := self._no_room(num_blocks)) is not None:
-            return no_room
+        if (error := self._block_count_error(fields, num_blocks) or self._no_room(num_blocks)) is not None:
+            return error
         dst_ids = ex.blocks.allocate(num_blocks)
         try:
             pull = kv_transfer_nixl.NixlPull(self.nixl_side(), fields, dst_ids, self.timeout_s,
@@ -482,6 +510,74 @@ class Disaggregation:
             return f"context_phase_params: the context side's NIXL agent cannot be reached: {err}"
         self._importing.append(_Import(seq, fields, dst_ids, pull))
         return None
+
+    @staticmethod
+    def _block_count_error(fields: dict, num_blocks: int) -> str | None:
+        if num_blocks != len(fields["block_ids"]):
+            return (f"context_phase_params: {len(fields['block_ids'])} block ids for a {fields['prompt_len']}-token "
+                    f"prompt ({num_blocks} expected); send the context_only request's output unchanged")
+        return None
+
+    # ----- cuda_ipc / auto (kv_transfer_cuda_ipc.py) -----
+    def _import_offer(self, seq, fields: dict) -> str | None:
+        """cuda_ipc where this process can map the context pool, else (auto) shm through the offer."""
+        ex = self.executor
+        pool = ex.runner.kv_cache
+        num_blocks = ex.blocks.blocks_for_tokens(fields["prompt_len"])
+        if (error := self._block_count_error(fields, num_blocks) or self._no_room(num_blocks)) is not None:
+            return error
+        try:
+            with _EXPORTERS_LOCK:
+                in_process = fields["exporter"] in _EXPORTERS
+            how, src, why = kv_transfer_cuda_ipc.choose(fields, pool, self.ipc.peers, in_process)
+        except ValueError as err:
+            return str(err)
+        self.ipc.note(fields["transport"], how, why)
+        if how == "shm":
+            return self._import_file(seq, {**fields, "path": kv_transfer_cuda_ipc.shm_path(fields["offer"])},
+                                     offer=fields["offer"])
+        if max(fields["block_ids"]) >= src.shape[2]:
+            return ("context_phase_params: truncated or corrupted blob (block_ids beyond the context pool); send "
+                    "the context_phase_params output of a context_only request unchanged")
+        dst_ids = ex.blocks.allocate(num_blocks)
+        pull = kv_transfer_cuda_ipc.IpcPull(
+            fields["offer"], lambda: self.pulls.pull(src, fields["block_ids"], pool, dst_ids),
+            time.monotonic() + self.timeout_s, lambda: seq.is_finished, fields.get("peer"))
+        self._start(_Import(seq, fields, dst_ids, pull))
+        return None
+
+    def _advance_offers(self, now: float) -> bool:
+        """Context side: the offered pins' files -> their states; a claim for shm gathers the blocks into the
+        shm file (the pin becomes an shm pin, its blocks freed: True)."""
+        with self._lock:
+            offered = [(handle, pin) for handle, pin in self._pins.items()
+                       if pin.offer is not None and pin.state != "released"]
+        converted = False
+        for handle, pin in offered:
+            state = pin.offer.advance(pin.ready, now)
+            if state in ("claimed", "released"):
+                pin.state = state
+            elif state == "shm":
+                converted = self._offer_to_shm(handle, pin, now) or converted
+            # ("expired": the pin stays "pinned" past its deadline: freed below and counted as expired)
+        return converted
+
+    def _offer_to_shm(self, handle: int, pin: _Pin, now: float) -> bool:
+        ex = self.executor
+        try:
+            path, writing = self.writer.start_write(ex.runner.kv_cache, pin.block_ids, self.exporter_id, handle,
+                                                    pin.ready)
+        except Exception as err:  # (the claimer's reader finds no file: "gone")
+            print(f"[disaggregated] writing the offered KV of handle {handle} to shm failed: {err!r}",
+                  file=sys.stderr, flush=True)
+            pin.offer.shm_started()
+            pin.state = "released"
+            return False
+        pin.offer.shm_started()
+        ex.blocks.free(pin.block_ids)  # (the loop's stream waits for the gather: ShmWriter._gather)
+        with self._lock:
+            self._pins[handle] = _Pin([], now + self.timeout_s, path, writing=writing)
+        return True
 
     def _answer_nixl(self) -> None:
         """Context side: answer claims (granted once the prompt's KV is final) and free pins whose READ ended."""
@@ -609,8 +705,10 @@ def _check_nixl(fields: dict) -> None:
                                 "context_phase_params output of a context_only request unchanged")
 
 
-def _read_file(path: str, shape: tuple, element_size: int, device, wait_s: float, peer):
-    """A reader thread: (the blocks or None when gone, ms spent)."""
+def _read_file(path: str, shape: tuple, element_size: int, device, wait_s: float, peer, offer: str | None = None):
+    """A reader thread: (the blocks or None when gone, ms spent); ``offer``: claimed for shm first (auto)."""
     started = time.perf_counter()
+    if offer is not None and kv_transfer_cuda_ipc.claim_for_shm(offer, wait_s, peer) is None:
+        return None, (time.perf_counter() - started) * 1e3
     blocks = kv_transfer_shm.claim_blocks(path, shape, element_size, device, wait_s, peer)
     return blocks, (time.perf_counter() - started) * 1e3

@@ -1,5 +1,5 @@
 """Disaggregated serving across two engine processes of the shared server (conftest.triton_server):
-disaggregated_serving_bls sends the prefill to tensorrt_llm (context_only, kv_transfer shm) and the
+disaggregated_serving_bls sends the prefill to tensorrt_llm (context_only, kv_transfer auto: shm on CPU) and the
 decode to `generation` (generation_only). Greedy ids equal the aggregated model's for 20 prompts sent
 at once, unary and streamed; stop words end the generation phase; no KV block stays used on either
 side, and no transfer file stays in shared memory."""
@@ -139,7 +139,7 @@ def test_a_bad_transport_is_named_and_the_next_request_is_served(triton_server, 
     """generate's fields that are not inputs are the request's parameters (request_type, kv_transfer)."""
     response = triton_server.generate("tensorrt_llm", {**_body(PROMPTS[0]), "request_type": "context_only",
                                                        "kv_transfer": "nccl"})
-    assert response.status_code == 400 and "kv_transfer: 'nccl' is not supported; allowed: local, shm, nixl" in response.text
+    assert response.status_code == 400 and "kv_transfer: 'nccl' is not supported; allowed: local, shm, nixl, cuda_ipc, auto" in response.text
     assert _output_ids(triton_server, BLS, PROMPTS[0]) == aggregated[0]
 
 

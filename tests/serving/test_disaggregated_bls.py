@@ -53,10 +53,11 @@ def test_reshaped_inputs_go_on_with_their_declared_dims():
 
 def test_two_models_send_the_kv_through_shared_memory_one_model_keeps_it_in_place():
     assert context_parameters("tensorrt_llm", "tensorrt_llm") == {"request_type": "context_only"}
-    assert context_parameters("context", "generation") == {"request_type": "context_only", "kv_transfer": "shm"}
+    assert context_parameters("context", "generation") == {"request_type": "context_only", "kv_transfer": "auto"}
     assert context_parameters("context", "generation", "nixl")["kv_transfer"] == "nixl"  # TRITONLLM_KV_TRANSFER
-    assert context_parameters("context", "generation", "local")["kv_transfer"] == "shm"  # local cannot cross
+    assert context_parameters("context", "generation", "shm")["kv_transfer"] == "shm"
+    assert context_parameters("context", "generation", "local")["kv_transfer"] == "auto"  # local cannot cross
     assert kv_transfer_of('{"request_type": "context_only", "kv_transfer": "shm"}') == "shm"
     assert kv_transfer_of("{}") is None and kv_transfer_of("") is None
-    with pytest.raises(ValueError, match="kv_transfer: 'nccl' is not supported; allowed: local, shm, nixl"):
+    with pytest.raises(ValueError, match="kv_transfer: 'nccl' is not supported; allowed: local, shm, nixl, cuda_ipc, auto"):
         kv_transfer_of('{"kv_transfer": "nccl"}')

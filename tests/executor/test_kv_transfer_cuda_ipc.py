@@ -1,0 +1,181 @@
+"""The cuda_ipc transport and the auto choice (engine/executor/kv_transfer_cuda_ipc.py).
+
+CPU: the offer's life as files (pending -> offered -> claimed -> released; expiry; a claimer that died), the
+generation side's claim (IpcPull with a fake copy), the choice and the named refusals. The auto transport's
+served path on CPU (offer -> shm) runs in test_disaggregated.py's parametrized tests.
+GPU (gpu mark): a context engine process on cuda:0 and a generation executor here on cuda:1 (cuda:0 on one
+GPU): the KV pulled through CUDA IPC gives the aggregated greedy ids, auto chooses cuda_ipc, no block stays
+used on either side."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine.executor import Executor, ExecutorConfig
+from engine.executor import kv_peer
+from engine.executor import kv_transfer_cuda_ipc as ipc
+from engine.executor.disaggregated import decode, encode
+from engine.executor.engine_process import EngineProcess
+from engine.executor.request import Request, SamplingConfig
+from tests.executor.executor_testing import collect, final_tokens, wait_until
+
+PROMPTS = [[(11 * i + 3 * j + 2) % 128 for j in range(n)] for i, n in enumerate((5, 13, 17))]
+CONFIG = ExecutorConfig(max_tokens_in_paged_kv_cache=256)
+
+
+class _Ready:
+    def __init__(self, done=False):
+        self.done = done
+
+    def query(self):
+        return self.done
+
+
+class _CopyDone:
+    """A finished kv_pull.Pull."""
+    def done(self):
+        return True
+
+    def elapsed_ms(self):
+        return 1.0
+
+    def order_before(self):
+        pass
+
+
+def _dead_pid() -> int:
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+def test_an_offer_lives_as_files_and_a_claim_is_one_shot(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITONLLM_KV_TRANSFER_DIR", str(tmp_path))
+    path = ipc.offer_path("ab" * 16, 7)
+    ready = _Ready()
+    offer = ipc.Offer(path, ready, deadline=100.0, timeout_s=50.0)
+    assert os.path.exists(f"{path}.pending") and offer.advance(ready, 1.0) == "pinned"
+    started = []
+    pull = ipc.IpcPull(path, lambda: started.append(1) or _CopyDone(), deadline=1e12, cancelled=lambda: False)
+    assert not pull.done() and not started  # (a pending offer: its prefill is still on the context GPU)
+    ready.done = True
+    assert offer.changed(ready, 1.0) and offer.advance(ready, 1.0) == "pinned" and os.path.exists(path)
+    assert pull.done() and pull.error is None and started == [1]  # claimed, copied, released
+    assert offer.advance(ready, 2.0) == "released" and not os.listdir(tmp_path)
+    again = ipc.IpcPull(path, lambda: _CopyDone(), deadline=1e12, cancelled=lambda: False)
+    assert again.done() and "KV cache is gone" in again.error
+
+    # expiry takes the offer back (no late claim), and a claimer that died is noticed
+    offer = ipc.Offer(path, None, deadline=100.0, timeout_s=50.0)
+    assert offer.advance(None, 100.0) == "expired" and not os.listdir(tmp_path)
+    offer = ipc.Offer(path, None, deadline=100.0, timeout_s=50.0)
+    os.rename(path, f"{path}.ipc")
+    with open(f"{path}.ipc", "w") as f:
+        json.dump({**kv_peer.identity(), "pid": _dead_pid()}, f)
+    assert offer.advance(None, 1.0) == "released" and not os.listdir(tmp_path)
+    offer = ipc.Offer(path, None, deadline=100.0, timeout_s=50.0)
+    cancelled = ipc.IpcPull(path, lambda: pytest.fail("copied for a cancelled request"), 1e12, lambda: True)
+    assert cancelled.done() and cancelled.error is None  # taken and given back at once
+    assert offer.advance(None, 1.0) == "released" and not os.listdir(tmp_path)
+
+
+def test_an_offer_claimed_for_shm_waits_for_the_context_side(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITONLLM_KV_TRANSFER_DIR", str(tmp_path))
+    path = ipc.offer_path("cd" * 16, 3)
+    offer = ipc.Offer(path, None, deadline=100.0, timeout_s=50.0)
+    os.rename(path, f"{path}.shm")  # (what claim_for_shm does first)
+    assert offer.advance(None, 1.0) == "shm"
+    offer.shm_started()
+    assert ipc.claim_for_shm(path, 0.05) is None  # (its marker is gone and no offer is left: gone)
+    assert not os.listdir(tmp_path)
+
+
+def test_the_choice_and_the_refusals_are_named(tiny_engine, tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITONLLM_KV_TRANSFER_DIR", str(tmp_path))
+    with Executor(tiny_engine, CONFIG, device="cpu") as ex:  # (a CPU pool also where CUDA is there)
+        error = _run(ex, Request(PROMPTS[0], 4, request_type="context_only", kv_transfer="cuda_ipc")).error
+        assert error == "kv_transfer 'cuda_ipc' needs the context executor's KV pool on a CUDA device"
+        with pytest.raises(ValueError, match="TRITONLLM_KV_TRANSFER: kv_transfer 'cuda_ipc' needs"):
+            type(ex.disagg)(ex, transport="cuda_ipc")
+        params = _run(ex, Request(PROMPTS[1], 4, request_type="context_only", kv_transfer="auto")).result \
+            .context_phase_params
+        fields = decode(params)
+        assert fields["transport"] == "auto" and "ipc" not in fields and ex.disagg.num_pinned_blocks > 0
+        cases = {
+            encode({**fields, "host": "another-boot"}): "the context side runs on another host",
+            encode({**fields, "transport": "cuda_ipc"}):
+                "kv_transfer 'cuda_ipc' cannot be served here: the context executor is in this process",
+            encode({**fields, "offer": "/etc/passwd"}): "truncated or corrupted blob (offer, host, ipc, block_ids)",
+            encode({**fields, "handle": fields["handle"] + 1}): "truncated or corrupted blob (offer, host, ipc, block_ids)",
+            encode({**fields, "block_ids": fields["block_ids"][:-1]}): "block ids for a 13-token prompt",
+        }
+        for blob, message in cases.items():
+            response = _run(ex, Request(PROMPTS[1], 4, request_type="generation_only", context_phase_params=blob))
+            assert message in response.error, response.error
+        good = _run(ex, Request(PROMPTS[1], 4, request_type="generation_only", context_phase_params=params))
+        assert good.error is None and ex.disagg.ipc.chosen == {"shm": 1}
+        assert wait_until(lambda: ex.disagg.num_pinned_blocks == 0 and ex.blocks.num_free_blocks == ex.blocks.num_blocks)
+        assert wait_until(lambda: not os.listdir(tmp_path))
+
+
+def _run(ex, request: Request):
+    request_id = ex.enqueue_request(request)
+    return collect(ex, [request_id])[request_id][-1]
+
+
+# ----- GPU: two processes -----
+def _devices() -> tuple[str, str]:
+    if os.environ.get("TRITONLLM_DISAGG_DEVICES"):
+        context, generation = os.environ["TRITONLLM_DISAGG_DEVICES"].split(",")
+        return context, generation
+    return "cuda:0", "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
+
+
+@pytest.fixture(scope="module")
+def gpu_sides(tiny_engine):
+    context_device, generation_device = _devices()
+    context = EngineProcess(tiny_engine, CONFIG, device=context_device)
+    try:
+        with Executor(tiny_engine, CONFIG, device=generation_device) as generation:
+            yield context, generation
+    finally:
+        context.shutdown()
+
+
+def _greedy(prompt, **kw) -> Request:
+    return Request(list(prompt), 6, sampling=SamplingConfig(top_k=1), **kw)
+
+
+def _all(ex, request: Request) -> list:
+    request_id = ex.enqueue_request(request)
+    return collect(ex, [request_id])[request_id]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC: GPU only")
+@pytest.mark.parametrize("transfer", ["cuda_ipc", "auto"])
+def test_a_context_process_gpu_to_gpu_equals_aggregated_and_frees_both_sides(gpu_sides, transfer):
+    context, generation = gpu_sides
+    before = generation.disagg.ipc.chosen.get("cuda_ipc", 0)
+    for prompt in PROMPTS:
+        aggregated = final_tokens(_all(generation, _greedy(prompt)))
+        exported = _all(context, _greedy(prompt, request_type="context_only", kv_transfer=transfer))
+        assert exported[-1].error is None, exported[-1].error
+        params = exported[-1].result.context_phase_params
+        fields = decode(params)
+        assert fields["transport"] == transfer and "ipc" in fields and len(params) < 1024
+        responses = _all(generation, _greedy(prompt, request_type="generation_only", context_phase_params=params))
+        assert responses[-1].error is None, responses[-1].error
+        assert final_tokens(responses) == aggregated
+    assert generation.disagg.ipc.chosen.get("cuda_ipc", 0) == before + len(PROMPTS)  # (auto: cuda_ipc chosen)
+    assert wait_until(lambda: generation.disagg.num_importing == 0
+                      and generation.blocks.num_free_blocks == generation.blocks.num_blocks)
+    assert wait_until(lambda: context.get_latest_iteration_stats().kv_cache_stats.used_num_blocks == 0)
+    again = _all(generation, _greedy(PROMPTS[-1], request_type="generation_only", context_phase_params=params))
+    assert "KV cache is gone" in again[-1].error  # one fetch per blob
+    assert generation.blocks.num_free_blocks == generation.blocks.num_blocks
