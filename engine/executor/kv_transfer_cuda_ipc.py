@@ -202,6 +202,7 @@ class IpcSide:
         self.share_error: str | None = None  # (sharing failed once: auto offers without handles from then on)
         self.peers = PeerPools()
         self.chosen: dict[str, int] = {}  # "cuda_ipc" | "shm" -> imports that used it
+        self.why: dict[str, str] = {}  # "cuda_ipc" | "shm" -> the reason of the latest such choice
 
     def describe(self, pool: torch.Tensor, exporter: str, transport: str) -> dict:
         """The blob's fields of an offer (besides ``offer`` and ``block_ids``); raises for an explicit cuda_ipc
@@ -230,6 +231,7 @@ class IpcSide:
         if how not in self.chosen:
             print(f"[disaggregated] kv_transfer {asked}: {how} ({why})", file=sys.stderr, flush=True)
         self.chosen[how] = self.chosen.get(how, 0) + 1
+        self.why[how] = why
 
     def close(self) -> None:
         if self.share is not None:

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from engine.executor import Executor, ExecutorConfig, kv_peer, kv_transfer_shm
+from engine.executor import Executor, ExecutorConfig, kv_peer, kv_transfer_cuda_ipc, kv_transfer_shm
 from engine.executor.disaggregated import decode, encode
 from engine.executor.request import Request, SamplingConfig
 from tests.executor.executor_testing import collect, final_tokens, wait_until
@@ -241,10 +241,19 @@ class _HeldPull:
         return self.pull.elapsed_ms()
 
 
-def test_a_pull_in_progress_keeps_its_blocks_until_done_even_when_cancelled(pair, monkeypatch):
+@pytest.mark.parametrize("transport", ["local", "cuda_ipc (choice faked)"])
+def test_a_pull_in_progress_keeps_its_blocks_until_done_even_when_cancelled(pair, transport, tmp_path, monkeypatch):
     """While a pull is in progress the source stays pinned and the sequence waits (no response); a cancel
-    meanwhile ends the request at once and the pull's blocks are freed when it is done (both sides)."""
+    meanwhile ends the request at once and the pull's blocks are freed when it is done (both sides).
+    cuda_ipc: an auto blob whose choice is faked to return the context's pool (what CUDA IPC maps in another
+    process): the offer's claim and release (kv_transfer_cuda_ipc.IpcPull, files) around kv_pull's CPU copy."""
     context, generation = pair
+    if transport != "local":
+        monkeypatch.setenv("TRITONLLM_KV_TRANSFER_DIR", str(tmp_path))
+        monkeypatch.setattr(context.disagg, "transport", "auto")
+        monkeypatch.setattr(kv_transfer_cuda_ipc, "choose",
+                            lambda fields, pool, peers, in_process: ("cuda_ipc", context.runner.kv_cache, "faked"))
+        chosen = generation.disagg.ipc.chosen.get("cuda_ipc", 0)
     held = HeldPulls(generation.disagg.pulls)
     monkeypatch.setattr(generation.disagg, "pulls", held)
     prompt = PROMPTS[2]
@@ -264,3 +273,6 @@ def test_a_pull_in_progress_keeps_its_blocks_until_done_even_when_cancelled(pair
     assert generation.blocks.num_free_blocks < generation.blocks.num_blocks and context.disagg.num_pinned_blocks > 0
     held.held = False
     assert wait_until(lambda: all_free(context)) and wait_until(lambda: all_free(generation))
+    if transport != "local":
+        assert generation.disagg.ipc.chosen["cuda_ipc"] == chosen + 2
+        assert not [f for f in tmp_path.iterdir() if f.suffix != ".ipc"]  # (.ipc: the pool's share, on CUDA)
