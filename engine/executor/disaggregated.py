@@ -15,9 +15,9 @@ context side, default ``local``):
   Executors in a program); the blocks stay pinned in the context pool and the copy is a
   device-to-device index copy between the pools (on CUDA a peer copy between GPUs of one host).
 - ``shm``: another process of the same host (two Triton models, each with its engine process); the
-  blocks go to a file in host shared memory at export and are freed at once (kv_transfer_shm.py).
-  A writer thread on the context side and reader threads on the generation side move the bytes, so
-  neither loop waits for the file; the generation side then scatters them like a pull.
+  blocks go to a file in host shared memory and are freed once written (kv_transfer_shm.py).
+  A writer thread on the context side and reader threads on the generation side move the bytes chunk
+  by chunk through buffers of their own, so neither loop waits for the file nor allocates for it.
 - ``nixl``: another host (or process): the blocks stay pinned in the context pool, which a NIXL agent
   registered; the generation side claims them by a notification and READs them into its own pool
   (kv_transfer_nixl.py). Optional: needs the nixl-cu12 package, refused by name without it.
@@ -48,8 +48,8 @@ carries it and the pull's streams wait on it. The generation loop polls its pull
 (``service``; while idle it wakes every ``POLL_S``); a finished pull releases the source pin, and its
 sequence gets its first token and joins the scheduler, the loop's stream waiting on the pull's event.
 Until then the sequence holds no blocks of its own (the pull does): a cancel meanwhile leaves the
-pull to finish and free them. ``kv_cache_transfer_ms``: the copy on the GPU (events), plus reading the
-file for shm.
+pull to finish and free them. ``kv_cache_transfer_ms``: the copy on the GPU (events); for shm the reader
+thread's time (reading the file and copying it in).
 """
 from __future__ import annotations
 
@@ -64,8 +64,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from engine.executor import kv_peer, kv_transfer_cuda_ipc, kv_transfer_nixl, kv_transfer_shm
-from engine.executor.kv_pull import PullStreams, ReadyEvents
-from engine.executor.kv_transfer_shm import ShmWriter, block_major
+from engine.executor.kv_pull import Pull, PullStreams, ReadyEvents
+from engine.executor.kv_transfer_shm import ShmWriter
 
 REQUEST_TYPES = ("context_and_generation", "context_only", "generation_only")
 TRANSPORTS = ("local", "shm", "nixl", "cuda_ipc", "auto")
@@ -141,7 +141,7 @@ class _Pin:
                  nixl: bool = False, offer=None):
         self.offer = offer  # cuda_ipc / auto: its kv_transfer_cuda_ipc.Offer (the files say claimed / released)
         self.nixl = nixl  # claimed by a remote NIXL agent's notification; released by its READ's
-        self.block_ids = block_ids  # pinned in the pool (local); [] for shm: the file holds the bytes
+        self.block_ids = block_ids  # pinned in the pool (local, nixl; shm: until written, then [])
         self.path = path  # shm: the file, deleted at the deadline if still unclaimed
         self.ready = ready  # CUDA: the event after the prompt's last prefill chunk (kv_pull.ReadyEvents)
         self.writing = writing  # shm: the writer thread's future (the file is in place once it is done)
@@ -160,8 +160,8 @@ class _Import:
     def __init__(self, seq, fields: dict, dst_ids: list[int], pull=None, source=None, reading=None):
         self.seq, self.fields, self.dst_ids, self.pull = seq, fields, dst_ids, pull
         self.source = source  # local transport: the context side, released when the pull is done
-        self.reading = reading  # shm: the reader thread's future of (blocks or None, ms)
-        self.extra_ms = 0.0  # shm: reading the file
+        self.reading = reading  # shm: the reader thread's future of (the blocks copied in, ms)
+        self.extra_ms = 0.0  # shm: reading the file and copying it in
 
     def ready(self) -> bool:
         return self.reading.done() if self.reading is not None else self.pull.done()
@@ -294,10 +294,12 @@ class Disaggregation:
         block_ids = list(seq.block_ids[:num_blocks])
         handle = next(self._handles)
         where = {}
-        if transport == "shm":  # the blocks are copied out (the loop's stream waits for the gather) and freed as usual
+        if transport == "shm":  # pinned until the writer thread has copied them out (then service frees them)
             where["path"], writing = self.writer.start_write(ex.runner.kv_cache, block_ids, self.exporter_id, handle,
                                                              ready)
-            pin = _Pin([], time.monotonic() + self.timeout_s, where["path"], writing=writing)
+            ex.blocks.acquire(block_ids)
+            pin = _Pin(block_ids, time.monotonic() + self.timeout_s, where["path"], writing=writing)
+            writing.add_done_callback(lambda _: self._wake())
         elif transport == "nixl":  # pinned as for local; the blob tells a remote agent where they are
             where = {**self.nixl_side().describe(), "block_ids": block_ids}  # (may raise: before the pin)
             ex.blocks.acquire(block_ids)
@@ -339,7 +341,9 @@ class Disaggregation:
         now = time.monotonic()
         with self._lock:
             return any(pin.state == "released" or (pin.state == "pinned" and pin.deadline <= now)
-                       or (pin.offer is not None and pin.offer.changed(pin.ready, now)) for pin in self._pins.values())
+                       or (pin.offer is not None and pin.offer.changed(pin.ready, now))
+                       or (pin.path is not None and pin.block_ids and pin.settled())  # (shm: written)
+                       for pin in self._pins.values())
 
     def wait_timeout(self) -> float | None:
         """How long the idle loop may sleep before a pin expires or a pull should be polled (None: neither)."""
@@ -366,13 +370,19 @@ class Disaggregation:
         if self.ready.pending:
             self.ready.forget(self.executor._active)
         now = time.monotonic()
-        converted = self._advance_offers(now)  # (before the expiry below, with its clock: an offer is taken back first)
+        self._advance_offers(now)  # (before the expiry below, with its clock: an offer is taken back first)
         with self._lock:
+            written = [pin for pin in self._pins.values() if pin.path is not None and pin.block_ids and pin.settled()]
+            copied = [pin.block_ids for pin in written]  # (shm: the writer is done with them)
+            for pin in written:
+                pin.block_ids = []
             done = [h for h, pin in self._pins.items() if pin.settled() and (
                     pin.state == "released" or (pin.state == "pinned" and pin.deadline <= now)
                     or (pin.nixl and pin.state == "claimed" and pin.deadline + self.timeout_s <= now)  # reader died
                     or (pin.path is not None and not os.path.exists(pin.path)))]  # shm: fetched (or its write failed)
             pins = [self._pins.pop(h) for h in done]
+        for block_ids in copied:
+            self.executor.blocks.free(block_ids)
         for pin in pins:
             if pin.path is not None:  # shm: only a file no generation side took counts as expired
                 if pin.writing.exception() is not None:  # (its reader says "gone"; the cause is here)
@@ -382,7 +392,7 @@ class Disaggregation:
                 continue
             self.num_expired += pin.state == "pinned"
             self.executor.blocks.free(pin.block_ids)
-        return bool(pins) or converted or len(self._importing) != importing
+        return bool(pins) or bool(copied) or len(self._importing) != importing
 
     @property
     def num_pinned_blocks(self) -> int:
@@ -478,11 +488,11 @@ class Disaggregation:
             return no_room
         dst_ids = ex.blocks.allocate(num_blocks)
         pool = ex.runner.kv_cache
-        shape = (num_blocks, *block_major(pool).shape[1:])
         if self._readers is None:
             self._readers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-shm-read")
-        reading = self._readers.submit(_read_file, fields["path"], shape, pool.element_size(), pool.device,
-                                       self.timeout_s, fields.get("peer"), offer)
+        after = kv_transfer_shm.after_loop(pool.device)  # (a step in flight may still write blocks freed under it)
+        reading = self._readers.submit(_read_file, fields["path"], pool, dst_ids, after, self.timeout_s,
+                                       fields.get("peer"), offer)
         self._importing.append(_Import(seq, fields, dst_ids, reading=reading))
         reading.add_done_callback(lambda _: self._wake())
         return None
@@ -546,23 +556,21 @@ class Disaggregation:
         self._start(_Import(seq, fields, dst_ids, pull))
         return None
 
-    def _advance_offers(self, now: float) -> bool:
-        """Context side: the offered pins' files -> their states; a claim for shm gathers the blocks into the
-        shm file (the pin becomes an shm pin, its blocks freed: True)."""
+    def _advance_offers(self, now: float) -> None:
+        """Context side: the offered pins' files -> their states; a claim for shm writes the blocks to the shm
+        file (the pin becomes an shm pin, its blocks freed once written)."""
         with self._lock:
             offered = [(handle, pin) for handle, pin in self._pins.items()
                        if pin.offer is not None and pin.state != "released"]
-        converted = False
         for handle, pin in offered:
             state = pin.offer.advance(pin.ready, now)
             if state in ("claimed", "released"):
                 pin.state = state
             elif state == "shm":
-                converted = self._offer_to_shm(handle, pin, now) or converted
+                self._offer_to_shm(handle, pin, now)
             # ("expired": the pin stays "pinned" past its deadline: freed below and counted as expired)
-        return converted
 
-    def _offer_to_shm(self, handle: int, pin: _Pin, now: float) -> bool:
+    def _offer_to_shm(self, handle: int, pin: _Pin, now: float) -> None:
         ex = self.executor
         try:
             path, writing = self.writer.start_write(ex.runner.kv_cache, pin.block_ids, self.exporter_id, handle,
@@ -572,12 +580,11 @@ class Disaggregation:
                   file=sys.stderr, flush=True)
             pin.offer.shm_started()
             pin.state = "released"
-            return False
+            return
         pin.offer.shm_started()
-        ex.blocks.free(pin.block_ids)  # (the loop's stream waits for the gather: ShmWriter._gather)
-        with self._lock:
-            self._pins[handle] = _Pin([], now + self.timeout_s, path, writing=writing)
-        return True
+        with self._lock:  # (its blocks stay pinned until the writer thread has copied them out: service frees them)
+            self._pins[handle] = _Pin(pin.block_ids, now + self.timeout_s, path, writing=writing)
+        writing.add_done_callback(lambda _: self._wake())
 
     def _answer_nixl(self) -> None:
         """Context side: answer claims (granted once the prompt's KV is final) and free pins whose READ ended."""
@@ -627,28 +634,28 @@ class Disaggregation:
         for item in done:
             if item.reading is None:
                 self._arrived(item)
-            elif self._file_read(item):  # shm: the file was read; its scatter starts
+            elif self._file_read(item):  # shm: the reader copied the blocks in
                 self._start(item)
 
     def _file_read(self, item: _Import) -> bool:
-        """A reader thread finished: scatter the blocks (True), or fail the request / drop a cancelled one."""
+        """A reader thread finished: the blocks are in place (True), or fail the request / drop a cancelled one."""
         ex = self.executor
         reading, item.reading = item.reading, None
         try:
-            blocks, item.extra_ms = reading.result()
-            error = None if blocks is not None else (
+            copied, item.extra_ms = reading.result()
+            error = None if copied else (
                 "context_phase_params: the context phase's KV cache is gone (fetched already, or deleted after the "
                 "context side's timeout); run the context_only request again")
         except kv_peer.PeerGone as err:  # (its process died while writing the file)
-            blocks, error = None, str(err)
+            copied, error = False, str(err)
         except Exception as err:  # (I/O: a full or vanished transfer directory)
-            blocks, error = None, f"context_phase_params: reading the context phase's KV file failed: {err!r}"
-        if blocks is None or item.seq.is_finished:
+            copied, error = False, f"context_phase_params: reading the context phase's KV file failed: {err!r}"
+        if not copied or item.seq.is_finished:
             ex.blocks.free(item.dst_ids)
             if error is not None and not item.seq.is_finished:
                 ex._fail(item.seq.state, error)
             return False
-        item.pull = self.pulls.scatter(blocks, ex.runner.kv_cache, item.dst_ids)
+        item.pull = Pull()  # (done: the reader thread copied the blocks in and synchronized its stream)
         return True
 
     def _arrived(self, item: _Import) -> None:
@@ -705,10 +712,11 @@ def _check_nixl(fields: dict) -> None:
                                 "context_phase_params output of a context_only request unchanged")
 
 
-def _read_file(path: str, shape: tuple, element_size: int, device, wait_s: float, peer, offer: str | None = None):
-    """A reader thread: (the blocks or None when gone, ms spent); ``offer``: claimed for shm first (auto)."""
+def _read_file(path: str, pool, dst_ids: list[int], after, wait_s: float, peer, offer: str | None = None):
+    """A reader thread: (the blocks are in place: False when gone, ms spent); ``offer``: claimed for shm first
+    (auto)."""
     started = time.perf_counter()
     if offer is not None and kv_transfer_cuda_ipc.claim_for_shm(offer, wait_s, peer) is None:
-        return None, (time.perf_counter() - started) * 1e3
-    blocks = kv_transfer_shm.claim_blocks(path, shape, element_size, device, wait_s, peer)
-    return blocks, (time.perf_counter() - started) * 1e3
+        return False, (time.perf_counter() - started) * 1e3
+    copied = kv_transfer_shm.read_blocks(path, pool, dst_ids, after, wait_s, peer)
+    return copied, (time.perf_counter() - started) * 1e3

@@ -116,7 +116,7 @@ class PullStreams:
       stream. copy_ makes it a two-way barrier: it records an event on the destination's current stream (our
       pull stream) and the copy waits for it (so the previous chunk's index_copy_ has read the buffer before
       it is overwritten), then the destination's current stream waits for the copy (so index_copy_ reads the
-      new bytes). The shm scatter's H2D into it runs on that same stream;
+      new bytes);
     - the destination ids are written (H2D) and read on the generation GPU's pull stream only.
     """
 
@@ -133,20 +133,16 @@ class PullStreams:
             self._streams[device] = torch.cuda.Stream(device)
         return self._streams[device]
 
-    def warm_up(self, src_pool: torch.Tensor | None, dst_pool: torch.Tensor) -> None:
-        """Make every buffer a pull from ``src_pool`` (None: the shm scatter only) into ``dst_pool`` uses, and a
-        first peer copy (torch enables peer access then), so the first hand-off is not the slow one. Idempotent;
-        a no-op off CUDA. Called at the first pull (or before, by whoever knows both pools); it may wait once."""
-        key = tuple(None if pool is None else (pool.device, pool.shape, pool.dtype) for pool in (src_pool, dst_pool))
+    def warm_up(self, src_pool: torch.Tensor, dst_pool: torch.Tensor) -> None:
+        """Make every buffer a pull from ``src_pool`` into ``dst_pool`` uses, and a first peer copy (torch enables
+        peer access then), so the first hand-off is not the slow one. Idempotent; a no-op off CUDA. Called at
+        the first pull (or before, by whoever knows both pools); it may wait once."""
+        key = tuple((pool.device, pool.shape, pool.dtype) for pool in (src_pool, dst_pool))
         dst = block_major(dst_pool)
         if key in self._warm or not _on_cuda(dst):
             return
         self._warm.add(key)
         dst_buf = self._buffers(dst, "dst")
-        if src_pool is None:
-            self._host_buffers([(dst.device, "dst")])
-            self._load_kernels(None, None, dst, dst_buf)
-            return
         src = block_major(src_pool)
         if not _on_cuda(src):
             raise ValueError(f"a KV pull from a pool on {src.device} into one on {dst.device} is not supported "
@@ -165,14 +161,13 @@ class PullStreams:
         pool is written): CUDA loads a kernel at its first launch (torch sets CUDA_MODULE_LOADING=LAZY), and
         loading may synchronize the context, which a pull must not do. index_select picks its kernel by the
         index count (16 and under, or more), hence the counts."""
-        limit = min([dst_buf.shape[0] // 2] + ([] if src is None else [gather_buf.shape[0], src.shape[0]]))
+        limit = min(dst_buf.shape[0] // 2, gather_buf.shape[0], src.shape[0])
         counts = [k for k in (1, 2, 17) if k <= limit]
-        if src is not None:
-            ids = self._ids[src.device, "src"]
-            with torch.cuda.stream(self.stream(src.device)):
-                for k in counts:
-                    torch.arange(k, out=ids[:k])
-                    torch.index_select(src, 0, ids[:k], out=gather_buf[:k])
+        ids = self._ids[src.device, "src"]
+        with torch.cuda.stream(self.stream(src.device)):
+            for k in counts:
+                torch.arange(k, out=ids[:k])
+                torch.index_select(src, 0, ids[:k], out=gather_buf[:k])
         ids = self._ids[dst.device, "dst"]
         with torch.cuda.stream(self.stream(dst.device)):
             for k in counts:
@@ -267,28 +262,6 @@ class PullStreams:
             end.record(dst_stream)
         return Pull(end, start, keep=(src_pool, dst_pool, src_buf, dst_buf), device=dst.device)
 
-    def scatter(self, blocks: torch.Tensor, dst_pool: torch.Tensor, dst_ids: list[int]) -> Pull:
-        """dst_pool[:, :, dst_ids[i]] = blocks[i] from host blocks (the shm transport's file, (n, L, 2, T, H, D);
-        pinned by its reader, kv_transfer_shm.claim_blocks)."""
-        dst = block_major(dst_pool)
-        if not _on_cuda(dst):
-            started = time.perf_counter()
-            dst.index_copy_(0, torch.tensor(dst_ids, device=dst.device), blocks.to(dst.device))
-            return Pull(host_ms=(time.perf_counter() - started) * 1e3)
-        self.warm_up(None, dst_pool)
-        blocks = _pin(blocks)  # (the readers pin it; otherwise once here: a pageable H2D waits for the stream)
-        stream, dst_buf = self.stream(dst.device), self._buffers(dst, "dst")
-        (index,) = self._load_ids((dst_ids, dst.device, "dst"))
-        start, end = self._begin(dst.device)
-        with torch.cuda.stream(stream):
-            step = dst_buf.shape[0]
-            for first in range(0, len(dst_ids), step):
-                n = min(step, len(dst_ids) - first)
-                dst_buf[:n].copy_(blocks[first:first + n], non_blocking=True)
-                dst.index_copy_(0, index[first:first + n], dst_buf[:n])
-            end.record(stream)
-        return Pull(end, start, keep=(dst_pool, blocks, dst_buf), device=dst.device)
-
     def _begin(self, device: torch.device):
         """(start, end) timing events; the pull stream first waits for the loop's step in flight."""
         stream = self.stream(device)
@@ -311,10 +284,6 @@ def _peer(src: torch.Tensor, dst: torch.Tensor) -> bool:
 
 def _pinned_empty(n: int) -> torch.Tensor:
     return torch.empty(n, dtype=torch.long, pin_memory=True)
-
-
-def _pin(blocks: torch.Tensor) -> torch.Tensor:
-    return blocks if blocks.is_pinned() else blocks.pin_memory()
 
 
 class ReadyEvents:

@@ -419,7 +419,7 @@ class Offer:
 
 def claim_for_shm(offer: str, wait_s: float, peer=None) -> str | None:
     """A generation side's reader thread: claim the offer for ``shm`` and wait until the context side has begun
-    writing its file; that file's path (then kv_transfer_shm.claim_blocks), or None: gone (fetched already,
+    writing its file; that file's path (then kv_transfer_shm.read_blocks), or None: gone (fetched already,
     expired, or the context side never began). ``peer``: the context process (kv_peer.identity); if it dies
     meanwhile, kv_peer.PeerGone at once."""
     deadline, marker = time.monotonic() + wait_s, f"{offer}.shm"

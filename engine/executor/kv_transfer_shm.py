@@ -4,25 +4,33 @@ each with its own engine process). engine/executor/disaggregated.py decides when
 
 Life of one file (``<dir>/tritonllm-kv-<exporter>-<handle>.kv``, dir = TRITONLLM_KV_TRANSFER_DIR,
 else /dev/shm, else the temp dir):
-- export (the context loop, ``start_write``): an empty ``<path>.partial`` is created at once (a reader
-  that comes early waits for it) and the blocks are gathered on the device, on a stream of the
-  export's own after the prompt's ready event (not behind the step in flight); the loop's stream
-  waits on the GPU for the gather only, so the blocks are freed in the pool at once. A writer thread
-  copies the gathered blocks to pinned host memory (on a copy stream: a later export's gather does not
-  queue behind this host copy), writes the bytes and renames the file into place (readers never see a
-  partial file); if it fails, the partial file goes too;
-- a generation side claims it by renaming it to a name of its own (atomic: one fetch per blob), reads
-  it into (pinned) host memory on a reader thread (``claim_blocks``), deletes it, and scatters the
-  blocks into its pool (kv_pull.PullStreams.scatter);
+- export (the context loop, ``ShmWriter.start_write``): an empty ``<path>.partial`` is created at once (a
+  reader that comes early waits for it); the prompt's blocks stay pinned in the pool (the caller acquires
+  them) until the writer thread has copied them out. The writer thread gathers them chunk by chunk into
+  its staging buffer (on a stream of its own, after the prompt's ready event: not behind the step in
+  flight, and no stream of the loop waits for it), copies each chunk to its pinned host buffer and
+  appends it to the file, then renames the file into place (readers never see a partial file); if it
+  fails, the partial file goes too. Its future done, the context loop frees the blocks;
+- a generation side claims it by renaming it to a name of its own (atomic: one fetch per blob); its
+  reader thread (``read_blocks``) reads it chunk by chunk into its pinned host buffer and copies each
+  chunk into the blocks allocated for it (on a stream of its own, after the generation loop's step in
+  flight), then deletes it;
 - the context loop deletes it at the timeout if nobody claimed it (``expire``), once written.
+Both threads reuse their buffers (``_Buffers``: one chunk of staging on the device and in pinned host
+memory, block ids on both): an export or an import allocates nothing on the GPU nor in pinned memory once
+a thread has made them. A device or page-locked allocation may wait for the work queued on the GPU (CUDA's
+implicit synchronization), and a whole prompt's gather was 537 MB on the context GPU at 8,192 tokens
+(Llama-8B FP8), the reader's pinned buffer as much per file.
 Content: the blocks' raw bytes, (num_blocks, L, 2, T, H, D) integers of the pool's element width (float8
 included); the shape comes from the blob (its layout and num_blocks), equal on both sides.
-Neither loop waits for the file: the writer and reader threads do (file I/O releases the GIL).
+Neither loop waits for the file: the writer and reader threads do (file I/O and stream syncs release the GIL).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -46,83 +54,132 @@ def block_major(pool: torch.Tensor) -> torch.Tensor:
     return pool.view(_SAME_WIDTH_INT[pool.element_size()]).permute(2, 0, 1, 3, 4, 5)
 
 
+CHUNK_BYTES = 32 << 20  # one chunk of a thread's staging (on the device and pinned on the host)
+
+
+class _Buffers:
+    """One thread's reused buffers for the pools of one shape: ``host`` (step, L, 2, T, H, D) integers of the
+    pool's width (pinned on CUDA), ``staging`` the same on the pool's device (``host`` itself off CUDA), ``ids``
+    and ``host_ids`` room for every block id of the pool, and the thread's ``stream`` (None off CUDA).
+    Reuse is race-free: one thread uses them, and it synchronizes its stream before it touches ``host`` or
+    ``host_ids`` again."""
+
+    def __init__(self, by_block: torch.Tensor):
+        shape, dtype, device = tuple(by_block.shape[1:]), by_block.dtype, by_block.device
+        block_bytes = max(1, by_block[0].numel() * by_block.element_size()) if by_block.shape[0] else 1
+        self.step = max(1, min(CHUNK_BYTES // block_bytes, by_block.shape[0]))
+        count = max(1, by_block.shape[0])
+        if device.type != "cuda":
+            self.stream = None
+            self.host = self.staging = torch.empty((self.step, *shape), dtype=dtype)
+            self.host_ids = self.ids = torch.empty(count, dtype=torch.long)
+            return
+        with torch.cuda.device(device):  # (pinned memory belongs to the current device's context)
+            self.stream = torch.cuda.Stream(device)
+            self.host = torch.empty((self.step, *shape), dtype=dtype, pin_memory=True)
+            self.host_ids = torch.empty(count, dtype=torch.long, pin_memory=True)
+            self.staging = torch.empty((self.step, *shape), dtype=dtype, device=device)
+            self.ids = torch.empty(count, dtype=torch.long, device=device)
+
+    def load_ids(self, block_ids: list[int], after) -> torch.Tensor:
+        """The ids on the pool's device, on the thread's stream after ``after`` (an event; CUDA)."""
+        n = len(block_ids)
+        self.host_ids[:n] = torch.tensor(block_ids, dtype=torch.long)
+        if self.stream is not None:
+            if after is not None:
+                self.stream.wait_event(after)
+            self.ids[:n].copy_(self.host_ids[:n], non_blocking=True)
+        return self.ids[:n]
+
+    def sync(self) -> None:
+        if self.stream is not None:
+            self.stream.synchronize()
+
+
+_THREAD = threading.local()  # each writer / reader thread's buffers: {(device, shape, dtype, blocks): _Buffers}
+
+
+def _buffers(by_block: torch.Tensor) -> _Buffers:
+    if not hasattr(_THREAD, "buffers"):
+        _THREAD.buffers = {}
+    key = (by_block.device, tuple(by_block.shape), by_block.dtype)
+    if key not in _THREAD.buffers:
+        _THREAD.buffers[key] = _Buffers(by_block)
+    return _THREAD.buffers[key]
+
+
+def _stream(buffers: _Buffers):
+    return contextlib.nullcontext() if buffers.stream is None else torch.cuda.stream(buffers.stream)
+
+
+def after_loop(device) -> object | None:
+    """CUDA: an event after the calling loop's work so far on its stream (None off CUDA)."""
+    if torch.device(device).type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
 class ShmWriter:
-    """The context side's exports: a stream per device (CUDA) and one writer thread, made on first use."""
+    """The context side's exports: one writer thread, made on first use."""
 
     def __init__(self):
         self._threads: ThreadPoolExecutor | None = None
-        self._streams: dict[torch.device, tuple] = {}  # device -> (gather stream, host-copy stream)
 
     def start_write(self, pool: torch.Tensor, block_ids: list[int], exporter: str, handle: int,
                     ready=None) -> tuple[str, Future]:
-        """Copy the blocks out (the pool's blocks may be freed on return); returns the file's path and the
-        writer's future (done once the file is in place)."""
+        """Write the blocks to a file on the writer thread; they must stay pinned until the returned future (done
+        once the file is in place, or failed) is done. ``ready``: the event after the prompt's last prefill chunk
+        (CUDA; None: the loop's stream as of now). Returns the file's path and the future."""
         path = os.path.join(transfer_dir(), f"tritonllm-kv-{exporter}-{handle}.kv")
         open(f"{path}.partial", "wb").close()  # (a reader that comes before the writer waits for it)
-        by_block = block_major(pool)
-        copy_stream = None
         try:
-            if by_block.device.type != "cuda":
-                gathered = by_block.index_select(0, torch.tensor(block_ids)).contiguous()
-            else:
-                gathered, copy_stream = self._gather(by_block, block_ids, ready)
+            if ready is None:
+                ready = after_loop(pool.device)
+            if self._threads is None:
+                self._threads = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-shm-write")
+            return path, self._threads.submit(_write, pool, list(block_ids), ready, path)
         except BaseException:
             expire(f"{path}.partial")  # (no writer will rename or remove it; a reader waiting for it gives up)
             raise
-        if self._threads is None:
-            self._threads = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-shm-write")
-        return path, self._threads.submit(_write, gathered, copy_stream, path)
-
-    def _gather(self, by_block: torch.Tensor, block_ids: list[int], ready):
-        """The blocks gathered on a stream of our own after ``ready``; the loop's stream waits for the gather
-        (its next steps may write the freed blocks after it), not for the host copy; the copy stream too."""
-        device = by_block.device
-        if device not in self._streams:
-            self._streams[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
-        (stream, copy_stream), loop_stream = self._streams[device], torch.cuda.current_stream(device)
-        with torch.cuda.stream(stream):
-            if ready is not None:
-                stream.wait_event(ready)
-            else:
-                stream.wait_stream(loop_stream)
-            index = torch.tensor(block_ids, dtype=torch.long).pin_memory().to(device, non_blocking=True)
-            gathered = by_block.index_select(0, index)
-        loop_stream.wait_stream(stream)
-        copy_stream.wait_stream(stream)  # (queued now, in gather order; the writer thread copies behind it)
-        gathered.record_stream(copy_stream)  # read there: its memory is not reused by a later gather before
-        return gathered, copy_stream
 
     def shutdown(self) -> None:
         if self._threads is not None:
             self._threads.shutdown(wait=True)
 
 
-def _write(gathered: torch.Tensor, stream, path: str) -> None:
-    """The writer thread: (CUDA) host copy on the copy stream, then the file."""
+def _write(pool: torch.Tensor, block_ids: list[int], ready, path: str) -> None:
+    """The writer thread: the blocks chunk by chunk, device -> staging -> pinned host -> file."""
     partial = f"{path}.partial"
+    by_block = block_major(pool)
+    buffers = _buffers(by_block)
     try:
-        if stream is None:
-            host = gathered
-        else:
-            with torch.cuda.stream(stream):  # after the gather (the stream waits for it)
-                host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
-                host.copy_(gathered, non_blocking=True)
-                stream.synchronize()
-        with open(partial, "wb") as f:
-            f.write(memoryview(host.numpy()).cast("B"))
+        with open(partial, "wb") as f, _stream(buffers):
+            try:
+                ids = buffers.load_ids(block_ids, ready)
+                for first in range(0, len(block_ids), buffers.step):
+                    n = min(buffers.step, len(block_ids) - first)
+                    torch.index_select(by_block, 0, ids[first:first + n], out=buffers.staging[:n])
+                    if buffers.stream is not None:
+                        buffers.host[:n].copy_(buffers.staging[:n], non_blocking=True)
+                        buffers.sync()
+                    f.write(memoryview(buffers.host[:n].numpy()).cast("B"))
+            finally:
+                buffers.sync()  # (nothing of this export still reads the pool once its future is done)
         os.replace(partial, path)
     except BaseException:
         expire(partial)  # a reader waiting for it gives up at once
         raise
 
 
-def claim_blocks(path: str, shape: tuple, element_size: int, pin_for, wait_s: float,
-                 peer: dict | None = None) -> torch.Tensor | None:
-    """Take the file (None: fetched already, expired, or still unwritten after ``wait_s``), read its blocks
-    (``shape``: (num_blocks, L, 2, T, H, D)) into host memory, pinned when ``pin_for`` is a CUDA device (the
-    pool's: the reader thread's current device is not), and delete it. A reader's thread. ``peer``: the context
-    process (kv_peer.identity); if it dies while its file is being written, kv_peer.PeerGone at once (and its
-    partial file, which nobody would remove, goes)."""
+def read_blocks(path: str, pool: torch.Tensor, dst_ids: list[int], after, wait_s: float,
+                peer: dict | None = None) -> bool:
+    """Take the file (False: fetched already, expired, or still unwritten after ``wait_s``) and copy its blocks
+    into ``pool``'s blocks ``dst_ids`` (chunk by chunk: file -> pinned host -> staging -> pool, on the thread's
+    stream after ``after``, the generation loop's step in flight), then delete it; True once they are in place.
+    A reader's thread. ``peer``: the context process (kv_peer.identity); if it dies while its file is being
+    written, kv_peer.PeerGone at once (and its partial file, which nobody would remove, goes)."""
     mine = f"{path}.claimed-{os.getpid()}"
     deadline = time.monotonic() + wait_s
     next_check = 0.0
@@ -134,7 +191,7 @@ def claim_blocks(path: str, shape: tuple, element_size: int, pin_for, wait_s: fl
             if not os.path.exists(f"{path}.partial") and not os.path.exists(path) or time.monotonic() > deadline:
                 if os.path.exists(path):
                     continue  # renamed into place between the two checks
-                return None
+                return False
             if time.monotonic() >= next_check:
                 next_check = time.monotonic() + kv_peer.CHECK_S
                 if (dead := kv_peer.gone(peer)) is not None and not os.path.exists(path):
@@ -142,15 +199,25 @@ def claim_blocks(path: str, shape: tuple, element_size: int, pin_for, wait_s: fl
                     raise kv_peer.PeerGone(dead)
             time.sleep(WAIT_POLL_S)  # the context side is still writing it
     try:
-        if pin_for is not None and torch.device(pin_for).type == "cuda":
-            with torch.cuda.device(pin_for):
-                blocks = torch.empty(shape, dtype=_SAME_WIDTH_INT[element_size], pin_memory=True)
-        else:
-            blocks = torch.empty(shape, dtype=_SAME_WIDTH_INT[element_size])
-        with open(mine, "rb") as f:
-            if f.readinto(memoryview(blocks.numpy()).cast("B")) != blocks.numel() * element_size:
-                return None  # (a file of another layout; the blob's checks make this unreachable)
-        return blocks
+        by_block = block_major(pool)
+        block_bytes = by_block[0].numel() * by_block.element_size()
+        if os.path.getsize(mine) != len(dst_ids) * block_bytes:
+            return False  # (a file of another layout; the blob's checks make this unreachable)
+        buffers = _buffers(by_block)
+        with open(mine, "rb") as f, _stream(buffers):
+            try:
+                ids = buffers.load_ids(dst_ids, after)
+                for first in range(0, len(dst_ids), buffers.step):
+                    n = min(buffers.step, len(dst_ids) - first)
+                    buffers.sync()  # (the previous chunk's copy out of ``host`` is done)
+                    if f.readinto(memoryview(buffers.host[:n].numpy()).cast("B")) != n * block_bytes:
+                        return False
+                    if buffers.stream is not None:
+                        buffers.staging[:n].copy_(buffers.host[:n], non_blocking=True)
+                    by_block.index_copy_(0, ids[first:first + n], buffers.staging[:n])
+            finally:
+                buffers.sync()  # (nothing of this import still writes the pool once its future is done)
+        return True
     finally:
         os.remove(mine)
 
