@@ -336,7 +336,7 @@ class Disaggregation:
             return True
         if self._nixl is not None:
             self._nixl.poll()
-            if self._nixl.claims or self._nixl.done:
+            if self._nixl.done or any(self._claim_to_answer(*claim[:2]) for claim in self._nixl.claims):
                 return True
         now = time.monotonic()
         with self._lock:
@@ -344,6 +344,15 @@ class Disaggregation:
                        or (pin.offer is not None and pin.offer.changed(pin.ready, now))
                        or (pin.path is not None and pin.block_ids and pin.settled())  # (shm: written)
                        for pin in self._pins.values())
+
+    def _claim_to_answer(self, agent: str, handle: int) -> bool:
+        """A NIXL claim the context loop has news for: new (not acknowledged yet), or its prompt's KV now final
+        (or its pin gone). A claim waiting for its prefill does not wake the loop at every poll."""
+        if (agent, handle) not in self._nixl.acknowledged:
+            return True
+        with self._lock:
+            pin = self._pins.get(handle)
+            return pin is None or pin.state != "pinned" or pin.deadline <= time.monotonic() or pin.ready.query()
 
     def wait_timeout(self) -> float | None:
         """How long the idle loop may sleep before a pin expires or a pull should be polled (None: neither)."""

@@ -355,9 +355,14 @@ class NixlPull:
         return True
 
     def wait(self, timeout_s: float = 5.0) -> None:
-        """Shutdown: until the READ (if any) is over; a claim never answered is left."""
+        """Shutdown: until a READ in progress is over. A pull that has not started its READ starts none: its
+        claim (granted or not yet answered) is given back, so the context side frees the pin now."""
+        if self._state in ("claiming", "granted"):
+            self._give_back()  # (a "done" after the claim: the context side frees the pin once it granted it)
+            self._fail("the executor was shut down")
+            return
         deadline = time.monotonic() + timeout_s
-        while self._state != "claiming" and not self.done() and time.monotonic() < deadline:
+        while not self.done() and time.monotonic() < deadline:
             self.side.poll()
             time.sleep(0.001)
 

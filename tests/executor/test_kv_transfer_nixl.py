@@ -256,3 +256,67 @@ def test_a_dead_or_silent_context_side_fails_the_claim_at_once(sides, monkeypatc
     finally:
         a.close()
         b.close()
+
+
+class _Gate:
+    """A ready event (kv_pull.ReadyEvents) that passes when ``open``: a prefill still on the GPU until then."""
+    open = False
+
+    def query(self) -> bool:
+        return self.open
+
+
+def test_a_claim_waiting_for_its_prefill_does_not_spin_the_context_loop(sides, monkeypatch):
+    """Roles swapped (this process's executor exports, the engine process imports): while the prompt's KV is not
+    final the claim is acknowledged and waits without a step per poll; once it is, the claim is granted at the
+    next poll and the ids equal the aggregated request's."""
+    context, ex = sides
+    gate, steps, real_step = _Gate(), [], ex._step
+    monkeypatch.setattr(ex.disagg.ready, "take", lambda request_id: gate)
+    monkeypatch.setattr(ex, "_step", lambda *args: steps.append(1) or real_step(*args))
+    prompt = PROMPTS[1]
+    aggregated = final_tokens(run(ex, greedy(prompt)))
+    params = run(ex, greedy(prompt, request_type="context_only", kv_transfer="nixl"))[-1].result.context_phase_params
+    request_id = context.enqueue_request(greedy(prompt, request_type="generation_only", context_phase_params=params))
+    assert wait_until(lambda: ex.disagg._nixl.acknowledged)
+    steps.clear()
+    time.sleep(0.3)
+    assert len(steps) <= 3, f"{len(steps)} steps of an idle loop in 0.3 s"
+    gate.open = True
+    assert final_tokens(collect(context, [request_id])[request_id]) == aggregated
+    assert wait_until(lambda: generation_free(ex) and ex.disagg.num_pinned_blocks == 0)
+    assert wait_until(lambda: context_free(context)) and not ex.disagg._nixl.acknowledged
+
+
+def test_shutdown_gives_back_a_claim_whose_read_has_not_started():
+    """NixlPull.wait (executor shutdown): a pull granted (its READ waiting for the loop's step) or still claiming
+    starts no READ and waits for nothing; its claim goes back to the context side at once."""
+
+    class Side:
+        answers, acks, sent = {}, set(), []
+
+        def connect(self, metadata):
+            return "context"
+
+        def claim(self, agent, handle):
+            self.sent.append(("claim", handle))
+
+        def release(self, agent, handle):
+            self.sent.append(("done", handle))
+
+        def read(self, fields, dst_ids):
+            raise AssertionError("a READ started at shutdown")
+
+        def poll(self):
+            return False
+
+    side, fields = Side(), {"metadata": kv_transfer_nixl.pack_metadata(b"x"), "handle": 3}
+    for granted in (True, False):
+        side.sent.clear()
+        pull = kv_transfer_nixl.NixlPull(side, fields, [1, 2], 60.0, lambda: False, after_step=_Gate())
+        if granted:
+            side.answers[("context", 3)] = True
+            assert not pull.done() and pull._state == "granted"  # (the loop's step in flight not done yet)
+        started = time.monotonic()
+        pull.wait()
+        assert time.monotonic() - started < 0.5 and side.sent == [("claim", 3), ("done", 3)] and pull.done()
