@@ -708,7 +708,7 @@ def request_type_of(request_parameters: str) -> str:
 
 # How a context_only request's KV reaches its generation_only request (engine/executor/disaggregated.py
 # TRANSPORTS): "local" within one engine process, "shm" through host shared memory to another process,
-# "nixl" READ by the generation side's NIXL agent (another host; needs the nixl-cu12 package), "cuda_ipc"
+# "nixl" READ by the generation side's NIXL agent (another host; needs NIXL: nixl-cu12 or cu13), "cuda_ipc"
 # GPU to GPU from another process of the host, "auto" cuda_ipc where the generation side can, else shm.
 KV_TRANSFERS = ("local", "shm", "nixl", "cuda_ipc", "auto")
 

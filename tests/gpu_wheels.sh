@@ -35,13 +35,16 @@ head -c "$STASH_PART_BYTES" "$model" > ".gpu_stash/$name.part1"
 tail -c +$((STASH_PART_BYTES + 1)) "$model" > ".gpu_wheels/$name.part2"
 rm "$model"
 mv "$download"/*.whl .gpu_wheels/
-# NIXL (the nixl KV transfer's tests) as a tarball of what its UCX backend needs: the whole wheel (68 MB) would not
+# NIXL (the nixl KV transfer's tests) as a tarball of what its UCX backend needs: the whole wheel (59 MB) would not
 # fit beside the others; tests/gpu_nixl_trim.py says what is kept. gpu_run.sh unpacks it beside the wheels.
+# The build for the GPU machine's CUDA major (torch 2.11.0+cu130 there): UCX's CUDA memory hooks (libucm_cuda) link
+# that major's runtime, libcudart.so.13, which torch has loaded (nixl-cu12's needs libcudart.so.12, absent there).
+NIXL=${NIXL:-nixl-cu13}
 nixl=$(mktemp -d)
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  --platform manylinux_2_28_x86_64 -d "$nixl" nixl-cu12==1.5.1
-(cd "$nixl" && python3 -m zipfile -e nixl_cu12-*.whl unpacked)
+  --platform manylinux_2_28_x86_64 -d "$nixl" "$NIXL==1.5.1"
+(cd "$nixl" && python3 -m zipfile -e "${NIXL//-/_}"-*.whl unpacked)
 python3 tests/gpu_nixl_trim.py "$nixl/unpacked" > "$nixl/files.txt"
-tar cJf .gpu_wheels/nixl_cu12_ucx.tar.xz -C "$nixl/unpacked" -T "$nixl/files.txt"
+tar cJf ".gpu_wheels/${NIXL//-/_}_ucx.tar.xz" -C "$nixl/unpacked" -T "$nixl/files.txt"
 rm -rf "$nixl"
 du -sh .gpu_stash .gpu_wheels

@@ -204,7 +204,7 @@ case $call in
   # (the trimmed wheel of tests/gpu_wheels.sh: carry .gpu_wheels, or run after the suite on the same machine), then
   # PP 2 with stage graphs (one step in flight) and with two steps in flight.
   site=/tmp/gpu_test_site
-  if [ ! -d "$site/nixl_cu12" ] && [ -f .gpu_wheels/nixl_cu12_ucx.tar.xz ]; then mkdir -p "$site" && tar xJf .gpu_wheels/nixl_cu12_ucx.tar.xz -C "$site"; fi
+  for t in .gpu_wheels/nixl_cu*_ucx.tar.xz; do [ -f "$t" ] && mkdir -p "$site" && tar xJf "$t" -C "$site"; done
   TRITONLLM_DISAGG_DEVICES=$devices job tests_pull 60 "$PYTHON" -m pytest -q -rfEs -p no:cacheprovider \
     tests/executor/test_kv_pull.py tests/executor/test_disaggregated.py
   TRITONLLM_DISAGG_DEVICES=$devices PYTHONPATH=$PWD:$site job tests_nixl 60 "$PYTHON" -m pytest -q -rfEs -p no:cacheprovider \

@@ -20,7 +20,7 @@ context side, default ``local``):
   by chunk through buffers of their own, so neither loop waits for the file nor allocates for it.
 - ``nixl``: another host (or process): the blocks stay pinned in the context pool, which a NIXL agent
   registered; the generation side claims them by a notification and READs them into its own pool
-  (kv_transfer_nixl.py). Optional: needs the nixl-cu12 package, refused by name without it.
+  (kv_transfer_nixl.py). Optional: needs NIXL (nixl-cu12 or nixl-cu13), refused by name without it.
 - ``cuda_ipc``: another process of the same host, GPU to GPU: the blocks stay pinned, the context pool is
   shared once through CUDA IPC and the generation side pulls from it as ``local`` does; a file per pin (the
   offer) says when it may be pulled and when it was (kv_transfer_cuda_ipc.py).

@@ -3,7 +3,8 @@ side straight from the context side's pool through NIXL (the transfer library Te
 SGLang use; UCX underneath: RDMA, TCP, shared memory or CUDA IPC, whichever UCX finds between the two
 agents). Made for another host: no shared memory and no shared filesystem are assumed, only a network path
 that UCX can use. engine/executor/disaggregated.py decides when it is used; NIXL is an optional dependency
-(``nixl-cu12``; the ``nixl`` meta package works too), refused by name when it is not importable.
+(``nixl-cu12`` or ``nixl-cu13``, the build for torch's CUDA major; the ``nixl`` meta package works too), refused
+by name when it is not importable.
 
 Design:
 - Each executor that uses the transport owns one NIXL agent (``NixlSide``, made on first use; UCX backend),
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import base64
 import glob
+import importlib
 import os
 import sys
 import time
@@ -49,7 +51,7 @@ import torch
 
 from engine.executor import kv_peer
 
-MISSING = "kv_transfer 'nixl' needs the nixl-cu12 package (pip install nixl-cu12==1.5.1)"
+MISSING = "kv_transfer 'nixl' needs NIXL (pip install nixl-cu12==1.5.1, or nixl-cu13==1.5.1 with a CUDA 13 torch)"
 POLL_S = 0.002  # an idle loop's poll of NIXL notifications while a nixl pin or import is pending
 IDLE_POLL_S = 0.05  # ... and otherwise, once the executor has an agent (a late claim gets its "gone" answer)
 # A claim the context side does not acknowledge within this fails at once: its process is gone or unreachable
@@ -59,17 +61,26 @@ ACK_TIMEOUT_S = float(os.environ.get("TRITONLLM_KV_TRANSFER_ACK_TIMEOUT_S", "5")
 _CLAIM, _GRANTED, _GONE, _DONE, _WAIT = b"C", b"G", b"X", b"D", b"W"
 
 
+def package_names(cuda_version: str | None) -> list[str]:
+    """NIXL's packages in the order tried: the build for torch's CUDA major version first. The two builds differ
+    in UCX's CUDA memory hooks (libucm_cuda), which link that major's runtime (libcudart.so.12 / .13): in a
+    process whose torch loaded the other one they do not load."""
+    builds = ["nixl_cu12", "nixl_cu13"]
+    if cuda_version and cuda_version.split(".")[0] == "13":
+        builds.reverse()
+    return builds + ["nixl"]
+
+
 def load_api():
     """NIXL's Python API module, or None when it is not installed."""
     _quiet_ucx_exit()
-    try:
-        from nixl_cu12 import _api
-    except ImportError:
+    _detect_cuda_memory_directly()
+    for name in package_names(torch.version.cuda):
         try:
-            from nixl import _api
+            return importlib.import_module(f"{name}._api")
         except ImportError:
-            return None
-    return _api
+            continue
+    return None
 
 
 def available() -> bool:
@@ -82,6 +93,16 @@ def _quiet_ucx_exit() -> None:
     modules serve nothing, so they are not loaded there unless the user set UCX_MODULES."""
     if "UCX_MODULES" not in os.environ and not glob.glob("/sys/class/infiniband/*"):
         os.environ["UCX_MODULES"] = "^ib,rdmacm,mlx5"
+
+
+def _detect_cuda_memory_directly() -> None:
+    """UCX_MEMTYPE_CACHE=n unless the user set it. UCX's memory-type cache learns CUDA allocations only from its
+    CUDA hooks (libucm_cuda), and takes an address it has not seen for host memory: without the hooks (a wheel
+    built for another CUDA major than torch's runtime; seen on the H200s with nixl-cu12 under torch cu130) the
+    VRAM pool registered as host and NIXL refused it (NIXL_ERR_BACKEND). Off, UCX asks its CUDA memory domain
+    (cuPointerGetAttributes, the driver) instead: once per registration, since NIXL moves registered memory
+    only. Read when UCX loads, so set before the first agent."""
+    os.environ.setdefault("UCX_MEMTYPE_CACHE", "n")
 
 
 def after_step(device: torch.device):

@@ -2,7 +2,7 @@
 the context executor in an engine process, the generation executor here; the KV moves only through NIXL
 (UCX), claimed and released by NIXL notifications. Greedy ids equal the aggregated request's, pins are
 freed on both sides (also after a cancel while the transfer is pending), bad params are named.
-Skipped when NIXL is not installed (scripts/setup_env.sh installs nixl-cu12)."""
+Skipped when NIXL is not installed (scripts/setup_env.sh installs nixl-cu12; the GPU suite carries nixl-cu13)."""
 from __future__ import annotations
 
 import os
@@ -20,7 +20,7 @@ from engine.executor.request import Request, SamplingConfig
 from tests.executor.executor_testing import collect, final_tokens, wait_until
 
 pytestmark = pytest.mark.skipif(not kv_transfer_nixl.available(),
-                                reason="NIXL is not installed (pip install nixl-cu12==1.5.1; scripts/setup_env.sh)")
+                                reason="NIXL is not installed (scripts/setup_env.sh installs nixl-cu12)")
 
 PROMPTS = [[(7 * i + 5 * j + 2) % 128 for j in range(n)] for i, n in enumerate((5, 13, 17))]
 MAX_TOKENS = 6
@@ -114,7 +114,15 @@ def test_bad_params_are_named(sides, monkeypatch):
     assert wait_until(lambda: generation_free(generation)) and wait_until(lambda: context_free(context))
     monkeypatch.setattr(kv_transfer_nixl, "available", lambda: False)
     error = run(generation, greedy(PROMPTS[0], request_type="context_only", kv_transfer="nixl"))[-1].error
-    assert error == "kv_transfer 'nixl' needs the nixl-cu12 package (pip install nixl-cu12==1.5.1)"
+    assert error == kv_transfer_nixl.MISSING and error.startswith("kv_transfer 'nixl' needs NIXL (pip install")
+
+
+def test_the_nixl_build_of_torchs_cuda_major_is_tried_first():
+    """nixl-cu12 and nixl-cu13 differ in UCX's CUDA memory hooks, which link that major's libcudart: the other
+    build's do not load next to torch's runtime (VRAM then registered as host: NIXL_ERR_BACKEND)."""
+    assert kv_transfer_nixl.package_names("13.0") == ["nixl_cu13", "nixl_cu12", "nixl"]
+    assert kv_transfer_nixl.package_names("12.8") == ["nixl_cu12", "nixl_cu13", "nixl"]
+    assert kv_transfer_nixl.package_names(None) == ["nixl_cu12", "nixl_cu13", "nixl"]
 
 
 def test_a_failing_nixl_call_fails_its_request_alone(sides, monkeypatch):
