@@ -129,17 +129,32 @@ def test_a_pull_does_not_wait_for_the_source_gpus_compute_stream(warm):
     compute.synchronize()
 
 
-def test_shm_reader_waits_for_a_file_being_written_and_a_fetch_is_one_shot(tmp_path, monkeypatch):
+class _SyncedStream(_FakeStream):
+    def synchronize(self):
+        pass
+
+
+def _cuda_like(buffers):
+    """A thread's shm buffers as on CUDA (a stream; staging and ids apart from the host ones), on CPU tensors."""
+    buffers.stream, buffers.staging, buffers.ids = _SyncedStream(), torch.empty_like(buffers.host), \
+        torch.empty_like(buffers.host_ids)
+    return buffers
+
+
+@pytest.mark.parametrize("path", ["cpu", "the CUDA path on CPU tensors"])
+def test_shm_reader_waits_for_a_file_being_written_and_a_fetch_is_one_shot(tmp_path, monkeypatch, path):
     """Writer and reader move the blocks in chunks through buffers each thread makes once: byte-exact (ids as
     given, other blocks untouched), and a second export / import of another size reuses them."""
     monkeypatch.setenv("TRITONLLM_KV_TRANSFER_DIR", str(tmp_path))
     monkeypatch.setattr(kv_transfer_shm, "CHUNK_BYTES", 2 * 2 * 4 * 2 * 8 * 2 * 2)  # two blocks per chunk: 3 chunks
     src, dst = _pools("cpu", "cpu")
     gate, write = threading.Event(), kv_transfer_shm._write
-    made = []
+    made, cuda = [], path != "cpu"
+    if cuda:
+        monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(kv_transfer_shm, "_write", lambda *args: (gate.wait(5), write(*args))[1])
     monkeypatch.setattr(kv_transfer_shm, "_Buffers", lambda by_block, real=kv_transfer_shm._Buffers:
-                        made.append(by_block.shape) or real(by_block))
+                        made.append(by_block.shape) or (_cuda_like if cuda else lambda b: b)(real(by_block)))
     writer = ShmWriter()
     with ThreadPoolExecutor(1) as readers:
         for handle, (src_ids, dst_ids) in enumerate([(SRC_IDS, DST_IDS), ([0, 15], [4, 3])]):
