@@ -307,10 +307,13 @@ class Disaggregation:
         elif transport in kv_transfer_cuda_ipc.TRANSPORTS:  # pinned as for local; the offer file says when it is pulled
             where = {**self.ipc.describe(ex.runner.kv_cache, self.exporter_id, transport), "block_ids": block_ids,
                      "offer": kv_transfer_cuda_ipc.offer_path(self.exporter_id, handle)}  # (may raise: before the pin)
+            nixl = transport == "auto" and os.environ.get(kv_transfer_cuda_ipc.AUTO_NIXL_ENV) == "1"
+            if nixl:  # (another host may fetch it: kv_transfer_cuda_ipc.choose)
+                where.update(self.nixl_side().describe())
             deadline = time.monotonic() + self.timeout_s
             offer = kv_transfer_cuda_ipc.Offer(where["offer"], ready, deadline, self.timeout_s)
             ex.blocks.acquire(block_ids)
-            pin = _Pin(block_ids, deadline, ready=ready, offer=offer)
+            pin = _Pin(block_ids, deadline, ready=ready, offer=offer, nixl=nixl)
         else:
             ex.blocks.acquire(block_ids)  # scheduler.finish drops the sequence's ref; this one stays
             pin = _Pin(block_ids, time.monotonic() + self.timeout_s, ready=ready)
@@ -552,6 +555,12 @@ class Disaggregation:
         except ValueError as err:
             return str(err)
         self.ipc.note(fields["transport"], how, why)
+        if how == "nixl":
+            try:
+                _check_nixl(fields)
+            except ContextPhaseError as err:
+                return str(err)
+            return self._import_nixl(seq, fields)
         if how == "shm":
             return self._import_file(seq, {**fields, "path": kv_transfer_cuda_ipc.shm_path(fields["offer"])},
                                      offer=fields["offer"])
@@ -605,6 +614,8 @@ class Disaggregation:
                 pin = self._pins.get(handle)
                 live = pin is not None and pin.nixl and pin.state == "pinned" and pin.deadline > now
                 wait = live and pin.ready is not None and not pin.ready.query()  # (its prefill is still on the GPU)
+                if live and not wait and pin.offer is not None:  # (auto: no cuda_ipc / shm claim can take it now)
+                    live = pin.offer.take_for_nixl()
                 if live and not wait:
                     pin.state = "claimed"
             try:

@@ -44,9 +44,13 @@ dies fails a claim still waiting for it (kv_peer.gone on the blob's ``peer``).
 ``auto`` (the context side does not know who will fetch): the context side pins and offers, shares its pool
 if it is on CUDA; the generation side chooses (``choose``): ``cuda_ipc`` when the blob comes from this host
 (same boot id), both pools are on CUDA, the context GPU is visible here, the two GPUs can access each other
-(or are one) and the handles open; else ``shm`` (on demand, through the offer); another host's blob is
-refused by name (``nixl`` moves KV across hosts and is asked for explicitly: it must be registered at
-export). The choice is printed once per executor and kind.
+(or are one) and the handles open; else ``shm`` (on demand, through the offer); a blob from another host
+goes through ``nixl`` when the context side put NIXL's fields in it, else is refused by name. NIXL must
+register the pool at export, before anyone knows whether a remote host will fetch, so an auto export does
+so only where the context side sets TRITONLLM_KV_TRANSFER_AUTO_NIXL=1 (off by default: an agent and a
+registered pool per context executor, and NIXL is not verified on GPUs yet). Such a pin is claimed either
+way, once: a NIXL claim takes the offer file first (``Offer.take_for_nixl``). The choice is printed once per
+executor and kind.
 """
 from __future__ import annotations
 
@@ -66,6 +70,7 @@ from engine.executor import kv_peer
 from engine.executor.kv_transfer_shm import WAIT_POLL_S, transfer_dir
 
 TRANSPORTS = ("cuda_ipc", "auto")  # the kv_transfer names this file serves
+AUTO_NIXL_ENV = "TRITONLLM_KV_TRANSFER_AUTO_NIXL"  # "1" on the context side: auto blobs also carry NIXL's fields
 POLL_S = 0.002  # the context loop's poll of its offers while any pin is offered
 NEEDS_CUDA = "kv_transfer 'cuda_ipc' needs the context executor's KV pool on a CUDA device"
 _NAME = re.compile(r"tritonllm-kv-[0-9a-f]{32}(-[0-9]+\.offer|\.ipc)")
@@ -240,14 +245,17 @@ class IpcSide:
 
 def choose(fields: dict, dst_pool: torch.Tensor, peers: PeerPools, in_process: bool = False) \
         -> tuple[str, torch.Tensor | None, str]:
-    """Generation side: (``cuda_ipc``, the mapped source pool, why) or (``shm``, None, why) for an offer blob;
+    """Generation side: (``cuda_ipc``, the mapped source pool, why), (``shm``, None, why) or, for an auto blob from
+    another host that carries NIXL's fields, (``nixl``, None, why) for an offer blob;
     raises ValueError (its message a request's error) where the blob's own transport cannot be served.
     ``in_process``: the context executor lives in this process (CUDA does not open a process's own handles)."""
     asked = fields["transport"]
     if fields["host"] != host_id():
+        if asked == "auto" and isinstance(fields.get("agent"), str):
+            return "nixl", None, f"the context side runs on another host ({fields.get('hostname')})"
         raise ValueError(f"context_phase_params: the context side runs on another host ({fields.get('hostname')}); "
                          f"'{asked}' moves KV within one host; send the context_only request with kv_transfer "
-                         f"nixl to move it across hosts")
+                         f"nixl to move it across hosts (or set {AUTO_NIXL_ENV}=1 on the context side)")
     reason = None
     if in_process:
         reason = "the context executor is in this process (kv_transfer local copies between its pools)"
@@ -364,6 +372,8 @@ class Offer:
                 return now >= self.deadline or ready is None or ready.query()
             if self.state == "offered":
                 return now >= self.deadline or not os.path.exists(self.path)
+            if self.state == "nixl":
+                return False  # (the NIXL transport's own states from here: kv_transfer_nixl)
             return now >= self.deadline + self.timeout_s or not os.path.exists(f"{self.path}.ipc") or \
                 _gone(self.claimer)
         except Exception:
@@ -373,7 +383,9 @@ class Offer:
         """The pin's state from the files: "pinned" (only before the deadline), "shm" (claimed for shm: the caller
         gathers the blocks into the shm file, then ``shm_started``), "claimed" (a cuda_ipc pull), "released"
         (pulled, or its claimer died, or one more timeout passed: free it) or "expired" (taken back unclaimed:
-        free it). The context loop's thread."""
+        free it), or "nixl" (taken by a NIXL claim: that transport's states decide). The context loop's thread."""
+        if self.state == "nixl":
+            return "nixl"
         if self.state == "pending":
             if now >= self.deadline:
                 return "expired" if _take(f"{self.path}.pending") else "released"
@@ -406,6 +418,16 @@ class Offer:
             _take(claim)
             return "released"
         return "claimed"
+
+    def take_for_nixl(self) -> bool:
+        """A NIXL claim (its prompt's KV final): take the offer so that no cuda_ipc / shm claim can; False when one
+        took it first. Idempotent."""
+        if self.state == "nixl":
+            return True
+        if self.state in ("pending", "offered") and _take(self.path + (".pending" if self.state == "pending" else "")):
+            self.state = "nixl"
+            return True
+        return False
 
     def shm_started(self) -> None:
         """The shm file's .partial exists (ShmWriter.start_write): the claimer's reader may stop waiting."""

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from engine.executor import Executor, ExecutorConfig
-from engine.executor import kv_peer
+from engine.executor import kv_peer, kv_transfer_nixl
 from engine.executor import kv_transfer_cuda_ipc as ipc
 from engine.executor.disaggregated import decode, encode
 from engine.executor.engine_process import EngineProcess
@@ -95,32 +95,74 @@ def test_an_offer_claimed_for_shm_waits_for_the_context_side(tmp_path, monkeypat
     assert not os.listdir(tmp_path)
 
 
-def test_the_choice_and_the_refusals_are_named(tiny_engine, tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def cpu_pair(tiny_engine):
+    """(context, generation) executors of this process on the CPU (also where CUDA is there)."""
+    with Executor(tiny_engine, CONFIG, device="cpu") as context, Executor(tiny_engine, CONFIG, device="cpu") as generation:
+        yield context, generation
+
+
+def _free(ex) -> bool:
+    return ex.disagg.num_pinned_blocks == 0 and ex.disagg.num_importing == 0 and \
+        ex.blocks.num_free_blocks == ex.blocks.num_blocks
+
+
+def test_the_choice_and_the_refusals_are_named(cpu_pair, tmp_path, monkeypatch):
     monkeypatch.setenv("TRITONLLM_KV_TRANSFER_DIR", str(tmp_path))
-    with Executor(tiny_engine, CONFIG, device="cpu") as ex:  # (a CPU pool also where CUDA is there)
-        error = _run(ex, Request(PROMPTS[0], 4, request_type="context_only", kv_transfer="cuda_ipc")).error
-        assert error == "kv_transfer 'cuda_ipc' needs the context executor's KV pool on a CUDA device"
-        with pytest.raises(ValueError, match="TRITONLLM_KV_TRANSFER: kv_transfer 'cuda_ipc' needs"):
-            type(ex.disagg)(ex, transport="cuda_ipc")
-        params = _run(ex, Request(PROMPTS[1], 4, request_type="context_only", kv_transfer="auto")).result \
-            .context_phase_params
-        fields = decode(params)
-        assert fields["transport"] == "auto" and "ipc" not in fields and ex.disagg.num_pinned_blocks > 0
-        cases = {
-            encode({**fields, "host": "another-boot"}): "the context side runs on another host",
-            encode({**fields, "transport": "cuda_ipc"}):
-                "kv_transfer 'cuda_ipc' cannot be served here: the context executor is in this process",
-            encode({**fields, "offer": "/etc/passwd"}): "truncated or corrupted blob (offer, host, ipc, block_ids)",
-            encode({**fields, "handle": fields["handle"] + 1}): "truncated or corrupted blob (offer, host, ipc, block_ids)",
-            encode({**fields, "block_ids": fields["block_ids"][:-1]}): "block ids for a 13-token prompt",
-        }
-        for blob, message in cases.items():
-            response = _run(ex, Request(PROMPTS[1], 4, request_type="generation_only", context_phase_params=blob))
-            assert message in response.error, response.error
-        good = _run(ex, Request(PROMPTS[1], 4, request_type="generation_only", context_phase_params=params))
-        assert good.error is None and ex.disagg.ipc.chosen == {"shm": 1}
-        assert wait_until(lambda: ex.disagg.num_pinned_blocks == 0 and ex.blocks.num_free_blocks == ex.blocks.num_blocks)
-        assert wait_until(lambda: not os.listdir(tmp_path))
+    context, generation = cpu_pair
+    error = _run(context, Request(PROMPTS[0], 4, request_type="context_only", kv_transfer="cuda_ipc")).error
+    assert error == "kv_transfer 'cuda_ipc' needs the context executor's KV pool on a CUDA device"
+    with pytest.raises(ValueError, match="TRITONLLM_KV_TRANSFER: kv_transfer 'cuda_ipc' needs"):
+        type(context.disagg)(context, transport="cuda_ipc")
+    params = _run(context, Request(PROMPTS[1], 4, request_type="context_only", kv_transfer="auto")).result \
+        .context_phase_params
+    fields = decode(params)
+    assert fields["transport"] == "auto" and "ipc" not in fields and "agent" not in fields
+    assert context.disagg.num_pinned_blocks > 0
+    cases = {
+        encode({**fields, "host": "another-boot"}): "the context side runs on another host",
+        encode({**fields, "transport": "cuda_ipc"}):
+            "kv_transfer 'cuda_ipc' cannot be served here: the context executor is in this process",
+        encode({**fields, "offer": "/etc/passwd"}): "truncated or corrupted blob (offer, host, ipc, block_ids)",
+        encode({**fields, "handle": fields["handle"] + 1}): "truncated or corrupted blob (offer, host, ipc, block_ids)",
+        encode({**fields, "block_ids": fields["block_ids"][:-1]}): "block ids for a 13-token prompt",
+    }
+    for blob, message in cases.items():
+        response = _run(generation, Request(PROMPTS[1], 4, request_type="generation_only", context_phase_params=blob))
+        assert message in response.error, response.error
+    shm = generation.disagg.ipc.chosen.get("shm", 0)
+    good = _run(generation, Request(PROMPTS[1], 4, request_type="generation_only", context_phase_params=params))
+    assert good.error is None and generation.disagg.ipc.chosen["shm"] == shm + 1
+    assert wait_until(lambda: _free(context) and _free(generation) and not os.listdir(tmp_path))
+
+
+@pytest.mark.skipif(not kv_transfer_nixl.available(), reason="NIXL is not installed (scripts/setup_env.sh)")
+def test_an_auto_blob_from_another_host_goes_through_nixl_where_the_context_side_offers_it(cpu_pair, tmp_path,
+                                                                                           monkeypatch):
+    """TRITONLLM_KV_TRANSFER_AUTO_NIXL=1 on the context side: an auto blob also carries NIXL's fields, and a
+    generation side on another host (faked: another boot id) READs it through NIXL; the NIXL claim takes the
+    offer file, the pin is freed after the READ. Without it, another host's auto blob is refused by name."""
+    monkeypatch.setenv("TRITONLLM_KV_TRANSFER_DIR", str(tmp_path))
+    context, generation = cpu_pair
+    prompt = PROMPTS[2]
+    expected = final_tokens(_all(generation, _greedy(prompt)))
+    bare = _run(context, _greedy(prompt, request_type="context_only", kv_transfer="auto")).result.context_phase_params
+    monkeypatch.setenv(ipc.AUTO_NIXL_ENV, "1")
+    params = _run(context, _greedy(prompt, request_type="context_only", kv_transfer="auto")).result.context_phase_params
+    assert "agent" in decode(params) and "agent" not in decode(bare)
+    host = ipc.host_id()
+    monkeypatch.setattr(ipc, "host_id", lambda: "another-boot")  # (what the generation side compares the blob with)
+    refused = _run(generation, _greedy(prompt, request_type="generation_only", context_phase_params=bare)).error
+    assert "the context side runs on another host" in refused and ipc.AUTO_NIXL_ENV in refused
+    got = _all(generation, _greedy(prompt, request_type="generation_only", context_phase_params=params))
+    assert got[-1].error is None, got[-1].error
+    assert final_tokens(got) == expected and generation.disagg.ipc.chosen["nixl"] == 1
+    monkeypatch.setattr(ipc, "host_id", lambda: host)
+    again = _run(generation, _greedy(prompt, request_type="generation_only", context_phase_params=params))
+    assert "KV cache is gone" in again.error  # (the offer went with the NIXL claim: no second fetch through shm)
+    assert final_tokens(_all(generation, _greedy(prompt, request_type="generation_only", context_phase_params=bare))) \
+        == expected  # (the bare blob, on this host: shm)
+    assert wait_until(lambda: _free(context) and _free(generation) and not os.listdir(tmp_path))
 
 
 def _run(ex, request: Request):
