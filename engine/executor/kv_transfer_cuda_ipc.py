@@ -391,7 +391,10 @@ class Offer:
                 return "expired" if _take(f"{self.path}.pending") else "released"
             if ready is not None and not ready.query():
                 return "pinned"
-            os.rename(f"{self.path}.pending", self.path)  # (only this process renames a .pending)
+            try:
+                os.rename(f"{self.path}.pending", self.path)  # (only this process renames a .pending)
+            except FileNotFoundError:  # (removed by hand: nobody can claim it any more)
+                return "released"
             self.state = "offered"
         if self.state == "offered":
             if os.path.exists(self.path):
