@@ -463,6 +463,7 @@ def bench_decode(results: dict, runner: ModelRunner, prompt_len: int = 128, step
     if graphs is not None and runner.device.type == "cuda":
         graph = graphs.graphs[graphs.bucket_for(1)]
         entry["graph_replay_ms"] = cuda_time_ms(graph.replay, repeat=50)
+        entry["graph_step_kernels"], entry["graph_step_profile"] = profile_graph_step(graph)
     if runner.device.type == "cuda":
         entry["eager_step_profile"] = profile_eager_step(runner, token, prompt_len + steps, table, page)
     roof = results.get("bandwidth")
@@ -473,6 +474,7 @@ def bench_decode(results: dict, runner: ModelRunner, prompt_len: int = 128, step
         entry["roofline_fraction"] = tok_s / roofline
         entry["roofline_fraction_all_params"] = tok_s / roof["roofline_tok_s_all_params"]
     entry["launch_choice"] = getattr(runner, "launch_choice", None)  # PDL on or off, as timed at load
+    entry["fusion_choice"] = getattr(runner, "fusion_choice", None)  # a model's decode fusions, as timed at load
     entry["gemm_choices"] = {"x".join(map(str, shape)): {key: str(untimed(v)) for key, v in untimed(choice).items()}
                              for shape, choice in (getattr(runner, "gemm_choices", None) or {}).items()}
     entry["kernel_choice_cache"] = getattr(runner, "choice_cache_counts", None)  # {"hits", "lookups", "families"}
@@ -534,6 +536,45 @@ def profile_eager_step(runner: ModelRunner, token: int, position: int, table: li
         ModelRunner.forward(runner, batch)
         torch.cuda.synchronize()
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60)
+
+
+def profile_graph_step(graph, replays: int = 20) -> tuple[list[dict], str]:
+    """Kernels of a captured decode step over ``replays`` back-to-back replays (torch.profiler; CUPTI
+    lists a graph's kernels): step_timeline.critical_path's share of each (kernel, the kernel before
+    it) a replay -- its end minus the later of its start and the previous kernel's end -- and its
+    mean duration as the profiler reports it. Why both: a kernel launched with PDL starts while the
+    one before it runs and waits for it, so its duration holds its predecessor's tail (2026-11-29,
+    V2-Lite's eager profile with PDL on: rms_norm 15.6 us a call, 3.6 with PDL off); the shares add
+    up to the replay's span less the idle time. Returns (rows, a text table)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.engine.step_timeline import critical_path
+
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    if len(kernels) < 2:
+        return [], f"no kernels recorded ({len(kernels)})"
+    durations: dict[str, list[float]] = {}
+    for start, end, name in kernels:
+        durations.setdefault(name[:28], []).append(end - start)
+    rows = critical_path(kernels, replays, context=1)
+    for row in rows:
+        row["mean_duration_us"] = statistics.mean(durations[row["kernel"]])
+    span = (kernels[-1][1] - kernels[0][0]) / replays
+    lines = [f"{'kernel':<28} {'after':<28} {'calls':>5} {'us/step':>8} {'us/call':>8} {'duration':>8}"]
+    lines += [f"{r['kernel']:<28} {r['after']:<28} {r['count_per_step']:>5.0f} {r['us_per_step']:>8.1f} "
+              f"{r['mean_us']:>8.2f} {r['mean_duration_us']:>8.2f}" for r in rows]
+    lines.append(f"shares {sum(r['us_per_step'] for r in rows):.1f} us of a replay's {span:.1f} us "
+                 f"(top {len(rows)} rows; 'duration': the kernel's mean start-to-end, PDL waits included)")
+    return rows, "\n".join(lines)
 
 
 def drain_offline(executor, num_requests: int, on_final=None) -> int:

@@ -68,6 +68,7 @@ from kernels.mla_expanded import expanded_min_tokens, mla_expanded_prefill, spli
 from kernels.mla_latent_write import latent_rope_write, latent_rope_write_absorb
 from kernels.moe_grouped_routing import route_grouped
 from kernels.moe_router import MAX_TOKENS as ROUTER_MAX_TOKENS, norm_fuses, route_decode, route_decode_normed
+from kernels.rms_norm_linear import TILINGS as INPUT_NORM_TILINGS, fuses as rms_norm_linear_fuses, rms_norm_linear
 from kernels.rmsnorm import rms_norm
 from kernels.rotary import build_cos_sin_cache
 
@@ -153,6 +154,9 @@ class MlaAttention(nn.Module):
         self.qkv_a_proj: Linear | None = None
         self.q_rows = 0
         self.w_uv: torch.Tensor | None = None  # (H, V, R), applied to the attention's latent output
+        # A kernels/linear.py tiling: the layer's input norm runs inside qkv_a_proj's product at <= 16 rows
+        # (kernels/rms_norm_linear.py); None: apart. Set by the load-time choice (DeepseekForCausalLM.set_decode_fusion).
+        self.input_norm_tiling: tuple | None = None
 
     def init_buffers(self) -> None:
         """kv_b_proj's two halves per head, in the model dtype (dequantized once when FP8)."""
@@ -191,10 +195,23 @@ class MlaAttention(nn.Module):
             del self.q_proj
         self.qkv_a_proj = merged
 
+    def takes_input_norm(self, x: torch.Tensor) -> bool:
+        """The layer's input norm runs in the first product's launch for these rows (input_norm_tiling)."""
+        return (self.input_norm_tiling is not None and self.qkv_a_proj is not None
+                and rms_norm_linear_fuses(x, self.qkv_a_proj.weight))
+
+    def normed_first_product(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(qkv_a_proj(rms_norm(x + residual)), the new residual) in one launch (takes_input_norm)."""
+        return rms_norm_linear(x, residual, norm_weight, eps, self.qkv_a_proj.weight, self.input_norm_tiling)
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """x (T, hidden) normed -> this rank's attention output (T, hidden), all-reduced."""
-        if self.qkv_a_proj is not None:
+                meta: AttentionMetadata, first: torch.Tensor | None = None) -> torch.Tensor:
+        """x (T, hidden) normed -> this rank's attention output (T, hidden), all-reduced. first: the stacked
+        first product qkv_a_proj(x), already made (normed_first_product; x is then not read)."""
+        if first is not None:
+            q, kv = first.split([self.q_rows, self.rank + self.rope], dim=-1)
+        elif self.qkv_a_proj is not None:
             q, kv = self.qkv_a_proj(x).split([self.q_rows, self.rank + self.rope], dim=-1)
         else:
             q, kv = (self.q_a_proj(x) if hasattr(self, "q_a_proj") else self.q_proj(x)), self.kv_a_proj(x)
@@ -430,8 +447,12 @@ class DeepseekLayer(nn.Module):
     def forward(self, x, residual, positions, cos_sin_cache, kv_cache, meta, padding=None):
         """(x, residual) -> (this block's output, the residual stream before it): the next norm adds them.
         padding: graph_padding_rows(meta)."""
-        h, residual = rms_norm(x, self.input_norm.weight, self.eps, residual)
-        h = self.attn(h, positions, cos_sin_cache, kv_cache, meta)
+        if self.attn.takes_input_norm(x):  # the norm in the first product's launch
+            first, residual = self.attn.normed_first_product(x, residual, self.input_norm.weight, self.eps)
+            h = self.attn(None, positions, cos_sin_cache, kv_cache, meta, first=first)
+        else:
+            h, residual = rms_norm(x, self.input_norm.weight, self.eps, residual)
+            h = self.attn(h, positions, cos_sin_cache, kv_cache, meta)
         if hasattr(self, "moe") and self.moe.takes_norm(h):  # the norm in the router's launch
             return self.moe.forward_normed(h, residual, self.post_attn_norm.weight, self.eps, padding)
         h, residual = rms_norm(h, self.post_attn_norm.weight, self.eps, residual)
@@ -529,7 +550,7 @@ class DeepseekForCausalLM(nn.Module):
         absorbed kv_b_proj halves; once, after loading."""
         c = self.config
         self.cos_sin_cache = build_cos_sin_cache(self.max_positions, c.head_dim, c.rope_theta, c.rope_scaling, device)
-        for layer in [*self.layers, *([self.mtp.layer] if hasattr(self, "mtp") else [])]:
+        for layer in self._all_layers():
             layer.attn.init_buffers()
             if hasattr(layer, "moe"):
                 layer.moe.init_buffers()
@@ -555,7 +576,7 @@ class DeepseekForCausalLM(nn.Module):
         runner's load-time tile choice of those GEMMs (kernels/moe_decode_tiles.py) times and marks them.
         The MTP module's layer (decoding_mode mtp's drafts) is listed too."""
         found = []
-        for layer in [*self.layers, *([self.mtp.layer] if hasattr(self, "mtp") else [])]:
+        for layer in self._all_layers():
             moe = getattr(layer, "moe", None)
             if moe is None or moe.ep_size > 1 or moe.gate_up_proj.dtype == FP8_DTYPE:
                 continue
@@ -564,6 +585,25 @@ class DeepseekForCausalLM(nn.Module):
             else:
                 found.append((moe.gate_up_proj, moe.down_proj, moe.top_k))
         return found
+
+    def _all_layers(self) -> list[DeepseekLayer]:
+        return [*self.layers, *([self.mtp.layer] if hasattr(self, "mtp") else [])]
+
+    def decode_fusion_candidates(self) -> dict[str, list]:
+        """{fusion: its settings, None (off) first} for the runner's load-time choice by timing a batch-1
+        decode graph each way (engine/executor/decode_fusions.py). "input_norm": each layer's input
+        rms_norm inside its stacked first product (kernels/rms_norm_linear.py), at one of its tilings."""
+        attn = [layer.attn for layer in self._all_layers()]
+        if not attn or any(a.qkv_a_proj is None or a.qkv_a_proj.weight.dtype not in (torch.bfloat16, torch.float16)
+                           for a in attn):
+            return {}
+        return {"input_norm": [None, *INPUT_NORM_TILINGS]}
+
+    def set_decode_fusion(self, name: str, setting) -> None:
+        """One of decode_fusion_candidates()[name] for every layer (the MTP module's too)."""
+        assert name == "input_norm", name
+        for layer in self._all_layers():
+            layer.attn.input_norm_tiling = tuple(setting) if setting is not None else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: (n, hidden) rows to score -> float32 logits (n, vocab)."""
