@@ -28,6 +28,7 @@ Neither loop waits for the file: the writer and reader threads do (file I/O and 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import tempfile
 import threading
@@ -132,7 +133,13 @@ class ShmWriter:
         """Write the blocks to a file on the writer thread; they must stay pinned until the returned future (done
         once the file is in place, or failed) is done. ``ready``: the event after the prompt's last prefill chunk
         (CUDA; None: the loop's stream as of now). Returns the file's path and the future."""
-        path = os.path.join(transfer_dir(), f"tritonllm-kv-{exporter}-{handle}.kv")
+        directory = transfer_dir()
+        by_block = block_major(pool)
+        need, disk = len(block_ids) * by_block[0].numel() * by_block.element_size(), os.statvfs(directory)
+        if need > disk.f_bavail * disk.f_frsize:  # (here, the request fails by name; the writer's ENOSPC would not)
+            raise OSError(errno.ENOSPC, f"{directory} has {disk.f_bavail * disk.f_frsize} bytes free, the KV file "
+                                        f"needs {need}")
+        path = os.path.join(directory, f"tritonllm-kv-{exporter}-{handle}.kv")
         open(f"{path}.partial", "wb").close()  # (a reader that comes before the writer waits for it)
         try:
             if ready is None:
