@@ -355,7 +355,8 @@ class Disaggregation:
             return True
         with self._lock:
             pin = self._pins.get(handle)
-            return pin is None or pin.state != "pinned" or pin.deadline <= time.monotonic() or pin.ready.query()
+            return pin is None or pin.state != "pinned" or pin.deadline <= time.monotonic() or pin.ready is None \
+                or pin.ready.query()  # (ready None: the pin was replaced, e.g. an auto offer turned shm)
 
     def wait_timeout(self) -> float | None:
         """How long the idle loop may sleep before a pin expires or a pull should be polled (None: neither)."""
