@@ -16,13 +16,17 @@ HIDDEN, INTER, EXPERTS, TOP_K = 80, 40, 10, 4
 
 
 def problem(dtype, device, seed=0):
+    """([x, gate_up, down, weights, ids] on the CPU, [x, gate_up, down] on ``device``), x and the experts in
+    ``dtype`` on both (the device copies were float32 whatever the dtype: the choice, for half types only,
+    then skipped the GPU test's layers and returned {})."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(1, HIDDEN, generator=gen)
     gate_up = torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=gen) * HIDDEN ** -0.5
     down = torch.randn(EXPERTS, HIDDEN, INTER, generator=gen) * INTER ** -0.5
     ids = torch.randperm(EXPERTS, generator=gen)[:TOP_K].view(1, TOP_K).to(torch.int32)
     weights = torch.rand(1, TOP_K, generator=gen)
-    return [t.to(dtype) for t in (x, gate_up, down)] + [weights, ids], [t.to(device) for t in (x, gate_up, down)]
+    typed = [t.to(dtype) for t in (x, gate_up, down)]
+    return typed + [weights, ids], [t.to(device) for t in typed]
 
 
 @pytest.mark.gpu
@@ -55,6 +59,7 @@ def test_choice_marks_each_layer_of_the_shape_with_the_fastest():
     if not torch.cuda.is_available():
         pytest.skip("times CUDA graphs")
     layers = [problem(torch.bfloat16, "cuda", seed)[1][1:] for seed in (0, 1)]
+    assert all(t.dtype == torch.bfloat16 for layer in layers for t in layer)
     reports = choose_decode_tiles([(gate_up, down, TOP_K) for gate_up, down in layers])
     (report,) = reports.values()
     assert report["gate_up"] == min(report["gate_up_us"], key=report["gate_up_us"].get) or report.get("cached")
