@@ -25,7 +25,7 @@
 # each job's exit status and its result lines, so the call's output_tail alone is enough to read.
 set -u
 script=$(realpath "$0")
-call=${1:?usage: x2_gpu_run.sh 1-9 [OUT]}
+call=${1:?usage: x2_gpu_run.sh 1-10 [OUT]}
 out=$(realpath -m "${2:-${OUT:-/tmp/x2_gpu_run}}")
 mkdir -p "$out"
 if [ -z "${X2_UNDER_TEE:-}" ]; then  # the console also in $out/summary.txt, complete when the call returns
@@ -225,7 +225,28 @@ case $call in
     --context_process --out "$w/disagg_proc.json" --results-md "$w/disagg_proc.md" "${tiny_disagg[@]}"
   grep -E "^\[disagg_bench\]|Error|Traceback" "$w/disagg_proc.log" | cut -c1-700
   ;;
-*) echo "x2_gpu_run.sh: CALL must be 1 to 9, got '$call'"; exit 2 ;;
+10)
+  # Session 17 (~300 s): the GPU suite's fixes and the new transports' tests on two GPUs (nixl-cu13 from
+  # .gpu_wheels: carry it), then vlm_bench's offline section at encode batches 32 and 8, one per GPU (issue 48).
+  site=/tmp/gpu_test_site
+  if [ "$smoke" != 1 ]; then
+    for t in .gpu_wheels/nixl_cu*_ucx.tar.xz; do [ -f "$t" ] && mkdir -p "$site" && tar xJf "$t" -C "$site"; done
+    ls .gpu_wheels/*.whl > /dev/null 2>&1 && "$PYTHON" -m pip install -q --no-index --no-deps --no-compile \
+      --no-cache-dir --upgrade --target "$site" .gpu_wheels/*.whl
+  fi
+  TRITONLLM_DISAGG_DEVICES=$devices PYTHONPATH=$PWD:$site job tests_17 150 "$PYTHON" -m pytest -q -rfEs \
+    -p no:cacheprovider tests/executor/test_kv_pull.py tests/executor/test_disaggregated.py \
+    tests/executor/test_kv_transfer_cuda_ipc.py tests/executor/test_kv_transfer_nixl.py \
+    tests/executor/test_join_latency_bench.py tests/kernels/test_moe_decode_tiles.py
+  grep -E "passed|failed|error|FAILED" "$w/tests_17.log" | tail -14
+  for b in 32 8; do
+    on_gpu $(( b == 32 ? 0 : 1 )) vlm$b 200 "$PYTHON" benchmarks/engine/vlm_bench.py --sections offline --hf-batches= \
+      --encode-batch $b --out "$w/vlm$b.json" --results-md "$w/vlm$b.md" &
+  done
+  wait
+  for b in 32 8; do echo "== vlm$b"; grep -E "^offline|executor sections|^\[load|Error|Traceback" "$w/vlm$b.log" | cut -c1-900; done
+  ;;
+*) echo "x2_gpu_run.sh: CALL must be 1 to 10, got '$call'"; exit 2 ;;
 esac
 tar czf "$out/call$call.tgz" -C /tmp "x2_call$call"
 for md in "$w"/*.md; do [ -f "$md" ] && cp "$md" "$out/"; done
