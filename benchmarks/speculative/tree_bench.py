@@ -5,7 +5,7 @@ forced acceptance lengths, driven through the executor.
 
     python benchmarks/speculative/tree_bench.py [--dtypes bf16,fp8] [--nodes 16,32,64] [--batches 1,8,32]
         [--lengths 3,4,5] [--loop-nodes 16] [--loop-depth 5] [--context 512] [--output-len 96] [--other-head]
-        [--out tree_bench.json]
+        [--kernels N] [--step-kernels N] [--draft-kernels N] [--out tree_bench.json]
     python benchmarks/speculative/tree_bench.py --tiny     # the tiny model on the CPU: a smoke run
 
 Per dtype one in-process Executor runs ``decoding_mode eagle`` with random EAGLE-3 heads of the
@@ -50,6 +50,10 @@ heads' three layers inside every graph (engine/executor/layer_taps.py). Sections
    at batch 1: each step's drafting for all B sequences is one replay of a batched
    window (eagle3_graphs.py), so EAGLE-3's step minus the oracle's (drafting) should stay near batch
    1's, not B times it (rows with ``batch`` B; the drafter column says "x B").
+   With ``--step-kernels N``: one more forced run of the oracle and of EAGLE-3 under torch.profiler,
+   per step the GPU us and launches against the step's ms (the rest: host work, sync gaps) and the N
+   costliest kernels. (``--kernels N`` does the same for the verify section's first batch: the tree
+   step's and the decode step's kernels and the ones the tree step spends most more time in.)
    Last, on CUDA, the GPU time of one replay of each drafting window the loop used (the rest of
    EAGLE-3's step over the oracle's is host work and the gaps its synchronisations leave) and, with
    ``--draft-kernels N``, the one-slot replay's N costliest kernels.
@@ -202,10 +206,99 @@ def bench_verify(executor, args) -> list[dict]:
                             "path": tree_path(runner, batch), "tree_ms": ms, "plain_ms": base,
                             "plain_path": step_path(runner, plain), "ratio": ms / base})
                 print(f"    batch {batch_size} nodes {n}: {ms:.3f} ms vs {base:.3f} ({out[-1]['path']})", flush=True)
+                if args.kernels and batch_size == args.batches[0]:
+                    out[-1]["kernels"] = verify_kernels(runner, plain, batch, args.kernels, f"nodes {n}")
             return out
 
         rows += with_blocks(executor, batch_size, blocks_per_seq, measure)
     return rows
+
+
+def profile_kernels(fn, calls: int, cuda: bool) -> tuple[dict, float]:
+    """Run fn() ``calls`` times under torch.profiler -> ({kernel name: (us, launches) per call}, wall
+    ms per call of the profiled calls). ``cuda``: the CUDA kernels (graph replays' included); else
+    (the CPU runner, --tiny: a smoke run of these tables) the torch ops by their self CPU time."""
+    import torch
+
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    with torch.profiler.profile(activities=activities) as prof:
+        started = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        wall = (time.perf_counter() - started) * 1e3 / calls
+    kernels = {}
+    for e in prof.key_averages():
+        spent = e.self_device_time_total if cuda else e.self_cpu_time_total
+        if spent > 0:
+            us, n = kernels.get(e.key, (0.0, 0.0))
+            kernels[e.key] = (us + spent / calls, n + e.count / calls)
+    return kernels, wall
+
+
+def kernel_lines(kernels: dict, top: int, indent: str = "      ") -> list[str]:
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])
+    return [f"{indent}{us:8.1f} us  x{n:<5.1f} {name[:110]}" for name, (us, n) in ranked[:top]]
+
+
+def verify_kernels(runner, plain, tree, top: int, label: str) -> dict:
+    """A tree verify step's kernels against a plain decode step's (5 steps each, as time_step runs
+    them: forward + the argmax read back): GPU us and launches a step, the ``top`` costliest of each
+    and the kernels the tree step spends most MORE time in (by name): where its extra ms go."""
+    def step(batch):
+        return lambda: runner.forward(batch).argmax(dim=-1).tolist()
+
+    found = {}
+    for name, batch in (("decode", plain), ("tree", tree)):
+        kernels, wall = profile_kernels(step(batch), 5, runner.device.type == "cuda")
+        total, launches = sum(us for us, _ in kernels.values()), sum(n for _, n in kernels.values())
+        found[name] = {"gpu_us": total, "launches": launches, "wall_ms": wall, "kernels": kernels}
+        print(f"      {label} {name} step: {total:.1f} us GPU in {launches:.0f} launches (wall {wall:.3f} ms "
+              f"profiled: {wall * 1e3 - total:.0f} us not in kernels)", flush=True)
+        print("\n".join(kernel_lines(kernels, top)), flush=True)
+    base = found["decode"]["kernels"]
+    extra = {k: (us - base.get(k, (0.0, 0.0))[0], n - base.get(k, (0.0, 0.0))[1])
+             for k, (us, n) in found["tree"]["kernels"].items()}
+    extra.update({k: (-us, -n) for k, (us, n) in base.items() if k not in found["tree"]["kernels"]})
+    print(f"      {label}: tree - decode = {found['tree']['gpu_us'] - found['decode']['gpu_us']:+.1f} us GPU, "
+          f"{found['tree']['launches'] - found['decode']['launches']:+.0f} launches; most extra time:", flush=True)
+    print("\n".join(kernel_lines(extra, top)), flush=True)
+    for entry in found.values():  # (the JSON keeps the top ones)
+        entry["kernels"] = [{"kernel": k, "us": us, "per_step": n}
+                            for k, (us, n) in sorted(entry["kernels"].items(), key=lambda kv: -kv[1][0])[:top]]
+    found["extra"] = [{"kernel": k, "us": us, "per_step": n} for k, (us, n) in
+                      sorted(extra.items(), key=lambda kv: -kv[1][0])[:top]]
+    return found
+
+
+def loop_kernels(executor, args, prompt: list[int], truth: list[int], state: dict, drafter: str) -> dict:
+    """One more forced run of the loop (off the clock, at the middle forced length) under
+    torch.profiler: per decode step the GPU us and launches (the target's graphs, the drafting
+    replay, the small kernels between them) against the step's wall ms: the difference is the
+    host's share (scheduling, packing, the syncs' idle gaps), and the ``top`` costliest kernels."""
+    from engine.executor.request import now_ns
+
+    length = args.lengths[len(args.lengths) // 2]
+    state["depth"], state["truth"] = length - 1, {tuple(prompt): truth}
+    since, box = now_ns(), {}
+    kernels, wall = profile_kernels(lambda: box.setdefault("r", run_all(
+        executor, [greedy_request(prompt, args.output_len)])), 1, executor.runner.device.type == "cuda")
+    latencies = [s.iter_latency_ms for s in steps_since(executor, since) if not s.num_ctx_tokens]
+    steps = max(len(latencies), 1)
+    per_step = {k: (us / steps, n / steps) for k, (us, n) in kernels.items()}
+    total, launches = sum(us for us, _ in per_step.values()), sum(n for _, n in per_step.values())
+    step_ms = statistics.mean(latencies) if latencies else float("nan")
+    note = "" if kernels else " (none seen: on the CPU the executor's thread is not profiled)"
+    print(f"    {drafter} L={length} profiled: {len(latencies)} steps, {step_ms:.2f} ms a step (profiler on); per step "
+          f"{total:.1f} us GPU in {launches:.0f} launches{note} ({step_ms * 1e3 - total:.0f} us of the step not in "
+          f"kernels: host work and sync gaps; the prompt's last chunk's kernels counted in)", flush=True)
+    print("\n".join(kernel_lines(per_step, args.step_kernels, "      ")), flush=True)
+    return {"drafter": drafter, "forced_length": length, "steps": len(latencies), "step_ms": step_ms,
+            "gpu_us": total, "launches": launches,
+            "kernels": [{"kernel": k, "us": us, "per_step": n} for k, (us, n) in
+                        sorted(per_step.items(), key=lambda kv: -kv[1][0])[:args.step_kernels]]}
 
 
 def tree_depths(parents: list[int]) -> list[int]:
@@ -421,6 +514,14 @@ def bench_loop(executor, args) -> dict:
                   f"{rows[-1]['speedup_at_length']:.2f}x at L; first difference from plain "
                   f"{difference_text(rows[-1]['first_difference'])}; {profile_text(profile)})", flush=True)
             args.save({"plain_tok_s": plain, "rows": rows})  # a run cut short keeps its rows
+    profiles = []
+    if args.step_kernels:
+        for drafter, proposer in drafters[:2]:
+            executor.proposer = proposer
+            try:
+                profiles.append(loop_kernels(executor, args, prompt, prompt + plain_ids, state, drafter))
+            except Exception as err:  # (a diagnostic: the rows above stand without it)
+                print(f"    {drafter} loop not profiled: {err!r}", flush=True)
     for batch in (b for b in args.batches if b > 1):
         rows += loop_at_batch(executor, args, batch, prompt, {"oracle": oracle, "EAGLE-3": eagle}, state)
         args.save({"plain_tok_s": plain, "rows": rows})
@@ -431,7 +532,8 @@ def bench_loop(executor, args) -> dict:
             replays += [{"drafter": drafter, **r} for r in draft_replays(proposer, args.draft_kernels, drafter)]
         except Exception as err:  # (a diagnostic: the rows above stand without it)
             print(f"    {drafter} drafting replays not timed: {err!r}", flush=True)
-    return {"plain_tok_s": plain, "plain_step_ms": 1e3 / plain, "rows": rows, "draft_replays": replays}
+    return {"plain_tok_s": plain, "plain_step_ms": 1e3 / plain, "rows": rows, "draft_replays": replays,
+            "step_profiles": profiles}
 
 
 def other_head(executor, eagle, heads_dir: str) -> tuple[str, object]:
@@ -606,6 +708,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--tokens-per-block", type=int, default=32)
     parser.add_argument("--draft-kernels", type=int, default=0,
                         help="loop, CUDA: also list this many of the one-slot drafting replay's costliest kernels")
+    parser.add_argument("--kernels", type=int, default=0,
+                        help="verify, CUDA: the first batch's tree and decode steps' N costliest kernels, launches "
+                             "a step, and the kernels the tree step spends most more time in")
+    parser.add_argument("--step-kernels", type=int, default=0,
+                        help="loop, CUDA: one more forced run of the oracle and of EAGLE-3 under the profiler: GPU us "
+                             "and launches a step against its wall ms, and the N costliest kernels a step")
     parser.add_argument("--other-head", action="store_true",
                         help="loop, batch 1: also EAGLE-3 with the heads' products in the other precision (FP8 for a "
                              "bf16 target, whose default head is bf16; bf16 for an FP8 target)")

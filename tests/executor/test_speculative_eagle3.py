@@ -184,7 +184,7 @@ def test_cached_drafter_equals_the_whole_sequence_reference(tmp_path, runner, ti
 
 
 # Where the windows' tests run: the CPU's torch references; the CUDA path's Triton kernels (norms,
-# rotary, SiLU-and-mul) in Triton's CPU interpreter (TRITON_INTERPRET=1, as tests/kernels run them);
+# rotary, SiLU-and-mul, top-k) in Triton's CPU interpreter (TRITON_INTERPRET=1, as tests/kernels run them);
 # CUDA (gpu mark), recording the windows.
 WINDOW_DEVICES = ["cpu", pytest.param("triton", marks=pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1 (Triton's CPU interpreter)")),
@@ -197,10 +197,11 @@ def window_device(device: str, monkeypatch) -> torch.device:
     dispatching to its Triton kernel (interpreted) as on CUDA."""
     if device == "triton":
         import kernels.activation
+        import kernels.draft_topk
         import kernels.rmsnorm
         import kernels.rotary
 
-        for module in (kernels.activation, kernels.rmsnorm, kernels.rotary):
+        for module in (kernels.activation, kernels.draft_topk, kernels.rmsnorm, kernels.rotary):
             monkeypatch.setattr(module, "use_triton", lambda t: True)
         return torch.device("cpu")
     return torch.device(device)
@@ -467,3 +468,18 @@ def test_tree_bench_names_the_first_difference_and_its_logit_gap():
     logits[2, 7] = 1.0
     assert "NOT a near-tie" in difference_text(first_difference([1, 2, 7, 3], [1, 2, 5, 3], logits))
     assert first_difference([1, 2], [1, 2], logits) is None and difference_text(None) == "none"
+
+
+def test_tree_bench_kernel_tables_say_what_the_tree_step_adds(monkeypatch):
+    """tree_bench --kernels: the tree step's kernels against the decode step's, per name, the ones
+    the tree step spends most more time in first (a kernel only the decode step runs counts negative)."""
+    from benchmarks.speculative import tree_bench
+
+    tables = iter([({"gemm": (100.0, 10.0), "argmax": (5.0, 1.0)}, 0.2),
+                   ({"gemm": (130.0, 10.0), "tree_mask": (20.0, 2.0)}, 0.3)])
+    monkeypatch.setattr(tree_bench, "profile_kernels", lambda fn, calls, cuda: next(tables))
+    runner = type("R", (), {"device": torch.device("cpu")})()
+    found = tree_bench.verify_kernels(runner, None, None, 5, "nodes 16")
+    assert [(k["kernel"], k["us"], k["per_step"]) for k in found["extra"]] == [
+        ("gemm", 30.0, 0.0), ("tree_mask", 20.0, 2.0), ("argmax", -5.0, -1.0)]
+    assert (found["tree"]["gpu_us"], found["tree"]["launches"], found["decode"]["launches"]) == (150.0, 12.0, 11.0)

@@ -35,6 +35,7 @@ import itertools
 import torch
 
 from engine.executor.tree_batch import ancestor_mask
+from kernels.draft_topk import draft_top_ids
 
 MIN_CAPACITY = 64  # rows a cache starts with; it doubles when full
 _SERIALS = itertools.count()  # DraftCache.serial: a window (eagle3_graphs.py) knows whose rows it holds
@@ -144,12 +145,28 @@ class StaticPlan:
             grow = [j for j, i in enumerate(nodes) if i in has_children]
             rows = [e_of[nodes[j]] - 1 for j in grow]
             to = lambda values: torch.tensor(values, dtype=torch.int64, device=device)  # noqa: E731
+            parent_e = [e_of[parents[i]] for i in nodes]
+            flat = [e * self.width + shape.ranks[i] for e, i in zip(parent_e, nodes)]  # into ranked (E * width,)
             self.levels.append({
-                "nodes": to([i - 1 for i in nodes]), "parent_e": to([e_of[parents[i]] for i in nodes]),
+                "nodes": to([i - 1 for i in nodes]), "parent_e": to(parent_e),
                 "ranks": to([shape.ranks[i] for i in nodes]), "expand": to(grow), "expand_e": to([r + 1 for r in rows]),
                 "row": rows[0] if rows else 0,
-                "seen": seen_all[rows, :rows[-1] + 1].to(device) if rows else None})
+                "seen": seen_all[rows, :rows[-1] + 1].to(device) if rows else None,
+                # the same selections as slices where they are a run (draft_window: a view or a copy
+                # instead of an index kernel; a chain-with-siblings tree is runs only)
+                "nodes_at": index_or_slice([i - 1 for i in nodes], device), "flat_at": index_or_slice(flat, device),
+                "grow_flat_at": index_or_slice([flat[j] for j in grow], device),
+                "grow_parent_at": index_or_slice([parent_e[j] for j in grow], device),
+                "expand_e_at": index_or_slice([r + 1 for r in rows], device)})
         self.parents = [p - 1 for p in parents[1:]]
+
+
+def index_or_slice(values: list[int], device: torch.device) -> slice | torch.Tensor:
+    """``values`` as an index of a tensor's dimension: a slice where they are a run a, a+1, .., b
+    (indexing with it is a view, assigning through it one copy), else an int64 tensor."""
+    if values and values == list(range(values[0], values[0] + len(values))):
+        return slice(values[0], values[0] + len(values))
+    return torch.tensor(values, dtype=torch.int64, device=device)
 
 
 def draft_static(head, cache: DraftCache, plan: StaticPlan, embed) -> tuple[list[int], list[int]]:
@@ -161,8 +178,7 @@ def draft_static(head, cache: DraftCache, plan: StaticPlan, embed) -> tuple[list
     ranked = torch.empty(plan.num_expanded, plan.width, dtype=torch.int64, device=dev)
     hidden[0] = h_root[0]
     # ranks by the logits themselves (log_softmax keeps their order; draft_tree ranks so too)
-    ids = head.logits(h_root).topk(plan.width, dim=-1).indices
-    ranked[0] = ids[0] + head.d2t[ids[0]]
+    ranked[0] = draft_top_ids(head.logits(h_root), head.d2t, plan.width)[0]
     tokens = torch.empty(len(plan.parents), dtype=torch.int64, device=dev)
     for depth, level in enumerate(plan.levels, start=1):
         level_tokens = ranked[level["parent_e"], level["ranks"]]
@@ -173,8 +189,7 @@ def draft_static(head, cache: DraftCache, plan: StaticPlan, embed) -> tuple[list
         h = cache.tree_rows(head, embed, level_tokens[level["expand"]], hidden[level["parent_e"][level["expand"]]], depth,
                             level["row"], level["seen"])
         hidden[grow_e] = h
-        ids = head.logits(h).topk(plan.width, dim=-1).indices
-        ranked[grow_e] = ids + head.d2t[ids]
+        ranked[grow_e] = draft_top_ids(head.logits(h), head.d2t, plan.width)
     return list(plan.parents), tokens.tolist()
 
 

@@ -53,6 +53,8 @@ import sys
 
 import torch
 
+from kernels.draft_topk import draft_top_ids
+
 MIN_CAPACITY = 64
 # Windows stop here (all buckets together: ~2 x this many rows of k and v, 64 MiB for 8 KV heads of
 # 128 in bf16); a longer cache drafts eagerly (draft_static: the same tokens, ~10 ms of launches).
@@ -188,26 +190,28 @@ def draft_window(head, plan, w: Window, embed) -> None:
     cached = w.index[None] < (w.length + w.count)[:, None]  # (S, C): each cache's rows
     h_root = head.finish(last_g, head.attend(w.last_q, w.k[:, :C], w.v[:, :C], cached[:, None]))[:, 0]
     w.hidden[:, 0] = h_root
-    ids = head.logits(h_root).topk(plan.width, dim=-1).indices  # (S, width): as draft_static, by the logits
-    w.ranked[:, 0] = ids + head.d2t[ids]
+    # ranked (S, E, width): each expanded node's width best children as target ids (draft_topk.py:
+    # one launch for topk + d2t); ``flat`` views it (S, E * width), what the plan's flat_at indexes
+    w.ranked[:, 0] = draft_top_ids(head.logits(h_root), head.d2t, plan.width)  # (S, width): as draft_static
+    flat = w.ranked.view(S, -1)
     for depth, level in enumerate(plan.levels, start=1):
-        level_tokens = w.ranked[:, level["parent_e"], level["ranks"]]  # (S, nodes of the depth)
-        w.tokens[:, level["nodes"]] = level_tokens
+        # (the plan's *_at: slices where the indices are a run: views and copies, not index kernels)
+        level_tokens = flat[:, level["flat_at"]]  # (S, nodes of the depth)
+        w.tokens[:, level["nodes_at"]] = level_tokens
         if level["seen"] is None:
             continue
-        grow_e, row = level["expand_e"], level["row"]
-        g = w.hidden[:, level["parent_e"][level["expand"]]]  # (S, n, H)
+        row = level["row"]
+        g = w.hidden[:, level["grow_parent_at"]]  # (S, n, H)
         n = g.shape[1]
         at = (position + depth)[:, None].expand(S, n).reshape(S * n)
-        q, k, v = head.qkv_at(embed(level_tokens[:, level["expand"]].reshape(-1)), g.reshape(S * n, H), at, w.table)
+        q, k, v = head.qkv_at(embed(flat[:, level["grow_flat_at"]].reshape(-1)), g.reshape(S * n, H), at, w.table)
         end = C + row + n
         w.k[:, C + row:end] = k.view(S, n, *k.shape[1:])
         w.v[:, C + row:end] = v.view(S, n, *v.shape[1:])
         mask = torch.cat([cached[:, None].expand(S, n, C), level["seen"].expand(S, n, -1)], dim=2)  # (S, n, end)
         h = head.finish(g, head.attend(q.view(S, n, *q.shape[1:]), w.k[:, :end], w.v[:, :end], mask))
-        w.hidden[:, grow_e] = h
-        ids = head.logits(h).topk(plan.width, dim=-1).indices
-        w.ranked[:, grow_e] = ids + head.d2t[ids]
+        w.hidden[:, level["expand_e_at"]] = h
+        w.ranked[:, level["expand_e_at"]] = draft_top_ids(head.logits(h), head.d2t, plan.width)
 
 
 class StaticDraftGraphs:

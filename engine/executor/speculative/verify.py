@@ -21,6 +21,7 @@ from engine.executor.speculative.acceptance import (accept_by_rejection, accept_
                                                      accept_tree_by_rejection)
 from engine.executor.speculative.tree import accept_greedy_tree
 from engine.executor.speculative.typical import accept_typical_tree
+from kernels.sampling import greedy_tokens
 
 
 @dataclass
@@ -79,14 +80,16 @@ def verify_batch(drafted: list[tuple[Sequence, list[int], int]], logits: torch.T
                                                  vocab_size, normalize_log_probs)
     if trees:  # plain greedy trees: one argmax over the span of their rows, one copy to the host (not one a tree)
         low = min(first for _, _, first, _ in trees)
-        argmax = logits[low:max(first + len(d) + 1 for _, d, first, _ in trees)].argmax(dim=-1).tolist()
+        # (kernels/sampling.py greedy_tokens: on CUDA a 128k-token row split over many programs, not
+        # torch.argmax's one block a row: ~17 rows of 0.5 MB each at a fraction of the bandwidth)
+        argmax = greedy_tokens(logits[low:max(first + len(d) + 1 for _, d, first, _ in trees)]).tolist()
         for seq, draft_ids, first, parents in trees:
             node_argmax = argmax[first - low:first - low + len(draft_ids) + 1]
             path, token_ids = accept_greedy_tree(parents, [-1] + list(draft_ids), node_argmax)
             verified[seq.seq_id] = Verified(token_ids, len(draft_ids), None, path, node_argmax)
     if plain:
         rows = [first + j for _, draft_ids, first in plain for j in range(len(draft_ids) + 1)]
-        argmax = logits[torch.tensor(rows, device=logits.device)].argmax(dim=-1).tolist()
+        argmax = greedy_tokens(logits[torch.tensor(rows, device=logits.device)]).tolist()
         offset = 0
         for seq, draft_ids, _ in plain:
             k = len(draft_ids)
