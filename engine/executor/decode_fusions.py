@@ -61,21 +61,29 @@ def _setting(value):
 
 def _time_settings(model, name: str, settings: list, kv_cache: torch.Tensor, *, tokens_per_block: int,
                    max_seq_len: int, sampled_tokens: torch.Tensor, rounds: int) -> dict:
-    graphs = []
+    graphs, failed = [], {}
     for setting in settings:
         model.set_decode_fusion(name, setting)
-        graph = DecodeGraphs(model, kv_cache, tokens_per_block=tokens_per_block, max_seq_len=max_seq_len,
-                             max_batch_size=1, buckets=[1], sampled_tokens=sampled_tokens)
-        graph.capture()
-        graph.run([0], [0], [1], [[0]])
+        try:
+            graph = DecodeGraphs(model, kv_cache, tokens_per_block=tokens_per_block, max_seq_len=max_seq_len,
+                                 max_batch_size=1, buckets=[1], sampled_tokens=sampled_tokens)
+            graph.capture()
+            graph.run([0], [0], [1], [[0]])
+        except RuntimeError as error:  # a fused setting this GPU or driver cannot capture: not a candidate
+            if setting is None:
+                raise
+            failed[repr(setting)] = str(error).splitlines()[0][:200]
+            graph = None
         graphs.append(graph)
     times = [[] for _ in settings]
     for _ in range(rounds):
         for index, graph in enumerate(graphs):
-            times[index].append(replay_time_ms(graph.graphs[1], replays=10))
-    best = [min(values) for values in times]
+            if graph is not None:
+                times[index].append(replay_time_ms(graph.graphs[1], replays=10))
+    best = [min(values) if values else float("inf") for values in times]
     fastest = min(range(1, len(settings)), key=best.__getitem__, default=0)
     chosen = settings[fastest] if fastest and best[fastest] < 0.99 * best[0] else None
     model.set_decode_fusion(name, chosen)
     del graphs
-    return {"setting": chosen, "settings": list(settings), "step_ms": best}
+    report = {"setting": chosen, "settings": list(settings), "step_ms": best}
+    return {**report, "failed": failed} if failed else report

@@ -56,13 +56,14 @@ from torch import nn
 from engine.config import ConfigError, ModelConfig
 from engine.models.layers import Linear, Norm, RowParallelLinear, VocabParallelEmbedding, tp_all_reduce, \
     vocab_parallel_logits
-from kernels._triton import use_triton
+from kernels._triton import hopper_or_later, use_triton
 from kernels.attention_metadata import AttentionMetadata
 from kernels.fp8 import FP8_DTYPE
 from kernels.fp8_block import blocks, dequantize_blocks
 from kernels.fused_moe import fused_moe, moe_forward
 from kernels.fused_moe_fp8 import fused_moe_fp8, moe_forward_fp8
 from kernels.head_matmul import head_matmul
+from kernels.l2_prefetch import BLOCK as PREFETCH_BLOCK, join_prefetch, prefetch_beside, prefetch_regions
 from kernels.mla_attention import mla_attention_values
 from kernels.mla_expanded import expanded_min_tokens, mla_expanded_prefill, split_long
 from kernels.mla_latent_write import latent_rope_write, latent_rope_write_absorb
@@ -74,6 +75,10 @@ from kernels.rotary import build_cos_sin_cache
 
 
 EXPANDED_TOKENS_ENV = "TRITONLLM_MLA_EXPANDED_TOKENS"
+# The "prefetch" decode fusion's settings (set_decode_fusion): which weights each layer requests into L2
+# while its attention kernels run: o_proj and the router's (every one), the shared experts' gate_up, and
+# their down (V2-Lite, bf16: 8.4 + 0.5, 23, 11.5 MB a layer; the H200's L2 is 50 MB).
+PREFETCH_SETTINGS = ("o_proj", "o_proj+shared_gate_up", "o_proj+shared")
 
 
 def _parameter(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
@@ -154,9 +159,14 @@ class MlaAttention(nn.Module):
         self.qkv_a_proj: Linear | None = None
         self.q_rows = 0
         self.w_uv: torch.Tensor | None = None  # (H, V, R), applied to the attention's latent output
-        # A kernels/linear.py tiling: the layer's input norm runs inside qkv_a_proj's product at <= 16 rows
-        # (kernels/rms_norm_linear.py); None: apart. Set by the load-time choice (DeepseekForCausalLM.set_decode_fusion).
+        # A kernels/linear.py tiling: the layer's input norm runs inside qkv_a_proj's product at one row
+        # (kernels/rms_norm_linear.py); None: apart. Set by the load-time choice
+        # (DeepseekForCausalLM.set_decode_fusion).
         self.input_norm_tiling: tuple | None = None
+        # Byte views of weights this layer reads after its attention kernels (o_proj, the shared experts'
+        # gate_up), requested into L2 beside them at decode (kernels/l2_prefetch.py), with the launch's
+        # sink; None: not. Set by the load-time choice (DeepseekForCausalLM.set_decode_fusion "prefetch").
+        self.prefetch: tuple[list[torch.Tensor], torch.Tensor] | None = None
 
     def init_buffers(self) -> None:
         """kv_b_proj's two halves per head, in the model dtype (dequantized once when FP8)."""
@@ -217,6 +227,8 @@ class MlaAttention(nn.Module):
             q, kv = (self.q_a_proj(x) if hasattr(self, "q_a_proj") else self.q_proj(x)), self.kv_a_proj(x)
         if hasattr(self, "q_b_proj"):
             q = self.q_b_proj(rms_norm(q, self.q_a_norm.weight, self.eps)[0])
+        if self.prefetch is not None and meta.is_decode_only:  # HBM idles through the attention kernels
+            prefetch_beside(*self.prefetch)
         q = q.view(-1, self.num_heads, self.nope + self.rope)
         q_nope, q_rope = q[..., :self.nope], q[..., self.nope:]  # strided views (no copies)
         cache = kv_cache[self.layer_index, 0, :, :, 0]  # (num_blocks, tokens_per_block, R + P)
@@ -568,6 +580,8 @@ class DeepseekForCausalLM(nn.Module):
             attn_meta = dataclasses.replace(attn_meta, token_seq=attn_meta.token_sequences(input_ids.shape[0]))
         for layer in self.layers:
             x, residual = layer(x, residual, positions, self.cos_sin_cache, kv_cache, attn_meta, padding)
+        if x.is_cuda:
+            join_prefetch(x.device)  # the layers' L2 prefetches, a branch of a captured step
         return rms_norm(x, self.norm.weight, self.config.norm_eps, residual)[0]
 
     def decode_experts(self) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
@@ -592,18 +606,42 @@ class DeepseekForCausalLM(nn.Module):
     def decode_fusion_candidates(self) -> dict[str, list]:
         """{fusion: its settings, None (off) first} for the runner's load-time choice by timing a batch-1
         decode graph each way (engine/executor/decode_fusions.py). "input_norm": each layer's input
-        rms_norm inside its stacked first product (kernels/rms_norm_linear.py), at one of its tilings."""
+        rms_norm inside its stacked first product (kernels/rms_norm_linear.py), at one of its tilings;
+        "prefetch": weights requested into L2 beside the attention kernels (PREFETCH_SETTINGS)."""
         attn = [layer.attn for layer in self._all_layers()]
-        if not attn or any(a.qkv_a_proj is None or a.qkv_a_proj.weight.dtype not in (torch.bfloat16, torch.float16)
-                           for a in attn):
+        # (one rank only: ranks timing apart could choose apart, and the replicated latent path would then
+        # differ between them by the fused norm's rounding)
+        half = (torch.bfloat16, torch.float16)
+        if self.tp_group is not None or not attn or any(a.qkv_a_proj is None or a.qkv_a_proj.weight.dtype not in half
+                                                        for a in attn):
             return {}
-        return {"input_norm": [None, *INPUT_NORM_TILINGS]}
+        offered = {"input_norm": [None, *INPUT_NORM_TILINGS]}
+        if hopper_or_later(self.norm.weight):  # (prefetch.global.L2::evict_last; timed where it matters)
+            offered["prefetch"] = [None, *PREFETCH_SETTINGS]
+        return offered
 
     def set_decode_fusion(self, name: str, setting) -> None:
-        """One of decode_fusion_candidates()[name] for every layer (the MTP module's too)."""
-        assert name == "input_norm", name
-        for layer in self._all_layers():
-            layer.attn.input_norm_tiling = tuple(setting) if setting is not None else None
+        """One of decode_fusion_candidates()[name] for every layer (the MTP module's too, but for the
+        prefetch: the module runs outside forward, which joins the prefetches' stream)."""
+        assert name in ("input_norm", "prefetch"), name
+        if name == "input_norm":
+            for layer in self._all_layers():
+                layer.attn.input_norm_tiling = tuple(setting) if setting is not None else None
+            return
+        assert setting is None or setting in PREFETCH_SETTINGS, setting
+        device = self.norm.weight.device
+        sink = None if setting is None else torch.empty(PREFETCH_BLOCK, dtype=torch.int32, device=device)
+        for layer in self.layers:
+            tensors = [layer.attn.o_proj.weight]
+            moe = getattr(layer, "moe", None)
+            if moe is not None:
+                tensors.append(moe.router.weight)
+                if setting != "o_proj" and moe.with_shared is not None:
+                    routed = moe.gate_up_proj.shape[0]  # shared: (S, 2 I, hidden), (S, hidden, I), contiguous
+                    tensors.append(moe.with_shared[0][routed:])
+                    if setting == "o_proj+shared":
+                        tensors.append(moe.with_shared[1][routed:])
+            layer.attn.prefetch = None if setting is None else (prefetch_regions(tensors), sink)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: (n, hidden) rows to score -> float32 logits (n, vocab)."""

@@ -5,8 +5,9 @@ interpreter (TRITON_INTERPRET=1); logits of packed chunks, 8-9-token steps and s
 steps against transformers' (the one-token expert GEMMs in tiles marked as the load-time
 choice marks them). Run by test_deepseek.py in a subprocess (the patch must precede every
 kernel import); prints one "ok <version> <max error> <decode-path expert calls> <of them with the norm in
-the router's launch> <input norms run in the first product's launch>" line a version (the input norms
-fused at one of kernels/rms_norm_linear.py's tilings, as the load-time choice may set them).
+the router's launch> <input norms run in the first product's launch> <L2 prefetch launches>" line a version
+(the input norms fused at one of kernels/rms_norm_linear.py's tilings and the decode steps' prefetches on, as
+the load-time choice may set them).
 """
 import os
 import pathlib
@@ -27,7 +28,7 @@ from engine.executor.runner import ModelRunner  # noqa: E402
 from kernels.moe_decode_tiles import DECODE_TILE_CANDIDATES, mark_decode_tiles  # noqa: E402
 from kernels.rms_norm_linear import TILINGS as INPUT_NORM_TILINGS  # noqa: E402
 
-decode_calls = normed_calls = fused_norms = 0
+decode_calls = normed_calls = fused_norms = prefetches = 0
 _routed, _forward_normed = deepseek.DeepseekExperts._routed, deepseek.DeepseekExperts.forward_normed
 _normed_first_product = deepseek.MlaAttention.normed_first_product
 
@@ -50,6 +51,14 @@ def counted_first_product(self, *args, **kwargs):
     return _normed_first_product(self, *args, **kwargs)
 
 
+def counted_prefetch(regions, sink):
+    global prefetches
+    prefetches += 1
+    return _prefetch_beside(regions, sink)
+
+
+_prefetch_beside = deepseek.prefetch_beside
+deepseek.prefetch_beside = counted_prefetch
 deepseek.DeepseekExperts._routed = counted
 deepseek.MlaAttention.normed_first_product = counted_first_product
 deepseek.DeepseekExperts.forward_normed = counted_normed
@@ -66,6 +75,8 @@ for version in sys.argv[1:] or ["v2", "v3"]:
     # the input norms in the first products' launches (kernels/rms_norm_linear.py), as the load-time choice
     # sets them on CUDA when faster (it offers bf16/fp16 engines only; these tiny ones are float32)
     runner.model.set_decode_fusion("input_norm", INPUT_NORM_TILINGS[1])
+    # and the layers' L2 prefetches of o_proj and the shared gate_up (here loads: the addresses checked)
+    runner.model.set_decode_fusion("prefetch", deepseek.PREFETCH_SETTINGS[-1])
     seqs = {0: random_tokens(19, 3), 1: random_tokens(9, 4)}
     session = PagedSession(runner, num_blocks=32)
     a0, b0 = session.step([(0, seqs[0][:11]), (1, seqs[1][:7])])
@@ -77,4 +88,4 @@ for version in sys.argv[1:] or ["v2", "v3"]:
     for i, token in enumerate(extra):  # single-token steps: one block an expert, no alignment
         (row,) = session.step([(1, [token])])
         worst = max(worst, (row - hf_logits(hf, seqs[1] + extra[:i + 1])[-1:]).abs().max().item())
-    print("ok", version, worst, decode_calls, normed_calls, fused_norms, flush=True)
+    print("ok", version, worst, decode_calls, normed_calls, fused_norms, prefetches, flush=True)
