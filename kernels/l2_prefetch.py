@@ -94,6 +94,15 @@ def prefetch_beside(regions: list[torch.Tensor], sink: torch.Tensor) -> None:
     _FORKED.add(device)
 
 
+def begin_prefetch_step(device: torch.device) -> None:
+    """A forward's start: a fork no join followed (a forward that raised, perhaps mid-capture) leaves its
+    side stream behind -- a new one serves from here -- so this forward's join never waits on another's
+    work (in a graph capture, an event from outside the capture is an error)."""
+    if device in _FORKED:
+        _FORKED.discard(device)
+        _STREAMS.pop(device, None)
+
+
 def join_prefetch(device: torch.device) -> None:
     """The current stream waits for the side stream's prefetches since the last join (once a step: a
     graph capture must join every branch it forked); nothing where none was forked."""

@@ -463,7 +463,10 @@ def bench_decode(results: dict, runner: ModelRunner, prompt_len: int = 128, step
     if graphs is not None and runner.device.type == "cuda":
         graph = graphs.graphs[graphs.bucket_for(1)]
         entry["graph_replay_ms"] = cuda_time_ms(graph.replay, repeat=50)
-        entry["graph_step_kernels"], entry["graph_step_profile"] = profile_graph_step(graph)
+        try:  # (a profiler failure must not cost the run its figures)
+            entry["graph_step_kernels"], entry["graph_step_profile"] = profile_graph_step(graph)
+        except Exception as error:  # noqa: BLE001
+            entry["graph_step_profile"] = f"failed: {type(error).__name__}: {error}"
     if runner.device.type == "cuda":
         entry["eager_step_profile"] = profile_eager_step(runner, token, prompt_len + steps, table, page)
     roof = results.get("bandwidth")

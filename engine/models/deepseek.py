@@ -63,7 +63,8 @@ from kernels.fp8_block import blocks, dequantize_blocks
 from kernels.fused_moe import fused_moe, moe_forward
 from kernels.fused_moe_fp8 import fused_moe_fp8, moe_forward_fp8
 from kernels.head_matmul import head_matmul
-from kernels.l2_prefetch import BLOCK as PREFETCH_BLOCK, join_prefetch, prefetch_beside, prefetch_regions
+from kernels.l2_prefetch import (BLOCK as PREFETCH_BLOCK, begin_prefetch_step, join_prefetch, prefetch_beside,
+                                 prefetch_regions)
 from kernels.mla_attention import mla_attention_values
 from kernels.mla_expanded import expanded_min_tokens, mla_expanded_prefill, split_long
 from kernels.mla_latent_write import latent_rope_write, latent_rope_write_absorb
@@ -573,6 +574,8 @@ class DeepseekForCausalLM(nn.Module):
         if self.cos_sin_cache is None or self.cos_sin_cache.device != input_ids.device:
             self.init_buffers(input_ids.device)
         x, residual = self.embed_tokens(input_ids), None
+        if x.is_cuda:
+            begin_prefetch_step(x.device)
         padding = graph_padding_rows(attn_meta)
         # The token map once for the layers' attention launches, not once a layer; all-decode steps need
         # none (the MLA kernel's DECODE form: token t is sequence t).
