@@ -505,6 +505,9 @@ def _model_shapes() -> dict[str, dict]:
             layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(6)],
         ),
     }
+    # Llama-3.1-70B's shape (tp_bench's 70B rows: 141 GB in bf16, two H200s or more)
+    shapes["llama70b"] = {**shapes["llama8b"], "hidden_size": 8192, "num_layers": 80, "num_heads": 64,
+                          "intermediate_size": 28672}
     # gpt-oss-20b with its experts as OpenAI ships them: MXFP4 codes and E8M0 scales, 4.25 bits a weight.
     shapes["gpt_oss_20b_mxfp4"] = dict(shapes["gpt_oss_20b"], expert_quantization="mxfp4")
     shapes["deepseek_v2_lite_mtp"] = dict(shapes["deepseek_v2_lite"], num_nextn_predict_layers=1)

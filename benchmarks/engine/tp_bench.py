@@ -327,8 +327,14 @@ def run_perf_phase(args) -> dict:
     config = ExecutorConfig(kv_cache_free_gpu_mem_fraction=0.85, enable_kv_cache_reuse=False)
     executor = Executor(args.engine_dir, config, device=args.device)
     graphs = args.device.startswith("cuda") and not args.no_graphs
-    steps_in_flight = executor.pipelined.depth if executor.pipelined is not None else 1  # (TRITONLLM_PP_STEPS_IN_FLIGHT)
-    progress(f"executor ready (weights, KV pool, graphs; steps in flight: {steps_in_flight})")
+    pipelined = executor.pipelined  # (engine/pipeline/in_flight.py; TRITONLLM_PP_STEPS_IN_FLIGHT)
+    steps_in_flight = pipelined.depth if pipelined is not None else 1
+    always = pipelined is not None and pipelined.always
+    progress(f"executor ready (weights, KV pool, graphs; steps in flight: {steps_in_flight}"
+             + (" always" if always else " where they pay" if pipelined is not None else "") + ")")
+
+    def launched() -> int:  # steps launched in flight so far (the rest went one at a time)
+        return pipelined._launched if pipelined is not None else 0
     try:
         vocab = executor.runner.vocab_size
         bench_offline(executor, vocab, 64, 8, 8)  # warm-up: compile kernels for prefill and decode shapes
@@ -347,18 +353,24 @@ def run_perf_phase(args) -> dict:
         executor_decode = []
         for batch in DECODE_BATCHES:
             # Batch 1 with a profiler window on this rank: the all-reduce kernels' time per step.
+            before = launched()
             executor_decode.append(bench_executor_decode(executor, vocab, batch,
                                                          profile_seconds=0.3 if args.timing and batch == 1 else 0.0))
-            progress(f"executor decode batch {batch}: {executor_decode[-1]['decode_tok_s']:.0f} tok/s")
+            executor_decode[-1]["steps_launched_in_flight"] = launched() - before
+            progress(f"executor decode batch {batch}: {executor_decode[-1]['decode_tok_s']:.0f} tok/s"
+                     + (f" ({launched() - before} steps in flight)" if pipelined is not None else ""))
             profiled = executor_decode[-1].get("profile")
             if profiled:
                 progress(f"profile of batch {batch} ({profiled.get('steps')} steps):\n{profiled.get('top_kernels', '')}")
         offline = []
         for shape in args.offline_shapes:
+            before = launched()
             offline.append(bench_offline(executor, vocab, *shape))
-            progress(f"offline {shape}: {offline[-1]['output_tok_s']:.0f} tok/s")
+            offline[-1]["steps_launched_in_flight"] = launched() - before
+            progress(f"offline {shape}: {offline[-1]['output_tok_s']:.0f} tok/s"
+                     + (f" ({launched() - before} steps in flight)" if pipelined is not None else ""))
         result = {"decode": decode, "executor_decode": executor_decode, "offline": offline, "graphs": graphs,
-                  "steps_in_flight": steps_in_flight,
+                  "steps_in_flight": steps_in_flight, "steps_in_flight_always": always,
                   "graphs_vs_eager": checks,
                   "kv_tokens": executor.blocks.num_blocks * executor.blocks.tokens_per_block}
         progress(f"KV pool: {result['kv_tokens']} tokens")

@@ -480,7 +480,7 @@ class Executor:
                 self._schedule_sequences(state)
         pipelined = self.pipelined is not None and self.pipelined.eligible()  # several steps in flight
         if self.pipelined is not None and self.pipelined.pending and not pipelined:
-            self.pipelined.drain()  # a request that needs its tokens on the host arrived
+            self.pipelined.drain()  # a request that needs its tokens on the host arrived, or one step pays more
         if self._must_sync():
             self._finish_in_flight()
         if self.proposer is not None:

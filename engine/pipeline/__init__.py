@@ -9,7 +9,8 @@
                 step as micro-batches that flow stage to stage over torch.distributed send/recv,
                 decode micro-batches through the stage's own CUDA graphs
     step_cost.py  how many micro-batches a step is cut into (one pass over a stage's weights per
-                micro-batch against the work that splits)
+                micro-batch against the work that splits), and when steps in flight pay
     in_flight.py  several steps in flight: the executor launches a step on stage 0 before it samples
-                the one before, each step with its own sequences (TRITONLLM_PP_STEPS_IN_FLIGHT)
+                the one before, each step with its own sequences, where the cost model says they
+                pay (TRITONLLM_PP_STEPS_IN_FLIGHT overrides)
 """

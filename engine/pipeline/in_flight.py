@@ -43,9 +43,23 @@ whose masks follow the previous token; disaggregated context_only / generation_o
 While one is active the launched steps are drained first; nothing is refused. Log-probs and top
 log-probs ride with the sampled tokens and work either way.
 
-``TRITONLLM_PP_STEPS_IN_FLIGHT``: 0 or unset: off (one step in flight); N >= 2: up to N steps.
-Pipelines of one rank per stage only (tp_size 1): with tp_size > 1 stage 0's other ranks would
-have to receive each step's sampled tokens in the launched order (a broadcast per step), not built.
+And only while they pay (``in_flight_gain``, engine/pipeline/step_cost.py): a sequence's next step
+needs its sampled token, so the steps in flight carry different sequences and a batch of b becomes
+``depth`` steps of b / depth, each re-reading every stage's weights. At small decode batches a half
+step costs nearly a whole one (the weight read dominates) and the last stage (LM head) sets the
+pace, so two half steps in flight were slower than one whole step (session 17, Llama-3.1-8B PP 2 on
+two H200s: batch 8 1,489 against 1,705 tok/s, batch 32 5,658 against 6,091); with hundreds of
+sequences or prompts to fill a step's time grows with its tokens and both stages stay busy
+(offline 128/128: 1.46x). So each iteration weighs the sequences that could run now: steps go in
+flight once the model says >= ``ENTER_GAIN`` x and stay so until it says < ``LEAVE_GAIN`` x (no
+flapping at the edge); going back to one step drains the launched ones first (their tokens reach the
+host: a step's sampled-token ring half is read only by the launch right after it, see above).
+
+``TRITONLLM_PP_STEPS_IN_FLIGHT``: unset: up to pp_size steps, in flight where they pay (the default
+for pipelines of one rank per stage); 0 or 1: off (one step at a time); N >= 2: N steps, always in
+flight (the pre-cost behaviour, kept for tests and measurements). Pipelines of one rank per stage
+only (tp_size 1): with tp_size > 1 stage 0's other ranks would have to receive each step's sampled
+tokens in the launched order (a broadcast per step), not built.
 """
 from __future__ import annotations
 
@@ -53,29 +67,34 @@ import logging
 import os
 from collections import deque
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 
 from engine.executor.overlap import InFlightStep
+from engine.pipeline.step_cost import in_flight_gain
 
 STEPS_IN_FLIGHT_ENV = "TRITONLLM_PP_STEPS_IN_FLIGHT"
+# Steps go in flight when the cost model gives them this gain over one step at a time, and go back to
+# one step below LEAVE_GAIN (module docstring; the model was ~5% optimistic at batch 32 on the H200s).
+ENTER_GAIN, LEAVE_GAIN = 1.1, 1.0
 logger = logging.getLogger(__name__)
 
 
 def steps_in_flight(runner, environ=os.environ) -> int:
-    """How many steps the executor keeps launched with this runner: ``STEPS_IN_FLIGHT_ENV`` where
-    the runner is a pipeline of one rank per stage (launch/finish), else 1."""
+    """How many steps the executor may keep launched with this runner: where the runner is a
+    pipeline of one rank per stage (launch/finish), ``STEPS_IN_FLIGHT_ENV`` or else pp_size; else 1."""
     value = environ.get(STEPS_IN_FLIGHT_ENV, "").strip()
-    depth = int(value) if value else 0
-    if depth < 2 or not hasattr(runner, "launch"):
+    if (value and int(value) < 2) or not hasattr(runner, "launch"):
         return 1
     place = getattr(runner, "place", None)
     if place is None or place.stage.pp_size < 2:
         return 1
     if place.tp_size != 1:
-        logger.warning("%s=%d is ignored with tp_size %d: several steps in flight need one rank per pipeline "
-                       "stage; one step in flight", STEPS_IN_FLIGHT_ENV, depth, place.tp_size)
+        if value:
+            logger.warning("%s=%s is ignored with tp_size %d: several steps in flight need one rank per pipeline "
+                           "stage; one step in flight", STEPS_IN_FLIGHT_ENV, value, place.tp_size)
         return 1
-    return depth
+    return int(value) if value else place.stage.pp_size
 
 
 @dataclass
@@ -95,9 +114,11 @@ class LaunchedForward:
 class PipelinedSteps:
     """The executor's launched, unsampled steps (oldest first) and the step that moves them on."""
 
-    def __init__(self, executor, depth: int):
+    def __init__(self, executor, depth: int, *, always: bool = False):
         self.executor = executor
         self.depth = depth
+        self.always = always  # (STEPS_IN_FLIGHT_ENV set) in flight whatever the cost model says
+        self.in_flight = always  # steps go in flight now (in_flight_gain's hysteresis)
         # Each step in flight its own sequences, up to a step's batch each
         executor.scheduler.max_running = depth * executor.scheduler.max_batch_size
         self.pending: deque[LaunchedForward] = deque()
@@ -106,13 +127,35 @@ class PipelinedSteps:
 
     def eligible(self) -> bool:
         """Whether the next step may join the pipeline: no active request needs its tokens on the
-        host between steps (module docstring)."""
+        host between steps, and steps in flight pay for the sequences there are (module docstring).
+        False with steps launched: the executor drains them, then steps one at a time."""
         ex = self.executor
         if ex._must_sync() or ex._table_request_ids or ex._mrope_request_ids or ex.encoder_stage is not None:
             return False
-        return not any(state.request.request_type != "context_and_generation"
-                       or (ex.token_masks is not None and state.request.guided_decoding is not None)
-                       for state in ex._active.values())
+        if any(state.request.request_type != "context_and_generation"
+               or (ex.token_masks is not None and state.request.guided_decoding is not None)
+               for state in ex._active.values()):
+            return False
+        return self.always or self._pays()
+
+    def _pays(self) -> bool:
+        """Whether steps in flight beat one step at a time for the sequences that could run now
+        (in_flight_gain), with hysteresis: in at ENTER_GAIN, out below LEAVE_GAIN."""
+        scheduler, runner = self.executor.scheduler, self.executor.runner
+        seqs = len(scheduler.running) + len(scheduler.waiting)
+        if seqs > scheduler.max_batch_size:  # more than one step holds: in flight (>= ~1.8x)
+            gain = float("inf")
+        else:  # (<= max_batch_size sequences: the sums stay cheap)
+            tokens = context = largest = 0
+            for seq in chain(scheduler.running, scheduler.waiting):
+                length = len(seq.token_ids)
+                new = max(1, length - seq.num_computed_tokens)  # (launched, unsampled: its next token)
+                tokens, context, largest = tokens + new, context + length, max(largest, new)
+            gain = in_flight_gain(runner.step_cost, runner.place.stage.pp_size, self.depth, seqs=seqs, tokens=tokens,
+                                  context=context, max_batch_size=scheduler.max_batch_size,
+                                  max_num_tokens=scheduler.max_num_tokens, largest=largest)
+        self.in_flight = gain >= (LEAVE_GAIN if self.in_flight else ENTER_GAIN)
+        return self.in_flight
 
     def step(self, started: float) -> tuple[Any, InFlightStep | None]:
         """Schedule one group and launch it (if any), then, once ``depth - 1`` older steps are
@@ -179,5 +222,7 @@ def make_pipelined_steps(executor, environ=os.environ) -> PipelinedSteps | None:
     depth = steps_in_flight(executor.runner, environ)
     if depth < 2:
         return None
-    logger.info("pipeline: up to %d steps in flight (%s)", depth, STEPS_IN_FLIGHT_ENV)
-    return PipelinedSteps(executor, depth)
+    always = bool(environ.get(STEPS_IN_FLIGHT_ENV, "").strip())
+    logger.info("pipeline: up to %d steps in flight%s (%s)", depth, "" if always else " where they pay",
+                STEPS_IN_FLIGHT_ENV)
+    return PipelinedSteps(executor, depth, always=always)

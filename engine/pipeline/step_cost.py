@@ -17,6 +17,9 @@ once per micro-batch, and cutting it in two made it 1.5x slower at P = 2 (the H2
 figures: batch 8 at 0.29x one GPU, batch 1 at 0.45x). Long prompts and decode steps over long
 contexts (work of several weight passes) gain from M up to ``most``. Every rank computes the same
 count from the same plan and engine config.
+
+Several steps in flight (engine/pipeline/in_flight.py) pay only where a step's time grows with its
+tokens: ``in_flight_gain`` (below) says when.
 """
 from __future__ import annotations
 
@@ -32,6 +35,12 @@ TOKENS_PER_WEIGHT_READ = 160.0
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 WEIGHT_BYTES = {"fp8": 1.0, "fp8_block": 1.0, "int8_sq": 1.0, "int8_wo": 1.0, "int4_wo": 0.5, "int4_awq": 0.5}
 EIGHT_BIT_PRODUCTS = ("fp8", "fp8_block", "int8_sq")
+# What a step costs besides its stages' layers, once a step (rank 0's host work, sampling, the
+# send/recv launches between the stages' graphs), and the weight-read rate that turns it into weight
+# passes: fitted to session 17's Llama-3.1-8B PP 2 figures on two H200s (half-batch steps in flight
+# lost 0.3-0.4 ms a step against one whole step at batch 8 and 32).
+STEP_OVERHEAD_S = 3e-4
+WEIGHT_READ_BYTES_PER_S = 4.0e12  # achieved HBM read rate of a decode step (H100/H200)
 
 
 @dataclass(frozen=True)
@@ -40,6 +49,10 @@ class StepCost:
 
     tokens_per_weight_read: float
     context_per_weight_read: float  # context tokens whose K/V reads equal one pass over the weights
+    # (in_flight_gain only) the last stage's LM head in passes over a stage's weights (Llama-3.1-8B
+    # at pp 2: 0.15: the last stage is the slower one), and STEP_OVERHEAD_S in the same unit
+    head: float = 0.0
+    step_overhead: float = 0.0
 
     @classmethod
     def for_engine(cls, config: EngineConfig) -> "StepCost":
@@ -52,13 +65,64 @@ class StepCost:
         weight_bytes = WEIGHT_BYTES.get(build.quantization or "", dtype_bytes)
         kv_bytes = 2 * m.num_kv_heads * m.head_dim * (1 if build.kv_cache_dtype == "fp8" else dtype_bytes)
         scale = 1.0 if build.quantization in EIGHT_BIT_PRODUCTS else weight_bytes / 2
+        stage_bytes = layer_params * weight_bytes * m.num_layers / max(1, build.pp_size)
         return cls(tokens_per_weight_read=TOKENS_PER_WEIGHT_READ * scale,
-                   context_per_weight_read=layer_params * weight_bytes / kv_bytes)
+                   context_per_weight_read=layer_params * weight_bytes / kv_bytes,
+                   head=m.vocab_size * m.hidden_size * dtype_bytes / stage_bytes,
+                   step_overhead=STEP_OVERHEAD_S * WEIGHT_READ_BYTES_PER_S / stage_bytes)
 
     def work(self, num_tokens: int, context_lens: list[int]) -> float:
-        return num_tokens / self.tokens_per_weight_read + sum(context_lens) / self.context_per_weight_read
+        return self.work_of(num_tokens, sum(context_lens))
+
+    def work_of(self, num_tokens: float, context: float) -> float:
+        return num_tokens / self.tokens_per_weight_read + context / self.context_per_weight_read
 
 
 def choose_micro_batches(work: float, pp_size: int, most: int) -> int:
     """The M in 1..most with the least (M + pp_size - 1) * (1 + work / M); the fewest on a tie."""
     return min(range(1, max(1, most) + 1), key=lambda m: ((m + pp_size - 1) * (1 + work / m), m))
+
+
+def in_flight_gain(cost: StepCost, pp_size: int, depth: int, *, seqs: int, tokens: int, context: int,
+                   max_batch_size: int, max_num_tokens: int, largest: int = 1) -> float:
+    """Tokens a second with ``depth`` steps in flight, each taking its share of the sequences, over
+    tokens a second with one whole step at a time (micro-batched as choose_micro_batches says).
+    ``seqs`` sequences could run now, needing ``tokens`` new tokens (``largest`` of them one
+    sequence's: a prompt cannot be shared out) over ``context`` tokens of context.
+
+    Why not always in flight: a sequence's next step needs its sampled token, so steps in flight
+    carry different sequences and a batch of b sequences becomes ``depth`` steps of b / depth. Each
+    re-reads every stage's weights; a group goes through the stages in turn and each stage serves
+    every group, so ``depth`` steps take max(depth, P) passes of the slowest stage (the last: its LM
+    head) plus ``depth`` step overheads, against (M + P - 1)(1 + work / M) + head + one overhead for
+    the whole step. In weight passes of a stage (Llama-3.1-8B at pp 2: head 0.15, overhead 0.17):
+
+        batch 8:   one step 2.47, two half steps 2.72  -> 0.91x: stay whole (measured 0.87x)
+        batch 32:  2.90 against 2.95                    -> 0.98x: stay whole (measured 0.93x)
+        batch 128: 4.66 against 3.87                    -> 1.20x: in flight
+        512 sequences (two steps' worth): 6.65 for 256 tokens against 7.24 for 512 -> 1.84x
+
+    The half step costs nearly what the whole one does while the weight read dominates (decode at
+    small batches); once the tokens' products and context reads dominate (hundreds of sequences,
+    prompts), halving a step halves its time and both stages stay busy."""
+    depth = min(depth, seqs)  # (a step in flight holds a sequence of its own)
+    if depth < 2:
+        return 1.0
+
+    def head(rows: float) -> float:  # the LM head's pass, and its products for the scored rows
+        return cost.head * (1 + rows / cost.tokens_per_weight_read)
+
+    # One step: its sequences' share of the tokens and context, up to the step's limits.
+    share = min(seqs, max_batch_size) / seqs
+    whole_tokens = min(tokens * share, max_num_tokens)
+    work = cost.work_of(whole_tokens, context * share)
+    m = choose_micro_batches(work, pp_size, 2 * pp_size)
+    whole = (m + pp_size - 1) * (1 + work / m) + head(seqs * share) + cost.step_overhead
+    # ``depth`` steps: the slowest carries an even share of the tokens or the largest sequence's.
+    share = min(-(-seqs // depth), max_batch_size) / seqs
+    round_tokens = min(tokens * share * depth, max_num_tokens * depth)
+    step_tokens = min(max(round_tokens / depth, largest), max_num_tokens)
+    work = cost.work_of(step_tokens, context * share)
+    slowest = 1 + work + head(seqs * share)
+    in_flight = max(depth * slowest, pp_size * (1 + work) + head(seqs * share)) + depth * cost.step_overhead
+    return (round_tokens / in_flight) / (whole_tokens / whole)

@@ -543,7 +543,9 @@ def _join_group_threads(ctx: DistContext, channel, runner) -> None:
     a Python one: likely a gloo work thread that took the GIL to release a tensor's Python object
     and was pthread_exit'ed through C++ noexcept frames. Only after a clean leave: destroying a
     group whose work is stuck would wait on that work forever."""
-    groups = [group for group in (getattr(ctx, "tp_group", None), getattr(ctx, "control", None)) if group is not None]
+    groups = [group for group in (getattr(ctx, "tp_group", None), getattr(ctx, "control", None),
+                                  getattr(runner, "logits_group", None))  # (a pipeline stage's, pipeline/runner.py)
+              if group is not None]
     if not groups:
         return
     model = getattr(runner, "model", None)

@@ -110,17 +110,20 @@ def pp_p2p_order(rank: int, engine_dir: str) -> list[str]:
 
 
 def pipelined_executor_run(rank: int, pp2_dir: str, requests: list, cancel_after: int | None = None,
-                           then: list | None = None) -> dict | None:
+                           then: list | None = None, steps: str = "2") -> dict | None:
     """An Executor on rank 0 over a LeaderRunner of stage 0 (rank 1 the worker loop of stage 1),
     with two steps in flight (engine/pipeline/in_flight.py). ``requests`` are enqueued together;
     with ``cancel_after`` the first is cancelled once it streamed that many responses; ``then``
     (requests needing the one-step path, e.g. penalties) run after, on the same executor. Returns
-    (rank 0) each request's streamed tokens and finish reason, the launch/finish calls and the
-    first block of every sequence of each launched step."""
+    (rank 0) each request's streamed tokens and finish reason, the launch/finish calls, the
+    first block of every sequence of each launched step and the count of one-step forwards.
+    ``steps`` "auto": STEPS_IN_FLIGHT_ENV unset, and in_flight_gain replaced by a stand-in that
+    pays from 3 sequences on (the tiny model's own figures never would)."""
     import torch.distributed as dist
 
     from engine.executor import Executor, ExecutorConfig
     from engine.executor.runner import ForwardBatch
+    from engine.pipeline import in_flight
     from engine.pipeline.in_flight import STEPS_IN_FLIGHT_ENV
     from engine.pipeline.runner import StageRunner
     from engine.tensor_parallel import distributed
@@ -146,22 +149,35 @@ def pipelined_executor_run(rank: int, pp2_dir: str, requests: list, cancel_after
         return launch(batch)
 
     leader.launch = recording_launch
+    forwards = []
+    forward = leader.forward
+
+    def counting_forward(batch, **kwargs):
+        forwards.append(len(batch.seq_lens_q))
+        return forward(batch, **kwargs)
+
+    leader.forward = counting_forward
     patched = {"make_runner": lambda *args, **kwargs: leader, "_destroy_groups": lambda *args, **kwargs: False}
     saved = {name: getattr(distributed, name) for name in patched}  # (the shared pair keeps its groups)
-    os.environ[STEPS_IN_FLIGHT_ENV] = "2"
+    saved_gain = in_flight.in_flight_gain
+    if steps == "auto":
+        in_flight.in_flight_gain = lambda cost, pp_size, depth, *, seqs, **work: 2.0 if seqs >= 3 else 0.5
+    else:
+        os.environ[STEPS_IN_FLIGHT_ENV] = steps
     try:
         for name, value in patched.items():
             setattr(distributed, name, value)
         with Executor(pp2_dir, ExecutorConfig(**EXECUTOR_POOL), device="cpu") as executor:
             executor.pipelined.calls = calls = []
             out = {"tokens": _run_streaming(executor, requests, cancel_after)}
-            out["calls"], out["launches"] = list(calls), list(launches)
+            out["calls"], out["launches"], out["forwards"] = list(calls), list(launches), list(forwards)
             if then:
                 out["then"] = _run_streaming(executor, then, None)
                 out["then_calls"] = calls[len(out["calls"]):]
         return out
     finally:
         os.environ.pop(STEPS_IN_FLIGHT_ENV, None)
+        in_flight.in_flight_gain = saved_gain
         for name, value in saved.items():
             setattr(distributed, name, value)
 

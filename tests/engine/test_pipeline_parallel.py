@@ -167,6 +167,43 @@ def test_micro_batches_per_step_one_for_small_decode_steps_more_for_long_work():
     assert choose_micro_batches(0.0, 4, 8) == 1 and choose_micro_batches(1e9, 2, 4) == 4
 
 
+def test_steps_in_flight_pay_only_where_a_step_grows_with_its_tokens():
+    """Llama-3.1-8B's shape at pp 2 (in_flight_gain): two half-batch steps in flight lose to one
+    whole step at decode batch 8 / 32 (the H200: 0.87x / 0.93x), win from ~100 sequences on, with
+    prompts to fill and with two steps' worth of sequences; PipelinedSteps goes in flight at 1.1x
+    and back below 1.0x (hysteresis), always with the environment variable set."""
+    from types import SimpleNamespace
+
+    from engine.config import EngineConfig, ModelConfig
+    from engine.pipeline.in_flight import PipelinedSteps
+    from engine.pipeline.step_cost import StepCost, in_flight_gain
+
+    model = ModelConfig(architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=4096, num_layers=32,
+                        num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336)
+    cost = StepCost.for_engine(EngineConfig(model=model, build=BuildConfig(dtype="bfloat16", pp_size=2)))
+
+    def gain(seqs, tokens=None, context=256):
+        tokens = seqs if tokens is None else tokens
+        return in_flight_gain(cost, 2, 2, seqs=seqs, tokens=tokens, context=seqs * context, max_batch_size=256,
+                              max_num_tokens=8192)
+
+    assert gain(1) == 1.0 and gain(8) < gain(32) < 1.0 < gain(64) < 1.1 < gain(128) < gain(256) < gain(512)
+    assert gain(512) > 1.8 and gain(1024, 1024 * 128, 128) > 1.25 and gain(40, 40 * 128, 128) > 1.25
+
+    def seqs(n):
+        return [SimpleNamespace(token_ids=[0] * 256, num_computed_tokens=255) for _ in range(n)]
+
+    scheduler = SimpleNamespace(running=[], waiting=[], max_batch_size=256, max_num_tokens=8192)
+    runner = SimpleNamespace(step_cost=cost, place=SimpleNamespace(stage=SimpleNamespace(pp_size=2)))
+    steps = PipelinedSteps(SimpleNamespace(scheduler=scheduler, runner=runner), 2)
+    chosen = []
+    for n in (8, 32, 64, 128, 64, 48, 32, 64, 300):
+        scheduler.running = seqs(n)
+        chosen.append(steps._pays())
+    assert chosen == [False, False, False, True, True, True, False, False, True]
+    assert PipelinedSteps(SimpleNamespace(scheduler=scheduler, runner=runner), 2, always=True).in_flight
+
+
 def test_rank0_receives_each_micro_batch_logits_right_after_sending_it(engines):
     """At pp 2 one NCCL communicator and stream carry both directions between rank 0 and the last
     stage: rank 0's calls must interleave as the last stage's do (receive a micro-batch, send its
@@ -213,6 +250,15 @@ def test_pp2_executor_with_two_steps_in_flight_matches_pp1(engines):
     assert len(overlapped) >= len(launches) // 2, calls  # (steady state: every step)
     for n in overlapped:  # launched while step n was in flight: other sequences
         assert not set(launches[n - 1]) & set(launches[n]), (n, launches[n - 1], launches[n])
+    assert result["forwards"] == []  # (TRITONLLM_PP_STEPS_IN_FLIGHT=2: every step launched)
+
+    # The default (no TRITONLLM_PP_STEPS_IN_FLIGHT): steps in flight only while they pay, here (a
+    # stand-in for in_flight_gain) from 3 sequences on: in flight while 6 then 5..3 run, then the
+    # launched steps drain and the last 2 sequences go one step at a time; same tokens.
+    auto, _ = shared_pair().run(pipelined_executor_run, pp2, requests, None, None, "auto")
+    assert auto["tokens"] == expected
+    assert auto["launches"] and max(map(len, auto["launches"])) <= 3  # (6 over 2 steps in flight)
+    assert auto["forwards"] and max(auto["forwards"]) <= 2, auto["forwards"]  # (one step: fewer than 3 left)
 
 
 def test_steps_in_flight_only_for_pipelines_of_one_rank_per_stage(caplog):
@@ -225,6 +271,8 @@ def test_steps_in_flight_only_for_pipelines_of_one_rank_per_stage(caplog):
 
     on = {STEPS_IN_FLIGHT_ENV: "2"}
     assert steps_in_flight(runner(2, 1), on) == 2 and steps_in_flight(runner(4, 1), {STEPS_IN_FLIGHT_ENV: "4"}) == 4
-    assert steps_in_flight(runner(2, 1), {}) == 1 and steps_in_flight(runner(2, 1), {STEPS_IN_FLIGHT_ENV: "1"}) == 1
+    assert steps_in_flight(runner(2, 1), {}) == 2 and steps_in_flight(runner(4, 1), {}) == 4  # (default: pp_size)
+    assert steps_in_flight(runner(2, 1), {STEPS_IN_FLIGHT_ENV: "1"}) == 1 == steps_in_flight(runner(2, 1), {STEPS_IN_FLIGHT_ENV: "0"})
+    assert steps_in_flight(runner(2, 2), {}) == 1 and not caplog.text  # (tp_size 2 by default: quietly one)
     assert steps_in_flight(SimpleNamespace(launch=None), on) == 1  # (a LeaderRunner over tensor-parallel ranks)
     assert steps_in_flight(runner(2, 2), on) == 1 and "ignored with tp_size 2" in caplog.text
