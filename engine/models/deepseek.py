@@ -78,8 +78,9 @@ from kernels.rotary import build_cos_sin_cache
 EXPANDED_TOKENS_ENV = "TRITONLLM_MLA_EXPANDED_TOKENS"
 # The "prefetch" decode fusion's settings (set_decode_fusion): which weights each layer requests into L2
 # while its attention kernels run: o_proj and the router's (every one), the shared experts' gate_up, and
-# their down (V2-Lite, bf16: 8.4 + 0.5, 23, 11.5 MB a layer; the H200's L2 is 50 MB).
-PREFETCH_SETTINGS = ("o_proj", "o_proj+shared_gate_up", "o_proj+shared")
+# their down, or the next layer's stacked first product, read after the experts (V2-Lite, bf16: 8.4 + 0.5,
+# 23, 11.5, 14.9 MB a layer; the H200's L2 is 50 MB).
+PREFETCH_SETTINGS = ("o_proj", "o_proj+shared_gate_up", "o_proj+shared", "o_proj+next_qkv")
 
 
 def _parameter(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
@@ -634,16 +635,18 @@ class DeepseekForCausalLM(nn.Module):
         assert setting is None or setting in PREFETCH_SETTINGS, setting
         device = self.norm.weight.device
         sink = None if setting is None else torch.empty(PREFETCH_BLOCK, dtype=torch.int32, device=device)
-        for layer in self.layers:
+        extra = set(setting.split("+")[1:]) if setting is not None else set()  # beside o_proj (+ router)
+        for index, layer in enumerate(self.layers):
             tensors = [layer.attn.o_proj.weight]
             moe = getattr(layer, "moe", None)
             if moe is not None:
                 tensors.append(moe.router.weight)
-                if setting != "o_proj" and moe.with_shared is not None:
-                    routed = moe.gate_up_proj.shape[0]  # shared: (S, 2 I, hidden), (S, hidden, I), contiguous
-                    tensors.append(moe.with_shared[0][routed:])
-                    if setting == "o_proj+shared":
-                        tensors.append(moe.with_shared[1][routed:])
+                if moe.with_shared is not None:  # the shared experts: (S, 2 I, hidden), (S, hidden, I), contiguous
+                    routed = moe.gate_up_proj.shape[0]
+                    tensors += [moe.with_shared[0][routed:]] if extra & {"shared_gate_up", "shared"} else []
+                    tensors += [moe.with_shared[1][routed:]] if "shared" in extra else []
+            if "next_qkv" in extra and index + 1 < len(self.layers):
+                tensors.append(self.layers[index + 1].attn.qkv_a_proj.weight)
             layer.attn.prefetch = None if setting is None else (prefetch_regions(tensors), sink)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -75,8 +75,9 @@ for version in sys.argv[1:] or ["v2", "v3"]:
     # the input norms in the first products' launches (kernels/rms_norm_linear.py), as the load-time choice
     # sets them on CUDA when faster (it offers bf16/fp16 engines only; these tiny ones are float32)
     runner.model.set_decode_fusion("input_norm", INPUT_NORM_TILINGS[1])
-    # and the layers' L2 prefetches of o_proj and the shared gate_up (here loads: the addresses checked)
-    runner.model.set_decode_fusion("prefetch", deepseek.PREFETCH_SETTINGS[-1])
+    # and the layers' L2 prefetches (here loads: the addresses checked) of o_proj, the router and the shared
+    # experts (v2), or of o_proj, the router and the next layer's first product (v3)
+    runner.model.set_decode_fusion("prefetch", "o_proj+shared" if version == "v2" else "o_proj+next_qkv")
     seqs = {0: random_tokens(19, 3), 1: random_tokens(9, 4)}
     session = PagedSession(runner, num_blocks=32)
     a0, b0 = session.step([(0, seqs[0][:11]), (1, seqs[1][:7])])

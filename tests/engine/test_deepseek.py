@@ -373,10 +373,13 @@ def test_input_norm_fusion_offered_for_half_engines_only():
     assert DeepseekForCausalLM(config, device="meta", dtype=torch.float32).decode_fusion_candidates() == {}
     # "prefetch" (offered on Hopper GPUs): each layer's o_proj bytes (and the shared gate_up's) requested into L2
     model.set_decode_fusion("prefetch", "o_proj")
-    assert all([r.numel() for r in layer.attn.prefetch[0]]
-               == [layer.attn.o_proj.weight.numel() * 2] + ([layer.moe.router.weight.numel() * 4] if hasattr(layer, "moe")
-                                                             else [])
-               for layer in model.layers)
+    for layer in model.layers:  # bytes: o_proj's bf16, the router's float32
+        router = [layer.moe.router.weight.numel() * 4] if hasattr(layer, "moe") else []
+        assert [r.numel() for r in layer.attn.prefetch[0]] == [layer.attn.o_proj.weight.numel() * 2] + router
+    model.set_decode_fusion("prefetch", "o_proj+next_qkv")
+    first, second = model.layers[0].attn, model.layers[1].attn
+    assert first.prefetch[0][-1].numel() == second.qkv_a_proj.weight.numel() * 2
+    assert first.prefetch[1] is second.prefetch[1]  # one sink
     model.set_decode_fusion("prefetch", None)
     assert all(layer.attn.prefetch is None for layer in model.layers)
 
