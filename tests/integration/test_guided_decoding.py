@@ -1,5 +1,5 @@
 """Guided decoding (structured output) through a real tritonserver serving SmolLM2, as clients use it:
-the ensemble over HTTP generate (25 JSON-schema completions sent at once, every one parsed and
+the ensemble over HTTP generate (10 JSON-schema completions sent at once, every one parsed and
 validated), regex and EBNF outputs that fullmatch, sampling that still conforms, bad guides that
 fail only their own request, the BLS, the reference's documented curl body, and NVIDIA's
 end_to_end_grpc_client invocation (its tensors over a gRPC stream; the client itself too when
@@ -68,10 +68,11 @@ QUESTIONS = {
     "review": "Review {} as JSON.",
     "grid": "A 2x2 grid for {} as JSON.",
 }
-# 5 subjects x 5 schemas: each schema greedy (3 subjects) and sampled (2 seeds). The grammar guarantees
-# conformance, so more completions of the same schemas prove nothing more: 20 subjects until 2026-11-28,
-# 10 until 2026-11-29 (CI time: this test was 29 s of make test with 50).
-SUBJECTS = ["Alice", "a pirate", "Tokyo", "the moon", "a chef"]
+# 2 subjects x 5 schemas: each schema greedy (the first subject) and sampled (the second, its own seed).
+# The grammar guarantees conformance, so more completions of the same schemas prove nothing more: 20
+# subjects until 2026-11-28, 10 and 5 until 2026-11-29 (CI time: this test was 29 s of make test with 50,
+# 20 s with 25; the session engine batches 8 requests: 25 ran in four waves, 10 run in two).
+SUBJECTS = ["Alice", "a pirate"]
 SAMPLING = {"temperature": 1.0, "top_k": 40, "top_p": 0.95}
 
 
@@ -93,8 +94,8 @@ def guided_body(question, guide_type, guide=None, max_tokens=96, **extra):
     return body
 
 
-def test_25_json_schema_completions_parse_and_validate(triton_server):
-    """5 schemas x 5 prompts, 3 greedy and 2 sampled at temperature 1 (top_k, top_p, seed)."""
+def test_10_json_schema_completions_parse_and_validate(triton_server):
+    """5 schemas x 2 prompts, one greedy and one sampled at temperature 1 (top_k, top_p, seed)."""
     jobs = []
     for name, schema in SCHEMAS.items():
         for i, subject in enumerate(SUBJECTS):
@@ -115,7 +116,9 @@ def test_25_json_schema_completions_parse_and_validate(triton_server):
             failures.append(f"{name} {body.get('seed')}: {error!r:.300} <- {reply.get('text_output', reply)!r:.300}")
     assert not failures, f"{len(failures)} of {len(jobs)} did not conform:\n" + "\n".join(failures[:10])
     outputs = {reply["text_output"] for _, reply in results}
-    assert len(outputs) > 10, "the completions should differ across prompts and seeds"
+    # The five schemas' completions differ anyway; in at least three of them the greedy and the sampled
+    # completion must differ too (all five do on the CPU).
+    assert len(outputs) >= 8, "the completions should differ across prompts and seeds"
     print(f"{len(jobs)} json_schema completions in {elapsed:.1f} s")
 
 
