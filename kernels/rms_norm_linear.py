@@ -40,8 +40,9 @@ from kernels.rmsnorm import rms_norm_ref
 
 # The tilings a model's load-time choice times against the unfused pair (engine/executor/decode_fusions.py):
 # kernels/linear.py's best at one row for DeepSeek-V2-Lite's 3648 x 2048 first product on an H200
-# (2026-11-29: (32, 128, 4, 6) 5.23 us, cuBLAS 5.25), and a swapped, balanced one-wave split-K 2 tiling.
-TILINGS = ((32, 128, 4, 6), (64, 128, 4, 4, 2, 1, 1))
+# (2026-11-29: (32, 128, 4, 6) 5.23 us, cuBLAS 5.25: 114 programs on 132 SMs), and two swapped, balanced
+# one-wave tilings (28 features a program there): split-K 2 and whole rows.
+TILINGS = ((32, 128, 4, 6), (64, 128, 4, 4, 2, 1, 1), (64, 128, 4, 6, 1, 1, 1))
 
 
 def rms_norm_linear_ref(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
