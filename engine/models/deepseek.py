@@ -165,9 +165,8 @@ class MlaAttention(nn.Module):
         # (kernels/rms_norm_linear.py); None: apart. Set by the load-time choice
         # (DeepseekForCausalLM.set_decode_fusion).
         self.input_norm_tiling: tuple | None = None
-        # Byte views of weights this layer reads after its attention kernels (o_proj, the shared experts'
-        # gate_up), requested into L2 beside them at decode (kernels/l2_prefetch.py), with the launch's
-        # sink; None: not. Set by the load-time choice (DeepseekForCausalLM.set_decode_fusion "prefetch").
+        # Byte views of weights read after this layer's attention kernels (PREFETCH_SETTINGS), requested into
+        # L2 beside them at decode (kernels/l2_prefetch.py), with the launch's sink; None: not. Set by the load-time choice (DeepseekForCausalLM.set_decode_fusion "prefetch").
         self.prefetch: tuple[list[torch.Tensor], torch.Tensor] | None = None
 
     def init_buffers(self) -> None:
