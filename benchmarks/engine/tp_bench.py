@@ -56,7 +56,7 @@ from engine.config import BuildConfig, EngineConfig, ModelConfig  # noqa: E402
 from engine.convert import CheckpointError, iter_rank_weights  # noqa: E402
 from engine.executor.overlap import placeholder  # noqa: E402
 from engine.executor.runner import ForwardBatch, ModelRunner  # noqa: E402
-from engine.pipeline.layout import stage_of_rank, stage_tensor_name  # noqa: E402
+from engine.pipeline.layout import parse_pp_layers, stage_of_rank, stage_tensor_name  # noqa: E402
 from engine.tensor_parallel.distributed import make_runner, run_worker  # noqa: E402
 
 
@@ -163,10 +163,12 @@ def use_random_weights() -> None:
     runner_module.load_rank_weights = random_rank_weights
 
 
-def write_engine_config(root: str, model: str, dtype: str, tp_size: int, max_batch_size: int = 64, pp_size: int = 1) -> str:
+def write_engine_config(root: str, model: str, dtype: str, tp_size: int, max_batch_size: int = 64, pp_size: int = 1,
+                        pp_layers: list[int] | None = None) -> str:
     engine_dir = os.path.join(root, f"{model}-{dtype}-tp{tp_size}" + (f"-pp{pp_size}" if pp_size > 1 else ""))
     build = BuildConfig(dtype=dtype, max_batch_size=max_batch_size, max_input_len=2048, max_seq_len=4096, max_num_tokens=8192,
-                        tokens_per_block=32, tp_size=tp_size, pp_size=pp_size)
+                        tokens_per_block=32, tp_size=tp_size, pp_size=pp_size,
+                        pp_layers=pp_layers if pp_size > 1 else None)
     EngineConfig(model=ModelConfig(**MODELS[model]), build=build, extra={"tp_bench_seed": 0}).validate().save(engine_dir)
     return engine_dir
 
@@ -516,7 +518,7 @@ def orchestrate(args) -> dict:
     for phase in args.phases:
         dtype = "float32" if phase.startswith("greedy") else args.dtype
         tp_size, pp_size = phase_mapping(phase)
-        engine_dir = write_engine_config(workdir, args.model, dtype, tp_size, args.max_batch_size, pp_size)
+        engine_dir = write_engine_config(workdir, args.model, dtype, tp_size, args.max_batch_size, pp_size, args.pp_layers)
         try:
             results[phase] = run_phase(args, phase, engine_dir, workdir)
         finally:  # whatever ran is kept, even when a later phase fails or times out
@@ -555,6 +557,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help=f"comma list of phases to run, in order (default: all of {','.join(PHASES)}; "
                              f"pipeline stages: {','.join(PP_PHASES)})")
     parser.add_argument("--phase_timeout", type=float, default=240, help="seconds per phase (4 phases)")
+    parser.add_argument("--pp_layers", default=None,
+                        help="the PP phases' layers per stage, e.g. 17,15 (engine.build's --pp_layers; default even)")
     parser.add_argument("--out", default="tp_bench.json")
     parser.add_argument("--results-md", dest="results_md", default=None, help="append the markdown table here")
     # internal: one rank of one phase
@@ -566,6 +570,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if unknown:
         parser.error(f"--phases: unknown phase(s) {unknown}; allowed: {', '.join(PHASES + PP_PHASES)}")
     args.offline_shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.offline.split(",") if shape]
+    args.pp_layers = parse_pp_layers(args.pp_layers)
     return args
 
 

@@ -31,9 +31,11 @@ tokens before step k + 2 samples into the same buffer.
 
 Transfers stay matched in order on every rank: a step's plan, its sends and rank 0's logits
 receives are queued at launch in the order of today's single step (each micro-batch's logits
-receive right after its send, the last stage's order), and finishing only waits. The launched steps
-carry one micro-batch each (``ForwardBatch.micro_batches``: the other steps fill the pipeline, and
-a micro-batch re-reads the stage's weights). No heartbeat goes out while a step is unfinished
+receive right after its send, the last stage's order), and finishing only waits. A launched step
+is one micro-batch (``ForwardBatch.micro_batches``: the other steps fill the pipeline, and a
+micro-batch re-reads the stage's weights) unless its work exceeds the step launched before it by
+much (a long prompt next to a decode step): the excess is cut as one step alone would be
+(``PipelinedSteps._micro_batches``). No heartbeat goes out while a step is unfinished
 (LeaderRunner.launch says why).
 
 Which steps: only while every active request takes its tokens on the device. Requests that need
@@ -71,7 +73,7 @@ from itertools import chain
 from typing import Any
 
 from engine.executor.overlap import InFlightStep
-from engine.pipeline.step_cost import in_flight_gain
+from engine.pipeline.step_cost import AUTO_MOST_PER_STAGE, choose_micro_batches, in_flight_gain
 
 STEPS_IN_FLIGHT_ENV = "TRITONLLM_PP_STEPS_IN_FLIGHT"
 # Steps go in flight when the cost model gives them this gain over one step at a time, and go back to
@@ -109,6 +111,7 @@ class LaunchedForward:
     started: float
     num_active: int
     number: int  # 1, 2, ... in launch order
+    work: float = 0.0  # its splittable work in weight passes of a stage (StepCost.work)
 
 
 class PipelinedSteps:
@@ -188,7 +191,8 @@ class PipelinedSteps:
         num_active = len(ex._active)
         try:
             batch, rows, sampling, _ = ex._forward_batch(plan)
-            batch.micro_batches = 1
+            work = ex.runner.step_cost.work(len(batch.token_ids), batch.context_lens)
+            batch.micro_batches = self._micro_batches(work)
             launched = ex.runner.launch(batch)
         except Exception as err:
             ex._fail_step(plan, err, "forward failed")
@@ -197,7 +201,19 @@ class PipelinedSteps:
         self._note("launch", self._launched)
         ex._mark_launched(plan)
         self.pending.append(LaunchedForward(plan, batch, rows, sampling, launched, started, num_active,
-                                            self._launched))
+                                            self._launched, work))
+
+    def _micro_batches(self, work: float) -> int:
+        """A launched step's micro-batches: one while it is about the size of the step launched
+        before it (that step fills the pipeline), more for the work it has beyond that. Why: a long
+        prompt's step launched next to another group's decode step held each stage in turn for its
+        whole length while the other stage idled (the decode step cannot fill that time: its group's
+        next step waits for its tokens); cut, its micro-batches flow through the stages as a
+        one-step pipeline's do (choose_micro_batches on the excess: 2,048 prompt tokens of the 8B
+        shape over a 256-sequence decode step -> 3)."""
+        before = self.pending[-1].work if self.pending else 0.0
+        pp_size = self.executor.runner.place.stage.pp_size
+        return choose_micro_batches(max(0.0, work - before), pp_size, AUTO_MOST_PER_STAGE * pp_size)
 
     def _sample(self, item: LaunchedForward) -> InFlightStep | None:
         ex = self.executor

@@ -60,13 +60,12 @@ from engine.config import EngineConfig
 from engine.executor.overlap import resolve_placeholders
 from engine.executor.runner import ForwardBatch, ModelRunner
 from engine.pipeline.layout import Stage, stage_of_rank
-from engine.pipeline.step_cost import StepCost, choose_micro_batches
+from engine.pipeline.step_cost import AUTO_MOST_PER_STAGE, StepCost, choose_micro_batches
 from engine.pipeline.stage import StageStep, check_pipeline_supported, stage_forward, trim_to_stage
 
 # Micro-batches per step, the same on every rank: a number fixes it; unset, each step takes the count
 # that makes it soonest done (engine/pipeline/step_cost.py), at most AUTO_MOST_PER_STAGE * pp_size.
 MICRO_BATCHES_ENV = "TRITONLLM_PP_MICRO_BATCHES"
-AUTO_MOST_PER_STAGE = 2
 
 
 @dataclass(frozen=True)

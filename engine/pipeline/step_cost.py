@@ -35,6 +35,7 @@ TOKENS_PER_WEIGHT_READ = 160.0
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 WEIGHT_BYTES = {"fp8": 1.0, "fp8_block": 1.0, "int8_sq": 1.0, "int8_wo": 1.0, "int4_wo": 0.5, "int4_awq": 0.5}
 EIGHT_BIT_PRODUCTS = ("fp8", "fp8_block", "int8_sq")
+AUTO_MOST_PER_STAGE = 2  # micro-batches a step is cut into at most, per stage
 # What a step costs besides its stages' layers, once a step (rank 0's host work, sampling, the
 # send/recv launches between the stages' graphs), and the weight-read rate that turns it into weight
 # passes: fitted to session 17's Llama-3.1-8B PP 2 figures on two H200s (half-batch steps in flight

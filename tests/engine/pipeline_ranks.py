@@ -117,8 +117,9 @@ def pipelined_executor_run(rank: int, pp2_dir: str, requests: list, cancel_after
     (requests needing the one-step path, e.g. penalties) run after, on the same executor. Returns
     (rank 0) each request's streamed tokens and finish reason, the launch/finish calls, the
     first block of every sequence of each launched step and the count of one-step forwards.
-    ``steps`` "auto": STEPS_IN_FLIGHT_ENV unset, and in_flight_gain replaced by a stand-in that
-    pays from 3 sequences on (the tiny model's own figures never would)."""
+    ``steps`` "auto": STEPS_IN_FLIGHT_ENV unset, in_flight_gain replaced by a stand-in that pays
+    from 3 sequences on (the tiny model's own figures never would), and every launched step cut in
+    two micro-batches."""
     import torch.distributed as dist
 
     from engine.executor import Executor, ExecutorConfig
@@ -144,8 +145,11 @@ def pipelined_executor_run(rank: int, pp2_dir: str, requests: list, cancel_after
     launches = []
     launch = leader.launch
 
+    micro_batches = []
+
     def recording_launch(batch):
         launches.append([table[0] for table in batch.block_tables])
+        micro_batches.append(batch.micro_batches)
         return launch(batch)
 
     leader.launch = recording_launch
@@ -159,9 +163,10 @@ def pipelined_executor_run(rank: int, pp2_dir: str, requests: list, cancel_after
     leader.forward = counting_forward
     patched = {"make_runner": lambda *args, **kwargs: leader, "_destroy_groups": lambda *args, **kwargs: False}
     saved = {name: getattr(distributed, name) for name in patched}  # (the shared pair keeps its groups)
-    saved_gain = in_flight.in_flight_gain
+    saved_gain, saved_choice = in_flight.in_flight_gain, in_flight.choose_micro_batches
     if steps == "auto":
         in_flight.in_flight_gain = lambda cost, pp_size, depth, *, seqs, **work: 2.0 if seqs >= 3 else 0.5
+        in_flight.choose_micro_batches = lambda work, pp_size, most: 2  # (launched steps cut in two)
     else:
         os.environ[STEPS_IN_FLIGHT_ENV] = steps
     try:
@@ -171,13 +176,14 @@ def pipelined_executor_run(rank: int, pp2_dir: str, requests: list, cancel_after
             executor.pipelined.calls = calls = []
             out = {"tokens": _run_streaming(executor, requests, cancel_after)}
             out["calls"], out["launches"], out["forwards"] = list(calls), list(launches), list(forwards)
+            out["micro_batches"] = list(micro_batches)
             if then:
                 out["then"] = _run_streaming(executor, then, None)
                 out["then_calls"] = calls[len(out["calls"]):]
         return out
     finally:
         os.environ.pop(STEPS_IN_FLIGHT_ENV, None)
-        in_flight.in_flight_gain = saved_gain
+        in_flight.in_flight_gain, in_flight.choose_micro_batches = saved_gain, saved_choice
         for name, value in saved.items():
             setattr(distributed, name, value)
 

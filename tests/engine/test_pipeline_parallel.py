@@ -203,6 +203,14 @@ def test_steps_in_flight_pay_only_where_a_step_grows_with_its_tokens():
     assert chosen == [False, False, False, True, True, True, False, False, True]
     assert PipelinedSteps(SimpleNamespace(scheduler=scheduler, runner=runner), 2, always=True).in_flight
 
+    # A launched step is one micro-batch next to a step of its size, cut for its excess over it.
+    decode_256, prompt_2048 = cost.work(256, [192] * 256), cost.work(2048, [2048])
+    assert steps._micro_batches(prompt_2048) == 4  # (nothing in flight: cut as one step alone)
+    steps.pending.append(SimpleNamespace(work=decode_256))
+    assert steps._micro_batches(cost.work(256, [200] * 256)) == 1 and steps._micro_batches(prompt_2048) == 3
+    steps.pending[-1].work = prompt_2048
+    assert steps._micro_batches(prompt_2048) == 1
+
 
 def test_rank0_receives_each_micro_batch_logits_right_after_sending_it(engines):
     """At pp 2 one NCCL communicator and stream carry both directions between rank 0 and the last
@@ -250,14 +258,16 @@ def test_pp2_executor_with_two_steps_in_flight_matches_pp1(engines):
     assert len(overlapped) >= len(launches) // 2, calls  # (steady state: every step)
     for n in overlapped:  # launched while step n was in flight: other sequences
         assert not set(launches[n - 1]) & set(launches[n]), (n, launches[n - 1], launches[n])
-    assert result["forwards"] == []  # (TRITONLLM_PP_STEPS_IN_FLIGHT=2: every step launched)
+    assert result["forwards"] == [] and set(result["micro_batches"]) == {1}  # (=2: every step launched, whole)
 
     # The default (no TRITONLLM_PP_STEPS_IN_FLIGHT): steps in flight only while they pay, here (a
     # stand-in for in_flight_gain) from 3 sequences on: in flight while 6 then 5..3 run, then the
-    # launched steps drain and the last 2 sequences go one step at a time; same tokens.
+    # launched steps drain and the last 2 sequences go one step at a time; same tokens, with each
+    # launched step in two micro-batches (as a long prompt's next to a decode step would be).
     auto, _ = shared_pair().run(pipelined_executor_run, pp2, requests, None, None, "auto")
     assert auto["tokens"] == expected
     assert auto["launches"] and max(map(len, auto["launches"])) <= 3  # (6 over 2 steps in flight)
+    assert set(auto["micro_batches"]) == {2}
     assert auto["forwards"] and max(auto["forwards"]) <= 2, auto["forwards"]  # (one step: fewer than 3 left)
 
 
