@@ -49,13 +49,17 @@ def _top_ids_kernel(logits_ptr, d2t_ptr, out_ptr, V, stride_row, K: tl.constexpr
         x = tl.where(offs == best, -float("inf"), x)
 
 
-def draft_top_ids_triton(logits: torch.Tensor, d2t: torch.Tensor | None, k: int) -> torch.Tensor:
-    """The kernel on ``logits``' device (CUDA, or the CPU under TRITON_INTERPRET=1)."""
+def draft_top_ids_triton(logits: torch.Tensor, d2t: torch.Tensor | None, k: int,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernel on ``logits``' device (CUDA, or the CPU under TRITON_INTERPRET=1); ``out``: a
+    contiguous (..., k) int64 tensor it writes (a CUDA graph's static buffer), else a new one."""
     V = logits.shape[-1]
     rows = logits.reshape(-1, V)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    out = torch.empty(rows.shape[0], k, dtype=torch.int64, device=logits.device)
+    if out is None:
+        out = torch.empty(rows.shape[0], k, dtype=torch.int64, device=logits.device)
+    assert out.is_contiguous() and out.numel() == rows.shape[0] * k and out.dtype == torch.int64
     if rows.shape[0]:
         block = triton.next_power_of_2(V)
         mapped = d2t is not None
@@ -64,9 +68,15 @@ def draft_top_ids_triton(logits: torch.Tensor, d2t: torch.Tensor | None, k: int)
     return out.view(*logits.shape[:-1], k)
 
 
-def draft_top_ids(logits: torch.Tensor, d2t: torch.Tensor | None, k: int) -> torch.Tensor:
-    """logits (..., V) float, d2t (V,) int64 or None -> (..., k) int64 (module docstring)."""
+def draft_top_ids(logits: torch.Tensor, d2t: torch.Tensor | None, k: int, out: torch.Tensor | None = None
+                  ) -> torch.Tensor:
+    """logits (..., V) float, d2t (V,) int64 or None -> (..., k) int64 (module docstring). ``out``:
+    (..., k) int64 to write instead (returned): a contiguous one the kernel writes itself, else a copy."""
     if use_triton(logits) and logits.shape[-1] <= MAX_VOCAB and 0 < k <= min(MAX_K, logits.shape[-1]) and (
             d2t is None or d2t.is_contiguous()):
-        return draft_top_ids_triton(logits, d2t, k)
-    return draft_top_ids_ref(logits, d2t, k)
+        if out is not None and out.is_contiguous():
+            return draft_top_ids_triton(logits, d2t, k, out)
+        ids = draft_top_ids_triton(logits, d2t, k)
+    else:
+        ids = draft_top_ids_ref(logits, d2t, k)
+    return ids if out is None else out.copy_(ids)

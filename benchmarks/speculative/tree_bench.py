@@ -50,9 +50,11 @@ heads' three layers inside every graph (engine/executor/layer_taps.py). Sections
    at batch 1: each step's drafting for all B sequences is one replay of a batched
    window (eagle3_graphs.py), so EAGLE-3's step minus the oracle's (drafting) should stay near batch
    1's, not B times it (rows with ``batch`` B; the drafter column says "x B").
-   With ``--step-kernels N``: one more forced run of the oracle and of EAGLE-3 under torch.profiler,
-   per step the GPU us and launches against the step's ms (the rest: host work, sync gaps) and the N
-   costliest kernels. (``--kernels N`` does the same for the verify section's first batch: the tree
+   With ``--step-kernels N``: for the oracle and for EAGLE-3 one more forced run with the executor's
+   phases timed (``PHASES``: ms a step of drafting, schedule, packing, the forward's launch, the
+   verify read that waits for it, finishing, emitting), then one under torch.profiler: per step the
+   GPU us and launches against the step's ms (the rest: host work, sync gaps) and the N costliest
+   kernels. (``--kernels N`` does the same for the verify section's first batch: the tree
    step's and the decode step's kernels and the ones the tree step spends most more time in.)
    Last, on CUDA, the GPU time of one replay of each drafting window the loop used (the rest of
    EAGLE-3's step over the oracle's is host work and the gaps its synchronisations leave) and, with
@@ -282,6 +284,9 @@ def loop_kernels(executor, args, prompt: list[int], truth: list[int], state: dic
 
     length = args.lengths[len(args.lengths) // 2]
     state["depth"], state["truth"] = length - 1, {tuple(prompt): truth}
+    phases = loop_phases(executor, [greedy_request(prompt, args.output_len)])
+    print(f"    {drafter} L={length} host phases a step (ms, no profiler): " + ", ".join(
+        f"{name} {ms:.3f}" for name, ms in phases.items()), flush=True)
     since, box = now_ns(), {}
     kernels, wall = profile_kernels(lambda: box.setdefault("r", run_all(
         executor, [greedy_request(prompt, args.output_len)])), 1, executor.runner.device.type == "cuda")
@@ -296,9 +301,54 @@ def loop_kernels(executor, args, prompt: list[int], truth: list[int], state: dic
           f"kernels: host work and sync gaps; the prompt's last chunk's kernels counted in)", flush=True)
     print("\n".join(kernel_lines(per_step, args.step_kernels, "      ")), flush=True)
     return {"drafter": drafter, "forced_length": length, "steps": len(latencies), "step_ms": step_ms,
-            "gpu_us": total, "launches": launches,
+            "gpu_us": total, "launches": launches, "phases_ms": phases,
             "kernels": [{"kernel": k, "us": us, "per_step": n} for k, (us, n) in
                         sorted(per_step.items(), key=lambda kv: -kv[1][0])[:args.step_kernels]]}
+
+
+# The executor's phases of a step, in the order a speculative step runs them (Executor._step):
+# drafting (EAGLE-3: observe_batch, the replay, the drafts' read: a wait for the replay), the
+# schedule, the packing, runner.forward (the prefill graphs' host fill and copies, the replay and
+# the logits product's launch: the device's work itself is not waited for), _verify (the argmax's
+# read: waits for the forward), _finish_in_flight (acceptance, KV moves, tokens, stop checks), _emit.
+PHASES = (("propose", "_propose_drafts"), ("schedule", "scheduler.schedule"), ("pack", "_forward_batch"),
+          ("forward launch", "runner.forward"), ("verify (waits for the forward)", "_verify"),
+          ("finish", "_finish_in_flight"), ("emit", "_emit"), ("step", "_step"))
+
+
+def loop_phases(executor, requests: list) -> dict:
+    """Run ``requests`` once with each PHASES method of the executor (its instance attribute) timed
+    -> {phase: ms per decode step}, decode steps = runner.forward calls without prompt tokens' chunks
+    told apart (the prompt is in the prefix cache, its step one among ~25)."""
+    owners = {"scheduler.schedule": (executor.scheduler, "schedule"), "runner.forward": (executor.runner, "forward")}
+    spent, wrapped = dict.fromkeys((name for _, name in PHASES), 0.0), []
+    for _, name in PHASES:
+        owner, attr = owners.get(name, (executor, name))
+        method = getattr(owner, attr)
+
+        def timed_call(*a, _method=method, _name=name, **k):
+            started = time.perf_counter()
+            try:
+                return _method(*a, **k)
+            finally:
+                spent[_name] += time.perf_counter() - started
+        setattr(owner, attr, timed_call)
+        wrapped.append((owner, attr))
+    calls = [0]
+    forward = executor.runner.forward
+
+    def counted(*a, **k):
+        calls[0] += 1
+        return forward(*a, **k)
+    executor.runner.forward = counted
+    try:
+        run_all(executor, requests)
+    finally:
+        del executor.runner.forward
+        for owner, attr in wrapped:
+            if attr in vars(owner):
+                delattr(owner, attr)
+    return {label: round(spent[name] * 1e3 / max(calls[0], 1), 3) for label, name in PHASES}
 
 
 def tree_depths(parents: list[int]) -> list[int]:

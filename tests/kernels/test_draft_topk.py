@@ -32,3 +32,18 @@ def test_kernel_equals_reference(device, shape, vocab, k):
 def test_kernel_takes_the_first_of_ties_and_blanks_only_the_one_found(device):
     logits = torch.tensor([[0.0, 3.0, 1.0, 3.0, 2.0, -float("inf")]], device=device)
     assert draft_top_ids_triton(logits, None, 4).cpu().tolist() == [[1, 3, 4, 2]]
+
+
+def test_out_is_written_in_place_or_copied_into(device, monkeypatch):
+    """``out``: a contiguous one the kernel writes (a recorded graph's buffer), a strided view gets a copy."""
+    import kernels.draft_topk
+
+    monkeypatch.setattr(kernels.draft_topk, "use_triton", lambda t: True)
+    logits, d2t = _case((2, 3), 300, device, seed=3)
+    want = draft_top_ids_ref(logits, d2t, 4)
+    ranked = torch.zeros(2, 5, 4, dtype=torch.int64, device=device)
+    assert draft_top_ids(logits, d2t, 4, out=ranked[:, 1:4]) is not None  # (2, 3, 4) of (2, 5, 4): strided
+    whole = torch.zeros(2, 3, 4, dtype=torch.int64, device=device)
+    assert draft_top_ids(logits, d2t, 4, out=whole).data_ptr() == whole.data_ptr()
+    assert torch.equal(ranked[:, 1:4].cpu(), want.cpu()) and torch.equal(whole.cpu(), want.cpu())
+    assert ranked[:, 0].abs().sum() == 0 and ranked[:, 4].abs().sum() == 0

@@ -154,11 +154,13 @@ class StaticPlan:
                 "seen": seen_all[rows, :rows[-1] + 1].to(device) if rows else None,
                 # the same selections as slices where they are a run (draft_window: a view or a copy
                 # instead of an index kernel; a chain-with-siblings tree is runs only)
-                "nodes_at": index_or_slice([i - 1 for i in nodes], device), "flat_at": index_or_slice(flat, device),
                 "grow_flat_at": index_or_slice([flat[j] for j in grow], device),
                 "grow_parent_at": index_or_slice([parent_e[j] for j in grow], device),
                 "expand_e_at": index_or_slice([r + 1 for r in rows], device)})
         self.parents = [p - 1 for p in parents[1:]]
+        # where each node's token sits in ranked (E * width,): its parent's e, its rank (nodes 1.. in order)
+        self.node_flat = index_or_slice([e_of[parents[i]] * self.width + shape.ranks[i]
+                                         for i in range(1, shape.num_nodes)], device)
 
 
 def index_or_slice(values: list[int], device: torch.device) -> slice | torch.Tensor:

@@ -191,13 +191,12 @@ def draft_window(head, plan, w: Window, embed) -> None:
     h_root = head.finish(last_g, head.attend(w.last_q, w.k[:, :C], w.v[:, :C], cached[:, None]))[:, 0]
     w.hidden[:, 0] = h_root
     # ranked (S, E, width): each expanded node's width best children as target ids (draft_topk.py:
-    # one launch for topk + d2t); ``flat`` views it (S, E * width), what the plan's flat_at indexes
-    w.ranked[:, 0] = draft_top_ids(head.logits(h_root), head.d2t, plan.width)  # (S, width): as draft_static
+    # one launch for topk + d2t); ``flat`` views it (S, E * width), what the plan's grow_flat_at and
+    # node_flat index
+    draft_top_ids(head.logits(h_root), head.d2t, plan.width, out=w.ranked[:, 0])  # (S, width): as draft_static
     flat = w.ranked.view(S, -1)
     for depth, level in enumerate(plan.levels, start=1):
         # (the plan's *_at: slices where the indices are a run: views and copies, not index kernels)
-        level_tokens = flat[:, level["flat_at"]]  # (S, nodes of the depth)
-        w.tokens[:, level["nodes_at"]] = level_tokens
         if level["seen"] is None:
             continue
         row = level["row"]
@@ -210,8 +209,13 @@ def draft_window(head, plan, w: Window, embed) -> None:
         w.v[:, C + row:end] = v.view(S, n, *v.shape[1:])
         mask = torch.cat([cached[:, None].expand(S, n, C), level["seen"].expand(S, n, -1)], dim=2)  # (S, n, end)
         h = head.finish(g, head.attend(q.view(S, n, *q.shape[1:]), w.k[:, :end], w.v[:, :end], mask))
-        w.hidden[:, level["expand_e_at"]] = h
-        w.ranked[:, level["expand_e_at"]] = draft_top_ids(head.logits(h), head.d2t, plan.width)
+        grown = level["expand_e_at"]
+        w.hidden[:, grown] = h
+        if isinstance(grown, slice):  # a view: written in place (by the kernel itself where it is contiguous)
+            draft_top_ids(head.logits(h), head.d2t, plan.width, out=w.ranked[:, grown])
+        else:
+            w.ranked[:, grown] = draft_top_ids(head.logits(h), head.d2t, plan.width)
+    w.tokens.copy_(flat[:, plan.node_flat])  # every node's token at once (nodes 1.. in plan order)
 
 
 class StaticDraftGraphs:
