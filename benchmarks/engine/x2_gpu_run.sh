@@ -25,7 +25,7 @@
 # each job's exit status and its result lines, so the call's output_tail alone is enough to read.
 set -u
 script=$(realpath "$0")
-call=${1:?usage: x2_gpu_run.sh 1-10 [OUT]}
+call=${1:?usage: x2_gpu_run.sh 1-11 [OUT]}
 out=$(realpath -m "${2:-${OUT:-/tmp/x2_gpu_run}}")
 mkdir -p "$out"
 if [ -z "${X2_UNDER_TEE:-}" ]; then  # the console also in $out/summary.txt, complete when the call returns
@@ -246,7 +246,22 @@ case $call in
   wait
   for b in 32 8; do echo "== vlm$b"; grep -E "^offline|executor sections|^\[load|Error|Traceback" "$w/vlm$b.log" | cut -c1-900; done
   ;;
-*) echo "x2_gpu_run.sh: CALL must be 1 to 10, got '$call'"; exit 2 ;;
+11)
+  # Session 17 (~270 s): eagle9's tree step breakdown (GPU 0) beside dsdecode4's V2-Lite decode fusions (GPU 1),
+  # then PP 2 with steps in flight chosen by step cost (ppflight2) beside TP 1 in the same lease.
+  on_gpu 0 eagle9 115 "$PYTHON" benchmarks/speculative/tree_bench.py --dtypes bf16 --batches 1 --nodes 15,16 --lengths 4 \
+    --sections verify,loop --kernels 20 --step-kernels 25 --draft-kernels 15 --out "$w/eagle9.json" --markdown "$w/eagle9.md" &
+  on_gpu 1 ds4 88 "$PYTHON" benchmarks/engine/engine_bench.py --model deepseek_v2_lite --sections bandwidth,decode \
+    --max-batch-size 8 --max-num-tokens 256 --max-seq-len 1024 --out "$w/ds4.json" --results-md "$w/ds4.md" &
+  wait
+  grep -v "^\[load" "$w/eagle9.log" | grep -E "ms vs|step:|tree - decode|oracle|EAGLE-3|Error|Traceback" | head -30
+  grep -E "^\[load|Error|Traceback" "$w/ds4.log" | head; tail -3 "$w/ds4.md" 2>/dev/null
+  [ -f "$w/ds4.json" ] && "$PYTHON" -c "import json,sys; d=json.load(open(sys.argv[1]))['decode']; print('fusion', d.get('fusion_choice')); print('pdl', d.get('launch_choice'))" "$w/ds4.json"
+  job pp 150 "$PYTHON" benchmarks/engine/tp_bench.py --phases perf_tp1,perf_pp2 --max_batch_size 256 \
+    --offline 128x128x1024 --phase_timeout 70 --out "$w/pp.json" "${tiny_tp[@]}"
+  grep -E "ready|in flight|decode batch|offline|KV pool|Error|Traceback" "$w/pp.log" | cut -c1-300
+  ;;
+*) echo "x2_gpu_run.sh: CALL must be 1 to 11, got '$call'"; exit 2 ;;
 esac
 tar czf "$out/call$call.tgz" -C /tmp "x2_call$call"
 for md in "$w"/*.md; do [ -f "$md" ] && cp "$md" "$out/"; done
