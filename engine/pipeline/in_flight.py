@@ -57,6 +57,13 @@ flight once the model says >= ``ENTER_GAIN`` x and stay so until it says < ``LEA
 flapping at the edge); going back to one step drains the launched ones first (their tokens reach the
 host: a step's sampled-token ring half is read only by the launch right after it, see above).
 
+The host on rank 0 runs about one step ahead: each iteration waits for the tokens of the step
+sampled one iteration before (the executor's _finish_in_flight), i.e. for sample(n-2) when step n
+was just launched. The decode and prefill graphs' ``_copied.synchronize()`` (launching step n+1
+waits until step n's input copies ran) adds no wait at depth 2: rank 0's stream runs those copies
+right after sample(n-2), which the host already waited for. At depth >= 3 it would bound the
+overlap to about two steps.
+
 ``TRITONLLM_PP_STEPS_IN_FLIGHT``: unset: up to pp_size steps, in flight where they pay (the default
 for pipelines of one rank per stage); 0 or 1: off (one step at a time); N >= 2: N steps, always in
 flight (the pre-cost behaviour, kept for tests and measurements). Pipelines of one rank per stage

@@ -121,7 +121,7 @@ def in_flight_gain(cost: StepCost, pp_size: int, depth: int, *, seqs: int, token
     whole = (m + pp_size - 1) * (1 + work / m) + head(seqs * share) + cost.step_overhead
     # ``depth`` steps: the slowest carries an even share of the tokens or the largest sequence's.
     share = min(-(-seqs // depth), max_batch_size) / seqs
-    round_tokens = min(tokens * share * depth, max_num_tokens * depth)
+    round_tokens = min(tokens * min(1.0, share * depth), max_num_tokens * depth)  # (share: rounded up)
     step_tokens = min(max(round_tokens / depth, largest), max_num_tokens)
     work = cost.work_of(step_tokens, context * share)
     slowest = 1 + work + head(seqs * share)
