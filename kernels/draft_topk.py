@@ -9,12 +9,12 @@ Why a kernel: torch.topk on CUDA is a radix select (per call ~4 passes of three 
 scans, a gather and a bitonic sort of the k found) and the d2t offsets one more gather: ~17
 launches and ~40 us for one row of a 32000-token draft vocabulary on an H200 (the EAGLE-3 drafting
 replay's kernel table, 2026-11-29: ~200 us of its 1.47 ms in 5 such calls). Here a program per row
-holds the whole row in registers (V <= MAX_VOCAB) and takes k arg-maxes, each blanking the one it
-found: one launch, the row read once.
+holds the whole row in registers (V <= MAX_VOCAB: EAGLE-3's 32000-token draft vocabularies) and
+takes k arg-maxes, each blanking the one it found: one launch, the row read once.
 
 Ties: the lowest index first (Triton's argmax); torch.topk leaves ties' order unspecified, so the
 two agree wherever no two of a row's top k + 1 values are equal (the tests use random logits).
-A NaN ranks as torch.topk ranks it nowhere in particular: draft logits have none.
+NaNs are not ranked as torch.topk ranks them (first): draft logits have none.
 Rows past MAX_VOCAB wide (a draft vocabulary as large as the target's 128k) and k > MAX_K run the
 reference.
 """
@@ -24,7 +24,7 @@ import torch
 
 from kernels._triton import jit, tl, triton, use_triton
 
-MAX_VOCAB = 65536  # a row in registers: 64 fp32 values a thread at 32 warps
+MAX_VOCAB = 32768  # a row in registers: 32 fp32 values a thread at 32 warps (an SM's 64k registers, no spills)
 MAX_K = 32  # k arg-maxes in sequence: beyond this a sort is the better algorithm
 
 
@@ -64,7 +64,7 @@ def draft_top_ids_triton(logits: torch.Tensor, d2t: torch.Tensor | None, k: int,
         block = triton.next_power_of_2(V)
         mapped = d2t is not None
         _top_ids_kernel[(rows.shape[0],)](rows, d2t if mapped else out, out, V, rows.stride(0), K=k, BLOCK=block,
-                                          HAS_D2T=mapped, num_warps=max(4, min(32, block // 2048)))
+                                          HAS_D2T=mapped, num_warps=max(4, min(32, block // 1024)))
     return out.view(*logits.shape[:-1], k)
 
 
