@@ -56,10 +56,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: en
 from benchmarks.common import (command_line, environment_set, free_device_memory, git_commit,  # noqa: E402
                                machine_summary, print_table, sync, timed_generate, utc_now)
 from benchmarks.engine.engine_bench import drain_offline, iteration_breakdown, profile_executor_loop  # noqa: E402
+from benchmarks.engine.gc_pauses import GcPauses  # noqa: E402
 from engine.config import BuildConfig, EngineConfig  # noqa: E402
 from engine.convert import model_config_from_hf  # noqa: E402
 from engine.executor.device_stream import TOWER_PRIORITY  # noqa: E402
 from engine.executor.executor import Executor, ExecutorConfig  # noqa: E402
+from engine.executor.gc_freeze import GC_FREEZE_ENV, freeze_after_load, unfreeze  # noqa: E402
 from engine.executor.load_phases import LOAD_LOG_ENV, load_phase  # noqa: E402
 from engine.executor.mrope_rotary import Mrope  # noqa: E402
 from engine.executor.prompt_table import PromptTable  # noqa: E402
@@ -271,6 +273,10 @@ def bench_executor(args, config, sections: list[str]) -> dict:
                                   grid, [prompt_ids(config, num_rows, args.text_len, rng, vocab)], vocab, 4)
             ex.enqueue_requests(warm + [Request(text_prompt(num_rows + 2 + args.text_len, config, rng), 4)])
             drain_offline(ex, 2)
+        # As the engine process does once its executor has loaded (engine/executor/gc_freeze.py): full collections
+        # during the runs then scan only what the runs made. $TRITONLLM_GC_FREEZE=0: the before figure.
+        with load_phase("gc.collect + gc.freeze", args.device):
+            results["gc_freeze"] = freeze_after_load(args.device)
         twins = count_table_twin_replays(ex)
         if "ttft" in sections:
             results["ttft"] = bench_ttft(args, ex, config, encoder, encoder_config, grid, num_rows, side)
@@ -279,6 +285,7 @@ def bench_executor(args, config, sections: list[str]) -> dict:
             results["offline"] = bench_offline(args, ex, config, encode, encoder, encoder_config, grid, num_rows)
             results["offline"]["table_twin_replays"] = twins() if twins else None
     del ex, encoder
+    unfreeze()  # the executor's objects were frozen with the load's: its cycles (KV pool, graphs) must be collectable
     free_device_memory(args.device)
     if "offline" in sections and args.hf_batches:
         offline = results["offline"]
@@ -365,6 +372,7 @@ def bench_offline(args, ex, config, encode, encoder, encoder_config, grid, num_r
         stream of its own in a vision-language engine, engine/executor/device_stream.py, which this uses)."""
         since, reused, allocations = time.time_ns(), reused_blocks(ex), allocator_counts(args.device)
         started = time.perf_counter()
+        pauses = GcPauses(started).__enter__()
         encoder_seconds = 0.0
         stream = getattr(ex, "device_stream", None)  # (the executor's loop runs on it: engine/executor/device_stream.py)
         for first in range(0, args.requests, args.encode_batch):
@@ -377,7 +385,8 @@ def bench_offline(args, ex, config, encode, encoder, encoder_config, grid, num_r
                                                vocab, args.output_len))
         tokens = drain_offline(ex, args.requests)
         seconds = time.perf_counter() - started
-        return {"seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds,
+        pauses.__exit__()
+        return {"seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds, "gc": pauses.summary(),
                 "encode_and_enqueue_seconds": encoder_seconds, "reused_blocks": reused_blocks(ex) - reused,
                 "allocations": allocator_counts(args.device, allocations, stream_names(ex)),
                 "iterations": iteration_breakdown(ex, since), "prompt_steps": prompt_steps(ex, since),
@@ -452,6 +461,7 @@ def through_queue(args, ex, queue: ImageEncodeQueue, config, encoder_config, gri
     since, reused, allocations = time.time_ns(), reused_blocks(ex), allocator_counts(args.device)
     per_image = grid[0] * grid[1] * grid[2]
     started = time.perf_counter()
+    pauses = GcPauses(started).__enter__()
     futures = [queue.submit(patches[i * per_image:(i + 1) * per_image], [grid]) for i in range(args.requests)]
     failed, ready_at, enqueue_s = [], [], []
 
@@ -478,7 +488,8 @@ def through_queue(args, ex, queue: ImageEncodeQueue, config, encoder_config, gri
     tokens = drain_offline(_Watched(ex, failed), args.requests)
     seconds = time.perf_counter() - started
     thread.join()
-    return {"seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds,
+    pauses.__exit__()
+    return {"seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds, "gc": pauses.summary(),
             "tables_ready_s": ready_at[-1], "first_table_s": ready_at[0], "enqueue_calls": len(ready_at),
             "enqueue_ms": {"total": round(sum(enqueue_s) * 1e3, 1), "max": round(max(enqueue_s) * 1e3, 1)},
             "reused_blocks": reused_blocks(ex) - reused,
@@ -578,6 +589,7 @@ def progress(name: str, run: dict) -> dict:
              f"{run['enqueue_calls']} enqueue calls" if "tables_ready_s" in run else "")
           + f"; prompt steps [ms, prompt tokens, decode rows]: {run.get('prompt_steps')}; decode-only steps over twice "
           f"the median [ms, rows]: {run.get('slow_decode_steps')}; allocations during the run {run.get('allocations')}"
+          f"; garbage collections {run.get('gc')}"
           + (f"; first iterations [ms, prompt tokens, decode rows]: {run['first_steps']}" if "first_steps" in run else ""),
           file=sys.stderr, flush=True)
     return run
@@ -593,11 +605,12 @@ def timed_offline(ex, requests: list[Request]) -> dict:
     the executor's iteration breakdown over them."""
     since, allocations = time.time_ns(), allocator_counts(str(ex.runner.device))
     started = time.perf_counter()
-    ex.enqueue_requests(requests)
-    enqueued = time.perf_counter() - started
-    tokens = drain_offline(ex, len(requests))
+    with GcPauses(started) as pauses:
+        ex.enqueue_requests(requests)
+        enqueued = time.perf_counter() - started
+        tokens = drain_offline(ex, len(requests))
     seconds = time.perf_counter() - started
-    return {"seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds,
+    return {"seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds, "gc": pauses.summary(),
             "enqueue_ms": {"total": round(enqueued * 1e3, 1), "max": round(enqueued * 1e3, 1)},
             "allocations": allocator_counts(str(ex.runner.device), allocations, stream_names(ex)),
             "iterations": iteration_breakdown(ex, since), "prompt_steps": prompt_steps(ex, since),
@@ -693,10 +706,16 @@ def markdown(results: dict) -> str:
                           f"{o[kind]['enqueue_calls']} calls; ")
             if "reused_blocks" in o[kind]:
                 extra += f"prefix-cache blocks reused {o[kind]['reused_blocks']}; "
+            pauses = o[kind].get("gc")
+            collections = (f"; garbage collections {pauses['collections']} ({pauses['total_ms']:.0f} ms; "
+                           f"generation 2 or >= 5 ms, [at ms, ms, generation]: {pauses['longest'] or 'none'})"
+                           if pauses else "")
             lines += ["", f"Offline {kind.replace('_', ' ')} run: {extra}iterations with prompt tokens {it['context_seconds']:.2f} s "
                       f"({it['context_iterations']}), decode-only {it['decode_seconds']:.2f} s "
                       f"({it['decode_iterations']}), outside them {o[kind]['seconds'] - it['context_seconds'] - it['decode_seconds']:.2f} s"
-                      f"{step}{replay}."]
+                      f"{step}{replay}{collections}."]
+    frozen = results.get("gc_freeze")
+    lines += ["", f"Python's collector: {'objects of the load frozen after it (engine/executor/gc_freeze.py): ' + str(frozen) if frozen else 'not frozen (' + GC_FREEZE_ENV + '=0 or CPU)'}."] if "offline" in results or "ttft" in results else []
     replays = [(name, (results.get(name) or {}).get("table_twin_replays")) for name in ("ttft", "offline")]
     if any(count is not None for _, count in replays):
         lines += ["", "Steps with image / M-RoPE rows that replayed the prefill graphs' table twins: " + ", ".join(

@@ -506,6 +506,9 @@ def serve(conn: Connection, listen_path: str | None = None) -> int:
     except Exception as err:
         send(("failed", f"{type(err).__name__}: {err}"))
         return 1
+    from engine.executor.gc_freeze import freeze_after_load
+
+    freeze_after_load(executor.runner.device)  # this process's engine lives as long as it: no full GC scans the load's objects
     send(("ready", 0))
     stopped = threading.Event()
 

@@ -1,0 +1,50 @@
+"""engine/executor/gc_freeze.py (the engine process freezes what its load made, so a full collection while
+serving does not stall the loop for a few hundred ms) and benchmarks/engine/gc_pauses.py (the collections a
+timed run saw). CPU, no full collection run here (one costs ~0.3 s in a test process)."""
+import gc
+
+import pytest
+
+from benchmarks.engine.gc_pauses import GcPauses
+from engine.executor import gc_freeze
+
+
+@pytest.fixture
+def collects(monkeypatch):
+    """gc.collect counted instead of run; whatever a test froze is given back to the collector after it."""
+    calls = []
+    monkeypatch.setattr(gc_freeze.gc, "collect", lambda *args: calls.append(args) or 0)
+    yield calls
+    gc.unfreeze()
+
+
+@pytest.mark.parametrize("setting, device, freezes", [
+    (None, "cuda:0", True), (None, "cpu", False), ("1", "cpu", True), ("0", "cuda", False)])
+def test_freeze_after_load_collects_then_freezes_on_cuda_only_unless_told(monkeypatch, collects, setting, device,
+                                                                           freezes):
+    if setting is None:
+        monkeypatch.delenv(gc_freeze.GC_FREEZE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(gc_freeze.GC_FREEZE_ENV, setting)
+    report = gc_freeze.freeze_after_load(device)
+    if not freezes:
+        assert report is None and collects == [] and gc.get_freeze_count() == 0
+        return
+    assert collects == [()]  # a full collection first: load-time garbage is not frozen for the process's life
+    assert report["frozen"] == gc.get_freeze_count() > 0 and report["collect_s"] >= 0
+    gc_freeze.unfreeze()
+    assert gc.get_freeze_count() == 0
+
+
+def test_gc_pauses_lists_each_collection_and_names_full_ones():
+    with GcPauses() as pauses:
+        gc.collect(0)
+        pauses("start", {"generation": 2})  # a full collection as the callback sees one (none run here)
+        pauses("stop", {"generation": 2, "collected": 7})
+    assert pauses not in gc.callbacks
+    summary = pauses.summary()
+    assert summary["collections"] == len(pauses.collections) >= 2
+    assert summary["by_generation"][2] == 1 and summary["by_generation"][0] >= 1
+    at_ms, ms, generation = summary["longest"][-1]
+    assert generation == 2 and 0 <= ms < 1000 and at_ms >= 0
+    assert all(c[2] == 2 or c[1] >= 5 for c in summary["longest"])  # the short young ones are only counted
