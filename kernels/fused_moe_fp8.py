@@ -51,6 +51,7 @@ from kernels.fp8 import FAST_ACCUM, FP8_DTYPE, dequantize_rows, quantize_rows, q
 from kernels.fp8_block import BLOCK, dequantize_blocks, dequantize_groups, quantize_groups, quantize_groups_triton
 from kernels.fused_moe import SCALED_GROUPED_MM_MIN_ASSIGNMENTS, choose_block_m, moe_align, route_tokens
 from kernels.moe_decode import decode_supported, fused_decode_enabled, moe_decode_triton
+from kernels.moe_gemv import gemv_tiles, moe_gemv_triton
 from kernels.moe_blocks import (activation_tiles, expert_block_launch, expert_block_tile, past_padded_blocks,
                                  store_rows)
 from kernels.moe_grouped_mm import combine, sort_assignments
@@ -345,10 +346,14 @@ def moe_forward_fp8(x: torch.Tensor, router_logits: torch.Tensor, gate_up: torch
                     sum_experts: bool = True) -> torch.Tensor:
     """A sparse MLP with FP8 experts after its router: route_tokens then fused_moe_fp8; one token on
     CUDA routes inside the gate_up launch (moe_single_token_fp8_triton). ``sum_experts``: fused_moe_fp8's.
-    With TRITONLLM_MOE_DECODE=fused, 1-16 tokens on CUDA take kernels/moe_decode.py's one launch (W8A16)."""
+    With TRITONLLM_MOE_DECODE=fused, 1-16 tokens on CUDA take kernels/moe_decode.py's one launch (W8A16); else the
+    token counts the load-time choice marked on ``gate_up`` take kernels/moe_gemv.py's two GEMV launches (W8A16)."""
     if use_triton(x) and fused_decode_enabled() and decode_supported(x):  # opt-in, W8A16 (kernels/moe_decode.py)
         return moe_decode_triton(x, gate_up, down, top_k=top_k, router_logits=router_logits, renormalize=renormalize,
                                  gate_up_scale=gate_up_scale, down_scale=down_scale)
+    if use_triton(x) and (tiles := gemv_tiles(gate_up, x.shape[0])) is not None:  # chosen at load (moe_gemv_choice)
+        return moe_gemv_triton(x, gate_up, down, top_k=top_k, router_logits=router_logits, renormalize=renormalize,
+                               gate_up_scale=gate_up_scale, down_scale=down_scale, tiles=tiles, sum_experts=sum_experts)
     if use_triton(x) and x.shape[0] == 1:
         return moe_single_token_fp8_triton(x, router_logits, gate_up, gate_up_scale, down, down_scale, top_k,
                                            renormalize, sum_experts=sum_experts)

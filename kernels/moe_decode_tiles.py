@@ -28,6 +28,8 @@ import torch
 from kernels import choice_cache, fused_moe
 from kernels._triton import use_triton
 from kernels.fused_moe import DECODE_TILES_ATTR, SINGLE_TOKEN_TILES, _grouped_gemm
+from kernels.moe_gemv import mark_gemv
+from kernels.moe_gemv_choice import choose_gemv
 
 TILES_ENV = "TRITONLLM_MOE_DECODE_TILES"
 
@@ -53,27 +55,43 @@ def mark_decode_tiles(gate_up: torch.Tensor, gate_up_variant: tuple, down_varian
 
 
 @torch.inference_mode()
-def choose_decode_tiles(experts: list[tuple[torch.Tensor, torch.Tensor, int]]) -> dict[tuple, dict]:
+def choose_decode_tiles(experts: list[tuple]) -> dict[tuple, dict]:
     """experts: (gate_up (E, 2I, H), down (E, H, I), assignments a token K) of each sparse layer, as
     fused_moe_triton gets them at one token. Times the candidates once per distinct shape (on the first
     such layer's own weights: no second copy is allocated) and marks every gate_up of that shape with
     the fastest pair. Returns {(E, 2I, H, K, dtype): report} for the load log / benches; {} off CUDA
-    (the interpreter included), for other dtypes, or with $TRITONLLM_MOE_DECODE_TILES=0."""
-    if os.environ.get(TILES_ENV, "1").strip() == "0":
-        return {}
+    (the interpreter included), for other dtypes, or with $TRITONLLM_MOE_DECODE_TILES=0.
+
+    An entry may go on with (gate_up_scale, down_scale, activation dtype) (scales None for model-dtype experts):
+    experts that moe_forward / moe_forward_fp8 take, for which kernels/moe_gemv_choice.py also chooses, per token
+    count, between their grouped path and kernels/moe_gemv.py's GEMV launches (reports keyed ("gemv", ...))."""
     reports: dict[tuple, dict] = {}
-    for gate_up, down, top_k in experts:
-        if (gate_up.device.type != "cuda" or not use_triton(gate_up)  # (timed from CUDA graphs: not in the interpreter)
-                or gate_up.dtype not in (torch.float16, torch.bfloat16)):
-            continue
-        key = (*gate_up.shape, top_k, str(gate_up.dtype).removeprefix("torch."))
-        if key not in reports:
-            reports[key] = choice_cache.timed_report(
-                "moe_decode", key, gate_up.device, lambda: time_decode_tiles(gate_up, down, top_k),
-                sources=(__file__, fused_moe.__file__), candidates=DECODE_TILE_CANDIDATES,
-                valid=lambda r: r["gate_up"] in DECODE_TILE_CANDIDATES and r["down"] in DECODE_TILE_CANDIDATES)
-        mark_decode_tiles(gate_up, reports[key]["gate_up"], reports[key]["down"])
-    return reports
+    gemv_reports: dict[tuple, dict | None] = {}
+    for gate_up, down, top_k, *gemv_args in experts:
+        _choose_tiles(gate_up, down, top_k, reports)
+        if gemv_args:
+            key = ("gemv", *gate_up.shape, top_k, str(gate_up.dtype), str(gemv_args[-1]))
+            if key not in gemv_reports:
+                gemv_reports[key] = choose_gemv(gate_up, down, top_k, *gemv_args)
+            elif gemv_reports[key] is not None:
+                mark_gemv(gate_up, gemv_reports[key]["tiles"])
+    return {**reports, **{key: report for key, report in gemv_reports.items() if report is not None}}
+
+
+def _choose_tiles(gate_up: torch.Tensor, down: torch.Tensor, top_k: int, reports: dict) -> None:
+    """choose_decode_tiles' grouped-tile choice for one layer (reports: the shapes chosen so far)."""
+    if os.environ.get(TILES_ENV, "1").strip() == "0":
+        return
+    if (gate_up.device.type != "cuda" or not use_triton(gate_up)  # (timed from CUDA graphs: not in the interpreter)
+            or gate_up.dtype not in (torch.float16, torch.bfloat16)):
+        return
+    key = (*gate_up.shape, top_k, str(gate_up.dtype).removeprefix("torch."))
+    if key not in reports:
+        reports[key] = choice_cache.timed_report(
+            "moe_decode", key, gate_up.device, lambda: time_decode_tiles(gate_up, down, top_k),
+            sources=(__file__, fused_moe.__file__), candidates=DECODE_TILE_CANDIDATES,
+            valid=lambda r: r["gate_up"] in DECODE_TILE_CANDIDATES and r["down"] in DECODE_TILE_CANDIDATES)
+    mark_decode_tiles(gate_up, reports[key]["gate_up"], reports[key]["down"])
 
 
 def time_decode_tiles(gate_up: torch.Tensor, down: torch.Tensor, top_k: int) -> dict:

@@ -190,6 +190,22 @@ class MoeForCausalLM(LlamaForCausalLM):
         layer run on zeros, without the all-reduce (no collective: ranks may warm up apart)."""
         warm_up_experts(next((layer.moe for layer in self.layers if layer.moe is not None), None), max_tokens)
 
+    def decode_experts(self) -> list[tuple]:
+        """(gate_up, down, top_k, gate_up_scale, down_scale, model dtype) of each sparse layer whose experts
+        moe_forward / moe_forward_fp8 take (SiLU, softmax routing; scales None in the model dtype; integer
+        experts have their own kernels): the runner's load-time choice (kernels/moe_decode_tiles.py) times the
+        one-token grouped tiles and, per decode token count, the grouped path against kernels/moe_gemv.py's
+        GEMV launches, and marks gate_up with what won."""
+        found = []
+        for layer in self.layers:
+            moe = layer.moe
+            if moe is None or moe.grouped or moe.activation != "silu" or moe.weight_only is not None:
+                continue
+            fp8 = moe.gate_up_proj.dtype == FP8_DTYPE
+            found.append((moe.gate_up_proj, moe.down_proj, moe.top_k, moe.gate_up_proj_scale if fp8 else None,
+                          moe.down_proj_scale if fp8 else None, moe.dtype))
+        return found
+
 
 @torch.inference_mode()
 def warm_up_experts(block: SparseMoeBlock | None, max_tokens: int) -> None:

@@ -1,0 +1,270 @@
+"""Decode-sized routed experts (1-8 tokens) as two GEMV launches that stream the chosen experts' weights:
+model-dtype, FP8 per-channel or FP8 128 x 128 block experts, the weights widened in registers (W8A16).
+
+Why: at one token the grouped path (kernels/fused_moe.py, fused_moe_fp8.py) pays ~26-29 us a Qwen3-30B-A3B
+layer whatever the bytes (H200, 2026-11-29: bf16 9.44 MB an expert at 2.57 TB/s, block-FP8 4.72 MB at 1.39):
+FP8 quantizes x and the SwiGLU output in launches of their own (four launches where bf16 has two), and its
+tensor-core tiles pad one row to 16. Here a token's experts are a matrix-vector product each: no
+activation quantization, no padding rows, two launches a layer whatever the weight kind.
+
+Shapes (T tokens, H hidden, E experts, I expert width on this rank, K experts a token, a = t * K + k):
+    x (T, H); router_logits (T, E) (or topk_ids / topk_weights (T, K) given);
+    gate_up (E, 2I, H) rows [gate | up]; down (E, H, I); scales as kernels/fused_moe_fp8.py's:
+    per channel (E, 2I) / (E, H), blocks (E, 2I / 128, ceil(H / 128)) / (E, ceil(H / 128), I / 128)
+    -> out_k (T, K, H) in x's dtype (each token's K weighted expert rows), or their float32 sum (T, H).
+
+1. gate_up: grid (T * K, ceil(I / BLOCK_N)). Program (a, j) routes token a // K itself where the logits are
+   given (softmax top-k of its E logits, kernels/moe_routing.py _top_k_of_row; tile 0 stores slot a's id and
+   weight for down), then streams rows [j * BLOCK_N, +BLOCK_N) of its expert's gate and up over all of H in
+   BLOCK_K steps: codes widened to float32 and multiplied by x (float32, times the step's 128 x 128 block
+   scale when blocked) into a (BLOCK_N, BLOCK_K) float32 accumulator, reduced over K once at the end; per
+   channel the row scales multiply the sums. SiLU(gate) * up in float32, rounded once: act (T * K, I).
+2. down: grid (T * K, ceil(H / BLOCK_N)): rows of expert e's down over all of I against act[a], the scales
+   likewise, times the routing weight in float32, rounded once: out_k[a].
+
+Blocked scales need a tile's rows in one scale block: BLOCK_N divides 128 and I % 128 == 0
+(``gemv_supported``). Tokens that share an expert read its rows once each (from L2 for all but the
+first); the load-time choice (kernels/moe_gemv_choice.py) keeps this path only at the token counts
+where it times faster than the grouped path. Nothing waits on the host: decode graphs capture it.
+
+Numerics (``moe_gemv_ref``): gate and up in float32 from x and the dequantized weights, SiLU times up
+in float32 rounded to x's dtype, down in float32 times the routing weight, rounded to x's dtype per
+(token, expert); the K rows summed in float32 by the consumer. FP8 experts are W8A16 (as
+kernels/moe_decode.py): a batch of <= 8 rounds differently from the W8A8 grouped path by about an E4M3
+step of the activations.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels._triton import jit, pdl_options, pdl_prologue, tl, triton
+from kernels.fp8 import FP8_DTYPE
+from kernels.fp8_block import BLOCK as SCALE_BLOCK
+from kernels.moe_decode import _dequantized  # (one expert's weight in float32: codes times scales)
+from kernels.moe_routing import _top_k_of_row
+
+MAX_TOKENS = 8  # the token counts the load-time choice times (1, 2, 4, 8); more take the grouped path
+NO_SCALES, ROW_SCALES, BLOCK_SCALES = 0, 1, 2
+
+# On a gate_up expert tensor: {tokens: (gate_up tiles, down tiles)} for the token counts at which the load-time
+# choice found this path faster (kernels/moe_gemv_choice.py); absent or a count missing: the grouped path.
+GEMV_ATTR = "_moe_gemv_tiles"
+
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) a GEMV program streams: the load-time choice times these (each
+# GEMM apart, per token count). What bounds a one-token GEMV is the bytes each thread has in flight: a step's
+# BLOCK_N x BLOCK_K weight tile (two in gate_up) over 32 x warps threads, every 128-column piece's loads issued
+# before its FMAs (the loop itself is not software-pipelined: no dot, no shared-memory stages). (16, 512, 4):
+# gate_up 128 bytes a thread a step in FP8 (8 x 16-byte loads), 2 x 16 float32 accumulators; Qwen3-30B-A3B at
+# one token: gate_up 8 x 48 programs at BLOCK_N 16, down 8 x 128. BLOCK_N divides 128 (blocked scales).
+GEMV_TILES = ((16, 512, 4, 2), (16, 256, 4, 2), (8, 512, 2, 2), (8, 1024, 4, 2), (16, 1024, 8, 2), (32, 256, 4, 2),
+              (32, 512, 8, 2), (64, 256, 8, 2))
+DEFAULT_TILES = ((16, 512, 4, 2), (16, 256, 4, 2))
+assert all(t in GEMV_TILES for t in DEFAULT_TILES)
+
+
+def scale_kind(gate_up: torch.Tensor, gate_up_scale: torch.Tensor | None) -> int:
+    """NO_SCALES (model-dtype experts), ROW_SCALES (FP8 per channel) or BLOCK_SCALES (FP8 128 x 128)."""
+    if gate_up_scale is None:
+        return NO_SCALES
+    assert gate_up.dtype == FP8_DTYPE, f"scaled GEMV experts are {FP8_DTYPE}, got {gate_up.dtype}"
+    return ROW_SCALES if gate_up_scale.dim() == 2 else BLOCK_SCALES
+
+
+def gemv_supported(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.Tensor | None,
+                   tiles: tuple = DEFAULT_TILES) -> bool:
+    """1..MAX_TOKENS tokens, gated experts in x's dtype or FP8, and blocked scales whose 128-row blocks the
+    tiles do not straddle."""
+    if not 1 <= x.shape[0] <= MAX_TOKENS:
+        return False
+    if gate_up_scale is None:
+        return gate_up.dtype == x.dtype
+    if gate_up.dtype != FP8_DTYPE:
+        return False
+    inter = gate_up.shape[1] // 2
+    return gate_up_scale.dim() == 2 or (inter % SCALE_BLOCK == 0 and all(SCALE_BLOCK % t[0] == 0 for t in tiles))
+
+
+# ---- reference -------------------------------------------------------------------------------
+
+def moe_gemv_ref(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
+                 topk_ids: torch.Tensor, gate_up_scale: torch.Tensor | None = None,
+                 down_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The module docstring's numerics, one (token, expert) at a time: out_k (T, K, H) in x's dtype."""
+    num_tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    inter = gate_up.shape[1] // 2
+    out = x.new_empty(num_tokens, top_k, hidden)
+    for t in range(num_tokens):
+        for k in range(top_k):
+            e = int(topk_ids[t, k])
+            h = x[t].float() @ _dequantized(gate_up[e], None if gate_up_scale is None else gate_up_scale[e]).T
+            act = (F.silu(h[:inter]) * h[inter:]).to(x.dtype)
+            y = act.float() @ _dequantized(down[e], None if down_scale is None else down_scale[e]).T
+            out[t, k] = (y * float(topk_weights[t, k])).to(x.dtype)
+    return out
+
+
+# ---- Triton ----------------------------------------------------------------------------------
+
+@jit
+def _stream_rows(acc, acc_2, x_ptr, w_rows, w_rows_2, rows_ok, s_row, s_row_2, K, TWO: tl.constexpr,
+                 BLOCK_SCALED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr):
+    """(acc, acc_2) (BLOCK_N, SUB_K) float32 plus the products of weight rows ``w_rows`` (pointers (BLOCK_N, 1);
+    and ``w_rows_2`` into acc_2 when TWO: gate and up in one pass) with the vector at x_ptr over all K columns,
+    BLOCK_K columns a step in SUB_K-column pieces (unrolled: every piece's loads in flight at once). When
+    BLOCK_SCALED (SUB_K divides 128) each piece's x is scaled by its 128-column block's scale at s_row / s_row_2
+    (the tiles' scale rows), one scalar load a piece. x is loaded as a (BLOCK_N, SUB_K) broadcast in the weight
+    tile's layout: repeated addresses hit L1, and no layout conversion goes through shared memory."""
+    zero_rows = tl.zeros([BLOCK_N, 1], dtype=tl.int32)
+    for k0 in range(0, K, BLOCK_K):
+        for j in tl.static_range(BLOCK_K // SUB_K):
+            k = k0 + j * SUB_K + tl.arange(0, SUB_K)
+            k_ok = (zero_rows + k[None, :]) < K
+            w = tl.load(w_rows + k[None, :], mask=rows_ok[:, None] & k_ok, other=0.0).to(tl.float32)
+            if TWO:
+                w_2 = tl.load(w_rows_2 + k[None, :], mask=rows_ok[:, None] & k_ok, other=0.0).to(tl.float32)
+            xk = tl.load(x_ptr + zero_rows + k[None, :], mask=k_ok, other=0.0).to(tl.float32)
+            if BLOCK_SCALED:
+                piece_ok = k0 + j * SUB_K < K
+                acc += w * (xk * tl.load(s_row + (k0 + j * SUB_K) // 128, mask=piece_ok, other=0.0))
+                if TWO:
+                    acc_2 += w_2 * (xk * tl.load(s_row_2 + (k0 + j * SUB_K) // 128, mask=piece_ok, other=0.0))
+            else:
+                acc += w * xk
+                if TWO:
+                    acc_2 += w_2 * xk
+    return acc, acc_2
+
+
+@jit
+def _gemv_gate_up_kernel(
+    x_ptr, logits_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, act_ptr, num_experts, H, I,
+    stride_x, stride_l, stride_we, stride_wn, stride_se, stride_sn, stride_act,
+    TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, ROUTE_IN_KERNEL: tl.constexpr,
+    RENORMALIZE: tl.constexpr, SCALES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """act[a, rows] = SiLU(gate_e . x[t]) * (up_e . x[t]) for assignment a = program_id(0) (token t = a // TOP_K,
+    expert e its slot's) and the BLOCK_N rows of tile program_id(1) (module docstring, step 1)."""
+    pdl_prologue(PDL)
+    a = tl.program_id(0)
+    tile = tl.program_id(1)
+    token = a // TOP_K
+    if ROUTE_IN_KERNEL:
+        chosen_w, chosen_id = _top_k_of_row(logits_ptr + token.to(tl.int64) * stride_l, num_experts, TOP_K, K_PAD,
+                                            E_PAD, RENORMALIZE)
+        is_slot = tl.arange(0, K_PAD) == a % TOP_K
+        expert = tl.sum(tl.where(is_slot, chosen_id, 0), 0)
+        if tile == 0:  # for the down launch
+            tl.store(ids_ptr + a, expert)
+            tl.store(weights_ptr + a, tl.sum(tl.where(is_slot, chosen_w, 0.0), 0))
+    else:
+        expert = tl.load(ids_ptr + a)
+    e64 = expert.to(tl.int64)
+    rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_ok = rows < I
+    gate_rows = w_ptr + e64 * stride_we + rows.to(tl.int64)[:, None] * stride_wn
+    x_row = x_ptr + token.to(tl.int64) * stride_x
+    # the tile's scale rows (blocked: BLOCK_N divides 128 and I % 128 == 0, so gate's and up's rows each lie in one)
+    s_gate = s_ptr + e64 * stride_se + ((tile * BLOCK_N) // 128) * stride_sn
+    s_up = s_ptr + e64 * stride_se + ((tile * BLOCK_N + I) // 128) * stride_sn
+    acc = tl.zeros([BLOCK_N, SUB_K], dtype=tl.float32)
+    acc, acc_up = _stream_rows(acc, acc, x_row, gate_rows, gate_rows + I * stride_wn, rows_ok, s_gate, s_up, H, True,
+                               SCALES == 2, BLOCK_N, BLOCK_K, SUB_K)
+    gate = tl.sum(acc, 1)
+    up = tl.sum(acc_up, 1)
+    if SCALES == 1:
+        gate *= tl.load(s_ptr + e64 * stride_se + rows, mask=rows_ok, other=0.0)
+        up *= tl.load(s_ptr + e64 * stride_se + I + rows, mask=rows_ok, other=0.0)
+    act = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(act_ptr + a.to(tl.int64) * stride_act + rows, act.to(act_ptr.dtype.element_ty), mask=rows_ok)
+
+
+@jit
+def _gemv_down_kernel(
+    act_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, out_ptr, H, I,
+    stride_act, stride_we, stride_wn, stride_se, stride_sn, stride_o,
+    SCALES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, PDL: tl.constexpr,
+):
+    """out_k[a, rows] = w_a * (down_e[rows] . act[a]) for assignment a = program_id(0) and the BLOCK_N rows of
+    tile program_id(1) (module docstring, step 2)."""
+    pdl_prologue(PDL)
+    a = tl.program_id(0)
+    tile = tl.program_id(1)
+    e64 = tl.load(ids_ptr + a).to(tl.int64)
+    rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_ok = rows < H
+    w_rows = w_ptr + e64 * stride_we + rows.to(tl.int64)[:, None] * stride_wn
+    s_rows = s_ptr + e64 * stride_se + ((tile * BLOCK_N) // 128) * stride_sn
+    acc = tl.zeros([BLOCK_N, SUB_K], dtype=tl.float32)
+    acc, _ = _stream_rows(acc, acc, act_ptr + a.to(tl.int64) * stride_act, w_rows, w_rows, rows_ok, s_rows, s_rows, I,
+                          False, SCALES == 2, BLOCK_N, BLOCK_K, SUB_K)
+    y = tl.sum(acc, 1)
+    if SCALES == 1:
+        y *= tl.load(s_ptr + e64 * stride_se + rows, mask=rows_ok, other=0.0)
+    y *= tl.load(weights_ptr + a)
+    tl.store(out_ptr + a.to(tl.int64) * stride_o + rows, y.to(out_ptr.dtype.element_ty), mask=rows_ok)
+
+
+def moe_gemv_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, *, top_k: int,
+                    router_logits: torch.Tensor | None = None, renormalize: bool = False,
+                    topk_weights: torch.Tensor | None = None, topk_ids: torch.Tensor | None = None,
+                    gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
+                    tiles: tuple | None = None, sum_experts: bool = True) -> torch.Tensor:
+    """The two launches: out_k (T, K, H), or summed over K in float32 (T, H) with ``sum_experts``. Routing from
+    ``router_logits`` (T, E) inside gate_up's launch, or ``topk_weights`` / ``topk_ids`` (T, K) given.
+    ``tiles``: (gate_up's, down's) (BLOCK_N, BLOCK_K, num_warps, num_stages), else DEFAULT_TILES."""
+    num_tokens, hidden = x.shape
+    num_experts, two_inter, _ = gate_up.shape
+    inter = two_inter // 2
+    kind = scale_kind(gate_up, gate_up_scale)
+    tiles = tiles or DEFAULT_TILES
+    assert gemv_supported(x, gate_up, gate_up_scale, tiles) and x.stride(1) == 1
+    assert gate_up.is_contiguous() and down.is_contiguous() and down.shape == (num_experts, hidden, inter)
+    route = router_logits is not None
+    if route:
+        assert router_logits.shape == (num_tokens, num_experts) and router_logits.stride(1) == 1
+        ids = torch.empty(num_tokens * top_k, dtype=torch.int32, device=x.device)
+        weights = torch.empty(num_tokens * top_k, dtype=torch.float32, device=x.device)
+    else:
+        ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
+        weights = topk_weights.reshape(-1).float().contiguous()
+    gu_s, d_s = (gate_up_scale, down_scale) if kind else (weights, weights)  # (unread without scales)
+    gu_s3 = gu_s[..., None] if kind == ROW_SCALES else gu_s  # (per channel: the row index is added in the kernel)
+    d_s3 = d_s[..., None] if kind == ROW_SCALES else d_s
+    act = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
+    (gn, gk, gw, gs), (dn, dk, dw, ds) = tiles
+    pdl = pdl_options(x)
+    _gemv_gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, gn))](
+        x, router_logits if route else x, ids, weights, gate_up, gu_s, act, num_experts, hidden, inter,
+        x.stride(0), router_logits.stride(0) if route else 0, gate_up.stride(0), gate_up.stride(1),
+        gu_s3.stride(0) if kind else 0, gu_s3.stride(1) if kind else 0, act.stride(0),
+        TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(num_experts),
+        ROUTE_IN_KERNEL=route, RENORMALIZE=renormalize, SCALES=kind, BLOCK_N=gn, BLOCK_K=gk, SUB_K=min(gk, 128),
+        num_warps=gw, num_stages=gs, **pdl)
+    out_k = torch.empty(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)
+    _gemv_down_kernel[(num_tokens * top_k, triton.cdiv(hidden, dn))](
+        act, ids, weights, down, d_s, out_k, hidden, inter, act.stride(0), down.stride(0), down.stride(1),
+        d_s3.stride(0) if kind else 0, d_s3.stride(1) if kind else 0, out_k.stride(0),
+        SCALES=kind, BLOCK_N=dn, BLOCK_K=dk, SUB_K=min(dk, 128), num_warps=dw, num_stages=ds, **pdl)
+    out_k = out_k.view(num_tokens, top_k, hidden)
+    return out_k.float().sum(dim=1).to(x.dtype) if sum_experts else out_k
+
+
+def gemv_tiles(gate_up: torch.Tensor, num_tokens: int) -> tuple | None:
+    """The tiles the load-time choice marked on ``gate_up`` for this many tokens, or None (the grouped path)."""
+    marks = getattr(gate_up, GEMV_ATTR, None)
+    return None if marks is None else marks.get(num_tokens)
+
+
+def mark_gemv(gate_up: torch.Tensor, chosen: dict[int, tuple]) -> None:
+    """gate_up's forwards of T tokens take this path with chosen[T]'s tiles; a count between two timed ones
+    (3, 5-7) follows the next larger timed count."""
+    marks = {}
+    timed = sorted(chosen)
+    for tokens in range(1, MAX_TOKENS + 1):
+        above = [t for t in timed if t >= tokens]
+        if above and chosen[above[0]] is not None:
+            marks[tokens] = chosen[above[0]]
+    setattr(gate_up, GEMV_ATTR, marks)

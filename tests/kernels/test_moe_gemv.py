@@ -1,0 +1,185 @@
+"""kernels/moe_gemv.py's GEMV launches for decode-sized routed experts: the kernels against their reference at
+1, 2, 4 and 8 tokens in the model dtype, FP8 per channel and FP8 128 x 128 blocks, routed in the kernel or
+given (GPU, or Triton's CPU interpreter with TRITON_INTERPRET=1); the reference against the grouped path's
+references (the model dtype: the same products; FP8: the grouped path's W8A8 within an E4M3 step); the marks
+and the dispatch; the load-time choice (CUDA only); an sm_90 compile (TRITONLLM_AOT_SM90=1).
+
+Tolerances (||kernel - reference|| / ||reference||): the same float32 products in another order, the
+activation and each expert's row rounded to the model dtype in both; 1e-5 in float32 (the interpreter), 1e-2
+in bf16."""
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from kernel_testing import relative_error
+from test_moe_decode import distinct_logits, randn
+from test_moe_decode import experts as moe_decode_experts
+
+from kernels.fused_moe import fused_moe_ref, route_tokens_ref
+from kernels.fused_moe_fp8 import fused_moe_fp8_ref
+from kernels.moe_decode_tiles import choose_decode_tiles
+from kernels.moe_gemv import (BLOCK_SCALES, GEMV_ATTR, GEMV_TILES, MAX_TOKENS, NO_SCALES, ROW_SCALES, gemv_supported,
+                              gemv_tiles, mark_gemv, moe_gemv_ref, moe_gemv_triton)
+
+HIDDEN, INTER, EXPERTS, TOP_K = 256, 128, 8, 2
+TILES = ((64, 128, 8, 2), (64, 128, 8, 2))  # few programs: the interpreter's time
+TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+def experts(kind: str, *, seed: int):
+    """(gate_up, gate_up_scale, down, down_scale) of this file's shape on the CPU (test_moe_decode's)."""
+    return moe_decode_experts(kind, HIDDEN, INTER, EXPERTS, seed=seed)
+
+
+@pytest.mark.parametrize("kind", ["model", "fp8_channel", "fp8_block"])
+def test_reference_against_the_grouped_references(kind):
+    """8 tokens: model dtype equals fused_moe_ref (the same float32 products); FP8 lies within an E4M3 step of
+    the grouped path's W8A8 reference (fused_moe_fp8_ref quantizes x and the SwiGLU output, this does not)."""
+    gate_up, gu_s, down, d_s = experts(kind, seed=1)
+    x = randn(MAX_TOKENS, HIDDEN, seed=2)
+    weights, ids = route_tokens_ref(distinct_logits(MAX_TOKENS, EXPERTS, seed=3), TOP_K, True)
+    out = moe_gemv_ref(x, gate_up, down, weights, ids, gu_s, d_s).sum(dim=1)
+    if kind == "model":
+        assert relative_error(out, fused_moe_ref(x, gate_up, down, weights, ids)) < 1e-5
+    else:
+        assert relative_error(out, fused_moe_fp8_ref(x, gate_up, gu_s, down, d_s, weights, ids)) < 0.06
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 2, 4, MAX_TOKENS])
+@pytest.mark.parametrize("kind", ["model", "fp8_channel", "fp8_block"])
+def test_kernel_equals_reference(device, num_tokens, kind):
+    """Routed in the gate_up launch (the ids / weights it stores are the reference routing's), unsummed rows."""
+    if kind != "fp8_block" and num_tokens in (2, 4) and device != "cuda":
+        pytest.skip("in the interpreter, block FP8 alone at 2 and 4 tokens (its time)")
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    gate_up, gu_s, down, d_s = experts(kind, seed=10)
+    if kind == "model":
+        gate_up, down = gate_up.to(dtype), down.to(dtype)
+    x = randn(num_tokens, HIDDEN, seed=11).to(dtype)
+    logits = distinct_logits(num_tokens, EXPERTS, seed=12).to(dtype)
+    weights, ids = route_tokens_ref(logits, TOP_K, True)
+    ref = moe_gemv_ref(x, gate_up, down, weights, ids, gu_s, d_s)
+    on = [t.to(device) if t is not None else None for t in (x, logits, gate_up, gu_s, down, d_s)]
+    out = moe_gemv_triton(on[0], on[2], on[4], top_k=TOP_K, router_logits=on[1], renormalize=True,
+                          gate_up_scale=on[3], down_scale=on[5], tiles=TILES, sum_experts=False)
+    assert out.shape == (num_tokens, TOP_K, HIDDEN)
+    assert relative_error(out, ref) < TOLERANCES[dtype]
+
+
+@pytest.mark.gpu
+def test_given_routing_other_tiles_and_the_sum(device):
+    """Routing given (no logits), the candidates' other tiles (a narrow one and a wide K step), summed rows."""
+    gate_up, gu_s, down, d_s = experts("fp8_block", seed=20)
+    x = randn(3, HIDDEN, seed=21)
+    weights, ids = route_tokens_ref(distinct_logits(3, EXPERTS, seed=22), TOP_K, False)
+    ref = moe_gemv_ref(x, gate_up, down, weights, ids, gu_s, d_s).sum(dim=1)
+    on = [t.to(device) for t in (x, gate_up, gu_s, down, d_s, weights, ids)]
+    out = moe_gemv_triton(on[0], on[1], on[3], top_k=TOP_K, topk_weights=on[5], topk_ids=on[6], gate_up_scale=on[2],
+                          down_scale=on[4], tiles=((32, 256, 8, 2), (64, 256, 8, 2)))
+    assert out.shape == (3, HIDDEN) and relative_error(out, ref) < TOLERANCES[torch.float32]
+
+
+def test_marks_and_support():
+    """mark_gemv fills the counts between timed ones from the next larger; a losing count stays unmarked;
+    blocked scales need I % 128 == 0; more than MAX_TOKENS tokens are never taken."""
+    gate_up, gu_s, _, _ = experts("fp8_block", seed=30)
+    pair = (GEMV_TILES[0], GEMV_TILES[1])
+    mark_gemv(gate_up, {1: pair, 2: None, 4: pair, 8: None})
+    assert [gemv_tiles(gate_up, t) for t in range(1, 10)] == [pair, None, pair, pair, None, None, None, None, None]
+    x = torch.zeros(1, HIDDEN)
+    assert gemv_supported(x, gate_up, gu_s) and not gemv_supported(torch.zeros(MAX_TOKENS + 1, HIDDEN), gate_up, gu_s)
+    odd = torch.zeros(EXPERTS, 2 * 96, HIDDEN, dtype=gate_up.dtype)
+    assert not gemv_supported(x, odd, torch.ones(EXPERTS, 2, 2))
+    assert gemv_supported(x, odd, torch.ones(EXPERTS, 2 * 96))  # (per channel: any width)
+    assert not gemv_supported(x, torch.zeros(EXPERTS, 2 * INTER, HIDDEN, dtype=torch.bfloat16), None)  # x float32
+
+
+def test_choice_is_cuda_only():
+    """CPU experts (and the interpreter) time nothing and get no mark."""
+    gate_up, gu_s, down, d_s = experts("fp8_block", seed=40)
+    assert choose_decode_tiles([(gate_up, down, TOP_K, gu_s, d_s, torch.bfloat16)]) == {}
+    assert getattr(gate_up, GEMV_ATTR, None) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the entries dispatch to Triton on CUDA tensors only")
+@pytest.mark.parametrize("kind", ["model", "fp8_channel", "fp8_block"])
+def test_the_choice_marks_and_the_entries_dispatch(kind, monkeypatch, tmp_path):
+    """choose_decode_tiles on a layer listed with its scales times both paths at 1, 2, 4, 8 tokens and marks
+    what won; moe_forward / moe_forward_fp8 then give this path's result at the marked counts (a mark forced
+    at every count here), replayed from a CUDA graph."""
+    from kernels import choice_cache
+    from kernels.fused_moe import moe_forward
+    from kernels.fused_moe_fp8 import moe_forward_fp8
+
+    monkeypatch.setenv(choice_cache.CACHE_ENV, str(tmp_path))
+    gate_up, gu_s, down, d_s = [t.cuda() if t is not None else None for t in experts(kind, seed=50)]
+    if kind == "model":
+        gate_up, down = gate_up.bfloat16(), down.bfloat16()
+    reports = choose_decode_tiles([(gate_up, down, TOP_K, gu_s, d_s, torch.bfloat16)])
+    (report,) = [r for key, r in reports.items() if key[0] == "gemv"]
+    assert set(report["tiles"]) == {1, 2, 4, 8}
+    for tokens, tiles in report["tiles"].items():
+        assert (gemv_tiles(gate_up, tokens) == tiles) if tiles else gemv_tiles(gate_up, tokens) is None
+    mark_gemv(gate_up, {t: ((16, 128, 4, 2), (32, 256, 8, 2)) for t in (1, 2, 4, 8)})
+    for num_tokens in (1, 5):
+        x = randn(num_tokens, HIDDEN, seed=51).to("cuda", torch.bfloat16)
+        logits = distinct_logits(num_tokens, EXPERTS, seed=52).to("cuda", torch.bfloat16)
+        weights, ids = route_tokens_ref(logits, TOP_K, True)
+        ref = moe_gemv_ref(x, gate_up, down, weights, ids, gu_s, d_s)
+        run = ((lambda: moe_forward(x, logits, gate_up, down, TOP_K, True, sum_experts=False)) if kind == "model" else
+               (lambda: moe_forward_fp8(x, logits, gate_up, gu_s, down, d_s, TOP_K, True, sum_experts=False)))
+        assert relative_error(run(), ref) < TOLERANCES[torch.bfloat16]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = run()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert out.shape == (num_tokens, TOP_K, HIDDEN) and relative_error(out, ref) < TOLERANCES[torch.bfloat16]
+
+
+# ---- ahead of time for sm_90 on the CPU (TRITONLLM_AOT_SM90=1) ---------------------------------
+
+AOT = pytest.mark.skipif(os.environ.get("TRITONLLM_AOT_SM90") != "1",
+                         reason="set TRITONLLM_AOT_SM90=1 to compile for sm_90 on this machine (~5 s a kernel)")
+
+
+@AOT
+@pytest.mark.parametrize("kind", [NO_SCALES, ROW_SCALES, BLOCK_SCALES])
+@pytest.mark.parametrize("which", ["gate_up", "down"])
+@pytest.mark.parametrize("tiles", GEMV_TILES)
+def test_compiles_for_sm90_without_spills(kind, which, tiles, tmp_path):
+    """Triton's compiler and ptxas (no GPU) on the Qwen3-30B-A3B shape's kernels for every candidate: no local
+    memory (spills)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kernels.moe_gemv import _gemv_down_kernel, _gemv_gate_up_kernel
+
+    fn = _gemv_gate_up_kernel if which == "gate_up" else _gemv_down_kernel
+    block_n, block_k, warps, stages = tiles
+    w = "*bf16" if kind == NO_SCALES else "*fp8e4nv"
+    pointers = dict(x_ptr="*bf16", logits_ptr="*bf16", ids_ptr="*i32", weights_ptr="*fp32", w_ptr=w, s_ptr="*fp32",
+                    act_ptr="*bf16", out_ptr="*bf16")
+    const = dict(TOP_K=8, K_PAD=8, E_PAD=128, ROUTE_IN_KERNEL=True, RENORMALIZE=True, SCALES=kind, BLOCK_N=block_n,
+                 BLOCK_K=block_k, SUB_K=min(block_k, 128), PDL=True)
+    names = fn.arg_names
+    const = {n: v for n, v in const.items() if n in names}
+    signature = {n: pointers.get(n, "constexpr" if n in const else "i32") for n in names}
+    aligned = [n for n in names if n in pointers or n in ("H", "I", "stride_x", "stride_l", "stride_we", "stride_wn",
+                                                          "stride_act", "stride_o", "stride_se")]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=const, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if cuobjdump.exists():
+        cubin = Path(tmp_path) / "kernel.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        usage = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True).stdout
+        assert "LOCAL:0 " in usage and int(usage.split("STACK:")[1].split()[0]) <= 8, usage
