@@ -56,31 +56,23 @@ from torch import nn
 from engine.config import ConfigError, ModelConfig
 from engine.models.layers import Linear, Norm, RowParallelLinear, VocabParallelEmbedding, tp_all_reduce, \
     vocab_parallel_logits
-from kernels._triton import hopper_or_later, use_triton
+from kernels._triton import use_triton
 from kernels.attention_metadata import AttentionMetadata
 from kernels.fp8 import FP8_DTYPE
 from kernels.fp8_block import blocks, dequantize_blocks
 from kernels.fused_moe import fused_moe, moe_forward
 from kernels.fused_moe_fp8 import fused_moe_fp8, moe_forward_fp8
 from kernels.head_matmul import head_matmul
-from kernels.l2_prefetch import (BLOCK as PREFETCH_BLOCK, begin_prefetch_step, join_prefetch, prefetch_beside,
-                                 prefetch_regions)
 from kernels.mla_attention import mla_attention_values
 from kernels.mla_expanded import expanded_min_tokens, mla_expanded_prefill, split_long
 from kernels.mla_latent_write import latent_rope_write, latent_rope_write_absorb
 from kernels.moe_grouped_routing import route_grouped
 from kernels.moe_router import MAX_TOKENS as ROUTER_MAX_TOKENS, norm_fuses, route_decode, route_decode_normed
-from kernels.rms_norm_linear import TILINGS as INPUT_NORM_TILINGS, fuses as rms_norm_linear_fuses, rms_norm_linear
 from kernels.rmsnorm import rms_norm
 from kernels.rotary import build_cos_sin_cache
 
 
 EXPANDED_TOKENS_ENV = "TRITONLLM_MLA_EXPANDED_TOKENS"
-# The "prefetch" decode fusion's settings (set_decode_fusion): which weights each layer requests into L2
-# while its attention kernels run: o_proj and the router's (every one), the shared experts' gate_up, and
-# their down, or the next layer's stacked first product, read after the experts (V2-Lite, bf16: 8.4 + 0.5,
-# 23, 11.5, 14.9 MB a layer; the H200's L2 is 50 MB).
-PREFETCH_SETTINGS = ("o_proj", "o_proj+shared_gate_up", "o_proj+shared", "o_proj+next_qkv")
 
 
 def _parameter(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
@@ -161,13 +153,6 @@ class MlaAttention(nn.Module):
         self.qkv_a_proj: Linear | None = None
         self.q_rows = 0
         self.w_uv: torch.Tensor | None = None  # (H, V, R), applied to the attention's latent output
-        # A kernels/linear.py tiling: the layer's input norm runs inside qkv_a_proj's product at one row
-        # (kernels/rms_norm_linear.py); None: apart. Set by the load-time choice
-        # (DeepseekForCausalLM.set_decode_fusion).
-        self.input_norm_tiling: tuple | None = None
-        # Byte views of weights read after this layer's attention kernels (PREFETCH_SETTINGS), requested into
-        # L2 beside them at decode (kernels/l2_prefetch.py), with the launch's sink; None: not. Set by the load-time choice (DeepseekForCausalLM.set_decode_fusion "prefetch").
-        self.prefetch: tuple[list[torch.Tensor], torch.Tensor] | None = None
 
     def init_buffers(self) -> None:
         """kv_b_proj's two halves per head, in the model dtype (dequantized once when FP8)."""
@@ -206,30 +191,15 @@ class MlaAttention(nn.Module):
             del self.q_proj
         self.qkv_a_proj = merged
 
-    def takes_input_norm(self, x: torch.Tensor) -> bool:
-        """The layer's input norm runs in the first product's launch for these rows (input_norm_tiling)."""
-        return (self.input_norm_tiling is not None and self.qkv_a_proj is not None
-                and rms_norm_linear_fuses(x, self.qkv_a_proj.weight))
-
-    def normed_first_product(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-                             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """(qkv_a_proj(rms_norm(x + residual)), the new residual) in one launch (takes_input_norm)."""
-        return rms_norm_linear(x, residual, norm_weight, eps, self.qkv_a_proj.weight, self.input_norm_tiling)
-
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, first: torch.Tensor | None = None) -> torch.Tensor:
-        """x (T, hidden) normed -> this rank's attention output (T, hidden), all-reduced. first: the stacked
-        first product qkv_a_proj(x), already made (normed_first_product; x is then not read)."""
-        if first is not None:
-            q, kv = first.split([self.q_rows, self.rank + self.rope], dim=-1)
-        elif self.qkv_a_proj is not None:
+                meta: AttentionMetadata) -> torch.Tensor:
+        """x (T, hidden) normed -> this rank's attention output (T, hidden), all-reduced."""
+        if self.qkv_a_proj is not None:
             q, kv = self.qkv_a_proj(x).split([self.q_rows, self.rank + self.rope], dim=-1)
         else:
             q, kv = (self.q_a_proj(x) if hasattr(self, "q_a_proj") else self.q_proj(x)), self.kv_a_proj(x)
         if hasattr(self, "q_b_proj"):
             q = self.q_b_proj(rms_norm(q, self.q_a_norm.weight, self.eps)[0])
-        if self.prefetch is not None and meta.is_decode_only:  # HBM idles through the attention kernels
-            prefetch_beside(*self.prefetch)
         q = q.view(-1, self.num_heads, self.nope + self.rope)
         q_nope, q_rope = q[..., :self.nope], q[..., self.nope:]  # strided views (no copies)
         cache = kv_cache[self.layer_index, 0, :, :, 0]  # (num_blocks, tokens_per_block, R + P)
@@ -460,12 +430,8 @@ class DeepseekLayer(nn.Module):
     def forward(self, x, residual, positions, cos_sin_cache, kv_cache, meta, padding=None):
         """(x, residual) -> (this block's output, the residual stream before it): the next norm adds them.
         padding: graph_padding_rows(meta)."""
-        if self.attn.takes_input_norm(x):  # the norm in the first product's launch
-            first, residual = self.attn.normed_first_product(x, residual, self.input_norm.weight, self.eps)
-            h = self.attn(None, positions, cos_sin_cache, kv_cache, meta, first=first)
-        else:
-            h, residual = rms_norm(x, self.input_norm.weight, self.eps, residual)
-            h = self.attn(h, positions, cos_sin_cache, kv_cache, meta)
+        h, residual = rms_norm(x, self.input_norm.weight, self.eps, residual)
+        h = self.attn(h, positions, cos_sin_cache, kv_cache, meta)
         if hasattr(self, "moe") and self.moe.takes_norm(h):  # the norm in the router's launch
             return self.moe.forward_normed(h, residual, self.post_attn_norm.weight, self.eps, padding)
         h, residual = rms_norm(h, self.post_attn_norm.weight, self.eps, residual)
@@ -563,7 +529,7 @@ class DeepseekForCausalLM(nn.Module):
         absorbed kv_b_proj halves; once, after loading."""
         c = self.config
         self.cos_sin_cache = build_cos_sin_cache(self.max_positions, c.head_dim, c.rope_theta, c.rope_scaling, device)
-        for layer in self._all_layers():
+        for layer in [*self.layers, *([self.mtp.layer] if hasattr(self, "mtp") else [])]:
             layer.attn.init_buffers()
             if hasattr(layer, "moe"):
                 layer.moe.init_buffers()
@@ -574,8 +540,6 @@ class DeepseekForCausalLM(nn.Module):
         if self.cos_sin_cache is None or self.cos_sin_cache.device != input_ids.device:
             self.init_buffers(input_ids.device)
         x, residual = self.embed_tokens(input_ids), None
-        if x.is_cuda:
-            begin_prefetch_step(x.device)
         padding = graph_padding_rows(attn_meta)
         # The token map once for the layers' attention launches, not once a layer; all-decode steps need
         # none (the MLA kernel's DECODE form: token t is sequence t).
@@ -583,8 +547,6 @@ class DeepseekForCausalLM(nn.Module):
             attn_meta = dataclasses.replace(attn_meta, token_seq=attn_meta.token_sequences(input_ids.shape[0]))
         for layer in self.layers:
             x, residual = layer(x, residual, positions, self.cos_sin_cache, kv_cache, attn_meta, padding)
-        if x.is_cuda:
-            join_prefetch(x.device)  # the layers' L2 prefetches, a branch of a captured step
         return rms_norm(x, self.norm.weight, self.config.norm_eps, residual)[0]
 
     def decode_experts(self) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
@@ -593,7 +555,7 @@ class DeepseekForCausalLM(nn.Module):
         runner's load-time tile choice of those GEMMs (kernels/moe_decode_tiles.py) times and marks them.
         The MTP module's layer (decoding_mode mtp's drafts) is listed too."""
         found = []
-        for layer in self._all_layers():
+        for layer in [*self.layers, *([self.mtp.layer] if hasattr(self, "mtp") else [])]:
             moe = getattr(layer, "moe", None)
             if moe is None or moe.ep_size > 1 or moe.gate_up_proj.dtype == FP8_DTYPE:
                 continue
@@ -602,51 +564,6 @@ class DeepseekForCausalLM(nn.Module):
             else:
                 found.append((moe.gate_up_proj, moe.down_proj, moe.top_k))
         return found
-
-    def _all_layers(self) -> list[DeepseekLayer]:
-        return [*self.layers, *([self.mtp.layer] if hasattr(self, "mtp") else [])]
-
-    def decode_fusion_candidates(self) -> dict[str, list]:
-        """{fusion: its settings, None (off) first} for the runner's load-time choice by timing a batch-1
-        decode graph each way (engine/executor/decode_fusions.py). "input_norm": each layer's input
-        rms_norm inside its stacked first product (kernels/rms_norm_linear.py), at one of its tilings;
-        "prefetch": weights requested into L2 beside the attention kernels (PREFETCH_SETTINGS)."""
-        attn = [layer.attn for layer in self._all_layers()]
-        # (one rank only: ranks timing apart could choose apart, and the replicated latent path would then
-        # differ between them by the fused norm's rounding)
-        half = (torch.bfloat16, torch.float16)
-        if self.tp_group is not None or not attn or any(a.qkv_a_proj is None or a.qkv_a_proj.weight.dtype not in half
-                                                        for a in attn):
-            return {}
-        offered = {"input_norm": [None, *INPUT_NORM_TILINGS]}
-        if hopper_or_later(self.norm.weight):  # (prefetch.global.L2::evict_last; timed where it matters)
-            offered["prefetch"] = [None, *PREFETCH_SETTINGS]
-        return offered
-
-    def set_decode_fusion(self, name: str, setting) -> None:
-        """One of decode_fusion_candidates()[name] for every layer (the MTP module's too, but for the
-        prefetch: the module runs outside forward, which joins the prefetches' stream)."""
-        assert name in ("input_norm", "prefetch"), name
-        if name == "input_norm":
-            for layer in self._all_layers():
-                layer.attn.input_norm_tiling = tuple(setting) if setting is not None else None
-            return
-        assert setting is None or setting in PREFETCH_SETTINGS, setting
-        device = self.norm.weight.device
-        sink = None if setting is None else torch.empty(PREFETCH_BLOCK, dtype=torch.int32, device=device)
-        extra = set(setting.split("+")[1:]) if setting is not None else set()  # beside o_proj (+ router)
-        for index, layer in enumerate(self.layers):
-            tensors = [layer.attn.o_proj.weight]
-            moe = getattr(layer, "moe", None)
-            if moe is not None:
-                tensors.append(moe.router.weight)
-                if moe.with_shared is not None:  # the shared experts: (S, 2 I, hidden), (S, hidden, I), contiguous
-                    routed = moe.gate_up_proj.shape[0]
-                    tensors += [moe.with_shared[0][routed:]] if extra & {"shared_gate_up", "shared"} else []
-                    tensors += [moe.with_shared[1][routed:]] if "shared" in extra else []
-            if "next_qkv" in extra and index + 1 < len(self.layers):
-                tensors.append(self.layers[index + 1].attn.qkv_a_proj.weight)
-            layer.attn.prefetch = None if setting is None else (prefetch_regions(tensors), sink)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: (n, hidden) rows to score -> float32 logits (n, vocab)."""

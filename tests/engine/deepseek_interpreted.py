@@ -5,9 +5,7 @@ interpreter (TRITON_INTERPRET=1); logits of packed chunks, 8-9-token steps and s
 steps against transformers' (the one-token expert GEMMs in tiles marked as the load-time
 choice marks them). Run by test_deepseek.py in a subprocess (the patch must precede every
 kernel import); prints one "ok <version> <max error> <decode-path expert calls> <of them with the norm in
-the router's launch> <input norms run in the first product's launch> <L2 prefetch launches>" line a version
-(the input norms fused at one of kernels/rms_norm_linear.py's tilings and the decode steps' prefetches on, as
-the load-time choice may set them).
+the router's launch>" line a version.
 """
 import os
 import pathlib
@@ -26,11 +24,9 @@ from test_deepseek import tiny_deepseek  # noqa: E402
 import engine.models.deepseek as deepseek  # noqa: E402
 from engine.executor.runner import ModelRunner  # noqa: E402
 from kernels.moe_decode_tiles import DECODE_TILE_CANDIDATES, mark_decode_tiles  # noqa: E402
-from kernels.rms_norm_linear import TILINGS as INPUT_NORM_TILINGS  # noqa: E402
 
-decode_calls = normed_calls = fused_norms = prefetches = 0
+decode_calls = normed_calls = 0
 _routed, _forward_normed = deepseek.DeepseekExperts._routed, deepseek.DeepseekExperts.forward_normed
-_normed_first_product = deepseek.MlaAttention.normed_first_product
 
 
 def counted(self, x, weights, ids):
@@ -45,22 +41,7 @@ def counted_normed(self, *args, **kwargs):
     return _forward_normed(self, *args, **kwargs)
 
 
-def counted_first_product(self, *args, **kwargs):
-    global fused_norms
-    fused_norms += 1
-    return _normed_first_product(self, *args, **kwargs)
-
-
-def counted_prefetch(regions, sink):
-    global prefetches
-    prefetches += 1
-    return _prefetch_beside(regions, sink)
-
-
-_prefetch_beside = deepseek.prefetch_beside
-deepseek.prefetch_beside = counted_prefetch
 deepseek.DeepseekExperts._routed = counted
-deepseek.MlaAttention.normed_first_product = counted_first_product
 deepseek.DeepseekExperts.forward_normed = counted_normed
 for version in sys.argv[1:] or ["v2", "v3"]:
     hf = tiny_deepseek(version)
@@ -72,12 +53,6 @@ for version in sys.argv[1:] or ["v2", "v3"]:
                            for _, _, top_k in experts)
     for gate_up, _, _ in experts:
         mark_decode_tiles(gate_up, DECODE_TILE_CANDIDATES[1], DECODE_TILE_CANDIDATES[2])
-    # the input norms in the first products' launches (kernels/rms_norm_linear.py), as the load-time choice
-    # sets them on CUDA when faster (it offers bf16/fp16 engines only; these tiny ones are float32)
-    runner.model.set_decode_fusion("input_norm", INPUT_NORM_TILINGS[1])
-    # and the layers' L2 prefetches (here loads: the addresses checked) of o_proj, the router and the shared
-    # experts (v2), or of o_proj, the router and the next layer's first product (v3)
-    runner.model.set_decode_fusion("prefetch", "o_proj+shared" if version == "v2" else "o_proj+next_qkv")
     seqs = {0: random_tokens(19, 3), 1: random_tokens(9, 4)}
     session = PagedSession(runner, num_blocks=32)
     a0, b0 = session.step([(0, seqs[0][:11]), (1, seqs[1][:7])])
@@ -89,4 +64,4 @@ for version in sys.argv[1:] or ["v2", "v3"]:
     for i, token in enumerate(extra):  # single-token steps: one block an expert, no alignment
         (row,) = session.step([(1, [token])])
         worst = max(worst, (row - hf_logits(hf, seqs[1] + extra[:i + 1])[-1:]).abs().max().item())
-    print("ok", version, worst, decode_calls, normed_calls, fused_norms, prefetches, flush=True)
+    print("ok", version, worst, decode_calls, normed_calls, flush=True)

@@ -352,36 +352,7 @@ def test_cuda_path_in_the_interpreter_equals_transformers():
                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     lines = [line.split() for line in run.stdout.splitlines() if line.startswith("ok ")]
     assert [line[1] for line in lines] == ["v2", "v3"], run.stdout + run.stderr[-3000:]
-    assert all(float(line[2]) <= 1e-4 and int(line[3]) >= int(line[4]) > 0 and int(line[5]) > 0
-               and int(line[6]) > 0 for line in lines), lines
-
-
-def test_input_norm_fusion_offered_for_half_engines_only():
-    """The load-time choice (engine/executor/decode_fusions.py) times bf16 / fp16 engines' input norms inside
-    the stacked first products (kernels/rms_norm_linear.py) and L2 prefetches (kernels/l2_prefetch.py) against
-    neither (both run by deepseek_interpreted.py)."""
-    from engine.models.deepseek import DeepseekForCausalLM
-    from kernels.rms_norm_linear import TILINGS
-
-    config = model_config_from_hf(tiny_deepseek("v2").config)
-    model = DeepseekForCausalLM(config, device="meta", dtype=torch.bfloat16)
-    for layer in model.layers:  # init_buffers' stacking of the first products, without weights
-        layer.attn._merge_first_products()
-    assert model.decode_fusion_candidates() == {"input_norm": [None, *TILINGS]}
-    model.set_decode_fusion("input_norm", list(TILINGS[0]))  # (a tuple from the choice cache's JSON: a list)
-    assert all(layer.attn.input_norm_tiling == TILINGS[0] for layer in model.layers)
-    assert DeepseekForCausalLM(config, device="meta", dtype=torch.float32).decode_fusion_candidates() == {}
-    # "prefetch" (offered on Hopper GPUs): each layer's o_proj bytes (and the shared gate_up's) requested into L2
-    model.set_decode_fusion("prefetch", "o_proj")
-    for layer in model.layers:  # bytes: o_proj's bf16, the router's float32
-        router = [layer.moe.router.weight.numel() * 4] if hasattr(layer, "moe") else []
-        assert [r.numel() for r in layer.attn.prefetch[0]] == [layer.attn.o_proj.weight.numel() * 2] + router
-    model.set_decode_fusion("prefetch", "o_proj+next_qkv")
-    first, second = model.layers[0].attn, model.layers[1].attn
-    assert first.prefetch[0][-1].numel() == second.qkv_a_proj.weight.numel() * 2
-    assert first.prefetch[1] is second.prefetch[1]  # one sink
-    model.set_decode_fusion("prefetch", None)
-    assert all(layer.attn.prefetch is None for layer in model.layers)
+    assert all(float(line[2]) <= 1e-4 and int(line[3]) >= int(line[4]) > 0 for line in lines), lines
 
 
 def test_unsupported_settings_are_refused_by_name():
