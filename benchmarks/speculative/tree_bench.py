@@ -5,7 +5,7 @@ forced acceptance lengths, driven through the executor.
 
     python benchmarks/speculative/tree_bench.py [--dtypes bf16,fp8] [--nodes 16,32,64] [--batches 1,8,32]
         [--lengths 3,4,5] [--loop-nodes 16] [--loop-depth 5] [--context 512] [--output-len 96] [--other-head]
-        [--kernels N] [--step-kernels N] [--draft-kernels N] [--out tree_bench.json]
+        [--oracle-nodes 15] [--kernels N] [--step-kernels N] [--draft-kernels N] [--out tree_bench.json]
     python benchmarks/speculative/tree_bench.py --tiny     # the tiny model on the CPU: a smoke run
 
 Per dtype one in-process Executor runs ``decoding_mode eagle`` with random EAGLE-3 heads of the
@@ -23,7 +23,8 @@ heads' three layers inside every graph (engine/executor/layer_taps.py). Sections
    Goal: 64 nodes at batch 1 <= 1.3x a decode step.
 2. ``loop``: batch 1, greedy, through the executor, every step a tree verify step over a
    ``--loop-nodes`` static tree (a chain of ``--loop-depth`` 5 plus siblings), drafted by the oracle
-   (``OracleTrees``: no model run, what tree verification alone costs) and then by the executor's
+   (``OracleTrees``: no model run, what tree verification alone costs; ``--oracle-nodes``: also
+   oracle trees of other sizes, after the EAGLE-3 rows) and then by the executor's
    own EAGLE-3 heads (the draft layer with its KV cache, its cost included; ``--other-head``: then
    the same heads in the other precision, "EAGLE-3 FP8 head" on a bf16 target), with acceptance forced: after the drafter ran, the tree's first-child chain gets the
    target's own continuation to depth L - 1 and every other node a wrong token, so each step
@@ -539,6 +540,9 @@ def bench_loop(executor, args) -> dict:
     drafters = [("oracle", oracle), ("EAGLE-3", eagle)]
     if args.other_head:  # (made before force_acceptance patches eagle's propose: the copy would carry it)
         drafters.append(other_head(executor, eagle, args.heads_dir))
+    # oracle trees of other sizes (--oracle-nodes): e.g. 15 nodes = 16 tokens stay in the 16-token
+    # bucket (the skinny decode products) where the loop tree's 16 nodes = 17 tokens take the 32-token one
+    drafters += [(f"oracle {n} nodes", OracleTrees(n, args.loop_depth)) for n in args.oracle_nodes]
     for _, proposer in drafters:
         force_acceptance(proposer, state, vocab)
     rows = []
@@ -566,7 +570,7 @@ def bench_loop(executor, args) -> dict:
             args.save({"plain_tok_s": plain, "rows": rows})  # a run cut short keeps its rows
     profiles = []
     if args.step_kernels:
-        for drafter, proposer in drafters[:2]:
+        for drafter, proposer in (("oracle", oracle), ("EAGLE-3", eagle)):
             executor.proposer = proposer
             try:
                 profiles.append(loop_kernels(executor, args, prompt, prompt + plain_ids, state, drafter))
@@ -577,7 +581,7 @@ def bench_loop(executor, args) -> dict:
         args.save({"plain_tok_s": plain, "rows": rows})
     executor.proposer = eagle
     replays = []
-    for drafter, proposer in drafters[1:]:
+    for drafter, proposer in drafters[1:]:  # (oracles have no drafting graphs: draft_replays skips them)
         try:
             replays += [{"drafter": drafter, **r} for r in draft_replays(proposer, args.draft_kernels, drafter)]
         except Exception as err:  # (a diagnostic: the rows above stand without it)
@@ -758,6 +762,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--tokens-per-block", type=int, default=32)
     parser.add_argument("--draft-kernels", type=int, default=0,
                         help="loop, CUDA: also list this many of the one-slot drafting replay's costliest kernels")
+    parser.add_argument("--oracle-nodes", default="",
+                        help="loop, batch 1: also oracle trees of these sizes (the loop tree's chain plus siblings)")
     parser.add_argument("--kernels", type=int, default=0,
                         help="verify, CUDA: the first batch's tree and decode steps' N costliest kernels, launches "
                              "a step, and the kernels the tree step spends most more time in")
@@ -771,6 +777,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--markdown", default=None)
     args = parser.parse_args(argv)
     args.nodes, args.batches, args.lengths = int_list(args.nodes), int_list(args.batches), int_list(args.lengths)
+    args.oracle_nodes = int_list(args.oracle_nodes) if args.oracle_nodes else []
     args.sections = args.sections.split(",")
     args.model_dtype = "bfloat16"
     if args.tiny:
