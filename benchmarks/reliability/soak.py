@@ -17,7 +17,7 @@ Each request is one of:
 Checked afterwards (each failing check makes the exit status 1):
   lost         requests with no final response within --deadline
   unexpected   an outcome other than the kind's (a bad input accepted, a normal request failing)
-  leak         after --rest seconds: tensorrt_llm's active requests and used KV blocks must be 0
+  leak         within --rest seconds: tensorrt_llm's active requests and used KV blocks must read 0 (for 1 s)
   processes    the server's process tree must be the same processes as after the warm-up
   growth       RSS growth per process above --max-rss-growth-mib, threads above --max-thread-growth
   shutdown     Ctrl-C: the ensemble's in-flight count in the log (must be none), the exit time
@@ -187,6 +187,20 @@ def scrape_gauges(metrics_url: str) -> tuple[float | None, float | None]:
 
     return (gauge("nv_trt_llm_request_metrics", 'request_type="active"'),
             gauge("nv_trt_llm_kv_cache_block_metrics", 'kv_cache_block_type="used"'))
+
+
+def _rest(metrics_url: str, rest_s: float, settled_s: float = 1.0) -> tuple[float | None, float | None]:
+    """The gauges once both have read 0 for ``settled_s`` (a leaked request or block never reads 0), or
+    as they are after ``rest_s``: the soak no longer sleeps the whole rest when nothing leaked."""
+    started = time.monotonic()
+    zero_since = None
+    while True:
+        gauges = scrape_gauges(metrics_url)
+        now = time.monotonic()
+        zero_since = (zero_since or now) if gauges == (0, 0) else None
+        if now - started >= rest_s or (zero_since is not None and now - zero_since >= settled_s):
+            return gauges
+        time.sleep(0.2)
 
 
 # ------------------------------------------------------------------------------------ the clients
@@ -475,8 +489,7 @@ def _soak(config, report, server, http_url, grpc_url, metrics_url, log):
         if outcome.status == "unexpected" or (outcome.status == "error" and outcome.category != "bad"):
             report.unexpected.append(asdict(outcome))
     report.lost = sum(count for (_, status), count in report.outcomes.items() if status == "lost")
-    time.sleep(config.rest_s)
-    report.active_after_rest, report.used_blocks_after_rest = scrape_gauges(metrics_url)
+    report.active_after_rest, report.used_blocks_after_rest = _rest(metrics_url, config.rest_s)
     if server:
         after = server.tree()
         for pid, (name, usage) in before.items():
@@ -499,7 +512,7 @@ def _judge(config: SoakConfig, report: SoakReport, own_server: bool):
     if report.unexpected:
         fail(f"{len(report.unexpected)} unexpected outcomes")
     if report.active_after_rest != 0 or report.used_blocks_after_rest != 0:
-        fail(f"after {config.rest_s:g} s of rest: {report.active_after_rest} active requests, "
+        fail(f"still after {config.rest_s:g} s of rest: {report.active_after_rest} active requests, "
              f"{report.used_blocks_after_rest} KV blocks used")
     if report.process_changes:
         fail(f"the process tree changed: {report.process_changes}")
