@@ -58,6 +58,7 @@ SIMPLE_SETTINGS = {
     "sink_token_length": ("sink_token_length", int),
     "kv_cache_free_gpu_mem_fraction": ("kv_cache_free_gpu_mem_fraction", float),
     "cross_kv_cache_fraction": ("cross_kv_cache_fraction", float),
+    "cross_kv_cache_dtype": ("cross_kv_cache_dtype", str),  # beyond the reference: auto or fp8 (the cross-KV pool)
     "encoder_model_path": ("encoder_engine_dir", str),  # ${encoder_engine_dir}: a T5/BART engine's encoder/
     "kv_cache_host_memory_bytes": ("kv_cache_host_memory_bytes", int),
     "kv_cache_onboard_blocks": ("kv_cache_onboard_blocks", bool),

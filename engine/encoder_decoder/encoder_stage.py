@@ -203,6 +203,8 @@ def encoder_decoder_runner(engine_dir: str, config):
     if architecture == "MllamaForConditionalGeneration":
         from engine.encoder_decoder.mllama_runner import MllamaRunner
 
-        return partial(MllamaRunner, cross_kv_cache_fraction=config.cross_kv_cache_fraction)
+        return partial(MllamaRunner, cross_kv_cache_fraction=config.cross_kv_cache_fraction,
+                       cross_kv_cache_dtype=config.cross_kv_cache_dtype)
     return partial(EncDecRunner, encoder_engine_dir=config.encoder_engine_dir,
-                   cross_kv_cache_fraction=config.cross_kv_cache_fraction)
+                   cross_kv_cache_fraction=config.cross_kv_cache_fraction,
+                   cross_kv_cache_dtype=config.cross_kv_cache_dtype)

@@ -62,11 +62,13 @@ class MllamaRunner(EncDecRunner):
 
     def kv_cache_torch_dtype(self, kv_cache_dtype: str | None = None) -> torch.dtype:
         """The model dtype only: the cross-attention (mllama_cross.py) reads its gathered K/V with torch
-        SDPA, which takes no FP8 operands, so an FP8 KV cache is refused by name at start."""
+        SDPA, which takes no FP8 operands, so an FP8 KV cache (either pool) is refused by name at start."""
         dtype = ModelRunner.kv_cache_torch_dtype(self, kv_cache_dtype)
-        if dtype == KV_FP8_DTYPE:
-            raise ValueError("kv_cache_dtype fp8: not supported for MllamaForConditionalGeneration (Llama 3.2 "
-                             "Vision: its cross-attention reads the cross K/V in the model dtype); use auto")
+        for name, value in (("kv_cache_dtype", dtype == KV_FP8_DTYPE), ("cross_kv_cache_dtype",
+                                                                         self.cross_kv_cache_dtype == "fp8")):
+            if value:
+                raise ValueError(f"{name} fp8: not supported for MllamaForConditionalGeneration (Llama 3.2 "
+                                 "Vision: its cross-attention reads the cross K/V in the model dtype); use auto")
         return dtype
 
     def num_kv_blocks_for(self, *, free_mem_fraction=None, max_tokens=None, kv_cache_dtype=None,

@@ -13,9 +13,11 @@ batching); what differs:
   f / (1 - f) times it, never less than one longest encoder input.
 
 Cross and self blocks have the same shape (decoder layers x 2 x tokens_per_block x heads x
-head_dim) and the same element type: with an FP8 KV cache (the executor's ``kv_cache_dtype fp8``
-or the build's ``--kv_cache_dtype fp8``) both pools are E4M3 with scale 1, as the self pool of any
-engine (kernels/attention.py ``to_cache_dtype``): ``encode_into`` casts the cross K/V once when it
+head_dim). Their element type: with an FP8 KV cache (the executor's ``kv_cache_dtype fp8`` or the
+build's ``--kv_cache_dtype fp8``) both pools are E4M3 with scale 1, as the self pool of any engine
+(kernels/attention.py ``to_cache_dtype``); ``cross_kv_cache_dtype fp8`` makes the cross pool E4M3
+whatever the self pool's type (engine/encoder_decoder/cross_kv.py; the fraction f is then of the
+bytes: an FP8 cross pool holds twice the blocks). ``encode_into`` casts the cross K/V once when it
 writes them, and every decode step's cross-attention reads half the bytes through the same
 FP8-aware paged kernels (the cross K/V read is most of a large batch's step: docs/features/encoder-decoder.md). On CUDA, decode-only steps replay CUDA graphs per batch bucket
 (engine/encoder_decoder/decode_graphs.py; $TRITONLLM_ENCDEC_GRAPHS=0 keeps them eager), after the
@@ -31,13 +33,14 @@ import torch
 from engine.config import EngineFormatError
 from engine.encoder_decoder import fused_decode
 from engine.encoder_decoder.convert import check_complete
+from engine.encoder_decoder.cross_kv import cross_pool_dtype, fuse_cross_kv, project_into_pool, require_fp8
 from engine.encoder_decoder.decode_graphs import EncDecDecodeGraphs
 from engine.encoder_decoder.model import CrossAttentionBatch, Decoder, Encoder, cross_metadata, fuse_gated_mlps
 from engine.encoder_decoder.spec import EncDecSpec
 from engine.executor.overlap import resolve_placeholders
 from engine.executor.random_weights import has_random_weights, materialize_random_weights
 from engine.executor.runner import ForwardBatch, ModelRunner, keep_or_cast, load_rank_weights
-from kernels.attention import write_kv_cache
+from kernels.attention import KV_FP8_DTYPE
 from kernels.linear import choose_activated_weights, choose_skinny_weights
 
 DEFAULT_CROSS_KV_FRACTION = 0.5
@@ -57,9 +60,11 @@ def encoder_engine_dir(decoder_dir: str, extra: dict, override: str | None = Non
 
 class EncDecRunner(ModelRunner):
     def __init__(self, engine_dir: str, *, rank: int = 0, device="cpu", tp_group=None,
-                 encoder_engine_dir: str | None = None, cross_kv_cache_fraction: float | None = None):
+                 encoder_engine_dir: str | None = None, cross_kv_cache_fraction: float | None = None,
+                 cross_kv_cache_dtype: str | None = None):
         self._encoder_dir_override = encoder_engine_dir
         self.cross_kv_fraction = cross_kv_cache_fraction or DEFAULT_CROSS_KV_FRACTION
+        self.cross_kv_cache_dtype = cross_kv_cache_dtype  # None/"auto": the self pool's type (cross_kv.py)
         self.cross_pool: torch.Tensor | None = None
         self.num_cross_blocks = 0
         super().__init__(engine_dir, rank=rank, device=device, tp_group=tp_group)
@@ -73,7 +78,7 @@ class EncDecRunner(ModelRunner):
         self.max_encoder_input_len = int(extra["max_encoder_input_len"])
         self.encoder_dir = encoder_engine_dir(engine_dir, extra, self._encoder_dir_override)
         self.encoder = self._load_stack(Encoder, self.encoder_dir)
-        return self._load_stack(Decoder, engine_dir)
+        return fuse_cross_kv(self._load_stack(Decoder, engine_dir))
 
     def _load_stack(self, cls, directory: str) -> torch.nn.Module:
         module = cls(self.spec, dtype=self.dtype, device="meta")
@@ -93,16 +98,29 @@ class EncDecRunner(ModelRunner):
 
     def num_kv_blocks_for(self, *, free_mem_fraction=None, max_tokens=None, kv_cache_dtype=None,
                           reserve_bytes: int = 0) -> int:
-        """Blocks of the self-attention pool; sets ``num_cross_blocks`` (module docstring)."""
+        """Blocks of the self-attention pool; sets ``num_cross_blocks`` (module docstring): f of the
+        bytes, so a cross pool of half the self pool's element size holds twice the blocks."""
         total = super().num_kv_blocks_for(free_mem_fraction=free_mem_fraction, max_tokens=max_tokens,
                                           kv_cache_dtype=kv_cache_dtype, reserve_bytes=reserve_bytes)
+        self_dtype = self.kv_cache_torch_dtype(kv_cache_dtype)
+        per_byte = self_dtype.itemsize / self.cross_pool_dtype(self_dtype).itemsize  # cross blocks per self block
         f = self.cross_kv_fraction
         one_input = -(-self.max_encoder_input_len // self.tokens_per_block)
         if self.device.type == "cuda" and max_tokens is None:
-            self.num_cross_blocks = max(one_input, int(total * f))
-            return max(1, total - self.num_cross_blocks)
-        self.num_cross_blocks = max(one_input, int(total * f / (1 - f)))
+            self.num_cross_blocks = max(one_input, int(total * f * per_byte))
+            return max(1, total - max(1, int(self.num_cross_blocks / per_byte)))
+        self.num_cross_blocks = max(one_input, int(total * f / (1 - f) * per_byte))
         return total
+
+    def kv_cache_torch_dtype(self, kv_cache_dtype: str | None = None) -> torch.dtype:
+        """ModelRunner's, refused by name on a GPU without FP8 (cross_kv.py require_fp8)."""
+        dtype = super().kv_cache_torch_dtype(kv_cache_dtype)
+        if dtype == KV_FP8_DTYPE:
+            require_fp8(self.device, "kv_cache_dtype fp8")
+        return dtype
+
+    def cross_pool_dtype(self, self_pool_dtype: torch.dtype) -> torch.dtype:
+        return cross_pool_dtype(self.cross_kv_cache_dtype, self_pool_dtype, self.device)
 
     def allocate_kv_cache(self, num_blocks: int, kv_cache_dtype: str | None = None) -> None:
         super().allocate_kv_cache(num_blocks, kv_cache_dtype)
@@ -111,8 +129,8 @@ class EncDecRunner(ModelRunner):
         self.cross_pool = None
         # Head-major in memory like the self pool (runner.py allocate_kv_cache): the decode attention
         # reads a page of one head's cross keys as one run, not 128-byte rows a head-stride apart.
-        self.cross_pool = torch.zeros(self.kv_pool_shape(self.num_cross_blocks), dtype=self.kv_cache.dtype,
-                                      device=self.device).transpose(3, 4)
+        self.cross_pool = torch.zeros(self.kv_pool_shape(self.num_cross_blocks),
+                                      dtype=self.cross_pool_dtype(self.kv_cache.dtype), device=self.device).transpose(3, 4)
 
     def capture_cuda_graphs(self) -> None:
         """CUDA: choose the skinny-GEMM kernel per decoder weight shape (kernels/linear.py; the
@@ -160,11 +178,8 @@ class EncDecRunner(ModelRunner):
             positions = torch.arange(Encoder.output_length(len(source), self.spec))
             slots.append(torch.tensor(blocks)[positions // T] * T + positions % T)
         slots = torch.cat(slots).to(self.device)  # (before the pass: this copy would wait for it)
-        # All inputs' rows at once: per layer one K and one V product and one write (not per input)
-        rows = torch.cat(self.encoder.encode(inputs))
-        for index, layer in enumerate(self.model.layers):
-            k, v = (layer.cross_attn.heads_of(p, rows) for p in (layer.cross_attn.k, layer.cross_attn.v))
-            write_kv_cache(k, v, self.cross_pool[index, 0], self.cross_pool[index, 1], slots)
+        # All inputs' rows at once: per layer one [K | V] product and one write (not per input: cross_kv.py)
+        project_into_pool(self.model, torch.cat(self.encoder.encode(inputs)), self.cross_pool, slots)
 
     # ---- decoder step -------------------------------------------------------------------------
 

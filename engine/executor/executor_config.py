@@ -174,6 +174,9 @@ class ExecutorConfig:
     # requests' cross-attention K/V (None: 0.5; the rest is the decoder's self-attention pool).
     encoder_engine_dir: str | None = None
     cross_kv_cache_fraction: float | None = None
+    # The cross-KV pool's element type: None/"auto" (the self pool's, kv_cache_dtype above) or "fp8"
+    # (E4M3 whatever the self pool's type: half the bytes every decode step's cross-attention reads).
+    cross_kv_cache_dtype: str | None = None
 
     def validate(self) -> "ExecutorConfig":
         def require(ok: bool, message: str) -> None:
@@ -202,6 +205,8 @@ class ExecutorConfig:
                 f"ExecutorConfig.cross_kv_cache_fraction must be in (0, 1), got {self.cross_kv_cache_fraction!r}")
         require(self.kv_cache_dtype in (None, "auto", "fp8"),
                 f"kv_cache_dtype value of '{self.kv_cache_dtype}' is not supported; allowed: auto, fp8")
+        require(self.cross_kv_cache_dtype in (None, "auto", "fp8"),
+                f"cross_kv_cache_dtype value of '{self.cross_kv_cache_dtype}' is not supported; allowed: auto, fp8")
         require(isinstance(self.stream_interval, int) and self.stream_interval >= 1,
                 f"ExecutorConfig.stream_interval must be an integer >= 1 (tokens per streamed response), "
                 f"got {self.stream_interval!r}")

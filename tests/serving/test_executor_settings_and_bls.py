@@ -18,7 +18,7 @@ FULL = params(max_beam_width="2", batch_scheduler_policy="MAX_UTILIZATION", enab
               gpt_model_type="inflight_fused_batching", gpu_device_ids="0,1",
               max_attention_window_size="2560", lora_cache_max_adapter_size="64",
               multi_block_mode="true", iter_stats_max_iterations="50", decoding_mode="top_k_top_p",
-              disable_overlap_scheduler="true", stream_interval="3")
+              disable_overlap_scheduler="true", stream_interval="3", cross_kv_cache_dtype="fp8")
 MODEL_CONFIG = {"dynamic_batching": {"default_queue_policy": {"max_queue_size": 7}}}
 
 
@@ -32,6 +32,7 @@ def test_every_parameter_maps_to_the_executor_config():
     assert config.normalize_log_probs is False and config.exclude_input_from_output is True
     assert config.max_queue_size == 7 and config.iter_stats_max_iterations == 50
     assert config.disable_overlap_scheduler is True and config.stream_interval == 3
+    assert config.cross_kv_cache_dtype == "fp8"
     # accepted, but the executor has no such knob
     assert not set(ignored) & {field.name for field in dataclasses.fields(ExecutorConfig)}
     assert {"device_ids", "max_attention_window", "multi_block_mode", "decoding_mode"} <= set(ignored)
