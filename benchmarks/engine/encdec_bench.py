@@ -22,6 +22,11 @@ Sections (``--sections``, all by default):
    generate (bf16) at each of ``--hf-t5-batches`` (one batch per size, the best counts; up to the
    run's 256 requests, since transformers is host-bound at these batches: b128 3,218 tok/s, b256 5,280).
 
+``--cross-kv-cache-dtype auto,fp8`` runs ``whisper`` and ``t5`` once per cross-pool type in the same
+process (the kernels compiled once; transformers, when asked for, only with the first): entries
+``whisper`` / ``t5`` for the first type, ``whisper@fp8`` / ``t5@fp8`` for the next. Each run reports
+its pools' types, the encoder's device time and the decode-only iterations (``executor_offline``).
+
 Random weights of the real shapes, made on the GPU (engine: ``extra.random_weights_seed``;
 transformers: its own init, on the device). ``--device cpu`` runs tiny shapes of the same
 families (a smoke run of every path).
@@ -126,6 +131,7 @@ def executor_offline(args, engine: str, requests, tokens: int, cpu_kv_tokens: in
     written there (the figures come from the unprofiled run). ``after(executor)``, when given, runs
     after the timed run, before the executor closes; its dict joins the entry."""
     config = ExecutorConfig(kv_cache_free_gpu_mem_fraction=args.kv_fraction, kv_cache_dtype=args.kv_cache_dtype,
+                            cross_kv_cache_dtype=args.cross_kv_cache_dtype,
                             max_tokens_in_paged_kv_cache=cpu_kv_tokens if args.device == "cpu" else None)
     with Executor(engine, config, device=args.device) as ex:
         run_offline(ex, requests(4))
@@ -161,7 +167,8 @@ def executor_offline(args, engine: str, requests, tokens: int, cpu_kv_tokens: in
             sync(args.device)
             counts["encoder_seconds"] = sum(start.elapsed_time(end) for start, end in encode_events) / 1e3
         entry = {"seconds": seconds, "output_tokens": output_tokens, "graphed": graphs is not None, **counts,
-                 "iterations": iteration_breakdown(ex, since)}
+                 "iterations": iteration_breakdown(ex, since), "self_pool_dtype": str(runner.kv_cache.dtype),
+                 "cross_pool_dtype": str(runner.cross_pool.dtype)}
         if profile_path is not None and args.device != "cpu":
             entry["profile"] = profile_offline(ex, requests(tokens), profile_path)
         if after is not None:
@@ -492,13 +499,12 @@ def markdown(results: dict) -> str:
     lines = [f"### Encoder-decoder engines: {shapes} ({results['machine']}, "
              f"{results['date']}, commit {results['commit']})", "", f"`{results['command']}`", "",
              "| measurement | ours | transformers (best batch) | ratio (goal) |", "|---|---|---|---|"]
-    w = results.get("whisper")
-    if w:
-        hf = ", ".join(f"b{r['batch']}: {r['audio_s_per_s']:.0f}" for r in w["hf"])
-        ratio = f"{w['speedup']:.2f}x (>= {GOALS['whisper_speedup']:.0f}x)" if "speedup" in w else "-"
-        lines.append(f"| Whisper: {w['clips']} concurrent 30-s clips, {w['transcript_tokens']}-token transcripts, "
-                     f"audio s/s (graphs: {w['graphed']}) | {w['audio_s_per_s']:.0f} ({w['seconds']:.2f} s) | "
-                     f"{hf or 'not run'} | {ratio} |")
+    for key, run in section_runs(results, "whisper"):
+        hf = ", ".join(f"b{r['batch']}: {r['audio_s_per_s']:.0f}" for r in run["hf"])
+        ratio = f"{run['speedup']:.2f}x (>= {GOALS['whisper_speedup']:.0f}x)" if "speedup" in run else "-"
+        lines.append(f"| Whisper: {run['clips']} concurrent 30-s clips, {run['transcript_tokens']}-token transcripts, "
+                     f"audio s/s (graphs: {run['graphed']}{pool_label(run)}) | {run['audio_s_per_s']:.0f} "
+                     f"({run['seconds']:.2f} s) | {hf or 'not run'} | {ratio} |")
     s = results.get("whisper_step")
     if s:
         roof = (f"{s['roofline_fraction']:.0%} of the {s['roofline_step_ms']:.3f} ms roofline "
@@ -507,20 +513,22 @@ def markdown(results: dict) -> str:
                   if "replay_roofline_fraction" in s else "")
         lines.append(f"| Whisper batch-1 decoder step (graphs: {s['graphed']}), {s['bytes_per_step'] / 1e9:.2f} GB "
                      f"moved | {s['step_ms_median']:.3f} ms | - | {roof}{replay} |")
-    t = results.get("t5")
-    if t:
-        hf = ", ".join(f"b{r['batch']}: {r['output_tok_s']:.0f}" for r in t["hf"])
+    for key, run in section_runs(results, "t5"):
+        hf = ", ".join(f"b{r['batch']}: {r['output_tok_s']:.0f}" for r in run["hf"])
         name = "tiny T5" if results["device"] == "cpu" else "Flan-T5-XL"
-        ratio = f"{t['speedup']:.2f}x (>= {GOALS['t5_speedup']:.0f}x)" if "speedup" in t else "-"
-        lines.append(f"| {name}: {t['requests']} requests {t['input_len']}/{t['output_len']} offline, output "
-                     f"tok/s (graphs: {t['graphed']}) | {t['output_tok_s']:.0f} ({t['seconds']:.2f} s) | "
-                     f"{hf or 'not run'} | {ratio} |")
-    if w and "encoder_pass_seconds" in w:
-        kernels = (f" ({w['widest_profile']['kernels_per_call']:.0f} kernels)"
-                   if isinstance(w.get("widest_profile"), dict) else "")
-        lines += ["", f"Whisper after the run: one encoder pass over the {w['clips']} clips {w['encoder_pass_seconds']:.3f} s, "
-                  f"with the cross K/V projections and writes {w['encode_into_pass_seconds']:.3f} s; the b{w['widest_bucket']} "
-                  f"decode graph's replay {w['widest_replay_ms']:.2f} ms{kernels}."]
+        ratio = f"{run['speedup']:.2f}x (>= {GOALS['t5_speedup']:.0f}x)" if "speedup" in run else "-"
+        lines.append(f"| {name}: {run['requests']} requests {run['input_len']}/{run['output_len']} offline, output "
+                     f"tok/s (graphs: {run['graphed']}{pool_label(run)}) | {run['output_tok_s']:.0f} "
+                     f"({run['seconds']:.2f} s) | {hf or 'not run'} | {ratio} |")
+    for key, run in section_runs(results, "whisper"):
+        if "encoder_pass_seconds" not in run:
+            continue
+        kernels = (f" ({run['widest_profile']['kernels_per_call']:.0f} kernels)"
+                   if isinstance(run.get("widest_profile"), dict) else "")
+        lines += ["", f"{key} after the run: one encoder pass over the {run['clips']} clips "
+                  f"{run['encoder_pass_seconds']:.3f} s, with the cross K/V projections and writes "
+                  f"{run['encode_into_pass_seconds']:.3f} s; the b{run['widest_bucket']} decode graph's replay "
+                  f"{run['widest_replay_ms']:.2f} ms{kernels}."]
     if s and isinstance(s.get("profile"), dict):
         lines += ["", f"Whisper batch-1 step: {s['profile']['kernels_per_call']:.0f} kernels per replay (torch profiler)."]
     if s and s.get("variants"):
@@ -533,19 +541,34 @@ def markdown(results: dict) -> str:
                          f"| {kernels:.0f} | {v.get('roofline_fraction', float('nan')):.0%} | "
                          + ", ".join(f"{key[len('replay_ms_'):]} {value:.3f} ms" for key, value in v.items()
                                      if key.startswith("replay_ms_b")) + " |")
-    for name, entry in (("Whisper", w), ("T5", t)):
-        if entry and "iterations" in entry:
+    for name, entry in section_runs(results, "whisper") + section_runs(results, "t5"):
+        if "iterations" in entry:
             it = entry["iterations"]
             step = (f"; decode-only iterations at batch {it['decode_batch']}: {it['decode_step_ms_median']:.2f} ms "
                     f"median" if "decode_batch" in it else "")
             replay = f" (its graph's replay {it['decode_graph_replay_ms']:.2f} ms)" if "decode_graph_replay_ms" in it else ""
-            lines += ["", f"{name} run: encoder {entry['encoder_seconds']:.2f} s; {entry['graph_steps']} of "
+            pools = (f"KV pools: self {entry['self_pool_dtype'].removeprefix('torch.')}, cross "
+                     f"{entry['cross_pool_dtype'].removeprefix('torch.')}; " if "cross_pool_dtype" in entry else "")
+            lines += ["", f"{name} run: {pools}encoder {entry['encoder_seconds']:.2f} s; {entry['graph_steps']} of "
                       f"{entry['steps']} forwards replayed from graphs; iterations with prompt tokens "
                       f"{it['context_seconds']:.2f} s, decode-only {it['decode_seconds']:.2f} s ({it['decode_iterations']})"
                       f"{step}{replay}."]
     if results.get("copy_GBps"):
         lines += ["", f"Copy bandwidth {results['copy_GBps']:.0f} GB/s (2 GiB device-to-device, read + write)."]
     return "\n".join(lines) + "\n"
+
+
+def section_runs(results: dict, name: str) -> list[tuple[str, dict]]:
+    """(key, entry) of ``name``'s runs: ``name`` itself, then ``name@<cross pool type>`` ones (main)."""
+    return [(key, entry) for key, entry in results.items()
+            if isinstance(entry, dict) and (key == name or key.startswith(name + "@"))]
+
+
+def pool_label(run: dict) -> str:
+    if "cross_pool_dtype" not in run:
+        return ""
+    return f"; KV pools self {run['self_pool_dtype'].removeprefix('torch.')}, cross " \
+           f"{run['cross_pool_dtype'].removeprefix('torch.')}"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -563,6 +586,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="transformers batch sizes (default 32,64,128,256: up to the run's 256 requests; CPU 2,4)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
                    help="fp8: both KV pools, the cross-KV pool included, in E4M3 (docs/features/encoder-decoder.md)")
+    p.add_argument("--cross-kv-cache-dtype", default="auto",
+                   help="comma-separated of auto, fp8: the whisper and t5 runs once per value (fp8: the cross-KV "
+                        "pool alone in E4M3; auto: the self pool's type; ExecutorConfig.cross_kv_cache_dtype)")
     p.add_argument("--kv-fraction", type=float, default=0.8, help="kv_cache_free_gpu_mem_fraction of the executors")
     p.add_argument("--profile-dir", default=None, help="write the decoder step's profiler table here")
     p.add_argument("--step-variants", default="",
@@ -583,6 +609,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = [v for v in args.step_variants if v not in STEP_VARIANTS]
     if unknown:
         p.error(f"--step-variants: unknown {unknown}; allowed: {list(STEP_VARIANTS)}")
+    args.cross_kv_cache_dtypes = [v for v in args.cross_kv_cache_dtype.split(",") if v] or ["auto"]
+    if set(args.cross_kv_cache_dtypes) - {"auto", "fp8"}:
+        p.error(f"--cross-kv-cache-dtype: {args.cross_kv_cache_dtype!r}; allowed: auto, fp8 (comma-separated)")
+    args.cross_kv_cache_dtype = args.cross_kv_cache_dtypes[0]
     args.hf_whisper_batches = [int(b) for b in str(args.hf_whisper_batches).split(",") if b]  # "": not run
     args.hf_t5_batches = [int(b) for b in str(args.hf_t5_batches).split(",") if b]  # "": transformers not run
     return args
@@ -596,14 +626,25 @@ def main(argv=None) -> dict:
     bandwidth = copy_bandwidth(args.device)
     results["copy_GBps"] = bandwidth / 1e9
     started = time.perf_counter()
-    for name, run in (("whisper_step", lambda: bench_whisper_step(args, bandwidth)),
-                      ("whisper", lambda: bench_whisper(args)), ("t5", lambda: bench_t5(args))):
+    first = args.cross_kv_cache_dtypes[0]
+    runs = [("whisper_step", first, lambda: bench_whisper_step(args, bandwidth))]
+    for name, bench in (("whisper", bench_whisper), ("t5", bench_t5)):
+        runs += [(name, dtype, lambda bench=bench: bench(args)) for dtype in args.cross_kv_cache_dtypes]
+    hf_batches = args.hf_whisper_batches, args.hf_t5_batches
+    for name, dtype, run in runs:
         if name in sections:
+            key = name if dtype == first else f"{name}@{dtype}"
+            args.cross_kv_cache_dtype = dtype
+            # transformers only with the first cross-pool type (its figure does not depend on ours)
+            args.hf_whisper_batches, args.hf_t5_batches = hf_batches if dtype == first else ([], [])
             t0 = time.perf_counter()
-            results[name] = run()
-            results[name]["section_seconds"] = time.perf_counter() - t0
+            results[key] = run()
+            results[key]["section_seconds"] = time.perf_counter() - t0
+            base, rate = results.get(name, {}), {"whisper": "audio_s_per_s", "t5": "output_tok_s"}.get(name)
+            if key != name and "speedup" in base:  # against the first run's transformers figure
+                results[key]["speedup"] = results[key][rate] / (base[rate] / base["speedup"])
             Path(args.out).write_text(json.dumps(results, indent=2))  # what is done survives a later failure
-            print(f"{name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+            print(f"{key}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     results["seconds"] = time.perf_counter() - started
     Path(args.out).write_text(json.dumps(results, indent=2))
     print_table(markdown(results), args.results_md)
