@@ -57,6 +57,7 @@ from benchmarks.common import (command_line, environment_set, free_device_memory
                                machine_summary, print_table, sync, timed_generate, utc_now)
 from benchmarks.engine.engine_bench import drain_offline, iteration_breakdown, profile_executor_loop  # noqa: E402
 from benchmarks.engine.gc_pauses import GcPauses  # noqa: E402
+from benchmarks.engine.vlm_timeline import LoopTimeline  # noqa: E402
 from engine.config import BuildConfig, EngineConfig  # noqa: E402
 from engine.convert import model_config_from_hf  # noqa: E402
 from engine.executor.device_stream import TOWER_PRIORITY  # noqa: E402
@@ -78,6 +79,7 @@ GOALS = {"offline_vs_text": 0.85, "offline_vs_hf": 5.0}
 PATCH, MERGE, TEMPORAL = 14, 2, 2
 MIN_PIXELS, MAX_PIXELS = 3136, 12845056  # Qwen2.5-VL-7B-Instruct's preprocessor_config.json
 WARM_TOKENS = 32  # output tokens a request in the first untimed encode-queue round (bench_offline)
+MAX_ENQUEUES_SHOWN = 24  # a queue run's first enqueue calls' times in its timeline line
 
 
 def hf_config(device: str):
@@ -363,7 +365,7 @@ def bench_offline(args, ex, config, encode, encoder, encoder_config, grid, num_r
     prompts = [prompt_ids(config, num_rows, args.text_len, rng, vocab) for _ in range(args.requests)]
     per_image = grid[0] * grid[1] * grid[2]
     entry = {"requests": args.requests, "prompt_len": len(prompts[0]), "output_len": args.output_len,
-             "encode_batch": args.encode_batch}
+             "encode_batch": args.encode_batch, "also_encode_batches": args.also_encode_batches}
     sync(args.device)
 
     def with_encoding(patches: torch.Tensor) -> dict:
@@ -392,8 +394,9 @@ def bench_offline(args, ex, config, encode, encoder, encoder_config, grid, num_r
                 "iterations": iteration_breakdown(ex, since), "prompt_steps": prompt_steps(ex, since),
                 "slow_decode_steps": slow_decode_steps(ex, since), "first_steps": first_steps(ex, since)}
 
-    def queue_run(name: str, priority: int, seed: int, warm_seed: int, warm_tokens: int | None) -> None:
-        queue = ImageEncodeQueue(encoder, args.device, max_images=args.encode_batch, priority=priority)
+    def queue_run(name: str, priority: int, seed: int, warm_seed: int, warm_tokens: int | None,
+                  max_images: int | None = None) -> None:
+        queue = ImageEncodeQueue(encoder, args.device, max_images=max_images or args.encode_batch, priority=priority)
         try:
             # Untimed: one round on images of its own, so the queue's stream (its cached device blocks), its pinned
             # staging and the executor's exist before the clock starts, as in a server that has served a while.
@@ -411,7 +414,7 @@ def bench_offline(args, ex, config, encode, encoder, encoder_config, grid, num_r
             entry[name] = progress(name, through_queue(
                 args, ex, queue, config, encoder_config, grid, prompts,
                 random_patches([grid] * args.requests, args.device, seed=seed), vocab, args.output_len))
-            entry["first_images"] = queue.first_images
+            entry.setdefault("first_images", queue.first_images)
         finally:
             queue.close()
 
@@ -429,6 +432,9 @@ def bench_offline(args, ex, config, encode, encoder, encoder_config, grid, num_r
     stream = getattr(ex, "device_stream", None)
     if stream is not None:  # A/B: the tower's stream at the executor's priority (as before engine/executor/device_stream.py)
         queue_run("image_equal_priority", stream.priority, seed=5, warm_seed=6, warm_tokens=None)  # (executor warm)
+    for i, batch in enumerate(args.also_encode_batches):  # the queue run again at another encode batch, same process
+        queue_run(f"image_b{batch}", TOWER_PRIORITY, seed=10 + 2 * i, warm_seed=11 + 2 * i, warm_tokens=None,
+                  max_images=batch)
     # (c) the same image requests with their tables made before the clock starts: the executor's share
     patches = random_patches([grid] * args.requests, args.device, seed=3)
     tables = [t for first in range(0, args.requests, args.encode_batch)
@@ -461,7 +467,7 @@ def through_queue(args, ex, queue: ImageEncodeQueue, config, encoder_config, gri
     since, reused, allocations = time.time_ns(), reused_blocks(ex), allocator_counts(args.device)
     per_image = grid[0] * grid[1] * grid[2]
     started = time.perf_counter()
-    pauses = GcPauses(started).__enter__()
+    pauses, timeline = GcPauses(started).__enter__(), LoopTimeline(ex, queue, started).__enter__()
     futures = [queue.submit(patches[i * per_image:(i + 1) * per_image], [grid]) for i in range(args.requests)]
     failed, ready_at, enqueue_s = [], [], []
 
@@ -489,7 +495,9 @@ def through_queue(args, ex, queue: ImageEncodeQueue, config, encoder_config, gri
     seconds = time.perf_counter() - started
     thread.join()
     pauses.__exit__()
+    timeline.__exit__()
     return {"seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds, "gc": pauses.summary(),
+            "timeline": timeline.summary(), "enqueued_at_ms": [round(t * 1e3, 1) for t in ready_at[:MAX_ENQUEUES_SHOWN]],
             "tables_ready_s": ready_at[-1], "first_table_s": ready_at[0], "enqueue_calls": len(ready_at),
             "enqueue_ms": {"total": round(sum(enqueue_s) * 1e3, 1), "max": round(max(enqueue_s) * 1e3, 1)},
             "reused_blocks": reused_blocks(ex) - reused,
@@ -592,6 +600,12 @@ def progress(name: str, run: dict) -> dict:
           f"; garbage collections {run.get('gc')}"
           + (f"; first iterations [ms, prompt tokens, decode rows]: {run['first_steps']}" if "first_steps" in run else ""),
           file=sys.stderr, flush=True)
+    if "timeline" in run:  # (benchmarks/engine/vlm_timeline.py: host launch / device run of each step and forward)
+        t = run["timeline"]
+        print(f"offline {name} timeline, ms after its start: enqueue calls at {run.get('enqueued_at_ms')}; executor steps "
+              f"[host launch began, ended, device start, end, prompt tokens, decode rows] {t['steps']}; token waits "
+              f"[began, ended] {t['token_waits']}; tower forwards [host launch began, ended, device start, end, images, "
+              f"tables completed] {t['forwards']}", file=sys.stderr, flush=True)
     return run
 
 
@@ -683,6 +697,8 @@ def markdown(results: dict) -> str:
                                              f"{o['encode_batch']} images a forward, each batch's requests enqueued after "
                                              f"it (the first run's way)",
                     "image_tables_ready": "the image requests with their tables made beforehand (the executor's share)"}
+        for batch in o.get("also_encode_batches", []):
+            variants[f"image_b{batch}"] = f"the same through a queue of {batch} images a forward at most"
         for kind, label in variants.items():
             if kind in o:
                 r = o[kind]
@@ -692,7 +708,8 @@ def markdown(results: dict) -> str:
             hf = ", ".join(f"b{r['batch']}: {r['output_tok_s']:.0f}" for r in o["hf"])
             lines.append(f"| the same against transformers' generate | {o['image']['output_tok_s']:.0f} | {hf} | "
                          f"{o['vs_hf']:.2f}x (>= {GOALS['offline_vs_hf']:.0f}x) |")
-        for kind in ("image", "image_equal_priority", "image_executor_stream", "image_tables_ready", "text"):
+        for kind in ("image", "image_equal_priority", *(f"image_b{b}" for b in o.get("also_encode_batches", [])),
+                     "image_executor_stream", "image_tables_ready", "text"):
             if kind not in o:
                 continue
             it = o[kind]["iterations"]
@@ -736,6 +753,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=None, help="output tokens per request (default 128; CPU 4)")
     p.add_argument("--requests", type=int, default=None, help="offline requests (default 128; CPU 4)")
     p.add_argument("--encode-batch", type=int, default=None, help="images per tower forward offline (default 32; CPU 2)")
+    p.add_argument("--also-encode-batches", default="", help="offline: the encode-queue run again at each of these "
+                   "batches (comma-separated), in the same process (runs image_b<N>, after the equal-priority one)")
     p.add_argument("--ttft-runs", type=int, default=None, help="TTFT repetitions (default 5; CPU 2)")
     p.add_argument("--hf-batches", default=None, help="transformers batch sizes (default 128; CPU 2; \"\": none)")
     p.add_argument("--unpadded-mlp", action="store_true", help="keep the tower's MLP width as the checkpoint's "
@@ -762,6 +781,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.image_sizes = [int(s) for s in str(args.image_sizes).split(",")]
     args.encoder_batches = [[int(b) for b in part.split(",")] for part in str(args.encoder_batches).split("/")]
     args.tower_variants = [v for v in args.tower_variants.split(",") if v.strip()]
+    args.also_encode_batches = [int(b) for b in str(args.also_encode_batches).split(",") if b.strip()]
     args.hf_batches = [int(b) for b in str(args.hf_batches).split(",") if b.strip()]  # "": no transformers run
     args.torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     return args

@@ -211,6 +211,10 @@ class ImageEncodeQueue:
         except Exception as error:
             self._fail(launched.items, error)
             return
-        for (_, _, future), table in zip(launched.items, launched.tables):
-            # memory of its own: the slot's staging is written again two forwards on
-            future.set_result(torch.empty(table.shape, dtype=table.dtype).copy_(table))
+        # Memory of its own for each table (the slot's staging is written again two forwards on), all copied before
+        # any future completes: a forward's tables are ready together, so callers woken by the first find the rest
+        # done too (vlm_bench's enqueuing thread then sends the forward's requests in one call, and the executor's
+        # first step prefills them all instead of the first alone, then one decode row beside the rest).
+        tables = [torch.empty(table.shape, dtype=table.dtype).copy_(table) for table in launched.tables]
+        for (_, _, future), table in zip(launched.items, tables):
+            future.set_result(table)

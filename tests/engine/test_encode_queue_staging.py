@@ -38,3 +38,34 @@ def test_forward_over_the_staging_cap_completes_without_growing_it():
         assert queue._staging[0]["rows"].numel() == 2000
     finally:
         queue.close()
+
+
+def test_a_forwards_tables_complete_together():
+    """Each table is copied out before any future of its forward completes: a caller woken by the first finds the
+    others done (vlm_bench's enqueuing thread then sends them in one call; the executor prefills them together).
+    Whether the idle worker's first forward took the first item alone or all four, the later three are set in one
+    run of the worker's loop, with no copy (a GIL release) between them."""
+    import threading
+
+    gate = threading.Event()
+
+    class Gated(_Tower):
+        def image_features(self, patches, grids):
+            gate.wait(5)
+            return super().image_features(patches, grids)
+
+    queue = ImageEncodeQueue(Gated(), "cpu")
+    try:
+        x = torch.ones(4, 8)
+        first = queue.submit(x, [[1, 1, 4]])  # the idle worker's forward, held at the gate
+        later = [queue.submit(x * i, [[1, 1, 4]]) for i in range(3)]  # pending meanwhile: the next forward's
+        seen = []  # what a caller woken by the first of them sees (the worker sets the rest without letting go of the GIL)
+        waiter = threading.Thread(target=lambda: seen.append(later[0].result(5) is not None and [f.done() for f in later]))
+        waiter.start()
+        gate.set()
+        waiter.join(5)
+        first.result(5)
+        assert [torch.equal(f.result(5), (x * i * 2).half()) for i, f in enumerate(later)] == [True] * 3
+        assert seen == [[True, True, True]]
+    finally:
+        queue.close()
