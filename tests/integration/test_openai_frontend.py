@@ -2,10 +2,14 @@
 `openai` client, sync and async: answers, streams, n, usage, stop strings, errors, hang-ups.
 
 One frontend process for the session (conftest.py's ``frontend``), in front of the session's
-tritonserver.
+tritonserver. The BLS-entry frontend and the one with no Triton behind it run in this process, made
+from their command lines' flags (``in_process_frontend``): the app and the flags are the ones a
+`python -m openai_frontend` process serves, without an interpreter and its imports per frontend (the
+session frontend and the several-workers test start real processes).
 """
 import asyncio
 import subprocess
+from contextlib import contextmanager
 
 import openai
 import pytest
@@ -13,7 +17,7 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from test_metrics import kv_and_requests, scrape
-from triton_helpers import free_port, running_frontend, wait_for
+from triton_helpers import free_port, in_process_frontends, running_frontend, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -42,6 +46,15 @@ def run(coroutine_function, frontend):
 def tokenizer(smollm2_engine_dir):
     from serving.tokenization import load_tokenizer
     return load_tokenizer(smollm2_engine_dir)
+
+
+@contextmanager
+def in_process_frontend(*flags):
+    """The frontend `python -m openai_frontend <flags>` would serve, in this process; yields its base URL."""
+    from openai_frontend.__main__ import config_from_arguments, parse_arguments
+
+    with in_process_frontends({"frontend": config_from_arguments(parse_arguments(list(flags)))}) as urls:
+        yield urls["frontend"]
 
 
 def rendered_prompt_tokens(tokenizer, messages):
@@ -312,9 +325,10 @@ def test_multibyte_text_streams_whole_characters(client, frontend):
     assert not any("\ufffd" in piece for piece in streamed) and unary.usage.completion_tokens == 24
 
 
-def test_unreachable_triton_gets_a_503(smollm2_engine_dir, tmp_path):
+def test_unreachable_triton_gets_a_503(smollm2_engine_dir):
     nowhere = f"127.0.0.1:{free_port()}"  # nothing listens there: Triton is down or still starting
-    with running_frontend(nowhere, smollm2_engine_dir, tmp_path) as url:
+    with in_process_frontend(f"--grpc_url={nowhere}", f"--tokenizer_dir={smollm2_engine_dir}",
+                             f"--served_model_name={MODEL}") as url:
         assert requests.get(f"{url}/health", timeout=10).status_code == 503
         with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client:
             with pytest.raises(openai.InternalServerError) as raised:
@@ -323,11 +337,11 @@ def test_unreachable_triton_gets_a_503(smollm2_engine_dir, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def bls_frontend(triton_server, smollm2_engine_dir, tmp_path_factory):
+def bls_frontend(triton_server, smollm2_engine_dir):
     """A second frontend whose requests go through tensorrt_llm_bls (text in and out) instead of
     straight to tensorrt_llm (the default: ids in and out, decoded in the frontend)."""
-    with running_frontend(triton_server.grpc_url, smollm2_engine_dir, tmp_path_factory.mktemp("openai_bls"),
-                          "--triton_model=tensorrt_llm_bls") as url:
+    with in_process_frontend(f"--grpc_url={triton_server.grpc_url}", f"--tokenizer_dir={smollm2_engine_dir}",
+                             f"--served_model_name={MODEL}", "--triton_model=tensorrt_llm_bls") as url:
         assert wait_for(lambda: requests.get(f"{url}/health", timeout=2).status_code == 200, timeout=30)
         yield url
 
