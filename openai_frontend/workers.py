@@ -14,10 +14,16 @@ def serve(config, host: str, port: int, reuse_port: bool) -> None:
     """One worker: the app on host:port until SIGINT/SIGTERM."""
     from aiohttp import web
 
-    from openai_frontend.app import create_app
+    from openai_frontend.app import FRONTEND, create_app
 
+    app = create_app(config)
+    images = app[FRONTEND].images
+    if images is not None:  # a vision tower in this process (its encode queue's launches stop during a full GC pass)
+        from engine.executor.gc_freeze import freeze_after_load
+
+        freeze_after_load(images.runner.device)  # (on CUDA: what the start made is never scanned again)
     # handler_cancellation: a client that hangs up cancels its handler, which cancels the Triton call.
-    web.run_app(create_app(config), host=host, port=port, handler_cancellation=True, access_log=None,
+    web.run_app(app, host=host, port=port, handler_cancellation=True, access_log=None,
                 print=None, reuse_port=reuse_port or None)
 
 
