@@ -41,6 +41,7 @@ from kernels._triton import jit, tl, triton, use_triton
 from kernels.fused_moe import choose_block_m, gemm_config, moe_align, moe_forward, route_tokens
 from kernels.moe_decode import (DECODE_TILES, MAX_TOKENS, W_INT4, fused_decode_enabled, int4_tiles_fit,
                                 moe_decode_triton)
+from kernels.moe_gemv import gemv_tiles, moe_gemv_triton
 from kernels.moe_blocks import (activation_tiles, block_rows, expert_block_launch, expert_block_tile,
                                  past_padded_blocks, routing_tensors, store_rows, tile_dot)
 from kernels.wna16 import dequantize, unpack_codes, unpack_int4
@@ -504,11 +505,18 @@ def decode_fits(x: torch.Tensor, gate_up: WNA16Experts, down: WNA16Experts) -> b
                                DECODE_TILES[W_INT4]))
 
 
+def gemv_quantization(gate_up: WNA16Experts, down: WNA16Experts) -> dict:
+    """moe_gemv_triton's scale and zero keywords for 4-bit experts in the kernel layout."""
+    return dict(gate_up_scale=gate_up.kernel["scale"], down_scale=down.kernel["scale"],
+                gate_up_zero=gate_up.kernel["zero"], down_zero=down.kernel["zero"])
+
+
 def moe_forward_wna16(x: torch.Tensor, router_logits: torch.Tensor, gate_up: WNA16Experts, down: WNA16Experts,
                       top_k: int, renormalize: bool) -> torch.Tensor:
     """kernels.fused_moe.moe_forward with quantized experts: x (T, H) -> (T, H) in x's dtype. The
     Triton kernels where the experts are in the kernel layout (CUDA), else the dequantized reference.
-    With TRITONLLM_MOE_DECODE=fused, 4-bit experts at 1-16 tokens take kernels/moe_decode.py's one launch."""
+    With TRITONLLM_MOE_DECODE=fused, 4-bit experts at 1-16 tokens take kernels/moe_decode.py's one launch; else
+    the token counts the load-time choice marked on gate_up's codes take kernels/moe_gemv.py's GEMV launches."""
     if not (use_triton(x) and gate_up.kernel):
         return moe_forward(x, router_logits, gate_up.dense, down.dense, top_k, renormalize)
     if fused_decode_enabled() and decode_fits(x, gate_up, down):  # opt-in: kernels/moe_decode.py's one launch
@@ -516,6 +524,10 @@ def moe_forward_wna16(x: torch.Tensor, router_logits: torch.Tensor, gate_up: WNA
                                  router_logits=router_logits, renormalize=renormalize,
                                  gate_up_scale=gate_up.kernel["scale"], down_scale=down.kernel["scale"],
                                  gate_up_zero=gate_up.kernel["zero"], down_zero=down.kernel["zero"])
+    if gate_up.bits == 4 and (tiles := gemv_tiles(gate_up.kernel["weight"], x.shape[0])) is not None:  # chosen at load
+        return moe_gemv_triton(x, gate_up.kernel["weight"], down.kernel["weight"], top_k=top_k,
+                               router_logits=router_logits, renormalize=renormalize, tiles=tiles,
+                               **gemv_quantization(gate_up, down))
     if x.shape[0] == 1:
         return moe_single_token_wna16_triton(x, router_logits, gate_up, down, top_k, renormalize)
     topk_weights, topk_ids = route_tokens(router_logits, top_k, renormalize)

@@ -28,8 +28,8 @@ import torch
 from kernels import choice_cache, fused_moe
 from kernels._triton import use_triton
 from kernels.fused_moe import DECODE_TILES_ATTR, SINGLE_TOKEN_TILES, _grouped_gemm
-from kernels.moe_gemv import mark_gemv
-from kernels.moe_gemv_choice import choose_gemv
+from kernels.moe_gemv import GemvExperts, mark_gemv
+from kernels.moe_gemv_choice import choose_gemv, gemv_key
 
 TILES_ENV = "TRITONLLM_MOE_DECODE_TILES"
 
@@ -62,19 +62,22 @@ def choose_decode_tiles(experts: list[tuple]) -> dict[tuple, dict]:
     the fastest pair. Returns {(E, 2I, H, K, dtype): report} for the load log / benches; {} off CUDA
     (the interpreter included), for other dtypes, or with $TRITONLLM_MOE_DECODE_TILES=0.
 
-    An entry may go on with (gate_up_scale, down_scale, activation dtype) (scales None for model-dtype experts):
-    experts that moe_forward / moe_forward_fp8 take, for which kernels/moe_gemv_choice.py also chooses, per token
-    count, between their grouped path and kernels/moe_gemv.py's GEMV launches (reports keyed ("gemv", ...))."""
+    An entry may also be a GemvExperts (kernels/moe_gemv.py): experts that moe_forward / moe_forward_fp8 /
+    moe_forward_wna16 take, for which kernels/moe_gemv_choice.py also chooses, per token count, between their
+    grouped path and the GEMV launches (reports keyed ("gemv", ...)); model-dtype ones get the tile choice too."""
     reports: dict[tuple, dict] = {}
     gemv_reports: dict[tuple, dict | None] = {}
-    for gate_up, down, top_k, *gemv_args in experts:
-        _choose_tiles(gate_up, down, top_k, reports)
-        if gemv_args:
-            key = ("gemv", *gate_up.shape, top_k, str(gate_up.dtype), str(gemv_args[-1]))
-            if key not in gemv_reports:
-                gemv_reports[key] = choose_gemv(gate_up, down, top_k, *gemv_args)
-            elif gemv_reports[key] is not None:
-                mark_gemv(gate_up, gemv_reports[key]["tiles"])
+    for entry in experts:
+        if not isinstance(entry, GemvExperts):
+            _choose_tiles(*entry, reports)
+            continue
+        if entry.gate_up_scale is None:
+            _choose_tiles(entry.gate_up, entry.down, entry.top_k, reports)
+        key = ("gemv", *gemv_key(entry))
+        if key not in gemv_reports:
+            gemv_reports[key] = choose_gemv(entry)
+        elif gemv_reports[key] is not None:
+            mark_gemv(entry.gate_up, gemv_reports[key]["tiles"])
     return {**reports, **{key: report for key, report in gemv_reports.items() if report is not None}}
 
 

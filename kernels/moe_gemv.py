@@ -35,6 +35,8 @@ step of the activations.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -45,7 +47,7 @@ from kernels.moe_decode import _dequantized  # (one expert's weight in float32: 
 from kernels.moe_routing import _top_k_of_row
 
 MAX_TOKENS = 8  # the token counts the load-time choice times (1, 2, 4, 8); more take the grouped path
-NO_SCALES, ROW_SCALES, BLOCK_SCALES = 0, 1, 2
+NO_SCALES, ROW_SCALES, BLOCK_SCALES, INT4_GROUPS = 0, 1, 2, 3
 
 # On a gate_up expert tensor: {tokens: (gate_up tiles, down tiles)} for the token counts at which the load-time
 # choice found this path faster (kernels/moe_gemv_choice.py); absent or a count missing: the grouped path.
@@ -63,25 +65,75 @@ DEFAULT_TILES = ((16, 512, 4, 2), (16, 256, 4, 2))
 assert all(t in GEMV_TILES for t in DEFAULT_TILES)
 
 
+def candidate_tiles(kind: int) -> tuple:
+    """GEMV_TILES a weight kind compiles without spills (sm_90, Triton 3.9): 4-bit steps of at most 512 bytes
+    (1,024 unrolls eight pieces of two activation slices each: 255 registers and a 184-byte stack)."""
+    return tuple(t for t in GEMV_TILES if kind != INT4_GROUPS or t[1] <= 512)
+
+
+@dataclass
+class GemvExperts:
+    """One sparse layer's routed experts as this path and its load-time choice take them (a model's
+    ``decode_experts``): gate_up / down and their scales and zeros as moe_gemv_triton's arguments, the experts a
+    token, the activations' dtype; ``wna16``: 4-bit experts' WNA16Experts pair (kernels/fused_moe_wna16.py), the
+    grouped path's arguments, which the choice times against."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    top_k: int
+    dtype: torch.dtype
+    gate_up_scale: torch.Tensor | None = None
+    down_scale: torch.Tensor | None = None
+    gate_up_zero: torch.Tensor | None = None
+    down_zero: torch.Tensor | None = None
+    wna16: tuple | None = None
+
+    def quantization(self) -> dict:
+        """moe_gemv_triton's scale and zero keywords."""
+        return dict(gate_up_scale=self.gate_up_scale, down_scale=self.down_scale, gate_up_zero=self.gate_up_zero,
+                    down_zero=self.down_zero)
+
+
 def scale_kind(gate_up: torch.Tensor, gate_up_scale: torch.Tensor | None) -> int:
-    """NO_SCALES (model-dtype experts), ROW_SCALES (FP8 per channel) or BLOCK_SCALES (FP8 128 x 128)."""
+    """NO_SCALES (model-dtype experts), ROW_SCALES (FP8 per channel), BLOCK_SCALES (FP8 128 x 128) or INT4_GROUPS
+    (4-bit codes in kernels/fused_moe_wna16.py's kernel layout, uint8)."""
     if gate_up_scale is None:
         return NO_SCALES
-    assert gate_up.dtype == FP8_DTYPE, f"scaled GEMV experts are {FP8_DTYPE}, got {gate_up.dtype}"
+    if gate_up.dtype == torch.uint8:
+        return INT4_GROUPS
+    assert gate_up.dtype == FP8_DTYPE, f"scaled GEMV experts are {FP8_DTYPE} or 4-bit codes, got {gate_up.dtype}"
     return ROW_SCALES if gate_up_scale.dim() == 2 else BLOCK_SCALES
 
 
+def int4_piece(stored: int, group: int, block_k: int) -> int:
+    """SUB_K of 4-bit experts: the largest power of two <= min(block_k, 128), at least 16, dividing the group size
+    and the stored bytes a row (so each piece's low and high columns lie in one group each); 0 where none does."""
+    size = min(block_k, 128)
+    while size >= 16:
+        if group % size == 0 and stored % size == 0:
+            return size
+        size //= 2
+    return 0
+
+
 def gemv_supported(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.Tensor | None,
-                   tiles: tuple = DEFAULT_TILES) -> bool:
-    """1..MAX_TOKENS tokens, gated experts in x's dtype or FP8, and blocked scales whose 128-row blocks the
-    tiles do not straddle."""
+                   down_scale: torch.Tensor | None = None, *, tiles: tuple = DEFAULT_TILES) -> bool:
+    """1..MAX_TOKENS tokens, gated experts in x's dtype, FP8 or 4 bits, and scales each of ``tiles`` (tile tuples:
+    a (gate_up, down) pair or the candidates) suits: blocked FP8
+    scales whose 128-row blocks the tiles do not straddle; 4-bit groups that hold whole pieces (int4_piece)."""
     if not 1 <= x.shape[0] <= MAX_TOKENS:
         return False
     if gate_up_scale is None:
         return gate_up.dtype == x.dtype
+    inter = gate_up.shape[1] // 2
+    if gate_up.dtype == torch.uint8:
+        stored_h, hidden = gate_up.shape[2], x.shape[1]
+        if down_scale is None or hidden != 2 * stored_h or inter % 2:
+            return False
+        group, group_down = hidden // gate_up_scale.shape[1], inter // down_scale.shape[1]
+        return all(int4_piece(stored_h, group, t[1]) and int4_piece(inter // 2, group_down, t[1]) for t in tiles)
     if gate_up.dtype != FP8_DTYPE:
         return False
-    inter = gate_up.shape[1] // 2
     return gate_up_scale.dim() == 2 or (inter % SCALE_BLOCK == 0 and all(SCALE_BLOCK % t[0] == 0 for t in tiles))
 
 
@@ -138,8 +190,48 @@ def _stream_rows(acc, acc_2, x_ptr, w_rows, w_rows_2, rows_ok, s_row, s_row_2, K
 
 
 @jit
+def _stream_int4_rows(acc, acc_2, x_ptr, w_rows, w_rows_2, rows, rows_2, rows_ok, s_ptr, z_ptr, stride_sg, KS, group,
+                      TWO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr):
+    """_stream_rows for 4-bit codes in kernels/fused_moe_wna16.py's kernel layout: byte j of a row holds columns j
+    (low nibble) and KS + j (high nibble), KS the stored bytes a row; scale / zero (groups, N) of the expert at
+    s_ptr / z_ptr (group stride stride_sg), one pair a row a piece (SUB_K divides the group size and KS).
+    A code becomes a float by its bits (0x4B000000 | code is 2^23 + code), less 2^23 + zero exactly, times the
+    scale: (code - zero) * scale as the reference dequantizes it, in float32."""
+    zero_rows = tl.zeros([BLOCK_N, 1], dtype=tl.int32)
+    for k0 in range(0, KS, BLOCK_K):
+        for j in tl.static_range(BLOCK_K // SUB_K):
+            kb = k0 + j * SUB_K
+            k = kb + tl.arange(0, SUB_K)
+            k_ok = (zero_rows + k[None, :]) < KS
+            piece_ok = rows_ok & ((rows * 0 + kb) < KS)
+            q = tl.load(w_rows + k[None, :], mask=rows_ok[:, None] & k_ok, other=0).to(tl.int32)
+            x_lo = tl.load(x_ptr + zero_rows + k[None, :], mask=k_ok, other=0.0).to(tl.float32)
+            x_hi = tl.load(x_ptr + KS + zero_rows + k[None, :], mask=k_ok, other=0.0).to(tl.float32)
+            g_lo = (kb // group) * stride_sg
+            g_hi = ((KS + kb) // group) * stride_sg
+            acc += _int4_products(q, x_lo, x_hi, s_ptr, z_ptr, g_lo, g_hi, rows, piece_ok)
+            if TWO:
+                q_2 = tl.load(w_rows_2 + k[None, :], mask=rows_ok[:, None] & k_ok, other=0).to(tl.int32)
+                acc_2 += _int4_products(q_2, x_lo, x_hi, s_ptr, z_ptr, g_lo, g_hi, rows_2, piece_ok)
+    return acc, acc_2
+
+
+@jit
+def _int4_products(q, x_lo, x_hi, s_ptr, z_ptr, g_lo, g_hi, rows, ok):
+    """(BLOCK_N, SUB_K) float32: both nibbles of the bytes q dequantized (their groups' scale and zero of each
+    row) times their columns of x."""
+    s_lo = tl.load(s_ptr + g_lo + rows, mask=ok, other=0.0)[:, None]
+    s_hi = tl.load(s_ptr + g_hi + rows, mask=ok, other=0.0)[:, None]
+    z_lo = 8388608.0 + tl.load(z_ptr + g_lo + rows, mask=ok, other=0).to(tl.float32)[:, None]
+    z_hi = 8388608.0 + tl.load(z_ptr + g_hi + rows, mask=ok, other=0).to(tl.float32)[:, None]
+    lo = ((q & 15) | 0x4B000000).to(tl.float32, bitcast=True) - z_lo
+    hi = (((q >> 4) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - z_hi
+    return lo * (x_lo * s_lo) + hi * (x_hi * s_hi)
+
+
+@jit
 def _gemv_gate_up_kernel(
-    x_ptr, logits_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, act_ptr, num_experts, H, I,
+    x_ptr, logits_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, act_ptr, num_experts, H, I, group,
     stride_x, stride_l, stride_we, stride_wn, stride_se, stride_sn, stride_act,
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, ROUTE_IN_KERNEL: tl.constexpr,
     RENORMALIZE: tl.constexpr, SCALES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
@@ -170,8 +262,13 @@ def _gemv_gate_up_kernel(
     s_gate = s_ptr + e64 * stride_se + ((tile * BLOCK_N) // 128) * stride_sn
     s_up = s_ptr + e64 * stride_se + ((tile * BLOCK_N + I) // 128) * stride_sn
     acc = tl.zeros([BLOCK_N, SUB_K], dtype=tl.float32)
-    acc, acc_up = _stream_rows(acc, acc, x_row, gate_rows, gate_rows + I * stride_wn, rows_ok, s_gate, s_up, H, True,
-                               SCALES == 2, BLOCK_N, BLOCK_K, SUB_K)
+    if SCALES == 3:  # H counts stored bytes; scale / zero (E, groups, 2I): stride_sn is the group stride
+        acc, acc_up = _stream_int4_rows(acc, acc, x_row, gate_rows, gate_rows + I * stride_wn, rows, rows + I, rows_ok,
+                                        s_ptr + e64 * stride_se, z_ptr + e64 * stride_se, stride_sn, H, group, True,
+                                        BLOCK_N, BLOCK_K, SUB_K)
+    else:
+        acc, acc_up = _stream_rows(acc, acc, x_row, gate_rows, gate_rows + I * stride_wn, rows_ok, s_gate, s_up, H,
+                                   True, SCALES == 2, BLOCK_N, BLOCK_K, SUB_K)
     gate = tl.sum(acc, 1)
     up = tl.sum(acc_up, 1)
     if SCALES == 1:
@@ -183,7 +280,7 @@ def _gemv_gate_up_kernel(
 
 @jit
 def _gemv_down_kernel(
-    act_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, out_ptr, H, I,
+    act_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, out_ptr, H, I, group,
     stride_act, stride_we, stride_wn, stride_se, stride_sn, stride_o,
     SCALES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -198,8 +295,13 @@ def _gemv_down_kernel(
     w_rows = w_ptr + e64 * stride_we + rows.to(tl.int64)[:, None] * stride_wn
     s_rows = s_ptr + e64 * stride_se + ((tile * BLOCK_N) // 128) * stride_sn
     acc = tl.zeros([BLOCK_N, SUB_K], dtype=tl.float32)
-    acc, _ = _stream_rows(acc, acc, act_ptr + a.to(tl.int64) * stride_act, w_rows, w_rows, rows_ok, s_rows, s_rows, I,
-                          False, SCALES == 2, BLOCK_N, BLOCK_K, SUB_K)
+    act_row = act_ptr + a.to(tl.int64) * stride_act
+    if SCALES == 3:  # I counts stored bytes; scale / zero (E, groups, H)
+        acc, _ = _stream_int4_rows(acc, acc, act_row, w_rows, w_rows, rows, rows, rows_ok, s_ptr + e64 * stride_se,
+                                   z_ptr + e64 * stride_se, stride_sn, I, group, False, BLOCK_N, BLOCK_K, SUB_K)
+    else:
+        acc, _ = _stream_rows(acc, acc, act_row, w_rows, w_rows, rows_ok, s_rows, s_rows, I, False, SCALES == 2,
+                              BLOCK_N, BLOCK_K, SUB_K)
     y = tl.sum(acc, 1)
     if SCALES == 1:
         y *= tl.load(s_ptr + e64 * stride_se + rows, mask=rows_ok, other=0.0)
@@ -211,17 +313,29 @@ def moe_gemv_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
                     router_logits: torch.Tensor | None = None, renormalize: bool = False,
                     topk_weights: torch.Tensor | None = None, topk_ids: torch.Tensor | None = None,
                     gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
+                    gate_up_zero: torch.Tensor | None = None, down_zero: torch.Tensor | None = None,
                     tiles: tuple | None = None, sum_experts: bool = True) -> torch.Tensor:
     """The two launches: out_k (T, K, H), or summed over K in float32 (T, H) with ``sum_experts``. Routing from
     ``router_logits`` (T, E) inside gate_up's launch, or ``topk_weights`` / ``topk_ids`` (T, K) given.
-    ``tiles``: (gate_up's, down's) (BLOCK_N, BLOCK_K, num_warps, num_stages), else DEFAULT_TILES."""
+    ``tiles``: (gate_up's, down's) (BLOCK_N, BLOCK_K, num_warps, num_stages), else DEFAULT_TILES. 4-bit experts:
+    gate_up / down uint8 (E, 2I, H / 2) / (E, H, I / 2), scales float32 and zeros uint8 (E, K / G, N)
+    (kernels/fused_moe_wna16.py's kernel layout); BLOCK_K counts stored bytes."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = gate_up.shape
     inter = two_inter // 2
     kind = scale_kind(gate_up, gate_up_scale)
     tiles = tiles or DEFAULT_TILES
-    assert gemv_supported(x, gate_up, gate_up_scale, tiles) and x.stride(1) == 1
-    assert gate_up.is_contiguous() and down.is_contiguous() and down.shape == (num_experts, hidden, inter)
+    assert gemv_supported(x, gate_up, gate_up_scale, down_scale, tiles=tiles) and x.stride(1) == 1
+    k_gate_up, k_down = (hidden // 2, inter // 2) if kind == INT4_GROUPS else (hidden, inter)  # columns or bytes a row
+    assert gate_up.is_contiguous() and down.is_contiguous() and down.shape == (num_experts, hidden, k_down)
+    (gn, gk, gw, gs), (dn, dk, dw, ds) = tiles
+    group = group_down = 0
+    gate_up_piece, down_piece = min(gk, 128), min(dk, 128)
+    if kind == INT4_GROUPS:
+        assert gate_up_scale.is_contiguous() and down_scale.is_contiguous()
+        assert gate_up_zero.shape == gate_up_scale.shape and down_zero.shape == down_scale.shape
+        group, group_down = hidden // gate_up_scale.shape[1], inter // down_scale.shape[1]
+        gate_up_piece, down_piece = int4_piece(k_gate_up, group, gk), int4_piece(k_down, group_down, dk)
     route = router_logits is not None
     if route:
         assert router_logits.shape == (num_tokens, num_experts) and router_logits.stride(1) == 1
@@ -231,23 +345,23 @@ def moe_gemv_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
         ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
         weights = topk_weights.reshape(-1).float().contiguous()
     gu_s, d_s = (gate_up_scale, down_scale) if kind else (weights, weights)  # (unread without scales)
+    gu_z, d_z = (gate_up_zero, down_zero) if kind == INT4_GROUPS else (gate_up, down)  # (unread without zeros)
     gu_s3 = gu_s[..., None] if kind == ROW_SCALES else gu_s  # (per channel: the row index is added in the kernel)
     d_s3 = d_s[..., None] if kind == ROW_SCALES else d_s
     act = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
-    (gn, gk, gw, gs), (dn, dk, dw, ds) = tiles
     pdl = pdl_options(x)
     _gemv_gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, gn))](
-        x, router_logits if route else x, ids, weights, gate_up, gu_s, act, num_experts, hidden, inter,
+        x, router_logits if route else x, ids, weights, gate_up, gu_s, gu_z, act, num_experts, k_gate_up, inter, group,
         x.stride(0), router_logits.stride(0) if route else 0, gate_up.stride(0), gate_up.stride(1),
         gu_s3.stride(0) if kind else 0, gu_s3.stride(1) if kind else 0, act.stride(0),
         TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(num_experts),
-        ROUTE_IN_KERNEL=route, RENORMALIZE=renormalize, SCALES=kind, BLOCK_N=gn, BLOCK_K=gk, SUB_K=min(gk, 128),
+        ROUTE_IN_KERNEL=route, RENORMALIZE=renormalize, SCALES=kind, BLOCK_N=gn, BLOCK_K=gk, SUB_K=gate_up_piece,
         num_warps=gw, num_stages=gs, **pdl)
     out_k = torch.empty(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)
     _gemv_down_kernel[(num_tokens * top_k, triton.cdiv(hidden, dn))](
-        act, ids, weights, down, d_s, out_k, hidden, inter, act.stride(0), down.stride(0), down.stride(1),
-        d_s3.stride(0) if kind else 0, d_s3.stride(1) if kind else 0, out_k.stride(0),
-        SCALES=kind, BLOCK_N=dn, BLOCK_K=dk, SUB_K=min(dk, 128), num_warps=dw, num_stages=ds, **pdl)
+        act, ids, weights, down, d_s, d_z, out_k, hidden, k_down, group_down, act.stride(0), down.stride(0),
+        down.stride(1), d_s3.stride(0) if kind else 0, d_s3.stride(1) if kind else 0, out_k.stride(0),
+        SCALES=kind, BLOCK_N=dn, BLOCK_K=dk, SUB_K=down_piece, num_warps=dw, num_stages=ds, **pdl)
     out_k = out_k.view(num_tokens, top_k, hidden)
     return out_k.float().sum(dim=1).to(x.dtype) if sum_experts else out_k
 

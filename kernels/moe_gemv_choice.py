@@ -1,12 +1,13 @@
 """The load-time choice between the grouped one-token path and kernels/moe_gemv.py's two GEMV launches for a
 layer's routed experts, per token count (1, 2, 4, 8), by timing both as the engine calls them.
 
-For each count T: the grouped path (kernels/fused_moe.py moe_forward, or fused_moe_fp8.py moe_forward_fp8 for
-FP8 experts, with whatever tiles are marked already) and the GEMV path with each of GEMV_TILES for gate_up (down
-at the default), then each for down (gate_up at its best), all from router logits to the unsummed (T, K, H)
-rows. CUDA-graph replays alternate up to four sets of experts, so the weights come from HBM as a decode step's
-do (one token's eight Qwen3-30B-A3B block-FP8 experts, 38 MB, would fit in the H200's L2). The GEMV pair is
-marked (kernels/moe_gemv.py mark_gemv) where it times at least 2% faster than the grouped path.
+For each count T: the grouped path (kernels/fused_moe.py moe_forward, fused_moe_fp8.py moe_forward_fp8 for FP8
+experts or fused_moe_wna16.py moe_forward_wna16 for 4-bit ones, with whatever tiles are marked already) and the
+GEMV path with each of GEMV_TILES for gate_up (down at the default), then each for down (gate_up at its best),
+all from router logits to the unsummed (T, K, H) rows (4 bits: summed, as moe_forward_wna16 returns them).
+CUDA-graph replays alternate up to four sets of experts, so the weights come from HBM as a decode step's do
+(one token's eight Qwen3-30B-A3B block-FP8 experts, 38 MB, would fit in the H200's L2). The GEMV pair is marked
+(kernels/moe_gemv.py mark_gemv) where it times at least 2% faster than the grouped path.
 
 A choice goes through the persistent choice cache (kernels/choice_cache.py, family "moe_gemv"), so a restart on
 the same GPU times nothing. $TRITONLLM_MOE_GEMV=0 leaves every layer on the grouped path (nothing timed).
@@ -17,9 +18,10 @@ import os
 
 import torch
 
-from kernels import choice_cache, fused_moe, fused_moe_fp8, moe_gemv
+from kernels import choice_cache, fused_moe, fused_moe_fp8, fused_moe_wna16, moe_gemv
 from kernels._triton import use_triton
-from kernels.moe_gemv import DEFAULT_TILES, GEMV_ATTR, GEMV_TILES, gemv_supported, mark_gemv, moe_gemv_triton
+from kernels.moe_gemv import (DEFAULT_TILES, GEMV_ATTR, GEMV_TILES, GemvExperts, candidate_tiles, gemv_supported,
+                              mark_gemv, moe_gemv_triton)
 
 GEMV_ENV = "TRITONLLM_MOE_GEMV"
 TIMED_TOKENS = (1, 2, 4, 8)
@@ -41,33 +43,43 @@ def routing_sets(num_tokens: int, num_experts: int, top_k: int, device) -> list[
 
 
 @torch.inference_mode()
-def choose_gemv(gate_up: torch.Tensor, down: torch.Tensor, top_k: int, gate_up_scale: torch.Tensor | None,
-                down_scale: torch.Tensor | None, dtype: torch.dtype) -> dict | None:
-    """Times (or reads from the cache) and marks ``gate_up``; returns the report, or None where the path does not
-    apply (off CUDA, the interpreter, unsupported experts, or $TRITONLLM_MOE_GEMV=0)."""
-    probe = torch.empty(1, gate_up.shape[2], dtype=dtype, device=gate_up.device)
+def choose_gemv(experts: GemvExperts) -> dict | None:
+    """Times (or reads from the cache) and marks ``experts.gate_up``; returns the report, or None where the path
+    does not apply (off CUDA, the interpreter, unsupported experts, or $TRITONLLM_MOE_GEMV=0)."""
+    gate_up, dtype = experts.gate_up, experts.dtype
+    hidden = experts.down.shape[1]
+    probe = torch.empty(1, hidden, dtype=dtype, device=gate_up.device)
     if (os.environ.get(GEMV_ENV, "1").strip() == "0" or gate_up.device.type != "cuda" or not use_triton(gate_up)
-            or dtype not in (torch.float16, torch.bfloat16) or not gemv_supported(probe, gate_up, gate_up_scale, GEMV_TILES)):
+            or dtype not in (torch.float16, torch.bfloat16)
+            or not gemv_supported(probe, gate_up, experts.gate_up_scale, experts.down_scale, tiles=GEMV_TILES)
+            or (gate_up.dtype == torch.uint8 and experts.wna16 is None)):
         return None
-    kind = moe_gemv.scale_kind(gate_up, gate_up_scale)
-    key = (*gate_up.shape, top_k, str(gate_up.dtype).removeprefix("torch."), kind, str(dtype).removeprefix("torch."))
     if hasattr(gate_up, GEMV_ATTR):
         delattr(gate_up, GEMV_ATTR)  # (the grouped path is timed as itself)
     report = choice_cache.timed_report(
-        "moe_gemv", key, gate_up.device, lambda: time_gemv(gate_up, down, top_k, gate_up_scale, down_scale, dtype),
-        sources=(__file__, moe_gemv.__file__, fused_moe.__file__, fused_moe_fp8.__file__), candidates=GEMV_TILES,
-        valid=lambda r: set(r.get("tiles", {})) == set(TIMED_TOKENS))
+        "moe_gemv", gemv_key(experts), gate_up.device, lambda: time_gemv(experts),
+        sources=(__file__, moe_gemv.__file__, fused_moe.__file__, fused_moe_fp8.__file__, fused_moe_wna16.__file__),
+        candidates=GEMV_TILES, valid=lambda r: set(r.get("tiles", {})) == set(TIMED_TOKENS))
     mark_gemv(gate_up, report["tiles"])
     return report
 
 
-def time_gemv(gate_up: torch.Tensor, down: torch.Tensor, top_k: int, gate_up_scale: torch.Tensor | None,
-              down_scale: torch.Tensor | None, dtype: torch.dtype) -> dict:
+def gemv_key(experts: GemvExperts) -> tuple:
+    """What a choice depends on: the experts' shapes and dtypes, their scales' shape, K and the activations' dtype."""
+    scale = experts.gate_up_scale
+    return (*experts.gate_up.shape, *experts.down.shape[1:], experts.top_k,
+            str(experts.gate_up.dtype).removeprefix("torch."), None if scale is None else tuple(scale.shape[1:]),
+            str(experts.dtype).removeprefix("torch."))
+
+
+def time_gemv(experts: GemvExperts) -> dict:
     """{"tiles": {T: (gate_up tiles, down tiles) or None}, "grouped_us": {T: us}, "gemv_us": {T: us},
     "gate_up_us" / "down_us": {T: {tiles: us}}}: device microseconds a call, routing included."""
     from kernels.linear import _TOO_LARGE, graph_time_ms
 
-    num_experts, _, hidden = gate_up.shape
+    gate_up, down, top_k, dtype = experts.gate_up, experts.down, experts.top_k, experts.dtype
+    num_experts, hidden = gate_up.shape[0], down.shape[1]
+    candidates = candidate_tiles(moe_gemv.scale_kind(gate_up, experts.gate_up_scale))
     device = gate_up.device
     report: dict = {"tiles": {}, "grouped_us": {}, "gemv_us": {}, "gate_up_us": {}, "down_us": {}}
     for tokens in TIMED_TOKENS:
@@ -80,15 +92,17 @@ def time_gemv(gate_up: torch.Tensor, down: torch.Tensor, top_k: int, gate_up_sca
             return sets[turn[0] % len(sets)]
 
         def grouped() -> None:
-            if gate_up_scale is None:
+            if experts.wna16 is not None:
+                fused_moe_wna16.moe_forward_wna16(x, logits(), *experts.wna16, top_k, True)
+            elif experts.gate_up_scale is None:
                 fused_moe.moe_forward(x, logits(), gate_up, down, top_k, True, sum_experts=False)
             else:
-                fused_moe_fp8.moe_forward_fp8(x, logits(), gate_up, gate_up_scale, down, down_scale, top_k, True,
-                                              sum_experts=False)
+                fused_moe_fp8.moe_forward_fp8(x, logits(), gate_up, experts.gate_up_scale, down, experts.down_scale,
+                                              top_k, True, sum_experts=False)
 
         def gemv(tiles: tuple) -> None:
-            moe_gemv_triton(x, gate_up, down, top_k=top_k, router_logits=logits(), renormalize=True,
-                            gate_up_scale=gate_up_scale, down_scale=down_scale, tiles=tiles, sum_experts=False)
+            moe_gemv_triton(x, gate_up, down, top_k=top_k, router_logits=logits(), renormalize=True, tiles=tiles,
+                            sum_experts=experts.wna16 is not None, **experts.quantization())
 
         def timed(tiles: tuple) -> float | None:
             try:
@@ -98,9 +112,9 @@ def time_gemv(gate_up: torch.Tensor, down: torch.Tensor, top_k: int, gate_up_sca
             return graph_time_ms(lambda: gemv(tiles)) * 1e3
 
         grouped_us = graph_time_ms(grouped) * 1e3
-        gate_up_us = {t: us for t in GEMV_TILES if (us := timed((t, DEFAULT_TILES[1]))) is not None}
+        gate_up_us = {t: us for t in candidates if (us := timed((t, DEFAULT_TILES[1]))) is not None}
         best_gate_up = min(gate_up_us, key=gate_up_us.get)
-        down_us = {t: us for t in GEMV_TILES if (us := timed((best_gate_up, t))) is not None}
+        down_us = {t: us for t in candidates if (us := timed((best_gate_up, t))) is not None}
         best_down = min(down_us, key=down_us.get)
         report["grouped_us"][tokens] = grouped_us
         report["gemv_us"][tokens] = down_us[best_down]

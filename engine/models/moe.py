@@ -44,7 +44,8 @@ from kernels.fp8 import FP8_DTYPE
 from kernels.fp8_block import blocks
 from kernels.fused_moe import fused_moe, moe_forward, route_tokens, warm_up_token_counts
 from kernels.fused_moe_fp8 import moe_forward_fp8
-from kernels.fused_moe_wna16 import WNA16Experts, moe_forward_wna16, prepare_wna16_experts
+from kernels.fused_moe_wna16 import WNA16Experts, gemv_quantization, moe_forward_wna16, prepare_wna16_experts
+from kernels.moe_gemv import GemvExperts
 from kernels.moe_grouped_routing import route_grouped
 from kernels.wna16 import stored_columns
 
@@ -190,20 +191,25 @@ class MoeForCausalLM(LlamaForCausalLM):
         layer run on zeros, without the all-reduce (no collective: ranks may warm up apart)."""
         warm_up_experts(next((layer.moe for layer in self.layers if layer.moe is not None), None), max_tokens)
 
-    def decode_experts(self) -> list[tuple]:
-        """(gate_up, down, top_k, gate_up_scale, down_scale, model dtype) of each sparse layer whose experts
-        moe_forward / moe_forward_fp8 take (SiLU, softmax routing; scales None in the model dtype; integer
-        experts have their own kernels): the runner's load-time choice (kernels/moe_decode_tiles.py) times the
-        one-token grouped tiles and, per decode token count, the grouped path against kernels/moe_gemv.py's
-        GEMV launches, and marks gate_up with what won."""
+    def decode_experts(self) -> list[GemvExperts]:
+        """Each sparse layer's experts that moe_forward / moe_forward_fp8 / moe_forward_wna16 take (SiLU, softmax
+        routing; 4-bit ones once in the kernels' layout): the runner's load-time choice
+        (kernels/moe_decode_tiles.py) times the one-token grouped tiles (model dtype) and, per decode token
+        count, the grouped path against kernels/moe_gemv.py's GEMV launches, and marks gate_up with what won."""
         found = []
         for layer in self.layers:
             moe = layer.moe
-            if moe is None or moe.grouped or moe.activation != "silu" or moe.weight_only is not None:
+            if moe is None or moe.grouped or moe.activation != "silu":
+                continue
+            if moe.weight_only is not None:
+                if moe.experts is not None and moe.experts[0].kernel and moe.weight_only.bits == 4:
+                    gate_up, down = moe.experts
+                    found.append(GemvExperts(gate_up.kernel["weight"], down.kernel["weight"], moe.top_k, moe.dtype,
+                                             **gemv_quantization(gate_up, down), wna16=moe.experts))
                 continue
             fp8 = moe.gate_up_proj.dtype == FP8_DTYPE
-            found.append((moe.gate_up_proj, moe.down_proj, moe.top_k, moe.gate_up_proj_scale if fp8 else None,
-                          moe.down_proj_scale if fp8 else None, moe.dtype))
+            found.append(GemvExperts(moe.gate_up_proj, moe.down_proj, moe.top_k, moe.dtype,
+                                     moe.gate_up_proj_scale if fp8 else None, moe.down_proj_scale if fp8 else None))
         return found
 
 

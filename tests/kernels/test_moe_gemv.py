@@ -22,8 +22,9 @@ from test_moe_decode import experts as moe_decode_experts
 from kernels.fused_moe import fused_moe_ref, route_tokens_ref
 from kernels.fused_moe_fp8 import fused_moe_fp8_ref
 from kernels.moe_decode_tiles import choose_decode_tiles
-from kernels.moe_gemv import (BLOCK_SCALES, GEMV_ATTR, GEMV_TILES, MAX_TOKENS, NO_SCALES, ROW_SCALES, gemv_supported,
-                              gemv_tiles, mark_gemv, moe_gemv_ref, moe_gemv_triton)
+from kernels.moe_gemv import (BLOCK_SCALES, GEMV_ATTR, GEMV_TILES, INT4_GROUPS, MAX_TOKENS, NO_SCALES, ROW_SCALES,
+                              GemvExperts, candidate_tiles, gemv_supported, gemv_tiles, mark_gemv, moe_gemv_ref,
+                              moe_gemv_triton)
 
 HIDDEN, INTER, EXPERTS, TOP_K = 256, 128, 8, 2
 TILES = ((64, 128, 8, 2), (64, 128, 8, 2))  # few programs: the interpreter's time
@@ -71,6 +72,37 @@ def test_kernel_equals_reference(device, num_tokens, kind):
     assert relative_error(out, ref) < TOLERANCES[dtype]
 
 
+def int4_experts(*, seed: int, group: int = 64):
+    """(gate_up, down) WNA16Experts pairs of this file's shape, 4 bits in groups of ``group``: (kernel layout,
+    dequantized float32)."""
+    from kernels.fused_moe_wna16 import prepare_wna16_experts
+    from kernels.wna16 import quantize
+
+    gate_up, _, down, _ = experts("model", seed=seed)
+    stored = [quantize(w, 4, group, symmetric=False) for w in (gate_up, down)]
+    return ([prepare_wna16_experts(*w, 4, torch.float32, for_kernel=True) for w in stored],
+            [prepare_wna16_experts(*w, 4, torch.float32, for_kernel=False).dense for w in stored])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, MAX_TOKENS])
+def test_int4_experts_equal_the_dequantized_reference(device, num_tokens):
+    """4-bit codes in kernels/fused_moe_wna16.py's kernel layout (groups of 64: two a row's half), routed in the
+    kernel: the reference on the dequantized experts (float32 here: the same products)."""
+    from kernels.fused_moe_wna16 import gemv_quantization
+
+    (gate_up, down), (gate_up_dense, down_dense) = int4_experts(seed=60)
+    x = randn(num_tokens, HIDDEN, seed=61)
+    logits = distinct_logits(num_tokens, EXPERTS, seed=62)
+    weights, ids = route_tokens_ref(logits, TOP_K, True)
+    ref = moe_gemv_ref(x, gate_up_dense, down_dense, weights, ids)
+    quantization = {k: v.to(device) for k, v in gemv_quantization(gate_up, down).items()}
+    out = moe_gemv_triton(x.to(device), gate_up.kernel["weight"].to(device), down.kernel["weight"].to(device),
+                          top_k=TOP_K, router_logits=logits.to(device), renormalize=True, tiles=TILES,
+                          sum_experts=False, **quantization)
+    assert relative_error(out, ref) < TOLERANCES[torch.float32]
+
+
 @pytest.mark.gpu
 def test_given_routing_other_tiles_and_the_sum(device):
     """Routing given (no logits), the candidates' other tiles (a narrow one and a wide K step), summed rows."""
@@ -97,12 +129,16 @@ def test_marks_and_support():
     assert not gemv_supported(x, odd, torch.ones(EXPERTS, 2, 2))
     assert gemv_supported(x, odd, torch.ones(EXPERTS, 2 * 96))  # (per channel: any width)
     assert not gemv_supported(x, torch.zeros(EXPERTS, 2 * INTER, HIDDEN, dtype=torch.bfloat16), None)  # x float32
+    (gate_up_4, down_4), _ = int4_experts(seed=31)
+    scales = (gate_up_4.kernel["scale"], down_4.kernel["scale"])
+    assert gemv_supported(x, gate_up_4.kernel["weight"], *scales, tiles=GEMV_TILES)
+    assert not gemv_supported(x, gate_up_4.kernel["weight"], scales[0])  # (no down scales: its groups unknown)
 
 
 def test_choice_is_cuda_only():
     """CPU experts (and the interpreter) time nothing and get no mark."""
     gate_up, gu_s, down, d_s = experts("fp8_block", seed=40)
-    assert choose_decode_tiles([(gate_up, down, TOP_K, gu_s, d_s, torch.bfloat16)]) == {}
+    assert choose_decode_tiles([GemvExperts(gate_up, down, TOP_K, torch.bfloat16, gu_s, d_s)]) == {}
     assert getattr(gate_up, GEMV_ATTR, None) is None
 
 
@@ -121,7 +157,7 @@ def test_the_choice_marks_and_the_entries_dispatch(kind, monkeypatch, tmp_path):
     gate_up, gu_s, down, d_s = [t.cuda() if t is not None else None for t in experts(kind, seed=50)]
     if kind == "model":
         gate_up, down = gate_up.bfloat16(), down.bfloat16()
-    reports = choose_decode_tiles([(gate_up, down, TOP_K, gu_s, d_s, torch.bfloat16)])
+    reports = choose_decode_tiles([GemvExperts(gate_up, down, TOP_K, torch.bfloat16, gu_s, d_s)])
     (report,) = [r for key, r in reports.items() if key[0] == "gemv"]
     assert set(report["tiles"]) == {1, 2, 4, 8}
     for tokens, tiles in report["tiles"].items():
@@ -143,6 +179,32 @@ def test_the_choice_marks_and_the_entries_dispatch(kind, monkeypatch, tmp_path):
         assert out.shape == (num_tokens, TOP_K, HIDDEN) and relative_error(out, ref) < TOLERANCES[torch.bfloat16]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the entries dispatch to Triton on CUDA tensors only")
+def test_int4_choice_and_dispatch(monkeypatch, tmp_path):
+    """4-bit experts listed with their WNA16Experts: the choice times against moe_forward_wna16 and marks the codes;
+    a forced mark makes moe_forward_wna16 give this path's (summed) result."""
+    from kernels import choice_cache
+    from kernels.fused_moe_wna16 import gemv_quantization, moe_forward_wna16, prepare_wna16_experts
+    from kernels.wna16 import quantize
+
+    monkeypatch.setenv(choice_cache.CACHE_ENV, str(tmp_path))
+    gate_up, _, down, _ = experts("model", seed=70)
+    stored = [[t.cuda() for t in quantize(w, 4, 64, symmetric=False)] for w in (gate_up, down)]
+    kernel = [prepare_wna16_experts(*w, 4, torch.bfloat16, for_kernel=True) for w in stored]
+    dense = [prepare_wna16_experts(*w, 4, torch.bfloat16, for_kernel=False).dense for w in stored]
+    entry = GemvExperts(kernel[0].kernel["weight"], kernel[1].kernel["weight"], TOP_K, torch.bfloat16,
+                        **gemv_quantization(*kernel), wna16=tuple(kernel))
+    (report,) = [r for key, r in choose_decode_tiles([entry]).items() if key[0] == "gemv"]
+    assert set(report["tiles"]) == {1, 2, 4, 8}
+    mark_gemv(entry.gate_up, {t: ((16, 256, 4, 2), (32, 256, 4, 2)) for t in (1, 2, 4, 8)})
+    x = randn(3, HIDDEN, seed=71).to("cuda", torch.bfloat16)
+    logits = distinct_logits(3, EXPERTS, seed=72).to("cuda", torch.bfloat16)
+    weights, ids = route_tokens_ref(logits, TOP_K, True)
+    ref = moe_gemv_ref(x, *dense, weights, ids).float().sum(dim=1)
+    assert relative_error(moe_forward_wna16(x, logits, *kernel, TOP_K, True), ref) < TOLERANCES[torch.bfloat16]
+
+
 # ---- ahead of time for sm_90 on the CPU (TRITONLLM_AOT_SM90=1) ---------------------------------
 
 AOT = pytest.mark.skipif(os.environ.get("TRITONLLM_AOT_SM90") != "1",
@@ -150,7 +212,7 @@ AOT = pytest.mark.skipif(os.environ.get("TRITONLLM_AOT_SM90") != "1",
 
 
 @AOT
-@pytest.mark.parametrize("kind", [NO_SCALES, ROW_SCALES, BLOCK_SCALES])
+@pytest.mark.parametrize("kind", [NO_SCALES, ROW_SCALES, BLOCK_SCALES, INT4_GROUPS])
 @pytest.mark.parametrize("which", ["gate_up", "down"])
 @pytest.mark.parametrize("tiles", GEMV_TILES)
 def test_compiles_for_sm90_without_spills(kind, which, tiles, tmp_path):
@@ -163,17 +225,20 @@ def test_compiles_for_sm90_without_spills(kind, which, tiles, tmp_path):
     from kernels.moe_gemv import _gemv_down_kernel, _gemv_gate_up_kernel
 
     fn = _gemv_gate_up_kernel if which == "gate_up" else _gemv_down_kernel
+    if tiles not in candidate_tiles(kind):
+        pytest.skip("not a candidate of this weight kind (candidate_tiles)")
     block_n, block_k, warps, stages = tiles
-    w = "*bf16" if kind == NO_SCALES else "*fp8e4nv"
+    w = {NO_SCALES: "*bf16", INT4_GROUPS: "*u8"}.get(kind, "*fp8e4nv")
     pointers = dict(x_ptr="*bf16", logits_ptr="*bf16", ids_ptr="*i32", weights_ptr="*fp32", w_ptr=w, s_ptr="*fp32",
-                    act_ptr="*bf16", out_ptr="*bf16")
+                    z_ptr="*u8", act_ptr="*bf16", out_ptr="*bf16")
     const = dict(TOP_K=8, K_PAD=8, E_PAD=128, ROUTE_IN_KERNEL=True, RENORMALIZE=True, SCALES=kind, BLOCK_N=block_n,
                  BLOCK_K=block_k, SUB_K=min(block_k, 128), PDL=True)
     names = fn.arg_names
     const = {n: v for n, v in const.items() if n in names}
     signature = {n: pointers.get(n, "constexpr" if n in const else "i32") for n in names}
-    aligned = [n for n in names if n in pointers or n in ("H", "I", "stride_x", "stride_l", "stride_we", "stride_wn",
-                                                          "stride_act", "stride_o", "stride_se")]
+    aligned = [n for n in names if n in pointers or n in ("H", "I", "group", "stride_x", "stride_l", "stride_we",
+                                                          "stride_wn", "stride_act", "stride_o", "stride_se",
+                                                          "stride_sn")]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=const, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
