@@ -30,15 +30,19 @@ GC_FREEZE_ENV = "TRITONLLM_GC_FREEZE"  # "0": leave the collector as it is; "1":
 
 def freeze_after_load(device) -> dict | None:
     """Collect, then freeze every object the process has (on a CUDA ``device``, unless $TRITONLLM_GC_FREEZE=0):
-    {"frozen": objects now out of the collector's reach, "collect_s": the collection's seconds}; None when skipped."""
+    {"frozen": objects now out of the collector's reach, "collect_s": the collection's seconds (what a full one
+    costs this process unfrozen), "counts_before": gc.get_count() then (generation 2's: generation-1 collections
+    since the last full one; a full one comes after threshold 10), "full_collections_before": so far}; None when skipped."""
     setting = os.environ.get(GC_FREEZE_ENV)
     if setting == "0" or (setting != "1" and torch.device(device).type != "cuda"):
         return None
+    counts, full = gc.get_count(), gc.get_stats()[2]["collections"]
     began = time.perf_counter()
     gc.collect()
     collected = time.perf_counter() - began
     gc.freeze()
-    return {"frozen": gc.get_freeze_count(), "collect_s": round(collected, 3)}
+    return {"frozen": gc.get_freeze_count(), "collect_s": round(collected, 3), "counts_before": list(counts),
+            "full_collections_before": full}
 
 
 def unfreeze() -> None:
