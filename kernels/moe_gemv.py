@@ -363,7 +363,7 @@ def moe_gemv_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
         down.stride(1), d_s3.stride(0) if kind else 0, d_s3.stride(1) if kind else 0, out_k.stride(0),
         SCALES=kind, BLOCK_N=dn, BLOCK_K=dk, SUB_K=down_piece, num_warps=dw, num_stages=ds, **pdl)
     out_k = out_k.view(num_tokens, top_k, hidden)
-    return out_k.float().sum(dim=1).to(x.dtype) if sum_experts else out_k
+    return out_k.sum(dim=1) if sum_experts else out_k  # (torch sums half types in float32, rounds once)
 
 
 def gemv_tiles(gate_up: torch.Tensor, num_tokens: int) -> tuple | None:
