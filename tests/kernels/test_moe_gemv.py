@@ -148,12 +148,13 @@ def test_choice_is_cuda_only():
 def test_the_choice_marks_and_the_entries_dispatch(kind, monkeypatch, tmp_path):
     """choose_decode_tiles on a layer listed with its scales times both paths at 1, 2, 4, 8 tokens and marks
     what won; moe_forward / moe_forward_fp8 then give this path's result at the marked counts (a mark forced
-    at every count here), replayed from a CUDA graph."""
-    from kernels import choice_cache
+    at every count here), replayed from a CUDA graph. Two GEMV candidates (the compiles' time)."""
+    from kernels import choice_cache, moe_gemv_choice
     from kernels.fused_moe import moe_forward
     from kernels.fused_moe_fp8 import moe_forward_fp8
 
     monkeypatch.setenv(choice_cache.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(moe_gemv_choice, "candidate_tiles", lambda kind: GEMV_TILES[:2])
     gate_up, gu_s, down, d_s = [t.cuda() if t is not None else None for t in experts(kind, seed=50)]
     if kind == "model":
         gate_up, down = gate_up.bfloat16(), down.bfloat16()
@@ -183,12 +184,13 @@ def test_the_choice_marks_and_the_entries_dispatch(kind, monkeypatch, tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the entries dispatch to Triton on CUDA tensors only")
 def test_int4_choice_and_dispatch(monkeypatch, tmp_path):
     """4-bit experts listed with their WNA16Experts: the choice times against moe_forward_wna16 and marks the codes;
-    a forced mark makes moe_forward_wna16 give this path's (summed) result."""
-    from kernels import choice_cache
+    a forced mark makes moe_forward_wna16 give this path's (summed) result. Two GEMV candidates."""
+    from kernels import choice_cache, moe_gemv_choice
     from kernels.fused_moe_wna16 import gemv_quantization, moe_forward_wna16, prepare_wna16_experts
     from kernels.wna16 import quantize
 
     monkeypatch.setenv(choice_cache.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(moe_gemv_choice, "candidate_tiles", lambda kind: GEMV_TILES[:2])
     gate_up, _, down, _ = experts("model", seed=70)
     stored = [[t.cuda() for t in quantize(w, 4, 64, symmetric=False)] for w in (gate_up, down)]
     kernel = [prepare_wna16_experts(*w, 4, torch.bfloat16, for_kernel=True) for w in stored]
