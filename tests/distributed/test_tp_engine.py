@@ -105,9 +105,13 @@ def plans(request, monkeypatch):
     return request.param
 
 
-def test_tp2_greedy_equals_tp1(engines, tp1_run, tmp_path, plans):
+def test_tp2_greedy_and_overlapped_decoding_equal_tp1(engines, tp1_run, tmp_path, plans):
+    """Plain decoding, then overlapped decoding on the same two ranks (one launch for both: they were two
+    tests, each starting its ranks). Overlapped: placeholder ids in the plans, every rank resolves them
+    from the tokens the leader sampled and broadcast (LeaderRunner.store_sampled_tokens), so TP 2 still
+    equals plain TP 1 decoding."""
     single = tp1_run
-    double = run_driver(engines[2], 2, str(tmp_path / "tp2.json"))
+    double = run_driver(engines[2], 2, str(tmp_path / "tp2.json"), "--then_overlapped")
     assert (single["runner"], double["runner"]) == ("ModelRunner", "LeaderRunner")
     assert double["plans"] == plans
     assert double["tokens"] == single["tokens"]
@@ -115,14 +119,7 @@ def test_tp2_greedy_equals_tp1(engines, tp1_run, tmp_path, plans):
     torch.testing.assert_close(torch.tensor(double["first_logits"]), torch.tensor(single["first_logits"]),
                                rtol=1e-4, atol=1e-4)
     assert len({tuple(t) for t in single["tokens"]}) > 1  # the prompts really lead different ways
-
-
-def test_tp2_overlapped_decoding_equals_tp1(engines, tp1_run, tmp_path, plans):
-    """Placeholder ids in the plans: every rank resolves them from the tokens the leader sampled
-    and broadcast (LeaderRunner.store_sampled_tokens), so TP 2 still equals plain TP 1 decoding."""
-    single = tp1_run
-    overlapped = run_driver(engines[2], 2, str(tmp_path / "tp2_overlapped.json"), "--overlapped")
-    assert overlapped["tokens"] == single["tokens"]
+    assert double["overlapped_tokens"] == single["tokens"]
 
 
 def test_killed_worker_fails_the_leader_within_seconds(engines, tmp_path, plans):

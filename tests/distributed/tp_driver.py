@@ -130,6 +130,8 @@ def main() -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--overlapped", action="store_true",
                         help="decode with placeholder ids read from the sampled-token ring, as the executor does")
+    parser.add_argument("--then_overlapped", action="store_true",
+                        help="then decode the prompts again as --overlapped does (overlapped_tokens)")
     parser.add_argument("--then_wait_for_failure", type=float, default=0.0)
     parser.add_argument("--then_refuse_a_bad_batch", action="store_true",
                         help="then send an inconsistent batch, and generate once more")
@@ -140,6 +142,8 @@ def main() -> int:
     channel = getattr(runner, "channel", None)
     result = {"tokens": tokens, "first_logits": first_logits, "runner": type(runner).__name__,
               "plans": None if channel is None else ("shared memory" if channel.shm is not None else "gloo")}
+    if args.then_overlapped:  # from a fresh prefill into the same blocks: the first run's KV is overwritten
+        result["overlapped_tokens"], _ = decoder.run_overlapped()
     if args.then_refuse_a_bad_batch:
         result.update(refuse_bad_batch_then_generate(runner, decoder))
     if args.then_wait_for_failure:
