@@ -113,11 +113,12 @@ def time_gemv(experts: GemvExperts) -> dict:
 
         grouped_us = graph_time_ms(grouped) * 1e3
         gate_up_us = {t: us for t in candidates if (us := timed((t, DEFAULT_TILES[1]))) is not None}
-        best_gate_up = min(gate_up_us, key=gate_up_us.get)
+        best_gate_up = min(gate_up_us, key=gate_up_us.get) if gate_up_us else DEFAULT_TILES[0]
         down_us = {t: us for t in candidates if (us := timed((best_gate_up, t))) is not None}
-        best_down = min(down_us, key=down_us.get)
+        best_down = min(down_us, key=down_us.get) if down_us else None  # (None: nothing fit this GPU)
         report["grouped_us"][tokens] = grouped_us
-        report["gemv_us"][tokens] = down_us[best_down]
+        report["gemv_us"][tokens] = down_us[best_down] if down_us else None
         report["gate_up_us"][tokens], report["down_us"][tokens] = gate_up_us, down_us
-        report["tiles"][tokens] = (best_gate_up, best_down) if down_us[best_down] <= MARGIN * grouped_us else None
+        faster = down_us and down_us[best_down] <= MARGIN * grouped_us
+        report["tiles"][tokens] = (best_gate_up, best_down) if faster else None
     return report
