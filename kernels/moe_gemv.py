@@ -1,5 +1,6 @@
 """Decode-sized routed experts (1-8 tokens) as two GEMV launches that stream the chosen experts' weights:
-model-dtype, FP8 per-channel or FP8 128 x 128 block experts, the weights widened in registers (W8A16).
+model-dtype, FP8 per-channel, FP8 128 x 128 block or 4-bit grouped experts, the weights widened in registers
+(W8A16 / W4A16).
 
 Why: at one token the grouped path (kernels/fused_moe.py, fused_moe_fp8.py) pays ~26-29 us a Qwen3-30B-A3B
 layer whatever the bytes (H200, 2026-11-29: bf16 9.44 MB an expert at 2.57 TB/s, block-FP8 4.72 MB at 1.39):
@@ -9,21 +10,25 @@ activation quantization, no padding rows, two launches a layer whatever the weig
 
 Shapes (T tokens, H hidden, E experts, I expert width on this rank, K experts a token, a = t * K + k):
     x (T, H); router_logits (T, E) (or topk_ids / topk_weights (T, K) given);
-    gate_up (E, 2I, H) rows [gate | up]; down (E, H, I); scales as kernels/fused_moe_fp8.py's:
-    per channel (E, 2I) / (E, H), blocks (E, 2I / 128, ceil(H / 128)) / (E, ceil(H / 128), I / 128)
+    gate_up (E, 2I, H) rows [gate | up]; down (E, H, I); FP8 scales as kernels/fused_moe_fp8.py's:
+    per channel (E, 2I) / (E, H), blocks (E, 2I / 128, ceil(H / 128)) / (E, ceil(H / 128), I / 128);
+    4 bits: kernels/fused_moe_wna16.py's kernel layout, codes (E, 2I, H / 2) / (E, H, I / 2) (byte j of a row:
+    columns j and K / 2 + j), scale float32 and zero uint8 (E, K / G, N)
     -> out_k (T, K, H) in x's dtype (each token's K weighted expert rows), or their float32 sum (T, H).
 
 1. gate_up: grid (T * K, ceil(I / BLOCK_N)). Program (a, j) routes token a // K itself where the logits are
    given (softmax top-k of its E logits, kernels/moe_routing.py _top_k_of_row; tile 0 stores slot a's id and
    weight for down), then streams rows [j * BLOCK_N, +BLOCK_N) of its expert's gate and up over all of H in
-   BLOCK_K steps: codes widened to float32 and multiplied by x (float32, times the step's 128 x 128 block
-   scale when blocked) into a (BLOCK_N, BLOCK_K) float32 accumulator, reduced over K once at the end; per
-   channel the row scales multiply the sums. SiLU(gate) * up in float32, rounded once: act (T * K, I).
+   BLOCK_K steps of unrolled pieces of up to 128 columns (every piece's loads issued before its FMAs): codes
+   widened to float32 (FP8: two F2FP a 4-byte word, then HADD2.F32) and multiplied by x (float32, times the
+   piece's 128 x 128 block scale when blocked; 4 bits: (code - zero) * scale of the piece's group) into a
+   (BLOCK_N, piece) float32 accumulator, reduced over K once at the end; per channel the row scales multiply
+   the sums. SiLU(gate) * up in float32, rounded once: act (T * K, I).
 2. down: grid (T * K, ceil(H / BLOCK_N)): rows of expert e's down over all of I against act[a], the scales
    likewise, times the routing weight in float32, rounded once: out_k[a].
 
 Blocked scales need a tile's rows in one scale block: BLOCK_N divides 128 and I % 128 == 0
-(``gemv_supported``). Tokens that share an expert read its rows once each (from L2 for all but the
+(``gemv_supported``); 4-bit groups hold whole pieces (``int4_piece``). Tokens that share an expert read its rows once each (from L2 for all but the
 first); the load-time choice (kernels/moe_gemv_choice.py) keeps this path only at the token counts
 where it times faster than the grouped path. Nothing waits on the host: decode graphs capture it.
 
