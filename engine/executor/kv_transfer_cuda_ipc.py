@@ -315,6 +315,8 @@ class IpcPull:
                         self.error, self._state = dead, "done"
                         return True
                     return False  # (its prefill is still on the context GPU)
+                if os.path.exists(self.offer) and time.monotonic() < self.deadline and not self.cancelled():
+                    return False  # (.pending renamed to it between our rename and the check above: claim it next)
                 if not self.cancelled():
                     self.error = ("context_phase_params: the context phase's KV cache is gone (fetched already, or "
                                   "freed after the context side's timeout); run the context_only request again")
@@ -455,6 +457,8 @@ def claim_for_shm(offer: str, wait_s: float, peer=None) -> str | None:
             break
         except FileNotFoundError:
             if not os.path.exists(f"{offer}.pending") or time.monotonic() > deadline:
+                if os.path.exists(offer) and time.monotonic() <= deadline:
+                    continue  # (.pending renamed to it between our rename and the check: claim it now)
                 return None
             checked = _check_peer(peer, checked)
             time.sleep(WAIT_POLL_S)  # (its prefill is still on the context GPU)

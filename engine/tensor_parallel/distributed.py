@@ -555,6 +555,7 @@ def _join_group_threads(ctx: DistContext, channel, runner) -> None:
             if any(value is group for group in groups):
                 setattr(holder, name, None)
     del groups
+    gc.unfreeze()  # (an engine process froze its load's objects, groups and their cycles included: gc_freeze.py)
     gc.collect()  # a group inside a reference cycle goes now too, not at finalization
 
 

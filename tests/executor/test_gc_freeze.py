@@ -49,3 +49,18 @@ def test_gc_pauses_lists_each_collection_and_names_full_ones():
     at_ms, ms, generation = summary["longest"][-1]
     assert generation == 2 and 0 <= ms < 1000 and at_ms >= 0
     assert all(c[2] == 2 or c[1] >= 5 for c in summary["longest"])  # the short young ones are only counted
+
+
+def test_leaving_the_process_groups_unfreezes_before_its_collection(monkeypatch):
+    """A TP / PP leader in an engine process (frozen after load) drops its groups and collects so that a group in
+    a reference cycle is destroyed now, not at finalization: that needs the frozen objects back first."""
+    import types
+
+    from engine.tensor_parallel import distributed
+
+    calls = []
+    monkeypatch.setattr(distributed, "gc", types.SimpleNamespace(unfreeze=lambda: calls.append("unfreeze"),
+                                                                 collect=lambda: calls.append("collect")))
+    ctx = types.SimpleNamespace(tp_group=object(), control=None)
+    distributed._join_group_threads(ctx, None, None)
+    assert ctx.tp_group is None and calls == ["unfreeze", "collect"]

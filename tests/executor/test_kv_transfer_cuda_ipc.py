@@ -95,6 +95,30 @@ def test_an_offer_claimed_for_shm_waits_for_the_context_side(tmp_path, monkeypat
     assert not os.listdir(tmp_path)
 
 
+def test_a_claim_that_races_the_offer_becoming_claimable_claims_it(tmp_path, monkeypatch):
+    """The context loop renames <offer>.pending to <offer> between a claimer's failed rename and its look for
+    .pending: the claimer tries again (it took the KV for gone and failed the request)."""
+    monkeypatch.setenv("TRITONLLM_KV_TRANSFER_DIR", str(tmp_path))
+    rename = os.rename
+
+    def racing(src, dst):  # (the context loop's rename lands just after this claimer's found nothing)
+        if src.endswith(".offer") and os.path.exists(f"{src}.pending"):
+            rename(f"{src}.pending", src)
+            raise FileNotFoundError(src)
+        rename(src, dst)
+
+    monkeypatch.setattr(ipc.os, "rename", racing)
+    path, started = ipc.offer_path("ef" * 16, 5), []
+    ipc.Offer(path, _Ready(), deadline=100.0, timeout_s=50.0)
+    pull = ipc.IpcPull(path, lambda: started.append(1) or _CopyDone(), deadline=1e12, cancelled=lambda: False)
+    assert not pull.done() and pull.error is None
+    assert pull.done() and pull.error is None and started == [1]
+    path = ipc.offer_path("ef" * 16, 6)
+    ipc.Offer(path, _Ready(), deadline=100.0, timeout_s=50.0)
+    monkeypatch.setattr(ipc.time, "sleep", lambda s: ipc._take(f"{path}.shm"))  # (the context side's shm_started)
+    assert ipc.claim_for_shm(path, 5.0) == ipc.shm_path(path)
+
+
 @pytest.fixture(scope="module")
 def cpu_pair(tiny_engine):
     """(context, generation) executors of this process on the CPU (also where CUDA is there)."""
