@@ -25,11 +25,14 @@ One GPU only (a leader-mode step runs on every rank together; those keep the fra
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
 
-from engine.executor.runner import ForwardBatch
+from engine.executor.device_memory import free_device_bytes, is_capped
+from engine.executor.executor_config import ExecutorConfig, ExecutorConfigError
+from engine.executor.runner import ForwardBatch, ModelRunner
 from engine.executor.sampler import sample, worst_case_metadata
 
 # The caching allocator rounds and splits blocks: what a step needs is not all it can get.
@@ -110,3 +113,29 @@ def reserve_bytes(memory: StepMemory, *, cuda_graphs: bool, count_outside: bool 
     graph_pool = memory.forward - memory.logits if cuda_graphs else 0
     outside = 2 * memory.outside_allocator if count_outside else 0
     return memory.step + graph_pool + outside + FRAGMENTATION_MARGIN_BYTES
+
+
+def step_memory_reserve(runner, config: ExecutorConfig, *, max_num_tokens: int, max_batch_size: int) -> int:
+    """Bytes the executor's KV pool must leave free for its steps: measured on one CUDA device (and
+    printed), 0 elsewhere (leader mode keeps the fraction alone). ExecutorConfigError when even a
+    step does not fit beside the weights."""
+    if not isinstance(runner, ModelRunner) or runner.device.type != "cuda":
+        return 0
+    spec = config.speculative  # a verify step scores each sequence's drafts too
+    logits_rows = max_batch_size * (1 + (spec.max_draft_len if spec is not None else 0))
+    try:
+        memory = measure_step_memory(runner, max_num_tokens=max_num_tokens, max_batch_size=max_batch_size,
+                                     kv_cache_dtype=config.kv_cache_dtype,
+                                     logits_rows=min(logits_rows, max_num_tokens))
+    except torch.OutOfMemoryError:
+        free, total = free_device_bytes(runner.device), torch.cuda.mem_get_info(runner.device)[1]
+        raise ExecutorConfigError(
+            f"a step of max_num_tokens={max_num_tokens} tokens over max_batch_size={max_batch_size} "
+            f"sequences does not fit in the {free / 2**30:.1f} GiB the weights leave free of {total / 2**30:.1f} "
+            f"GiB, before any KV cache; lower max_num_tokens or max_batch_size") from None
+    reserve = reserve_bytes(memory, cuda_graphs=True, count_outside=not is_capped(runner.device))
+    print(f"[executor] a worst-case step ({max_num_tokens} tokens, {memory.logits_rows} sampled rows) "
+          f"peaks at {memory.step / 2**30:.2f} GiB (its forward {memory.forward / 2**30:.2f}; outside the "
+          f"caching allocator {memory.outside_allocator / 2**30:.2f}); the KV pool "
+          f"leaves at least {reserve / 2**30:.2f} GiB free", file=sys.stderr, flush=True)
+    return reserve

@@ -83,7 +83,7 @@ def test_prefix_cache_keys_table_blocks_by_content(tiny_engine, tiny_hf, monkeyp
 
     def on_the_executors_thread(*args):
         raise AssertionError("the keys are made at enqueue (request.py normalize_all)")
-    monkeypatch.setattr("engine.executor.executor.prompt_cache_keys", on_the_executors_thread)
+    monkeypatch.setattr("engine.executor.admission.prompt_cache_keys", on_the_executors_thread)
     with Executor(tiny_engine, ExecutorConfig()) as executor:
         sent = run(executor, [Request(prompt, 4, output=EXCLUDE, prompt_table=PromptTable(first))])[0]
         again = run(executor, [Request(prompt, 4, output=EXCLUDE, prompt_table=PromptTable(first.clone()))])[0]
