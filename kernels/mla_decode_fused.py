@@ -37,14 +37,19 @@ from kernels.attention_metadata import AttentionMetadata
 from kernels.head_matmul import head_matmul_ref
 from kernels.mla_attention import mla_attention_ref
 from kernels.mla_latent_write import latent_rope_write_ref
+from kernels.online_softmax import online_softmax_step
 from kernels.rmsnorm import _rms_normalized
 from kernels.rotary import _position_cos_sin, _rotated_heads
 from kernels.triton_attention import cache_value, slot_row
 
-# (V_SPLIT, BLOCK_N, num_warps) settings the load-time choice times against the three launches.
+# (V_SPLIT, BLOCK_N, num_warps, DOT) settings the load-time choice times against the three launches.
 # V_SPLIT programs a head (each recomputing the attention, writing V / V_SPLIT output columns):
-# more programs in flight and fewer W_UV bytes each; BLOCK_N keys a dependent tile step.
-SETTINGS = ((4, 32, 8), (8, 16, 4))
+# more programs in flight and fewer W_UV bytes each; BLOCK_N keys a tile step; DOT: the scores and
+# the value sum as 16-row tensor-core products (the head in row 0), whose loads Triton pipelines
+# (cp.async), else CUDA-core sums of the one head (loads not pipelined). sm_90 compile (Triton 3.9,
+# bf16 pool; FP8 pool): (4, 32, 8, True) 128 registers, 55 KB shared (172, 52 KB); (4, 64, 8, True)
+# 128, 93 KB (255, 86 KB); (4, 32, 8, False) 222, 64 KB (254, 16 KB); no spills (16 warps spilled).
+SETTINGS = ((4, 32, 8, True), (4, 64, 8, True), (4, 32, 8, False))
 FUSED_MAX_CONTEXT = 4096  # the model offers the fusion only for max_seq_len up to this (module docstring)
 FUSED_TIMING_CONTEXT = 256  # keys in the load-time choice's timed step (engine_bench decodes at 128-384)
 
@@ -68,7 +73,8 @@ def _mla_decode_fused_kernel(q_nope_ptr, q_rope_ptr, kv_ptr, norm_w_ptr, positio
                              stride_ukh, stride_ukn, stride_uvh, stride_uvv,
                              RANK: tl.constexpr, RANK_PAD: tl.constexpr, NOPE: tl.constexpr, HALF: tl.constexpr,
                              HALF_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, V_PER: tl.constexpr, PDL: tl.constexpr):
+                             BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, V_PER: tl.constexpr, DOT: tl.constexpr,
+                             DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     """Program (t, h, vb): the module docstring's sums for row t (sequence t), head h, output columns
     vb * V_PER ... (V_PER a multiple of BLOCK_V)."""
     pdl_prologue(PDL)
@@ -117,30 +123,58 @@ def _mla_decode_fused_kernel(q_nope_ptr, q_rope_ptr, kv_ptr, norm_w_ptr, positio
     denom = tl.where(has_new, 1.0, 0.0)
     acc = tl.where(has_new, c_new, 0.0)  # (RANK_PAD,)
     cached = context_len - 1  # keys 0 .. ctx - 2 are in the pool already
-    tile = tl.arange(0, BLOCK_N)
-    # each tile's block ids loaded one tile ahead: a step waits on its rows only, not table then rows
-    next_block = tl.load(tables_ptr + token * stride_bt + tile // PAGE, mask=tile < cached, other=0)
-    for start in range(0, cached, BLOCK_N):
-        keys = start + tile
-        key_ok = keys < cached
-        block = next_block.to(tl.int64)
-        ahead = keys + BLOCK_N
-        next_block = tl.load(tables_ptr + token * stride_bt + ahead // PAGE, mask=ahead < cached, other=0)
-        rows = block * stride_cb + (keys % PAGE).to(tl.int64) * stride_cs
-        lat = tl.load(cache_ptr + rows[:, None] + r[None, :], mask=key_ok[:, None] & r_ok[None, :],
-                      other=0.0).to(tl.float32)  # (BLOCK_N, RANK_PAD)
-        rope_mask = key_ok[:, None] & half_mask[None, :]
-        kr1 = tl.load(cache_ptr + rows[:, None] + RANK + half_idx[None, :], mask=rope_mask, other=0.0).to(tl.float32)
-        kr2 = tl.load(cache_ptr + rows[:, None] + RANK + HALF + half_idx[None, :], mask=rope_mask,
-                      other=0.0).to(tl.float32)
-        s = (tl.sum(lat * q_lat[None, :], 1) + tl.sum(kr1 * q1 + kr2 * q2, 1)) * scale
-        s = tl.where(key_ok, s, -float("inf"))
-        m_new = tl.maximum(m, tl.max(s, 0))  # finite: the new key is in m already
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new)
-        denom = denom * alpha + tl.sum(p, 0)
-        acc = acc * alpha + tl.sum(p[:, None] * lat, 0)
-        m = m_new
+    if DOT:  # tensor-core products of 16 rows, the head in row 0 (the loads feed dots: Triton pipelines them)
+        h0 = tl.arange(0, 16) == 0
+        q_d = tl.where(h0[:, None], q_lat[None, :], 0.0).to(dtype)  # (16, RANK_PAD)
+        q1_d = tl.where(h0[:, None], q1, 0.0).to(dtype)  # (16, HALF_PAD)
+        q2_d = tl.where(h0[:, None], q2, 0.0).to(dtype)
+        m_d = tl.zeros([16], tl.float32) + m
+        denom_d = tl.zeros([16], tl.float32) + denom
+        acc_d = tl.zeros([16, RANK_PAD], tl.float32) + acc[None, :]
+        for start in range(0, cached, BLOCK_N):
+            keys = start + tl.arange(0, BLOCK_N)
+            key_ok = keys < cached
+            block = tl.load(tables_ptr + token * stride_bt + keys // PAGE, mask=key_ok, other=0).to(tl.int64)
+            rows = block * stride_cb + (keys % PAGE).to(tl.int64) * stride_cs
+            lat = tl.load(cache_ptr + rows[:, None] + r[None, :], mask=key_ok[:, None] & r_ok[None, :],
+                          other=0.0).to(dtype)  # (BLOCK_N, RANK_PAD)
+            rope_mask = key_ok[:, None] & half_mask[None, :]
+            kr1 = tl.load(cache_ptr + rows[:, None] + RANK + half_idx[None, :], mask=rope_mask, other=0.0).to(dtype)
+            kr2 = tl.load(cache_ptr + rows[:, None] + RANK + HALF + half_idx[None, :], mask=rope_mask,
+                          other=0.0).to(dtype)
+            s = (tl.dot(q_d, tl.trans(lat), input_precision=DOT_PRECISION)
+                 + tl.dot(q1_d, tl.trans(kr1), input_precision=DOT_PRECISION)
+                 + tl.dot(q2_d, tl.trans(kr2), input_precision=DOT_PRECISION))  # (16, BLOCK_N)
+            s = tl.where(key_ok[None, :], s * scale, -float("inf"))
+            m_d, denom_d, acc_d = online_softmax_step(s, lat, m_d, denom_d, acc_d, DOT_PRECISION)
+        denom = tl.sum(tl.where(h0, denom_d, 0.0), 0)
+        acc = tl.sum(tl.where(h0[:, None], acc_d, 0.0), 0)
+    else:  # CUDA-core products of the one head
+        tile = tl.arange(0, BLOCK_N)
+        # each tile's block ids loaded one tile ahead: a step waits on its rows only, not table then rows
+        next_block = tl.load(tables_ptr + token * stride_bt + tile // PAGE, mask=tile < cached, other=0)
+        for start in range(0, cached, BLOCK_N):
+            keys = start + tile
+            key_ok = keys < cached
+            block = next_block.to(tl.int64)
+            ahead = keys + BLOCK_N
+            next_block = tl.load(tables_ptr + token * stride_bt + ahead // PAGE, mask=ahead < cached, other=0)
+            rows = block * stride_cb + (keys % PAGE).to(tl.int64) * stride_cs
+            lat = tl.load(cache_ptr + rows[:, None] + r[None, :], mask=key_ok[:, None] & r_ok[None, :],
+                          other=0.0).to(tl.float32)  # (BLOCK_N, RANK_PAD)
+            rope_mask = key_ok[:, None] & half_mask[None, :]
+            kr1 = tl.load(cache_ptr + rows[:, None] + RANK + half_idx[None, :], mask=rope_mask,
+                          other=0.0).to(tl.float32)
+            kr2 = tl.load(cache_ptr + rows[:, None] + RANK + HALF + half_idx[None, :], mask=rope_mask,
+                          other=0.0).to(tl.float32)
+            s = (tl.sum(lat * q_lat[None, :], 1) + tl.sum(kr1 * q1 + kr2 * q2, 1)) * scale
+            s = tl.where(key_ok, s, -float("inf"))
+            m_new = tl.maximum(m, tl.max(s, 0))  # finite: the new key is in m already
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new)
+            denom = denom * alpha + tl.sum(p, 0)
+            acc = acc * alpha + tl.sum(p[:, None] * lat, 0)
+            m = m_new
     out_lat = (acc / tl.where(denom > 0, denom, 1.0)).to(dtype).to(tl.float32)  # the combine's rounding
     for v0 in tl.static_range(0, V_PER, BLOCK_V):
         v = vb * V_PER + v0 + tl.arange(0, BLOCK_V)
@@ -183,7 +217,7 @@ def mla_decode_fused_triton(q_nope: torch.Tensor, q_rope: torch.Tensor, kv: torc
     assert kv.shape == (num_tokens, rank + rope) and kv.stride(1) == 1 and cache.stride(-1) == 1
     assert w_uk.shape == (num_heads, nope, rank) and w_uk.stride(2) == 1 and w_uv.stride(2) == 1
     assert cos_sin_cache.shape[1] == rope and cos_sin_cache.dtype == torch.float32
-    v_split, block_n, num_warps = setting
+    v_split, block_n, num_warps, dot = setting
     block_v = max(8, min(16, triton.next_power_of_2(triton.cdiv(v_dim, v_split))))
     v_per = triton.cdiv(triton.cdiv(v_dim, v_split), block_v) * block_v
     norm_weight, positions, slot_mapping, tables, lens = dense(norm_weight, positions, slot_mapping,
@@ -194,7 +228,8 @@ def mla_decode_fused_triton(q_nope: torch.Tensor, q_rope: torch.Tensor, kv: torc
         eps, scale, num_heads, v_dim, q_nope.stride(0), q_nope.stride(1), kv.stride(0), cos_sin_cache.stride(0),
         cache.stride(0), cache.stride(1), tables.stride(0), w_uk.stride(0), w_uk.stride(1), w_uv.stride(0),
         w_uv.stride(1), RANK=rank, RANK_PAD=triton.next_power_of_2(rank), NOPE=nope, HALF=rope // 2,
-        HALF_PAD=triton.next_power_of_2(rope // 2), PAGE=cache.shape[1], BLOCK_N=block_n,
-        BLOCK_K=min(16, triton.next_power_of_2(nope)), BLOCK_V=block_v, V_PER=v_per, num_warps=num_warps,
+        HALF_PAD=max(16 if dot else 1, triton.next_power_of_2(rope // 2)), PAGE=cache.shape[1], BLOCK_N=block_n,
+        BLOCK_K=min(16, triton.next_power_of_2(nope)), BLOCK_V=block_v, V_PER=v_per, DOT=dot,
+        DOT_PRECISION="ieee" if kv.dtype == torch.float32 else "tf32", num_warps=num_warps,
         **pdl_options(kv))
     return out
