@@ -74,8 +74,8 @@ def _time_settings(model, name: str, settings: list, kv_cache: torch.Tensor, *, 
                                  max_batch_size=1, buckets=[1], sampled_tokens=sampled_tokens)
             graph.capture()
             graph.run([0], [context_len - 1], [context_len], [blocks])
-        except RuntimeError as error:  # a fused setting this GPU or driver cannot capture: not a candidate
-            if setting is None:
+        except Exception as error:  # a fused setting this GPU or driver cannot compile or capture: not a candidate
+            if setting is None:  # (Triton's OutOfResources / CompilationError are no RuntimeErrors)
                 raise
             failed[repr(setting)] = str(error).splitlines()[0][:200]
             graph = None

@@ -48,6 +48,30 @@ def test_fastest_setting_kept_when_one_percent_faster(monkeypatch, times, expect
     assert report["setting"] == expected and model.settings[-1] == expected and report["step_ms"] == list(times)
 
 
+def test_a_setting_that_does_not_compile_is_skipped_not_fatal(monkeypatch):
+    """Triton's OutOfResources (too much shared memory on another GPU) is an Exception, not a RuntimeError."""
+    class OutOfResources(Exception):
+        pass
+
+    class FakeGraphs:
+        def __init__(self, model, *args, **kwargs):
+            self.setting, self.graphs = model.settings[-1], {1: 0 if model.settings[-1] is None else 1}
+
+        def capture(self):
+            if self.setting == (4, 32, 8):
+                raise OutOfResources("out of resource: shared memory")
+
+        def run(self, *args):
+            pass
+
+    monkeypatch.setattr(fusions, "DecodeGraphs", FakeGraphs)
+    monkeypatch.setattr(fusions, "replay_time_ms", lambda graph, replays: (2.0, 1.5)[graph])
+    model = _Model()
+    report = fusions._time_settings(model, "mla_decode", model.decode_fusion_candidates(64)["mla_decode"],
+                                    torch.zeros(1), tokens_per_block=4, max_seq_len=64, sampled_tokens=None, rounds=1)
+    assert report["setting"] == (8, 16, 4) and "shared memory" in report["failed"]["(4, 32, 8)"]
+
+
 def test_off_the_gpu_or_turned_off_nothing_is_timed(monkeypatch):
     model = _Model()
     assert fusions.choose_decode_fusions(model, torch.zeros(1), tokens_per_block=4, max_seq_len=64,
