@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from benchmarks.speculative.tree_bench import force_acceptance
+from benchmarks.speculative.tree_runs import force_acceptance
 from engine.executor.runner import ModelRunner
 from engine.executor.speculative.eagle3 import Eagle3ConfigError, Eagle3TreeProposer, draft_tree, load_eagle3
 from engine.executor.speculative.eagle3_drafter import DraftCache, StaticPlan, draft_dynamic, draft_static
@@ -459,7 +459,7 @@ def test_layer_taps_apply_an_fp8_layers_deferred_scales():
 def test_tree_bench_names_the_first_difference_and_its_logit_gap():
     """tree_bench's loop table: where a run's greedy ids leave plain decoding's, plain's logits there
     say whether it was a near-tie (the GPU's random-weight runs) or a real disagreement."""
-    from benchmarks.speculative.tree_bench import difference_text, first_difference
+    from benchmarks.speculative.tree_loop import difference_text, first_difference
 
     logits = torch.zeros(4, 16)
     logits[2, 5], logits[2, 7] = 4.0, 3.99
@@ -473,13 +473,13 @@ def test_tree_bench_names_the_first_difference_and_its_logit_gap():
 def test_tree_bench_kernel_tables_say_what_the_tree_step_adds(monkeypatch):
     """tree_bench --kernels: the tree step's kernels against the decode step's, per name, the ones
     the tree step spends most more time in first (a kernel only the decode step runs counts negative)."""
-    from benchmarks.speculative import tree_bench
+    from benchmarks.speculative import tree_kernels
 
     tables = iter([({"gemm": (100.0, 10.0), "argmax": (5.0, 1.0)}, 0.2),
                    ({"gemm": (130.0, 10.0), "tree_mask": (20.0, 2.0)}, 0.3)])
-    monkeypatch.setattr(tree_bench, "profile_kernels", lambda fn, calls, cuda: next(tables))
+    monkeypatch.setattr(tree_kernels, "profile_kernels", lambda fn, calls, cuda: next(tables))
     runner = type("R", (), {"device": torch.device("cpu")})()
-    found = tree_bench.verify_kernels(runner, None, None, 5, "nodes 16")
+    found = tree_kernels.verify_kernels(runner, None, None, 5, "nodes 16")
     assert [(k["kernel"], k["us"], k["per_step"]) for k in found["extra"]] == [
         ("gemm", 30.0, 0.0), ("tree_mask", 20.0, 2.0), ("argmax", -5.0, -1.0)]
     assert (found["tree"]["gpu_us"], found["tree"]["launches"], found["decode"]["launches"]) == (150.0, 12.0, 11.0)
