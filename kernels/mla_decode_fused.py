@@ -52,6 +52,10 @@ from kernels.triton_attention import cache_value, slot_row
 SETTINGS = ((4, 32, 8, True), (4, 64, 8, True), (4, 32, 8, False))
 FUSED_MAX_CONTEXT = 4096  # the model offers the fusion only for max_seq_len up to this (module docstring)
 FUSED_TIMING_CONTEXT = 256  # keys in the load-time choice's timed step (engine_bench decodes at 128-384)
+# Rows (sequences) a step takes the launch for: every row's programs re-read their heads' W_UK and W_UV
+# (160 KB a program at V2-Lite's shape from L2; 20 MB a layer at 2 rows, 16 heads, V_SPLIT 4), which the
+# three launches read once for all rows; the choice times batch 1 only. Larger decode steps keep them.
+FUSED_MAX_ROWS = 2
 
 
 def mla_decode_fused_ref(q_nope: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, norm_weight: torch.Tensor,
@@ -186,7 +190,13 @@ def _mla_decode_fused_kernel(q_nope_ptr, q_rope_ptr, kv_ptr, norm_w_ptr, positio
 
 
 def fuses(q_nope: torch.Tensor, meta: AttentionMetadata) -> bool:
-    """The launch serves these rows: decode rows only (one new token a sequence, no tree)."""
+    """The launch serves these rows: decode rows only (one new token a sequence, no tree), at most
+    FUSED_MAX_ROWS of them."""
+    return q_nope.shape[0] <= FUSED_MAX_ROWS and _decode_rows(q_nope, meta)
+
+
+def _decode_rows(q_nope: torch.Tensor, meta: AttentionMetadata) -> bool:
+    """Rows the kernel computes right: one new token a sequence (row t = sequence t), no tree."""
     return (meta.is_decode_only and meta.tree_mask is None and 1 <= q_nope.shape[0] == meta.context_lens.shape[0]
             and q_nope.stride(2) == 1)
 
@@ -207,10 +217,11 @@ def mla_decode_fused_triton(q_nope: torch.Tensor, q_rope: torch.Tensor, kv: torc
                             eps: float, positions: torch.Tensor, cos_sin_cache: torch.Tensor, cache: torch.Tensor,
                             slot_mapping: torch.Tensor, meta: AttentionMetadata, scale: float, w_uk: torch.Tensor,
                             w_uv: torch.Tensor, setting: tuple = SETTINGS[0]) -> torch.Tensor:
-    """The module docstring's launch for rows that ``fuses`` -> (T, H, V) in kv's dtype. q_nope / q_rope:
+    """The module docstring's launch for decode rows (any count: ``fuses`` caps it for the model) ->
+    (T, H, V) in kv's dtype. q_nope / q_rope:
     views of the query (T, H, N) / (T, H, P) with equal strides (q_rope not modified); setting: one
     of SETTINGS."""
-    assert fuses(q_nope, meta)
+    assert _decode_rows(q_nope, meta)
     num_tokens, num_heads, nope = q_nope.shape
     rope, rank, v_dim = q_rope.shape[2], w_uk.shape[2], w_uv.shape[1]
     assert q_rope.stride()[:2] == q_nope.stride()[:2] and q_rope.stride(2) == 1, (q_nope.stride(), q_rope.stride())
