@@ -5,8 +5,8 @@ interpreter (TRITON_INTERPRET=1); logits of packed chunks, 8-9-token steps and s
 steps against transformers' (the one-token expert GEMMs in tiles marked as the load-time
 choice marks them). Run by test_deepseek.py in a subprocess (the patch must precede every
 kernel import); prints one "ok <version> <max error> <decode-path expert calls> <of them with the norm in
-the router's launch> <MLA decode layers in one launch>" line a version (kernels/mla_decode_fused.py set on,
-as the load-time choice may set it).
+the router's launch> <MLA decode layers in one launch>" line a version (kernels/mla_decode_fused.py set on
+for v3, as the load-time choice may set it; v2 decodes through the three launches).
 """
 import os
 import pathlib
@@ -62,8 +62,10 @@ for version in sys.argv[1:] or ["v2", "v3"]:
                            for _, _, top_k in experts)
     for gate_up, _, _ in experts:
         mark_decode_tiles(gate_up, DECODE_TILE_CANDIDATES[1], DECODE_TILE_CANDIDATES[2])
-    # the MLA decode rows in one launch (kernels/mla_decode_fused.py), as the load-time choice sets it on CUDA
-    runner.model.set_decode_fusion("mla_decode", list(deepseek.FUSED_DECODE_SETTINGS[version == "v3"]))
+    # v3: the MLA decode rows in one launch (kernels/mla_decode_fused.py), as the load-time choice may set it on
+    # CUDA; v2 keeps the three launches (latent write + W_UK, split attention, W_UV), the path where it does not
+    if version == "v3":
+        runner.model.set_decode_fusion("mla_decode", list(deepseek.FUSED_DECODE_SETTINGS[0]))
     seqs = {0: random_tokens(19, 3), 1: random_tokens(9, 4)}
     session = PagedSession(runner, num_blocks=32)
     a0, b0 = session.step([(0, seqs[0][:11]), (1, seqs[1][:7])])
