@@ -25,7 +25,7 @@
 # each job's exit status and its result lines, so the call's output_tail alone is enough to read.
 set -u
 script=$(realpath "$0")
-call=${1:?usage: x2_gpu_run.sh 1-11 [OUT]}
+call=${1:?usage: x2_gpu_run.sh 1-12 [OUT]}
 out=$(realpath -m "${2:-${OUT:-/tmp/x2_gpu_run}}")
 mkdir -p "$out"
 if [ -z "${X2_UNDER_TEE:-}" ]; then  # the console also in $out/summary.txt, complete when the call returns
@@ -261,7 +261,30 @@ case $call in
     --offline 128x128x1024 --phase_timeout 70 --out "$w/pp.json" "${tiny_tp[@]}"
   grep -E "ready|in flight|decode batch|offline|KV pool|Error|Traceback" "$w/pp.log" | cut -c1-300
   ;;
-*) echo "x2_gpu_run.sh: CALL must be 1 to 11, got '$call'"; exit 2 ;;
+12)
+  # Session 17's last call (~350 s). GPU 0: the VLM offline run with the load's objects frozen (vlmstall3), then the
+  # tree verify step after the tree rows' attention change (treeattn); GPU 1: V2-Lite decode with the one-launch MLA
+  # choice (dsdecode5), then the one-token expert GEMV bench and tests (moefp8); then the cuda_ipc transport served
+  # with the context executor in its own process (two GPUs).
+  ( on_gpu 0 vlm 98 "$PYTHON" benchmarks/engine/vlm_bench.py --sections offline --hf-batches= --encode-batch 32 \
+      --also-encode-batches 8 --out "$w/vlm.json" --results-md "$w/vlm.md"
+    on_gpu 0 tree 88 "$PYTHON" benchmarks/speculative/tree_bench.py --dtypes bf16 --batches 1 --nodes 15,16 --lengths 4 \
+      --sections verify,loop --oracle-nodes 15 --kernels 15 --step-kernels 20 --out "$w/tree.json" --markdown "$w/tree.md" ) &
+  ( on_gpu 1 ds5 85 "$PYTHON" benchmarks/engine/engine_bench.py --model deepseek_v2_lite --sections bandwidth,decode \
+      --max-batch-size 8 --max-num-tokens 256 --max-seq-len 1024 --out "$w/ds5.json" --results-md "$w/ds5.md"
+    CUDA_VISIBLE_DEVICES=1 BUDGET_S=120 job moe_gemv 130 bash benchmarks/kernels/moe_gemv_gpu_run.sh "$w/moe_gemv" ) &
+  wait
+  echo "== vlm"; grep -E "^offline|collector|gc|Error|Traceback" "$w/vlm.log" | cut -c1-700
+  echo "== tree"; grep -v "^\[load" "$w/tree.log" | grep -E "ms vs|step:|tree - decode|_paged|_rotary|oracle L|EAGLE-3 L|Error|Traceback" | head -24
+  echo "== ds5"; grep -E "Error|Traceback" "$w/ds5.log" | head -3; tail -3 "$w/ds5.md" 2>/dev/null
+  [ -f "$w/ds5.json" ] && "$PYTHON" -c "import json,sys; d=json.load(open(sys.argv[1]))['decode']; print('fusion', d.get('fusion_choice')); print('pdl', d.get('launch_choice'))" "$w/ds5.json"
+  echo "== moe_gemv"; grep -vi warning "$w/moe_gemv.log" | tail -30
+  job disagg_ipc 210 "$PYTHON" benchmarks/engine/disagg_bench.py --context_process --kv_transfer cuda_ipc --sections serve \
+    --modes disaggregated --rates 6 --seconds 25 --drain_timeout 30 --out "$w/disagg_ipc.json" --results-md "$w/disagg_ipc.md" \
+    "${tiny_disagg[@]}"
+  grep -E "^\[disagg_bench\]|Error|Traceback" "$w/disagg_ipc.log" | cut -c1-700
+  ;;
+*) echo "x2_gpu_run.sh: CALL must be 1 to 12, got '$call'"; exit 2 ;;
 esac
 tar czf "$out/call$call.tgz" -C /tmp "x2_call$call"
 for md in "$w"/*.md; do [ -f "$md" ] && cp "$md" "$out/"; done
