@@ -798,13 +798,17 @@ def paged_attention_triton(
         meta.block_tables, meta.cu_seqlens_q, meta.context_lens, meta.slot_mapping, meta.tile_seq, meta.tile_m,
         meta.decode_splits, spans, tree)
 
-    def launch(config: tuple, grid: tuple[int, int, int], seq_kind: int, tile_map: bool) -> None:
+    def launch(config: tuple, grid: tuple[int, int, int], seq_kind: int, tile_map: bool,
+               decode_tiles: bool = True) -> None:
+        # decode_tiles: a decode config (ONE_TOKEN rows, or a decode-only batch's); False for prefill tiles,
+        # split or not (a short step's ALL_SEQS launch, _short_step_splits).
+        decode_tiles = decode_tiles and seq_kind != MULTI_TOKEN
         block_m, block_n, num_warps, num_stages, num_splits = config[:5]
         # A decode config's sixth element asks for TMA reads; $TRITONLLM_DECODE_TMA=all has every
         # decode tiling that fits a page take them (benchmarks/kernels/attention_kernel_bench.py's sweeps).
         # A decode graph's launch uses the splits its replay's host asks for (decode_active_splits).
-        dynamic = seq_kind != MULTI_TOKEN and num_splits > 1 and meta.decode_split_plan is not None
-        wants_tma = seq_kind != MULTI_TOKEN and (
+        dynamic = decode_tiles and num_splits > 1 and meta.decode_split_plan is not None
+        wants_tma = decode_tiles and (
             (len(config) > 5 and config[5]) or os.environ.get(DECODE_TMA_ENV) == "all")
         if num_splits > 1:
             rows = num_seqs if seq_kind == ONE_TOKEN else num_tokens  # (see the kernel's part_row)
@@ -835,13 +839,13 @@ def paged_attention_triton(
             ROTATE=rotate,
             HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=logit_softcap is not None, HAS_TILE_MAP=tile_map,
             HAS_SINKS=sinks is not None, HAS_ALIBI=alibi_slopes is not None, SEQ_KIND=seq_kind, TMA=descs is not None, DYNAMIC_SPLITS=dynamic,
-            HAS_TREE=tree is not None and seq_kind == MULTI_TOKEN,
-            HAS_SPANS=spans is not None and seq_kind == MULTI_TOKEN,
+            HAS_TREE=tree is not None and not decode_tiles,
+            HAS_SPANS=spans is not None and not decode_tiles,
             num_warps=num_warps,
             num_stages=num_stages,
             **pdl_options(q),
         )
-        if seq_kind != MULTI_TOKEN and q.is_cuda:  # a decode tiling: how many of its programs an SM holds
+        if decode_tiles and q.is_cuda:  # a decode tiling: how many of its programs an SM holds
             tiling = (block_n, num_warps, num_stages, len(config) > 5 and bool(config[5]))
             key = _decode_tiling_key(q.device, block_m, tiling, dim_pad, kv_itemsize)
             if key not in _DECODE_RESIDENT:
@@ -869,11 +873,69 @@ def paged_attention_triton(
     # step (2k-token contexts) took longer than its four 2,048-token prompts.
     prefill_config = _prefill_config(group, dim_pad, kv_itemsize)
     tokens_per_tile = prefill_config[0] // group
+    tiles = triton.cdiv(num_tokens, tokens_per_tile)  # the fewest tiles with work; the most (each sequence
+    most_tiles = tiles + min(num_seqs, num_tokens)    # wastes at most one partial one, at most a sequence a token)
     if meta.tile_seq is not None:  # a CUDA graph's fixed grid
         assert tokens_per_tile == prefill_tokens_per_tile(group, head_dim, kv_itemsize), "tile map of another tiling"
-        launch(prefill_config, (meta.tile_seq.shape[0], 1, num_kv_heads), MULTI_TOKEN, tile_map=True)
+        grid = (meta.tile_seq.shape[0], 1, num_kv_heads)
     else:
-        launch(prefill_config, (triton.cdiv(meta.max_seqlen_q, tokens_per_tile), num_seqs, num_kv_heads),
-               MULTI_TOKEN, tile_map=False)
+        grid = (triton.cdiv(meta.max_seqlen_q, tokens_per_tile), num_seqs, num_kv_heads)
+        tiles = max(tiles, num_seqs)
+    keys = meta.max_context_len if sliding_window is None else min(meta.max_context_len, sliding_window)
+    splits = num_splits or _short_step_splits(tiles * num_kv_heads, grid[0] * grid[1] * grid[2], num_tokens, keys,
+                                              prefill_config[1], num_sms(q.device))
+    tile_map = meta.tile_seq is not None
+    if splits > 1 and tiles * num_kv_heads < SHORT_STEP_PROGRAMS:
+        # A short step (a tree or chain verify step, a small chunk): its keys split like a decode launch's,
+        # then merged per token.
+        if most_tiles * num_kv_heads <= SHORT_STEP_ONE_LAUNCH:
+            # Few sequences can be in it: one launch over all, the one-token rows riding in prefill tiles.
+            launch(prefill_config[:4] + (splits,), grid, ALL_SEQS, tile_map=tile_map, decode_tiles=False)
+            return out
+        # Possibly many one-token rows: they keep their decode launch, which runs after this one and so
+        # overwrites the rows this launch's merge wrote for them from partials it never stored.
+        launch(prefill_config[:4] + (splits,), grid, MULTI_TOKEN, tile_map=tile_map)
+    else:
+        launch(prefill_config, grid, MULTI_TOKEN, tile_map=tile_map)
     launch(decode_config, (1, num_seqs, num_kv_heads), ONE_TOKEN, tile_map=False)
     return out
+
+
+# A mixed step whose prefill tiles number fewer programs than this (tiles x KV heads) splits its keys
+# (_short_step_splits); 132 SMs of an H200 hold a few programs each.
+SHORT_STEP_PROGRAMS = 128
+# A short step whose prefill tiles may number at most this many programs (tiles x KV heads, each of
+# its sequences in tiles of its own) runs its one-token rows in the same launch: 16 rows in 64-row
+# tiles waste little; a 128-token graph bucket's up to 128 decode rows would each spend a 64-row tile's
+# dots, which can take as long as reading their keys (hence the separate decode launch of a mixed batch).
+SHORT_STEP_ONE_LAUNCH = 256
+# The most (split, token) rows of partial results a short step's launch keeps: 1,024 x 32 heads x 128
+# dims of fp32 are 16 MiB.
+SHORT_STEP_PART_ROWS = 1024
+# The most programs a short step's split grid launches, most of a CUDA graph's returning at once (its
+# tile map has an entry per sequence the bucket may hold).
+SHORT_STEP_GRID = 8192
+
+
+def _short_step_splits(programs: int, grid_programs: int, num_tokens: int, keys: int, block_n: int,
+                       sms: int) -> int:
+    """Key splits of a mixed step's prefill-tile launch of ``programs`` (tile, KV head) pairs with work
+    (``grid_programs`` in its grid before the split) over contexts up to ``keys`` keys: enough to cover
+    the GPU twice, as the decode rule (_decode_num_splits) does for a small batch, none shorter than 2
+    tiles of ``block_n`` keys, at most MAX_DECODE_SPLITS, SHORT_STEP_PART_ROWS // num_tokens and
+    SHORT_STEP_GRID // grid_programs; 1 (no split) for steps of SHORT_STEP_PROGRAMS programs or more.
+
+    Why: a batch-1 tree verify step of 16 tokens (Llama-8B shape: 4 query heads a KV head, so one
+    64-row tile a KV head) launched 8 programs, each walking the whole context alone: ~34 us a layer at
+    512 keys on an H200 where the decode step's split launch took a few (benchmarks/results/speculative.md)."""
+    if programs >= SHORT_STEP_PROGRAMS:
+        return 1
+    wanted = triton.next_power_of_2(triton.cdiv(2 * sms, programs))
+    by_rows = _power_of_2_floor(SHORT_STEP_PART_ROWS // max(num_tokens, 1))
+    by_grid = _power_of_2_floor(SHORT_STEP_GRID // max(grid_programs, 1))
+    return min(wanted, _most_decode_splits(keys, block_n), by_rows, by_grid)
+
+
+def _power_of_2_floor(n: int) -> int:
+    """The largest power of two <= n, and 1 for n < 2."""
+    return 1 << max(0, n.bit_length() - 1)

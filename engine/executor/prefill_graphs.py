@@ -34,8 +34,8 @@ segments); a step with adapter rows replays the twin.
 
 Invariants: the KV pool tensor is never reallocated after capture; block tables are at most
 ``ceil(max_seq_len / tokens_per_block)`` wide; a bucket of T tokens has ``cdiv(T,
-tokens_per_tile) + max_batch_size`` tile-map entries, enough for any batch of at most T tokens in
-at most max_batch_size sequences (each sequence wastes at most one partial tile).
+tokens_per_tile) + min(max_batch_size, T)`` tile-map entries, enough for any batch of at most T tokens in
+at most max_batch_size sequences (each sequence wastes at most one partial tile; at most T have tokens).
 """
 from __future__ import annotations
 
@@ -125,7 +125,8 @@ class PrefillGraphs:
         self._allocate_buffers()
 
     def num_tiles(self, bucket: int) -> int:
-        return -(-bucket // self.tokens_per_tile) + self.max_seqs
+        # A bucket of T tokens holds at most T sequences with new tokens, each wasting at most one partial tile.
+        return -(-bucket // self.tokens_per_tile) + min(self.max_seqs, bucket)
 
     def _allocate_buffers(self) -> None:
         tokens, seqs, dev = self.buckets[-1], self.max_seqs, self.device

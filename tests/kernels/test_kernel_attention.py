@@ -288,9 +288,19 @@ MIXED_BATCH = [(0, 37), (299, 1), (32, 17), (40, 1), (170, 1), (15, 64), (64, 1)
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads", HEAD_SHAPES)
 @pytest.mark.parametrize("num_splits", [None, 1, 4])
-def test_mixed_batch_decode_rows_in_their_own_launch_match_reference(device, heads, num_splits):
+@pytest.mark.parametrize("short_step", ["one launch", "split prompt launch", "unsplit"])
+def test_mixed_batch_decode_rows_in_their_own_launch_match_reference(device, heads, num_splits, short_step,
+                                                                     monkeypatch):
     """A mixed batch runs its prompt chunks and its decode rows in two launches (decode rows with
-    decode tiles, split and merged per sequence when num_splits > 1): every row matches the reference."""
+    decode tiles, split and merged per sequence when num_splits > 1): every row matches the reference.
+    This batch has few prefill tiles, a short step (kernels/triton_attention.py _short_step_splits): where
+    its keys split at all, "one launch" runs every sequence in one split launch of prefill tiles, "split
+    prompt launch" splits the prompt chunks' launch and keeps the decode rows' own launch; "unsplit"
+    takes the prompt chunks' launch unsplit, as large steps do."""
+    if short_step == "unsplit":
+        monkeypatch.setattr("kernels.triton_attention.SHORT_STEP_PROGRAMS", 0)
+    if short_step == "split prompt launch":
+        monkeypatch.setattr("kernels.triton_attention.SHORT_STEP_ONE_LAUNCH", 0)
     for dtype in low_precision_dtypes(device):
         run_attention_case(device, dtype, heads, 16, MIXED_BATCH, num_splits=num_splits)
 

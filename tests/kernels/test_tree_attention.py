@@ -44,3 +44,55 @@ def test_tree_mask_kernel_equals_reference(heads):
         meta.tree_mask = None
         causal = paged_attention_ref(q, k_cache, v_cache, meta, head_dim ** -0.5)
         assert relative_error(causal[:90], want[:90]) > 10 * TOLERANCE[dtype]
+
+
+@pytest.mark.skipif(DEVICE is None, reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("tile_map_form,one_launch", [(False, True), (True, True), (True, False)])
+def test_short_tree_step_splits_its_keys_and_matches_reference(tile_map_form, one_launch, monkeypatch):
+    """A verify step's shape: a 16-node tree over a 300-token context, a decode row and a 3-token chunk.
+    Few prefill tiles, so one launch over every sequence with its keys split (_short_step_splits),
+    merged per token; the tree's masked keys lie in the last split. Also in a CUDA graph's form
+    (a tile map with unused entries and a sequence row past the batch), and with the decode row in its
+    own launch after the split one (a step that could hold many one-token rows)."""
+    if not one_launch:
+        monkeypatch.setattr("kernels.triton_attention.SHORT_STEP_ONE_LAUNCH", 0)
+    from engine.executor.prefill_graphs import tile_map
+    from kernels.attention_metadata import AttentionMetadata
+    from kernels.triton_attention import _short_step_splits, prefill_tokens_per_tile
+
+    num_heads, num_kv_heads, head_dim = 8, 2, 32
+    cases = [(300, 16), (200, 1), (100, 3)]
+    parents = [random_parents(16, random.Random(3)), None, None]
+    dtype = low_precision_dtypes(DEVICE)[0]
+    k, v, k_cache, v_cache, meta = make_batch(cases, num_kv_heads, head_dim, 16, dtype, DEVICE, seed=5)
+    write_kv_cache_ref(k, v, k_cache, v_cache, meta.slot_mapping)
+    meta.tree_mask = tree_mask([n for _, n in cases], parents).to(DEVICE)
+    q = torch.randn(20, num_heads, head_dim, generator=torch.Generator().manual_seed(6)).to(dtype).to(DEVICE)
+    want = paged_attention_ref(q, k_cache, v_cache, meta, head_dim ** -0.5)
+    per_tile = prefill_tokens_per_tile(num_heads // num_kv_heads, head_dim)
+    if tile_map_form:
+        tile_seq, tile_m = tile_map([16, 1, 3, 0], per_tile, 6)
+        cu = meta.cu_seqlens_q_host + [20]
+        table = meta.block_tables
+        meta = AttentionMetadata(
+            slot_mapping=meta.slot_mapping, cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=DEVICE),
+            block_tables=torch.cat([table, torch.zeros(1, table.shape[1], dtype=table.dtype, device=DEVICE)]),
+            context_lens=torch.tensor(meta.context_lens_host + [0], dtype=torch.int32, device=DEVICE),
+            max_seqlen_q=20, max_context_len=2048, is_decode_only=False, tree_mask=meta.tree_mask,
+            tile_seq=torch.from_numpy(tile_seq).to(DEVICE), tile_m=torch.from_numpy(tile_m).to(DEVICE))
+    assert _short_step_splits(3 * num_kv_heads, 3 * num_kv_heads, 20, meta.max_context_len, 64, 132) >= 2
+    got = paged_attention_triton(q, k_cache, v_cache, meta, head_dim ** -0.5)
+    assert relative_error(got, want) < TOLERANCE[dtype]
+
+
+def test_short_step_splits_cover_the_gpu_within_their_bounds():
+    """Batch-1 Llama-8B verify step (16 tokens, one tile for each of 8 KV heads): 16 splits over a graph's
+    4,096 keys, 4 over 512; none from SHORT_STEP_PROGRAMS programs, for long rows of partials or huge grids."""
+    from kernels.triton_attention import SHORT_STEP_PROGRAMS, _short_step_splits
+
+    assert _short_step_splits(8, 16, 16, 4096, 64, 132) == 16
+    assert _short_step_splits(8, 16, 16, 512, 64, 132) == 4
+    assert _short_step_splits(64, 64, 64, 4096, 64, 132) == 8  # a batch-4 step of 16-token trees
+    assert _short_step_splits(SHORT_STEP_PROGRAMS, SHORT_STEP_PROGRAMS, 256, 4096, 64, 132) == 1
+    assert _short_step_splits(8, 16, 1000, 4096, 64, 132) == 1
+    assert _short_step_splits(8, 8000, 16, 4096, 64, 132) == 1
