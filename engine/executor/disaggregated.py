@@ -195,6 +195,7 @@ class Disaggregation:
         self.kv_cache_transfer_ms = 0.0  # cumulative time of those copies
         self.num_quarantined_blocks = 0  # never freed: a failed NIXL READ into them could not be cancelled
         self._quarantined: list = []  # (their pulls: the READs' handles stay alive with them)
+        self._offer_errors: set[int] = set()  # handles whose offer files raised (reported once each)
         self.ready = ReadyEvents(executor.runner.device)  # context side: prompts' KV final on the device
         self.pulls = PullStreams()  # generation side
         self._importing: list[_Import] = []  # (generation loop only)
@@ -394,6 +395,7 @@ class Disaggregation:
                     or (pin.nixl and pin.state == "claimed" and pin.deadline + self.timeout_s <= now)  # reader died
                     or (pin.path is not None and not os.path.exists(pin.path)))]  # shm: fetched (or its write failed)
             pins = [self._pins.pop(h) for h in done]
+        self._offer_errors.difference_update(done)
         for block_ids in copied:
             self.executor.blocks.free(block_ids)
         for pin in pins:
@@ -404,6 +406,11 @@ class Disaggregation:
                 self.num_expired += kv_transfer_shm.expire(pin.path)
                 continue
             self.num_expired += pin.state == "pinned"
+            if pin.offer is not None and pin.state == "pinned":  # (expired: its offer went already, unless its
+                try:  # files failed: then no claim may come for the freed blocks)
+                    pin.offer.close()
+                except OSError:
+                    pass
             self.executor.blocks.free(pin.block_ids)
         return bool(pins) or bool(copied) or len(self._importing) != importing
 
@@ -582,7 +589,14 @@ class Disaggregation:
             offered = [(handle, pin) for handle, pin in self._pins.items()
                        if pin.offer is not None and pin.state != "released"]
         for handle, pin in offered:
-            state = pin.offer.advance(pin.ready, now)
+            try:
+                state = pin.offer.advance(pin.ready, now)
+            except OSError as err:  # (the transfer directory failing: this pin's alone, not every active request's;
+                if handle not in self._offer_errors:  # it stays pinned and its deadline frees it, see service)
+                    self._offer_errors.add(handle)
+                    print(f"[disaggregated] the offer of handle {handle} cannot be read: {err!r}", file=sys.stderr,
+                          flush=True)
+                continue
             if state in ("claimed", "released"):
                 pin.state = state
             elif state == "shm":

@@ -189,6 +189,27 @@ def test_an_auto_blob_from_another_host_goes_through_nixl_where_the_context_side
     assert wait_until(lambda: _free(context) and _free(generation) and not os.listdir(tmp_path))
 
 
+def test_an_offer_whose_files_fail_fails_no_other_request(cpu_pair, tmp_path, monkeypatch):
+    """An I/O error reading an offer's files (a transfer directory gone read-only) is that pin's alone: the context
+    loop keeps serving (it raised out of service() and failed every active request, every step)."""
+    monkeypatch.setenv("TRITONLLM_KV_TRANSFER_DIR", str(tmp_path))
+    context, generation = cpu_pair
+    advance = ipc.Offer.advance
+
+    def failing(self, ready, now):
+        raise PermissionError(13, "Permission denied", self.path)
+
+    monkeypatch.setattr(ipc.Offer, "advance", failing)
+    params = _run(context, _greedy(PROMPTS[0], request_type="context_only", kv_transfer="auto")).result \
+        .context_phase_params
+    served = _all(context, _greedy(PROMPTS[1]))
+    assert served[-1].error is None and final_tokens(served)
+    monkeypatch.setattr(ipc.Offer, "advance", advance)
+    fetched = _run(generation, _greedy(PROMPTS[0], request_type="generation_only", context_phase_params=params))
+    assert fetched.error is None, fetched.error
+    assert wait_until(lambda: _free(context) and _free(generation) and not os.listdir(tmp_path))
+
+
 def _run(ex, request: Request):
     request_id = ex.enqueue_request(request)
     return collect(ex, [request_id])[request_id][-1]
