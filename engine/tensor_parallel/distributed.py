@@ -505,6 +505,9 @@ def _destroy_groups(runner=None, timeout_s: float = DESTROY_TIMEOUT_S) -> bool:
             runner.release_cuda_graphs()
         except Exception as err:  # a failed device: the teardown below may still succeed
             logger.warning("could not release the CUDA graphs before leaving the groups: %s", err)
+        if gc.get_freeze_count():  # (an engine process froze its load's objects: a graph inside a reference cycle
+            gc.unfreeze()  # would outlive the groups; engine/executor/gc_freeze.py)
+            gc.collect()
     if not dist.is_initialized():
         return True
     from engine.models.layers import disable_one_shot_all_reduce

@@ -64,3 +64,20 @@ def test_leaving_the_process_groups_unfreezes_before_its_collection(monkeypatch)
     ctx = types.SimpleNamespace(tp_group=object(), control=None)
     distributed._join_group_threads(ctx, None, None)
     assert ctx.tp_group is None and calls == ["unfreeze", "collect"]
+
+
+@pytest.mark.parametrize("frozen", [0, 5])
+def test_leaving_the_process_groups_collects_the_released_graphs_of_a_frozen_process(monkeypatch, frozen):
+    """The runner's CUDA graphs hold captured NCCL work and must be gone before the groups are left: in a frozen
+    process (engine/executor/gc_freeze.py) one inside a reference cycle is only collected once unfrozen."""
+    import types
+
+    from engine.tensor_parallel import distributed
+
+    calls = []
+    monkeypatch.setattr(distributed, "gc", types.SimpleNamespace(
+        get_freeze_count=lambda: frozen, unfreeze=lambda: calls.append("unfreeze"),
+        collect=lambda: calls.append("collect")))
+    runner = types.SimpleNamespace(release_cuda_graphs=lambda: calls.append("release"))
+    assert distributed._destroy_groups(runner)  # (no process group in this process: nothing to leave)
+    assert calls == (["release", "unfreeze", "collect"] if frozen else ["release"])
