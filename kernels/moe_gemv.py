@@ -14,7 +14,8 @@ Shapes (T tokens, H hidden, E experts, I expert width on this rank, K experts a 
     per channel (E, 2I) / (E, H), blocks (E, 2I / 128, ceil(H / 128)) / (E, ceil(H / 128), I / 128);
     4 bits: kernels/fused_moe_wna16.py's kernel layout, codes (E, 2I, H / 2) / (E, H, I / 2) (byte j of a row:
     columns j and K / 2 + j), scale float32 and zero uint8 (E, K / G, N)
-    -> out_k (T, K, H) in x's dtype (each token's K weighted expert rows), or their float32 sum (T, H).
+    -> out_k (T, K, H) in x's dtype (each token's K weighted expert rows), or their sum (T, H) in x's dtype
+    (accumulated in float32, rounded once).
 
 1. gate_up: grid (T * K, ceil(I / BLOCK_N)). Program (a, j) routes token a // K itself where the logits are
    given (softmax top-k of its E logits, kernels/moe_routing.py _top_k_of_row; tile 0 stores slot a's id and
@@ -320,8 +321,9 @@ def moe_gemv_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
                     gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
                     gate_up_zero: torch.Tensor | None = None, down_zero: torch.Tensor | None = None,
                     tiles: tuple | None = None, sum_experts: bool = True) -> torch.Tensor:
-    """The two launches: out_k (T, K, H), or summed over K in float32 (T, H) with ``sum_experts``. Routing from
-    ``router_logits`` (T, E) inside gate_up's launch, or ``topk_weights`` / ``topk_ids`` (T, K) given.
+    """The two launches: out_k (T, K, H), or summed over K (T, H) with ``sum_experts`` (in x's dtype, accumulated in
+    float32). Routing from ``router_logits`` (T, E) inside gate_up's launch, or ``topk_weights`` / ``topk_ids``
+    (T, K) given.
     ``tiles``: (gate_up's, down's) (BLOCK_N, BLOCK_K, num_warps, num_stages), else DEFAULT_TILES. 4-bit experts:
     gate_up / down uint8 (E, 2I, H / 2) / (E, H, I / 2), scales float32 and zeros uint8 (E, K / G, N)
     (kernels/fused_moe_wna16.py's kernel layout); BLOCK_K counts stored bytes."""
