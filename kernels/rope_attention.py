@@ -8,8 +8,10 @@ equals ``rotary_and_write_kv`` (kernels/rotary.py) followed by ``paged_attention
 Why one entry: at decode the attention kernel can do the other two itself (one launch less per
 layer, and the step's critical path at batch 1 is a chain of such few-microsecond kernels). Each
 program rotates its own query rows, and the one split whose keys end at the new token's position
-writes that token's rotated K and its V into the cache, then reads them back with the rest. Prefill
-and mixed batches, GPT-J-style pairs and heads that are not a power of two keep the two kernels.
+writes that token's rotated K and its V into the cache, then reads them back with the rest. So does a
+short mixed step whose sequences are one query tile each (a batch-1 tree verify step of up to 16
+tokens: kernels/triton_attention.py short_step_appends), each row rotated at its own position. Other
+prefill and mixed batches, GPT-J-style pairs and heads that are not a power of two keep the two kernels.
 Neither path promises anything about q and k afterwards (the split path rotates q in place).
 
 ``append_paged_attention`` is the same for layers with no rotary (ALiBi, learned positions):
@@ -41,7 +43,8 @@ def rope_paged_attention(
     contiguous (column views of the fused qkv output are fine) -> out: (num_tokens, heads, dim).
     ``sliding_window``, ``logit_softcap``, ``sinks``: kernels/attention.py."""
     options = {"sliding_window": sliding_window, "logit_softcap": logit_softcap, "sinks": sinks}
-    if fuses_rotary_into_attention(q, meta, is_neox):
+    if fuses_rotary_into_attention(q, meta, is_neox) or (
+            use_triton(q) and is_neox and triton_attention.short_step_appends(q, k_cache, meta, sliding_window)):
         return triton_attention.paged_attention_triton(q, k_cache, v_cache, meta, scale,
                                                        new_kv=(k, v, positions, cos_sin_cache), **options)
     q = rotary_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping, is_neox=is_neox)

@@ -56,6 +56,11 @@ kernels/rope_attention.py): each program rotates its query rows, and the split t
 token's position writes its rotated K and its V to the token's slot, then reads them back with the
 rest of its keys. That is the work of kernels/rotary.py's fused kernel, one launch fewer per layer.
 
+A short mixed step (few query tiles: a tree or chain verify step at small batch) splits its keys as
+decode does and merges per token (``_short_step_splits``); where its sequences are one query tile
+each it may take ``new_kv`` too (``short_step_appends``): rows rotated at their own positions, each
+new key written by the split that holds it (the only program that reads it).
+
 A prefill or mixed batch's grid depends on its longest prompt chunk and its sequence count. A
 CUDA graph of such steps (engine/executor/prefill_graphs.py) passes a tile map instead
 (``meta.tile_seq`` / ``meta.tile_m``): program p runs the tile the map names, so the grid is the
@@ -291,6 +296,7 @@ def _paged_attention_kernel(
     PDL: tl.constexpr,
     HAS_TREE: tl.constexpr = False,  # token trees (tree verification): meta.tree_mask hides non-ancestors
     HAS_SPANS: tl.constexpr = False,  # image spans: a row also sees span_ptr[token] later new keys
+    APPEND_ROWS: tl.constexpr = False,  # ROTARY_APPEND's work for a short step whose sequences are one tile each
 ):
     pdl_prologue(PDL)  # before the early returns too: every program must wait (kernels/_triton.py)
     TOKENS_PER_TILE: tl.constexpr = BLOCK_M // GROUP
@@ -361,6 +367,18 @@ def _paged_attention_kernel(
             sin = tl.load(cos_sin_ptr + position * stride_cos + HALF + dims % HALF)
             q = rotate_neox(q, tl.load(q_rows + partner[None, :], mask=q_mask, other=0.0),
                             cos[None, :], sin[None, :], first_half[None, :])
+    if APPEND_ROWS:
+        # A short step of one query tile a sequence (short_step_appends): each row rotated at its own
+        # token's position; the new keys are written below, by the split holding each.
+        HALF_R: tl.constexpr = HEAD_DIM // 2
+        first_half_r = dims < HALF_R
+        partner_r = (dims + HALF_R) % HEAD_DIM
+        if ROTATE:
+            row_position = tl.load(positions_ptr + token_rows, mask=row_valid, other=0).to(tl.int64)
+            cos_r = tl.load(cos_sin_ptr + row_position[:, None] * stride_cos + (dims % HALF_R)[None, :])
+            sin_r = tl.load(cos_sin_ptr + row_position[:, None] * stride_cos + HALF_R + (dims % HALF_R)[None, :])
+            q = rotate_neox(q, tl.load(q_rows + partner_r[None, :], mask=q_mask, other=0.0), cos_r, sin_r,
+                            first_half_r[None, :])
     if FP16_MATH:
         # An FP8 pool's E4M3 values widen to fp16 in one instruction (to bf16 in two), and exactly.
         # q carries qk_scale into fp16 (|q| shrinks ~8x for 128-wide heads) and saturates at fp16's
@@ -397,6 +415,30 @@ def _paged_attention_kernel(
         # The walk below reads that slot back: a block barrier orders this program's stores before
         # its loads (no other program reads this key of this KV head in this step). Adding the key
         # from registers instead, after a walk that skips it, measured no faster on an H100.
+        tl.debug_barrier()
+
+    if APPEND_ROWS:
+        # The first row of each token's GROUP rows writes that token's rotated K and its V for this KV
+        # head, if the key (cache position prefix_len + token) is in this split's range: one program of
+        # each KV head writes each new key, and only that program reads it (its sequence is this one
+        # tile), after the barrier below.
+        key_pos = prefix_len + token_in_seq
+        writes = row_valid & (rows % GROUP == 0) & (key_pos >= kv_lo) & (key_pos < kv_hi)
+        new_slot = tl.load(slot_ptr + token_rows, mask=writes, other=-1).to(tl.int64)
+        writes = writes & (new_slot >= 0)  # slot -1: a graph's padding token
+        w_mask = writes[:, None] & dim_valid[None, :]
+        k_row = k_new_ptr + token_rows[:, None] * stride_knt + kv_head * stride_knh
+        k_new = tl.load(k_row + dims[None, :], mask=w_mask, other=0.0)
+        if ROTATE:
+            k_new = rotate_neox(k_new, tl.load(k_row + partner_r[None, :], mask=w_mask, other=0.0), cos_r, sin_r,
+                                first_half_r[None, :])
+        v_new = tl.load(v_new_ptr + token_rows[:, None] * stride_vnt + kv_head * stride_vnh + dims[None, :],
+                        mask=w_mask, other=0.0)
+        safe_slot = tl.where(writes, new_slot, 0)
+        k_dst = slot_row(k_cache_ptr, safe_slot, stride_kb, stride_ks, PAGE_SIZE) + kv_head * stride_kh
+        v_dst = slot_row(v_cache_ptr, safe_slot, stride_vb, stride_vs, PAGE_SIZE) + kv_head * stride_vh
+        tl.store(k_dst[:, None] + dims[None, :], cache_value(k_new, k_cache_ptr), mask=w_mask)
+        tl.store(v_dst[:, None] + dims[None, :], cache_value(v_new, v_cache_ptr), mask=w_mask)
         tl.debug_barrier()
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -775,7 +817,7 @@ def paged_attention_triton(
     if new_kv is not None:
         new_k, new_v, positions, cos_sin_cache = new_kv
         rotate = cos_sin_cache is not None
-        assert meta.is_decode_only and fuses_new_kv(head_dim) and new_k.stride(-1) == 1 and new_v.stride(-1) == 1
+        assert fuses_new_kv(head_dim) and new_k.stride(-1) == 1 and new_v.stride(-1) == 1
         assert not rotate or (cos_sin_cache.shape[1] == head_dim and cos_sin_cache.dtype == torch.float32)
         if not rotate:
             positions = cos_sin_cache = q  # unread
@@ -787,6 +829,7 @@ def paged_attention_triton(
         new_kv_strides = (0, 0, 0, 0)
         rotate = False
     kv_itemsize = k_cache.element_size()
+    append_rows = new_kv is not None and not meta.is_decode_only  # a short step's (short_step_appends)
     # Token trees (tree verification): the mask as bytes; the decode launch's rows are one token each
     # (a root alone sees all its keys), so only the prefill launch reads it.
     tree = None if meta.tree_mask is None else meta.tree_mask.to(torch.int8)
@@ -835,7 +878,8 @@ def paged_attention_triton(
             GROUP=group, HEAD_DIM=head_dim, DIM_PAD=dim_pad, PAGE_SIZE=page_size,
             BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 engines get fp32 dots
-            FP16_MATH=kv_itemsize == 1 and q.dtype != torch.float32, ROTARY_APPEND=new_kv is not None,
+            FP16_MATH=kv_itemsize == 1 and q.dtype != torch.float32, ROTARY_APPEND=new_kv is not None and not append_rows,
+            APPEND_ROWS=append_rows,
             ROTATE=rotate,
             HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=logit_softcap is not None, HAS_TILE_MAP=tile_map,
             HAS_SINKS=sinks is not None, HAS_ALIBI=alibi_slopes is not None, SEQ_KIND=seq_kind, TMA=descs is not None, DYNAMIC_SPLITS=dynamic,
@@ -872,23 +916,14 @@ def paged_attention_triton(
     # dots and softmax on each decode row's 1-8 rows: on an H100 the ~480 decode rows of a 2048/128
     # step (2k-token contexts) took longer than its four 2,048-token prompts.
     prefill_config = _prefill_config(group, dim_pad, kv_itemsize)
-    tokens_per_tile = prefill_config[0] // group
-    tiles = triton.cdiv(num_tokens, tokens_per_tile)  # the fewest tiles with work; the most (each sequence
-    most_tiles = tiles + min(num_seqs, num_tokens)    # wastes at most one partial one, at most a sequence a token)
-    if meta.tile_seq is not None:  # a CUDA graph's fixed grid
-        assert tokens_per_tile == prefill_tokens_per_tile(group, head_dim, kv_itemsize), "tile map of another tiling"
-        grid = (meta.tile_seq.shape[0], 1, num_kv_heads)
-    else:
-        grid = (triton.cdiv(meta.max_seqlen_q, tokens_per_tile), num_seqs, num_kv_heads)
-        tiles = max(tiles, num_seqs)
-    keys = meta.max_context_len if sliding_window is None else min(meta.max_context_len, sliding_window)
-    splits = num_splits or _short_step_splits(tiles * num_kv_heads, grid[0] * grid[1] * grid[2], num_tokens, keys,
-                                              prefill_config[1], num_sms(q.device))
+    grid, splits, one_launch = _short_step_plan(meta, num_tokens, group, num_kv_heads, head_dim, kv_itemsize,
+                                                q.device, sliding_window, num_splits)
     tile_map = meta.tile_seq is not None
-    if splits > 1 and tiles * num_kv_heads < SHORT_STEP_PROGRAMS:
+    assert not append_rows or one_launch, "new_kv for a step that is not a short one-tile step (short_step_appends)"
+    if splits > 1:
         # A short step (a tree or chain verify step, a small chunk): its keys split like a decode launch's,
         # then merged per token.
-        if most_tiles * num_kv_heads <= SHORT_STEP_ONE_LAUNCH:
+        if one_launch:
             # Few sequences can be in it: one launch over all, the one-token rows riding in prefill tiles.
             launch(prefill_config[:4] + (splits,), grid, ALL_SEQS, tile_map=tile_map, decode_tiles=False)
             return out
@@ -899,6 +934,46 @@ def paged_attention_triton(
         launch(prefill_config, grid, MULTI_TOKEN, tile_map=tile_map)
     launch(decode_config, (1, num_seqs, num_kv_heads), ONE_TOKEN, tile_map=False)
     return out
+
+
+def _short_step_plan(meta: AttentionMetadata, num_tokens: int, group: int, num_kv_heads: int, head_dim: int,
+                     kv_itemsize: int, device: torch.device, sliding_window: int | None,
+                     num_splits: int | None) -> tuple[tuple[int, int, int], int, bool]:
+    """(grid before the split, key splits, one launch) of a mixed step's prefill-tile launch: splits > 1 for a
+    short step (_short_step_splits, or ``num_splits`` forced); one launch: its one-token rows ride in it."""
+    tokens_per_tile = prefill_tokens_per_tile(group, head_dim, kv_itemsize)
+    num_seqs = meta.num_seqs
+    tiles = triton.cdiv(num_tokens, tokens_per_tile)  # the fewest tiles with work; the most (each sequence
+    most_tiles = tiles + min(num_seqs, num_tokens)    # wastes at most one partial one, at most a sequence a token)
+    if meta.tile_seq is not None:  # a CUDA graph's fixed grid
+        grid = (meta.tile_seq.shape[0], 1, num_kv_heads)
+    else:
+        grid = (triton.cdiv(meta.max_seqlen_q, tokens_per_tile), num_seqs, num_kv_heads)
+        tiles = max(tiles, num_seqs)
+    if tiles * num_kv_heads >= SHORT_STEP_PROGRAMS:
+        return grid, 1, False
+    keys = meta.max_context_len if sliding_window is None else min(meta.max_context_len, sliding_window)
+    block_n = _prefill_config(group, attention_dim_pad(head_dim), kv_itemsize)[1]
+    splits = num_splits or _short_step_splits(tiles * num_kv_heads, grid[0] * grid[1] * grid[2], num_tokens, keys,
+                                              block_n, num_sms(device))
+    return grid, splits, splits > 1 and most_tiles * num_kv_heads <= SHORT_STEP_ONE_LAUNCH
+
+
+def short_step_appends(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata,
+                       sliding_window: int | None = None) -> bool:
+    """Whether paged_attention_triton takes ``new_kv`` for this mixed step (a short step in one launch
+    whose sequences are one query tile each: a batch-1 verify step of up to 16 tokens with 4 query heads
+    a KV head): each program rotates its rows and the split holding a new key writes it, as at decode."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    if meta.is_decode_only or not fuses_new_kv(head_dim) or num_tokens == 0:
+        return False
+    if meta.max_seqlen_q > prefill_tokens_per_tile(group, head_dim, k_cache.element_size()):
+        return False
+    _, splits, one_launch = _short_step_plan(meta, num_tokens, group, num_kv_heads, head_dim,
+                                             k_cache.element_size(), q.device, sliding_window, None)
+    return one_launch
 
 
 # A mixed step whose prefill tiles number fewer programs than this (tiles x KV heads) splits its keys

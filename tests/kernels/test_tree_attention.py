@@ -96,3 +96,39 @@ def test_short_step_splits_cover_the_gpu_within_their_bounds():
     assert _short_step_splits(SHORT_STEP_PROGRAMS, SHORT_STEP_PROGRAMS, 256, 4096, 64, 132) == 1
     assert _short_step_splits(8, 16, 1000, 4096, 64, 132) == 1
     assert _short_step_splits(8, 8000, 16, 4096, 64, 132) == 1
+
+
+@pytest.mark.skipif(DEVICE is None, reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("rotate", [True, False])
+def test_short_tree_step_rotating_and_appending_in_the_launch_equals_the_two_kernels(rotate):
+    """A short step of one tile a sequence (short_step_appends) passes q, k unrotated: the split launch
+    rotates each row at its own position (a tree's positions go by depth) and writes each new key from
+    the split holding it. Output and pool equal rotary_and_write_kv (or write_kv_cache) + attention."""
+    from kernels.rotary import build_cos_sin_cache, rotary_and_write_kv_ref
+    from kernels.triton_attention import short_step_appends
+
+    num_heads, num_kv_heads, head_dim = 8, 2, 32
+    cases = [(300, 16), (200, 1), (100, 3)]
+    parents = [random_parents(16, random.Random(4)), None, None]
+    dtype = low_precision_dtypes(DEVICE)[0]
+    k, v, k_cache, v_cache, meta = make_batch(cases, num_kv_heads, head_dim, 16, dtype, DEVICE, seed=8)
+    meta.tree_mask = tree_mask([n for _, n in cases], parents).to(DEVICE)
+    depth = [0] * 16
+    for node in range(1, 16):
+        depth[node] = depth[parents[0][node]] + 1
+    positions = torch.tensor([300 + d for d in depth] + [200, 100, 101, 102], device=DEVICE)
+    q = torch.randn(20, num_heads, head_dim, generator=torch.Generator().manual_seed(9)).to(dtype).to(DEVICE)
+    cos_sin = build_cos_sin_cache(512, head_dim, 10000.0, device=DEVICE) if rotate else None
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    if rotate:
+        q_ref = rotary_and_write_kv_ref(q.clone(), k, v, positions, cos_sin, k_ref, v_ref, meta.slot_mapping)
+    else:
+        q_ref = q
+        write_kv_cache_ref(k, v, k_ref, v_ref, meta.slot_mapping)
+    want = paged_attention_ref(q_ref, k_ref, v_ref, meta, head_dim ** -0.5)
+    assert short_step_appends(q, k_cache, meta)
+    got = paged_attention_triton(q, k_cache, v_cache, meta, head_dim ** -0.5, new_kv=(k, v, positions, cos_sin))
+    assert relative_error(got, want) < TOLERANCE[dtype]
+    assert relative_error(k_cache, k_ref) < TOLERANCE[dtype] and torch.equal(v_cache, v_ref)
+    meta.max_seqlen_q = 17  # a sequence of two tiles: another tile's program would read keys this one writes
+    assert not short_step_appends(q, k_cache, meta)
