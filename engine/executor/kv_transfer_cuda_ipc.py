@@ -309,8 +309,9 @@ class IpcPull:
             try:
                 os.rename(self.offer, self.claim)
             except FileNotFoundError:
-                if os.path.exists(f"{self.offer}.pending") and time.monotonic() < self.deadline \
-                        and not self.cancelled():
+                # (cancelled too: it claims the offer once claimable and gives it back at once, so the context
+                # side frees the pin then, not at its deadline)
+                if os.path.exists(f"{self.offer}.pending") and time.monotonic() < self.deadline:
                     if (dead := kv_peer.gone(self.peer)) is not None:  # (a /proc read; rare: pending is brief)
                         self.error, self._state = dead, "done"
                         return True

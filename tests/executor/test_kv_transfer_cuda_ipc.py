@@ -82,6 +82,13 @@ def test_an_offer_lives_as_files_and_a_claim_is_one_shot(tmp_path, monkeypatch):
     cancelled = ipc.IpcPull(path, lambda: pytest.fail("copied for a cancelled request"), 1e12, lambda: True)
     assert cancelled.done() and cancelled.error is None  # taken and given back at once
     assert offer.advance(None, 1.0) == "released" and not os.listdir(tmp_path)
+    ready = _Ready()  # ... also when it was cancelled while its offer was still pending
+    offer = ipc.Offer(path, ready, deadline=100.0, timeout_s=50.0)
+    cancelled = ipc.IpcPull(path, lambda: pytest.fail("copied for a cancelled request"), 1e12, lambda: True)
+    assert not cancelled.done()
+    ready.done = True
+    assert offer.advance(ready, 1.0) == "pinned" and cancelled.done() and cancelled.error is None
+    assert offer.advance(ready, 1.0) == "released" and not os.listdir(tmp_path)
 
 
 def test_an_offer_claimed_for_shm_waits_for_the_context_side(tmp_path, monkeypatch):
