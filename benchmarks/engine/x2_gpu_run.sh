@@ -269,13 +269,16 @@ case $call in
   ( on_gpu 0 vlm 98 "$PYTHON" benchmarks/engine/vlm_bench.py --sections offline --hf-batches= --encode-batch 32 \
       --also-encode-batches 8 --out "$w/vlm.json" --results-md "$w/vlm.md"
     on_gpu 0 tree 88 "$PYTHON" benchmarks/speculative/tree_bench.py --dtypes bf16 --batches 1 --nodes 15,16 --lengths 4 \
-      --sections verify,loop --oracle-nodes 15 --kernels 15 --step-kernels 20 --out "$w/tree.json" --markdown "$w/tree.md" ) &
+      --sections verify,loop --oracle-nodes 15 --kernels 15 --step-kernels 20 --out "$w/tree.json" --markdown "$w/tree.md"
+    CUDA_VISIBLE_DEVICES=0 job kernel_tests 50 "$PYTHON" -m pytest -q -rfEs -p no:cacheprovider tests/kernels/test_tree_attention.py \
+      tests/kernels/test_mla_decode_fused.py tests/kernels/test_draft_topk.py ) &
   ( on_gpu 1 ds5 85 "$PYTHON" benchmarks/engine/engine_bench.py --model deepseek_v2_lite --sections bandwidth,decode \
       --max-batch-size 8 --max-num-tokens 256 --max-seq-len 1024 --out "$w/ds5.json" --results-md "$w/ds5.md"
     CUDA_VISIBLE_DEVICES=1 BUDGET_S=120 job moe_gemv 130 bash benchmarks/kernels/moe_gemv_gpu_run.sh "$w/moe_gemv" ) &
   wait
   echo "== vlm"; grep -E "^offline|collector|gc|Error|Traceback" "$w/vlm.log" | cut -c1-700
-  echo "== tree"; grep -v "^\[load" "$w/tree.log" | grep -E "ms vs|step:|tree - decode|_paged|_rotary|oracle L|EAGLE-3 L|Error|Traceback" | head -24
+  echo "== tree"; grep -v "^\[load" "$w/tree.log" | grep -E "ms vs|step:|tree - decode|_paged|_rotary|_merge|oracle L|EAGLE-3 L|Error|Traceback" | head -30
+  echo "== kernel tests"; grep -E "passed|failed|FAILED|Error" "$w/kernel_tests.log" | tail -6
   echo "== ds5"; grep -E "Error|Traceback" "$w/ds5.log" | head -3; tail -3 "$w/ds5.md" 2>/dev/null
   [ -f "$w/ds5.json" ] && "$PYTHON" -c "import json,sys; d=json.load(open(sys.argv[1]))['decode']; print('fusion', d.get('fusion_choice')); print('pdl', d.get('launch_choice'))" "$w/ds5.json"
   echo "== moe_gemv"; grep -vi warning "$w/moe_gemv.log" | tail -30
