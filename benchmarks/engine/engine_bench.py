@@ -477,7 +477,6 @@ def bench_decode(results: dict, runner: ModelRunner, prompt_len: int = 128, step
         entry["roofline_fraction"] = tok_s / roofline
         entry["roofline_fraction_all_params"] = tok_s / roof["roofline_tok_s_all_params"]
     entry["launch_choice"] = getattr(runner, "launch_choice", None)  # PDL on or off, as timed at load
-    entry["fusion_choice"] = getattr(runner, "fusion_choice", None)  # a model's decode fusions, as timed at load
     entry["gemm_choices"] = {"x".join(map(str, shape)): {key: str(untimed(v)) for key, v in untimed(choice).items()}
                              for shape, choice in (getattr(runner, "gemm_choices", None) or {}).items()}
     entry["kernel_choice_cache"] = getattr(runner, "choice_cache_counts", None)  # {"hits", "lookups", "families"}

@@ -21,7 +21,6 @@ from engine.config import FLOAT32_WEIGHT_SUFFIXES, EngineConfig, EngineFormatErr
 from engine.models import get_model_class
 from engine.executor.device_memory import apply_memory_fraction_from_env, free_device_bytes
 from engine.executor.cuda_graphs import DecodeGraphs, choose_programmatic_launch, run_warmup_batch
-from engine.executor.decode_fusions import choose_decode_fusions
 from engine.executor.layer_taps import LayerTaps
 from engine.executor.load_phases import load_phase
 from engine.executor.overlap import resolve_placeholders
@@ -390,9 +389,6 @@ class ModelRunner:
         self.gemm_choices.update({("moe_decode",) + key: report for key, report in
                                   choose_decode_tiles(getattr(self.model, "decode_experts", list)()).items()})
         self.launch_choice = choose_programmatic_launch(
-            self.graph_model, self.kv_cache, tokens_per_block=self.tokens_per_block,
-            max_seq_len=self.build_config.max_seq_len, sampled_tokens=self.sampled_tokens)
-        self.fusion_choice = choose_decode_fusions(  # a model's optional decode fusions, timed (after PDL's)
             self.graph_model, self.kv_cache, tokens_per_block=self.tokens_per_block,
             max_seq_len=self.build_config.max_seq_len, sampled_tokens=self.sampled_tokens)
         if self.dtype == torch.bfloat16:  # (an fp16 product of E4M3 values unscaled could overflow)

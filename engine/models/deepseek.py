@@ -64,8 +64,6 @@ from kernels.fused_moe import fused_moe, moe_forward
 from kernels.fused_moe_fp8 import fused_moe_fp8, moe_forward_fp8
 from kernels.head_matmul import head_matmul
 from kernels.mla_attention import mla_attention_values
-from kernels.mla_decode_fused import (FUSED_MAX_CONTEXT, FUSED_TIMING_CONTEXT, SETTINGS as FUSED_DECODE_SETTINGS,
-                                      fuses as decode_fuses, mla_decode_fused)
 from kernels.mla_expanded import expanded_min_tokens, mla_expanded_prefill, split_long
 from kernels.mla_latent_write import latent_rope_write, latent_rope_write_absorb
 from kernels.moe_grouped_routing import route_grouped
@@ -155,10 +153,6 @@ class MlaAttention(nn.Module):
         self.qkv_a_proj: Linear | None = None
         self.q_rows = 0
         self.w_uv: torch.Tensor | None = None  # (H, V, R), applied to the attention's latent output
-        # One of kernels/mla_decode_fused.py's SETTINGS: decode rows take the one-launch MLA kernel
-        # (latent write, W_UK, attention, W_UV); None: the three launches. Set by the load-time choice
-        # (DeepseekForCausalLM.set_decode_fusion).
-        self.fused_decode: tuple | None = None
 
     def init_buffers(self) -> None:
         """kv_b_proj's two halves per head, in the model dtype (dequantized once when FP8)."""
@@ -210,10 +204,7 @@ class MlaAttention(nn.Module):
         q_nope, q_rope = q[..., :self.nope], q[..., self.nope:]  # strided views (no copies)
         cache = kv_cache[self.layer_index, 0, :, :, 0]  # (num_blocks, tokens_per_block, R + P)
         long, short_rows, short_meta = split_long(meta, self.expanded_min_tokens)
-        if not long and self.fused_decode is not None and decode_fuses(q_nope, meta):
-            out = mla_decode_fused(q_nope, q_rope, kv, self.kv_a_norm.weight, self.eps, positions, cos_sin_cache,
-                                   cache, meta.slot_mapping, meta, self.scale, self.w_uk, self.w_uv, self.fused_decode)
-        elif not long:
+        if not long:
             # kv_a_norm of the latent, rope of q_rope (in place) and of k_r, [c | k_r] into the pool, and
             # W_UK's product into the query (kernels/head_matmul.py): one launch at decode sizes
             q_rope, q_latent = latent_rope_write_absorb(q_nope, self.w_uk, q_rope, kv, self.kv_a_norm.weight,
@@ -538,7 +529,7 @@ class DeepseekForCausalLM(nn.Module):
         absorbed kv_b_proj halves; once, after loading."""
         c = self.config
         self.cos_sin_cache = build_cos_sin_cache(self.max_positions, c.head_dim, c.rope_theta, c.rope_scaling, device)
-        for layer in self._all_layers():
+        for layer in [*self.layers, *([self.mtp.layer] if hasattr(self, "mtp") else [])]:
             layer.attn.init_buffers()
             if hasattr(layer, "moe"):
                 layer.moe.init_buffers()
@@ -564,7 +555,7 @@ class DeepseekForCausalLM(nn.Module):
         runner's load-time tile choice of those GEMMs (kernels/moe_decode_tiles.py) times and marks them.
         The MTP module's layer (decoding_mode mtp's drafts) is listed too."""
         found = []
-        for layer in self._all_layers():
+        for layer in [*self.layers, *([self.mtp.layer] if hasattr(self, "mtp") else [])]:
             moe = getattr(layer, "moe", None)
             if moe is None or moe.ep_size > 1 or moe.gate_up_proj.dtype == FP8_DTYPE:
                 continue
@@ -573,26 +564,6 @@ class DeepseekForCausalLM(nn.Module):
             else:
                 found.append((moe.gate_up_proj, moe.down_proj, moe.top_k))
         return found
-
-    def _all_layers(self) -> list[DeepseekLayer]:
-        return [*self.layers, *([self.mtp.layer] if hasattr(self, "mtp") else [])]
-
-    decode_fusion_context = FUSED_TIMING_CONTEXT  # keys of the load-time choice's timed decode step
-
-    def decode_fusion_candidates(self, max_seq_len: int) -> dict[str, list]:
-        """{fusion: its settings, None (off) first} for the runner's load-time choice by timing a batch-1
-        decode graph each way (engine/executor/decode_fusions.py). "mla_decode": each layer's MLA decode
-        in one launch (kernels/mla_decode_fused.py) at one of its settings; offered at one rank and up
-        to FUSED_MAX_CONTEXT keys (past that the split kernels' many programs win: its docstring)."""
-        if self.tp_group is not None or max_seq_len > FUSED_MAX_CONTEXT:
-            return {}
-        return {"mla_decode": [None, *FUSED_DECODE_SETTINGS]}
-
-    def set_decode_fusion(self, name: str, setting) -> None:
-        """One of decode_fusion_candidates()[name] for every layer (the MTP module's too)."""
-        assert name == "mla_decode" and (setting is None or tuple(setting) in FUSED_DECODE_SETTINGS), (name, setting)
-        for layer in self._all_layers():
-            layer.attn.fused_decode = None if setting is None else tuple(setting)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: (n, hidden) rows to score -> float32 logits (n, vocab)."""

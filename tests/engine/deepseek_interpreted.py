@@ -5,8 +5,7 @@ interpreter (TRITON_INTERPRET=1); logits of packed chunks, 8-9-token steps and s
 steps against transformers' (the one-token expert GEMMs in tiles marked as the load-time
 choice marks them). Run by test_deepseek.py in a subprocess (the patch must precede every
 kernel import); prints one "ok <version> <max error> <decode-path expert calls> <of them with the norm in
-the router's launch> <MLA decode layers in one launch>" line a version (kernels/mla_decode_fused.py set on
-for v3, as the load-time choice may set it; v2 decodes through the three launches).
+the router's launch>" line a version.
 """
 import os
 import pathlib
@@ -26,9 +25,8 @@ import engine.models.deepseek as deepseek  # noqa: E402
 from engine.executor.runner import ModelRunner  # noqa: E402
 from kernels.moe_decode_tiles import DECODE_TILE_CANDIDATES, mark_decode_tiles  # noqa: E402
 
-decode_calls = normed_calls = fused_mla = 0
+decode_calls = normed_calls = 0
 _routed, _forward_normed = deepseek.DeepseekExperts._routed, deepseek.DeepseekExperts.forward_normed
-_mla_decode_fused = deepseek.mla_decode_fused
 
 
 def counted(self, x, weights, ids):
@@ -43,13 +41,6 @@ def counted_normed(self, *args, **kwargs):
     return _forward_normed(self, *args, **kwargs)
 
 
-def counted_fused(*args, **kwargs):
-    global fused_mla
-    fused_mla += 1
-    return _mla_decode_fused(*args, **kwargs)
-
-
-deepseek.mla_decode_fused = counted_fused
 deepseek.DeepseekExperts._routed = counted
 deepseek.DeepseekExperts.forward_normed = counted_normed
 for version in sys.argv[1:] or ["v2", "v3"]:
@@ -62,10 +53,6 @@ for version in sys.argv[1:] or ["v2", "v3"]:
                            for _, _, top_k in experts)
     for gate_up, _, _ in experts:
         mark_decode_tiles(gate_up, DECODE_TILE_CANDIDATES[1], DECODE_TILE_CANDIDATES[2])
-    # v3: the MLA decode rows in one launch (kernels/mla_decode_fused.py), as the load-time choice may set it on
-    # CUDA; v2 keeps the three launches (latent write + W_UK, split attention, W_UV), the path where it does not
-    if version == "v3":
-        runner.model.set_decode_fusion("mla_decode", list(deepseek.FUSED_DECODE_SETTINGS[0]))
     seqs = {0: random_tokens(19, 3), 1: random_tokens(9, 4)}
     session = PagedSession(runner, num_blocks=32)
     a0, b0 = session.step([(0, seqs[0][:11]), (1, seqs[1][:7])])
@@ -77,4 +64,4 @@ for version in sys.argv[1:] or ["v2", "v3"]:
     for i, token in enumerate(extra):  # single-token steps: one block an expert, no alignment
         (row,) = session.step([(1, [token])])
         worst = max(worst, (row - hf_logits(hf, seqs[1] + extra[:i + 1])[-1:]).abs().max().item())
-    print("ok", version, worst, decode_calls, normed_calls, fused_mla, flush=True)
+    print("ok", version, worst, decode_calls, normed_calls, flush=True)

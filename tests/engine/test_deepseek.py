@@ -353,23 +353,6 @@ def test_cuda_path_in_the_interpreter_equals_transformers():
     lines = [line.split() for line in run.stdout.splitlines() if line.startswith("ok ")]
     assert [line[1] for line in lines] == ["v2", "v3"], run.stdout + run.stderr[-3000:]
     assert all(float(line[2]) <= 1e-4 and int(line[3]) >= int(line[4]) > 0 for line in lines), lines
-    assert [int(line[5]) > 0 for line in lines] == [False, True], lines  # (v2: three launches, v3: one)
-
-
-def test_one_launch_mla_decode_offered_at_one_rank_up_to_its_context():
-    """The load-time choice (engine/executor/decode_fusions.py) times kernels/mla_decode_fused.py's settings
-    against the three launches (run by deepseek_interpreted.py); offered up to FUSED_MAX_CONTEXT keys."""
-    from engine.models.deepseek import DeepseekForCausalLM
-    from kernels.mla_decode_fused import FUSED_MAX_CONTEXT, SETTINGS
-
-    model = DeepseekForCausalLM(model_config_from_hf(tiny_deepseek("v2").config), device="meta",
-                                dtype=torch.bfloat16)
-    assert model.decode_fusion_candidates(1024) == {"mla_decode": [None, *SETTINGS]}
-    assert model.decode_fusion_candidates(FUSED_MAX_CONTEXT + 1) == {}
-    model.set_decode_fusion("mla_decode", list(SETTINGS[1]))  # (a tuple from the choice cache's JSON: a list)
-    assert all(layer.attn.fused_decode == SETTINGS[1] for layer in model.layers)
-    model.set_decode_fusion("mla_decode", None)
-    assert all(layer.attn.fused_decode is None for layer in model.layers)
 
 
 def test_unsupported_settings_are_refused_by_name():
