@@ -271,7 +271,7 @@ case $call in
     on_gpu 0 tree 88 "$PYTHON" benchmarks/speculative/tree_bench.py --dtypes bf16 --batches 1 --nodes 15,16 --lengths 4 \
       --sections verify,loop --oracle-nodes 15 --kernels 15 --step-kernels 20 --out "$w/tree.json" --markdown "$w/tree.md"
     CUDA_VISIBLE_DEVICES=0 job kernel_tests 50 "$PYTHON" -m pytest -q -rfEs -p no:cacheprovider tests/kernels/test_tree_attention.py \
-      tests/kernels/test_mla_decode_fused.py tests/kernels/test_draft_topk.py ) &
+      tests/kernels/test_draft_topk.py ) &
   ( on_gpu 1 ds5 85 "$PYTHON" benchmarks/engine/engine_bench.py --model deepseek_v2_lite --sections bandwidth,decode \
       --max-batch-size 8 --max-num-tokens 256 --max-seq-len 1024 --out "$w/ds5.json" --results-md "$w/ds5.md"
     CUDA_VISIBLE_DEVICES=1 BUDGET_S=120 job moe_gemv 130 bash benchmarks/kernels/moe_gemv_gpu_run.sh "$w/moe_gemv" ) &
