@@ -12,6 +12,7 @@ import tritonclient.grpc as grpcclient
 
 from triton_helpers import chat, running_server, wait_for
 from test_grpc_stream import tensor
+from test_metrics import scrape, value
 
 pytestmark = pytest.mark.integration
 
@@ -138,7 +139,9 @@ def test_zz_killed_server_leaves_no_generating_stub_behind(unary_server, tokeniz
     threading.Thread(target=lambda: unary_server.generate("tensorrt_llm_bls", {
         "text_input": chat("Tell me a long story."), "max_tokens": 1500, "end_id": -1}, timeout=30),
         daemon=True).start()
-    time.sleep(2)  # generating now
+    # generating now: both requests admitted by the engine (was a 2-s sleep)
+    assert wait_for(lambda: value(scrape(unary_server), "nv_trt_llm_request_metrics", request_type="active",
+                                  model="tensorrt_llm", version="1") == 2, timeout=30, interval=0.05)
     os.kill(unary_server.pid, signal.SIGKILL)
     models = [str(path) for path in (unary_server.log_path.parent / "repo").glob("*/1/model.py")]
     deadline = time.time() + 15
