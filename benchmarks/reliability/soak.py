@@ -119,12 +119,13 @@ class OwnServer:
     """scripts/serve_default.py on free ports in its own process group (as `make serve`)."""
 
     def __init__(self, engine_dir: str | None, work: Path):
-        ports = [str(free_port()) for _ in range(3)]
+        ports = [str(free_port()) for _ in range(4)]  # the OpenAI frontend's too: another server may hold 9000
         self.http, self.grpc = f"http://127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}"
         self.metrics = f"http://127.0.0.1:{ports[2]}/metrics"
         self.log_path = work / "serve.log"
         command = [sys.executable, str(REPO_ROOT / "scripts" / "serve_default.py"), "--repo", str(work / "repo"),
-                   "--http_port", ports[0], "--grpc_port", ports[1], "--metrics_port", ports[2]]
+                   "--http_port", ports[0], "--grpc_port", ports[1], "--metrics_port", ports[2],
+                   "--openai_port", ports[3]]
         if engine_dir:
             command += ["--engine_dir", engine_dir]
         with open(self.log_path, "w") as log:

@@ -141,7 +141,7 @@ class ServeDefault:
     ports, its log in a file; Ctrl-C is SIGINT to the whole group."""
 
     def __init__(self, engine_dir, tmp_path):
-        ports = [str(free_port()) for _ in range(3)]
+        ports = [str(free_port()) for _ in range(4)]  # the OpenAI frontend's too: 9000 may be taken (test_soak)
         self.http, self.grpc_url = f"http://127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}"
         self.metrics = f"http://127.0.0.1:{ports[2]}"
         self.log_path = tmp_path / "serve.log"
@@ -149,7 +149,8 @@ class ServeDefault:
             self.process = subprocess.Popen(
                 [sys.executable, str(ROOT / "scripts" / "serve_default.py"), "--engine_dir", engine_dir,
                  "--repo", str(tmp_path / "repo"), "--http_port", ports[0], "--grpc_port", ports[1],
-                 "--metrics_port", ports[2]], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                 "--metrics_port", ports[2], "--openai_port", ports[3]], stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True)
         assert wait_for(lambda: "READY:" in self.log() or self.process.poll() is not None, timeout=300,
                         interval=0.5)
         assert self.process.poll() is None, self.log()[-3000:]
