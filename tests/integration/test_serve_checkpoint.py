@@ -2,6 +2,8 @@
 Hugging Face checkpoint directory of their own (a tiny random Llama written by transformers, with
 SmolLM2's tokenizer), one command, then curl-style HTTP and the official `openai` client; the
 engine is built once into the cache and a second start reuses it."""
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -40,6 +42,24 @@ def checkpoint(smollm2_engine_dir, tmp_path_factory) -> Path:
     return folder
 
 
+# The build options the served test's command line gives (serving/engine_cache.py checkpoint_build_args of
+# --dtype float32 --max_batch_size 4 --max_seq_len 256): the server finds the engine the keyed test's build made.
+BUILD = ["--dtype", "float32", "--max_batch_size", "4", "--tp_size", "1", "--max_seq_len", "256"]
+
+
+@pytest.fixture(scope="module")
+def cache(checkpoint, tmp_path_factory) -> tuple[Path, Path, str]:
+    """(cache folder, engine, what the build printed): the checkpoint's engine built ONCE per module,
+    in-process through serve_default's ensure_checkpoint_engine; the keyed test checks that build and
+    the served test starts a server on the same cache, which must reuse it (one engine.build, not two)."""
+    folder = tmp_path_factory.mktemp("engine_cache")
+    out = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out):
+        patch.setenv("TRITONLLM_CACHE", str(folder))
+        engine = _load_serve_default().ensure_checkpoint_engine(str(checkpoint), BUILD)
+    return folder, engine, out.getvalue()
+
+
 def _load_serve_default():
     import importlib.util
 
@@ -49,21 +69,28 @@ def _load_serve_default():
     return module
 
 
-def test_engine_cache_is_keyed_by_checkpoint_and_options(checkpoint, tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("TRITONLLM_CACHE", str(tmp_path))
+def test_engine_cache_is_keyed_by_checkpoint_and_options(checkpoint, cache, monkeypatch, capsys):
+    folder, engine, printed = cache
+    monkeypatch.setenv("TRITONLLM_CACHE", str(folder))
     serve = _load_serve_default()
-    build = ["--dtype", "float32", "--max_batch_size", "4", "--tp_size", "1", "--max_seq_len", "256"]
-    engine = serve.ensure_checkpoint_engine(str(checkpoint), build)
-    assert engine.parent == tmp_path / "engines" and engine.name.startswith("tiny-llama-")
+    build = BUILD
+    assert "building" in printed  # the module's one build, in-process
+    assert engine.parent == folder / "engines" and engine.name.startswith("tiny-llama-")
     assert json.loads((engine / "config.json").read_text())["build"]["max_seq_len"] == 256
     built_at = (engine / "config.json").stat().st_mtime_ns
     assert serve.ensure_checkpoint_engine(str(checkpoint), build) == engine  # reused, not rebuilt
     assert (engine / "config.json").stat().st_mtime_ns == built_at
     assert "reusing the cached engine" in capsys.readouterr().out
     assert serve.cached_engine_dir(str(checkpoint), build[:-1] + ["128"]) != engine  # other options
-    (checkpoint / "generation_config.json").touch()  # the checkpoint changed: another key
-    assert serve.cached_engine_dir(str(checkpoint), build) != engine
-    assert not list((tmp_path / "engines").glob("*.partial-*"))  # builds land whole
+    changed = checkpoint / "generation_config.json"  # the checkpoint changed (a newer file): another key
+    before = changed.stat()
+    os.utime(changed, ns=(before.st_atime_ns, before.st_mtime_ns + 10**9))
+    try:
+        assert serve.cached_engine_dir(str(checkpoint), build) != engine
+    finally:  # back as it was: the served test's server reuses this engine
+        os.utime(changed, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert serve.cached_engine_dir(str(checkpoint), build) == engine
+    assert not list((folder / "engines").glob("*.partial-*"))  # builds land whole
 
 
 def test_a_missing_checkpoint_is_refused_by_name(tmp_path, monkeypatch):
@@ -73,13 +100,16 @@ def test_a_missing_checkpoint_is_refused_by_name(tmp_path, monkeypatch):
         serve.ensure_checkpoint_engine("/no/such/model", [])
 
 
-def test_one_command_serves_a_checkpoint(checkpoint, tmp_path):
-    """Build, fill, launch, answer over HTTP and the OpenAI API under the checkpoint's name."""
+def test_one_command_serves_a_checkpoint(checkpoint, cache, tmp_path):
+    """Find the engine in the cache (the module's build), fill, launch, answer over HTTP and the OpenAI
+    API under the checkpoint's name."""
     ports = {name: str(free_port()) for name in ("http", "grpc", "metrics", "openai")}
-    env = {**os.environ, "TRITONLLM_CACHE": str(tmp_path / "cache")}
-    command = [sys.executable, str(SCRIPT), "--model", str(checkpoint), "--max_seq_len", "256", "--max_batch_size",
-               "4", "--repo", str(tmp_path / "repo"), "--bls_instances", "1", "--http_port", ports["http"],
-               "--grpc_port", ports["grpc"], "--metrics_port", ports["metrics"], "--openai_port", ports["openai"]]
+    folder, engine, _ = cache
+    env = {**os.environ, "TRITONLLM_CACHE": str(folder)}
+    command = [sys.executable, str(SCRIPT), "--model", str(checkpoint), "--dtype", "float32", "--max_seq_len", "256",
+               "--max_batch_size", "4", "--repo", str(tmp_path / "repo"), "--bls_instances", "1",
+               "--http_port", ports["http"], "--grpc_port", ports["grpc"], "--metrics_port", ports["metrics"],
+               "--openai_port", ports["openai"]]
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                start_new_session=True)
     lines: list[str] = []
@@ -107,4 +137,6 @@ def test_one_command_serves_a_checkpoint(checkpoint, tmp_path):
         except ProcessLookupError:
             pass
         process.wait()
-    assert any("building" in line for line in lines)
+    # A second start reuses the engine the first built (the build itself: the keyed test).
+    assert any(f"reusing the cached engine {engine}" in line for line in lines)
+    assert not any(line.startswith("tritonllm: building") for line in lines)
