@@ -257,7 +257,8 @@ def run_mode(mode: str, executors, requests, args, rate: float) -> dict:
                for i, ex in enumerate(executors)]
     for thread in threads:
         thread.start()
-    transfers_before = (generation.disagg.num_transfers, generation.disagg.kv_cache_transfer_ms)
+    imports = generation.disagg.imports  # (the generation side: kv_import.py)
+    transfers_before = (imports.num_transfers, imports.kv_cache_transfer_ms)
     started = time.perf_counter()
     for key, (at, prompt) in enumerate(requests):
         delay = started + at - time.perf_counter()
@@ -287,10 +288,10 @@ def run_mode(mode: str, executors, requests, args, rate: float) -> dict:
            "ttft_ms_p50": percentile(ttft, 50), "ttft_ms_p99": percentile(ttft, 99),
            "itl_ms_p50": percentile(streams.gaps, 50) * 1e3, "itl_ms_p99": percentile(streams.gaps, 99) * 1e3}
     if mode == "disaggregated":
-        transfers = generation.disagg.num_transfers - transfers_before[0]
+        transfers = imports.num_transfers - transfers_before[0]
         row.update({"handoff_ms_p50": percentile(streams.handoff, 50), "handoff_ms_p99": percentile(streams.handoff, 99),
                     "kv_transfers": transfers,
-                    "kv_transfer_ms_mean": (generation.disagg.kv_cache_transfer_ms - transfers_before[1]) / max(1, transfers),
+                    "kv_transfer_ms_mean": (imports.kv_cache_transfer_ms - transfers_before[1]) / max(1, transfers),
                     "kv_transfer_chosen": dict(generation.disagg.ipc.chosen)})  # (cuda_ipc / auto: what moved the KV)
     print(f"[disagg_bench] {mode}: " + json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}),
           flush=True)

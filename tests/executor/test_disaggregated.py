@@ -11,7 +11,7 @@ import time
 import pytest
 
 from engine.executor import Executor, ExecutorConfig, kv_peer, kv_transfer_cuda_ipc, kv_transfer_shm
-from engine.executor.disaggregated import decode, encode
+from engine.executor.context_phase import decode, encode
 from engine.executor.request import Request, SamplingConfig
 from tests.executor.executor_testing import collect, final_tokens, wait_until
 
@@ -72,9 +72,10 @@ def test_context_then_generation_equals_aggregated(pair, transport, streaming):
                                                   context_phase_params=params)))
         assert (list(prompt) + got if streaming else got) == expected  # (a stream sends the output only)
     assert wait_until(lambda: all_free(context)) and wait_until(lambda: all_free(generation))
-    assert generation.disagg.num_transfers >= len(PROMPTS) and generation.disagg.kv_cache_transfer_ms > 0
+    imports = generation.disagg.imports
+    assert imports.num_transfers >= len(PROMPTS) and imports.kv_cache_transfer_ms > 0
     stats = generation.get_latest_iteration_stats()  # what nv_trt_llm_disaggregated_serving_metrics shows
-    assert stats.num_kv_transfers_total == generation.disagg.num_transfers and stats.kv_cache_transfer_ms_total > 0
+    assert stats.num_kv_transfers_total == imports.num_transfers and stats.kv_cache_transfer_ms_total > 0
 
 
 @pytest.mark.parametrize("transport", ["local", "shm", "auto"], indirect=True)
@@ -88,12 +89,12 @@ def test_pinned_blocks_expire_and_fetch_is_one_shot(pair, transport):
     context.disagg.timeout_s = 0.2
     try:
         expired = run(context, greedy(prompt, request_type="context_only"))[-1].result.context_phase_params
-        assert wait_until(lambda: all_free(context) and not context.disagg._pins), "not freed while idle"
+        assert wait_until(lambda: all_free(context) and not context.disagg.exports._pins), "not freed while idle"
         late = run(generation, greedy(prompt, request_type="generation_only", context_phase_params=expired))
         assert "context_phase_params: the context phase's KV cache is gone" in late[-1].error
     finally:
         context.disagg.timeout_s = 60.0
-    assert context.disagg.num_expired >= 1 and wait_until(lambda: all_free(generation))
+    assert context.disagg.exports.num_expired >= 1 and wait_until(lambda: all_free(generation))
 
 
 def test_a_request_chooses_shm_over_the_executors_local_default(pair, tmp_path, monkeypatch):
@@ -127,7 +128,7 @@ def test_a_failing_export_fails_its_request_alone(pair, monkeypatch):
                                              "shm) failed: OSError(28, '")
     assert "has 0 bytes free, the KV file needs 6144'" in got[failing][-1].error  # (3 blocks of 2,048 bytes)
     assert all(r.error is None for r in got[beside]) and got[beside][-1].result.is_final
-    assert wait_until(lambda: all_free(context)) and not context.disagg._pins
+    assert wait_until(lambda: all_free(context)) and not context.disagg.exports._pins
 
 
 def dead_peer() -> dict:
@@ -250,8 +251,8 @@ def test_a_pull_in_progress_keeps_its_blocks_until_done_even_when_cancelled(pair
         monkeypatch.setattr(kv_transfer_cuda_ipc, "choose",
                             lambda fields, pool, peers, in_process: ("cuda_ipc", context.runner.kv_cache, "faked"))
         chosen = generation.disagg.ipc.chosen.get("cuda_ipc", 0)
-    held = HeldPulls(generation.disagg.pulls)
-    monkeypatch.setattr(generation.disagg, "pulls", held)
+    held = HeldPulls(generation.disagg.imports.pulls)
+    monkeypatch.setattr(generation.disagg.imports, "pulls", held)
     prompt = PROMPTS[2]
     expected = final_tokens(run(generation, greedy(prompt)))
     params = run(context, greedy(prompt, request_type="context_only"))[-1].result.context_phase_params

@@ -19,7 +19,7 @@ import torch
 from engine.executor import Executor, ExecutorConfig
 from engine.executor import kv_peer, kv_transfer_nixl
 from engine.executor import kv_transfer_cuda_ipc as ipc
-from engine.executor.disaggregated import decode, encode
+from engine.executor.context_phase import decode, encode
 from engine.executor.engine_process import EngineProcess
 from engine.executor.request import Request, SamplingConfig
 from tests.executor.executor_testing import collect, final_tokens, wait_until

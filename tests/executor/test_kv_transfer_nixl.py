@@ -14,7 +14,7 @@ import torch
 
 from engine.executor import Executor, ExecutorConfig
 from engine.executor import kv_transfer_nixl
-from engine.executor.disaggregated import decode, encode
+from engine.executor.context_phase import decode, encode
 from engine.executor.engine_process import EngineProcess
 from engine.executor.request import Request, SamplingConfig
 from tests.executor.executor_testing import collect, final_tokens, wait_until
@@ -204,7 +204,7 @@ def test_a_read_nixl_cannot_cancel_keeps_its_blocks_out_of_the_pool(sides, monke
     assert error == "context_phase_params: the NIXL transfer of the context phase's KV failed: " \
                     "RuntimeError('NIXL_ERR_REMOTE_DISCONNECT')"
     quarantined = len(decode(params)["block_ids"])
-    assert generation.disagg.num_quarantined_blocks == quarantined
+    assert generation.disagg.imports.num_quarantined_blocks == quarantined
     assert generation.blocks.num_free_blocks == generation.blocks.num_blocks - quarantined
     assert wait_until(lambda: context_free(context))
     monkeypatch.undo()
@@ -212,10 +212,10 @@ def test_a_read_nixl_cannot_cancel_keeps_its_blocks_out_of_the_pool(sides, monke
                                   context_phase_params=export(context, PROMPTS[0])))
     assert good[-1].error is None, good[-1].error
     assert generation.get_latest_iteration_stats().num_kv_blocks_quarantined == quarantined
-    for pull in generation.disagg._quarantined:  # (the READ ended long ago here: the module's pool back whole)
+    for pull in generation.disagg.imports._quarantined:  # (the READ ended long ago here: the module's pool back whole)
         pull._xfer.release()
         generation.blocks.free(pull.dst_ids)
-    generation.disagg._quarantined, generation.disagg.num_quarantined_blocks = [], 0
+    generation.disagg.imports._quarantined, generation.disagg.imports.num_quarantined_blocks = [], 0
     assert generation_free(generation)
 
 
