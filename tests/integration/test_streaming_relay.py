@@ -2,7 +2,8 @@
 
 A Python-backend send is a synchronous round trip to the server and a stub must send from one
 thread only (serving/shared_engine.py says why), so `tensorrt_llm` scales its relay with model
-instances that share one engine. This server runs two. What must hold: a client that keeps up
+instances that share one engine. This server runs two (and, in an engine process of its own, a copy
+with stream_interval=4 behind a copy of the ensemble). What must hold: a client that keeps up
 gets one response per token (no coalescing), every stream arrives whole whichever instance holds
 it, and a stop, or a hang-up reported by postprocessing, reaches the instance that holds the
 request.
@@ -24,10 +25,36 @@ ANSWER = "The capital of France is Paris."
 RUNNING_TOKENS = 300
 
 
+# stream_interval=4 is an engine (executor) setting: its own engine process, but not its own server.
+# tensorrt_llm's copy with that setting and one instance, behind the ensemble's copy that names it.
+INTERVAL_LLM, INTERVAL_ENSEMBLE = "tensorrt_llm_interval", "ensemble_interval"
+
+
+def add_interval_models(repo) -> None:
+    import re
+    import shutil
+
+    shutil.copytree(repo / "tensorrt_llm", repo / INTERVAL_LLM)
+    config = repo / INTERVAL_LLM / "config.pbtxt"
+    text = config.read_text().replace('name: "tensorrt_llm"', f'name: "{INTERVAL_LLM}"', 1)
+    text, counts = re.subn(r"(instance_group\s*\[\s*\{\s*count:\s*)\d+", r"\g<1>1", text)
+    text, intervals = re.subn(r'(key: "stream_interval"\s*value: \{\s*string_value: )"[^"]*"', r'\g<1>"4"', text)
+    assert counts == 1 and intervals == 1, (counts, intervals)
+    config.write_text(text)
+    shutil.copytree(repo / "ensemble", repo / INTERVAL_ENSEMBLE)
+    config = repo / INTERVAL_ENSEMBLE / "config.pbtxt"
+    text = config.read_text().replace('name: "ensemble"', f'name: "{INTERVAL_ENSEMBLE}"', 1)
+    text, steps = re.subn(r'model_name: "tensorrt_llm"', f'model_name: "{INTERVAL_LLM}"', text)
+    assert steps == 1, steps
+    config.write_text(text)
+
+
 @pytest.fixture(scope="module")
 def two_instance_server(smollm2_engine_dir, tmp_path_factory):
+    """tensorrt_llm with two instances sharing one engine process; beside them (a second engine
+    process) the stream-interval models, so that test needs no server of its own."""
     with running_server(smollm2_engine_dir, tmp_path_factory.mktemp("triton_2x"),
-                        tensorrt_llm_instances=2) as server:
+                        tensorrt_llm_instances=2, add_models=add_interval_models) as server:
         yield server
 
 
@@ -64,10 +91,10 @@ def test_triton_spreads_requests_over_both_instances(two_instance_server):
     assert set(instances) == {0, 1}, instances
 
 
-def ensemble_text(server) -> str:
+def ensemble_text(server, model: str = "ensemble") -> str:
     stream = Stream(server)
     try:
-        stream.send("ensemble", text_inputs([chat("What is the capital of France?")], 24))
+        stream.send(model, text_inputs([chat("What is the capital of France?")], 24))
         items = stream.until_final()
     finally:
         stream.close()
@@ -76,11 +103,11 @@ def ensemble_text(server) -> str:
                    if r.as_numpy("text_output") is not None)
 
 
-def tokens_per_response(server, max_tokens: int) -> list[int]:
+def tokens_per_response(server, max_tokens: int, model: str = "tensorrt_llm") -> list[int]:
     """The tokens each response of one streamed tensorrt_llm request carried, in order."""
     stream = Stream(server)
     try:
-        stream.send("tensorrt_llm", long_llm_request(max_tokens=max_tokens))
+        stream.send(model, long_llm_request(max_tokens=max_tokens))
         items = stream.until_final()
     finally:
         stream.close()
@@ -109,21 +136,14 @@ def test_one_response_per_token_when_the_client_keeps_up(server_name, request):
     assert tokens - 1 <= responses <= tokens + 1  # one per token, and perhaps an empty final one
 
 
-@pytest.fixture(scope="module")
-def interval_server(smollm2_engine_dir, tmp_path_factory):
-    with running_server(smollm2_engine_dir, tmp_path_factory.mktemp("triton_interval"),
-                        tensorrt_llm_parameters={"stream_interval": "4"}) as server:
-        yield server
-
-
-def test_stream_interval_groups_tokens_and_the_text_stays_whole(interval_server):
-    """stream_interval=4: the first token alone (time to first token is kept), then responses of
-    at least 4 tokens (more only if the relay fell behind), the rest in the last one; the
-    ensemble's streamed text is the same answer."""
-    per_response = [n for n in tokens_per_response(interval_server, max_tokens=18) if n]  # an empty final may close it
+def test_stream_interval_groups_tokens_and_the_text_stays_whole(two_instance_server):
+    """stream_interval=4 (INTERVAL_LLM): the first token alone (time to first token is kept), then
+    responses of at least 4 tokens (more only if the relay fell behind), the rest in the last one;
+    the ensemble's streamed text is the same answer."""
+    per_response = [n for n in tokens_per_response(two_instance_server, 18, INTERVAL_LLM) if n]  # (an empty final)
     assert sum(per_response) == 18 and per_response[0] == 1, per_response
     assert all(n >= 4 for n in per_response[1:-1]) and len(per_response) <= 6, per_response
-    assert ensemble_text(interval_server) == ANSWER
+    assert ensemble_text(two_instance_server, INTERVAL_ENSEMBLE) == ANSWER
 
 
 def test_stops_reach_the_instance_that_holds_the_request(two_instance_server):
@@ -178,7 +198,7 @@ def test_a_killed_shared_engine_fails_every_instance_and_the_model_comes_back(tw
                                                 RUNNING_TOKENS, end_id=np.int32(-1)))
         for stream in streams:
             assert stream.next()[1] is None
-        [engine] = engine_pids(server.pid)
+        [engine] = llm_engine_pids(server)
         os.kill(engine, signal.SIGKILL)
         for stream in streams:
             errors = [error for _, error, _ in stream.until_final(timeout=10) if error is not None]
@@ -189,12 +209,28 @@ def test_a_killed_shared_engine_fails_every_instance_and_the_model_comes_back(tw
     assert wait_for(lambda: ready(server) and ready(server, "tensorrt_llm"), timeout=90, interval=0.25)
     from benchmarks.common import process_tree
 
-    new_engines = wait_for(lambda: engine_pids(server.pid), timeout=10)
+    new_engines = wait_for(lambda: llm_engine_pids(server), timeout=10)
     assert len(new_engines) == 1 and new_engines != [engine], process_tree(server.pid)
+    assert len(engine_pids(server.pid)) == 2, process_tree(server.pid)  # the interval model's kept running
     # (With two instances the old version's last instance may finish unloading just after the new
     # one is ready, and Triton then reloads the ensemble: wait for the first answer.)
     assert wait_for(lambda: answers(server), timeout=30, interval=0.5) == ANSWER
     assert value(scrape(server), "tritonllm_engine_restarts_total", **LLM) == 1
+
+
+def llm_engine_pids(server) -> list[int]:
+    """The engine processes a tensorrt_llm stub started (not the interval model's)."""
+    from benchmarks.common import process_name
+    from test_engine_recovery import engine_pids
+
+    def parent(pid: int) -> int:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                return int(stat.read().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            return 0
+
+    return [pid for pid in engine_pids(server.pid) if process_name(parent(pid)) == "stub:tensorrt_llm"]
 
 
 def answers(server) -> str | None:

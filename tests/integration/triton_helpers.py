@@ -53,7 +53,7 @@ GUIDED_OFF = {"guided_decoding_backend": ""}
 @contextmanager
 def running_server(engine_dir: str, work: Path, decoupled: bool = True, mpi: bool = False,
                    tensorrt_llm_instances: int = 1, tensorrt_llm_parameters: dict[str, str] | None = None,
-                   guided: bool = False, generation_phase: bool = False):
+                   guided: bool = False, generation_phase: bool = False, add_models=None):
     """Fill a repository for `engine_dir` under `work`, serve it, yield a Server, stop it.
     `mpi`: through mpirun (world size 1) as the launcher does by default, else tritonserver alone
     as `make serve` runs it. `tensorrt_llm_instances`: its instance_group count (they share one
@@ -61,7 +61,8 @@ def running_server(engine_dir: str, work: Path, decoupled: bool = True, mpi: boo
     `guided`: guided_decoding_backend xgrammar as serve_default fills it; off unless a test sends
     guides (the engine process loads the tokenizer and xgrammar's vocabulary at start, ~1.3 CPU-s).
     `generation_phase`: also a second engine process, model `generation` (tensorrt_llm's copy), and
-    disaggregated_serving_bls with context tensorrt_llm and generation `generation` (add_generation_phase)."""
+    disaggregated_serving_bls with context tensorrt_llm and generation `generation` (add_generation_phase).
+    `add_models`: called with the filled repository's Path before the start, to add models beside."""
     serve = load_script("serve_default")
     parameters = {**({} if guided else GUIDED_OFF), **(tensorrt_llm_parameters or {})}
     repo = serve.prepare_model_repo(engine_dir, str(work / "repo"), bls_instances=2, decoupled=decoupled,
@@ -74,6 +75,8 @@ def running_server(engine_dir: str, work: Path, decoupled: bool = True, mpi: boo
         config.write_text(text)
     if generation_phase:
         add_generation_phase(Path(repo), decoupled)
+    if add_models is not None:
+        add_models(Path(repo))
     with serving_repository(repo, work, mpi=mpi) as server:
         yield server
 
