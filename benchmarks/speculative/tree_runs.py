@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import gc
 import statistics
-import time
 
+from benchmarks.engine.gc_pauses import GcPauses
 from benchmarks.speculative.speculative_bench import greedy_request, steps_since
 
 LOOP_DEPTH = 5  # the loop tree's chain (--loop-depth): EAGLE-3 drafts it in as many forwards of its layer
@@ -87,34 +87,6 @@ class OracleTrees:
         pass
 
 
-class GcPauses:
-    """Python's full (generation 2) collections while a run is timed: how many and their ms. A full
-    collection walks every tracked object (~200k in a loaded executor: ~85 ms on the CPU runner of
-    2026-11-29), a pause inside one step; a collection is made just before each run so the garbage
-    of the runs before is not collected on its clock."""
-
-    def __init__(self):
-        self.count, self.ms, self._started = 0, 0.0, None
-
-    def __call__(self, phase: str, info: dict) -> None:
-        if info.get("generation") != 2:
-            return
-        if phase == "start":
-            self._started = time.perf_counter()
-        elif self._started is not None:
-            self.count += 1
-            self.ms += (time.perf_counter() - self._started) * 1e3
-            self._started = None
-
-    def __enter__(self) -> "GcPauses":
-        gc.collect()
-        gc.callbacks.append(self)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        gc.callbacks.remove(self)
-
-
 def run_all(executor, requests: list) -> list:
     """Enqueue requests together, wait for every final result (an error fails the benchmark)."""
     ids = executor.enqueue_requests(requests)
@@ -136,8 +108,13 @@ def timed(executor, requests: list) -> tuple[list, dict]:
     from engine.executor.request import now_ns
 
     since = now_ns()
+    # Full (generation 2) collections are a pause inside one step (~200k tracked objects in a loaded
+    # executor: ~85 ms on the CPU runner of 2026-11-29); one collection first so the garbage of the
+    # runs before is not collected on this run's clock.
+    gc.collect()
     with GcPauses() as pauses:
         results = run_all(executor, requests)
+    full_ms = [ms for _, ms, generation, _ in pauses.collections if generation == 2]
     latencies = [s.iter_latency_ms for s in steps_since(executor, since) if not s.num_ctx_tokens]
     slowest = max(range(len(latencies)), key=latencies.__getitem__) if latencies else None
     median = statistics.median(latencies) if latencies else None
@@ -145,7 +122,7 @@ def timed(executor, requests: list) -> tuple[list, dict]:
     return results, {"median_step_ms": median, "max_step_ms": None if slowest is None else latencies[slowest],
                      "max_step_at": slowest, "steps": len(latencies), "steps_total_ms": round(sum(latencies), 1),
                      "slow_steps": len(slow),
-                     "slow_excess_ms": round(sum(slow), 1), "gc_full": pauses.count, "gc_full_ms": round(pauses.ms, 1)}
+                     "slow_excess_ms": round(sum(slow), 1), "gc_full": len(full_ms), "gc_full_ms": round(sum(full_ms), 1)}
 
 
 def profile_text(profile: dict) -> str:
