@@ -114,8 +114,10 @@ class KvImports:
             return error
         dst_ids = ex.blocks.allocate(num_blocks)
         try:
+            # the READ starts once a step in flight, which may still write blocks freed under it, has passed
+            after = kv_transfer_shm.after_loop(ex.runner.device)
             pull = kv_transfer_nixl.NixlPull(self.side.nixl_side(), fields, dst_ids, self.side.timeout_s,
-                                             lambda: seq.is_finished, kv_transfer_nixl.after_step(ex.runner.device))
+                                             lambda: seq.is_finished, after)
         except Exception as err:  # (metadata NIXL could not load: another build, a corrupted blob)
             ex.blocks.free(dst_ids)
             return f"context_phase_params: the context side's NIXL agent cannot be reached: {err}"

@@ -105,16 +105,6 @@ def _detect_cuda_memory_directly() -> None:
     os.environ.setdefault("UCX_MEMTYPE_CACHE", "n")
 
 
-def after_step(device: torch.device):
-    """CUDA: an event after the generation loop's work so far (a step in flight may still write blocks just
-    freed and now allocated to the READ); the READ starts once it has passed. None off CUDA."""
-    if device.type != "cuda":
-        return None
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(device))
-    return event
-
-
 def _handle_bytes(handle: int) -> bytes:
     return int(handle).to_bytes(8, "little")
 
