@@ -94,10 +94,8 @@ class Disaggregation:
         self.transport = transport or os.environ.get("TRITONLLM_KV_TRANSFER", "local")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"TRITONLLM_KV_TRANSFER '{self.transport}' is not supported; allowed: {', '.join(TRANSPORTS)}")
-        if self.transport == "nixl" and not kv_transfer_nixl.available():
-            raise ValueError(f"TRITONLLM_KV_TRANSFER: {kv_transfer_nixl.MISSING}")
-        if self.transport == "cuda_ipc" and executor.runner.kv_cache.device.type != "cuda":
-            raise ValueError(f"TRITONLLM_KV_TRANSFER: {kv_transfer_cuda_ipc.NEEDS_CUDA}")
+        if (unusable := self._unusable(self.transport)) is not None:
+            raise ValueError(f"TRITONLLM_KV_TRANSFER: {unusable}")
         self.ipc = kv_transfer_cuda_ipc.IpcSide()  # cuda_ipc / auto: the pool's share, peers' pools, choices
         self._nixl: kv_transfer_nixl.NixlSide | None = None  # this executor's NIXL agent (made on first use)
         self.ready = ReadyEvents(executor.runner.device)  # context side: prompts' KV final on the device
@@ -131,10 +129,8 @@ class Disaggregation:
         transfer = getattr(request, "kv_transfer", None)
         if transfer is not None and transfer not in TRANSPORTS:
             return f"kv_transfer: '{transfer}' is not supported; allowed: {', '.join(TRANSPORTS)}"
-        if transfer == "nixl" and kind == "context_only" and not kv_transfer_nixl.available():
-            return kv_transfer_nixl.MISSING
-        if transfer == "cuda_ipc" and kind == "context_only" and ex.runner.kv_cache.device.type != "cuda":
-            return kv_transfer_cuda_ipc.NEEDS_CUDA
+        if kind == "context_only" and (unusable := self._unusable(transfer)) is not None:
+            return unusable
         if kind == "generation_only":
             if request.context_phase_params is None:
                 return ("context_phase_params: a generation_only request needs the context_phase_params output "
@@ -143,6 +139,14 @@ class Disaggregation:
                 check(decode(request.context_phase_params), request, ex.runner)
             except ContextPhaseError as err:
                 return str(err)
+        return None
+
+    def _unusable(self, transport: str | None) -> str | None:
+        """Why a context side of this executor cannot export over ``transport`` (None: it can)."""
+        if transport == "nixl" and not kv_transfer_nixl.available():
+            return kv_transfer_nixl.MISSING
+        if transport == "cuda_ipc" and self.executor.runner.kv_cache.device.type != "cuda":
+            return kv_transfer_cuda_ipc.NEEDS_CUDA
         return None
 
     # ----- the executor's hooks -----
