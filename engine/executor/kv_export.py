@@ -46,6 +46,14 @@ class _Pin:
         """Not still being written (shm): only then may the context side expire or forget it."""
         return self.writing is None or self.writing.done()
 
+    def due(self, now: float) -> bool:
+        """Released by its fetcher, or expired unclaimed."""
+        return self.state == "released" or (self.state == "pinned" and self.deadline <= now)
+
+    def written(self) -> bool:
+        """shm: the writer is done with the blocks it still pins (the context loop frees them)."""
+        return self.path is not None and bool(self.block_ids) and self.settled()
+
 
 class KvExports:
     """One executor's pins. ``side``: its Disaggregation (executor, timeout_s, ready events, the IPC share, the
@@ -123,9 +131,7 @@ class KvExports:
         """A pin to free now (released by its fetcher, or expired), or an offer whose files changed."""
         now = time.monotonic()
         with self._lock:
-            return any(pin.state == "released" or (pin.state == "pinned" and pin.deadline <= now)
-                       or (pin.offer is not None and pin.offer.changed(pin.ready, now))
-                       or (pin.path is not None and pin.block_ids and pin.settled())  # (shm: written)
+            return any(pin.due(now) or (pin.offer is not None and pin.offer.changed(pin.ready, now)) or pin.written()
                        for pin in self._pins.values())
 
     def claim_to_answer(self, nixl, agent: str, handle: int) -> bool:
@@ -155,12 +161,12 @@ class KvExports:
         self._advance_offers(now)  # (before the expiry below, with its clock: an offer is taken back first)
         timeout_s = self.side.timeout_s
         with self._lock:
-            written = [pin for pin in self._pins.values() if pin.path is not None and pin.block_ids and pin.settled()]
+            written = [pin for pin in self._pins.values() if pin.written()]
             copied = [pin.block_ids for pin in written]  # (shm: the writer is done with them)
             for pin in written:
                 pin.block_ids = []
             done = [h for h, pin in self._pins.items() if pin.settled() and (
-                    pin.state == "released" or (pin.state == "pinned" and pin.deadline <= now)
+                    pin.due(now)
                     or (pin.nixl and pin.state == "claimed" and pin.deadline + timeout_s <= now)  # reader died
                     or (pin.path is not None and not os.path.exists(pin.path)))]  # shm: fetched (or its write failed)
             pins = [self._pins.pop(h) for h in done]
