@@ -117,7 +117,7 @@ def in_flight_gain(cost: StepCost, pp_size: int, depth: int, *, seqs: int, token
     share = min(seqs, max_batch_size) / seqs
     whole_tokens = min(tokens * share, max_num_tokens)
     work = cost.work_of(whole_tokens, context * share)
-    m = choose_micro_batches(work, pp_size, 2 * pp_size)
+    m = choose_micro_batches(work, pp_size, AUTO_MOST_PER_STAGE * pp_size)
     whole = (m + pp_size - 1) * (1 + work / m) + head(seqs * share) + cost.step_overhead
     # ``depth`` steps: the slowest carries an even share of the tokens or the largest sequence's.
     share = min(-(-seqs // depth), max_batch_size) / seqs
