@@ -34,9 +34,9 @@ def may_draft(seq: Sequence) -> bool:
 def attach_external_draft(seq: Sequence) -> None:
     """The request's own drafts ride with each sequence's first sampling chunk (the prompt's
     last), cut so that keeping them all stays within max_tokens."""
-    draft = seq.state.request.external_draft
-    if draft is None or not draft.token_ids:
+    if not has_external_drafts(seq.state.request):
         return
+    draft = seq.state.request.external_draft
     room = draft_room(seq, len(draft.token_ids))
     seq.draft_token_ids = list(draft.token_ids[:room])
     seq.draft_logits = None if draft.logits is None else torch.as_tensor(draft.logits)[:room]
