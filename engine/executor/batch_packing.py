@@ -87,11 +87,10 @@ def prompt_embeds_of(plan: SchedulerOutput, vocab_size: int) -> PromptEmbeds | N
 
 
 def logit_positions(item) -> list[int]:
-    """Chunk-relative tokens whose logits are needed: new prompt positions for context logits, then the last."""
+    """Chunk-relative tokens whose logits are needed, for a request that returns context logits (pack_batch
+    calls it for those alone): new prompt positions, then the last."""
     seq, start, n = item.seq, item.start, item.num_new_tokens
     state = seq.state
-    if not state.request.output.return_context_logits:  # the common case, once per sequence per step
-        return [n - 1] if item.samples else []
     wanted = []
     if seq is state.sequences[0]:
         have = sum(len(part) for part in state.context_logits_parts)
