@@ -1,6 +1,7 @@
 """Model-free helpers for executor unit tests: sequences without an engine, a fake model step."""
 from __future__ import annotations
 
+import subprocess
 import time
 
 from engine.executor.request import Request, RequestState, SamplingConfig, Sequence
@@ -15,6 +16,13 @@ def wait_until(predicate, timeout: float = 5.0) -> bool:
     while not predicate() and time.monotonic() < deadline:
         time.sleep(0.01)
     return predicate()
+
+
+def dead_pid() -> int:
+    """The pid of a process of this host that has exited (what kv_peer.gone detects)."""
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
 
 
 def make_seq(token_ids: list[int], max_tokens: int = 4, **sampling) -> Sequence:

@@ -4,7 +4,6 @@ when fetched or expired (no leak on either side); bad params get named errors.""
 from __future__ import annotations
 
 import os
-import subprocess
 import threading
 import time
 
@@ -13,7 +12,7 @@ import pytest
 from engine.executor import Executor, ExecutorConfig, kv_peer, kv_transfer_cuda_ipc, kv_transfer_shm
 from engine.executor.context_phase import decode, encode
 from engine.executor.request import Request, SamplingConfig
-from tests.executor.executor_testing import collect, final_tokens, wait_until
+from tests.executor.executor_testing import collect, dead_pid, final_tokens, wait_until
 
 PROMPTS = [[(5 * i + 3 * j + 1) % 128 for j in range(n)] for i, n in enumerate((3, 9, 13, 4, 17))]
 MAX_TOKENS = 8
@@ -133,9 +132,7 @@ def test_a_failing_export_fails_its_request_alone(pair, monkeypatch):
 
 def dead_peer() -> dict:
     """The kv_peer identity of a process of this host that has exited."""
-    child = subprocess.Popen(["true"])
-    child.wait()
-    return {**kv_peer.identity(), "pid": child.pid}
+    return {**kv_peer.identity(), "pid": dead_pid()}
 
 
 def test_a_dead_context_process_fails_the_file_wait_at_once(pair, tmp_path, monkeypatch):

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -22,7 +20,7 @@ from engine.executor import kv_transfer_cuda_ipc as ipc
 from engine.executor.context_phase import decode, encode
 from engine.executor.engine_process import EngineProcess
 from engine.executor.request import Request, SamplingConfig
-from tests.executor.executor_testing import collect, final_tokens, wait_until
+from tests.executor.executor_testing import collect, dead_pid, final_tokens, wait_until
 
 PROMPTS = [[(11 * i + 3 * j + 2) % 128 for j in range(n)] for i, n in enumerate((5, 13, 17))]
 CONFIG = ExecutorConfig(max_tokens_in_paged_kv_cache=256)
@@ -48,12 +46,6 @@ class _CopyDone:
         pass
 
 
-def _dead_pid() -> int:
-    process = subprocess.Popen([sys.executable, "-c", "pass"])
-    process.wait()
-    return process.pid
-
-
 def test_an_offer_lives_as_files_and_a_claim_is_one_shot(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITONLLM_KV_TRANSFER_DIR", str(tmp_path))
     path = ipc.offer_path("ab" * 16, 7)
@@ -76,7 +68,7 @@ def test_an_offer_lives_as_files_and_a_claim_is_one_shot(tmp_path, monkeypatch):
     offer = ipc.Offer(path, None, deadline=100.0, timeout_s=50.0)
     os.rename(path, f"{path}.ipc")
     with open(f"{path}.ipc", "w") as f:
-        json.dump({**kv_peer.identity(), "pid": _dead_pid()}, f)
+        json.dump({**kv_peer.identity(), "pid": dead_pid()}, f)
     assert offer.advance(None, 1.0) == "released" and not os.listdir(tmp_path)
     offer = ipc.Offer(path, None, deadline=100.0, timeout_s=50.0)
     cancelled = ipc.IpcPull(path, lambda: pytest.fail("copied for a cancelled request"), 1e12, lambda: True)

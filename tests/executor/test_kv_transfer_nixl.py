@@ -6,7 +6,6 @@ Skipped when NIXL is not installed (scripts/setup_env.sh installs nixl-cu12; the
 from __future__ import annotations
 
 import os
-import subprocess
 import time
 
 import pytest
@@ -17,7 +16,7 @@ from engine.executor import kv_transfer_nixl
 from engine.executor.context_phase import decode, encode
 from engine.executor.engine_process import EngineProcess
 from engine.executor.request import Request, SamplingConfig
-from tests.executor.executor_testing import collect, final_tokens, wait_until
+from tests.executor.executor_testing import collect, dead_pid, final_tokens, wait_until
 
 pytestmark = pytest.mark.skipif(not kv_transfer_nixl.available(),
                                 reason="NIXL is not installed (scripts/setup_env.sh installs nixl-cu12)")
@@ -227,12 +226,11 @@ def test_a_dead_or_silent_context_side_fails_the_claim_at_once(sides, monkeypatc
     monkeypatch.setattr(generation.disagg, "timeout_s", 10.0)
     monkeypatch.setattr(kv_transfer_nixl, "ACK_TIMEOUT_S", 0.5)
     fields = decode(export(context, PROMPTS[2]))
-    child = subprocess.Popen(["true"])
-    child.wait()
+    pid = dead_pid()
     started = time.monotonic()
-    dead = encode({**fields, "peer": {**fields["peer"], "pid": child.pid}})
+    dead = encode({**fields, "peer": {**fields["peer"], "pid": pid}})
     error = run(generation, greedy(PROMPTS[2], request_type="generation_only", context_phase_params=dead))[-1].error
-    assert error == (f"context_phase_params: the context process (pid {child.pid}) that holds this KV cache is gone; "
+    assert error == (f"context_phase_params: the context process (pid {pid}) that holds this KV cache is gone; "
                      f"run the context_only request again") and time.monotonic() - started < 2
     assert wait_until(lambda: context_free(context))  # (its claim was given back: the live process freed the pin)
     api = kv_transfer_nixl.load_api()
