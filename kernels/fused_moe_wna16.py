@@ -506,7 +506,7 @@ def decode_fits(x: torch.Tensor, gate_up: WNA16Experts, down: WNA16Experts) -> b
 
 
 def gemv_quantization(gate_up: WNA16Experts, down: WNA16Experts) -> dict:
-    """moe_gemv_triton's scale and zero keywords for 4-bit experts in the kernel layout."""
+    """moe_gemv_triton's (and moe_decode_triton's) scale and zero keywords for 4-bit experts in the kernel layout."""
     return dict(gate_up_scale=gate_up.kernel["scale"], down_scale=down.kernel["scale"],
                 gate_up_zero=gate_up.kernel["zero"], down_zero=down.kernel["zero"])
 
@@ -522,8 +522,7 @@ def moe_forward_wna16(x: torch.Tensor, router_logits: torch.Tensor, gate_up: WNA
     if fused_decode_enabled() and decode_fits(x, gate_up, down):  # opt-in: kernels/moe_decode.py's one launch
         return moe_decode_triton(x, gate_up.kernel["weight"], down.kernel["weight"], top_k=top_k,
                                  router_logits=router_logits, renormalize=renormalize,
-                                 gate_up_scale=gate_up.kernel["scale"], down_scale=down.kernel["scale"],
-                                 gate_up_zero=gate_up.kernel["zero"], down_zero=down.kernel["zero"])
+                                 **gemv_quantization(gate_up, down))
     if gate_up.bits == 4 and (tiles := gemv_tiles(gate_up.kernel["weight"], x.shape[0])) is not None:  # chosen at load
         return moe_gemv_triton(x, gate_up.kernel["weight"], down.kernel["weight"], top_k=top_k,
                                router_logits=router_logits, renormalize=renormalize, tiles=tiles,
