@@ -4,7 +4,7 @@
 # its KV transfer, the checks that need two GPUs, and the one-GPU runs still waiting, two at a time
 # (CUDA_VISIBLE_DEVICES=0 and =1) after the two-GPU work of the same call, never beside it.
 #
-#   bash benchmarks/engine/x2_gpu_run.sh CALL [OUT]        CALL 1 to 12; OUT default $OUT
+#   bash benchmarks/engine/x2_gpu_run.sh CALL [OUT]        CALL 1 to 13; OUT default $OUT
 #   SMOKE=1 bash benchmarks/engine/x2_gpu_run.sh CALL DIR  the same flow on the CPU with the tiny model
 #                                                         (the one-GPU jobs are only printed)
 #
@@ -19,14 +19,14 @@
 # 5, 6 session 16's retries (run). 7 (~250 s on two GPUs, ~450 s with LANES=1) session 17's one-GPU jobs in two lanes (LANES=1 on one GPU);
 #    8 (~270 s) the KV pull and NIXL GPU tests, PP 2 with stage graphs and with two steps in flight;
 #    9 (~430 s) disagg_bench at 6 and 10 req/s, then with the context executor in its own process.
-# 10-12 session 17's later calls (each case's comment says what it runs and how long).
+# 10-12 session 17's later calls, 13 session 18's first (each case's comment says what it runs and how long).
 #
 # Everything goes to /tmp/x2_call$CALL; at the end OUT gets call$CALL.tgz (all logs and JSON), summary.txt (what
 # this script printed) and the markdown tables (at most 8 files come back from a call). The console ends with
 # each job's exit status and its result lines, so the call's output_tail alone is enough to read.
 set -u
 script=$(realpath "$0")
-call=${1:?usage: x2_gpu_run.sh 1-12 [OUT]}
+call=${1:?usage: x2_gpu_run.sh 1-13 [OUT]}
 out=$(realpath -m "${2:-${OUT:-/tmp/x2_gpu_run}}")
 mkdir -p "$out"
 if [ -z "${X2_UNDER_TEE:-}" ]; then  # the console also in $out/summary.txt, complete when the call returns
@@ -288,7 +288,27 @@ case $call in
     "${tiny_disagg[@]}"
   grep -E "^\[disagg_bench\]|Error|Traceback" "$w/disagg_ipc.log" | cut -c1-700
   ;;
-*) echo "x2_gpu_run.sh: CALL must be 1 to 12, got '$call'"; exit 2 ;;
+13)
+  # Session 18 (~470 s). GPU 0: issue 48's tower-priority A/B, vlm_bench offline three times (image = the tower
+  # below the executor's priority, image_equal_priority = equal), the tree verify step with PDL off (issue 56:
+  # per-kernel times without the predecessor's tail), the FP8 cross pool (issue 49); GPU 1: the expert GEMV
+  # in the engine (issue 53: Qwen3-30B-A3B batch-1, block-FP8 and bf16).
+  ( for r in 1 2 3; do
+      on_gpu 0 vlm_r$r 110 "$PYTHON" benchmarks/engine/vlm_bench.py --sections offline --hf-batches= --encode-batch 32 \
+        --out "$w/vlm_r$r.json" --results-md "$w/vlm.md"
+    done
+    TRITONLLM_PDL=0 on_gpu 0 tree 95 "$PYTHON" benchmarks/speculative/tree_bench.py --dtypes bf16 --batches 1 --nodes 15,16 \
+      --lengths 4 --sections verify,loop --oracle-nodes 15 --kernels 15 --step-kernels 20 --out "$w/tree.json" --markdown "$w/tree.md"
+    on_gpu 0 encdec 125 "$PYTHON" benchmarks/engine/encdec_bench.py --sections whisper,t5 --hf-whisper-batches "" \
+      --hf-t5-batches "" --cross-kv-cache-dtype fp8,auto --out "$w/encdec.json" --results-md "$w/encdec.md" ) &
+  CUDA_VISIBLE_DEVICES=1 BUDGET_S=340 job moe_gemv 360 bash benchmarks/kernels/moe_gemv_gpu_run.sh "$w/moe_gemv" &
+  wait
+  for r in 1 2 3; do echo "== vlm_r$r"; grep -E "^offline|Error|Traceback" "$w/vlm_r$r.log" | cut -c1-700; done
+  echo "== tree"; grep -v "^\[load" "$w/tree.log" | grep -E "ms vs|step:|tree - decode|_paged|_rotary|_merge|oracle L|EAGLE-3 L|Error|Traceback" | head -30
+  echo "== encdec"; grep -vi warning "$w/encdec.log" | grep -E "whisper|t5|audio|tok/s|Error|Traceback" | head -24
+  echo "== moe_gemv"; grep -vi warning "$w/moe_gemv.log" | tail -30
+  ;;
+*) echo "x2_gpu_run.sh: CALL must be 1 to 13, got '$call'"; exit 2 ;;
 esac
 tar czf "$out/call$call.tgz" -C /tmp "x2_call$call"
 for md in "$w"/*.md; do [ -f "$md" ] && cp "$md" "$out/"; done
