@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import math
 import os
@@ -73,6 +74,7 @@ from engine.vision.qwen2_vl import sdpa_backend  # noqa: E402
 from engine.vision.encode_queue import ImageEncodeQueue  # noqa: E402
 from engine.vision.mlp_width import pad_mlp_widths, padded_width  # noqa: E402
 from engine.vision.mrope import request_mrope  # noqa: E402
+from engine.vision.tower_fp8 import TOWER_FP8_ENV, embedding_cosines, quantize_tower_linears, tower_fp8_requested  # noqa: E402
 
 SECTIONS = ["encoder", "ttft", "offline"]
 GOALS = {"offline_vs_text": 0.85, "offline_vs_hf": 5.0}
@@ -138,6 +140,8 @@ def load_encoder(config, args) -> torch.nn.Module:
     encoder = materialize_random_weights(encoder, torch.device(args.device), seed=0).eval()
     if not args.unpadded_mlp:
         pad_mlp_widths(encoder)
+    if tower_fp8_requested():  # the ``fp8`` tower variant: as load_vision_encoder with TRITONLLM_TOWER_FP8=1
+        quantize_tower_linears(encoder)
     return encoder
 
 
@@ -159,7 +163,12 @@ def write_language_engine(config, args, max_batch_size: int) -> str:
 
 TOWER_VARIANTS = {"fused": {}, "unfused": {qwen2_vl.UNFUSED_ENV: "1"},
                   **{f"sdpa-{name}": {qwen2_vl.SDPA_ENV: name} for name in qwen2_vl.SDPA_BACKENDS},
-                  **{f"window-sdpa-{name}": {qwen2_vl.WINDOW_SDPA_ENV: name} for name in qwen2_vl.SDPA_BACKENDS}}
+                  **{f"window-sdpa-{name}": {qwen2_vl.WINDOW_SDPA_ENV: name} for name in qwen2_vl.SDPA_BACKENDS},
+                  "fp8": {TOWER_FP8_ENV: "1"}}
+# --offline-variants: queue runs of the offline section changed in one way each, "+" joins them. fp8-tower: the
+# tower's linears in E4M3 (engine/vision/tower_fp8.py); first-full: the queue's first forward takes the whole
+# batch (not 8 images), so the executor's first step is a full one
+OFFLINE_VARIANTS = ("fp8-tower", "first-full")
 
 
 def tower_variant(name: str):
@@ -205,7 +214,8 @@ def tower_setting() -> str:
     """How the tower's blocks ran: fused (engine/vision/qwen2_5_vl.py) or as before (TRITONLLM_TOWER_UNFUSED=1),
     and the attention backends asked of torch (TRITONLLM_TOWER_SDPA, TRITONLLM_TOWER_WINDOW_SDPA)."""
     blocks = "unfused blocks" if os.environ.get(qwen2_vl.UNFUSED_ENV) == "1" else "fused blocks"
-    return f"{blocks}, SDPA {sdpa_backend()}, windows {sdpa_backend(windows=True)}"
+    fp8 = ", FP8 linears" if tower_fp8_requested() else ""
+    return f"{blocks}{fp8}, SDPA {sdpa_backend()}, windows {sdpa_backend(windows=True)}"
 
 
 def profile_tower(encoder, patches: torch.Tensor, grids: list[list[int]], path: Path) -> str:
@@ -365,7 +375,8 @@ def bench_offline(args, ex, config, encode, encoder, encoder_config, grid, num_r
     prompts = [prompt_ids(config, num_rows, args.text_len, rng, vocab) for _ in range(args.requests)]
     per_image = grid[0] * grid[1] * grid[2]
     entry = {"requests": args.requests, "prompt_len": len(prompts[0]), "output_len": args.output_len,
-             "encode_batch": args.encode_batch, "also_encode_batches": args.also_encode_batches}
+             "encode_batch": args.encode_batch, "also_encode_batches": args.also_encode_batches,
+             "offline_variants": args.offline_variants}
     sync(args.device)
 
     def with_encoding(patches: torch.Tensor) -> dict:
@@ -395,8 +406,9 @@ def bench_offline(args, ex, config, encode, encoder, encoder_config, grid, num_r
                 "slow_decode_steps": slow_decode_steps(ex, since), "first_steps": first_steps(ex, since)}
 
     def queue_run(name: str, priority: int, seed: int, warm_seed: int, warm_tokens: int | None,
-                  max_images: int | None = None) -> None:
-        queue = ImageEncodeQueue(encoder, args.device, max_images=max_images or args.encode_batch, priority=priority)
+                  max_images: int | None = None, tower=None, first_images: int = 8) -> None:
+        queue = ImageEncodeQueue(tower or encoder, args.device, max_images=max_images or args.encode_batch,
+                                 first_images=first_images, priority=priority)
         try:
             # Untimed: one round on images of its own, so the queue's stream (its cached device blocks), its pinned
             # staging and the executor's exist before the clock starts, as in a server that has served a while.
@@ -435,6 +447,16 @@ def bench_offline(args, ex, config, encode, encoder, encoder_config, grid, num_r
     for i, batch in enumerate(args.also_encode_batches):  # the queue run again at another encode batch, same process
         queue_run(f"image_b{batch}", TOWER_PRIORITY, seed=10 + 2 * i, warm_seed=11 + 2 * i, warm_tokens=None,
                   max_images=batch)
+    fp8_tower = None
+    for i, variant in enumerate(args.offline_variants):  # the default run changed in one way (OFFLINE_VARIANTS)
+        parts = variant.split("+")
+        if "fp8-tower" in parts and fp8_tower is None:
+            fp8_tower = quantize_tower_linears(copy.deepcopy(encoder))
+            entry["fp8_tower_cosines"] = fp8_cosines(encoder, fp8_tower, grid, args.device)
+        queue_run(f"image_{variant}", TOWER_PRIORITY, seed=30 + 2 * i, warm_seed=31 + 2 * i, warm_tokens=None,
+                  tower=fp8_tower if "fp8-tower" in parts else None,
+                  first_images=args.encode_batch if "first-full" in parts else 8)
+    del fp8_tower
     # (c) the same image requests with their tables made before the clock starts: the executor's share
     patches = random_patches([grid] * args.requests, args.device, seed=3)
     tables = [t for first in range(0, args.requests, args.encode_batch)
@@ -455,6 +477,16 @@ def bench_offline(args, ex, config, encode, encoder, encoder_config, grid, num_r
         random_patches([grid] * args.requests, args.device, seed=2)))
     entry["vs_text"] = entry["image"]["output_tok_s"] / entry["text"]["output_tok_s"]
     return entry
+
+
+def fp8_cosines(encoder, fp8_tower, grid: list[int], device: str, images: int = 8) -> dict:
+    """Per image, the cosine of the FP8 tower's rows against the bf16 tower's (random weights, random patches)."""
+    patches = random_patches([grid] * images, device, seed=99)
+    cosines = embedding_cosines(encoder.image_features(patches, [grid] * images),
+                                fp8_tower.image_features(patches, [grid] * images))
+    print(f"offline fp8 tower: cosines of {images} images' rows against the bf16 tower's {[round(c, 5) for c in cosines]}",
+          file=sys.stderr, flush=True)
+    return {"images": images, "min": min(cosines), "mean": statistics.mean(cosines)}
 
 
 def through_queue(args, ex, queue: ImageEncodeQueue, config, encoder_config, grid, prompts, patches, vocab,
@@ -699,6 +731,8 @@ def markdown(results: dict) -> str:
                     "image_tables_ready": "the image requests with their tables made beforehand (the executor's share)"}
         for batch in o.get("also_encode_batches", []):
             variants[f"image_b{batch}"] = f"the same through a queue of {batch} images a forward at most"
+        # (the default run's A/B rows first)
+        variants = {**{f"image_{v}": offline_variant_label(v, o) for v in o.get("offline_variants", [])}, **variants}
         for kind, label in variants.items():
             if kind in o:
                 r = o[kind]
@@ -709,6 +743,7 @@ def markdown(results: dict) -> str:
             lines.append(f"| the same against transformers' generate | {o['image']['output_tok_s']:.0f} | {hf} | "
                          f"{o['vs_hf']:.2f}x (>= {GOALS['offline_vs_hf']:.0f}x) |")
         for kind in ("image", "image_equal_priority", *(f"image_b{b}" for b in o.get("also_encode_batches", [])),
+                     *(f"image_{v}" for v in o.get("offline_variants", [])),
                      "image_executor_stream", "image_tables_ready", "text"):
             if kind not in o:
                 continue
@@ -740,6 +775,14 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def offline_variant_label(variant: str, o: dict) -> str:
+    labels = {"fp8-tower": "the tower's linears in FP8 (engine/vision/tower_fp8.py; its rows' cosine to the bf16 "
+                           "tower's: min {min:.4f}, mean {mean:.4f} over {images} images)",
+              "first-full": f"the queue's first forward {o['encode_batch']} images, not 8"}
+    cosines = o.get("fp8_tower_cosines") or {"min": float("nan"), "mean": float("nan"), "images": 0}
+    return "the same, " + " and ".join(labels[part].format(**cosines) for part in variant.split("+"))
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
@@ -755,6 +798,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--encode-batch", type=int, default=None, help="images per tower forward offline (default 32; CPU 2)")
     p.add_argument("--also-encode-batches", default="", help="offline: the encode-queue run again at each of these "
                    "batches (comma-separated), in the same process (runs image_b<N>, after the equal-priority one)")
+    p.add_argument("--offline-variants", default="", help="offline: the encode-queue run again with each change "
+                   f"(comma-separated; each one of {', '.join(OFFLINE_VARIANTS)} or several joined by '+'), same process")
     p.add_argument("--ttft-runs", type=int, default=None, help="TTFT repetitions (default 5; CPU 2)")
     p.add_argument("--hf-batches", default=None, help="transformers batch sizes (default 128; CPU 2; \"\": none)")
     p.add_argument("--unpadded-mlp", action="store_true", help="keep the tower's MLP width as the checkpoint's "
@@ -782,6 +827,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.encoder_batches = [[int(b) for b in part.split(",")] for part in str(args.encoder_batches).split("/")]
     args.tower_variants = [v for v in args.tower_variants.split(",") if v.strip()]
     args.also_encode_batches = [int(b) for b in str(args.also_encode_batches).split(",") if b.strip()]
+    args.offline_variants = [v.strip() for v in args.offline_variants.split(",") if v.strip()]
+    for variant in args.offline_variants:
+        if any(part not in OFFLINE_VARIANTS for part in variant.split("+")):
+            raise SystemExit(f"--offline-variants: {variant!r}: each part must be one of {', '.join(OFFLINE_VARIANTS)}")
     args.hf_batches = [int(b) for b in str(args.hf_batches).split(",") if b.strip()]  # "": no transformers run
     args.torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     return args

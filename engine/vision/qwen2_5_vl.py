@@ -18,10 +18,11 @@ from torch import nn
 
 from engine.hf_checkpoint import TensorGetter
 from engine.vision.clip import activation, first_found
-from engine.vision.qwen2_vl import PREFIXES, embed_patches, language_fields, segment_attention, unfused
+from engine.vision.qwen2_vl import PREFIXES, UNFUSED_ENV, embed_patches, language_fields, segment_attention, unfused
 from engine.vision.tower_layout import PatchRotary, Segments, tower_layout
 from kernels._triton import use_triton
 from kernels.activation import silu_and_mul
+from kernels.fp8 import rms_norm_quantized, silu_and_mul_quantized
 from kernels.rmsnorm import rms_norm
 
 MODEL_TYPE = "qwen2_5_vl"  # builder_config.model_type
@@ -73,18 +74,23 @@ class Qwen25VisionBlock(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, dtype=dtype, device=device)
         self.silu = config["hidden_act"] == "silu"
         self.act = activation(config["hidden_act"])
+        # Set by engine/vision/tower_fp8.py once qkv, gate_up and down_proj are FP8 products: the norms and the
+        # SiLU-and-product hand them their outputs quantized per row (kernels/fp8.py QuantizedRows)
+        self.fp8_inputs = False
         self.register_load_state_dict_pre_hook(_fuse_gate_up)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rotary: PatchRotary,
                 runs: Segments) -> tuple[torch.Tensor, torch.Tensor]:
         """x (patches, dim): the last sublayer's output (the embeddings before the first block, with
         residual None); residual: the sum before it -> (this block's MLP output, the sum before it)."""
-        h, residual = self.norm1(x, residual)
-        tokens = h.shape[0]
+        tokens = x.shape[0]
+        h, residual = self._norm(self.norm1, x, residual)
         q, k, v = self.qkv(h).view(tokens, 3, self.num_heads, -1).unbind(1)  # (patches, heads, d) views
         q, k = rotary(q, k)  # rotated in place on CUDA
-        h, residual = self.norm2(self.proj(segment_attention(q, k, v, runs).reshape(tokens, -1)), residual)
+        h, residual = self._norm(self.norm2, self.proj(segment_attention(q, k, v, runs).reshape(tokens, -1)), residual)
         gate_up = self.gate_up(h)
+        if self.fp8_inputs and self.silu:
+            return self.down_proj(silu_and_mul_quantized(gate_up)), residual
         if self.silu and use_triton(gate_up):  # the checkpoints' act: one Triton pass (kernels/activation.py)
             return self.down_proj(silu_and_mul(gate_up)), residual
         width = gate_up.shape[-1] // 2
@@ -92,8 +98,16 @@ class Qwen25VisionBlock(nn.Module):
         # strided view differently (an ulp), and where depends on the row stride (the padded width)
         return self.down_proj(self.act(gate_up[:, :width].contiguous()) * gate_up[:, width:]), residual
 
+    def _norm(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None):
+        """norm(x, residual), its output quantized per row in the same kernel when the next product is FP8."""
+        if self.fp8_inputs:
+            return rms_norm_quantized(x, norm.weight, norm.eps, residual)
+        return norm(x, residual)
+
     def forward_unfused(self, x: torch.Tensor, rotary: PatchRotary, runs: Segments) -> torch.Tensor:
         """The block as it ran before the fused path (qwen2_vl.UNFUSED_ENV): x -> x after the block."""
+        if self.fp8_inputs:  # (its MLP slices the bf16 gate_up weight)
+            raise ValueError(f"{UNFUSED_ENV}=1 runs the bf16 blocks only; unset it for an FP8 tower")
         tokens = x.shape[0]
         q, k, v = self.qkv(self.norm1(x)[0]).view(tokens, 3, self.num_heads, -1).unbind(1)
         q, k = rotary(q, k)

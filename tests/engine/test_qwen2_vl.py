@@ -86,6 +86,51 @@ def test_tower_rows_equal_transformers_image_features(built, monkeypatch):
     assert all(torch.equal(rows, runs[0]) for rows in runs)
 
 
+def test_fp8_tower_rows_stay_close_to_the_towers(built, monkeypatch):
+    """engine/vision/tower_fp8.py through the loader (TRITONLLM_TOWER_FP8=1): every block's and the merger's
+    products in E4M3 (the patch embedding not), Qwen2.5-VL's norms and SiLU-and-product quantizing their
+    outputs themselves; each image's rows keep a cosine >= 0.99 against the float32 tower's (random weights
+    of scale 0.2: a bound, not a measurement; vlm_bench reports the 7B shape's)."""
+    from engine.vision.tower_fp8 import TOWER_FP8_ENV, Fp8TowerLinear, embedding_cosines
+
+    engine, _ = built
+    images = image_processor()([make_image(0, (52, 40)), make_image(1, (28, 56))], return_tensors="pt")
+    grids = images["image_grid_thw"].tolist()
+    want = load_vision_encoder(vision_encoder_dir(engine)).image_features(images["pixel_values"], grids)
+    monkeypatch.setenv(TOWER_FP8_ENV, "1")
+    encoder = load_vision_encoder(vision_encoder_dir(engine))
+    assert encoder.fp8_linears == 4 * len(encoder.blocks) + 2 and not isinstance(encoder.patch_embed, Fp8TowerLinear)
+    assert all(getattr(block, "fp8_inputs", True) for block in encoder.blocks)
+    got = encoder.image_features(images["pixel_values"], grids)
+    assert [g.shape for g in got] == [w.shape for w in want]
+    assert min(embedding_cosines(want, got)) >= 0.99
+    assert not any(torch.equal(g, w) for g, w in zip(got, want))  # (quantized indeed)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_fp8_tower_matches_the_reference_scheme(built):
+    """The FP8 tower on a GPU in bf16 (torch._scaled_mm with row-wise scales and the bias in the product,
+    the norms and SiLU-and-product quantizing in their Triton kernels) against the same scheme's plain-torch
+    reference on the CPU (float32): one product to bf16 rounding, the tower's rows to a cosine >= 0.999."""
+    from engine.vision.tower_fp8 import Fp8TowerLinear, embedding_cosines, quantize_tower_linears
+    from kernels.fp8 import fp8_linear_ref
+
+    engine, _ = built
+    linear = torch.nn.Linear(256, 384, dtype=torch.bfloat16, device="cuda")
+    fp8 = Fp8TowerLinear(linear)
+    x = torch.randn(96, 256, dtype=torch.bfloat16, device="cuda")
+    want = fp8_linear_ref(x.cpu().float(), fp8.weight.cpu(), fp8.weight_scale.cpu(), fp8.bias.cpu().float())
+    torch.testing.assert_close(fp8(x).cpu().float(), want, atol=2e-2, rtol=2e-2)
+    images = image_processor()([make_image(0, (52, 40)), make_image(1, (28, 56))], return_tensors="pt")
+    grids = images["image_grid_thw"].tolist()
+    reference = quantize_tower_linears(load_vision_encoder(vision_encoder_dir(engine)))
+    want = reference.image_features(images["pixel_values"], grids)
+    encoder = quantize_tower_linears(load_vision_encoder(vision_encoder_dir(engine), "cuda").to(torch.bfloat16))
+    got = [g.cpu() for g in encoder.image_features(images["pixel_values"].cuda(), grids)]
+    assert min(embedding_cosines(want, got)) >= 0.999
+
+
 def test_encode_queue_batches_pending_requests_into_one_forward(built):
     """engine/vision/encode_queue.py: three requests' images (1, 2 and 1) submitted while the worker is held
     run as one tower forward; each request gets its images' rows, float16, as the tower alone gives them;

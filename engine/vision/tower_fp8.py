@@ -1,0 +1,104 @@
+"""FP8 (E4M3) weights for a Qwen vision tower's linear layers: an option (``TRITONLLM_TOWER_FP8=1`` at
+load, engine/vision/encoder_dir.py; vlm_bench's ``fp8`` tower variant and ``fp8-tower`` offline row).
+
+Why: the tower's forwards are products of (patches, 1280)-wide activations (32 images at 448 x 448
+are 32,768 patches), compute-bound, ~80% of its time in bf16 on an H200; offline, every image's
+forward takes the GPU from the language model's prefill steps (128 images: ~0.33 s of the image
+run's ~0.38 s over text-only). E4M3 products run on the tensor cores at twice bf16's rate.
+
+Scheme: kernels/fp8.py's W8A8: each weight (N, K) quantized per output channel at load, the
+activations per row (patch) at run time, the product and its scales in cuBLASLt / CUTLASS
+(``torch._scaled_mm``, row-wise scales) with the bias in the same kernel where torch takes it there
+(bf16 output), else added after. Elsewhere (the CPU, another dtype) the plain-torch reference
+``fp8_linear_ref`` of the same scheme. What is quantized: every block's products (qkv, proj, the
+MLP's) and the merger's two; not the patch embedding (K = 3 * 2 * 14 * 14 = 1,176 is no multiple
+of 16, and it is one product of 32). Blocks that declare ``fp8_inputs`` (Qwen2.5-VL's) then take
+their norms' and SiLU-and-product's outputs quantized by those kernels themselves (no pass of their
+own; the same values as quantizing the outputs apart).
+
+Accuracy: an approximation of the bf16 tower (E4M3 keeps 3 mantissa bits); vlm_bench reports the
+cosine of each image's rows against the bf16 tower's (CPU: tests/engine/test_tower_fp8.py).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from kernels._triton import use_triton
+from kernels.fp8 import FAST_ACCUM, QuantizedRows, as_quantized_rows, fp8_linear_ref, quantize_weight
+
+TOWER_FP8_ENV = "TRITONLLM_TOWER_FP8"  # "1": a loaded tower's linears in FP8 (encoder_dir.load_vision_encoder)
+FP8_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")  # the towers whose forwards take Fp8TowerLinear as they are
+_BIAS_IN_PRODUCT = [True]  # cleared when this torch's row-wise _scaled_mm refuses a bias (then added after)
+
+
+def tower_fp8_requested() -> bool:
+    return os.environ.get(TOWER_FP8_ENV) == "1"
+
+
+class Fp8TowerLinear(nn.Module):
+    """An nn.Linear's product with its weight in E4M3: ``weight`` (N, K) float8_e4m3fn and ``weight_scale``
+    (N,) float32 per output channel, ``bias`` (N,) in the activations' dtype or None. Takes (rows, K)
+    activations or QuantizedRows (a norm that quantized its output) -> (rows, N) in the activations' dtype."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight, scale = quantize_weight(linear.weight.detach())
+        self.register_buffer("weight", weight)
+        self.register_buffer("weight_scale", scale)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+        values = x.values if isinstance(x, QuantizedRows) else x
+        dtype = x.dtype
+        if not (use_triton(values) and dtype == torch.bfloat16):  # row-wise _scaled_mm writes bf16 only
+            return fp8_linear_ref(x, self.weight, self.weight_scale, self.bias)
+        rows = as_quantized_rows(x)
+        if self.bias is not None and _BIAS_IN_PRODUCT[0]:
+            try:
+                return self._scaled_mm(rows, self.bias)
+            except RuntimeError:  # (a check on the host, before anything is launched)
+                _BIAS_IN_PRODUCT[0] = False
+        out = self._scaled_mm(rows, None)
+        return out if self.bias is None else out + self.bias
+
+    def _scaled_mm(self, rows: QuantizedRows, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch._scaled_mm(rows.values, self.weight.t(), scale_a=rows.scale[:, None],
+                                scale_b=self.weight_scale[None, :], bias=bias, out_dtype=rows.dtype,
+                                use_fast_accum=FAST_ACCUM)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def _quantizable(linear: nn.Linear) -> bool:
+    """cuBLASLt's FP8 products need both dimensions a multiple of 16."""
+    return linear.in_features % 16 == 0 and linear.out_features % 16 == 0
+
+
+@torch.no_grad()
+def quantize_tower_linears(encoder: nn.Module) -> nn.Module:
+    """``encoder`` (a Qwen2-VL or Qwen2.5-VL tower, its MLP widths padded already if they are to be:
+    engine/vision/mlp_width.py) with every block's and the merger's nn.Linear replaced by an
+    Fp8TowerLinear, in place; blocks with an ``fp8_inputs`` flag get it set. Returns ``encoder``."""
+    targets = [name for name, module in encoder.named_modules()
+               if isinstance(module, nn.Linear) and name != "patch_embed" and _quantizable(module)]
+    for name in targets:
+        owner_name, _, leaf = name.rpartition(".")
+        owner = encoder.get_submodule(owner_name) if owner_name else encoder
+        setattr(owner, leaf, Fp8TowerLinear(getattr(owner, leaf)))
+    for module in encoder.modules():
+        if hasattr(module, "fp8_inputs"):
+            module.fp8_inputs = all(isinstance(getattr(module, name), Fp8TowerLinear)
+                                    for name in ("qkv", "gate_up", "down_proj"))
+    encoder.fp8_linears = len(targets)
+    return encoder
+
+
+def embedding_cosines(reference: list[torch.Tensor], other: list[torch.Tensor]) -> list[float]:
+    """Per image: the cosine similarity of its rows (flattened, float32) in ``other`` against ``reference``."""
+    return [float(torch.nn.functional.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0))
+            for a, b in zip(reference, other)]
