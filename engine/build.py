@@ -8,8 +8,8 @@ Length limits left out come from the checkpoint (engine.config.resolve_build_lim
 that contradicts the model (more positions than it has) is an error naming both numbers.
 
 writes ``config.json`` (EngineConfig), ``rank{r}.safetensors`` for every rank (tp_size x pp_size
-of them; ``--pp_size N`` splits the decoder layers into N pipeline stages, evenly or as
-``--pp_layers 8,12,14,14`` says, engine/pipeline/layout.py), and the tokenizer files (so ``AutoTokenizer.from_pretrained(engine_dir)`` works).
+of them; ``--pp_size N`` splits the decoder layers into N pipeline stages, balanced by cost with
+the LM head on the last, or as ``--pp_layers 8,12,14,14`` says, engine/pipeline/layout.py), and the tokenizer files (so ``AutoTokenizer.from_pretrained(engine_dir)`` works).
 ``--quantization fp8`` stores the decoder blocks' linear weights (and experts) in FP8 E4M3 with
 per-output-channel scales (kernels/fp8.py); ``fp8_block`` with one scale per 128 x 128 block
 (kernels/fp8_block.py), the scheme block-FP8 checkpoints build with, their codes and scales kept.
@@ -64,7 +64,7 @@ from engine.gguf_reader_cache import parsed_once
 from engine.fp8_checkpoint import dequantizing_getter, fp8_checkpoint_strategy, rank_block_scales, rank_row_scales
 from engine.models import MODEL_FAMILIES, get_family, get_model_class
 from engine.mxfp4 import MXFP4_EXPERTS, is_mxfp4_checkpoint, mxfp4_checkpoint
-from engine.pipeline.layout import parse_pp_layers, split_rank_weights, stages_of
+from engine.pipeline.layout import balanced_pp_layers, parse_pp_layers, split_rank_weights, stages_of
 from engine.pipeline.stage import check_pipeline_supported
 from engine.vision.encoder_dir import VISION_ENCODER_DIR, write_vision_encoder
 from engine.vision.registry import vision_family
@@ -411,6 +411,8 @@ def build_from_hf(hf_config, get: TensorGetter, tokenizer, output_dir: str, buil
         fp8_source, get = get, dequantizing_getter(get, strategy)
     if vision is not None:
         extra["vision_encoder"] = VISION_ENCODER_DIR
+    if build.pp_size > 1 and build.pp_layers is None:  # (after the scheme: quantized layers cost less than the head)
+        build = dataclasses.replace(build, pp_layers=balanced_pp_layers(model, build))
     engine_config = write_engine(output_dir, model, build, get, tokenizer=tokenizer, extra=extra, progress=progress,
                                  fp8_source=fp8_source, integer_source=integer_source)
     encoder_dir = os.path.join(output_dir, VISION_ENCODER_DIR)
@@ -528,8 +530,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="pipeline stages: the decoder layers split over pp_size groups of tp_size ranks "
                         "(world size = tp_size x pp_size); Llama-family and MoE models")
     p.add_argument("--pp_layers", type=str, default=None,
-                   help="layers per stage, comma-separated in stage order (e.g. 8,12,14,14); default: even, "
-                        "the first stages one more when pp_size does not divide the layers")
+                   help="layers per stage, comma-separated in stage order (e.g. 8,12,14,14); default: balanced by "
+                        "cost, the last stage's LM head counted (Llama-3.1-8B at pp 2: 17,15), recorded in config.json")
     p.add_argument("--max_seq_len", type=int, default=None,
                    help="longest sequence (prompt + output); default: the checkpoint's max_position_embeddings, "
                         f"at most {MAX_DEFAULT_SEQ_LEN}")

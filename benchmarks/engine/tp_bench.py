@@ -16,12 +16,13 @@ starts every rank itself, with the variables mpirun would set). Four phases, eac
    (prompt 128, 128 steps, argmax synced every step as a sampler would), then offline
    throughput through the in-flight-batching Executor (all requests enqueued at once).
 3. ``greedy_pp2`` / ``perf_pp2`` (not in the default ``--phases``): the same with two pipeline stages
-   of 16 layers (engine/pipeline; each stage replays its own decode graphs; micro-batches per step
-   chosen per step, or fixed by ``$TRITONLLM_PP_MICRO_BATCHES``). Each perf phase also reports its KV pool
+   (engine.build's split balanced by cost, 17 and 15 layers of this shape, or ``--pp_layers``;
+   engine/pipeline; each stage replays its own decode graphs; micro-batches per step chosen per
+   step, or fixed by ``$TRITONLLM_PP_MICRO_BATCHES``). Each perf phase also reports its KV pool
    (``kv_tokens``: tokens of every layer it holds; a stage holds half the layers, so the pool grows).
    With CUDA graphs, each perf phase first checks them against its own eager steps
    (``graphs_vs_eager``: the same prompt step and decode steps replayed, then run eagerly, at batch
-   1, 3 and 8).
+   1, 3 and 8). ``--perf_sections offline`` keeps only the offline runs (each with its steps' periods).
 
 The model has Llama-3.1-8B's shape (32 layers, 32/8 heads, hidden 4096, vocab 128256) and
 random weights made on the GPUs: every rank generates the same full tensors from a fixed seed
@@ -56,13 +57,14 @@ from engine.config import BuildConfig, EngineConfig, ModelConfig  # noqa: E402
 from engine.convert import CheckpointError, iter_rank_weights  # noqa: E402
 from engine.executor.overlap import placeholder  # noqa: E402
 from engine.executor.runner import ForwardBatch, ModelRunner  # noqa: E402
-from engine.pipeline.layout import parse_pp_layers, stage_of_rank, stage_tensor_name  # noqa: E402
+from engine.pipeline.layout import balanced_pp_layers, parse_pp_layers, stage_of_rank, stage_tensor_name  # noqa: E402
 from engine.tensor_parallel.distributed import make_runner, run_worker  # noqa: E402
 
 
 PHASES = ("greedy_tp1", "greedy_tp2", "perf_tp1", "perf_tp2")
 PP_PHASES = ("greedy_pp2", "perf_pp2")  # asked for by name in --phases
 GRAPH_CHECK_BATCHES = (1, 3, 8)  # 3: a bucket of 4 with a padding row
+PERF_SECTIONS = ("graphs", "decode", "executor_decode", "offline")
 
 
 def phase_mapping(phase: str) -> tuple[int, int]:
@@ -167,9 +169,11 @@ def write_engine_config(root: str, model: str, dtype: str, tp_size: int, max_bat
                         pp_layers: list[int] | None = None) -> str:
     engine_dir = os.path.join(root, f"{model}-{dtype}-tp{tp_size}" + (f"-pp{pp_size}" if pp_size > 1 else ""))
     build = BuildConfig(dtype=dtype, max_batch_size=max_batch_size, max_input_len=2048, max_seq_len=4096, max_num_tokens=8192,
-                        tokens_per_block=32, tp_size=tp_size, pp_size=pp_size,
-                        pp_layers=pp_layers if pp_size > 1 else None)
-    EngineConfig(model=ModelConfig(**MODELS[model]), build=build, extra={"tp_bench_seed": 0}).validate().save(engine_dir)
+                        tokens_per_block=32, tp_size=tp_size, pp_size=pp_size)
+    model_config = ModelConfig(**MODELS[model])
+    if pp_size > 1:  # engine.build's split where --pp_layers is not given
+        build.pp_layers = pp_layers or balanced_pp_layers(model_config, build)
+    EngineConfig(model=model_config, build=build, extra={"tp_bench_seed": 0}).validate().save(engine_dir)
     return engine_dir
 
 
@@ -300,12 +304,43 @@ def bench_offline(executor, vocab: int, in_len: int, out_len: int, num_requests:
     rng = random.Random(in_len * 31 + out_len)
     requests = [Request(input_token_ids=[rng.randrange(vocab) for _ in range(in_len)], max_tokens=out_len,
                         output=OutputConfig(exclude_input_from_output=True)) for _ in range(num_requests)]
-    started = time.perf_counter()
+    since_ns, started = time.time_ns(), time.perf_counter()
     executor.enqueue_requests(requests)
     output_tokens = drain_offline(executor, num_requests)
     elapsed = time.perf_counter() - started
     return {"input_len": in_len, "output_len": out_len, "requests": num_requests, "seconds": elapsed,
-            "output_tok_s": output_tokens / elapsed}
+            "output_tok_s": output_tokens / elapsed, "steps": step_periods(executor, since_ns)}
+
+
+def step_periods(executor, since_ns: int) -> dict:
+    """Where an offline run's wall time went, from the executor's per-step stats. A step's period is
+    the time since the step recorded before it, or since the enqueue (each step records once its tokens are sampled, so
+    with steps in flight too the periods add up to the run); steps with prompt tokens and
+    decode-only ones apart. The decode-only period at the widest batch is the steady state: with
+    pipeline stages and steps in flight, one GPU's step at that batch over ~pp_size when the stages
+    keep each other busy."""
+    history = [h for h in executor.get_iteration_stats_history() if h.timestamp_ns >= since_ns]
+    stamps = [since_ns] + [h.timestamp_ns for h in history]  # (the first step's period starts at the enqueue)
+    periods = [(h, (stamp - before) / 1e6) for before, stamp, h in zip(stamps, stamps[1:], history)]
+    prompt = [ms for h, ms in periods if h.num_context_requests]
+    decode = [(h.num_gen_requests, ms) for h, ms in periods if not h.num_context_requests and h.num_gen_requests]
+    out = {"steps": len(history), "prompt_steps": len(prompt), "prompt_seconds": sum(prompt) / 1e3,
+           "decode_steps": len(decode), "decode_seconds": sum(ms for _, ms in decode) / 1e3}
+    if decode:
+        widest = max(batch for batch, _ in decode)
+        at_widest = sorted(ms for batch, ms in decode if batch == widest)
+        out.update(decode_batch=widest, decode_steps_at_batch=len(at_widest),
+                   decode_period_ms_median=at_widest[len(at_widest) // 2])
+    return out
+
+
+def describe_steps(steps: dict) -> str:
+    text = (f"{steps['prompt_steps']} steps with prompt tokens {steps['prompt_seconds']:.2f} s, "
+            f"{steps['decode_steps']} decode-only {steps['decode_seconds']:.2f} s")
+    if "decode_batch" in steps:
+        text += (f"; decode-only at batch {steps['decode_batch']}: period {steps['decode_period_ms_median']:.2f} ms "
+                 f"(median of {steps['decode_steps_at_batch']})")
+    return text
 
 
 def run_greedy_phase(args) -> dict:
@@ -341,19 +376,21 @@ def run_perf_phase(args) -> dict:
         vocab = executor.runner.vocab_size
         bench_offline(executor, vocab, 64, 8, 8)  # warm-up: compile kernels for prefill and decode shapes
         progress("warm-up done")
-        checks = [graphs_vs_eager(executor.runner, batch) for batch in GRAPH_CHECK_BATCHES] if graphs else []
+        sections = args.perf_sections
+        checks = ([graphs_vs_eager(executor.runner, batch) for batch in GRAPH_CHECK_BATCHES]
+                  if graphs and "graphs" in sections else [])
         for check in checks:
             progress(f"graphs vs eager, batch {check['batch']}: argmax equal on {check['argmax_equal']}/{check['rows']} "
                      f"rows, logits max |diff| {check['logits_max_abs_diff']:.3g} (max |logit| {check['logits_max_abs']:.1f})")
         # Direct runner steps while the executor idles (no request in flight, prefix reuse off).
         decode = []
-        for batch in DECODE_BATCHES:
+        for batch in DECODE_BATCHES if "decode" in sections else ():
             decode.append(bench_decode(executor.runner, batch))
             progress(f"decode batch {batch}: {decode[-1]['tok_s']:.0f} tok/s")
         if args.timing:
             reset(executor.runner)  # the timeline from here on: the executor's own (overlapped) steps
         executor_decode = []
-        for batch in DECODE_BATCHES:
+        for batch in DECODE_BATCHES if "executor_decode" in sections else ():
             # Batch 1 with a profiler window on this rank: the all-reduce kernels' time per step.
             before = launched()
             executor_decode.append(bench_executor_decode(executor, vocab, batch,
@@ -370,7 +407,8 @@ def run_perf_phase(args) -> dict:
             offline.append(bench_offline(executor, vocab, *shape))
             offline[-1]["steps_launched_in_flight"] = launched() - before
             progress(f"offline {shape}: {offline[-1]['output_tok_s']:.0f} tok/s"
-                     + (f" ({launched() - before} steps in flight)" if pipelined is not None else ""))
+                     + (f" ({launched() - before} steps in flight)" if pipelined is not None else "")
+                     + f"; {describe_steps(offline[-1]['steps'])}")
         result = {"decode": decode, "executor_decode": executor_decode, "offline": offline, "graphs": graphs,
                   "steps_in_flight": steps_in_flight, "steps_in_flight_always": always,
                   "graphs_vs_eager": checks,
@@ -421,7 +459,8 @@ def run_phase(args, phase: str, engine_dir: str, workdir: str) -> dict:
               "--phase_timeout", str(args.phase_timeout)]
     flags = (["--no_graphs"] if args.no_graphs else []) + (["--timing"] if args.timing else [])
     leader_cmd = common + ["--role", "greedy" if phase.startswith("greedy") else "perf", "--out", out,
-                           "--greedy_steps", str(args.greedy_steps), "--offline", args.offline, *flags]
+                           "--greedy_steps", str(args.greedy_steps), "--offline", args.offline,
+                           "--perf_sections", ",".join(args.perf_sections), *flags]
     port = free_port()
     procs = [subprocess.Popen(leader_cmd, env=rank_env(0, tp, port))]
     procs += [subprocess.Popen(common + ["--role", "worker", "--out", f"{out}.rank{r}", *flags], env=rank_env(r, tp, port))
@@ -470,23 +509,31 @@ def mapping_name(phase: str) -> str:
 
 
 def markdown(results: dict) -> str:
-    perfs = [(mapping_name(p), results[p]) for p in PHASES + PP_PHASES if p.startswith("perf") and p in results]
+    perfs = [(mapping_name(p) + (f" ({','.join(map(str, results[p]['pp_layers']))} layers)" if "pp_layers" in results[p]
+                                 else ""), results[p])
+             for p in PHASES + PP_PHASES if p.startswith("perf") and p in results]
     perf1 = perfs[0][1]
     lines = [f"\n### Tensor and pipeline parallelism: {results['model']} random weights, {results['date']}\n",
              f"`{results['command']}` on {results['gpus']} (commit {results['commit']}; decode graphs: "
              + ", ".join(f"{name} {perf['graphs']}" for name, perf in perfs) + "; executor steps in flight: "
              + ", ".join(f"{name} {perf.get('steps_in_flight', 1)}" for name, perf in perfs) + ").",
              " ".join(greedy_sentence(results.get(key), key) for key in ("greedy", "greedy_pp")) + "\n",
-             "| mapping | " + " | ".join(f"decode B={d['batch']} tok/s" for d in perf1["decode"]) + " | "
-             + " | ".join(f"offline {o['input_len']}/{o['output_len']} x{o['requests']} out tok/s" for o in perf1["offline"])
+             "| mapping | " + " | ".join([f"decode B={d['batch']} tok/s" for d in perf1["decode"]]
+                                         + [f"offline {o['input_len']}/{o['output_len']} x{o['requests']} out tok/s"
+                                            for o in perf1["offline"]])
              + " | KV pool tokens |",
              "|---" * (2 + len(perf1["decode"]) + len(perf1["offline"])) + "|"]
     for name, perf in perfs:
         cells = [f"{d['tok_s']:.0f}" for d in perf["decode"]] + [f"{o['output_tok_s']:.0f}" for o in perf["offline"]]
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {perf.get('kv_tokens', '-')} |")
-    lines.append("\nThrough the executor (overlapped scheduling), decode tok/s by batch: "
-                 + "; ".join(f"{name}: " + ", ".join(f"B={d['batch']} {d['decode_tok_s']:.0f}" for d in perf.get("executor_decode", []))
-                             for name, perf in perfs) + ".")
+    if perf1.get("executor_decode"):
+        lines.append("\nThrough the executor (overlapped scheduling), decode tok/s by batch: "
+                     + "; ".join(f"{name}: " + ", ".join(f"B={d['batch']} {d['decode_tok_s']:.0f}"
+                                                         for d in perf.get("executor_decode", []))
+                                 for name, perf in perfs) + ".")
+    lines.append("\nOffline steps (the executor's per-step stats): " + "; ".join(
+        f"{name} {o['input_len']}/{o['output_len']}: {describe_steps(o['steps'])}"
+        for name, perf in perfs for o in perf["offline"] if "steps" in o) + ".")
     checked = [(name, perf["graphs_vs_eager"]) for name, perf in perfs if perf.get("graphs_vs_eager")]
     if checked:
         lines.append("CUDA graphs against the same steps run eagerly (a prompt step of 64 tokens a sequence and 8 decode steps at batch "
@@ -521,6 +568,8 @@ def orchestrate(args) -> dict:
         engine_dir = write_engine_config(workdir, args.model, dtype, tp_size, args.max_batch_size, pp_size, args.pp_layers)
         try:
             results[phase] = run_phase(args, phase, engine_dir, workdir)
+            if pp_size > 1:
+                results[phase]["pp_layers"] = EngineConfig.load(engine_dir).build.pp_layers
         finally:  # whatever ran is kept, even when a later phase fails or times out
             with open(args.out, "w") as f:
                 json.dump(results, f, indent=2)
@@ -558,7 +607,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                              f"pipeline stages: {','.join(PP_PHASES)})")
     parser.add_argument("--phase_timeout", type=float, default=240, help="seconds per phase (4 phases)")
     parser.add_argument("--pp_layers", default=None,
-                        help="the PP phases' layers per stage, e.g. 17,15 (engine.build's --pp_layers; default even)")
+                        help="the PP phases' layers per stage, e.g. 16,16 (engine.build's --pp_layers; default: its split "
+                             "balanced by cost)")
+    parser.add_argument("--perf_sections", default=",".join(PERF_SECTIONS),
+                        help=f"what the perf phases measure after their warm-up, comma list of {','.join(PERF_SECTIONS)} "
+                             "(graphs: graphs against eager steps; decode: the runner alone; executor_decode: "
+                             "through the executor; offline: the --offline shapes)")
     parser.add_argument("--out", default="tp_bench.json")
     parser.add_argument("--results-md", dest="results_md", default=None, help="append the markdown table here")
     # internal: one rank of one phase
@@ -570,6 +624,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     if unknown:
         parser.error(f"--phases: unknown phase(s) {unknown}; allowed: {', '.join(PHASES + PP_PHASES)}")
     args.offline_shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.offline.split(",") if shape]
+    args.perf_sections = [name for name in args.perf_sections.split(",") if name]
+    if unknown := sorted(set(args.perf_sections) - set(PERF_SECTIONS)):
+        parser.error(f"--perf_sections: unknown section(s) {unknown}; allowed: {', '.join(PERF_SECTIONS)}")
+    if "offline" not in args.perf_sections:
+        args.offline_shapes = []
     args.pp_layers = parse_pp_layers(args.pp_layers)
     return args
 

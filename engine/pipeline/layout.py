@@ -3,8 +3,11 @@
 Ranks: ``rank = stage * tp_size + tp_rank`` (TensorRT-LLM's mapping), so the ranks of one stage are
 consecutive and the leader (rank 0) is tensor-parallel rank 0 of the first stage.
 
-Split: engine.config.pipeline_layer_counts (even by default; an explicit list such as
-``8,12,14,14``, vLLM's ``VLLM_PP_LAYER_PARTITION`` form, with ``--pp_layers``).
+Split: engine.config.pipeline_layer_counts reads an engine's list (an explicit one such as
+``8,12,14,14``, vLLM's ``VLLM_PP_LAYER_PARTITION`` form, with ``--pp_layers``; an engine without one
+was split evenly). Without ``--pp_layers`` the build records ``balanced_pp_layers``: the split that
+evens out the stages' time per step, the last stage's LM head counted (Llama-3.1-8B at pp 2: 17,15,
+its head costing about 2.4 layers; at pp 4: 8,9,9,6).
 
 Rank files: ``rank{r}.safetensors`` holds stage s's part of tensor-parallel rank t's weights
 (r = s * tp_size + t): its layers renumbered from 0 (the index into its own KV pool), the
@@ -16,7 +19,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from itertools import accumulate
+
 from engine.config import BuildConfig, ConfigError, ModelConfig, pipeline_layer_counts
+from engine.pipeline.step_cost import stage_costs
 
 _LAYER_NAME = re.compile(r"^layers\.(\d+)\.(.*)$")
 FIRST_STAGE_PREFIXES = ("embed_tokens.",)
@@ -54,6 +60,44 @@ def parse_pp_layers(text: str | None) -> list[int] | None:
     except ValueError:
         raise ConfigError(f"--pp_layers {text!r} must be comma-separated layer counts, one per stage, "
                           "e.g. 8,12,14,14") from None
+
+
+def balanced_pp_layers(model: ModelConfig, build: BuildConfig) -> list[int]:
+    """The layers per stage engine.build records when ``--pp_layers`` is not given: the split whose
+    slowest stage is fastest by engine/pipeline/step_cost.py's stage_costs (at full decode steps;
+    steps in flight run at the pace of the slowest stage). ConfigError where pp_size exceeds the layers."""
+    pipeline_layer_counts(model.num_layers, build.pp_size)  # (the named error for a pp_size too large)
+    layer_costs, head = stage_costs(model, build)
+    return balanced_layer_counts(layer_costs, build.pp_size, last_extra=head)
+
+
+def balanced_layer_counts(layer_costs: list[float], pp_size: int, *, last_extra: float = 0.0) -> list[int]:
+    """Contiguous runs of the layers, one per stage and at least one layer each, that make the
+    costliest stage cheapest; a stage costs its layers' ``layer_costs``, the last one ``last_extra``
+    more. Of the splits with that least costliest stage, the later stages take as many layers as
+    they can: rank 0, on the first stage, also samples and runs the host's step, which the costs
+    leave out (equal layers and no extra: 32 over 3 gives 10, 11, 11)."""
+    n = len(layer_costs)
+    prefix = [0.0, *accumulate(layer_costs)]
+
+    def cost(stage: int, start: int, end: int) -> float:  # layers [start, end) as ``stage``
+        return prefix[end] - prefix[start] + (last_extra if stage == pp_size - 1 else 0.0)
+
+    # least[s][k]: the least costliest stage of layers [0, k) over stages 0..s (inf: too few layers)
+    inf = float("inf")
+    least = [[inf] * (n + 1) for _ in range(pp_size)]
+    for k in range(1, n + 1):
+        least[0][k] = cost(0, 0, k)
+    for s in range(1, pp_size):
+        for k in range(s + 1, n + 1):
+            least[s][k] = min(max(least[s - 1][j], cost(s, j, k)) for j in range(s, k))
+    bound = least[-1][n] * (1 + 1e-9)  # (float sums of the same costs in another order)
+    counts, end = [], n
+    for s in range(pp_size - 1, 0, -1):
+        start = min(j for j in range(s, end) if cost(s, j, end) <= bound and least[s - 1][j] <= bound)
+        counts.append(end - start)
+        end = start
+    return [end, *reversed(counts)]
 
 
 def stages_of(model: ModelConfig, build: BuildConfig) -> list[Stage]:

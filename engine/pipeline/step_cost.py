@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.config import EngineConfig
+from engine.config import BuildConfig, EngineConfig, ModelConfig
 
 # New tokens per layer whose products take as long as one read of the layer's weights: a weight's
 # 2 bytes (bf16) at ~4.8 TB/s of HBM against its 2 FLOPs per token at ~800 dense bf16 TFLOP/s
@@ -127,3 +127,37 @@ def in_flight_gain(cost: StepCost, pp_size: int, depth: int, *, seqs: int, token
     slowest = 1 + work + head(seqs * share)
     in_flight = max(depth * slowest, pp_size * (1 + work) + head(seqs * share)) + depth * cost.step_overhead
     return (round_tokens / in_flight) / (whole_tokens / whole)
+
+
+def stage_costs(model: ModelConfig, build: BuildConfig) -> tuple[list[float], float]:
+    """(each decoder layer's time, the last stage's extra time: the LM head) in one full decode step,
+    in bytes of weight read: a linear layer costs its weight read plus its products for the step's
+    ``max_batch_size`` tokens (``tokens_per_weight_read`` of them take one read's time). The split of
+    layers over stages that evens these out (engine/pipeline/layout.py balanced_layer_counts) keeps
+    the stages of steps in flight equally busy, where the slowest sets the pace.
+
+    Left out, as they cancel or are small: the first stage's embedding (a gather of the step's rows)
+    and the float32 logits (the last stage writes and sends them, rank 0 on the first stage receives
+    and samples them: a few passes over rows x vocab on each side); norms and biases; attention's KV
+    reads (they add to every layer and not to the head, so over long contexts the last stage could
+    take a little more than this split gives it). A layer of routed experts reads every expert (a
+    full step's tokens reach nearly all) but multiplies each token by its num_experts_per_tok."""
+    dtype_bytes = DTYPE_BYTES.get(build.dtype, 2)
+    weight_bytes = WEIGHT_BYTES.get(build.quantization or "", dtype_bytes)
+    scale = 1.0 if build.quantization in EIGHT_BIT_PRODUCTS else weight_bytes / 2
+    tokens = build.max_batch_size
+    h = model.hidden_size
+    attention = h * model.head_dim * 2 * (model.num_heads + model.num_kv_heads)
+    layers = []
+    for index in range(model.num_layers):
+        if model.is_moe_layer(index):
+            expert = 3 * h * model.moe_intermediate_size
+            shared = model.n_shared_experts * expert
+            read, multiplied = attention + shared + model.num_experts * expert, \
+                attention + shared + model.num_experts_per_tok * expert
+        else:
+            read = multiplied = attention + 3 * h * model.intermediate_size
+        layers.append(weight_bytes * (read + multiplied * tokens / (TOKENS_PER_WEIGHT_READ * scale)))
+    # (the LM head keeps the model dtype whatever the layers' quantization)
+    head = model.vocab_size * h * dtype_bytes * (1 + tokens / (TOKENS_PER_WEIGHT_READ * dtype_bytes / 2))
+    return layers, head
