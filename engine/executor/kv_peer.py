@@ -11,6 +11,7 @@ namespaces nothing is decided here (None): ``nixl`` has its claim acknowledgemen
 from __future__ import annotations
 
 import os
+import time
 
 CHECK_S = 0.1  # how often a waiting pull looks (a /proc read, ~20 us)
 
@@ -68,3 +69,21 @@ def gone(peer) -> str | None:
         return None
     return (f"context_phase_params: the context process (pid {peer['pid']}) that holds this KV cache is gone; run "
             f"the context_only request again")
+
+
+class Watch:
+    """A waiter's look at its peer (``peer``: an ``identity``; None: not checkable), at most every CHECK_S: the
+    transports' pollers (shm's and cuda_ipc's reader threads, the nixl pull, a cuda_ipc claim) call ``gone`` as
+    often as they poll (0.5-2 ms) and pay the /proc read ten times a second."""
+    __slots__ = ("peer", "next_check")
+
+    def __init__(self, peer=None):
+        self.peer, self.next_check = peer, 0.0  # (the first call looks)
+
+    def gone(self) -> str | None:
+        """``gone(peer)``'s error when it is time to look and the peer is known dead, else None."""
+        now = time.monotonic()
+        if now < self.next_check:
+            return None
+        self.next_check = now + CHECK_S
+        return gone(self.peer)

@@ -290,7 +290,8 @@ class IpcPull:
     raises (the generation loop polls it outside its error handling)."""
 
     def __init__(self, offer: str, start, deadline: float, cancelled, peer=None):
-        self.offer, self.claim, self.peer = offer, f"{offer}.ipc", peer  # (peer: the context's kv_peer.identity)
+        self.offer, self.claim = offer, f"{offer}.ipc"
+        self._context = kv_peer.Watch(peer)  # (peer: the context's kv_peer.identity)
         self._start_pull = start  # () -> kv_pull.Pull: the copy from the mapped pool into our blocks
         self.deadline, self.cancelled = deadline, cancelled
         self.pull, self.error, self._state = None, None, "claiming"
@@ -312,7 +313,7 @@ class IpcPull:
                 # (cancelled too: it claims the offer once claimable and gives it back at once, so the context
                 # side frees the pin then, not at its deadline)
                 if os.path.exists(f"{self.offer}.pending") and time.monotonic() < self.deadline:
-                    if (dead := kv_peer.gone(self.peer)) is not None:  # (a /proc read; rare: pending is brief)
+                    if (dead := self._context.gone()) is not None:
                         self.error, self._state = dead, "done"
                         return True
                     return False  # (its prefill is still on the context GPU)
@@ -450,8 +451,7 @@ def claim_for_shm(offer: str, wait_s: float, peer=None) -> str | None:
     writing its file; that file's path (then kv_transfer_shm.read_blocks), or None: gone (fetched already,
     expired, or the context side never began). ``peer``: the context process (kv_peer.identity); if it dies
     meanwhile, kv_peer.PeerGone at once."""
-    deadline, marker = time.monotonic() + wait_s, f"{offer}.shm"
-    checked = time.monotonic()
+    deadline, marker, context = time.monotonic() + wait_s, f"{offer}.shm", kv_peer.Watch(peer)
     while True:
         try:
             os.rename(offer, marker)
@@ -461,28 +461,24 @@ def claim_for_shm(offer: str, wait_s: float, peer=None) -> str | None:
                 if os.path.exists(offer) and time.monotonic() <= deadline:
                     continue  # (.pending renamed to it between our rename and the check: claim it now)
                 return None
-            checked = _check_peer(peer, checked)
+            _fail_if_gone(context)
             time.sleep(WAIT_POLL_S)  # (its prefill is still on the context GPU)
     while os.path.exists(marker):  # (the context loop creates the file's .partial, then removes the marker)
         if time.monotonic() > deadline:
             _take(marker)
             return None
-        checked = _check_peer(peer, checked, marker)
+        _fail_if_gone(context, marker)
         time.sleep(WAIT_POLL_S)
     return shm_path(offer)
 
 
-def _check_peer(peer, checked: float, marker: str | None = None) -> float:
-    """Every kv_peer.CHECK_S while a reader waits: raise kv_peer.PeerGone if the context process died (its
-    marker, which nobody would remove, goes); returns when it last looked."""
-    now = time.monotonic()
-    if now - checked < kv_peer.CHECK_S:
-        return checked
-    if (dead := kv_peer.gone(peer)) is not None:
+def _fail_if_gone(context: kv_peer.Watch, marker: str | None = None) -> None:
+    """While a reader waits: raise kv_peer.PeerGone if the context process is known dead (its marker, which
+    nobody would remove, goes)."""
+    if (dead := context.gone()) is not None:
         if marker is not None:
             _take(marker)
         raise kv_peer.PeerGone(dead)
-    return now
 
 
 def _take(path: str) -> bool:

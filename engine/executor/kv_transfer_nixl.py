@@ -248,7 +248,8 @@ class NixlPull:
         self.cancelled = cancelled  # () -> bool: the request ended (then a grant is given back unread)
         self.deadline = time.monotonic() + timeout_s  # for the context side's answer
         self.ack_deadline = time.monotonic() + min(ACK_TIMEOUT_S, timeout_s)  # ... and for its first sign of life
-        self._acked, self._next_check = False, 0.0
+        self._acked = False
+        self._context = kv_peer.Watch(fields.get("peer"))  # (its process, known dead: the pull fails at once)
         self.agent = side.connect(unpack_metadata(fields["metadata"]))
         self.key = (self.agent, fields["handle"])
         self.after_step = after_step  # CUDA: the loop's last step, which may still write the fresh blocks
@@ -272,7 +273,7 @@ class NixlPull:
         if self._state == "claiming":
             granted = self.side.answers.pop(self.key, None)
             if granted is None:
-                if (dead := self._peer_gone()) is not None:
+                if (dead := self._context.gone()) is not None:
                     self._give_back()  # (if it answers after all, its pin goes at once)
                     return self._fail(dead)
                 if self.key in self.side.acks:
@@ -312,7 +313,7 @@ class NixlPull:
         if self._state == "reading":
             status = self.side.agent.check_xfer_state(self._xfer)
             if status == "PROC":
-                if (dead := self._peer_gone()) is not None:  # (UCX may take long to notice)
+                if (dead := self._context.gone()) is not None:  # (UCX may take long to notice)
                     return self._abort(dead)
                 return False
             self._ms = (time.perf_counter() - self._started) * 1e3
@@ -321,14 +322,6 @@ class NixlPull:
             self._drop_xfer()  # (the data has landed: a release that fails only leaks the handle)
             self._state = "done"
         return True
-
-    def _peer_gone(self) -> str | None:
-        """The error when the context process is known dead (same host: kv_peer); looked at every CHECK_S."""
-        now = time.monotonic()
-        if now < self._next_check:
-            return None
-        self._next_check = now + kv_peer.CHECK_S
-        return kv_peer.gone(self.fields.get("peer"))
 
     def _abort(self, message: str) -> bool:
         """End a pull that failed. A posted READ's handle is released first: NIXL cancels the transfer or

@@ -188,8 +188,7 @@ def read_blocks(path: str, pool: torch.Tensor, dst_ids: list[int], after, wait_s
     A reader's thread. ``peer``: the context process (kv_peer.identity); if it dies while its file is being
     written, kv_peer.PeerGone at once (and its partial file, which nobody would remove, goes)."""
     mine = f"{path}.claimed-{os.getpid()}"
-    deadline = time.monotonic() + wait_s
-    next_check = 0.0
+    deadline, watch = time.monotonic() + wait_s, kv_peer.Watch(peer)
     while True:
         try:
             os.rename(path, mine)
@@ -199,11 +198,9 @@ def read_blocks(path: str, pool: torch.Tensor, dst_ids: list[int], after, wait_s
                 if os.path.exists(path):
                     continue  # renamed into place between the two checks
                 return False
-            if time.monotonic() >= next_check:
-                next_check = time.monotonic() + kv_peer.CHECK_S
-                if (dead := kv_peer.gone(peer)) is not None and not os.path.exists(path):
-                    expire(f"{path}.partial")
-                    raise kv_peer.PeerGone(dead)
+            if (dead := watch.gone()) is not None and not os.path.exists(path):
+                expire(f"{path}.partial")
+                raise kv_peer.PeerGone(dead)
             time.sleep(WAIT_POLL_S)  # the context side is still writing it
     try:
         by_block = block_major(pool)
