@@ -72,13 +72,19 @@ def gone(peer) -> str | None:
 
 
 class Watch:
-    """A waiter's look at its peer (``peer``: an ``identity``; None: not checkable), at most every CHECK_S: the
-    transports' pollers (shm's and cuda_ipc's reader threads, the nixl pull, a cuda_ipc claim) call ``gone`` as
-    often as they poll (0.5-2 ms) and pay the /proc read ten times a second."""
+    """A waiter's look at its peer (``peer``: an ``identity``; None: not checkable, or not known yet), at most every
+    CHECK_S: the transports' pollers (shm's and cuda_ipc's reader threads, the nixl pull, a cuda_ipc claim, the
+    context loop's look at a cuda_ipc claimer) call ``gone`` as often as they poll (0.5-2 ms) and pay the /proc
+    read ten times a second."""
     __slots__ = ("peer", "next_check")
 
     def __init__(self, peer=None):
         self.peer, self.next_check = peer, 0.0  # (the first call looks)
+
+    @property
+    def due(self) -> bool:
+        """Whether the next ``gone`` looks (a clock read)."""
+        return time.monotonic() >= self.next_check
 
     def gone(self) -> str | None:
         """``gone(peer)``'s error when it is time to look and the peer is known dead, else None."""

@@ -37,9 +37,9 @@ and both processes see one host's /dev/shm.
 
 Freeing, as for shm / nixl: fetched (released), expired (the context loop takes an unclaimed <offer> away at
 TRITONLLM_KV_TRANSFER_TIMEOUT_S, so no late claim can read freed blocks), a claimer that died (kv_peer.gone on
-the identity in <offer>.ipc; else one more timeout), a cancel during the pull (the pull keeps its blocks until
-the copy is done), a cancel before the claim (the offer is taken and dropped at once). A context process that
-dies fails a claim still waiting for it (kv_peer.gone on the blob's ``peer``).
+the identity in <offer>.ipc, looked at every kv_peer.CHECK_S; else one more timeout), a cancel during the pull
+(the pull keeps its blocks until the copy is done), a cancel before the claim (the offer is taken and dropped at
+once). A context process that dies fails a claim still waiting for it (kv_peer.gone on the blob's ``peer``).
 
 ``auto`` (the context side does not know who will fetch): the context side pins and offers, shares its pool
 if it is on CUDA; the generation side chooses (``choose``): ``cuda_ipc`` when the blob comes from this host
@@ -71,7 +71,7 @@ from engine.executor.kv_transfer_shm import WAIT_POLL_S, transfer_dir
 
 TRANSPORTS = ("cuda_ipc", "auto")  # the kv_transfer names this file serves
 AUTO_NIXL_ENV = "TRITONLLM_KV_TRANSFER_AUTO_NIXL"  # "1" on the context side: auto blobs also carry NIXL's fields
-POLL_S = 0.002  # the context loop's poll of its offers while any pin is offered
+POLL_S = 0.002  # the context loop's poll of its offers while any pin is offered (a stat; a claimer's /proc at CHECK_S)
 NEEDS_CUDA = "kv_transfer 'cuda_ipc' needs the context executor's KV pool on a CUDA device"
 _NAME = re.compile(r"tritonllm-kv-[0-9a-f]{32}(-[0-9]+\.offer|\.ipc)")
 
@@ -365,7 +365,8 @@ class Offer:
     __slots__ = ("path", "state", "deadline", "timeout_s", "claimer")
 
     def __init__(self, path: str, ready, deadline: float, timeout_s: float):
-        self.path, self.deadline, self.timeout_s, self.claimer = path, deadline, timeout_s, None
+        self.path, self.deadline, self.timeout_s = path, deadline, timeout_s
+        self.claimer = kv_peer.Watch()  # (its peer: the claim file's kv_peer.identity, once read)
         self.state = "pending" if ready is not None and not ready.query() else "offered"  # -> "claimed"
         open(f"{path}.pending" if self.state == "pending" else path, "wb").close()
 
@@ -379,7 +380,7 @@ class Offer:
             if self.state == "nixl":
                 return False  # (the NIXL transport's own states from here: kv_transfer_nixl)
             return now >= self.deadline + self.timeout_s or not os.path.exists(f"{self.path}.ipc") or \
-                _gone(self.claimer)
+                self.claimer.due  # (the claimer looked at every kv_peer.CHECK_S, by ``advance``)
         except Exception:
             return True
 
@@ -410,21 +411,16 @@ class Offer:
                 return "shm"
             self.state = "claimed"
         claim = f"{self.path}.ipc"
-        try:
-            with open(claim) as f:
-                text = f.read()
-        except FileNotFoundError:
+        if not os.path.exists(claim):
             return "released"
-        try:
-            self.claimer = json.loads(text)  # (written just after the claim's rename: empty for a moment)
-        except ValueError:
-            self.claimer = None
-        if _gone(self.claimer) or now >= self.deadline + self.timeout_s:
-            print(f"[disaggregated] the cuda_ipc claim {claim} ended without its pull (claimer {text or '?'} gone)",
-                  file=sys.stderr, flush=True)
-            _take(claim)
-            return "released"
-        return "claimed"
+        if self.claimer.peer is None and self.claimer.due:
+            self.claimer.peer = _claim_identity(claim)
+        if now < self.deadline + self.timeout_s and self.claimer.gone() is None:
+            return "claimed"
+        print(f"[disaggregated] the cuda_ipc claim {claim} ended without its pull (claimer "
+              f"{json.dumps(self.claimer.peer) if self.claimer.peer else '?'} gone)", file=sys.stderr, flush=True)
+        _take(claim)
+        return "released"
 
     def take_for_nixl(self) -> bool:
         """A NIXL claim (its prompt's KV final): take the offer so that no cuda_ipc / shm claim can; False when one
@@ -479,6 +475,16 @@ def _fail_if_gone(context: kv_peer.Watch, marker: str | None = None) -> None:
         if marker is not None:
             _take(marker)
         raise kv_peer.PeerGone(dead)
+
+
+def _claim_identity(claim: str) -> dict | None:
+    """The claimer's kv_peer.identity from its claim file; None while the file is still empty (the claimer
+    writes it just after its rename) or already gone (released)."""
+    try:
+        with open(claim) as f:
+            return json.loads(f.read())
+    except (FileNotFoundError, ValueError):
+        return None
 
 
 def _take(path: str) -> bool:

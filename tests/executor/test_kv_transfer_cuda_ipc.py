@@ -83,6 +83,23 @@ def test_an_offer_lives_as_files_and_a_claim_is_one_shot(tmp_path, monkeypatch):
     assert offer.advance(ready, 1.0) == "released" and not os.listdir(tmp_path)
 
 
+def test_a_claimer_is_looked_at_every_check_interval_also_when_its_claim_was_read_empty(tmp_path, monkeypatch):
+    """The context loop polls a claimed offer every POLL_S (a stat of its claim file) but reads the claimer's /proc
+    only every kv_peer.CHECK_S; a claim file read before its claimer wrote its identity is read again then."""
+    monkeypatch.setenv("TRITONLLM_KV_TRANSFER_DIR", str(tmp_path))
+    monkeypatch.setattr(kv_peer, "CHECK_S", 3600.0)  # (no look falls due during the test but the ones it forces)
+    path = ipc.offer_path("12" * 16, 4)
+    offer = ipc.Offer(path, None, deadline=100.0, timeout_s=50.0)
+    os.rename(path, f"{path}.ipc")
+    open(f"{path}.ipc", "w").close()  # (claimed; its identity not written yet)
+    assert offer.advance(None, 1.0) == "claimed" and not offer.changed(None, 1.0)  # (looked: no wake-up till next)
+    with open(f"{path}.ipc", "w") as f:
+        json.dump({**kv_peer.identity(), "pid": dead_pid()}, f)
+    assert offer.advance(None, 1.0) == "claimed"  # (the next look is CHECK_S away)
+    offer.claimer.next_check = 0.0  # (CHECK_S later)
+    assert offer.changed(None, 1.0) and offer.advance(None, 1.0) == "released" and not os.listdir(tmp_path)
+
+
 def test_an_offer_claimed_for_shm_waits_for_the_context_side(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITONLLM_KV_TRANSFER_DIR", str(tmp_path))
     path = ipc.offer_path("cd" * 16, 3)
