@@ -137,17 +137,22 @@ class PullStreams:
         """Make every buffer a pull from ``src_pool`` into ``dst_pool`` uses, and a first peer copy (torch enables
         peer access then), so the first hand-off is not the slow one. Idempotent; a no-op off CUDA. Called at
         the first pull (or before, by whoever knows both pools); it may wait once."""
-        key = tuple((pool.device, pool.shape, pool.dtype) for pool in (src_pool, dst_pool))
-        dst = block_major(dst_pool)
-        if key in self._warm or not _on_cuda(dst):
-            return
-        self._warm.add(key)
-        dst_buf = self._buffers(dst, "dst")
-        src = block_major(src_pool)
+        src, dst = block_major(src_pool), block_major(dst_pool)
+        if _on_cuda(dst):
+            self._warm_buffers(src, dst)
+
+    def _warm_buffers(self, src: torch.Tensor, dst: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """``warm_up`` of the pools' (num_blocks, ...) views (``dst`` on CUDA); returns the pull's (source staging:
+        None on one GPU, destination staging)."""
         if not _on_cuda(src):
             raise ValueError(f"a KV pull from a pool on {src.device} into one on {dst.device} is not supported "
                              f"(both pools on CUDA devices, or both off CUDA)")
+        dst_buf = self._buffers(dst, "dst")
         src_buf = self._buffers(src, "src", staging=_peer(src, dst))
+        key = tuple((pool.device, pool.shape, pool.dtype) for pool in (src, dst))
+        if key in self._warm:
+            return src_buf, dst_buf
+        self._warm.add(key)
         self._host_buffers([(src.device, "src"), (dst.device, "dst")])
         self._load_kernels(src, src_buf if _peer(src, dst) else dst_buf, dst, dst_buf)
         if _peer(src, dst) and (src.device, dst.device) not in self._peers:
@@ -155,6 +160,7 @@ class PullStreams:
             with torch.cuda.stream(dst_stream), torch.cuda.stream(src_stream):
                 dst_buf[:1].copy_(src_buf[:1], non_blocking=True)  # (stream-ordered like a pull's chunk)
             self._peers.add((src.device, dst.device))
+        return src_buf, dst_buf
 
     def _load_kernels(self, src, gather_buf, dst, dst_buf) -> None:
         """Launch the pull's gather and scatter kernels once, reading the pools into the staging (nothing in a
@@ -239,11 +245,10 @@ class PullStreams:
                 staged = src.index_select(0, torch.tensor(src_chunk, device=src.device)).to(dst.device)
                 dst.index_copy_(0, torch.tensor(dst_chunk, device=dst.device), staged)
             return Pull(host_ms=(time.perf_counter() - started) * 1e3)
-        self.warm_up(src_pool, dst_pool)
+        src_buf, dst_buf = self._warm_buffers(src, dst)
         peer = _peer(src, dst)
         dst_stream = self.stream(dst.device)
         src_stream = self.stream(src.device) if peer else dst_stream
-        src_buf, dst_buf = self._buffers(src, "src", staging=peer), self._buffers(dst, "dst")
         src_index, dst_index = self._load_ids((src_ids, src.device, "src"), (dst_ids, dst.device, "dst"))
         start, end = self._begin(dst.device)
         with torch.cuda.stream(dst_stream):
