@@ -38,24 +38,10 @@ import time
 
 import torch
 
-from engine.executor.kv_transfer_shm import block_major
+from engine.executor.kv_transfer_shm import block_major, chunk_blocks
 
 HOST_ID_BUFFERS = 4  # pinned id buffers made by warm_up: pulls whose id copies may be in flight at once
 CHUNK_BYTES = 64 << 20  # staging per chunk, per device (an 8,192-token Llama-8B FP8 prompt: 537 MB in 9 chunks)
-
-
-def _step(block_bytes: int) -> int:
-    return max(1, CHUNK_BYTES // max(1, block_bytes))
-
-
-def _chunks(ids_a: list[int], ids_b: list[int], block_bytes: int):
-    step = _step(block_bytes)
-    for start in range(0, len(ids_a), step):
-        yield ids_a[start:start + step], ids_b[start:start + step]
-
-
-def _block_bytes(by_block: torch.Tensor) -> int:
-    return by_block[0].numel() * by_block.element_size() if by_block.shape[0] else 0
 
 
 class Pull:
@@ -101,7 +87,7 @@ class PullStreams:
     KV pool makes the caching allocator free its cached blocks (cudaFree synchronizes the device) with the
     generation loop blocked inside (2x H200, rate 6: kv_transfer_ms_mean 29 ms for a 1.4-3.5 ms copy, hand-off
     p99 462 ms). Buffers, per device and role (CUDA; allocated under that device's pull stream):
-    - ``_staging``: (step, L, 2, T, H, D) integers, one chunk (``_step`` blocks, <= CHUNK_BYTES): the gather's
+    - ``_staging``: (step, L, 2, T, H, D) integers, one chunk (``chunk_blocks``, <= CHUNK_BYTES): the gather's
       output on the source GPU, the peer copy's target and the scatter's input on the generation GPU;
     - ``_ids``: int64 block ids, sized for the pool's block count (never more ids in one pull);
     - ``_host_ids``: pinned int64 buffers the ids of one pull are written into for one H2D per device
@@ -186,7 +172,7 @@ class PullStreams:
         device = by_block.device
         key, ids_key = (device, role, tuple(by_block.shape[1:]), by_block.dtype), (device, role)
         with torch.cuda.stream(self.stream(device)):  # (a buffer replaced here goes back to this stream only)
-            step = min(_step(_block_bytes(by_block)), max(1, by_block.shape[0]))
+            step = chunk_blocks(by_block, CHUNK_BYTES)
             if staging and (key not in self._staging or self._staging[key].shape[0] < step):
                 self._staging[key] = torch.empty((step, *by_block.shape[1:]), dtype=by_block.dtype, device=device)
             if ids_key not in self._ids or self._ids[ids_key].numel() < by_block.shape[0]:
@@ -241,7 +227,9 @@ class PullStreams:
         src, dst = block_major(src_pool), block_major(dst_pool)
         if not _on_cuda(dst):
             started = time.perf_counter()
-            for src_chunk, dst_chunk in _chunks(src_ids, dst_ids, _block_bytes(src)):
+            step = chunk_blocks(src, CHUNK_BYTES)
+            for first in range(0, len(src_ids), step):
+                src_chunk, dst_chunk = src_ids[first:first + step], dst_ids[first:first + step]
                 staged = src.index_select(0, torch.tensor(src_chunk, device=src.device)).to(dst.device)
                 dst.index_copy_(0, torch.tensor(dst_chunk, device=dst.device), staged)
             return Pull(host_ms=(time.perf_counter() - started) * 1e3)

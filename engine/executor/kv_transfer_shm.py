@@ -58,6 +58,13 @@ def block_major(pool: torch.Tensor) -> torch.Tensor:
 CHUNK_BYTES = 32 << 20  # one chunk of a thread's staging (on the device and pinned on the host)
 
 
+def chunk_blocks(by_block: torch.Tensor, chunk_bytes: int) -> int:
+    """Blocks a staging chunk of ``by_block`` (a pool's (num_blocks, ...) view) holds: as many as fit in
+    ``chunk_bytes``, at least one, at most the pool's (the shm files' threads and kv_pull's streams)."""
+    block_bytes = by_block[0].numel() * by_block.element_size() if by_block.shape[0] else 0
+    return max(1, min(chunk_bytes // max(1, block_bytes), by_block.shape[0]))
+
+
 class _Buffers:
     """One thread's reused buffers for the pools of one shape: ``host`` (step, L, 2, T, H, D) integers of the
     pool's width (pinned on CUDA), ``staging`` the same on the pool's device (``host`` itself off CUDA), ``ids``
@@ -67,8 +74,7 @@ class _Buffers:
 
     def __init__(self, by_block: torch.Tensor):
         shape, dtype, device = tuple(by_block.shape[1:]), by_block.dtype, by_block.device
-        block_bytes = max(1, by_block[0].numel() * by_block.element_size()) if by_block.shape[0] else 1
-        self.step = max(1, min(CHUNK_BYTES // block_bytes, by_block.shape[0]))
+        self.step = chunk_blocks(by_block, CHUNK_BYTES)
         count = max(1, by_block.shape[0])
         if device.type != "cuda":
             self.stream = None
