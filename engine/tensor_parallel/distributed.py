@@ -505,9 +505,9 @@ def _destroy_groups(runner=None, timeout_s: float = DESTROY_TIMEOUT_S) -> bool:
             runner.release_cuda_graphs()
         except Exception as err:  # a failed device: the teardown below may still succeed
             logger.warning("could not release the CUDA graphs before leaving the groups: %s", err)
-        if gc.get_freeze_count():  # (an engine process froze its load's objects: a graph inside a reference cycle
-            gc.unfreeze()  # would outlive the groups; engine/executor/gc_freeze.py)
-            gc.collect()
+    if gc.get_freeze_count():  # (a process that froze its load's objects, engine/executor/gc_freeze.py: a graph, and
+        gc.unfreeze()  # then a group (_join_group_threads), inside a reference cycle would outlive the groups)
+        gc.collect()
     if not dist.is_initialized():
         return True
     from engine.models.layers import disable_one_shot_all_reduce
@@ -558,8 +558,7 @@ def _join_group_threads(ctx: DistContext, channel, runner) -> None:
             if any(value is group for group in groups):
                 setattr(holder, name, None)
     del groups
-    gc.unfreeze()  # (an engine process froze its load's objects, groups and their cycles included: gc_freeze.py)
-    gc.collect()  # a group inside a reference cycle goes now too, not at finalization
+    gc.collect()  # a group inside a reference cycle goes now too, not at finalization (unfrozen: _destroy_groups)
 
 
 # ---- entry points --------------------------------------------------------------------------------

@@ -51,19 +51,22 @@ def test_gc_pauses_lists_each_collection_and_names_full_ones():
     assert all(c[2] == 2 or c[1] >= 5 for c in summary["longest"])  # the short young ones are only counted
 
 
-def test_leaving_the_process_groups_unfreezes_before_its_collection(monkeypatch):
-    """A TP / PP leader in an engine process (frozen after load) drops its groups and collects so that a group in
-    a reference cycle is destroyed now, not at finalization: that needs the frozen objects back first."""
+def test_leaving_the_process_groups_unfreezes_once_before_its_collections(monkeypatch):
+    """A TP / PP rank in a process frozen after load leaves its groups (_destroy_groups), then drops them and
+    collects (_join_group_threads) so that a group in a reference cycle is destroyed now, not at finalization:
+    that needs the frozen objects back first, once."""
     import types
 
     from engine.tensor_parallel import distributed
 
     calls = []
-    monkeypatch.setattr(distributed, "gc", types.SimpleNamespace(unfreeze=lambda: calls.append("unfreeze"),
-                                                                 collect=lambda: calls.append("collect")))
+    monkeypatch.setattr(distributed, "gc", types.SimpleNamespace(
+        get_freeze_count=lambda: 5 - 5 * calls.count("unfreeze"), unfreeze=lambda: calls.append("unfreeze"),
+        collect=lambda: calls.append("collect")))
     ctx = types.SimpleNamespace(tp_group=object(), control=None)
+    assert distributed._destroy_groups(None)  # (no process group in this process: nothing to leave)
     distributed._join_group_threads(ctx, None, None)
-    assert ctx.tp_group is None and calls == ["unfreeze", "collect"]
+    assert ctx.tp_group is None and calls == ["unfreeze", "collect", "collect"]
 
 
 @pytest.mark.parametrize("frozen", [0, 5])
