@@ -592,6 +592,7 @@ def make_runner(engine_dir: str, *, device: str | torch.device | None = None, ru
 def run_worker(engine_dir: str, *, device: str | torch.device | None = None, runner_class=None,
                environ: Mapping[str, str] = os.environ) -> None:
     """A non-leader rank: join, load this rank's shard, follow plans until SHUTDOWN."""
+    from engine.executor.gc_freeze import freeze_after_load
     from engine.executor.runner import ForwardBatch, ModelRunner
 
     runner_class = runner_class or ModelRunner
@@ -606,8 +607,12 @@ def run_worker(engine_dir: str, *, device: str | torch.device | None = None, run
         agree_on_engine(ctx, config)
         ctx.use_step_timeout()
         channel = StepChannel(ctx, batch_class=ForwardBatch)
-        logger.info("rank %d ready on %s (plans over %s)", info.rank, ctx.device,
-                    "shared memory" if channel.shm is not None else "gloo")
+        # As rank 0's engine process does: this rank's load lives as long as it, so no full collection while
+        # following plans scans it (engine/executor/gc_freeze.py; _destroy_groups gives it back at the end).
+        frozen = freeze_after_load(ctx.device)
+        logger.info("rank %d ready on %s (plans over %s; %s)", info.rank, ctx.device,
+                    "shared memory" if channel.shm is not None else "gloo",
+                    f"{frozen['frozen']} objects of the load frozen" if frozen else "the collector left as it was")
         run_worker_loop(runner, channel)
     finally:
         if channel is not None:

@@ -134,16 +134,18 @@ def test_killed_worker_fails_the_leader_within_seconds(engines, tmp_path, plans)
 
 
 def test_worker_exits_when_the_leader_dies(engines, tmp_path, plans):
+    """... also with its load frozen (engine/executor/gc_freeze.py, forced on the CPU), as rank 0's is."""
     cmd = [sys.executable, DRIVER, "--engine_dir", engines[2], "--prompts", json.dumps(PROMPTS),
            "--max_tokens", "2", "--out", str(tmp_path / "x.json"), "--then_wait_for_failure", "60"]
-    leader, (worker,) = start_ranks(cmd, engines[2], 2, TRITONLLM_DIST_HEARTBEAT_S="0.5")
+    leader, (worker,) = start_ranks(cmd, engines[2], 2, TRITONLLM_DIST_HEARTBEAT_S="0.5", TRITONLLM_GC_FREEZE="1")
     try:
         assert leader.stdout.readline().strip() == "IDLE"
         leader.send_signal(signal.SIGKILL)
-        worker.wait(timeout=15)  # a lost leader closes the sockets: the worker leaves, non-zero
+        worker_log, _ = worker.communicate(timeout=15)  # a lost leader closes the sockets: the worker leaves, non-zero
         assert worker.returncode == 1
     finally:
         stop([leader, worker])
+    assert "objects of the load frozen" in worker_log, worker_log
 
 
 def test_hung_worker_fails_the_leader_after_the_step_timeout(engines, tmp_path):
