@@ -89,7 +89,7 @@ class Qwen25VisionBlock(nn.Module):
         q, k = rotary(q, k)  # rotated in place on CUDA
         h, residual = self._norm(self.norm2, self.proj(segment_attention(q, k, v, runs).reshape(tokens, -1)), residual)
         gate_up = self.gate_up(h)
-        if self.fp8_inputs and self.silu:
+        if self.fp8_inputs and self.silu and gate_up.dtype != torch.float32:  # (its Triton kernel: 16-bit rows)
             return self.down_proj(silu_and_mul_quantized(gate_up)), residual
         if self.silu and use_triton(gate_up):  # the checkpoints' act: one Triton pass (kernels/activation.py)
             return self.down_proj(silu_and_mul(gate_up)), residual

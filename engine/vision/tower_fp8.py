@@ -98,6 +98,19 @@ def quantize_tower_linears(encoder: nn.Module) -> nn.Module:
     return encoder
 
 
+def quantize_loaded_tower(encoder: nn.Module, model_type: str, device, precision: str) -> nn.Module:
+    """What load_vision_encoder does under TRITONLLM_TOWER_FP8=1: ``quantize_tower_linears``, after refusing by
+    name a family whose forward does not take Fp8TowerLinear, or a CUDA tower that is not bfloat16 (the row-wise
+    product writes bf16 only; another dtype would run the reference, slower than the tower it replaces)."""
+    if model_type not in FP8_MODEL_TYPES:
+        raise ValueError(f"{TOWER_FP8_ENV}=1: FP8 tower weights exist for {', '.join(FP8_MODEL_TYPES)}, "
+                         f"not for this {model_type} encoder; unset it")
+    if torch.device(device).type == "cuda" and precision != "bfloat16":
+        raise ValueError(f"{TOWER_FP8_ENV}=1: FP8 tower products on CUDA need a bfloat16 encoder, this one is "
+                         f"{precision}; unset it or build with --dtype bfloat16")
+    return quantize_tower_linears(encoder)
+
+
 def embedding_cosines(reference: list[torch.Tensor], other: list[torch.Tensor]) -> list[float]:
     """Per image: the cosine similarity of its rows (flattened, float32) in ``other`` against ``reference``."""
     return [float(torch.nn.functional.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0))

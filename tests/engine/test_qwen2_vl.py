@@ -91,7 +91,7 @@ def test_fp8_tower_rows_stay_close_to_the_towers(built, monkeypatch):
     products in E4M3 (the patch embedding not), Qwen2.5-VL's norms and SiLU-and-product quantizing their
     outputs themselves; each image's rows keep a cosine >= 0.99 against the float32 tower's (random weights
     of scale 0.2: a bound, not a measurement; vlm_bench reports the 7B shape's)."""
-    from engine.vision.tower_fp8 import TOWER_FP8_ENV, Fp8TowerLinear, embedding_cosines
+    from engine.vision.tower_fp8 import TOWER_FP8_ENV, Fp8TowerLinear, embedding_cosines, quantize_loaded_tower
 
     engine, _ = built
     images = image_processor()([make_image(0, (52, 40)), make_image(1, (28, 56))], return_tensors="pt")
@@ -105,6 +105,9 @@ def test_fp8_tower_rows_stay_close_to_the_towers(built, monkeypatch):
     assert [g.shape for g in got] == [w.shape for w in want]
     assert min(embedding_cosines(want, got)) >= 0.99
     assert not any(torch.equal(g, w) for g, w in zip(got, want))  # (quantized indeed)
+    for model_type, device, precision in (("llava", "cpu", "float32"), ("qwen2_5_vl", "cuda", "float32")):
+        with pytest.raises(ValueError, match=TOWER_FP8_ENV):  # another family; a CUDA tower not in bf16
+            quantize_loaded_tower(encoder, model_type, device, precision)
 
 
 @pytest.mark.gpu
