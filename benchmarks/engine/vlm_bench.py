@@ -484,11 +484,11 @@ def bench_offline(args, ex, config, encode, encoder, encoder_config, grid, num_r
 
 
 def fp8_cosines(encoder, fp8_tower, grid: list[int], device: str, images: int = 8) -> dict:
-    """Per image, the cosine of the FP8 tower's rows against the bf16 tower's (random weights, random patches)."""
+    """Per image, the cosine of the FP8 tower's rows against the unquantized tower's (bf16 on a GPU; random weights and patches)."""
     patches = random_patches([grid] * images, device, seed=99)
     cosines = embedding_cosines(encoder.image_features(patches, [grid] * images),
                                 fp8_tower.image_features(patches, [grid] * images))
-    print(f"offline fp8 tower: cosines of {images} images' rows against the bf16 tower's {[round(c, 5) for c in cosines]}",
+    print(f"offline fp8 tower: cosines of {images} images' rows against the unquantized tower's {[round(c, 5) for c in cosines]}",
           file=sys.stderr, flush=True)
     return {"images": images, "min": min(cosines), "mean": statistics.mean(cosines)}
 
@@ -782,7 +782,7 @@ def markdown(results: dict) -> str:
 
 
 def offline_variant_label(variant: str, o: dict) -> str:
-    labels = {"fp8-tower": "the tower's linears in FP8 (engine/vision/tower_fp8.py; its rows' cosine to the bf16 "
+    labels = {"fp8-tower": "the tower's linears in FP8 (engine/vision/tower_fp8.py; its rows' cosine to the unquantized "
                            "tower's: min {min:.4f}, mean {mean:.4f} over {images} images)",
               "first-full": f"the queue's first forward {o['encode_batch']} images, not 8"}
     cosines = o.get("fp8_tower_cosines") or {"min": float("nan"), "mean": float("nan"), "images": 0}
