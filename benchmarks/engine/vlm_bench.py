@@ -24,8 +24,10 @@ Sections (``--sections``, all by default):
    output tokens/s until the last finishes, encoding included. Beside it the same through a queue
    whose stream has the executor's priority (CUDA; the A/B of engine/executor/device_stream.py), the
    first run's way (batches encoded by the bench's thread on the executor's stream) and the requests
-   with their tables made beforehand (the executor's share). Every run has images of its own (the prefix cache
-   would otherwise skip a re-sent image's prefill; each run reports the blocks it reused). Against (a)
+   with their tables made beforehand (the executor's share); ``--offline-variants`` adds the queue run
+   changed in one way each (OFFLINE_VARIANTS: the tower's linears in FP8, a full first forward). Every
+   run has images of its own (the prefix cache would otherwise skip a re-sent image's prefill; each run
+   reports the blocks it reused). Against (a)
    text-only requests of the same prompt length (386 tokens) through the same executor (goal >=
    0.85x), (b) transformers' Qwen2_5_VLForConditionalGeneration.generate (bf16, sdpa) on the same
    patches and prompts at each of ``--hf-batches`` (goal >= 5x the best batch; ``--hf-batches=``: none).
