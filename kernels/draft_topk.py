@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import jit, tl, triton, use_triton
+from kernels._triton import dense_rows, jit, require_dense, tl, triton, use_triton
 
 MAX_VOCAB = 32768  # a row in registers: 32 fp32 values a thread at 32 warps (an SM's 64k registers, no spills)
 MAX_K = 32  # k arg-maxes in sequence: beyond this a sort is the better algorithm
@@ -54,12 +54,11 @@ def draft_top_ids_triton(logits: torch.Tensor, d2t: torch.Tensor | None, k: int,
     """The kernel on ``logits``' device (CUDA, or the CPU under TRITON_INTERPRET=1); ``out``: a
     contiguous (..., k) int64 tensor it writes (a CUDA graph's static buffer), else a new one."""
     V = logits.shape[-1]
-    rows = logits.reshape(-1, V)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    rows, = dense_rows(logits.reshape(-1, V))  # (the kernel takes the row stride)
     if out is None:
         out = torch.empty(rows.shape[0], k, dtype=torch.int64, device=logits.device)
-    assert out.is_contiguous() and out.numel() == rows.shape[0] * k and out.dtype == torch.int64
+    require_dense(out=out)
+    assert out.numel() == rows.shape[0] * k and out.dtype == torch.int64
     if rows.shape[0]:
         block = triton.next_power_of_2(V)
         mapped = d2t is not None
