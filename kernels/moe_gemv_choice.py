@@ -47,12 +47,12 @@ def choose_gemv(experts: GemvExperts) -> dict | None:
     """Times (or reads from the cache) and marks ``experts.gate_up``; returns the report, or None where the path
     does not apply (off CUDA, the interpreter, unsupported experts, or $TRITONLLM_MOE_GEMV=0)."""
     gate_up, dtype = experts.gate_up, experts.dtype
-    hidden = experts.down.shape[1]
-    probe = torch.empty(1, hidden, dtype=dtype, device=gate_up.device)
     if (os.environ.get(GEMV_ENV, "1").strip() == "0" or gate_up.device.type != "cuda" or not use_triton(gate_up)
             or dtype not in (torch.float16, torch.bfloat16)
-            or not gemv_supported(probe, gate_up, experts.gate_up_scale, experts.down_scale, tiles=GEMV_TILES)
             or (gate_up.dtype == torch.uint8 and experts.wna16 is None)):
+        return None
+    probe = torch.empty(1, experts.down.shape[1], dtype=dtype, device=gate_up.device)  # (one token's activations)
+    if not gemv_supported(probe, gate_up, experts.gate_up_scale, experts.down_scale, tiles=GEMV_TILES):
         return None
     if hasattr(gate_up, GEMV_ATTR):
         delattr(gate_up, GEMV_ATTR)  # (the grouped path is timed as itself)
