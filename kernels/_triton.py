@@ -142,6 +142,12 @@ def resident_programs(compiled, device) -> int | None:
     return max(1, min(by_registers, by_shared, by_threads, 32))
 
 
+def power_of_2_floor(n: int) -> int:
+    """The largest power of two <= ``n`` (1 for n < 2): a tile, split or head count rounded down where
+    ``triton.next_power_of_2`` would round up."""
+    return 1 << max(0, n.bit_length() - 1)
+
+
 def use_triton(t) -> bool:
     """The dispatch rule every public kernel entry follows: Triton on CUDA tensors, else the reference."""
     return HAVE_TRITON and t.is_cuda

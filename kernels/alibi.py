@@ -18,6 +18,8 @@ import math
 
 import torch
 
+from kernels._triton import power_of_2_floor
+
 
 def _power_of_two_slopes(n: int, bias_max: float) -> torch.Tensor:
     exponents = torch.arange(1, n + 1, dtype=torch.float64) * (bias_max / n)
@@ -25,7 +27,7 @@ def _power_of_two_slopes(n: int, bias_max: float) -> torch.Tensor:
 
 
 def bloom_alibi_slopes(num_heads: int) -> torch.Tensor:
-    closest = 2 ** math.floor(math.log2(num_heads))
+    closest = power_of_2_floor(num_heads)
     slopes = _power_of_two_slopes(closest, 8.0)
     if closest < num_heads:
         extra = _power_of_two_slopes(2 * closest, 8.0)[0::2][:num_heads - closest]

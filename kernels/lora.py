@@ -53,7 +53,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels._triton import jit, num_sms, pdl_options, pdl_prologue, require_dense, tl, triton, use_triton
+from kernels._triton import (jit, num_sms, pdl_options, pdl_prologue, power_of_2_floor, require_dense, tl, triton,
+                             use_triton)
 
 MAX_SLICES = 4  # the expand kernel takes the slice boundaries as scalars (S1..S3)
 DECODE_MAX_TOKENS = 64  # a batch whose segments all hold at most this many tokens splits the shrink's K
@@ -384,7 +385,7 @@ def choose_launch(max_segment_tokens: int, num_segments: int, in_features: int, 
     row_blocks = num_segments * triton.cdiv(max_segment_tokens, block_m) if num_tiles is None else num_tiles
     tiles = row_blocks * (slice_starts[-1] // block_n)
     tiles_per_program = min(max_tiles_per_program, pow2_gcd // block_n, max(1, tiles // (4 * sms)))
-    chunk_n = block_n * (1 << (tiles_per_program.bit_length() - 1))  # a power of 2 times block_n
+    chunk_n = block_n * power_of_2_floor(tiles_per_program)  # a power of 2 times block_n
     return LoraLaunch(block_m, block_r, block_k, split_k, k_per_split, block_n, chunk_n, num_warps,
                       pdl=row_blocks <= PDL_MAX_ROW_BLOCKS)
 
