@@ -41,6 +41,12 @@ def kernel_lines(kernels: dict, top: int, indent: str = "      ") -> list[str]:
     return [f"{indent}{us:8.1f} us  x{n:<5.1f} {name[:110]}" for name, (us, n) in ranked[:top]]
 
 
+def kernel_rows(kernels: dict, top: int, per: str = "per_step") -> list[dict]:
+    """The ``top`` costliest of ``kernels`` ({name: (us, launches)}) for the JSON: [{"kernel", "us", ``per``}]."""
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])
+    return [{"kernel": k, "us": us, per: n} for k, (us, n) in ranked[:top]]
+
+
 def verify_kernels(runner, plain, tree, top: int, label: str) -> dict:
     """A tree verify step's kernels against a plain decode step's (5 steps each, as time_step runs
     them: forward + the argmax read back): GPU us and launches a step, the ``top`` costliest of each
@@ -64,10 +70,8 @@ def verify_kernels(runner, plain, tree, top: int, label: str) -> dict:
           f"{found['tree']['launches'] - found['decode']['launches']:+.0f} launches; most extra time:", flush=True)
     print("\n".join(kernel_lines(extra, top)), flush=True)
     for entry in found.values():  # (the JSON keeps the top ones)
-        entry["kernels"] = [{"kernel": k, "us": us, "per_step": n}
-                            for k, (us, n) in sorted(entry["kernels"].items(), key=lambda kv: -kv[1][0])[:top]]
-    found["extra"] = [{"kernel": k, "us": us, "per_step": n} for k, (us, n) in
-                      sorted(extra.items(), key=lambda kv: -kv[1][0])[:top]]
+        entry["kernels"] = kernel_rows(entry["kernels"], top)
+    found["extra"] = kernel_rows(extra, top)
     return found
 
 
@@ -98,8 +102,7 @@ def loop_kernels(executor, args, prompt: list[int], truth: list[int], state: dic
     print("\n".join(kernel_lines(per_step, args.step_kernels, "      ")), flush=True)
     return {"drafter": drafter, "forced_length": length, "steps": len(latencies), "step_ms": step_ms,
             "gpu_us": total, "launches": launches, "phases_ms": phases,
-            "kernels": [{"kernel": k, "us": us, "per_step": n} for k, (us, n) in
-                        sorted(per_step.items(), key=lambda kv: -kv[1][0])[:args.step_kernels]]}
+            "kernels": kernel_rows(per_step, args.step_kernels)}
 
 
 # The executor's phases of a step, in the order a speculative step runs them (Executor._step):
@@ -179,20 +182,9 @@ def draft_replays(eagle, kernels: int, drafter: str = "EAGLE-3") -> list[dict]:
 
 
 def replay_kernels(graph, top: int) -> list[dict]:
-    """The kernels of a recorded graph's replay by GPU time (torch.profiler over 5 replays)."""
-    import torch
-
-    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as prof:
-        for _ in range(5):
-            graph.replay()
-        torch.cuda.synchronize()
-    found = [{"kernel": e.key, "per_replay": e.count / 5, "us": e.self_device_time_total / 5}
-             for e in prof.key_averages() if e.self_device_time_total > 0]
-    found.sort(key=lambda k: -k["us"])
-    total = sum(k["us"] for k in found)
-    print(f"      kernels of one replay: {total:.1f} us in all ({sum(k['per_replay'] for k in found):.0f} launches)",
-          flush=True)
-    for k in found[:top]:
-        print(f"      {k['us']:8.1f} us  x{k['per_replay']:<4.0f} {k['kernel'][:110]}", flush=True)
-    return found[:top]
+    """The kernels of a recorded graph's replay by GPU time (profile_kernels over 5 replays)."""
+    kernels, _ = profile_kernels(graph.replay, 5, True)
+    total, launches = sum(us for us, _ in kernels.values()), sum(n for _, n in kernels.values())
+    print(f"      kernels of one replay: {total:.1f} us in all ({launches:.0f} launches)", flush=True)
+    print("\n".join(kernel_lines(kernels, top)), flush=True)
+    return kernel_rows(kernels, top, "per_replay")
