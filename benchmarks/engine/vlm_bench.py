@@ -387,20 +387,19 @@ def bench_offline(args, ex, config, encode, encoder, encoder_config, grid, num_r
         stream of its own in a vision-language engine, engine/executor/device_stream.py, which this uses)."""
         since, reused, allocations = time.time_ns(), reused_blocks(ex), allocator_counts(args.device)
         started = time.perf_counter()
-        pauses = GcPauses(started).__enter__()
         encoder_seconds = 0.0
         stream = getattr(ex, "device_stream", None)  # (the executor's loop runs on it: engine/executor/device_stream.py)
-        for first in range(0, args.requests, args.encode_batch):
-            count = min(args.encode_batch, args.requests - first)
-            t0 = time.perf_counter()
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                tables = encode(patches[first * per_image:(first + count) * per_image], count)
-            encoder_seconds += time.perf_counter() - t0
-            ex.enqueue_requests(image_requests(config, encoder_config, tables, grid, prompts[first:first + count],
-                                               vocab, args.output_len))
-        tokens = drain_offline(ex, args.requests)
-        seconds = time.perf_counter() - started
-        pauses.__exit__()
+        with GcPauses(started) as pauses:
+            for first in range(0, args.requests, args.encode_batch):
+                count = min(args.encode_batch, args.requests - first)
+                t0 = time.perf_counter()
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    tables = encode(patches[first * per_image:(first + count) * per_image], count)
+                encoder_seconds += time.perf_counter() - t0
+                ex.enqueue_requests(image_requests(config, encoder_config, tables, grid, prompts[first:first + count],
+                                                   vocab, args.output_len))
+            tokens = drain_offline(ex, args.requests)
+            seconds = time.perf_counter() - started
         return {"seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds, "gc": pauses.summary(),
                 "encode_and_enqueue_seconds": encoder_seconds, "reused_blocks": reused_blocks(ex) - reused,
                 "allocations": allocator_counts(args.device, allocations, stream_names(ex)),
@@ -505,35 +504,33 @@ def through_queue(args, ex, queue: ImageEncodeQueue, config, encoder_config, gri
     since, reused, allocations = time.time_ns(), reused_blocks(ex), allocator_counts(args.device)
     per_image = grid[0] * grid[1] * grid[2]
     started = time.perf_counter()
-    pauses, timeline = GcPauses(started).__enter__(), LoopTimeline(ex, queue, started).__enter__()
-    futures = [queue.submit(patches[i * per_image:(i + 1) * per_image], [grid]) for i in range(args.requests)]
-    failed, ready_at, enqueue_s = [], [], []
+    with GcPauses(started) as pauses, LoopTimeline(ex, queue, started) as timeline:
+        futures = [queue.submit(patches[i * per_image:(i + 1) * per_image], [grid]) for i in range(args.requests)]
+        failed, ready_at, enqueue_s = [], [], []
 
-    def enqueue() -> None:
-        index = 0
-        try:
-            while index < len(futures):
-                futures[index].result()
-                ready = [index]
-                while ready[-1] + 1 < len(futures) and futures[ready[-1] + 1].done():
-                    ready.append(ready[-1] + 1)
-                ready_at.append(time.perf_counter() - started)
-                requests = image_requests(config, encoder_config, [futures[i].result() for i in ready], grid,
-                                          [prompts[i] for i in ready], vocab, output_len)
-                t0 = time.perf_counter()
-                ex.enqueue_requests(requests)
-                enqueue_s.append(time.perf_counter() - t0)
-                index = ready[-1] + 1
-        except BaseException as error:  # the drain below raises it
-            failed.append(error)
+        def enqueue() -> None:
+            index = 0
+            try:
+                while index < len(futures):
+                    futures[index].result()
+                    ready = [index]
+                    while ready[-1] + 1 < len(futures) and futures[ready[-1] + 1].done():
+                        ready.append(ready[-1] + 1)
+                    ready_at.append(time.perf_counter() - started)
+                    requests = image_requests(config, encoder_config, [futures[i].result() for i in ready], grid,
+                                              [prompts[i] for i in ready], vocab, output_len)
+                    t0 = time.perf_counter()
+                    ex.enqueue_requests(requests)
+                    enqueue_s.append(time.perf_counter() - t0)
+                    index = ready[-1] + 1
+            except BaseException as error:  # the drain below raises it
+                failed.append(error)
 
-    thread = threading.Thread(target=enqueue, name="vlm_bench_enqueue", daemon=True)
-    thread.start()
-    tokens = drain_offline(_Watched(ex, failed), args.requests)
-    seconds = time.perf_counter() - started
-    thread.join()
-    pauses.__exit__()
-    timeline.__exit__()
+        thread = threading.Thread(target=enqueue, name="vlm_bench_enqueue", daemon=True)
+        thread.start()
+        tokens = drain_offline(_Watched(ex, failed), args.requests)
+        seconds = time.perf_counter() - started
+        thread.join()
     return {"seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds, "gc": pauses.summary(),
             "timeline": timeline.summary(), "enqueued_at_ms": [round(t * 1e3, 1) for t in ready_at[:MAX_ENQUEUES_SHOWN]],
             "tables_ready_s": ready_at[-1], "first_table_s": ready_at[0], "enqueue_calls": len(ready_at),
