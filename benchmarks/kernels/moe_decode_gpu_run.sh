@@ -6,29 +6,18 @@
 # Logs under $1.
 #   bash benchmarks/kernels/moe_decode_gpu_run.sh OUT_DIR
 set -u
-out=${1:-/tmp/moe_decode_gpu_run}
-mkdir -p "$out"
-out=$(cd "$out" && pwd)
-cd "$(dirname "$0")/../.."
-t0=$(date +%s)
-budget=${BUDGET_S:-260}
-left() { echo $(( budget - ($(date +%s) - t0) )); }
-PY=${PYTHON:-/opt/torch/.venv/bin/python3}
-[ -x "$PY" ] || PY=python3
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
-timeout 70 $PY -m pytest -q tests/kernels/test_moe_decode.py \
+# shellcheck source=benchmarks/gpu_run_common.sh
+. "$(dirname "$0")/../gpu_run_common.sh"
+budget_start "${1:-/tmp/moe_decode_gpu_run}" "${BUDGET_S:-260}"
+timeout 70 "$PYTHON" -m pytest -q tests/kernels/test_moe_decode.py \
   tests/engine/test_moe.py::test_engine_with_one_launch_decode_experts_equals_transformers -p no:cacheprovider \
   > "$out/tests.log" 2>&1
 echo "tests (rc $?):"; grep -E "passed|failed|^FAILED|^ERROR" "$out/tests.log" | tail -12
 engine() {  # $1: none | fp8_block; $2: seconds at most
-  flag=$([ "$1" = none ] || echo "--quantization $1")
-  TRITONLLM_MOE_DECODE=fused timeout "$2" $PY benchmarks/engine/engine_bench.py --model qwen3_30b_a3b $flag \
-    --max-batch-size 16 --sections bandwidth,decode --out "$out/engine_fused_$1.json" > "$out/engine_fused_$1.log" 2>&1
-  echo "engine_bench qwen3_30b_a3b $1, TRITONLLM_MOE_DECODE=fused (rc $?, $(( $(date +%s) - t0 )) s in):"
-  grep -E "^\| (batch-1|decode roofline)" "$out/engine_fused_$1.log" || tail -5 "$out/engine_fused_$1.log"
+  qwen3_moe_decode "fused_$1" "$1" "$2" TRITONLLM_MOE_DECODE=fused
 }
 engine none 110  # a cold Triton cache compiles the engine's kernels first
-timeout $(( $(left) > 110 ? 110 : $(left) )) $PY benchmarks/kernels/moe_decode_bench.py --sweep > "$out/kernel_bench.log" 2>&1
+timeout $(( $(left) > 110 ? 110 : $(left) )) "$PYTHON" benchmarks/kernels/moe_decode_bench.py --sweep > "$out/kernel_bench.log" 2>&1
 echo "kernel bench (rc $?):"; cat "$out/kernel_bench.log"
 [ "$(left)" -gt 40 ] && engine fp8_block "$(left)" || echo "engine_bench fp8_block skipped: $(left) s left"
 echo "total $(( $(date +%s) - t0 )) s"

@@ -6,29 +6,18 @@
 # only if 100 s are left (load, the choices at load, graphs: ~110 s with a cold Triton cache). Logs under $1.
 #   bash benchmarks/kernels/moe_gemv_gpu_run.sh OUT_DIR
 set -u
-out=${1:-/tmp/moe_gemv_gpu_run}
-mkdir -p "$out"
-out=$(cd "$out" && pwd)
-cd "$(dirname "$0")/../.."
-t0=$(date +%s)
-budget=${BUDGET_S:-120}
-left() { echo $(( budget - ($(date +%s) - t0) )); }
-PY=${PYTHON:-/opt/torch/.venv/bin/python3}
-[ -x "$PY" ] || PY=python3
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
-timeout $(( $(left) - 40 )) $PY -u benchmarks/kernels/moe_gemv_bench.py --kinds ${KINDS:-fp8_block bf16} \
+# shellcheck source=benchmarks/gpu_run_common.sh
+. "$(dirname "$0")/../gpu_run_common.sh"
+budget_start "${1:-/tmp/moe_gemv_gpu_run}" "${BUDGET_S:-120}"
+timeout $(( $(left) - 40 )) "$PYTHON" -u benchmarks/kernels/moe_gemv_bench.py --kinds ${KINDS:-fp8_block bf16} \
   --out "$out/moe_gemv.json" > "$out/kernel_bench.log" 2>&1
 echo "kernel bench (rc $?, $(( $(date +%s) - t0 )) s in):"; grep -v Warning "$out/kernel_bench.log"
-timeout $(( $(left) > 45 ? 45 : $(left) )) $PY -m pytest -q tests/kernels/test_moe_gemv.py -p no:cacheprovider \
+timeout $(( $(left) > 45 ? 45 : $(left) )) "$PYTHON" -m pytest -q tests/kernels/test_moe_gemv.py -p no:cacheprovider \
   > "$out/tests.log" 2>&1
 echo "tests (rc $?, $(( $(date +%s) - t0 )) s in):"; grep -E "passed|failed|^FAILED|^ERROR" "$out/tests.log" | tail -8
 engine() {  # $1: none | fp8_block; $2: seconds at most
-  flag=$([ "$1" = none ] || echo "--quantization $1")
-  timeout "$2" $PY benchmarks/engine/engine_bench.py --model qwen3_30b_a3b $flag --max-batch-size 16 \
-    --sections bandwidth,decode --out "$out/engine_$1.json" > "$out/engine_$1.log" 2>&1
-  echo "engine_bench qwen3_30b_a3b $1 (rc $?, $(( $(date +%s) - t0 )) s in):"
-  grep -E "^\| (batch-1|decode roofline)" "$out/engine_$1.log" || tail -5 "$out/engine_$1.log"
-  $PY -c "import json, sys; d = json.load(open(sys.argv[1])).get('decode', {}).get('gemm_choices', {})
+  qwen3_moe_decode "$1" "$1" "$2"
+  "$PYTHON" -c "import json, sys; d = json.load(open(sys.argv[1])).get('decode', {}).get('gemm_choices', {})
 for k, v in d.items():
     print(' ', k, v) if k.startswith('moe_decode') else None" "$out/engine_$1.json" 2>/dev/null | cut -c1-400
 }
