@@ -37,6 +37,8 @@ this off), and ``wna16_linear`` runs:
   kernels/wna16_mma_rows.py's MMA kernel on the same words instead, where the load-time timing
   picks it over dequantize + cuBLAS (ROWS_VARIANTS beside DENSE at MID_ROWS; untimed: ROWS_DEFAULT);
   $TRITONLLM_WNA16_MMA_ROWS overrides: "0" never (DENSE past 16 rows), "1" always (DENSE not timed).
+  kernels/wna16_mma_gemm.py's fused GEMM (tensor-core dots over up to 256 x 256 tiles of out, the weight
+  dequantized once per tile) is timed there too (MMA_GEMM_VARIANTS; $TRITONLLM_WNA16_MMA_GEMM=0: not).
 
 Otherwise (8 bits, other groupings, the operand order turned off) the weight stays packed in
 kernels/wna16_layout.py's layout (no dequantized copy: the point is memory and bandwidth), and
@@ -64,7 +66,7 @@ import torch.nn.functional as F
 import os
 
 from kernels import (_triton, choice_cache, wna16_decode, wna16_gemm, wna16_layout, wna16_mma, wna16_mma_dense,
-                     wna16_mma_rows)
+                     wna16_mma_gemm, wna16_mma_rows)
 from kernels._triton import use_triton
 
 SUPPORTED_BITS = (4, 8)
@@ -242,6 +244,30 @@ ROWS_VARIANTS = tuple((block_n, 32, warps, 2, split, MMA_ROWS_KIND)
                       for split in splits) + ((128, 32, 4, 1, 1, MMA_ROWS_KIND),)
 ROWS_DEFAULT = (128, 32, 4, 2, 1, MMA_ROWS_KIND)
 
+# Kind 8: kernels/wna16_mma_gemm.py, the same operand-order words for 17+ rows with Triton's tensor-core dots
+# (wgmma on Hopper) over (block_m, block_n) tiles of out up to 256 rows, dequantizing each weight tile once
+# per block_m rows. Its tilings are 9-tuples: (block_n, block_m, num_warps, num_stages, split_k, kind,
+# block_k, weight first (the weight the dot's A operand, in registers), joined (nibbles made by tl.join)).
+# Timed at load beside ROWS_VARIANTS and DENSE for MID_ROWS (not measured on a GPU yet: the timing decides;
+# benchmarks/quantization/wna16_gemm_sweep.py sweeps more tilings). $TRITONLLM_WNA16_MMA_GEMM=0: not timed
+# (the choice before it, for comparisons).
+MMA_GEMM_KIND = 8
+MMA_GEMM_ENV = "TRITONLLM_WNA16_MMA_GEMM"
+# Split-K 2-4 for the narrow layers (N = 4096-6144 gives 32-48 programs of 128 rows on 132 SMs).
+MMA_GEMM_VARIANTS = tuple((block_n, block_m, warps, 3, split, MMA_GEMM_KIND, block_k, 1, 1)
+                          for block_n, block_m, warps, block_k, splits in ((128, 64, 4, 128, (1, 4)),
+                                                                           (128, 128, 8, 128, (1, 2)),
+                                                                           (128, 256, 8, 64, (1,)))
+                          for split in splits)
+
+
+def gemm_variants_for(in_features: int) -> tuple:
+    """The MMA_GEMM_VARIANTS that fit a layer of ``in_features`` (whole K steps); none if
+    $TRITONLLM_WNA16_MMA_GEMM=0."""
+    if os.environ.get(MMA_GEMM_ENV, "") == "0":
+        return ()
+    return tuple(v for v in MMA_GEMM_VARIANTS if wna16_mma_gemm.takes(in_features, v[0], v[6]))
+
 
 def mma_rows_enabled() -> bool:
     """Operand-order layers may run the rows kernel past 16 rows (default; $TRITONLLM_WNA16_MMA_ROWS=0: never)."""
@@ -324,12 +350,13 @@ def _product(rows: torch.Tensor, weight: WNA16Weight, layout: dict[str, torch.Te
     """rows (M, K) @ the weight held in ``layout`` (``weight.kernel`` or a copy of it) by ``tiling``:
     a kernel tiling, or DENSE (dequantized into a temporary, or for operand-order weights into
     their scratch, then cuBLAS)."""
-    if "words" not in layout:  # operand order only: the decode kernel, the rows kernel, or the scratch weight + cuBLAS
-        rows_kernel = isinstance(tiling, tuple) and tiling[5:] == (MMA_ROWS_KIND,) and use_triton(rows)
+    if "words" not in layout:  # operand order only: the decode, rows or GEMM kernel, or the scratch weight + cuBLAS
+        kind = tiling[5] if isinstance(tiling, tuple) and len(tiling) > 5 else None
+        rows_kernel = kind in (MMA_ROWS_KIND, MMA_GEMM_KIND) and use_triton(rows)
         if tiling == DENSE or (rows.shape[0] > MAX_SKINNY_ROWS and not rows_kernel):
             return wna16_mma_dense.mma_dense_linear(rows, _mma_layout(layout), weight.out_features,
                                                     weight.group_size, weight.scratch, bias)
-        if not (isinstance(tiling, tuple) and tiling[5:] in ((MMA_KIND,), (MMA_ROWS_KIND,))):
+        if kind not in (MMA_KIND, MMA_ROWS_KIND, MMA_GEMM_KIND):
             tiling = MMA_DEFAULT
     if tiling == DENSE:
         dense = wna16_gemm.dequantize_layout(layout, weight.out_features, weight.in_features, weight.bits,
@@ -340,15 +367,22 @@ def _product(rows: torch.Tensor, weight: WNA16Weight, layout: dict[str, torch.Te
 
 def wna16_matmul(x: torch.Tensor, layout: dict[str, torch.Tensor], n: int, bits: int, group_size: int,
                  bias: torch.Tensor | None = None, *, block_n: int = 64, block_m: int = 16, num_warps: int = 4,
-                 num_stages: int = 4, split_k: int = 1, kind: int = 0) -> torch.Tensor:
+                 num_stages: int = 4, split_k: int = 1, kind: int = 0, block_k: int = 128, w_first: int = 1,
+                 joined: int = 1) -> torch.Tensor:
     """x (M, K) with unit column stride @ the weight (N, K) in ``layout``.T (+ bias) -> (M, N) in x's dtype,
     by the kernel of ``kind``: 0 the tensor-core kernel, 1 the FMA kernel (a few rows), both of
     kernels/wna16_gemm.py; 2 / 3 the factored FMA / tensor-core kernels of kernels/wna16_decode.py
     where the grouping allows (else 1 / 0), 4 / 5 the same with the next unit's words loaded before
     this one is multiplied (``prefetch``); 6 kernels/wna16_mma.py's operand-order kernel where the layout
     holds its words and M <= 16 (else SKINNY_DEFAULT); 7 kernels/wna16_mma_rows.py's (any M, meant for 17-256)
-    on the same words."""
+    on the same words; 8 kernels/wna16_mma_gemm.py's (any M, ``block_k``, ``w_first``, ``joined``) on them (7 and 8
+    take SKINNY_DEFAULT on other layouts)."""
     tiling = dict(block_n=block_n, block_m=block_m, num_warps=num_warps, num_stages=num_stages, split_k=split_k)
+    if kind == MMA_GEMM_KIND:
+        if "mma_words" in layout:
+            return wna16_mma_gemm.mma_gemm_matmul(x, _mma_layout(layout), n, group_size, bias, block_k=block_k,
+                                                  w_first=bool(w_first), joined=bool(joined), **tiling)
+        kind = MMA_KIND
     if kind == MMA_ROWS_KIND:
         if "mma_words" in layout:
             return wna16_mma_rows.mma_rows_matmul(x, _mma_layout(layout), n, group_size, bias,
@@ -416,8 +450,10 @@ def tiling_for(weight: WNA16Weight, rows: int) -> tuple | str:
 
 
 def tile_options(tiling: tuple) -> dict:
-    """wna16_matmul's keyword arguments for a (block_n, block_m, num_warps, num_stages, split_k, kind) tiling."""
+    """wna16_matmul's keyword arguments for a (block_n, block_m, num_warps, num_stages, split_k, kind) tiling,
+    or a kind-8 9-tuple (then block_k, w_first, joined)."""
     options = dict(zip(("block_n", "block_m", "num_warps", "num_stages", "split_k"), tiling))
+    options.update(zip(("block_k", "w_first", "joined"), tiling[6:]))
     return {**options, "kind": tiling[5] if len(tiling) > 5 else 0}
 
 
@@ -443,14 +479,17 @@ def choose_wna16_variants(weights: list[WNA16Weight], rows: tuple[int, ...] = (1
 
 def _cached_time_variants(weight: WNA16Weight, key: tuple, rows: tuple[int, ...]) -> dict:
     """_time_skinny_variants through the persistent choice cache (kernels/choice_cache.py); a hit says
-    "cached": True. The layout's tensors and $TRITONLLM_WNA16_MMA_ROWS are in the key (they pick the candidates)."""
+    "cached": True. The layout's tensors, $TRITONLLM_WNA16_MMA_ROWS and $TRITONLLM_WNA16_MMA_GEMM are in the key
+    (they pick the candidates)."""
     from kernels import fp8, linear
 
-    candidates = SKINNY_VARIANTS + MID_VARIANTS + MMA_VARIANTS + ROWS_VARIANTS
-    modules = (wna16_decode, wna16_gemm, wna16_layout, wna16_mma, wna16_mma_dense, wna16_mma_rows, _triton, fp8, linear)
+    candidates = SKINNY_VARIANTS + MID_VARIANTS + MMA_VARIANTS + ROWS_VARIANTS + MMA_GEMM_VARIANTS
+    modules = (wna16_decode, wna16_gemm, wna16_layout, wna16_mma, wna16_mma_dense, wna16_mma_gemm, wna16_mma_rows,
+               _triton, fp8, linear)
     return choice_cache.timed_report(
         "wna16", (key, str(weight.dtype), weight.mma_only, tuple(sorted(weight.kernel)), rows,
-                  os.environ.get(MMA_ROWS_ENV, ""), wna16_mma_rows.MAX_ROWS), next(iter(weight.kernel.values())).device,
+                  os.environ.get(MMA_ROWS_ENV, ""), os.environ.get(MMA_GEMM_ENV, "") == "0", wna16_mma_rows.MAX_ROWS),
+        next(iter(weight.kernel.values())).device,
         lambda: _time_skinny_variants(weight, rows), sources=(__file__,) + tuple(m.__file__ for m in modules),
         candidates=candidates, valid=lambda r: all(v in candidates for v in r["variant"].values()))
 
@@ -471,7 +510,7 @@ def _time_skinny_variants(weight: WNA16Weight, rows: tuple[int, ...]) -> dict:
         candidates = SKINNY_VARIANTS if m <= MAX_SKINNY_ROWS else MID_VARIANTS
         if weight.mma_only:
             candidates = MMA_VARIANTS if m <= MAX_SKINNY_ROWS else \
-                ROWS_VARIANTS + (() if mma_rows_forced() else (DENSE,))
+                ROWS_VARIANTS + (() if mma_rows_forced() else (DENSE,) + gemm_variants_for(weight.in_features))
         times[m] = {variant: 1e3 * graph_time_ms(lambda: _product(x, weight, layouts[next(turn) % len(layouts)],
                                                                   variant))
                     for variant in candidates if not (is_fma_tiling(variant) and variant[1] < m)}

@@ -76,43 +76,68 @@ def dequantize_mma_ref(layout: dict[str, torch.Tensor], n: int, k: int, group_si
 
 
 @jit
-def _dequantize_mma_kernel(w_ptr, meta_ptr, out_ptr, N, K, N_PAD, GROUP, BLOCKS,
-                           TT: tl.constexpr, KB: tl.constexpr, ROUND_BY_HAND: tl.constexpr, PDL: tl.constexpr):
-    """Program (i, j): out rows [16 TT i, +16 TT) x columns [64 KB j, +64 KB), i.e. TT row tiles x KB k
-    blocks of wna16_mma's layout, whose words are contiguous: 128 a (tile, block), read as
-    (TT, KB, 128) int32, 16 bytes a thread (the words' order: lane 4g + c, slice j -> g, c, j). Each
-    word's 8 nibbles h + 2f + 4e are codes of rows 16t + g + 8h, columns 64b + 16j + 8f + 2c + e, so
-    the codes are computed in the words' order (t, b, g, c, j, e, f, h) and permuted to the weight's
-    (t, h, g, b, j, f, c, e) = (row, column) order for the store (Triton moves them between threads
-    through shared memory once; the stores are then contiguous along K). Per code: a LOP3 (q in the
-    float32 mantissa of 2^23: exact), a FADD ((2^23 + q) - (2^23 + z) = q - z exactly), a FMUL by the
-    float16 scale (exact in float32), one rounding to the output dtype."""
-    t = tl.program_id(0) * TT + tl.arange(0, TT)  # row tiles (all < N_PAD / 16: the words are padded)
-    b = tl.program_id(1) * KB + tl.arange(0, KB)  # k blocks (K is whole blocks)
+def _magic_nibble(words, p: tl.constexpr):
+    """Nibble p of each uint32 word as float32 2^23 + q (q in the mantissa: exact; one shift + one LOP3)."""
+    return (((words >> (4 * p)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+
+
+@jit
+def mma_weight_tile(w_ptr, meta_ptr, t, b, N_PAD, GROUP, BLOCKS, TT: tl.constexpr, KB: tl.constexpr,
+                    DTYPE: tl.constexpr, ROUND_BY_HAND: tl.constexpr, JOINED: tl.constexpr = False):
+    """Row tiles ``t`` (TT,) x k blocks ``b`` (KB,) of wna16_mma's layout (all inside the padded words)
+    -> their dequantized weight (TT * 16, KB * 64) in ``DTYPE``, rows 16 t.. and columns 64 b.. in order.
+    A (tile, block)'s 128 words are contiguous, read as (TT, KB, 128) int32, 16 bytes a thread (the
+    words' order: lane 4g + c, slice j -> g, c, j). Each word's 8 nibbles h + 2f + 4e are codes of rows
+    16t + g + 8h, columns 64b + 16j + 8f + 2c + e, so the codes are computed in the words' order (t, b,
+    g, c, j, e, f, h) and permuted to the weight's (t, h, g, b, j, f, c, e) = (row, column) order (Triton
+    moves them between threads through shared memory once). Per code: a LOP3 (q in the float32 mantissa
+    of 2^23: exact), a FADD ((2^23 + q) - (2^23 + z) = q - z exactly), a FMUL by the float16 scale (exact
+    in float32), one rounding to DTYPE (ROUND_BY_HAND: round-to-nearest-even bfloat16 by integer ops, for
+    Triton's interpreter, which truncates float32 -> bfloat16 where the GPU rounds). JOINED: the nibbles
+    made by tl.join, so each thread holds all 8 of its words' codes (no STS in the GEMM's weight-first
+    dot on sm_90, 140 registers; the dequantize kernel keeps the broadcast: 20 STS against 48)."""
     word = (t.to(tl.int64)[:, None, None] * BLOCKS + b[None, :, None]) * 128 + tl.arange(0, 128)[None, None, :]
     g = tl.arange(0, 8)
     h = tl.arange(0, 2)
     n_code = t[:, None, None, None] * 16 + g[None, None, :, None] + 8 * h[None, None, None, :]  # (TT, 1, 8, 2)
     grp = (b * 64) // GROUP  # GROUP == K per channel: 0
     meta_index = grp[None, :, None, None] * N_PAD + n_code  # (TT, KB, 8, 2): t, b, g, h
-    pdl_prologue(PDL)
     words = tl.reshape(tl.load(w_ptr + word), (TT, KB, 8, 4, 4))  # t, b, g, c, j
     meta = tl.load(meta_ptr + meta_index)
     scale = (meta >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     zero = ((meta & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True)  # 2^23 + z
     scale = tl.reshape(scale, (TT, KB, 8, 1, 1, 1, 1, 2))  # t, b, g, (c, j, e, f), h
     zero = tl.reshape(zero, (TT, KB, 8, 1, 1, 1, 1, 2))
-    nibble = tl.reshape(4 * tl.arange(0, 8), (2, 2, 2))  # e, f, h: shift 4 (h + 2f + 4e)
-    codes = (words[:, :, :, :, :, None, None, None] >> nibble[None, None, None, None, None, :, :, :]) & 0xF
-    q = (codes | 0x4B000000).to(tl.float32, bitcast=True)  # 2^23 + q
+    if JOINED:  # the 8 nibbles as register dims (e, f, h), joined innermost first: nibble h + 2f + 4e at [e, f, h]
+        words = words.to(tl.uint32, bitcast=True)  # logical shifts
+        f0h0 = tl.join(_magic_nibble(words, 0), _magic_nibble(words, 4))
+        f1h0 = tl.join(_magic_nibble(words, 2), _magic_nibble(words, 6))
+        f0h1 = tl.join(_magic_nibble(words, 1), _magic_nibble(words, 5))
+        f1h1 = tl.join(_magic_nibble(words, 3), _magic_nibble(words, 7))
+        q = tl.join(tl.join(f0h0, f1h0), tl.join(f0h1, f1h1))  # 2^23 + q
+    else:  # broadcast against the 8 shifts (Triton lays the new dims out as it likes)
+        nibble = tl.reshape(4 * tl.arange(0, 8), (2, 2, 2))  # e, f, h: shift 4 (h + 2f + 4e)
+        codes = (words[:, :, :, :, :, None, None, None] >> nibble[None, None, None, None, None, :, :, :]) & 0xF
+        q = (codes | 0x4B000000).to(tl.float32, bitcast=True)  # 2^23 + q
     w = (q - zero) * scale  # t, b, g, c, j, e, f, h
-    if ROUND_BY_HAND:  # bfloat16 on Triton's interpreter, which truncates float32 -> bfloat16 (the GPU rounds)
+    if ROUND_BY_HAND:
         bits = w.to(tl.int32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
         w = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
     else:
-        w = w.to(out_ptr.dtype.element_ty)
-    w = tl.reshape(tl.permute(w, (0, 7, 2, 1, 4, 6, 3, 5)), (TT * 16, KB * 64))  # (t h g), (b j f c e)
+        w = w.to(DTYPE)
+    return tl.reshape(tl.permute(w, (0, 7, 2, 1, 4, 6, 3, 5)), (TT * 16, KB * 64))  # (t h g), (b j f c e)
+
+
+@jit
+def _dequantize_mma_kernel(w_ptr, meta_ptr, out_ptr, N, K, N_PAD, GROUP, BLOCKS,
+                           TT: tl.constexpr, KB: tl.constexpr, ROUND_BY_HAND: tl.constexpr, PDL: tl.constexpr):
+    """Program (i, j): out rows [16 TT i, +16 TT) x columns [64 KB j, +64 KB), i.e. TT row tiles x KB k
+    blocks of wna16_mma's layout (``mma_weight_tile``), stored contiguous along K."""
+    t = tl.program_id(0) * TT + tl.arange(0, TT)  # row tiles (all < N_PAD / 16: the words are padded)
+    b = tl.program_id(1) * KB + tl.arange(0, KB)  # k blocks (K is whole blocks)
+    pdl_prologue(PDL)
+    w = mma_weight_tile(w_ptr, meta_ptr, t, b, N_PAD, GROUP, BLOCKS, TT, KB, out_ptr.dtype.element_ty, ROUND_BY_HAND)
     n = tl.program_id(0) * (TT * 16) + tl.arange(0, TT * 16)
     col = tl.program_id(1) * (KB * 64) + tl.arange(0, KB * 64)
     tl.store(out_ptr + n.to(tl.int64)[:, None] * K + col[None, :], w, mask=(n < N)[:, None])

@@ -26,6 +26,14 @@ def low_precision_dtypes(device: str) -> list[torch.dtype]:
     return [torch.bfloat16, torch.float16] if device == "cuda" else [torch.float32]
 
 
+def half_inputs(device: str, m: int, k: int, n: int, seed: int = 1):
+    """Per 16-bit activation dtype a W4A16 kernel test covers on ``device`` (both on CUDA; float16 alone under
+    Triton's interpreter, whose bfloat16 dots are wrong): (dtype, x (M, K) standard normal, bias (N,))."""
+    for dtype in (torch.bfloat16, torch.float16) if device == "cuda" else (torch.float16,):
+        torch.manual_seed(seed)
+        yield dtype, torch.randn(m, k).to(device=device, dtype=dtype), torch.randn(n).to(device=device, dtype=dtype)
+
+
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref|| in float64 (NaN propagates, so a NaN output never passes)."""
     diff = (out.double().cpu() - ref.double().cpu()).norm()

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_testing import TOLERANCE, relative_error
+from kernel_testing import TOLERANCE, half_inputs, relative_error
 
 from kernels import wna16, wna16_mma, wna16_mma_rows
 from kernels.wna16 import (DENSE, MMA_ROWS_KIND, ROWS_DEFAULT, ROWS_VARIANTS, WNA16Weight, dequantize, prepare_wna16,
@@ -93,10 +93,7 @@ def test_rows_dispatch_is_the_default_past_16_rows(monkeypatch, env):
 def test_emulated_kernel_matches_the_reference(device, n, k, group_size, m, variant):
     """TRITON_INTERPRET=1: the kernel with its PTX emulated (or the real one on CUDA)."""
     layout, weight = layout_and_reference(n, k, group_size, device)
-    for dtype in (torch.bfloat16, torch.float16) if device == "cuda" else (torch.float16,):
-        torch.manual_seed(1)
-        x = torch.randn(m, k).to(device=device, dtype=dtype)
-        bias = torch.randn(n).to(device=device, dtype=dtype)
+    for dtype, x, bias in half_inputs(device, m, k, n):
         out = run(x, layout, n, group_size or k, bias, variant)
         ref = x.float() @ weight.t() + bias.float()
         assert relative_error(out, ref) < TOLERANCE[dtype], dtype
