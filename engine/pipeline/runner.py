@@ -19,9 +19,11 @@ idles (pp - 1) / (M + pp - 1) of a step (the fill and drain), rather than (pp - 
 step runs whole. Each tensor-parallel rank of a stage sends to the same tp rank of the next (the
 stream is replicated within a stage); the last stage's tp rank 0 sends the logits (float32, the full
 vocabulary) to rank 0, which samples, so sampling, penalties, guided decoding and log-probs work
-as on one rank. Sends are asynchronous and complete before the step returns; nothing is left in
-flight between steps, so the step protocol's heartbeats and CALLs never interleave with
-activations (with several steps in flight no heartbeat goes out while a step is unfinished). Over gloo (CPU) and NCCL (GPU) alike; a lost peer raises in the send/recv like any
+as on one rank. Sends are asynchronous; a step's sends are waited on at the rank's next step,
+after that step's work is queued (``StageRunner.forward`` says why), and every receive before its
+step returns. Plans, heartbeats and CALLs go over the step protocol's own channel and groups, so they
+never interleave with activations (with several steps in flight no heartbeat goes out while a step
+is unfinished). Over gloo (CPU) and NCCL (GPU) alike; a lost peer raises in the send/recv like any
 other collective, and the leader's LeaderRunner turns that into its rank failure.
 
 CUDA graphs per stage: each stage captures its forward (StageStep: embed or the received stream ->
@@ -66,6 +68,9 @@ from engine.pipeline.stage import StageStep, check_pipeline_supported, stage_for
 # Micro-batches per step, the same on every rank: a number fixes it; unset, each step takes the count
 # that makes it soonest done (engine/pipeline/step_cost.py), at most AUTO_MOST_PER_STAGE * pp_size.
 MICRO_BATCHES_ENV = "TRITONLLM_PP_MICRO_BATCHES"
+# "0": each ``forward`` waits on its own sends before it returns (the behaviour before they were
+# deferred to the next step; kept for measurements, StageRunner.forward says why not by default).
+DEFER_SEND_WAITS_ENV = "TRITONLLM_PP_DEFER_SEND_WAITS"
 
 
 @dataclass(frozen=True)
@@ -166,6 +171,8 @@ class StageRunner(ModelRunner):
         self.micro_batches = fixed_micro_batches()
         self.step_cost = StepCost.for_engine(config)
         self._graph_model: StageStep | None = None
+        self._unwaited_sends: list = []  # (work, tensor) of the last ``forward``'s sends (``forward`` says why)
+        self._defer_send_waits = os.environ.get(DEFER_SEND_WAITS_ENV, "1") != "0"
         super().__init__(engine_dir, rank=tp_rank, device=device, tp_group=tp_group)
 
     # -- the ModelRunner hooks
@@ -205,7 +212,23 @@ class StageRunner(ModelRunner):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, *, all_logits: bool = False, prompt_embeds=None) -> torch.Tensor | None:
-        return self.finish(self.launch(batch, all_logits=all_logits, prompt_embeds=prompt_embeds))
+        """One step: ``launch``, then ``finish`` but for this step's sends, which are waited on at
+        the next step's forward, once its own work is queued. Why: on NCCL waiting on a send makes
+        the stream wait until the peer has the data, so the last stage would start its next step
+        only after its logits arrived at rank 0 (float32, the whole vocabulary: 131 MB at 256 rows of
+        Llama-3.1-8B, ~0.4 ms over NVLink) and idle that long every step; a stage before it would wait
+        for its hidden states to arrive. Their receivers are posted independently (rank 0's logits
+        receive at its launch, the next stage's receive at its own), so nothing waits on this wait; the
+        sent tensors stay referenced until it. Rank 0 with several steps in flight calls launch and
+        finish itself (engine/pipeline/in_flight.py): its sends are waited on a step later anyway."""
+        launched = self.launch(batch, all_logits=all_logits, prompt_embeds=prompt_embeds)
+        if not self._defer_send_waits:
+            return self.finish(launched)
+        sends, launched.sends = launched.sends, []
+        for work, _ in self._unwaited_sends:  # the previous step's, behind this step's queued work
+            work.wait()
+        self._unwaited_sends = sends
+        return self.finish(launched)
 
     @torch.inference_mode()
     def launch(self, batch: ForwardBatch, *, all_logits: bool = False, prompt_embeds=None) -> "LaunchedStep":

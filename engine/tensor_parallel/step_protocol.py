@@ -14,6 +14,7 @@ import enum
 import logging
 import os
 import pickle
+from array import array
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,7 +90,9 @@ def encode_batch(batch) -> torch.Tensor:
             flat.extend(-1 if row is None else len(row) for row in value)
             for row in value:
                 flat.extend(row or ())
-    return torch.tensor(flat, dtype=torch.int32)
+    # Through an int array: torch.tensor over a Python list costs ~0.2 us an element, ~0.7 ms of rank
+    # 0's host time every step for a 256-sequence decode plan (3,400 values), a third of it this way.
+    return torch.frombuffer(array("i", flat), dtype=torch.int32)
 
 
 def decode_batch(payload: torch.Tensor, batch_class):

@@ -26,8 +26,8 @@ class _LogitsOnEveryRank:
 
 
 def pp_rank_logits(rank: int, engine_dirs: dict, micro_batches: int) -> dict:
-    """name -> this rank's tp_reference_steps logits (rank 0: the step's; rank 1: zeros) and the
-    layers its KV pool holds."""
+    """name -> this rank's tp_reference_steps logits (rank 0: the step's; rank 1: zeros), the
+    layers its KV pool holds, and how many sends of its last step are not waited on yet."""
     from engine.pipeline.runner import MICRO_BATCHES_ENV, StageRunner
 
     os.environ[MICRO_BATCHES_ENV] = str(micro_batches)
@@ -36,7 +36,7 @@ def pp_rank_logits(rank: int, engine_dirs: dict, micro_batches: int) -> dict:
         for name, engine_dir in engine_dirs.items():
             runner = StageRunner(engine_dir, rank=rank, device="cpu")
             logits = tp_reference_steps(_LogitsOnEveryRank(runner))
-            out[name] = (logits, runner.kv_cache.shape[0])
+            out[name] = (logits, runner.kv_cache.shape[0], len(runner._unwaited_sends))
         return out
     finally:
         os.environ.pop(MICRO_BATCHES_ENV, None)

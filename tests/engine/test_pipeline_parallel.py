@@ -154,6 +154,8 @@ def test_pp2_on_two_ranks_matches_pp1_and_transformers(engines, hf_models):
             assert error <= 1e-5, f"{name}, {micro_batches} micro-batches: max abs error {error:.3g} vs pp 1"
             layers = PP_FAMILIES[name] or [1, 1]
             assert [rank0[name][1], rank1[name][1]] == layers  # each stage's KV pool holds its layers only
+            # the last step's sends (hidden states, logits) are waited on at the next step, not before returning
+            assert rank0[name][2] == micro_batches and rank1[name][2] >= 1
     for name, hf in hf_models.items():
         error = (rank0[name][0] - transformers_rows(hf)).abs().max().item()
         assert error <= 1e-4, f"{name}: max abs error {error:.3g} vs transformers"
