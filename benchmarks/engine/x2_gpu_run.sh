@@ -4,7 +4,7 @@
 # its KV transfer, the checks that need two GPUs, and the one-GPU runs still waiting, two at a time
 # (CUDA_VISIBLE_DEVICES=0 and =1) after the two-GPU work of the same call, never beside it.
 #
-#   bash benchmarks/engine/x2_gpu_run.sh CALL [OUT]        CALL 1 to 13; OUT default $OUT
+#   bash benchmarks/engine/x2_gpu_run.sh CALL [OUT]        CALL 1 to 14; OUT default $OUT
 #   SMOKE=1 bash benchmarks/engine/x2_gpu_run.sh CALL DIR  the same flow on the CPU with the tiny model
 #                                                         (the one-GPU jobs are only printed)
 #
@@ -19,14 +19,14 @@
 # 5, 6 session 16's retries (run). 7 (~250 s on two GPUs, ~450 s with LANES=1) session 17's one-GPU jobs in two lanes (LANES=1 on one GPU);
 #    8 (~270 s) the KV pull and NIXL GPU tests, PP 2 with stage graphs and with two steps in flight;
 #    9 (~430 s) disagg_bench at 6 and 10 req/s, then with the context executor in its own process.
-# 10-12 session 17's later calls, 13 session 18's first (each case's comment says what it runs and how long).
+# 10-12 session 17's later calls, 13-14 session 18's (each case's comment says what it runs and how long).
 #
 # Everything goes to /tmp/x2_call$CALL; at the end OUT gets call$CALL.tgz (all logs and JSON), summary.txt (what
 # this script printed) and the markdown tables (at most 8 files come back from a call). The console ends with
 # each job's exit status and its result lines, so the call's output_tail alone is enough to read.
 set -u
 script=$(realpath "$0")
-call=${1:?usage: x2_gpu_run.sh 1-13 [OUT]}
+call=${1:?usage: x2_gpu_run.sh 1-14 [OUT]}
 out=$(realpath -m "${2:-${OUT:-/tmp/x2_gpu_run}}")
 mkdir -p "$out"
 if [ -z "${X2_UNDER_TEE:-}" ]; then  # the console also in $out/summary.txt, complete when the call returns
@@ -308,7 +308,36 @@ case $call in
   echo "== encdec"; grep -vi warning "$w/encdec.log" | grep -E "whisper|t5|audio|tok/s|Error|Traceback" | head -24
   echo "== moe_gemv"; grep -vi warning "$w/moe_gemv.log" | tail -30
   ;;
-*) echo "x2_gpu_run.sh: CALL must be 1 to 13, got '$call'"; exit 2 ;;
+14)
+  # Session 18's second call (~370 s). Two GPUs: pp50's PP 2 runs (TP 1, the cost-balanced default split 17,15 with
+  # deferred send waits, the even split 16,16, 17,15 with the waits in the step, 18,14). Then GPU 0: int4rows52's
+  # W4A16 GEMM sweep (M 64-512, Llama-3.1-8B products) and its kernel tests; GPU 1: vlm48's FP8-tower and
+  # first-full A/B, twice.
+  W=$w
+  mkdir -p $W/pp50 $W/int4rows52
+  P=(benchmarks/engine/tp_bench.py --max_batch_size 256 --offline 128x128x1024 --perf_sections offline)
+  job pp_balanced 85 "$PYTHON" "${P[@]}" --phases perf_tp1,perf_pp2 --phase_timeout 38 --out $W/pp50/balanced.json --results-md $W/pp50/pp50.md
+  job pp_even 40 "$PYTHON" "${P[@]}" --phases perf_pp2 --pp_layers 16,16 --phase_timeout 32 --out $W/pp50/even.json
+  TRITONLLM_PP_DEFER_SEND_WAITS=0 job pp_waits 40 "$PYTHON" "${P[@]}" --phases perf_pp2 --phase_timeout 32 --out $W/pp50/waits.json
+  job pp_18_14 40 "$PYTHON" "${P[@]}" --phases perf_pp2 --pp_layers 18,14 --phase_timeout 32 --out $W/pp50/18_14.json
+  echo "== pp50"; grep -hE "^\[tp_bench.*(: [0-9]+ rank|offline \(|done in|failed)|Error|Traceback" $w/pp_balanced.log $w/pp_even.log \
+    $w/pp_waits.log $w/pp_18_14.log | cut -c1-400
+  ( on_gpu 0 int4_sweep 110 "$PYTHON" benchmarks/quantization/wna16_gemm_sweep.py --budget-s 85 --out $W/int4rows52/sweep.json \
+      --md $W/int4rows52/sweep.md
+    CUDA_VISIBLE_DEVICES=0 job int4_tests 45 "$PYTHON" -m pytest -q -x -p no:cacheprovider tests/kernels/test_wna16_mma_gemm.py \
+      -k "timed_tiling or sweeps or dispatch" ) &
+  ( on_gpu 1 vlm48_r1 115 "$PYTHON" benchmarks/engine/vlm_bench.py --sections encoder,offline --image-sizes 448 \
+      --encoder-batches 32 --encoder-repeats 3 --tower-variants fp8 --hf-batches= --encode-batch 32 --also-encode-batches 32 \
+      --offline-variants fp8-tower,first-full,fp8-tower+first-full --out "$W/vlm48_r1.json" --results-md "$W/vlm48.md"
+    on_gpu 1 vlm48_r2 95 "$PYTHON" benchmarks/engine/vlm_bench.py --sections offline --hf-batches= --encode-batch 32 \
+      --also-encode-batches 32 --offline-variants fp8-tower,first-full,fp8-tower+first-full \
+      --out "$W/vlm48_r2.json" --results-md "$W/vlm48.md" ) &
+  wait
+  echo "== int4rows52"; cat $W/int4rows52/sweep.md 2>/dev/null; grep "^   " $w/int4_sweep.log | head -60; tail -3 $w/int4_tests.log
+  grep -E "compiled in|budget|Error|Traceback" $w/int4_sweep.log | head -8
+  echo "== vlm48"; grep -E "^offline|^encoder|failed|Error|Traceback" $w/vlm48_r1.log $w/vlm48_r2.log | cut -c1-600
+  ;;
+*) echo "x2_gpu_run.sh: CALL must be 1 to 14, got '$call'"; exit 2 ;;
 esac
 tar czf "$out/call$call.tgz" -C /tmp "x2_call$call"
 for md in "$w"/*.md; do [ -f "$md" ] && cp "$md" "$out/"; done
