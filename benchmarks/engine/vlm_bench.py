@@ -25,7 +25,8 @@ Sections (``--sections``, all by default):
    whose stream has the executor's priority (CUDA; the A/B of engine/executor/device_stream.py), the
    first run's way (batches encoded by the bench's thread on the executor's stream) and the requests
    with their tables made beforehand (the executor's share); ``--offline-variants`` adds the queue run
-   changed in one way each (OFFLINE_VARIANTS: the tower's linears in FP8, a full first forward). Every
+   changed in one way each (OFFLINE_VARIANTS: the tower's linears in FP8, all or the MLPs', a full first
+   forward). Every
    run has images of its own (the prefix cache would otherwise skip a re-sent image's prefill; each run
    reports the blocks it reused). Against (a)
    text-only requests of the same prompt length (386 tokens) through the same executor (goal >=
@@ -76,7 +77,7 @@ from engine.vision.qwen2_vl import sdpa_backend  # noqa: E402
 from engine.vision.encode_queue import ImageEncodeQueue  # noqa: E402
 from engine.vision.mlp_width import pad_mlp_widths, padded_width  # noqa: E402
 from engine.vision.mrope import request_mrope  # noqa: E402
-from engine.vision.tower_fp8 import TOWER_FP8_ENV, embedding_cosines, quantize_tower_linears, tower_fp8_requested  # noqa: E402
+from engine.vision.tower_fp8 import TOWER_FP8_ENV, embedding_cosines, quantize_tower_linears, tower_fp8_scope  # noqa: E402
 
 SECTIONS = ["encoder", "ttft", "offline"]
 GOALS = {"offline_vs_text": 0.85, "offline_vs_hf": 5.0}
@@ -142,8 +143,8 @@ def load_encoder(config, args) -> torch.nn.Module:
     encoder = materialize_random_weights(encoder, torch.device(args.device), seed=0).eval()
     if not args.unpadded_mlp:
         pad_mlp_widths(encoder)
-    if tower_fp8_requested():  # the ``fp8`` tower variant: as load_vision_encoder with TRITONLLM_TOWER_FP8=1
-        quantize_tower_linears(encoder)
+    if tower_fp8_scope():  # the ``fp8`` / ``fp8-mlp`` tower variants: as load_vision_encoder with TRITONLLM_TOWER_FP8
+        quantize_tower_linears(encoder, tower_fp8_scope())
     return encoder
 
 
@@ -166,11 +167,12 @@ def write_language_engine(config, args, max_batch_size: int) -> str:
 TOWER_VARIANTS = {"fused": {}, "unfused": {qwen2_vl.UNFUSED_ENV: "1"},
                   **{f"sdpa-{name}": {qwen2_vl.SDPA_ENV: name} for name in qwen2_vl.SDPA_BACKENDS},
                   **{f"window-sdpa-{name}": {qwen2_vl.WINDOW_SDPA_ENV: name} for name in qwen2_vl.SDPA_BACKENDS},
-                  "fp8": {TOWER_FP8_ENV: "1"}}
+                  "fp8": {TOWER_FP8_ENV: "1"}, "fp8-mlp": {TOWER_FP8_ENV: "mlp"}}
 # --offline-variants: queue runs of the offline section changed in one way each, "+" joins them. fp8-tower: the
-# tower's linears in E4M3 (engine/vision/tower_fp8.py); first-full: the queue's first forward takes the whole
+# tower's linears in E4M3 (engine/vision/tower_fp8.py), fp8-mlp-tower: its MLPs' only; first-full: the queue's first forward takes the whole
 # batch (not 8 images), so the executor's first step is a full one
-OFFLINE_VARIANTS = ("fp8-tower", "first-full")
+OFFLINE_VARIANTS = ("fp8-tower", "fp8-mlp-tower", "first-full")
+FP8_TOWER_SCOPES = {"fp8-tower": "all", "fp8-mlp-tower": "mlp"}  # (engine/vision/tower_fp8.py FP8_SCOPES)
 
 
 def tower_variant(name: str):
@@ -216,7 +218,7 @@ def tower_setting() -> str:
     """How the tower's blocks ran: fused (engine/vision/qwen2_5_vl.py) or as before (TRITONLLM_TOWER_UNFUSED=1),
     and the attention backends asked of torch (TRITONLLM_TOWER_SDPA, TRITONLLM_TOWER_WINDOW_SDPA)."""
     blocks = "unfused blocks" if os.environ.get(qwen2_vl.UNFUSED_ENV) == "1" else "fused blocks"
-    fp8 = ", FP8 linears" if tower_fp8_requested() else ""
+    fp8 = f", FP8 linears ({tower_fp8_scope()})" if tower_fp8_scope() else ""
     return f"{blocks}{fp8}, SDPA {sdpa_backend()}, windows {sdpa_backend(windows=True)}"
 
 
@@ -448,20 +450,20 @@ def bench_offline(args, ex, config, encode, encoder, encoder_config, grid, num_r
     for i, batch in enumerate(args.also_encode_batches):  # the queue run again at another encode batch, same process
         queue_run(f"image_b{batch}", TOWER_PRIORITY, seed=10 + 2 * i, warm_seed=11 + 2 * i, warm_tokens=None,
                   max_images=batch)
-    fp8_tower = None
+    fp8_towers = {}  # FP8_TOWER_SCOPES' name -> that tower, made for its first variant
     for i, variant in enumerate(args.offline_variants):  # the default run changed in one way (OFFLINE_VARIANTS)
         parts = variant.split("+")
+        fp8 = next((part for part in parts if part in FP8_TOWER_SCOPES), None)
         try:  # a tower that cannot run here fails in the cosines or the queue's untimed forwards, before any request
-            if "fp8-tower" in parts and fp8_tower is None:
-                fp8_tower = quantize_tower_linears(copy.deepcopy(encoder))
-                entry["fp8_tower_cosines"] = fp8_cosines(encoder, fp8_tower, grid, args.device)
+            if fp8 is not None and fp8 not in fp8_towers:
+                fp8_towers[fp8] = quantize_tower_linears(copy.deepcopy(encoder), FP8_TOWER_SCOPES[fp8])
+                entry[f"{fp8}_cosines"] = fp8_cosines(encoder, fp8_towers[fp8], grid, args.device, fp8)
             queue_run(f"image_{variant}", TOWER_PRIORITY, seed=30 + 2 * i, warm_seed=31 + 2 * i, warm_tokens=None,
-                      tower=fp8_tower if "fp8-tower" in parts else None,
-                      first_images=args.encode_batch if "first-full" in parts else 8)
+                      tower=fp8_towers.get(fp8), first_images=args.encode_batch if "first-full" in parts else 8)
         except Exception as error:  # (a Triton compile error is no RuntimeError)
             entry.setdefault("variant_errors", {})[variant] = repr(error)[:300]
             print(f"offline variant {variant} failed: {error!r}", file=sys.stderr, flush=True)
-    del fp8_tower
+    del fp8_towers
     # (c) the same image requests with their tables made before the clock starts: the executor's share
     patches = random_patches([grid] * args.requests, args.device, seed=3)
     tables = [t for first in range(0, args.requests, args.encode_batch)
@@ -484,12 +486,12 @@ def bench_offline(args, ex, config, encode, encoder, encoder_config, grid, num_r
     return entry
 
 
-def fp8_cosines(encoder, fp8_tower, grid: list[int], device: str, images: int = 8) -> dict:
+def fp8_cosines(encoder, fp8_tower, grid: list[int], device: str, name: str, images: int = 8) -> dict:
     """Per image, the cosine of the FP8 tower's rows against the unquantized tower's (bf16 on a GPU; random weights and patches)."""
     patches = random_patches([grid] * images, device, seed=99)
     cosines = embedding_cosines(encoder.image_features(patches, [grid] * images),
                                 fp8_tower.image_features(patches, [grid] * images))
-    print(f"offline fp8 tower: cosines of {images} images' rows against the unquantized tower's {[round(c, 5) for c in cosines]}",
+    print(f"offline {name}: cosines of {images} images' rows against the unquantized tower's {[round(c, 5) for c in cosines]}",
           file=sys.stderr, flush=True)
     return {"images": images, "min": min(cosines), "mean": statistics.mean(cosines)}
 
@@ -781,11 +783,13 @@ def markdown(results: dict) -> str:
 
 
 def offline_variant_label(variant: str, o: dict) -> str:
-    labels = {"fp8-tower": "the tower's linears in FP8 (engine/vision/tower_fp8.py; its rows' cosine to the unquantized "
-                           "tower's: min {min:.4f}, mean {mean:.4f} over {images} images)",
+    cosine = ("(engine/vision/tower_fp8.py; its rows' cosine to the unquantized tower's: min {min:.4f}, mean {mean:.4f} "
+              "over {images} images)")
+    labels = {"fp8-tower": "the tower's linears in FP8 " + cosine, "fp8-mlp-tower": "the tower's MLP linears in FP8 " + cosine,
               "first-full": f"the queue's first forward {o['encode_batch']} images, not 8"}
-    cosines = o.get("fp8_tower_cosines") or {"min": float("nan"), "mean": float("nan"), "images": 0}
-    return "the same, " + " and ".join(labels[part].format(**cosines) for part in variant.split("+"))
+    unknown = {"min": float("nan"), "mean": float("nan"), "images": 0}
+    return "the same, " + " and ".join(labels[part].format(**(o.get(f"{part}_cosines") or unknown))
+                                       for part in variant.split("+"))
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -28,7 +28,7 @@ from engine.hf_checkpoint import TensorGetter
 from engine.vision.mlp_width import pad_mlp_widths
 from engine.vision.encoder_path import VISION_ENCODER_DIR, vision_encoder_dir  # noqa: F401 (build.py, tests)
 from engine.vision.registry import FAMILIES_BY_MODEL_TYPE, VisionFamily
-from engine.vision.tower_fp8 import quantize_loaded_tower, tower_fp8_requested
+from engine.vision.tower_fp8 import quantize_loaded_tower, tower_fp8_scope
 
 FORMAT_VERSION = 1
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -108,6 +108,7 @@ def load_vision_encoder(path: str, device: str | torch.device = "cpu") -> torch.
     encoder.model_type = family.model_type
     if torch.device(device).type == "cuda":  # MLP widths to tensor-core tilings, exact (engine/vision/mlp_width.py)
         pad_mlp_widths(encoder)
-    if tower_fp8_requested():  # $TRITONLLM_TOWER_FP8=1: the linears in E4M3, an approximation
-        quantize_loaded_tower(encoder, family.model_type, device, config["builder_config"]["precision"])
+    scope = tower_fp8_scope()
+    if scope is not None:  # $TRITONLLM_TOWER_FP8=1 or mlp: linears in E4M3, an approximation
+        quantize_loaded_tower(encoder, family.model_type, device, config["builder_config"]["precision"], scope)
     return encoder.eval()

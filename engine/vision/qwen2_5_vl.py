@@ -19,6 +19,7 @@ from torch import nn
 from engine.hf_checkpoint import TensorGetter
 from engine.vision.clip import activation, first_found
 from engine.vision.qwen2_vl import PREFIXES, UNFUSED_ENV, embed_patches, language_fields, segment_attention, unfused
+from engine.vision.tower_fp8 import Fp8TowerLinear
 from engine.vision.tower_layout import PatchRotary, Segments, tower_layout
 from kernels._triton import use_triton
 from kernels.activation import silu_and_mul
@@ -74,9 +75,6 @@ class Qwen25VisionBlock(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, dtype=dtype, device=device)
         self.silu = config["hidden_act"] == "silu"
         self.act = activation(config["hidden_act"])
-        # Set by engine/vision/tower_fp8.py once qkv, gate_up and down_proj are FP8 products: the norms and the
-        # SiLU-and-product hand them their outputs quantized per row (kernels/fp8.py QuantizedRows)
-        self.fp8_inputs = False
         self.register_load_state_dict_pre_hook(_fuse_gate_up)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rotary: PatchRotary,
@@ -84,13 +82,14 @@ class Qwen25VisionBlock(nn.Module):
         """x (patches, dim): the last sublayer's output (the embeddings before the first block, with
         residual None); residual: the sum before it -> (this block's MLP output, the sum before it)."""
         tokens = x.shape[0]
-        h, residual = self._norm(self.norm1, x, residual)
+        h, residual = self._norm(self.norm1, x, residual, self.qkv)
         q, k, v = self.qkv(h).view(tokens, 3, self.num_heads, -1).unbind(1)  # (patches, heads, d) views
         q, k = rotary(q, k)  # rotated in place on CUDA
-        h, residual = self._norm(self.norm2, self.proj(segment_attention(q, k, v, runs).reshape(tokens, -1)), residual)
+        h, residual = self._norm(self.norm2, self.proj(segment_attention(q, k, v, runs).reshape(tokens, -1)), residual,
+                                 self.gate_up)
         gate_up = self.gate_up(h)
-        if self.fp8_inputs and self.silu and gate_up.dtype != torch.float32:  # (its Triton kernel: 16-bit rows)
-            return self.down_proj(silu_and_mul_quantized(gate_up)), residual
+        if isinstance(self.down_proj, Fp8TowerLinear) and self.silu and gate_up.dtype != torch.float32:
+            return self.down_proj(silu_and_mul_quantized(gate_up)), residual  # (that kernel takes 16-bit rows)
         if self.silu and use_triton(gate_up):  # the checkpoints' act: one Triton pass (kernels/activation.py)
             return self.down_proj(silu_and_mul(gate_up)), residual
         width = gate_up.shape[-1] // 2
@@ -98,15 +97,17 @@ class Qwen25VisionBlock(nn.Module):
         # strided view differently (an ulp), and where depends on the row stride (the padded width)
         return self.down_proj(self.act(gate_up[:, :width].contiguous()) * gate_up[:, width:]), residual
 
-    def _norm(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None):
-        """norm(x, residual), its output quantized per row in the same kernel when the next product is FP8."""
-        if self.fp8_inputs:
+    @staticmethod
+    def _norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, product: nn.Module):
+        """norm(x, residual), its output quantized per row in the same kernel when ``product``, which reads
+        it, is FP8 (engine/vision/tower_fp8.py)."""
+        if isinstance(product, Fp8TowerLinear):
             return rms_norm_quantized(x, norm.weight, norm.eps, residual)
         return norm(x, residual)
 
     def forward_unfused(self, x: torch.Tensor, rotary: PatchRotary, runs: Segments) -> torch.Tensor:
         """The block as it ran before the fused path (qwen2_vl.UNFUSED_ENV): x -> x after the block."""
-        if self.fp8_inputs:  # (its MLP slices the bf16 gate_up weight)
+        if isinstance(self.gate_up, Fp8TowerLinear):  # (its MLP slices the bf16 gate_up weight)
             raise ValueError(f"{UNFUSED_ENV}=1 runs the bf16 blocks only; unset it for an FP8 tower")
         tokens = x.shape[0]
         q, k, v = self.qkv(self.norm1(x)[0]).view(tokens, 3, self.num_heads, -1).unbind(1)

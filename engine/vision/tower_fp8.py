@@ -1,5 +1,6 @@
-"""FP8 (E4M3) weights for a Qwen vision tower's linear layers: an option (``TRITONLLM_TOWER_FP8=1`` at
-load, engine/vision/encoder_dir.py; vlm_bench's ``fp8`` tower variant and ``fp8-tower`` offline row).
+"""FP8 (E4M3) weights for a Qwen vision tower's linear layers: an option (``TRITONLLM_TOWER_FP8=1``, or
+``=mlp`` for the MLPs' products only, at load: engine/vision/encoder_dir.py; vlm_bench's ``fp8`` and
+``fp8-mlp`` tower variants and ``fp8-tower`` / ``fp8-mlp-tower`` offline rows).
 
 Why: the tower's forwards are products of (patches, 1280)-wide activations (32 images at 448 x 448
 are 32,768 patches), compute-bound, ~80% of its time in bf16 on an H200; offline, every image's
@@ -10,11 +11,12 @@ Scheme: kernels/fp8.py's W8A8: each weight (N, K) quantized per output channel a
 activations per row (patch) at run time, the product and its scales in cuBLASLt / CUTLASS
 (``torch._scaled_mm``, row-wise scales) with the bias in the same kernel where torch takes it there
 (bf16 output), else added after. Elsewhere (the CPU, another dtype) the plain-torch reference
-``fp8_linear_ref`` of the same scheme. What is quantized: every block's products (qkv, proj, the
-MLP's) and the merger's two; not the patch embedding (K = 3 * 2 * 14 * 14 = 1,176 is no multiple
-of 16, and it is one product of 32). Blocks that declare ``fp8_inputs`` (Qwen2.5-VL's) then take
-their norms' and SiLU-and-product's outputs quantized by those kernels themselves (no pass of their
-own; the same values as quantizing the outputs apart).
+``fp8_linear_ref`` of the same scheme. What is quantized (scope ``all``): every block's products (qkv,
+proj, the MLP's) and the merger's two; not the patch embedding (K = 3 * 2 * 14 * 14 = 1,176 is no
+multiple of 16, and it is one product of 32). Scope ``mlp``: the blocks' MLP products alone (2/3 of
+the tower's FLOPs at Qwen2.5-VL's widths), attention and merger in the model dtype. Qwen2.5-VL's
+blocks hand an FP8 product its input quantized by the kernel that makes it (the norm before qkv or
+gate_up, the SiLU-and-product before down_proj: no pass of its own, the same values).
 
 Accuracy: an approximation of the bf16 tower (E4M3 keeps 3 mantissa bits); vlm_bench reports the
 cosine of each image's rows against the bf16 tower's (CPU: tests/engine/test_tower_fp8.py).
@@ -29,13 +31,21 @@ from torch import nn
 from kernels._triton import use_triton
 from kernels.fp8 import FAST_ACCUM, QuantizedRows, as_quantized_rows, fp8_linear_ref, quantize_weight
 
-TOWER_FP8_ENV = "TRITONLLM_TOWER_FP8"  # "1": a loaded tower's linears in FP8 (encoder_dir.load_vision_encoder)
+TOWER_FP8_ENV = "TRITONLLM_TOWER_FP8"  # "1" / "mlp": a loaded tower's linears in FP8 (encoder_dir.load_vision_encoder)
+# Scope -> the linears quantized, by their attribute names in a block (None: every block's and the merger's)
+FP8_SCOPES = {"all": None, "mlp": ("gate_up", "down_proj", "fc1", "fc2")}
 FP8_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")  # the towers whose forwards take Fp8TowerLinear as they are
 _BIAS_IN_PRODUCT = [True]  # cleared when this torch's row-wise _scaled_mm refuses a bias (then added after)
 
 
-def tower_fp8_requested() -> bool:
-    return os.environ.get(TOWER_FP8_ENV) == "1"
+def tower_fp8_scope() -> str | None:
+    """The scope $TRITONLLM_TOWER_FP8 asks for: "1" all, "mlp", unset / "0" / "" None (the tower as loaded)."""
+    value = os.environ.get(TOWER_FP8_ENV, "").strip().lower()
+    if value in ("", "0"):
+        return None
+    if value not in ("1", "mlp"):
+        raise ValueError(f"{TOWER_FP8_ENV}={value!r}: allowed are 1 (every product), mlp (the MLPs' only) or 0")
+    return "all" if value == "1" else value
 
 
 class Fp8TowerLinear(nn.Module):
@@ -80,26 +90,24 @@ def _quantizable(linear: nn.Linear) -> bool:
 
 
 @torch.no_grad()
-def quantize_tower_linears(encoder: nn.Module) -> nn.Module:
+def quantize_tower_linears(encoder: nn.Module, scope: str = "all") -> nn.Module:
     """``encoder`` (a Qwen2-VL or Qwen2.5-VL tower, its MLP widths padded already if they are to be:
-    engine/vision/mlp_width.py) with every block's and the merger's nn.Linear replaced by an
-    Fp8TowerLinear, in place; blocks with an ``fp8_inputs`` flag get it set. Returns ``encoder``."""
+    engine/vision/mlp_width.py) with the nn.Linear layers of ``scope`` (FP8_SCOPES) replaced by
+    Fp8TowerLinear, in place; ``encoder.fp8_linears`` says how many. Returns ``encoder``."""
+    leaves = FP8_SCOPES[scope]
     targets = [name for name, module in encoder.named_modules()
-               if isinstance(module, nn.Linear) and name != "patch_embed" and _quantizable(module)]
+               if isinstance(module, nn.Linear) and name != "patch_embed" and _quantizable(module)
+               and (leaves is None or name.rpartition(".")[2] in leaves)]
     for name in targets:
         owner_name, _, leaf = name.rpartition(".")
         owner = encoder.get_submodule(owner_name) if owner_name else encoder
         setattr(owner, leaf, Fp8TowerLinear(getattr(owner, leaf)))
-    for module in encoder.modules():
-        if hasattr(module, "fp8_inputs"):
-            module.fp8_inputs = all(isinstance(getattr(module, name), Fp8TowerLinear)
-                                    for name in ("qkv", "gate_up", "down_proj"))
     encoder.fp8_linears = len(targets)
     return encoder
 
 
-def quantize_loaded_tower(encoder: nn.Module, model_type: str, device, precision: str) -> nn.Module:
-    """What load_vision_encoder does under TRITONLLM_TOWER_FP8=1: ``quantize_tower_linears``, after refusing by
+def quantize_loaded_tower(encoder: nn.Module, model_type: str, device, precision: str, scope: str = "all") -> nn.Module:
+    """What load_vision_encoder does under TRITONLLM_TOWER_FP8: ``quantize_tower_linears``, after refusing by
     name a family whose forward does not take Fp8TowerLinear, or a CUDA tower that is not bfloat16 (the row-wise
     product writes bf16 only; another dtype would run the reference, slower than the tower it replaces)."""
     if model_type not in FP8_MODEL_TYPES:
@@ -108,7 +116,7 @@ def quantize_loaded_tower(encoder: nn.Module, model_type: str, device, precision
     if torch.device(device).type == "cuda" and precision != "bfloat16":
         raise ValueError(f"{TOWER_FP8_ENV}=1: FP8 tower products on CUDA need a bfloat16 encoder, this one is "
                          f"{precision}; unset it or build with --dtype bfloat16")
-    return quantize_tower_linears(encoder)
+    return quantize_tower_linears(encoder, scope)
 
 
 def embedding_cosines(reference: list[torch.Tensor], other: list[torch.Tensor]) -> list[float]:

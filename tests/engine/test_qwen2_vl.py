@@ -87,10 +87,11 @@ def test_tower_rows_equal_transformers_image_features(built, monkeypatch):
 
 
 def test_fp8_tower_rows_stay_close_to_the_towers(built, monkeypatch):
-    """engine/vision/tower_fp8.py through the loader (TRITONLLM_TOWER_FP8=1): every block's and the merger's
-    products in E4M3 (the patch embedding not), Qwen2.5-VL's norms and SiLU-and-product quantizing their
-    outputs themselves; each image's rows keep a cosine >= 0.99 against the float32 tower's (random weights
-    of scale 0.2: a bound, not a measurement; vlm_bench reports the 7B shape's)."""
+    """engine/vision/tower_fp8.py through the loader: TRITONLLM_TOWER_FP8=1 puts every block's and the merger's
+    products in E4M3 (the patch embedding not), =mlp the blocks' MLP products alone; Qwen2.5-VL's norms quantize
+    their outputs themselves where an FP8 product reads them. Each image's rows keep a cosine >= 0.99 against
+    the float32 tower's (random weights of scale 0.2: a bound, not a measurement; vlm_bench reports the 7B
+    shape's). Another value, another family, a CUDA tower not in bf16: errors naming the variable."""
     from engine.vision.tower_fp8 import TOWER_FP8_ENV, Fp8TowerLinear, embedding_cosines, quantize_loaded_tower
 
     engine, _ = built
@@ -100,11 +101,18 @@ def test_fp8_tower_rows_stay_close_to_the_towers(built, monkeypatch):
     monkeypatch.setenv(TOWER_FP8_ENV, "1")
     encoder = load_vision_encoder(vision_encoder_dir(engine))
     assert encoder.fp8_linears == 4 * len(encoder.blocks) + 2 and not isinstance(encoder.patch_embed, Fp8TowerLinear)
-    assert all(getattr(block, "fp8_inputs", True) for block in encoder.blocks)
-    got = encoder.image_features(images["pixel_values"], grids)
-    assert [g.shape for g in got] == [w.shape for w in want]
-    assert min(embedding_cosines(want, got)) >= 0.99
-    assert not any(torch.equal(g, w) for g, w in zip(got, want))  # (quantized indeed)
+    monkeypatch.setenv(TOWER_FP8_ENV, "mlp")
+    mlp_only = load_vision_encoder(vision_encoder_dir(engine))
+    assert mlp_only.fp8_linears == 2 * len(mlp_only.blocks)
+    assert not isinstance(mlp_only.blocks[0].qkv, Fp8TowerLinear) and not isinstance(mlp_only.merger_fc1, Fp8TowerLinear)
+    for quantized in (encoder, mlp_only):
+        got = quantized.image_features(images["pixel_values"], grids)
+        assert [g.shape for g in got] == [w.shape for w in want]
+        assert min(embedding_cosines(want, got)) >= 0.99
+        assert not any(torch.equal(g, w) for g, w in zip(got, want))  # (quantized indeed)
+    monkeypatch.setenv(TOWER_FP8_ENV, "yes")
+    with pytest.raises(ValueError, match=TOWER_FP8_ENV):
+        load_vision_encoder(vision_encoder_dir(engine))
     for model_type, device, precision in (("llava", "cpu", "float32"), ("qwen2_5_vl", "cuda", "float32")):
         with pytest.raises(ValueError, match=TOWER_FP8_ENV):  # another family; a CUDA tower not in bf16
             quantize_loaded_tower(encoder, model_type, device, precision)
