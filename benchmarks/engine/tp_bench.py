@@ -50,7 +50,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: engine, kernels, benchmarks
 
 import engine.executor.runner as runner_module  # noqa: E402
-from benchmarks.common import MODELS, add_model_arguments, command_line, free_port, git_commit, print_table, utc_now  # noqa: E402
+from benchmarks.common import (MODELS, add_model_arguments, command_line, cuda_time_ms, free_port, git_commit,  # noqa: E402
+                               print_table, utc_now)
 from benchmarks.engine.engine_bench import bench_executor_decode, drain_offline  # noqa: E402
 from benchmarks.engine.step_timeline import describe, reset, summarize, timed  # noqa: E402
 from engine.config import BuildConfig, EngineConfig, ModelConfig  # noqa: E402
@@ -331,6 +332,15 @@ def step_periods(executor, since_ns: int) -> dict:
         at_widest = sorted(ms for batch, ms in decode if batch == widest)
         out.update(decode_batch=widest, decode_steps_at_batch=len(at_widest),
                    decode_period_ms_median=at_widest[len(at_widest) // 2])
+        graphs = getattr(executor.runner, "decode_graphs", None)
+        if graphs is not None and executor.runner.device.type == "cuda" and widest <= graphs.max_batch_size:
+            time.sleep(0.2)  # (the executor samples what it still had launched: its last steps' sequences finished)
+            # Rank 0's graph at that batch alone: one GPU's step, or a pipeline's first stage (no transfers in it).
+            # A figure on the side: its failure must not cost the run's throughput (first tried on a GPU call).
+            try:
+                out["decode_graph_replay_ms"] = cuda_time_ms(graphs.graphs[graphs.bucket_for(widest)].replay, repeat=10)
+            except Exception as err:  # noqa: BLE001
+                out["decode_graph_replay_error"] = f"{type(err).__name__}: {err}"
     return out
 
 
@@ -340,6 +350,8 @@ def describe_steps(steps: dict) -> str:
     if "decode_batch" in steps:
         text += (f"; decode-only at batch {steps['decode_batch']}: period {steps['decode_period_ms_median']:.2f} ms "
                  f"(median of {steps['decode_steps_at_batch']})")
+    if "decode_graph_replay_ms" in steps:
+        text += f", rank 0's decode graph alone {steps['decode_graph_replay_ms']:.2f} ms"
     return text
 
 
