@@ -247,14 +247,15 @@ ROWS_DEFAULT = (128, 32, 4, 2, 1, MMA_ROWS_KIND)
 # Kind 8: kernels/wna16_mma_gemm.py, the same operand-order words for 17+ rows with Triton's tensor-core dots
 # (wgmma on Hopper) over (block_m, block_n) tiles of out up to 256 rows, dequantizing each weight tile once
 # per block_m rows. Its tilings are 9-tuples: (block_n, block_m, num_warps, num_stages, split_k, kind,
-# block_k, weight first (the weight the dot's A operand, in registers), joined (nibbles made by tl.join)).
+# block_k, weight first (the weight the dot's A operand, in registers), joined (nibbles made by tl.join: 1; by
+# inline PTX too: 2)).
 # Timed at load beside ROWS_VARIANTS and DENSE for MID_ROWS (not measured on a GPU yet: the timing decides;
 # benchmarks/quantization/wna16_gemm_sweep.py sweeps more tilings). $TRITONLLM_WNA16_MMA_GEMM=0: not timed
 # (the choice before it, for comparisons).
 MMA_GEMM_KIND = 8
 MMA_GEMM_ENV = "TRITONLLM_WNA16_MMA_GEMM"
 # Split-K 2-4 for the narrow layers (N = 4096-6144 gives 32-48 programs of 128 rows on 132 SMs).
-MMA_GEMM_VARIANTS = tuple((block_n, block_m, warps, 3, split, MMA_GEMM_KIND, block_k, 1, 1)
+MMA_GEMM_VARIANTS = tuple((block_n, block_m, warps, 3, split, MMA_GEMM_KIND, block_k, 1, 2)
                           for block_n, block_m, warps, block_k, splits in ((128, 64, 4, 128, (1, 4)),
                                                                            (128, 128, 8, 128, (1, 2)),
                                                                            (128, 256, 8, 64, (1,)))
@@ -381,7 +382,7 @@ def wna16_matmul(x: torch.Tensor, layout: dict[str, torch.Tensor], n: int, bits:
     if kind == MMA_GEMM_KIND:
         if "mma_words" in layout:
             return wna16_mma_gemm.mma_gemm_matmul(x, _mma_layout(layout), n, group_size, bias, block_k=block_k,
-                                                  w_first=bool(w_first), joined=bool(joined), **tiling)
+                                                  w_first=bool(w_first), joined=joined, **tiling)
         kind = MMA_KIND
     if kind == MMA_ROWS_KIND:
         if "mma_words" in layout:

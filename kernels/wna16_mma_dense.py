@@ -75,15 +75,46 @@ def dequantize_mma_ref(layout: dict[str, torch.Tensor], n: int, k: int, group_si
     return wna16_mma.mma_layout_weight(layout, n, k, group_size).to(dtype)
 
 
+def _nibble_asm(p: int) -> str:
+    """PTX: nibble p of the word $1 into the mantissa of 2^23 ($0): a shift and one LOP3 ((t & 0xF) | magic)."""
+    shifted = f"shr.b32 t, $1, {4 * p};" if p else "mov.b32 t, $1;"
+    return f"{{ .reg .b32 t; {shifted} lop3.b32 $0, t, 0xf, 0x4b000000, 0xea; }}"
+
+
+if tl is not None:  # Triton reads module globals that are constexprs
+    _NIBBLE_ASM = tuple(tl.constexpr(_nibble_asm(p)) for p in range(8))
+    _N0, _N1, _N2, _N3, _N4, _N5, _N6, _N7 = _NIBBLE_ASM
+
+
 @jit
-def _magic_nibble(words, p: tl.constexpr):
-    """Nibble p of each uint32 word as float32 2^23 + q (q in the mantissa: exact; one shift + one LOP3)."""
+def _magic_nibble(words, p: tl.constexpr, ASM: tl.constexpr):
+    """Nibble p of each uint32 word as float32 2^23 + q (q in the mantissa: exact). ASM: one shift + one LOP3
+    by inline PTX (ptxas makes the plain ops a shift, an SGXT and a LOP3); not under Triton's interpreter."""
+    if ASM:
+        if p == 0:
+            bits = tl.inline_asm_elementwise(_N0, "=r,r", [words], dtype=tl.int32, is_pure=True, pack=1)
+        elif p == 1:
+            bits = tl.inline_asm_elementwise(_N1, "=r,r", [words], dtype=tl.int32, is_pure=True, pack=1)
+        elif p == 2:
+            bits = tl.inline_asm_elementwise(_N2, "=r,r", [words], dtype=tl.int32, is_pure=True, pack=1)
+        elif p == 3:
+            bits = tl.inline_asm_elementwise(_N3, "=r,r", [words], dtype=tl.int32, is_pure=True, pack=1)
+        elif p == 4:
+            bits = tl.inline_asm_elementwise(_N4, "=r,r", [words], dtype=tl.int32, is_pure=True, pack=1)
+        elif p == 5:
+            bits = tl.inline_asm_elementwise(_N5, "=r,r", [words], dtype=tl.int32, is_pure=True, pack=1)
+        elif p == 6:
+            bits = tl.inline_asm_elementwise(_N6, "=r,r", [words], dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            bits = tl.inline_asm_elementwise(_N7, "=r,r", [words], dtype=tl.int32, is_pure=True, pack=1)
+        return bits.to(tl.float32, bitcast=True)
     return (((words >> (4 * p)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
 
 
 @jit
 def mma_weight_tile(w_ptr, meta_ptr, t, b, N_PAD, GROUP, BLOCKS, TT: tl.constexpr, KB: tl.constexpr,
-                    DTYPE: tl.constexpr, ROUND_BY_HAND: tl.constexpr, JOINED: tl.constexpr = False):
+                    DTYPE: tl.constexpr, ROUND_BY_HAND: tl.constexpr, JOINED: tl.constexpr = False,
+                    ASM: tl.constexpr = False):
     """Row tiles ``t`` (TT,) x k blocks ``b`` (KB,) of wna16_mma's layout (all inside the padded words)
     -> their dequantized weight (TT * 16, KB * 64) in ``DTYPE``, rows 16 t.. and columns 64 b.. in order.
     A (tile, block)'s 128 words are contiguous, read as (TT, KB, 128) int32, 16 bytes a thread (the
@@ -95,7 +126,8 @@ def mma_weight_tile(w_ptr, meta_ptr, t, b, N_PAD, GROUP, BLOCKS, TT: tl.constexp
     in float32), one rounding to DTYPE (ROUND_BY_HAND: round-to-nearest-even bfloat16 by integer ops, for
     Triton's interpreter, which truncates float32 -> bfloat16 where the GPU rounds). JOINED: the nibbles
     made by tl.join, so each thread holds all 8 of its words' codes (no STS in the GEMM's weight-first
-    dot on sm_90, 140 registers; the dequantize kernel keeps the broadcast: 20 STS against 48)."""
+    dot on sm_90, 140 registers; the dequantize kernel keeps the broadcast: 20 STS against 48); with ASM
+    (CUDA only) each code by inline PTX (``_magic_nibble``)."""
     word = (t.to(tl.int64)[:, None, None] * BLOCKS + b[None, :, None]) * 128 + tl.arange(0, 128)[None, None, :]
     g = tl.arange(0, 8)
     h = tl.arange(0, 2)
@@ -110,10 +142,10 @@ def mma_weight_tile(w_ptr, meta_ptr, t, b, N_PAD, GROUP, BLOCKS, TT: tl.constexp
     zero = tl.reshape(zero, (TT, KB, 8, 1, 1, 1, 1, 2))
     if JOINED:  # the 8 nibbles as register dims (e, f, h), joined innermost first: nibble h + 2f + 4e at [e, f, h]
         words = words.to(tl.uint32, bitcast=True)  # logical shifts
-        f0h0 = tl.join(_magic_nibble(words, 0), _magic_nibble(words, 4))
-        f1h0 = tl.join(_magic_nibble(words, 2), _magic_nibble(words, 6))
-        f0h1 = tl.join(_magic_nibble(words, 1), _magic_nibble(words, 5))
-        f1h1 = tl.join(_magic_nibble(words, 3), _magic_nibble(words, 7))
+        f0h0 = tl.join(_magic_nibble(words, 0, ASM), _magic_nibble(words, 4, ASM))
+        f1h0 = tl.join(_magic_nibble(words, 2, ASM), _magic_nibble(words, 6, ASM))
+        f0h1 = tl.join(_magic_nibble(words, 1, ASM), _magic_nibble(words, 5, ASM))
+        f1h1 = tl.join(_magic_nibble(words, 3, ASM), _magic_nibble(words, 7, ASM))
         q = tl.join(tl.join(f0h0, f1h0), tl.join(f0h1, f1h1))  # 2^23 + q
     else:  # broadcast against the 8 shifts (Triton lays the new dims out as it likes)
         nibble = tl.reshape(4 * tl.arange(0, 8), (2, 2, 2))  # e, f, h: shift 4 (h + 2f + 4e)

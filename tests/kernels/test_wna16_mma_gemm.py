@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from kernel_testing import TOLERANCE, half_inputs, relative_error
 
-from kernels import wna16, wna16_mma, wna16_mma_gemm
+from kernels import wna16, wna16_mma, wna16_mma_dense, wna16_mma_gemm
 from kernels.wna16 import (MMA_GEMM_KIND, MMA_GEMM_VARIANTS, WNA16Weight, dequantize, gemm_variants_for,
                            prepare_wna16, quantize, tile_options, tiling_for, unpack_codes, wna16_linear, wna16_matmul)
 
@@ -58,10 +58,10 @@ def test_timed_gemm_tiling_is_dispatched_and_can_be_switched_off(monkeypatch):
 
 
 @pytest.mark.parametrize("n, k, group_size, m, tiling", [
-    (150, 256, 128, 37, dict(block_n=64, block_m=32, block_k=128, w_first=1, joined=1)),  # masked rows and columns
+    (150, 256, 128, 37, dict(block_n=64, block_m=32, block_k=128, w_first=1, joined=2)),  # masked rows and columns
     (150, 256, 128, 37, dict(block_n=64, block_m=32, block_k=128, w_first=0, joined=1)),  # the weight as B
     (150, 512, 64, 20, dict(block_n=32, block_m=16, block_k=64, w_first=1, joined=0, split_k=3)),  # split-K, broadcast
-    (40, 256, None, 5, dict(block_n=16, block_m=16, block_k=256, w_first=1, joined=1)),  # per channel, one step
+    (40, 256, None, 5, dict(block_n=16, block_m=16, block_k=256, w_first=1, joined=2)),  # per channel, one step
     (300, 384, 128, 70, dict(block_n=128, block_m=64, block_k=128, w_first=0, joined=0, split_k=2)),  # 2 splits
 ])
 def test_kernel_matches_the_reference(device, n, k, group_size, m, tiling):
@@ -72,6 +72,21 @@ def test_kernel_matches_the_reference(device, n, k, group_size, m, tiling):
         assert out.shape == (m, n) and out.dtype == dtype
         ref = x.float() @ weight.to(dtype).float().t() + bias.float()  # the weight rounded to x's dtype, as dequantized
         assert relative_error(out, ref) < TOLERANCE[dtype], dtype
+
+
+@pytest.mark.parametrize("joined", [2, 1, 0])
+def test_the_dequantized_tile_is_bit_identical_to_the_reference(device, joined):
+    """x = the identity: each output is one weight times 1, exact in the float32 sums, so out.T is the kernel's
+    dequantized weight itself, which must equal wna16_mma_dense's reference bit for bit (every nibble form; the
+    inline PTX one, 2, only on CUDA: the interpreter runs 1 for it)."""
+    n, k, group_size = 48, 256, 64
+    kernel, _ = layout_and_reference(n, k, group_size, device)
+    layout = {"words": kernel["mma_words"], "meta": kernel["mma_meta"]}
+    for dtype in (torch.bfloat16, torch.float16) if device == "cuda" else (torch.float16,):
+        eye = torch.eye(k, device=device, dtype=dtype)
+        out = wna16_matmul(eye, kernel, n, 4, group_size, kind=MMA_GEMM_KIND, block_n=16, block_m=64, block_k=128,
+                           num_warps=4, num_stages=2, joined=joined)
+        assert torch.equal(out.t(), wna16_mma_dense.dequantize_mma_ref(layout, n, k, group_size, dtype)), dtype
 
 
 @cuda
