@@ -52,6 +52,7 @@ finishing this one, every step's transfers queued in the same order as here.
 from __future__ import annotations
 
 import os
+from bisect import bisect_left
 from dataclasses import dataclass, field, replace
 from itertools import accumulate
 
@@ -123,12 +124,18 @@ def split_micro_batches(batch: ForwardBatch, count: int, *, all_logits: bool = F
     its token rows). Deterministic: every rank splits the same plan alike."""
     total = len(batch.token_ids)
     count = max(1, min(count, total))
+    if count == 1:  # the whole step, as most decode steps run: nothing to cut (~1 ms of Python at 256 sequences)
+        rows = list(range(total)) if all_logits else list(range(len(batch.logits_indices)))
+        return [MicroBatch(replace(batch, sampled_tokens_slot=-1), rows)]
     cuts = [total * part // count for part in range(count + 1)]  # strictly increasing: count <= total
     seq_starts = [0, *accumulate(batch.seq_lens_q)]
     out = []
+    first_seq = 0  # the first sequence that ends after the run's start
     for start, end in zip(cuts, cuts[1:]):
         seq_lens, context_lens, tables, lora = [], [], [], []
-        for i in range(len(batch.seq_lens_q)):
+        while seq_starts[first_seq + 1] <= start:
+            first_seq += 1
+        for i in range(first_seq, bisect_left(seq_starts, end)):  # the sequences with tokens in [start, end)
             first, last = max(start, seq_starts[i]), min(end, seq_starts[i + 1])
             if first >= last:
                 continue
