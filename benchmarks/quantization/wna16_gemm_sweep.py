@@ -30,7 +30,7 @@ from kernels import wna16  # noqa: E402
 from kernels.wna16 import (DENSE, MMA_GEMM_KIND, MMA_GEMM_VARIANTS, dequantized_weight, prepare_wna16,  # noqa: E402
                            quantize)
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+SHAPES = {"gate_up": (28672, 4096), "down": (4096, 14336), "qkv": (6144, 4096), "o": (4096, 4096)}  # largest first
 TINY_SHAPES = {"tiny": (256, 512)}
 # The rows kernel's best tiling at 64-256 rows (benchmarks/results/quantization.md, 2026-11-29 16:18).
 ROWS_REFERENCE = (128, 32, 4, 3, 1, wna16.MMA_ROWS_KIND)
