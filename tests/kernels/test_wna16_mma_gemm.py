@@ -139,7 +139,7 @@ def test_dispatch_through_prepare_the_timing_and_a_cuda_graph(monkeypatch):
     torch.manual_seed(0)
     stored, scale, zero = quantize(torch.randn(n, k), 4, 128, symmetric=False)
     prepared = prepare_wna16(stored.cuda(), scale.cuda(), zero.cuda(), 4, torch.bfloat16)
-    report = wna16.choose_wna16_variants([prepared], rows=(1,), mid_rows=(64,))
+    report = wna16.choose_wna16_variants([prepared], rows=(), mid_rows=(64,))  # no decode tilings: 20 compiles
     timed = next(iter(report.values()))["all_us"][64]
     assert set(timed) == {wna16.DENSE, *gemm_variants_for(k)}
     weight = dequantize(stored, scale.half().float(), zero, 4).cuda().bfloat16().float()
