@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.config import BuildConfig, EngineConfig, ModelConfig
+from engine.config import BuildConfig, EngineConfig, ModelConfig, pipeline_layer_counts
 
 # New tokens per layer whose products take as long as one read of the layer's weights: a weight's
 # 2 bytes (bf16) at ~4.8 TB/s of HBM against its 2 FLOPs per token at ~800 dense bf16 TFLOP/s
@@ -54,6 +54,9 @@ class StepCost:
     # at pp 2: 0.15: the last stage is the slower one), and STEP_OVERHEAD_S in the same unit
     head: float = 0.0
     step_overhead: float = 0.0
+    # (in_flight_gain only) each stage's layers over a stage's mean, in stage order (engine.build's
+    # split balanced by cost: 17,15 of the 8B shape -> 1.0625, 0.9375); empty: the even split
+    layer_shares: tuple[float, ...] = ()
 
     @classmethod
     def for_engine(cls, config: EngineConfig) -> "StepCost":
@@ -67,10 +70,13 @@ class StepCost:
         kv_bytes = 2 * m.num_kv_heads * m.head_dim * (1 if build.kv_cache_dtype == "fp8" else dtype_bytes)
         scale = 1.0 if build.quantization in EIGHT_BIT_PRODUCTS else weight_bytes / 2
         stage_bytes = layer_params * weight_bytes * m.num_layers / max(1, build.pp_size)
+        mean_layers = m.num_layers / max(1, build.pp_size)
         return cls(tokens_per_weight_read=TOKENS_PER_WEIGHT_READ * scale,
                    context_per_weight_read=layer_params * weight_bytes / kv_bytes,
                    head=m.vocab_size * m.hidden_size * dtype_bytes / stage_bytes,
-                   step_overhead=STEP_OVERHEAD_S * WEIGHT_READ_BYTES_PER_S / stage_bytes)
+                   step_overhead=STEP_OVERHEAD_S * WEIGHT_READ_BYTES_PER_S / stage_bytes,
+                   layer_shares=tuple(count / mean_layers for count in pipeline_layer_counts(
+                       m.num_layers, build.pp_size, build.pp_layers)) if build.pp_layers else ())
 
     def work(self, num_tokens: int, context_lens: list[int]) -> float:
         return self.work_of(num_tokens, sum(context_lens))
@@ -94,9 +100,10 @@ def in_flight_gain(cost: StepCost, pp_size: int, depth: int, *, seqs: int, token
     Why not always in flight: a sequence's next step needs its sampled token, so steps in flight
     carry different sequences and a batch of b sequences becomes ``depth`` steps of b / depth. Each
     re-reads every stage's weights; a group goes through the stages in turn and each stage serves
-    every group, so ``depth`` steps take max(depth, P) passes of the slowest stage (the last: its LM
-    head) plus ``depth`` step overheads, against (M + P - 1)(1 + work / M) + head + one overhead for
-    the whole step. In weight passes of a stage (Llama-3.1-8B at pp 2: head 0.15, overhead 0.17):
+    every group, so ``depth`` steps take max(depth, P) passes of the slowest stage (split evenly,
+    the last: its LM head; the build's split balanced by cost evens them out, ``layer_shares``) plus
+    ``depth`` step overheads, against (M + P - 1)(1 + work / M) + head + one overhead for the whole
+    step. In weight passes of a stage (Llama-3.1-8B at pp 2 split evenly: head 0.15, overhead 0.17):
 
         batch 8:   one step 2.47, two half steps 2.72  -> 0.91x: stay whole (measured 0.87x)
         batch 32:  2.90 against 2.95                    -> 0.98x: stay whole (measured 0.93x)
@@ -124,7 +131,8 @@ def in_flight_gain(cost: StepCost, pp_size: int, depth: int, *, seqs: int, token
     round_tokens = min(tokens * min(1.0, share * depth), max_num_tokens * depth)  # (share: rounded up)
     step_tokens = min(max(round_tokens / depth, largest), max_num_tokens)
     work = cost.work_of(step_tokens, context * share)
-    slowest = 1 + work + head(seqs * share)
+    shares = cost.layer_shares or (1.0,) * pp_size  # (the last stage's layers, then its head)
+    slowest = max(max(shares[:-1], default=0.0) * (1 + work), shares[-1] * (1 + work) + head(seqs * share))
     in_flight = max(depth * slowest, pp_size * (1 + work) + head(seqs * share)) + depth * cost.step_overhead
     return (round_tokens / in_flight) / (whole_tokens / whole)
 

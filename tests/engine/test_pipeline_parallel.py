@@ -221,6 +221,12 @@ def test_steps_in_flight_pay_only_where_a_step_grows_with_its_tokens():
 
     assert gain(1) == 1.0 and gain(8) < gain(32) < 1.0 < gain(64) < 1.1 < gain(128) < gain(256) < gain(512)
     assert gain(512) > 1.8 and gain(1024, 1024 * 128, 128) > 1.25 and gain(40, 40 * 128, 128) > 1.25
+    # The build's balanced split (17,15) takes the head's extra off the slowest stage: steps in flight gain more
+    balanced = StepCost.for_engine(EngineConfig(model=model, build=BuildConfig(dtype="bfloat16", pp_size=2,
+                                                                               pp_layers=[17, 15])))
+    assert balanced.layer_shares == (17 / 16, 15 / 16)
+    assert in_flight_gain(balanced, 2, 2, seqs=128, tokens=128, context=128 * 256, max_batch_size=256,
+                          max_num_tokens=8192) > 1.03 * gain(128)
 
     def seqs(n):
         return [SimpleNamespace(token_ids=[0] * 256, num_computed_tokens=255) for _ in range(n)]
