@@ -38,7 +38,8 @@ this off), and ``wna16_linear`` runs:
   picks it over dequantize + cuBLAS (ROWS_VARIANTS beside DENSE at MID_ROWS; untimed: ROWS_DEFAULT);
   $TRITONLLM_WNA16_MMA_ROWS overrides: "0" never (DENSE past 16 rows), "1" always (DENSE not timed).
   kernels/wna16_mma_gemm.py's fused GEMM (tensor-core dots over up to 256 x 256 tiles of out, the weight
-  dequantized once per tile) is timed there too (MMA_GEMM_VARIANTS; $TRITONLLM_WNA16_MMA_GEMM=0: not).
+  dequantized once per tile) is timed there too (MMA_GEMM_VARIANTS, then beside ROWS_BESIDE_GEMM alone of the
+  rows kernel's; $TRITONLLM_WNA16_MMA_GEMM=0: not).
 
 Otherwise (8 bits, other groupings, the operand order turned off) the weight stays packed in
 kernels/wna16_layout.py's layout (no dequantized copy: the point is memory and bandwidth), and
@@ -248,18 +249,21 @@ ROWS_DEFAULT = (128, 32, 4, 2, 1, MMA_ROWS_KIND)
 # (wgmma on Hopper) over (block_m, block_n) tiles of out up to 256 rows, dequantizing each weight tile once
 # per block_m rows. Its tilings are 9-tuples: (block_n, block_m, num_warps, num_stages, split_k, kind,
 # block_k, weight first (the weight the dot's A operand, in registers), joined (nibbles made by tl.join: 1; by
-# inline PTX too: 2)).
-# Timed at load beside ROWS_VARIANTS and DENSE for MID_ROWS (not measured on a GPU yet: the timing decides;
-# benchmarks/quantization/wna16_gemm_sweep.py sweeps more tilings). $TRITONLLM_WNA16_MMA_GEMM=0: not timed
-# (the choice before it, for comparisons).
+# inline PTX too: 2)). Timed at load beside DENSE (and ROWS_BESIDE_GEMM) for MID_ROWS; $TRITONLLM_WNA16_MMA_GEMM=0:
+# not timed (ROWS_VARIANTS and DENSE, the choice before it, for comparisons).
+# MMA_GEMM_VARIANTS: each Llama-3.1-8B shape's fastest tiling at 64, 128 and 256 rows in the H200 sweep of
+# 2026-11-30 00:53 (benchmarks/results/quantization.md; split-K 4 for the narrow layers at 64 rows), plus 256 rows
+# in 4-warp programs of 64 weight rows (two programs an SM: one's dequantization beside the other's dots).
 MMA_GEMM_KIND = 8
 MMA_GEMM_ENV = "TRITONLLM_WNA16_MMA_GEMM"
-# Split-K 2-4 for the narrow layers (N = 4096-6144 gives 32-48 programs of 128 rows on 132 SMs).
-MMA_GEMM_VARIANTS = tuple((block_n, block_m, warps, 3, split, MMA_GEMM_KIND, block_k, 1, 2)
-                          for block_n, block_m, warps, block_k, splits in ((128, 64, 4, 128, (1, 4)),
-                                                                           (128, 128, 8, 128, (1, 2)),
-                                                                           (128, 256, 8, 64, (1,)))
-                          for split in splits)
+MMA_GEMM_VARIANTS = tuple((block_n, block_m, warps, stages, split, MMA_GEMM_KIND, block_k, 1, 2)
+                          for block_n, block_m, warps, stages, split, block_k in (
+                              (128, 64, 4, 3, 1, 128), (128, 64, 4, 3, 4, 128), (64, 64, 4, 3, 1, 128),
+                              (64, 128, 4, 3, 1, 128), (128, 128, 8, 3, 2, 128), (128, 256, 8, 3, 1, 64),
+                              (256, 128, 8, 3, 1, 64), (64, 256, 4, 2, 1, 64)))
+# The rows kernel lost to the GEMM on every shape at 64-256 rows in that sweep but for qkv / o at 64 rows (within
+# 0-7%); beside the GEMM only its best tiling there is timed (each tiling is a compile at engine load).
+ROWS_BESIDE_GEMM = ((128, 32, 4, 2, 4, MMA_ROWS_KIND),)
 
 
 def gemm_variants_for(in_features: int) -> tuple:
@@ -268,6 +272,13 @@ def gemm_variants_for(in_features: int) -> tuple:
     if os.environ.get(MMA_GEMM_ENV, "") == "0":
         return ()
     return tuple(v for v in MMA_GEMM_VARIANTS if wna16_mma_gemm.takes(in_features, v[0], v[6]))
+
+
+def rows_and_gemm_variants(in_features: int) -> tuple:
+    """What the load-time timing weighs past 16 rows for an operand-order layer: DENSE and the GEMM's tilings with
+    ROWS_BESIDE_GEMM, or (GEMM off) ROWS_VARIANTS and DENSE."""
+    gemm = gemm_variants_for(in_features)
+    return (ROWS_BESIDE_GEMM if gemm else ROWS_VARIANTS) + (DENSE,) + gemm
 
 
 def mma_rows_enabled() -> bool:
@@ -484,7 +495,7 @@ def _cached_time_variants(weight: WNA16Weight, key: tuple, rows: tuple[int, ...]
     (they pick the candidates)."""
     from kernels import fp8, linear
 
-    candidates = SKINNY_VARIANTS + MID_VARIANTS + MMA_VARIANTS + ROWS_VARIANTS + MMA_GEMM_VARIANTS
+    candidates = SKINNY_VARIANTS + MID_VARIANTS + MMA_VARIANTS + ROWS_VARIANTS + ROWS_BESIDE_GEMM + MMA_GEMM_VARIANTS
     modules = (wna16_decode, wna16_gemm, wna16_layout, wna16_mma, wna16_mma_dense, wna16_mma_gemm, wna16_mma_rows,
                _triton, fp8, linear)
     return choice_cache.timed_report(
@@ -511,7 +522,7 @@ def _time_skinny_variants(weight: WNA16Weight, rows: tuple[int, ...]) -> dict:
         candidates = SKINNY_VARIANTS if m <= MAX_SKINNY_ROWS else MID_VARIANTS
         if weight.mma_only:
             candidates = MMA_VARIANTS if m <= MAX_SKINNY_ROWS else \
-                ROWS_VARIANTS + (() if mma_rows_forced() else (DENSE,) + gemm_variants_for(weight.in_features))
+                ROWS_VARIANTS if mma_rows_forced() else rows_and_gemm_variants(weight.in_features)
         times[m] = {variant: 1e3 * graph_time_ms(lambda: _product(x, weight, layouts[next(turn) % len(layouts)],
                                                                   variant))
                     for variant in candidates if not (is_fma_tiling(variant) and variant[1] < m)}

@@ -53,8 +53,10 @@ def test_timed_gemm_tiling_is_dispatched_and_can_be_switched_off(monkeypatch):
     assert tiling_for(weight, 40) == MMA_GEMM_VARIANTS[0] and tiling_for(weight, 200) == MMA_GEMM_VARIANTS[-1]
     assert gemm_variants_for(4096) == MMA_GEMM_VARIANTS
     assert gemm_variants_for(384) == tuple(v for v in MMA_GEMM_VARIANTS if 384 % v[6] == 0)
+    assert wna16.rows_and_gemm_variants(4096) == wna16.ROWS_BESIDE_GEMM + (wna16.DENSE,) + MMA_GEMM_VARIANTS
     monkeypatch.setenv(wna16.MMA_GEMM_ENV, "0")
     assert gemm_variants_for(4096) == ()
+    assert wna16.rows_and_gemm_variants(4096) == wna16.ROWS_VARIANTS + (wna16.DENSE,)
 
 
 @pytest.mark.parametrize("n, k, group_size, m, tiling", [
@@ -134,7 +136,7 @@ def test_dispatch_through_prepare_the_timing_and_a_cuda_graph(monkeypatch):
     eagerly and replayed from a graph."""
     monkeypatch.delenv(wna16.MMA_ROWS_ENV, raising=False)
     monkeypatch.delenv(wna16.MMA_GEMM_ENV, raising=False)
-    monkeypatch.setattr(wna16, "ROWS_VARIANTS", ())
+    monkeypatch.setattr(wna16, "ROWS_BESIDE_GEMM", ())
     n, k = 384, 512
     torch.manual_seed(0)
     stored, scale, zero = quantize(torch.randn(n, k), 4, 128, symmetric=False)
