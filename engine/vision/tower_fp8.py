@@ -2,10 +2,11 @@
 ``=mlp`` for the MLPs' products only, at load: engine/vision/encoder_dir.py; vlm_bench's ``fp8`` and
 ``fp8-mlp`` tower variants and ``fp8-tower`` / ``fp8-mlp-tower`` offline rows).
 
-Why: the tower's forwards are products of (patches, 1280)-wide activations (32 images at 448 x 448
-are 32,768 patches), compute-bound, ~80% of its time in bf16 on an H200; offline, every image's
-forward takes the GPU from the language model's prefill steps (128 images: ~0.33 s of the image
-run's ~0.38 s over text-only). E4M3 products run on the tensor cores at twice bf16's rate.
+Why: the tower's forwards are mostly products of (patches, 1280)-wide activations (32 images at
+448 x 448 are 32,768 patches: ~42 TFLOP of products, most of the 82 ms such a forward takes in bf16
+on an H200). Offline, every forward takes the GPU from the language model's prefill steps (128
+images: ~0.33 s of the image run's ~0.38 s over text-only, benchmarks/results/engine.md). E4M3
+products run on the tensor cores at twice bf16's peak rate.
 
 Scheme: kernels/fp8.py's W8A8: each weight (N, K) quantized per output channel at load, the
 activations per row (patch) at run time, the product and its scales in cuBLASLt / CUTLASS
@@ -19,7 +20,8 @@ blocks hand an FP8 product its input quantized by the kernel that makes it (the 
 gate_up, the SiLU-and-product before down_proj: no pass of its own, the same values).
 
 Accuracy: an approximation of the bf16 tower (E4M3 keeps 3 mantissa bits); vlm_bench reports the
-cosine of each image's rows against the bf16 tower's (CPU: tests/engine/test_tower_fp8.py).
+cosine of each image's rows against the bf16 tower's (tests/engine/test_qwen2_vl.py bounds it on the
+tiny towers).
 """
 from __future__ import annotations
 
@@ -111,10 +113,10 @@ def quantize_loaded_tower(encoder: nn.Module, model_type: str, device, precision
     name a family whose forward does not take Fp8TowerLinear, or a CUDA tower that is not bfloat16 (the row-wise
     product writes bf16 only; another dtype would run the reference, slower than the tower it replaces)."""
     if model_type not in FP8_MODEL_TYPES:
-        raise ValueError(f"{TOWER_FP8_ENV}=1: FP8 tower weights exist for {', '.join(FP8_MODEL_TYPES)}, "
+        raise ValueError(f"{TOWER_FP8_ENV}: FP8 tower weights exist for {', '.join(FP8_MODEL_TYPES)}, "
                          f"not for this {model_type} encoder; unset it")
     if torch.device(device).type == "cuda" and precision != "bfloat16":
-        raise ValueError(f"{TOWER_FP8_ENV}=1: FP8 tower products on CUDA need a bfloat16 encoder, this one is "
+        raise ValueError(f"{TOWER_FP8_ENV}: FP8 tower products on CUDA need a bfloat16 encoder, this one is "
                          f"{precision}; unset it or build with --dtype bfloat16")
     return quantize_tower_linears(encoder, scope)
 
