@@ -33,7 +33,8 @@ def test_tile_options_of_the_gemm_tilings():
         block_n=128, block_m=64, num_warps=4, num_stages=3, split_k=2, kind=MMA_GEMM_KIND, block_k=64, w_first=0,
         joined=1)
     assert "block_k" not in tile_options(wna16.ROWS_DEFAULT)
-    assert all(len(v) == 9 and v[5] == MMA_GEMM_KIND for v in MMA_GEMM_VARIANTS)
+    assert all(len(v) in (9, 10) and v[5] == MMA_GEMM_KIND for v in MMA_GEMM_VARIANTS)
+    assert tile_options((64, 256, 4, 2, 1, MMA_GEMM_KIND, 64, 1, 2, 1))["ahead"] == 1
 
 
 def test_takes_whole_k_steps_and_padded_row_tiles():
@@ -63,7 +64,8 @@ def test_timed_gemm_tiling_is_dispatched_and_can_be_switched_off(monkeypatch):
     (150, 256, 128, 37, dict(block_n=64, block_m=32, block_k=128, w_first=1, joined=2)),  # masked rows and columns
     (150, 256, 128, 37, dict(block_n=64, block_m=32, block_k=128, w_first=0, joined=1)),  # the weight as B
     (150, 512, 64, 20, dict(block_n=32, block_m=16, block_k=64, w_first=1, joined=0, split_k=3)),  # split-K, broadcast
-    (40, 256, None, 5, dict(block_n=16, block_m=16, block_k=256, w_first=1, joined=2)),  # per channel, one step
+    (40, 256, None, 5, dict(block_n=16, block_m=16, block_k=256, w_first=1, joined=2, ahead=1)),  # per channel, 1 step
+    (150, 768, 128, 40, dict(block_n=64, block_m=32, block_k=128, w_first=1, joined=2, split_k=2, ahead=1)),  # ahead
     (300, 384, 128, 70, dict(block_n=128, block_m=64, block_k=128, w_first=0, joined=0, split_k=2)),  # 2 splits
 ])
 def test_kernel_matches_the_reference(device, n, k, group_size, m, tiling):
