@@ -250,7 +250,8 @@ ROWS_DEFAULT = (128, 32, 4, 2, 1, MMA_ROWS_KIND)
 # per block_m rows. Its tilings are 9- or 10-tuples: (block_n, block_m, num_warps, num_stages, split_k, kind,
 # block_k, weight first (the weight the dot's A operand, in registers), joined (nibbles made by tl.join: 1; by
 # inline PTX too: 2)[, ahead: the next step's weight dequantized after this step's dot is issued]). Timed at
-# load beside DENSE (and ROWS_BESIDE_GEMM) for MID_ROWS; $TRITONLLM_WNA16_MMA_GEMM=0: not timed (ROWS_VARIANTS and DENSE, the choice before it, for comparisons).
+# load beside DENSE (and ROWS_BESIDE_GEMM) for MID_ROWS; $TRITONLLM_WNA16_MMA_GEMM=0: not timed (ROWS_VARIANTS
+# and DENSE, the choice before it, for comparisons).
 # MMA_GEMM_VARIANTS: each Llama-3.1-8B shape's fastest tiling at 64, 128 and 256 rows in the H200 sweep of
 # 2026-11-30 00:53 (benchmarks/results/quantization.md; split-K 4 for the narrow layers at 64 rows), plus 256 rows
 # in 4-warp programs of 64 weight rows (two programs an SM: one's dequantization beside the other's dots).
