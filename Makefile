@@ -19,10 +19,13 @@ setup:
 # Byte-compiled first: the suite starts many Python processes (engine processes, backend stubs,
 # ranks, CLIs), and under PYTHONDONTWRITEBYTECODE each one compiled every module of the checkout it
 # imports again (~0.2 CPU-s an engine process); compileall writes only the missing or stale .pyc files.
+# Under it pytest never cached its assert-rewritten test modules either, so each worker rewrote all
+# of them while collecting (~9 CPU-s a worker): tests/assertion_cache.py writes that cache once.
 PYTEST_WORKERS ?= 2
 PACKAGES := engine kernels serving openai_frontend tritonllm all_models benchmarks tools scripts tests
 test: setup
 	$(PY) -m compileall -q $(PACKAGES)
+	$(PY) tests/assertion_cache.py
 	$(PY) -m pytest -q -x -ra -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 serve: setup
