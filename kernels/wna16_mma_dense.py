@@ -75,15 +75,9 @@ def dequantize_mma_ref(layout: dict[str, torch.Tensor], n: int, k: int, group_si
     return wna16_mma.mma_layout_weight(layout, n, k, group_size).to(dtype)
 
 
-def _nibble_asm(p: int) -> str:
-    """PTX: nibble p of the word $1 into the mantissa of 2^23 ($0): a shift and one LOP3 ((t & 0xF) | magic)."""
-    shifted = f"shr.b32 t, $1, {4 * p};" if p else "mov.b32 t, $1;"
-    return f"{{ .reg .b32 t; {shifted} lop3.b32 $0, t, 0xf, 0x4b000000, 0xea; }}"
-
-
 if tl is not None:  # Triton reads module globals that are constexprs
-    _NIBBLE_ASM = tuple(tl.constexpr(_nibble_asm(p)) for p in range(8))
-    _N0, _N1, _N2, _N3, _N4, _N5, _N6, _N7 = _NIBBLE_ASM
+    # PTX: the nibble of word $1 at bit $2 into the mantissa of 2^23 ($0): a shift and one LOP3 ((t & 0xF) | magic)
+    _NIBBLE_ASM = tl.constexpr("{ .reg .b32 t; shr.b32 t, $1, $2; lop3.b32 $0, t, 0xf, 0x4b000000, 0xea; }")
 
 
 @jit
@@ -91,22 +85,8 @@ def _magic_nibble(words, p: tl.constexpr, ASM: tl.constexpr):
     """Nibble p of each uint32 word as float32 2^23 + q (q in the mantissa: exact). ASM: one shift + one LOP3
     by inline PTX (ptxas makes the plain ops a shift, an SGXT and a LOP3); not under Triton's interpreter."""
     if ASM:
-        if p == 0:
-            bits = tl.inline_asm_elementwise(_N0, "=r,r", [words], dtype=tl.int32, is_pure=True, pack=1)
-        elif p == 1:
-            bits = tl.inline_asm_elementwise(_N1, "=r,r", [words], dtype=tl.int32, is_pure=True, pack=1)
-        elif p == 2:
-            bits = tl.inline_asm_elementwise(_N2, "=r,r", [words], dtype=tl.int32, is_pure=True, pack=1)
-        elif p == 3:
-            bits = tl.inline_asm_elementwise(_N3, "=r,r", [words], dtype=tl.int32, is_pure=True, pack=1)
-        elif p == 4:
-            bits = tl.inline_asm_elementwise(_N4, "=r,r", [words], dtype=tl.int32, is_pure=True, pack=1)
-        elif p == 5:
-            bits = tl.inline_asm_elementwise(_N5, "=r,r", [words], dtype=tl.int32, is_pure=True, pack=1)
-        elif p == 6:
-            bits = tl.inline_asm_elementwise(_N6, "=r,r", [words], dtype=tl.int32, is_pure=True, pack=1)
-        else:
-            bits = tl.inline_asm_elementwise(_N7, "=r,r", [words], dtype=tl.int32, is_pure=True, pack=1)
+        shift = tl.full(words.shape, 4 * p, tl.uint32)  # a constant: ptxas folds it into the shift
+        bits = tl.inline_asm_elementwise(_NIBBLE_ASM, "=r,r,r", [words, shift], dtype=tl.int32, is_pure=True, pack=1)
         return bits.to(tl.float32, bitcast=True)
     return (((words >> (4 * p)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
 

@@ -34,6 +34,17 @@ def half_inputs(device: str, m: int, k: int, n: int, seed: int = 1):
         yield dtype, torch.randn(m, k).to(device=device, dtype=dtype), torch.randn(n).to(device=device, dtype=dtype)
 
 
+def replayed(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn() captured in a CUDA graph, then replayed after ``x`` (what fn reads) is refilled in place with new standard
+    normal values: the graph's output, to compare with a reference computed from the new ``x``."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fn()
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    return captured
+
+
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref|| in float64 (NaN propagates, so a NaN output never passes)."""
     diff = (out.double().cpu() - ref.double().cpu()).norm()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_testing import TOLERANCE, half_inputs, relative_error
+from kernel_testing import TOLERANCE, half_inputs, relative_error, replayed
 
 from kernels import wna16, wna16_mma, wna16_mma_dense, wna16_mma_gemm
 from kernels.wna16 import (MMA_GEMM_KIND, MMA_GEMM_VARIANTS, WNA16Weight, dequantize, gemm_variants_for,
@@ -149,9 +149,5 @@ def test_dispatch_through_prepare_the_timing_and_a_cuda_graph(monkeypatch):
     weight = dequantize(stored, scale.half().float(), zero, 4).cuda().bfloat16().float()
     x = torch.randn(48, k, device="cuda", dtype=torch.bfloat16)
     assert relative_error(wna16_linear(x, prepared), x.float() @ weight.t()) < TOLERANCE[torch.bfloat16]
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = wna16_linear(x, prepared)
-    x.copy_(torch.randn_like(x))
-    graph.replay()
+    captured = replayed(lambda: wna16_linear(x, prepared), x)
     assert relative_error(captured, F.linear(x.float(), weight)) < TOLERANCE[torch.bfloat16]

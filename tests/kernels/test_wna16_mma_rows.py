@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_testing import TOLERANCE, half_inputs, relative_error
+from kernel_testing import TOLERANCE, half_inputs, relative_error, replayed
 
 from kernels import wna16, wna16_mma, wna16_mma_rows
 from kernels.wna16 import (DENSE, MMA_ROWS_KIND, ROWS_DEFAULT, ROWS_VARIANTS, WNA16Weight, dequantize, prepare_wna16,
@@ -139,11 +139,7 @@ def test_default_dispatch_through_prepare_and_a_cuda_graph(monkeypatch):
     x = torch.randn(48, k, device="cuda", dtype=torch.bfloat16)
     eager = wna16_linear(x, prepared)
     assert relative_error(eager, x.float() @ weight.t()) < TOLERANCE[torch.bfloat16]
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = wna16_linear(x, prepared)
-    x.copy_(torch.randn_like(x))
-    graph.replay()
+    captured = replayed(lambda: wna16_linear(x, prepared), x)
     assert relative_error(captured, F.linear(x.float(), weight)) < TOLERANCE[torch.bfloat16]
 
 
