@@ -28,7 +28,9 @@ def force_acceptance(proposer, state: dict, vocab: int) -> None:
     state["depth"], every other node a wrong token. state["truth"]: one list (prompt + continuation)
     for every sequence, or a dict {tuple(prompt): prompt + continuation}, a truth per prompt (a batch
     of different prompts: each row is forced to its own continuation, not row 0's; a prompt not in
-    it keeps the drafter's tokens). Past its truth's end a node keeps the drafter's token too."""
+    it keeps the drafter's tokens). Past its truth's end a node keeps the drafter's token too. Drafts
+    left on the device (engine/executor/speculative/device_drafts.py: placeholder ids) are not read
+    back here, which would wait for the drafting: a placeholder off the chain becomes a wrong token."""
     propose = proposer.propose
     memo = {}  # seq_id -> (the truths it was looked up in, its truth): one prompt lookup a sequence
 
@@ -57,7 +59,7 @@ def force_acceptance(proposer, state: dict, vocab: int) -> None:
                     extended.add(parent)
                     chain.add(i)
                     tokens[i] = true
-                elif tokens[i] == true:
+                elif tokens[i] == true or tokens[i] < 0:  # (< 0: a draft left on the device, made wrong unread)
                     tokens[i] = (true + 1) % vocab
         return drafts
     proposer.propose = forced

@@ -58,7 +58,7 @@ from engine.executor.runner import ForwardBatch, ModelRunner
 from engine.executor.sampler import build_sampling_metadata, sample
 from engine.executor.scheduler import Scheduler, SchedulerOutput
 from engine.executor.speculative import Verified, verify_batch
-from engine.executor.speculative.executor_drafts import propose_drafts
+from engine.executor.speculative.executor_drafts import propose_drafts, resolve_device_drafts
 from engine.executor.speculative.medusa_executor import last_rows
 from engine.executor.speculative.proposer import ProposerConfigError
 from engine.executor.speculative.start_proposer import start_proposer
@@ -189,7 +189,7 @@ class Executor(Admission, Finishing):
         self._in_flight: InFlightStep | None = None  # launched, tokens not read yet (engine/executor/overlap.py)
         self._last_step_finished = 0.0  # perf_counter() when the last step's tokens were read
         self._parity = 0  # which half of the sampled-token ring and pinned buffers the next step uses
-        self._pinned = pinned_token_buffers(self.runner.sampled_tokens.shape[0] // 2, self.runner.device)
+        self._pinned = pinned_token_buffers(self.runner.sampled_ring_slots // 2, self.runner.device)
         self._sync_request_ids: set[int] = set()  # active requests that need each step's tokens on the host
         self._responses = ResponseQueue()
         self._callback = response_callback
@@ -508,7 +508,7 @@ class Executor(Admission, Finishing):
         """Pack the plan (batch_packing.py): the batch, each scheduled sequence's logits rows, the
         rows that sample and the drafted sequences; this step's tokens go to the parity's ring half."""
         return pack_batch(plan, tokens_per_block=self.blocks.tokens_per_block, lora=self.adapters is not None,
-                          sampled_tokens_slot=self._parity * self.runner.sampled_tokens.shape[0] // 2,
+                          sampled_tokens_slot=self._parity * self.runner.sampled_ring_slots // 2,
                           state_slots=self.state_slots)
 
     def _sample(self, logits: torch.Tensor, sampling: list[tuple[Sequence, int]], batch: ForwardBatch,
@@ -592,6 +592,7 @@ class Executor(Admission, Finishing):
 
     def _verify(self, logits: torch.Tensor, drafted: list[tuple[Sequence, int, int]]) -> dict[int, Verified]:
         """Decide, per drafted sequence, which drafts the step keeps (applied when it finishes)."""
+        resolve_device_drafts(self.proposer, drafted)  # (drafts left on the device: their ids, now)
         return verify_batch([(seq, seq.draft_token_ids[:k], first) for seq, first, k in drafted], logits,
                             self.runner.vocab_size, self.config.normalize_log_probs)
 

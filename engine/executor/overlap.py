@@ -25,7 +25,9 @@ conditions. Consequences, all handled by the executor:
 
 Ring layout: ``sampled_tokens`` has 2 * max_batch_size slots; step k writes its i-th sampled
 row to slot (k % 2) * max_batch_size + i, so the step being read (k - 1) and the one being
-written (k) never share a slot.
+written (k) never share a slot. A proposer may add draft slots past the two halves
+(ModelRunner.add_draft_slots, engine/executor/speculative/device_drafts.py): drafts named by
+placeholders too, resolved the same way.
 """
 from __future__ import annotations
 

@@ -124,6 +124,7 @@ class ModelRunner:
         # Two steps' worth of sampled tokens (the one being read, the one being written), so the
         # next step's inputs can name them before they reach the host (engine/executor/overlap.py).
         self.sampled_tokens = torch.zeros(2 * self.build_config.max_batch_size, dtype=torch.int64, device=self.device)
+        self.sampled_ring_slots = self.sampled_tokens.shape[0]  # the two halves; draft slots follow (add_draft_slots)
         self.decode_graphs: DecodeGraphs | None = None  # captured by capture_cuda_graphs() on CUDA
         self.lora_pools: LoraPools | None = None  # enable_lora(): adapter slots on every adapted projection
         self.prefill_graphs: PrefillGraphs | None = None  # steps with prompt tokens (engine/executor/prefill_graphs.py)
@@ -133,6 +134,17 @@ class ModelRunner:
         # Tree methods (the executor sets it before the capture): rows of up to this many tokens verify
         # token trees through graphs of their own (engine/executor/prefill_graphs.py); 0: eagerly.
         self.tree_graph_width = 0
+
+    def add_draft_slots(self, count: int) -> int:
+        """Grow the sampled-token ring by ``count`` slots past its two halves -> the first of them. A
+        proposer leaves its drafts there, on the device, and names them in a step's drafts by
+        placeholder ids like sampled tokens (engine/executor/overlap.py), so the step is packed and
+        launched while the drafting still runs. Before capture_cuda_graphs: the graphs resolve
+        placeholders from the ring they captured."""
+        assert self.decode_graphs is None and self.prefill_graphs is None, "draft slots after the graphs' capture"
+        first = self.sampled_tokens.shape[0]
+        self.sampled_tokens = torch.cat([self.sampled_tokens, self.sampled_tokens.new_zeros(count)])
+        return first
 
     def tap_layers(self, layers: list[int]) -> LayerTaps:
         """Keep ``layers``' residual streams after every forward, graph replays included

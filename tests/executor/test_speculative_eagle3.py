@@ -378,6 +378,10 @@ def run_eagle_executor(tmp_path, tiny_engine, tiny_hf, device: str) -> dict:
             if dynamic:
                 continue
             proposer = executor.proposer
+            # the static tree's drafts stayed on the device until each verify step was launched (the ids
+            # above went through their placeholders): draft slots past the sampled-token ring's halves
+            slots = proposer.device_drafts.rows * len(proposer.plan.parents)
+            assert runner.sampled_tokens.shape[0] == runner.sampled_ring_slots + slots
             # the bench's forcing, two prompts in one batch, each forced to its own continuation
             # (a verify step that read one row's logits for another would leave it)
             full, other = (tiny_hf.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False)[0].tolist()

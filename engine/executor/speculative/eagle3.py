@@ -36,6 +36,7 @@ from safetensors.torch import load_file
 
 from engine.executor.layer_taps import LayerTaps
 from engine.executor.runner import ModelRunner
+from engine.executor.speculative.device_drafts import DeviceDrafts, device_drafts_enabled
 from engine.executor.speculative.eagle3_drafter import DraftCache, StaticPlan, draft_dynamic, draft_static
 from engine.executor.speculative.eagle3_graphs import StaticDraftGraphs, eagle_graphs_enabled
 from engine.executor.speculative.proposer import ProposerConfigError, draft_room
@@ -347,6 +348,12 @@ class Eagle3DraftProposer:
             device=runner.device, use_graphs=eagle_graphs_enabled())
         if self.graphs is not None:  # CUDA: every bucket up to the longest sequence, before the KV pool
             self.graphs.record_all(runner.build_config.max_seq_len, runner.build_config.max_batch_size)
+        # the windows' drafts stay on the device until the verify step is launched (device_drafts.py);
+        # the ring grows before the runner's graphs are captured (they read it), so not after
+        self.device_drafts = None
+        if (self.graphs is not None and device_drafts_enabled() and hasattr(runner, "add_draft_slots")
+                and runner.decode_graphs is None and runner.prefill_graphs is None):
+            self.device_drafts = DeviceDrafts(runner, runner.build_config.max_batch_size, len(self.plan.parents))
 
     def observe_batch(self, scheduled: list, verified: dict | None) -> None:
         rows = self.head.features(*self.taps.streams)
@@ -400,10 +407,20 @@ class Eagle3DraftProposer:
                 drafted = self.graphs.run(windowed[0][3], windowed[0][1].token_ids)[None]
             else:
                 drafted = self.graphs.run_batch([c for *_, c in windowed], [seq.token_ids for _, seq, _, _ in windowed])
-            for (i, seq, room, _), tokens in zip(windowed, drafted.tolist()):
+            rooms = [room for _, _, room, _ in windowed]
+            if self.device_drafts is not None and len(windowed) <= self.device_drafts.rows:
+                lists = self.device_drafts.place(drafted, rooms)  # placeholders: nothing waits for the replay
+            else:
+                lists = [tokens[:room] for tokens, room in zip(drafted.tolist(), rooms)]
+            for (i, seq, room, _), tokens in zip(windowed, lists):
                 seq.draft_parents, seq.draft_tree_keeps_law = self.plan.parents[:room], True
-                drafts[i] = tokens[:room]
+                drafts[i] = tokens
         return drafts
+
+    def resolve_drafts(self, ids: list[int]) -> list[int]:
+        """A sequence's drafts with the placeholders of drafts left on the device -> the ids (the
+        executor calls it once the verify step is launched: executor_drafts.resolve_device_drafts)."""
+        return ids if self.device_drafts is None else self.device_drafts.resolve(ids)
 
     def release(self, seq) -> None:
         self._caches.pop(seq.seq_id, None)

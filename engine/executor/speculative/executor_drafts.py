@@ -2,7 +2,8 @@
 
 ``attach_external_draft``: a request's own drafts (TensorRT-LLM's external draft tokens) ride with
 each sequence's first sampling chunk. ``propose_drafts``: the per-step proposer's drafts for every
-running sequence about to decode one token (``may_draft`` says which may). ``take_verified``: a
+running sequence about to decode one token (``may_draft`` says which may); ``resolve_device_drafts``:
+drafts a proposer left on the device come home once the verify step is launched. ``take_verified``: a
 verified sequence rolls back to its accepted tokens (the KV of rejected positions forgotten, blocks
 holding only rejected positions freed, a tree's accepted path queued for moving into place). The
 executor (engine/executor/executor.py, finishing.py) calls these; the rules that accept drafts are in
@@ -52,6 +53,16 @@ def propose_drafts(proposer: DraftProposer, running, max_draft_len: int, vocab_s
         if seq.state.request.prompt_table is not None:  # an n-gram may copy a prompt's image placeholders
             drafts = drafts[:next((i for i, t in enumerate(drafts) if t >= vocab_size), len(drafts))]
         seq.draft_token_ids = drafts
+
+
+def resolve_device_drafts(proposer: DraftProposer | None, drafted: list[tuple[Sequence, int, int]]) -> None:
+    """Drafts the proposer left on the device (speculative/device_drafts.py) come home: each drafted
+    sequence's placeholder ids become the drafted ids. After the verify step's launch, before verifying."""
+    resolve = getattr(proposer, "resolve_drafts", None)
+    if resolve is None:
+        return
+    for seq, _, _ in drafted:
+        seq.draft_token_ids = resolve(seq.draft_token_ids)
 
 
 def take_verified(item, verified: Verified, kv_moves: list, blocks: BlockManager, tokens_per_block: int) -> None:
