@@ -743,6 +743,31 @@ def _prefill_config(group: int, dim_pad: int, kv_itemsize: int) -> tuple[int, in
     return block_m, 64, 4, 2, 1
 
 
+def _short_step_config(group: int, dim_pad: int, kv_itemsize: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M rows, BLOCK_N keys, warps, stages) of a short step's split launch (a tree or chain verify
+    step: _short_step_splits). Its rows are the prefill tile's (a CUDA graph's tile map counts in them).
+
+    A bf16 / fp16 (or fp32) pool with heads up to 128 wide walks 32 keys at a time over 8 warps, 3
+    stages, not the prefill tile's 64 over 4 warps: with the split, the tree mask and the in-launch
+    rotary and KV write, the prefill tiling needs more than 255 registers a thread (Triton 3.9's
+    ptxas for sm_90, Llama-8B heads: 255 registers and 568 bytes of spills a thread, 416 without the
+    write; a prompt chunk's launch 228 and none), so the key walk went through local memory: a
+    batch-1 verify step's tree rows took 25 us a layer against the decode launch's 6 (H200,
+    2026-11-30). 8 warps of 64 x 32 take 218 and spill nothing (64 x 64 over 8 warps: 254, at the
+    edge); an fp32 pool's spills fall from 8,608 bytes a thread to 928. FP8 pools (128-row tiles)
+    and heads of 256 still spill in every tiling tried (8 or 16 warps, 16-64 keys) and keep the
+    prefill tiling.
+    $TRITONLLM_SHORT_STEP_TILING=prefill keeps it for every pool (an A/B switch, read at every call)."""
+    block_m, block_n, warps, stages, _ = _prefill_config(group, dim_pad, kv_itemsize)
+    if (kv_itemsize != 1 and dim_pad <= 128 and block_m == 64
+            and os.environ.get(SHORT_STEP_TILING_ENV) != "prefill"):
+        return block_m, 32, 8, 3
+    return block_m, block_n, warps, stages
+
+
+SHORT_STEP_TILING_ENV = "TRITONLLM_SHORT_STEP_TILING"
+
+
 # "0": decode tiles never read the pool through TMA descriptors; "all": every decode tiling that fits
 # in a page does (sweeps); else the rule of _decode_config. An A/B switch, read at every call.
 DECODE_TMA_ENV = "TRITONLLM_DECODE_TMA"
@@ -923,13 +948,14 @@ def paged_attention_triton(
     if splits > 1:
         # A short step (a tree or chain verify step, a small chunk): its keys split like a decode launch's,
         # then merged per token.
+        short_config = _short_step_config(group, dim_pad, kv_itemsize) + (splits,)
         if one_launch:
             # Few sequences can be in it: one launch over all, the one-token rows riding in prefill tiles.
-            launch(prefill_config[:4] + (splits,), grid, ALL_SEQS, tile_map=tile_map, decode_tiles=False)
+            launch(short_config, grid, ALL_SEQS, tile_map=tile_map, decode_tiles=False)
             return out
         # Possibly many one-token rows: they keep their decode launch, which runs after this one and so
         # overwrites the rows this launch's merge wrote for them from partials it never stored.
-        launch(prefill_config[:4] + (splits,), grid, MULTI_TOKEN, tile_map=tile_map)
+        launch(short_config, grid, MULTI_TOKEN, tile_map=tile_map)
     else:
         launch(prefill_config, grid, MULTI_TOKEN, tile_map=tile_map)
     launch(decode_config, (1, num_seqs, num_kv_heads), ONE_TOKEN, tile_map=False)
