@@ -261,7 +261,9 @@ MMA_GEMM_VARIANTS = tuple((block_n, block_m, warps, stages, split, MMA_GEMM_KIND
                           for block_n, block_m, warps, stages, split, block_k in (
                               (128, 64, 4, 3, 1, 128), (128, 64, 4, 3, 4, 128), (64, 64, 4, 3, 1, 128),
                               (64, 128, 4, 3, 1, 128), (128, 128, 8, 3, 2, 128), (128, 256, 8, 3, 1, 64),
-                              (256, 128, 8, 3, 1, 64), (64, 256, 4, 2, 1, 64))) + (
+                              (256, 128, 8, 3, 1, 64), (64, 256, 4, 2, 1, 64),
+                              # the narrow layers at 64 rows in more programs (o: 32 of 128 rows on 132 SMs)
+                              (64, 64, 4, 3, 4, 128), (64, 64, 4, 3, 8, 128))) + (
     # the same 256-row tiles with each step's dot issued before the next weight tile is dequantized (not measured)
     (128, 256, 8, 3, 1, MMA_GEMM_KIND, 64, 1, 2, 1), (64, 256, 4, 2, 1, MMA_GEMM_KIND, 64, 1, 2, 1))
 # The rows kernel lost to the GEMM on every shape at 64-256 rows in that sweep but for qkv / o at 64 rows (within
