@@ -9,7 +9,7 @@ that contradicts the model (more positions than it has) is an error naming both 
 
 writes ``config.json`` (EngineConfig), ``rank{r}.safetensors`` for every rank (tp_size x pp_size
 of them; ``--pp_size N`` splits the decoder layers into N pipeline stages, balanced by cost with
-the LM head on the last, or as ``--pp_layers 8,12,14,14`` says, engine/pipeline/layout.py), and the tokenizer files (so ``AutoTokenizer.from_pretrained(engine_dir)`` works).
+the LM head on the last and rank 0 on the first, or as ``--pp_layers 8,12,14,14`` says, engine/pipeline/layout.py), and the tokenizer files (so ``AutoTokenizer.from_pretrained(engine_dir)`` works).
 ``--quantization fp8`` stores the decoder blocks' linear weights (and experts) in FP8 E4M3 with
 per-output-channel scales (kernels/fp8.py); ``fp8_block`` with one scale per 128 x 128 block
 (kernels/fp8_block.py), the scheme block-FP8 checkpoints build with, their codes and scales kept.
@@ -531,7 +531,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(world size = tp_size x pp_size); Llama-family and MoE models")
     p.add_argument("--pp_layers", type=str, default=None,
                    help="layers per stage, comma-separated in stage order (e.g. 8,12,14,14); default: balanced by "
-                        "cost, the last stage's LM head counted (Llama-3.1-8B at pp 2: 17,15), recorded in config.json")
+                        "cost, the LM head on the last stage and rank 0's sampling on the first counted (uniform layers: "
+                        "even), recorded in config.json")
     p.add_argument("--max_seq_len", type=int, default=None,
                    help="longest sequence (prompt + output); default: the checkpoint's max_position_embeddings, "
                         f"at most {MAX_DEFAULT_SEQ_LEN}")

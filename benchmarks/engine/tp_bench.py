@@ -16,7 +16,7 @@ starts every rank itself, with the variables mpirun would set). Four phases, eac
    (prompt 128, 128 steps, argmax synced every step as a sampler would), then offline
    throughput through the in-flight-batching Executor (all requests enqueued at once).
 3. ``greedy_pp2`` / ``perf_pp2`` (not in the default ``--phases``): the same with two pipeline stages
-   (engine.build's split balanced by cost, 17 and 15 layers of this shape, or ``--pp_layers``;
+   (engine.build's split balanced by cost, 16 and 16 layers of this shape, or ``--pp_layers``;
    engine/pipeline; each stage replays its own decode graphs; micro-batches per step chosen per
    step, or fixed by ``$TRITONLLM_PP_MICRO_BATCHES``). Each perf phase also reports its KV pool
    (``kv_tokens``: tokens of every layer it holds; a stage holds half the layers, so the pool grows).
@@ -619,7 +619,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                              f"pipeline stages: {','.join(PP_PHASES)})")
     parser.add_argument("--phase_timeout", type=float, default=240, help="seconds per phase (4 phases)")
     parser.add_argument("--pp_layers", default=None,
-                        help="the PP phases' layers per stage, e.g. 16,16 (engine.build's --pp_layers; default: its split "
+                        help="the PP phases' layers per stage, e.g. 14,18 (engine.build's --pp_layers; default: its split "
                              "balanced by cost)")
     parser.add_argument("--perf_sections", default=",".join(PERF_SECTIONS),
                         help=f"what the perf phases measure after their warm-up, comma list of {','.join(PERF_SECTIONS)} "

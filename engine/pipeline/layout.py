@@ -6,8 +6,8 @@ consecutive and the leader (rank 0) is tensor-parallel rank 0 of the first stage
 Split: engine.config.pipeline_layer_counts reads an engine's list (an explicit one such as
 ``8,12,14,14``, vLLM's ``VLLM_PP_LAYER_PARTITION`` form, with ``--pp_layers``; an engine without one
 was split evenly). Without ``--pp_layers`` the build records ``balanced_pp_layers``: the split that
-evens out the stages' time per step, the last stage's LM head counted (Llama-3.1-8B at pp 2: 17,15,
-its head costing about 2.4 layers; at pp 4: 8,9,9,6).
+evens out the stages' time per step, the last stage's LM head and rank 0's work on the first counted
+(for uniform layers, as in Llama-3.1-8B, the even split; layers of unequal cost are balanced).
 
 Rank files: ``rank{r}.safetensors`` holds stage s's part of tensor-parallel rank t's weights
 (r = s * tp_size + t): its layers renumbered from 0 (the index into its own KV pool), the
@@ -65,23 +65,31 @@ def parse_pp_layers(text: str | None) -> list[int] | None:
 def balanced_pp_layers(model: ModelConfig, build: BuildConfig) -> list[int]:
     """The layers per stage engine.build records when ``--pp_layers`` is not given: the split whose
     slowest stage is fastest by engine/pipeline/step_cost.py's stage_costs (at full decode steps;
-    steps in flight run at the pace of the slowest stage). ConfigError where pp_size exceeds the layers."""
+    steps in flight run at the pace of the slowest stage). ConfigError where pp_size exceeds the layers.
+
+    The last stage holds the LM head; the first holds rank 0, which samples every row from the float32
+    logits and runs the executor's step for the whole pipeline, charged here as much as the head. Why
+    not less: on two H200s (session 18, Llama-3.1-8B, 256-sequence decode steps in flight) the first
+    stage set the pace, not the head's: 16,16 stepped every 5.95 ms, 17,15 6.15 (its steps waiting on
+    their sends) and 18,14 6.31, where the head alone (2.4 layers) would have made 17,15 the fastest."""
     pipeline_layer_counts(model.num_layers, build.pp_size)  # (the named error for a pp_size too large)
     layer_costs, head = stage_costs(model, build)
-    return balanced_layer_counts(layer_costs, build.pp_size, last_extra=head)
+    return balanced_layer_counts(layer_costs, build.pp_size, first_extra=head, last_extra=head)
 
 
-def balanced_layer_counts(layer_costs: list[float], pp_size: int, *, last_extra: float = 0.0) -> list[int]:
+def balanced_layer_counts(layer_costs: list[float], pp_size: int, *, first_extra: float = 0.0,
+                          last_extra: float = 0.0) -> list[int]:
     """Contiguous runs of the layers, one per stage and at least one layer each, that make the
-    costliest stage cheapest; a stage costs its layers' ``layer_costs``, the last one ``last_extra``
-    more. Of the splits with that least costliest stage, the later stages take as many layers as
-    they can: rank 0, on the first stage, also samples and runs the host's step, which the costs
-    leave out (equal layers and no extra: 32 over 3 gives 10, 11, 11)."""
+    costliest stage cheapest; a stage costs its layers' ``layer_costs``, the first one ``first_extra``
+    more and the last one ``last_extra`` more. Of the splits with that least costliest stage, the later
+    stages take as many layers as they can (rank 0's host work, on the first stage, is beyond any
+    cost here; equal layers and no extras: 32 over 3 gives 10, 11, 11)."""
     n = len(layer_costs)
     prefix = [0.0, *accumulate(layer_costs)]
 
     def cost(stage: int, start: int, end: int) -> float:  # layers [start, end) as ``stage``
-        return prefix[end] - prefix[start] + (last_extra if stage == pp_size - 1 else 0.0)
+        return (prefix[end] - prefix[start] + (first_extra if stage == 0 else 0.0)
+                + (last_extra if stage == pp_size - 1 else 0.0))
 
     # least[s][k]: the least costliest stage of layers [0, k) over stages 0..s (inf: too few layers)
     inf = float("inf")

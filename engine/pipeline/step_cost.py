@@ -54,8 +54,8 @@ class StepCost:
     # at pp 2: 0.15: the last stage is the slower one), and STEP_OVERHEAD_S in the same unit
     head: float = 0.0
     step_overhead: float = 0.0
-    # (in_flight_gain only) each stage's layers over a stage's mean, in stage order (engine.build's
-    # split balanced by cost: 17,15 of the 8B shape -> 1.0625, 0.9375); empty: the even split
+    # (in_flight_gain only) each stage's layers over a stage's mean, in stage order (an uneven
+    # split: 17,15 of the 8B shape -> 1.0625, 0.9375); empty: the even split
     layer_shares: tuple[float, ...] = ()
 
     @classmethod
