@@ -4,12 +4,13 @@
         [--max-seq-len 736] [--tilings short,prefill] [--out tree_attention.json] [--markdown FILE]
 
 Llama-3.1-8B's attention shape (32 query heads, 8 KV heads of 128, bf16, 32-token pages in the
-runner's head-major pool): one sequence of ``--context`` cached tokens verifies a tree of N nodes
-(a chain's first node under the root, every other node a child of a random earlier one) through
-kernels/triton_attention.py's short-step launch as a tree CUDA graph replays it (tile map, the
-graph's ``--max-seq-len`` as max_context_len, keys split). 15 nodes (16 tokens: one query tile a KV
-head) pass q and k unrotated (the launch rotates and writes the new K/V, short_step_appends), as the
-executor's 16-token bucket does; more nodes write their K/V before the launch. The decode step is the
+runner's head-major pool): one sequence of ``--context`` cached tokens verifies a tree of N drafted
+nodes, N + 1 tokens with the root (the first node under the root, every other one a child of a random
+earlier one) through kernels/triton_attention.py's short-step launch as a tree CUDA graph replays it
+(tile map, the graph's ``--max-seq-len`` as max_context_len, keys split). 15 nodes (16 tokens: one
+query tile a KV head) pass q and k unrotated (the launch rotates and writes the new K/V,
+short_step_appends), as tree_bench's 16-token bucket does; more nodes write their K/V before the
+launch. The decode step is the
 one-token launch with its rotary and KV write, split as a decode graph captures it. Each form is
 recorded in a CUDA graph of 20 launches (the kernels are a few microseconds: launched from Python,
 the launch would be what is timed), replayed 20 times between two events: us per launch.
@@ -31,39 +32,41 @@ import torch
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 32
 
 
-def make_step(nodes: int, context: int, max_seq_len: int, device: torch.device):
-    """-> (q, new_kv, k_cache, v_cache, meta) of one sequence verifying ``nodes`` tokens after ``context``."""
+def make_step(tokens: int, context: int, max_seq_len: int, device: torch.device):
+    """-> (q, new_kv, k_cache, v_cache, meta) of one sequence verifying ``tokens`` tokens (the root and
+    tokens - 1 drafted nodes; 1: a decode step) after ``context``."""
     from engine.executor.prefill_graphs import tile_map
     from engine.executor.tree_batch import tree_mask
     from kernels.attention_metadata import AttentionMetadata
     from kernels.rotary import build_cos_sin_cache
     from kernels.triton_attention import prefill_tokens_per_tile
 
-    total = context + nodes
+    total = context + tokens
     blocks = -(-max_seq_len // PAGE) + 1
     gen = torch.Generator(device="cpu").manual_seed(0)
     k_cache = torch.randn(blocks, KV_HEADS, PAGE, HEAD_DIM, generator=gen).to(torch.bfloat16).to(device).transpose(1, 2)
     v_cache = torch.randn(blocks, KV_HEADS, PAGE, HEAD_DIM, generator=gen).to(torch.bfloat16).to(device).transpose(1, 2)
     table = torch.arange(1, blocks, dtype=torch.int32, device=device)[None]  # block 0 left unused
-    q = torch.randn(nodes, HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16).to(device)
-    k = torch.randn(nodes, KV_HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16).to(device)
-    v = torch.randn(nodes, KV_HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16).to(device)
-    rng = random.Random(nodes)
-    parents = [-1, 0] + [rng.randrange(0, j) for j in range(2, nodes)]
-    depth = [0] * nodes
-    for i in range(1, nodes):
+    q = torch.randn(tokens, HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16).to(device)
+    k = torch.randn(tokens, KV_HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16).to(device)
+    v = torch.randn(tokens, KV_HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16).to(device)
+    rng = random.Random(tokens)
+    parents = [-1, 0] + [rng.randrange(0, j) for j in range(2, tokens)]
+    depth = [0] * tokens
+    for i in range(1, tokens):
         depth[i] = depth[parents[i]] + 1
     positions = torch.tensor([context + d for d in depth], device=device)
     slots = torch.tensor([(1 + p // PAGE) * PAGE + p % PAGE for p in range(context, total)], device=device)
     per_tile = prefill_tokens_per_tile(HEADS // KV_HEADS, HEAD_DIM)
-    tile_seq, tile_m = tile_map([nodes], per_tile, -(-nodes // per_tile) + 1)
+    tile_seq, tile_m = tile_map([tokens], per_tile, -(-tokens // per_tile) + 1)
     meta = AttentionMetadata(
-        slot_mapping=slots, block_tables=table, cu_seqlens_q=torch.tensor([0, nodes], dtype=torch.int32, device=device),
-        context_lens=torch.tensor([total], dtype=torch.int32, device=device), max_seqlen_q=nodes,
-        max_context_len=max_seq_len, is_decode_only=nodes == 1,
-        tree_mask=tree_mask([nodes], [parents]).to(device) if nodes > 1 else None,
-        tile_seq=torch.from_numpy(tile_seq).to(device) if nodes > 1 else None,
-        tile_m=torch.from_numpy(tile_m).to(device) if nodes > 1 else None)
+        slot_mapping=slots, block_tables=table,
+        cu_seqlens_q=torch.tensor([0, tokens], dtype=torch.int32, device=device),
+        context_lens=torch.tensor([total], dtype=torch.int32, device=device), max_seqlen_q=tokens,
+        max_context_len=max_seq_len, is_decode_only=tokens == 1,
+        tree_mask=tree_mask([tokens], [parents]).to(device) if tokens > 1 else None,
+        tile_seq=torch.from_numpy(tile_seq).to(device) if tokens > 1 else None,
+        tile_m=torch.from_numpy(tile_m).to(device) if tokens > 1 else None)
     cos_sin = build_cos_sin_cache(max_seq_len + 64, HEAD_DIM, 500000.0, device=device)
     return q, (k, v, positions, cos_sin), k_cache, v_cache, meta
 
@@ -96,11 +99,11 @@ def time_us(step, launches: int = 20, replays: int = 20) -> float:
     return start.elapsed_time(end) * 1e3 / (launches * replays)
 
 
-def measure(nodes: int, tiling: str, args, device: torch.device) -> float:
+def measure(tokens: int, tiling: str, args, device: torch.device) -> float:
     from kernels.triton_attention import SHORT_STEP_TILING_ENV, paged_attention_triton, short_step_appends
     from kernels.triton_attention import write_kv_cache_triton
 
-    q, new_kv, k_cache, v_cache, meta = make_step(nodes, args.context, args.max_seq_len, device)
+    q, new_kv, k_cache, v_cache, meta = make_step(tokens, args.context, args.max_seq_len, device)
     scale = HEAD_DIM ** -0.5
     os.environ.pop(SHORT_STEP_TILING_ENV, None)
     if tiling == "prefill":
@@ -130,11 +133,11 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: TRITON_INTERPRET=1, a smoke run
     decode = measure(1, "short", args, device)
-    rows = [{"nodes": 1, "tiling": "decode", "us": round(decode, 2), "ratio": 1.0}]
+    rows = [{"nodes": 0, "tiling": "decode", "us": round(decode, 2), "ratio": 1.0}]
     print(f"decode launch: {decode:.2f} us", flush=True)
     for nodes in [int(n) for n in args.nodes.split(",")]:
         for tiling in args.tilings.split(","):
-            us = measure(nodes, tiling, args, device)
+            us = measure(nodes + 1, tiling, args, device)  # the root's token and the drafted nodes'
             rows.append({"nodes": nodes, "tiling": tiling, "us": round(us, 2), "ratio": round(us / decode, 2)})
             print(f"{nodes} nodes, {tiling} tiling: {us:.2f} us ({us / decode:.2f}x decode)", flush=True)
     lines = [f"`python benchmarks/kernels/tree_attention_bench.py --nodes {args.nodes} --context {args.context} "
