@@ -458,7 +458,7 @@ def bench_offline(args, ex, config, encode, encoder, encoder_config, grid, num_r
             if fp8 is not None and fp8 not in fp8_towers:
                 fp8_towers[fp8] = quantize_tower_linears(copy.deepcopy(encoder), FP8_TOWER_SCOPES[fp8])
                 entry[f"{fp8}_cosines"] = fp8_cosines(encoder, fp8_towers[fp8], grid, args.device, fp8)
-            queue_run(f"image_{variant}", TOWER_PRIORITY, seed=30 + 2 * i, warm_seed=31 + 2 * i, warm_tokens=None,
+            queue_run(variant_run_name(variant, i, args.offline_variants), TOWER_PRIORITY, seed=30 + 2 * i, warm_seed=31 + 2 * i, warm_tokens=None,
                       tower=fp8_towers.get(fp8), first_images=args.encode_batch if "first-full" in parts else 8)
         except Exception as error:  # (a Triton compile error is no RuntimeError)
             entry.setdefault("variant_errors", {})[variant] = repr(error)[:300]
@@ -737,7 +737,9 @@ def markdown(results: dict) -> str:
         # (the default run's A/B rows first: other batches, one change each)
         variants = {**{f"image_b{batch}": f"the same through a queue of {batch} images a forward at most"
                        for batch in o.get("also_encode_batches", [])},
-                    **{f"image_{v}": offline_variant_label(v, o) for v in o.get("offline_variants", [])}, **variants}
+                    **{variant_run_name(v, i, o.get("offline_variants", [])): offline_variant_label(v, o)
+                       + (" (again)" if o["offline_variants"][:i].count(v) else "")
+                       for i, v in enumerate(o.get("offline_variants", []))}, **variants}
         for variant, error in (o.get("variant_errors") or {}).items():
             lines.append(f"| the same, {variant} | failed: {error[:160]} | - | - |")
         for kind, label in variants.items():
@@ -750,7 +752,7 @@ def markdown(results: dict) -> str:
             lines.append(f"| the same against transformers' generate | {o['image']['output_tok_s']:.0f} | {hf} | "
                          f"{o['vs_hf']:.2f}x (>= {GOALS['offline_vs_hf']:.0f}x) |")
         for kind in ("image", "image_equal_priority", *(f"image_b{b}" for b in o.get("also_encode_batches", [])),
-                     *(f"image_{v}" for v in o.get("offline_variants", [])),
+                     *(variant_run_name(v, i, o.get("offline_variants", [])) for i, v in enumerate(o.get("offline_variants", []))),
                      "image_executor_stream", "image_tables_ready", "text"):
             if kind not in o:
                 continue
@@ -782,6 +784,13 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def variant_run_name(variant: str, index: int, variants: list[str]) -> str:
+    """The run name of ``variants[index]``: image_<variant>, then image_<variant>_2, _3, ... when it is repeated
+    (a variant twice in one process: its spread beside the default's)."""
+    repeat = variants[:index].count(variant)
+    return f"image_{variant}" + (f"_{repeat + 1}" if repeat else "")
+
+
 def offline_variant_label(variant: str, o: dict) -> str:
     cosine = ("(engine/vision/tower_fp8.py; its rows' cosine to the unquantized tower's: min {min:.4f}, mean {mean:.4f} "
               "over {images} images)")
@@ -808,7 +817,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--also-encode-batches", default="", help="offline: the encode-queue run again at each of these "
                    "batches (comma-separated), in the same process (runs image_b<N>, after the equal-priority one)")
     p.add_argument("--offline-variants", default="", help="offline: the encode-queue run again with each change "
-                   f"(comma-separated; each one of {', '.join(OFFLINE_VARIANTS)} or several joined by '+'), same process")
+                   f"(comma-separated; each one of {', '.join(OFFLINE_VARIANTS)} or several joined by '+'; one named "
+                   "twice runs twice), same process")
     p.add_argument("--ttft-runs", type=int, default=None, help="TTFT repetitions (default 5; CPU 2)")
     p.add_argument("--hf-batches", default=None, help="transformers batch sizes (default 128; CPU 2; \"\": none)")
     p.add_argument("--unpadded-mlp", action="store_true", help="keep the tower's MLP width as the checkpoint's "
