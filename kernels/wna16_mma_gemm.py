@@ -14,9 +14,10 @@ multiplies it with tl.dot, which Triton lowers to wgmma with x's tiles brought i
 its software pipeline (num_stages). The dequantization is paid once per BLOCK_M rows.
 
 Two operand orders (``w_first``): out_tile = dot(x (BLOCK_M, BLOCK_K), w.T), the weight the dot's B
-operand (Triton stores it to shared memory, where wgmma reads B); or out_tile.T = dot(w, x.T), the
-weight the A operand, which wgmma may read from registers. Which is faster is a question for the GPU
-(benchmarks/quantization/wna16_gemm_sweep.py).
+operand (Triton stores it to shared memory, where wgmma reads B: 64 STS.U16 a 128 x 128 step on sm_90);
+or out_tile.T = dot(w, x.T), the weight the A operand, which wgmma reads from registers (no store). The
+second won on every Llama-8B shape and M = 64-512 on an H200 (2026-11-30, benchmarks/results/quantization.md,
+by benchmarks/quantization/wna16_gemm_sweep.py): the engine's tilings all take it.
 
 Split-K (``split_k``) for the narrow layers, where N / BLOCK_N programs do not fill the GPU:
 kernels/wna16_layout.finish_tile's scheme (float32 partial sums, added in split order by the tile's
