@@ -169,9 +169,13 @@ TOWER_VARIANTS = {"fused": {}, "unfused": {qwen2_vl.UNFUSED_ENV: "1"},
                   **{f"window-sdpa-{name}": {qwen2_vl.WINDOW_SDPA_ENV: name} for name in qwen2_vl.SDPA_BACKENDS},
                   "fp8": {TOWER_FP8_ENV: "1"}, "fp8-mlp": {TOWER_FP8_ENV: "mlp"}}
 # --offline-variants: queue runs of the offline section changed in one way each, "+" joins them. fp8-tower: the
-# tower's linears in E4M3 (engine/vision/tower_fp8.py), fp8-mlp-tower: its MLPs' only; first-full: the queue's first forward takes the whole
+# tower's linears in E4M3 (engine/vision/tower_fp8.py), fp8-mlp-tower: its MLPs' only; flash-attn: the tower's
+# attention on flash (TRITONLLM_TOWER_SDPA=flash: no per-shape plan); first-odd: the timed run's first forward takes
+# 5 images (then 32, 32, 32, 27: image counts the untimed round did not make, as when a burst's first requests beat the
+# rest to the queue; call 14's stalled runs had 4-5, then 27-28); first-full: the queue's first forward takes the whole
 # batch (not 8 images), so the executor's first step is a full one
-OFFLINE_VARIANTS = ("fp8-tower", "fp8-mlp-tower", "first-full")
+OFFLINE_VARIANTS = ("fp8-tower", "fp8-mlp-tower", "flash-attn", "first-odd", "first-full")
+ODD_FIRST_IMAGES = 5
 FP8_TOWER_SCOPES = {"fp8-tower": "all", "fp8-mlp-tower": "mlp"}  # (engine/vision/tower_fp8.py FP8_SCOPES)
 
 
@@ -409,7 +413,8 @@ def bench_offline(args, ex, config, encode, encoder, encoder_config, grid, num_r
                 "slow_decode_steps": slow_decode_steps(ex, since), "first_steps": first_steps(ex, since)}
 
     def queue_run(name: str, priority: int, seed: int, warm_seed: int, warm_tokens: int | None,
-                  max_images: int | None = None, tower=None, first_images: int = 8) -> None:
+                  max_images: int | None = None, tower=None, first_images: int = 8, timed_first_images: int | None = None,
+                  environment: dict | None = None) -> None:
         queue = ImageEncodeQueue(tower or encoder, args.device, max_images=max_images or args.encode_batch,
                                  first_images=first_images, priority=priority)
         try:
@@ -426,9 +431,11 @@ def bench_offline(args, ex, config, encode, encoder, encoder_config, grid, num_r
                 with load_phase(f"untimed encode-queue round ({args.requests} requests, {warm_tokens} output tokens)",
                                 args.device):
                     through_queue(args, ex, queue, config, encoder_config, grid, prompts, warm, vocab, warm_tokens)
-            entry[name] = progress(name, through_queue(
-                args, ex, queue, config, encoder_config, grid, prompts,
-                random_patches([grid] * args.requests, args.device, seed=seed), vocab, args.output_len))
+            queue.first_images = timed_first_images or queue.first_images
+            with environment_set(environment or {}):  # (read per forward: engine/vision/qwen2_vl.py sdpa_backend)
+                entry[name] = progress(name, through_queue(
+                    args, ex, queue, config, encoder_config, grid, prompts,
+                    random_patches([grid] * args.requests, args.device, seed=seed), vocab, args.output_len))
             entry.setdefault("first_images", queue.first_images)
         finally:
             queue.close()
@@ -459,7 +466,9 @@ def bench_offline(args, ex, config, encode, encoder, encoder_config, grid, num_r
                 fp8_towers[fp8] = quantize_tower_linears(copy.deepcopy(encoder), FP8_TOWER_SCOPES[fp8])
                 entry[f"{fp8}_cosines"] = fp8_cosines(encoder, fp8_towers[fp8], grid, args.device, fp8)
             queue_run(variant_run_name(variant, i, args.offline_variants), TOWER_PRIORITY, seed=30 + 2 * i, warm_seed=31 + 2 * i, warm_tokens=None,
-                      tower=fp8_towers.get(fp8), first_images=args.encode_batch if "first-full" in parts else 8)
+                      tower=fp8_towers.get(fp8), first_images=args.encode_batch if "first-full" in parts else 8,
+                      timed_first_images=ODD_FIRST_IMAGES if "first-odd" in parts else None,
+                      environment={qwen2_vl.SDPA_ENV: "flash"} if "flash-attn" in parts else None)
         except Exception as error:  # (a Triton compile error is no RuntimeError)
             entry.setdefault("variant_errors", {})[variant] = repr(error)[:300]
             print(f"offline variant {variant} failed: {error!r}", file=sys.stderr, flush=True)
@@ -795,7 +804,9 @@ def offline_variant_label(variant: str, o: dict) -> str:
     cosine = ("(engine/vision/tower_fp8.py; its rows' cosine to the unquantized tower's: min {min:.4f}, mean {mean:.4f} "
               "over {images} images)")
     labels = {"fp8-tower": "the tower's linears in FP8 " + cosine, "fp8-mlp-tower": "the tower's MLP linears in FP8 " + cosine,
-              "first-full": f"the queue's first forward {o['encode_batch']} images, not 8"}
+              "first-full": f"the queue's first forward {o['encode_batch']} images, not 8",
+              "flash-attn": "the tower's attention on flash (TRITONLLM_TOWER_SDPA=flash)",
+              "first-odd": f"the first forward {ODD_FIRST_IMAGES} images (counts the untimed round did not make)"}
     unknown = {"min": float("nan"), "mean": float("nan"), "images": 0}
     return "the same, " + " and ".join(labels[part].format(**(o.get(f"{part}_cosines") or unknown))
                                        for part in variant.split("+"))
