@@ -1,6 +1,7 @@
 """gRPC streaming with tritonclient: incremental tokens, FINAL last, batch_index, cancellation."""
 import queue
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -86,9 +87,9 @@ def test_tokens_arrive_incrementally_with_final_last(triton_server, model):
 @pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
 def test_two_prompts_in_one_request_come_back_with_batch_index(triton_server, model):
     questions = ["What is the capital of France?", "What is the capital of Germany?"]
-    expected = [triton_server.generate("ensemble", {"text_input": chat(q), "max_tokens": 16,
-                                                     "exclude_input_in_output": True}).json()["text_output"]
-                for q in questions]
+    with ThreadPoolExecutor(max_workers=2) as pool:  # each prompt as a request of its own, both sent at once
+        expected = list(pool.map(lambda q: triton_server.generate("ensemble", {
+            "text_input": chat(q), "max_tokens": 16, "exclude_input_in_output": True}).json()["text_output"], questions))
     stream = Stream(triton_server)
     try:
         stream.send(model, text_inputs([chat(q) for q in questions], 16),

@@ -152,11 +152,14 @@ GRAMMARS = [
 
 
 def test_ebnf_grammar_outputs_fullmatch(triton_server):
-    for grammar, pattern, question in GRAMMARS:
-        for extra in ({}, {**SAMPLING, "seed": 3}):
-            status, reply = generate(triton_server, guided_body(question, "ebnf_grammar", grammar, **extra))
-            assert status == 200, reply
-            assert re.fullmatch(pattern, reply["text_output"]), (grammar, reply["text_output"])
+    """Each grammar greedy and sampled, the six requests at once (one batch: they wait on each other no more)."""
+    cases = [(grammar, pattern, guided_body(question, "ebnf_grammar", grammar, **extra))
+             for grammar, pattern, question in GRAMMARS for extra in ({}, {**SAMPLING, "seed": 3})]
+    with ThreadPoolExecutor(max_workers=len(cases)) as pool:
+        replies = list(pool.map(lambda case: generate(triton_server, case[2]), cases))
+    for (grammar, pattern, _), (status, reply) in zip(cases, replies):
+        assert status == 200, reply
+        assert re.fullmatch(pattern, reply["text_output"]), (grammar, reply["text_output"])
 
 
 def test_json_gives_parseable_json(triton_server):
@@ -211,14 +214,18 @@ def test_bad_guides_fail_their_own_request_and_the_server_keeps_serving(triton_s
 
 
 def test_the_bls_constrains_like_the_ensemble(triton_server):
+    """A schema greedy and sampled, and a streamed regex, through the BLS: the three requests at once."""
     schema = SCHEMAS["person"]
-    for extra in ({}, {**SAMPLING, "seed": 11}):
-        body = guided_body("Describe Alice as JSON.", "json_schema", json.dumps(schema), **extra)
-        status, reply = generate(triton_server, body, "tensorrt_llm_bls")
+    bodies = [guided_body("Describe Alice as JSON.", "json_schema", json.dumps(schema), **extra)
+              for extra in ({}, {**SAMPLING, "seed": 11})]
+    streamed = guided_body("Make up a phone number.", "regex", r"\d{3}-\d{4}", stream=True)
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        stream_text = pool.submit(streamed_text, triton_server, streamed, "tensorrt_llm_bls")
+        replies = list(pool.map(lambda body: generate(triton_server, body, "tensorrt_llm_bls"), bodies))
+    for status, reply in replies:
         assert status == 200, reply
         jsonschema.validate(json.loads(reply["text_output"]), schema)
-    body = guided_body("Make up a phone number.", "regex", r"\d{3}-\d{4}", stream=True)
-    assert re.fullmatch(r"\d{3}-\d{4}", streamed_text(triton_server, body, "tensorrt_llm_bls"))
+    assert re.fullmatch(r"\d{3}-\d{4}", stream_text.result())
 
 
 def test_the_references_documented_curl_call(triton_server):
