@@ -42,30 +42,31 @@ def test_prompt_is_echoed_unless_excluded(triton_server):
     assert "What is the capital of France?" in text and text.endswith(EXPECTED)
 
 
-@pytest.mark.parametrize("model", MODELS)
-@pytest.mark.parametrize("stream", [False, True])
-def test_stop_words_end_generation(triton_server, model, stream):
-    # " Paris" is the generated token (with its space): a token-level stop, kept in the output.
-    body = france(stop_words=[" Paris", "never said"], stream=stream)
-    if stream:
-        text = "".join(c["text_output"] for c in stream_chunks(triton_server.generate(model, body, stream=True)))
-    else:
-        response = triton_server.generate(model, body)
+def unary_and_streamed_texts(server, model, body) -> list[str]:
+    """The text of ``body`` sent unary and streamed (the deltas joined), the two requests at once."""
+    def unary():
+        response = server.generate(model, body)
         assert response.status_code == 200, response.text
-        text = response.json()["text_output"]
-    assert text == "The capital of France is Paris"
+        return response.json()["text_output"]
+
+    def streamed():
+        return "".join(c["text_output"] for c in stream_chunks(server.generate(model, {**body, "stream": True},
+                                                                               stream=True)))
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return [future.result() for future in [pool.submit(unary), pool.submit(streamed)]]
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_bls_string_stop_words_cut_inside_tokens(triton_server, stream):
+@pytest.mark.parametrize("model", MODELS)
+def test_stop_words_end_generation(triton_server, model):
+    # " Paris" is the generated token (with its space): a token-level stop, kept in the output.
+    texts = unary_and_streamed_texts(triton_server, model, france(stop_words=[" Paris", "never said"]))
+    assert texts == ["The capital of France is Paris"] * 2
+
+
+def test_bls_string_stop_words_cut_inside_tokens(triton_server):
     # "is Par" matches no token sequence; the BLS's string check still cuts right after it.
-    body = france(stop_words=["is Par"], stream=stream)
-    if stream:
-        chunks = stream_chunks(triton_server.generate("tensorrt_llm_bls", body, stream=True))
-        text = "".join(c["text_output"] for c in chunks)
-    else:
-        text = triton_server.generate("tensorrt_llm_bls", body).json()["text_output"]
-    assert text == "The capital of France is Par"
+    texts = unary_and_streamed_texts(triton_server, "tensorrt_llm_bls", france(stop_words=["is Par"]))
+    assert texts == ["The capital of France is Par"] * 2
 
 
 def test_perf_metrics_are_returned_on_request(triton_server):
