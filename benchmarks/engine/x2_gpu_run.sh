@@ -4,7 +4,7 @@
 # its KV transfer, the checks that need two GPUs, and the one-GPU runs still waiting, two at a time
 # (CUDA_VISIBLE_DEVICES=0 and =1) after the two-GPU work of the same call, never beside it.
 #
-#   bash benchmarks/engine/x2_gpu_run.sh CALL [OUT]        CALL 1 to 14; OUT default $OUT
+#   bash benchmarks/engine/x2_gpu_run.sh CALL [OUT]        CALL 1 to 15; OUT default $OUT
 #   SMOKE=1 bash benchmarks/engine/x2_gpu_run.sh CALL DIR  the same flow on the CPU with the tiny model
 #                                                         (the one-GPU jobs are only printed)
 #
@@ -19,14 +19,14 @@
 # 5, 6 session 16's retries (run). 7 (~250 s on two GPUs, ~450 s with LANES=1) session 17's one-GPU jobs in two lanes (LANES=1 on one GPU);
 #    8 (~270 s) the KV pull and NIXL GPU tests, PP 2 with stage graphs and with two steps in flight;
 #    9 (~430 s) disagg_bench at 6 and 10 req/s, then with the context executor in its own process.
-# 10-12 session 17's later calls, 13-14 session 18's (each case's comment says what it runs and how long).
+# 10-12 session 17's later calls, 13-15 session 18's (each case's comment says what it runs and how long).
 #
 # Everything goes to /tmp/x2_call$CALL; at the end OUT gets call$CALL.tgz (all logs and JSON), summary.txt (what
 # this script printed) and the markdown tables (at most 8 files come back from a call). The console ends with
 # each job's exit status and its result lines, so the call's output_tail alone is enough to read.
 set -u
 script=$(realpath "$0")
-call=${1:?usage: x2_gpu_run.sh 1-14 [OUT]}
+call=${1:?usage: x2_gpu_run.sh 1-15 [OUT]}
 out=$(realpath -m "${2:-${OUT:-/tmp/x2_gpu_run}}")
 mkdir -p "$out"
 if [ -z "${X2_UNDER_TEE:-}" ]; then  # the console also in $out/summary.txt, complete when the call returns
@@ -337,7 +337,45 @@ case $call in
   grep -E "compiled in|budget|Error|Traceback" $w/int4_sweep.log | head -8
   echo "== vlm48"; grep -E "^offline|^encoder|failed|Error|Traceback" $w/vlm48_r1.log $w/vlm48_r2.log | cut -c1-600
   ;;
-*) echo "x2_gpu_run.sh: CALL must be 1 to 14, got '$call'"; exit 2 ;;
+15)
+  # Session 18's third call (~450 s). Two GPUs: pp50 (TP 1 and PP 2 at the default split, then 14,18). Then GPU 0:
+  # eagle56 (tree attention and EAGLE-3 GPU tests, the tree rows' attention bench, tree_bench with PDL off and on),
+  # int4rows52's bf16 reference; GPU 1: vlm48's stall A/B, int4rows52's second sweep and INT4 engine decode, then
+  # the GPU tests of the files this session changed.
+  W=$w
+  mkdir -p $W/pp50 $W/int4rows52b
+  P=(benchmarks/engine/tp_bench.py --max_batch_size 256 --offline 128x128x1024 --perf_sections offline)
+  job pp_default 110 "$PYTHON" "${P[@]}" --phases perf_tp1,perf_pp2 --phase_timeout 72 --out $W/pp50/default.json --results-md $W/pp50/pp50.md
+  job pp_14_18 30 "$PYTHON" "${P[@]}" --phases perf_pp2 --pp_layers 14,18 --phase_timeout 27 --out $W/pp50/14_18.json
+  echo "== pp50"; for f in pp_default pp_14_18; do echo "-- $f"; grep -hE "^\[tp_bench.*(: [0-9]+ rank|offline \(|done in|failed)|Error|Traceback" $w/$f.log | cut -c1-420; done
+  ( CUDA_VISIBLE_DEVICES=0 job eagle56_tests 45 "$PYTHON" -m pytest -x -q -p no:cacheprovider tests/kernels/test_tree_attention.py \
+      "tests/executor/test_speculative_eagle3.py::test_executor_decoding_mode_eagle_on_cuda_graphs"
+    on_gpu 0 eagle56_attn 35 "$PYTHON" benchmarks/kernels/tree_attention_bench.py --nodes 15,16,32,64 \
+      --out "$W/eagle56_attn.json" --markdown "$W/eagle56_attn.md"
+    TRITONLLM_PDL=0 on_gpu 0 eagle56_tree_pdl0 90 "$PYTHON" benchmarks/speculative/tree_bench.py --dtypes bf16 --batches 1 --nodes 15,16 \
+      --lengths 4 --sections verify,loop --oracle-nodes 15 --kernels 15 --step-kernels 20 --draft-kernels 15 \
+      --out "$W/eagle56_tree_pdl0.json" --markdown "$W/eagle56_tree_pdl0.md"
+    on_gpu 0 eagle56_tree_pdl1 75 "$PYTHON" benchmarks/speculative/tree_bench.py --dtypes bf16 --batches 1 --lengths 4 --sections loop \
+      --oracle-nodes 15 --out "$W/eagle56_tree_pdl1.json" --markdown "$W/eagle56_tree_pdl1.md"
+    on_gpu 0 int4_eng_bf16 60 "$PYTHON" benchmarks/engine/engine_bench.py --sections executor_decode --executor-decode-batches 64,256 \
+      --max-batch-size 256 --out $W/int4rows52b/eng_bf16.json ) &
+  ( on_gpu 1 vlm48_r3 100 "$PYTHON" benchmarks/engine/vlm_bench.py --sections offline --hf-batches= --encode-batch 32 \
+      --also-encode-batches 32 --offline-variants flash-attn+first-odd,first-odd,fp8-tower,fp8-tower,flash-attn,fp8-tower+flash-attn \
+      --out "$W/vlm48_r3.json" --results-md "$W/vlm48_r3.md"
+    on_gpu 1 int4_sweep2 40 "$PYTHON" benchmarks/quantization/wna16_gemm_sweep.py --rows 256,64 --budget-s 25 \
+      --out $W/int4rows52b/sweep2.json --md $W/int4rows52b/sweep2.md
+    on_gpu 1 int4_eng 95 "$PYTHON" benchmarks/engine/engine_bench.py --sections executor_decode --executor-decode-batches 64,256 \
+      --max-batch-size 256 --quantization int4_wo --out $W/int4rows52b/eng_int4.json
+    CUDA_VISIBLE_DEVICES=1 job tests_18 70 "$PYTHON" -m pytest -q -rfEs -p no:cacheprovider tests/kernels/test_wna16_mma_gemm.py \
+      tests/kernels/test_wna16_mma_rows.py tests/executor/test_kv_transfer_cuda_ipc.py tests/engine/test_qwen2_vl.py ) &
+  wait
+  echo "== eagle56"; tail -3 $w/eagle56_tests.log; cat $W/eagle56_attn.md $W/eagle56_tree_pdl0.md $W/eagle56_tree_pdl1.md 2>/dev/null
+  grep -E "host phases|oracle L|EAGLE-3 L|ms vs|tree - decode|Error|Traceback" $w/eagle56_tree_pdl0.log $w/eagle56_tree_pdl1.log | cut -c1-400
+  echo "== vlm48"; grep -E "^offline image[^ ]*:|failed|Error|Traceback" $w/vlm48_r3.log | cut -c1-300; grep -E "^\| " $W/vlm48_r3.md | cut -c1-300
+  echo "== int4rows52"; cat $W/int4rows52b/sweep2.md 2>/dev/null; tail -6 $w/int4_eng.log; tail -6 $w/int4_eng_bf16.log
+  echo "== tests_18"; grep -E "passed|failed|FAILED|Error" $w/tests_18.log | tail -8
+  ;;
+*) echo "x2_gpu_run.sh: CALL must be 1 to 15, got '$call'"; exit 2 ;;
 esac
 tar czf "$out/call$call.tgz" -C /tmp "x2_call$call"
 for md in "$w"/*.md; do [ -f "$md" ] && cp "$md" "$out/"; done
