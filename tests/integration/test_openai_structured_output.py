@@ -10,6 +10,7 @@ max_tokens. The OpenAI frontend is the session's (conftest.py), shared with test
 """
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import openai
@@ -59,9 +60,11 @@ def check_calls(calls, tools_by_name):
 
 def test_json_schema_strict_validates_greedy_and_sampled(client):
     response_format = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY, "strict": True}}
-    for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 11}, {"temperature": 1.0, "seed": 12}):
-        reply = client.chat.completions.create(model=MODEL, messages=ASK_CITY, response_format=response_format,
-                                               **sampling, **LIMIT)
+    samplings = ({"temperature": 0}, {"temperature": 1.0, "seed": 11}, {"temperature": 1.0, "seed": 12})
+    with ThreadPoolExecutor(max_workers=len(samplings)) as pool:  # at once: each reply is checked on its own
+        replies = list(pool.map(lambda sampling: client.chat.completions.create(
+            model=MODEL, messages=ASK_CITY, response_format=response_format, **sampling, **LIMIT), samplings))
+    for reply in replies:
         jsonschema.validate(json.loads(reply.choices[0].message.content), CITY)
         assert reply.choices[0].finish_reason == "stop"
 
@@ -75,17 +78,19 @@ def test_json_object_parses(client):
 
 
 def test_guided_regex_and_choice_conform(client):
-    regex = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Give a phone number."}],
-                                           extra_body={"guided_regex": r"\d{3}-\d{4}"}, temperature=1.0, seed=3,
-                                           **LIMIT)
-    assert re.fullmatch(r"\d{3}-\d{4}", regex.choices[0].message.content)
     choices = ["positive", "negative", "neutral"]
-    chat = client.chat.completions.create(model=MODEL, temperature=0, extra_body={"guided_choice": choices},
-                                          messages=[{"role": "user", "content": "I love this phone! Sentiment?"}])
-    assert chat.choices[0].message.content in choices
-    text = client.completions.create(model=MODEL, prompt="The best season is", extra_body={"guided_choice": choices},
-                                     temperature=1.0, seed=5, max_tokens=8)
-    assert text.choices[0].text in choices
+    with ThreadPoolExecutor(max_workers=3) as pool:  # the three requests at once: each is checked on its own
+        regex = pool.submit(client.chat.completions.create, model=MODEL, temperature=1.0, seed=3, **LIMIT,
+                            messages=[{"role": "user", "content": "Give a phone number."}],
+                            extra_body={"guided_regex": r"\d{3}-\d{4}"})
+        chat = pool.submit(client.chat.completions.create, model=MODEL, temperature=0,
+                           extra_body={"guided_choice": choices},
+                           messages=[{"role": "user", "content": "I love this phone! Sentiment?"}])
+        text = pool.submit(client.completions.create, model=MODEL, prompt="The best season is",
+                           extra_body={"guided_choice": choices}, temperature=1.0, seed=5, max_tokens=8)
+    assert re.fullmatch(r"\d{3}-\d{4}", regex.result().choices[0].message.content)
+    assert chat.result().choices[0].message.content in choices
+    assert text.result().choices[0].text in choices
 
 
 def test_tool_choice_required_calls_validate_and_stream_as_unary(client):
@@ -113,14 +118,16 @@ def test_tool_choice_required_calls_validate_and_stream_as_unary(client):
 
 
 def test_named_function_and_single_call_at_temperature_one(client):
-    named = client.chat.completions.create(
-        model=MODEL, messages=ASK_WEATHER, tools=TOOLS, temperature=1.0, seed=7,
-        tool_choice={"type": "function", "function": {"name": "get_time"}}, **LIMIT)
+    with ThreadPoolExecutor(max_workers=2) as pool:  # both requests at once: each is checked on its own
+        named = pool.submit(client.chat.completions.create, model=MODEL, messages=ASK_WEATHER, tools=TOOLS,
+                            temperature=1.0, seed=7, tool_choice={"type": "function", "function": {"name": "get_time"}},
+                            **LIMIT)
+        single = pool.submit(client.chat.completions.create, model=MODEL, messages=ASK_WEATHER, tools=TOOLS,
+                             tool_choice="required", parallel_tool_calls=False, temperature=1.0, seed=8, **LIMIT)
+    named, single = named.result(), single.result()
     calls = named.choices[0].message.tool_calls
     assert [c.function.name for c in calls] == ["get_time"] and named.choices[0].finish_reason == "tool_calls"
     check_calls(calls, {"get_time": TIME})
-    single = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, tools=TOOLS, tool_choice="required",
-                                            parallel_tool_calls=False, temperature=1.0, seed=8, **LIMIT)
     assert len(single.choices[0].message.tool_calls) == 1
     check_calls(single.choices[0].message.tool_calls, {t["function"]["name"]: t for t in TOOLS})
 
