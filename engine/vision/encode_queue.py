@@ -102,13 +102,16 @@ class ImageEncodeQueue:
             self._cv.notify()
         self._thread.join()
 
-    def _take(self, wait: bool, limit: int) -> list[tuple[torch.Tensor, list[list[int]], Future]]:
-        """The pending items, oldest first, up to ``limit`` images (at least one item). ``wait``: block
-        until there is one; [] once closed and drained (or, not waiting, when none is pending)."""
+    def _take(self, idle: bool) -> list[tuple[torch.Tensor, list[list[int]], Future]]:
+        """The pending items, oldest first, up to ``first_images`` images when ``idle`` (the tower has nothing
+        in flight; read once there is an item, so a change between bursts applies to the next one), else
+        ``max_images`` (at least one item). ``idle``: block until there is one; [] once closed and drained
+        (or, not idle, when none is pending)."""
         with self._cv:
             while True:
-                while wait and not self._pending and not self._closed:
+                while idle and not self._pending and not self._closed:
                     self._cv.wait()
+                limit = self.first_images if idle else self.max_images
                 taken, images = [], 0
                 while self._pending and (not taken or images + len(self._pending[0][1]) <= limit):
                     item = self._pending.pop(0)
@@ -116,14 +119,14 @@ class ImageEncodeQueue:
                         continue  # cancelled while pending (its caller went away: asyncio.wrap_future): skipped
                     taken.append(item)
                     images += len(item[1])
-                if taken or not wait or self._closed:  # (waiting, and every pending item was cancelled: wait on)
+                if taken or not idle or self._closed:  # (waiting, and every pending item was cancelled: wait on)
                     return taken
 
     def _run(self) -> None:
         launched = None  # the forward whose copy is in flight
         while True:
             idle = launched is None
-            items = self._take(wait=idle, limit=self.first_images if idle else self.max_images)
+            items = self._take(idle)
             if not items and launched is None:
                 return  # closed, nothing pending, nothing in flight
             following = None
