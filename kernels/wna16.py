@@ -252,22 +252,21 @@ ROWS_DEFAULT = (128, 32, 4, 2, 1, MMA_ROWS_KIND)
 # inline PTX too: 2)[, ahead: the next step's weight dequantized after this step's dot is issued]). Timed at
 # load beside DENSE (and ROWS_BESIDE_GEMM) for MID_ROWS; $TRITONLLM_WNA16_MMA_GEMM=0: not timed (ROWS_VARIANTS
 # and DENSE, the choice before it, for comparisons).
-# MMA_GEMM_VARIANTS: each Llama-3.1-8B shape's fastest tiling at 64, 128 and 256 rows in the H200 sweep of
-# 2026-11-30 00:53 (benchmarks/results/quantization.md; split-K 4 for the narrow layers at 64 rows), plus 256 rows
-# in 4-warp programs of 64 weight rows (two programs an SM: one's dequantization beside the other's dots).
+# MMA_GEMM_VARIANTS: each Llama-3.1-8B shape's fastest tilings at 64, 128 and 256 rows in the H200 sweeps of
+# 2026-11-30 00:53 and 01:24 (benchmarks/results/quantization.md): 4-warp programs of 64-128 weight rows (at 256
+# rows 64 x 256 tiles, two programs an SM) but for gate_up at 128 rows and down at 256, split-K 2-4 for the narrow
+# layers. Left out after the 01:24 sweep: 128 x 256 tiles of 8 warps (6-40% more time than 64 x 256), two stages,
+# the "ahead" order (each dot issued before the next tile's dequantization: 15-28% more), split-K 8.
 MMA_GEMM_KIND = 8
 MMA_GEMM_ENV = "TRITONLLM_WNA16_MMA_GEMM"
-MMA_GEMM_VARIANTS = tuple((block_n, block_m, warps, stages, split, MMA_GEMM_KIND, block_k, 1, 2)
-                          for block_n, block_m, warps, stages, split, block_k in (
-                              (128, 64, 4, 3, 1, 128), (128, 64, 4, 3, 4, 128), (64, 64, 4, 3, 1, 128),
-                              (64, 128, 4, 3, 1, 128), (128, 128, 8, 3, 2, 128), (128, 256, 8, 3, 1, 64),
-                              (256, 128, 8, 3, 1, 64), (64, 256, 4, 2, 1, 64),
-                              # the narrow layers at 64 rows in more programs (o: 32 of 128 rows on 132 SMs)
-                              (64, 64, 4, 3, 4, 128), (64, 64, 4, 3, 8, 128))) + (
-    # the same 256-row tiles with each step's dot issued before the next weight tile is dequantized (not measured)
-    (128, 256, 8, 3, 1, MMA_GEMM_KIND, 64, 1, 2, 1), (64, 256, 4, 2, 1, MMA_GEMM_KIND, 64, 1, 2, 1))
-# The rows kernel lost to the GEMM on every shape at 64-256 rows in that sweep but for qkv / o at 64 rows (within
-# 0-7%); beside the GEMM only its best tiling there is timed (each tiling is a compile at engine load).
+MMA_GEMM_VARIANTS = tuple((block_n, block_m, warps, 3, split, MMA_GEMM_KIND, block_k, 1, 2)
+                          for block_n, block_m, warps, split, block_k in (
+                              (128, 64, 4, 1, 128), (128, 64, 4, 4, 128), (64, 64, 4, 1, 128), (64, 64, 4, 4, 128),
+                              (64, 128, 4, 1, 128), (64, 128, 4, 2, 128), (128, 128, 8, 2, 128),
+                              (256, 128, 8, 1, 64), (64, 256, 4, 1, 64)))
+# The rows kernel lost to the GEMM on every shape at 64-256 rows in the 00:53 sweep but for qkv / o at 64 rows
+# (within 0-7%; at 01:24 the engine's timing took it for two of a layer's four products at 64 requests); beside
+# the GEMM only that tiling is timed (each tiling is a compile at engine load).
 ROWS_BESIDE_GEMM = ((128, 32, 4, 2, 4, MMA_ROWS_KIND),)
 
 

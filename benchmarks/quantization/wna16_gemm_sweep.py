@@ -35,15 +35,13 @@ TINY_SHAPES = {"tiny": (256, 512)}
 # The rows kernel's best tiling at 64-256 rows (benchmarks/results/quantization.md, 2026-11-29 16:18).
 ROWS_REFERENCE = (128, 32, 4, 3, 1, wna16.MMA_ROWS_KIND)
 # (block_n, block_m, num_warps, num_stages, split_k, MMA_GEMM_KIND, block_k, weight first, nibbles: 2 joined by
-# inline PTX, 1 joined by plain ops, 0 broadcast): MMA_GEMM_VARIANTS (what the engine times at load) and more.
-# All compile for sm_90 with Triton 3.6 (the GPU machine's) and 3.9 without spills but split-K 4's 32 bytes (its
-# finish; 128-row split-K 8 spilled 288: left out). The 00:53 sweep's other tilings (the weight as B, broadcast
-# nibbles, 128 x 128 tiles of 8 warps, 4 stages, split-K 2 at 256 rows) lost on every shape and M = 64-512: see
-# benchmarks/results/quantization.md.
-TILINGS = MMA_GEMM_VARIANTS + tuple((bn, bm, w, s, sk, MMA_GEMM_KIND, bk, wf, j) for bn, bm, w, s, sk, bk, wf, j in (
-    (128, 256, 8, 3, 1, 64, 1, 1),  # the 00:53 winner at 256 rows without the inline PTX: its gain
-    (64, 256, 4, 3, 1, 64, 1, 2),
-    (64, 128, 4, 3, 2, 128, 1, 2),
+# inline PTX, 1 joined by plain ops, 0 broadcast[, ahead]): MMA_GEMM_VARIANTS (what the engine times at load) and
+# the best of those that lost in the sweeps of 2026-11-30 00:53 and 01:24 (benchmarks/results/quantization.md), as
+# references. All compile for sm_90 with Triton 3.6 (the GPU machine's) and 3.9 without spills but split-K 4's
+# 32 bytes (its finish).
+TILINGS = MMA_GEMM_VARIANTS + tuple((bn, bm, w, s, sk, MMA_GEMM_KIND, bk, 1, j) for bn, bm, w, s, sk, bk, j in (
+    (128, 256, 8, 3, 1, 64, 2),  # 8 warps at 256 rows: 6-40% more time than 64 x 256 at 01:24
+    (128, 256, 8, 3, 1, 64, 1),  # the same without the inline PTX: 2.7% slower on gate_up at 01:24
 ))
 
 
