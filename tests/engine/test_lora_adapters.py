@@ -4,11 +4,10 @@ transformers models, TensorRT-LLM's lora_weights/lora_config arrays, the convert
 own ``get_delta_weight`` (scale included), so b @ a of ours must equal it."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
-import subprocess
-import sys
 from dataclasses import replace
 
 import numpy as np
@@ -189,19 +188,23 @@ def test_attn_qkv_row_expands_to_q_k_v_sharing_a():
     assert adapter.rank == rank and adapter.nbytes == (a.numel() + b.numel()) * 4
 
 
-def test_cli_writes_the_two_npy_files(tmp_path):
+def test_cli_writes_the_two_npy_files(tmp_path, capsys):
+    """tools/hf_lora_convert.py's main in this process (two interpreters cost ~3 s of imports each; the
+    script as a command is what tests/integration/conftest.py's lora_adapters runs, exit status checked)."""
     path, _, _ = save_peft(tmp_path / "peft", r=4)
     out = tmp_path / "out"
-    script = os.path.join(ROOT, "tools", "hf_lora_convert.py")
-    done = subprocess.run([sys.executable, script, "-i", path, "-o", str(out), "--storage-type", "float32",
-                           "--verbose"], capture_output=True, text=True, check=True)
-    assert "mlp_gate" in done.stdout and "wrote 14 rows" in done.stdout
+    spec = importlib.util.spec_from_file_location("hf_lora_convert_under_test",
+                                                  os.path.join(ROOT, "tools", "hf_lora_convert.py"))
+    convert = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(convert)
+    assert convert.main(["-i", path, "-o", str(out), "--storage-type", "float32", "--verbose"]) == 0
+    printed = capsys.readouterr().out
+    assert "mlp_gate" in printed and "wrote 14 rows" in printed
     weights, table = peft_to_trtllm(path, "float32")
     np.testing.assert_array_equal(np.load(out / "model.lora_weights.npy"), weights)
     np.testing.assert_array_equal(np.load(out / "model.lora_config.npy"), table)
-    refused = subprocess.run([sys.executable, script, "-i", path, "-o", str(out), "--storage-type", "bfloat16"],
-                             capture_output=True, text=True)
-    assert refused.returncode == 2 and "numpy has no bfloat16" in refused.stderr
+    assert convert.main(["-i", path, "-o", str(out), "--storage-type", "bfloat16"]) == 2
+    assert "numpy has no bfloat16" in capsys.readouterr().err
 
 
 # ---- refusals ---------------------------------------------------------------------------------
