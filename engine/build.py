@@ -531,8 +531,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(world size = tp_size x pp_size); Llama-family and MoE models")
     p.add_argument("--pp_layers", type=str, default=None,
                    help="layers per stage, comma-separated in stage order (e.g. 8,12,14,14); default: balanced by "
-                        "cost, the LM head on the last stage and rank 0's sampling on the first counted (uniform layers: "
-                        "even), recorded in config.json")
+                        "cost, the LM head on the last stage and rank 0's sampling and step on the first counted "
+                        "(Llama-3.1-8B at pp 2: 15,17), recorded in config.json")
     p.add_argument("--max_seq_len", type=int, default=None,
                    help="longest sequence (prompt + output); default: the checkpoint's max_position_embeddings, "
                         f"at most {MAX_DEFAULT_SEQ_LEN}")

@@ -16,7 +16,7 @@ starts every rank itself, with the variables mpirun would set). Four phases, eac
    (prompt 128, 128 steps, argmax synced every step as a sampler would), then offline
    throughput through the in-flight-batching Executor (all requests enqueued at once).
 3. ``greedy_pp2`` / ``perf_pp2`` (not in the default ``--phases``): the same with two pipeline stages
-   (engine.build's split balanced by cost, 16 and 16 layers of this shape, or ``--pp_layers``;
+   (engine.build's split balanced by cost, 15 and 17 layers of this shape, or ``--pp_layers``;
    engine/pipeline; each stage replays its own decode graphs; micro-batches per step chosen per
    step, or fixed by ``$TRITONLLM_PP_MICRO_BATCHES``). Each perf phase also reports its KV pool
    (``kv_tokens``: tokens of every layer it holds; a stage holds half the layers, so the pool grows).

@@ -7,7 +7,7 @@ Split: engine.config.pipeline_layer_counts reads an engine's list (an explicit o
 ``8,12,14,14``, vLLM's ``VLLM_PP_LAYER_PARTITION`` form, with ``--pp_layers``; an engine without one
 was split evenly). Without ``--pp_layers`` the build records ``balanced_pp_layers``: the split that
 evens out the stages' time per step, the last stage's LM head and rank 0's work on the first counted
-(for uniform layers, as in Llama-3.1-8B, the even split; layers of unequal cost are balanced).
+(Llama-3.1-8B at pp 2: 15,17; layers of unequal cost, dense among expert layers, are balanced too).
 
 Rank files: ``rank{r}.safetensors`` holds stage s's part of tensor-parallel rank t's weights
 (r = s * tp_size + t): its layers renumbered from 0 (the index into its own KV pool), the
@@ -25,6 +25,13 @@ from engine.config import BuildConfig, ConfigError, ModelConfig, pipeline_layer_
 from engine.pipeline.step_cost import stage_costs
 
 _LAYER_NAME = re.compile(r"^layers\.(\d+)\.(.*)$")
+# What rank 0's part of a step weighs on the first stage, in LM heads (balanced_pp_layers). On two H200s
+# (session 18, Llama-3.1-8B, 256-sequence decode steps in flight) rank 0's host step, ~6 ms a step, set
+# the pace: a step came every 5.97 ms with 14 or 16 of the 32 layers on the first stage (its graph 3.68 /
+# 4.23 ms), and every 6.15 / 6.31 ms with 17 / 18 there; the last stage, 16-18 layers and the head
+# (~2.4 layers), never did. A first stage light enough to leave rank 0 its host step costs nothing, a
+# heavy one costs the step. Two heads give 15,17 for that shape, between the two measured best.
+FIRST_STAGE_HEADS = 2.0
 FIRST_STAGE_PREFIXES = ("embed_tokens.",)
 LAST_STAGE_PREFIXES = ("norm.", "lm_head.")
 
@@ -68,13 +75,10 @@ def balanced_pp_layers(model: ModelConfig, build: BuildConfig) -> list[int]:
     steps in flight run at the pace of the slowest stage). ConfigError where pp_size exceeds the layers.
 
     The last stage holds the LM head; the first holds rank 0, which samples every row from the float32
-    logits and runs the executor's step for the whole pipeline, charged here as much as the head. Why
-    not less: on two H200s (session 18, Llama-3.1-8B, 256-sequence decode steps in flight) the first
-    stage set the pace, not the head's: 16,16 stepped every 5.95 ms, 17,15 6.15 (its steps waiting on
-    their sends) and 18,14 6.31, where the head alone (2.4 layers) would have made 17,15 the fastest."""
+    logits and runs the executor's step for the whole pipeline: charged FIRST_STAGE_HEADS heads."""
     pipeline_layer_counts(model.num_layers, build.pp_size)  # (the named error for a pp_size too large)
     layer_costs, head = stage_costs(model, build)
-    return balanced_layer_counts(layer_costs, build.pp_size, first_extra=head, last_extra=head)
+    return balanced_layer_counts(layer_costs, build.pp_size, first_extra=FIRST_STAGE_HEADS * head, last_extra=head)
 
 
 def balanced_layer_counts(layer_costs: list[float], pp_size: int, *, first_extra: float = 0.0,
