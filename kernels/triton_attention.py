@@ -745,22 +745,25 @@ def _prefill_config(group: int, dim_pad: int, kv_itemsize: int) -> tuple[int, in
 
 def _short_step_config(group: int, dim_pad: int, kv_itemsize: int) -> tuple[int, int, int, int]:
     """(BLOCK_M rows, BLOCK_N keys, warps, stages) of a short step's split launch (a tree or chain verify
-    step: _short_step_splits). Its rows are the prefill tile's (a CUDA graph's tile map counts in them).
+    step: _short_step_splits): the prefill tile's (a CUDA graph's tile map counts in its rows), unless
+    $TRITONLLM_SHORT_STEP_TILING=short (read at every call): then bf16 / fp16 / fp32 pools with heads up
+    to 128 wide walk 32 keys at a time over 8 warps, 3 stages.
 
-    A bf16 / fp16 (or fp32) pool with heads up to 128 wide walks 32 keys at a time over 8 warps, 3
-    stages, not the prefill tile's 64 over 4 warps: with the split, the tree mask and the in-launch
-    rotary and KV write, the prefill tiling needs more than 255 registers a thread (Triton 3.9's
-    ptxas for sm_90, Llama-8B heads: 255 registers and 568 bytes of spills a thread, 416 without the
-    write; a prompt chunk's launch 228 and none), so the key walk went through local memory: a
-    batch-1 verify step's tree rows took 25 us a layer against the decode launch's 6 (H200,
-    2026-11-30). 8 warps of 64 x 32 take 218 and spill nothing (64 x 64 over 8 warps: 254, at the
-    edge); an fp32 pool's spills fall from 8,608 bytes a thread to 928. FP8 pools (128-row tiles)
-    and heads of 256 still spill in every tiling tried (8 or 16 warps, 16-64 keys) and keep the
-    prefill tiling.
-    $TRITONLLM_SHORT_STEP_TILING=prefill keeps it for every pool (an A/B switch, read at every call)."""
+    Why the switch: with the split, the tree mask and the in-launch rotary and KV write, the prefill
+    tiling needs more than 255 registers a thread (Triton 3.9's ptxas for sm_90, Llama-8B heads: 255
+    and 568 bytes of spills a thread, 416 without the write; a prompt chunk's launch 228 and none), so
+    the tree rows' key walk goes through local memory. 64 x 32 over 8 warps takes 218 and spills
+    nothing. H200, 2026-11-30 (benchmarks/results/speculative.md): the tree rows' attention alone 22.6 ->
+    12.0 us a layer at 15 nodes (decode 7.5), 19.4 -> 13.6 at 16; but in the same call tree_bench's
+    forced runs of the loop tree (16 nodes, 17 tokens) no longer reproduced their continuation (measured
+    length 2.79 against 3.80, ids first off plain decoding's at 55): not understood (32-key tiles round
+    the online softmax otherwise than the decode launch's 64-key ones, so random weights' near-ties may
+    resolve otherwise; or a fault of the 8-warp build on the GPU), so it stays off until that is found.
+    (64 x 64 over 8 warps, decode's key tiles: 254 registers, no spill, not measured.) FP8 pools
+    (128-row tiles) and heads of 256 spill in every tiling tried and keep the prefill tiling."""
     block_m, block_n, warps, stages, _ = _prefill_config(group, dim_pad, kv_itemsize)
     if (kv_itemsize != 1 and dim_pad <= 128 and block_m == 64
-            and os.environ.get(SHORT_STEP_TILING_ENV) != "prefill"):
+            and os.environ.get(SHORT_STEP_TILING_ENV) == "short"):
         return block_m, 32, 8, 3
     return block_m, block_n, warps, stages
 

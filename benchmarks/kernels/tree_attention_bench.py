@@ -15,8 +15,8 @@ one-token launch with its rotary and KV write, split as a decode graph captures 
 recorded in a CUDA graph of 20 launches (the kernels are a few microseconds: launched from Python,
 the launch would be what is timed), replayed 20 times between two events: us per launch.
 
-``--tilings``: ``short`` is the short step's own tiling (_short_step_config), ``prefill`` the prompt
-chunk's ($TRITONLLM_SHORT_STEP_TILING=prefill), the A/B of the two. The issue-56 goal: tree rows'
+``--tilings``: ``short`` is the short step's own tiling ($TRITONLLM_SHORT_STEP_TILING=short,
+_short_step_config), ``prefill`` the prompt chunk's (the default), the A/B of the two. The issue-56 goal: tree rows'
 attention <= ~1.3x the decode launch's at 15-64 nodes.
 """
 from __future__ import annotations
@@ -105,9 +105,7 @@ def measure(tokens: int, tiling: str, args, device: torch.device) -> float:
 
     q, new_kv, k_cache, v_cache, meta = make_step(tokens, args.context, args.max_seq_len, device)
     scale = HEAD_DIM ** -0.5
-    os.environ.pop(SHORT_STEP_TILING_ENV, None)
-    if tiling == "prefill":
-        os.environ[SHORT_STEP_TILING_ENV] = "prefill"
+    os.environ[SHORT_STEP_TILING_ENV] = tiling  # "short" or "prefill" (the default)
     try:
         if meta.is_decode_only or short_step_appends(q, k_cache, meta):
             return time_us(lambda: paged_attention_triton(q, k_cache, v_cache, meta, scale, new_kv=new_kv))
