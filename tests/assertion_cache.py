@@ -66,8 +66,11 @@ def main(argv: list[str]) -> int:
     modules = rewritten_modules(root)
     workers = max(1, len(os.sched_getaffinity(0)))
     try:
-        with ProcessPoolExecutor(max_workers=workers) as pool:
-            written = sum(pool.map(write_cached_rewrite, modules, chunksize=8))
+        if len(modules) < 16 or workers == 1:  # a pool's start-up would cost more than it spreads
+            written = sum(map(write_cached_rewrite, modules))
+        else:
+            with ProcessPoolExecutor(max_workers=workers) as pool:
+                written = sum(pool.map(write_cached_rewrite, modules, chunksize=8))
     except Exception as error:  # a pytest whose internals differ: the workers rewrite as before
         print(f"assertion_cache: nothing cached ({error!r}); the workers will rewrite the test modules",
               file=sys.stderr)

@@ -8,7 +8,6 @@ import pytest
 
 spec = importlib.util.spec_from_file_location("assertion_cache", Path(__file__).resolve().parents[1] / "assertion_cache.py")
 assertion_cache = importlib.util.module_from_spec(spec)
-sys.modules["assertion_cache"] = assertion_cache  # its process pool sends write_cached_rewrite by name
 spec.loader.exec_module(assertion_cache)
 
 SAMPLE = "def test_sum():\n    total = 1 + 1\n    assert total == 3\n"
