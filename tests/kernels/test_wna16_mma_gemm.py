@@ -4,9 +4,15 @@ CPU (CI): the kind-8 tilings' options, which tilings fit a layer, the dispatch a
 TRITON_INTERPRET=1 (``device`` fixture, skipped in CI): the kernel against the dequantized reference (both
 operand orders, both nibble forms, split-K, bias, groups, per channel, masked rows); float16 only (the
 interpreter's bfloat16 dots are wrong). CUDA: every tiling the engine times and the sweep's, both dtypes, the
-default dispatch through prepare_wna16, the load-time timing and a CUDA graph.
+default dispatch through prepare_wna16, the load-time timing and a CUDA graph. TRITONLLM_AOT_SM90=1: every engine
+tiling compiled for sm_90 here (wgmma, no spills).
 """
 from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -107,7 +113,6 @@ def test_every_timed_tiling_matches_the_reference(variant):
 @cuda
 def test_the_sweeps_tilings_match_the_reference():
     import importlib.util
-    from pathlib import Path
 
     path = Path(__file__).resolve().parents[2] / "benchmarks" / "quantization" / "wna16_gemm_sweep.py"
     spec = importlib.util.spec_from_file_location("wna16_gemm_sweep", path)
@@ -151,3 +156,39 @@ def test_dispatch_through_prepare_the_timing_and_a_cuda_graph(monkeypatch):
     assert relative_error(wna16_linear(x, prepared), x.float() @ weight.t()) < TOLERANCE[torch.bfloat16]
     captured = replayed(lambda: wna16_linear(x, prepared), x)
     assert relative_error(captured, F.linear(x.float(), weight)) < TOLERANCE[torch.bfloat16]
+
+
+AOT = pytest.mark.skipif(os.environ.get("TRITONLLM_AOT_SM90") != "1",
+                         reason="set TRITONLLM_AOT_SM90=1 to compile for sm_90 on this machine (~5-20 s a tiling)")
+
+
+@AOT
+@pytest.mark.parametrize("variant", MMA_GEMM_VARIANTS)
+def test_compiles_for_sm90_with_wgmma_and_no_spills(variant, tmp_path):
+    """Triton's own compiler and ptxas (no GPU needed) on every tiling the engine times: the dots become wgmma, and
+    nothing spills (split-K 4's finish may keep 32 bytes on the stack: its 4 partial tiles, after the K loop)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    options = tile_options(variant)
+    names = ["x_ptr", "w_ptr", "meta_ptr", "bias_ptr", "out_ptr", "part_ptr", "arrivals_ptr", "M", "N", "N_PAD",
+             "GROUP", "BLOCKS", "BLOCKS_PER_SPLIT", "stride_xm", "stride_om"]
+    types = ["*bf16", "*i32", "*i32", "*bf16", "*bf16", "*fp32", "*i32"] + ["i32"] * 8
+    const = {"HAS_BIAS": False, "TT": options["block_n"] // 16, "KB": options["block_k"] // 64,
+             "BLOCK_M": options["block_m"], "SPLIT_K": options["split_k"], "W_FIRST": bool(options["w_first"]),
+             "JOINED": options["joined"] > 0, "ASM": options["joined"] == 2, "AHEAD": bool(options.get("ahead", 0)),
+             "ROUND_BY_HAND": False, "PDL": True}
+    signature = {**dict(zip(names, types)), **{name: "constexpr" for name in const}}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names[:7] + ["stride_xm", "stride_om"]}
+    compiled = triton.compile(ASTSource(fn=wna16_mma_gemm._mma_gemm_kernel, signature=signature, constexprs=const,
+                                        attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": options["num_warps"], "num_stages": options["num_stages"]})
+    assert "wgmma.mma_async" in compiled.asm["ptx"]
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if cuobjdump.exists():
+        cubin = Path(tmp_path) / "kernel.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        usage = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True).stdout
+        stack = int(re.search(r"STACK:(\d+)", usage).group(1))
+        assert stack <= (32 if options["split_k"] >= 4 else 0), usage
