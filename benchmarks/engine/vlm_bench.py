@@ -861,6 +861,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for variant in args.offline_variants:
         if any(part not in OFFLINE_VARIANTS for part in variant.split("+")):
             raise SystemExit(f"--offline-variants: {variant!r}: each part must be one of {', '.join(OFFLINE_VARIANTS)}")
+        if sum(part in FP8_TOWER_SCOPES for part in variant.split("+")) > 1:  # (one tower a run: the first would run alone)
+            raise SystemExit(f"--offline-variants: {variant!r}: at most one of {', '.join(FP8_TOWER_SCOPES)} a variant")
     args.hf_batches = [int(b) for b in str(args.hf_batches).split(",") if b.strip()]  # "": no transformers run
     args.torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     return args
