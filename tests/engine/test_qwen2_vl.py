@@ -176,11 +176,14 @@ def test_encode_queue_batches_pending_requests_into_one_forward(built):
         assert torch.equal(g, w)
     # The tower idle: at most first_images (1) in the first forward, then up to max_images (3), launched
     # before the first one's futures complete (the worker's pipeline); a bad item batched with a good one
-    # fails alone (the two rerun one by one); each request still gets its own rows
-    forwards.clear()
-    queue = ImageEncodeQueue(encoder, "cpu", max_images=3, first_images=1)
+    # fails alone (the two rerun one by one); each request still gets its own rows. first_images is read when
+    # the idle worker wakes: set while it waits (after one forward of 3 allowed), it limits the next burst's first
+    queue = ImageEncodeQueue(encoder, "cpu", max_images=3)
     try:
+        queue.encode(requests[2]["pixel_values"], requests[2]["image_grid_thw"])
+        forwards.clear()
         with queue._cv:
+            queue.first_images = 1
             futures = [queue.submit(r["pixel_values"], r["image_grid_thw"]) for r in requests[:2]]
             bad = queue.submit(requests[0]["pixel_values"][:3], requests[0]["image_grid_thw"])
             futures.append(queue.submit(requests[2]["pixel_values"], requests[2]["image_grid_thw"]))
