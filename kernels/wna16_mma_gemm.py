@@ -115,14 +115,20 @@ def mma_gemm_matmul(x: torch.Tensor, layout: dict[str, torch.Tensor], n: int, gr
     Triton runs (CUDA, or CPU tensors under TRITON_INTERPRET=1)."""
     m, k = x.shape
     assert x.stride(1) == 1
+    # The kernel reads x unmasked along K and one scale per 64-column block: a layout padded past K, or groups
+    # splitting a block, would give wrong sums, not an error.
+    n_pad = layout["meta"].shape[1]
+    blocks = layout["words"].numel() // (n_pad // 16) // 128  # the words: (N_pad / 16, blocks, 32, 4) flattened
+    if blocks * wna16_mma.KB_COLUMNS != k or not wna16_mma.supports(k, group_size, 4, x.dtype):
+        raise ValueError(f"x's K = {k} in {x.dtype} with group size {group_size} and a layout of {blocks} 64-column "
+                         f"blocks: the GEMM takes the layout's K (wna16_mma.supports: whole 128 columns, groups of "
+                         f"whole 64-column blocks or one a row, float16/bfloat16)")
     if not takes(k, block_n, block_k):
         raise ValueError(f"tiling block_n {block_n}, block_k {block_k} does not fit K = {k}")
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
     bias, = dense(bias)  # read at bias_ptr + feature
-    n_pad = layout["meta"].shape[1]
-    blocks = k // wna16_mma.KB_COLUMNS
     kb = block_k // wna16_mma.KB_COLUMNS
     steps = k_steps(k, block_k)
     split_k = max(1, min(split_k, steps))

@@ -51,6 +51,19 @@ def test_takes_whole_k_steps_and_padded_row_tiles():
         wna16_mma_gemm.k_steps(4096, 96)
 
 
+def test_a_layout_or_grouping_the_kernel_would_misread_is_refused():
+    """Refused before any launch (CPU, no Triton run): K not the layout's (pack_mma_layout pads K = 192 to 256 and
+    the kernel would read x past its rows), and groups of 32 columns (one scale a 64-column block)."""
+    kernel, _ = layout_and_reference(32, 192, 64, "cpu")
+    with pytest.raises(ValueError, match="K = 192"):
+        wna16_mma_gemm.mma_gemm_matmul(torch.zeros(4, 192, dtype=torch.float16), wna16._mma_layout(kernel), 32, 64,
+                                       block_n=16, block_m=16, block_k=64)
+    kernel, _ = layout_and_reference(32, 256, 64, "cpu")
+    with pytest.raises(ValueError, match="group size 32"):
+        wna16_mma_gemm.mma_gemm_matmul(torch.zeros(4, 256, dtype=torch.float16), wna16._mma_layout(kernel), 32, 32,
+                                       block_n=16, block_m=16, block_k=64)
+
+
 def test_timed_gemm_tiling_is_dispatched_and_can_be_switched_off(monkeypatch):
     monkeypatch.delenv(wna16.MMA_ROWS_ENV, raising=False)
     monkeypatch.delenv(wna16.MMA_GEMM_ENV, raising=False)
