@@ -445,7 +445,8 @@ def tiling_for(weight: WNA16Weight, rows: int) -> tuple | str:
     rows >= ``rows`` (decode sizes among the skinny tilings, MID_ROWS among MID_VARIANTS); past the
     timed sizes, DENSE from DENSE_MIN_ROWS rows, else GEMM_TILES'. Operand-order weights (``mma_only``):
     the timed MMA tiling (else MMA_DEFAULT) up to MAX_SKINNY_ROWS; then up to wna16_mma_rows.MAX_ROWS the
-    timed rows tiling or DENSE (else ROWS_DEFAULT; DENSE throughout when $TRITONLLM_WNA16_MMA_ROWS=0); DENSE past it."""
+    timed rows or fused-GEMM tiling or DENSE (else ROWS_DEFAULT; DENSE throughout when $TRITONLLM_WNA16_MMA_ROWS=0);
+    DENSE past it."""
     skinny = rows <= MAX_SKINNY_ROWS
     if weight.mma_only:
         if not skinny:
