@@ -513,7 +513,7 @@ def _cached_time_variants(weight: WNA16Weight, key: tuple, rows: tuple[int, ...]
 
 def _time_skinny_variants(weight: WNA16Weight, rows: tuple[int, ...]) -> dict:
     from kernels.fp8 import l2_defeating_copies
-    from kernels.linear import graph_time_ms
+    from kernels.linear import _TOO_LARGE, graph_time_ms
 
     if weight.mma_only:  # the decode kernel's tilings; past 16 rows the rows kernel's and DENSE (unless turned off)
         layouts = [{**weight.kernel, "mma_words": words} for words in l2_defeating_copies(weight.kernel["mma_words"])]
@@ -528,9 +528,18 @@ def _time_skinny_variants(weight: WNA16Weight, rows: tuple[int, ...]) -> dict:
         if weight.mma_only:
             candidates = MMA_VARIANTS if m <= MAX_SKINNY_ROWS else \
                 ROWS_VARIANTS if mma_rows_forced() else rows_and_gemm_variants(weight.in_features)
-        times[m] = {variant: 1e3 * graph_time_ms(lambda: _product(x, weight, layouts[next(turn) % len(layouts)],
-                                                                  variant))
-                    for variant in candidates if not (is_fma_tiling(variant) and variant[1] < m)}
+        times[m] = {}
+        for variant in candidates:
+            if is_fma_tiling(variant) and variant[1] < m:
+                continue
+
+            def product():
+                return _product(x, weight, layouts[next(turn) % len(layouts)], variant)
+            try:  # compiles; a tiling past this device's shared memory (the GEMM's 256-row x tiles) drops out
+                product()
+            except _TOO_LARGE:
+                continue
+            times[m][variant] = 1e3 * graph_time_ms(product)
         chosen[m] = min(times[m], key=times[m].get)
     return {"variant": chosen, "us": {m: times[m][chosen[m]] for m in rows}, "all_us": times}
 
