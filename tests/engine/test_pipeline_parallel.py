@@ -90,6 +90,9 @@ def test_default_split_balances_the_stages_by_cost():
     # a costly third layer: 2 + 2 against 1 + 1 | 3 + 1; with an extra of 2 on the last stage, 5 | 3 against 2 | 6
     assert balanced_layer_counts([1.0, 1.0, 3.0, 1.0], 2) == [2, 2]
     assert balanced_layer_counts([1.0, 1.0, 3.0, 1.0], 2, last_extra=2.0) == [3, 1]
+    # At pp 16 the first stage (1 layer and its two heads) sets the pace whatever the rest holds: the rest
+    # is split with its fullest stage as small as that allows (3 layers, not 1 x 11 stages and 3, 5, 5, 5, 3)
+    assert balanced_pp_layers(llama8b, BuildConfig(dtype="bfloat16", max_batch_size=256, pp_size=16)) == [1] * 8 + [3] * 8
     with pytest.raises(ConfigError, match="pp_size 40 is larger than the model's 32 layers"):
         balanced_pp_layers(llama8b, BuildConfig(pp_size=40))
     moe = ModelConfig(architecture="Qwen3MoeForCausalLM", vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32,
