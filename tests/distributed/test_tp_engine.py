@@ -59,6 +59,17 @@ def test_batch_encoding_round_trips():
     assert decode_batch(encode_batch(empty_rows), ForwardBatch) == empty_rows
     tree = dataclasses.replace(batch, tree_parents=[None, [-1]])  # a plain chunk beside a 1-token tree
     assert decode_batch(encode_batch(tree), ForwardBatch) == tree
+    # Every sent field set, at int32's ends (the payload is packed through a C int array), and sent as the
+    # shared-memory channel does (bytes)
+    top, bottom = 2**31 - 1, -2**31
+    full = ForwardBatch(token_ids=[top, 0, bottom], positions=[0, top, 2], seq_lens_q=[2, 1], context_lens=[top, 1],
+                        block_tables=[[top, 0], []], logits_indices=[], sampled_tokens_slot=top, lora_slots=[bottom, top],
+                        state_slots=[], cross_lengths=[0, top], cross_block_tables=[[], [top]],
+                        tree_parents=[[-1, 0], None], micro_batches=top)
+    sent = torch.frombuffer(bytearray(encode_batch(full).numpy().tobytes()), dtype=torch.int32)
+    assert decode_batch(sent, ForwardBatch) == full
+    with pytest.raises(OverflowError):  # not wrapped around
+        encode_batch(dataclasses.replace(full, token_ids=[2**31]))
     masked = dataclasses.replace(batch, cross_masks=[object(), None])  # host objects: never sent, named
     with pytest.raises(TypeError, match="'cross_masks' holds host objects the step protocol does not send"):
         encode_batch(masked)
