@@ -66,6 +66,9 @@ PHASES = ("greedy_tp1", "greedy_tp2", "perf_tp1", "perf_tp2")
 PP_PHASES = ("greedy_pp2", "perf_pp2")  # asked for by name in --phases
 GRAPH_CHECK_BATCHES = (1, 3, 8)  # 3: a bucket of 4 with a padding row
 PERF_SECTIONS = ("graphs", "decode", "executor_decode", "offline")
+# Steps whose stats the perf phases' executor keeps: all of an offline run's (step_periods reads them; the
+# executor's default 1,000 dropped the first steps of a longer run, whose first period then spanned them)
+STEP_STATS_KEPT = 1 << 16
 
 
 def phase_mapping(phase: str) -> tuple[int, int]:
@@ -373,7 +376,8 @@ def run_perf_phase(args) -> dict:
 
     # The executor builds its runner through make_runner(..., runner_class=ModelRunner).
     executor_module.ModelRunner = runner_class(args)
-    config = ExecutorConfig(kv_cache_free_gpu_mem_fraction=0.85, enable_kv_cache_reuse=False)
+    config = ExecutorConfig(kv_cache_free_gpu_mem_fraction=0.85, enable_kv_cache_reuse=False,
+                            iter_stats_max_iterations=STEP_STATS_KEPT)
     executor = Executor(args.engine_dir, config, device=args.device)
     graphs = args.device.startswith("cuda") and not args.no_graphs
     pipelined = executor.pipelined  # (engine/pipeline/in_flight.py; TRITONLLM_PP_STEPS_IN_FLIGHT)
