@@ -247,9 +247,9 @@ ROWS_DEFAULT = (128, 32, 4, 2, 1, MMA_ROWS_KIND)
 
 # Kind 8: kernels/wna16_mma_gemm.py, the same operand-order words for 17+ rows with Triton's tensor-core dots
 # (wgmma on Hopper) over (block_m, block_n) tiles of out up to 256 rows, dequantizing each weight tile once
-# per block_m rows. Its tilings are 9- or 10-tuples: (block_n, block_m, num_warps, num_stages, split_k, kind,
+# per block_m rows. Its tilings are 9-tuples: (block_n, block_m, num_warps, num_stages, split_k, kind,
 # block_k, weight first (the weight the dot's A operand, in registers), joined (nibbles made by tl.join: 1; by
-# inline PTX too: 2)[, ahead: the next step's weight dequantized after this step's dot is issued]). Timed at
+# inline PTX too: 2)). Timed at
 # load beside DENSE (and ROWS_BESIDE_GEMM) for MID_ROWS; $TRITONLLM_WNA16_MMA_GEMM=0: not timed (ROWS_VARIANTS
 # and DENSE, the choice before it, for comparisons).
 # MMA_GEMM_VARIANTS: each Llama-3.1-8B shape's fastest tilings at 64, 128 and 256 rows in the H200 sweeps of
@@ -384,20 +384,20 @@ def _product(rows: torch.Tensor, weight: WNA16Weight, layout: dict[str, torch.Te
 def wna16_matmul(x: torch.Tensor, layout: dict[str, torch.Tensor], n: int, bits: int, group_size: int,
                  bias: torch.Tensor | None = None, *, block_n: int = 64, block_m: int = 16, num_warps: int = 4,
                  num_stages: int = 4, split_k: int = 1, kind: int = 0, block_k: int = 128, w_first: int = 1,
-                 joined: int = 1, ahead: int = 0) -> torch.Tensor:
+                 joined: int = 1) -> torch.Tensor:
     """x (M, K) with unit column stride @ the weight (N, K) in ``layout``.T (+ bias) -> (M, N) in x's dtype,
     by the kernel of ``kind``: 0 the tensor-core kernel, 1 the FMA kernel (a few rows), both of
     kernels/wna16_gemm.py; 2 / 3 the factored FMA / tensor-core kernels of kernels/wna16_decode.py
     where the grouping allows (else 1 / 0), 4 / 5 the same with the next unit's words loaded before
     this one is multiplied (``prefetch``); 6 kernels/wna16_mma.py's operand-order kernel where the layout
     holds its words and M <= 16 (else SKINNY_DEFAULT); 7 kernels/wna16_mma_rows.py's (any M, meant for 17-256)
-    on the same words; 8 kernels/wna16_mma_gemm.py's (any M, ``block_k``, ``w_first``, ``joined``, ``ahead``) on
+    on the same words; 8 kernels/wna16_mma_gemm.py's (any M, ``block_k``, ``w_first``, ``joined``) on
     them (7 and 8 take SKINNY_DEFAULT on other layouts)."""
     tiling = dict(block_n=block_n, block_m=block_m, num_warps=num_warps, num_stages=num_stages, split_k=split_k)
     if kind == MMA_GEMM_KIND:
         if "mma_words" in layout:
             return wna16_mma_gemm.mma_gemm_matmul(x, _mma_layout(layout), n, group_size, bias, block_k=block_k,
-                                                  w_first=bool(w_first), joined=joined, ahead=bool(ahead), **tiling)
+                                                  w_first=bool(w_first), joined=joined, **tiling)
         kind = MMA_KIND
     if kind == MMA_ROWS_KIND:
         if "mma_words" in layout:
@@ -468,9 +468,9 @@ def tiling_for(weight: WNA16Weight, rows: int) -> tuple | str:
 
 def tile_options(tiling: tuple) -> dict:
     """wna16_matmul's keyword arguments for a (block_n, block_m, num_warps, num_stages, split_k, kind) tiling,
-    or a kind-8 9- or 10-tuple (then block_k, w_first, joined[, ahead])."""
+    or a kind-8 9-tuple (then block_k, w_first, joined)."""
     options = dict(zip(("block_n", "block_m", "num_warps", "num_stages", "split_k"), tiling))
-    options.update(zip(("block_k", "w_first", "joined", "ahead"), tiling[6:]))
+    options.update(zip(("block_k", "w_first", "joined"), tiling[6:]))
     return {**options, "kind": tiling[5] if len(tiling) > 5 else 0}
 
 

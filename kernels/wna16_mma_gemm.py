@@ -19,6 +19,10 @@ or out_tile.T = dot(w, x.T), the weight the A operand, which wgmma reads from re
 second won on every Llama-8B shape and M = 64-512 on an H200 (2026-11-30, benchmarks/results/quantization.md,
 by benchmarks/quantization/wna16_gemm_sweep.py): the engine's tilings all take it.
 
+Each step's dot waits for its weight tile's dequantization: issuing the dot before dequantizing the next tile (so
+that the asynchronous wgmma might overlap it) took 15-28% more time on every shape (H200, 2026-11-30 01:24 sweep,
+benchmarks/results/quantization.md) and was taken out.
+
 Split-K (``split_k``) for the narrow layers, where N / BLOCK_N programs do not fill the GPU:
 kernels/wna16_layout.finish_tile's scheme (float32 partial sums, added in split order by the tile's
 last program to arrive).
@@ -53,8 +57,7 @@ def _mma_gemm_kernel(
     x_ptr, w_ptr, meta_ptr, bias_ptr, out_ptr, part_ptr, arrivals_ptr,
     M, N, N_PAD, GROUP, BLOCKS, BLOCKS_PER_SPLIT, stride_xm, stride_om,
     HAS_BIAS: tl.constexpr, TT: tl.constexpr, KB: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr,
-    W_FIRST: tl.constexpr, JOINED: tl.constexpr, ASM: tl.constexpr, AHEAD: tl.constexpr, ROUND_BY_HAND: tl.constexpr,
-    PDL: tl.constexpr,
+    W_FIRST: tl.constexpr, JOINED: tl.constexpr, ASM: tl.constexpr, ROUND_BY_HAND: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (tile, split): out rows [BLOCK_M i, +BLOCK_M) x columns [16 TT j, +16 TT) (tile = j *
     m_tiles + i: the programs of one weight tile run together) over k blocks [split * BLOCKS_PER_SPLIT,
@@ -77,24 +80,14 @@ def _mma_gemm_kernel(
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     pdl_prologue(PDL)
-    if AHEAD:  # the first step's weight before the loop; each step's dot issued before the next step's dequantization
-        w_next = mma_weight_tile(w_ptr, meta_ptr, t, kb_begin + tl.arange(0, KB), N_PAD, GROUP, BLOCKS, TT, KB,
-                                 out_ptr.dtype.element_ty, ROUND_BY_HAND, JOINED, ASM)
     for kb in range(kb_begin, kb_end, KB):
         x = tl.load(x_rows + kb * 64, mask=row_ok[:, None], other=0.0)
-        if AHEAD:
-            w = w_next
-        else:
-            w = mma_weight_tile(w_ptr, meta_ptr, t, kb + tl.arange(0, KB), N_PAD, GROUP, BLOCKS, TT, KB,
-                                out_ptr.dtype.element_ty, ROUND_BY_HAND, JOINED, ASM)  # (BLOCK_N, BLOCK_K)
+        w = mma_weight_tile(w_ptr, meta_ptr, t, kb + tl.arange(0, KB), N_PAD, GROUP, BLOCKS, TT, KB,
+                            out_ptr.dtype.element_ty, ROUND_BY_HAND, JOINED, ASM)  # (BLOCK_N, BLOCK_K)
         if W_FIRST:
             acc = tl.dot(w, tl.trans(x), acc)
         else:
             acc = tl.dot(x, tl.trans(w), acc)
-        if AHEAD:  # the last step dequantizes itself again (in bounds; unused)
-            following = tl.minimum(kb + KB, kb_end - KB)
-            w_next = mma_weight_tile(w_ptr, meta_ptr, t, following + tl.arange(0, KB), N_PAD, GROUP, BLOCKS, TT, KB,
-                                     out_ptr.dtype.element_ty, ROUND_BY_HAND, JOINED, ASM)
     if W_FIRST:
         acc = tl.trans(acc)
     finish_tile(acc, rows, cols, row_ok, col_ok, bias_ptr, out_ptr, part_ptr, arrivals_ptr, M, N, stride_om, tile,
@@ -104,15 +97,13 @@ def _mma_gemm_kernel(
 def mma_gemm_matmul(x: torch.Tensor, layout: dict[str, torch.Tensor], n: int, group_size: int,
                     bias: torch.Tensor | None = None, *, block_n: int = 128, block_m: int = 128, block_k: int = 128,
                     num_warps: int = 8, num_stages: int = 3, split_k: int = 1, w_first: bool = True,
-                    joined: int = 1, ahead: bool = False) -> torch.Tensor:
+                    joined: int = 1) -> torch.Tensor:
     """x (M, K) bf16/fp16 with unit column stride @ the weight (N, K) in ``layout``.T (+ bias) -> (M, N) in
     x's dtype. Programs of (block_m, block_n) out tiles, block_k columns a step (``takes``), K split over
     ``split_k`` programs (capped so that every split has a step); ``w_first``: the weight as the dot's A
     operand (module docstring); ``joined``: 1 the nibbles made by tl.join (``mma_weight_tile``), 2 that with each
-    nibble by inline PTX on CUDA, 0 the dequantize kernel's broadcast; ``ahead``: each step's dot issued before
-    the next step's weight is dequantized (so the asynchronous dot may run beside it; on the H200 it took 15-28%
-    more time, 2026-11-30). Runs wherever
-    Triton runs (CUDA, or CPU tensors under TRITON_INTERPRET=1)."""
+    nibble by inline PTX on CUDA, 0 the dequantize kernel's broadcast. Runs wherever Triton runs (CUDA, or CPU
+    tensors under TRITON_INTERPRET=1)."""
     m, k = x.shape
     assert x.stride(1) == 1
     # The kernel reads x unmasked along K and one scale per 64-column block: a layout padded past K, or groups
@@ -141,7 +132,7 @@ def mma_gemm_matmul(x: torch.Tensor, layout: dict[str, torch.Tensor], n: int, gr
         x, layout["words"], layout["meta"], bias if bias is not None else out, out, part, arrivals,
         m, n, n_pad, group_size, blocks, per_split * kb, x.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, TT=block_n // 16, KB=kb, BLOCK_M=block_m, SPLIT_K=split_k, W_FIRST=w_first,
-        JOINED=joined > 0, ASM=joined == 2 and x.is_cuda, AHEAD=ahead,
+        JOINED=joined > 0, ASM=joined == 2 and x.is_cuda,
         ROUND_BY_HAND=x.dtype == torch.bfloat16 and not x.is_cuda,
         num_warps=num_warps, num_stages=num_stages, **pdl_options(x))
     return out

@@ -35,7 +35,7 @@ TINY_SHAPES = {"tiny": (256, 512)}
 # The rows kernel's best tiling at 64-256 rows (benchmarks/results/quantization.md, 2026-11-29 16:18).
 ROWS_REFERENCE = (128, 32, 4, 3, 1, wna16.MMA_ROWS_KIND)
 # (block_n, block_m, num_warps, num_stages, split_k, MMA_GEMM_KIND, block_k, weight first, nibbles: 2 joined by
-# inline PTX, 1 joined by plain ops, 0 broadcast[, ahead]): MMA_GEMM_VARIANTS (what the engine times at load) and
+# inline PTX, 1 joined by plain ops, 0 broadcast): MMA_GEMM_VARIANTS (what the engine times at load) and
 # the best of those that lost in the sweeps of 2026-11-30 00:53 and 01:24 (benchmarks/results/quantization.md), as
 # references. All compile for sm_90 with Triton 3.6 (the GPU machine's) and 3.9 without spills but split-K 4's
 # 32 bytes (its finish).

@@ -1,6 +1,6 @@
 """Runs an operand-order W4A16 kernel a few times on one Llama-8B shape, for ncu: kernels/wna16_mma.py's
 decode kernel up to 16 rows, kernels/wna16_mma_rows.py's past 16 (block_n, warps, split_k[, stages: 2 prefetches]),
-or given a kernels/wna16.py kind-8 9- or 10-tuple, kernels/wna16_mma_gemm.py's fused GEMM:
+or given a kernels/wna16.py kind-8 9-tuple, kernels/wna16_mma_gemm.py's fused GEMM:
   ncu --set full -k regex:_mma_decode -c 2 python benchmarks/quantization/wna16_mma_profile.py gate_up 1 128,4,4,2
   ncu --set full -k regex:_mma_rows -c 2 python benchmarks/quantization/wna16_mma_profile.py gate_up 64 128,4,1,2
   ncu --set full -k regex:_mma_gemm -c 2 python benchmarks/quantization/wna16_mma_profile.py gate_up 256 \
@@ -27,7 +27,7 @@ if __name__ == "__main__":
     stored, scale, zero = quantize(torch.randn(n, k, device="cuda") * 0.02, 4, 128, symmetric=False)
     layout = wna16_mma.pack_mma_layout(unpack_codes(stored, 4), scale, zero)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    if len(values) in (9, 10):  # a kind-8 tiling (10: "ahead"): the fused GEMM
+    if len(values) == 9:  # a kind-8 tiling: the fused GEMM
         assert values[5] == MMA_GEMM_KIND, values
         for _ in range(3):
             wna16_matmul(x, {"mma_words": layout["words"], "mma_meta": layout["meta"]}, n, 4, 128,

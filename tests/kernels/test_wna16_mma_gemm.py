@@ -39,8 +39,7 @@ def test_tile_options_of_the_gemm_tilings():
         block_n=128, block_m=64, num_warps=4, num_stages=3, split_k=2, kind=MMA_GEMM_KIND, block_k=64, w_first=0,
         joined=1)
     assert "block_k" not in tile_options(wna16.ROWS_DEFAULT)
-    assert all(len(v) in (9, 10) and v[5] == MMA_GEMM_KIND for v in MMA_GEMM_VARIANTS)
-    assert tile_options((64, 256, 4, 2, 1, MMA_GEMM_KIND, 64, 1, 2, 1))["ahead"] == 1
+    assert all(len(v) == 9 and v[5] == MMA_GEMM_KIND for v in MMA_GEMM_VARIANTS)
 
 
 def test_takes_whole_k_steps_and_padded_row_tiles():
@@ -83,8 +82,8 @@ def test_timed_gemm_tiling_is_dispatched_and_can_be_switched_off(monkeypatch):
     (150, 256, 128, 37, dict(block_n=64, block_m=32, block_k=128, w_first=1, joined=2)),  # masked rows and columns
     (150, 256, 128, 37, dict(block_n=64, block_m=32, block_k=128, w_first=0, joined=1)),  # the weight as B
     (150, 512, 64, 20, dict(block_n=32, block_m=16, block_k=64, w_first=1, joined=0, split_k=3)),  # split-K, broadcast
-    (40, 256, None, 5, dict(block_n=16, block_m=16, block_k=256, w_first=1, joined=2, ahead=1)),  # per channel, 1 step
-    (150, 768, 128, 40, dict(block_n=64, block_m=32, block_k=128, w_first=1, joined=2, split_k=2, ahead=1)),  # ahead
+    (40, 256, None, 5, dict(block_n=16, block_m=16, block_k=256, w_first=1, joined=2)),  # per channel, 1 step
+    (150, 768, 128, 40, dict(block_n=64, block_m=32, block_k=128, w_first=1, joined=2, split_k=2)),  # 3 steps a split
     (300, 384, 128, 70, dict(block_n=128, block_m=64, block_k=128, w_first=0, joined=0, split_k=2)),  # 2 splits
 ])
 def test_kernel_matches_the_reference(device, n, k, group_size, m, tiling):
@@ -190,7 +189,7 @@ def test_compiles_for_sm90_with_wgmma_and_no_spills(variant, tmp_path):
     types = ["*bf16", "*i32", "*i32", "*bf16", "*bf16", "*fp32", "*i32"] + ["i32"] * 8
     const = {"HAS_BIAS": False, "TT": options["block_n"] // 16, "KB": options["block_k"] // 64,
              "BLOCK_M": options["block_m"], "SPLIT_K": options["split_k"], "W_FIRST": bool(options["w_first"]),
-             "JOINED": options["joined"] > 0, "ASM": options["joined"] == 2, "AHEAD": bool(options.get("ahead", 0)),
+             "JOINED": options["joined"] > 0, "ASM": options["joined"] == 2,
              "ROUND_BY_HAND": False, "PDL": True}
     signature = {**dict(zip(names, types)), **{name: "constexpr" for name in const}}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names[:7] + ["stride_xm", "stride_om"]}
