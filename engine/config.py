@@ -559,8 +559,8 @@ class BuildConfig:
     tp_size: int = 1
     pp_size: int = 1
     # Layers per pipeline stage, in stage order (e.g. [8, 12, 14, 14]); None: the even split
-    # (pipeline_layer_counts). engine.build records its split balanced by cost where none is given
-    # (engine/pipeline/layout.py balanced_pp_layers). Ranks = tp_size * pp_size.
+    # (pipeline_layer_counts). engine.build --pp_layers balanced records the split balanced by
+    # cost (engine/pipeline/layout.py balanced_pp_layers). Ranks = tp_size * pp_size.
     pp_layers: list[int] | None = None
     # None: weights in ``dtype``. "fp8": every linear layer of the decoder blocks (and the experts)
     # holds FP8 E4M3 weights with per-output-channel scales; activations are quantized per token at

@@ -16,7 +16,7 @@ starts every rank itself, with the variables mpirun would set). Four phases, eac
    (prompt 128, 128 steps, argmax synced every step as a sampler would), then offline
    throughput through the in-flight-batching Executor (all requests enqueued at once).
 3. ``greedy_pp2`` / ``perf_pp2`` (not in the default ``--phases``): the same with two pipeline stages
-   (engine.build's split balanced by cost, 15 and 17 layers of this shape, or ``--pp_layers``;
+   (engine.build's even split, 16 and 16 layers of this shape, or ``--pp_layers`` (``balanced``: by cost);
    engine/pipeline; each stage replays its own decode graphs; micro-batches per step chosen per
    step, or fixed by ``$TRITONLLM_PP_MICRO_BATCHES``). Each perf phase also reports its KV pool
    (``kv_tokens``: tokens of every layer it holds; a stage holds half the layers, so the pool grows).
@@ -170,13 +170,15 @@ def use_random_weights() -> None:
 
 
 def write_engine_config(root: str, model: str, dtype: str, tp_size: int, max_batch_size: int = 64, pp_size: int = 1,
-                        pp_layers: list[int] | None = None) -> str:
+                        pp_layers: list[int] | str | None = None) -> str:
     engine_dir = os.path.join(root, f"{model}-{dtype}-tp{tp_size}" + (f"-pp{pp_size}" if pp_size > 1 else ""))
     build = BuildConfig(dtype=dtype, max_batch_size=max_batch_size, max_input_len=2048, max_seq_len=4096, max_num_tokens=8192,
                         tokens_per_block=32, tp_size=tp_size, pp_size=pp_size)
     model_config = ModelConfig(**MODELS[model])
-    if pp_size > 1:  # engine.build's split where --pp_layers is not given
-        build.pp_layers = pp_layers or balanced_pp_layers(model_config, build)
+    if pp_size > 1 and pp_layers == "balanced":  # engine.build --pp_layers balanced
+        build.pp_layers = balanced_pp_layers(model_config, build)
+    elif pp_size > 1:
+        build.pp_layers = pp_layers  # None: the even split, as engine.build without --pp_layers
     EngineConfig(model=model_config, build=build, extra={"tp_bench_seed": 0}).validate().save(engine_dir)
     return engine_dir
 
@@ -623,8 +625,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                              f"pipeline stages: {','.join(PP_PHASES)})")
     parser.add_argument("--phase_timeout", type=float, default=240, help="seconds per phase (4 phases)")
     parser.add_argument("--pp_layers", default=None,
-                        help="the PP phases' layers per stage, e.g. 14,18 (engine.build's --pp_layers; default: its split "
-                             "balanced by cost)")
+                        help="the PP phases' layers per stage, e.g. 14,18, or balanced (engine.build's --pp_layers; default: "
+                             "even)")
     parser.add_argument("--perf_sections", default=",".join(PERF_SECTIONS),
                         help=f"what the perf phases measure after their warm-up, comma list of {','.join(PERF_SECTIONS)} "
                              "(graphs: graphs against eager steps; decode: the runner alone; executor_decode: "
@@ -645,7 +647,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--perf_sections: unknown section(s) {unknown}; allowed: {', '.join(PERF_SECTIONS)}")
     if "offline" not in args.perf_sections:
         args.offline_shapes = []
-    args.pp_layers = parse_pp_layers(args.pp_layers)
+    args.pp_layers = args.pp_layers if args.pp_layers == "balanced" else parse_pp_layers(args.pp_layers)
     return args
 
 

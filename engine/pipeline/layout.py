@@ -5,9 +5,10 @@ consecutive and the leader (rank 0) is tensor-parallel rank 0 of the first stage
 
 Split: engine.config.pipeline_layer_counts reads an engine's list (an explicit one such as
 ``8,12,14,14``, vLLM's ``VLLM_PP_LAYER_PARTITION`` form, with ``--pp_layers``; an engine without one
-was split evenly). Without ``--pp_layers`` the build records ``balanced_pp_layers``: the split that
-evens out the stages' time per step, the last stage's LM head and rank 0's work on the first counted
-(Llama-3.1-8B at pp 2: 15,17; layers of unequal cost, dense among expert layers, are balanced too).
+was split evenly). Without ``--pp_layers`` the split is even; ``--pp_layers balanced`` records
+``balanced_pp_layers``: the split that evens out the stages' time per step, the last stage's LM head and
+rank 0's work on the first counted (Llama-3.1-8B at pp 2: 15,17; layers of unequal cost, dense among
+expert layers, are balanced too). Not the default: the fullest stage sizes every rank's KV pool.
 
 Rank files: ``rank{r}.safetensors`` holds stage s's part of tensor-parallel rank t's weights
 (r = s * tp_size + t): its layers renumbered from 0 (the index into its own KV pool), the
@@ -70,7 +71,7 @@ def parse_pp_layers(text: str | None) -> list[int] | None:
 
 
 def balanced_pp_layers(model: ModelConfig, build: BuildConfig) -> list[int]:
-    """The layers per stage engine.build records when ``--pp_layers`` is not given: the split whose
+    """The layers per stage engine.build records for ``--pp_layers balanced``: the split whose
     slowest stage is fastest by engine/pipeline/step_cost.py's stage_costs (at full decode steps;
     steps in flight run at the pace of the slowest stage). ConfigError where pp_size exceeds the layers.
 

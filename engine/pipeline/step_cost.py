@@ -101,7 +101,7 @@ def in_flight_gain(cost: StepCost, pp_size: int, depth: int, *, seqs: int, token
     carry different sequences and a batch of b sequences becomes ``depth`` steps of b / depth. Each
     re-reads every stage's weights; a group goes through the stages in turn and each stage serves
     every group, so ``depth`` steps take max(depth, P) passes of the slowest stage (split evenly,
-    the last: its LM head; the build's split balanced by cost evens them out, ``layer_shares``) plus
+    the last: its LM head; ``--pp_layers balanced`` evens them out, ``layer_shares``) plus
     ``depth`` step overheads, against (M + P - 1)(1 + work / M) + head + one overhead for the whole
     step. In weight passes of a stage (Llama-3.1-8B at pp 2 split evenly: head 0.15, overhead 0.17):
 

@@ -23,15 +23,18 @@ from engine.pipeline.runner import split_micro_batches
 from engine.tensor_parallel.distributed import check_world_matches_engine
 from engine_testing import VOCAB, hf_logits, tiny_hf, tp_reference_steps
 
-# family -> pp_layers of its pp 2 build (None: even). qwen3_moe has 3 layers, layer 1 dense.
-PP_FAMILIES = {"llama": None, "smollm2_tied": None, "qwen3_moe": [1, 2]}
+# family -> pp_layers of its pp 2 build (None: even; "balanced": --pp_layers balanced, which records 1,2 for
+# qwen3_moe's 3 layers, layer 1 dense and so the cheapest).
+PP_FAMILIES = {"llama": None, "smollm2_tied": None, "qwen3_moe": "balanced"}
+PP_LAYERS = {"llama": [1, 1], "smollm2_tied": [1, 1], "qwen3_moe": [1, 2]}
 
 
 def build(hf, out_dir, *, pp_size=1, pp_layers=None, tp_size=1) -> str:
+    balanced = pp_layers == "balanced"
     config = BuildConfig(dtype="float32", max_batch_size=4, max_input_len=128, max_seq_len=128, max_num_tokens=512,
-                         tokens_per_block=16, tp_size=tp_size, pp_size=pp_size, pp_layers=pp_layers)
+                         tokens_per_block=16, tp_size=tp_size, pp_size=pp_size, pp_layers=None if balanced else pp_layers)
     build_from_hf(hf.config, getter_from_state_dict(hf.state_dict(), "tiny"), None, str(out_dir), config,
-                  progress=False)
+                  progress=False, balance_pp_layers=balanced)
     return str(out_dir)
 
 
@@ -69,8 +72,8 @@ def test_layer_split_even_and_explicit():
         pipeline_layer_counts(24, 2, [8, 12])
 
 
-def test_default_split_balances_the_stages_by_cost():
-    """Without --pp_layers the build records the split whose slowest stage is fastest, the last
+def test_balanced_split_evens_the_stages_by_cost():
+    """With --pp_layers balanced the build records the split whose slowest stage is fastest, the last
     stage's LM head and the first stage's rank 0 (which samples every row and runs the executor's
     step) charged two heads: Llama-3.1-8B splits 15,17 at pp 2 (on the H200s rank 0's side set the
     pace: 14,18 and 16,16 stepped alike, 17,15 and 18,14 slower), the middle stages take more at pp 4,
@@ -107,7 +110,9 @@ def test_rank_files_hold_their_stage(engines):
     _, pp2 = engines["smollm2_tied"]
     config = json.load(open(os.path.join(pp2, "config.json")))
     assert config["pretrained_config"]["mapping"] == {"world_size": 2, "tp_size": 1, "pp_size": 2, "pp_layers": [1, 1]}
-    assert config["build"]["pp_layers"] == [1, 1]  # (the balanced default, recorded)
+    assert "pp_layers" not in config["build"]  # the even split, the default, is not written out
+    moe_config = json.load(open(os.path.join(engines["qwen3_moe"][1], "config.json")))
+    assert moe_config["build"]["pp_layers"] == [1, 2]  # --pp_layers balanced's split, recorded
     names = []
     for rank in range(2):
         with safe_open(os.path.join(pp2, f"rank{rank}.safetensors"), "pt") as f:
@@ -157,7 +162,7 @@ def test_pp2_on_two_ranks_matches_pp1_and_transformers(engines, hf_models):
         for name, reference in expected.items():
             error = (rank0[name][0] - reference).abs().max().item()
             assert error <= 1e-5, f"{name}, {micro_batches} micro-batches: max abs error {error:.3g} vs pp 1"
-            layers = PP_FAMILIES[name] or [1, 1]
+            layers = PP_LAYERS[name]
             assert [rank0[name][1], rank1[name][1]] == layers  # each stage's KV pool holds its layers only
             # the last step's sends (hidden states, logits) are waited on at the next step, not before returning
             assert rank0[name][2] == micro_batches and rank1[name][2] >= 1
