@@ -4,7 +4,7 @@
 # its KV transfer, the checks that need two GPUs, and the one-GPU runs still waiting, two at a time
 # (CUDA_VISIBLE_DEVICES=0 and =1) after the two-GPU work of the same call, never beside it.
 #
-#   bash benchmarks/engine/x2_gpu_run.sh CALL [OUT]        CALL 1 to 15; OUT default $OUT
+#   bash benchmarks/engine/x2_gpu_run.sh CALL [OUT]        CALL 1 to 16; OUT default $OUT
 #   SMOKE=1 bash benchmarks/engine/x2_gpu_run.sh CALL DIR  the same flow on the CPU with the tiny model
 #                                                         (the one-GPU jobs are only printed)
 #
@@ -19,14 +19,14 @@
 # 5, 6 session 16's retries (run). 7 (~250 s on two GPUs, ~450 s with LANES=1) session 17's one-GPU jobs in two lanes (LANES=1 on one GPU);
 #    8 (~270 s) the KV pull and NIXL GPU tests, PP 2 with stage graphs and with two steps in flight;
 #    9 (~430 s) disagg_bench at 6 and 10 req/s, then with the context executor in its own process.
-# 10-12 session 17's later calls, 13-15 session 18's (each case's comment says what it runs and how long).
+# 10-12 session 17's later calls, 13-16 session 18's (each case's comment says what it runs and how long).
 #
 # Everything goes to /tmp/x2_call$CALL; at the end OUT gets call$CALL.tgz (all logs and JSON), summary.txt (what
 # this script printed) and the markdown tables (at most 8 files come back from a call). The console ends with
 # each job's exit status and its result lines, so the call's output_tail alone is enough to read.
 set -u
 script=$(realpath "$0")
-call=${1:?usage: x2_gpu_run.sh 1-15 [OUT]}
+call=${1:?usage: x2_gpu_run.sh 1-16 [OUT]}
 out=$(realpath -m "${2:-${OUT:-/tmp/x2_gpu_run}}")
 mkdir -p "$out"
 if [ -z "${X2_UNDER_TEE:-}" ]; then  # the console also in $out/summary.txt, complete when the call returns
@@ -375,7 +375,22 @@ case $call in
   echo "== int4rows52"; cat $W/int4rows52b/sweep2.md 2>/dev/null; tail -6 $w/int4_eng.log; tail -6 $w/int4_eng_bf16.log
   echo "== tests_18"; grep -E "passed|failed|FAILED|Error" $w/tests_18.log | tail -8
   ;;
-*) echo "x2_gpu_run.sh: CALL must be 1 to 15, got '$call'"; exit 2 ;;
+16)
+  # Session 18's last call (~200 s): the GPU tests of what changed after call 15. GPU 0: EAGLE-3 on CUDA graphs with
+  # the drafts kept on the device and the tree attention kernels, then tree_bench's forced loop (do the static-tree
+  # rows reproduce their continuation again with the short-step tiling opt-in?); GPU 1: the fused W4A16 GEMM and rows
+  # kernels with the load-time timing, and the Qwen2.5-VL tests (the FP8 tower on CUDA).
+  ( CUDA_VISIBLE_DEVICES=0 job tests_spec 130 "$PYTHON" -m pytest -q -rfEs -p no:cacheprovider tests/executor/test_speculative_eagle3.py \
+      tests/kernels/test_tree_attention.py
+    on_gpu 0 tree_loop 60 "$PYTHON" benchmarks/speculative/tree_bench.py --dtypes bf16 --batches 1 --lengths 4 --sections loop \
+      --oracle-nodes 15 --out "$w/tree_loop.json" --markdown "$w/tree_loop.md" ) &
+  CUDA_VISIBLE_DEVICES=1 job tests_int4_vlm 150 "$PYTHON" -m pytest -q -rfEs -p no:cacheprovider tests/kernels/test_wna16_mma_gemm.py \
+    tests/kernels/test_wna16_mma_rows.py tests/engine/test_qwen2_vl.py &
+  wait
+  for t in tests_spec tests_int4_vlm; do echo "== $t"; grep -E "passed|failed|FAILED|Error" $w/$t.log | tail -8; done
+  echo "== tree_loop"; cat $w/tree_loop.md 2>/dev/null; grep -E "oracle L|EAGLE-3 L|Error|Traceback" $w/tree_loop.log | cut -c1-300
+  ;;
+*) echo "x2_gpu_run.sh: CALL must be 1 to 16, got '$call'"; exit 2 ;;
 esac
 tar czf "$out/call$call.tgz" -C /tmp "x2_call$call"
 for md in "$w"/*.md; do [ -f "$md" ] && cp "$md" "$out/"; done
