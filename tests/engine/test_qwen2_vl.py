@@ -132,7 +132,11 @@ def test_cuda_fp8_tower_matches_the_reference_scheme(built):
     fp8 = Fp8TowerLinear(linear)
     x = torch.randn(96, 256, dtype=torch.bfloat16, device="cuda")
     want = fp8_linear_ref(x.cpu().float(), fp8.weight.cpu(), fp8.weight_scale.cpu(), fp8.bias.cpu().float())
-    torch.testing.assert_close(fp8(x).cpu().float(), want, atol=2e-2, rtol=2e-2)
+    # atol 5e-2, not 2e-2: on an H200 (2026-11-30) 3 of the 36,864 outputs were 0.024 off, each one activation's
+    # E4M3 code a step apart (the per-token scale is rounded in bf16 there, in float32 here); the rest within 2e-2.
+    got = fp8(x).cpu().float()
+    torch.testing.assert_close(got, want, atol=5e-2, rtol=2e-2)
+    assert ((got - want).abs() > 2e-2 + 2e-2 * want.abs()).float().mean() < 1e-3
     images = image_processor()([make_image(0, (52, 40)), make_image(1, (28, 56))], return_tensors="pt")
     grids = images["image_grid_thw"].tolist()
     reference = quantize_tower_linears(load_vision_encoder(vision_encoder_dir(engine)))
