@@ -424,6 +424,69 @@ def run_eagle_executor(tmp_path, tiny_engine, tiny_hf, device: str) -> dict:
     return replays
 
 
+def test_drafts_left_on_the_device_make_the_steps_that_ids_read_at_once_make(tmp_path, tiny_engine, tiny_hf,
+                                                                              monkeypatch):
+    """$TRITONLLM_DEVICE_DRAFTS (engine/executor/speculative/device_drafts.py): a static tree's drafts
+    named by placeholders into draft slots of the sampled-token ring (the forward resolves them on the
+    device, the host when it verifies) make the same steps as the ids read at the proposal's end: the
+    same tokens, drafts and accepted drafts. The drafting replays run, but every node is then set to
+    its depth's true token (random heads' drafts are never accepted), so a placeholder resolved to
+    another id on either side would change what is accepted or what follows it. Then the host's
+    mirror follows the ring's draft slots from one proposal to the next, and the forward's resolution
+    reads the ids the host's does."""
+    from executor_testing import collect, final_tokens
+
+    from engine.executor.executor import Executor, ExecutorConfig, SpeculativeConfig
+    from engine.executor.overlap import resolve_placeholders
+    from engine.executor.request import Request
+    from engine.executor.speculative.device_drafts import DEVICE_DRAFTS_ENV
+
+    path = save_eagle3(tmp_path / "heads", layers=[0, 0, 0])
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [7, 7, 2, 9, 11]]
+    truths = {p[0]: tiny_hf.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False)[0].tolist()
+              for p in prompts}
+    runs = {}
+    for on in ("1", "0"):
+        monkeypatch.setenv(DEVICE_DRAFTS_ENV, on)
+        spec = SpeculativeConfig("eagle", max_draft_len=8, eagle_model_path=path, eagle_choices=CHOICES)
+        config = ExecutorConfig(exclude_input_from_output=True, speculative=spec, enable_kv_cache_reuse=False)
+        with Executor(tiny_engine, config, device="cpu") as executor:
+            proposer, graphs = executor.proposer, executor.proposer.graphs
+            assert (proposer.device_drafts is not None) == (on == "1")
+            depths = []
+            for parent in proposer.plan.parents:
+                depths.append(1 if parent < 0 else depths[parent] + 1)
+
+            def true_drafts(token_lists):  # (sequences, nodes): node i the true token depths[i] after the root
+                truth = [truths[tokens[0]] + [0] * len(depths) for tokens in token_lists]
+                return torch.tensor([[row[len(tokens) - 1 + d] for d in depths]
+                                     for row, tokens in zip(truth, token_lists)])
+            run, run_batch = graphs.run, graphs.run_batch
+            graphs.run = lambda cache, tokens: (run(cache, tokens), true_drafts([tokens])[0])[1]
+            graphs.run_batch = lambda caches, lists: (run_batch(caches, lists), true_drafts(lists))[1]
+            verified_placeholders = []  # per drafted sequence of each verify step: did it carry placeholders
+            resolve = proposer.resolve_drafts
+
+            def resolve_and_note(ids, resolve=resolve, noted=verified_placeholders):
+                noted.append(any(t < 0 for t in ids))
+                return resolve(ids)
+            proposer.resolve_drafts = resolve_and_note
+            ids = executor.enqueue_requests([Request(p, 12) for p in prompts])
+            got = collect(executor, ids, timeout=120)
+            runs[on] = ([final_tokens(got[i]) for i in ids], executor._num_draft_tokens_total,
+                        executor._num_accepted_draft_tokens_total)
+            assert set(verified_placeholders) == {on == "1"}  # every verified sequence's drafts, or none
+            if on == "1":  # (the executor is idle: nothing drafts meanwhile)
+                drafts, ring = proposer.device_drafts, executor.runner.sampled_tokens
+                for base in (100, 200):  # the second proposal overwrites the first's slots
+                    known = torch.arange(2 * drafts.nodes).reshape(2, drafts.nodes) + base
+                    rows = drafts.place(known, [drafts.nodes, 2])
+                    assert [drafts.resolve(row) for row in rows] == [known[0].tolist(), known[1, :2].tolist()]
+                    assert resolve_placeholders(torch.tensor(rows[0]), ring).tolist() == known[0].tolist()
+    assert runs["1"] == runs["0"], runs
+    assert runs["1"][0] == [truths[p[0]][len(p):len(p) + 12] for p in prompts]
+    assert runs["1"][2] >= 12, runs  # the true drafts were accepted, several a step
+
 def count_replays(runner, replays: dict) -> None:
     """Count the tree graphs' and decode graphs' replays (a CUDA runner)."""
     prefill, decode = runner.prefill_graphs, runner.decode_graphs
