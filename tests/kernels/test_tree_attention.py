@@ -22,6 +22,19 @@ def random_parents(n: int, rng: random.Random) -> list[int]:
     return [-1] + [rng.randrange(0, j) for j in range(1, n)]
 
 
+def use_short_step_tiling(tiling: str, monkeypatch) -> None:
+    """$TRITONLLM_SHORT_STEP_TILING for the short-step tests' shape (4 query heads a KV head of 32, a
+    16-bit pool): "short" its own tiling, "prefill" (unset) the prompt chunk's, the default."""
+    from kernels.triton_attention import SHORT_STEP_TILING_ENV, _prefill_config, _short_step_config
+
+    if tiling == "short":
+        monkeypatch.setenv(SHORT_STEP_TILING_ENV, "short")
+        assert _short_step_config(4, 32, 2) == (64, 32, 8, 3)
+    else:
+        monkeypatch.delenv(SHORT_STEP_TILING_ENV, raising=False)
+        assert _short_step_config(4, 32, 2) == _prefill_config(4, 32, 2)[:4]
+
+
 @pytest.mark.skipif(DEVICE is None, reason="needs CUDA or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("heads", [(4, 2, 16), (9, 3, 64)])
 def test_tree_mask_kernel_equals_reference(heads):
@@ -47,13 +60,16 @@ def test_tree_mask_kernel_equals_reference(heads):
 
 
 @pytest.mark.skipif(DEVICE is None, reason="needs CUDA or TRITON_INTERPRET=1")
-@pytest.mark.parametrize("tile_map_form,one_launch", [(False, True), (True, True), (True, False)])
-def test_short_tree_step_splits_its_keys_and_matches_reference(tile_map_form, one_launch, monkeypatch):
+@pytest.mark.parametrize("tile_map_form,one_launch,tiling", [(False, True, "prefill"), (True, True, "prefill"),
+                                                             (True, False, "prefill"), (True, True, "short")])
+def test_short_tree_step_splits_its_keys_and_matches_reference(tile_map_form, one_launch, tiling, monkeypatch):
     """A verify step's shape: a 16-node tree over a 300-token context, a decode row and a 3-token chunk.
     Few prefill tiles, so one launch over every sequence with its keys split (_short_step_splits),
     merged per token; the tree's masked keys lie in the last split. Also in a CUDA graph's form
     (a tile map with unused entries and a sequence row past the batch), and with the decode row in its
-    own launch after the split one (a step that could hold many one-token rows)."""
+    own launch after the split one (a step that could hold many one-token rows). ``tiling`` short:
+    the opt-in 32-key tiles over 8 warps (_short_step_config)."""
+    use_short_step_tiling(tiling, monkeypatch)
     if not one_launch:
         monkeypatch.setattr("kernels.triton_attention.SHORT_STEP_ONE_LAUNCH", 0)
     from engine.executor.prefill_graphs import tile_map
@@ -99,11 +115,13 @@ def test_short_step_splits_cover_the_gpu_within_their_bounds():
 
 
 @pytest.mark.skipif(DEVICE is None, reason="needs CUDA or TRITON_INTERPRET=1")
-@pytest.mark.parametrize("rotate", [True, False])
-def test_short_tree_step_rotating_and_appending_in_the_launch_equals_the_two_kernels(rotate):
+@pytest.mark.parametrize("rotate,tiling", [(True, "prefill"), (False, "prefill"), (True, "short")])
+def test_short_tree_step_rotating_and_appending_in_the_launch_equals_the_two_kernels(rotate, tiling, monkeypatch):
     """A short step of one tile a sequence (short_step_appends) passes q, k unrotated: the split launch
     rotates each row at its own position (a tree's positions go by depth) and writes each new key from
-    the split holding it. Output and pool equal rotary_and_write_kv (or write_kv_cache) + attention."""
+    the split holding it. Output and pool equal rotary_and_write_kv (or write_kv_cache) + attention.
+    ``tiling`` short: the opt-in 32-key tiles over 8 warps (_short_step_config)."""
+    use_short_step_tiling(tiling, monkeypatch)
     from kernels.rotary import build_cos_sin_cache, rotary_and_write_kv_ref
     from kernels.triton_attention import short_step_appends
 
