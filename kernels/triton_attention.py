@@ -754,13 +754,13 @@ def _short_step_config(group: int, dim_pad: int, kv_itemsize: int) -> tuple[int,
     and 568 bytes of spills a thread, 416 without the write; a prompt chunk's launch 228 and none), so
     the tree rows' key walk goes through local memory. 64 x 32 over 8 warps takes 218 and spills
     nothing. H200, 2026-11-30 (benchmarks/results/speculative.md): the tree rows' attention alone 22.6 ->
-    12.0 us a layer at 15 nodes (decode 7.5), 19.4 -> 13.6 at 16; but in the same call tree_bench's
-    forced runs of the loop tree (16 nodes, 17 tokens) no longer reproduced their continuation (measured
-    length 2.79 against 3.80, ids first off plain decoding's at 55): not understood (32-key tiles round
-    the online softmax otherwise than the decode launch's 64-key ones, so random weights' near-ties may
-    resolve otherwise; or a fault of the 8-warp build on the GPU), so it stays off until that is found.
-    (64 x 64 over 8 warps, decode's key tiles: 254 registers, no spill, not measured.) FP8 pools
-    (128-row tiles) and heads of 256 spill in every tiling tried and keep the prefill tiling."""
+    12.0 us a layer at 15 nodes (decode 7.5), 19.4 -> 13.6 at 16. It is opt-in because in that call
+    tree_bench's forced runs of the loop tree (16 nodes, 17 tokens) stopped reproducing their continuation
+    (measured length 2.79 against 3.80); the next call showed the same drop with this switch off (2.97),
+    so the tiling is not its cause, but no GPU run has yet checked it against the reference
+    (tests/kernels/test_tree_attention.py's "short" cases) or in the forced loop. (64 x 64 over 8 warps,
+    decode's key tiles: 254 registers, no spill, not measured.) FP8 pools (128-row tiles) and heads of
+    256 spill in every tiling tried and keep the prefill tiling."""
     block_m, block_n, warps, stages, _ = _prefill_config(group, dim_pad, kv_itemsize)
     if (kv_itemsize != 1 and dim_pad <= 128 and block_m == 64
             and os.environ.get(SHORT_STEP_TILING_ENV) == "short"):
