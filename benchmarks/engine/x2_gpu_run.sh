@@ -4,7 +4,7 @@
 # its KV transfer, the checks that need two GPUs, and the one-GPU runs still waiting, two at a time
 # (CUDA_VISIBLE_DEVICES=0 and =1) after the two-GPU work of the same call, never beside it.
 #
-#   bash benchmarks/engine/x2_gpu_run.sh CALL [OUT]        CALL 1 to 16; OUT default $OUT
+#   bash benchmarks/engine/x2_gpu_run.sh CALL [OUT]        CALL 1 to 17; OUT default $OUT
 #   SMOKE=1 bash benchmarks/engine/x2_gpu_run.sh CALL DIR  the same flow on the CPU with the tiny model
 #                                                         (the one-GPU jobs are only printed)
 #
@@ -19,14 +19,15 @@
 # 5, 6 session 16's retries (run). 7 (~250 s on two GPUs, ~450 s with LANES=1) session 17's one-GPU jobs in two lanes (LANES=1 on one GPU);
 #    8 (~270 s) the KV pull and NIXL GPU tests, PP 2 with stage graphs and with two steps in flight;
 #    9 (~430 s) disagg_bench at 6 and 10 req/s, then with the context executor in its own process.
-# 10-12 session 17's later calls, 13-16 session 18's (each case's comment says what it runs and how long).
+# 10-12 session 17's later calls, 13-16 session 18's, 17 session 19's first (each case's comment says what it runs and
+# how long).
 #
 # Everything goes to /tmp/x2_call$CALL; at the end OUT gets call$CALL.tgz (all logs and JSON), summary.txt (what
 # this script printed) and the markdown tables (at most 8 files come back from a call). The console ends with
 # each job's exit status and its result lines, so the call's output_tail alone is enough to read.
 set -u
 script=$(realpath "$0")
-call=${1:?usage: x2_gpu_run.sh 1-16 [OUT]}
+call=${1:?usage: x2_gpu_run.sh 1-17 [OUT]}
 out=$(realpath -m "${2:-${OUT:-/tmp/x2_gpu_run}}")
 mkdir -p "$out"
 if [ -z "${X2_UNDER_TEE:-}" ]; then  # the console also in $out/summary.txt, complete when the call returns
@@ -390,7 +391,28 @@ case $call in
   for t in tests_spec tests_int4_vlm; do echo "== $t"; grep -E "passed|failed|FAILED|Error" $w/$t.log | tail -8; done
   echo "== tree_loop"; cat $w/tree_loop.md 2>/dev/null; grep -E "oracle L|EAGLE-3 L|Error|Traceback" $w/tree_loop.log | cut -c1-300
   ;;
-*) echo "x2_gpu_run.sh: CALL must be 1 to 16, got '$call'"; exit 2 ;;
+17)
+  # Session 19 (~250 s at most): what dropped the static-tree forced loop at 16 nodes (17-token steps, the 32-token
+  # bucket: measured L 3.80 at call 13, 2.79 / 2.97 at calls 15 / 16, the short-step tiling off at 16) while the
+  # 15-node oracle (16 tokens) kept 3.80? The oracle drafts nothing on the device and fell as far as EAGLE-3, and only
+  # products of 17+ rows go through the load-time choice of kernels/wide_rows.py (timed: it may differ between
+  # loads), so each GPU runs the loop with one fixed choice, TRITONLLM_WIDE_ROWS=0 (cuBLAS) on GPU 0 and =1 (the
+  # skinny kernel) on GPU 1, then again with the drafted ids read at once (TRITONLLM_DEVICE_DRAFTS=0). Then the
+  # short-step tiling against the reference on the GPU (test_tree_attention.py's "short" cases).
+  for lane in 0 1; do
+    ( for drafts in 1 0; do
+        on_gpu $lane loop_wide${lane}_drafts$drafts 60 env TRITONLLM_WIDE_ROWS=$lane TRITONLLM_DEVICE_DRAFTS=$drafts \
+          "$PYTHON" benchmarks/speculative/tree_bench.py --dtypes bf16 --batches 1 --lengths 4 --sections loop \
+          --oracle-nodes 15 --out "$w/loop_wide${lane}_drafts$drafts.json" --markdown "$w/loop_wide${lane}_drafts$drafts.md"
+      done ) &
+  done
+  wait
+  CUDA_VISIBLE_DEVICES=0 job tests_tree_attention 130 "$PYTHON" -m pytest -q -rfEs -p no:cacheprovider \
+    tests/kernels/test_tree_attention.py
+  echo "== tests_tree_attention"; grep -E "passed|failed|FAILED|Error" $w/tests_tree_attention.log | tail -8
+  for md in "$w"/loop_wide*.md; do [ -f "$md" ] && { echo "== $md"; cat "$md"; }; done
+  ;;
+*) echo "x2_gpu_run.sh: CALL must be 1 to 17, got '$call'"; exit 2 ;;
 esac
 tar czf "$out/call$call.tgz" -C /tmp "x2_call$call"
 for md in "$w"/*.md; do [ -f "$md" ] && cp "$md" "$out/"; done
