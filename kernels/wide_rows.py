@@ -91,9 +91,16 @@ def choose_wide_variants(weights: list[torch.Tensor], gated: list[torch.Tensor] 
         key = (("fp8",) if weight.dtype == FP8_DTYPE else ()) + (("gated",) if is_gated else ()) + tuple(weight.shape)
         if key not in report:
             report[key] = {m: _cached_time_wide(weight, is_gated, m) for m in row_counts}
-        setattr(weight, WIDE_ATTR, {m: r["tiling"] for m, r in report[key].items()
-                                    if r["tiling"] is not None and (forced or r["kernel_us"] < WIDE_MIN_GAIN * r["library_us"])})
+        setattr(weight, WIDE_ATTR, {m: r["tiling"] for m, r in report[key].items() if takes_kernel(r, forced)})
     return report
+
+
+def takes_kernel(report: dict, forced: bool | None = None) -> bool:
+    """Whether a timing report of ``_time_wide`` puts its row count on the kernel: a tiling that fits and
+    WIDE_MIN_GAIN of the library's time, or any tiling under WIDE_ROWS_ENV=1 (``forced`` None: read it)."""
+    if forced is None:
+        forced = os.environ.get(WIDE_ROWS_ENV, "") == "1"
+    return report["tiling"] is not None and (forced or report["kernel_us"] < WIDE_MIN_GAIN * report["library_us"])
 
 
 def _cached_time_wide(weight: torch.Tensor, gated: bool, rows: int) -> dict:

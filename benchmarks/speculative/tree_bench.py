@@ -31,8 +31,12 @@ heads' three layers inside every graph (engine/executor/layer_taps.py). Sections
    accepts L - 1 drafts and emits L tokens. The continuation is plain greedy decoding's; on random
    weights a tree step and a decode step may round a near-tie differently, so the run is repeated
    (off the clock) with its own output as the continuation until they agree (at least 2 runs, the
-   first a warm-up; at most 3); the table says whether they did and the acceptance length measured
-   (a run that left its continuation at position p accepts nothing after p: 1 token a step there).
+   first a warm-up; at most tree_runs.MAX_FORCED_RUNS, 8: each run moves the first difference on); the
+   table says whether they did, where each run left its continuation ("left at"), and the acceptance
+   length measured (a run that left its continuation at position p accepts little after p: its chain
+   holds another context's tokens). Which near-ties a tree step rounds away depends on its products:
+   17-128-token trees take the skinny kernel or the library product by a load-time timing
+   (kernels/wide_rows.py), printed per shape at load ("-> kernel" / "-> library", cached choices too).
    Per run also the median and slowest step (the executor's iteration history) and Python's full
    GC collections inside it, so one pause reads apart from a slower loop. Tokens/s from the request's first
    to last token against plain decoding's on the same engine (the proposer detached: the plain,
@@ -79,7 +83,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: en
 
 from benchmarks.common import (MODELS, command_line, device_name, free_device_memory, git_commit,  # noqa: E402
                                int_list, print_table, utc_now, write_config_only_engine)
-from benchmarks.speculative.tree_loop import bench_loop, difference_text  # noqa: E402
+from benchmarks.speculative.tree_loop import bench_loop, difference_text, left_text  # noqa: E402
 from benchmarks.speculative.tree_runs import LOOP_DEPTH, loop_choices  # noqa: E402
 from benchmarks.speculative.tree_verify import bench_verify  # noqa: E402
 
@@ -120,6 +124,17 @@ def save_random_eagle3(directory: str, model: dict, draft_vocab: int, device: st
     return directory
 
 
+def wide_entry(report: dict) -> dict:
+    """A wide-row timing report (kernels/wide_rows.py) -> what the table keeps: the timings (a cached
+    choice's are those of the load that timed it), whether it was cached, and the product the tree
+    steps of that many rows use ("kernel" or "library"), as choose_wide_variants decides."""
+    from kernels.wide_rows import takes_kernel
+
+    return {"kernel_us": round(report["kernel_us"], 1), "library_us": round(report["library_us"], 1),
+            "tiling": report["tiling"], "cached": bool(report.get("cached")),
+            "uses": "kernel" if takes_kernel(report) else "library"}
+
+
 def start(args, label: str):
     from engine.executor.executor import Executor, ExecutorConfig, SpeculativeConfig
     from engine.executor.load_phases import load_phase
@@ -141,21 +156,19 @@ def start(args, label: str):
     executor = Executor(engine_dir, config, device=args.device)
     prefill = getattr(executor.runner, "prefill_graphs", None)
     # Per weight shape and padded row count, the skinny kernel's and the library product's microseconds
-    # (kernels/wide_rows.py); the tree steps take the kernel where it was the faster.
-    # A choice read from the choice cache (kernels/choice_cache.py) says "cached" instead of timings.
-    wide = {"x".join(map(str, key[1:])): {rows: {"tiling": r["tiling"], "cached": True} if r.get("cached") else
-                                          {"kernel_us": round(r["kernel_us"], 1),
-                                           "library_us": round(r["library_us"], 1), "tiling": r["tiling"]}
-                                          for rows, r in report.items()}
+    # (kernels/wide_rows.py) and the product the tree steps take (the kernel where it took at most
+    # WIDE_MIN_GAIN of the library's time). A choice read from the choice cache (kernels/choice_cache.py)
+    # says "cached": its timings are the load's that made it.
+    wide = {"x".join(map(str, key[1:])): {rows: wide_entry(r) for rows, r in report.items()}
             for key, report in (getattr(executor.runner, "gemm_choices", None) or {}).items() if key[0] == "wide"}
     info = {"load_seconds": round(time.perf_counter() - started, 1),
             "tree_graph_buckets": [] if prefill is None else sorted(prefill.tree_graphs), "wide_rows": wide,
             "kernel_choice_cache": getattr(executor.runner, "choice_cache_counts", None)}
     print(f"    load {info['load_seconds']} s; tree graph buckets {info['tree_graph_buckets']}", flush=True)
     for shape, rows in wide.items():
-        print(f"    {shape}: " + ", ".join(f"{m} rows cached {r['tiling']}" if r.get("cached") else
-                                           f"{m} rows kernel {r['kernel_us']} us / library {r['library_us']} us"
-                                           for m, r in rows.items()), flush=True)
+        print(f"    {shape}: " + ", ".join(f"{m} rows {'cached ' if r['cached'] else ''}kernel {r['kernel_us']} us / "
+                                           f"library {r['library_us']} us -> {r['uses']}" for m, r in rows.items()),
+              flush=True)
     return executor, info
 
 
@@ -178,7 +191,8 @@ def markdown(results: dict) -> str:
             lines.append(f"| {label} | {drafter} | {r['forced_length']} | {r['measured_length']:.2f} | "
                          f"{r['tok_s']:.1f} | {r['plain_tok_s']:.1f} | **{r['speedup']:.2f}x** | {r['step_ms']:.2f} "
                          f"({1e3 / r['plain_tok_s']:.2f}) | {r['speedup_at_length']:.2f}x | "
-                         f"{'yes' if r['ids_agree'] else 'no'} ({r['runs']}) / {'yes' if r['ids_equal_plain'] else 'no'} | "
+                         f"{'yes' if r['ids_agree'] else 'no'} ({r['runs']}{left_text(r.get('left_at', []))}) / "
+                         f"{'yes' if r['ids_equal_plain'] else 'no'} | "
                          f"{difference_text(r.get('first_difference'))} | {steps_cell(r)} |")
     return "\n".join(lines)
 

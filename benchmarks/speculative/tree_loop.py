@@ -36,6 +36,14 @@ def difference_text(diff: dict | None) -> str:
             f"{'near-tie' if diff['near_tie'] else 'NOT a near-tie'}")
 
 
+def left_text(left_at: list) -> str:
+    """Where the forced runs left their continuations (", left at 55, 61, -": the last kept it), or
+    nothing when only the warm-up did."""
+    if not any(at is not None for at in left_at[1:]):
+        return ""
+    return ", left at " + ", ".join("-" if at is None else str(at) for at in left_at)
+
+
 def bench_loop(executor, args) -> dict:
     vocab = executor.runner.vocab_size
     prompt = [random.Random(7).randrange(vocab) for _ in range(args.context)]
@@ -65,7 +73,7 @@ def bench_loop(executor, args) -> dict:
         executor.proposer = proposer
         for length in args.lengths:
             truths = {tuple(prompt): prompt + plain_ids}
-            [result], profile, attempt, agrees = forced_runs(executor, args, [prompt], truths, state, length)
+            [result], profile, attempt, agrees, left_at = forced_runs(executor, args, [prompt], truths, state, length)
             ids = list(result.output_token_ids[0])
             accepted = result.perf.total_accepted_draft_tokens
             steps = len(ids) - 1 - accepted
@@ -73,13 +81,13 @@ def bench_loop(executor, args) -> dict:
             step_ms = decode_seconds(result) * 1e3 / max(steps, 1)
             rows.append({"drafter": drafter, "batch": 1, "forced_length": length,
                          "measured_length": (len(ids) - 1) / max(steps, 1),
-                         "runs": attempt, "ids_agree": agrees, "ids_equal_plain": ids == plain_ids,
+                         "runs": attempt, "ids_agree": agrees, "left_at": left_at, "ids_equal_plain": ids == plain_ids,
                          "first_difference": first_difference(ids, plain_ids, logits), "tok_s": tps,
                          "plain_tok_s": plain, "speedup": tps / plain, "step_ms": step_ms, **profile,
                          # at exactly the forced length: L tokens per step of the loop's mean step time
                          "speedup_at_length": length * (1e3 / plain) / step_ms})
             print(f"    {drafter} L={length}: {tps:.1f} tok/s vs plain {plain:.1f}: {tps / plain:.2f}x (measured L "
-                  f"{rows[-1]['measured_length']:.2f}, runs {attempt}; step {step_ms:.2f} ms: "
+                  f"{rows[-1]['measured_length']:.2f}, runs {attempt}{left_text(left_at)}; step {step_ms:.2f} ms: "
                   f"{rows[-1]['speedup_at_length']:.2f}x at L; first difference from plain "
                   f"{difference_text(rows[-1]['first_difference'])}; {profile_text(profile)})", flush=True)
             args.save({"plain_tok_s": plain, "rows": rows})  # a run cut short keeps its rows
@@ -141,7 +149,7 @@ def loop_at_batch(executor, args, batch: int, prompt: list[int], drafters: dict,
     for drafter, proposer in drafters.items():
         executor.proposer = proposer
         truths = {tuple(p): p + i for p, i in zip(prompts, plain_ids)}
-        results, profile, attempt, agrees = forced_runs(executor, args, prompts, truths, state, length)
+        results, profile, attempt, agrees, left_at = forced_runs(executor, args, prompts, truths, state, length)
         ids = [list(r.output_token_ids[0]) for r in results]
         steps = [len(i) - 1 - r.perf.total_accepted_draft_tokens for i, r in zip(ids, results)]
         step_ms = 1e3 * sum(decode_seconds(r) / max(n, 1) for r, n in zip(results, steps)) / batch
@@ -150,13 +158,13 @@ def loop_at_batch(executor, args, batch: int, prompt: list[int], drafters: dict,
         tps = measured * 1e3 / step_ms
         differ = next((r for r in range(batch) if ids[r] != plain_ids[r]), None)  # the first row leaving plain
         rows.append({"drafter": drafter, "batch": batch, "forced_length": length, "measured_length": measured,
-                     "runs": attempt, "ids_agree": agrees, "ids_equal_plain": differ is None,
+                     "runs": attempt, "ids_agree": agrees, "left_at": left_at, "ids_equal_plain": differ is None,
                      "first_difference": None if differ is None else first_difference(ids[differ], plain_ids[differ],
                                                                                        None),
                      "tok_s": tps, "plain_tok_s": plain_tok_s, "speedup": tps / plain_tok_s, "step_ms": step_ms,
                      "speedup_at_length": length * plain_ms / step_ms, **profile})
         print(f"    {drafter} x{batch} L={length}: step {step_ms:.2f} ms vs plain {plain_ms:.2f} ms (measured L "
               f"{measured:.2f}: {tps / plain_tok_s:.2f}x; {length * plain_ms / step_ms:.2f}x at L; every row's ids "
-              f"{'equal' if agrees else 'do NOT equal'} its continuation, runs {attempt}; "
+              f"{'equal' if agrees else 'do NOT equal'} its continuation, runs {attempt}{left_text(left_at)}; "
               f"{'= plain' if differ is None else f'row {differ} leaves plain'}; {profile_text(profile)})", flush=True)
     return rows

@@ -11,6 +11,13 @@ from benchmarks.engine.gc_pauses import GcPauses
 from benchmarks.speculative.speculative_bench import greedy_request, steps_since
 
 LOOP_DEPTH = 5  # the loop tree's chain (--loop-depth): EAGLE-3 drafts it in as many forwards of its layer
+# A forced run that leaves its continuation at output position p (a near-tie that the tree step
+# rounds otherwise than the run it was forced to) is the next run's continuation; that run drafts
+# and steps as it did up to p, so it keeps p's token and can only leave later: each run moves the
+# first difference on. 3 runs were too few for the 16-node tree on an H200 in calls 15 and 16 (its
+# 32-row gate/up product through the library there, call 13's skinny kernel before: load-time timings
+# within 5%, kernels/wide_rows.py), 2-3 enough for every other row.
+MAX_FORCED_RUNS = 8
 
 
 def loop_choices(nodes: int, chain: int = LOOP_DEPTH) -> list[list[int]]:
@@ -141,14 +148,26 @@ def forced_runs(executor, args, prompts: list[list[int]], truths: dict, state: d
     """The prompts together with acceptance forced to ``length``, each row to its own continuation
     (``truths``: tuple(prompt) -> prompt + continuation), until every row's ids equal the continuation
     it was forced to: at least 2 runs (the first a warm-up: a batch size's first tree steps, graph
-    uploads), at most 3; after a run that left a continuation (a near-tie rounded the other way), its
-    own ids are the next run's. -> (results of the last run, its profile, runs, whether they agreed)."""
+    uploads), at most MAX_FORCED_RUNS; after a run that left a continuation (a near-tie rounded the
+    other way), its own ids are the next run's. -> (results of the last run, its profile, runs, whether
+    they agreed, where each run first left its continuation: the earliest row's output position, None
+    where every row kept it)."""
     state["depth"], state["truth"] = length - 1, truths
-    for attempt in range(1, 4):
+    left_at = []
+    for attempt in range(1, MAX_FORCED_RUNS + 1):
         results, profile = timed(executor, [greedy_request(p, args.output_len) for p in prompts])
         ids = [list(r.output_token_ids[0]) for r in results]
-        agrees = all(i == truths[tuple(p)][len(p):] for p, i in zip(prompts, ids))
+        left = [first_left(i, truths[tuple(p)][len(p):]) for p, i in zip(prompts, ids)]
+        left_at.append(min((at for at in left if at is not None), default=None))
+        agrees = left_at[-1] is None
         if agrees and attempt >= 2:
             break
         truths = state["truth"] = {tuple(p): p + i for p, i in zip(prompts, ids)}
-    return results, profile, attempt, agrees
+    return results, profile, attempt, agrees, left_at
+
+
+def first_left(ids: list[int], continuation: list[int]) -> int | None:
+    """The first output position where ``ids`` leave ``continuation`` (a shorter one counts), None if never."""
+    if ids == continuation:
+        return None
+    return next((at for at, (a, b) in enumerate(zip(ids, continuation)) if a != b), min(len(ids), len(continuation)))

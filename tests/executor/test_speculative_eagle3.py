@@ -537,6 +537,40 @@ def test_tree_bench_names_the_first_difference_and_its_logit_gap():
     assert first_difference([1, 2], [1, 2], logits) is None and difference_text(None) == "none"
 
 
+def test_tree_bench_forced_runs_move_the_first_difference_on(monkeypatch):
+    """tree_bench's forced runs on a stand-in for the GPU's near-ties (no CPU model has them): a tie
+    position's token rounds one way computed as a tree's chain node (the chain held the run's own
+    tokens before it) and the other as a step's root, every later token follows from the context.
+    Each run forced to the last one's ids keeps them through where that one left, so three ties
+    take four runs, one more than the 3 that left calls 15 and 16's 16-node rows at "no"."""
+    from types import SimpleNamespace
+
+    from benchmarks.speculative import tree_runs
+    from benchmarks.speculative.tree_loop import left_text
+
+    prompt, ties, vocab = [3, 1, 4], {9, 17, 30}, 97
+
+    def generate(truth):  # greedy from the prompt; the chain is right while truth agrees so far
+        ids = []
+        for at in range(40):
+            token = (sum(ids) * 31 + len(ids) * 7) % vocab
+            chained = truth[:len(ids)] == ids and len(truth) > len(ids)
+            ids.append((token + 1) % vocab if at in ties and chained else token)
+        return ids
+
+    state = {}
+    run = lambda executor, requests: ([SimpleNamespace(output_token_ids=[generate(  # noqa: E731
+        state["truth"][tuple(prompt)][len(prompt):])])], {})
+    monkeypatch.setattr(tree_runs, "timed", run)
+    plain = generate([])  # plain decoding: every token a step's root
+    results, _, runs, agrees, left_at = tree_runs.forced_runs(
+        None, SimpleNamespace(output_len=40), [prompt], {tuple(prompt): prompt + plain}, state, 4)
+    assert agrees and runs == 4 and left_at == [9, 17, 30, None]
+    assert results[0].output_token_ids[0] == generate(results[0].output_token_ids[0])
+    assert left_text(left_at) == ", left at 9, 17, 30, -" and left_text([9, None]) == ""
+    assert tree_runs.first_left([1, 2], [1, 2, 3]) == 2 and tree_runs.first_left([1], [1]) is None
+
+
 def test_tree_bench_kernel_tables_say_what_the_tree_step_adds(monkeypatch):
     """tree_bench --kernels: the tree step's kernels against the decode step's, per name, the ones
     the tree step spends most more time in first (a kernel only the decode step runs counts negative)."""
