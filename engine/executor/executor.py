@@ -487,12 +487,15 @@ class Executor(Admission, Finishing):
 
     def _add_placeholders(self, step: InFlightStep, sampling: list[tuple[Sequence, int]], batch: ForwardBatch) -> None:
         """Each sampled row's token stays on the device; its sequence gets a placeholder for it."""
-        for i, (seq, row) in enumerate(sampling):
-            if seq.is_finished:  # stopped by the step just finished (guided: sampled after it); dropped
-                step.placeholders.append((seq, -1, row))
+        placeholders, finished = step.placeholders, SequenceStatus.FINISHED
+        first = placeholder(batch.sampled_tokens_slot)  # row i's: placeholder(slot + i) == first - i
+        for i, (seq, row) in enumerate(sampling):  # once per sequence per step: kept free of calls
+            if seq.status is finished:  # stopped by the step just finished (guided: sampled after it); dropped
+                placeholders.append((seq, -1, row))
                 continue
-            step.placeholders.append((seq, len(seq.token_ids), row))
-            seq.token_ids.append(placeholder(batch.sampled_tokens_slot + i))
+            token_ids = seq.token_ids
+            placeholders.append((seq, len(token_ids), row))
+            token_ids.append(first - i)
             seq.num_unresolved_tokens += 1
         self._parity ^= 1
 
@@ -545,28 +548,33 @@ class Executor(Admission, Finishing):
         token_ids, log_probs, top = step.transfer.wait() if step.transfer is not None else ([], None, None)
         now = now_ns()
         beam_rows, kv_moves = [], []
+        running, finished = SequenceStatus.RUNNING, SequenceStatus.FINISHED
+        register = self.blocks.register_computed_blocks if self.blocks.enable_reuse else None  # (else a no-op)
         for item, (first, end) in zip(step.plan.scheduled, step.rows):  # once per sequence per step: keep it lean
             seq = item.seq
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status is not running:
                 continue  # finished (a stop known late, a cancel) or preempted since the launch
             state = seq.state
-            if state.request.output.return_context_logits:  # slicing a tensor per sequence costs ~2 us
+            request = state.request
+            if request.output.return_context_logits:  # slicing a tensor per sequence costs ~2 us
                 self._collect_context_logits(item, step.logits[first:end])
             if item.num_draft_tokens:  # before registering: no block holding a rejected token is registered
                 self._take_verified(item, step.verified[seq.seq_id], kv_moves)
-            self.blocks.register_computed_blocks(seq)
+            if register is not None:
+                register(seq)
             if item.samples and len(state.sequences) > 1 and (item.start + item.num_new_tokens - item.num_draft_tokens
                                                                == seq.num_prompt_tokens):
                 self._fork_siblings(seq)
-            if item.samples and state.is_beam_search:
+            if item.samples and request.sampling.beam_width > 1:  # (state.is_beam_search)
                 beam_rows.append((seq, step.logits[end - 1]))
             if item.num_draft_tokens:  # (after the fork: a stop here frees the blocks siblings share)
                 self._resolve_verified(seq, step.verified[seq.seq_id], step.logits, first, now)
         move_kv(self.runner, kv_moves)  # the trees' accepted paths into place, every sequence's at once
+        resolve, logits = self._resolve_token, step.logits
         for i, (seq, index, row) in enumerate(step.placeholders):
-            if not seq.is_finished:
-                self._resolve_token(seq, index, token_ids[i], None if log_probs is None else log_probs[i],
-                                    step.logits, row, now, None if top is None else top[i])
+            if seq.status is not finished:
+                resolve(seq, index, token_ids[i], None if log_probs is None else log_probs[i],
+                        logits, row, now, None if top is None else top[i])
         if beam_rows:
             self._beam_step(beam_rows, now)
         if launched is not None and launched.pending_sample is not None:
