@@ -311,6 +311,15 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
+def start_ticks(pid: int) -> str | None:
+    """When a live process started (clock ticks since boot; None once it is gone): with its pid it
+    names that process, not a later one that reuses the pid."""
+    try:
+        return _stat_fields(pid)[19]
+    except (OSError, IndexError):
+        return None
+
+
 def children_by_parent() -> dict[int, list[int]]:
     """Every live process's children, read from /proc ({} where there is no /proc)."""
     children: dict[int, list[int]] = {}

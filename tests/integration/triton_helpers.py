@@ -1,8 +1,12 @@
 """Helpers of the integration tests: start a real tritonserver on a filled repository, talk to it."""
 from __future__ import annotations
 
+import atexit
+import contextlib
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -13,6 +17,7 @@ from pathlib import Path
 import pytest
 import requests
 
+from benchmarks.common import descendant_pids, process_name, start_ticks
 from benchmarks.common import load_script  # tests also import it from here
 from benchmarks.serving.serving_bench import grpc_tensors as grpc_inputs  # {name: array} -> gRPC InferInputs
 from free_ports import free_port  # tests also import it from here
@@ -118,6 +123,7 @@ def serving_repository(repo: str | Path, work: Path, mpi: bool = False):
     log_path = work / "server.log"
     with open(log_path, "w") as log:
         process = launcher.launch(args, stdout=log, stderr=log)
+    running_servers.add(process)
     try:
         if not serve.wait_until_ready(process, ports[0], timeout=300):
             pytest.fail(f"tritonserver did not become ready:\n{log_path.read_text()[-5000:]}")
@@ -125,26 +131,82 @@ def serving_repository(repo: str | Path, work: Path, mpi: bool = False):
                      metrics=f"http://127.0.0.1:{ports[2]}", log_path=log_path, pid=process.pid)
     finally:
         stop(process)
+        assert_nothing_left(str(repo))
 
 
 # A stopping tritonserver waits for its clients' idle keep-alive connections (a test's requests and
 # tritonclient sessions hold some) up to its exit timeout, 30 s, before it unloads the models. A
-# test's server has nothing left to finish when it is stopped, so it gets this long, then SIGKILL
-# (its Python stubs and engine process see their parent go and leave).
+# test's server has nothing left to finish when it is stopped, so it gets this long, then SIGKILL,
+# and so does every process that was below it.
 STOP_WAIT_S = 1.0
+# Servers started and not stopped yet: stopped at interpreter exit too, where a fixture's teardown
+# did not run (SIGKILL and os._exit still skip both).
+running_servers: set[subprocess.Popen] = set()
+
+
+def _tree(process: subprocess.Popen) -> dict[int, str]:
+    """{pid: start time} of every process below ``process`` now."""
+    started = {pid: start_ticks(pid) for pid in descendant_pids(process.pid)}
+    return {pid: start for pid, start in started.items() if start is not None}
 
 
 def stop(*processes: subprocess.Popen) -> None:
-    """SIGTERM to each, STOP_WAIT_S for all of them together (not one after another), SIGKILL to the rest."""
+    """SIGTERM to each, STOP_WAIT_S for all of them together (not one after another), then SIGKILL
+    to each one left and to every process that was below one of them. Killing the parent alone is
+    not enough: on SIGTERM mpirun sends its ranks SIGCONT, and SIGTERM only a second later
+    (odls_base_sigkill_timeout, 1 s for one rank), so a SIGKILL at STOP_WAIT_S that came first
+    (under load) left the rank's tritonserver running with parent 1, for good (21 minutes once,
+    until killed by hand); a killed tritonserver's stubs and engine processes leave only once they notice."""
+    trees = {process: _tree(process) for process in processes}
     for process in processes:
-        process.terminate()
+        if process.poll() is None:
+            process.terminate()
     deadline = time.monotonic() + STOP_WAIT_S
     for process in processes:
         try:
             process.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
+            trees[process].update(_tree(process))  # what it started meanwhile (a restarted engine process)
             process.kill()
             process.wait()
+    for tree in trees.values():
+        for pid, start in tree.items():
+            if start_ticks(pid) == start:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+    running_servers.difference_update(processes)
+
+
+@atexit.register
+def _stop_servers_left_running() -> None:
+    if running_servers:
+        stop(*running_servers)
+
+
+def processes_naming(text: str) -> list[int]:
+    """Live processes whose command line holds ``text`` (a server's model repository path is in
+    its tritonserver's and its stubs' command lines). Zombies have an empty one."""
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if text.encode() in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            continue  # gone meanwhile
+    return found
+
+
+def assert_nothing_left(repo: str) -> None:
+    """No process names the stopped server's repository (an orphan tritonserver once outlived its
+    pytest run by 21 minutes); SIGKILLed processes get a few seconds to go, the ones left are
+    SIGKILLed before the failure."""
+    if wait_for(lambda: not processes_naming(repo), timeout=5, interval=0.1):
+        return
+    left = [(pid, process_name(pid)) for pid in processes_naming(repo)]
+    for pid, _ in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    pytest.fail(f"still running after the server's stop: {left}")
 
 
 def wait_for(predicate, timeout: float = 20.0, interval: float = 0.2):
