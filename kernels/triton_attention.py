@@ -87,7 +87,7 @@ import os
 import torch
 
 from kernels._triton import (TensorDescriptor, dense, hopper_or_later, jit, num_sms, pdl_options, pdl_prologue,
-                             resident_programs, tl, triton)
+                             power_of_2_floor, resident_programs, tl, triton)
 from kernels.attention_metadata import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
@@ -1035,11 +1035,6 @@ def _short_step_splits(programs: int, grid_programs: int, num_tokens: int, keys:
     if programs >= SHORT_STEP_PROGRAMS:
         return 1
     wanted = triton.next_power_of_2(triton.cdiv(2 * sms, programs))
-    by_rows = _power_of_2_floor(SHORT_STEP_PART_ROWS // max(num_tokens, 1))
-    by_grid = _power_of_2_floor(SHORT_STEP_GRID // max(grid_programs, 1))
+    by_rows = power_of_2_floor(SHORT_STEP_PART_ROWS // max(num_tokens, 1))
+    by_grid = power_of_2_floor(SHORT_STEP_GRID // max(grid_programs, 1))
     return min(wanted, _most_decode_splits(keys, block_n), by_rows, by_grid)
-
-
-def _power_of_2_floor(n: int) -> int:
-    """The largest power of two <= n, and 1 for n < 2."""
-    return 1 << max(0, n.bit_length() - 1)

@@ -53,6 +53,7 @@ import sys
 
 import torch
 
+from kernels._triton import power_of_2_floor
 from kernels.draft_topk import draft_top_ids
 
 MIN_CAPACITY = 64
@@ -247,7 +248,7 @@ class StaticDraftGraphs:
     def max_slots(self, capacity: int) -> int:
         """The most sequences one batched window of ``capacity`` rows each holds (a power of two)."""
         fit = min(BATCH_ROWS // (capacity + self.plan.num_expanded - 1), MAX_SLOTS)
-        return 1 << (fit.bit_length() - 1) if fit else 1
+        return power_of_2_floor(fit)
 
     def window(self, capacity: int, slots: int = 1) -> Window:
         if slots == 1:
