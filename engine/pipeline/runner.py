@@ -237,6 +237,15 @@ class StageRunner(ModelRunner):
         self._unwaited_sends = sends
         return self.finish(launched)
 
+    def wait_sends(self) -> None:
+        """Wait for the last ``forward``'s deferred sends. Call it before dropping a runner whose
+        peers still receive that step: on gloo an isend's buffer is held only by its work object,
+        and a send whose work is freed before the peer's receive matched it is dropped (the peer
+        then waits forever)."""
+        for work, _ in self._unwaited_sends:
+            work.wait()
+        self._unwaited_sends = []
+
     @torch.inference_mode()
     def launch(self, batch: ForwardBatch, *, all_logits: bool = False, prompt_embeds=None) -> "LaunchedStep":
         """The step's work on this stage, its sends queued and, on rank 0, every micro-batch's

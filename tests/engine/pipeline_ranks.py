@@ -37,6 +37,7 @@ def pp_rank_logits(rank: int, engine_dirs: dict, micro_batches: int) -> dict:
             runner = StageRunner(engine_dir, rank=rank, device="cpu")
             logits = tp_reference_steps(_LogitsOnEveryRank(runner))
             out[name] = (logits, runner.kv_cache.shape[0], len(runner._unwaited_sends))
+            runner.wait_sends()  # (else the last step's logits send may be dropped with the runner)
         return out
     finally:
         os.environ.pop(MICRO_BATCHES_ENV, None)
@@ -73,6 +74,7 @@ def pp_graph_logits(rank: int, engine_dir: str, micro_batches: int, graphed_rank
             replays = emulate_cuda_graphs(patch) if rank in graphed_ranks else {}
             runner = StageRunner(engine_dir, rank=rank, device="cpu")
             logits = graph_reference_steps(_LogitsOnEveryRank(runner))
+            runner.wait_sends()
             return logits, (replays["StageStep-decode"], replays["StageStep-prefill"]) if replays else (0, 0)
     finally:
         os.environ.pop(MICRO_BATCHES_ENV, None)
@@ -104,6 +106,7 @@ def pp_p2p_order(rank: int, engine_dir: str) -> list[str]:
                 patch.setattr(dist, name, recorded(kind, getattr(dist, name)))
             runner.forward(ForwardBatch(token_ids=[1, 2, 3, 4, 5, 6], positions=[0, 1, 2, 0, 1, 2], seq_lens_q=[3, 3],
                                         context_lens=[3, 3], block_tables=[[0], [1]], logits_indices=[2, 5]))
+            runner.wait_sends()
         return calls
     finally:
         os.environ.pop(MICRO_BATCHES_ENV, None)
