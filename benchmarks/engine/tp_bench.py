@@ -232,7 +232,7 @@ def greedy(runner, prompts: list[list[int]], steps: int) -> tuple[list[list[int]
     and the next step names it by placeholder ids; the host reads the tokens only at the end."""
     blocks = SequenceBlocks(runner.tokens_per_block, max(map(len, prompts)) + steps)
     runner.allocate_kv_cache(runner.num_kv_blocks_for(max_tokens=blocks.blocks_needed(len(prompts)) * blocks.page))
-    half = runner.sampled_tokens.shape[0] // 2
+    half = runner.sampled_ring_slots // 2  # (draft slots past the two halves are not the ring's)
     lens = [len(p) for p in prompts]
     tokens, positions, ends = [t for p in prompts for t in p], [i for n in lens for i in range(n)], []
     for n in lens:

@@ -264,7 +264,7 @@ def run_worker_loop(runner, channel: StepChannel) -> None:
 
 def _sampled_tokens_span(runner, batch) -> torch.Tensor:
     """The ring half a step's sampled tokens go to (the whole half: workers do not know the count)."""
-    half = runner.sampled_tokens.shape[0] // 2
+    half = runner.sampled_ring_slots // 2  # (draft slots past the two halves are not the ring's)
     start = batch.sampled_tokens_slot - batch.sampled_tokens_slot % half
     return runner.sampled_tokens[start:start + half]
 

@@ -63,7 +63,7 @@ class GreedyDecoder:
         """As run(), but as the overlapped executor drives it: each step samples into the runner's
         ring (every rank gets the tokens) and the next step names them by placeholder ids, sent
         before this rank reads them."""
-        half = self.runner.sampled_tokens.shape[0] // 2
+        half = self.runner.sampled_ring_slots // 2
         batch = self.prefill_batch()
         batch.sampled_tokens_slot = 0
         logits = self.runner.forward(batch)

@@ -35,11 +35,10 @@ import torch
 from safetensors.torch import load_file
 
 from engine.executor.layer_taps import LayerTaps
-from engine.executor.runner import ModelRunner
 from engine.executor.speculative.device_drafts import DeviceDrafts, device_drafts_enabled
 from engine.executor.speculative.eagle3_drafter import DraftCache, StaticPlan, draft_dynamic, draft_static
 from engine.executor.speculative.eagle3_graphs import StaticDraftGraphs, eagle_graphs_enabled
-from engine.executor.speculative.proposer import ProposerConfigError, draft_room
+from engine.executor.speculative.proposer import ProposerConfigError, draft_room, refuse_unless_one_rank_without_state
 from engine.executor.speculative.tree import TreeChoicesError, parse_choices, shape_from_choices
 from kernels.fp8 import choose_fp8_skinny_variants, fp8_gated_linear, fp8_linear, quantize_weight
 from kernels.linear import choose_gated_weights, choose_skinny_weights, gated_linear, linear, linear_float32_out
@@ -457,11 +456,7 @@ def start_eagle3(runner, spec, *, engine_dir: str, has_state: bool) -> Eagle3Dra
     """The proposer of ``decoding_mode eagle`` (heads in ``spec.eagle_model_path``, default the
     engine directory's ``eagle3/``), or ProposerConfigError naming the field. Runs before the
     runner's CUDA graphs are captured: they keep the tapped layers' streams too."""
-    if not isinstance(runner, ModelRunner) or runner.build_config.tp_size > 1:
-        raise ProposerConfigError("decoding_mode eagle runs on one rank (tp_size 1) in this release")
-    if has_state:
-        raise ProposerConfigError("decoding_mode eagle: models with recurrent state (Mamba layers) cannot verify "
-                                  "token trees")
+    refuse_unless_one_rank_without_state(runner, "eagle", has_state)
     path = spec.eagle_model_path or os.path.join(engine_dir, "eagle3")
     try:
         choices = spec.eagle_choices

@@ -41,8 +41,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from engine.executor.lookahead_sizes import LookaheadConfigError, LookaheadSizes, sizes_of_config
-from engine.executor.runner import ModelRunner
-from engine.executor.speculative.proposer import ProposerConfigError, draft_room
+from engine.executor.speculative.proposer import ProposerConfigError, draft_room, refuse_unless_one_rank_without_state
 
 
 class NgramPool:
@@ -172,11 +171,7 @@ class LookaheadProposer:
 def start_lookahead(runner, spec, *, has_state: bool) -> LookaheadProposer:
     """The proposer of ``decoding_mode lookahead`` for ``spec`` (a checked SpeculativeConfig), or
     ProposerConfigError saying why the target cannot verify its trees."""
-    if not isinstance(runner, ModelRunner) or runner.build_config.tp_size > 1:
-        raise ProposerConfigError("decoding_mode lookahead runs on one rank (tp_size 1) in this release")
-    if has_state:
-        raise ProposerConfigError("decoding_mode lookahead: models with recurrent state (Mamba layers) cannot verify "
-                                  "token trees")
+    refuse_unless_one_rank_without_state(runner, "lookahead", has_state)
     return LookaheadProposer(sizes_of_config(spec))
 
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import os
 
-from engine.executor.runner import ModelRunner
 from engine.executor.speculative.medusa import MedusaDraftProposer, load_medusa_heads
-from engine.executor.speculative.proposer import ProposerConfigError
+from engine.executor.speculative.proposer import ProposerConfigError, refuse_unless_one_rank_without_state
 from engine.executor.speculative.tree import TreeChoicesError, parse_choices
 from engine.executor.speculative.verify import Verified
 
@@ -38,16 +37,6 @@ def start_medusa(runner, medusa_model_path: str | None, medusa_choices, *, engin
         raise ProposerConfigError(str(err)) from None
     runner.keep_hidden_rows = True
     return proposer
-
-
-def refuse_unless_one_rank_without_state(runner, mode: str, has_state: bool) -> None:
-    """ProposerConfigError unless ``runner`` is one rank's ModelRunner of a model without recurrent
-    state: tree verification moves KV per path, and a Mamba state cannot follow a tree."""
-    if not isinstance(runner, ModelRunner) or runner.build_config.tp_size > 1:
-        raise ProposerConfigError(f"decoding_mode {mode} runs on one rank (tp_size 1) in this release")
-    if has_state:
-        raise ProposerConfigError(f"decoding_mode {mode}: models with recurrent state (Mamba layers) cannot verify "
-                                  "token trees")
 
 
 def last_rows(sampling: list, drafted: list, verified: dict[int, Verified] | None) -> dict[int, int]:

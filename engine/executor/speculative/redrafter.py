@@ -40,7 +40,7 @@ import torch
 from safetensors import safe_open
 
 from engine.executor.speculative.medusa import LastHiddenTreeProposer
-from engine.executor.speculative.medusa_executor import refuse_unless_one_rank_without_state
+from engine.executor.speculative.proposer import refuse_unless_one_rank_without_state
 from engine.executor.speculative.proposer import ProposerConfigError
 from engine.executor.speculative.trtllm_checkpoint import rank_tensors
 
