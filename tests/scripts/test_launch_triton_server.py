@@ -54,6 +54,19 @@ def test_mpirun_shape_for_three_ranks():
     assert workers.split() == ["2", sys.executable, "-m", "engine.tensor_parallel.worker", "--engine_dir=/engines/tp3"]
 
 
+def test_pipeline_settings_reach_every_rank_only_when_set(monkeypatch):
+    # Remote ranks see only what mpirun exports by name; an unset name would make mpirun warn.
+    for name in ("TRITONLLM_PP_MICRO_BATCHES", "TRITONLLM_PP_STEPS_IN_FLIGHT", "TRITONLLM_PP_DEFER_SEND_WAITS"):
+        monkeypatch.delenv(name, raising=False)
+    unset = " ".join(launcher.build_command(args_for("--world_size=2", "--engine_dir=/e"), INSTALL))
+    assert "TRITONLLM_PP_" not in unset
+    monkeypatch.setenv("TRITONLLM_PP_STEPS_IN_FLIGHT", "1")
+    monkeypatch.setenv("TRITONLLM_PP_DEFER_SEND_WAITS", "0")
+    exported = " ".join(launcher.build_command(args_for("--world_size=2", "--engine_dir=/e"), INSTALL))
+    assert "-x TRITONLLM_PP_STEPS_IN_FLIGHT" in exported and "-x TRITONLLM_PP_DEFER_SEND_WAITS" in exported
+    assert "TRITONLLM_PP_MICRO_BATCHES" not in exported
+
+
 def test_every_rank_a_tritonserver_as_nvidia_recipes_start_them():
     # --worker_ranks tritonserver: one app per rank, each its own shared-memory prefix; ranks != 0
     # load only tensorrt_llm, whose initialize() runs the rank's worker (serving/worker_rank.py).
