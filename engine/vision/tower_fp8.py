@@ -30,6 +30,7 @@ import os
 import torch
 from torch import nn
 
+from engine.vision.qwen2_vl import UNFUSED_ENV, unfused
 from kernels._triton import use_triton
 from kernels.fp8 import FAST_ACCUM, QuantizedRows, as_quantized_rows, fp8_linear_ref, quantize_weight
 
@@ -47,6 +48,9 @@ def tower_fp8_scope() -> str | None:
         return None
     if value not in ("1", "mlp"):
         raise ValueError(f"{TOWER_FP8_ENV}={value!r}: allowed are 1 (every product), mlp (the MLPs' only) or 0")
+    if unfused():  # refused at load, not by every image's forward
+        raise ValueError(f"{TOWER_FP8_ENV}={value} needs the fused tower blocks; {UNFUSED_ENV}=1 runs the bf16 blocks "
+                         "only: unset one of them")
     return "all" if value == "1" else value
 
 

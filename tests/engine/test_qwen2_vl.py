@@ -113,6 +113,11 @@ def test_fp8_tower_rows_stay_close_to_the_towers(built, monkeypatch):
     monkeypatch.setenv(TOWER_FP8_ENV, "yes")
     with pytest.raises(ValueError, match=TOWER_FP8_ENV):
         load_vision_encoder(vision_encoder_dir(engine))
+    monkeypatch.setenv(TOWER_FP8_ENV, "1")
+    monkeypatch.setenv("TRITONLLM_TOWER_UNFUSED", "1")  # the unfused blocks are bf16 only: refused at load
+    with pytest.raises(ValueError, match="TRITONLLM_TOWER_UNFUSED=1 runs the bf16 blocks only"):
+        load_vision_encoder(vision_encoder_dir(engine))
+    monkeypatch.delenv("TRITONLLM_TOWER_UNFUSED")
     for model_type, device, precision in (("llava", "cpu", "float32"), ("qwen2_5_vl", "cuda", "float32")):
         with pytest.raises(ValueError, match=TOWER_FP8_ENV):  # another family; a CUDA tower not in bf16
             quantize_loaded_tower(encoder, model_type, device, precision)
