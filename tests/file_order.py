@@ -7,8 +7,12 @@ tests of its current one run). Two things that scheme does not know, fixed here:
 - Every worker is a pytest session of its own, so the integration package's session server
   (tests/integration/conftest.py: ``triton_server`` with its second engine process ``generation``,
   ``frontend``, ``lora_adapters``) was started on both workers, each start two engine processes,
-  eight Python-backend stubs, an OpenAI frontend and a LoRA conversion. ``SHARED_SERVER_SCOPE``:
-  the files that use it are one unit of work, so one worker starts it once (``scope_of``).
+  eight Python-backend stubs, an OpenAI frontend and a LoRA conversion. The files that use it are
+  two units of work (``scope_of``): those of the OpenAI frontend (``OPENAI_SERVER_SCOPE``) and the
+  rest (``SHARED_SERVER_SCOPE``). Both go first, so each worker takes one and starts the server once.
+  Why two: as one unit those files were ~680 of the ~1,000 s the suite took on 2 cores (2026-11-30),
+  so one worker ran them while the other finished everything else and idled; a second server start
+  (~45 s) costs less than that wait.
 - A long file handed out last runs alone while the other worker has nothing left. Longest first:
   that shared unit, then the files that start servers or ranks (``LONG_FIRST``), then the rest in
   collection order, whose many short files let both workers finish together (``file_rank``).
@@ -25,35 +29,47 @@ from pathlib import Path
 # of every file that uses one of them.
 SHARED_SERVER_FIXTURES = frozenset({"triton_server", "frontend", "lora_adapters"})
 SHARED_SERVER_SCOPE = "tests/integration[session server]"
+OPENAI_SERVER_FIXTURES = frozenset({"frontend", "lora_adapters"})
+OPENAI_SERVER_SCOPE = "tests/integration[session server + OpenAI frontend]"
 INTEGRATION = "tests/integration/"
 # Files first after the shared unit: each starts tritonserver, mpirun ranks or a built wheel's server
 # (~10-50 s each on CI's two cores), so none of them is left for the end.
 LONG_FIRST = ("tests/tools/test_wheel.py", INTEGRATION, "tests/distributed/")
 
 
-@lru_cache(maxsize=None)
 def uses_shared_server(root: str, path: str) -> bool:
     """Whether the test file at ``path`` (relative to ``root``) names a session fixture of the
     integration package: as a parameter of a function (a test or a fixture of its own), or as a
     string (``request.getfixturevalue("triton_server")``, a parametrized fixture name)."""
+    return bool(_fixtures_named(root, path) & SHARED_SERVER_FIXTURES)
+
+
+@lru_cache(maxsize=None)
+def _fixtures_named(root: str, path: str) -> frozenset[str]:
+    """The integration package's session fixtures the file at ``path`` names (see uses_shared_server)."""
     if not path.startswith(INTEGRATION) or not path.endswith(".py"):
-        return False
+        return frozenset()
     try:
         tree = ast.parse((Path(root) / path).read_text())
     except (OSError, SyntaxError):
-        return False
+        return frozenset()
+    named = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.arg) and node.arg in SHARED_SERVER_FIXTURES:
-            return True
+            named.add(node.arg)
         if isinstance(node, ast.Constant) and node.value in SHARED_SERVER_FIXTURES:
-            return True
-    return False
+            named.add(node.value)
+    return frozenset(named)
 
 
 def scope_of(root: str, nodeid: str) -> str:
-    """The unit of work of a test: its file, or SHARED_SERVER_SCOPE for a file of the shared server."""
+    """The unit of work of a test: its file, or for a file of the shared server OPENAI_SERVER_SCOPE
+    (it names the OpenAI frontend or its adapters) or SHARED_SERVER_SCOPE."""
     path = nodeid.split("::", 1)[0]
-    return SHARED_SERVER_SCOPE if uses_shared_server(root, path) else path
+    named = _fixtures_named(root, path)
+    if named & OPENAI_SERVER_FIXTURES:
+        return OPENAI_SERVER_SCOPE
+    return SHARED_SERVER_SCOPE if named else path
 
 
 def file_rank(root: str, nodeid: str) -> int:

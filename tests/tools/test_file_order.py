@@ -1,20 +1,24 @@
-"""tests/file_order.py: the files of the integration package's session server are one unit of work for
-`make test`'s workers and go first, the long files next, the rest after them."""
+"""tests/file_order.py: the files of the integration package's session server are two units of work for
+`make test`'s workers (those of the OpenAI frontend and the rest) and go first, the long files next, the
+rest after them."""
 from pathlib import Path
 
-from file_order import SHARED_SERVER_SCOPE, file_rank, scope_of, uses_shared_server
+from file_order import OPENAI_SERVER_SCOPE, SHARED_SERVER_SCOPE, file_rank, scope_of, uses_shared_server
 
 ROOT = str(Path(__file__).resolve().parents[2])
 
 
-def test_the_session_server_files_are_one_unit_and_first():
+def test_the_session_server_files_are_two_units_and_first():
     shared = sorted(str(path.relative_to(ROOT)) for path in (Path(ROOT) / "tests" / "integration").glob("test_*.py")
                     if uses_shared_server(ROOT, str(path.relative_to(ROOT))))
     # a test's parameter, a fixture's parameter and a parametrized fixture name (getfixturevalue) all count
-    for path in ("tests/integration/test_grpc_stream.py", "tests/integration/test_openai_frontend.py",
-                 "tests/integration/test_streaming_relay.py", "tests/integration/test_disaggregated_served.py"):
+    for path in ("tests/integration/test_grpc_stream.py", "tests/integration/test_streaming_relay.py",
+                 "tests/integration/test_disaggregated_served.py"):
         assert path in shared
         assert scope_of(ROOT, f"{path}::test_x[a]") == SHARED_SERVER_SCOPE and file_rank(ROOT, path) == 0
+    for path in ("tests/integration/test_openai_frontend.py", "tests/integration/test_lora_served.py"):  # (frontend)
+        assert path in shared
+        assert scope_of(ROOT, f"{path}::test_x[a]") == OPENAI_SERVER_SCOPE and file_rank(ROOT, path) == 0
     # own servers: files of their own, in the long files' rank
     for path in ("tests/integration/test_soak.py", "tests/integration/test_model_families_served.py",
                  "tests/distributed/test_tp_serving.py", "tests/tools/test_wheel.py"):
