@@ -24,11 +24,20 @@ def engines(tmp_path_factory):
     return {tp: build_tiny_engine(hf, str(root / f"tp{tp}"), tp_size=tp) for tp in (1, 2)}
 
 
-@pytest.mark.parametrize("plans", ["gloo", "shared memory"])
-def test_two_ranks_with_the_host_tier_answer_like_one_rank_without_reuse(engines, tmp_path, plans):
+@pytest.fixture(scope="module")
+def one_rank_without_reuse(engines) -> list[list[int]]:
+    """The conversations on one rank, no prefix reuse: what both plan channels' runs must answer."""
     with Executor(engines[1], ExecutorConfig(max_tokens_in_paged_kv_cache=96, enable_kv_cache_reuse=False),
                   device="cpu") as executor:
-        want = converse(executor, PROMPTS)
+        return converse(executor, PROMPTS)
+
+
+@pytest.mark.parametrize("plans", ["gloo", "shared memory"])
+def test_two_ranks_with_the_host_tier_answer_like_one_rank_without_reuse(engines, one_rank_without_reuse, tmp_path,
+                                                                         plans):
+    """Also every rank's exit 0 once the leader's executor shut down (run_ranks), over each plan channel:
+    test_tp_engine.py's jobs end with a killed rank."""
+    want = one_rank_without_reuse
     out = str(tmp_path / "tp2.json")
     result = run_ranks([sys.executable, DRIVER, "--engine_dir", engines[2], "--out", out], engines[2], 2, out,
                        TRITONLLM_SHM_PLANS="1" if plans == "shared memory" else "0")
