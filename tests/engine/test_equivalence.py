@@ -48,14 +48,34 @@ def hf_models():
     return get
 
 
-@pytest.fixture
-def runner_for(hf_models, tmp_path):
+@pytest.fixture(scope="module")
+def reference_logits(hf_models):
+    """hf_logits of (family, prompt), computed once: each prompt is compared at every page size and dtype."""
+    cache = {}
+
+    def get(family, prompt):
+        key = (family, tuple(prompt))
+        if key not in cache:
+            cache[key] = hf_logits(hf_models(family), prompt)
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def runner_for(hf_models, tmp_path_factory):
+    """A fresh ModelRunner (its own KV pool) on the engine of (family, page size, dtype), which is
+    built once for the module's four comparisons (each test built its own before)."""
+    engines = {}
+
     def make(family, device, dtype, tokens_per_block=16):
         if family in ROUTED_FAMILIES and dtype != "float32":
             pytest.skip("top-k routing in bf16 may pick other experts than fp32 (see ROUTED_FAMILIES)")
-        engine_dir = make_engine(hf_models(family), tmp_path / f"{family}-{tokens_per_block}",
-                                 tokens_per_block=tokens_per_block, dtype=dtype)
-        return ModelRunner(engine_dir, device=device)
+        key = (family, tokens_per_block, dtype)
+        if key not in engines:
+            out = tmp_path_factory.mktemp(f"{family}-{tokens_per_block}-{dtype}")
+            engines[key] = make_engine(hf_models(family), out, tokens_per_block=tokens_per_block, dtype=dtype)
+        return ModelRunner(engines[key], device=device)
 
     return make
 
@@ -67,18 +87,18 @@ def _assert_close(actual: torch.Tensor, expected: torch.Tensor, device: str, dty
 
 @pytest.mark.parametrize("device,dtype", DEVICES)
 @pytest.mark.parametrize("tokens_per_block", [1, 16, 64])
-def test_full_prompt(family, device, dtype, tokens_per_block, hf_models, runner_for):
+def test_full_prompt(family, device, dtype, tokens_per_block, reference_logits, runner_for):
     prompt = random_tokens(21, seed=1)
     session = PagedSession(runner_for(family, device, dtype, tokens_per_block), num_blocks=64)
     (logits,) = session.step([(0, prompt)])
-    _assert_close(logits, hf_logits(hf_models(family), prompt), device, dtype)
+    _assert_close(logits, reference_logits(family, prompt), device, dtype)
 
 
 @pytest.mark.parametrize("device,dtype", DEVICES)
 @pytest.mark.parametrize("tokens_per_block", [1, 16, 64])
-def test_prompt_then_16_decode_steps(family, device, dtype, tokens_per_block, hf_models, runner_for):
+def test_prompt_then_16_decode_steps(family, device, dtype, tokens_per_block, reference_logits, runner_for):
     sequence = random_tokens(11 + 16, seed=2)  # teacher-forced: decode inputs are fixed tokens
-    expected = hf_logits(hf_models(family), sequence)
+    expected = reference_logits(family, sequence)
     session = PagedSession(runner_for(family, device, dtype, tokens_per_block), num_blocks=64)
     session.runner.capture_cuda_graphs()  # decode steps replay CUDA graphs on a GPU; no-op on CPU
     (prefill,) = session.step([(0, sequence[:11])])
@@ -90,24 +110,23 @@ def test_prompt_then_16_decode_steps(family, device, dtype, tokens_per_block, hf
 
 @pytest.mark.parametrize("device,dtype", DEVICES)
 @pytest.mark.parametrize("tokens_per_block", [1, 16, 64])
-def test_packed_batch_of_four_sequences(family, device, dtype, tokens_per_block, hf_models, runner_for):
+def test_packed_batch_of_four_sequences(family, device, dtype, tokens_per_block, reference_logits, runner_for):
     """One forward mixes a fresh prefill, a decode token, a mid-sequence chunk and a 1-token prompt."""
-    hf = hf_models(family)
     seqs = {0: random_tokens(7, 3), 1: random_tokens(13, 4), 2: random_tokens(15, 5), 3: random_tokens(1, 6)}
     session = PagedSession(runner_for(family, device, dtype, tokens_per_block), num_blocks=96)
     session.step([(1, seqs[1][:12]), (2, seqs[2][:10])])  # earlier step: cached prefixes of 1 and 2
     outs = session.step([(0, seqs[0]), (1, seqs[1][12:]), (2, seqs[2][10:]), (3, seqs[3])])
-    expected_rows = [hf_logits(hf, seqs[0]), hf_logits(hf, seqs[1])[12:], hf_logits(hf, seqs[2])[10:],
-                     hf_logits(hf, seqs[3])]
+    expected_rows = [reference_logits(family, seqs[0]), reference_logits(family, seqs[1])[12:],
+                     reference_logits(family, seqs[2])[10:], reference_logits(family, seqs[3])]
     for actual, expected in zip(outs, expected_rows):
         _assert_close(actual, expected, device, dtype)
 
 
 @pytest.mark.parametrize("device,dtype", DEVICES)
 @pytest.mark.parametrize("tokens_per_block", [1, 16, 64])
-def test_prompt_prefilled_in_three_chunks(family, device, dtype, tokens_per_block, hf_models, runner_for):
+def test_prompt_prefilled_in_three_chunks(family, device, dtype, tokens_per_block, reference_logits, runner_for):
     prompt = random_tokens(40, seed=7)
-    expected = hf_logits(hf_models(family), prompt)
+    expected = reference_logits(family, prompt)
     session = PagedSession(runner_for(family, device, dtype, tokens_per_block), num_blocks=64)
     for start, end in [(0, 17), (17, 33), (33, 40)]:  # chunk edges off block boundaries on purpose
         (chunk,) = session.step([(0, prompt[start:end])])
