@@ -1,6 +1,6 @@
 """Two long-lived gloo ranks that the engine tests' tensor-parallel checks share.
 
-Spawning two ranks costs a torch import, a gloo init and the ranks' imports (~5-8 s on 2 cores)
+Starting two ranks costs a torch import, a gloo init and the ranks' imports (~5-8 s on 2 cores)
 before any logits are computed; with a fresh pair per test that fixed cost was most of each such
 test. ``shared_pair()`` starts one pair per test process (so one per pytest-xdist worker), on its
 first use, and every test sends it jobs: ``pair.run(fn, *args)`` calls ``fn(rank, *args)`` on both
@@ -28,6 +28,7 @@ WORLD_SIZE = 2
 JOB_TIMEOUT_S = 300.0  # a job's compute on a loaded 2-core machine is seconds; this only bounds a hang
 START_TIMEOUT_S = 120.0
 GRACE_S = 10.0  # once a rank failed, how long the other may still take to say why (it may sit in a collective)
+FORKSERVER_PRELOAD = ["torch", "torch.distributed"]  # what every rank imports first (see GlooPair)
 
 
 class RankFailure(AssertionError):
@@ -71,10 +72,16 @@ def _rank_main(rank: int, init_file: str, conn) -> None:
 
 
 class GlooPair:
-    """Two spawned gloo ranks fed jobs over pipes; see the module docstring."""
+    """Two gloo ranks (forked from multiprocessing's fork server) fed jobs over pipes; see the module docstring."""
 
     def __init__(self):
-        context = multiprocessing.get_context("spawn")
+        # Forked from multiprocessing's fork server, which imports torch once for both ranks (and for a
+        # pair restarted after a failed job): each spawned rank imported it itself, ~4 CPU-s a rank. The
+        # server is a fresh single-threaded process that never ran torch (nothing of this test process is
+        # forked), so forking it is as safe as spawning; each rank still sets up like a spawned one
+        # (this process's sys.path and working directory, its main module).
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(FORKSERVER_PRELOAD)
         self._dir = tempfile.mkdtemp(prefix="gloo_pair_")
         self.conns, self.procs = [], []
         for rank in range(WORLD_SIZE):
