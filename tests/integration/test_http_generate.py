@@ -26,12 +26,20 @@ def stream_chunks(response) -> list[dict]:
     return events
 
 
+def unary_and_streamed(server, model, body) -> tuple[requests.Response, list[dict]]:
+    """``body`` sent unary (the response) and streamed (its events), the two requests at once: they
+    are independent, and the engine decodes both in the same steps."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        unary = pool.submit(server.generate, model, body)
+        streamed = pool.submit(lambda: stream_chunks(server.generate(model, {**body, "stream": True}, stream=True)))
+        return unary.result(), streamed.result()
+
+
 @pytest.mark.parametrize("model", MODELS)
 def test_unary_generate_answers_paris_and_stream_deltas_concatenate_to_it(triton_server, model):
-    response = triton_server.generate(model, france())
+    response, chunks = unary_and_streamed(triton_server, model, france())
     assert response.status_code == 200, response.text
     unary = response.json()["text_output"]
-    chunks = stream_chunks(triton_server.generate(model, france(stream=True), stream=True))
     texts = [chunk["text_output"] for chunk in chunks]
     assert len([t for t in texts if t]) >= 5  # token by token, not one blob
     assert "".join(texts) == unary == EXPECTED
@@ -44,16 +52,9 @@ def test_prompt_is_echoed_unless_excluded(triton_server):
 
 def unary_and_streamed_texts(server, model, body) -> list[str]:
     """The text of ``body`` sent unary and streamed (the deltas joined), the two requests at once."""
-    def unary():
-        response = server.generate(model, body)
-        assert response.status_code == 200, response.text
-        return response.json()["text_output"]
-
-    def streamed():
-        return "".join(c["text_output"] for c in stream_chunks(server.generate(model, {**body, "stream": True},
-                                                                               stream=True)))
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        return [future.result() for future in [pool.submit(unary), pool.submit(streamed)]]
+    response, chunks = unary_and_streamed(server, model, body)
+    assert response.status_code == 200, response.text
+    return [response.json()["text_output"], "".join(c["text_output"] for c in chunks)]
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -124,10 +125,9 @@ def test_server_keeps_serving_after_bad_input(triton_server):
 
 @pytest.mark.parametrize("model", MODELS)
 def test_beam_search_unary_and_streamed_agree(triton_server, model):
-    body = france(beam_width=2, max_tokens=12)
-    beams = triton_server.generate(model, body).json()["text_output"]
+    response, chunks = unary_and_streamed(triton_server, model, france(beam_width=2, max_tokens=12))
+    beams = response.json()["text_output"]
     assert len(beams) == 2 and beams[0] == EXPECTED and beams[1] != beams[0]
-    chunks = stream_chunks(triton_server.generate(model, {**body, "stream": True}, stream=True))
     assert chunks[-1]["text_output"] == beams  # beam streams carry whole hypotheses
 
 
