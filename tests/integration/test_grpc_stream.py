@@ -84,12 +84,23 @@ def test_tokens_arrive_incrementally_with_final_last(triton_server, model):
     assert [final for _, _, final in items].count(True) == 1 and items[-1][2]
 
 
+QUESTIONS = ["What is the capital of France?", "What is the capital of Germany?"]
+
+
+@pytest.fixture(scope="module")
+def answers_one_by_one(triton_server):
+    """The ensemble's answers to QUESTIONS, each prompt as a request of its own (both sent at once);
+    once for the module: both entries' two-prompt requests are compared with them."""
+    def answer(question):
+        body = {"text_input": chat(question), "max_tokens": 16, "exclude_input_in_output": True}
+        return triton_server.generate("ensemble", body).json()["text_output"]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return list(pool.map(answer, QUESTIONS))
+
+
 @pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
-def test_two_prompts_in_one_request_come_back_with_batch_index(triton_server, model):
-    questions = ["What is the capital of France?", "What is the capital of Germany?"]
-    with ThreadPoolExecutor(max_workers=2) as pool:  # each prompt as a request of its own, both sent at once
-        expected = list(pool.map(lambda q: triton_server.generate("ensemble", {
-            "text_input": chat(q), "max_tokens": 16, "exclude_input_in_output": True}).json()["text_output"], questions))
+def test_two_prompts_in_one_request_come_back_with_batch_index(triton_server, answers_one_by_one, model):
+    questions, expected = QUESTIONS, answers_one_by_one
     stream = Stream(triton_server)
     try:
         stream.send(model, text_inputs([chat(q) for q in questions], 16),
@@ -182,11 +193,13 @@ def test_stop_request_without_id_is_an_error(triton_server):
 
 def test_bls_instances_serve_more_streams_than_there_are_instances(triton_server):
     """The session server fills 2 tensorrt_llm_bls instances; 4 concurrent streams must all be
-    generating before the first of them ends (a blocking execute served one per instance)."""
+    generating before the first of them ends (a blocking execute served one per instance, so the
+    last two would start only after the first two had ended). 16 tokens: the four first responses
+    come within the first steps, the first final after 16 steps at batch 4."""
     streams = [Stream(triton_server) for _ in range(4)]
     try:
         for index, stream in enumerate(streams):
-            stream.send("tensorrt_llm_bls", text_inputs([f"Count from {index + 1} upwards:"], 48,
+            stream.send("tensorrt_llm_bls", text_inputs([f"Count from {index + 1} upwards:"], 16,
                                                         end_id=np.int32(-1)))
         for stream in streams:
             items = stream.until_final()
