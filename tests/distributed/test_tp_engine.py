@@ -20,7 +20,8 @@ from engine.config import EngineFormatError
 from engine.tensor_parallel.distributed import DistSettings, RankInfo, check_world_matches_engine, make_runner, rank_info_from_env
 from engine.tensor_parallel.step_protocol import decode_batch, encode_batch
 from engine.executor.runner import ForwardBatch, ModelRunner
-from tp_testing import PROMPTS, build_tiny_engine, kill_idle_worker, run_ranks, start_ranks, stop, tiny_llama
+from tp_driver import GreedyDecoder
+from tp_testing import PROMPTS, build_tiny_engine, kill_idle_worker, start_ranks, stop, tiny_llama
 
 DRIVER = os.path.join(os.path.dirname(__file__), "tp_driver.py")
 MAX_TOKENS = 6
@@ -34,16 +35,30 @@ def engines(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tp1_run(engines, tmp_path_factory) -> dict:
-    """The driver's plain greedy decoding on one rank, once for the module: the reference of every
-    TP 2 run below (deterministic; plan channels and overlapping are TP 2 matters)."""
-    return run_driver(engines[1], 1, str(tmp_path_factory.mktemp("tp1_run") / "tp1.json"))
+def tp1_run(engines) -> dict:
+    """The driver's plain greedy decoding on one rank, in this process (make_runner gives a plain
+    ModelRunner at world size 1; a process of its own cost a torch import), once for the module: the
+    reference of every TP 2 run below (deterministic; plan channels and overlapping are TP 2 matters)."""
+    runner = make_runner(engines[1], device="cpu", environ={})
+    tokens, first_logits = GreedyDecoder(runner, PROMPTS, MAX_TOKENS).run()
+    return {"tokens": tokens, "first_logits": first_logits, "runner": type(runner).__name__}
 
 
-def run_driver(engine_dir: str, world_size: int, out: str, *extra: str, timeout: float = 120) -> dict:
-    cmd = [sys.executable, DRIVER, "--engine_dir", engine_dir, "--prompts", json.dumps(PROMPTS),
-           "--max_tokens", str(MAX_TOKENS), "--out", out, *extra]
-    return run_ranks(cmd, engine_dir, world_size, out, timeout=timeout)
+@pytest.fixture(scope="module", params=["gloo", "shared memory"])
+def tp2_job(request, engines, tmp_path_factory) -> dict:
+    """One launch of two ranks per plan channel (gloo, the CPU default; shared memory, the GPU one)
+    for four checks, each of which started its own ranks before: plain greedy decoding, overlapped
+    decoding (tp_driver --then_overlapped), an inconsistent batch refused (--then_refuse_a_bad_batch),
+    then idle with heartbeats every 0.5 s until the worker is SIGKILLed (--then_wait_for_failure).
+    Every rank of a job that ends by SHUTDOWN exiting 0 is test_kv_host_tier_tp.py's check (run_ranks,
+    both channels): this job's worker is killed."""
+    out = str(tmp_path_factory.mktemp("tp2_job") / "tp2.json")
+    cmd = [sys.executable, DRIVER, "--engine_dir", engines[2], "--prompts", json.dumps(PROMPTS),
+           "--max_tokens", str(MAX_TOKENS), "--out", out, "--then_overlapped", "--then_refuse_a_bad_batch",
+           "--then_wait_for_failure", "20"]
+    result, kill_to_exit_s = kill_idle_worker(cmd, engines[2], out,
+                                              TRITONLLM_SHM_PLANS="1" if request.param == "shared memory" else "0")
+    return {**result, "channel": request.param, "kill_to_exit_s": kill_to_exit_s}
 
 
 # ---- the plan encoding and the environment ------------------------------------------------------
@@ -116,15 +131,13 @@ def plans(request, monkeypatch):
     return request.param
 
 
-def test_tp2_greedy_and_overlapped_decoding_equal_tp1(engines, tp1_run, tmp_path, plans):
-    """Plain decoding, then overlapped decoding on the same two ranks (one launch for both: they were two
-    tests, each starting its ranks). Overlapped: placeholder ids in the plans, every rank resolves them
-    from the tokens the leader sampled and broadcast (LeaderRunner.store_sampled_tokens), so TP 2 still
-    equals plain TP 1 decoding."""
-    single = tp1_run
-    double = run_driver(engines[2], 2, str(tmp_path / "tp2.json"), "--then_overlapped")
+def test_tp2_greedy_and_overlapped_decoding_equal_tp1(tp2_job, tp1_run):
+    """Plain decoding, then overlapped decoding on the same two ranks. Overlapped: placeholder ids in the
+    plans, every rank resolves them from the tokens the leader sampled and broadcast
+    (LeaderRunner.store_sampled_tokens), so TP 2 still equals plain TP 1 decoding."""
+    single, double = tp1_run, tp2_job
     assert (single["runner"], double["runner"]) == ("ModelRunner", "LeaderRunner")
-    assert double["plans"] == plans
+    assert double["plans"] == double["channel"]
     assert double["tokens"] == single["tokens"]
     # fp32 partial sums are added in another order across ranks: equal to rounding.
     torch.testing.assert_close(torch.tensor(double["first_logits"]), torch.tensor(single["first_logits"]),
@@ -133,15 +146,20 @@ def test_tp2_greedy_and_overlapped_decoding_equal_tp1(engines, tp1_run, tmp_path
     assert double["overlapped_tokens"] == single["tokens"]
 
 
-def test_killed_worker_fails_the_leader_within_seconds(engines, tmp_path, plans):
-    out = str(tmp_path / "fault.json")
-    cmd = [sys.executable, DRIVER, "--engine_dir", engines[2], "--prompts", json.dumps(PROMPTS),
-           "--max_tokens", "2", "--out", out, "--then_wait_for_failure", "20"]
-    result, elapsed = kill_idle_worker(cmd, engines[2], out)
+def test_a_refused_batch_keeps_the_ranks_in_step(tp2_job, tp1_run):
+    # An inconsistent batch is the caller's error, not a rank failure: every rank refuses it
+    # before any collective, and the next steps run normally.
+    assert tp2_job["refusal"].startswith("ValueError") and "inconsistent" in tp2_job["refusal"]
+    assert tp2_job["failure_after_refusal"] is None
+    assert tp2_job["tokens_after"] == tp1_run["tokens"]
+
+
+def test_killed_worker_fails_the_leader_within_seconds(tp2_job):
+    result = tp2_job
     assert result["failure"] and "rank failure" in result["failure"]  # noticed while idle (heartbeat)
     assert result["detected_after_s"] < 5
     assert result["step_error"].startswith("RankFailureError") and result["step_error_after_s"] < 1
-    assert elapsed < 15
+    assert result["kill_to_exit_s"] < 15
 
 
 def test_worker_exits_when_the_leader_dies(engines, tmp_path, plans):
@@ -177,12 +195,3 @@ def test_hung_worker_fails_the_leader_after_the_step_timeout(engines, tmp_path):
     assert "rank failure" in result["failure"] and "heartbeat" in result["failure"]
     assert 2.5 < result["detected_after_s"] < 10  # the 3 s timeout, not forever
     assert result["step_error"].startswith("RankFailureError")
-
-
-def test_a_refused_batch_keeps_the_ranks_in_step(engines, tmp_path):
-    # An inconsistent batch is the caller's error, not a rank failure: every rank refuses it
-    # before any collective, and the next steps run normally.
-    result = run_driver(engines[2], 2, str(tmp_path / "refuse.json"), "--then_refuse_a_bad_batch")
-    assert result["refusal"].startswith("ValueError") and "inconsistent" in result["refusal"]
-    assert result["failure_after_refusal"] is None
-    assert result["tokens_after"] == result["tokens"]

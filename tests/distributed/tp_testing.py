@@ -90,12 +90,19 @@ def run_ranks(leader_cmd: list[str], engine_dir: str, world_size: int, out: str,
         return json.load(f)
 
 
-def kill_idle_worker(leader_cmd: list[str], engine_dir: str, out: str) -> tuple[dict, float]:
+def kill_idle_worker(leader_cmd: list[str], engine_dir: str, out: str, **extra_env: str) -> tuple[dict, float]:
     """A two-rank job whose leader prints IDLE once it has generated (heartbeats every 0.5 s): SIGKILL
-    the worker then; (the JSON the leader wrote to ``out``, seconds from the kill to the leader's exit 0)."""
-    leader, (worker,) = start_ranks(leader_cmd, engine_dir, 2, TRITONLLM_DIST_HEARTBEAT_S="0.5")
+    the worker then; (the JSON the leader wrote to ``out``, seconds from the kill to the leader's exit 0).
+    ``extra_env``: more variables for both ranks (TRITONLLM_SHM_PLANS, say)."""
+    leader, (worker,) = start_ranks(leader_cmd, engine_dir, 2, **{"TRITONLLM_DIST_HEARTBEAT_S": "0.5", **extra_env})
     try:
-        assert leader.stdout.readline().strip() == "IDLE"  # generated once, now idle
+        before_idle = []  # what the leader logged on the way (a refused batch's warning, say)
+        for line in leader.stdout:
+            if line.strip() == "IDLE":  # generated, now idle
+                break
+            before_idle.append(line)
+        else:
+            raise AssertionError("the leader exited before it was idle:\n" + "".join(before_idle))
         killed_at = time.monotonic()
         worker.send_signal(signal.SIGKILL)
         leader_log, _ = leader.communicate(timeout=30)
