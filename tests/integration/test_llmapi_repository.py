@@ -33,17 +33,35 @@ def model_yaml(model: str, extra: str = "") -> str:
             "triton_config:\n  max_batch_size: 0\n  decoupled: true\n")
 
 
+def instances(count: int, gpu_device_ids: str | None = None):
+    """config.pbtxt with `count` instances (and gpu_device_ids when given)."""
+    def edit(text: str) -> str:
+        group = "instance_group [\n  {\n    count: "
+        assert group + "1\n" in text
+        text = text.replace(group + "1\n", f"{group}{count}\n", 1)
+        if gpu_device_ids is not None:
+            text += f'parameters: {{ key: "gpu_device_ids" value: {{ string_value: "{gpu_device_ids}" }} }}\n'
+        return text
+    return edit
+
+
 @contextmanager
-def llmapi_server(work: Path, yaml_text: str, expect_ready: bool = True, edit_config=None):
+def llmapi_server(work: Path, yaml_text: str, expect_ready: bool = True, edit_config=None, beside=None):
     """Serve a copy of all_models/llmapi with `yaml_text` as model.yaml (and config.pbtxt passed
-    through `edit_config`, a text -> text function, when given); yields (Server, process)."""
+    through `edit_config`, a text -> text function, when given); yields (Server, process). `beside`:
+    {model name: (yaml_text, edit_config)}, more copies of the LLM-API model in the same repository."""
     serve, launcher = load_script("serve_default"), load_script("launch_triton_server")
     repo = work / "repo"
     shutil.copytree(ROOT / "all_models" / "llmapi", repo, ignore=shutil.ignore_patterns("__pycache__"))
-    (repo / "tensorrt_llm" / "1" / "model.yaml").write_text(yaml_text)
-    if edit_config is not None:
-        config = repo / "tensorrt_llm" / "config.pbtxt"
-        config.write_text(edit_config(config.read_text()))
+    for name in beside or {}:
+        shutil.copytree(repo / "tensorrt_llm", repo / name)
+        config = repo / name / "config.pbtxt"
+        config.write_text(config.read_text().replace('name: "tensorrt_llm"', f'name: "{name}"', 1))
+    for name, (text, edit) in {"tensorrt_llm": (yaml_text, edit_config), **(beside or {})}.items():
+        (repo / name / "1" / "model.yaml").write_text(text)
+        if edit is not None:
+            config = repo / name / "config.pbtxt"
+            config.write_text(edit(config.read_text()))
     ports = [str(free_port()) for _ in range(3)]
     args = launcher.parse_arguments([f"--model_repo={repo}", "--no-mpi", "--host=127.0.0.1", "--force",
                                      f"--http_port={ports[0]}", f"--grpc_port={ports[1]}",
@@ -74,7 +92,12 @@ def engine_cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llmapi(smollm2_gguf, engine_cache, tmp_path_factory):
-    with llmapi_server(tmp_path_factory.mktemp("llmapi"), model_yaml(smollm2_gguf, LORA + NGRAM)) as (server, _):
+    """The module's server: two instances without gpu_device_ids (they share one engine, and both load
+    at once on an empty cache: one builds, the other waits for that build), so every request below
+    goes through whichever instance Triton picks (a stop request may reach the other one). One server
+    for what took two (~12 s of CI)."""
+    with llmapi_server(tmp_path_factory.mktemp("llmapi"), model_yaml(smollm2_gguf, LORA + NGRAM),
+                       edit_config=instances(2)) as (server, _):
         yield server
 
 
@@ -98,7 +121,7 @@ def generate(server, body, stream=False):
 
 
 def test_generate_answers_the_documented_request_and_builds_the_engine_into_the_cache(llmapi, engine_cache):
-    response = generate(llmapi, {"text_input": PROMPT, "sampling_param_max_tokens": 16,
+    response = generate(llmapi, {"text_input": PROMPT, "sampling_param_max_tokens": 8,
                                  "return_finish_reason": True, "return_stop_reason": True})
     assert response.status_code == 200, response.text
     body = response.json()
@@ -139,7 +162,7 @@ def test_ngram_drafts_from_speculative_config_are_verified_and_counted(llmapi):
 
 
 def test_stream_adds_up_to_the_unary_text(llmapi):
-    body = {"text_input": PROMPT, "sampling_param_max_tokens": 24}
+    body = {"text_input": PROMPT, "sampling_param_max_tokens": 8}  # (as true at 8 tokens as at 24)
     unary = generate(llmapi, body).json()["text_output"]
     events = generate(llmapi, {**body, "streaming": True, "return_finish_reason": True}, stream=True)
     assert len(events) > 2
@@ -149,7 +172,7 @@ def test_stream_adds_up_to_the_unary_text(llmapi):
 
 
 def test_stop_string_ends_the_text_before_it(llmapi):
-    body = {"text_input": PROMPT, "sampling_param_max_tokens": 24}
+    body = {"text_input": PROMPT, "sampling_param_max_tokens": 8}  # "Paris" comes within 8 tokens
     unary = generate(llmapi, body).json()["text_output"]
     stop = "Paris"
     assert stop in unary
@@ -167,9 +190,11 @@ def test_stop_string_ends_the_text_before_it(llmapi):
 def test_greedy_text_equals_the_ensembles(llmapi, cached_engine, tmp_path):
     """The five-model repository serving the same engine gives the same greedy text for the same prompt
     (its preprocessing/postprocessing tokenize and detokenize; here the LLM-API model does)."""
-    ours = generate(llmapi, {"text_input": PROMPT, "sampling_param_max_tokens": 24}).json()["text_output"]
-    with running_server(cached_engine, tmp_path) as ensemble:
-        theirs = ensemble.generate("ensemble", {"text_input": PROMPT, "max_tokens": 24,
+    ours = generate(llmapi, {"text_input": PROMPT, "sampling_param_max_tokens": 8}).json()["text_output"]
+    # (no tensorrt_llm_bls: two stubs fewer to start; the ensemble is what is compared)
+    with running_server(cached_engine, tmp_path, add_models=lambda repo: shutil.rmtree(repo / "tensorrt_llm_bls")) \
+            as ensemble:
+        theirs = ensemble.generate("ensemble", {"text_input": PROMPT, "max_tokens": 8,
                                                 "exclude_input_in_output": True}).json()["text_output"]
     assert ours == theirs
 
@@ -201,7 +226,8 @@ def test_a_stop_request_ends_a_stream_and_cumulative_logprob_comes_back(llmapi):
 
 def test_a_lora_adapter_named_by_lora_id_name_and_path_changes_the_text(llmapi, cached_engine, tmp_path):
     adapter = write_peft_adapter(cached_engine, tmp_path / "r8", rank=8, seed=8)
-    body = {"text_input": "Once upon a time", "sampling_param_max_tokens": 12, "return_cumulative_logprob": True}
+    # 4 tokens: a random rank-8 adapter moves the logprob from the first token on
+    body = {"text_input": "Once upon a time", "sampling_param_max_tokens": 4, "return_cumulative_logprob": True}
     base = generate(llmapi, body).json()
     lora = {"lora_id": 7, "lora_name": "r8", "lora_path": str(adapter)}
     adapted = generate(llmapi, {**body, **lora})
@@ -218,6 +244,23 @@ def test_unsupported_inputs_are_refused_by_name(llmapi, extra, named):
     response = generate(llmapi, {"text_input": PROMPT, "sampling_param_max_tokens": 4, **extra})
     assert response.status_code != 200
     assert named in response.json()["error"]
+
+
+def test_two_instances_without_gpu_device_ids_share_one_engine_and_answer(llmapi, engine_cache):
+    """Triton names them tensorrt_llm_0_0 and tensorrt_llm_0_1 (the names gpu_device_ids is
+    matched by); without gpu_device_ids both relay one engine's responses (one engine built into
+    the cache: cached_engine; no stub holds torch: the stub test below)."""
+    bodies = [{"text_input": PROMPT, "sampling_param_max_tokens": 8} for _ in range(4)]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        responses = list(pool.map(lambda body: generate(llmapi, body), bodies))
+    assert all(response.status_code == 200 for response in responses), [r.text for r in responses]
+    texts = {response.json()["text_output"] for response in responses}
+    assert len(texts) == 1 and "Paris" in texts.pop()
+    log = llmapi.log()
+    for name in ("tensorrt_llm_0_0", "tensorrt_llm_0_1"):
+        assert f"tensorrt_llm (LLM-API) instance {name}: serving" in log, log[-3000:]
+    assert "on GPU(s)" not in log  # no gpu_device_ids: the shared engine
+    assert len([p for p in (engine_cache / "engines").iterdir() if (p / "config.json").exists()]) == 1
 
 
 def test_the_llmapi_stub_served_everything_above_without_torch(llmapi):
@@ -242,56 +285,35 @@ def test_the_llmapi_stub_served_everything_above_without_torch(llmapi):
             continue
         if "triton_python_backend_stub" in command and "/tensorrt_llm/" in command:
             stubs[pid] = Path(f"/proc/{pid}/maps").read_text()
-    assert len(stubs) == 1, stubs.keys()
-    assert "libtorch" not in next(iter(stubs.values()))
+    assert len(stubs) == 2, stubs.keys()  # the module server's two instances
+    assert not [pid for pid, maps in stubs.items() if "libtorch" in maps]
 
 
-def failed_load_log(work: Path, yaml_text: str, edit_config=None) -> str:
-    with llmapi_server(work, yaml_text, expect_ready=False, edit_config=edit_config) as (server, process):
+@pytest.fixture(scope="module")
+def failed_loads_log(smollm2_gguf, engine_cache, tmp_path_factory) -> str:
+    """The log of one server whose two LLM-API models both fail to load (a model that fails at start
+    ends tritonserver once every load has ended): `tensorrt_llm` with tensor_parallel_size 2 on a
+    server started without --world_size 2, and `tensorrt_llm_placed` with two instances and
+    gpu_device_ids for three. One failed start for the two refusals."""
+    tp2 = model_yaml(smollm2_gguf).replace("tensor_parallel_size: 1", "tensor_parallel_size: 2")
+    beside = {"tensorrt_llm_placed": (model_yaml(smollm2_gguf), instances(2, "0;1;2"))}
+    with llmapi_server(tmp_path_factory.mktemp("failed_loads"), tp2, expect_ready=False,
+                       beside=beside) as (server, process):
         try:
-            process.wait(timeout=60)  # a model that fails to load at start ends tritonserver
+            process.wait(timeout=60)
         except subprocess.TimeoutExpired:
             pass
         return server.log()
 
 
-def test_a_bad_model_yaml_value_fails_the_load_naming_the_key(smollm2_gguf, engine_cache, tmp_path):
+def test_a_bad_model_yaml_value_fails_the_load_naming_the_key(failed_loads_log):
     """(triton_config differing from config.pbtxt fails the same way: tests/serving/test_llmapi.py)
     Here tensor_parallel_size 2 on a server started without --world_size 2: refused before any build."""
-    yaml_text = model_yaml(smollm2_gguf).replace("tensor_parallel_size: 1", "tensor_parallel_size: 2")
-    log = failed_load_log(tmp_path, yaml_text)
+    log = failed_loads_log
     assert "model.yaml: tensor_parallel_size: 2, but the server runs with world size 1" in log, log[-3000:]
     assert "scripts/launch_triton_server.py --world_size 2" in log
 
 
-def instances(count: int, gpu_device_ids: str | None = None):
-    """config.pbtxt with `count` instances (and gpu_device_ids when given)."""
-    def edit(text: str) -> str:
-        group = "instance_group [\n  {\n    count: "
-        assert group + "1\n" in text
-        text = text.replace(group + "1\n", f"{group}{count}\n", 1)
-        if gpu_device_ids is not None:
-            text += f'parameters: {{ key: "gpu_device_ids" value: {{ string_value: "{gpu_device_ids}" }} }}\n'
-        return text
-    return edit
-
-
-def test_two_instances_without_gpu_device_ids_share_one_engine_and_answer(smollm2_gguf, engine_cache, tmp_path):
-    """Triton names them tensorrt_llm_0_0 and tensorrt_llm_0_1 (the names gpu_device_ids is
-    matched by); without gpu_device_ids both relay one engine's responses."""
-    with llmapi_server(tmp_path, model_yaml(smollm2_gguf), edit_config=instances(2)) as (server, _):
-        bodies = [{"text_input": PROMPT, "sampling_param_max_tokens": 12} for _ in range(4)]
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            responses = list(pool.map(lambda body: generate(server, body), bodies))
-        assert all(response.status_code == 200 for response in responses), [r.text for r in responses]
-        texts = {response.json()["text_output"] for response in responses}
-        assert len(texts) == 1 and "Paris" in texts.pop()
-        log = server.log()
-    for name in ("tensorrt_llm_0_0", "tensorrt_llm_0_1"):
-        assert f"tensorrt_llm (LLM-API) instance {name}: serving" in log, log[-3000:]
-    assert "on GPU(s)" not in log  # no gpu_device_ids: the shared engine
-
-
-def test_gpu_device_ids_that_do_not_place_every_instance_fail_the_load(smollm2_gguf, engine_cache, tmp_path):
-    log = failed_load_log(tmp_path, model_yaml(smollm2_gguf), edit_config=instances(2, "0;1;2"))
+def test_gpu_device_ids_that_do_not_place_every_instance_fail_the_load(failed_loads_log):
+    log = failed_loads_log
     assert "gpu_device_ids: '0;1;2' places 3 instance(s), but instance_group has 2" in log, log[-3000:]
