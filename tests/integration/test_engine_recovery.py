@@ -3,8 +3,9 @@
 Killing the engine process (SIGKILL, as the kernel's OOM killer would): every request in flight
 gets an error response within 2 s (never a 200 without text), tritonserver stays up, readiness says
 not ready until the tensorrt_llm model has started a fresh engine process by itself, and then new
-requests are served, without restarting tritonserver. Both as `make serve` runs tritonserver and
-through the launcher's mpirun job. Each case has its own server (it is killed on purpose).
+requests are served, without restarting tritonserver. Here through the launcher's mpirun job, on a
+server of its own (its engine is killed on purpose); as `make serve` runs tritonserver alone, on
+test_streaming_relay.py's server of two instances sharing the engine (kill_the_engine_under_load).
 """
 import json
 import os
@@ -96,41 +97,57 @@ def streamed_grpc(server, model, outcome):
         stream.close()
 
 
-@pytest.mark.parametrize("launch", ["tritonserver", "mpirun"])
-def test_killed_engine_fails_requests_at_once_and_comes_back(smollm2_engine_dir, tmp_path, launch):
-    if launch == "mpirun" and not shutil.which("mpirun"):
+def kill_the_engine_under_load(server, engine_pids_of_the_model, ready_within_s: float = 60,
+                               signal_named: bool = True) -> int:
+    """Five calls through every entry (unary HTTP, SSE, gRPC streams; ensemble and BLS) generating, then
+    SIGKILL to the engine process: every call fails within 2 s naming the engine process and SIGKILL (never
+    a 200 without text), readiness says not ready, then ready again with one fresh engine process in the
+    same tritonserver. ``engine_pids_of_the_model()``: the model's engine processes (one). Returns the
+    killed pid. The caller checks the first answer afterwards and the restart counter.
+    ``ready_within_s``: a restart's limit (two instances unload and load both). ``signal_named``: each error
+    names SIGKILL too (False where an instance that did not start the engine holds calls: only the engine's
+    parent sees how it ended, the others say "the engine process exited")."""
+    # at most two BLS calls: its two instances each hold one call while it runs
+    calls = [(unary_http, "ensemble"), (unary_http, "tensorrt_llm_bls"), (streamed_http, "ensemble"),
+             (streamed_grpc, "ensemble"), (streamed_grpc, "tensorrt_llm_bls")]
+    outcomes = [Outcome() for _ in calls]
+    threads = [threading.Thread(target=call, args=(server, model, outcome), daemon=True)
+               for (call, model), outcome in zip(calls, outcomes)]
+    for thread in threads:
+        thread.start()
+    running = wait_for(lambda: value(scrape(server), "nv_trt_llm_request_metrics", request_type="active",
+                                     model="tensorrt_llm", version="1") == len(calls), timeout=30)
+    assert running, "the requests did not all start"
+    # an error after a stream's first chunks is the hard case (a BLS caller lost it in 2.51)
+    assert wait_for(lambda: all(outcome.chunks >= 2 for (call, _), outcome in zip(calls, outcomes)
+                                if call is not unary_http), timeout=30), [(c.__name__, m, o.chunks, o.detail) for (c, m), o in zip(calls, outcomes)]
+    [engine] = engine_pids_of_the_model()
+    os.kill(engine, signal.SIGKILL)
+    killed_at = time.time()
+    for thread in threads:
+        thread.join(timeout=10)
+    for (call, model), outcome in zip(calls, outcomes):
+        assert outcome.ok is False, (call.__name__, model, outcome.detail)
+        assert "engine process" in outcome.detail and ("SIGKILL" in outcome.detail or not signal_named), \
+            outcome.detail
+        assert outcome.ended_at - killed_at < 2.0, (call.__name__, model, outcome.ended_at - killed_at)
+    assert wait_for(lambda: not ready(server), timeout=2, interval=0.05), "still ready after the engine died"
+    assert wait_for(lambda: ready(server) and ready(server, "tensorrt_llm"), timeout=ready_within_s, interval=0.25)
+    assert os.kill(server.pid, 0) is None  # the same tritonserver
+    new_engines = wait_for(engine_pids_of_the_model, timeout=10)
+    assert len(new_engines) == 1 and new_engines != [engine], process_tree(server.pid)
+    return engine
+
+
+# Through tritonserver alone (`make serve`'s way) it is test_streaming_relay.py's killed-engine test, on its
+# server of two tensorrt_llm instances sharing the engine (one server start fewer than a case of its own here).
+def test_killed_engine_fails_requests_at_once_and_comes_back_through_mpirun(smollm2_engine_dir, tmp_path):
+    if not shutil.which("mpirun"):
         pytest.skip("OpenMPI's mpirun is not installed")
-    with running_server(smollm2_engine_dir, tmp_path, mpi=launch == "mpirun") as server:
-        # at most two BLS calls: its two instances each hold one call while it runs
-        calls = [(unary_http, "ensemble"), (unary_http, "tensorrt_llm_bls"), (streamed_http, "ensemble"),
-                 (streamed_grpc, "ensemble"), (streamed_grpc, "tensorrt_llm_bls")]
-        outcomes = [Outcome() for _ in calls]
-        threads = [threading.Thread(target=call, args=(server, model, outcome), daemon=True)
-                   for (call, model), outcome in zip(calls, outcomes)]
-        for thread in threads:
-            thread.start()
-        running = wait_for(lambda: value(scrape(server), "nv_trt_llm_request_metrics", request_type="active",
-                                         model="tensorrt_llm", version="1") == len(calls), timeout=30)
-        assert running, "the requests did not all start"
-        # an error after a stream's first chunks is the hard case (a BLS caller lost it in 2.51)
-        assert wait_for(lambda: all(outcome.chunks >= 2 for (call, _), outcome in zip(calls, outcomes)
-                                    if call is not unary_http), timeout=30), [(c.__name__, m, o.chunks, o.detail) for (c, m), o in zip(calls, outcomes)]
-        [engine] = engine_pids(server.pid)
-        os.kill(engine, signal.SIGKILL)
-        killed_at = time.time()
-        for thread in threads:
-            thread.join(timeout=10)
-        for (call, model), outcome in zip(calls, outcomes):
-            assert outcome.ok is False, (call.__name__, model, outcome.detail)
-            assert "engine process" in outcome.detail and "SIGKILL" in outcome.detail, outcome.detail
-            assert outcome.ended_at - killed_at < 2.0, (call.__name__, model, outcome.ended_at - killed_at)
-        assert wait_for(lambda: not ready(server), timeout=2, interval=0.05), "still ready after the engine died"
-        assert wait_for(lambda: ready(server) and ready(server, "tensorrt_llm"), timeout=60, interval=0.25)
-        assert os.kill(server.pid, 0) is None  # the same tritonserver
-        new_engines = engine_pids(server.pid)
-        assert len(new_engines) == 1 and new_engines != [engine]
+    with running_server(smollm2_engine_dir, tmp_path, mpi=True) as server:
+        kill_the_engine_under_load(server, lambda: engine_pids(server.pid))
         answer = server.generate("ensemble", {"text_input": chat("What is the capital of France?"),
-                                              "max_tokens": 12})
+                                              "max_tokens": 7})  # "The capital of France is Paris." whole
         assert answer.status_code == 200 and "Paris" in answer.json()["text_output"], answer.text
         restarts = value(scrape(server), "tritonllm_engine_restarts_total", model="tensorrt_llm", version="1")
         assert restarts == 1

@@ -86,8 +86,13 @@ def test_triton_spreads_requests_over_both_instances(two_instance_server):
             stream.close()
         return int(items[0][0].as_numpy("request_key").reshape(-1)[0]) // KEY_STRIDE
 
+    # Up to 3 rounds of 8 at once (one round may land on one instance), but no round after both showed.
+    instances = []
     with ThreadPoolExecutor(8) as pool:
-        instances = [i for batch in range(3) for i in pool.map(instance_of_one_request, range(8))]
+        for _ in range(3):
+            instances += pool.map(instance_of_one_request, range(8))
+            if set(instances) == {0, 1}:
+                break
     assert set(instances) == {0, 1}, instances
 
 
@@ -119,11 +124,11 @@ def tokens_per_response(server, max_tokens: int, model: str = "tensorrt_llm") ->
 def test_one_response_per_token_when_the_client_keeps_up(server_name, request):
     server = request.getfixturevalue(server_name)  # one instance, or two sharing the engine
     # tensorrt_llm itself: every response but the (empty or last-token) final one carries one token.
-    per_response = tokens_per_response(server, max_tokens=16)
+    per_response = tokens_per_response(server, max_tokens=8)  # (was 16: 8 show the same, at half the steps)
     # One response per token. A stall of the stub on a loaded 2-core runner (seen once in a fresh-clone
-    # CI run: tokens 15 and 16 in one response) may merge one pair; the relay batching tokens it
+    # CI run: the last two tokens in one response) may merge one pair; the relay batching tokens it
     # could send alone would merge many.
-    assert sum(per_response) == 16 and sum(n == 1 for n in per_response) >= 14, per_response
+    assert sum(per_response) == 8 and sum(n == 1 for n in per_response) >= 6, per_response
     # Through the ensemble over gRPC: as many text responses as tokens, none coalesced (the
     # counters are published every stats_check_period_ms, 100 ms here: read them after 4).
     time.sleep(0.4)
@@ -139,10 +144,10 @@ def test_one_response_per_token_when_the_client_keeps_up(server_name, request):
 def test_stream_interval_groups_tokens_and_the_text_stays_whole(two_instance_server):
     """stream_interval=4 (INTERVAL_LLM): the first token alone (time to first token is kept), then
     responses of at least 4 tokens (more only if the relay fell behind), the rest in the last one;
-    the ensemble's streamed text is the same answer."""
-    per_response = [n for n in tokens_per_response(two_instance_server, 18, INTERVAL_LLM) if n]  # (an empty final)
-    assert sum(per_response) == 18 and per_response[0] == 1, per_response
-    assert all(n >= 4 for n in per_response[1:-1]) and len(per_response) <= 6, per_response
+    the ensemble's streamed text is the same answer. 10 tokens: 1, 4, 4 and a rest of 1 (was 18)."""
+    per_response = [n for n in tokens_per_response(two_instance_server, 10, INTERVAL_LLM) if n]  # (an empty final)
+    assert sum(per_response) == 10 and per_response[0] == 1, per_response
+    assert all(n >= 4 for n in per_response[1:-1]) and len(per_response) <= 4, per_response
     assert ensemble_text(two_instance_server, INTERVAL_ENSEMBLE) == ANSWER
 
 
@@ -181,36 +186,20 @@ def test_gone_ensemble_clients_are_stopped_on_either_instance(two_instance_serve
     assert_idle(two_instance_server)
 
 
-def test_a_killed_shared_engine_fails_every_instance_and_the_model_comes_back(two_instance_server):
-    """Last in this file: it restarts the model. Requests held by either instance fail at once;
-    the instance that started the engine restarts the model with one fresh engine process."""
-    import os
-    import signal
+def test_a_killed_shared_engine_fails_every_call_at_once_and_the_model_comes_back(two_instance_server):
+    """Last in this file: it restarts the model. test_engine_recovery.py's killed-engine case as `make serve`
+    runs tritonserver (no mpirun), here with the engine shared by two instances: calls held by either
+    instance, through every entry, fail within 2 s naming the engine process (only the instance that started
+    it sees the SIGKILL to name: test_engine_recovery.py's mpirun case, one instance, checks it does); the instance
+    that started the engine restarts the model with one fresh engine process in the same tritonserver,
+    and it answers again (kill_the_engine_under_load says what is checked)."""
+    from benchmarks.common import process_tree
 
-    from test_engine_recovery import engine_pids, ready
+    from test_engine_recovery import engine_pids, kill_the_engine_under_load
     from triton_helpers import wait_for
 
     server = two_instance_server
-    streams = [Stream(server) for _ in range(4)]
-    try:
-        for stream in streams:
-            stream.send("ensemble", text_inputs([chat("Write a long story about a lighthouse keeper.")],
-                                                RUNNING_TOKENS, end_id=np.int32(-1)))
-        for stream in streams:
-            assert stream.next()[1] is None
-        [engine] = llm_engine_pids(server)
-        os.kill(engine, signal.SIGKILL)
-        for stream in streams:
-            errors = [error for _, error, _ in stream.until_final(timeout=10) if error is not None]
-            assert errors and "engine process" in str(errors[-1]), errors
-    finally:
-        for stream in streams:
-            stream.close()
-    assert wait_for(lambda: ready(server) and ready(server, "tensorrt_llm"), timeout=90, interval=0.25)
-    from benchmarks.common import process_tree
-
-    new_engines = wait_for(lambda: llm_engine_pids(server), timeout=10)
-    assert len(new_engines) == 1 and new_engines != [engine], process_tree(server.pid)
+    kill_the_engine_under_load(server, lambda: llm_engine_pids(server), ready_within_s=90, signal_named=False)
     assert len(engine_pids(server.pid)) == 2, process_tree(server.pid)  # the interval model's kept running
     # (With two instances the old version's last instance may finish unloading just after the new
     # one is ready, and Triton then reloads the ensemble: wait for the first answer.)
