@@ -28,7 +28,12 @@ from triton_helpers import grpc_inputs, wait_for, write_peft_adapter
 pytestmark = pytest.mark.integration
 
 PROMPT = [1, 504, 3458, 282, 4649, 314]  # SmolLM2 ids; any prompt does
-NEW_TOKENS = 12
+# The adapters' greedy tokens part from the base's (and each other's) at the second token of PROMPT (12
+# until 2026-11-30: every request's tokens are decode steps of the session engine).
+NEW_TOKENS = 6
+# "The capital of France is": the base and both session adapters answer " Paris.\n\nThe" alike and part
+# at the sixth token, so 8 tokens (3 where they differ).
+FRANCE, FRANCE_TOKENS = "The capital of France is", 8
 
 
 def infer(grpc_url: str, model: str, tensors: dict[str, np.ndarray], output: str = "output_ids"):
@@ -76,17 +81,19 @@ def test_the_three_ways_in_give_the_same_tokens(triton_server, lora_adapters):
     weights = np.load(converted / "model.lora_weights.npy")
     config = np.load(converted / "model.lora_config.npy")
     assert weights.dtype == np.float16 and weights.ndim == 3 and config.shape[2] == 3
-    base, error = infer(url, "tensorrt_llm", llm_tensors())
-    assert error is None and len(base) == NEW_TOKENS
-    # 1. --lora-path --lora-task-id: the first request sends all three
-    first, error = infer(url, "tensorrt_llm", llm_tensors(**task_id(101), lora_weights=weights, lora_config=config))
-    assert error is None and first != base
-    again, error = infer(url, "tensorrt_llm", llm_tensors(**task_id(101)))  # later: the id alone
-    assert error is None and again == first
-    # 2. the PEFT directory the rows came from (its float32 weights; the rows are float16 and still agree)
-    via_path, error = infer(url, "tensorrt_llm", llm_tensors(**peft_inputs(102, peft_dirs[0], "r8")))
-    assert error is None and via_path == first
-    # another adapter answers differently, and base requests in the same batches stay the base's
+    # The base, 1. --lora-path --lora-task-id (the first request sends all three) and 2. the PEFT directory
+    # the rows came from, at once (they wait on nothing of each other's)
+    with ThreadPoolExecutor(3) as pool:
+        (base, base_error), (first, first_error), (via_path, path_error) = pool.map(
+            lambda extra: infer(url, "tensorrt_llm", llm_tensors(**extra)),
+            [{}, {**task_id(101), "lora_weights": weights, "lora_config": config},
+             peft_inputs(102, peft_dirs[0], "r8")])
+    assert base_error is None and len(base) == NEW_TOKENS
+    assert first_error is None and first != base
+    # its float32 weights; the rows are float16 and still agree
+    assert path_error is None and via_path == first
+    # later requests send the id alone (results[1] and [4]); another adapter answers differently, and base
+    # requests in the same batches stay the base's
     with ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(infer, url, "tensorrt_llm", llm_tensors(**extra)) for extra in
                    [{}, task_id(101), peft_inputs(103, peft_dirs[1], "r16"), {}, task_id(101), {}]]
@@ -103,8 +110,7 @@ def test_end_to_end_grpc_client_with_a_task_id(triton_server, lora_adapters):
     _, converted = lora_adapters
     weights = np.load(converted / "model.lora_weights.npy")
     config = np.load(converted / "model.lora_config.npy")
-    prompt = "The capital of France is"
-    tensors = {"text_input": np.array([[prompt]], dtype=object), "max_tokens": np.array([[NEW_TOKENS]], np.int32),
+    tensors = {"text_input": np.array([[FRANCE]], dtype=object), "max_tokens": np.array([[FRANCE_TOKENS]], np.int32),
                "stream": np.array([[False]]), "beam_width": np.array([[1]], np.int32),
                "temperature": np.array([[1.0]], np.float32), "top_k": np.array([[1]], np.int32),
                "exclude_input_in_output": np.array([[True]]), "lora_task_id": np.array([[201]], np.uint64),
@@ -112,12 +118,14 @@ def test_end_to_end_grpc_client_with_a_task_id(triton_server, lora_adapters):
     with_adapter, error = infer(triton_server.grpc_url, "ensemble", tensors, output="text_output")
     assert error is None, error
     base_tensors = {k: v for k, v in tensors.items() if not k.startswith("lora")}
-    base, error = infer(triton_server.grpc_url, "ensemble", base_tensors, output="text_output")
+    by_id = {**base_tensors, "lora_task_id": np.array([[201]], np.uint64)}
+    # the base and the id alone to each model, at once (once the adapter is in the cache)
+    with ThreadPoolExecutor(3) as pool:
+        (base, error), *again = pool.map(lambda job: infer(triton_server.grpc_url, job[0], job[1], output="text_output"),
+                                         [("ensemble", base_tensors), ("ensemble", by_id), ("tensorrt_llm_bls", by_id)])
     assert error is None and base != with_adapter
-    for model in ("ensemble", "tensorrt_llm_bls"):
-        again, error = infer(triton_server.grpc_url, model, {**base_tensors, "lora_task_id": np.array([[201]], np.uint64)},
-                             output="text_output")
-        assert error is None and again == with_adapter, model
+    for model, (text, error) in zip(("ensemble", "tensorrt_llm_bls"), again):
+        assert error is None and text == with_adapter, model
 
 
 def test_bad_lora_inputs_fail_only_their_request(triton_server, lora_adapters, tmp_path):
@@ -139,13 +147,20 @@ def test_bad_lora_inputs_fail_only_their_request(triton_server, lora_adapters, t
     assert error is None and len(tokens) == NEW_TOKENS
 
 
+# Rank 16: these eight adapters' greedy tokens part from each other's within 6 tokens of PROMPT (7 of 8
+# distinct; rank-4 ones of these seeds needed 12 tokens, two of them agreeing up to the tenth).
+CYCLE_RANK, CYCLE_TOKENS = 16, 6
+
+
 def test_more_lora_adapters_than_slots_cycle(triton_server, smollm2_engine_dir, tmp_path):
     """Eight lora_adapters through the four device slots, twice around, all at once: none fails, and an
     adapter's two requests agree (an evicted adapter comes back intact)."""
-    dirs = [write_peft_adapter(smollm2_engine_dir, tmp_path / f"a{i}", 4, seed=100 + i) for i in range(8)]
+    dirs = [write_peft_adapter(smollm2_engine_dir, tmp_path / f"a{i}", CYCLE_RANK, seed=100 + i) for i in range(8)]
+    tokens = {"request_output_len": np.array([[CYCLE_TOKENS]], np.int32)}
     with ThreadPoolExecutor(16) as pool:
         futures = [pool.submit(infer, triton_server.grpc_url, "tensorrt_llm",
-                               llm_tensors(**peft_inputs(300 + i, dirs[i], f"a{i}"))) for _ in range(2) for i in range(8)]
+                               llm_tensors(**peft_inputs(300 + i, dirs[i], f"a{i}"), **tokens))
+                   for _ in range(2) for i in range(8)]
         results = [f.result() for f in futures]
     assert all(error is None for _, error in results), [e for _, e in results if e]
     assert [t for t, _ in results[:8]] == [t for t, _ in results[8:]]
@@ -162,28 +177,29 @@ def test_openai_clients_select_adapters_by_name(triton_server, frontend, smollm2
     assert set(models) == {"smollm2", "sql", "chat16"}
     assert models["sql"].model_extra.get("parent") == "smollm2"
 
-    prompt = "The capital of France is"
-
     def complete(model):
-        return client.completions.create(model=model, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0)
+        return client.completions.create(model=model, prompt=FRANCE, max_tokens=FRANCE_TOKENS, temperature=0)
 
-    with ThreadPoolExecutor(6) as pool:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_engine_dir)
+    ids = tokenizer(FRANCE).input_ids
+    # the six completions, the same adapter directory by lora_path and a chat, all at once
+    with ThreadPoolExecutor(8) as pool:
+        by_path = pool.submit(infer, triton_server.grpc_url, "tensorrt_llm",
+                              llm_tensors(**peft_inputs(104, peft_dirs[0], "r8"), input_ids=np.array([ids], np.int32),
+                                          input_lengths=np.array([[len(ids)]], np.int32),
+                                          request_output_len=np.array([[FRANCE_TOKENS]], np.int32)))
+        chat = pool.submit(client.chat.completions.create, model="chat16", messages=[{"role": "user", "content": "Hi"}],
+                           max_tokens=8, temperature=0)
         answers = list(pool.map(complete, ["sql", "smollm2", "chat16", "sql", "smollm2", "chat16"]))
+        (first, error), chat = by_path.result(), chat.result()
     texts = [a.choices[0].text for a in answers]
     assert [a.model for a in answers] == ["sql", "smollm2", "chat16", "sql", "smollm2", "chat16"]
     assert texts[0] == texts[3] and texts[1] == texts[4] and texts[2] == texts[5]
     assert len({texts[0], texts[1], texts[2]}) == 3
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_engine_dir)
-    ids = tokenizer(prompt).input_ids
-    first, error = infer(triton_server.grpc_url, "tensorrt_llm",  # the same adapter directory, by lora_path
-                         llm_tensors(**peft_inputs(104, peft_dirs[0], "r8"), input_ids=np.array([ids], np.int32),
-                                     input_lengths=np.array([[len(ids)]], np.int32)))
     assert error is None, error
     assert texts[0] == tokenizer.decode(first, skip_special_tokens=True)
-    chat = client.chat.completions.create(model="chat16", messages=[{"role": "user", "content": "Hi"}],
-                                          max_tokens=8, temperature=0)
     assert chat.model == "chat16" and chat.choices[0].message.content
     with pytest.raises(Exception, match="model_not_found|does not exist|not found"):
         complete("nope")
