@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -23,7 +24,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from triton_helpers import chat, grpc_inputs, load_script, serving_repository, wait_for
+from triton_helpers import GUIDED_OFF, chat, grpc_inputs, load_script, serving_repository, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -45,11 +46,15 @@ def speculative_server(engine_dir: str, work: Path):
     """The five-model repository (non-decoupled, the BLS naming the draft model) plus the draft
     (decoding_mode ngram) and draft_target copies of tensorrt_llm, served on free ports."""
     serve = load_script("serve_default")
+    # No guides and no adapters here: the three engine processes start without xgrammar's vocabulary
+    # (~1.3 CPU-s each) and LoRA slots.
+    unused = {**GUIDED_OFF, "enable_lora": "false"}
     repo = Path(serve.prepare_model_repo(engine_dir, str(work / "repo"), decoupled=False, bls_instances=2,
-                                         overrides={"tensorrt_llm_bls": {"tensorrt_llm_draft_model_name": DRAFT}}))
+                                         overrides={"tensorrt_llm_bls": {"tensorrt_llm_draft_model_name": DRAFT},
+                                                    "tensorrt_llm": unused}))
     # the copies: the template filled like tensorrt_llm's, with their decoding modes
     template = serve.model_templates_dir() / "tensorrt_llm" / "config.pbtxt"
-    base = serve.default_substitutions(os.path.abspath(engine_dir), decoupled=False)["tensorrt_llm"]
+    base = {**serve.default_substitutions(os.path.abspath(engine_dir), decoupled=False)["tensorrt_llm"], **unused}
     for name, values in ((DRAFT, {"decoding_mode": "ngram", "max_draft_len": "4", "max_matching_ngram_size": "3"}),
                          (DRAFT_TARGET, {"decoding_mode": "draft_target", "max_draft_len": "4",
                                          "draft_engine_dir": os.path.abspath(engine_dir)})):
@@ -93,26 +98,41 @@ def generate(server, prompt_ids, new_tokens, model="tensorrt_llm", **extra):
     return ids, perf
 
 
-def test_drafts_sent_to_the_target_keep_plain_decodings_ids(server, tokenizer):
+@pytest.fixture(scope="module")
+def sea(server, tokenizer):
+    """A chat prompt's ids and plain greedy decoding's 24 tokens after it (prompt included), with the
+    perf outputs of that request; the two tests that compare with them ask for it once."""
     prompt = tokenizer.encode(chat("Write two sentences about the sea."))
     plain, perf = generate(server, prompt, 24)
+    return prompt, plain, perf
+
+
+# Drafts sent to the target are the first step's: 4 of them, then plain decoding; 8 new tokens cover
+# them and what follows them (24, one request after the other, until 2026-11-30: ~100 decode steps).
+DRAFTED_TOKENS = 8
+
+
+def test_drafts_sent_to_the_target_keep_plain_decodings_ids(server, sea):
+    prompt, plain, perf = sea
     assert perf == {"total_draft_tokens": 0, "total_accepted_draft_tokens": 0, "acceptance_rate": 0.0}
     completion = plain[len(prompt):]
     assert len(completion) == 24
+    plain = plain[:len(prompt) + DRAFTED_TOKENS]
     right = np.array([completion[:4]], np.int32)
     wrong = np.array([[(t + 1) % 49152 for t in completion[:4]]], np.int32)
     half = np.array([completion[:2] + [(t + 1) % 49152 for t in completion[2:4]]], np.int32)
-    for drafts, accepted in ((right, 4), (wrong, 0), (half, 2)):
-        ids, perf = generate(server, prompt, 24, draft_input_ids=drafts)
-        assert ids == plain, drafts
-        assert perf["total_draft_tokens"] == 4 and perf["total_accepted_draft_tokens"] == accepted, perf
-        assert perf["acceptance_rate"] == pytest.approx(accepted / 4)
-    # with the draft model's logits (one-hot on the drafts), and a threshold: greedy ignores both
+    # and with the draft model's logits (one-hot on the drafts), and a threshold: greedy ignores both
     logits = np.full((1, 4, 49152), -10.0, np.float32)
     logits[0, np.arange(4), wrong[0]] = 10.0
-    ids, perf = generate(server, prompt, 24, draft_input_ids=wrong, draft_logits=logits,
-                         draft_acceptance_threshold=np.array([[0.5]], np.float32))
-    assert ids == plain and perf["total_accepted_draft_tokens"] == 0
+    cases = [({"draft_input_ids": right}, 4), ({"draft_input_ids": wrong}, 0), ({"draft_input_ids": half}, 2),
+             ({"draft_input_ids": wrong, "draft_logits": logits,
+               "draft_acceptance_threshold": np.array([[0.5]], np.float32)}, 0)]
+    with ThreadPoolExecutor(len(cases)) as pool:  # at once: one batch
+        results = list(pool.map(lambda case: generate(server, prompt, DRAFTED_TOKENS, **case[0]), cases))
+    for (extra, accepted), (ids, perf) in zip(cases, results):
+        assert ids == plain, extra["draft_input_ids"]
+        assert perf["total_draft_tokens"] == 4 and perf["total_accepted_draft_tokens"] == accepted, perf
+        assert perf["acceptance_rate"] == pytest.approx(accepted / 4)
 
 
 @pytest.mark.parametrize("extra,message", [
@@ -130,8 +150,8 @@ def test_bad_drafts_fail_their_request_naming_the_input(server, extra, message):
     assert len(ids) == 7
 
 
-def bls_body(question, **extra):
-    return {"text_input": chat(question), "max_tokens": 32, "exclude_input_in_output": True, **extra}
+def bls_body(question, max_tokens=24, **extra):
+    return {"text_input": chat(question), "max_tokens": max_tokens, "exclude_input_in_output": True, **extra}
 
 
 def counter(server, family, model):
@@ -145,11 +165,17 @@ def value(outputs, name):
 
 
 def test_bls_with_a_draft_model_answers_the_ensembles_greedy_text(server):
+    """The ensemble's greedy text and the BLS's with and without the draft's logits, the three at once.
+    24 tokens (32 until 2026-11-30): four full rounds of 4 drafts and a round of 3."""
     question = "Name three colours and say why the sky is blue."
-    expected = server.generate("ensemble", bls_body(question)).json()["text_output"]
-    for use_draft_logits in (False, True):
-        response = server.generate("tensorrt_llm_bls", bls_body(question, num_draft_tokens=4, return_perf_metrics=True,
-                                                                use_draft_logits=use_draft_logits))
+    bodies = [("ensemble", bls_body(question))] + [
+        ("tensorrt_llm_bls", bls_body(question, num_draft_tokens=4, return_perf_metrics=True,
+                                      use_draft_logits=use_draft_logits)) for use_draft_logits in (False, True)]
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        reference, *responses = pool.map(lambda job: server.generate(*job), bodies)
+    assert reference.status_code == 200, reference.text
+    expected = reference.json()["text_output"]
+    for response in responses:
         assert response.status_code == 200, response.text
         out = response.json()
         assert out["text_output"] == expected
@@ -171,10 +197,11 @@ def test_bls_speculative_refusals(server):
 
 def test_ngram_decoding_mode_keeps_the_greedy_ids(server, tokenizer):
     prompt = tokenizer.encode(chat("Repeat this sentence twice: the quick brown fox jumps over the lazy dog."))
-    plain, _ = generate(server, prompt, 40)
     families = ("tritonllm_speculative_draft_tokens_total", "tritonllm_speculative_accepted_draft_tokens_total")
     before = [counter(server, family, NGRAM) for family in families]  # (the BLS tests drafted through it too)
-    ids, perf = generate(server, prompt, 40, model=NGRAM)
+    with ThreadPoolExecutor(2) as pool:  # plain and n-gram decoding at once (two engine processes)
+        (plain, _), (ids, perf) = pool.map(lambda model: generate(server, prompt, 40, model=model),
+                                           ["tensorrt_llm", NGRAM])
     assert ids == plain
     assert perf["total_draft_tokens"] > 0 and perf["total_accepted_draft_tokens"] > 0, perf
     grown = (perf["total_draft_tokens"], perf["total_accepted_draft_tokens"])
@@ -198,11 +225,10 @@ def test_nvidias_speculative_decoding_client(server):
     assert expected.strip() in run.stdout, (expected, run.stdout)
 
 
-def test_draft_target_decoding_mode_keeps_the_greedy_ids(server, tokenizer):
+def test_draft_target_decoding_mode_keeps_the_greedy_ids(server, sea):
     """decoding_mode draft_target with draft_model_path: the executor's own draft model (here the
     target's engine, so it drafts the target's tokens) gives the plain ids, most drafts accepted."""
-    prompt = tokenizer.encode(chat("Write two sentences about the sea."))
-    plain, _ = generate(server, prompt, 24)
+    prompt, plain, _ = sea
     ids, perf = generate(server, prompt, 24, model=DRAFT_TARGET)
     assert ids == plain
     assert perf["total_draft_tokens"] >= 12 and perf["total_accepted_draft_tokens"] >= perf["total_draft_tokens"] - 4, perf
@@ -212,5 +238,5 @@ def test_a_bls_without_a_draft_model_refuses_num_draft_tokens(triton_server):
     """The session's (decoupled) repository names no draft model: the reference's refusal."""
     response = triton_server.generate("tensorrt_llm_bls", bls_body("Hi", num_draft_tokens=4))
     assert response.status_code != 200 and "cannot perform speculative decoding without draft model" in response.text
-    response = triton_server.generate("tensorrt_llm_bls", bls_body("Hi", num_draft_tokens=0))  # 0: off
+    response = triton_server.generate("tensorrt_llm_bls", bls_body("Hi", max_tokens=4, num_draft_tokens=0))  # 0: off
     assert response.status_code == 200 and response.json()["text_output"]
