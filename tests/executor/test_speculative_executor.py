@@ -2,8 +2,8 @@
 
 Real weights (the embedded SmolLM2) on 10 prompts of benchmarks/speculative/speculative_acceptance.py
 (each article summarised, each function renamed: their answers copy the prompt, so n-gram drafts hit); one plain
-executor gives the reference ids. The KV and refusal tests use the tiny random engine (4-token
-blocks: drafts fill whole blocks).
+executor gives the reference ids and verifies the client drafts, one n-gram executor runs every n-gram request at
+once. The KV and refusal tests use the tiny random engine (4-token blocks: drafts fill whole blocks).
 """
 from __future__ import annotations
 
@@ -20,7 +20,9 @@ from engine.executor.request import (
     ExternalDraftTokens, FinishReason, OutputConfig, Request, SamplingConfig,
 )
 
-MAX_TOKENS = 40
+# 16 tokens: the n-gram drafts of the 10 prompts still number ~180 with ~40% kept (40 tokens until
+# 2026-11-30: every SmolLM2 token costs ~0.05-0.1 CPU-s, and no check needs the answers' later tokens).
+MAX_TOKENS = 16
 # Each of the acceptance benchmark's 5 articles and 5 functions once (its 20 prompts until 2026-11-29: the
 # reference run and the two 20-request tests were ~50 s of make test, and the second prompt of each text
 # added no case the first lacks).
@@ -57,10 +59,17 @@ def assert_no_blocks_held(executor) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(smollm2_engine_dir, prompts, tokenizer) -> list[list[int]]:
-    """Plain greedy ids of every prompt (no end_id: every answer is MAX_TOKENS long)."""
+def plain_executor(smollm2_engine_dir):
+    """Plain decoding (the engine's max_batch_size, 8): the reference ids, then the client-draft tests
+    (the prompts' blocks are cached by then: they prefill once)."""
     with Executor(smollm2_engine_dir, config()) as executor:
-        return [final_tokens(r) for r in run(executor, [Request(p, MAX_TOKENS) for p in prompts])]
+        yield executor
+
+
+@pytest.fixture(scope="module")
+def reference(plain_executor, prompts) -> list[list[int]]:
+    """Plain greedy ids of every prompt (no end_id: every answer is MAX_TOKENS long)."""
+    return [final_tokens(r) for r in run(plain_executor, [Request(p, MAX_TOKENS) for p in prompts])]
 
 
 @pytest.fixture(scope="module")
@@ -69,9 +78,25 @@ def ngram_executor(smollm2_engine_dir):
         yield executor
 
 
-def test_ngram_drafts_give_the_plain_greedy_ids_and_are_often_accepted(ngram_executor, prompts, reference):
-    requests = [Request(p, MAX_TOKENS, output=OutputConfig(return_perf_metrics=True)) for p in prompts]
-    responses = run(ngram_executor, requests)
+def stop_words_of(reference) -> list[list[int]]:
+    """A stop word (two tokens) 12 tokens into each of the first 6 answers (drafts may run past it)."""
+    return [ref[12:14] for ref in reference[:6]]
+
+
+@pytest.fixture(scope="module")
+def ngram_responses(ngram_executor, prompts, reference) -> dict[str, list[list]]:
+    """The n-gram tests' requests, sent at once (the batch stays full): the 10 prompts to MAX_TOKENS,
+    every other one streamed, all with perf metrics; then 6 cut at 7 tokens; then 6 ended by a stop word."""
+    perf = OutputConfig(return_perf_metrics=True)
+    full = [Request(p, MAX_TOKENS, streaming=i % 2 == 1, output=perf) for i, p in enumerate(prompts)]
+    short = [Request(p, 7) for p in prompts[:6]]
+    stopped = [Request(p, MAX_TOKENS, stop_words=[s]) for p, s in zip(prompts, stop_words_of(reference))]
+    responses = run(ngram_executor, full + short + stopped)
+    return {"full": responses[:10], "short": responses[10:16], "stopped": responses[16:]}
+
+
+def test_ngram_drafts_give_the_plain_greedy_ids_and_are_often_accepted(ngram_executor, ngram_responses, reference):
+    responses = ngram_responses["full"]
     assert [final_tokens(r) for r in responses] == reference
     perf = [r[-1].result.perf for r in responses]
     drafted, accepted = sum(p.total_draft_tokens for p in perf), sum(p.total_accepted_draft_tokens for p in perf)
@@ -83,26 +108,23 @@ def test_ngram_drafts_give_the_plain_greedy_ids_and_are_often_accepted(ngram_exe
     assert_no_blocks_held(ngram_executor)
 
 
-def test_ngram_streams_carry_every_token_accepted_in_a_step(ngram_executor, prompts, reference):
-    responses = run(ngram_executor, [Request(p, MAX_TOKENS, streaming=True) for p in prompts[:8]])
-    assert [final_tokens(r) for r in responses] == reference[:8]
-    assert max(len(r.result.output_token_ids[0]) for rs in responses for r in rs) > 1
+def test_ngram_streams_carry_every_token_accepted_in_a_step(ngram_responses, reference):
+    """The streamed half of the full-length requests (2 summaries, 3 code edits)."""
+    streamed = ngram_responses["full"][1::2]
+    assert [final_tokens(r) for r in streamed] == reference[1::2]
+    assert max(len(r.result.output_token_ids[0]) for rs in streamed for r in rs) > 1
 
 
-def test_ngram_respects_max_tokens_and_stop_words(ngram_executor, prompts, reference):
-    stop = [ref[12:14] for ref in reference[:6]]
-    requests = [Request(p, 7) for p in prompts[:6]] + [Request(p, MAX_TOKENS, stop_words=[s])
-                                                       for p, s in zip(prompts, stop)]
-    responses = run(ngram_executor, requests)
-    for ref, r in zip(reference[:6], responses[:6]):
+def test_ngram_respects_max_tokens_and_stop_words(ngram_executor, ngram_responses, reference):
+    for ref, r in zip(reference[:6], ngram_responses["short"]):
         assert final_tokens(r) == ref[:7] and r[-1].result.finish_reasons == [FinishReason.LENGTH]
-    for ref, s, r in zip(reference, stop, responses[6:]):
+    for ref, s, r in zip(reference, stop_words_of(reference), ngram_responses["stopped"]):
         end = next(i + 2 for i in range(len(ref)) if ref[i:i + 2] == s)
         assert final_tokens(r) == ref[:end] and r[-1].result.finish_reasons == [FinishReason.STOP_WORDS]
     assert_no_blocks_held(ngram_executor)
 
 
-def test_external_drafts_right_wrong_or_partly_right_give_the_plain_greedy_ids(smollm2_engine_dir, prompts, reference):
+def test_external_drafts_right_wrong_or_partly_right_give_the_plain_greedy_ids(plain_executor, prompts, reference):
     """Mixed in one batch with requests without drafts; streaming and non-streaming."""
     requests, expected = [], []
     for i, (prompt, ref) in enumerate(zip(prompts, reference)):
@@ -113,10 +135,9 @@ def test_external_drafts_right_wrong_or_partly_right_give_the_plain_greedy_ids(s
         requests.append(Request(prompt, MAX_TOKENS, streaming=i % 2 == 1, output=OutputConfig(return_perf_metrics=True),
                                 external_draft=None if drafts is None else ExternalDraftTokens(drafts)))
         expected.append(ref)
-    with Executor(smollm2_engine_dir, config(max_batch_size=8)) as executor:
-        responses = run(executor, requests)
-        assert [final_tokens(r) for r in responses] == expected
-        assert_no_blocks_held(executor)
+    responses = run(plain_executor, requests)
+    assert [final_tokens(r) for r in responses] == expected
+    assert_no_blocks_held(plain_executor)
     perf = [r[-1].result.perf for r in responses]
     assert (perf[0].total_draft_tokens, perf[0].total_accepted_draft_tokens, perf[0].acceptance_rate) == (6, 6, 1.0)
     assert (perf[1].total_draft_tokens, perf[1].total_accepted_draft_tokens) == (5, 0)
@@ -124,14 +145,13 @@ def test_external_drafts_right_wrong_or_partly_right_give_the_plain_greedy_ids(s
     assert perf[3].total_draft_tokens == 0
 
 
-def test_external_drafts_past_max_tokens_or_a_stop_word_are_trimmed(smollm2_engine_dir, prompts, reference):
+def test_external_drafts_past_max_tokens_or_a_stop_word_are_trimmed(plain_executor, prompts, reference):
     ref = reference[0]
     requests = [Request(prompts[0], 3, external_draft=ExternalDraftTokens(ref[:8])),
                 Request(prompts[0], MAX_TOKENS, stop_words=[ref[2:4]], external_draft=ExternalDraftTokens(ref[:8])),
                 Request(prompts[0], MAX_TOKENS, end_id=ref[5], external_draft=ExternalDraftTokens(ref[:8]))]
-    with Executor(smollm2_engine_dir, config()) as executor:
-        short, stopped, ended = run(executor, requests)
-        assert_no_blocks_held(executor)
+    short, stopped, ended = run(plain_executor, requests)
+    assert_no_blocks_held(plain_executor)
     assert final_tokens(short) == ref[:3] and short[-1].result.finish_reasons == [FinishReason.LENGTH]
     assert final_tokens(stopped) == ref[:4] and stopped[-1].result.finish_reasons == [FinishReason.STOP_WORDS]
     assert final_tokens(ended) == ref[:ref.index(ref[5])]
