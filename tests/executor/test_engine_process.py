@@ -143,9 +143,12 @@ def test_the_engine_process_exits_when_its_client_is_gone(tiny_engine):
         process._kill()
 
 
-def test_attached_clients_share_one_engine_each_with_its_own_ids(tiny_engine, tmp_path):
+def test_attached_clients_share_one_engine_each_with_its_own_ids_and_one_that_leaves_has_its_requests_cancelled(
+        tiny_engine, tmp_path):
     """Several Triton model instances relay one engine process: each numbers its requests alone,
-    gets exactly its own responses, and reaches the others with peer messages."""
+    gets exactly its own responses, and reaches the others with peer messages. An attached client
+    that leaves has its running requests cancelled while the owner's engine serves on; the owner's
+    shutdown closes the socket. (One engine process for both halves: each start costs a torch import.)"""
     listen_path = str(tmp_path / "engine.sock")
     with Executor(tiny_engine, ExecutorConfig()) as local:
         expected = collect(local, local.enqueue_requests(mixed_requests()))
@@ -165,21 +168,14 @@ def test_attached_clients_share_one_engine_each_with_its_own_ids(tiny_engine, tm
             assert [final_tokens(got[i]) for i in ids] == [final_tokens(r) for r in expected.values()]
         assert owner.await_responses(timeout=0.2) == [] and attached.await_responses(timeout=0.2) == []
         assert heard == [("stop", "user-7")]
-    finally:
-        owner.shutdown()
 
-
-def test_an_attached_client_that_leaves_has_its_requests_cancelled(tiny_engine, tmp_path):
-    listen_path = str(tmp_path / "engine.sock")
-    owner = EngineProcess(tiny_engine, ExecutorConfig(), listen_path=listen_path)
-    try:
-        attached = EngineProcess.attach(listen_path, timeout_s=30)
-        attached.enqueue_request(Request(input_token_ids=[1, 2, 3], max_tokens=120, streaming=True))
+        leaving = EngineProcess.attach(listen_path, timeout_s=30)
+        leaving.enqueue_request(Request(input_token_ids=[1, 2, 3], max_tokens=120, streaming=True))
         deadline = time.monotonic() + 30
         while owner.get_latest_iteration_stats().kv_cache_stats.used_num_blocks == 0:
             assert time.monotonic() < deadline, "the attached client's request never ran"
             time.sleep(0.02)
-        attached.shutdown()  # an attached client's shutdown leaves the engine running for the owner
+        leaving.shutdown()  # an attached client's shutdown leaves the engine running for the owner
         while owner.get_latest_iteration_stats().kv_cache_stats.used_num_blocks != 0:
             assert time.monotonic() < deadline, "the leaving client's request kept its blocks"
             time.sleep(0.02)
