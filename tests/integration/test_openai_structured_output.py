@@ -60,7 +60,9 @@ def check_calls(calls, tools_by_name):
 
 def test_json_schema_strict_validates_greedy_and_sampled(client):
     response_format = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY, "strict": True}}
-    samplings = ({"temperature": 0}, {"temperature": 1.0, "seed": 11}, {"temperature": 1.0, "seed": 12})
+    # Greedy and sampled take different paths through the guide (argmax of the masked logits, a draw
+    # from them); a second seed (12 was one) took the sampled path again, for ~30 more guided steps.
+    samplings = ({"temperature": 0}, {"temperature": 1.0, "seed": 11})
     with ThreadPoolExecutor(max_workers=len(samplings)) as pool:  # at once: each reply is checked on its own
         replies = list(pool.map(lambda sampling: client.chat.completions.create(
             model=MODEL, messages=ASK_CITY, response_format=response_format, **sampling, **LIMIT), samplings))
