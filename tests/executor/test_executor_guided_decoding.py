@@ -57,57 +57,91 @@ def text(tokenizer, responses) -> str:
     return tokenizer.decode(final_tokens(responses), skip_special_tokens=True)
 
 
-def test_json_schema_greedy_and_sampled_outputs_validate(executor, tokenizer):
+STRUCTURAL_TAG_CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}
+
+
+def generation_requests(tokenizer) -> dict[str, Request]:
+    """The requests of the tests that only read what came out, by name: sent at once (one batch of
+    up to the engine's 8 sequences, the rest joining as others end) instead of one test after another."""
     sampled = SamplingConfig(temperature=1.0, top_k=50, seed=7)
-    reqs = [request(tokenizer, "json_schema", json.dumps(PERSON)),
-            request(tokenizer, "json_schema", json.dumps(PERSON), sampling=sampled, streaming=True),
-            Request(prompt(tokenizer, "Say hello."), max_tokens=16, end_id=tokenizer.eos_token_id)]  # unconstrained
-    for responses in run(executor, reqs)[:2]:
+    tag = {"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": ["<tool_call>"], "at_least_one": True, "stop_after_first": True,
+        "tags": [{"begin": "<tool_call>", "content": {"type": "json_schema", "json_schema": STRUCTURAL_TAG_CITY},
+                  "end": "</tool_call>"}]}}
+    return {
+        "schema_greedy": request(tokenizer, "json_schema", json.dumps(PERSON)),
+        "schema_sampled": request(tokenizer, "json_schema", json.dumps(PERSON), sampling=sampled, streaming=True),
+        "unconstrained": Request(prompt(tokenizer, "Say hello."), max_tokens=16, end_id=tokenizer.eos_token_id),
+        "three_sequences": request(tokenizer, "json_schema", json.dumps(PERSON), sampling=SamplingConfig(
+            temperature=1.0, top_k=40, seed=3, num_return_sequences=3)),
+        "regex": request(tokenizer, "regex", r"[A-Z][a-z]{2,6}-[0-9]{3}"),
+        "ebnf": request(tokenizer, "ebnf_grammar", 'root ::= "yes" | "no" | "maybe " [0-9]'),
+        "any_json": request(tokenizer, "json", None, max_tokens=256),
+        "length_limit": request(tokenizer, "json_schema", json.dumps(PERSON), max_tokens=3),
+        "min_tokens": request(tokenizer, "regex", "[0-9]{2}", sampling=SamplingConfig(min_tokens=10),
+                              output=OutputConfig(return_log_probs=True)),
+        "stop_word": request(tokenizer, "regex", "a{1,3}b{1,3}c", stop_words=[tokenizer.encode("b", add_special_tokens=False)]),
+        "structural_tag": request(tokenizer, "structural_tag", json.dumps(tag), question="Call the weather tool for a city."),
+    }
+
+
+@pytest.fixture(scope="module")
+def generated(executor, tokenizer) -> dict[str, list]:
+    """Every response of generation_requests, by name (each request's own stream of responses)."""
+    requests = generation_requests(tokenizer)
+    names = list(requests)
+    ids = executor.enqueue_requests(list(requests.values()))
+    got = collect(executor, ids, timeout=300, streams={ids[names.index("three_sequences")]: 3})
+    return {name: got[i] for name, i in zip(names, ids)}
+
+
+def test_json_schema_greedy_and_sampled_outputs_validate(generated, tokenizer):
+    """Greedy, and sampled and streamed, beside an unconstrained request in the same batch."""
+    for responses in (generated["schema_greedy"], generated["schema_sampled"]):
         assert responses[-1].result.finish_reasons[0] is FinishReason.END_ID
         jsonschema.validate(json.loads(text(tokenizer, responses)), PERSON)
+    assert generated["unconstrained"][-1].error is None
 
 
-def test_every_returned_sequence_has_its_own_matcher(executor, tokenizer):
-    sampling = SamplingConfig(temperature=1.0, top_k=40, seed=3, num_return_sequences=3)
-    [responses] = run(executor, [request(tokenizer, "json_schema", json.dumps(PERSON), sampling=sampling)],
-                      streams={0: 3})
+def test_every_returned_sequence_has_its_own_matcher(generated, tokenizer):
+    responses = generated["three_sequences"]
     outputs = {r.result.sequence_index: r.result.output_token_ids[0] for r in responses if r.result.is_final}
     assert sorted(outputs) == [0, 1, 2]
     for tokens in outputs.values():
         jsonschema.validate(json.loads(tokenizer.decode(tokens, skip_special_tokens=True)), PERSON)
 
 
-def test_regex_grammar_and_any_json(executor, tokenizer):
-    grammar = 'root ::= "yes" | "no" | "maybe " [0-9]'
-    pattern = r"[A-Z][a-z]{2,6}-[0-9]{3}"
-    got = run(executor, [request(tokenizer, "regex", pattern), request(tokenizer, "ebnf_grammar", grammar),
-                         request(tokenizer, "json", None, max_tokens=256)])
-    assert re.fullmatch(pattern, text(tokenizer, got[0]))
-    assert re.fullmatch(r"yes|no|maybe [0-9]", text(tokenizer, got[1]))
-    json.loads(text(tokenizer, got[2]))
+def test_regex_grammar_and_any_json(generated, tokenizer):
+    assert re.fullmatch(r"[A-Z][a-z]{2,6}-[0-9]{3}", text(tokenizer, generated["regex"]))
+    assert re.fullmatch(r"yes|no|maybe [0-9]", text(tokenizer, generated["ebnf"]))
+    json.loads(text(tokenizer, generated["any_json"]))
 
 
-def test_length_limit_ends_an_open_grammar_with_length(executor, tokenizer):
-    [responses] = run(executor, [request(tokenizer, "json_schema", json.dumps(PERSON), max_tokens=3)])
+def test_length_limit_ends_an_open_grammar_with_length(generated, tokenizer):
+    responses = generated["length_limit"]
     assert responses[-1].result.finish_reasons[0] is FinishReason.LENGTH
     assert len(final_tokens(responses)) == 3
     assert text(tokenizer, responses).startswith("{")
 
 
-def test_min_tokens_never_breaks_the_grammar_and_log_probs_come_back(executor, tokenizer):
-    [responses] = run(executor, [request(tokenizer, "regex", "[0-9]{2}", sampling=SamplingConfig(min_tokens=10),
-                                         output=OutputConfig(return_log_probs=True))])
+def test_min_tokens_never_breaks_the_grammar_and_log_probs_come_back(generated, tokenizer):
+    responses = generated["min_tokens"]
     assert re.fullmatch("[0-9]{2}", text(tokenizer, responses))
     result = responses[-1].result
     assert result.finish_reasons[0] is FinishReason.END_ID
     assert len(result.log_probs[0]) == len(final_tokens(responses)) and all(p <= 0 for p in result.log_probs[0])
 
 
-def test_stop_words_still_stop_a_guided_request(executor, tokenizer):
+def test_stop_words_still_stop_a_guided_request(generated, tokenizer):
     stop = tokenizer.encode("b", add_special_tokens=False)
-    [responses] = run(executor, [request(tokenizer, "regex", "a{1,3}b{1,3}c", stop_words=[stop])])
+    responses = generated["stop_word"]
     assert responses[-1].result.finish_reasons[0] is FinishReason.STOP_WORDS
     assert final_tokens(responses)[-1:] == stop and re.fullmatch("a{1,3}b{1,3}", text(tokenizer, responses))
+
+
+def test_structural_tag_constrains_the_tagged_segment(generated, tokenizer):
+    match = re.fullmatch(r"(?s).*<tool_call>(.*)</tool_call>", text(tokenizer, generated["structural_tag"]))
+    assert match and json.loads(match.group(1))["city"] in ("Paris", "Rome")
 
 
 @pytest.mark.parametrize("guide_type, guide, named", [
@@ -141,7 +175,9 @@ def test_without_a_backend_guided_requests_are_refused_and_others_served(smollm2
 
 
 def test_synchronous_and_overlapped_loops_give_the_same_guided_tokens(smollm2_engine_dir, executor, tokenizer):
-    reqs = lambda: [request(tokenizer, "json_schema", json.dumps(PERSON)),  # noqa: E731
+    """The JSON is cut at 12 tokens (each loop masks every one of them; the regex's request runs to
+    its grammar's end in both): the whole object was ~30 more steps of each loop."""
+    reqs = lambda: [request(tokenizer, "json_schema", json.dumps(PERSON), max_tokens=12),  # noqa: E731
                     request(tokenizer, "regex", "[a-z]{4} [0-9]{4}", streaming=True)]
     overlapped = [final_tokens(r) for r in run(executor, reqs())]
     with Executor(smollm2_engine_dir, ExecutorConfig(guided_decoding_backend="xgrammar", exclude_input_from_output=True, disable_overlap_scheduler=True,
@@ -183,18 +219,6 @@ def test_a_slow_grammar_delays_only_its_own_request(executor, tokenizer, monkeyp
     release.set()
     [slow_done] = collect(executor, [slow_id], timeout=60).values()
     assert re.fullmatch("(slow)+", text(tokenizer, slow_done))
-
-
-def test_structural_tag_constrains_the_tagged_segment(executor, tokenizer):
-    schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}
-    tag = {"type": "structural_tag", "format": {
-        "type": "triggered_tags", "triggers": ["<tool_call>"], "at_least_one": True, "stop_after_first": True,
-        "tags": [{"begin": "<tool_call>", "content": {"type": "json_schema", "json_schema": schema},
-                  "end": "</tool_call>"}]}}
-    [responses] = run(executor, [request(tokenizer, "structural_tag", json.dumps(tag),
-                                         question="Call the weather tool for a city.")])
-    match = re.fullmatch(r"(?s).*<tool_call>(.*)</tool_call>", text(tokenizer, responses))
-    assert match and json.loads(match.group(1))["city"] in ("Paris", "Rome")
 
 
 def test_xgrammar_and_the_vocabulary_load_when_the_first_guide_arrives(smollm2_engine_dir, executor, monkeypatch):
