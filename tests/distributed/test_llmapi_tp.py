@@ -26,6 +26,9 @@ from tp_testing import TINY_LLAMA, build_tiny_engine, free_port, tiny_llama
 
 pytestmark = [
     pytest.mark.integration,
+    # `make test-all`: make test serves the LLM-API repository on one rank (test_llmapi_repository.py) and
+    # leader-mode TP through the launcher (test_tp_serving.py); this is the two together.
+    pytest.mark.extended,
     pytest.mark.skipif(shutil.which("mpirun") is None, reason="leader mode needs OpenMPI's mpirun"),
 ]
 

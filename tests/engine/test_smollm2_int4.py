@@ -80,6 +80,9 @@ def teacher_forced_logits(engine_dir: str, ids: list[int]) -> torch.Tensor:
     return runner.forward(ForwardBatch(ids, list(range(n)), [n], [n], [table], list(range(n)))).float()
 
 
+# `make test-all`: AWQ's search, scales and packing run in make test on tiny models (test_awq_calibration.py,
+# the weight-only engine tests); this is its quality on a real model (~40 CPU-s of calibration and builds).
+@pytest.mark.extended
 def test_int4_awq_beats_round_to_nearest_and_still_answers(int4_engines, smollm2_engine_dir):
     tokenizer = AutoTokenizer.from_pretrained(smollm2_engine_dir)
     ids = tokenizer(HELD_OUT)["input_ids"]

@@ -141,6 +141,9 @@ def kill_the_engine_under_load(server, engine_pids_of_the_model, ready_within_s:
 
 # Through tritonserver alone (`make serve`'s way) it is test_streaming_relay.py's killed-engine test, on its
 # server of two tensorrt_llm instances sharing the engine (one server start fewer than a case of its own here).
+# `make test-all`: the recovery itself is the same backend code as that test's; mpirun's way in is
+# test_tp_serving.py's (leader mode).
+@pytest.mark.extended
 def test_killed_engine_fails_requests_at_once_and_comes_back_through_mpirun(smollm2_engine_dir, tmp_path):
     if not shutil.which("mpirun"):
         pytest.skip("OpenMPI's mpirun is not installed")

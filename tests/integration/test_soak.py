@@ -8,7 +8,7 @@ import pytest
 from benchmarks.reliability.soak import SoakConfig, format_report, plan, run_soak
 from benchmarks.reliability.soak_bad_inputs import BAD_INPUTS
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.extended]  # (a soak: `make test-all`)
 
 
 def test_short_soak_loses_and_leaks_nothing(smollm2_engine_dir):
