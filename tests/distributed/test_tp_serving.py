@@ -41,7 +41,9 @@ QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Wh
              "Write one sentence about the sea."]
 CHAT = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
         "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n")
-MAX_TOKENS = 20
+# Enough for SmolLM2's "The capital of France is Paris." (7 tokens) and for the answers to part ways; every
+# token costs a step of each server (on three oversubscribed ranks, the file's slowest part): 20 before.
+MAX_TOKENS = 8
 
 
 def load_script(name: str, folder: str):
@@ -184,8 +186,8 @@ class LeaderModeServer:
 
     def kill_leftovers(self) -> None:
         """After a failed shutdown, ranks and Python-backend stubs of this server (found by its
-        unique repository and engine paths) would outlive the test: kill them."""
-        time.sleep(1)
+        unique repository and engine paths) would outlive the test: kill them (at once: a second's
+        sleep here, for them to go by themselves, was a second of every test)."""
         for pid in pids_matching(self.repo) + self.worker_pids():
             try:
                 os.kill(pid, signal.SIGKILL)
