@@ -97,6 +97,20 @@ def streamed_grpc(server, model, outcome):
         stream.close()
 
 
+def start_running(server, calls: list) -> tuple[list, list[Outcome]]:
+    """Each (call, model) of ``calls`` in a thread of its own, returned once the engine counts them all
+    active: (the threads, their outcomes)."""
+    outcomes = [Outcome() for _ in calls]
+    threads = [threading.Thread(target=call, args=(server, model, outcome), daemon=True)
+               for (call, model), outcome in zip(calls, outcomes)]
+    for thread in threads:
+        thread.start()
+    running = wait_for(lambda: value(scrape(server), "nv_trt_llm_request_metrics", request_type="active",
+                                     model="tensorrt_llm", version="1") == len(calls), timeout=30)
+    assert running, "the requests did not all start"
+    return threads, outcomes
+
+
 def kill_the_engine_under_load(server, engine_pids_of_the_model, ready_within_s: float = 60,
                                signal_named: bool = True) -> int:
     """Five calls through every entry (unary HTTP, SSE, gRPC streams; ensemble and BLS) generating, then
@@ -110,14 +124,7 @@ def kill_the_engine_under_load(server, engine_pids_of_the_model, ready_within_s:
     # at most two BLS calls: its two instances each hold one call while it runs
     calls = [(unary_http, "ensemble"), (unary_http, "tensorrt_llm_bls"), (streamed_http, "ensemble"),
              (streamed_grpc, "ensemble"), (streamed_grpc, "tensorrt_llm_bls")]
-    outcomes = [Outcome() for _ in calls]
-    threads = [threading.Thread(target=call, args=(server, model, outcome), daemon=True)
-               for (call, model), outcome in zip(calls, outcomes)]
-    for thread in threads:
-        thread.start()
-    running = wait_for(lambda: value(scrape(server), "nv_trt_llm_request_metrics", request_type="active",
-                                     model="tensorrt_llm", version="1") == len(calls), timeout=30)
-    assert running, "the requests did not all start"
+    threads, outcomes = start_running(server, calls)
     # an error after a stream's first chunks is the hard case (a BLS caller lost it in 2.51)
     assert wait_for(lambda: all(outcome.chunks >= 2 for (call, _), outcome in zip(calls, outcomes)
                                 if call is not unary_http), timeout=30), [(c.__name__, m, o.chunks, o.detail) for (c, m), o in zip(calls, outcomes)]
@@ -234,14 +241,7 @@ def test_ctrl_c_after_hang_ups_ends_running_requests_with_a_clear_error_and_exit
 
         calls = [(streamed_http, "ensemble"), (streamed_http, "tensorrt_llm_bls"),
                  (streamed_grpc, "ensemble"), (streamed_grpc, "tensorrt_llm_bls")]
-        outcomes = [Outcome() for _ in calls]
-        threads = [threading.Thread(target=call, args=(serve, model, outcome), daemon=True)
-                   for (call, model), outcome in zip(calls, outcomes)]
-        for thread in threads:
-            thread.start()
-        running = wait_for(lambda: value(scrape(serve), "nv_trt_llm_request_metrics", request_type="active",
-                                         model="tensorrt_llm", version="1") == len(calls), timeout=30)
-        assert running, "the requests did not all start"
+        threads, outcomes = start_running(serve, calls)
         assert wait_for(lambda: all(outcome.chunks >= 2 for outcome in outcomes), timeout=30)
         stopped_at = time.time()
         serve.ctrl_c_and_wait(limit_s=12)
