@@ -232,8 +232,7 @@ class StageRunner(ModelRunner):
         if not self._defer_send_waits:
             return self.finish(launched)
         sends, launched.sends = launched.sends, []
-        for work, _ in self._unwaited_sends:  # the previous step's, behind this step's queued work
-            work.wait()
+        self.wait_sends()  # the previous step's, behind this step's queued work
         self._unwaited_sends = sends
         return self.finish(launched)
 

@@ -40,8 +40,7 @@ import torch
 from safetensors import safe_open
 
 from engine.executor.speculative.medusa import LastHiddenTreeProposer
-from engine.executor.speculative.proposer import refuse_unless_one_rank_without_state
-from engine.executor.speculative.proposer import ProposerConfigError
+from engine.executor.speculative.proposer import ProposerConfigError, refuse_unless_one_rank_without_state
 from engine.executor.speculative.trtllm_checkpoint import rank_tensors
 
 LOG_0 = -50000.0  # the drafter's "log 0": masked logits and the dead beams of the first step
