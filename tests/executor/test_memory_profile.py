@@ -98,3 +98,24 @@ def test_a_capped_process_sizes_its_pool_under_its_cap(tiny_engine, monkeypatch)
             assert all(len(final_tokens(responses[i])) == 8 for i in ids)
     finally:
         torch.cuda.set_per_process_memory_fraction(previous, device)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="device memory: GPU only")
+def test_a_dropped_executors_pool_is_free_for_the_next_one(tiny_engine):
+    """An executor sits in reference cycles, so dropping it frees its pool only when the collector runs.
+    The next executor's sizing collects first: with the collector off, a second pool of all the free memory
+    is as large as the first (it got one block on the H200 before, 2026-11-30's GPU suite)."""
+    import gc
+
+    config = ExecutorConfig(kv_cache_free_gpu_mem_fraction=1.0)
+    gc.disable()
+    try:
+        with Executor(tiny_engine, config, device="cuda") as first:
+            first_blocks = first.runner.kv_cache.shape[2]
+        del first
+        with Executor(tiny_engine, config, device="cuda") as second:
+            second_blocks = second.runner.kv_cache.shape[2]
+    finally:
+        gc.enable()
+    assert second_blocks >= 0.9 * first_blocks > 1
