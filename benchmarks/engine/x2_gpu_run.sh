@@ -4,7 +4,7 @@
 # its KV transfer, the checks that need two GPUs, and the one-GPU runs still waiting, two at a time
 # (CUDA_VISIBLE_DEVICES=0 and =1) after the two-GPU work of the same call, never beside it.
 #
-#   bash benchmarks/engine/x2_gpu_run.sh CALL [OUT]        CALL 1 to 17; OUT default $OUT
+#   bash benchmarks/engine/x2_gpu_run.sh CALL [OUT]        CALL 1 to 18; OUT default $OUT
 #   SMOKE=1 bash benchmarks/engine/x2_gpu_run.sh CALL DIR  the same flow on the CPU with the tiny model
 #                                                         (the one-GPU jobs are only printed)
 #
@@ -19,7 +19,7 @@
 # 5, 6 session 16's retries (run). 7 (~250 s on two GPUs, ~450 s with LANES=1) session 17's one-GPU jobs in two lanes (LANES=1 on one GPU);
 #    8 (~270 s) the KV pull and NIXL GPU tests, PP 2 with stage graphs and with two steps in flight;
 #    9 (~430 s) disagg_bench at 6 and 10 req/s, then with the context executor in its own process.
-# 10-12 session 17's later calls, 13-16 session 18's, 17 session 19's first (each case's comment says what it runs and
+# 10-12 session 17's later calls, 13-16 session 18's, 17 session 19's first, 18 session 20's first (each case's comment says what it runs and
 # how long).
 #
 # Everything goes to /tmp/x2_call$CALL; at the end OUT gets call$CALL.tgz (all logs and JSON), summary.txt (what
@@ -27,7 +27,7 @@
 # each job's exit status and its result lines, so the call's output_tail alone is enough to read.
 set -u
 script=$(realpath "$0")
-call=${1:?usage: x2_gpu_run.sh 1-17 [OUT]}
+call=${1:?usage: x2_gpu_run.sh 1-18 [OUT]}
 out=$(realpath -m "${2:-${OUT:-/tmp/x2_gpu_run}}")
 mkdir -p "$out"
 if [ -z "${X2_UNDER_TEE:-}" ]; then  # the console also in $out/summary.txt, complete when the call returns
@@ -413,6 +413,35 @@ case $call in
   for md in "$w"/loop_wide*.md; do [ -f "$md" ] && { echo "== $md"; cat "$md"; }; done
   ;;
 *) echo "x2_gpu_run.sh: CALL must be 1 to 17, got '$call'"; exit 2 ;;
+18)
+  # Session 20's first bench call (~470 s). GPU 0: the executor tests that failed in the session's GPU suite (one block
+  # left after test_memory_profile's pools: 5f659cf collects before sizing), in the suite's order on one worker under
+  # its 0.04 cap, and the FP8 tower test at its new tolerance; GPU 1: call 17's forced loop with each fixed choice of
+  # kernels/wide_rows.py (device drafts on). Then PP 2 beside TP 1 after host50's cuts (two GPUs). Then the INT4
+  # engine at 64 / 256 requests beside bf16 (GPU 0 bf16, GPU 1 INT4).
+  ( CUDA_VISIBLE_DEVICES=0 TRITONLLM_GPU_MEMORY_FRACTION=0.04 job tests_pool 170 "$PYTHON" -m pytest -v -rfEs -p no:cacheprovider \
+      tests/executor/test_memory_profile.py tests/executor/test_overlap.py tests/executor/test_prompt_tables.py \
+      tests/executor/test_sliding_window_executor.py
+    CUDA_VISIBLE_DEVICES=0 TRITONLLM_GPU_MEMORY_FRACTION=0.03 job tests_tower 80 "$PYTHON" -m pytest -q -rfEs -p no:cacheprovider \
+      "tests/engine/test_qwen2_vl.py::test_cuda_fp8_tower_matches_the_reference_scheme" ) &
+  ( for lane in 0 1; do
+      on_gpu 1 loop_wide$lane 75 env TRITONLLM_WIDE_ROWS=$lane "$PYTHON" benchmarks/speculative/tree_bench.py --dtypes bf16 \
+        --batches 1 --lengths 4 --sections loop --oracle-nodes 15 --out "$w/loop_wide$lane.json" --markdown "$w/loop_wide$lane.md"
+    done ) &
+  wait
+  echo "== tests_pool"; grep -E "passed|failed|FAILED|Error" $w/tests_pool.log | tail -12
+  echo "== tests_tower"; grep -E "passed|failed|FAILED|Error|assert" $w/tests_tower.log | tail -6
+  for md in "$w"/loop_wide*.md; do [ -f "$md" ] && { echo "== $md"; cat "$md"; }; done
+  grep -hE "\-> (kernel|library)" $w/loop_wide*.log | sort | uniq -c | head -20
+  job pp 120 "$PYTHON" benchmarks/engine/tp_bench.py --phases perf_tp1,perf_pp2 --max_batch_size 256 \
+    --offline 128x128x1024 --perf_sections offline --phase_timeout 72 --out "$w/pp.json" --results-md "$w/pp.md"
+  echo "== pp"; grep -hE "^\[tp_bench.*(: [0-9]+ rank|offline \(|done in|failed)|Error|Traceback" $w/pp.log | cut -c1-420
+  E=(benchmarks/engine/engine_bench.py --sections executor_decode --executor-decode-batches 64,256 --max-batch-size 256)
+  on_gpu 0 int4_bf16 100 "$PYTHON" "${E[@]}" --out "$w/int4_bf16.json" &
+  on_gpu 1 int4_eng 140 "$PYTHON" "${E[@]}" --quantization int4_wo --out "$w/int4_eng.json" &
+  wait
+  echo "== int4"; tail -6 $w/int4_bf16.log; tail -6 $w/int4_eng.log
+  ;;
 esac
 tar czf "$out/call$call.tgz" -C /tmp "x2_call$call"
 for md in "$w"/*.md; do [ -f "$md" ] && cp "$md" "$out/"; done
