@@ -412,7 +412,6 @@ case $call in
   echo "== tests_tree_attention"; grep -E "passed|failed|FAILED|Error" $w/tests_tree_attention.log | tail -8
   for md in "$w"/loop_wide*.md; do [ -f "$md" ] && { echo "== $md"; cat "$md"; }; done
   ;;
-*) echo "x2_gpu_run.sh: CALL must be 1 to 17, got '$call'"; exit 2 ;;
 18)
   # Session 20's first bench call (~470 s). GPU 0: the executor tests that failed in the session's GPU suite (one block
   # left after test_memory_profile's pools: 5f659cf collects before sizing), in the suite's order on one worker under
@@ -442,6 +441,7 @@ case $call in
   wait
   echo "== int4"; tail -6 $w/int4_bf16.log; tail -6 $w/int4_eng.log
   ;;
+*) echo "x2_gpu_run.sh: CALL must be 1 to 18, got '$call'"; exit 2 ;;
 esac
 tar czf "$out/call$call.tgz" -C /tmp "x2_call$call"
 for md in "$w"/*.md; do [ -f "$md" ] && cp "$md" "$out/"; done
