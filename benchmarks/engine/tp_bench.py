@@ -527,7 +527,7 @@ def mapping_name(phase: str) -> str:
 
 
 def markdown(results: dict) -> str:
-    perfs = [(mapping_name(p) + (f" ({','.join(map(str, results[p]['pp_layers']))} layers)" if "pp_layers" in results[p]
+    perfs = [(mapping_name(p) + (f" ({','.join(map(str, results[p]['pp_layers']))} layers)" if results[p].get("pp_layers")
                                  else ""), results[p])
              for p in PHASES + PP_PHASES if p.startswith("perf") and p in results]
     perf1 = perfs[0][1]
