@@ -52,6 +52,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
+import weakref
 from dataclasses import replace
 
 from engine.executor import kv_transfer_cuda_ipc, kv_transfer_nixl
@@ -89,7 +90,9 @@ class Disaggregation:
     """
 
     def __init__(self, executor, timeout_s: float = DEFAULT_TIMEOUT_S, transport: str | None = None):
-        self.executor = executor
+        # A weak reference: the executor holds this part (and through it its imports and exports), and a strong one
+        # back would put every executor in a reference cycle, its KV pool freed only when the collector ran.
+        self.executor = weakref.proxy(executor)
         self.timeout_s = timeout_s  # (read at each use by both sides)
         self.transport = transport or os.environ.get("TRITONLLM_KV_TRANSFER", "local")
         if self.transport not in TRANSPORTS:
