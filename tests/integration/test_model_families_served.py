@@ -1,13 +1,23 @@
-"""New families end to end, as a user brings them: a Qwen3 and a Qwen3-MoE checkpoint directory
-(the MoE with one tensor per expert on disk), a GPTQ act-order INT4 Llama checkpoint (written
-from the format's definition, tests/engine/quantized_checkpoints.py) and a gpt-oss checkpoint with
-MXFP4 experts as OpenAI ships them (tests/engine/mxfp4_checkpoints.py), each built by engine.build's
-command line (its `main`, what `python -m engine.build` runs) with no length or quantization flag and
-served through `tensorrt_llm`; greedy ids equal transformers' `generate` (for GPTQ: on the checkpoint's dequantized weights; for
-gpt-oss: transformers loading the checkpoint with Mxfp4Config(dequantize=True)). The same server
-serves two configurable-decoder families (tests/engine/decoder_testing.py) whose forms differ most from
-the Llama block: BLOOM (ALiBi, no rotary) and GPT-NeoX (parallel residual, partial rotary), at prompts
-of 5, 40 and 150 tokens in one batch, and a hybrid Mamba-2 model (Nemotron-H, saved as NVIDIA ships it:
+"""New families end to end, as a user brings them: a Qwen3 checkpoint directory built by engine.build's
+command line (its `main`, what `python -m engine.build` runs) with no length flag and served through
+`tensorrt_llm`; greedy ids equal transformers' `generate`. The served path (the `tensorrt_llm` model,
+its engine process and the executor) is the same for every family; what differs per family is the
+engine's model code, which tests/engine holds to transformers, so only the families whose serving
+differs (or that no executor-level test runs in flight) get a model of their own here. Qwen3-MoE
+(one tensor per expert on disk), a GPTQ act-order INT4 Llama and gpt-oss with MXFP4 experts are not
+served here (each was a model instance and an engine process of this server, ~3.5 CPU-s of its start):
+tests/engine/test_moe.py builds Qwen3-MoE from its checkpoint directory with `main` (logits) and holds
+the in-flight executor's greedy ids to transformers' generate; tests/engine/
+test_weight_only_checkpoint_engines.py holds the GPTQ act-order checkpoint's engine (built with no
+quantization flag) to its dequantized weights' logits, and test_weight_only_engine.py LoRA on integer
+base weights through the executor; tests/engine/test_gpt_oss.py builds the MXFP4 checkpoint with `main`
+(experts kept, the default, or widened) and holds a prompt past its window and decode steps to
+transformers' logits.
+The same server serves a configurable-decoder family (tests/engine/decoder_testing.py) whose form
+differs most from the Llama block and meets no executor-level test elsewhere: GPT-NeoX (parallel
+residual, partial rotary), at prompts of 5, 40 and 150 tokens in one batch (BLOOM's ALiBi goes through
+the executor in tests/engine/test_decoder_families.py's batch with prefix reuse, chunks and preemption),
+and a hybrid Mamba-2 model (Nemotron-H, saved as NVIDIA ships it:
 its stack under `backbone.`; tests/engine/hybrid_testing.py) at 5, 40 and 300 tokens, whose requests hold
 state slots beside the KV cache (tests/engine/test_hybrid_models.py holds Bamba and Nemotron-H to
 transformers through the executor), and a DeepSeek-V3 (multi-head latent attention over the latent KV
@@ -52,38 +62,17 @@ def _qwen3() -> transformers.PreTrainedModel:
     return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**_SHAPE))
 
 
-def _qwen3_moe() -> transformers.PreTrainedModel:
-    """8 experts, top-2 without renormalisation, a dense middle layer."""
-    config = transformers.Qwen3MoeConfig(**_SHAPE, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=30,
-                                         norm_topk_prob=False, mlp_only_layers=[1])
-    config._experts_implementation = "eager"  # grouped_mm needs 16-byte-aligned widths
-    return transformers.Qwen3MoeForCausalLM(config)
-
-
-def _gptq_llama() -> transformers.PreTrainedModel:
-    """Marker: the checkpoint is written by the GPTQ writer (4-bit, asymmetric, desc_act, group 32)."""
-
-
-def _gpt_oss() -> transformers.PreTrainedModel:
-    """Marker: the checkpoint is written with MXFP4 experts (_write_gpt_oss_checkpoint)."""
-
-
 def _build_family(make, smollm2_engine_dir, tmp_path_factory) -> tuple[transformers.PreTrainedModel, str]:
     """(transformers model, engine dir): the model saved as a HF safetensors directory with SmolLM2's
     tokenizer (so the repository's text models could load), built with no length flag."""
     name = make.__name__.strip("_")
     checkpoint = tmp_path_factory.mktemp(f"{name}_ckpt")
-    if make is _gptq_llama:
-        model = _write_gptq_checkpoint(str(checkpoint))
-    elif make is _gpt_oss:
-        model = _write_gpt_oss_checkpoint(str(checkpoint))
-    else:
-        torch.manual_seed(0)
-        model = make().eval()
-        with torch.no_grad():
-            for param_name, p in model.named_parameters():
-                p.copy_((1.0 if "norm" in param_name else 0.0) + 0.1 * torch.randn_like(p))
-        model.save_pretrained(checkpoint)
+    torch.manual_seed(0)
+    model = make().eval()
+    with torch.no_grad():
+        for param_name, p in model.named_parameters():
+            p.copy_((1.0 if "norm" in param_name else 0.0) + 0.1 * torch.randn_like(p))
+    model.save_pretrained(checkpoint)
     _copy_tokenizer(smollm2_engine_dir, checkpoint)
     engine_dir = tmp_path_factory.mktemp(f"{name}_engine")
     from engine.build import main as build_main  # what `python -m engine.build` runs, without ~4 s of imports
@@ -99,21 +88,23 @@ def _copy_tokenizer(smollm2_engine_dir: str, checkpoint) -> None:
             shutil.copy(source, checkpoint)
 
 
-FAMILIES = {"qwen3": _qwen3, "qwen3_moe": _qwen3_moe, "gptq_llama": _gptq_llama, "gpt_oss": _gpt_oss}
+FAMILIES = {"qwen3": _qwen3}  # the others on the Llama block: see the docstring
 # The configurable-decoder families (tests/engine/decoder_testing.py), in the same server. Every
 # engine here is built in this process (engine.build.main, ~0.2 s each) rather than by a subprocess
 # (~4 s each, its imports).
 sys.path.insert(0, os.path.join(ROOT, "tests", "engine"))
 from decoder_testing import tiny_decoder  # noqa: E402
 
-# Two representatives (each family is a model instance and an engine process of this server, and
-# its load dominated this module's setup on CI's two cores): BLOOM for ALiBi (positions the served
-# path must not rotate) and GPT-NeoX for the parallel residual with partial rotary. Through the
-# server, every family meets the same `tensorrt_llm` model and executor; what differs per family is
-# the engine's model code, and every form of every family (Falcon, GPT-J, OPT, StarCoder2, GLM-4,
-# MPT, ...) is held to transformers' generate at 5, 40 and 150 tokens, and to its logits through a
-# chunked, packed prefill, at the engine in tests/engine/test_decoder_families.py.
-DECODER_FAMILIES = ("gpt_neox_parallel", "bloom")
+# One representative (each family is a model instance and an engine process of this server, and
+# its load dominated this module's setup on CI's two cores): GPT-NeoX for the parallel residual with
+# partial rotary. Through the server, every family meets the same `tensorrt_llm` model and executor;
+# what differs per family is the engine's model code, and every form of every family (Falcon, GPT-J,
+# OPT, StarCoder2, GLM-4, MPT, ...) is held to transformers' generate at 5, 40 and 150 tokens, and to
+# its logits through a chunked, packed prefill, at the engine in tests/engine/test_decoder_families.py.
+# BLOOM (ALiBi: positions the served path must not rotate) is no longer served here: the same file
+# runs BLOOM and MPT through the in-flight executor (prefix reuse, chunked context, preemption) and
+# holds every request's greedy ids to transformers' generate, more than one served batch checked.
+DECODER_FAMILIES = ("gpt_neox_parallel",)
 
 DECODER_PROMPT_LENGTHS = (5, 40, 150)
 HYBRID_FAMILIES = ("nemotron_h",)  # engine/ssm/: one representative; both hybrids meet transformers at the engine
@@ -260,42 +251,6 @@ def _add_t5_repository(tmp_path_factory, work: Path, repo: Path) -> tuple[transf
             text = text.replace(f'model_name: "{other}"', f'model_name: "{other_served}"')
         config.write_text(text)
     return model, engine
-
-
-def _write_gptq_checkpoint(path: str) -> transformers.PreTrainedModel:
-    """A GPTQ v1 act-order INT4 checkpoint of a tiny Llama; returns the float model it stands for."""
-    sys.path.insert(0, os.path.join(ROOT, "tests", "engine"))
-    from quantized_checkpoints import tiny_llama, transformers_state, write_variant
-
-    written = write_variant(path, "gptq_v1_asym_desc_act")
-    model = tiny_llama()
-    model.load_state_dict(transformers_state(written.reference), strict=False)
-    model.generation_config.eos_token_id = model.generation_config.bos_token_id = None
-    return model.eval()
-
-
-def _write_gpt_oss_checkpoint(path: str) -> transformers.PreTrainedModel:
-    """A gpt-oss checkpoint with MXFP4 experts: sinks, a window of 8 on alternate layers (the prompts
-    and their outputs outgrow it), yarn, top-4 of 8 experts with biases and a clamp that bites;
-    returns transformers' model of it (experts dequantized)."""
-    sys.path.insert(0, os.path.join(ROOT, "tests", "engine"))
-    from mxfp4_checkpoints import transformers_mxfp4_model, write_mxfp4_checkpoint
-
-    config = transformers.GptOssConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=128, num_local_experts=8, num_experts_per_tok=4,
-        sliding_window=8, swiglu_limit=1.0, eos_token_id=None, bos_token_id=None, pad_token_id=None,
-        rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-                         "original_max_position_embeddings": 32, "rope_theta": 150000.0})
-    torch.manual_seed(0)
-    model = transformers.GptOssForCausalLM(config)
-    with torch.no_grad():
-        for param_name, p in model.named_parameters():
-            p.copy_((1.0 if "norm" in param_name else 0.0) + 0.1 * torch.randn_like(p))
-    write_mxfp4_checkpoint(model, path)
-    reference = transformers_mxfp4_model(path)
-    reference.generation_config.eos_token_id = reference.generation_config.bos_token_id = None
-    return reference
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
