@@ -161,10 +161,17 @@ def test_ngram_drafts_from_speculative_config_are_verified_and_counted(llmapi):
     assert value["total_draft_tokens"] > 0 and value["total_accepted_draft_tokens"] > 0, body
 
 
+def at_once(*calls):
+    """Each call's result, the calls run at the same time (one engine step serves them all)."""
+    with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
+        return [future.result() for future in [pool.submit(call) for call in calls]]
+
+
 def test_stream_adds_up_to_the_unary_text(llmapi):
     body = {"text_input": PROMPT, "sampling_param_max_tokens": 8}  # (as true at 8 tokens as at 24)
-    unary = generate(llmapi, body).json()["text_output"]
-    events = generate(llmapi, {**body, "streaming": True, "return_finish_reason": True}, stream=True)
+    unary, events = at_once(lambda: generate(llmapi, body).json()["text_output"],
+                            lambda: generate(llmapi, {**body, "streaming": True, "return_finish_reason": True},
+                                             stream=True))
     assert len(events) > 2
     assert "".join(event["text_output"] for event in events) == unary
     assert events[-1]["finish_reason"] in ("stop", "length")
@@ -173,16 +180,17 @@ def test_stream_adds_up_to_the_unary_text(llmapi):
 
 def test_stop_string_ends_the_text_before_it(llmapi):
     body = {"text_input": PROMPT, "sampling_param_max_tokens": 8}  # "Paris" comes within 8 tokens
-    unary = generate(llmapi, body).json()["text_output"]
     stop = "Paris"
+    unary, stopped, events = at_once(
+        lambda: generate(llmapi, body).json()["text_output"],
+        lambda: generate(llmapi, {**body, "sampling_param_stop": [stop], "return_finish_reason": True,
+                                  "return_stop_reason": True}).json(),
+        lambda: generate(llmapi, {**body, "sampling_param_stop": [stop], "streaming": True,
+                                  "return_stop_reason": True}, stream=True))
     assert stop in unary
     expected = unary[:unary.index(stop)]
-    stopped = generate(llmapi, {**body, "sampling_param_stop": [stop], "return_finish_reason": True,
-                                "return_stop_reason": True}).json()
     assert stopped["text_output"] == expected
     assert stopped["finish_reason"] == "stop" and stopped["stop_reason"] == stop
-    events = generate(llmapi, {**body, "sampling_param_stop": [stop], "streaming": True,
-                               "return_stop_reason": True}, stream=True)
     assert "".join(event["text_output"] for event in events) == expected
     assert events[-1]["stop_reason"] == stop
 
