@@ -27,11 +27,12 @@ from engine.pipeline.step_cost import stage_costs
 
 _LAYER_NAME = re.compile(r"^layers\.(\d+)\.(.*)$")
 # What rank 0's part of a step weighs on the first stage, in LM heads (balanced_pp_layers). On two H200s
-# (session 18, Llama-3.1-8B, 256-sequence decode steps in flight) rank 0's host step, ~6 ms a step, set
-# the pace: a step came every 5.97 ms with 14 or 16 of the 32 layers on the first stage (its graph 3.68 /
-# 4.23 ms), and every 6.15 / 6.31 ms with 17 / 18 there; the last stage, 16-18 layers and the head
-# (~2.4 layers), never did. A first stage light enough to leave rank 0 its host step costs nothing, a
-# heavy one costs the step. Two heads give 15,17 for that shape, between the two measured best.
+# (session 18, Llama-3.1-8B, 256-sequence decode steps in flight) a step came every 5.97 ms with 14 or 16 of
+# the 32 layers on the first stage (its graph 3.68 / 4.23 ms), and every 6.15 / 6.31 ms with 17 / 18 there;
+# moving layers to the last stage (16-18 layers and the head, ~2.4 layers) never slowed it. So rank 0's work
+# (its stage, the sampling of every row, the step's host work) weighs more than its layers: two heads give 15,17
+# for that shape, between the two measured best. (Session 20 profiled it: rank 0's loop waits half of each step
+# for the tokens of the step before, and the logits' trip is ~0.5 ms of it; benchmarks/results/engine.md.)
 FIRST_STAGE_HEADS = 2.0
 FIRST_STAGE_PREFIXES = ("embed_tokens.",)
 LAST_STAGE_PREFIXES = ("norm.", "lm_head.")
