@@ -178,3 +178,87 @@ def test_the_tensorrt_llm_stubs_holdback_decoder_needs_no_transformers(smollm2_t
     run = subprocess.run([sys.executable, "-c", check], cwd=root, capture_output=True, text=True, timeout=60,
                          env={**os.environ, "PYTHONPATH": str(root)})
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+def _eligible_copy(smollm2_tokenizer_dir, folder, **settings):
+    """A copy of the default model's tokenizer folder with ``settings`` written into tokenizer_config.json."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    folder = Path(shutil.copytree(smollm2_tokenizer_dir, folder))
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, **settings}))
+    return str(folder)
+
+
+def test_the_text_models_tokenizer_answers_as_load_tokenizers_without_transformers(smollm2_tokenizer_dir, tmp_path):
+    """load_text_tokenizer (the preprocessing and postprocessing stubs'): for a folder whose tokenizer.json
+    TokenizersBackend runs unchanged (the default engine's, also with tokenizer.json's own added tokens
+    listed in added_tokens_decoder as save_pretrained writes them), the tokenizers library alone gives
+    load_tokenizer's ids, texts, tokens, special tokens and vocabulary sizes, through the serving.text
+    functions those stubs call, and imports no transformers (~1 CPU-s of each of those stubs' starts); a
+    folder TokenizersBackend would change (add_bos_token, a special token or an added token tokenizer.json
+    lacks) gets load_tokenizer's tokenizer."""
+    import json
+    import random
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import numpy as np
+
+    from serving.plain_tokenizer import PlainTokenizer
+    from serving.text import decode_batch, embedding_bias_tensor, encode_queries, word_list_tensor
+    from serving.tokenization import load_text_tokenizer, load_tokenizer
+
+    saved = json.loads((Path(smollm2_tokenizer_dir) / "tokenizer.json").read_text())["added_tokens"]
+    listed = _eligible_copy(smollm2_tokenizer_dir, tmp_path / "listed", added_tokens_decoder={
+        str(token["id"]): {k: v for k, v in token.items() if k != "id"} for token in saved})
+    texts = TEXTS + ["<|im_start|>user\nHi<|im_end|>\n", "  two  spaces\tand a tab", "", "<|endoftext|>x<|im_end|>"]
+    rng = random.Random(0)
+    for folder in (smollm2_tokenizer_dir, listed):
+        plain, ref = load_text_tokenizer(folder), load_tokenizer(folder)
+        assert type(plain) is PlainTokenizer
+        assert [getattr(plain, name) for name in ("bos_token", "eos_token", "unk_token", "pad_token")] == \
+            [getattr(ref, name) for name in ("bos_token", "eos_token", "unk_token", "pad_token")]
+        assert (plain.vocab_size, len(plain)) == (ref.vocab_size, len(ref))
+        for text in texts:
+            for special in (True, False):
+                assert plain.encode(text, add_special_tokens=special) == ref.encode(text, add_special_tokens=special)
+        cases = [ref.encode(text) for text in texts] + [
+            [rng.randrange(len(ref)) for _ in range(rng.randint(1, 6))] for _ in range(200)] + [[0, 1, 2, 5, 2]]
+        for ids in cases:
+            for skip in (True, False):
+                assert decode_tokens(plain, ids, skip) == decode_tokens(ref, ids, skip), ids
+            assert plain.convert_ids_to_tokens(ids) == ref.convert_ids_to_tokens(ids)
+        queries = np.array([[text.encode()] for text in texts], dtype=object)
+        for got, want in zip(encode_queries(plain, queries, True, 2), encode_queries(ref, queries, True, 2)):
+            np.testing.assert_array_equal(got, want)
+        words = np.array([[b"Paris", b"<|im_end|>"], [b"\xf0\x9f\x98\x80", b""]], dtype=object)
+        np.testing.assert_array_equal(word_list_tensor(plain, words, 2), word_list_tensor(ref, words, 2))
+        weights = np.array([[1.0, -2.0], [0.5, 3.0]], dtype=np.float32)
+        np.testing.assert_array_equal(embedding_bias_tensor(plain, words, weights, 2),
+                                      embedding_bias_tensor(ref, words, weights, 2))
+        width = len(cases[0]) + 2  # (B, beams, T) with -1 padding, as tensorrt_llm sends them
+        tokens = np.array([[cases[0] + [2, -1]], [(cases[1][:3] + [-1] * width)[:width]]], dtype=np.int32)
+        lengths = np.array([[width - 1], [3]], dtype=np.int32)
+        for skip in (True, False):
+            np.testing.assert_array_equal(decode_batch(plain, tokens, lengths, skip), decode_batch(ref, tokens, lengths, skip))
+
+    changed = {"add_bos_token": True, "pad_token": "<pad>",
+               "added_tokens_decoder": {str(len(saved) + 49152): {"content": "<extra>", "special": True}}}
+    for name, value in changed.items():
+        folder = _eligible_copy(smollm2_tokenizer_dir, tmp_path / name, **{name: value})
+        assert type(load_text_tokenizer(folder)) is type(load_tokenizer(folder)), name
+
+    root = Path(__file__).resolve().parents[2]
+    check = ("import sys; import serving.params, serving.text, serving.stub_watchdog, serving.multimodal, serving.videos, "
+             "serving.cancellation; from serving.tokenization import load_text_tokenizer; "
+             f"assert type(load_text_tokenizer({smollm2_tokenizer_dir!r})).__name__ == 'PlainTokenizer'; "
+             "assert 'transformers' not in sys.modules, 'transformers'")
+    # In the C locale, as a stub may run (tokenizer.json is UTF-8 whatever the locale's encoding)
+    c_locale = {"LC_ALL": "C", "LANG": "C", "PYTHONCOERCECLOCALE": "0", "PYTHONUTF8": "0"}
+    run = subprocess.run([sys.executable, "-c", check], cwd=root, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(root), **c_locale})
+    assert run.returncode == 0, run.stderr[-2000:]

@@ -20,7 +20,7 @@ from serving.cancellation import REQUEST_KEY_INPUT, ReportedKeys, send_stop_requ
 from serving.params import get_parameter, model_parameters  # noqa: E402
 from serving.stub_watchdog import start_server_watchdog, stop_crash_dumps  # noqa: E402
 from serving.text import decode_batch  # noqa: E402
-from serving.tokenization import load_tokenizer  # noqa: E402
+from serving.tokenization import load_text_tokenizer  # noqa: E402
 
 INPUTS = ("TOKENS_BATCH", "SEQUENCE_LENGTH", REQUEST_KEY_INPUT)
 
@@ -35,7 +35,7 @@ class TritonPythonModel:
         if self.skip_special_tokens is None:
             pb_utils.Logger.log_warn("postprocessing: skip_special_tokens is not set; using True")
             self.skip_special_tokens = True
-        self.tokenizer = load_tokenizer(tokenizer_dir)
+        self.tokenizer = load_text_tokenizer(tokenizer_dir)  # decode and ids to tokens only
         self.llm_name = get_parameter(params, "tensorrt_llm_model_name", str) or "tensorrt_llm"
         self.reported = ReportedKeys()
         start_server_watchdog()  # this stub waits inside BLS calls

@@ -17,7 +17,7 @@ from serving.params import get_parameter, model_parameters  # noqa: E402
 from serving.text import (embedding_bias_tensor, encode_queries, per_item_ids,  # noqa: E402
                           string_rows, word_list_tensor)
 from serving.stub_watchdog import start_server_watchdog, stop_crash_dumps  # noqa: E402
-from serving.tokenization import first_token_id, load_tokenizer  # noqa: E402
+from serving.tokenization import first_token_id, load_text_tokenizer, load_tokenizer  # noqa: E402
 from serving.multimodal import (ImagePrompts, engine_vocab_size, image_limits, prepare_batch,  # noqa: E402
                                 refuse_images_on_text_model)
 from serving.videos import video_limits  # noqa: E402
@@ -48,11 +48,13 @@ class TritonPythonModel:
         if self.add_special_tokens is None:
             pb_utils.Logger.log_warn("preprocessing: add_special_tokens is not set; using True")
             self.add_special_tokens = True
-        self.tokenizer = load_tokenizer(tokenizer_dir)
+        encoder_dir = get_parameter(params, "multimodal_model_path", str)
+        # A text model only encodes (load_text_tokenizer: no transformers import where that gives the
+        # same ids); a vision-language model's image prompts use the whole tokenizer.
+        self.tokenizer = (load_tokenizer if encoder_dir else load_text_tokenizer)(tokenizer_dir)
         self.end_id = first_token_id(self.tokenizer, self.tokenizer.eos_token)
         self.pad_id = first_token_id(self.tokenizer, self.tokenizer.pad_token)
         self.vocab_size = self.tokenizer.vocab_size
-        encoder_dir = get_parameter(params, "multimodal_model_path", str)
         if encoder_dir:
             engine_dir = get_parameter(params, "gpt_model_path", str) or os.path.dirname(encoder_dir.rstrip("/"))
             self.vocab_size = engine_vocab_size(engine_dir)  # fake ids start at the engine's vocab_size
