@@ -15,12 +15,14 @@ engine, which imports torch.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 import time
 import math
 import os
 import platform
+import shutil
 import socket
 import subprocess
 import sys
@@ -542,7 +544,9 @@ def write_config_only_engine(model: str, dtype: str, max_batch_size: int, max_se
     min(max_seq_len, 4096)."""
     from engine.config import BuildConfig, EngineConfig, ModelConfig
 
-    engine_dir = engine_dir or tempfile.mkdtemp(prefix=f"bench-{model}-")
+    if engine_dir is None:  # a temporary one, removed when this process exits (benches and their tests made
+        engine_dir = tempfile.mkdtemp(prefix=f"bench-{model}-")  # hundreds in /tmp before)
+        atexit.register(shutil.rmtree, engine_dir, ignore_errors=True)
     build = BuildConfig(dtype=dtype, max_batch_size=max_batch_size,
                         max_input_len=max_input_len or min(max_seq_len, 4096), max_seq_len=max_seq_len,
                         max_num_tokens=max_num_tokens, tokens_per_block=tokens_per_block,
