@@ -12,8 +12,8 @@ tokenization_utils_tokenizers.py, TokenizersBackend.__init__, _encode_plus and _
 - it loads tokenizer.json as it is (TokenizerFast.from_file), then changes the backend only where
   the folder asks for it: truncation or padding in tokenizer.json (set again, and dropped per
   encode call), a missing post-processor or add_bos_token / add_eos_token (update_post_processor),
-  a special token of tokenizer_config.json that tokenizer.json does not hold as a special added token
-  (add_tokens), an added_tokens_decoder entry that differs from tokenizer.json's, split_special_tokens,
+  a special token of tokenizer_config.json (named, or listed in extra_special_tokens) that tokenizer.json
+  does not hold as a special added token (add_tokens), an added_tokens_decoder entry that differs from tokenizer.json's, split_special_tokens,
   a vocabulary over 100,000 with a pre-tokenizer (its Mistral regex patch), special_tokens_map.json or
   added_tokens.json beside (merged into its arguments). A folder with any of those is not eligible
   (``plain_tokenizer`` returns None), nor is one naming a setting outside ``INERT_SETTINGS``.
@@ -30,12 +30,15 @@ from pathlib import Path
 from typing import Sequence
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# Lists of more special tokens (the second is the first's old name): TokenizersBackend adds each one
+# tokenizer.json lacks, so each must be one of its special added tokens (a dict of named tokens is not eligible).
+EXTRA_SPECIAL_TOKEN_LISTS = ("extra_special_tokens", "additional_special_tokens")
 # tokenizer_config.json keys that do not touch encode, decode or ids to tokens (without padding or
 # truncation asked for, as the text models call them), besides the special tokens and added tokens
 # checked one by one. clean_up_tokenization_spaces is only eligible when false (``decode``).
 INERT_SETTINGS = {"backend", "tokenizer_class", "is_local", "local_files_only", "model_max_length", "chat_template",
-                  "padding_side", "truncation_side", "model_input_names", "clean_up_tokenization_spaces",
-                  "added_tokens_decoder", *SPECIAL_TOKEN_NAMES}
+                  "padding_side", "truncation_side", "model_input_names", "clean_up_tokenization_spaces", "processor_class",
+                  "added_tokens_decoder", *EXTRA_SPECIAL_TOKEN_LISTS, *SPECIAL_TOKEN_NAMES}
 ADDED_TOKEN_FLAGS = ("content", "single_word", "lstrip", "rstrip", "normalized", "special")
 MISTRAL_PATCH_VOCAB = 100000  # TokenizersBackend patches the pre-tokenizer of a larger vocabulary
 
@@ -63,6 +66,11 @@ def backend_alone_is_enough(tokenizer_dir: str) -> bool:
             return False
     special = {token.get("content") for token in added.values() if token.get("special")}
     named = [config.get(name) for name in SPECIAL_TOKEN_NAMES if config.get(name) is not None]
+    for name in EXTRA_SPECIAL_TOKEN_LISTS:
+        extra = config.get(name) or []
+        if not isinstance(extra, list):
+            return False
+        named += extra
     return all(isinstance(token, str) and token in special for token in named)
 
 

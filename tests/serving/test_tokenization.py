@@ -195,11 +195,12 @@ def _eligible_copy(smollm2_tokenizer_dir, folder, **settings):
 def test_the_text_models_tokenizer_answers_as_load_tokenizers_without_transformers(smollm2_tokenizer_dir, tmp_path):
     """load_text_tokenizer (the preprocessing and postprocessing stubs'): for a folder whose tokenizer.json
     TokenizersBackend runs unchanged (the default engine's, also with tokenizer.json's own added tokens
-    listed in added_tokens_decoder as save_pretrained writes them), the tokenizers library alone gives
+    listed in added_tokens_decoder as save_pretrained writes them and two of its special tokens as
+    extra_special_tokens, as the tiny LLaVA, T5 and Whisper folders list theirs), the tokenizers library alone gives
     load_tokenizer's ids, texts, tokens, special tokens and vocabulary sizes, through the serving.text
     functions those stubs call, and imports no transformers (~1 CPU-s of each of those stubs' starts); a
-    folder TokenizersBackend would change (add_bos_token, a special token or an added token tokenizer.json
-    lacks) gets load_tokenizer's tokenizer."""
+    folder TokenizersBackend would change (add_bos_token, a special token, an extra special token or an
+    added token tokenizer.json lacks) gets load_tokenizer's tokenizer."""
     import json
     import random
     import subprocess
@@ -214,7 +215,8 @@ def test_the_text_models_tokenizer_answers_as_load_tokenizers_without_transforme
 
     saved = json.loads((Path(smollm2_tokenizer_dir) / "tokenizer.json").read_text())["added_tokens"]
     listed = _eligible_copy(smollm2_tokenizer_dir, tmp_path / "listed", added_tokens_decoder={
-        str(token["id"]): {k: v for k, v in token.items() if k != "id"} for token in saved})
+        str(token["id"]): {k: v for k, v in token.items() if k != "id"} for token in saved},
+        extra_special_tokens=[saved[3]["content"], saved[4]["content"]], processor_class="LlavaProcessor")
     texts = TEXTS + ["<|im_start|>user\nHi<|im_end|>\n", "  two  spaces\tand a tab", "", "<|endoftext|>x<|im_end|>"]
     rng = random.Random(0)
     for folder in (smollm2_tokenizer_dir, listed):
@@ -246,7 +248,7 @@ def test_the_text_models_tokenizer_answers_as_load_tokenizers_without_transforme
         for skip in (True, False):
             np.testing.assert_array_equal(decode_batch(plain, tokens, lengths, skip), decode_batch(ref, tokens, lengths, skip))
 
-    changed = {"add_bos_token": True, "pad_token": "<pad>",
+    changed = {"add_bos_token": True, "pad_token": "<pad>", "extra_special_tokens": ["<image>"],
                "added_tokens_decoder": {str(len(saved) + 49152): {"content": "<extra>", "special": True}}}
     for name, value in changed.items():
         folder = _eligible_copy(smollm2_tokenizer_dir, tmp_path / name, **{name: value})
