@@ -55,7 +55,7 @@ from engine.executor.request import (
     now_ns, prompt_keys_error,
 )
 from engine.executor.runner import ForwardBatch, ModelRunner
-from engine.executor.sampler import build_sampling_metadata, sample
+from engine.executor.sampler import build_sampling_metadata, plain_argmax, sample
 from engine.executor.scheduler import Scheduler, SchedulerOutput
 from engine.executor.speculative import Verified, verify_batch
 from engine.executor.speculative.executor_drafts import propose_drafts, resolve_device_drafts
@@ -197,6 +197,8 @@ class Executor(Admission, Finishing):
                                      self._pool_stats())  # (executor_stats.py)
         self.disagg = Disaggregation(self)  # context_only / generation_only requests (disaggregated.py)
         self.pipelined = make_pipelined_steps(self)  # pipeline stages: several steps in flight, or None
+        # pipeline stages: plain greedy steps are sampled on the last stage (engine/pipeline/runner.py)
+        self._last_stage_greedy = bool(getattr(self.runner, "greedy_on_last_stage", False))
 
     def _init_guided_decoding(self, engine_dir: str) -> None:
         self.grammars: GrammarCache | None = None
@@ -412,6 +414,7 @@ class Executor(Admission, Finishing):
         num_active = len(self._active)  # in flight this step, those that finish in it included
         try:
             batch, rows, sampling, drafted = self._forward_batch(plan)
+            batch.sample_on_last_stage = self._greedy_on_last_stage(sampling, drafted)
             if self.encoder_stage is not None:
                 self.encoder_stage.fill_cross_rows(batch, plan)
             prompt_embeds = prompt_embeds_of(plan, self.limits.vocab_size) if self._table_request_ids else None
@@ -423,7 +426,10 @@ class Executor(Admission, Finishing):
                                          **({} if spans is None else {"span_ahead": spans}))
             # A constrained row samples after the previous step's tokens reach its matcher (_sample_guided).
             guided = self.token_masks is not None and any(seq.grammar is not None for seq, _ in sampling)
-            transfer = self._sample(logits, sampling, batch) if sampling and not guided else None
+            if batch.sample_on_last_stage:  # (``logits``: the token ids the last stage sampled)
+                transfer = self._store_last_stage_tokens(logits, sampling, batch)
+            else:
+                transfer = self._sample(logits, sampling, batch) if sampling and not guided else None
             verified = self._verify(logits, drafted) if drafted else None
             if getattr(self.runner, "keep_hidden_rows", False):  # Medusa heads read the last computed token's hidden state
                 self.proposer.observe(self.runner.last_hidden_rows, last_rows(sampling, drafted, verified))
@@ -513,6 +519,23 @@ class Executor(Admission, Finishing):
         return pack_batch(plan, tokens_per_block=self.blocks.tokens_per_block, lora=self.adapters is not None,
                           sampled_tokens_slot=self._parity * self.runner.sampled_ring_slots // 2,
                           state_slots=self.state_slots)
+
+    def _greedy_on_last_stage(self, sampling: list[tuple[Sequence, int]], drafted: list) -> bool:
+        """Whether this step is sampled on a pipeline's last stage (ForwardBatch.sample_on_last_stage):
+        the runner offers it, no request needs the step's logits on the host or a proposer, and every
+        row samples by plain argmax (sampler.plain_argmax), so the last stage's ids are the ones
+        ``_sample`` would draw."""
+        return (self._last_stage_greedy and bool(sampling) and not drafted and not self._sync_request_ids
+                and self.proposer is None and all(plain_argmax(seq) for seq, _ in sampling))
+
+    def _store_last_stage_tokens(self, token_ids: torch.Tensor, sampling: list[tuple[Sequence, int]],
+                                 batch: ForwardBatch) -> TokenTransfer:
+        """A step sampled on the last stage: its (logits rows,) int64 ids go where ``_sample``'s would."""
+        sample_rows = [row for _, row in sampling]
+        if sample_rows != list(range(len(token_ids))):  # (every logits row samples in such a step)
+            token_ids = token_ids[torch.tensor(sample_rows, device=token_ids.device)]
+        self.runner.store_sampled_tokens(token_ids, batch)
+        return TokenTransfer(token_ids, None, self._pinned[self._parity])
 
     def _sample(self, logits: torch.Tensor, sampling: list[tuple[Sequence, int]], batch: ForwardBatch,
                 guided: bool = False) -> TokenTransfer:

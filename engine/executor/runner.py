@@ -95,6 +95,10 @@ class ForwardBatch:
     # Pipeline stages (engine/pipeline/runner.py): the step's micro-batch count, the same on every
     # rank; 0: each stage's cost model chooses it.
     micro_batches: int = 0
+    # Pipeline stages: the step's rows all sample by plain argmax and the last stage samples them,
+    # sending rank 0 the token ids instead of the logits (engine/pipeline/runner.py); decided on rank 0
+    # from the requests (Executor._greedy_on_last_stage), so every rank agrees. Other runners ignore it.
+    sample_on_last_stage: bool = False
 
 
 class ModelRunner:

@@ -139,6 +139,23 @@ def sampling_law(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
     return scores.softmax(dim=-1)
 
 
+def plain_argmax(seq: Sequence) -> bool:
+    """Whether ``sample`` gives this sequence's row exactly ``greedy_tokens`` of its raw logits and
+    nothing else: greedy (temperature 0 or top-k 1, no beams), no log-probs or top log-probs, no
+    returned logits, no penalties, bans, embedding bias, Whisper timestamps or grammar. A step whose
+    rows all are can be sampled wherever its logits are (engine/pipeline/runner.py: on the last
+    stage, which sends rank 0 the ids instead of the logits). Mirrors build_sampling_metadata: a
+    batch of such rows gets all_greedy and no processing or log-probs (tests/engine/test_sampler.py)."""
+    request = seq.state.request
+    config, output = request.sampling, request.output
+    return (config.is_greedy and config.beam_width <= 1 and seq.grammar is None
+            and not (output.return_log_probs or output.num_top_log_probs or output.return_context_logits
+                     or output.return_generation_logits)
+            and (config.repetition_penalty is None or config.repetition_penalty == 1.0)
+            and not config.presence_penalty and not config.frequency_penalty
+            and not _may_ban(request) and request.embedding_bias is None and request.whisper_timestamps is None)
+
+
 def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, device, return_log_probs: bool) -> SamplingMetadata:
     """Gather per-sequence settings into batch tensors (one sequence per logits row). Runs once per
     step over the whole batch: each per-row pass costs ~0.1 ms at 256 rows on the host."""

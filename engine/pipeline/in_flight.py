@@ -43,7 +43,9 @@ tokens on the host between steps keep the one-step path (penalties, bad words, b
 context/generation logits: the executor's ``_must_sync``; speculative decoding; guided decoding,
 whose masks follow the previous token; disaggregated context_only / generation_only requests).
 While one is active the launched steps are drained first; nothing is refused. Log-probs and top
-log-probs ride with the sampled tokens and work either way.
+log-probs ride with the sampled tokens and work either way. A launched step whose rows are all
+plain greedy is sampled on the last stage (ForwardBatch.sample_on_last_stage, engine/pipeline/
+runner.py): ``finish`` then gives its token ids, which go to the ring as the sampler's would.
 
 And only while they pay (``in_flight_gain``, engine/pipeline/step_cost.py): a sequence's next step
 needs its sampled token, so the steps in flight carry different sequences and a batch of b becomes
@@ -200,6 +202,7 @@ class PipelinedSteps:
         num_active = len(ex._active)
         try:
             batch, rows, sampling, _ = ex._forward_batch(plan)
+            batch.sample_on_last_stage = ex._greedy_on_last_stage(sampling, [])
             work = ex.runner.step_cost.work(len(batch.token_ids), batch.context_lens)
             batch.micro_batches = self._micro_batches(work)
             launched = ex.runner.launch(batch)
@@ -227,9 +230,12 @@ class PipelinedSteps:
     def _sample(self, item: LaunchedForward) -> InFlightStep | None:
         ex = self.executor
         try:
-            logits = ex.runner.finish(item.launched)
+            logits = ex.runner.finish(item.launched)  # (or the token ids the last stage sampled)
             self._note("finish", item.number)
-            transfer = ex._sample(logits, item.sampling, item.batch) if item.sampling else None
+            if item.batch.sample_on_last_stage:
+                transfer = ex._store_last_stage_tokens(logits, item.sampling, item.batch)
+            else:
+                transfer = ex._sample(logits, item.sampling, item.batch) if item.sampling else None
         except Exception as err:
             ex._fail_step(item.plan, err, "forward failed")
             return None

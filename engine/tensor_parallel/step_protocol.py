@@ -44,8 +44,8 @@ class Op(enum.IntEnum):
 
 def _field_kind(field: dataclasses.Field) -> str:
     """'nested' (list[list[int]]), 'list' (list[int]), 'optional' (list[int] | None), 'optional_rows'
-    (list[list[int] | None] | None: tree_parents), 'scalar' (int/bool) or 'local' (list | None: never
-    sent), from the annotation."""
+    (list[list[int] | None] | None: tree_parents), 'scalar' (int), 'flag' (bool: sent as 0/1, received
+    as a bool) or 'local' (list | None: never sent), from the annotation."""
     text = field.type if isinstance(field.type, str) else repr(field.type)
     text = text.replace(" ", "")
     if text == "list[list[int]]":
@@ -56,8 +56,10 @@ def _field_kind(field: dataclasses.Field) -> str:
         return "list"
     if text == "list[int]|None":
         return "optional"
-    if text in ("int", "bool", "<class'int'>", "<class'bool'>"):
+    if text in ("int", "<class'int'>"):
         return "scalar"
+    if text in ("bool", "<class'bool'>"):
+        return "flag"
     if text == "list|None":
         return "local"  # host objects of one process (Llama 3.2 Vision's cross masks): never sent, None on workers
     raise TypeError(f"ForwardBatch field {field.name!r} has type {text}, which the step protocol cannot send")
@@ -74,7 +76,7 @@ def encode_batch(batch) -> torch.Tensor:
     """Pack a ForwardBatch into one flat int32 tensor, field by field in declaration order.
 
     list[int] -> [len, v0, v1, ...]; list[list[int]] -> [rows, len_0, ..., len_{rows-1}, flat...];
-    int/bool -> [v]; list[int] | None -> like list[int], None as [-1]; list[list[int] | None] | None
+    int -> [v]; bool -> [0 or 1]; list[int] | None -> like list[int], None as [-1]; list[list[int] | None] | None
     -> like list[list[int]] with a None row's length -1, a None field as [-1]. Example: block_tables
     [[3, 4], [7]] -> [2, 2, 1, 3, 4, 7]; tree_parents [None, [-1, 0]] -> [2, -1, 2, -1, 0].
     """
@@ -86,7 +88,7 @@ def encode_batch(batch) -> torch.Tensor:
                 raise TypeError(f"ForwardBatch field {name!r} holds host objects the step protocol does not "
                                 "send: this model does not run with tensor or pipeline parallelism")
             continue
-        if kind == "scalar":
+        if kind in ("scalar", "flag"):
             flat.append(int(value))
         elif kind in ("optional", "optional_rows") and value is None:
             flat.append(-1)
@@ -121,8 +123,8 @@ def decode_batch(payload: torch.Tensor, batch_class):
         if kind == "local":
             kwargs[name] = None
             continue
-        if kind == "scalar":
-            kwargs[name] = values[cursor]
+        if kind in ("scalar", "flag"):
+            kwargs[name] = bool(values[cursor]) if kind == "flag" else values[cursor]
             cursor += 1
             continue
         count = values[cursor]

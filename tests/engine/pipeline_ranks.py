@@ -43,6 +43,56 @@ def pp_rank_logits(rank: int, engine_dirs: dict, micro_batches: int) -> dict:
         os.environ.pop(MICRO_BATCHES_ENV, None)
 
 
+class _SampledOnLastStage(_LogitsOnEveryRank):
+    """A StageRunner whose every step is marked for sampling on the last stage: rank 0's forward
+    returns the token ids the last stage sent, kept in ``ids``; zeros stand for the logits."""
+
+    def __init__(self, runner):
+        super().__init__(runner)
+        self.ids = []
+
+    def forward(self, batch, **kwargs):
+        from dataclasses import replace
+
+        ids = self.runner.forward(replace(batch, sample_on_last_stage=True), **kwargs)
+        if ids is not None:
+            self.ids.append(ids)
+        return torch.zeros(len(batch.logits_indices), self.runner.vocab_size)
+
+
+def pp_rank_last_stage_ids(rank: int, engine_dir: str, micro_batches: int) -> tuple:
+    """tp_reference_steps twice on fresh stage runners: first as today (rank 0 receives the logits),
+    then with every step sampled on the last stage. Returns (rank 0's logits of the first pass or
+    None, rank 0's ids of the second or None, (dtype, shape) of each tensor this rank sent rank 0
+    in the second pass)."""
+    import pytest
+    import torch.distributed as dist
+
+    from engine.pipeline.runner import MICRO_BATCHES_ENV, StageRunner
+
+    os.environ[MICRO_BATCHES_ENV] = str(micro_batches)
+    try:
+        runner = StageRunner(engine_dir, rank=rank, device="cpu")
+        logits = tp_reference_steps(_LogitsOnEveryRank(runner))
+        runner.wait_sends()
+        sent = []
+        with pytest.MonkeyPatch.context() as patch:
+            isend = dist.isend
+
+            def recorded_isend(tensor, dst, *args, **kwargs):
+                if dst == 0:
+                    sent.append((tensor.dtype, tuple(tensor.shape)))
+                return isend(tensor, dst, *args, **kwargs)
+
+            patch.setattr(dist, "isend", recorded_isend)
+            sampled = _SampledOnLastStage(StageRunner(engine_dir, rank=rank, device="cpu"))
+            tp_reference_steps(sampled)
+            sampled.runner.wait_sends()
+        return (logits, torch.cat(sampled.ids), sent) if rank == 0 else (None, None, sent)
+    finally:
+        os.environ.pop(MICRO_BATCHES_ENV, None)
+
+
 def graph_reference_steps(runner) -> torch.Tensor:
     """Prompts of three sequences, four decode steps of all three, one of sequence 1 alone, then a
     mixed chunk + decode step; every step's logits, stacked. On CUDA (or emulated) the decode steps
@@ -113,7 +163,7 @@ def pp_p2p_order(rank: int, engine_dir: str) -> list[str]:
 
 
 def pipelined_executor_run(rank: int, pp2_dir: str, requests: list, cancel_after: int | None = None,
-                           then: list | None = None, steps: str = "2") -> dict | None:
+                           then: list | None = None, steps: str = "2", sample_on_last_stage: bool = True) -> dict | None:
     """An Executor on rank 0 over a LeaderRunner of stage 0 (rank 1 the worker loop of stage 1),
     with two steps in flight (engine/pipeline/in_flight.py). ``requests`` are enqueued together;
     with ``cancel_after`` the first is cancelled once it streamed that many responses; ``then``
@@ -122,14 +172,16 @@ def pipelined_executor_run(rank: int, pp2_dir: str, requests: list, cancel_after
     first block of every sequence of each launched step and the count of one-step forwards.
     ``steps`` "auto": STEPS_IN_FLIGHT_ENV unset, in_flight_gain replaced by a stand-in that pays
     from 3 sequences on (the tiny model's own figures never would), and every launched step cut in
-    two micro-batches."""
+    two micro-batches. ``sample_on_last_stage`` False: SAMPLE_ON_LAST_STAGE_ENV=0. ``out["sampled_on_last_stage"]``
+    (``out["then_sampled_on_last_stage"]``): each launched or one-step batch's ("launch" | "forward",
+    its sample_on_last_stage), of ``requests`` (``then``)."""
     import torch.distributed as dist
 
     from engine.executor import Executor, ExecutorConfig
     from engine.executor.runner import ForwardBatch
     from engine.pipeline import in_flight
     from engine.pipeline.in_flight import STEPS_IN_FLIGHT_ENV
-    from engine.pipeline.runner import StageRunner
+    from engine.pipeline.runner import SAMPLE_ON_LAST_STAGE_ENV, StageRunner
     from engine.tensor_parallel import distributed
     from engine.tensor_parallel.rank_info import RankInfo
     from engine.tensor_parallel.step_protocol import StepChannel
@@ -138,7 +190,12 @@ def pipelined_executor_run(rank: int, pp2_dir: str, requests: list, cancel_after
     settings = distributed.DistSettings("127.0.0.1", 0, step_timeout_s=120.0, heartbeat_s=0.5)
     ctx = distributed.DistContext(RankInfo(rank, 2, rank, 2), settings, torch.device("cpu"), dist.group.WORLD,
                                   dist.new_group(backend="gloo"))
-    runner = StageRunner(pp2_dir, rank=rank, device="cpu")
+    if not sample_on_last_stage:
+        os.environ[SAMPLE_ON_LAST_STAGE_ENV] = "0"
+    try:
+        runner = StageRunner(pp2_dir, rank=rank, device="cpu")
+    finally:
+        os.environ.pop(SAMPLE_ON_LAST_STAGE_ENV, None)
     if rank == 1:
         channel = StepChannel(ctx, batch_class=ForwardBatch)
         distributed.run_worker_loop(runner, channel)  # until the executor's shutdown
@@ -148,11 +205,12 @@ def pipelined_executor_run(rank: int, pp2_dir: str, requests: list, cancel_after
     launches = []
     launch = leader.launch
 
-    micro_batches = []
+    micro_batches, last_stage = [], []
 
     def recording_launch(batch):
         launches.append([table[0] for table in batch.block_tables])
         micro_batches.append(batch.micro_batches)
+        last_stage.append(("launch", batch.sample_on_last_stage))
         return launch(batch)
 
     leader.launch = recording_launch
@@ -161,6 +219,7 @@ def pipelined_executor_run(rank: int, pp2_dir: str, requests: list, cancel_after
 
     def counting_forward(batch, **kwargs):
         forwards.append(len(batch.seq_lens_q))
+        last_stage.append(("forward", batch.sample_on_last_stage))
         return forward(batch, **kwargs)
 
     leader.forward = counting_forward
@@ -176,13 +235,17 @@ def pipelined_executor_run(rank: int, pp2_dir: str, requests: list, cancel_after
         for name, value in patched.items():
             setattr(distributed, name, value)
         with Executor(pp2_dir, ExecutorConfig(**EXECUTOR_POOL), device="cpu") as executor:
-            executor.pipelined.calls = calls = []
+            calls = []
+            if executor.pipelined is not None:  # (steps "1": one step at a time, every step a forward)
+                executor.pipelined.calls = calls
             out = {"tokens": _run_streaming(executor, requests, cancel_after)}
             out["calls"], out["launches"], out["forwards"] = list(calls), list(launches), list(forwards)
             out["micro_batches"] = list(micro_batches)
+            out["sampled_on_last_stage"] = list(last_stage)
             if then:
                 out["then"] = _run_streaming(executor, then, None)
                 out["then_calls"] = calls[len(out["calls"]):]
+                out["then_sampled_on_last_stage"] = last_stage[len(out["sampled_on_last_stage"]):]
         return out
     finally:
         os.environ.pop(STEPS_IN_FLIGHT_ENV, None)

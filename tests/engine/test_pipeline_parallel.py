@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -334,3 +335,82 @@ def test_steps_in_flight_only_for_pipelines_of_one_rank_per_stage(caplog):
     assert steps_in_flight(runner(2, 2), {}) == 1 and not caplog.text  # (tp_size 2 by default: quietly one)
     assert steps_in_flight(SimpleNamespace(launch=None), on) == 1  # (a LeaderRunner over tensor-parallel ranks)
     assert steps_in_flight(runner(2, 2), on) == 1 and "ignored with tp_size 2" in caplog.text
+
+
+def test_plan_carries_whether_the_last_stage_samples():
+    """Rank 0 decides; every rank reads it from the plan (a bool field: sent as 0/1, back as a bool)."""
+    from engine.tensor_parallel.step_protocol import decode_batch, encode_batch
+
+    batch = ForwardBatch(token_ids=[5, 6], positions=[0, 3], seq_lens_q=[1, 1], context_lens=[1, 4],
+                         block_tables=[[2], [0]], logits_indices=[0, 1], sampled_tokens_slot=4, micro_batches=2)
+    for flag in (True, False):
+        sent = torch.frombuffer(bytearray(encode_batch(replace(batch, sample_on_last_stage=flag)).numpy().tobytes()),
+                                dtype=torch.int32)
+        received = decode_batch(sent, ForwardBatch)
+        assert received == replace(batch, sample_on_last_stage=flag) and received.sample_on_last_stage is flag
+
+
+def test_last_stage_sends_rank0_the_greedy_ids_of_the_logits_it_would_have_sent(engines):
+    """Each step of tp_reference_steps sampled on the last stage: rank 0 receives exactly
+    greedy_tokens of the logits it receives today (same run, same float32 logits), which are
+    pp 1's argmax; the last stage sends one int64 id per row (per micro-batch), no logits."""
+    from gloo_ranks import shared_pair
+    from pipeline_ranks import pp_rank_last_stage_ids
+
+    from kernels.sampling import greedy_tokens
+
+    pp1, pp2 = engines["llama"]
+    reference = tp_reference_steps(ModelRunner(pp1))
+    for micro_batches in (1, 2):
+        (logits, ids, to_rank0), (_, _, sent) = shared_pair().run(pp_rank_last_stage_ids, pp2, micro_batches)
+        assert ids.dtype == torch.int64 and torch.equal(ids, greedy_tokens(logits))
+        assert torch.equal(ids, reference.argmax(dim=-1))
+        assert to_rank0 == []  # (rank 0 is stage 0: it sends rank 1 the hidden states, nothing to itself)
+        assert {dtype for dtype, _ in sent} == {torch.int64} and all(len(shape) == 1 for _, shape in sent)
+        assert sum(shape[0] for _, shape in sent) == len(ids) and len(sent) == 2 * micro_batches  # (2 steps)
+
+
+def test_pp2_executor_samples_greedy_steps_on_the_last_stage_and_falls_back_for_the_rest(engines):
+    """Greedy requests beside a seeded sampled one and one asking for log-probs (a batch holds 4 of
+    the 6): the same tokens as pp 1 whether two steps are in flight or one at a time. Steps whose
+    rows are all plain greedy were sampled on the last stage, those with the sampled or log-prob
+    request's row on rank 0 (both kinds occur on both paths); a penalty request (host tokens every
+    step) keeps every step on rank 0; with TRITONLLM_PP_SAMPLE_ON_LAST_STAGE=0 no step is, same tokens."""
+    from gloo_ranks import shared_pair
+    from pipeline_ranks import _run_streaming, pipelined_executor_run
+
+    from engine.executor import Executor, ExecutorConfig
+    from engine.executor.request import OutputConfig, Request, SamplingConfig
+    from engine_testing import EXECUTOR_POOL, random_tokens
+
+    def request(prompt_seed, max_tokens, **sampling):
+        return Request(random_tokens(4 + prompt_seed % 5, seed=prompt_seed), max_tokens, streaming=True,
+                       sampling=SamplingConfig(**({"top_k": 1} | sampling)))
+
+    requests = [request(60 + i, 6 + i) for i in range(4)]
+    requests.append(request(70, 7, temperature=0.8, top_k=5, seed=5))
+    log_probs = request(71, 5)
+    log_probs.output = OutputConfig(return_log_probs=True)
+    requests.append(log_probs)
+    then = [request(72, 5), request(73, 6, repetition_penalty=1.3)]
+    pp1, pp2 = engines["llama"]
+    with Executor(pp1, ExecutorConfig(**EXECUTOR_POOL), device="cpu") as executor:
+        expected = _run_streaming(executor, requests, None)
+        expected_then = _run_streaming(executor, then, None)
+
+    def flags(result, kind, of="sampled_on_last_stage"):
+        return [flag for step, flag in result[of] if step == kind]
+
+    in_flight, _ = shared_pair().run(pipelined_executor_run, pp2, requests, None, then)
+    assert in_flight["tokens"] == expected and in_flight["then"] == expected_then
+    assert True in flags(in_flight, "launch") and False in flags(in_flight, "launch"), in_flight["sampled_on_last_stage"]
+    then_steps = flags(in_flight, "forward", "then_sampled_on_last_stage")
+    assert then_steps and not any(then_steps)  # (the penalty request's steps, one at a time)
+
+    one_step, _ = shared_pair().run(pipelined_executor_run, pp2, requests, None, None, "1")
+    assert one_step["tokens"] == expected and not flags(one_step, "launch")
+    assert True in flags(one_step, "forward") and False in flags(one_step, "forward"), one_step["sampled_on_last_stage"]
+
+    off, _ = shared_pair().run(pipelined_executor_run, pp2, requests, None, None, "2", False)
+    assert off["tokens"] == expected
+    assert off["sampled_on_last_stage"] and not any(flag for _, flag in off["sampled_on_last_stage"])

@@ -4,7 +4,9 @@ from __future__ import annotations
 import torch
 from executor_testing import make_seq
 
-from engine.executor.sampler import apply_top_k_top_p, build_sampling_metadata, process_logits, sample
+from engine.executor.request import OutputConfig
+from engine.executor.sampler import apply_top_k_top_p, build_sampling_metadata, plain_argmax, process_logits, sample
+from kernels.sampling import greedy_tokens
 
 VOCAB = 8
 
@@ -163,3 +165,53 @@ def test_sampled_rows_draw_only_inside_their_top_k_and_top_p():
     assert drawn[0] == {0, 1}
     assert drawn[1] == set(range(int((nucleus < 0.5).sum()) + 1))
     assert len(drawn[2]) > 4
+
+
+def test_plain_argmax_rows_are_sampled_by_greedy_tokens_alone():
+    """plain_argmax (a pipeline's last stage samples such rows: engine/pipeline/runner.py) holds
+    exactly where sample() is greedy_tokens of the raw logits: greedy, nothing processed, no log-probs.
+    Any one setting that changes the sampler's work makes it False."""
+    def output(**fields):
+        def set_output(seq):
+            seq.state.request.output = OutputConfig(**fields)
+        return set_output
+
+    def request(**fields):
+        def set_fields(seq):
+            for name, value in fields.items():
+                setattr(seq.state.request, name, value)
+        return set_fields
+
+    plain = [make_seq([0, 1], top_k=1), make_seq([2], temperature=0.0), make_seq([3], repetition_penalty=1.0),
+             make_seq([4], temperature=0.7)]  # (no top-k or top-p: the argmax, whatever the temperature)
+    assert all(map(plain_argmax, plain))
+    md = metadata(plain)
+    assert md.all_greedy and not md.return_log_probs and md.token_bitmask is None and md.timestamps is None
+    assert (md.repetition_penalty, md.banned, md.embedding_bias) == (None, None, None)
+    logits = torch.randn(4, VOCAB)
+    logits[1, 2] = logits[1, 5] = logits[1].max() + 1  # a tie: the first index, in both
+    assert torch.equal(sample(logits, md).token_ids, greedy_tokens(logits))
+
+    not_plain = {
+        "sampled": (dict(temperature=0.7, top_k=40), None), "top-k 2": (dict(top_k=2), None),
+        "top-p": (dict(top_p=0.9), None),
+        "beams": (dict(top_k=1, beam_width=2), None),
+        "repetition penalty": (dict(top_k=1, repetition_penalty=1.2), None),
+        "presence penalty": (dict(top_k=1, presence_penalty=0.5), None),
+        "frequency penalty": (dict(top_k=1, frequency_penalty=0.5), None),
+        "min tokens": (dict(top_k=1, min_tokens=2), request(end_id=4)),
+        "bad words": (dict(top_k=1), request(bad_words=[[3]])),
+        "embedding bias": (dict(top_k=1), request(embedding_bias=[0.0] * VOCAB)),
+        "log-probs": (dict(top_k=1), output(return_log_probs=True)),
+        "top log-probs": (dict(top_k=1), output(num_top_log_probs=2)),
+        "context logits": (dict(top_k=1), output(return_context_logits=True)),
+        "generation logits": (dict(top_k=1), output(return_generation_logits=True)),
+    }
+    for name, (sampling, change) in not_plain.items():
+        seq = make_seq([0, 1], **sampling)
+        if change is not None:
+            change(seq)
+        assert not plain_argmax(seq), name
+    guided = make_seq([0], top_k=1)
+    guided.grammar = object()  # (a GrammarMatcher: its mask is applied before the argmax)
+    assert not plain_argmax(guided)
