@@ -226,10 +226,16 @@ def decode_step(runner, last: list[int], lengths: list[int], blocks: SequenceBlo
                                        list(range(n))))
 
 
-def greedy(runner, prompts: list[list[int]], steps: int) -> tuple[list[list[int]], torch.Tensor]:
+def greedy(runner, prompts: list[list[int]], steps: int) -> tuple[list[list[int]], torch.Tensor, bool]:
     """Greedy decoding as the overlapped executor drives the ranks: each step's argmax stays on the
     device (stored in the runner's sampled-token ring, and broadcast to every rank in leader mode)
-    and the next step names it by placeholder ids; the host reads the tokens only at the end."""
+    and the next step names it by placeholder ids; the host reads the tokens only at the end.
+    Pipeline stages: the decode steps are sampled on the last stage (its ids come back instead of
+    the logits) where the runner offers it, as the executor does for greedy steps
+    (engine/pipeline/runner.py; off with TRITONLLM_PP_SAMPLE_ON_LAST_STAGE=0); the prompt step's
+    logits come back for the first-step comparison. Returns (tokens, first logits, whether the
+    decode steps were sampled on the last stage)."""
+    on_last_stage = bool(getattr(runner, "greedy_on_last_stage", False))
     blocks = SequenceBlocks(runner.tokens_per_block, max(map(len, prompts)) + steps)
     runner.allocate_kv_cache(runner.num_kv_blocks_for(max_tokens=blocks.blocks_needed(len(prompts)) * blocks.page))
     half = runner.sampled_ring_slots // 2  # (draft slots past the two halves are not the ring's)
@@ -248,12 +254,13 @@ def greedy(runner, prompts: list[list[int]], steps: int) -> tuple[list[list[int]
         last = [placeholder(batch.sampled_tokens_slot + i) for i in range(n)]
         batch = ForwardBatch(last, [x - 1 for x in lengths], [1] * n, list(lengths),
                              [blocks.table(i, length) for i, length in enumerate(lengths)], list(range(n)),
-                             (step % 2) * half)
-        on_device.append(runner.forward(batch).argmax(-1))
+                             (step % 2) * half, sample_on_last_stage=on_last_stage)
+        out = runner.forward(batch)
+        on_device.append(out if on_last_stage else out.argmax(-1))
         runner.store_sampled_tokens(on_device[-1], batch)
         lengths = [x + 1 for x in lengths]
     columns = [t.tolist() for t in on_device]
-    return [list(row) for row in zip(*columns)], first_logits
+    return [list(row) for row in zip(*columns)], first_logits, on_last_stage
 
 
 def greedy_prompts(vocab: int) -> list[list[int]]:
@@ -364,9 +371,9 @@ def run_greedy_phase(args) -> dict:
     runner = make_runner(args.engine_dir, device=args.device)  # eager: no graphs are captured here
     prompts = greedy_prompts(runner.vocab_size)
     started = time.perf_counter()
-    tokens, first_logits = greedy(runner, prompts, args.greedy_steps)
+    tokens, first_logits, on_last_stage = greedy(runner, prompts, args.greedy_steps)
     torch.save(first_logits, args.out + ".logits.pt")
-    result = {"tokens": tokens, "seconds": time.perf_counter() - started}
+    result = {"tokens": tokens, "seconds": time.perf_counter() - started, "sampled_on_last_stage": on_last_stage}
     if hasattr(runner, "shutdown"):
         runner.shutdown()
     return result
@@ -518,7 +525,8 @@ def compare_greedy(workdir: str, tp1: dict, tp2: dict, phase: str = "greedy_tp2"
     return {"prompts": len(equal), "prompts_equal": sum(equal), "tokens_per_prompt": len(tp1["tokens"][0]),
             "passed": all(equal), "first_step_argmax_equal": bool((logits1.argmax(-1) == logits2.argmax(-1)).all()),
             "first_step_logits_max_abs_diff": float((logits1 - logits2).abs().max()),
-            "first_step_logits_max_abs": float(logits1.abs().max())}
+            "first_step_logits_max_abs": float(logits1.abs().max()),
+            "sampled_on_last_stage": bool(tp2.get("sampled_on_last_stage"))}
 
 
 def mapping_name(phase: str) -> str:
@@ -569,6 +577,8 @@ def greedy_sentence(greedy: dict | None, key: str = "greedy") -> str:
     other = "PP 2" if key == "greedy_pp" else "TP 2"
     if greedy is None:
         return "" if key == "greedy_pp" else "Greedy check: not run (--phases without greedy_tp1,greedy_tp2)."
+    if greedy.get("sampled_on_last_stage"):
+        other += " (decode steps sampled on the last stage)"
     return (f"Greedy check (float32, {greedy['prompts']} prompts x {greedy['tokens_per_prompt']} tokens): {other} == TP 1 "
             f"on {greedy['prompts_equal']}/{greedy['prompts']} prompts, first-step logits max |diff| "
             f"{greedy['first_step_logits_max_abs_diff']:.2e} (max |logit| {greedy['first_step_logits_max_abs']:.1f}).")
