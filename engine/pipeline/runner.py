@@ -22,8 +22,9 @@ vocabulary) to rank 0, which samples, so sampling, penalties, guided decoding an
 as on one rank. A step whose rows all sample by plain argmax (greedy, nothing else asked:
 engine/executor/sampler.py plain_argmax) is sampled on the last stage instead where rank 0 marks it
 so in the plan (ForwardBatch.sample_on_last_stage, ``StageRunner.greedy_on_last_stage``): the last
-stage sends the int64 ids, 8 bytes a row, and rank 0 stores them where its sampler's would go. Sends are asynchronous; a step's sends are waited on at the rank's next step,
-after that step's work is queued (``StageRunner.forward`` says why), and every receive before its
+stage sends the int64 ids, 8 bytes a row, and rank 0 stores them where its sampler's would go.
+Sends are asynchronous; a step's sends are waited on at the rank's next step, after that step's
+work is queued (``StageRunner.forward`` says why), and every receive before its
 step returns. Plans, heartbeats and CALLs go over the step protocol's own channel and groups, so they
 never interleave with activations (with several steps in flight no heartbeat goes out while a step
 is unfinished). Over gloo (CPU) and NCCL (GPU) alike; a lost peer raises in the send/recv like any
