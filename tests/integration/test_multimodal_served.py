@@ -123,13 +123,15 @@ MLLAMA_MODELS = ("ensemble", "preprocessing", "multimodal_encoders", "tensorrt_l
 @pytest.fixture(scope="module")
 def launched(llava_engine, onevision_engine, mllama_engine, qwen3_engine, tmp_path_factory):
     """tritonserver on the repository `tritonllm serve` fills for a vision-language engine (the
-    multimodal one) with the OneVision, Mllama and Qwen3-VL models beside, and the OpenAI frontend beside it as `tritonllm
-    serve` starts it (reading file: image URLs under ``media``), and one for Qwen3-VL in this process: (Server, its URL,
-    media, the Qwen3-VL frontend's URL)."""
-    import subprocess
-
+    multimodal one) with the OneVision, Mllama and Qwen3-VL models beside, and two OpenAI frontends in
+    this process: LLaVA's from the command line `tritonllm serve` starts it with (its launcher's
+    openai_frontend_command, reading file: image URLs under ``media``), and Qwen3-VL's: (Server, the
+    LLaVA frontend's URL, media, the Qwen3-VL frontend's URL). In this process rather than as the
+    `python -m openai_frontend` process the launcher would start: that process's interpreter, torch
+    import and encoder load were ~9 CPU-s of this module's start, and what it runs besides the app
+    these flags configure (main: parse, config_from_arguments, serve) is the session frontend's
+    (tests/integration/conftest.py `frontend`), its command line tests/scripts/test_launch_triton_server.py's."""
     from openai_frontend.__main__ import config_from_arguments, parse_arguments
-    from serving.child_python import child_environment
     from triton_helpers import in_process_frontends
     from tritonllm import launcher
     from tritonllm.serve import checkpoint_repository, wait_until_ready
@@ -152,30 +154,29 @@ def launched(llava_engine, onevision_engine, mllama_engine, qwen3_engine, tmp_pa
                                      f"--cache_dir={work / 'cache'}", f"--tensorrt_llm_model_name={engine_models}",
                                      f"--openai_port={ports[3]}", f"--openai_model_name={SERVED}",
                                      "--openai_workers=1"])
-    log_path, frontend_log = work / "server.log", work / "frontend.log"
-    with open(log_path, "w") as log, open(frontend_log, "w") as frontend_out:
+    command = launcher.openai_frontend_command(args) + [f"--allowed_local_media_path={media}"]
+    assert command[1:3] == ["-m", "openai_frontend"], command
+    log_path = work / "server.log"
+    with open(log_path, "w") as log:
         process = launcher.launch(args, stdout=log, stderr=log)
-        frontend = subprocess.Popen(launcher.openai_frontend_command(args) + [f"--allowed_local_media_path={media}"],
-                                    env=child_environment(), stdout=frontend_out, stderr=frontend_out)
     try:
         if not wait_until_ready(process, ports[0], timeout=300):
             pytest.fail(f"tritonserver did not become ready:\n{log_path.read_text()[-5000:]}")
         server = Server(http=f"http://127.0.0.1:{ports[0]}", grpc_url=f"127.0.0.1:{ports[1]}",
                         metrics=f"http://127.0.0.1:{ports[2]}", log_path=log_path, pid=process.pid)
-        url = f"http://127.0.0.1:{ports[3]}"
-        if not wait_for(lambda: _health(url) == 200, timeout=120):
-            pytest.fail(f"the OpenAI frontend did not become ready:\n{frontend_log.read_text()[-5000:]}")
-        # Qwen3-VL's frontend, from its command line's flags (its engine directory holds the tokenizer and
-        # vision_encoder/), in this process: `tritonllm serve`'s own frontend process is LLaVA's above.
+        # Qwen3-VL's frontend from its command line's flags (its engine directory holds the tokenizer
+        # and vision_encoder/): `tritonllm serve`'s own frontend is LLaVA's.
         qwen3 = config_from_arguments(parse_arguments([
             f"--grpc_url=127.0.0.1:{ports[1]}", f"--tokenizer_dir={qwen3_engine}", f"--llm_model={QWEN3}tensorrt_llm",
             f"--served_model_name={QWEN3_SERVED}"]))
-        with in_process_frontends({"qwen3": qwen3}) as urls:
-            if not wait_for(lambda: _health(urls["qwen3"]) == 200, timeout=120):
-                pytest.fail("the Qwen3-VL OpenAI frontend did not become ready")
-            yield server, url, media, urls["qwen3"]
+        configs = {"llava": config_from_arguments(parse_arguments(command[3:])), "qwen3": qwen3}
+        with in_process_frontends(configs) as urls:
+            for name, url in urls.items():
+                if not wait_for(lambda: _health(url) == 200, timeout=120):
+                    pytest.fail(f"the {name} OpenAI frontend did not become ready")
+            yield server, urls["llava"], media, urls["qwen3"]
     finally:
-        stop(frontend, process)
+        stop(process)
 
 
 def _health(url: str) -> int | None:
