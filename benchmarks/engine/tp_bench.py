@@ -393,7 +393,8 @@ def run_perf_phase(args) -> dict:
     steps_in_flight = pipelined.depth if pipelined is not None else 1
     always = pipelined is not None and pipelined.always
     progress(f"executor ready (weights, KV pool, graphs; steps in flight: {steps_in_flight}"
-             + (" always" if always else " where they pay" if pipelined is not None else "") + ")")
+             + (" always" if always else " where they pay" if pipelined is not None else "")
+             + ("; greedy steps sampled on the last stage" if executor._last_stage_greedy else "") + ")")
 
     def launched() -> int:  # steps launched in flight so far (the rest went one at a time)
         return pipelined._launched if pipelined is not None else 0
