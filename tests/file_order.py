@@ -5,9 +5,11 @@ handed out in collection order as a worker runs dry (a worker gets its next file
 tests of its current one run). Two things that scheme does not know, fixed here:
 
 - Every worker is a pytest session of its own, so the integration package's session server
-  (tests/integration/conftest.py: ``triton_server`` with its second engine process ``generation``,
+  (tests/integration/conftest.py: ``triton_server``, its generation phase ``disaggregated_server``,
   ``frontend``, ``lora_adapters``) was started on both workers, each start two engine processes,
-  eight Python-backend stubs, an OpenAI frontend and a LoRA conversion. The files that use it are
+  eight Python-backend stubs, an OpenAI frontend and a LoRA conversion (the generation phase, an
+  engine process and three of the stubs, is loaded only where a test asks for it since 2026-11-30:
+  the OpenAI frontend's files do not). The files that use it are
   two units of work (``scope_of``): those of the OpenAI frontend (``OPENAI_SERVER_SCOPE``) and the
   rest (``SHARED_SERVER_SCOPE``). Both go first, so each worker takes one and starts the server once.
   Why two: as one unit those files were ~680 of the ~1,000 s the suite took on 2 cores (2026-11-30),
@@ -27,7 +29,7 @@ from pathlib import Path
 
 # The integration package's session fixtures (tests/integration/conftest.py) and the unit of work
 # of every file that uses one of them.
-SHARED_SERVER_FIXTURES = frozenset({"triton_server", "frontend", "lora_adapters"})
+SHARED_SERVER_FIXTURES = frozenset({"triton_server", "disaggregated_server", "frontend", "lora_adapters"})
 SHARED_SERVER_SCOPE = "tests/integration[session server]"
 OPENAI_SERVER_FIXTURES = frozenset({"frontend", "lora_adapters"})
 OPENAI_SERVER_SCOPE = "tests/integration[session server + OpenAI frontend]"

@@ -1,22 +1,34 @@
 """One real tritonserver for the whole integration session, on 127.0.0.1 with free ports,
 serving the SmolLM2 engine from the `smollm2_engine_dir` fixture through the five-model
-repository (decoupled, so both unary and streaming calls work)."""
+repository (decoupled, so both unary and streaming calls work); its generation phase loaded
+when a test first asks for it (``disaggregated_server``)."""
 import subprocess
 import sys
 
 import pytest
 import requests
 
-from triton_helpers import ROOT, running_frontend, running_server, wait_for, write_peft_adapter
+from triton_helpers import ROOT, add_generation_phase, running_frontend, running_server, wait_for, write_peft_adapter
 
 
 @pytest.fixture(scope="session")
 def triton_server(smollm2_engine_dir, tmp_path_factory):
-    """The decoupled server most tests share (streaming and unary both work on it; guided decoding on;
-    disaggregated_serving_bls over tensorrt_llm and a second engine process, `generation`)."""
-    with running_server(smollm2_engine_dir, tmp_path_factory.mktemp("triton"), guided=True,
-                        generation_phase=True) as server:
+    """The decoupled server most tests share (streaming and unary both work on it; guided decoding on).
+    Its generation phase comes with ``disaggregated_server``."""
+    with running_server(smollm2_engine_dir, tmp_path_factory.mktemp("triton"), guided=True) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def disaggregated_server(triton_server):
+    """``triton_server`` with disaggregated_serving_bls over tensorrt_llm and a second engine process,
+    `generation` (add_generation_phase), added and loaded on first use: only the disaggregated tests use
+    them, so the server of the OpenAI frontend's files (tests/file_order.py) starts without that engine
+    process and its three stubs (started with the server until 2026-11-30: ~5 of its ~18 CPU-s)."""
+    if not (triton_server.repo / "generation").exists():
+        add_generation_phase(triton_server.repo, decoupled=True)
+        triton_server.load_models("generation", "disaggregated_serving_bls")
+    return triton_server
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""Disaggregated serving across two engine processes of the shared server (conftest.triton_server):
+"""Disaggregated serving across two engine processes of the shared server (conftest.disaggregated_server):
 disaggregated_serving_bls sends the prefill to tensorrt_llm (context_only, kv_transfer auto: shm on CPU) and the
 decode to `generation` (generation_only). Greedy ids equal the aggregated model's for 20 prompts sent
 at once, unary and streamed; stop words end the generation phase; no KV block stays used on either
@@ -88,76 +88,82 @@ def _transfers(server) -> float:
 
 
 @pytest.fixture(scope="module")
-def aggregated(triton_server):
+def served(disaggregated_server):
+    """The shared server, its generation phase loaded (conftest.disaggregated_server)."""
+    return disaggregated_server
+
+
+@pytest.fixture(scope="module")
+def aggregated(served):
     """Each prompt's greedy ids from tensorrt_llm alone (context_and_generation)."""
     with ThreadPoolExecutor(8) as pool:
-        return list(pool.map(lambda p: _output_ids(triton_server, "tensorrt_llm", p), PROMPTS))
+        return list(pool.map(lambda p: _output_ids(served, "tensorrt_llm", p), PROMPTS))
 
 
-def test_twenty_prompts_at_once_give_the_aggregated_greedy_ids(triton_server, aggregated):
-    before = _transfers(triton_server)
+def test_twenty_prompts_at_once_give_the_aggregated_greedy_ids(served, aggregated):
+    before = _transfers(served)
     with ThreadPoolExecutor(9) as pool:  # the streamed one alongside the unary twenty
-        streamed = pool.submit(_streamed_ids, triton_server, BLS, PROMPTS[7])
-        split = list(pool.map(lambda p: _output_ids(triton_server, BLS, p), PROMPTS))
+        streamed = pool.submit(_streamed_ids, served, BLS, PROMPTS[7])
+        split = list(pool.map(lambda p: _output_ids(served, BLS, p), PROMPTS))
         streamed = streamed.result()
     assert split == aggregated
-    assert _transfers(triton_server) - before >= len(PROMPTS) + 1  # each went through the generation process
+    assert _transfers(served) - before >= len(PROMPTS) + 1  # each went through the generation process
     assert PROMPTS[7] + streamed == aggregated[7] or streamed == aggregated[7]
 
 
-def test_stop_words_end_the_generation_phase_and_no_block_stays_used(triton_server, aggregated):
+def test_stop_words_end_the_generation_phase_and_no_block_stays_used(served, aggregated):
     prompt, expected = PROMPTS[4], aggregated[4]
     generated = expected[len(prompt):]
     stop = generated[3]  # a one-token stop word: the output ends with it
-    got = _infer_ids(triton_server, BLS, prompt, stop_words_list=np.array([[[stop], [1]]], np.int32))
+    got = _infer_ids(served, BLS, prompt, stop_words_list=np.array([[[stop], [1]]], np.int32))
     assert got == expected[:len(prompt) + generated.index(stop) + 1]
-    assert wait_for(lambda: all(v == 0 for m, v in _used_blocks(triton_server).items()
-                                if m in ("tensorrt_llm", "generation")), timeout=10), _used_blocks(triton_server)
-    assert {"tensorrt_llm", "generation"} <= set(_used_blocks(triton_server))
+    assert wait_for(lambda: all(v == 0 for m, v in _used_blocks(served).items()
+                                if m in ("tensorrt_llm", "generation")), timeout=10), _used_blocks(served)
+    assert {"tensorrt_llm", "generation"} <= set(_used_blocks(served))
 
 
-def test_a_cancelled_stream_stops_the_generation_phase(triton_server):
+def test_a_cancelled_stream_stops_the_generation_phase(served):
     """A client that cancels its stream mid-decode: the BLS's watcher stops the generation request
     (it would run 400 more tokens otherwise: end_id -1 never ends it), and its blocks are freed."""
-    before = _used_blocks(triton_server)
+    before = _used_blocks(served)
     assert before.get("generation") == 0
     tensors = {"input_ids": np.array([PROMPTS[5]], np.int32), "input_lengths": np.array([[len(PROMPTS[5])]], np.int32),
                "request_output_len": np.array([[400]], np.int32), "end_id": np.array([[-1]], np.int32),
                "pad_id": np.array([[2]], np.int32), "streaming": np.array([[True]])}
     inputs = grpc_inputs(tensors)
     responses = []
-    client = grpcclient.InferenceServerClient(triton_server.grpc_url)
+    client = grpcclient.InferenceServerClient(served.grpc_url)
     client.start_stream(callback=lambda result, error: responses.append((result, error)))
     client.async_stream_infer(BLS, inputs, outputs=[grpcclient.InferRequestedOutput("output_ids")])
     assert wait_for(lambda: len(responses) >= 3, timeout=60), responses
     # decoding holds blocks; the gauge is refreshed by the model's metrics update, not per response, so a
     # read right after the third response could still see 0 under load (it did on 2 CPU cores)
-    assert wait_for(lambda: _used_blocks(triton_server)["generation"] > 0, timeout=10), _used_blocks(triton_server)
+    assert wait_for(lambda: _used_blocks(served)["generation"] > 0, timeout=10), _used_blocks(served)
     client.stop_stream(cancel_requests=True)
     client.close()
-    assert wait_for(lambda: _used_blocks(triton_server)["generation"] == 0, timeout=10), _used_blocks(triton_server)
+    assert wait_for(lambda: _used_blocks(served)["generation"] == 0, timeout=10), _used_blocks(served)
     assert len(responses) < 100  # stopped long before its 400 tokens
 
 
-def test_a_bad_transport_is_named_and_the_next_request_is_served(triton_server, aggregated):
+def test_a_bad_transport_is_named_and_the_next_request_is_served(served, aggregated):
     """generate's fields that are not inputs are the request's parameters (request_type, kv_transfer)."""
-    response = triton_server.generate("tensorrt_llm", {**_body(PROMPTS[0]), "request_type": "context_only",
+    response = served.generate("tensorrt_llm", {**_body(PROMPTS[0]), "request_type": "context_only",
                                                        "kv_transfer": "nccl"})
     assert response.status_code == 400 and "kv_transfer: 'nccl' is not supported; allowed: local, shm, nixl, cuda_ipc, auto" in response.text
-    assert _output_ids(triton_server, BLS, PROMPTS[0]) == aggregated[0]
+    assert _output_ids(served, BLS, PROMPTS[0]) == aggregated[0]
 
 
 @pytest.mark.skipif(not kv_transfer_nixl.available(), reason="NIXL is not installed (scripts/setup_env.sh)")
-def test_the_nixl_transport_between_the_two_engine_processes(triton_server, aggregated):
+def test_the_nixl_transport_between_the_two_engine_processes(served, aggregated):
     """kv_transfer nixl: the generation process READs the KV from the context process's pool through NIXL
     (engine/executor/kv_transfer_nixl.py); same ids, no block left on either side."""
     prompt = PROMPTS[9]
-    context = _infer(triton_server, "tensorrt_llm", prompt, {"request_type": "context_only", "kv_transfer": "nixl"},
+    context = _infer(served, "tensorrt_llm", prompt, {"request_type": "context_only", "kv_transfer": "nixl"},
                      outputs=("context_phase_params",))
     blob = context.as_numpy("context_phase_params")
     assert blob.dtype == np.uint8 and blob.size < 2048
-    got = _infer_ids(triton_server, "generation", prompt, {"request_type": "generation_only"},
+    got = _infer_ids(served, "generation", prompt, {"request_type": "generation_only"},
                      context_phase_params=blob.reshape(1, -1))
     assert got == aggregated[9] or prompt + got == aggregated[9]
-    assert wait_for(lambda: all(v == 0 for m, v in _used_blocks(triton_server).items()
-                                if m in ("tensorrt_llm", "generation")), timeout=10), _used_blocks(triton_server)
+    assert wait_for(lambda: all(v == 0 for m, v in _used_blocks(served).items()
+                                if m in ("tensorrt_llm", "generation")), timeout=10), _used_blocks(served)

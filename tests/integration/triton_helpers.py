@@ -34,6 +34,14 @@ class Server:
     metrics: str
     log_path: Path
     pid: int = 0
+    repo: Path | None = None  # the model repository it serves
+
+    def load_models(self, *names: str) -> None:
+        """Load models added to its repository since the start, in this order (the launcher's explicit
+        model control loads every model at start and more on request)."""
+        for name in names:
+            response = requests.post(f"{self.http}/v2/repository/models/{name}/load", timeout=300)
+            assert response.status_code == 200, (name, response.text)
 
     def generate(self, model: str, body: dict, stream: bool = False, timeout: float = 120):
         endpoint = "generate_stream" if stream else "generate"
@@ -128,7 +136,7 @@ def serving_repository(repo: str | Path, work: Path, mpi: bool = False):
         if not serve.wait_until_ready(process, ports[0], timeout=300):
             pytest.fail(f"tritonserver did not become ready:\n{log_path.read_text()[-5000:]}")
         yield Server(http=f"http://127.0.0.1:{ports[0]}", grpc_url=f"127.0.0.1:{ports[1]}",
-                     metrics=f"http://127.0.0.1:{ports[2]}", log_path=log_path, pid=process.pid)
+                     metrics=f"http://127.0.0.1:{ports[2]}", log_path=log_path, pid=process.pid, repo=Path(repo))
     finally:
         stop(process)
         assert_nothing_left(str(repo))
